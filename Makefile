@@ -1,0 +1,32 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -c constraints.txt
+
+.PHONY: demo test bench lint venv clean
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11) on PATH"; exit 2; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) -q --upgrade pip
+	$(PIP) -q -e '.[dev]'
+	@touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/microbatch demo
+
+test: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: venv
+	$(BIN)/python bench/run_all.py
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check src tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

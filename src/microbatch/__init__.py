@@ -1,0 +1,36 @@
+"""microbatch: choose and run micro-batching for PyTorch.
+
+``B_global = b_m × g × d``. The global batch is a statistical choice; the micro-batch is a
+physical one. This package predicts memory and step time, measures the real throughput and
+memory curve, chooses the knee and the number of pipeline micro-batches, runs the choice
+(exact gradient accumulation, pipeline-parallel training) and shows it.
+
+Importing the package is cheap: torch, numpy and matplotlib are imported only by the modules
+that need them, and the public functions below load their module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it (loaded lazily, so `import microbatch` stays fast).
+_LAZY = {
+    "BatchConfig": "batch",
+    "solve": "batch",
+    "accumulate": "accumulate",
+    "tune": "tune",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'microbatch' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

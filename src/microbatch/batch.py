@@ -1,0 +1,155 @@
+"""The batch identity ``B_global = b_m × g × d``.
+
+``b_m`` (micro-batch) is how many sequences one device runs in one forward and backward;
+``g`` (gradient accumulation) is how many micro-batches each data-parallel replica runs per
+optimizer step — with pipelining ``g = m × k``: ``m`` micro-batches per pipeline flush and
+``k`` flushes per step (``k = 1`` by default); ``d`` is the number of data-parallel replicas.
+Source: seed 002, "What a micro-batch actually is"; Narayanan et al. 2021 §2.2 (``B = b·m·d``
+per pipeline flush).
+
+Given any three of the four, :func:`solve` derives the fourth, or raises a
+:class:`~microbatch.errors.ConfigError` naming the values, the rule and the nearest valid choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import ConfigError, check_positive_int
+
+__all__ = ["BatchConfig", "solve", "divisors", "nearest_multiples"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """A consistent choice of the four batch quantities."""
+
+    global_batch: int
+    """B_global: sequences the optimizer sees per step (the statistical choice)."""
+    micro_batch: int
+    """b_m: sequences per forward/backward on one device (the physical choice)."""
+    grad_accum: int
+    """g: micro-batches per replica per optimizer step (= microbatches × flushes when pipelined)."""
+    data_parallel: int = 1
+    """d: data-parallel replicas."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "grad_accum", "data_parallel"):
+            check_positive_int(name.replace("_", "-"), getattr(self, name))
+        if self.micro_batch * self.grad_accum * self.data_parallel != self.global_batch:
+            raise ConfigError(
+                f"global batch {self.global_batch} != micro-batch {self.micro_batch} × grad-accum "
+                f"{self.grad_accum} × data-parallel {self.data_parallel} = "
+                f"{self.micro_batch * self.grad_accum * self.data_parallel}; the identity "
+                "B_global = b_m × g × d must hold: use solve() to derive one of them"
+            )
+
+    @property
+    def per_replica_batch(self) -> int:
+        """Sequences each replica runs per optimizer step: b_m × g."""
+        return self.micro_batch * self.grad_accum
+
+    def microbatches(self, flushes: int = 1) -> int:
+        """m, micro-batches per pipeline flush, when each step runs ``flushes`` flushes (g = m × k)."""
+        check_positive_int("flushes", flushes)
+        if self.grad_accum % flushes:
+            raise ConfigError(
+                f"grad-accum {self.grad_accum} is not divisible by flushes {flushes}; the rule is "
+                f"g = m × k; choose flushes among {divisors(self.grad_accum)}"
+            )
+        return self.grad_accum // flushes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order."""
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def nearest_multiples(value: int, unit: int) -> list[int]:
+    """The multiples of ``unit`` just below and just above ``value`` (one if ``value`` is a multiple)."""
+    below = (value // unit) * unit
+    above = below + unit
+    if below == value:
+        return [value]
+    return [v for v in (below, above) if v >= unit]
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def solve(
+    *,
+    global_batch: int | None = None,
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
+    data_parallel: int | None = None,
+) -> BatchConfig:
+    """Derive the missing one of (B_global, b_m, g, d) from the other three.
+
+    With all four given, checks the identity. With ``data_parallel`` missing and three others
+    given it is derived like the rest; if two or more are missing, ``data_parallel`` defaults
+    to 1 when it is one of them.
+    """
+    given = {
+        "global_batch": global_batch,
+        "micro_batch": micro_batch,
+        "grad_accum": grad_accum,
+        "data_parallel": data_parallel,
+    }
+    for name, v in given.items():
+        if v is not None:
+            check_positive_int(name.replace("_", "-"), v)
+    missing = [k for k, v in given.items() if v is None]
+    if len(missing) >= 2 and "data_parallel" in missing:
+        given["data_parallel"] = data_parallel = 1
+        missing.remove("data_parallel")
+    if len(missing) > 1:
+        raise ConfigError(
+            "give three of --global-batch, --micro-batch, --grad-accum, --data-parallel; missing: "
+            + ", ".join("--" + m.replace("_", "-") for m in missing)
+        )
+    if not missing:
+        return BatchConfig(**given)  # type: ignore[arg-type]
+    want = missing[0]
+    if want == "global_batch":
+        return BatchConfig(
+            global_batch=micro_batch * grad_accum * data_parallel,  # type: ignore[operator]
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            data_parallel=data_parallel,
+        )
+    B = global_batch
+    assert B is not None  # narrowed: global_batch is given when another one is missing
+    names = {"micro_batch": "micro-batch", "grad_accum": "grad-accum", "data_parallel": "data-parallel"}
+    others = {k: v for k, v in given.items() if k not in ("global_batch", want)}
+    unit = 1
+    for v in others.values():
+        unit *= v  # type: ignore[operator]
+    if B % unit:
+        product = " × ".join(f"{names[k]} {v}" for k, v in others.items())
+        # Nearest valid values of the global batch, and of each other factor for this B.
+        fixes = [f"nearest valid global batches: {_fmt(nearest_multiples(B, unit))}"]
+        for k, v in others.items():
+            rest = unit // v  # type: ignore[operator]
+            if B % rest == 0:
+                choices = [d for d in divisors(B // rest)]
+                near = sorted(choices, key=lambda c: (abs(c - v), c))[:3]  # type: ignore[operator]
+                fixes.append(f"or {names[k]} in {_fmt(sorted(near))}")
+        raise ConfigError(
+            f"global batch {B} is not divisible by {product} = {unit}; the rule is "
+            f"B_global = b_m × g × d; {'; '.join(fixes)}"
+        )
+    given[want] = B // unit
+    return BatchConfig(**given)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""The command line: thin. Parse, call the library, render, exit.
+
+Each command lives in ``microbatch/commands/<name>.py`` and is imported only when it runs,
+so ``microbatch --help`` and the calculators start fast (no torch, no matplotlib).
+Exit status: 0 success, 2 bad input (:class:`~microbatch.errors.ConfigError`, usage errors),
+1 any other failure.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from .errors import ConfigError, MicrobatchError
+
+# name -> (module under microbatch.commands, one-line help). Keep the help here so that
+# `microbatch --help` lists every command without importing any of them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "batch": ("batch", "Solve B_global = b_m × g × d for the missing one."),
+    "bubble": ("bubble", "Pipeline bubble of a schedule: closed form, fraction and ratio."),
+    "simulate": ("simulate", "Simulate a pipeline schedule and draw its bubble diagram."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"microbatch.commands.{COMMANDS[name][0]}")
+        return module.cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, help_) for name, (_, help_) in COMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="microbatch")
+def group() -> None:
+    """Choose and run micro-batching: B_global = b_m × g × d.
+
+    The global batch is a statistical choice; the micro-batch is a physical one. microbatch
+    predicts memory and step time, measures the real throughput curve, picks the knee and the
+    number of pipeline micro-batches that buries the bubble, and runs the choice.
+
+    Every command takes --json for scripts. Exit status: 0 success, 2 bad input, 1 failure.
+    """
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``microbatch`` console script."""
+    try:
+        group.main(args=argv, prog_name="microbatch", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        return 130
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return 2 if isinstance(e, click.UsageError) else e.exit_code
+    except ConfigError as e:
+        click.echo(f"error: {e}", err=True)
+        return 2
+    except MicrobatchError as e:
+        click.echo(f"error: {e}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

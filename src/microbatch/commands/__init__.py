@@ -1,0 +1,1 @@
+"""One module per CLI command; each defines ``cmd``, a click command. See ``microbatch.cli``."""

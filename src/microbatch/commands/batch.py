@@ -1,0 +1,39 @@
+"""``microbatch batch``: solve B_global = b_m × g × d."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import emit, json_option
+
+
+@click.command("batch")
+@click.option("--global-batch", "-B", type=int, help="B_global: sequences per optimizer step.")
+@click.option("--micro-batch", "-b", type=int, help="b_m: sequences per forward/backward on one device.")
+@click.option("--grad-accum", "-g", type=int, help="g: micro-batches per replica per optimizer step.")
+@click.option("--data-parallel", "-d", type=int, help="d: data-parallel replicas (default 1 when two are missing).")
+@json_option
+def cmd(global_batch, micro_batch, grad_accum, data_parallel, as_json):
+    """Give three of B_global, b_m, g, d; print the fourth.
+
+    \b
+    Example: microbatch batch --global-batch 512 --micro-batch 8 --data-parallel 4
+    prints g = 16. With pipelining, g = m × k (m micro-batches per flush, k flushes).
+    """
+    from ..batch import solve
+
+    cfg = solve(
+        global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum, data_parallel=data_parallel
+    )
+
+    def render() -> str:
+        return (
+            f"B_global = b_m × g × d: {cfg.global_batch} = {cfg.micro_batch} × {cfg.grad_accum} × "
+            f"{cfg.data_parallel}\n"
+            f"  global batch     B = {cfg.global_batch}\n"
+            f"  micro-batch    b_m = {cfg.micro_batch}\n"
+            f"  grad-accum       g = {cfg.grad_accum}\n"
+            f"  data-parallel    d = {cfg.data_parallel}"
+        )
+
+    emit(cfg.to_dict(), as_json, render)

@@ -1,0 +1,55 @@
+"""The error hierarchy.
+
+Every error a user can cause is a :class:`ConfigError` whose message gives the value, the rule
+and the fix, in one line ("global batch 500 is not divisible by micro-batch 8 × data-parallel
+4 = 32; nearest valid global batches: 480, 512"). The CLI turns a ``ConfigError`` into exit
+status 2 and any other :class:`MicrobatchError` into exit status 1, without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class MicrobatchError(Exception):
+    """Base class of every error microbatch raises on purpose."""
+
+
+class ConfigError(MicrobatchError, ValueError):
+    """Bad input: a value that breaks a rule. The message names the value, the rule and the fix."""
+
+
+class ScheduleError(ConfigError):
+    """A pipeline schedule that is malformed or that cannot serve the given (p, m, v)."""
+
+
+class MeasurementError(MicrobatchError):
+    """A measurement that could not be made (a crashed probe, a device that vanished)."""
+
+
+class OutOfMemoryError(MeasurementError):
+    """A probe ran out of memory. Raised only where the caller asked for it; the tuner records it."""
+
+
+class PipelineError(MicrobatchError):
+    """A pipeline run failed on some rank; the message says which rank and why."""
+
+
+def check_positive_int(name: str, value: object, *, fix: str = "") -> int:
+    """Return ``value`` as an int if it is a whole number >= 1, else raise :class:`ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        tail = f"; {fix}" if fix else ""
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}{tail}")
+    return value
+
+
+def check_non_negative(name: str, value: float, *, fix: str = "") -> float:
+    """Return ``value`` as a float if it is finite and >= 0, else raise :class:`ConfigError`."""
+    import math
+
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v < 0:
+        tail = f"; {fix}" if fix else ""
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}{tail}")
+    return v
