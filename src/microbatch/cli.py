@@ -21,6 +21,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "batch": ("batch", "Solve B_global = b_m × g × d for the missing one."),
     "bubble": ("bubble", "Pipeline bubble of a schedule: closed form, fraction and ratio."),
     "simulate": ("simulate", "Simulate a pipeline schedule and draw its bubble diagram."),
+    "memory": ("memory", "Predict per-stage memory: weights, gradients, optimizer, activations."),
+    "plan": ("plan", "Choose b_m, m, schedule, recompute and ZeRO for a cluster; will it fit?"),
+    "export": ("export", "Write a plan as a DeepSpeed, Hugging Face, Lightning or torchtitan config."),
+    "tune": ("tune", "Measure throughput and peak memory as b_m grows; pick the knee."),
+    "recommend": ("recommend", "Pick the knee from measurements made elsewhere (JSON or CSV)."),
+    "validate": ("validate", "Predict measured points from the others: the planner's error, stated."),
+    "noise": ("noise", "Measure the gradient noise scale: a suggestion for B_global."),
+    "pipeline": ("pipeline", "Run pipeline-parallel training and compare the bubble with the prediction."),
+    "report": ("report", "Build one self-contained HTML report from saved results."),
+    "demo": ("demo", "The whole story on a built-in model on the CPU, in a few minutes."),
 }
 
 
