@@ -1,0 +1,35 @@
+"""``microbatch report``: one self-contained HTML file from saved results."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import emit, json_option
+
+
+@click.command("report")
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=True))
+@click.option("--out", "out_path", default="microbatch-report/report.html", show_default=True,
+              help="HTML file to write; PNG figures go in <name>-figures/ beside it.")
+@click.option("--title", default="microbatch report", show_default=True)
+@click.option("--no-png", is_flag=True, help="Skip the PNG copies of the figures.")
+@json_option
+def cmd(results, out_path, title, no_png, as_json):
+    """Build the report from RESULTS: JSON files that tune, plan, pipeline, simulate
+    and validate write with --json (or a `tune --out` directory).
+
+    \b
+    Example:
+      microbatch tune --model small --json > tune.json
+      microbatch plan --model llama-3-8b --gpu h100-sxm --global-batch 1024 \\
+          --data-parallel 16 --pipeline-parallel 4 --json > plan.json
+      microbatch report tune.json plan.json --out report.html
+
+    The HTML embeds every figure as SVG: it needs no network and no other file.
+    """
+    from ..htmlreport import build_report, load_results
+
+    rep = build_report(load_results(results), out_path, title=title, png=not no_png)
+    payload = {"html": str(rep.html_path), "figures": [str(p) for p in rep.png_paths], "sections": rep.sections}
+    emit(payload, as_json, lambda: f"report written to {rep.html_path} ({', '.join(rep.sections)}); "
+                                     f"{len(rep.png_paths)} PNG figures beside it")
