@@ -1,0 +1,217 @@
+"""Knee rules, memory fit and recommendation over measured curves."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from microbatch.errors import ConfigError
+from microbatch.knee import (
+    DEFAULT_RULE,
+    DEFAULT_TOLERANCE,
+    CurvePoint,
+    MemoryFit,
+    find_knee,
+    fit_memory,
+    flattened,
+    gain_per_doubling,
+    max_fitting_micro_batch,
+    points_from_records,
+    recommend,
+)
+
+_PUBLISHED_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
+PUBLISHED = json.loads(_PUBLISHED_PATH.read_text()) if _PUBLISHED_PATH.exists() else None
+SEED = [(1, 1000), (4, 3200), (8, 5000), (16, 5600)]
+
+
+def curve(pairs, mem=None):
+    return [
+        CurvePoint(micro_batch=b, throughput=t, peak_memory_bytes=None if mem is None else mem(b))
+        for b, t in pairs
+    ]
+
+
+def test_seed_curve_default_rule_picks_8():
+    if PUBLISHED is not None:
+        seed = PUBLISHED["seed_throughput_curve"]
+        pts = points_from_records(seed["points"])
+        expected = seed["expected_knee"]
+    else:
+        pts, expected = curve(SEED), 8
+    assert find_knee(pts).micro_batch == expected == 8
+    for rule in ("fraction", "gain"):
+        assert find_knee(pts, rule=rule, tolerance=DEFAULT_TOLERANCE).micro_batch == 8
+    assert DEFAULT_RULE == "fraction"
+
+
+def test_tolerance_boundary_on_seed():
+    # 5000/5600 = 0.893: within tau of the best only when tau > 0.107
+    pts = curve(SEED)
+    assert find_knee(pts, tolerance=0.10).micro_batch == 16
+    assert find_knee(pts, tolerance=0.11).micro_batch == 8
+    assert find_knee(pts, tolerance=0.40).micro_batch == 8  # 3200 < 0.6 * 5600 = 3360
+    assert find_knee(pts, tolerance=0.45).micro_batch == 4  # 3200 >= 0.55 * 5600 = 3080
+
+
+def test_gain_per_doubling_normalises_uneven_steps():
+    # 1 -> 4 at 4x throughput is two doublings of 2x: 100% per doubling
+    assert gain_per_doubling(1, 1.0, 4, 4.0) == pytest.approx(1.0)
+    assert gain_per_doubling(4, 3200, 8, 5000) == pytest.approx(5000 / 3200 - 1)
+    assert gain_per_doubling(8, 5000, 16, 5600) == pytest.approx(0.12)
+    # same total gain over 1 doubling or 3 doublings: the per-doubling figure differs
+    assert gain_per_doubling(2, 1.0, 16, 1.3) < gain_per_doubling(2, 1.0, 4, 1.3)
+
+
+def test_falling_curve_is_seen():
+    # CPU-like: throughput peaks at 4 and falls once the working set leaves the cache
+    pts = curve([(1, 100), (2, 180), (4, 200), (8, 150), (16, 120)])
+    assert find_knee(pts, rule="fraction", tolerance=0.15).micro_batch == 2  # 180 >= 170
+    assert find_knee(pts, rule="fraction", tolerance=0.05).micro_batch == 4
+    assert find_knee(pts, rule="gain", tolerance=0.15).micro_batch == 2  # 2->4 gains 11% < 15%
+    assert find_knee(pts, rule="gain", tolerance=0.05).micro_batch == 4  # past 4 it falls
+    assert flattened(pts, 0.15)
+    r = recommend(pts, tolerance=0.05)
+    assert r.fastest.micro_batch == 4 and r.knee.micro_batch == 4
+
+
+def test_gain_rule_ignores_single_noisy_dip():
+    pts = curve([(1, 100), (2, 195), (4, 190), (8, 390), (16, 400)])
+    # the 2 -> 4 step dips, but 2 -> 8 still doubles per doubling: not the knee
+    assert find_knee(pts, rule="gain", tolerance=0.15).micro_batch == 8
+
+
+def test_not_flattened_picks_largest_by_gain():
+    pts = curve([(1, 100), (2, 200), (4, 400)])
+    assert find_knee(pts, rule="gain").micro_batch == 4
+    assert not flattened(pts, 0.15)
+
+
+def test_memory_fit_exact_on_a_line_and_prediction():
+    mem = lambda b: 1_000_000 + 250_000 * b  # noqa: E731
+    pts = curve([(1, 10), (2, 19), (4, 30), (8, 35)], mem)
+    fit = fit_memory(pts)
+    assert fit.intercept_bytes == pytest.approx(1_000_000)
+    assert fit.slope_bytes_per_sample == pytest.approx(250_000)
+    assert fit.fitted_on == (2, 4, 8)  # the largest three
+    # budget 10 MB, headroom 10%: (9e6 - 1e6) / 2.5e5 = 32
+    assert max_fitting_micro_batch(fit, 10_000_000, headroom=0.1) == 32
+    assert max_fitting_micro_batch(fit, 10_000_000, headroom=0.0) == 36
+    assert max_fitting_micro_batch(fit, 500_000) == 0
+    assert max_fitting_micro_batch(None, 10_000_000) is None
+    assert max_fitting_micro_batch(MemoryFit(intercept_bytes=1, slope_bytes_per_sample=0), 10) is None
+
+
+def test_fit_uses_largest_probes_not_the_noisy_small_ones():
+    # b=1 is dominated by allocator granularity: off the line
+    mem = {1: 5_000_000, 2: 2_000_000 + 100_000 * 2, 4: 2_000_000 + 100_000 * 4, 8: 2_000_000 + 100_000 * 8}
+    pts = [CurvePoint(micro_batch=b, throughput=float(b), peak_memory_bytes=m) for b, m in mem.items()]
+    fit = fit_memory(pts, largest=3)
+    assert fit.slope_bytes_per_sample == pytest.approx(100_000)
+    assert fit_memory(pts[:1]) is None
+
+
+def test_budget_excludes_points_and_fastest_fitting():
+    mem = lambda b: 1000 * b  # noqa: E731
+    pts = curve(SEED, mem)
+    r = recommend(pts, memory_budget_bytes=8000)
+    assert r.fastest.micro_batch == 8
+    assert r.knee.micro_batch == 8  # 3200 < 0.85 * 5000 = 4250
+    assert r.to_dict()["fraction_of_best"] == 1.0
+    r2 = recommend(pts, memory_budget_bytes=4000)
+    assert r2.fastest.micro_batch == r2.knee.micro_batch == 4
+
+
+def test_recommend_to_dict_fields_and_grad_accum():
+    mem = lambda b: 1_000_000 + 1000 * b  # noqa: E731
+    pts = curve(SEED, mem) + [CurvePoint(micro_batch=32, oom=True)]
+    r = recommend(pts, global_batch=256, data_parallel=4, memory_budget_bytes=2_000_000)
+    d = r.to_dict()
+    assert d["micro_batch"] == 8 and d["grad_accum"] == 256 // (8 * 4) == 8
+    assert d["throughput"] == 5000
+    assert d["fraction_of_best"] == pytest.approx(5000 / 5600)
+    assert d["peak_memory_bytes"] == mem(8)
+    assert d["fastest_fitting"]["micro_batch"] == 16 and d["fastest_fitting"]["grad_accum"] == 4
+    assert d["fastest_fitting"]["fraction_of_best"] == 1.0
+    assert d["memory_fit"]["slope_bytes_per_sample"] == pytest.approx(1000)
+    assert d["max_fitting_micro_batch"] == math.floor((2_000_000 * 0.9 - 1_000_000) / 1000)
+    assert d["rule"] == "fraction" and d["tolerance"] == 0.15
+    json.dumps(d)
+
+
+def test_global_batch_divisibility_restricts_candidates():
+    pts = curve([(1, 1000), (3, 3000), (6, 5000), (12, 5100)])
+    r = recommend(pts, global_batch=16)
+    assert r.knee.micro_batch == 1  # 3, 6, 12 do not divide 16
+    with pytest.raises(ConfigError, match="divides global batch"):
+        recommend(curve([(3, 1), (6, 2)]), global_batch=16)
+
+
+def test_latency_limit():
+    pts = [
+        CurvePoint(micro_batch=b, throughput=t, step_time_s=b / t)
+        for b, t in [(1, 100), (2, 190), (4, 360), (8, 400)]
+    ]
+    r = recommend(pts, max_latency_ms=12, tolerance=0.05)  # 8/400 = 20 ms is too slow
+    assert r.fastest.micro_batch == 4 and r.knee.micro_batch == 4
+    with pytest.raises(ConfigError, match="step_time_s"):
+        recommend(curve([(1, 1)]), max_latency_ms=5)
+
+
+def test_all_oom_says_so():
+    with pytest.raises(ConfigError, match=r"micro-batch 1 is already out of memory.*checkpointing.*--seq"):
+        recommend([CurvePoint(micro_batch=1, oom=True), CurvePoint(micro_batch=2, oom=True)])
+
+
+@pytest.mark.parametrize(
+    "rows,msg",
+    [
+        ([{"throughput": 3}], "no 'micro_batch'"),
+        ([{"micro_batch": 2}], "no 'throughput'"),
+        ([{"micro_batch": 0, "throughput": 3}], "micro_batch"),
+        ([{"micro_batch": 1.5, "throughput": 3}], "whole number"),
+        ([{"micro_batch": 2, "throughput": -1}], "throughput"),
+        ([{"micro_batch": 2, "throughput": "fast"}], "not a number"),
+        ([{"micro_batch": 2, "throughput": 1, "peak_memory_bytes": -5}], "peak_memory_bytes"),
+        ([{"micro_batch": 2, "throughput": 1, "oom": "maybe"}], "oom"),
+        ([], "no rows"),
+        ([3], "not an object"),
+    ],
+)
+def test_bad_records(rows, msg):
+    with pytest.raises(ConfigError, match=msg):
+        points_from_records(rows)
+
+
+def test_bad_rule_and_tolerance():
+    with pytest.raises(ConfigError, match="rule"):
+        find_knee(curve(SEED), rule="elbow")
+    with pytest.raises(ConfigError, match="tolerance"):
+        find_knee(curve(SEED), tolerance=1.5)
+
+
+def test_oom_records_parsed():
+    pts = points_from_records([{"micro_batch": 1, "throughput": 5}, {"micro_batch": 2, "oom": "true"}])
+    assert pts[1].oom and pts[1].throughput is None
+    assert recommend(pts).knee.micro_batch == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(min_value=1.0, max_value=1e6, allow_nan=False), min_size=1, max_size=8),
+    st.floats(min_value=0.0, max_value=0.9),
+)
+def test_fraction_knee_properties(ts, tol):
+    pts = curve([(2**i, t) for i, t in enumerate(ts)])
+    k = find_knee(pts, rule="fraction", tolerance=tol)
+    best = max(ts)
+    assert k.throughput >= (1 - tol) * best - 1e-9
+    # nothing smaller meets the bar
+    assert all(p.throughput < (1 - tol) * best for p in pts if p.micro_batch < k.micro_batch)
+    g = find_knee(pts, rule="gain", tolerance=tol)
+    assert g.micro_batch in {p.micro_batch for p in pts}
