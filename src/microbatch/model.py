@@ -11,11 +11,21 @@ the demo run for real on the CPU (``microbatch.gpt`` builds them in PyTorch).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from .errors import ConfigError, check_positive_int
 
-__all__ = ["ModelShape", "PRESETS", "get_model", "model_names"]
+__all__ = [
+    "ModelShape",
+    "PRESETS",
+    "get_model",
+    "model_names",
+    "from_hf_config",
+    "from_flags",
+    "resolve_model",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +62,9 @@ class ModelShape:
     """A learned position-embedding table (GPT-2) rather than rotary embeddings (Llama)."""
     flash_attention: bool = True
     """Attention kernels that never store the s×s score matrix (drops the 5·a·s/h activation term)."""
+    dropout: bool = True
+    """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
+    Llama-family training runs without dropout."""
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -67,7 +80,9 @@ class ModelShape:
         if self.ffn_hidden is not None:
             check_positive_int("ffn_hidden", self.ffn_hidden)
         if self.hidden % self.heads:
-            near = sorted({(self.hidden // self.heads) * self.heads, (self.hidden // self.heads + 1) * self.heads})
+            near = sorted(
+                {(self.hidden // self.heads) * self.heads, (self.hidden // self.heads + 1) * self.heads}
+            )
             raise ConfigError(
                 f"heads {self.heads} do not divide hidden {self.hidden}; each head needs hidden/heads "
                 f"whole dimensions; use hidden in {', '.join(str(n) for n in near if n > 0)} or heads among "
@@ -143,15 +158,43 @@ def _divisors(n: int) -> list[int]:
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelShape:
     # Radford et al. 2019; Hugging Face gpt2* configs: V=50257, n_positions=1024, tied.
     return ModelShape(
-        name=name, layers=layers, hidden=hidden, heads=heads, vocab=50257, seq=1024, tied_embeddings=True
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        vocab=50257,
+        seq=1024,
+        max_positions=1024,
+        tied_embeddings=True,
     )
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int,
-           tied: bool = False) -> ModelShape:
+def _llama(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    ffn: int,
+    vocab: int,
+    seq: int,
+    tied: bool = False,
+) -> ModelShape:
     return ModelShape(
-        name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn_hidden=ffn, vocab=vocab,
-        seq=seq, gated_mlp=True, bias=False, norm="rmsnorm", learned_positions=False, tied_embeddings=tied,
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        ffn_hidden=ffn,
+        vocab=vocab,
+        seq=seq,
+        gated_mlp=True,
+        bias=False,
+        norm="rmsnorm",
+        learned_positions=False,
+        tied_embeddings=tied,
+        dropout=False,
     )
 
 
@@ -163,7 +206,9 @@ def _megatron(name: str, layers: int, hidden: int, heads: int, vocab: int = 5120
 PRESETS: dict[str, ModelShape] = {
     # Built-in models that run for real on a CPU (microbatch.gpt builds them).
     "tiny": ModelShape(name="tiny", layers=2, hidden=64, heads=4, vocab=512, seq=64, tied_embeddings=True),
-    "small": ModelShape(name="small", layers=4, hidden=256, heads=4, vocab=4096, seq=128, tied_embeddings=True),
+    "small": ModelShape(
+        name="small", layers=4, hidden=256, heads=4, vocab=4096, seq=128, tied_embeddings=True
+    ),
     # GPT-2 family.
     "gpt2": _gpt2("gpt2", 12, 768, 12),
     "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
@@ -185,8 +230,14 @@ PRESETS: dict[str, ModelShape] = {
     "megatron-530b": _megatron("megatron-530b", 105, 20480, 128),
     "megatron-1t": _megatron("megatron-1t", 128, 25600, 160),
 }
-ALIASES = {"22b": "megatron-22b", "175b": "megatron-175b", "530b": "megatron-530b", "1t": "megatron-1t",
-           "gpt2-small": "gpt2", "gpt3": "gpt3-175b"}
+ALIASES = {
+    "22b": "megatron-22b",
+    "175b": "megatron-175b",
+    "530b": "megatron-530b",
+    "1t": "megatron-1t",
+    "gpt2-small": "gpt2",
+    "gpt3": "gpt3-175b",
+}
 
 
 def model_names() -> list[str]:
@@ -204,3 +255,185 @@ def get_model(name: str, *, seq: int | None = None) -> ModelShape:
         )
     shape = PRESETS[key]
     return shape.with_seq(seq) if seq is not None else shape
+
+
+# -- Hugging Face config.json ---------------------------------------------------------------
+# Key names per field, in the order they are tried: the generic PretrainedConfig names first,
+# then GPT-2's (n_layer, n_embd, ...), then older families' (GPT-J/NeoX, OPT, BLOOM).
+_HF_KEYS: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "vocab": ("vocab_size",),
+    "seq": ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", "n_ctx"),
+}
+# Families whose blocks are Llama-like: RMSNorm, rotary positions, gated (SwiGLU) MLP, no biases.
+_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
+
+
+def _hf_lookup(raw: dict, field: str):
+    for key in _HF_KEYS[field]:
+        if raw.get(key) is not None:
+            return raw[key]
+    return None
+
+
+def _read_hf_dict(path: Path) -> dict:
+    """The config as a dict: through transformers' AutoConfig where installed, plain JSON otherwise.
+
+    AutoConfig fills in the family's defaults for keys a config.json omits (GPT-2's n_inner=None,
+    tie_word_embeddings=True); plain JSON reads only what the file says.
+    """
+    import importlib.util
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(
+            f"--hf-config {str(path)!r} is not a file or a folder holding config.json; "
+            "give the path of a Hugging Face config.json"
+        )
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"--hf-config {str(file)!r} is not readable JSON ({e}); give a config.json"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--hf-config {str(file)!r} holds {type(raw).__name__}, not a JSON object")
+    if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(str(file))
+        except Exception:  # an unknown model_type or a transformers quirk: fall back to the JSON
+            return raw
+        merged = dict(raw)
+        for keys in _HF_KEYS.values():
+            for key in keys:
+                value = getattr(cfg, key, None)
+                if value is not None and merged.get(keys[0]) is None:
+                    merged[keys[0]] = value
+                    break
+        merged["tie_word_embeddings"] = getattr(cfg, "tie_word_embeddings", raw.get("tie_word_embeddings"))
+        return merged
+    return raw
+
+
+def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None = None) -> ModelShape:
+    """A :class:`ModelShape` from a Hugging Face ``config.json`` (a file or the folder holding it).
+
+    Reads layers, hidden, heads, kv heads, ffn hidden, vocab and max positions; the family
+    (``model_type``) decides the block details (Llama-like: RMSNorm, rotary, SwiGLU, no biases;
+    otherwise GPT-2-like). Ignores mixture-of-experts routing and per-family oddities (Qwen2's
+    q/k/v biases, Gemma's head_dim != hidden/heads), which change parameter counts slightly.
+    """
+    path = Path(path)
+    raw = _read_hf_dict(path)
+    vals = {f: _hf_lookup(raw, f) for f in _HF_KEYS}
+    missing = [f for f in ("layers", "hidden", "heads", "vocab") if vals[f] is None]
+    if missing:
+        raise ConfigError(
+            f"--hf-config {str(path)!r} lacks {', '.join(missing)} (looked for "
+            + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
+            + "); give them with the shape flags instead"
+        )
+    model_type = str(raw.get("model_type", "")).lower()
+    llama_like = model_type in _LLAMA_LIKE or (
+        model_type not in ("gpt2",) and str(raw.get("hidden_act", "")).lower() in ("silu", "swiglu")
+    )
+    tied = raw.get("tie_word_embeddings")
+    positions = vals["seq"]
+    fields = dict(
+        name=name or raw.get("_name_or_path") or model_type or path.stem,
+        layers=vals["layers"],
+        hidden=vals["hidden"],
+        heads=vals["heads"],
+        kv_heads=vals["kv_heads"],
+        ffn_hidden=vals["ffn_hidden"],
+        vocab=vals["vocab"],
+        seq=seq or positions or 2048,
+    )
+    if llama_like:
+        fields.update(
+            gated_mlp=True,
+            bias=bool(raw.get("attention_bias", False) or raw.get("mlp_bias", False)),
+            norm="rmsnorm",
+            learned_positions=False,
+            tied_embeddings=bool(tied) if tied is not None else False,
+            dropout=bool(raw.get("attention_dropout", 0.0)),
+        )
+    else:
+        fields.update(
+            max_positions=positions,
+            # GPT-2's config default is tied (PretrainedConfig.tie_word_embeddings=True).
+            tied_embeddings=bool(tied) if tied is not None else True,
+        )
+    for f in ("layers", "hidden", "heads", "vocab"):
+        if not isinstance(fields[f], int) or isinstance(fields[f], bool):
+            raise ConfigError(f"--hf-config {str(path)!r}: {f} is {fields[f]!r}, not a whole number")
+    return ModelShape(**fields)
+
+
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq")
+
+
+def from_flags(
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn_hidden: int | None = None,
+    vocab: int | None = None,
+    seq: int | None = None,
+    name: str = "custom",
+) -> ModelShape:
+    """A GPT-2-like shape from explicit sizes (``--layers --hidden --heads --vocab --seq``)."""
+    given = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ConfigError(
+            "the model shape lacks "
+            + ", ".join("--" + m.replace("_", "-") for m in missing)
+            + "; give --model NAME, --hf-config PATH, or all of --layers --hidden --heads --vocab --seq"
+        )
+    return ModelShape(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn_hidden=ffn_hidden,
+        vocab=vocab,
+        seq=seq,
+    )
+
+
+def resolve_model(
+    model: str | None = None,
+    hf_config: str | Path | None = None,
+    **flags: int | None,
+) -> ModelShape:
+    """One shape from ``--model NAME``, ``--hf-config PATH`` or the shape flags.
+
+    With a name or a config, any shape flag given overrides that field (``--model gpt2 --seq 512``).
+    """
+    unknown = set(flags) - set(_SHAPE_FLAGS)
+    if unknown:
+        raise ConfigError(f"unknown shape flags {sorted(unknown)}; known: {', '.join(_SHAPE_FLAGS)}")
+    if model is not None and hf_config is not None:
+        raise ConfigError("give either --model or --hf-config, not both")
+    given = {k: v for k, v in flags.items() if v is not None}
+    for k, v in given.items():
+        check_positive_int("--" + k.replace("_", "-"), v, fix="sizes are whole numbers >= 1")
+    if model is None and hf_config is None:
+        if not given:
+            raise ConfigError(
+                "no model given; give --model NAME (" + ", ".join(PRESETS) + "), --hf-config PATH, "
+                "or the shape flags --layers --hidden --heads --vocab --seq"
+            )
+        return from_flags(**given)
+    base = get_model(model) if model is not None else from_hf_config(hf_config)
+    return replace(base, **given) if given else base

@@ -1,0 +1,194 @@
+"""Accelerators: peak dense FLOP/s, memory bandwidth and capacity, interconnect; one source per row.
+
+Every figure is the vendor's dense (no structured sparsity) peak from the datasheet named in
+the row's ``source``. Interconnect bandwidths are per GPU and per direction (NVIDIA quotes
+NVLink as the bidirectional total: 600 GB/s on A100 is 300 GB/s each way). The inter-node
+figure is the *typical* deployment named in the row (one NIC per GPU), not a property of the
+chip: override it for your cluster (:func:`get_accelerator` takes overrides, and
+:meth:`Accelerator.with_overrides` replaces any field, for example with a measured value).
+
+Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total
+to ``torch.cuda.mem_get_info``; the CUDA context takes a few hundred MiB more): the planner keeps
+a headroom fraction free for that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from .errors import ConfigError, check_non_negative
+
+__all__ = ["Accelerator", "ACCELERATORS", "get_accelerator", "accelerator_names", "parse_gpus"]
+
+GiB = 1024**3
+"""Bytes in one GiB."""
+TB = 1e12
+"""Bytes (or FLOP) in one decimal tera-unit, as datasheets use."""
+GB = 1e9
+"""Bytes in one decimal GB, as datasheets quote bandwidth."""
+Gbit = 1e9 / 8
+"""Bytes per second in one Gbit/s (network links)."""
+
+DTYPES = ("bf16", "fp16", "fp32")
+"""Data types with a peak FLOP/s entry (fp32 is the non-tensor-core SIMT rate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """One accelerator model and the links a typical node gives it."""
+
+    name: str
+    """Registry key, for example ``h100-sxm``."""
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    """Dense peak FLOP/s by data type: ``bf16``, ``fp16``, ``fp32``."""
+    memory_bytes: float
+    """Device memory capacity in bytes."""
+    memory_bandwidth_bytes_per_s: float
+    """Device memory (HBM/GDDR) bandwidth in bytes/s."""
+    intra_node_bytes_per_s: float
+    """GPU-to-GPU bandwidth inside a node, per direction (NVLink, xGMI, or PCIe when none)."""
+    inter_node_bytes_per_s: float
+    """GPU-to-GPU bandwidth between nodes, per GPU per direction, of a typical deployment."""
+    gpus_per_node: int = 8
+    """GPUs that share the intra-node fabric (tensor parallelism should stay inside one node)."""
+    source: str = ""
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        for f in (
+            "memory_bytes",
+            "memory_bandwidth_bytes_per_s",
+            "intra_node_bytes_per_s",
+            "inter_node_bytes_per_s",
+        ):
+            v = check_non_negative(f"{self.name} {f}", getattr(self, f))
+            if v == 0:
+                raise ConfigError(f"{self.name} {f} must be > 0, got 0; give the device's figure")
+        for dt in DTYPES:
+            if dt not in self.peak_flops:
+                raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
+            if check_non_negative(f"{self.name} peak_flops[{dt}]", self.peak_flops[dt]) == 0:
+                raise ConfigError(f"{self.name} peak_flops[{dt}] must be > 0")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ConfigError(
+                f"{self.name} gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}"
+            )
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype`` (``bf16``, ``fp16``, ``fp32``)."""
+        if dtype not in self.peak_flops:
+            raise ConfigError(f"no peak FLOP/s for dtype {dtype!r}; known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def ridge_point(self, dtype: str = "bf16") -> float:
+        """FLOP per byte at which the roofline turns from memory- to compute-bound (Williams et al. 2009)."""
+        return self.flops(dtype) / self.memory_bandwidth_bytes_per_s
+
+    def with_overrides(self, **values: object) -> Accelerator:
+        """A copy with fields replaced (measured bandwidth, a cluster's real network, a derated peak).
+
+        ``bf16``, ``fp16`` and ``fp32`` set one entry of ``peak_flops``.
+        """
+        known = {f.name for f in fields(self)}
+        peaks = dict(self.peak_flops)
+        other = {}
+        for k, v in values.items():
+            if k in DTYPES:
+                peaks[k] = float(v)
+            elif k in known:
+                other[k] = v
+            else:
+                raise ConfigError(
+                    f"unknown accelerator field {k!r}; known: {', '.join(sorted(known | set(DTYPES)))}"
+                )
+        return replace(self, peak_flops=peaks, **other)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _acc(name, bf16, fp16, fp32, mem_gib, bw, intra, inter, source, gpus_per_node=8) -> Accelerator:
+    return Accelerator(
+        name=name,
+        peak_flops={"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB},
+        memory_bytes=mem_gib * GiB,
+        memory_bandwidth_bytes_per_s=bw * GB,
+        intra_node_bytes_per_s=intra * GB,
+        inter_node_bytes_per_s=inter,
+        gpus_per_node=gpus_per_node,
+        source=source,
+    )
+
+
+_IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 reference architecture)
+_IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)
+
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR,
+             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
+             "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU"),
+        _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR,
+             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
+             "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU"),
+        _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR,
+             "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
+             "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU"),
+        _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit,
+             "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
+             "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
+             "only); typical node: 200 Gb/s per GPU"),
+        _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR,
+             "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
+             "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU"),
+        _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR,
+             "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
+             "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU"),
+        _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8,
+             "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
+             "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
+             "(8 L4s): 100 Gb/s shared by 8 GPUs"),
+        _acc("mi300x", 1307.4, 1307.4, 163.4, 192, 5300, 448, _IB_NDR,
+             "AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 163.4 fp32, 192 GB HBM3 at "
+             "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU"),
+    )
+}  # fmt: skip
+
+_ALIASES = {
+    "a100": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "h100": "h100-sxm",
+    "h100-80gb": "h100-sxm",
+    "h200-sxm": "h200",
+    "mi300": "mi300x",
+}
+
+
+def accelerator_names() -> list[str]:
+    """The registry's names."""
+    return list(ACCELERATORS)
+
+
+def get_accelerator(name: str, **overrides: object) -> Accelerator:
+    """The registry's accelerator ``name`` (case-insensitive), with any field overridden.
+
+    An unknown name raises :class:`ConfigError` listing the known ones.
+    """
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    key = _ALIASES.get(key, key)
+    if key not in ACCELERATORS:
+        raise ConfigError(
+            f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)} (aliases: {', '.join(_ALIASES)})"
+        )
+    acc = ACCELERATORS[key]
+    return acc.with_overrides(**overrides) if overrides else acc
+
+
+def parse_gpus(text: str) -> list[Accelerator]:
+    """Accelerators from ``--gpu NAME[,NAME…]``."""
+    names = [n for n in (part.strip() for part in text.split(",")) if n]
+    if not names:
+        raise ConfigError(f"--gpu {text!r} names no accelerator; known: {', '.join(ACCELERATORS)}")
+    return [get_accelerator(n) for n in names]
