@@ -399,7 +399,7 @@ def points_from_records(records: Iterable[dict], *, source: str = "measurements"
                 CurvePoint(
                     micro_batch=_num(r["micro_batch"], int),
                     throughput=None if oom else _num(r.get("throughput"), float),
-                    peak_memory_bytes=_num(r.get("peak_memory_bytes"), float),
+                    peak_memory_bytes=_bytes(_num(r.get("peak_memory_bytes"), float)),
                     oom=oom,
                     step_time_s=_num(r.get("step_time_s"), float),
                 )
@@ -429,6 +429,14 @@ def _num(v, kind):
     return f
 
 
+def _bytes(v):
+    if v is None:
+        return None
+    if v < 0:
+        raise ConfigError(f"peak_memory_bytes {v!r} must be >= 0")
+    return int(round(v))
+
+
 def _bool(v, source: str, i: int) -> bool:
     if isinstance(v, bool):
         return v
@@ -437,3 +445,42 @@ def _bool(v, source: str, i: int) -> bool:
     if (isinstance(v, str) and v.strip().lower() in ("1", "true", "yes")) or v == 1:
         return True
     raise ConfigError(f"{source}: row {i + 1}: oom {v!r} must be true or false")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+
+
+def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
+    """Bytes in ``"12GiB"``, ``"500MB"``, ``"1.5g"`` (binary for the one-letter forms) or a plain number."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        s = str(text).strip().lower().replace(" ", "")
+        i = len(s)
+        while i > 0 and s[i - 1].isalpha():
+            i -= 1
+        num, unit = s[:i], s[i:]
+        try:
+            value = float(num)
+        except ValueError:
+            value = float("nan")
+    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{name} {text!r} is not a size; give a positive number with a unit, e.g. 12GiB, 500MB or 2e9"
+        )
+    return int(value * _UNITS[unit])

@@ -1,0 +1,218 @@
+"""``microbatch recommend``: pick the knee from measurements made elsewhere (JSON or CSV).
+
+Also holds the choice options and the rendering that ``tune`` shares.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError
+from ._common import emit, json_option
+
+
+def choice_options(f: Callable) -> Callable:
+    """The options that turn a curve into a choice (shared by ``tune`` and ``recommend``)."""
+    opts = [
+        click.option(
+            "--memory-budget",
+            help="Memory per device the choice must fit, e.g. 12GiB, 500MB (default: none; tune on CUDA: the device's free memory).",
+        ),
+        click.option(
+            "--headroom",
+            type=float,
+            default=None,
+            help="Share of the budget kept free when predicting the largest fitting b_m (default 0.10).",
+        ),
+        click.option(
+            "--max-latency-ms",
+            type=float,
+            help="Drop points whose step (decode: per-token) time exceeds this.",
+        ),
+        click.option(
+            "--rule",
+            type=click.Choice(["fraction", "gain"]),
+            default="fraction",
+            show_default=True,
+            help="fraction: smallest b_m within the tolerance of the best; gain: stop when a doubling gains < tolerance.",
+        ),
+        click.option(
+            "--tolerance", type=float, default=0.15, show_default=True, help="Tolerance τ of the rule."
+        ),
+        click.option("--global-batch", "-B", type=int, help="B_global, to report g = B / (b_m × d)."),
+        click.option(
+            "--data-parallel", "-d", type=int, default=1, show_default=True, help="d: data-parallel replicas."
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def choice_kwargs(
+    memory_budget, headroom, max_latency_ms, rule, tolerance, global_batch, data_parallel
+) -> dict:
+    """Keyword arguments of :func:`microbatch.knee.recommend` from the shared options."""
+    from ..knee import DEFAULT_HEADROOM, parse_bytes
+
+    return dict(
+        memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None,
+        headroom=DEFAULT_HEADROOM if headroom is None else headroom,
+        max_latency_ms=max_latency_ms,
+        rule=rule,
+        tolerance=tolerance,
+        global_batch=global_batch,
+        data_parallel=data_parallel,
+    )
+
+
+def _size(b) -> str:
+    if b is None:
+        return "—"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def render_recommendation(d: dict, points: list[dict] | None = None, unit: str = "samples/s") -> str:
+    """Human text of a recommendation dict (and, if given, the measured curve)."""
+    lines = []
+    if points:
+        lines.append(f"{'b_m':>6} {'throughput':>14} {'step ms':>9} {'peak memory':>12}  ")
+        for p in sorted(points, key=lambda p: p["micro_batch"]):
+            mark = []
+            if p["micro_batch"] == d["micro_batch"]:
+                mark.append("knee")
+            if p["micro_batch"] == d["fastest_fitting"]["micro_batch"]:
+                mark.append("fastest")
+            if p.get("oom"):
+                lines.append(f"{p['micro_batch']:>6} {'out of memory':>14}")
+                continue
+            st = p.get("step_time_s")
+            lines.append(
+                f"{p['micro_batch']:>6} {p['throughput']:>14,.1f} {'' if st is None else f'{st * 1e3:.2f}':>9} "
+                f"{_size(p.get('peak_memory_bytes')):>12}  {', '.join(mark)}"
+            )
+        lines.append("")
+    g = d.get("grad_accum")
+    lines.append(
+        f"knee ({d['rule']}, τ = {d['tolerance']:g}): b_m = {d['micro_batch']}"
+        + (f", g = {g}" if g is not None else "")
+        + f"  — {d['throughput']:,.1f} {unit}, {100 * (d['fraction_of_best'] or 0):.1f}% of best, "
+        f"peak {_size(d['peak_memory_bytes'])}"
+    )
+    f = d["fastest_fitting"]
+    lines.append(
+        f"fastest that fits: b_m = {f['micro_batch']}"
+        + (f", g = {f['grad_accum']}" if f.get("grad_accum") is not None else "")
+        + f"  — {f['throughput']:,.1f} {unit}, peak {_size(f['peak_memory_bytes'])}"
+    )
+    fit = d.get("memory_fit")
+    if fit:
+        lines.append(
+            f"memory fit: {_size(fit['intercept_bytes'])} + {_size(fit['slope_bytes_per_sample'])} × b_m "
+            f"(on b_m = {', '.join(str(b) for b in fit.get('fitted_on', []))})"
+        )
+    if d.get("max_fitting_micro_batch") is not None:
+        lines.append(
+            f"largest b_m predicted to fit {_size(d['memory_budget_bytes'])} with {100 * d['headroom']:.0f}% "
+            f"headroom: {d['max_fitting_micro_batch']}"
+        )
+    if not d.get("flattened", True):
+        lines.append(
+            "note: the curve had not flattened at the largest b_m measured; a larger b_m may be faster"
+        )
+    return "\n".join(lines)
+
+
+def read_measurements(path: str) -> list[dict]:
+    """Rows of a measurements file: a JSON list, a JSON object with ``points`` (tune's result.json), or CSV."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"measurements file {path!r} does not exist; give a JSON or CSV file of points")
+    text = p.read_text()
+    stripped = text.lstrip()
+    if stripped.startswith(("[", "{")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+        if isinstance(data, dict):
+            if "points" not in data:
+                raise ConfigError(
+                    f"{path}: a JSON object needs a 'points' list of {{micro_batch, throughput}}"
+                )
+            data = data["points"]
+        if not isinstance(data, list):
+            raise ConfigError(f"{path}: expected a list of {{micro_batch, throughput}} points")
+        return data
+    reader = csv.DictReader(io.StringIO(text))
+    cols = [c.strip() for c in (reader.fieldnames or [])]
+    missing = [c for c in ("micro_batch", "throughput") if c not in cols]
+    if missing:
+        raise ConfigError(
+            f"{path}: CSV is missing column(s) {', '.join(missing)}; columns found: {', '.join(cols) or 'none'}; "
+            "need micro_batch, throughput[, peak_memory_bytes, oom, step_time_s]"
+        )
+    return [
+        {(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()}
+        for row in reader
+    ]
+
+
+@click.command("recommend")
+@click.option(
+    "--measurements",
+    "-m",
+    required=True,
+    help="JSON list (or tune's result.json) or CSV with columns micro_batch, throughput[, peak_memory_bytes, oom, step_time_s].",
+)
+@choice_options
+@json_option
+def cmd(
+    measurements,
+    memory_budget,
+    headroom,
+    max_latency_ms,
+    rule,
+    tolerance,
+    global_batch,
+    data_parallel,
+    as_json,
+):
+    """Pick the knee b_m from measurements made anywhere.
+
+    \b
+    Example: microbatch recommend --measurements curve.csv --global-batch 512 --data-parallel 4
+    The knee is the smallest b_m within the tolerance of the best throughput (rule fraction),
+    among the points that fit --memory-budget and --max-latency-ms.
+    """
+    from ..knee import points_from_records, recommend
+
+    rows = read_measurements(measurements)
+    points = points_from_records(rows, source=measurements)
+    rec = recommend(
+        points,
+        **choice_kwargs(
+            memory_budget, headroom, max_latency_ms, rule, tolerance, global_batch, data_parallel
+        ),
+    )
+    d = rec.to_dict()
+    pts = [
+        {
+            "micro_batch": p.micro_batch,
+            "throughput": p.throughput,
+            "peak_memory_bytes": p.peak_memory_bytes,
+            "oom": p.oom,
+            "step_time_s": p.step_time_s,
+        }
+        for p in points
+    ]
+    emit(d, as_json, lambda: render_recommendation(d, pts, unit="per s"))
