@@ -1,0 +1,222 @@
+"""The gradient noise scale: a measured suggestion for B_global, the statistical choice.
+
+McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training"
+(arXiv:1812.06162). With G the true gradient and Σ the per-item gradient covariance, the
+gradient of a batch of B items has E|G_B|² = |G|² + tr(Σ)/B. The simple noise scale
+``B_simple = tr(Σ) / |G|²`` (their §2.2) approximates the critical batch: below it, doubling the
+batch nearly halves the steps; far above it, extra items are mostly wasted.
+
+Two gradient norms per step are enough (their Appendix A.1): a small batch's (here the first
+micro-batch of :func:`microbatch.accumulate`, which costs no extra backward) and the whole batch's.
+Each step gives unbiased estimates of |G|² and tr(Σ); both are smoothed separately over steps and
+divided only afterwards (the ratio of unbiased estimates is biased). B is counted in the loss's
+items: tokens when the loss is a mean over tokens.
+
+This module needs no torch except :func:`grad_sq_norm` and :func:`measure_noise_scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "g_sq_estimate",
+    "trace_sigma_estimate",
+    "b_simple",
+    "NoiseEstimate",
+    "GradientNoiseScale",
+    "grad_sq_norm",
+    "measure_noise_scale",
+]
+
+
+def _check_sizes(b_small: float, b_big: float) -> None:
+    if not (b_small > 0 and b_big > b_small and math.isfinite(b_big)):
+        raise ConfigError(
+            f"batch sizes b_small={b_small!r}, b_big={b_big!r}: the estimates need 0 < b_small < b_big "
+            "(two different batch sizes); use at least two micro-batches per step"
+        )
+
+
+def g_sq_estimate(*, b_small: float, g_small_sq: float, b_big: float, g_big_sq: float) -> float:
+    """Unbiased estimate of |G|²: ``(B_big·|G_big|² − B_small·|G_small|²) / (B_big − B_small)``.
+
+    McCandlish et al. 2018, Appendix A.1 (estimator of |G|²). Follows from E|G_B|² = |G|² + tr(Σ)/B
+    at two batch sizes; assumes items drawn independently (ignores correlation inside sequences
+    when B counts tokens). Can be negative for one step: smooth before use.
+    """
+    _check_sizes(b_small, b_big)
+    return (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
+
+
+def trace_sigma_estimate(*, b_small: float, g_small_sq: float, b_big: float, g_big_sq: float) -> float:
+    """Unbiased estimate of tr(Σ): ``(|G_small|² − |G_big|²) / (1/B_small − 1/B_big)``.
+
+    McCandlish et al. 2018, Appendix A.1 (estimator of S = tr(Σ)). Same assumptions as
+    :func:`g_sq_estimate`.
+    """
+    _check_sizes(b_small, b_big)
+    return (g_small_sq - g_big_sq) / (1.0 / b_small - 1.0 / b_big)
+
+
+def b_simple(*, trace_sigma: float, g_sq: float) -> float:
+    """The simple noise scale ``B_simple = tr(Σ) / |G|²`` (McCandlish et al. 2018, §2.2).
+
+    In the units of the items the loss averages over. ``inf`` when |G|² ≤ 0 (the gradient is
+    not yet resolved above the noise: smooth over more steps).
+    """
+    if not g_sq > 0:
+        return math.inf
+    return trace_sigma / g_sq
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoiseEstimate:
+    """The smoothed noise-scale estimate after some steps."""
+
+    steps: int
+    """Steps (optimizer steps) that contributed."""
+    g_sq: float
+    """Smoothed unbiased estimate of |G|², the squared norm of the true gradient."""
+    trace_sigma: float
+    """Smoothed unbiased estimate of tr(Σ), the trace of the per-item gradient covariance."""
+    b_simple: float
+    """tr(Σ)/|G|² of the smoothed values, in items (tokens when the loss is per token); inf if |G|² ≤ 0."""
+    last_g_sq: float
+    """This step's unsmoothed |G|² estimate."""
+    last_trace_sigma: float
+    """This step's unsmoothed tr(Σ) estimate."""
+    decay: float
+    """Smoothing weight of the past (1 = plain mean over all steps)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class GradientNoiseScale:
+    """The hook: feed it each step's two gradient norms, read the smoothed B_simple.
+
+    Pass it as ``noise=`` to :func:`microbatch.accumulate` (it then uses the first micro-batch and
+    the whole batch, at no extra backward), or call :meth:`update` from a loop written by hand.
+    Smoothing is an exponential moving average with bias correction, ``decay`` weighting the past
+    (``decay=1`` is the plain mean over all steps, best for a fixed model; McCandlish et al. smooth
+    with an EMA during training). |G|² and tr(Σ) are smoothed separately; B_simple is their ratio.
+    """
+
+    def __init__(self, *, decay: float = 0.95) -> None:
+        try:
+            d = float(decay)
+        except (TypeError, ValueError):
+            raise ConfigError(f"decay must be a number in [0, 1], got {decay!r}") from None
+        if not 0.0 <= d <= 1.0:
+            raise ConfigError(
+                f"decay {decay!r} is outside [0, 1]; use e.g. 0.95 (recent steps weigh more) or 1 (plain mean)"
+            )
+        self.decay = d
+        self._weight = 0.0
+        self._g_sq = 0.0
+        self._trace = 0.0
+        self._last: tuple[float, float] | None = None
+        self.steps = 0
+
+    def add_estimates(self, *, g_sq: float, trace_sigma: float) -> NoiseEstimate:
+        """Add one step's unbiased estimates of |G|² and tr(Σ); return the smoothed estimate."""
+        if not (math.isfinite(g_sq) and math.isfinite(trace_sigma)):
+            raise ConfigError(f"noise estimates must be finite, got |G|²={g_sq!r}, tr(Σ)={trace_sigma!r}")
+        self._weight = self.decay * self._weight + 1.0
+        self._g_sq = self.decay * self._g_sq + g_sq
+        self._trace = self.decay * self._trace + trace_sigma
+        self._last = (g_sq, trace_sigma)
+        self.steps += 1
+        return self.estimate  # type: ignore[return-value]
+
+    def update(self, *, b_small: float, g_small_sq: float, b_big: float, g_big_sq: float) -> NoiseEstimate:
+        """Add one step from the squared gradient norms at two batch sizes (in items).
+
+        ``g_small_sq`` is |∇ mean loss|² over ``b_small`` items, ``g_big_sq`` over ``b_big`` items
+        (e.g. one micro-batch and the whole batch). See :func:`g_sq_estimate`.
+        """
+        return self.add_estimates(
+            g_sq=g_sq_estimate(b_small=b_small, g_small_sq=g_small_sq, b_big=b_big, g_big_sq=g_big_sq),
+            trace_sigma=trace_sigma_estimate(
+                b_small=b_small, g_small_sq=g_small_sq, b_big=b_big, g_big_sq=g_big_sq
+            ),
+        )
+
+    @property
+    def estimate(self) -> NoiseEstimate | None:
+        """The smoothed estimate so far, or None before the first step."""
+        if self._last is None:
+            return None
+        g_sq = self._g_sq / self._weight
+        trace = self._trace / self._weight
+        return NoiseEstimate(
+            steps=self.steps,
+            g_sq=g_sq,
+            trace_sigma=trace,
+            b_simple=b_simple(trace_sigma=trace, g_sq=g_sq),
+            last_g_sq=self._last[0],
+            last_trace_sigma=self._last[1],
+            decay=self.decay,
+        )
+
+    @property
+    def b_simple(self) -> float | None:
+        """Smoothed B_simple in items, or None before the first step."""
+        est = self.estimate
+        return None if est is None else est.b_simple
+
+
+def grad_sq_norm(parameters: Iterable[Any]) -> float:
+    """Σ |p.grad|² over ``parameters`` (float64), skipping parameters without a gradient."""
+    import torch
+
+    total = 0.0
+    for p in parameters:
+        if p.grad is not None:
+            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
+    return total
+
+
+def measure_noise_scale(
+    model: Any,
+    batches: Iterable[Any],
+    loss_fn: Callable[..., Any],
+    *,
+    micro_batch_size: int,
+    count_fn: Callable[..., Any] | None = None,
+    decay: float = 1.0,
+    step_fn: Callable[[], None] | None = None,
+) -> tuple[NoiseEstimate, list[NoiseEstimate]]:
+    """Run :func:`microbatch.accumulate` over ``batches`` (one per step) and estimate B_simple.
+
+    Gradients are cleared (set to None) before each step; ``step_fn`` (e.g. ``optimizer.step``)
+    runs after each, if given. Returns the final smoothed estimate and the one after every step.
+    Each batch needs at least two micro-batches.
+    """
+    from .accumulate import accumulate, batch_rows
+
+    hook = GradientNoiseScale(decay=decay)
+    history: list[NoiseEstimate] = []
+    for batch in batches:
+        rows = batch_rows(batch)
+        if rows <= micro_batch_size:
+            raise ConfigError(
+                f"a batch of {rows} rows with micro-batch {micro_batch_size} is one micro-batch; the noise "
+                "scale needs two batch sizes: use a micro-batch smaller than the global batch"
+            )
+        for p in model.parameters():
+            p.grad = None
+        accumulate(model, batch, loss_fn, micro_batch_size=micro_batch_size, count_fn=count_fn, noise=hook)
+        if step_fn is not None:
+            step_fn()
+        if hook.estimate is not None and hook.steps > len(history):
+            history.append(hook.estimate)
+    if not history:
+        raise ConfigError("no step gave a noise estimate; give at least one batch with two micro-batches")
+    return history[-1], history
