@@ -1,0 +1,406 @@
+"""Run a pipeline schedule on op durations: an event simulation, plus the closed forms.
+
+:func:`simulate` replays a :class:`~microbatch.schedule.Schedule` the way the ranks run it:
+each rank executes its own list in order, and an op starts at ``max(rank free, every
+dependency done + comm)``, where ``comm`` (point-to-point latency) is paid only when the
+dependency ran on another rank. It is dependency-driven, not a lock-step grid: a rank that
+waits is parked on the one op it waits for and woken when that op ends, so the cost is
+linear in the number of actions.
+
+Times are in whatever unit the caller gives (seconds, milliseconds, "one forward"). A time is
+a number (every virtual stage the same) or a sequence with one entry per *virtual* stage.
+
+Units of memory: an *activation chunk* is one micro-batch's stashed activations of one
+virtual stage (1/v of a rank's layers). ``peak_in_flight`` is given in micro-batches of a
+whole rank's layers (chunks / v), so 1F1B reads [4, 3, 2, 1] for p = 4 and interleaved 1F1B's
+first rank reads p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022, sec 4.2.3).
+A micro-batch is *in flight* from the end of its forward until the end of the last part of its
+backward (B, or W when the backward is split).
+
+The closed forms beside it (each cites its source):
+
+- :func:`bubble_fraction` — idle share of total stage time, (p−1)/(v·m + p−1);
+- :func:`bubble_ratio` — bubble time over ideal time (Megatron's number), (p−1)/(v·m);
+- :func:`zb_idle_time` — idle time per stage of 1F1B / ZB-H1 / ZB-H2 (Qi et al. 2024, Table 2);
+- :func:`in_flight_formula` and :func:`interleaved_in_flight_factor`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import ConfigError, ScheduleError, check_positive_int
+from .schedule import Action, Schedule
+
+Time = float | Sequence[float]
+
+# --------------------------------------------------------------------------------------------
+# Closed forms
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle share of the total stage time: (p−1) / (v·m + p−1).
+
+    GPipe and 1F1B (v = 1): (p−1)/(m+p−1) (Huang et al. 2019, GPipe, sec 2.3; seed 002).
+    Interleaved 1F1B with v stages per rank: the bubble shrinks by v (Narayanan et al. 2021,
+    sec 2.2.2), so the idle share is (p−1)/(v·m+p−1). Assumes equal stage times, the backward
+    a fixed multiple of the forward, and no communication time.
+    """
+    check_positive_int("stages", stages)
+    check_positive_int("microbatches", microbatches)
+    check_positive_int("virtual", virtual)
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def bubble_ratio(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Bubble time over ideal (busy) time: (p−1) / (v·m) — the number Megatron quotes.
+
+    Narayanan et al. 2021 (Megatron-LM PTD-P), sec 2.2.1 ((p−1)/m) and 2.2.2 ((p−1)/(v·m)).
+    Same assumptions as :func:`bubble_fraction`; fraction = ratio / (1 + ratio).
+    """
+    check_positive_int("stages", stages)
+    check_positive_int("microbatches", microbatches)
+    check_positive_int("virtual", virtual)
+    return (stages - 1) / (virtual * microbatches)
+
+
+ZB_IDLE_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+
+
+def zb_idle_time(
+    schedule: str, stages: int, forward_time: float, input_time: float, weight_time: float
+) -> float:
+    """Idle time per stage, Qi et al., Zero Bubble Pipeline Parallelism (ICLR 2024), Table 2.
+
+    1F1B: (p−1)(T_F + T_B + T_W); ZB-H1: (p−1)(T_F + T_B − T_W); ZB-H2: (p−1)(T_F + T_B − 2T_W),
+    where T_B is the input-gradient time and T_W the weight-gradient time (a full backward is
+    T_B + T_W). With equal times ZB-H1 idles a third of 1F1B's. The paper assumes m >= p, equal
+    stages, no communication time and T_W no larger than T_F or T_B (our ZB-H1 order matches the
+    H1 line only then); the H2 value is floored at 0.
+    """
+    check_positive_int("stages", stages)
+    tf = _non_negative("forward_time", forward_time)
+    tb = _non_negative("input_time", input_time)
+    tw = _non_negative("weight_time", weight_time)
+    key = str(schedule).lower()
+    if key == "1f1b":
+        return (stages - 1) * (tf + tb + tw)
+    if key == "zb-h1":
+        return (stages - 1) * (tf + tb - tw)
+    if key == "zb-h2":
+        return max(0.0, (stages - 1) * (tf + tb - 2 * tw))
+    raise ConfigError(
+        f"schedule {schedule!r} has no zero-bubble closed form; use one of {', '.join(ZB_IDLE_SCHEDULES)}"
+    )
+
+
+def in_flight_formula(schedule: str, stages: int, microbatches: int) -> list[int]:
+    """Peak micro-batches in flight per rank: GPipe m; 1F1B min(m, p − i) on rank i.
+
+    Seed 002; Korthikanti et al. 2022 sec 4.2.3; Megatron-core's warm-up of p − i − 1 forwards.
+    """
+    check_positive_int("stages", stages)
+    check_positive_int("microbatches", microbatches)
+    key = str(schedule).lower()
+    if key == "gpipe":
+        return [microbatches] * stages
+    if key == "1f1b":
+        return [min(microbatches, stages - i) for i in range(stages)]
+    raise ConfigError(f"schedule {schedule!r} has no in-flight closed form here; use gpipe or 1f1b")
+
+
+def interleaved_in_flight_factor(stages: int, virtual: int) -> float:
+    """First-rank activation factor of interleaved 1F1B: 1 + (p−1)/(p·v) (v = 1 gives 1).
+
+    Korthikanti et al. 2022, sec 4.2.3: the first stage holds p micro-batches of its layers
+    times this factor, i.e. p + (p−1)/v micro-batches of a rank's layers (when p divides m).
+    """
+    check_positive_int("stages", stages)
+    check_positive_int("virtual", virtual)
+    if virtual == 1:
+        return 1.0
+    return 1 + (stages - 1) / (stages * virtual)
+
+
+# --------------------------------------------------------------------------------------------
+# Simulation
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """What a simulated schedule did. Times are in the caller's unit."""
+
+    schedule: Schedule
+    """The schedule that ran."""
+    intervals: tuple[tuple[tuple[float, float, Action], ...], ...] = field(repr=False)
+    """Per rank, ``(start, end, action)`` in the order the rank ran them."""
+    makespan: float
+    """Time from the first start (0) to the last end over all ranks."""
+    busy: tuple[float, ...]
+    """Per rank, the sum of its ops' durations."""
+    idle: tuple[float, ...]
+    """Per rank, ``makespan − busy``: waiting at the start, in the middle and at the end."""
+    bubble_fraction: float
+    """Total idle over total stage time (p × makespan): the idle share, in [0, 1)."""
+    bubble_ratio: float
+    """Total idle over total busy time (Megatron's bubble / ideal); infinite if nothing ran."""
+    peak_in_flight_chunks: tuple[int, ...]
+    """Per rank, the most (virtual stage, micro-batch) activation chunks held at once."""
+    comm_time: float = 0.0
+    """Point-to-point latency paid on every cross-rank dependency."""
+
+    @property
+    def stages(self) -> int:
+        """p: ranks."""
+        return self.schedule.stages
+
+    @property
+    def peak_in_flight(self) -> tuple[float, ...]:
+        """Per rank, peak micro-batches in flight in units of a rank's layers (chunks / v)."""
+        v = self.schedule.virtual
+        return tuple(c if v == 1 else c / v for c in self.peak_in_flight_chunks)
+
+    def stage_stats(self) -> list[dict]:
+        """Per rank: ``{stage, busy, idle, peak_in_flight}`` (``stage`` is the rank index)."""
+        return [
+            {"stage": r, "busy": self.busy[r], "idle": self.idle[r], "peak_in_flight": self.peak_in_flight[r]}
+            for r in range(self.stages)
+        ]
+
+    def activation_timeline(self) -> list[list[tuple[float, int]]]:
+        """Per rank, the steps ``(time, chunks held)``: +1 at a forward's end, −1 at the end of
+        the last part of that micro-batch's backward (B, or W when split). Starts at (0, 0)."""
+        last = "W" if self.schedule.split_backward else "B"
+        out = []
+        for rank in self.intervals:
+            held = 0
+            steps = [(0.0, 0)]
+            for _, end, a in rank:
+                if a.kind == "F":
+                    held += 1
+                elif a.kind == last:
+                    held -= 1
+                else:
+                    continue
+                steps.append((end, held))
+            out.append(steps)
+        return out
+
+    def timeline_rows(self) -> list[list[tuple[float, float, str, int]]]:
+        """Per rank, plain ``(start, end, label, microbatch)`` rows for :mod:`microbatch.report`.
+
+        The label is the kind (F, B, I, W), prefixed with the chunk number when v > 1 (``1F``)."""
+        v, p = self.schedule.virtual, self.schedule.stages
+        rows = []
+        for rank in self.intervals:
+            if v == 1:
+                rows.append([(s, e, a.kind, a.microbatch) for s, e, a in rank])
+            else:
+                rows.append([(s, e, f"{a.stage // p}{a.kind}", a.microbatch) for s, e, a in rank])
+        return rows
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (no per-op intervals)."""
+        return {
+            "schedule": self.schedule.name,
+            "stages": self.schedule.stages,
+            "microbatches": self.schedule.microbatches,
+            "virtual": self.schedule.virtual,
+            "placement": self.schedule.placement,
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_ratio": self.bubble_ratio,
+            "peak_in_flight": list(self.peak_in_flight),
+            "comm_time": self.comm_time,
+            "stage_stats": self.stage_stats(),
+        }
+
+
+def _non_negative(name: str, value: float) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ConfigError(
+            f"{name} = {value!r}: a time must be a finite number >= 0; give a measured or estimated duration"
+        )
+    return v
+
+
+def _per_stage(name: str, value: Time | None, num_stages: int) -> list[float] | None:
+    """``value`` as one float per virtual stage (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [_non_negative(name, value)] * num_stages
+    try:
+        items = list(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be a number or one number per virtual stage, got {value!r}") from None
+    if len(items) != num_stages:
+        raise ConfigError(
+            f"{name} has {len(items)} values but the schedule has {num_stages} virtual stages (p·v); "
+            "give one value per virtual stage, or a single number"
+        )
+    return [_non_negative(f"{name}[{i}]", x) for i, x in enumerate(items)]
+
+
+def simulate(
+    schedule: Schedule,
+    *,
+    forward_time: Time,
+    backward_time: Time | None = None,
+    input_time: Time | None = None,
+    weight_time: Time | None = None,
+    comm_time: float = 0.0,
+) -> SimResult:
+    """Run ``schedule`` on op durations and return the timeline and its statistics.
+
+    ``backward_time`` is the full backward B; ``input_time`` and ``weight_time`` the two parts
+    of a split backward (I and W). A schedule with B needs ``backward_time`` (or both parts,
+    then B = I + W); a schedule with I and W needs ``input_time`` and ``weight_time``.
+    ``comm_time`` is added to every dependency between different ranks. Raises
+    :class:`~microbatch.errors.ScheduleError` if the ranks' orders deadlock (see
+    :func:`microbatch.schedule.validate` for a full check).
+    """
+    p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
+    comm = _non_negative("comm_time", comm_time)
+    f_t = _per_stage("forward_time", forward_time, nst)
+    b_t = _per_stage("backward_time", backward_time, nst)
+    i_t = _per_stage("input_time", input_time, nst)
+    w_t = _per_stage("weight_time", weight_time, nst)
+    kinds = {a.kind for rank in schedule.actions for a in rank}
+    if kinds & {"I", "W"} and (i_t is None or w_t is None):
+        raise ConfigError(
+            f"schedule {schedule.name!r} splits the backward into I and W: input_time and weight_time are "
+            "required (--input-time, --weight-time); a full backward time does not say how to split it"
+        )
+    if "B" in kinds and b_t is None:
+        if i_t is not None and w_t is not None:
+            b_t = [a + b for a, b in zip(i_t, w_t, strict=True)]
+        else:
+            raise ConfigError(
+                f"schedule {schedule.name!r} runs full backwards: backward_time is required (--backward-time), "
+                "or both input_time and weight_time"
+            )
+    zero = [0.0] * nst
+    dur_by_kind = {"F": f_t, "B": b_t or zero, "I": i_t or zero, "W": w_t or zero}
+    slot = {"F": 0, "B": 1, "I": 1, "W": 2}  # B and I share a slot: "B or I on stage s+1"
+    last_kind = "W" if kinds & {"I", "W"} else "B"
+    rank_of = [schedule.stage_to_rank(s) for s in range(nst)]
+
+    # Precompute, per rank, flat tuples (key, duration, dep1, comm1, dep2, comm2); -1 = no dep.
+    plan: list[list[tuple[int, float, int, float, int, float]]] = []
+    for r, acts in enumerate(schedule.actions):
+        ops = []
+        for s, k, mb in acts:
+            if not (0 <= s < nst and 0 <= mb < m) or k not in slot:
+                raise ScheduleError(
+                    f"rank {r}: action {s}{k}{mb} is outside the schedule (p·v = {nst}, m = {m})"
+                )
+            key = (slot[k] * nst + s) * m + mb
+            d1 = d2 = -1
+            c1 = c2 = 0.0
+            if k == "F":
+                if s > 0:
+                    d1 = (s - 1) * m + mb
+                    c1 = comm if rank_of[s - 1] != r else 0.0
+            elif k == "W":
+                d1 = (nst + s) * m + mb
+            else:  # B or I
+                d1 = s * m + mb
+                if s < nst - 1:
+                    d2 = (nst + s + 1) * m + mb
+                    c2 = comm if rank_of[s + 1] != r else 0.0
+            ops.append((key, dur_by_kind[k][s], d1, c1, d2, c2))
+        plan.append(ops)
+
+    end = [-1.0] * (3 * nst * m)
+    starts: list[list[float]] = [[] for _ in range(p)]
+    ptr = [0] * p
+    free = [0.0] * p
+    waiting: dict[int, list[int]] = {}
+    stack = list(range(p - 1, -1, -1))
+    while stack:
+        r = stack.pop()
+        ops = plan[r]
+        i, t, st_r, n = ptr[r], free[r], starts[r], len(ops)
+        append = st_r.append
+        while i < n:
+            key, dur, d1, c1, d2, c2 = ops[i]
+            st = t
+            if d1 >= 0:
+                e = end[d1]
+                if e < 0:
+                    waiting.setdefault(d1, []).append(r)
+                    break
+                e += c1
+                if e > st:
+                    st = e
+            if d2 >= 0:
+                e = end[d2]
+                if e < 0:
+                    waiting.setdefault(d2, []).append(r)
+                    break
+                e += c2
+                if e > st:
+                    st = e
+            append(st)
+            t = st + dur
+            end[key] = t
+            i += 1
+            if key in waiting:
+                stack.extend(waiting.pop(key))
+        ptr[r], free[r] = i, t
+
+    for r in range(p):
+        if ptr[r] < len(plan[r]):
+            a = schedule.actions[r][ptr[r]]
+            raise ScheduleError(
+                f"rank {r} position {ptr[r]} ({a}) can never start: its dependency never runs or runs later "
+                "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedule.validate"
+            )
+
+    intervals = []
+    busy = []
+    peaks = []
+    for r, acts in enumerate(schedule.actions):
+        st_r = starts[r]
+        rows = []
+        total = 0.0
+        held = peak = 0
+        for j, a in enumerate(acts):
+            d = plan[r][j][1]
+            s0 = st_r[j]
+            rows.append((s0, s0 + d, a))
+            total += d
+            k = a[1]
+            if k == "F":
+                held += 1
+                if held > peak:
+                    peak = held
+            elif k == last_kind:
+                held -= 1
+        intervals.append(tuple(rows))
+        busy.append(total)
+        peaks.append(peak)
+    makespan = max(free) if p else 0.0
+    idle = [makespan - b for b in busy]
+    total_idle = sum(idle)
+    total_busy = sum(busy)
+    fraction = total_idle / (p * makespan) if makespan > 0 else 0.0
+    ratio = total_idle / total_busy if total_busy > 0 else (0.0 if total_idle == 0 else math.inf)
+    return SimResult(
+        schedule=schedule,
+        intervals=tuple(intervals),
+        makespan=makespan,
+        busy=tuple(busy),
+        idle=tuple(idle),
+        bubble_fraction=fraction,
+        bubble_ratio=ratio,
+        peak_in_flight_chunks=tuple(peaks),
+        comm_time=comm,
+    )
