@@ -36,7 +36,7 @@ __all__ = [
     "free_port",
     "run_external",
     "run_pipeline",
-    "simulate_order",
+    "predict",
     "summarize",
     "under_torchrun",
 ]
@@ -270,88 +270,6 @@ def config_from_dict(d: dict) -> PipelineConfig:
     return PipelineConfig(**{k: v for k, v in d.items() if k in names})
 
 
-# -- simulation of an action order ----------------------------------------------------
-
-
-def simulate_order(
-    order: dict[int, list[str]], times_s: dict[tuple[int, str], float], *, comm_s: float = 0.0
-) -> dict:
-    """Start every action of ``order`` as early as its rank and its inputs allow.
-
-    ``order``: rank -> actions like ``"1F0"``; ``times_s``: (stage, kind) -> seconds. F of stage s
-    needs F of s−1 (plus ``comm_s`` across ranks); B or I of s needs B/I of s+1 (the last stage's
-    needs its own F); W needs I of the same stage. Returns ``makespan_s``, ``bubble_fraction``
-    (idle share of p × makespan), ``peak_in_flight`` per rank (F done, B or W not) and the
-    intervals as (rank, stage, kind, microbatch, start_s, end_s).
-    """
-    import re
-
-    pat = re.compile(r"^(\d+)([FBIW])(\d+)$")
-    acts = {r: [pat.match(a).groups() for a in ops] for r, ops in order.items()}
-    acts = {r: [(int(s), k, int(i)) for s, k, i in ops] for r, ops in acts.items()}
-    n_stages = 1 + max(s for ops in acts.values() for s, _, _ in ops)
-    rank_of = {s: r for r, ops in acts.items() for s, _, _ in ops}
-    done: dict[tuple[int, str, int], float] = {}
-    pos = {r: 0 for r in acts}
-    free = {r: 0.0 for r in acts}
-    intervals = []
-    while any(pos[r] < len(acts[r]) for r in acts):
-        progressed = False
-        for r in acts:
-            while pos[r] < len(acts[r]):
-                s, k, i = acts[r][pos[r]]
-                if k == "F":
-                    dep = (s - 1, "F", i) if s > 0 else None
-                elif k in ("B", "I"):
-                    dep = (s, "F", i) if s == n_stages - 1 else (s + 1, "BI", i)
-                else:
-                    dep = (s, "I", i)
-                if dep is None:
-                    ready = 0.0
-                else:
-                    ds, dk, di = dep
-                    keys = [(ds, c, di) for c in dk] if dk == "BI" else [dep]
-                    got = [done[x] for x in keys if x in done]
-                    if not got:
-                        break
-                    ready = got[0] + (comm_s if rank_of[ds] != r else 0.0)
-                start = max(free[r], ready)
-                end = start + float(times_s.get((s, k), 0.0))
-                done[(s, k, i)] = end
-                free[r] = end
-                intervals.append((r, s, k, i, start, end))
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: "".join(map(str, acts[r][pos[r]])) for r in acts if pos[r] < len(acts[r])}
-            raise PipelineError(f"schedule order deadlocks: ranks wait on {stuck}")
-    makespan = max(free.values()) if free else 0.0
-    busy = sum(e - s for _, _, _, _, s, e in intervals)
-    p = len(acts)
-    peaks = {}
-    for r in acts:
-        events = []
-        split = any(k == "W" for _, k, _ in acts[r])
-        for rr, _s, k, _i, _st, en in intervals:
-            if rr != r:
-                continue
-            if k == "F":
-                events.append((en, 1))
-            elif k == "W" or (k == "B" and not split):
-                events.append((en, -1))
-        cur = peak = 0
-        for _, d in sorted(events, key=lambda e: (e[0], e[1])):
-            cur += d
-            peak = max(peak, cur)
-        peaks[r] = peak
-    return {
-        "makespan_s": makespan,
-        "bubble_fraction": 1.0 - busy / (p * makespan) if makespan > 0 else 0.0,
-        "peak_in_flight": [peaks[r] for r in sorted(acts)],
-        "intervals": intervals,
-    }
-
-
 # -- the report -------------------------------------------------------------------------
 
 
@@ -402,17 +320,19 @@ def summarize(raw: dict) -> dict:
             }
         )
     mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
-    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
-    pred = simulate_order(order, mean_times)
+    pred = predict(cfg, mean_times)
+    v = cfg.virtual
+    for st in stats:
+        st["peak_in_flight_chunks"] = st["peak_in_flight"]
+        st["peak_in_flight"] = st["peak_in_flight"] if v == 1 else st["peak_in_flight"] / v
     executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
-    last = raw["ranks"][0]["steps"][-1]
     t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
     timeline = [
         {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
         for r in ranks
         for (kind, s, i, a, e) in r["steps"][-1]["intervals"]
     ]
-    del last
+    predicted_rows = pred.timeline_rows()
     err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
     max_err = max(err) if err else None
     tol = GRAD_TOLERANCE[cfg.dtype]
@@ -437,19 +357,64 @@ def summarize(raw: dict) -> dict:
             "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
         },
         "predicted": {
-            "bubble_fraction": pred["bubble_fraction"],
-            "peak_in_flight": pred["peak_in_flight"],
-            "step_time_s": pred["makespan_s"],
-            "source": "simulate_order on torch's action order with the measured mean time of each stage's F/B/I/W",
+            "bubble_fraction": pred.bubble_fraction,
+            "peak_in_flight": list(pred.peak_in_flight),
+            "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
+            "step_time_s": pred.makespan,
+            "source": "microbatch.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
         },
         "gradients_match": None if max_err is None else bool(max_err <= tol),
         "max_grad_rel_error": max_err,
         "grad_tolerance": tol,
         "losses": losses,
-        "order_matches_torch": all(executed[str(r)] == order[r] for r in order),
+        "order_matches_torch": all(
+            executed[str(r)] == [str(a) for a in acts] for r, acts in enumerate(pred.schedule.actions)
+        ),
         "executed_order": executed,
         "timeline": timeline,
+        "predicted_timeline": [
+            {"rank": r, "label": lab, "microbatch": i, "start_s": a, "end_s": e}
+            for r, rows in enumerate(predicted_rows)
+            for (a, e, lab, i) in rows
+        ],
     }
+
+
+def predict(cfg: PipelineConfig, op_time_s: dict[tuple[int, str], float]):
+    """:func:`microbatch.simulate.simulate` on torch's action order for ``cfg`` (as a
+    :class:`~microbatch.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op."""
+    from .schedule import Schedule
+    from .simulate import simulate
+
+    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    sched = Schedule.from_strings(
+        cfg.schedule,
+        [order[r] for r in range(cfg.stages)],
+        microbatches=cfg.microbatches,
+        virtual=cfg.virtual,
+        placement="v" if cfg.schedule == "zbv" else "loop",
+    )
+    n = cfg.total_stages
+    times = {k: [float(op_time_s.get((s, k), 0.0)) for s in range(n)] for k in "FBIW"}
+    split = sched.split_backward
+    return simulate(
+        sched,
+        forward_time=times["F"],
+        backward_time=None if split else times["B"],
+        input_time=times["I"] if split else None,
+        weight_time=times["W"] if split else None,
+    )
+
+
+def timeline_rows(report: dict) -> list[list[tuple[float, float, str, int]]]:
+    """The measured last step as per-rank ``(start, end, label, microbatch)`` rows, labelled as
+    :meth:`microbatch.simulate.SimResult.timeline_rows` labels them (chunk prefix when v > 1)."""
+    p, v = report["stages"], report["virtual"]
+    rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
+    for it in sorted(report["timeline"], key=lambda x: x["start_s"]):
+        label = it["kind"] if v == 1 else f"{it['stage'] // p}{it['kind']}"
+        rows[it["rank"]].append((it["start_s"], it["end_s"], label, it["microbatch"]))
+    return rows
 
 
 def chrome_trace(report: dict) -> dict:
