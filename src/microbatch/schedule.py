@@ -509,3 +509,89 @@ register_schedule(
         description="Zero-bubble H1: backward split into I and W; idle (p−1)(T_F+T_I−T_W).",
     )
 )
+
+
+def _zbv(p: int, m: int, v: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2024, sec 6), the order of torch's ScheduleZBVZeroBubble.
+
+    Two chunks per rank in a V: rank r runs stage r on the way down and stage 2p−1−r on the
+    way back. Torch plans n = max(m, 2p−1) micro-batches and drops the ones >= m. Warm-up:
+    2(p−r)−1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0), then p−r triples
+    (F, I, W) of chunk 1. Steady state: [F chunk 0 while any remain], I and W of chunk 0, then
+    F, I, W of chunk 1, until both chunks have run n forwards. Cool-down: r pairs (I chunk 0,
+    I chunk 1), p−r pairs (I, W) of chunk 0, then the W passes still owed, chunk 1 first.
+    """
+    n = max(m, 2 * p - 1)
+    out = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        acts: list[Action] = []
+        f = [0, 0]  # forwards done per chunk
+        i_ = [0, 0]  # input backwards done per chunk
+        stage = (down, up)
+
+        def add(chunk: int, kind: str, mb: int, acts=acts, stage=stage) -> None:
+            acts.append(Action(stage[chunk], kind, mb))
+
+        for _ in range(2 * (p - r) - 1):
+            add(0, "F", f[0])
+            f[0] += 1
+        for _ in range(r):
+            add(1, "F", f[1])
+            f[1] += 1
+            add(0, "F", f[0])
+            f[0] += 1
+        for _ in range(p - r):
+            add(1, "F", f[1])
+            f[1] += 1
+            add(1, "I", i_[1])
+            add(1, "W", i_[1])
+            i_[1] += 1
+        while f[1] < f[0] or f[0] < n:
+            if f[0] < n:
+                add(0, "F", f[0])
+                f[0] += 1
+            add(0, "I", i_[0])
+            add(0, "W", i_[0])
+            i_[0] += 1
+            add(1, "F", f[1])
+            f[1] += 1
+            add(1, "I", i_[1])
+            add(1, "W", i_[1])
+            i_[1] += 1
+        w = list(i_)  # weight passes done per chunk
+        for _ in range(r):
+            add(0, "I", i_[0])
+            i_[0] += 1
+            add(1, "I", i_[1])
+            i_[1] += 1
+        for _ in range(p - r):
+            add(0, "I", i_[0])
+            i_[0] += 1
+            add(0, "W", w[0])
+            w[0] += 1
+        acts += [Action(up, "W", k) for k in range(w[1], i_[1])]
+        acts += [Action(down, "W", k) for k in range(w[0], i_[0])]
+        out.append([a for a in acts if a.microbatch < m])
+    return out
+
+
+def _check_zbv(p: int, m: int, v: int) -> None:
+    if v != 2:
+        raise ScheduleError(
+            f"virtual = {v}: zbv places exactly two stages per rank in a V (torch's ScheduleZBVZeroBubble "
+            "requires 2); use --virtual 2"
+        )
+
+
+register_schedule(
+    ScheduleSpec(
+        name="zbv",
+        generate=_zbv,
+        check=_check_zbv,
+        placement="v",
+        split_backward=True,
+        description="Zero-bubble V: two stages per rank in a V, backward split into I and W (torch's order).",
+        torch_name="ScheduleZBVZeroBubble",
+    )
+)
