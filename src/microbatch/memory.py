@@ -284,8 +284,8 @@ def in_flight_layers(
 
     - GPipe: all m micro-batches × the stage's layers (seed 002).
     - 1F1B and ZB-H1: min(m, p − i) micro-batches (Narayanan et al. 2021; Qi et al. 2024 Table 2).
-    - interleaved 1F1B, v > 1: Megatron-core's warm-up count 2(p − i − 1) + (v − 1)p, plus the one in
-      steady state, model chunks of L_stage/v layers, at most m·v; on stage 0 this is
+    - interleaved 1F1B, v > 1: torch's (and Megatron-core's) warm-up count 2(p − i − 1) + (v − 1)p, plus
+      the one in steady state, model chunks of L_stage/v layers, at most m·v; on stage 0 this is
       L_stage·p·(1 + (p−1)/(p·v)).
     With one stage (no pipeline) a micro-batch's activations are freed by its own backward: 1.
     """
@@ -294,9 +294,19 @@ def in_flight_layers(
     if schedule == "gpipe":
         return float(stage_layers * microbatches)
     if schedule == "interleaved-1f1b" and virtual > 1:
-        chunks = min(microbatches * virtual, 2 * (stages - stage - 1) + (virtual - 1) * stages + 1)
+        chunks = _interleaved_chunks(stage, stages, microbatches, virtual)
         return chunks * stage_layers / virtual
     return float(stage_layers * min(microbatches, stages - stage))
+
+
+def _interleaved_chunks(stage: int, stages: int, microbatches: int, virtual: int) -> int:
+    """Activation chunks stage ``stage`` holds under interleaved 1F1B: warm-up forwards plus one.
+
+    torch's ScheduleInterleaved1F1B warm-up: (v − 1)·n + 2(p − 1 − i), where n = m // max(1, m // p)
+    micro-batches per round (n = p when p divides m, Megatron-core's rule), capped at m·v.
+    """
+    per_round = microbatches // max(1, microbatches // stages)
+    return min(microbatches * virtual, (virtual - 1) * per_round + 2 * (stages - 1 - stage) + 1)
 
 
 def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches: int, virtual: int) -> int:
@@ -306,7 +316,7 @@ def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches:
     if schedule == "gpipe":
         return microbatches
     if schedule == "interleaved-1f1b" and virtual > 1:
-        chunks = min(microbatches * virtual, 2 * (stages - stage - 1) + (virtual - 1) * stages + 1)
+        chunks = _interleaved_chunks(stage, stages, microbatches, virtual)
         return min(microbatches, -(-chunks // virtual))
     return min(microbatches, stages - stage)
 

@@ -1,0 +1,300 @@
+"""Time of a transformer layer at b_m·s rows, and of the communication around it.
+
+**Roofline** (Williams, Waterman, Patterson 2009): a kernel takes the longer of its FLOPs over
+the peak FLOP/s and its bytes over the memory bandwidth, each derated by an efficiency. A GEMM
+``[rows, k] × [k, n]`` moves ``rows·k + k·n + rows·n`` elements and does ``2·rows·k·n`` FLOPs, so
+its arithmetic intensity grows with rows = b_m·s until it passes the device's ridge point
+(peak / bandwidth) and the kernel turns compute-bound (seed 002: "intensity ≈ b_m·s·h/(h + b_m·s)").
+Attention's score matrix (without flash attention) and the elementwise ops (norms, residuals,
+activation functions, dropout) are memory traffic. Backward ≈ 2 × forward (two GEMMs per forward
+GEMM: input and weight gradients); recompute adds its forward again.
+
+**Communication** (ring collectives, Patarasuk & Yuan 2009; Megatron-LM's placement, Narayanan
+et al. 2021 §3): tensor-parallel all-reduces in every layer (two forward, two backward), pipeline
+point-to-point sends per micro-batch, the data-parallel gradient all-reduce once per optimizer
+step (partly hidden behind the last backward), and under ZeRO-3/FSDP the weight all-gathers and
+gradient reduce-scatter of every micro-step (hidden behind compute where it is shorter).
+Latency (α) terms are ignored: they matter only for messages far smaller than these.
+
+The efficiencies are a :class:`RooflineEfficiency` — a value a calibration from measurements can
+replace (any object with the same two methods works).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .hardware import Accelerator
+from .model import ModelShape
+
+__all__ = [
+    "RooflineEfficiency",
+    "LayerTime",
+    "gemm_flops",
+    "gemm_bytes",
+    "arithmetic_intensity",
+    "gemm_time_s",
+    "layer_forward",
+    "logits_forward",
+    "allreduce_time_s",
+    "allgather_time_s",
+    "reduce_scatter_time_s",
+    "p2p_time_s",
+    "group_bandwidth",
+    "model_flops_per_step",
+    "hardware_flops_per_step",
+    "layer_forward_flops",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineEfficiency:
+    """Fractions of the datasheet peaks that real kernels reach; calibrate from measurements.
+
+    The defaults are assumptions, not measurements: large half-precision GEMMs reach about 80% of
+    the dense peak in NVIDIA's own cuBLAS figures ("Matrix Multiplication Background" guide, A100
+    and H100 plots), and streaming kernels about 80% of HBM bandwidth (NVIDIA's bandwidthTest /
+    STREAM-like figures). ``half_rows`` bends the GEMM efficiency down at small row counts
+    (efficiency × rows/(rows + half_rows)): tile and wave quantisation, launch overhead; 0 means
+    pure roofline.
+    """
+
+    gemm_max: float = 0.8
+    """Fraction of peak FLOP/s a large GEMM reaches."""
+    memory: float = 0.8
+    """Fraction of peak memory bandwidth a streaming kernel reaches."""
+    half_rows: float = 0.0
+    """Rows b_m·s at which the GEMM efficiency is half of ``gemm_max`` (0: no ramp)."""
+    network: float = 1.0
+    """Fraction of the link bandwidth collectives reach (bus bandwidth / link bandwidth)."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_max", "memory", "network"):
+            v = getattr(self, name)
+            if not (0 < v <= 1):
+                raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
+        if self.half_rows < 0:
+            raise ConfigError(f"efficiency half_rows must be >= 0, got {self.half_rows!r}")
+
+    def gemm(self, rows: float) -> float:
+        """Fraction of peak FLOP/s a GEMM with ``rows`` rows reaches when compute-bound."""
+        return self.gemm_max * rows / (rows + self.half_rows)
+
+
+DEFAULT_EFFICIENCY = RooflineEfficiency()
+
+
+# -- GEMMs ---------------------------------------------------------------------------------------
+def gemm_flops(rows: float, k: float, n: float) -> float:
+    """2·rows·k·n: one multiply and one add per output element per inner index."""
+    return 2.0 * rows * k * n
+
+
+def gemm_bytes(rows: float, k: float, n: float, dtype_bytes: int = 2) -> float:
+    """(rows·k + k·n + rows·n) · e: read both operands once, write the output once (ideal tiling)."""
+    return (rows * k + k * n + rows * n) * dtype_bytes
+
+
+def arithmetic_intensity(rows: float, k: float, n: float, dtype_bytes: int = 2) -> float:
+    """FLOP per byte of a GEMM; compare with :meth:`Accelerator.ridge_point`."""
+    return gemm_flops(rows, k, n) / gemm_bytes(rows, k, n, dtype_bytes)
+
+
+def gemm_time_s(
+    rows: float,
+    k: float,
+    n: float,
+    acc: Accelerator,
+    *,
+    dtype: str = "bf16",
+    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+) -> float:
+    """max(FLOPs / (peak·eff), bytes / (bandwidth·eff)): the roofline time of one GEMM."""
+    e = 4 if dtype == "fp32" else 2
+    compute = gemm_flops(rows, k, n) / (acc.flops(dtype) * efficiency.gemm(rows))
+    memory = gemm_bytes(rows, k, n, e) / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
+    return max(compute, memory)
+
+
+# -- one layer -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class LayerTime:
+    """Forward time of one layer for one micro-batch on one GPU, by part."""
+
+    gemm_s: float
+    """Linear layers (QKV, output projection, MLP)."""
+    attention_s: float
+    """Attention core: QKᵀ, softmax, ·V (scores streamed through memory without flash attention)."""
+    elementwise_s: float
+    """Norms, residual adds, activation function, dropout: memory traffic."""
+    tp_comm_s: float
+    """Two tensor-parallel all-reduces (or all-gather + reduce-scatter with SP)."""
+    flops: float
+    """Model FLOPs of this forward on this GPU."""
+
+    @property
+    def compute_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.elementwise_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tp_comm_s
+
+
+def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_parallel: int = 1) -> float:
+    """Forward FLOPs of one layer on one of t GPUs: 2·rows·(GEMM weights) + 4·rows·s·h (QKᵀ and ·V).
+
+    At kv = a, f = 4h: (24·b·s·h² + 4·b·s²·h)/t, Narayanan et al. 2021 Eq. 3 (per layer, forward).
+    Counts the full s×s score matrix (as the paper does), not the causal half flash kernels skip.
+    """
+    h, f = shape.hidden, shape.ffn
+    kvd = shape.kv * shape.head_dim
+    weights = h * (h + 2 * kvd) + h * h + (3 if shape.gated_mlp else 2) * h * f
+    return (2.0 * rows * weights + 4.0 * rows * seq * h) / tensor_parallel
+
+
+def layer_forward(
+    shape: ModelShape,
+    micro_batch: int,
+    acc: Accelerator,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    flash_attention: bool | None = None,
+    dtype: str = "bf16",
+    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+) -> LayerTime:
+    """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
+
+    Elementwise traffic per layer, read + write of e-byte tensors: two norms and two residual
+    adds (about 10 tensor passes of rows×h, split by t only with SP), the activation function
+    (2 or 3 passes of rows×f/t) and, with dropout, two masked passes. Ignores kernel fusion, which
+    removes some of these passes, and launch overheads (see ``half_rows``).
+    """
+    s = seq or shape.seq
+    t = tensor_parallel
+    rows = micro_batch * s
+    h, f, a = shape.hidden, shape.ffn, shape.heads
+    kvd = shape.kv * shape.head_dim
+    e = 4 if dtype == "fp32" else 2
+    bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
+    g = gemm_time_s
+    kw = dict(dtype=dtype, efficiency=efficiency)
+    gemm = (
+        g(rows, h, (h + 2 * kvd) / t, acc, **kw)
+        + g(rows, h / t, h, acc, **kw)
+        + g(rows, h, (2 if shape.gated_mlp else 1) * f / t, acc, **kw)
+        + g(rows, f / t, h, acc, **kw)
+    )
+    flash = shape.flash_attention if flash_attention is None else flash_attention
+    attn_flops = 4.0 * rows * s * h / t
+    attn_bytes = e * rows * (2 * h + 2 * kvd) / t  # read Q, K, V; write O
+    if not flash:
+        attn_bytes += 4 * e * a * s * rows / t  # write scores, softmax read/write, read for ·V
+    attention = max(
+        attn_flops / (acc.flops(dtype) * efficiency.gemm(rows)),
+        attn_bytes / bw,
+    )
+    sp = t if sequence_parallel else 1
+    passes_h = 10 + (4 if shape.dropout else 0)
+    passes_f = 3 if shape.gated_mlp else 2
+    elementwise = e * rows * (passes_h * h / sp + passes_f * f / t) / bw
+    tp_comm = 0.0
+    if t > 1:
+        bw_tp = group_bandwidth(acc, t, 1) * efficiency.network
+        tp_comm = 2 * allreduce_time_s(e * rows * h, t, bw_tp)
+    return LayerTime(
+        gemm_s=gemm,
+        attention_s=attention,
+        elementwise_s=elementwise,
+        tp_comm_s=tp_comm,
+        flops=layer_forward_flops(shape, rows, s, t),
+    )
+
+
+def logits_forward(
+    shape: ModelShape,
+    micro_batch: int,
+    acc: Accelerator,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    dtype: str = "bf16",
+    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+) -> tuple[float, float]:
+    """(seconds, FLOPs) of the output layer and cross-entropy at rows = b_m·s on one of t GPUs.
+
+    GEMM rows×h×V/t, then fp32 logits written, read by the softmax and read again by the loss's
+    backward preparation (3 passes of 4·rows·V/t bytes).
+    """
+    s = seq or shape.seq
+    rows = micro_batch * s
+    t = tensor_parallel
+    gemm = gemm_time_s(rows, shape.hidden, shape.vocab / t, acc, dtype=dtype, efficiency=efficiency)
+    loss = 3 * 4 * rows * shape.vocab / t / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
+    return gemm + loss, gemm_flops(rows, shape.hidden, shape.vocab / t)
+
+
+# -- communication -----------------------------------------------------------------------------------
+def allreduce_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring all-reduce: 2·(n−1)/n · bytes / bandwidth (Patarasuk & Yuan 2009); 0 for one rank."""
+    return 0.0 if ranks <= 1 else 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+def allgather_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring all-gather of a ``nbytes`` result: (n−1)/n · bytes / bandwidth."""
+    return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+def reduce_scatter_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring reduce-scatter of a ``nbytes`` input: (n−1)/n · bytes / bandwidth."""
+    return allgather_time_s(nbytes, ranks, bytes_per_s)
+
+
+def p2p_time_s(nbytes: float, bytes_per_s: float) -> float:
+    """One point-to-point send: bytes / bandwidth."""
+    return nbytes / bytes_per_s
+
+
+def group_bandwidth(acc: Accelerator, size: int, stride: int) -> float:
+    """Per-GPU bandwidth of a process group of ``size`` ranks ``stride`` apart.
+
+    Megatron orders ranks tensor-fastest, then data, then pipeline: the group stays inside one node
+    (NVLink/xGMI) when size × stride ≤ GPUs per node, else it crosses the network.
+    """
+    if size * stride <= acc.gpus_per_node:
+        return acc.intra_node_bytes_per_s
+    return acc.inter_node_bytes_per_s
+
+
+# -- FLOPs per step -------------------------------------------------------------------------------------
+def model_flops_per_step(shape: ModelShape, global_batch: int, seq: int | None = None) -> float:
+    """Model FLOPs of one training step: 3 × forward (forward + 2× backward), no recompute.
+
+    At kv = a, f = 4h this is 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) (Narayanan et al. 2021 Eq. 3;
+    Korthikanti et al. 2022 model FLOPs). Used for MFU.
+    """
+    s = seq or shape.seq
+    rows = global_batch * s
+    layer = layer_forward_flops(shape, rows, s)
+    return 3.0 * (shape.layers * layer + gemm_flops(rows, shape.hidden, shape.vocab))
+
+
+def hardware_flops_per_step(
+    shape: ModelShape, global_batch: int, seq: int | None = None, recompute: str = "none"
+) -> float:
+    """FLOPs the hardware runs: model FLOPs plus the recomputed forward.
+
+    Full recompute runs each layer's forward twice: 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h))
+    (Narayanan et al. 2021 Eq. 3). Selective recomputes QKᵀ and ·V: 4·B·s²·h per layer.
+    """
+    s = seq or shape.seq
+    rows = global_batch * s
+    extra = 0.0
+    if recompute == "full":
+        extra = shape.layers * layer_forward_flops(shape, rows, s)
+    elif recompute == "selective":
+        extra = shape.layers * 4.0 * rows * s * shape.hidden
+    return model_flops_per_step(shape, global_batch, s) + extra
