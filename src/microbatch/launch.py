@@ -178,6 +178,7 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                 f"backend nccl with {cfg.stages} stages needs {cfg.stages} GPUs, found "
                 f"{torch.cuda.device_count()}; use --backend gloo or fewer --stages"
             )
+    check_splittable(cfg)
     deadline_s = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
@@ -245,6 +246,23 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
     finally:
         _kill_all(procs)
     return summarize(raw)
+
+
+def check_splittable(cfg: PipelineConfig) -> None:
+    """Refuse, before any process starts, a built-in model with fewer layers than p·v stages
+    (units: the embedding, every block, the head)."""
+    if ":" in cfg.model:
+        return
+    from .model import get_model
+
+    shape = get_model(cfg.model, seq=cfg.seq)
+    units = shape.layers + 2
+    if cfg.total_stages > units:
+        raise ConfigError(
+            f"{cfg.total_stages} stages (p·v = {cfg.stages}·{cfg.virtual}) but model {cfg.model} has only {units} "
+            f"layers to split (embedding, {shape.layers} blocks, head); each stage needs at least one; use "
+            f"p·v <= {units} or a deeper model"
+        )
 
 
 def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:

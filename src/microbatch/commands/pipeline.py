@@ -1,0 +1,186 @@
+"""``microbatch pipeline``: run pipeline-parallel training and compare the bubble with the prediction."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import dumps, emit, json_option, stages_option
+
+
+@click.command("pipeline")
+@stages_option(default=2)
+@click.option(
+    "--microbatches", "-m", type=int, default=4, show_default=True, help="m: micro-batches per step."
+)
+@click.option(
+    "--schedule",
+    default="1f1b",
+    show_default=True,
+    help="gpipe, 1f1b, interleaved-1f1b, zb-interleaved (torch's ZB1P) or zbv (zero-bubble V).",
+)
+@click.option("--virtual", "-v", type=int, default=None, help="v: stages per rank (default 1; zbv: 2).")
+@click.option(
+    "--model", default="tiny", show_default=True, help="Built-in model (tiny, small) or module:function."
+)
+@click.option(
+    "--global-batch", "-B", type=int, default=None, help="B: sequences per optimizer step (default m)."
+)
+@click.option("--seq", type=int, default=None, help="s: tokens per sequence (default: the model's).")
+@click.option(
+    "--steps", type=int, default=3, show_default=True, help="N optimizer steps (the first warms up)."
+)
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
+@click.option(
+    "--balance",
+    type=click.Choice(["params", "time"]),
+    default="params",
+    show_default=True,
+    help="Split layers by parameter count or by measured per-layer time.",
+)
+@click.option(
+    "--check-gradients", is_flag=True, help="Compare gradients with the unsplit model after step 1."
+)
+@click.option(
+    "--trace", type=click.Path(dir_okay=False), default=None, help="Write the timeline as a Chrome trace."
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds before a stuck run is killed.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@json_option
+def cmd(
+    stages,
+    microbatches,
+    schedule,
+    virtual,
+    model,
+    global_batch,
+    seq,
+    steps,
+    backend,
+    balance,
+    check_gradients,
+    trace,
+    timeout_s,
+    seed,
+    as_json,
+):
+    """Split a model into p stages, train it N steps under torch's pipeline schedule and measure.
+
+    \b
+    Prints the measured bubble (idle share of p × step time) beside the simulator's prediction fed
+    with the measured per-stage times, busy/idle time, in-flight micro-batches and saved-activation
+    bytes per rank, and with --check-gradients the largest relative gradient error against the
+    unsplit model. Starts p local processes (gloo on the CPU); under torchrun it runs as one rank:
+      torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --master-addr HOST --master-port 29500 \\
+          -m microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b
+    Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
+    """
+    from ..launch import chrome_trace, run_external, run_pipeline, under_torchrun
+    from ..pipeline import PipelineConfig, schedule_name
+
+    name = schedule_name(schedule)
+    if virtual is None:
+        virtual = 2 if name == "zbv" else 1
+    cfg = PipelineConfig(
+        schedule=name,
+        stages=stages,
+        microbatches=microbatches,
+        virtual=virtual,
+        model=model,
+        global_batch=global_batch,
+        seq=seq,
+        steps=steps,
+        backend=backend,
+        balance=balance,
+        check_gradients=check_gradients,
+        timeout_s=timeout_s,
+        seed=seed,
+    )
+    if under_torchrun():
+        report = run_external(cfg)
+        if report is None:  # not rank 0: rank 0 prints
+            return
+    else:
+        report = run_pipeline(cfg)
+    if trace:
+        with open(trace, "w") as f:
+            f.write(dumps(chrome_trace(report)))
+    emit(report, as_json, lambda: render(report, trace))
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _draw(rows: list[list[tuple[float, float, str, int]]], span: float, width: int = 64) -> list[str]:
+    """ASCII timeline: one line per rank, one character per span/width seconds; the micro-batch
+    number (mod 10) for a forward, a letter for a backward part (B: a…, I: a…, W: A…), '.' idle."""
+    out = []
+    for r, row in enumerate(rows):
+        cells = ["."] * width
+        for start, end, label, mb in row:
+            kind = label[-1]
+            ch = str(mb % 10) if kind == "F" else chr((ord("A") if kind == "W" else ord("a")) + mb % 26)
+            a = int(start / span * width) if span > 0 else 0
+            b = max(a + 1, int(round(end / span * width))) if span > 0 else 1
+            for c in range(a, min(b, width)):
+                cells[c] = ch
+        out.append(f"  rank {r} |{''.join(cells)}|")
+    return out
+
+
+def render(report: dict, trace: str | None) -> str:
+    from ..launch import timeline_rows
+
+    m, p, v = report["measured"], report["predicted"], report["virtual"]
+    lines = [
+        f"pipeline {report['schedule']}: p = {report['stages']} ranks, m = {report['microbatches']} micro-batches"
+        + (f", v = {v} stages per rank" if v > 1 else "")
+        + f"; model {report['model']}, B = {report['global_batch']}, b_m = {report['micro_batch']}, "
+        f"layers per stage {report['layers_per_stage']}",
+        f"  {report['measured_steps']} measured step(s) of {report['steps']} on {report['device']} (torch "
+        f"{report['torch_version']})",
+        "",
+        "                       measured   predicted",
+        f"  bubble (idle share)   {m['bubble_fraction']:7.1%}     {p['bubble_fraction']:7.1%}",
+        f"  step time             {m['step_time_s'] * 1e3:7.2f} ms  {p['step_time_s'] * 1e3:7.2f} ms",
+        "",
+        "  rank  stages     busy ms   idle ms  in flight (pred)  act/µbatch   peak act",
+    ]
+    for st, pif in zip(m["stage_stats"], p["peak_in_flight"], strict=True):
+        lines.append(
+            f"  {st['stage']:>4}  {','.join(map(str, st['virtual_stages'])):<9} {st['busy_s'] * 1e3:8.2f}  "
+            f"{st['idle_s'] * 1e3:8.2f}  {st['peak_in_flight']:>6g} ({pif:g})      "
+            f"{_fmt_bytes(st['activation_bytes_per_microbatch']):>10}  {_fmt_bytes(st['peak_activation_bytes']):>9}"
+            + (f"  cuda peak {_fmt_bytes(st['cuda_peak_bytes'])}" if st.get("cuda_peak_bytes") else "")
+        )
+    span = max(m["step_time_s"], p["step_time_s"])
+    pred_rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(report["stages"])]
+    for it in report["predicted_timeline"]:
+        pred_rows[it["rank"]].append((it["start_s"], it["end_s"], it["label"], it["microbatch"]))
+    lines += ["", "  measured timeline (last step; digits: forward of µbatch k, letters: backward)"]
+    lines += _draw(timeline_rows(report), span)
+    lines += ["  predicted"]
+    lines += _draw(pred_rows, span)
+    if report["gradients_match"] is not None:
+        verdict = "match" if report["gradients_match"] else "DO NOT MATCH"
+        lines += [
+            "",
+            f"  gradients {verdict} the unsplit model: largest relative error "
+            f"{report['max_grad_rel_error']:.2e} (tolerance {report['grad_tolerance']:.0e})",
+        ]
+    if trace:
+        lines.append(f"  Chrome trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
+    return "\n".join(lines)
