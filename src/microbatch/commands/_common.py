@@ -47,3 +47,58 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
         click.echo(dumps(obj))
     else:
         click.echo(render())
+
+
+MODEL_FLAGS = ("model", "hf_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq")
+"""Parameters :func:`model_options` adds; the command receives them as one dict, ``model_spec``."""
+
+
+def model_options(f: Callable) -> Callable:
+    """Add the model options: ``--model NAME``, ``--hf-config PATH`` and the shape flags.
+
+    The command receives one keyword argument ``model_spec`` (a dict of the nine values) and calls
+    :func:`resolve_model` on it::
+
+        @click.command("tune")
+        @model_options
+        def cmd(model_spec, ...):
+            shape = resolve_model(model_spec, default="small")
+    """
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["model_spec"] = {k: kwargs.pop(k, None) for k in MODEL_FLAGS}
+        return f(*args, **kwargs)
+
+    opts = [
+        click.option("--model", "model", help="A registry model name (gpt2, llama-2-7b, megatron-530b, tiny, ...)."),
+        click.option("--hf-config", "hf_config", type=click.Path(dir_okay=True), help="A Hugging Face config.json."),
+        click.option("--layers", type=int, help="L: transformer layers (shape flag)."),
+        click.option("--hidden", type=int, help="h: hidden size (shape flag)."),
+        click.option("--heads", type=int, help="a: attention heads (shape flag)."),
+        click.option("--kv-heads", "kv_heads", type=int, help="Key/value heads (grouped-query attention)."),
+        click.option("--ffn-hidden", "ffn_hidden", type=int, help="MLP inner width (default 4h)."),
+        click.option("--vocab", type=int, help="V: vocabulary size (shape flag)."),
+        click.option("--seq", type=int, help="s: sequence length (overrides the model's)."),
+    ]
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+def resolve_model(spec: dict, default: str | None = None):
+    """The :class:`~microbatch.model.ModelShape` that ``model_spec`` names.
+
+    ``--model`` or ``--hf-config`` (shape flags given with them override fields), or the shape
+    flags alone; with none of them, the ``default`` registry model (a ConfigError if None).
+    """
+    from ..model import resolve_model as _resolve
+
+    spec = dict(spec)
+    model, hf = spec.pop("model", None), spec.pop("hf_config", None)
+    if model is None and hf is None and default is not None and all(v is None for v in spec.values()):
+        model = default
+    elif model is None and hf is None and default is not None and spec.get("layers") is None:
+        model = default  # only --seq (or similar) given: override the default model's field
+    return _resolve(model, hf, **spec)
