@@ -72,8 +72,12 @@ def model_options(f: Callable) -> Callable:
         return f(*args, **kwargs)
 
     opts = [
-        click.option("--model", "model", help="A registry model name (gpt2, llama-2-7b, megatron-530b, tiny, ...)."),
-        click.option("--hf-config", "hf_config", type=click.Path(dir_okay=True), help="A Hugging Face config.json."),
+        click.option(
+            "--model", "model", help="A registry model name (gpt2, llama-2-7b, megatron-530b, tiny, ...)."
+        ),
+        click.option(
+            "--hf-config", "hf_config", type=click.Path(dir_okay=True), help="A Hugging Face config.json."
+        ),
         click.option("--layers", type=int, help="L: transformer layers (shape flag)."),
         click.option("--hidden", type=int, help="h: hidden size (shape flag)."),
         click.option("--heads", type=int, help="a: attention heads (shape flag)."),
