@@ -1,0 +1,162 @@
+"""``microbatch bubble``: the pipeline bubble of a schedule — closed form, fraction and ratio."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from ._common import emit, json_option, stages_option
+
+SCHEDULE_HELP = "Schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1 (or any registered in microbatch.schedule)."
+
+
+def microbatches_option(f):
+    return click.option(
+        "--microbatches", "-m", type=int, required=True, help="m: micro-batches per pipeline flush."
+    )(f)
+
+
+def virtual_option(f):
+    return click.option(
+        "--virtual", type=int, default=1, show_default=True, help="v: virtual stages (model chunks) per rank."
+    )(f)
+
+
+def width_option(f):
+    return click.option(
+        "--width",
+        type=int,
+        default=100,
+        show_default=True,
+        help="Most columns the diagram's time axis may use.",
+    )(f)
+
+
+def use_color() -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    stream = click.get_text_stream("stdout")
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def in_flight_text(values) -> str:
+    from ..report import _fmt
+
+    return " ".join(_fmt(round(v, 3)) for v in values)
+
+
+@click.command("bubble")
+@stages_option()
+@microbatches_option
+@click.option("--schedule", "-s", "schedule_name", default="gpipe", show_default=True, help=SCHEDULE_HELP)
+@virtual_option
+@click.option("--forward-time", type=float, default=None, help="Zero-bubble only: T_F (default 1).")
+@click.option(
+    "--input-time", type=float, default=None, help="Zero-bubble only: T_I, input-gradient time (default 1)."
+)
+@click.option(
+    "--weight-time", type=float, default=None, help="Zero-bubble only: T_W, weight-gradient time (default 1)."
+)
+@width_option
+@click.option("--no-diagram", is_flag=True, help="Print the numbers only.")
+@json_option
+def cmd(
+    stages,
+    microbatches,
+    schedule_name,
+    virtual,
+    forward_time,
+    input_time,
+    weight_time,
+    width,
+    no_diagram,
+    as_json,
+):
+    """The bubble of p stages and m micro-batches: the idle fraction and Megatron's ratio.
+
+    \b
+    fraction = idle / total stage time = (p−1)/(v·m+p−1)   (GPipe, 1F1B; interleaved with v)
+    ratio    = idle / ideal busy time  = (p−1)/(v·m)        (the number Megatron quotes)
+    zb-h1: idle per stage (p−1)(T_F+T_I−T_W) (Qi et al. 2024, Table 2).
+    Peak in-flight micro-batches per rank come from simulating the schedule.
+
+    \b
+    Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
+    """
+    from ..schedule import check_servable, generate, get_spec
+    from ..simulate import ZB_IDLE_SCHEDULES, bubble_fraction, bubble_ratio, simulate, zb_idle_time
+
+    spec = get_spec(schedule_name)
+    check_servable(spec.name, stages, microbatches, virtual)
+    schedule = generate(spec.name, stages, microbatches, virtual)
+    result: dict = {"schedule": spec.name, "stages": stages, "microbatches": microbatches, "virtual": virtual}
+    notes: list[str] = []
+    if spec.split_backward:
+        given = [t is not None for t in (forward_time, input_time, weight_time)]
+        tf, ti, tw = (1.0 if t is None else t for t in (forward_time, input_time, weight_time))
+        if not all(given):
+            notes.append(
+                f"times T_F = {tf:g}, T_I = {ti:g}, T_W = {tw:g}"
+                + (" (defaults; give --forward-time, --input-time, --weight-time)" if not any(given) else "")
+            )
+        sim = simulate(schedule, forward_time=tf, input_time=ti, weight_time=tw)
+        busy = microbatches * virtual * (tf + ti + tw)
+        if spec.name in ZB_IDLE_SCHEDULES:
+            idle = zb_idle_time(spec.name, stages, tf, ti, tw)
+            result["method"] = "closed form: Qi et al. 2024 (Zero Bubble PP), Table 2"
+        else:
+            idle = sum(sim.idle) / stages
+            result["method"] = "simulation (no closed form for this schedule)"
+        result["times"] = {"forward": tf, "input": ti, "weight": tw}
+        result["idle_time_per_stage"] = idle
+        result["bubble_fraction"] = idle / (idle + busy) if idle + busy > 0 else 0.0
+        result["bubble_ratio"] = idle / busy if busy > 0 else 0.0
+    else:
+        for flag, t in (
+            ("--forward-time", forward_time),
+            ("--input-time", input_time),
+            ("--weight-time", weight_time),
+        ):
+            if t is not None:
+                notes.append(f"{flag} ignored: the {spec.name} bubble does not depend on op times")
+        sim = simulate(schedule, forward_time=1.0, backward_time=2.0)
+        result["method"] = (
+            "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
+        )
+        result["bubble_fraction"] = bubble_fraction(stages, microbatches, virtual)
+        result["bubble_ratio"] = bubble_ratio(stages, microbatches, virtual)
+    result["fraction_is"] = "idle / total stage time"
+    result["ratio_is"] = "idle / ideal busy time (Megatron)"
+    result["simulated_bubble_fraction"] = sim.bubble_fraction
+    result["peak_in_flight"] = list(sim.peak_in_flight)
+    result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
+    result["notes"] = notes
+
+    def render() -> str:
+        from ..report import render_timeline_text
+
+        lines = [
+            f"{spec.name}: p = {stages} stages, m = {microbatches} micro-batches"
+            + (f", v = {virtual} stages per rank" if virtual > 1 else ""),
+            f"  bubble fraction  {pct(result['bubble_fraction']):>6}  idle / total stage time",
+            f"  bubble ratio     {pct(result['bubble_ratio']):>6}  idle / ideal busy time (Megatron's number)",
+            f"  peak in flight   {in_flight_text(result['peak_in_flight'])}  micro-batches per rank, rank 0 first",
+        ]
+        if "idle_time_per_stage" in result:
+            lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
+        lines.append(f"  method: {result['method']}")
+        lines += [f"  note: {n}" for n in notes]
+        if not no_diagram:
+            lines.append("")
+            lines.append(
+                render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=use_color())
+            )
+        return "\n".join(lines)
+
+    emit(result, as_json, render)

@@ -1,0 +1,263 @@
+"""``microbatch simulate``: run a schedule on op times; print the bubble diagram, write charts."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import emit, json_option, stages_option
+from .bubble import (
+    SCHEDULE_HELP,
+    in_flight_text,
+    microbatches_option,
+    pct,
+    use_color,
+    virtual_option,
+    width_option,
+)
+
+
+def parse_stage_times(text: str) -> list[tuple[float, ...]]:
+    """``--stage-times``: comma-separated, one entry per virtual stage.
+
+    An entry is a number (a speed factor applied to the base times), ``F:B`` (forward and full
+    backward) or ``F:I:W`` (forward, input-gradient and weight-gradient times).
+    """
+    from ..errors import ConfigError
+
+    entries = []
+    for i, raw in enumerate(text.split(",")):
+        parts = raw.strip().split(":")
+        try:
+            vals = tuple(float(x) for x in parts)
+        except ValueError:
+            raise ConfigError(
+                f"--stage-times entry {i} is {raw.strip()!r}: each entry must be a number (a factor), F:B or "
+                "F:I:W, e.g. --stage-times 1,1,1.5,1 or --stage-times 1:2,1:2,1.5:3,1:2"
+            ) from None
+        if len(vals) not in (1, 2, 3):
+            raise ConfigError(
+                f"--stage-times entry {i} is {raw.strip()!r}: give one value (a factor), two (F:B) or three (F:I:W)"
+            )
+        entries.append(vals)
+    return entries
+
+
+def resolve_times(
+    spec, schedule, *, forward_time, backward_time, input_time, weight_time, stage_times
+) -> dict:
+    """Keyword times for :func:`microbatch.simulate.simulate` from the command's options."""
+    from ..errors import ConfigError
+
+    if backward_time is not None and (input_time is not None or weight_time is not None):
+        raise ConfigError(
+            "--backward-time was given with --input-time/--weight-time: give --backward-time B for a full "
+            "backward, or --input-time I and --weight-time W for a split one, not both"
+        )
+    if (input_time is None) != (weight_time is None):
+        missing = "--weight-time" if weight_time is None else "--input-time"
+        raise ConfigError(f"a split backward needs both --input-time and --weight-time; add {missing}")
+    split = spec.split_backward
+    if split and input_time is None and not stage_times:
+        raise ConfigError(
+            f"schedule {spec.name!r} splits the backward into I and W: --input-time and --weight-time are "
+            "required (e.g. --input-time 1 --weight-time 1)"
+            + ("; --backward-time alone does not say how to split it" if backward_time is not None else "")
+        )
+    tf = 1.0 if forward_time is None else forward_time
+    if split:
+        tb = None
+    elif backward_time is not None:
+        tb = backward_time
+    elif input_time is not None:
+        tb = input_time + weight_time
+    else:
+        tb = 2.0 * tf  # the usual assumption: a backward costs two forwards
+    if not stage_times:
+        return {
+            "forward_time": tf,
+            "backward_time": tb,
+            "input_time": input_time if split else None,
+            "weight_time": weight_time if split else None,
+        }
+    entries = parse_stage_times(stage_times)
+    nst = schedule.num_virtual_stages
+    if len(entries) != nst:
+        raise ConfigError(
+            f"--stage-times has {len(entries)} entries but the schedule has {nst} virtual stages "
+            f"(p·v = {schedule.stages}·{schedule.virtual}); give one entry per virtual stage"
+        )
+    f, b, i_, w = [], [], [], []
+    for k, e in enumerate(entries):
+        if len(e) == 1:
+            if split and input_time is None:
+                raise ConfigError(
+                    f"--stage-times entry {k} is a factor but {spec.name!r} has no base --input-time/--weight-time; "
+                    "give them, or write the entry as F:I:W"
+                )
+            f.append(e[0] * tf)
+            if split:
+                i_.append(e[0] * input_time)
+                w.append(e[0] * weight_time)
+            else:
+                b.append(e[0] * tb)
+        elif len(e) == 2:
+            if split:
+                raise ConfigError(
+                    f"--stage-times entry {k} is F:B but {spec.name!r} splits the backward; write it as F:I:W"
+                )
+            f.append(e[0])
+            b.append(e[1])
+        else:
+            f.append(e[0])
+            if split:
+                i_.append(e[1])
+                w.append(e[2])
+            else:
+                b.append(e[1] + e[2])
+    return {
+        "forward_time": f,
+        "backward_time": None if split else b,
+        "input_time": i_ if split else None,
+        "weight_time": w if split else None,
+    }
+
+
+@click.command("simulate")
+@stages_option()
+@microbatches_option
+@click.option("--schedule", "-s", "schedule_name", required=True, help=SCHEDULE_HELP)
+@virtual_option
+@click.option("--forward-time", type=float, default=None, help="T_F per (virtual) stage [default 1].")
+@click.option("--backward-time", type=float, default=None, help="T_B, full backward [default 2 × T_F].")
+@click.option("--input-time", type=float, default=None, help="T_I, input-gradient backward (zero-bubble).")
+@click.option("--weight-time", type=float, default=None, help="T_W, weight-gradient backward (zero-bubble).")
+@click.option(
+    "--comm-time",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Point-to-point latency per cross-rank hop.",
+)
+@click.option(
+    "--stage-times",
+    default=None,
+    help="Per virtual stage, comma-separated: a factor (1,1,1.5,1), F:B (1:2,1:2,…) or F:I:W.",
+)
+@click.option("--time-unit", default="", help="Label of the time unit in the output (e.g. ms).")
+@click.option(
+    "--svg", "svg_path", type=click.Path(dir_okay=False), default=None, help="Write the timeline as SVG."
+)
+@click.option(
+    "--png", "png_path", type=click.Path(dir_okay=False), default=None, help="Write the timeline as PNG."
+)
+@width_option
+@click.option("--no-diagram", is_flag=True, help="Print the numbers only.")
+@json_option
+def cmd(
+    stages,
+    microbatches,
+    schedule_name,
+    virtual,
+    forward_time,
+    backward_time,
+    input_time,
+    weight_time,
+    comm_time,
+    stage_times,
+    time_unit,
+    svg_path,
+    png_path,
+    width,
+    no_diagram,
+    as_json,
+):
+    """Simulate a schedule on op times: makespan, bubble, idle and in-flight per rank, a diagram.
+
+    \b
+    An op starts when its rank is free and its inputs have arrived (plus --comm-time across
+    ranks); each rank runs its own list in order, as torch does. Times are in any unit.
+    Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
+    """
+    from ..schedule import check_servable, generate, get_spec
+    from ..simulate import bubble_fraction, bubble_ratio, simulate, zb_idle_time
+
+    spec = get_spec(schedule_name)
+    check_servable(spec.name, stages, microbatches, virtual)
+    schedule = generate(spec.name, stages, microbatches, virtual)
+    times = resolve_times(
+        spec,
+        schedule,
+        forward_time=forward_time,
+        backward_time=backward_time,
+        input_time=input_time,
+        weight_time=weight_time,
+        stage_times=stage_times,
+    )
+    sim = simulate(schedule, comm_time=comm_time, **times)
+    result = sim.to_dict()
+    result["schedule"] = spec.name
+    result["times"] = {k.removesuffix("_time"): v for k, v in times.items() if v is not None}
+    result["fraction_is"] = "idle / total stage time"
+    result["ratio_is"] = "idle / ideal busy time (Megatron)"
+    result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
+    uniform = not stage_times and comm_time == 0
+    # The closed forms hold for equal stages and no comm time (interleaved: only for m >= p).
+    if uniform and (
+        spec.name in ("gpipe", "1f1b") or (spec.name == "interleaved-1f1b" and microbatches >= stages)
+    ):
+        result["closed_form"] = {
+            "bubble_fraction": bubble_fraction(stages, microbatches, virtual),
+            "bubble_ratio": bubble_ratio(stages, microbatches, virtual),
+        }
+    if uniform and spec.name == "zb-h1":
+        result["closed_form"] = {
+            "idle_time_per_stage": zb_idle_time(
+                "zb-h1", stages, times["forward_time"], times["input_time"], times["weight_time"]
+            ),
+            "valid_when": "T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
+        }
+    rows = sim.timeline_rows()
+    title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
+    if svg_path:
+        from ..report import save_timeline_svg
+
+        save_timeline_svg(rows, sim.makespan, svg_path, title=title, time_unit=time_unit)
+        result["svg"] = str(svg_path)
+    if png_path:
+        from ..report import save_timeline_png
+
+        save_timeline_png(rows, sim.makespan, png_path, title=title, time_unit=time_unit)
+        result["png"] = str(png_path)
+
+    def render() -> str:
+        from ..report import _fmt, render_stats_table, render_timeline_text
+
+        unit = f" {time_unit}" if time_unit else ""
+        lines = [
+            title,
+            f"  makespan         {_fmt(sim.makespan)}{unit}",
+            f"  bubble fraction  {pct(sim.bubble_fraction):>6}  idle / total stage time",
+            f"  bubble ratio     {pct(sim.bubble_ratio):>6}  idle / ideal busy time (Megatron's number)",
+            f"  peak in flight   {in_flight_text(sim.peak_in_flight)}  micro-batches per rank, rank 0 first",
+        ]
+        cf = result.get("closed_form", {})
+        if "bubble_fraction" in cf:
+            lines.append(
+                f"  closed form      {pct(cf['bubble_fraction']):>6}  (p−1)/(v·m+p−1), uniform stages"
+            )
+        if "idle_time_per_stage" in cf:
+            lines.append(
+                f"  closed form      idle per stage {_fmt(cf['idle_time_per_stage'])}{unit}  (Qi et al. 2024, Table 2)"
+            )
+        lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
+        if not no_diagram:
+            lines += [
+                "",
+                render_timeline_text(rows, sim.makespan, width=width, color=use_color(), time_unit=time_unit),
+            ]
+        for key in ("svg", "png"):
+            if key in result:
+                lines.append(f"wrote {result[key]}")
+        return "\n".join(lines)
+
+    emit(result, as_json, render)

@@ -1,0 +1,344 @@
+"""Formatting: terminal bubble diagrams and timeline charts (SVG, PNG).
+
+Everything here takes *plain data*, so a simulated and a measured timeline are drawn the same
+way: per rank, a sequence of rows ``(start, end, label, microbatch)`` where ``label`` is the
+kind (``F``, ``B``, ``I``, ``W``), optionally prefixed by a chunk number (``1F``). Rows of
+``(start, end, action)`` with an :class:`~microbatch.schedule.Action`, and dicts with keys
+``start``, ``end``, ``kind`` (or ``label``) and ``microbatch``, are accepted too.
+
+- :func:`render_timeline_text` — the bubble diagram for a terminal: plain text, or ANSI colours
+  (through rich) when the caller says the output is a terminal;
+- :func:`timeline_svg` — a self-contained SVG string (no matplotlib; an HTML report can inline it);
+- :func:`save_timeline_png` — a PNG through matplotlib, imported only when called.
+
+This module never prints; the commands decide where the text goes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from html import escape
+from pathlib import Path
+from typing import Any
+
+Row = tuple[float, float, str, int]
+"""One op on one rank: ``(start, end, label, microbatch)``."""
+
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-grad", "W": "weight-grad"}
+"""What each kind letter means, for legends."""
+
+KIND_COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#72B7B2", "W": "#E45756"}
+"""Fill colour of each kind in SVG, PNG and (later) HTML charts."""
+
+KIND_TERMINAL = {"F": "white on blue", "B": "black on green", "I": "black on cyan", "W": "white on red"}
+"""rich styles of each kind in a colour terminal."""
+
+IDLE_CHAR = "."
+"""Plain-text cell of an idle slot."""
+
+FILL_CHAR = "-"
+"""Plain-text cells of an op after its label (``B0------``)."""
+
+
+def _kind(label: str) -> str:
+    """The kind letter of a label (``"1F"`` -> ``"F"``); unknown labels keep their last char."""
+    return label[-1] if label else "?"
+
+
+def normalize_rows(intervals_by_rank: Iterable[Iterable[Any]]) -> list[list[Row]]:
+    """Per rank, rows as ``(start, end, label, microbatch)`` floats/str/int, sorted by start."""
+    out: list[list[Row]] = []
+    for rank in intervals_by_rank:
+        rows: list[Row] = []
+        for item in rank:
+            if isinstance(item, Mapping):
+                label = str(item.get("label", item.get("kind", "?")))
+                rows.append(
+                    (float(item["start"]), float(item["end"]), label, int(item.get("microbatch", -1)))
+                )
+            elif len(item) == 3:  # (start, end, Action)
+                start, end, action = item
+                rows.append((float(start), float(end), str(action.kind), int(action.microbatch)))
+            else:
+                start, end, label, mb = item
+                rows.append((float(start), float(end), str(label), int(mb)))
+        rows.sort(key=lambda r: (r[0], r[1]))
+        out.append(rows)
+    return out
+
+
+def _makespan(rows: list[list[Row]], makespan: float | None) -> float:
+    if makespan is not None:
+        return float(makespan)
+    return max((r[1] for rank in rows for r in rank), default=0.0)
+
+
+def _origin(rows: list[list[Row]]) -> float:
+    return min((r[0] for rank in rows for r in rank), default=0.0)
+
+
+def render_timeline_text(
+    intervals_by_rank: Iterable[Iterable[Any]],
+    makespan: float | None = None,
+    *,
+    width: int = 100,
+    color: bool = False,
+    legend: bool = True,
+    rank_label: str = "rank",
+    time_unit: str = "",
+) -> str:
+    """A bubble diagram: one line per rank, time left to right, idle as ``.``.
+
+    Each op shows its label and micro-batch (``F3--``, ``B0------``; ``1F3`` for chunk 1) when it
+    is wide enough, else its kind letter in every column (``FBBFBB``). ``width`` is the most columns the time axis may
+    use; short timelines get a fixed number of columns per op so labels stay readable.
+    ``color=True`` returns ANSI colours (rich), for a terminal; the text is the same either way.
+    """
+    rows = normalize_rows(intervals_by_rank)
+    t0 = _origin(rows)
+    span = _makespan(rows, makespan) - t0
+    if not rows or span <= 0:
+        return "(empty timeline)"
+    width = max(10, int(width))
+    durations = [r[1] - r[0] for rank in rows for r in rank if r[1] > r[0]]
+    longest = max((len(f"{r[2]}{r[3]}") for rank in rows for r in rank), default=2)
+    d_min = min(durations) if durations else span
+    want = (longest + 1) / d_min  # columns per time unit to show every label
+    scale = want if span * want <= width else width / span
+    ncols = max(1, math.ceil(span * scale - 1e-9))
+    labels = d_min * scale >= longest  # every op can show its label, or none does
+
+    lines_cells: list[list[tuple[str, str | None]]] = []
+    for rank in rows:
+        cells: list[tuple[str, str | None]] = [(IDLE_CHAR, None)] * ncols
+        for start, end, label, mb in rank:
+            c0 = min(ncols - 1, int(round((start - t0) * scale)))
+            c1 = min(ncols, max(c0 + 1, int(round((end - t0) * scale))))
+            text = f"{label}{mb}" if mb >= 0 else label
+            w = c1 - c0
+            kind = _kind(label)
+            # the whole label when it fits (filled with "-"), else the kind letter alone
+            shown = text.ljust(w, FILL_CHAR) if labels and len(text) <= w else kind * w
+            for j in range(w):
+                cells[c0 + j] = (shown[j], kind)
+        lines_cells.append(cells)
+
+    name_w = len(f"{rank_label} {len(rows) - 1}")
+    unit = f" {time_unit}" if time_unit else ""
+    per_col = span / ncols
+    header = f"{'':<{name_w}}  0{unit}".ljust(name_w + 2 + max(0, ncols - len(_fmt(span + t0)))) + _fmt(
+        span + t0
+    )
+    plain_lines = [header.rstrip()]
+    for r, cells in enumerate(lines_cells):
+        plain_lines.append(f"{rank_label} {r}".ljust(name_w) + " |" + "".join(c for c, _ in cells) + "|")
+    legend_line = ""
+    if legend:
+        kinds = sorted({_kind(r[2]) for rank in rows for r in rank}, key=lambda k: "FBIW".find(k) % 5)
+        parts = [f"{k} {KIND_NAMES.get(k, k)}" for k in kinds]
+        legend_line = "  ".join(parts + [f"{IDLE_CHAR} idle"]) + f"; one column = {_fmt(per_col)}{unit}"
+    if not color:
+        return "\n".join(plain_lines + ([legend_line] if legend else []))
+
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(force_terminal=True, color_system="standard", width=name_w + ncols + 8, record=False)
+    out = [Text(plain_lines[0])]
+    for r, cells in enumerate(lines_cells):
+        t = Text(f"{rank_label} {r}".ljust(name_w) + " |")
+        for ch, kind in cells:
+            t.append(ch, style=KIND_TERMINAL.get(kind, "") if kind else "dim")
+        t.append("|")
+        out.append(t)
+    if legend:
+        lt = Text()
+        for k in sorted({_kind(r[2]) for rank in rows for r in rank}, key=lambda k: "FBIW".find(k) % 5):
+            lt.append(f" {k} ", style=KIND_TERMINAL.get(k, ""))
+            lt.append(f" {KIND_NAMES.get(k, k)}  ")
+        lt.append(f"{IDLE_CHAR} idle; one column = {_fmt(per_col)}{unit}", style="dim")
+        out.append(lt)
+    with console.capture() as cap:
+        for t in out:
+            console.print(t, overflow="ignore", no_wrap=True, crop=False)
+    return cap.get().rstrip("\n")
+
+
+def _fmt(x: float) -> str:
+    """Short number: integers without decimals, else 4 significant digits."""
+    if abs(x - round(x)) < 1e-9:
+        return str(int(round(x)))
+    return f"{x:.4g}"
+
+
+def render_stats_table(stage_stats: Sequence[Mapping[str, Any]], *, time_unit: str = "") -> str:
+    """Per-rank busy / idle / peak in-flight as an aligned plain-text table."""
+    unit = f" ({time_unit})" if time_unit else ""
+    head = ("rank", f"busy{unit}", f"idle{unit}", "idle %", "peak in flight")
+    body = []
+    for s in stage_stats:
+        total = s["busy"] + s["idle"]
+        pct = 100 * s["idle"] / total if total > 0 else 0.0
+        body.append(
+            (str(s["stage"]), _fmt(s["busy"]), _fmt(s["idle"]), f"{pct:.1f}", _fmt(s["peak_in_flight"]))
+        )
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *body]]
+    return "\n".join(lines)
+
+
+def timeline_svg(
+    intervals_by_rank: Iterable[Iterable[Any]],
+    makespan: float | None = None,
+    *,
+    title: str | None = None,
+    time_unit: str = "",
+    width_px: int = 960,
+    row_px: int = 26,
+    rank_label: str = "rank",
+) -> str:
+    """A self-contained SVG chart of the timeline: one lane per rank, one coloured box per op."""
+    rows = normalize_rows(intervals_by_rank)
+    t0 = _origin(rows)
+    span = max(_makespan(rows, makespan) - t0, 1e-12)
+    left, right, top = 70, 20, 34 if title else 12
+    axis_h, legend_h = 30, 24
+    plot_w = max(100, width_px - left - right)
+    height = top + row_px * len(rows) + axis_h + legend_h
+    sx = plot_w / span
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width_px}" height="{height}" '
+        f'viewBox="0 0 {width_px} {height}" font-family="sans-serif" font-size="11">',
+        f'<rect x="0" y="0" width="{width_px}" height="{height}" fill="white"/>',
+    ]
+    if title:
+        out.append(f'<text x="{left}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>')
+    for r, rank in enumerate(rows):
+        y = top + r * row_px
+        out.append(
+            f'<rect x="{left}" y="{y + 2}" width="{plot_w:.2f}" height="{row_px - 4}" fill="#f2f2f2"/>'
+        )
+        out.append(
+            f'<text x="{left - 6}" y="{y + row_px / 2 + 4:.1f}" text-anchor="end">{escape(rank_label)} {r}</text>'
+        )
+        for start, end, label, mb in rank:
+            x = left + (start - t0) * sx
+            w = max((end - start) * sx, 0.5)
+            kind = _kind(label)
+            fill = KIND_COLORS.get(kind, "#999999")
+            text = f"{label}{mb}" if mb >= 0 else label
+            out.append(
+                f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_px - 4}" fill="{fill}" '
+                f'stroke="white" stroke-width="0.5"><title>{escape(text)}: {_fmt(start)}–{_fmt(end)}</title></rect>'
+            )
+            if w >= 7 * len(text):
+                out.append(
+                    f'<text x="{x + w / 2:.2f}" y="{y + row_px / 2 + 4:.1f}" text-anchor="middle" '
+                    f'fill="white">{escape(text)}</text>'
+                )
+    y_axis = top + row_px * len(rows) + 4
+    out.append(f'<line x1="{left}" y1="{y_axis}" x2="{left + plot_w}" y2="{y_axis}" stroke="black"/>')
+    for tick in _ticks(t0, t0 + span):
+        x = left + (tick - t0) * sx
+        out.append(f'<line x1="{x:.2f}" y1="{y_axis}" x2="{x:.2f}" y2="{y_axis + 4}" stroke="black"/>')
+        out.append(f'<text x="{x:.2f}" y="{y_axis + 16}" text-anchor="middle">{_fmt(tick)}</text>')
+    if time_unit:
+        out.append(
+            f'<text x="{left + plot_w}" y="{y_axis + 28}" text-anchor="end">time ({escape(time_unit)})</text>'
+        )
+    kinds = sorted({_kind(r[2]) for rank in rows for r in rank}, key=lambda k: "FBIW".find(k) % 5)
+    lx, ly = left, height - 8
+    for k in kinds:
+        out.append(
+            f'<rect x="{lx}" y="{ly - 10}" width="12" height="12" fill="{KIND_COLORS.get(k, "#999999")}"/>'
+        )
+        name = f"{k} {KIND_NAMES.get(k, k)}"
+        out.append(f'<text x="{lx + 16}" y="{ly}">{escape(name)}</text>')
+        lx += 24 + 7 * len(name)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _ticks(lo: float, hi: float, n: int = 8) -> list[float]:
+    """About ``n`` round tick positions in [lo, hi]."""
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(s * mag for s in (1, 2, 2.5, 5, 10) if s * mag >= raw)
+    first = math.ceil(lo / step) * step
+    out = []
+    k = 0
+    while first + k * step <= hi + 1e-9 * step:
+        out.append(first + k * step)
+        k += 1
+    return out
+
+
+def save_timeline_svg(
+    intervals_by_rank: Iterable[Iterable[Any]], makespan: float | None, path: str | Path, **kw: Any
+) -> Path:
+    """Write :func:`timeline_svg` to ``path``; returns the path."""
+    p = Path(path)
+    p.write_text(timeline_svg(intervals_by_rank, makespan, **kw), encoding="utf-8")
+    return p
+
+
+def save_timeline_png(
+    intervals_by_rank: Iterable[Iterable[Any]],
+    makespan: float | None,
+    path: str | Path,
+    *,
+    title: str | None = None,
+    time_unit: str = "",
+    rank_label: str = "rank",
+    dpi: int = 120,
+) -> Path:
+    """Draw the timeline with matplotlib (imported here, Agg canvas, no pyplot state) to a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    rows = normalize_rows(intervals_by_rank)
+    t0 = _origin(rows)
+    end = _makespan(rows, makespan)
+    fig = Figure(figsize=(10, 1.0 + 0.4 * max(1, len(rows))), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    kinds_seen: list[str] = []
+    for r, rank in enumerate(rows):
+        by_kind: dict[str, list[tuple[float, float]]] = {}
+        for start, stop, label, _ in rank:
+            by_kind.setdefault(_kind(label), []).append((start, stop - start))
+        for kind, spans in by_kind.items():
+            ax.broken_barh(
+                spans,
+                (r - 0.4, 0.8),
+                facecolors=KIND_COLORS.get(kind, "#999999"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
+            if kind not in kinds_seen:
+                kinds_seen.append(kind)
+    ax.set_yticks(range(len(rows)), [f"{rank_label} {r}" for r in range(len(rows))])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(t0, end if end > t0 else t0 + 1)
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    if title:
+        ax.set_title(title)
+    kinds_seen.sort(key=lambda k: "FBIW".find(k) % 5)
+    ax.legend(
+        handles=[
+            Patch(color=KIND_COLORS.get(k, "#999999"), label=f"{k} {KIND_NAMES.get(k, k)}")
+            for k in kinds_seen
+        ],
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+        frameon=False,
+    )
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p, format="png")
+    return p
