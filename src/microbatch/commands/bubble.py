@@ -37,8 +37,9 @@ def use_color() -> bool:
     """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
     if os.environ.get("NO_COLOR"):
         return False
-    stream = click.get_text_stream("stdout")
-    return bool(getattr(stream, "isatty", lambda: False)())
+    import sys
+
+    return bool(getattr(sys.stdout, "isatty", lambda: False)())
 
 
 def pct(x: float) -> str:

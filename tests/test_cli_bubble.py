@@ -1,0 +1,289 @@
+"""`microbatch bubble` and `microbatch simulate`: JSON by value, diagrams, charts, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from microbatch.cli import main
+from microbatch.report import normalize_rows, render_timeline_text, save_timeline_png, timeline_svg
+
+
+def run(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(args, capsys):
+    code, out, err = run([*args, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+# --- bubble ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "p,m,expected",
+    [(4, 1, 0.75), (4, 4, 3 / 7), (4, 32, 3 / 35)],
+)
+def test_bubble_reproduces_the_seed(capsys, p, m, expected):
+    d = run_json(["bubble", "--stages", str(p), "--microbatches", str(m)], capsys)
+    assert d["bubble_fraction"] == pytest.approx(expected)
+    assert d["bubble_ratio"] == pytest.approx((p - 1) / m)
+    assert d["simulated_bubble_fraction"] == pytest.approx(expected)
+    for key in (
+        "schedule",
+        "stages",
+        "microbatches",
+        "virtual",
+        "bubble_fraction",
+        "bubble_ratio",
+        "peak_in_flight",
+    ):
+        assert key in d
+
+
+def test_bubble_text_names_fraction_and_ratio(capsys):
+    code, out, _ = run(["bubble", "-p", "4", "-m", "4"], capsys)
+    assert code == 0
+    assert re.search(r"bubble fraction\s+42\.9%\s+idle / total stage time", out)
+    assert re.search(r"bubble ratio\s+75\.0%\s+idle / ideal busy time", out)
+    assert "rank 3 |" in out and "\x1b[" not in out  # plain text when not a terminal
+
+
+def test_bubble_in_flight_1f1b_and_gpipe(capsys):
+    assert run_json(["bubble", "-p", "4", "-m", "8", "-s", "1f1b"], capsys)["peak_in_flight"] == [4, 3, 2, 1]
+    assert run_json(["bubble", "-p", "4", "-m", "8", "-s", "gpipe"], capsys)["peak_in_flight"] == [8, 8, 8, 8]
+
+
+def test_bubble_interleaved_ratio_and_pipeline_parallel_alias(capsys):
+    d = run_json(
+        ["bubble", "--pipeline-parallel", "8", "-m", "64", "-s", "interleaved-1f1b", "--virtual", "3"], capsys
+    )
+    assert d["stages"] == 8 and d["virtual"] == 3
+    assert round(d["bubble_ratio"] * 100, 1) == 3.6
+    assert d["bubble_fraction"] == pytest.approx(7 / (3 * 64 + 7))
+    assert d["peak_in_flight"][0] == pytest.approx(8 + 7 / 3)
+
+
+def test_bubble_zb_h1_says_default_times_and_is_a_third_of_1f1b(capsys):
+    zb = run_json(["bubble", "-p", "4", "-m", "8", "-s", "zb-h1"], capsys)
+    assert zb["times"] == {"forward": 1.0, "input": 1.0, "weight": 1.0}
+    assert any("defaults" in n for n in zb["notes"])
+    assert zb["idle_time_per_stage"] == pytest.approx(3.0)  # (p-1)(TF+TI-TW)
+    # 1F1B with the same work (B = I + W = 2): idle (p-1)(TF+TB+TW) = 9, three times as much
+    one = run_json(
+        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--input-time", "1", "--weight-time", "1"], capsys
+    )
+    assert [s["idle"] for s in one["stage_stats"]] == [9.0] * 4
+    zb2 = run_json(["bubble", "-p", "4", "-m", "8", "-s", "zb-h1", "--weight-time", "0.5"], capsys)
+    assert zb2["idle_time_per_stage"] == pytest.approx(3 * 1.5)
+
+
+# --- simulate ------------------------------------------------------------------------------
+
+
+def test_simulate_json_keys_and_values(capsys):
+    d = run_json(
+        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--forward-time", "1", "--backward-time", "2"],
+        capsys,
+    )
+    assert d["makespan"] == 33.0
+    assert d["bubble_fraction"] == pytest.approx(9 / 33)
+    assert d["closed_form"]["bubble_fraction"] == pytest.approx(d["bubble_fraction"])
+    assert [s["stage"] for s in d["stage_stats"]] == [0, 1, 2, 3]
+    assert [s["peak_in_flight"] for s in d["stage_stats"]] == [4, 3, 2, 1] == d["peak_in_flight"]
+    assert all(s["busy"] == 24.0 and s["idle"] == 9.0 for s in d["stage_stats"])
+
+
+def test_simulate_default_backward_is_twice_forward(capsys):
+    d = run_json(["simulate", "-p", "2", "-m", "2", "-s", "gpipe", "--forward-time", "3"], capsys)
+    assert d["times"]["backward"] == 6.0
+    assert d["stage_stats"][0]["busy"] == 2 * (3 + 6)
+
+
+def test_simulate_comm_time_and_stage_times(capsys):
+    base = run_json(["simulate", "-p", "2", "-m", "1", "-s", "gpipe"], capsys)
+    comm = run_json(["simulate", "-p", "2", "-m", "1", "-s", "gpipe", "--comm-time", "0.5"], capsys)
+    assert comm["makespan"] == base["makespan"] + 1.0  # one hop forward, one back
+    d = run_json(["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--stage-times", "1,1,2,1"], capsys)
+    assert [s["busy"] for s in d["stage_stats"]] == [24.0, 24.0, 48.0, 24.0]
+    e = run_json(["simulate", "-p", "2", "-m", "2", "-s", "zb-h1", "--stage-times", "1:1:0.5,2:2:1"], capsys)
+    assert [s["busy"] for s in e["stage_stats"]] == [5.0, 10.0]
+
+
+def test_simulate_writes_svg_and_png(capsys, tmp_path):
+    svg, png = tmp_path / "t.svg", tmp_path / "t.png"
+    code, out, err = run(
+        [
+            "simulate",
+            "-p",
+            "3",
+            "-m",
+            "4",
+            "-s",
+            "1f1b",
+            "--svg",
+            str(svg),
+            "--png",
+            str(png),
+            "--no-diagram",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    root = ET.parse(svg).getroot()
+    rects = [e for e in root.iter() if e.tag.endswith("rect") and e.get("fill") in ("#4C78A8", "#54A24B")]
+    assert len(rects) == 2 * 3 * 4 + 2  # one box per op, plus two legend swatches
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert f"wrote {svg}" in out
+
+
+def test_simulate_zbv_v_placement(capsys):
+    d = run_json(
+        [
+            "simulate",
+            "-p",
+            "4",
+            "-m",
+            "8",
+            "-s",
+            "zbv",
+            "--virtual",
+            "2",
+            "--input-time",
+            "1",
+            "--weight-time",
+            "1",
+        ],
+        capsys,
+    )
+    assert d["placement"] == "v"
+    assert all(s["busy"] == 48.0 for s in d["stage_stats"])
+
+
+# --- bad input: one line, exit 2, no traceback ---------------------------------------------
+
+BAD = [
+    (["bubble", "-p", "0", "-m", "4"], r"stages must be a whole number >= 1, got 0"),
+    (["bubble", "-p", "4", "-m", "0"], r"microbatches must be a whole number >= 1, got 0"),
+    (["bubble", "-p", "4", "-m", "4", "--virtual", "0"], r"virtual must be a whole number >= 1, got 0"),
+    (
+        ["bubble", "-p", "4", "-m", "4", "-s", "pipedream"],
+        r"schedule 'pipedream' is unknown; known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1",
+    ),
+    (
+        ["bubble", "-p", "4", "-m", "2", "-s", "1f1b"],
+        r"torch's Schedule1F1B needs m >= p; use --microbatches 4 or more",
+    ),
+    (
+        ["bubble", "-p", "4", "-m", "9", "-s", "interleaved-1f1b", "--virtual", "2"],
+        r"torch's ScheduleInterleaved1F1B needs m to be a multiple",
+    ),
+    (["bubble", "-p", "4", "-m", "8", "-s", "gpipe", "--virtual", "2"], r"runs one stage per rank"),
+    (
+        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--forward-time", "-1"],
+        r"forward_time = -1.0: a time must be a finite number >= 0",
+    ),
+    (["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--backward-time", "inf"], r"backward_time = inf"),
+    (["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--comm-time", "nan"], r"comm_time = nan"),
+    (
+        ["simulate", "-p", "4", "-m", "8", "-s", "zb-h1"],
+        r"'zb-h1' splits the backward into I and W: --input-time and --weight-time are required",
+    ),
+    (
+        ["simulate", "-p", "4", "-m", "8", "-s", "zb-h1", "--input-time", "1"],
+        r"needs both --input-time and --weight-time; add --weight-time",
+    ),
+    (
+        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--stage-times", "1,x,1,1"],
+        r"--stage-times entry 1 is 'x'",
+    ),
+    (
+        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--stage-times", "1,1"],
+        r"--stage-times has 2 entries but the schedule has 4 virtual stages",
+    ),
+    (
+        [
+            "simulate",
+            "-p",
+            "4",
+            "-m",
+            "8",
+            "-s",
+            "1f1b",
+            "--backward-time",
+            "2",
+            "--input-time",
+            "1",
+            "--weight-time",
+            "1",
+        ],
+        r"not both",
+    ),
+]
+
+
+@pytest.mark.parametrize("args,pattern", BAD, ids=[" ".join(a[1:]) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2(capsys, args, pattern):
+    code, out, err = run(args, capsys)
+    assert code == 2
+    assert out == ""
+    assert re.search(pattern, err), err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_input_through_the_console_script():
+    proc = subprocess.run(
+        [sys.executable, "-m", "microbatch", "bubble", "-p", "4", "-m", "2", "-s", "1f1b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_bubble_does_not_import_torch_or_matplotlib():
+    code = (
+        "import sys; from microbatch.cli import main; rc = main(['bubble','-p','4','-m','8','-s','1f1b']); "
+        "assert rc == 0; bad = [m for m in ('torch', 'matplotlib', 'numpy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- report module on plain (measured-style) rows -------------------------------------------
+
+
+def test_render_plain_rows_like_a_measured_timeline():
+    rows = [[(0.0, 1.0, "F", 0), (1.5, 3.5, "B", 0)], [(1.0, 2.0, "F", 0), (2.0, 3.0, "B", 0)]]
+    text = render_timeline_text(rows, 3.5, legend=True)
+    lines = text.splitlines()
+    assert lines[1].startswith("rank 0 |F0") and lines[2].startswith("rank 1 |")
+    assert "." in lines[1]  # the idle gap 1.0-1.5 on rank 0
+    assert "F forward" in lines[-1] and "B backward" in lines[-1]
+    colored = render_timeline_text(rows, 3.5, color=True)
+    assert "\x1b[" in colored
+    assert re.sub(r"\x1b\[[0-9;]*m", "", colored).splitlines()[1] == lines[1]
+
+
+def test_dict_rows_and_svg_escape():
+    rows = [[{"start": 0, "end": 2, "kind": "F", "microbatch": 3}]]
+    assert normalize_rows(rows) == [[(0.0, 2.0, "F", 3)]]
+    svg = timeline_svg(rows, 2, title="a < b")
+    assert "a &lt; b" in svg
+    ET.fromstring(svg)
+
+
+def test_png_from_plain_rows(tmp_path):
+    p = save_timeline_png([[(0, 1, "F", 0), (1, 3, "B", 0)]], 3, tmp_path / "x.png")
+    assert p.read_bytes()[:4] == b"\x89PNG"
