@@ -1,0 +1,335 @@
+"""Pipeline-parallel runs on torch.distributed.pipelining (gloo, CPU, several processes).
+
+Fast tests check the pieces (split, torch's order, rules, loss scaling); the multi-process tests
+run the tiny model for 2 steps and check gradients against the unsplit model, in-flight counts
+against the formulas, the executed order against torch's, and that failures never hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from microbatch.errors import ConfigError, PipelineError, ScheduleError
+from microbatch.launch import chrome_trace, predict, run_pipeline, under_torchrun
+from microbatch.pipeline import (
+    PipelineConfig,
+    balanced_split,
+    check_servable,
+    make_loss_fn,
+    model_units,
+    split_units,
+    stage_to_rank,
+    torch_order,
+)
+
+torch = pytest.importorskip("torch")
+
+
+def run(deadline_s: float = 150, **kw):
+    kw.setdefault("steps", 2)
+    kw.setdefault("timeout_s", 60)
+    return run_pipeline(PipelineConfig(**kw), deadline_s=deadline_s)
+
+
+# -- pieces ---------------------------------------------------------------------------
+
+
+def test_balanced_split_minimises_the_heaviest_stage():
+    assert balanced_split([1, 1, 1, 1], 2) == [2, 2]
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [1, 4]
+    assert balanced_split([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]  # 15 | 13 | 17 -> max 17
+    assert sum(balanced_split([3, 1, 4, 1, 5, 9, 2, 6], 4)) == 8
+    with pytest.raises(ConfigError, match=r"5 stages .* only 4 layers"):
+        balanced_split([1, 1, 1, 1], 5)
+
+
+def test_split_units_of_the_gpt_keeps_the_function():
+    from microbatch.gpt import build_model
+    from microbatch.model import get_model
+
+    model = build_model(get_model("tiny"), seed=0)
+    units = model_units(model)
+    assert len(units) == 4  # embed, 2 blocks, head
+    stages = split_units(units, balanced_split([sum(p.numel() for p in u.parameters()) for u in units], 3))
+    tokens = torch.randint(0, 512, (2, 16))
+    x = tokens
+    for st in stages:
+        x = st(x)
+    assert torch.allclose(x, model(tokens), atol=1e-6)
+    with pytest.raises(ConfigError, match="stack of layers"):
+        model_units(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "name,ours,v",
+    [
+        ("gpipe", "gpipe", 1),
+        ("1f1b", "1f1b", 1),
+        ("interleaved-1f1b", "interleaved-1f1b", 2),
+        ("zbv", "zbv", 2),
+    ],
+)
+def test_our_generators_match_torchs_order(name, ours, v):
+    from microbatch.schedule import generate
+
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p):
+            t = torch_order(name, p, m, v)
+            g = generate(ours, p, m, v)
+            assert [[str(a) for a in r] for r in g.actions] == [t[r] for r in range(p)], (p, m)
+
+
+def test_torch_zero_bubble_with_one_stage_per_rank_is_zb_h1():
+    from microbatch.schedule import generate
+
+    for p, m in [(2, 2), (2, 6), (3, 6), (4, 8)]:
+        t = torch_order("zb-interleaved", p, m, 1)
+        assert [[str(a) for a in r] for r in generate("zb-h1", p, m).actions] == [t[r] for r in range(p)]
+
+
+def test_every_action_appears_once_in_torchs_zero_bubble_orders():
+    for p, m, v in [(2, 4, 2), (3, 6, 2), (2, 3, 1)]:
+        order = torch_order("zb-interleaved", p, m, v)
+        flat = [a for r in order.values() for a in r]
+        assert sorted(flat) == sorted(f"{s}{k}{i}" for s in range(p * v) for k in "FIW" for i in range(m))
+
+
+def test_placement():
+    assert stage_to_rank("zbv", 2, 2) == [0, 1, 1, 0]
+    assert stage_to_rank("zbv", 3, 2) == [0, 1, 2, 2, 1, 0]
+    assert stage_to_rank("interleaved-1f1b", 2, 2) == [0, 1, 0, 1]
+
+
+def test_rules_are_refused_with_rule_and_fix():
+    with pytest.raises(ScheduleError, match=r"needs m >= p; use --microbatches 4 or more"):
+        check_servable("1f1b", 4, 2)
+    with pytest.raises(ScheduleError, match=r"exactly 2 stages per rank.*--virtual 2"):
+        check_servable("zbv", 2, 4, 1)
+    with pytest.raises(ScheduleError, match=r"multiple of them; use --microbatches among"):
+        check_servable("interleaved-1f1b", 4, 10, 2) if False else check_servable("interleaved-1f1b", 4, 9, 2)
+    with pytest.raises(ScheduleError, match="one stage per rank"):
+        check_servable("gpipe", 2, 4, 2)
+    with pytest.raises(ConfigError, match=r"global batch 10 is not divisible by 4 .* 8, 12"):
+        PipelineConfig(stages=2, microbatches=4, global_batch=10)
+    with pytest.raises(ConfigError, match="pipelining needs p >= 2"):
+        PipelineConfig(stages=1, microbatches=4, schedule="gpipe")
+    check_servable("interleaved-1f1b", 4, 10, 2)  # 10 // 4 = 2 rounds, 10 % 2 == 0: allowed
+
+
+def test_sum_over_total_tokens_gives_the_mean_loss_gradient():
+    """Micro-batch losses Σ CE / N_total summed (scale_grads=False) equal the full-batch mean loss."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5)
+    x, y = torch.randn(6, 3, 8), torch.randint(0, 5, (6, 3))
+    full = torch.nn.functional.cross_entropy(lin(x).flatten(0, 1), y.flatten())
+    g_full = torch.autograd.grad(full, lin.weight)[0]
+    loss_fn = make_loss_fn(total_tokens=18)
+    parts = [loss_fn(lin(x[i : i + 2]), y[i : i + 2]) for i in (0, 2, 4)]
+    assert torch.allclose(sum(parts), full, atol=1e-6)
+    assert torch.allclose(torch.autograd.grad(sum(parts), lin.weight)[0], g_full, atol=1e-6)
+    # the mean of per-micro-batch means differs when token counts differ (the 2024 HF bug)
+    uneven = [loss_fn(lin(x[:1]), y[:1]) * 18 / 3, loss_fn(lin(x[1:]), y[1:]) * 18 / 15]
+    assert not torch.allclose(sum(uneven) / 2, full, atol=1e-4)
+
+
+def test_prediction_with_equal_times_is_the_closed_form():
+    cfg = PipelineConfig(schedule="gpipe", stages=4, microbatches=4)
+    res = predict(cfg, {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
+    assert res.bubble_fraction == pytest.approx(3 / 7)
+    cfg = PipelineConfig(schedule="1f1b", stages=4, microbatches=8)
+    res = predict(cfg, {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
+    assert list(res.peak_in_flight) == [4, 3, 2, 1]
+
+
+def test_torchrun_detection():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert under_torchrun(env)
+    assert not under_torchrun({**env, "MICROBATCH_WORKER": "1"})
+    assert not under_torchrun({})
+
+
+def test_chrome_trace_events():
+    report = {
+        "stages": 2,
+        "timeline": [
+            {"rank": 0, "stage": 0, "kind": "F", "microbatch": 0, "start_s": 0.0, "end_s": 0.002},
+            {"rank": 1, "stage": 1, "kind": "B", "microbatch": 0, "start_s": 0.003, "end_s": 0.004},
+        ],
+    }
+    ev = [e for e in chrome_trace(report)["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["pid"], e["ts"], e["dur"]) for e in ev] == [
+        ("F0", 0, 0.0, 2000.0),
+        ("B0", 1, 3000.0, 1000.0),
+    ]
+
+
+# -- real runs ------------------------------------------------------------------------
+
+
+def _in_flight(rep):
+    return [s["peak_in_flight"] for s in rep["measured"]["stage_stats"]]
+
+
+@pytest.mark.timeout(150)
+def test_1f1b_matches_unsplit_gradients_and_holds_p_minus_i():
+    rep = run(schedule="1f1b", stages=2, microbatches=4, global_batch=8, check_gradients=True)
+    assert rep["micro_batch"] == 2
+    assert rep["gradients_match"] is True
+    assert rep["max_grad_rel_error"] <= 1e-5
+    assert _in_flight(rep) == [2, 1] == rep["predicted"]["peak_in_flight"]
+    assert rep["order_matches_torch"]
+    st = rep["measured"]["stage_stats"]
+    # rank 0 holds two micro-batches' saved activations at its peak, rank 1 one
+    assert st[0]["peak_activation_bytes"] == pytest.approx(2 * st[0]["activation_bytes_per_microbatch"])
+    assert st[1]["peak_activation_bytes"] == pytest.approx(st[1]["activation_bytes_per_microbatch"])
+    for s in st:
+        assert s["busy_s"] > 0 and s["idle_s"] >= 0
+        # saved activations of a micro-batch exceed its b_m·s·h fp32 input (2·64·64·4 bytes)
+        assert s["activation_bytes_per_microbatch"] > 2 * 64 * 64 * 4
+    assert 0 < rep["measured"]["bubble_fraction"] < 1
+    assert len(rep["losses"]) == 2 and all(3 < x < 9 for x in rep["losses"])  # ~ln(512) = 6.2
+
+
+@pytest.mark.timeout(150)
+def test_gpipe_holds_all_m_microbatches():
+    rep = run(schedule="gpipe", stages=2, microbatches=4, check_gradients=True)
+    assert rep["gradients_match"] is True
+    assert _in_flight(rep) == [4, 4] == rep["predicted"]["peak_in_flight"]
+    for s in rep["measured"]["stage_stats"]:
+        assert s["peak_activation_bytes"] == pytest.approx(4 * s["activation_bytes_per_microbatch"])
+
+
+@pytest.mark.timeout(200)
+def test_1f1b_on_four_stages_holds_four_three_two_one():
+    rep = run(schedule="1f1b", stages=4, microbatches=8, steps=1, check_gradients=True)
+    assert _in_flight(rep) == [4, 3, 2, 1]
+    assert rep["gradients_match"] is True
+    assert rep["layers_per_stage"] == [1, 1, 1, 1]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "schedule,m,v", [("interleaved-1f1b", 4, 2), ("zb-interleaved", 4, 1), ("zbv", 4, 2)]
+)
+def test_interleaved_and_zero_bubble_gradients_and_order(schedule, m, v):
+    rep = run(schedule=schedule, stages=2, microbatches=m, virtual=v, check_gradients=True)
+    assert rep["gradients_match"] is True, rep["max_grad_rel_error"]
+    assert rep["order_matches_torch"], rep["executed_order"]
+    assert _in_flight(rep) == rep["predicted"]["peak_in_flight"]
+    kinds = {it["kind"] for it in rep["timeline"]}
+    assert kinds == ({"F", "I", "W"} if schedule != "interleaved-1f1b" else {"F", "B"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_measured_bubble_falls_as_m_grows():
+    one = run(schedule="gpipe", stages=2, microbatches=1, model="small", global_batch=8, steps=3)
+    eight = run(schedule="1f1b", stages=2, microbatches=8, model="small", global_batch=8, steps=3)
+    assert one["predicted"]["bubble_fraction"] == pytest.approx(0.5, abs=0.1)
+    assert one["measured"]["bubble_fraction"] > eight["measured"]["bubble_fraction"] + 0.1
+    assert one["predicted"]["bubble_fraction"] > eight["predicted"]["bubble_fraction"]
+
+
+# -- failures never hang --------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "fault,pattern",
+    [
+        (
+            "1:raise",
+            r"rank 1 \(stages \[1\]\) failed \(exit status 1: RuntimeError: injected fault on rank 1",
+        ),
+        ("1:shape", r"rank 1 .*failed .*mat1 and mat2 shapes cannot be multiplied"),
+        ("0:oom", r"rank 0 .*failed .*out of memory"),
+        ("1:kill", r"rank 1 .*killed by signal SIGKILL"),
+    ],
+)
+def test_a_failing_rank_stops_every_rank_with_its_reason(monkeypatch, fault, pattern):
+    monkeypatch.setenv("MICROBATCH_PIPELINE_FAULT", fault)
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match=pattern):
+        run(schedule="1f1b", stages=2, microbatches=2, deadline_s=60)
+    assert time.monotonic() - t0 < 45
+
+
+@pytest.mark.timeout(90)
+def test_a_hanging_rank_hits_the_deadline(monkeypatch):
+    monkeypatch.setenv("MICROBATCH_PIPELINE_FAULT", "1:hang")
+    t0 = time.monotonic()
+    with pytest.raises(
+        PipelineError, match=r"deadline of 10 s; ranks \[.*1.*\] were still running and were killed"
+    ):
+        run(schedule="gpipe", stages=2, microbatches=2, deadline_s=10)
+    assert time.monotonic() - t0 < 30
+
+
+# -- command line ---------------------------------------------------------------------
+
+
+def _cli(*args, env=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "microbatch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_refuses_unservable_before_starting_anything():
+    t0 = time.monotonic()
+    r = _cli("pipeline", "--stages", "4", "--microbatches", "2", "--schedule", "1f1b")
+    assert r.returncode == 2
+    assert re.fullmatch(
+        r"error: 1f1b with 2 micro-batches on 4 stages: .*m >= p; use --microbatches 4 .*\n", r.stderr
+    )
+    assert "Traceback" not in r.stderr
+    r = _cli("pipeline", "--stages", "3", "--microbatches", "3", "--schedule", "interleaved-1f1b", "-v", "2")
+    assert r.returncode == 2 and "only 4 layers" in r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.timeout(150)
+def test_cli_json_and_trace(tmp_path):
+    trace = tmp_path / "t.json"
+    r = _cli(
+        "pipeline", "-p", "2", "-m", "2", "--schedule", "1f1b", "--steps", "2",
+        "--check-gradients", "--trace", str(trace), "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["schedule"], out["stages"], out["microbatches"]) == ("1f1b", 2, 2)
+    assert out["gradients_match"] is True and out["max_grad_rel_error"] <= 1e-5
+    stats = out["measured"]["stage_stats"]
+    assert [s["stage"] for s in stats] == [0, 1]
+    assert set(stats[0]) >= {"stage", "busy_s", "idle_s", "peak_in_flight", "peak_activation_bytes"}
+    assert out["predicted"]["peak_in_flight"] == [2, 1]
+    assert 0 <= out["predicted"]["bubble_fraction"] < 1
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted(e["name"] for e in events) == sorted(["F0", "F1", "B0", "B1"] * 2)
+    # busy time in the trace equals the report's
+    busy0 = sum(e["dur"] for e in events if e["pid"] == 0) / 1e6
+    assert busy0 == pytest.approx(stats[0]["busy_s"], rel=0.05)
+
+
+@pytest.mark.timeout(200)
+def test_same_code_runs_under_torchrun():
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "microbatch", "pipeline", "-p", "2", "-m", "2", "--schedule", "gpipe", "--steps", "1",
+         "--check-gradients", "--json"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)  # only rank 0 prints
+    assert out["gradients_match"] is True
+    assert [s["peak_in_flight"] for s in out["measured"]["stage_stats"]] == [2, 2]
