@@ -7,6 +7,11 @@ figure is the *typical* deployment named in the row (one NIC per GPU), not a pro
 chip: override it for your cluster (:func:`get_accelerator` takes overrides, and
 :meth:`Accelerator.with_overrides` replaces any field, for example with a measured value).
 
+Compute units (for GEMM wave quantisation) come from the architecture whitepapers: A100 108 SMs,
+H100 SXM5 132, H100 PCIe 114, L4 58 (NVIDIA Ampere, Hopper and Ada whitepapers), B200 148 (two
+74-SM dies, NVIDIA Blackwell technical brief), MI300X 304 CUs (AMD CDNA 3 whitepaper); H200 is an
+H100 SXM die with more memory (132).
+
 Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total
 to ``torch.cuda.mem_get_info``; the CUDA context takes a few hundred MiB more): the planner keeps
 a headroom fraction free for that reason.
@@ -51,6 +56,8 @@ class Accelerator:
     """GPU-to-GPU bandwidth between nodes, per GPU per direction, of a typical deployment."""
     gpus_per_node: int = 8
     """GPUs that share the intra-node fabric (tensor parallelism should stay inside one node)."""
+    compute_units: int | None = None
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD): GEMM tiles run in waves of this many."""
     source: str = ""
     """Where the figures come from."""
 
@@ -107,7 +114,7 @@ class Accelerator:
         return asdict(self)
 
 
-def _acc(name, bf16, fp16, fp32, mem_gib, bw, intra, inter, source, gpus_per_node=8) -> Accelerator:
+def _acc(name, bf16, fp16, fp32, mem_gib, bw, intra, inter, units, source, gpus_per_node=8) -> Accelerator:
     return Accelerator(
         name=name,
         peak_flops={"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB},
@@ -116,6 +123,7 @@ def _acc(name, bf16, fp16, fp32, mem_gib, bw, intra, inter, source, gpus_per_nod
         intra_node_bytes_per_s=intra * GB,
         inter_node_bytes_per_s=inter,
         gpus_per_node=gpus_per_node,
+        compute_units=units,
         source=source,
     )
 
@@ -126,30 +134,30 @@ _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
-        _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR,
+        _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU"),
-        _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR,
+        _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU"),
-        _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR,
+        _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU"),
-        _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit,
+        _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
              "only); typical node: 200 Gb/s per GPU"),
-        _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR,
+        _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU"),
-        _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR,
+        _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU"),
-        _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8,
+        _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
              "(8 L4s): 100 Gb/s shared by 8 GPUs"),
-        _acc("mi300x", 1307.4, 1307.4, 163.4, 192, 5300, 448, _IB_NDR,
+        _acc("mi300x", 1307.4, 1307.4, 163.4, 192, 5300, 448, _IB_NDR, 304,
              "AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 163.4 fp32, 192 GB HBM3 at "
              "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU"),
     )

@@ -794,11 +794,17 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
     bms = sorted({x.micro_batch for x in plan.candidates})
     if len(bms) > 1:
         knee = _knee_micro_batch(ctx, bms)
-        if c.micro_batch >= _KNEE_FACTOR * knee:
+        at_knee = next((x for x in plan.candidates if x.micro_batch == knee and x.fits), None)
+        if (
+            c.micro_batch >= _KNEE_FACTOR * knee
+            and at_knee is not None
+            and at_knee.tokens_per_s >= (1 - KNEE_TOLERANCE) * c.tokens_per_s
+        ):
             out.append(
-                f"b_m = {c.micro_batch} is far past the kernel-efficiency knee (b_m = {knee} reaches "
-                f"{100 * _layer(ctx, knee)[3]:.0f}% of peak vs {100 * c.gemm_efficiency:.0f}%) and pays linear "
-                "activation memory for it"
+                f"b_m = {c.micro_batch} is far past the kernel-efficiency knee: b_m = {knee} reaches "
+                f"{100 * _layer(ctx, knee)[3]:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and "
+                f"{100 * at_knee.tokens_per_s / c.tokens_per_s:.0f}% of the throughput with "
+                f"{_gib(c.memory['activations'] - at_knee.memory['activations'])} less activation memory"
             )
     return out
 

@@ -22,6 +22,7 @@ replace (any object with the same two methods works).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -35,6 +36,7 @@ __all__ = [
     "gemm_bytes",
     "arithmetic_intensity",
     "gemm_time_s",
+    "wave_efficiency",
     "layer_forward",
     "logits_forward",
     "allreduce_time_s",
@@ -68,12 +70,22 @@ class RooflineEfficiency:
     """Rows b_m·s at which the GEMM efficiency is half of ``gemm_max`` (0: no ramp)."""
     network: float = 1.0
     """Fraction of the link bandwidth collectives reach (bus bandwidth / link bandwidth)."""
+    tile_rows: int = 128
+    """GEMM output tile height: cuBLAS's large half-precision kernels use 128- and 256-wide tiles
+    (NVIDIA "Matrix Multiplication Background" guide, tile and wave quantisation); 0 disables
+    quantisation."""
+    tile_cols: int = 128
+    """GEMM output tile width."""
 
     def __post_init__(self) -> None:
         for name in ("gemm_max", "memory", "network"):
             v = getattr(self, name)
             if not (0 < v <= 1):
                 raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
+        if self.tile_rows < 0 or self.tile_cols < 0:
+            raise ConfigError(
+                "efficiency tile_rows and tile_cols must be >= 0 (0 disables tile quantisation)"
+            )
         if self.half_rows < 0:
             raise ConfigError(f"efficiency half_rows must be >= 0, got {self.half_rows!r}")
 
@@ -101,6 +113,22 @@ def arithmetic_intensity(rows: float, k: float, n: float, dtype_bytes: int = 2) 
     return gemm_flops(rows, k, n) / gemm_bytes(rows, k, n, dtype_bytes)
 
 
+def wave_efficiency(
+    rows: float, n: float, units: int | None, tile_rows: int = 128, tile_cols: int = 128
+) -> float:
+    """Useful share of the work when output tiles run in waves of ``units`` at a time.
+
+    tiles = ⌈rows/T_r⌉·⌈n/T_c⌉ run in ⌈tiles/units⌉ waves, each as long as one full tile: efficiency
+    rows·n / (waves·units·T_r·T_c) (NVIDIA "Matrix Multiplication Background" guide: tile and wave
+    quantisation). 1 when units or tiles are unknown.
+    """
+    if not units or not tile_rows or not tile_cols:
+        return 1.0
+    tiles = math.ceil(rows / tile_rows) * math.ceil(n / tile_cols)
+    waves = math.ceil(tiles / units)
+    return rows * n / (waves * units * tile_rows * tile_cols)
+
+
 def gemm_time_s(
     rows: float,
     k: float,
@@ -110,9 +138,10 @@ def gemm_time_s(
     dtype: str = "bf16",
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
 ) -> float:
-    """max(FLOPs / (peak·eff), bytes / (bandwidth·eff)): the roofline time of one GEMM."""
+    """max(FLOPs / (peak·eff·wave eff), bytes / (bandwidth·eff)): the roofline time of one GEMM."""
     e = 4 if dtype == "fp32" else 2
-    compute = gemm_flops(rows, k, n) / (acc.flops(dtype) * efficiency.gemm(rows))
+    waves = wave_efficiency(rows, n, acc.compute_units, efficiency.tile_rows, efficiency.tile_cols)
+    compute = gemm_flops(rows, k, n) / (acc.flops(dtype) * efficiency.gemm(rows) * waves)
     memory = gemm_bytes(rows, k, n, e) / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
     return max(compute, memory)
 

@@ -1,0 +1,134 @@
+"""``microbatch plan``: choose b_m, m, schedule, recompute and ZeRO for a cluster, and say why."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import emit, json_option, model_options, resolve_model, stages_option
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_plan(plan, *, all_rows: bool = False) -> str:
+    """The plan as text: header, trade-off table, recommendation in words, pitfalls."""
+    from ..plan import explain, plan_table_rows
+
+    cfg = plan.config
+    head = (
+        f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
+        f"{cfg.data_parallel}, p = {cfg.pipeline_parallel}, t = {cfg.tensor_parallel}"
+        f"{' + SP' if cfg.sequence_parallel else ''}, s = {cfg.seq_len}; {plan.evaluated} candidates, "
+        f"{sum(c.fits for c in plan.candidates)} fit in {cfg.budget_bytes / 2**30:.1f} GiB"
+    )
+    title = "best candidates" if all_rows else "best candidate at each b_m (* = recommended)"
+    rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
+    parts = [head, "", title, _table(rows), "", explain(plan)]
+    if plan.advice:
+        parts += [""] + [f"- {a}" for a in plan.advice]
+    return "\n".join(parts)
+
+
+@click.command("plan")
+@model_options
+@click.option("--gpu", required=True, help="Accelerator name, or several separated by commas to compare.")
+@click.option("--global-batch", "-B", "global_batch", type=int, required=True, help="B_global (held fixed).")
+@click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
+@stages_option(required=False, default=1)
+@click.option("--tensor-parallel", "-t", "tensor_parallel", type=int, default=1, show_default=True, help="t.")
+@click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs t > 1).")
+@click.option(
+    "--schedule", type=click.Choice(["auto", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]), default="auto",
+    show_default=True,
+)  # fmt: skip
+@click.option(
+    "--virtual", "-v", type=int, help="Only this v for interleaved 1F1B (default: every v that fits)."
+)
+@click.option(
+    "--recompute", type=click.Choice(["auto", "none", "selective", "full"]), default="auto", show_default=True
+)
+@click.option(
+    "--zero", type=click.Choice(["auto", "0", "1", "2", "3", "dist-opt"]), default="auto", show_default=True
+)
+@click.option(
+    "--micro-batch", "-b", "micro_batch", type=int, help="Only this b_m (default: every divisor of B/d)."
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]),
+    default="bf16-mixed",
+    show_default=True,
+)
+@click.option("--grad-dtype", type=click.Choice(["half", "fp32"]), default="half", show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
+@click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
+@click.option("--memory-headroom", type=float, default=None, help="Share of memory kept free (default 0.1).")
+@click.option("--all", "all_rows", is_flag=True, help="Table of the best candidates instead of one per b_m.")
+@json_option
+def cmd(
+    model_spec, gpu, global_batch, data_parallel, stages, tensor_parallel, sequence_parallel, schedule, virtual,
+    recompute, zero, micro_batch, precision, grad_dtype, optimizer, flash, layers_per_stage, memory_headroom,
+    all_rows, as_json,
+):  # fmt: skip
+    """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the fastest that fits.
+
+    \b
+    Example: microbatch plan --model llama-2-7b --gpu a100-80gb --global-batch 64 -p 4
+    Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
+    """
+    from ..errors import ConfigError
+    from ..hardware import parse_gpus
+    from ..plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus, comparison_rows
+    from .memory import _parse_split, parse_zero
+
+    shape = resolve_model(model_spec)
+    gpus = parse_gpus(gpu)
+    cfg = PlanConfig(
+        shape=shape,
+        gpu=gpus[0],
+        global_batch=global_batch,
+        data_parallel=data_parallel,
+        pipeline_parallel=stages,
+        tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
+        schedules=None if schedule == "auto" else (schedule,),
+        virtuals=(virtual,) if virtual else None,
+        recompute=None if recompute == "auto" else (recompute,),
+        zero=None if zero == "auto" else (parse_zero(zero),),
+        micro_batches=(micro_batch,) if micro_batch else None,
+        layers_per_stage=_parse_split(layers_per_stage),
+        precision=precision,
+        grad_dtype=grad_dtype,
+        optimizer=optimizer,
+        flash_attention=flash,
+        memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
+    )
+    plans = compare_gpus(cfg, gpus)
+    if len(plans) == 1:
+        out = plans[0].to_dict()
+
+        def render() -> str:
+            return render_plan(plans[0], all_rows=all_rows)
+    else:
+        rows = comparison_rows(plans)
+        out = {
+            "plans": [pl.to_dict() for pl in plans],
+            "comparison": [dict(zip(rows[0], r, strict=True)) for r in rows[1:]],
+        }
+
+        def render() -> str:
+            from .plan import _table
+
+            parts = [render_plan(pl, all_rows=all_rows) + "\n" for pl in plans]
+            parts += ["side by side (same model, layout and B_global)", _table(rows)]
+            return "\n".join(parts)
+
+    emit(out, as_json, render)
+    if all(pl.recommended is None for pl in plans):
+        first = plans[0]
+        raise ConfigError(first.advice[0] if first.advice else "nothing fits")

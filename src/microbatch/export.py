@@ -1,0 +1,267 @@
+"""A plan as a training framework's configuration: DeepSpeed, Hugging Face, Lightning, torchtitan.
+
+Every format keeps B_global = b_m × g × d: the exporter checks the identity before writing and
+refuses a plan that breaks it (seed 002's first pitfall: changing b_m without g silently
+changes the optimisation).
+
+- **DeepSpeed** JSON: ``train_batch_size`` = B, ``train_micro_batch_size_per_gpu`` = b_m,
+  ``gradient_accumulation_steps`` = g — which DeepSpeed's pipeline engine takes as m, the
+  micro-batches per flush — and ``zero_optimization.stage``.
+- **Hugging Face** ``TrainingArguments`` keyword arguments: ``per_device_train_batch_size`` = b_m,
+  ``gradient_accumulation_steps`` = g.
+- **Lightning**: ``Trainer`` keyword arguments (``accumulate_grad_batches`` = g) and the
+  DataLoader's ``batch_size`` = b_m, in two sections.
+- **torchtitan** TOML: ``training.local_batch_size`` (b_m, or b_m·m with pipelining, which
+  torchtitan splits into micro-batches of ``parallelism.pipeline_parallel_microbatch_size``),
+  ``training.global_batch_size`` = B, ``parallelism.pipeline_parallel_schedule``.
+
+Input: the output of ``microbatch plan --json`` (a dict, or the ``plans`` of a comparison), or a
+:class:`~microbatch.plan.Candidate`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+__all__ = ["FORMATS", "Export", "export_plan", "candidate_from_plan"]
+
+FORMATS = ("deepspeed", "hf", "lightning", "torchtitan")
+"""Output formats."""
+
+# torch.distributed.pipelining class names, as torchtitan's pipeline_parallel_schedule takes them.
+_TORCHTITAN_SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zb-h1": "InterleavedZeroBubble",
+}
+
+_NEEDED = ("micro_batch", "grad_accum", "global_batch", "data_parallel")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Export:
+    """One exported configuration."""
+
+    format: str
+    """deepspeed, hf, lightning or torchtitan."""
+    config: dict
+    """The configuration as a dict (for torchtitan, the TOML's tables)."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """What the format cannot express, or must be set elsewhere (model code, launcher)."""
+
+    def text(self) -> str:
+        """The file's text: JSON, or TOML for torchtitan."""
+        if self.format == "torchtitan":
+            return _toml(self.config)
+        return json.dumps(self.config, indent=2)
+
+
+def candidate_from_plan(plan: object, gpu: str | None = None) -> dict:
+    """The recommended candidate of ``plan`` as a dict with the layout keys filled in.
+
+    ``plan``: a plan dict (``plan --json``), a comparison (``{"plans": [...]}``; ``gpu`` chooses one,
+    else the first with a recommendation), a candidate dict, or a :class:`~microbatch.plan.Candidate`.
+    """
+    if hasattr(plan, "to_dict"):
+        plan = plan.to_dict()
+    if not isinstance(plan, dict):
+        raise ConfigError(
+            f"a plan must be a JSON object, got {type(plan).__name__}; give `plan --json` output"
+        )
+    if "plans" in plan:
+        plans = plan["plans"]
+        if gpu is not None:
+            chosen = [p for p in plans if p.get("gpu", {}).get("name") == gpu]
+            if not chosen:
+                names = [p.get("gpu", {}).get("name") for p in plans]
+                raise ConfigError(f"the comparison has no plan for gpu {gpu!r}; it has {names}")
+            plan = chosen[0]
+        else:
+            fitting = [p for p in plans if p.get("recommended")]
+            if not fitting:
+                raise ConfigError(
+                    "no plan in the comparison has a recommendation (nothing fits); nothing to export"
+                )
+            plan = fitting[0]
+    if "recommended" in plan:
+        rec = plan["recommended"]
+        if rec is None:
+            raise ConfigError(
+                "the plan has no recommendation (nothing fits); follow its advice and plan again before exporting"
+            )
+        cand = dict(rec)
+        for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
+                    "precision", "seq"):  # fmt: skip
+            if key in plan:
+                cand.setdefault(key, plan[key])
+    else:
+        cand = dict(plan)
+    missing = [k for k in _NEEDED if k not in cand]
+    if missing:
+        raise ConfigError(
+            f"the plan lacks {', '.join(missing)}; give the output of `microbatch plan --json` or a Candidate"
+        )
+    return cand
+
+
+def _check_identity(c: dict) -> None:
+    b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
+    for name, v in (("micro_batch", b), ("grad_accum", g), ("data_parallel", d), ("global_batch", B)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"plan {name} must be a whole number >= 1, got {v!r}")
+    if b * g * d != B:
+        raise ConfigError(
+            f"plan breaks B_global = b_m × g × d: {b} × {g} × {d} = {b * g * d} != {B}; the exporter never "
+            "changes the global batch silently; plan again or fix grad_accum"
+        )
+
+
+def _precision(c: dict) -> str:
+    return c.get("precision", "bf16-mixed")
+
+
+def _deepspeed(c: dict) -> tuple[dict, list[str]]:
+    p = c.get("pipeline_parallel", 1)
+    cfg: dict = {
+        "train_batch_size": c["global_batch"],
+        "train_micro_batch_size_per_gpu": c["micro_batch"],
+        "gradient_accumulation_steps": c["grad_accum"],
+        "zero_optimization": {"stage": c.get("zero", 0)},
+    }
+    prec = _precision(c)
+    if prec == "bf16-mixed":
+        cfg["bf16"] = {"enabled": True}
+    elif prec == "fp16-mixed":
+        cfg["fp16"] = {"enabled": True}
+    notes = [
+        f"DeepSpeed checks train_batch_size = micro × accumulation × data-parallel world size "
+        f"({c['micro_batch']} × {c['grad_accum']} × {c['data_parallel']}); launch with d = {c['data_parallel']} "
+        f"data-parallel ranks (world size {c['data_parallel'] * p * c.get('tensor_parallel', 1)})"
+    ]
+    if p > 1:
+        notes.append(
+            f"pipeline engine: gradient_accumulation_steps = m = {c['grad_accum']} micro-batches per flush; "
+            f"build PipelineModule(num_stages={p}); DeepSpeed's engine runs its own 1F1B-like schedule"
+            + (f", not {c.get('schedule')}" if c.get("schedule") not in (None, "1f1b") else "")
+        )
+        if c.get("zero", 0) >= 2:
+            notes.append("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use zero 1")
+    if c.get("recompute", "none") != "none":
+        notes.append(
+            f"recompute {c['recompute']}: wrap the layers with deepspeed.checkpointing.checkpoint "
+            "(activation checkpointing is set in model code)"
+        )
+    return cfg, notes
+
+
+def _hf(c: dict) -> tuple[dict, list[str]]:
+    prec = _precision(c)
+    cfg = {
+        "per_device_train_batch_size": c["micro_batch"],
+        "gradient_accumulation_steps": c["grad_accum"],
+        "bf16": prec == "bf16-mixed",
+        "fp16": prec == "fp16-mixed",
+        "gradient_checkpointing": c.get("recompute", "none") != "none",
+    }
+    notes = [f"run on d = {c['data_parallel']} processes (torchrun --nproc_per_node ...); the Trainer multiplies "
+             "per_device_train_batch_size by the world size"]  # fmt: skip
+    if c.get("pipeline_parallel", 1) > 1 or c.get("tensor_parallel", 1) > 1:
+        notes.append(
+            "the Hugging Face Trainer runs no pipeline or tensor parallelism; use DeepSpeed or torchtitan"
+        )
+    if c.get("recompute") == "selective":
+        notes.append("gradient_checkpointing recomputes whole layers (full), not selective")
+    if c.get("zero", 0) > 0:
+        notes.append(f"ZeRO {c['zero']}: pass deepspeed=<the DeepSpeed JSON of this plan> or use FSDP")
+    return cfg, notes
+
+
+def _lightning(c: dict) -> tuple[dict, list[str]]:
+    trainer: dict = {"accumulate_grad_batches": c["grad_accum"], "precision": _precision(c)}
+    d, z = c["data_parallel"], c.get("zero", 0)
+    if d > 1:
+        trainer["strategy"] = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[z]
+    notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {d} data-parallel ranks"]
+    if c.get("pipeline_parallel", 1) > 1:
+        notes.append("Lightning's Trainer runs no pipeline parallelism; use torchtitan or DeepSpeed")
+    if c.get("recompute", "none") != "none":
+        notes.append(f"recompute {c['recompute']}: enable activation checkpointing in the LightningModule")
+    return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
+
+
+def _torchtitan(c: dict) -> tuple[dict, list[str]]:
+    p, t, d, z = (
+        c.get("pipeline_parallel", 1),
+        c.get("tensor_parallel", 1),
+        c["data_parallel"],
+        c.get("zero", 0),
+    )
+    b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
+    training: dict = {"global_batch_size": B}
+    parallelism: dict = {
+        "data_parallel_replicate_degree": d if z == 0 else 1,
+        "data_parallel_shard_degree": 1 if z == 0 else d,
+        "tensor_parallel_degree": t,
+        "pipeline_parallel_degree": p,
+    }
+    notes = []
+    if p > 1:
+        # one flush per step: the local batch is the m micro-batches of one flush
+        training["local_batch_size"] = b * g
+        parallelism["pipeline_parallel_microbatch_size"] = b
+        parallelism["pipeline_parallel_schedule"] = _TORCHTITAN_SCHEDULES.get(
+            c.get("schedule", "1f1b"), "1F1B"
+        )
+        if c.get("schedule") == "zb-h1":
+            notes.append("zb-h1 maps to torch's InterleavedZeroBubble (needs two or more stages per rank)")
+    else:
+        training["local_batch_size"] = b  # torchtitan accumulates global / (local × dp) micro-batches
+    if "seq" in c:
+        training["seq_len"] = c["seq"]
+    if z in (1, 2):
+        parallelism["fsdp_reshard_after_forward"] = "never"
+        notes.append(
+            f"ZeRO {z} maps to FSDP without resharding after forward (ZeRO-2-like); torchtitan has no ZeRO-1"
+        )
+    if t > 1 and not c.get("sequence_parallel", False):
+        notes.append(
+            "torchtitan's tensor parallelism always shards norms and dropout along the sequence (SP)"
+        )
+    mode = c.get("recompute", "none")
+    return {"training": training, "parallelism": parallelism, "activation_checkpoint": {"mode": mode}}, notes
+
+
+_BUILDERS = {"deepspeed": _deepspeed, "hf": _hf, "lightning": _lightning, "torchtitan": _torchtitan}
+
+
+def export_plan(plan: object, fmt: str, *, gpu: str | None = None) -> Export:
+    """Export ``plan`` (plan JSON dict, comparison, candidate dict or Candidate) as ``fmt``."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
+    cand = candidate_from_plan(plan, gpu=gpu)
+    _check_identity(cand)
+    cfg, notes = _BUILDERS[fmt](cand)
+    return Export(format=fmt, config=cfg, notes=tuple(notes))
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a TOML basic string is a JSON string for these characters
+    raise ConfigError(f"cannot write {v!r} to TOML")
+
+
+def _toml(tables: dict) -> str:
+    lines = []
+    for name, table in tables.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)
