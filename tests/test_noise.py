@@ -1,0 +1,232 @@
+"""Gradient noise scale: estimators, smoothing, the accumulate hook, a problem with a known answer, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from microbatch.accumulate import accumulate, split
+from microbatch.errors import ConfigError
+from microbatch.noise import (
+    GradientNoiseScale,
+    b_simple,
+    g_sq_estimate,
+    grad_sq_norm,
+    measure_noise_scale,
+    trace_sigma_estimate,
+)
+
+# -- the estimators (McCandlish et al. 2018, appendix A.1) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "g_sq,trace,b_small,b_big", [(1.0, 17.0, 8, 64), (0.3, 500.0, 1, 3), (2.0, 0.0, 5, 7)]
+)
+def test_estimators_invert_the_expectation(g_sq, trace, b_small, b_big):
+    """Plug in E|G_B|² = |G|² + tr(Σ)/B at two sizes: the estimators give back |G|² and tr(Σ)."""
+    small, big = g_sq + trace / b_small, g_sq + trace / b_big
+    kw = dict(b_small=b_small, g_small_sq=small, b_big=b_big, g_big_sq=big)
+    assert g_sq_estimate(**kw) == pytest.approx(g_sq, rel=1e-12, abs=1e-12)
+    assert trace_sigma_estimate(**kw) == pytest.approx(trace, rel=1e-12, abs=1e-12)
+    assert b_simple(trace_sigma=trace, g_sq=g_sq) == pytest.approx(trace / g_sq)
+
+
+def test_estimator_errors_and_unresolved_gradient():
+    with pytest.raises(ConfigError, match=r"0 < b_small < b_big"):
+        g_sq_estimate(b_small=8, g_small_sq=1.0, b_big=8, g_big_sq=1.0)
+    assert b_simple(trace_sigma=5.0, g_sq=-0.1) == math.inf
+    with pytest.raises(ConfigError, match=r"decay 1.5 is outside \[0, 1\]"):
+        GradientNoiseScale(decay=1.5)
+
+
+def test_smoothing_divides_after_averaging():
+    hook = GradientNoiseScale(decay=1.0)
+    hook.add_estimates(g_sq=1.0, trace_sigma=10.0)
+    est = hook.add_estimates(g_sq=3.0, trace_sigma=10.0)
+    assert est.g_sq == 2.0 and est.trace_sigma == 10.0
+    assert est.b_simple == 5.0  # 10/2, not mean(10/1, 10/3) = 6.67
+    assert est.steps == 2 and est.last_g_sq == 3.0
+
+
+def test_ema_weights_recent_steps_and_is_bias_corrected():
+    hook = GradientNoiseScale(decay=0.5)
+    est = hook.add_estimates(g_sq=4.0, trace_sigma=8.0)
+    assert est.g_sq == 4.0  # bias-corrected: no pull toward 0 at the first step
+    est = hook.add_estimates(g_sq=1.0, trace_sigma=8.0)
+    assert est.g_sq == pytest.approx((0.5 * 4.0 + 1.0) / 1.5)
+    assert GradientNoiseScale().estimate is None and GradientNoiseScale().b_simple is None
+
+
+# -- a problem whose noise scale is known ------------------------------------------------------
+#
+# Linear regression, x ~ N(0, I_d), y = w*·x + σ·ε, loss per item ½(w·x − y)². With δ = w − w*,
+# the per-item gradient is (δ·x − σε)·x, so G = δ and (Isserlis) E[g gᵀ] = (|δ|² + σ²)I + 2δδᵀ:
+# Σ = (|δ|² + σ²)I + δδᵀ, tr(Σ) = d(|δ|² + σ²) + |δ|², B_simple = tr(Σ)/|δ|².
+
+D = 8
+
+
+def regression_problem(sigma: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(D, generator=g, dtype=torch.float64)
+    delta = torch.randn(D, generator=g, dtype=torch.float64)
+    delta = delta / delta.norm()  # |δ| = 1
+    model = nn.Linear(D, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_((w_star + delta).view(1, D))
+    d2 = float(delta @ delta)
+    true_b = (D * (d2 + sigma**2) + d2) / d2
+    return model, w_star, true_b, g
+
+
+def make_batches(w_star, sigma, g, steps, rows, items_per_row=1):
+    for _ in range(steps):
+        x = torch.randn(rows, items_per_row, D, generator=g, dtype=torch.float64)
+        y = x @ w_star + sigma * torch.randn(rows, items_per_row, generator=g, dtype=torch.float64)
+        yield (x, y)
+
+
+def reg_loss(model, mb):
+    x, y = mb
+    r = model(x).squeeze(-1) - y
+    return 0.5 * (r**2).sum(), y.numel()
+
+
+@pytest.mark.parametrize("sigma", [1.0, 3.0])
+def test_known_noise_scale_within_10_percent_closed_form_gradients(sigma):
+    """The estimators and the smoothing on 5000 steps of exact per-item gradients (vectorised)."""
+    model, w_star, true_b, g = regression_problem(sigma, seed=1)
+    delta = model.weight.detach().view(D) - w_star
+    steps, b_small, b_big = 5000, 8, 64
+    x = torch.randn(steps, b_big, D, generator=g, dtype=torch.float64)
+    r = x @ delta - sigma * torch.randn(steps, b_big, generator=g, dtype=torch.float64)
+    per_item = r.unsqueeze(-1) * x
+    g_small = per_item[:, :b_small].mean(1).pow(2).sum(-1)
+    g_big = per_item.mean(1).pow(2).sum(-1)
+    hook = GradientNoiseScale(decay=1.0)
+    for s_sq, b_sq in zip(g_small.tolist(), g_big.tolist(), strict=True):
+        hook.update(b_small=b_small, g_small_sq=s_sq, b_big=b_big, g_big_sq=b_sq)
+    est = hook.estimate
+    assert est.b_simple == pytest.approx(true_b, rel=0.10), (est, true_b)
+    assert est.g_sq == pytest.approx(1.0, rel=0.10)
+    assert est.trace_sigma == pytest.approx(true_b, rel=0.10)
+
+
+@pytest.mark.parametrize("items_per_row", [1, 4])
+def test_known_noise_scale_within_10_percent_through_accumulate(items_per_row):
+    """End to end: accumulate's hook on the model, B counted in items whatever the rows hold."""
+    model, w_star, true_b, g = regression_problem(1.0, seed=1)
+    final, history = measure_noise_scale(
+        model,
+        make_batches(w_star, 1.0, g, steps=1000, rows=64 // items_per_row, items_per_row=items_per_row),
+        reg_loss,
+        micro_batch_size=8 // items_per_row,
+        count_fn=lambda mb: mb[1].numel(),
+    )
+    assert len(history) == 1000
+    assert final.b_simple == pytest.approx(true_b, rel=0.10), (final, true_b)
+    assert final.g_sq == pytest.approx(1.0, rel=0.10)
+
+
+def test_one_step_estimate_is_far_noisier_than_the_smoothed_one():
+    """Why we smooth: a single step's ratio is often far off (so the 10% test above can fail)."""
+    model, w_star, true_b, g = regression_problem(1.0)
+    _, history = measure_noise_scale(
+        model, make_batches(w_star, 1.0, g, 40, 64), reg_loss, micro_batch_size=8
+    )
+    single = [h.last_trace_sigma / h.last_g_sq if h.last_g_sq > 0 else math.inf for h in history]
+    assert max(abs(b - true_b) / true_b for b in single) > 0.10
+
+
+# -- the hook inside accumulate -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_count", [False, True])
+@pytest.mark.parametrize("pre_existing", [False, True])
+def test_hook_uses_first_micro_batch_and_whole_batch(with_count, pre_existing):
+    model, w_star, _, g = regression_problem(1.0)
+    batch = next(make_batches(w_star, 1.0, g, 1, rows=20))
+    # reference: the two gradients computed separately
+    mbs = split(batch, 6)
+    grads = []
+    for part in (mbs[0], batch):
+        model.zero_grad(set_to_none=True)
+        loss_sum, n = reg_loss(model, part)
+        (loss_sum / n).backward()
+        grads.append(grad_sq_norm(model.parameters()))
+    expect = GradientNoiseScale().update(b_small=6, g_small_sq=grads[0], b_big=20, g_big_sq=grads[1])
+
+    model.zero_grad(set_to_none=True)
+    if pre_existing:
+        model.weight.grad = torch.full_like(model.weight, 5.0)
+    hook = GradientNoiseScale()
+    accumulate(
+        model,
+        batch,
+        reg_loss,
+        micro_batch_size=6,
+        count_fn=(lambda mb: mb[1].numel()) if with_count else None,
+        noise=hook,
+    )
+    assert hook.estimate.g_sq == pytest.approx(expect.g_sq, rel=1e-10)
+    assert hook.estimate.trace_sigma == pytest.approx(expect.trace_sigma, rel=1e-10)
+
+
+def test_hook_skips_a_step_with_one_micro_batch():
+    model, w_star, _, g = regression_problem(1.0)
+    hook = GradientNoiseScale()
+    accumulate(model, next(make_batches(w_star, 1.0, g, 1, rows=8)), reg_loss, micro_batch_size=8, noise=hook)
+    assert hook.steps == 0 and hook.estimate is None
+
+
+def test_measure_needs_two_micro_batches():
+    model, w_star, _, g = regression_problem(1.0)
+    with pytest.raises(ConfigError, match=r"one micro-batch; the noise scale needs two batch sizes"):
+        measure_noise_scale(model, make_batches(w_star, 1.0, g, 2, rows=8), reg_loss, micro_batch_size=8)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_cli_json_values():
+    from microbatch.cli import group
+
+    res = CliRunner().invoke(
+        group,
+        [
+            "noise",
+            "--model",
+            "tiny",
+            "--seq",
+            "8",
+            "--global-batch",
+            "6",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["steps"] == 2 and len(out["per_step"]) == 2
+    assert out["tokens_per_sequence"] == 7
+    assert out["g_sq"] == pytest.approx(sum(p["g_sq"] for p in out["per_step"]) / 2)
+    assert out["trace_sigma"] == pytest.approx(sum(p["trace_sigma"] for p in out["per_step"]) / 2)
+    if out["b_simple_tokens"] is not None:
+        assert out["b_simple_tokens"] == pytest.approx(out["trace_sigma"] / out["g_sq"])
+        assert out["b_simple_sequences"] == pytest.approx(out["b_simple_tokens"] / 7)
+    assert "random" in out["data"]
+
+
+def test_cli_bad_input_exit_2():
+    from microbatch.cli import main
+
+    assert main(["noise", "--global-batch", "4", "--micro-batch", "4", "--steps", "1"]) == 2
+    assert main(["noise", "--steps", "0"]) == 2
