@@ -1,0 +1,50 @@
+"""The accelerator table: every row sourced, lookups, overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from microbatch.errors import ConfigError
+from microbatch.hardware import ACCELERATORS, GiB, get_accelerator, parse_gpus
+
+
+def test_every_issue_accelerator_is_present_with_a_source():
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "b200", "l4", "mi300x"):
+        acc = ACCELERATORS[name]
+        assert len(acc.source) > 40
+        assert acc.compute_units and acc.compute_units > 0
+
+
+def test_datasheet_relationships():
+    a40, a80, h100, h200 = (get_accelerator(n) for n in ("a100-40gb", "a100-80gb", "h100-sxm", "h200"))
+    assert a40.flops("bf16") == a80.flops("bf16") == 312e12
+    assert a80.memory_bytes == 2 * a40.memory_bytes == 80 * GiB
+    assert h200.flops("bf16") == h100.flops("bf16")  # same die, more and faster memory
+    assert h200.memory_bandwidth_bytes_per_s > h100.memory_bandwidth_bytes_per_s
+    for acc in ACCELERATORS.values():
+        assert acc.flops("fp32") < acc.flops("bf16")  # tensor cores vs SIMT
+        assert acc.inter_node_bytes_per_s <= acc.intra_node_bytes_per_s
+    # ridge point: A100 80GB 312e12 / 2.039e12 ≈ 153 FLOP/byte
+    assert a80.ridge_point() == pytest.approx(153.0, rel=0.01)
+
+
+def test_unknown_name_lists_known():
+    with pytest.raises(ConfigError, match=r"unknown accelerator 'v100'.*a100-40gb.*mi300x"):
+        get_accelerator("v100")
+
+
+def test_aliases_and_overrides():
+    assert get_accelerator("H100").name == "h100-sxm"
+    slow = get_accelerator("a100-80gb", inter_node_bytes_per_s=12.5e9, bf16=250e12)
+    assert slow.inter_node_bytes_per_s == 12.5e9 and slow.flops("bf16") == 250e12
+    assert slow.flops("fp16") == 312e12  # the others stay
+    with pytest.raises(ConfigError, match="unknown accelerator field 'colour'"):
+        get_accelerator("l4", colour="green")
+    with pytest.raises(ConfigError, match="must be > 0"):
+        get_accelerator("l4", memory_bytes=0)
+
+
+def test_parse_gpus():
+    assert [a.name for a in parse_gpus("a100-40gb, h100-sxm")] == ["a100-40gb", "h100-sxm"]
+    with pytest.raises(ConfigError):
+        parse_gpus(" , ")
