@@ -687,6 +687,9 @@ class ProbeSpec:
     """d."""
     seed: int = 0
     """Weights and data seed."""
+    threads: int | None = None
+    """torch intra-op threads in the probe process (None: torch's default). One thread gives
+    steadier timings on a CPU shared with other jobs."""
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.model, self.hf_config, self.shape)) != 1:
@@ -914,6 +917,7 @@ class ChildProber:
             bufsize=1,
         )
         reply = self._ask({"op": "setup", "spec": self.spec.to_dict(), "limit_bytes": self.limit_bytes})
+        self.setup_reply = reply
         if reply is None:
             raise MeasurementError(f"the probe process died during setup: {self._stderr_tail()}")
         if reply.get("config_error"):
@@ -930,6 +934,11 @@ class ChildProber:
                 f"(the setup step needs more); turn activation checkpointing on, use a shorter --seq, "
                 "or raise --memory-budget"
             )
+
+    def ask(self, msg: dict) -> dict | None:
+        """Send one request to the running child; its reply, or None if it died."""
+        self.start()
+        return self._ask(msg)
 
     def _ask(self, msg: dict) -> dict | None:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
@@ -1009,6 +1018,8 @@ def _worker() -> int:
 
                 torch.manual_seed(0)
                 spec = ProbeSpec.from_dict(msg["spec"])
+                if spec.threads:
+                    torch.set_num_threads(spec.threads)
                 probe = build_probe(spec)
                 limit = msg.get("limit_bytes")
                 need = (
@@ -1040,6 +1051,15 @@ def _worker() -> int:
                     reply({"oom": True, "error": _short(e)})
                     continue
                 reply({"static_bytes": need, "rss_after_setup": current_rss_bytes()})
+            elif msg["op"] == "alloc":  # a known allocation, to check the peak-memory method
+                import torch
+
+                reset_peak_rss()
+                before = peak_rss_bytes()
+                t = torch.ones(int(msg["bytes"]) // 4, dtype=torch.float32)
+                t += 1  # touch every page
+                reply({"peak_delta_bytes": peak_rss_bytes() - before, "allocated_bytes": t.numel() * 4})
+                del t
             elif msg["op"] == "probe":
                 probe.set_checkpointing(bool(msg.get("checkpointing")))
                 try:

@@ -528,6 +528,7 @@ def tune_model(
     new_tokens: int = 32,
     use_cache: bool = True,
     in_process: bool | None = None,
+    threads: int | None = None,
     on_point: Callable[[Measurement, bool], None] | None = None,
 ) -> TuneResult:
     """Tune a registry model (name or :class:`~microbatch.model.ModelShape`) or a Hugging Face config.
@@ -610,6 +611,7 @@ def tune_model(
         }
     fp["timing"] = timing.__dict__ if hasattr(timing, "__dict__") else str(timing)
     fp["in_process"] = in_process
+    fp["threads"] = threads
     return _run(
         prober,
         fingerprint_fields=fp,
