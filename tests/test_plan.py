@@ -1,0 +1,190 @@
+"""The planner: the seed's worked selection, consistency with the memory model, lints, advice, CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from microbatch.cli import main
+from microbatch.errors import ConfigError
+from microbatch.hardware import get_accelerator
+from microbatch.memory import MemoryConfig, estimate_memory
+from microbatch.model import get_model
+from microbatch.plan import (
+    PlanConfig,
+    compare_gpus,
+    explain,
+    lint,
+    make_plan,
+    plan_table_rows,
+    search_layouts,
+)
+
+_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
+PUBLISHED = json.loads(_PATH.read_text()) if _PATH.exists() else None
+A100 = get_accelerator("a100-80gb")
+
+
+def _cfg(**kw) -> PlanConfig:
+    base = dict(shape=get_model("gpt2"), gpu=A100, global_batch=64, pipeline_parallel=4)
+    base.update(kw)
+    return PlanConfig(**base)
+
+
+def test_seed_worked_selection():
+    seed = PUBLISHED["seed_worked_selection"] if PUBLISHED else {
+        "pipeline_stages": 4, "schedule": "1f1b", "per_replica_batch": 64,
+        "candidates": [{"micro_batch": 2, "microbatches": 32, "bubble_fraction": 0.085714},
+                       {"micro_batch": 4, "microbatches": 16, "bubble_fraction": 0.157895}],
+    }  # fmt: skip
+    plan = make_plan(
+        _cfg(pipeline_parallel=seed["pipeline_stages"], schedules=(seed["schedule"],),
+             global_batch=seed["per_replica_batch"])
+    )  # fmt: skip
+    best_at = {}
+    for c in plan.candidates:
+        best_at.setdefault(c.micro_batch, c)
+    for want in seed["candidates"]:
+        got = best_at[want["micro_batch"]]
+        assert got.microbatches == want["microbatches"]
+        assert got.bubble_fraction == pytest.approx(want["bubble_fraction"], abs=1e-6)
+    table = "\n".join(" | ".join(r) for r in plan_table_rows(plan))
+    assert "| 32 | 1f1b" in table and "8.6%" in table and "| 16 | 1f1b" in table and "15.8%" in table
+    # 1F1B needs m >= p: b_m = 32 (m = 2) and 64 (m = 1) are not offered under 1F1B
+    assert all(c.microbatches >= 4 for c in plan.candidates)
+
+
+def test_every_candidate_keeps_the_global_batch_and_recommendation_is_fastest_fit():
+    plan = make_plan(_cfg(data_parallel=2, global_batch=128))
+    assert plan.evaluated > 50
+    for c in plan.candidates:
+        assert c.micro_batch * c.grad_accum * c.data_parallel == 128
+        assert c.fits == (c.peak_memory_bytes <= A100.memory_bytes * 0.9)
+    fits = [c for c in plan.candidates if c.fits]
+    assert plan.recommended is not None
+    assert plan.recommended.step_time_s == min(c.step_time_s for c in fits)
+    assert {c.zero for c in plan.candidates} == {0, 1, 2, 3}
+    assert {c.schedule for c in plan.candidates} >= {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"}
+
+
+def test_screening_memory_equals_the_memory_model():
+    shape = get_model("llama-2-7b")
+    plan = make_plan(_cfg(shape=shape, global_batch=64, data_parallel=2, pipeline_parallel=4))
+    for c in plan.candidates[::7]:
+        est = estimate_memory(
+            shape,
+            MemoryConfig(
+                micro_batch=c.micro_batch, pipeline_parallel=4, virtual=c.virtual, microbatches=c.microbatches,
+                schedule=c.schedule, data_parallel=2, zero=c.zero, recompute=c.recompute,
+            ),
+        )  # fmt: skip
+        assert c.peak_memory_bytes == pytest.approx(est.peak_bytes, rel=1e-9), c
+        assert c.memory == pytest.approx(est.peak_stage.breakdown(), rel=1e-9)
+
+
+def test_uneven_split_is_checked_at_every_stage_and_simulated():
+    plan = make_plan(_cfg(layers_per_stage=(2, 3, 3, 4), schedules=("1f1b",), recompute=("none",)))
+    shape = get_model("gpt2")
+    for c in plan.candidates:
+        est = estimate_memory(
+            shape, MemoryConfig(micro_batch=c.micro_batch, pipeline_parallel=4, microbatches=c.microbatches,
+                                layers_per_stage=(2, 3, 3, 4)),
+        )  # fmt: skip
+        assert c.peak_memory_bytes == pytest.approx(est.peak_bytes)
+        assert c.simulated == c.fits
+
+
+def test_simulated_leaders_agree_with_closed_form_for_balanced_stages():
+    # no logits/embedding imbalance to speak of: the simulator's makespan ≈ the closed form
+    cfg = _cfg(schedules=("1f1b",), recompute=("none",), simulate_top=0)
+    closed = {c.micro_batch: c for c in make_plan(cfg).candidates}
+    sim = make_plan(replace(cfg, simulate_top=3))
+    leaders = [c for c in sim.candidates if c.simulated]
+    assert len(leaders) == 3
+    for c in leaders:
+        assert c.step_time_s == pytest.approx(closed[c.micro_batch].step_time_s, rel=0.02)
+
+
+def test_zero3_communication_favours_larger_micro_batches():
+    slow = get_accelerator("a100-80gb", inter_node_bytes_per_s=2e9)
+    cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=slow, global_batch=512, data_parallel=16, seq=2048,
+                     recompute=("none",), simulate_top=0)  # fmt: skip
+    step = {}
+    for z in (0, 3):
+        for c in make_plan(replace(cfg, zero=(z,))).candidates:
+            step[(z, c.micro_batch)] = c.step_time_s
+    # ZeRO-3 all-gathers weights every micro-step: 4× fewer micro-steps, ~4× less exposed traffic
+    assert step[(3, 1)] / step[(3, 4)] > 3
+    assert step[(0, 1)] / step[(0, 4)] < 1.2
+
+
+def test_lints():
+    few = make_plan(_cfg(micro_batches=(8,), schedules=("1f1b",)))  # m = 8 < 4p = 16
+    assert any("m = 8 < 4p = 16" in x and "b_m = 4 gives m = 16" in x for x in few.lints)
+    gp = make_plan(_cfg(micro_batches=(2,), schedules=("gpipe", "1f1b"), recompute=("none",)))
+    gpipe = next(c for c in gp.candidates if c.schedule == "gpipe")
+    assert any("GPipe holds all m = 32" in x and "1F1B" in x for x in lint(gp, gpipe))
+    wrong = replace(gp.candidates[0], grad_accum=16)
+    assert any("global batch changed" in x for x in lint(gp, wrong))
+    tiny_m = make_plan(_cfg(micro_batches=(32,), schedules=("gpipe",)))
+    assert any("m = 2 < p = 4" in x for x in tiny_m.lints)
+
+
+def test_nothing_fits_says_what_would():
+    cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=get_accelerator("l4"), global_batch=64,
+                     pipeline_parallel=4)  # fmt: skip
+    plan = make_plan(cfg)
+    assert plan.recommended is None
+    assert plan.advice[0].startswith("nothing fits in 21.6 GiB")
+    assert any("pipeline-parallel 8" in a and "would fit" in a and "GiB at b_m" in a for a in plan.advice)
+    assert "nothing fits" in explain(plan)
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError, match=r"global batch 100 is not divisible by data-parallel 8.*96 or 104"):
+        _cfg(global_batch=100, data_parallel=8)
+    with pytest.raises(ConfigError, match="tensor-parallel 5 does not divide heads 12"):
+        _cfg(tensor_parallel=5)
+    with pytest.raises(ConfigError, match="pipeline-parallel 16 > layers 12"):
+        _cfg(pipeline_parallel=16)
+    with pytest.raises(ConfigError, match="micro-batch 3 does not divide the per-replica batch"):
+        _cfg(micro_batches=(3,))
+    with pytest.raises(ConfigError, match="must be a whole number >= 1"):
+        _cfg(global_batch=-64)
+
+
+def test_compare_gpus_and_search():
+    plans = compare_gpus(_cfg(), [A100, get_accelerator("h100-sxm")])
+    assert plans[1].recommended.tokens_per_s > plans[0].recommended.tokens_per_s
+    best, evaluated, feasible = search_layouts(get_model("gpt2"), A100, global_batch=64, num_gpus=8)
+    assert evaluated >= feasible > 0 and best.fits
+    assert best.data_parallel * best.pipeline_parallel * best.tensor_parallel == 8
+
+
+def test_cli_plan_json(capsys):
+    rc = main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "--global-batch", "64", "--pipeline-parallel", "4",
+               "--schedule", "1f1b", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    keys = {"micro_batch", "microbatches", "grad_accum", "schedule", "virtual", "recompute", "zero",
+            "bubble_fraction", "peak_memory_bytes", "memory", "step_time_s", "tokens_per_s", "mfu", "fits"}  # fmt: skip
+    assert keys <= set(out["recommended"]) and all(keys <= set(c) for c in out["candidates"])
+    for k in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "model", "gpu"):
+        assert k in out
+    assert out["model"]["name"] == "gpt2" and out["gpu"]["name"] == "a100-80gb"
+    assert out["recommended"]["micro_batch"] * out["recommended"]["grad_accum"] == 64
+
+
+def test_cli_plan_compare_and_errors(capsys):
+    rc = main(["plan", "--model", "gpt2", "--gpu", "a100-40gb,h100-sxm", "-B", "64", "-p", "2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["gpu"] for r in out["comparison"]] == ["a100-40gb", "h100-sxm"]
+    assert main(["plan", "--model", "gpt2", "--gpu", "v100", "-B", "64"]) == 2
+    assert "unknown accelerator 'v100'" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-2-7b", "--gpu", "l4", "-B", "64", "-p", "4"]) == 2
+    captured = capsys.readouterr()
+    assert "would fit" in captured.out and captured.err.startswith("error: nothing fits")
