@@ -426,3 +426,33 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
             assert rel(g, ref) < 1e-10, (key, r)
             assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
     assert res[0]["noise"] == res[1]["noise"]  # averaged over ranks
+
+
+# -- the README example: a Hugging Face causal LM ------------------------------------------------
+
+
+def hf_loss_fn(model, mb):
+    """The docs' loss_fn, verbatim: summed next-token loss over the valid tokens, and their number."""
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+    labels = mb["labels"][:, 1:]
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return loss_sum, (labels != -100).sum()
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_causal_lm_equals_its_own_full_batch_loss():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    model.train(False)  # no dropout, so the two runs see the same function
+    batch = make_batch()  # right-padded, labels -100 on padding: what a collator gives
+    out = model(**batch)  # Hugging Face's own loss: mean over all valid shifted tokens
+    out.loss.backward()
+    ref = flat_grad(model)
+    model.zero_grad(set_to_none=True)
+    loss = accumulate(model, batch, hf_loss_fn, micro_batch_size=3, count_fn=count_fn)
+    assert rel(flat_grad(model), ref) < 1e-10
+    assert float(loss) == pytest.approx(float(out.loss), rel=1e-6)
