@@ -1,0 +1,255 @@
+"""The search (on synthetic curves: deterministic and fast) and tune end to end on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.errors import ConfigError
+from microbatch.measure import Measurement, TimingConfig
+from microbatch.tune import SearchLog, search, tune, tune_model
+
+SEED = {1: 1000.0, 2: 1800.0, 4: 3200.0, 8: 5000.0, 16: 5600.0, 32: 5700.0, 64: 5750.0}
+FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1.0, rel_tol=0.5)
+
+
+def synthetic(curve=SEED, *, intercept=1000.0, slope=100.0, oom_above=None, ckpt_slope=None, calls=None):
+    """measure(b, ckpt) over a curve; memory = intercept + slope·b; OOM above a b_m."""
+
+    def measure(b: int, ckpt: bool) -> Measurement:
+        if calls is not None:
+            calls.append((b, ckpt))
+        s = ckpt_slope if (ckpt and ckpt_slope is not None) else slope
+        mem = intercept + s * b
+        if oom_above is not None and mem > oom_above:
+            return Measurement(micro_batch=b, oom=True, checkpointing=ckpt)
+        t = curve.get(b, curve[max(k for k in curve if k <= b)]) * (0.8 if ckpt else 1.0)
+        return Measurement(
+            micro_batch=b, throughput=t, step_time_s=b / t, peak_memory_bytes=int(mem), checkpointing=ckpt
+        )
+
+    return measure
+
+
+def bs(points):
+    return [p.micro_batch for p in points]
+
+
+def test_doubling_stops_when_flat_on_seed_curve():
+    log = SearchLog()
+    pts = search(synthetic(), log=log)
+    # 8 -> 16 gains 12% < 15%: stop at 16, never probe 32 or 64
+    assert bs(pts) == [1, 2, 4, 8, 16]
+    assert "flattened" in log.stop_reason
+    assert log.probes == 5 and log.oom_events == 0
+
+
+def test_patience_two_needs_two_flat_doublings():
+    pts = search(synthetic(), patience=2)
+    assert bs(pts) == [1, 2, 4, 8, 16, 32]
+
+
+def test_falling_curve_stops():
+    pts = search(synthetic({1: 100.0, 2: 190.0, 4: 300.0, 8: 250.0, 16: 400.0}))
+    assert bs(pts) == [1, 2, 4, 8]
+
+
+def test_never_probes_a_size_predicted_not_to_fit():
+    calls = []
+    # memory 1000 + 100 b; budget 2000 with 10% headroom -> usable 1800 -> b <= 8
+    rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32)}
+    log = SearchLog()
+    pts = search(synthetic(rising, calls=calls), memory_budget_bytes=2000, headroom=0.1, log=log)
+    assert bs(pts) == [1, 2, 4, 8]
+    assert all(b <= 8 for b, _ in calls)
+    assert log.skipped == [16] and "predicted not to fit" in log.stop_reason
+    assert log.oom_events == 0
+
+
+def test_oom_stops_and_is_recorded():
+    rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32)}
+    log = SearchLog()
+    pts = search(synthetic(rising, oom_above=2500), log=log)  # 1000 + 100·16 = 2600 > 2500
+    assert bs(pts) == [1, 2, 4, 8, 16] and pts[-1].oom
+    assert log.oom_events == 1 and "out of memory" in log.stop_reason
+
+
+def test_checkpointing_auto_switches_where_plain_does_not_fit():
+    rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32, 64)}
+    calls = []
+    pts = search(
+        synthetic(rising, oom_above=2500, ckpt_slope=20.0, calls=calls),
+        checkpointing="auto",
+        max_micro_batch=64,
+    )
+    # plain up to 8, OOM at 16, then 16, 32, 64 with checkpointing (1000 + 20·64 = 2280 fits)
+    assert calls == [
+        (1, False),
+        (2, False),
+        (4, False),
+        (8, False),
+        (16, False),
+        (16, True),
+        (32, True),
+        (64, True),
+    ]
+    assert [p.checkpointing for p in pts if not p.oom] == [False] * 4 + [True] * 3
+
+
+def test_max_micro_batch_and_start():
+    rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert bs(search(synthetic(rising), start=4, max_micro_batch=16)) == [4, 8, 16]
+    with pytest.raises(ConfigError):
+        search(synthetic(), start=0)
+    with pytest.raises(ConfigError, match="checkpointing"):
+        search(synthetic(), checkpointing="sometimes")
+
+
+def test_refine_probes_between_knee_and_point_below():
+    curve = {1: 1000.0, 2: 1800.0, 4: 3200.0, 6: 4900.0, 8: 5000.0, 16: 5600.0}
+    pts = search(synthetic(curve), refine=True)
+    assert bs(pts) == [1, 2, 4, 8, 16, 6]
+
+
+def test_cached_points_are_not_measured_again():
+    calls = []
+    known = {(b, False): synthetic()(b, False) for b in (1, 2, 4)}
+    log = SearchLog()
+    pts = search(synthetic(calls=calls), known=known, log=log)
+    assert bs(pts) == [1, 2, 4, 8, 16]
+    assert [b for b, _ in calls] == [8, 16]
+    assert log.cached == 3 and log.probes == 2
+
+
+def test_ctrl_c_keeps_measured_points():
+    inner = synthetic()
+
+    def measure(b, ckpt):
+        if b == 8:
+            raise KeyboardInterrupt
+        return inner(b, ckpt)
+
+    log = SearchLog()
+    pts = search(measure, log=log)
+    assert bs(pts) == [1, 2, 4] and log.interrupted
+
+
+# -- end to end on the tiny model (in process: fast) -------------------------------------
+def test_tune_model_in_process_tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    r = tune_model("tiny", seq=32, max_micro_batch=4, in_process=True, timing=FAST, tolerance=0.0)
+    d = r.to_dict()
+    assert [p["micro_batch"] for p in d["points"]] == [1, 2, 4][: len(d["points"])]
+    ok = [p for p in d["points"] if not p["oom"]]
+    for p in ok:
+        assert p["tokens_per_s"] == pytest.approx(p["micro_batch"] * 32 / p["step_time_s"])
+        assert p["peak_memory_bytes"] > 0 and p["repeats"] >= 2
+    for k in (
+        "micro_batch",
+        "grad_accum",
+        "throughput",
+        "fraction_of_best",
+        "peak_memory_bytes",
+        "fastest_fitting",
+        "max_fitting_micro_batch",
+        "memory_fit",
+        "rule",
+        "tolerance",
+        "points",
+        "device",
+        "model",
+        "seq",
+        "precision",
+        "checkpointing",
+        "torch_version",
+        "mode",
+    ):
+        assert k in d
+    assert d["model"] == "tiny" and d["seq"] == 32 and d["mode"] == "train" and d["device"] == "cpu"
+    assert d["micro_batch"] in [p["micro_batch"] for p in ok]
+    # the cache: the same call measures nothing new
+    r2 = tune_model("tiny", seq=32, max_micro_batch=4, in_process=True, timing=FAST, tolerance=0.0)
+    assert r2.probes == 0 and r2.cached == len(r.points)
+    assert [p.throughput for p in r2.points] == [p.throughput for p in r.points]
+    # another sequence length is another key
+    r3 = tune_model("tiny", seq=16, max_micro_batch=1, in_process=True, timing=FAST)
+    assert r3.probes == 1
+    path = r.save(tmp_path / "out")
+    saved = json.loads(path.read_text())
+    assert saved["points"][0]["micro_batch"] == 1 and saved["model"] == "tiny"
+
+
+def test_tune_model_decode_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    r = tune_model(
+        "tiny",
+        seq=48,
+        mode="decode",
+        max_micro_batch=2,
+        in_process=True,
+        timing=FAST,
+        use_cache=False,
+        tolerance=0.0,
+    )
+    for p in r.points:
+        # tokens/s = b / per-token latency
+        assert p.tokens_per_s == pytest.approx(p.micro_batch / p.step_time_s)
+        assert p.prefill_s > 0
+    assert r.mode == "decode"
+
+
+def test_user_model_api_with_global_batch(tmp_path, monkeypatch):
+    import torch
+
+    from microbatch.gpt import build_model
+    from microbatch.model import get_model
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    shape = get_model("tiny", seq=16)
+    model = build_model(shape)
+
+    def make_batch(b):
+        return torch.randint(0, shape.vocab, (b, 16))
+
+    r = tune(model, make_batch, max_micro_batch=2, timing=FAST, global_batch=8, tolerance=0.0)
+    d = r.to_dict()
+    for p in r.points:
+        # t_step = t_micro + t_opt / g with g = 8 / b
+        assert p.step_time_s == pytest.approx(p.micro_step_s + p.optimizer_step_s / (8 // p.micro_batch))
+    assert d["grad_accum"] == 8 // d["micro_batch"]
+    assert d["model"] == "GPT"
+
+
+def test_user_model_compiled(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("sympy") is None:
+        pytest.skip("torch.compile needs sympy")
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    compiled = torch.compile(model, backend="eager")  # compilation stays in setup and warm-up
+
+    r = tune(
+        compiled,
+        lambda b: torch.randn(b, 8),
+        loss_fn=lambda m, x: m(x).pow(2).mean(),
+        max_micro_batch=2,
+        timing=FAST,
+        use_cache=False,
+    )
+    assert [p.micro_batch for p in r.points][:1] == [1]
+    assert all(not p.oom and p.throughput > 0 for p in r.points)
+    assert r.model == "Sequential"
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError, match="unknown model"):
+        tune_model("no-such-model", seq=8)
+    with pytest.raises(ConfigError, match="seq"):
+        tune_model("tiny", seq=0)
+    with pytest.raises(ConfigError, match="exactly one"):
+        tune_model(seq=8)
+    with pytest.raises(ConfigError, match="mode"):
+        tune_model("tiny", seq=8, mode="serve")
