@@ -287,3 +287,10 @@ def test_dict_rows_and_svg_escape():
 def test_png_from_plain_rows(tmp_path):
     p = save_timeline_png([[(0, 1, "F", 0), (1, 3, "B", 0)]], 3, tmp_path / "x.png")
     assert p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bubble_interleaved_m_below_p_notes_the_simulated_excess(capsys):
+    d = run_json(["bubble", "-p", "4", "-m", "3", "-s", "interleaved-1f1b", "--virtual", "2"], capsys)
+    assert d["bubble_fraction"] == pytest.approx(3 / 9)
+    assert d["simulated_bubble_fraction"] > d["bubble_fraction"]
+    assert any("idles more than the closed form" in n for n in d["notes"])
