@@ -294,3 +294,16 @@ def test_bubble_interleaved_m_below_p_notes_the_simulated_excess(capsys):
     assert d["bubble_fraction"] == pytest.approx(3 / 9)
     assert d["simulated_bubble_fraction"] > d["bubble_fraction"]
     assert any("idles more than the closed form" in n for n in d["notes"])
+
+
+def test_measured_rows_on_any_clock_are_drawn_from_their_first_start(tmp_path):
+    base = 1.7e9  # e.g. wall-clock seconds
+    rows = [
+        [(base, base + 1, "F", 0), (base + 2, base + 4, "B", 0)],
+        [(base + 1, base + 2, "F", 0), (base + 2, base + 2.5, "B", 0)],
+    ]
+    shifted = [[(s - base, e - base, k, mb) for s, e, k, mb in r] for r in rows]
+    assert render_timeline_text(rows) == render_timeline_text(shifted, 4.0)
+    assert render_timeline_text(rows, 4.0) == render_timeline_text(shifted)  # a duration is accepted too
+    svg = timeline_svg(rows)
+    assert ">1700000000<" not in svg and ">4<" in svg

@@ -68,14 +68,19 @@ def normalize_rows(intervals_by_rank: Iterable[Iterable[Any]]) -> list[list[Row]
     return out
 
 
-def _makespan(rows: list[list[Row]], makespan: float | None) -> float:
-    if makespan is not None:
-        return float(makespan)
-    return max((r[1] for rank in rows for r in rank), default=0.0)
-
-
-def _origin(rows: list[list[Row]]) -> float:
-    return min((r[0] for rank in rows for r in rank), default=0.0)
+def _window(rows: list[list[Row]], makespan: float | None) -> tuple[float, float]:
+    """``(t0, span)``: times are drawn relative to the earliest start ``t0`` (0 for a simulation;
+    a measured timeline may use any clock). ``makespan`` is the end time on the rows' clock, or,
+    when smaller than ``t0``, a duration from ``t0``; by default the last end."""
+    t0 = min((r[0] for rank in rows for r in rank), default=0.0)
+    last = max((r[1] for rank in rows for r in rank), default=t0)
+    if makespan is None:
+        end = last
+    else:
+        end = float(makespan)
+        if end < t0:
+            end = t0 + end
+    return t0, max(0.0, end - t0)
 
 
 def render_timeline_text(
@@ -96,8 +101,7 @@ def render_timeline_text(
     ``color=True`` returns ANSI colours (rich), for a terminal; the text is the same either way.
     """
     rows = normalize_rows(intervals_by_rank)
-    t0 = _origin(rows)
-    span = _makespan(rows, makespan) - t0
+    t0, span = _window(rows, makespan)
     if not rows or span <= 0:
         return "(empty timeline)"
     width = max(10, int(width))
@@ -127,9 +131,7 @@ def render_timeline_text(
     name_w = len(f"{rank_label} {len(rows) - 1}")
     unit = f" {time_unit}" if time_unit else ""
     per_col = span / ncols
-    header = f"{'':<{name_w}}  0{unit}".ljust(name_w + 2 + max(0, ncols - len(_fmt(span + t0)))) + _fmt(
-        span + t0
-    )
+    header = f"{'':<{name_w}}  0{unit}".ljust(name_w + 2 + max(0, ncols - len(_fmt(span)))) + _fmt(span)
     plain_lines = [header.rstrip()]
     for r, cells in enumerate(lines_cells):
         plain_lines.append(f"{rank_label} {r}".ljust(name_w) + " |" + "".join(c for c, _ in cells) + "|")
@@ -200,8 +202,8 @@ def timeline_svg(
 ) -> str:
     """A self-contained SVG chart of the timeline: one lane per rank, one coloured box per op."""
     rows = normalize_rows(intervals_by_rank)
-    t0 = _origin(rows)
-    span = max(_makespan(rows, makespan) - t0, 1e-12)
+    t0, span = _window(rows, makespan)
+    span = max(span, 1e-12)
     left, right, top = 70, 20, 34 if title else 12
     axis_h, legend_h = 30, 24
     plot_w = max(100, width_px - left - right)
@@ -239,8 +241,8 @@ def timeline_svg(
                 )
     y_axis = top + row_px * len(rows) + 4
     out.append(f'<line x1="{left}" y1="{y_axis}" x2="{left + plot_w}" y2="{y_axis}" stroke="black"/>')
-    for tick in _ticks(t0, t0 + span):
-        x = left + (tick - t0) * sx
+    for tick in _ticks(0.0, span):
+        x = left + tick * sx
         out.append(f'<line x1="{x:.2f}" y1="{y_axis}" x2="{x:.2f}" y2="{y_axis + 4}" stroke="black"/>')
         out.append(f'<text x="{x:.2f}" y="{y_axis + 16}" text-anchor="middle">{_fmt(tick)}</text>')
     if time_unit:
@@ -302,8 +304,7 @@ def save_timeline_png(
     from matplotlib.patches import Patch
 
     rows = normalize_rows(intervals_by_rank)
-    t0 = _origin(rows)
-    end = _makespan(rows, makespan)
+    t0, span = _window(rows, makespan)
     fig = Figure(figsize=(10, 1.0 + 0.4 * max(1, len(rows))), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
@@ -311,7 +312,7 @@ def save_timeline_png(
     for r, rank in enumerate(rows):
         by_kind: dict[str, list[tuple[float, float]]] = {}
         for start, stop, label, _ in rank:
-            by_kind.setdefault(_kind(label), []).append((start, stop - start))
+            by_kind.setdefault(_kind(label), []).append((start - t0, stop - start))
         for kind, spans in by_kind.items():
             ax.broken_barh(
                 spans,
@@ -324,7 +325,7 @@ def save_timeline_png(
                 kinds_seen.append(kind)
     ax.set_yticks(range(len(rows)), [f"{rank_label} {r}" for r in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(t0, end if end > t0 else t0 + 1)
+    ax.set_xlim(0, span if span > 0 else 1)
     ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
     if title:
         ax.set_title(title)
