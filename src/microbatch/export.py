@@ -158,6 +158,17 @@ def _deepspeed(c: dict) -> tuple[dict, list[str]]:
     return cfg, notes
 
 
+def _hf_checkpointing_key() -> str:
+    """``activation_checkpointing`` from transformers 5 (``gradient_checkpointing`` is deprecated there)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major = int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return "gradient_checkpointing"
+    return "activation_checkpointing" if major >= 5 else "gradient_checkpointing"
+
+
 def _hf(c: dict) -> tuple[dict, list[str]]:
     prec = _precision(c)
     cfg = {
@@ -165,7 +176,7 @@ def _hf(c: dict) -> tuple[dict, list[str]]:
         "gradient_accumulation_steps": c["grad_accum"],
         "bf16": prec == "bf16-mixed",
         "fp16": prec == "fp16-mixed",
-        "gradient_checkpointing": c.get("recompute", "none") != "none",
+        _hf_checkpointing_key(): c.get("recompute", "none") != "none",
     }
     notes = [f"run on d = {c['data_parallel']} processes (torchrun --nproc_per_node ...); the Trainer multiplies "
              "per_device_train_batch_size by the world size"]  # fmt: skip
