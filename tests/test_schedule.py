@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, ScheduleError
 from microbatch.schedule import (
@@ -267,3 +269,26 @@ def test_single_stage_schedules_refuse_virtual():
 def test_sizes_below_one_are_refused(field, args):
     with pytest.raises(ConfigError, match=rf"{field} must be a whole number >= 1"):
         check_servable("gpipe", *args)
+
+
+# --- every servable (p, m, v) yields a valid schedule (hypothesis) --------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]),
+    p=st.integers(1, 7),
+    m=st.integers(1, 20),
+    v=st.integers(1, 4),
+)
+def test_servable_sizes_generate_valid_schedules(name, p, m, v):
+    if name != "interleaved-1f1b":
+        v = 1
+    try:
+        check_servable(name, p, m, v)
+    except ScheduleError:
+        return  # refused with the rule named (tested above)
+    s = generate(name, p, m, v)
+    validate(s)
+    kinds = {a.kind for r in s.actions for a in r}
+    assert kinds == ({"F", "I", "W"} if name == "zb-h1" else {"F", "B"})
