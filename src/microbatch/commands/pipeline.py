@@ -52,6 +52,21 @@ from ._common import dumps, emit, json_option, stages_option
     help="Seconds before a stuck run is killed.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--svg",
+    "svg_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Draw the measured timeline as SVG.",
+)
+@click.option(
+    "--png",
+    "png_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Draw the measured timeline as PNG.",
+)
+@click.option("--width", type=int, default=100, show_default=True, help="Columns of the terminal diagrams.")
 @json_option
 def cmd(
     stages,
@@ -68,6 +83,9 @@ def cmd(
     trace,
     timeout_s,
     seed,
+    svg_path,
+    png_path,
+    width,
     as_json,
 ):
     """Split a model into p stages, train it N steps under torch's pipeline schedule and measure.
@@ -111,7 +129,36 @@ def cmd(
     if trace:
         with open(trace, "w") as f:
             f.write(dumps(chrome_trace(report)))
-    emit(report, as_json, lambda: render(report, trace))
+        report["trace"] = str(trace)
+    rows_ms = _rows_ms(report)
+    title = f"measured {report['schedule']}: p = {stages}, m = {microbatches}" + (
+        f", v = {virtual}" if virtual > 1 else ""
+    )
+    if svg_path:
+        from ..report import save_timeline_svg
+
+        save_timeline_svg(rows_ms, None, svg_path, title=title, time_unit="ms")
+        report["svg"] = str(svg_path)
+    if png_path:
+        from ..report import save_timeline_png
+
+        save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
+        report["png"] = str(png_path)
+    emit(report, as_json, lambda: render(report, width))
+
+
+def _rows_ms(report: dict) -> list[list[tuple[float, float, str, int]]]:
+    """The measured last step as per-rank rows for :mod:`microbatch.report`, in milliseconds."""
+    from ..launch import timeline_rows
+
+    return [[(a * 1e3, e * 1e3, lab, i) for a, e, lab, i in row] for row in timeline_rows(report)]
+
+
+def _pred_rows_ms(report: dict) -> list[list[tuple[float, float, str, int]]]:
+    rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(report["stages"])]
+    for it in report["predicted_timeline"]:
+        rows[it["rank"]].append((it["start_s"] * 1e3, it["end_s"] * 1e3, it["label"], it["microbatch"]))
+    return rows
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -124,25 +171,9 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
-def _draw(rows: list[list[tuple[float, float, str, int]]], span: float, width: int = 64) -> list[str]:
-    """ASCII timeline: one line per rank, one character per span/width seconds; the micro-batch
-    number (mod 10) for a forward, a letter for a backward part (B: a…, I: a…, W: A…), '.' idle."""
-    out = []
-    for r, row in enumerate(rows):
-        cells = ["."] * width
-        for start, end, label, mb in row:
-            kind = label[-1]
-            ch = str(mb % 10) if kind == "F" else chr((ord("A") if kind == "W" else ord("a")) + mb % 26)
-            a = int(start / span * width) if span > 0 else 0
-            b = max(a + 1, int(round(end / span * width))) if span > 0 else 1
-            for c in range(a, min(b, width)):
-                cells[c] = ch
-        out.append(f"  rank {r} |{''.join(cells)}|")
-    return out
-
-
-def render(report: dict, trace: str | None) -> str:
-    from ..launch import timeline_rows
+def render(report: dict, width: int = 100) -> str:
+    from ..report import render_timeline_text
+    from .bubble import use_color
 
     m, p, v = report["measured"], report["predicted"], report["virtual"]
     lines = [
@@ -166,14 +197,18 @@ def render(report: dict, trace: str | None) -> str:
             f"{_fmt_bytes(st['activation_bytes_per_microbatch']):>10}  {_fmt_bytes(st['peak_activation_bytes']):>9}"
             + (f"  cuda peak {_fmt_bytes(st['cuda_peak_bytes'])}" if st.get("cuda_peak_bytes") else "")
         )
-    span = max(m["step_time_s"], p["step_time_s"])
-    pred_rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(report["stages"])]
-    for it in report["predicted_timeline"]:
-        pred_rows[it["rank"]].append((it["start_s"], it["end_s"], it["label"], it["microbatch"]))
-    lines += ["", "  measured timeline (last step; digits: forward of µbatch k, letters: backward)"]
-    lines += _draw(timeline_rows(report), span)
-    lines += ["  predicted"]
-    lines += _draw(pred_rows, span)
+    span_ms = max(m["step_time_s"], p["step_time_s"]) * 1e3  # one scale for both diagrams
+    color = use_color()
+    lines += ["", "measured (last step; times from the first op)"]
+    lines.append(
+        render_timeline_text(
+            _rows_ms(report), span_ms, width=width, color=color, legend=False, time_unit="ms"
+        )
+    )
+    lines += ["predicted (simulator, measured op times, no communication time)"]
+    lines.append(
+        render_timeline_text(_pred_rows_ms(report), span_ms, width=width, color=color, time_unit="ms")
+    )
     if report["gradients_match"] is not None:
         verdict = "match" if report["gradients_match"] else "DO NOT MATCH"
         lines += [
@@ -181,6 +216,11 @@ def render(report: dict, trace: str | None) -> str:
             f"  gradients {verdict} the unsplit model: largest relative error "
             f"{report['max_grad_rel_error']:.2e} (tolerance {report['grad_tolerance']:.0e})",
         ]
-    if trace:
-        lines.append(f"  Chrome trace written to {trace} (open in chrome://tracing or ui.perfetto.dev)")
+    if report.get("trace"):
+        lines.append(
+            f"  Chrome trace written to {report['trace']} (open in chrome://tracing or ui.perfetto.dev)"
+        )
+    for key in ("svg", "png"):
+        if key in report:
+            lines.append(f"  wrote {report[key]}")
     return "\n".join(lines)
