@@ -1,0 +1,211 @@
+"""Measurement: the timing loop, the CPU peak-memory method, the child process under a limit, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from microbatch.errors import ConfigError
+from microbatch.measure import (
+    ChildProber,
+    Measurement,
+    ProbeSpec,
+    TimingConfig,
+    peak_rss_bytes,
+    reset_peak_rss,
+    spread,
+    time_until_stable,
+)
+
+FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1.0, rel_tol=0.5)
+linux = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the CPU memory method needs Linux /proc"
+)
+
+
+def scripted(times):
+    it = iter(times)
+    return lambda fn: (fn(), next(it))[1]
+
+
+def test_time_until_stable_stops_when_median_settles():
+    calls = []
+    t = TimingConfig(warmup=2, min_repeats=3, max_repeats=50, max_time_s=100, rel_tol=0.01)
+    out = time_until_stable(
+        lambda: calls.append(1), t, timer=scripted([5.0, 1.0, 1.0, 1.0, 1.0] + [1.0] * 50)
+    )
+    # after [5, 1, 1]: median 1 vs median of [5, 1] = 3 -> go on; [5,1,1,1]: 1 vs 1 -> stop
+    assert out == [5.0, 1.0, 1.0, 1.0]
+    assert len(calls) == 2 + 4  # warm-up calls are not timed
+
+
+def test_time_until_stable_respects_max_repeats_and_agree():
+    t = TimingConfig(warmup=0, min_repeats=1, max_repeats=4, max_time_s=100, rel_tol=0.0)
+    noisy = scripted([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    assert len(time_until_stable(lambda: None, t, timer=noisy)) == 4
+    # another rank wants to go on: the stop decision is taken together
+    decisions = iter([False, False, True])
+    out = time_until_stable(
+        lambda: None,
+        TimingConfig(warmup=0, min_repeats=1, max_repeats=10, rel_tol=1.0),
+        timer=scripted([1.0] * 10),
+        agree=lambda stop: next(decisions),
+    )
+    assert len(out) == 3
+
+
+def test_spread_is_relative_iqr():
+    assert spread([1.0]) == 0.0
+    assert spread([1.0, 1.0, 1.0]) == 0.0
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+def test_timing_config_validated():
+    with pytest.raises(ConfigError):
+        TimingConfig(min_repeats=5, max_repeats=2)
+
+
+@linux
+def test_peak_rss_in_process_matches_known_allocation():
+    import torch
+
+    assert reset_peak_rss()
+    before = peak_rss_bytes()
+    n = 120 * 2**20
+    t = torch.ones(n // 4)
+    t += 1
+    delta = peak_rss_bytes() - before
+    del t
+    assert delta == pytest.approx(n, rel=0.10)
+    # after a reset the peak falls back to the current size
+    assert reset_peak_rss()
+    assert peak_rss_bytes() < before + n / 2
+
+
+def test_measurement_round_trip():
+    m = Measurement(
+        micro_batch=4, throughput=10.0, step_time_s=0.4, peak_memory_bytes=123, checkpointing=True
+    )
+    assert Measurement.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+
+
+def test_probe_spec_validation():
+    with pytest.raises(ConfigError, match="exactly one"):
+        ProbeSpec(seq=8)
+    with pytest.raises(ConfigError, match="seq"):
+        ProbeSpec(model="tiny", seq=0)
+    with pytest.raises(ConfigError, match="precision"):
+        ProbeSpec(model="tiny", seq=8, precision="fp8")
+    spec = ProbeSpec(model="tiny", seq=8, global_batch=64, data_parallel=2)
+    assert spec.grad_accum(4) == 8
+    assert ProbeSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@linux
+def test_child_probe_memory_grows_with_b_and_known_allocation():
+    """The child's peak RSS: a known allocation within 10%; probes grow with b_m; slope near the fit."""
+    prober = ChildProber(ProbeSpec(model="tiny", seq=64, timing=FAST, threads=1), limit_bytes=None)
+    try:
+        prober.start()
+        n = 200 * 2**20
+        r = prober.ask({"op": "alloc", "bytes": n})
+        assert r["allocated_bytes"] == n
+        assert r["peak_delta_bytes"] == pytest.approx(n, rel=0.10)
+        peaks = {}
+        for b in (1, 16, 64):
+            m = prober.measure(b)
+            assert not m.oom and m.memory_method == "vmhwm"
+            peaks[b] = m.peak_memory_bytes
+        assert peaks[1] < peaks[16] < peaks[64]
+        # activations are linear in b_m: the two increments per sample agree within 35%
+        # (allocator granularity at small sizes keeps this loose)
+        s1 = (peaks[16] - peaks[1]) / 15
+        s2 = (peaks[64] - peaks[16]) / 48
+        assert s2 == pytest.approx(s1, rel=0.35)
+    finally:
+        prober.close()
+
+
+@linux
+def test_child_oom_is_recorded_and_child_restarts():
+    spec = ProbeSpec(model="tiny", seq=64, timing=FAST, threads=1)
+    # measure the static memory first, then limit the child to ~60 MiB above it
+    probe = ChildProber(spec, limit_bytes=None)
+    probe.start()
+    base = probe.measure(1).peak_memory_bytes
+    probe.close()
+    prober = ChildProber(spec, limit_bytes=base + 60 * 2**20)
+    try:
+        small = prober.measure(2)
+        assert not small.oom
+        big = prober.measure(2048)  # ~3.6 GB of activations: far over the limit
+        assert big.oom and big.throughput is None
+        assert prober.proc is None  # the child was ended after the OOM...
+        again = prober.measure(2)  # ...and a fresh one serves the next probe
+        assert not again.oom
+    finally:
+        prober.close()
+
+
+@linux
+def test_child_budget_below_static_memory_says_how_much():
+    prober = ChildProber(ProbeSpec(model="tiny", seq=64, timing=FAST), limit_bytes=50 * 2**20)
+    with pytest.raises(ConfigError, match=r"below the model's static memory: it needs at least \d+ bytes"):
+        prober.start()
+    prober.close()
+
+
+# -- two processes with DDP over gloo -----------------------------------------------------
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from microbatch.gpt import build_model
+    from microbatch.model import get_model
+    from microbatch.tune import tune
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        shape = get_model("tiny", seq=16)
+        model = DDP(build_model(shape))
+
+        def make_batch(b):
+            if rank == 1 and b >= 4:
+                raise MemoryError("simulated out of memory on rank 1 only")
+            return torch.randint(0, shape.vocab, (b, 16))
+
+        r = tune(
+            model,
+            make_batch,
+            max_micro_batch=8,
+            patience=100,
+            tolerance=0.0,
+            timing=TimingConfig(warmup=1, min_repeats=2, max_repeats=4, max_time_s=0.5, rel_tol=0.0),
+        )
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(r.to_dict(), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_ddp_two_gloo_processes_synchronised(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    # an OOM on rank 1 only is an OOM for both; everything else is the max over ranks: identical
+    assert [(p["micro_batch"], p["oom"]) for p in r0["points"]] == [(1, False), (2, False), (4, True)]
+    assert [(p["micro_batch"], p["oom"]) for p in r1["points"]] == [(1, False), (2, False), (4, True)]
+    for a, b in zip(r0["points"], r1["points"], strict=True):
+        assert a["step_time_s"] == b["step_time_s"]
+        assert a["peak_memory_bytes"] == b["peak_memory_bytes"]
+    assert r0["micro_batch"] == r1["micro_batch"]
+    assert r0["data_parallel"] == 2
+    assert r0["oom_events"] == 1
