@@ -292,3 +292,17 @@ def test_servable_sizes_generate_valid_schedules(name, p, m, v):
     validate(s)
     kinds = {a.kind for r in s.actions for a in r}
     assert kinds == ({"F", "I", "W"} if name == "zb-h1" else {"F", "B"})
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 6), (3, 6), (4, 8), (5, 10)])
+def test_zb_h1_order_equals_torchs_zero_bubble_with_one_stage_per_rank(p, m):
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    z = object.__new__(ScheduleInterleavedZeroBubble)
+    z.pp_group_size, z.n_local_stages, z._n_microbatches = p, 1, m
+    z.number_of_rounds = max(1, m // p)
+    z.microbatches_per_round = m // z.number_of_rounds
+    ours = generate("zb-h1", p, m)
+    for r in range(p):
+        theirs = _torch_compute_order(z._calculate_single_rank_operations(r))
+        assert [str(a) for a in ours.actions[r]] == theirs, r

@@ -444,7 +444,9 @@ def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
     gradient, deferrable). Rank r keeps 1F1B's warm-up (p−r forwards before its first I), then
     runs cycles "I, W, F"; rank r holds back r+1 of its W passes so that they fill the
     cool-down bubble at the end. With T_W <= T_F and T_W <= T_I the idle time per rank is
-    (p−1)(T_F + T_I − T_W): a third of 1F1B's when the three times are equal.
+    (p−1)(T_F + T_I − T_W): a third of 1F1B's when the three times are equal. For m >= p its
+    order equals torch's ScheduleInterleavedZeroBubble run with one stage per rank (tested);
+    unlike that class it also serves an m that is not a multiple of max(1, m // p).
     """
     out = []
     for r in range(p):
