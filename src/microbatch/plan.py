@@ -27,6 +27,7 @@ and the report.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from .batch import divisors
 from .errors import ConfigError, ScheduleError, check_positive_int
@@ -388,8 +389,10 @@ class _Ctx:
     dtype: str
     e: int
     state_bpp: tuple[int, int, int]
+    max_params: float = 0.0
     layer_cache: dict = field(default_factory=dict)
     act_cache: dict = field(default_factory=dict)
+    time_cache: dict = field(default_factory=dict)
 
 
 def _context(cfg: PlanConfig) -> _Ctx:
@@ -409,6 +412,7 @@ def _context(cfg: PlanConfig) -> _Ctx:
         split=split,
         probe=tuple(probe),
         params=params,
+        max_params=max(params.values()),
         act_kw=dict(seq=cfg.seq, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
         dtype=dtype,
         e=e,
@@ -507,8 +511,11 @@ def _memory(ctx: _Ctx, b: int, m: int, sched: str, v: int, rc: str, z: int):
     return best
 
 
-def _stage_times(ctx: _Ctx, b: int, rc: str):
-    """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, for stages 0..p-1."""
+def _stage_times(ctx: _Ctx, b: int, rc: str) -> _Times:
+    """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, and the bottleneck stage."""
+    hit = ctx.time_cache.get((b, rc))
+    if hit is not None:
+        return hit
     lt, logit_s, p2p, _ = _layer(ctx, b)
     layer_f = lt.total_s
     w_part = lt.gemm_s  # weight gradients: one GEMM per forward GEMM
@@ -524,34 +531,48 @@ def _stage_times(ctx: _Ctx, b: int, rc: str):
         f.append(n * layer_f + extra + p2p)
         i_.append(n * layer_i + extra + p2p)  # the logits' backward ≈ 2× forward: one for I, one for W
         w.append(n * w_part + extra)
-    return f, i_, w
-
-
-def _pipeline_time(sched: str, p: int, m: int, v: int, f, i_, w) -> tuple[float, float]:
-    """(seconds of compute + bubble, bubble fraction) by the closed forms in the module docstring."""
-    T = [a + b + c for a, b, c in zip(f, i_, w, strict=True)]
+    T = [a + b_ + c for a, b_, c in zip(f, i_, w, strict=True)]
     k = max(range(p), key=T.__getitem__)
+    hit = _Times(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
+    ctx.time_cache[(b, rc)] = hit
+    return hit
+
+
+class _Times(NamedTuple):
+    f: list
+    i: list
+    w: list
+    k: int
+    Tk: float
+    sumT: float
+    fk: float
+    ik: float
+    wk: float
+
+
+def _pipeline_time(sched: str, p: int, m: int, v: int, tm: _Times) -> tuple[float, float]:
+    """(seconds of compute + bubble, bubble fraction) by the closed forms in the module docstring."""
+    Tk = tm.Tk
     if p == 1:
-        return m * T[0], 0.0
+        return m * Tk, 0.0
     if sched == "interleaved-1f1b" and v > 1:
-        total = m * T[k] + (p - 1) * T[k] / v
+        total = m * Tk + (p - 1) * Tk / v
         return total, (p - 1) / (v * m + p - 1)
     if sched == "zb-h1":
-        idle = (p - 1) * max(0.0, f[k] + i_[k] - w[k])
-        total = m * T[k] + idle
+        idle = (p - 1) * max(0.0, tm.fk + tm.ik - tm.wk)
+        total = m * Tk + idle
         return total, idle / total
-    total = (m - 1) * T[k] + sum(T)
+    total = (m - 1) * Tk + tm.sumT
     return total, (p - 1) / (m + p - 1)
 
 
-def _comm(ctx: _Ctx, m: int, z: int, f, i_, w) -> tuple[float, float, float]:
+def _comm(ctx: _Ctx, m: int, z: int, tm: _Times) -> tuple[float, float, float]:
     """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds)."""
     cfg = ctx.cfg
     d, t = cfg.data_parallel, cfg.tensor_parallel
     wb, gb, ob = ctx.state_bpp
-    n = max(ctx.params.values())
-    k = max(range(len(f)), key=lambda s: f[s] + i_[s] + w[s])
-    back = i_[k] + w[k]
+    n = ctx.max_params
+    back = tm.ik + tm.wk
     bw_dp = group_bandwidth(cfg.gpu, d, t) * cfg.efficiency.network
     dp = zero_s = 0.0
     if d > 1:
@@ -571,7 +592,7 @@ def _comm(ctx: _Ctx, m: int, z: int, f, i_, w) -> tuple[float, float, float]:
             # reduce-scattered, every micro-step; prefetch hides what compute covers
             ag = allgather_time_s(n * wb, d, bw_dp)
             rs = reduce_scatter_time_s(n * gb, d, bw_dp)
-            zero_s = m * (max(0.0, ag - f[k]) + max(0.0, ag + rs - back))
+            zero_s = m * (max(0.0, ag - tm.fk) + max(0.0, ag + rs - back))
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
     owned = n / d if z >= 1 else n
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
@@ -584,9 +605,9 @@ def _evaluate(
     cfg = ctx.cfg
     p = cfg.pipeline_parallel
     peak, stage, (wt, gr, op, ac, ot) = _memory(ctx, b, m, sched, v, rc, z)
-    f, i_, w = _stage_times(ctx, b, rc)
-    pipe, bubble = _pipeline_time(sched, p, m, v, f, i_, w)
-    dp, zero_s, opt = _comm(ctx, m, z, f, i_, w)
+    tm = _stage_times(ctx, b, rc)
+    pipe, bubble = _pipeline_time(sched, p, m, v, tm)
+    dp, zero_s, opt = _comm(ctx, m, z, tm)
     step = pipe + dp + zero_s + opt
     return Candidate(
         micro_batch=b,
@@ -624,7 +645,8 @@ def _simulated(ctx: _Ctx, c: Candidate, model_flops: float) -> Candidate:
     from .schedule import generate
     from .simulate import simulate
 
-    f, i_, w = _stage_times(ctx, c.micro_batch, c.recompute)
+    tm = _stage_times(ctx, c.micro_batch, c.recompute)
+    f, i_, w = tm.f, tm.i, tm.w
     v = c.virtual
     if v > 1:  # per virtual stage: a rank's work split evenly over its v chunks (loop placement)
         f = [f[s % p] / v for s in range(p * v)]
