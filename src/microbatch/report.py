@@ -150,8 +150,16 @@ def render_timeline_text(
     out = [Text(plain_lines[0])]
     for r, cells in enumerate(lines_cells):
         t = Text(f"{rank_label} {r}".ljust(name_w) + " |")
-        for ch, kind in cells:
-            t.append(ch, style=KIND_TERMINAL.get(kind, "") if kind else "dim")
+        run, run_style = "", None
+        for ch, kind in cells:  # one styled span per run of equal style; the colour fills, not "-"
+            style = KIND_TERMINAL.get(kind, "") if kind else "dim"
+            if style != run_style and run:
+                t.append(run, style=run_style)
+                run = ""
+            run_style = style
+            run += " " if (kind and ch == FILL_CHAR) else ch
+        if run:
+            t.append(run, style=run_style)
         t.append("|")
         out.append(t)
     if legend:
