@@ -128,12 +128,14 @@ def test_in_flight_counts_per_schedule():
     assert interleaved_first_stage_factor(8, 1) == 1.0
 
 
-@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("gpipe", 3, 5, 1)])
+@pytest.mark.parametrize(
+    "name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("gpipe", 3, 5, 1), ("zb-h1", 4, 8, 1)]
+)
 def test_in_flight_matches_the_simulator(name, p, m, v):
     from microbatch.schedule import generate
     from microbatch.simulate import simulate
 
-    res = simulate(generate(name, p, m, v), forward_time=1.0, backward_time=2.0)
+    res = simulate(generate(name, p, m, v), forward_time=1.0, input_time=1.0, weight_time=1.0)
     ours = [in_flight_layers(name, i, p, m, v, v) / v for i in range(p)]  # in rank-layer units
     assert ours == pytest.approx(list(res.peak_in_flight))
 

@@ -21,7 +21,8 @@ right terms; for a GPT block with dropout they reduce exactly to the paper's
 ``s·b·h·(34 + 5·a·s/h)`` per layer (and its tensor/sequence-parallel and selective forms).
 They are linear in b_m. Flash attention (or selective recompute) drops the ``5·a·s²·b`` term.
 A pipeline stage holds the activations of as many micro-batches as its schedule keeps in
-flight: GPipe m; 1F1B and ZB-H1 min(m, p − i) on stage i (Qi et al. 2024 Table 2); interleaved
+flight: GPipe m; 1F1B min(m, p − i) on stage i; ZB-H1 min(m, p) on every stage (Qi et al. 2024
+Table 2: the same p·M_B peak as 1F1B's first stage, but deferred W passes keep it on all); interleaved
 1F1B with v > 1 the Megatron-core warm-up count, which on the first stage is L layers' worth
 times 1 + (p−1)/(p·v) (Korthikanti et al. 2022 §4.2.3).
 
@@ -283,7 +284,9 @@ def in_flight_layers(
     """Layer-micro-batches of activations stage ``stage`` holds at its peak.
 
     - GPipe: all m micro-batches × the stage's layers (seed 002).
-    - 1F1B and ZB-H1: min(m, p − i) micro-batches (Narayanan et al. 2021; Qi et al. 2024 Table 2).
+    - 1F1B: min(m, p − i) micro-batches (Narayanan et al. 2021).
+    - ZB-H1: min(m, p) on every stage — rank i defers i + 1 weight-gradient passes, each holding its
+      micro-batch's activations, on top of 1F1B's p − i (Qi et al. 2024 Table 2: peak p·M_B).
     - interleaved 1F1B, v > 1: torch's (and Megatron-core's) warm-up count 2(p − i − 1) + (v − 1)p, plus
       the one in steady state, model chunks of L_stage/v layers, at most m·v; on stage 0 this is
       L_stage·p·(1 + (p−1)/(p·v)).
@@ -293,6 +296,8 @@ def in_flight_layers(
         return float(stage_layers) * (microbatches if schedule == "gpipe" else 1)
     if schedule == "gpipe":
         return float(stage_layers * microbatches)
+    if schedule == "zb-h1":
+        return float(stage_layers * min(microbatches, stages))
     if schedule == "interleaved-1f1b" and virtual > 1:
         chunks = _interleaved_chunks(stage, stages, microbatches, virtual)
         return chunks * stage_layers / virtual
@@ -315,6 +320,8 @@ def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches:
         return microbatches if schedule == "gpipe" else 1
     if schedule == "gpipe":
         return microbatches
+    if schedule == "zb-h1":
+        return min(microbatches, stages)
     if schedule == "interleaved-1f1b" and virtual > 1:
         chunks = _interleaved_chunks(stage, stages, microbatches, virtual)
         return min(microbatches, -(-chunks // virtual))

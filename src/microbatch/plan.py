@@ -474,6 +474,9 @@ def _in_flight(schedule: str, i: int, p: int, m: int, v: int) -> tuple[float, in
         return (float(m), m) if schedule == "gpipe" else (1.0, 1)
     if schedule == "gpipe":
         return float(m), m
+    if schedule == "zb-h1":
+        k = min(m, p)
+        return float(k), k
     if schedule == "interleaved-1f1b" and v > 1:
         per_round = m // max(1, m // p)  # torch's ScheduleInterleaved1F1B rounds
         chunks = min(m * v, (v - 1) * per_round + 2 * (p - 1 - i) + 1)
