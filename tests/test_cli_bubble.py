@@ -307,3 +307,9 @@ def test_measured_rows_on_any_clock_are_drawn_from_their_first_start(tmp_path):
     assert render_timeline_text(rows, 4.0) == render_timeline_text(shifted)  # a duration is accepted too
     svg = timeline_svg(rows)
     assert ">1700000000<" not in svg and ">4<" in svg
+
+
+def test_simulate_intervals_and_activation_timeline(capsys):
+    d = run_json(["simulate", "-p", "2", "-m", "2", "-s", "1f1b", "--intervals"], capsys)
+    assert d["intervals"][1] == [[1.0, 2.0, "1F0"], [2.0, 4.0, "1B0"], [4.0, 5.0, "1F1"], [5.0, 7.0, "1B1"]]
+    assert d["activations"][0] == [[0.0, 0], [1.0, 1], [2.0, 2], [6.0, 1], [9.0, 0]]

@@ -152,6 +152,12 @@ def resolve_times(
 )
 @width_option
 @click.option("--no-diagram", is_flag=True, help="Print the numbers only.")
+@click.option(
+    "--intervals",
+    "with_intervals",
+    is_flag=True,
+    help="With --json: add every op's (start, end, action) and the activation timeline per rank.",
+)
 @json_option
 def cmd(
     stages,
@@ -169,6 +175,7 @@ def cmd(
     png_path,
     width,
     no_diagram,
+    with_intervals,
     as_json,
 ):
     """Simulate a schedule on op times: makespan, bubble, idle and in-flight per rank, a diagram.
@@ -216,6 +223,10 @@ def cmd(
             ),
             "valid_when": "T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
         }
+    if with_intervals:
+        result["intervals"] = [[[a, e, str(act)] for a, e, act in rank] for rank in sim.intervals]
+        result["activations"] = [[[t, n] for t, n in rank] for rank in sim.activation_timeline()]
+        result["activations_unit"] = "activation chunks: one micro-batch's activations of one virtual stage"
     rows = sim.timeline_rows()
     title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
     if svg_path:
