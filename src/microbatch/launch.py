@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import fields
 from typing import Any
 
-from .errors import ConfigError, PipelineError
+from .errors import ConfigError, PipelineError, ScheduleError
 from .pipeline import PipelineConfig, stage_to_rank, torch_order
 
 __all__ = [
@@ -224,9 +224,13 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                 time.sleep(0.2)  # let a crash's neighbours report, then name the first one seen
                 r = bad[0]
                 rc = rcs[r]
-                why = (f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}") + (
-                    f": {_tail(errs[r])}" if _tail(errs[r]) else ""
-                )
+                if rc < 0:
+                    why = f"killed by signal {signal.Signals(-rc).name}"
+                    if -rc == signal.SIGKILL:
+                        why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
+                else:
+                    why = f"exit status {rc}"
+                why += f": {_tail(errs[r])}" if _tail(errs[r]) else ""
                 _kill_all(procs)
                 raise PipelineError(
                     f"rank {r} (stages {_stages_of(cfg, r)}) failed ({why}); every rank was stopped"
@@ -278,8 +282,13 @@ def run_external(cfg: PipelineConfig) -> dict | None:
 
     try:
         raw = run_rank(cfg, rank=rank, world_size=world, device=device)
+    except ConfigError:
+        raise
+    except Exception as e:  # one line naming this rank; torchrun stops the others
+        raise PipelineError(f"rank {rank} (stages {_stages_of(cfg, rank)}) failed: {_reason(e)}") from e
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return summarize(raw) if raw is not None else None
 
 
@@ -338,12 +347,12 @@ def summarize(raw: dict) -> dict:
             }
         )
     mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
-    pred = predict(cfg, mean_times)
+    executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
+    pred = predict(cfg, mean_times, executed)
     v = cfg.virtual
     for st in stats:
         st["peak_in_flight_chunks"] = st["peak_in_flight"]
         st["peak_in_flight"] = st["peak_in_flight"] if v == 1 else st["peak_in_flight"] / v
-    executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
     t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
     timeline = [
         {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
@@ -398,13 +407,21 @@ def summarize(raw: dict) -> dict:
     }
 
 
-def predict(cfg: PipelineConfig, op_time_s: dict[tuple[int, str], float]):
+def predict(cfg: PipelineConfig, op_time_s: dict[tuple[int, str], float], executed: dict | None = None):
     """:func:`microbatch.simulate.simulate` on torch's action order for ``cfg`` (as a
-    :class:`~microbatch.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op."""
+    :class:`~microbatch.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op.
+
+    Where torch's order cannot be derived (an older torch whose internals differ), the order the
+    ranks ``executed`` (rank -> action strings) is simulated instead."""
     from .schedule import Schedule
     from .simulate import simulate
 
-    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    try:
+        order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    except ScheduleError:
+        if executed is None:
+            raise
+        order = {int(r): acts for r, acts in executed.items()}  # what this torch really ran
     sched = Schedule.from_strings(
         cfg.schedule,
         [order[r] for r in range(cfg.stages)],
