@@ -212,6 +212,20 @@ def _as_number(name: str, value: Any) -> int | float | torch.Tensor:
     return value
 
 
+def _total(values: Sequence[Any]) -> Any:
+    """Sum of numbers and 1-element tensors: one stacked sum (float64) for the tensors, no per-item sync."""
+    plain = [v for v in values if not isinstance(v, torch.Tensor)]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    total: Any = sum(plain)
+    if tensors:
+        try:
+            t = torch.stack(tensors).sum(dtype=torch.float64)
+        except (RuntimeError, TypeError):  # mixed dtypes or devices
+            t = sum(x.to(device=tensors[0].device, dtype=torch.float64) for x in tensors)
+        total = t + total if total else t
+    return total
+
+
 def _to_float(x: Any) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
@@ -223,9 +237,7 @@ def count_items(micro_batches: Sequence[Batch], count_fn: CountFn, *, model: Any
     Under DDP this makes one small ``all_reduce`` (every rank must call it). Returns a float
     (item counts may be weights); raise nothing for a zero total — :func:`loss_scale` does.
     """
-    total: Any = 0
-    for mb in micro_batches:
-        total = total + _as_number("count_fn(micro_batch)", count_fn(mb))
+    total = _total([_as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches])
     group, world = _group_and_world(model)
     if world > 1:
         t = torch.as_tensor(total, dtype=torch.float64, device=_device(model)).reshape(1).clone()
@@ -367,28 +379,35 @@ def accumulate_micro_batches(
         if s is not None:
             p.grad.zero_()
     try:
-        loss_total: Any = 0
-        n_total: Any = 0
+        losses: list[torch.Tensor] = []
+        counts: list[Any] = []
         small = None  # (items, |g_small|²) of the first micro-batch, for the noise scale
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last):
                 loss_sum, n = _check_loss(loss_fn(model, mb), i)
                 (loss_sum * scale if scale != 1.0 else loss_sum).backward()
-            loss_total = loss_total + loss_sum.detach()
-            n_total = n_total + n
+            losses.append(loss_sum.detach())
+            counts.append(n)
             if noise is not None and i == 0 and last > 0:
                 n_small = _to_float(n)
                 if n_small > 0:
                     small = (n_small, _grad_sq_norm(params) / (scale * n_small) ** 2)
 
         # Global sums of the loss and the items (one small all_reduce under DDP).
-        sums = torch.stack(
-            [torch.as_tensor(loss_total, dtype=torch.float64), torch.as_tensor(n_total, dtype=torch.float64)]
-        ).to(_device(model))
+        loss_total, n_total = _total(losses), _total(counts)
         if world > 1:
+            dev = _device(model)
+            sums = torch.stack(
+                [
+                    torch.as_tensor(loss_total, dtype=torch.float64, device=dev).reshape(()),
+                    torch.as_tensor(n_total, dtype=torch.float64, device=dev).reshape(()),
+                ]
+            )
             torch.distributed.all_reduce(sums, group=group)
-        loss_global, n_global = float(sums[0]), float(sums[1])
+            loss_global, n_global = float(sums[0]), float(sums[1])
+        else:
+            loss_global, n_global = _to_float(loss_total), _to_float(n_total)
         if count_fn is None:
             if not n_global > 0:
                 raise ConfigError(
@@ -419,9 +438,7 @@ def accumulate_micro_batches(
     for p, s in zip(params, saved, strict=True):
         if s is not None:
             p.grad.add_(s)
-    mean = torch.as_tensor(loss_global / n_global, dtype=torch.float64)
-    ref = loss_total if isinstance(loss_total, torch.Tensor) else None
-    return mean.to(dtype=ref.dtype, device=ref.device) if ref is not None else mean
+    return torch.tensor(loss_global / n_global, dtype=losses[0].dtype, device=losses[0].device)
 
 
 def _noise_update(noise: Any, small: Any, n_big: float, g_big_sq: float, group, world, device) -> None:
