@@ -21,7 +21,9 @@ from microbatch.simulate import (
     zb_idle_time,
 )
 
-PUBLISHED = json.loads((Path(__file__).resolve().parents[2] / "shared/reference/published.json").read_text())
+_PUBLISHED_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
+PUBLISHED = json.loads(_PUBLISHED_PATH.read_text()) if _PUBLISHED_PATH.exists() else None
+BUBBLE_CASES = PUBLISHED["bubble"]["cases"] if PUBLISHED else []
 
 
 def _run(name, p, m, v=1, tf=1.0, tb=2.0, comm=0.0):
@@ -84,8 +86,9 @@ def test_interleaved_v1_has_1f1b_bubble_but_torchs_longer_warmup():
 
 
 @pytest.mark.parametrize(
-    "case", PUBLISHED["bubble"]["cases"], ids=lambda c: f"{c['schedule']}-{c['stages']}-{c['microbatches']}"
+    "case", BUBBLE_CASES, ids=lambda c: f"{c['schedule']}-{c['stages']}-{c['microbatches']}"
 )
+@pytest.mark.skipif(PUBLISHED is None, reason="shared/reference/published.json not present")
 def test_published_bubble_cases(case):
     p, m, v = case["stages"], case["microbatches"], case.get("virtual", 1)
     r = _run(case["schedule"], p, m, v)
