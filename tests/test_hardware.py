@@ -48,3 +48,22 @@ def test_parse_gpus():
     assert [a.name for a in parse_gpus("a100-40gb, h100-sxm")] == ["a100-40gb", "h100-sxm"]
     with pytest.raises(ConfigError):
         parse_gpus(" , ")
+
+
+def test_overrides_from_strings_and_device_names():
+    from microbatch.hardware import from_device_name, parse_overrides
+
+    assert parse_overrides(["inter_node_bytes_per_s=25e9", "gpus_per_node=4"]) == {
+        "inter_node_bytes_per_s": 25e9,
+        "gpus_per_node": 4,
+    }
+    with pytest.raises(ConfigError, match="must be KEY=VALUE"):
+        parse_overrides(["fast"])
+    with pytest.raises(ConfigError, match="is not a number"):
+        parse_overrides(["bf16=lots"])
+    assert from_device_name("NVIDIA A100-SXM4-40GB", 42_298_834_944).name == "a100-40gb"
+    a80 = from_device_name("NVIDIA A100-SXM4-80GB", 85_174_583_296)
+    assert a80.name == "a100-80gb" and a80.memory_bytes == 85_174_583_296
+    assert from_device_name("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert from_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+    assert from_device_name("Tesla T4") is None

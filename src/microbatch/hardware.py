@@ -23,7 +23,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from .errors import ConfigError, check_non_negative
 
-__all__ = ["Accelerator", "ACCELERATORS", "get_accelerator", "accelerator_names", "parse_gpus"]
+__all__ = [
+    "Accelerator",
+    "ACCELERATORS",
+    "get_accelerator",
+    "accelerator_names",
+    "parse_gpus",
+    "parse_overrides",
+    "from_device_name",
+    "detect_local",
+]
 
 GiB = 1024**3
 """Bytes in one GiB."""
@@ -200,3 +209,58 @@ def parse_gpus(text: str) -> list[Accelerator]:
     if not names:
         raise ConfigError(f"--gpu {text!r} names no accelerator; known: {', '.join(ACCELERATORS)}")
     return [get_accelerator(n) for n in names]
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """``KEY=VALUE`` strings (``--gpu-set inter_node_bytes_per_s=25e9``) as overrides for :func:`get_accelerator`."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"--gpu-set {item!r} must be KEY=VALUE, for example inter_node_bytes_per_s=25e9"
+            )
+        try:
+            out[key.strip()] = (
+                int(value) if key.strip() in ("gpus_per_node", "compute_units") else float(value)
+            )
+        except ValueError:
+            raise ConfigError(f"--gpu-set {item!r}: {value!r} is not a number") from None
+    return out
+
+
+# Substrings of torch.cuda.get_device_name() -> registry key, most specific first.
+_DEVICE_NAMES = (
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100-sxm"),
+    ("h200", "h200"),
+    ("b200", "b200"),
+    ("a100", "a100-80gb"),
+    ("l4", "l4"),
+    ("mi300x", "mi300x"),
+)
+
+
+def from_device_name(device_name: str, total_memory_bytes: float | None = None) -> Accelerator | None:
+    """The registry row for a device name as torch reports it, with the reported memory; None if unknown.
+
+    An A100 is told apart by its memory (40 or 80 GB).
+    """
+    low = device_name.lower()
+    for needle, key in _DEVICE_NAMES:
+        if needle in low:
+            if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GiB:
+                key = "a100-40gb"
+            acc = ACCELERATORS[key]
+            return acc.with_overrides(memory_bytes=float(total_memory_bytes)) if total_memory_bytes else acc
+    return None
+
+
+def detect_local() -> Accelerator | None:
+    """The accelerator of CUDA device 0 (imports torch), or None without CUDA or for an unknown device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return from_device_name(props.name, props.total_memory)

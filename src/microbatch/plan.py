@@ -675,8 +675,13 @@ def _simulated(ctx: _Ctx, c: Candidate, model_flops: float) -> Candidate:
     )
 
 
+_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+
+
 def _sort_key(c: Candidate):
-    return (not c.fits, c.step_time_s if c.fits else c.peak_memory_bytes)
+    """Fitting first, fastest first; ties (to 6 digits) go to less recompute, lower ZeRO, less memory."""
+    primary = float(f"{c.step_time_s:.6g}") if c.fits else c.peak_memory_bytes
+    return (not c.fits, primary, _RECOMPUTE_RANK[c.recompute], c.zero, c.peak_memory_bytes)
 
 
 def _enumerate(cfg: PlanConfig, ctx: _Ctx | None = None) -> list[Candidate]:
@@ -902,7 +907,7 @@ def _row(c: Candidate) -> list[str]:
     return [
         str(c.micro_batch),
         str(c.microbatches),
-        c.schedule,
+        c.schedule if c.pipeline_parallel > 1 else "-",
         str(c.virtual),
         c.recompute,
         str(c.zero),
@@ -965,7 +970,8 @@ def explain(plan: Plan) -> str:
         return " ".join(plan.advice) if plan.advice else "nothing fits"
     p = cfg.pipeline_parallel
     parts = [
-        f"Recommended b_m = {c.micro_batch} (m = g = {c.microbatches}, {c.schedule}"
+        f"Recommended b_m = {c.micro_batch} (m = g = {c.microbatches}, "
+        f"{c.schedule if p > 1 else 'no pipeline'}"
         + (f", v = {c.virtual}" if c.virtual > 1 else "")
         + f", recompute {c.recompute}, ZeRO {c.zero}): {c.step_time_s:.3g} s per step, "
         f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {_gib(c.peak_memory_bytes)} of "
@@ -980,6 +986,12 @@ def explain(plan: Plan) -> str:
         s = smaller[-1]
         if not s.fits:
             why = f"does not fit ({_gib(s.peak_memory_bytes)})"
+        elif p == 1:
+            why = (
+                f"would save {_gib(c.peak_memory_bytes - s.peak_memory_bytes)} but its GEMMs reach "
+                f"{100 * s.gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and its step takes "
+                f"{s.step_time_s:.3g} s"
+            )
         else:
             why = (
                 f"would cut the bubble to {100 * s.bubble_fraction:.1f}% (from {100 * c.bubble_fraction:.1f}%) "

@@ -68,12 +68,19 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
 @click.option("--memory-headroom", type=float, default=None, help="Share of memory kept free (default 0.1).")
+@click.option(
+    "--gpu-set",
+    "gpu_set",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override an accelerator figure, e.g. inter_node_bytes_per_s=25e9 or bf16=250e12 (repeatable).",
+)
 @click.option("--all", "all_rows", is_flag=True, help="Table of the best candidates instead of one per b_m.")
 @json_option
 def cmd(
     model_spec, gpu, global_batch, data_parallel, stages, tensor_parallel, sequence_parallel, schedule, virtual,
     recompute, zero, micro_batch, precision, grad_dtype, optimizer, flash, layers_per_stage, memory_headroom,
-    all_rows, as_json,
+    gpu_set, all_rows, as_json,
 ):  # fmt: skip
     """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the fastest that fits.
 
@@ -82,12 +89,15 @@ def cmd(
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     """
     from ..errors import ConfigError
-    from ..hardware import parse_gpus
+    from ..hardware import parse_gpus, parse_overrides
     from ..plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus, comparison_rows
     from .memory import _parse_split, parse_zero
 
     shape = resolve_model(model_spec)
     gpus = parse_gpus(gpu)
+    if gpu_set:
+        overrides = parse_overrides(gpu_set)
+        gpus = [g.with_overrides(**overrides) for g in gpus]
     cfg = PlanConfig(
         shape=shape,
         gpu=gpus[0],
