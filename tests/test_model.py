@@ -135,3 +135,10 @@ def test_cli_shape_flags_bad_input_exit_2(capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "heads 12 do not divide hidden 770" in err and "Traceback" not in err
+
+
+def test_cli_hf_config_and_override(tmp_path, capsys):
+    path = _write(tmp_path, LLAMA_CFG)
+    assert main(["memory", "--hf-config", str(path), "--seq", "1024", "-b", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["param_count"] == 6_738_415_616 and out["config"]["seq"] == 1024

@@ -188,3 +188,28 @@ def test_cli_plan_compare_and_errors(capsys):
     assert main(["plan", "--model", "llama-2-7b", "--gpu", "l4", "-B", "64", "-p", "4"]) == 2
     captured = capsys.readouterr()
     assert "would fit" in captured.out and captured.err.startswith("error: nothing fits")
+
+
+def test_gpu_overrides_on_the_command_line(capsys):
+    args = ["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-d", "8", "--json"]
+    assert main(args) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert (
+        main([*args, "--gpu-set", "intra_node_bytes_per_s=1e9", "--gpu-set", "inter_node_bytes_per_s=1e9"])
+        == 0
+    )
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["gpu"]["intra_node_bytes_per_s"] == 1e9
+    assert slow["recommended"]["step_time_s"] > fast["recommended"]["step_time_s"]
+
+
+def test_planner_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, microbatch.plan, microbatch.export, microbatch.commands.plan, microbatch.commands.memory, "
+        "microbatch.commands.export; print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
