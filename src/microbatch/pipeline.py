@@ -22,7 +22,8 @@ global batch. Weights shared between stages on different ranks (tied embeddings)
 gradients all-reduced among the ranks that hold them before the optimizer step.
 
 Processes are started by :mod:`microbatch.launch` (``microbatch pipeline``) or by ``torchrun``;
-this module holds what one rank does, the model split and torch's action order.
+this module holds what one rank does, the model split and torch's action order; the wrappers
+that measure a stage live in :mod:`microbatch.instrument`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import importlib
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import ConfigError, PipelineError, ScheduleError, check_positive_int
+from .instrument import StageRecorder, instrument_stage, make_loss_fn
 
 __all__ = [
     "PipelineConfig",
@@ -43,6 +45,8 @@ __all__ = [
     "StageRecorder",
     "balanced_split",
     "check_servable",
+    "instrument_stage",
+    "make_loss_fn",
     "model_units",
     "rank_stages",
     "run_rank",
@@ -371,163 +375,6 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
             "compare with --schedule 1f1b or gpipe"
         ) from None
     return {r: [str(a) for a in ops if a is not None] for r, ops in order.items()}
-
-
-# -- instrumentation ------------------------------------------------------------------
-
-
-@dataclass
-class StageRecorder:
-    """What one rank did in one step: compute intervals, in-flight counts, saved bytes."""
-
-    rank: int
-    cuda: bool = False
-    intervals: list[tuple[str, int, int, Any, Any]] = field(default_factory=list)
-    """(kind, stage, microbatch, start, end): start/end are perf_counter seconds or CUDA events."""
-    in_flight: int = 0
-    peak_in_flight: int = 0
-    saved_bytes: dict[tuple[int, int], int] = field(default_factory=dict)
-    """Saved-activation bytes per (stage, micro-batch) still resident."""
-    resident_bytes: int = 0
-    peak_resident_bytes: int = 0
-    per_microbatch_bytes: list[int] = field(default_factory=list)
-    order: list[str] = field(default_factory=list)
-    """Compute actions as run, e.g. ``"0F1"``."""
-    pending_forward: int | None = None
-    """Index into ``intervals`` of the last forward (the loss extends it)."""
-    loss_hooks: Any = None
-    """(parameter storages, stage, micro-batch) of the last stage's latest forward, for the loss."""
-
-    def reset(self) -> None:
-        self.intervals.clear()
-        self.order.clear()
-        self.saved_bytes.clear()
-        self.per_microbatch_bytes.clear()
-        self.in_flight = self.peak_in_flight = 0
-        self.resident_bytes = self.peak_resident_bytes = 0
-        self.pending_forward = None
-
-    def now(self) -> Any:
-        if self.cuda:
-            import torch
-
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def forward_done(self, stage: int, mb: int, nbytes: int) -> None:
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        self.saved_bytes[(stage, mb)] = nbytes
-        self.per_microbatch_bytes.append(nbytes)
-        self.resident_bytes += nbytes
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-
-    def backward_done(self, stage: int, mb: int) -> None:
-        self.in_flight -= 1
-        self.resident_bytes -= self.saved_bytes.pop((stage, mb), 0)
-
-
-def _saved_bytes_hooks(param_ptrs: set[int], seen: dict[int, int]):
-    """``saved_tensors_hooks`` adding each new non-parameter storage's bytes to ``seen``."""
-    import torch
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in param_ptrs and ptr not in seen:
-                seen[ptr] = st.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
-            seen[id(t)] = t.numel() * t.element_size()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
-def instrument_stage(stage: Any, rec: StageRecorder) -> None:
-    """Wrap ``stage``'s forward/backward calls so that ``rec`` records them (instance attributes)."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
-    idx = stage.stage_index
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
-    bwd_w = getattr(stage, "backward_weight_one_chunk", None)
-
-    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
-        seen: dict[int, int] = {}
-        t0 = rec.now()
-        with _saved_bytes_hooks(param_ptrs, seen):
-            out = fwd(fwd_chunk_id, *args, **kwargs)
-        t1 = rec.now()
-        rec.intervals.append(("F", idx, fwd_chunk_id, t0, t1))
-        rec.order.append(f"{idx}F{fwd_chunk_id}")
-        rec.forward_done(idx, fwd_chunk_id, sum(seen.values()))
-        rec.pending_forward = len(rec.intervals) - 1 if stage.is_last else None
-        rec.loss_hooks = (param_ptrs, idx, fwd_chunk_id)
-        return out
-
-    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
-        full = kwargs.get("full_backward", True)
-        t0 = rec.now()
-        out = bwd(bwd_chunk_id, *args, **kwargs)
-        t1 = rec.now()
-        kind = "B" if full else "I"
-        rec.intervals.append((kind, idx, bwd_chunk_id, t0, t1))
-        rec.order.append(f"{idx}{kind}{bwd_chunk_id}")
-        if full:
-            rec.backward_done(idx, bwd_chunk_id)
-        return out
-
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    if bwd_w is not None:
-
-        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
-            t0 = rec.now()
-            out = bwd_w(bwd_chunk_id, *args, **kwargs)
-            t1 = rec.now()
-            rec.intervals.append(("W", idx, bwd_chunk_id, t0, t1))
-            rec.order.append(f"{idx}W{bwd_chunk_id}")
-            rec.backward_done(idx, bwd_chunk_id)
-            return out
-
-        stage.backward_weight_one_chunk = backward_weight_one_chunk
-
-
-def make_loss_fn(total_tokens: int, rec: StageRecorder | None = None) -> Callable:
-    """Loss of one micro-batch: Σ token cross-entropy / ``total_tokens`` of the global batch.
-
-    With ``scale_grads=False`` the micro-batch gradients then add up to the gradient of the mean
-    loss over the global batch. When ``rec`` is given, the loss's time and saved bytes are
-    added to the forward that produced the logits (it runs right after it).
-    """
-    import torch.nn.functional as F
-
-    def loss_fn(logits, target):
-        pending = rec.pending_forward if rec is not None else None
-        seen: dict[int, int] = {}
-        if pending is None:
-            return (
-                F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), reduction="sum")
-                / total_tokens
-            )
-        param_ptrs, stage, mb = rec.loss_hooks
-        with _saved_bytes_hooks(param_ptrs, seen):
-            loss = (
-                F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), reduction="sum")
-                / total_tokens
-            )
-        kind, s, i, t0, _ = rec.intervals[pending]
-        rec.intervals[pending] = (kind, s, i, t0, rec.now())
-        extra = sum(seen.values())
-        rec.saved_bytes[(stage, mb)] = rec.saved_bytes.get((stage, mb), 0) + extra
-        rec.per_microbatch_bytes[-1] += extra
-        rec.resident_bytes += extra
-        rec.peak_resident_bytes = max(rec.peak_resident_bytes, rec.resident_bytes)
-        rec.pending_forward = None
-        return loss
-
-    return loss_fn
 
 
 # -- one rank -------------------------------------------------------------------------
