@@ -173,6 +173,15 @@ class PlanConfig:
                     f"B_global = b_m × g × d must hold; use a micro-batch among {divisors(B // d)}"
                 )
         bytes_per_param(self.precision, self.grad_dtype, self.optimizer)
+        L, p = self.shape.layers, self.pipeline_parallel
+        for v in self.virtuals or ():
+            check_positive_int("virtual", v)
+            if L % (p * v):
+                ok = [x for x in range(2, L // p + 1) if L % (p * x) == 0]
+                raise ConfigError(
+                    f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "
+                    f"use virtual among {ok or 'none (no v > 1 fits; drop --virtual)'}"
+                )
         if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
             raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
         # the rules that need the model (t | heads, p <= layers, uneven split)
