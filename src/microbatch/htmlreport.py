@@ -50,8 +50,6 @@ def classify(result: dict) -> str:
         return "pipeline"
     if "makespan" in result and "stage_stats" in result:
         return "simulate"
-    if "rows" in result and ("memory_error" in result or "kind" in result and result.get("kind") == "validate"):
-        return "validate"
     if "rows" in result:
         return "validate"
     raise ConfigError(
@@ -69,7 +67,9 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict]]:
         if path.is_dir():
             path = path / "result.json"
         if not path.exists():
-            raise ConfigError(f"result file {str(path)!r} does not exist; give files written by --json or --out")
+            raise ConfigError(
+                f"result file {str(path)!r} does not exist; give files written by --json or --out"
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -148,8 +148,14 @@ def throughput_figure(tune: dict, png_dir: Path | None) -> Figure:
         ax.plot([knee], [tune["throughput"]], "*", ms=18, color="#E45756", label=f"knee b_m = {knee}")
     ff = tune.get("fastest_fitting") or {}
     if ff.get("micro_batch") is not None and ff.get("throughput") and ff.get("micro_batch") != knee:
-        ax.plot([ff["micro_batch"]], [ff["throughput"]], "D", ms=9, color="#54A24B",
-                label=f"fastest that fits b_m = {ff['micro_batch']}")
+        ax.plot(
+            [ff["micro_batch"]],
+            [ff["throughput"]],
+            "D",
+            ms=9,
+            color="#54A24B",
+            label=f"fastest that fits b_m = {ff['micro_batch']}",
+        )
     for p in ooms:
         ax.axvline(p["micro_batch"], color="#999999", ls=":", lw=1)
     if ooms:
@@ -181,8 +187,13 @@ def memory_figure(tune: dict, png_dir: Path | None) -> Figure:
     if fit.get("slope_bytes_per_sample") is not None and fit.get("intercept_bytes") is not None:
         line_x = [0, top * 1.1]
         line_y = [(fit["intercept_bytes"] + fit["slope_bytes_per_sample"] * x) / gib for x in line_x]
-        ax.plot(line_x, line_y, "-", color="#F58518",
-                label=f"fit: {fit['intercept_bytes'] / gib:.2f} GiB + {fit['slope_bytes_per_sample'] / 2**20:.1f} MiB × b_m")
+        ax.plot(
+            line_x,
+            line_y,
+            "-",
+            color="#F58518",
+            label=f"fit: {fit['intercept_bytes'] / gib:.2f} GiB + {fit['slope_bytes_per_sample'] / 2**20:.1f} MiB × b_m",
+        )
     if budget:
         ax.axhline(budget / gib, color="#E45756", ls="--", label=f"budget {budget / gib:.2f} GiB")
     mf = tune.get("max_fitting_micro_batch")
@@ -220,11 +231,25 @@ def bubble_figure(rows: list[list[dict]], title: str, name: str, png_dir: Path |
     for rank, row in enumerate(rows):
         for it in row:
             kind = str(it.get("kind", "F"))[:1].upper()
-            ax.barh(rank, it["end"] - it["start"], left=it["start"], height=0.8,
-                    color=KIND_COLOURS.get(kind, "#888888"), edgecolor="white", linewidth=0.5)
+            ax.barh(
+                rank,
+                it["end"] - it["start"],
+                left=it["start"],
+                height=0.8,
+                color=KIND_COLOURS.get(kind, "#888888"),
+                edgecolor="white",
+                linewidth=0.5,
+            )
             if (it["end"] - it["start"]) / makespan > 0.025:
-                ax.text((it["start"] + it["end"]) / 2, rank, f"{kind}{it.get('microbatch', '')}",
-                        ha="center", va="center", fontsize=7, color="white")
+                ax.text(
+                    (it["start"] + it["end"]) / 2,
+                    rank,
+                    f"{kind}{it.get('microbatch', '')}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {i}" for i in range(len(rows))])
     ax.invert_yaxis()
@@ -233,7 +258,12 @@ def bubble_figure(rows: list[list[dict]], title: str, name: str, png_dir: Path |
     ax.set_title(title)
     for k, c in KIND_COLOURS.items():
         if any(str(it.get("kind", ""))[:1].upper() == k for r in rows for it in r):
-            ax.barh([], [], color=c, label={"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}[k])
+            ax.barh(
+                [],
+                [],
+                color=c,
+                label={"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}[k],
+            )
     ax.legend(loc="lower right", fontsize=8, ncol=4)
     fig.tight_layout()
     return _save(fig, name, title, png_dir)
@@ -289,7 +319,9 @@ class Report:
 
 
 def _tune_section(t: dict, png_dir: Path | None, figs: list[Figure]) -> str:
-    parts = [f"<h2>Measured: {_esc(t.get('model', ''))} — {_esc(t.get('mode', 'train'))} on {_esc(t.get('device', ''))}</h2>"]
+    parts = [
+        f"<h2>Measured: {_esc(t.get('model', ''))} — {_esc(t.get('mode', 'train'))} on {_esc(t.get('device', ''))}</h2>"
+    ]
     ff = t.get("fastest_fitting") or {}
     parts.append(
         f"<p class='answer'>Knee: <b>b_m = {_esc(t.get('micro_batch'))}</b> at {_num(t.get('throughput'))} "
@@ -301,11 +333,19 @@ def _tune_section(t: dict, png_dir: Path | None, figs: list[Figure]) -> str:
     )
     for fig in (throughput_figure(t, png_dir), memory_figure(t, png_dir)):
         figs.append(fig)
-        parts.append(f"<figure id='fig-{fig.name}'>{fig.svg}<figcaption>{_esc(fig.title)}</figcaption></figure>")
+        parts.append(
+            f"<figure id='fig-{fig.name}'>{fig.svg}<figcaption>{_esc(fig.title)}</figcaption></figure>"
+        )
     rows = []
     for p in sorted(t.get("points", []), key=lambda p: p["micro_batch"]):
-        rows.append([p["micro_batch"], "OOM" if p.get("oom") else _num(p.get("throughput")),
-                     _num(p.get("step_time_s"), "{:.4f}"), _gib(p.get("peak_memory_bytes"))])
+        rows.append(
+            [
+                p["micro_batch"],
+                "OOM" if p.get("oom") else _num(p.get("throughput")),
+                _num(p.get("step_time_s"), "{:.4f}"),
+                _gib(p.get("peak_memory_bytes")),
+            ]
+        )
     parts.append(_table(["b_m", "throughput", "step (s)", "peak memory"], rows))
     return "".join(parts)
 
@@ -313,7 +353,9 @@ def _tune_section(t: dict, png_dir: Path | None, figs: list[Figure]) -> str:
 def _plan_section(plan: dict) -> str:
     rec = plan.get("recommended") or {}
     cands = plan.get("candidates", [])
-    parts = [f"<h2>Plan: {_esc((plan.get('model') or {}).get('name', '') if isinstance(plan.get('model'), dict) else plan.get('model', ''))} on {_esc(plan.get('gpu', ''))}</h2>"]
+    parts = [
+        f"<h2>Plan: {_esc((plan.get('model') or {}).get('name', '') if isinstance(plan.get('model'), dict) else plan.get('model', ''))} on {_esc(plan.get('gpu', ''))}</h2>"
+    ]
     if rec:
         parts.append(
             f"<p class='answer'>Recommended: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, m = {_esc(rec.get('microbatches'))}, "
@@ -326,13 +368,59 @@ def _plan_section(plan: dict) -> str:
         val = plan.get(key) or rec.get(key)
         if val:
             items = val if isinstance(val, list) else [val]
-            parts.append("<ul>" + "".join(f"<li>{_esc(v if isinstance(v, str) else v.get('message', v))}</li>" for v in items) + "</ul>")
+            parts.append(
+                "<ul>"
+                + "".join(f"<li>{_esc(v if isinstance(v, str) else v.get('message', v))}</li>" for v in items)
+                + "</ul>"
+            )
     shown = sorted(cands, key=lambda c: (not c.get("fits", True), c.get("step_time_s") or 1e300))[:15]
-    hi = next((i for i, c in enumerate(shown) if all(c.get(k) == rec.get(k) for k in ("micro_batch", "schedule", "recompute", "zero", "virtual"))), None)
-    rows = [[c.get("micro_batch"), c.get("microbatches"), c.get("schedule"), c.get("virtual"), c.get("recompute"), c.get("zero"),
-             _pct(c.get("bubble_fraction")), _gib(c.get("peak_memory_bytes")), "yes" if c.get("fits") else "no",
-             _num(c.get("step_time_s"), "{:.3f}"), _num(c.get("tokens_per_s")), _pct(c.get("mfu"))] for c in shown]
-    parts.append(_table(["b_m", "m", "schedule", "v", "recompute", "ZeRO", "bubble", "peak memory", "fits", "step (s)", "tokens/s", "MFU"], rows, hi))
+    hi = next(
+        (
+            i
+            for i, c in enumerate(shown)
+            if all(
+                c.get(k) == rec.get(k) for k in ("micro_batch", "schedule", "recompute", "zero", "virtual")
+            )
+        ),
+        None,
+    )
+    rows = [
+        [
+            c.get("micro_batch"),
+            c.get("microbatches"),
+            c.get("schedule"),
+            c.get("virtual"),
+            c.get("recompute"),
+            c.get("zero"),
+            _pct(c.get("bubble_fraction")),
+            _gib(c.get("peak_memory_bytes")),
+            "yes" if c.get("fits") else "no",
+            _num(c.get("step_time_s"), "{:.3f}"),
+            _num(c.get("tokens_per_s")),
+            _pct(c.get("mfu")),
+        ]
+        for c in shown
+    ]
+    parts.append(
+        _table(
+            [
+                "b_m",
+                "m",
+                "schedule",
+                "v",
+                "recompute",
+                "ZeRO",
+                "bubble",
+                "peak memory",
+                "fits",
+                "step (s)",
+                "tokens/s",
+                "MFU",
+            ],
+            rows,
+            hi,
+        )
+    )
     parts.append(_exports_section(plan))
     return "".join(parts)
 
@@ -354,35 +442,57 @@ def _exports_section(plan: dict) -> str:
 
 def _pipeline_section(res: dict, png_dir: Path | None, figs: list[Figure], idx: int) -> str:
     meas, pred = res.get("measured", {}), res.get("predicted", {})
-    parts = [f"<h2>Pipeline run: {_esc(res.get('schedule'))}, p = {_esc(res.get('stages'))}, m = {_esc(res.get('microbatches'))}</h2>"]
+    parts = [
+        f"<h2>Pipeline run: {_esc(res.get('schedule'))}, p = {_esc(res.get('stages'))}, m = {_esc(res.get('microbatches'))}</h2>"
+    ]
     rows = [["bubble fraction", _pct(pred.get("bubble_fraction")), _pct(meas.get("bubble_fraction"))]]
     pif = pred.get("peak_in_flight") or []
     for i, s in enumerate(meas.get("stage_stats", [])):
-        rows.append([f"in flight, rank {s.get('stage', i)}", pif[i] if i < len(pif) else "—", s.get("peak_in_flight")])
+        rows.append(
+            [f"in flight, rank {s.get('stage', i)}", pif[i] if i < len(pif) else "—", s.get("peak_in_flight")]
+        )
     parts.append(_table(["", "predicted", "measured"], rows))
     if res.get("gradients_match") is not None:
-        parts.append(f"<p>Gradients match the unsplit model: <b>{_esc(res.get('gradients_match'))}</b> "
-                     f"(largest relative error {_num(res.get('max_grad_rel_error'), '{:.2e}')}).</p>")
+        parts.append(
+            f"<p>Gradients match the unsplit model: <b>{_esc(res.get('gradients_match'))}</b> "
+            f"(largest relative error {_num(res.get('max_grad_rel_error'), '{:.2e}')}).</p>"
+        )
     for key, title in (("timeline", "measured"), ("predicted_timeline", "predicted")):
         tl = meas.get("timeline") if key == "timeline" else pred.get("timeline")
         if tl is None:
             tl = res.get(key)
         if tl:
-            fig = bubble_figure(_timeline_rows(tl), f"Bubble diagram, {title} — {res.get('schedule')}", f"bubble-{title}-{idx}", png_dir)
+            fig = bubble_figure(
+                _timeline_rows(tl),
+                f"Bubble diagram, {title} — {res.get('schedule')}",
+                f"bubble-{title}-{idx}",
+                png_dir,
+            )
             figs.append(fig)
-            parts.append(f"<figure id='fig-{fig.name}'>{fig.svg}<figcaption>{_esc(fig.title)}</figcaption></figure>")
+            parts.append(
+                f"<figure id='fig-{fig.name}'>{fig.svg}<figcaption>{_esc(fig.title)}</figcaption></figure>"
+            )
     return "".join(parts)
 
 
 def _simulate_section(res: dict, png_dir: Path | None, figs: list[Figure], idx: int) -> str:
-    parts = [f"<h2>Simulated: {_esc(res.get('schedule'))}, p = {_esc(res.get('stages'))}, m = {_esc(res.get('microbatches'))}</h2>",
-             f"<p>Bubble fraction {_pct(res.get('bubble_fraction'))} (idle over total stage time); "
-             f"peak in flight per rank {_esc(res.get('peak_in_flight'))}.</p>"]
+    parts = [
+        f"<h2>Simulated: {_esc(res.get('schedule'))}, p = {_esc(res.get('stages'))}, m = {_esc(res.get('microbatches'))}</h2>",
+        f"<p>Bubble fraction {_pct(res.get('bubble_fraction'))} (idle over total stage time); "
+        f"peak in flight per rank {_esc(res.get('peak_in_flight'))}.</p>",
+    ]
     tl = res.get("timeline") or res.get("intervals")
     if tl:
-        fig = bubble_figure(_timeline_rows(tl), f"Bubble diagram, simulated — {res.get('schedule')}", f"bubble-sim-{idx}", png_dir)
+        fig = bubble_figure(
+            _timeline_rows(tl),
+            f"Bubble diagram, simulated — {res.get('schedule')}",
+            f"bubble-sim-{idx}",
+            png_dir,
+        )
         figs.append(fig)
-        parts.append(f"<figure id='fig-{fig.name}'>{fig.svg}<figcaption>{_esc(fig.title)}</figcaption></figure>")
+        parts.append(
+            f"<figure id='fig-{fig.name}'>{fig.svg}<figcaption>{_esc(fig.title)}</figcaption></figure>"
+        )
     return "".join(parts)
 
 
@@ -394,12 +504,20 @@ def _validate_section(res: dict) -> str:
     body = []
     for r in rows:
         body.append([(_num(r[h], "{:.3g}") if isinstance(r[h], float) else r[h]) for h in headers])
-    return "<h2>Predicted against measured</h2>" + _table(headers, body) + (
-        f"<p>{_esc(res.get('summary'))}</p>" if res.get("summary") else "")
+    return (
+        "<h2>Predicted against measured</h2>"
+        + _table(headers, body)
+        + (f"<p>{_esc(res.get('summary'))}</p>" if res.get("summary") else "")
+    )
 
 
-def build_report(results: Sequence[tuple[str, dict]] | Sequence[dict], out_path: str | Path, *,
-                 title: str = "microbatch report", png: bool = True) -> Report:
+def build_report(
+    results: Sequence[tuple[str, dict]] | Sequence[dict],
+    out_path: str | Path,
+    *,
+    title: str = "microbatch report",
+    png: bool = True,
+) -> Report:
     """Write the HTML report (and PNG figures beside it) from saved results."""
     out = Path(out_path)
     if out.suffix.lower() not in (".html", ".htm"):

@@ -9,8 +9,13 @@ from ._common import emit, json_option
 
 @click.command("report")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=True))
-@click.option("--out", "out_path", default="microbatch-report/report.html", show_default=True,
-              help="HTML file to write; PNG figures go in <name>-figures/ beside it.")
+@click.option(
+    "--out",
+    "out_path",
+    default="microbatch-report/report.html",
+    show_default=True,
+    help="HTML file to write; PNG figures go in <name>-figures/ beside it.",
+)
 @click.option("--title", default="microbatch report", show_default=True)
 @click.option("--no-png", is_flag=True, help="Skip the PNG copies of the figures.")
 @json_option
@@ -30,6 +35,16 @@ def cmd(results, out_path, title, no_png, as_json):
     from ..htmlreport import build_report, load_results
 
     rep = build_report(load_results(results), out_path, title=title, png=not no_png)
-    payload = {"html": str(rep.html_path), "figures": [str(p) for p in rep.png_paths], "sections": rep.sections}
-    emit(payload, as_json, lambda: f"report written to {rep.html_path} ({', '.join(rep.sections)}); "
-                                     f"{len(rep.png_paths)} PNG figures beside it")
+    payload = {
+        "html": str(rep.html_path),
+        "figures": [str(p) for p in rep.png_paths],
+        "sections": rep.sections,
+    }
+    emit(
+        payload,
+        as_json,
+        lambda: (
+            f"report written to {rep.html_path} ({', '.join(rep.sections)}); "
+            f"{len(rep.png_paths)} PNG figures beside it"
+        ),
+    )
