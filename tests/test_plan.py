@@ -213,3 +213,19 @@ def test_planner_modules_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_cli_table_shows_the_seed_worked_selection(capsys):
+    assert (
+        main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-p", "4", "--schedule", "1f1b"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    rows = {
+        line.split()[0].rstrip("*"): line.split()
+        for line in out.splitlines()
+        if line[:3].strip().rstrip("*").isdigit()
+    }
+    assert rows["2"][1] == "32" and rows["2"][6] == "8.6%"
+    assert rows["4"][1] == "16" and rows["4"][6] == "15.8%"
+    assert "Recommended b_m =" in out
