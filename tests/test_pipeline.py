@@ -333,3 +333,22 @@ def test_same_code_runs_under_torchrun():
     out = json.loads(r.stdout)  # only rank 0 prints
     assert out["gradients_match"] is True
     assert [s["peak_in_flight"] for s in out["measured"]["stage_stats"]] == [2, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_taken_port_is_replaced(monkeypatch):
+    import socket
+
+    import microbatch.launch as launch
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    ports = iter([busy.getsockname()[1], launch.free_port()])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports))
+    try:
+        rep = run(schedule="gpipe", stages=2, microbatches=2, steps=1)
+    finally:
+        busy.close()
+    assert next(ports, None) is None  # the busy port was tried, then a second one
+    assert rep["measured"]["stage_stats"][0]["peak_in_flight"] == 2

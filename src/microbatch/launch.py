@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,7 +124,12 @@ def _reason(e: BaseException) -> str:
     try:
         import torch
 
-        if isinstance(e, torch.OutOfMemoryError):
+        ooms = tuple(
+            t
+            for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+            if t
+        )
+        if ooms and isinstance(e, ooms):
             return f"out of memory ({str(e).splitlines()[0] if str(e) else 'no detail'})"
     except ImportError:  # pragma: no cover
         pass
@@ -147,6 +153,12 @@ def _tail(path: str, lines: int = 6) -> str:
         if " ERROR: " in line and line.startswith("RANK "):
             return line.split(" ERROR: ", 1)[1]
     return " | ".join(text[-lines:])
+
+
+def _is_victim(reason: str) -> bool:
+    """True when a rank's error only says that a peer went away (the cause is elsewhere)."""
+    r = reason.lower()
+    return any(x in r for x in ("connection closed by peer", "connection reset by peer", "broken pipe"))
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -184,8 +196,29 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg.to_dict(), f)
+    for attempt in range(3):
+        try:
+            raw = _launch_once(cfg, tmp, cfg_path, result_path, free_port(), deadline_s)
+            break
+        except _PortTaken:
+            if attempt == 2:
+                raise PipelineError(
+                    "three free ports were taken before the ranks could bind them; retry, or run under torchrun "
+                    "with --master-port"
+                ) from None
+    shutil.rmtree(tmp, ignore_errors=True)
+    return summarize(raw)
+
+
+class _PortTaken(Exception):
+    """The rendezvous port was taken between finding it and binding it."""
+
+
+def _launch_once(
+    cfg: PipelineConfig, tmp: str, cfg_path: str, result_path: str, port: int, deadline_s: float
+) -> dict:
+    """Start the ranks on ``port``, wait for them, return rank 0's raw result."""
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = free_port()
     procs: list[subprocess.Popen] = []
     errs: list[str] = []
     code = "from microbatch.launch import _worker_main; _worker_main()"
@@ -221,19 +254,25 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
             rcs = [p.poll() for p in procs]
             bad = [r for r, rc in enumerate(rcs) if rc not in (None, 0)]
             if bad:
-                time.sleep(0.2)  # let a crash's neighbours report, then name the first one seen
-                r = bad[0]
-                rc = rcs[r]
+                time.sleep(0.3)  # let a crash's neighbours report, then name the cause, not a victim
+                later = [x for x, rc in enumerate(p.poll() for p in procs) if rc not in (None, 0)]
+                causes = [x for x in bad + later if not _is_victim(_tail(errs[x]))]
+                r = causes[0] if causes else bad[0]
+                rc = procs[r].poll()
                 if rc < 0:
                     why = f"killed by signal {signal.Signals(-rc).name}"
                     if -rc == signal.SIGKILL:
                         why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
                 else:
                     why = f"exit status {rc}"
-                why += f": {_tail(errs[r])}" if _tail(errs[r]) else ""
+                tail = _tail(errs[r])
+                why += f": {tail}" if tail else ""
                 _kill_all(procs)
+                if "address already in use" in tail.lower() or "eaddrinuse" in tail.lower():
+                    raise _PortTaken(port)
                 raise PipelineError(
-                    f"rank {r} (stages {_stages_of(cfg, r)}) failed ({why}); every rank was stopped"
+                    f"rank {r} (stages {_stages_of(cfg, r)}) failed ({why}); every rank was stopped; "
+                    f"full logs: {os.path.join(tmp, 'rank*.err')}"
                 )
             if all(rc == 0 for rc in rcs):
                 break
@@ -242,14 +281,14 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                 _kill_all(procs)
                 raise PipelineError(
                     f"pipeline run passed its deadline of {deadline_s:.0f} s; ranks {alive} were still running "
-                    "and were killed; raise --timeout or lower --steps"
+                    f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
                 )
             time.sleep(0.05)
         with open(result_path) as f:
             raw = json.load(f)
     finally:
         _kill_all(procs)
-    return summarize(raw)
+    return raw
 
 
 def check_splittable(cfg: PipelineConfig) -> None:

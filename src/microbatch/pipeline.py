@@ -439,7 +439,8 @@ def _fault(rank: int, where: str) -> None:
     if kind == "oom":
         import torch
 
-        raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank}")
+        oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+        raise oom(f"injected out-of-memory on rank {rank}")
     if kind == "exit":
         os._exit(3)
     if kind == "kill":
