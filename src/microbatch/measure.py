@@ -919,21 +919,29 @@ class ChildProber:
         reply = self._ask({"op": "setup", "spec": self.spec.to_dict(), "limit_bytes": self.limit_bytes})
         self.setup_reply = reply
         if reply is None:
-            raise MeasurementError(f"the probe process died during setup: {self._stderr_tail()}")
+            rc = self.proc.returncode if self.proc else None
+            self.close()
+            if rc is not None and rc < 0 and self.limit_bytes is not None:
+                reply = {"oom": True}
+            else:
+                raise MeasurementError(
+                    f"the probe process died during setup (exit {rc}): {self._stderr_tail()}"
+                )
         if reply.get("config_error"):
             self.close()
             raise ConfigError(reply["config_error"])
-        if reply.get("error"):
-            self.close()
-            raise MeasurementError(f"the probe process failed during setup: {reply['error']}")
-        self.static_bytes = reply.get("static_bytes")
         if reply.get("oom"):
             self.close()
             raise ConfigError(
                 f"micro-batch 1 is already out of memory under the limit of {self.limit_bytes} bytes "
+                f"({(self.limit_bytes or 0) / 2**30:.2f} GiB) "
                 f"(the setup step needs more); turn activation checkpointing on, use a shorter --seq, "
                 "or raise --memory-budget"
             )
+        if reply.get("error"):
+            self.close()
+            raise MeasurementError(f"the probe process failed during setup: {reply['error']}")
+        self.static_bytes = reply.get("static_bytes")
 
     def ask(self, msg: dict) -> dict | None:
         """Send one request to the running child; its reply, or None if it died."""
@@ -1039,14 +1047,15 @@ def _worker() -> int:
                         }
                     )
                     continue
+                ooms = oom_types()  # resolved before the limit: nothing lazy may allocate in an except clause
                 if limit is not None:
                     room = limit - current_rss_bytes()
                     resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
                     limited = True
                 try:
                     probe.setup(1)
-                except (RuntimeError, *oom_types()) as e:
-                    if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, oom_types()):
+                except (RuntimeError, *ooms) as e:
+                    if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, ooms):
                         raise
                     reply({"oom": True, "error": _short(e)})
                     continue
@@ -1081,6 +1090,9 @@ def _worker() -> int:
         except ConfigError as e:
             reply({"config_error": str(e)})
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
             reply({"error": _short(e)})
     return 0
 

@@ -1,0 +1,191 @@
+"""`microbatch recommend` and `microbatch tune`: JSON by value, bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from microbatch.cli import main
+
+SEED = [
+    {"micro_batch": 1, "throughput": 1000},
+    {"micro_batch": 4, "throughput": 3200},
+    {"micro_batch": 8, "throughput": 5000},
+    {"micro_batch": 16, "throughput": 5600},
+]
+
+
+def run(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(args, capsys):
+    code, out, err = run([*args, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_recommend_seed_json(tmp_path, capsys):
+    f = tmp_path / "seed.json"
+    f.write_text(json.dumps([dict(p, peak_memory_bytes=10**6 + 10**5 * p["micro_batch"]) for p in SEED]))
+    d = run_json(
+        [
+            "recommend",
+            "--measurements",
+            str(f),
+            "--global-batch",
+            "512",
+            "--data-parallel",
+            "4",
+            "--memory-budget",
+            "3MB",
+        ],
+        capsys,
+    )
+    assert d["micro_batch"] == 8
+    assert d["grad_accum"] == 512 // (8 * 4)
+    assert d["throughput"] == 5000
+    assert d["fraction_of_best"] == pytest.approx(5000 / 5600)
+    assert d["peak_memory_bytes"] == 10**6 + 8 * 10**5
+    assert d["fastest_fitting"]["micro_batch"] == 16 and d["fastest_fitting"]["grad_accum"] == 8
+    assert d["memory_fit"]["intercept_bytes"] == pytest.approx(10**6)
+    assert d["memory_fit"]["slope_bytes_per_sample"] == pytest.approx(10**5)
+    # (3e6 · 0.9 − 1e6) / 1e5 = 17
+    assert d["max_fitting_micro_batch"] == 17
+    assert d["rule"] == "fraction" and d["tolerance"] == 0.15
+
+
+def test_recommend_csv_and_rules(tmp_path, capsys):
+    f = tmp_path / "c.csv"
+    f.write_text(
+        "micro_batch,throughput,peak_memory_bytes,oom\n1,1000,,\n4,3200,,\n8,5000,,\n16,5600,,\n32,,,true\n"
+    )
+    assert run_json(["recommend", "-m", str(f)], capsys)["micro_batch"] == 8
+    assert run_json(["recommend", "-m", str(f), "--tolerance", "0.05"], capsys)["micro_batch"] == 16
+    assert run_json(["recommend", "-m", str(f), "--rule", "gain"], capsys)["micro_batch"] == 8
+    code, out, err = run(["recommend", "-m", str(f)], capsys)
+    assert code == 0 and "knee" in out and "b_m = 8" in out and "out of memory" in out
+
+
+def test_recommend_reads_tune_result_json(tmp_path, capsys):
+    f = tmp_path / "result.json"
+    f.write_text(json.dumps({"points": SEED, "model": "x"}))
+    assert run_json(["recommend", "-m", str(f)], capsys)["micro_batch"] == 8
+
+
+@pytest.mark.parametrize(
+    "content,suffix,msg",
+    [
+        ("mb,throughput\n1,3\n", "csv", "missing column"),
+        ("micro_batch,throughput\n1,fast\n", "csv", "not a number"),
+        ("micro_batch,throughput\n0,3\n", "csv", "micro_batch"),
+        ('[{"micro_batch": 2, "throughput": -5}]', "json", "throughput"),
+        ('{"rows": []}', "json", "points"),
+        ("[1, 2", "json", "not valid JSON"),
+    ],
+)
+def test_recommend_bad_files_exit_2(tmp_path, capsys, content, suffix, msg):
+    f = tmp_path / f"bad.{suffix}"
+    f.write_text(content)
+    code, out, err = run(["recommend", "-m", str(f)], capsys)
+    assert code == 2
+    assert msg in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_recommend_missing_file_and_bad_budget(tmp_path, capsys):
+    code, _, err = run(["recommend", "-m", str(tmp_path / "nope.json")], capsys)
+    assert code == 2 and "does not exist" in err
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(SEED))
+    code, _, err = run(["recommend", "-m", str(f), "--memory-budget", "lots"], capsys)
+    assert code == 2 and "not a size" in err
+
+
+def test_tune_json_tiny_child_process(tmp_path, monkeypatch, capsys):
+    """The real CLI path: probes in a child process under the budget; result.json written."""
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    d = run_json(
+        [
+            "tune",
+            "--model",
+            "tiny",
+            "--seq",
+            "32",
+            "--max-micro-batch",
+            "4",
+            "--repeats",
+            "2",
+            "--memory-budget",
+            "2GiB",
+            "--global-batch",
+            "16",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capsys,
+    )
+    assert d["model"] == "tiny" and d["seq"] == 32 and d["mode"] == "train"
+    pts = d["points"]
+    assert [p["micro_batch"] for p in pts] == [1, 2, 4][: len(pts)]
+    assert all(not p["oom"] and p["peak_memory_bytes"] > 0 for p in pts)
+    assert d["micro_batch"] in [p["micro_batch"] for p in pts]
+    assert d["grad_accum"] == 16 // d["micro_batch"]
+    assert d["memory_budget_bytes"] == 2 * 2**30 and d["oom_events"] == 0
+    assert d["static_bytes"] > 0
+    saved = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert saved["points"] == pts and saved["torch_version"] == d["torch_version"]
+    # recommend reads it back and agrees
+    assert (
+        run_json(["recommend", "-m", str(tmp_path / "out" / "result.json")], capsys)["micro_batch"]
+        == d["micro_batch"]
+    )
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--model", "no-such"], "unknown model"),
+        (["--model", "tiny", "--seq", "0"], "seq"),
+        (["--model", "tiny", "--seq", "-3"], "seq"),
+        (["--model", "tiny", "--memory-budget", "20MB"], r"static memory: it needs at least"),
+        (["--model", "tiny", "--device", "tpu"], "device"),
+        (["--hf-config", "/no/such/config.json", "--seq", "8"], "no such file"),
+    ],
+)
+def test_tune_bad_input_exit_2(tmp_path, monkeypatch, capsys, args, msg):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    code, out, err = run(["tune", *args], capsys)
+    assert code == 2, err
+    assert msg.split("(")[0] in err or __import__("re").search(msg, err)
+    assert "Traceback" not in err
+
+
+def test_tune_b1_out_of_memory_says_so(tmp_path, monkeypatch, capsys):
+    """A budget above the static memory but below what b_m = 1 needs."""
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    from microbatch.measure import ChildProber, ProbeSpec, TimingConfig
+
+    spec = ProbeSpec(model="small", seq=128, timing=TimingConfig(warmup=0, min_repeats=1, max_repeats=1))
+    p = ChildProber(spec)
+    p.start()
+    static = p.static_bytes
+    p.close()
+    code, out, err = run(
+        ["tune", "--model", "small", "--seq", "128", "--memory-budget", str(static + 2**20)], capsys
+    )
+    assert code == 2, err
+    assert "micro-batch 1 is already out of memory" in err and "checkpointing" in err and "--seq" in err
+
+
+def test_help_mentions_longest_sequence_and_no_torch_import():
+    out = subprocess.run(
+        [sys.executable, "-m", "microbatch", "tune", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "LONGEST sequence" in out.stdout
+    code = "import sys, microbatch.cli, microbatch.knee; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
