@@ -228,7 +228,9 @@ def _torchtitan(c: dict) -> tuple[dict, list[str]]:
             c.get("schedule", "1f1b"), "1F1B"
         )
         if c.get("schedule") == "zb-h1":
-            notes.append("zb-h1 maps to torch's InterleavedZeroBubble (needs two or more stages per rank)")
+            notes.append(
+                "zb-h1 is torch's ScheduleInterleavedZeroBubble with one stage per rank (InterleavedZeroBubble)"
+            )
     else:
         training["local_batch_size"] = b  # torchtitan accumulates global / (local × dp) micro-batches
     if "seq" in c:
