@@ -85,6 +85,8 @@ def test_split_units_of_the_gpt_keeps_the_function():
         ("1f1b", "1f1b", 1),
         ("interleaved-1f1b", "interleaved-1f1b", 2),
         ("zbv", "zbv", 2),
+        ("zb-interleaved", "zb-interleaved", 2),
+        ("zb-interleaved", "zb-interleaved", 3),
     ],
 )
 def test_our_generators_match_torchs_order(name, ours, v):

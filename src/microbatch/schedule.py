@@ -597,3 +597,69 @@ register_schedule(
         torch_name="ScheduleZBVZeroBubble",
     )
 )
+
+
+def _zb_interleaved(p: int, m: int, v: int) -> list[list[Action]]:
+    """Interleaved zero bubble (ZB1P, Qi et al. 2024), the order of torch's ScheduleInterleavedZeroBubble.
+
+    Loop placement as interleaved 1F1B, with the backward split into I and W. Rank r warms up with
+    (v−1)·n_round + (p−1−r) forwards (half of interleaved 1F1B's extra depth), then runs F, I
+    pairs; after its first r input backwards every I is followed by the W of the oldest input
+    backward still owed; the cool-down runs the remaining I (same rule) and then the owed W. With
+    v = 1 this is ZB-H1 (``zb-h1``).
+    """
+    _, per_round = _interleaved_rounds(p, m)
+    total = m * v
+    out = []
+    for r in range(p):
+        warm = min((v - 1) * per_round + (p - 1 - r), total)
+
+        def fwd_stage(op: int, r: int = r) -> int:
+            return ((op // per_round) % v) * p + r
+
+        def bwd_stage(op: int, r: int = r, warm: int = warm) -> int:
+            return (v - 1 - ((op - warm) // per_round) % v) * p + r
+
+        nxt: dict[tuple[str, int], int] = {}
+        acts: list[Action] = []
+
+        def add(kind: str, stage: int, acts=acts, nxt=nxt) -> None:
+            i = nxt.get((kind, stage), 0)
+            nxt[(kind, stage)] = i + 1
+            acts.append(Action(stage, kind, i))
+
+        owed: list[int] = []  # stages of input backwards whose W has not run, oldest first
+        for op in range(total + warm):
+            if op < total:
+                add("F", fwd_stage(op))
+            if op >= warm:
+                add("I", bwd_stage(op))
+                owed.append(bwd_stage(op))
+                if op - warm >= r:
+                    add("W", owed.pop(0))
+        for stage in owed:
+            add("W", stage)
+        out.append(acts)
+    return out
+
+
+def _check_zb_interleaved(p: int, m: int, v: int) -> None:
+    rounds, _ = _interleaved_rounds(p, m)
+    if m % rounds:
+        lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
+        raise ScheduleError(
+            f"microbatches = {m} with stages = {p}: torch's ScheduleInterleavedZeroBubble needs m to be a "
+            f"multiple of its number of rounds max(1, m // p) = {rounds}; use --microbatches {lo} or {hi}"
+        )
+
+
+register_schedule(
+    ScheduleSpec(
+        name="zb-interleaved",
+        generate=_zb_interleaved,
+        check=_check_zb_interleaved,
+        split_backward=True,
+        description="Interleaved zero bubble (ZB1P): v stages per rank, I/W split (torch's order).",
+        torch_name="ScheduleInterleavedZeroBubble",
+    )
+)
