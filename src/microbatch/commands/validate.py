@@ -107,7 +107,14 @@ def cmd(calibration, gpu, fit_on, memory, cpu_peak_gflops, cpu_bandwidth_gbs, mo
     matmul peak and copy bandwidth, which the calibrated efficiency absorbs. Targets: memory
     within 5%, step time within 10% at the largest b_m.
     """
-    from ..calibrate import cpu_accelerator, match_accelerator, measure_cpu, read_measurements, validate
+    from ..calibrate import (
+        cover_measurements,
+        cpu_accelerator,
+        match_accelerator,
+        measure_cpu,
+        read_measurements,
+        validate,
+    )
     from ..errors import ConfigError
     from ..hardware import get_accelerator
 
@@ -140,5 +147,7 @@ def cmd(calibration, gpu, fit_on, memory, cpu_peak_gflops, cpu_bandwidth_gbs, mo
                 else acc.memory_bandwidth_bytes_per_s,
                 source=acc.source + " (partly overridden)",
             )
+    if acc.name == "cpu":
+        acc, _ = cover_measurements(acc, meas)
     result = validate(meas, acc, fit_on=fit_on).to_dict()
     emit(result, as_json, lambda: render_validation(result))
