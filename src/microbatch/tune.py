@@ -582,6 +582,7 @@ def tune_model(
         new_tokens=new_tokens,
         global_batch=global_batch,
         data_parallel=data_parallel,
+        threads=threads,
     )
     if device.startswith("cuda"):
         import torch

@@ -47,6 +47,11 @@ from .recommend import choice_kwargs, choice_options, render_recommendation
 @click.option(
     "--out", type=click.Path(file_okay=False), help="Write result.json (the curve and the choice) here."
 )
+@click.option(
+    "--threads",
+    type=int,
+    help="torch threads in the probe process (default: torch's; 1 is steadier on a shared CPU).",
+)
 @click.option("--no-cache", is_flag=True, help="Measure every point again (do not read or write the cache).")
 @choice_options
 @json_option
@@ -62,6 +67,7 @@ def cmd(
     refine,
     repeats,
     out,
+    threads,
     no_cache,
     memory_budget,
     headroom,
@@ -161,6 +167,7 @@ def cmd(
             refine=refine,
             timing=timing,
             use_cache=not no_cache,
+            threads=threads,
             on_point=on_point,
             **kw,
         )

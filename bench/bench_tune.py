@@ -1,0 +1,179 @@
+"""Exhaustive sweep against `tune` on the CPU: time to answer, quality of the answer, memory fit.
+
+For each case (the built-in small GPT training; a GPT-2-small-shaped decoder decoding) it
+
+1. sweeps every power of two from 1 to a cap in one child process under the memory budget
+   (the exhaustive answer: the best measured throughput, and the knee of the full curve);
+2. runs ``tune_model`` with the same budget and cap, cache off;
+3. reports: tune's wall time as a share of the sweep's (target <= 40%), whether tune's choice is
+   within the tolerance of the sweep's best throughput (both measured: the sweep's figure at
+   tune's b_m is used, so the two runs' noise does not mix), the memory fit's error at the
+   largest b_m the sweep measured (fit from tune's points only, i.e. extrapolated), and the
+   out-of-memory events (in children; the parent must see none).
+
+Usage: python bench/bench_tune.py [--quick] [--threads N] [--json OUT]
+Prints one summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from microbatch.knee import CurvePoint, find_knee, fit_memory  # noqa: E402
+from microbatch.measure import ChildProber, ProbeSpec, TimingConfig  # noqa: E402
+from microbatch.tune import CPU_TIMING, tune_model  # noqa: E402
+
+GiB = 2**30
+
+
+def sweep(spec: ProbeSpec, cap: int, budget: int) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    prober = ChildProber(spec, limit_bytes=budget)
+    pts = []
+    try:
+        b = 1
+        while b <= cap:
+            m = prober.measure(b)
+            pts.append(m)
+            if m.oom:
+                break
+            b *= 2
+    finally:
+        prober.close()
+    return pts, time.perf_counter() - t0
+
+
+def case(name, *, model, mode, seq, cap, budget, timing, threads, tolerance=0.15):
+    spec = ProbeSpec(model=model, seq=seq, mode=mode, timing=timing, threads=threads)
+    full, t_full = sweep(spec, cap, budget)
+    r = tune_model(
+        model,
+        seq=seq,
+        mode=mode,
+        memory_budget_bytes=budget,
+        max_micro_batch=cap,
+        timing=timing,
+        threads=threads,
+        use_cache=False,
+        tolerance=tolerance,
+    )
+    ok = [m for m in full if not m.oom]
+    best = max(ok, key=lambda m: m.throughput)
+    at = {m.micro_batch: m for m in ok}
+    choice = r.recommendation.knee.micro_batch
+    # tune's choice judged on the sweep's own measurement of that b_m when it has one
+    chosen_tp = at[choice].throughput if choice in at else r.recommendation.knee.throughput
+    frac = chosen_tp / best.throughput
+    full_knee = find_knee(
+        [CurvePoint(micro_batch=m.micro_batch, throughput=m.throughput) for m in ok], tolerance=tolerance
+    ).micro_batch
+    fit = fit_memory(
+        [
+            CurvePoint(
+                micro_batch=p.micro_batch, throughput=p.throughput, peak_memory_bytes=p.peak_memory_bytes
+            )
+            for p in r.points
+            if not p.oom
+        ]
+    )
+    largest = max(ok, key=lambda m: m.micro_batch)
+    fit_err = (
+        (fit.predict(largest.micro_batch) - largest.peak_memory_bytes) / largest.peak_memory_bytes
+        if fit
+        else None
+    )
+    tuned_largest = max((p for p in r.points if not p.oom), key=lambda p: p.micro_batch)
+    fit_err_in = (
+        (fit.predict(tuned_largest.micro_batch) - tuned_largest.peak_memory_bytes)
+        / tuned_largest.peak_memory_bytes
+        if fit
+        else None
+    )
+    return {
+        "case": name,
+        "model": model,
+        "mode": mode,
+        "seq": seq,
+        "budget_bytes": budget,
+        "sweep_points": [(m.micro_batch, None if m.oom else round(m.throughput, 1)) for m in full],
+        "sweep_time_s": t_full,
+        "sweep_best_micro_batch": best.micro_batch,
+        "sweep_knee": full_knee,
+        "tune_points": [(p.micro_batch, None if p.oom else round(p.throughput, 1)) for p in r.points],
+        "tune_time_s": r.wall_time_s,
+        "tune_choice": choice,
+        "tune_fastest": r.recommendation.fastest.micro_batch,
+        "time_share": r.wall_time_s / t_full,
+        "choice_fraction_of_best": frac,
+        "within_tolerance": frac >= 1 - tolerance,
+        "fit_error_at_sweep_largest": fit_err,
+        "fit_error_at_tune_largest": fit_err_in,
+        "sweep_largest": largest.micro_batch,
+        "tune_largest": tuned_largest.micro_batch,
+        "oom_events_children": sum(m.oom for m in full) + r.oom_events,
+        "oom_events_parent": 0,  # this process is still alive and caught nothing
+        "stop_reason": r.stop_reason,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller caps (a smoke run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in the probe processes")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    os.environ.setdefault("MICROBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="mb-bench-"))
+    timing = (
+        CPU_TIMING if not args.quick else TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1)
+    )
+    rows = [
+        case(
+            "small GPT, train",
+            model="small",
+            mode="train",
+            seq=128,
+            cap=8 if args.quick else 64,
+            budget=3 * GiB,
+            timing=timing,
+            threads=args.threads,
+        ),
+        case(
+            "GPT-2-small shape, decode",
+            model="gpt2",
+            mode="decode",
+            seq=96,
+            cap=4 if args.quick else 32,
+            budget=6 * GiB,
+            timing=timing,
+            threads=args.threads,
+        ),
+    ]
+    hdr = (
+        f"{'case':<28}{'sweep s':>9}{'tune s':>8}{'share':>7}{'choice':>7}{'% best':>8}{'sweep knee':>11}"
+        f"{'fit err@max':>12}{'OOM child/parent':>17}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        fe = r["fit_error_at_sweep_largest"]
+        print(
+            f"{r['case']:<28}{r['sweep_time_s']:>9.1f}{r['tune_time_s']:>8.1f}{100 * r['time_share']:>6.0f}%"
+            f"{r['tune_choice']:>7}{100 * r['choice_fraction_of_best']:>7.1f}%{r['sweep_knee']:>11}"
+            f"{'' if fe is None else f'{100 * fe:+.1f}% @' + str(r['sweep_largest']):>12}"
+            f"{str(r['oom_events_children']) + ' / ' + str(r['oom_events_parent']):>17}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
