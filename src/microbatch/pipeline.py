@@ -179,33 +179,14 @@ class PipelineConfig:
 def check_servable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Raise :class:`ScheduleError` (rule and fix) if torch's schedule cannot run (p, m, v).
 
-    The rules are torch's own (``torch/distributed/pipelining/schedules.py``): ``Schedule1F1B``
-    needs m >= p; the interleaved schedules split m into max(1, m // p) rounds and need
-    m % rounds == 0; ``ScheduleZBVZeroBubble`` needs exactly two stages per rank; GPipe and 1F1B
-    hold one stage per rank.
+    The rules are torch's own, kept with the generators in :mod:`microbatch.schedule`:
+    ``Schedule1F1B`` needs m >= p; the interleaved schedules split m into max(1, m // p) rounds and
+    need m % rounds == 0; ``ScheduleZBVZeroBubble`` needs exactly two stages per rank; GPipe and
+    1F1B hold one stage per rank.
     """
-    name = schedule_name(schedule)
-    p, m, v = stages, microbatches, virtual
-    if name in ("gpipe", "1f1b") and v != 1:
-        raise ScheduleError(
-            f"{name} runs one stage per rank, got --virtual {v}; use --virtual 1, or --schedule "
-            "interleaved-1f1b for several stages per rank"
-        )
-    if name == "1f1b" and m < p:
-        raise ScheduleError(
-            f"1f1b with {m} micro-batches on {p} stages: torch's Schedule1F1B needs m >= p; "
-            f"use --microbatches {p} or more, or --schedule gpipe"
-        )
-    if name in ("interleaved-1f1b", "zb-interleaved"):
-        rounds = max(1, m // p)
-        if m % rounds:
-            ok = [x for x in range(max(1, m - p), m + p + 1) if x % max(1, x // p) == 0]
-            raise ScheduleError(
-                f"{name} with m={m}, p={p}: torch runs max(1, m // p) = {rounds} rounds and needs m to be "
-                f"a multiple of them; use --microbatches among {', '.join(map(str, ok))}"
-            )
-    if name == "zbv" and v != 2:
-        raise ScheduleError(f"zbv places exactly 2 stages per rank (a V), got --virtual {v}; use --virtual 2")
+    from . import schedule as sched
+
+    sched.check_servable(schedule_name(schedule), stages, microbatches, virtual)
 
 
 # -- placement ------------------------------------------------------------------------
