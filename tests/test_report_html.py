@@ -63,7 +63,7 @@ def test_report_has_figures_and_pngs_of_expected_size(tmp_path):
     rep = build_report([_tune_result(), _pipeline_result()], tmp_path / "r.html")
     text = rep.html_path.read_text()
     assert text.count("<svg") >= 3  # throughput, memory, measured bubble diagram
-    for fid in ("fig-throughput", "fig-memory"):
+    for fid in ("fig-throughput-train", "fig-memory-train"):
         assert f"id='{fid}'" in text
     import re
 
@@ -106,4 +106,4 @@ def test_report_in_headless_chromium(tmp_path):
     assert not console, console
     dom = subprocess.run(flags + ["--dump-dom", rep.html_path.as_uri()], capture_output=True, text=True, timeout=90)
     assert dom.stdout.count("<svg") >= 3
-    assert 'id="fig-throughput"' in dom.stdout and 'id="fig-memory"' in dom.stdout
+    assert 'id="fig-throughput-train"' in dom.stdout and 'id="fig-memory-train"' in dom.stdout

@@ -169,7 +169,7 @@ def throughput_figure(tune: dict, png_dir: Path | None) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    return _save(fig, "throughput", "Throughput and the knee", png_dir)
+    return _save(fig, f"throughput-{tune.get('mode', 'train')}", "Throughput and the knee", png_dir)
 
 
 def memory_figure(tune: dict, png_dir: Path | None) -> Figure:
@@ -183,7 +183,9 @@ def memory_figure(tune: dict, png_dir: Path | None) -> Figure:
     ax.plot(xs, ys, "o", color="#4C78A8", label="measured peak")
     fit = tune.get("memory_fit") or {}
     budget = tune.get("memory_budget_bytes")
-    top = max(xs + [tune.get("max_fitting_micro_batch") or 0] + [1])
+    mf = tune.get("max_fitting_micro_batch")
+    # Show the fit up to the largest fitting b_m, but no further than 4× the largest probe.
+    top = min(max(xs + [mf or 0, 1]), 4 * max(xs + [1]))
     if fit.get("slope_bytes_per_sample") is not None and fit.get("intercept_bytes") is not None:
         line_x = [0, top * 1.1]
         line_y = [(fit["intercept_bytes"] + fit["slope_bytes_per_sample"] * x) / gib for x in line_x]
@@ -194,10 +196,13 @@ def memory_figure(tune: dict, png_dir: Path | None) -> Figure:
             color="#F58518",
             label=f"fit: {fit['intercept_bytes'] / gib:.2f} GiB + {fit['slope_bytes_per_sample'] / 2**20:.1f} MiB × b_m",
         )
-    if budget:
+    if mf and mf > top:
+        ax.plot([], [], " ", label=f"largest predicted to fit: {mf} (off the chart)")
+    if budget and budget / gib < 2 * max(ys + [fit.get("intercept_bytes", 0) / gib]):
         ax.axhline(budget / gib, color="#E45756", ls="--", label=f"budget {budget / gib:.2f} GiB")
-    mf = tune.get("max_fitting_micro_batch")
-    if mf:
+    elif budget:
+        ax.plot([], [], " ", label=f"budget {budget / gib:.2f} GiB (off the chart)")
+    if mf and mf <= top:
         ax.axvline(mf, color="#E45756", ls=":", lw=1, label=f"largest predicted to fit: {mf}")
     ax.set_xlabel("micro-batch b_m")
     ax.set_ylabel("peak memory (GiB)")
@@ -205,23 +210,37 @@ def memory_figure(tune: dict, png_dir: Path | None) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    return _save(fig, "memory", "Memory against micro-batch", png_dir)
+    return _save(fig, f"memory-{tune.get('mode', 'train')}", "Memory against micro-batch", png_dir)
 
 
 def _timeline_rows(timeline: Any) -> list[list[dict]]:
-    """Normalise a timeline to rows (one per rank) of {start, end, kind, microbatch}."""
-    rows: list[list[dict]] = []
+    """Normalise a timeline to rows (one per rank) of {start, end, kind, microbatch}.
+
+    Accepts rows per rank (lists of dicts or of ``(start, end, kind, microbatch)`` tuples), a
+    dict keyed by rank, or one flat list of dicts that carry ``rank`` (``pipeline --json``),
+    with times as ``start``/``end`` or ``start_s``/``end_s`` and the kind as ``kind`` or ``label``.
+    """
+
+    def norm(it: Any) -> dict:
+        if isinstance(it, dict):
+            return {
+                "start": float(it.get("start", it.get("start_s", 0.0))),
+                "end": float(it.get("end", it.get("end_s", 0.0))),
+                "kind": str(it.get("kind", it.get("label", "F"))),
+                "microbatch": it.get("microbatch", ""),
+            }
+        return {"start": float(it[0]), "end": float(it[1]), "kind": str(it[2]), "microbatch": it[3]}
+
     if isinstance(timeline, dict):
         timeline = [timeline[k] for k in sorted(timeline, key=lambda k: int(k))]
-    for row in timeline or []:
-        items = []
-        for it in row:
-            if isinstance(it, dict):
-                items.append(it)
-            else:  # (start, end, kind, microbatch[, stage])
-                items.append({"start": it[0], "end": it[1], "kind": it[2], "microbatch": it[3]})
-        rows.append(items)
-    return rows
+    timeline = list(timeline or [])
+    if timeline and isinstance(timeline[0], dict) and "rank" in timeline[0]:
+        n = 1 + max(int(it["rank"]) for it in timeline)
+        rows: list[list[dict]] = [[] for _ in range(n)]
+        for it in timeline:
+            rows[int(it["rank"])].append(norm(it))
+        return rows
+    return [[norm(it) for it in row] for row in timeline]
 
 
 def bubble_figure(rows: list[list[dict]], title: str, name: str, png_dir: Path | None) -> Figure:
@@ -256,21 +275,23 @@ def bubble_figure(rows: list[list[dict]], title: str, name: str, png_dir: Path |
     ax.set_xlim(0, makespan)
     ax.set_xlabel("time")
     ax.set_title(title)
-    for k, c in KIND_COLOURS.items():
-        if any(str(it.get("kind", ""))[:1].upper() == k for r in rows for it in r):
-            ax.barh(
-                [],
-                [],
-                color=c,
-                label={"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}[k],
-            )
-    ax.legend(loc="lower right", fontsize=8, ncol=4)
+    from matplotlib.patches import Patch
+
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+    present = {str(it.get("kind", ""))[:1].upper() for r in rows for it in r}
+    handles = [Patch(color=c, label=names[k]) for k, c in KIND_COLOURS.items() if k in present]
+    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=4)
     fig.tight_layout()
     return _save(fig, name, title, png_dir)
 
 
 # --------------------------------------------------------------------------------------
 # HTML
+
+
+def _name(x: Any) -> str:
+    """The ``name`` of a model or GPU given as a dict (plan JSON), or the value itself."""
+    return str(x.get("name", "")) if isinstance(x, dict) else str(x or "")
 
 
 def _esc(x: Any) -> str:
@@ -354,7 +375,9 @@ def _plan_section(plan: dict) -> str:
     rec = plan.get("recommended") or {}
     cands = plan.get("candidates", [])
     parts = [
-        f"<h2>Plan: {_esc((plan.get('model') or {}).get('name', '') if isinstance(plan.get('model'), dict) else plan.get('model', ''))} on {_esc(plan.get('gpu', ''))}</h2>"
+        f"<h2>Plan: {_esc(_name(plan.get('model')))} on {_esc(_name(plan.get('gpu')))}, "
+        f"p = {_esc(plan.get('pipeline_parallel', 1))}, d = {_esc(plan.get('data_parallel', 1))}, "
+        f"t = {_esc(plan.get('tensor_parallel', 1))}, global batch {_esc(plan.get('global_batch', ''))}</h2>"
     ]
     if rec:
         parts.append(
@@ -433,7 +456,7 @@ def _exports_section(plan: dict) -> str:
     blocks = []
     for fmt in getattr(export, "FORMATS", ("deepspeed", "hf", "lightning", "torchtitan")):
         try:
-            text = export.export_text(plan, fmt)
+            text = export.export_plan(plan, fmt).text()
         except Exception as e:  # a plan that one trainer cannot express: say so, keep the rest
             text = f"# not exportable: {e}"
         blocks.append(f"<h3>{_esc(fmt)}</h3><pre>{_esc(text)}</pre>")
