@@ -170,8 +170,8 @@ def cmd(out_dir, model_name, quick, as_json):
 
     # 4. Run: a real 2-stage pipeline on torch.distributed.pipelining (gloo, 2 processes).
     t0 = _step(quiet, "run a real 2-stage 1F1B pipeline (gloo, 2 processes), m = 4, gradients checked")
-    from ..pipeline import PipelineConfig
     from ..launch import run_pipeline
+    from ..pipeline import PipelineConfig
 
     try:
         pr = run_pipeline(
