@@ -21,6 +21,7 @@ from microbatch.calibrate import (
     Calibration,
     MeasuredPoint,
     analytic_memory_line,
+    apply_calibration,
     calibrate,
     calibrated_inputs,
     calibration_notes,
@@ -308,6 +309,36 @@ def test_cover_measurements_raises_a_too_low_cpu_peak():
     raised, note = cover_measurements(slow_peak, meas)
     assert raised.flops("bf16") in (5e9 * 2**k for k in range(1, 11)) and "raised" in note
     assert calibrate(meas, raised).efficiency.gemm_max < 1
+
+
+def test_apply_calibration_for_plan_and_memory(tmp_path):
+    from microbatch.plan import PlanConfig, make_plan
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(synthetic()))
+    app = apply_calibration(
+        str(path), shape=SHAPE, precision=PREC, gpu=ACC, micro_batches=[32], tensor_parallel=2
+    )
+    assert app.memory.activation_scale == pytest.approx(SCALE) and app.efficiency.gemm_max == pytest.approx(
+        0.45
+    )
+    assert any("32" in n for n in app.notes) and any("t = 2" in n for n in app.notes)
+    assert json.loads(json.dumps(app.to_dict()))["calibration"]["kind"] == "calibration"
+    # the planner takes both corrections through its public config
+    base = dict(
+        shape=SHAPE, gpu=ACC, global_batch=16, micro_batches=(16,), recompute=("none",), precision=PREC
+    )
+    plain = make_plan(PlanConfig(**base)).candidates[0]
+    cal = make_plan(PlanConfig(**base, memory_calibration=app.memory, efficiency=app.efficiency)).candidates[
+        0
+    ]
+    static, a = analytic_memory_line(SHAPE, precision=PREC)
+    assert plain.peak_memory_bytes == pytest.approx(static + a * 16, rel=1e-9)
+    assert cal.peak_memory_bytes == pytest.approx(static + SCALE * a * 16 + FIXED, rel=1e-9)
+    assert cal.step_time_s > plain.step_time_s  # 45% with a ramp is slower than the default 80%
+    # memory only (no GPU): the efficiency stays the default
+    mem_only = apply_calibration(str(path), shape=SHAPE, precision=PREC)
+    assert mem_only.efficiency == DEFAULT_EFFICIENCY and mem_only.calibration.efficiency is None
 
 
 def test_match_accelerator():

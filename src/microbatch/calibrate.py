@@ -100,6 +100,8 @@ __all__ = [
     "load_calibration",
     "calibration_notes",
     "calibrated_inputs",
+    "AppliedCalibration",
+    "apply_calibration",
     "validate",
 ]
 
@@ -937,6 +939,54 @@ def calibrated_inputs(
     if cal.efficiency is not None and cal.accelerator == gpu.name:
         return cal.memory, cal.efficiency, []
     return cal.memory, DEFAULT_EFFICIENCY, calibration_notes(cal, seq=cal.seq, gpu=gpu)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedCalibration:
+    """What ``memory --calibration`` and ``plan --calibration`` pass on, and what they say about it."""
+
+    calibration: Calibration
+    """The calibration read or fitted."""
+    memory: MemoryCalibration
+    """For ``estimate_memory(..., calibration=)`` and ``PlanConfig(memory_calibration=)``."""
+    efficiency: RooflineEfficiency
+    """For ``PlanConfig(efficiency=)``: the fitted one on its own accelerator, else the default."""
+    notes: tuple[str, ...]
+    """Warnings (mismatches) and extrapolations, in words, for the output."""
+
+    def to_dict(self) -> dict:
+        return {"calibration": self.calibration.to_dict(), "calibration_notes": list(self.notes)}
+
+
+def apply_calibration(
+    source: str | Path | dict | list,
+    *,
+    shape: ModelShape,
+    precision: str,
+    gpu: Accelerator | None = None,
+    seq: int | None = None,
+    micro_batches: Iterable[int] = (),
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    data_parallel: int = 1,
+    zero: int = 0,
+    recompute: str | None = None,
+    strict: bool = True,
+) -> AppliedCalibration:
+    """One call for the commands: :func:`load_calibration`, :func:`calibrated_inputs` and
+    :func:`calibration_notes` for the planned model, precision, device and layout."""
+    cal, warns = load_calibration(source, shape=shape, precision=precision, gpu=gpu, strict=strict)
+    eff, gpu_notes = DEFAULT_EFFICIENCY, []
+    if gpu is not None:
+        _, eff, gpu_notes = calibrated_inputs(cal, gpu)
+    notes = warns + gpu_notes
+    notes += calibration_notes(
+        cal, seq=seq or shape.seq, micro_batches=micro_batches, tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel, data_parallel=data_parallel, zero=zero, recompute=recompute,
+    )  # fmt: skip
+    return AppliedCalibration(
+        calibration=cal, memory=cal.memory, efficiency=eff, notes=tuple(dict.fromkeys(notes))
+    )
 
 
 # -- predicted against measured --------------------------------------------------------------------
