@@ -178,11 +178,14 @@ def test_chrome_trace_events():
             {"rank": 1, "stage": 1, "kind": "B", "microbatch": 0, "start_s": 0.003, "end_s": 0.004},
         ],
     }
-    ev = [e for e in chrome_trace(report)["traceEvents"] if e["ph"] == "X"]
+    trace = chrome_trace(report)["traceEvents"]
+    ev = [e for e in trace if e["ph"] == "X"]
     assert [(e["name"], e["pid"], e["ts"], e["dur"]) for e in ev] == [
         ("F0", 0, 0.0, 2000.0),
         ("B0", 1, 3000.0, 1000.0),
     ]
+    counters = [(e["pid"], e["ts"], e["args"]["micro-batches"]) for e in trace if e["ph"] == "C"]
+    assert counters == [(0, 2000.0, 1), (1, 4000.0, -1)]
 
 
 # -- real runs ------------------------------------------------------------------------
@@ -379,3 +382,24 @@ def test_a_taken_port_is_replaced(monkeypatch):
         busy.close()
     assert next(ports, None) is None  # the busy port was tried, then a second one
     assert rep["measured"]["stage_stats"][0]["peak_in_flight"] == 2
+
+
+def make_stack():
+    """Any stack of layers: token ids (b, s) -> logits (b, s, 64), for ``--model test_pipeline:make_stack``."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Embedding(64, 32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 64)
+    )
+
+
+@pytest.mark.timeout(150)
+def test_any_stack_of_layers_balanced_by_measured_time(monkeypatch):
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rep = run(
+        schedule="1f1b", stages=2, microbatches=2, model="test_pipeline:make_stack", seq=8,
+        balance="time", check_gradients=True,
+    )  # fmt: skip
+    assert sum(rep["layers_per_stage"]) == 5 and min(rep["layers_per_stage"]) >= 1
+    assert rep["gradients_match"] is True
+    assert [s["peak_in_flight"] for s in rep["measured"]["stage_stats"]] == [2, 1]

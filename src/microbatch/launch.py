@@ -493,7 +493,8 @@ def timeline_rows(report: dict) -> list[list[tuple[float, float, str, int]]]:
 
 def chrome_trace(report: dict) -> dict:
     """The measured timeline of the last step as a Chrome trace (``chrome://tracing``, Perfetto):
-    one process per rank, one thread per stage, one complete event per F/B/I/W."""
+    one process per rank, one thread per stage, one complete event per F/B/I/W, and a counter of
+    the micro-batches in flight on each rank."""
     events: list[dict[str, Any]] = []
     for r in range(report["stages"]):
         events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
@@ -510,4 +511,20 @@ def chrome_trace(report: dict) -> dict:
                 "args": {"stage": it["stage"], "microbatch": it["microbatch"]},
             }
         )
+    # in-flight micro-batches per rank as a counter track: +1 at a forward's end, -1 at the end of
+    # the last part of its backward (B, or W when the backward is split)
+    split = any(it["kind"] == "W" for it in report["timeline"])
+    last = "W" if split else "B"
+    for r in range(report["stages"]):
+        steps = sorted(
+            (it["end_s"], 1 if it["kind"] == "F" else -1)
+            for it in report["timeline"]
+            if it["rank"] == r and it["kind"] in ("F", last)
+        )
+        held = 0
+        for t, d in steps:
+            held += d
+            events.append(
+                {"name": "in flight", "ph": "C", "pid": r, "ts": t * 1e6, "args": {"micro-batches": held}}
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
