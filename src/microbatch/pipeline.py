@@ -469,8 +469,6 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
     modules = split_units(units, sizes)
     placement = stage_to_rank(cfg.schedule, cfg.stages, cfg.virtual)
     mine = [s for s in range(n_stages) if placement[s] == rank]
-    for s in mine:
-        modules[s].to(device)
 
     # parameters shared by stages on different ranks (tied embeddings): all-reduce their gradients
     names = {id(p): n for n, p in full.named_parameters()}
@@ -489,6 +487,8 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         for mod in modules:
             x = mod(x)
             boundary.append(x)
+    for s in mine:  # after the example pass on the CPU (the shared weight moves with its owner)
+        modules[s].to(device)
     stage_objs = []
     for s in mine:
         inp = tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).requires_grad_(True)
@@ -544,8 +544,9 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         wall1 = wall0 + span(t0, t_end)
         for name in shared:
             prm = by_name[name]
-            g = prm.grad if prm.grad is not None and rank in holders[id(prm)] else torch.zeros_like(prm)
-            dist.all_reduce(g)
+            mine_too = rank in holders[id(prm)] and prm.grad is not None
+            g = prm.grad if mine_too else torch.zeros(prm.shape, dtype=prm.dtype, device=device)
+            dist.all_reduce(g)  # every rank joins (zeros where it does not hold the weight)
             if rank in holders[id(prm)]:
                 prm.grad = g
         if cfg.check_gradients and step == 0:
