@@ -403,3 +403,17 @@ def test_any_stack_of_layers_balanced_by_measured_time(monkeypatch):
     assert sum(rep["layers_per_stage"]) == 5 and min(rep["layers_per_stage"]) >= 1
     assert rep["gradients_match"] is True
     assert [s["peak_in_flight"] for s in rep["measured"]["stage_stats"]] == [2, 1]
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(300)
+def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL does not put two ranks on one GPU)")
+    rep = run(schedule="1f1b", stages=2, microbatches=4, backend="nccl", check_gradients=True, steps=3)
+    assert rep["device"].startswith("cuda")
+    assert rep["gradients_match"] is True
+    assert [s["peak_in_flight"] for s in rep["measured"]["stage_stats"]] == [2, 1]
+    for s in rep["measured"]["stage_stats"]:
+        assert s["cuda_peak_bytes"] >= s["peak_activation_bytes"] > 0
+        assert s["busy_s"] > 0
