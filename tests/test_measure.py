@@ -209,3 +209,44 @@ def test_ddp_two_gloo_processes_synchronised(tmp_path):
     assert r0["micro_batch"] == r1["micro_batch"]
     assert r0["data_parallel"] == 2
     assert r0["oom_events"] == 1
+
+
+# -- CUDA (skipped on the CPU; run by bench/gpu.sh) ----------------------------------------
+def _gpu_checks():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_tune.py")
+    spec = importlib.util.spec_from_file_location("gpu_tune", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+cuda = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_peak_matches_known_allocation():
+    _gpu_checks().check_cuda_peak_matches_known_allocation()
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_oom_caught_by_type_and_freed():
+    _gpu_checks().check_cuda_oom_caught_by_type_and_freed()
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_tune_tiny_memory_linear():
+    _gpu_checks().check_cuda_tune_tiny_memory_linear()

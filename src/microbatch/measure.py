@@ -786,8 +786,9 @@ def _hf_model(config, dtype, device, seed):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    return model.to(device=device, dtype=dtype)
+    with torch.device(device):  # initialise where it will run (large models are slow to initialise on a CPU)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype=dtype)
 
 
 def build_probe(spec: ProbeSpec):

@@ -1,0 +1,400 @@
+"""GPU part of `tune` for bench/gpu.sh: our tune against Lightning's and Accelerate's batch-size finders.
+
+Subcommands (each run as its own process under `timeout` by gpu.sh):
+
+  checks                       CUDA checks as a plain script (used when pytest is missing)
+  ours MODEL --out DIR         microbatch tune (HF model of the registry shape, bf16-mixed, seq 1024)
+  lightning MODEL --out DIR    lightning Tuner.scale_batch_size(mode="power") on the same model
+  accelerate MODEL --out DIR   accelerate find_executable_batch_size on the same model
+  measure MODEL --out DIR --at B[,B...]   our probe at other tools' answers (throughput, memory)
+  summary --out DIR            one JSON + a text table: memory saved and throughput kept by the knee
+
+`--dry-run` shrinks everything to the tiny model on the CPU (seq 64) so the script can be
+checked without a GPU. Results are JSON files under --out; nothing is printed but a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def _settings(args):
+    if args.dry_run:
+        return {"device": "cpu", "precision": "fp32", "seq": 64, "cap": 8, "model": "tiny"}
+    return {"device": "cuda", "precision": "bf16-mixed", "seq": 1024, "cap": 256, "model": args.model}
+
+
+def _hf_model(name: str, seq: int, device: str):
+    import torch
+
+    from microbatch.measure import hf_config_from_shape
+    from microbatch.model import get_model
+
+    shape = get_model(name)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):  # initialise on the device: gpt2-large on the CPU takes many seconds
+        model = AutoModelForCausalLM.from_config(hf_config_from_shape(shape))
+    return model, shape.vocab
+
+
+def _write(out: Path, name: str, data: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(data, indent=2, default=str))
+
+
+# -- CUDA checks (plain functions: pytest wraps them in tests/test_measure.py) -------------
+def check_cuda_peak_matches_known_allocation() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    n = 256 * 2**20
+    t = torch.empty(n, dtype=torch.uint8, device="cuda")
+    peak = torch.cuda.max_memory_allocated() - before
+    del t
+    assert abs(peak - n) <= 0.01 * n, (peak, n)
+
+
+def check_cuda_oom_caught_by_type_and_freed() -> None:
+    import torch
+
+    from microbatch.gpt import build_model
+    from microbatch.measure import TimingConfig, TrainProbe
+    from microbatch.model import get_model
+
+    shape = get_model("tiny", seq=64)
+    model = build_model(shape, device="cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def make_batch(b):
+        return torch.randint(0, shape.vocab, (b, 64), device="cuda")
+
+    probe = TrainProbe(
+        model, make_batch, device="cuda", timing=TimingConfig(warmup=0, min_repeats=1, max_repeats=1)
+    )
+    probe.setup(1)
+    base = torch.cuda.memory_allocated()
+    # logits alone: b·64·512·4 bytes; pick b so that they exceed the whole device
+    huge = int(total // (64 * 512 * 4)) * 2
+    m = probe.measure(huge)
+    assert m.oom and "OutOfMemoryError" in (m.error or ""), m
+    assert torch.cuda.memory_allocated() <= base + 2**20, (torch.cuda.memory_allocated(), base)
+    ok = probe.measure(2)  # the search goes on after an OOM
+    assert not ok.oom and ok.peak_allocated_bytes > 0
+
+
+def check_cuda_tune_tiny_memory_linear() -> None:
+    from microbatch.measure import TimingConfig
+    from microbatch.tune import tune_model
+
+    r = tune_model(
+        "tiny",
+        seq=64,
+        device="cuda",
+        max_micro_batch=64,
+        patience=100,
+        use_cache=False,
+        timing=TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=0.5),
+    )
+    pts = [p for p in r.points if not p.oom]
+    allocs = [p.peak_allocated_bytes for p in pts]
+    assert allocs == sorted(allocs) and allocs[-1] > allocs[0], allocs
+    assert all(p.peak_memory_bytes >= p.peak_allocated_bytes for p in pts)
+    d = r.to_dict()
+    assert d["device"] == "cuda" and "NVIDIA" in d["device_name"] or d["device_name"]
+
+
+CHECKS = [
+    check_cuda_peak_matches_known_allocation,
+    check_cuda_oom_caught_by_type_and_freed,
+    check_cuda_tune_tiny_memory_linear,
+]
+
+
+def cmd_checks(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA: checks skipped")
+        return 0
+    failed = 0
+    results = {}
+    for fn in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            results[fn.__name__] = {"ok": True, "s": time.perf_counter() - t0}
+        except Exception as e:  # noqa: BLE001 - a report, not a library
+            failed += 1
+            results[fn.__name__] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if args.out:
+        _write(Path(args.out), "cuda_checks.json", results)
+    print(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
+# -- our tune ---------------------------------------------------------------------------
+def cmd_ours(args) -> int:
+    from microbatch.measure import TimingConfig
+    from microbatch.tune import tune_model
+
+    s = _settings(args)
+    t0 = time.perf_counter()
+    r = tune_model(
+        s["model"],
+        backend="hf",
+        seq=s["seq"],
+        device=s["device"],
+        precision=s["precision"],
+        max_micro_batch=s["cap"],
+        use_cache=False,
+        in_process=True,
+        timing=TimingConfig(warmup=2, min_repeats=3, max_repeats=8, max_time_s=1.5, rel_tol=0.03),
+    )
+    d = r.to_dict()
+    d["time_to_answer_s"] = time.perf_counter() - t0
+    _write(Path(args.out), f"ours_{args.model}.json", d)
+    print(
+        f"ours {args.model}: knee {d['micro_batch']} fastest {d['fastest_fitting']['micro_batch']} "
+        f"in {d['time_to_answer_s']:.1f} s, {d['oom_events']} OOM"
+    )
+    return 0
+
+
+def cmd_measure(args) -> int:
+    """Our probe (same settings as `ours`) at the batch sizes other tools chose."""
+    from microbatch.measure import ProbeSpec, TimingConfig, build_probe
+
+    s = _settings(args)
+    spec = ProbeSpec(
+        model=s["model"],
+        backend="hf",
+        seq=s["seq"],
+        device=s["device"],
+        precision=s["precision"],
+        timing=TimingConfig(warmup=2, min_repeats=3, max_repeats=8, max_time_s=1.5, rel_tol=0.03),
+    )
+    probe = build_probe(spec)
+    out = {}
+    for b in sorted({int(x) for x in args.at.split(",") if x.strip() and int(x) > 0}):
+        out[str(b)] = probe.measure(b).to_dict()
+    _write(Path(args.out), f"measured_{args.model}.json", out)
+    return 0
+
+
+# -- Lightning ----------------------------------------------------------------------------
+def cmd_lightning(args) -> int:
+    s = _settings(args)
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.tuner import Tuner
+    except ImportError as e:
+        _write(Path(args.out), f"lightning_{args.model}.json", {"installed": False, "error": str(e)})
+        return 0
+    import torch
+
+    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
+    seq = s["seq"]
+    calls = {"trials": []}
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**6
+
+        def __getitem__(self, i):
+            return torch.randint(0, vocab, (seq,))
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.batch_size = 2
+
+        def train_dataloader(self):
+            calls["trials"].append(self.batch_size)
+            return torch.utils.data.DataLoader(Data(), batch_size=self.batch_size, num_workers=0)
+
+        def training_step(self, batch, i):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    trainer = pl.Trainer(
+        accelerator="cpu" if args.dry_run else "gpu",
+        devices=1,
+        precision="32" if args.dry_run else "bf16-mixed",
+        max_steps=10,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.out,  # its temporary checkpoint goes here, not into the checkout
+    )
+    module = Module()
+    t0 = time.perf_counter()
+    found = Tuner(trainer).scale_batch_size(
+        module, mode="power", steps_per_trial=3, init_val=2, max_val=s["cap"] * 2 if args.dry_run else 8192
+    )
+    elapsed = time.perf_counter() - t0
+    tried = calls["trials"]
+    # power mode doubles until the first OOM, then keeps the last size that ran
+    oom = 1 if found is not None and tried and max(tried) > found else 0
+    _write(
+        Path(args.out),
+        f"lightning_{args.model}.json",
+        {
+            "installed": True,
+            "batch_size": found,
+            "time_to_answer_s": elapsed,
+            "trials": tried,
+            "oom_events": oom,
+            "version": pl.__version__,
+        },
+    )
+    print(f"lightning {args.model}: {found} in {elapsed:.1f} s")
+    return 0
+
+
+# -- Accelerate -------------------------------------------------------------------------
+def cmd_accelerate(args) -> int:
+    s = _settings(args)
+    try:
+        import accelerate
+        from accelerate.utils import find_executable_batch_size
+    except ImportError as e:
+        _write(Path(args.out), f"accelerate_{args.model}.json", {"installed": False, "error": str(e)})
+        return 0
+    import torch
+
+    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tried = []
+    start = 8 if args.dry_run else 128  # Accelerate's documented default starting size
+
+    @find_executable_batch_size(starting_batch_size=start)
+    def train(batch_size):
+        tried.append(batch_size)
+        for _ in range(3):
+            x = torch.randint(0, vocab, (batch_size, s["seq"]), device=s["device"])
+            with torch.autocast(s["device"], dtype=torch.bfloat16, enabled=not args.dry_run):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return batch_size
+
+    t0 = time.perf_counter()
+    found = train()
+    elapsed = time.perf_counter() - t0
+    _write(
+        Path(args.out),
+        f"accelerate_{args.model}.json",
+        {
+            "installed": True,
+            "batch_size": found,
+            "time_to_answer_s": elapsed,
+            "trials": tried,
+            "oom_events": len(tried) - 1,
+            "version": accelerate.__version__,
+        },
+    )
+    print(f"accelerate {args.model}: {found} in {elapsed:.1f} s")
+    return 0
+
+
+# -- summary ------------------------------------------------------------------------------
+def cmd_summary(args) -> int:
+    out = Path(args.out)
+    rows = []
+    for ours_file in sorted(out.glob("ours_*.json")):
+        model = ours_file.stem[len("ours_") :]
+        d = json.loads(ours_file.read_text())
+        pts = {p["micro_batch"]: p for p in d["points"] if not p["oom"]}
+        measured = {}
+        mfile = out / f"measured_{model}.json"
+        if mfile.exists():
+            measured = {int(k): v for k, v in json.loads(mfile.read_text()).items()}
+        row = {
+            "model": model,
+            "knee": d["micro_batch"],
+            "knee_tokens_per_s": d["throughput"],
+            "knee_peak_bytes": d["peak_memory_bytes"],
+            "fastest": d["fastest_fitting"]["micro_batch"],
+            "ours_time_s": d.get("time_to_answer_s", d["wall_time_s"]),
+            "ours_oom": d["oom_events"],
+            "predicted_max": d.get("max_fitting_micro_batch"),
+            "points": len(d["points"]),
+        }
+        for tool in ("lightning", "accelerate"):
+            f = out / f"{tool}_{model}.json"
+            if not f.exists():
+                row[tool] = "missing (timed out or failed)"
+                continue
+            t = json.loads(f.read_text())
+            if not t.get("installed"):
+                row[tool] = "not installed"
+                continue
+            b = t["batch_size"]
+            ref = pts.get(b) or measured.get(b)
+            entry = {"batch_size": b, "time_s": t["time_to_answer_s"], "oom_events": t["oom_events"]}
+            if ref and not ref.get("oom"):
+                entry["memory_saved_by_knee"] = 1 - d["peak_memory_bytes"] / ref["peak_memory_bytes"]
+                entry["throughput_kept_by_knee"] = d["throughput"] / ref["throughput"]
+            row[tool] = entry
+        rows.append(row)
+    _write(out, "summary.json", {"rows": rows})
+    lines = [
+        f"{'model':<13}{'knee':>5}{'tok/s':>10}{'ours s':>8}{'OOM':>5}  lightning (b, s, OOM, mem saved, tput kept)"
+        "  |  accelerate (same)"
+    ]
+    for r in rows:
+
+        def fmt(e):
+            if not isinstance(e, dict):
+                return str(e)
+            ms, tk = e.get("memory_saved_by_knee"), e.get("throughput_kept_by_knee")
+            return (
+                f"{e['batch_size']}, {e['time_s']:.1f} s, {e['oom_events']}, "
+                f"{'?' if ms is None else f'{100 * ms:.0f}%'}, {'?' if tk is None else f'{100 * tk:.0f}%'}"
+            )
+
+        lines.append(
+            f"{r['model']:<13}{r['knee']:>5}{r['knee_tokens_per_s']:>10.0f}{r['ours_time_s']:>8.1f}"
+            f"{r['ours_oom']:>5}  {fmt(r['lightning'])}  |  {fmt(r['accelerate'])}"
+        )
+    text = "\n".join(lines)
+    (out / "summary.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["checks", "ours", "lightning", "accelerate", "measure", "summary"])
+    ap.add_argument("model", nargs="?", default="gpt2")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--at", default="")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    return {
+        "checks": cmd_checks,
+        "ours": cmd_ours,
+        "lightning": cmd_lightning,
+        "accelerate": cmd_accelerate,
+        "measure": cmd_measure,
+        "summary": cmd_summary,
+    }[args.what](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
