@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -465,13 +465,6 @@ def _noise_update(noise: Any, small: Any, n_big: float, g_big_sq: float, group, 
             est = [est[0] / est[2], est[1] / est[2], 1.0]
     if est[2] > 0:
         noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
-
-
-def iter_micro_batches(micro_batches: Sequence[Batch], model: Any = None) -> Iterator[tuple[Batch, Any]]:
-    """Yield ``(micro_batch, context)`` pairs where ``context`` is :func:`sync_unless_last`'s."""
-    last = len(micro_batches) - 1
-    for i, mb in enumerate(micro_batches):
-        yield mb, sync_unless_last(model, i == last)
 
 
 class _CallableModule(type(contextlib)):  # a ModuleType subclass
