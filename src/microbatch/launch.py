@@ -342,7 +342,24 @@ def config_from_dict(d: dict) -> PipelineConfig:
 def summarize(raw: dict) -> dict:
     """Measured and predicted bubble, busy/idle time, in-flight counts and memory per rank.
 
-    Steps after the first are averaged (the first warms up); with one step, it is used.
+    Steps after the first are averaged (the first warms up); with one step, it is used. Keys:
+
+    - ``measured.bubble_fraction``: Σ_ranks idle / (p × step wall time); the step's wall time runs
+      from the barrier before ``step()`` to the last rank's return.
+    - ``measured.stage_stats[r]`` (``stage`` is the rank; ``virtual_stages`` the stages it holds):
+      ``busy_s`` (time inside forward/backward calls, the loss counted with the forward),
+      ``idle_s`` = wall − busy, ``peak_in_flight`` (in a rank's layers: chunks / v, as
+      :mod:`microbatch.simulate`; ``peak_in_flight_chunks`` the raw count),
+      ``activation_bytes_per_microbatch`` (mean bytes autograd saved for one (stage,
+      micro-batch)), ``peak_activation_bytes`` (most saved bytes resident at once) and
+      ``cuda_peak_bytes`` (``max_memory_allocated``, GPU only).
+    - ``measured.op_time_s``: mean seconds of each stage's F/B/I/W (``"1F"``) — the simulator's input.
+    - ``predicted``: :func:`predict` on torch's order with those times (no communication time).
+    - ``gradients_match`` / ``max_grad_rel_error``: largest ‖g_pipe − g_ref‖/‖g_ref‖ over the
+      parameters after step 1 against the unsplit model (None unless checked); tolerance
+      :data:`GRAD_TOLERANCE` by dtype.
+    - ``order_matches_torch``: every rank ran exactly torch's planned compute order.
+    - ``timeline`` / ``predicted_timeline``: the last step's intervals, seconds from its start.
     """
     cfg = config_from_dict(raw["config"])
     ranks = sorted(raw["ranks"], key=lambda x: x["rank"])
