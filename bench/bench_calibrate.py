@@ -24,13 +24,20 @@ from microbatch.calibrate import cover_measurements, measure_cpu, read_measureme
 from microbatch.measure import ChildProber, ProbeSpec, TimingConfig  # noqa: E402
 
 SEQ = {"tiny": 64, "small": 128}
-TIMING = TimingConfig(warmup=3, min_repeats=7, max_repeats=30, max_time_s=3.0, rel_tol=0.02)
+TIMING = {
+    # tiny's steps take milliseconds, so a busy machine's time slices show: many more repeats
+    "tiny": TimingConfig(warmup=5, min_repeats=40, max_repeats=80, max_time_s=3.0, rel_tol=0.02),
+    "small": TimingConfig(warmup=3, min_repeats=7, max_repeats=30, max_time_s=3.0, rel_tol=0.02),
+}
 
 
 def sweep(model: str, seq: int, bms: list[int], threads: int, sweeps: int) -> dict:
     """``sweeps`` passes over ``bms`` in one child; per b_m the pass with the fastest median is kept
     (other jobs on a shared machine only ever slow a pass down)."""
-    prober = ChildProber(ProbeSpec(model=model, seq=seq, threads=threads, timing=TIMING), timeout_s=600)
+    prober = ChildProber(
+        ProbeSpec(model=model, seq=seq, threads=threads, timing=TIMING.get(model, TIMING["small"])),
+        timeout_s=600,
+    )
     best: dict[int, dict] = {}
     try:
         for _ in range(sweeps):

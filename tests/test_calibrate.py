@@ -407,7 +407,7 @@ def tiny_sweep():
     pytest.importorskip("torch")
     from microbatch.measure import ChildProber, ProbeSpec, TimingConfig
 
-    timing = TimingConfig(warmup=2, min_repeats=5, max_repeats=15, max_time_s=1.0, rel_tol=0.02)
+    timing = TimingConfig(warmup=5, min_repeats=30, max_repeats=60, max_time_s=1.5, rel_tol=0.02)
     prober = ChildProber(ProbeSpec(model="tiny", seq=64, threads=1, timing=timing), timeout_s=120)
     try:
         points = [prober.measure(b).to_dict() for b in (1, 2, 4, 8)]
