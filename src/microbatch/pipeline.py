@@ -55,7 +55,6 @@ __all__ = [
     "torch_order",
 ]
 
-# name -> (torch class name, stages per rank rule, one-line description)
 SCHEDULES: dict[str, tuple[str, str]] = {
     "gpipe": ("ScheduleGPipe", "all forwards, then all backwards (fill-drain)"),
     "1f1b": ("Schedule1F1B", "one forward, one backward in the steady state; needs m >= p"),
@@ -73,6 +72,7 @@ _ALIASES = {
     "zb": "zb-interleaved",
     "zb-v": "zbv",
     "zero-bubble": "zb-interleaved",
+    "zb-h1": "zb-interleaved",  # torch's ScheduleInterleavedZeroBubble with v = 1 runs ZB-H1's order
 }
 
 
@@ -193,12 +193,13 @@ def check_servable(schedule: str, stages: int, microbatches: int, virtual: int =
 
 
 def stage_to_rank(schedule: str, stages: int, virtual: int) -> list[int]:
-    """Rank of every stage index: looped (stage s on rank s mod p) or, for zbv, a V
-    (rank r holds stages r and 2p−1−r, as torch's ``generate_stage_to_rank_mapping(style="v")``)."""
-    p, n = stages, stages * virtual
-    if schedule_name(schedule) == "zbv":
-        return [s if s < p else 2 * p - 1 - s for s in range(n)]
-    return [s % p for s in range(n)]
+    """Rank of every stage index: looped (stage s on rank s mod p) or, for zbv, a V (rank r holds
+    stages r and 2p−1−r, torch's ``generate_stage_to_rank_mapping(style="v")``); the placement
+    rules of :func:`microbatch.schedule.stage_to_rank`."""
+    from . import schedule as sched
+
+    placement = "v" if schedule_name(schedule) == "zbv" else "loop"
+    return [sched.stage_to_rank(s, stages, placement) for s in range(stages * virtual)]
 
 
 def rank_stages(schedule: str, stages: int, virtual: int, rank: int) -> list[int]:
@@ -233,8 +234,8 @@ def model_units(model: Any) -> list[Any]:
 def balanced_split(weights: Sequence[float], parts: int) -> list[int]:
     """Contiguous split of ``weights`` into ``parts`` non-empty groups minimising the heaviest.
 
-    Returns the group sizes. Exact dynamic programme (linear partition, O(parts·n²)); ties go to
-    the split whose groups come earliest.
+    Returns the group sizes. Exact dynamic programme (linear partition, O(parts·n²)); among
+    equally good splits the earliest cut wins (lighter leading stages).
     """
     n = len(weights)
     if parts > n:
