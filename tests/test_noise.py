@@ -230,3 +230,4 @@ def test_cli_bad_input_exit_2():
 
     assert main(["noise", "--global-batch", "4", "--micro-batch", "4", "--steps", "1"]) == 2
     assert main(["noise", "--steps", "0"]) == 2
+    assert main(["noise", "--model", "llama-2-7b"]) == 2  # too big to build for a CPU demonstration

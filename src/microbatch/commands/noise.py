@@ -6,14 +6,14 @@ import math
 
 import click
 
-from ._common import emit, json_option
+from ._common import emit, json_option, model_options, resolve_model
+
+MAX_PARAMS = 500_000_000
+"""Largest model this CPU demonstration builds (fp32 weights, gradients and a copy: about 6 GB)."""
 
 
 @click.command("noise")
-@click.option(
-    "--model", "model_name", default="tiny", show_default=True, help="Built-in model name (registry)."
-)
-@click.option("--seq", type=int, default=None, help="Sequence length s (default: the model's).")
+@model_options
 @click.option(
     "--global-batch", "-B", type=int, default=32, show_default=True, help="B_global: sequences per step."
 )
@@ -26,7 +26,7 @@ from ._common import emit, json_option
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and the data.")
 @json_option
-def cmd(model_name, seq, global_batch, micro_batch, steps, decay, seed, as_json):
+def cmd(model_spec, global_batch, micro_batch, steps, decay, seed, as_json):
     """Estimate the gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018).
 
     \b
@@ -38,12 +38,12 @@ def cmd(model_name, seq, global_batch, micro_batch, steps, decay, seed, as_json)
     Each step compares the first micro-batch's gradient with the whole batch's (no extra
     backward); |G|² and tr(Σ) are smoothed separately, then divided.
     Example: microbatch noise --model tiny --seq 32 --global-batch 32 --micro-batch 4 --steps 10
+    (default model: tiny; any registry name, --hf-config or shape flags work, up to 500M parameters).
     """
     import torch
 
     from ..errors import ConfigError, check_positive_int
     from ..gpt import build_model
-    from ..model import get_model
     from ..noise import measure_noise_scale
 
     check_positive_int("--global-batch", global_batch)
@@ -54,7 +54,12 @@ def cmd(model_name, seq, global_batch, micro_batch, steps, decay, seed, as_json)
             f"micro-batch {micro_batch} is not smaller than global batch {global_batch}; the noise scale needs "
             f"two batch sizes: use --micro-batch at most {max(1, global_batch // 2)}"
         )
-    shape = get_model(model_name, seq=seq)
+    shape = resolve_model(model_spec, default="tiny")
+    if shape.param_count() > MAX_PARAMS:
+        raise ConfigError(
+            f"model {shape.name} has {shape.param_count():,} parameters, over the {MAX_PARAMS:,} this CPU "
+            "demonstration builds; use a smaller model (tiny, small) or the Python hook on your own hardware"
+        )
     if shape.seq < 2:
         raise ConfigError(f"--seq {shape.seq} leaves no next-token target; use --seq 2 or more")
     model = build_model(shape, seed=seed)
