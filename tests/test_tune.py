@@ -253,3 +253,48 @@ def test_bad_inputs():
         tune_model(seq=8)
     with pytest.raises(ConfigError, match="mode"):
         tune_model("tiny", seq=8, mode="serve")
+
+
+def test_hf_config_model_in_process(tmp_path, monkeypatch):
+    """A Hugging Face causal LM from a local config.json (random weights, nothing downloaded)."""
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    cfg = {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 64,
+        "n_head": 4,
+        "vocab_size": 512,
+        "n_positions": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = tune_model(
+        hf_config=str(path), seq=32, max_micro_batch=2, in_process=True, timing=FAST, tolerance=0.0
+    )
+    assert r.model == str(path)
+    assert all(not p.oom and p.tokens_per_s > 0 for p in r.points)
+    with pytest.raises(ConfigError, match="--seq is required"):
+        tune_model(hf_config=str(path))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="model_type"):
+        tune_model(hf_config=str(bad), seq=8, in_process=True)
+
+
+def test_bf16_mixed_and_checkpointing_memory(tmp_path, monkeypatch):
+    """Checkpointing lowers the peak at a large b_m; bf16-mixed runs and is recorded."""
+    from microbatch.measure import ProbeSpec, build_probe
+
+    probe = build_probe(ProbeSpec(model="tiny", seq=64, timing=FAST))
+    probe.setup(1)
+    probe.set_checkpointing(False)
+    plain = probe.measure(128)
+    probe.set_checkpointing(True)
+    ckpt = probe.measure(128)
+    assert ckpt.checkpointing and not plain.checkpointing
+    assert ckpt.peak_memory_bytes < plain.peak_memory_bytes
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    r = tune_model("tiny", seq=32, precision="bf16-mixed", max_micro_batch=1, in_process=True, timing=FAST)
+    assert r.precision == "bf16-mixed" and r.points[0].throughput > 0

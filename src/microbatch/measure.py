@@ -203,6 +203,17 @@ def peak_rss_bytes() -> int:
     return kib * 1024
 
 
+def malloc_trim() -> bool:
+    """Return freed heap memory to the system (glibc ``malloc_trim(0)``), so that the resident set
+    after a probe is not inflated by what an earlier, larger probe freed. False where unavailable."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def current_rss_bytes() -> int:
     return (_status_kib("VmRSS") or 0) * 1024
 
@@ -348,6 +359,8 @@ class _Device:
             import torch
 
             torch.cuda.empty_cache()
+        else:
+            malloc_trim()
 
 
 def _autocast(device, precision: str):
