@@ -417,3 +417,20 @@ def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
     for s in rep["measured"]["stage_stats"]:
         assert s["cuda_peak_bytes"] >= s["peak_activation_bytes"] > 0
         assert s["busy_s"] > 0
+
+
+def test_measured_comm_is_the_median_wait_for_another_ranks_output():
+    from microbatch.launch import measured_comm_s
+
+    cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
+    rank0 = [("F", 0, 0, 0.0, 1.0), ("F", 0, 1, 1.0, 2.0), ("B", 0, 0, 4.5, 6.0), ("B", 0, 1, 6.0, 7.0)]
+    rank1 = [
+        ("F", 1, 0, 1.25, 2.75),
+        ("F", 1, 1, 2.75, 3.75),
+        ("B", 1, 0, 3.75, 4.25),
+        ("B", 1, 1, 4.25, 5.25),
+    ]
+    # waits: F1/0 (input at 1.0, start 1.25) and B0/0 (input at 4.25, start 4.5, idle since 2.0): 0.25 each.
+    # F1/1 and B0/1 start late because their rank was busy (gaps 0.75): not latency, not counted.
+    assert measured_comm_s(cfg, [[rank0, rank1]]) == pytest.approx(0.25)
+    assert measured_comm_s(cfg, [[rank0[:2], []]]) == 0.0

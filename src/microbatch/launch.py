@@ -35,6 +35,7 @@ from .pipeline import PipelineConfig, stage_to_rank, torch_order
 __all__ = [
     "chrome_trace",
     "free_port",
+    "measured_comm_s",
     "run_external",
     "run_pipeline",
     "predict",
@@ -354,7 +355,8 @@ def summarize(raw: dict) -> dict:
       micro-batch)), ``peak_activation_bytes`` (most saved bytes resident at once) and
       ``cuda_peak_bytes`` (``max_memory_allocated``, GPU only).
     - ``measured.op_time_s``: mean seconds of each stage's F/B/I/W (``"1F"``) — the simulator's input.
-    - ``predicted``: :func:`predict` on torch's order with those times (no communication time).
+    - ``predicted``: :func:`predict` on torch's order with those times (no communication time);
+      ``predicted.with_comm``: the same plus the measured hand-off latency (:func:`measured_comm_s`).
     - ``gradients_match`` / ``max_grad_rel_error``: largest ‖g_pipe − g_ref‖/‖g_ref‖ over the
       parameters after step 1 against the unsplit model (None unless checked); tolerance
       :data:`GRAD_TOLERANCE` by dtype.
@@ -405,6 +407,8 @@ def summarize(raw: dict) -> dict:
     mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
     executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
     pred = predict(cfg, mean_times, executed)
+    comm = measured_comm_s(cfg, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
+    pred_comm = predict(cfg, mean_times, executed, comm_s=comm)
     v = cfg.virtual
     for st in stats:
         st["peak_in_flight_chunks"] = st["peak_in_flight"]
@@ -445,6 +449,11 @@ def summarize(raw: dict) -> dict:
             "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
             "step_time_s": pred.makespan,
             "source": "microbatch.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
+            "with_comm": {
+                "comm_time_s": comm,
+                "bubble_fraction": pred_comm.bubble_fraction,
+                "step_time_s": pred_comm.makespan,
+            },
         },
         "gradients_match": None if max_err is None else bool(max_err <= tol),
         "max_grad_rel_error": max_err,
@@ -463,12 +472,53 @@ def summarize(raw: dict) -> dict:
     }
 
 
-def predict(cfg: PipelineConfig, op_time_s: dict[tuple[int, str], float], executed: dict | None = None):
+def measured_comm_s(cfg: PipelineConfig, steps: list[list[list]]) -> float:
+    """Median measured hand-off latency between ranks: for each op whose input comes from another
+    rank (F from stage s−1, B/I from stage s+1) and whose rank sat idle waiting for it, the gap
+    from the input's end to the op's start. ``steps``: per step, per rank, the raw intervals
+    ``(kind, stage, microbatch, start, end)``. 0 when no op waited on another rank."""
+    placement = stage_to_rank(cfg.schedule, cfg.stages, cfg.virtual)
+    last = cfg.total_stages - 1
+    gaps = []
+    for per_rank in steps:
+        span: dict[tuple[str, int, int], tuple[float, float, float | None]] = {}
+        for intervals in per_rank:
+            before = None  # end of the rank's previous op: the rank is idle from then on
+            for kind, s, i, a, e in sorted(intervals, key=lambda x: x[3]):
+                span[(kind, s, i)] = (a, e, before)
+                before = e
+        for (kind, s, i), (start, _, idle_from) in span.items():
+            if kind == "F" and s > 0:
+                deps = [("F", s - 1, i)]
+            elif kind in ("B", "I") and s < last:
+                deps = [("B", s + 1, i), ("I", s + 1, i)]
+            else:
+                continue
+            dep = next((d for d in deps if d in span), None)
+            if dep is None or placement[dep[1]] == placement[s]:
+                continue
+            dep_end = span[dep][1]
+            if idle_from is None or idle_from <= dep_end:  # the op waited for its input
+                gaps.append(max(0.0, start - dep_end))
+    if not gaps:
+        return 0.0
+    gaps.sort()
+    return gaps[len(gaps) // 2]
+
+
+def predict(
+    cfg: PipelineConfig,
+    op_time_s: dict[tuple[int, str], float],
+    executed: dict | None = None,
+    *,
+    comm_s: float = 0.0,
+):
     """:func:`microbatch.simulate.simulate` on torch's action order for ``cfg`` (as a
     :class:`~microbatch.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op.
 
     Where torch's order cannot be derived (an older torch whose internals differ), the order the
-    ranks ``executed`` (rank -> action strings) is simulated instead."""
+    ranks ``executed`` (rank -> action strings) is simulated instead. ``comm_s`` is paid on every
+    dependency between ranks (see :func:`measured_comm_s`)."""
     from .schedule import Schedule
     from .simulate import simulate
 
@@ -494,6 +544,7 @@ def predict(cfg: PipelineConfig, op_time_s: dict[tuple[int, str], float], execut
         backward_time=None if split else times["B"],
         input_time=times["I"] if split else None,
         weight_time=times["W"] if split else None,
+        comm_time=comm_s,
     )
 
 
