@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 v,
                 meas["bubble_fraction"],
                 pred["bubble_fraction"],
+                pred["with_comm"]["bubble_fraction"],
                 bubble_fraction(p, m, v),
                 [s["peak_in_flight"] for s in meas["stage_stats"]],
                 pred["peak_in_flight"],
@@ -87,17 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         "(first is warm-up), gloo on the CPU"
     )
     head = (
-        f"{'schedule':<17}{'m':>3}{'v':>3}  {'measured':>8}  {'predicted':>9}  {'|diff|':>6}  "
+        f"{'schedule':<17}{'m':>3}{'v':>3}  {'measured':>8}  {'predicted':>9}  {'|diff|':>6}  {'pred+comm':>9}  "
         f"{'(p-1)/(vm+p-1)':>14}  {'in flight meas/pred':>20}  {'step ms':>8}  {'grad err':>8}"
     )
     print(head)
     print("-" * len(head))
     diffs = []
-    for name, m, v, bm, bp, bc, im, ip, ms, ge in rows:
+    for name, m, v, bm, bp, bpc, bc, im, ip, ms, ge in rows:
         diffs.append(abs(bm - bp))
         fl = f"{'/'.join(f'{x:g}' for x in im)} vs {'/'.join(f'{x:g}' for x in ip)}"
         print(
-            f"{name:<17}{m:>3}{v:>3}  {bm:8.1%}  {bp:9.1%}  {abs(bm - bp):6.1%}  {bc:14.1%}  {fl:>20}  "
+            f"{name:<17}{m:>3}{v:>3}  {bm:8.1%}  {bp:9.1%}  {abs(bm - bp):6.1%}  {bpc:9.1%}  {bc:14.1%}  {fl:>20}  "
             f"{ms:8.1f}  {ge:8.1e}"
         )
     if diffs:

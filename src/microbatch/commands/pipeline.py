@@ -187,6 +187,8 @@ def render(report: dict, width: int = 100) -> str:
         "                       measured   predicted",
         f"  bubble (idle share)   {m['bubble_fraction']:7.1%}     {p['bubble_fraction']:7.1%}",
         f"  step time             {m['step_time_s'] * 1e3:7.2f} ms  {p['step_time_s'] * 1e3:7.2f} ms",
+        f"  with the measured hand-off latency ({p['with_comm']['comm_time_s'] * 1e3:.2f} ms per cross-rank "
+        f"input): bubble {p['with_comm']['bubble_fraction']:.1%}, step {p['with_comm']['step_time_s'] * 1e3:.2f} ms",
         "",
         "  rank  stages     busy ms   idle ms  in flight (pred)  act/µbatch   peak act",
     ]
