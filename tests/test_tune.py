@@ -298,3 +298,22 @@ def test_bf16_mixed_and_checkpointing_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     r = tune_model("tiny", seq=32, precision="bf16-mixed", max_micro_batch=1, in_process=True, timing=FAST)
     assert r.precision == "bf16-mixed" and r.points[0].throughput > 0
+
+
+def test_package_level_tune_is_callable_after_submodule_import(tmp_path, monkeypatch):
+    import torch
+
+    import microbatch
+    import microbatch.tune  # binds the package attribute to the module
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Linear(4, 1)
+    r = microbatch.tune(
+        model,
+        lambda b: torch.randn(b, 4),
+        loss_fn=lambda m, x: m(x).mean(),
+        max_micro_batch=1,
+        timing=FAST,
+        use_cache=False,
+    )
+    assert r.points[0].micro_batch == 1 and r.points[0].throughput > 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -762,3 +763,15 @@ def tune(
         on_point=on_point,
         t_start=t_start,
     )
+
+
+class _CallableModule(sys.modules[__name__].__class__):
+    """``microbatch.tune`` is both this module and its main function: once the submodule is
+    imported, Python binds the package attribute ``tune`` to the module, so the module forwards
+    calls to :func:`tune` and ``microbatch.tune(model, make_batch, ...)`` works either way."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> TuneResult:
+        return tune(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
