@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import microbatch
@@ -154,6 +156,31 @@ def test_changing_b_m_at_fixed_global_batch_leaves_gradients_unchanged():
         grads.append(flat_grad(model))
     for g in grads[1:]:
         assert rel(g, grads[0]) < 1e-12  # summation order only
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(min_value=1, max_value=S), min_size=1, max_size=12),
+    b_m=st.integers(min_value=1, max_value=14),
+    with_count=st.booleans(),
+)
+def test_any_lengths_any_b_m_equal_full_batch(lengths, b_m, with_count):
+    rows = len(lengths)
+    g = torch.Generator().manual_seed(rows * 100 + b_m)
+    ids = torch.randint(1, V, (rows, S), generator=g)
+    mask = (torch.arange(S).view(1, -1) < torch.tensor(lengths).view(-1, 1)).long()
+    batch = {"input_ids": ids * mask, "labels": (ids * mask).masked_fill(mask == 0, -100)}
+    if int(count_fn(batch)) == 0:  # every row of length 1: no next-token target anywhere
+        with pytest.raises(ConfigError, match="0 valid items"):
+            accumulate(
+                make_model(), batch, loss_fn, micro_batch_size=b_m, count_fn=count_fn if with_count else None
+            )
+        return
+    ref, ref_loss = full_batch_grad(batch)
+    model = make_model()
+    loss = accumulate(model, batch, loss_fn, micro_batch_size=b_m, count_fn=count_fn if with_count else None)
+    assert rel(flat_grad(model), ref) < 1e-10
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-12)
 
 
 def test_batch_structures_tensor_tuple_list():
