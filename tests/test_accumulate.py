@@ -389,7 +389,7 @@ WORKER = r"""
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_accumulate import make_model, make_batch, loss_fn, count_fn, set_pre_grads, split
-from microbatch.accumulate import accumulate
+from microbatch.accumulate import accumulate, count_items, loss_scale, sync_unless_last
 from microbatch.noise import GradientNoiseScale
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -406,6 +406,22 @@ for with_count in (False, True):
         if pre is not None:
             g = g - torch.cat([x.reshape(-1) for x in pre])
         results[(with_count, pre_existing)] = (g, float(loss))
+# gradient_as_bucket_view: .grad are views into DDP's buckets; two calls in a row (the second finds
+# the first's gradients, bucket views, already there) must give twice the gradient.
+for with_count in (False, True):
+    model = torch.nn.parallel.DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
+    for _ in range(2):
+        accumulate(model, shard, loss_fn, micro_batch_size=2, count_fn=count_fn if with_count else None)
+    g = torch.cat([p.grad.reshape(-1) for p in model.module.parameters()])
+    results[("bucket_view_twice", with_count)] = (g / 2, None)
+# the helpers in a loop written by hand
+model = torch.nn.parallel.DistributedDataParallel(make_model())
+mbs = split(shard, 2)
+scale = loss_scale(count_items(mbs, count_fn, model=model), model=model)
+for i, mb in enumerate(mbs):
+    with sync_unless_last(model, i == len(mbs) - 1):
+        (loss_fn(model, mb)[0] * scale).backward()
+results["helpers"] = (torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]), None)
 model = torch.nn.parallel.DistributedDataParallel(make_model())
 hook = GradientNoiseScale()
 accumulate(model, shard, loss_fn, micro_batch_size=2, count_fn=count_fn, noise=hook)
@@ -447,11 +463,14 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
     ref, ref_loss = full_batch_grad(make_batch(rows=10))
     res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
-    for key in [(False, False), (False, True), (True, False), (True, True)]:
+    keys = [(False, False), (False, True), (True, False), (True, True)]
+    keys += [("bucket_view_twice", False), ("bucket_view_twice", True), "helpers"]
+    for key in keys:
         for r in range(2):
             g, loss = res[r][key]
             assert rel(g, ref) < 1e-10, (key, r)
-            assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
+            if loss is not None:
+                assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
     assert res[0]["noise"] == res[1]["noise"]  # averaged over ranks
 
 
