@@ -383,6 +383,23 @@ def test_exception_mid_way_restores_grads(with_count, pre_existing, exc):
     assert rel(flat_grad(model), full_batch_grad(make_batch())[0]) < 1e-10
 
 
+def test_exception_inside_a_backward_restores_grads():
+    model = make_model()
+    pre = set_pre_grads(model)
+    calls = []
+
+    def hook(grad):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Boom("in the second backward")
+        return grad
+
+    model.head.weight.register_hook(hook)
+    with pytest.raises(Boom, match="second backward"):
+        accumulate(model, make_batch(), loss_fn, micro_batch_size=3, count_fn=count_fn)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), pre, strict=True))
+
+
 # -- DDP -----------------------------------------------------------------------------------------
 
 WORKER = r"""
