@@ -38,7 +38,7 @@ def bs(points):
 
 def test_doubling_stops_when_flat_on_seed_curve():
     log = SearchLog()
-    pts = search(synthetic(), log=log)
+    pts = search(synthetic(), log=log, patience=1)
     # 8 -> 16 gains 12% < 15%: stop at 16, never probe 32 or 64
     assert bs(pts) == [1, 2, 4, 8, 16]
     assert "flattened" in log.stop_reason
@@ -48,11 +48,15 @@ def test_doubling_stops_when_flat_on_seed_curve():
 def test_patience_two_needs_two_flat_doublings():
     pts = search(synthetic(), patience=2)
     assert bs(pts) == [1, 2, 4, 8, 16, 32]
+    # a false plateau (flat from 1 to 2, then rising) does not stop the default search
+    false_plateau = {1: 100.0, 2: 104.0, 4: 135.0, 8: 460.0, 16: 800.0, 32: 1000.0, 64: 1010.0, 128: 1015.0}
+    assert bs(search(synthetic(false_plateau))) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert bs(search(synthetic(false_plateau), patience=1)) == [1, 2]
 
 
 def test_falling_curve_stops():
-    pts = search(synthetic({1: 100.0, 2: 190.0, 4: 300.0, 8: 250.0, 16: 400.0}))
-    assert bs(pts) == [1, 2, 4, 8]
+    pts = search(synthetic({1: 100.0, 2: 190.0, 4: 300.0, 8: 250.0, 16: 280.0, 32: 400.0}))
+    assert bs(pts) == [1, 2, 4, 8, 16]
 
 
 def test_never_probes_a_size_predicted_not_to_fit():
@@ -108,7 +112,7 @@ def test_max_micro_batch_and_start():
 
 def test_refine_probes_between_knee_and_point_below():
     curve = {1: 1000.0, 2: 1800.0, 4: 3200.0, 6: 4900.0, 8: 5000.0, 16: 5600.0}
-    pts = search(synthetic(curve), refine=True)
+    pts = search(synthetic(curve), refine=True, patience=1)
     assert bs(pts) == [1, 2, 4, 8, 16, 6]
 
 
@@ -116,7 +120,7 @@ def test_cached_points_are_not_measured_again():
     calls = []
     known = {(b, False): synthetic()(b, False) for b in (1, 2, 4)}
     log = SearchLog()
-    pts = search(synthetic(calls=calls), known=known, log=log)
+    pts = search(synthetic(calls=calls), known=known, log=log, patience=1)
     assert bs(pts) == [1, 2, 4, 8, 16]
     assert [b for b, _ in calls] == [8, 16]
     assert log.cached == 3 and log.probes == 2

@@ -37,6 +37,13 @@ from .recommend import choice_kwargs, choice_options, render_recommendation
 )
 @click.option("--start", type=int, default=1, show_default=True, help="First b_m probed (then doubled).")
 @click.option("--max-micro-batch", type=int, default=1024, show_default=True, help="Largest b_m probed.")
+@click.option(
+    "--patience",
+    type=int,
+    default=2,
+    show_default=True,
+    help="Stop after this many doublings in a row gain less than the tolerance (or fall).",
+)
 @click.option("--refine", is_flag=True, help="Probe once more between the knee and the point below it.")
 @click.option(
     "--repeats",
@@ -64,6 +71,7 @@ def cmd(
     backend,
     start,
     max_micro_batch,
+    patience,
     refine,
     repeats,
     out,
@@ -165,6 +173,7 @@ def cmd(
             start=start,
             max_micro_batch=max_micro_batch,
             refine=refine,
+            patience=patience,
             timing=timing,
             use_cache=not no_cache,
             threads=threads,
