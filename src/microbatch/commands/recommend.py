@@ -22,7 +22,7 @@ def choice_options(f: Callable) -> Callable:
     opts = [
         click.option(
             "--memory-budget",
-            help="Memory per device the choice must fit, e.g. 12GiB, 500MB (default: none; tune on CUDA: the device's free memory).",
+            help="Memory per device the choice must fit, e.g. 12GiB, 500MB (default: none; tune uses the device's total memory on CUDA, 80% of the available memory on the CPU).",
         ),
         click.option(
             "--headroom",
