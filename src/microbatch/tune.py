@@ -559,6 +559,8 @@ def tune_model(
         )
     if seq is not None:
         check_positive_int("seq", seq, fix="give the longest sequence the data holds, e.g. --seq 1024")
+    if mode == "decode" and checkpointing != "off":
+        checkpointing = "off"  # decoding has no backward pass: nothing to recompute
     shape_dict = None
     name = None
     if isinstance(model, ModelShape):
