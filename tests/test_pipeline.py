@@ -17,7 +17,7 @@ import time
 import pytest
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
-from microbatch.launch import chrome_trace, predict, run_pipeline, under_torchrun
+from microbatch.launch import run_pipeline, under_torchrun
 from microbatch.pipeline import (
     PipelineConfig,
     balanced_split,
@@ -28,6 +28,7 @@ from microbatch.pipeline import (
     stage_to_rank,
     torch_order,
 )
+from microbatch.pipeline_report import chrome_trace, predict
 
 torch = pytest.importorskip("torch")
 
@@ -420,7 +421,7 @@ def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
 
 
 def test_measured_comm_is_the_median_wait_for_another_ranks_output():
-    from microbatch.launch import measured_comm_s
+    from microbatch.pipeline_report import measured_comm_s
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     rank0 = [("F", 0, 0, 0.0, 1.0), ("F", 0, 1, 1.0, 2.0), ("B", 0, 0, 4.5, 6.0), ("B", 0, 1, 6.0, 7.0)]

@@ -99,8 +99,9 @@ def cmd(
           -m microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
-    from ..launch import chrome_trace, run_external, run_pipeline, under_torchrun
+    from ..launch import run_external, run_pipeline, under_torchrun
     from ..pipeline import PipelineConfig, schedule_name
+    from ..pipeline_report import chrome_trace
 
     name = schedule_name(schedule)
     if virtual is None:
@@ -149,7 +150,7 @@ def cmd(
 
 def _rows_ms(report: dict) -> list[list[tuple[float, float, str, int]]]:
     """The measured last step as per-rank rows for :mod:`microbatch.report`, in milliseconds."""
-    from ..launch import timeline_rows
+    from ..pipeline_report import timeline_rows
 
     return [[(a * 1e3, e * 1e3, lab, i) for a, e, lab, i in row] for row in timeline_rows(report)]
 
