@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -129,11 +130,18 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller caps (a smoke run)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the probe processes")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "process"],
+        default="process",
+        help="probe clock: process CPU time (steady on a shared machine; default) or wall time",
+    )
     args = ap.parse_args()
     os.environ.setdefault("MICROBATCH_CACHE_DIR", tempfile.mkdtemp(prefix="mb-bench-"))
     timing = (
         CPU_TIMING if not args.quick else TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1)
     )
+    timing = replace(timing, clock=args.clock)
     rows = [
         case(
             "small GPT, train",

@@ -100,6 +100,10 @@ class TimingConfig:
     """Wall time at most for the timed calls of one probe (at least ``min_repeats`` run)."""
     rel_tol: float = 0.03
     """Stop when the median of all repeats and that of all but the last differ by less than this."""
+    clock: str = "wall"
+    """CPU only: ``wall`` (``perf_counter``) or ``process`` (``process_time``: the CPU time of the
+    probe process, steadier on a machine shared with other jobs; meaningful with one thread, where
+    it is the time the work would take alone). CUDA always uses events."""
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.min_repeats < 1 or self.max_repeats < self.min_repeats:
@@ -107,6 +111,8 @@ class TimingConfig:
                 f"timing warmup={self.warmup}, min_repeats={self.min_repeats}, max_repeats={self.max_repeats}: "
                 "need warmup >= 0 and 1 <= min_repeats <= max_repeats"
             )
+        if self.clock not in ("wall", "process"):
+            raise ConfigError(f"timing clock {self.clock!r} is not known; use wall or process")
         if not (self.max_time_s > 0 and self.rel_tol >= 0):
             raise ConfigError(
                 f"timing max_time_s={self.max_time_s} must be > 0 and rel_tol={self.rel_tol} >= 0"
@@ -158,6 +164,12 @@ def _cpu_timer(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _process_timer(fn: Callable[[], Any]) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
 
 
 def _cuda_timer(fn: Callable[[], Any]) -> float:
@@ -257,6 +269,8 @@ class Measurement:
     """Activation checkpointing was on."""
     memory_method: str = ""
     """How memory was measured (``cuda-reserved+context``, ``vmhwm``, ``ru_maxrss``)."""
+    clock: str = ""
+    """How time was measured (``cuda-events``, ``wall``, ``process``)."""
     error: str | None = None
     """The exception that ended the probe (type and first line), when it did not finish."""
 
@@ -314,11 +328,12 @@ def _agree_any(flag: bool) -> bool:
 class _Device:
     """Timer, synchronisation, peak memory and freeing for one device."""
 
-    def __init__(self, device):
+    def __init__(self, device, clock: str = "wall"):
         import torch
 
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.clock = "cuda-events" if self.cuda else clock
         self.context_bytes = 0
         self.method = "cuda-reserved+context" if self.cuda else "vmhwm"
         if self.cuda:
@@ -326,7 +341,13 @@ class _Device:
             self.context_bytes = max(0, total - free - torch.cuda.memory_reserved(self.device))
 
     def timer(self, fn):
-        return _cuda_timer(fn) if self.cuda else _cpu_timer(fn)
+        if self.cuda:
+            return _cuda_timer(fn)
+        return _process_timer(fn) if self.clock == "process" else _cpu_timer(fn)
+
+    def now(self) -> float:
+        """The clock of one-off timings (the optimizer step, the prefill)."""
+        return time.process_time() if self.clock == "process" else time.perf_counter()
 
     def sync(self) -> None:
         if self.cuda:
@@ -450,7 +471,7 @@ class TrainProbe:
         self.optimizer = optimizer or torch.optim.AdamW(params, lr=1e-4)
         if device is None:
             device = next(iter(params)).device if params else "cpu"
-        self.dev = _Device(device)
+        self.dev = _Device(device, timing.clock)
         self.precision, self.timing = precision, timing
         self.grad_accum_for = grad_accum_for or (lambda b: None)
         self.ready = False
@@ -503,10 +524,10 @@ class TrainProbe:
                     timer=self.dev.timer,
                     agree=_agree_any if _dist() is not None else None,
                 )
-                t0 = time.perf_counter()
+                t0 = self.dev.now()
                 self.optimizer.step()
                 self.dev.sync()
-                t_opt = time.perf_counter() - t0
+                t_opt = self.dev.now() - t0
             except ooms as e:
                 err = _short(e)
             failed = _agree_any(err is not None)
@@ -543,6 +564,7 @@ class TrainProbe:
             peak_allocated_bytes=alloc,
             checkpointing=self.checkpointing,
             memory_method=self.dev.method,
+            clock=self.dev.clock,
         )
 
 
@@ -598,7 +620,7 @@ class DecodeProbe:
             )
         if device is None:
             device = next(model.parameters()).device
-        self.dev = _Device(device)
+        self.dev = _Device(device, timing.clock)
         self.precision, self.timing = precision, timing
         self.checkpointing = False
         self._gen = torch.Generator().manual_seed(0)
@@ -625,10 +647,10 @@ class DecodeProbe:
                 self.dev.device
             )
             with _autocast(self.dev.device, self.precision), torch.no_grad():
-                t0 = time.perf_counter()
+                t0 = self.dev.now()
                 logits, state["cache"] = self.decoder.prefill(prompt, capacity=self.seq)
                 self.dev.sync()
-                t_prefill = time.perf_counter() - t0
+                t_prefill = self.dev.now() - t0
                 state["tok"] = logits.argmax(-1)
 
                 def step():
@@ -666,6 +688,7 @@ class DecodeProbe:
             peak_memory_bytes=int(peak_all),
             peak_allocated_bytes=alloc,
             memory_method=self.dev.method,
+            clock=self.dev.clock,
         )
 
 

@@ -75,6 +75,7 @@ def cmd(
     refine,
     repeats,
     out,
+    clock,
     threads,
     no_cache,
     memory_budget,
@@ -125,16 +126,18 @@ def cmd(
     else:
         target = {"model": resolve_model(model_spec, default="small")}
     timing = None
-    if repeats is not None:
+    if repeats is not None or clock != "wall":
         base = CUDA_TIMING if device.startswith("cuda") else CPU_TIMING
-        if repeats < 1:
+        if repeats is not None and repeats < 1:
             raise ConfigError(f"--repeats {repeats} must be >= 1")
+        repeats = base.max_repeats if repeats is None else repeats
         timing = TimingConfig(
             warmup=base.warmup,
             min_repeats=min(base.min_repeats, repeats),
             max_repeats=repeats,
             max_time_s=base.max_time_s,
             rel_tol=base.rel_tol,
+            clock=clock,
         )
 
     progress = None
