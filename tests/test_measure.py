@@ -250,3 +250,16 @@ def test_cuda_oom_caught_by_type_and_freed():
 @cuda
 def test_cuda_tune_tiny_memory_linear():
     _gpu_checks().check_cuda_tune_tiny_memory_linear()
+
+
+def test_process_clock_ignores_time_off_the_cpu():
+    """The process clock counts CPU time only: a sleep (time another job would take) is not counted."""
+    import time as _time
+
+    from microbatch.measure import _Device
+
+    wall, proc = _Device("cpu", "wall"), _Device("cpu", "process")
+    assert wall.timer(lambda: _time.sleep(0.05)) >= 0.045
+    assert proc.timer(lambda: _time.sleep(0.05)) < 0.02
+    with pytest.raises(ConfigError, match="clock"):
+        TimingConfig(clock="sundial")
