@@ -13,15 +13,8 @@ from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
 from microbatch.memory import MemoryConfig, estimate_memory
 from microbatch.model import get_model
-from microbatch.plan import (
-    PlanConfig,
-    compare_gpus,
-    explain,
-    lint,
-    make_plan,
-    plan_table_rows,
-    search_layouts,
-)
+from microbatch.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
+from microbatch.plan_report import explain, plan_table_rows
 
 _PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
 PUBLISHED = json.loads(_PATH.read_text()) if _PATH.exists() else None

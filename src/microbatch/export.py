@@ -16,7 +16,7 @@ changes the optimisation).
   ``training.global_batch_size`` = B, ``parallelism.pipeline_parallel_schedule``.
 
 Input: the output of ``microbatch plan --json`` (a dict, or the ``plans`` of a comparison), or a
-:class:`~microbatch.plan.Candidate`.
+:class:`~microbatch.candidate.Candidate`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> dict:
     """The recommended candidate of ``plan`` as a dict with the layout keys filled in.
 
     ``plan``: a plan dict (``plan --json``), a comparison (``{"plans": [...]}``; ``gpu`` chooses one,
-    else the first with a recommendation), a candidate dict, or a :class:`~microbatch.plan.Candidate`.
+    else the first with a recommendation), a candidate dict, or a :class:`~microbatch.candidate.Candidate`.
     """
     if hasattr(plan, "to_dict"):
         plan = plan.to_dict()

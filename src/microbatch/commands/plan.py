@@ -16,7 +16,7 @@ def _table(rows: list[list[str]]) -> str:
 
 def render_plan(plan, *, all_rows: bool = False) -> str:
     """The plan as text: header, trade-off table, recommendation in words, pitfalls."""
-    from ..plan import explain, plan_table_rows
+    from ..plan_report import explain, plan_table_rows
 
     cfg = plan.config
     head = (
@@ -90,7 +90,8 @@ def cmd(
     """
     from ..errors import ConfigError
     from ..hardware import parse_gpus, parse_overrides
-    from ..plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus, comparison_rows
+    from ..plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus
+    from ..plan_report import comparison_rows
     from .memory import _parse_split, parse_zero
 
     shape = resolve_model(model_spec)
