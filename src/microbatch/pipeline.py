@@ -38,6 +38,9 @@ from typing import Any
 
 from .errors import ConfigError, PipelineError, ScheduleError, check_positive_int
 from .instrument import StageRecorder, instrument_stage, make_loss_fn
+from .schedule import ScheduleSpec, get_spec
+from .schedule import check_servable as _check_servable
+from .schedule import stage_to_rank as _stage_to_rank
 
 __all__ = [
     "PipelineConfig",
@@ -55,17 +58,11 @@ __all__ = [
     "torch_order",
 ]
 
-SCHEDULES: dict[str, tuple[str, str]] = {
-    "gpipe": ("ScheduleGPipe", "all forwards, then all backwards (fill-drain)"),
-    "1f1b": ("Schedule1F1B", "one forward, one backward in the steady state; needs m >= p"),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", "1F1B over v stages per rank (looped placement)"),
-    "zb-interleaved": (
-        "ScheduleInterleavedZeroBubble",
-        "zero bubble (ZB1P): backward split into input (I) and weight (W) parts, v stages per rank",
-    ),
-    "zbv": ("ScheduleZBVZeroBubble", "zero bubble, V placement: exactly 2 stages per rank"),
+SCHEDULES: dict[str, ScheduleSpec] = {
+    name: get_spec(name) for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-interleaved", "zbv")
 }
-"""Schedules this module runs, by our name: torch class and a description."""
+"""Schedules this module runs, by our name: their :mod:`microbatch.schedule` specs, which give torch's
+class (``torch_name``), the placement and the (p, m, v) rules."""
 
 _ALIASES = {
     "interleaved": "interleaved-1f1b",
@@ -184,9 +181,7 @@ def check_servable(schedule: str, stages: int, microbatches: int, virtual: int =
     need m % rounds == 0; ``ScheduleZBVZeroBubble`` needs exactly two stages per rank; GPipe and
     1F1B hold one stage per rank.
     """
-    from . import schedule as sched
-
-    sched.check_servable(schedule_name(schedule), stages, microbatches, virtual)
+    _check_servable(schedule_name(schedule), stages, microbatches, virtual)
 
 
 # -- placement ------------------------------------------------------------------------
@@ -194,12 +189,10 @@ def check_servable(schedule: str, stages: int, microbatches: int, virtual: int =
 
 def stage_to_rank(schedule: str, stages: int, virtual: int) -> list[int]:
     """Rank of every stage index: looped (stage s on rank s mod p) or, for zbv, a V (rank r holds
-    stages r and 2p−1−r, torch's ``generate_stage_to_rank_mapping(style="v")``); the placement
-    rules of :func:`microbatch.schedule.stage_to_rank`."""
-    from . import schedule as sched
-
-    placement = "v" if schedule_name(schedule) == "zbv" else "loop"
-    return [sched.stage_to_rank(s, stages, placement) for s in range(stages * virtual)]
+    stages r and 2p−1−r, torch's ``generate_stage_to_rank_mapping(style="v")``); the schedule's
+    placement (its spec's) under the rules of :func:`microbatch.schedule.stage_to_rank`."""
+    placement = SCHEDULES[schedule_name(schedule)].placement
+    return [_stage_to_rank(s, stages, placement) for s in range(stages * virtual)]
 
 
 def rank_stages(schedule: str, stages: int, virtual: int, rank: int) -> list[int]:
@@ -334,12 +327,12 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
         return out
     from torch.distributed.pipelining import schedules as ts
 
-    cls = getattr(ts, SCHEDULES[name][0], None)
+    cls = getattr(ts, SCHEDULES[name].torch_name, None)
     if cls is None:
         import torch
 
         raise ScheduleError(
-            f"{name} needs torch.distributed.pipelining.{SCHEDULES[name][0]}, absent in torch "
+            f"{name} needs torch.distributed.pipelining.{SCHEDULES[name].torch_name}, absent in torch "
             f"{torch.__version__}; upgrade torch or use --schedule interleaved-1f1b"
         )
     obj = object.__new__(cls)
@@ -353,7 +346,7 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
         order = {r: obj._calculate_single_rank_operations(r) for r in range(p)}
     except Exception as e:  # torch internals moved: say so plainly
         raise ScheduleError(
-            f"cannot derive {SCHEDULES[name][0]}'s order on this torch ({type(e).__name__}: {e}); "
+            f"cannot derive {SCHEDULES[name].torch_name}'s order on this torch ({type(e).__name__}: {e}); "
             "compare with --schedule 1f1b or gpipe"
         ) from None
     return {r: [str(a) for a in ops if a is not None] for r, ops in order.items()}
@@ -501,7 +494,7 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
 
     total_tokens = b * seq
     loss_fn = make_loss_fn(total_tokens, rec)
-    cls = getattr(ts, SCHEDULES[cfg.schedule][0], None)
+    cls = getattr(ts, SCHEDULES[cfg.schedule].torch_name, None)
     if cls is None:
         raise ScheduleError(f"{cfg.schedule} needs a newer torch than {torch.__version__}")
     single = cfg.schedule in ("gpipe", "1f1b")

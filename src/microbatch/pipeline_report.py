@@ -16,7 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from .errors import ScheduleError
-from .pipeline import PipelineConfig, stage_to_rank, torch_order
+from .pipeline import SCHEDULES, PipelineConfig, stage_to_rank, torch_order
 
 __all__ = [
     "GRAD_TOLERANCE",
@@ -230,7 +230,7 @@ def predict(
         [order[r] for r in range(cfg.stages)],
         microbatches=cfg.microbatches,
         virtual=cfg.virtual,
-        placement="v" if cfg.schedule == "zbv" else "loop",
+        placement=SCHEDULES[cfg.schedule].placement,
     )
     n = cfg.total_stages
     times = {k: [float(op_time_s.get((s, k), 0.0)) for s in range(n)] for k in "FBIW"}
