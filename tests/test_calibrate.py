@@ -440,8 +440,8 @@ def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
 @pytest.mark.timeout(180)
 def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweep):
     """Step time at b_m 8 from b_m 1, 2, 4, when the timings were steady (a shared machine can make
-    them not). The bound is 20%, not issue 7's 10%: between b_m 4 and 8 the tiny model's working set
-    leaves the CPU's L2 cache and each sample costs 10-15% more, which a line through b_m 1, 2, 4
+    them not). The bound is 20%, not issue 7's 10%: between b_m 4 and 8 each sample of the tiny model
+    costs 10-15% more (probably its working set leaving the L2 cache), which a line through b_m 1, 2, 4
     cannot know (measured -10% to -16% here on a quiet 2-core dev machine). The 10% goal is checked at
     b_m 16 by bench/bench_calibrate.py, best of three sweeps (BENCHMARKS.md)."""
     from microbatch.calibrate import measure_cpu
