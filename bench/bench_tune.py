@@ -2,8 +2,9 @@
 
 For each case (the built-in small GPT training; a GPT-2-small-shaped decoder decoding) it
 
-1. sweeps every power of two from 1 to a cap in one child process under the memory budget
-   (the exhaustive answer: the best measured throughput, and the knee of the full curve);
+1. sweeps every power of two from 1 until the child runs out of memory under the budget (or a
+   cap), as an exhaustive search or a batch-size finder does (the best measured throughput, and
+   the knee of the full curve);
 2. runs ``tune_model`` with the same budget and cap, cache off;
 3. reports: tune's wall time as a share of the sweep's (target <= 40%), whether tune's choice is
    within the tolerance of the sweep's best throughput (both measured: the sweep's figure at
@@ -148,7 +149,7 @@ def main() -> int:
             model="small",
             mode="train",
             seq=128,
-            cap=8 if args.quick else 64,
+            cap=8 if args.quick else 256,
             budget=3 * GiB,
             timing=timing,
             threads=args.threads,
@@ -157,9 +158,9 @@ def main() -> int:
             "GPT-2-small shape, decode",
             model="gpt2",
             mode="decode",
-            seq=64,
-            cap=4 if args.quick else 128,
-            budget=6 * GiB,
+            seq=40,
+            cap=4 if args.quick else 1024,
+            budget=3 * GiB,
             timing=timing,
             threads=args.threads,
         ),
