@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, check_positive_int
+from .noise import grad_sq_norm
 
 __all__ = [
     "accumulate",
@@ -302,14 +303,6 @@ def _check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch
     return loss_sum, _as_number("loss_fn's n_items", n)
 
 
-def _grad_sq_norm(params: Sequence[torch.Tensor]) -> float:
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
-    return total
-
-
 def accumulate(
     model: Any,
     batch: Batch,
@@ -392,7 +385,7 @@ def accumulate_micro_batches(
             if noise is not None and i == 0 and last > 0:
                 n_small = _to_float(n)
                 if n_small > 0:
-                    small = (n_small, _grad_sq_norm(params) / (scale * n_small) ** 2)
+                    small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)
 
         # Global sums of the loss and the items (one small all_reduce under DDP).
         loss_total, n_total = _total(losses), _total(counts)
@@ -425,7 +418,7 @@ def accumulate_micro_batches(
                 "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
             )
         if noise is not None:
-            _noise_update(noise, small, n_global, _grad_sq_norm(params), group, world, _device(model))
+            _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, _device(model))
     except BaseException:
         for p, s, had in zip(params, saved, had_grad, strict=True):
             if had and p.grad is not None:

@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .batch import divisors
 from .errors import ConfigError, check_positive_int
 
 __all__ = [
@@ -86,7 +87,7 @@ class ModelShape:
             raise ConfigError(
                 f"heads {self.heads} do not divide hidden {self.hidden}; each head needs hidden/heads "
                 f"whole dimensions; use hidden in {', '.join(str(n) for n in near if n > 0)} or heads among "
-                + ", ".join(str(d) for d in _divisors(self.hidden) if d <= 4 * self.heads)[:80]
+                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80]
             )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"norm {self.norm!r} is not known; use 'layernorm' or 'rmsnorm'")
@@ -149,10 +150,6 @@ class ModelShape:
         d = asdict(self)
         d["param_count"] = self.param_count()
         return d
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelShape:

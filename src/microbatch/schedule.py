@@ -427,14 +427,19 @@ def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
-def _check_interleaved(p: int, m: int, v: int) -> None:
-    rounds, _ = _interleaved_rounds(p, m)
-    if m % rounds:
-        lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
-        raise ScheduleError(
-            f"microbatches = {m} with stages = {p}: torch's ScheduleInterleaved1F1B needs m to be a "
-            f"multiple of its number of rounds max(1, m // p) = {rounds}; use --microbatches {lo} or {hi}"
-        )
+def _need_whole_rounds(torch_name: str):
+    """torch's interleaved schedules split m into max(1, m // p) rounds and need m to fill them."""
+
+    def check(p: int, m: int, v: int) -> None:
+        rounds, _ = _interleaved_rounds(p, m)
+        if m % rounds:
+            lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
+            raise ScheduleError(
+                f"microbatches = {m} with stages = {p}: torch's {torch_name} needs m to be a "
+                f"multiple of its number of rounds max(1, m // p) = {rounds}; use --microbatches {lo} or {hi}"
+            )
+
+    return check
 
 
 def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
@@ -497,7 +502,7 @@ register_schedule(
     ScheduleSpec(
         name="interleaved-1f1b",
         generate=_interleaved,
-        check=_check_interleaved,
+        check=_need_whole_rounds("ScheduleInterleaved1F1B"),
         description="Interleaved 1F1B: v stages per rank, bubble ratio (p−1)/(v·m).",
         torch_name="ScheduleInterleaved1F1B",
     )
@@ -643,21 +648,11 @@ def _zb_interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
-def _check_zb_interleaved(p: int, m: int, v: int) -> None:
-    rounds, _ = _interleaved_rounds(p, m)
-    if m % rounds:
-        lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
-        raise ScheduleError(
-            f"microbatches = {m} with stages = {p}: torch's ScheduleInterleavedZeroBubble needs m to be a "
-            f"multiple of its number of rounds max(1, m // p) = {rounds}; use --microbatches {lo} or {hi}"
-        )
-
-
 register_schedule(
     ScheduleSpec(
         name="zb-interleaved",
         generate=_zb_interleaved,
-        check=_check_zb_interleaved,
+        check=_need_whole_rounds("ScheduleInterleavedZeroBubble"),
         split_backward=True,
         description="Interleaved zero bubble (ZB1P): v stages per rank, I/W split (torch's order).",
         torch_name="ScheduleInterleavedZeroBubble",

@@ -26,6 +26,29 @@ def stages_option(required: bool = True, default: int | None = None) -> Callable
     )
 
 
+def precision_options(f: Callable) -> Callable:
+    """``--precision``, ``--grad-dtype`` and ``--optimizer``: the bytes of training state per parameter."""
+    opts = [
+        click.option(
+            "--precision",
+            type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]),
+            default="bf16-mixed",
+            show_default=True,
+        ),
+        click.option(
+            "--grad-dtype",
+            type=click.Choice(["half", "fp32"]),
+            default="half",
+            show_default=True,
+            help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron).",
+        ),
+        click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 def _clean(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None

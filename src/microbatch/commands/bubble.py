@@ -55,6 +55,15 @@ def in_flight_text(values) -> str:
     return " ".join(_fmt(round(v, 3)) for v in values)
 
 
+def bubble_lines(fraction: float, ratio: float, peak_in_flight) -> list[str]:
+    """The bubble's fraction, ratio and peak in-flight counts, one aligned line each."""
+    return [
+        f"  bubble fraction  {pct(fraction):>6}  idle / total stage time",
+        f"  bubble ratio     {pct(ratio):>6}  idle / ideal busy time (Megatron's number)",
+        f"  peak in flight   {in_flight_text(peak_in_flight)}  micro-batches per rank, rank 0 first",
+    ]
+
+
 @click.command("bubble")
 @stages_option()
 @microbatches_option
@@ -93,12 +102,11 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from ..schedule import check_servable, generate, get_spec
+    from ..schedule import generate, get_spec
     from ..simulate import ZB_IDLE_SCHEDULES, bubble_fraction, bubble_ratio, simulate, zb_idle_time
 
     spec = get_spec(schedule_name)
-    check_servable(spec.name, stages, microbatches, virtual)
-    schedule = generate(spec.name, stages, microbatches, virtual)
+    schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
     result: dict = {"schedule": spec.name, "stages": stages, "microbatches": microbatches, "virtual": virtual}
     notes: list[str] = []
     if spec.split_backward:
@@ -158,9 +166,7 @@ def cmd(
         lines = [
             f"{spec.name}: p = {stages} stages, m = {microbatches} micro-batches"
             + (f", v = {virtual} stages per rank" if virtual > 1 else ""),
-            f"  bubble fraction  {pct(result['bubble_fraction']):>6}  idle / total stage time",
-            f"  bubble ratio     {pct(result['bubble_ratio']):>6}  idle / ideal busy time (Megatron's number)",
-            f"  peak in flight   {in_flight_text(result['peak_in_flight'])}  micro-batches per rank, rank 0 first",
+            *bubble_lines(result["bubble_fraction"], result["bubble_ratio"], result["peak_in_flight"]),
         ]
         if "idle_time_per_stage" in result:
             lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import emit, json_option, model_options, resolve_model, stages_option
+from ._common import emit, json_option, model_options, precision_options, resolve_model, stages_option
 
 _GIB = 2**30
 
@@ -53,20 +53,7 @@ def parse_zero(text: str) -> int:
     "--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True
 )
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
-@click.option(
-    "--precision",
-    type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]),
-    default="bf16-mixed",
-    show_default=True,
-)
-@click.option(
-    "--grad-dtype",
-    type=click.Choice(["half", "fp32"]),
-    default="half",
-    show_default=True,
-    help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron).",
-)
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@precision_options
 @click.option("--zero", type=zero_choice(), default="0", show_default=True, help="ZeRO stage; dist-opt = 1.")
 @click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5.")

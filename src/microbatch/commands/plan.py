@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import emit, json_option, model_options, resolve_model, stages_option
+from ._common import emit, json_option, model_options, precision_options, resolve_model, stages_option
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -57,14 +57,7 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
 @click.option(
     "--micro-batch", "-b", "micro_batch", type=int, help="Only this b_m (default: every divisor of B/d)."
 )
-@click.option(
-    "--precision",
-    type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]),
-    default="bf16-mixed",
-    show_default=True,
-)
-@click.option("--grad-dtype", type=click.Choice(["half", "fp32"]), default="half", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@precision_options
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
 @click.option("--memory-headroom", type=float, default=None, help="Share of memory kept free (default 0.1).")

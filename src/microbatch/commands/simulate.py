@@ -7,7 +7,7 @@ import click
 from ._common import emit, json_option, stages_option
 from .bubble import (
     SCHEDULE_HELP,
-    in_flight_text,
+    bubble_lines,
     microbatches_option,
     pct,
     use_color,
@@ -185,12 +185,11 @@ def cmd(
     ranks); each rank runs its own list in order, as torch does. Times are in any unit.
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
-    from ..schedule import check_servable, generate, get_spec
+    from ..schedule import generate, get_spec
     from ..simulate import bubble_fraction, bubble_ratio, simulate, zb_idle_time
 
     spec = get_spec(schedule_name)
-    check_servable(spec.name, stages, microbatches, virtual)
-    schedule = generate(spec.name, stages, microbatches, virtual)
+    schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
     times = resolve_times(
         spec,
         schedule,
@@ -247,9 +246,7 @@ def cmd(
         lines = [
             title,
             f"  makespan         {_fmt(sim.makespan)}{unit}",
-            f"  bubble fraction  {pct(sim.bubble_fraction):>6}  idle / total stage time",
-            f"  bubble ratio     {pct(sim.bubble_ratio):>6}  idle / ideal busy time (Megatron's number)",
-            f"  peak in flight   {in_flight_text(sim.peak_in_flight)}  micro-batches per rank, rank 0 first",
+            *bubble_lines(sim.bubble_fraction, sim.bubble_ratio, sim.peak_in_flight),
         ]
         cf = result.get("closed_form", {})
         if "bubble_fraction" in cf:
