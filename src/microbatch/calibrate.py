@@ -115,12 +115,13 @@ STEP_TARGET = 0.10
 """Issue 7's goal for calibrated step time at the largest probed b_m: within 10%."""
 
 CALIBRATION_HELP = (
-    "Measured points (a `tune --out` result.json, or a JSON list with micro_batch, throughput, "
-    "peak_memory_bytes, step_time_s plus model, seq, precision, checkpointing, device). Fits "
-    "activation_scale and fixed_bytes (memory) and gemm_max, half_rows (kernel efficiency vs rows "
-    "b_m·s) for that implementation; the analytic terms are scaled, not replaced, so other s and "
-    "layouts are extrapolations (said in the output). Efficiency transfers only to the device it "
-    "was measured on."
+    "Measured points: a `tune --out DIR` result.json (or DIR), or JSON with micro_batch, throughput, "
+    "peak_memory_bytes, step_time_s plus model, seq, precision, checkpointing, device. Fits, for that "
+    "implementation, the activation scale and fixed bytes of the memory model and the GEMM efficiency "
+    "against rows b_m·s. Assumes activations linear in b_m (2+ points needed) and backward = 2× forward; "
+    "the analytic terms are scaled, not replaced, so another s, layout or b_m range is an extrapolation "
+    "(the output says which). The efficiency applies only on the GPU it was measured on; another model is "
+    "an error, another precision a warning."
 )
 """Help text of ``--calibration`` on ``memory`` and ``plan``."""
 
