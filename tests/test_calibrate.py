@@ -219,6 +219,9 @@ def test_read_tune_result_uses_micro_step_and_checkpointing_group():
     assert [p.micro_batch for p in m.points] == [1, 2, 4] and m.oom == (8,)
     assert m.points[0].step_time_s == pytest.approx(d["points"][0]["micro_step_s"])
     assert any("with and without checkpointing" in n for n in m.notes)
+    for p in d["points"]:
+        p["clock"] = "process"
+    assert any("clock process" in n for n in read_measurements(d).notes)
 
 
 def test_read_rejects_bad_input():

@@ -283,6 +283,9 @@ def read_measurements(
     time_key = (
         "micro_step_s" if any(isinstance(r, dict) and r.get("micro_step_s") for r in rows) else "step_time_s"
     )
+    clocks = sorted({str(r["clock"]) for r in rows if isinstance(r, dict) and r.get("clock")})
+    if clocks and clocks != ["wall"]:
+        notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
     points: dict[int, MeasuredPoint] = {}
     oom: list[int] = []
     for i, r in enumerate(rows):
