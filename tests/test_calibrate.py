@@ -413,7 +413,9 @@ def tiny_sweep():
     pytest.importorskip("torch")
     from microbatch.measure import ChildProber, ProbeSpec, TimingConfig
 
-    timing = TimingConfig(warmup=5, min_repeats=30, max_repeats=60, max_time_s=1.5, rel_tol=0.02)
+    # the probe's CPU time where measure offers it: steady on a shared machine (one torch thread)
+    clock = {"clock": "process"} if "clock" in TimingConfig.__dataclass_fields__ else {}
+    timing = TimingConfig(warmup=5, min_repeats=30, max_repeats=60, max_time_s=1.5, rel_tol=0.02, **clock)
     prober = ChildProber(ProbeSpec(model="tiny", seq=64, threads=1, timing=timing), timeout_s=120)
     try:
         points = [prober.measure(b).to_dict() for b in (1, 2, 4, 8)]
@@ -443,14 +445,15 @@ def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
 @pytest.mark.timeout(180)
 def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweep):
     """Step time at b_m 8 from b_m 1, 2, 4, when the timings were steady (a shared machine can make
-    them not). The bound is 20%, not issue 7's 10%: between b_m 4 and 8 each sample of the tiny model
-    costs 10-15% more (probably its working set leaving the L2 cache), which a line through b_m 1, 2, 4
-    cannot know (measured -10% to -16% here on a quiet 2-core dev machine). The 10% goal is checked at
-    b_m 16 by bench/bench_calibrate.py, best of three sweeps (BENCHMARKS.md)."""
+    them not). The bound is 20%, not issue 7's 10%: one pass over millisecond-long steps leaves the
+    b_m 1 and 2 medians a few per cent apart from run to run, and a line through them magnifies that
+    at b_m 8 (six runs on the 2-core dev machine with the process clock: -11.0% to +11.5%; three with
+    the wall clock: -10.4% to -15.7%). The 10% goal is checked at b_m 16, best of three sweeps, by
+    bench/bench_calibrate.py (BENCHMARKS.md)."""
     from microbatch.calibrate import measure_cpu
 
     spreads = [p["spread"] for p in tiny_sweep["points"]]
-    if max(spreads) > 0.1:
+    if max(spreads) > 0.25:
         pytest.skip(f"timings too noisy on this machine to check the step time (spreads {spreads})")
     meas = read_measurements(tiny_sweep)
     e = validate(meas, cover_measurements(measure_cpu(), meas)[0], fit_on=3).errors()
