@@ -4,6 +4,7 @@ Run by ``bench/gpu.sh`` on a lent GPU machine (no network; ``PYTHONPATH=src``; a
 
     python3 bench/gpu_calibrate.py --out $OUT/calibrate.json          # <= ~4 minutes in all
     python3 bench/gpu_calibrate.py --smoke --out /tmp/calibrate.json  # dry run on the CPU (tiny model)
+    python3 bench/gpu_calibrate.py --from $OUT/calibrate.json         # table again from saved points
 
 For gpt2-xl (s = 1024) and llama-3.2-1b (s = 2048), random weights from microbatch.gpt, it
 measures b_m = 1, 2, 4, 8, 16 (ascending, until out of memory or the model's time share runs
@@ -229,9 +230,31 @@ def _table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def redo(path: Path, out: Path | None) -> int:
+    """Validation and table again from saved points (after a time-out, or with a newer calibrate.py)."""
+    doc = json.loads(path.read_text())
+    device_name = doc.get("machine", {}).get("device", "")
+    smoke = not str(doc.get("numerics", "")).startswith("bf16")
+    device = "cpu" if smoke else "cuda"
+    for name, res in doc.get("models", {}).items():
+        ok = [p for p in res.get("points", []) if not p.get("oom")]
+        if len(ok) >= 3:
+            res["validation"] = _validate(name, res["seq"], res["points"], device, device_name, smoke)
+    doc["table"] = _table(doc.get("models", {}))
+    if out is not None:
+        _write(out, doc)
+    print(doc["table"])
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file written after every point.")
+    ap.add_argument("--out", help="JSON file written after every point.")
+    ap.add_argument(
+        "--from",
+        dest="from_file",
+        help="Recompute the validation and table from a (partial) JSON this script wrote; no torch needed.",
+    )
     ap.add_argument("--smoke", action="store_true", help="Dry run on the CPU with the tiny and small models.")
     ap.add_argument(
         "--budget-s", type=float, default=190.0, help="Wall time for building and measuring all models."
@@ -240,6 +263,10 @@ def main() -> int:
         "--models", help="Comma-separated name:seq pairs (default gpt2-xl:1024,llama-3.2-1b:2048)."
     )
     args = ap.parse_args()
+    if args.from_file:
+        return redo(Path(args.from_file), Path(args.out) if args.out else None)
+    if not args.out:
+        ap.error("--out is required (or --from FILE)")
     t_start = time.perf_counter()
     import torch
 
