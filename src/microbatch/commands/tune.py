@@ -55,6 +55,13 @@ from .recommend import choice_kwargs, choice_options, render_recommendation
     "--out", type=click.Path(file_okay=False), help="Write result.json (the curve and the choice) here."
 )
 @click.option(
+    "--clock",
+    type=click.Choice(["wall", "process"]),
+    default="wall",
+    show_default=True,
+    help="CPU timing clock; process (the probe's CPU time, with --threads 1) is steadier on a shared machine.",
+)
+@click.option(
     "--threads",
     type=int,
     help="torch threads in the probe process (default: torch's; 1 is steadier on a shared CPU).",
