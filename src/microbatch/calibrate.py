@@ -374,9 +374,9 @@ def _mem_total_bytes() -> float:
     return float(16 * 2**30)  # a placeholder capacity where /proc is absent; only "fits" uses it
 
 
-def measure_cpu(*, n: int = 1024, repeats: int = 5) -> Accelerator:
+def measure_cpu(*, n: int = 1024, repeats: int = 5, threads: int | None = None) -> Accelerator:
     """This CPU as an Accelerator: the best of ``repeats`` n×n fp32 matmuls (2n³ FLOPs) with torch's
-    default threads, and the best of ``repeats`` copies of a 64 MiB tensor (read + write).
+    default threads (or ``threads``), and the best of ``repeats`` copies of a 64 MiB tensor (read + write).
 
     Quick (well under a second) and noisy on a shared machine; the calibration absorbs the choice.
     """
@@ -384,6 +384,16 @@ def measure_cpu(*, n: int = 1024, repeats: int = 5) -> Accelerator:
 
     import torch
 
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _measure_cpu(torch, time, n, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_cpu(torch, time, n: int, repeats: int) -> Accelerator:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up
     best = math.inf

@@ -92,9 +92,16 @@ def render_validation(d: dict) -> str:
 @click.option(
     "--cpu-bandwidth-gbs", type=float, help="CPU memory bandwidth GB/s instead of measuring a copy now."
 )
+@click.option(
+    "--cpu-threads",
+    type=int,
+    help="torch threads for the CPU matmul (use the probes' --threads; default torch's).",
+)
 @model_options
 @json_option
-def cmd(calibration, gpu, fit_on, memory, cpu_peak_gflops, cpu_bandwidth_gbs, model_spec, as_json):
+def cmd(
+    calibration, gpu, fit_on, memory, cpu_peak_gflops, cpu_bandwidth_gbs, cpu_threads, model_spec, as_json
+):
     """Predict each measured point uncalibrated, from the smallest probes, and leave-one-out.
 
     \b
@@ -138,7 +145,7 @@ def cmd(calibration, gpu, fit_on, memory, cpu_peak_gflops, cpu_bandwidth_gbs, mo
             source=f"given: {cpu_peak_gflops:g} GFLOP/s, {cpu_bandwidth_gbs:g} GB/s",
         )
     else:
-        acc = measure_cpu()
+        acc = measure_cpu(threads=cpu_threads)
         if cpu_peak_gflops or cpu_bandwidth_gbs:
             acc = cpu_accelerator(
                 flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops else acc.flops("fp32"),
