@@ -48,8 +48,10 @@ transfers to that accelerator.
 
 **The CPU.** The planner's accelerators are GPUs; a CPU gets an :class:`Accelerator` built from
 a quick measured fp32 matmul peak and copy bandwidth (:func:`measure_cpu`), or from figures
-given. The uncalibrated CPU prediction (80% of that peak, no runtime in the memory) is far off;
-the calibrated one absorbs both the choice of peak and the runtime.
+given; where the measurements are faster than that peak allows (a busy machine understates it),
+:func:`cover_measurements` doubles it until the efficiency fit needs no clamp, and says so. The
+uncalibrated CPU prediction (80% of that peak, no runtime in the memory) is far off; the
+calibrated one absorbs both the choice of peak and the runtime.
 
 **Predicted against measured** (:func:`validate`): each point predicted uncalibrated, from a
 calibration on the smallest probes only (the figure that matters: can a few cheap probes predict
