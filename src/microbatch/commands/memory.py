@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..calibrate import CALIBRATION_HELP
 from ._common import emit, json_option, model_options, precision_options, resolve_model, stages_option
 
 _GIB = 2**30
@@ -58,10 +59,12 @@ def parse_zero(text: str) -> int:
 @click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5.")
 @click.option("--gpu", help="Also say whether the peak fits this accelerator (e.g. a100-80gb).")
+@click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
     model_spec, micro_batch, tensor_parallel, stages, virtual, microbatches, schedule, sequence_parallel,
-    recompute, flash, precision, grad_dtype, optimizer, zero, data_parallel, layers_per_stage, gpu, as_json,
+    recompute, flash, precision, grad_dtype, optimizer, zero, data_parallel, layers_per_stage, gpu, calibration,
+    as_json,
 ):  # fmt: skip
     """Predict the peak memory of every pipeline stage.
 
@@ -89,13 +92,25 @@ def cmd(
         recompute=recompute,
         flash_attention=flash,
     )
-    est = estimate_memory(shape, cfg)
-    out = est.to_dict()
     acc = None
     if gpu:
         from ..hardware import get_accelerator
 
         acc = get_accelerator(gpu)
+    applied = None
+    if calibration:
+        from ..calibrate import apply_calibration
+
+        applied = apply_calibration(
+            calibration, shape=shape, precision=precision, micro_batches=[micro_batch],
+            tensor_parallel=tensor_parallel, pipeline_parallel=stages, data_parallel=data_parallel,
+            zero=cfg.zero, recompute=recompute,
+        )  # fmt: skip
+    est = estimate_memory(shape, cfg, applied.memory if applied else None)
+    out = est.to_dict()
+    if applied:
+        out.update(applied.to_dict())
+    if acc is not None:
         out["gpu"] = acc.name
         out["gpu_memory_bytes"] = acc.memory_bytes
         out["fits"] = est.peak_bytes <= acc.memory_bytes
@@ -127,6 +142,8 @@ def cmd(
         if acc is not None:
             verdict = "fits" if out["fits"] else "does NOT fit"
             lines.append(f"{verdict} in {acc.name} ({acc.memory_bytes / _GIB:.0f} GiB; keep ~10% headroom)")
+        if applied:
+            lines += [""] + applied.lines()
         return "\n".join(lines)
 
     emit(out, as_json, render)

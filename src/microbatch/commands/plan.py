@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..calibrate import CALIBRATION_HELP
 from ._common import emit, json_option, model_options, precision_options, resolve_model, stages_option
 
 
@@ -69,11 +70,12 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
     help="Override an accelerator figure, e.g. inter_node_bytes_per_s=25e9 or bf16=250e12 (repeatable).",
 )
 @click.option("--all", "all_rows", is_flag=True, help="Table of the best candidates instead of one per b_m.")
+@click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
     model_spec, gpu, global_batch, data_parallel, stages, tensor_parallel, sequence_parallel, schedule, virtual,
     recompute, zero, micro_batch, precision, grad_dtype, optimizer, flash, layers_per_stage, memory_headroom,
-    gpu_set, all_rows, as_json,
+    gpu_set, all_rows, calibration, as_json,
 ):  # fmt: skip
     """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the fastest that fits.
 
@@ -112,12 +114,39 @@ def cmd(
         flash_attention=flash,
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
     )
-    plans = compare_gpus(cfg, gpus)
+    applied = []
+    if calibration:
+        from dataclasses import replace
+
+        from ..calibrate import apply_calibration
+        from ..plan import make_plan
+
+        applied = [
+            apply_calibration(
+                calibration,
+                shape=shape,
+                precision=precision,
+                gpu=g,
+                seq=cfg.seq_len,
+                micro_batches=cfg.micro_batches or (global_batch // data_parallel,),
+                tensor_parallel=tensor_parallel,
+                pipeline_parallel=stages,
+                data_parallel=data_parallel,
+            )  # fmt: skip
+            for g in gpus
+        ]
+        plans = [
+            make_plan(replace(cfg, gpu=g, memory_calibration=a.memory, efficiency=a.efficiency))
+            for g, a in zip(gpus, applied, strict=True)
+        ]
+    else:
+        plans = compare_gpus(cfg, gpus)
+    cal_lines = list(dict.fromkeys(line for a in applied for line in a.lines()))
     if len(plans) == 1:
         out = plans[0].to_dict()
 
         def render() -> str:
-            return render_plan(plans[0], all_rows=all_rows)
+            return render_plan(plans[0], all_rows=all_rows) + "".join("\n" + x for x in cal_lines)
     else:
         rows = comparison_rows(plans)
         out = {
@@ -129,9 +158,12 @@ def cmd(
             from .plan import _table
 
             parts = [render_plan(pl, all_rows=all_rows) + "\n" for pl in plans]
-            parts += ["side by side (same model, layout and B_global)", _table(rows)]
+            parts += ["side by side (same model, layout and B_global)", _table(rows)] + cal_lines
             return "\n".join(parts)
 
+    if applied:
+        out["calibration"] = applied[0].calibration.to_dict()
+        out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
     emit(out, as_json, render)
     if all(pl.recommended is None for pl in plans):
         first = plans[0]
