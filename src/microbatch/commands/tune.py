@@ -214,6 +214,10 @@ def cmd(
                 f"static memory (process, weights{', gradients, optimizer' if mode == 'train' else ''}): "
                 f"{result.static_bytes / 2**20:.0f} MiB"
             )
+        if result.memory_budget_bytes is not None:
+            tail.append(
+                f"memory budget: {result.memory_budget_bytes / 2**30:.2f} GiB ({result.memory_budget_source})"
+            )
         if result.interrupted:
             tail.append("interrupted: the choice uses the points measured so far")
         return "\n".join([head, "", render_recommendation(d, d["points"], unit="tokens/s"), *tail])
