@@ -321,3 +321,22 @@ def test_package_level_tune_is_callable_after_submodule_import(tmp_path, monkeyp
         use_cache=False,
     )
     assert r.points[0].micro_batch == 1 and r.points[0].throughput > 0
+
+
+def test_hf_backend_decode_in_process(tmp_path, monkeypatch):
+    """A transformers model of the registry shape decodes with its own KV cache."""
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    r = tune_model(
+        "tiny",
+        backend="hf",
+        seq=48,
+        mode="decode",
+        max_micro_batch=2,
+        in_process=True,
+        timing=FAST,
+        use_cache=False,
+        tolerance=0.0,
+    )
+    assert r.model == "hf:tiny"
+    for p in r.points:
+        assert not p.oom and p.tokens_per_s == pytest.approx(p.micro_batch / p.step_time_s)

@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -587,7 +588,10 @@ class _HFDecoder:
     def decode_step(self, token, cache):
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # transformers >= 5.2x renames past_key_values to cache (with a FutureWarning); older
+            # releases (a GPU machine's) only know past_key_values
+            warnings.simplefilter("ignore", FutureWarning)
             out = self.model(input_ids=token.view(-1, 1), past_key_values=cache, use_cache=True)
         return out.logits[:, -1], out.past_key_values
 
