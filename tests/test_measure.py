@@ -159,7 +159,7 @@ def test_child_budget_below_static_memory_says_how_much():
 
 
 # -- two processes with DDP over gloo -----------------------------------------------------
-def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, wrap: str = "ddp") -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -172,7 +172,17 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         shape = get_model("tiny", seq=16)
-        model = DDP(build_model(shape))
+        if wrap == "ddp":
+            model = DDP(build_model(shape))
+        else:  # FSDP2: every block sharded, then the whole model
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            model = build_model(shape)
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
 
         def make_batch(b):
             if rank == 1 and b >= 4:
@@ -194,10 +204,13 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_ddp_two_gloo_processes_synchronised(tmp_path):
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ddp_two_gloo_processes_synchronised(tmp_path, wrap):
     import torch.multiprocessing as mp
 
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    if wrap == "fsdp":
+        pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch >= 2.6").fully_shard  # noqa: B018
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), wrap), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     # an OOM on rank 1 only is an OOM for both; everything else is the max over ranks: identical
