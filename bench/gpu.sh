@@ -9,7 +9,7 @@
 #   1. environment
 #   2. tune: CUDA tests (pytest -m cuda, or a plain script without pytest)          <= 40 s
 #   3. tune: gpt2, gpt2-medium, gpt2-large, bf16-mixed, seq 1024: ours vs Lightning
-#      Tuner.scale_batch_size and Accelerate find_executable_batch_size               <= ~260 s
+#      Tuner.scale_batch_size and Accelerate find_executable_batch_size               <= ~270 s
 #   4. planner calibration (appended by the planner engineer)
 set -u
 cd "$(dirname "$0")/.."
@@ -86,8 +86,8 @@ MODELS="gpt2 gpt2-medium gpt2-large"
 if [[ $DRY == 1 ]]; then MODELS="gpt2"; fi
 for M in $MODELS; do
   if (( SECONDS - START > 290 * SCALE )); then log "tune part over its 5-minute share: skipping $M"; continue; fi
-  run 22 "lightning_$M" "$PY" bench/gpu_tune.py lightning "$M" --out "$OUT/tune" $DRYFLAG
-  run 18 "accelerate_$M" "$PY" bench/gpu_tune.py accelerate "$M" --out "$OUT/tune" $DRYFLAG
+  run 20 "lightning_$M" "$PY" bench/gpu_tune.py lightning "$M" --out "$OUT/tune" $DRYFLAG
+  run 15 "accelerate_$M" "$PY" bench/gpu_tune.py accelerate "$M" --out "$OUT/tune" $DRYFLAG
   run 35 "ours_$M" "$PY" bench/gpu_tune.py ours "$M" --out "$OUT/tune" $DRYFLAG
   AT=$("$PY" - "$OUT/tune" "$M" <<'PYEOF'
 import json, sys, pathlib
@@ -104,7 +104,7 @@ have = {p["micro_batch"] for p in json.loads(ours.read_text())["points"]} if our
 print(",".join(str(b) for b in bs if b not in have))
 PYEOF
 )
-  if [[ -n "$AT" ]]; then run 12 "measure_$M" "$PY" bench/gpu_tune.py measure "$M" --at "$AT" --out "$OUT/tune" $DRYFLAG; fi
+  if [[ -n "$AT" ]]; then run 20 "measure_$M" "$PY" bench/gpu_tune.py measure "$M" --at "$AT" --out "$OUT/tune" $DRYFLAG; fi
 done
 run 20 tune_summary "$PY" bench/gpu_tune.py summary --out "$OUT/tune"
 cat "$OUT/tune/summary.txt" 2>/dev/null | tee -a "$OUT/gpu.log"
