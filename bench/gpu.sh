@@ -85,7 +85,7 @@ log "section 3: tune vs Lightning / Accelerate"
 MODELS="gpt2 gpt2-medium gpt2-large"
 if [[ $DRY == 1 ]]; then MODELS="gpt2"; fi
 for M in $MODELS; do
-  if (( SECONDS - START > 290 * SCALE )); then log "tune part over its 5-minute share: skipping $M"; continue; fi
+  if (( SECONDS - START > 195 * SCALE )); then log "tune part near its 5-minute share (a model takes up to 90 s): skipping $M"; continue; fi
   run 20 "lightning_$M" "$PY" bench/gpu_tune.py lightning "$M" --out "$OUT/tune" $DRYFLAG
   run 15 "accelerate_$M" "$PY" bench/gpu_tune.py accelerate "$M" --out "$OUT/tune" $DRYFLAG
   run 35 "ours_$M" "$PY" bench/gpu_tune.py ours "$M" --out "$OUT/tune" $DRYFLAG
