@@ -23,7 +23,7 @@ out) in this process:
 - **out of memory**: ``torch.OutOfMemoryError`` caught by type; larger b_m are then not tried.
 
 Then, per memory figure (allocated, reserved): calibrated on the smallest three probes, every
-point predicted uncalibrated, calibrated and leave-one-out (:func:`microbatch.calibrate.validate`),
+point predicted uncalibrated, calibrated and leave-one-out (:func:`microbatch.validation.validate`),
 with the accelerator matched from the device name (H200 → ``h200``). Partial results are
 written to ``--out`` after every point; each model runs under try/except.
 """
@@ -178,8 +178,9 @@ def _write(path: Path, doc: dict) -> None:
 
 
 def _validate(name: str, seq: int, points: list[dict], device: str, device_name: str, smoke: bool) -> dict:
-    from microbatch.calibrate import cover_measurements, measure_cpu, read_measurements, validate
-    from microbatch.hardware import get_accelerator
+    from microbatch.calibrate import cover_measurements, read_measurements
+    from microbatch.hardware import get_accelerator, measure_cpu
+    from microbatch.validation import validate
 
     data = {"points": points, "model": name, "seq": seq, "precision": "bf16-mixed" if not smoke else "fp32",
             "checkpointing": "off", "device": device, "device_name": device_name, "mode": "train"}  # fmt: skip
@@ -190,7 +191,7 @@ def _validate(name: str, seq: int, points: list[dict], device: str, device_name:
             if smoke:
                 acc, _ = cover_measurements(measure_cpu(), meas)
             else:
-                from microbatch.calibrate import match_accelerator
+                from microbatch.hardware import match_accelerator
 
                 acc = get_accelerator(match_accelerator(device_name) or "h200")
             out[kind] = validate(meas, acc, fit_on=3).to_dict()
@@ -231,7 +232,7 @@ def _table(results: dict) -> str:
 
 
 def redo(path: Path, out: Path | None) -> int:
-    """Validation and table again from saved points (after a time-out, or with a newer calibrate.py)."""
+    """Validation and table again from saved points (after a time-out, or with a newer calibrate.py or validation.py)."""
     doc = json.loads(path.read_text())
     device_name = doc.get("machine", {}).get("device", "")
     smoke = not str(doc.get("numerics", "")).startswith("bf16")

@@ -16,8 +16,6 @@ from dataclasses import replace
 import pytest
 
 from microbatch.calibrate import (
-    MEMORY_TARGET,
-    STEP_TARGET,
     Calibration,
     MeasuredPoint,
     analytic_memory_line,
@@ -26,24 +24,22 @@ from microbatch.calibrate import (
     calibrated_inputs,
     calibration_notes,
     cover_measurements,
-    cpu_accelerator,
     fit_efficiency,
     fit_line,
     fit_memory_calibration,
     load_calibration,
-    match_accelerator,
     point_efficiency,
     predict_memory_bytes,
     predict_step_time_s,
     read_measurements,
-    validate,
 )
 from microbatch.cli import main
 from microbatch.errors import ConfigError
-from microbatch.hardware import get_accelerator
+from microbatch.hardware import cpu_accelerator, get_accelerator, match_accelerator
 from microbatch.memory import MemoryConfig, estimate_memory
 from microbatch.model import get_model
 from microbatch.roofline import DEFAULT_EFFICIENCY
+from microbatch.validation import MEMORY_TARGET, STEP_TARGET, validate, validate_result
 
 GIB = 2**30
 SHAPE = get_model("gpt2")  # s = 1024
@@ -397,6 +393,31 @@ def test_validate_cli_cpu_given_peak(tmp_path, capsys):
     assert out["accelerator"]["name"] == "cpu" and abs(out["errors"]["step_calibrated"]) < 1e-6
 
 
+def test_validate_result_is_what_the_cli_prints(tmp_path, capsys):
+    """``validate_result(tune_result)`` (the demo's call) returns exactly ``validate --json``'s object."""
+    from microbatch.commands._common import dumps
+
+    d = synthetic()
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(d))
+    for args, kw in (
+        ([], {}),
+        (["--gpu", "h200", "--fit-on", "2"], {"gpu": "h200", "fit_on": 2}),
+        (["--memory", "allocated"], {"memory_key": "peak_allocated_bytes"}),
+    ):
+        if kw.get("memory_key"):
+            for p in d["points"]:
+                p["peak_allocated_bytes"] = 0.9 * p["peak_memory_bytes"]
+            path.write_text(json.dumps(d))
+        assert main(["validate", "--calibration", str(path), "--json", *args]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        got = validate_result(json.loads(path.read_text()), **kw)
+        assert json.loads(dumps(got)) == printed
+        assert got["rows"] and got["summary"].startswith("gpt2 s=1024")
+    with pytest.raises(ConfigError, match="measure 1 more"):
+        validate_result(synthetic((1, 2)))
+
+
 def test_validate_help_does_not_import_torch():
     code = (
         "import sys\nfrom microbatch.cli import main\nmain(['validate', '--help'])\n"
@@ -427,7 +448,7 @@ def tiny_sweep():
 
 @pytest.mark.timeout(180)
 def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
-    from microbatch.calibrate import measure_cpu
+    from microbatch.hardware import measure_cpu
 
     meas = read_measurements(tiny_sweep)
     assert [p.micro_batch for p in meas.points] == [1, 2, 4, 8]
@@ -450,7 +471,7 @@ def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweep):
     at b_m 8 (six runs on the 2-core dev machine with the process clock: -11.0% to +11.5%; three with
     the wall clock: -10.4% to -15.7%). The 10% goal is checked at b_m 16, best of three sweeps, by
     bench/bench_calibrate.py (BENCHMARKS.md)."""
-    from microbatch.calibrate import measure_cpu
+    from microbatch.hardware import measure_cpu
 
     spreads = [p["spread"] for p in tiny_sweep["points"]]
     if max(spreads) > 0.25:

@@ -47,50 +47,42 @@ mean instead). The efficiency is relative to the accelerator it was fitted again
 transfers to that accelerator.
 
 **The CPU.** The planner's accelerators are GPUs; a CPU gets an :class:`Accelerator` built from
-a quick measured fp32 matmul peak and copy bandwidth (:func:`measure_cpu`), or from figures
-given; where the measurements are faster than that peak allows (a busy machine understates it),
-:func:`cover_measurements` doubles it until the efficiency fit needs no clamp, and says so. The
-uncalibrated CPU prediction (80% of that peak, no runtime in the memory) is far off; the
-calibrated one absorbs both the choice of peak and the runtime.
+a quick measured fp32 matmul peak and copy bandwidth (:func:`~microbatch.hardware.measure_cpu`),
+or from figures given (:func:`~microbatch.hardware.cpu_accelerator`); where the measurements are
+faster than that peak allows (a busy machine understates it), :func:`cover_measurements` doubles
+it until the efficiency fit needs no clamp, and says so. The uncalibrated CPU prediction (80% of
+that peak, no runtime in the memory) is far off; the calibrated one absorbs both the choice of
+peak and the runtime.
 
-**Predicted against measured** (:func:`validate`): each point predicted uncalibrated, from a
-calibration on the smallest probes only (the figure that matters: can a few cheap probes predict
-the largest b_m?), and leave-one-out, with signed relative errors.
+How well this predicts the measured points themselves (uncalibrated, from the smallest probes,
+leave-one-out) is :mod:`microbatch.validation`.
 
-Pure Python: no torch, except :func:`measure_cpu`, which imports it when called.
+Pure Python: no torch.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .hardware import ACCELERATORS, Accelerator
+from .hardware import ACCELERATORS, Accelerator, match_accelerator
 from .memory import MemoryCalibration, MemoryConfig, estimate_memory
 from .model import ModelShape, get_model
 from .roofline import DEFAULT_EFFICIENCY, RooflineEfficiency, layer_forward, logits_forward
 
 __all__ = [
     "MIN_POINTS",
-    "DEFAULT_FIT_ON",
-    "MEMORY_TARGET",
-    "STEP_TARGET",
     "CALIBRATION_HELP",
     "MeasuredPoint",
     "Measurements",
     "Calibration",
-    "Validation",
     "read_measurements",
-    "cpu_accelerator",
-    "measure_cpu",
     "cover_measurements",
-    "match_accelerator",
     "predict_memory_bytes",
     "predict_step_time_s",
     "analytic_memory_line",
@@ -104,17 +96,10 @@ __all__ = [
     "calibrated_inputs",
     "AppliedCalibration",
     "apply_calibration",
-    "validate",
 ]
 
 MIN_POINTS = 2
 """Distinct b_m (not out of memory) a fit needs: two parameters per fit (a line)."""
-DEFAULT_FIT_ON = 3
-"""``validate`` calibrates on the smallest this many probes (e.g. b_m 1, 2, 4) and predicts the rest."""
-MEMORY_TARGET = 0.05
-"""Issue 7's goal for calibrated peak memory at the largest probed b_m: within 5%."""
-STEP_TARGET = 0.10
-"""Issue 7's goal for calibrated step time at the largest probed b_m: within 10%."""
 
 CALIBRATION_HELP = (
     "Measured points: a `tune --out DIR` result.json (or DIR), or JSON with micro_batch, throughput, "
@@ -345,84 +330,6 @@ def _positive(v: Any, label: str, i: int, key: str) -> float | None:
 
 
 # -- accelerators --------------------------------------------------------------------------------
-def cpu_accelerator(
-    *, flops_per_s: float, bytes_per_s: float, memory_bytes: float | None = None, source: str = ""
-) -> Accelerator:
-    """An :class:`Accelerator` for this CPU: one peak for every dtype, one bandwidth for everything.
-
-    Nominal figures: the calibrated efficiency is relative to ``flops_per_s`` and absorbs its choice.
-    """
-    if memory_bytes is None:
-        memory_bytes = _mem_total_bytes()
-    return Accelerator(
-        name="cpu",
-        peak_flops={"bf16": flops_per_s, "fp16": flops_per_s, "fp32": flops_per_s},
-        memory_bytes=memory_bytes,
-        memory_bandwidth_bytes_per_s=bytes_per_s,
-        intra_node_bytes_per_s=bytes_per_s,
-        inter_node_bytes_per_s=bytes_per_s,
-        gpus_per_node=1,
-        source=source or "nominal CPU figures",
-    )
-
-
-def _mem_total_bytes() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(16 * 2**30)  # a placeholder capacity where /proc is absent; only "fits" uses it
-
-
-def measure_cpu(*, n: int = 1024, repeats: int = 5, threads: int | None = None) -> Accelerator:
-    """This CPU as an Accelerator: the best of ``repeats`` n×n fp32 matmuls (2n³ FLOPs) with torch's
-    default threads (or ``threads``), and the best of ``repeats`` copies of a 64 MiB tensor (read + write).
-
-    Quick (well under a second) and noisy on a shared machine; the calibration absorbs the choice.
-    """
-    import time
-
-    import torch
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _measure_cpu(torch, time, n, repeats)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _measure_cpu(torch, time, n: int, repeats: int) -> Accelerator:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    flops = 2.0 * n**3 / best
-    x = torch.empty(16 * 2**20)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best_c = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        y.copy_(x)
-        best_c = min(best_c, time.perf_counter() - t0)
-    bw = 2.0 * x.numel() * 4 / best_c
-    return cpu_accelerator(
-        flops_per_s=flops,
-        bytes_per_s=bw,
-        source=(
-            f"measured here: {n}x{n} fp32 matmul {flops / 1e9:.1f} GFLOP/s, 64 MiB copy "
-            f"{bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)"
-        ),
-    )
-
-
 def cover_measurements(
     acc: Accelerator, meas: Measurements, *, max_doublings: int = 10
 ) -> tuple[Accelerator, str]:
@@ -456,29 +363,6 @@ def cover_measurements(
     return acc.with_overrides(source=f"{acc.source}; {note}"), note
 
 
-def match_accelerator(name: str) -> str | None:
-    """The registry name of a device name such as ``NVIDIA H200`` or ``NVIDIA A100-SXM4-80GB``; None if unknown."""
-    n = name.lower().replace("nvidia", "").replace("amd instinct", "").strip()
-    if not n or n in ("cpu", "cuda", "gpu") or n.startswith("cuda:"):
-        return None
-    if n in ACCELERATORS:
-        return n
-    for key, pattern in (
-        ("h200", r"h200"),
-        ("h100-pcie", r"h100.*pcie"),
-        ("h100-sxm", r"h100"),
-        ("a100-40gb", r"a100.*40"),
-        ("a100-80gb", r"a100"),
-        ("b200", r"b200"),
-        ("l4", r"\bl4\b"),
-        ("mi300x", r"mi300"),
-    ):
-        if re.search(pattern, n):
-            return key
-    return None
-
-
-# -- the analytic predictions ----------------------------------------------------------------------
 def _memory_config(b: int, seq: int, precision: str, checkpointing: bool) -> MemoryConfig:
     return MemoryConfig(
         micro_batch=b,
@@ -1015,197 +899,4 @@ def apply_calibration(
     )  # fmt: skip
     return AppliedCalibration(
         calibration=cal, memory=cal.memory, efficiency=eff, notes=tuple(dict.fromkeys(notes))
-    )
-
-
-# -- predicted against measured --------------------------------------------------------------------
-def _err(pred: float | None, meas: float | None) -> float | None:
-    if pred is None or meas is None or meas == 0:
-        return None
-    return (pred - meas) / meas
-
-
-@dataclass(frozen=True, kw_only=True)
-class Validation:
-    """Each measured point predicted uncalibrated, from the smallest probes, and leave-one-out."""
-
-    measurements: Measurements
-    """The points."""
-    accelerator: Accelerator
-    """The device the step times are predicted for."""
-    fit_on: tuple[int, ...]
-    """b_m of the smallest probes the "calibrated" predictions use."""
-    calibration: Calibration
-    """The calibration from ``fit_on``."""
-    points: tuple[dict[str, Any], ...]
-    """Per b_m, in bytes and seconds: measured, uncal, cal (smallest probes), loo; their errors."""
-    notes: tuple[str, ...] = ()
-    """Warnings (too few points for leave-one-out, clamps)."""
-
-    def largest(self) -> dict[str, Any]:
-        return self.points[-1]
-
-    def errors(self) -> dict[str, Any]:
-        """Signed relative errors at the largest b_m, the worst |leave-one-out| errors, and the targets met."""
-        last = self.largest()
-
-        def worst(key: str) -> float | None:
-            vals = [p[key] for p in self.points if p.get(key) is not None]
-            return max(vals, key=abs) if vals else None
-
-        return {
-            "largest_micro_batch": last["micro_batch"],
-            "memory_uncalibrated": last["memory_uncal_err"],
-            "memory_calibrated": last["memory_cal_err"],
-            "step_uncalibrated": last["step_uncal_err"],
-            "step_calibrated": last["step_cal_err"],
-            "memory_loo_worst": worst("memory_loo_err"),
-            "step_loo_worst": worst("step_loo_err"),
-            "memory_target": MEMORY_TARGET,
-            "step_target": STEP_TARGET,
-            "memory_met": last["memory_cal_err"] is not None and abs(last["memory_cal_err"]) <= MEMORY_TARGET,
-            "step_met": last["step_cal_err"] is not None and abs(last["step_cal_err"]) <= STEP_TARGET,
-        }
-
-    def rows(self) -> list[dict[str, Any]]:
-        """Flat rows for a table: MiB, ms and % with short keys."""
-        out = []
-        for p in self.points:
-
-            def mib(k: str, p: dict = p) -> float | None:
-                return None if p[k] is None else round(p[k] / 2**20, 1)
-
-            def ms(k: str, p: dict = p) -> float | None:
-                return None if p[k] is None else round(p[k] * 1e3, 3)
-
-            def pct(k: str, p: dict = p) -> float | None:
-                return None if p[k] is None else round(100 * p[k], 1)
-
-            out.append(
-                {
-                    "micro_batch": p["micro_batch"],
-                    "fit": "probe" if p["micro_batch"] in self.fit_on else "",
-                    "mem_MiB": mib("memory_measured"),
-                    "mem_uncal_MiB": mib("memory_uncal"),
-                    "mem_uncal_err_%": pct("memory_uncal_err"),
-                    "mem_cal_MiB": mib("memory_cal"),
-                    "mem_cal_err_%": pct("memory_cal_err"),
-                    "mem_loo_err_%": pct("memory_loo_err"),
-                    "step_ms": ms("step_measured"),
-                    "step_uncal_ms": ms("step_uncal"),
-                    "step_uncal_err_%": pct("step_uncal_err"),
-                    "step_cal_ms": ms("step_cal"),
-                    "step_cal_err_%": pct("step_cal_err"),
-                    "step_loo_err_%": pct("step_loo_err"),
-                }
-            )
-        return out
-
-    def summary(self) -> str:
-        e = self.errors()
-
-        def f(x: float | None) -> str:
-            return "n/a" if x is None else f"{100 * x:+.1f}%"
-
-        return (
-            f"{self.measurements.model} s={self.measurements.seq} {self.measurements.precision} on "
-            f"{self.measurements.device_name or self.measurements.device}: calibrated on b_m "
-            f"{', '.join(map(str, self.fit_on))}, at the largest b_m {e['largest_micro_batch']} memory "
-            f"{f(e['memory_calibrated'])} (uncalibrated {f(e['memory_uncalibrated'])}; target ±{100 * MEMORY_TARGET:.0f}%: "
-            f"{'met' if e['memory_met'] else 'NOT met'}), step time {f(e['step_calibrated'])} (uncalibrated "
-            f"{f(e['step_uncalibrated'])}; target ±{100 * STEP_TARGET:.0f}%: {'met' if e['step_met'] else 'NOT met'}); "
-            f"worst leave-one-out: memory {f(e['memory_loo_worst'])}, step {f(e['step_loo_worst'])}"
-        )
-
-    def to_dict(self) -> dict:
-        m = self.measurements
-        return {
-            "kind": "validate",
-            "model": m.model,
-            "seq": m.seq,
-            "precision": m.precision,
-            "checkpointing": m.checkpointing,
-            "device": m.device,
-            "device_name": m.device_name,
-            "memory_key": m.memory_key,
-            "time_key": m.time_key,
-            "accelerator": {
-                "name": self.accelerator.name,
-                "peak_flops": self.accelerator.peak_flops,
-                "memory_bandwidth_bytes_per_s": self.accelerator.memory_bandwidth_bytes_per_s,
-                "source": self.accelerator.source,
-            },
-            "fit_on": list(self.fit_on),
-            "oom": list(m.oom),
-            "rows": self.rows(),
-            "summary": self.summary(),
-            "errors": self.errors(),
-            "points": [dict(p) for p in self.points],
-            "calibration": self.calibration.to_dict(),
-            "warnings": list(self.notes),
-        }
-
-
-def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_ON) -> Validation:
-    """Predict every point uncalibrated, from the smallest ``fit_on`` probes, and leave-one-out.
-
-    The smallest-probes fit uses min(fit_on, n − 1) points so that at least the largest is predicted;
-    needs 3 points (2 to fit, 1 to predict) and says how many more otherwise.
-    """
-    pts = [p for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None]
-    have = [p.micro_batch for p in pts]
-    _need("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
-    if fit_on < MIN_POINTS:
-        raise ConfigError(f"--fit-on {fit_on} must be at least {MIN_POINTS}: a line has two parameters")
-    k = min(fit_on, len(pts) - 1)
-    small = tuple(have[:k])
-    notes = list(meas.notes)
-    if k < fit_on:
-        notes.append(f"only {len(pts)} points: calibrated on the smallest {k}, not {fit_on}")
-    sh, kw = meas.shape, dict(seq=meas.seq, precision=meas.precision, checkpointing=meas.checkpointing)
-    cal = calibrate(meas, acc, micro_batches=small)
-    notes += [n for n in cal.notes if n not in notes]
-    loo: dict[int, Calibration] = {}
-    for p in pts:
-        try:
-            loo[p.micro_batch] = calibrate(meas, acc, micro_batches=[b for b in have if b != p.micro_batch])
-        except ConfigError as e:  # e.g. memory flat without this point
-            notes.append(f"leave-one-out at b_m {p.micro_batch}: {e}")
-    rows = []
-    for p in pts:
-        b = p.micro_batch
-        m_unc = predict_memory_bytes(sh, b, **kw)
-        t_unc = predict_step_time_s(sh, b, acc, **kw)
-        m_cal = predict_memory_bytes(sh, b, calibration=cal.memory, **kw)
-        t_cal = predict_step_time_s(sh, b, acc, efficiency=cal.efficiency, **kw)
-        lc = loo.get(b)
-        m_loo = predict_memory_bytes(sh, b, calibration=lc.memory, **kw) if lc else None
-        t_loo = predict_step_time_s(sh, b, acc, efficiency=lc.efficiency, **kw) if lc else None
-        rows.append(
-            {
-                "micro_batch": b,
-                "rows": b * meas.seq,
-                "memory_measured": p.peak_memory_bytes,
-                "memory_uncal": m_unc,
-                "memory_uncal_err": _err(m_unc, p.peak_memory_bytes),
-                "memory_cal": m_cal,
-                "memory_cal_err": _err(m_cal, p.peak_memory_bytes),
-                "memory_loo": m_loo,
-                "memory_loo_err": _err(m_loo, p.peak_memory_bytes),
-                "step_measured": p.step_time_s,
-                "step_uncal": t_unc,
-                "step_uncal_err": _err(t_unc, p.step_time_s),
-                "step_cal": t_cal,
-                "step_cal_err": _err(t_cal, p.step_time_s),
-                "step_loo": t_loo,
-                "step_loo_err": _err(t_loo, p.step_time_s),
-            }
-        )
-    return Validation(
-        measurements=meas,
-        accelerator=acc,
-        fit_on=small,
-        calibration=cal,
-        points=tuple(rows),
-        notes=tuple(notes),
     )

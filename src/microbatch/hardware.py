@@ -15,11 +15,18 @@ H100 SXM die with more memory (132).
 Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total
 to ``torch.cuda.mem_get_info``; the CUDA context takes a few hundred MiB more): the planner keeps
 a headroom fraction free for that reason.
+
+A CPU has no row: :func:`cpu_accelerator` builds one from figures given, :func:`measure_cpu` from a
+quick fp32 matmul and copy timed here (the only function in this module besides
+:func:`detect_local` that imports torch, when called).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 
 from .errors import ConfigError, check_non_negative
 
@@ -31,7 +38,10 @@ __all__ = [
     "parse_gpus",
     "parse_overrides",
     "from_device_name",
+    "match_accelerator",
     "detect_local",
+    "cpu_accelerator",
+    "measure_cpu",
 ]
 
 GiB = 1024**3
@@ -256,6 +266,35 @@ def from_device_name(device_name: str, total_memory_bytes: float | None = None) 
     return None
 
 
+def match_accelerator(name: str) -> str | None:
+    """The registry name of a device name such as ``NVIDIA H200`` or ``NVIDIA A100-SXM4-80GB``; None if unknown.
+
+    From the name alone (a saved file's ``device_name``): an A100's size comes from the name, where
+    :func:`from_device_name` uses the memory torch reports.
+    """
+    n = name.lower().replace("nvidia", "").replace("amd instinct", "").strip()
+    if not n or n in ("cpu", "cuda", "gpu") or n.startswith("cuda:"):
+        return None
+    if n in ACCELERATORS:
+        return n
+    for key, pattern in (
+        ("h200", r"h200"),
+        ("h100-pcie", r"h100.*pcie"),
+        ("h100-sxm", r"h100"),
+        ("a100-40gb", r"a100.*40"),
+        ("a100-80gb", r"a100"),
+        ("b200", r"b200"),
+        ("l4", r"\bl4\b"),
+        ("mi300x", r"mi300"),
+    ):
+        if re.search(pattern, n):
+            return key
+    return None
+
+
+# -- the analytic predictions ----------------------------------------------------------------------
+
+
 def detect_local() -> Accelerator | None:
     """The accelerator of CUDA device 0 (imports torch), or None without CUDA or for an unknown device."""
     import torch
@@ -264,3 +303,82 @@ def detect_local() -> Accelerator | None:
         return None
     props = torch.cuda.get_device_properties(0)
     return from_device_name(props.name, props.total_memory)
+
+
+# -- the CPU ---------------------------------------------------------------------------------------
+def cpu_accelerator(
+    *, flops_per_s: float, bytes_per_s: float, memory_bytes: float | None = None, source: str = ""
+) -> Accelerator:
+    """An :class:`Accelerator` for this CPU: one peak for every dtype, one bandwidth for everything.
+
+    Nominal figures: the calibrated efficiency is relative to ``flops_per_s`` and absorbs its choice.
+    """
+    if memory_bytes is None:
+        memory_bytes = _mem_total_bytes()
+    return Accelerator(
+        name="cpu",
+        peak_flops={"bf16": flops_per_s, "fp16": flops_per_s, "fp32": flops_per_s},
+        memory_bytes=memory_bytes,
+        memory_bandwidth_bytes_per_s=bytes_per_s,
+        intra_node_bytes_per_s=bytes_per_s,
+        inter_node_bytes_per_s=bytes_per_s,
+        gpus_per_node=1,
+        source=source or "nominal CPU figures",
+    )
+
+
+def _mem_total_bytes() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(16 * 2**30)  # a placeholder capacity where /proc is absent; only "fits" uses it
+
+
+def measure_cpu(*, n: int = 1024, repeats: int = 5, threads: int | None = None) -> Accelerator:
+    """This CPU as an Accelerator: the best of ``repeats`` n×n fp32 matmuls (2n³ FLOPs) with torch's
+    default threads (or ``threads``), and the best of ``repeats`` copies of a 64 MiB tensor (read + write).
+
+    Quick (well under a second) and noisy on a shared machine; the calibration absorbs the choice.
+    """
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _measure_cpu(torch, time, n, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_cpu(torch, time, n: int, repeats: int) -> Accelerator:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    flops = 2.0 * n**3 / best
+    x = torch.empty(16 * 2**20)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best_c = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best_c = min(best_c, time.perf_counter() - t0)
+    bw = 2.0 * x.numel() * 4 / best_c
+    return cpu_accelerator(
+        flops_per_s=flops,
+        bytes_per_s=bw,
+        source=(
+            f"measured here: {n}x{n} fp32 matmul {flops / 1e9:.1f} GFLOP/s, 64 MiB copy "
+            f"{bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)"
+        ),
+    )

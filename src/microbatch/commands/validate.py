@@ -114,47 +114,17 @@ def cmd(
     matmul peak and copy bandwidth, which the calibrated efficiency absorbs. Targets: memory
     within 5%, step time within 10% at the largest b_m.
     """
-    from ..calibrate import (
-        cover_measurements,
-        cpu_accelerator,
-        match_accelerator,
-        measure_cpu,
-        read_measurements,
-        validate,
-    )
-    from ..errors import ConfigError
-    from ..hardware import get_accelerator
+    from ..validation import validate_result
 
     shape = resolve_model(model_spec) if any(model_spec.get(k) is not None for k in MODEL_FLAGS) else None
-    key = "peak_allocated_bytes" if memory == "allocated" else "peak_memory_bytes"
-    meas = read_measurements(calibration, shape=shape, memory_key=key)
-    if gpu:
-        acc = get_accelerator(gpu)
-    elif meas.is_cuda:
-        name = match_accelerator(meas.device_name)
-        if name is None:
-            raise ConfigError(
-                f"{calibration}: device {meas.device_name or meas.device!r} is not in the accelerator table; "
-                "give --gpu NAME (e.g. h100-sxm)"
-            )
-        acc = get_accelerator(name)
-    elif cpu_peak_gflops and cpu_bandwidth_gbs:
-        acc = cpu_accelerator(
-            flops_per_s=cpu_peak_gflops * 1e9,
-            bytes_per_s=cpu_bandwidth_gbs * 1e9,
-            source=f"given: {cpu_peak_gflops:g} GFLOP/s, {cpu_bandwidth_gbs:g} GB/s",
-        )
-    else:
-        acc = measure_cpu(threads=cpu_threads)
-        if cpu_peak_gflops or cpu_bandwidth_gbs:
-            acc = cpu_accelerator(
-                flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops else acc.flops("fp32"),
-                bytes_per_s=(cpu_bandwidth_gbs * 1e9)
-                if cpu_bandwidth_gbs
-                else acc.memory_bandwidth_bytes_per_s,
-                source=acc.source + " (partly overridden)",
-            )
-    if acc.name == "cpu":
-        acc, _ = cover_measurements(acc, meas)
-    result = validate(meas, acc, fit_on=fit_on).to_dict()
+    result = validate_result(
+        calibration,
+        shape=shape,
+        memory_key="peak_allocated_bytes" if memory == "allocated" else "peak_memory_bytes",
+        gpu=gpu,
+        fit_on=fit_on,
+        cpu_peak_gflops=cpu_peak_gflops,
+        cpu_bandwidth_gbs=cpu_bandwidth_gbs,
+        cpu_threads=cpu_threads,
+    )
     emit(result, as_json, lambda: render_validation(result))

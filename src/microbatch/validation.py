@@ -1,0 +1,320 @@
+"""Predicted against measured: how far the planner is from the points a calibration came from.
+
+Each measured point is predicted three ways (:func:`validate`): **uncalibrated** (the analytic
+model alone), **calibrated on the smallest probes** only (the figure that matters: can a few
+cheap probes predict the largest b_m?) and **leave-one-out** (calibrated on every other point),
+with signed relative errors ``(predicted − measured) / measured``. The fits themselves are
+:mod:`microbatch.calibrate`; the targets are issue 7's, at the largest probed b_m.
+
+:func:`validate_result` is the whole of ``microbatch validate --json`` as one call: it chooses
+the accelerator the step times are predicted for (:func:`validation_accelerator`) the way the
+command does.
+
+Pure Python: no torch, except where :func:`validation_accelerator` measures this CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .calibrate import (
+    MIN_POINTS,
+    Calibration,
+    Measurements,
+    _need,
+    calibrate,
+    cover_measurements,
+    predict_memory_bytes,
+    predict_step_time_s,
+    read_measurements,
+)
+from .errors import ConfigError
+from .hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator, measure_cpu
+from .model import ModelShape
+
+__all__ = [
+    "DEFAULT_FIT_ON",
+    "MEMORY_TARGET",
+    "STEP_TARGET",
+    "Validation",
+    "validate",
+    "validation_accelerator",
+    "validate_result",
+]
+
+DEFAULT_FIT_ON = 3
+"""``validate`` calibrates on the smallest this many probes (e.g. b_m 1, 2, 4) and predicts the rest."""
+MEMORY_TARGET = 0.05
+"""Issue 7's goal for calibrated peak memory at the largest probed b_m: within 5%."""
+STEP_TARGET = 0.10
+"""Issue 7's goal for calibrated step time at the largest probed b_m: within 10%."""
+
+
+def _err(pred: float | None, meas: float | None) -> float | None:
+    if pred is None or meas is None or meas == 0:
+        return None
+    return (pred - meas) / meas
+
+
+@dataclass(frozen=True, kw_only=True)
+class Validation:
+    """Each measured point predicted uncalibrated, from the smallest probes, and leave-one-out."""
+
+    measurements: Measurements
+    """The points."""
+    accelerator: Accelerator
+    """The device the step times are predicted for."""
+    fit_on: tuple[int, ...]
+    """b_m of the smallest probes the "calibrated" predictions use."""
+    calibration: Calibration
+    """The calibration from ``fit_on``."""
+    points: tuple[dict[str, Any], ...]
+    """Per b_m, in bytes and seconds: measured, uncal, cal (smallest probes), loo; their errors."""
+    notes: tuple[str, ...] = ()
+    """Warnings (too few points for leave-one-out, clamps)."""
+
+    def largest(self) -> dict[str, Any]:
+        return self.points[-1]
+
+    def errors(self) -> dict[str, Any]:
+        """Signed relative errors at the largest b_m, the worst |leave-one-out| errors, and the targets met."""
+        last = self.largest()
+
+        def worst(key: str) -> float | None:
+            vals = [p[key] for p in self.points if p.get(key) is not None]
+            return max(vals, key=abs) if vals else None
+
+        return {
+            "largest_micro_batch": last["micro_batch"],
+            "memory_uncalibrated": last["memory_uncal_err"],
+            "memory_calibrated": last["memory_cal_err"],
+            "step_uncalibrated": last["step_uncal_err"],
+            "step_calibrated": last["step_cal_err"],
+            "memory_loo_worst": worst("memory_loo_err"),
+            "step_loo_worst": worst("step_loo_err"),
+            "memory_target": MEMORY_TARGET,
+            "step_target": STEP_TARGET,
+            "memory_met": last["memory_cal_err"] is not None and abs(last["memory_cal_err"]) <= MEMORY_TARGET,
+            "step_met": last["step_cal_err"] is not None and abs(last["step_cal_err"]) <= STEP_TARGET,
+        }
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Flat rows for a table: MiB, ms and % with short keys."""
+        out = []
+        for p in self.points:
+
+            def mib(k: str, p: dict = p) -> float | None:
+                return None if p[k] is None else round(p[k] / 2**20, 1)
+
+            def ms(k: str, p: dict = p) -> float | None:
+                return None if p[k] is None else round(p[k] * 1e3, 3)
+
+            def pct(k: str, p: dict = p) -> float | None:
+                return None if p[k] is None else round(100 * p[k], 1)
+
+            out.append(
+                {
+                    "micro_batch": p["micro_batch"],
+                    "fit": "probe" if p["micro_batch"] in self.fit_on else "",
+                    "mem_MiB": mib("memory_measured"),
+                    "mem_uncal_MiB": mib("memory_uncal"),
+                    "mem_uncal_err_%": pct("memory_uncal_err"),
+                    "mem_cal_MiB": mib("memory_cal"),
+                    "mem_cal_err_%": pct("memory_cal_err"),
+                    "mem_loo_err_%": pct("memory_loo_err"),
+                    "step_ms": ms("step_measured"),
+                    "step_uncal_ms": ms("step_uncal"),
+                    "step_uncal_err_%": pct("step_uncal_err"),
+                    "step_cal_ms": ms("step_cal"),
+                    "step_cal_err_%": pct("step_cal_err"),
+                    "step_loo_err_%": pct("step_loo_err"),
+                }
+            )
+        return out
+
+    def summary(self) -> str:
+        e = self.errors()
+
+        def f(x: float | None) -> str:
+            return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+        return (
+            f"{self.measurements.model} s={self.measurements.seq} {self.measurements.precision} on "
+            f"{self.measurements.device_name or self.measurements.device}: calibrated on b_m "
+            f"{', '.join(map(str, self.fit_on))}, at the largest b_m {e['largest_micro_batch']} memory "
+            f"{f(e['memory_calibrated'])} (uncalibrated {f(e['memory_uncalibrated'])}; target ±{100 * MEMORY_TARGET:.0f}%: "
+            f"{'met' if e['memory_met'] else 'NOT met'}), step time {f(e['step_calibrated'])} (uncalibrated "
+            f"{f(e['step_uncalibrated'])}; target ±{100 * STEP_TARGET:.0f}%: {'met' if e['step_met'] else 'NOT met'}); "
+            f"worst leave-one-out: memory {f(e['memory_loo_worst'])}, step {f(e['step_loo_worst'])}"
+        )
+
+    def to_dict(self) -> dict:
+        m = self.measurements
+        return {
+            "kind": "validate",
+            "model": m.model,
+            "seq": m.seq,
+            "precision": m.precision,
+            "checkpointing": m.checkpointing,
+            "device": m.device,
+            "device_name": m.device_name,
+            "memory_key": m.memory_key,
+            "time_key": m.time_key,
+            "accelerator": {
+                "name": self.accelerator.name,
+                "peak_flops": self.accelerator.peak_flops,
+                "memory_bandwidth_bytes_per_s": self.accelerator.memory_bandwidth_bytes_per_s,
+                "source": self.accelerator.source,
+            },
+            "fit_on": list(self.fit_on),
+            "oom": list(m.oom),
+            "rows": self.rows(),
+            "summary": self.summary(),
+            "errors": self.errors(),
+            "points": [dict(p) for p in self.points],
+            "calibration": self.calibration.to_dict(),
+            "warnings": list(self.notes),
+        }
+
+
+def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_ON) -> Validation:
+    """Predict every point uncalibrated, from the smallest ``fit_on`` probes, and leave-one-out.
+
+    The smallest-probes fit uses min(fit_on, n − 1) points so that at least the largest is predicted;
+    needs 3 points (2 to fit, 1 to predict) and says how many more otherwise.
+    """
+    pts = [p for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None]
+    have = [p.micro_batch for p in pts]
+    _need("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
+    if fit_on < MIN_POINTS:
+        raise ConfigError(f"--fit-on {fit_on} must be at least {MIN_POINTS}: a line has two parameters")
+    k = min(fit_on, len(pts) - 1)
+    small = tuple(have[:k])
+    notes = list(meas.notes)
+    if k < fit_on:
+        notes.append(f"only {len(pts)} points: calibrated on the smallest {k}, not {fit_on}")
+    sh, kw = meas.shape, dict(seq=meas.seq, precision=meas.precision, checkpointing=meas.checkpointing)
+    cal = calibrate(meas, acc, micro_batches=small)
+    notes += [n for n in cal.notes if n not in notes]
+    loo: dict[int, Calibration] = {}
+    for p in pts:
+        try:
+            loo[p.micro_batch] = calibrate(meas, acc, micro_batches=[b for b in have if b != p.micro_batch])
+        except ConfigError as e:  # e.g. memory flat without this point
+            notes.append(f"leave-one-out at b_m {p.micro_batch}: {e}")
+    rows = []
+    for p in pts:
+        b = p.micro_batch
+        m_unc = predict_memory_bytes(sh, b, **kw)
+        t_unc = predict_step_time_s(sh, b, acc, **kw)
+        m_cal = predict_memory_bytes(sh, b, calibration=cal.memory, **kw)
+        t_cal = predict_step_time_s(sh, b, acc, efficiency=cal.efficiency, **kw)
+        lc = loo.get(b)
+        m_loo = predict_memory_bytes(sh, b, calibration=lc.memory, **kw) if lc else None
+        t_loo = predict_step_time_s(sh, b, acc, efficiency=lc.efficiency, **kw) if lc else None
+        rows.append(
+            {
+                "micro_batch": b,
+                "rows": b * meas.seq,
+                "memory_measured": p.peak_memory_bytes,
+                "memory_uncal": m_unc,
+                "memory_uncal_err": _err(m_unc, p.peak_memory_bytes),
+                "memory_cal": m_cal,
+                "memory_cal_err": _err(m_cal, p.peak_memory_bytes),
+                "memory_loo": m_loo,
+                "memory_loo_err": _err(m_loo, p.peak_memory_bytes),
+                "step_measured": p.step_time_s,
+                "step_uncal": t_unc,
+                "step_uncal_err": _err(t_unc, p.step_time_s),
+                "step_cal": t_cal,
+                "step_cal_err": _err(t_cal, p.step_time_s),
+                "step_loo": t_loo,
+                "step_loo_err": _err(t_loo, p.step_time_s),
+            }
+        )
+    return Validation(
+        measurements=meas,
+        accelerator=acc,
+        fit_on=small,
+        calibration=cal,
+        points=tuple(rows),
+        notes=tuple(notes),
+    )
+
+
+def validation_accelerator(
+    meas: Measurements,
+    *,
+    gpu: str | None = None,
+    cpu_peak_gflops: float | None = None,
+    cpu_bandwidth_gbs: float | None = None,
+    cpu_threads: int | None = None,
+) -> Accelerator:
+    """The accelerator ``validate`` predicts ``meas``'s step times for.
+
+    ``gpu`` (a registry name) when given; else the GPU the points name (:class:`ConfigError` when
+    the table lacks it); else this CPU: the peak and bandwidth given, or measured now
+    (:func:`~microbatch.hardware.measure_cpu`, with either figure given replacing the measured one),
+    raised by :func:`~microbatch.calibrate.cover_measurements` where a point is faster than it allows.
+    """
+    if gpu:
+        acc = get_accelerator(gpu)
+    elif meas.is_cuda:
+        name = match_accelerator(meas.device_name)
+        if name is None:
+            raise ConfigError(
+                f"{meas.source}: device {meas.device_name or meas.device!r} is not in the accelerator table; "
+                "give --gpu NAME (e.g. h100-sxm)"
+            )
+        acc = get_accelerator(name)
+    elif cpu_peak_gflops and cpu_bandwidth_gbs:
+        acc = cpu_accelerator(
+            flops_per_s=cpu_peak_gflops * 1e9,
+            bytes_per_s=cpu_bandwidth_gbs * 1e9,
+            source=f"given: {cpu_peak_gflops:g} GFLOP/s, {cpu_bandwidth_gbs:g} GB/s",
+        )
+    else:
+        acc = measure_cpu(threads=cpu_threads)
+        if cpu_peak_gflops or cpu_bandwidth_gbs:
+            acc = cpu_accelerator(
+                flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops else acc.flops("fp32"),
+                bytes_per_s=(cpu_bandwidth_gbs * 1e9)
+                if cpu_bandwidth_gbs
+                else acc.memory_bandwidth_bytes_per_s,
+                source=acc.source + " (partly overridden)",
+            )
+    if acc.name == "cpu":
+        acc, _ = cover_measurements(acc, meas)
+    return acc
+
+
+def validate_result(
+    tune_result: str | Path | dict | list,
+    *,
+    shape: ModelShape | None = None,
+    memory_key: str = "peak_memory_bytes",
+    gpu: str | None = None,
+    fit_on: int = DEFAULT_FIT_ON,
+    cpu_peak_gflops: float | None = None,
+    cpu_bandwidth_gbs: float | None = None,
+    cpu_threads: int | None = None,
+) -> dict:
+    """What ``microbatch validate --calibration FILE --json`` prints, for a tune result (a loaded
+    ``result.json`` dict, or its path): :func:`~microbatch.calibrate.read_measurements`,
+    :func:`validation_accelerator`, :func:`validate`, :meth:`Validation.to_dict` (``rows``,
+    ``summary``, ``errors``, ...). The keywords are the command's options.
+
+    On the CPU without both figures given the accelerator is measured now, so step-time
+    predictions vary from call to call; raises :class:`ConfigError` for too few points.
+    """
+    meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
+    acc = validation_accelerator(
+        meas,
+        gpu=gpu,
+        cpu_peak_gflops=cpu_peak_gflops,
+        cpu_bandwidth_gbs=cpu_bandwidth_gbs,
+        cpu_threads=cpu_threads,
+    )
+    return validate(meas, acc, fit_on=fit_on).to_dict()
