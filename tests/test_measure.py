@@ -222,6 +222,7 @@ def test_ddp_two_gloo_processes_synchronised(tmp_path, wrap):
     assert r0["micro_batch"] == r1["micro_batch"]
     assert r0["data_parallel"] == 2
     assert r0["oom_events"] == 1
+    assert r0["model"] == "GPT"
 
 
 # -- CUDA (skipped on the CPU; run by bench/gpu.sh) ----------------------------------------

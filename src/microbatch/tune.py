@@ -366,6 +366,13 @@ def device_name(device: str) -> str:
     return platform.processor() or "cpu"
 
 
+def _class_name(model) -> str:
+    """The user's class name (FSDP2's ``fully_shard`` swaps in a subclass named ``FSDP<name>``)."""
+    name = type(model).__name__
+    bases = {b.__name__ for b in type(model).__mro__[1:]}
+    return name[4:] if name.startswith("FSDP") and name[4:] in bases else name
+
+
 def module_fingerprint(model) -> str:
     """A hash of a module's structure: its class, repr and parameter shapes and dtypes."""
     h = hashlib.sha256(type(model).__name__.encode())
@@ -769,7 +776,7 @@ def tune(
     return _run(
         InProcessProber(probe),
         fingerprint_fields=fp,
-        model_label=type(inner).__name__,
+        model_label=_class_name(inner),
         seq=None,
         mode="train",
         device=device.type,
