@@ -553,7 +553,10 @@ def tune_model(
     default: the shape's). On the CPU each probe runs in a child process under a hard memory
     limit (``memory_budget_bytes``, or 80% of the available memory); ``in_process=True`` probes
     in this process instead (faster to start, no protection). On CUDA probes run in this process
-    and OOM is caught by type.
+    and OOM is caught by type. ``threads`` sets torch's threads in the child only (this process's
+    setting is left alone). With no budget the search uses the device's total memory on CUDA and
+    80% of the available memory on the CPU (the child's hard limit); ``memory_budget_source``
+    in the result says which. ``patience``: flat doublings in a row that stop the search.
     """
     from .measure import ChildProber, InProcessProber, ProbeSpec, build_probe
     from .model import ModelShape, get_model
