@@ -41,7 +41,7 @@ run() {
 
 # == 1. environment ==========================================================================
 log "section 1: environment"
-"$PY" - >"$OUT/env.json" 2>&1 <<'PYEOF'
+"$PY" - >"$OUT/env.json" 2>"$OUT/env.err" <<'PYEOF'
 import json, sys, importlib.util
 d = {"python": sys.version.split()[0]}
 for m in ("torch", "transformers", "lightning", "accelerate", "pytest", "pytest_timeout", "hypothesis", "numpy", "click", "rich"):
