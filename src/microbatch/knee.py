@@ -29,8 +29,9 @@ asks ("how much throughput do I give up?") in one number, it is insensitive to h
 curve was sampled, and it handles falling curves directly. Why 15%: (1) the seed's own worked
 example calls b_m = 8 the knee at 5000 of a best 5600 tokens/s, i.e. 10.7% below the best, so τ
 must exceed 0.107 to reproduce it (0.10 would pick 16); (2) repeated timings on a shared
-machine spread by a few per cent (``BENCHMARKS.md``), so τ must be several times the noise for
-the choice to be stable from run to run; (3) past the knee each doubling of b_m doubles the
+machine differ by a few per cent (``BENCHMARKS.md``, "Measure: tune": 1–13% between two runs
+of the same probe, median 6%), so τ must be well above the noise for the choice to be stable from
+run to run; (3) past the knee each doubling of b_m doubles the
 activation memory for a gain of ~10% or less, and that memory is worth more as headroom,
 longer sequences or less recomputation. With τ = 0.15 both rules pick 8 on the seed curve.
 Ask for ``--tolerance 0.05`` to favour throughput.
