@@ -68,8 +68,12 @@ def cmd(out_dir, model_name, quick, as_json):
     t_start = time.perf_counter()
 
     # 1. Measure: the throughput and memory curve of a built-in model, training and decoding.
+    from ..measure import TimingConfig
     from ..tune import tune_model
 
+    # One thread and the probe's own CPU time: steady numbers on a small or shared machine
+    # (several threads on two busy cores can run many times slower than one).
+    timing = TimingConfig(clock="process", max_time_s=2.0 if quick else 4.0)
     max_b = 16 if quick else 64
     for mode in ("train", "decode"):
         t0 = _step(
@@ -80,7 +84,9 @@ def cmd(out_dir, model_name, quick, as_json):
             mode=mode,
             device="cpu",
             max_micro_batch=max_b,
-            memory_budget_bytes=8 * 2**30,
+            threads=1,
+            timing=timing,
+            memory_budget_bytes=4 * 2**30,
             use_cache=False,
         )
         d = res.to_dict()
@@ -169,14 +175,17 @@ def cmd(out_dir, model_name, quick, as_json):
     _done(quiet, t0, "same bubble; GPipe holds m micro-batches per stage, 1F1B min(m, p−i)")
 
     # 4. Run: a real 2-stage pipeline on torch.distributed.pipelining (gloo, 2 processes).
-    t0 = _step(quiet, "run a real 2-stage 1F1B pipeline (gloo, 2 processes), m = 4, gradients checked")
+    t0 = _step(
+        quiet,
+        f"run a real 2-stage 1F1B pipeline of {model_name} (gloo, 2 processes), m = 4, gradients checked",
+    )
     from ..launch import run_pipeline
     from ..pipeline import PipelineConfig
 
     try:
         pr = run_pipeline(
             PipelineConfig(
-                schedule="1f1b", stages=2, microbatches=4, model="tiny", steps=2, check_gradients=True
+                schedule="1f1b", stages=2, microbatches=4, model=model_name, steps=2, check_gradients=True
             )
         )
         _save(out, "pipeline.json", pr)
