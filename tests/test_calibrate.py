@@ -432,7 +432,8 @@ def test_validate_help_does_not_import_torch():
 def tiny_sweep():
     """b_m 1, 2, 4, 8 of the tiny model (s = 64, fp32) measured in a child process, as tune does."""
     pytest.importorskip("torch")
-    from microbatch.measure import ChildProber, ProbeSpec, TimingConfig
+    from microbatch.childprobe import ChildProber
+    from microbatch.measure import ProbeSpec, TimingConfig
 
     # the probe's CPU time where measure offers it: steady on a shared machine (one torch thread)
     clock = {"clock": "process"} if "clock" in TimingConfig.__dataclass_fields__ else {}

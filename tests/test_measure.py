@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from microbatch.childprobe import ChildProber
 from microbatch.errors import ConfigError
 from microbatch.measure import (
-    ChildProber,
     Measurement,
     ProbeSpec,
     TimingConfig,

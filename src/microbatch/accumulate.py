@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ._callable import make_module_callable
 from .errors import ConfigError, check_positive_int
 from .noise import grad_sq_norm
 
@@ -460,15 +461,4 @@ def _noise_update(noise: Any, small: Any, n_big: float, g_big_sq: float, group, 
         noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
 
 
-class _CallableModule(type(contextlib)):  # a ModuleType subclass
-    """Importing ``microbatch.accumulate`` binds the package attribute ``accumulate`` to this module,
-    hiding the function of the same name; making the module callable keeps
-    ``microbatch.accumulate(model, batch, loss_fn, micro_batch_size=...)`` working either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return accumulate(*args, **kwargs)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, "accumulate")

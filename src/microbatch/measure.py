@@ -36,9 +36,9 @@ libraries (about 0.2–0.4 GB); the per-sample slope does not.
 **Out of memory.** On CUDA, ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) is
 caught by type and everything is freed (gradients, the batch, caches, ``gc``, ``empty_cache``).
 On the CPU an allocation failure is a plain ``RuntimeError`` and an over-committed host kills
-the process outright, so the CLI's CPU probes run in a child process (``python -m
-microbatch.measure --worker``) under a hard address-space limit (``RLIMIT_AS``): see
-:class:`ChildProber`. Either way the point is recorded as out of memory and the search goes on.
+the process outright, so the CLI's CPU probes run in a child process under a hard address-space
+limit (``RLIMIT_AS``): see :class:`microbatch.childprobe.ChildProber`. Either way the point is
+recorded as out of memory and the search goes on.
 
 **Several processes.** When ``torch.distributed`` is initialised (DDP, FSDP under torchrun),
 probes are synchronised: the decision to stop repeating is taken together, an OOM on any rank
@@ -52,12 +52,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import select
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -65,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, MeasurementError
+from .errors import ConfigError
 
 __all__ = [
     "TimingConfig",
@@ -73,7 +68,6 @@ __all__ = [
     "ProbeSpec",
     "TrainProbe",
     "DecodeProbe",
-    "ChildProber",
     "InProcessProber",
     "time_until_stable",
     "peak_rss_bytes",
@@ -917,236 +911,8 @@ class InProcessProber:
         pass
 
 
-WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
-"""glibc settings in the child: few malloc arenas (each reserves 64 MiB of address space) and a
-fixed mmap threshold, so large tensors are mapped and unmapped one by one and the address space
-tracks the resident memory (RLIMIT_AS then acts as a limit on real memory)."""
-
-
-class ChildProber:
-    """CPU probes in a child process under a hard memory limit; a misprediction ends only the child.
-
-    The child (``python -m microbatch.measure --worker``, JSON lines over stdin/stdout) builds the
-    model, runs the setup step, measures its static memory (RSS after setup), then sets
-    ``RLIMIT_AS`` to its current address space plus ``limit_bytes − RSS``: the limit binds on real
-    memory to within the address space mapped but not resident (torch's import maps ~0.4 GB more
-    than it touches; that is already in the baseline). One child serves the probes in turn (the
-    peak RSS is reset before each); after an out-of-memory (a ``RuntimeError`` from the allocator
-    under the limit, or the child's death by a signal) the child is restarted.
-    """
-
-    def __init__(self, spec: ProbeSpec, *, limit_bytes: int | None = None, timeout_s: float = 600.0):
-        self.spec, self.limit_bytes, self.timeout_s = spec, limit_bytes, timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.static_bytes: int | None = None
-        self._stderr = None
-
-    def start(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        env = dict(os.environ, **WORKER_ENV)
-        src = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "microbatch.measure", "--worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        reply = self._ask({"op": "setup", "spec": self.spec.to_dict(), "limit_bytes": self.limit_bytes})
-        self.setup_reply = reply
-        if reply is None:
-            rc = self.proc.returncode if self.proc else None
-            self.close()
-            if rc is not None and rc < 0 and self.limit_bytes is not None:
-                reply = {"oom": True}
-            else:
-                raise MeasurementError(
-                    f"the probe process died during setup (exit {rc}): {self._stderr_tail()}"
-                )
-        if reply.get("config_error"):
-            self.close()
-            raise ConfigError(reply["config_error"])
-        if reply.get("oom"):
-            self.close()
-            raise ConfigError(
-                f"micro-batch 1 is already out of memory under the limit of {self.limit_bytes} bytes "
-                f"({(self.limit_bytes or 0) / 2**30:.2f} GiB) "
-                f"(the setup step needs more); turn activation checkpointing on, use a shorter --seq, "
-                "or raise --memory-budget"
-            )
-        if reply.get("error"):
-            self.close()
-            raise MeasurementError(f"the probe process failed during setup: {reply['error']}")
-        self.static_bytes = reply.get("static_bytes")
-
-    def ask(self, msg: dict) -> dict | None:
-        """Send one request to the running child; its reply, or None if it died."""
-        self.start()
-        return self._ask(msg)
-
-    def _ask(self, msg: dict) -> dict | None:
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            return None
-        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
-        if not ready:
-            self.close()
-            raise MeasurementError(f"the probe process gave no answer in {self.timeout_s:.0f} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=30)
-            return None
-        return json.loads(line)
-
-    def _stderr_tail(self) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace").strip()[-500:]
-
-    def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
-        self.start()
-        reply = self._ask({"op": "probe", "micro_batch": micro_batch, "checkpointing": checkpointing})
-        if reply is None:  # the child died: killed for memory (SIGKILL) or aborted by a failed allocation
-            rc = self.proc.returncode if self.proc else None
-            self.close()
-            if rc is not None and rc < 0:
-                return Measurement(
-                    micro_batch=micro_batch,
-                    oom=True,
-                    checkpointing=checkpointing,
-                    error=f"probe process killed by signal {-rc}",
-                    memory_method="vmhwm",
-                )
-            raise MeasurementError(f"the probe process died (exit {rc}): {self._stderr_tail()}")
-        if reply.get("error"):
-            raise MeasurementError(f"probe at micro-batch {micro_batch} failed: {reply['error']}")
-        m = Measurement.from_dict(reply["measurement"])
-        if m.oom:
-            self.close()  # a fresh child: the failed allocation may have left the heap fragmented
-        return m
-
-    def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                try:
-                    self.proc.stdin.close()
-                    self.proc.wait(timeout=10)
-                except (OSError, subprocess.TimeoutExpired):
-                    self.proc.kill()
-                    self.proc.wait()
-            self.proc = None
-
-
-def _worker() -> int:
-    """The child's loop: one JSON request per line on stdin, one JSON reply per line on stdout."""
-    import resource
-
-    out = sys.stdout
-    sys.stdout = sys.stderr  # nothing else may write to the protocol stream
-    probe = None
-    limited = False
-
-    def reply(d: dict) -> None:
-        out.write(json.dumps(d) + "\n")
-        out.flush()
-
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["op"] == "setup":
-                import torch
-
-                torch.manual_seed(0)
-                spec = ProbeSpec.from_dict(msg["spec"])
-                if spec.threads:
-                    torch.set_num_threads(spec.threads)
-                probe = build_probe(spec)
-                limit = msg.get("limit_bytes")
-                need = (
-                    current_rss_bytes()
-                    + static_bytes(probe)
-                    - sum(p.numel() * p.element_size() for p in probe.model.parameters())
-                )
-                if limit is not None and need > limit:
-                    reply(
-                        {
-                            "config_error": (
-                                f"memory budget {limit} bytes ({limit / 2**30:.2f} GiB) is below the model's static "
-                                f"memory: it needs at least {need} bytes ({need / 2**30:.2f} GiB: process, weights"
-                                + (", gradients and optimizer state" if spec.mode == "train" else "")
-                                + "); raise --memory-budget or choose a smaller model"
-                            )
-                        }
-                    )
-                    continue
-                ooms = oom_types()  # resolved before the limit: nothing lazy may allocate in an except clause
-                if limit is not None:
-                    room = limit - current_rss_bytes()
-                    resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
-                    limited = True
-                try:
-                    probe.setup(1)
-                except (RuntimeError, *ooms) as e:
-                    if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, ooms):
-                        raise
-                    reply({"oom": True, "error": _short(e)})
-                    continue
-                reply({"static_bytes": need, "rss_after_setup": current_rss_bytes()})
-            elif msg["op"] == "alloc":  # a known allocation, to check the peak-memory method
-                import torch
-
-                reset_peak_rss()
-                before = peak_rss_bytes()
-                t = torch.ones(int(msg["bytes"]) // 4, dtype=torch.float32)
-                t += 1  # touch every page
-                reply({"peak_delta_bytes": peak_rss_bytes() - before, "allocated_bytes": t.numel() * 4})
-                del t
-            elif msg["op"] == "probe":
-                probe.set_checkpointing(bool(msg.get("checkpointing")))
-                try:
-                    m = probe.measure(int(msg["micro_batch"]))
-                except RuntimeError as e:
-                    if not limited:
-                        raise
-                    # Under RLIMIT_AS the CPU allocator's failure is a plain RuntimeError: the only
-                    # change from a working probe is b_m, so it is recorded as out of memory.
-                    gc.collect()
-                    m = Measurement(
-                        micro_batch=int(msg["micro_batch"]),
-                        oom=True,
-                        memory_method="vmhwm",
-                        checkpointing=probe.checkpointing,
-                        error=_short(e),
-                    )
-                reply({"measurement": m.to_dict()})
-        except ConfigError as e:
-            reply({"config_error": str(e)})
-        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-            import traceback
-
-            traceback.print_exc(file=sys.stderr)
-            reply({"error": _short(e)})
-    return 0
-
-
 def measure_once(spec: ProbeSpec, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
     """One probe of ``spec`` in this process (for scripts and tests)."""
     probe = build_probe(spec)
     probe.set_checkpointing(checkpointing)
     return probe.measure(micro_batch)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        sys.exit(_worker())
-    print("usage: python -m microbatch.measure --worker   (started by microbatch tune)", file=sys.stderr)
-    sys.exit(2)

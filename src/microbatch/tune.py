@@ -31,13 +31,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._callable import make_module_callable
 from .errors import ConfigError, check_positive_int
 from .knee import (
     DEFAULT_HEADROOM,
@@ -558,7 +558,8 @@ def tune_model(
     80% of the available memory on the CPU (the child's hard limit); ``memory_budget_source``
     in the result says which. ``patience``: flat doublings in a row that stop the search.
     """
-    from .measure import ChildProber, InProcessProber, ProbeSpec, build_probe
+    from .childprobe import ChildProber
+    from .measure import InProcessProber, ProbeSpec, build_probe
     from .model import ModelShape, get_model
 
     t_start = time.perf_counter()
@@ -803,13 +804,4 @@ def tune(
     )
 
 
-class _CallableModule(sys.modules[__name__].__class__):
-    """``microbatch.tune`` is both this module and its main function: once the submodule is
-    imported, Python binds the package attribute ``tune`` to the module, so the module forwards
-    calls to :func:`tune` and ``microbatch.tune(model, make_batch, ...)`` works either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> TuneResult:
-        return tune(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, "tune")
