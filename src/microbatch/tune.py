@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ._callable import make_module_callable
+from ._json import dumps
 from .errors import ConfigError, check_positive_int
 from .knee import (
     DEFAULT_HEADROOM,
@@ -296,23 +297,8 @@ class TuneResult:
         p = Path(out_dir)
         p.mkdir(parents=True, exist_ok=True)
         path = p / "result.json"
-        path.write_text(_dumps(self.to_dict()))
+        path.write_text(dumps(self.to_dict()))
         return path
-
-
-def _dumps(obj: Any) -> str:
-    import math
-
-    def clean(o):
-        if isinstance(o, float):
-            return o if math.isfinite(o) else None
-        if isinstance(o, dict):
-            return {str(k): clean(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        return o
-
-    return json.dumps(clean(obj), indent=2)
 
 
 # -- cache ---------------------------------------------------------------------------
@@ -343,7 +329,7 @@ def _cache_save(key: str, fields: dict, points: dict[tuple[int, bool], Measureme
     try:
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f"tune-{key}.json.tmp"
-        tmp.write_text(_dumps({"key": fields, "points": [m.to_dict() for m in points.values()]}))
+        tmp.write_text(dumps({"key": fields, "points": [m.to_dict() for m in points.values()]}))
         tmp.replace(d / f"tune-{key}.json")
     except OSError:
         pass  # a cache that cannot be written is not an error

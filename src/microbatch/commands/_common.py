@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable
 from typing import Any
 
 import click
+
+from .._json import dumps
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 
@@ -47,21 +47,6 @@ def precision_options(f: Callable) -> Callable:
     for opt in reversed(opts):
         f = opt(f)
     return f
-
-
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
-
-
-def dumps(obj: Any) -> str:
-    """JSON text of ``obj`` with non-finite floats as null (valid JSON for every parser)."""
-    return json.dumps(_clean(obj), indent=2, allow_nan=False)
 
 
 def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:

@@ -10,15 +10,38 @@ import io
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..errors import ConfigError
 from ._common import emit, json_option
 
+CHOICE_FLAGS = (
+    "memory_budget",
+    "headroom",
+    "max_latency_ms",
+    "rule",
+    "tolerance",
+    "global_batch",
+    "data_parallel",
+)
+"""Parameters :func:`choice_options` adds; the command receives them as one dict, ``choice_spec``."""
+
 
 def choice_options(f: Callable) -> Callable:
-    """The options that turn a curve into a choice (shared by ``tune`` and ``recommend``)."""
+    """The options that turn a curve into a choice (shared by ``tune`` and ``recommend``).
+
+    The command receives one keyword argument ``choice_spec`` (a dict of the seven values) and
+    passes it to :func:`choice_kwargs`.
+    """
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["choice_spec"] = {k: kwargs.pop(k, None) for k in CHOICE_FLAGS}
+        return f(*args, **kwargs)
+
     opts = [
         click.option(
             "--memory-budget",
@@ -51,24 +74,23 @@ def choice_options(f: Callable) -> Callable:
         ),
     ]
     for opt in reversed(opts):
-        f = opt(f)
-    return f
+        wrapper = opt(wrapper)
+    return wrapper
 
 
-def choice_kwargs(
-    memory_budget, headroom, max_latency_ms, rule, tolerance, global_batch, data_parallel
-) -> dict:
-    """Keyword arguments of :func:`microbatch.knee.recommend` from the shared options."""
+def choice_kwargs(choice_spec: dict) -> dict:
+    """Keyword arguments of :func:`microbatch.knee.recommend` from the shared options (``choice_spec``)."""
     from ..knee import DEFAULT_HEADROOM, parse_bytes
 
+    memory_budget, headroom = choice_spec["memory_budget"], choice_spec["headroom"]
     return dict(
         memory_budget_bytes=parse_bytes(memory_budget) if memory_budget is not None else None,
         headroom=DEFAULT_HEADROOM if headroom is None else headroom,
-        max_latency_ms=max_latency_ms,
-        rule=rule,
-        tolerance=tolerance,
-        global_batch=global_batch,
-        data_parallel=data_parallel,
+        max_latency_ms=choice_spec["max_latency_ms"],
+        rule=choice_spec["rule"],
+        tolerance=choice_spec["tolerance"],
+        global_batch=choice_spec["global_batch"],
+        data_parallel=choice_spec["data_parallel"],
     )
 
 
@@ -176,17 +198,7 @@ def read_measurements(path: str) -> list[dict]:
 )
 @choice_options
 @json_option
-def cmd(
-    measurements,
-    memory_budget,
-    headroom,
-    max_latency_ms,
-    rule,
-    tolerance,
-    global_batch,
-    data_parallel,
-    as_json,
-):
+def cmd(measurements, choice_spec, as_json):
     """Pick the knee b_m from measurements made anywhere.
 
     \b
@@ -198,12 +210,7 @@ def cmd(
 
     rows = read_measurements(measurements)
     points = points_from_records(rows, source=measurements)
-    rec = recommend(
-        points,
-        **choice_kwargs(
-            memory_budget, headroom, max_latency_ms, rule, tolerance, global_batch, data_parallel
-        ),
-    )
+    rec = recommend(points, **choice_kwargs(choice_spec))
     d = rec.to_dict()
     pts = [
         {

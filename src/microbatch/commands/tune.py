@@ -85,13 +85,7 @@ def cmd(
     clock,
     threads,
     no_cache,
-    memory_budget,
-    headroom,
-    max_latency_ms,
-    rule,
-    tolerance,
-    global_batch,
-    data_parallel,
+    choice_spec,
     as_json,
 ):
     """Measure the throughput curve of a model and choose b_m at its knee.
@@ -111,7 +105,7 @@ def cmd(
     from ..tune import CPU_TIMING, CUDA_TIMING, tune_model
     from ._common import resolve_model
 
-    kw = choice_kwargs(memory_budget, headroom, max_latency_ms, rule, tolerance, global_batch, data_parallel)
+    kw = choice_kwargs(choice_spec)
     shape_flags = any(
         model_spec.get(k) is not None
         for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
