@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -57,6 +57,21 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
         click.echo(render())
 
 
+def option_group(f: Callable, key: str, names: Sequence[str], opts: Sequence[Callable]) -> Callable:
+    """Add the click options ``opts`` to the command ``f``, which receives the values of the
+    parameters ``names`` as one keyword argument ``key`` (a dict) instead of one each."""
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs[key] = {k: kwargs.pop(k, None) for k in names}
+        return f(*args, **kwargs)
+
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
 MODEL_FLAGS = ("model", "hf_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq")
 """Parameters :func:`model_options` adds; the command receives them as one dict, ``model_spec``."""
 
@@ -72,13 +87,6 @@ def model_options(f: Callable) -> Callable:
         def cmd(model_spec, ...):
             shape = resolve_model(model_spec, default="small")
     """
-    import functools
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        kwargs["model_spec"] = {k: kwargs.pop(k, None) for k in MODEL_FLAGS}
-        return f(*args, **kwargs)
-
     opts = [
         click.option(
             "--model", "model", help="A registry model name (gpt2, llama-2-7b, megatron-530b, tiny, ...)."
@@ -94,9 +102,7 @@ def model_options(f: Callable) -> Callable:
         click.option("--vocab", type=int, help="V: vocabulary size (shape flag)."),
         click.option("--seq", type=int, help="s: sequence length (overrides the model's)."),
     ]
-    for opt in reversed(opts):
-        wrapper = opt(wrapper)
-    return wrapper
+    return option_group(f, "model_spec", MODEL_FLAGS, opts)
 
 
 def resolve_model(spec: dict, default: str | None = None):

@@ -10,12 +10,11 @@ import io
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
 from ..errors import ConfigError
-from ._common import emit, json_option
+from ._common import emit, json_option, option_group
 
 CHOICE_FLAGS = (
     "memory_budget",
@@ -35,13 +34,6 @@ def choice_options(f: Callable) -> Callable:
     The command receives one keyword argument ``choice_spec`` (a dict of the seven values) and
     passes it to :func:`choice_kwargs`.
     """
-    import functools
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        kwargs["choice_spec"] = {k: kwargs.pop(k, None) for k in CHOICE_FLAGS}
-        return f(*args, **kwargs)
-
     opts = [
         click.option(
             "--memory-budget",
@@ -73,9 +65,7 @@ def choice_options(f: Callable) -> Callable:
             "--data-parallel", "-d", type=int, default=1, show_default=True, help="d: data-parallel replicas."
         ),
     ]
-    for opt in reversed(opts):
-        wrapper = opt(wrapper)
-    return wrapper
+    return option_group(f, "choice_spec", CHOICE_FLAGS, opts)
 
 
 def choice_kwargs(choice_spec: dict) -> dict:
