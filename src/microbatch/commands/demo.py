@@ -86,6 +86,7 @@ def cmd(out_dir, model_name, quick, as_json):
             max_micro_batch=max_b,
             threads=1,
             timing=timing,
+            patience=3,
             memory_budget_bytes=4 * 2**30,
             use_cache=False,
         )

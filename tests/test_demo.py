@@ -1,0 +1,37 @@
+"""`microbatch demo` end to end (what `make demo` runs), in its quick form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.cli import main
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_every_step_and_writes_the_report(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    # Measured: the knee is never past the fastest point that fits.
+    for mode in ("train", "decode"):
+        t = summary[f"tune_{mode}"]
+        d = json.loads((out / f"tune-{mode}.json").read_text())
+        assert t["micro_batch"] <= d["fastest_fitting"]["micro_batch"]
+        assert 0.85 - 1e-9 <= t["fraction_of_best"] <= 1.0  # the default tolerance, 15%
+    # Simulated: the same bubble, 1F1B holds min(m, p − i), GPipe m.
+    assert summary["simulate_gpipe"]["bubble_fraction"] == pytest.approx(3 / 11)
+    assert summary["simulate_1f1b"]["peak_in_flight"] == [4, 3, 2, 1]
+    assert summary["simulate_gpipe"]["peak_in_flight"] == [8, 8, 8, 8]
+    # Planned: the recommendation fits.
+    assert summary["plan"]["fits"] is True
+    # Run: the real pipeline's gradients equal the unsplit model's.
+    assert summary["pipeline"]["gradients_match"] is True
+    assert summary["pipeline"]["max_grad_rel_error"] <= 1e-5
+    # Shown: one HTML file with the figures inline, PNGs beside it.
+    html = (out / "report.html").read_text()
+    assert html.count("<svg") >= 6
+    assert "Predicted against measured" in html and "Configs to paste" in html
+    assert len(list((out / "report-figures").glob("*.png"))) >= 6
