@@ -289,14 +289,21 @@ def test_hf_config_model_in_process(tmp_path, monkeypatch):
 
 def test_bf16_mixed_and_checkpointing_memory(tmp_path, monkeypatch):
     """Checkpointing lowers the peak at a large b_m; bf16-mixed runs and is recorded."""
-    from microbatch.measure import ProbeSpec, build_probe
+    from microbatch.childprobe import ChildProber
+    from microbatch.measure import ProbeSpec
 
-    probe = build_probe(ProbeSpec(model="tiny", seq=64, timing=FAST))
-    probe.setup(1)
-    probe.set_checkpointing(False)
-    plain = probe.measure(128)
-    probe.set_checkpointing(True)
-    ckpt = probe.measure(128)
+    # Each in a fresh child process: in one process the allocator keeps freed memory resident,
+    # so the high-water mark of a second probe says little (tune's CPU probes start clean too).
+    spec = ProbeSpec(model="tiny", seq=64, timing=FAST, threads=1)
+    peaks = {}
+    for ck in (False, True):
+        prober = ChildProber(spec, limit_bytes=None)
+        try:
+            prober.start()
+            peaks[ck] = prober.measure(256, checkpointing=ck)
+        finally:
+            prober.close()
+    plain, ckpt = peaks[False], peaks[True]
     assert ckpt.checkpointing and not plain.checkpointing
     assert ckpt.peak_memory_bytes < plain.peak_memory_bytes
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))

@@ -121,10 +121,11 @@ def cmd(
         timeout_s=timeout_s,
         seed=seed,
     )
-    if under_torchrun():
+    external = under_torchrun()
+    if external:
         report = run_external(cfg)
         if report is None:  # not rank 0: rank 0 prints
-            return
+            _exit_rank()
     else:
         report = run_pipeline(cfg)
     if trace:
@@ -146,6 +147,23 @@ def cmd(
         save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
         report["png"] = str(png_path)
     emit(report, as_json, lambda: render(report, width))
+    if external:
+        _exit_rank()
+
+
+def _exit_rank() -> None:
+    """End a torchrun rank now that its work is done and written.
+
+    Native threads that torch's gloo and pipelining runtime leave behind can abort the process at
+    interpreter shutdown ("terminate called without an active exception", exit -6) after a
+    successful run, which torchrun would report as a failure; the local workers end the same way.
+    """
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _rows_ms(report: dict) -> list[list[tuple[float, float, str, int]]]:
