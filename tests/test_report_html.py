@@ -17,27 +17,68 @@ def _tune_result() -> dict:
     # The seed's curve (seed 002) with memory linear in b_m: 1 GiB + 0.25 GiB per sample.
     pts = [(1, 1000), (4, 3200), (8, 5000), (16, 5600)]
     return {
-        "model": "small", "mode": "train", "device": "cpu", "seq": 128, "precision": "fp32",
-        "micro_batch": 8, "throughput": 5000, "fraction_of_best": 5000 / 5600, "peak_memory_bytes": 3 * GIB,
-        "grad_accum": 4, "rule": "gain", "tolerance": 0.2,
-        "fastest_fitting": {"micro_batch": 16, "throughput": 5600, "fraction_of_best": 1.0, "peak_memory_bytes": 5 * GIB},
-        "max_fitting_micro_batch": 28, "memory_budget_bytes": 8 * GIB,
+        "model": "small",
+        "mode": "train",
+        "device": "cpu",
+        "seq": 128,
+        "precision": "fp32",
+        "micro_batch": 8,
+        "throughput": 5000,
+        "fraction_of_best": 5000 / 5600,
+        "peak_memory_bytes": 3 * GIB,
+        "grad_accum": 4,
+        "rule": "gain",
+        "tolerance": 0.2,
+        "fastest_fitting": {
+            "micro_batch": 16,
+            "throughput": 5600,
+            "fraction_of_best": 1.0,
+            "peak_memory_bytes": 5 * GIB,
+        },
+        "max_fitting_micro_batch": 28,
+        "memory_budget_bytes": 8 * GIB,
         "memory_fit": {"intercept_bytes": GIB, "slope_bytes_per_sample": GIB / 4},
-        "points": [{"micro_batch": b, "throughput": t, "step_time_s": b * 128 / t,
-                    "peak_memory_bytes": GIB + b * GIB // 4, "oom": False} for b, t in pts]
+        "points": [
+            {
+                "micro_batch": b,
+                "throughput": t,
+                "step_time_s": b * 128 / t,
+                "peak_memory_bytes": GIB + b * GIB // 4,
+                "oom": False,
+            }
+            for b, t in pts
+        ]
         + [{"micro_batch": 32, "throughput": None, "peak_memory_bytes": None, "oom": True}],
     }
 
 
 def _pipeline_result() -> dict:
-    tl = [[{"start": 0, "end": 1, "kind": "F", "microbatch": 0}, {"start": 3, "end": 5, "kind": "B", "microbatch": 0}],
-          [{"start": 1, "end": 2, "kind": "F", "microbatch": 0}, {"start": 2, "end": 3, "kind": "B", "microbatch": 0}]]
-    return {"schedule": "gpipe", "stages": 2, "microbatches": 1,
-            "measured": {"bubble_fraction": 0.5, "timeline": tl,
-                         "stage_stats": [{"stage": 0, "busy_s": 3, "idle_s": 2, "peak_in_flight": 1, "peak_activation_bytes": 10},
-                                         {"stage": 1, "busy_s": 2, "idle_s": 3, "peak_in_flight": 1, "peak_activation_bytes": 10}]},
-            "predicted": {"bubble_fraction": 0.5, "peak_in_flight": [1, 1]},
-            "gradients_match": True, "max_grad_rel_error": 1e-7}
+    tl = [
+        [
+            {"start": 0, "end": 1, "kind": "F", "microbatch": 0},
+            {"start": 3, "end": 5, "kind": "B", "microbatch": 0},
+        ],
+        [
+            {"start": 1, "end": 2, "kind": "F", "microbatch": 0},
+            {"start": 2, "end": 3, "kind": "B", "microbatch": 0},
+        ],
+    ]
+    return {
+        "schedule": "gpipe",
+        "stages": 2,
+        "microbatches": 1,
+        "measured": {
+            "bubble_fraction": 0.5,
+            "timeline": tl,
+            "stage_stats": [
+                {"stage": 0, "busy_s": 3, "idle_s": 2, "peak_in_flight": 1, "peak_activation_bytes": 10},
+                {"stage": 1, "busy_s": 2, "idle_s": 3, "peak_in_flight": 1, "peak_activation_bytes": 10},
+            ],
+        },
+        "predicted": {"bubble_fraction": 0.5, "peak_in_flight": [1, 1]},
+        "gradients_match": True,
+        "max_grad_rel_error": 1e-7,
+    }
 
 
 def test_classify_by_keys():
@@ -86,24 +127,43 @@ def test_report_rejects_non_html_path(tmp_path):
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (.ci/run installs Debian's chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium is not installed (.ci/run installs Debian's chromium)"
+)
 @pytest.mark.timeout(120)
 def test_report_in_headless_chromium(tmp_path):
     import matplotlib.image as mpimg
 
     rep = build_report([_tune_result(), _pipeline_result()], tmp_path / "r.html")
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0"]
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
     shot = tmp_path / "shot.png"
-    run = subprocess.run(flags + ["--window-size=1200,2400", f"--screenshot={shot}", rep.html_path.as_uri()],
-                         capture_output=True, text=True, timeout=90)
+    run = subprocess.run(
+        flags + ["--window-size=1200,2400", f"--screenshot={shot}", rep.html_path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert shot.exists(), run.stderr[-2000:]
     img = mpimg.imread(shot)
     assert img.shape[0] == 2400 and img.shape[1] == 1200
     assert img[..., :3].std() > 0.02  # the page drew something
     console = [ln for ln in run.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert not console, console
-    dom = subprocess.run(flags + ["--dump-dom", rep.html_path.as_uri()], capture_output=True, text=True, timeout=90)
+    dom = subprocess.run(
+        flags + ["--dump-dom", rep.html_path.as_uri()], capture_output=True, text=True, timeout=90
+    )
     assert dom.stdout.count("<svg") >= 3
     assert 'id="fig-throughput-train"' in dom.stdout and 'id="fig-memory-train"' in dom.stdout

@@ -11,7 +11,9 @@ from ._common import emit, json_option
 @click.option("--global-batch", "-B", type=int, help="B_global: sequences per optimizer step.")
 @click.option("--micro-batch", "-b", type=int, help="b_m: sequences per forward/backward on one device.")
 @click.option("--grad-accum", "-g", type=int, help="g: micro-batches per replica per optimizer step.")
-@click.option("--data-parallel", "-d", type=int, help="d: data-parallel replicas (default 1 when two are missing).")
+@click.option(
+    "--data-parallel", "-d", type=int, help="d: data-parallel replicas (default 1 when two are missing)."
+)
 @json_option
 def cmd(global_batch, micro_batch, grad_accum, data_parallel, as_json):
     """Give three of B_global, b_m, g, d; print the fourth.
