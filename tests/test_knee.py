@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
+from _published import PUBLISHED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +25,6 @@ from microbatch.knee import (
     recommend,
 )
 
-_PUBLISHED_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
-PUBLISHED = json.loads(_PUBLISHED_PATH.read_text()) if _PUBLISHED_PATH.exists() else None
 SEED = [(1, 1000), (4, 3200), (8, 5000), (16, 5600)]
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from _published import PUBLISHED
 
 from microbatch.cli import main
 from microbatch.errors import ConfigError
@@ -22,8 +22,6 @@ from microbatch.memory import (
 )
 from microbatch.model import ModelShape, get_model
 
-_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
-PUBLISHED = json.loads(_PATH.read_text()) if _PATH.exists() else None
 needs_published = pytest.mark.skipif(PUBLISHED is None, reason="shared/reference/published.json not present")
 GiB = 2**30
 MODELS = {"22B": "megatron-22b", "175B": "megatron-175b", "530B": "megatron-530b", "1T": "megatron-1t"}

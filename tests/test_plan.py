@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from _published import PUBLISHED
 
 from microbatch.cli import main
 from microbatch.errors import ConfigError
@@ -16,8 +16,6 @@ from microbatch.model import get_model
 from microbatch.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
 from microbatch.plan_report import explain, plan_table_rows
 
-_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
-PUBLISHED = json.loads(_PATH.read_text()) if _PATH.exists() else None
 A100 = get_accelerator("a100-80gb")
 
 

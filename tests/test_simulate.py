@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
+from _published import PUBLISHED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +21,6 @@ from microbatch.simulate import (
     zb_idle_time,
 )
 
-_PUBLISHED_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published.json"
-PUBLISHED = json.loads(_PUBLISHED_PATH.read_text()) if _PUBLISHED_PATH.exists() else None
 BUBBLE_CASES = PUBLISHED["bubble"]["cases"] if PUBLISHED else []
 
 
