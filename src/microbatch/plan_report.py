@@ -97,8 +97,8 @@ def explain(plan: Plan) -> str:
     """The trade-off in words: bubble against kernel efficiency against memory."""
     c = plan.recommended
     cfg = plan.config
-    if c is None:
-        return " ".join(plan.advice) if plan.advice else "nothing fits"
+    if c is None:  # the headline; the rest of the advice (what would fit) is listed after it
+        return plan.advice[0] if plan.advice else "nothing fits"
     p = cfg.pipeline_parallel
     parts = [
         f"Recommended b_m = {c.micro_batch} (m = g = {c.microbatches}, "

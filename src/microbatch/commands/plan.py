@@ -29,8 +29,10 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
     title = "best candidates" if all_rows else "best candidate at each b_m (* = recommended)"
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
     parts = [head, "", title, _table(rows), "", explain(plan)]
-    if plan.advice:
-        parts += [""] + [f"- {a}" for a in plan.advice]
+    # With no recommendation the explanation is the advice's headline: list only the rest.
+    advice = plan.advice[1:] if plan.recommended is None else plan.advice
+    if advice:
+        parts += [""] + [f"- {a}" for a in advice]
     return "\n".join(parts)
 
 
