@@ -299,11 +299,11 @@ def _esc(x: Any) -> str:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], highlight: int | None = None) -> str:
-    out = ["<table><thead><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
+    out = ["<div class='wide'><table><thead><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
     for i, r in enumerate(rows):
         cls = ' class="pick"' if highlight is not None and i == highlight else ""
         out.append(f"<tr{cls}>" + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     return "".join(out)
 
 
@@ -326,7 +326,7 @@ p.lead{color:#555;margin-top:0} table{border-collapse:collapse;font-size:.85rem;
 th,td{border:1px solid #ddd;padding:.25rem .5rem;text-align:right} th{background:#f4f4f4}
 tr.pick td{background:#fff4d6;font-weight:600} figure{margin:1rem 0} figcaption{font-size:.85rem;color:#555}
 pre{background:#f6f8fa;padding:.6rem;overflow-x:auto;font-size:.8rem} .answer{font-size:1.1rem;background:#eef6ee;padding:.6rem;border-radius:6px}
-svg{max-width:100%;height:auto}
+svg{max-width:100%;height:auto} .wide{overflow-x:auto;max-width:100%}
 """
 
 
