@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from . import __version__
 from .errors import ConfigError, MicrobatchError
 
 # name -> (module under microbatch.commands, one-line help). Keep the help here so that
@@ -55,7 +56,7 @@ class LazyGroup(click.Group):
 @click.group(
     cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
 )
-@click.version_option(package_name="microbatch")
+@click.version_option(__version__, prog_name="microbatch")
 def group() -> None:
     """Choose and run micro-batching: B_global = b_m × g × d.
 
