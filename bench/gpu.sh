@@ -85,7 +85,7 @@ log "section 3: tune vs Lightning / Accelerate"
 MODELS="gpt2 gpt2-medium gpt2-large"
 if [[ $DRY == 1 ]]; then MODELS="gpt2"; fi
 for M in $MODELS; do
-  if (( SECONDS - START > 230 * SCALE )); then log "tune part near its 6-minute share (a model takes up to 135 s): skipping $M"; continue; fi
+  if (( SECONDS - START > 240 * SCALE )); then log "tune part near its share (a model takes up to 135 s; the whole script must end inside 10 minutes): skipping $M"; continue; fi
   run 45 "lightning_$M" "$PY" bench/gpu_tune.py lightning "$M" --out "$OUT/tune" $DRYFLAG
   run 35 "accelerate_$M" "$PY" bench/gpu_tune.py accelerate "$M" --out "$OUT/tune" $DRYFLAG
   run 35 "ours_$M" "$PY" bench/gpu_tune.py ours "$M" --out "$OUT/tune" $DRYFLAG
