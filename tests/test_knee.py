@@ -23,6 +23,7 @@ from microbatch.knee import (
     max_fitting_micro_batch,
     points_from_records,
     recommend,
+    throughput_bound,
 )
 
 SEED = [(1, 1000), (4, 3200), (8, 5000), (16, 5600)]
@@ -213,3 +214,102 @@ def test_fraction_knee_properties(ts, tol):
     assert all(p.throughput < (1 - tol) * best for p in pts if p.micro_batch < k.micro_batch)
     g = find_knee(pts, rule="gain", tolerance=tol)
     assert g.micro_batch in {p.micro_batch for p in pts}
+
+
+# -- the bound on larger b_m (reference="bound") ----------------------------------------
+def affine(a, c, bs=(1, 2, 4, 8, 16, 32, 64)):
+    """T(b) = b / (a + c·b): step time per unit of throughput affine in b."""
+    return [(b, b / (a + c * b)) for b in bs]
+
+
+def test_bound_on_affine_step_time_is_the_asymptote_and_knee_is_closed_form():
+    a, c, tau = 0.05, 0.004, 0.15
+    pts = curve(affine(a, c))
+    bound = throughput_bound(pts)
+    assert bound is not None and bound.fitted_on == (16, 32, 64)
+    assert bound.throughput == pytest.approx(1 / c)
+    # knee against T-hat = 1/c: smallest b with b/(a+cb) >= (1-tau)/c, i.e. b >= (1-tau)/tau * a/c
+    b_star = (1 - tau) / tau * a / c  # 70.8: no measured point reaches it yet
+    rec = recommend(pts, reference="bound", tolerance=tau)
+    assert rec.knee.micro_batch == 64 and rec.reference == "bound"
+    assert rec.reference_throughput == pytest.approx(1 / c)
+    more = curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
+    k = recommend(more, reference="bound", tolerance=tau).knee.micro_batch
+    assert k == 128 == min(b for b, _ in affine(a, c, (128, 256)) if b >= b_star)
+    # against the best measured alone the same curve gives a smaller knee, further from 1/c
+    assert recommend(more, tolerance=tau).knee.micro_batch == 64
+
+
+def test_bound_none_when_tail_still_bends_up_or_too_few_points():
+    # 1 -> 2 -> 4 of a CPU decode: u = b/T falls from 2 to 4 (matrix-vector kernels giving way)
+    assert throughput_bound(curve([(1, 100.0), (2, 104.0), (4, 135.0)])) is None
+    assert throughput_bound(curve([(1, 100.0), (2, 150.0)])) is None
+    # u concave beyond the slack: slope of u falls 20% from one secant to the next (or rises 20%)
+    pts = curve([(4, 4 / 1.0), (8, 8 / 2.0), (16, 16 / 3.6)])
+    assert throughput_bound(pts) is None
+    assert throughput_bound(pts, slack=0.25) is not None
+    assert throughput_bound(curve([(4, 4 / 1.0), (8, 8 / 2.0), (16, 16 / 4.4)])) is None
+
+
+def test_bound_when_step_time_extrapolates_below_zero_is_the_last_point():
+    # u = b/T = -0.002 + 0.011·b (falling throughput): nothing past 8 beats T(8)
+    pts = curve([(b, b / (-0.002 + 0.011 * b)) for b in (2, 4, 8)])
+    bound = throughput_bound(pts)
+    assert bound is not None and bound.throughput == pytest.approx(pts[-1].throughput)
+    # a kink (u's slope triples, as when the working set leaves the cache) is left to the flat rule
+    assert throughput_bound(curve([(2, 190.0), (4, 300.0), (8, 250.0)])) is None
+    assert throughput_bound(curve([(2, 190.0), (4, 300.0), (8, 250.0)]), slack=math.inf).throughput == 250.0
+
+
+def test_seed_curve_keeps_knee_8_with_the_bound_reference():
+    # tail 4, 8, 16: slope of u = b/T goes 8.75e-5 -> 1.571e-4 (x1.8): a kink, not an affine
+    # tail, so no bound and the best measured stays the reference
+    rec = recommend(curve(SEED), reference="bound")
+    assert rec.bound is None and rec.knee.micro_batch == 8
+    assert recommend(curve(SEED)).knee.micro_batch == 8
+    # under the convexity argument alone (no slack limit) T-hat = 6364 would move it to 16
+    loose = throughput_bound(curve(SEED), slack=math.inf)
+    assert loose.throughput == pytest.approx(6363.64, rel=1e-4)
+    assert find_knee(curve(SEED), bound=loose.throughput).micro_batch == 16  # 5000 < 0.85 * 6364
+    d = rec.to_dict()
+    assert d["reference"] == "bound" and d["throughput_bound"] is None
+
+
+def test_bound_fields_in_json():
+    rec = recommend(curve(affine(0.05, 0.004)), reference="bound")
+    d = rec.to_dict()
+    assert d["throughput_bound"]["fitted_on"] == [16, 32, 64]
+    assert d["reference_throughput"] == pytest.approx(250.0)
+    assert d["fraction_of_reference"] == pytest.approx(d["throughput"] / 250.0)
+
+
+def test_bound_knee_is_fastest_when_nothing_is_within_tau():
+    # still rising steeply at the last point: T-hat far above every point
+    rec = recommend(curve(affine(1.0, 0.001, bs=(1, 2, 4, 8))), reference="bound")
+    assert rec.knee.micro_batch == 8 == rec.fastest.micro_batch
+    with pytest.raises(ConfigError, match="reference"):
+        recommend(curve(SEED), reference="projected")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 5.0), st.floats(1e-3, 2.0)), min_size=1, max_size=3
+    ),  # (intercept >= 0, slope > 0) of each resource's time
+    st.integers(3, 7),
+)
+def test_bound_holds_for_every_roofline_curve(lines, n):
+    """u(b) = max_r (a_r + c_r·b) (a roofline: convex): T-hat bounds every larger b_m."""
+    bs = [2**i for i in range(10)]
+    T = {b: b / max(a + c * b for a, c in lines) for b in bs}
+    # slack = inf: the convexity argument alone (the default slack also refuses sharp kinks)
+    bound = throughput_bound(curve([(b, T[b]) for b in bs[:n]]), slack=math.inf)
+    assert bound is not None
+    for b in bs[n:]:
+        assert T[b] <= bound.throughput * (1 + 1e-9)
+    # when a measured point reaches (1 - tau)·T-hat, the knee is within tau of every larger b_m
+    pts = curve([(b, T[b]) for b in bs[:n]])
+    k = find_knee(pts, bound=bound.throughput)
+    ref = max(bound.throughput, max(T[b] for b in bs[:n]))
+    if k.throughput >= (1 - DEFAULT_TOLERANCE) * ref:
+        assert all(k.throughput >= (1 - DEFAULT_TOLERANCE) * T[b] * (1 - 1e-9) for b in bs[n:])

@@ -139,8 +139,12 @@ def throughput_figure(tune: dict, png_dir: Path | None) -> Figure:
         best = max(ys)
         tol = float(tune.get("tolerance") or 0.0)
         rule = tune.get("rule", "")
+        ref = max(best, float(tune.get("reference_throughput") or 0.0))
+        if ref > best:
+            ax.axhline(ref, color="#F58518", ls="--", lw=1, label=f"bound on larger b_m ({ref:,.0f})")
         if tol > 0 and rule == "fraction":
-            ax.axhspan(best * (1 - tol), best, color="#4C78A8", alpha=0.12, label=f"within {tol:.0%} of best")
+            what = "the bound" if ref > best else "best"
+            ax.axhspan(ref * (1 - tol), ref, color="#4C78A8", alpha=0.12, label=f"within {tol:.0%} of {what}")
         elif tol > 0:
             ax.axhspan(best * (1 - tol), best, color="#4C78A8", alpha=0.12, label=f"best − {tol:.0%}")
     knee = tune.get("micro_batch")
@@ -299,7 +303,11 @@ def _esc(x: Any) -> str:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], highlight: int | None = None) -> str:
-    out = ["<div class='wide'><table><thead><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in headers) + "</tr></thead><tbody>"]
+    out = [
+        "<div class='wide'><table><thead><tr>"
+        + "".join(f"<th>{_esc(h)}</th>" for h in headers)
+        + "</tr></thead><tbody>"
+    ]
     for i, r in enumerate(rows):
         cls = ' class="pick"' if highlight is not None and i == highlight else ""
         out.append(f"<tr{cls}>" + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>")
@@ -348,7 +356,16 @@ def _tune_section(t: dict, png_dir: Path | None, figs: list[Figure]) -> str:
         f"<p class='answer'>Knee: <b>b_m = {_esc(t.get('micro_batch'))}</b> at {_num(t.get('throughput'))} "
         f"({_pct(t.get('fraction_of_best'))} of best, peak {_gib(t.get('peak_memory_bytes'))}). "
         f"Fastest that fits: b_m = {_esc(ff.get('micro_batch'))} at {_num(ff.get('throughput'))}, "
-        f"peak {_gib(ff.get('peak_memory_bytes'))}. Rule: {_esc(t.get('rule'))}, tolerance {_esc(t.get('tolerance'))}."
+        f"peak {_gib(ff.get('peak_memory_bytes'))}. Rule: {_esc(t.get('rule'))}, tolerance {_esc(t.get('tolerance'))}"
+        + (
+            f", against the bound {_num(t.get('reference_throughput'))} on any larger b_m "
+            f"({_pct(t.get('fraction_of_reference'))} of it)."
+            if (
+                t.get("throughput_bound")
+                and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
+            )
+            else "."
+        )
         + (f" g = {_esc(t.get('grad_accum'))} for the global batch." if t.get("grad_accum") else "")
         + "</p>"
     )

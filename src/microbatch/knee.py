@@ -36,6 +36,38 @@ activation memory for a gain of ~10% or less, and that memory is worth more as h
 longer sequences or less recomputation. With τ = 0.15 both rules pick 8 on the seed curve.
 Ask for ``--tolerance 0.05`` to favour throughput.
 
+**Reference: the best measured, or a bound on what a larger b_m can reach.** Rule ``fraction``
+measures the knee against a reference throughput. ``reference="measured"`` (the default of
+:func:`recommend`) takes the best measured point. That is exact when the curve was measured
+past its plateau, but a search that stops early (``tune``) has not seen the best, and "within τ
+of the best measured" is then a promise about the points measured, not about the model.
+``reference="bound"`` (the default of ``tune``) takes max(best measured, T̂), where T̂ bounds
+the throughput of every b_m larger than the largest measured one (:func:`throughput_bound`):
+
+Write u(b) = b / T(b), the step time per unit of throughput (for throughput in samples/s it
+is the step time itself). Under the roofline (Williams, Waterman and Patterson, CACM 2009) a
+step's time is the largest of its resource times (bytes moved over bandwidth, FLOPs over peak
+rate, a fixed launch or latency cost), each affine in b: so u is convex in b. For three
+measured b_1 < b_2 < b_3 with secant slopes c_12 and c_23, convexity gives, for every b' > b_3,
+u(b') ≥ u(b_3) + c_23·(b' − b_3) = a + c_23·b' with a = u(b_3) − c_23·b_3, hence
+
+    T(b') = b'/u(b') ≤ b'/(a + c_23·b') ≤ T̂ = 1/c_23        (a ≥ 0)
+
+and T(b') ≤ T(b_3) when a < 0. The bound is only used when the measured tail is nearly
+affine, |c_23/c_12 − 1| ≤ η with η = 0.10: a tail still bending the other way (matrix–vector
+kernels giving way to matrix–matrix ones at small b_m) has no bound yet, and a sharp kink is
+more often one noisy probe than a real cliff (a repeated CPU probe varies by up to 25% on a
+shared machine, BENCHMARKS.md), so a kink is left to the flat rule. η admits mild concavity
+(a slope falling < 10% per doubling) as noise; there the bound can be low by up to that much.
+On a curve that fits u = a + c·b exactly the knee against T̂ is b ≥ (1 − τ)/τ · a/c.
+
+With the bound the knee is the smallest b_i with T_i ≥ (1 − τ)·max(max_j T_j, T̂), or the
+fastest point when none reaches it (the curve is still rising at the largest b_m that fits). On
+the seed's curve the slope of u nearly doubles from (4, 8) to (8, 16): a kink, so no bound, and
+the knee stays 8 (convexity alone would give T̂ = 6364 and move it to 16). The measured
+reference stays the default of ``recommend`` (a curve given whole is taken as the truth);
+``tune`` needs the bound because it decides where the curve ends.
+
 **Memory fit.** Peak memory M(b) = M_0 + k·b (activations are linear in b_m: Korthikanti et al.
 2022, A ∝ b·s·h·L), fitted by least squares on the largest probes (the smallest are dominated
 by allocator granularity). Largest fitting b_m under budget B with headroom ε:
@@ -56,7 +88,10 @@ __all__ = [
     "DEFAULT_TOLERANCE",
     "DEFAULT_HEADROOM",
     "RULES",
+    "REFERENCES",
     "CurvePoint",
+    "ThroughputBound",
+    "throughput_bound",
     "MemoryFit",
     "Recommendation",
     "gain_per_doubling",
@@ -70,6 +105,11 @@ __all__ = [
 ]
 
 RULES = ("fraction", "gain")
+REFERENCES = ("measured", "bound")
+"""What rule ``fraction`` measures against: the best measured point, or also the bound on larger b_m."""
+BOUND_SLACK = 0.10
+"""η: how far the step-time slope of the last secant may differ from the one before (timing
+noise) for the tail to count as affine; beyond it no bound is given."""
 DEFAULT_RULE = "fraction"
 """Default knee rule (see the module docstring for why)."""
 DEFAULT_TOLERANCE = 0.15
@@ -136,11 +176,54 @@ def _curve(points: Iterable[CurvePoint]) -> list[CurvePoint]:
     return [best[b] for b in sorted(best)]
 
 
-def knee_fraction(points: Sequence[CurvePoint], tolerance: float) -> CurvePoint:
-    """Smallest b_i with T_i ≥ (1 − τ)·max T (rule ``fraction``)."""
+@dataclass(frozen=True, kw_only=True)
+class ThroughputBound:
+    """T̂ = 1/c_23: no b_m past the largest measured runs faster (see the module docstring)."""
+
+    throughput: float
+    """T̂, in the curve's throughput unit."""
+    slope: float
+    """c_23: growth of u = b/T per unit of b between the two largest points."""
+    previous_slope: float
+    """c_12: the same between the two points before (c_23 ≥ (1 − η)·c_12 was checked)."""
+    fitted_on: tuple[int, int, int]
+    """b_1, b_2, b_3: the three largest measured b_m."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fitted_on"] = list(self.fitted_on)
+        return d
+
+
+def throughput_bound(points: Sequence[CurvePoint], *, slack: float = BOUND_SLACK) -> ThroughputBound | None:
+    """The bound T̂ on the throughput of any b_m larger than the largest measured one.
+
+    From the three largest measured points; None when there are fewer, when u = b/T does not grow
+    on both secants, or when the tail is not affine within ``slack`` (|c_23/c_12 − 1| > η).
+    """
+    curve = [p for p in _curve(points) if p.throughput > 0][-3:]
+    if len(curve) < 3:
+        return None
+    (b1, b2, b3) = (p.micro_batch for p in curve)
+    u1, u2, u3 = (p.micro_batch / p.throughput for p in curve)
+    c12, c23 = (u2 - u1) / (b2 - b1), (u3 - u2) / (b3 - b2)
+    if c23 <= 0 or c12 <= 0 or abs(c23 / c12 - 1.0) > slack:
+        return None
+    a = u3 - c23 * b3
+    top = 1.0 / c23 if a >= 0 else curve[-1].throughput
+    return ThroughputBound(throughput=top, slope=c23, previous_slope=c12, fitted_on=(b1, b2, b3))
+
+
+def knee_fraction(
+    points: Sequence[CurvePoint], tolerance: float, *, bound: float | None = None
+) -> CurvePoint:
+    """Smallest b_i with T_i ≥ (1 − τ)·max(max T, T̂) (rule ``fraction``; T̂ = ``bound``, if given);
+    the fastest point when none reaches it."""
     curve = _curve(points)
     top = max(p.throughput for p in curve)
-    return next(p for p in curve if p.throughput >= (1.0 - tolerance) * top)
+    ref = max(top, bound or 0.0)
+    within = [p for p in curve if p.throughput >= (1.0 - tolerance) * ref]
+    return within[0] if within else max(curve, key=lambda p: (p.throughput, -p.micro_batch))
 
 
 def knee_gain(points: Sequence[CurvePoint], tolerance: float) -> CurvePoint:
@@ -160,13 +243,20 @@ def knee_gain(points: Sequence[CurvePoint], tolerance: float) -> CurvePoint:
 
 
 def find_knee(
-    points: Sequence[CurvePoint], *, rule: str = DEFAULT_RULE, tolerance: float = DEFAULT_TOLERANCE
+    points: Sequence[CurvePoint],
+    *,
+    rule: str = DEFAULT_RULE,
+    tolerance: float = DEFAULT_TOLERANCE,
+    bound: float | None = None,
 ) -> CurvePoint:
-    """The knee of ``points`` by ``rule`` (``fraction`` or ``gain``) at tolerance τ."""
+    """The knee of ``points`` by ``rule`` (``fraction`` or ``gain``) at tolerance τ; ``bound``
+    (T̂, rule ``fraction`` only) raises the reference above the best measured."""
     _check_rule(rule, tolerance)
     if not _curve(points):
         raise ConfigError("no measured point without out-of-memory to choose from; measure at least one b_m")
-    return knee_fraction(points, tolerance) if rule == "fraction" else knee_gain(points, tolerance)
+    if rule == "fraction":
+        return knee_fraction(points, tolerance, bound=bound)
+    return knee_gain(points, tolerance)
 
 
 def flattened(points: Sequence[CurvePoint], tolerance: float) -> bool:
@@ -270,6 +360,15 @@ class Recommendation:
     """d: data-parallel replicas."""
     flattened: bool = False
     """The curve was measured past its flattening (the last doubling gained < τ, or fell)."""
+    reference: str = "measured"
+    """What rule ``fraction`` measured against: ``measured`` or ``bound`` (see the module docstring)."""
+    bound: ThroughputBound | None = None
+    """T̂ when ``reference`` is ``bound`` and the tail gives one (None otherwise)."""
+
+    @property
+    def reference_throughput(self) -> float:
+        """The throughput the knee is within τ of: max(best measured, T̂)."""
+        return max(self.best_throughput, self.bound.throughput if self.bound else 0.0)
 
     def grad_accum(self, micro_batch: int) -> int | None:
         if self.global_batch is None:
@@ -299,6 +398,12 @@ class Recommendation:
             flattened=self.flattened,
             rule=self.rule,
             tolerance=self.tolerance,
+            reference=self.reference,
+            reference_throughput=self.reference_throughput,
+            fraction_of_reference=(
+                self.knee.throughput / self.reference_throughput if self.reference_throughput > 0 else None
+            ),
+            throughput_bound=self.bound.to_dict() if self.bound else None,
         )
         return d
 
@@ -313,14 +418,19 @@ def recommend(
     max_latency_ms: float | None = None,
     global_batch: int | None = None,
     data_parallel: int = 1,
+    reference: str = "measured",
 ) -> Recommendation:
     """Choose the knee among the points that fit the budget, the latency limit and B_global.
 
     Candidates: measured without OOM; peak ≤ budget when both are known; step time ≤ the
     latency limit; b_m·d divides B_global when B_global is given. The memory fit uses every
     measured point (including those over the budget: they are the most informative).
+    ``reference``: ``measured`` or ``bound`` (rule ``fraction``; the bound is taken from the
+    candidates' tail, see the module docstring).
     """
     _check_rule(rule, tolerance)
+    if reference not in REFERENCES:
+        raise ConfigError(f"reference {reference!r} is not known; use one of {', '.join(REFERENCES)}")
     check_positive_int("data_parallel", data_parallel)
     if global_batch is not None:
         check_positive_int("global_batch", global_batch)
@@ -358,7 +468,8 @@ def recommend(
             + ", ".join(str(p.micro_batch) for p in measured)
             + "; relax the limit or measure other sizes"
         )
-    knee = find_knee(cands, rule=rule, tolerance=tolerance)
+    bound = throughput_bound(cands) if reference == "bound" and rule == "fraction" else None
+    knee = find_knee(cands, rule=rule, tolerance=tolerance, bound=bound.throughput if bound else None)
     fastest = max(cands, key=lambda p: (p.throughput, -p.micro_batch))
     fit = fit_memory(pts)
     return Recommendation(
@@ -374,6 +485,8 @@ def recommend(
         global_batch=global_batch,
         data_parallel=data_parallel,
         flattened=flattened(measured, tolerance),
+        reference=reference,
+        bound=bound,
     )
 
 

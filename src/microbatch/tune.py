@@ -4,6 +4,10 @@
 fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.knee.fit_memory`) and
 never probe a b_m predicted to exceed the budget less its headroom. Stop when
 
+- the knee is settled (rule ``fraction`` with ``reference="bound"``, the default): the bound T̂
+  on what any larger b_m can reach (:func:`microbatch.knee.throughput_bound`, from the roofline's
+  convex step time) is known and a measured point is within τ of max(best, T̂), so no further
+  probe can move the knee;
 - the curve has flattened or fallen: the newest point gains less than τ per doubling over the
   best point before it (τ is the knee rule's tolerance), ``patience`` times in a row (default
   2: on a CPU, decoding a 124M-parameter model gained 5% from b_m = 1 to 2, then 30% per
@@ -48,7 +52,9 @@ from .knee import (
     Recommendation,
     fit_memory,
     gain_per_doubling,
+    knee_fraction,
     recommend,
+    throughput_bound,
 )
 from .measure import Measurement, TimingConfig
 
@@ -102,6 +108,7 @@ def search(
     patience: int = 2,
     refine: bool = False,
     rule: str = DEFAULT_RULE,
+    reference: str = "bound",
     known: dict[tuple[int, bool], Measurement] | None = None,
     on_point: Callable[[Measurement, bool], None] | None = None,
     log: SearchLog | None = None,
@@ -113,6 +120,7 @@ def search(
         check_positive_int("max micro-batch", max_micro_batch)
     if checkpointing not in CHECKPOINTING:
         raise ConfigError(f"checkpointing {checkpointing!r} is not known; use on, off or auto")
+    _check_reference(reference)
     log = log if log is not None else SearchLog()
     known = dict(known or {})
     points: list[Measurement] = []
@@ -135,6 +143,28 @@ def search(
 
     def mode_points() -> list[CurvePoint]:
         return [_point(p) for p in points if p.checkpointing == ckpt]
+
+    def settled() -> str | None:
+        """Why the knee cannot move any more (rule fraction against the bound), or None."""
+        if rule != "fraction" or reference != "bound":
+            return None
+        ok = [
+            p
+            for p in mode_points()
+            if p.ok and (memory_budget_bytes is None or (p.peak_memory_bytes or 0) <= memory_budget_bytes)
+        ]
+        bound = throughput_bound(ok)
+        if bound is None:
+            return None
+        knee = knee_fraction(ok, tolerance, bound=bound.throughput)
+        ref = max(bound.throughput, max(p.throughput for p in ok))
+        if knee.throughput < (1.0 - tolerance) * ref:
+            return None
+        b2, b3 = bound.fitted_on[1:]
+        return (
+            f"knee settled: no micro-batch past {b3} can beat {bound.throughput:,.1f}/s (the step-time "
+            f"slope from {b2} to {b3}), and {knee.micro_batch} is within {100 * tolerance:g}% of it"
+        )
 
     def predicted_not_to_fit(b: int) -> bool:
         if usable is None:
@@ -163,6 +193,10 @@ def search(
                     continue
                 log.stop_reason = f"micro-batch {b} ran out of memory"
                 break
+            why = settled()
+            if why:
+                log.stop_reason = why
+                break
             ok = [p for p in points if not p.oom and p.micro_batch < b and p.throughput]
             if ok:
                 best = max(ok, key=lambda p: p.throughput)
@@ -176,19 +210,21 @@ def search(
                     break
             b *= 2
         if refine:
-            _refine(points, probe, rule, tolerance, memory_budget_bytes, predicted_not_to_fit, lambda: ckpt)
+            _refine(points, probe, rule, tolerance, memory_budget_bytes, predicted_not_to_fit, reference)
     except KeyboardInterrupt:
         log.interrupted = True
         log.stop_reason = "interrupted (Ctrl-C); the points measured so far are kept"
     return points
 
 
-def _refine(points, probe, rule, tolerance, budget, predicted_not_to_fit, ckpt_now) -> None:
+def _refine(points, probe, rule, tolerance, budget, predicted_not_to_fit, reference) -> None:
     ok = [_point(p) for p in points if not p.oom]
     if len(ok) < 2:
         return
     try:
-        knee = recommend(ok, rule=rule, tolerance=tolerance, memory_budget_bytes=budget).knee
+        knee = recommend(
+            ok, rule=rule, tolerance=tolerance, memory_budget_bytes=budget, reference=reference
+        ).knee
     except ConfigError:
         return
     lower = [p.micro_batch for p in ok if p.micro_batch < knee.micro_batch]
@@ -385,6 +421,7 @@ def _run(
     max_latency_ms: float | None,
     rule: str,
     tolerance: float,
+    reference: str,
     global_batch: int | None,
     data_parallel: int,
     start: int,
@@ -432,6 +469,7 @@ def _run(
             patience=patience,
             refine=refine,
             rule=rule,
+            reference=reference,
             known=known,
             on_point=on_point,
             log=log,
@@ -442,6 +480,7 @@ def _run(
         [_point(p) for p in points],
         rule=rule,
         tolerance=tolerance,
+        reference=reference,
         memory_budget_bytes=memory_budget_bytes,
         headroom=headroom,
         max_latency_ms=max_latency_ms,
@@ -473,6 +512,13 @@ def _run(
         static_bytes=getattr(prober, "static_bytes", None),
         fingerprint=key,
     )
+
+
+def _check_reference(reference: str) -> None:
+    from .knee import REFERENCES
+
+    if reference not in REFERENCES:
+        raise ConfigError(f"reference {reference!r} is not known; use one of {', '.join(REFERENCES)}")
 
 
 def _check_common(rule, tolerance, checkpointing, mode, precision, memory_budget_bytes, headroom):
@@ -520,6 +566,7 @@ def tune_model(
     max_latency_ms: float | None = None,
     rule: str = DEFAULT_RULE,
     tolerance: float = DEFAULT_TOLERANCE,
+    reference: str = "bound",
     global_batch: int | None = None,
     data_parallel: int = 1,
     start: int = 1,
@@ -543,6 +590,9 @@ def tune_model(
     setting is left alone). With no budget the search uses the device's total memory on CUDA and
     80% of the available memory on the CPU (the child's hard limit); ``memory_budget_source``
     in the result says which. ``patience``: flat doublings in a row that stop the search.
+    ``reference``: ``bound`` (default: the knee is within τ of max(best measured, T̂), the bound
+    on any larger b_m, and the search stops once that knee is settled) or ``measured`` (within τ
+    of the best measured; the search stops on the flat rule alone); see :mod:`microbatch.knee`.
     """
     from .childprobe import ChildProber
     from .measure import InProcessProber, ProbeSpec, build_probe
@@ -550,6 +600,7 @@ def tune_model(
 
     t_start = time.perf_counter()
     _check_common(rule, tolerance, checkpointing, mode, precision, memory_budget_bytes, headroom)
+    _check_reference(reference)
     if (model is None) == (hf_config is None):
         raise ConfigError(
             "give exactly one of a model (name or shape) or hf_config (--model NAME or --hf-config PATH)"
@@ -642,6 +693,7 @@ def tune_model(
         max_latency_ms=max_latency_ms,
         rule=rule,
         tolerance=tolerance,
+        reference=reference,
         global_batch=global_batch,
         data_parallel=data_parallel,
         start=start,
@@ -690,6 +742,7 @@ def tune(
     max_latency_ms: float | None = None,
     rule: str = DEFAULT_RULE,
     tolerance: float = DEFAULT_TOLERANCE,
+    reference: str = "bound",
     global_batch: int | None = None,
     data_parallel: int | None = None,
     start: int = 1,
@@ -715,7 +768,7 @@ def tune(
     Peak memory: CUDA allocator statistics on a GPU; on the CPU the process's peak RSS, reset
     before each probe (``/proc/self/clear_refs``), so the figure includes the whole process. There
     is no child process here: on the CPU an over-committed host can kill this process, so give a
-    ``max_micro_batch``.
+    ``max_micro_batch``. ``reference``: as in :func:`tune_model`.
     """
     import torch
 
@@ -723,6 +776,7 @@ def tune(
 
     t_start = time.perf_counter()
     _check_common(rule, tolerance, checkpointing, "train", precision, memory_budget_bytes, headroom)
+    _check_reference(reference)
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     if data_parallel is None:
         data_parallel = torch.distributed.get_world_size() if dist else 1
@@ -778,6 +832,7 @@ def tune(
         max_latency_ms=max_latency_ms,
         rule=rule,
         tolerance=tolerance,
+        reference=reference,
         global_batch=global_batch,
         data_parallel=data_parallel,
         start=start,

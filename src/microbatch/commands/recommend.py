@@ -22,6 +22,7 @@ CHOICE_FLAGS = (
     "max_latency_ms",
     "rule",
     "tolerance",
+    "reference",
     "global_batch",
     "data_parallel",
 )
@@ -31,7 +32,7 @@ CHOICE_FLAGS = (
 def choice_options(f: Callable) -> Callable:
     """The options that turn a curve into a choice (shared by ``tune`` and ``recommend``).
 
-    The command receives one keyword argument ``choice_spec`` (a dict of the seven values) and
+    The command receives one keyword argument ``choice_spec`` (a dict of the eight values) and
     passes it to :func:`choice_kwargs`.
     """
     opts = [
@@ -60,6 +61,16 @@ def choice_options(f: Callable) -> Callable:
         click.option(
             "--tolerance", type=float, default=0.15, show_default=True, help="Tolerance τ of the rule."
         ),
+        click.option(
+            "--reference",
+            type=click.Choice(["measured", "bound"]),
+            default=None,
+            help="What 'best' is for rule fraction. measured: the best measured throughput. bound: also "
+            "the most any larger b_m can reach, 1/slope of step time over b_m between the two largest "
+            "points (the roofline makes step time convex in b_m), when the measured tail is convex. "
+            "Default: bound for tune (it stops early, so it must answer for what it did not measure), "
+            "measured for recommend (a curve given whole is taken as the truth).",
+        ),
         click.option("--global-batch", "-B", type=int, help="B_global, to report g = B / (b_m × d)."),
         click.option(
             "--data-parallel", "-d", type=int, default=1, show_default=True, help="d: data-parallel replicas."
@@ -68,8 +79,9 @@ def choice_options(f: Callable) -> Callable:
     return option_group(f, "choice_spec", CHOICE_FLAGS, opts)
 
 
-def choice_kwargs(choice_spec: dict) -> dict:
-    """Keyword arguments of :func:`microbatch.knee.recommend` from the shared options (``choice_spec``)."""
+def choice_kwargs(choice_spec: dict, *, reference: str = "measured") -> dict:
+    """Keyword arguments of :func:`microbatch.knee.recommend` from the shared options (``choice_spec``);
+    ``reference`` is the default when ``--reference`` is not given."""
     from ..knee import DEFAULT_HEADROOM, parse_bytes
 
     memory_budget, headroom = choice_spec["memory_budget"], choice_spec["headroom"]
@@ -79,6 +91,7 @@ def choice_kwargs(choice_spec: dict) -> dict:
         max_latency_ms=choice_spec["max_latency_ms"],
         rule=choice_spec["rule"],
         tolerance=choice_spec["tolerance"],
+        reference=choice_spec["reference"] or reference,
         global_batch=choice_spec["global_batch"],
         data_parallel=choice_spec["data_parallel"],
     )
@@ -114,11 +127,17 @@ def render_recommendation(d: dict, points: list[dict] | None = None, unit: str =
             )
         lines.append("")
     g = d.get("grad_accum")
+    bound = d.get("throughput_bound")
     lines.append(
         f"knee ({d['rule']}, τ = {d['tolerance']:g}): b_m = {d['micro_batch']}"
         + (f", g = {g}" if g is not None else "")
-        + f"  — {d['throughput']:,.1f} {unit}, {100 * (d['fraction_of_best'] or 0):.1f}% of best, "
-        f"peak {_size(d['peak_memory_bytes'])}"
+        + f"  — {d['throughput']:,.1f} {unit}, {100 * (d['fraction_of_best'] or 0):.1f}% of best"
+        + (
+            f", {100 * d['fraction_of_reference']:.1f}% of the bound"
+            if bound and d.get("reference_throughput", 0) > d["fastest_fitting"]["throughput"]
+            else ""
+        )
+        + f", peak {_size(d['peak_memory_bytes'])}"
     )
     f = d["fastest_fitting"]
     lines.append(
@@ -126,6 +145,16 @@ def render_recommendation(d: dict, points: list[dict] | None = None, unit: str =
         + (f", g = {f['grad_accum']}" if f.get("grad_accum") is not None else "")
         + f"  — {f['throughput']:,.1f} {unit}, peak {_size(f['peak_memory_bytes'])}"
     )
+    if bound:
+        b1, b2, b3 = bound["fitted_on"]
+        lines.append(
+            f"bound: no b_m past {b3} runs faster than {bound['throughput']:,.1f} {unit} "
+            f"(1 / the step-time slope from {b2} to {b3}; the tail {b1}, {b2}, {b3} is convex)"
+        )
+    elif d.get("reference") == "bound" and d.get("rule") == "fraction":
+        lines.append(
+            "bound: none (the three largest points do not show a convex step time); best measured used"
+        )
     fit = d.get("memory_fit")
     if fit:
         lines.append(

@@ -42,7 +42,7 @@ from .recommend import choice_kwargs, choice_options, render_recommendation
     type=int,
     default=2,
     show_default=True,
-    help="Stop after this many doublings in a row gain less than the tolerance (or fall).",
+    help="Also stop after this many doublings in a row gain less than the tolerance (or fall).",
 )
 @click.option("--refine", is_flag=True, help="Probe once more between the knee and the point below it.")
 @click.option(
@@ -99,13 +99,19 @@ def cmd(
     hard memory limit (--memory-budget, or 80% of the available memory), so an out-of-memory
     ends only the child. Results are cached ($MICROBATCH_CACHE_DIR, default
     ~/.cache/microbatch); Ctrl-C keeps what was measured.
+
+    \b
+    It doubles b_m from --start and stops when the knee is settled (the step time's slope
+    over the last probes bounds what any larger b_m can reach, and a measured b_m is within
+    the tolerance of that bound), when --patience doublings in a row gain less than the
+    tolerance, at the memory limit, or at --max-micro-batch.
     """
     from ..errors import ConfigError
     from ..measure import TimingConfig
     from ..tune import CPU_TIMING, CUDA_TIMING, tune_model
     from ._common import resolve_model
 
-    kw = choice_kwargs(choice_spec)
+    kw = choice_kwargs(choice_spec, reference="bound")
     shape_flags = any(
         model_spec.get(k) is not None
         for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
