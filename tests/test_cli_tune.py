@@ -72,6 +72,26 @@ def test_recommend_csv_and_rules(tmp_path, capsys):
     assert code == 0 and "knee" in out and "b_m = 8" in out and "out of memory" in out
 
 
+def test_recommend_reference_bound(tmp_path, capsys):
+    # T = b / (0.05 + 0.004·b): affine step time, bound 1/0.004 = 250 per s
+    f = tmp_path / "affine.json"
+    f.write_text(json.dumps([{"micro_batch": b, "throughput": b / (0.05 + 0.004 * b)} for b in (1, 2, 4, 8, 16)]))
+    measured = run_json(["recommend", "-m", str(f)], capsys)
+    bound = run_json(["recommend", "-m", str(f), "--reference", "bound"], capsys)
+    assert measured["reference"] == "measured" and measured["throughput_bound"] is None
+    assert bound["reference"] == "bound"
+    assert bound["reference_throughput"] == pytest.approx(250.0)
+    assert bound["throughput_bound"]["fitted_on"] == [4, 8, 16]
+    # best measured 140.4: 8 (97.6) is below 0.85 x 140.4 = 119.3, so 16; against 250 nothing is
+    # within 15% (212.5): the fastest is chosen and the text says how far it is from the bound
+    assert measured["micro_batch"] == 16 and bound["micro_batch"] == 16
+    assert bound["fraction_of_reference"] == pytest.approx((16 / (0.05 + 0.064)) / 250.0)
+    code, out, _ = run(["recommend", "-m", str(f), "--reference", "bound"], capsys)
+    assert code == 0 and "no b_m past 16 runs faster than 250.0" in out and "of the bound" in out
+    code, _, err = run(["recommend", "-m", str(f), "--reference", "projected"], capsys)
+    assert code == 2
+
+
 def test_recommend_reads_tune_result_json(tmp_path, capsys):
     f = tmp_path / "result.json"
     f.write_text(json.dumps({"points": SEED, "model": "x"}))
