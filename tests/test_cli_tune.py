@@ -75,7 +75,9 @@ def test_recommend_csv_and_rules(tmp_path, capsys):
 def test_recommend_reference_bound(tmp_path, capsys):
     # T = b / (0.05 + 0.004·b): affine step time, bound 1/0.004 = 250 per s
     f = tmp_path / "affine.json"
-    f.write_text(json.dumps([{"micro_batch": b, "throughput": b / (0.05 + 0.004 * b)} for b in (1, 2, 4, 8, 16)]))
+    f.write_text(
+        json.dumps([{"micro_batch": b, "throughput": b / (0.05 + 0.004 * b)} for b in (1, 2, 4, 8, 16)])
+    )
     measured = run_json(["recommend", "-m", str(f)], capsys)
     bound = run_json(["recommend", "-m", str(f), "--reference", "bound"], capsys)
     assert measured["reference"] == "measured" and measured["throughput_bound"] is None
