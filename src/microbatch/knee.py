@@ -89,6 +89,7 @@ __all__ = [
     "DEFAULT_HEADROOM",
     "RULES",
     "REFERENCES",
+    "check_reference",
     "CurvePoint",
     "ThroughputBound",
     "throughput_bound",
@@ -271,6 +272,12 @@ def flattened(points: Sequence[CurvePoint], tolerance: float) -> bool:
     )
 
 
+def check_reference(reference: str) -> None:
+    """ConfigError unless ``reference`` is one of :data:`REFERENCES`."""
+    if reference not in REFERENCES:
+        raise ConfigError(f"reference {reference!r} is not known; use one of {', '.join(REFERENCES)}")
+
+
 def _check_rule(rule: str, tolerance: float) -> None:
     if rule not in RULES:
         raise ConfigError(f"knee rule {rule!r} is not known; use one of {', '.join(RULES)}")
@@ -429,8 +436,7 @@ def recommend(
     candidates' tail, see the module docstring).
     """
     _check_rule(rule, tolerance)
-    if reference not in REFERENCES:
-        raise ConfigError(f"reference {reference!r} is not known; use one of {', '.join(REFERENCES)}")
+    check_reference(reference)
     check_positive_int("data_parallel", data_parallel)
     if global_batch is not None:
         check_positive_int("global_batch", global_batch)

@@ -50,6 +50,7 @@ from .knee import (
     DEFAULT_TOLERANCE,
     CurvePoint,
     Recommendation,
+    check_reference,
     fit_memory,
     gain_per_doubling,
     knee_fraction,
@@ -120,7 +121,7 @@ def search(
         check_positive_int("max micro-batch", max_micro_batch)
     if checkpointing not in CHECKPOINTING:
         raise ConfigError(f"checkpointing {checkpointing!r} is not known; use on, off or auto")
-    _check_reference(reference)
+    check_reference(reference)
     log = log if log is not None else SearchLog()
     known = dict(known or {})
     points: list[Measurement] = []
@@ -514,13 +515,6 @@ def _run(
     )
 
 
-def _check_reference(reference: str) -> None:
-    from .knee import REFERENCES
-
-    if reference not in REFERENCES:
-        raise ConfigError(f"reference {reference!r} is not known; use one of {', '.join(REFERENCES)}")
-
-
 def _check_common(rule, tolerance, checkpointing, mode, precision, memory_budget_bytes, headroom):
     from .knee import RULES
 
@@ -600,7 +594,7 @@ def tune_model(
 
     t_start = time.perf_counter()
     _check_common(rule, tolerance, checkpointing, mode, precision, memory_budget_bytes, headroom)
-    _check_reference(reference)
+    check_reference(reference)
     if (model is None) == (hf_config is None):
         raise ConfigError(
             "give exactly one of a model (name or shape) or hf_config (--model NAME or --hf-config PATH)"
@@ -776,7 +770,7 @@ def tune(
 
     t_start = time.perf_counter()
     _check_common(rule, tolerance, checkpointing, "train", precision, memory_budget_bytes, headroom)
-    _check_reference(reference)
+    check_reference(reference)
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     if data_parallel is None:
         data_parallel = torch.distributed.get_world_size() if dist else 1

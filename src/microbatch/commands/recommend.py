@@ -149,11 +149,11 @@ def render_recommendation(d: dict, points: list[dict] | None = None, unit: str =
         b1, b2, b3 = bound["fitted_on"]
         lines.append(
             f"bound: no b_m past {b3} runs faster than {bound['throughput']:,.1f} {unit} "
-            f"(1 / the step-time slope from {b2} to {b3}; the tail {b1}, {b2}, {b3} is convex)"
+            f"(1 / the step-time slope from {b2} to {b3}; step time over {b1}, {b2}, {b3} is nearly affine)"
         )
     elif d.get("reference") == "bound" and d.get("rule") == "fraction":
         lines.append(
-            "bound: none (the three largest points do not show a convex step time); best measured used"
+            "bound: none (step time over the three largest points bends by more than 10%); best measured used"
         )
     fit = d.get("memory_fit")
     if fit:
