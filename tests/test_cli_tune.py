@@ -83,7 +83,7 @@ def test_recommend_reference_bound(tmp_path, capsys):
     assert measured["reference"] == "measured" and measured["throughput_bound"] is None
     assert bound["reference"] == "bound"
     assert bound["reference_throughput"] == pytest.approx(250.0)
-    assert bound["throughput_bound"]["fitted_on"] == [4, 8, 16]
+    assert bound["throughput_bound"]["fitted_on"] == [1, 2, 4, 8, 16]
     # best measured 140.4: 8 (97.6) is below 0.85 x 140.4 = 119.3, so 16; against 250 nothing is
     # within 15% (212.5): the fastest is chosen and the text says how far it is from the bound
     assert measured["micro_batch"] == 16 and bound["micro_batch"] == 16

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError
 from microbatch.knee import (
+    BOUND_MARGIN,
+    BOUND_SLACK,
     DEFAULT_RULE,
     DEFAULT_TOLERANCE,
     CurvePoint,
@@ -226,61 +228,110 @@ def test_bound_on_affine_step_time_is_the_asymptote_and_knee_is_closed_form():
     a, c, tau = 0.05, 0.004, 0.15
     pts = curve(affine(a, c))
     bound = throughput_bound(pts)
-    assert bound is not None and bound.fitted_on == (16, 32, 64)
+    assert bound is not None and bound.fitted_on == (4, 8, 16, 32, 64)  # the five largest
     assert bound.throughput == pytest.approx(1 / c)
-    # knee against T-hat = 1/c: smallest b with b/(a+cb) >= (1-tau)/c, i.e. b >= (1-tau)/tau * a/c
-    b_star = (1 - tau) / tau * a / c  # 70.8: no measured point reaches it yet
+    assert bound.slope == pytest.approx(c) and bound.intercept == pytest.approx(a)
+    assert bound.max_residual == pytest.approx(0.0, abs=1e-12)
+    # knee against T-hat = 1/c with margin mu: smallest b with b/(a+cb) >= x/c, x = (1-tau)(1+mu),
+    # i.e. b >= x/(1-x) * a/c
+    x = (1 - tau) * (1 + BOUND_MARGIN)
+    b_star = x / (1 - x) * a / c  # 103.8: no measured point reaches it yet
     rec = recommend(pts, reference="bound", tolerance=tau)
-    assert rec.knee.micro_batch == 64 and rec.reference == "bound"
+    assert rec.knee.micro_batch == 64 == rec.fastest.micro_batch and rec.reference == "bound"
     assert rec.reference_throughput == pytest.approx(1 / c)
     more = curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
     k = recommend(more, reference="bound", tolerance=tau).knee.micro_batch
     assert k == 128 == min(b for b, _ in affine(a, c, (128, 256)) if b >= b_star)
     # against the best measured alone the same curve gives a smaller knee, further from 1/c
     assert recommend(more, tolerance=tau).knee.micro_batch == 64
+    # without the margin the line is (1 - tau)/tau * a/c = 70.8: still 128 among powers of two
+    assert find_knee(more, bound=1 / c, margin=0.0).micro_batch == 128
+    assert find_knee(curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 72, 96, 128))), bound=1 / c).micro_batch == 72
+    odd = curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 72, 96, 128)))
+    assert find_knee(odd, bound=1 / c, margin=BOUND_MARGIN).micro_batch == 128
 
 
-def test_bound_none_when_tail_still_bends_up_or_too_few_points():
-    # 1 -> 2 -> 4 of a CPU decode: u = b/T falls from 2 to 4 (matrix-vector kernels giving way)
+def test_bound_fit_averages_noise_that_a_secant_would_amplify():
+    # affine truth u = 0.05 + 0.004 b; the 32 probe 8% slow. The last two secants' slopes differ
+    # by 29% (the former three-point rule, at 10%, refused), but every point is within 15% of the
+    # fitted line, and T-hat stays within 5% of the true 1/c = 250
+    pts = [(b, t * (0.92 if b == 32 else 1.0)) for b, t in affine(0.05, 0.004)]
+    u = {b: b / t for b, t in pts}
+    s1, s2 = (u[32] - u[16]) / 16, (u[64] - u[32]) / 32
+    assert abs(s2 / s1 - 1) > 0.25
+    bound = throughput_bound(curve(pts))
+    assert bound is not None and bound.max_residual < BOUND_SLACK
+    assert bound.throughput == pytest.approx(250.0, rel=0.05)
+
+
+def test_bound_none_when_tail_bends_or_too_few_points():
+    # three points: a line through them has one degree of freedom left; no bound
     assert throughput_bound(curve([(1, 100.0), (2, 104.0), (4, 135.0)])) is None
-    assert throughput_bound(curve([(1, 100.0), (2, 150.0)])) is None
-    # u concave beyond the slack: slope of u falls 20% from one secant to the next (or rises 20%)
-    pts = curve([(4, 4 / 1.0), (8, 8 / 2.0), (16, 16 / 3.6)])
-    assert throughput_bound(pts) is None
-    assert throughput_bound(pts, slack=0.25) is not None
-    assert throughput_bound(curve([(4, 4 / 1.0), (8, 8 / 2.0), (16, 16 / 4.4)])) is None
+    assert throughput_bound(curve(affine(0.05, 0.004, bs=(1, 2, 4)))) is None
+    assert throughput_bound(curve(affine(0.05, 0.004, bs=(1, 2, 4, 8)))) is not None
+    # 1 -> 2 -> 4 -> 8 of a CPU decode: u = b/T falls from 2 to 4 (matrix-vector kernels giving
+    # way to matrix-matrix ones): a bend, not a line
+    assert throughput_bound(curve([(1, 24.0), (2, 26.0), (4, 58.0), (8, 94.0)])) is None
+    # flat step time up to 8 (latency-bound), then linear: a hinge misses any line by > 15%
+    hinge = [(b, b / max(0.1, 0.0125 * b)) for b in (2, 4, 8, 16, 32)]
+    bound = throughput_bound(curve(hinge))
+    assert bound is None
+    assert throughput_bound(curve(hinge), slack=math.inf) is not None
+    # u not growing at all (throughput linear in b): no slope, no bound
+    assert throughput_bound(curve([(b, 10.0 * b) for b in (1, 2, 4, 8)])) is None
 
 
 def test_bound_when_step_time_extrapolates_below_zero_is_the_last_point():
-    # u = b/T = -0.002 + 0.011·b (falling throughput): nothing past 8 beats T(8)
-    pts = curve([(b, b / (-0.002 + 0.011 * b)) for b in (2, 4, 8)])
+    # u = b/T = -0.002 + 0.011·b (falling throughput): nothing past 16 beats T(16)
+    pts = curve([(b, b / (-0.002 + 0.011 * b)) for b in (2, 4, 8, 16)])
     bound = throughput_bound(pts)
     assert bound is not None and bound.throughput == pytest.approx(pts[-1].throughput)
     # a kink (u's slope triples, as when the working set leaves the cache) is left to the flat rule
-    assert throughput_bound(curve([(2, 190.0), (4, 300.0), (8, 250.0)])) is None
-    assert throughput_bound(curve([(2, 190.0), (4, 300.0), (8, 250.0)]), slack=math.inf).throughput == 250.0
+    kink = curve([(1, 150.0), (2, 190.0), (4, 300.0), (8, 250.0)])
+    assert throughput_bound(kink) is None
+    # without the slack test the fitted line's bound is looser than the last secant's (valid: c_LS <= s_34)
+    loose = throughput_bound(kink, slack=math.inf)
+    assert loose.max_residual > BOUND_SLACK and loose.throughput > 250.0
 
 
-def test_seed_curve_keeps_knee_8_with_the_bound_reference():
-    # tail 4, 8, 16: slope of u = b/T goes 8.75e-5 -> 1.571e-4 (x1.8): a kink, not an affine
-    # tail, so no bound and the best measured stays the reference
-    rec = recommend(curve(SEED), reference="bound")
-    assert rec.bound is None and rec.knee.micro_batch == 8
+def test_seed_curve_knee_8_measured_and_16_against_the_bound():
+    # the requirement: the default (measured reference) picks the seed's own 8
     assert recommend(curve(SEED)).knee.micro_batch == 8
-    # under the convexity argument alone (no slack limit) T-hat = 6364 would move it to 16
-    loose = throughput_bound(curve(SEED), slack=math.inf)
-    assert loose.throughput == pytest.approx(6363.64, rel=1e-4)
-    assert find_knee(curve(SEED), bound=loose.throughput).micro_batch == 16  # 5000 < 0.85 * 6364
+    # the seed's four points fit a line in u = b/T within 11%: T-hat = 7,978, 16 is at 70% of
+    # it, so against the bound the curve is still rising and the knee is the fastest, 16
+    rec = recommend(curve(SEED), reference="bound")
+    assert rec.bound is not None and rec.bound.fitted_on == (1, 4, 8, 16)
+    assert rec.bound.max_residual == pytest.approx(0.1067, abs=1e-3)
+    assert rec.bound.throughput == pytest.approx(7977.97, rel=1e-4)
+    assert rec.knee.micro_batch == 16 == rec.fastest.micro_batch
+    # a tighter slack refuses the bend and falls back on the best measured: 8 again
+    assert find_knee(curve(SEED), bound=None).micro_batch == 8
+    assert throughput_bound(curve(SEED), slack=0.10) is None
     d = rec.to_dict()
-    assert d["reference"] == "bound" and d["throughput_bound"] is None
+    assert d["reference"] == "bound" and d["throughput_bound"]["fitted_on"] == [1, 4, 8, 16]
 
 
 def test_bound_fields_in_json():
     rec = recommend(curve(affine(0.05, 0.004)), reference="bound")
     d = rec.to_dict()
-    assert d["throughput_bound"]["fitted_on"] == [16, 32, 64]
+    assert d["throughput_bound"]["fitted_on"] == [4, 8, 16, 32, 64]
     assert d["reference_throughput"] == pytest.approx(250.0)
     assert d["fraction_of_reference"] == pytest.approx(d["throughput"] / 250.0)
+    assert d["bound_margin"] == BOUND_MARGIN  # reference bound: the margin applies
+    assert d["throughput_bound"]["max_residual"] == pytest.approx(0.0, abs=1e-12)
+    assert recommend(curve(SEED)).to_dict()["bound_margin"] == 0.0  # measured: none
+
+
+def test_margin_with_the_bound_reference_prefers_the_point_clear_of_the_line():
+    # falling throughput: the bound is T(16), under the best measured (T(2) = 100); the margin
+    # still applies to the best measured, which is an estimate too
+    pts = curve([(1, 80.0), (2, 100.0), (4, 86.0), (8, 84.0), (16, 80.0)])
+    assert recommend(pts).knee.micro_batch == 2
+    # 86 is within 15% of 100 but not with a 5% margin (89.25): measured 4, bound 2
+    pts = curve([(1, 86.0), (2, 100.0), (4, 97.0), (8, 93.0), (16, 90.0)])
+    assert recommend(pts).knee.micro_batch == 1
+    rec = recommend(pts, reference="bound")
+    assert rec.margin == BOUND_MARGIN and rec.knee.micro_batch == 2
 
 
 def test_bound_knee_is_fastest_when_nothing_is_within_tau():
@@ -296,7 +347,7 @@ def test_bound_knee_is_fastest_when_nothing_is_within_tau():
     st.lists(
         st.tuples(st.floats(0.0, 5.0), st.floats(1e-3, 2.0)), min_size=1, max_size=3
     ),  # (intercept >= 0, slope > 0) of each resource's time
-    st.integers(3, 7),
+    st.integers(4, 7),
 )
 def test_bound_holds_for_every_roofline_curve(lines, n):
     """u(b) = max_r (a_r + c_r·b) (a roofline: convex): T-hat bounds every larger b_m."""

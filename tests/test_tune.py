@@ -388,6 +388,37 @@ def test_bound_stop_keeps_the_choice_within_tau_of_the_whole_curve(a, c):
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.throughput >= 0.85 * max(full.values())
-    # and it stops no later than one doubling past the knee of the full curve (b >= 5.67 a/c)
+    # and it stops no later than one doubling past the knee of the full curve (b >= 5.67 a/c),
+    # after at least the four probes a bound needs (1, 2, 4, 8)
     b_star = min(b for b in full if full[b] >= 0.85 / c)
-    assert max(bs(pts)) <= max(4, 2 * b_star)
+    assert max(bs(pts)) <= max(8, 2 * b_star)
+    assert len(pts) >= 4
+
+
+# The five exhaustive decode sweeps of bench/bench_tune.py (2026-11-30, same machine and settings;
+# bench/results/bench_tune-2026-11-30-bound.json) and one more from the profiling run after them.
+DECODE_SWEEPS = [
+    {1: 21.7, 2: 24.6, 4: 58.4, 8: 93.9, 16: 124.4, 32: 162.6, 64: 200.9, 128: 229.7, 256: 253.3, 512: 244.1},
+    {1: 25.5, 2: 28.2, 4: 64.1, 8: 106.5, 16: 155.0, 32: 201.2, 64: 230.1, 128: 255.2, 256: 270.5, 512: 270.3},
+    {1: 24.0, 2: 26.2, 4: 58.3, 8: 93.4, 16: 129.0, 32: 162.8, 64: 212.2, 128: 235.6, 256: 250.8, 512: 264.5},
+    {1: 22.7, 2: 25.7, 4: 52.5, 8: 73.4, 16: 136.4, 32: 159.5, 64: 206.4, 128: 207.5, 256: 234.1, 512: 247.3},
+    {1: 24.1, 2: 27.4, 4: 60.5, 8: 97.6, 16: 149.1, 32: 142.3, 64: 201.9, 128: 238.9, 256: 265.5, 512: 263.5},
+    {1: 24.8, 2: 28.2, 4: 61.8, 8: 104.1, 16: 154.1, 32: 195.8, 64: 217.0, 128: 255.5, 256: 263.8},
+]  # fmt: skip
+
+
+def test_fitted_bound_on_real_decode_sweeps_stops_early_and_stays_within_tau():
+    """Each recorded sweep replayed through the search: the choice is within τ of that sweep's
+    own best every time, and the search stops by 128 in four of six (the old three-point secant
+    rule, refusing any tail whose slope moved by > 10%, did so in two, and once chose 83.5%)."""
+    from microbatch.knee import recommend
+    from microbatch.tune import _point
+
+    stops = []
+    for curve in DECODE_SWEEPS:
+        log = SearchLog()
+        pts = search(synthetic(curve, intercept=1e9, slope=2e6), max_micro_batch=max(curve), log=log)
+        knee = recommend([_point(p) for p in pts], reference="bound").knee
+        assert knee.throughput >= 0.85 * max(curve.values()), (curve, bs(pts), knee)
+        stops.append(max(bs(pts)))
+    assert sum(s <= 128 for s in stops) >= 4, stops

@@ -47,26 +47,41 @@ the throughput of every b_m larger than the largest measured one (:func:`through
 Write u(b) = b / T(b), the step time per unit of throughput (for throughput in samples/s it
 is the step time itself). Under the roofline (Williams, Waterman and Patterson, CACM 2009) a
 step's time is the largest of its resource times (bytes moved over bandwidth, FLOPs over peak
-rate, a fixed launch or latency cost), each affine in b: so u is convex in b. For three
-measured b_1 < b_2 < b_3 with secant slopes c_12 and c_23, convexity gives, for every b' > b_3,
-u(b') ≥ u(b_3) + c_23·(b' − b_3) = a + c_23·b' with a = u(b_3) − c_23·b_3, hence
+rate, a fixed launch or latency cost), each affine in b: so u is convex in b. Fit
+u ≈ a + c·b by least squares on the k = 5 largest measured points b_1 < … < b_k (at least 4:
+on three a line has one degree of freedom left, too few to tell a bend from noise).
+The least-squares slope is a weighted mean of the pairwise secant slopes,
 
-    T(b') = b'/u(b') ≤ b'/(a + c_23·b') ≤ T̂ = 1/c_23        (a ≥ 0)
+    c = Σ_{i<j} w_ij·s_ij,   w_ij = (b_j − b_i)² / Σ (b_j − b_i)²,   s_ij = (u_j − u_i)/(b_j − b_i)
 
-and T(b') ≤ T(b_3) when a < 0. The bound is only used when the measured tail is nearly
-affine, |c_23/c_12 − 1| ≤ η with η = 0.10: a tail still bending the other way (matrix–vector
-kernels giving way to matrix–matrix ones at small b_m) has no bound yet, and a sharp kink is
-more often one noisy probe than a real cliff (a repeated CPU probe varies by up to 25% on a
-shared machine, BENCHMARKS.md), so a kink is left to the flat rule. η admits mild concavity
-(a slope falling < 10% per doubling) as noise; there the bound can be low by up to that much.
-On a curve that fits u = a + c·b exactly the knee against T̂ is b ≥ (1 − τ)/τ · a/c.
+and for a convex u every s_ij ≤ s_{k−1,k}, the last secant's slope; convexity also gives
+u(b') ≥ u(b_k) + s_{k−1,k}·(b' − b_k) ≥ u(b_k) + c·(b' − b_k) for every b' > b_k. With
+a' = u(b_k) − c·b_k,
 
-With the bound the knee is the smallest b_i with T_i ≥ (1 − τ)·max(max_j T_j, T̂), or the
-fastest point when none reaches it (the curve is still rising at the largest b_m that fits). On
-the seed's curve the slope of u nearly doubles from (4, 8) to (8, 16): a kink, so no bound, and
-the knee stays 8 (convexity alone would give T̂ = 6364 and move it to 16). The measured
-reference stays the default of ``recommend`` (a curve given whole is taken as the truth);
-``tune`` needs the bound because it decides where the curve ends.
+    T(b') = b'/u(b') ≤ b'/(a' + c·b') ≤ T̂ = 1/c        (a' ≥ 0)
+
+and T(b') ≤ T(b_k) when a' < 0. The fit over five points rather than the last secant alone is
+what makes T̂ usable on a CPU: one probe varies by 3–5% from run to run (up to 25% on a shared
+machine, BENCHMARKS.md), a secant's slope amplifies that about three-fold, and five points
+average it out; the price is a looser bound (c ≤ s_{k−1,k}) on a curve that is truly convex.
+
+The bound is only used when the tail is nearly affine: every point within η = 15% of the line
+(|a + c·b_i − u_i| ≤ η·u_i). A tail with a sharp bend (a cache cliff, matrix–vector kernels
+giving way to matrix–matrix ones, the staircase of GPU waves) misses the line by more and gets
+no bound; the flat rule then decides. Within η mild concavity passes as noise (on the CPU,
+decoding's marginal cost per sequence falls ~4% per doubling as the GEMMs grow), so T̂ can be
+low by about that much.
+
+With the bound the knee is the smallest b_i with T_i ≥ (1 − τ)·(1 + μ)·max(max_j T_j, T̂), or
+the fastest point when none reaches it (the curve is still rising at the largest b_m that fits).
+The margin μ = 5% is there because the reference is an estimate: T̂ fitted on five probes with
+~3% noise each is off by ~4%, and the best measured by a search that stopped early is low by up
+to a doubling's gain; without it a point just under the line is chosen about half the time. On a
+curve that fits u = a + c·b exactly the knee is b ≥ x/(1 − x) · a/c with x = (1 − τ)(1 + μ). On the seed's four points the line fits within 11%, so
+the bound is T̂ = 7,978 and the knee moves to 16, the fastest: against the bound the seed's curve
+has not flattened yet (16 is at 70% of T̂), and ``tune`` would go on to 32. The measured
+reference stays the default of ``recommend`` (a curve given whole is taken as the truth, and
+picks the seed's 8); ``tune`` needs the bound because it decides where the curve ends.
 
 **Memory fit.** Peak memory M(b) = M_0 + k·b (activations are linear in b_m: Korthikanti et al.
 2022, A ∝ b·s·h·L), fitted by least squares on the largest probes (the smallest are dominated
@@ -89,6 +104,10 @@ __all__ = [
     "DEFAULT_HEADROOM",
     "RULES",
     "REFERENCES",
+    "BOUND_WINDOW",
+    "BOUND_MIN_POINTS",
+    "BOUND_SLACK",
+    "BOUND_MARGIN",
     "check_reference",
     "CurvePoint",
     "ThroughputBound",
@@ -108,9 +127,19 @@ __all__ = [
 RULES = ("fraction", "gain")
 REFERENCES = ("measured", "bound")
 """What rule ``fraction`` measures against: the best measured point, or also the bound on larger b_m."""
-BOUND_SLACK = 0.10
-"""η: how far the step-time slope of the last secant may differ from the one before (timing
-noise) for the tail to count as affine; beyond it no bound is given."""
+BOUND_WINDOW = 5
+"""How many of the largest measured points the bound's line is fitted on (five doublings)."""
+BOUND_MIN_POINTS = 4
+"""Fewest points the bound's line is fitted on: on three, a line has one degree of freedom left
+and its residual test cannot tell a bend from noise."""
+BOUND_SLACK = 0.15
+"""η: the largest relative residual of the bound's line for the tail to count as affine (timing
+noise); beyond it no bound is given."""
+BOUND_MARGIN = 0.05
+"""μ: with ``reference="bound"`` a point counts as within τ of the reference only if it reaches
+(1 − τ)·(1 + μ) of it: the reference is an estimate (a bound fitted on five probes with ~3% noise
+each has ~4% error; a best measured by a search that stopped early is low by up to a doubling's
+gain)."""
 DEFAULT_RULE = "fraction"
 """Default knee rule (see the module docstring for why)."""
 DEFAULT_TOLERANCE = 0.15
@@ -177,18 +206,27 @@ def _curve(points: Iterable[CurvePoint]) -> list[CurvePoint]:
     return [best[b] for b in sorted(best)]
 
 
+def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line y = a + c·x over distinct xs: c = Σ(x−x̄)(y−ȳ) / Σ(x−x̄)², a = ȳ − c·x̄."""
+    xbar, ybar = sum(xs) / len(xs), sum(ys) / len(ys)
+    c = sum((x - xbar) * (y - ybar) for x, y in zip(xs, ys, strict=True)) / sum((x - xbar) ** 2 for x in xs)
+    return ybar - c * xbar, c
+
+
 @dataclass(frozen=True, kw_only=True)
 class ThroughputBound:
-    """T̂ = 1/c_23: no b_m past the largest measured runs faster (see the module docstring)."""
+    """T̂ = 1/c: no b_m past the largest measured runs faster (see the module docstring)."""
 
     throughput: float
     """T̂, in the curve's throughput unit."""
     slope: float
-    """c_23: growth of u = b/T per unit of b between the two largest points."""
-    previous_slope: float
-    """c_12: the same between the two points before (c_23 ≥ (1 − η)·c_12 was checked)."""
-    fitted_on: tuple[int, int, int]
-    """b_1, b_2, b_3: the three largest measured b_m."""
+    """c: least-squares slope of u = b/T against b over ``fitted_on``."""
+    intercept: float
+    """a: the fit's u at b = 0."""
+    max_residual: float
+    """Largest |a + c·b − u| / u over ``fitted_on`` (at most η was checked)."""
+    fitted_on: tuple[int, ...]
+    """The largest measured b_m the line was fitted on (up to ``BOUND_WINDOW``, at least 4)."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -196,34 +234,51 @@ class ThroughputBound:
         return d
 
 
-def throughput_bound(points: Sequence[CurvePoint], *, slack: float = BOUND_SLACK) -> ThroughputBound | None:
+def throughput_bound(
+    points: Sequence[CurvePoint], *, slack: float = BOUND_SLACK, window: int = BOUND_WINDOW
+) -> ThroughputBound | None:
     """The bound T̂ on the throughput of any b_m larger than the largest measured one.
 
-    From the three largest measured points; None when there are fewer, when u = b/T does not grow
-    on both secants, or when the tail is not affine within ``slack`` (|c_23/c_12 − 1| > η).
+    Fits u = a + c·b by least squares on the ``window`` largest measured points (at least 4);
+    None when there are fewer, when c ≤ 0, or when the tail is not affine within ``slack``
+    (some |a + c·b − u| / u > η).
     """
-    curve = [p for p in _curve(points) if p.throughput > 0][-3:]
-    if len(curve) < 3:
+    curve = [p for p in _curve(points) if p.throughput > 0][-window:]
+    if len(curve) < BOUND_MIN_POINTS:
         return None
-    (b1, b2, b3) = (p.micro_batch for p in curve)
-    u1, u2, u3 = (p.micro_batch / p.throughput for p in curve)
-    c12, c23 = (u2 - u1) / (b2 - b1), (u3 - u2) / (b3 - b2)
-    if c23 <= 0 or c12 <= 0 or abs(c23 / c12 - 1.0) > slack:
+    bs = [float(p.micro_batch) for p in curve]
+    us = [p.micro_batch / p.throughput for p in curve]
+    a, c = _line(bs, us)
+    if c <= 0:
         return None
-    a = u3 - c23 * b3
-    top = 1.0 / c23 if a >= 0 else curve[-1].throughput
-    return ThroughputBound(throughput=top, slope=c23, previous_slope=c12, fitted_on=(b1, b2, b3))
+    worst = max(abs(a + c * b - u) / u for b, u in zip(bs, us, strict=True))
+    if worst > slack:
+        return None
+    # u(b') ≥ u_n + c·(b' − b_n) for b' > b_n; its intercept decides between 1/c and T(b_n)
+    top = 1.0 / c if us[-1] - c * bs[-1] >= 0 else curve[-1].throughput
+    return ThroughputBound(
+        throughput=top,
+        slope=c,
+        intercept=a,
+        max_residual=worst,
+        fitted_on=tuple(p.micro_batch for p in curve),
+    )
 
 
 def knee_fraction(
-    points: Sequence[CurvePoint], tolerance: float, *, bound: float | None = None
+    points: Sequence[CurvePoint],
+    tolerance: float,
+    *,
+    bound: float | None = None,
+    margin: float = 0.0,
 ) -> CurvePoint:
-    """Smallest b_i with T_i ≥ (1 − τ)·max(max T, T̂) (rule ``fraction``; T̂ = ``bound``, if given);
-    the fastest point when none reaches it."""
+    """Smallest b_i with T_i ≥ (1 − τ)·(1 + μ)·max(max T, T̂) (rule ``fraction``; T̂ = ``bound``,
+    if given; μ = ``margin``); the fastest point when none reaches it."""
     curve = _curve(points)
     top = max(p.throughput for p in curve)
     ref = max(top, bound or 0.0)
-    within = [p for p in curve if p.throughput >= (1.0 - tolerance) * ref]
+    line = (1.0 - tolerance) * (1.0 + margin) * ref
+    within = [p for p in curve if p.throughput >= line]
     return within[0] if within else max(curve, key=lambda p: (p.throughput, -p.micro_batch))
 
 
@@ -249,14 +304,16 @@ def find_knee(
     rule: str = DEFAULT_RULE,
     tolerance: float = DEFAULT_TOLERANCE,
     bound: float | None = None,
+    margin: float = 0.0,
 ) -> CurvePoint:
     """The knee of ``points`` by ``rule`` (``fraction`` or ``gain``) at tolerance τ; ``bound``
-    (T̂, rule ``fraction`` only) raises the reference above the best measured."""
+    (T̂, rule ``fraction`` only) raises the reference above the best measured, and ``margin`` μ
+    raises the line a point must clear to (1 − τ)·(1 + μ)·reference."""
     _check_rule(rule, tolerance)
     if not _curve(points):
         raise ConfigError("no measured point without out-of-memory to choose from; measure at least one b_m")
     if rule == "fraction":
-        return knee_fraction(points, tolerance, bound=bound)
+        return knee_fraction(points, tolerance, bound=bound, margin=margin)
     return knee_gain(points, tolerance)
 
 
@@ -319,13 +376,9 @@ def fit_memory(points: Sequence[CurvePoint], *, largest: int = 3) -> MemoryFit |
     )[-largest:]
     if len(known) < 2:
         return None
-    bs = [float(p.micro_batch) for p in known]
-    ms = [float(p.peak_memory_bytes) for p in known]
-    bbar, mbar = sum(bs) / len(bs), sum(ms) / len(ms)
-    sxx = sum((b - bbar) ** 2 for b in bs)
-    k = sum((b - bbar) * (m - mbar) for b, m in zip(bs, ms, strict=True)) / sxx
+    m0, k = _line([float(p.micro_batch) for p in known], [float(p.peak_memory_bytes) for p in known])
     return MemoryFit(
-        intercept_bytes=mbar - k * bbar, slope_bytes_per_sample=k, fitted_on=tuple(int(b) for b in bs)
+        intercept_bytes=m0, slope_bytes_per_sample=k, fitted_on=tuple(p.micro_batch for p in known)
     )
 
 
@@ -371,6 +424,9 @@ class Recommendation:
     """What rule ``fraction`` measured against: ``measured`` or ``bound`` (see the module docstring)."""
     bound: ThroughputBound | None = None
     """T̂ when ``reference`` is ``bound`` and the tail gives one (None otherwise)."""
+    margin: float = 0.0
+    """μ: the knee had to reach (1 − τ)·(1 + μ)·reference (``BOUND_MARGIN`` with ``reference="bound"``,
+    else 0)."""
 
     @property
     def reference_throughput(self) -> float:
@@ -411,6 +467,7 @@ class Recommendation:
                 self.knee.throughput / self.reference_throughput if self.reference_throughput > 0 else None
             ),
             throughput_bound=self.bound.to_dict() if self.bound else None,
+            bound_margin=self.margin,
         )
         return d
 
@@ -475,7 +532,10 @@ def recommend(
             + "; relax the limit or measure other sizes"
         )
     bound = throughput_bound(cands) if reference == "bound" and rule == "fraction" else None
-    knee = find_knee(cands, rule=rule, tolerance=tolerance, bound=bound.throughput if bound else None)
+    margin = BOUND_MARGIN if reference == "bound" and rule == "fraction" else 0.0
+    knee = find_knee(
+        cands, rule=rule, tolerance=tolerance, bound=bound.throughput if bound else None, margin=margin
+    )
     fastest = max(cands, key=lambda p: (p.throughput, -p.micro_batch))
     fit = fit_memory(pts)
     return Recommendation(
@@ -493,6 +553,7 @@ def recommend(
         flattened=flattened(measured, tolerance),
         reference=reference,
         bound=bound,
+        margin=margin,
     )
 
 

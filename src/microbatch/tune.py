@@ -5,13 +5,15 @@ fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.knee.
 never probe a b_m predicted to exceed the budget less its headroom. Stop when
 
 - the knee is settled (rule ``fraction`` with ``reference="bound"``, the default): the bound T̂
-  on what any larger b_m can reach (:func:`microbatch.knee.throughput_bound`, from the roofline's
-  convex step time) is known and a measured point is within τ of max(best, T̂), so no further
-  probe can move the knee;
+  on what any larger b_m can reach (:func:`microbatch.knee.throughput_bound`: a line fitted to
+  the step time of the five largest probes, valid because the roofline's step time is convex)
+  is known and a measured point is within τ of max(best, T̂), so no further probe can move the
+  knee beyond it;
 - the curve has flattened or fallen: the newest point gains less than τ per doubling over the
   best point before it (τ is the knee rule's tolerance), ``patience`` times in a row (default
   2: on a CPU, decoding a 124M-parameter model gained 5% from b_m = 1 to 2, then 30% per
-  doubling up to 32 — one flat doubling is not a plateau; see BENCHMARKS.md);
+  doubling up to 32 — one flat doubling is not a plateau; see BENCHMARKS.md), and, with
+  ``reference="bound"``, at least four points are measured (enough to fit the bound);
 - the next b_m is predicted not to fit, or ran out of memory (with ``checkpointing="auto"``,
   the search first switches activation checkpointing on at that b_m and goes on: where both
   fit, no recomputation is always the faster, so "try both, keep the faster that fits" only
@@ -45,6 +47,8 @@ from ._callable import make_module_callable
 from ._json import dumps
 from .errors import ConfigError, check_positive_int
 from .knee import (
+    BOUND_MARGIN,
+    BOUND_MIN_POINTS,
     DEFAULT_HEADROOM,
     DEFAULT_RULE,
     DEFAULT_TOLERANCE,
@@ -157,14 +161,14 @@ def search(
         bound = throughput_bound(ok)
         if bound is None:
             return None
-        knee = knee_fraction(ok, tolerance, bound=bound.throughput)
+        knee = knee_fraction(ok, tolerance, bound=bound.throughput, margin=BOUND_MARGIN)
         ref = max(bound.throughput, max(p.throughput for p in ok))
         if knee.throughput < (1.0 - tolerance) * ref:
             return None
-        b2, b3 = bound.fitted_on[1:]
+        first, last = bound.fitted_on[0], bound.fitted_on[-1]
         return (
-            f"knee settled: no micro-batch past {b3} can beat {bound.throughput:,.1f}/s (the step-time "
-            f"slope from {b2} to {b3}), and {knee.micro_batch} is within {100 * tolerance:g}% of it"
+            f"knee settled: no micro-batch past {last} can beat {bound.throughput:,.1f}/s (the step-time "
+            f"line fitted from {first} to {last}), and {knee.micro_batch} is within {100 * tolerance:g}% of it"
         )
 
     def predicted_not_to_fit(b: int) -> bool:
@@ -203,7 +207,10 @@ def search(
                 best = max(ok, key=lambda p: p.throughput)
                 gain = gain_per_doubling(best.micro_batch, best.throughput, b, m.throughput)
                 flat = flat + 1 if gain < tolerance else 0
-                if flat >= patience:
+                # against the bound, the flat rule waits until a bound could be fitted: two flat
+                # doublings among the first three probes are weak evidence on a noisy machine
+                enough = reference != "bound" or len(ok) + 1 >= BOUND_MIN_POINTS
+                if flat >= patience and enough:
                     log.stop_reason = (
                         f"throughput flattened: {b} gains {100 * gain:.1f}% per doubling over {best.micro_batch}"
                         f" (< {100 * tolerance:g}%)"

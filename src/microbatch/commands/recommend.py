@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError
+from ..knee import BOUND_MARGIN, BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
 from ._common import emit, json_option, option_group
 
 CHOICE_FLAGS = (
@@ -66,8 +67,10 @@ def choice_options(f: Callable) -> Callable:
             type=click.Choice(["measured", "bound"]),
             default=None,
             help="What 'best' is for rule fraction. measured: the best measured throughput. bound: also "
-            "the most any larger b_m can reach, 1/slope of step time over b_m between the two largest "
-            "points (the roofline makes step time convex in b_m), when the measured tail is convex. "
+            f"the most any larger b_m can reach, 1/slope of a line fitted to step time over the {BOUND_WINDOW} "
+            "largest b_m (the roofline makes step time convex in b_m, so no larger b_m beats it), when "
+            f"every point is within {100 * BOUND_SLACK:g}% of that line; a point is then within τ of the "
+            f"bound only with a {100 * BOUND_MARGIN:g}% margin for the fit's error. "
             "Default: bound for tune (it stops early, so it must answer for what it did not measure), "
             "measured for recommend (a curve given whole is taken as the truth).",
         ),
@@ -146,14 +149,16 @@ def render_recommendation(d: dict, points: list[dict] | None = None, unit: str =
         + f"  — {f['throughput']:,.1f} {unit}, peak {_size(f['peak_memory_bytes'])}"
     )
     if bound:
-        b1, b2, b3 = bound["fitted_on"]
+        on = bound["fitted_on"]
         lines.append(
-            f"bound: no b_m past {b3} runs faster than {bound['throughput']:,.1f} {unit} "
-            f"(1 / the step-time slope from {b2} to {b3}; step time over {b1}, {b2}, {b3} is nearly affine)"
+            f"bound: no b_m past {on[-1]} runs faster than {bound['throughput']:,.1f} {unit} "
+            f"(1 / the slope of step time against b_m, fitted on {', '.join(str(b) for b in on)}: "
+            f"affine within {100 * bound['max_residual']:.1f}%)"
         )
     elif d.get("reference") == "bound" and d.get("rule") == "fraction":
         lines.append(
-            "bound: none (step time over the three largest points bends by more than 10%); best measured used"
+            f"bound: none (fewer than {BOUND_MIN_POINTS} points, or step time over the {BOUND_WINDOW} largest misses a line "
+            f"by more than {100 * BOUND_SLACK:g}%); best measured used"
         )
     fit = d.get("memory_fit")
     if fit:

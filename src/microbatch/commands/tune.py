@@ -101,10 +101,10 @@ def cmd(
     ~/.cache/microbatch); Ctrl-C keeps what was measured.
 
     \b
-    It doubles b_m from --start and stops when the knee is settled (the step time's slope
-    over the last probes bounds what any larger b_m can reach, and a measured b_m is within
-    the tolerance of that bound), when --patience doublings in a row gain less than the
-    tolerance, at the memory limit, or at --max-micro-batch.
+    It doubles b_m from --start and stops when the knee is settled (1 / the slope of a line
+    fitted to the step time of the five largest probes bounds what any larger b_m can reach,
+    and a measured b_m is within the tolerance of that bound), when --patience doublings in a
+    row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
     from ..errors import ConfigError
     from ..measure import TimingConfig
