@@ -445,6 +445,11 @@ accumulate(model, shard, loss_fn, micro_batch_size=2, count_fn=count_fn, noise=h
 results["noise"] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
 torch.save(results, out)
 dist.destroy_process_group()
+# as microbatch.launch does: skip the interpreter's teardown, where gloo's background threads
+# can abort an exiting process ("terminate called without an active exception") after its work
+import os
+sys.stdout.flush()
+os._exit(0)
 """
 
 
