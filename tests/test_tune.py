@@ -422,3 +422,25 @@ def test_fitted_bound_on_real_decode_sweeps_stops_early_and_stays_within_tau():
         assert knee.throughput >= 0.85 * max(curve.values()), (curve, bs(pts), knee)
         stops.append(max(bs(pts)))
     assert sum(s <= 128 for s in stops) >= 4, stops
+
+
+def test_settling_needs_half_the_margin():
+    """A recorded tune curve (confirmation run 3: 32 and 64 came out a little low, T(64) = 85.1% of
+    T-hat over 4..64) settled at 64 on the bare line and chose it (80% of the sweep's best). With
+    half the choice's margin to settle, the search probes 128 (here the sweep's own figures past
+    64) and chooses it."""
+    from microbatch.knee import recommend
+    from microbatch.tune import SETTLE_MARGIN, _point
+
+    tuned = {1: 27.2, 2: 28.2, 4: 63.0, 8: 108.4, 16: 152.8, 32: 186.8, 64: 214.3}
+    curve = {**tuned, 128: 253.8, 256: 269.5, 512: 280.4}
+    log = SearchLog()
+    pts = search(synthetic(curve, intercept=1e9, slope=2e6), max_micro_batch=512, log=log)
+    assert max(bs(pts)) == 128 and "knee settled" in log.stop_reason
+    assert recommend([_point(p) for p in pts], reference="bound").knee.micro_batch == 128
+    # the bare line (no settle margin) would have stopped at 64
+    first = [_point(p) for p in pts if p.micro_batch <= 64]
+    from microbatch.knee import throughput_bound
+
+    t_hat = throughput_bound(first).throughput
+    assert 0.85 * t_hat <= tuned[64] < 0.85 * (1 + SETTLE_MARGIN) * t_hat

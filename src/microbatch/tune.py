@@ -7,8 +7,8 @@ never probe a b_m predicted to exceed the budget less its headroom. Stop when
 - the knee is settled (rule ``fraction`` with ``reference="bound"``, the default): the bound T̂
   on what any larger b_m can reach (:func:`microbatch.knee.throughput_bound`: a line fitted to
   the step time of the five largest probes, valid because the roofline's step time is convex)
-  is known and a measured point is within τ of max(best, T̂), so no further probe can move the
-  knee beyond it;
+  is known and a measured point is within τ of max(best, T̂) with half the choice's margin
+  (``SETTLE_MARGIN``), so no further probe can move the knee beyond it;
 - the curve has flattened or fallen: the newest point gains less than τ per doubling over the
   best point before it (τ is the knee rule's tolerance), ``patience`` times in a row (default
   2: on a CPU, decoding a 124M-parameter model gained 5% from b_m = 1 to 2, then 30% per
@@ -101,6 +101,13 @@ class SearchLog:
     """Points taken from the cache."""
 
 
+SETTLE_MARGIN = BOUND_MARGIN / 2
+"""The search settles once a measured point reaches (1 − τ)(1 + μ/2) of the reference: halfway
+between the bare line (which settled on a point that only just reached it: a decode run stopped at
+64 with 85.1% of T̂, 80% of the sweep's best) and the choice's own line (which costs one more
+doubling too often). Chosen by simulation (BENCHMARKS.md, "Measure: tune")."""
+
+
 def search(
     measure: Callable[[int, bool], Measurement],
     *,
@@ -163,7 +170,7 @@ def search(
             return None
         knee = knee_fraction(ok, tolerance, bound=bound.throughput, margin=BOUND_MARGIN)
         ref = max(bound.throughput, max(p.throughput for p in ok))
-        if knee.throughput < (1.0 - tolerance) * ref:
+        if knee.throughput < (1.0 - tolerance) * (1.0 + SETTLE_MARGIN) * ref:
             return None
         first, last = bound.fitted_on[0], bound.fitted_on[-1]
         return (
