@@ -77,9 +77,11 @@ the fastest point when none reaches it (the curve is still rising at the largest
 The margin μ = 5% is there because the reference is an estimate: T̂ fitted on five probes with
 ~3% noise each is off by ~4%, and the best measured by a search that stopped early is low by up
 to a doubling's gain; without it a point just under the line is chosen about half the time. On a
-curve that fits u = a + c·b exactly the knee is b ≥ x/(1 − x) · a/c with x = (1 − τ)(1 + μ). On the seed's four points the line fits within 11%, so
-the bound is T̂ = 7,978 and the knee moves to 16, the fastest: against the bound the seed's curve
-has not flattened yet (16 is at 70% of T̂), and ``tune`` would go on to 32. The measured
+curve that fits u = a + c·b exactly the knee is b ≥ x/(1 − x) · a/c with x = (1 − τ)(1 + μ).
+
+On the seed's four points the line fits within 11%, so the bound is T̂ = 7,978 and the knee moves
+to 16, the fastest: against the bound the seed's curve has not flattened yet (16 is at 70% of
+T̂), and ``tune`` would go on to 32. The measured
 reference stays the default of ``recommend`` (a curve given whole is taken as the truth, and
 picks the seed's 8); ``tune`` needs the bound because it decides where the curve ends.
 

@@ -168,10 +168,10 @@ def search(
         bound = throughput_bound(ok)
         if bound is None:
             return None
+        best = max(p.throughput for p in ok)
+        if best < (1.0 - tolerance) * (1.0 + SETTLE_MARGIN) * max(bound.throughput, best):
+            return None  # no measured point reaches the settle line yet
         knee = knee_fraction(ok, tolerance, bound=bound.throughput, margin=BOUND_MARGIN)
-        ref = max(bound.throughput, max(p.throughput for p in ok))
-        if knee.throughput < (1.0 - tolerance) * (1.0 + SETTLE_MARGIN) * ref:
-            return None
         first, last = bound.fitted_on[0], bound.fitted_on[-1]
         return (
             f"knee settled: no micro-batch past {last} can beat {bound.throughput:,.1f}/s (the step-time "
