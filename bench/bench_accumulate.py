@@ -1,4 +1,4 @@
-"""Overhead of ``microbatch.accumulate`` against the textbook hand-written loop (target: <= 3% slower).
+"""Overhead of ``microbatch.run.accumulate`` against the textbook hand-written loop (target: <= 3% slower).
 
 Both run the same micro-batches of the built-in GPT on the CPU, on right-padded variable-length
 sequences (labels -100 on padding):
@@ -26,9 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from microbatch.accumulate import accumulate, split
-from microbatch.gpt import build_model
+from microbatch.measure.gpt import build_model
 from microbatch.model import get_model
+from microbatch.run.accumulate import accumulate, split
 
 
 def main() -> None:

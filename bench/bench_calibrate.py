@@ -1,7 +1,7 @@
 """Calibration on the CPU: fit on the smallest probes, predict the largest b_m (issue 7's CPU goal).
 
 For each built-in model (``tiny`` s=64, ``small`` s=128; training, fp32, AdamW) the script
-measures b_m 1, 2, 4, 8, 16 with microbatch.childprobe's child-process prober (the code ``tune``
+measures b_m 1, 2, 4, 8, 16 with microbatch.measure.childprobe's child-process prober (the code ``tune``
 uses: peak RSS of the child, median micro-step time; several passes, the fastest kept per b_m),
 builds this CPU's accelerator from a quick matmul and copy (:func:`microbatch.hardware.measure_cpu`),
 calibrates on b_m 1, 2, 4 and predicts all points. Goal: |memory| ≤ 5%, |step time| ≤ 10%
@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.calibrate import cover_measurements, read_measurements  # noqa: E402
-from microbatch.childprobe import ChildProber  # noqa: E402
 from microbatch.hardware import measure_cpu  # noqa: E402
-from microbatch.measure import ProbeSpec, TimingConfig  # noqa: E402
-from microbatch.validation import validate  # noqa: E402
+from microbatch.measure.childprobe import ChildProber  # noqa: E402
+from microbatch.measure.probes import ProbeSpec, TimingConfig  # noqa: E402
+from microbatch.predict.calibrate import cover_measurements, read_measurements  # noqa: E402
+from microbatch.predict.validation import validate  # noqa: E402
 
 SEQ = {"tiny": 64, "small": 128}
 TIMING = {

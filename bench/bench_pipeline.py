@@ -1,6 +1,6 @@
 """Measured pipeline bubble vs the simulator's prediction, as m grows (p = 2, gloo on the CPU).
 
-For each (schedule, m, v): run ``microbatch.launch.run_pipeline`` for a few steps on a built-in
+For each (schedule, m, v): run ``microbatch.run.launch.run_pipeline`` for a few steps on a built-in
 model with a fixed global batch, then print the measured bubble (idle share of p × step time,
 mean over the steps after the first), the simulator's prediction fed with the measured
 per-stage F/B/I/W times on torch's own action order, the closed form (p−1)/(v·m+p−1), the
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated schedule names")
     args = ap.parse_args(argv)
 
-    from microbatch.launch import run_pipeline
-    from microbatch.pipeline import PipelineConfig
-    from microbatch.simulate import bubble_fraction
+    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline import PipelineConfig
+    from microbatch.schedules.simulate import bubble_fraction
 
     p = args.stages
     rows = []

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.hardware import get_accelerator  # noqa: E402
 from microbatch.model import get_model  # noqa: E402
-from microbatch.plan import search_layouts  # noqa: E402
+from microbatch.predict.plan import search_layouts  # noqa: E402
 
 CALCULON_PER_S = 8112 / 67
 

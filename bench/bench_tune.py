@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.childprobe import ChildProber  # noqa: E402
-from microbatch.knee import CurvePoint, find_knee, fit_memory  # noqa: E402
-from microbatch.measure import ProbeSpec, TimingConfig  # noqa: E402
-from microbatch.tune import CPU_TIMING, tune_model  # noqa: E402
+from microbatch.choose.knee import CurvePoint, find_knee, fit_memory  # noqa: E402
+from microbatch.choose.tune import CPU_TIMING, tune_model  # noqa: E402
+from microbatch.measure.childprobe import ChildProber  # noqa: E402
+from microbatch.measure.probes import ProbeSpec, TimingConfig  # noqa: E402
 
 GiB = 2**30
 

@@ -6,7 +6,7 @@ Run by ``bench/gpu.sh`` on a lent GPU machine (no network; ``PYTHONPATH=src``; a
     python3 bench/gpu_calibrate.py --smoke --out /tmp/calibrate.json  # dry run on the CPU (tiny model)
     python3 bench/gpu_calibrate.py --from $OUT/calibrate.json         # table again from saved points
 
-For gpt2-xl (s = 1024) and llama-3.2-1b (s = 2048), random weights from microbatch.gpt, it
+For gpt2-xl (s = 1024) and llama-3.2-1b (s = 2048), random weights from microbatch.measure.gpt, it
 measures b_m = 1, 2, 4, 8, 16 (ascending, until out of memory or the model's time share runs
 out) in this process:
 
@@ -23,7 +23,7 @@ out) in this process:
 - **out of memory**: ``torch.OutOfMemoryError`` caught by type; larger b_m are then not tried.
 
 Then, per memory figure (allocated, reserved): calibrated on the smallest three probes, every
-point predicted uncalibrated, calibrated and leave-one-out (:func:`microbatch.validation.validate`),
+point predicted uncalibrated, calibrated and leave-one-out (:func:`microbatch.predict.validation.validate`),
 with the accelerator matched from the device name (H200 → ``h200``). Partial results are
 written to ``--out`` after every point; each model runs under try/except.
 """
@@ -63,7 +63,7 @@ class Runner:
     def __init__(self, name: str, seq: int, device: str):
         import torch
 
-        from microbatch.gpt import build_model, next_token_loss
+        from microbatch.measure.gpt import build_model, next_token_loss
         from microbatch.model import get_model
 
         self.torch, self.loss_of = torch, next_token_loss
@@ -146,7 +146,7 @@ class Runner:
         med = statistics.median(times)
         q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [med, med, med]
         if not self.cuda:  # the smoke run has no allocator statistics: stand-ins so the pipeline runs
-            from microbatch.measure import peak_rss_bytes
+            from microbatch.measure.probes import peak_rss_bytes
 
             alloc = reserved = alloc_opt = peak_rss_bytes()
         return {
@@ -178,9 +178,9 @@ def _write(path: Path, doc: dict) -> None:
 
 
 def _validate(name: str, seq: int, points: list[dict], device: str, device_name: str, smoke: bool) -> dict:
-    from microbatch.calibrate import cover_measurements, read_measurements
     from microbatch.hardware import get_accelerator, measure_cpu
-    from microbatch.validation import validate
+    from microbatch.predict.calibrate import cover_measurements, read_measurements
+    from microbatch.predict.validation import validate
 
     data = {"points": points, "model": name, "seq": seq, "precision": "bf16-mixed" if not smoke else "fp32",
             "checkpointing": "off", "device": device, "device_name": device_name, "mode": "train"}  # fmt: skip

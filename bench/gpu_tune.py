@@ -33,7 +33,7 @@ def _settings(args):
 def _hf_model(name: str, seq: int, device: str):
     import torch
 
-    from microbatch.measure import hf_config_from_shape
+    from microbatch.measure.probes import hf_config_from_shape
     from microbatch.model import get_model
 
     shape = get_model(name)
@@ -67,8 +67,8 @@ def check_cuda_peak_matches_known_allocation() -> None:
 def check_cuda_oom_caught_by_type_and_freed() -> None:
     import torch
 
-    from microbatch.gpt import build_model
-    from microbatch.measure import TimingConfig, TrainProbe
+    from microbatch.measure.gpt import build_model
+    from microbatch.measure.probes import TimingConfig, TrainProbe
     from microbatch.model import get_model
 
     shape = get_model("tiny", seq=64)
@@ -93,8 +93,8 @@ def check_cuda_oom_caught_by_type_and_freed() -> None:
 
 
 def check_cuda_tune_tiny_memory_linear() -> None:
-    from microbatch.measure import TimingConfig
-    from microbatch.tune import tune_model
+    from microbatch.choose.tune import tune_model
+    from microbatch.measure.probes import TimingConfig
 
     r = tune_model(
         "tiny",
@@ -145,8 +145,8 @@ def cmd_checks(args) -> int:
 
 # -- our tune ---------------------------------------------------------------------------
 def cmd_ours(args) -> int:
-    from microbatch.measure import TimingConfig
-    from microbatch.tune import tune_model
+    from microbatch.choose.tune import tune_model
+    from microbatch.measure.probes import TimingConfig
 
     s = _settings(args)
     t0 = time.perf_counter()
@@ -173,7 +173,7 @@ def cmd_ours(args) -> int:
 
 def cmd_measure(args) -> int:
     """Our probe (same settings as `ours`) at the batch sizes other tools chose."""
-    from microbatch.measure import ProbeSpec, TimingConfig, build_probe
+    from microbatch.measure.probes import ProbeSpec, TimingConfig, build_probe
 
     s = _settings(args)
     spec = ProbeSpec(

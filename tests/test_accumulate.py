@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import microbatch
-from microbatch.accumulate import (
+from microbatch.errors import ConfigError
+from microbatch.run.accumulate import (
     accumulate,
     accumulate_micro_batches,
     count_items,
@@ -29,7 +30,6 @@ from microbatch.accumulate import (
     split_by_tokens,
     sync_unless_last,
 )
-from microbatch.errors import ConfigError
 
 V, H, S, ROWS = 13, 8, 9, 10
 
@@ -268,7 +268,7 @@ def test_hand_written_loop_with_helpers():
 
 
 def test_public_name_is_callable_after_the_module_is_imported():
-    # importing microbatch.accumulate (done above) binds the package attribute to the module
+    # importing microbatch.run.accumulate (done above) binds the package attribute to the module
     batch = make_batch()
     model = make_model()
     loss = microbatch.accumulate(model, batch, loss_fn, micro_batch_size=3)
@@ -406,8 +406,8 @@ WORKER = r"""
 import sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_accumulate import make_model, make_batch, loss_fn, count_fn, set_pre_grads, split
-from microbatch.accumulate import accumulate, count_items, loss_scale, sync_unless_last
-from microbatch.noise import GradientNoiseScale
+from microbatch.run.accumulate import accumulate, count_items, loss_scale, sync_unless_last
+from microbatch.run.noise import GradientNoiseScale
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
@@ -445,7 +445,7 @@ accumulate(model, shard, loss_fn, micro_batch_size=2, count_fn=count_fn, noise=h
 results["noise"] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
 torch.save(results, out)
 dist.destroy_process_group()
-# as microbatch.launch does: skip the interpreter's teardown, where gloo's background threads
+# as microbatch.run.launch does: skip the interpreter's teardown, where gloo's background threads
 # can abort an exiting process ("terminate called without an active exception") after its work
 import os
 sys.stdout.flush()

@@ -15,7 +15,11 @@ from dataclasses import replace
 
 import pytest
 
-from microbatch.calibrate import (
+from microbatch.cli import main
+from microbatch.errors import ConfigError
+from microbatch.hardware import cpu_accelerator, get_accelerator, match_accelerator
+from microbatch.model import get_model
+from microbatch.predict.calibrate import (
     Calibration,
     MeasuredPoint,
     analytic_memory_line,
@@ -33,13 +37,9 @@ from microbatch.calibrate import (
     predict_step_time_s,
     read_measurements,
 )
-from microbatch.cli import main
-from microbatch.errors import ConfigError
-from microbatch.hardware import cpu_accelerator, get_accelerator, match_accelerator
-from microbatch.memory import MemoryConfig, estimate_memory
-from microbatch.model import get_model
-from microbatch.roofline import DEFAULT_EFFICIENCY
-from microbatch.validation import MEMORY_TARGET, STEP_TARGET, validate, validate_result
+from microbatch.predict.memory import MemoryConfig, estimate_memory
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY
+from microbatch.predict.validation import MEMORY_TARGET, STEP_TARGET, validate, validate_result
 
 GIB = 2**30
 SHAPE = get_model("gpt2")  # s = 1024
@@ -311,7 +311,7 @@ def test_cover_measurements_raises_a_too_low_cpu_peak():
 
 
 def test_apply_calibration_for_plan_and_memory(tmp_path):
-    from microbatch.plan import PlanConfig, make_plan
+    from microbatch.predict.plan import PlanConfig, make_plan
 
     path = tmp_path / "result.json"
     path.write_text(json.dumps(synthetic()))
@@ -432,8 +432,8 @@ def test_validate_help_does_not_import_torch():
 def tiny_sweep():
     """b_m 1, 2, 4, 8 of the tiny model (s = 64, fp32) measured in a child process, as tune does."""
     pytest.importorskip("torch")
-    from microbatch.childprobe import ChildProber
-    from microbatch.measure import ProbeSpec, TimingConfig
+    from microbatch.measure.childprobe import ChildProber
+    from microbatch.measure.probes import ProbeSpec, TimingConfig
 
     # the probe's CPU time where measure offers it: steady on a shared machine (one torch thread)
     clock = {"clock": "process"} if "clock" in TimingConfig.__dataclass_fields__ else {}

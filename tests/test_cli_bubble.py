@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from microbatch.cli import main
-from microbatch.report import normalize_rows, render_timeline_text, save_timeline_png, timeline_svg
+from microbatch.show.text import normalize_rows, render_timeline_text, save_timeline_png, timeline_svg
 
 
 def run(args, capsys):

@@ -190,8 +190,8 @@ def test_tune_bad_input_exit_2(tmp_path, monkeypatch, capsys, args, msg):
 def test_tune_b1_out_of_memory_says_so(tmp_path, monkeypatch, capsys):
     """A budget above the static memory but below what b_m = 1 needs."""
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
-    from microbatch.childprobe import ChildProber
-    from microbatch.measure import ProbeSpec, TimingConfig
+    from microbatch.measure.childprobe import ChildProber
+    from microbatch.measure.probes import ProbeSpec, TimingConfig
 
     spec = ProbeSpec(model="small", seq=128, timing=TimingConfig(warmup=0, min_repeats=1, max_repeats=1))
     p = ChildProber(spec)
@@ -210,5 +210,5 @@ def test_help_mentions_longest_sequence_and_no_torch_import():
         [sys.executable, "-m", "microbatch", "tune", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "LONGEST sequence" in out.stdout
-    code = "import sys, microbatch.cli, microbatch.knee; assert 'torch' not in sys.modules"
+    code = "import sys, microbatch.cli, microbatch.choose.knee; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -8,10 +8,10 @@ import pytest
 
 from microbatch.cli import main
 from microbatch.errors import ConfigError
-from microbatch.export import export_plan
 from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
-from microbatch.plan import PlanConfig, make_plan
+from microbatch.predict.plan import PlanConfig, make_plan
+from microbatch.show.export import export_plan
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from microbatch.gpt import build_model, next_token_loss
+from microbatch.measure.gpt import build_model, next_token_loss
 from microbatch.model import ModelShape, get_model
 
 # A Llama-like shape: rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases.

@@ -10,8 +10,7 @@ from _published import PUBLISHED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from microbatch.errors import ConfigError
-from microbatch.knee import (
+from microbatch.choose.knee import (
     BOUND_MARGIN,
     BOUND_SLACK,
     DEFAULT_RULE,
@@ -27,6 +26,7 @@ from microbatch.knee import (
     recommend,
     throughput_bound,
 )
+from microbatch.errors import ConfigError
 
 SEED = [(1, 1000), (4, 3200), (8, 5000), (16, 5600)]
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from microbatch.childprobe import ChildProber
 from microbatch.errors import ConfigError
-from microbatch.measure import (
+from microbatch.measure.childprobe import ChildProber
+from microbatch.measure.probes import (
     Measurement,
     ProbeSpec,
     TimingConfig,
@@ -164,9 +164,9 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, wrap: str =
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from microbatch.gpt import build_model
+    from microbatch.choose.tune import tune
+    from microbatch.measure.gpt import build_model
     from microbatch.model import get_model
-    from microbatch.tune import tune
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -270,7 +270,7 @@ def test_process_clock_ignores_time_off_the_cpu():
     """The process clock counts CPU time only: a sleep (time another job would take) is not counted."""
     import time as _time
 
-    from microbatch.measure import _Device
+    from microbatch.measure.probes import _Device
 
     wall, proc = _Device("cpu", "wall"), _Device("cpu", "process")
     assert wall.timer(lambda: _time.sleep(0.05)) >= 0.045

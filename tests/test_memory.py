@@ -9,7 +9,8 @@ from _published import PUBLISHED
 
 from microbatch.cli import main
 from microbatch.errors import ConfigError
-from microbatch.memory import (
+from microbatch.model import ModelShape, get_model
+from microbatch.predict.memory import (
     MemoryCalibration,
     MemoryConfig,
     bytes_per_param,
@@ -20,7 +21,6 @@ from microbatch.memory import (
     model_state_bytes,
     split_layers,
 )
-from microbatch.model import ModelShape, get_model
 
 needs_published = pytest.mark.skipif(PUBLISHED is None, reason="shared/reference/published.json not present")
 GiB = 2**30
@@ -130,8 +130,8 @@ def test_in_flight_counts_per_schedule():
     "name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("gpipe", 3, 5, 1), ("zb-h1", 4, 8, 1)]
 )
 def test_in_flight_matches_the_simulator(name, p, m, v):
-    from microbatch.schedule import generate
-    from microbatch.simulate import simulate
+    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.simulate import simulate
 
     res = simulate(generate(name, p, m, v), forward_time=1.0, input_time=1.0, weight_time=1.0)
     ours = [in_flight_layers(name, i, p, m, v, v) / v for i in range(p)]  # in rank-layer units

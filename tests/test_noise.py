@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from microbatch.accumulate import accumulate, split
 from microbatch.errors import ConfigError
-from microbatch.noise import (
+from microbatch.run.accumulate import accumulate, split
+from microbatch.run.noise import (
     GradientNoiseScale,
     b_simple,
     g_sq_estimate,

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
-from microbatch.launch import run_pipeline, under_torchrun
-from microbatch.pipeline import (
+from microbatch.run.launch import run_pipeline, under_torchrun
+from microbatch.run.pipeline import (
     PipelineConfig,
     balanced_split,
     check_servable,
@@ -28,7 +28,7 @@ from microbatch.pipeline import (
     stage_to_rank,
     torch_order,
 )
-from microbatch.pipeline_report import chrome_trace, predict
+from microbatch.show.pipeline_report import chrome_trace, predict
 
 torch = pytest.importorskip("torch")
 
@@ -63,7 +63,7 @@ def test_balanced_split_minimises_the_heaviest_stage():
 
 
 def test_split_units_of_the_gpt_keeps_the_function():
-    from microbatch.gpt import build_model
+    from microbatch.measure.gpt import build_model
     from microbatch.model import get_model
 
     model = build_model(get_model("tiny"), seed=0)
@@ -91,7 +91,7 @@ def test_split_units_of_the_gpt_keeps_the_function():
     ],
 )
 def test_our_generators_match_torchs_order(name, ours, v):
-    from microbatch.schedule import generate
+    from microbatch.schedules.schedule import generate
 
     for p in (2, 3, 4):
         for m in (p, 2 * p, 3 * p):
@@ -101,7 +101,7 @@ def test_our_generators_match_torchs_order(name, ours, v):
 
 
 def test_torch_zero_bubble_with_one_stage_per_rank_is_zb_h1():
-    from microbatch.schedule import generate
+    from microbatch.schedules.schedule import generate
 
     for p, m in [(2, 2), (2, 6), (3, 6), (4, 8)]:
         t = torch_order("zb-interleaved", p, m, 1)
@@ -370,7 +370,7 @@ def test_same_code_runs_under_torchrun():
 def test_a_taken_port_is_replaced(monkeypatch):
     import socket
 
-    import microbatch.launch as launch
+    import microbatch.run.launch as launch
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -421,7 +421,7 @@ def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
 
 
 def test_measured_comm_is_the_median_wait_for_another_ranks_output():
-    from microbatch.pipeline_report import measured_comm_s
+    from microbatch.show.pipeline_report import measured_comm_s
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     rank0 = [("F", 0, 0, 0.0, 1.0), ("F", 0, 1, 1.0, 2.0), ("B", 0, 0, 4.5, 6.0), ("B", 0, 1, 6.0, 7.0)]

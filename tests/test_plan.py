@@ -11,10 +11,10 @@ from _published import PUBLISHED
 from microbatch.cli import main
 from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
-from microbatch.memory import MemoryConfig, estimate_memory
 from microbatch.model import get_model
-from microbatch.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
-from microbatch.plan_report import explain, plan_table_rows
+from microbatch.predict.memory import MemoryConfig, estimate_memory
+from microbatch.predict.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
+from microbatch.show.plan_report import explain, plan_table_rows
 
 A100 = get_accelerator("a100-80gb")
 
@@ -199,7 +199,7 @@ def test_planner_modules_do_not_import_torch():
     import sys
 
     code = (
-        "import sys, microbatch.plan, microbatch.export, microbatch.commands.plan, microbatch.commands.memory, "
+        "import sys, microbatch.predict.plan, microbatch.show.export, microbatch.commands.plan, microbatch.commands.memory, "
         "microbatch.commands.export; print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

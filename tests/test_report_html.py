@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from microbatch.errors import ConfigError
-from microbatch.htmlreport import FIGURE_SIZE_PX, build_report, classify, load_results
+from microbatch.show.html import FIGURE_SIZE_PX, build_report, classify, load_results
 
 GIB = 2**30
 

@@ -6,7 +6,7 @@ import pytest
 
 from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
-from microbatch.roofline import (
+from microbatch.predict.roofline import (
     RooflineEfficiency,
     allgather_time_s,
     allreduce_time_s,

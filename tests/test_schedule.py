@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, ScheduleError
-from microbatch.schedule import (
+from microbatch.schedules.schedule import (
     SCHEDULES,
     Action,
     Schedule,

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, ScheduleError
-from microbatch.schedule import Action, Schedule, generate, validate
-from microbatch.simulate import (
+from microbatch.schedules.schedule import Action, Schedule, generate, validate
+from microbatch.schedules.simulate import (
     bubble_fraction,
     bubble_ratio,
     in_flight_formula,

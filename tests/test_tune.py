@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from microbatch.choose.tune import SearchLog, search, tune, tune_model
 from microbatch.errors import ConfigError
-from microbatch.measure import Measurement, TimingConfig
-from microbatch.tune import SearchLog, search, tune, tune_model
+from microbatch.measure.probes import Measurement, TimingConfig
 
 SEED = {1: 1000.0, 2: 1800.0, 4: 3200.0, 8: 5000.0, 16: 5600.0, 32: 5700.0, 64: 5750.0}
 FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1.0, rel_tol=0.5)
@@ -208,7 +208,7 @@ def test_tune_model_decode_in_process(tmp_path, monkeypatch):
 def test_user_model_api_with_global_batch(tmp_path, monkeypatch):
     import torch
 
-    from microbatch.gpt import build_model
+    from microbatch.measure.gpt import build_model
     from microbatch.model import get_model
 
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
@@ -291,8 +291,8 @@ def test_hf_config_model_in_process(tmp_path, monkeypatch):
 
 def test_bf16_mixed_and_checkpointing_memory(tmp_path, monkeypatch):
     """Checkpointing lowers the peak at a large b_m; bf16-mixed runs and is recorded."""
-    from microbatch.childprobe import ChildProber
-    from microbatch.measure import ProbeSpec
+    from microbatch.measure.childprobe import ChildProber
+    from microbatch.measure.probes import ProbeSpec
 
     # Each in a fresh child process: in one process the allocator keeps freed memory resident,
     # so the high-water mark of a second probe says little (tune's CPU probes start clean too).
@@ -317,7 +317,7 @@ def test_package_level_tune_is_callable_after_submodule_import(tmp_path, monkeyp
     import torch
 
     import microbatch
-    import microbatch.tune  # binds the package attribute to the module
+    import microbatch.choose.tune  # binds the package attribute to the module
 
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     model = torch.nn.Linear(4, 1)
@@ -367,8 +367,8 @@ def test_bound_stops_measured_decode_curves_at_128_within_tau_of_their_best(curv
     pts = search(synthetic({b: float(t) for b, t in curve.items()}, intercept=1e9, slope=2e6), log=log)
     assert bs(pts) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert "knee settled" in log.stop_reason
-    from microbatch.knee import recommend
-    from microbatch.tune import _point
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.tune import _point
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.micro_batch == 128
@@ -383,8 +383,8 @@ def test_bound_stops_measured_decode_curves_at_128_within_tau_of_their_best(curv
 def test_bound_stop_keeps_the_choice_within_tau_of_the_whole_curve(a, c):
     full = {2**i: 2**i / (a + c * 2**i) for i in range(14)}
     pts = search(synthetic(full), max_micro_batch=2**13)
-    from microbatch.knee import recommend
-    from microbatch.tune import _point
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.tune import _point
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.throughput >= 0.85 * max(full.values())
@@ -411,8 +411,8 @@ def test_fitted_bound_on_real_decode_sweeps_stops_early_and_stays_within_tau():
     """Each recorded sweep replayed through the search: the choice is within τ of that sweep's
     own best every time, and the search stops by 128 in four of six (the old three-point secant
     rule, refusing any tail whose slope moved by > 10%, did so in two, and once chose 83.5%)."""
-    from microbatch.knee import recommend
-    from microbatch.tune import _point
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.tune import _point
 
     stops = []
     for curve in DECODE_SWEEPS:
@@ -429,8 +429,8 @@ def test_settling_needs_half_the_margin():
     T-hat over 4..64) settled at 64 on the bare line and chose it (80% of the sweep's best). With
     half the choice's margin to settle, the search probes 128 (here the sweep's own figures past
     64) and chooses it."""
-    from microbatch.knee import recommend
-    from microbatch.tune import SETTLE_MARGIN, _point
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.tune import SETTLE_MARGIN, _point
 
     tuned = {1: 27.2, 2: 28.2, 4: 63.0, 8: 108.4, 16: 152.8, 32: 186.8, 64: 214.3}
     curve = {**tuned, 128: 253.8, 256: 269.5, 512: 280.4}
@@ -440,7 +440,7 @@ def test_settling_needs_half_the_margin():
     assert recommend([_point(p) for p in pts], reference="bound").knee.micro_batch == 128
     # the bare line (no settle margin) would have stopped at 64
     first = [_point(p) for p in pts if p.micro_batch <= 64]
-    from microbatch.knee import throughput_bound
+    from microbatch.choose.knee import throughput_bound
 
     t_hat = throughput_bound(first).throughput
     assert 0.85 * t_hat <= tuned[64] < 0.85 * (1 + SETTLE_MARGIN) * t_hat

@@ -5,6 +5,11 @@ physical one. This package predicts memory and step time, measures the real thro
 memory curve, chooses the knee and the number of pipeline micro-batches, runs the choice
 (exact gradient accumulation, pipeline-parallel training) and shows it.
 
+Layers, bottom up (each imports only from itself and the layers below; see CONTRIBUTING.md):
+core (``errors``, ``batch``, ``model``, ``hardware``, ``units``, ``records``) →
+``schedules`` → ``predict`` / ``measure`` → ``choose`` → ``run`` → ``integrations`` →
+``show`` → ``commands`` / ``cli``.
+
 Importing the package is cheap: torch, numpy and matplotlib are imported only by the modules
 that need them, and the public functions below load their module on first use.
 """
@@ -20,16 +25,25 @@ __version__ = "0.1.0"
 _LAZY = {
     "BatchConfig": "batch",
     "solve": "batch",
-    "accumulate": "accumulate",
-    "tune": "tune",
+    "accumulate": "run.accumulate",
+    "tune": "choose.tune",
+    "recommend": "choose.knee",
+    "plan": "predict.plan",
+    "estimate_memory": "predict.memory",
+    "simulate": "schedules.simulate",
+    "run_pipeline": "run.launch",
 }
+# The public name when it differs from the name in its module.
+_RENAMED = {"plan": "make_plan"}
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'microbatch' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), _RENAMED.get(name, name))
 
 
 def __dir__() -> list[str]:

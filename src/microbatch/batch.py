@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = ["BatchConfig", "solve", "divisors", "nearest_multiples"]
 

@@ -13,8 +13,8 @@ import sys
 
 import click
 
-from . import __version__
-from .errors import ConfigError, MicrobatchError
+from microbatch import __version__
+from microbatch.errors import ConfigError, MicrobatchError
 
 # name -> (module under microbatch.commands, one-line help). Keep the help here so that
 # `microbatch --help` lists every command without importing any of them.

@@ -28,7 +28,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from .errors import ConfigError, check_non_negative
+from microbatch.errors import ConfigError, check_non_negative
 
 __all__ = [
     "Accelerator",

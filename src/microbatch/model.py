@@ -6,7 +6,7 @@ embeddings, gated MLP, biases, norm kind, learned positions). Parameter counts m
 models: GPT-2 124,439,808 (tied embeddings), Llama-2-7B 6,738,415,616.
 
 The registry's ``tiny`` and ``small`` are the built-in models that ``tune``, ``pipeline`` and
-the demo run for real on the CPU (``microbatch.gpt`` builds them in PyTorch).
+the demo run for real on the CPU (``microbatch.measure.gpt`` builds them in PyTorch).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .batch import divisors
-from .errors import ConfigError, check_positive_int
+from microbatch.batch import divisors
+from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = [
     "ModelShape",
@@ -201,7 +201,7 @@ def _megatron(name: str, layers: int, hidden: int, heads: int, vocab: int = 5120
 
 
 PRESETS: dict[str, ModelShape] = {
-    # Built-in models that run for real on a CPU (microbatch.gpt builds them).
+    # Built-in models that run for real on a CPU (microbatch.measure.gpt builds them).
     "tiny": ModelShape(name="tiny", layers=2, hidden=64, heads=4, vocab=512, seq=64, tied_embeddings=True),
     "small": ModelShape(
         name="small", layers=4, hidden=256, heads=4, vocab=4096, seq=128, tied_embeddings=True

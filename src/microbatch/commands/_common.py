@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from .._json import dumps
+from microbatch._json import dumps
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 
@@ -111,7 +111,7 @@ def resolve_model(spec: dict, default: str | None = None):
     ``--model`` or ``--hf-config`` (shape flags given with them override fields), or the shape
     flags alone; with none of them, the ``default`` registry model (a ConfigError if None).
     """
-    from ..model import resolve_model as _resolve
+    from microbatch.model import resolve_model as _resolve
 
     spec = dict(spec)
     model, hf = spec.pop("model", None), spec.pop("hf_config", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import emit, json_option
+from microbatch.commands._common import emit, json_option
 
 
 @click.command("batch")
@@ -22,7 +22,7 @@ def cmd(global_batch, micro_batch, grad_accum, data_parallel, as_json):
     Example: microbatch batch --global-batch 512 --micro-batch 8 --data-parallel 4
     prints g = 16. With pipelining, g = m × k (m micro-batches per flush, k flushes).
     """
-    from ..batch import solve
+    from microbatch.batch import solve
 
     cfg = solve(
         global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum, data_parallel=data_parallel

@@ -6,12 +6,14 @@ import os
 
 import click
 
-from ._common import emit, json_option, stages_option
+from microbatch.commands._common import emit, json_option, stages_option
 
 CLOSED_FORM_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 """Schedules whose bubble is (p−1)/(v·m+p−1) for equal stages."""
 
-SCHEDULE_HELP = "Schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1 (or any registered in microbatch.schedule)."
+SCHEDULE_HELP = (
+    "Schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1 (or any registered in microbatch.schedules.schedule)."
+)
 
 
 def microbatches_option(f):
@@ -50,7 +52,7 @@ def pct(x: float) -> str:
 
 
 def in_flight_text(values) -> str:
-    from ..report import _fmt
+    from microbatch.show.text import _fmt
 
     return " ".join(_fmt(round(v, 3)) for v in values)
 
@@ -102,8 +104,14 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from ..schedule import generate, get_spec
-    from ..simulate import ZB_IDLE_SCHEDULES, bubble_fraction, bubble_ratio, simulate, zb_idle_time
+    from microbatch.schedules.schedule import generate, get_spec
+    from microbatch.schedules.simulate import (
+        ZB_IDLE_SCHEDULES,
+        bubble_fraction,
+        bubble_ratio,
+        simulate,
+        zb_idle_time,
+    )
 
     spec = get_spec(schedule_name)
     schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
@@ -161,7 +169,7 @@ def cmd(
     result["notes"] = notes
 
     def render() -> str:
-        from ..report import render_timeline_text
+        from microbatch.show.text import render_timeline_text
 
         lines = [
             f"{spec.name}: p = {stages} stages, m = {microbatches} micro-batches"

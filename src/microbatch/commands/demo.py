@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from ._common import dumps, emit, json_option
+from microbatch.commands._common import dumps, emit, json_option
 
 
 def _step(quiet: bool, text: str) -> float:
@@ -54,11 +54,11 @@ def cmd(out_dir, model_name, quick, as_json):
     Every result is also saved as JSON in --out, so `microbatch report` can rebuild the
     report and scripts can read the numbers.
     """
-    from ..errors import MicrobatchError
-    from ..htmlreport import build_report
-    from ..report import render_timeline_text
-    from ..schedule import generate
-    from ..simulate import simulate
+    from microbatch.errors import MicrobatchError
+    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.simulate import simulate
+    from microbatch.show.html import build_report
+    from microbatch.show.text import render_timeline_text
 
     quiet = as_json
     out = Path(out_dir)
@@ -68,8 +68,8 @@ def cmd(out_dir, model_name, quick, as_json):
     t_start = time.perf_counter()
 
     # 1. Measure: the throughput and memory curve of a built-in model, training and decoding.
-    from ..measure import TimingConfig
-    from ..tune import tune_model
+    from microbatch.choose.tune import tune_model
+    from microbatch.measure.probes import TimingConfig
 
     # One thread and the probe's own CPU time: steady numbers on a small or shared machine
     # (several threads on two busy cores can run many times slower than one).
@@ -114,9 +114,9 @@ def cmd(out_dir, model_name, quick, as_json):
 
     # 2. Predict: a plan for a large model on a named GPU.
     t0 = _step(quiet, "plan Llama-3-8B, seq 8192, on 64 H100s: p = 4, d = 16, global batch 1024")
-    from ..hardware import get_accelerator
-    from ..model import get_model
-    from ..plan import PlanConfig, make_plan
+    from microbatch.hardware import get_accelerator
+    from microbatch.model import get_model
+    from microbatch.predict.plan import PlanConfig, make_plan
 
     plan = make_plan(
         PlanConfig(
@@ -180,8 +180,8 @@ def cmd(out_dir, model_name, quick, as_json):
         quiet,
         f"run a real 2-stage 1F1B pipeline of {model_name} (gloo, 2 processes), m = 4, gradients checked",
     )
-    from ..launch import run_pipeline
-    from ..pipeline import PipelineConfig
+    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline import PipelineConfig
 
     try:
         pr = run_pipeline(
@@ -209,7 +209,7 @@ def cmd(out_dir, model_name, quick, as_json):
         _done(quiet, t0, f"pipeline run failed: {e}")
 
     # 5. Close the loop: predict the measured training points from the smallest probes.
-    from ..validation import validate_result
+    from microbatch.predict.validation import validate_result
 
     t0 = _step(quiet, "validate: predict the largest probes from the smallest (calibrated planner)")
     try:

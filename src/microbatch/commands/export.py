@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import dumps, json_option
+from microbatch.commands._common import dumps, json_option
 
 
 @click.command("export")
@@ -31,8 +31,8 @@ def cmd(plan_path, fmt, gpu, output, as_json):
     import json
     from pathlib import Path
 
-    from ..errors import ConfigError
-    from ..export import export_plan
+    from microbatch.errors import ConfigError
+    from microbatch.show.export import export_plan
 
     try:
         data = json.loads(Path(plan_path).read_text())

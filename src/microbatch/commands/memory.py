@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import click
 
-from ..calibrate import CALIBRATION_HELP
-from ._common import emit, json_option, model_options, precision_options, resolve_model, stages_option
+from microbatch.commands._common import (
+    emit,
+    json_option,
+    model_options,
+    precision_options,
+    resolve_model,
+    stages_option,
+)
+from microbatch.predict.calibrate import CALIBRATION_HELP
 
 _GIB = 2**30
 
@@ -13,7 +20,7 @@ _GIB = 2**30
 def _parse_split(text: str | None) -> tuple[int, ...] | None:
     if not text:
         return None
-    from ..errors import ConfigError
+    from microbatch.errors import ConfigError
 
     try:
         return tuple(int(x) for x in text.split(","))
@@ -72,7 +79,7 @@ def cmd(
     Example: microbatch memory --model megatron-22b --micro-batch 4 --tensor-parallel 8 \\
                --sequence-parallel --recompute selective --no-flash-attention
     """
-    from ..memory import MemoryConfig, bytes_per_param, estimate_memory
+    from microbatch.predict.memory import MemoryConfig, bytes_per_param, estimate_memory
 
     shape = resolve_model(model_spec)
     cfg = MemoryConfig(
@@ -94,12 +101,12 @@ def cmd(
     )
     acc = None
     if gpu:
-        from ..hardware import get_accelerator
+        from microbatch.hardware import get_accelerator
 
         acc = get_accelerator(gpu)
     applied = None
     if calibration:
-        from ..calibrate import apply_calibration
+        from microbatch.predict.calibrate import apply_calibration
 
         applied = apply_calibration(
             calibration, shape=shape, precision=precision, micro_batches=[micro_batch],

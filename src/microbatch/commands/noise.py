@@ -6,7 +6,7 @@ import math
 
 import click
 
-from ._common import emit, json_option, model_options, resolve_model
+from microbatch.commands._common import emit, json_option, model_options, resolve_model
 
 MAX_PARAMS = 500_000_000
 """Largest model this CPU demonstration builds (fp32 weights, gradients and a copy: about 6 GB)."""
@@ -33,7 +33,7 @@ def cmd(model_spec, global_batch, micro_batch, steps, decay, seed, as_json):
     Runs the built-in GPT on the CPU at initialisation, on RANDOM tokens drawn from a Zipf
     unigram distribution: the number is the noise scale of that random data, a demonstration.
     For your model and data use the Python hook:
-        hook = microbatch.noise.GradientNoiseScale()
+        hook = microbatch.run.noise.GradientNoiseScale()
         microbatch.accumulate(model, batch, loss_fn, micro_batch_size=b, noise=hook)
     Each step compares the first micro-batch's gradient with the whole batch's (no extra
     backward); |G|² and tr(Σ) are smoothed separately, then divided.
@@ -42,9 +42,9 @@ def cmd(model_spec, global_batch, micro_batch, steps, decay, seed, as_json):
     """
     import torch
 
-    from ..errors import ConfigError, check_positive_int
-    from ..gpt import build_model
-    from ..noise import measure_noise_scale
+    from microbatch.errors import ConfigError, check_positive_int
+    from microbatch.measure.gpt import build_model
+    from microbatch.run.noise import measure_noise_scale
 
     check_positive_int("--global-batch", global_batch)
     check_positive_int("--micro-batch", micro_batch)

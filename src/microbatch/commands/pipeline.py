@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import dumps, emit, json_option, stages_option
+from microbatch.commands._common import dumps, emit, json_option, stages_option
 
 
 @click.command("pipeline")
@@ -99,9 +99,9 @@ def cmd(
           -m microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
-    from ..launch import run_external, run_pipeline, under_torchrun
-    from ..pipeline import PipelineConfig, schedule_name
-    from ..pipeline_report import chrome_trace
+    from microbatch.run.launch import run_external, run_pipeline, under_torchrun
+    from microbatch.run.pipeline import PipelineConfig, schedule_name
+    from microbatch.show.pipeline_report import chrome_trace
 
     name = schedule_name(schedule)
     if virtual is None:
@@ -137,12 +137,12 @@ def cmd(
         f", v = {virtual}" if virtual > 1 else ""
     )
     if svg_path:
-        from ..report import save_timeline_svg
+        from microbatch.show.text import save_timeline_svg
 
         save_timeline_svg(rows_ms, None, svg_path, title=title, time_unit="ms")
         report["svg"] = str(svg_path)
     if png_path:
-        from ..report import save_timeline_png
+        from microbatch.show.text import save_timeline_png
 
         save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
         report["png"] = str(png_path)
@@ -167,8 +167,8 @@ def _exit_rank() -> None:
 
 
 def _rows_ms(report: dict) -> list[list[tuple[float, float, str, int]]]:
-    """The measured last step as per-rank rows for :mod:`microbatch.report`, in milliseconds."""
-    from ..pipeline_report import timeline_rows
+    """The measured last step as per-rank rows for :mod:`microbatch.show.text`, in milliseconds."""
+    from microbatch.show.pipeline_report import timeline_rows
 
     return [[(a * 1e3, e * 1e3, lab, i) for a, e, lab, i in row] for row in timeline_rows(report)]
 
@@ -191,8 +191,8 @@ def _fmt_bytes(n: float | None) -> str:
 
 
 def render(report: dict, width: int = 100) -> str:
-    from ..report import render_timeline_text
-    from .bubble import use_color
+    from microbatch.commands.bubble import use_color
+    from microbatch.show.text import render_timeline_text
 
     m, p, v = report["measured"], report["predicted"], report["virtual"]
     lines = [

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import click
 
-from ..calibrate import CALIBRATION_HELP
-from ._common import emit, json_option, model_options, precision_options, resolve_model, stages_option
+from microbatch.commands._common import (
+    emit,
+    json_option,
+    model_options,
+    precision_options,
+    resolve_model,
+    stages_option,
+)
+from microbatch.predict.calibrate import CALIBRATION_HELP
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -17,7 +24,7 @@ def _table(rows: list[list[str]]) -> str:
 
 def render_plan(plan, *, all_rows: bool = False) -> str:
     """The plan as text: header, trade-off table, recommendation in words, pitfalls."""
-    from ..plan_report import explain, plan_table_rows
+    from microbatch.show.plan_report import explain, plan_table_rows
 
     cfg = plan.config
     head = (
@@ -85,11 +92,11 @@ def cmd(
     Example: microbatch plan --model llama-2-7b --gpu a100-80gb --global-batch 64 -p 4
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     """
-    from ..errors import ConfigError
-    from ..hardware import parse_gpus, parse_overrides
-    from ..plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus
-    from ..plan_report import comparison_rows
-    from .memory import _parse_split, parse_zero
+    from microbatch.commands.memory import _parse_split, parse_zero
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import parse_gpus, parse_overrides
+    from microbatch.predict.plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus
+    from microbatch.show.plan_report import comparison_rows
 
     shape = resolve_model(model_spec)
     gpus = parse_gpus(gpu)
@@ -120,8 +127,8 @@ def cmd(
     if calibration:
         from dataclasses import replace
 
-        from ..calibrate import apply_calibration
-        from ..plan import make_plan
+        from microbatch.predict.calibrate import apply_calibration
+        from microbatch.predict.plan import make_plan
 
         applied = [
             apply_calibration(
@@ -157,7 +164,7 @@ def cmd(
         }
 
         def render() -> str:
-            from .plan import _table
+            from microbatch.commands.plan import _table
 
             parts = [render_plan(pl, all_rows=all_rows) + "\n" for pl in plans]
             parts += ["side by side (same model, layout and B_global)", _table(rows)] + cal_lines

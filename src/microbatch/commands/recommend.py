@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import ConfigError
-from ..knee import BOUND_MARGIN, BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
-from ._common import emit, json_option, option_group
+from microbatch.choose.knee import BOUND_MARGIN, BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
+from microbatch.commands._common import emit, json_option, option_group
+from microbatch.errors import ConfigError
 
 CHOICE_FLAGS = (
     "memory_budget",
@@ -83,9 +83,9 @@ def choice_options(f: Callable) -> Callable:
 
 
 def choice_kwargs(choice_spec: dict, *, reference: str = "measured") -> dict:
-    """Keyword arguments of :func:`microbatch.knee.recommend` from the shared options (``choice_spec``);
+    """Keyword arguments of :func:`microbatch.choose.knee.recommend` from the shared options (``choice_spec``);
     ``reference`` is the default when ``--reference`` is not given."""
-    from ..knee import DEFAULT_HEADROOM, parse_bytes
+    from microbatch.choose.knee import DEFAULT_HEADROOM, parse_bytes
 
     memory_budget, headroom = choice_spec["memory_budget"], choice_spec["headroom"]
     return dict(
@@ -230,7 +230,7 @@ def cmd(measurements, choice_spec, as_json):
     The knee is the smallest b_m within the tolerance of the best throughput (rule fraction),
     among the points that fit --memory-budget and --max-latency-ms.
     """
-    from ..knee import points_from_records, recommend
+    from microbatch.choose.knee import points_from_records, recommend
 
     rows = read_measurements(measurements)
     points = points_from_records(rows, source=measurements)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import emit, json_option
+from microbatch.commands._common import emit, json_option
 
 
 @click.command("report")
@@ -32,7 +32,7 @@ def cmd(results, out_path, title, no_png, as_json):
 
     The HTML embeds every figure as SVG: it needs no network and no other file.
     """
-    from ..htmlreport import build_report, load_results
+    from microbatch.show.html import build_report, load_results
 
     rep = build_report(load_results(results), out_path, title=title, png=not no_png)
     payload = {

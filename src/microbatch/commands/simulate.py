@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ._common import emit, json_option, stages_option
-from .bubble import (
+from microbatch.commands._common import emit, json_option, stages_option
+from microbatch.commands.bubble import (
     SCHEDULE_HELP,
     bubble_lines,
     microbatches_option,
@@ -22,7 +22,7 @@ def parse_stage_times(text: str) -> list[tuple[float, ...]]:
     An entry is a number (a speed factor applied to the base times), ``F:B`` (forward and full
     backward) or ``F:I:W`` (forward, input-gradient and weight-gradient times).
     """
-    from ..errors import ConfigError
+    from microbatch.errors import ConfigError
 
     entries = []
     for i, raw in enumerate(text.split(",")):
@@ -45,8 +45,8 @@ def parse_stage_times(text: str) -> list[tuple[float, ...]]:
 def resolve_times(
     spec, schedule, *, forward_time, backward_time, input_time, weight_time, stage_times
 ) -> dict:
-    """Keyword times for :func:`microbatch.simulate.simulate` from the command's options."""
-    from ..errors import ConfigError
+    """Keyword times for :func:`microbatch.schedules.simulate.simulate` from the command's options."""
+    from microbatch.errors import ConfigError
 
     if backward_time is not None and (input_time is not None or weight_time is not None):
         raise ConfigError(
@@ -185,8 +185,8 @@ def cmd(
     ranks); each rank runs its own list in order, as torch does. Times are in any unit.
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
-    from ..schedule import generate, get_spec
-    from ..simulate import bubble_fraction, bubble_ratio, simulate, zb_idle_time
+    from microbatch.schedules.schedule import generate, get_spec
+    from microbatch.schedules.simulate import bubble_fraction, bubble_ratio, simulate, zb_idle_time
 
     spec = get_spec(schedule_name)
     schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
@@ -229,18 +229,18 @@ def cmd(
     rows = sim.timeline_rows()
     title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
     if svg_path:
-        from ..report import save_timeline_svg
+        from microbatch.show.text import save_timeline_svg
 
         save_timeline_svg(rows, sim.makespan, svg_path, title=title, time_unit=time_unit)
         result["svg"] = str(svg_path)
     if png_path:
-        from ..report import save_timeline_png
+        from microbatch.show.text import save_timeline_png
 
         save_timeline_png(rows, sim.makespan, png_path, title=title, time_unit=time_unit)
         result["png"] = str(png_path)
 
     def render() -> str:
-        from ..report import _fmt, render_stats_table, render_timeline_text
+        from microbatch.show.text import _fmt, render_stats_table, render_timeline_text
 
         unit = f" {time_unit}" if time_unit else ""
         lines = [

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from ._common import dumps, emit, json_option, model_options
-from .recommend import choice_kwargs, choice_options, render_recommendation
+from microbatch.commands._common import dumps, emit, json_option, model_options
+from microbatch.commands.recommend import choice_kwargs, choice_options, render_recommendation
 
 
 @click.command("tune")
@@ -106,10 +106,10 @@ def cmd(
     and a measured b_m is within the tolerance of that bound), when --patience doublings in a
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
-    from ..errors import ConfigError
-    from ..measure import TimingConfig
-    from ..tune import CPU_TIMING, CUDA_TIMING, tune_model
-    from ._common import resolve_model
+    from microbatch.choose.tune import CPU_TIMING, CUDA_TIMING, tune_model
+    from microbatch.commands._common import resolve_model
+    from microbatch.errors import ConfigError
+    from microbatch.measure.probes import TimingConfig
 
     kw = choice_kwargs(choice_spec, reference="bound")
     shape_flags = any(
@@ -126,7 +126,7 @@ def cmd(
             )
         target = {"hf_config": model_spec["hf_config"]}
     elif model_spec.get("model") and not shape_flags:
-        from ..model import get_model
+        from microbatch.model import get_model
 
         get_model(model_spec["model"])  # unknown names fail here, before any process starts
         target = {"model": model_spec["model"]}

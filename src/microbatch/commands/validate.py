@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import MODEL_FLAGS, emit, json_option, model_options, resolve_model
+from microbatch.commands._common import MODEL_FLAGS, emit, json_option, model_options, resolve_model
 
 _COLUMNS = (
     ("micro_batch", "b_m", "{}"),
@@ -114,7 +114,7 @@ def cmd(
     matmul peak and copy bandwidth, which the calibrated efficiency absorbs. Targets: memory
     within 5%, step time within 10% at the largest b_m.
     """
-    from ..validation import validate_result
+    from microbatch.predict.validation import validate_result
 
     shape = resolve_model(model_spec) if any(model_spec.get(k) is not None for k in MODEL_FLAGS) else None
     result = validate_result(

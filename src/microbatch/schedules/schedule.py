@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.errors import ConfigError, ScheduleError, check_positive_int
 
 KINDS = ("F", "B", "I", "W")
 """Computation kinds: forward, full backward, input-gradient backward, weight-gradient backward."""

@@ -1,12 +1,12 @@
 """A pipeline run's report: measured bubble and memory per rank, the simulator's prediction on
-the same action order, the timeline as rows for :mod:`microbatch.report` and as a Chrome trace.
+the same action order, the timeline as rows for :mod:`microbatch.show.text` and as a Chrome trace.
 
-:func:`summarize` reduces the raw per-rank intervals that :func:`microbatch.pipeline.run_rank`
+:func:`summarize` reduces the raw per-rank intervals that :func:`microbatch.run.pipeline.run_rank`
 gathers on rank 0 to the measured bubble, busy and idle time, in-flight counts and
 saved-activation bytes, and runs the simulator on torch's own order (see
-:func:`microbatch.pipeline.torch_order`) fed with the measured per-stage forward and backward
+:func:`microbatch.run.pipeline.torch_order`) fed with the measured per-stage forward and backward
 times, so that measured and predicted compare like with like. Plain data in, plain data out: no
-torch needed here beyond what :func:`~microbatch.pipeline.torch_order` imports.
+torch needed here beyond what :func:`~microbatch.run.pipeline.torch_order` imports.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections import defaultdict
 from dataclasses import fields
 from typing import Any
 
-from .errors import ScheduleError
-from .pipeline import SCHEDULES, PipelineConfig, stage_to_rank, torch_order
+from microbatch.errors import ScheduleError
+from microbatch.run.pipeline import SCHEDULES, PipelineConfig, stage_to_rank, torch_order
 
 __all__ = [
     "GRAD_TOLERANCE",
@@ -47,7 +47,7 @@ def summarize(raw: dict) -> dict:
     - ``measured.stage_stats[r]`` (``stage`` is the rank; ``virtual_stages`` the stages it holds):
       ``busy_s`` (time inside forward/backward calls, the loss counted with the forward),
       ``idle_s`` = wall − busy, ``peak_in_flight`` (in a rank's layers: chunks / v, as
-      :mod:`microbatch.simulate`; ``peak_in_flight_chunks`` the raw count),
+      :mod:`microbatch.schedules.simulate`; ``peak_in_flight_chunks`` the raw count),
       ``activation_bytes_per_microbatch`` (mean bytes autograd saved for one (stage,
       micro-batch)), ``peak_activation_bytes`` (most saved bytes resident at once) and
       ``cuda_peak_bytes`` (``max_memory_allocated``, GPU only).
@@ -145,7 +145,7 @@ def summarize(raw: dict) -> dict:
             "peak_in_flight": list(pred.peak_in_flight),
             "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
             "step_time_s": pred.makespan,
-            "source": "microbatch.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
+            "source": "microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
             "with_comm": {
                 "comm_time_s": comm,
                 "bubble_fraction": pred_comm.bubble_fraction,
@@ -210,14 +210,14 @@ def predict(
     *,
     comm_s: float = 0.0,
 ):
-    """:func:`microbatch.simulate.simulate` on torch's action order for ``cfg`` (as a
-    :class:`~microbatch.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op.
+    """:func:`microbatch.schedules.simulate.simulate` on torch's action order for ``cfg`` (as a
+    :class:`~microbatch.schedules.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op.
 
     Where torch's order cannot be derived (an older torch whose internals differ), the order the
     ranks ``executed`` (rank -> action strings) is simulated instead. ``comm_s`` is paid on every
     dependency between ranks (see :func:`measured_comm_s`)."""
-    from .schedule import Schedule
-    from .simulate import simulate
+    from microbatch.schedules.schedule import Schedule
+    from microbatch.schedules.simulate import simulate
 
     try:
         order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
@@ -247,7 +247,7 @@ def predict(
 
 def timeline_rows(report: dict) -> list[list[tuple[float, float, str, int]]]:
     """The measured last step as per-rank ``(start, end, label, microbatch)`` rows, labelled as
-    :meth:`microbatch.simulate.SimResult.timeline_rows` labels them (chunk prefix when v > 1)."""
+    :meth:`microbatch.schedules.simulate.SimResult.timeline_rows` labels them (chunk prefix when v > 1)."""
     p, v = report["stages"], report["virtual"]
     rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
     for it in sorted(report["timeline"], key=lambda x: x["start_s"]):

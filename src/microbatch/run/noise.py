@@ -7,7 +7,7 @@ gradient of a batch of B items has E|G_B|² = |G|² + tr(Σ)/B. The simple noise
 batch nearly halves the steps; far above it, extra items are mostly wasted.
 
 Two gradient norms per step are enough (their Appendix A.1): a small batch's (here the first
-micro-batch of :func:`microbatch.accumulate`, which costs no extra backward) and the whole batch's.
+micro-batch of :func:`microbatch.run.accumulate`, which costs no extra backward) and the whole batch's.
 Each step gives unbiased estimates of |G|² and tr(Σ); both are smoothed separately over steps and
 divided only afterwards (the ratio of unbiased estimates is biased). B is counted in the loss's
 items: tokens when the loss is a mean over tokens.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import ConfigError
+from microbatch.errors import ConfigError
 
 __all__ = [
     "g_sq_estimate",
@@ -101,7 +101,7 @@ class NoiseEstimate:
 class GradientNoiseScale:
     """The hook: feed it each step's two gradient norms, read the smoothed B_simple.
 
-    Pass it as ``noise=`` to :func:`microbatch.accumulate` (it then uses the first micro-batch and
+    Pass it as ``noise=`` to :func:`microbatch.run.accumulate` (it then uses the first micro-batch and
     the whole batch, at no extra backward), or call :meth:`update` from a loop written by hand.
     Smoothing is an exponential moving average with bias correction, ``decay`` weighting the past
     (``decay=1`` is the plain mean over all steps, best for a fixed model; McCandlish et al. smooth
@@ -193,13 +193,13 @@ def measure_noise_scale(
     decay: float = 1.0,
     step_fn: Callable[[], None] | None = None,
 ) -> tuple[NoiseEstimate, list[NoiseEstimate]]:
-    """Run :func:`microbatch.accumulate` over ``batches`` (one per step) and estimate B_simple.
+    """Run :func:`microbatch.run.accumulate` over ``batches`` (one per step) and estimate B_simple.
 
     Gradients are cleared (set to None) before each step; ``step_fn`` (e.g. ``optimizer.step``)
     runs after each, if given. Returns the final smoothed estimate and the one after every step.
     Each batch needs at least two micro-batches.
     """
-    from .accumulate import accumulate, batch_rows
+    from microbatch.run.accumulate import accumulate, batch_rows
 
     hook = GradientNoiseScale(decay=decay)
     history: list[NoiseEstimate] = []

@@ -98,7 +98,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = [
     "DEFAULT_RULE",

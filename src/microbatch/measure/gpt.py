@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import ModelShape
+from microbatch.model import ModelShape
 
 __all__ = ["GPT", "Block", "Embed", "Head", "KVCache", "build_model", "next_token_loss", "rotary_tables"]
 

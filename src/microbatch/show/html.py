@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from microbatch.errors import ConfigError
 
 __all__ = ["classify", "load_results", "build_report", "FIGURE_SIZE_PX", "Report"]
 
@@ -474,7 +474,7 @@ def _plan_section(plan: dict) -> str:
 
 def _exports_section(plan: dict) -> str:
     try:
-        from . import export
+        from microbatch.show import export
     except ImportError:  # pragma: no cover - export lands with the planner
         return ""
     blocks = []

@@ -1,9 +1,9 @@
 """One candidate of the planner: a way to run the step, with its predicted memory and step time.
 
 :func:`evaluate` predicts one candidate (b_m, m, schedule, v, recompute, ZeRO) of a
-:class:`~microbatch.plan.PlanConfig` by closed forms: per-stage peak memory (:mod:`microbatch.memory`),
-step time (:mod:`microbatch.roofline` plus the pipeline's bubble), tokens/s and MFU, and whether it
-fits with the headroom asked; :func:`with_simulation` replays it with :func:`microbatch.simulate.simulate`.
+:class:`~microbatch.predict.plan.PlanConfig` by closed forms: per-stage peak memory (:mod:`microbatch.predict.memory`),
+step time (:mod:`microbatch.predict.roofline` plus the pipeline's bubble), tokens/s and MFU, and whether it
+fits with the headroom asked; :func:`with_simulation` replays it with :func:`microbatch.schedules.simulate.simulate`.
 A :class:`Context` caches what does not depend on the candidate, so the planner's enumeration stays cheap.
 
 Step time of one optimizer step (bottleneck stage k with forward F_k and backward B_k per
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from .errors import ConfigError
-from .memory import (
+from microbatch.errors import ConfigError
+from microbatch.predict.memory import (
     bytes_per_param,
     embedding_activation_bytes,
     layer_activation_bytes,
@@ -32,7 +32,7 @@ from .memory import (
     split_layers,
     stage_params,
 )
-from .roofline import (
+from microbatch.predict.roofline import (
     allgather_time_s,
     allreduce_time_s,
     group_bandwidth,
@@ -43,7 +43,7 @@ from .roofline import (
 )
 
 if TYPE_CHECKING:
-    from .plan import PlanConfig
+    from microbatch.predict.plan import PlanConfig
 
 __all__ = ["Candidate", "Context", "evaluate", "layer_costs", "make_context", "with_simulation"]
 
@@ -413,8 +413,8 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
     p = cfg.pipeline_parallel
     if p == 1:
         return c
-    from .schedule import generate
-    from .simulate import simulate
+    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.simulate import simulate
 
     tm = _stage_times(ctx, c.micro_batch, c.recompute)
     f, i_, w = tm.f, tm.i, tm.w

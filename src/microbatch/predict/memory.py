@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import ConfigError, check_non_negative, check_positive_int
-from .model import ModelShape
+from microbatch.errors import ConfigError, check_non_negative, check_positive_int
+from microbatch.model import ModelShape
 
 __all__ = [
     "PRECISIONS",

@@ -1,11 +1,11 @@
 """The search: measure throughput and peak memory as b_m doubles, fit memory, stop at the knee.
 
 **Strategy** (:func:`search`). Start at b_m = 1 (or ``start``) and double. After two probes,
-fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.knee.fit_memory`) and
+fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.choose.knee.fit_memory`) and
 never probe a b_m predicted to exceed the budget less its headroom. Stop when
 
 - the knee is settled (rule ``fraction`` with ``reference="bound"``, the default): the bound T̂
-  on what any larger b_m can reach (:func:`microbatch.knee.throughput_bound`: a line fitted to
+  on what any larger b_m can reach (:func:`microbatch.choose.knee.throughput_bound`: a line fitted to
   the step time of the five largest probes, valid because the roofline's step time is convex)
   is known and a measured point is within τ of max(best, T̂) with half the choice's margin
   (``SETTLE_MARGIN``), so no further probe can move the knee beyond it;
@@ -43,10 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._callable import make_module_callable
-from ._json import dumps
-from .errors import ConfigError, check_positive_int
-from .knee import (
+from microbatch._json import dumps
+from microbatch.choose.knee import (
     BOUND_MARGIN,
     BOUND_MIN_POINTS,
     DEFAULT_HEADROOM,
@@ -61,7 +59,8 @@ from .knee import (
     recommend,
     throughput_bound,
 )
-from .measure import Measurement, TimingConfig
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.measure.probes import Measurement, TimingConfig
 
 __all__ = ["TuneResult", "search", "tune", "tune_model", "cache_dir", "CHECKPOINTING"]
 
@@ -530,7 +529,7 @@ def _run(
 
 
 def _check_common(rule, tolerance, checkpointing, mode, precision, memory_budget_bytes, headroom):
-    from .knee import RULES
+    from microbatch.choose.knee import RULES
 
     if rule not in RULES:
         raise ConfigError(f"knee rule {rule!r} is not known; use one of {', '.join(RULES)}")
@@ -600,11 +599,11 @@ def tune_model(
     in the result says which. ``patience``: flat doublings in a row that stop the search.
     ``reference``: ``bound`` (default: the knee is within τ of max(best measured, T̂), the bound
     on any larger b_m, and the search stops once that knee is settled) or ``measured`` (within τ
-    of the best measured; the search stops on the flat rule alone); see :mod:`microbatch.knee`.
+    of the best measured; the search stops on the flat rule alone); see :mod:`microbatch.choose.knee`.
     """
-    from .childprobe import ChildProber
-    from .measure import InProcessProber, ProbeSpec, build_probe
-    from .model import ModelShape, get_model
+    from microbatch.measure.childprobe import ChildProber
+    from microbatch.measure.probes import InProcessProber, ProbeSpec, build_probe
+    from microbatch.model import ModelShape, get_model
 
     t_start = time.perf_counter()
     _check_common(rule, tolerance, checkpointing, mode, precision, memory_budget_bytes, headroom)
@@ -722,7 +721,7 @@ def _cuda_total(device) -> int:
 
 
 def _check_cuda_budget(probe, budget: int | None, device: str) -> None:
-    from .measure import static_bytes
+    from microbatch.measure.probes import static_bytes
 
     if budget is None:
         return
@@ -770,7 +769,7 @@ def tune(
     measuring. The model may be wrapped in DDP or FSDP or compiled with ``torch.compile``
     (compilation happens in the setup and warm-up calls, outside the timings). Under
     ``torch.distributed`` every rank must call ``tune`` with the same arguments: probes are
-    synchronised (see :mod:`microbatch.measure`), d defaults to the world size, and the cache
+    synchronised (see :mod:`microbatch.measure.probes`), d defaults to the world size, and the cache
     is off.
 
     Peak memory: CUDA allocator statistics on a GPU; on the CPU the process's peak RSS, reset
@@ -780,7 +779,7 @@ def tune(
     """
     import torch
 
-    from .measure import InProcessProber, TrainProbe
+    from microbatch.measure.probes import InProcessProber, TrainProbe
 
     t_start = time.perf_counter()
     _check_common(rule, tolerance, checkpointing, "train", precision, memory_budget_bytes, headroom)
@@ -851,6 +850,3 @@ def tune(
         on_point=on_point,
         t_start=t_start,
     )
-
-
-make_module_callable(__name__, "tune")

@@ -37,7 +37,7 @@ libraries (about 0.2–0.4 GB); the per-sample slope does not.
 caught by type and everything is freed (gradients, the batch, caches, ``gc``, ``empty_cache``).
 On the CPU an allocation failure is a plain ``RuntimeError`` and an over-committed host kills
 the process outright, so the CLI's CPU probes run in a child process under a hard address-space
-limit (``RLIMIT_AS``): see :class:`microbatch.childprobe.ChildProber`. Either way the point is
+limit (``RLIMIT_AS``): see :class:`microbatch.measure.childprobe.ChildProber`. Either way the point is
 recorded as out of memory and the search goes on.
 
 **Several processes.** When ``torch.distributed`` is initialised (DDP, FSDP under torchrun),
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from microbatch.errors import ConfigError
 
 __all__ = [
     "TimingConfig",
@@ -394,7 +394,7 @@ def default_loss(model, batch):
     a dict → ``model(**batch)`` and its ``.loss`` (Hugging Face with ``labels``), or the output if a scalar."""
     import torch
 
-    from .gpt import next_token_loss
+    from microbatch.measure.gpt import next_token_loss
 
     out = model(**batch) if isinstance(batch, dict) else model(batch)
     loss = getattr(out, "loss", None)
@@ -702,7 +702,7 @@ class ProbeSpec:
     hf_config: str | None = None
     """Path to a Hugging Face ``config.json`` (or its folder): built with random weights, nothing downloaded."""
     backend: str = "builtin"
-    """``builtin`` (microbatch.gpt) or ``hf`` (a transformers model of the registry shape) for ``model``."""
+    """``builtin`` (microbatch.measure.gpt) or ``hf`` (a transformers model of the registry shape) for ``model``."""
     seq: int
     """Sequence length: the longest the data holds (memory is set by the longest sequence)."""
     mode: str = "train"
@@ -829,12 +829,12 @@ def build_probe(spec: ProbeSpec):
     """The in-process probe (TrainProbe or DecodeProbe) of ``spec``: model built with random weights."""
     import torch
 
-    from .model import get_model
+    from microbatch.model import get_model
 
     device = torch.device(spec.device)
     if spec.model is not None or spec.shape is not None:
         if spec.shape is not None:
-            from .model import ModelShape
+            from microbatch.model import ModelShape
 
             fields = {k: v for k, v in spec.shape.items() if k in ModelShape.__dataclass_fields__}
             shape = ModelShape(**fields).with_seq(spec.seq)
@@ -849,7 +849,7 @@ def build_probe(spec: ProbeSpec):
         if spec.backend == "hf":
             model = _hf_model(hf_config_from_shape(shape), torch.float32, device, spec.seed)
         else:
-            from .gpt import build_model
+            from microbatch.measure.gpt import build_model
 
             model = build_model(shape, seed=spec.seed, device=device)
     else:

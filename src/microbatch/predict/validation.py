@@ -4,7 +4,7 @@ Each measured point is predicted three ways (:func:`validate`): **uncalibrated**
 model alone), **calibrated on the smallest probes** only (the figure that matters: can a few
 cheap probes predict the largest b_m?) and **leave-one-out** (calibrated on every other point),
 with signed relative errors ``(predicted − measured) / measured``. The fits themselves are
-:mod:`microbatch.calibrate`; the targets are issue 7's, at the largest probed b_m.
+:mod:`microbatch.predict.calibrate`; the targets are issue 7's, at the largest probed b_m.
 
 :func:`validate_result` is the whole of ``microbatch validate --json`` as one call: it chooses
 the accelerator the step times are predicted for (:func:`validation_accelerator`) the way the
@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .calibrate import (
+from microbatch.errors import ConfigError
+from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator, measure_cpu
+from microbatch.model import ModelShape
+from microbatch.predict.calibrate import (
     MIN_POINTS,
     Calibration,
     Measurements,
@@ -30,9 +33,6 @@ from .calibrate import (
     predict_step_time_s,
     read_measurements,
 )
-from .errors import ConfigError
-from .hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator, measure_cpu
-from .model import ModelShape
 
 __all__ = [
     "DEFAULT_FIT_ON",
@@ -257,7 +257,7 @@ def validation_accelerator(
     ``gpu`` (a registry name) when given; else the GPU the points name (:class:`ConfigError` when
     the table lacks it); else this CPU: the peak and bandwidth given, or measured now
     (:func:`~microbatch.hardware.measure_cpu`, with either figure given replacing the measured one),
-    raised by :func:`~microbatch.calibrate.cover_measurements` where a point is faster than it allows.
+    raised by :func:`~microbatch.predict.calibrate.cover_measurements` where a point is faster than it allows.
     """
     if gpu:
         acc = get_accelerator(gpu)
@@ -302,7 +302,7 @@ def validate_result(
     cpu_threads: int | None = None,
 ) -> dict:
     """What ``microbatch validate --calibration FILE --json`` prints, for a tune result (a loaded
-    ``result.json`` dict, or its path): :func:`~microbatch.calibrate.read_measurements`,
+    ``result.json`` dict, or its path): :func:`~microbatch.predict.calibrate.read_measurements`,
     :func:`validation_accelerator`, :func:`validate`, :meth:`Validation.to_dict` (``rows``,
     ``summary``, ``errors``, ...). The keywords are the command's options.
 

@@ -5,33 +5,40 @@ ranks) the planner holds B_global fixed and enumerates every b_m that divides B/
 B/(d·b_m) micro-batches per flush, one flush per step), every schedule that can serve (p, m, v),
 every v for interleaved 1F1B, every recompute mode and every ZeRO stage — the joint search
 DeepSpeed's autotuner runs by experiment. For each it predicts per-stage peak memory
-(:mod:`microbatch.memory`), step time (:mod:`microbatch.roofline` plus the pipeline's bubble),
+(:mod:`microbatch.predict.memory`), step time (:mod:`microbatch.predict.roofline` plus the pipeline's bubble),
 tokens/s and MFU, and whether it fits with the headroom asked. Screening uses closed forms;
-the leading candidates (and any uneven split) are replayed with :func:`microbatch.simulate.simulate`.
+the leading candidates (and any uneven split) are replayed with :func:`microbatch.schedules.simulate.simulate`.
 
-Each candidate's prediction is :mod:`microbatch.candidate`'s; :func:`lint` and :func:`what_would_fit`
+Each candidate's prediction is :mod:`microbatch.predict.candidate`'s; :func:`lint` and :func:`what_would_fit`
 give the pitfalls and, when nothing fits, what would. The library never prints:
-:mod:`microbatch.plan_report` gives text for the CLI and the report.
+:mod:`microbatch.show.plan_report` gives text for the CLI and the report.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .batch import divisors
-from .candidate import Candidate, Context, evaluate, layer_costs, make_context, with_simulation
-from .errors import ConfigError, ScheduleError, check_positive_int
-from .hardware import Accelerator
-from .memory import (
+from microbatch.batch import divisors
+from microbatch.errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.hardware import Accelerator
+from microbatch.model import ModelShape
+from microbatch.predict.candidate import (
+    Candidate,
+    Context,
+    evaluate,
+    layer_costs,
+    make_context,
+    with_simulation,
+)
+from microbatch.predict.memory import (
     RECOMPUTE_MODES,
     SCHEDULES,
     MemoryCalibration,
     MemoryConfig,
     bytes_per_param,
 )
-from .model import ModelShape
-from .plan_report import explain, gib
-from .roofline import DEFAULT_EFFICIENCY, RooflineEfficiency, model_flops_per_step
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency, model_flops_per_step
+from microbatch.show.plan_report import explain, gib
 
 __all__ = [
     "PlanConfig",
@@ -235,7 +242,7 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     p, L = cfg.pipeline_parallel, cfg.shape.layers
     if p == 1:
         return [("1f1b", 1)]
-    from .schedule import check_servable
+    from microbatch.schedules.schedule import check_servable
 
     names = cfg.schedules or SCHEDULES
     out = []

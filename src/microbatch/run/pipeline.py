@@ -21,9 +21,9 @@ so the gradients equal the unsplit model's mean-loss gradient and one optimizer 
 global batch. Weights shared between stages on different ranks (tied embeddings) have their
 gradients all-reduced among the ranks that hold them before the optimizer step.
 
-Processes are started by :mod:`microbatch.launch` (``microbatch pipeline``) or by ``torchrun``;
+Processes are started by :mod:`microbatch.run.launch` (``microbatch pipeline``) or by ``torchrun``;
 this module holds what one rank does, the model split and torch's action order; the wrappers
-that measure a stage live in :mod:`microbatch.instrument`.
+that measure a stage live in :mod:`microbatch.run.instrument`.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import ConfigError, PipelineError, ScheduleError, check_positive_int
-from .instrument import StageRecorder, instrument_stage, make_loss_fn
-from .schedule import ScheduleSpec, get_spec
-from .schedule import check_servable as _check_servable
-from .schedule import stage_to_rank as _stage_to_rank
+from microbatch.errors import ConfigError, PipelineError, ScheduleError, check_positive_int
+from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn
+from microbatch.schedules.schedule import ScheduleSpec, get_spec
+from microbatch.schedules.schedule import check_servable as _check_servable
+from microbatch.schedules.schedule import stage_to_rank as _stage_to_rank
 
 __all__ = [
     "PipelineConfig",
@@ -61,7 +61,7 @@ __all__ = [
 SCHEDULES: dict[str, ScheduleSpec] = {
     name: get_spec(name) for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-interleaved", "zbv")
 }
-"""Schedules this module runs, by our name: their :mod:`microbatch.schedule` specs, which give torch's
+"""Schedules this module runs, by our name: their :mod:`microbatch.schedules.schedule` specs, which give torch's
 class (``torch_name``), the placement and the (p, m, v) rules."""
 
 _ALIASES = {
@@ -95,7 +95,7 @@ class PipelineConfig:
     virtual: int = 1
     """v: stages per rank (interleaved schedules; zbv needs 2). Total stages = p·v."""
     model: str = "tiny"
-    """A preset of :mod:`microbatch.model` built by :mod:`microbatch.gpt`, or ``module:function``
+    """A preset of :mod:`microbatch.model` built by :mod:`microbatch.measure.gpt`, or ``module:function``
     returning a stack of layers (``nn.Sequential`` or embed/layers/head) that maps token ids
     ``(b, s)`` to logits ``(b, s, V)``."""
     global_batch: int | None = None
@@ -176,7 +176,7 @@ class PipelineConfig:
 def check_servable(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Raise :class:`ScheduleError` (rule and fix) if torch's schedule cannot run (p, m, v).
 
-    The rules are torch's own, kept with the generators in :mod:`microbatch.schedule`:
+    The rules are torch's own, kept with the generators in :mod:`microbatch.schedules.schedule`:
     ``Schedule1F1B`` needs m >= p; the interleaved schedules split m into max(1, m // p) rounds and
     need m % rounds == 0; ``ScheduleZBVZeroBubble`` needs exactly two stages per rank; GPipe and
     1F1B hold one stage per rank.
@@ -190,7 +190,7 @@ def check_servable(schedule: str, stages: int, microbatches: int, virtual: int =
 def stage_to_rank(schedule: str, stages: int, virtual: int) -> list[int]:
     """Rank of every stage index: looped (stage s on rank s mod p) or, for zbv, a V (rank r holds
     stages r and 2p−1−r, torch's ``generate_stage_to_rank_mapping(style="v")``); the schedule's
-    placement (its spec's) under the rules of :func:`microbatch.schedule.stage_to_rank`."""
+    placement (its spec's) under the rules of :func:`microbatch.schedules.schedule.stage_to_rank`."""
     placement = SCHEDULES[schedule_name(schedule)].placement
     return [_stage_to_rank(s, stages, placement) for s in range(stages * virtual)]
 
@@ -373,8 +373,8 @@ def build_full_model(cfg: PipelineConfig) -> tuple[Any, int, int]:
             model = factory().to(dtype)
         vocab = next(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
         return model, vocab, cfg.seq or 16
-    from .gpt import build_model
-    from .model import get_model
+    from microbatch.measure.gpt import build_model
+    from microbatch.model import get_model
 
     shape = get_model(cfg.model, seq=cfg.seq)
     return build_model(shape, dtype=dtype, seed=cfg.seed), shape.vocab, shape.seq
@@ -428,7 +428,7 @@ def _fault(rank: int, where: str) -> None:
 
 def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = None) -> dict | None:
     """Run ``cfg`` as rank ``rank`` of an initialised process group; return the gathered result on
-    rank 0 (``None`` elsewhere). The result holds raw per-rank measurements; :mod:`microbatch.launch`
+    rank 0 (``None`` elsewhere). The result holds raw per-rank measurements; :mod:`microbatch.run.launch`
     turns them into the report."""
     import torch
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """Run a pipeline schedule on op durations: an event simulation, plus the closed forms.
 
-:func:`simulate` replays a :class:`~microbatch.schedule.Schedule` the way the ranks run it:
+:func:`simulate` replays a :class:`~microbatch.schedules.schedule.Schedule` the way the ranks run it:
 each rank executes its own list in order, and an op starts at ``max(rank free, every
 dependency done + comm)``, where ``comm`` (point-to-point latency) is paid only when the
 dependency ran on another rank. It is dependency-driven, not a lock-step grid: a rank that
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import add
 
-from .errors import ConfigError, ScheduleError, check_positive_int
-from .schedule import Action, Schedule
+from microbatch.errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.schedules.schedule import Action, Schedule
 
 Time = float | Sequence[float]
 
@@ -193,7 +193,7 @@ class SimResult:
         return out
 
     def timeline_rows(self) -> list[list[tuple[float, float, str, int]]]:
-        """Per rank, plain ``(start, end, label, microbatch)`` rows for :mod:`microbatch.report`.
+        """Per rank, plain ``(start, end, label, microbatch)`` rows for :mod:`microbatch.show.text`.
 
         The label is the kind (F, B, I, W), prefixed with the chunk number when v > 1 (``1F``)."""
         v, p = self.schedule.virtual, self.schedule.stages
@@ -287,7 +287,7 @@ def simulate(
     then B = I + W); a schedule with I and W needs ``input_time`` and ``weight_time``.
     ``comm_time`` is added to every dependency between different ranks. Raises
     :class:`~microbatch.errors.ScheduleError` if the ranks' orders deadlock (see
-    :func:`microbatch.schedule.validate` for a full check).
+    :func:`microbatch.schedules.schedule.validate` for a full check).
     """
     p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
     comm = _non_negative("comm_time", comm_time)
@@ -406,7 +406,7 @@ def simulate(
             a = schedule.actions[r][ptr[r]]
             raise ScheduleError(
                 f"rank {r} position {ptr[r]} ({a}) can never start: its dependency never runs or runs later "
-                "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedule.validate"
+                "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedules.schedule.validate"
             )
 
     intervals = []

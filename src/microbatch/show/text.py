@@ -3,7 +3,7 @@
 Everything here takes *plain data*, so a simulated and a measured timeline are drawn the same
 way: per rank, a sequence of rows ``(start, end, label, microbatch)`` where ``label`` is the
 kind (``F``, ``B``, ``I``, ``W``), optionally prefixed by a chunk number (``1F``). Rows of
-``(start, end, action)`` with an :class:`~microbatch.schedule.Action`, and dicts with keys
+``(start, end, action)`` with an :class:`~microbatch.schedules.schedule.Action`, and dicts with keys
 ``start``, ``end``, ``kind`` (or ``label``) and ``microbatch``, are accepted too.
 
 - :func:`render_timeline_text` — the bubble diagram for a terminal: plain text, or ANSI colours

@@ -8,7 +8,7 @@ lines of its error output as soon as any rank fails, killing the others: never a
 several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``).
 
-:mod:`microbatch.pipeline_report` turns rank 0's gathered measurements into the report
+:mod:`microbatch.show.pipeline_report` turns rank 0's gathered measurements into the report
 (measured and predicted bubble, in-flight counts, memory, timeline, Chrome trace); its
 functions are re-exported here.
 """
@@ -25,9 +25,9 @@ import sys
 import tempfile
 import time
 
-from .errors import ConfigError, PipelineError
-from .pipeline import PipelineConfig, stage_to_rank
-from .pipeline_report import (  # noqa: F401  (re-exported: the report of a run)
+from microbatch.errors import ConfigError, PipelineError
+from microbatch.run.pipeline import PipelineConfig, stage_to_rank
+from microbatch.show.pipeline_report import (  # noqa: F401  (re-exported: the report of a run)
     GRAD_TOLERANCE,
     chrome_trace,
     config_from_dict,
@@ -103,7 +103,7 @@ def _worker_main() -> None:
     try:
         with open(cfg_path) as f:
             cfg = PipelineConfig(**json.load(f))
-        from .pipeline import run_rank
+        from microbatch.run.pipeline import run_rank
 
         r, world, device = _init_group(cfg)
         out = run_rank(cfg, rank=r, world_size=world, device=device)
@@ -224,7 +224,7 @@ def _launch_once(
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs: list[subprocess.Popen] = []
     errs: list[str] = []
-    code = "from microbatch.launch import _worker_main; _worker_main()"
+    code = "from microbatch.run.launch import _worker_main; _worker_main()"
     try:
         for r in range(cfg.stages):
             env = dict(os.environ)
@@ -299,7 +299,7 @@ def check_splittable(cfg: PipelineConfig) -> None:
     (units: the embedding, every block, the head)."""
     if ":" in cfg.model:
         return
-    from .model import get_model
+    from microbatch.model import get_model
 
     shape = get_model(cfg.model, seq=cfg.seq)
     units = shape.layers + 2
@@ -317,7 +317,7 @@ def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:
 
 def run_external(cfg: PipelineConfig) -> dict | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
-    from .pipeline import run_rank
+    from microbatch.run.pipeline import run_rank
 
     rank, world, device = _init_group(cfg)
     import torch.distributed as dist

@@ -16,7 +16,7 @@ changes the optimisation).
   ``training.global_batch_size`` = B, ``parallelism.pipeline_parallel_schedule``.
 
 Input: the output of ``microbatch plan --json`` (a dict, or the ``plans`` of a comparison), or a
-:class:`~microbatch.candidate.Candidate`.
+:class:`~microbatch.predict.candidate.Candidate`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from microbatch.errors import ConfigError
 
 __all__ = ["FORMATS", "Export", "export_plan", "candidate_from_plan"]
 
@@ -64,7 +64,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> dict:
     """The recommended candidate of ``plan`` as a dict with the layout keys filled in.
 
     ``plan``: a plan dict (``plan --json``), a comparison (``{"plans": [...]}``; ``gpu`` chooses one,
-    else the first with a recommendation), a candidate dict, or a :class:`~microbatch.candidate.Candidate`.
+    else the first with a recommendation), a candidate dict, or a :class:`~microbatch.predict.candidate.Candidate`.
     """
     if hasattr(plan, "to_dict"):
         plan = plan.to_dict()

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .candidate import Candidate
-    from .plan import Plan
+    from microbatch.predict.candidate import Candidate
+    from microbatch.predict.plan import Plan
 
 __all__ = ["TABLE_COLUMNS", "comparison_rows", "explain", "gib", "plan_table_rows"]
 

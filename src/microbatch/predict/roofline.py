@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .hardware import Accelerator
-from .model import ModelShape
+from microbatch.errors import ConfigError
+from microbatch.hardware import Accelerator
+from microbatch.model import ModelShape
 
 __all__ = [
     "RooflineEfficiency",

@@ -3,10 +3,10 @@ only the child.
 
 On the CPU an allocation failure is a plain ``RuntimeError`` and an over-committed host kills the
 process outright, so the CLI's CPU probes run in a child process (``python -m
-microbatch.childprobe --worker``, JSON lines over stdin/stdout) under a hard address-space limit
-(``RLIMIT_AS``). The child builds the probe of a :class:`~microbatch.measure.ProbeSpec`, measures
-each micro-batch size with :mod:`microbatch.measure` (peak memory: ``VmHWM``, reset before each
-probe) and answers with a :class:`~microbatch.measure.Measurement`; after an out-of-memory the
+microbatch.measure.childprobe --worker``, JSON lines over stdin/stdout) under a hard address-space limit
+(``RLIMIT_AS``). The child builds the probe of a :class:`~microbatch.measure.probes.ProbeSpec`, measures
+each micro-batch size with :mod:`microbatch.measure.probes` (peak memory: ``VmHWM``, reset before each
+probe) and answers with a :class:`~microbatch.measure.probes.Measurement`; after an out-of-memory the
 parent records the point as out of memory and starts a fresh child for the next probe.
 """
 
@@ -21,8 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import ConfigError, MeasurementError
-from .measure import (
+from microbatch.errors import ConfigError, MeasurementError
+from microbatch.measure.probes import (
     Measurement,
     ProbeSpec,
     _short,
@@ -47,7 +47,7 @@ tracks the resident memory (RLIMIT_AS then acts as a limit on real memory)."""
 class ChildProber:
     """CPU probes in a child process under a hard memory limit; a misprediction ends only the child.
 
-    The child (``python -m microbatch.childprobe --worker``, JSON lines over stdin/stdout) builds the
+    The child (``python -m microbatch.measure.childprobe --worker``, JSON lines over stdin/stdout) builds the
     model, runs the setup step, measures its static memory (RSS after setup), then sets
     ``RLIMIT_AS`` to its current address space plus ``limit_bytes − RSS``: the limit binds on real
     memory to within the address space mapped but not resident (torch's import maps ~0.4 GB more
@@ -70,7 +70,7 @@ class ChildProber:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "microbatch.childprobe", "--worker"],
+            [sys.executable, "-m", "microbatch.measure.childprobe", "--worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -262,5 +262,8 @@ def _worker() -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
         sys.exit(_worker())
-    print("usage: python -m microbatch.childprobe --worker   (started by microbatch tune)", file=sys.stderr)
+    print(
+        "usage: python -m microbatch.measure.childprobe --worker   (started by microbatch tune)",
+        file=sys.stderr,
+    )
     sys.exit(2)

@@ -14,7 +14,7 @@ recompute mode). A least-squares line through the measured peaks, ``M(b) = α + 
 
     activation_scale = β / a          fixed_bytes = α − S
 
-(:class:`~microbatch.memory.MemoryCalibration`): the scale multiplies every activation term the
+(:class:`~microbatch.predict.memory.MemoryCalibration`): the scale multiplies every activation term the
 planner computes (at any s, t, p, schedule), the fixed bytes are added to every stage. They
 absorb the allocator's rounding and cache, buffers the analytic terms omit, the CUDA context,
 and on the CPU the whole Python + torch runtime (the peak RSS of the process). Assumed: the
@@ -25,14 +25,14 @@ are extrapolated, and :func:`calibration_notes` says so. ``MemoryCalibration`` a
 negative offset: a fitted ``fixed_bytes < 0`` (the analytic state overcounts) is clamped to 0
 and the clamp is noted.
 
-**Kernel efficiency** (:func:`fit_efficiency`). The roofline (:mod:`microbatch.roofline`) of a
+**Kernel efficiency** (:func:`fit_efficiency`). The roofline (:mod:`microbatch.predict.roofline`) of a
 training micro-step on one device is
 
     T(b) = L·(3·compute_layer + 2·tp_comm) [+ L·forward_layer with full recompute] + 3·logits
 
 (backward ≈ 2 × forward, the planner's rule), at rows = b_m·s, where every compute-bound kernel
 runs at ``gemm(rows) = gemm_max·rows/(rows + half_rows)`` of the accelerator's peak
-(:class:`~microbatch.roofline.RooflineEfficiency`). The efficiency enters T(b) only through the
+(:class:`~microbatch.predict.roofline.RooflineEfficiency`). The efficiency enters T(b) only through the
 number gemm(rows_b), so each measured point has exactly one efficiency e_b that makes the
 roofline equal the measured time (found by bisection; memory-bound kernels keep the default
 bandwidth efficiency). Since
@@ -55,7 +55,7 @@ that peak, no runtime in the memory) is far off; the calibrated one absorbs both
 peak and the runtime.
 
 How well this predicts the measured points themselves (uncalibrated, from the smallest probes,
-leave-one-out) is :mod:`microbatch.validation`.
+leave-one-out) is :mod:`microbatch.predict.validation`.
 
 Pure Python: no torch.
 """
@@ -69,11 +69,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .hardware import ACCELERATORS, Accelerator, match_accelerator
-from .memory import MemoryCalibration, MemoryConfig, estimate_memory
-from .model import ModelShape, get_model
-from .roofline import DEFAULT_EFFICIENCY, RooflineEfficiency, layer_forward, logits_forward
+from microbatch.errors import ConfigError
+from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
+from microbatch.model import ModelShape, get_model
+from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency, layer_forward, logits_forward
 
 __all__ = [
     "MIN_POINTS",
@@ -392,7 +392,7 @@ def analytic_memory_line(
 ) -> tuple[float, float]:
     """(S, a): the analytic peak is S + a·b_m — model state S and activation bytes a per sequence.
 
-    Exact: every activation term of :mod:`microbatch.memory` is proportional to b_m.
+    Exact: every activation term of :mod:`microbatch.predict.memory` is proportional to b_m.
     """
     est = estimate_memory(shape, _memory_config(1, seq or shape.seq, precision, checkpointing))
     st = est.peak_stage
@@ -416,7 +416,7 @@ def predict_step_time_s(
     """Roofline time of one training micro-step (forward + backward, no optimizer) on one device.
 
     T = L·(3·compute + 2·tp_comm) [+ L·forward with full recompute] + 3·logits, each at rows =
-    b_m·s (:func:`~microbatch.roofline.layer_forward`, :func:`~microbatch.roofline.logits_forward`):
+    b_m·s (:func:`~microbatch.predict.roofline.layer_forward`, :func:`~microbatch.predict.roofline.logits_forward`):
     backward ≈ 2 × forward, as the planner counts it. Ignores the embedding lookup and launch gaps
     (a calibrated ``half_rows`` absorbs constant overheads).
     """

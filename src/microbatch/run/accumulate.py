@@ -17,7 +17,7 @@ Two ways to use it:
   and :func:`sync_unless_last` for training loops written by hand.
 
 torch is imported here at module level; ``import microbatch`` stays light because this module
-loads only on first use of ``microbatch.accumulate``.
+loads only on first use of ``microbatch.run.accumulate``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from typing import Any
 
 import torch
 
-from ._callable import make_module_callable
-from .errors import ConfigError, check_positive_int
-from .noise import grad_sq_norm
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.run.noise import grad_sq_norm
 
 __all__ = [
     "accumulate",
@@ -335,7 +334,7 @@ def accumulate(
     ``.grad`` is restored to its value before the call (``None`` stays ``None``) and the exception
     propagates. The cost: a copy of the gradients that existed before the call, only when they exist.
 
-    ``noise`` (a :class:`microbatch.noise.GradientNoiseScale`) measures the gradient noise scale from
+    ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
     the first micro-batch's gradient and the whole batch's, with no extra backward.
     """
     return accumulate_micro_batches(
@@ -441,7 +440,7 @@ def _noise_update(noise: Any, small: Any, n_big: float, g_big_sq: float, group, 
     ``small`` is ``(items, |g_small|²)`` of this rank's first micro-batch, or None when it has none
     usable (one micro-batch, or zero items in it). Under DDP every rank joins one small all_reduce.
     """
-    from .noise import g_sq_estimate, trace_sigma_estimate
+    from microbatch.run.noise import g_sq_estimate, trace_sigma_estimate
 
     est = [0.0, 0.0, 0.0]
     if small is not None and n_big > small[0]:
@@ -459,6 +458,3 @@ def _noise_update(noise: Any, small: Any, n_big: float, g_big_sq: float, group, 
             est = [est[0] / est[2], est[1] / est[2], 1.0]
     if est[2] > 0:
         noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
-
-
-make_module_callable(__name__, "accumulate")

@@ -1,0 +1,4 @@
+"""Integrations with the loops people already train in (Lightning, Hugging Face, Accelerate).
+
+Layer 6. The frameworks are optional dependencies, imported inside functions.
+"""
