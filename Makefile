@@ -27,6 +27,7 @@ bench: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -17,6 +17,7 @@ import pytest
 
 from microbatch.cli import main
 from microbatch.errors import ConfigError
+from microbatch.fit import fit_line
 from microbatch.hardware import cpu_accelerator, get_accelerator, match_accelerator
 from microbatch.model import get_model
 from microbatch.predict.calibrate import (
@@ -29,7 +30,6 @@ from microbatch.predict.calibrate import (
     calibration_notes,
     cover_measurements,
     fit_efficiency,
-    fit_line,
     fit_memory_calibration,
     load_calibration,
     point_efficiency,

@@ -99,6 +99,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from microbatch.errors import ConfigError, check_positive_int
+from microbatch.fit import fit_line
 
 __all__ = [
     "DEFAULT_RULE",
@@ -208,13 +209,6 @@ def _curve(points: Iterable[CurvePoint]) -> list[CurvePoint]:
     return [best[b] for b in sorted(best)]
 
 
-def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares line y = a + c·x over distinct xs: c = Σ(x−x̄)(y−ȳ) / Σ(x−x̄)², a = ȳ − c·x̄."""
-    xbar, ybar = sum(xs) / len(xs), sum(ys) / len(ys)
-    c = sum((x - xbar) * (y - ybar) for x, y in zip(xs, ys, strict=True)) / sum((x - xbar) ** 2 for x in xs)
-    return ybar - c * xbar, c
-
-
 @dataclass(frozen=True, kw_only=True)
 class ThroughputBound:
     """T̂ = 1/c: no b_m past the largest measured runs faster (see the module docstring)."""
@@ -250,7 +244,7 @@ def throughput_bound(
         return None
     bs = [float(p.micro_batch) for p in curve]
     us = [p.micro_batch / p.throughput for p in curve]
-    a, c = _line(bs, us)
+    a, c = fit_line(bs, us)
     if c <= 0:
         return None
     worst = max(abs(a + c * b - u) / u for b, u in zip(bs, us, strict=True))
@@ -378,7 +372,7 @@ def fit_memory(points: Sequence[CurvePoint], *, largest: int = 3) -> MemoryFit |
     )[-largest:]
     if len(known) < 2:
         return None
-    m0, k = _line([float(p.micro_batch) for p in known], [float(p.peak_memory_bytes) for p in known])
+    m0, k = fit_line([float(p.micro_batch) for p in known], [float(p.peak_memory_bytes) for p in known])
     return MemoryFit(
         intercept_bytes=m0, slope_bytes_per_sample=k, fitted_on=tuple(p.micro_batch for p in known)
     )

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.fit import fit_line
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.model import ModelShape, get_model
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
@@ -86,7 +87,6 @@ __all__ = [
     "predict_memory_bytes",
     "predict_step_time_s",
     "analytic_memory_line",
-    "fit_line",
     "fit_memory_calibration",
     "point_efficiency",
     "fit_efficiency",
@@ -429,24 +429,6 @@ def predict_step_time_s(
 
 
 # -- fits ------------------------------------------------------------------------------------------
-def fit_line(
-    xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None
-) -> tuple[float, float]:
-    """(intercept, slope) of the weighted least-squares line y = c₀ + c₁·x.
-
-    c₁ = Σw(x−x̄)(y−ȳ) / Σw(x−x̄)², c₀ = ȳ − c₁·x̄ with weighted means. Needs two distinct x.
-    """
-    w = list(weights) if weights is not None else [1.0] * len(xs)
-    sw = sum(w)
-    xbar = sum(wi * x for wi, x in zip(w, xs, strict=True)) / sw
-    ybar = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sw
-    sxx = sum(wi * (x - xbar) ** 2 for wi, x in zip(w, xs, strict=True))
-    if sxx <= 0:
-        raise ConfigError("a line needs at least two distinct x values")
-    slope = sum(wi * (x - xbar) * (y - ybar) for wi, x, y in zip(w, xs, ys, strict=True)) / sxx
-    return ybar - slope * xbar, slope
-
-
 def _need(kind: str, have: Sequence[int], source: str, need: int = MIN_POINTS) -> None:
     if len(have) < need:
         more = need - len(have)

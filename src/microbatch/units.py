@@ -1,0 +1,83 @@
+"""Units: the one byte formatter, the one size parser and the one short-number formatter.
+
+Binary prefixes (KiB, MiB, GiB = 2**30 bytes) for memory, as allocators and ``nvidia-smi``
+report it; decimal ones (kB, MB, GB) are accepted on input.
+"""
+
+from __future__ import annotations
+
+import math
+
+from microbatch.errors import ConfigError
+
+__all__ = ["GIB", "MIB", "parse_bytes", "format_bytes", "format_number"]
+
+KIB = 2**10
+MIB = 2**20
+GIB = 2**30
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": KIB,
+    "mib": MIB,
+    "gib": GIB,
+    "tib": 2**40,
+    "k": KIB,
+    "m": MIB,
+    "g": GIB,
+    "t": 2**40,
+}
+
+
+def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
+    """Bytes in ``"12GiB"``, ``"500MB"``, ``"1.5g"`` (binary for the one-letter forms) or a plain number.
+
+    Raises :class:`ConfigError` naming ``name``, the value and the accepted forms.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        s = str(text).strip().lower().replace(" ", "")
+        i = len(s)
+        while i > 0 and s[i - 1].isalpha():
+            i -= 1
+        num, unit = s[:i], s[i:]
+        try:
+            value = float(num)
+        except ValueError:
+            value = float("nan")
+    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{name} {text!r} is not a size; give a positive number with a unit, e.g. 12GiB, 500MB or 2e9"
+        )
+    return int(value * _UNITS[unit])
+
+
+def format_bytes(n: float | None, *, digits: int = 2, unit: str | None = None) -> str:
+    """``n`` bytes as text: ``"1.50 GiB"``, ``"12.0 MiB"``; ``"—"`` for None.
+
+    ``unit`` fixes the unit (``"GiB"``, ``"MiB"``, ``"KiB"``, ``"B"``); by default the largest
+    binary unit that keeps the number at or above 1.
+    """
+    if n is None:
+        return "—"
+    scales = {"GiB": GIB, "MiB": MIB, "KiB": KIB, "B": 1}
+    if unit is None:
+        unit = next((u for u, s in scales.items() if abs(n) >= s), "B")
+    if unit not in scales:
+        raise ValueError(f"unit {unit!r} is not one of {', '.join(scales)}")
+    if unit == "B":
+        return f"{n:.0f} B"
+    return f"{n / scales[unit]:.{digits}f} {unit}"
+
+
+def format_number(x: float) -> str:
+    """Short number: integers without decimals, else 4 significant digits."""
+    if abs(x - round(x)) < 1e-9:
+        return str(int(round(x)))
+    return f"{x:.4g}"
