@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -c constraints.txt
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint graph venv clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@command -v $(PY) >/dev/null || { echo "need $(PY) (Python 3.11) on PATH"; exit 2; }
@@ -28,6 +28,9 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
+
+graph: venv
+	$(BIN)/python tests/test_architecture.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

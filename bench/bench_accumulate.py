@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     shape = get_model(args.model, seq=args.seq)
+    model: torch.nn.Module
     if args.trivial:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(shape.vocab, 8), torch.nn.Linear(8, shape.vocab))
@@ -60,7 +62,7 @@ def main() -> None:
     mask = torch.arange(s).view(1, -1) < lengths.view(-1, 1)
     batch = {"input_ids": ids * mask, "labels": ids.masked_fill(~mask, -100)}
 
-    def loss_fn(m, mb):
+    def loss_fn(m: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logits = m(mb["input_ids"])[:, :-1]
         target = mb["labels"][:, 1:]
         loss = F.cross_entropy(
@@ -68,7 +70,7 @@ def main() -> None:
         )
         return loss, (target != -100).sum()
 
-    def count_fn(mb):
+    def count_fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return (mb["labels"][:, 1:] != -100).sum()
 
     tokens = int(count_fn(batch))
@@ -77,9 +79,10 @@ def main() -> None:
     def hand() -> None:
         total = sum(int(count_fn(mb)) for mb in chunks)
         for mb in chunks:
-            (loss_fn(model, mb)[0] / total).backward()
+            # Tensor.backward carries no annotations in torch's stubs.
+            (loss_fn(model, mb)[0] / total).backward()  # type: ignore[no-untyped-call]
 
-    variants = {
+    variants: dict[str, Callable[[], object]] = {
         "hand-written loop": hand,
         "accumulate(count_fn)": lambda: accumulate(
             model, batch, loss_fn, micro_batch_size=args.micro_batch, count_fn=count_fn

@@ -30,9 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.hardware import measure_cpu  # noqa: E402
 from microbatch.measure.childprobe import ChildProber  # noqa: E402
-from microbatch.measure.probes import ProbeSpec, TimingConfig  # noqa: E402
-from microbatch.predict.calibrate import cover_measurements, read_measurements  # noqa: E402
+from microbatch.measure.spec import ProbeSpec  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
+from microbatch.predict.calibrate import cover_measurements  # noqa: E402
 from microbatch.predict.validation import validate  # noqa: E402
+from microbatch.records import read_measurements  # noqa: E402
 
 SEQ = {"tiny": 64, "small": 128}
 TIMING = {

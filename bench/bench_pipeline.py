@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline import PipelineConfig
+    from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.simulate import bubble_fraction
 
     p = args.stages

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from microbatch.schedules.schedule import generate  # noqa: E402
+from microbatch.schedules.registry import generate  # noqa: E402
 from microbatch.schedules.simulate import simulate  # noqa: E402
 
 

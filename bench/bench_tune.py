@@ -32,10 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.choose.knee import CurvePoint, find_knee, fit_memory  # noqa: E402
-from microbatch.choose.tune import CPU_TIMING, tune_model  # noqa: E402
+from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig  # noqa: E402
+from microbatch.choose.curve import CurvePoint  # noqa: E402
+from microbatch.choose.knee import find_knee  # noqa: E402
+from microbatch.choose.memory_fit import fit_memory  # noqa: E402
+from microbatch.choose.probing import CPU_TIMING  # noqa: E402
+from microbatch.choose.tune import tune_model  # noqa: E402
 from microbatch.measure.childprobe import ChildProber  # noqa: E402
-from microbatch.measure.probes import ProbeSpec, TimingConfig  # noqa: E402
+from microbatch.measure.spec import ProbeSpec  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
 
 GiB = 2**30
 
@@ -77,14 +82,9 @@ def case(name, *, model, mode, seq, cap, budget, timing, threads, tolerance=0.15
     full, t_full = sweep(spec, cap, budget)
     r = tune_model(
         model,
-        seq=seq,
-        mode=mode,
-        memory_budget_bytes=budget,
-        max_micro_batch=cap,
-        timing=timing,
-        threads=threads,
-        use_cache=False,
-        tolerance=tolerance,
+        probe=ProbeConfig(seq=seq, mode=mode, timing=timing, threads=threads),
+        search=SearchConfig(max_micro_batch=cap, use_cache=False),
+        choice=ChoiceConfig(memory_budget_bytes=budget, tolerance=tolerance),
     )
     ok = [m for m in full if not m.oom]
     best = max(ok, key=lambda m: m.throughput)

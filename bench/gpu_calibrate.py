@@ -146,7 +146,7 @@ class Runner:
         med = statistics.median(times)
         q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [med, med, med]
         if not self.cuda:  # the smoke run has no allocator statistics: stand-ins so the pipeline runs
-            from microbatch.measure.probes import peak_rss_bytes
+            from microbatch.measure.hostmem import peak_rss_bytes
 
             alloc = reserved = alloc_opt = peak_rss_bytes()
         return {
@@ -179,8 +179,9 @@ def _write(path: Path, doc: dict) -> None:
 
 def _validate(name: str, seq: int, points: list[dict], device: str, device_name: str, smoke: bool) -> dict:
     from microbatch.hardware import get_accelerator, measure_cpu
-    from microbatch.predict.calibrate import cover_measurements, read_measurements
+    from microbatch.predict.calibrate import cover_measurements
     from microbatch.predict.validation import validate
+    from microbatch.records import read_measurements
 
     data = {"points": points, "model": name, "seq": seq, "precision": "bf16-mixed" if not smoke else "fp32",
             "checkpointing": "off", "device": device, "device_name": device_name, "mode": "train"}  # fmt: skip

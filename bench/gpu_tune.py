@@ -33,7 +33,7 @@ def _settings(args):
 def _hf_model(name: str, seq: int, device: str):
     import torch
 
-    from microbatch.measure.probes import hf_config_from_shape
+    from microbatch.measure.hf import hf_config_from_shape
     from microbatch.model import get_model
 
     shape = get_model(name)
@@ -68,7 +68,8 @@ def check_cuda_oom_caught_by_type_and_freed() -> None:
     import torch
 
     from microbatch.measure.gpt import build_model
-    from microbatch.measure.probes import TimingConfig, TrainProbe
+    from microbatch.measure.probes import TrainProbe
+    from microbatch.measure.timing import TimingConfig
     from microbatch.model import get_model
 
     shape = get_model("tiny", seq=64)
@@ -93,17 +94,16 @@ def check_cuda_oom_caught_by_type_and_freed() -> None:
 
 
 def check_cuda_tune_tiny_memory_linear() -> None:
+    from microbatch.choose.config import ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
-    from microbatch.measure.probes import TimingConfig
+    from microbatch.measure.timing import TimingConfig
 
     r = tune_model(
         "tiny",
-        seq=64,
-        device="cuda",
-        max_micro_batch=64,
-        patience=100,
-        use_cache=False,
-        timing=TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=0.5),
+        probe=ProbeConfig(
+            seq=64, device="cuda", timing=TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=0.5)
+        ),
+        search=SearchConfig(max_micro_batch=64, patience=100, use_cache=False),
     )
     pts = [p for p in r.points if not p.oom]
     allocs = [p.peak_allocated_bytes for p in pts]
@@ -145,22 +145,21 @@ def cmd_checks(args) -> int:
 
 # -- our tune ---------------------------------------------------------------------------
 def cmd_ours(args) -> int:
+    from microbatch.choose.config import ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
-    from microbatch.measure.probes import TimingConfig
+    from microbatch.measure.timing import TimingConfig
 
     s = _settings(args)
     t0 = time.perf_counter()
-    r = tune_model(
-        s["model"],
+    probe = ProbeConfig(
         backend="hf",
         seq=s["seq"],
         device=s["device"],
         precision=s["precision"],
-        max_micro_batch=s["cap"],
-        use_cache=False,
         in_process=True,
         timing=TimingConfig(warmup=2, min_repeats=3, max_repeats=8, max_time_s=1.5, rel_tol=0.03),
     )
+    r = tune_model(s["model"], probe=probe, search=SearchConfig(max_micro_batch=s["cap"], use_cache=False))
     d = r.to_dict()
     d["time_to_answer_s"] = time.perf_counter() - t0
     _write(Path(args.out), f"ours_{args.model}.json", d)
@@ -173,7 +172,8 @@ def cmd_ours(args) -> int:
 
 def cmd_measure(args) -> int:
     """Our probe (same settings as `ours`) at the batch sizes other tools chose."""
-    from microbatch.measure.probes import ProbeSpec, TimingConfig, build_probe
+    from microbatch.measure.spec import ProbeSpec, build_probe
+    from microbatch.measure.timing import TimingConfig
 
     s = _settings(args)
     spec = ProbeSpec(

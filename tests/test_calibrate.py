@@ -20,26 +20,28 @@ from microbatch.errors import ConfigError
 from microbatch.fit import fit_line
 from microbatch.hardware import cpu_accelerator, get_accelerator, match_accelerator
 from microbatch.model import get_model
-from microbatch.predict.calibrate import (
-    Calibration,
-    MeasuredPoint,
-    analytic_memory_line,
+from microbatch.predict.apply_calibration import (
+    PlannedLayout,
     apply_calibration,
-    calibrate,
     calibrated_inputs,
     calibration_notes,
+    load_calibration,
+)
+from microbatch.predict.calibrate import (
+    Calibration,
+    analytic_memory_line,
+    calibrate,
     cover_measurements,
     fit_efficiency,
     fit_memory_calibration,
-    load_calibration,
     point_efficiency,
     predict_memory_bytes,
-    predict_step_time_s,
-    read_measurements,
 )
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY
+from microbatch.predict.steptime import predict_step_time_s
 from microbatch.predict.validation import MEMORY_TARGET, STEP_TARGET, validate, validate_result
+from microbatch.records import MeasuredPoint, read_measurements
 
 GIB = 2**30
 SHAPE = get_model("gpt2")  # s = 1024
@@ -286,11 +288,13 @@ def test_calibration_scales_analytic_terms_at_another_seq():
     static, a512 = analytic_memory_line(shape512, precision=PREC)
     got = predict_memory_bytes(shape512, 8, precision=PREC, calibration=cal.memory)
     assert got == pytest.approx(static + SCALE * a512 * 8 + FIXED, rel=1e-9)
-    notes = calibration_notes(cal, seq=512, micro_batches=[64], tensor_parallel=2, recompute="selective")
+    notes = calibration_notes(
+        cal, PlannedLayout(seq=512, micro_batches=(64,), tensor_parallel=2, recompute="selective")
+    )
     text = " ".join(notes)
     assert "s = 1024" in text and "s = 512" in text and "4× the largest probe" in text
     assert "t = 2" in text and "selective" in text
-    assert calibration_notes(cal, seq=1024, micro_batches=[8]) == []
+    assert calibration_notes(cal, PlannedLayout(seq=1024, micro_batches=(8,))) == []
 
 
 def test_cover_measurements_raises_a_too_low_cpu_peak():
@@ -315,9 +319,8 @@ def test_apply_calibration_for_plan_and_memory(tmp_path):
 
     path = tmp_path / "result.json"
     path.write_text(json.dumps(synthetic()))
-    app = apply_calibration(
-        str(path), shape=SHAPE, precision=PREC, gpu=ACC, micro_batches=[32], tensor_parallel=2
-    )
+    layout = PlannedLayout(micro_batches=(32,), tensor_parallel=2)
+    app = apply_calibration(str(path), shape=SHAPE, precision=PREC, gpu=ACC, layout=layout)
     assert app.memory.activation_scale == pytest.approx(SCALE) and app.efficiency.gemm_max == pytest.approx(
         0.45
     )
@@ -411,6 +414,8 @@ def test_validate_result_is_what_the_cli_prints(tmp_path, capsys):
             path.write_text(json.dumps(d))
         assert main(["validate", "--calibration", str(path), "--json", *args]) == 0
         printed = json.loads(capsys.readouterr().out)
+        assert printed.pop("command", "validate") == "validate"  # the CLI's envelope around the result
+        printed.pop("version", None)
         got = validate_result(json.loads(path.read_text()), **kw)
         assert json.loads(dumps(got)) == printed
         assert got["rows"] and got["summary"].startswith("gpt2 s=1024")
@@ -433,7 +438,8 @@ def tiny_sweep():
     """b_m 1, 2, 4, 8 of the tiny model (s = 64, fp32) measured in a child process, as tune does."""
     pytest.importorskip("torch")
     from microbatch.measure.childprobe import ChildProber
-    from microbatch.measure.probes import ProbeSpec, TimingConfig
+    from microbatch.measure.spec import ProbeSpec
+    from microbatch.measure.timing import TimingConfig
 
     # the probe's CPU time where measure offers it: steady on a shared machine (one torch thread)
     clock = {"clock": "process"} if "clock" in TimingConfig.__dataclass_fields__ else {}

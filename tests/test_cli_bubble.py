@@ -313,3 +313,33 @@ def test_simulate_intervals_and_activation_timeline(capsys):
     d = run_json(["simulate", "-p", "2", "-m", "2", "-s", "1f1b", "--intervals"], capsys)
     assert d["intervals"][1] == [[1.0, 2.0, "1F0"], [2.0, 4.0, "1B0"], [4.0, 5.0, "1F1"], [5.0, 7.0, "1B1"]]
     assert d["activations"][0] == [[0.0, 0], [1.0, 1], [2.0, 2], [6.0, 1], [9.0, 0]]
+
+
+# --- every --schedule choice comes from the one registry ------------------------------------
+
+
+def test_schedule_choices_come_from_the_registry(capsys):
+    import click
+
+    from microbatch.commands.memory import cmd as memory_cmd
+    from microbatch.commands.plan import cmd as plan_cmd
+    from microbatch.schedules.registry import schedule_names
+
+    def choices(cmd):
+        opt = next(p for p in cmd.params if p.name == "schedule")
+        assert isinstance(opt.type, click.Choice)
+        return tuple(opt.type.choices)
+
+    assert choices(memory_cmd) == schedule_names(in_flight=True)
+    assert choices(plan_cmd) == ("auto", *schedule_names(in_flight=True))
+    for command in ("bubble", "simulate", "pipeline"):
+        code, out, _ = run([command, "--help"], capsys)
+        assert code == 0
+        listed = " ".join(out.split())
+        names = schedule_names(torch=True) if command == "pipeline" else schedule_names()
+        assert all(n in listed for n in names), (command, listed)
+
+
+def test_bubble_accepts_an_alias(capsys):
+    d = run_json(["bubble", "-p", "4", "-m", "8", "-s", "interleaved", "--virtual", "2"], capsys)
+    assert d["schedule"] == "interleaved-1f1b"

@@ -191,7 +191,8 @@ def test_tune_b1_out_of_memory_says_so(tmp_path, monkeypatch, capsys):
     """A budget above the static memory but below what b_m = 1 needs."""
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     from microbatch.measure.childprobe import ChildProber
-    from microbatch.measure.probes import ProbeSpec, TimingConfig
+    from microbatch.measure.spec import ProbeSpec
+    from microbatch.measure.timing import TimingConfig
 
     spec = ProbeSpec(model="small", seq=128, timing=TimingConfig(warmup=0, min_repeats=1, max_repeats=1))
     p = ChildProber(spec)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from microbatch.errors import ConfigError
-from microbatch.hardware import ACCELERATORS, GiB, get_accelerator, parse_gpus
+from microbatch.hardware import ACCELERATORS, get_accelerator, parse_gpus
+from microbatch.units import GIB
 
 
 def test_every_issue_accelerator_is_present_with_a_source():
@@ -18,7 +19,7 @@ def test_every_issue_accelerator_is_present_with_a_source():
 def test_datasheet_relationships():
     a40, a80, h100, h200 = (get_accelerator(n) for n in ("a100-40gb", "a100-80gb", "h100-sxm", "h200"))
     assert a40.flops("bf16") == a80.flops("bf16") == 312e12
-    assert a80.memory_bytes == 2 * a40.memory_bytes == 80 * GiB
+    assert a80.memory_bytes == 2 * a40.memory_bytes == 80 * GIB
     assert h200.flops("bf16") == h100.flops("bf16")  # same die, more and faster memory
     assert h200.memory_bandwidth_bytes_per_s > h100.memory_bandwidth_bytes_per_s
     for acc in ACCELERATORS.values():

@@ -10,22 +10,11 @@ from _published import PUBLISHED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from microbatch.choose.knee import (
-    BOUND_MARGIN,
-    BOUND_SLACK,
-    DEFAULT_RULE,
-    DEFAULT_TOLERANCE,
-    CurvePoint,
-    MemoryFit,
-    find_knee,
-    fit_memory,
-    flattened,
-    gain_per_doubling,
-    max_fitting_micro_batch,
-    points_from_records,
-    recommend,
-    throughput_bound,
-)
+from microbatch.choose.bound import BOUND_MARGIN, BOUND_SLACK, throughput_bound
+from microbatch.choose.config import DEFAULT_RULE, DEFAULT_TOLERANCE
+from microbatch.choose.curve import CurvePoint, gain_per_doubling
+from microbatch.choose.knee import find_knee, flattened, points_from_records, recommend
+from microbatch.choose.memory_fit import MemoryFit, fit_memory, max_fitting_micro_batch
 from microbatch.errors import ConfigError
 
 SEED = [(1, 1000), (4, 3200), (8, 5000), (16, 5600)]
@@ -364,3 +353,50 @@ def test_bound_holds_for_every_roofline_curve(lines, n):
     ref = max(bound.throughput, max(T[b] for b in bs[:n]))
     if k.throughput >= (1 - DEFAULT_TOLERANCE) * ref:
         assert all(k.throughput >= (1 - DEFAULT_TOLERANCE) * T[b] * (1 - 1e-9) for b in bs[n:])
+
+
+# -- the settings as one config object --------------------------------------------------------
+def test_choice_config_and_keywords_give_the_same_choice():
+    from microbatch.choose.config import ChoiceConfig
+
+    pts = curve(SEED, mem=lambda b: 10**6 + 10**5 * b)
+    cfg = ChoiceConfig(tolerance=0.05, memory_budget_bytes=3 * 10**6, global_batch=64, data_parallel=2)
+    by_config = recommend(pts, cfg).to_dict()
+    by_keywords = recommend(
+        pts, tolerance=0.05, memory_budget_bytes=3 * 10**6, global_batch=64, data_parallel=2
+    ).to_dict()
+    assert by_config == by_keywords
+    assert by_config["micro_batch"] == 16 and by_config["grad_accum"] == 64 // (16 * 2)
+    # a keyword overrides the config's field; the config itself is left as it was
+    assert recommend(pts, cfg, tolerance=0.15).knee.micro_batch == 8 and cfg.tolerance == 0.05
+    # reference left unset means "measured" for recommend
+    assert recommend(pts, cfg).reference == "measured"
+
+
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("rule", "elbow", r"knee rule 'elbow' is not known; use one of fraction, gain"),
+        ("tolerance", 1.0, r"tolerance 1.0 must be a number in \[0, 1\), e.g. 0.15"),
+        ("reference", "projected", r"reference 'projected' is not known; use one of measured, bound"),
+        ("memory_budget_bytes", 0, r"memory budget 0 must be a whole number of bytes > 0, e.g. 12GiB"),
+        ("headroom", -0.1, r"headroom -0.1 must be a number in \[0, 1\)"),
+        ("max_latency_ms", 0, r"max_latency_ms 0 must be > 0"),
+        ("global_batch", 0, r"global_batch must be a whole number >= 1, got 0; e.g. --global-batch"),
+        ("data_parallel", 2.5, r"data_parallel must be a whole number >= 1, got 2.5"),
+    ],
+)
+def test_choice_config_names_field_value_and_fix(field, value, msg):
+    from microbatch.choose.config import ChoiceConfig
+
+    with pytest.raises(ConfigError, match=msg):
+        ChoiceConfig(**{field: value})
+    with pytest.raises(ConfigError, match=msg):
+        recommend(curve(SEED), **{field: value})
+
+
+def test_misspelt_keyword_is_a_type_error_listing_the_options():
+    with pytest.raises(
+        TypeError, match=r"recommend\(\) got unexpected option\(s\) 'tolerence'; options: .*tolerance"
+    ):
+        recommend(curve(SEED), tolerence=0.1)

@@ -10,15 +10,10 @@ import pytest
 
 from microbatch.errors import ConfigError
 from microbatch.measure.childprobe import ChildProber
-from microbatch.measure.probes import (
-    Measurement,
-    ProbeSpec,
-    TimingConfig,
-    peak_rss_bytes,
-    reset_peak_rss,
-    spread,
-    time_until_stable,
-)
+from microbatch.measure.hostmem import peak_rss_bytes, reset_peak_rss
+from microbatch.measure.probes import Measurement
+from microbatch.measure.spec import ProbeSpec
+from microbatch.measure.timing import TimingConfig, spread, time_until_stable
 
 FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1.0, rel_tol=0.5)
 linux = pytest.mark.skipif(
@@ -270,9 +265,9 @@ def test_process_clock_ignores_time_off_the_cpu():
     """The process clock counts CPU time only: a sleep (time another job would take) is not counted."""
     import time as _time
 
-    from microbatch.measure.probes import _Device
+    from microbatch.measure.device import Device
 
-    wall, proc = _Device("cpu", "wall"), _Device("cpu", "process")
+    wall, proc = Device("cpu", "wall"), Device("cpu", "process")
     assert wall.timer(lambda: _time.sleep(0.05)) >= 0.045
     assert proc.timer(lambda: _time.sleep(0.05)) < 0.02
     with pytest.raises(ConfigError, match="clock"):

@@ -10,17 +10,16 @@ from _published import PUBLISHED
 from microbatch.cli import main
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape, get_model
+from microbatch.predict.activations import layer_activation_bytes
 from microbatch.predict.memory import (
     MemoryCalibration,
     MemoryConfig,
-    bytes_per_param,
     estimate_memory,
     in_flight_layers,
     interleaved_first_stage_factor,
-    layer_activation_bytes,
-    model_state_bytes,
     split_layers,
 )
+from microbatch.predict.state import bytes_per_param, model_state_bytes
 
 needs_published = pytest.mark.skipif(PUBLISHED is None, reason="shared/reference/published.json not present")
 GiB = 2**30
@@ -84,8 +83,8 @@ def test_activations_are_linear_in_micro_batch():
     shape = get_model("llama-2-7b")
     one = estimate_memory(shape, MemoryConfig(micro_batch=1, pipeline_parallel=4)).stages[0]
     eight = estimate_memory(shape, MemoryConfig(micro_batch=8, pipeline_parallel=4)).stages[0]
-    assert eight.activations == pytest.approx(8 * one.activations)
-    assert eight.weights == one.weights  # model state does not depend on b_m
+    assert eight.activations_bytes == pytest.approx(8 * one.activations_bytes)
+    assert eight.weights_bytes == one.weights_bytes  # model state does not depend on b_m
 
 
 @needs_published
@@ -130,7 +129,7 @@ def test_in_flight_counts_per_schedule():
     "name,p,m,v", [("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("gpipe", 3, 5, 1), ("zb-h1", 4, 8, 1)]
 )
 def test_in_flight_matches_the_simulator(name, p, m, v):
-    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.registry import generate
     from microbatch.schedules.simulate import simulate
 
     res = simulate(generate(name, p, m, v), forward_time=1.0, input_time=1.0, weight_time=1.0)
@@ -158,12 +157,16 @@ def test_zero3_and_calibration_change_the_right_terms():
     shape = get_model("llama-2-7b")
     base = estimate_memory(shape, MemoryConfig(micro_batch=1, data_parallel=8)).peak_stage
     z3 = estimate_memory(shape, MemoryConfig(micro_batch=1, data_parallel=8, zero=3)).peak_stage
-    assert z3.weights == pytest.approx(base.weights / 8) and z3.optimizer == pytest.approx(base.optimizer / 8)
-    assert z3.other > 0 and z3.activations == base.activations
+    assert z3.weights_bytes == pytest.approx(base.weights_bytes / 8) and z3.optimizer_bytes == pytest.approx(
+        base.optimizer_bytes / 8
+    )
+    assert z3.other_bytes > 0 and z3.activations_bytes == base.activations_bytes
     cal = estimate_memory(
         shape, MemoryConfig(micro_batch=1), MemoryCalibration(activation_scale=1.5, fixed_bytes=1e9)
     ).peak_stage
-    assert cal.activations == pytest.approx(1.5 * base.activations) and cal.other == pytest.approx(1e9)
+    assert cal.activations_bytes == pytest.approx(
+        1.5 * base.activations_bytes
+    ) and cal.other_bytes == pytest.approx(1e9)
 
 
 def test_bad_inputs_name_value_rule_fix():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,15 +13,9 @@ from click.testing import CliRunner
 from torch import nn
 
 from microbatch.errors import ConfigError
-from microbatch.run.accumulate import accumulate, split
-from microbatch.run.noise import (
-    GradientNoiseScale,
-    b_simple,
-    g_sq_estimate,
-    grad_sq_norm,
-    measure_noise_scale,
-    trace_sigma_estimate,
-)
+from microbatch.run.accumulate import accumulate, grad_sq_norm, split
+from microbatch.run.noise import GradientNoiseScale, b_simple, g_sq_estimate, trace_sigma_estimate
+from microbatch.run.noise_measure import measure_noise_scale
 
 # -- the estimators (McCandlish et al. 2018, appendix A.1) ---------------------------------------
 
@@ -231,3 +227,20 @@ def test_cli_bad_input_exit_2():
     assert main(["noise", "--global-batch", "4", "--micro-batch", "4", "--steps", "1"]) == 2
     assert main(["noise", "--steps", "0"]) == 2
     assert main(["noise", "--model", "llama-2-7b"]) == 2  # too big to build for a CPU demonstration
+
+
+# -- the seam: the arithmetic needs no torch ------------------------------------------------------
+
+
+def test_the_arithmetic_imports_no_torch():
+    """noise.py is pure maths (no import of accumulate or torch); the control shows the probe sees torch."""
+
+    def torch_loaded(module: str) -> bool:
+        code = f"import sys, {module}; print('torch' in sys.modules)"
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+        )
+        return out.stdout.strip() == "True"
+
+    assert not torch_loaded("microbatch.run.noise")
+    assert torch_loaded("microbatch.run.noise_measure")

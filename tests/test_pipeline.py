@@ -17,18 +17,14 @@ import time
 import pytest
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
+from microbatch.run.instrument import make_loss_fn
 from microbatch.run.launch import run_pipeline, under_torchrun
-from microbatch.run.pipeline import (
-    PipelineConfig,
-    balanced_split,
-    check_servable,
-    make_loss_fn,
-    model_units,
-    split_units,
-    stage_to_rank,
-    torch_order,
-)
-from microbatch.show.pipeline_report import chrome_trace, predict
+from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline_order import torch_order
+from microbatch.run.pipeline_split import balanced_split, model_units, split_units
+from microbatch.run.pipeline_summary import predict
+from microbatch.schedules.registry import check_servable, stage_ranks
+from microbatch.show.pipeline_report import chrome_trace
 
 torch = pytest.importorskip("torch")
 
@@ -91,7 +87,7 @@ def test_split_units_of_the_gpt_keeps_the_function():
     ],
 )
 def test_our_generators_match_torchs_order(name, ours, v):
-    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.registry import generate
 
     for p in (2, 3, 4):
         for m in (p, 2 * p, 3 * p):
@@ -101,7 +97,7 @@ def test_our_generators_match_torchs_order(name, ours, v):
 
 
 def test_torch_zero_bubble_with_one_stage_per_rank_is_zb_h1():
-    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.registry import generate
 
     for p, m in [(2, 2), (2, 6), (3, 6), (4, 8)]:
         t = torch_order("zb-interleaved", p, m, 1)
@@ -116,9 +112,20 @@ def test_every_action_appears_once_in_torchs_zero_bubble_orders():
 
 
 def test_placement():
-    assert stage_to_rank("zbv", 2, 2) == [0, 1, 1, 0]
-    assert stage_to_rank("zbv", 3, 2) == [0, 1, 2, 2, 1, 0]
-    assert stage_to_rank("interleaved-1f1b", 2, 2) == [0, 1, 0, 1]
+    assert stage_ranks("zbv", 2, 2) == [0, 1, 1, 0]
+    assert stage_ranks("zbv", 3, 2) == [0, 1, 2, 2, 1, 0]
+    assert stage_ranks("interleaved-1f1b", 2, 2) == [0, 1, 0, 1]
+
+
+def test_the_runner_reads_names_aliases_and_torch_classes_from_the_registry():
+    assert PipelineConfig(schedule="zb-h1", stages=2, microbatches=4).schedule == "zb-interleaved"
+    assert PipelineConfig(schedule="ZB-V", stages=2, microbatches=4, virtual=2).schedule == "zbv"
+    assert PipelineConfig(schedule="interleaved", stages=2, microbatches=4, virtual=2).schedule == (
+        "interleaved-1f1b"
+    )
+    with pytest.raises(ConfigError, match=r"schedule 'pipedream' is unknown; known schedules: gpipe"):
+        PipelineConfig(schedule="pipedream")
+    assert torch_order("zb-h1", 2, 4) == torch_order("zb-interleaved", 2, 4)
 
 
 def test_rules_are_refused_with_rule_and_fix():
@@ -421,7 +428,7 @@ def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
 
 
 def test_measured_comm_is_the_median_wait_for_another_ranks_output():
-    from microbatch.show.pipeline_report import measured_comm_s
+    from microbatch.run.pipeline_summary import measured_comm_s
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     rank0 = [("F", 0, 0, 0.0, 1.0), ("F", 0, 1, 1.0, 2.0), ("B", 0, 0, 4.5, 6.0), ("B", 0, 1, 6.0, 7.0)]

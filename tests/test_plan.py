@@ -14,7 +14,7 @@ from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
-from microbatch.show.plan_report import explain, plan_table_rows
+from microbatch.show.plan_report import explain, explain_result, plan_table_rows
 
 A100 = get_accelerator("a100-80gb")
 
@@ -167,6 +167,34 @@ def test_cli_plan_json(capsys):
         assert k in out
     assert out["model"]["name"] == "gpt2" and out["gpu"]["name"] == "a100-80gb"
     assert out["recommended"]["micro_batch"] * out["recommended"]["grad_accum"] == 64
+
+
+def test_plan_data_has_no_prose_and_the_words_come_from_show(capsys):
+    plan = make_plan(_cfg(schedules=("1f1b",)))
+    d = plan.to_dict()
+    assert "explanation" not in d  # Plan.to_dict is data only
+    assert explain_result(json.loads(json.dumps(d))) == explain(plan)  # the words, from the data read back
+    rc = main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-p", "4", "--schedule", "1f1b",
+               "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["explanation"] == explain(plan)
+    assert out["recommended"]["step_time_s"] == d["recommended"]["step_time_s"]
+
+
+def test_one_step_time_rule_for_the_planner_and_the_calibration():
+    """With one stage the planner's pipeline time is m micro-steps of the calibration's rule."""
+    from microbatch.predict.steptime import predict_step_time_s
+
+    for precision, recompute in (("bf16-mixed", "none"), ("fp32", "full")):
+        cfg = _cfg(
+            pipeline_parallel=1, precision=precision, recompute=(recompute,), zero=(0,), simulate_top=0
+        )
+        for c in make_plan(cfg).candidates:
+            one = predict_step_time_s(
+                cfg.shape, c.micro_batch, A100, precision=precision, checkpointing=recompute == "full"
+            )
+            assert c.time["pipeline_s"] == pytest.approx(c.microbatches * one, rel=1e-12)
 
 
 def test_cli_plan_compare_and_errors(capsys):

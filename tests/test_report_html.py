@@ -167,3 +167,91 @@ def test_report_in_headless_chromium(tmp_path):
     )
     assert dom.stdout.count("<svg") >= 3
     assert 'id="fig-throughput-train"' in dom.stdout and 'id="fig-memory-train"' in dom.stdout
+
+
+def _seconds_pipeline() -> dict:
+    """A pipeline result as `pipeline --json` writes it: flat timelines in seconds, on any clock."""
+    tl = [
+        {"rank": 0, "stage": 0, "kind": "F", "microbatch": 0, "start_s": 100.00, "end_s": 100.01},
+        {"rank": 1, "stage": 1, "kind": "F", "microbatch": 0, "start_s": 100.01, "end_s": 100.02},
+        {"rank": 1, "stage": 1, "kind": "B", "microbatch": 0, "start_s": 100.02, "end_s": 100.04},
+        {"rank": 0, "stage": 0, "kind": "B", "microbatch": 0, "start_s": 100.04, "end_s": 100.06},
+    ]
+    pt = [
+        {"rank": r, "label": k, "microbatch": 0, "start_s": a, "end_s": b}
+        for r, k, a, b in (
+            (0, "F", 0, 0.012),
+            (1, "F", 0.012, 0.024),
+            (1, "B", 0.024, 0.048),
+            (0, "B", 0.048, 0.08),
+        )
+    ]
+    return {
+        "command": "pipeline",
+        "schedule": "1f1b",
+        "stages": 2,
+        "microbatches": 1,
+        "measured": {"bubble_fraction": 0.5, "stage_stats": []},
+        "predicted": {"bubble_fraction": 0.5},
+        "timeline": tl,
+        "predicted_timeline": pt,
+    }
+
+
+def test_bubble_charts_share_one_time_scale_in_ms_and_the_colour_table(tmp_path):
+    import matplotlib.image as mpimg
+
+    from microbatch.show.timeline import KIND_COLORS
+
+    rep = build_report([("pipeline", _seconds_pipeline())], tmp_path / "p.html")
+    text = rep.html_path.read_text()
+    assert [p.name for p in rep.png_paths] == ["bubble-measured-0.png", "bubble-predicted-0.png"]
+    assert text.count("time (ms)") == 2  # the axis label of both charts (matplotlib keeps it as a comment)
+    # both axes end at the longer of the two spans, 80 ms: the same scale
+    for fid in ("fig-bubble-measured-0", "fig-bubble-predicted-0"):
+        svg = text[text.index(f"id='{fid}'") :]
+        svg = svg[: svg.index("</figure>")]
+        assert "<!-- 80 -->" in svg and "<!-- 100 -->" not in svg
+        for kind in ("F", "B"):
+            assert KIND_COLORS[kind].lower() in svg.lower()
+    for p in rep.png_paths:
+        assert mpimg.imread(p).shape[:2] == (FIGURE_SIZE_PX[1], FIGURE_SIZE_PX[0])
+
+
+def test_other_commands_are_tables_of_their_fields(tmp_path):
+    batch = {"command": "batch", "global_batch": 512, "micro_batch": 8, "grad_accum": 16, "data_parallel": 4}
+    memory = {
+        "command": "memory",
+        "model": {"name": "gpt2", "layers": 12},
+        "peak_memory_bytes": 3 * GIB,
+        "stages": [{"stage": 0, "peak_memory_bytes": 2 * GIB}, {"stage": 1, "peak_memory_bytes": 3 * GIB}],
+    }
+    rep = build_report([("batch", batch), ("memory", memory)], tmp_path / "o.html", png=False)
+    text = rep.html_path.read_text()
+    assert rep.sections == ["batch", "memory"] and rep.png_paths == []
+    assert "<td>grad_accum</td><td>16</td>" in text
+    assert "<td>peak_memory_bytes</td><td>3.00 GiB</td>" in text and "<td>model</td><td>gpt2</td>" in text
+    assert "<h3>stages</h3>" in text and "<td>2.00 GiB</td>" in text
+    assert "<td>command</td>" not in text  # the envelope is not a result field
+
+
+def test_one_normaliser_reads_every_timeline_shape():
+    from microbatch.show.timeline import normalize_rows
+
+    want = [[(0.0, 1.0, "F", 0), (3.0, 5.0, "B", 0)], [(1.0, 2.0, "F", 0)]]
+    per_rank = [
+        [
+            {"start": 0, "end": 1, "kind": "F", "microbatch": 0},
+            {"start": 3, "end": 5, "label": "B", "microbatch": 0},
+        ],
+        [(1, 2, "F", 0)],
+    ]
+    flat = [
+        {"rank": 1, "start_s": 1, "end_s": 2, "kind": "F", "microbatch": 0},
+        {"rank": 0, "start_s": 3, "end_s": 5, "kind": "B", "microbatch": 0},
+        {"rank": 0, "start_s": 0, "end_s": 1, "kind": "F", "microbatch": 0},
+    ]
+    as_text = [[[0, 1, "0F0"], [3, 5, "0B0"]], [[1, 2, "1F0"]]]  # simulate --intervals
+    by_rank = {"1": [(1, 2, "F", 0)], "0": [(3, 5, "B", 0), (0, 1, "F", 0)]}
+    for shape in (per_rank, flat, as_text, by_rank):
+        assert normalize_rows(shape) == want

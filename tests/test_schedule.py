@@ -9,17 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, ScheduleError
-from microbatch.schedules.schedule import (
+from microbatch.schedules.action import Action, Schedule, stage_to_rank
+from microbatch.schedules.registry import (
     SCHEDULES,
-    Action,
-    Schedule,
     ScheduleSpec,
     check_servable,
     generate,
     register_schedule,
-    stage_to_rank,
-    validate,
 )
+from microbatch.schedules.validate import validate
 
 
 def test_action_prints_like_torch_and_parses_back():
@@ -306,3 +304,99 @@ def test_zb_h1_order_equals_torchs_zero_bubble_with_one_stage_per_rank(p, m):
     for r in range(p):
         theirs = _torch_compute_order(z._calculate_single_rank_operations(r))
         assert [str(a) for a in ours.actions[r]] == theirs, r
+
+
+# --- the one registry: aliases, in-flight rule, torch class, choices ------------------------
+
+
+def test_aliases_resolve_to_one_spec():
+    from microbatch.schedules.registry import get_spec
+
+    assert get_spec("Interleaved").name == "interleaved-1f1b"
+    assert get_spec("zb").name == get_spec("zero-bubble").name == "zb-interleaved"
+    assert get_spec("zb-v").name == "zbv"
+    assert generate("interleaved", 2, 4, 2).name == "interleaved-1f1b"
+
+
+def test_names_filtered_by_what_the_spec_holds():
+    from microbatch.schedules.registry import schedule_names
+
+    assert schedule_names(in_flight=True) == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    assert set(schedule_names(torch=True)) == {
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb-h1",
+        "zbv",
+        "zb-interleaved",
+    }
+    assert set(schedule_names(aliases=True)) - set(schedule_names()) == {
+        "interleaved",
+        "zb",
+        "zero-bubble",
+        "zb-v",
+    }
+
+
+def test_torch_spec_follows_run_as_and_refuses_a_schedule_torch_lacks():
+    from microbatch.schedules.registry import torch_spec
+
+    assert torch_spec("zb-h1").name == "zb-interleaved"
+    assert torch_spec("zb-h1").torch_name == "ScheduleInterleavedZeroBubble"
+    assert torch_spec("1f1b").torch_name == "Schedule1F1B"
+    register_schedule(
+        ScheduleSpec(name="test-no-torch", generate=lambda p, m, v: [], check=lambda p, m, v: None)
+    )
+    try:
+        with pytest.raises(ScheduleError, match=r"'test-no-torch' has no torch.distributed.pipelining class"):
+            torch_spec("test-no-torch")
+    finally:
+        del SCHEDULES["test-no-torch"]
+
+
+def test_a_name_cannot_shadow_another_schedule():
+    with pytest.raises(
+        ConfigError, match=r"'interleaved' of 'mine' already names schedule 'interleaved-1f1b'"
+    ):
+        register_schedule(
+            ScheduleSpec(
+                name="mine", generate=lambda p, m, v: [], check=lambda p, m, v: None, aliases=("interleaved",)
+            )
+        )
+    assert "mine" not in SCHEDULES
+
+
+def test_a_schedule_without_in_flight_rule_says_so():
+    from microbatch.schedules.registry import in_flight_chunks
+
+    with pytest.raises(ConfigError, match=r"'zbv' has no in-flight rule; use one of gpipe, 1f1b"):
+        in_flight_chunks("zbv", 0, 2, 4, 2)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]),
+    p=st.integers(1, 6),
+    m=st.integers(1, 16),
+    v=st.integers(1, 4),
+)
+def test_the_in_flight_rule_is_what_the_simulator_counts(name, p, m, v):
+    """The one in-flight rule (chunks per rank) equals the event simulation's peak, for every
+    (p, m, v) the schedule serves."""
+    from microbatch.schedules.registry import in_flight_chunks, in_flight_microbatches
+    from microbatch.schedules.simulate import simulate
+
+    if name != "interleaved-1f1b":
+        v = 1
+    elif v == 1:
+        v = 2  # with v = 1 the rule is Megatron's 1F1B (p − i); torch's interleaved order warms up deeper
+    try:
+        check_servable(name, p, m, v)
+    except ScheduleError:
+        return
+    s = generate(name, p, m, v)
+    times = {"input_time": 1.0, "weight_time": 1.0} if s.split_backward else {"backward_time": 2.0}
+    res = simulate(s, forward_time=1.0, **times)
+    assert [in_flight_chunks(name, i, p, m, v) for i in range(p)] == list(res.peak_in_flight_chunks)
+    for i in range(p):
+        assert in_flight_microbatches(name, i, p, m, v) == min(m, -(-res.peak_in_flight_chunks[i] // v))

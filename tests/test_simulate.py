@@ -11,15 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, ScheduleError
-from microbatch.schedules.schedule import Action, Schedule, generate, validate
+from microbatch.schedules.action import Action, Schedule
+from microbatch.schedules.registry import generate, in_flight_formula
+from microbatch.schedules.rules import interleaved_in_flight_factor
 from microbatch.schedules.simulate import (
     bubble_fraction,
     bubble_ratio,
-    in_flight_formula,
-    interleaved_in_flight_factor,
     simulate,
     zb_idle_time,
 )
+from microbatch.schedules.validate import validate
 
 BUBBLE_CASES = PUBLISHED["bubble"]["cases"] if PUBLISHED else []
 

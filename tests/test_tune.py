@@ -6,11 +6,16 @@ import json
 
 import pytest
 
-from microbatch.choose.tune import SearchLog, search, tune, tune_model
+from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.search import SearchLog, search
+from microbatch.choose.tune import tune, tune_model
 from microbatch.errors import ConfigError
-from microbatch.measure.probes import Measurement, TimingConfig
+from microbatch.measure.probes import Measurement
+from microbatch.measure.timing import TimingConfig
 
 SEED = {1: 1000.0, 2: 1800.0, 4: 3200.0, 8: 5000.0, 16: 5600.0, 32: 5700.0, 64: 5750.0}
+MEASURED = ChoiceConfig(reference="measured")
+"""The stop rules against the best measured point (the flat rule alone)."""
 FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1.0, rel_tol=0.5)
 
 
@@ -38,7 +43,7 @@ def bs(points):
 
 def test_doubling_stops_when_flat_on_seed_curve():
     log = SearchLog()
-    pts = search(synthetic(), log=log, patience=1, reference="measured")
+    pts = search(synthetic(), SearchConfig(patience=1), MEASURED, log=log)
     # 8 -> 16 gains 12% < 15%: stop at 16, never probe 32 or 64
     assert bs(pts) == [1, 2, 4, 8, 16]
     assert "flattened" in log.stop_reason
@@ -46,17 +51,17 @@ def test_doubling_stops_when_flat_on_seed_curve():
 
 
 def test_patience_two_needs_two_flat_doublings():
-    pts = search(synthetic(), patience=2, reference="measured")
+    pts = search(synthetic(), SearchConfig(patience=2), MEASURED)
     assert bs(pts) == [1, 2, 4, 8, 16, 32]
     # a false plateau (flat from 1 to 2, then rising) does not stop the default search
     false_plateau = {1: 100.0, 2: 104.0, 4: 135.0, 8: 460.0, 16: 800.0, 32: 1000.0, 64: 1010.0, 128: 1015.0}
-    assert bs(search(synthetic(false_plateau), reference="measured")) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert bs(search(synthetic(false_plateau), patience=1, reference="measured")) == [1, 2]
+    assert bs(search(synthetic(false_plateau), choice=MEASURED)) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert bs(search(synthetic(false_plateau), SearchConfig(patience=1), MEASURED)) == [1, 2]
 
 
 def test_falling_curve_stops():
     falling = {1: 100.0, 2: 190.0, 4: 300.0, 8: 250.0, 16: 280.0, 32: 400.0}
-    assert bs(search(synthetic(falling), reference="measured")) == [1, 2, 4, 8, 16]
+    assert bs(search(synthetic(falling), choice=MEASURED)) == [1, 2, 4, 8, 16]
     # a sharp fall is a kink in u = b/T, not an affine tail: the bound stays out of it
     assert bs(search(synthetic(falling))) == [1, 2, 4, 8, 16]
 
@@ -66,7 +71,9 @@ def test_never_probes_a_size_predicted_not_to_fit():
     # memory 1000 + 100 b; budget 2000 with 10% headroom -> usable 1800 -> b <= 8
     rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32)}
     log = SearchLog()
-    pts = search(synthetic(rising, calls=calls), memory_budget_bytes=2000, headroom=0.1, log=log)
+    pts = search(
+        synthetic(rising, calls=calls), choice=ChoiceConfig(memory_budget_bytes=2000, headroom=0.1), log=log
+    )
     assert bs(pts) == [1, 2, 4, 8]
     assert all(b <= 8 for b, _ in calls)
     assert log.skipped == [16] and "predicted not to fit" in log.stop_reason
@@ -86,8 +93,7 @@ def test_checkpointing_auto_switches_where_plain_does_not_fit():
     calls = []
     pts = search(
         synthetic(rising, oom_above=2500, ckpt_slope=20.0, calls=calls),
-        checkpointing="auto",
-        max_micro_batch=64,
+        SearchConfig(checkpointing="auto", max_micro_batch=64),
     )
     # plain up to 8, OOM at 16, then 16, 32, 64 with checkpointing (1000 + 20·64 = 2280 fits)
     assert calls == [
@@ -105,16 +111,16 @@ def test_checkpointing_auto_switches_where_plain_does_not_fit():
 
 def test_max_micro_batch_and_start():
     rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32, 64)}
-    assert bs(search(synthetic(rising), start=4, max_micro_batch=16)) == [4, 8, 16]
+    assert bs(search(synthetic(rising), SearchConfig(start=4, max_micro_batch=16))) == [4, 8, 16]
     with pytest.raises(ConfigError):
-        search(synthetic(), start=0)
+        search(synthetic(), SearchConfig(start=0))
     with pytest.raises(ConfigError, match="checkpointing"):
-        search(synthetic(), checkpointing="sometimes")
+        search(synthetic(), SearchConfig(checkpointing="sometimes"))
 
 
 def test_refine_probes_between_knee_and_point_below():
     curve = {1: 1000.0, 2: 1800.0, 4: 3200.0, 6: 4900.0, 8: 5000.0, 16: 5600.0}
-    pts = search(synthetic(curve), refine=True, patience=1, reference="measured")
+    pts = search(synthetic(curve), SearchConfig(refine=True, patience=1), MEASURED)
     assert bs(pts) == [1, 2, 4, 8, 16, 6]
 
 
@@ -122,7 +128,7 @@ def test_cached_points_are_not_measured_again():
     calls = []
     known = {(b, False): synthetic()(b, False) for b in (1, 2, 4)}
     log = SearchLog()
-    pts = search(synthetic(calls=calls), known=known, log=log, patience=1)
+    pts = search(synthetic(calls=calls), SearchConfig(patience=1), known=known, log=log)
     assert bs(pts) == [1, 2, 4, 8, 16]
     assert [b for b, _ in calls] == [8, 16]
     assert log.cached == 3 and log.probes == 2
@@ -292,7 +298,7 @@ def test_hf_config_model_in_process(tmp_path, monkeypatch):
 def test_bf16_mixed_and_checkpointing_memory(tmp_path, monkeypatch):
     """Checkpointing lowers the peak at a large b_m; bf16-mixed runs and is recorded."""
     from microbatch.measure.childprobe import ChildProber
-    from microbatch.measure.probes import ProbeSpec
+    from microbatch.measure.spec import ProbeSpec
 
     # Each in a fresh child process: in one process the allocator keeps freed memory resident,
     # so the high-water mark of a second probe says little (tune's CPU probes start clean too).
@@ -368,23 +374,23 @@ def test_bound_stops_measured_decode_curves_at_128_within_tau_of_their_best(curv
     assert bs(pts) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert "knee settled" in log.stop_reason
     from microbatch.choose.knee import recommend
-    from microbatch.choose.tune import _point
+    from microbatch.choose.search import curve_point as _point
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.micro_batch == 128
     assert curve[128] >= 0.85 * max(curve.values())  # within tau of the best the sweep found at 512
     # the flat rule alone walks to 512: two doublings under 15% come only at 256 and 512
     # (run 2: 64 -> 128 gains 9.9%, 128 -> 256 3.7%, so it stops at 256)
-    flat = bs(search(synthetic({b: float(t) for b, t in curve.items()}), reference="measured"))
+    flat = bs(search(synthetic({b: float(t) for b, t in curve.items()}), choice=MEASURED))
     assert len(flat) > len(pts)
 
 
 @pytest.mark.parametrize("a,c", [(0.05, 0.004), (1.0, 0.001), (0.0, 0.01), (0.3, 0.2)])
 def test_bound_stop_keeps_the_choice_within_tau_of_the_whole_curve(a, c):
     full = {2**i: 2**i / (a + c * 2**i) for i in range(14)}
-    pts = search(synthetic(full), max_micro_batch=2**13)
+    pts = search(synthetic(full), SearchConfig(max_micro_batch=2**13))
     from microbatch.choose.knee import recommend
-    from microbatch.choose.tune import _point
+    from microbatch.choose.search import curve_point as _point
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.throughput >= 0.85 * max(full.values())
@@ -412,12 +418,14 @@ def test_fitted_bound_on_real_decode_sweeps_stops_early_and_stays_within_tau():
     own best every time, and the search stops by 128 in four of six (the old three-point secant
     rule, refusing any tail whose slope moved by > 10%, did so in two, and once chose 83.5%)."""
     from microbatch.choose.knee import recommend
-    from microbatch.choose.tune import _point
+    from microbatch.choose.search import curve_point as _point
 
     stops = []
     for curve in DECODE_SWEEPS:
         log = SearchLog()
-        pts = search(synthetic(curve, intercept=1e9, slope=2e6), max_micro_batch=max(curve), log=log)
+        pts = search(
+            synthetic(curve, intercept=1e9, slope=2e6), SearchConfig(max_micro_batch=max(curve)), log=log
+        )
         knee = recommend([_point(p) for p in pts], reference="bound").knee
         assert knee.throughput >= 0.85 * max(curve.values()), (curve, bs(pts), knee)
         stops.append(max(bs(pts)))
@@ -430,17 +438,70 @@ def test_settling_needs_half_the_margin():
     half the choice's margin to settle, the search probes 128 (here the sweep's own figures past
     64) and chooses it."""
     from microbatch.choose.knee import recommend
-    from microbatch.choose.tune import SETTLE_MARGIN, _point
+    from microbatch.choose.search import SETTLE_MARGIN
+    from microbatch.choose.search import curve_point as _point
 
     tuned = {1: 27.2, 2: 28.2, 4: 63.0, 8: 108.4, 16: 152.8, 32: 186.8, 64: 214.3}
     curve = {**tuned, 128: 253.8, 256: 269.5, 512: 280.4}
     log = SearchLog()
-    pts = search(synthetic(curve, intercept=1e9, slope=2e6), max_micro_batch=512, log=log)
+    pts = search(synthetic(curve, intercept=1e9, slope=2e6), SearchConfig(max_micro_batch=512), log=log)
     assert max(bs(pts)) == 128 and "knee settled" in log.stop_reason
     assert recommend([_point(p) for p in pts], reference="bound").knee.micro_batch == 128
     # the bare line (no settle margin) would have stopped at 64
     first = [_point(p) for p in pts if p.micro_batch <= 64]
-    from microbatch.choose.knee import throughput_bound
+    from microbatch.choose.bound import throughput_bound
 
     t_hat = throughput_bound(first).throughput
     assert 0.85 * t_hat <= tuned[64] < 0.85 * (1 + SETTLE_MARGIN) * t_hat
+
+
+# -- the settings as config objects ---------------------------------------------------------------
+def test_search_and_probe_configs_name_field_value_and_fix():
+    from microbatch.choose.config import ProbeConfig
+
+    for kw, msg in [
+        ({"start": 0}, r"start must be a whole number >= 1, got 0; the first micro-batch probed"),
+        ({"max_micro_batch": -4}, r"max_micro_batch must be a whole number >= 1, got -4"),
+        ({"patience": 0}, r"patience must be a whole number >= 1, got 0"),
+        ({"checkpointing": "sometimes"}, r"checkpointing 'sometimes' is not known; use on, off or auto"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            SearchConfig(**kw)
+    for kw, msg in [
+        ({"mode": "serve"}, r"mode 'serve' is not known; use one of train, decode"),
+        ({"seq": 0}, r"seq must be a whole number >= 1, got 0; give the longest sequence"),
+        ({"device": "tpu"}, r"device 'tpu' is not known; use cpu or cuda"),
+        (
+            {"precision": "fp16-mixed"},
+            r"precision 'fp16-mixed' is not known \(fp16-mixed is planned but not measured\)",
+        ),
+        ({"backend": "jax"}, r"backend 'jax' is not known; use one of builtin, hf"),
+        ({"threads": 0}, r"threads must be a whole number >= 1, got 0"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            ProbeConfig(**kw)
+
+
+def test_keywords_go_to_the_config_with_that_field():
+    from microbatch.choose.config import ProbeConfig, apply_options, check_options_used
+
+    options = {"tolerance": 0.05, "patience": 3, "seq": 64, "threads": 1}
+    choice = apply_options(ChoiceConfig(), options)
+    search_config = apply_options(SearchConfig(), options)
+    probe = apply_options(ProbeConfig(), options)
+    assert options == {}
+    assert (choice.tolerance, search_config.patience, probe.seq, probe.threads) == (0.05, 3, 64, 1)
+    check_options_used(options, "tune", ProbeConfig, SearchConfig, ChoiceConfig)  # nothing left: fine
+    with pytest.raises(TypeError, match=r"tune_model\(\) got unexpected option\(s\) 'max_microbatch'"):
+        tune_model("tiny", max_microbatch=4)
+
+
+def test_search_config_equals_keywords_end_to_end_on_the_seed_curve():
+    """The same search, its settings given as configs or as the tune keywords split by field name."""
+    from microbatch.choose.config import apply_options
+
+    options = {"patience": 1, "reference": "measured", "memory_budget_bytes": 10**6}
+    cfg = apply_options(SearchConfig(), dict(options))
+    choice = apply_options(ChoiceConfig(), dict(options))
+    pts = search(synthetic(), cfg, choice)
+    assert bs(pts) == bs(search(synthetic(), SearchConfig(patience=1), MEASURED)) == [1, 2, 4, 8, 16]

@@ -6,6 +6,8 @@ import json
 import math
 from typing import Any
 
+__all__ = ["finite", "dumps"]
+
 
 def finite(obj: Any) -> Any:
     """``obj`` with NaN and ±inf floats replaced by None (dict keys as strings, tuples as lists)."""

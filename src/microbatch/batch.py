@@ -14,10 +14,19 @@ Given any three of the four, :func:`solve` derives the fourth, or raises a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = ["BatchConfig", "solve", "divisors", "nearest_multiples"]
+
+_FIXES = {
+    "global_batch": "give the sequences per optimizer step, e.g. --global-batch 512",
+    "micro_batch": "give the sequences per forward/backward on one device, e.g. --micro-batch 8",
+    "grad_accum": "give the micro-batches per replica per step, e.g. --grad-accum 1 for none",
+    "data_parallel": "give the data-parallel replicas, e.g. --data-parallel 1 for one device",
+}
+"""The fix named by the error of a batch quantity that is not a whole number >= 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +43,8 @@ class BatchConfig:
     """d: data-parallel replicas."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "micro_batch", "grad_accum", "data_parallel"):
-            check_positive_int(name.replace("_", "-"), getattr(self, name))
+        for name, fix in _FIXES.items():
+            check_positive_int(name.replace("_", "-"), getattr(self, name), fix=fix)
         if self.micro_batch * self.grad_accum * self.data_parallel != self.global_batch:
             raise ConfigError(
                 f"global batch {self.global_batch} != micro-batch {self.micro_batch} × grad-accum "
@@ -55,17 +64,18 @@ class BatchConfig:
         if self.grad_accum % flushes:
             raise ConfigError(
                 f"grad-accum {self.grad_accum} is not divisible by flushes {flushes}; the rule is "
-                f"g = m × k; choose flushes among {divisors(self.grad_accum)}"
+                f"g = m × k; choose flushes among {_fmt(divisors(self.grad_accum))}"
             )
         return self.grad_accum // flushes
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def divisors(n: int) -> list[int]:
     """All positive divisors of ``n`` in increasing order."""
-    small, large = [], []
+    small: list[int] = []
+    large: list[int] = []
     i = 1
     while i * i <= n:
         if n % i == 0:
@@ -83,6 +93,11 @@ def nearest_multiples(value: int, unit: int) -> list[int]:
     if below == value:
         return [value]
     return [v for v in (below, above) if v >= unit]
+
+
+def _closest(choices: list[int], target: int, count: int = 3) -> list[int]:
+    """The ``count`` values of ``choices`` closest to ``target`` (ties: the smaller first), sorted."""
+    return sorted(sorted(choices, key=lambda c: (abs(c - target), c))[:count])
 
 
 def _fmt(values: list[int]) -> str:
@@ -110,46 +125,41 @@ def solve(
     }
     for name, v in given.items():
         if v is not None:
-            check_positive_int(name.replace("_", "-"), v)
+            check_positive_int(name.replace("_", "-"), v, fix=_FIXES[name])
     missing = [k for k, v in given.items() if v is None]
     if len(missing) >= 2 and "data_parallel" in missing:
-        given["data_parallel"] = data_parallel = 1
+        given["data_parallel"] = 1
         missing.remove("data_parallel")
     if len(missing) > 1:
         raise ConfigError(
             "give three of --global-batch, --micro-batch, --grad-accum, --data-parallel; missing: "
             + ", ".join("--" + m.replace("_", "-") for m in missing)
         )
+    values = {k: v for k, v in given.items() if v is not None}
     if not missing:
-        return BatchConfig(**given)  # type: ignore[arg-type]
+        return BatchConfig(**values)
     want = missing[0]
     if want == "global_batch":
-        return BatchConfig(
-            global_batch=micro_batch * grad_accum * data_parallel,  # type: ignore[operator]
-            micro_batch=micro_batch,
-            grad_accum=grad_accum,
-            data_parallel=data_parallel,
-        )
-    B = global_batch
-    assert B is not None  # narrowed: global_batch is given when another one is missing
+        values[want] = values["micro_batch"] * values["grad_accum"] * values["data_parallel"]
+        return BatchConfig(**values)
+    B = values["global_batch"]
     names = {"micro_batch": "micro-batch", "grad_accum": "grad-accum", "data_parallel": "data-parallel"}
-    others = {k: v for k, v in given.items() if k not in ("global_batch", want)}
+    others = {k: v for k, v in values.items() if k != "global_batch"}
     unit = 1
     for v in others.values():
-        unit *= v  # type: ignore[operator]
+        unit *= v
     if B % unit:
         product = " × ".join(f"{names[k]} {v}" for k, v in others.items())
         # Nearest valid values of the global batch, and of each other factor for this B.
         fixes = [f"nearest valid global batches: {_fmt(nearest_multiples(B, unit))}"]
         for k, v in others.items():
-            rest = unit // v  # type: ignore[operator]
+            rest = unit // v
             if B % rest == 0:
-                choices = [d for d in divisors(B // rest)]
-                near = sorted(choices, key=lambda c: (abs(c - v), c))[:3]  # type: ignore[operator]
-                fixes.append(f"or {names[k]} in {_fmt(sorted(near))}")
+                near = _closest(divisors(B // rest), v)
+                fixes.append(f"or {names[k]} in {_fmt(near)}")
         raise ConfigError(
             f"global batch {B} is not divisible by {product} = {unit}; the rule is "
             f"B_global = b_m × g × d; {'; '.join(fixes)}"
         )
-    given[want] = B // unit
-    return BatchConfig(**given)  # type: ignore[arg-type]
+    values[want] = B // unit
+    return BatchConfig(**values)

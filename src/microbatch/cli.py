@@ -3,18 +3,23 @@
 Each command lives in ``microbatch/commands/<name>.py`` and is imported only when it runs,
 so ``microbatch --help`` and the calculators start fast (no torch, no matplotlib).
 Exit status: 0 success, 2 bad input (:class:`~microbatch.errors.ConfigError`, usage errors),
-1 any other failure.
+1 any other failure, 130 interrupted. Every command's ``--json`` prints one object in one
+envelope, ``{"command": ..., "version": ..., ...}`` (:mod:`microbatch.show.envelope`);
+a failure with ``--json`` prints ``{"command", "version", "error", "kind"}`` on stdout too.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
 
 import click
 
 from microbatch import __version__
 from microbatch.errors import ConfigError, MicrobatchError
+
+__all__ = ["COMMANDS", "LazyGroup", "group", "main"]
 
 # name -> (module under microbatch.commands, one-line help). Keep the help here so that
 # `microbatch --help` lists every command without importing any of them.
@@ -45,7 +50,8 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module = importlib.import_module(f"microbatch.commands.{COMMANDS[name][0]}")
-        return module.cmd
+        command: click.Command = module.cmd
+        return command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, help_) for name, (_, help_) in COMMANDS.items()]
@@ -68,27 +74,54 @@ def group() -> None:
     """
 
 
+def _command_of(args: Sequence[str]) -> str | None:
+    """The command named in ``args`` (the first word that is not an option), if it is one."""
+    word = next((a for a in args if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` was given (before any ``--``)."""
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def _fail(message: str, code: int, args: Sequence[str]) -> int:
+    """Say why on stderr (already done by the caller) and, with --json, as an object on stdout."""
+    if _wants_json(args):
+        from microbatch._json import dumps
+        from microbatch.show.envelope import error_envelope
+
+        click.echo(dumps(error_envelope(message, code, _command_of(args))))
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``microbatch`` console script."""
+    """Entry point of the ``microbatch`` console script.
+
+    Exit 0 on success, 2 on bad input, 1 on any other failure, 130 when interrupted. With
+    ``--json`` a failure also prints ``{"command", "version", "error", "kind"}`` on stdout, ``kind``
+    being ``bad_input``, ``failure`` or ``interrupted``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        group.main(args=argv, prog_name="microbatch", standalone_mode=False)
+        group.main(args=args, prog_name="microbatch", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("interrupted", err=True)
-        return 130
+        return _fail("interrupted", 130, args)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:
         e.show()
-        return 2 if isinstance(e, click.UsageError) else e.exit_code
+        return _fail(e.format_message(), 2 if isinstance(e, click.UsageError) else e.exit_code, args)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
-        return 2
+        return _fail(str(e), 2, args)
     except MicrobatchError as e:
         click.echo(f"error: {e}", err=True)
-        return 1
+        return _fail(str(e), 1, args)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        return 130
+        return _fail("interrupted", 130, args)
     return 0
 
 

@@ -8,6 +8,17 @@ status 2 and any other :class:`MicrobatchError` into exit status 1, without a tr
 
 from __future__ import annotations
 
+__all__ = [
+    "MicrobatchError",
+    "ConfigError",
+    "ScheduleError",
+    "MeasurementError",
+    "OutOfMemoryError",
+    "PipelineError",
+    "check_positive_int",
+    "check_non_negative",
+]
+
 
 class MicrobatchError(Exception):
     """Base class of every error microbatch raises on purpose."""

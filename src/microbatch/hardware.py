@@ -27,8 +27,11 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative
+from microbatch.units import GIB
 
 __all__ = [
     "Accelerator",
@@ -42,10 +45,17 @@ __all__ = [
     "detect_local",
     "cpu_accelerator",
     "measure_cpu",
+    "DEFAULT_HEADROOM",
 ]
 
-GiB = 1024**3
-"""Bytes in one GiB."""
+DEFAULT_HEADROOM = 0.1
+"""Share of device memory kept free when deciding what fits (the planner's ``memory_headroom``, the
+knee's ``headroom``): a policy, not a measurement. It covers what neither the analytic model nor a
+probe sees — the CUDA context (a few hundred MiB) and the marketed-versus-usable capacity gap (an
+"80 GB" H100 reports 79.6 GiB), NCCL or gloo buffers, the caching allocator's fragmentation and
+segment rounding, a longer batch than the probe's, and other processes on the device. The memory
+fit's own error is under 1% at the largest probe (BENCHMARKS.md); the rest is this margin."""
+
 TB = 1e12
 """Bytes (or FLOP) in one decimal tera-unit, as datasheets use."""
 GB = 1e9
@@ -117,10 +127,10 @@ class Accelerator:
         """
         known = {f.name for f in fields(self)}
         peaks = dict(self.peak_flops)
-        other = {}
+        other: dict[str, Any] = {}
         for k, v in values.items():
             if k in DTYPES:
-                peaks[k] = float(v)
+                peaks[k] = float(v)  # type: ignore[arg-type]  # a peak is a number; float() raises otherwise
             elif k in known:
                 other[k] = v
             else:
@@ -129,15 +139,28 @@ class Accelerator:
                 )
         return replace(self, peak_flops=peaks, **other)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (``peak_flops`` as a dict)."""
         return asdict(self)
 
 
-def _acc(name, bf16, fp16, fp32, mem_gib, bw, intra, inter, units, source, gpus_per_node=8) -> Accelerator:
+def _acc(
+    name: str,
+    bf16: float,
+    fp16: float,
+    fp32: float,
+    mem_gib: float,
+    bw: float,
+    intra: float,
+    inter: float,
+    units: int,
+    source: str,
+    gpus_per_node: int = 8,
+) -> Accelerator:
     return Accelerator(
         name=name,
         peak_flops={"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB},
-        memory_bytes=mem_gib * GiB,
+        memory_bytes=mem_gib * GIB,
         memory_bandwidth_bytes_per_s=bw * GB,
         intra_node_bytes_per_s=intra * GB,
         inter_node_bytes_per_s=inter,
@@ -259,7 +282,7 @@ def from_device_name(device_name: str, total_memory_bytes: float | None = None) 
     low = device_name.lower()
     for needle, key in _DEVICE_NAMES:
         if needle in low:
-            if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GiB:
+            if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GIB:
                 key = "a100-40gb"
             acc = ACCELERATORS[key]
             return acc.with_overrides(memory_bytes=float(total_memory_bytes)) if total_memory_bytes else acc
@@ -290,9 +313,6 @@ def match_accelerator(name: str) -> str | None:
         if re.search(pattern, n):
             return key
     return None
-
-
-# -- the analytic predictions ----------------------------------------------------------------------
 
 
 def detect_local() -> Accelerator | None:
@@ -356,7 +376,7 @@ def measure_cpu(*, n: int = 1024, repeats: int = 5, threads: int | None = None) 
         torch.set_num_threads(before)
 
 
-def _measure_cpu(torch, time, n: int, repeats: int) -> Accelerator:
+def _measure_cpu(torch: Any, time: ModuleType, n: int, repeats: int) -> Accelerator:
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up
     best = math.inf

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from microbatch.batch import divisors
 from microbatch.errors import ConfigError, check_positive_int
@@ -146,7 +147,7 @@ class ModelShape:
     def param_count(self) -> int:
         return self.layers * self.layer_params() + self.embedding_params() + self.output_params()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["param_count"] = self.param_count()
         return d
@@ -270,14 +271,14 @@ _HF_KEYS: dict[str, tuple[str, ...]] = {
 _LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
 
 
-def _hf_lookup(raw: dict, field: str):
+def _hf_lookup(raw: dict[str, Any], field: str) -> Any:
     for key in _HF_KEYS[field]:
         if raw.get(key) is not None:
             return raw[key]
     return None
 
 
-def _read_hf_dict(path: Path) -> dict:
+def _read_hf_dict(path: Path) -> dict[str, Any]:
     """The config as a dict: through transformers' AutoConfig where installed, plain JSON otherwise.
 
     AutoConfig fills in the family's defaults for keys a config.json omits (GPT-2's n_inner=None,
@@ -388,9 +389,9 @@ def from_flags(
     name: str = "custom",
 ) -> ModelShape:
     """A GPT-2-like shape from explicit sizes (``--layers --hidden --heads --vocab --seq``)."""
-    given = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
-    missing = [k for k, v in given.items() if v is None]
-    if missing:
+    if layers is None or hidden is None or heads is None or vocab is None or seq is None:
+        given = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
+        missing = [k for k, v in given.items() if v is None]
         raise ConfigError(
             "the model shape lacks "
             + ", ".join("--" + m.replace("_", "-") for m in missing)
@@ -425,12 +426,24 @@ def resolve_model(
     given = {k: v for k, v in flags.items() if v is not None}
     for k, v in given.items():
         check_positive_int("--" + k.replace("_", "-"), v, fix="sizes are whole numbers >= 1")
-    if model is None and hf_config is None:
-        if not given:
-            raise ConfigError(
-                "no model given; give --model NAME (" + ", ".join(PRESETS) + "), --hf-config PATH, "
-                "or the shape flags --layers --hidden --heads --vocab --seq"
-            )
-        return from_flags(**given)
-    base = get_model(model) if model is not None else from_hf_config(hf_config)
-    return replace(base, **given) if given else base
+    if model is not None:
+        base = get_model(model)
+    elif hf_config is not None:
+        base = from_hf_config(hf_config)
+    elif not given:
+        raise ConfigError(
+            "no model given; give --model NAME (" + ", ".join(PRESETS) + "), --hf-config PATH, "
+            "or the shape flags --layers --hidden --heads --vocab --seq"
+        )
+    else:
+        return from_flags(
+            layers=given.get("layers"),
+            hidden=given.get("hidden"),
+            heads=given.get("heads"),
+            kv_heads=given.get("kv_heads"),
+            ffn_hidden=given.get("ffn_hidden"),
+            vocab=given.get("vocab"),
+            seq=given.get("seq"),
+        )
+    overrides: dict[str, Any] = given  # shape flags: ModelShape field -> whole number (checked above)
+    return replace(base, **overrides) if overrides else base

@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from microbatch._json import dumps
+from microbatch.precision import PRECISIONS
+from microbatch.show.envelope import envelope
+
+if TYPE_CHECKING:
+    from microbatch.choose.config import ChoiceConfig
+    from microbatch.model import ModelShape
+
+__all__ = [
+    "json_option",
+    "stages_option",
+    "precision_options",
+    "command_name",
+    "emit",
+    "write_result",
+    "option_group",
+    "model_options",
+    "resolve_model",
+    "choice_options",
+    "choice_config",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 
 
-def stages_option(required: bool = True, default: int | None = None) -> Callable:
+def stages_option(required: bool = True, default: int | None = None) -> Callable[[F], F]:
     """``--stages`` with ``--pipeline-parallel`` as another name (every command accepts both)."""
     return click.option(
         "--stages",
@@ -26,12 +49,12 @@ def stages_option(required: bool = True, default: int | None = None) -> Callable
     )
 
 
-def precision_options(f: Callable) -> Callable:
+def precision_options(f: F) -> F:
     """``--precision``, ``--grad-dtype`` and ``--optimizer``: the bytes of training state per parameter."""
     opts = [
         click.option(
             "--precision",
-            type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]),
+            type=click.Choice(list(PRECISIONS)),
             default="bf16-mixed",
             show_default=True,
         ),
@@ -49,15 +72,37 @@ def precision_options(f: Callable) -> Callable:
     return f
 
 
+def command_name() -> str:
+    """The name of the command that is running (``tune``, ``plan``, ...), from click's context."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or not ctx.command.name:
+        raise RuntimeError("no command is running; pass command= to write_result()")
+    return ctx.command.name
+
+
 def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
-    """Print ``obj`` as JSON when asked, else the human rendering."""
+    """Print ``obj`` in the envelope (:func:`microbatch.show.envelope.envelope`: the running
+    command's name and the version first) as JSON when asked, else the human rendering."""
     if as_json:
-        click.echo(dumps(obj))
+        click.echo(dumps(envelope(obj, command_name())))
     else:
         click.echo(render())
 
 
-def option_group(f: Callable, key: str, names: Sequence[str], opts: Sequence[Callable]) -> Callable:
+def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path:
+    """Write ``obj`` in the envelope as JSON to ``path`` (its folder made if missing); return the path.
+
+    For result files other commands read back (``tune --out``, the demo's results).
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(dumps(envelope(obj, command or command_name())) + "\n", encoding="utf-8")
+    return p
+
+
+def option_group(
+    f: Callable[..., Any], key: str, names: Sequence[str], opts: Sequence[Callable[..., Any]]
+) -> Callable[..., Any]:
     """Add the click options ``opts`` to the command ``f``, which receives the values of the
     parameters ``names`` as one keyword argument ``key`` (a dict) instead of one each."""
     import functools
@@ -76,7 +121,7 @@ MODEL_FLAGS = ("model", "hf_config", "layers", "hidden", "heads", "kv_heads", "f
 """Parameters :func:`model_options` adds; the command receives them as one dict, ``model_spec``."""
 
 
-def model_options(f: Callable) -> Callable:
+def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Add the model options: ``--model NAME``, ``--hf-config PATH`` and the shape flags.
 
     The command receives one keyword argument ``model_spec`` (a dict of the nine values) and calls
@@ -105,7 +150,7 @@ def model_options(f: Callable) -> Callable:
     return option_group(f, "model_spec", MODEL_FLAGS, opts)
 
 
-def resolve_model(spec: dict, default: str | None = None):
+def resolve_model(spec: Mapping[str, Any], default: str | None = None) -> ModelShape:
     """The :class:`~microbatch.model.ModelShape` that ``model_spec`` names.
 
     ``--model`` or ``--hf-config`` (shape flags given with them override fields), or the shape
@@ -113,10 +158,92 @@ def resolve_model(spec: dict, default: str | None = None):
     """
     from microbatch.model import resolve_model as _resolve
 
-    spec = dict(spec)
-    model, hf = spec.pop("model", None), spec.pop("hf_config", None)
-    if model is None and hf is None and default is not None and all(v is None for v in spec.values()):
+    rest = dict(spec)
+    model, hf = rest.pop("model", None), rest.pop("hf_config", None)
+    if model is None and hf is None and default is not None and all(v is None for v in rest.values()):
         model = default
-    elif model is None and hf is None and default is not None and spec.get("layers") is None:
+    elif model is None and hf is None and default is not None and rest.get("layers") is None:
         model = default  # only --seq (or similar) given: override the default model's field
-    return _resolve(model, hf, **spec)
+    return _resolve(model, hf, **rest)
+
+
+CHOICE_FLAGS = (
+    "memory_budget",
+    "headroom",
+    "max_latency_ms",
+    "rule",
+    "tolerance",
+    "reference",
+    "global_batch",
+    "data_parallel",
+)
+"""Parameters :func:`choice_options` adds; the command receives them as one dict, ``choice_spec``.
+Each is the :class:`~microbatch.choose.config.ChoiceConfig` field of the same name, except
+``--memory-budget`` (a size such as ``12GiB``), which becomes ``memory_budget_bytes``."""
+
+
+def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that turn a curve into a choice (shared by ``tune`` and ``recommend``).
+
+    The command receives one keyword argument ``choice_spec`` (a dict of the eight values) and
+    passes it to :func:`choice_config`.
+    """
+    from microbatch.choose.bound import BOUND_MARGIN, BOUND_SLACK, BOUND_WINDOW
+
+    opts = [
+        click.option(
+            "--memory-budget",
+            help="Memory per device the choice must fit, e.g. 12GiB, 500MB (default: none; tune uses the device's total memory on CUDA, 80% of the available memory on the CPU).",
+        ),
+        click.option(
+            "--headroom",
+            type=float,
+            default=None,
+            help="Share of the budget kept free when predicting the largest fitting b_m (default 0.10).",
+        ),
+        click.option(
+            "--max-latency-ms",
+            type=float,
+            help="Drop points whose step (decode: per-token) time exceeds this.",
+        ),
+        click.option(
+            "--rule",
+            type=click.Choice(["fraction", "gain"]),
+            default="fraction",
+            show_default=True,
+            help="fraction: smallest b_m within the tolerance of the best; gain: stop when a doubling gains < tolerance.",
+        ),
+        click.option(
+            "--tolerance", type=float, default=0.15, show_default=True, help="Tolerance τ of the rule."
+        ),
+        click.option(
+            "--reference",
+            type=click.Choice(["measured", "bound"]),
+            default=None,
+            help="What 'best' is for rule fraction. measured: the best measured throughput. bound: also "
+            f"the most any larger b_m can reach, 1/slope of a line fitted to step time over the {BOUND_WINDOW} "
+            "largest b_m (the roofline makes step time convex in b_m, so no larger b_m beats it), when "
+            f"every point is within {100 * BOUND_SLACK:g}% of that line; a point is then within τ of the "
+            f"bound only with a {100 * BOUND_MARGIN:g}% margin for the fit's error. "
+            "Default: bound for tune (it stops early, so it must answer for what it did not measure), "
+            "measured for recommend (a curve given whole is taken as the truth).",
+        ),
+        click.option("--global-batch", "-B", type=int, help="B_global, to report g = B / (b_m × d)."),
+        click.option(
+            "--data-parallel", "-d", type=int, default=1, show_default=True, help="d: data-parallel replicas."
+        ),
+    ]
+    return option_group(f, "choice_spec", CHOICE_FLAGS, opts)
+
+
+def choice_config(choice_spec: Mapping[str, Any]) -> ChoiceConfig:
+    """The :class:`~microbatch.choose.config.ChoiceConfig` of the shared options (``choice_spec``):
+    flags not given keep the config's defaults (``--reference``: the command's own default)."""
+    from microbatch.choose.config import ChoiceConfig
+    from microbatch.units import parse_bytes
+
+    values = {k: v for k, v in choice_spec.items() if v is not None and k != "memory_budget"}
+    budget = choice_spec.get("memory_budget")
+    if budget is not None:
+        values["memory_budget_bytes"] = parse_bytes(budget)
+    return ChoiceConfig(**values)

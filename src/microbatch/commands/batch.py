@@ -6,6 +6,8 @@ import click
 
 from microbatch.commands._common import emit, json_option
 
+__all__ = ["cmd"]
+
 
 @click.command("batch")
 @click.option("--global-batch", "-B", type=int, help="B_global: sequences per optimizer step.")
@@ -15,7 +17,13 @@ from microbatch.commands._common import emit, json_option
     "--data-parallel", "-d", type=int, help="d: data-parallel replicas (default 1 when two are missing)."
 )
 @json_option
-def cmd(global_batch, micro_batch, grad_accum, data_parallel, as_json):
+def cmd(
+    global_batch: int | None,
+    micro_batch: int | None,
+    grad_accum: int | None,
+    data_parallel: int | None,
+    as_json: bool,
+) -> None:
     """Give three of B_global, b_m, g, d; print the fourth.
 
     \b

@@ -3,32 +3,54 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import click
 
 from microbatch.commands._common import emit, json_option, stages_option
+from microbatch.schedules.registry import schedule_names
 
-CLOSED_FORM_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-"""Schedules whose bubble is (p−1)/(v·m+p−1) for equal stages."""
+__all__ = [
+    "SCHEDULE_HELP",
+    "bubble_lines",
+    "cmd",
+    "in_flight_text",
+    "microbatches_option",
+    "pct",
+    "use_color",
+    "virtual_option",
+    "width_option",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 SCHEDULE_HELP = (
-    "Schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1 (or any registered in microbatch.schedules.schedule)."
+    "Schedule: "
+    + ", ".join(schedule_names())
+    + " (aliases: "
+    + ", ".join(a for a in schedule_names(aliases=True) if a not in schedule_names())
+    + "; the registry of microbatch.schedules.registry)."
 )
+"""The ``--schedule`` help of ``bubble`` and ``simulate``: every registered name, read from the registry."""
 
 
-def microbatches_option(f):
+def microbatches_option(f: F) -> F:
+    """``--microbatches`` / ``-m``, required."""
     return click.option(
         "--microbatches", "-m", type=int, required=True, help="m: micro-batches per pipeline flush."
     )(f)
 
 
-def virtual_option(f):
+def virtual_option(f: F) -> F:
+    """``--virtual``: v stages per rank, default 1."""
     return click.option(
         "--virtual", type=int, default=1, show_default=True, help="v: virtual stages (model chunks) per rank."
     )(f)
 
 
-def width_option(f):
+def width_option(f: F) -> F:
+    """``--width``: columns of the diagram's time axis."""
     return click.option(
         "--width",
         type=int,
@@ -48,16 +70,18 @@ def use_color() -> bool:
 
 
 def pct(x: float) -> str:
+    """A share as a percentage with one decimal."""
     return f"{100 * x:.1f}%"
 
 
-def in_flight_text(values) -> str:
-    from microbatch.show.text import _fmt
+def in_flight_text(values: Sequence[float]) -> str:
+    """Peak in-flight counts, rank 0 first, as short numbers."""
+    from microbatch.units import format_number
 
-    return " ".join(_fmt(round(v, 3)) for v in values)
+    return " ".join(format_number(round(v, 3)) for v in values)
 
 
-def bubble_lines(fraction: float, ratio: float, peak_in_flight) -> list[str]:
+def bubble_lines(fraction: float, ratio: float, peak_in_flight: Sequence[float]) -> list[str]:
     """The bubble's fraction, ratio and peak in-flight counts, one aligned line each."""
     return [
         f"  bubble fraction  {pct(fraction):>6}  idle / total stage time",
@@ -82,17 +106,17 @@ def bubble_lines(fraction: float, ratio: float, peak_in_flight) -> list[str]:
 @click.option("--no-diagram", is_flag=True, help="Print the numbers only.")
 @json_option
 def cmd(
-    stages,
-    microbatches,
-    schedule_name,
-    virtual,
-    forward_time,
-    input_time,
-    weight_time,
-    width,
-    no_diagram,
-    as_json,
-):
+    stages: int,
+    microbatches: int,
+    schedule_name: str,
+    virtual: int,
+    forward_time: float | None,
+    input_time: float | None,
+    weight_time: float | None,
+    width: int,
+    no_diagram: bool,
+    as_json: bool,
+) -> None:
     """The bubble of p stages and m micro-batches: the idle fraction and Megatron's ratio.
 
     \b
@@ -104,7 +128,7 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from microbatch.schedules.schedule import generate, get_spec
+    from microbatch.schedules.registry import generate, get_spec
     from microbatch.schedules.simulate import (
         ZB_IDLE_SCHEDULES,
         bubble_fraction,
@@ -115,7 +139,12 @@ def cmd(
 
     spec = get_spec(schedule_name)
     schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
-    result: dict = {"schedule": spec.name, "stages": stages, "microbatches": microbatches, "virtual": virtual}
+    result: dict[str, Any] = {
+        "schedule": spec.name,
+        "stages": stages,
+        "microbatches": microbatches,
+        "virtual": virtual,
+    }
     notes: list[str] = []
     if spec.split_backward:
         given = [t is not None for t in (forward_time, input_time, weight_time)]
@@ -146,7 +175,7 @@ def cmd(
             if t is not None:
                 notes.append(f"{flag} ignored: the {spec.name} bubble does not depend on op times")
         sim = simulate(schedule, forward_time=1.0, backward_time=2.0)
-        if spec.name in CLOSED_FORM_SCHEDULES:
+        if spec.fill_drain_bubble:
             result["method"] = (
                 "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
             )

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
-from microbatch.commands._common import dumps, emit, json_option
+from microbatch.commands._common import emit, json_option, write_result
+
+__all__ = ["cmd"]
 
 
 def _step(quiet: bool, text: str) -> float:
@@ -22,10 +25,9 @@ def _done(quiet: bool, t0: float, text: str) -> None:
         click.echo(f"  {text}  ({time.perf_counter() - t0:.1f} s)", err=True)
 
 
-def _save(out: Path, name: str, obj: dict) -> Path:
-    path = out / name
-    path.write_text(dumps(obj))
-    return path
+def _save(out: Path, name: str, obj: dict[str, Any]) -> Path:
+    """Write ``obj`` as ``<command> --json`` prints it (the envelope): ``tune-train.json`` → tune."""
+    return write_result(out / name, obj, command=name.removesuffix(".json").split("-")[0])
 
 
 @click.command("demo")
@@ -46,7 +48,7 @@ def _save(out: Path, name: str, obj: dict) -> Path:
 )
 @click.option("--quick", is_flag=True, help="Smaller sweeps (for tests): fewer probes, shorter timing.")
 @json_option
-def cmd(out_dir, model_name, quick, as_json):
+def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     """Tune a built-in small GPT for training and decoding, plan a 4-stage pipeline for
     Llama-3-8B on H100s, simulate GPipe against 1F1B, run a real 2-stage pipeline,
     and write one HTML report. Runs on the CPU in a few minutes on 2 cores.
@@ -55,7 +57,7 @@ def cmd(out_dir, model_name, quick, as_json):
     report and scripts can read the numbers.
     """
     from microbatch.errors import MicrobatchError
-    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.registry import generate
     from microbatch.schedules.simulate import simulate
     from microbatch.show.html import build_report
     from microbatch.show.text import render_timeline_text
@@ -63,32 +65,30 @@ def cmd(out_dir, model_name, quick, as_json):
     quiet = as_json
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results: list[dict] = []
-    summary: dict = {"out": str(out)}
+    results: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"out": str(out)}
     t_start = time.perf_counter()
 
     # 1. Measure: the throughput and memory curve of a built-in model, training and decoding.
+    from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
-    from microbatch.measure.probes import TimingConfig
+    from microbatch.measure.timing import TimingConfig
+    from microbatch.units import GIB
 
     # One thread and the probe's own CPU time: steady numbers on a small or shared machine
     # (several threads on two busy cores can run many times slower than one).
     timing = TimingConfig(clock="process", max_time_s=2.0 if quick else 4.0)
-    max_b = 16 if quick else 64
+    search = SearchConfig(max_micro_batch=16 if quick else 64, patience=3, use_cache=False)
+    choice = ChoiceConfig(memory_budget_bytes=4 * GIB)
     for mode in ("train", "decode"):
         t0 = _step(
             quiet, f"tune {model_name} ({mode}) on the CPU: doubling b_m, each probe in a child process"
         )
         res = tune_model(
             model_name,
-            mode=mode,
-            device="cpu",
-            max_micro_batch=max_b,
-            threads=1,
-            timing=timing,
-            patience=3,
-            memory_budget_bytes=4 * 2**30,
-            use_cache=False,
+            probe=ProbeConfig(mode=mode, device="cpu", threads=1, timing=timing),
+            search=search,
+            choice=choice,
         )
         d = res.to_dict()
         _save(out, f"tune-{mode}.json", d)
@@ -181,7 +181,7 @@ def cmd(out_dir, model_name, quick, as_json):
         f"run a real 2-stage 1F1B pipeline of {model_name} (gloo, 2 processes), m = 4, gradients checked",
     )
     from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline import PipelineConfig
+    from microbatch.run.pipeline_config import PipelineConfig
 
     try:
         pr = run_pipeline(

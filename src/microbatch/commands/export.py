@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from microbatch.commands._common import dumps, json_option
+from microbatch.commands._common import emit, json_option, write_result
+
+__all__ = ["cmd"]
 
 
 @click.command("export")
@@ -20,7 +22,7 @@ from microbatch.commands._common import dumps, json_option
     "--output", "-o", type=click.Path(dir_okay=False), help="Write the config here instead of stdout."
 )
 @json_option
-def cmd(plan_path, fmt, gpu, output, as_json):
+def cmd(plan_path: str, fmt: str, gpu: str | None, output: str | None, as_json: bool) -> None:
     """Write the plan's recommendation in a framework's terms; B_global = b_m × g × d is kept.
 
     \b
@@ -45,14 +47,14 @@ def cmd(plan_path, fmt, gpu, output, as_json):
             f"--plan {plan_path!r} is not JSON ({e}); give the output of `microbatch plan --json`"
         ) from None
     ex = export_plan(data, fmt, gpu=gpu)
-    if as_json:
-        text = dumps({"format": ex.format, "config": ex.config, "notes": list(ex.notes)})
-    else:
+    payload = {"format": ex.format, "config": ex.config, "notes": list(ex.notes)}
+    if output and as_json:
+        write_result(output, payload)
+    elif output:
         text = ex.text()
-    if output:
         Path(output).write_text(text + ("\n" if not text.endswith("\n") else ""))
     else:
-        click.echo(text)
+        emit(payload, as_json, ex.text)
     if not as_json:
         for note in ex.notes:
             click.echo(f"note: {note}", err=True)

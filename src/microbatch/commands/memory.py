@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from microbatch.commands._common import (
@@ -12,12 +14,14 @@ from microbatch.commands._common import (
     resolve_model,
     stages_option,
 )
-from microbatch.predict.calibrate import CALIBRATION_HELP
+from microbatch.predict.apply_calibration import CALIBRATION_HELP
 
-_GIB = 2**30
+__all__ = ["cmd", "parse_split", "parse_zero", "zero_choice"]
+from microbatch.schedules.registry import schedule_names
 
 
-def _parse_split(text: str | None) -> tuple[int, ...] | None:
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """``--layers-per-stage 5,6,6,5`` as a tuple; None when not given."""
     if not text:
         return None
     from microbatch.errors import ConfigError
@@ -30,7 +34,8 @@ def _parse_split(text: str | None) -> tuple[int, ...] | None:
         ) from None
 
 
-def zero_choice() -> click.Choice:
+def zero_choice() -> click.Choice[str]:
+    """The ``--zero`` choices: 0–3, or dist-opt (Megatron's distributed optimizer, = 1)."""
     return click.Choice(["0", "1", "2", "3", "dist-opt"])
 
 
@@ -52,7 +57,7 @@ def parse_zero(text: str) -> int:
 @click.option("--microbatches", "-m", type=int, help="m per flush (default 4p).")
 @click.option(
     "--schedule",
-    type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]),
+    type=click.Choice(schedule_names(in_flight=True)),
     default=None,
     help="Pipeline schedule (default 1f1b; interleaved-1f1b when --virtual > 1).",
 )
@@ -69,17 +74,21 @@ def parse_zero(text: str) -> int:
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
-    model_spec, micro_batch, tensor_parallel, stages, virtual, microbatches, schedule, sequence_parallel,
-    recompute, flash, precision, grad_dtype, optimizer, zero, data_parallel, layers_per_stage, gpu, calibration,
-    as_json,
-):  # fmt: skip
+    model_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
+    microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
+    precision: str, grad_dtype: str, optimizer: str, zero: str, data_parallel: int, layers_per_stage: str | None,
+    gpu: str | None, calibration: str | None, as_json: bool,
+) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
 
     \b
     Example: microbatch memory --model megatron-22b --micro-batch 4 --tensor-parallel 8 \\
                --sequence-parallel --recompute selective --no-flash-attention
     """
-    from microbatch.predict.memory import MemoryConfig, bytes_per_param, estimate_memory
+    from microbatch.hardware import DEFAULT_HEADROOM
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.predict.state import bytes_per_param
+    from microbatch.units import format_bytes
 
     shape = resolve_model(model_spec)
     cfg = MemoryConfig(
@@ -90,7 +99,7 @@ def cmd(
         virtual=virtual,
         microbatches=microbatches,
         schedule=schedule or ("interleaved-1f1b" if virtual > 1 else "1f1b"),
-        layers_per_stage=_parse_split(layers_per_stage),
+        layers_per_stage=parse_split(layers_per_stage),
         data_parallel=data_parallel,
         zero=parse_zero(zero),
         precision=precision,
@@ -106,13 +115,13 @@ def cmd(
         acc = get_accelerator(gpu)
     applied = None
     if calibration:
-        from microbatch.predict.calibrate import apply_calibration
+        from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration
 
-        applied = apply_calibration(
-            calibration, shape=shape, precision=precision, micro_batches=[micro_batch],
-            tensor_parallel=tensor_parallel, pipeline_parallel=stages, data_parallel=data_parallel,
-            zero=cfg.zero, recompute=recompute,
+        layout = PlannedLayout(
+            micro_batches=(micro_batch,), tensor_parallel=tensor_parallel, pipeline_parallel=stages,
+            data_parallel=data_parallel, zero=cfg.zero, recompute=recompute,
         )  # fmt: skip
+        applied = apply_calibration(calibration, shape=shape, precision=precision, layout=layout)
     est = estimate_memory(shape, cfg, applied.memory if applied else None)
     out = est.to_dict()
     if applied:
@@ -134,21 +143,33 @@ def cmd(
             f"{'activ':>9} {'other':>8} {'peak':>9}",
         ]
         peak = est.peak_stage.stage
+
+        def col(n: float, width: int = 9) -> str:
+            return format_bytes(n, unit="GiB").replace(" GiB", "G").rjust(width)
+
         for st in est.stages:
             mark = " <- peak" if st.stage == peak else ""
             lines.append(
-                f"{st.stage:>5} {st.layers:>6} {st.in_flight:>9} {st.weights / _GIB:>8.2f}G {st.gradients / _GIB:>8.2f}G "
-                f"{st.optimizer / _GIB:>8.2f}G {st.activations / _GIB:>8.2f}G {st.other / _GIB:>7.2f}G "
-                f"{st.peak_bytes / _GIB:>8.2f}G{mark}"
+                f"{st.stage:>5} {st.layers:>6} {st.in_flight:>9} {col(st.weights_bytes)} {col(st.gradients_bytes)} "
+                f"{col(st.optimizer_bytes)} {col(st.activations_bytes)} {col(st.other_bytes, 8)} "
+                f"{col(st.peak_bytes)}{mark}"
             )
         if len(est.stages) > 12:
             top = sorted(est.stages, key=lambda s: -s.peak_bytes)[:1]
             lines.append(f"(highest: stage {top[0].stage})")
-        terms = ", ".join(f"{k} {v / _GIB:.2f} GiB" for k, v in est.peak_stage.activation_terms.items())
-        lines += ["", f"peak {est.peak_bytes / _GIB:.2f} GiB on stage {peak} (activations: {terms})"]
+        terms = ", ".join(
+            f"{k} {format_bytes(v, unit='GiB')}" for k, v in est.peak_stage.activation_terms.items()
+        )
+        lines += [
+            "",
+            f"peak {format_bytes(est.peak_bytes, unit='GiB')} on stage {peak} (activations: {terms})",
+        ]
         if acc is not None:
             verdict = "fits" if out["fits"] else "does NOT fit"
-            lines.append(f"{verdict} in {acc.name} ({acc.memory_bytes / _GIB:.0f} GiB; keep ~10% headroom)")
+            lines.append(
+                f"{verdict} in {acc.name} ({format_bytes(acc.memory_bytes, digits=0, unit='GiB')}; keep "
+                f"~{100 * DEFAULT_HEADROOM:.0f}% headroom)"
+            )
         if applied:
             lines += [""] + applied.lines()
         return "\n".join(lines)

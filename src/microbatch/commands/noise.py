@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
 from microbatch.commands._common import emit, json_option, model_options, resolve_model
+
+__all__ = ["cmd", "MAX_PARAMS"]
 
 MAX_PARAMS = 500_000_000
 """Largest model this CPU demonstration builds (fp32 weights, gradients and a copy: about 6 GB)."""
@@ -26,7 +30,15 @@ MAX_PARAMS = 500_000_000
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and the data.")
 @json_option
-def cmd(model_spec, global_batch, micro_batch, steps, decay, seed, as_json):
+def cmd(
+    model_spec: dict[str, Any],
+    global_batch: int,
+    micro_batch: int,
+    steps: int,
+    decay: float,
+    seed: int,
+    as_json: bool,
+) -> None:
     """Estimate the gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018).
 
     \b
@@ -44,7 +56,7 @@ def cmd(model_spec, global_batch, micro_batch, steps, decay, seed, as_json):
 
     from microbatch.errors import ConfigError, check_positive_int
     from microbatch.measure.gpt import build_model
-    from microbatch.run.noise import measure_noise_scale
+    from microbatch.run.noise_measure import measure_noise_scale
 
     check_positive_int("--global-batch", global_batch)
     check_positive_int("--micro-batch", micro_batch)
@@ -67,13 +79,13 @@ def cmd(model_spec, global_batch, micro_batch, steps, decay, seed, as_json):
     gen = torch.Generator().manual_seed(seed + 1)
     zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
 
-    def batches():
+    def batches() -> Iterator[torch.Tensor]:
         for _ in range(steps):
             yield torch.multinomial(zipf, global_batch * s, replacement=True, generator=gen).view(
                 global_batch, s
             )
 
-    def loss_fn(m, tokens):
+    def loss_fn(m: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         logits = m(tokens)[:, :-1]
         target = tokens[:, 1:]
         loss = torch.nn.functional.cross_entropy(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from microbatch.commands._common import (
@@ -12,35 +14,10 @@ from microbatch.commands._common import (
     resolve_model,
     stages_option,
 )
-from microbatch.predict.calibrate import CALIBRATION_HELP
+from microbatch.predict.apply_calibration import CALIBRATION_HELP
+from microbatch.schedules.registry import schedule_names
 
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def render_plan(plan, *, all_rows: bool = False) -> str:
-    """The plan as text: header, trade-off table, recommendation in words, pitfalls."""
-    from microbatch.show.plan_report import explain, plan_table_rows
-
-    cfg = plan.config
-    head = (
-        f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
-        f"{cfg.data_parallel}, p = {cfg.pipeline_parallel}, t = {cfg.tensor_parallel}"
-        f"{' + SP' if cfg.sequence_parallel else ''}, s = {cfg.seq_len}; {plan.evaluated} candidates, "
-        f"{sum(c.fits for c in plan.candidates)} fit in {cfg.budget_bytes / 2**30:.1f} GiB"
-    )
-    title = "best candidates" if all_rows else "best candidate at each b_m (* = recommended)"
-    rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
-    parts = [head, "", title, _table(rows), "", explain(plan)]
-    # With no recommendation the explanation is the advice's headline: list only the rest.
-    advice = plan.advice[1:] if plan.recommended is None else plan.advice
-    if advice:
-        parts += [""] + [f"- {a}" for a in advice]
-    return "\n".join(parts)
+__all__ = ["cmd"]
 
 
 @click.command("plan")
@@ -52,7 +29,7 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
 @click.option("--tensor-parallel", "-t", "tensor_parallel", type=int, default=1, show_default=True, help="t.")
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs t > 1).")
 @click.option(
-    "--schedule", type=click.Choice(["auto", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]), default="auto",
+    "--schedule", type=click.Choice(["auto", *schedule_names(in_flight=True)]), default="auto",
     show_default=True,
 )  # fmt: skip
 @click.option(
@@ -70,7 +47,9 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
 @precision_options
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
-@click.option("--memory-headroom", type=float, default=None, help="Share of memory kept free (default 0.1).")
+@click.option(
+    "--memory-headroom", type=float, default=None, help="Share of device memory kept free (default 0.1)."
+)
 @click.option(
     "--gpu-set",
     "gpu_set",
@@ -82,21 +61,22 @@ def render_plan(plan, *, all_rows: bool = False) -> str:
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
-    model_spec, gpu, global_batch, data_parallel, stages, tensor_parallel, sequence_parallel, schedule, virtual,
-    recompute, zero, micro_batch, precision, grad_dtype, optimizer, flash, layers_per_stage, memory_headroom,
-    gpu_set, all_rows, calibration, as_json,
-):  # fmt: skip
+    model_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
+    sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
+    precision: str, grad_dtype: str, optimizer: str, flash: bool | None, layers_per_stage: str | None,
+    memory_headroom: float | None, gpu_set: tuple[str, ...], all_rows: bool, calibration: str | None, as_json: bool,
+) -> None:  # fmt: skip
     """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the fastest that fits.
 
     \b
     Example: microbatch plan --model llama-2-7b --gpu a100-80gb --global-batch 64 -p 4
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     """
-    from microbatch.commands.memory import _parse_split, parse_zero
+    from microbatch.commands.memory import parse_split, parse_zero
     from microbatch.errors import ConfigError
-    from microbatch.hardware import parse_gpus, parse_overrides
-    from microbatch.predict.plan import DEFAULT_HEADROOM, PlanConfig, compare_gpus
-    from microbatch.show.plan_report import comparison_rows
+    from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
+    from microbatch.predict.plan import PlanConfig, compare_gpus
+    from microbatch.show.plan_report import comparison_rows, explain, render_plan, text_table
 
     shape = resolve_model(model_spec)
     gpus = parse_gpus(gpu)
@@ -116,7 +96,7 @@ def cmd(
         recompute=None if recompute == "auto" else (recompute,),
         zero=None if zero == "auto" else (parse_zero(zero),),
         micro_batches=(micro_batch,) if micro_batch else None,
-        layers_per_stage=_parse_split(layers_per_stage),
+        layers_per_stage=parse_split(layers_per_stage),
         precision=precision,
         grad_dtype=grad_dtype,
         optimizer=optimizer,
@@ -127,21 +107,18 @@ def cmd(
     if calibration:
         from dataclasses import replace
 
-        from microbatch.predict.calibrate import apply_calibration
+        from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration
         from microbatch.predict.plan import make_plan
 
+        layout = PlannedLayout(
+            seq=cfg.seq_len,
+            micro_batches=cfg.micro_batches or (global_batch // data_parallel,),
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=stages,
+            data_parallel=data_parallel,
+        )
         applied = [
-            apply_calibration(
-                calibration,
-                shape=shape,
-                precision=precision,
-                gpu=g,
-                seq=cfg.seq_len,
-                micro_batches=cfg.micro_batches or (global_batch // data_parallel,),
-                tensor_parallel=tensor_parallel,
-                pipeline_parallel=stages,
-                data_parallel=data_parallel,
-            )  # fmt: skip
+            apply_calibration(calibration, shape=shape, precision=precision, gpu=g, layout=layout)
             for g in gpus
         ]
         plans = [
@@ -152,22 +129,20 @@ def cmd(
         plans = compare_gpus(cfg, gpus)
     cal_lines = list(dict.fromkeys(line for a in applied for line in a.lines()))
     if len(plans) == 1:
-        out = plans[0].to_dict()
+        out = {**plans[0].to_dict(), "explanation": explain(plans[0])}
 
         def render() -> str:
             return render_plan(plans[0], all_rows=all_rows) + "".join("\n" + x for x in cal_lines)
     else:
         rows = comparison_rows(plans)
         out = {
-            "plans": [pl.to_dict() for pl in plans],
+            "plans": [{**pl.to_dict(), "explanation": explain(pl)} for pl in plans],
             "comparison": [dict(zip(rows[0], r, strict=True)) for r in rows[1:]],
         }
 
         def render() -> str:
-            from microbatch.commands.plan import _table
-
             parts = [render_plan(pl, all_rows=all_rows) + "\n" for pl in plans]
-            parts += ["side by side (same model, layout and B_global)", _table(rows)] + cal_lines
+            parts += ["side by side (same model, layout and B_global)", text_table(rows)] + cal_lines
             return "\n".join(parts)
 
     if applied:

@@ -6,6 +6,8 @@ import click
 
 from microbatch.commands._common import emit, json_option
 
+__all__ = ["cmd"]
+
 
 @click.command("report")
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=True))
@@ -19,9 +21,10 @@ from microbatch.commands._common import emit, json_option
 @click.option("--title", default="microbatch report", show_default=True)
 @click.option("--no-png", is_flag=True, help="Skip the PNG copies of the figures.")
 @json_option
-def cmd(results, out_path, title, no_png, as_json):
-    """Build the report from RESULTS: JSON files that tune, plan, pipeline, simulate
-    and validate write with --json (or a `tune --out` directory).
+def cmd(results: tuple[str, ...], out_path: str, title: str, no_png: bool, as_json: bool) -> None:
+    """Build the report from RESULTS: JSON files that the commands write with --json (or a
+    `tune --out` directory). tune, recommend, plan (one GPU or several), simulate, pipeline and
+    validate get figures and tables; any other command's result, a table of its fields.
 
     \b
     Example:

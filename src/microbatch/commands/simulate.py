@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from microbatch.commands._common import emit, json_option, stages_option
@@ -14,6 +16,10 @@ from microbatch.commands.bubble import (
     virtual_option,
     width_option,
 )
+from microbatch.schedules.action import Schedule
+from microbatch.schedules.registry import ScheduleSpec
+
+__all__ = ["cmd", "parse_stage_times", "resolve_times"]
 
 
 def parse_stage_times(text: str) -> list[tuple[float, ...]]:
@@ -24,7 +30,7 @@ def parse_stage_times(text: str) -> list[tuple[float, ...]]:
     """
     from microbatch.errors import ConfigError
 
-    entries = []
+    entries: list[tuple[float, ...]] = []
     for i, raw in enumerate(text.split(",")):
         parts = raw.strip().split(":")
         try:
@@ -43,8 +49,15 @@ def parse_stage_times(text: str) -> list[tuple[float, ...]]:
 
 
 def resolve_times(
-    spec, schedule, *, forward_time, backward_time, input_time, weight_time, stage_times
-) -> dict:
+    spec: ScheduleSpec,
+    schedule: Schedule,
+    *,
+    forward_time: float | None,
+    backward_time: float | None,
+    input_time: float | None,
+    weight_time: float | None,
+    stage_times: str | None,
+) -> dict[str, Any]:
     """Keyword times for :func:`microbatch.schedules.simulate.simulate` from the command's options."""
     from microbatch.errors import ConfigError
 
@@ -64,11 +77,12 @@ def resolve_times(
             + ("; --backward-time alone does not say how to split it" if backward_time is not None else "")
         )
     tf = 1.0 if forward_time is None else forward_time
+    tb: float | None
     if split:
         tb = None
     elif backward_time is not None:
         tb = backward_time
-    elif input_time is not None:
+    elif input_time is not None and weight_time is not None:
         tb = input_time + weight_time
     else:
         tb = 2.0 * tf  # the usual assumption: a backward costs two forwards
@@ -86,19 +100,22 @@ def resolve_times(
             f"--stage-times has {len(entries)} entries but the schedule has {nst} virtual stages "
             f"(p·v = {schedule.stages}·{schedule.virtual}); give one entry per virtual stage"
         )
-    f, b, i_, w = [], [], [], []
+    f: list[float] = []
+    b: list[float] = []
+    i_: list[float] = []
+    w: list[float] = []
     for k, e in enumerate(entries):
         if len(e) == 1:
-            if split and input_time is None:
+            if split and (input_time is None or weight_time is None):
                 raise ConfigError(
                     f"--stage-times entry {k} is a factor but {spec.name!r} has no base --input-time/--weight-time; "
                     "give them, or write the entry as F:I:W"
                 )
             f.append(e[0] * tf)
-            if split:
+            if split and input_time is not None and weight_time is not None:
                 i_.append(e[0] * input_time)
                 w.append(e[0] * weight_time)
-            else:
+            elif tb is not None:
                 b.append(e[0] * tb)
         elif len(e) == 2:
             if split:
@@ -160,24 +177,24 @@ def resolve_times(
 )
 @json_option
 def cmd(
-    stages,
-    microbatches,
-    schedule_name,
-    virtual,
-    forward_time,
-    backward_time,
-    input_time,
-    weight_time,
-    comm_time,
-    stage_times,
-    time_unit,
-    svg_path,
-    png_path,
-    width,
-    no_diagram,
-    with_intervals,
-    as_json,
-):
+    stages: int,
+    microbatches: int,
+    schedule_name: str,
+    virtual: int,
+    forward_time: float | None,
+    backward_time: float | None,
+    input_time: float | None,
+    weight_time: float | None,
+    comm_time: float,
+    stage_times: str | None,
+    time_unit: str,
+    svg_path: str | None,
+    png_path: str | None,
+    width: int,
+    no_diagram: bool,
+    with_intervals: bool,
+    as_json: bool,
+) -> None:
     """Simulate a schedule on op times: makespan, bubble, idle and in-flight per rank, a diagram.
 
     \b
@@ -185,8 +202,14 @@ def cmd(
     ranks); each rank runs its own list in order, as torch does. Times are in any unit.
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
-    from microbatch.schedules.schedule import generate, get_spec
-    from microbatch.schedules.simulate import bubble_fraction, bubble_ratio, simulate, zb_idle_time
+    from microbatch.schedules.registry import generate, get_spec
+    from microbatch.schedules.simulate import (
+        ZB_IDLE_SCHEDULES,
+        bubble_fraction,
+        bubble_ratio,
+        simulate,
+        zb_idle_time,
+    )
 
     spec = get_spec(schedule_name)
     schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
@@ -207,18 +230,16 @@ def cmd(
     result["ratio_is"] = "idle / ideal busy time (Megatron)"
     result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
     uniform = not stage_times and comm_time == 0
-    # The closed forms hold for equal stages and no comm time (interleaved: only for m >= p).
-    if uniform and (
-        spec.name in ("gpipe", "1f1b") or (spec.name == "interleaved-1f1b" and microbatches >= stages)
-    ):
+    # The closed forms hold for equal stages and no comm time, and for m >= p (GPipe's for every m).
+    if uniform and spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"):
         result["closed_form"] = {
             "bubble_fraction": bubble_fraction(stages, microbatches, virtual),
             "bubble_ratio": bubble_ratio(stages, microbatches, virtual),
         }
-    if uniform and spec.name == "zb-h1":
+    if uniform and spec.split_backward and spec.name in ZB_IDLE_SCHEDULES:
         result["closed_form"] = {
             "idle_time_per_stage": zb_idle_time(
-                "zb-h1", stages, times["forward_time"], times["input_time"], times["weight_time"]
+                spec.name, stages, times["forward_time"], times["input_time"], times["weight_time"]
             ),
             "valid_when": "T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
         }
@@ -240,12 +261,13 @@ def cmd(
         result["png"] = str(png_path)
 
     def render() -> str:
-        from microbatch.show.text import _fmt, render_stats_table, render_timeline_text
+        from microbatch.show.text import render_stats_table, render_timeline_text
+        from microbatch.units import format_number
 
         unit = f" {time_unit}" if time_unit else ""
         lines = [
             title,
-            f"  makespan         {_fmt(sim.makespan)}{unit}",
+            f"  makespan         {format_number(sim.makespan)}{unit}",
             *bubble_lines(sim.bubble_fraction, sim.bubble_ratio, sim.peak_in_flight),
         ]
         cf = result.get("closed_form", {})
@@ -255,7 +277,7 @@ def cmd(
             )
         if "idle_time_per_stage" in cf:
             lines.append(
-                f"  closed form      idle per stage {_fmt(cf['idle_time_per_stage'])}{unit}  (Qi et al. 2024, Table 2)"
+                f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  (Qi et al. 2024, Table 2)"
             )
         lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
         if not no_diagram:

@@ -1,13 +1,79 @@
-"""``microbatch tune``: measure throughput and peak memory as b_m grows; pick the knee."""
+"""``microbatch tune``: measure throughput and peak memory as b_m grows; pick the knee.
+
+The flags build the three config objects of :mod:`microbatch.choose.config` (flags and fields
+share their names: ``--max-micro-batch`` → ``SearchConfig.max_micro_batch``); the command
+calls :func:`microbatch.choose.tune.tune_model` with them and renders the result.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from microbatch.commands._common import dumps, emit, json_option, model_options
-from microbatch.commands.recommend import choice_kwargs, choice_options, render_recommendation
+from microbatch.commands._common import (
+    choice_config,
+    choice_options,
+    emit,
+    json_option,
+    model_options,
+    write_result,
+)
+from microbatch.precision import MEASURABLE
+
+if TYPE_CHECKING:
+    from microbatch.choose.search import OnPoint
+    from microbatch.measure.timing import TimingConfig
+
+__all__ = ["cmd"]
+
+
+def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``model`` (a registry name or a shape) or ``hf_config`` for :func:`tune_model`, from the model flags."""
+    from microbatch.commands._common import resolve_model
+    from microbatch.errors import ConfigError
+
+    shape_flags = any(
+        model_spec.get(k) is not None
+        for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+    )
+    if model_spec.get("hf_config"):
+        if shape_flags or model_spec.get("model"):
+            raise ConfigError(
+                "--hf-config builds the model from its config; do not add --model or shape flags"
+            )
+        return {"hf_config": model_spec["hf_config"]}
+    if model_spec.get("model") and not shape_flags:
+        from microbatch.model import get_model
+
+        get_model(model_spec["model"])  # unknown names fail here, before any process starts
+        return {"model": model_spec["model"]}
+    return {"model": resolve_model(model_spec, default="small")}
+
+
+def _timing(device: str, repeats: int | None, clock: str) -> TimingConfig | None:
+    """The probe timing of ``--repeats`` and ``--clock`` (None: the device's default)."""
+    from microbatch.choose.probing import default_timing
+    from microbatch.errors import check_positive_int
+    from microbatch.measure.timing import TimingConfig
+
+    if repeats is None and clock == "wall":
+        return None
+    base = default_timing(device)
+    if repeats is not None:
+        check_positive_int("--repeats", repeats, fix="timed repeats at most per probe, e.g. 10")
+    most = base.max_repeats if repeats is None else repeats
+    return TimingConfig(
+        warmup=base.warmup,
+        min_repeats=min(base.min_repeats, most),
+        max_repeats=most,
+        max_time_s=base.max_time_s,
+        rel_tol=base.rel_tol,
+        clock=clock,
+    )
 
 
 @click.command("tune")
@@ -20,7 +86,7 @@ from microbatch.commands.recommend import choice_kwargs, choice_options, render_
     help="train: forward + backward micro-steps; decode: KV-cache decoding after a prefill.",
 )
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N).")
-@click.option("--precision", type=click.Choice(["fp32", "bf16-mixed"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(list(MEASURABLE)), default="fp32", show_default=True)
 @click.option(
     "--checkpointing",
     type=click.Choice(["off", "on", "auto"]),
@@ -66,28 +132,23 @@ from microbatch.commands.recommend import choice_kwargs, choice_options, render_
     type=int,
     help="torch threads in the probe process (default: torch's; 1 is steadier on a shared CPU).",
 )
-@click.option("--no-cache", is_flag=True, help="Measure every point again (do not read or write the cache).")
+@click.option(
+    "--use-cache/--no-cache",
+    default=True,
+    show_default=True,
+    help="Reuse points measured before and save new ones; --no-cache measures every point again.",
+)
 @choice_options
 @json_option
 def cmd(
-    model_spec,
-    mode,
-    device,
-    precision,
-    checkpointing,
-    backend,
-    start,
-    max_micro_batch,
-    patience,
-    refine,
-    repeats,
-    out,
-    clock,
-    threads,
-    no_cache,
-    choice_spec,
-    as_json,
-):
+    model_spec: dict[str, Any],
+    choice_spec: dict[str, Any],
+    out: str | None,
+    repeats: int | None,
+    clock: str,
+    as_json: bool,
+    **flags: Any,
+) -> None:
     """Measure the throughput curve of a model and choose b_m at its knee.
 
     \b
@@ -106,123 +167,76 @@ def cmd(
     and a measured b_m is within the tolerance of that bound), when --patience doublings in a
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
-    from microbatch.choose.tune import CPU_TIMING, CUDA_TIMING, tune_model
-    from microbatch.commands._common import resolve_model
-    from microbatch.errors import ConfigError
-    from microbatch.measure.probes import TimingConfig
+    from microbatch.choose.config import ProbeConfig, SearchConfig
+    from microbatch.choose.tune import tune_model
+    from microbatch.show.recommendation import render_tune
 
-    kw = choice_kwargs(choice_spec, reference="bound")
-    shape_flags = any(
-        model_spec.get(k) is not None
-        for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+    device = flags["device"]
+    probe = ProbeConfig(
+        mode=flags["mode"],
+        seq=model_spec.get("seq"),
+        device=device,
+        precision=flags["precision"],
+        backend=flags["backend"],
+        timing=_timing(device, repeats, clock),
+        threads=flags["threads"],
     )
-    seq = model_spec.get("seq")
-    if seq is not None and seq < 1:
-        raise ConfigError(f"--seq {seq} must be >= 1: give the longest sequence the data will hold")
-    if model_spec.get("hf_config"):
-        if shape_flags or model_spec.get("model"):
-            raise ConfigError(
-                "--hf-config builds the model from its config; do not add --model or shape flags"
-            )
-        target = {"hf_config": model_spec["hf_config"]}
-    elif model_spec.get("model") and not shape_flags:
-        from microbatch.model import get_model
-
-        get_model(model_spec["model"])  # unknown names fail here, before any process starts
-        target = {"model": model_spec["model"]}
-    else:
-        target = {"model": resolve_model(model_spec, default="small")}
-    timing = None
-    if repeats is not None or clock != "wall":
-        base = CUDA_TIMING if device.startswith("cuda") else CPU_TIMING
-        if repeats is not None and repeats < 1:
-            raise ConfigError(f"--repeats {repeats} must be >= 1")
-        repeats = base.max_repeats if repeats is None else repeats
-        timing = TimingConfig(
-            warmup=base.warmup,
-            min_repeats=min(base.min_repeats, repeats),
-            max_repeats=repeats,
-            max_time_s=base.max_time_s,
-            rel_tol=base.rel_tol,
-            clock=clock,
-        )
+    search = SearchConfig(
+        start=flags["start"],
+        max_micro_batch=flags["max_micro_batch"],
+        patience=flags["patience"],
+        refine=flags["refine"],
+        checkpointing=flags["checkpointing"],
+        use_cache=flags["use_cache"],
+    )
+    choice = choice_config(choice_spec)
+    target = _target(model_spec)
 
     progress = None
-    on_point = None
+    on_point: OnPoint | None = None
     if not as_json and sys.stderr.isatty():
-        from rich.console import Console
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        task = progress.add_task(f"tuning: probing b_m = {start}", total=None)
-        unit = "tok/s"
-
-        def on_point(m, cached):
-            what = "out of memory" if m.oom else f"{m.throughput:,.0f} {unit}"
-            progress.console.print(f"  b_m = {m.micro_batch:>5}: {what}{' (cached)' if cached else ''}")
-            progress.update(task, description=f"tuning: last b_m = {m.micro_batch}")
-
+        progress, on_point = _progress(search.start)
     try:
         if progress is not None:
             progress.start()
         result = tune_model(
             target.get("model"),
             hf_config=target.get("hf_config"),
-            backend=backend,
-            seq=seq,
-            mode=mode,
-            device=device,
-            precision=precision,
-            checkpointing=checkpointing,
-            start=start,
-            max_micro_batch=max_micro_batch,
-            refine=refine,
-            patience=patience,
-            timing=timing,
-            use_cache=not no_cache,
-            threads=threads,
+            probe=probe,
+            search=search,
+            choice=choice,
             on_point=on_point,
-            **kw,
         )
     finally:
         if progress is not None:
             progress.stop()
     d = result.to_dict()
     if out:
-        path = result.save(out)
+        path = write_result(Path(out) / "result.json", d)  # the file is what --json prints
         if not as_json:
             click.echo(f"wrote {path}", err=True)
+    emit(d, as_json, lambda: render_tune(d))
 
-    def render() -> str:
-        head = (
-            f"tune {result.model} ({result.mode}, seq {result.seq}, {result.precision}, {result.device_name}, "
-            f"torch {result.torch_version})"
-        )
-        tail = [
-            f"stopped: {result.stop_reason}",
-            f"{result.probes} probes measured, {result.cached} from the cache, {result.oom_events} out of memory, "
-            f"{result.wall_time_s:.1f} s; memory method: {result.memory_method}",
-        ]
-        if result.static_bytes:
-            tail.append(
-                f"static memory (process, weights{', gradients, optimizer' if mode == 'train' else ''}): "
-                f"{result.static_bytes / 2**20:.0f} MiB"
-            )
-        if result.memory_budget_bytes is not None:
-            tail.append(
-                f"memory budget: {result.memory_budget_bytes / 2**30:.2f} GiB ({result.memory_budget_source})"
-            )
-        if result.interrupted:
-            tail.append("interrupted: the choice uses the points measured so far")
-        return "\n".join([head, "", render_recommendation(d, d["points"], unit="tokens/s"), *tail])
 
-    if as_json:
-        click.echo(dumps(d))
-    else:
-        emit(d, False, render)
+def _progress(start: int) -> tuple[Any, OnPoint]:
+    """A transient spinner on stderr and the ``on_point`` that prints each point above it."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from microbatch.measure.probes import Measurement
+
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    task = progress.add_task(f"tuning: probing b_m = {start}", total=None)
+
+    def on_point(m: Measurement, cached: bool) -> None:
+        what = "out of memory" if m.oom else f"{m.throughput:,.0f} tok/s"
+        progress.console.print(f"  b_m = {m.micro_batch:>5}: {what}{' (cached)' if cached else ''}")
+        progress.update(task, description=f"tuning: last b_m = {m.micro_batch}")
+
+    return progress, on_point

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from microbatch.commands._common import MODEL_FLAGS, emit, json_option, model_options, resolve_model
+from microbatch.units import format_bytes
+
+__all__ = ["cmd", "render_validation"]
 
 _COLUMNS = (
     ("micro_batch", "b_m", "{}"),
@@ -24,7 +29,7 @@ _COLUMNS = (
 )
 
 
-def render_validation(d: dict) -> str:
+def render_validation(d: dict[str, Any]) -> str:
     """The ``validate --json`` object as text: a table, the summary, the calibration, the warnings."""
     head = [h for _, h, _ in _COLUMNS]
     body = [[("—" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in _COLUMNS] for r in d["rows"]]
@@ -46,7 +51,7 @@ def render_validation(d: dict) -> str:
         d["summary"],
         "",
         f"calibration (b_m {', '.join(map(str, cal['micro_batches']))}): activation_scale "
-        f"{mem['activation_scale']:.3f}, fixed_bytes {mem['fixed_bytes'] / 2**20:,.1f} MiB"
+        f"{mem['activation_scale']:.3f}, fixed_bytes {format_bytes(mem['fixed_bytes'], digits=1, unit='MiB')}"
         + (
             f"; gemm_max {eff['gemm_max']:.3f}, half_rows {eff['half_rows']:,.0f} (vs {cal['accelerator']})"
             if eff
@@ -100,8 +105,16 @@ def render_validation(d: dict) -> str:
 @model_options
 @json_option
 def cmd(
-    calibration, gpu, fit_on, memory, cpu_peak_gflops, cpu_bandwidth_gbs, cpu_threads, model_spec, as_json
-):
+    calibration: str,
+    gpu: str | None,
+    fit_on: int,
+    memory: str,
+    cpu_peak_gflops: float | None,
+    cpu_bandwidth_gbs: float | None,
+    cpu_threads: int | None,
+    model_spec: dict[str, Any],
+    as_json: bool,
+) -> None:
     """Predict each measured point uncalibrated, from the smallest probes, and leave-one-out.
 
     \b

@@ -2,3 +2,5 @@
 
 Layer 6. The frameworks are optional dependencies, imported inside functions.
 """
+
+__all__: list[str] = []

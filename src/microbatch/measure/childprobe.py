@@ -4,7 +4,7 @@ only the child.
 On the CPU an allocation failure is a plain ``RuntimeError`` and an over-committed host kills the
 process outright, so the CLI's CPU probes run in a child process (``python -m
 microbatch.measure.childprobe --worker``, JSON lines over stdin/stdout) under a hard address-space limit
-(``RLIMIT_AS``). The child builds the probe of a :class:`~microbatch.measure.probes.ProbeSpec`, measures
+(``RLIMIT_AS``). The child builds the probe of a :class:`~microbatch.measure.spec.ProbeSpec`, measures
 each micro-batch size with :mod:`microbatch.measure.probes` (peak memory: ``VmHWM``, reset before each
 probe) and answers with a :class:`~microbatch.measure.probes.Measurement`; after an out-of-memory the
 parent records the point as out of memory and starts a fresh child for the next probe.
@@ -20,20 +20,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO, Any
 
 from microbatch.errors import ConfigError, MeasurementError
-from microbatch.measure.probes import (
-    Measurement,
-    ProbeSpec,
-    _short,
-    build_probe,
-    current_rss_bytes,
-    oom_types,
-    peak_rss_bytes,
-    reset_peak_rss,
-    static_bytes,
-    virtual_bytes,
-)
+from microbatch.measure.device import oom_types, short_error
+from microbatch.measure.hostmem import current_rss_bytes, peak_rss_bytes, reset_peak_rss, virtual_bytes
+from microbatch.measure.probes import Measurement, Probe, static_bytes
+from microbatch.measure.spec import ProbeSpec, build_probe
+from microbatch.units import format_bytes
 
 __all__ = ["ChildProber", "WORKER_ENV"]
 
@@ -56,11 +50,14 @@ class ChildProber:
     under the limit, or the child's death by a signal) the child is restarted.
     """
 
-    def __init__(self, spec: ProbeSpec, *, limit_bytes: int | None = None, timeout_s: float = 600.0):
+    def __init__(self, spec: ProbeSpec, *, limit_bytes: int | None = None, timeout_s: float = 600.0) -> None:
         self.spec, self.limit_bytes, self.timeout_s = spec, limit_bytes, timeout_s
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[str] | None = None
         self.static_bytes: int | None = None
-        self._stderr = None
+        """Bytes the child holds before any activation (process, weights, gradients, optimizer state)."""
+        self.setup_reply: dict[str, Any] | None = None
+        """The child's answer to the setup request (None when it died)."""
+        self._stderr: IO[bytes] | None = None
 
     def start(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -96,7 +93,7 @@ class ChildProber:
             self.close()
             raise ConfigError(
                 f"micro-batch 1 is already out of memory under the limit of {self.limit_bytes} bytes "
-                f"({(self.limit_bytes or 0) / 2**30:.2f} GiB) "
+                f"({format_bytes(self.limit_bytes or 0, unit='GiB')}) "
                 f"(the setup step needs more); turn activation checkpointing on, use a shorter --seq, "
                 "or raise --memory-budget"
             )
@@ -105,12 +102,12 @@ class ChildProber:
             raise MeasurementError(f"the probe process failed during setup: {reply['error']}")
         self.static_bytes = reply.get("static_bytes")
 
-    def ask(self, msg: dict) -> dict | None:
+    def ask(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Send one request to the running child; its reply, or None if it died."""
         self.start()
         return self._ask(msg)
 
-    def _ask(self, msg: dict) -> dict | None:
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         try:
             self.proc.stdin.write(json.dumps(msg) + "\n")
@@ -125,7 +122,8 @@ class ChildProber:
         if not line:
             self.proc.wait(timeout=30)
             return None
-        return json.loads(line)
+        answer: dict[str, Any] = json.loads(line)
+        return answer
 
     def _stderr_tail(self) -> str:
         if self._stderr is None:
@@ -159,7 +157,8 @@ class ChildProber:
         if self.proc is not None:
             if self.proc.poll() is None:
                 try:
-                    self.proc.stdin.close()
+                    if self.proc.stdin is not None:
+                        self.proc.stdin.close()
                     self.proc.wait(timeout=10)
                 except (OSError, subprocess.TimeoutExpired):
                     self.proc.kill()
@@ -173,10 +172,10 @@ def _worker() -> int:
 
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the protocol stream
-    probe = None
+    probe: Probe | None = None
     limited = False
 
-    def reply(d: dict) -> None:
+    def reply(d: dict[str, Any]) -> None:
         out.write(json.dumps(d) + "\n")
         out.flush()
 
@@ -201,8 +200,8 @@ def _worker() -> int:
                     reply(
                         {
                             "config_error": (
-                                f"memory budget {limit} bytes ({limit / 2**30:.2f} GiB) is below the model's static "
-                                f"memory: it needs at least {need} bytes ({need / 2**30:.2f} GiB: process, weights"
+                                f"memory budget {limit} bytes ({format_bytes(limit, unit='GiB')}) is below the model's static "
+                                f"memory: it needs at least {need} bytes ({format_bytes(need, unit='GiB')}: process, weights"
                                 + (", gradients and optimizer state" if spec.mode == "train" else "")
                                 + "); raise --memory-budget or choose a smaller model"
                             )
@@ -214,12 +213,13 @@ def _worker() -> int:
                     room = limit - current_rss_bytes()
                     resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
                     limited = True
+                caught: tuple[type[BaseException], ...] = (RuntimeError, *ooms)
                 try:
                     probe.setup(1)
-                except (RuntimeError, *ooms) as e:
+                except caught as e:
                     if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, ooms):
                         raise
-                    reply({"oom": True, "error": _short(e)})
+                    reply({"oom": True, "error": short_error(e)})
                     continue
                 reply({"static_bytes": need, "rss_after_setup": current_rss_bytes()})
             elif msg["op"] == "alloc":  # a known allocation, to check the peak-memory method
@@ -232,6 +232,8 @@ def _worker() -> int:
                 reply({"peak_delta_bytes": peak_rss_bytes() - before, "allocated_bytes": t.numel() * 4})
                 del t
             elif msg["op"] == "probe":
+                if probe is None:
+                    raise MeasurementError("a probe request came before the setup request")
                 probe.set_checkpointing(bool(msg.get("checkpointing")))
                 try:
                     m = probe.measure(int(msg["micro_batch"]))
@@ -246,7 +248,7 @@ def _worker() -> int:
                         oom=True,
                         memory_method="vmhwm",
                         checkpointing=probe.checkpointing,
-                        error=_short(e),
+                        error=short_error(e),
                     )
                 reply({"measurement": m.to_dict()})
         except ConfigError as e:
@@ -255,7 +257,7 @@ def _worker() -> int:
             import traceback
 
             traceback.print_exc(file=sys.stderr)
-            reply({"error": _short(e)})
+            reply({"error": short_error(e)})
     return 0
 
 

@@ -44,7 +44,9 @@ def _norm(shape: ModelShape) -> nn.Module:
     return nn.LayerNorm(shape.hidden, eps=1e-5)
 
 
-def rotary_tables(head_dim: int, positions: int, *, theta: float = ROPE_THETA, device=None):
+def rotary_tables(
+    head_dim: int, positions: int, *, theta: float = ROPE_THETA, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables ``(positions, head_dim)`` of rotary embeddings.
 
     Angle of position p and pair i: p·θ^(−2i/d) (Su et al. 2021, RoFormer), the two halves of
@@ -77,17 +79,23 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        """Positions the cache can hold."""
+        return int(self.keys[0].shape[2]) if self.keys else 0
 
     def nbytes(self) -> int:
         """Bytes held by the cache: 2·L·b·kv·capacity·head_dim·element size."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(int(t.numel()) * t.element_size() for t in self.keys + self.values)
 
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (kv_heads divides heads)."""
 
-    def __init__(self, shape: ModelShape):
+    rope_cos: torch.Tensor
+    """Rotary cos table ``(positions, head_dim)`` (a non-persistent buffer; rotary shapes only)."""
+    rope_sin: torch.Tensor
+    """Rotary sin table ``(positions, head_dim)``."""
+
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.heads, self.kv, self.head_dim = shape.heads, shape.kv, shape.head_dim
         kvd = self.kv * self.head_dim
@@ -103,12 +111,14 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def _rope(self, needed: int):
+    def _rope(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         if needed > self.rope_cos.shape[0]:
             self._set_rope(max(needed, 2 * self.rope_cos.shape[0]))
         return self.rope_cos, self.rope_sin
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0, start: int = 0):
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, start: int = 0
+    ) -> torch.Tensor:
         b, s, h = x.shape
         kvd = self.kv * self.head_dim
         q, k, v = self.qkv(x).split([self.heads * self.head_dim, kvd, kvd], dim=-1)
@@ -131,49 +141,56 @@ class Attention(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1)
-        return self.out(y.transpose(1, 2).reshape(b, s, h))
+        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(b, s, h))
+        return out
 
 
 class MLP(nn.Module):
     """GELU MLP (h → f → h) or SwiGLU (silu(x·W_gate) ⊙ x·W_up → W_down)."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.gated = shape.gated_mlp
         f = shape.ffn
         self.up = nn.Linear(shape.hidden, (2 if self.gated else 1) * f, bias=shape.bias)
         self.down = nn.Linear(f, shape.hidden, bias=shape.bias)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = self.up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
+            hidden = F.silu(gate) * up
+        else:
+            hidden = F.gelu(self.up(x), approximate="tanh")
+        out: torch.Tensor = self.down(hidden)
+        return out
 
 
 class Block(nn.Module):
     """A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.norm1, self.attn = _norm(shape), Attention(shape)
         self.norm2, self.mlp = _norm(shape), MLP(shape)
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0, start: int = 0):
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, start: int = 0
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cache, layer, start)
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class Embed(nn.Module):
     """Token embedding plus, for learned positions, a position embedding: ``(b, s)`` → ``(b, s, h)``."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.tok = nn.Embedding(shape.vocab, shape.hidden)
         self.pos = nn.Embedding(shape.positions, shape.hidden) if shape.learned_positions else None
 
-    def forward(self, tokens, start: int = 0):
-        x = self.tok(tokens)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        x: torch.Tensor = self.tok(tokens)
         if self.pos is not None:
             s = tokens.shape[1]
             x = x + self.pos(torch.arange(start, start + s, device=tokens.device))
@@ -183,19 +200,20 @@ class Embed(nn.Module):
 class Head(nn.Module):
     """Final norm and output projection: ``(b, s, h)`` → logits ``(b, s, V)``."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.norm = _norm(shape)
         self.proj = nn.Linear(shape.hidden, shape.vocab, bias=False)
 
-    def forward(self, x):
-        return self.proj(self.norm(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(self.norm(x))
+        return out
 
 
 class GPT(nn.Module):
     """A decoder-only transformer: ``embed`` → ``layers`` → ``head``."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.shape = shape
         self.embed = Embed(shape)
@@ -206,7 +224,11 @@ class GPT(nn.Module):
         self.checkpointing = False
         """Recompute each block in the backward pass (activation checkpointing)."""
 
-    def _blocks(self, x, cache=None, start: int = 0):
+    def blocks(self) -> list[Block]:
+        """The transformer blocks, typed (``layers`` is an ``nn.ModuleList``)."""
+        return [block for block in self.layers if isinstance(block, Block)]
+
+    def _blocks(self, x: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         for i, block in enumerate(self.layers):
             if self.checkpointing and cache is None and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
@@ -218,7 +240,8 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``(b, s, V)`` for tokens ``(b, s)``."""
-        return self.head(self._blocks(self.embed(tokens)))
+        logits: torch.Tensor = self.head(self._blocks(self.embed(tokens)))
+        return logits
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``tokens`` (predict token t+1 from tokens ≤ t)."""
@@ -234,7 +257,7 @@ class GPT(nn.Module):
         return KVCache(keys=keys, values=values, length=0)
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, *, capacity: int | None = None):
+    def prefill(self, tokens: torch.Tensor, *, capacity: int | None = None) -> tuple[torch.Tensor, KVCache]:
         """Run the prompt ``(b, s)``; return logits of its last position ``(b, V)`` and the cache.
 
         ``capacity`` (default: the larger of the position table and s) sets how many positions
@@ -250,7 +273,7 @@ class GPT(nn.Module):
         return self.head(x[:, -1:])[:, 0], cache
 
     @torch.no_grad()
-    def decode_step(self, token: torch.Tensor, cache: KVCache):
+    def decode_step(self, token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         """One new token per sequence ``(b,)`` or ``(b, 1)``; return logits ``(b, V)`` and the cache."""
         if token.dim() == 1:
             token = token[:, None]
@@ -273,8 +296,9 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def _init(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            nn.init.zeros_(bias)
 
 
 def build_model(
@@ -298,7 +322,7 @@ def build_model(
         if device.type != "meta":
             model.apply(_init)
             with torch.no_grad():
-                for block in model.layers:
+                for block in model.blocks():
                     block.attn.out.weight.mul_(1.0 / math.sqrt(2 * shape.layers))
                     block.mlp.down.weight.mul_(1.0 / math.sqrt(2 * shape.layers))
     if dtype != torch.float32:

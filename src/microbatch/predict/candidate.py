@@ -1,8 +1,9 @@
 """One candidate of the planner: a way to run the step, with its predicted memory and step time.
 
 :func:`evaluate` predicts one candidate (b_m, m, schedule, v, recompute, ZeRO) of a
-:class:`~microbatch.predict.plan.PlanConfig` by closed forms: per-stage peak memory (:mod:`microbatch.predict.memory`),
-step time (:mod:`microbatch.predict.roofline` plus the pipeline's bubble), tokens/s and MFU, and whether it
+:class:`~microbatch.predict.plan_config.PlanConfig` by closed forms: per-stage peak memory
+(:mod:`microbatch.predict.memory`), step time (each stage's F, I and W from the one step-time rule,
+:mod:`microbatch.predict.steptime`, plus the pipeline's bubble), tokens/s and MFU, and whether it
 fits with the headroom asked; :func:`with_simulation` replays it with :func:`microbatch.schedules.simulate.simulate`.
 A :class:`Context` caches what does not depend on the candidate, so the planner's enumeration stays cheap.
 
@@ -21,18 +22,19 @@ communication per micro-step (overlapped with compute where shorter), and the op
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 from microbatch.errors import ConfigError
-from microbatch.predict.memory import (
-    bytes_per_param,
+from microbatch.precision import get_precision
+from microbatch.predict.activations import (
     embedding_activation_bytes,
     layer_activation_bytes,
     output_activation_bytes,
-    split_layers,
-    stage_params,
 )
+from microbatch.predict.memory import split_layers, stage_params
+from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.roofline import (
+    LayerTime,
     allgather_time_s,
     allreduce_time_s,
     group_bandwidth,
@@ -41,11 +43,11 @@ from microbatch.predict.roofline import (
     p2p_time_s,
     reduce_scatter_time_s,
 )
+from microbatch.predict.state import bytes_per_param
+from microbatch.predict.steptime import pipeline_stage_times
+from microbatch.schedules.registry import in_flight_chunks
 
-if TYPE_CHECKING:
-    from microbatch.predict.plan import PlanConfig
-
-__all__ = ["Candidate", "Context", "evaluate", "layer_costs", "make_context", "with_simulation"]
+__all__ = ["Candidate", "Context", "LayerCosts", "evaluate", "layer_costs", "make_context", "with_simulation"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +108,8 @@ class Candidate:
     def bubble_pct(self) -> float:
         return 100 * self.bubble_fraction
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field (bytes, seconds, fractions)."""
         return {
             "micro_batch": self.micro_batch,
             "microbatches": self.microbatches,
@@ -134,7 +137,7 @@ class Candidate:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> Candidate:
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
         """A candidate from :meth:`to_dict` output (for example read back from ``plan --json``)."""
         names = {f for f in cls.__dataclass_fields__}
         try:
@@ -145,25 +148,55 @@ class Candidate:
             ) from None
 
 
+class LayerCosts(NamedTuple):
+    """Per-micro-batch costs at one b_m that do not depend on the candidate's other choices."""
+
+    layer: LayerTime
+    """One layer's forward, by part."""
+    logits_s: float
+    """The output layer and loss, forward."""
+    p2p_s: float
+    """One pipeline send of a micro-batch's activations (0 without a pipeline)."""
+    gemm_efficiency: float
+    """Achieved fraction of peak FLOP/s of one layer's forward."""
+
+
+class _Acts(NamedTuple):
+    per_layer: float
+    working: float
+    embedding: float
+    output: float
+
+
 @dataclass
 class Context:
     """Per-plan caches: everything that does not depend on the candidate."""
 
     cfg: PlanConfig
+    """The plan's configuration."""
     split: tuple[int, ...]
-    probe: tuple[int, ...]  # stages whose peak can be the maximum
+    """Layers per stage."""
+    probe: tuple[int, ...]
+    """Stages whose peak can be the maximum."""
     params: dict[int, float]
-    act_kw: dict
+    """Parameters per GPU of each stage."""
+    act_kw: dict[str, Any]
+    """seq, tensor_parallel, sequence_parallel for the activation formulas."""
     dtype: str
+    """Compute dtype of the precision (``bf16``, ``fp16``, ``fp32``)."""
     e: int
+    """Bytes per activation element (the compute dtype's)."""
     state_bpp: tuple[int, int, int]
+    """Weight, gradient and optimizer-state bytes per parameter."""
     max_params: float = 0.0
-    layer_cache: dict = field(default_factory=dict)
-    act_cache: dict = field(default_factory=dict)
-    time_cache: dict = field(default_factory=dict)
+    """The most parameters on one GPU over the stages."""
+    layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
+    act_cache: dict[tuple[int, str], _Acts] = field(default_factory=dict)
+    time_cache: dict[tuple[int, str], _Times] = field(default_factory=dict)
 
 
 def make_context(cfg: PlanConfig) -> Context:
+    """The caches for planning ``cfg``."""
     p, t = cfg.pipeline_parallel, cfg.tensor_parallel
     split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
     if cfg.layers_per_stage is None:
@@ -173,8 +206,7 @@ def make_context(cfg: PlanConfig) -> Context:
     else:
         probe = list(range(p))
     params = {i: stage_params(cfg.shape, i, p, split[i], t) for i in range(p)}
-    e = 4 if cfg.precision == "fp32" else 2
-    dtype = "fp32" if cfg.precision == "fp32" else ("fp16" if cfg.precision == "fp16-mixed" else "bf16")
+    prec = get_precision(cfg.precision)
     return Context(
         cfg=cfg,
         split=split,
@@ -182,14 +214,14 @@ def make_context(cfg: PlanConfig) -> Context:
         params=params,
         max_params=max(params.values()),
         act_kw=dict(seq=cfg.seq, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
-        dtype=dtype,
-        e=e,
+        dtype=prec.compute_dtype,
+        e=prec.weight_bytes,  # activations are kept in the compute dtype
         state_bpp=bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer),
     )
 
 
-def layer_costs(ctx: Context, b: int):
-    """Per-micro-batch times at b_m = b: (layer forward, layer backward parts, logits, p2p)."""
+def layer_costs(ctx: Context, b: int) -> LayerCosts:
+    """Per-micro-batch costs at b_m = b: layer forward, logits, p2p send, GEMM efficiency."""
     hit = ctx.layer_cache.get(b)
     if hit is None:
         cfg = ctx.cfg
@@ -210,12 +242,12 @@ def layer_costs(ctx: Context, b: int):
             bw = group_bandwidth(cfg.gpu, p, t * cfg.data_parallel) * cfg.efficiency.network
             p2p = p2p_time_s(nbytes, bw)
         flops_rate = lt.flops / lt.compute_s / cfg.gpu.flops(ctx.dtype) if lt.compute_s else 0.0
-        hit = (lt, logit_s, p2p, flops_rate)
+        hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
         ctx.layer_cache[b] = hit
     return hit
 
 
-def _act(ctx: Context, b: int, rc: str):
+def _act(ctx: Context, b: int, rc: str) -> _Acts:
     key = (b, rc)
     hit = ctx.act_cache.get(key)
     if hit is None:
@@ -231,29 +263,21 @@ def _act(ctx: Context, b: int, rc: str):
             )  # fmt: skip
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
         out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
-        hit = (per_layer, working, emb, out)
+        hit = _Acts(per_layer=per_layer, working=working, embedding=emb, output=out)
         ctx.act_cache[key] = hit
     return hit
 
 
 def _in_flight(schedule: str, i: int, p: int, m: int, v: int) -> tuple[float, int]:
-    """(layer-micro-batches per stage layer, micro-batches) in flight on stage i: see memory.in_flight_layers."""
-    if p == 1:
-        return (float(m), m) if schedule == "gpipe" else (1.0, 1)
-    if schedule == "gpipe":
-        return float(m), m
-    if schedule == "zb-h1":
-        k = min(m, p)
-        return float(k), k
-    if schedule == "interleaved-1f1b" and v > 1:
-        per_round = m // max(1, m // p)  # torch's ScheduleInterleaved1F1B rounds
-        chunks = min(m * v, (v - 1) * per_round + 2 * (p - 1 - i) + 1)
-        return chunks / v, min(m, -(-chunks // v))
-    k = min(m, p - i)
-    return float(k), k
+    """(layer-micro-batches per stage layer, micro-batches) in flight on stage i: the schedule's
+    in-flight rule from the one registry (:func:`microbatch.schedules.registry.in_flight_chunks`)."""
+    chunks = in_flight_chunks(schedule, i, p, m, v)
+    return chunks / v, min(m, -(-chunks // v))
 
 
-def _memory(ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int):
+def _memory(
+    ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int
+) -> tuple[float, int, tuple[float, float, float, float, float]]:
     """(peak bytes, stage, breakdown) over the probed stages."""
     cfg = ctx.cfg
     p, d = cfg.pipeline_parallel, cfg.data_parallel
@@ -263,7 +287,7 @@ def _memory(ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int):
     other = cfg.memory_calibration.fixed_bytes
     if z >= 3 and d > 1:
         other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
-    best = None
+    best: tuple[float, int, tuple[float, float, float, float, float]] | None = None
     for i in ctx.probe:
         n = ctx.params[i]
         weights = n * wb / (d if z >= 3 else 1)
@@ -279,6 +303,7 @@ def _memory(ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int):
         total = weights + grads + opt + acts + other
         if best is None or total > best[0]:
             best = (total, i, (weights, grads, opt, acts, other))
+    assert best is not None  # ctx.probe always holds stage 0
     return best
 
 
@@ -287,21 +312,11 @@ def _stage_times(ctx: Context, b: int, rc: str) -> _Times:
     hit = ctx.time_cache.get((b, rc))
     if hit is not None:
         return hit
-    lt, logit_s, p2p, _ = layer_costs(ctx, b)
-    layer_f = lt.total_s
-    w_part = lt.gemm_s  # weight gradients: one GEMM per forward GEMM
-    layer_i = 2 * lt.compute_s - w_part + lt.tp_comm_s  # input gradients, attention and elementwise backward
-    if rc == "full":
-        layer_i += layer_f
-    elif rc == "selective":
-        layer_i += lt.attention_s
+    costs = layer_costs(ctx, b)
     p = ctx.cfg.pipeline_parallel
-    f, i_, w = [], [], []
-    for s, n in enumerate(ctx.split):
-        extra = logit_s if s == p - 1 else 0.0
-        f.append(n * layer_f + extra + p2p)
-        i_.append(n * layer_i + extra + p2p)  # the logits' backward ≈ 2× forward: one for I, one for W
-        w.append(n * w_part + extra)
+    f, i_, w = pipeline_stage_times(
+        costs.layer, costs.logits_s, split=ctx.split, p2p_s=costs.p2p_s, recompute=rc
+    )
     T = [a + b_ + c for a, b_, c in zip(f, i_, w, strict=True)]
     k = max(range(p), key=T.__getitem__)
     hit = _Times(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
@@ -310,9 +325,9 @@ def _stage_times(ctx: Context, b: int, rc: str) -> _Times:
 
 
 class _Times(NamedTuple):
-    f: list
-    i: list
-    w: list
+    f: list[float]
+    i: list[float]
+    w: list[float]
     k: int
     Tk: float
     sumT: float
@@ -401,7 +416,7 @@ def evaluate(
         tensor_parallel=cfg.tensor_parallel,
         sequence_parallel=cfg.sequence_parallel,
         peak_stage=stage,
-        gemm_efficiency=layer_costs(ctx, b)[3],
+        gemm_efficiency=layer_costs(ctx, b).gemm_efficiency,
         time={"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
               "optimizer_s": opt},
     )  # fmt: skip
@@ -413,7 +428,7 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
     p = cfg.pipeline_parallel
     if p == 1:
         return c
-    from microbatch.schedules.schedule import generate
+    from microbatch.schedules.registry import generate
     from microbatch.schedules.simulate import simulate
 
     tm = _stage_times(ctx, c.micro_batch, c.recompute)

@@ -1,25 +1,8 @@
 """Bytes per pipeline stage: weights, gradients, optimizer state, activations, other.
 
-Two halves. **Model state** is fixed by the parameter count and the numerics; the two common
-mixed-precision conventions are named, not hidden behind one flag:
-
-- ``bf16-mixed`` (or ``fp16-mixed``) with **half-precision gradients**: 2 (weights) + 2
-  (gradients) + 12 (fp32 master weights and the two Adam moments) = **16 bytes per parameter**
-  (Rajbhandari et al., ZeRO, SC20, §3.1: "K = 12").
-- the same with **fp32 gradient accumulation**: 2 + 4 + 12 = **18 bytes** (Megatron-LM,
-  Korthikanti et al. 2022 Table 3 note; Megatron's distributed-optimizer doc table).
-- ``fp32``: 4 + 4 + 8 (two Adam moments) = 16 bytes.
-
-SGD keeps one momentum buffer instead of two moments. ZeRO stage 1 shards the optimizer state
-over the d data-parallel replicas (Megatron's *distributed optimizer* is this), stage 2 also the
-gradients, stage 3 also the weights.
-
-**Activations** follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", arXiv 2205.05198, §4), written term by term so that grouped-query
-attention, a gated MLP, an MLP width other than 4h and training without dropout change the
-right terms; for a GPT block with dropout they reduce exactly to the paper's
-``s·b·h·(34 + 5·a·s/h)`` per layer (and its tensor/sequence-parallel and selective forms).
-They are linear in b_m. Flash attention (or selective recompute) drops the ``5·a·s²·b`` term.
+Peak = model state (:mod:`microbatch.predict.state`: 16 or 18 bytes per parameter with
+mixed-precision Adam, sharded by ZeRO) + the activations of the micro-batches in flight
+(:mod:`microbatch.predict.activations`: Korthikanti et al. 2022 §4, linear in b_m) + other.
 A pipeline stage holds the activations of as many micro-batches as its schedule keeps in
 flight: GPipe m; 1F1B min(m, p − i) on stage i; ZB-H1 min(m, p) on every stage (Qi et al. 2024
 Table 2: the same p·M_B peak as 1F1B's first stage, but deferred W passes keep it on all); interleaved
@@ -33,26 +16,26 @@ a later calibration from measurements fills in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative, check_positive_int
 from microbatch.model import ModelShape
+from microbatch.precision import get_precision
+from microbatch.predict.activations import (
+    check_recompute,
+    embedding_activation_bytes,
+    layer_activation_bytes,
+    output_activation_bytes,
+)
+from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes
+from microbatch.schedules import registry
 
 __all__ = [
-    "PRECISIONS",
-    "GRAD_DTYPES",
-    "OPTIMIZERS",
-    "RECOMPUTE_MODES",
     "SCHEDULES",
     "MemoryCalibration",
     "MemoryConfig",
     "StageMemory",
     "MemoryEstimate",
-    "bytes_per_param",
-    "model_state_bytes",
-    "layer_activation_terms",
-    "layer_activation_bytes",
-    "embedding_activation_bytes",
-    "output_activation_bytes",
     "split_layers",
     "in_flight_layers",
     "interleaved_first_stage_factor",
@@ -60,181 +43,8 @@ __all__ = [
     "estimate_memory",
 ]
 
-PRECISIONS = ("bf16-mixed", "fp16-mixed", "fp32")
-"""Training numerics: half-precision compute with fp32 master weights, or fp32 throughout."""
-GRAD_DTYPES = ("half", "fp32")
-"""Gradient buffer type under mixed precision: ``half`` (ZeRO paper, 16 B/param) or ``fp32`` (Megatron, 18)."""
-OPTIMIZERS = ("adamw", "sgd")
-"""Optimizers with a state-size rule (Adam/AdamW: two moments; SGD with momentum: one buffer)."""
-RECOMPUTE_MODES = ("none", "selective", "full")
-"""Activation recomputation: none, selective (attention core only, Korthikanti §5), full (per layer)."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-"""Pipeline schedules whose in-flight count this module knows."""
-
-
-# -- model state ---------------------------------------------------------------------------------
-def bytes_per_param(
-    precision: str, grad_dtype: str = "half", optimizer: str = "adamw"
-) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) bytes per parameter before any sharding.
-
-    Mixed precision keeps 2-byte weights, 2- or 4-byte gradients and fp32 master weights (4) plus
-    the optimizer's fp32 buffers (Adam: 8; SGD momentum: 4) — ZeRO §3.1 (16 B with Adam) and
-    Megatron (18 B with fp32 gradients). fp32 keeps 4 + 4 + buffers (no master copy). Ignores
-    8-bit optimizers and fp32 gradient buffers kept next to half ones.
-    """
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision {precision!r} is not known; use one of {', '.join(PRECISIONS)}")
-    if grad_dtype not in GRAD_DTYPES:
-        raise ConfigError(
-            f"grad dtype {grad_dtype!r} is not known; use 'half' (16 B/param, ZeRO) or 'fp32' (18 B/param, Megatron)"
-        )
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
-    moments = 8 if optimizer == "adamw" else 4
-    if precision == "fp32":
-        return 4, 4, moments
-    return 2, (2 if grad_dtype == "half" else 4), 4 + moments
-
-
-def model_state_bytes(
-    params: float,
-    *,
-    precision: str = "bf16-mixed",
-    grad_dtype: str = "half",
-    optimizer: str = "adamw",
-    zero: int = 0,
-    data_parallel: int = 1,
-) -> dict[str, float]:
-    """Bytes of weights, gradients and optimizer state for ``params`` parameters on one GPU.
-
-    ZeRO (Rajbhandari et al. 2020, Fig. 1): stage 1 divides the optimizer state by d, stage 2
-    also the gradients, stage 3 also the weights — 16, 4 + 12/d, 2 + 14/d, 16/d bytes per
-    parameter with mixed-precision Adam. Ignores temporary buffers (all-gather, bucket copies).
-    """
-    _check_zero(zero)
-    w, g, o = bytes_per_param(precision, grad_dtype, optimizer)
-    d = data_parallel
-    return {
-        "weights": params * w / (d if zero >= 3 else 1),
-        "gradients": params * g / (d if zero >= 2 else 1),
-        "optimizer": params * o / (d if zero >= 1 else 1),
-    }
-
-
-def _check_zero(zero: object) -> int:
-    if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
-        raise ConfigError(
-            f"ZeRO stage {zero!r} is not known; use 0 (none), 1 (optimizer state; = distributed optimizer), "
-            "2 (+ gradients) or 3 (+ weights)"
-        )
-    return zero
-
-
-# -- activations per layer ----------------------------------------------------------------------------
-def layer_activation_terms(
-    shape: ModelShape,
-    micro_batch: int,
-    *,
-    seq: int | None = None,
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    flash_attention: bool | None = None,
-    dtype_bytes: int = 2,
-) -> dict[str, float]:
-    """Bytes one transformer layer keeps for its backward, for one micro-batch, by term.
-
-    Korthikanti et al. 2022 §4.1 term by term (s = seq, b = micro-batch, h = hidden, a = heads,
-    t = tensor parallel; 2-byte activations, 1-byte dropout masks):
-
-    - ``norms``: the two norm inputs, 4sbh; ``attention_input``: QKV input 2sbh; ``mlp_input``:
-      first MLP linear input 2sbh — none split by t unless sequence parallel.
-    - ``qkv``: Q, K, V 6sbh (K and V scaled by kv_heads/heads); ``attention_output``: the output
-      projection input 2sbh — split by t.
-    - ``attention_scores``: softmax output 2as²b, its dropout mask as²b and output 2as²b = 5as²b,
-      split by t; dropped by flash attention or selective recompute. Flash attention keeps
-      instead a 4-byte log-sum-exp per head and row (``attention_stats``), 4asb.
-    - ``mlp_hidden``: activation input and output 2 × 2sbf (gated: gate, up and product, 3 × 2sbf),
-      split by t (16sbh at f = 4h).
-    - ``dropout_masks``: after attention and after the MLP, 2sbh·1 byte, not split unless SP.
-
-    Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
-    recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
-    """
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute {recompute!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}")
-    s = seq or shape.seq
-    t = tensor_parallel
-    b = micro_batch
-    h, a, f = shape.hidden, shape.heads, shape.ffn
-    sp = t if sequence_parallel else 1
-    e = dtype_bytes
-    sbh = s * b * h
-    if recompute == "full":
-        return {"layer_input": e * sbh / sp}
-    flash = shape.flash_attention if flash_attention is None else flash_attention
-    kv_frac = shape.kv / shape.heads
-    terms = {
-        "norms": 2 * e * sbh / sp,
-        "attention_input": e * sbh / sp,
-        "qkv": e * sbh * (1 + 2 * kv_frac) / t,
-        "attention_output": e * sbh / t,
-        "mlp_input": e * sbh / sp,
-        "mlp_hidden": (3 if shape.gated_mlp else 2) * e * s * b * f / t,
-        "dropout_masks": (2 * sbh / sp) if shape.dropout else 0.0,
-    }
-    if flash:
-        terms["attention_stats"] = 4 * a * s * b / t
-    elif recompute == "none":
-        per_score = (2 * e + 1) if shape.dropout else e  # softmax out (+ dropout mask + dropout out)
-        terms["attention_scores"] = per_score * a * s * s * b / t
-    return terms
-
-
-def layer_activation_bytes(shape: ModelShape, micro_batch: int, **kwargs) -> float:
-    """Sum of :func:`layer_activation_terms`: bytes one layer keeps for one micro-batch."""
-    return sum(layer_activation_terms(shape, micro_batch, **kwargs).values())
-
-
-def embedding_activation_bytes(
-    shape: ModelShape,
-    micro_batch: int,
-    *,
-    seq: int | None = None,
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
-) -> float:
-    """The input embedding's dropout mask, s·b·h bytes (/t with SP); zero without dropout.
-
-    Korthikanti et al. 2022 §4.3. The embedding backward needs only the token ids.
-    """
-    if not shape.dropout:
-        return 0.0
-    s = seq or shape.seq
-    return s * micro_batch * shape.hidden / (tensor_parallel if sequence_parallel else 1)
-
-
-def output_activation_bytes(
-    shape: ModelShape,
-    micro_batch: int,
-    *,
-    seq: int | None = None,
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
-    dtype_bytes: int = 2,
-) -> float:
-    """Final norm input and output-projection input (2 × e·sbh) plus fp32 logits 4·s·b·V/t.
-
-    Korthikanti et al. 2022 §4.3 ("4sbh/t·(1 + v/h)" with SP and 2-byte activations); the logits
-    are vocabulary-parallel, so split by t. Ignores the logits' gradient, a transient of the same size.
-    """
-    s = seq or shape.seq
-    sp = tensor_parallel if sequence_parallel else 1
-    return (
-        2 * dtype_bytes * s * micro_batch * shape.hidden / sp
-        + 4 * s * micro_batch * shape.vocab / tensor_parallel
-    )
+SCHEDULES = registry.schedule_names(in_flight=True)
+"""Pipeline schedules with an in-flight rule, read from the one registry (:mod:`microbatch.schedules.registry`)."""
 
 
 # -- pipeline stages ------------------------------------------------------------------------------------
@@ -281,51 +91,17 @@ def interleaved_first_stage_factor(stages: int, virtual: int) -> float:
 def in_flight_layers(
     schedule: str, stage: int, stages: int, microbatches: int, virtual: int, stage_layers: int
 ) -> float:
-    """Layer-micro-batches of activations stage ``stage`` holds at its peak.
-
-    - GPipe: all m micro-batches × the stage's layers (seed 002).
-    - 1F1B: min(m, p − i) micro-batches (Narayanan et al. 2021).
-    - ZB-H1: min(m, p) on every stage — rank i defers i + 1 weight-gradient passes, each holding its
-      micro-batch's activations, on top of 1F1B's p − i (Qi et al. 2024 Table 2: peak p·M_B).
-    - interleaved 1F1B, v > 1: torch's (and Megatron-core's) warm-up count 2(p − i − 1) + (v − 1)p, plus
-      the one in steady state, model chunks of L_stage/v layers, at most m·v; on stage 0 this is
-      L_stage·p·(1 + (p−1)/(p·v)).
-    With one stage (no pipeline) a micro-batch's activations are freed by its own backward: 1.
-    """
-    if stages == 1:
-        return float(stage_layers) * (microbatches if schedule == "gpipe" else 1)
-    if schedule == "gpipe":
-        return float(stage_layers * microbatches)
-    if schedule == "zb-h1":
-        return float(stage_layers * min(microbatches, stages))
-    if schedule == "interleaved-1f1b" and virtual > 1:
-        chunks = _interleaved_chunks(stage, stages, microbatches, virtual)
-        return chunks * stage_layers / virtual
-    return float(stage_layers * min(microbatches, stages - stage))
-
-
-def _interleaved_chunks(stage: int, stages: int, microbatches: int, virtual: int) -> int:
-    """Activation chunks stage ``stage`` holds under interleaved 1F1B: warm-up forwards plus one.
-
-    torch's ScheduleInterleaved1F1B warm-up: (v − 1)·n + 2(p − 1 − i), where n = m // max(1, m // p)
-    micro-batches per round (n = p when p divides m, Megatron-core's rule), capped at m·v.
-    """
-    per_round = microbatches // max(1, microbatches // stages)
-    return min(microbatches * virtual, (virtual - 1) * per_round + 2 * (stages - 1 - stage) + 1)
+    """Layer-micro-batches of activations stage ``stage`` holds at its peak: the schedule's in-flight
+    rule (GPipe m; 1F1B min(m, p − i); ZB-H1 min(m, p); interleaved 1F1B its warm-up count in
+    chunks of L_stage/v layers), read from the one registry: see
+    :func:`microbatch.schedules.registry.in_flight_layers` and :mod:`microbatch.schedules.rules`."""
+    return registry.in_flight_layers(schedule, stage, stages, microbatches, virtual, stage_layers)
 
 
 def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches: int, virtual: int) -> int:
-    """Micro-batches whose forward has started on ``stage`` but whose backward has not finished."""
-    if stages == 1:
-        return microbatches if schedule == "gpipe" else 1
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "zb-h1":
-        return min(microbatches, stages)
-    if schedule == "interleaved-1f1b" and virtual > 1:
-        chunks = _interleaved_chunks(stage, stages, microbatches, virtual)
-        return min(microbatches, -(-chunks // virtual))
-    return min(microbatches, stages - stage)
+    """Micro-batches whose forward has started on ``stage`` but whose backward has not finished:
+    :func:`microbatch.schedules.registry.in_flight_microbatches`."""
+    return registry.in_flight_microbatches(schedule, stage, stages, microbatches, virtual)
 
 
 def stage_params(
@@ -408,12 +184,9 @@ class MemoryConfig:
             check_positive_int(name.replace("_", "-"), getattr(self, name))
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
-        _check_zero(self.zero)
+        check_zero(self.zero)
         bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(
-                f"recompute {self.recompute!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}"
-            )
+        check_recompute(self.recompute)
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule {self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
         if self.virtual > 1 and self.schedule != "interleaved-1f1b":
@@ -472,34 +245,42 @@ class StageMemory:
     """Parameters this GPU holds (after tensor parallelism, before ZeRO sharding)."""
     in_flight: int
     """Micro-batches in flight at the peak."""
-    weights: float
+    weights_bytes: float
     """Weight bytes."""
-    gradients: float
+    gradients_bytes: float
     """Gradient bytes."""
-    optimizer: float
+    optimizer_bytes: float
     """Optimizer-state bytes (master weights and moments)."""
-    activations: float
+    activations_bytes: float
     """Activation bytes at the peak (all in-flight micro-batches)."""
-    other: float
+    other_bytes: float
     """Buffers: ZeRO-3 gathered layers, the calibration's fixed offset."""
     activation_terms: dict[str, float] = field(default_factory=dict)
-    """``activations`` split into transformer layers, embedding, output/loss, recompute working set."""
+    """``activations_bytes`` split into transformer layers, embedding, output/loss, recompute working set
+    (bytes by term)."""
+
+    @property
+    def state_bytes(self) -> float:
+        """Model state: weights + gradients + optimizer state."""
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
 
     @property
     def peak_bytes(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.other
+        """Everything the stage holds at its peak."""
+        return self.state_bytes + self.activations_bytes + self.other_bytes
 
     def breakdown(self) -> dict[str, float]:
-        """The five JSON terms: weights, gradients, optimizer, activations, other."""
+        """The five JSON terms (bytes): weights, gradients, optimizer, activations, other."""
         return {
-            "weights": self.weights,
-            "gradients": self.gradients,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "other": self.other,
+            "weights": self.weights_bytes,
+            "gradients": self.gradients_bytes,
+            "optimizer": self.optimizer_bytes,
+            "activations": self.activations_bytes,
+            "other": self.other_bytes,
         }
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the peak, its five terms (``memory``) and the activation terms, in bytes."""
         return {
             "stage": self.stage,
             "layers": self.layers,
@@ -524,13 +305,16 @@ class MemoryEstimate:
 
     @property
     def peak_stage(self) -> StageMemory:
+        """The stage with the highest peak."""
         return max(self.stages, key=lambda st: st.peak_bytes)
 
     @property
     def peak_bytes(self) -> float:
+        """The highest peak over the stages."""
         return self.peak_stage.peak_bytes
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the configuration in effect, the peak stage's terms and every stage."""
         peak = self.peak_stage
         cfg = self.config
         return {
@@ -576,25 +360,20 @@ def estimate_memory(
     config.validate_for(shape)
     p, t, m, v = config.pipeline_parallel, config.tensor_parallel, config.m, config.virtual
     split = split_layers(shape.layers, p, config.layers_per_stage)
-    e = 4 if config.precision == "fp32" else 2
-    act_kw = dict(
-        seq=config.seq, tensor_parallel=t, sequence_parallel=config.sequence_parallel, dtype_bytes=e
-    )
+    e = get_precision(config.precision).weight_bytes  # activations are kept in the compute dtype
+    seq, sp, fa = config.seq, config.sequence_parallel, config.flash_attention
     per_layer = layer_activation_bytes(
-        shape,
-        config.micro_batch,
-        recompute=config.recompute,
-        flash_attention=config.flash_attention,
-        **act_kw,
-    )
+        shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute=config.recompute,
+        flash_attention=fa, dtype_bytes=e,
+    )  # fmt: skip
     working = 0.0
     if config.recompute == "full":
         working = layer_activation_bytes(
-            shape, config.micro_batch, recompute="none", flash_attention=config.flash_attention, **act_kw
-        )
-    emb_kw = dict(seq=config.seq, tensor_parallel=t, sequence_parallel=config.sequence_parallel)
+            shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute="none",
+            flash_attention=fa, dtype_bytes=e,
+        )  # fmt: skip
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
-    stages = []
+    stages: list[StageMemory] = []
     for i, n_layers in enumerate(split):
         params = stage_params(shape, i, p, n_layers, t)
         state = model_state_bytes(
@@ -608,11 +387,15 @@ def estimate_memory(
         held = in_flight_microbatches(config.schedule, i, p, m, v)
         terms = {"layers": per_layer * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
-            terms["embedding"] = embedding_activation_bytes(shape, config.micro_batch, **emb_kw) * held
-        if i == p - 1:
-            terms["output"] = (
-                output_activation_bytes(shape, config.micro_batch, dtype_bytes=e, **emb_kw) * held
+            emb = embedding_activation_bytes(
+                shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp
             )
+            terms["embedding"] = emb * held
+        if i == p - 1:
+            out = output_activation_bytes(
+                shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, dtype_bytes=e
+            )
+            terms["output"] = out * held
         if working:
             terms["recompute_working"] = working
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
@@ -625,11 +408,11 @@ def estimate_memory(
                 layers=n_layers,
                 params=params,
                 in_flight=held,
-                weights=state["weights"],
-                gradients=state["gradients"],
-                optimizer=state["optimizer"],
-                activations=sum(terms.values()),
-                other=other,
+                weights_bytes=state["weights"],
+                gradients_bytes=state["gradients"],
+                optimizer_bytes=state["optimizer"],
+                activations_bytes=sum(terms.values()),
+                other_bytes=other,
                 activation_terms=terms,
             )
         )

@@ -16,12 +16,14 @@ give the pitfalls and, when nothing fits, what would. The library never prints:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from microbatch.batch import divisors
-from microbatch.errors import ConfigError, ScheduleError, check_positive_int
-from microbatch.hardware import Accelerator
+from microbatch.errors import ConfigError, ScheduleError
+from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
+from microbatch.predict.activations import RECOMPUTE_MODES
 from microbatch.predict.candidate import (
     Candidate,
     Context,
@@ -30,15 +32,11 @@ from microbatch.predict.candidate import (
     make_context,
     with_simulation,
 )
-from microbatch.predict.memory import (
-    RECOMPUTE_MODES,
-    SCHEDULES,
-    MemoryCalibration,
-    MemoryConfig,
-    bytes_per_param,
-)
-from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency, model_flops_per_step
-from microbatch.show.plan_report import explain, gib
+from microbatch.predict.memory import SCHEDULES
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.roofline import model_flops_per_step
+from microbatch.predict.state import ZERO_STAGES
+from microbatch.units import format_bytes
 
 __all__ = [
     "PlanConfig",
@@ -52,9 +50,6 @@ __all__ = [
     "KNEE_TOLERANCE",
 ]
 
-DEFAULT_HEADROOM = 0.1
-"""Share of device memory the planner keeps free by default: a policy, not a measurement — the CUDA
-context (a few hundred MiB), NCCL buffers and the caching allocator's fragmentation live there."""
 KNEE_TOLERANCE = 0.1
 """A b_m whose kernel throughput is within 10% of the best is at the knee (DESIGN: "the smallest b_m
 whose throughput is within a tolerance of the best")."""
@@ -62,145 +57,9 @@ _KNEE_FACTOR = 4
 """Lint b_m at least this many times the knee ("far past the knee")."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class PlanConfig:
-    """What to plan: a model on an accelerator, a layout, and the choices to search."""
-
-    shape: ModelShape
-    """The model."""
-    gpu: Accelerator
-    """The accelerator every rank runs on."""
-    global_batch: int
-    """B_global: sequences per optimizer step (held fixed)."""
-    data_parallel: int = 1
-    """d: data-parallel replicas."""
-    pipeline_parallel: int = 1
-    """p: pipeline stages."""
-    tensor_parallel: int = 1
-    """t: tensor-parallel ranks."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs t > 1)."""
-    seq: int | None = None
-    """Sequence length; None means the model's."""
-    schedules: tuple[str, ...] | None = None
-    """Schedules to consider; None means every one that can serve (p, m, v)."""
-    virtuals: tuple[int, ...] | None = None
-    """v values for interleaved 1F1B; None means every v > 1 with p·v dividing the layers."""
-    recompute: tuple[str, ...] | None = None
-    """Recompute modes; None means none, selective and full."""
-    zero: tuple[int, ...] | None = None
-    """ZeRO stages; None means 0–3 when d > 1, else 0."""
-    micro_batches: tuple[int, ...] | None = None
-    """b_m values; None means every divisor of B/d."""
-    layers_per_stage: tuple[int, ...] | None = None
-    """An uneven split of layers over stages; None means even."""
-    precision: str = "bf16-mixed"
-    """bf16-mixed, fp16-mixed or fp32."""
-    grad_dtype: str = "half"
-    """Gradients under mixed precision: half (16 B/param) or fp32 (18 B/param)."""
-    optimizer: str = "adamw"
-    """adamw or sgd."""
-    flash_attention: bool | None = None
-    """Flash attention; None means the model's setting."""
-    memory_headroom: float = DEFAULT_HEADROOM
-    """Share of device memory kept free; a candidate fits when peak ≤ capacity × (1 − headroom)."""
-    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
-    """Kernel and link efficiencies (calibratable)."""
-    memory_calibration: MemoryCalibration = field(default_factory=MemoryCalibration)
-    """Memory corrections (calibratable)."""
-    simulate_top: int = 3
-    """How many leading candidates to replay with the event simulator."""
-
-    def __post_init__(self) -> None:
-        for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
-            check_positive_int(name.replace("_", "-"), getattr(self, name))
-        B, d = self.global_batch, self.data_parallel
-        if B % d:
-            lo, hi = (B // d) * d, (B // d + 1) * d
-            raise ConfigError(
-                f"global batch {B} is not divisible by data-parallel {d}; B_global = b_m × g × d needs "
-                f"d | B; use global batch {lo or hi} or {hi}, or a data-parallel among {divisors(B)[:12]}"
-            )
-        if not (0 <= self.memory_headroom < 1):
-            raise ConfigError(
-                f"memory headroom {self.memory_headroom!r} must be in [0, 1); it is the share of memory kept "
-                "free, for example 0.1"
-            )
-        if self.seq is not None:
-            check_positive_int("seq", self.seq)
-        if self.sequence_parallel and self.tensor_parallel == 1:
-            raise ConfigError(
-                "sequence parallelism needs tensor-parallel > 1; give --tensor-parallel or drop it"
-            )
-        for s in self.schedules or ():
-            if s not in SCHEDULES:
-                raise ConfigError(f"schedule {s!r} is not known; use auto or one of {', '.join(SCHEDULES)}")
-        for r in self.recompute or ():
-            if r not in RECOMPUTE_MODES:
-                raise ConfigError(
-                    f"recompute {r!r} is not known; use auto or one of {', '.join(RECOMPUTE_MODES)}"
-                )
-        for z in self.zero or ():
-            if isinstance(z, bool) or z not in (0, 1, 2, 3):
-                raise ConfigError(f"ZeRO stage {z!r} is not known; use auto or 0, 1, 2, 3")
-        for b in self.micro_batches or ():
-            check_positive_int("micro-batch", b)
-            if (B // d) % b:
-                raise ConfigError(
-                    f"micro-batch {b} does not divide the per-replica batch B/d = {B}/{d} = {B // d}; "
-                    f"B_global = b_m × g × d must hold; use a micro-batch among {divisors(B // d)}"
-                )
-        bytes_per_param(self.precision, self.grad_dtype, self.optimizer)
-        L, p = self.shape.layers, self.pipeline_parallel
-        for v in self.virtuals or ():
-            check_positive_int("virtual", v)
-            if L % (p * v):
-                ok = [x for x in range(2, L // p + 1) if L % (p * x) == 0]
-                raise ConfigError(
-                    f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "
-                    f"use virtual among {ok or 'none (no v > 1 fits; drop --virtual)'}"
-                )
-        if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
-            raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
-        # the rules that need the model (t | heads, p <= layers, uneven split)
-        MemoryConfig(
-            micro_batch=1,
-            tensor_parallel=self.tensor_parallel,
-            pipeline_parallel=self.pipeline_parallel,
-            sequence_parallel=self.sequence_parallel,
-            layers_per_stage=self.layers_per_stage,
-        ).validate_for(self.shape)
-
-    @property
-    def num_gpus(self) -> int:
-        return self.data_parallel * self.pipeline_parallel * self.tensor_parallel
-
-    @property
-    def seq_len(self) -> int:
-        return self.seq or self.shape.seq
-
-    @property
-    def budget_bytes(self) -> float:
-        """Bytes a candidate may use: capacity × (1 − headroom)."""
-        return self.gpu.memory_bytes * (1 - self.memory_headroom)
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.shape.to_dict(),
-            "gpu": self.gpu.to_dict(),
-            "global_batch": self.global_batch,
-            "data_parallel": self.data_parallel,
-            "pipeline_parallel": self.pipeline_parallel,
-            "tensor_parallel": self.tensor_parallel,
-            "sequence_parallel": self.sequence_parallel,
-            "seq": self.seq_len,
-            "precision": self.precision,
-            "grad_dtype": self.grad_dtype,
-            "optimizer": self.optimizer,
-            "memory_headroom": self.memory_headroom,
-            "budget_bytes": self.budget_bytes,
-            "num_gpus": self.num_gpus,
-        }
+def _gib(n: float) -> str:
+    """Bytes for the lints and the advice, in GiB with one decimal (:func:`microbatch.units.format_bytes`)."""
+    return format_bytes(n, digits=1, unit="GiB")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,9 +79,14 @@ class Plan:
 
     @property
     def evaluated(self) -> int:
+        """Candidates evaluated."""
         return len(self.candidates)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """Data only: the configuration, the recommendation, every candidate, the lints and the advice.
+
+        The recommendation in words is :func:`microbatch.show.plan_report.explain`'s.
+        """
         d = self.config.to_dict()
         d.update(
             {
@@ -230,7 +94,6 @@ class Plan:
                 "candidates": [c.to_dict() for c in self.candidates],
                 "lints": list(self.lints),
                 "advice": list(self.advice),
-                "explanation": explain(self),
             }
         )
         return d
@@ -242,7 +105,7 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     p, L = cfg.pipeline_parallel, cfg.shape.layers
     if p == 1:
         return [("1f1b", 1)]
-    from microbatch.schedules.schedule import check_servable
+    from microbatch.schedules.registry import check_servable
 
     names = cfg.schedules or SCHEDULES
     out = []
@@ -270,7 +133,7 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
 
 
-def _sort_key(c: Candidate):
+def _sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
     """Fitting first, fastest first; ties (to 6 digits) go to less recompute, lower ZeRO, less memory."""
     primary = float(f"{c.step_time_s:.6g}") if c.fits else c.peak_memory_bytes
     return (not c.fits, primary, _RECOMPUTE_RANK[c.recompute], c.zero, c.peak_memory_bytes)
@@ -281,7 +144,7 @@ def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
     per_replica = cfg.global_batch // cfg.data_parallel
     bms = cfg.micro_batches or tuple(divisors(per_replica))
     rcs = cfg.recompute or RECOMPUTE_MODES
-    zs = cfg.zero or ((0, 1, 2, 3) if cfg.data_parallel > 1 else (0,))
+    zs = cfg.zero or (ZERO_STAGES if cfg.data_parallel > 1 else (0,))
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
     out = []
     for b in bms:
@@ -329,7 +192,7 @@ def search_layouts(
     global_batch: int,
     num_gpus: int,
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8),
-    **options,
+    **options: Any,
 ) -> tuple[Candidate | None, int, int]:
     """Search t, p, d with t·p·d = num_gpus as well: (best fitting candidate, evaluated, feasible).
 
@@ -364,7 +227,7 @@ def search_layouts(
 
 # -- advice and pitfalls ----------------------------------------------------------------------------------
 def _knee_micro_batch(ctx: Context, bms: list[int]) -> int:
-    rates = {b: layer_costs(ctx, b)[3] for b in bms}
+    rates = {b: layer_costs(ctx, b).gemm_efficiency for b in bms}
     top = max(rates.values())
     return min(b for b, r in rates.items() if r >= (1 - KNEE_TOLERANCE) * top)
 
@@ -403,10 +266,10 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
              and x.recompute == c.recompute and x.zero == c.zero),
             None,
         )  # fmt: skip
-        tail = f" (1F1B: {gib(alt.peak_memory_bytes)} at the same bubble)" if alt else ""
+        tail = f" (1F1B: {_gib(alt.peak_memory_bytes)} at the same bubble)" if alt else ""
         out.append(
             f"GPipe holds all m = {c.microbatches} micro-batches' activations on each stage: "
-            f"{gib(c.memory['activations'])}; 1F1B holds at most p = {p}{tail}"
+            f"{_gib(c.memory['activations'])}; 1F1B holds at most p = {p}{tail}"
         )
     ctx = make_context(cfg)
     bms = sorted({x.micro_batch for x in plan.candidates})
@@ -420,9 +283,9 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
         ):
             out.append(
                 f"b_m = {c.micro_batch} is far past the kernel-efficiency knee: b_m = {knee} reaches "
-                f"{100 * layer_costs(ctx, knee)[3]:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and "
+                f"{100 * layer_costs(ctx, knee).gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and "
                 f"{100 * at_knee.tokens_per_s / c.tokens_per_s:.0f}% of the throughput with "
-                f"{gib(c.memory['activations'] - at_knee.memory['activations'])} less activation memory"
+                f"{_gib(c.memory['activations'] - at_knee.memory['activations'])} less activation memory"
             )
     return out
 
@@ -433,12 +296,12 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> list[str]:
     budget = cfg.budget_bytes
     best = min(plan.candidates, key=lambda c: c.peak_memory_bytes)
     out = [
-        f"nothing fits in {gib(budget)} ({gib(cfg.gpu.memory_bytes)} × (1 − headroom {cfg.memory_headroom:g})); "
-        f"the smallest peak is {gib(best.peak_memory_bytes)} at b_m = {best.micro_batch}, {best.schedule}, "
-        f"recompute {best.recompute}, ZeRO {best.zero} (weights {gib(best.memory['weights'])}, optimizer "
-        f"{gib(best.memory['optimizer'])}, activations {gib(best.memory['activations'])})"
+        f"nothing fits in {_gib(budget)} ({_gib(cfg.gpu.memory_bytes)} × (1 − headroom {cfg.memory_headroom:g})); "
+        f"the smallest peak is {_gib(best.peak_memory_bytes)} at b_m = {best.micro_batch}, {best.schedule}, "
+        f"recompute {best.recompute}, ZeRO {best.zero} (weights {_gib(best.memory['weights'])}, optimizer "
+        f"{_gib(best.memory['optimizer'])}, activations {_gib(best.memory['activations'])})"
     ]
-    tries: list[tuple[str, dict]] = []
+    tries: list[tuple[str, dict[str, Any]]] = []
     L, heads = cfg.shape.layers, cfg.shape.heads
     for p2 in (2 * cfg.pipeline_parallel, 4 * cfg.pipeline_parallel, 8 * cfg.pipeline_parallel):
         if p2 <= L:
@@ -465,10 +328,10 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> list[str]:
         if fit:
             c = min(fit, key=lambda c: c.step_time_s)
             out.append(
-                f"{label} would fit: {gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}, recompute "
+                f"{label} would fit: {_gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}, recompute "
                 f"{c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s"
             )
         else:
             low = min(cands, key=lambda c: c.peak_memory_bytes)
-            out.append(f"{label}: still {gib(low.peak_memory_bytes)} at best")
+            out.append(f"{label}: still {_gib(low.peak_memory_bytes)} at best")
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import Accelerator
@@ -210,7 +211,7 @@ def layer_forward(
     e = 4 if dtype == "fp32" else 2
     bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
     g = gemm_time_s
-    kw = dict(dtype=dtype, efficiency=efficiency)
+    kw: dict[str, Any] = dict(dtype=dtype, efficiency=efficiency)
     gemm = (
         g(rows, h, (h + 2 * kvd) / t, acc, **kw)
         + g(rows, h / t, h, acc, **kw)

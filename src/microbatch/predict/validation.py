@@ -25,14 +25,15 @@ from microbatch.model import ModelShape
 from microbatch.predict.calibrate import (
     MIN_POINTS,
     Calibration,
-    Measurements,
-    _need,
     calibrate,
     cover_measurements,
+    need_points,
     predict_memory_bytes,
-    predict_step_time_s,
-    read_measurements,
 )
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY
+from microbatch.predict.steptime import predict_step_time_s
+from microbatch.records import Measurements, read_measurements
+from microbatch.units import MIB
 
 __all__ = [
     "DEFAULT_FIT_ON",
@@ -105,13 +106,13 @@ class Validation:
         out = []
         for p in self.points:
 
-            def mib(k: str, p: dict = p) -> float | None:
-                return None if p[k] is None else round(p[k] / 2**20, 1)
+            def mib(k: str, p: dict[str, Any] = p) -> float | None:
+                return None if p[k] is None else round(p[k] / MIB, 1)
 
-            def ms(k: str, p: dict = p) -> float | None:
+            def ms(k: str, p: dict[str, Any] = p) -> float | None:
                 return None if p[k] is None else round(p[k] * 1e3, 3)
 
-            def pct(k: str, p: dict = p) -> float | None:
+            def pct(k: str, p: dict[str, Any] = p) -> float | None:
                 return None if p[k] is None else round(100 * p[k], 1)
 
             out.append(
@@ -150,7 +151,8 @@ class Validation:
             f"worst leave-one-out: memory {f(e['memory_loo_worst'])}, step {f(e['step_loo_worst'])}"
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """What ``validate --json`` prints: provenance, the table rows, the summary, the errors, the calibration."""
         m = self.measurements
         return {
             "kind": "validate",
@@ -187,7 +189,7 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     """
     pts = [p for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None]
     have = [p.micro_batch for p in pts]
-    _need("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
+    need_points("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
     if fit_on < MIN_POINTS:
         raise ConfigError(f"--fit-on {fit_on} must be at least {MIN_POINTS}: a line has two parameters")
     k = min(fit_on, len(pts) - 1)
@@ -195,7 +197,8 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     notes = list(meas.notes)
     if k < fit_on:
         notes.append(f"only {len(pts)} points: calibrated on the smallest {k}, not {fit_on}")
-    sh, kw = meas.shape, dict(seq=meas.seq, precision=meas.precision, checkpointing=meas.checkpointing)
+    sh = meas.shape
+    kw: dict[str, Any] = dict(seq=meas.seq, precision=meas.precision, checkpointing=meas.checkpointing)
     cal = calibrate(meas, acc, micro_batches=small)
     notes += [n for n in cal.notes if n not in notes]
     loo: dict[int, Calibration] = {}
@@ -210,10 +213,14 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
         m_unc = predict_memory_bytes(sh, b, **kw)
         t_unc = predict_step_time_s(sh, b, acc, **kw)
         m_cal = predict_memory_bytes(sh, b, calibration=cal.memory, **kw)
-        t_cal = predict_step_time_s(sh, b, acc, efficiency=cal.efficiency, **kw)
+        t_cal = predict_step_time_s(sh, b, acc, efficiency=cal.efficiency or DEFAULT_EFFICIENCY, **kw)
         lc = loo.get(b)
         m_loo = predict_memory_bytes(sh, b, calibration=lc.memory, **kw) if lc else None
-        t_loo = predict_step_time_s(sh, b, acc, efficiency=lc.efficiency, **kw) if lc else None
+        t_loo = (
+            predict_step_time_s(sh, b, acc, efficiency=lc.efficiency or DEFAULT_EFFICIENCY, **kw)
+            if lc
+            else None
+        )
         rows.append(
             {
                 "micro_batch": b,
@@ -291,7 +298,7 @@ def validation_accelerator(
 
 
 def validate_result(
-    tune_result: str | Path | dict | list,
+    tune_result: str | Path | dict[str, Any] | list[Any],
     *,
     shape: ModelShape | None = None,
     memory_key: str = "peak_memory_bytes",
@@ -300,9 +307,9 @@ def validate_result(
     cpu_peak_gflops: float | None = None,
     cpu_bandwidth_gbs: float | None = None,
     cpu_threads: int | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """What ``microbatch validate --calibration FILE --json`` prints, for a tune result (a loaded
-    ``result.json`` dict, or its path): :func:`~microbatch.predict.calibrate.read_measurements`,
+    ``result.json`` dict, or its path): :func:`~microbatch.records.read_measurements`,
     :func:`validation_accelerator`, :func:`validate`, :meth:`Validation.to_dict` (``rows``,
     ``summary``, ``errors``, ...). The keywords are the command's options.
 

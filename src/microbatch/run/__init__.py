@@ -2,3 +2,5 @@
 
 Layer 5: uses the layers below; returns data, never draws (``show`` draws).
 """
+
+__all__: list[str] = []

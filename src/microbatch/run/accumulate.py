@@ -13,8 +13,11 @@ Two ways to use it:
 - :func:`accumulate` (and :func:`accumulate_micro_batches` for a list already split, for
   example by :func:`split_by_tokens`) runs the whole thing and is all-or-nothing: if anything
   raises inside, every parameter's ``.grad`` is put back to what it was before the call.
-- the helpers :func:`split`, :func:`split_by_tokens`, :func:`count_items`, :func:`loss_scale`
-  and :func:`sync_unless_last` for training loops written by hand.
+- the helpers :func:`split`, :func:`split_by_tokens`, :func:`count_items`, :func:`loss_scale`,
+  :func:`sync_unless_last` and :func:`grad_sq_norm` for training loops written by hand.
+
+The gradient noise scale rides along (``noise=``): this module takes the two gradient norms
+and hands them to the arithmetic of :mod:`microbatch.run.noise`, which imports nothing from here.
 
 torch is imported here at module level; ``import microbatch`` stays light because this module
 loads only on first use of ``microbatch.run.accumulate``.
@@ -24,13 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from microbatch.errors import ConfigError, check_positive_int
-from microbatch.run.noise import grad_sq_norm
+from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
 
 __all__ = [
     "accumulate",
@@ -42,6 +45,7 @@ __all__ = [
     "sync_unless_last",
     "is_ddp",
     "batch_rows",
+    "grad_sq_norm",
 ]
 
 Batch = Any  # a tensor, a tuple/list of tensors, or a mapping of name -> tensor, all sharing dim 0
@@ -193,7 +197,8 @@ def _group_and_world(model: Any) -> tuple[Any, int]:
 
 def _device(model: Any) -> torch.device:
     for p in model.parameters():
-        return p.device
+        device: torch.device = p.device
+        return device
     return torch.device("cpu")
 
 
@@ -222,7 +227,10 @@ def _total(values: Sequence[Any]) -> Any:
         try:
             t = torch.stack(tensors).sum(dtype=torch.float64)
         except (RuntimeError, TypeError):  # mixed dtypes or devices
-            t = sum(x.to(device=tensors[0].device, dtype=torch.float64) for x in tensors)
+            parts = [x.to(device=tensors[0].device, dtype=torch.float64) for x in tensors]
+            t = parts[0]
+            for x in parts[1:]:  # left to right, as a plain sum
+                t = t + x
         total = t + total if total else t
     return total
 
@@ -266,14 +274,24 @@ def loss_scale(total_items: float, *, model: Any = None) -> float:
     return world / total_items
 
 
-def sync_unless_last(model: Any, is_last: bool) -> contextlib.AbstractContextManager:
+def sync_unless_last(model: Any, is_last: bool) -> contextlib.AbstractContextManager[object]:
     """``model.no_sync()`` for all but the last micro-batch under DDP, else a null context.
 
     DDP then all-reduces the accumulated gradients once, in the last micro-batch's backward.
     """
     if is_ddp(model) and not is_last:
-        return model.no_sync()
+        no_sync: contextlib.AbstractContextManager[object] = model.no_sync()
+        return no_sync
     return contextlib.nullcontext()
+
+
+def grad_sq_norm(parameters: Iterable[torch.Tensor]) -> float:
+    """Σ |p.grad|² over ``parameters`` (float64), skipping parameters without a gradient."""
+    total = 0.0
+    for p in parameters:
+        if p.grad is not None:
+            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
+    return total
 
 
 # -- the all-or-nothing runner -------------------------------------------------------------------
@@ -310,7 +328,7 @@ def accumulate(
     *,
     micro_batch_size: int,
     count_fn: CountFn | None = None,
-    noise: Any = None,
+    noise: GradientNoiseScale | None = None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` exactly the gradient of the whole ``batch``'s mean loss.
 
@@ -348,7 +366,7 @@ def accumulate_micro_batches(
     loss_fn: LossFn,
     *,
     count_fn: CountFn | None = None,
-    noise: Any = None,
+    noise: GradientNoiseScale | None = None,
 ) -> torch.Tensor:
     """:func:`accumulate` over micro-batches already split (e.g. by :func:`split_by_tokens`)."""
     micro_batches = list(micro_batches)
@@ -358,11 +376,11 @@ def accumulate_micro_batches(
     params = [p for p in model.parameters() if p.requires_grad]
 
     # Known before any gradient moves: the scale (with count_fn), or zero items (ConfigError, no harm).
+    counted: float | None = None
+    scale = 1.0
     if count_fn is not None:
         counted = count_items(micro_batches, count_fn, model=model)
         scale = loss_scale(counted, model=model)
-    else:
-        counted, scale = None, 1.0
 
     # Set the old gradients aside: keep a copy, zero in place (tensor identity kept, which DDP's
     # gradient-as-bucket-view relies on). This call then accumulates only its own gradient.
@@ -374,12 +392,14 @@ def accumulate_micro_batches(
     try:
         losses: list[torch.Tensor] = []
         counts: list[Any] = []
-        small = None  # (items, |g_small|²) of the first micro-batch, for the noise scale
+        # (items, |g_small|²) of the first micro-batch, for the noise scale
+        small: tuple[float, float] | None = None
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last):
                 loss_sum, n = _check_loss(loss_fn(model, mb), i)
-                (loss_sum * scale if scale != 1.0 else loss_sum).backward()
+                # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
+                (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
             losses.append(loss_sum.detach())
             counts.append(n)
             if noise is not None and i == 0 and last > 0:
@@ -412,7 +432,7 @@ def accumulate_micro_batches(
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(rescale)
-        elif abs(n_global - counted) > 1e-9 * max(1.0, counted):
+        elif counted is not None and abs(n_global - counted) > 1e-9 * max(1.0, counted):
             raise ConfigError(
                 f"count_fn counted {counted:g} items but loss_fn reported {n_global:g}; they must count the "
                 "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
@@ -434,14 +454,20 @@ def accumulate_micro_batches(
     return torch.tensor(loss_global / n_global, dtype=losses[0].dtype, device=losses[0].device)
 
 
-def _noise_update(noise: Any, small: Any, n_big: float, g_big_sq: float, group, world, device) -> None:
+def _noise_update(
+    noise: GradientNoiseScale,
+    small: tuple[float, float] | None,
+    n_big: float,
+    g_big_sq: float,
+    group: Any,
+    world: int,
+    device: torch.device,
+) -> None:
     """Feed this step's unbiased |G|² and tr(Σ) estimates (averaged over ranks) to ``noise``.
 
     ``small`` is ``(items, |g_small|²)`` of this rank's first micro-batch, or None when it has none
     usable (one micro-batch, or zero items in it). Under DDP every rank joins one small all_reduce.
     """
-    from microbatch.run.noise import g_sq_estimate, trace_sigma_estimate
-
     est = [0.0, 0.0, 0.0]
     if small is not None and n_big > small[0]:
         n_small, g_small_sq = small

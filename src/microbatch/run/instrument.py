@@ -61,7 +61,7 @@ class StageRecorder:
         if self.cuda:
             import torch
 
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub lacks types
             ev.record()
             return ev
         return time.perf_counter()
@@ -79,11 +79,11 @@ class StageRecorder:
         self.resident_bytes -= self.saved_bytes.pop((stage, mb), 0)
 
 
-def _saved_bytes_hooks(param_ptrs: set[int], seen: dict[int, int]):
+def _saved_bytes_hooks(param_ptrs: set[int], seen: dict[int, int]) -> Any:
     """``saved_tensors_hooks`` adding each new non-parameter storage's bytes to ``seen``."""
     import torch
 
-    def pack(t):
+    def pack(t: Any) -> Any:
         try:
             st = t.untyped_storage()
             ptr = st.data_ptr()
@@ -103,7 +103,7 @@ def instrument_stage(stage: Any, rec: StageRecorder) -> None:
     fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
     bwd_w = getattr(stage, "backward_weight_one_chunk", None)
 
-    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+    def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         seen: dict[int, int] = {}
         t0 = rec.now()
         with _saved_bytes_hooks(param_ptrs, seen):
@@ -116,7 +116,7 @@ def instrument_stage(stage: Any, rec: StageRecorder) -> None:
         rec.loss_hooks = (param_ptrs, idx, fwd_chunk_id)
         return out
 
-    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+    def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         full = kwargs.get("full_backward", True)
         t0 = rec.now()
         out = bwd(bwd_chunk_id, *args, **kwargs)
@@ -132,7 +132,7 @@ def instrument_stage(stage: Any, rec: StageRecorder) -> None:
     stage.backward_one_chunk = backward_one_chunk
     if bwd_w is not None:
 
-        def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
+        def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             t0 = rec.now()
             out = bwd_w(bwd_chunk_id, *args, **kwargs)
             t1 = rec.now()
@@ -144,7 +144,7 @@ def instrument_stage(stage: Any, rec: StageRecorder) -> None:
         stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-def make_loss_fn(total_tokens: int, rec: StageRecorder | None = None) -> Callable:
+def make_loss_fn(total_tokens: int, rec: StageRecorder | None = None) -> Callable[[Any, Any], Any]:
     """Loss of one micro-batch: Σ token cross-entropy / ``total_tokens`` of the global batch.
 
     With ``scale_grads=False`` the micro-batch gradients then add up to the gradient of the mean
@@ -153,10 +153,10 @@ def make_loss_fn(total_tokens: int, rec: StageRecorder | None = None) -> Callabl
     """
     import torch.nn.functional as F
 
-    def loss_fn(logits, target):
+    def loss_fn(logits: Any, target: Any) -> Any:
         pending = rec.pending_forward if rec is not None else None
         seen: dict[int, int] = {}
-        if pending is None:
+        if rec is None or pending is None:
             return (
                 F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), reduction="sum")
                 / total_tokens

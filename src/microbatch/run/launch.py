@@ -8,9 +8,10 @@ lines of its error output as soon as any rank fails, killing the others: never a
 several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``).
 
-:mod:`microbatch.show.pipeline_report` turns rank 0's gathered measurements into the report
-(measured and predicted bubble, in-flight counts, memory, timeline, Chrome trace); its
-functions are re-exported here.
+What one rank does is :func:`microbatch.run.pipeline_rank.run_rank`; rank 0's gathered
+measurements become the report (measured and predicted bubble, in-flight counts, memory,
+timeline) in :func:`microbatch.run.pipeline_summary.summarize`. Drawing it is
+:mod:`microbatch.show.pipeline_report`'s job.
 """
 
 from __future__ import annotations
@@ -24,27 +25,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
-from microbatch.run.pipeline import PipelineConfig, stage_to_rank
-from microbatch.show.pipeline_report import (  # noqa: F401  (re-exported: the report of a run)
-    GRAD_TOLERANCE,
-    chrome_trace,
-    config_from_dict,
-    measured_comm_s,
-    predict,
-    summarize,
-    timeline_rows,
-)
+from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline_summary import summarize
+from microbatch.schedules.registry import rank_stages
 
 __all__ = [
-    "chrome_trace",
+    "STARTUP_S",
+    "check_splittable",
     "free_port",
-    "measured_comm_s",
     "run_external",
     "run_pipeline",
-    "predict",
-    "summarize",
     "under_torchrun",
 ]
 
@@ -56,21 +50,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def under_torchrun(env: dict | None = None) -> bool:
+def under_torchrun(env: Mapping[str, str] | None = None) -> bool:
     """True when an outside launcher (torchrun) set the rendezvous variables of this process."""
-    env = os.environ if env is None else env
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and (
-        "MICROBATCH_WORKER" not in env
+    seen: Mapping[str, str] = os.environ if env is None else env
+    return all(k in seen for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")) and (
+        "MICROBATCH_WORKER" not in seen
     )
 
 
 # -- the worker -------------------------------------------------------------------------
 
 
-def _init_group(cfg: PipelineConfig):
+def _init_group(cfg: PipelineConfig) -> tuple[int, int, Any]:
+    """Join the process group the environment describes; (rank, world size, device)."""
     import datetime
 
     import torch
@@ -103,7 +98,7 @@ def _worker_main() -> None:
     try:
         with open(cfg_path) as f:
             cfg = PipelineConfig(**json.load(f))
-        from microbatch.run.pipeline import run_rank
+        from microbatch.run.pipeline_rank import run_rank
 
         r, world, device = _init_group(cfg)
         out = run_rank(cfg, rank=r, world_size=world, device=device)
@@ -164,7 +159,7 @@ def _is_victim(reason: str) -> bool:
     return any(x in r for x in ("connection closed by peer", "connection reset by peer", "broken pipe"))
 
 
-def _kill_all(procs: list[subprocess.Popen]) -> None:
+def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -178,7 +173,7 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict:
+def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict[str, Any]:
     """Run ``cfg`` in ``cfg.stages`` local processes and return :func:`summarize`'s report.
 
     Raises :class:`PipelineError` (which rank, why, the end of its error output) when a rank
@@ -194,14 +189,14 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                 f"{torch.cuda.device_count()}; use --backend gloo or fewer --stages"
             )
     check_splittable(cfg)
-    deadline_s = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
+    deadline = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg.to_dict(), f)
     for attempt in range(3):
         try:
-            raw = _launch_once(cfg, tmp, cfg_path, result_path, free_port(), deadline_s)
+            raw = _launch_once(cfg, tmp, cfg_path, result_path, free_port(), deadline)
             break
         except _PortTaken:
             if attempt == 2:
@@ -219,10 +214,10 @@ class _PortTaken(Exception):
 
 def _launch_once(
     cfg: PipelineConfig, tmp: str, cfg_path: str, result_path: str, port: int, deadline_s: float
-) -> dict:
+) -> dict[str, Any]:
     """Start the ranks on ``port``, wait for them, return rank 0's raw result."""
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     errs: list[str] = []
     code = "from microbatch.run.launch import _worker_main; _worker_main()"
     try:
@@ -261,7 +256,7 @@ def _launch_once(
                 later = [x for x, rc in enumerate(p.poll() for p in procs) if rc not in (None, 0)]
                 causes = [x for x in bad + later if not _is_victim(_tail(errs[x]))]
                 r = causes[0] if causes else bad[0]
-                rc = procs[r].poll()
+                rc = procs[r].poll() or 0  # bad ranks have exited: poll() is their status
                 if rc < 0:
                     why = f"killed by signal {signal.Signals(-rc).name}"
                     if -rc == signal.SIGKILL:
@@ -288,7 +283,7 @@ def _launch_once(
                 )
             time.sleep(0.05)
         with open(result_path) as f:
-            raw = json.load(f)
+            raw: dict[str, Any] = json.load(f)
     finally:
         _kill_all(procs)
     return raw
@@ -312,12 +307,12 @@ def check_splittable(cfg: PipelineConfig) -> None:
 
 
 def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:
-    return [s for s, r in enumerate(stage_to_rank(cfg.schedule, cfg.stages, cfg.virtual)) if r == rank]
+    return rank_stages(cfg.schedule, cfg.stages, cfg.virtual, rank)
 
 
-def run_external(cfg: PipelineConfig) -> dict | None:
+def run_external(cfg: PipelineConfig) -> dict[str, Any] | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
-    from microbatch.run.pipeline import run_rank
+    from microbatch.run.pipeline_rank import run_rank
 
     rank, world, device = _init_group(cfg)
     import torch.distributed as dist

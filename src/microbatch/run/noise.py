@@ -7,18 +7,20 @@ gradient of a batch of B items has E|G_B|² = |G|² + tr(Σ)/B. The simple noise
 batch nearly halves the steps; far above it, extra items are mostly wasted.
 
 Two gradient norms per step are enough (their Appendix A.1): a small batch's (here the first
-micro-batch of :func:`microbatch.run.accumulate`, which costs no extra backward) and the whole batch's.
+micro-batch of :func:`microbatch.run.accumulate.accumulate`, which costs no extra backward) and the
+whole batch's.
 Each step gives unbiased estimates of |G|² and tr(Σ); both are smoothed separately over steps and
 divided only afterwards (the ratio of unbiased estimates is biased). B is counted in the loss's
 items: tokens when the loss is a mean over tokens.
 
-This module needs no torch except :func:`grad_sq_norm` and :func:`measure_noise_scale`.
+This module is the arithmetic only: no torch, no gradients. The gradient norms are taken by
+:mod:`microbatch.run.accumulate` (``grad_sq_norm`` and the ``noise=`` hook), and the measurement
+loop over batches is :func:`microbatch.run.noise_measure.measure_noise_scale`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,8 +32,6 @@ __all__ = [
     "b_simple",
     "NoiseEstimate",
     "GradientNoiseScale",
-    "grad_sq_norm",
-    "measure_noise_scale",
 ]
 
 
@@ -95,13 +95,14 @@ class NoiseEstimate:
     """Smoothing weight of the past (1 = plain mean over all steps)."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
         return asdict(self)
 
 
 class GradientNoiseScale:
     """The hook: feed it each step's two gradient norms, read the smoothed B_simple.
 
-    Pass it as ``noise=`` to :func:`microbatch.run.accumulate` (it then uses the first micro-batch and
+    Pass it as ``noise=`` to :func:`microbatch.run.accumulate.accumulate` (it then uses the first micro-batch and
     the whole batch, at no extra backward), or call :meth:`update` from a loop written by hand.
     Smoothing is an exponential moving average with bias correction, ``decay`` weighting the past
     (``decay=1`` is the plain mean over all steps, best for a fixed model; McCandlish et al. smooth
@@ -133,7 +134,7 @@ class GradientNoiseScale:
         self._trace = self.decay * self._trace + trace_sigma
         self._last = (g_sq, trace_sigma)
         self.steps += 1
-        return self.estimate  # type: ignore[return-value]
+        return self._smoothed(self._last)
 
     def update(self, *, b_small: float, g_small_sq: float, b_big: float, g_big_sq: float) -> NoiseEstimate:
         """Add one step from the squared gradient norms at two batch sizes (in items).
@@ -151,8 +152,10 @@ class GradientNoiseScale:
     @property
     def estimate(self) -> NoiseEstimate | None:
         """The smoothed estimate so far, or None before the first step."""
-        if self._last is None:
-            return None
+        return None if self._last is None else self._smoothed(self._last)
+
+    def _smoothed(self, last: tuple[float, float]) -> NoiseEstimate:
+        """The bias-corrected averages of |G|² and tr(Σ), then their ratio; ``last`` is this step's pair."""
         g_sq = self._g_sq / self._weight
         trace = self._trace / self._weight
         return NoiseEstimate(
@@ -160,8 +163,8 @@ class GradientNoiseScale:
             g_sq=g_sq,
             trace_sigma=trace,
             b_simple=b_simple(trace_sigma=trace, g_sq=g_sq),
-            last_g_sq=self._last[0],
-            last_trace_sigma=self._last[1],
+            last_g_sq=last[0],
+            last_trace_sigma=last[1],
             decay=self.decay,
         )
 
@@ -170,53 +173,3 @@ class GradientNoiseScale:
         """Smoothed B_simple in items, or None before the first step."""
         est = self.estimate
         return None if est is None else est.b_simple
-
-
-def grad_sq_norm(parameters: Iterable[Any]) -> float:
-    """Σ |p.grad|² over ``parameters`` (float64), skipping parameters without a gradient."""
-    import torch
-
-    total = 0.0
-    for p in parameters:
-        if p.grad is not None:
-            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
-    return total
-
-
-def measure_noise_scale(
-    model: Any,
-    batches: Iterable[Any],
-    loss_fn: Callable[..., Any],
-    *,
-    micro_batch_size: int,
-    count_fn: Callable[..., Any] | None = None,
-    decay: float = 1.0,
-    step_fn: Callable[[], None] | None = None,
-) -> tuple[NoiseEstimate, list[NoiseEstimate]]:
-    """Run :func:`microbatch.run.accumulate` over ``batches`` (one per step) and estimate B_simple.
-
-    Gradients are cleared (set to None) before each step; ``step_fn`` (e.g. ``optimizer.step``)
-    runs after each, if given. Returns the final smoothed estimate and the one after every step.
-    Each batch needs at least two micro-batches.
-    """
-    from microbatch.run.accumulate import accumulate, batch_rows
-
-    hook = GradientNoiseScale(decay=decay)
-    history: list[NoiseEstimate] = []
-    for batch in batches:
-        rows = batch_rows(batch)
-        if rows <= micro_batch_size:
-            raise ConfigError(
-                f"a batch of {rows} rows with micro-batch {micro_batch_size} is one micro-batch; the noise "
-                "scale needs two batch sizes: use a micro-batch smaller than the global batch"
-            )
-        for p in model.parameters():
-            p.grad = None
-        accumulate(model, batch, loss_fn, micro_batch_size=micro_batch_size, count_fn=count_fn, noise=hook)
-        if step_fn is not None:
-            step_fn()
-        if hook.estimate is not None and hook.steps > len(history):
-            history.append(hook.estimate)
-    if not history:
-        raise ConfigError("no step gave a noise estimate; give at least one batch with two micro-batches")
-    return history[-1], history

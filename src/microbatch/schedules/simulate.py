@@ -1,6 +1,6 @@
 """Run a pipeline schedule on op durations: an event simulation, plus the closed forms.
 
-:func:`simulate` replays a :class:`~microbatch.schedules.schedule.Schedule` the way the ranks run it:
+:func:`simulate` replays a :class:`~microbatch.schedules.action.Schedule` the way the ranks run it:
 each rank executes its own list in order, and an op starts at ``max(rank free, every
 dependency done + comm)``, where ``comm`` (point-to-point latency) is paid only when the
 dependency ran on another rank. It is dependency-driven, not a lock-step grid: a rank that
@@ -21,8 +21,10 @@ The closed forms beside it (each cites its source):
 
 - :func:`bubble_fraction` — idle share of total stage time, (p−1)/(v·m + p−1);
 - :func:`bubble_ratio` — bubble time over ideal time (Megatron's number), (p−1)/(v·m);
-- :func:`zb_idle_time` — idle time per stage of 1F1B / ZB-H1 / ZB-H2 (Qi et al. 2024, Table 2);
-- :func:`in_flight_formula` and :func:`interleaved_in_flight_factor`.
+- :func:`zb_idle_time` — idle time per stage of 1F1B / ZB-H1 / ZB-H2 (Qi et al. 2024, Table 2).
+
+The in-flight closed forms are the schedules' in-flight rules (:mod:`microbatch.schedules.rules`,
+read through :func:`microbatch.schedules.registry.in_flight_formula`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,30 @@ from __future__ import annotations
 import functools
 import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import add
+from typing import Any, ParamSpec, TypeVar
 
 from microbatch.errors import ConfigError, ScheduleError, check_positive_int
-from microbatch.schedules.schedule import Action, Schedule
+from microbatch.schedules.action import Action, Schedule
+
+__all__ = [
+    "ZB_IDLE_SCHEDULES",
+    "SimResult",
+    "Time",
+    "bubble_fraction",
+    "bubble_ratio",
+    "simulate",
+    "zb_idle_time",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 Time = float | Sequence[float]
+"""An op duration: one number for every virtual stage, or one number per virtual stage."""
 
 # --------------------------------------------------------------------------------------------
 # Closed forms
@@ -100,34 +117,6 @@ def zb_idle_time(
     )
 
 
-def in_flight_formula(schedule: str, stages: int, microbatches: int) -> list[int]:
-    """Peak micro-batches in flight per rank: GPipe m; 1F1B min(m, p − i) on rank i.
-
-    Seed 002; Korthikanti et al. 2022 sec 4.2.3; Megatron-core's warm-up of p − i − 1 forwards.
-    """
-    check_positive_int("stages", stages)
-    check_positive_int("microbatches", microbatches)
-    key = str(schedule).lower()
-    if key == "gpipe":
-        return [microbatches] * stages
-    if key == "1f1b":
-        return [min(microbatches, stages - i) for i in range(stages)]
-    raise ConfigError(f"schedule {schedule!r} has no in-flight closed form here; use gpipe or 1f1b")
-
-
-def interleaved_in_flight_factor(stages: int, virtual: int) -> float:
-    """First-rank activation factor of interleaved 1F1B: 1 + (p−1)/(p·v) (v = 1 gives 1).
-
-    Korthikanti et al. 2022, sec 4.2.3: the first stage holds p micro-batches of its layers
-    times this factor, i.e. p + (p−1)/v micro-batches of a rank's layers (when p divides m).
-    """
-    check_positive_int("stages", stages)
-    check_positive_int("virtual", virtual)
-    if virtual == 1:
-        return 1.0
-    return 1 + (stages - 1) / (stages * virtual)
-
-
 # --------------------------------------------------------------------------------------------
 # Simulation
 
@@ -166,7 +155,7 @@ class SimResult:
         v = self.schedule.virtual
         return tuple(c if v == 1 else c / v for c in self.peak_in_flight_chunks)
 
-    def stage_stats(self) -> list[dict]:
+    def stage_stats(self) -> list[dict[str, Any]]:
         """Per rank: ``{stage, busy, idle, peak_in_flight}`` (``stage`` is the rank index)."""
         return [
             {"stage": r, "busy": self.busy[r], "idle": self.idle[r], "peak_in_flight": self.peak_in_flight[r]}
@@ -205,7 +194,7 @@ class SimResult:
                 rows.append([(s, e, f"{a.stage // p}{a.kind}", a.microbatch) for s, e, a in rank])
         return rows
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no per-op intervals)."""
         return {
             "schedule": self.schedule.name,
@@ -234,10 +223,8 @@ def _non_negative(name: str, value: float) -> float:
     return v
 
 
-def _per_stage(name: str, value: Time | None, num_stages: int) -> list[float] | None:
-    """``value`` as one float per virtual stage (None stays None)."""
-    if value is None:
-        return None
+def _per_stage(name: str, value: Time, num_stages: int) -> list[float]:
+    """``value`` as one float per virtual stage."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return [_non_negative(name, value)] * num_stages
     try:
@@ -252,13 +239,13 @@ def _per_stage(name: str, value: Time | None, num_stages: int) -> list[float] | 
     return [_non_negative(f"{name}[{i}]", x) for i, x in enumerate(items)]
 
 
-def _gc_paused(fn):
+def _gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` run with the cyclic garbage collector paused: a simulation allocates ~2 tuples per
     action and no reference cycles, and pausing the collector saves about a third of the time on
     large schedules."""
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
@@ -287,14 +274,14 @@ def simulate(
     then B = I + W); a schedule with I and W needs ``input_time`` and ``weight_time``.
     ``comm_time`` is added to every dependency between different ranks. Raises
     :class:`~microbatch.errors.ScheduleError` if the ranks' orders deadlock (see
-    :func:`microbatch.schedules.schedule.validate` for a full check).
+    :func:`microbatch.schedules.validate.validate` for a full check).
     """
     p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
     comm = _non_negative("comm_time", comm_time)
     f_t = _per_stage("forward_time", forward_time, nst)
-    b_t = _per_stage("backward_time", backward_time, nst)
-    i_t = _per_stage("input_time", input_time, nst)
-    w_t = _per_stage("weight_time", weight_time, nst)
+    b_t = None if backward_time is None else _per_stage("backward_time", backward_time, nst)
+    i_t = None if input_time is None else _per_stage("input_time", input_time, nst)
+    w_t = None if weight_time is None else _per_stage("weight_time", weight_time, nst)
     kinds = {a.kind for rank in schedule.actions for a in rank}
     if kinds & {"I", "W"} and (i_t is None or w_t is None):
         raise ConfigError(
@@ -345,9 +332,9 @@ def simulate(
     deltas: list[list[int]] = []
     for r, acts in enumerate(schedule.actions):
         tmpl = templates[r]
-        ops = []
-        durs = []
-        dels = []
+        ops: list[tuple[int, float, int, float, int, float]] = []
+        durs: list[float] = []
+        dels: list[int] = []
         append_op, append_dur, append_del = ops.append, durs.append, dels.append
         for s, k, mb in acts:
             try:
@@ -388,13 +375,13 @@ def simulate(
                 break
             e1 += c1
             e2 += c2
-            st = t
-            if e1 > st:
-                st = e1
-            if e2 > st:
-                st = e2
-            append(st)
-            t = st + dur
+            begin = t
+            if e1 > begin:
+                begin = e1
+            if e2 > begin:
+                begin = e2
+            append(begin)
+            t = begin + dur
             end[key] = t
             i += 1
             if key in waiting:
@@ -406,7 +393,7 @@ def simulate(
             a = schedule.actions[r][ptr[r]]
             raise ScheduleError(
                 f"rank {r} position {ptr[r]} ({a}) can never start: its dependency never runs or runs later "
-                "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedules.schedule.validate"
+                "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedules.validate.validate"
             )
 
     intervals = []

@@ -2,3 +2,5 @@
 
 Layer 7: formats data that the layers below return. The library below ``show`` never prints.
 """
+
+__all__: list[str] = []

@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.schedules.registry import torch_spec
 
 __all__ = ["FORMATS", "Export", "export_plan", "candidate_from_plan"]
 
 FORMATS = ("deepspeed", "hf", "lightning", "torchtitan")
 """Output formats."""
 
-# torch.distributed.pipelining class names, as torchtitan's pipeline_parallel_schedule takes them.
-_TORCHTITAN_SCHEDULES = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "zb-h1": "InterleavedZeroBubble",
-}
+Json = dict[str, Any]
+"""A JSON object: a plan, a candidate, a configuration."""
 
 _NEEDED = ("micro_batch", "grad_accum", "global_batch", "data_parallel")
 
@@ -48,7 +45,7 @@ class Export:
 
     format: str
     """deepspeed, hf, lightning or torchtitan."""
-    config: dict
+    config: Json
     """The configuration as a dict (for torchtitan, the TOML's tables)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What the format cannot express, or must be set elsewhere (model code, launcher)."""
@@ -60,35 +57,34 @@ class Export:
         return json.dumps(self.config, indent=2)
 
 
-def candidate_from_plan(plan: object, gpu: str | None = None) -> dict:
+def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
     """The recommended candidate of ``plan`` as a dict with the layout keys filled in.
 
     ``plan``: a plan dict (``plan --json``), a comparison (``{"plans": [...]}``; ``gpu`` chooses one,
     else the first with a recommendation), a candidate dict, or a :class:`~microbatch.predict.candidate.Candidate`.
     """
-    if hasattr(plan, "to_dict"):
-        plan = plan.to_dict()
-    if not isinstance(plan, dict):
+    data: Any = plan.to_dict() if hasattr(plan, "to_dict") else plan
+    if not isinstance(data, dict):
         raise ConfigError(
-            f"a plan must be a JSON object, got {type(plan).__name__}; give `plan --json` output"
+            f"a plan must be a JSON object, got {type(data).__name__}; give `plan --json` output"
         )
-    if "plans" in plan:
-        plans = plan["plans"]
+    if "plans" in data:
+        plans = data["plans"]
         if gpu is not None:
             chosen = [p for p in plans if p.get("gpu", {}).get("name") == gpu]
             if not chosen:
                 names = [p.get("gpu", {}).get("name") for p in plans]
                 raise ConfigError(f"the comparison has no plan for gpu {gpu!r}; it has {names}")
-            plan = chosen[0]
+            data = chosen[0]
         else:
             fitting = [p for p in plans if p.get("recommended")]
             if not fitting:
                 raise ConfigError(
                     "no plan in the comparison has a recommendation (nothing fits); nothing to export"
                 )
-            plan = fitting[0]
-    if "recommended" in plan:
-        rec = plan["recommended"]
+            data = fitting[0]
+    if "recommended" in data:
+        rec = data["recommended"]
         if rec is None:
             raise ConfigError(
                 "the plan has no recommendation (nothing fits); follow its advice and plan again before exporting"
@@ -96,10 +92,10 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> dict:
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq"):  # fmt: skip
-            if key in plan:
-                cand.setdefault(key, plan[key])
+            if key in data:
+                cand.setdefault(key, data[key])
     else:
-        cand = dict(plan)
+        cand = dict(data)
     missing = [k for k in _NEEDED if k not in cand]
     if missing:
         raise ConfigError(
@@ -108,7 +104,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> dict:
     return cand
 
 
-def _check_identity(c: dict) -> None:
+def _check_identity(c: Json) -> None:
     b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
     for name, v in (("micro_batch", b), ("grad_accum", g), ("data_parallel", d), ("global_batch", B)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -120,13 +116,13 @@ def _check_identity(c: dict) -> None:
         )
 
 
-def _precision(c: dict) -> str:
-    return c.get("precision", "bf16-mixed")
+def _precision(c: Json) -> str:
+    return str(c.get("precision", "bf16-mixed"))
 
 
-def _deepspeed(c: dict) -> tuple[dict, list[str]]:
+def _deepspeed(c: Json) -> tuple[Json, list[str]]:
     p = c.get("pipeline_parallel", 1)
-    cfg: dict = {
+    cfg: Json = {
         "train_batch_size": c["global_batch"],
         "train_micro_batch_size_per_gpu": c["micro_batch"],
         "gradient_accumulation_steps": c["grad_accum"],
@@ -169,7 +165,7 @@ def _hf_checkpointing_key() -> str:
     return "activation_checkpointing" if major >= 5 else "gradient_checkpointing"
 
 
-def _hf(c: dict) -> tuple[dict, list[str]]:
+def _hf(c: Json) -> tuple[Json, list[str]]:
     prec = _precision(c)
     cfg = {
         "per_device_train_batch_size": c["micro_batch"],
@@ -191,8 +187,8 @@ def _hf(c: dict) -> tuple[dict, list[str]]:
     return cfg, notes
 
 
-def _lightning(c: dict) -> tuple[dict, list[str]]:
-    trainer: dict = {"accumulate_grad_batches": c["grad_accum"], "precision": _precision(c)}
+def _lightning(c: Json) -> tuple[Json, list[str]]:
+    trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _precision(c)}
     d, z = c["data_parallel"], c.get("zero", 0)
     if d > 1:
         trainer["strategy"] = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[z]
@@ -204,7 +200,17 @@ def _lightning(c: dict) -> tuple[dict, list[str]]:
     return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
 
 
-def _torchtitan(c: dict) -> tuple[dict, list[str]]:
+def _torchtitan_schedule(name: str) -> str:
+    """torchtitan's ``pipeline_parallel_schedule``: the name of the torch class that runs ``name``
+    without its ``Schedule`` prefix (``Interleaved1F1B``); 1F1B for a schedule torch cannot run."""
+    try:
+        torch_name = torch_spec(name).torch_name
+    except ConfigError:
+        return "1F1B"
+    return (torch_name or "Schedule1F1B").removeprefix("Schedule")
+
+
+def _torchtitan(c: Json) -> tuple[Json, list[str]]:
     p, t, d, z = (
         c.get("pipeline_parallel", 1),
         c.get("tensor_parallel", 1),
@@ -212,8 +218,8 @@ def _torchtitan(c: dict) -> tuple[dict, list[str]]:
         c.get("zero", 0),
     )
     b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
-    training: dict = {"global_batch_size": B}
-    parallelism: dict = {
+    training: Json = {"global_batch_size": B}
+    parallelism: Json = {
         "data_parallel_replicate_degree": d if z == 0 else 1,
         "data_parallel_shard_degree": 1 if z == 0 else d,
         "tensor_parallel_degree": t,
@@ -224,9 +230,7 @@ def _torchtitan(c: dict) -> tuple[dict, list[str]]:
         # one flush per step: the local batch is the m micro-batches of one flush
         training["local_batch_size"] = b * g
         parallelism["pipeline_parallel_microbatch_size"] = b
-        parallelism["pipeline_parallel_schedule"] = _TORCHTITAN_SCHEDULES.get(
-            c.get("schedule", "1f1b"), "1F1B"
-        )
+        parallelism["pipeline_parallel_schedule"] = _torchtitan_schedule(c.get("schedule", "1f1b"))
         if c.get("schedule") == "zb-h1":
             notes.append(
                 "zb-h1 is torch's ScheduleInterleavedZeroBubble with one stage per rank (InterleavedZeroBubble)"
@@ -271,7 +275,7 @@ def _toml_value(v: object) -> str:
     raise ConfigError(f"cannot write {v!r} to TOML")
 
 
-def _toml(tables: dict) -> str:
+def _toml(tables: Json) -> str:
     lines = []
     for name, table in tables.items():
         lines.append(f"[{name}]")

@@ -1,262 +1,95 @@
-"""A pipeline run's report: measured bubble and memory per rank, the simulator's prediction on
-the same action order, the timeline as rows for :mod:`microbatch.show.text` and as a Chrome trace.
+"""A pipeline run drawn: the report as text with both timelines, and the timeline as a Chrome trace.
 
-:func:`summarize` reduces the raw per-rank intervals that :func:`microbatch.run.pipeline.run_rank`
-gathers on rank 0 to the measured bubble, busy and idle time, in-flight counts and
-saved-activation bytes, and runs the simulator on torch's own order (see
-:func:`microbatch.run.pipeline.torch_order`) fed with the measured per-stage forward and backward
-times, so that measured and predicted compare like with like. Plain data in, plain data out: no
-torch needed here beyond what :func:`~microbatch.run.pipeline.torch_order` imports.
+The report itself is data, built in :mod:`microbatch.run.pipeline_summary`; this module only
+formats it (:func:`render`), converts its timelines to rows for :mod:`microbatch.show.text`
+(:func:`measured_rows_ms`, :func:`predicted_rows_ms`) and writes the Chrome trace
+(:func:`chrome_trace`).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import fields
 from typing import Any
 
-from microbatch.errors import ScheduleError
-from microbatch.run.pipeline import SCHEDULES, PipelineConfig, stage_to_rank, torch_order
+from microbatch.run.pipeline_summary import timeline_rows
+from microbatch.show.text import render_timeline_text
+from microbatch.units import format_bytes
 
-__all__ = [
-    "GRAD_TOLERANCE",
-    "chrome_trace",
-    "config_from_dict",
-    "measured_comm_s",
-    "predict",
-    "summarize",
-    "timeline_rows",
-]
-
-GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
-"""Largest relative gradient error accepted as a match, by parameter dtype (fp32: the issue's 1e-5)."""
+__all__ = ["chrome_trace", "measured_rows_ms", "predicted_rows_ms", "render"]
 
 
-def config_from_dict(d: dict) -> PipelineConfig:
-    names = {f.name for f in fields(PipelineConfig)}
-    return PipelineConfig(**{k: v for k, v in d.items() if k in names})
+def measured_rows_ms(report: dict[str, Any]) -> list[list[tuple[float, float, str, int]]]:
+    """The measured last step as per-rank rows for :mod:`microbatch.show.text`, in milliseconds."""
+    return [[(a * 1e3, e * 1e3, lab, i) for a, e, lab, i in row] for row in timeline_rows(report)]
 
 
-def summarize(raw: dict) -> dict:
-    """Measured and predicted bubble, busy/idle time, in-flight counts and memory per rank.
-
-    Steps after the first are averaged (the first warms up); with one step, it is used. Keys:
-
-    - ``measured.bubble_fraction``: Σ_ranks idle / (p × step wall time); the step's wall time runs
-      from the barrier before ``step()`` to the last rank's return.
-    - ``measured.stage_stats[r]`` (``stage`` is the rank; ``virtual_stages`` the stages it holds):
-      ``busy_s`` (time inside forward/backward calls, the loss counted with the forward),
-      ``idle_s`` = wall − busy, ``peak_in_flight`` (in a rank's layers: chunks / v, as
-      :mod:`microbatch.schedules.simulate`; ``peak_in_flight_chunks`` the raw count),
-      ``activation_bytes_per_microbatch`` (mean bytes autograd saved for one (stage,
-      micro-batch)), ``peak_activation_bytes`` (most saved bytes resident at once) and
-      ``cuda_peak_bytes`` (``max_memory_allocated``, GPU only).
-    - ``measured.op_time_s``: mean seconds of each stage's F/B/I/W (``"1F"``) — the simulator's input.
-    - ``predicted``: :func:`predict` on torch's order with those times (no communication time);
-      ``predicted.with_comm``: the same plus the measured hand-off latency (:func:`measured_comm_s`).
-    - ``gradients_match`` / ``max_grad_rel_error``: largest ‖g_pipe − g_ref‖/‖g_ref‖ over the
-      parameters after step 1 against the unsplit model (None unless checked); tolerance
-      :data:`GRAD_TOLERANCE` by dtype.
-    - ``order_matches_torch``: every rank ran exactly torch's planned compute order.
-    - ``timeline`` / ``predicted_timeline``: the last step's intervals, seconds from its start.
-    """
-    cfg = config_from_dict(raw["config"])
-    ranks = sorted(raw["ranks"], key=lambda x: x["rank"])
-    n_steps = len(ranks[0]["steps"])
-    use = list(range(1, n_steps)) if n_steps > 1 else [0]
-    p = cfg.stages
-
-    bubbles, walls = [], []
-    busy = defaultdict(list)
-    op_times: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for k in use:
-        start = min(r["steps"][k]["start_wall_s"] for r in ranks)
-        end = max(r["steps"][k]["end_wall_s"] for r in ranks)
-        wall = end - start
-        walls.append(wall)
-        tot = 0.0
-        for r in ranks:
-            b = sum(e - s for _, _, _, s, e in r["steps"][k]["intervals"])
-            busy[r["rank"]].append(b)
-            tot += b
-            for kind, stage, _i, s, e in r["steps"][k]["intervals"]:
-                op_times[(stage, kind)].append(e - s)
-        bubbles.append(1.0 - tot / (p * wall) if wall > 0 else 0.0)
-    wall = sum(walls) / len(walls)
-    stats = []
-    for r in ranks:
-        steps = [r["steps"][k] for k in use]
-        per_mb = [x for st in steps for x in st["per_microbatch_bytes"]]
-        b = sum(busy[r["rank"]]) / len(use)
-        cuda = [st["cuda_peak_bytes"] for st in steps if st.get("cuda_peak_bytes") is not None]
-        stats.append(
-            {
-                "stage": r["rank"],
-                "virtual_stages": r["stages"],
-                "busy_s": b,
-                "idle_s": max(0.0, wall - b),
-                "peak_in_flight": max(st["peak_in_flight"] for st in steps),
-                "activation_bytes_per_microbatch": (sum(per_mb) / len(per_mb)) if per_mb else 0,
-                "peak_activation_bytes": max(st["peak_activation_bytes"] for st in steps),
-                "cuda_peak_bytes": max(cuda) if cuda else None,
-            }
-        )
-    mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
-    executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
-    pred = predict(cfg, mean_times, executed)
-    comm = measured_comm_s(cfg, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
-    pred_comm = predict(cfg, mean_times, executed, comm_s=comm)
-    v = cfg.virtual
-    for st in stats:
-        st["peak_in_flight_chunks"] = st["peak_in_flight"]
-        st["peak_in_flight"] = st["peak_in_flight"] if v == 1 else st["peak_in_flight"] / v
-    t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
-    timeline = [
-        {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
-        for r in ranks
-        for (kind, s, i, a, e) in r["steps"][-1]["intervals"]
-    ]
-    predicted_rows = pred.timeline_rows()
-    err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
-    max_err = max(err) if err else None
-    tol = GRAD_TOLERANCE[cfg.dtype]
-    losses = [st["loss"] for r in ranks for st in r["steps"] if st["loss"] is not None]
-    return {
-        "schedule": cfg.schedule,
-        "stages": cfg.stages,
-        "microbatches": cfg.microbatches,
-        "virtual": cfg.virtual,
-        "model": cfg.model,
-        "global_batch": cfg.batch,
-        "micro_batch": cfg.micro_batch,
-        "steps": n_steps,
-        "measured_steps": len(use),
-        "layers_per_stage": ranks[0]["layers_per_stage"],
-        "torch_version": raw.get("torch_version"),
-        "device": raw.get("device"),
-        "measured": {
-            "bubble_fraction": sum(bubbles) / len(bubbles),
-            "step_time_s": wall,
-            "stage_stats": stats,
-            "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
-        },
-        "predicted": {
-            "bubble_fraction": pred.bubble_fraction,
-            "peak_in_flight": list(pred.peak_in_flight),
-            "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
-            "step_time_s": pred.makespan,
-            "source": "microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
-            "with_comm": {
-                "comm_time_s": comm,
-                "bubble_fraction": pred_comm.bubble_fraction,
-                "step_time_s": pred_comm.makespan,
-            },
-        },
-        "gradients_match": None if max_err is None else bool(max_err <= tol),
-        "max_grad_rel_error": max_err,
-        "grad_tolerance": tol,
-        "losses": losses,
-        "order_matches_torch": all(
-            executed[str(r)] == [str(a) for a in acts] for r, acts in enumerate(pred.schedule.actions)
-        ),
-        "executed_order": executed,
-        "timeline": timeline,
-        "predicted_timeline": [
-            {"rank": r, "label": lab, "microbatch": i, "start_s": a, "end_s": e}
-            for r, rows in enumerate(predicted_rows)
-            for (a, e, lab, i) in rows
-        ],
-    }
-
-
-def measured_comm_s(cfg: PipelineConfig, steps: list[list[list]]) -> float:
-    """Median measured hand-off latency between ranks: for each op whose input comes from another
-    rank (F from stage s−1, B/I from stage s+1) and whose rank sat idle waiting for it, the gap
-    from the input's end to the op's start. ``steps``: per step, per rank, the raw intervals
-    ``(kind, stage, microbatch, start, end)``. 0 when no op waited on another rank."""
-    placement = stage_to_rank(cfg.schedule, cfg.stages, cfg.virtual)
-    last = cfg.total_stages - 1
-    gaps = []
-    for per_rank in steps:
-        span: dict[tuple[str, int, int], tuple[float, float, float | None]] = {}
-        for intervals in per_rank:
-            before = None  # end of the rank's previous op: the rank is idle from then on
-            for kind, s, i, a, e in sorted(intervals, key=lambda x: x[3]):
-                span[(kind, s, i)] = (a, e, before)
-                before = e
-        for (kind, s, i), (start, _, idle_from) in span.items():
-            if kind == "F" and s > 0:
-                deps = [("F", s - 1, i)]
-            elif kind in ("B", "I") and s < last:
-                deps = [("B", s + 1, i), ("I", s + 1, i)]
-            else:
-                continue
-            dep = next((d for d in deps if d in span), None)
-            if dep is None or placement[dep[1]] == placement[s]:
-                continue
-            dep_end = span[dep][1]
-            if idle_from is None or idle_from <= dep_end:  # the op waited for its input
-                gaps.append(max(0.0, start - dep_end))
-    if not gaps:
-        return 0.0
-    gaps.sort()
-    return gaps[len(gaps) // 2]
-
-
-def predict(
-    cfg: PipelineConfig,
-    op_time_s: dict[tuple[int, str], float],
-    executed: dict | None = None,
-    *,
-    comm_s: float = 0.0,
-):
-    """:func:`microbatch.schedules.simulate.simulate` on torch's action order for ``cfg`` (as a
-    :class:`~microbatch.schedules.schedule.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op.
-
-    Where torch's order cannot be derived (an older torch whose internals differ), the order the
-    ranks ``executed`` (rank -> action strings) is simulated instead. ``comm_s`` is paid on every
-    dependency between ranks (see :func:`measured_comm_s`)."""
-    from microbatch.schedules.schedule import Schedule
-    from microbatch.schedules.simulate import simulate
-
-    try:
-        order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
-    except ScheduleError:
-        if executed is None:
-            raise
-        order = {int(r): acts for r, acts in executed.items()}  # what this torch really ran
-    sched = Schedule.from_strings(
-        cfg.schedule,
-        [order[r] for r in range(cfg.stages)],
-        microbatches=cfg.microbatches,
-        virtual=cfg.virtual,
-        placement=SCHEDULES[cfg.schedule].placement,
-    )
-    n = cfg.total_stages
-    times = {k: [float(op_time_s.get((s, k), 0.0)) for s in range(n)] for k in "FBIW"}
-    split = sched.split_backward
-    return simulate(
-        sched,
-        forward_time=times["F"],
-        backward_time=None if split else times["B"],
-        input_time=times["I"] if split else None,
-        weight_time=times["W"] if split else None,
-        comm_time=comm_s,
-    )
-
-
-def timeline_rows(report: dict) -> list[list[tuple[float, float, str, int]]]:
-    """The measured last step as per-rank ``(start, end, label, microbatch)`` rows, labelled as
-    :meth:`microbatch.schedules.simulate.SimResult.timeline_rows` labels them (chunk prefix when v > 1)."""
-    p, v = report["stages"], report["virtual"]
-    rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
-    for it in sorted(report["timeline"], key=lambda x: x["start_s"]):
-        label = it["kind"] if v == 1 else f"{it['stage'] // p}{it['kind']}"
-        rows[it["rank"]].append((it["start_s"], it["end_s"], label, it["microbatch"]))
+def predicted_rows_ms(report: dict[str, Any]) -> list[list[tuple[float, float, str, int]]]:
+    """The simulator's prediction as per-rank rows for :mod:`microbatch.show.text`, in milliseconds."""
+    rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(report["stages"])]
+    for it in report["predicted_timeline"]:
+        rows[it["rank"]].append((it["start_s"] * 1e3, it["end_s"] * 1e3, it["label"], it["microbatch"]))
     return rows
 
 
-def chrome_trace(report: dict) -> dict:
+def _bytes(n: float | None) -> str:
+    return "-" if n is None else format_bytes(n, digits=1)
+
+
+def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> str:
+    """The report of :func:`microbatch.run.pipeline_summary.summarize` as text: measured beside
+    predicted, a table per rank, both timelines on one time scale, the gradient check."""
+    m, p, v = report["measured"], report["predicted"], report["virtual"]
+    lines = [
+        f"pipeline {report['schedule']}: p = {report['stages']} ranks, m = {report['microbatches']} micro-batches"
+        + (f", v = {v} stages per rank" if v > 1 else "")
+        + f"; model {report['model']}, B = {report['global_batch']}, b_m = {report['micro_batch']}, "
+        f"layers per stage {report['layers_per_stage']}",
+        f"  {report['measured_steps']} measured step(s) of {report['steps']} on {report['device']} (torch "
+        f"{report['torch_version']})",
+        "",
+        "                       measured   predicted",
+        f"  bubble (idle share)   {m['bubble_fraction']:7.1%}     {p['bubble_fraction']:7.1%}",
+        f"  step time             {m['step_time_s'] * 1e3:7.2f} ms  {p['step_time_s'] * 1e3:7.2f} ms",
+        f"  with the measured hand-off latency ({p['with_comm']['comm_time_s'] * 1e3:.2f} ms per cross-rank "
+        f"input): bubble {p['with_comm']['bubble_fraction']:.1%}, step {p['with_comm']['step_time_s'] * 1e3:.2f} ms",
+        "",
+        "  rank  stages     busy ms   idle ms  in flight (pred)  act/µbatch   peak act",
+    ]
+    for st, pif in zip(m["stage_stats"], p["peak_in_flight"], strict=True):
+        lines.append(
+            f"  {st['stage']:>4}  {','.join(map(str, st['virtual_stages'])):<9} {st['busy_s'] * 1e3:8.2f}  "
+            f"{st['idle_s'] * 1e3:8.2f}  {st['peak_in_flight']:>6g} ({pif:g})      "
+            f"{_bytes(st['activation_bytes_per_microbatch']):>10}  {_bytes(st['peak_activation_bytes']):>9}"
+            + (f"  cuda peak {_bytes(st['cuda_peak_bytes'])}" if st.get("cuda_peak_bytes") else "")
+        )
+    span_ms = max(m["step_time_s"], p["step_time_s"]) * 1e3  # one scale for both diagrams
+    lines += ["", "measured (last step; times from the first op)"]
+    lines.append(
+        render_timeline_text(
+            measured_rows_ms(report), span_ms, width=width, color=color, legend=False, time_unit="ms"
+        )
+    )
+    lines += ["predicted (simulator, measured op times, no communication time)"]
+    lines.append(
+        render_timeline_text(predicted_rows_ms(report), span_ms, width=width, color=color, time_unit="ms")
+    )
+    if report["gradients_match"] is not None:
+        verdict = "match" if report["gradients_match"] else "DO NOT MATCH"
+        lines += [
+            "",
+            f"  gradients {verdict} the unsplit model: largest relative error "
+            f"{report['max_grad_rel_error']:.2e} (tolerance {report['grad_tolerance']:.0e})",
+        ]
+    if report.get("trace"):
+        lines.append(
+            f"  Chrome trace written to {report['trace']} (open in chrome://tracing or ui.perfetto.dev)"
+        )
+    for key in ("svg", "png"):
+        if key in report:
+            lines.append(f"  wrote {report[key]}")
+    return "\n".join(lines)
+
+
+def chrome_trace(report: dict[str, Any]) -> dict[str, Any]:
     """The measured timeline of the last step as a Chrome trace (``chrome://tracing``, Perfetto):
     one process per rank, one thread per stage, one complete event per F/B/I/W, and a counter of
     the micro-batches in flight on each rank."""

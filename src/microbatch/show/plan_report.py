@@ -4,18 +4,28 @@ recommendation in words. Plain data in, strings out (the library never prints; t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from microbatch.predict.candidate import Candidate
-    from microbatch.predict.plan import Plan
+from microbatch.errors import ConfigError
+from microbatch.predict.candidate import Candidate
+from microbatch.predict.plan import Plan
+from microbatch.units import format_bytes
 
-__all__ = ["TABLE_COLUMNS", "comparison_rows", "explain", "gib", "plan_table_rows"]
+__all__ = [
+    "TABLE_COLUMNS",
+    "comparison_rows",
+    "explain",
+    "explain_result",
+    "plan_table_rows",
+    "render_plan",
+    "text_table",
+]
 
 
-def gib(x: float) -> str:
-    """Bytes as GiB with one decimal: ``"57.0 GiB"``."""
-    return f"{x / 2**30:.1f} GiB"
+def _gib(n: float) -> str:
+    """Bytes in GiB with one decimal (``"57.0 GiB"``), so that a column reads in one unit."""
+    return format_bytes(n, digits=1, unit="GiB")
 
 
 TABLE_COLUMNS = (
@@ -43,7 +53,7 @@ def _row(c: Candidate) -> list[str]:
         c.recompute,
         str(c.zero),
         f"{100 * c.bubble_fraction:.1f}%",
-        gib(c.peak_memory_bytes),
+        _gib(c.peak_memory_bytes),
         f"{c.step_time_s:.3g} s",
         f"{c.tokens_per_s:,.0f}",
         f"{100 * c.mfu:.1f}%",
@@ -82,12 +92,12 @@ def comparison_rows(plans: list[Plan]) -> list[list[str]]:
         g = pl.config.gpu
         if c is None:
             rows.append(
-                [g.name, gib(g.memory_bytes), "-", "-", "-", "-", "-", "nothing fits", "-", "-", "-", "-"]
+                [g.name, _gib(g.memory_bytes), "-", "-", "-", "-", "-", "nothing fits", "-", "-", "-", "-"]
             )
             continue
         rows.append([
-            g.name, gib(g.memory_bytes), str(c.micro_batch), str(c.microbatches), c.schedule, c.recompute,
-            str(c.zero), gib(c.peak_memory_bytes), f"{c.step_time_s:.3g} s", f"{c.tokens_per_s:,.0f}",
+            g.name, _gib(g.memory_bytes), str(c.micro_batch), str(c.microbatches), c.schedule, c.recompute,
+            str(c.zero), _gib(c.peak_memory_bytes), f"{c.step_time_s:.3g} s", f"{c.tokens_per_s:,.0f}",
             f"{c.tokens_per_s / pl.config.num_gpus:,.0f}", f"{100 * c.mfu:.1f}%",
         ])  # fmt: skip
     return rows
@@ -95,31 +105,63 @@ def comparison_rows(plans: list[Plan]) -> list[list[str]]:
 
 def explain(plan: Plan) -> str:
     """The trade-off in words: bubble against kernel efficiency against memory."""
-    c = plan.recommended
     cfg = plan.config
+    return _explain(
+        plan.recommended, plan.candidates, pipeline_parallel=cfg.pipeline_parallel,
+        budget_bytes=cfg.budget_bytes, lints=plan.lints, advice=plan.advice,
+    )  # fmt: skip
+
+
+def explain_result(result: dict[str, Any]) -> str:
+    """:func:`explain` for a plan read back from ``plan --json`` (:meth:`Plan.to_dict`)."""
+    try:
+        rec = result.get("recommended")
+        return _explain(
+            Candidate.from_dict(rec) if rec else None,
+            [Candidate.from_dict(c) for c in result.get("candidates", [])],
+            pipeline_parallel=int(result.get("pipeline_parallel", 1)),
+            budget_bytes=float(result["budget_bytes"]),
+            lints=list(result.get("lints", [])),
+            advice=list(result.get("advice", [])),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(
+            f"not a plan result ({type(e).__name__}: {e}); give the output of `microbatch plan --json`"
+        ) from None
+
+
+def _explain(
+    c: Candidate | None,
+    candidates: Sequence[Candidate],
+    *,
+    pipeline_parallel: int,
+    budget_bytes: float,
+    lints: Sequence[str],
+    advice: Sequence[str],
+) -> str:
     if c is None:  # the headline; the rest of the advice (what would fit) is listed after it
-        return plan.advice[0] if plan.advice else "nothing fits"
-    p = cfg.pipeline_parallel
+        return advice[0] if advice else "nothing fits"
+    p = pipeline_parallel
     parts = [
         f"Recommended b_m = {c.micro_batch} (m = g = {c.microbatches}, "
         f"{c.schedule if p > 1 else 'no pipeline'}"
         + (f", v = {c.virtual}" if c.virtual > 1 else "")
         + f", recompute {c.recompute}, ZeRO {c.zero}): {c.step_time_s:.3g} s per step, "
-        f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {gib(c.peak_memory_bytes)} of "
-        f"{gib(cfg.budget_bytes)} usable."
+        f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {_gib(c.peak_memory_bytes)} of "
+        f"{_gib(budget_bytes)} usable."
     ]
     best_at: dict[int, Candidate] = {}
-    for x in plan.candidates:
+    for x in candidates:
         best_at.setdefault(x.micro_batch, x)
     smaller = [x for b, x in sorted(best_at.items()) if b < c.micro_batch]
     larger = [x for b, x in sorted(best_at.items()) if b > c.micro_batch]
     if smaller:
         s = smaller[-1]
         if not s.fits:
-            why = f"does not fit ({gib(s.peak_memory_bytes)})"
+            why = f"does not fit ({_gib(s.peak_memory_bytes)})"
         elif p == 1:
             why = (
-                f"would save {gib(c.peak_memory_bytes - s.peak_memory_bytes)} but its GEMMs reach "
+                f"would save {_gib(c.peak_memory_bytes - s.peak_memory_bytes)} but its GEMMs reach "
                 f"{100 * s.gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and its step takes "
                 f"{s.step_time_s:.3g} s"
             )
@@ -133,15 +175,42 @@ def explain(plan: Plan) -> str:
     if larger:
         g = larger[0]
         if not g.fits:
-            why = f"does not fit: {gib(g.peak_memory_bytes)} > {gib(cfg.budget_bytes)}"
+            why = f"does not fit: {_gib(g.peak_memory_bytes)} > {_gib(budget_bytes)}"
         else:
             why = (
                 f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak but leave "
                 f"{100 * g.bubble_fraction:.1f}% of the pipeline idle" if p > 1 else
-                f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak for {gib(g.peak_memory_bytes)}"
+                f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak for {_gib(g.peak_memory_bytes)}"
             )  # fmt: skip
             why += f"; its step takes {g.step_time_s:.3g} s"
         parts.append(f"Larger b_m = {g.micro_batch} {why}.")
-    if plan.lints:
-        parts.append("Check: " + " ".join(plan.lints))
+    if lints:
+        parts.append("Check: " + " ".join(lints))
     return " ".join(parts)
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows (header first) as a right-aligned text table with a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_plan(plan: Plan, *, all_rows: bool = False) -> str:
+    """The plan as text: header, trade-off table, recommendation in words, pitfalls."""
+    cfg = plan.config
+    head = (
+        f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
+        f"{cfg.data_parallel}, p = {cfg.pipeline_parallel}, t = {cfg.tensor_parallel}"
+        f"{' + SP' if cfg.sequence_parallel else ''}, s = {cfg.seq_len}; {plan.evaluated} candidates, "
+        f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.budget_bytes)}"
+    )
+    title = "best candidates" if all_rows else "best candidate at each b_m (* = recommended)"
+    rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
+    parts = [head, "", title, text_table(rows), "", explain(plan)]
+    # With no recommendation the explanation is the advice's headline: list only the rest.
+    advice = plan.advice[1:] if plan.recommended is None else plan.advice
+    if advice:
+        parts += [""] + [f"- {a}" for a in advice]
+    return "\n".join(parts)

@@ -9,7 +9,10 @@ kind (``F``, ``B``, ``I``, ``W``), optionally prefixed by a chunk number (``1F``
 - :func:`render_timeline_text` — the bubble diagram for a terminal: plain text, or ANSI colours
   (through rich) when the caller says the output is a terminal;
 - :func:`timeline_svg` — a self-contained SVG string (no matplotlib; an HTML report can inline it);
-- :func:`save_timeline_png` — a PNG through matplotlib, imported only when called.
+- :func:`save_timeline_png` — a PNG through matplotlib (the one bubble chart of
+  :mod:`microbatch.show.figures`, re-exported here).
+
+Rows, kinds and colours come from :mod:`microbatch.show.timeline`.
 
 This module never prints; the commands decide where the text goes.
 """
@@ -22,65 +25,40 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-Row = tuple[float, float, str, int]
-"""One op on one rank: ``(start, end, label, microbatch)``."""
+from microbatch.show.figures import save_timeline_png
+from microbatch.show.timeline import (
+    KIND_COLORS,
+    KIND_NAMES,
+    KIND_TERMINAL,
+    UNKNOWN_COLOR,
+    Row,
+    kind_of,
+    kind_order,
+    normalize_rows,
+    window,
+)
+from microbatch.units import format_number
 
-KIND_NAMES = {"F": "forward", "B": "backward", "I": "input-grad", "W": "weight-grad"}
-"""What each kind letter means, for legends."""
-
-KIND_COLORS = {"F": "#4C78A8", "B": "#54A24B", "I": "#72B7B2", "W": "#E45756"}
-"""Fill colour of each kind in SVG, PNG and (later) HTML charts."""
-
-KIND_TERMINAL = {"F": "white on blue", "B": "black on green", "I": "black on cyan", "W": "white on red"}
-"""rich styles of each kind in a colour terminal."""
+__all__ = [
+    "Row",
+    "KIND_NAMES",
+    "KIND_COLORS",
+    "KIND_TERMINAL",
+    "IDLE_CHAR",
+    "FILL_CHAR",
+    "normalize_rows",
+    "render_timeline_text",
+    "render_stats_table",
+    "timeline_svg",
+    "save_timeline_svg",
+    "save_timeline_png",
+]
 
 IDLE_CHAR = "."
 """Plain-text cell of an idle slot."""
 
 FILL_CHAR = "-"
 """Plain-text cells of an op after its label (``B0------``)."""
-
-
-def _kind(label: str) -> str:
-    """The kind letter of a label (``"1F"`` -> ``"F"``); unknown labels keep their last char."""
-    return label[-1] if label else "?"
-
-
-def normalize_rows(intervals_by_rank: Iterable[Iterable[Any]]) -> list[list[Row]]:
-    """Per rank, rows as ``(start, end, label, microbatch)`` floats/str/int, sorted by start."""
-    out: list[list[Row]] = []
-    for rank in intervals_by_rank:
-        rows: list[Row] = []
-        for item in rank:
-            if isinstance(item, Mapping):
-                label = str(item.get("label", item.get("kind", "?")))
-                rows.append(
-                    (float(item["start"]), float(item["end"]), label, int(item.get("microbatch", -1)))
-                )
-            elif len(item) == 3:  # (start, end, Action)
-                start, end, action = item
-                rows.append((float(start), float(end), str(action.kind), int(action.microbatch)))
-            else:
-                start, end, label, mb = item
-                rows.append((float(start), float(end), str(label), int(mb)))
-        rows.sort(key=lambda r: (r[0], r[1]))
-        out.append(rows)
-    return out
-
-
-def _window(rows: list[list[Row]], makespan: float | None) -> tuple[float, float]:
-    """``(t0, span)``: times are drawn relative to the earliest start ``t0`` (0 for a simulation;
-    a measured timeline may use any clock). ``makespan`` is the end time on the rows' clock, or,
-    when smaller than ``t0``, a duration from ``t0``; by default the last end."""
-    t0 = min((r[0] for rank in rows for r in rank), default=0.0)
-    last = max((r[1] for rank in rows for r in rank), default=t0)
-    if makespan is None:
-        end = last
-    else:
-        end = float(makespan)
-        if end < t0:
-            end = t0 + end
-    return t0, max(0.0, end - t0)
 
 
 def render_timeline_text(
@@ -101,7 +79,7 @@ def render_timeline_text(
     ``color=True`` returns ANSI colours (rich), for a terminal; the text is the same either way.
     """
     rows = normalize_rows(intervals_by_rank)
-    t0, span = _window(rows, makespan)
+    t0, span = window(rows, makespan)
     if not rows or span <= 0:
         return "(empty timeline)"
     width = max(10, int(width))
@@ -121,7 +99,7 @@ def render_timeline_text(
             c1 = min(ncols, max(c0 + 1, int(round((end - t0) * scale))))
             text = f"{label}{mb}" if mb >= 0 else label
             w = c1 - c0
-            kind = _kind(label)
+            kind = kind_of(label)
             # the whole label when it fits (filled with "-"), else the kind letter alone
             shown = text.ljust(w, FILL_CHAR) if labels and len(text) <= w else kind * w
             for j in range(w):
@@ -131,15 +109,19 @@ def render_timeline_text(
     name_w = len(f"{rank_label} {len(rows) - 1}")
     unit = f" {time_unit}" if time_unit else ""
     per_col = span / ncols
-    header = f"{'':<{name_w}}  0{unit}".ljust(name_w + 2 + max(0, ncols - len(_fmt(span)))) + _fmt(span)
+    header = f"{'':<{name_w}}  0{unit}".ljust(
+        name_w + 2 + max(0, ncols - len(format_number(span)))
+    ) + format_number(span)
     plain_lines = [header.rstrip()]
     for r, cells in enumerate(lines_cells):
         plain_lines.append(f"{rank_label} {r}".ljust(name_w) + " |" + "".join(c for c, _ in cells) + "|")
     legend_line = ""
     if legend:
-        kinds = sorted({_kind(r[2]) for rank in rows for r in rank}, key=lambda k: "FBIW".find(k) % 5)
+        kinds = sorted({kind_of(r[2]) for rank in rows for r in rank}, key=kind_order)
         parts = [f"{k} {KIND_NAMES.get(k, k)}" for k in kinds]
-        legend_line = "  ".join(parts + [f"{IDLE_CHAR} idle"]) + f"; one column = {_fmt(per_col)}{unit}"
+        legend_line = (
+            "  ".join(parts + [f"{IDLE_CHAR} idle"]) + f"; one column = {format_number(per_col)}{unit}"
+        )
     if not color:
         return "\n".join(plain_lines + ([legend_line] if legend else []))
 
@@ -150,36 +132,29 @@ def render_timeline_text(
     out = [Text(plain_lines[0])]
     for r, cells in enumerate(lines_cells):
         t = Text(f"{rank_label} {r}".ljust(name_w) + " |")
-        run, run_style = "", None
-        for ch, kind in cells:  # one styled span per run of equal style; the colour fills, not "-"
-            style = KIND_TERMINAL.get(kind, "") if kind else "dim"
+        run, run_style = "", ""
+        for ch, cell_kind in cells:  # one styled span per run of equal style; the colour fills, not "-"
+            style = KIND_TERMINAL.get(cell_kind, "") if cell_kind else "dim"
             if style != run_style and run:
                 t.append(run, style=run_style)
                 run = ""
             run_style = style
-            run += " " if (kind and ch == FILL_CHAR) else ch
+            run += " " if (cell_kind and ch == FILL_CHAR) else ch
         if run:
             t.append(run, style=run_style)
         t.append("|")
         out.append(t)
     if legend:
         lt = Text()
-        for k in sorted({_kind(r[2]) for rank in rows for r in rank}, key=lambda k: "FBIW".find(k) % 5):
+        for k in sorted({kind_of(r[2]) for rank in rows for r in rank}, key=kind_order):
             lt.append(f" {k} ", style=KIND_TERMINAL.get(k, ""))
             lt.append(f" {KIND_NAMES.get(k, k)}  ")
-        lt.append(f"{IDLE_CHAR} idle; one column = {_fmt(per_col)}{unit}", style="dim")
+        lt.append(f"{IDLE_CHAR} idle; one column = {format_number(per_col)}{unit}", style="dim")
         out.append(lt)
     with console.capture() as cap:
         for t in out:
             console.print(t, overflow="ignore", no_wrap=True, crop=False)
     return cap.get().rstrip("\n")
-
-
-def _fmt(x: float) -> str:
-    """Short number: integers without decimals, else 4 significant digits."""
-    if abs(x - round(x)) < 1e-9:
-        return str(int(round(x)))
-    return f"{x:.4g}"
 
 
 def render_stats_table(stage_stats: Sequence[Mapping[str, Any]], *, time_unit: str = "") -> str:
@@ -191,7 +166,13 @@ def render_stats_table(stage_stats: Sequence[Mapping[str, Any]], *, time_unit: s
         total = s["busy"] + s["idle"]
         pct = 100 * s["idle"] / total if total > 0 else 0.0
         body.append(
-            (str(s["stage"]), _fmt(s["busy"]), _fmt(s["idle"]), f"{pct:.1f}", _fmt(s["peak_in_flight"]))
+            (
+                str(s["stage"]),
+                format_number(s["busy"]),
+                format_number(s["idle"]),
+                f"{pct:.1f}",
+                format_number(s["peak_in_flight"]),
+            )
         )
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *body]]
@@ -210,7 +191,7 @@ def timeline_svg(
 ) -> str:
     """A self-contained SVG chart of the timeline: one lane per rank, one coloured box per op."""
     rows = normalize_rows(intervals_by_rank)
-    t0, span = _window(rows, makespan)
+    t0, span = window(rows, makespan)
     span = max(span, 1e-12)
     left, right, top = 70, 20, 34 if title else 12
     axis_h, legend_h = 30, 24
@@ -235,12 +216,12 @@ def timeline_svg(
         for start, end, label, mb in rank:
             x = left + (start - t0) * sx
             w = max((end - start) * sx, 0.5)
-            kind = _kind(label)
-            fill = KIND_COLORS.get(kind, "#999999")
+            kind = kind_of(label)
+            fill = KIND_COLORS.get(kind, UNKNOWN_COLOR)
             text = f"{label}{mb}" if mb >= 0 else label
             out.append(
                 f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_px - 4}" fill="{fill}" '
-                f'stroke="white" stroke-width="0.5"><title>{escape(text)}: {_fmt(start)}–{_fmt(end)}</title></rect>'
+                f'stroke="white" stroke-width="0.5"><title>{escape(text)}: {format_number(start)}–{format_number(end)}</title></rect>'
             )
             if w >= 7 * len(text):
                 out.append(
@@ -252,16 +233,16 @@ def timeline_svg(
     for tick in _ticks(0.0, span):
         x = left + tick * sx
         out.append(f'<line x1="{x:.2f}" y1="{y_axis}" x2="{x:.2f}" y2="{y_axis + 4}" stroke="black"/>')
-        out.append(f'<text x="{x:.2f}" y="{y_axis + 16}" text-anchor="middle">{_fmt(tick)}</text>')
+        out.append(f'<text x="{x:.2f}" y="{y_axis + 16}" text-anchor="middle">{format_number(tick)}</text>')
     if time_unit:
         out.append(
             f'<text x="{left + plot_w}" y="{y_axis + 28}" text-anchor="end">time ({escape(time_unit)})</text>'
         )
-    kinds = sorted({_kind(r[2]) for rank in rows for r in rank}, key=lambda k: "FBIW".find(k) % 5)
+    kinds = sorted({kind_of(r[2]) for rank in rows for r in rank}, key=kind_order)
     lx, ly = left, height - 8
     for k in kinds:
         out.append(
-            f'<rect x="{lx}" y="{ly - 10}" width="12" height="12" fill="{KIND_COLORS.get(k, "#999999")}"/>'
+            f'<rect x="{lx}" y="{ly - 10}" width="12" height="12" fill="{KIND_COLORS.get(k, UNKNOWN_COLOR)}"/>'
         )
         name = f"{k} {KIND_NAMES.get(k, k)}"
         out.append(f'<text x="{lx + 16}" y="{ly}">{escape(name)}</text>')
@@ -293,61 +274,4 @@ def save_timeline_svg(
     """Write :func:`timeline_svg` to ``path``; returns the path."""
     p = Path(path)
     p.write_text(timeline_svg(intervals_by_rank, makespan, **kw), encoding="utf-8")
-    return p
-
-
-def save_timeline_png(
-    intervals_by_rank: Iterable[Iterable[Any]],
-    makespan: float | None,
-    path: str | Path,
-    *,
-    title: str | None = None,
-    time_unit: str = "",
-    rank_label: str = "rank",
-    dpi: int = 120,
-) -> Path:
-    """Draw the timeline with matplotlib (imported here, Agg canvas, no pyplot state) to a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    rows = normalize_rows(intervals_by_rank)
-    t0, span = _window(rows, makespan)
-    fig = Figure(figsize=(10, 1.0 + 0.4 * max(1, len(rows))), dpi=dpi)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    kinds_seen: list[str] = []
-    for r, rank in enumerate(rows):
-        by_kind: dict[str, list[tuple[float, float]]] = {}
-        for start, stop, label, _ in rank:
-            by_kind.setdefault(_kind(label), []).append((start - t0, stop - start))
-        for kind, spans in by_kind.items():
-            ax.broken_barh(
-                spans,
-                (r - 0.4, 0.8),
-                facecolors=KIND_COLORS.get(kind, "#999999"),
-                edgecolor="white",
-                linewidth=0.3,
-            )
-            if kind not in kinds_seen:
-                kinds_seen.append(kind)
-    ax.set_yticks(range(len(rows)), [f"{rank_label} {r}" for r in range(len(rows))])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlim(0, span if span > 0 else 1)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
-    if title:
-        ax.set_title(title)
-    kinds_seen.sort(key=lambda k: "FBIW".find(k) % 5)
-    ax.legend(
-        handles=[
-            Patch(color=KIND_COLORS.get(k, "#999999"), label=f"{k} {KIND_NAMES.get(k, k)}")
-            for k in kinds_seen
-        ],
-        loc="center left",
-        bbox_to_anchor=(1.0, 0.5),
-        frameon=False,
-    )
-    fig.tight_layout()
-    p = Path(path)
-    fig.savefig(p, format="png")
     return p

@@ -1,0 +1,91 @@
+"""The bound T̂ on the throughput of any b_m larger than the largest measured one.
+
+A line u = a + c·b fitted to the step time per unit of throughput (u = b/T) of the largest
+probes: under the roofline the step time is convex in b, so no larger b_m runs faster than
+T̂ = 1/c. The derivation, and why the window, the slack η and the margin μ have these values,
+is in ``docs/knee.md`` ("Reference").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from microbatch.choose.curve import CurvePoint, measured_curve
+from microbatch.fit import fit_line
+
+__all__ = [
+    "BOUND_WINDOW",
+    "BOUND_MIN_POINTS",
+    "BOUND_SLACK",
+    "BOUND_MARGIN",
+    "ThroughputBound",
+    "throughput_bound",
+]
+
+BOUND_WINDOW = 5
+"""How many of the largest measured points the bound's line is fitted on (five doublings)."""
+BOUND_MIN_POINTS = 4
+"""Fewest points the bound's line is fitted on: on three, a line has one degree of freedom left
+and its residual test cannot tell a bend from noise."""
+BOUND_SLACK = 0.15
+"""η: the largest relative residual of the bound's line for the tail to count as affine (timing
+noise); beyond it no bound is given."""
+BOUND_MARGIN = 0.05
+"""μ: with ``reference="bound"`` a point counts as within τ of the reference only if it reaches
+(1 − τ)·(1 + μ) of it: the reference is an estimate (a bound fitted on five probes with ~3% noise
+each has ~4% error; a best measured by a search that stopped early is low by up to a doubling's
+gain)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThroughputBound:
+    """T̂ = 1/c: no b_m past the largest measured runs faster (see ``docs/knee.md``)."""
+
+    throughput: float
+    """T̂, in the curve's throughput unit."""
+    slope: float
+    """c: least-squares slope of u = b/T against b over ``fitted_on``."""
+    intercept: float
+    """a: the fit's u at b = 0."""
+    max_residual: float
+    """Largest |a + c·b − u| / u over ``fitted_on`` (at most η was checked)."""
+    fitted_on: tuple[int, ...]
+    """The largest measured b_m the line was fitted on (up to ``BOUND_WINDOW``, at least 4)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fitted_on"] = list(self.fitted_on)
+        return d
+
+
+def throughput_bound(
+    points: Sequence[CurvePoint], *, slack: float = BOUND_SLACK, window: int = BOUND_WINDOW
+) -> ThroughputBound | None:
+    """The bound T̂ on the throughput of any b_m larger than the largest measured one.
+
+    Fits u = a + c·b by least squares on the ``window`` largest measured points (at least 4);
+    None when there are fewer, when c ≤ 0, or when the tail is not affine within ``slack``
+    (some |a + c·b − u| / u > η).
+    """
+    curve = [p for p in measured_curve(points) if p.measured_throughput > 0][-window:]
+    if len(curve) < BOUND_MIN_POINTS:
+        return None
+    bs = [float(p.micro_batch) for p in curve]
+    us = [p.micro_batch / p.measured_throughput for p in curve]
+    a, c = fit_line(bs, us)
+    if c <= 0:
+        return None
+    worst = max(abs(a + c * b - u) / u for b, u in zip(bs, us, strict=True))
+    if worst > slack:
+        return None
+    # u(b') ≥ u_n + c·(b' − b_n) for b' > b_n; its intercept decides between 1/c and T(b_n)
+    top = 1.0 / c if us[-1] - c * bs[-1] >= 0 else curve[-1].measured_throughput
+    return ThroughputBound(
+        throughput=top,
+        slope=c,
+        intercept=a,
+        max_residual=worst,
+        fitted_on=tuple(p.micro_batch for p in curve),
+    )

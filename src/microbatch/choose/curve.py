@@ -1,0 +1,80 @@
+"""The measured throughput curve: one point per micro-batch size, and the gain per doubling.
+
+Pure Python (no torch). The knee rules (:mod:`microbatch.choose.knee`), the bound on larger
+b_m (:mod:`microbatch.choose.bound`) and the memory fit (:mod:`microbatch.choose.memory_fit`)
+all read a curve of :class:`CurvePoint`; why and how is in ``docs/knee.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from microbatch.errors import ConfigError, check_positive_int
+
+__all__ = ["CurvePoint", "gain_per_doubling", "measured_curve"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurvePoint:
+    """One measured point of the throughput curve."""
+
+    micro_batch: int
+    """b_m: sequences per forward/backward."""
+    throughput: float | None = None
+    """Samples (or tokens) per second; None when the probe ran out of memory."""
+    peak_memory_bytes: int | None = None
+    """Peak memory of the probe (None when unknown)."""
+    oom: bool = False
+    """The probe ran out of memory."""
+    step_time_s: float | None = None
+    """Time of one step (a micro-step in training, one token in decoding), for latency limits."""
+
+    def __post_init__(self) -> None:
+        check_positive_int("micro_batch", self.micro_batch, fix="micro-batch sizes are whole numbers >= 1")
+        if self.throughput is not None:
+            t = self.throughput
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                raise ConfigError(
+                    f"throughput {t!r} at micro_batch {self.micro_batch} must be a finite number >= 0"
+                )
+        if self.peak_memory_bytes is not None:
+            m = self.peak_memory_bytes
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
+                raise ConfigError(
+                    f"peak_memory_bytes {m!r} at micro_batch {self.micro_batch} must be a finite number >= 0"
+                )
+        if not self.oom and self.throughput is None:
+            raise ConfigError(
+                f"point micro_batch {self.micro_batch} has no throughput and is not marked oom; "
+                "give a throughput or oom: true"
+            )
+
+    @property
+    def ok(self) -> bool:
+        """Measured without running out of memory (so it has a throughput)."""
+        return not self.oom and self.throughput is not None
+
+    @property
+    def measured_throughput(self) -> float:
+        """The throughput of a measured point; ValueError for an out-of-memory one."""
+        if self.oom or self.throughput is None:
+            raise ValueError(f"micro_batch {self.micro_batch} ran out of memory: it has no throughput")
+        return self.throughput
+
+
+def gain_per_doubling(b1: int, t1: float, b2: int, t2: float) -> float:
+    """Throughput gain per doubling of b_m between two points: (t2/t1)^(1/log2(b2/b1)) − 1."""
+    if b2 <= b1 or t1 <= 0:
+        raise ValueError("need b2 > b1 and t1 > 0")
+    return float((t2 / t1) ** (1.0 / math.log2(b2 / b1)) - 1.0)
+
+
+def measured_curve(points: Iterable[CurvePoint]) -> list[CurvePoint]:
+    """The measured points (out-of-memory ones dropped), one per b_m (the last given), by b_m."""
+    best: dict[int, CurvePoint] = {}
+    for p in points:
+        if p.ok:
+            best[p.micro_batch] = p
+    return [best[b] for b in sorted(best)]

@@ -1,0 +1,261 @@
+"""The search: measure throughput and peak memory as b_m doubles, fit memory, stop at the knee.
+
+**Strategy** (:func:`search`). Start at b_m = 1 (or ``start``) and double. After two probes,
+fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.choose.memory_fit.fit_memory`)
+and never probe a b_m predicted to exceed the budget less its headroom. Stop when
+
+- the knee is settled (rule ``fraction`` with ``reference="bound"``, the default): the bound T̂
+  on what any larger b_m can reach (:func:`microbatch.choose.bound.throughput_bound`: a line
+  fitted to the step time of the five largest probes, valid because the roofline's step time is
+  convex) is known and a measured point is within τ of max(best, T̂) with half the choice's
+  margin (``SETTLE_MARGIN``), so no further probe can move the knee beyond it;
+- the curve has flattened or fallen: the newest point gains less than τ per doubling over the
+  best point before it (τ is the knee rule's tolerance), ``patience`` times in a row (default
+  2: on a CPU, decoding a 124M-parameter model gained 5% from b_m = 1 to 2, then 30% per
+  doubling up to 32 — one flat doubling is not a plateau; see BENCHMARKS.md), and, with
+  ``reference="bound"``, at least four points are measured (enough to fit the bound);
+- the next b_m is predicted not to fit, or ran out of memory (with ``checkpointing="auto"``,
+  the search first switches activation checkpointing on at that b_m and goes on: where both
+  fit, no recomputation is always the faster, so "try both, keep the faster that fits" only
+  needs checkpointing where plain steps do not fit);
+- ``max_micro_batch`` is reached, or the user presses Ctrl-C (what was measured is kept).
+
+With ``refine=True`` one more probe halves the gap between the knee and the point below it
+(for example 6 between 4 and 8); the knee moves there if it is within the tolerance.
+
+The settings are a :class:`~microbatch.choose.config.SearchConfig` (how to walk) and a
+:class:`~microbatch.choose.config.ChoiceConfig` (the stop rules' τ, rule, reference, budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from microbatch.choose.bound import BOUND_MARGIN, BOUND_MIN_POINTS, throughput_bound
+from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.curve import CurvePoint, gain_per_doubling
+from microbatch.choose.knee import knee_fraction, recommend
+from microbatch.choose.memory_fit import fit_memory
+from microbatch.errors import ConfigError
+from microbatch.measure.probes import Measurement
+
+__all__ = ["SETTLE_MARGIN", "SearchLog", "curve_point", "search", "Measure", "OnPoint"]
+
+Measure = Callable[[int, bool], Measurement]
+"""``measure(b, checkpointing)``: probe one point."""
+OnPoint = Callable[[Measurement, bool], None]
+"""``on_point(m, from_cache)``: called after each point (progress display)."""
+
+SETTLE_MARGIN = BOUND_MARGIN / 2
+"""The search settles once a measured point reaches (1 − τ)(1 + μ/2) of the reference: halfway
+between the bare line (which settled on a point that only just reached it: a decode run stopped at
+64 with 85.1% of T̂, 80% of the sweep's best) and the choice's own line (which costs one more
+doubling too often). Chosen by simulation (BENCHMARKS.md, "Measure: tune")."""
+
+
+def curve_point(m: Measurement) -> CurvePoint:
+    """The point of the throughput curve a measurement gives."""
+    return CurvePoint(
+        micro_batch=m.micro_batch,
+        throughput=None if m.oom else m.throughput,
+        peak_memory_bytes=m.peak_memory_bytes,
+        oom=m.oom,
+        step_time_s=m.step_time_s,
+    )
+
+
+@dataclass
+class SearchLog:
+    """What the search did besides measuring."""
+
+    stop_reason: str = ""
+    """Why the search stopped."""
+    skipped: list[int] = field(default_factory=list)
+    """b_m not probed because the fit predicted they would not fit."""
+    interrupted: bool = False
+    """Ctrl-C ended the search."""
+    oom_events: int = 0
+    """Probes that ran out of memory."""
+    probes: int = 0
+    """Probes measured now (not from the cache)."""
+    cached: int = 0
+    """Points taken from the cache."""
+
+
+class _Walk:
+    """The state of one search: the points so far, the checkpointing in use, the log."""
+
+    def __init__(
+        self,
+        measure: Measure,
+        config: SearchConfig,
+        choice: ChoiceConfig,
+        known: dict[tuple[int, bool], Measurement],
+        on_point: OnPoint | None,
+        log: SearchLog,
+    ) -> None:
+        self.measure, self.config, self.choice = measure, config, choice
+        self.reference = choice.reference or "bound"
+        self.known, self.on_point, self.log = known, on_point, log
+        self.points: list[Measurement] = []
+        self.ckpt = config.checkpointing == "on"
+        budget = choice.memory_budget_bytes
+        self.usable = None if budget is None else budget * (1.0 - choice.headroom)
+
+    def probe(self, b: int) -> Measurement:
+        key = (b, self.ckpt)
+        if key in self.known:
+            m, cached = self.known[key], True
+            self.log.cached += 1
+        else:
+            m, cached = self.measure(b, self.ckpt), False
+            self.log.probes += 1
+            self.log.oom_events += int(m.oom)
+        self.points.append(m)
+        if self.on_point is not None:
+            self.on_point(m, cached)
+        return m
+
+    def mode_points(self) -> list[CurvePoint]:
+        return [curve_point(p) for p in self.points if p.checkpointing == self.ckpt]
+
+    def settled(self) -> str | None:
+        """Why the knee cannot move any more (rule fraction against the bound), or None."""
+        choice, budget = self.choice, self.choice.memory_budget_bytes
+        if choice.rule != "fraction" or self.reference != "bound":
+            return None
+        ok = [
+            p for p in self.mode_points() if p.ok and (budget is None or (p.peak_memory_bytes or 0) <= budget)
+        ]
+        bound = throughput_bound(ok)
+        if bound is None:
+            return None
+        tau = choice.tolerance
+        best = max(p.measured_throughput for p in ok)
+        if best < (1.0 - tau) * (1.0 + SETTLE_MARGIN) * max(bound.throughput, best):
+            return None  # no measured point reaches the settle line yet
+        knee = knee_fraction(ok, tau, bound=bound.throughput, margin=BOUND_MARGIN)
+        first, last = bound.fitted_on[0], bound.fitted_on[-1]
+        return (
+            f"knee settled: no micro-batch past {last} can beat {bound.throughput:,.1f}/s (the step-time "
+            f"line fitted from {first} to {last}), and {knee.micro_batch} is within {100 * tau:g}% of it"
+        )
+
+    def predicted_not_to_fit(self, b: int) -> bool:
+        if self.usable is None:
+            return False
+        fit = fit_memory(self.mode_points())
+        return fit is not None and fit.predict(b) > self.usable
+
+    def flat_stop(self, b: int, m: Measurement, flat: int) -> tuple[int, str | None]:
+        """The count of flat doublings in a row after ``m`` at ``b``, and why to stop (or None)."""
+        tau = self.choice.tolerance
+        ok = [p for p in self.points if not p.oom and p.micro_batch < b and p.throughput]
+        if not ok or m.throughput is None:
+            return flat, None
+        best = max(ok, key=lambda p: p.throughput or 0.0)
+        gain = gain_per_doubling(best.micro_batch, best.throughput or 0.0, b, m.throughput)
+        flat = flat + 1 if gain < tau else 0
+        # against the bound, the flat rule waits until a bound could be fitted: two flat
+        # doublings among the first three probes are weak evidence on a noisy machine
+        enough = self.reference != "bound" or len(ok) + 1 >= BOUND_MIN_POINTS
+        if flat >= self.config.patience and enough:
+            return flat, (
+                f"throughput flattened: {b} gains {100 * gain:.1f}% per doubling over {best.micro_batch}"
+                f" (< {100 * tau:g}%)"
+            )
+        return flat, None
+
+    def walk(self) -> None:
+        """Double b_m until a stop rule fires (the log says which)."""
+        cap, auto = self.config.max_micro_batch, self.config.checkpointing == "auto"
+        b, flat = self.config.start, 0
+        while True:
+            if cap is not None and b > cap:
+                self.log.stop_reason = f"reached the largest micro-batch allowed ({cap})"
+                return
+            if self.predicted_not_to_fit(b):
+                if auto and not self.ckpt:
+                    self.ckpt = True
+                    continue
+                self.log.skipped.append(b)
+                self.log.stop_reason = f"micro-batch {b} is predicted not to fit the memory budget"
+                return
+            m = self.probe(b)
+            if m.oom:
+                if auto and not self.ckpt:
+                    self.ckpt = True
+                    continue
+                self.log.stop_reason = f"micro-batch {b} ran out of memory"
+                return
+            why = self.settled()
+            if why:
+                self.log.stop_reason = why
+                return
+            flat, why = self.flat_stop(b, m, flat)
+            if why:
+                self.log.stop_reason = why
+                return
+            b *= 2
+
+    def refine(self) -> None:
+        """One more probe halfway between the knee and the measured point below it."""
+        ok = [curve_point(p) for p in self.points if not p.oom]
+        if len(ok) < 2:
+            return
+        c = self.choice
+        try:
+            knee = recommend(
+                ok,
+                ChoiceConfig(
+                    rule=c.rule,
+                    tolerance=c.tolerance,
+                    memory_budget_bytes=c.memory_budget_bytes,
+                    reference=self.reference,
+                ),
+            ).knee
+        except ConfigError:
+            return
+        lower = [p.micro_batch for p in ok if p.micro_batch < knee.micro_batch]
+        if not lower:
+            return
+        mid = (max(lower) + knee.micro_batch) // 2
+        measured = {p.micro_batch for p in self.points}
+        if mid in measured or mid <= max(lower) or self.predicted_not_to_fit(mid):
+            return
+        self.probe(mid)
+
+
+def search(
+    measure: Measure,
+    config: SearchConfig | None = None,
+    choice: ChoiceConfig | None = None,
+    *,
+    known: dict[tuple[int, bool], Measurement] | None = None,
+    on_point: OnPoint | None = None,
+    log: SearchLog | None = None,
+) -> list[Measurement]:
+    """Doubling search (see the module docstring); every point, in the order measured.
+
+    ``measure(b, checkpointing)`` probes one point; ``config`` says how to walk (default
+    :class:`SearchConfig`), ``choice`` gives the stop rules' τ, rule, reference (default
+    ``bound``) and memory budget; ``known`` holds cached points; ``on_point(m, from_cache)`` is
+    called after each point; ``log`` receives why the search stopped.
+    """
+    walk = _Walk(
+        measure,
+        config or SearchConfig(),
+        choice or ChoiceConfig(),
+        dict(known or {}),
+        on_point,
+        log if log is not None else SearchLog(),
+    )
+    try:
+        walk.walk()
+        if walk.config.refine:
+            walk.refine()
+    except KeyboardInterrupt:
+        walk.log.interrupted = True
+        walk.log.stop_reason = "interrupted (Ctrl-C); the points measured so far are kept"
+    return walk.points

@@ -1,0 +1,151 @@
+"""One device as a probe sees it: its clock, peak memory and freeing; out-of-memory; several ranks.
+
+**Memory on CUDA.** ``torch.cuda.reset_peak_memory_stats`` before the probe, then
+``max_memory_allocated`` and ``max_memory_reserved`` after. The number compared with a budget
+is the reserved peak plus the CUDA context's own memory (total − free − reserved, read once when
+the probe starts; it includes other processes on the device).
+
+**Memory on the CPU.** The peak resident set size of the process (:mod:`microbatch.measure.hostmem`),
+reset before each probe; where the reset is not allowed the method falls back to
+``ru_maxrss`` (the method used is recorded).
+
+**Out of memory.** On CUDA, ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) is
+caught by type (:func:`oom_types`) and everything is freed (gradients, the batch, caches, ``gc``,
+``empty_cache``). On the CPU an allocation failure is a plain ``RuntimeError`` and an
+over-committed host kills the process outright: see :mod:`microbatch.measure.childprobe`.
+
+**Several processes.** When ``torch.distributed`` is initialised (DDP, FSDP under torchrun),
+probes are synchronised: the decision to stop repeating is taken together (:func:`agree_any`),
+an OOM on any rank is an OOM for all, and the slowest rank's time and the largest rank's memory
+count (:func:`reduce_max`).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from microbatch.measure.hostmem import malloc_trim, peak_rss_bytes, reset_peak_rss
+from microbatch.measure.timing import cuda_timer, process_timer, wall_timer
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Device", "oom_types", "short_error", "distributed", "reduce_max", "agree_any"]
+
+
+def oom_types() -> tuple[type[BaseException], ...]:
+    """Exception types that mean out of memory: torch's (CUDA, and CPU where torch raises it) and MemoryError."""
+    import torch
+
+    types: list[type[BaseException]] = [MemoryError]
+    for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)):
+        if isinstance(t, type) and issubclass(t, BaseException) and t not in types:
+            types.append(t)
+    return tuple(types)
+
+
+def short_error(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+# -- several processes ------------------------------------------------------------------
+def distributed() -> ModuleType | None:
+    """``torch.distributed`` when a process group is initialised, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def reduce_max(values: list[float]) -> list[float]:
+    """Element-wise max over ranks (identity without torch.distributed)."""
+    dist = distributed()
+    if dist is None:
+        return values
+    import torch
+
+    backend = dist.get_backend()
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out: list[float] = t.tolist()
+    return out
+
+
+def agree_any(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any rank (``flag`` itself in one process)."""
+    return bool(reduce_max([1.0 if flag else 0.0])[0])
+
+
+# -- one device -----------------------------------------------------------------------
+class Device:
+    """Timer, synchronisation, peak memory and freeing for one device."""
+
+    def __init__(self, device: str | torch.device, clock: str = "wall") -> None:
+        import torch
+
+        self.device = torch.device(device)
+        """The torch device probed."""
+        self.cuda = self.device.type == "cuda"
+        """Whether it is a CUDA device (events, allocator statistics)."""
+        self.clock = "cuda-events" if self.cuda else clock
+        """How time is measured: ``cuda-events``, ``wall`` or ``process``."""
+        self.context_bytes = 0
+        """CUDA: memory held outside torch's allocator (context, other processes); 0 on the CPU."""
+        self.method = "cuda-reserved+context" if self.cuda else "vmhwm"
+        """How peak memory is measured (``cuda-reserved+context``, ``vmhwm``, ``ru_maxrss``)."""
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.context_bytes = max(0, total - free - torch.cuda.memory_reserved(self.device))
+
+    def timer(self, fn: Callable[[], Any]) -> float:
+        """Seconds of one call of ``fn`` by this device's clock."""
+        if self.cuda:
+            return cuda_timer(fn)
+        return process_timer(fn) if self.clock == "process" else wall_timer(fn)
+
+    def now(self) -> float:
+        """The clock of one-off timings (the optimizer step, the prefill)."""
+        return time.process_time() if self.clock == "process" else time.perf_counter()
+
+    def sync(self) -> None:
+        """Wait for the device's queued work (CUDA); nothing on the CPU."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        """Start a new peak-memory window."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif not reset_peak_rss():
+            self.method = "ru_maxrss"
+
+    def peak(self) -> tuple[int, int | None]:
+        """(peak compared with the budget, peak allocated or None)."""
+        if self.cuda:
+            import torch
+
+            return (
+                int(torch.cuda.max_memory_reserved(self.device)) + self.context_bytes,
+                int(torch.cuda.max_memory_allocated(self.device)),
+            )
+        return peak_rss_bytes(), None
+
+    def free(self) -> None:
+        """Give freed memory back: ``gc``, then the CUDA cache or glibc's heap."""
+        gc.collect()
+        if self.cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+        else:
+            malloc_trim()

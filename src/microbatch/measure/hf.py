@@ -1,0 +1,122 @@
+"""Hugging Face models for the probes: config → model with random weights, and decoding over them.
+
+A registry shape becomes a transformers config (:func:`hf_config_from_shape`: GPT-2 layout for
+learned positions, Llama otherwise); a local ``config.json`` is read by
+:func:`load_hf_config` (nothing is downloaded); :func:`hf_model` builds the causal LM on the
+device it will run on; :class:`HFDecoder` gives it the ``prefill`` / ``decode_step`` pair of
+the built-in GPT. ``transformers`` is an optional dependency, imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from microbatch.errors import ConfigError
+from microbatch.model import ModelShape
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["hf_config_from_shape", "load_hf_config", "hf_model", "HFDecoder"]
+
+
+def hf_config_from_shape(shape: ModelShape) -> Any:
+    """A transformers config of a registry shape (GPT-2 layout for learned positions, Llama otherwise)."""
+    if shape.learned_positions:
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            n_layer=shape.layers,
+            n_embd=shape.hidden,
+            n_head=shape.heads,
+            vocab_size=shape.vocab,
+            n_positions=shape.positions,
+            n_inner=shape.ffn_hidden,
+            tie_word_embeddings=shape.tied_embeddings,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        num_hidden_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv,
+        intermediate_size=shape.ffn,
+        vocab_size=shape.vocab,
+        max_position_embeddings=max(shape.positions, shape.seq),
+        tie_word_embeddings=shape.tied_embeddings,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def load_hf_config(path: str) -> Any:
+    """A transformers config from ``config.json`` or its folder (local files only)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(
+            f"--hf-config {path!r}: no such file; give a Hugging Face config.json or its folder"
+        )
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"--hf-config {path!r} is not valid JSON ({e.msg}); give a Hugging Face config.json"
+        ) from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ConfigError(f"--hf-config {path!r} has no 'model_type'; give a Hugging Face config.json")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**data)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--hf-config {path!r}: transformers cannot read it ({e})") from None
+
+
+def hf_model(config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    """A causal LM of ``config`` with random weights (seeded), initialised on ``device``, in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    auto: Any = AutoModelForCausalLM  # transformers' factory methods carry no annotations
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise where it will run (large models are slow to initialise on a CPU)
+        model = auto.from_config(config)
+    return model.to(dtype=dtype)
+
+
+class HFDecoder:
+    """prefill/decode_step over a Hugging Face causal LM's ``past_key_values``."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        """The transformers causal LM."""
+
+    def prefill(self, tokens: torch.Tensor, *, capacity: int | None = None) -> tuple[torch.Tensor, Any]:
+        """Logits of the prompt's last position and the cache (``capacity`` is unused: HF caches grow)."""
+        import torch
+
+        with torch.no_grad():
+            try:
+                out = self.model(input_ids=tokens, use_cache=True, logits_to_keep=1)
+            except TypeError:
+                out = self.model(input_ids=tokens, use_cache=True)
+        return out.logits[:, -1], out.past_key_values
+
+    def decode_step(self, token: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        """Logits after one more token per sequence, and the grown cache."""
+        import torch
+
+        with torch.no_grad(), warnings.catch_warnings():
+            # transformers >= 5.2x renames past_key_values to cache (with a FutureWarning); older
+            # releases (a GPU machine's) only know past_key_values
+            warnings.simplefilter("ignore", FutureWarning)
+            out = self.model(input_ids=token.view(-1, 1), past_key_values=cache, use_cache=True)
+        return out.logits[:, -1], out.past_key_values

@@ -1,0 +1,152 @@
+"""Activation bytes of one transformer layer (and of the embedding and output layers) per micro-batch.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+2205.05198, §4), written term by term so that grouped-query attention, a gated MLP, an MLP width
+other than 4h and training without dropout change the right terms; for a GPT block with dropout
+they reduce exactly to the paper's ``s·b·h·(34 + 5·a·s/h)`` per layer (and its
+tensor/sequence-parallel and selective forms). They are linear in b_m. Flash attention (or
+selective recompute) drops the ``5·a·s²·b`` term. How many micro-batches a stage holds is
+:mod:`microbatch.predict.memory`'s.
+"""
+
+from __future__ import annotations
+
+from microbatch.errors import ConfigError
+from microbatch.model import ModelShape
+
+__all__ = [
+    "RECOMPUTE_MODES",
+    "check_recompute",
+    "layer_activation_terms",
+    "layer_activation_bytes",
+    "embedding_activation_bytes",
+    "output_activation_bytes",
+]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation: none, selective (attention core only, Korthikanti §5), full (per layer)."""
+
+
+def check_recompute(recompute: str) -> str:
+    """``recompute`` if it is one of :data:`RECOMPUTE_MODES`, else :class:`ConfigError` naming them."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute {recompute!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}")
+    return recompute
+
+
+def layer_activation_terms(
+    shape: ModelShape,
+    micro_batch: int,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    flash_attention: bool | None = None,
+    dtype_bytes: int = 2,
+) -> dict[str, float]:
+    """Bytes one transformer layer keeps for its backward, for one micro-batch, by term.
+
+    Korthikanti et al. 2022 §4.1 term by term (s = seq, b = micro-batch, h = hidden, a = heads,
+    t = tensor parallel; 2-byte activations, 1-byte dropout masks):
+
+    - ``norms``: the two norm inputs, 4sbh; ``attention_input``: QKV input 2sbh; ``mlp_input``:
+      first MLP linear input 2sbh — none split by t unless sequence parallel.
+    - ``qkv``: Q, K, V 6sbh (K and V scaled by kv_heads/heads); ``attention_output``: the output
+      projection input 2sbh — split by t.
+    - ``attention_scores``: softmax output 2as²b, its dropout mask as²b and output 2as²b = 5as²b,
+      split by t; dropped by flash attention or selective recompute. Flash attention keeps
+      instead a 4-byte log-sum-exp per head and row (``attention_stats``), 4asb.
+    - ``mlp_hidden``: activation input and output 2 × 2sbf (gated: gate, up and product, 3 × 2sbf),
+      split by t (16sbh at f = 4h).
+    - ``dropout_masks``: after attention and after the MLP, 2sbh·1 byte, not split unless SP.
+
+    Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
+    recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
+    """
+    check_recompute(recompute)
+    s = seq or shape.seq
+    t = tensor_parallel
+    b = micro_batch
+    h, a, f = shape.hidden, shape.heads, shape.ffn
+    sp = t if sequence_parallel else 1
+    e = dtype_bytes
+    sbh = s * b * h
+    if recompute == "full":
+        return {"layer_input": e * sbh / sp}
+    flash = shape.flash_attention if flash_attention is None else flash_attention
+    kv_frac = shape.kv / shape.heads
+    terms = {
+        "norms": 2 * e * sbh / sp,
+        "attention_input": e * sbh / sp,
+        "qkv": e * sbh * (1 + 2 * kv_frac) / t,
+        "attention_output": e * sbh / t,
+        "mlp_input": e * sbh / sp,
+        "mlp_hidden": (3 if shape.gated_mlp else 2) * e * s * b * f / t,
+        "dropout_masks": (2 * sbh / sp) if shape.dropout else 0.0,
+    }
+    if flash:
+        terms["attention_stats"] = 4 * a * s * b / t
+    elif recompute == "none":
+        per_score = (2 * e + 1) if shape.dropout else e  # softmax out (+ dropout mask + dropout out)
+        terms["attention_scores"] = per_score * a * s * s * b / t
+    return terms
+
+
+def layer_activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    flash_attention: bool | None = None,
+    dtype_bytes: int = 2,
+) -> float:
+    """Sum of :func:`layer_activation_terms`: bytes one layer keeps for one micro-batch."""
+    terms = layer_activation_terms(
+        shape, micro_batch, seq=seq, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+        recompute=recompute, flash_attention=flash_attention, dtype_bytes=dtype_bytes,
+    )  # fmt: skip
+    return sum(terms.values())
+
+
+def embedding_activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+) -> float:
+    """The input embedding's dropout mask, s·b·h bytes (/t with SP); zero without dropout.
+
+    Korthikanti et al. 2022 §4.3. The embedding backward needs only the token ids.
+    """
+    if not shape.dropout:
+        return 0.0
+    s = seq or shape.seq
+    return s * micro_batch * shape.hidden / (tensor_parallel if sequence_parallel else 1)
+
+
+def output_activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 2,
+) -> float:
+    """Final norm input and output-projection input (2 × e·sbh) plus fp32 logits 4·s·b·V/t.
+
+    Korthikanti et al. 2022 §4.3 ("4sbh/t·(1 + v/h)" with SP and 2-byte activations); the logits
+    are vocabulary-parallel, so split by t. Ignores the logits' gradient, a transient of the same size.
+    """
+    s = seq or shape.seq
+    sp = tensor_parallel if sequence_parallel else 1
+    return (
+        2 * dtype_bytes * s * micro_batch * shape.hidden / sp
+        + 4 * s * micro_batch * shape.vocab / tensor_parallel
+    )

@@ -1,0 +1,258 @@
+"""Apply a calibration to a prediction: read or fit it, check it is for the planned model, and say
+what the planned configuration extrapolates from it.
+
+``memory --calibration`` and ``plan --calibration`` call :func:`apply_calibration`; the fits
+themselves are :mod:`microbatch.predict.calibrate`'s. The memory corrections apply anywhere (the
+analytic terms are scaled, not replaced); the kernel efficiency only on the accelerator it was
+fitted against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
+from microbatch.model import ModelShape
+from microbatch.predict.activations import check_recompute
+from microbatch.predict.calibrate import Calibration, calibrate
+from microbatch.predict.memory import MemoryCalibration
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
+from microbatch.predict.state import check_zero
+from microbatch.records import load_json, read_measurements
+from microbatch.units import format_bytes
+
+__all__ = [
+    "CALIBRATION_HELP",
+    "PlannedLayout",
+    "AppliedCalibration",
+    "load_calibration",
+    "calibration_notes",
+    "calibrated_inputs",
+    "apply_calibration",
+]
+
+CALIBRATION_HELP = (
+    "Measured points: a `tune --out DIR` result.json (or DIR), or JSON with micro_batch, throughput, "
+    "peak_memory_bytes, step_time_s plus model, seq, precision, checkpointing, device. Fits, for that "
+    "implementation, the activation scale and fixed bytes of the memory model and the GEMM efficiency "
+    "against rows b_m·s. Assumes activations linear in b_m (2+ points needed) and backward = 2× forward; "
+    "the analytic terms are scaled, not replaced, so another s, layout or b_m range is an extrapolation "
+    "(the output says which). The efficiency applies only on the GPU it was measured on; another model is "
+    "an error, another precision a warning."
+)
+"""Help text of ``--calibration`` on ``memory`` and ``plan``."""
+
+_GEOMETRY = (
+    "layers", "hidden", "heads", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
+    "learned_positions",
+)  # fmt: skip
+"""Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
+
+
+def _same_model(a: ModelShape, b: ModelShape) -> list[str]:
+    """Geometry fields where the two shapes differ."""
+    return [f for f in _GEOMETRY if getattr(a, f) != getattr(b, f)]
+
+
+def load_calibration(
+    source: str | Path | dict[str, Any] | list[Any],
+    *,
+    shape: ModelShape,
+    precision: str,
+    gpu: Accelerator | None = None,
+    strict: bool = True,
+) -> tuple[Calibration, list[str]]:
+    """(calibration, warnings) for planning ``shape`` in ``precision`` (on ``gpu``, when given).
+
+    ``source`` is a tune result (points: fitted here) or a saved :meth:`Calibration.to_dict`.
+    A file for another model raises :class:`ConfigError` naming both (``strict=False``: a
+    warning); another precision is a warning naming both (the analytic terms carry the dtype,
+    the scale transfers approximately). Too few points raise, saying how many more are needed.
+    The efficiency is fitted against ``gpu`` when the file was measured on a GPU of that name
+    (or names none); a CPU file gets no efficiency here.
+    """
+    label = str(source) if isinstance(source, (str, Path)) else "calibration data"
+    data = load_json(source, what="calibration file", fix="give a `tune --out DIR` result.json")
+    warns: list[str] = []
+    if isinstance(data, dict) and data.get("kind") == "calibration":
+        cal = Calibration.from_dict(data)
+        cshape = cal.model_shape()
+    else:
+        meas = read_measurements(data, shape=shape)
+        meas = replace(meas, source=label)
+        cshape = meas.shape
+        acc = None
+        if meas.is_cuda and gpu is not None:
+            measured_on = match_accelerator(meas.device_name)
+            if measured_on is None or measured_on == gpu.name:
+                acc = gpu
+                if measured_on is None:
+                    warns.append(f"{label} does not name its GPU; assumed it was measured on {gpu.name}")
+            else:
+                acc = ACCELERATORS[measured_on]
+        cal = calibrate(meas, acc)
+    diff = _same_model(cshape, shape)
+    if diff:
+        msg = (
+            f"calibration {label} was measured on model {cal.model} but the plan is for {shape.name} "
+            f"({', '.join(f'{f} {getattr(cshape, f)} vs {getattr(shape, f)}' for f in diff[:4])}); "
+            f"measure {shape.name} with `microbatch tune --model {shape.name} --out DIR` and pass that file"
+        )
+        if strict:
+            raise ConfigError(msg)
+        warns.append(msg + "; used anyway")
+    if cal.precision != precision:
+        warns.append(
+            f"calibration {label} was measured in {cal.precision} but the plan is in {precision}: the activation "
+            f"scale is applied to the {precision} analytic terms (an extrapolation); measure in {precision} to be sure"
+        )
+    return cal, warns + list(cal.notes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedLayout:
+    """What a calibration is applied to, as far as saying what it extrapolates needs it."""
+
+    seq: int | None = None
+    """Planned sequence length; None means the calibration's own (no extrapolation in s)."""
+    micro_batches: tuple[int, ...] = ()
+    """Planned b_m values (the largest is compared with the largest measured)."""
+    tensor_parallel: int = 1
+    """t."""
+    pipeline_parallel: int = 1
+    """p."""
+    data_parallel: int = 1
+    """d."""
+    zero: int = 0
+    """ZeRO stage."""
+    recompute: str | None = None
+    """Planned recompute mode; None means not fixed (every mode is searched)."""
+
+    def __post_init__(self) -> None:
+        if self.seq is not None:
+            check_positive_int("seq", self.seq)
+        for b in self.micro_batches:
+            check_positive_int("micro-batch", b)
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
+            check_positive_int(name.replace("_", "-"), getattr(self, name))
+        check_zero(self.zero)
+        if self.recompute is not None:
+            check_recompute(self.recompute)
+
+
+def calibration_notes(
+    cal: Calibration, layout: PlannedLayout = PlannedLayout(), *, gpu: Accelerator | None = None
+) -> list[str]:
+    """The extrapolations a planned configuration makes from ``cal``, in words (empty: none)."""
+    seq = layout.seq or cal.seq
+    tensor_parallel, pipeline_parallel = layout.tensor_parallel, layout.pipeline_parallel
+    data_parallel, zero, recompute = layout.data_parallel, layout.zero, layout.recompute
+    out = []
+    if seq != cal.seq:
+        out.append(
+            f"calibrated at s = {cal.seq}, planned at s = {seq}: the activation scale is applied to the analytic "
+            f"terms at s = {seq} (terms quadratic in s, and the efficiency at rows outside "
+            f"{cal.rows_range[0]}..{cal.rows_range[1]}, are extrapolated)"
+        )
+    bms = sorted(set(layout.micro_batches))
+    if bms and cal.micro_batches and bms[-1] > max(cal.micro_batches):
+        out.append(
+            f"b_m up to {bms[-1]} planned, calibrated up to {max(cal.micro_batches)}: memory extrapolated on a line "
+            f"({bms[-1] / max(cal.micro_batches):.0f}× the largest probe)"
+        )
+    if tensor_parallel > 1 or pipeline_parallel > 1 or data_parallel > 1 or zero:
+        out.append(
+            f"calibrated on one device; planned with t = {tensor_parallel}, p = {pipeline_parallel}, d = "
+            f"{data_parallel}, ZeRO {zero}: the scale multiplies the analytic activation terms of this layout and "
+            "the fixed bytes are added per stage; communication is not calibrated"
+        )
+    ckpt_mode = "full" if cal.checkpointing else "none"
+    if recompute is not None and recompute != ckpt_mode:
+        out.append(
+            f"calibrated with recompute {ckpt_mode}, planned with {recompute}: the scale is applied to that mode's terms"
+        )
+    if gpu is not None and cal.efficiency is not None and cal.accelerator != gpu.name:
+        out.append(
+            f"kernel efficiency was measured on {cal.device_name or cal.accelerator} ({cal.accelerator}), the plan is for "
+            f"{gpu.name}: efficiency NOT applied (the default is used); memory corrections applied"
+        )
+    elif gpu is not None and cal.efficiency is None:
+        out.append(
+            f"no kernel efficiency for {gpu.name} in this calibration (measured on {cal.device_name or cal.device}): "
+            "default efficiency used; memory corrections applied"
+        )
+    if gpu is not None and not cal.device.startswith("cuda"):
+        out.append(
+            f"the fixed bytes ({format_bytes(cal.memory.fixed_bytes, unit='GiB')}) were measured as a CPU process's resident "
+            "memory (Python and torch included); on a GPU they stand for the CUDA context only roughly"
+        )
+    return out
+
+
+def calibrated_inputs(
+    cal: Calibration, gpu: Accelerator
+) -> tuple[MemoryCalibration, RooflineEfficiency, list[str]]:
+    """(memory calibration, efficiency, notes) for ``PlanConfig(memory_calibration=..., efficiency=...)``.
+
+    The efficiency applies only on the accelerator it was fitted against; elsewhere the default.
+    """
+    if cal.efficiency is not None and cal.accelerator == gpu.name:
+        return cal.memory, cal.efficiency, []
+    return cal.memory, DEFAULT_EFFICIENCY, calibration_notes(cal, gpu=gpu)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedCalibration:
+    """What ``memory --calibration`` and ``plan --calibration`` pass on, and what they say about it."""
+
+    calibration: Calibration
+    """The calibration read or fitted."""
+    memory: MemoryCalibration
+    """For ``estimate_memory(..., calibration=)`` and ``PlanConfig(memory_calibration=)``."""
+    efficiency: RooflineEfficiency
+    """For ``PlanConfig(efficiency=)``: the fitted one on its own accelerator, else the default."""
+    notes: tuple[str, ...]
+    """Warnings (mismatches) and extrapolations, in words, for the output."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The calibration and the notes, for a command's JSON."""
+        return {"calibration": self.calibration.to_dict(), "calibration_notes": list(self.notes)}
+
+    def lines(self) -> list[str]:
+        """Text for a command's output: what was applied, then each note."""
+        c, m = self.calibration, self.memory
+        head = (
+            f"calibrated from {c.model} s={c.seq} {c.precision} on {c.device_name or c.device} (b_m "
+            f"{', '.join(map(str, c.micro_batches))}): activations × {m.activation_scale:.3f}, "
+            f"+ {format_bytes(m.fixed_bytes, unit='GiB')} fixed"
+        )
+        if self.efficiency is c.efficiency and c.efficiency is not None:
+            e = c.efficiency
+            head += f"; GEMM efficiency {e.gemm_max:.2f} of peak, half of it at {e.half_rows:,.0f} rows"
+        return [head] + [f"note: {n}" for n in self.notes]
+
+
+def apply_calibration(
+    source: str | Path | dict[str, Any] | list[Any],
+    *,
+    shape: ModelShape,
+    precision: str,
+    gpu: Accelerator | None = None,
+    layout: PlannedLayout = PlannedLayout(),
+    strict: bool = True,
+) -> AppliedCalibration:
+    """One call for the commands: :func:`load_calibration`, :func:`calibrated_inputs` and
+    :func:`calibration_notes` for the planned model, precision, device and layout (its sequence
+    length defaults to the model's)."""
+    cal, warns = load_calibration(source, shape=shape, precision=precision, gpu=gpu, strict=strict)
+    eff = DEFAULT_EFFICIENCY
+    gpu_notes: list[str] = []
+    if gpu is not None:
+        _, eff, gpu_notes = calibrated_inputs(cal, gpu)
+    notes = warns + gpu_notes + calibration_notes(cal, replace(layout, seq=layout.seq or shape.seq))
+    return AppliedCalibration(
+        calibration=cal, memory=cal.memory, efficiency=eff, notes=tuple(dict.fromkeys(notes))
+    )

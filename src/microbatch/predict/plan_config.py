@@ -1,0 +1,165 @@
+"""What the planner plans: a model on an accelerator, a layout, and the choices to search.
+
+:class:`PlanConfig` is validated when it is built (every rule that needs only the config and the
+model), so :mod:`microbatch.predict.candidate` and :mod:`microbatch.predict.plan` take it as given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from microbatch.batch import divisors
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
+from microbatch.model import ModelShape
+from microbatch.predict.activations import RECOMPUTE_MODES
+from microbatch.predict.memory import SCHEDULES, MemoryCalibration, MemoryConfig
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
+from microbatch.predict.state import ZERO_STAGES, bytes_per_param
+
+__all__ = ["PlanConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """What to plan: a model on an accelerator, a layout, and the choices to search."""
+
+    shape: ModelShape
+    """The model."""
+    gpu: Accelerator
+    """The accelerator every rank runs on."""
+    global_batch: int
+    """B_global: sequences per optimizer step (held fixed)."""
+    data_parallel: int = 1
+    """d: data-parallel replicas."""
+    pipeline_parallel: int = 1
+    """p: pipeline stages."""
+    tensor_parallel: int = 1
+    """t: tensor-parallel ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs t > 1)."""
+    seq: int | None = None
+    """Sequence length; None means the model's."""
+    schedules: tuple[str, ...] | None = None
+    """Schedules to consider; None means every one that can serve (p, m, v)."""
+    virtuals: tuple[int, ...] | None = None
+    """v values for interleaved 1F1B; None means every v > 1 with p·v dividing the layers."""
+    recompute: tuple[str, ...] | None = None
+    """Recompute modes; None means none, selective and full."""
+    zero: tuple[int, ...] | None = None
+    """ZeRO stages; None means 0–3 when d > 1, else 0."""
+    micro_batches: tuple[int, ...] | None = None
+    """b_m values; None means every divisor of B/d."""
+    layers_per_stage: tuple[int, ...] | None = None
+    """An uneven split of layers over stages; None means even."""
+    precision: str = "bf16-mixed"
+    """bf16-mixed, fp16-mixed or fp32."""
+    grad_dtype: str = "half"
+    """Gradients under mixed precision: half (16 B/param) or fp32 (18 B/param)."""
+    optimizer: str = "adamw"
+    """adamw or sgd."""
+    flash_attention: bool | None = None
+    """Flash attention; None means the model's setting."""
+    memory_headroom: float = DEFAULT_HEADROOM
+    """Share of device memory kept free; a candidate fits when peak ≤ capacity × (1 − headroom)."""
+    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
+    """Kernel and link efficiencies (calibratable)."""
+    memory_calibration: MemoryCalibration = field(default_factory=MemoryCalibration)
+    """Memory corrections (calibratable)."""
+    simulate_top: int = 3
+    """How many leading candidates to replay with the event simulator."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
+            check_positive_int(name.replace("_", "-"), getattr(self, name))
+        B, d = self.global_batch, self.data_parallel
+        if B % d:
+            lo, hi = (B // d) * d, (B // d + 1) * d
+            raise ConfigError(
+                f"global batch {B} is not divisible by data-parallel {d}; B_global = b_m × g × d needs "
+                f"d | B; use global batch {lo or hi} or {hi}, or a data-parallel among {divisors(B)[:12]}"
+            )
+        if not (0 <= self.memory_headroom < 1):
+            raise ConfigError(
+                f"memory headroom {self.memory_headroom!r} must be in [0, 1); it is the share of memory kept "
+                "free, for example 0.1"
+            )
+        if self.seq is not None:
+            check_positive_int("seq", self.seq)
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ConfigError(
+                "sequence parallelism needs tensor-parallel > 1; give --tensor-parallel or drop it"
+            )
+        for s in self.schedules or ():
+            if s not in SCHEDULES:
+                raise ConfigError(f"schedule {s!r} is not known; use auto or one of {', '.join(SCHEDULES)}")
+        for r in self.recompute or ():
+            if r not in RECOMPUTE_MODES:
+                raise ConfigError(
+                    f"recompute {r!r} is not known; use auto or one of {', '.join(RECOMPUTE_MODES)}"
+                )
+        for z in self.zero or ():
+            if isinstance(z, bool) or z not in ZERO_STAGES:
+                raise ConfigError(f"ZeRO stage {z!r} is not known; use auto or 0, 1, 2, 3")
+        for b in self.micro_batches or ():
+            check_positive_int("micro-batch", b)
+            if (B // d) % b:
+                raise ConfigError(
+                    f"micro-batch {b} does not divide the per-replica batch B/d = {B}/{d} = {B // d}; "
+                    f"B_global = b_m × g × d must hold; use a micro-batch among {divisors(B // d)}"
+                )
+        bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
+        L, p = self.shape.layers, self.pipeline_parallel
+        for v in self.virtuals or ():
+            check_positive_int("virtual", v)
+            if L % (p * v):
+                ok = [x for x in range(2, L // p + 1) if L % (p * x) == 0]
+                raise ConfigError(
+                    f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "
+                    f"use virtual among {ok or 'none (no v > 1 fits; drop --virtual)'}"
+                )
+        if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
+            raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
+        # the rules that need the model (t | heads, p <= layers, uneven split)
+        MemoryConfig(
+            micro_batch=1,
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            sequence_parallel=self.sequence_parallel,
+            layers_per_stage=self.layers_per_stage,
+        ).validate_for(self.shape)
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs in the layout: d·p·t."""
+        return self.data_parallel * self.pipeline_parallel * self.tensor_parallel
+
+    @property
+    def seq_len(self) -> int:
+        """Sequence length in effect."""
+        return self.seq or self.shape.seq
+
+    @property
+    def budget_bytes(self) -> float:
+        """Bytes a candidate may use: capacity × (1 − headroom)."""
+        return self.gpu.memory_bytes * (1 - self.memory_headroom)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the model, the accelerator, the layout and the memory budget."""
+        return {
+            "model": self.shape.to_dict(),
+            "gpu": self.gpu.to_dict(),
+            "global_batch": self.global_batch,
+            "data_parallel": self.data_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+            "tensor_parallel": self.tensor_parallel,
+            "sequence_parallel": self.sequence_parallel,
+            "seq": self.seq_len,
+            "precision": self.precision,
+            "grad_dtype": self.grad_dtype,
+            "optimizer": self.optimizer,
+            "memory_headroom": self.memory_headroom,
+            "budget_bytes": self.budget_bytes,
+            "num_gpus": self.num_gpus,
+        }

@@ -1,0 +1,88 @@
+"""Model state per parameter: weights, gradients and optimizer state, and how ZeRO shards them.
+
+The two common mixed-precision conventions are named, not hidden behind one flag:
+
+- ``bf16-mixed`` (or ``fp16-mixed``) with **half-precision gradients**: 2 (weights) + 2
+  (gradients) + 12 (fp32 master weights and the two Adam moments) = **16 bytes per parameter**
+  (Rajbhandari et al., ZeRO, SC20, §3.1: "K = 12").
+- the same with **fp32 gradient accumulation**: 2 + 4 + 12 = **18 bytes** (Megatron-LM,
+  Korthikanti et al. 2022 Table 3 note; Megatron's distributed-optimizer doc table).
+- ``fp32``: 4 + 4 + 8 (two Adam moments) = 16 bytes.
+
+SGD keeps one momentum buffer instead of two moments. ZeRO stage 1 shards the optimizer state
+over the d data-parallel replicas (Megatron's *distributed optimizer* is this), stage 2 also the
+gradients, stage 3 also the weights. The precisions are :data:`microbatch.precision.PRECISIONS`.
+"""
+
+from __future__ import annotations
+
+from microbatch.errors import ConfigError
+from microbatch.precision import get_precision
+
+__all__ = ["GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero"]
+
+GRAD_DTYPES = ("half", "fp32")
+"""Gradient buffer type under mixed precision: ``half`` (ZeRO paper, 16 B/param) or ``fp32`` (Megatron, 18)."""
+OPTIMIZERS = ("adamw", "sgd")
+"""Optimizers with a state-size rule (Adam/AdamW: two moments; SGD with momentum: one buffer)."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages: none, optimizer state, + gradients, + weights sharded over the data-parallel replicas."""
+
+
+def bytes_per_param(
+    precision: str, grad_dtype: str = "half", optimizer: str = "adamw"
+) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes per parameter before any sharding.
+
+    Mixed precision keeps 2-byte weights, 2- or 4-byte gradients and fp32 master weights (4) plus
+    the optimizer's fp32 buffers (Adam: 8; SGD momentum: 4) — ZeRO §3.1 (16 B with Adam) and
+    Megatron (18 B with fp32 gradients). fp32 keeps 4 + 4 + buffers (no master copy). Ignores
+    8-bit optimizers and fp32 gradient buffers kept next to half ones.
+    """
+    prec = get_precision(precision)
+    if grad_dtype not in GRAD_DTYPES:
+        raise ConfigError(
+            f"grad dtype {grad_dtype!r} is not known; use 'half' (16 B/param, ZeRO) or 'fp32' (18 B/param, Megatron)"
+        )
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
+    moments = 8 if optimizer == "adamw" else 4
+    w = prec.weight_bytes
+    if not prec.master_copy:
+        return w, w, moments
+    return w, (w if grad_dtype == "half" else 4), 4 + moments
+
+
+def model_state_bytes(
+    params: float,
+    *,
+    precision: str = "bf16-mixed",
+    grad_dtype: str = "half",
+    optimizer: str = "adamw",
+    zero: int = 0,
+    data_parallel: int = 1,
+) -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer state for ``params`` parameters on one GPU.
+
+    ZeRO (Rajbhandari et al. 2020, Fig. 1): stage 1 divides the optimizer state by d, stage 2
+    also the gradients, stage 3 also the weights — 16, 4 + 12/d, 2 + 14/d, 16/d bytes per
+    parameter with mixed-precision Adam. Ignores temporary buffers (all-gather, bucket copies).
+    """
+    check_zero(zero)
+    w, g, o = bytes_per_param(precision, grad_dtype, optimizer)
+    d = data_parallel
+    return {
+        "weights": params * w / (d if zero >= 3 else 1),
+        "gradients": params * g / (d if zero >= 2 else 1),
+        "optimizer": params * o / (d if zero >= 1 else 1),
+    }
+
+
+def check_zero(zero: object) -> int:
+    """``zero`` if it is a ZeRO stage 0–3, else :class:`ConfigError` naming the stages."""
+    if isinstance(zero, bool) or not isinstance(zero, int) or zero not in ZERO_STAGES:
+        raise ConfigError(
+            f"ZeRO stage {zero!r} is not known; use 0 (none), 1 (optimizer state; = distributed optimizer), "
+            "2 (+ gradients) or 3 (+ weights)"
+        )
+    return zero

@@ -1,0 +1,133 @@
+"""The one step-time rule: the seconds of one micro-batch's forward and backward on a stage.
+
+From the roofline forward time of a layer (:func:`~microbatch.predict.roofline.layer_forward`)
+and of the output layer and loss (:func:`~microbatch.predict.roofline.logits_forward`):
+
+- forward F = L·layer + logits (+ the pipeline send);
+- backward ≈ 2 × forward (two GEMMs per forward GEMM), split as ZB-H1 needs it (Qi et al. 2024):
+  weight gradients W = L·gemm + logits (one GEMM per forward GEMM), input gradients
+  I = L·(2·compute − gemm + tp_comm) + logits (+ the send), so that I + W = 2·compute + 2·logits per
+  layer and output layer; full recompute adds the layer's forward to I, selective recompute the
+  attention core.
+
+A single device (no pipeline) runs T = F + I + W = L·(3·compute + 2·tp_comm) [+ L·forward with full
+recompute] + 3·logits per micro-step: the planner (:mod:`microbatch.predict.candidate`) and the
+calibration (:mod:`microbatch.predict.calibrate`) both use this rule. Ignores the embedding lookup
+and launch gaps (a calibrated ``half_rows`` absorbs constant overheads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from microbatch.hardware import Accelerator
+from microbatch.model import ModelShape
+from microbatch.precision import get_precision
+from microbatch.predict.roofline import (
+    DEFAULT_EFFICIENCY,
+    LayerTime,
+    RooflineEfficiency,
+    layer_forward,
+    logits_forward,
+)
+
+__all__ = ["StageTime", "layer_pass_times", "stage_time", "pipeline_stage_times", "predict_step_time_s"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTime:
+    """Seconds of one micro-batch on one pipeline stage, by pass."""
+
+    forward_s: float
+    """Forward (F)."""
+    input_grad_s: float
+    """Backward for the input gradients (I), with any recompute."""
+    weight_grad_s: float
+    """Backward for the weight gradients (W)."""
+
+    @property
+    def total_s(self) -> float:
+        """F + I + W."""
+        return self.forward_s + self.input_grad_s + self.weight_grad_s
+
+
+def layer_pass_times(lt: LayerTime, recompute: str = "none") -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of one layer for one micro-batch.
+
+    W = the GEMMs again (one weight-gradient GEMM per forward GEMM); I = 2·compute − W + tp_comm
+    (input-gradient GEMMs, attention and elementwise backward, the backward all-reduces); full
+    recompute adds the forward to I, selective recompute the attention core.
+    """
+    forward = lt.total_s
+    weight = lt.gemm_s
+    inputs = 2 * lt.compute_s - weight + lt.tp_comm_s
+    if recompute == "full":
+        inputs += forward
+    elif recompute == "selective":
+        inputs += lt.attention_s
+    return forward, inputs, weight
+
+
+def stage_time(
+    lt: LayerTime,
+    logits_s: float,
+    *,
+    layers: int,
+    last: bool,
+    p2p_s: float = 0.0,
+    recompute: str = "none",
+) -> StageTime:
+    """F, I and W of a stage of ``layers`` layers (plus the output layer and loss when ``last``).
+
+    The output layer's backward ≈ 2 × its forward: one for I, one for W. The pipeline send
+    ``p2p_s`` (activations forward, gradients back) is on F and I.
+    """
+    f, i, w = pipeline_stage_times(
+        lt, logits_s, split=(layers,), p2p_s=p2p_s, recompute=recompute, last_has_logits=last
+    )
+    return StageTime(forward_s=f[0], input_grad_s=i[0], weight_grad_s=w[0])
+
+
+def pipeline_stage_times(
+    lt: LayerTime,
+    logits_s: float,
+    *,
+    split: tuple[int, ...],
+    p2p_s: float = 0.0,
+    recompute: str = "none",
+    last_has_logits: bool = True,
+) -> tuple[list[float], list[float], list[float]]:
+    """(F, I, W) of every stage of a pipeline whose stages hold ``split`` layers: :func:`stage_time`
+    for each, the output layer and loss on the last. The planner's hot loop: one pass, lists out."""
+    f, i, w = layer_pass_times(lt, recompute)
+    last = len(split) - 1
+    fs, is_, ws = [], [], []
+    for s, n in enumerate(split):
+        extra = logits_s if s == last and last_has_logits else 0.0
+        fs.append(n * f + extra + p2p_s)
+        is_.append(n * i + extra + p2p_s)
+        ws.append(n * w + extra)
+    return fs, is_, ws
+
+
+def predict_step_time_s(
+    shape: ModelShape,
+    micro_batch: int,
+    acc: Accelerator,
+    *,
+    seq: int | None = None,
+    precision: str = "bf16-mixed",
+    checkpointing: bool = False,
+    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+) -> float:
+    """Roofline time of one training micro-step (forward + backward, no optimizer) on one device.
+
+    T = L·(3·compute + 2·tp_comm) [+ L·forward with full recompute] + 3·logits, each at rows =
+    b_m·s: the stage time (:func:`stage_time`) of one stage holding every layer.
+    """
+    s = seq or shape.seq
+    dtype = get_precision(precision).compute_dtype
+    lt = layer_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency)
+    logits_s, _ = logits_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency)
+    recompute = "full" if checkpointing else "none"
+    return stage_time(lt, logits_s, layers=shape.layers, last=True, recompute=recompute).total_s

@@ -1,0 +1,368 @@
+"""Reading result files: the one reader of what the commands write.
+
+Every layer that reads results back — the calibration (:mod:`microbatch.predict.calibrate`), the
+knee (:mod:`microbatch.choose.knee`), the report (:mod:`microbatch.show.html`) — reads them here:
+
+- :func:`load_json`: a path (a directory means its ``result.json``) or an already-loaded value;
+- :func:`classify` and :func:`load_results`: which command wrote a result, from its envelope's
+  ``command`` field (``{"command": ..., "version": ..., ...}``), or, for files written before the
+  envelope existed, guessed from its keys;
+- the field checks every reader applies to a measured point (:func:`number`, :func:`positive`,
+  :func:`flag`, :func:`true_or_false`);
+- :func:`read_measurements`: the measured points of a ``tune`` (or ``recommend``) result plus what
+  they were measured with (model, sequence length, precision, checkpointing, device), as the
+  calibration fits use them.
+
+Core: no torch, no layer above.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from microbatch.errors import ConfigError
+from microbatch.model import ModelShape, get_model
+from microbatch.precision import PRECISIONS
+
+__all__ = [
+    "GUESSED_KINDS",
+    "load_json",
+    "classify",
+    "load_results",
+    "number",
+    "positive",
+    "flag",
+    "true_or_false",
+    "result_points",
+    "MeasuredPoint",
+    "Measurements",
+    "read_measurements",
+]
+
+GUESSED_KINDS = ("tune", "plan", "pipeline", "simulate", "validate")
+"""The kinds :func:`classify` can recognise from the keys alone (files written before the envelope)."""
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+def load_json(
+    source: str | Path | dict[str, Any] | list[Any],
+    *,
+    what: str = "result file",
+    fix: str = "give files written by --json or --out",
+) -> Any:
+    """The JSON value at ``source`` (a directory means its ``result.json``), or ``source`` itself when
+    it is already a dict or list. Raises :class:`ConfigError` naming ``what``, the path and ``fix``."""
+    if isinstance(source, (dict, list)):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "result.json"
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist; {fix}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not JSON ({e.msg} at line {e.lineno}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {str(path)!r} is not readable ({e}); {fix}") from None
+
+
+def classify(result: Any) -> str:
+    """Which command wrote ``result``: the envelope's ``command`` field (any command), or, for a
+    file written before the envelope existed, one of :data:`GUESSED_KINDS` recognised by its keys."""
+    if not isinstance(result, dict):
+        raise ConfigError(f"a result must be a JSON object, got {type(result).__name__}")
+    command = result.get("command")
+    if isinstance(command, str) and command:
+        return command
+    if "points" in result and "micro_batch" in result:
+        return "tune"
+    if ("recommended" in result and "candidates" in result) or isinstance(result.get("plans"), list):
+        return "plan"
+    if "measured" in result and "predicted" in result:
+        return "pipeline"
+    if "makespan" in result and "stage_stats" in result:
+        return "simulate"
+    if "rows" in result:
+        return "validate"
+    raise ConfigError(
+        "cannot tell which command wrote this result (keys: "
+        + ", ".join(sorted(result)[:12])
+        + "); give the JSON that tune, plan, pipeline, simulate or validate print with --json"
+    )
+
+
+def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]]:
+    """Read result files (JSON; a directory means its ``result.json``), each with its kind.
+
+    A file may hold one result or a list of them; a multi-GPU ``plan`` (``{"plans": [...]}``)
+    gives one result per accelerator.
+    """
+    out: list[tuple[str, dict[str, Any]]] = []
+    for p in paths:
+        data = load_json(p)
+        items = data if isinstance(data, list) else [data]
+        for item in items:
+            kind = classify(item)
+            if kind == "plan" and isinstance(item.get("plans"), list):
+                out += [(classify(sub), sub) for sub in item["plans"]]
+            else:
+                out.append((kind, item))
+    if not out:
+        raise ConfigError("no results given; pass one or more JSON files from tune, plan or pipeline")
+    return out
+
+
+# -- field checks ----------------------------------------------------------------------------------
+def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
+    """``v`` as a finite float (a whole one with ``whole``); None for None or ``""``.
+
+    Numeric strings are accepted (CSV cells). Raises :class:`ConfigError` naming the value.
+    """
+    if v is None or v == "":
+        return None
+    if isinstance(v, bool):
+        raise ConfigError(f"{v!r} is not a number")
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{v!r} is not a number") from None
+    if whole and (not math.isfinite(f) or f != int(f)):
+        raise ConfigError(f"{what} {v!r} must be a whole number >= 1")
+    if not math.isfinite(f):
+        raise ConfigError(f"{v!r} must be finite")
+    return f
+
+
+def positive(v: Any, *, where: str) -> float | None:
+    """``v`` as a float > 0 (a JSON number, not a string); None for None.
+
+    Raises :class:`ConfigError` "``where`` ``v`` must be a number > 0".
+    """
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(f"{where} {v!r} must be a number > 0")
+    return float(v)
+
+
+def flag(v: Any) -> bool | None:
+    """A setting written as a flag: ``True``/``"on"``/``"full"`` → True, ``False``/``"off"``/``"none"`` →
+    False, anything else (``"auto"``, missing) → None."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("on", "true", "yes", "1", "full"):
+        return True
+    if isinstance(v, str) and v.strip().lower() in ("off", "false", "no", "0", "none"):
+        return False
+    return None
+
+
+def true_or_false(v: Any, *, where: str) -> bool:
+    """A yes/no field (``oom``): a bool, 0/1, or ``"true"``/``"false"``/``"yes"``/``"no"``/``""``.
+
+    Raises :class:`ConfigError` "``where`` ``v`` must be true or false" for anything else.
+    """
+    if isinstance(v, bool):
+        return v
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "0", "false", "no")) or v == 0:
+        return False
+    if (isinstance(v, str) and v.strip().lower() in ("1", "true", "yes")) or v == 1:
+        return True
+    raise ConfigError(f"{where} {v!r} must be true or false")
+
+
+def result_points(data: Any, *, source: str) -> list[Any]:
+    """The measured points of a result: its ``points`` list (``tune``, ``recommend``), or ``data``
+    itself when it is a bare list of points."""
+    if isinstance(data, list):
+        return data
+    if isinstance(data, dict) and isinstance(data.get("points"), list):
+        return list(data["points"])
+    raise ConfigError(
+        f"{source}: expected an object with a 'points' list (a `tune --out` result.json) or a list of "
+        "points with micro_batch, throughput, peak_memory_bytes, step_time_s"
+    )
+
+
+# -- measured points with their provenance ----------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class MeasuredPoint:
+    """One measured b_m, as the fits use it."""
+
+    micro_batch: int
+    """b_m."""
+    peak_memory_bytes: float | None
+    """Measured peak memory (the key chosen by ``memory_key``); None when not measured."""
+    step_time_s: float | None
+    """Measured time of one micro-step (forward + backward); None when not measured."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """Measured points plus what they were measured with."""
+
+    shape: ModelShape
+    """The model, at the measured sequence length."""
+    model: str
+    """The model's label in the file."""
+    precision: str
+    """``fp32``, ``bf16-mixed`` or ``fp16-mixed``."""
+    checkpointing: bool
+    """Activation checkpointing (full recompute per layer) was on."""
+    device: str
+    """``cpu`` or ``cuda``."""
+    device_name: str = ""
+    """The device's name (GPU model), when the file says."""
+    points: tuple[MeasuredPoint, ...]
+    """Points that did not run out of memory, ascending b_m, one per b_m."""
+    oom: tuple[int, ...] = ()
+    """b_m that ran out of memory."""
+    memory_key: str = "peak_memory_bytes"
+    """Which measured memory figure the points hold."""
+    time_key: str = "step_time_s"
+    """Which measured time the points hold (``micro_step_s`` when given: without the optimizer)."""
+    source: str = ""
+    """Where the points came from (a path), for messages."""
+    notes: tuple[str, ...] = ()
+    """What reading the file assumed."""
+
+    @property
+    def seq(self) -> int:
+        """The measured sequence length."""
+        return self.shape.seq
+
+    @property
+    def is_cuda(self) -> bool:
+        """Measured on a GPU."""
+        return self.device.startswith("cuda") or self.device == "gpu"
+
+
+def _shape_of(model: Any, seq: int | None, source: str) -> tuple[ModelShape | None, str]:
+    """A shape from the file's ``model`` (registry name, ``hf:name``, or a ModelShape dict)."""
+    if isinstance(model, dict):
+        fields = {k: v for k, v in model.items() if k in ModelShape.__dataclass_fields__}
+        try:
+            shape = ModelShape(**fields)
+        except (TypeError, ConfigError) as e:
+            raise ConfigError(f"{source}: 'model' is not a model shape ({e})") from None
+        return (shape.with_seq(seq) if seq else shape), shape.name
+    if isinstance(model, str) and model:
+        name = model[3:] if model.startswith("hf:") else model
+        try:
+            return get_model(name, seq=seq), model
+        except ConfigError:
+            return None, model
+    return None, str(model or "")
+
+
+def read_measurements(
+    source: str | Path | dict[str, Any] | list[Any],
+    *,
+    shape: ModelShape | None = None,
+    memory_key: str = "peak_memory_bytes",
+    precision: str | None = None,
+    device: str | None = None,
+    checkpointing: bool | None = None,
+) -> Measurements:
+    """Measured points and their provenance from a path or an already-loaded JSON value.
+
+    Reads a ``tune --out`` ``result.json`` (or ``tune --json``), or an object ``{"points": [...],
+    "model", "seq", "precision", "checkpointing", "device"}``, or a bare list of points (then the
+    provenance must come from the keyword arguments). ``shape`` is used when the file names no
+    model the registry knows, and its sequence length when the file gives none. Keyword values
+    fill in what the file lacks; they never override it. ``memory_key`` chooses the memory
+    figure (``peak_memory_bytes``, or ``peak_allocated_bytes`` for CUDA's tensors only).
+    """
+    label = str(source) if isinstance(source, (str, Path)) else "calibration data"
+    data = load_json(source, what="calibration file", fix="give a `tune --out DIR` result.json")
+    rows = result_points(data, source=label)
+    if not isinstance(data, dict):
+        data = {"points": rows}
+    if data.get("kind") == "calibration":
+        raise ConfigError(f"{label}: holds a fitted calibration, not measured points; give a tune result")
+    if data.get("mode", "train") != "train":
+        raise ConfigError(
+            f"{label}: measured in mode {data.get('mode')!r}; calibration models training micro-steps: "
+            "measure with `microbatch tune --mode train`"
+        )
+    notes: list[str] = []
+    raw_seq = data.get("seq")
+    seq = (
+        int(raw_seq)
+        if isinstance(raw_seq, (int, float)) and not isinstance(raw_seq, bool) and raw_seq > 0
+        else None
+    )
+    fshape, model = _shape_of(data.get("model"), seq or (shape.seq if shape else None), label)
+    if fshape is None:
+        if shape is None:
+            raise ConfigError(
+                f"{label}: model {model or '(none)'!r} is not in the registry; give the model "
+                "(--model NAME or the shape flags) it was measured with"
+            )
+        fshape = shape.with_seq(seq) if seq else shape
+        if model:
+            notes.append(f"the file's model {model!r} is not in the registry; assumed it is {shape.name}")
+        model = model or shape.name
+    prec = data.get("precision") or precision
+    if prec is None:
+        raise ConfigError(
+            f"{label}: no 'precision'; say which (fp32, bf16-mixed) the points were measured in"
+        )
+    if prec not in PRECISIONS:
+        raise ConfigError(f"{label}: precision {prec!r} is not known; use {', '.join(PRECISIONS)}")
+    dev = str(data.get("device") or device or "")
+    if not dev:
+        raise ConfigError(f"{label}: no 'device'; say where (cpu, cuda) the points were measured")
+    ckpt = flag(data.get("checkpointing"))
+    if ckpt is None and checkpointing is not None:
+        ckpt = checkpointing
+    if ckpt is None:  # "auto", or not given: the points say; keep the larger group (ties: off)
+        flags = [bool(r.get("checkpointing")) for r in rows if isinstance(r, dict) and not r.get("oom")]
+        ckpt = flags.count(True) > flags.count(False)
+        if len(set(flags)) > 1:
+            notes.append(
+                f"points measured with and without checkpointing; used those with it {'on' if ckpt else 'off'}"
+            )
+    time_key = (
+        "micro_step_s" if any(isinstance(r, dict) and r.get("micro_step_s") for r in rows) else "step_time_s"
+    )
+    clocks = sorted({str(r["clock"]) for r in rows if isinstance(r, dict) and r.get("clock")})
+    if clocks and clocks != ["wall"]:
+        notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
+    points: dict[int, MeasuredPoint] = {}
+    oom: list[int] = []
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or "micro_batch" not in r:
+            raise ConfigError(f"{label}: point {i + 1} has no 'micro_batch'")
+        b = r["micro_batch"]
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 1 or b != int(b):
+            raise ConfigError(f"{label}: point {i + 1}: micro_batch {b!r} must be a whole number >= 1")
+        if "checkpointing" in r and bool(r["checkpointing"]) != ckpt:
+            continue
+        if r.get("oom"):
+            oom.append(int(b))
+            continue
+        where = f"{label}: point {i + 1}:"
+        mem = positive(r.get(memory_key), where=f"{where} {memory_key}")
+        t = positive(r.get(time_key), where=f"{where} {time_key}")
+        points[int(b)] = MeasuredPoint(micro_batch=int(b), peak_memory_bytes=mem, step_time_s=t)
+    return Measurements(
+        shape=fshape,
+        model=model,
+        precision=prec,
+        checkpointing=bool(ckpt),
+        device=dev,
+        device_name=str(data.get("device_name") or data.get("gpu") or ""),
+        points=tuple(points[b] for b in sorted(points)),
+        oom=tuple(sorted(set(oom))),
+        memory_key=memory_key,
+        time_key=time_key,
+        source=label,
+        notes=tuple(notes),
+    )

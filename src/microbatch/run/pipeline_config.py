@@ -1,0 +1,117 @@
+"""The configuration of one pipeline-parallel run, validated before any process starts.
+
+:class:`PipelineConfig` names the schedule (through the one registry,
+:mod:`microbatch.schedules.registry`, whose torch class and (p, m, v) rules it applies), the sizes,
+the model, the numerics and the deadline; :func:`config_from_dict` reads it back from JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.schedules.registry import check_servable, torch_spec
+
+__all__ = ["PipelineConfig", "config_from_dict"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """One pipeline-parallel run: what to split, how to schedule it, for how long."""
+
+    schedule: str = "1f1b"
+    """Schedule name or alias from :mod:`microbatch.schedules.registry` that torch can run: gpipe,
+    1f1b, interleaved-1f1b, zb-interleaved (torch's ZB1P; zb-h1 runs as it with v = 1) or zbv.
+    Stored as the name of the schedule torch runs."""
+    stages: int = 2
+    """p: pipeline ranks (processes)."""
+    microbatches: int = 4
+    """m: micro-batches per global batch (per optimizer step)."""
+    virtual: int = 1
+    """v: stages per rank (interleaved schedules; zbv needs 2). Total stages = p·v."""
+    model: str = "tiny"
+    """A preset of :mod:`microbatch.model` built by :mod:`microbatch.measure.gpt`, or ``module:function``
+    returning a stack of layers (``nn.Sequential`` or embed/layers/head) that maps token ids
+    ``(b, s)`` to logits ``(b, s, V)``."""
+    global_batch: int | None = None
+    """B: sequences per optimizer step; None means one sequence per micro-batch (B = m)."""
+    seq: int | None = None
+    """s: tokens per sequence; None means the model's default."""
+    steps: int = 3
+    """N: optimizer steps. Measurements average the steps after the first (warm-up)."""
+    backend: str = "gloo"
+    """torch.distributed backend: gloo (CPU) or nccl (one GPU per rank)."""
+    balance: str = "params"
+    """How layers are split into stages: ``params`` (equal parameter counts) or ``time``
+    (equal measured forward+backward time per layer, timed on rank 0 and broadcast)."""
+    check_gradients: bool = False
+    """Compare the gradients after the first step with the unsplit model on the same batch."""
+    trace: bool = False
+    """Return every compute interval (for ``--trace`` and the timeline drawing)."""
+    lr: float = 1e-3
+    """Adam learning rate."""
+    seed: int = 0
+    """Seed of the weights (same on every rank) and of the synthetic token batches."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    timeout_s: float = 120.0
+    """Collective timeout of the process group and the launcher's deadline for the whole run."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", torch_spec(self.schedule).name)
+        check_positive_int("stages", self.stages, fix="give --stages 2 or more ranks")
+        check_positive_int("microbatches", self.microbatches, fix="give --microbatches 1 or more")
+        check_positive_int("virtual", self.virtual, fix="give --virtual 1 or more stages per rank")
+        check_positive_int("steps", self.steps, fix="give --steps 1 or more")
+        if self.stages < 2:
+            raise ConfigError(
+                f"stages {self.stages} is not a pipeline; pipelining needs p >= 2; give --stages 2"
+            )
+        if self.global_batch is not None:
+            check_positive_int("global batch", self.global_batch)
+            if self.global_batch % self.microbatches:
+                m = self.microbatches
+                lo, hi = (self.global_batch // m) * m, (self.global_batch // m + 1) * m
+                near = ", ".join(str(x) for x in (lo, hi) if x > 0)
+                raise ConfigError(
+                    f"global batch {self.global_batch} is not divisible by {m} micro-batches; every "
+                    f"micro-batch holds B/m whole sequences; nearest valid global batches: {near}"
+                )
+        if self.seq is not None:
+            check_positive_int("seq", self.seq)
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"backend {self.backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
+        if self.balance not in ("params", "time"):
+            raise ConfigError(f"balance {self.balance!r} is not known; use 'params' or 'time'")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ConfigError(f"timeout {self.timeout_s!r} s must be a positive number of seconds")
+        check_servable(self.schedule, self.stages, self.microbatches, self.virtual)
+
+    @property
+    def batch(self) -> int:
+        """B: sequences per optimizer step."""
+        return self.global_batch if self.global_batch is not None else self.microbatches
+
+    @property
+    def micro_batch(self) -> int:
+        """b_m = B / m sequences per micro-batch."""
+        return self.batch // self.microbatches
+
+    @property
+    def total_stages(self) -> int:
+        """p·v stages in all."""
+        return self.stages * self.virtual
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (the form :func:`config_from_dict` reads back)."""
+        return asdict(self)
+
+
+def config_from_dict(d: dict[str, Any]) -> PipelineConfig:
+    """A :class:`PipelineConfig` from its :meth:`~PipelineConfig.to_dict` form (unknown keys ignored)."""
+    names = {f.name for f in fields(PipelineConfig)}
+    return PipelineConfig(**{k: v for k, v in d.items() if k in names})

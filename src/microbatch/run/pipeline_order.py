@@ -1,0 +1,67 @@
+"""torch's own compute order of a pipeline schedule, derived without a process group.
+
+:func:`torch_order` is what :mod:`microbatch.run.pipeline_summary` simulates to predict a run and
+what ``tests/test_pipeline.py`` compares the generators of :mod:`microbatch.schedules.generators` with.
+"""
+
+from __future__ import annotations
+
+from microbatch.errors import ScheduleError
+from microbatch.schedules.registry import check_servable, torch_spec
+
+__all__ = ["torch_order"]
+
+
+def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[int, list[str]]:
+    """The compute actions every rank runs, in order, as strings like ``"2F0"``, ``"1I3"``.
+
+    For the multi-stage schedules this is torch's own ``pipeline_order``, computed by the schedule
+    class's ``_calculate_single_rank_operations`` on an instance that has no process group and no
+    stages (idle slots dropped). GPipe and 1F1B follow the loops of their ``_step_microbatches``
+    (torch 2.13's ``Schedule1F1B._get_pipeline_order`` does not match what it runs): GPipe does
+    every forward then every backward; 1F1B does min(m, p − i) forwards, then alternates B and F.
+    """
+    spec = torch_spec(schedule)
+    name = spec.name
+    check_servable(name, stages, microbatches, virtual)
+    p, m, v = stages, microbatches, virtual
+    if name == "gpipe":
+        return {r: [f"{r}F{i}" for i in range(m)] + [f"{r}B{i}" for i in range(m)] for r in range(p)}
+    if name == "1f1b":
+        out: dict[int, list[str]] = {}
+        for r in range(p):
+            warm = min(m, p - r)
+            ops = [f"{r}F{i}" for i in range(warm)]
+            f = warm
+            for b in range(m):
+                ops.append(f"{r}B{b}")
+                if f < m:
+                    ops.append(f"{r}F{f}")
+                    f += 1
+            out[r] = ops
+        return out
+    from torch.distributed.pipelining import schedules as ts
+
+    cls = getattr(ts, str(spec.torch_name), None)
+    if cls is None:
+        import torch
+
+        raise ScheduleError(
+            f"{name} needs torch.distributed.pipelining.{spec.torch_name}, absent in torch "
+            f"{torch.__version__}; upgrade torch or use --schedule interleaved-1f1b"
+        )
+    obj = object.__new__(cls)
+    obj.pp_group_size = p
+    obj._n_microbatches = m
+    obj.n_local_stages = v
+    obj.num_stages = obj._num_stages = p * v
+    obj.number_of_rounds = max(1, m // p)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    try:
+        order = {r: obj._calculate_single_rank_operations(r) for r in range(p)}
+    except Exception as e:  # torch internals moved: say so plainly
+        raise ScheduleError(
+            f"cannot derive {spec.torch_name}'s order on this torch ({type(e).__name__}: {e}); "
+            "compare with --schedule 1f1b or gpipe"
+        ) from None
+    return {r: [str(a) for a in ops if a is not None] for r, ops in order.items()}

@@ -1,0 +1,327 @@
+"""What one pipeline rank does: build the model, keep its stages, run torch's schedule, measure.
+
+One rank runs the stages it owns (v of them with interleaved schedules, two with ZB-V) under
+torch's own schedule classes, for N optimizer steps, and records what happened:
+
+- **Busy time** of every forward (F), full backward (B), input backward (I) and weight
+  backward (W): the stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
+  ``backward_weight_one_chunk`` are wrapped (``time.perf_counter`` on the CPU, CUDA events on a
+  GPU; see :mod:`microbatch.run.instrument`). The last stage's loss is timed as part of its forward.
+- **In flight**: micro-batches whose forward is done and whose backward (W for a split backward)
+  is not, counted per rank over all its virtual stages; the maximum over the step.
+- **Saved activations**: bytes packed by autograd (``saved_tensors_hooks``) during each forward
+  (parameters excluded, storages deduplicated), per micro-batch and the peak resident sum.
+- **CUDA peak memory** on a GPU (``max_memory_allocated`` after ``reset_peak_memory_stats``).
+
+Loss scaling: every schedule is built with ``scale_grads=False`` and the loss of a micro-batch is
+the *sum* of its token cross-entropies divided by the number of tokens in the whole global batch,
+so the gradients equal the unsplit model's mean-loss gradient and one optimizer step follows each
+global batch. Weights shared between stages on different ranks (tied embeddings) have their
+gradients all-reduced among the ranks that hold them before the optimizer step.
+
+:func:`run_rank` returns the raw per-rank records, gathered on rank 0;
+:func:`microbatch.run.pipeline_summary.summarize` reduces them to the report. Processes are started
+by :mod:`microbatch.run.launch` (``microbatch pipeline``) or by ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import Any
+
+from microbatch.errors import ConfigError, PipelineError, ScheduleError
+from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn
+from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline_split import (
+    balanced_split,
+    model_units,
+    split_units,
+    unit_param_counts,
+    unit_times_s,
+)
+from microbatch.schedules.registry import get_spec, stage_ranks
+
+__all__ = ["build_full_model", "make_batch", "run_rank"]
+
+
+def build_full_model(cfg: PipelineConfig) -> tuple[Any, int, int]:
+    """The unsplit model (same weights on every rank), its vocabulary and sequence length."""
+    import torch
+
+    dtype = getattr(torch, cfg.dtype)
+    if ":" in cfg.model:
+        mod_name, fn_name = cfg.model.split(":", 1)
+        try:
+            factory = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(
+                f"model factory {cfg.model!r} cannot be loaded ({e}); give module:function"
+            ) from None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = factory().to(dtype)
+        vocab = next(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        return model, vocab, cfg.seq or 16
+    from microbatch.measure.gpt import build_model
+    from microbatch.model import get_model
+
+    shape = get_model(cfg.model, seq=cfg.seq)
+    return build_model(shape, dtype=dtype, seed=cfg.seed), shape.vocab, shape.seq
+
+
+def make_batch(cfg: PipelineConfig, vocab: int, seq: int, step: int) -> tuple[Any, Any]:
+    """Synthetic next-token data of step ``step``: inputs and targets ``(B, s)``, the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * (cfg.seed + 1) + step)
+    tokens = torch.randint(0, vocab, (cfg.batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _schedule_kwargs(cls: Any) -> dict[str, Any]:
+    """``scale_grads=False`` where torch's schedule class takes it (we scale the loss ourselves)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    return {"scale_grads": False} if "scale_grads" in params else {}
+
+
+def _fault(rank: int, where: str) -> None:
+    """Test hook: ``MICROBATCH_PIPELINE_FAULT=rank:kind[:where]`` makes a rank fail on purpose."""
+    spec = os.environ.get("MICROBATCH_PIPELINE_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if int(parts[0]) != rank or (parts[2] if len(parts) > 2 else "step") != where:
+        return
+    kind = parts[1]
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} ({where})")
+    if kind == "shape":
+        import torch
+
+        torch.zeros(2, 3) @ torch.zeros(4, 5)
+    if kind == "oom":
+        import torch
+
+        oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+        raise oom(f"injected out-of-memory on rank {rank}")
+    if kind == "exit":
+        os._exit(3)
+    if kind == "kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        time.sleep(10_000)
+
+
+def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = None) -> dict[str, Any] | None:
+    """Run ``cfg`` as rank ``rank`` of an initialised process group; return the gathered result on
+    rank 0 (``None`` elsewhere). The result holds raw per-rank measurements; :mod:`microbatch.run.launch`
+    turns them into the report."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    if world_size != cfg.stages:
+        raise ConfigError(
+            f"world size {world_size} differs from --stages {cfg.stages}; each rank holds one pipeline "
+            f"position; start {cfg.stages} processes or give --stages {world_size}"
+        )
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    rec = StageRecorder(rank=rank, cuda=cuda)
+    _fault(rank, "setup")
+
+    full, vocab, seq = build_full_model(cfg)
+    units = model_units(full)
+    n_stages = cfg.total_stages
+    if cfg.balance == "time":
+        box: list[Any] = [None]
+        if rank == 0:
+            tok, _ = make_batch(cfg, vocab, seq, -1)
+            box[0] = balanced_split(unit_times_s(units, tok[: cfg.micro_batch]), n_stages)
+        dist.broadcast_object_list(box, src=0)
+        sizes: list[int] = box[0]
+        full, vocab, seq = build_full_model(cfg)  # fresh weights and gradients after timing
+        units = model_units(full)
+    else:
+        sizes = balanced_split(unit_param_counts(units), n_stages)
+    modules = split_units(units, sizes)
+    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    mine = [s for s in range(n_stages) if placement[s] == rank]
+
+    # parameters shared by stages on different ranks (tied embeddings): all-reduce their gradients
+    names = {id(p): n for n, p in full.named_parameters()}
+    holders: dict[int, set[int]] = {}
+    for s, mod in enumerate(modules):
+        for p in mod.parameters():
+            holders.setdefault(id(p), set()).add(placement[s])
+    shared = sorted((names[i] for i, rs in holders.items() if len(rs) > 1), key=list(names.values()).index)
+    by_name = dict(full.named_parameters())
+
+    mb, b = cfg.micro_batch, cfg.batch
+    with torch.no_grad():
+        tok, _ = make_batch(cfg, vocab, seq, -1)
+        x = tok[:mb]
+        boundary: list[Any] = []
+        for mod in modules:
+            x = mod(x)
+            boundary.append(x)
+    for s in mine:  # after the example pass on the CPU (the shared weight moves with its owner)
+        modules[s].to(device)
+    stage_objs: list[Any] = []
+    for s in mine:
+        inp = tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).requires_grad_(True)
+        # example outputs must say requires_grad, or the previous stage expects no gradient back
+        out = boundary[s].to(device).detach().requires_grad_(boundary[s].is_floating_point())
+        stage_objs.append(PipelineStage(modules[s], s, n_stages, device, input_args=inp, output_args=out))
+    for st in stage_objs:
+        instrument_stage(st, rec)
+
+    total_tokens = b * seq
+    loss_fn = make_loss_fn(total_tokens, rec)
+    cls = getattr(ts, str(get_spec(cfg.schedule).torch_name), None)
+    if cls is None:
+        raise ScheduleError(f"{cfg.schedule} needs a newer torch than {torch.__version__}")
+    single = issubclass(cls, ts.PipelineScheduleSingle)  # one stage object per rank (GPipe, 1F1B)
+    sched = cls(
+        stage_objs[0] if single else stage_objs, cfg.microbatches, loss_fn=loss_fn, **_schedule_kwargs(cls)
+    )
+    params = [p for s in mine for p in modules[s].parameters()]
+    params = list({id(p): p for p in params}.values())
+    opt = torch.optim.Adam(params, lr=cfg.lr)
+
+    first = 0 in mine
+    last = (n_stages - 1) in mine
+    steps_out: list[dict[str, Any]] = []
+    grad_err: float | None = None
+    for step in range(cfg.steps):
+        inputs, targets = make_batch(cfg, vocab, seq, step)
+        inputs, targets = inputs.to(device), targets.to(device)
+        rec.reset()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        dist.barrier()
+        wall0 = time.time()
+        t0 = rec.now()
+        _fault(rank, "step")
+        losses: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        if last:
+            kwargs["target"], kwargs["losses"] = targets, losses
+        if first:
+            sched.step(inputs, **kwargs)
+        else:
+            sched.step(**kwargs)
+        t_end = rec.now()
+        if cuda:
+            torch.cuda.synchronize(device)
+        span = _cuda_span if cuda else _cpu_span
+        wall1 = wall0 + span(t0, t_end)
+        for name in shared:
+            prm = by_name[name]
+            mine_too = rank in holders[id(prm)] and prm.grad is not None
+            g = prm.grad if mine_too else torch.zeros(prm.shape, dtype=prm.dtype, device=device)
+            dist.all_reduce(g)  # every rank joins (zeros where it does not hold the weight)
+            if rank in holders[id(prm)]:
+                prm.grad = g
+        if cfg.check_gradients and step == 0:
+            grad_err = _grad_error(cfg, mine, modules, inputs, targets, total_tokens, device)
+        opt.step()
+        steps_out.append(
+            {
+                "rank": rank,
+                "stages": mine,
+                "start_wall_s": wall0,
+                "end_wall_s": wall1,
+                "intervals": [
+                    (k, s, i, wall0 + span(t0, a), wall0 + span(t0, e)) for (k, s, i, a, e) in rec.intervals
+                ],
+                "order": list(rec.order),
+                "peak_in_flight": rec.peak_in_flight,
+                "per_microbatch_bytes": list(rec.per_microbatch_bytes),
+                "peak_activation_bytes": rec.peak_resident_bytes,
+                "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+                "loss": float(sum(x.item() for x in losses)) if last and losses else None,
+            }
+        )
+    mine_info = {
+        "rank": rank,
+        "stages": mine,
+        "layers_per_stage": sizes,
+        "steps": steps_out,
+        "max_grad_rel_error": grad_err,
+        "torch_order": {
+            str(k): [str(a) for a in v if a is not None] for k, v in _pipeline_order(sched).items()
+        },
+    }
+    gathered: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine_info, gathered, dst=0)
+    if rank != 0:
+        return None
+    return {
+        "config": cfg.to_dict(),
+        "torch_version": torch.__version__,
+        "device": str(device),
+        "ranks": gathered,
+    }
+
+
+def _cuda_span(a: Any, b: Any) -> float:
+    """Seconds between two recorded CUDA events."""
+    return float(a.elapsed_time(b)) / 1e3
+
+
+def _cpu_span(a: Any, b: Any) -> float:
+    """Seconds between two ``time.perf_counter`` readings."""
+    return float(b - a)
+
+
+def _pipeline_order(sched: Any) -> dict[Any, Any]:
+    """torch's planned order of a schedule object (empty for single-stage classes without one)."""
+    order = getattr(sched, "pipeline_order", None)
+    return order if isinstance(order, dict) else {}
+
+
+def _grad_error(
+    cfg: PipelineConfig,
+    mine: list[int],
+    modules: list[Any],
+    inputs: Any,
+    targets: Any,
+    total_tokens: int,
+    device: Any,
+) -> float:
+    """Largest ‖g_pipe − g_ref‖ / ‖g_ref‖ over this rank's parameters, against the unsplit model."""
+    import torch.nn.functional as F
+
+    ref, _, _ = build_full_model(cfg)
+    ref.to(device)
+    logits = ref(inputs)
+    loss: Any = (
+        F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum") / total_tokens
+    )
+    loss.backward()
+    ref_units = model_units(ref)
+    sizes = [len(m) for m in modules]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    worst = 0.0
+    for s in mine:
+        for j in range(sizes[s]):
+            mine_unit, ref_unit = modules[s][j], ref_units[starts[s] + j]
+            for (n, p), (_, q) in zip(mine_unit.named_parameters(), ref_unit.named_parameters(), strict=True):
+                if q.grad is None:
+                    continue
+                if p.grad is None:
+                    raise PipelineError(f"parameter {n} of stage {s} got no gradient from the pipeline")
+                ref_norm = q.grad.double().norm().item()
+                diff = (p.grad.double() - q.grad.double()).norm().item()
+                worst = max(worst, diff / ref_norm if ref_norm > 0 else diff)
+    return worst

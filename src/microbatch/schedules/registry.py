@@ -1,0 +1,334 @@
+"""The one registry of pipeline schedules: every name, alias and rule that any layer reads.
+
+A :class:`ScheduleSpec` says everything the package knows about one schedule: its name and
+aliases, how to generate its action order, the (p, m, v) it can serve (torch's own rule where
+torch has the schedule), the placement of virtual stages on ranks, whether the backward is split
+into I and W, the activation chunks each rank holds at its peak (the *in-flight rule*), the
+``torch.distributed.pipelining`` class that runs it, and whether the fill-drain closed form of the
+bubble applies. :data:`SCHEDULES` is open: add a schedule with :func:`register_schedule`.
+
+The memory model (:mod:`microbatch.predict`), the simulator, the planner, the pipeline runner and
+every ``--schedule`` option read this one table; nothing else lists schedules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from microbatch.errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.schedules.action import Action, Schedule, check_placement, stage_to_rank
+from microbatch.schedules.generators import (
+    gpipe_order,
+    interleaved_order,
+    one_f_one_b_order,
+    zb_h1_order,
+    zb_interleaved_order,
+    zbv_order,
+)
+from microbatch.schedules.rules import (
+    Check,
+    InFlightRule,
+    check_1f1b,
+    check_gpipe,
+    check_zb_h1,
+    check_zbv,
+    gpipe_in_flight,
+    interleaved_in_flight,
+    need_whole_rounds,
+    one_f_one_b_in_flight,
+    zb_h1_in_flight,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "check_servable",
+    "generate",
+    "get_spec",
+    "in_flight_chunks",
+    "in_flight_formula",
+    "in_flight_layers",
+    "in_flight_microbatches",
+    "rank_stages",
+    "register_schedule",
+    "schedule_names",
+    "stage_ranks",
+    "torch_spec",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """Everything known about one named schedule."""
+
+    name: str
+    """Registry key, lower case, e.g. ``"1f1b"``."""
+    generate: Callable[[int, int, int], list[list[Action]]]
+    """``(stages, microbatches, virtual) -> per-rank action lists``; called after :attr:`check`."""
+    check: Check
+    """Raises :class:`ScheduleError` (value, rule, fix) for an (p, m, v) it cannot serve."""
+    placement: str = "loop"
+    """Stage-to-rank placement of the generated schedule: ``loop`` or ``v``."""
+    split_backward: bool = False
+    """True when the schedule uses I and W instead of B (needs input and weight times)."""
+    description: str = ""
+    """One line for help texts."""
+    torch_name: str | None = None
+    """Name of the matching ``torch.distributed.pipelining`` class, if torch has one."""
+    aliases: tuple[str, ...] = ()
+    """Other names accepted wherever a schedule is named (lower case)."""
+    in_flight: InFlightRule | None = None
+    """``(rank, p, m, v) -> activation chunks`` the rank holds at its peak; None when only the
+    simulator knows (see :mod:`microbatch.schedules.rules`). The memory model serves exactly the
+    schedules that have one."""
+    run_as: str | None = None
+    """Name of the registered schedule whose torch class runs this one, when it has no class of its
+    own (zb-h1 runs as zb-interleaved: torch's ScheduleInterleavedZeroBubble with one stage per
+    rank runs ZB-H1's order, tested)."""
+    fill_drain_bubble: bool = False
+    """True when the bubble is the closed form (p−1)/(v·m+p−1) for equal stages and m >= p."""
+
+    def __post_init__(self) -> None:
+        check_placement(self.placement)
+        for alias in (self.name, *self.aliases):
+            if alias != alias.strip().lower() or not alias:
+                raise ConfigError(
+                    f"schedule name {alias!r} must be lower case without surrounding spaces; write "
+                    f"{alias.strip().lower()!r}"
+                )
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}
+"""The open registry of schedules: name -> :class:`ScheduleSpec`, in registration order."""
+
+
+def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
+    """Add (or replace) a schedule in :data:`SCHEDULES`; returns ``spec``.
+
+    Raises :class:`ConfigError` when one of its names or aliases already names another schedule.
+    """
+    for alias in (spec.name, *spec.aliases):
+        other = _lookup(alias)
+        if other is not None and other.name != spec.name:
+            raise ConfigError(
+                f"schedule name {alias!r} of {spec.name!r} already names schedule {other.name!r}; "
+                "choose another name or alias"
+            )
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def _lookup(name: str) -> ScheduleSpec | None:
+    key = str(name).strip().lower()
+    spec = SCHEDULES.get(key)
+    if spec is not None:
+        return spec
+    return next((s for s in SCHEDULES.values() if key in s.aliases), None)
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    """The spec named ``name`` or one of its aliases (case-insensitive), or a ConfigError listing
+    the known names."""
+    spec = _lookup(name)
+    if spec is None:
+        raise ConfigError(
+            f"schedule {name!r} is unknown; known schedules: {', '.join(SCHEDULES)}; "
+            "pick one of these with --schedule"
+        )
+    return spec
+
+
+def schedule_names(*, in_flight: bool = False, torch: bool = False, aliases: bool = False) -> tuple[str, ...]:
+    """Registered names in registration order, for ``--schedule`` choices and messages.
+
+    ``in_flight``: only schedules with an in-flight rule (those the memory model and the planner
+    serve); ``torch``: only schedules ``torch.distributed.pipelining`` can run (see
+    :func:`torch_spec`); ``aliases``: each name followed by its aliases.
+    """
+    out: list[str] = []
+    for spec in SCHEDULES.values():
+        if in_flight and spec.in_flight is None:
+            continue
+        if torch and spec.torch_name is None and spec.run_as is None:
+            continue
+        out.append(spec.name)
+        if aliases:
+            out += spec.aliases
+    return tuple(out)
+
+
+def check_servable(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
+    """Raise :class:`ScheduleError` if schedule ``name`` cannot serve (p, m, v); names the rule."""
+    check_positive_int("stages", stages, fix="a pipeline needs at least one rank (--stages 1 or more)")
+    check_positive_int(
+        "microbatches", microbatches, fix="use at least one micro-batch (--microbatches 1 or more)"
+    )
+    check_positive_int("virtual", virtual, fix="use --virtual 1 for one stage per rank")
+    get_spec(name).check(stages, microbatches, virtual)
+
+
+def generate(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """Build the named schedule for p = ``stages`` ranks, m micro-batches, v stages per rank."""
+    spec = get_spec(name)
+    check_servable(spec.name, stages, microbatches, virtual)
+    per_rank = spec.generate(stages, microbatches, virtual)
+    return Schedule(
+        name=spec.name,
+        stages=stages,
+        microbatches=microbatches,
+        virtual=virtual,
+        placement=spec.placement,
+        actions=tuple(tuple(r) for r in per_rank),
+    )
+
+
+def torch_spec(name: str) -> ScheduleSpec:
+    """The spec whose ``torch.distributed.pipelining`` class runs schedule ``name`` (itself, or its
+    :attr:`ScheduleSpec.run_as`); :class:`ScheduleError` when torch has none."""
+    spec = get_spec(name)
+    if spec.run_as is not None:
+        spec = get_spec(spec.run_as)
+    if spec.torch_name is None:
+        raise ScheduleError(
+            f"schedule {name!r} has no torch.distributed.pipelining class to run it; use one of "
+            f"{', '.join(schedule_names(torch=True))}"
+        )
+    return spec
+
+
+def stage_ranks(name: str, stages: int, virtual: int) -> list[int]:
+    """Rank of every virtual stage of schedule ``name``: loop (stage s on rank s mod p) or, for a
+    ``v`` placement such as zbv's, a V (rank r holds stages r and 2p−1−r, torch's
+    ``generate_stage_to_rank_mapping(style="v")``); see :func:`microbatch.schedules.action.stage_to_rank`."""
+    placement = get_spec(name).placement
+    return [stage_to_rank(s, stages, placement) for s in range(stages * virtual)]
+
+
+def rank_stages(name: str, stages: int, virtual: int, rank: int) -> list[int]:
+    """Virtual stages that ``rank`` holds under schedule ``name``, in increasing order."""
+    return [s for s, r in enumerate(stage_ranks(name, stages, virtual)) if r == rank]
+
+
+# -- the in-flight rule, read from the spec --------------------------------------------------
+
+
+def in_flight_chunks(name: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Activation chunks (one micro-batch × one virtual stage, L/v layers) rank ``stage`` holds at
+    its peak under schedule ``name``: the spec's in-flight rule (:mod:`microbatch.schedules.rules`).
+
+    Raises :class:`ConfigError` for a schedule without a rule (the simulator counts those).
+    """
+    spec = get_spec(name)
+    if spec.in_flight is None:
+        raise ConfigError(
+            f"schedule {name!r} has no in-flight rule; use one of {', '.join(schedule_names(in_flight=True))}, "
+            "or simulate it (microbatch simulate) to count what each rank holds"
+        )
+    return spec.in_flight(stage, stages, microbatches, virtual)
+
+
+def in_flight_microbatches(name: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Micro-batches with activations held on rank ``stage`` at its peak: min(m, ⌈chunks / v⌉).
+
+    GPipe m; 1F1B min(m, p − i); ZB-H1 min(m, p); interleaved 1F1B its warm-up count in chunks of
+    L/v layers, rounded up to whole micro-batches (see :mod:`microbatch.schedules.rules`).
+    """
+    chunks = in_flight_chunks(name, stage, stages, microbatches, virtual)
+    return min(microbatches, math.ceil(chunks / virtual))
+
+
+def in_flight_layers(
+    name: str, stage: int, stages: int, microbatches: int, virtual: int, stage_layers: float
+) -> float:
+    """Layer-micro-batches of activations rank ``stage`` holds at its peak: chunks × L_stage / v.
+
+    On the first rank of interleaved 1F1B this is L_stage·p·(1 + (p−1)/(p·v)) when p divides m
+    (Korthikanti et al. 2022 sec 4.2.3).
+    """
+    chunks = in_flight_chunks(name, stage, stages, microbatches, virtual)
+    return chunks * stage_layers / virtual
+
+
+def in_flight_formula(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[float]:
+    """Peak in flight per rank, rank 0 first, in micro-batches of a rank's layers (chunks / v): the
+    unit of :attr:`microbatch.schedules.simulate.SimResult.peak_in_flight`. GPipe [m, …];
+    1F1B [min(m, p − i)]. Seed 002; Korthikanti et al. 2022 sec 4.2.3."""
+    check_positive_int("stages", stages)
+    check_positive_int("microbatches", microbatches)
+    check_positive_int("virtual", virtual)
+    chunks = [in_flight_chunks(name, i, stages, microbatches, virtual) for i in range(stages)]
+    return [c if virtual == 1 else c / virtual for c in chunks]
+
+
+# -- the built-in schedules ------------------------------------------------------------------
+
+register_schedule(
+    ScheduleSpec(
+        name="gpipe",
+        generate=gpipe_order,
+        check=check_gpipe,
+        description="GPipe: all forwards, then all backwards (holds m micro-batches).",
+        torch_name="ScheduleGPipe",
+        in_flight=gpipe_in_flight,
+        fill_drain_bubble=True,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="1f1b",
+        generate=one_f_one_b_order,
+        check=check_1f1b,
+        description="1F1B / PipeDream-Flush: same bubble as GPipe, holds at most p − rank.",
+        torch_name="Schedule1F1B",
+        in_flight=one_f_one_b_in_flight,
+        fill_drain_bubble=True,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="interleaved-1f1b",
+        generate=interleaved_order,
+        check=need_whole_rounds("ScheduleInterleaved1F1B"),
+        description="Interleaved 1F1B: v stages per rank, bubble ratio (p−1)/(v·m).",
+        torch_name="ScheduleInterleaved1F1B",
+        aliases=("interleaved",),
+        in_flight=interleaved_in_flight,
+        fill_drain_bubble=True,
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="zb-h1",
+        generate=zb_h1_order,
+        check=check_zb_h1,
+        split_backward=True,
+        description="Zero-bubble H1: backward split into I and W; idle (p−1)(T_F+T_I−T_W).",
+        in_flight=zb_h1_in_flight,
+        run_as="zb-interleaved",
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="zbv",
+        generate=zbv_order,
+        check=check_zbv,
+        placement="v",
+        split_backward=True,
+        description="Zero-bubble V: two stages per rank in a V, backward split into I and W (torch's order).",
+        torch_name="ScheduleZBVZeroBubble",
+        aliases=("zb-v",),
+    )
+)
+register_schedule(
+    ScheduleSpec(
+        name="zb-interleaved",
+        generate=zb_interleaved_order,
+        check=need_whole_rounds("ScheduleInterleavedZeroBubble"),
+        split_backward=True,
+        description="Interleaved zero bubble (ZB1P): v stages per rank, I/W split (torch's order).",
+        torch_name="ScheduleInterleavedZeroBubble",
+        aliases=("zb", "zero-bubble"),
+    )
+)

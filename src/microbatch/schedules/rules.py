@@ -1,0 +1,158 @@
+"""The rules of the built-in schedules: which (p, m, v) each can serve, and what each holds in flight.
+
+Two kinds of pure function, one per schedule, that :mod:`microbatch.schedules.registry` attaches to
+the schedule's :class:`~microbatch.schedules.registry.ScheduleSpec`:
+
+- a **servability check** ``(p, m, v) -> None`` that raises :class:`ScheduleError` naming the value,
+  the rule and the fix (torch's own rule where torch has the schedule);
+- an **in-flight rule** ``(i, p, m, v) -> chunks``: the most activation chunks rank ``i`` holds at
+  once, where a chunk is one micro-batch's activations of one virtual stage (1/v of the rank's
+  layers). A chunk is held from the end of its forward to the end of the last part of its backward
+  (B, or W when the backward is split). The rules assume a (p, m, v) the schedule serves and agree
+  with the event simulation (:mod:`microbatch.schedules.simulate`; tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from microbatch.errors import ScheduleError, check_positive_int
+from microbatch.schedules.generators import interleaved_rounds
+
+__all__ = [
+    "Check",
+    "InFlightRule",
+    "check_1f1b",
+    "check_gpipe",
+    "check_zb_h1",
+    "check_zbv",
+    "gpipe_in_flight",
+    "interleaved_in_flight",
+    "interleaved_in_flight_factor",
+    "need_single_stage",
+    "need_whole_rounds",
+    "one_f_one_b_in_flight",
+    "zb_h1_in_flight",
+]
+
+Check = Callable[[int, int, int], None]
+"""``(stages, microbatches, virtual) -> None``; raises :class:`ScheduleError` for a size it cannot serve."""
+InFlightRule = Callable[[int, int, int, int], int]
+"""``(rank, stages, microbatches, virtual) -> activation chunks held at the peak``."""
+
+
+# -- servability -----------------------------------------------------------------------------
+
+
+def need_single_stage(name: str, torch_name: str | None) -> Check:
+    """A check refusing v != 1: the schedule runs one stage per rank."""
+
+    def check(p: int, m: int, v: int) -> None:
+        if v != 1:
+            owner = (
+                f"torch's {torch_name} is a single-stage schedule"
+                if torch_name
+                else "it is a single-stage schedule"
+            )
+            raise ScheduleError(
+                f"virtual = {v}: schedule {name!r} runs one stage per rank ({owner}); "
+                "use --virtual 1, or --schedule interleaved-1f1b for several stages per rank"
+            )
+
+    return check
+
+
+def check_gpipe(p: int, m: int, v: int) -> None:
+    """GPipe serves any p and m, one stage per rank (torch's ScheduleGPipe)."""
+    need_single_stage("gpipe", "ScheduleGPipe")(p, m, v)
+
+
+def check_1f1b(p: int, m: int, v: int) -> None:
+    """1F1B: one stage per rank and m >= p (torch's Schedule1F1B)."""
+    need_single_stage("1f1b", "Schedule1F1B")(p, m, v)
+    if m < p:
+        raise ScheduleError(
+            f"microbatches = {m} < stages = {p}: torch's Schedule1F1B needs m >= p; "
+            f"use --microbatches {p} or more, or --schedule gpipe"
+        )
+
+
+def need_whole_rounds(torch_name: str) -> Check:
+    """torch's interleaved schedules split m into max(1, m // p) rounds and need m to fill them."""
+
+    def check(p: int, m: int, v: int) -> None:
+        rounds, _ = interleaved_rounds(p, m)
+        if m % rounds:
+            lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
+            raise ScheduleError(
+                f"microbatches = {m} with stages = {p}: torch's {torch_name} needs m to be a "
+                f"multiple of its number of rounds max(1, m // p) = {rounds}; use --microbatches {lo} or {hi}"
+            )
+
+    return check
+
+
+def check_zb_h1(p: int, m: int, v: int) -> None:
+    """ZB-H1: one stage per rank and m >= p (it keeps 1F1B's warm-up)."""
+    need_single_stage("zb-h1", None)(p, m, v)
+    if m < p:
+        raise ScheduleError(
+            f"microbatches = {m} < stages = {p}: zb-h1 needs m >= p (it keeps 1F1B's warm-up, and torch's "
+            f"Schedule1F1B has the same rule); use --microbatches {p} or more"
+        )
+
+
+def check_zbv(p: int, m: int, v: int) -> None:
+    """ZB-V: exactly two stages per rank (torch's ScheduleZBVZeroBubble)."""
+    if v != 2:
+        raise ScheduleError(
+            f"virtual = {v}: zbv places exactly two stages per rank in a V (torch's ScheduleZBVZeroBubble "
+            "requires 2); use --virtual 2"
+        )
+
+
+# -- in flight -------------------------------------------------------------------------------
+
+
+def gpipe_in_flight(i: int, p: int, m: int, v: int) -> int:
+    """GPipe holds every micro-batch: m (Huang et al. 2019; seed 002)."""
+    return m
+
+
+def one_f_one_b_in_flight(i: int, p: int, m: int, v: int) -> int:
+    """1F1B: min(m, p − i) on rank i (Narayanan et al. 2021; Korthikanti et al. 2022 sec 4.2.3;
+    Megatron-core's warm-up of p − i − 1 forwards plus the one in steady state)."""
+    return min(m, p - i)
+
+
+def zb_h1_in_flight(i: int, p: int, m: int, v: int) -> int:
+    """ZB-H1: min(m, p) on every rank. Rank i defers i + 1 weight-gradient passes, each holding its
+    micro-batch's activations, on top of 1F1B's p − i (Qi et al. 2024, Table 2: peak p·M_B)."""
+    return min(m, p)
+
+
+def interleaved_in_flight(i: int, p: int, m: int, v: int) -> int:
+    """Interleaved 1F1B: warm-up forwards plus the one in steady state, in chunks of L/v layers.
+
+    torch's ScheduleInterleaved1F1B (and Megatron-core) warm up with (v − 1)·n + 2(p − 1 − i)
+    forwards, n = m // max(1, m // p) micro-batches per round (n = p when p divides m), capped at
+    m·v chunks; on rank 0 this is p·v·(1 + (p−1)/(p·v)) chunks (Korthikanti et al. 2022 sec 4.2.3,
+    see :func:`interleaved_in_flight_factor`). With v = 1 it is 1F1B's min(m, p − i).
+    """
+    if v == 1:
+        return one_f_one_b_in_flight(i, p, m, v)
+    _, per_round = interleaved_rounds(p, m)
+    return min(m * v, (v - 1) * per_round + 2 * (p - 1 - i) + 1)
+
+
+def interleaved_in_flight_factor(stages: int, virtual: int) -> float:
+    """First-rank activation factor of interleaved 1F1B: 1 + (p−1)/(p·v) (v = 1 gives 1).
+
+    Korthikanti et al. 2022, sec 4.2.3: the first stage holds p micro-batches of its layers
+    times this factor, i.e. p + (p−1)/v micro-batches of a rank's layers (when p divides m).
+    """
+    check_positive_int("stages", stages)
+    check_positive_int("virtual", virtual)
+    if virtual == 1:
+        return 1.0
+    return 1 + (stages - 1) / (stages * virtual)

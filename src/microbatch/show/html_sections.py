@@ -1,0 +1,263 @@
+"""The HTML report's sections, one per kind of result, each with its figures.
+
+Each function takes one result (the JSON object a command prints with ``--json``) and returns
+its HTML, and, where it draws, the :class:`~microbatch.show.figures.Figure` objects it made
+(saved as PNG in ``png_dir`` when given). The plan's own section stays in
+:mod:`microbatch.show.html`, beside the page that assembles them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from microbatch.show import export
+from microbatch.show.figures import (
+    FIGURE_DPI,
+    FIGURE_SIZE_IN,
+    Figure,
+    memory_figure,
+    render_figure,
+    throughput_figure,
+    timeline_figure,
+)
+from microbatch.show.html_parts import esc, figure_html, gib, name_of, num, pct, table
+from microbatch.show.timeline import Row, normalize_rows
+from microbatch.units import format_bytes
+
+__all__ = [
+    "Section",
+    "tune_section",
+    "exports_section",
+    "comparison_section",
+    "pipeline_section",
+    "simulate_section",
+    "validate_section",
+    "summary_section",
+]
+
+Section = tuple[str, list[Figure]]
+"""A section's HTML and the figures it drew."""
+
+_MS_PER_S = 1e3
+
+
+def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune") -> Section:
+    """A measured curve (``tune``, or ``recommend`` on measurements made elsewhere): the answer,
+    the throughput and memory figures, and the table of points."""
+    if kind == "tune":
+        head = (
+            f"Measured: {esc(name_of(t.get('model')))} — {esc(t.get('mode', 'train'))} "
+            f"on {esc(t.get('device', ''))}"
+        )
+    else:
+        head = "Recommended from measurements"
+    ff = t.get("fastest_fitting") or {}
+    parts = [
+        f"<h2>{head}</h2>",
+        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} "
+        f"({pct(t.get('fraction_of_best'))} of best, peak {gib(t.get('peak_memory_bytes'))}). "
+        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))}, "
+        f"peak {gib(ff.get('peak_memory_bytes'))}. Rule: {esc(t.get('rule'))}, tolerance {esc(t.get('tolerance'))}"
+        + (
+            f", against the bound {num(t.get('reference_throughput'))} on any larger b_m "
+            f"({pct(t.get('fraction_of_reference'))} of it)."
+            if (
+                t.get("throughput_bound")
+                and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
+            )
+            else "."
+        )
+        + (f" g = {esc(t.get('grad_accum'))} for the global batch." if t.get("grad_accum") else "")
+        + "</p>",
+    ]
+    figs: list[Figure] = []
+    points = t.get("points") or []
+    if points:
+        mode = t.get("mode", "train")
+        figs = [
+            render_figure(throughput_figure(t), f"throughput-{mode}", "Throughput and the knee", png_dir),
+            render_figure(memory_figure(t), f"memory-{mode}", "Memory against micro-batch", png_dir),
+        ]
+        parts += [figure_html(f) for f in figs]
+        rows = [
+            [
+                p["micro_batch"],
+                "OOM" if p.get("oom") else num(p.get("throughput")),
+                num(p.get("step_time_s"), "{:.4f}"),
+                gib(p.get("peak_memory_bytes")),
+            ]
+            for p in sorted(points, key=lambda p: p["micro_batch"])
+        ]
+        parts.append(table(["b_m", "throughput", "step (s)", "peak memory"], rows))
+    return "".join(parts), figs
+
+
+def exports_section(plan: dict[str, Any]) -> str:
+    """The plan's recommendation as each trainer's configuration, ready to paste."""
+    blocks = []
+    for fmt in export.FORMATS:
+        try:
+            text = export.export_plan(plan, fmt).text()
+        except Exception as e:  # a plan that one trainer cannot express: say so, keep the rest
+            text = f"# not exportable: {e}"
+        blocks.append(f"<h3>{esc(fmt)}</h3><pre>{esc(text)}</pre>")
+    return "<h2>Configs to paste</h2>" + "".join(blocks) if blocks else ""
+
+
+def comparison_section(res: dict[str, Any]) -> str:
+    """The table of a multi-accelerator ``plan`` (``plan --gpu a,b``): one row per accelerator."""
+    rows = res.get("comparison") or []
+    if not rows:
+        return ""
+    headers = list(rows[0])
+    return "<h2>Plans compared across accelerators</h2>" + table(
+        headers, [[r.get(h, "—") for h in headers] for r in rows]
+    )
+
+
+def _uses_seconds(timeline: Any) -> bool:
+    """Whether a timeline's items give their times as ``start_s``/``end_s`` (seconds)."""
+    items: Any = timeline.values() if isinstance(timeline, dict) else timeline
+    for it in items or []:
+        if isinstance(it, dict):
+            return "start_s" in it
+        if isinstance(it, (list, tuple)) and it and isinstance(it[0], dict):
+            return "start_s" in it[0]
+    return False
+
+
+def _zeroed(rows: list[list[Row]], scale: float) -> list[list[Row]]:
+    """``rows`` shifted to start at 0 and multiplied by ``scale``."""
+    t0 = min((r[0] for rank in rows for r in rank), default=0.0)
+    return [[((a - t0) * scale, (e - t0) * scale, lab, mb) for a, e, lab, mb in rank] for rank in rows]
+
+
+def _bubble(
+    rows: list[list[Row]], span: float, unit: str, title: str, name: str, png_dir: Path | None
+) -> Figure:
+    fig = timeline_figure(rows, span, title=title, time_unit=unit, size_in=FIGURE_SIZE_IN, dpi=FIGURE_DPI)
+    return render_figure(fig, name, title, png_dir)
+
+
+def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Section:
+    """A pipeline run: the bubble and in-flight counts predicted against measured, the gradient
+    check, and the measured and predicted bubble charts on one time scale."""
+    meas, pred = res.get("measured", {}), res.get("predicted", {})
+    parts = [
+        f"<h2>Pipeline run: {esc(res.get('schedule'))}, p = {esc(res.get('stages'))}, "
+        f"m = {esc(res.get('microbatches'))}</h2>"
+    ]
+    rows: list[list[Any]] = [
+        ["bubble fraction", pct(pred.get("bubble_fraction")), pct(meas.get("bubble_fraction"))]
+    ]
+    pif = pred.get("peak_in_flight") or []
+    for i, s in enumerate(meas.get("stage_stats", [])):
+        rows.append(
+            [f"in flight, rank {s.get('stage', i)}", pif[i] if i < len(pif) else "—", s.get("peak_in_flight")]
+        )
+    parts.append(table(["", "predicted", "measured"], rows))
+    if res.get("gradients_match") is not None:
+        parts.append(
+            f"<p>Gradients match the unsplit model: <b>{esc(res.get('gradients_match'))}</b> "
+            f"(largest relative error {num(res.get('max_grad_rel_error'), '{:.2e}')}).</p>"
+        )
+    timelines = []
+    for key, what in (("timeline", "measured"), ("predicted_timeline", "predicted")):
+        tl = (meas if key == "timeline" else pred).get("timeline")
+        if tl is None:
+            tl = res.get(key)
+        if tl:
+            seconds = _uses_seconds(tl)
+            timelines.append((what, _zeroed(normalize_rows(tl), _MS_PER_S if seconds else 1.0), seconds))
+    span = max((r[1] for _, rws, _ in timelines for rank in rws for r in rank), default=1.0)
+    figs = [
+        _bubble(
+            rws,
+            span,
+            "ms" if seconds else res.get("time_unit", ""),
+            f"Bubble diagram, {what} — {res.get('schedule')}",
+            f"bubble-{what}-{idx}",
+            png_dir,
+        )
+        for what, rws, seconds in timelines
+    ]
+    parts += [figure_html(f) for f in figs]
+    return "".join(parts), figs
+
+
+def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Section:
+    """A simulated schedule: the bubble fraction, in-flight counts and its bubble chart."""
+    parts = [
+        f"<h2>Simulated: {esc(res.get('schedule'))}, p = {esc(res.get('stages'))}, "
+        f"m = {esc(res.get('microbatches'))}</h2>",
+        f"<p>Bubble fraction {pct(res.get('bubble_fraction'))} (idle over total stage time); "
+        f"peak in flight per rank {esc(res.get('peak_in_flight'))}.</p>",
+    ]
+    figs: list[Figure] = []
+    tl = res.get("timeline") or res.get("intervals")
+    if tl:
+        forward = (res.get("times") or {}).get("forward")
+        unit = res.get("time_unit") or (f"forward = {forward:g}" if forward else "")
+        rows = _zeroed(normalize_rows(tl), 1.0)
+        span = max((r[1] for rank in rows for r in rank), default=1.0)
+        figs.append(
+            _bubble(
+                rows,
+                span,
+                unit,
+                f"Bubble diagram, simulated — {res.get('schedule')}",
+                f"bubble-sim-{idx}",
+                png_dir,
+            )
+        )
+        parts.append(figure_html(figs[0]))
+    return "".join(parts), figs
+
+
+def validate_section(res: dict[str, Any]) -> str:
+    """Predicted against measured, row by row, with the summary."""
+    rows = res.get("rows", [])
+    if not rows:
+        return ""
+    headers = list(rows[0].keys())
+    body = [[(num(r[h], "{:.3g}") if isinstance(r[h], float) else r[h]) for h in headers] for r in rows]
+    return (
+        "<h2>Predicted against measured</h2>"
+        + table(headers, body)
+        + (f"<p>{esc(res.get('summary'))}</p>" if res.get("summary") else "")
+    )
+
+
+_SKIP = {"command", "version"}
+_MAX_ROWS = 50
+
+
+def _cell(key: str, v: Any) -> str:
+    if key.endswith("_bytes") and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format_bytes(v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)) and all(not isinstance(x, (dict, list)) for x in v):
+        return ", ".join(str(x) for x in v)
+    if isinstance(v, dict):
+        return name_of(v) if "name" in v else ", ".join(f"{k} {_cell(k, x)}" for k, x in v.items())
+    return str(v)
+
+
+def summary_section(kind: str, res: dict[str, Any]) -> str:
+    """Any other command's result: its fields as a table (bytes in binary units), and each list of
+    records (per-stage memory, per-rank statistics) as a table of its own."""
+    fields = [[k, _cell(k, v)] for k, v in res.items() if k not in _SKIP and not _is_records(v)]
+    parts = [f"<h2>{esc(kind)}</h2>", table(["field", "value"], fields)]
+    for k, v in res.items():
+        if k in _SKIP or not _is_records(v):
+            continue
+        headers = list(dict.fromkeys(h for r in v[:_MAX_ROWS] for h in r))
+        parts.append(f"<h3>{esc(k)}</h3>")
+        parts.append(table(headers, [[_cell(h, r.get(h, "—")) for h in headers] for r in v[:_MAX_ROWS]]))
+    return "".join(parts)
+
+
+def _is_records(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)

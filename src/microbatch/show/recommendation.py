@@ -1,0 +1,119 @@
+"""Text of a choice: the measured curve with the knee marked, the recommendation, and a tune's run.
+
+Reads the dicts that ``recommend`` and ``tune`` print with ``--json``
+(:meth:`microbatch.choose.knee.Recommendation.to_dict`, :meth:`microbatch.choose.result.TuneResult.to_dict`),
+so a saved result renders the same as a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from microbatch.choose.bound import BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
+from microbatch.units import format_bytes
+
+__all__ = ["render_curve", "render_recommendation", "render_tune"]
+
+
+def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per measured b_m (throughput, step time, peak), the knee and the fastest marked."""
+    lines = [f"{'b_m':>6} {'throughput':>14} {'step ms':>9} {'peak memory':>12}  "]
+    for p in sorted(points, key=lambda p: p["micro_batch"]):
+        mark = []
+        if p["micro_batch"] == d["micro_batch"]:
+            mark.append("knee")
+        if p["micro_batch"] == d["fastest_fitting"]["micro_batch"]:
+            mark.append("fastest")
+        if p.get("oom"):
+            lines.append(f"{p['micro_batch']:>6} {'out of memory':>14}")
+            continue
+        st = p.get("step_time_s")
+        lines.append(
+            f"{p['micro_batch']:>6} {p['throughput']:>14,.1f} {'' if st is None else f'{st * 1e3:.2f}':>9} "
+            f"{format_bytes(p.get('peak_memory_bytes')):>12}  {', '.join(mark)}"
+        )
+    return lines
+
+
+def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
+    bound = d.get("throughput_bound")
+    if bound:
+        on = bound["fitted_on"]
+        return [
+            f"bound: no b_m past {on[-1]} runs faster than {bound['throughput']:,.1f} {unit} "
+            f"(1 / the slope of step time against b_m, fitted on {', '.join(str(b) for b in on)}: "
+            f"affine within {100 * bound['max_residual']:.1f}%)"
+        ]
+    if d.get("reference") == "bound" and d.get("rule") == "fraction":
+        return [
+            f"bound: none (fewer than {BOUND_MIN_POINTS} points, or step time over the {BOUND_WINDOW} largest "
+            f"misses a line by more than {100 * BOUND_SLACK:g}%); best measured used"
+        ]
+    return []
+
+
+def render_recommendation(
+    d: Mapping[str, Any], points: Sequence[Mapping[str, Any]] | None = None, unit: str = "samples/s"
+) -> str:
+    """Human text of a recommendation dict (and, if given, the measured curve)."""
+    lines = [*render_curve(d, points), ""] if points else []
+    g = d.get("grad_accum")
+    bound = d.get("throughput_bound")
+    lines.append(
+        f"knee ({d['rule']}, τ = {d['tolerance']:g}): b_m = {d['micro_batch']}"
+        + (f", g = {g}" if g is not None else "")
+        + f"  — {d['throughput']:,.1f} {unit}, {100 * (d['fraction_of_best'] or 0):.1f}% of best"
+        + (
+            f", {100 * d['fraction_of_reference']:.1f}% of the bound"
+            if bound and d.get("reference_throughput", 0) > d["fastest_fitting"]["throughput"]
+            else ""
+        )
+        + f", peak {format_bytes(d['peak_memory_bytes'])}"
+    )
+    f = d["fastest_fitting"]
+    lines.append(
+        f"fastest that fits: b_m = {f['micro_batch']}"
+        + (f", g = {f['grad_accum']}" if f.get("grad_accum") is not None else "")
+        + f"  — {f['throughput']:,.1f} {unit}, peak {format_bytes(f['peak_memory_bytes'])}"
+    )
+    lines += _bound_lines(d, unit)
+    fit = d.get("memory_fit")
+    if fit:
+        lines.append(
+            f"memory fit: {format_bytes(fit['intercept_bytes'])} + {format_bytes(fit['slope_bytes_per_sample'])}"
+            f" × b_m (on b_m = {', '.join(str(b) for b in fit.get('fitted_on', []))})"
+        )
+    if d.get("max_fitting_micro_batch") is not None:
+        lines.append(
+            f"largest b_m predicted to fit {format_bytes(d['memory_budget_bytes'])} with "
+            f"{100 * d['headroom']:.0f}% headroom: {d['max_fitting_micro_batch']}"
+        )
+    if not d.get("flattened", True):
+        lines.append(
+            "note: the curve had not flattened at the largest b_m measured; a larger b_m may be faster"
+        )
+    return "\n".join(lines)
+
+
+def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
+    """Human text of a tune result dict: what was tuned, the curve and the choice, how it stopped."""
+    head = (
+        f"tune {d['model']} ({d['mode']}, seq {d['seq']}, {d['precision']}, {d['device_name']}, "
+        f"torch {d['torch_version']})"
+    )
+    tail = [
+        f"stopped: {d['stop_reason']}",
+        f"{d['probes']} probes measured, {d['cached']} from the cache, {d['oom_events']} out of memory, "
+        f"{d['wall_time_s']:.1f} s; memory method: {d['memory_method']}",
+    ]
+    if d.get("static_bytes"):
+        what = "process, weights" + (", gradients, optimizer" if d["mode"] == "train" else "")
+        tail.append(f"static memory ({what}): {format_bytes(d['static_bytes'], digits=0, unit='MiB')}")
+    if d.get("memory_budget_bytes") is not None:
+        tail.append(
+            f"memory budget: {format_bytes(d['memory_budget_bytes'], unit='GiB')} ({d['memory_budget_source']})"
+        )
+    if d.get("interrupted"):
+        tail.append("interrupted: the choice uses the points measured so far")
+    return "\n".join([head, "", render_recommendation(d, d["points"], unit=unit), *tail])

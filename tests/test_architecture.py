@@ -1,0 +1,163 @@
+"""The layer rule of ../shared/DESIGN.md, read from the source with ``ast`` so it cannot erode.
+
+Layers, bottom up: core → schedules → predict, measure → choose → run → integrations → show →
+commands / cli. A module imports only from its own layer and the layers below; ``predict`` and
+``measure`` are peers that do not import each other; nothing in the library imports
+``commands`` or ``cli``; ``schedules`` and ``predict`` import no torch at module level; no
+import circle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "src" / "microbatch"
+
+RANK = {
+    "core": 0,
+    "schedules": 1,
+    "predict": 2,
+    "measure": 2,
+    "choose": 3,
+    "run": 4,
+    "integrations": 5,
+    "show": 6,
+    "commands": 7,
+    "cli": 7,
+    "__main__": 8,
+}
+HEAVY = ("torch", "numpy", "matplotlib", "transformers")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANK else "core"
+
+
+def imports(path: pathlib.Path, *, top_level_only: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``path``; with top_level_only, module scope only."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out: list[tuple[str, int]] = []
+    for node in nodes:
+        if (
+            isinstance(node, ast.If) and top_level_only
+        ):  # `if TYPE_CHECKING:` blocks import nothing at run time
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "microbatch":
+                out += [(f"microbatch.{a.name}", node.lineno) for a in node.names]
+            else:
+                out.append((node.module, node.lineno))
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            out.append(("<relative>", node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+    return out
+
+
+MODULES = sorted(PKG.rglob("*.py"))
+
+
+def test_the_package_has_the_layers():
+    found = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {"schedules", "predict", "measure", "choose", "run", "integrations", "show", "commands"} <= found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_imports_go_down_the_layers(path):
+    me = module_name(path)
+    mine = layer(me)
+    bad = []
+    for target, line in imports(path):
+        if target == "<relative>":
+            bad.append(f"line {line}: relative import (write microbatch.<layer>.<module>)")
+            continue
+        if not target.startswith("microbatch"):
+            continue
+        theirs = layer(target)
+        if RANK[theirs] > RANK[mine] or (RANK[theirs] == RANK[mine] and theirs != mine):
+            bad.append(f"line {line}: {me} ({mine}) imports {target} ({theirs})")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in MODULES if layer(module_name(p)) in ("core", "schedules", "predict")],
+    ids=lambda p: module_name(p),
+)
+def test_calculators_import_no_heavy_module_at_module_level(path):
+    heavy = [
+        f"line {line}: {t}" for t, line in imports(path, top_level_only=True) if t.split(".")[0] in HEAVY
+    ]
+    assert not heavy, f"{module_name(path)} imports at module level: " + ", ".join(heavy)
+
+
+def test_no_import_circle():
+    graph: dict[str, set[str]] = {}
+    names = {module_name(p) for p in MODULES}
+    for p in MODULES:
+        me = module_name(p)
+        graph[me] = {t for t, _ in imports(p) if t in names and t != me and not me.startswith(t + ".")}
+        graph[me] -= {"microbatch"}
+    # Tarjan-free check: depth-first search for a back edge.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m) :] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_rule_catches_an_upward_import(tmp_path):
+    """The checker itself can fail: an upward import in a fake module is reported."""
+    fake = tmp_path / "m.py"
+    fake.write_text("from microbatch.show.text import render_timeline_text\n")
+    found = [t for t, _ in imports(fake)]
+    assert found == ["microbatch.show.text"]
+    assert RANK[layer(found[0])] > RANK[layer("microbatch.predict.memory")]
+
+
+def test_modules_stay_under_500_lines():
+    big = {module_name(p): n for p in MODULES if (n := len(p.read_text().splitlines())) > 500}
+    assert not big, f"modules over 500 lines (split along the real seam): {big}"
+
+
+def import_graph() -> dict[str, list[str]]:
+    """Module -> the microbatch modules it imports (anywhere in the file), sorted."""
+    names = {module_name(p) for p in MODULES}
+    graph: dict[str, list[str]] = {}
+    for p in MODULES:
+        me = module_name(p)
+        graph[me] = sorted({t for t, _ in imports(p) if t in names and t != me and t != "microbatch"})
+    return graph
+
+
+if __name__ == "__main__":  # `make graph`: the import graph, layer by layer, with line counts
+    lines = {module_name(p): len(p.read_text().splitlines()) for p in MODULES}
+    g = import_graph()
+    for mod in sorted(g, key=lambda m: (RANK[layer(m)], m)):
+        print(f"[{layer(mod)}] {mod} ({lines[mod]} lines)")
+        for t in g[mod]:
+            print(f"    -> {t} [{layer(t)}]")

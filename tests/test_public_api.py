@@ -1,0 +1,200 @@
+"""The public API, pinned: what ``microbatch`` exports, where each name lives, what importing costs.
+
+A change to any of these is a change to the API and should show up here as a failing test: the
+top-level ``__all__`` (exact list), the module each lazy export comes from, ``import microbatch``
+loading neither torch nor matplotlib, and ``__all__`` in every public module of the library (every
+name it lists exists). ``commands`` (click commands, loaded by the CLI) and ``__main__`` are not
+library API and are not walked; modules whose name starts with one underscore are private.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import pkgutil
+import subprocess
+import sys
+import types
+
+import pytest
+
+import microbatch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+EXPECTED_ALL = [
+    "__version__",
+    "BatchConfig",
+    "solve",
+    "accumulate",
+    "tune",
+    "recommend",
+    "plan",
+    "estimate_memory",
+    "simulate",
+    "run_pipeline",
+]
+"""The top-level ``microbatch.__all__``, in order."""
+
+EXPECTED_HOME = {
+    # public name: (defining module, name there)
+    "BatchConfig": ("microbatch.batch", "BatchConfig"),
+    "solve": ("microbatch.batch", "solve"),
+    "accumulate": ("microbatch.run.accumulate", "accumulate"),
+    "tune": ("microbatch.choose.tune", "tune"),
+    "recommend": ("microbatch.choose.knee", "recommend"),
+    "plan": ("microbatch.predict.plan", "make_plan"),
+    "estimate_memory": ("microbatch.predict.memory", "estimate_memory"),
+    "simulate": ("microbatch.schedules.simulate", "simulate"),
+    "run_pipeline": ("microbatch.run.launch", "run_pipeline"),
+}
+"""Where each lazily exported entry point is defined (``obj.__module__``, ``obj.__name__``)."""
+
+
+# -- the top-level package ---------------------------------------------------------------------
+
+
+def test_top_level_all_is_pinned() -> None:
+    assert microbatch.__all__ == EXPECTED_ALL
+
+
+def test_every_export_has_a_pinned_home() -> None:
+    assert set(EXPECTED_HOME) == set(EXPECTED_ALL) - {"__version__"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_HOME))
+def test_lazy_export_resolves_to_its_callable(name: str) -> None:
+    module, qualname = EXPECTED_HOME[name]
+    obj = getattr(microbatch, name)
+    assert callable(obj), f"microbatch.{name} is a {type(obj).__name__}, not callable"
+    assert (obj.__module__, obj.__name__) == (module, qualname)
+    assert obj is getattr(importlib.import_module(module), qualname)
+    ns: dict[str, object] = {}
+    exec(f"from microbatch import {name} as imported", ns)
+    assert ns["imported"] is obj
+
+
+def test_dir_lists_the_exports_and_unknown_names_raise() -> None:
+    assert set(EXPECTED_ALL) <= set(dir(microbatch))
+    with pytest.raises(AttributeError, match=r"module 'microbatch' has no attribute 'no_such_name'"):
+        _ = microbatch.no_such_name
+
+
+def test_version_matches_pyproject() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert microbatch.__version__ == project["version"]
+
+
+def _loaded_after(statement: str) -> dict[str, bool]:
+    """Which heavy modules a fresh interpreter has loaded after running ``statement``."""
+    code = (
+        f"import sys, json; {statement}; "
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'matplotlib', 'numpy')}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT, timeout=300
+    )
+    loaded: dict[str, bool] = json.loads(out.stdout.strip().splitlines()[-1])
+    return loaded
+
+
+def test_import_microbatch_loads_neither_torch_nor_matplotlib() -> None:
+    loaded = _loaded_after("import microbatch")
+    assert not loaded["torch"] and not loaded["matplotlib"], loaded
+
+
+def test_the_import_probe_can_see_torch() -> None:
+    """The probe above can fail: the first use of a torch-backed export does load torch."""
+    assert _loaded_after("import microbatch; microbatch.accumulate")["torch"]
+
+
+# -- __all__ in every public module --------------------------------------------------------------
+
+
+def public_module_names() -> list[str]:
+    """Every module of the library API: walked with pkgutil, less commands, __main__ and _private ones."""
+    names = []
+    for info in pkgutil.walk_packages(microbatch.__path__, "microbatch."):
+        parts = info.name.split(".")
+        if parts[1] in ("commands", "__main__"):
+            continue
+        if any(p.startswith("_") and not p.startswith("__") for p in parts):
+            continue
+        names.append(info.name)
+    return sorted(names)
+
+
+PUBLIC_MODULES = public_module_names()
+
+
+def lacking_all(modules: list[types.ModuleType]) -> list[str]:
+    """Names of the modules without ``__all__``."""
+    return [m.__name__ for m in modules if not hasattr(m, "__all__")]
+
+
+def problems_with_all(module: types.ModuleType) -> list[str]:
+    """What is wrong with ``module.__all__``: a non-string, a duplicate, a listed name that is missing."""
+    listed = list(module.__all__)
+    problems = [f"{n!r} is not a string" for n in listed if not isinstance(n, str)]
+    problems += [
+        f"{n!r} is listed twice" for n in sorted({n for n in listed if listed.count(n) > 1}, key=str)
+    ]
+    problems += [f"{n!r} is listed but not defined" for n in listed if not hasattr(module, str(n))]
+    return problems
+
+
+def test_the_walk_finds_the_layers() -> None:
+    """The walk is not vacuous: it reaches every layer's modules, and skips commands and __main__."""
+    assert {
+        "microbatch.run.accumulate",
+        "microbatch.run.noise",
+        "microbatch.batch",
+        "microbatch.units",
+    } <= set(PUBLIC_MODULES)
+    layers = {n.split(".")[1] for n in PUBLIC_MODULES if n.count(".") >= 1}
+    assert {"schedules", "predict", "measure", "choose", "run", "show"} <= layers
+    assert not [n for n in PUBLIC_MODULES if n.startswith("microbatch.commands") or n.endswith("__main__")]
+
+
+def test_every_public_module_has_all() -> None:
+    modules, broken = [], []
+    for name in PUBLIC_MODULES:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as e:
+            broken.append(f"{name} (cannot be imported: {e})")
+    missing = lacking_all(modules)
+    assert not missing + broken, (
+        f"{len(missing)} public modules have no __all__, {len(broken)} cannot be checked:\n"
+        + "\n".join(missing + broken)
+    )
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_every_name_in_all_exists(name: str) -> None:
+    module = importlib.import_module(name)
+    if not hasattr(module, "__all__"):
+        pytest.skip(f"{name} has no __all__ (reported by test_every_public_module_has_all)")
+    problems = problems_with_all(module)
+    assert not problems, f"{name}.__all__: " + "; ".join(problems)
+
+
+def test_the_checks_can_fail() -> None:
+    """The checkers report a module without __all__ and an __all__ naming what is not there."""
+    bare = types.ModuleType("fake_bare")
+    good = types.ModuleType("fake_good")
+    good.__all__ = ["f"]  # type: ignore[attr-defined]
+    good.f = len  # type: ignore[attr-defined]
+    bad = types.ModuleType("fake_bad")
+    bad.__all__ = ["f", "gone", "f", 3]  # type: ignore[attr-defined]
+    bad.f = len  # type: ignore[attr-defined]
+    assert lacking_all([bare, good, bad]) == ["fake_bare"]
+    assert problems_with_all(good) == []
+    assert problems_with_all(bad) == [
+        "3 is not a string",
+        "'f' is listed twice",
+        "'gone' is listed but not defined",
+        "3 is listed but not defined",
+    ]
