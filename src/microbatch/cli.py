@@ -4,7 +4,7 @@ Each command lives in ``microbatch/commands/<name>.py`` and is imported only whe
 so ``microbatch --help`` and the calculators start fast (no torch, no matplotlib).
 Exit status: 0 success, 2 bad input (:class:`~microbatch.errors.ConfigError`, usage errors),
 1 any other failure, 130 interrupted. Every command's ``--json`` prints one object in one
-envelope, ``{"command": ..., "version": ..., ...}`` (:mod:`microbatch.show.envelope`);
+envelope, ``{"command": ..., "version": ..., ...}`` (:mod:`microbatch.envelope`);
 a failure with ``--json`` prints ``{"command", "version", "error", "kind"}`` on stdout too.
 """
 
@@ -89,7 +89,7 @@ def _fail(message: str, code: int, args: Sequence[str]) -> int:
     """Say why on stderr (already done by the caller) and, with --json, as an object on stdout."""
     if _wants_json(args):
         from microbatch._json import dumps
-        from microbatch.show.envelope import error_envelope
+        from microbatch.envelope import error_envelope
 
         click.echo(dumps(error_envelope(message, code, _command_of(args))))
     return code

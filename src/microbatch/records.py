@@ -298,7 +298,9 @@ def read_measurements(
         if isinstance(raw_seq, (int, float)) and not isinstance(raw_seq, bool) and raw_seq > 0
         else None
     )
-    fshape, model = _shape_of(data.get("model"), seq or (shape.seq if shape else None), label)
+    fshape, model = _shape_of(
+        data.get("model_shape") or data.get("model"), seq or (shape.seq if shape else None), label
+    )
     if fshape is None:
         if shape is None:
             raise ConfigError(

@@ -90,7 +90,7 @@ class ChoiceConfig:
     memory_budget_bytes: int | None = None
     """Memory per device the choice must fit (None: no limit; ``tune`` then uses the device's
     total memory on CUDA, 80% of the available memory on the CPU)."""
-    headroom: float = DEFAULT_HEADROOM
+    memory_headroom: float = DEFAULT_HEADROOM
     """ε, in [0, 1): share of the budget kept free when predicting the largest fitting b_m."""
     max_latency_ms: float | None = None
     """Drop points whose step (decode: per-token) time exceeds this many milliseconds."""
@@ -113,7 +113,7 @@ class ChoiceConfig:
             raise ConfigError(
                 f"memory budget {self.memory_budget_bytes!r} must be a whole number of bytes > 0, e.g. 12GiB"
             )
-        _fraction("headroom", self.headroom, "0.1 to keep 10% of the budget free")
+        _fraction("memory_headroom", self.memory_headroom, "0.1 to keep 10% of the budget free")
         if self.max_latency_ms is not None and _number("max_latency_ms", self.max_latency_ms) <= 0:
             raise ConfigError(f"max_latency_ms {self.max_latency_ms!r} must be > 0, e.g. 50")
         if self.global_batch is not None:

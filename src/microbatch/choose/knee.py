@@ -133,7 +133,7 @@ class Recommendation:
     """Largest b_m predicted to fit under the budget (None without a budget or a fit)."""
     memory_budget_bytes: int | None = None
     """The budget the choice respected (None: none given)."""
-    headroom: float = DEFAULT_HEADROOM
+    memory_headroom: float = DEFAULT_HEADROOM
     """Share of the budget kept free in the prediction."""
     global_batch: int | None = None
     """B_global, if given (then g = B / (b_m·d))."""
@@ -179,7 +179,7 @@ class Recommendation:
             max_fitting_micro_batch=self.max_fitting_micro_batch,
             memory_fit=self.memory_fit.to_dict() if self.memory_fit else None,
             memory_budget_bytes=self.memory_budget_bytes,
-            headroom=self.headroom,
+            memory_headroom=self.memory_headroom,
             global_batch=self.global_batch,
             data_parallel=self.data_parallel,
             flattened=self.flattened,
@@ -276,10 +276,10 @@ def recommend(
         tolerance=float(choice.tolerance),
         memory_fit=fit,
         max_fitting_micro_batch=max_fitting_micro_batch(
-            fit, choice.memory_budget_bytes, headroom=choice.headroom
+            fit, choice.memory_budget_bytes, memory_headroom=choice.memory_headroom
         ),
         memory_budget_bytes=choice.memory_budget_bytes,
-        headroom=choice.headroom,
+        memory_headroom=choice.memory_headroom,
         global_batch=choice.global_batch,
         data_parallel=data_parallel,
         flattened=flattened(measured, choice.tolerance),

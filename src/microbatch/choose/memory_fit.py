@@ -60,10 +60,10 @@ def fit_memory(points: Sequence[CurvePoint], *, largest: int = 3) -> MemoryFit |
 
 
 def max_fitting_micro_batch(
-    fit: MemoryFit | None, budget_bytes: float | None, *, headroom: float = DEFAULT_HEADROOM
+    fit: MemoryFit | None, budget_bytes: float | None, *, memory_headroom: float = DEFAULT_HEADROOM
 ) -> int | None:
     """floor((B·(1 − ε) − M_0) / k); None without a fit, a budget or a positive slope; 0 if nothing fits."""
     if fit is None or budget_bytes is None or fit.slope_bytes_per_sample <= 0:
         return None
-    usable = budget_bytes * (1.0 - headroom) - fit.intercept_bytes
+    usable = budget_bytes * (1.0 - memory_headroom) - fit.intercept_bytes
     return max(0, math.floor(usable / fit.slope_bytes_per_sample + 1e-9))

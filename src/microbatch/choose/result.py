@@ -14,6 +14,7 @@ from typing import Any
 
 from microbatch._json import dumps
 from microbatch.choose.knee import Recommendation
+from microbatch.envelope import envelope
 from microbatch.measure.probes import Measurement
 
 __all__ = ["TuneResult"]
@@ -111,9 +112,10 @@ class TuneResult:
         return d
 
     def save(self, out_dir: str | os.PathLike[str]) -> Path:
-        """Write ``result.json`` (everything in :meth:`to_dict`) under ``out_dir``; return its path."""
+        """Write ``result.json`` (everything in :meth:`to_dict`, in the command line's envelope) under
+        ``out_dir``; return its path."""
         p = Path(out_dir)
         p.mkdir(parents=True, exist_ok=True)
         path = p / "result.json"
-        path.write_text(dumps(self.to_dict()))
+        path.write_text(dumps(envelope(self.to_dict(), "tune")))
         return path

@@ -101,7 +101,7 @@ class _Walk:
         self.points: list[Measurement] = []
         self.ckpt = config.checkpointing == "on"
         budget = choice.memory_budget_bytes
-        self.usable = None if budget is None else budget * (1.0 - choice.headroom)
+        self.usable = None if budget is None else budget * (1.0 - choice.memory_headroom)
 
     def probe(self, b: int) -> Measurement:
         key = (b, self.ckpt)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -9,8 +11,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from microbatch._json import dumps
+from microbatch.envelope import envelope
 from microbatch.precision import PRECISIONS
-from microbatch.show.envelope import envelope
+from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
     from microbatch.choose.config import ChoiceConfig
@@ -28,6 +31,14 @@ __all__ = [
     "resolve_model",
     "choice_options",
     "choice_config",
+    "parse_split",
+    "zero_choice",
+    "parse_zero",
+    "SCHEDULE_HELP",
+    "microbatches_option",
+    "virtual_option",
+    "width_option",
+    "use_color",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -81,7 +92,7 @@ def command_name() -> str:
 
 
 def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
-    """Print ``obj`` in the envelope (:func:`microbatch.show.envelope.envelope`: the running
+    """Print ``obj`` in the envelope (:func:`microbatch.envelope.envelope`: the running
     command's name and the version first) as JSON when asked, else the human rendering."""
     if as_json:
         click.echo(dumps(envelope(obj, command_name())))
@@ -169,7 +180,7 @@ def resolve_model(spec: Mapping[str, Any], default: str | None = None) -> ModelS
 
 CHOICE_FLAGS = (
     "memory_budget",
-    "headroom",
+    "memory_headroom",
     "max_latency_ms",
     "rule",
     "tolerance",
@@ -196,7 +207,7 @@ def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="Memory per device the choice must fit, e.g. 12GiB, 500MB (default: none; tune uses the device's total memory on CUDA, 80% of the available memory on the CPU).",
         ),
         click.option(
-            "--headroom",
+            "--memory-headroom",
             type=float,
             default=None,
             help="Share of the budget kept free when predicting the largest fitting b_m (default 0.10).",
@@ -247,3 +258,69 @@ def choice_config(choice_spec: Mapping[str, Any]) -> ChoiceConfig:
     if budget is not None:
         values["memory_budget_bytes"] = parse_bytes(budget)
     return ChoiceConfig(**values)
+
+
+def parse_split(text: str | None) -> tuple[int, ...] | None:
+    """``--layers-per-stage 5,6,6,5`` as a tuple; None when not given."""
+    if not text:
+        return None
+    from microbatch.errors import ConfigError
+
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--layers-per-stage {text!r} must be whole numbers separated by commas, e.g. 5,6,6,5"
+        ) from None
+
+
+def zero_choice() -> click.Choice[str]:
+    """The ``--zero`` choices: 0–3, or dist-opt (Megatron's distributed optimizer, = 1)."""
+    return click.Choice(["0", "1", "2", "3", "dist-opt"])
+
+
+def parse_zero(text: str) -> int:
+    """``dist-opt`` (Megatron's distributed optimizer) shards what ZeRO-1 shards."""
+    return 1 if text == "dist-opt" else int(text)
+
+
+SCHEDULE_HELP = (
+    "Schedule: "
+    + ", ".join(schedule_names())
+    + " (aliases: "
+    + ", ".join(a for a in schedule_names(aliases=True) if a not in schedule_names())
+    + "; the registry of microbatch.schedules.registry)."
+)
+"""The ``--schedule`` help of ``bubble`` and ``simulate``: every registered name, read from the registry."""
+
+
+def microbatches_option(f: F) -> F:
+    """``--microbatches`` / ``-m``, required."""
+    return click.option(
+        "--microbatches", "-m", type=int, required=True, help="m: micro-batches per pipeline flush."
+    )(f)
+
+
+def virtual_option(f: F) -> F:
+    """``--virtual``: v stages per rank, default 1."""
+    return click.option(
+        "--virtual", type=int, default=1, show_default=True, help="v: virtual stages (model chunks) per rank."
+    )(f)
+
+
+def width_option(f: F) -> F:
+    """``--width``: columns of the diagram's time axis."""
+    return click.option(
+        "--width",
+        type=int,
+        default=100,
+        show_default=True,
+        help="Most columns the diagram's time axis may use.",
+    )(f)
+
+
+def use_color() -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return bool(getattr(sys.stdout, "isatty", lambda: False)())

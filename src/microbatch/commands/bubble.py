@@ -2,92 +2,23 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
-from microbatch.commands._common import emit, json_option, stages_option
-from microbatch.schedules.registry import schedule_names
-
-__all__ = [
-    "SCHEDULE_HELP",
-    "bubble_lines",
-    "cmd",
-    "in_flight_text",
-    "microbatches_option",
-    "pct",
-    "use_color",
-    "virtual_option",
-    "width_option",
-]
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-SCHEDULE_HELP = (
-    "Schedule: "
-    + ", ".join(schedule_names())
-    + " (aliases: "
-    + ", ".join(a for a in schedule_names(aliases=True) if a not in schedule_names())
-    + "; the registry of microbatch.schedules.registry)."
+from microbatch.commands._common import (
+    SCHEDULE_HELP,
+    emit,
+    json_option,
+    microbatches_option,
+    stages_option,
+    use_color,
+    virtual_option,
+    width_option,
 )
-"""The ``--schedule`` help of ``bubble`` and ``simulate``: every registered name, read from the registry."""
+from microbatch.show.text import bubble_lines, pct
 
-
-def microbatches_option(f: F) -> F:
-    """``--microbatches`` / ``-m``, required."""
-    return click.option(
-        "--microbatches", "-m", type=int, required=True, help="m: micro-batches per pipeline flush."
-    )(f)
-
-
-def virtual_option(f: F) -> F:
-    """``--virtual``: v stages per rank, default 1."""
-    return click.option(
-        "--virtual", type=int, default=1, show_default=True, help="v: virtual stages (model chunks) per rank."
-    )(f)
-
-
-def width_option(f: F) -> F:
-    """``--width``: columns of the diagram's time axis."""
-    return click.option(
-        "--width",
-        type=int,
-        default=100,
-        show_default=True,
-        help="Most columns the diagram's time axis may use.",
-    )(f)
-
-
-def use_color() -> bool:
-    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
-    if os.environ.get("NO_COLOR"):
-        return False
-    import sys
-
-    return bool(getattr(sys.stdout, "isatty", lambda: False)())
-
-
-def pct(x: float) -> str:
-    """A share as a percentage with one decimal."""
-    return f"{100 * x:.1f}%"
-
-
-def in_flight_text(values: Sequence[float]) -> str:
-    """Peak in-flight counts, rank 0 first, as short numbers."""
-    from microbatch.units import format_number
-
-    return " ".join(format_number(round(v, 3)) for v in values)
-
-
-def bubble_lines(fraction: float, ratio: float, peak_in_flight: Sequence[float]) -> list[str]:
-    """The bubble's fraction, ratio and peak in-flight counts, one aligned line each."""
-    return [
-        f"  bubble fraction  {pct(fraction):>6}  idle / total stage time",
-        f"  bubble ratio     {pct(ratio):>6}  idle / ideal busy time (Megatron's number)",
-        f"  peak in flight   {in_flight_text(peak_in_flight)}  micro-batches per rank, rank 0 first",
-    ]
+__all__ = ["cmd"]
 
 
 @click.command("bubble")

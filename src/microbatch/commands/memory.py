@@ -10,38 +10,17 @@ from microbatch.commands._common import (
     emit,
     json_option,
     model_options,
+    parse_split,
+    parse_zero,
     precision_options,
     resolve_model,
     stages_option,
+    zero_choice,
 )
 from microbatch.predict.apply_calibration import CALIBRATION_HELP
 
-__all__ = ["cmd", "parse_split", "parse_zero", "zero_choice"]
+__all__ = ["cmd"]
 from microbatch.schedules.registry import schedule_names
-
-
-def parse_split(text: str | None) -> tuple[int, ...] | None:
-    """``--layers-per-stage 5,6,6,5`` as a tuple; None when not given."""
-    if not text:
-        return None
-    from microbatch.errors import ConfigError
-
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--layers-per-stage {text!r} must be whole numbers separated by commas, e.g. 5,6,6,5"
-        ) from None
-
-
-def zero_choice() -> click.Choice[str]:
-    """The ``--zero`` choices: 0–3, or dist-opt (Megatron's distributed optimizer, = 1)."""
-    return click.Choice(["0", "1", "2", "3", "dist-opt"])
-
-
-def parse_zero(text: str) -> int:
-    """``dist-opt`` (Megatron's distributed optimizer) shards what ZeRO-1 shards."""
-    return 1 if text == "dist-opt" else int(text)
 
 
 @click.command("memory")

@@ -109,7 +109,7 @@ def cmd(
           -m microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
-    from microbatch.commands.bubble import use_color
+    from microbatch.commands._common import use_color
     from microbatch.run.launch import run_external, run_pipeline, under_torchrun
     from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.registry import torch_spec

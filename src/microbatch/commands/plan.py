@@ -72,7 +72,7 @@ def cmd(
     Example: microbatch plan --model llama-2-7b --gpu a100-80gb --global-batch 64 -p 4
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     """
-    from microbatch.commands.memory import parse_split, parse_zero
+    from microbatch.commands._common import parse_split, parse_zero
     from microbatch.errors import ConfigError
     from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
     from microbatch.predict.plan import PlanConfig, compare_gpus

@@ -6,18 +6,19 @@ from typing import Any
 
 import click
 
-from microbatch.commands._common import emit, json_option, stages_option
-from microbatch.commands.bubble import (
+from microbatch.commands._common import (
     SCHEDULE_HELP,
-    bubble_lines,
+    emit,
+    json_option,
     microbatches_option,
-    pct,
+    stages_option,
     use_color,
     virtual_option,
     width_option,
 )
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.registry import ScheduleSpec
+from microbatch.show.text import bubble_lines, pct
 
 __all__ = ["cmd", "parse_stage_times", "resolve_times"]
 

@@ -409,7 +409,7 @@ def evaluate(
         step_time_s=step,
         tokens_per_s=cfg.global_batch * cfg.seq_len / step,
         mfu=model_flops / (step * cfg.num_gpus * cfg.gpu.flops(ctx.dtype)),
-        fits=peak <= cfg.budget_bytes,
+        fits=peak <= cfg.memory_budget_bytes,
         global_batch=cfg.global_batch,
         data_parallel=cfg.data_parallel,
         pipeline_parallel=p,

@@ -31,20 +31,15 @@ from microbatch.predict.state import bytes_per_param, check_zero, model_state_by
 from microbatch.schedules import registry
 
 __all__ = [
-    "SCHEDULES",
     "MemoryCalibration",
     "MemoryConfig",
     "StageMemory",
     "MemoryEstimate",
     "split_layers",
     "in_flight_layers",
-    "interleaved_first_stage_factor",
     "stage_params",
     "estimate_memory",
 ]
-
-SCHEDULES = registry.schedule_names(in_flight=True)
-"""Pipeline schedules with an in-flight rule, read from the one registry (:mod:`microbatch.schedules.registry`)."""
 
 
 # -- pipeline stages ------------------------------------------------------------------------------------
@@ -76,16 +71,6 @@ def split_layers(
         return split
     base, extra = divmod(layers, stages)
     return tuple(base + (1 if i >= stages - extra else 0) for i in range(stages))
-
-
-def interleaved_first_stage_factor(stages: int, virtual: int) -> float:
-    """1 + (p−1)/(p·v): first-stage activations of interleaved 1F1B, in units of L layers' worth.
-
-    Korthikanti et al. 2022 §4.2.3; applies only when v > 1 (v = 1 is plain 1F1B: factor 1).
-    """
-    if virtual <= 1:
-        return 1.0
-    return 1 + (stages - 1) / (stages * virtual)
 
 
 def in_flight_layers(
@@ -187,8 +172,10 @@ class MemoryConfig:
         check_zero(self.zero)
         bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
         check_recompute(self.recompute)
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule {self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in registry.schedule_names(in_flight=True):
+            raise ConfigError(
+                f"schedule {self.schedule!r} is not known; use one of {', '.join(registry.schedule_names(in_flight=True))}"
+            )
         if self.virtual > 1 and self.schedule != "interleaved-1f1b":
             raise ConfigError(
                 f"virtual {self.virtual} needs the interleaved-1f1b schedule (schedule is {self.schedule}); "
@@ -318,7 +305,8 @@ class MemoryEstimate:
         peak = self.peak_stage
         cfg = self.config
         return {
-            "model": self.shape.to_dict(),
+            "model": self.shape.name,
+            "model_shape": self.shape.to_dict(),
             "config": {
                 "micro_batch": cfg.micro_batch,
                 "seq": cfg.seq or self.shape.seq,

@@ -32,10 +32,10 @@ from microbatch.predict.candidate import (
     make_context,
     with_simulation,
 )
-from microbatch.predict.memory import SCHEDULES
 from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.state import ZERO_STAGES
+from microbatch.schedules.registry import schedule_names
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -107,7 +107,7 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
         return [("1f1b", 1)]
     from microbatch.schedules.registry import check_servable
 
-    names = cfg.schedules or SCHEDULES
+    names = cfg.schedules or schedule_names(in_flight=True)
     out = []
     for name in names:
         vs = [1]
@@ -163,7 +163,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
     if not cands:
         p, per_replica = cfg.pipeline_parallel, cfg.global_batch // cfg.data_parallel
         raise ConfigError(
-            f"no schedule in {list(cfg.schedules or SCHEDULES)} can serve p = {p} with at most "
+            f"no schedule in {list(cfg.schedules or schedule_names(in_flight=True))} can serve p = {p} with at most "
             f"m = B/(d·b_m) = {per_replica} micro-batches (1F1B, ZB-H1 and interleaved need m >= p); "
             f"raise the global batch to at least {p * cfg.data_parallel} or use --schedule gpipe"
         )
@@ -293,7 +293,7 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
 def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> list[str]:
     """When nothing fits: the smallest peak found, and what changes (b_m, recompute, p, t, ZeRO) would fit."""
     plan = plan or make_plan(cfg)
-    budget = cfg.budget_bytes
+    budget = cfg.memory_budget_bytes
     best = min(plan.candidates, key=lambda c: c.peak_memory_bytes)
     out = [
         f"nothing fits in {_gib(budget)} ({_gib(cfg.gpu.memory_bytes)} × (1 − headroom {cfg.memory_headroom:g})); "

@@ -14,9 +14,10 @@ from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.activations import RECOMPUTE_MODES
-from microbatch.predict.memory import SCHEDULES, MemoryCalibration, MemoryConfig
+from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import ZERO_STAGES, bytes_per_param
+from microbatch.schedules.registry import schedule_names
 
 __all__ = ["PlanConfig"]
 
@@ -92,8 +93,10 @@ class PlanConfig:
                 "sequence parallelism needs tensor-parallel > 1; give --tensor-parallel or drop it"
             )
         for s in self.schedules or ():
-            if s not in SCHEDULES:
-                raise ConfigError(f"schedule {s!r} is not known; use auto or one of {', '.join(SCHEDULES)}")
+            if s not in schedule_names(in_flight=True):
+                raise ConfigError(
+                    f"schedule {s!r} is not known; use auto or one of {', '.join(schedule_names(in_flight=True))}"
+                )
         for r in self.recompute or ():
             if r not in RECOMPUTE_MODES:
                 raise ConfigError(
@@ -141,14 +144,15 @@ class PlanConfig:
         return self.seq or self.shape.seq
 
     @property
-    def budget_bytes(self) -> float:
+    def memory_budget_bytes(self) -> float:
         """Bytes a candidate may use: capacity × (1 − headroom)."""
         return self.gpu.memory_bytes * (1 - self.memory_headroom)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the model, the accelerator, the layout and the memory budget."""
         return {
-            "model": self.shape.to_dict(),
+            "model": self.shape.name,
+            "model_shape": self.shape.to_dict(),
             "gpu": self.gpu.to_dict(),
             "global_batch": self.global_batch,
             "data_parallel": self.data_parallel,
@@ -160,6 +164,6 @@ class PlanConfig:
             "grad_dtype": self.grad_dtype,
             "optimizer": self.optimizer,
             "memory_headroom": self.memory_headroom,
-            "budget_bytes": self.budget_bytes,
+            "memory_budget_bytes": self.memory_budget_bytes,
             "num_gpus": self.num_gpus,
         }

@@ -155,7 +155,6 @@ class Validation:
         """What ``validate --json`` prints: provenance, the table rows, the summary, the errors, the calibration."""
         m = self.measurements
         return {
-            "kind": "validate",
             "model": m.model,
             "seq": m.seq,
             "precision": m.precision,

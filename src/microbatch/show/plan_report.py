@@ -108,7 +108,7 @@ def explain(plan: Plan) -> str:
     cfg = plan.config
     return _explain(
         plan.recommended, plan.candidates, pipeline_parallel=cfg.pipeline_parallel,
-        budget_bytes=cfg.budget_bytes, lints=plan.lints, advice=plan.advice,
+        memory_budget_bytes=cfg.memory_budget_bytes, lints=plan.lints, advice=plan.advice,
     )  # fmt: skip
 
 
@@ -120,7 +120,7 @@ def explain_result(result: dict[str, Any]) -> str:
             Candidate.from_dict(rec) if rec else None,
             [Candidate.from_dict(c) for c in result.get("candidates", [])],
             pipeline_parallel=int(result.get("pipeline_parallel", 1)),
-            budget_bytes=float(result["budget_bytes"]),
+            memory_budget_bytes=float(result["memory_budget_bytes"]),
             lints=list(result.get("lints", [])),
             advice=list(result.get("advice", [])),
         )
@@ -135,7 +135,7 @@ def _explain(
     candidates: Sequence[Candidate],
     *,
     pipeline_parallel: int,
-    budget_bytes: float,
+    memory_budget_bytes: float,
     lints: Sequence[str],
     advice: Sequence[str],
 ) -> str:
@@ -148,7 +148,7 @@ def _explain(
         + (f", v = {c.virtual}" if c.virtual > 1 else "")
         + f", recompute {c.recompute}, ZeRO {c.zero}): {c.step_time_s:.3g} s per step, "
         f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {_gib(c.peak_memory_bytes)} of "
-        f"{_gib(budget_bytes)} usable."
+        f"{_gib(memory_budget_bytes)} usable."
     ]
     best_at: dict[int, Candidate] = {}
     for x in candidates:
@@ -175,7 +175,7 @@ def _explain(
     if larger:
         g = larger[0]
         if not g.fits:
-            why = f"does not fit: {_gib(g.peak_memory_bytes)} > {_gib(budget_bytes)}"
+            why = f"does not fit: {_gib(g.peak_memory_bytes)} > {_gib(memory_budget_bytes)}"
         else:
             why = (
                 f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak but leave "
@@ -204,7 +204,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False) -> str:
         f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
         f"{cfg.data_parallel}, p = {cfg.pipeline_parallel}, t = {cfg.tensor_parallel}"
         f"{' + SP' if cfg.sequence_parallel else ''}, s = {cfg.seq_len}; {plan.evaluated} candidates, "
-        f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.budget_bytes)}"
+        f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.memory_budget_bytes)}"
     )
     title = "best candidates" if all_rows else "best candidate at each b_m (* = recommended)"
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)

@@ -87,7 +87,7 @@ def render_recommendation(
     if d.get("max_fitting_micro_batch") is not None:
         lines.append(
             f"largest b_m predicted to fit {format_bytes(d['memory_budget_bytes'])} with "
-            f"{100 * d['headroom']:.0f}% headroom: {d['max_fitting_micro_batch']}"
+            f"{100 * d['memory_headroom']:.0f}% headroom: {d['max_fitting_micro_batch']}"
         )
     if not d.get("flattened", True):
         lines.append(

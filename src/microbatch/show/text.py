@@ -40,6 +40,9 @@ from microbatch.show.timeline import (
 from microbatch.units import format_number
 
 __all__ = [
+    "pct",
+    "in_flight_text",
+    "bubble_lines",
     "Row",
     "KIND_NAMES",
     "KIND_COLORS",
@@ -275,3 +278,22 @@ def save_timeline_svg(
     p = Path(path)
     p.write_text(timeline_svg(intervals_by_rank, makespan, **kw), encoding="utf-8")
     return p
+
+
+def pct(x: float) -> str:
+    """A share as a percentage with one decimal."""
+    return f"{100 * x:.1f}%"
+
+
+def in_flight_text(values: Sequence[float]) -> str:
+    """Peak in-flight counts, rank 0 first, as short numbers."""
+    return " ".join(format_number(round(v, 3)) for v in values)
+
+
+def bubble_lines(fraction: float, ratio: float, peak_in_flight: Sequence[float]) -> list[str]:
+    """The bubble's fraction, ratio and peak in-flight counts, one aligned line each."""
+    return [
+        f"  bubble fraction  {pct(fraction):>6}  idle / total stage time",
+        f"  bubble ratio     {pct(ratio):>6}  idle / ideal busy time (Megatron's number)",
+        f"  peak in flight   {in_flight_text(peak_in_flight)}  micro-batches per rank, rank 0 first",
+    ]

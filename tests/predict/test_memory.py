@@ -16,10 +16,10 @@ from microbatch.predict.memory import (
     MemoryConfig,
     estimate_memory,
     in_flight_layers,
-    interleaved_first_stage_factor,
     split_layers,
 )
 from microbatch.predict.state import bytes_per_param, model_state_bytes
+from microbatch.schedules.rules import interleaved_in_flight_factor
 
 needs_published = pytest.mark.skipif(PUBLISHED is None, reason="shared/reference/published.json not present")
 GiB = 2**30
@@ -120,9 +120,9 @@ def test_in_flight_counts_per_schedule():
     assert in_flight_layers("1f1b", 0, p, 2, 1, 1) == 2  # min(m, p − i)
     # interleaved: stage 0 holds L_stage·p·(1 + (p−1)/(p·v)) layer-micro-batches
     assert in_flight_layers("interleaved-1f1b", 0, 8, 32, 3, 12) == pytest.approx(
-        12 * 8 * interleaved_first_stage_factor(8, 3)
+        12 * 8 * interleaved_in_flight_factor(8, 3)
     )
-    assert interleaved_first_stage_factor(8, 1) == 1.0
+    assert interleaved_in_flight_factor(8, 1) == 1.0
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,9 @@ def test_never_probes_a_size_predicted_not_to_fit():
     rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32)}
     log = SearchLog()
     pts = search(
-        synthetic(rising, calls=calls), choice=ChoiceConfig(memory_budget_bytes=2000, headroom=0.1), log=log
+        synthetic(rising, calls=calls),
+        choice=ChoiceConfig(memory_budget_bytes=2000, memory_headroom=0.1),
+        log=log,
     )
     assert bs(pts) == [1, 2, 4, 8]
     assert all(b <= 8 for b, _ in calls)

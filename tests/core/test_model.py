@@ -141,4 +141,4 @@ def test_cli_hf_config_and_override(tmp_path, capsys):
     path = _write(tmp_path, LLAMA_CFG)
     assert main(["memory", "--hf-config", str(path), "--seq", "1024", "-b", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["model"]["param_count"] == 6_738_415_616 and out["config"]["seq"] == 1024
+    assert out["model_shape"]["param_count"] == 6_738_415_616 and out["config"]["seq"] == 1024

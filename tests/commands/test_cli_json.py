@@ -57,7 +57,7 @@ def test_simulate(capsys):
 
 def test_memory(capsys):
     d = run_json(["memory", "--model", "gpt2", "-p", "2", "-m", "4", "-b", "1"], capsys)
-    assert d["model"]["name"] == "gpt2" and len(d["stages"]) == 2
+    assert d["model"] == "gpt2" and d["model_shape"]["name"] == "gpt2" and len(d["stages"]) == 2
     assert d["peak_memory_bytes"] == max(s["peak_memory_bytes"] for s in d["stages"])
 
 
@@ -68,7 +68,7 @@ def test_plan_and_export(capsys, tmp_path):
     d = run_json([*PLAN, "--gpu", "a100-80gb"], capsys)
     rec = d["recommended"]
     assert d["global_batch"] == 64 and rec["micro_batch"] * rec["grad_accum"] * 2 == 64
-    assert d["model"]["name"] == "gpt2" and d["gpu"]["name"] == "a100-80gb"
+    assert d["model"] == "gpt2" and d["model_shape"]["name"] == "gpt2" and d["gpu"]["name"] == "a100-80gb"
     f = tmp_path / "plan.json"
     f.write_text(json.dumps(d))
     e = run_json(["export", "--plan", str(f), "--format", "hf"], capsys)

@@ -224,7 +224,7 @@ def test_ddp_two_gloo_processes_synchronised(tmp_path, wrap):
 def _gpu_checks():
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "gpu_tune.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_tune.py")
     spec = importlib.util.spec_from_file_location("gpu_tune", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -361,7 +361,7 @@ def test_validate_cli_json(tmp_path, capsys):
     path.write_text(json.dumps(synthetic()))
     assert main(["validate", "--calibration", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["kind"] == "validate" and out["accelerator"]["name"] == "a100-80gb"
+    assert out["command"] == "validate" and out["accelerator"]["name"] == "a100-80gb"
     assert [r["micro_batch"] for r in out["rows"]] == list(BMS)
     assert abs(out["rows"][-1]["mem_cal_err_%"]) < 0.05 and out["rows"][-1]["mem_uncal_err_%"] < -10
     assert out["errors"]["memory_met"] and out["errors"]["step_met"]

@@ -165,7 +165,9 @@ def test_cli_plan_json(capsys):
     assert keys <= set(out["recommended"]) and all(keys <= set(c) for c in out["candidates"])
     for k in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "model", "gpu"):
         assert k in out
-    assert out["model"]["name"] == "gpt2" and out["gpu"]["name"] == "a100-80gb"
+    assert (
+        out["model"] == "gpt2" and out["model_shape"]["name"] == "gpt2" and out["gpu"]["name"] == "a100-80gb"
+    )
     assert out["recommended"]["micro_batch"] * out["recommended"]["grad_accum"] == 64
 
 

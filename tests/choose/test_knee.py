@@ -90,8 +90,8 @@ def test_memory_fit_exact_on_a_line_and_prediction():
     assert fit.slope_bytes_per_sample == pytest.approx(250_000)
     assert fit.fitted_on == (2, 4, 8)  # the largest three
     # budget 10 MB, headroom 10%: (9e6 - 1e6) / 2.5e5 = 32
-    assert max_fitting_micro_batch(fit, 10_000_000, headroom=0.1) == 32
-    assert max_fitting_micro_batch(fit, 10_000_000, headroom=0.0) == 36
+    assert max_fitting_micro_batch(fit, 10_000_000, memory_headroom=0.1) == 32
+    assert max_fitting_micro_batch(fit, 10_000_000, memory_headroom=0.0) == 36
     assert max_fitting_micro_batch(fit, 500_000) == 0
     assert max_fitting_micro_batch(None, 10_000_000) is None
     assert max_fitting_micro_batch(MemoryFit(intercept_bytes=1, slope_bytes_per_sample=0), 10) is None
@@ -380,7 +380,7 @@ def test_choice_config_and_keywords_give_the_same_choice():
         ("tolerance", 1.0, r"tolerance 1.0 must be a number in \[0, 1\), e.g. 0.15"),
         ("reference", "projected", r"reference 'projected' is not known; use one of measured, bound"),
         ("memory_budget_bytes", 0, r"memory budget 0 must be a whole number of bytes > 0, e.g. 12GiB"),
-        ("headroom", -0.1, r"headroom -0.1 must be a number in \[0, 1\)"),
+        ("memory_headroom", -0.1, r"memory_headroom -0.1 must be a number in \[0, 1\)"),
         ("max_latency_ms", 0, r"max_latency_ms 0 must be > 0"),
         ("global_batch", 0, r"global_batch must be a whole number >= 1, got 0; e.g. --global-batch"),
         ("data_parallel", 2.5, r"data_parallel must be a whole number >= 1, got 2.5"),
