@@ -1,111 +1,149 @@
-"""Measured pipeline bubble vs the simulator's prediction, as m grows (p = 2, gloo on the CPU).
+"""Pipeline runs against their predictions: bubble before the run, after-the-fact replay and
+measured; activation memory per rank measured against predicted (gloo on the CPU).
 
-For each (schedule, m, v): run ``microbatch.run.launch.run_pipeline`` for a few steps on a built-in
-model with a fixed global batch, then print the measured bubble (idle share of p × step time,
-mean over the steps after the first), the simulator's prediction fed with the measured
-per-stage F/B/I/W times on torch's own action order, the closed form (p−1)/(v·m+p−1), the
-measured and predicted in-flight counts and the largest relative gradient error against the
-unsplit model.
+For each model, p and schedule: ``microbatch.run.launch.run_predicted(cfg)``
+profiles the stages on one process and calibrates the runtime with a tiny run (the prediction made
+before the ranks start), runs the ranks, and replays the run's own op times on torch's order. Memory:
+the peak of saved-activation storages actually alive per rank (weak references) against the
+in-flight rule × saved bytes per micro-batch (calibrated) and predict/memory's formula
+(uncalibrated). Also GPipe's and 1F1B's measured memory at m and 2m.
 
-    python bench/bench_pipeline.py                   # small model, B = 16, 4 steps
-    python bench/bench_pipeline.py --model tiny --global-batch 8
+    python bench/bench_pipeline.py                          # tiny and small, p = 2 and 4
+    python bench/bench_pipeline.py --models tiny --stages 2 --only 1f1b
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-CASES = [
-    ("gpipe", 1, 1),
-    ("gpipe", 2, 1),
-    ("gpipe", 4, 1),
-    ("gpipe", 8, 1),
-    ("1f1b", 2, 1),
-    ("1f1b", 4, 1),
-    ("1f1b", 8, 1),
-    ("interleaved-1f1b", 2, 2),
-    ("interleaved-1f1b", 4, 2),
-    ("interleaved-1f1b", 8, 2),
-    ("zbv", 2, 2),
-    ("zbv", 4, 2),
-    ("zbv", 8, 2),
-]
+
+def cases(p: int) -> list[tuple[str, int, int]]:
+    """(schedule, m, v) at p ranks: m = 2p (DualPipeV's least), v = 2 where the schedule interleaves."""
+    m = 2 * p
+    return [("gpipe", m, 1), ("1f1b", m, 1), ("interleaved-1f1b", m, 2), ("zb-h1", m, 1), ("dualpipev", m, 2)]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--models", default="tiny,small")
+    ap.add_argument("--stages", default="2,4")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma-separated schedule names")
     args = ap.parse_args(argv)
 
+    from microbatch.errors import ConfigError, PipelineError
     from microbatch.run.launch import run_pipeline
     from microbatch.run.pipeline_config import PipelineConfig
-    from microbatch.schedules.simulate import bubble_fraction
+    from microbatch.run.pipeline_profile import run_predicted
 
-    p = args.stages
-    rows = []
+    load = os.getloadavg()[0]
     t_all = time.perf_counter()
-    for name, m, v in CASES:
-        if args.only and name not in args.only.split(","):
-            continue
-        cfg = PipelineConfig(
-            schedule=name,
-            stages=p,
-            microbatches=m,
-            virtual=v,
-            model=args.model,
-            global_batch=args.global_batch,
-            steps=args.steps,
-            check_gradients=True,
-            timeout_s=300,
-        )
-        rep = run_pipeline(cfg)
-        meas, pred = rep["measured"], rep["predicted"]
-        rows.append(
-            (
-                name,
-                m,
-                v,
-                meas["bubble_fraction"],
-                pred["bubble_fraction"],
-                pred["with_comm"]["bubble_fraction"],
-                bubble_fraction(p, m, v),
-                [s["peak_in_flight"] for s in meas["stage_stats"]],
-                pred["peak_in_flight"],
-                meas["step_time_s"] * 1e3,
-                rep["max_grad_rel_error"],
-            )
-        )
-        print(f"  done {name} m={m} v={v}", file=sys.stderr, flush=True)
+    bubble_rows, memory_rows, growth = [], [], []
+    refused: list[str] = []
+    for model in args.models.split(","):
+        for p in (int(x) for x in args.stages.split(",")):
+            for name, m, v in cases(p):
+                if args.only and name not in args.only.split(","):
+                    continue
+                cfg = PipelineConfig(
+                    schedule=name,
+                    stages=p,
+                    microbatches=m,
+                    virtual=v,
+                    model=model,
+                    steps=args.steps,
+                    timeout_s=300,
+                )
+                try:
+                    rep = run_predicted(cfg)
+                except PipelineError as e:
+                    print(f"  FAILED {model} p={p} {name} v={v}: {e}", file=sys.stderr, flush=True)
+                    refused.append(f"{model} p={p} {name} v={v} (failed: {str(e)[:120]})")
+                    continue
+                except ConfigError as e:  # p·v stages > the model's layers + 2
+                    print(f"  refused {model} p={p} {name} v={v}: {e}", file=sys.stderr, flush=True)
+                    refused.append(f"{model} p={p} {name} v={v}")
+                    continue
+                b, pw, meas = rep["before_run"], rep["predicted"]["with_comm"], rep["measured"]
+                bubble_rows.append(
+                    (model, p, name, m, v, b["bubble_fraction"], pw["bubble_fraction"], meas["bubble_fraction"],
+                     b["step_time_s"], meas["step_time_s"])
+                )  # fmt: skip
+                for row in rep["memory"]:
+                    memory_rows.append((model, p, name, m, row))
+                if name in ("gpipe", "1f1b"):
+                    twice = run_pipeline(
+                        PipelineConfig(
+                            schedule=name,
+                            stages=p,
+                            microbatches=2 * m,
+                            model=model,
+                            steps=args.steps,
+                            timeout_s=300,
+                        )
+                    )
+                    growth.append((model, p, name, m, rep["memory"][0]["measured_peak_bytes"],
+                                   twice["memory"][0]["measured_peak_bytes"]))  # fmt: skip
+                print(f"  done {model} p={p} {name} m={m} v={v}", file=sys.stderr, flush=True)
 
     print(
-        f"pipeline bubble, p = {p}, model {args.model}, B = {args.global_batch}, {args.steps} steps "
-        "(first is warm-up), gloo on the CPU"
+        f"pipeline bubble and memory, gloo on the CPU, {args.steps} steps (first warms up); load {load:.2f}"
     )
     head = (
-        f"{'schedule':<17}{'m':>3}{'v':>3}  {'measured':>8}  {'predicted':>9}  {'|diff|':>6}  {'pred+comm':>9}  "
-        f"{'(p-1)/(vm+p-1)':>14}  {'in flight meas/pred':>20}  {'step ms':>8}  {'grad err':>8}"
+        f"{'model':<6}{'p':>2}  {'schedule':<17}{'m':>3}{'v':>2}  {'before':>7}  {'replay':>7}  {'measured':>8}  "
+        f"{'|before-meas|':>13}  {'step ms before/meas':>20}"
     )
     print(head)
     print("-" * len(head))
     diffs = []
-    for name, m, v, bm, bp, bpc, bc, im, ip, ms, ge in rows:
-        diffs.append(abs(bm - bp))
-        fl = f"{'/'.join(f'{x:g}' for x in im)} vs {'/'.join(f'{x:g}' for x in ip)}"
+    for model, p, name, m, v, bb, br, bm, sb, sm in bubble_rows:
+        diffs.append(abs(bb - bm) * 100)
         print(
-            f"{name:<17}{m:>3}{v:>3}  {bm:8.1%}  {bp:9.1%}  {abs(bm - bp):6.1%}  {bpc:9.1%}  {bc:14.1%}  {fl:>20}  "
-            f"{ms:8.1f}  {ge:8.1e}"
+            f"{model:<6}{p:>2}  {name:<17}{m:>3}{v:>2}  {bb:7.1%}  {br:7.1%}  {bm:8.1%}  {abs(bb - bm) * 100:10.1f} pt"
+            f"  {sb * 1e3:9.1f} / {sm * 1e3:8.1f}"
         )
     if diffs:
         print(
-            f"|measured - predicted| bubble: mean {sum(diffs) / len(diffs):.1%}, max {max(diffs):.1%} "
-            f"over {len(diffs)} runs; total {time.perf_counter() - t_all:.0f} s"
+            f"|before - measured| bubble: mean {sum(diffs) / len(diffs):.1f} points, max {max(diffs):.1f} over "
+            f"{len(diffs)} runs (goal <= 5 in every run); {sum(d <= 5 for d in diffs)} runs within 5"
         )
+    print()
+    head = f"{'model':<6}{'p':>2}  {'schedule':<17}{'m':>3}{'rank':>5}  {'measured KiB':>12}  {'pred KiB':>9}  {'error':>7}  {'uncal err':>9}"
+    print(head)
+    print("-" * len(head))
+    errs = []
+    for model, p, name, m, row in memory_rows:
+        e, u = row["error_pct"], row["uncalibrated_error_pct"]
+        if e is not None and name in ("gpipe", "1f1b"):
+            errs.append(abs(e))
+        print(
+            f"{model:<6}{p:>2}  {name:<17}{m:>3}{row['rank']:>5}  {row['measured_peak_bytes'] / 1024:12.1f}  "
+            f"{(row['predicted_bytes'] or 0) / 1024:9.1f}  {'-' if e is None else f'{e:+.1f}%':>7}  "
+            f"{'-' if u is None else f'{u:+.1f}%':>9}"
+        )
+    if errs:
+        print(
+            f"GPipe/1F1B calibrated memory error: max {max(errs):.1f}%, {sum(x <= 10 for x in errs)} of {len(errs)} "
+            "ranks within 10%"
+        )
+    print()
+    print(f"{'model':<6}{'p':>2}  {'schedule':<9}  rank-0 measured KiB at m -> 2m")
+    for model, p, name, m, a, b in growth:
+        print(
+            f"{model:<6}{p:>2}  {name:<9}  m={m}: {a / 1024:.1f} -> m={2 * m}: {b / 1024:.1f}  (x{b / a:.2f})"
+        )
+    if refused:
+        print(f"not run (refused: more stages than the model's layers + 2, or failed): {'; '.join(refused)}")
+    print(
+        f"total {time.perf_counter() - t_all:.0f} s; load at start {load:.2f}, at end {os.getloadavg()[0]:.2f}"
+    )
     return 0
 
 

@@ -73,9 +73,9 @@ if "$PY" -c "import pytest" 2>/dev/null; then
   # hypothesis missing: deselect the modules that import it rather than fail collection
   IGN=""
   if ! "$PY" -c "import hypothesis" 2>/dev/null; then
-    for f in $(grep -l "^from hypothesis\|^import hypothesis" tests/*.py); do IGN="$IGN --ignore=$f"; done
+    for f in $(grep -rl "^from hypothesis\|^import hypothesis" tests --include="*.py"); do IGN="$IGN --ignore=$f"; done
   fi
-  run 40 tune_cuda_tests "$PY" -m pytest -m cuda -q -p no:cacheprovider $TO $IGN tests/test_measure.py tests/test_tune.py
+  run 40 tune_cuda_tests "$PY" -m pytest -m cuda -q -p no:cacheprovider $TO $IGN tests/measure/test_measure.py tests/choose/test_tune.py
 else
   run 40 tune_cuda_checks "$PY" bench/gpu_tune.py checks --out "$OUT/tune"
 fi
@@ -122,6 +122,13 @@ else
   run $((CAL_BUDGET + 45)) calibrate "$PY" bench/gpu_calibrate.py --budget-s $CAL_BUDGET --out "$OUT/calibrate.json"
 fi
 cat "$OUT/logs/calibrate.log" 2>/dev/null | tail -n 40 | tee -a "$OUT/gpu.log"
+# == 4b. accumulate: recovery from a real CUDA out-of-memory (GPT-2, per-process memory cap) ====
+log "section 4b: accumulate out-of-memory recovery"
+if "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
+  run 90 accumulate_oom_cuda "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/run/test_accumulate_oom_train.py
+else
+  log "accumulate_oom_cuda: skipped (needs pytest and hypothesis on this machine)"
+fi
 log "all done in $((SECONDS - START)) s"
 
 # == 5. what comes back ======================================================================

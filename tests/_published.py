@@ -1,7 +1,8 @@
-"""The published figures the tests check against (``shared/reference/published.json``).
+"""The published figures the tests check against: ``tests/data/published.json``, the one source.
 
-Read from the project's shared folder beside the checkout when it is there (the team's source of
-truth), else from the copy in ``tests/data/`` so that a lone clone tests the same figures.
+It is a copy of the team's ``shared/reference/published.json`` (beside the checkout, where there is
+one); ``tests/core/test_published.py`` fails when the two differ, so they cannot drift apart, and a
+lone clone tests the same figures.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ import json
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-_CANDIDATES = (
-    _HERE.parents[1] / "shared" / "reference" / "published.json",
-    _HERE / "data" / "published.json",
-)
-PUBLISHED_PATH = next((p for p in _CANDIDATES if p.exists()), _CANDIDATES[-1])
+PUBLISHED_PATH = _HERE / "data" / "published.json"
+"""The file every test reads."""
+SHARED_PATH = _HERE.parents[1] / "shared" / "reference" / "published.json"
+"""The team's reference it copies (absent in a lone clone)."""
 PUBLISHED = json.loads(PUBLISHED_PATH.read_text())

@@ -28,6 +28,7 @@ EXPECTED_ALL = [
     "BatchConfig",
     "solve",
     "accumulate",
+    "MicroBatchController",
     "tune",
     "recommend",
     "plan",
@@ -42,6 +43,7 @@ EXPECTED_HOME = {
     "BatchConfig": ("microbatch.batch", "BatchConfig"),
     "solve": ("microbatch.batch", "solve"),
     "accumulate": ("microbatch.run.accumulate", "accumulate"),
+    "MicroBatchController": ("microbatch.run.controller", "MicroBatchController"),
     "tune": ("microbatch.choose.tune", "tune"),
     "recommend": ("microbatch.choose.knee", "recommend"),
     "plan": ("microbatch.predict.plan", "make_plan"),
@@ -82,9 +84,11 @@ def test_dir_lists_the_exports_and_unknown_names_raise() -> None:
 
 
 def test_version_matches_pyproject() -> None:
-    tomllib = pytest.importorskip("tomllib")
+    import tomllib  # stdlib from 3.11, the floor in pyproject.toml
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert microbatch.__version__ == project["version"]
+    assert project["requires-python"].startswith(">=3.11")  # tomllib: no test may skip for want of it
 
 
 def _loaded_after(statement: str) -> dict[str, bool]:

@@ -26,6 +26,7 @@ _LAZY = {
     "BatchConfig": "batch",
     "solve": "batch",
     "accumulate": "run.accumulate",
+    "MicroBatchController": "run.controller",
     "tune": "choose.tune",
     "recommend": "choose.knee",
     "plan": "predict.plan",

@@ -50,7 +50,7 @@ class BatchConfig:
                 f"global batch {self.global_batch} != micro-batch {self.micro_batch} × grad-accum "
                 f"{self.grad_accum} × data-parallel {self.data_parallel} = "
                 f"{self.micro_batch * self.grad_accum * self.data_parallel}; the identity "
-                "B_global = b_m × g × d must hold: use solve() to derive one of them"
+                "B_global = b_m × g × d must hold: give three of global_batch, micro_batch, grad_accum, data_parallel and derive the fourth"
             )
 
     @property

@@ -70,7 +70,8 @@ def group() -> None:
     predicts memory and step time, measures the real throughput curve, picks the knee and the
     number of pipeline micro-batches that buries the bubble, and runs the choice.
 
-    Every command takes --json for scripts. Exit status: 0 success, 2 bad input, 1 failure.
+    Every command takes --json for scripts. Exit status: 0 success, 2 bad input, 1 failure,
+    130 interrupted (what was computed is kept and printed).
     """
 
 
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        group.main(args=args, prog_name="microbatch", standalone_mode=False)
+        code = group.main(args=args, prog_name="microbatch", standalone_mode=False)
+        if isinstance(code, int):  # click returns an Exit's code here (tune's 130 after Ctrl-C)
+            return code
     except click.exceptions.Abort:
         click.echo("interrupted", err=True)
         return _fail("interrupted", 130, args)

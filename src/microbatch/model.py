@@ -319,6 +319,30 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
     return raw
 
 
+# Families that are not one stack of causal decoder layers: encoders (masked LM) and encoder-decoders.
+_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+             "camembert", "mpnet", "ernie", "modernbert"}  # fmt: skip
+_ENCODER_DECODERS = {"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5",
+                     "led", "prophetnet", "blenderbot", "m2m_100", "nllb-moe", "switch_transformers"}  # fmt: skip
+
+
+def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
+    """ConfigError for an encoder or encoder-decoder config: the formulas and probes are decoder-only."""
+    model_type = str(raw.get("model_type", "")).lower()
+    if raw.get("is_encoder_decoder") or model_type in _ENCODER_DECODERS:
+        kind = "an encoder-decoder"
+    elif model_type in _ENCODERS:
+        kind = "an encoder (masked language model)"
+    else:
+        return
+    raise ConfigError(
+        f"--hf-config {str(path)!r} is {kind} model ({model_type or 'unknown type'}); microbatch supports "
+        "decoder-only causal language models (gpt2, llama, mistral, qwen2, gemma, phi3, ...): its memory "
+        "formulas count one stack of causal decoder layers and its probes build AutoModelForCausalLM; "
+        "give a decoder-only config, or the shape flags for a comparable decoder"
+    )
+
+
 def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None = None) -> ModelShape:
     """A :class:`ModelShape` from a Hugging Face ``config.json`` (a file or the folder holding it).
 
@@ -329,6 +353,7 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     """
     path = Path(path)
     raw = _read_hf_dict(path)
+    _check_decoder_only(raw, path)
     vals = {f: _hf_lookup(raw, f) for f in _HF_KEYS}
     missing = [f for f in ("layers", "hidden", "heads", "vocab") if vals[f] is None]
     if missing:
@@ -446,4 +471,15 @@ def resolve_model(
             seq=given.get("seq"),
         )
     overrides: dict[str, Any] = given  # shape flags: ModelShape field -> whole number (checked above)
+    seq = given.get("seq")
+    if (
+        seq is not None
+        and base.learned_positions
+        and base.max_positions is not None
+        and seq > base.max_positions
+    ):
+        raise ConfigError(
+            f"--seq {seq} is longer than model {base.name}'s {base.max_positions} learned positions; "
+            f"use --seq {base.max_positions} or less (or a model with rotary positions)"
+        )
     return replace(base, **overrides) if overrides else base

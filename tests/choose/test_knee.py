@@ -204,7 +204,15 @@ def test_fraction_knee_properties(ts, tol):
     # nothing smaller meets the bar
     assert all(p.throughput < (1 - tol) * best for p in pts if p.micro_batch < k.micro_batch)
     g = find_knee(pts, rule="gain", tolerance=tol)
-    assert g.micro_batch in {p.micro_batch for p in pts}
+    # the gain knee: no later point gains τ per doubling over it, and every earlier point has one that does
+
+    def best_gain(p):
+        later = [q for q in pts if q.micro_batch > p.micro_batch]
+        return max((gain_per_doubling(p.micro_batch, p.throughput, q.micro_batch, q.throughput) for q in later),
+                   default=-1.0)  # fmt: skip
+
+    assert best_gain(g) < tol or g.micro_batch == pts[-1].micro_batch
+    assert all(best_gain(p) >= tol for p in pts if p.micro_batch < g.micro_batch)
 
 
 # -- the bound on larger b_m (reference="bound") ----------------------------------------

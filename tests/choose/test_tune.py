@@ -293,7 +293,7 @@ def test_hf_config_model_in_process(tmp_path, monkeypatch):
         tune_model(hf_config=str(path))
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    with pytest.raises(ConfigError, match="model_type"):
+    with pytest.raises(ConfigError, match=r"lacks layers, hidden, heads, vocab"):  # refused before building
         tune_model(hf_config=str(bad), seq=8, in_process=True)
 
 

@@ -161,11 +161,11 @@ def test_tune_json_tiny_child_process(tmp_path, monkeypatch, capsys):
     assert d["static_bytes"] > 0
     saved = json.loads((tmp_path / "out" / "result.json").read_text())
     assert saved["points"] == pts and saved["torch_version"] == d["torch_version"]
-    # recommend reads it back and agrees
-    assert (
-        run_json(["recommend", "-m", str(tmp_path / "out" / "result.json")], capsys)["micro_batch"]
-        == d["micro_batch"]
-    )
+    # recommend reads it back and agrees, given the same choice settings (tune's reference is the bound;
+    # recommend's default, the best measured, may choose a smaller b_m on the same points)
+    again = ["recommend", "-m", str(tmp_path / "out" / "result.json"), "--reference", d["reference"],
+             "--memory-budget", "2GiB", "--global-batch", "16"]  # fmt: skip
+    assert run_json(again, capsys)["micro_batch"] == d["micro_batch"]
 
 
 @pytest.mark.parametrize(
@@ -176,7 +176,7 @@ def test_tune_json_tiny_child_process(tmp_path, monkeypatch, capsys):
         (["--model", "tiny", "--seq", "-3"], "seq"),
         (["--model", "tiny", "--memory-budget", "20MB"], r"static memory: it needs at least"),
         (["--model", "tiny", "--device", "tpu"], "device"),
-        (["--hf-config", "/no/such/config.json", "--seq", "8"], "no such file"),
+        (["--hf-config", "/no/such/config.json", "--seq", "8"], "is not a file"),
     ],
 )
 def test_tune_bad_input_exit_2(tmp_path, monkeypatch, capsys, args, msg):

@@ -49,7 +49,8 @@ def test_all_four_given_are_checked():
     with pytest.raises(
         ConfigError,
         match=r"^global batch 12 != micro-batch 2 × grad-accum 3 × data-parallel 3 = 18; "
-        r"the identity B_global = b_m × g × d must hold: use solve\(\) to derive one of them$",
+        r"the identity B_global = b_m × g × d must hold: give three of global_batch, micro_batch, grad_accum, "
+        r"data_parallel and derive the fourth$",
     ):
         solve(global_batch=12, micro_batch=2, grad_accum=3, data_parallel=3)
 

@@ -436,6 +436,10 @@ def test_validate_help_does_not_import_torch():
 @pytest.fixture(scope="module")
 def tiny_sweep():
     """b_m 1, 2, 4, 8 of the tiny model (s = 64, fp32) measured in a child process, as tune does."""
+    return _tiny_sweep()
+
+
+def _tiny_sweep():
     pytest.importorskip("torch")
     from microbatch.measure.childprobe import ChildProber
     from microbatch.measure.spec import ProbeSpec
@@ -472,19 +476,72 @@ def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
 
 @pytest.mark.timeout(180)
 def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweep):
-    """Step time at b_m 8 from b_m 1, 2, 4, when the timings were steady (a shared machine can make
-    them not). The bound is 20%, not issue 7's 10%: one pass over millisecond-long steps leaves the
+    """Step time at b_m 8 from b_m 1, 2, 4 (measured again, up to twice, when the timings were not
+    steady: a shared machine can make them not; never skipped). The bound is 20%, not issue 7's 10%: one pass over millisecond-long steps leaves the
     b_m 1 and 2 medians a few per cent apart from run to run, and a line through them magnifies that
     at b_m 8 (six runs on the 2-core dev machine with the process clock: -11.0% to +11.5%; three with
     the wall clock: -10.4% to -15.7%). The 10% goal is checked at b_m 16, best of three sweeps, by
     bench/bench_calibrate.py (BENCHMARKS.md)."""
     from microbatch.hardware import measure_cpu
 
-    spreads = [p["spread"] for p in tiny_sweep["points"]]
-    if max(spreads) > 0.25:
-        pytest.skip(f"timings too noisy on this machine to check the step time (spreads {spreads})")
-    meas = read_measurements(tiny_sweep)
+    sweep = tiny_sweep
+    for _ in range(2):  # noisy timings (a shared machine): measure again rather than skip
+        if max(p["spread"] for p in sweep["points"]) <= 0.25:
+            break
+        sweep = _tiny_sweep()
+    meas = read_measurements(sweep)
     e = validate(meas, cover_measurements(measure_cpu(), meas)[0], fit_on=3).errors()
     assert abs(e["step_calibrated"]) <= 2 * STEP_TARGET, e
     assert abs(e["step_calibrated"]) < abs(e["step_uncalibrated"]), e
     assert not math.isnan(e["step_loo_worst"])
+
+
+# -- the latency-bound regime (issue 17) ---------------------------------------------------------------
+# gpt2-xl, s = 1024, bf16-mixed, micro-step seconds measured on an H200 (bench/results/h200-2026-11-30/
+# calibrate.json, models.gpt2-xl.points[].micro_step_s)
+H200_GPT2_XL = {1: 0.06718227005004883, 2: 0.08288684844970703, 4: 0.12530278778076173,
+                8: 0.22955801391601563, 16: 0.4261376037597656}  # fmt: skip
+
+
+def _pts(times: dict[int, float], bms) -> list[MeasuredPoint]:
+    return [MeasuredPoint(micro_batch=b, peak_memory_bytes=None, step_time_s=times[b]) for b in bms]
+
+
+def test_recorded_h200_gpt2_xl_probes_1_2_4_predict_16_within_10_percent():
+    from microbatch.predict.calibrate import fit_efficiency
+
+    shape, acc = get_model("gpt2-xl"), get_accelerator("h200")
+    eff, details, notes = fit_efficiency(shape, _pts(H200_GPT2_XL, (1, 2, 4)), acc, seq=1024)
+    assert details["latency_bound"] and any("b_m 1 is latency-bound" in n for n in notes)
+    t16 = predict_step_time_s(shape, 16, acc, seq=1024, efficiency=eff)
+    assert abs(t16 / H200_GPT2_XL[16] - 1) < 0.10
+    # the ramp fit the probes would have given over-credits b_m 16 by more than 10% (the old error)
+    ramp = replace(eff, gemm_max=1 / fit_line([1 / (b * 1024) for b in (2, 4)],
+                                              [1 / details["point_efficiency"][str(b)] for b in (2, 4)])[0])  # fmt: skip
+    assert predict_step_time_s(shape, 16, acc, seq=1024, efficiency=ramp) < 0.9 * H200_GPT2_XL[16]
+
+
+def test_latency_floor_is_detected_on_a_synthetic_curve_and_a_real_ramp_is_kept():
+    from microbatch.predict.calibrate import fit_efficiency
+    from microbatch.predict.latency import latency_bound
+
+    true = replace(DEFAULT_EFFICIENCY, gemm_max=0.5)
+    dev = {
+        b: predict_step_time_s(SHAPE, b, ACC, precision=PREC, efficiency=true) for b in (1, 2, 4, 8, 16, 32)
+    }
+    floor = 1.5 * dev[2]  # the host's issue time: b_m 1 and 2 wait on it
+    bound = {b: max(floor, t) for b, t in dev.items()}
+    eff, _, notes = fit_efficiency(SHAPE, _pts(bound, (1, 2, 4, 8)), ACC, precision=PREC)
+    assert latency_bound(SHAPE, _pts(bound, (1, 2, 4, 8)), ACC, precision=PREC)
+    assert eff.half_rows == 0 and eff.gemm_max == pytest.approx(0.5, rel=1e-6)
+    assert predict_step_time_s(SHAPE, 32, ACC, precision=PREC, efficiency=eff) == pytest.approx(
+        bound[32], rel=1e-6
+    )
+    # a genuine ramp (constant overhead per step: linear in b_m) is not latency-bound and keeps its ramp
+    # (half_rows below the smallest probe's rows: a kernel ramp, TRUE_EFF's)
+    lin = {b: predict_step_time_s(SHAPE, b, ACC, precision=PREC, efficiency=TRUE_EFF) for b in (1, 2, 4)}
+    eff2, details2, _ = fit_efficiency(SHAPE, _pts(lin, (1, 2, 4)), ACC, precision=PREC)
+    assert not details2["latency_bound"] and eff2.half_rows == pytest.approx(TRUE_EFF.half_rows, rel=1e-3)
+    # on a CPU (no asynchronous launch) the floor test does not apply
+    cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=1e10, memory_bytes=8e9)
+    assert latency_bound(SHAPE, _pts(bound, (1, 2, 4, 8)), cpu, precision=PREC) == ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -48,15 +49,15 @@ def test_seed_worked_selection():
     assert all(c.microbatches >= 4 for c in plan.candidates)
 
 
-def test_every_candidate_keeps_the_global_batch_and_recommendation_is_fastest_fit():
+def test_every_candidate_keeps_the_global_batch_and_the_fastest_is_fastest_fit():
     plan = make_plan(_cfg(data_parallel=2, global_batch=128))
     assert plan.evaluated > 50
     for c in plan.candidates:
         assert c.micro_batch * c.grad_accum * c.data_parallel == 128
         assert c.fits == (c.peak_memory_bytes <= A100.memory_bytes * 0.9)
     fits = [c for c in plan.candidates if c.fits]
-    assert plan.recommended is not None
-    assert plan.recommended.step_time_s == min(c.step_time_s for c in fits)
+    assert plan.fastest is not None and plan.recommended is plan.knee
+    assert plan.fastest.step_time_s == min(c.step_time_s for c in fits)
     assert {c.zero for c in plan.candidates} == {0, 1, 2, 3}
     assert {c.schedule for c in plan.candidates} >= {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"}
 
@@ -94,7 +95,7 @@ def test_simulated_leaders_agree_with_closed_form_for_balanced_stages():
     closed = {c.micro_batch: c for c in make_plan(cfg).candidates}
     sim = make_plan(replace(cfg, simulate_top=3))
     leaders = [c for c in sim.candidates if c.simulated]
-    assert len(leaders) == 3
+    assert len(leaders) in (3, 4)  # the three fastest, and the knee when it is not among them
     for c in leaders:
         assert c.step_time_s == pytest.approx(closed[c.micro_batch].step_time_s, rel=0.02)
 
@@ -243,10 +244,122 @@ def test_cli_table_shows_the_seed_worked_selection(capsys):
     )
     out = capsys.readouterr().out
     rows = {
-        line.split()[0].rstrip("*"): line.split()
+        line.split()[0].rstrip("*+"): line.split()
         for line in out.splitlines()
-        if line[:3].strip().rstrip("*").isdigit()
+        if line[:3].strip().rstrip("*+").isdigit()
     }
     assert rows["2"][1] == "32" and rows["2"][6] == "8.6%"
     assert rows["4"][1] == "16" and rows["4"][6] == "15.8%"
     assert "Recommended b_m =" in out
+
+
+# -- the knee (issue 17) ------------------------------------------------------------------------------
+def test_knee_constants_equal_tunes():
+    from microbatch.choose.bound import BOUND_MARGIN
+    from microbatch.choose.config import DEFAULT_TOLERANCE
+    from microbatch.predict.plan import PLAN_MARGIN, PLAN_TOLERANCE
+
+    assert (PLAN_TOLERANCE, PLAN_MARGIN) == (DEFAULT_TOLERANCE, BOUND_MARGIN)
+
+
+def test_plan_recommends_the_knee_not_the_far_past_fastest():
+    # the README's case: b_m = 16 is the fastest by ~1% for ~50 GiB more; the knee is b_m = 1
+    cfg = PlanConfig(shape=get_model("llama-3.2-1b"), gpu=get_accelerator("h100"), global_batch=256,
+                     data_parallel=8, seq=2048)  # fmt: skip
+    plan = make_plan(cfg)
+    fast, knee = plan.fastest, plan.recommended
+    assert fast is not None and knee is not None and plan.knee is knee
+    fits = [c for c in plan.candidates if c.fits]
+    assert fast.step_time_s == min(c.step_time_s for c in fits)
+    assert fast.micro_batch >= 8 * knee.micro_batch
+    line = (1 - 0.15) * (1 + 0.05) * fast.tokens_per_s
+    assert knee.tokens_per_s >= line
+    # nothing within the line uses less memory than the knee
+    assert all(c.peak_memory_bytes >= knee.peak_memory_bytes for c in fits if c.tokens_per_s >= line)
+    text = explain(plan)
+    assert re.search(rf"Fastest: b_m = {fast.micro_batch}\b.*--choose fastest", text)
+    assert not any("far past the kernel-efficiency knee" in x for x in plan.lints)
+    # --choose fastest gives the old answer, and names the knee beside it
+    pf = make_plan(replace(cfg, choose="fastest"))
+    assert pf.recommended is not None and pf.recommended.micro_batch == fast.micro_batch
+    assert re.search(rf"Knee: b_m = {knee.micro_batch}\b", explain(pf))
+    # the JSON carries both, and explain_result says the same as explain
+    d = plan.to_dict()
+    assert d["fastest"]["micro_batch"] == fast.micro_batch and d["knee"]["micro_batch"] == knee.micro_batch
+    assert explain_result(json.loads(json.dumps(d))) == text
+
+
+def test_knee_takes_the_larger_micro_batch_when_it_is_needed():
+    # ZeRO-3 across nodes at fixed B: b_m = 1 exposes the weight gathers of 8x the micro-steps
+    gpu = get_accelerator("a100-80gb").with_overrides(inter_node_bytes_per_s=12.5e9)
+    cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=gpu, global_batch=512, data_parallel=64,
+                     seq=2048, zero=(3,), recompute=("none",), micro_batches=(1, 8))  # fmt: skip
+    plan = make_plan(cfg)
+    by_b = {c.micro_batch: c for c in plan.candidates}
+    assert by_b[1].fits and by_b[8].fits
+    assert by_b[1].step_time_s > 2 * by_b[8].step_time_s  # the gathers are exposed
+    assert plan.recommended is not None and plan.recommended.micro_batch == 8
+    # a pipeline whose bubble b_m = 1 buries: the knee does not give up throughput for memory
+    plan_p = make_plan(_cfg(shape=get_model("llama-2-7b"), global_batch=64, pipeline_parallel=8,
+                            schedules=("1f1b",), recompute=("none",), zero=(0,)))  # fmt: skip
+    rec, fast = plan_p.recommended, plan_p.fastest
+    assert rec is not None and fast is not None
+    assert rec.tokens_per_s >= (1 - 0.15) * (1 + 0.05) * fast.tokens_per_s
+
+
+def test_knee_candidate_rule_by_hand():
+    from microbatch.predict.plan import knee_candidate
+
+    plan = make_plan(_cfg(data_parallel=2, global_batch=128))
+    k = knee_candidate(plan.candidates, tolerance=0.0, margin=0.0)
+    assert k.tokens_per_s == max(c.tokens_per_s for c in plan.candidates if c.fits)
+    k5 = knee_candidate(plan.candidates, tolerance=0.5, margin=0.0)
+    assert k5.peak_memory_bytes <= k.peak_memory_bytes
+    with pytest.raises(ConfigError, match="choose 'slowest'"):
+        _cfg(choose="slowest")
+    with pytest.raises(ConfigError, match="tolerance"):
+        _cfg(tolerance=1.5)
+
+
+def test_cli_plan_choose_flag(capsys):
+    args = [
+        "plan",
+        "--model",
+        "llama-3.2-1b",
+        "--gpu",
+        "h100",
+        "-B",
+        "256",
+        "-d",
+        "8",
+        "--seq",
+        "2048",
+        "--json",
+    ]
+    assert main(args) == 0
+    knee = json.loads(capsys.readouterr().out)
+    assert main([*args, "--choose", "fastest"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert knee["recommended"]["micro_batch"] == knee["knee"]["micro_batch"] == 1
+    assert (
+        fast["recommended"]["micro_batch"] == fast["fastest"]["micro_batch"] == knee["fastest"]["micro_batch"]
+    )
+    assert knee["choose"] == "knee" and fast["choose"] == "fastest"
+
+
+def test_dp_overlap_term_by_hand():
+    from microbatch.predict.roofline import allreduce_time_s, group_bandwidth, reduce_scatter_time_s
+
+    shape = get_model("llama-2-7b")
+    base = dict(shape=shape, gpu=A100, global_batch=256, data_parallel=32, seq=2048, micro_batches=(1,),
+                recompute=("none",), simulate_top=0)  # fmt: skip
+    for z in (0, 1):
+        on = make_plan(PlanConfig(**base, zero=(z,))).candidates[0]
+        off = make_plan(PlanConfig(**base, zero=(z,), dp_overlap=False)).candidates[0]
+        n = shape.param_count()  # p = t = 1: every parameter on every GPU
+        bw = group_bandwidth(A100, 32, 1)  # 32 ranks cross nodes: the network's bandwidth
+        reduce = (reduce_scatter_time_s if z == 1 else allreduce_time_s)(2 * n, 32, bw)
+        gather = 0.0 if z == 0 else 2 * n * 31 / 32 / bw
+        assert off.time["dp_comm_s"] == pytest.approx(reduce + gather, rel=1e-9)
+        assert on.time["dp_comm_s"] < off.time["dp_comm_s"]
+        assert off.step_time_s - on.step_time_s == pytest.approx(off.time["dp_comm_s"] - on.time["dp_comm_s"])

@@ -321,8 +321,9 @@ def test_aliases_resolve_to_one_spec():
 def test_names_filtered_by_what_the_spec_holds():
     from microbatch.schedules.registry import schedule_names
 
-    assert schedule_names(in_flight=True) == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+    assert schedule_names(in_flight=True) == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev")
     assert set(schedule_names(torch=True)) == {
+        "dualpipev",
         "gpipe",
         "1f1b",
         "interleaved-1f1b",
@@ -335,6 +336,8 @@ def test_names_filtered_by_what_the_spec_holds():
         "zb",
         "zero-bubble",
         "zb-v",
+        "dualpipe-v",
+        "dual-pipe-v",
     }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import tomllib  # stdlib: pyproject.toml requires Python >= 3.11
 
 import pytest
 
@@ -12,8 +14,6 @@ from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
 from microbatch.predict.plan import PlanConfig, make_plan
 from microbatch.show.export import export_plan
-
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,10 @@ def test_hf_training_arguments_built_for_real(flat_plan, tmp_path):
 def test_lightning_trainer_built_for_real(flat_plan):
     lightning = pytest.importorskip("lightning")
     ex = export_plan(flat_plan.recommended, "lightning")  # a Candidate works too
-    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, **ex.config["trainer"])  # fmt: skip
-    assert trainer.accumulate_grad_batches == 16
+    assert (ex.config["trainer"]["devices"], ex.config["trainer"]["num_nodes"]) == (1, 1)
+    trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, **ex.config["trainer"])  # fmt: skip
+    assert trainer.accumulate_grad_batches == 16 and trainer.num_devices == 1
     assert ex.config["dataloader"]["batch_size"] == 4
 
 
@@ -117,6 +118,8 @@ def test_cli_plan_then_export(tmp_path, capsys):
                 "2",
                 "-p",
                 "2",
+                "--zero",
+                "1",  # DeepSpeed's pipeline engine takes ZeRO 0 or 1 only
                 "--json",
             ]
         )
@@ -129,4 +132,142 @@ def test_cli_plan_then_export(tmp_path, capsys):
     assert cfg["train_batch_size"] == 64
     assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * 2 == 64
     assert main(["export", "--plan", str(tmp_path / "nope.json"), "--format", "hf"]) == 2
-    assert "cannot read --plan" in capsys.readouterr().err
+    assert re.search(r"--plan .*nope.json. does not exist", capsys.readouterr().err)
+
+
+# -- from a tune, and what each framework refuses ---------------------------------------------------
+def _tune_result(global_batch=64, data_parallel=2, precision="bf16-mixed", ckpt=False):
+    """A real TuneResult (knee chosen by recommend) from measured points, without probing."""
+    from microbatch.choose.config import ChoiceConfig
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.result import TuneResult
+    from microbatch.choose.search import curve_point
+    from microbatch.measure.probes import Measurement
+
+    curve = {1: 100.0, 2: 190.0, 4: 330.0, 8: 360.0, 16: 370.0}
+    pts = [Measurement(micro_batch=b, throughput=t, step_time_s=b / t, peak_memory_bytes=10**9 + b * 10**7,
+                       checkpointing=ckpt) for b, t in curve.items()]  # fmt: skip
+    choice = ChoiceConfig(global_batch=global_batch, data_parallel=data_parallel, reference="measured")
+    rec = recommend([curve_point(p) for p in pts], choice)
+    return TuneResult(points=pts, recommendation=rec, model="gpt2", seq=128, mode="train", device="cuda",
+                      device_name="NVIDIA H200", precision=precision, checkpointing="off", torch_version="x",
+                      memory_budget_bytes=None, memory_method="cuda", stop_reason="flat", skipped=[],
+                      interrupted=False, oom_events=0, probes=5, cached=0, wall_time_s=1.0)  # fmt: skip
+
+
+def test_tune_exports_keep_the_knee_and_global_batch(tmp_path):
+    from microbatch.envelope import envelope
+    from microbatch.show.export import export_result, export_tune
+
+    res = _tune_result()
+    data = envelope(res.to_dict(), "tune")  # as result.json holds it
+    b = res.recommendation.knee.micro_batch
+    assert b == 4  # 330 is within 15% of 370; 2 is not
+    ds = export_result(data, "deepspeed").config
+    assert (
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+        ds["train_batch_size"],
+    ) == (4, 8, 64)
+    _check_deepspeed(ds, world=2)
+    titan = tomllib.loads(export_tune(data, "torchtitan").text())
+    assert titan["training"]["local_batch_size"] == 4 and titan["training"]["seq_len"] == 128
+    lt = export_tune(res, "lightning")  # a TuneResult works too
+    assert lt.config["trainer"]["devices"] * lt.config["trainer"]["num_nodes"] == 2
+    assert any("NVIDIA H200" in n for n in lt.notes)
+    transformers = pytest.importorskip("transformers")
+    cfg = export_tune(_tune_result(data_parallel=1, precision="fp32", ckpt=True), "hf").config
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **cfg)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 16)
+    from microbatch.integrations.hf import checkpointing_setting
+
+    assert checkpointing_setting(args) is True and args.bf16 is False
+
+
+def test_a_tune_without_global_batch_is_refused():
+    from microbatch.show.export import export_tune
+
+    res = _tune_result()
+    d = res.to_dict()
+    d["global_batch"], d["grad_accum"] = None, None
+    with pytest.raises(ConfigError, match=r"without a global batch.*--global-batch"):
+        export_tune(d, "hf")
+
+
+def _check_deepspeed(cfg, world):
+    """DeepSpeed's documented rules (docs: config-json): the real DeepSpeedConfig when installed."""
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:
+        DeepSpeedConfig = None  # noqa: N806
+    if DeepSpeedConfig is not None:  # pragma: no cover - deepspeed is not a dev dependency
+        ds = DeepSpeedConfig(cfg, world_size=world)
+        assert ds.train_batch_size == cfg["train_batch_size"]
+        return
+    # train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel world size
+    assert (
+        cfg["train_batch_size"]
+        == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+    )
+    assert cfg["zero_optimization"]["stage"] in (0, 1, 2, 3)
+    assert not (cfg.get("bf16", {}).get("enabled") and cfg.get("fp16", {}).get("enabled"))
+
+
+def test_deepspeed_pipeline_with_zero_2_is_refused(pipe_plan):
+    d = pipe_plan.to_dict()
+    _check_deepspeed(export_plan(d, "deepspeed").config, world=2)
+    d["recommended"]["zero"] = 2
+    with pytest.raises(ConfigError, match=r"pipeline engine refuses ZeRO stage 2 .*p = 4.*--zero 1"):
+        export_plan(d, "deepspeed")
+
+
+def test_lightning_states_tensor_parallelism_and_builds_a_ddp_trainer(flat_plan):
+    lightning = pytest.importorskip("lightning")
+    d = flat_plan.to_dict()
+    d["recommended"].update(data_parallel=2, grad_accum=8, tensor_parallel=2, zero=3)
+    ex = export_plan(d, "lightning")
+    assert "strategy" not in ex.config["trainer"]  # not silently FSDP
+    assert any("ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)" in n for n in ex.notes)
+    assert ex.config["trainer"]["devices"] * ex.config["trainer"]["num_nodes"] == 4
+    d["recommended"].update(tensor_parallel=1, zero=0)
+    ex = export_plan(d, "lightning", gpus_per_node=1)
+    assert ex.config["trainer"] == {"accumulate_grad_batches": 8, "precision": "bf16-mixed", "devices": 1,
+                                    "num_nodes": 2, "strategy": "ddp"}  # fmt: skip
+    kw = dict(ex.config["trainer"], num_nodes=1, devices=2, precision="32-true")  # what runs on this CPU
+    trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **kw)
+    assert trainer.accumulate_grad_batches == 8 and trainer.num_devices == 2
+    with pytest.raises(ConfigError, match=r"2 processes .* do not fill nodes of 3"):
+        export_plan(d, "lightning", gpus_per_node=3)
+
+
+def test_cli_gpu_rules_and_output_paths(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb,h100-sxm", "-B", "64", "--json"]) == 0
+    cmp_file = tmp_path / "cmp.json"
+    cmp_file.write_text(capsys.readouterr().out)
+    # a multi-GPU plan needs --gpu
+    assert main(["export", "--plan", str(cmp_file), "--format", "hf"]) == 2
+    assert re.search(r"compares 2 accelerators \(a100-80gb, h100-sxm\).*--gpu", capsys.readouterr().err)
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"]) == 0
+    one = tmp_path / "one.json"
+    one.write_text(capsys.readouterr().out)
+    # --gpu that does not match a single-GPU plan is an error; one that matches is fine
+    assert main(["export", "--plan", str(one), "--format", "hf", "--gpu", "h100-sxm"]) == 2
+    assert "does not match the plan, which is for 'a100-80gb'" in capsys.readouterr().err
+    # -o into a missing folder: made, checked before the work
+    out = tmp_path / "missing_dir" / "x.json"
+    assert main(["export", "--plan", str(one), "--format", "hf", "--gpu", "a100-80gb", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["per_device_train_batch_size"] >= 1
+    capsys.readouterr()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["export", "--plan", str(one), "--format", "hf", "-o", str(blocker / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--output" in err and "cannot be written" in err and "Traceback" not in err
+    # a tune result: --tune DIR reads DIR/result.json
+    run = tmp_path / "run"
+    _tune_result().save(run)
+    assert main(["export", "--tune", str(run), "--format", "deepspeed", "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    assert env["command"] == "export" and env["config"]["train_batch_size"] == 64
+    assert main(["export", "--tune", str(run), "--plan", str(one), "--format", "hf"]) == 2
+    assert "exactly one of --plan" in capsys.readouterr().err

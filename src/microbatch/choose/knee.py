@@ -13,7 +13,7 @@ which no larger point gains τ per doubling. The derivation, and why τ = 0.15, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +148,9 @@ class Recommendation:
     margin: float = 0.0
     """μ: the knee had to reach (1 − τ)·(1 + μ)·reference (``BOUND_MARGIN`` with ``reference="bound"``,
     else 0)."""
+    left_out: tuple[tuple[int, str], ...] = ()
+    """Measured b_m not considered, each with why (over the budget, the latency limit, or b_m·d not
+    dividing B_global)."""
 
     @property
     def reference_throughput(self) -> float:
@@ -193,28 +196,46 @@ class Recommendation:
                 else None
             ),
             throughput_bound=self.bound.to_dict() if self.bound else None,
+            left_out=[{"micro_batch": b, "why": why} for b, why in self.left_out],
             bound_margin=self.margin,
         )
         return d
 
 
-def _candidates(measured: list[CurvePoint], choice: ChoiceConfig, data_parallel: int) -> list[CurvePoint]:
-    """The measured points that fit the budget, the latency limit and B_global (ConfigError if none)."""
+def _candidates(
+    measured: list[CurvePoint], choice: ChoiceConfig, data_parallel: int
+) -> tuple[list[CurvePoint], list[tuple[int, str]]]:
+    """The measured points that fit the budget, the latency limit and B_global (ConfigError if none),
+    and the b_m left out with why."""
     cands = measured
     why = []
+    left: list[tuple[int, str]] = []
+
+    def keep(ok: Callable[[CurvePoint], bool], reason: str) -> list[CurvePoint]:
+        left.extend((p.micro_batch, reason) for p in cands if not ok(p))
+        return [p for p in cands if ok(p)]
+
     budget = choice.memory_budget_bytes
     if budget is not None:
-        cands = [p for p in cands if p.peak_memory_bytes is None or p.peak_memory_bytes <= budget]
+        cands = keep(
+            lambda p: p.peak_memory_bytes is None or p.peak_memory_bytes <= budget, "over the memory budget"
+        )
         why.append(f"peak memory <= {budget} bytes")
     if choice.max_latency_ms is not None:
         if any(p.step_time_s is None for p in cands):
             raise ConfigError("--max-latency-ms needs step_time_s for every point; add a step_time_s column")
         limit_ms = choice.max_latency_ms
-        cands = [p for p in cands if p.step_time_s is not None and p.step_time_s * 1e3 <= limit_ms]
+        cands = keep(
+            lambda p: p.step_time_s is not None and p.step_time_s * 1e3 <= limit_ms,
+            f"step time over {limit_ms:g} ms",
+        )
         why.append(f"step time <= {choice.max_latency_ms} ms")
     if choice.global_batch is not None:
         per = choice.global_batch / data_parallel
-        cands = [p for p in cands if per == int(per) and int(per) % p.micro_batch == 0]
+        cands = keep(
+            lambda p: per == int(per) and int(per) % p.micro_batch == 0,
+            f"b_m × d = b_m × {data_parallel} does not divide global batch {choice.global_batch}",
+        )
         why.append(f"b_m x d = b_m x {data_parallel} divides global batch {choice.global_batch}")
     if not cands:
         raise ConfigError(
@@ -222,7 +243,7 @@ def _candidates(measured: list[CurvePoint], choice: ChoiceConfig, data_parallel:
             + ", ".join(str(p.micro_batch) for p in measured)
             + "; relax the limit or measure other sizes"
         )
-    return cands
+    return cands, left
 
 
 def recommend(
@@ -255,7 +276,7 @@ def recommend(
                 "(--checkpointing on), shorten the sequence (--seq) or raise the memory budget"
             )
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
-    cands = _candidates(measured, choice, data_parallel)
+    cands, left_out = _candidates(measured, choice, data_parallel)
     against_bound = reference == "bound" and choice.rule == "fraction"
     bound = throughput_bound(cands) if against_bound else None
     margin = BOUND_MARGIN if against_bound else 0.0
@@ -286,6 +307,7 @@ def recommend(
         reference=reference,
         bound=bound,
         margin=margin,
+        left_out=tuple(left_out),
     )
 
 
@@ -295,6 +317,7 @@ def points_from_records(
     """CurvePoints from dicts with ``micro_batch``, ``throughput``, optional ``peak_memory_bytes``,
     ``oom`` and ``step_time_s`` (extra keys are ignored; numbers may be strings, as in CSV). The
     field checks are :mod:`microbatch.records`'. Raises ConfigError naming the bad row."""
+    records = list(records)
     out = []
     for i, r in enumerate(records):
         if not isinstance(r, dict):
@@ -328,4 +351,14 @@ def points_from_records(
             raise ConfigError(f"{source}: row {i + 1}: {e}") from None
     if not out:
         raise ConfigError(f"{source}: no rows; give a list of {{micro_batch, throughput}} points")
+    rows: dict[tuple[int, object], list[int]] = {}
+    for i, r in enumerate(records):
+        rows.setdefault((out[i].micro_batch, r.get("checkpointing", False)), []).append(i + 1)
+    repeated = {k: v for k, v in rows.items() if len(v) > 1}
+    if repeated:
+        (b, _), where = next(iter(repeated.items()))
+        raise ConfigError(
+            f"{source}: micro_batch {b} appears {len(where)} times (rows {', '.join(map(str, where))}); repeats are "
+            "refused, not averaged: give one row per micro_batch (for example the median of your repeated runs)"
+        )
     return out

@@ -39,6 +39,7 @@ from microbatch.choose.probing import (
 )
 from microbatch.choose.result import TuneResult
 from microbatch.choose.search import OnPoint, SearchLog, curve_point, search
+from microbatch.choose.snapshot import gc_frozen, leave_no_trace
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
@@ -175,6 +176,29 @@ def _model_fingerprint(shape: Any, hf_config: str | None, backend: str) -> dict[
     return {"hf_config": json.loads((path if path.is_file() else path / "config.json").read_text())}
 
 
+def _preflight(
+    shape: Any,
+    hf_config: str | None,
+    probe: ProbeConfig,
+    search_config: SearchConfig,
+    choice: ChoiceConfig,
+    budget_source: str,
+) -> None:
+    """Every check that needs no model built: the walk, transformers, the sequence, the static memory."""
+    from microbatch.choose.preflight import check_seq, check_static_fits, check_walk
+    from microbatch.measure.hf import require_transformers
+    from microbatch.model import from_hf_config
+
+    check_walk(search_config, choice)
+    described = shape if shape is not None else from_hf_config(str(hf_config), seq=probe.seq)
+    if hf_config is not None:
+        require_transformers("--hf-config")
+    elif probe.backend == "hf":
+        require_transformers("--backend hf")
+    check_seq(described, probe.seq or described.seq)
+    check_static_fits(described, probe.mode, choice.memory_budget_bytes, budget_source)
+
+
 def tune_model(
     model: Any = None,
     *,
@@ -241,6 +265,7 @@ def tune_model(
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
     choice, budget_source = resolve_budget(choice, probe_config)
+    _preflight(shape, hf_config, probe_config, search_config, choice, budget_source)
     prober = open_prober(spec, probe_config, choice.memory_budget_bytes)
     fp = _model_fingerprint(shape, hf_config, probe_config.backend)
     fp["timing"] = spec.timing.__dict__
@@ -279,6 +304,10 @@ def tune(
     fields (``memory_budget_bytes=70 * 2**30, global_batch=1024``); ``device`` may be a
     ``torch.device``.
 
+    **No trace**: the model's parameters, buffers and gradients, the optimizer's state, the random
+    generators and ``model.training`` are restored bitwise when ``tune`` returns or raises
+    (:mod:`microbatch.choose.snapshot`; the copies are kept in host memory).
+
     Peak memory: CUDA allocator statistics on a GPU; on the CPU the process's peak RSS, reset
     before each probe (``/proc/self/clear_refs``), so the figure includes the whole process. There
     is no child process here: on the CPU an over-committed host can kill this process, so give a
@@ -303,6 +332,9 @@ def tune(
     )
     if search_config.use_cache is None:
         search_config = replace(search_config, use_cache=not dist)
+    from microbatch.choose.preflight import check_walk
+
+    check_walk(search_config, choice)
     params = list(model.parameters())
     if probe_config.device is not None:
         device = torch.device(probe_config.device)
@@ -340,4 +372,5 @@ def tune(
     setup = _Setup(
         model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
     )
-    return _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
+    with leave_no_trace(model, optimizer), gc_frozen():  # restored bitwise; probes' gc skips old objects
+        return _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)

@@ -26,6 +26,10 @@ __all__ = [
     "command_name",
     "emit",
     "write_result",
+    "check_out_dir",
+    "keep_result",
+    "flags_for",
+    "progress",
     "option_group",
     "model_options",
     "resolve_model",
@@ -109,6 +113,70 @@ def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(dumps(envelope(obj, command or command_name())) + "\n", encoding="utf-8")
     return p
+
+
+def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as a folder this process can write to (made if missing), checked before any work.
+
+    ConfigError naming the flag, the folder, why and the fix when it cannot be made or written.
+    """
+    import tempfile
+
+    from microbatch.errors import ConfigError
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".microbatch-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {str(path)!r} cannot be written ({e.strerror or e}); the results would be lost after the "
+            f"run: give {flag} a folder you can write to"
+        ) from None
+    return p
+
+
+def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple[Path, str | None]:
+    """:func:`write_result` to ``path``; if that fails now (the folder vanished, the disk filled), write it
+    beside, in the temporary folder, and return that path with a line saying why (else None)."""
+    import tempfile
+
+    try:
+        return write_result(path, obj, command), None
+    except OSError as e:
+        name = command or command_name()
+        fd, other = tempfile.mkstemp(prefix=f"microbatch-{name}-", suffix=".json")
+        os.close(fd)
+        kept = write_result(other, obj, command=name)
+        return kept, f"could not write {path} ({e.strerror or e}); the result was kept in {kept}"
+
+
+class flags_for:  # noqa: N801 - used as a context manager, named like one
+    """Context manager: a ConfigError whose message starts with a config field's name (``threads must
+    be ...``) is raised again with the flag's name (``--threads must be ...``): CLI messages speak in
+    flags, library messages in parameters."""
+
+    def __init__(self, *fields: str) -> None:
+        self.fields = fields
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        from microbatch.errors import ConfigError
+
+        if isinstance(exc, ConfigError) and type(exc) is ConfigError:
+            text = str(exc)
+            for field in sorted(self.fields, key=len, reverse=True):
+                if text.startswith(field + " ") or text.startswith(field.replace("_", " ") + " "):
+                    plain = field if text.startswith(field + " ") else field.replace("_", " ")
+                    raise ConfigError("--" + field.replace("_", "-") + text[len(plain) :]) from None
+
+
+def progress(text: str) -> None:
+    """One line of progress on stderr (a terminal or not: scripted and CI runs are not silent)."""
+    click.echo(text, err=True)
 
 
 def option_group(

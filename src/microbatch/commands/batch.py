@@ -31,7 +31,16 @@ def cmd(
     prints g = 16. With pipelining, g = m × k (m micro-batches per flush, k flushes).
     """
     from microbatch.batch import solve
+    from microbatch.errors import ConfigError
 
+    given = (global_batch, micro_batch, grad_accum, data_parallel)
+    if all(v is not None for v in given):
+        b, m, g, d = (int(v) for v in given)  # type: ignore[arg-type]  # all given: checked just above
+        if m * g * d != b:
+            raise ConfigError(
+                f"-B {b} != -b {m} × -g {g} × -d {d} = {m * g * d}; B_global = b_m × g × d must hold: "
+                "give three of -B, -b, -g, -d and the fourth is derived"
+            )
     cfg = solve(
         global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum, data_parallel=data_parallel
     )

@@ -40,7 +40,7 @@ def cmd(
     stages: int,
     microbatches: int,
     schedule_name: str,
-    virtual: int,
+    virtual: int | None,
     forward_time: float | None,
     input_time: float | None,
     weight_time: float | None,
@@ -59,7 +59,16 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from microbatch.schedules.registry import generate, get_spec
+    from microbatch.commands._schedule_inputs import check_times, resolve_virtual
+    from microbatch.schedules.registry import (
+        MAX_SIMULATED_ACTIONS,
+        check_servable,
+        check_simulable,
+        count_actions,
+        generate,
+        get_spec,
+        in_flight_formula,
+    )
     from microbatch.schedules.simulate import (
         ZB_IDLE_SCHEDULES,
         bubble_fraction,
@@ -69,14 +78,31 @@ def cmd(
     )
 
     spec = get_spec(schedule_name)
-    schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
+    notes: list[str] = []
+    virtual = resolve_virtual(spec, virtual, notes)
+    check_servable(spec.name, stages, microbatches, virtual)
+    check_times(forward_time=forward_time, input_time=input_time, weight_time=weight_time)
     result: dict[str, Any] = {
         "schedule": spec.name,
         "stages": stages,
         "microbatches": microbatches,
         "virtual": virtual,
     }
-    notes: list[str] = []
+    # A closed form needs no schedule: build and simulate only for a diagram, or where no closed
+    # form exists, and never past the simulation limit (stated up front).
+    closed = (spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe")) or (
+        spec.split_backward and spec.name in ZB_IDLE_SCHEDULES
+    )
+    too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
+    if not closed:
+        check_simulable(spec.name, stages, microbatches, virtual)
+    elif too_big and not no_diagram:
+        notes.append(
+            f"no diagram: {count_actions(spec.name, stages, microbatches, virtual):,} actions is over the "
+            f"simulation limit of {MAX_SIMULATED_ACTIONS:,}; the numbers are the closed form"
+        )
+    run_sim = not closed or (not no_diagram and not too_big)
+    sim = None
     if spec.split_backward:
         given = [t is not None for t in (forward_time, input_time, weight_time)]
         tf, ti, tw = (1.0 if t is None else t for t in (forward_time, input_time, weight_time))
@@ -85,12 +111,19 @@ def cmd(
                 f"times T_F = {tf:g}, T_I = {ti:g}, T_W = {tw:g}"
                 + (" (defaults; give --forward-time, --input-time, --weight-time)" if not any(given) else "")
             )
-        sim = simulate(schedule, forward_time=tf, input_time=ti, weight_time=tw)
+        if run_sim:
+            sim = simulate(
+                generate(spec.name, stages, microbatches, virtual),
+                forward_time=tf,
+                input_time=ti,
+                weight_time=tw,
+            )
         busy = microbatches * virtual * (tf + ti + tw)
         if spec.name in ZB_IDLE_SCHEDULES:
             idle = zb_idle_time(spec.name, stages, tf, ti, tw)
             result["method"] = "closed form: Qi et al. 2024 (Zero Bubble PP), Table 2"
         else:
+            assert sim is not None  # no closed form: simulated above
             idle = sum(sim.idle) / stages
             result["method"] = "simulation (no closed form for this schedule)"
         result["times"] = {"forward": tf, "input": ti, "weight": tw}
@@ -105,26 +138,44 @@ def cmd(
         ):
             if t is not None:
                 notes.append(f"{flag} ignored: the {spec.name} bubble does not depend on op times")
-        sim = simulate(schedule, forward_time=1.0, backward_time=2.0)
-        if spec.fill_drain_bubble:
+        if run_sim:
+            sim = simulate(
+                generate(spec.name, stages, microbatches, virtual), forward_time=1.0, backward_time=2.0
+            )
+        if closed:
             result["method"] = (
                 "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
             )
             result["bubble_fraction"] = bubble_fraction(stages, microbatches, virtual)
             result["bubble_ratio"] = bubble_ratio(stages, microbatches, virtual)
-            if abs(sim.bubble_fraction - result["bubble_fraction"]) > 1e-9:
-                notes.append(
-                    f"torch's {spec.name} order idles more than the closed form here (m < p): simulated "
-                    f"fraction {pct(sim.bubble_fraction)}"
-                )
         else:
-            result["method"] = "simulation with T_B = 2 T_F (no closed form for this schedule)"
+            assert sim is not None
+            if (
+                spec.fill_drain_bubble
+                and abs(sim.bubble_fraction - bubble_fraction(stages, microbatches, virtual)) > 1e-9
+            ):
+                notes.append(
+                    f"m < p: the closed form (p−1)/(v·m+p−1) = {pct(bubble_fraction(stages, microbatches, virtual))} "
+                    f"does not hold; torch's {spec.name} order idles {pct(sim.bubble_fraction)} (simulated)"
+                )
+            result["method"] = "simulation with T_B = 2 T_F (no closed form for this schedule here)"
             result["bubble_fraction"] = sim.bubble_fraction
             result["bubble_ratio"] = sim.bubble_ratio
     result["fraction_is"] = "idle / total stage time"
     result["ratio_is"] = "idle / ideal busy time (Megatron)"
-    result["simulated_bubble_fraction"] = sim.bubble_fraction
-    result["peak_in_flight"] = list(sim.peak_in_flight)
+    result["simulated_bubble_fraction"] = sim.bubble_fraction if sim is not None else None
+    if spec.in_flight is not None:
+        result["peak_in_flight"] = in_flight_formula(spec.name, stages, microbatches, virtual)
+    else:
+        assert sim is not None or not closed
+        if sim is None:
+            sim = simulate(
+                generate(spec.name, stages, microbatches, virtual),
+                forward_time=1.0,
+                input_time=1.0,
+                weight_time=1.0,
+            )
+        result["peak_in_flight"] = list(sim.peak_in_flight)
     result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
     result["notes"] = notes
 
@@ -140,7 +191,7 @@ def cmd(
             lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
         lines.append(f"  method: {result['method']}")
         lines += [f"  note: {n}" for n in notes]
-        if not no_diagram:
+        if not no_diagram and sim is not None:
             lines.append("")
             lines.append(
                 render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=use_color())

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from microbatch.commands._common import emit, json_option, write_result
+from microbatch.commands._common import check_out_dir, emit, json_option, write_result
 
 __all__ = ["cmd"]
 
@@ -63,8 +63,10 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     from microbatch.show.text import render_timeline_text
 
     quiet = as_json
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from microbatch.model import get_model
+
+    get_model(model_name)  # an unknown name fails here, before any work
+    out = check_out_dir(out_dir)  # made and written to before any work: no result lost at the end
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"out": str(out)}
     t_start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""``microbatch export``: a plan as a DeepSpeed, Hugging Face, Lightning or torchtitan config."""
+"""``microbatch export``: a plan or a tune as a DeepSpeed, Hugging Face, Lightning or torchtitan config."""
 
 from __future__ import annotations
 
@@ -9,44 +9,91 @@ from microbatch.commands._common import emit, json_option, write_result
 __all__ = ["cmd"]
 
 
+def _check_output(output: str) -> None:
+    """ConfigError unless ``output`` can be written: its folder is made (as result files' are) and
+    tried with a temporary file, before any work."""
+    import tempfile
+    from pathlib import Path
+
+    from microbatch.errors import ConfigError
+
+    p = Path(output)
+    if p.is_dir():
+        raise ConfigError(
+            f"--output {output!r} is a folder; give a file name, e.g. {output.rstrip('/')}/config.json"
+        )
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".microbatch-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"--output {output!r} cannot be written ({e.strerror or e}); give a path in a folder you can write to"
+        ) from None
+
+
 @click.command("export")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), help="Output of `plan --json`.")
 @click.option(
-    "--plan", "plan_path", required=True, type=click.Path(dir_okay=False), help="Output of `plan --json`."
+    "--tune",
+    "tune_path",
+    type=click.Path(),
+    help="A tune's result (`tune --out DIR`: DIR or DIR/result.json).",
 )
 @click.option(
     "--format", "fmt", required=True, type=click.Choice(["deepspeed", "hf", "lightning", "torchtitan"]),
     help="Target framework.",
 )  # fmt: skip
-@click.option("--gpu", help="With a multi-GPU comparison: which accelerator's plan to export.")
+@click.option("--gpu", help="With a multi-GPU plan (required there): which accelerator's plan to export.")
+@click.option(
+    "--gpus-per-node", type=click.IntRange(min=1), help="Lightning: accelerators per node (default: up to 8)."
+)
 @click.option(
     "--output", "-o", type=click.Path(dir_okay=False), help="Write the config here instead of stdout."
 )
 @json_option
-def cmd(plan_path: str, fmt: str, gpu: str | None, output: str | None, as_json: bool) -> None:
-    """Write the plan's recommendation in a framework's terms; B_global = b_m × g × d is kept.
+def cmd(
+    plan_path: str | None,
+    tune_path: str | None,
+    fmt: str,
+    gpu: str | None,
+    gpus_per_node: int | None,
+    output: str | None,
+    as_json: bool,
+) -> None:
+    """Write a plan's recommendation or a tune's knee in a framework's terms; B_global = b_m × g × d is kept.
 
     \b
     Example: microbatch plan --model gpt2 --gpu a100-80gb -B 512 -d 8 --json > plan.json
              microbatch export --plan plan.json --format deepspeed > ds_config.json
+             microbatch tune --model small -B 256 --out run1
+             microbatch export --tune run1 --format hf
     Notes on what the format cannot express go to stderr.
     """
-    import json
     from pathlib import Path
 
     from microbatch.errors import ConfigError
-    from microbatch.show.export import export_plan
+    from microbatch.records import load_json
+    from microbatch.show.export import export_plan, export_tune
 
-    try:
-        data = json.loads(Path(plan_path).read_text())
-    except OSError as e:
+    if (plan_path is None) == (tune_path is None):
         raise ConfigError(
-            f"cannot read --plan {plan_path!r} ({e.strerror}); give the file `plan --json` wrote"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"--plan {plan_path!r} is not JSON ({e}); give the output of `microbatch plan --json`"
-        ) from None
-    ex = export_plan(data, fmt, gpu=gpu)
+            "give exactly one of --plan (a `plan --json` file) or --tune (a tune's result.json)"
+        )
+    if output:
+        _check_output(output)
+    if plan_path is not None:
+        data = load_json(plan_path, what="--plan", fix="give the file `microbatch plan --json` wrote")
+        ex = export_plan(data, fmt, gpu=gpu, gpus_per_node=gpus_per_node)
+    else:
+        if gpu is not None:
+            raise ConfigError(
+                "--gpu picks one plan of a multi-GPU plan; a tune result has one device: drop --gpu"
+            )
+        data = load_json(
+            str(tune_path), what="--tune", fix="give the result.json `microbatch tune --out DIR` wrote"
+        )
+        ex = export_tune(data, fmt, gpus_per_node=gpus_per_node)
     payload = {"format": ex.format, "config": ex.config, "notes": list(ex.notes)}
     if output and as_json:
         write_result(output, payload)

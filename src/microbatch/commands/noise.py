@@ -8,12 +8,57 @@ from typing import Any
 
 import click
 
-from microbatch.commands._common import emit, json_option, model_options, resolve_model
+from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
 
-__all__ = ["cmd", "MAX_PARAMS"]
+__all__ = ["cmd", "MAX_PARAMS", "predicted_bytes"]
 
 MAX_PARAMS = 500_000_000
 """Largest model this CPU demonstration builds (fp32 weights, gradients and a copy: about 6 GB)."""
+
+
+def predicted_bytes(shape: Any, global_batch: int, micro_batch: int) -> dict[str, float]:
+    """What the demonstration holds at its peak, by part, before anything is built.
+
+    fp32 weights, gradients and the first micro-batch's gradient copy (12 B/param); the batch of
+    token ids and the sampler's buffer of the same size (2 × 8 B per token); the activations of
+    one micro-batch at fp32 with plain attention (Korthikanti et al. 2022 per layer, plus the logits,
+    :mod:`microbatch.predict.activations`).
+    """
+    from microbatch.predict.activations import layer_activation_bytes, output_activation_bytes
+
+    acts = shape.layers * layer_activation_bytes(
+        shape, micro_batch, dtype_bytes=4, flash_attention=False
+    ) + output_activation_bytes(shape, micro_batch, dtype_bytes=4)
+    return {
+        "model_state": 12.0 * shape.param_count(),
+        "tokens": 2.0 * 8 * global_batch * shape.seq,
+        "activations": float(acts),
+    }
+
+
+def _check_memory(shape: Any, global_batch: int, micro_batch: int) -> None:
+    """ConfigError, before the model is built, when the run is predicted not to fit 80% of the host's
+    available memory (the same limit ``tune`` puts on its probes)."""
+    from microbatch.choose.probing import cpu_default_limit
+    from microbatch.errors import ConfigError
+    from microbatch.units import format_bytes
+
+    limit = cpu_default_limit()
+    parts = predicted_bytes(shape, global_batch, micro_batch)
+    need = sum(parts.values())
+    if limit is not None and need > limit:
+        big = max(parts, key=lambda k: parts[k])
+        fix = {
+            "tokens": "lower --global-batch (the token ids of one step are held at once)",
+            "activations": "lower --micro-batch or --seq",
+            "model_state": "use a smaller model",
+        }[big]
+        raise ConfigError(
+            f"noise on {shape.name} (seq {shape.seq}, B_global {global_batch}, b_m {micro_batch}) needs about "
+            f"{format_bytes(need, unit='GiB')} ("
+            + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v, unit='GiB')}" for k, v in parts.items())
+            + f"), over 80% of the available memory, {format_bytes(limit, unit='GiB')}; {fix}"
+        )
 
 
 @click.command("noise")
@@ -74,13 +119,16 @@ def cmd(
         )
     if shape.seq < 2:
         raise ConfigError(f"--seq {shape.seq} leaves no next-token target; use --seq 2 or more")
+    _check_memory(shape, global_batch, micro_batch)
     model = build_model(shape, seed=seed)
     vocab, s = shape.vocab, shape.seq
     gen = torch.Generator().manual_seed(seed + 1)
     zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
 
     def batches() -> Iterator[torch.Tensor]:
-        for _ in range(steps):
+        for i in range(steps):
+            if not as_json:  # one line per step on stderr, a terminal or not
+                progress(f"noise: step {i + 1}/{steps}")
             yield torch.multinomial(zipf, global_batch * s, replacement=True, generator=gen).view(
                 global_batch, s
             )

@@ -28,7 +28,9 @@ __all__ = ["cmd"]
     + ", ".join(a for a in schedule_names(torch=True, aliases=True) if a not in schedule_names())
     + ").",
 )
-@click.option("--virtual", "-v", type=int, default=None, help="v: stages per rank (default 1; zbv: 2).")
+@click.option(
+    "--virtual", "-v", type=int, default=None, help="v: stages per rank (default 1; zbv and dualpipev: 2)."
+)
 @click.option(
     "--model", default="tiny", show_default=True, help="Built-in model (tiny, small) or module:function."
 )
@@ -77,6 +79,13 @@ __all__ = ["cmd"]
     help="Draw the measured timeline as PNG.",
 )
 @click.option("--width", type=int, default=100, show_default=True, help="Columns of the terminal diagrams.")
+@click.option(
+    "--predict/--no-predict",
+    "predict_first",
+    default=True,
+    show_default=True,
+    help="Predict bubble and step time before the run (one-process profile + a tiny runtime calibration run).",
+)
 @json_option
 def cmd(
     stages: int,
@@ -96,6 +105,7 @@ def cmd(
     svg_path: str | None,
     png_path: str | None,
     width: int,
+    predict_first: bool,
     as_json: bool,
 ) -> None:
     """Split a model into p stages, train it N steps under torch's pipeline schedule and measure.
@@ -110,14 +120,19 @@ def cmd(
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
     from microbatch.commands._common import use_color
+    from microbatch.commands._schedule_inputs import check_output_path, resolve_virtual
     from microbatch.run.launch import run_external, run_pipeline, under_torchrun
     from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.registry import torch_spec
     from microbatch.show.pipeline_report import chrome_trace, measured_rows_ms, render
 
     spec = torch_spec(schedule)
-    if virtual is None:
-        virtual = 2 if spec.placement == "v" else 1  # a V holds exactly two stages per rank
+    notes: list[str] = []
+    virtual = resolve_virtual(spec, virtual, notes)  # a V holds exactly two stages per rank
+    # every output path is checked before any process starts
+    check_output_path(trace, "--trace", (".json",))
+    check_output_path(svg_path, "--svg", (".svg",))
+    check_output_path(png_path, "--png", (".png",))
     cfg = PipelineConfig(
         schedule=spec.name,
         stages=stages,
@@ -140,28 +155,68 @@ def cmd(
         if report is None:  # not rank 0: rank 0 prints
             _exit_rank()
     else:
-        report = run_pipeline(cfg)
+        if predict_first:
+            from microbatch.run.pipeline_profile import run_predicted
+
+            report = run_predicted(cfg)
+        else:
+            report = run_pipeline(cfg)
+    report["notes"] = notes
+    failed = (
+        False  # a file that cannot be written after the run: the result is kept, printed and saved beside
+    )
     if trace:
-        with open(trace, "w") as f:
-            f.write(dumps(chrome_trace(report)))
-        report["trace"] = str(trace)
+        failed |= not _write(report, "trace", trace, lambda: dumps(chrome_trace(report)))
     rows_ms = measured_rows_ms(report)
     title = f"measured {report['schedule']}: p = {stages}, m = {microbatches}" + (
         f", v = {virtual}" if virtual > 1 else ""
     )
     if svg_path:
-        from microbatch.show.text import save_timeline_svg
+        from microbatch.show.text import timeline_svg
 
-        save_timeline_svg(rows_ms, None, svg_path, title=title, time_unit="ms")
-        report["svg"] = str(svg_path)
+        failed |= not _write(
+            report, "svg", svg_path, lambda: timeline_svg(rows_ms, None, title=title, time_unit="ms")
+        )
     if png_path:
         from microbatch.show.text import save_timeline_png
 
-        save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
-        report["png"] = str(png_path)
+        try:
+            save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
+            report["png"] = str(png_path)
+        except OSError as e:
+            notes.append(f"could not write --png {png_path} ({e}); the result is printed below")
+            failed = True
+    if failed:
+        _keep_beside(report, notes)
     emit(report, as_json, lambda: render(report, width, color=use_color()))
     if external:
         _exit_rank()
+    if failed:
+        raise SystemExit(1)
+
+
+def _write(report: dict[str, Any], key: str, path: str, text: Any) -> bool:
+    """Write ``text()`` to ``path`` and record it under ``report[key]``; on failure add a note and
+    return False (the run's result is never lost to a late error)."""
+    try:
+        with open(path, "w") as f:
+            f.write(text())
+    except OSError as e:
+        report["notes"].append(f"could not write --{key} {path} ({e.strerror or e})")
+        return False
+    report[key] = str(path)
+    return True
+
+
+def _keep_beside(report: dict[str, Any], notes: list[str]) -> None:
+    """Save the whole result as JSON in the temporary folder and say where."""
+    import os
+    import tempfile
+
+    fd, keep = tempfile.mkstemp(prefix="microbatch-pipeline-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(dumps(report))
+    notes.append(f"the whole result is kept in {keep}")
 
 
 def _exit_rank() -> NoReturn:

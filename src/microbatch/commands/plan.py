@@ -57,6 +57,14 @@ __all__ = ["cmd"]
     metavar="KEY=VALUE",
     help="Override an accelerator figure, e.g. inter_node_bytes_per_s=25e9 or bf16=250e12 (repeatable).",
 )
+@click.option(
+    "--dp-overlap/--no-dp-overlap", "dp_overlap", default=True, show_default=True,
+    help="Gradient all-reduce behind the last backward (PyTorch DDP) or after it (Megatron-LM's local DDP).",
+)  # fmt: skip
+@click.option(
+    "--choose", type=click.Choice(["knee", "fastest"]), default="knee", show_default=True,
+    help="knee: least memory within 15% (and a 5% margin) of the fastest, as tune chooses; fastest: the fastest that fits.",
+)  # fmt: skip
 @click.option("--all", "all_rows", is_flag=True, help="Table of the best candidates instead of one per b_m.")
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
@@ -64,9 +72,10 @@ def cmd(
     model_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, layers_per_stage: str | None,
-    memory_headroom: float | None, gpu_set: tuple[str, ...], all_rows: bool, calibration: str | None, as_json: bool,
+    memory_headroom: float | None, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
+    calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
-    """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the fastest that fits.
+    """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the knee (or the fastest) that fits.
 
     \b
     Example: microbatch plan --model llama-2-7b --gpu a100-80gb --global-batch 64 -p 4
@@ -102,6 +111,8 @@ def cmd(
         optimizer=optimizer,
         flash_attention=flash,
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
+        choose=choose,
+        dp_overlap=dp_overlap,
     )
     applied = []
     if calibration:

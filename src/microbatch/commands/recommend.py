@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from microbatch.commands._common import choice_config, choice_options, emit, json_option
+from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option
 from microbatch.errors import ConfigError
 
 __all__ = ["cmd", "read_rows"]
@@ -25,9 +25,23 @@ def read_rows(path: str) -> list[Any]:
     from microbatch.records import result_points
 
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"--measurements {path!r} is a folder; give a JSON or CSV file of points (tune --out writes result.json in its folder)"
+        )
     if not p.is_file():
-        raise ConfigError(f"measurements file {path!r} does not exist; give a JSON or CSV file of points")
-    text = p.read_text()
+        raise ConfigError(f"--measurements {path!r} does not exist; give a JSON or CSV file of points")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"--measurements {path!r} cannot be read ({e}); give a JSON or CSV text file"
+        ) from None
+    if not text.strip():
+        raise ConfigError(
+            f"--measurements {path!r} is empty; give a JSON list of points or a CSV with a header "
+            "micro_batch,throughput[,peak_memory_bytes,oom,step_time_s]"
+        )
     if text.lstrip().startswith(("[", "{")):
         try:
             data = json.loads(text)
@@ -68,7 +82,8 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     from microbatch.choose.knee import points_from_records, recommend
     from microbatch.show.recommendation import render_recommendation
 
-    choice = choice_config(choice_spec)
+    with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
+        choice = choice_config(choice_spec)
     rows = read_rows(measurements)
     points = points_from_records(rows, source=measurements)
     d = recommend(points, choice).to_dict()

@@ -181,7 +181,7 @@ def cmd(
     stages: int,
     microbatches: int,
     schedule_name: str,
-    virtual: int,
+    virtual: int | None,
     forward_time: float | None,
     backward_time: float | None,
     input_time: float | None,
@@ -203,7 +203,8 @@ def cmd(
     ranks); each rank runs its own list in order, as torch does. Times are in any unit.
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
-    from microbatch.schedules.registry import generate, get_spec
+    from microbatch.commands._schedule_inputs import check_output_path, check_times, resolve_virtual
+    from microbatch.schedules.registry import check_servable, check_simulable, generate, get_spec
     from microbatch.schedules.simulate import (
         ZB_IDLE_SCHEDULES,
         bubble_fraction,
@@ -213,7 +214,21 @@ def cmd(
     )
 
     spec = get_spec(schedule_name)
-    schedule = generate(spec.name, stages, microbatches, virtual)  # checks that it can serve (p, m, v)
+    notes: list[str] = []
+    virtual = resolve_virtual(spec, virtual, notes)
+    # everything that can be checked before the work: sizes, times, output paths
+    check_servable(spec.name, stages, microbatches, virtual)
+    check_simulable(spec.name, stages, microbatches, virtual)
+    check_times(
+        forward_time=forward_time,
+        backward_time=backward_time,
+        input_time=input_time,
+        weight_time=weight_time,
+        comm_time=comm_time,
+    )
+    check_output_path(svg_path, "--svg", (".svg",))
+    check_output_path(png_path, "--png", (".png",))
+    schedule = generate(spec.name, stages, microbatches, virtual)
     times = resolve_times(
         spec,
         schedule,
@@ -230,6 +245,7 @@ def cmd(
     result["fraction_is"] = "idle / total stage time"
     result["ratio_is"] = "idle / ideal busy time (Megatron)"
     result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
+    result["notes"] = notes
     uniform = not stage_times and comm_time == 0
     # The closed forms hold for equal stages and no comm time, and for m >= p (GPipe's for every m).
     if uniform and spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"):
@@ -250,16 +266,25 @@ def cmd(
         result["activations_unit"] = "activation chunks: one micro-batch's activations of one virtual stage"
     rows = sim.timeline_rows()
     title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
+    failed = False  # a chart that cannot be written (checked above, so rare): the numbers are still printed
     if svg_path:
         from microbatch.show.text import save_timeline_svg
 
-        save_timeline_svg(rows, sim.makespan, svg_path, title=title, time_unit=time_unit)
-        result["svg"] = str(svg_path)
+        try:
+            save_timeline_svg(rows, sim.makespan, svg_path, title=title, time_unit=time_unit)
+            result["svg"] = str(svg_path)
+        except OSError as e:
+            notes.append(f"could not write --svg {svg_path} ({e.strerror or e}); the result is printed here")
+            failed = True
     if png_path:
         from microbatch.show.text import save_timeline_png
 
-        save_timeline_png(rows, sim.makespan, png_path, title=title, time_unit=time_unit)
-        result["png"] = str(png_path)
+        try:
+            save_timeline_png(rows, sim.makespan, png_path, title=title, time_unit=time_unit)
+            result["png"] = str(png_path)
+        except OSError as e:
+            notes.append(f"could not write --png {png_path} ({e.strerror or e}); the result is printed here")
+            failed = True
 
     def render() -> str:
         from microbatch.show.text import render_stats_table, render_timeline_text
@@ -280,6 +305,7 @@ def cmd(
             lines.append(
                 f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  (Qi et al. 2024, Table 2)"
             )
+        lines += [f"  note: {n}" for n in notes]
         lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
         if not no_diagram:
             lines += [
@@ -292,3 +318,5 @@ def cmd(
         return "\n".join(lines)
 
     emit(result, as_json, render)
+    if failed:
+        raise SystemExit(1)

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from microbatch.commands._common import (
+    check_out_dir,
     choice_config,
     choice_options,
     emit,
+    flags_for,
     json_option,
+    keep_result,
     model_options,
-    write_result,
+    progress,
 )
 from microbatch.precision import MEASURABLE
 
@@ -28,7 +30,59 @@ if TYPE_CHECKING:
     from microbatch.choose.search import OnPoint
     from microbatch.measure.timing import TimingConfig
 
-__all__ = ["cmd"]
+__all__ = ["cmd", "SMALL_CPU", "cpu_timing_defaults"]
+
+SMALL_CPU = 4
+"""On a CPU with this many cores or fewer, tune defaults to one thread and the process clock.
+
+Measured on a 2-core machine (BENCHMARKS.md, issue 18): ``tune --model small --memory-budget 4GiB
+-B 256`` took 126 s with torch's threads and the wall clock (226 tokens/s at b_m 1, knee 64: the
+probe's threads fought the other processes for two cores) against seconds with ``--threads 1
+--clock process``; on a large machine torch's threads are what a user's run gets."""
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_timing_defaults(
+    threads: int | None, clock: str | None, cores: int | None = None
+) -> tuple[int | None, str, str]:
+    """(threads, clock, a line saying why) for a CPU tune: the flags given, the rest from the cores."""
+    from microbatch.errors import ConfigError
+
+    n = _cores() if cores is None else cores
+    if threads is None and clock is None:
+        if n <= SMALL_CPU:
+            return (
+                1,
+                "process",
+                (
+                    f"timing: 1 thread, process clock ({n} cores detected: steadier where other work shares "
+                    "the cores; --threads/--clock to change)"
+                ),
+            )
+        return (
+            None,
+            "wall",
+            f"timing: torch's threads, wall clock ({n} cores detected; --threads/--clock to change)",
+        )
+    if clock is None:
+        clock = "process" if threads == 1 else "wall"
+    if clock == "process" and threads is not None and threads != 1:
+        raise ConfigError(
+            f"--clock process with --threads {threads}: the process clock adds up the CPU time of every thread, "
+            "so it would not measure the step; use --threads 1 with --clock process, or --clock wall"
+        )
+    if clock == "process" and threads is None:
+        threads = 1
+    what = "torch's threads" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
+    return threads, clock, f"timing: {what}, {clock} clock (as given)"
 
 
 def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -54,13 +108,13 @@ def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": resolve_model(model_spec, default="small")}
 
 
-def _timing(device: str, repeats: int | None, clock: str) -> TimingConfig | None:
+def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig | None:
     """The probe timing of ``--repeats`` and ``--clock`` (None: the device's default)."""
     from microbatch.choose.probing import default_timing
     from microbatch.errors import check_positive_int
     from microbatch.measure.timing import TimingConfig
 
-    if repeats is None and clock == "wall":
+    if repeats is None and clock in ("wall", None):
         return None
     base = default_timing(device)
     if repeats is not None:
@@ -72,7 +126,7 @@ def _timing(device: str, repeats: int | None, clock: str) -> TimingConfig | None
         max_repeats=most,
         max_time_s=base.max_time_s,
         rel_tol=base.rel_tol,
-        clock=clock,
+        clock=clock or "wall",
     )
 
 
@@ -123,14 +177,15 @@ def _timing(device: str, repeats: int | None, clock: str) -> TimingConfig | None
 @click.option(
     "--clock",
     type=click.Choice(["wall", "process"]),
-    default="wall",
-    show_default=True,
-    help="CPU timing clock; process (the probe's CPU time, with --threads 1) is steadier on a shared machine.",
+    default=None,
+    help="CPU timing clock; process (the probe's CPU time, with --threads 1) is steadier on a shared machine. "
+    f"Default: process with one thread on a CPU of {SMALL_CPU} cores or fewer, wall otherwise.",
 )
 @click.option(
     "--threads",
     type=int,
-    help="torch threads in the probe process (default: torch's; 1 is steadier on a shared CPU).",
+    help=f"torch threads in the probe process (default: 1 on a CPU of {SMALL_CPU} cores or fewer, "
+    "where other work competes for the cores; torch's own above).",
 )
 @click.option(
     "--use-cache/--no-cache",
@@ -145,7 +200,7 @@ def cmd(
     choice_spec: dict[str, Any],
     out: str | None,
     repeats: int | None,
-    clock: str,
+    clock: str | None,
     as_json: bool,
     **flags: Any,
 ) -> None:
@@ -159,7 +214,9 @@ def cmd(
     sequence, so tune at that length. On the CPU each probe runs in a child process under a
     hard memory limit (--memory-budget, or 80% of the available memory), so an out-of-memory
     ends only the child. Results are cached ($MICROBATCH_CACHE_DIR, default
-    ~/.cache/microbatch); Ctrl-C keeps what was measured.
+    ~/.cache/microbatch); Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
+    Every setting, the output folder and the model's static memory are checked before the
+    first probe; progress goes to stderr, one line per probe.
 
     \b
     It doubles b_m from --start and stops when the knee is settled (1 / the slope of a line
@@ -172,33 +229,44 @@ def cmd(
     from microbatch.show.recommendation import render_tune
 
     device = flags["device"]
-    probe = ProbeConfig(
-        mode=flags["mode"],
-        seq=model_spec.get("seq"),
-        device=device,
-        precision=flags["precision"],
-        backend=flags["backend"],
-        timing=_timing(device, repeats, clock),
-        threads=flags["threads"],
-    )
-    search = SearchConfig(
-        start=flags["start"],
-        max_micro_batch=flags["max_micro_batch"],
-        patience=flags["patience"],
-        refine=flags["refine"],
-        checkpointing=flags["checkpointing"],
-        use_cache=flags["use_cache"],
-    )
-    choice = choice_config(choice_spec)
+    threads, timing_line = flags["threads"], None
+    if device.split(":")[0] == "cpu":
+        threads, clock, timing_line = cpu_timing_defaults(threads, clock)
+    elif clock is None:
+        clock = "wall"
+    with flags_for("threads", "seq", "start", "max_micro_batch", "patience", "max_latency_ms", "tolerance",
+                   "memory_headroom", "global_batch", "data_parallel", "device"):  # fmt: skip
+        probe = ProbeConfig(
+            mode=flags["mode"],
+            seq=model_spec.get("seq"),
+            device=device,
+            precision=flags["precision"],
+            backend=flags["backend"],
+            timing=_timing(device, repeats, clock),
+            threads=threads,
+        )
+        search = SearchConfig(
+            start=flags["start"],
+            max_micro_batch=flags["max_micro_batch"],
+            patience=flags["patience"],
+            refine=flags["refine"],
+            checkpointing=flags["checkpointing"],
+            use_cache=flags["use_cache"],
+        )
+        choice = choice_config(choice_spec)
     target = _target(model_spec)
+    out_dir = check_out_dir(out) if out else None  # before any probe: a result is never lost to a bad path
 
-    progress = None
-    on_point: OnPoint | None = None
-    if not as_json and sys.stderr.isatty():
-        progress, on_point = _progress(search.start)
+    live = None
+    if sys.stderr.isatty() and not as_json:
+        live, on_point = _progress(search.start)
+    else:
+        on_point = _lines()
+    if timing_line:
+        on_point = _first_say(timing_line, on_point)  # once work starts: a refusal stays one line
     try:
-        if progress is not None:
-            progress.start()
+        if live is not None:
+            live.start()
         result = tune_model(
             target.get("model"),
             hf_config=target.get("hf_config"),
@@ -208,14 +276,56 @@ def cmd(
             on_point=on_point,
         )
     finally:
-        if progress is not None:
-            progress.stop()
+        if live is not None:
+            live.stop()
     d = result.to_dict()
-    if out:
-        path = write_result(Path(out) / "result.json", d)  # the file is what --json prints
-        if not as_json:
-            click.echo(f"wrote {path}", err=True)
+    if timing_line:
+        d["timing_choice"] = timing_line
+    kept = None
+    if out_dir is not None:
+        path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints
+        kept = str(path)
+        progress(why or f"wrote {path}")
     emit(d, as_json, lambda: render_tune(d))
+    if result.interrupted:
+        n = sum(1 for p in result.points if not p.oom)
+        progress(
+            f"interrupted: kept the {n} point(s) measured (b_m {', '.join(str(p.micro_batch) for p in result.points)})"
+            + (" in the cache" if search.use_cache else "")
+            + (f" and {kept}" if kept else "")
+            + "; the choice above uses them"
+        )
+        raise click.exceptions.Exit(130)
+
+
+def _first_say(line: str, on_point: OnPoint) -> OnPoint:
+    """``on_point`` that first prints ``line`` on stderr, once."""
+    said: list[bool] = []
+
+    def wrapped(m: Any, cached: bool) -> None:
+        if not said:
+            progress(line)
+            said.append(True)
+        on_point(m, cached)
+
+    return wrapped
+
+
+def _lines() -> OnPoint:
+    """``on_point`` printing one line per point on stderr (no spinner: for pipes, logs and CI)."""
+    import time
+
+    from microbatch.measure.probes import Measurement
+
+    t0 = time.perf_counter()
+
+    def on_point(m: Measurement, cached: bool) -> None:
+        what = "out of memory" if m.oom else f"{m.throughput:,.0f} tok/s"
+        progress(
+            f"tune: b_m = {m.micro_batch}: {what}{' (cached)' if cached else ''} [{time.perf_counter() - t0:.1f} s]"
+        )
+
+    return on_point
 
 
 def _progress(start: int) -> tuple[Any, OnPoint]:

@@ -20,11 +20,23 @@ from microbatch.model import ModelShape
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["hf_config_from_shape", "load_hf_config", "hf_model", "HFDecoder"]
+__all__ = ["require_transformers", "hf_config_from_shape", "load_hf_config", "hf_model", "HFDecoder"]
+
+
+def require_transformers(what: str = "a Hugging Face model") -> None:
+    """ConfigError naming the extra to install when the optional ``transformers`` is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(
+            f"{what} needs the optional package transformers, which is not installed; "
+            "install it with: pip install 'microbatch[hf]'"
+        )
 
 
 def hf_config_from_shape(shape: ModelShape) -> Any:
     """A transformers config of a registry shape (GPT-2 layout for learned positions, Llama otherwise)."""
+    require_transformers("--backend hf")
     if shape.learned_positions:
         from transformers import GPT2Config
 
@@ -72,6 +84,7 @@ def load_hf_config(path: str) -> Any:
         ) from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"--hf-config {path!r} has no 'model_type'; give a Hugging Face config.json")
+    require_transformers("--hf-config")
     from transformers import AutoConfig
 
     try:

@@ -75,6 +75,7 @@ from microbatch.fit import fit_line
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_precision
+from microbatch.predict.latency import latency_bound
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.steptime import predict_step_time_s
@@ -297,6 +298,15 @@ def fit_efficiency(
         notes.append("kernel efficiency falls as rows grow (caches spill?); no ramp fitted (half_rows = 0)")
         c1 = 0.0
         c0 = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sum(w)
+    latency = ""
+    if c1 > 0 and c0 > 0 and c1 / c0 > min(p.micro_batch for p in pts) * s:
+        latency = latency_bound(shape, pts, acc, seq=s, precision=precision, checkpointing=checkpointing)
+    if latency:
+        # the ramp the small probes show is the host's floor, not the kernels': credit larger b_m with
+        # no more than the largest probe reached
+        top = max(range(len(pts)), key=lambda i: pts[i].micro_batch)
+        notes.append(latency)
+        c0, c1 = ys[top], 0.0
     c0_raw = c0
     if c0 < 1.0:
         notes.append(
@@ -313,6 +323,7 @@ def fit_efficiency(
         "gemm_max_unclamped": 1.0 / c0_raw if c0_raw > 0 else math.inf,
         "point_efficiency": {str(p.micro_batch): e for p, e in zip(pts, effs, strict=True)},
         "rows": [p.micro_batch * s for p in pts],
+        "latency_bound": bool(latency),
     }
     return eff, details, notes
 

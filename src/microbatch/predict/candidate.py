@@ -15,7 +15,8 @@ micro-batch, T_k = F_k + B_k; Narayanan et al. 2021 §2.2):
 - ZB-H1: m·T_k + (p − 1)·(F_k + I_k − W_k), the backward split into input (I) and weight (W)
   gradients (Qi et al. 2024, Table 2);
 
-plus the exposed data-parallel gradient reduction (overlapped with the last backward), ZeRO-2/3
+plus the exposed data-parallel gradient reduction (overlapped with the last backward, or whole after it
+with ``PlanConfig.dp_overlap=False``), ZeRO-2/3
 communication per micro-step (overlapped with compute where shorter), and the optimizer update.
 """
 
@@ -363,10 +364,10 @@ def _comm(ctx: Context, m: int, z: int, tm: _Times) -> tuple[float, float, float
     dp = zero_s = 0.0
     if d > 1:
         if z <= 1:
-            # gradients reduced once per step, overlapped with the last micro-batch's backward;
-            # ZeRO-1 then all-gathers the updated half weights (not hidden)
-            dp = max(0.0, (reduce_scatter_time_s(n * gb, d, bw_dp) if z == 1 else allreduce_time_s(n * gb, d, bw_dp))
-                     - back)  # fmt: skip
+            # gradients reduced once per step, overlapped with the last micro-batch's backward (exposed
+            # whole when not dp_overlap); ZeRO-1 then all-gathers the updated half weights (not hidden)
+            reduce = reduce_scatter_time_s(n * gb, d, bw_dp) if z == 1 else allreduce_time_s(n * gb, d, bw_dp)
+            dp = max(0.0, reduce - back) if cfg.dp_overlap else reduce
             if z == 1:
                 dp += allgather_time_s(n * wb, d, bw_dp)
         elif z == 2:

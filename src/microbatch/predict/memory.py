@@ -176,11 +176,13 @@ class MemoryConfig:
             raise ConfigError(
                 f"schedule {self.schedule!r} is not known; use one of {', '.join(registry.schedule_names(in_flight=True))}"
             )
-        if self.virtual > 1 and self.schedule != "interleaved-1f1b":
+        if self.virtual > 1 and self.schedule not in ("interleaved-1f1b", "dualpipev"):
             raise ConfigError(
                 f"virtual {self.virtual} needs the interleaved-1f1b schedule (schedule is {self.schedule}); "
                 "use --schedule interleaved-1f1b or --virtual 1"
             )
+        if self.pipeline_parallel > 1:  # the schedule's own (p, m, v) rule, as bubble and simulate apply it
+            registry.check_servable(self.schedule, self.pipeline_parallel, self.m, self.virtual)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError(
                 "sequence parallelism needs tensor-parallel > 1; give --tensor-parallel or drop it"
@@ -209,6 +211,12 @@ class MemoryConfig:
             raise ConfigError(
                 f"pipeline-parallel {p} > layers {shape.layers}; every stage needs at least one layer; "
                 f"use at most {shape.layers} stages"
+            )
+        if v > 1 and shape.layers % (p * v) and self.schedule == "dualpipev":
+            ok = [x for x in range(1, shape.layers // 2 + 1) if shape.layers % (2 * x) == 0]
+            raise ConfigError(
+                f"dualpipev needs layers {shape.layers} divisible by 2 × stages {p} = {2 * p} (two chunks per "
+                f"rank); use stages among {ok}"
             )
         if v > 1 and shape.layers % (p * v):
             ok = [x for x in range(2, shape.layers // p + 1) if shape.layers % (p * x) == 0]
@@ -362,8 +370,12 @@ def estimate_memory(
         )  # fmt: skip
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
     stages: list[StageMemory] = []
+    last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
     for i, n_layers in enumerate(split):
         params = stage_params(shape, i, p, n_layers, t)
+        if last != p - 1:  # a V placement (dualpipev): the output layer comes back to rank 0
+            head = shape.output_params() if i == last else 0
+            params = (n_layers * shape.layer_params() + shape.embedding_params() * (i == 0) + head) / t
         state = model_state_bytes(
             params,
             precision=config.precision,
@@ -379,7 +391,7 @@ def estimate_memory(
                 shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp
             )
             terms["embedding"] = emb * held
-        if i == p - 1:
+        if i == last:
             out = output_activation_bytes(
                 shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, dtype_bytes=e
             )

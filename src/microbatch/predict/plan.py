@@ -16,6 +16,7 @@ give the pitfalls and, when nothing fits, what would. The library never prints:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +33,7 @@ from microbatch.predict.candidate import (
     make_context,
     with_simulation,
 )
-from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.plan_config import CHOICES, PLAN_MARGIN, PLAN_TOLERANCE, PlanConfig
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.state import ZERO_STAGES
 from microbatch.schedules.registry import schedule_names
@@ -48,6 +49,10 @@ __all__ = [
     "what_would_fit",
     "DEFAULT_HEADROOM",
     "KNEE_TOLERANCE",
+    "CHOICES",
+    "PLAN_TOLERANCE",
+    "PLAN_MARGIN",
+    "knee_candidate",
 ]
 
 KNEE_TOLERANCE = 0.1
@@ -71,11 +76,16 @@ class Plan:
     candidates: tuple[Candidate, ...]
     """Every candidate, fitting ones first, fastest first."""
     recommended: Candidate | None
-    """The fastest candidate that fits; None when nothing fits."""
+    """The candidate chosen by ``config.choose`` (the knee by default, else the fastest) among those
+    that fit; None when nothing fits."""
     lints: tuple[str, ...] = ()
     """Pitfalls found (seed 002's list)."""
     advice: tuple[str, ...] = ()
     """When nothing fits: what would, with the numbers."""
+    fastest: Candidate | None = None
+    """The fastest candidate that fits (the recommendation under ``choose="fastest"``)."""
+    knee: Candidate | None = None
+    """The knee among the candidates that fit (:func:`knee_candidate`; the default recommendation)."""
 
     @property
     def evaluated(self) -> int:
@@ -91,6 +101,8 @@ class Plan:
         d.update(
             {
                 "recommended": self.recommended.to_dict() if self.recommended else None,
+                "fastest": self.fastest.to_dict() if self.fastest else None,
+                "knee": self.knee.to_dict() if self.knee else None,
                 "candidates": [c.to_dict() for c in self.candidates],
                 "lints": list(self.lints),
                 "advice": list(self.advice),
@@ -157,7 +169,8 @@ def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
 
 
 def make_plan(cfg: PlanConfig) -> Plan:
-    """Enumerate, predict, simulate the leaders, and recommend the fastest candidate that fits."""
+    """Enumerate, predict, simulate the leaders, and recommend the knee (or, with ``choose="fastest"``,
+    the fastest candidate) among those that fit."""
     ctx = make_context(cfg)
     cands = _enumerate(cfg, ctx)
     if not cands:
@@ -173,11 +186,47 @@ def make_plan(cfg: PlanConfig) -> Plan:
     n_sim = len(cands) if uneven and len(cands) <= 50 else cfg.simulate_top
     lead = [with_simulation(ctx, c, model_flops) if c.fits else c for c in cands[:n_sim]]
     cands = sorted(lead + cands[n_sim:], key=_sort_key)
-    rec = cands[0] if cands[0].fits else None
-    plan = Plan(config=cfg, candidates=tuple(cands), recommended=rec)
+    fastest = cands[0] if cands[0].fits else None
+    knee = None
+    if fastest is not None:
+        knee = knee_candidate(cands, cfg.tolerance, cfg.margin)
+        if cfg.pipeline_parallel > 1 and not knee.simulated:
+            # replay the knee as the leaders were, so both sides of the comparison are simulated
+            sim = with_simulation(ctx, knee, model_flops)
+            cands = sorted([sim if c is knee else c for c in cands], key=_sort_key)
+            fastest = cands[0]
+            knee = knee_candidate(cands, cfg.tolerance, cfg.margin)
+    rec = knee if cfg.choose == "knee" else fastest
+    plan = Plan(config=cfg, candidates=tuple(cands), recommended=rec, fastest=fastest, knee=knee)
     lints = tuple(lint(plan))
     advice = tuple(what_would_fit(cfg, plan)) if rec is None else ()
     return replace(plan, lints=lints, advice=advice)
+
+
+def knee_candidate(
+    candidates: Sequence[Candidate], tolerance: float = PLAN_TOLERANCE, margin: float = PLAN_MARGIN
+) -> Candidate:
+    """The knee among the candidates that fit: the least peak memory among those whose tokens/s reach
+    (1 − τ)·(1 + μ) of the fastest's — ``tune``'s rule ``fraction`` with a predicted reference
+    (``docs/knee.md``), over memory instead of b_m. Ties go to the faster, then less recompute, lower ZeRO.
+
+    Raises ``ValueError`` when nothing fits.
+    """
+    fits = [c for c in candidates if c.fits]
+    if not fits:
+        raise ValueError("no candidate fits: there is no knee to choose")
+    best = max(c.tokens_per_s for c in fits)
+    line = (1.0 - tolerance) * (1.0 + margin) * best
+    within = [c for c in fits if c.tokens_per_s >= line]
+    return min(
+        within,
+        key=lambda c: (
+            float(f"{c.peak_memory_bytes:.6g}"),
+            -c.tokens_per_s,
+            _RECOMPUTE_RANK[c.recompute],
+            c.zero,
+        ),
+    )
 
 
 def compare_gpus(cfg: PlanConfig, gpus: list[Accelerator]) -> list[Plan]:

@@ -19,7 +19,18 @@ from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import ZERO_STAGES, bytes_per_param
 from microbatch.schedules.registry import schedule_names
 
-__all__ = ["PlanConfig"]
+__all__ = ["PlanConfig", "CHOICES", "PLAN_TOLERANCE", "PLAN_MARGIN"]
+
+CHOICES = ("knee", "fastest")
+"""How the planner picks among the candidates that fit: ``knee`` (the default) or ``fastest``."""
+PLAN_TOLERANCE = 0.15
+"""τ of the planner's knee: the same 15% of the best as ``tune``'s default
+(``microbatch.choose.config.DEFAULT_TOLERANCE``; the rule and why 0.15 are in ``docs/knee.md``).
+Defined here because predict/ sits below choose/; a test holds the two equal."""
+PLAN_MARGIN = 0.05
+"""μ of the planner's knee: the knee must reach (1 − τ)·(1 + μ) of the best, the margin ``tune``
+asks when its reference is a prediction rather than a measurement
+(``microbatch.choose.bound.BOUND_MARGIN``); a test holds the two equal."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +81,19 @@ class PlanConfig:
     """Memory corrections (calibratable)."""
     simulate_top: int = 3
     """How many leading candidates to replay with the event simulator."""
+    dp_overlap: bool = True
+    """ZeRO 0/1: the data-parallel gradient reduction runs behind the last micro-batch's backward, as
+    PyTorch DDP's bucketed all-reduce does (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3); False:
+    after the backward, exposed whole, as Megatron-LM's own DDP did (``DDP_impl='local'``: ``train_step``
+    calls ``allreduce_gradients()`` after ``forward_backward_func``; the runs of Narayanan et al. 2021)."""
+    choose: str = "knee"
+    """``knee``: among the candidates that fit, the one with the least peak memory whose predicted
+    tokens/s reach (1 − tolerance)·(1 + margin) of the fastest (the rule ``tune`` applies to a measured
+    curve); ``fastest``: the fastest that fits."""
+    tolerance: float = PLAN_TOLERANCE
+    """τ of the knee (a fraction of the fastest's tokens/s)."""
+    margin: float = PLAN_MARGIN
+    """μ of the knee: extra share the knee must reach, for the prediction's error."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
@@ -122,6 +146,17 @@ class PlanConfig:
                     f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "
                     f"use virtual among {ok or 'none (no v > 1 fits; drop --virtual)'}"
                 )
+        if self.choose not in CHOICES:
+            raise ConfigError(f"choose {self.choose!r} is not known; use one of {', '.join(CHOICES)}")
+        for name in ("tolerance", "margin"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1):
+                raise ConfigError(f"{name} {v!r} must be a fraction in [0, 1), for example 0.15")
+        if (1 - self.tolerance) * (1 + self.margin) > 1:
+            raise ConfigError(
+                f"tolerance {self.tolerance:g} with margin {self.margin:g} asks the knee to beat the fastest "
+                f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
+            )
         if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
             raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
         # the rules that need the model (t | heads, p <= layers, uneven split)
@@ -166,4 +201,8 @@ class PlanConfig:
             "memory_headroom": self.memory_headroom,
             "memory_budget_bytes": self.memory_budget_bytes,
             "num_gpus": self.num_gpus,
+            "dp_overlap": self.dp_overlap,
+            "choose": self.choose,
+            "tolerance": self.tolerance,
+            "margin": self.margin,
         }

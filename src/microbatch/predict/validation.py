@@ -15,6 +15,7 @@ Pure Python: no torch, except where :func:`validation_accelerator` measures this
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ __all__ = [
     "Validation",
     "validate",
     "validation_accelerator",
+    "recorded_cpu",
+    "REMEASURE",
     "validate_result",
 ]
 
@@ -257,11 +260,13 @@ def validation_accelerator(
     cpu_peak_gflops: float | None = None,
     cpu_bandwidth_gbs: float | None = None,
     cpu_threads: int | None = None,
+    recorded: Accelerator | None = None,
 ) -> Accelerator:
     """The accelerator ``validate`` predicts ``meas``'s step times for.
 
     ``gpu`` (a registry name) when given; else the GPU the points name (:class:`ConfigError` when
-    the table lacks it); else this CPU: the peak and bandwidth given, or measured now
+    the table lacks it); else this CPU: the peak and bandwidth given, or those ``recorded`` with the
+    measurements (:func:`recorded_cpu`), or measured now
     (:func:`~microbatch.hardware.measure_cpu`, with either figure given replacing the measured one),
     raised by :func:`~microbatch.predict.calibrate.cover_measurements` where a point is faster than it allows.
     """
@@ -281,6 +286,8 @@ def validation_accelerator(
             bytes_per_s=cpu_bandwidth_gbs * 1e9,
             source=f"given: {cpu_peak_gflops:g} GFLOP/s, {cpu_bandwidth_gbs:g} GB/s",
         )
+    elif recorded is not None:
+        acc = recorded
     else:
         acc = measure_cpu(threads=cpu_threads)
         if cpu_peak_gflops or cpu_bandwidth_gbs:
@@ -316,11 +323,84 @@ def validate_result(
     predictions vary from call to call; raises :class:`ConfigError` for too few points.
     """
     meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
+    recorded = recorded_cpu(tune_result)
+    given = bool(cpu_peak_gflops and cpu_bandwidth_gbs)
     acc = validation_accelerator(
         meas,
         gpu=gpu,
         cpu_peak_gflops=cpu_peak_gflops,
         cpu_bandwidth_gbs=cpu_bandwidth_gbs,
         cpu_threads=cpu_threads,
+        recorded=recorded,
     )
-    return validate(meas, acc, fit_on=fit_on).to_dict()
+    out = validate(meas, acc, fit_on=fit_on).to_dict()
+    if gpu or meas.is_cuda or given:
+        return out
+    if recorded is not None:
+        out["accelerator"]["figures"] = "recorded"
+        out["warnings"].append(
+            f"step times predicted for this CPU's figures recorded with the measurements ({recorded.source})"
+        )
+        return out
+    # measured now: measure again to say how much this machine moves between runs
+    again = [measure_cpu(threads=cpu_threads) for _ in range(REMEASURE - 1)]
+    peaks = [acc.flops("fp32")] + [a.flops("fp32") for a in again]
+    bws = [acc.memory_bandwidth_bytes_per_s] + [a.memory_bandwidth_bytes_per_s for a in again]
+    moved: dict[str, Any] = {
+        "peak_flops": peaks,
+        "memory_bandwidth_bytes_per_s": bws,
+        "peak_spread": max(peaks) / min(peaks) - 1,
+        "bandwidth_spread": max(bws) / min(bws) - 1,
+    }
+    out["accelerator"]["figures"] = "measured now"
+    out["accelerator"]["remeasured"] = moved
+    out["warnings"].append(
+        f"this CPU's peak and bandwidth were measured now, not recorded with the measurements: {REMEASURE} "
+        f"measurements here gave {min(peaks) / 1e9:.1f}–{max(peaks) / 1e9:.1f} GFLOP/s "
+        f"({100 * moved['peak_spread']:.0f}% apart) and {min(bws) / 1e9:.1f}–{max(bws) / 1e9:.1f} GB/s "
+        f"({100 * moved['bandwidth_spread']:.0f}% apart), so the uncalibrated step-time error moves with the "
+        "machine's load from run to run (the calibrated figures are relative to the peak and move less); "
+        "for a repeatable figure give --cpu-peak-gflops and --cpu-bandwidth-gbs, or record them in the file "
+        '(an "accelerator" object with peak_flops and memory_bandwidth_bytes_per_s)'
+    )
+    return out
+
+
+REMEASURE = 3
+"""How many times ``validate`` measures this CPU when no figures were recorded: the first is used,
+all of them are reported, to show how much the machine moved."""
+
+
+def recorded_cpu(tune_result: str | Path | dict[str, Any] | list[Any]) -> Accelerator | None:
+    """This CPU's figures recorded with the measurements, or None.
+
+    Read from an ``accelerator`` object (``peak_flops`` — a number, or a dict by dtype with ``fp32`` —
+    and ``memory_bandwidth_bytes_per_s``), as ``validate --json`` and a saved calibration write it.
+    """
+    raw: Any = tune_result
+    if isinstance(raw, (str, Path)):
+        path = Path(raw)
+        if path.is_dir():
+            path = path / "result.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    if not isinstance(raw, dict):
+        return None
+    a = raw.get("accelerator")
+    if not isinstance(a, dict) or a.get("name", "cpu") != "cpu":
+        return None
+    peak = a.get("peak_flops")
+    if isinstance(peak, dict):
+        peak = peak.get("fp32")
+    bw = a.get("memory_bandwidth_bytes_per_s")
+    ok = [x for x in (peak, bw) if isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0]
+    if len(ok) != 2:
+        return None
+    peak, bw = float(ok[0]), float(ok[1])
+    return cpu_accelerator(
+        flops_per_s=float(peak),
+        bytes_per_s=float(bw),
+        source=f"recorded: {float(peak) / 1e9:.1f} GFLOP/s, {float(bw) / 1e9:.1f} GB/s",
+    )

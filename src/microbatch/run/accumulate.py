@@ -8,16 +8,17 @@ Hugging Face gradient-accumulation bug. Here every micro-batch's summed loss is 
 factor, ``1 / N_total`` (times the world size under DDP, to undo DDP's averaging), so the
 accumulated gradient is exactly the full-batch gradient up to the order of summation.
 
-Two ways to use it:
+:func:`accumulate` (and :func:`accumulate_micro_batches` for a list already split, for example
+by :func:`~microbatch.run.microbatches.split_by_tokens`) is all-or-nothing: if anything raises
+inside, every parameter's ``.grad`` is put back to what it was before the call. That is what lets
+``on_oom="split"`` (or a :class:`~microbatch.run.controller.MicroBatchController`) redo a step that
+ran out of memory with micro-batches of half the size: the redone step's gradient is the one the
+step would have given. Under DDP the ranks agree on it in the step's one ``all_reduce``.
 
-- :func:`accumulate` (and :func:`accumulate_micro_batches` for a list already split, for
-  example by :func:`split_by_tokens`) runs the whole thing and is all-or-nothing: if anything
-  raises inside, every parameter's ``.grad`` is put back to what it was before the call.
-- the helpers :func:`split`, :func:`split_by_tokens`, :func:`count_items`, :func:`loss_scale`,
-  :func:`sync_unless_last` and :func:`grad_sq_norm` for training loops written by hand.
-
-The gradient noise scale rides along (``noise=``): this module takes the two gradient norms
-and hands them to the arithmetic of :mod:`microbatch.run.noise`, which imports nothing from here.
+The rooms around it: splitting (:mod:`microbatch.run.microbatches`), counting and scaling for
+hand-written loops (:mod:`microbatch.run.scaling`; both re-exported here), out-of-memory
+(:mod:`microbatch.run.oom`), the size across steps (:mod:`microbatch.run.controller`) and the
+noise-scale arithmetic (:mod:`microbatch.run.noise`, fed through ``noise=``).
 
 torch is imported here at module level; ``import microbatch`` stays light because this module
 loads only on first use of ``microbatch.run.accumulate``.
@@ -25,19 +26,35 @@ loads only on first use of ``microbatch.run.accumulate``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError
+from microbatch.run.controller import MicroBatchController
+from microbatch.run.microbatches import Batch, batch_rows, split, split_by_tokens
 from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
+from microbatch.run.oom import free_memory, is_out_of_memory, one_row_error, short_error
+from microbatch.run.scaling import (
+    CountFn,
+    as_number,
+    count_items,
+    grad_sq_norm,
+    group_and_world,
+    is_ddp,
+    loss_scale,
+    model_device,
+    sync_unless_last,
+    to_float,
+    total_of,
+)
 
 __all__ = [
     "accumulate",
     "accumulate_micro_batches",
+    "MicroBatchController",
     "split",
     "split_by_tokens",
     "count_items",
@@ -48,253 +65,8 @@ __all__ = [
     "grad_sq_norm",
 ]
 
-Batch = Any  # a tensor, a tuple/list of tensors, or a mapping of name -> tensor, all sharing dim 0
 LossFn = Callable[[Any, Batch], "tuple[torch.Tensor, int | float | torch.Tensor]"]
-CountFn = Callable[[Batch], "int | float | torch.Tensor"]
-
-
-# -- splitting ---------------------------------------------------------------------------------
-
-
-def _leaves(batch: Batch) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of ``batch``; ConfigError for any other structure."""
-    if isinstance(batch, torch.Tensor):
-        items = [("batch", batch)]
-    elif isinstance(batch, Mapping):
-        items = [(f"batch[{k!r}]", v) for k, v in batch.items()]
-    elif isinstance(batch, (tuple, list)):
-        items = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
-    else:
-        raise ConfigError(
-            f"batch of type {type(batch).__name__} is not supported; a batch is a tensor, a tuple/list of "
-            "tensors or a dict of tensors, all with the rows in dim 0"
-        )
-    if not items:
-        raise ConfigError("batch is empty (no tensors); give at least one tensor with the rows in dim 0")
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(
-                f"{name} is a {type(t).__name__}, not a tensor; every entry of the batch must be a tensor "
-                "with the rows in dim 0 (keep other values in loss_fn's closure)"
-            )
-        if t.dim() == 0:
-            raise ConfigError(f"{name} is a 0-dim tensor; every entry needs the rows in dim 0")
-    return items
-
-
-def batch_rows(batch: Batch) -> int:
-    """Rows (dim 0) of ``batch``, after checking that every tensor in it has the same number."""
-    items = _leaves(batch)
-    sizes = {name: t.shape[0] for name, t in items}
-    if len(set(sizes.values())) > 1:
-        shown = ", ".join(f"{n} has {s}" for n, s in sizes.items())
-        raise ConfigError(
-            f"tensors of the batch have different first dimensions ({shown}); every tensor needs the same "
-            "number of rows in dim 0"
-        )
-    return next(iter(sizes.values()))
-
-
-def _take(
-    batch: Batch, start: int, stop: int, width: int | None = None, full_width: int | None = None
-) -> Batch:
-    """Rows ``start:stop`` of every tensor (views); optionally cut dim 1 from ``full_width`` to ``width``."""
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        t = t[start:stop]
-        if width is not None and t.dim() >= 2 and t.shape[1] == full_width:
-            t = t[:, :width]
-        return t
-
-    if isinstance(batch, torch.Tensor):
-        return cut(batch)
-    if isinstance(batch, Mapping):
-        return {k: cut(v) for k, v in batch.items()}
-    return type(batch)(cut(v) for v in batch) if isinstance(batch, tuple) else [cut(v) for v in batch]
-
-
-def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
-    """Split ``batch`` into consecutive micro-batches of ``micro_batch_size`` rows (views, no copy).
-
-    The last micro-batch holds the remainder and may be smaller; a micro-batch size at least the
-    number of rows gives one micro-batch. Tuples stay tuples, lists lists, mappings become dicts.
-    """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ConfigError(
-            f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}; give the rows per "
-            "forward/backward (b_m)"
-        )
-    rows = batch_rows(batch)
-    if rows == 0:
-        raise ConfigError("batch has 0 rows; give at least one row")
-    return [_take(batch, i, min(i + micro_batch_size, rows)) for i in range(0, rows, micro_batch_size)]
-
-
-def split_by_tokens(
-    batch: Batch,
-    max_tokens: int,
-    *,
-    lengths: Sequence[int] | torch.Tensor,
-    trim_padding: bool = True,
-) -> list[Batch]:
-    """Split ``batch`` into consecutive micro-batches of at most ``max_tokens`` padded tokens each.
-
-    For variable-length data. ``lengths[i]`` is the number of real tokens of row ``i`` (for example
-    ``attention_mask.sum(1)``). A micro-batch of ``r`` rows whose longest row has ``l`` tokens costs
-    ``r × l`` tokens when ``trim_padding`` is true (every tensor of two or more dims whose dim 1 is
-    the batch's padded width is cut to ``l``: right padding assumed, as in training), ``r × width``
-    otherwise. Rows keep their order (sort the batch by length first to waste less padding); the
-    micro-batch gradient sum does not depend on the grouping. A row longer than ``max_tokens`` on its
-    own is an error.
-    """
-    check_positive_int("max_tokens", max_tokens, fix="give the padded tokens one forward/backward may hold")
-    rows = batch_rows(batch)
-    if rows == 0:
-        raise ConfigError("batch has 0 rows; give at least one row")
-    lens = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
-    if len(lens) != rows:
-        raise ConfigError(
-            f"lengths has {len(lens)} entries but the batch has {rows} rows; give one length per row"
-        )
-    widths = {t.shape[1] for _, t in _leaves(batch) if t.dim() >= 2}
-    width = max(widths) if widths else 1
-    if any(n < 0 or n > width for n in lens):
-        bad = next(n for n in lens if n < 0 or n > width)
-        raise ConfigError(f"a row length of {bad} is outside 0..{width} (the padded width); check lengths")
-    out: list[Batch] = []
-    start, longest = 0, 0
-    for i, n in enumerate(lens):
-        cost_one = n if trim_padding else width
-        if max(cost_one, 1) > max_tokens:
-            raise ConfigError(
-                f"row {i} alone costs {cost_one} tokens, over max_tokens={max_tokens}; raise max_tokens to at "
-                f"least {cost_one} or truncate the row"
-            )
-        new_longest = max(longest, n)
-        cost = (i + 1 - start) * (max(new_longest, 1) if trim_padding else width)
-        if cost > max_tokens:
-            out.append(_take(batch, start, i, max(longest, 1) if trim_padding else None, width))
-            start, new_longest = i, n
-        longest = new_longest
-    out.append(_take(batch, start, rows, max(longest, 1) if trim_padding else None, width))
-    return out
-
-
-# -- counting and scaling (for hand-written loops too) ------------------------------------------
-
-
-def is_ddp(model: Any) -> bool:
-    """True when ``model`` is a ``torch.nn.parallel.DistributedDataParallel``."""
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
-def _group_and_world(model: Any) -> tuple[Any, int]:
-    if not is_ddp(model):
-        return None, 1
-    group = getattr(model, "process_group", None)
-    return group, torch.distributed.get_world_size(group)
-
-
-def _device(model: Any) -> torch.device:
-    for p in model.parameters():
-        device: torch.device = p.device
-        return device
-    return torch.device("cpu")
-
-
-def _as_number(name: str, value: Any) -> int | float | torch.Tensor:
-    """An item count as an int/float, or a detached 1-element tensor; ConfigError otherwise."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ConfigError(
-                f"{name} must be one number, got a tensor of shape {tuple(value.shape)}; return the count of "
-                "valid items, e.g. (labels != -100).sum()"
-            )
-        return value.detach().reshape(())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number or a 1-element tensor, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-    return value
-
-
-def _total(values: Sequence[Any]) -> Any:
-    """Sum of numbers and 1-element tensors: one stacked sum (float64) for the tensors, no per-item sync."""
-    plain = [v for v in values if not isinstance(v, torch.Tensor)]
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    total: Any = sum(plain)
-    if tensors:
-        try:
-            t = torch.stack(tensors).sum(dtype=torch.float64)
-        except (RuntimeError, TypeError):  # mixed dtypes or devices
-            parts = [x.to(device=tensors[0].device, dtype=torch.float64) for x in tensors]
-            t = parts[0]
-            for x in parts[1:]:  # left to right, as a plain sum
-                t = t + x
-        total = t + total if total else t
-    return total
-
-
-def _to_float(x: Any) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def count_items(micro_batches: Sequence[Batch], count_fn: CountFn, *, model: Any = None) -> float:
-    """Valid items over all ``micro_batches`` (and over all ranks when ``model`` is DDP).
-
-    ``count_fn(micro_batch)`` counts without a forward pass, e.g. ``(mb["labels"] != -100).sum()``.
-    Under DDP this makes one small ``all_reduce`` (every rank must call it). Returns a float
-    (item counts may be weights); raise nothing for a zero total — :func:`loss_scale` does.
-    """
-    total = _total([_as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches])
-    group, world = _group_and_world(model)
-    if world > 1:
-        t = torch.as_tensor(total, dtype=torch.float64, device=_device(model)).reshape(1).clone()
-        torch.distributed.all_reduce(t, group=group)
-        return float(t.item())
-    value = _to_float(total)
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"count_fn gave a total of {value!r} items; counts must be finite and >= 0")
-    return value
-
-
-def loss_scale(total_items: float, *, model: Any = None) -> float:
-    """The factor each micro-batch's summed loss is multiplied by before ``backward()``.
-
-    ``1 / total_items``, times the world size under DDP, whose all-reduce divides by it:
-    ``Σ_ranks Σ_micro ∇loss_sum · world / N / world = ∇(Σ loss_sum) / N``.
-    ``total_items`` must be the global total (:func:`count_items` with ``model=``).
-    """
-    if not total_items > 0 or not math.isfinite(total_items):
-        raise ConfigError(
-            f"the whole batch has {total_items:g} valid items; the mean loss needs at least one (check the "
-            "labels: are they all -100?)"
-        )
-    _, world = _group_and_world(model)
-    return world / total_items
-
-
-def sync_unless_last(model: Any, is_last: bool) -> contextlib.AbstractContextManager[object]:
-    """``model.no_sync()`` for all but the last micro-batch under DDP, else a null context.
-
-    DDP then all-reduces the accumulated gradients once, in the last micro-batch's backward.
-    """
-    if is_ddp(model) and not is_last:
-        no_sync: contextlib.AbstractContextManager[object] = model.no_sync()
-        return no_sync
-    return contextlib.nullcontext()
-
-
-def grad_sq_norm(parameters: Iterable[torch.Tensor]) -> float:
-    """Σ |p.grad|² over ``parameters`` (float64), skipping parameters without a gradient."""
-    total = 0.0
-    for p in parameters:
-        if p.grad is not None:
-            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
-    return total
-
-
-# -- the all-or-nothing runner -------------------------------------------------------------------
+ON_OOM = ("raise", "split")
 
 
 def _check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.Tensor]:
@@ -318,7 +90,7 @@ def _check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch
             f"loss_fn's loss for micro-batch {index} does not require grad; compute it from the model's output "
             "with autograd enabled (not under torch.no_grad())"
         )
-    return loss_sum, _as_number("loss_fn's n_items", n)
+    return loss_sum, as_number("loss_fn's n_items", n)
 
 
 def accumulate(
@@ -326,9 +98,11 @@ def accumulate(
     batch: Batch,
     loss_fn: LossFn,
     *,
-    micro_batch_size: int,
+    micro_batch_size: int | None = None,
     count_fn: CountFn | None = None,
     noise: GradientNoiseScale | None = None,
+    on_oom: str | None = None,
+    controller: MicroBatchController | None = None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` exactly the gradient of the whole ``batch``'s mean loss.
 
@@ -352,12 +126,118 @@ def accumulate(
     ``.grad`` is restored to its value before the call (``None`` stays ``None``) and the exception
     propagates. The cost: a copy of the gradients that existed before the call, only when they exist.
 
+    ``on_oom``: ``"raise"`` (the default) lets an out-of-memory error propagate (after the restore).
+    ``"split"`` redoes the step with micro-batches of half the size, down to one row (see
+    :mod:`microbatch.run.oom` for what counts as out of memory); the gradient and the loss are those
+    of the step without the error, and one row out of memory raises
+    :class:`microbatch.errors.OutOfMemoryError` with the gradients as they were. ``controller`` (a
+    :class:`~microbatch.run.controller.MicroBatchController`, in place of ``micro_batch_size``) keeps
+    the size that worked from step to step and implies ``"split"``. Under DDP the ranks agree on a
+    split in the step's one ``all_reduce`` and all redo the step at the same size; the gradients are
+    then all-reduced after the last backward instead of during it.
+
     ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
     the first micro-batch's gradient and the whole batch's, with no extra backward.
     """
-    return accumulate_micro_batches(
-        model, split(batch, micro_batch_size), loss_fn, count_fn=count_fn, noise=noise
+    if controller is not None:
+        if micro_batch_size is not None:
+            raise ConfigError(
+                f"give micro_batch_size ({micro_batch_size!r}) or controller, not both; the controller holds "
+                "the size (MicroBatchController(initial=...))"
+            )
+        if not isinstance(controller, MicroBatchController):
+            raise ConfigError(f"controller must be a MicroBatchController, got {type(controller).__name__}")
+        if on_oom not in (None, "split"):
+            raise ConfigError(f"on_oom={on_oom!r} with a controller; a controller splits on out-of-memory")
+        on_oom = "split"
+    elif micro_batch_size is None:
+        raise ConfigError(
+            "micro_batch_size must be a whole number >= 1, got None; give the rows per forward/backward (b_m), "
+            "or controller=MicroBatchController(initial=b_m)"
+        )
+    on_oom = on_oom or "raise"
+    if on_oom not in ON_OOM:
+        raise ConfigError(f"on_oom must be one of {', '.join(map(repr, ON_OOM))}, got {on_oom!r}")
+    if on_oom == "raise":
+        assert micro_batch_size is not None
+        return accumulate_micro_batches(
+            model, split(batch, micro_batch_size), loss_fn, count_fn=count_fn, noise=noise
+        )
+    if controller is None:
+        assert micro_batch_size is not None
+        controller = MicroBatchController(micro_batch_size)  # this step only
+    return _accumulate_splitting(model, batch, loss_fn, count_fn, noise, controller)
+
+
+def _accumulate_splitting(
+    model: Any,
+    batch: Batch,
+    loss_fn: LossFn,
+    count_fn: CountFn | None,
+    noise: GradientNoiseScale | None,
+    controller: MicroBatchController,
+) -> torch.Tensor:
+    """``on_oom="split"``: attempts at halving sizes until one completes on every rank."""
+    rows = batch_rows(batch)
+    if rows == 0:
+        raise ConfigError("batch has 0 rows; give at least one row")
+    _, world = group_and_world(model)
+    agree = world > 1
+    _check_can_agree(model)
+    counted: float | None = None
+    while True:
+        size = controller.micro_batch_size
+        micro_batches = split(batch, size)
+        if count_fn is not None and counted is None:  # the total does not depend on the split
+            counted = count_items(micro_batches, count_fn, model=model)
+        reason: str | None = None
+        if agree:
+            loss, reason, ran = _run(
+                model, micro_batches, loss_fn, count_fn, noise, counted, (size, min(size, rows))
+            )
+        else:
+            ran = min(size, rows)
+            try:
+                loss = _run(model, micro_batches, loss_fn, count_fn, noise, counted, None)[0]
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is kept; anything else propagates
+                if not is_out_of_memory(e):
+                    raise
+                loss, reason = None, short_error(e)
+            # here the exception and its frames (the failed step's tensors) are gone
+        if loss is not None:
+            controller.record_step()
+            return loss
+        del micro_batches
+        free_memory(model_device(model))
+        if ran <= 1:
+            raise one_row_error(controller.steps, reason or "out of memory")
+        controller.record_split(ran // 2, reason or "out of memory")
+
+
+def _check_can_agree(model: Any) -> None:
+    """ConfigError unless every collective of the step is one :func:`_run` places (a rank may stop early).
+
+    DDP broadcasting buffers makes a collective in every forward; FSDP (``fully_shard`` or the older
+    wrapper) gathers parameters in every forward and backward. A rank out of memory skips those, and
+    the others would wait in them.
+    """
+    names = (
+        {c.__name__ for m in model.modules() for c in type(m).__mro__} if hasattr(model, "modules") else set()
     )
+    if names & {"FSDPModule", "FullyShardedDataParallel"}:
+        raise ConfigError(
+            "on_oom='split' does not support FSDP: it makes collectives inside every forward and backward, so a "
+            "rank out of memory would leave the others waiting there; use on_oom='raise' with FSDP, or DDP"
+        )
+    if not is_ddp(model):
+        return
+    will_sync = getattr(model, "will_sync_module_buffers", None)
+    if callable(will_sync) and will_sync():
+        raise ConfigError(
+            "this DDP model broadcasts its buffers in every forward (a collective); with on_oom='split' a rank "
+            "that runs out of memory skips forwards and the others would wait there; wrap the model with "
+            "DistributedDataParallel(..., broadcast_buffers=False)"
+        )
 
 
 def accumulate_micro_batches(
@@ -368,59 +248,112 @@ def accumulate_micro_batches(
     count_fn: CountFn | None = None,
     noise: GradientNoiseScale | None = None,
 ) -> torch.Tensor:
-    """:func:`accumulate` over micro-batches already split (e.g. by :func:`split_by_tokens`)."""
+    """:func:`accumulate` over micro-batches already split (e.g. by :func:`split_by_tokens`); no ``on_oom``."""
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ConfigError("no micro-batches to accumulate; give at least one")
-    group, world = _group_and_world(model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    counted = count_items(micro_batches, count_fn, model=model) if count_fn is not None else None
+    loss = _run(model, micro_batches, loss_fn, count_fn, noise, counted, None)[0]
+    assert loss is not None
+    return loss
 
-    # Known before any gradient moves: the scale (with count_fn), or zero items (ConfigError, no harm).
-    counted: float | None = None
+
+def _run(
+    model: Any,
+    micro_batches: list[Batch],
+    loss_fn: LossFn,
+    count_fn: CountFn | None,
+    noise: GradientNoiseScale | None,
+    counted: float | None,
+    agree: tuple[int, int] | None,
+) -> tuple[torch.Tensor | None, str | None, int]:
+    """One all-or-nothing attempt: ``(mean loss, None, 0)``, or with ``agree``, maybe ``(None, reason, size)``.
+
+    ``agree=(size, rows run)`` (DDP, ``on_oom="split"``): every micro-batch runs under ``no_sync``; an
+    out-of-memory here is caught and this rank goes on to the step's all_reduce with a flag, which
+    also carries the size of every rank (they must match) and the rows each ran; if any rank failed,
+    every rank restores its gradients and returns ``(None, reason, agreed rows)``; otherwise the
+    gradients are all-reduced after the last backward. Without ``agree`` any exception propagates
+    after the restore, and DDP all-reduces during the last backward as usual.
+    """
+    group, world = group_and_world(model)
+    manual = agree is not None and world > 1
+    average = world if world > 1 and not manual else 1  # DDP divides by the world size; a manual SUM does not
+    params = [p for p in model.parameters() if p.requires_grad]
     scale = 1.0
-    if count_fn is not None:
-        counted = count_items(micro_batches, count_fn, model=model)
-        scale = loss_scale(counted, model=model)
+    if counted is not None:
+        scale = loss_scale(counted) * average
 
     # Set the old gradients aside: keep a copy, zero in place (tensor identity kept, which DDP's
     # gradient-as-bucket-view relies on). This call then accumulates only its own gradient.
     saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
-    had_grad = [s is not None for s in saved]
     for p, s in zip(params, saved, strict=True):
         if s is not None:
             p.grad.zero_()
+
+    def restore() -> None:
+        for p, s in zip(params, saved, strict=True):
+            if s is not None and p.grad is not None:
+                p.grad.copy_(s)
+            else:
+                p.grad = s
+
+    reason: str | None = None
     try:
         losses: list[torch.Tensor] = []
         counts: list[Any] = []
-        # (items, |g_small|²) of the first micro-batch, for the noise scale
-        small: tuple[float, float] | None = None
+        small: tuple[float, float] | None = None  # (items, |g_small|²) of the first micro-batch, for noise
         last = len(micro_batches) - 1
-        for i, mb in enumerate(micro_batches):
-            with sync_unless_last(model, i == last):
-                loss_sum, n = _check_loss(loss_fn(model, mb), i)
-                # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
-                (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
-            losses.append(loss_sum.detach())
-            counts.append(n)
-            if noise is not None and i == 0 and last > 0:
-                n_small = _to_float(n)
-                if n_small > 0:
-                    small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)
+        try:
+            for i, mb in enumerate(micro_batches):
+                with sync_unless_last(model, i == last and not manual):
+                    loss_sum, n = _check_loss(loss_fn(model, mb), i)
+                    # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
+                    (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
+                losses.append(loss_sum.detach())
+                counts.append(n)
+                del loss_sum
+                if noise is not None and i == 0 and last > 0:
+                    n_small = to_float(n)
+                    if n_small > 0:
+                        small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)
+        except Exception as e:
+            if not (manual and is_out_of_memory(e)):
+                raise
+            reason = short_error(e)  # the text only: the exception's frames hold the failed tensors
+        if reason is not None:
+            restore()
+            losses, counts, small = [], [], None
 
-        # Global sums of the loss and the items (one small all_reduce under DDP).
-        loss_total, n_total = _total(losses), _total(counts)
+        # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
+        # carries the agreement (ranks out of memory, each rank's size, rows run) with on_oom="split".
+        loss_total, n_total = total_of(losses), total_of(counts)
+        ran = 0
         if world > 1:
-            dev = _device(model)
+            dev = model_device(model)
+            parts = [loss_total, n_total]
+            if agree is not None:
+                parts += [1.0 if reason is not None else 0.0, float(agree[0]), float(agree[1])]
             sums = torch.stack(
-                [
-                    torch.as_tensor(loss_total, dtype=torch.float64, device=dev).reshape(()),
-                    torch.as_tensor(n_total, dtype=torch.float64, device=dev).reshape(()),
-                ]
+                [torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in parts]
             )
             torch.distributed.all_reduce(sums, group=group)
             loss_global, n_global = float(sums[0]), float(sums[1])
+            if agree is not None:
+                if float(sums[3]) != agree[0] * world:
+                    raise ConfigError(
+                        f"ranks ran different micro-batch sizes (this rank {agree[0]}, mean "
+                        f"{float(sums[3]) / world:g}); give every rank the same micro_batch_size or controller"
+                    )
+                if float(sums[2]) > 0:  # some rank ran out of memory: every rank redoes the step
+                    if reason is None:
+                        restore()
+                        reason = f"out of memory on {int(sums[2])} of {world} ranks"
+                    ran = min(agree[0], math.ceil(float(sums[4]) / world))
+                    return None, reason, ran
+                _all_reduce_grads(params, group)
         else:
-            loss_global, n_global = _to_float(loss_total), _to_float(n_total)
+            loss_global, n_global = to_float(loss_total), to_float(n_total)
         if count_fn is None:
             if not n_global > 0:
                 raise ConfigError(
@@ -428,7 +361,7 @@ def accumulate_micro_batches(
                     "labels: are they all -100?)"
                 )
             # The gradients hold ∇Σloss_sum (averaged over ranks by DDP): rescale to the mean.
-            rescale = world / n_global
+            rescale = average / n_global
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(rescale)
@@ -438,20 +371,26 @@ def accumulate_micro_batches(
                 "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
             )
         if noise is not None:
-            _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, _device(model))
+            _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, model_device(model))
     except BaseException:
-        for p, s, had in zip(params, saved, had_grad, strict=True):
-            if had and p.grad is not None:
-                p.grad.copy_(s)
-            elif had:
-                p.grad = s
-            else:
-                p.grad = None
+        restore()
         raise
     for p, s in zip(params, saved, strict=True):
         if s is not None:
             p.grad.add_(s)
-    return torch.tensor(loss_global / n_global, dtype=losses[0].dtype, device=losses[0].device)
+    return torch.tensor(loss_global / n_global, dtype=losses[0].dtype, device=losses[0].device), None, 0
+
+
+def _all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
+    """SUM every parameter's gradient over the ranks, in place, in parameter order (zeros where unused)."""
+    works = []
+    for p in params:
+        if p.grad is None:  # unused on this rank: every rank must reduce the same tensors
+            p.grad = torch.zeros_like(p)
+        works.append(torch.distributed.all_reduce(p.grad, group=group, async_op=True))
+    for w in works:
+        if w is not None:
+            w.wait()
 
 
 def _noise_update(

@@ -189,6 +189,9 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                 f"{torch.cuda.device_count()}; use --backend gloo or fewer --stages"
             )
     check_splittable(cfg)
+    from microbatch.run.pipeline_fit import check_fits
+
+    check_fits(cfg)  # predicted host memory of the p local ranks against what is available
     deadline = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")

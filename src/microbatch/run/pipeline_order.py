@@ -20,6 +20,7 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
     stages (idle slots dropped). GPipe and 1F1B follow the loops of their ``_step_microbatches``
     (torch 2.13's ``Schedule1F1B._get_pipeline_order`` does not match what it runs): GPipe does
     every forward then every backward; 1F1B does min(m, p − i) forwards, then alternates B and F.
+    DualPipeV's overlapped forward+backward pairs are written as their two parts, forward first.
     """
     spec = torch_spec(schedule)
     name = spec.name
@@ -64,4 +65,11 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
             f"cannot derive {spec.torch_name}'s order on this torch ({type(e).__name__}: {e}); "
             "compare with --schedule 1f1b or gpipe"
         ) from None
-    return {r: [str(a) for a in ops if a is not None] for r, ops in order.items()}
+    return {r: [str(x) for a in ops if a is not None for x in _parts(a)] for r, ops in order.items()}
+
+
+def _parts(action: object) -> tuple[object, ...]:
+    """An action's compute parts in the order torch runs them: an overlapped forward+backward
+    (DualPipeV's ``OVERLAP_F_B``) is its sub-actions, forward first; any other action is itself."""
+    subs = getattr(action, "sub_actions", None)
+    return tuple(subs) if subs else (action,)

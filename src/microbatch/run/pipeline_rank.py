@@ -10,8 +10,13 @@ torch's own schedule classes, for N optimizer steps, and records what happened:
 - **In flight**: micro-batches whose forward is done and whose backward (W for a split backward)
   is not, counted per rank over all its virtual stages; the maximum over the step.
 - **Saved activations**: bytes packed by autograd (``saved_tensors_hooks``) during each forward
-  (parameters excluded, storages deduplicated), per micro-batch and the peak resident sum.
-- **CUDA peak memory** on a GPU (``max_memory_allocated`` after ``reset_peak_memory_stats``).
+  (parameters excluded, storages deduplicated), per micro-batch; the peak of the saved storages
+  actually alive (freed through weak references, :class:`~microbatch.run.instrument.LiveBytes`);
+  and the sum the schedule's in-flight count implies (``counted_activation_bytes``).
+- **Host peak memory** per step: the process's high-water mark (``VmHWM``) reset before the step
+  (:mod:`microbatch.measure.hostmem`); it includes the model, gradients and optimizer.
+- **CUDA peak memory** on a GPU (``max_memory_allocated`` / ``max_memory_reserved`` after
+  ``reset_peak_memory_stats``).
 
 Loss scaling: every schedule is built with ``scale_grads=False`` and the loss of a micro-batch is
 the *sum* of its token cross-entropies divided by the number of tokens in the whole global batch,
@@ -32,6 +37,7 @@ import time
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
+from microbatch.measure.hostmem import peak_rss_bytes, reset_peak_rss
 from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn
 from microbatch.run.pipeline_config import PipelineConfig
 from microbatch.run.pipeline_split import (
@@ -208,6 +214,7 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
+        rss_reset = reset_peak_rss()
         dist.barrier()
         wall0 = time.time()
         t0 = rec.now()
@@ -223,6 +230,8 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         t_end = rec.now()
         if cuda:
             torch.cuda.synchronize(device)
+        host_peak = peak_rss_bytes() if rss_reset else None
+        rec.leak.clear()  # an injected leak ends with the step
         span = _cuda_span if cuda else _cpu_span
         wall1 = wall0 + span(t0, t_end)
         for name in shared:
@@ -247,8 +256,12 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
                 "order": list(rec.order),
                 "peak_in_flight": rec.peak_in_flight,
                 "per_microbatch_bytes": list(rec.per_microbatch_bytes),
-                "peak_activation_bytes": rec.peak_resident_bytes,
+                "counted_activation_bytes": rec.counted_peak_bytes,
+                "peak_activation_bytes": rec.live.peak,
+                "live_bytes_after_step": rec.live.bytes,
+                "host_peak_bytes": host_peak,
                 "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+                "cuda_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
                 "loss": float(sum(x.item() for x in losses)) if last and losses else None,
             }
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 from microbatch.errors import ScheduleError
 from microbatch.run.pipeline_config import PipelineConfig, config_from_dict
+from microbatch.run.pipeline_memory import memory_rows
 from microbatch.run.pipeline_order import torch_order
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.registry import get_spec, stage_ranks
@@ -37,11 +38,15 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
       from the barrier before ``step()`` to the last rank's return.
     - ``measured.stage_stats[r]`` (``stage`` is the rank; ``virtual_stages`` the stages it holds):
       ``busy_s`` (time inside forward/backward calls, the loss counted with the forward),
-      ``idle_s`` = wall − busy, ``peak_in_flight`` (in a rank's layers: chunks / v, as
-      :mod:`microbatch.schedules.simulate`; ``peak_in_flight_chunks`` the raw count),
-      ``activation_bytes_per_microbatch`` (mean bytes autograd saved for one (stage,
-      micro-batch)), ``peak_activation_bytes`` (most saved bytes resident at once) and
-      ``cuda_peak_bytes`` (``max_memory_allocated``, GPU only).
+      ``idle_s`` = wall − busy, ``counted_in_flight`` (the schedule's count of micro-batches
+      between a forward and the end of its backward, in a rank's layers: chunks / v, as
+      :mod:`microbatch.schedules.simulate`; ``counted_in_flight_chunks`` the raw count — arithmetic
+      on the order, not memory), ``activation_bytes_per_microbatch`` (mean bytes autograd saved for
+      one (stage, micro-batch)), ``peak_activation_bytes`` (measured: the peak of saved storages
+      actually alive), ``counted_activation_bytes`` (the count times the bytes) and
+      ``cuda_peak_bytes`` / ``cuda_reserved_bytes`` (GPU only).
+    - ``memory``: per rank, measured against predicted activation memory with the error
+      (:func:`microbatch.run.pipeline_memory.memory_rows`).
     - ``measured.op_time_s``: mean seconds of each stage's F/B/I/W (``"1F"``) — the simulator's input.
     - ``predicted``: :func:`predict` on torch's order with those times (no communication time);
       ``predicted.with_comm``: the same plus the measured hand-off latency (:func:`measured_comm_s`).
@@ -87,10 +92,15 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
                 "virtual_stages": r["stages"],
                 "busy_s": b,
                 "idle_s": max(0.0, wall - b),
-                "peak_in_flight": max(st["peak_in_flight"] for st in steps),
+                "counted_in_flight": max(st["peak_in_flight"] for st in steps),
                 "activation_bytes_per_microbatch": (sum(per_mb) / len(per_mb)) if per_mb else 0,
                 "peak_activation_bytes": max(st["peak_activation_bytes"] for st in steps),
+                "counted_activation_bytes": max(st["counted_activation_bytes"] for st in steps),
                 "cuda_peak_bytes": max(cuda) if cuda else None,
+                "cuda_reserved_bytes": max(
+                    (st["cuda_reserved_bytes"] for st in steps if st.get("cuda_reserved_bytes") is not None),
+                    default=None,
+                ),
             }
         )
     mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
@@ -100,8 +110,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     pred_comm = predict(cfg, mean_times, executed, comm_s=comm)
     v = cfg.virtual
     for st in stats:
-        st["peak_in_flight_chunks"] = st["peak_in_flight"]
-        st["peak_in_flight"] = st["peak_in_flight"] if v == 1 else st["peak_in_flight"] / v
+        st["counted_in_flight_chunks"] = st["counted_in_flight"]
+        st["counted_in_flight"] = st["counted_in_flight"] if v == 1 else st["counted_in_flight"] / v
+    memory = memory_rows(cfg, ranks, use)
     t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
     timeline = [
         {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
@@ -132,6 +143,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "stage_stats": stats,
             "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
         },
+        "memory": memory,
         "predicted": {
             "bubble_fraction": pred.bubble_fraction,
             "peak_in_flight": list(pred.peak_in_flight),

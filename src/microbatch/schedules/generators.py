@@ -10,6 +10,7 @@ from __future__ import annotations
 from microbatch.schedules.action import Action
 
 __all__ = [
+    "dualpipev_order",
     "gpipe_order",
     "interleaved_order",
     "interleaved_rounds",
@@ -218,5 +219,79 @@ def zb_interleaved_order(p: int, m: int, v: int) -> list[list[Action]]:
                     add("W", owed.pop(0))
         for stage in owed:
             add("W", stage)
+        out.append(acts)
+    return out
+
+
+def dualpipev_order(p: int, m: int, v: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3 technical report, 2024, sec 3.2.1: DualPipe; its V-shaped "cut in half"
+    variant from deepseek-ai/DualPipe), the order of torch's ScheduleDualPipeV with each overlapped
+    forward+backward pair written as its two parts, forward first.
+
+    Rank r holds stage r (chunk 0, down) and 2p−1−r (chunk 1, back up); m >= 2p. Phases:
+    1. 2(p−r−1) forwards of chunk 0; 2. r+1 pairs (F chunk 0, F chunk 1); 3. p−r−1 triples
+    (I chunk 1, the oldest owed W, F chunk 1); 4. m−2p+r+1 rounds of (F chunk 0, B chunk 1) and
+    (F chunk 1, B chunk 0) — full backwards, overlapped in torch; 5. p−r−1 pairs (B chunk 1;
+    F chunk 1, B chunk 0); 6. r+1 pairs of backwards (chunk 1, chunk 0), switching to I (split
+    backward) half-way; 7. p−r−1 pairs (owed W, backward of chunk 0); 8. the r+1 owed W passes.
+    """
+    out: list[list[Action]] = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        acts: list[Action] = []
+        nxt: dict[tuple[int, str], int] = {}  # (stage, "F" | "I") -> next micro-batch
+        owed: list[tuple[int, int]] = []  # (stage, micro-batch) of I passes whose W has not run
+
+        def add(
+            stage: int,
+            kind: str,
+            acts: list[Action] = acts,
+            nxt: dict[tuple[int, str], int] = nxt,
+            owed: list[tuple[int, int]] = owed,
+        ) -> None:
+            key = (stage, "F" if kind == "F" else "I")  # B and I share torch's input-backward counter
+            i = nxt.get(key, 0)
+            nxt[key] = i + 1
+            acts.append(Action(stage, kind, i))
+            if kind == "I":
+                owed.append((stage, i))
+
+        def pay_w(acts: list[Action] = acts, owed: list[tuple[int, int]] = owed) -> None:
+            if owed:
+                stage, i = owed.pop(0)
+                acts.append(Action(stage, "W", i))
+
+        for _ in range(2 * (p - r - 1)):
+            add(down, "F")
+        for _ in range(r + 1):
+            add(down, "F")
+            add(up, "F")
+        for _ in range(p - r - 1):
+            add(up, "I")
+            pay_w()
+            add(up, "F")
+        for _ in range(m - 2 * p + r + 1):
+            add(down, "F")
+            add(up, "B")
+            add(up, "F")
+            add(down, "B")
+        for _ in range(p - r - 1):
+            add(up, "B")
+            add(up, "F")
+            add(down, "B")
+        split = False
+        half = (r + 1) // 2
+        for i in range(r + 1):
+            if i == half and r % 2 == 1:
+                split = True
+            add(up, "I" if split else "B")
+            if i == half and r % 2 == 0:
+                split = True
+            add(down, "I" if split else "B")
+        for _ in range(p - r - 1):
+            pay_w()
+            add(down, "I" if split else "B")
+        for _ in range(r + 1):
+            pay_w()
         out.append(acts)
     return out

@@ -15,7 +15,7 @@ virtual stage (1/v of a rank's layers). ``peak_in_flight`` is given in micro-bat
 whole rank's layers (chunks / v), so 1F1B reads [4, 3, 2, 1] for p = 4 and interleaved 1F1B's
 first rank reads p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022, sec 4.2.3).
 A micro-batch is *in flight* from the end of its forward until the end of the last part of its
-backward (B, or W when the backward is split).
+backward (B, or W when the backward is split; DualPipeV splits some micro-batches and not others).
 
 The closed forms beside it (each cites its source):
 
@@ -165,7 +165,6 @@ class SimResult:
     def activation_timeline(self) -> list[list[tuple[float, int]]]:
         """Per rank, the steps ``(time, chunks held)``: +1 at a forward's end, −1 at the end of
         the last part of that micro-batch's backward (B, or W when split). Starts at (0, 0)."""
-        last = "W" if self.schedule.split_backward else "B"
         out = []
         for rank in self.intervals:
             held = 0
@@ -173,7 +172,7 @@ class SimResult:
             for _, end, a in rank:
                 if a.kind == "F":
                     held += 1
-                elif a.kind == last:
+                elif a.kind in ("B", "W"):  # a micro-batch ends with B, or with W when split
                     held -= 1
                 else:
                     continue
@@ -298,7 +297,6 @@ def simulate(
             )
     zero = [0.0] * nst
     dur_by_kind = {"F": f_t, "B": b_t or zero, "I": i_t or zero, "W": w_t or zero}
-    last_kind = "W" if kinds & {"I", "W"} else "B"
     rank_of = [schedule.stage_to_rank(s) for s in range(nst)]
 
     # Completion times live in one flat list: slot (F = 0, B or I = 1, W = 2; B and I share a
@@ -314,7 +312,9 @@ def simulate(
             for st in range(nst):
                 c_prev = comm if st > 0 and rank_of[st - 1] != r else 0.0
                 c_next = comm if st < nst - 1 and rank_of[st + 1] != r else 0.0
-                delta = 1 if k == "F" else (-1 if k == last_kind else 0)
+                # in flight from F's end to the end of B, or of W for a split backward (DualPipeV
+                # mixes the two: each micro-batch has either B or I and W)
+                delta = 1 if k == "F" else (0 if k == "I" else -1)
                 dur = dur_by_kind[k][st]
                 if k == "F":
                     d1 = (st - 1) * m if st > 0 else none_base

@@ -15,8 +15,14 @@ changes the optimisation).
   torchtitan splits into micro-batches of ``parallelism.pipeline_parallel_microbatch_size``),
   ``training.global_batch_size`` = B, ``parallelism.pipeline_parallel_schedule``.
 
-Input: the output of ``microbatch plan --json`` (a dict, or the ``plans`` of a comparison), or a
-:class:`~microbatch.predict.candidate.Candidate`.
+Input: the output of ``microbatch plan --json`` (a dict, or the ``plans`` of a comparison: then
+``gpu`` must say which accelerator's), a :class:`~microbatch.predict.candidate.Candidate`, or a
+tune's ``result.json`` (:func:`export_tune`: the knee b_m, g = B / (b_m·d), the precision and
+activation checkpointing it was measured with; the tune must have had a global batch).
+
+What each framework refuses is refused here, not written: DeepSpeed's pipeline engine with ZeRO
+stage 2 or 3; a Lightning export of tensor parallelism is stated in the notes (Lightning's
+``ModelParallelStrategy`` needs the model's own parallelisation function), never turned into FSDP.
 """
 
 from __future__ import annotations
@@ -28,7 +34,16 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.schedules.registry import torch_spec
 
-__all__ = ["FORMATS", "Export", "export_plan", "candidate_from_plan"]
+__all__ = [
+    "FORMATS",
+    "GPUS_PER_NODE",
+    "Export",
+    "export_plan",
+    "export_tune",
+    "export_result",
+    "candidate_from_plan",
+    "candidate_from_tune",
+]
 
 FORMATS = ("deepspeed", "hf", "lightning", "torchtitan")
 """Output formats."""
@@ -37,6 +52,9 @@ Json = dict[str, Any]
 """A JSON object: a plan, a candidate, a configuration."""
 
 _NEEDED = ("micro_batch", "grad_accum", "global_batch", "data_parallel")
+
+GPUS_PER_NODE = 8
+"""Default accelerators per node for Lightning's ``devices``/``num_nodes`` (an HGX/DGX node holds 8)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,19 +88,23 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         )
     if "plans" in data:
         plans = data["plans"]
-        if gpu is not None:
-            chosen = [p for p in plans if p.get("gpu", {}).get("name") == gpu]
-            if not chosen:
-                names = [p.get("gpu", {}).get("name") for p in plans]
-                raise ConfigError(f"the comparison has no plan for gpu {gpu!r}; it has {names}")
-            data = chosen[0]
-        else:
-            fitting = [p for p in plans if p.get("recommended")]
-            if not fitting:
-                raise ConfigError(
-                    "no plan in the comparison has a recommendation (nothing fits); nothing to export"
-                )
-            data = fitting[0]
+        names = [p.get("gpu", {}).get("name") for p in plans]
+        if gpu is None:
+            raise ConfigError(
+                f"the plan compares {len(plans)} accelerators ({', '.join(map(str, names))}): a multi-GPU plan "
+                f"needs --gpu to pick the one to export, e.g. --gpu {names[0]}"
+            )
+        chosen = [p for p in plans if p.get("gpu", {}).get("name") == gpu]
+        if not chosen:
+            raise ConfigError(
+                f"the comparison has no plan for gpu {gpu!r}; it has {', '.join(map(str, names))}"
+            )
+        data = chosen[0]
+    elif gpu is not None and isinstance(data.get("gpu"), dict) and data["gpu"].get("name") != gpu:
+        raise ConfigError(
+            f"--gpu {gpu!r} does not match the plan, which is for {data['gpu'].get('name')!r}; drop --gpu or "
+            "give the plan made for that accelerator"
+        )
     if "recommended" in data:
         rec = data["recommended"]
         if rec is None:
@@ -122,6 +144,11 @@ def _precision(c: Json) -> str:
 
 def _deepspeed(c: Json) -> tuple[Json, list[str]]:
     p = c.get("pipeline_parallel", 1)
+    if p > 1 and c.get("zero", 0) >= 2:
+        raise ConfigError(
+            f"DeepSpeed's pipeline engine refuses ZeRO stage {c['zero']} (it supports stage 0 or 1 with "
+            f"pipeline parallelism, here p = {p}); plan again with --zero 1 (or 0), or export to torchtitan"
+        )
     cfg: Json = {
         "train_batch_size": c["global_batch"],
         "train_micro_batch_size_per_gpu": c["micro_batch"],
@@ -144,8 +171,6 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             f"build PipelineModule(num_stages={p}); DeepSpeed's engine runs its own 1F1B-like schedule"
             + (f", not {c.get('schedule')}" if c.get("schedule") not in (None, "1f1b") else "")
         )
-        if c.get("zero", 0) >= 2:
-            notes.append("DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; use zero 1")
     if c.get("recompute", "none") != "none":
         notes.append(
             f"recompute {c['recompute']}: wrap the layers with deepspeed.checkpointing.checkpoint "
@@ -189,10 +214,26 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
 
 def _lightning(c: Json) -> tuple[Json, list[str]]:
     trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _precision(c)}
-    d, z = c["data_parallel"], c.get("zero", 0)
-    if d > 1:
+    d, z, t = c["data_parallel"], c.get("zero", 0), c.get("tensor_parallel", 1)
+    world = d * t
+    per_node = int(c.get("gpus_per_node") or min(world, GPUS_PER_NODE))
+    if world % per_node:
+        raise ConfigError(
+            f"{world} processes (d = {d} × t = {t}) do not fill nodes of {per_node} accelerators; "
+            f"give --gpus-per-node dividing {world}"
+        )
+    trainer["devices"], trainer["num_nodes"] = per_node, world // per_node
+    notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {per_node} × {world // per_node} "
+             f"= {world} processes ({per_node} accelerators per node"
+             + ("" if c.get("gpus_per_node") else ", assumed: --gpus-per-node to change") + ")"]  # fmt: skip
+    if t > 1:
+        notes.append(
+            f"tensor parallelism t = {t} is not a Trainer keyword: use lightning.pytorch.strategies."
+            f"ModelParallelStrategy(data_parallel_size={d}, tensor_parallel_size={t}) with the model's own "
+            "configure_model() parallelisation (no strategy is written here, and none is FSDP)"
+        )
+    elif d > 1:
         trainer["strategy"] = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[z]
-    notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {d} data-parallel ranks"]
     if c.get("pipeline_parallel", 1) > 1:
         notes.append("Lightning's Trainer runs no pipeline parallelism; use torchtitan or DeepSpeed")
     if c.get("recompute", "none") != "none":
@@ -255,14 +296,76 @@ def _torchtitan(c: Json) -> tuple[Json, list[str]]:
 _BUILDERS = {"deepspeed": _deepspeed, "hf": _hf, "lightning": _lightning, "torchtitan": _torchtitan}
 
 
-def export_plan(plan: object, fmt: str, *, gpu: str | None = None) -> Export:
+def _export(cand: Json, fmt: str, notes: tuple[str, ...] = ()) -> Export:
+    if fmt not in FORMATS:
+        raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
+    _check_identity(cand)
+    cfg, more = _BUILDERS[fmt](cand)
+    return Export(format=fmt, config=cfg, notes=tuple(more) + notes)
+
+
+def export_plan(
+    plan: object, fmt: str, *, gpu: str | None = None, gpus_per_node: int | None = None
+) -> Export:
     """Export ``plan`` (plan JSON dict, comparison, candidate dict or Candidate) as ``fmt``."""
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
     cand = candidate_from_plan(plan, gpu=gpu)
-    _check_identity(cand)
-    cfg, notes = _BUILDERS[fmt](cand)
-    return Export(format=fmt, config=cfg, notes=tuple(notes))
+    if gpus_per_node is not None:
+        cand["gpus_per_node"] = gpus_per_node
+    return _export(cand, fmt)
+
+
+def candidate_from_tune(result: object) -> Json:
+    """The knee of a tune's result (``result.json`` or ``tune --json``) as a candidate dict."""
+    data: Any = result.to_dict() if hasattr(result, "to_dict") else result
+    if not isinstance(data, dict) or "points" not in data or "micro_batch" not in data:
+        raise ConfigError(
+            "a tune result must be the JSON object tune wrote (--out DIR/result.json or --json)"
+        )
+    b, g, big_b = data.get("micro_batch"), data.get("grad_accum"), data.get("global_batch")
+    if big_b is None or g is None:
+        raise ConfigError(
+            f"the tune chose b_m = {b} without a global batch, so g is unknown and an export would set "
+            "B_global silently; tune again with --global-batch (-B)"
+        )
+    knee = [p for p in data["points"] if p.get("micro_batch") == b and not p.get("oom")]
+    ckpt = bool(knee and knee[0].get("checkpointing"))
+    cand: Json = {
+        "micro_batch": b, "grad_accum": g, "global_batch": big_b,
+        "data_parallel": data.get("data_parallel") or 1, "precision": data.get("precision", "fp32"),
+        "recompute": "full" if ckpt else "none",
+    }  # fmt: skip
+    if data.get("seq"):
+        cand["seq"] = data["seq"]
+    return cand
+
+
+def export_tune(result: object, fmt: str, *, gpus_per_node: int | None = None) -> Export:
+    """Export the knee a tune measured as ``fmt`` (B_global = b_m × g × d kept)."""
+    cand = candidate_from_tune(result)
+    if gpus_per_node is not None:
+        cand["gpus_per_node"] = gpus_per_node
+    data: Any = result.to_dict() if hasattr(result, "to_dict") else result
+    where = data.get("device_name") or data.get("device") or "the tune's machine"
+    note = (f"b_m = {cand['micro_batch']} is the knee measured on {where} for {data.get('model')}; on another "
+            "accelerator or model, tune there")  # fmt: skip
+    return _export(cand, fmt, (note,))
+
+
+def export_result(
+    data: object, fmt: str, *, gpu: str | None = None, gpus_per_node: int | None = None
+) -> Export:
+    """Export a plan or a tune result, told apart by the command that wrote it."""
+    from microbatch.records import classify
+
+    if isinstance(data, dict) and classify(data) == "tune":
+        if gpu is not None:
+            raise ConfigError(
+                "--gpu picks one plan of a multi-GPU comparison; a tune result has one device: drop it"
+            )
+        return export_tune(data, fmt, gpus_per_node=gpus_per_node)
+    return export_plan(data, fmt, gpu=gpu, gpus_per_node=gpus_per_node)
 
 
 def _toml_value(v: object) -> str:

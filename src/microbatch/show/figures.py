@@ -151,6 +151,7 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
         ax.plot([], [], ls=":", color=COLORS["unknown"], label="out of memory")
     if xs and min(xs) > 0:
         ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)  # throughput from zero: the plateau's height reads true
     ax.set_xlabel("micro-batch b_m")
     unit = "tokens/s" if tune.get("mode", "train") else "items/s"
     ax.set_ylabel(f"throughput ({unit})")
@@ -189,13 +190,15 @@ def memory_figure(tune: dict[str, Any]) -> MplFigure:
             f"{format_bytes(fit['slope_bytes_per_sample'], digits=1, unit='MiB')} × b_m",
         )
     if mf and mf > top:
-        ax.plot([], [], " ", label=f"largest predicted to fit: {mf} (off the chart)")
+        ax.plot([], [], " ", label=f"largest predicted to fit: {mf} (right of the b_m range drawn)")
     if budget and budget / GIB < 2 * max([*ys, fit.get("intercept_bytes", 0) / GIB]):
         ax.axhline(
             budget / GIB, color=COLORS["limit"], ls="--", label=f"budget {format_bytes(budget, unit='GiB')}"
         )
     elif budget:
-        ax.plot([], [], " ", label=f"budget {format_bytes(budget, unit='GiB')} (off the chart)")
+        ax.plot(
+            [], [], " ", label=f"budget {format_bytes(budget, unit='GiB')} (above the memory range drawn)"
+        )
     if mf and mf <= top:
         ax.axvline(mf, color=COLORS["limit"], ls=":", lw=1, label=f"largest predicted to fit: {mf}")
     ax.set_xlabel("micro-batch b_m")

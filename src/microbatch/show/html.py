@@ -90,7 +90,17 @@ def _plan_section(plan: dict[str, Any]) -> str:
                 + "".join(f"<li>{_esc(v if isinstance(v, str) else v.get('message', v))}</li>" for v in items)
                 + "</ul>"
             )
-    shown = sorted(cands, key=lambda c: (not c.get("fits", True), c.get("step_time_s") or 1e300))[:15]
+    # the best candidate at each b_m (fitting first, then the fastest), in b_m order: one row per b_m
+    ranked = sorted(cands, key=lambda c: (not c.get("fits", True), c.get("step_time_s") or 1e300))
+    per_b: dict[Any, dict[str, Any]] = {}
+    for c in ranked:
+        per_b.setdefault(c.get("micro_batch"), c)
+    shown = sorted(per_b.values(), key=lambda c: c.get("micro_batch") or 0)[:20]
+    if len(per_b) < len(cands):
+        parts.append(
+            f"<p>The best of {len(cands)} candidates at each micro-batch b_m (those that fit first, then the "
+            "fastest); the recommended one is highlighted.</p>"
+        )
     hi = next(
         (
             i
@@ -175,6 +185,35 @@ def _section(kind: str, res: dict[str, Any], png_dir: Path | None, idx: int) -> 
     return summary_section(kind, res), []
 
 
+def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """The summary at the top: one line per result with its answer."""
+    lines = []
+    for kind, r in items:
+        if kind in ("tune", "recommend") and r.get("micro_batch") is not None:
+            g = f", g = {r['grad_accum']}" if r.get("grad_accum") is not None else ""
+            what = f"{_name(r.get('model'))} {r.get('mode', '')}".strip() or kind
+            lines.append(
+                f"{what}: b_m = <b>{_esc(r['micro_batch'])}</b>{_esc(g)} (the knee; "
+                f"{_pct(r.get('fraction_of_best'))} of the best measured throughput, peak "
+                f"{_gib(r.get('peak_memory_bytes'))})"
+            )
+        elif kind == "plan" and r.get("recommended"):
+            rec = r["recommended"]
+            lines.append(
+                f"plan {_esc(_name(r.get('model')))} on {_esc(_name(r.get('gpu')))}: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, "
+                f"m = {_esc(rec.get('microbatches'))}, {_esc(rec.get('schedule'))}, bubble {_pct(rec.get('bubble_fraction'))}, "
+                f"peak {_gib(rec.get('peak_memory_bytes'))}"
+            )
+        elif kind == "pipeline" and isinstance(r.get("measured"), dict):
+            lines.append(
+                f"pipeline {_esc(r.get('schedule', ''))}: measured bubble {_pct(r['measured'].get('bubble_fraction'))}, "
+                f"predicted {_pct((r.get('predicted') or {}).get('bubble_fraction'))}"
+            )
+    if not lines:
+        return ""
+    return "<h2>Answers</h2><ul class='answers'>" + "".join(f"<li>{x}</li>" for x in lines) + "</ul>"
+
+
 def build_report(
     results: Sequence[tuple[str, dict[str, Any]]] | Sequence[dict[str, Any]],
     out_path: str | Path,
@@ -205,6 +244,7 @@ def build_report(
         f"<style>{CSS}</style></head><body><h1>{_esc(title)}</h1>"
         "<p class='lead'>B_global = b_m × g × d. The global batch is a statistical choice; the micro-batch is a "
         "physical one. Bubble fractions are idle time over total stage time.</p>"
+        + _answers(items)
         + "".join(body)
         + "</body></html>"
     )

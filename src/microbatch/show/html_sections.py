@@ -26,6 +26,7 @@ from microbatch.show.timeline import Row, normalize_rows
 from microbatch.units import format_bytes
 
 __all__ = [
+    "human_header",
     "Section",
     "tune_section",
     "exports_section",
@@ -154,7 +155,11 @@ def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     pif = pred.get("peak_in_flight") or []
     for i, s in enumerate(meas.get("stage_stats", [])):
         rows.append(
-            [f"in flight, rank {s.get('stage', i)}", pif[i] if i < len(pif) else "—", s.get("peak_in_flight")]
+            [
+                f"in flight (counted), rank {s.get('stage', i)}",
+                pif[i] if i < len(pif) else "—",
+                s.get("counted_in_flight", s.get("peak_in_flight")),
+            ]
         )
     parts.append(table(["", "predicted", "measured"], rows))
     if res.get("gradients_match") is not None:
@@ -220,13 +225,24 @@ def validate_section(res: dict[str, Any]) -> str:
     rows = res.get("rows", [])
     if not rows:
         return ""
-    headers = list(rows[0].keys())
-    body = [[(num(r[h], "{:.3g}") if isinstance(r[h], float) else r[h]) for h in headers] for r in rows]
+    keys = list(rows[0].keys())
+    body = [[(num(r[h], "{:.3g}") if isinstance(r[h], float) else r[h]) for h in keys] for r in rows]
     return (
         "<h2>Predicted against measured</h2>"
-        + table(headers, body)
+        + table([human_header(k) for k in keys], body)
         + (f"<p>{esc(res.get('summary'))}</p>" if res.get("summary") else "")
     )
+
+
+_WORDS = {"mem": "memory", "uncal": "uncalibrated", "cal": "calibrated", "loo": "leave-one-out",
+          "err": "error", "micro": "micro-", "ms": "(ms)", "MiB": "(MiB)", "%": "(%)", "fit": "fit on"}  # fmt: skip
+
+
+def human_header(key: str) -> str:
+    """A column header in words: ``mem_uncal_err_%`` → ``memory uncalibrated error (%)``."""
+    key = {"mem_MiB": "mem_measured_MiB", "step_ms": "step_measured_ms"}.get(key, key)
+    words = [_WORDS.get(w, w) for w in key.split("_")]
+    return " ".join(words).replace("micro- ", "micro-").replace("micro-batch", "b_m")
 
 
 _SKIP = {"command", "version"}

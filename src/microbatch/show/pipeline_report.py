@@ -14,7 +14,7 @@ from microbatch.run.pipeline_summary import timeline_rows
 from microbatch.show.text import render_timeline_text
 from microbatch.units import format_bytes
 
-__all__ = ["chrome_trace", "measured_rows_ms", "predicted_rows_ms", "render"]
+__all__ = ["chrome_trace", "measured_rows_ms", "predicted_rows_ms", "render", "shared_span_ms"]
 
 
 def measured_rows_ms(report: dict[str, Any]) -> list[list[tuple[float, float, str, int]]]:
@@ -28,6 +28,20 @@ def predicted_rows_ms(report: dict[str, Any]) -> list[list[tuple[float, float, s
     for it in report["predicted_timeline"]:
         rows[it["rank"]].append((it["start_s"] * 1e3, it["end_s"] * 1e3, it["label"], it["microbatch"]))
     return rows
+
+
+def shared_span_ms(*timelines: list[list[tuple[float, float, str, int]]]) -> float:
+    """The end of the latest op over every timeline (ms from 0): the one span that timelines drawn
+    together share, so that a column means the same time in each (terminal, SVG, HTML)."""
+    return max((e for rows in timelines for row in rows for _, e, _, _ in row), default=0.0)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f} ms"
 
 
 def _bytes(n: float | None) -> str:
@@ -46,32 +60,51 @@ def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> 
         f"  {report['measured_steps']} measured step(s) of {report['steps']} on {report['device']} (torch "
         f"{report['torch_version']})",
         "",
-        "                       measured   predicted",
-        f"  bubble (idle share)   {m['bubble_fraction']:7.1%}     {p['bubble_fraction']:7.1%}",
-        f"  step time             {m['step_time_s'] * 1e3:7.2f} ms  {p['step_time_s'] * 1e3:7.2f} ms",
-        f"  with the measured hand-off latency ({p['with_comm']['comm_time_s'] * 1e3:.2f} ms per cross-rank "
-        f"input): bubble {p['with_comm']['bubble_fraction']:.1%}, step {p['with_comm']['step_time_s'] * 1e3:.2f} ms",
+    ]
+    b = report.get("before_run")
+    pw = p["with_comm"]
+    lines += [
+        "                       before the run   replay (measured ops)   measured",
+        f"  bubble (idle share)   {_pct(b and b['bubble_fraction']):>14}   {pw['bubble_fraction']:>21.1%}   "
+        f"{m['bubble_fraction']:>8.1%}",
+        f"  step time             {_ms(b and b['step_time_s']):>14}   {_ms(pw['step_time_s']):>21}   "
+        f"{_ms(m['step_time_s']):>8}",
+        f"  before the run: one-process profile + runtime overhead {_ms(b and b['overhead_s'])} per action and "
+        f"hand-off {_ms(b and b['comm_time_s'])} (tiny calibration run)"
+        if b
+        else "  before the run: not predicted (--no-predict)",
+        f"  replay: the simulator on torch's order with this run's op times and hand-off "
+        f"{pw['comm_time_s'] * 1e3:.2f} ms (without it: bubble {p['bubble_fraction']:.1%})",
         "",
-        "  rank  stages     busy ms   idle ms  in flight (pred)  act/µbatch   peak act",
+        "  rank  stages     busy ms   idle ms  counted in flight (sim)  act/µbatch",
     ]
     for st, pif in zip(m["stage_stats"], p["peak_in_flight"], strict=True):
         lines.append(
             f"  {st['stage']:>4}  {','.join(map(str, st['virtual_stages'])):<9} {st['busy_s'] * 1e3:8.2f}  "
-            f"{st['idle_s'] * 1e3:8.2f}  {st['peak_in_flight']:>6g} ({pif:g})      "
-            f"{_bytes(st['activation_bytes_per_microbatch']):>10}  {_bytes(st['peak_activation_bytes']):>9}"
+            f"{st['idle_s'] * 1e3:8.2f}  {st['counted_in_flight']:>10g} ({pif:g})         "
+            f"{_bytes(st['activation_bytes_per_microbatch']):>10}"
             + (f"  cuda peak {_bytes(st['cuda_peak_bytes'])}" if st.get("cuda_peak_bytes") else "")
         )
-    span_ms = max(m["step_time_s"], p["step_time_s"]) * 1e3  # one scale for both diagrams
-    lines += ["", "measured (last step; times from the first op)"]
-    lines.append(
-        render_timeline_text(
-            measured_rows_ms(report), span_ms, width=width, color=color, legend=False, time_unit="ms"
+    lines += [
+        "",
+        "  activation memory per rank: measured = peak of saved storages alive; predicted = in-flight rule ×",
+        "  saved bytes per micro-batch (calibrated) and predict/memory's formula (uncalibrated)",
+        "  rank   measured  predicted  error   uncalibrated  error   host peak",
+    ]
+    for row in report.get("memory", []):
+        err = "-" if row["error_pct"] is None else f"{row['error_pct']:+.1f}%"
+        uerr = "-" if row["uncalibrated_error_pct"] is None else f"{row['uncalibrated_error_pct']:+.1f}%"
+        lines.append(
+            f"  {row['rank']:>4}  {_bytes(row['measured_peak_bytes']):>9}  {_bytes(row['predicted_bytes']):>9}  "
+            f"{err:>6}  {_bytes(row['uncalibrated_bytes']):>12}  {uerr:>6}  {_bytes(row['host_peak_bytes']):>10}"
         )
-    )
-    lines += ["predicted (simulator, measured op times, no communication time)"]
-    lines.append(
-        render_timeline_text(predicted_rows_ms(report), span_ms, width=width, color=color, time_unit="ms")
-    )
+    measured_rows, predicted_rows = measured_rows_ms(report), predicted_rows_ms(report)
+    span_ms = shared_span_ms(measured_rows, predicted_rows)
+    same = {"width": width, "color": color, "time_unit": "ms", "origin": 0.0, "fill_width": True}
+    lines += ["", "measured (last step; ms from the barrier before step(); both diagrams on one time scale)"]
+    lines.append(render_timeline_text(measured_rows, span_ms, legend=False, **same))  # type: ignore[arg-type]
+    lines += ["predicted (simulator replaying the measured op times, no communication time)"]
+    lines.append(render_timeline_text(predicted_rows, span_ms, **same))  # type: ignore[arg-type]
     if report["gradients_match"] is not None:
         verdict = "match" if report["gradients_match"] else "DO NOT MATCH"
         lines += [
@@ -86,6 +119,7 @@ def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> 
     for key in ("svg", "png"):
         if key in report:
             lines.append(f"  wrote {report[key]}")
+    lines += [f"  note: {n}" for n in report.get("notes", [])]
     return "\n".join(lines)
 
 

@@ -64,8 +64,9 @@ def _row(c: Candidate) -> list[str]:
 def plan_table_rows(plan: Plan, *, per_micro_batch: bool = True, limit: int = 12) -> list[list[str]]:
     """Rows for a text table, header first.
 
-    ``per_micro_batch``: the best candidate at each b_m (the trade-off across b_m; the
-    recommendation marked ``*``); otherwise the ``limit`` best candidates.
+    ``per_micro_batch``: the best candidate at each b_m (the trade-off across b_m), and the
+    recommendation (marked ``*``) above the fastest at its b_m (``+``) where they differ; otherwise
+    the ``limit`` best candidates.
     """
     rows = [list(TABLE_COLUMNS)]
     if per_micro_batch:
@@ -73,12 +74,17 @@ def plan_table_rows(plan: Plan, *, per_micro_batch: bool = True, limit: int = 12
         for c in plan.candidates:  # sorted: first seen is the best at that b_m
             seen.setdefault(c.micro_batch, c)
         chosen = [seen[b] for b in sorted(seen)]
+        rec = plan.recommended
+        if rec is not None and rec not in chosen:  # the knee beside the fastest at its b_m
+            chosen.insert(chosen.index(seen[rec.micro_batch]), rec)
     else:
         chosen = list(plan.candidates[:limit])
     for c in chosen:
         r = _row(c)
         if c is plan.recommended:
             r[0] = r[0] + "*"
+        elif c is plan.fastest:
+            r[0] = r[0] + "+"
         rows.append(r)
     return rows
 
@@ -109,6 +115,7 @@ def explain(plan: Plan) -> str:
     return _explain(
         plan.recommended, plan.candidates, pipeline_parallel=cfg.pipeline_parallel,
         memory_budget_bytes=cfg.memory_budget_bytes, lints=plan.lints, advice=plan.advice,
+        fastest=plan.fastest, knee=plan.knee, choose=cfg.choose, tolerance=cfg.tolerance, margin=cfg.margin,
     )  # fmt: skip
 
 
@@ -116,6 +123,7 @@ def explain_result(result: dict[str, Any]) -> str:
     """:func:`explain` for a plan read back from ``plan --json`` (:meth:`Plan.to_dict`)."""
     try:
         rec = result.get("recommended")
+        fast = result.get("fastest")
         return _explain(
             Candidate.from_dict(rec) if rec else None,
             [Candidate.from_dict(c) for c in result.get("candidates", [])],
@@ -123,6 +131,11 @@ def explain_result(result: dict[str, Any]) -> str:
             memory_budget_bytes=float(result["memory_budget_bytes"]),
             lints=list(result.get("lints", [])),
             advice=list(result.get("advice", [])),
+            fastest=Candidate.from_dict(fast) if fast else None,
+            knee=Candidate.from_dict(result["knee"]) if result.get("knee") else None,
+            choose=str(result.get("choose", "fastest")),
+            tolerance=float(result.get("tolerance", 0.0)),
+            margin=float(result.get("margin", 0.0)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(
@@ -138,6 +151,11 @@ def _explain(
     memory_budget_bytes: float,
     lints: Sequence[str],
     advice: Sequence[str],
+    fastest: Candidate | None = None,
+    knee: Candidate | None = None,
+    choose: str = "fastest",
+    tolerance: float = 0.0,
+    margin: float = 0.0,
 ) -> str:
     if c is None:  # the headline; the rest of the advice (what would fit) is listed after it
         return advice[0] if advice else "nothing fits"
@@ -184,9 +202,47 @@ def _explain(
             )  # fmt: skip
             why += f"; its step takes {g.step_time_s:.3g} s"
         parts.append(f"Larger b_m = {g.micro_batch} {why}.")
+    choice = _choice_line(fastest, knee, choose, tolerance, margin)
+    if choice:
+        parts.append(choice)
     if lints:
         parts.append("Check: " + " ".join(lints))
     return " ".join(parts)
+
+
+def _same(a: Candidate, b: Candidate) -> bool:
+    return (a.micro_batch, a.recompute, a.zero, a.schedule, a.virtual) == (
+        b.micro_batch, b.recompute, b.zero, b.schedule, b.virtual
+    )  # fmt: skip
+
+
+def _label(c: Candidate) -> str:
+    return (
+        f"b_m = {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}"
+        + (f", {c.schedule}" if c.pipeline_parallel > 1 else "")
+        + (f" v = {c.virtual}" if c.virtual > 1 else "")
+        + f" ({c.tokens_per_s:,.0f} tokens/s, {_gib(c.peak_memory_bytes)})"
+    )
+
+
+def _choice_line(
+    fastest: Candidate | None, knee: Candidate | None, choose: str, tolerance: float, margin: float
+) -> str:
+    """One line: the knee beside the fastest, and why they differ (or that they are the same)."""
+    if fastest is None or knee is None:  # a result written before the planner chose the knee
+        return ""
+    rule = (
+        f"the least memory within (1 − {tolerance:g})·(1 + {margin:g}) = "
+        f"{100 * (1 - tolerance) * (1 + margin):.2f}% of the fastest's tokens/s"
+    )
+    if _same(fastest, knee):
+        return f"It is both the fastest that fits and the knee ({rule})."
+    gain = 100 * (fastest.tokens_per_s / knee.tokens_per_s - 1)
+    more = fastest.peak_memory_bytes - knee.peak_memory_bytes
+    why = f"the fastest is {gain:.1f}% faster for {_gib(more)} more memory per GPU"
+    if choose == "knee":
+        return f"Fastest: {_label(fastest)}; {why}; the knee is {rule} (--choose fastest takes the fastest)."
+    return f"Knee: {_label(knee)}; {why}; chosen the fastest (--choose knee takes the knee: {rule})."
 
 
 def text_table(rows: Sequence[Sequence[str]]) -> str:
@@ -206,7 +262,11 @@ def render_plan(plan: Plan, *, all_rows: bool = False) -> str:
         f"{' + SP' if cfg.sequence_parallel else ''}, s = {cfg.seq_len}; {plan.evaluated} candidates, "
         f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.memory_budget_bytes)}"
     )
-    title = "best candidates" if all_rows else "best candidate at each b_m (* = recommended)"
+    title = (
+        "best candidates"
+        if all_rows
+        else "best candidate at each b_m (* = recommended, + = fastest where it differs)"
+    )
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
     parts = [head, "", title, text_table(rows), "", explain(plan)]
     # With no recommendation the explanation is the advice's headline: list only the rest.

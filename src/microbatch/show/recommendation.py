@@ -89,7 +89,14 @@ def render_recommendation(
             f"largest b_m predicted to fit {format_bytes(d['memory_budget_bytes'])} with "
             f"{100 * d['memory_headroom']:.0f}% headroom: {d['max_fitting_micro_batch']}"
         )
-    if not d.get("flattened", True):
+    left = d.get("left_out") or []
+    reasons: dict[str, list[str]] = {}
+    for item in left:
+        reasons.setdefault(item["why"], []).append(str(item["micro_batch"]))
+    for why, sizes in reasons.items():
+        lines.append(f"left out: b_m {', '.join(sizes)} ({why})")
+    if not d.get("flattened", True) and not str(d.get("stop_reason", "")).startswith("knee settled"):
+        # a settled knee is bounded: no larger b_m can move it, flattened or not
         lines.append(
             "note: the curve had not flattened at the largest b_m measured; a larger b_m may be faster"
         )
@@ -114,6 +121,8 @@ def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
         tail.append(
             f"memory budget: {format_bytes(d['memory_budget_bytes'], unit='GiB')} ({d['memory_budget_source']})"
         )
+    if d.get("timing_choice"):
+        tail.append(str(d["timing_choice"]))
     if d.get("interrupted"):
         tail.append("interrupted: the choice uses the points measured so far")
     return "\n".join([head, "", render_recommendation(d, d["points"], unit=unit), *tail])

@@ -73,8 +73,15 @@ def render_timeline_text(
     legend: bool = True,
     rank_label: str = "rank",
     time_unit: str = "",
+    origin: float | None = None,
+    fill_width: bool = False,
 ) -> str:
     """A bubble diagram: one line per rank, time left to right, idle as ``.``.
+
+    Diagrams drawn together share one time scale when each gets the same ``origin`` (the time of
+    column 0 on the rows' clock; default the earliest start), the same ``makespan`` (then the end
+    time on that clock) and ``fill_width=True`` (exactly ``width`` columns for the span, instead of
+    widening short timelines to show labels).
 
     Each op shows its label and micro-batch (``F3--``, ``B0------``; ``1F3`` for chunk 1) when it
     is wide enough, else its kind letter in every column (``FBBFBB``). ``width`` is the most columns the time axis may
@@ -83,6 +90,9 @@ def render_timeline_text(
     """
     rows = normalize_rows(intervals_by_rank)
     t0, span = window(rows, makespan)
+    if origin is not None:
+        end = t0 + span
+        t0, span = float(origin), max(0.0, end - float(origin))
     if not rows or span <= 0:
         return "(empty timeline)"
     width = max(10, int(width))
@@ -90,7 +100,7 @@ def render_timeline_text(
     longest = max((len(f"{r[2]}{r[3]}") for rank in rows for r in rank), default=2)
     d_min = min(durations) if durations else span
     want = (longest + 1) / d_min  # columns per time unit to show every label
-    scale = want if span * want <= width else width / span
+    scale = want if span * want <= width and not fill_width else width / span
     ncols = max(1, math.ceil(span * scale - 1e-9))
     labels = d_min * scale >= longest  # every op can show its label, or none does
 

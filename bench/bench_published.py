@@ -1,0 +1,96 @@
+"""Uncalibrated step-time error on the development set of published runs (issue 17).
+
+Reads ``tests/data/published_runs.json``; for each fully or partly specified row it builds the
+planner's configuration (model, accelerator, B_global, t, p, d = GPUs/(t·p)), predicts the step time
+with the default (uncalibrated) roofline efficiencies, and prints the error against the measured
+step time, row by row, with the mean |error|. Where the source leaves a choice open (Narayanan et
+al. 2021 Table 1 gives no micro-batch size or schedule) the script states the value it assumed.
+
+Run: .venv/bin/python bench/bench_published.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from microbatch.hardware import get_accelerator  # noqa: E402
+from microbatch.model import ModelShape  # noqa: E402
+from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_runs.json"
+
+
+def eq3_hardware_flops(B: int, s: int, L: int, h: int, V: int) -> float:
+    """Narayanan et al. 2021 Eq. 3: FLOPs per step with full recomputation."""
+    return 96.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def narayanan_rows(data: dict, micro_batch: int = 1) -> list[dict]:
+    sec = data["narayanan_2021_table1"]
+    gpu = get_accelerator(sec["gpu"])
+    s, V = sec["seq"], sec["vocab"]
+    out = []
+    for r in sec["rows"]:
+        L, h, a, t, p, n, B = (
+            r["layers"],
+            r["hidden"],
+            r["heads"],
+            r["tp"],
+            r["pp"],
+            r["gpus"],
+            r["global_batch"],
+        )
+        d = n // (t * p)
+        shape = ModelShape(name=f"gpt-{r['params_b']}B", layers=L, hidden=h, heads=a, vocab=V, seq=s)
+        measured = eq3_hardware_flops(B, s, L, h, V) / (r["tflops_per_gpu"] * 1e12 * n)
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
+            micro_batches=(micro_batch,), recompute=("full",), zero=(0,) if d > 1 else None, flash_attention=False, dp_overlap=False,
+            schedules=("1f1b",), memory_headroom=0.0, choose="fastest",
+        )  # fmt: skip
+        plan = make_plan(cfg)
+        c = plan.fastest or plan.candidates[0]
+        err = 100 * (c.step_time_s / measured - 1)
+        out.append({
+            "source": "Narayanan 2021 Table 1", "model": shape.name, "gpus": n, "t": t, "p": p, "d": d,
+            "global_batch": B, "micro_batch": micro_batch, "assumed": "b_m, 1F1B, full recompute",
+            "measured_step_s": measured, "predicted_step_s": c.step_time_s, "error_pct": err, "fits": c.fits,
+        })  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    data = json.loads(DATA.read_text())
+    rows = narayanan_rows(data)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'source':<24} {'model':<14} {'GPUs':>5} {'t':>2} {'p':>3} {'d':>4} {'B':>5} {'b_m':>3} "
+          f"{'measured':>9} {'predicted':>9} {'error':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['source']:<24} {r['model']:<14} {r['gpus']:>5} {r['t']:>2} {r['p']:>3} {r['d']:>4} "
+              f"{r['global_batch']:>5} {r['micro_batch']:>3} {r['measured_step_s']:>8.2f}s "
+              f"{r['predicted_step_s']:>8.2f}s {r['error_pct']:>+6.1f}%")  # fmt: skip
+    errs = [abs(r["error_pct"]) for r in rows]
+    signs = sum(1 for r in rows if r["error_pct"] < 0)
+    print(
+        f"\nmean |error| {sum(errs) / len(errs):.1f}%, max {max(errs):.1f}%, {signs} of {len(rows)} too fast"
+    )
+    print("assumed where the source is silent: b_m = 1, 1F1B (no interleaving), full recompute, no ZeRO")
+    print(
+        "from the runs' software (2021 Megatron-LM): no flash attention; gradient all-reduce after the backward"
+    )
+    for k in ("nemo_dgx_h100_bf16",):
+        print(f"{k}: {data[k]['_status']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Checks made before any model is built or any probe starts (check before work).
+
+A tune that is refused after six probes, or a model whose weights and optimizer state do not fit
+the host, wastes minutes and can take the machine down with it. Every check here reads only the
+settings and the model's shape: no torch, no allocation.
+
+- :func:`check_walk`: the doubling walk has a point to measure and a point the global batch accepts.
+- :func:`static_train_bytes` / :func:`check_static_fits`: the model's weights (+ gradients and
+  Adam's two moments for training) against the memory budget, before the model is built.
+- :func:`check_seq`: a sequence no longer than the model's learned position table.
+- :func:`microbatch.measure.hf.require_transformers`: the optional ``transformers``, when needed.
+"""
+
+from __future__ import annotations
+
+from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.errors import ConfigError
+from microbatch.model import ModelShape
+from microbatch.predict.state import model_state_bytes
+from microbatch.units import format_bytes
+
+__all__ = [
+    "walk_sizes",
+    "check_walk",
+    "static_train_bytes",
+    "check_static_fits",
+    "check_seq",
+]
+
+
+def walk_sizes(search: SearchConfig) -> list[int]:
+    """The b_m the doubling walk may probe: start, 2·start, ... up to ``max_micro_batch`` (first 64 with no cap)."""
+    sizes: list[int] = []
+    b = search.start
+    cap = search.max_micro_batch
+    while (cap is None and len(sizes) < 64) or (cap is not None and b <= cap):
+        sizes.append(b)
+        b *= 2
+    return sizes
+
+
+def check_walk(search: SearchConfig, choice: ChoiceConfig) -> None:
+    """ConfigError when no b_m of the walk could be chosen: nothing to measure, or none whose
+    b_m·d divides the global batch (the knee is chosen among those only)."""
+    cap = search.max_micro_batch
+    if cap is not None and search.start > cap:
+        raise ConfigError(
+            f"--start {search.start} is above --max-micro-batch {cap}: nothing would be measured; "
+            f"use --start {cap} or less, or raise --max-micro-batch"
+        )
+    if choice.global_batch is None:
+        return
+    d = choice.data_parallel or 1
+    if choice.global_batch % d:
+        lo = choice.global_batch // d * d
+        raise ConfigError(
+            f"--global-batch {choice.global_batch} is not divisible by --data-parallel {d}: no micro-batch "
+            f"b_m gives B = b_m × g × d; use a multiple of {d}, e.g. {max(lo, d)} or {lo + d}"
+        )
+    per = choice.global_batch // d
+    sizes = walk_sizes(search)
+    if not any(per % b == 0 for b in sizes):
+        raise ConfigError(
+            f"--global-batch {choice.global_batch} with --data-parallel {d} leaves {per} samples per replica, "
+            f"which none of the probed b_m ({', '.join(map(str, sizes[:6]))}{', ...' if len(sizes) > 6 else ''}) "
+            "divides; use a power-of-two multiple of --start for --global-batch / --data-parallel, or --start 1"
+        )
+
+
+def static_train_bytes(params: int, mode: str) -> int:
+    """Bytes the probes keep for the whole run before any activation: fp32 weights, and for
+    training fp32 gradients and AdamW's two fp32 moments (4 + 4 + 8 = 16 B/param,
+    :func:`microbatch.predict.state.model_state_bytes` with ``precision="fp32"``; the probes hold
+    fp32 master weights under autocast, so bf16-mixed is the same). Decoding: weights only (4 B/param)."""
+    if mode != "train":
+        return 4 * params
+    return int(sum(model_state_bytes(params, precision="fp32").values()))
+
+
+def check_static_fits(shape: ModelShape, mode: str, budget: int | None, budget_source: str) -> None:
+    """ConfigError, before the model is built, when its static memory exceeds ``budget``."""
+    if budget is None:
+        return
+    params = shape.param_count()
+    need = static_train_bytes(params, mode)
+    if need > budget:
+        what = (
+            "fp32 weights, gradients and AdamW's two moments, 16 B/param"
+            if mode == "train"
+            else ("fp32 weights, 4 B/param")
+        )
+        raise ConfigError(
+            f"model {shape.name} ({params / 1e9:.2f} B parameters) needs {format_bytes(need, unit='GiB')} before any "
+            f"activation ({what}), over the memory budget {format_bytes(budget, unit='GiB')} ({budget_source}); "
+            "use a smaller model, raise --memory-budget, or plan it with `microbatch plan` (sharding, pipelining)"
+        )
+
+
+def check_seq(shape: ModelShape, seq: int) -> None:
+    """ConfigError when ``seq`` is longer than the model's learned position table."""
+    if shape.learned_positions and shape.max_positions is not None and seq > shape.max_positions:
+        raise ConfigError(
+            f"--seq {seq} is longer than model {shape.name}'s {shape.max_positions} learned positions; "
+            f"use --seq {shape.max_positions} or less (or a model with rotary positions)"
+        )

@@ -1,0 +1,233 @@
+"""Accelerate: :func:`knee_batch_size`, the decorator that replaces ``find_executable_batch_size``.
+
+``find_executable_batch_size`` calls the training function with a batch size and halves it on
+out-of-memory: the answer is the largest size that fits, and the effective batch changes with it.
+``knee_batch_size`` probes the function's own step, chooses the knee, and calls the function for
+real with ``(b_m, g)`` such that ``b_m × g × num_processes == global_batch`` exactly.
+
+**The protocol.** The decorated function takes ``(micro_batch, grad_accum, probe=None, ...)``:
+it builds its model, optimizer and data at ``micro_batch`` samples per step and accumulates
+``grad_accum`` micro-batches per optimizer step, as it would anyway. While probing, ``probe`` is a
+:class:`StepProbe`: the function calls ``probe.step()`` after each micro-step (forward + backward,
+and the optimizer step when one is due); the probe times the gaps between calls and ends the
+call by raising :class:`ProbeDone` once it has enough steps (the decorator catches it; do not catch
+``BaseException`` around the loop). For training, ``probe`` is None.
+
+    @knee_batch_size(global_batch=256, max_micro_batch=64)
+    def train(micro_batch, grad_accum, probe=None):
+        accelerator = Accelerator(gradient_accumulation_steps=grad_accum)
+        loader = DataLoader(dataset, batch_size=micro_batch, shuffle=True)
+        model, optimizer, loader = accelerator.prepare(build_model(), AdamW(...), loader)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_of(model, batch))
+                optimizer.step(); optimizer.zero_grad()
+            if probe is not None:
+                probe.step()
+
+    train()          # probes b_m = 1, 2, 4, ... then trains at the knee; train.result holds the curve
+
+Each probe is a fresh call, so the function builds its own state and the probes leave no trace
+on it. The time of a point is the median gap between ``probe.step()`` calls after ``warmup``
+calls (data loading and the optimizer steps inside the gaps count: this is the real step); the
+peak memory is the device's over the call (CUDA allocator, or the process's peak RSS on the CPU).
+A ``torch.OutOfMemoryError`` in a probe marks the point as not fitting. Under several processes
+every process probes together and the slowest time and largest peak count.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from microbatch.choose.config import (
+    ChoiceConfig,
+    ProbeConfig,
+    SearchConfig,
+    apply_options,
+    check_options_used,
+)
+from microbatch.choose.knee import recommend
+from microbatch.choose.result import TuneResult
+from microbatch.choose.search import SearchLog, curve_point, search
+from microbatch.choose.snapshot import gc_frozen
+from microbatch.errors import ConfigError
+from microbatch.integrations.common import (
+    check_global_batch,
+    choice_of,
+    curve_lines,
+    emit_lines,
+    options_with_cap,
+)
+from microbatch.measure.probes import Measurement
+
+__all__ = ["knee_batch_size", "StepProbe", "ProbeDone"]
+
+
+class ProbeDone(BaseException):
+    """Raised by :meth:`StepProbe.step` to end a probing call (a BaseException: ``except Exception`` passes it)."""
+
+
+class StepProbe:
+    """Times the gaps between ``step()`` calls of one probing call."""
+
+    def __init__(
+        self, micro_batch: int, *, warmup: int = 1, repeats: int = 5, max_time_s: float = 3.0
+    ) -> None:
+        self.micro_batch = micro_batch
+        """b_m of this call."""
+        self.warmup, self.repeats, self.max_time_s = warmup, repeats, max_time_s
+        self.stamps: list[float] = []
+        """``time.perf_counter()`` at each ``step()``."""
+
+    def step(self, tokens: int | None = None) -> None:
+        """Mark the end of one micro-step; raises :class:`ProbeDone` when enough are timed."""
+        self.stamps.append(time.perf_counter())
+        timed = len(self.stamps) - 1 - self.warmup
+        if timed >= self.repeats or (
+            timed >= 2 and self.stamps[-1] - self.stamps[self.warmup] > self.max_time_s
+        ):
+            raise ProbeDone
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Seconds of each timed micro-step (after the warm-up)."""
+        s = self.stamps[self.warmup :]
+        return [b - a for a, b in zip(s, s[1:], strict=False)]
+
+
+def _num_processes() -> int:
+    from microbatch.measure.device import distributed
+
+    dist = distributed()
+    return int(dist.get_world_size()) if dist is not None else 1
+
+
+def knee_batch_size(
+    function: Callable[..., Any] | None = None,
+    *,
+    global_batch: int,
+    memory_budget_bytes: int | None = None,
+    tolerance: float = 0.15,
+    warmup: int = 1,
+    repeats: int = 5,
+    max_time_s: float = 3.0,
+    device: str | None = None,
+    **options: Any,
+) -> Any:
+    """Decorate ``function(micro_batch, grad_accum, probe=None, ...)`` (see the module's protocol).
+
+    Calling the decorated function probes b_m = start, 2·start, ... (``max_micro_batch``, capped at
+    ``global_batch / num_processes``; ``patience``; ``memory_budget_bytes``), then calls
+    ``function(b_m, g, None, ...)`` with the knee and returns what it returns. The decorated
+    function's ``result`` attribute holds the :class:`~microbatch.choose.result.TuneResult`.
+    ``device``: where peak memory is read (default: ``cuda`` when available, else ``cpu``).
+    """
+    if function is None:
+        return functools.partial(
+            knee_batch_size, global_batch=global_batch, memory_budget_bytes=memory_budget_bytes,
+            tolerance=tolerance, warmup=warmup, repeats=repeats, max_time_s=max_time_s, device=device,
+            **options,
+        )  # fmt: skip
+    check_global_batch(global_batch, 1)
+    opts = dict(
+        options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance, global_batch=global_batch
+    )
+    for name in ("warmup", "repeats"):
+        value = {"warmup": warmup, "repeats": repeats}[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup" else 2):
+            raise ConfigError(f"{name} {value!r} must be a whole number >= {0 if name == 'warmup' else 2}")
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        world = _num_processes()
+        check_global_batch(global_batch, world)
+        o = options_with_cap(opts, global_batch, world)
+        s = apply_options(SearchConfig(), o)
+        c = apply_options(ChoiceConfig(), o).resolve(reference="bound", data_parallel=world)
+        check_options_used({k: v for k, v in o.items() if k not in _PROBE_FIELDS}, "knee_batch_size",
+                           SearchConfig, ChoiceConfig)  # fmt: skip
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        measure = _measurer(function, args, kwargs, global_batch, world, dev, warmup, repeats, max_time_s)
+        t0 = time.perf_counter()
+        log = SearchLog()
+        with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
+            points = search(measure, s, c, log=log)
+        rec = recommend([curve_point(p) for p in points], c)
+        result = TuneResult(
+            points=points, recommendation=rec, model=getattr(function, "__qualname__", "function"), seq=None,
+            mode="train", device=dev, device_name=dev, precision="as the function runs", checkpointing="off",
+            torch_version=torch.__version__, memory_budget_bytes=c.memory_budget_bytes,
+            memory_method=", ".join(sorted({p.memory_method for p in points if p.memory_method})),
+            stop_reason=log.stop_reason, skipped=log.skipped, interrupted=log.interrupted,
+            oom_events=log.oom_events, probes=log.probes, cached=0, wall_time_s=time.perf_counter() - t0,
+            memory_budget_source="given" if c.memory_budget_bytes else "none",
+        )  # fmt: skip
+        wrapper.result = result  # type: ignore[attr-defined]
+        if log.interrupted:
+            raise KeyboardInterrupt
+        b, g = choice_of(result, global_batch, world)
+        emit_lines(curve_lines(result, b, g, world), _rank())
+        return function(b, g, None, *args, **kwargs)
+
+    wrapper.result = None  # type: ignore[attr-defined]
+    return wrapper
+
+
+_PROBE_FIELDS = {f for f in ProbeConfig.__dataclass_fields__}
+
+
+def _rank() -> int:
+    from microbatch.measure.device import distributed
+
+    dist = distributed()
+    return int(dist.get_rank()) if dist is not None else 0
+
+
+def _measurer(
+    function: Callable[..., Any], args: Any, kwargs: Any, global_batch: int, world: int, dev: str,
+    warmup: int, repeats: int, max_time_s: float,
+) -> Callable[[int, bool], Measurement]:  # fmt: skip
+    """measure(b, checkpointing): one probing call of ``function`` at b_m = b."""
+    from microbatch.measure.device import Device, agree_any, oom_types, reduce_max, short_error
+
+    device = Device(dev)
+
+    def measure(b: int, ckpt: bool) -> Measurement:
+        g = max(1, global_batch // (b * world))
+        probe = StepProbe(b, warmup=warmup, repeats=repeats, max_time_s=max_time_s)
+        device.free()
+        device.reset_peak()
+        err: str | None = None
+        try:
+            function(b, g, probe, *args, **kwargs)
+        except ProbeDone:
+            pass
+        except oom_types() as e:
+            err = short_error(e)
+        device.sync()
+        peak, alloc = device.peak()
+        device.free()
+        gaps = probe.gaps_s
+        if err is None and len(gaps) < 2:
+            raise ConfigError(
+                f"the function returned after {len(probe.stamps)} probe.step() calls at micro_batch {b}: it must "
+                f"call probe.step() after each micro-step ({warmup} warm-up + at least 2 timed); give it more data"
+            )
+        if agree_any(err is not None):
+            return replace(Measurement(micro_batch=b, oom=True, memory_method=device.method),
+                           error=err or "out of memory on another process")  # fmt: skip
+        t, peak_all = reduce_max([statistics.median(gaps), float(peak)])
+        return Measurement(
+            micro_batch=b, throughput=b / t, samples_per_s=b / t, step_time_s=t, micro_step_s=t,
+            repeats=len(gaps), peak_memory_bytes=int(peak_all), peak_allocated_bytes=alloc,
+            memory_method=device.method, clock="wall",
+        )  # fmt: skip
+
+    return measure

@@ -1,0 +1,95 @@
+"""What every integration shares: B_global checks, the choice as (b_m, g), the curve as log lines.
+
+Every integration holds ``B_global = b_m × g × world`` exactly: it refuses, before any probe, a
+global batch that the world size does not divide (with the nearest valid ones), caps the search
+at ``B_global / world``, and checks the identity again on the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from microbatch.choose.result import TuneResult
+from microbatch.errors import ConfigError, MicrobatchError
+
+__all__ = [
+    "check_global_batch",
+    "nearest_global_batches",
+    "choice_of",
+    "curve_lines",
+    "emit_lines",
+    "options_with_cap",
+    "log",
+]
+
+log = logging.getLogger("microbatch.integrations")
+"""The integrations' logger: the curve and the choice, one line each (INFO)."""
+
+
+def nearest_global_batches(global_batch: int, world: int) -> tuple[int, int]:
+    """The multiples of ``world`` just below and above ``global_batch`` (the valid B_global)."""
+    below = max(world, global_batch // world * world)
+    above = -(-global_batch // world) * world
+    return below, above
+
+
+def check_global_batch(global_batch: object, world: int, *, name: str = "global_batch") -> int:
+    """``global_batch`` as an int, or a ConfigError: it must be a whole number divisible by the world size."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"{name} {global_batch!r} must be a whole number >= 1, e.g. {name}=256")
+    if global_batch % world:
+        below, above = nearest_global_batches(global_batch, world)
+        raise ConfigError(
+            f"{name} {global_batch} is not divisible by the world size {world}: B_global = b_m × g × {world} "
+            f"must hold exactly, and B_global is never changed silently; nearest valid global batches: "
+            f"{below}, {above}"
+        )
+    return global_batch
+
+
+def choice_of(result: TuneResult, global_batch: int, world: int) -> tuple[int, int]:
+    """(b_m, g) of the knee, with b_m × g × world == global_batch checked."""
+    rec = result.recommendation
+    b = rec.knee.micro_batch
+    g = global_batch // (b * world)
+    if b * g * world != global_batch:
+        below, above = nearest_global_batches(global_batch, b * world)
+        raise MicrobatchError(
+            f"the knee b_m = {b} gives no exact global batch {global_batch} on {world} processes "
+            f"({b} × g × {world}); nearest valid global batches: {below}, {above}"
+        )
+    return b, g
+
+
+def curve_lines(result: TuneResult, micro_batch: int, grad_accum: int, world: int) -> list[str]:
+    """The measured curve and the choice, one line each (what the integrations log)."""
+    lines: list[str] = []
+    for p in result.points:
+        if p.oom:
+            lines.append(f"microbatch: b_m {p.micro_batch}: out of memory")
+            continue
+        mem = "" if p.peak_memory_bytes is None else f", peak {p.peak_memory_bytes / 2**20:.0f} MiB"
+        lines.append(f"microbatch: b_m {p.micro_batch}: {p.throughput:.4g} /s{mem}")
+    lines.append(
+        f"microbatch: knee b_m = {micro_batch}, g = {grad_accum}, world {world}: "
+        f"B_global = {micro_batch} × {grad_accum} × {world} = {micro_batch * grad_accum * world} "
+        f"({result.stop_reason or 'search done'})"
+    )
+    return lines
+
+
+def emit_lines(lines: list[str], rank: int = 0) -> None:
+    """Log ``lines`` at INFO on rank 0."""
+    if rank == 0:
+        for line in lines:
+            log.info(line)
+
+
+def options_with_cap(options: dict[str, Any], global_batch: int, world: int) -> dict[str, Any]:
+    """The tune options with ``max_micro_batch`` capped at B_global / world (no larger b_m can be exact)."""
+    out = dict(options)
+    cap = global_batch // world
+    given = out.get("max_micro_batch", 1024)
+    out["max_micro_batch"] = cap if given is None else min(int(given), cap)
+    return out

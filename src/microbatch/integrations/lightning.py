@@ -1,0 +1,240 @@
+"""Lightning: :class:`KneeBatchSize`, a callback that sets the knee b_m and g before training starts.
+
+In the manner of Lightning's ``BatchSizeFinder`` (``lightning.pytorch.tuner.batch_size_scaling``):
+the batch size is the ``batch_size`` attribute (``batch_arg_name``) of the LightningModule, its
+``hparams``, or the datamodule, found and set with Lightning's own ``lightning_hasattr`` /
+``lightning_setattr``; the train dataloader is rebuilt by the fit loop after each change.
+
+At ``on_fit_start`` (the strategy, precision and optimizers are set up) the callback runs
+:func:`microbatch.tune` on the module's own ``training_step`` — called through the strategy, so
+with the Trainer's precision context and, under DDP, the DDP wrapper and its gradient all-reduce —
+on batches of the module's own train dataloader (moved by the module's transfer hooks), with the
+optimizer of ``configure_optimizers``. The weights, gradients, optimizer state, random generators
+and ``training`` flags are restored bitwise afterwards (:mod:`microbatch.choose.snapshot`), and
+the batch-size attribute too if anything fails. Then it sets the attribute to the knee b_m,
+``trainer.accumulate_grad_batches = g`` with ``b_m × g × world_size == global_batch`` exactly,
+rebuilds the dataloaders, logs the curve and the choice, and training proceeds.
+
+Under DDP every rank probes together (the probes are synchronised; the slowest rank's time and
+the largest rank's memory count) and every rank sets the same b_m and g.
+
+Refused before any probe, with the value, the rule and the fix: a batch size attribute that
+cannot be found, dataloaders passed to ``fit()`` directly, an iterable dataset, a dataloader whose
+batch size does not follow the attribute (a fixed batch sampler), a global batch that the world
+size does not divide, manual optimization, and any strategy but single-device and DDP (FSDP,
+DeepSpeed and model-parallel shard the state the probes would have to restore).
+
+Costs: ``self.log`` calls inside ``training_step`` are dropped while probing (the loop's result
+collection does not exist yet); the backward pass is ``loss.backward()`` (with ``precision="16-mixed"``
+the gradient scaler is not applied while probing).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from microbatch.choose.result import TuneResult
+from microbatch.choose.snapshot import restore_rng, save_rng
+from microbatch.errors import ConfigError
+from microbatch.integrations.common import (
+    check_global_batch,
+    choice_of,
+    curve_lines,
+    emit_lines,
+    options_with_cap,
+)
+
+__all__ = ["KneeBatchSize", "SUPPORTED_STRATEGIES"]
+
+SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+"""Lightning strategies the callback tunes under (DeepSpeedStrategy, a DDPStrategy, excluded)."""
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback as _Base
+else:
+    try:  # the callback is a real Lightning Callback when Lightning is installed
+        from lightning.pytorch.callbacks import Callback as _Base
+    except ImportError:  # pragma: no cover - Lightning is optional
+        _Base = object
+
+
+def _check_strategy(trainer: Any) -> None:
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    ok = any(c.__name__ in SUPPORTED_STRATEGIES for c in type(strategy).__mro__)
+    if not ok or "DeepSpeed" in name:
+        raise ConfigError(
+            f"KneeBatchSize cannot tune under strategy {name}: it supports "
+            f"{', '.join(SUPPORTED_STRATEGIES)} (FSDP, DeepSpeed and model-parallel strategies shard the "
+            "weights and optimizer state the probes must restore); tune with strategy='ddp' on the same "
+            "devices, then train under your strategy with the b_m and g it sets"
+        )
+
+
+def _train_loader(trainer: Any) -> Any:
+    """The fit loop's train DataLoader, rebuilt from the data source."""
+    loop = trainer.fit_loop
+    loop._combined_loader = None  # as BatchSizeFinder's _reset_dataloaders: force a reload
+    loop.setup_data()
+    combined = loop._combined_loader
+    if combined is None:
+        raise ConfigError(
+            "the LightningModule has no train dataloader (or limit_train_batches=0): nothing to probe"
+        )
+    return combined.flattened[0]
+
+
+def _reset_dataloaders(trainer: Any) -> None:
+    _train_loader(trainer)
+    val = trainer.fit_loop.epoch_loop.val_loop
+    val._combined_loader = None
+    val.setup_data()
+
+
+class KneeBatchSize(_Base):
+    """Set the batch size to the knee b_m and ``accumulate_grad_batches`` to g before fit trains.
+
+    ``global_batch``: B_global, held exactly (``b_m × g × world_size``). ``memory_budget_bytes``:
+    memory per device the choice must fit (None: no limit but ``max_micro_batch``).
+    ``tolerance``: τ, the share of the best throughput the knee may give up. ``batch_arg_name``:
+    the attribute Lightning's ``BatchSizeFinder`` would scale. Other keywords go to
+    :func:`microbatch.tune` (``max_micro_batch``, ``timing``, ``patience``, ``start`` ...);
+    ``max_micro_batch`` is capped at ``global_batch / world_size``.
+
+    After fit starts: :attr:`result` (the :class:`~microbatch.choose.result.TuneResult`),
+    :attr:`micro_batch` and :attr:`grad_accum`.
+    """
+
+    def __init__(
+        self,
+        global_batch: int,
+        *,
+        memory_budget_bytes: int | None = None,
+        tolerance: float = 0.15,
+        batch_arg_name: str = "batch_size",
+        **options: Any,
+    ) -> None:
+        check_global_batch(global_batch, 1)
+        self.global_batch = global_batch
+        self.batch_arg_name = batch_arg_name
+        self.options: dict[str, Any] = dict(
+            options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance
+        )
+        self.result: TuneResult | None = None
+        """The tune's result (after fit started)."""
+        self.micro_batch: int | None = None
+        """The knee b_m set on the module or datamodule."""
+        self.grad_accum: int | None = None
+        """g set as ``trainer.accumulate_grad_batches``."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        """Check everything that can be checked before any probe."""
+        from lightning.pytorch.utilities.parsing import lightning_hasattr
+
+        if stage not in (None, "fit"):
+            return
+        _check_strategy(trainer)
+        check_global_batch(self.global_batch, trainer.world_size)
+        if not trainer.fit_loop._data_source.is_module():
+            raise ConfigError(
+                "KneeBatchSize cannot change the batch size of dataloaders passed to fit() directly; "
+                "define train_dataloader() in the LightningModule or a LightningDataModule, using "
+                f"self.{self.batch_arg_name}"
+            )
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise ConfigError(
+                f"batch size attribute {self.batch_arg_name!r} was not found in the LightningModule "
+                f"{type(pl_module).__name__}, its hparams or the datamodule (the places Lightning's "
+                f"BatchSizeFinder looks); add self.{self.batch_arg_name} and use it in train_dataloader(), "
+                "or pass batch_arg_name=<your attribute>"
+            )
+        if not pl_module.automatic_optimization:
+            raise ConfigError(
+                "KneeBatchSize probes automatic optimization only (the module sets automatic_optimization = "
+                "False); call microbatch.tune() with your own step instead"
+            )
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Probe, restore, then set the knee b_m and g."""
+        rng = save_rng()  # rebuilding a DataLoader draws from the global generator (Lightning iter()s it)
+        try:
+            self._tune(trainer, pl_module)
+        finally:
+            restore_rng(rng)
+
+    def _tune(self, trainer: Any, pl_module: Any) -> None:
+        from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+
+        from microbatch.choose.tune import tune
+
+        world = trainer.world_size
+        original = lightning_getattr(pl_module, self.batch_arg_name)
+        strategy = trainer.strategy
+
+        def make_batch(b: int) -> Any:
+            lightning_setattr(pl_module, self.batch_arg_name, b)
+            loader = _train_loader(trainer)
+            _check_loader(loader, b, self.batch_arg_name)
+            return strategy.batch_to_device(next(iter(loader)))
+
+        def loss_fn(model: Any, batch: Any) -> Any:
+            out = strategy.training_step(batch, 0)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if loss is None:
+                raise ConfigError(
+                    "training_step returned no loss (None, or a dict without 'loss'); KneeBatchSize needs the "
+                    "loss tensor that Lightning's automatic optimization would back-propagate"
+                )
+            return loss
+
+        first = _train_loader(trainer)  # checked before any probe, at the user's own batch size
+        _check_loader(first, original, self.batch_arg_name)
+        del first
+        optimizers = trainer.optimizers
+        optimizer = optimizers[0] if optimizers else None
+        options = options_with_cap(self.options, self.global_batch, world)
+        muted = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
+        pl_module.log = lambda *a, **k: None  # no result collection before the fit loop runs
+        pl_module.log_dict = lambda *a, **k: None
+        try:
+            result = tune(
+                strategy.model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
+                global_batch=self.global_batch, **options,
+            )  # fmt: skip
+            b, g = choice_of(result, self.global_batch, world)
+        except BaseException:
+            lightning_setattr(pl_module, self.batch_arg_name, original)
+            _reset_dataloaders(trainer)
+            raise
+        finally:
+            for name, value in muted.items():
+                if value is None:
+                    pl_module.__dict__.pop(name, None)
+                else:
+                    setattr(pl_module, name, value)
+        lightning_setattr(pl_module, self.batch_arg_name, b)
+        trainer.accumulate_grad_batches = g
+        _reset_dataloaders(trainer)
+        self.result, self.micro_batch, self.grad_accum = result, b, g
+        emit_lines(curve_lines(result, b, g, world), trainer.global_rank)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"microbatch/micro_batch": b, "microbatch/grad_accum": g,
+                                    "microbatch/global_batch": self.global_batch})  # fmt: skip
+
+
+def _check_loader(loader: Any, b: object, attr: str) -> None:
+    """ConfigError unless the rebuilt DataLoader batches ``b`` samples from a map-style dataset."""
+    from torch.utils.data import IterableDataset
+
+    if isinstance(getattr(loader, "dataset", None), IterableDataset):
+        raise ConfigError(
+            f"the train dataloader reads an iterable dataset ({type(loader.dataset).__name__}): each probe draws "
+            "from a fresh iterator and a stream cannot be rewound, so its samples would be lost to training; "
+            "use a map-style Dataset, or call microbatch.tune() with your own make_batch"
+        )
+    if getattr(loader, "batch_size", None) != b:
+        raise ConfigError(
+            f"the train dataloader's batch size is {getattr(loader, 'batch_size', None)!r} after setting "
+            f"{attr} = {b}: it does not follow the attribute (a fixed batch_sampler, or batch_size=None); build "
+            f"the DataLoader with batch_size=self.{attr}"
+        )

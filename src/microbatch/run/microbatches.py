@@ -1,0 +1,146 @@
+"""Splitting a batch into micro-batches: by rows (:func:`split`) or by a token budget (:func:`split_by_tokens`).
+
+A batch is a tensor, a tuple/list of tensors or a mapping of name -> tensor, all with the rows in
+dim 0; micro-batches are views (no copy). :func:`batch_rows` checks that every tensor agrees on
+the number of rows. Used by :mod:`microbatch.run.accumulate` and by loops written by hand.
+
+torch is imported at module level; ``import microbatch`` stays light because this module loads
+only on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from microbatch.errors import ConfigError, check_positive_int
+
+__all__ = ["Batch", "split", "split_by_tokens", "batch_rows", "take_rows"]
+
+Batch = Any  # a tensor, a tuple/list of tensors, or a mapping of name -> tensor, all sharing dim 0
+
+
+def _leaves(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of ``batch``; ConfigError for any other structure."""
+    if isinstance(batch, torch.Tensor):
+        items = [("batch", batch)]
+    elif isinstance(batch, Mapping):
+        items = [(f"batch[{k!r}]", v) for k, v in batch.items()]
+    elif isinstance(batch, (tuple, list)):
+        items = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
+    else:
+        raise ConfigError(
+            f"batch of type {type(batch).__name__} is not supported; a batch is a tensor, a tuple/list of "
+            "tensors or a dict of tensors, all with the rows in dim 0"
+        )
+    if not items:
+        raise ConfigError("batch is empty (no tensors); give at least one tensor with the rows in dim 0")
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(
+                f"{name} is a {type(t).__name__}, not a tensor; every entry of the batch must be a tensor "
+                "with the rows in dim 0 (keep other values in loss_fn's closure)"
+            )
+        if t.dim() == 0:
+            raise ConfigError(f"{name} is a 0-dim tensor; every entry needs the rows in dim 0")
+    return items
+
+
+def batch_rows(batch: Batch) -> int:
+    """Rows (dim 0) of ``batch``, after checking that every tensor in it has the same number."""
+    items = _leaves(batch)
+    sizes = {name: t.shape[0] for name, t in items}
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{n} has {s}" for n, s in sizes.items())
+        raise ConfigError(
+            f"tensors of the batch have different first dimensions ({shown}); every tensor needs the same "
+            "number of rows in dim 0"
+        )
+    return next(iter(sizes.values()))
+
+
+def take_rows(
+    batch: Batch, start: int, stop: int, width: int | None = None, full_width: int | None = None
+) -> Batch:
+    """Rows ``start:stop`` of every tensor (views); optionally cut dim 1 from ``full_width`` to ``width``."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        t = t[start:stop]
+        if width is not None and t.dim() >= 2 and t.shape[1] == full_width:
+            t = t[:, :width]
+        return t
+
+    if isinstance(batch, torch.Tensor):
+        return cut(batch)
+    if isinstance(batch, Mapping):
+        return {k: cut(v) for k, v in batch.items()}
+    return type(batch)(cut(v) for v in batch) if isinstance(batch, tuple) else [cut(v) for v in batch]
+
+
+def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    """Split ``batch`` into consecutive micro-batches of ``micro_batch_size`` rows (views, no copy).
+
+    The last micro-batch holds the remainder and may be smaller; a micro-batch size at least the
+    number of rows gives one micro-batch. Tuples stay tuples, lists lists, mappings become dicts.
+    """
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ConfigError(
+            f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}; give the rows per "
+            "forward/backward (b_m)"
+        )
+    rows = batch_rows(batch)
+    if rows == 0:
+        raise ConfigError("batch has 0 rows; give at least one row")
+    return [take_rows(batch, i, min(i + micro_batch_size, rows)) for i in range(0, rows, micro_batch_size)]
+
+
+def split_by_tokens(
+    batch: Batch,
+    max_tokens: int,
+    *,
+    lengths: Sequence[int] | torch.Tensor,
+    trim_padding: bool = True,
+) -> list[Batch]:
+    """Split ``batch`` into consecutive micro-batches of at most ``max_tokens`` padded tokens each.
+
+    For variable-length data. ``lengths[i]`` is the number of real tokens of row ``i`` (for example
+    ``attention_mask.sum(1)``). A micro-batch of ``r`` rows whose longest row has ``l`` tokens costs
+    ``r × l`` tokens when ``trim_padding`` is true (every tensor of two or more dims whose dim 1 is
+    the batch's padded width is cut to ``l``: right padding assumed, as in training), ``r × width``
+    otherwise. Rows keep their order (sort the batch by length first to waste less padding); the
+    micro-batch gradient sum does not depend on the grouping. A row longer than ``max_tokens`` on its
+    own is an error.
+    """
+    check_positive_int("max_tokens", max_tokens, fix="give the padded tokens one forward/backward may hold")
+    rows = batch_rows(batch)
+    if rows == 0:
+        raise ConfigError("batch has 0 rows; give at least one row")
+    lens = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+    if len(lens) != rows:
+        raise ConfigError(
+            f"lengths has {len(lens)} entries but the batch has {rows} rows; give one length per row"
+        )
+    widths = {t.shape[1] for _, t in _leaves(batch) if t.dim() >= 2}
+    width = max(widths) if widths else 1
+    if any(n < 0 or n > width for n in lens):
+        bad = next(n for n in lens if n < 0 or n > width)
+        raise ConfigError(f"a row length of {bad} is outside 0..{width} (the padded width); check lengths")
+    out: list[Batch] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lens):
+        cost_one = n if trim_padding else width
+        if max(cost_one, 1) > max_tokens:
+            raise ConfigError(
+                f"row {i} alone costs {cost_one} tokens, over max_tokens={max_tokens}; raise max_tokens to at "
+                f"least {cost_one} or truncate the row"
+            )
+        new_longest = max(longest, n)
+        cost = (i + 1 - start) * (max(new_longest, 1) if trim_padding else width)
+        if cost > max_tokens:
+            out.append(take_rows(batch, start, i, max(longest, 1) if trim_padding else None, width))
+            start, new_longest = i, n
+        longest = new_longest
+    out.append(take_rows(batch, start, rows, max(longest, 1) if trim_padding else None, width))
+    return out

@@ -1,0 +1,68 @@
+"""Out of memory inside a training step: recognising it, freeing what it left, and giving up at one row.
+
+**Recognising it.** On CUDA the allocator raises ``torch.OutOfMemoryError`` (also
+``torch.cuda.OutOfMemoryError``), caught by type (:func:`microbatch.measure.device.oom_types`,
+which adds Python's ``MemoryError``). On the CPU torch raises a plain ``RuntimeError``; torch 2.13
+words it (provoked under ``RLIMIT_AS``, in the forward and in the backward alike)::
+
+    [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory:
+    you tried to allocate 800000000 bytes. Error code 12 (Cannot allocate memory)
+
+There is no narrower type, so a CPU ``RuntimeError`` counts as out of memory only when its
+message holds :data:`CPU_ALLOC_FAILURE`, the allocator's own words; any other ``RuntimeError``
+is a bug and propagates. An over-committed host may kill the process instead of raising (the
+kernel's OOM killer): nothing in the process can recover from that; run under a hard limit
+(``RLIMIT_AS``, a cgroup) to get the exception.
+
+**Freeing.** After the exception has been dropped (its frames hold the failed step's tensors,
+which reference counting then frees), :func:`free_memory` collects reference cycles and gives the
+allocator's cache back. On CUDA: a full ``gc.collect()``, then ``torch.cuda.empty_cache``. On the
+CPU: ``gc.collect(1)``, the two young generations, where the failed step's objects are, then
+glibc's ``malloc_trim``. A full collection costs 0.15 s in a process that has imported torch's
+optimizers (which import ``torch._dynamo``) against 1.3 ms for the young generations (measured
+here, torch 2.13, Python 3.11): on the CPU, where a training step is short, that difference is the
+cost of a split; on a GPU it is small against a step and the memory back matters more.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from microbatch.errors import OutOfMemoryError
+from microbatch.measure.device import oom_types, short_error
+from microbatch.measure.hostmem import malloc_trim
+
+__all__ = ["CPU_ALLOC_FAILURE", "is_out_of_memory", "free_memory", "one_row_error", "short_error"]
+
+CPU_ALLOC_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+"""The words of torch's CPU allocator when an allocation fails (``c10/core/impl/alloc_cpu.cpp``)."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """True for torch's out-of-memory types and ``MemoryError``, and for the CPU allocator's ``RuntimeError``."""
+    if isinstance(e, oom_types()):
+        return True
+    return type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e)
+
+
+def free_memory(device: Any) -> None:
+    """Cycles collected and the allocator's cache back: CUDA's ``empty_cache`` on ``device``, or glibc's heap."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        gc.collect()
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
+    else:
+        gc.collect(1)
+        malloc_trim()
+
+
+def one_row_error(step: int, reason: str) -> OutOfMemoryError:
+    """The error when a micro-batch of one row is out of memory: there is nothing left to split."""
+    return OutOfMemoryError(
+        f"step {step}: a micro-batch of 1 row is out of memory ({reason}); splitting cannot go lower and the "
+        "gradients are as they were before the step; free memory (activation checkpointing, a shorter sequence, "
+        "a smaller model or optimizer state) or use a device with more"
+    )

@@ -1,0 +1,131 @@
+"""tune leaves no trace: weights, buffers, grads, AdamW state, RNG and train() bitwise restored."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from microbatch.choose.snapshot import StateSnapshot, leave_no_trace  # noqa: E402
+from microbatch.choose.tune import tune  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
+
+FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=2, max_time_s=0.5, rel_tol=0.9)
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # a real state: one step taken, grads left in place, the model in eval mode
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    model(torch.randn(4, 8)).sum().backward()
+    model.eval()
+    return model, opt
+
+
+def _state(model, opt):
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict().items()},
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "opt": {
+            i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+            for i, p in enumerate(model.parameters())
+        },
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "training": [m.training for m in model.modules()],
+        "rng": torch.get_rng_state().clone(),
+        "random": random.getstate(),
+    }
+
+
+def _assert_same(a, b):
+    assert a["tensors"].keys() == b["tensors"].keys()
+    for k in a["tensors"]:
+        assert torch.equal(a["tensors"][k], b["tensors"][k]), k
+    for ga, gb in zip(a["grads"], b["grads"], strict=True):
+        assert (ga is None) == (gb is None) and (ga is None or torch.equal(ga, gb))
+    assert a["opt"].keys() == b["opt"].keys()
+    for i in a["opt"]:
+        assert a["opt"][i].keys() == b["opt"][i].keys()
+        for k in a["opt"][i]:
+            va, vb = a["opt"][i][k], b["opt"][i][k]
+            assert torch.equal(va, vb) if torch.is_tensor(va) else va == vb, (i, k)
+    assert a["groups"] == b["groups"]
+    assert a["training"] == b["training"]
+    assert torch.equal(a["rng"], b["rng"]) and a["random"] == b["random"]
+
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+
+
+def _batches(fail_at=None, exc=RuntimeError):
+    def make_batch(b):
+        if fail_at is not None and b >= fail_at:
+            raise exc(f"failing at {b}")
+        return torch.randn(b + 1, 8), torch.randn(b + 1)  # BatchNorm needs 2 rows
+
+    return make_batch
+
+
+def _tune(model, opt, make_batch):
+    return tune(model, make_batch, loss_fn=_loss, optimizer=opt, timing=FAST, max_micro_batch=8,
+                use_cache=False, memory_budget_bytes=2**40)  # fmt: skip
+
+
+def test_tune_returns_with_the_state_bitwise_unchanged():
+    model, opt = _model_and_optimizer()
+    before = _state(model, opt)
+    result = _tune(model, opt, _batches())
+    assert [p.micro_batch for p in result.points][:2] == [1, 2]  # it did probe (and step) the model
+    _assert_same(before, _state(model, opt))
+
+
+def test_without_restoring_the_probes_would_leave_a_trace():
+    # the control: the same probes outside leave_no_trace change the weights and the RNG
+    model, opt = _model_and_optimizer()
+    before = _state(model, opt)
+    snap = StateSnapshot.take(model, opt)
+    from microbatch.measure.probes import TrainProbe
+
+    TrainProbe(model, _batches(), loss_fn=_loss, optimizer=opt, timing=FAST).measure(2)
+    with pytest.raises(AssertionError):
+        _assert_same(before, _state(model, opt))
+    snap.restore()
+    _assert_same(before, _state(model, opt))
+    assert snap.host_bytes >= 4 * sum(p.numel() * 4 for p in model.parameters())  # weights, grads, 2 moments
+
+
+@pytest.mark.parametrize(
+    "exc", [ValueError, KeyboardInterrupt, torch.OutOfMemoryError], ids=["exception", "ctrl-c", "oom"]
+)
+def test_state_restored_on_exception_interrupt_and_oom(exc):
+    model, opt = _model_and_optimizer()
+    before = _state(model, opt)
+    try:
+        result = _tune(model, opt, _batches(fail_at=4, exc=exc))
+    except (ValueError, KeyboardInterrupt):
+        result = None
+    if exc is torch.OutOfMemoryError:  # recorded as a point that did not fit; the search goes on
+        assert result is not None and any(p.oom for p in result.points)
+    _assert_same(before, _state(model, opt))
+
+
+def test_leave_no_trace_restores_after_a_raise_inside():
+    model, opt = _model_and_optimizer()
+    before = _state(model, opt)
+    with pytest.raises(RuntimeError), leave_no_trace(model, opt):
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        random.random()
+        raise RuntimeError("boom")
+    _assert_same(before, _state(model, opt))

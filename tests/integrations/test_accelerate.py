@@ -1,0 +1,94 @@
+"""knee_batch_size with a real Accelerator on the CPU: probes the function's own step, then trains at the knee."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+accelerate = pytest.importorskip("accelerate")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from microbatch.errors import ConfigError  # noqa: E402
+from microbatch.integrations.accelerate import knee_batch_size  # noqa: E402
+
+B = 32
+g0 = torch.Generator().manual_seed(1)
+DATA = TensorDataset(torch.randn(1024, 32, generator=g0), torch.randn(1024, generator=g0))
+
+
+def _make(calls, *, oom_above=None, steps=2, **opts):
+    @knee_batch_size(global_batch=B, max_micro_batch=16, repeats=3, max_time_s=0.5, use_cache=False, **opts)
+    def train(micro_batch, grad_accum, probe=None, tag="x"):
+        calls.append((micro_batch, grad_accum, probe is not None, tag))
+        if oom_above is not None and micro_batch > oom_above:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=micro_batch))
+        seen, updates = [], 0
+        for x, y in loader:
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+                seen.append(len(x))
+                if acc.sync_gradients:
+                    updates += 1
+                opt.step()
+                opt.zero_grad()
+            if probe is not None:
+                probe.step()
+            elif updates == steps:
+                break
+        return seen, updates
+
+    return train
+
+
+def test_probes_then_trains_at_the_knee_with_global_batch_exact():
+    calls = []
+    train = _make(calls)
+    seen, updates = train(tag="mine")  # extra arguments reach the function
+    result = train.result
+    b, g = (
+        result.recommendation.knee.micro_batch,
+        result.recommendation.grad_accum(result.recommendation.knee.micro_batch),
+    )
+    assert b * g * 1 == B
+    probes = [c for c in calls if c[2]]
+    assert [c[0] for c in probes] == [p.micro_batch for p in result.points]
+    assert all(gg == B // bb for bb, gg, _, _ in probes)  # each probe ran at the g of its b_m
+    assert calls[-1] == (b, g, False, "mine")  # then one real call with (b_m, g)
+    assert seen == [b] * (2 * g) and updates == 2
+    best = max(p.throughput for p in result.points if not p.oom)
+    assert result.recommendation.knee.throughput >= (1 - result.recommendation.tolerance) * best
+    assert all(p.peak_memory_bytes and p.peak_memory_bytes > 0 for p in result.points)
+
+
+def test_out_of_memory_marks_a_point_and_the_knee_fits():
+    calls = []
+    train = _make(calls, oom_above=4)
+    train()
+    res = train.result
+    assert any(p.oom for p in res.points) and res.recommendation.knee.micro_batch <= 4
+    assert calls[-1][:3] == (
+        res.recommendation.knee.micro_batch,
+        B // res.recommendation.knee.micro_batch,
+        False,
+    )
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError, match=r"global_batch 0 must be a whole number"):
+        knee_batch_size(lambda b, g, probe=None: None, global_batch=0)
+
+    @knee_batch_size(global_batch=8, max_micro_batch=2)
+    def too_short(micro_batch, grad_accum, probe=None):
+        if probe is not None:
+            probe.step()
+
+    with pytest.raises(ConfigError, match=r"returned after 1 probe.step\(\) calls at micro_batch 1"):
+        too_short()
+    with pytest.raises(TypeError, match="unexpected option"):
+        knee_batch_size(lambda b, g, probe=None: None, global_batch=8, tolerence=0.1)()

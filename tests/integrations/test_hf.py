@@ -1,0 +1,84 @@
+"""tune_trainer on a real Hugging Face Trainer on the CPU: b_m × g × world == B, the knee, no trace."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from microbatch.errors import ConfigError  # noqa: E402
+from microbatch.integrations.hf import checkpointing_setting, tune_trainer  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
+
+FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=0.3, rel_tol=0.9)
+
+
+def _trainer(tmp_path, dataset=None, **args):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    if dataset is None:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 64, (256, 16), generator=g)
+        dataset = [{"input_ids": x, "labels": x, "unused": 0} for x in ids]
+    kw = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=2,
+              use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no", dataloader_num_workers=0)  # fmt: skip
+    kw.update(args)
+    return transformers.Trainer(model=model, args=transformers.TrainingArguments(**kw), train_dataset=dataset)
+
+
+def test_train_runs_at_the_knee_with_the_effective_batch_kept_and_no_trace(tmp_path):
+    trainer = _trainer(tmp_path)
+    model = trainer.model
+    weights0 = {k: v.clone() for k, v in model.state_dict().items()}
+    training0 = [m.training for m in model.modules()]
+    rng0 = torch.get_rng_state().clone()
+    result = tune_trainer(trainer, timing=FAST, max_micro_batch=8, use_cache=False)  # B = 4 × 4 × 1 = 16
+    b, g = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+    assert b * g * trainer.args.world_size == 16 and result.recommendation.knee.micro_batch == b
+    best = max(p.throughput for p in result.points if not p.oom)
+    assert result.recommendation.knee.throughput >= (1 - result.recommendation.tolerance) * best
+    assert [p.micro_batch for p in result.points][:2] == [1, 2]
+    # nothing left behind: weights, grads, training flags, RNG, no optimizer made for train() to reuse
+    assert all(torch.equal(weights0[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters()) and trainer.optimizer is None
+    assert [m.training for m in model.modules()] == training0 and torch.equal(torch.get_rng_state(), rng0)
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[0]), with_kwargs=True)
+    trainer.train()
+    assert seen == [b] * (2 * g) and trainer.state.global_step == 2
+
+
+def test_a_given_global_batch_and_bad_input(tmp_path):
+    trainer = _trainer(tmp_path)
+    result = tune_trainer(trainer, 8, timing=FAST, max_micro_batch=2, use_cache=False)
+    assert max(p.micro_batch for p in result.points) <= 2
+    assert trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps == 8
+    with pytest.raises(ConfigError, match=r"global_batch 0 must be a whole number >= 1"):
+        tune_trainer(trainer, 0)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    weights0 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"iterable dataset \(Stream\).*map-style"):
+        tune_trainer(_trainer(tmp_path, dataset=Stream()))
+    t = _trainer(tmp_path)
+    t.train_dataset = None
+    with pytest.raises(ConfigError, match="no train_dataset"):
+        tune_trainer(t)
+    assert all(torch.equal(weights0[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_checkpointing_setting_reads_either_name():
+    class V4:
+        gradient_checkpointing = True
+
+    class V5:
+        activation_checkpointing = True
+        gradient_checkpointing = None
+
+    assert checkpointing_setting(V4()) and checkpointing_setting(V5())
+    assert not checkpointing_setting(object())

@@ -1,0 +1,194 @@
+"""KneeBatchSize in a real Lightning fit on the CPU: b_m × g × world == B, the knee, no trace, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+L = pytest.importorskip("lightning.pytorch")
+
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset  # noqa: E402
+
+from microbatch.errors import ConfigError  # noqa: E402
+from microbatch.integrations.lightning import KneeBatchSize  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
+
+FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=0.3, rel_tol=0.9)
+B = 16
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, batch_size=2, loader="map"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.batch_size = batch_size
+        self.loader = loader
+        g = torch.Generator().manual_seed(1)
+        self.data = TensorDataset(torch.randn(512, 32, generator=g), torch.randn(512, generator=g))
+        self.seen: list[int] = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+        self.log("loss", loss)
+        return loss
+
+    def on_train_batch_start(self, batch, i):
+        self.seen.append(len(batch[0]))
+
+    def train_dataloader(self):
+        if self.loader == "sampler":
+            from torch.utils.data import BatchSampler, SequentialSampler
+
+            return DataLoader(self.data, batch_sampler=BatchSampler(SequentialSampler(self.data), 4, False))
+        if self.loader == "iterable":
+
+            class Stream(IterableDataset):
+                def __iter__(s):
+                    return iter(zip(self.data.tensors[0], self.data.tensors[1], strict=True))
+
+            return DataLoader(Stream(), batch_size=self.batch_size)
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Before(L.Callback):
+    """The state right after tuning (the next on_fit_start hook), before the fit loop starts."""
+
+    def on_fit_start(self, trainer, module):
+        self.weights = {k: v.clone() for k, v in module.state_dict().items()}
+        self.opt_state = dict(trainer.optimizers[0].state)
+        self.grads = [p.grad for p in module.parameters()]
+        self.rng = torch.get_rng_state().clone()
+        self.training = [m.training for m in module.modules()]
+
+
+def _trainer(*callbacks, devices=1, **kw):
+    return L.Trainer(accelerator="cpu", devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     callbacks=list(callbacks), **kw)  # fmt: skip
+
+
+def test_fit_runs_at_the_knee_with_global_batch_exact_and_no_trace(caplog):
+    caplog.set_level("INFO", logger="microbatch.integrations")
+    module = Tiny()
+    weights0 = {k: v.clone() for k, v in module.state_dict().items()}
+    knee, first, before = (
+        KneeBatchSize(B, timing=FAST, max_micro_batch=8, use_cache=False),
+        Before(),
+        Before(),
+    )
+    trainer = _trainer(first, knee, before)  # the state just before and just after tuning
+    trainer.fit(module)
+    b, g = knee.micro_batch, knee.grad_accum
+    assert b * g * trainer.world_size == B
+    assert module.batch_size == b and trainer.accumulate_grad_batches == g
+    # the curve and the choice are logged, one line per probe and one for the choice
+    lines = [r.getMessage() for r in caplog.records if r.name == "microbatch.integrations"]
+    assert len(lines) == len(knee.result.points) + 1
+    assert f"knee b_m = {b}, g = {g}, world 1: B_global = {b} × {g} × 1 = {B}" in lines[-1]
+    # training ran at b_m: 2 optimizer steps of g micro-batches of b samples each
+    assert module.seen == [b] * (2 * g) and trainer.global_step == 2
+    # the knee is within τ of the best probed point
+    rec = knee.result.recommendation
+    best = max(p.throughput for p in knee.result.points if not p.oom)
+    assert rec.knee.throughput >= (1 - rec.tolerance) * best
+    assert knee.result.probes >= 2
+    # the state training started from is the state before tuning (bitwise)
+    assert all(torch.equal(weights0[k], before.weights[k]) for k in weights0)
+    assert before.opt_state == {} and all(gr is None for gr in before.grads)
+    assert torch.equal(before.rng, first.rng)  # tuning consumed no random numbers
+    assert all(torch.equal(first.weights[k], before.weights[k]) for k in weights0)
+    assert before.training == [True] * len(before.training)
+
+
+def test_refuses_before_any_probe_with_the_model_untouched():
+    def refused(module, match, **kw):
+        weights0 = {k: v.clone() for k, v in module.state_dict().items()}
+        bs0 = module.batch_size if hasattr(module, "batch_size") else None
+        with pytest.raises(ConfigError, match=match):
+            _trainer(KneeBatchSize(kw.pop("global_batch", B), timing=FAST, max_micro_batch=4, use_cache=False,
+                                   **kw)).fit(module)  # fmt: skip
+        assert all(torch.equal(weights0[k], v) for k, v in module.state_dict().items())
+        if bs0 is not None:
+            assert module.batch_size == bs0
+
+    refused(Tiny(), r"batch size attribute 'bs' was not found .* BatchSizeFinder", batch_arg_name="bs")
+    refused(
+        Tiny(loader="sampler"), r"batch size is None after setting batch_size = 2: .* fixed batch_sampler"
+    )
+    refused(Tiny(loader="iterable"), r"iterable dataset \(Stream\).* map-style Dataset")
+    with pytest.raises(ConfigError, match=r"global_batch 0 must be a whole number >= 1"):
+        KneeBatchSize(0)
+
+
+def test_unsupported_strategy_is_named():
+    from microbatch.integrations.lightning import _check_strategy
+
+    class FakeTrainer:
+        class strategy:  # noqa: N801 - stands in for a Trainer's strategy
+            pass
+
+    with pytest.raises(
+        ConfigError, match=r"cannot tune under strategy type: it supports SingleDeviceStrategy, DDP"
+    ):
+        _check_strategy(FakeTrainer)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    FakeTrainer.strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    with pytest.raises(ConfigError, match=r"strategy DeepSpeedStrategy"):
+        _check_strategy(FakeTrainer)
+
+
+_DDP_CHILD = r"""
+import json, os, sys, torch
+sys.path.insert(0, os.environ["TESTS_DIR"])
+from test_lightning import Tiny, _trainer, FAST
+from microbatch.integrations.lightning import KneeBatchSize
+torch.set_num_threads(1)
+module = Tiny()
+knee = KneeBatchSize(int(os.environ["GLOBAL_BATCH"]), timing=FAST, max_micro_batch=4)
+trainer = _trainer(knee, strategy="ddp", devices=2, num_nodes=1)
+trainer.fit(module)
+out = {"rank": trainer.global_rank, "world": trainer.world_size, "b": knee.micro_batch, "g": knee.grad_accum,
+       "acc": trainer.accumulate_grad_batches, "bs": module.batch_size, "seen": module.seen,
+       "points": [p.micro_batch for p in knee.result.points]}
+open(os.path.join(os.environ["OUT_DIR"], f"rank{trainer.global_rank}.json"), "w").write(json.dumps(out))
+"""
+
+
+def test_ddp_two_gloo_ranks_agree_on_one_micro_batch(tmp_path):
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "child.py"
+    script.write_text(_DDP_CHILD)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), NODE_RANK="0", GLOBAL_BATCH=str(B), OUT_DIR=str(tmp_path),
+                   TESTS_DIR=os.path.dirname(__file__), OMP_NUM_THREADS="1")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
+    assert r0["b"] * r0["g"] * 2 == B and r0["acc"] == r0["g"] and r0["bs"] == r0["b"]
+    assert r0["seen"] == [r0["b"]] * (2 * r0["g"]) == r1["seen"]
+    assert max(r0["points"]) <= B // 2

@@ -1,0 +1,78 @@
+"""validate on the CPU: the figures recorded with the measurements, or the machine re-measured and its
+movement stated (issue 18 item 14)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import microbatch.predict.validation as validation
+from microbatch.hardware import cpu_accelerator
+from microbatch.model import get_model
+from microbatch.predict.calibrate import analytic_memory_line
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY
+from microbatch.predict.steptime import predict_step_time_s
+
+SHAPE = get_model("small")
+TRUE = cpu_accelerator(flops_per_s=50e9, bytes_per_s=10e9, memory_bytes=8e9)
+
+
+def _cpu_result(**extra) -> dict:
+    static, per = analytic_memory_line(SHAPE, precision="fp32")
+    eff = DEFAULT_EFFICIENCY.__class__(gemm_max=0.5, half_rows=100.0)
+    pts = [
+        {"micro_batch": b, "throughput": 1.0, "peak_memory_bytes": static + 1.2 * per * b + 3e8,
+         "step_time_s": predict_step_time_s(SHAPE, b, TRUE, precision="fp32", efficiency=eff), "oom": False}
+        for b in (1, 2, 4, 8)
+    ]  # fmt: skip
+    d = {"points": pts, "model": "small", "seq": SHAPE.seq, "precision": "fp32", "checkpointing": "off",
+         "device": "cpu"}  # fmt: skip
+    d.update(extra)
+    return d
+
+
+def _machine(peaks):
+    """A fake measure_cpu that returns ``peaks`` in turn (GFLOP/s), bandwidth a tenth of it."""
+    it = iter(peaks)
+
+    def measure(threads=None):
+        g = next(it)
+        return cpu_accelerator(flops_per_s=g * 1e9, bytes_per_s=g * 1e8, memory_bytes=8e9, source=f"fake {g}")
+
+    return measure
+
+
+def test_recorded_figures_give_the_same_answer_every_run(monkeypatch):
+    def no_measure(threads=None):
+        raise AssertionError("measured although figures were recorded")
+
+    monkeypatch.setattr(validation, "measure_cpu", no_measure)
+    d = _cpu_result(
+        accelerator={"name": "cpu", "peak_flops": {"fp32": 50e9}, "memory_bandwidth_bytes_per_s": 10e9}
+    )
+    a, b = validation.validate_result(d), validation.validate_result(json.loads(json.dumps(d)))
+    assert a["errors"] == b["errors"] and a["accelerator"]["figures"] == "recorded"
+    assert a["accelerator"]["peak_flops"]["fp32"] == 50e9
+    # the points were made at exactly these figures: uncalibrated error is the efficiency's (0.5 vs 0.8)
+    assert a["errors"]["step_uncalibrated"] < 0 and abs(a["errors"]["step_calibrated"]) < 1e-6
+    assert any("recorded with the measurements" in w for w in a["warnings"])
+
+
+def test_measured_now_says_so_and_how_much_the_machine_moved(monkeypatch):
+    monkeypatch.setattr(validation, "measure_cpu", _machine([40.0, 60.0, 50.0]))
+    out = validation.validate_result(_cpu_result())
+    moved = out["accelerator"]["remeasured"]
+    assert out["accelerator"]["figures"] == "measured now"
+    assert moved["peak_flops"] == pytest.approx([40e9, 60e9, 50e9])
+    assert moved["peak_spread"] == pytest.approx(0.5)
+    note = next(w for w in out["warnings"] if "measured now" in w)
+    assert "40.0–60.0 GFLOP/s (50% apart)" in note and "--cpu-peak-gflops" in note
+    # the first measurement is the one used
+    assert out["accelerator"]["peak_flops"]["fp32"] == pytest.approx(40e9)
+
+
+def test_given_figures_are_not_remeasured(monkeypatch):
+    monkeypatch.setattr(validation, "measure_cpu", _machine([]))  # any call fails (StopIteration)
+    out = validation.validate_result(_cpu_result(), cpu_peak_gflops=50, cpu_bandwidth_gbs=10)
+    assert "remeasured" not in out["accelerator"] and out["accelerator"]["peak_flops"]["fp32"] == 50e9
