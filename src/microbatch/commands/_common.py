@@ -28,6 +28,8 @@ __all__ = [
     "write_result",
     "check_out_dir",
     "keep_result",
+    "keep_beside",
+    "check_output_file",
     "flags_for",
     "progress",
     "option_group",
@@ -137,18 +139,64 @@ def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
     return p
 
 
-def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple[Path, str | None]:
-    """:func:`write_result` to ``path``; if that fails now (the folder vanished, the disk filled), write it
-    beside, in the temporary folder, and return that path with a line saying why (else None)."""
+def check_output_file(
+    path: str | None, flag: str, suffixes: tuple[str, ...] = (), *, create_folder: bool = False
+) -> None:
+    """Refuse, before any work, an output file that could not be written: a suffix that names
+    another format (``--png out.svg``), a path that is a folder, a folder that is missing (made
+    instead with ``create_folder``) or not writable (tried with a temporary file).
+
+    ConfigError naming the flag, the path, why and the fix.
+    """
     import tempfile
 
+    from microbatch.errors import ConfigError
+
+    if not path:
+        return
+    ext = os.path.splitext(path)[1].lower()
+    if suffixes and ext and ext not in suffixes:
+        raise ConfigError(
+            f"{flag} {path}: the suffix {ext} names another format than {flag} writes ({'/'.join(suffixes)}); "
+            f"use a name ending in {suffixes[0]}"
+            + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
+        )
+    if os.path.isdir(path):
+        example = os.path.join(path, "out" + (suffixes[0] if suffixes else ".json"))
+        raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. {example}")
+    folder = Path(os.path.abspath(path)).parent
+    if not folder.is_dir() and not create_folder:
+        raise ConfigError(
+            f"{flag} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or write elsewhere"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".microbatch-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path}: the folder {folder} cannot be written ({e.strerror or e}); write elsewhere"
+        ) from None
+
+
+def keep_beside(obj: Any, command: str | None = None) -> Path:
+    """Write ``obj`` (in the envelope) to a new file in the temporary folder and return its path:
+    where a result goes when the path asked for cannot take it, so that it is never lost."""
+    import tempfile
+
+    name = command or command_name()
+    fd, other = tempfile.mkstemp(prefix=f"microbatch-{name}-", suffix=".json")
+    os.close(fd)
+    return write_result(other, obj, command=name)
+
+
+def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple[Path, str | None]:
+    """:func:`write_result` to ``path``; if that fails now (the folder vanished, the disk filled),
+    :func:`keep_beside` it and return that path with a line saying why (else None)."""
     try:
         return write_result(path, obj, command), None
     except OSError as e:
-        name = command or command_name()
-        fd, other = tempfile.mkstemp(prefix=f"microbatch-{name}-", suffix=".json")
-        os.close(fd)
-        kept = write_result(other, obj, command=name)
+        kept = keep_beside(obj, command)
         return kept, f"could not write {path} ({e.strerror or e}); the result was kept in {kept}"
 
 

@@ -4,7 +4,6 @@ the virtual stages a schedule gets when ``--virtual`` is not given, op times, ou
 from __future__ import annotations
 
 import math
-import os
 
 import click
 from click.core import ParameterSource
@@ -12,7 +11,7 @@ from click.core import ParameterSource
 from microbatch.errors import ConfigError
 from microbatch.schedules.registry import ScheduleSpec
 
-__all__ = ["check_output_path", "check_times", "resolve_virtual"]
+__all__ = ["check_times", "resolve_virtual"]
 
 
 def resolve_virtual(spec: ScheduleSpec, virtual: int | None, notes: list[str]) -> int:
@@ -50,28 +49,3 @@ def check_times(**times: float | None) -> None:
                 f"{flag} {value:g}: an op time must be a finite number {rule}; give a measured or estimated "
                 f"duration, e.g. {flag} 1"
             )
-
-
-def check_output_path(path: str | None, flag: str, suffixes: tuple[str, ...]) -> None:
-    """Refuse, before any work, an output path whose folder is missing or not writable, or whose
-    suffix names another format (``--png out.svg``)."""
-    if not path:
-        return
-    ext = os.path.splitext(path)[1].lower()
-    if ext and ext not in suffixes:
-        raise ConfigError(
-            f"{flag} {path}: the suffix {ext} names another format than {flag} writes ({'/'.join(suffixes)}); "
-            f"use a name ending in {suffixes[0]}"
-            + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
-        )
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(
-            f"{flag} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or write elsewhere"
-        )
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"{flag} {path}: the folder {folder} is not writable; write elsewhere")
-    if os.path.isdir(path):
-        raise ConfigError(
-            f"{flag} {path} is a folder; give a file name, e.g. {os.path.join(path, 'out' + suffixes[0])}"
-        )

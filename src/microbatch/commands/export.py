@@ -4,32 +4,9 @@ from __future__ import annotations
 
 import click
 
-from microbatch.commands._common import emit, json_option, write_result
+from microbatch.commands._common import check_output_file, emit, json_option, write_result
 
 __all__ = ["cmd"]
-
-
-def _check_output(output: str) -> None:
-    """ConfigError unless ``output`` can be written: its folder is made (as result files' are) and
-    tried with a temporary file, before any work."""
-    import tempfile
-    from pathlib import Path
-
-    from microbatch.errors import ConfigError
-
-    p = Path(output)
-    if p.is_dir():
-        raise ConfigError(
-            f"--output {output!r} is a folder; give a file name, e.g. {output.rstrip('/')}/config.json"
-        )
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".microbatch-check-"):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"--output {output!r} cannot be written ({e.strerror or e}); give a path in a folder you can write to"
-        ) from None
 
 
 @click.command("export")
@@ -81,7 +58,7 @@ def cmd(
             "give exactly one of --plan (a `plan --json` file) or --tune (a tune's result.json)"
         )
     if output:
-        _check_output(output)
+        check_output_file(output, "--output", create_folder=True)  # before the work; a missing folder is made
     if plan_path is not None:
         data = load_json(plan_path, what="--plan", fix="give the file `microbatch plan --json` wrote")
         ex = export_plan(data, fmt, gpu=gpu, gpus_per_node=gpus_per_node)

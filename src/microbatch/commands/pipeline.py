@@ -119,8 +119,8 @@ def cmd(
           -m microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
-    from microbatch.commands._common import use_color
-    from microbatch.commands._schedule_inputs import check_output_path, resolve_virtual
+    from microbatch.commands._common import check_output_file, use_color
+    from microbatch.commands._schedule_inputs import resolve_virtual
     from microbatch.run.launch import run_external, run_pipeline, under_torchrun
     from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.registry import torch_spec
@@ -130,9 +130,9 @@ def cmd(
     notes: list[str] = []
     virtual = resolve_virtual(spec, virtual, notes)  # a V holds exactly two stages per rank
     # every output path is checked before any process starts
-    check_output_path(trace, "--trace", (".json",))
-    check_output_path(svg_path, "--svg", (".svg",))
-    check_output_path(png_path, "--png", (".png",))
+    check_output_file(trace, "--trace", (".json",))
+    check_output_file(svg_path, "--svg", (".svg",))
+    check_output_file(png_path, "--png", (".png",))
     cfg = PipelineConfig(
         schedule=spec.name,
         stages=stages,
@@ -186,8 +186,11 @@ def cmd(
         except OSError as e:
             notes.append(f"could not write --png {png_path} ({e}); the result is printed below")
             failed = True
-    if failed:
-        _keep_beside(report, notes)
+    if failed:  # the whole result is kept beside, in the temporary folder
+        from microbatch.commands._common import keep_beside
+
+        kept = keep_beside(report, "pipeline")
+        notes.append(f"the whole result is kept in {kept}")
     emit(report, as_json, lambda: render(report, width, color=use_color()))
     if external:
         _exit_rank()
@@ -206,17 +209,6 @@ def _write(report: dict[str, Any], key: str, path: str, text: Any) -> bool:
         return False
     report[key] = str(path)
     return True
-
-
-def _keep_beside(report: dict[str, Any], notes: list[str]) -> None:
-    """Save the whole result as JSON in the temporary folder and say where."""
-    import os
-    import tempfile
-
-    fd, keep = tempfile.mkstemp(prefix="microbatch-pipeline-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(dumps(report))
-    notes.append(f"the whole result is kept in {keep}")
 
 
 def _exit_rank() -> NoReturn:

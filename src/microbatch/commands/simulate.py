@@ -203,7 +203,8 @@ def cmd(
     ranks); each rank runs its own list in order, as torch does. Times are in any unit.
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
-    from microbatch.commands._schedule_inputs import check_output_path, check_times, resolve_virtual
+    from microbatch.commands._common import check_output_file
+    from microbatch.commands._schedule_inputs import check_times, resolve_virtual
     from microbatch.schedules.registry import check_servable, check_simulable, generate, get_spec
     from microbatch.schedules.simulate import (
         ZB_IDLE_SCHEDULES,
@@ -226,8 +227,8 @@ def cmd(
         weight_time=weight_time,
         comm_time=comm_time,
     )
-    check_output_path(svg_path, "--svg", (".svg",))
-    check_output_path(png_path, "--png", (".png",))
+    check_output_file(svg_path, "--svg", (".svg",))
+    check_output_file(png_path, "--png", (".png",))
     schedule = generate(spec.name, stages, microbatches, virtual)
     times = resolve_times(
         spec,
