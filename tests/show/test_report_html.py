@@ -298,3 +298,25 @@ def test_report_opens_with_the_answers_and_speaks_in_words(tmp_path, capsys):
     labels = memory_figure(far).axes[0].get_legend_handles_labels()[1]
     assert "largest predicted to fit: 10000 (right of the b_m range drawn)" in labels
     assert any("(above the memory range drawn)" in label for label in labels)
+
+
+def test_pipeline_charts_share_x_limits_and_an_axis_label_in_ms():
+    """The measured and the predicted (replay) bubble charts of one pipeline result are drawn on one
+    axis: the same x-limits, 0 to the latest end over both timelines in ms, labelled with the unit."""
+    from microbatch.show.html_sections import pipeline_section
+
+    res = _seconds_pipeline()
+    # the measured step is shorter (60 ms) than the replay (80 ms): each alone would end elsewhere
+    _, figs = pipeline_section(res, None, 0)
+    assert [f.name for f in figs] == ["bubble-measured-0", "bubble-predicted-0"]
+    limits = {f.x_limits for f in figs}
+    assert len(limits) == 1, limits
+    (lo, hi) = limits.pop()
+    assert lo == 0 and hi == pytest.approx(80.0)  # 0.080 s of the replay, in ms
+    for f in figs:
+        assert f.x_label == "time (ms)"
+        assert "time (ms)" in f.svg
+    # a longer measured step moves both charts' end, not only its own
+    res["timeline"][-1]["end_s"] = 100.1  # the measured step now ends at 100 ms
+    _, figs = pipeline_section(res, None, 0)
+    assert [f.x_limits for f in figs] == [(0.0, pytest.approx(100.0))] * 2

@@ -71,6 +71,10 @@ class Figure:
     """The SVG element, without the XML prolog, to sit inline in HTML."""
     png_path: Path | None = None
     """The PNG copy, when one was written."""
+    x_limits: tuple[float, float] | None = None
+    """The x-axis range of the first axes as drawn (for checking that charts share one scale)."""
+    x_label: str = ""
+    """The x-axis label of the first axes, with its unit (``time (ms)``)."""
 
 
 def new_figure(size_in: tuple[float, float] = FIGURE_SIZE_IN, dpi: int = FIGURE_DPI) -> MplFigure:
@@ -94,7 +98,10 @@ def render_figure(fig: MplFigure, name: str, title: str, png_dir: Path | None) -
         png_dir.mkdir(parents=True, exist_ok=True)
         png_path = png_dir / f"{name}.png"
         fig.savefig(png_path, format="png", dpi=fig.dpi)
-    return Figure(name=name, title=title, svg=svg, png_path=png_path)
+    axes = fig.get_axes()
+    xlim = (float(axes[0].get_xlim()[0]), float(axes[0].get_xlim()[1])) if axes else None
+    xlabel = axes[0].get_xlabel() if axes else ""
+    return Figure(name=name, title=title, svg=svg, png_path=png_path, x_limits=xlim, x_label=xlabel)
 
 
 def _axes(fig: MplFigure) -> Axes:

@@ -22,6 +22,7 @@ from microbatch.show.figures import (
     timeline_figure,
 )
 from microbatch.show.html_parts import esc, figure_html, gib, name_of, num, pct, table
+from microbatch.show.pipeline_report import shared_span_ms
 from microbatch.show.timeline import Row, normalize_rows
 from microbatch.units import format_bytes
 
@@ -175,13 +176,16 @@ def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
         if tl:
             seconds = _uses_seconds(tl)
             timelines.append((what, _zeroed(normalize_rows(tl), _MS_PER_S if seconds else 1.0), seconds))
-    span = max((r[1] for _, rws, _ in timelines for rank in rws for r in rank), default=1.0)
+    # one time axis for both charts, as the terminal report draws them: 0 to the latest end over
+    # both timelines (shared_span_ms), in ms when the result gives seconds
+    span = shared_span_ms(*(rws for _, rws, _ in timelines)) or 1.0
+    titles = {"measured": "measured (last step)", "predicted": "predicted (replay of the measured op times)"}
     figs = [
         _bubble(
             rws,
             span,
             "ms" if seconds else res.get("time_unit", ""),
-            f"Bubble diagram, {what} — {res.get('schedule')}",
+            f"Bubble diagram, {titles[what]} — {res.get('schedule')}",
             f"bubble-{what}-{idx}",
             png_dir,
         )
