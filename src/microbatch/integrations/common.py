@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from microbatch.batch import nearest_multiples
 from microbatch.choose.result import TuneResult
 from microbatch.errors import ConfigError, MicrobatchError
 
@@ -29,9 +30,8 @@ log = logging.getLogger("microbatch.integrations")
 
 def nearest_global_batches(global_batch: int, world: int) -> tuple[int, int]:
     """The multiples of ``world`` just below and above ``global_batch`` (the valid B_global)."""
-    below = max(world, global_batch // world * world)
-    above = -(-global_batch // world) * world
-    return below, above
+    near = nearest_multiples(global_batch, world)
+    return near[0], near[-1]
 
 
 def check_global_batch(global_batch: object, world: int, *, name: str = "global_batch") -> int:

@@ -18,6 +18,16 @@ under whichever name the installed version has. Refused before any probe: no ``t
 an iterable dataset, DeepSpeed or FSDP enabled (they shard the state the probes must restore),
 DataParallel over several GPUs in one process (use ``torchrun``), a global batch the world size
 does not divide.
+
+Out-of-memory during training, opt-in: ``tune_trainer(trainer, on_oom="split")`` (or
+:func:`split_on_oom` on any Trainer) replaces ``trainer.training_step`` on that instance with one
+that runs the step's batch through :func:`microbatch.run.accumulate.accumulate` with a
+:class:`~microbatch.run.controller.MicroBatchController` kept as ``trainer.microbatch_controller``:
+an out-of-memory in a forward or backward puts ``.grad`` back, halves the micro-batch and redoes
+the step, so the gradient is the one the step would have given; later steps run at the size that
+last worked (or grow back toward the knee with ``grow_after``). ``b_m × g × world`` does not change:
+the Trainer still hands ``per_device_train_batch_size`` rows to each call; they go through the
+model in pieces. Single process only (refused under DDP, DeepSpeed, FSDP, fp16 loss scaling).
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ from microbatch.integrations.common import (
     emit_lines,
     options_with_cap,
 )
+from microbatch.run.controller import MicroBatchController
 
-__all__ = ["tune_trainer", "checkpointing_setting"]
+__all__ = ["tune_trainer", "split_on_oom", "checkpointing_setting"]
 
 
 def checkpointing_setting(args: Any) -> bool:
@@ -82,6 +93,8 @@ def tune_trainer(
     *,
     memory_budget_bytes: int | None = None,
     tolerance: float = 0.15,
+    on_oom: str = "raise",
+    grow_after: int | None = None,
     **options: Any,
 ) -> TuneResult:
     """Probe ``trainer``'s own step, restore, and set its batch size and accumulation to the knee.
@@ -91,6 +104,10 @@ def tune_trainer(
     :func:`microbatch.tune` (``max_micro_batch`` — capped at ``global_batch / world_size`` —,
     ``timing``, ``patience`` ...). Returns the :class:`~microbatch.choose.result.TuneResult`;
     ``trainer.args`` then holds b_m and g.
+
+    ``on_oom="split"``: afterwards :func:`split_on_oom` (``grow_after`` goes to it), so that an
+    out-of-memory in training halves the micro-batch and redoes the step exactly; the controller is
+    ``trainer.microbatch_controller``. ``"raise"`` (the default) leaves ``training_step`` alone.
     """
     from microbatch.choose.tune import tune
 
@@ -100,6 +117,10 @@ def tune_trainer(
         global_batch = int(args.per_device_train_batch_size * args.gradient_accumulation_steps * world)
     check_global_batch(global_batch, world)
     _check(trainer)
+    if on_oom not in ("raise", "split"):
+        raise ConfigError(f"on_oom must be 'raise' or 'split', got {on_oom!r}")
+    if on_oom == "split":
+        _check_split(trainer)  # before the probes, not after them
     dataset = trainer.train_dataset
     model = trainer.model
     created = trainer.optimizer is None
@@ -141,7 +162,85 @@ def tune_trainer(
     args.gradient_accumulation_steps = g
     trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
     emit_lines(curve_lines(result, b, g, world), int(getattr(args, "process_index", 0)))
+    if on_oom == "split":
+        split_on_oom(trainer, knee=b, grow_after=grow_after)
     return result
+
+
+def _check_split(trainer: Any) -> None:
+    """ConfigError for the setups where the Trainer's own backward does what :func:`accumulate` cannot."""
+    args = trainer.args
+    refusals = [
+        (int(getattr(args, "world_size", 1)) > 1,
+         f"world_size {args.world_size}: the Trainer syncs DDP gradients itself across its accumulation "
+         "steps; on_oom='split' is single-process for now"),
+        (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False),
+         "DeepSpeed or FSDP is enabled: their backward is not loss.backward()"),
+        (getattr(args, "n_gpu", 0) > 1, f"DataParallel over {getattr(args, 'n_gpu', 0)} GPUs"),
+        (getattr(getattr(trainer, "accelerator", None), "scaler", None) is not None,
+         "fp16 loss scaling (a GradScaler) is on: its backward scales the loss; use bf16 or fp32"),
+    ]  # fmt: skip
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"on_oom='split' cannot wrap this Trainer's training_step: {why}")
+
+
+def split_on_oom(
+    trainer: Any, *, initial: int | None = None, knee: int | None = None, grow_after: int | None = None
+) -> MicroBatchController:
+    """Make ``trainer``'s training step survive out-of-memory by redoing it with smaller micro-batches.
+
+    Replaces ``training_step`` on this instance (not the class) with a step that splits the rows the
+    Trainer hands it into micro-batches of the controller's size and runs them through
+    :func:`~microbatch.run.accumulate.accumulate` over the Trainer's own ``compute_loss`` (under
+    ``compute_loss_context_manager``), with the Trainer's scaling kept: when the loss is normalised by
+    ``num_items_in_batch`` (the model takes loss kwargs, or ``compute_loss_func``) each piece's loss
+    is already its share of the step and the pieces add up; otherwise each piece's mean is weighted
+    by its rows — exact for a loss that is a mean over rows, the mean of the pieces' means for a
+    per-token mean without ``num_items_in_batch`` — and divided by ``gradient_accumulation_steps``.
+    The returned loss is the one the unwrapped step returns. ``initial``: the starting size (default
+    ``per_device_train_batch_size``); ``knee``, ``grow_after``: see
+    :class:`~microbatch.run.controller.MicroBatchController`. Returns the controller, also set as
+    ``trainer.microbatch_controller`` (its ``summary()`` is JSON-ready for logging). Calling it again
+    replaces the controller and keeps a single wrapper.
+    """
+    from microbatch.run.accumulate import accumulate
+
+    _check_split(trainer)
+    start = int(trainer.args.per_device_train_batch_size) if initial is None else initial
+    ctrl = MicroBatchController(start, knee=max(start, knee or start), grow_after=grow_after)
+    trainer.microbatch_controller = ctrl
+    if getattr(trainer.training_step, "_microbatch_split", False):
+        return ctrl  # already wrapped: it reads trainer.microbatch_controller at every step
+
+    def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        from microbatch.run.microbatches import batch_rows
+
+        model.train()
+        if callable(getattr(trainer.optimizer, "train", None)):
+            trainer.optimizer.train()
+        inputs = trainer._prepare_inputs(inputs)
+        scaled = trainer.loss_is_scaled_for_ga if getattr(trainer, "loss_is_scaled_for_ga", None) is not None else (
+            (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None)
+            or trainer.compute_loss_func is not None
+        )  # fmt: skip  # the test transformers 5.x's training_step makes
+        rows = batch_rows(inputs)
+        ga = 1.0 if scaled else float(trainer.current_gradient_accumulation_steps)
+
+        def loss_fn(m: Any, mb: Any) -> tuple[Any, int]:
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(m, mb, num_items_in_batch=num_items_in_batch)
+            n = batch_rows(mb)
+            # accumulate divides Σ loss_sum by Σ n = rows: a share of the step times rows, or a mean times n
+            return (loss * rows if scaled else loss * (n / ga)), n
+
+        return accumulate(
+            model, inputs, loss_fn, count_fn=batch_rows, controller=trainer.microbatch_controller
+        )
+
+    training_step._microbatch_split = True  # type: ignore[attr-defined]
+    trainer.training_step = training_step
+    return ctrl
 
 
 def _collator(trainer: Any) -> Any:

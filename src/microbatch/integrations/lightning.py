@@ -27,6 +27,11 @@ DeepSpeed and model-parallel shard the state the probes would have to restore).
 Costs: ``self.log`` calls inside ``training_step`` are dropped while probing (the loop's result
 collection does not exist yet); the backward pass is ``loss.backward()`` (with ``precision="16-mixed"``
 the gradient scaler is not applied while probing).
+
+No ``on_oom="split"`` opt-in here (the Hugging Face integration has one, :func:`microbatch.integrations.hf.split_on_oom`):
+under automatic optimization Lightning calls ``backward`` itself on the loss ``training_step``
+returns, so a callback cannot split the batch and redo the step; with manual optimization call
+:func:`microbatch.run.accumulate.accumulate` with a ``MicroBatchController`` in ``training_step``.
 """
 
 from __future__ import annotations
