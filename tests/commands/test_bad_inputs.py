@@ -36,7 +36,7 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def refused(args, capsys, *patterns):
+def check_refused(args, capsys, *patterns):
     """Run the CLI: exit 2, one line on stderr starting 'error:', matching every pattern."""
     t0 = time.perf_counter()
     code = main(args)
@@ -60,7 +60,7 @@ def write(tmp_path, name, obj):
 def test_1_tune_out_unwritable(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    refused(["tune", "--model", "tiny", "--out", str(blocker / "sub")], capsys,
+    check_refused(["tune", "--model", "tiny", "--out", str(blocker / "sub")], capsys,
             r"--out '.*a-file/sub' cannot be written", r"give --out a folder you can write to")  # fmt: skip
 
 
@@ -79,7 +79,7 @@ def test_1_result_kept_when_writing_fails_late(tmp_path):
 
 # 2. noise with a global batch whose token ids alone exceed the host
 def test_2_noise_huge_global_batch(capsys):
-    refused(["noise", "--model", "tiny", "-B", "1000000000", "-b", "1", "--steps", "1"], capsys,
+    check_refused(["noise", "--model", "tiny", "-B", "1000000000", "-b", "1", "--steps", "1"], capsys,
             r"B_global 1000000000", r"tokens \d", r"over 80% of the available memory", r"lower --global-batch")  # fmt: skip
 
 
@@ -95,19 +95,19 @@ def test_2_noise_prediction_counts_the_tokens():
 
 # 4. a sequence longer than the model allows
 def test_4_noise_long_sequence(capsys):
-    refused(["noise", "--model", "tiny", "--seq", "100000", "-B", "16", "-b", "4", "--steps", "2"], capsys,
+    check_refused(["noise", "--model", "tiny", "--seq", "100000", "-B", "16", "-b", "4", "--steps", "2"], capsys,
             r"seq 100000", r"activations \d", r"lower --micro-batch or --seq")  # fmt: skip
 
 
 def test_4_memory_and_tune_refuse_seq_past_positions(capsys):
-    refused(["memory", "--model", "gpt2", "--seq", "100000", "--gpu", "h100", "-b", "1"], capsys,
+    check_refused(["memory", "--model", "gpt2", "--seq", "100000", "--gpu", "h100", "-b", "1"], capsys,
             r"--seq 100000 is longer than model gpt2's 1024 learned positions", r"use --seq 1024 or less")  # fmt: skip
-    refused(["tune", "--model", "gpt2", "--seq", "4096"], capsys, r"--seq 4096 is longer .* 1024")
+    check_refused(["tune", "--model", "gpt2", "--seq", "4096"], capsys, r"--seq 4096 is longer .* 1024")
 
 
 # 5. static memory predicted before the model is built
 def test_5_tune_model_too_big_for_the_budget(capsys):
-    line = refused(["tune", "--model", "llama-2-7b", "--max-micro-batch", "2", "--memory-budget", "16GiB"],
+    line = check_refused(["tune", "--model", "llama-2-7b", "--max-micro-batch", "2", "--memory-budget", "16GiB"],
                    capsys, r"llama-2-7b \(6\.74 B parameters\)", r"16 B/param", r"memory budget 16\.00 GiB")  # fmt: skip
     need = float(re.search(r"needs ([\d.]+) GiB", line).group(1))
     from microbatch.model import get_model
@@ -123,7 +123,7 @@ def test_5_static_bytes_rule():
 
 
 def test_5_demo_checks_its_model(capsys):
-    refused(["demo", "--model", "no-such-model", "--quick"], capsys, r"no-such-model")
+    check_refused(["demo", "--model", "no-such-model", "--quick"], capsys, r"no-such-model")
 
 
 # 6. encoder and encoder-decoder configs are refused, with what is supported and why
@@ -131,8 +131,8 @@ def test_5_demo_checks_its_model(capsys):
 def test_6_hf_config_not_decoder_only(tmp_path, capsys, cfg, kind):
     path = write(tmp_path, "config.json", cfg)
     pats = [kind, r"supports decoder-only causal language models", r"AutoModelForCausalLM"]
-    refused(["tune", "--hf-config", path, "--seq", "128"], capsys, *pats)
-    refused(["memory", "--hf-config", path, "--gpu", "h100", "-b", "1"], capsys, *pats)
+    check_refused(["tune", "--hf-config", path, "--seq", "128"], capsys, *pats)
+    check_refused(["memory", "--hf-config", path, "--gpu", "h100", "-b", "1"], capsys, *pats)
 
 
 # 7. transformers missing: say which extra to install
@@ -145,8 +145,10 @@ def test_7_transformers_missing(tmp_path, capsys, monkeypatch):
     )
     cfg = dict(BERT, model_type="llama", hidden_act="silu", num_key_value_heads=12, intermediate_size=2048)
     path = write(tmp_path, "config.json", cfg)
-    refused(["tune", "--hf-config", path, "--seq", "64"], capsys, r"pip install 'microbatch\[hf\]'")
-    refused(["tune", "--model", "tiny", "--backend", "hf"], capsys, r"--backend hf needs .*transformers")
+    check_refused(["tune", "--hf-config", path, "--seq", "64"], capsys, r"pip install 'microbatch\[hf\]'")
+    check_refused(
+        ["tune", "--model", "tiny", "--backend", "hf"], capsys, r"--backend hf needs .*transformers"
+    )
 
 
 # 8. tune's settings, all checked before the first probe
@@ -163,7 +165,7 @@ def test_7_transformers_missing(tmp_path, capsys, monkeypatch):
     ],
 )  # fmt: skip
 def test_8_tune_settings(capsys, args, patterns):
-    refused(["tune", "--model", "tiny", *args], capsys, *patterns)
+    check_refused(["tune", "--model", "tiny", *args], capsys, *patterns)
 
 
 # 9. Ctrl-C keeps the partial result and exits 130 saying what was kept
@@ -203,7 +205,7 @@ def test_9_sigint_keeps_the_partial_result(tmp_path):
 
 # 10. CLI messages speak in flags
 def test_10_batch_speaks_in_flags(capsys):
-    line = refused(["batch", "-B", "512", "-b", "8", "-g", "3", "-d", "4"], capsys,
+    line = check_refused(["batch", "-B", "512", "-b", "8", "-g", "3", "-d", "4"], capsys,
                    r"-B 512 != -b 8 × -g 3 × -d 4 = 96", r"give three of -B, -b, -g, -d")  # fmt: skip
     assert "solve()" not in line
 
@@ -220,13 +222,15 @@ def test_10_library_speaks_in_parameters():
 
 # 11. recommend: a folder, an empty file, repeats, points left out
 def test_11_recommend_folder_and_empty(tmp_path, capsys):
-    refused(["recommend", "-m", str(tmp_path)], capsys, r"is a folder", r"give a JSON or CSV file")
-    refused(["recommend", "-m", write(tmp_path, "e.csv", "")], capsys, r"is empty", r"micro_batch,throughput")
+    check_refused(["recommend", "-m", str(tmp_path)], capsys, r"is a folder", r"give a JSON or CSV file")
+    check_refused(
+        ["recommend", "-m", write(tmp_path, "e.csv", "")], capsys, r"is empty", r"micro_batch,throughput"
+    )
 
 
 def test_11_recommend_refuses_repeats(tmp_path, capsys):
     path = write(tmp_path, "r.csv", "micro_batch,throughput\n4,100\n8,100\n8,120\n")
-    refused(
+    check_refused(
         ["recommend", "-m", path],
         capsys,
         r"micro_batch 8 appears 2 times \(rows 2, 3\)",
