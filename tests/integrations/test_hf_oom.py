@@ -7,25 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from _helpers import AllocationLimit  # noqa: E402
 
 from microbatch.integrations.hf import split_on_oom  # noqa: E402
-
-
-class AllocationLimit(TorchDispatchMode):
-    """Every kernel output over ``max_bytes`` raises torch.OutOfMemoryError (as tests/run/test_accumulate_oom.py)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__()
-        self.max_bytes, self.failures = max_bytes, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > self.max_bytes:
-                self.failures += 1
-                raise torch.OutOfMemoryError(f"Tried to allocate {t.numel() * t.element_size()} bytes")
-        return out
 
 
 def _trainer(tmp_path):

@@ -6,15 +6,12 @@ on padding), so the micro-batches hold different numbers of valid tokens.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import run_two_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -403,8 +400,8 @@ def test_exception_inside_a_backward_restores_grads():
 # -- DDP -----------------------------------------------------------------------------------------
 
 WORKER = r"""
-import sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
+import os, sys, torch, torch.distributed as dist
+sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
 from test_accumulate import make_model, make_batch, loss_fn, count_fn, set_pre_grads, split
 from microbatch.run.accumulate import accumulate, count_items, loss_scale, sync_unless_last
 from microbatch.run.noise import GradientNoiseScale
@@ -453,36 +450,11 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(180)
 def test_ddp_two_processes_equal_one_process(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.pt")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+    run_two_ranks(script, tmp_path)
     ref, ref_loss = full_batch_grad(make_batch(rows=10))
     res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     keys = [(False, False), (False, True), (True, False), (True, True)]

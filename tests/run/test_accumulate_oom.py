@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import AllocationLimit, run_two_ranks
 from test_accumulate import V, full_batch_grad, make_model, rel, set_pre_grads
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import microbatch
 from microbatch.errors import ConfigError, OutOfMemoryError
@@ -34,25 +33,6 @@ from microbatch.run.oom import CPU_ALLOC_FAILURE, is_out_of_memory
 
 S = 9
 BYTES = 8  # float64
-
-
-class AllocationLimit(TorchDispatchMode):
-    """Every kernel output over ``max_bytes`` fails with torch.OutOfMemoryError; counts the failures."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__()
-        self.max_bytes, self.failures = max_bytes, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > self.max_bytes:
-                self.failures += 1
-                raise torch.OutOfMemoryError(
-                    f"Tried to allocate {t.numel() * t.element_size()} bytes ({func}); the test device holds "
-                    f"{self.max_bytes} bytes per tensor"
-                )
-        return out
 
 
 def logits_budget(rows: int, width: int) -> int:
@@ -371,7 +351,7 @@ def test_real_cpu_out_of_memory_in_a_child_recovers(tmp_path):
 
 WORKER = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
 from test_accumulate_oom import AllocationLimit, sorted_batch, loss_fn, count_fn, logits_budget, S
 from test_accumulate import make_model, set_pre_grads
 from microbatch.run.accumulate import accumulate
@@ -410,36 +390,11 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(180)
 def test_ddp_only_rank_1_fails_both_split(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.pt")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=150)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+    run_two_ranks(script, tmp_path)
     ref, ref_loss = full_batch_grad(sorted_batch())
     res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     for key in [(False, False), (False, True), (True, False), (True, True)]:

@@ -1,0 +1,63 @@
+"""Helpers several test modules share: an out-of-memory injected at the allocation point, and two
+gloo ranks run as real processes with a timeout (so a hang fails instead of blocking CI)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class AllocationLimit(TorchDispatchMode):
+    """Every kernel output over ``max_bytes`` fails with torch.OutOfMemoryError; counts the failures."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__()
+        self.max_bytes, self.failures = max_bytes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() * t.element_size() > self.max_bytes:
+                self.failures += 1
+                raise torch.OutOfMemoryError(
+                    f"Tried to allocate {t.numel() * t.element_size()} bytes ({func}); the test device holds "
+                    f"{self.max_bytes} bytes per tensor"
+                )
+        return out
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(script: Path, tmp_path: Path, *, timeout_s: float = 150) -> None:
+    """Run ``script RANK PORT OUT`` as two processes (OUT = tmp_path/r{rank}.pt); assert both exit 0."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port), str(tmp_path / f"r{r}.pt")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout_s)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
