@@ -112,6 +112,78 @@ def main() -> None:
         s = run(fn)
         out["stream"].append({"kernel": label, "bytes": nbytes, "seconds": s, "bytes_per_s": nbytes / s,
                               "fraction_of_bandwidth": nbytes / s / bw if bw else None})  # fmt: skip
+    # -- the ceilings and the terms the step-time model needs beyond the layer GEMMs ---------------
+    extra: dict[str, Any] = {}
+    big = 8192 // scale
+    a, b = torch.randn(big, big, device=dev, dtype=dtype), torch.randn(big, big, device=dev, dtype=dtype)
+    s = run(lambda: a @ b)
+    extra["gemm_square"] = {"n": big, "flops_per_s": 2.0 * big**3 / s,
+                            "fraction_of_peak": 2.0 * big**3 / s / peak if peak else None}  # fmt: skip
+    # the small-row ramp: one layer shape (h 4096, t 1 fc1), rows 128 .. 16384
+    k, n = 4096 // scale, 16384 // scale
+    w = torch.randn(k, n, device=dev, dtype=dtype)
+    ramp = []
+    for r in (128, 256, 512, 1024, 2048, 4096, 8192, 16384):
+        r //= scale
+        x = torch.randn(r, k, device=dev, dtype=dtype)
+        s = run(lambda x=x: x @ w)
+        ramp.append({"rows": r, "flops_per_s": 2.0 * r * k * n / s,
+                     "fraction_of_peak": 2.0 * r * k * n / s / peak if peak else None})  # fmt: skip
+    extra["gemm_rows_ramp"] = {"k": k, "n": n, "points": ramp}
+    # per-kernel launch cost of eager PyTorch: 2000 tiny adds, wall clock per launch
+    one = torch.ones(1, device=dev)
+    for _ in range(100):
+        one.add_(1.0)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        one.add_(1.0)
+    if cuda:
+        torch.cuda.synchronize()
+    extra["launch_s_per_kernel"] = (time.perf_counter() - t0) / 2000
+    # attention at s 2048, 32 heads of 128, b 1: unfused (scores, softmax, dropout) against SDPA
+    sq, heads, hd = (
+        2048 // (4 if not cuda else 1),
+        32 // (4 if not cuda else 1),
+        128 // (4 if not cuda else 1),
+    )
+    q, kk, v = (torch.randn(1, heads, sq, hd, device=dev, dtype=dtype) for _ in range(3))
+    sc = torch.randn(1, heads, sq, sq, device=dev, dtype=dtype)
+    el = sc.element_size()
+    s_soft = run(lambda: torch.softmax(sc, dim=-1))
+    s_drop = run(lambda: torch.nn.functional.dropout(sc, 0.1, training=True))
+    s_qk = run(lambda: q @ kk.transpose(-1, -2))
+    s_sdpa = run(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True))
+    fl_sdpa = 4.0 * heads * sq * sq * hd / 2  # causal: half of QK^T and PV
+    extra["attention"] = {
+        "seq": sq, "heads": heads, "head_dim": hd,
+        "softmax_bytes_per_s": 2 * sc.numel() * el / s_soft,
+        "dropout_bytes_per_s": 3 * sc.numel() * el / s_drop,
+        "qk_flops_per_s": 2.0 * heads * sq * sq * hd / s_qk,
+        "sdpa_causal_flops_per_s": fl_sdpa / s_sdpa,
+        "sdpa_causal_fraction_of_peak": fl_sdpa / s_sdpa / peak if peak else None,
+    }  # fmt: skip
+    # the optimizer step: AdamW (foreach) over 256 M fp32 parameters, bytes moved per second
+    numel = (256 * 2**20) // (scale * scale)
+    prm = torch.nn.Parameter(torch.zeros(numel, device=dev))
+    prm.grad = torch.randn(numel, device=dev)
+    opt = torch.optim.AdamW([prm], lr=1e-4, foreach=True)
+    s_opt = run(opt.step, repeats=5, warmup=2)
+    extra["adamw"] = {"params": numel, "seconds": s_opt, "seconds_per_param": s_opt / numel,
+                      "bytes_per_s_if_16B_read_12B_written": 28 * numel / s_opt}  # fmt: skip
+    out["extra"] = extra
+    print(f"square GEMM {big}: {extra['gemm_square']['flops_per_s'] / 1e12:.1f} TFLOP/s")
+    print("rows ramp:", ", ".join(f"{p_['rows']}:{p_['flops_per_s'] / 1e12:.0f}" for p_ in ramp), "TFLOP/s")
+    print(
+        f"launch {extra['launch_s_per_kernel'] * 1e6:.1f} us/kernel; AdamW {s_opt * 1e3:.2f} ms for {numel} params"
+    )
+    print(
+        "attention:",
+        json.dumps(
+            {k_: (f"{v_:.3g}" if isinstance(v_, float) else v_) for k_, v_ in extra["attention"].items()}
+        ),
+    )
     fr = [g["fraction_of_peak"] for g in out["gemm"] if g["fraction_of_peak"]]
     sf = [g["fraction_of_bandwidth"] for g in out["stream"] if g["fraction_of_bandwidth"]]
     print(f"{name} ({key or 'not in the table'}), {dtype}, rows {rows}")

@@ -171,10 +171,16 @@ def cmd_ours(args) -> int:
     r = tune_model(s["model"], probe=probe, search=SearchConfig(max_micro_batch=s["cap"], use_cache=False))
     d = r.to_dict()
     d["time_to_answer_s"] = time.perf_counter() - t0
+    # where the seconds go: the timed steps of the probes (warm-up + repeats, each of step_time_s)
+    # against everything else (model build, compile, allocator, out-of-memory recovery, the search)
+    steps_s = sum(
+        (2 + (p.get("repeats") or 0)) * (p.get("step_time_s") or 0.0) for p in d["points"] if not p.get("oom")
+    )
+    d["time_breakdown_s"] = {"probe_steps": steps_s, "other": d["time_to_answer_s"] - steps_s}
     _write(Path(args.out), f"ours_{args.model}.json", d)
     print(
         f"ours {args.model}: knee {d['micro_batch']} fastest {d['fastest_fitting']['micro_batch']} "
-        f"in {d['time_to_answer_s']:.1f} s, {d['oom_events']} OOM"
+        f"in {d['time_to_answer_s']:.1f} s ({steps_s:.1f} s in timed steps), {d['oom_events']} OOM"
     )
     return 0
 
