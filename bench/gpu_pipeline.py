@@ -91,17 +91,6 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         f_s = timed(fwd)
-        holder: list[Any] = []
-
-        def back(fwd: Any = fwd, grad: Any = grad) -> None:
-            torch.autograd.backward(holder.pop(), grad)
-
-        def b_s_fn() -> float:
-            vals = []
-            for _ in range(repeats):
-                holder.append(fwd())
-                vals.append(timed_once(back))
-            return statistics.median(vals)
 
         def timed_once(fn: Any) -> float:
             if cuda:
@@ -116,17 +105,28 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
             fn()
             return time.perf_counter() - t0
 
+        def b_s_fn(fwd: Any = fwd, grad: Any = grad) -> float:
+            vals = []
+            for _ in range(repeats):
+                y = fwd()
+                vals.append(timed_once(lambda y=y: torch.autograd.backward(y, grad)))
+            return statistics.median(vals)
+
         b_s = b_s_fn()
         i_vals, w_vals = [], []
         for _ in range(repeats):
             yy = fwd()
             if inp.requires_grad:
                 i_vals.append(
-                    timed_once(lambda yy=yy: torch.autograd.grad(yy, [inp], grad, retain_graph=True))
+                    timed_once(
+                        lambda yy=yy, g=grad, x=inp: torch.autograd.grad(yy, [x], g, retain_graph=True)
+                    )
                 )
             else:
                 i_vals.append(0.0)
-            w_vals.append(timed_once(lambda yy=yy: torch.autograd.grad(yy, params, grad, allow_unused=True)))
+            w_vals.append(
+                timed_once(lambda yy=yy, g=grad, ps=params: torch.autograd.grad(yy, ps, g, allow_unused=True))
+            )
         peak = (torch.cuda.max_memory_allocated() - base) if cuda else None
         rows.append({
             "stage": i, "units": sizes[i], "params": sum(p.numel() for p in params),
