@@ -3,7 +3,8 @@
 Subcommands (each run as its own process under `timeout` by gpu.sh):
 
   checks                       CUDA checks as a plain script (used when pytest is missing)
-  ours MODEL --out DIR         microbatch tune (HF model of the registry shape, bf16-mixed, seq 1024)
+  ours MODEL --out DIR         microbatch.tune on the HF model built on the device first, as the
+                               others are (registry shape, bf16-mixed, seq 1024)
   lightning MODEL --out DIR    lightning Tuner.scale_batch_size(mode="power") on the same model
   accelerate MODEL --out DIR   accelerate find_executable_batch_size on the same model
   measure MODEL --out DIR --at B[,B...]   our probe at other tools' answers (throughput, memory)
@@ -154,29 +155,40 @@ def cmd_checks(args) -> int:
 
 # -- our tune ---------------------------------------------------------------------------
 def cmd_ours(args) -> int:
+    """``microbatch.tune`` on the model as a user holds it (built on the device before the clock
+    starts, exactly as the Lightning and Accelerate runs build theirs), bf16-mixed, seq 1024."""
+    import torch
+
+    import microbatch
     from microbatch.choose.config import ProbeConfig, SearchConfig
-    from microbatch.choose.tune import tune_model
     from microbatch.measure.timing import TimingConfig
 
     s = _settings(args)
-    t0 = time.perf_counter()
+    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
+    seq = s["seq"]
+
+    def make_batch(b):
+        x = torch.randint(0, vocab, (b, seq), device=s["device"])
+        return {"input_ids": x, "labels": x}
+
     probe = ProbeConfig(
-        backend="hf",
-        seq=s["seq"],
-        device=s["device"],
+        seq=seq,
         precision=s["precision"],
-        in_process=True,
         timing=TimingConfig(warmup=2, min_repeats=3, max_repeats=8, max_time_s=1.5, rel_tol=0.03),
     )
-    r = tune_model(s["model"], probe=probe, search=SearchConfig(max_micro_batch=s["cap"], use_cache=False))
+    t0 = time.perf_counter()
+    r = microbatch.tune(
+        model, make_batch, probe=probe, search=SearchConfig(max_micro_batch=s["cap"], use_cache=False)
+    )
     d = r.to_dict()
     d["time_to_answer_s"] = time.perf_counter() - t0
     # where the seconds go: the timed steps of the probes (warm-up + repeats, each of step_time_s)
-    # against everything else (model build, compile, allocator, out-of-memory recovery, the search)
+    # against everything else (setup, optimizer state, snapshot and restore, the search)
     steps_s = sum(
         (2 + (p.get("repeats") or 0)) * (p.get("step_time_s") or 0.0) for p in d["points"] if not p.get("oom")
     )
     d["time_breakdown_s"] = {"probe_steps": steps_s, "other": d["time_to_answer_s"] - steps_s}
+    d["model"] = s["model"]
     _write(Path(args.out), f"ours_{args.model}.json", d)
     print(
         f"ours {args.model}: knee {d['micro_batch']} fastest {d['fastest_fitting']['micro_batch']} "

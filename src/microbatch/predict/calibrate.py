@@ -294,12 +294,17 @@ def fit_efficiency(
     ys = [1.0 / e for e in effs]
     w = [1.0 / y**2 for y in ys]  # relative error in 1/e ≈ relative error in the compute time
     c0, c1 = fit_line(xs, ys, w)
+    times = [p.step_time_s or 0.0 for p in sorted(pts, key=lambda p: p.micro_batch)]
+    falling = any(b <= a for a, b in zip(times, times[1:], strict=False))  # more work, no more time
     if c1 < 0:
-        notes.append("kernel efficiency falls as rows grow (caches spill?); no ramp fitted (half_rows = 0)")
+        if not falling:
+            notes.append(
+                "kernel efficiency falls as rows grow (caches spill?); no ramp fitted (half_rows = 0)"
+            )
         c1 = 0.0
         c0 = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sum(w)
     latency = ""
-    if c1 > 0 and c0 > 0 and c1 / c0 > min(p.micro_batch for p in pts) * s:
+    if falling or (c1 > 0 and c0 > 0 and c1 / c0 > min(p.micro_batch for p in pts) * s):
         latency = latency_bound(shape, pts, acc, seq=s, precision=precision, checkpointing=checkpointing)
     if latency:
         # the ramp the small probes show is the host's floor, not the kernels': credit larger b_m with

@@ -46,7 +46,8 @@ def latency_bound(
     is max(T_host, T_device(b)) (asynchronous launch): flat at small b_m, then rising — its m_i rises.
     The test: m_{i+1}/m_i measured over the same ratio of the uncalibrated roofline (which has the
     device's own wave quantisation and memory-bound small GEMMs) exceeds 1 + :data:`LATENCY_RISE` for
-    some i. Needs three probes with step times, and an accelerator that launches asynchronously (a GPU:
+    some i; or a larger probe measured no slower than a smaller one (the device's time never falls as
+    b_m grows). Needs three probes with step times, and an accelerator that launches asynchronously (a GPU:
     ``compute_units`` known); on a CPU the host is the device and a per-step overhead is the ramp.
 
     Three probes cannot tell a host floor from a steep kernel ramp by their times alone (both bend the
@@ -73,6 +74,16 @@ def latency_bound(
     def marginal(ts: list[float], i: int) -> float:
         return (ts[i + 1] - ts[i]) / (bs[i + 1] - bs[i])
 
+    for i in range(len(pts) - 1):
+        # a step that got faster with more work is not device time: the device's time never falls
+        # as b_m grows (more rows, the same kernels), so the smaller probe waited on something else
+        # — the host's launches, or a first-probe cost (allocator growth, kernel selection)
+        if meas[i + 1] <= meas[i]:
+            return (
+                f"b_m {bs[i]} is latency-bound: it measured {1e3 * meas[i]:.3g} ms, no faster than "
+                f"b_m {bs[i + 1]} ({1e3 * meas[i + 1]:.3g} ms), which a device's time never is; no "
+                f"efficiency ramp fitted, larger b_m are predicted at b_m {bs[-1]}'s efficiency"
+            )
     for i in range(len(pts) - 2):
         m0, m1 = marginal(meas, i), marginal(meas, i + 1)
         r0, r1 = marginal(roof, i), marginal(roof, i + 1)
