@@ -439,24 +439,22 @@ def tiny_sweep():
     return _tiny_sweep()
 
 
-SWEEP_ROUNDS = 3
-"""Passes over b_m 1, 2, 4, 8 in the one child; each point's time is the median of the passes (~4 s
-a pass on the 2-core dev machine, ~12 s in all)."""
+SWEEP_ROUNDS = 4
+"""Passes over b_m 1, 2, 4, 8 in the one child, in alternating order (1→8, 8→1: a drift in the
+machine's speed falls on both ends alike); each point's time is the fastest of its passes (~4 s a
+pass on the 2-core dev machine)."""
 
-STEP_CI_BOUND = 0.35
-"""What the calibrated step time at b_m 8 of ``tiny`` (fit on b_m 1, 2, 4) holds on the 2-core dev
-machine, not the 10% goal (STEP_TARGET). Measured 2026-11-30, load average 0.3-0.9, process clock,
-one thread: single passes -34% to +16% (29 passes; 16 beyond 10%, 7 beyond 20%); the median of 3
-passes in one child, as this test does: -9.0%, -6.8%, -4.5%, -3.7%, +5.3% and once -26%. The
-probes' own CPU time moves by up to 40% between passes (b_m 1: 3.2 to 6.7 ms; on a VM, time the
-host takes can count as the guest process's CPU time), and a fit through b_m 1, 2, 4 magnifies that
-at b_m 8. The 10% goal is checked at b_m 16 by bench/bench_calibrate.py (BENCHMARKS.md), and
-validate reports whether it was met."""
+STEP_TIME_OF_PASSES = min
+"""How a point's time is taken from its passes. The probe's CPU time on a shared VM only gains from
+noise (time the host takes can count as the guest's CPU time), so the least of the passes is the
+estimate of the step's own cost (as ``timeit`` takes the minimum). Measured 2026-11-30 on the 2-core
+dev machine at load 3-5 (other engineers' tests running), error at b_m 8 fitted on 1, 2, 4: the
+median of 3 passes gave -6.6% to +26.1% (5 sweeps); the least of 3, -9.4% to +5.6%; the least of 4
+alternating passes, -6.9% to +2.7% (6 sweeps). An earlier session's single passes ranged -34% to +16%."""
 
 
 def _tiny_sweep():
     pytest.importorskip("torch")
-    import statistics
 
     from microbatch.measure.childprobe import ChildProber
     from microbatch.measure.spec import ProbeSpec
@@ -467,15 +465,19 @@ def _tiny_sweep():
         warmup=5, min_repeats=30, max_repeats=60, max_time_s=1.5, rel_tol=0.02, clock="process"
     )
     prober = ChildProber(ProbeSpec(model="tiny", seq=64, threads=1, timing=timing), timeout_s=120)
+    bms = (1, 2, 4, 8)
+    passes = []
     try:
-        passes = [[prober.measure(b).to_dict() for b in (1, 2, 4, 8)] for _ in range(SWEEP_ROUNDS)]
+        for r in range(SWEEP_ROUNDS):
+            got = {b: prober.measure(b).to_dict() for b in (bms if r % 2 == 0 else bms[::-1])}
+            passes.append([got[b] for b in bms])
     finally:
         prober.close()
     points = [dict(p) for p in passes[0]]  # memory from the first pass
     for i, p in enumerate(points):
         for key in ("micro_step_s", "step_time_s"):
             if p.get(key):
-                p[key] = statistics.median(run[i][key] for run in passes)
+                p[key] = STEP_TIME_OF_PASSES(run[i][key] for run in passes)
     return {"points": points, "model": "tiny", "seq": 64, "precision": "fp32", "checkpointing": "off",
             "device": "cpu", "mode": "train"}  # fmt: skip
 
@@ -499,20 +501,16 @@ def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
 
 @pytest.mark.timeout(180)
 def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweep):
-    """Step time at b_m 8 from b_m 1, 2, 4, each the median of three passes (never skipped, never
-    re-measured until it passes). The bound asserted is STEP_CI_BOUND (35%), not the 10% goal: on
-    this machine millisecond-long probes move by up to 40% between passes, which a fit through
-    b_m 1, 2, 4 magnifies at b_m 8 (the figures are at STEP_CI_BOUND). What holds here: the
-    calibrated error within 35% and well below the uncalibrated one (about -80%), and validate's
-    verdict on the 10% goal agreeing with the error it reports."""
+    """Step time at b_m 8 from b_m 1, 2, 4 (each the fastest of four alternating passes: never
+    skipped, never re-measured until it passes) within the stated 10% (STEP_TARGET); validate's
+    verdict agrees with the error it reports."""
     from microbatch.hardware import measure_cpu
 
     meas = read_measurements(tiny_sweep)
     e = validate(meas, cover_measurements(measure_cpu(), meas)[0], fit_on=3).errors()
-    assert abs(e["step_calibrated"]) <= STEP_CI_BOUND, e
-    assert abs(e["step_uncalibrated"]) > 0.5, e  # the analytic roofline alone is far off on a CPU
-    assert abs(e["step_calibrated"]) < abs(e["step_uncalibrated"]) / 2, e
-    assert e["step_met"] == (abs(e["step_calibrated"]) <= STEP_TARGET), e
+    assert abs(e["step_calibrated"]) <= STEP_TARGET, e
+    assert e["step_met"], e
+    assert e["step_uncalibrated"] != e["step_calibrated"], e  # the calibration changed the prediction
     assert not math.isnan(e["step_loo_worst"])
 
 
