@@ -293,6 +293,116 @@ def cmd_lightning(args) -> int:
     return 0
 
 
+# -- our integrations on the same models --------------------------------------------------
+def cmd_knee_lightning(args) -> int:
+    """microbatch's Lightning callback (KneeBatchSize) on the same module as ``lightning``: the time
+    of its on_fit_start (probe, restore, set b_m and g), then one optimizer step at the knee."""
+    import lightning.pytorch as pl
+    import torch
+
+    from microbatch.integrations.lightning import KneeBatchSize
+
+    s = _settings(args)
+    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
+    seq, B = s["seq"], (16 if args.dry_run else 256)
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**6
+
+        def __getitem__(self, i):
+            return torch.randint(0, vocab, (seq,))
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.batch_size = 2
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Data(), batch_size=self.batch_size, num_workers=0)
+
+        def training_step(self, batch, i):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    timing = {}
+
+    class Timed(KneeBatchSize):
+        def on_fit_start(self, trainer, pl_module):
+            t0 = time.perf_counter()
+            super().on_fit_start(trainer, pl_module)
+            timing["s"] = time.perf_counter() - t0
+
+    cb = Timed(global_batch=B, max_micro_batch=s["cap"], use_cache=False)
+    trainer = pl.Trainer(
+        accelerator="cpu" if args.dry_run else "gpu", devices=1, precision="32" if args.dry_run else "bf16-mixed",
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[cb], default_root_dir=args.out,
+    )  # fmt: skip
+    module = Module()
+    before = {k: v.detach().clone() for k, v in list(module.state_dict().items())[:4]}
+    t0 = time.perf_counter()
+    trainer.fit(module)
+    total = time.perf_counter() - t0
+    r = cb.result.to_dict()
+    out = {"knee": cb.micro_batch, "grad_accum": cb.grad_accum, "global_batch": B,
+           "time_to_answer_s": timing.get("s"), "fit_with_one_step_s": total,
+           "exact": cb.micro_batch * cb.grad_accum == B, "module_batch_size": module.batch_size,
+           "accumulate_grad_batches": trainer.accumulate_grad_batches,
+           "weights_moved_by_the_one_step": any(not torch.equal(before[k], module.state_dict()[k]) for k in before),
+           "points": [(p["micro_batch"], p["throughput"], p["peak_memory_bytes"]) for p in r["points"]]}  # fmt: skip
+    _write(Path(args.out), f"knee_lightning_{args.model}.json", out)
+    print(
+        f"knee-lightning {args.model}: b_m {cb.micro_batch} x g {cb.grad_accum} = {B} in {timing.get('s', 0):.1f} s"
+    )
+    return 0
+
+
+def cmd_knee_accelerate(args) -> int:
+    """microbatch's Accelerate decorator (knee_batch_size) on the same step as ``accelerate``."""
+    import torch
+    from accelerate import Accelerator
+
+    from microbatch.integrations.accelerate import knee_batch_size
+
+    s = _settings(args)
+    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
+    B = 16 if args.dry_run else 256
+    seen = []
+
+    @knee_batch_size(global_batch=B, max_micro_batch=s["cap"], use_cache=False)
+    def train(micro_batch, grad_accum, probe=None):
+        acc = Accelerator(cpu=args.dry_run, mixed_precision="no" if args.dry_run else "bf16",
+                          gradient_accumulation_steps=grad_accum)  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        m, opt = acc.prepare(model, opt)
+        for _ in range(10**6 if probe is not None else grad_accum):
+            x = torch.randint(0, vocab, (micro_batch, s["seq"]), device=acc.device)
+            with acc.accumulate(m):
+                acc.backward(m(input_ids=x, labels=x).loss)
+                opt.step()
+                opt.zero_grad()
+            if probe is not None:
+                probe.step()
+            else:
+                seen.append(micro_batch)
+        return micro_batch, grad_accum
+
+    t0 = time.perf_counter()
+    b, g = train()
+    total = time.perf_counter() - t0
+    out = {"knee": b, "grad_accum": g, "global_batch": B, "time_with_one_step_s": total, "exact": b * g == B,
+           "points": [(p.micro_batch, p.throughput, p.peak_memory_bytes) for p in train.result.points]}  # fmt: skip
+    _write(Path(args.out), f"knee_accelerate_{args.model}.json", out)
+    print(
+        f"knee-accelerate {args.model}: b_m {b} x g {g} = {B} in {total:.1f} s (one optimizer step included)"
+    )
+    return 0
+
+
 # -- Accelerate -------------------------------------------------------------------------
 def cmd_accelerate(args) -> int:
     s = _settings(args)
@@ -408,7 +518,19 @@ def cmd_summary(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["checks", "ours", "lightning", "accelerate", "measure", "summary"])
+    ap.add_argument(
+        "what",
+        choices=[
+            "checks",
+            "ours",
+            "lightning",
+            "accelerate",
+            "measure",
+            "summary",
+            "knee-lightning",
+            "knee-accelerate",
+        ],
+    )
     ap.add_argument("model", nargs="?", default="gpt2")
     ap.add_argument("--out", default=None)
     ap.add_argument("--at", default="")
@@ -421,6 +543,8 @@ def main() -> int:
         "accelerate": cmd_accelerate,
         "measure": cmd_measure,
         "summary": cmd_summary,
+        "knee-lightning": cmd_knee_lightning,
+        "knee-accelerate": cmd_knee_accelerate,
     }[args.what](args)
 
 
