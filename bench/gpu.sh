@@ -10,8 +10,9 @@
 #   1. environment
 #   2. CUDA tests (pytest -m cuda: measure, tune, accumulate's real CUDA out-of-memory recovery)
 #   3. kernel microbenchmarks (GEMM at the development set's shapes, streaming) for issue 17
-#   4. tune on gpt2, gpt2-medium, gpt2-large (bf16-mixed, seq 1024): ours vs Lightning
-#      Tuner.scale_batch_size and Accelerate find_executable_batch_size (issue 14)
+#   4. tune on gpt2, gpt2-medium, gpt2-large (bf16-mixed, seq 1024): ours (microbatch.tune on the
+#      model already on the GPU) vs Lightning Tuner.scale_batch_size and Accelerate
+#      find_executable_batch_size; then our KneeBatchSize callback and knee_batch_size decorator (issue 14)
 #   5. planner calibration, latency-bound regime (issue 17)
 #   6. pipeline on one GPU: per-stage profile on CUDA, gloo with CUDA tensors (issue 16)
 set -u
@@ -112,6 +113,10 @@ PYEOF
 )
   if [[ -n "$AT" ]]; then run 25 "measure_$M" "$PY" bench/gpu_tune.py measure "$M" --at "$AT" --out "$OUT/tune" $DRYFLAG; fi
 done
+# our Lightning callback and Accelerate decorator themselves (not yet run on a GPU: session 13's
+# machine was not lent again), gpt2 only to stay inside the script's time
+run 55 knee_lightning_gpt2 "$PY" bench/gpu_tune.py knee-lightning gpt2 --out "$OUT/tune" $DRYFLAG
+run 55 knee_accelerate_gpt2 "$PY" bench/gpu_tune.py knee-accelerate gpt2 --out "$OUT/tune" $DRYFLAG
 run 20 tune_summary "$PY" bench/gpu_tune.py summary --out "$OUT/tune"
 cat "$OUT/tune/summary.txt" 2>/dev/null | tee -a "$OUT/gpu.log"
 log "tune part done in $((SECONDS - START)) s"
