@@ -27,7 +27,7 @@ from test_accumulate import V, full_batch_grad, make_model, rel, set_pre_grads
 
 import microbatch
 from microbatch.errors import ConfigError, OutOfMemoryError
-from microbatch.run.accumulate import accumulate
+from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split_by_tokens
 from microbatch.run.controller import MicroBatchController
 from microbatch.run.oom import CPU_ALLOC_FAILURE, is_out_of_memory
 
@@ -163,6 +163,34 @@ def test_out_of_memory_in_the_backward_splits_too():
     assert model.failures == 2  # 12 and 6 rows fail in their backward; 3 fit
     assert rel(flat(model), ref) < 1e-10
     assert float(loss) == pytest.approx(full_batch_grad(batch)[1], rel=1e-12)
+
+
+@pytest.mark.parametrize("with_count", [False, True])
+def test_micro_batches_given_are_halved_on_out_of_memory(with_count, caplog):
+    """split_by_tokens to 30 padded tokens gives (rows, width) (6, 5), (3, 7), (3, 9); 15 tokens' logits fit:
+    6 rows fail, then at 3 rows the third piece ((5, 6, 7) long, 21 tokens) fails part-way, then 1 row fits."""
+    batch = sorted_batch()
+    given = split_by_tokens(batch, 30, lengths=batch["attention_mask"].sum(1))
+    assert [tuple(mb["input_ids"].shape) for mb in given] == [(6, 5), (3, 7), (3, 9)]
+    ref, ref_loss = full_batch_grad(batch)
+    model = make_model()
+    pre = set_pre_grads(model)
+    limit = AllocationLimit(logits_budget(1, 15))
+    with caplog.at_level(logging.WARNING, logger="microbatch.run.controller"), limit:
+        loss = accumulate_micro_batches(
+            model, given, loss_fn, count_fn=count_fn if with_count else None, on_oom="split"
+        )
+    got = flat(model) - torch.cat([g.reshape(-1) for g in pre])
+    assert rel(got, ref) < 1e-10 and abs(float(loss) - ref_loss) < 1e-10 * abs(ref_loss)
+    messages = [r.getMessage() for r in caplog.records if r.name == "microbatch.run.controller"]
+    assert limit.failures == 2 and len(messages) == 2
+    assert (
+        "micro-batch 6, redoing the step at 3" in messages[0]
+        and "micro-batch 3, redoing the step at 1" in messages[1]
+    )
+    with AllocationLimit(logits_budget(1, 15)), pytest.raises(torch.OutOfMemoryError):
+        accumulate_micro_batches(model, given, loss_fn)  # on_oom="raise" is the default here too
+    assert rel(flat(model) - torch.cat([g.reshape(-1) for g in pre]), ref) < 1e-10  # as they were
 
 
 # -- when splitting cannot help, and what is not out of memory ------------------------------------
@@ -354,7 +382,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
 from test_accumulate_oom import AllocationLimit, sorted_batch, loss_fn, count_fn, logits_budget, S
 from test_accumulate import make_model, set_pre_grads
-from microbatch.run.accumulate import accumulate
+from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split_by_tokens
 from microbatch.run.controller import MicroBatchController
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -374,6 +402,15 @@ for with_count in (False, True):
         if pre is not None:
             g = g - torch.cat([x.reshape(-1) for x in pre])
         results[(with_count, pre_existing)] = (g, float(loss), ctl.summary(), limit.failures)
+# micro-batches given: rank 0 (6, 5) runs, rank 1 (3, 7) fails; they agree on mean rows 5: rank 0 halves to
+# 3, rank 1 to 1; then both complete
+model = torch.nn.parallel.DistributedDataParallel(make_model())
+limit = AllocationLimit(logits_budget(2, S) if rank == 1 else 10**12)
+given = split_by_tokens(shard, 30, lengths=shard["attention_mask"].sum(1))
+with limit:
+    loss = accumulate_micro_batches(model, given, loss_fn, count_fn=count_fn, on_oom="split")
+g = torch.cat([p.grad.reshape(-1) for p in model.module.parameters()])
+results["given"] = (g, float(loss), [tuple(mb["input_ids"].shape) for mb in given], limit.failures)
 # a model with buffers that DDP broadcasts in every forward cannot agree: refused before any work
 buffered = make_model()
 buffered.register_buffer("scale", torch.ones(1, dtype=torch.float64))
@@ -406,6 +443,12 @@ def test_ddp_only_rank_1_fails_both_split(tmp_path):
         assert res[0][key][3] == 0 and res[1][key][3] == 2  # only rank 1 ran out of memory
         assert "out of memory on 1 of 2 ranks" in res[0][key][2]["history"][0]["reason"]
         assert "Tried to allocate" in res[1][key][2]["history"][0]["reason"]
+    assert [res[r]["given"][2] for r in range(2)] == [[(6, 5)], [(3, 7), (3, 9)]]
+    assert [res[r]["given"][3] for r in range(2)] == [0, 1]  # rank 1's first piece; at 1 row all fit
+    for r in range(2):
+        assert rel(res[r]["given"][0], ref) < 1e-10 and abs(res[r]["given"][1] - ref_loss) < 1e-10 * abs(
+            ref_loss
+        )
     for r in range(2):
         assert res[r]["buffers"].startswith("ConfigError") and "broadcast_buffers=False" in res[r]["buffers"]
 

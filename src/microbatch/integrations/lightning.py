@@ -28,15 +28,14 @@ Costs: ``self.log`` calls inside ``training_step`` are dropped while probing (th
 collection does not exist yet); the backward pass is ``loss.backward()`` (with ``precision="16-mixed"``
 the gradient scaler is not applied while probing).
 
-No ``on_oom="split"`` opt-in here (the Hugging Face integration has one, :func:`microbatch.integrations.hf.split_on_oom`):
-under automatic optimization Lightning calls ``backward`` itself on the loss ``training_step``
-returns, so a callback cannot split the batch and redo the step; with manual optimization call
-:func:`microbatch.run.accumulate.accumulate` with a ``MicroBatchController`` in ``training_step``.
+Out-of-memory during training, opt-in: :class:`~microbatch.integrations.lightning_oom.SplitOnOOM`
+(re-exported here), a callback that redoes a step that runs out of memory with smaller pieces of
+its batch, with the gradient of the whole batch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from microbatch.choose.result import TuneResult
 from microbatch.choose.snapshot import restore_rng, save_rng
@@ -48,19 +47,13 @@ from microbatch.integrations.common import (
     emit_lines,
     options_with_cap,
 )
+from microbatch.integrations.lightning_oom import CallbackBase as _Base
+from microbatch.integrations.lightning_oom import SplitOnOOM
 
-__all__ = ["KneeBatchSize", "SUPPORTED_STRATEGIES"]
+__all__ = ["KneeBatchSize", "SplitOnOOM", "SUPPORTED_STRATEGIES"]
 
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 """Lightning strategies the callback tunes under (DeepSpeedStrategy, a DDPStrategy, excluded)."""
-
-if TYPE_CHECKING:
-    from lightning.pytorch.callbacks import Callback as _Base
-else:
-    try:  # the callback is a real Lightning Callback when Lightning is installed
-        from lightning.pytorch.callbacks import Callback as _Base
-    except ImportError:  # pragma: no cover - Lightning is optional
-        _Base = object
 
 
 def _check_strategy(trainer: Any) -> None:

@@ -166,37 +166,52 @@ def accumulate(
     if controller is None:
         assert micro_batch_size is not None
         controller = MicroBatchController(micro_batch_size)  # this step only
-    return _accumulate_splitting(model, batch, loss_fn, count_fn, noise, controller)
+    rows = batch_rows(batch)
+    if rows == 0:
+        raise ConfigError("batch has 0 rows; give at least one row")
+    return _accumulate_splitting(
+        model, lambda size: split(batch, size), rows, loss_fn, count_fn, noise, controller
+    )
 
 
 def _accumulate_splitting(
     model: Any,
-    batch: Batch,
+    pieces: Callable[[int], list[Batch]],
+    rows: int,
     loss_fn: LossFn,
     count_fn: CountFn | None,
     noise: GradientNoiseScale | None,
     controller: MicroBatchController,
+    *,
+    same_size: bool = True,
 ) -> torch.Tensor:
-    """``on_oom="split"``: attempts at halving sizes until one completes on every rank."""
-    rows = batch_rows(batch)
-    if rows == 0:
-        raise ConfigError("batch has 0 rows; give at least one row")
+    """``on_oom="split"``: attempts at halving sizes until one completes on every rank.
+
+    ``pieces(size)``: the step's micro-batches of at most ``size`` rows; ``rows``: the most a micro-batch
+    can hold (the batch's rows, or the largest micro-batch given). ``same_size``: every rank runs the
+    controller's size (checked in the step's all_reduce) and all go on at half the agreed rows; else
+    (micro-batches given, which differ by rank) each rank halves its own and all stop together, when
+    every rank is down to one row.
+    """
     _, world = group_and_world(model)
     agree = world > 1
     _check_can_agree(model)
+    controller.start_step()  # growth after clean optimizer steps, when the controller counts them
     counted: float | None = None
     while True:
         size = controller.micro_batch_size
-        micro_batches = split(batch, size)
+        ran = min(size, rows)  # the most rows a micro-batch of this attempt holds (on this rank)
+        micro_batches = pieces(size)
         if count_fn is not None and counted is None:  # the total does not depend on the split
             counted = count_items(micro_batches, count_fn, model=model)
         reason: str | None = None
         if agree:
+            mine = ran
             loss, reason, ran = _run(
-                model, micro_batches, loss_fn, count_fn, noise, counted, (size, min(size, rows))
+                model, micro_batches, loss_fn, count_fn, noise, counted, (size if same_size else 0, ran)
             )
         else:
-            ran = min(size, rows)
+            mine = ran
             try:
                 loss = _run(model, micro_batches, loss_fn, count_fn, noise, counted, None)[0]
             except Exception as e:  # noqa: BLE001 - only out-of-memory is kept; anything else propagates
@@ -209,9 +224,11 @@ def _accumulate_splitting(
             return loss
         del micro_batches
         free_memory(model_device(model))
-        if ran <= 1:
+        if ran <= 1:  # every rank is down to one row
             raise one_row_error(controller.steps, reason or "out of memory")
-        controller.record_split(ran // 2, reason or "out of memory")
+        new = ran // 2 if same_size else max(1, mine // 2)
+        if new < size:
+            controller.record_split(new, reason or "out of memory")
 
 
 def _check_can_agree(model: Any) -> None:
@@ -247,11 +264,36 @@ def accumulate_micro_batches(
     *,
     count_fn: CountFn | None = None,
     noise: GradientNoiseScale | None = None,
+    on_oom: str | None = None,
 ) -> torch.Tensor:
-    """:func:`accumulate` over micro-batches already split (e.g. by :func:`split_by_tokens`); no ``on_oom``."""
+    """:func:`accumulate` over micro-batches already split (e.g. by :func:`split_by_tokens`).
+
+    ``on_oom="split"``: an out-of-memory puts the gradients back and redoes the step with every
+    micro-batch cut into pieces of at most half the rows of the largest (then half again ...), down to
+    one row; the gradient and the loss are those of the step without the error (the sum over items
+    does not depend on the grouping). Each split is logged as by a
+    :class:`~microbatch.run.controller.MicroBatchController`, but nothing is remembered for the next
+    call: the caller chose the micro-batches (a token budget, say), so give the next call smaller ones
+    (``split_by_tokens(..., max_tokens // 2)``) if splits recur. Under DDP the ranks agree on a split in
+    the step's one ``all_reduce``, each halving its own micro-batches, and stop together when every
+    rank is down to one row.
+    """
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ConfigError("no micro-batches to accumulate; give at least one")
+    on_oom = on_oom or "raise"
+    if on_oom not in ON_OOM:
+        raise ConfigError(f"on_oom must be one of {', '.join(map(repr, ON_OOM))}, got {on_oom!r}")
+    if on_oom == "split":
+        rows = max(batch_rows(mb) for mb in micro_batches)
+
+        def pieces(size: int) -> list[Batch]:
+            return micro_batches if size >= rows else [p for mb in micro_batches for p in split(mb, size)]
+
+        controller = MicroBatchController(max(rows, 1))  # this call only: its log lines and the halving
+        return _accumulate_splitting(
+            model, pieces, rows, loss_fn, count_fn, noise, controller, same_size=False
+        )
     counted = count_items(micro_batches, count_fn, model=model) if count_fn is not None else None
     loss = _run(model, micro_batches, loss_fn, count_fn, noise, counted, None)[0]
     assert loss is not None
@@ -271,8 +313,9 @@ def _run(
 
     ``agree=(size, rows run)`` (DDP, ``on_oom="split"``): every micro-batch runs under ``no_sync``; an
     out-of-memory here is caught and this rank goes on to the step's all_reduce with a flag, which
-    also carries the size of every rank (they must match) and the rows each ran; if any rank failed,
-    every rank restores its gradients and returns ``(None, reason, agreed rows)``; otherwise the
+    also carries the size of every rank (they must match; 0 when the micro-batches were given, which
+    differ by rank) and the most rows each ran; if any rank failed, every rank restores its gradients
+    and returns ``(None, reason, the ranks' mean of those rows rounded up)``; otherwise the
     gradients are all-reduced after the last backward. Without ``agree`` any exception propagates
     after the restore, and DDP all-reduces during the last backward as usual.
     """
@@ -349,7 +392,7 @@ def _run(
                     if reason is None:
                         restore()
                         reason = f"out of memory on {int(sums[2])} of {world} ranks"
-                    ran = min(agree[0], math.ceil(float(sums[4]) / world))
+                    ran = math.ceil(float(sums[4]) / world)  # the ranks' mean rows run, rounded up
                     return None, reason, ran
                 _all_reduce_grads(params, group)
         else:

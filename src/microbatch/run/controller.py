@@ -8,6 +8,18 @@ after a number of clean steps, never above it. Every change is an :class:`Resize
 level WARNING for a split, INFO for a growth; the library never prints: configure ``logging``
 to see them).
 
+**What a step is.** By default, one :func:`~microbatch.run.accumulate.accumulate` call: in a
+loop written by hand, that call takes the optimizer step's whole batch, so a step is an optimizer
+step. A Trainer with gradient accumulation makes several calls per optimizer step (one per batch
+it hands to its training step); there the integrations give the controller a ``step_counter``
+(the Trainer's own count of optimizer steps, ``trainer.state.global_step`` or
+``trainer.global_step``), and then :attr:`~MicroBatchController.steps`, the events' ``step``, the
+log lines and the ``grow_after`` window all count optimizer steps, the numbers the Trainer logs;
+:attr:`~MicroBatchController.calls` still counts the calls. Optimizer steps, because that is the
+unit the user sets everything else in (``grow_after``, ``max_steps``, logging intervals) and the
+step number a log line must be matched against; and growing after N optimizer steps is growing
+after N × g calls, so the window is no shorter.
+
 Under DDP every rank holds its own controller; :func:`~microbatch.run.accumulate.accumulate`
 agrees the new size across ranks, so the controllers stay equal.
 
@@ -17,6 +29,7 @@ Pure Python: no torch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,7 +46,8 @@ class ResizeEvent:
     """One change of the micro-batch size."""
 
     step: int
-    """The step (0-based count of the controller's completed steps) in which it happened."""
+    """The first step (0-based, see :attr:`MicroBatchController.steps`) run at the new size: for a split,
+    the step that was redone; for a growth, the step after the clean ones."""
     old: int
     """The micro-batch size before (rows)."""
     new: int
@@ -51,11 +65,20 @@ class MicroBatchController:
     growth may return to (default ``initial``); never exceeded. ``grow_after``: after this many
     consecutive steps without out-of-memory at a size below ``knee``, double it (capped at
     ``knee``); None (the default) never grows. ``max_history``: events kept in :attr:`history`
-    (the oldest are dropped; the counts stay exact).
+    (the oldest are dropped; the counts stay exact). ``step_counter``: a function returning the
+    optimizer steps completed so far (for example ``lambda: trainer.global_step``), for loops that
+    call :func:`~microbatch.run.accumulate.accumulate` several times per optimizer step; None (the
+    default): each completed call is a step (see the module's docstring).
     """
 
     def __init__(
-        self, initial: int, *, knee: int | None = None, grow_after: int | None = None, max_history: int = 1000
+        self,
+        initial: int,
+        *,
+        knee: int | None = None,
+        grow_after: int | None = None,
+        max_history: int = 1000,
+        step_counter: Callable[[], int] | None = None,
     ) -> None:
         check_positive_int("initial", initial, fix="give the micro-batch size to start with (rows)")
         if knee is not None:
@@ -76,24 +99,40 @@ class MicroBatchController:
         """Clean steps before the size doubles toward the knee (None: never)."""
         self.max_history = max_history
         """How many events :attr:`history` keeps."""
+        self.step_counter = step_counter
+        """Optimizer steps completed so far (None: the calls count the steps); an integration sets it."""
         self.micro_batch_size = initial
         """The size the next step runs at: the last that worked (or the last grown to)."""
-        self.steps = 0
-        """Steps completed through this controller."""
+        self.calls = 0
+        """:func:`~microbatch.run.accumulate.accumulate` calls completed through this controller."""
         self.splits = 0
         """Times a step ran out of memory and was redone at half the size."""
         self.grows = 0
         """Times the size grew after clean steps."""
-        self.clean_steps = 0
-        """Consecutive completed steps without out-of-memory since the last change."""
         self.history: list[ResizeEvent] = []
         """The latest resize events, oldest first."""
+        self._changed_at = 0  # self.steps when the size last changed
+
+    @property
+    def steps(self) -> int:
+        """Steps completed: ``step_counter()`` (optimizer steps) when set, else :attr:`calls`."""
+        return self.calls if self.step_counter is None else int(self.step_counter())
+
+    @property
+    def clean_steps(self) -> int:
+        """Steps completed at the current size since the last change (the step of a split counts, once done)."""
+        return max(0, self.steps - self._changed_at)
+
+    @property
+    def step_unit(self) -> str:
+        """What :attr:`steps` counts: ``"optimizer step"`` (``step_counter`` set) or ``"accumulate call"``."""
+        return "accumulate call" if self.step_counter is None else "optimizer step"
 
     def __repr__(self) -> str:
         return (
             f"MicroBatchController(micro_batch_size={self.micro_batch_size}, initial={self.initial}, "
             f"knee={self.knee}, grow_after={self.grow_after}, steps={self.steps}, splits={self.splits}, "
-            f"grows={self.grows})"
+            f"grows={self.grows}, step_unit={self.step_unit!r})"
         )
 
     def _record(self, event: ResizeEvent) -> None:
@@ -106,31 +145,39 @@ class MicroBatchController:
         old = self.micro_batch_size
         if not 1 <= new < old:
             raise ConfigError(f"a split must go to a smaller size >= 1, got {old} -> {new}")
+        step = self.steps
         self.micro_batch_size = new
         self.splits += 1
-        self.clean_steps = 0
-        self._record(ResizeEvent(step=self.steps, old=old, new=new, kind="split", reason=reason))
+        self._changed_at = step
+        self._record(ResizeEvent(step=step, old=old, new=new, kind="split", reason=reason))
         log.warning(
-            "step %d: out of memory at micro-batch %d, redoing the step at %d (%s)",
-            self.steps,
-            old,
-            new,
-            reason,
+            "step %d: out of memory at micro-batch %d, redoing the step at %d (%s)", step, old, new, reason
         )
 
+    def start_step(self) -> None:
+        """Before a call runs: grow if ``grow_after`` steps completed cleanly (with a ``step_counter``, the
+        optimizer steps complete between calls, so this is where the window closes)."""
+        if self.steps < self._changed_at:  # the counter went back (a new fit reusing the controller)
+            self._changed_at = self.steps
+        self._maybe_grow()
+
     def record_step(self) -> None:
-        """A step completed: count it and, when growth is on, grow after ``grow_after`` clean steps."""
-        self.steps += 1
-        self.clean_steps += 1
-        size = self.micro_batch_size
-        if self.grow_after is not None and size < self.knee and self.clean_steps >= self.grow_after:
-            new = min(2 * size, self.knee)
-            reason = f"{self.clean_steps} clean steps at {size}"
-            self.micro_batch_size = new
-            self.grows += 1
-            self.clean_steps = 0
-            self._record(ResizeEvent(step=self.steps - 1, old=size, new=new, kind="grow", reason=reason))
-            log.info("step %d: %s, growing the micro-batch to %d", self.steps - 1, reason, new)
+        """A call completed: count it and, when growth is on, grow after ``grow_after`` clean steps."""
+        self.calls += 1
+        self._maybe_grow()
+
+    def _maybe_grow(self) -> None:
+        size, clean = self.micro_batch_size, self.clean_steps
+        if self.grow_after is None or size >= self.knee or clean < self.grow_after:
+            return
+        new = min(2 * size, self.knee)
+        reason = f"{clean} clean {self.step_unit}s at {size}"
+        step = self.steps
+        self.micro_batch_size = new
+        self.grows += 1
+        self._changed_at = step
+        self._record(ResizeEvent(step=step, old=size, new=new, kind="grow", reason=reason))
+        log.info("step %d: %s, growing the micro-batch to %d", step, reason, new)
 
     def summary(self) -> dict[str, Any]:
         """For logging: the current size, the settings, the counts and the kept events (JSON-ready)."""
@@ -140,6 +187,8 @@ class MicroBatchController:
             "knee": self.knee,
             "grow_after": self.grow_after,
             "steps": self.steps,
+            "step_unit": self.step_unit,
+            "calls": self.calls,
             "splits": self.splits,
             "grows": self.grows,
             "history": [asdict(e) for e in self.history],

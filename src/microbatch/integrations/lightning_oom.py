@@ -1,0 +1,284 @@
+"""Lightning: :class:`SplitOnOOM`, a callback that keeps training through out-of-memory, exactly.
+
+Under automatic optimization Lightning runs, per batch, a closure: ``training_step`` (the loss),
+then ``zero_grad`` on the first batch of an accumulation window, then the strategy's ``backward``
+on ``loss / accumulate_grad_batches`` (``on_before_backward``, ``LightningModule.backward``,
+``on_after_backward``); on the last batch of the window, gradient clipping and
+``optimizer.step`` follow (``lightning/pytorch/loops/optimization/automatic.py``,
+``plugins/precision/precision.py``, Lightning 2.6). A callback cannot redo a step from outside
+that loop, so from ``on_train_start`` to the end of fit :class:`SplitOnOOM` replaces
+``training_step`` on the module instance (not the class) with one that:
+
+1. sets the gradients already present aside (earlier batches of the window; the zero_grad that
+   follows must not see the new ones), and runs :func:`microbatch.run.accumulate.accumulate` over
+   the batch with the controller: each piece calls the original ``training_step`` and takes its
+   loss (the tensor, or the ``"loss"`` of a dict), weighted by its share of the batch. An
+   out-of-memory in a piece's forward or backward puts the gradients back, halves the piece and
+   redoes the batch (:mod:`microbatch.run.oom`); one row out of memory raises
+   :class:`microbatch.errors.OutOfMemoryError`.
+2. keeps the batch's gradient aside, puts the earlier gradients back (the same tensors), and
+   returns a detached leaf carrying the whole batch's loss value (a dict's other keys are the
+   last piece's). Its backward reaches no parameter: a hook on it receives
+   ``∂(closure loss)/∂leaf`` — ``1/accumulate_grad_batches``, Lightning's own division — and adds
+   the batch's gradient times that into ``.grad``, where backward would have put it: after the
+   zero_grad, before ``on_after_backward``, clipping and the optimizer step.
+
+So every ``.grad`` the hooks, the clipping and the optimizer see equals one backward of the whole
+batch's loss (tested in fp64 within 1e-10, with ``accumulate_grad_batches`` 1 and 2 and with
+clipping). The loss ``training_step`` returns must be the **mean** over the batch's rows (the
+default), or over the items ``count_fn(batch)`` counts (tokens, for a per-token mean), or with
+``reduction="sum"`` a sum: a piece's loss is weighted by its share of the batch's count (1 for a
+sum). ``b_m × g × world`` does not change: the dataloader still hands whole batches to the step.
+
+Refused before the first step, with the value, the rule and the fix: manual optimization (call
+:func:`microbatch.accumulate` with a controller in ``training_step`` yourself), any strategy but
+single-device (DDP, FSDP, DeepSpeed: under DDP Lightning calls ``training_step`` inside DDP's
+forward and its backward outside, so the pieces' backward would run where DDP's reducer does not
+expect one), fp16 with a gradient scaler (``precision="16-mixed"``: its backward scales the loss;
+bf16 and fp32 are fine); and at the first batch, a batch that is not a tensor, a tuple/list or a
+dict of tensors sharing dim 0 (:func:`microbatch.run.microbatches.batch_rows`).
+
+Costs: while a step runs, the gradients present before it and the batch's own are held at once
+(one extra gradient-sized buffer); ``self.log`` inside ``training_step`` runs once per piece, so
+after a split a step-level value is the last piece's (the loss Lightning receives, ``outputs`` in
+``on_train_batch_end``, is the whole batch's); the controller's step is Lightning's optimizer step
+(``trainer.global_step``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from microbatch.errors import ConfigError
+from microbatch.run.controller import MicroBatchController
+
+__all__ = ["SplitOnOOM", "CallbackBase"]
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback as CallbackBase
+else:
+    try:  # the callbacks are real Lightning Callbacks when Lightning is installed
+        from lightning.pytorch.callbacks import Callback as CallbackBase
+    except ImportError:  # pragma: no cover - Lightning is optional
+        CallbackBase = object
+
+REDUCTIONS = ("mean", "sum")
+
+
+def _check_trainer(trainer: Any, pl_module: Any) -> None:
+    """ConfigError for the setups where Lightning's step is not one ``backward`` of the loss returned."""
+    if not pl_module.automatic_optimization:
+        raise ConfigError(
+            "SplitOnOOM wraps Lightning's automatic optimization; this module sets automatic_optimization = False. "
+            "With manual optimization, call microbatch.accumulate(self, batch, loss_fn, controller="
+            "MicroBatchController(initial=b_m)) in training_step and then step the optimizer yourself (the "
+            "README's 'Keep training through out-of-memory')"
+        )
+    strategy = trainer.strategy
+    names = {c.__name__ for c in type(strategy).__mro__}
+    if "SingleDeviceStrategy" not in names or "XLA" in type(strategy).__name__:
+        raise ConfigError(
+            f"SplitOnOOM runs under a single-device strategy only, got {type(strategy).__name__}: under DDP "
+            "Lightning calls training_step inside DDP's forward and the backward outside it, and FSDP and "
+            "DeepSpeed run their own backward, so the pieces' backward cannot be placed exactly; train on one "
+            "device (devices=1), or across several with a loop of your own calling microbatch.accumulate(ddp_model, "
+            "..., controller=...) (ranks agree on every split)"
+        )
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        raise ConfigError(
+            f"SplitOnOOM cannot split under precision={trainer.precision!r}: fp16 with a gradient scaler scales "
+            "the loss in its backward and skips steps with inf gradients, which pieces run outside its backward "
+            "would not match; use precision='bf16-mixed' or '32-true'"
+        )
+
+
+def _loss_of(out: Any) -> Any:
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if loss is None:
+        raise ConfigError(
+            "training_step returned no loss (None, or a dict without 'loss') for a piece of the batch; SplitOnOOM "
+            "needs the loss tensor automatic optimization would back-propagate (skipping a batch is not supported)"
+        )
+    return loss
+
+
+class SplitOnOOM(CallbackBase):
+    """Redo a training step that runs out of memory with smaller pieces of its batch, same gradient.
+
+    ``controller``: a :class:`~microbatch.run.controller.MicroBatchController` to keep across fits
+    (its ``step_counter`` is set to ``trainer.global_step`` if it has none); None (the default)
+    makes one at the first batch, starting at the batch's rows (whole batches until the first
+    out-of-memory), growing back after ``grow_after`` clean optimizer steps (None: never).
+    ``count_fn(batch) -> items``: what the loss is a mean over (default: the rows). ``reduction``:
+    ``"mean"`` (the default) or ``"sum"``, how ``training_step``'s loss reduces over the batch.
+
+    After fit starts: :attr:`controller` (``controller.summary()`` is JSON-ready for logging).
+    """
+
+    def __init__(
+        self,
+        controller: MicroBatchController | None = None,
+        *,
+        grow_after: int | None = None,
+        count_fn: Callable[[Any], Any] | None = None,
+        reduction: str = "mean",
+    ) -> None:
+        if controller is not None and not isinstance(controller, MicroBatchController):
+            raise ConfigError(
+                f"controller must be a MicroBatchController or None, got {type(controller).__name__}"
+            )
+        if controller is not None and grow_after is not None:
+            raise ConfigError(
+                f"grow_after={grow_after!r} with a controller: the controller holds it; give "
+                "MicroBatchController(initial, grow_after=...) or no controller"
+            )
+        if grow_after is not None:
+            MicroBatchController(1, grow_after=grow_after)  # the controller's own check of the value
+        if count_fn is not None and not callable(count_fn):
+            raise ConfigError(f"count_fn must be callable (batch -> items), got {type(count_fn).__name__}")
+        if reduction not in REDUCTIONS:
+            raise ConfigError(
+                f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}"
+            )
+        self.controller = controller
+        """The controller (made at the first batch when none was given)."""
+        self.grow_after = grow_after
+        self.count_fn = count_fn
+        self.reduction = reduction
+        self._module: Any = None
+        self._counts_for: Any = None  # the trainer whose global_step this callback gave the controller
+        self._before: Any = None  # what the module's __dict__ held as training_step before the wrap
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        """Check everything that can be checked before training."""
+        if stage in (None, "fit"):
+            _check_trainer(trainer, pl_module)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Replace ``training_step`` on the module instance (after other callbacks' ``on_fit_start`` probes)."""
+        _check_trainer(trainer, pl_module)
+        self._unwrap()
+        ctrl = self.controller
+        if ctrl is not None and (ctrl.step_counter is None or self._counts_for is not None):
+            ctrl.step_counter = lambda: int(trainer.global_step)  # this fit's trainer (a new fit, a new one)
+            self._counts_for = trainer
+        original = pl_module.training_step
+        callback = self
+
+        def training_step(module: Any, *args: Any, **kwargs: Any) -> Any:
+            return callback._step(trainer, module, original, args, kwargs)
+
+        sig = inspect.signature(original)  # Lightning reads it to decide whether to pass batch_idx
+        self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        training_step.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])  # type: ignore[attr-defined]
+        self._module, self._before = pl_module, pl_module.__dict__.get("training_step")
+        pl_module.training_step = types.MethodType(training_step, pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Put the module's own ``training_step`` back."""
+        self._unwrap()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Put the module's own ``training_step`` back."""
+        self._unwrap()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        """Put the module's own ``training_step`` back."""
+        self._unwrap()
+
+    def _unwrap(self) -> None:
+        module, self._module = self._module, None
+        if module is None:
+            return
+        if self._before is None:
+            module.__dict__.pop("training_step", None)
+        else:
+            module.training_step = self._before
+        self._before = None
+
+    def _step(
+        self, trainer: Any, module: Any, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        import torch
+
+        from microbatch.run.accumulate import accumulate
+        from microbatch.run.microbatches import batch_rows
+
+        if not args:
+            raise ConfigError(
+                "training_step was called without a batch; SplitOnOOM splits the first argument"
+            )
+        batch, rest = args[0], args[1:]
+        rows = batch_rows(batch)  # ConfigError for a batch it cannot split, before any forward
+        count = self.count_fn or batch_rows
+        total = float(count(batch))
+        if not total > 0:
+            raise ConfigError(
+                f"count_fn gave {total:g} items for the whole batch; the loss is a mean over at least one item"
+            )
+        if self.controller is None:
+            self.controller = MicroBatchController(
+                rows, grow_after=self.grow_after, step_counter=lambda: int(trainer.global_step)
+            )
+            self._counts_for = trainer
+        mean = self.reduction == "mean"
+        extra: dict[str, Any] = {}
+        dict_out = False
+
+        def share(mb: Any) -> float:
+            return float(count(mb)) / total
+
+        def loss_fn(_: Any, mb: Any) -> tuple[Any, float]:
+            nonlocal dict_out
+            w = share(mb)
+            if w == 0.0:  # no items: nothing to learn from it (a mean over none would be nan)
+                return torch.zeros((), requires_grad=True), 0.0
+            out = original(mb, *rest, **kwargs)
+            loss = _loss_of(out)
+            if isinstance(out, Mapping):
+                dict_out = True
+                extra.clear()
+                extra.update((k, v) for k, v in out.items() if k != "loss")
+            # accumulate returns Σ loss_sum / Σ w with Σ w = 1: the weighted mean, or the plain sum
+            return (loss * w if mean else loss), w
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            value = accumulate(module, batch, loss_fn, count_fn=share, controller=self.controller)
+            grads: list[Any] = [p.grad for p in params]
+        finally:
+            for p, g in zip(params, before, strict=True):
+                p.grad = g
+        leaf = value.detach().clone().requires_grad_(True)
+        leaf.register_hook(_GradientAdder(params, grads))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        return {"loss": leaf, **extra} if dict_out else leaf
+
+
+class _GradientAdder:
+    """The hook on the returned leaf: adds the batch's gradient × ∂(closure loss)/∂leaf into ``.grad``, once."""
+
+    def __init__(self, params: list[Any], grads: list[Any]) -> None:
+        self.params: list[Any] | None = params
+        self.grads: list[Any] | None = grads
+
+    def __call__(self, grad: Any) -> None:
+        params, grads = self.params, self.grads
+        self.params = self.grads = None  # once; and the buffers go with the step
+        if params is None or grads is None:
+            return
+        factor = float(grad)  # 1 / accumulate_grad_batches: Lightning's division of the loss
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            if factor != 1.0:
+                g.mul_(factor)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
