@@ -212,7 +212,8 @@ BAD = [
         r"8,000,000,000 actions, over the simulation limit of 1,000,000",
     ),
     (
-        ["bubble", "-p", "4", "-m", "1000000000", "-s", "dualpipev", "--virtual", "2"],
+        # outside its closed form's rule (T_W > T_I) DualPipeV is simulated, so a huge m is refused
+        ["bubble", "-p", "4", "-m", "1000000000", "-s", "dualpipev", "--virtual", "2", "--weight-time", "2"],
         r"over the simulation limit",
     ),
     (

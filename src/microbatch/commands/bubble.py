@@ -54,6 +54,8 @@ def cmd(
     fraction = idle / total stage time = (p−1)/(v·m+p−1)   (GPipe, 1F1B; interleaved with v)
     ratio    = idle / ideal busy time  = (p−1)/(v·m)        (the number Megatron quotes)
     zb-h1: idle per stage (p−1)(T_F+T_I−T_W) (Qi et al. 2024, Table 2).
+    dualpipev: idle per rank max((p−1)(2T_F+T_I−T_W), (p−1)(T_F+2T_I−T_W)−T_F), per-chunk times, when
+    T_W <= T_I (DeepSeek-V3 report, sec 3.2.1, as torch runs it); else simulated.
     Peak in-flight micro-batches per rank come from simulating the schedule.
 
     \b
@@ -70,9 +72,12 @@ def cmd(
         in_flight_formula,
     )
     from microbatch.schedules.simulate import (
+        DUALPIPEV_CLOSED_FORM_RULE,
         ZB_IDLE_SCHEDULES,
         bubble_fraction,
         bubble_ratio,
+        dualpipev_closed_form_holds,
+        dualpipev_idle_time,
         simulate,
         zb_idle_time,
     )
@@ -90,8 +95,16 @@ def cmd(
     }
     # A closed form needs no schedule: build and simulate only for a diagram, or where no closed
     # form exists, and never past the simulation limit (stated up front).
-    closed = (spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe")) or (
-        spec.split_backward and spec.name in ZB_IDLE_SCHEDULES
+    tf, ti, tw = (1.0 if t is None else t for t in (forward_time, input_time, weight_time))
+    dualpipev_closed = spec.name == "dualpipev" and dualpipev_closed_form_holds(tf, ti, tw)
+    if spec.name == "dualpipev" and not dualpipev_closed:
+        notes.append(
+            f"the DualPipeV closed form needs {DUALPIPEV_CLOSED_FORM_RULE} (it is a lower bound otherwise): simulated"
+        )
+    closed = (
+        (spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"))
+        or (spec.split_backward and spec.name in ZB_IDLE_SCHEDULES)
+        or dualpipev_closed
     )
     too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
     if not closed:
@@ -105,7 +118,6 @@ def cmd(
     sim = None
     if spec.split_backward:
         given = [t is not None for t in (forward_time, input_time, weight_time)]
-        tf, ti, tw = (1.0 if t is None else t for t in (forward_time, input_time, weight_time))
         if not all(given):
             notes.append(
                 f"times T_F = {tf:g}, T_I = {ti:g}, T_W = {tw:g}"
@@ -122,6 +134,12 @@ def cmd(
         if spec.name in ZB_IDLE_SCHEDULES:
             idle = zb_idle_time(spec.name, stages, tf, ti, tw)
             result["method"] = "closed form: Qi et al. 2024 (Zero Bubble PP), Table 2"
+        elif dualpipev_closed:
+            idle = dualpipev_idle_time(stages, tf, ti, tw)
+            result["method"] = (
+                "closed form: max((p−1)(2T_F+T_I−T_W), (p−1)(T_F+2T_I−T_W)−T_F) per chunk, DualPipeV as torch runs it "
+                "(DeepSeek-V3 report, arXiv 2412.19437, sec 3.2.1, Table 2: (PP/2−1)(T_F&B+T_B−3T_W))"
+            )
         else:
             assert sim is not None  # no closed form: simulated above
             idle = sum(sim.idle) / stages

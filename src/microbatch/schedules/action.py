@@ -100,6 +100,10 @@ class Schedule:
     """How virtual stages map to ranks: ``loop`` or ``v`` (see :func:`stage_to_rank`)."""
     actions: tuple[tuple[Action, ...], ...] = field(repr=False)
     """Per rank, the actions in the order that rank runs them."""
+    overlapped: tuple[frozenset[int], ...] = field(default=(), repr=False)
+    """Per rank (or empty: none), the positions of forwards that run with the next action as one step,
+    torch's ``OVERLAP_F_B`` (DualPipeV): the two run one after the other, and the forward's output is
+    sent only after both (torch's ``_add_send_recv`` places the sends after the whole step)."""
 
     def __post_init__(self) -> None:
         check_positive_int("stages", self.stages, fix="a pipeline needs at least one rank")
@@ -111,6 +115,19 @@ class Schedule:
                 f"schedule {self.name!r} has action lists for {len(self.actions)} ranks but stages = "
                 f"{self.stages}; give one list per rank"
             )
+        if self.overlapped:
+            if len(self.overlapped) != self.stages:
+                raise ScheduleError(
+                    f"schedule {self.name!r} has overlapped positions for {len(self.overlapped)} ranks but "
+                    f"stages = {self.stages}; give one set per rank, or none"
+                )
+            for r, (acts, pos) in enumerate(zip(self.actions, self.overlapped, strict=True)):
+                bad = [i for i in pos if not (0 <= i < len(acts) - 1 and acts[i].kind == "F")]
+                if bad:
+                    raise ScheduleError(
+                        f"schedule {self.name!r} rank {r}: overlapped positions {sorted(bad)} are not forwards "
+                        "followed by another action; an overlapped step is a forward and the action after it"
+                    )
 
     @property
     def num_virtual_stages(self) -> int:
@@ -143,6 +160,7 @@ class Schedule:
             "virtual": self.virtual,
             "placement": self.placement,
             "actions": [[str(a) for a in rank] for rank in self.actions],
+            **({"overlapped": [sorted(pos) for pos in self.overlapped]} if self.overlapped else {}),
         }
 
     @staticmethod

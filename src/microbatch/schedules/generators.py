@@ -7,9 +7,12 @@ Every order that torch also has is tested equal to torch's (``tests/test_schedul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from microbatch.schedules.action import Action
 
 __all__ = [
+    "dualpipev_overlapped",
     "dualpipev_order",
     "gpipe_order",
     "interleaved_order",
@@ -295,3 +298,18 @@ def dualpipev_order(p: int, m: int, v: int) -> list[list[Action]]:
             pay_w()
         out.append(acts)
     return out
+
+
+def dualpipev_overlapped(actions: Sequence[Sequence[Action]]) -> tuple[frozenset[int], ...]:
+    """Positions of the forwards torch's ScheduleDualPipeV runs together with the next action as one
+    ``OVERLAP_F_B`` step, per rank of :func:`dualpipev_order`'s output: every forward followed by a full
+    backward (phases 4 and 5), except the first such pair on the last rank, which torch runs apart "to
+    further reduce bubble size" (tested against torch's actions)."""
+    p = len(actions)
+    out = []
+    for r, acts in enumerate(actions):
+        pos = [i for i in range(len(acts) - 1) if acts[i].kind == "F" and acts[i + 1].kind == "B"]
+        if r == p - 1 and pos:
+            pos = pos[1:]
+        out.append(frozenset(pos))
+    return tuple(out)

@@ -14,13 +14,14 @@ every ``--schedule`` option read this one table; nothing else lists schedules.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from microbatch.errors import ConfigError, ScheduleError, check_positive_int
 from microbatch.schedules.action import Action, Schedule, check_placement, stage_to_rank
 from microbatch.schedules.generators import (
     dualpipev_order,
+    dualpipev_overlapped,
     gpipe_order,
     interleaved_order,
     one_f_one_b_order,
@@ -95,6 +96,9 @@ class ScheduleSpec:
     rank runs ZB-H1's order, tested)."""
     fill_drain_bubble: bool = False
     """True when the bubble is the closed form (p−1)/(v·m+p−1) for equal stages and m >= p."""
+    overlapped: Callable[[Sequence[Sequence[Action]]], tuple[frozenset[int], ...]] | None = None
+    """Per-rank positions of forwards that torch runs with the next action as one overlapped step
+    (:attr:`microbatch.schedules.action.Schedule.overlapped`), from the generated actions; None: none."""
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
@@ -214,6 +218,7 @@ def generate(name: str, stages: int, microbatches: int, virtual: int = 1) -> Sch
         virtual=virtual,
         placement=spec.placement,
         actions=tuple(tuple(r) for r in per_rank),
+        overlapped=spec.overlapped(per_rank) if spec.overlapped is not None else (),
     )
 
 
@@ -376,5 +381,6 @@ register_schedule(
         torch_name="ScheduleDualPipeV",
         aliases=("dualpipe-v", "dual-pipe-v"),
         in_flight=dualpipev_in_flight,
+        overlapped=dualpipev_overlapped,
     )
 )

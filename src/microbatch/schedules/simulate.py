@@ -3,7 +3,9 @@
 :func:`simulate` replays a :class:`~microbatch.schedules.action.Schedule` the way the ranks run it:
 each rank executes its own list in order, and an op starts at ``max(rank free, every
 dependency done + comm)``, where ``comm`` (point-to-point latency) is paid only when the
-dependency ran on another rank. It is dependency-driven, not a lock-step grid: a rank that
+dependency ran on another rank; a forward that torch overlaps with the next action
+(:attr:`~microbatch.schedules.action.Schedule.overlapped`, DualPipeV) counts as done for the other
+ranks when that action ends, as torch sends its output then. It is dependency-driven, not a lock-step grid: a rank that
 waits is parked on the one op it waits for and woken when that op ends, so the cost is
 linear in the number of actions.
 
@@ -17,11 +19,8 @@ first rank reads p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022, sec 4.2.3).
 A micro-batch is *in flight* from the end of its forward until the end of the last part of its
 backward (B, or W when the backward is split; DualPipeV splits some micro-batches and not others).
 
-The closed forms beside it (each cites its source):
-
-- :func:`bubble_fraction` — idle share of total stage time, (p−1)/(v·m + p−1);
-- :func:`bubble_ratio` — bubble time over ideal time (Megatron's number), (p−1)/(v·m);
-- :func:`zb_idle_time` — idle time per stage of 1F1B / ZB-H1 / ZB-H2 (Qi et al. 2024, Table 2).
+The closed forms of the bubble live in :mod:`microbatch.schedules.closed_forms` and are re-exported here
+(:func:`bubble_fraction`, :func:`bubble_ratio`, :func:`zb_idle_time`, :func:`dualpipev_idle_time`).
 
 The in-flight closed forms are the schedules' in-flight rules (:mod:`microbatch.schedules.rules`,
 read through :func:`microbatch.schedules.registry.in_flight_formula`).
@@ -38,15 +37,28 @@ from itertools import accumulate
 from operator import add
 from typing import Any, ParamSpec, TypeVar
 
-from microbatch.errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.errors import ConfigError, ScheduleError
 from microbatch.schedules.action import Action, Schedule
+from microbatch.schedules.closed_forms import (
+    DUALPIPEV_CLOSED_FORM_RULE,
+    ZB_IDLE_SCHEDULES,
+    bubble_fraction,
+    bubble_ratio,
+    dualpipev_closed_form_holds,
+    dualpipev_idle_time,
+    non_negative_time,
+    zb_idle_time,
+)
 
 __all__ = [
+    "DUALPIPEV_CLOSED_FORM_RULE",
     "ZB_IDLE_SCHEDULES",
     "SimResult",
     "Time",
     "bubble_fraction",
     "bubble_ratio",
+    "dualpipev_closed_form_holds",
+    "dualpipev_idle_time",
     "simulate",
     "zb_idle_time",
 ]
@@ -56,66 +68,6 @@ R = TypeVar("R")
 
 Time = float | Sequence[float]
 """An op duration: one number for every virtual stage, or one number per virtual stage."""
-
-# --------------------------------------------------------------------------------------------
-# Closed forms
-
-
-def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle share of the total stage time: (p−1) / (v·m + p−1).
-
-    GPipe and 1F1B (v = 1): (p−1)/(m+p−1) (Huang et al. 2019, GPipe, sec 2.3; seed 002).
-    Interleaved 1F1B with v stages per rank: the bubble shrinks by v (Narayanan et al. 2021,
-    sec 2.2.2), so the idle share is (p−1)/(v·m+p−1). Assumes equal stage times, the backward
-    a fixed multiple of the forward, and no communication time.
-    """
-    check_positive_int("stages", stages)
-    check_positive_int("microbatches", microbatches)
-    check_positive_int("virtual", virtual)
-    return (stages - 1) / (virtual * microbatches + stages - 1)
-
-
-def bubble_ratio(stages: int, microbatches: int, virtual: int = 1) -> float:
-    """Bubble time over ideal (busy) time: (p−1) / (v·m) — the number Megatron quotes.
-
-    Narayanan et al. 2021 (Megatron-LM PTD-P), sec 2.2.1 ((p−1)/m) and 2.2.2 ((p−1)/(v·m)).
-    Same assumptions as :func:`bubble_fraction`; fraction = ratio / (1 + ratio).
-    """
-    check_positive_int("stages", stages)
-    check_positive_int("microbatches", microbatches)
-    check_positive_int("virtual", virtual)
-    return (stages - 1) / (virtual * microbatches)
-
-
-ZB_IDLE_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
-
-
-def zb_idle_time(
-    schedule: str, stages: int, forward_time: float, input_time: float, weight_time: float
-) -> float:
-    """Idle time per stage, Qi et al., Zero Bubble Pipeline Parallelism (ICLR 2024), Table 2.
-
-    1F1B: (p−1)(T_F + T_B + T_W); ZB-H1: (p−1)(T_F + T_B − T_W); ZB-H2: (p−1)(T_F + T_B − 2T_W),
-    where T_B is the input-gradient time and T_W the weight-gradient time (a full backward is
-    T_B + T_W). With equal times ZB-H1 idles a third of 1F1B's. The paper assumes m >= p, equal
-    stages, no communication time and T_W no larger than T_F or T_B (our ZB-H1 order matches the
-    H1 line only then); the H2 value is floored at 0.
-    """
-    check_positive_int("stages", stages)
-    tf = _non_negative("forward_time", forward_time)
-    tb = _non_negative("input_time", input_time)
-    tw = _non_negative("weight_time", weight_time)
-    key = str(schedule).lower()
-    if key == "1f1b":
-        return (stages - 1) * (tf + tb + tw)
-    if key == "zb-h1":
-        return (stages - 1) * (tf + tb - tw)
-    if key == "zb-h2":
-        return max(0.0, (stages - 1) * (tf + tb - 2 * tw))
-    raise ConfigError(
-        f"schedule {schedule!r} has no zero-bubble closed form; use one of {', '.join(ZB_IDLE_SCHEDULES)}"
-    )
-
 
 # --------------------------------------------------------------------------------------------
 # Simulation
@@ -210,22 +162,10 @@ class SimResult:
         }
 
 
-def _non_negative(name: str, value: float) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v) or v < 0:
-        raise ConfigError(
-            f"{name} = {value!r}: a time must be a finite number >= 0; give a measured or estimated duration"
-        )
-    return v
-
-
 def _per_stage(name: str, value: Time, num_stages: int) -> list[float]:
     """``value`` as one float per virtual stage."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return [_non_negative(name, value)] * num_stages
+        return [non_negative_time(name, value)] * num_stages
     try:
         items = list(value)  # type: ignore[arg-type]
     except TypeError:
@@ -235,7 +175,7 @@ def _per_stage(name: str, value: Time, num_stages: int) -> list[float]:
             f"{name} has {len(items)} values but the schedule has {num_stages} virtual stages (p·v); "
             "give one value per virtual stage, or a single number"
         )
-    return [_non_negative(f"{name}[{i}]", x) for i, x in enumerate(items)]
+    return [non_negative_time(f"{name}[{i}]", x) for i, x in enumerate(items)]
 
 
 def _gc_paused(fn: Callable[P, R]) -> Callable[P, R]:
@@ -276,7 +216,7 @@ def simulate(
     :func:`microbatch.schedules.validate.validate` for a full check).
     """
     p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
-    comm = _non_negative("comm_time", comm_time)
+    comm = non_negative_time("comm_time", comm_time)
     f_t = _per_stage("forward_time", forward_time, nst)
     b_t = None if backward_time is None else _per_stage("backward_time", backward_time, nst)
     i_t = None if input_time is None else _per_stage("input_time", input_time, nst)
@@ -356,6 +296,10 @@ def simulate(
     starts: list[list[float]] = [[] for _ in range(p)]
     ptr = [0] * p
     free = [0.0] * p
+    # a forward overlapped with the next action (torch's OVERLAP_F_B) sends its output after both: its
+    # completion is published when the next action ends
+    held = schedule.overlapped or tuple(frozenset() for _ in range(p))
+    pending = [-1] * p
     waiting: dict[int, list[int]] = {}
     stack = list(range(p - 1, -1, -1))
     while stack:
@@ -363,6 +307,7 @@ def simulate(
         ops = plan[r]
         i, t, n = ptr[r], free[r], len(ops)
         append = starts[r].append
+        held_r = held[r]
         while i < n:
             key, dur, d1, c1, d2, c2 = ops[i]
             e1 = end[d1]
@@ -382,10 +327,19 @@ def simulate(
                 begin = e2
             append(begin)
             t = begin + dur
+            if i in held_r:
+                pending[r] = key
+                i += 1
+                continue
             end[key] = t
             i += 1
             if key in waiting:
                 stack.extend(waiting.pop(key))
+            if pending[r] >= 0:
+                pk, pending[r] = pending[r], -1
+                end[pk] = t
+                if pk in waiting:
+                    stack.extend(waiting.pop(pk))
         ptr[r], free[r] = i, t
 
     for r in range(p):
