@@ -405,3 +405,22 @@ def test_interleaved_without_virtual_says_it_is_1f1b_and_v_schedules_default_to_
         ["bubble", "-p", "2", "-m", "4", "-s", "interleaved-1f1b", "--virtual", "2", "--no-diagram"], capsys
     )
     assert d["virtual"] == 2 and not any("--virtual" in n for n in d["notes"])
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "f", "i", "w"),
+    [(2, 4, 1, 1, 1), (4, 8, 1, 1, 1), (3, 6, 2, 1, 0.5), (4, 9, 1, 2, 1), (5, 10, 1, 1, 2)],
+)
+def test_simulate_dualpipev_closed_form_against_its_own_simulation(capsys, p, m, f, i, w):
+    d = run_json(
+        ["simulate", "-s", "dualpipev", "-p", str(p), "-m", str(m), "--forward-time", str(f),
+         "--input-time", str(i), "--weight-time", str(w)],
+        capsys,
+    )  # fmt: skip
+    cf = d["closed_form"]
+    idle = [s["idle"] for s in d["stage_stats"]]
+    assert cf["exact"] == (w <= i)
+    if cf["exact"]:  # every rank idles the closed form's time
+        assert idle == pytest.approx([cf["idle_time_per_stage"]] * p)
+    else:  # a lower bound outside T_W <= T_I
+        assert min(idle) >= cf["idle_time_per_stage"] - 1e-9

@@ -261,6 +261,20 @@ def cmd(
             ),
             "valid_when": "T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
         }
+    if uniform and spec.name == "dualpipev" and times.get("input_time") is not None:
+        from microbatch.schedules.closed_forms import (
+            DUALPIPEV_CLOSED_FORM_RULE,
+            dualpipev_closed_form_holds,
+            dualpipev_idle_time,
+        )
+
+        tf, ti, tw = times["forward_time"], times["input_time"], times["weight_time"] or 0.0
+        result["closed_form"] = {
+            "idle_time_per_stage": dualpipev_idle_time(stages, tf, ti, tw),
+            "valid_when": f"{DUALPIPEV_CLOSED_FORM_RULE} (exact), a lower bound otherwise "
+            "(DeepSeek-V3 report, sec 3.2.1, as torch runs it)",
+            "exact": dualpipev_closed_form_holds(tf, ti, tw),
+        }
     if with_intervals:
         result["intervals"] = [[[a, e, str(act)] for a, e, act in rank] for rank in sim.intervals]
         result["activations"] = [[[t, n] for t, n in rank] for rank in sim.activation_timeline()]
@@ -304,7 +318,12 @@ def cmd(
             )
         if "idle_time_per_stage" in cf:
             lines.append(
-                f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  (Qi et al. 2024, Table 2)"
+                f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  "
+                + (
+                    "(DeepSeek-V3 report, sec 3.2.1)"
+                    if spec.name == "dualpipev"
+                    else "(Qi et al. 2024, Table 2)"
+                )
             )
         lines += [f"  note: {n}" for n in notes]
         lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
