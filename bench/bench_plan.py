@@ -4,7 +4,8 @@ Space: Megatron-Turing 530B (105 layers, h = 20480, 128 heads, s = 2048) on 2,24
 (Narayanan et al. 2021 Table 1's 530B run), B_global = 2240; every t in {1, 2, 4, 8}, every
 pipeline depth p dividing 2240/t (p <= 105; uneven splits allowed), d = 2240/(t·p) when d | B,
 every b_m dividing B/d, every schedule that can serve (p, m, v) (gpipe, 1f1b, zb-h1,
-interleaved-1f1b with every v > 1 such that p·v divides 105), recompute none/selective/full,
+interleaved-1f1b with every v > 1 such that p·v divides 105; dualpipev needs 2p to divide the layers,
+which 105 never allows), recompute none/selective/full,
 ZeRO 0-3. A candidate counts once it has its per-stage peak memory, fits/does not fit, step
 time, tokens/s and MFU (closed forms; no simulation, as in calculon's search).
 
@@ -31,6 +32,7 @@ Run: .venv/bin/python bench/bench_plan.py [--repeat N] [--calculon DIR]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,20 +58,27 @@ def main() -> None:
     shape = get_model("megatron-530b")
     gpu = get_accelerator("a100-80gb")
     runs = []
+    cpu = []
     for _ in range(args.repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         best, evaluated, feasible = search_layouts(
             shape, gpu, global_batch=args.global_batch, num_gpus=args.gpus
         )
         runs.append((time.perf_counter() - t0, evaluated, feasible, best))
+        cpu.append(time.process_time() - c0)
     secs, evaluated, feasible, best = min(runs, key=lambda r: r[0])
     rate = evaluated / secs
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     rows = [
         ("model / GPUs / B_global", f"{shape.name} / {args.gpus} x {gpu.name} / {args.global_batch}"),
         ("candidates evaluated", f"{evaluated:,}"),
         ("candidates that fit", f"{feasible:,}"),
         (f"seconds (best of {args.repeat})", f"{secs:.2f}"),
         ("candidates per second", f"{rate:,.0f}"),
+        # on a shared machine the wall clock counts the time other jobs hold the cores; the process's own
+        # CPU time does not (both best of the repeats), and the load average says how shared it was
+        ("per CPU second (process time)", f"{evaluated / min(cpu):,.0f}"),
+        ("load average (1 min)", f"{load:.2f} on {os.cpu_count()} cores"),
         ("calculon", "its own 530B example searches another space: no ratio (see --calculon)"),
     ]
     if best is not None:

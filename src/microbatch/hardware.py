@@ -85,6 +85,15 @@ class Accelerator:
     """GPU-to-GPU bandwidth between nodes, per GPU per direction, of a typical deployment."""
     gpus_per_node: int = 8
     """GPUs that share the intra-node fabric (tensor parallelism should stay inside one node)."""
+    intra_node_achievable: float = 1.0
+    """Fraction of ``intra_node_bytes_per_s`` a collective reaches as bus bandwidth (protocol overhead).
+    NVLink: 0.82, from NCCL's maintainer: "With the protocol overhead (~20%) NCCL can get an effective
+    NVLink bandwidth of 370GB/s" of the H100's 450 GB/s line rate (github.com/NVIDIA/nccl-tests
+    issue 212, S. Jeaugey, 2024); the same NCCL protocol on A100 NVLink3 gives 246 of 300 GB/s."""
+    inter_node_achievable: float = 1.0
+    """Fraction of ``inter_node_bytes_per_s`` a collective or send reaches. InfiniBand: 0.96, from NVIDIA
+    (github.com/NVIDIA/nccl-tests issue 267: "CX-7 NICs at NDR rate (400Gbps) should achieve up to
+    48-49GB/s per NIC", 48 of 50 GB/s); the same fraction is taken for HDR (24 of 25 GB/s)."""
     compute_units: int | None = None
     """Streaming multiprocessors (NVIDIA) or compute units (AMD): GEMM tiles run in waves of this many."""
     source: str = ""
@@ -100,6 +109,13 @@ class Accelerator:
             v = check_non_negative(f"{self.name} {f}", getattr(self, f))
             if v == 0:
                 raise ConfigError(f"{self.name} {f} must be > 0, got 0; give the device's figure")
+        for f in ("intra_node_achievable", "inter_node_achievable"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not (0 < v <= 1):
+                raise ConfigError(
+                    f"{self.name} {f} must be in (0, 1], got {v!r}; give the measured bus bandwidth "
+                    "over the link's figure (1 when unknown)"
+                )
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
@@ -156,6 +172,7 @@ def _acc(
     units: int,
     source: str,
     gpus_per_node: int = 8,
+    links: tuple[float, float] = (1.0, 1.0),
 ) -> Accelerator:
     return Accelerator(
         name=name,
@@ -167,41 +184,51 @@ def _acc(
         gpus_per_node=gpus_per_node,
         compute_units=units,
         source=source,
+        intra_node_achievable=links[0],
+        inter_node_achievable=links[1],
     )
 
 
 _IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 reference architecture)
 _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)
+_NVLINK_IB = (0.82, 0.96)
+"""Achievable fractions of NVLink and InfiniBand (see ``Accelerator.intra_node_achievable``)."""
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
-             "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU"),
+             "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
+             links=_NVLINK_IB),
         _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
-             "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU"),
+             "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
+             links=_NVLINK_IB),
         _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
-             "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU"),
+             "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU",
+             links=_NVLINK_IB),
         _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
              "only); typical node: 200 Gb/s per GPU"),
         _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
-             "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU"),
+             "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU",
+             links=_NVLINK_IB),
         _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
-             "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU"),
+             "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU",
+             links=_NVLINK_IB),
         _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
              "(8 L4s): 100 Gb/s shared by 8 GPUs"),
         _acc("mi300x", 1307.4, 1307.4, 163.4, 192, 5300, 448, _IB_NDR, 304,
              "AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 163.4 fp32, 192 GB HBM3 at "
-             "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU"),
+             "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU",
+             links=(1.0, _NVLINK_IB[1])),  # no cited figure for xGMI: its line rate; NDR's 0.96
     )
 }  # fmt: skip
 

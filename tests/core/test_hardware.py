@@ -74,3 +74,19 @@ def test_overrides_from_strings_and_device_names():
     assert from_device_name("NVIDIA H100 PCIe").name == "h100-pcie"
     assert from_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     assert from_device_name("Tesla T4") is None
+
+
+def test_achievable_link_fractions_are_cited_and_checked():
+    from microbatch.hardware import Accelerator
+
+    a100 = get_accelerator("a100-80gb")
+    # NCCL's ~20% NVLink protocol overhead (370 of 450 GB/s) and 48 of 50 GB/s per NDR NIC
+    assert (a100.intra_node_achievable, a100.inter_node_achievable) == (0.82, 0.96)
+    assert a100.intra_node_bytes_per_s * a100.intra_node_achievable == pytest.approx(246e9)
+    assert get_accelerator("l4").intra_node_achievable == 1.0  # no figure for PCIe: line rate
+    doc = Accelerator.__doc__ or ""
+    assert "Accelerator" in repr(a100) and doc
+    with pytest.raises(ConfigError, match=r"intra_node_achievable must be in \(0, 1\]"):
+        a100.with_overrides(intra_node_achievable=1.5)
+    with pytest.raises(ConfigError, match=r"inter_node_achievable must be in \(0, 1\]"):
+        a100.with_overrides(inter_node_achievable=0)

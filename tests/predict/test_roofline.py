@@ -11,16 +11,23 @@ from microbatch.predict.roofline import (
     allgather_time_s,
     allreduce_time_s,
     arithmetic_intensity,
+    elementwise_backward_ratio,
+    gemm_flops,
     gemm_time_s,
     group_bandwidth,
     hardware_flops_per_step,
+    k_efficiency,
     layer_forward,
     model_flops_per_step,
+    ranks_per_node,
+    score_passes,
+    sp_regather_time_s,
     wave_efficiency,
 )
+from microbatch.predict.steptime import layer_pass_times
 
 A100 = get_accelerator("a100-80gb")
-PURE = RooflineEfficiency(gemm_max=1.0, memory=1.0, tile_rows=0, tile_cols=0)
+PURE = RooflineEfficiency(gemm_max=1.0, memory=1.0, tile_rows=0, tile_cols=0, ramp_rows=0.0)
 
 
 @pytest.mark.parametrize("name", ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"])
@@ -73,7 +80,7 @@ def test_wave_quantisation():
 
 
 def test_efficiency_scales_compute_time():
-    half = RooflineEfficiency(gemm_max=0.5, memory=1.0, tile_rows=0, tile_cols=0)
+    half = RooflineEfficiency(gemm_max=0.5, memory=1.0, tile_rows=0, tile_cols=0, ramp_rows=0.0)
     assert gemm_time_s(8192, 4096, 4096, A100, efficiency=half) == pytest.approx(
         2 * gemm_time_s(8192, 4096, 4096, A100, efficiency=PURE)
     )
@@ -84,8 +91,9 @@ def test_tensor_parallel_splits_compute_and_adds_comm():
     one = layer_forward(shape, 1, A100, efficiency=PURE)
     eight = layer_forward(shape, 1, A100, tensor_parallel=8, efficiency=PURE)
     assert eight.gemm_s == pytest.approx(one.gemm_s / 8, rel=0.05)
+    # two all-reduces of the b·s·h activation at NVLink's achievable 0.82 × 300 GB/s
     assert one.tp_comm_s == 0 and eight.tp_comm_s == pytest.approx(
-        2 * allreduce_time_s(2 * 2048 * 6144, 8, A100.intra_node_bytes_per_s)
+        2 * 2 * 7 / 8 * (2 * 2048 * 6144) / (0.82 * 300e9)
     )
 
 
@@ -93,5 +101,106 @@ def test_collectives_and_groups():
     assert allreduce_time_s(1e9, 1, 1e9) == 0
     assert allreduce_time_s(1e9, 4, 1e9) == pytest.approx(1.5)  # 2·(n−1)/n
     assert allgather_time_s(1e9, 4, 1e9) == pytest.approx(0.75)
-    assert group_bandwidth(A100, 8, 1) == A100.intra_node_bytes_per_s
-    assert group_bandwidth(A100, 8, 2) == A100.inter_node_bytes_per_s
+    # achievable, not line rate: NVLink 0.82 × 300 GB/s; one HDR NIC 0.96 × 25 GB/s per rank in a node
+    assert group_bandwidth(A100, 8, 1) == pytest.approx(0.82 * 300e9)
+    assert group_bandwidth(A100, 8, 8) == pytest.approx(0.96 * 25e9)  # one rank per node: one NIC
+    assert group_bandwidth(A100, 8, 2) == pytest.approx(4 * 0.96 * 25e9)  # 4 ranks per node: 4 NICs
+    assert group_bandwidth(A100, 32, 1) == pytest.approx(8 * 0.96 * 25e9)  # 8 NICs: 192 GB/s < NVLink 246
+    assert group_bandwidth(get_accelerator("h100-sxm"), 32, 1) == pytest.approx(0.82 * 450e9)  # 384 > 369
+    assert [ranks_per_node(A100, 32, s) for s in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert ranks_per_node(A100, 2, 1) == 2
+
+
+def test_k_efficiency_by_hand():
+    # k₀ = τ·(peak/SMs)/(2·128·128) = 2.73e-6 · (312e12/108) / 32768 = 240.7 on an A100
+    k0 = 2.73e-6 * 312e12 / 108 / (2 * 128 * 128)
+    assert k0 == pytest.approx(240.7, abs=0.1)
+    assert k_efficiency(768, A100) == pytest.approx(768 / (768 + k0))
+    # the same τ on an H200 (989.4 TFLOP/s over 132 SMs) is the measured k₀ = 625
+    h200 = get_accelerator("h200")
+    assert 768 / k_efficiency(768, h200) - 768 == pytest.approx(625, abs=1)
+    assert k_efficiency(768, A100, efficiency=PURE) == 1.0  # no tiles: no per-tile overhead
+    # the row-parallel projection (k = h/t) loses more than the QKV GEMM (k = h)
+    assert k_efficiency(6144 / 8, A100) < k_efficiency(6144, A100) < 1
+    # and gemm_time_s divides by it: doubling the overhead slows a short-k GEMM more than a long-k one
+    slow = RooflineEfficiency(tile_overhead_s=2 * 2.73e-6)
+    r_short = gemm_time_s(2048, 768, 6144, A100, efficiency=slow) / gemm_time_s(2048, 768, 6144, A100)
+    r_long = gemm_time_s(2048, 6144, 2304, A100, efficiency=slow) / gemm_time_s(2048, 6144, 2304, A100)
+    assert r_short == pytest.approx((768 + 2 * k0) / (768 + k0), rel=1e-9) and r_long < r_short
+
+
+def test_attention_score_passes_and_backward_by_hand():
+    assert (score_passes(False), score_passes(True)) == (4.0, 6.5)
+    assert (score_passes(False, backward=True), score_passes(True, backward=True)) == (7.0, 9.5)
+    shape = get_model("megatron-22b")  # dropout on, no flash attention, a = 64, h = 6144
+    assert shape.dropout
+    eff = RooflineEfficiency(tile_overhead_s=0.0)
+    lt = layer_forward(shape, 4, A100, tensor_parallel=8, flash_attention=False, dtype="fp16", efficiency=eff)
+    rows, s, t, e, bw = 4 * 2048, 2048, 8, 2, 0.8 * 2039e9
+    qkvo = e * rows * 4 * 6144 / t
+    score = e * 64 * s * rows / t  # one pass over b·(a/t)·s² fp16 scores
+    assert lt.attention_s == pytest.approx((qkvo + 6.5 * score) / bw)  # memory-bound: ≈ 1.10 ms
+    assert lt.attention_backward_s == pytest.approx((2 * qkvo + 9.5 * score) / bw)
+    assert lt.elementwise_backward_s == pytest.approx(elementwise_backward_ratio() * lt.elementwise_s)
+    assert elementwise_backward_ratio() == 1.5  # read x, read dy, write dx vs read x, write y
+
+
+def test_backward_input_pass_by_hand():
+    shape = get_model("megatron-22b")
+    lt = layer_forward(shape, 4, A100, tensor_parallel=8, sequence_parallel=True, flash_attention=False)
+    f, i, w = layer_pass_times(lt, "none")
+    assert f == pytest.approx(lt.gemm_s + lt.attention_s + lt.elementwise_s + lt.tp_comm_s)
+    assert w == pytest.approx(lt.gemm_s)
+    back_mem = lt.attention_backward_s + lt.elementwise_backward_s
+    assert i == pytest.approx(lt.gemm_s + back_mem + lt.tp_comm_s + lt.sp_regather_s)
+    assert layer_pass_times(lt, "selective")[1] == pytest.approx(i + lt.attention_s)
+    # full recompute gathers again in its forward: no separate re-gather
+    assert layer_pass_times(lt, "full")[1] == pytest.approx(i - lt.sp_regather_s + f)
+    # the re-gather: two all-gathers of b·s·h fp16 over 8 ranks at 0.82 × 300 GB/s
+    assert lt.sp_regather_s == pytest.approx(2 * 7 / 8 * 2 * 4 * 2048 * 6144 / (0.82 * 300e9))
+    assert sp_regather_time_s(1e9, 8, 1e9) == pytest.approx(1.75)
+    no_sp = layer_forward(shape, 4, A100, tensor_parallel=8, flash_attention=False)
+    assert no_sp.sp_regather_s == 0 and no_sp.tp_comm_s == pytest.approx(lt.tp_comm_s)
+
+
+def test_short_k_gemms_cost_more_per_flop():
+    # proj (k = h/t = 768) vs fc1 (k = h = 6144) of the 22B layer at t = 8, rows 2048: same wave shape
+    proj = gemm_flops(2048, 768, 6144) / gemm_time_s(2048, 768, 6144, A100)
+    fc1 = gemm_flops(2048, 6144, 3072) / gemm_time_s(2048, 6144, 3072, A100)
+    assert proj / fc1 == pytest.approx(k_efficiency(768, A100) / k_efficiency(6144, A100), rel=0.05)
+
+
+def test_pipeline_send_scatter_gather_and_interleaving_by_hand():
+    from microbatch.predict.roofline import LayerTime, pipeline_send_time_s
+    from microbatch.predict.steptime import pipeline_stage_times
+
+    # 530B hand-off at b_m 1: b·s·h·e = 2048·20480·2 bytes; t = 8 ranks each send 1/8 over one HDR NIC
+    # (stages t·d = 8 ranks apart: another node), then all-gather over NVLink
+    nbytes = 2048 * 20480 * 2
+    send = nbytes / 8 / (0.96 * 25e9)  # 0.437 ms
+    gather = 7 / 8 * nbytes / (0.82 * 300e9)  # 0.298 ms
+    got = pipeline_send_time_s(nbytes, A100, tensor_parallel=8, pipeline_stride=8)
+    assert got == pytest.approx(send + gather) and got == pytest.approx(0.735e-3, rel=0.01)
+    assert pipeline_send_time_s(nbytes, A100, tensor_parallel=1, pipeline_stride=8) == pytest.approx(
+        nbytes / (0.96 * 25e9)
+    )
+    # interleaving: v chunks per rank, v sends per micro-batch on F and on I, none on W
+    lt = LayerTime(gemm_s=1.0, attention_s=0.0, elementwise_s=0.0, tp_comm_s=0.0, flops=1.0)
+    f1, i1, w1 = pipeline_stage_times(lt, 0.0, split=(3, 3), p2p_s=0.01)
+    f3, i3, w3 = pipeline_stage_times(lt, 0.0, split=(3, 3), p2p_s=0.01, virtual=3)
+    assert [b - a for a, b in zip(f1, f3, strict=True)] == pytest.approx([0.02, 0.02])
+    assert [b - a for a, b in zip(i1, i3, strict=True)] == pytest.approx([0.02, 0.02])
+    assert w3 == w1
+
+
+def test_row_efficiency_by_hand():
+    from microbatch.hardware import cpu_accelerator
+    from microbatch.predict.roofline import row_efficiency
+
+    assert row_efficiency(2048, A100) == pytest.approx(2048 / (2048 + 140))  # 0.936
+    assert row_efficiency(128, A100) == pytest.approx(128 / 268)
+    cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=1e10, source="test")
+    assert row_efficiency(128, cpu) == 1.0  # GPU tiles only
+    # gemm_time_s divides by it: b_m·s = 2048 rows vs 16384 rows of the same GEMM, per row
+    per_row = [gemm_time_s(r, 4096, 16384, A100) / r for r in (2048, 16384)]
+    assert per_row[0] / per_row[1] == pytest.approx((1 + 140 / 2048) / (1 + 140 / 16384), rel=1e-9)

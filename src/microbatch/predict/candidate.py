@@ -5,7 +5,10 @@
 (:mod:`microbatch.predict.memory`), step time (each stage's F, I and W from the one step-time rule,
 :mod:`microbatch.predict.steptime`, plus the pipeline's bubble), tokens/s and MFU, and whether it
 fits with the headroom asked; :func:`with_simulation` replays it with :func:`microbatch.schedules.simulate.simulate`.
-A :class:`Context` caches what does not depend on the candidate, so the planner's enumeration stays cheap.
+A :class:`~microbatch.predict.plan_context.Context` (:mod:`microbatch.predict.plan_context`) caches what does
+not depend on the candidate, and this module caches per (schedule, m, v), per ZeRO stage and per (b_m,
+recompute), so the planner's enumeration stays cheap (``bench/bench_plan.py``; the shortcuts are held to
+the plain computation value for value in ``tests/predict/test_candidate.py``).
 
 Step time of one optimizer step (bottleneck stage k with forward F_k and backward B_k per
 micro-batch, T_k = F_k + B_k; Narayanan et al. 2021 §2.2):
@@ -14,6 +17,14 @@ micro-batch, T_k = F_k + B_k; Narayanan et al. 2021 §2.2):
 - interleaved 1F1B: m·T_k + (p − 1)·T_k / v;
 - ZB-H1: m·T_k + (p − 1)·(F_k + I_k − W_k), the backward split into input (I) and weight (W)
   gradients (Qi et al. 2024, Table 2);
+- DualPipeV (two chunks of L/(2p) layers per rank in a V, the output layer back on rank 0): m·T_k plus
+  the idle of :func:`microbatch.schedules.simulate.dualpipev_idle_time` on the per-chunk times of a chunk
+  of layers (stage 0's; DeepSeek-V3 report 2024, sec 3.2.1, as torch runs it; exact for equal chunks when
+  T_W <= T_I, which the step-time rule gives: W is the forward's GEMMs again, I those GEMMs plus the
+  rest of the backward). With the output layer on rank 0 the chunks are not equal and m·T_k counts rank
+  0's extra work in every slot: on four plans (gpt2 p 3, Llama-2 7B p 4 and p 8, Llama-2 13B p 4 t 2;
+  H100) the pipeline time was 0.2–12.5% (mean 1.4–5.4%) longer than the simulation's, ZB-H1's form
+  0.1–23% (mean 0.7–8.1%) on the same plans; the leaders and the knee are replayed by the simulator;
 
 plus the exposed data-parallel gradient reduction (overlapped with the last backward, or whole after it
 with ``PlanConfig.dp_overlap=False``), ZeRO-2/3
@@ -23,30 +34,27 @@ communication per micro-step (overlapped with compute where shorter), and the op
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.precision import get_precision
-from microbatch.predict.activations import (
-    embedding_activation_bytes,
-    layer_activation_bytes,
-    output_activation_bytes,
+from microbatch.predict.plan_context import (
+    Context,
+    InFlight,
+    LayerCosts,
+    StageTimes,
+    activations,
+    layer_costs,
+    make_context,
 )
-from microbatch.predict.memory import split_layers, stage_params
-from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.roofline import (
-    LayerTime,
     allgather_time_s,
     allreduce_time_s,
-    group_bandwidth,
-    layer_forward,
-    logits_forward,
-    p2p_time_s,
     reduce_scatter_time_s,
 )
-from microbatch.predict.state import bytes_per_param
 from microbatch.predict.steptime import pipeline_stage_times
-from microbatch.schedules.registry import in_flight_chunks
+from microbatch.schedules.action import stage_to_rank
+from microbatch.schedules.registry import get_spec, in_flight_chunks
+from microbatch.schedules.simulate import dualpipev_idle_time
 
 __all__ = ["Candidate", "Context", "LayerCosts", "evaluate", "layer_costs", "make_context", "with_simulation"]
 
@@ -149,195 +157,140 @@ class Candidate:
             ) from None
 
 
-class LayerCosts(NamedTuple):
-    """Per-micro-batch costs at one b_m that do not depend on the candidate's other choices."""
-
-    layer: LayerTime
-    """One layer's forward, by part."""
-    logits_s: float
-    """The output layer and loss, forward."""
-    p2p_s: float
-    """One pipeline send of a micro-batch's activations (0 without a pipeline)."""
-    gemm_efficiency: float
-    """Achieved fraction of peak FLOP/s of one layer's forward."""
-
-
-class _Acts(NamedTuple):
-    per_layer: float
-    working: float
-    embedding: float
-    output: float
-
-
-@dataclass
-class Context:
-    """Per-plan caches: everything that does not depend on the candidate."""
-
-    cfg: PlanConfig
-    """The plan's configuration."""
-    split: tuple[int, ...]
-    """Layers per stage."""
-    probe: tuple[int, ...]
-    """Stages whose peak can be the maximum."""
-    params: dict[int, float]
-    """Parameters per GPU of each stage."""
-    act_kw: dict[str, Any]
-    """seq, tensor_parallel, sequence_parallel for the activation formulas."""
-    dtype: str
-    """Compute dtype of the precision (``bf16``, ``fp16``, ``fp32``)."""
-    e: int
-    """Bytes per activation element (the compute dtype's)."""
-    state_bpp: tuple[int, int, int]
-    """Weight, gradient and optimizer-state bytes per parameter."""
-    max_params: float = 0.0
-    """The most parameters on one GPU over the stages."""
-    layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
-    act_cache: dict[tuple[int, str], _Acts] = field(default_factory=dict)
-    time_cache: dict[tuple[int, str], _Times] = field(default_factory=dict)
-
-
-def make_context(cfg: PlanConfig) -> Context:
-    """The caches for planning ``cfg``."""
-    p, t = cfg.pipeline_parallel, cfg.tensor_parallel
-    split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
-    if cfg.layers_per_stage is None:
-        # Within a run of equal stages the in-flight count falls with i, so the peak is at the first
-        # stage of each run or at the last stage (output layer).
-        probe = sorted({0, p - 1} | {i for i in range(1, p) if split[i] != split[i - 1]})
-    else:
-        probe = list(range(p))
-    params = {i: stage_params(cfg.shape, i, p, split[i], t) for i in range(p)}
-    prec = get_precision(cfg.precision)
-    return Context(
-        cfg=cfg,
-        split=split,
-        probe=tuple(probe),
-        params=params,
-        max_params=max(params.values()),
-        act_kw=dict(seq=cfg.seq, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
-        dtype=prec.compute_dtype,
-        e=prec.weight_bytes,  # activations are kept in the compute dtype
-        state_bpp=bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer),
-    )
-
-
-def layer_costs(ctx: Context, b: int) -> LayerCosts:
-    """Per-micro-batch costs at b_m = b: layer forward, logits, p2p send, GEMM efficiency."""
-    hit = ctx.layer_cache.get(b)
+def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
+    """The schedule's in-flight rule on the probed stages, from the one registry
+    (:func:`microbatch.schedules.registry.in_flight_chunks`): chunks / v layer-micro-batches per stage
+    layer and min(m, ⌈chunks / v⌉) micro-batches; cached per (schedule, m, v)."""
+    key = (sched, m, v)
+    hit = ctx.flight_cache.get(key)
     if hit is None:
-        cfg = ctx.cfg
-        lt = layer_forward(
-            cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
-            sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
-            dtype=ctx.dtype, efficiency=cfg.efficiency,
-        )  # fmt: skip
-        logit_s, _ = logits_forward(
-            cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel, dtype=ctx.dtype,
-            efficiency=cfg.efficiency,
-        )  # fmt: skip
-        t, p = cfg.tensor_parallel, cfg.pipeline_parallel
-        p2p = 0.0
-        if p > 1:
-            # Megatron's scatter/gather: each tensor rank sends 1/t of the activation (Narayanan 2021 §4.1)
-            nbytes = ctx.e * b * cfg.seq_len * cfg.shape.hidden / t
-            bw = group_bandwidth(cfg.gpu, p, t * cfg.data_parallel) * cfg.efficiency.network
-            p2p = p2p_time_s(nbytes, bw)
-        flops_rate = lt.flops / lt.compute_s / cfg.gpu.flops(ctx.dtype) if lt.compute_s else 0.0
-        hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
-        ctx.layer_cache[b] = hit
+        p = ctx.cfg.pipeline_parallel
+        placement = get_spec(sched).placement
+        v_placement = p > 1 and placement == "v"
+        head = stage_to_rank(p * v - 1, p, placement) if p > 1 else 0  # rank of the output layer
+        rows = []
+        for i in ctx.probe:
+            chunks = in_flight_chunks(sched, i, p, m, v)
+            rows.append((ctx.split[i], chunks / v, min(m, -(-chunks // v)), i == 0, i == head))
+        hit = InFlight(v_placement=v_placement, rows=tuple(rows))
+        ctx.flight_cache[key] = hit
     return hit
 
 
-def _act(ctx: Context, b: int, rc: str) -> _Acts:
-    key = (b, rc)
-    hit = ctx.act_cache.get(key)
+def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes."""
+    key = (z, v_placement)
+    hit = ctx.state_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
-        per_layer = layer_activation_bytes(
-            cfg.shape, b, recompute=rc, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e, **ctx.act_kw
-        )
-        working = 0.0
-        if rc == "full":
-            working = layer_activation_bytes(
-                cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-                **ctx.act_kw,
-            )  # fmt: skip
-        emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
-        out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
-        hit = _Acts(per_layer=per_layer, working=working, embedding=emb, output=out)
-        ctx.act_cache[key] = hit
+        d = cfg.data_parallel
+        wb, gb, ob = ctx.state_bpp
+        params = ctx.params_v if v_placement else ctx.params
+        rows = []
+        for i in ctx.probe:
+            n = params[i]
+            rows.append(
+                (n * wb / (d if z >= 3 else 1), n * gb / (d if z >= 2 else 1), n * ob / (d if z >= 1 else 1))
+            )
+        other = cfg.memory_calibration.fixed_bytes
+        if z >= 3 and d > 1:
+            other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
+        hit = (tuple(rows), other)
+        ctx.state_cache[key] = hit
     return hit
-
-
-def _in_flight(schedule: str, i: int, p: int, m: int, v: int) -> tuple[float, int]:
-    """(layer-micro-batches per stage layer, micro-batches) in flight on stage i: the schedule's
-    in-flight rule from the one registry (:func:`microbatch.schedules.registry.in_flight_chunks`)."""
-    chunks = in_flight_chunks(schedule, i, p, m, v)
-    return chunks / v, min(m, -(-chunks // v))
 
 
 def _memory(
-    ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int
+    ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int, flight: InFlight | None = None
 ) -> tuple[float, int, tuple[float, float, float, float, float]]:
-    """(peak bytes, stage, breakdown) over the probed stages."""
-    cfg = ctx.cfg
-    p, d = cfg.pipeline_parallel, cfg.data_parallel
-    per_layer, working, emb, out = _act(ctx, b, rc)
-    wb, gb, ob = ctx.state_bpp
-    scale = cfg.memory_calibration.activation_scale
-    other = cfg.memory_calibration.fixed_bytes
-    if z >= 3 and d > 1:
-        other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
-    best: tuple[float, int, tuple[float, float, float, float, float]] | None = None
-    for i in ctx.probe:
-        n = ctx.params[i]
-        weights = n * wb / (d if z >= 3 else 1)
-        grads = n * gb / (d if z >= 2 else 1)
-        opt = n * ob / (d if z >= 1 else 1)
-        layers_mb, held = _in_flight(sched, i, p, m, v)
-        acts = per_layer * ctx.split[i] * layers_mb + working
-        if i == 0:
+    """(peak bytes, stage, breakdown) over the probed stages; ``flight`` is :func:`_flight`'s answer when
+    the caller has it."""
+    per_layer, working, emb, out = activations(ctx, b, rc)
+    scale = ctx.cfg.memory_calibration.activation_scale
+    if flight is None:
+        flight = _flight(ctx, sched, m, v)
+    states, other = _state(ctx, z, flight.v_placement)
+    best = -1.0
+    at = 0
+    parts = (0.0, 0.0, 0.0, 0.0, 0.0)
+    for j, (n_layers, layers_mb, held, first, head) in enumerate(flight.rows):
+        weights, grads, opt = states[j]
+        acts = per_layer * n_layers * layers_mb + working
+        if first:
             acts += emb * held
-        if i == p - 1:
+        if head:
             acts += out * held
         acts *= scale
         total = weights + grads + opt + acts + other
-        if best is None or total > best[0]:
-            best = (total, i, (weights, grads, opt, acts, other))
-    assert best is not None  # ctx.probe always holds stage 0
-    return best
+        if total > best:
+            best, at, parts = total, ctx.probe[j], (weights, grads, opt, acts, other)
+    return best, at, parts
 
 
-def _stage_times(ctx: Context, b: int, rc: str) -> _Times:
+def _stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
     """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, and the bottleneck stage."""
     hit = ctx.time_cache.get((b, rc))
     if hit is not None:
         return hit
     costs = layer_costs(ctx, b)
-    p = ctx.cfg.pipeline_parallel
-    f, i_, w = pipeline_stage_times(
-        costs.layer, costs.logits_s, split=ctx.split, p2p_s=costs.p2p_s, recompute=rc
+    split = ctx.split
+    p = len(split)
+    # the step-time rule on each distinct stage (an even split has two or three: the others, and the last
+    # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
+    runs = ctx.split_runs
+    kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
+    fu, iu, wu = pipeline_stage_times(
+        costs.layer, costs.logits_s, split=kinds, p2p_s=costs.p2p_s, recompute=rc
     )
-    T = [a + b_ + c for a, b_, c in zip(f, i_, w, strict=True)]
+    tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
+    at = {n: j for j, n in enumerate(kinds[:-1])}
+    f: list[float] = []
+    i_: list[float] = []
+    w: list[float] = []
+    T: list[float] = []
+    for n, count in runs:
+        j = at[n]
+        f += [fu[j]] * count
+        i_ += [iu[j]] * count
+        w += [wu[j]] * count
+        T += [tu[j]] * count
+    f.append(fu[-1])
+    i_.append(iu[-1])
+    w.append(wu[-1])
+    T.append(tu[-1])
     k = max(range(p), key=T.__getitem__)
-    hit = _Times(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
+    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
     ctx.time_cache[(b, rc)] = hit
     return hit
 
 
-class _Times(NamedTuple):
-    f: list[float]
-    i: list[float]
-    w: list[float]
-    k: int
-    Tk: float
-    sumT: float
-    fk: float
-    ik: float
-    wk: float
+def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
+    """A V placement's (DualPipeV's) times: ``f``, ``i``, ``w`` per virtual stage (2p chunks, rank r holding
+    stages r and 2p−1−r with half its layers each, the output layer and loss on stage 2p−1, a pipeline send
+    on every chunk); ``k`` and the ``*k`` sums are the bottleneck rank's (both its chunks)."""
+    hit = ctx.vtime_cache.get((b, rc))
+    if hit is not None:
+        return hit
+    costs = layer_costs(ctx, b)
+    p = ctx.cfg.pipeline_parallel
+    chunks = tuple(
+        ctx.split[s] // 2 if s < p else ctx.split[2 * p - 1 - s] - ctx.split[2 * p - 1 - s] // 2
+        for s in range(2 * p)
+    )
+    f, i_, w = pipeline_stage_times(
+        costs.layer, costs.logits_s, split=chunks, p2p_s=costs.p2p_s, recompute=rc
+    )
+    rf = [f[r] + f[2 * p - 1 - r] for r in range(p)]
+    ri = [i_[r] + i_[2 * p - 1 - r] for r in range(p)]
+    rw = [w[r] + w[2 * p - 1 - r] for r in range(p)]
+    T = [a + b_ + c for a, b_, c in zip(rf, ri, rw, strict=True)]
+    k = max(range(p), key=T.__getitem__)
+    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=rf[k], ik=ri[k], wk=rw[k])
+    ctx.vtime_cache[(b, rc)] = hit
+    return hit
 
 
-def _pipeline_time(sched: str, p: int, m: int, v: int, tm: _Times) -> tuple[float, float]:
+def _pipeline_time(sched: str, p: int, m: int, v: int, tm: StageTimes) -> tuple[float, float]:
     """(seconds of compute + bubble, bubble fraction) by the closed forms in the module docstring."""
     Tk = tm.Tk
     if p == 1:
@@ -349,18 +302,22 @@ def _pipeline_time(sched: str, p: int, m: int, v: int, tm: _Times) -> tuple[floa
         idle = (p - 1) * max(0.0, tm.fk + tm.ik - tm.wk)
         total = m * Tk + idle
         return total, idle / total
+    if sched == "dualpipev":  # per-chunk times of stage 0's chunk (layers only; the head is on stage 2p − 1)
+        idle = dualpipev_idle_time(p, tm.f[0], tm.i[0], tm.w[0])
+        total = m * Tk + idle
+        return total, idle / total
     total = (m - 1) * Tk + tm.sumT
     return total, (p - 1) / (m + p - 1)
 
 
-def _comm(ctx: Context, m: int, z: int, tm: _Times) -> tuple[float, float, float]:
-    """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds)."""
+def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
+    """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds) for
+    ``n`` parameters on the GPU that holds the most."""
     cfg = ctx.cfg
-    d, t = cfg.data_parallel, cfg.tensor_parallel
+    d = cfg.data_parallel
     wb, gb, ob = ctx.state_bpp
-    n = ctx.max_params
     back = tm.ik + tm.wk
-    bw_dp = group_bandwidth(cfg.gpu, d, t) * cfg.efficiency.network
+    bw_dp = ctx.bw_dp
     dp = zero_s = 0.0
     if d > 1:
         if z <= 1:
@@ -389,38 +346,61 @@ def _comm(ctx: Context, m: int, z: int, tm: _Times) -> tuple[float, float, float
 def evaluate(
     ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int, model_flops: float
 ) -> Candidate:
+    """Predict one candidate: b_m = ``b``, ``m`` micro-batches, schedule ``sched`` with ``v`` chunks per rank,
+    recompute ``rc``, ZeRO ``z``; ``model_flops`` per step for the MFU."""
     cfg = ctx.cfg
     p = cfg.pipeline_parallel
-    peak, stage, (wt, gr, op, ac, ot) = _memory(ctx, b, m, sched, v, rc, z)
-    tm = _stage_times(ctx, b, rc)
+    flight = _flight(ctx, sched, m, v)
+    peak, stage, (wt, gr, op, ac, ot) = _memory(ctx, b, m, sched, v, rc, z, flight)
+    v_placement = flight.v_placement
+    tm = _v_stage_times(ctx, b, rc) if v_placement else _stage_times(ctx, b, rc)
     pipe, bubble = _pipeline_time(sched, p, m, v, tm)
-    dp, zero_s, opt = _comm(ctx, m, z, tm)
+    key = (b, m, rc, z, v_placement)
+    comm = ctx.comm_cache.get(key)
+    if comm is None:
+        n = ctx.max_params_v if v_placement else ctx.max_params
+        comm = ctx.comm_cache[key] = _comm(ctx, m, z, tm, n)
+    dp, zero_s, opt = comm
     step = pipe + dp + zero_s + opt
-    return Candidate(
-        micro_batch=b,
-        microbatches=m,
-        grad_accum=m,
-        schedule=sched,
-        virtual=v,
-        recompute=rc,
-        zero=z,
-        bubble_fraction=bubble,
-        peak_memory_bytes=peak,
-        memory={"weights": wt, "gradients": gr, "optimizer": op, "activations": ac, "other": ot},
-        step_time_s=step,
-        tokens_per_s=cfg.global_batch * cfg.seq_len / step,
-        mfu=model_flops / (step * cfg.num_gpus * cfg.gpu.flops(ctx.dtype)),
-        fits=peak <= cfg.memory_budget_bytes,
-        global_batch=cfg.global_batch,
-        data_parallel=cfg.data_parallel,
-        pipeline_parallel=p,
-        tensor_parallel=cfg.tensor_parallel,
-        sequence_parallel=cfg.sequence_parallel,
-        peak_stage=stage,
-        gemm_efficiency=layer_costs(ctx, b).gemm_efficiency,
-        time={"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
-              "optimizer_s": opt},
+    return _fast_candidate(
+        {
+            "micro_batch": b,
+            "microbatches": m,
+            "grad_accum": m,
+            "schedule": sched,
+            "virtual": v,
+            "recompute": rc,
+            "zero": z,
+            "bubble_fraction": bubble,
+            "peak_memory_bytes": peak,
+            "memory": {"weights": wt, "gradients": gr, "optimizer": op, "activations": ac, "other": ot},
+            "step_time_s": step,
+            "tokens_per_s": ctx.tokens_per_step / step,
+            "mfu": model_flops / (step * ctx.num_gpus * ctx.peak_flops),
+            "fits": peak <= ctx.budget,
+            "global_batch": cfg.global_batch,
+            "data_parallel": cfg.data_parallel,
+            "pipeline_parallel": p,
+            "tensor_parallel": cfg.tensor_parallel,
+            "sequence_parallel": cfg.sequence_parallel,
+            "peak_stage": stage,
+            "gemm_efficiency": layer_costs(ctx, b).gemm_efficiency,
+            "time": {"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
+                     "optimizer_s": opt},
+            "simulated": False,
+        }
     )  # fmt: skip
+
+
+def _fast_candidate(fields: dict[str, Any]) -> Candidate:
+    """``Candidate(**fields)`` for the planner's hot loop, given every field: the frozen dataclass's
+    ``__init__`` sets each of its 23 fields through ``object.__setattr__`` (about 4 µs a candidate, a
+    fifth of the evaluation); filling the instance dictionary at once takes 0.5 µs. Candidate has no
+    ``__post_init__`` and no slots, so the result is the same object (equal, frozen, ``replace``-able;
+    tested against the constructor)."""
+    c = object.__new__(Candidate)
+    c.__dict__.update(fields)
+    return c
 
 
 def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate:
@@ -432,13 +412,17 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
     from microbatch.schedules.registry import generate
     from microbatch.schedules.simulate import simulate
 
-    tm = _stage_times(ctx, c.micro_batch, c.recompute)
-    f, i_, w = tm.f, tm.i, tm.w
     v = c.virtual
-    if v > 1:  # per virtual stage: a rank's work split evenly over its v chunks (loop placement)
-        f = [f[s % p] / v for s in range(p * v)]
-        i_ = [i_[s % p] / v for s in range(p * v)]
-        w = [w[s % p] / v for s in range(p * v)]
+    if p > 1 and get_spec(c.schedule).placement == "v":  # per virtual stage already (DualPipeV)
+        tm = _v_stage_times(ctx, c.micro_batch, c.recompute)
+        f, i_, w = tm.f, tm.i, tm.w
+    else:
+        tm = _stage_times(ctx, c.micro_batch, c.recompute)
+        f, i_, w = tm.f, tm.i, tm.w
+        if v > 1:  # per virtual stage: a rank's work split evenly over its v chunks (loop placement)
+            f = [f[s % p] / v for s in range(p * v)]
+            i_ = [i_[s % p] / v for s in range(p * v)]
+            w = [w[s % p] / v for s in range(p * v)]
     sched = generate(c.schedule, p, c.microbatches, v)
     if sched.split_backward:
         res = simulate(sched, forward_time=f, input_time=i_, weight_time=w)

@@ -3,7 +3,7 @@
 For a model, an accelerator and a layout (d data-parallel replicas, p pipeline stages, t tensor
 ranks) the planner holds B_global fixed and enumerates every b_m that divides B/d (so m = g =
 B/(d·b_m) micro-batches per flush, one flush per step), every schedule that can serve (p, m, v),
-every v for interleaved 1F1B, every recompute mode and every ZeRO stage — the joint search
+every v for interleaved 1F1B (v = 2 for DualPipeV), every recompute mode and every ZeRO stage — the joint search
 DeepSpeed's autotuner runs by experiment. For each it predicts per-stage peak memory
 (:mod:`microbatch.predict.memory`), step time (:mod:`microbatch.predict.roofline` plus the pipeline's bubble),
 tokens/s and MFU, and whether it fits with the headroom asked. Screening uses closed forms;
@@ -113,7 +113,9 @@ class Plan:
 
 # -- search ---------------------------------------------------------------------------------------------
 def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
-    """(schedule, v) pairs that can serve (p, m, v) under torch's rules."""
+    """(schedule, v) pairs that can serve (p, m, v) under torch's rules: interleaved 1F1B with every v
+    that divides the layers evenly, DualPipeV with v = 2 when 2p divides the layers and m >= 2p (an
+    even split only)."""
     p, L = cfg.pipeline_parallel, cfg.shape.layers
     if p == 1:
         return [("1f1b", 1)]
@@ -123,7 +125,11 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     out = []
     for name in names:
         vs = [1]
-        if name == "interleaved-1f1b":
+        if name == "dualpipev":  # two chunks of L/(2p) layers per rank in a V (torch: exactly 2)
+            if cfg.layers_per_stage is not None or L % (2 * p):
+                continue
+            vs = [2]
+        elif name == "interleaved-1f1b":
             if cfg.layers_per_stage is not None:
                 continue
             vs = (
@@ -175,10 +181,19 @@ def make_plan(cfg: PlanConfig) -> Plan:
     cands = _enumerate(cfg, ctx)
     if not cands:
         p, per_replica = cfg.pipeline_parallel, cfg.global_batch // cfg.data_parallel
+        L = cfg.shape.layers
+        if cfg.schedules == ("dualpipev",) and (L % (2 * p) or cfg.layers_per_stage is not None):
+            ok = [x for x in range(1, L // 2 + 1) if L % (2 * x) == 0]
+            raise ConfigError(
+                f"dualpipev needs an even split of layers {L} into 2 × stages {p} = {2 * p} chunks (two per "
+                f"rank, no --layers-per-stage); use pipeline-parallel among {ok}, or another schedule"
+            )
         raise ConfigError(
             f"no schedule in {list(cfg.schedules or schedule_names(in_flight=True))} can serve p = {p} with at most "
-            f"m = B/(d·b_m) = {per_replica} micro-batches (1F1B, ZB-H1 and interleaved need m >= p); "
-            f"raise the global batch to at least {p * cfg.data_parallel} or use --schedule gpipe"
+            f"m = B/(d·b_m) = {per_replica} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
+            "m >= 2p); "
+            f"raise the global batch to at least "
+            f"{(2 if cfg.schedules == ('dualpipev',) else 1) * p * cfg.data_parallel} or use --schedule gpipe"
         )
     cands.sort(key=_sort_key)
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
@@ -299,7 +314,13 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
             f"m = {c.microbatches} < p = {p}: some stages never overlap; bubble {c.bubble_pct:.0f}%; "
             f"use b_m <= {max(1, B // (d * p))} so that m >= p"
         )
-    elif p > 1 and c.microbatches < 4 * p:
+    elif (
+        p > 1
+        and c.microbatches < 4 * p
+        # DualPipeV's idle does not grow as m shrinks (m >= 2p): lint it only when it idles more than
+        # 1F1B would at m = 4p
+        and (c.schedule != "dualpipev" or c.bubble_fraction > (p - 1) / (5 * p - 1))
+    ):
         per_replica = B // d
         better = [b for b in divisors(per_replica) if per_replica // b >= 4 * p]
         hint = ""

@@ -6,12 +6,15 @@ the peak FLOP/s and its bytes over the memory bandwidth, each derated by an effi
 its arithmetic intensity grows with rows = b_m·s until it passes the device's ridge point
 (peak / bandwidth) and the kernel turns compute-bound (seed 002: "intensity ≈ b_m·s·h/(h + b_m·s)").
 Attention's score matrix (without flash attention) and the elementwise ops (norms, residuals,
-activation functions, dropout) are memory traffic. Backward ≈ 2 × forward (two GEMMs per forward
-GEMM: input and weight gradients); recompute adds its forward again.
+activation functions, dropout) are memory traffic. A GEMM's backward is 2 × its forward (input and
+weight gradients); the memory-bound kernels' backward is counted by its own passes
+(:func:`score_passes`, :func:`elementwise_backward_ratio`); recompute adds its forward again. GPU
+GEMMs lose efficiency at short inner dimensions and few rows (:func:`k_efficiency`,
+:func:`row_efficiency`, measured on an H200 by ``bench/gpu_microbench.py``).
 
-**Communication** (ring collectives, Patarasuk & Yuan 2009; Megatron-LM's placement, Narayanan
-et al. 2021 §3): tensor-parallel all-reduces in every layer (two forward, two backward), pipeline
-point-to-point sends per micro-batch, the data-parallel gradient all-reduce once per optimizer
+**Communication** (:mod:`microbatch.predict.collectives`, re-exported here; ring collectives,
+Patarasuk & Yuan 2009; Megatron-LM's placement, Narayanan et al. 2021 §3): tensor-parallel
+all-reduces in every layer (two forward, two backward), pipeline point-to-point sends per micro-batch, the data-parallel gradient all-reduce once per optimizer
 step (partly hidden behind the last backward), and under ZeRO-3/FSDP the weight all-gathers and
 gradient reduce-scatter of every micro-step (hidden behind compute where it is shorter).
 Latency (α) terms are ignored: they matter only for messages far smaller than these.
@@ -29,6 +32,16 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
+from microbatch.predict.collectives import (
+    allgather_time_s,
+    allreduce_time_s,
+    group_bandwidth,
+    p2p_time_s,
+    pipeline_send_time_s,
+    ranks_per_node,
+    reduce_scatter_time_s,
+    sp_regather_time_s,
+)
 
 __all__ = [
     "RooflineEfficiency",
@@ -38,13 +51,20 @@ __all__ = [
     "arithmetic_intensity",
     "gemm_time_s",
     "wave_efficiency",
+    "k_efficiency",
+    "row_efficiency",
+    "score_passes",
+    "sp_regather_time_s",
+    "elementwise_backward_ratio",
     "layer_forward",
     "logits_forward",
     "allreduce_time_s",
     "allgather_time_s",
     "reduce_scatter_time_s",
     "p2p_time_s",
+    "pipeline_send_time_s",
     "group_bandwidth",
+    "ranks_per_node",
     "model_flops_per_step",
     "hardware_flops_per_step",
     "layer_forward_flops",
@@ -77,6 +97,24 @@ class RooflineEfficiency:
     quantisation."""
     tile_cols: int = 128
     """GEMM output tile width."""
+    tile_overhead_s: float = 2.73e-6
+    """Fixed seconds per GEMM output tile besides its k-loop (operand prologue, epilogue store): a GEMM
+    with a short inner dimension k spends a larger share of each tile there, efficiency k/(k + k₀)
+    with k₀ = this × per-SM FLOP/s / (2·T_r·T_c) (:func:`k_efficiency`). Measured by
+    ``bench/gpu_microbench.py`` on an H200 (``bench/results/h200-2026-11-30b/run1/microbench.json``):
+    fitting gemm_max·waves·k/(k + k₀)·rows/(rows + R) to its 41 GEMMs (the development set's 32 layer
+    GEMMs at 2,048 rows, k 768–25,600; a square 8,192 GEMM; 8 rows 128–16,384) gives k₀ = 625 and
+    R = 140 at RMS error 8.4% (16.4% without k₀, 18.0% without R, 21.8% with neither: the row-parallel
+    projections with k = h/t reach 0.45–0.70 of peak where the others reach 0.65–0.80); k₀ = 625 is
+    625 × 2·128·128 / (989.4 TFLOP/s / 132 SMs) = 2.73 µs. As a time it carries to other GPUs: on an
+    A100 (2.89 TFLOP/s per SM) k₀ = 241. 0 disables the term."""
+    ramp_rows: float = 140.0
+    """Rows at which a GPU GEMM reaches half its large-GEMM efficiency (:func:`row_efficiency`):
+    R = 140 from the same H200 fit as ``tile_overhead_s`` (its row ramp at k 4,096, n 16,384: 0.35 of
+    peak at 128 rows, 0.66 at 2,048, 0.69 at 8,192). Carried to other GPUs as a count of rows (cuBLAS
+    picks smaller, less efficient tiles for few rows on every GPU): an assumption, not a measurement
+    there. Applies only to accelerators with compute units (GPUs); ``half_rows`` is the ramp a
+    calibration fits on top. 0 disables the term."""
 
     def __post_init__(self) -> None:
         for name in ("gemm_max", "memory", "network"):
@@ -87,6 +125,9 @@ class RooflineEfficiency:
             raise ConfigError(
                 "efficiency tile_rows and tile_cols must be >= 0 (0 disables tile quantisation)"
             )
+        for name in ("tile_overhead_s", "ramp_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"efficiency {name} must be >= 0, got {getattr(self, name)!r}")
         if self.half_rows < 0:
             raise ConfigError(f"efficiency half_rows must be >= 0, got {self.half_rows!r}")
 
@@ -130,6 +171,38 @@ def wave_efficiency(
     return rows * n / (waves * units * tile_rows * tile_cols)
 
 
+def k_efficiency(
+    k: float, acc: Accelerator, dtype: str = "bf16", efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
+) -> float:
+    """Share of a GEMM tile's time spent in its k-loop: k / (k + k₀), k₀ = τ·(peak/SMs) / (2·T_r·T_c).
+
+    Each output tile of T_r × T_c runs k/T_k steps of 2·T_r·T_c·T_k FLOPs at the SM's rate plus a fixed
+    τ = ``efficiency.tile_overhead_s`` (loading the first operand slices, storing the tile). k₀ is τ in
+    units of the k-loop: the inner dimension whose loop takes as long as the overhead. 1 when the
+    accelerator's SM count is unknown or τ = 0.
+    """
+    units = acc.compute_units
+    if not units or not efficiency.tile_overhead_s or not efficiency.tile_rows or not efficiency.tile_cols:
+        return 1.0
+    k0 = (
+        efficiency.tile_overhead_s
+        * acc.flops(dtype)
+        / units
+        / (2.0 * efficiency.tile_rows * efficiency.tile_cols)
+    )
+    return k / (k + k0)
+
+
+def row_efficiency(
+    rows: float, acc: Accelerator, efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
+) -> float:
+    """rows / (rows + R), R = ``efficiency.ramp_rows``: the small-row ramp of GPU GEMMs (measured on an
+    H200, see the field); 1 on accelerators without compute units (CPUs) or with R = 0."""
+    if not acc.compute_units or not efficiency.ramp_rows:
+        return 1.0
+    return rows / (rows + efficiency.ramp_rows)
+
+
 def gemm_time_s(
     rows: float,
     k: float,
@@ -139,9 +212,15 @@ def gemm_time_s(
     dtype: str = "bf16",
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
 ) -> float:
-    """max(FLOPs / (peak·eff·wave eff), bytes / (bandwidth·eff)): the roofline time of one GEMM."""
+    """max(FLOPs / (peak·eff·wave eff·k eff), bytes / (bandwidth·eff)): the roofline time of one GEMM.
+
+    eff = ``efficiency.gemm(rows)`` (the large-GEMM ceiling and a calibrated ramp), wave eff =
+    :func:`wave_efficiency` × :func:`k_efficiency` (the fixed cost of each output tile) ×
+    :func:`row_efficiency` (the measured small-row ramp).
+    """
     e = 4 if dtype == "fp32" else 2
     waves = wave_efficiency(rows, n, acc.compute_units, efficiency.tile_rows, efficiency.tile_cols)
+    waves *= k_efficiency(k, acc, dtype, efficiency) * row_efficiency(rows, acc, efficiency)
     compute = gemm_flops(rows, k, n) / (acc.flops(dtype) * efficiency.gemm(rows) * waves)
     memory = gemm_bytes(rows, k, n, e) / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
     return max(compute, memory)
@@ -162,6 +241,20 @@ class LayerTime:
     """Two tensor-parallel all-reduces (or all-gather + reduce-scatter with SP)."""
     flops: float
     """Model FLOPs of this forward on this GPU."""
+    attention_backward_s: float | None = None
+    """Backward of the attention core (None: 2 × ``attention_s``)."""
+    elementwise_backward_s: float | None = None
+    """Backward of the elementwise kernels (None: 2 × ``elementwise_s``)."""
+    sp_regather_s: float = 0.0
+    """With sequence parallelism, the backward's second all-gather of the two column-parallel GEMMs'
+    inputs (:func:`sp_regather_time_s`); not run under full recompute, which gathers them again anyway."""
+
+    @property
+    def backward_memory_s(self) -> float:
+        """Attention-core and elementwise backward seconds (input-gradient side, no GEMMs)."""
+        a = 2 * self.attention_s if self.attention_backward_s is None else self.attention_backward_s
+        e = 2 * self.elementwise_s if self.elementwise_backward_s is None else self.elementwise_backward_s
+        return a + e
 
     @property
     def compute_s(self) -> float:
@@ -170,6 +263,32 @@ class LayerTime:
     @property
     def total_s(self) -> float:
         return self.compute_s + self.tp_comm_s
+
+
+def score_passes(dropout: bool, backward: bool = False) -> float:
+    """Passes over the b·(a/t)·s² attention-score tensor without flash attention, in e-byte units.
+
+    Forward: QKᵀ writes the scores (1), the fused scale-mask-softmax reads and writes them (2), ·V
+    reads the probabilities (1): 4; dropout on the probabilities reads them, writes them and writes a
+    1-byte mask (1 + 1 + ½ at e = 2): 2.5 more. Backward: dP = dO·Vᵀ writes (1), dV = Pᵀ·dO reads P
+    (1), dropout's backward reads dP and the mask and writes (2.5), softmax's backward reads P and dP
+    and writes dS (3), dQ = dS·K and dK = dSᵀ·Q read dS (2): 7, or 9.5 with dropout. (Megatron-LM's
+    attention: FusedScaleMaskSoftmax then torch dropout, Korthikanti et al. 2022 §4.1 Fig. 4.)
+    """
+    if backward:
+        return 9.5 if dropout else 7.0
+    return 6.5 if dropout else 4.0
+
+
+def elementwise_backward_ratio() -> float:
+    """Backward / forward memory traffic of an elementwise kernel: 3/2.
+
+    y = f(x) reads x and writes y (2 passes); its backward reads the saved x (or y) and dy and writes
+    dx (3 passes). The same holds for LayerNorm (x, dy in; dx out; the γ/β reductions ride on the same
+    reads) and dropout (forward reads x, writes y and a ½-pass mask; backward reads dy and the mask,
+    writes dx). The GEMMs' backward is 2 × their forward (FLOPs), not this.
+    """
+    return 1.5
 
 
 def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_parallel: int = 1) -> float:
@@ -221,26 +340,33 @@ def layer_forward(
     flash = shape.flash_attention if flash_attention is None else flash_attention
     attn_flops = 4.0 * rows * s * h / t
     attn_bytes = e * rows * (2 * h + 2 * kvd) / t  # read Q, K, V; write O
+    attn_bwd_bytes = 2 * attn_bytes  # read Q, K, V, O, dO; write dQ, dK, dV (about twice)
     if not flash:
-        attn_bytes += 4 * e * a * s * rows / t  # write scores, softmax read/write, read for ·V
-    attention = max(
-        attn_flops / (acc.flops(dtype) * efficiency.gemm(rows)),
-        attn_bytes / bw,
-    )
+        drop = bool(shape.dropout)
+        attn_bytes += score_passes(drop) * e * a * s * rows / t
+        attn_bwd_bytes += score_passes(drop, backward=True) * e * a * s * rows / t
+    attn_rate = acc.flops(dtype) * efficiency.gemm(rows)
+    attention = max(attn_flops / attn_rate, attn_bytes / bw)
+    attention_bwd = max(2 * attn_flops / attn_rate, attn_bwd_bytes / bw)
     sp = t if sequence_parallel else 1
     passes_h = 10 + (4 if shape.dropout else 0)
     passes_f = 3 if shape.gated_mlp else 2
     elementwise = e * rows * (passes_h * h / sp + passes_f * f / t) / bw
-    tp_comm = 0.0
+    tp_comm = regather = 0.0
     if t > 1:
         bw_tp = group_bandwidth(acc, t, 1) * efficiency.network
         tp_comm = 2 * allreduce_time_s(e * rows * h, t, bw_tp)
+        if sequence_parallel:
+            regather = sp_regather_time_s(e * rows * h, t, bw_tp)
     return LayerTime(
         gemm_s=gemm,
         attention_s=attention,
         elementwise_s=elementwise,
         tp_comm_s=tp_comm,
         flops=layer_forward_flops(shape, rows, s, t),
+        attention_backward_s=attention_bwd,
+        elementwise_backward_s=elementwise_backward_ratio() * elementwise,
+        sp_regather_s=regather,
     )
 
 
@@ -265,38 +391,6 @@ def logits_forward(
     gemm = gemm_time_s(rows, shape.hidden, shape.vocab / t, acc, dtype=dtype, efficiency=efficiency)
     loss = 3 * 4 * rows * shape.vocab / t / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
     return gemm + loss, gemm_flops(rows, shape.hidden, shape.vocab / t)
-
-
-# -- communication -----------------------------------------------------------------------------------
-def allreduce_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
-    """Ring all-reduce: 2·(n−1)/n · bytes / bandwidth (Patarasuk & Yuan 2009); 0 for one rank."""
-    return 0.0 if ranks <= 1 else 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_s
-
-
-def allgather_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
-    """Ring all-gather of a ``nbytes`` result: (n−1)/n · bytes / bandwidth."""
-    return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / bytes_per_s
-
-
-def reduce_scatter_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
-    """Ring reduce-scatter of a ``nbytes`` input: (n−1)/n · bytes / bandwidth."""
-    return allgather_time_s(nbytes, ranks, bytes_per_s)
-
-
-def p2p_time_s(nbytes: float, bytes_per_s: float) -> float:
-    """One point-to-point send: bytes / bandwidth."""
-    return nbytes / bytes_per_s
-
-
-def group_bandwidth(acc: Accelerator, size: int, stride: int) -> float:
-    """Per-GPU bandwidth of a process group of ``size`` ranks ``stride`` apart.
-
-    Megatron orders ranks tensor-fastest, then data, then pipeline: the group stays inside one node
-    (NVLink/xGMI) when size × stride ≤ GPUs per node, else it crosses the network.
-    """
-    if size * stride <= acc.gpus_per_node:
-        return acc.intra_node_bytes_per_s
-    return acc.inter_node_bytes_per_s
 
 
 # -- FLOPs per step -------------------------------------------------------------------------------------

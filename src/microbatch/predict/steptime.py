@@ -4,13 +4,15 @@ From the roofline forward time of a layer (:func:`~microbatch.predict.roofline.l
 and of the output layer and loss (:func:`~microbatch.predict.roofline.logits_forward`):
 
 - forward F = L·layer + logits (+ the pipeline send);
-- backward ≈ 2 × forward (two GEMMs per forward GEMM), split as ZB-H1 needs it (Qi et al. 2024):
-  weight gradients W = L·gemm + logits (one GEMM per forward GEMM), input gradients
-  I = L·(2·compute − gemm + tp_comm) + logits (+ the send), so that I + W = 2·compute + 2·logits per
-  layer and output layer; full recompute adds the layer's forward to I, selective recompute the
-  attention core.
+- backward, split as ZB-H1 needs it (Qi et al. 2024): weight gradients W = L·gemm + logits (one
+  GEMM per forward GEMM), input gradients I = L·(gemm + attention backward + elementwise backward +
+  tp_comm [+ the sequence-parallel re-gather]) + logits (+ the send). The GEMMs' backward is 2 × their
+  forward FLOPs; the memory-bound parts are counted by their own traffic
+  (:func:`~microbatch.predict.roofline.score_passes`,
+  :func:`~microbatch.predict.roofline.elementwise_backward_ratio`), not as 2 × forward. Full recompute
+  adds the layer's forward to I, selective recompute the attention core.
 
-A single device (no pipeline) runs T = F + I + W = L·(3·compute + 2·tp_comm) [+ L·forward with full
+A single device (no pipeline) runs T = F + I + W = L·(forward + I + W) [+ L·forward with full
 recompute] + 3·logits per micro-step: the planner (:mod:`microbatch.predict.candidate`) and the
 calibration (:mod:`microbatch.predict.calibrate`) both use this rule. Ignores the embedding lookup
 and launch gaps (a calibrated ``half_rows`` absorbs constant overheads).
@@ -54,17 +56,20 @@ class StageTime:
 def layer_pass_times(lt: LayerTime, recompute: str = "none") -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one layer for one micro-batch.
 
-    W = the GEMMs again (one weight-gradient GEMM per forward GEMM); I = 2·compute − W + tp_comm
-    (input-gradient GEMMs, attention and elementwise backward, the backward all-reduces); full
-    recompute adds the forward to I, selective recompute the attention core.
+    W = the GEMMs again (one weight-gradient GEMM per forward GEMM); I = gemm + attention and
+    elementwise backward (``LayerTime.backward_memory_s``) + tp_comm (the backward all-reduces) + the
+    sequence-parallel re-gather; full recompute adds the forward to I (its forward gathers again, so no
+    re-gather), selective recompute the attention core.
     """
     forward = lt.total_s
     weight = lt.gemm_s
-    inputs = 2 * lt.compute_s - weight + lt.tp_comm_s
+    inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s
     if recompute == "full":
         inputs += forward
-    elif recompute == "selective":
-        inputs += lt.attention_s
+    else:
+        inputs += lt.sp_regather_s
+        if recompute == "selective":
+            inputs += lt.attention_s
     return forward, inputs, weight
 
 
@@ -96,16 +101,22 @@ def pipeline_stage_times(
     p2p_s: float = 0.0,
     recompute: str = "none",
     last_has_logits: bool = True,
+    virtual: int = 1,
 ) -> tuple[list[float], list[float], list[float]]:
     """(F, I, W) of every stage of a pipeline whose stages hold ``split`` layers: :func:`stage_time`
-    for each, the output layer and loss on the last. The planner's hot loop: one pass, lists out."""
+    for each, the output layer and loss on the last. The planner's hot loop: one pass, lists out.
+
+    ``virtual`` = v chunks per rank (interleaved 1F1B): a micro-batch crosses v chunk boundaries on
+    each rank, so F and I carry v sends of ``p2p_s`` (Narayanan et al. 2021 §2.2.2: interleaving
+    multiplies the pipeline communication by v)."""
     f, i, w = layer_pass_times(lt, recompute)
     last = len(split) - 1
+    sends = p2p_s * max(1, virtual)
     fs, is_, ws = [], [], []
     for s, n in enumerate(split):
         extra = logits_s if s == last and last_has_logits else 0.0
-        fs.append(n * f + extra + p2p_s)
-        is_.append(n * i + extra + p2p_s)
+        fs.append(n * f + extra + sends)
+        is_.append(n * i + extra + sends)
         ws.append(n * w + extra)
     return fs, is_, ws
 

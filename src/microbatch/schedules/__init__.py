@@ -8,7 +8,8 @@ Layer 2 (above the core). Pure Python: no torch at module level, so calculators 
 - :mod:`~microbatch.schedules.generators` — the built-in action orders;
 - :mod:`~microbatch.schedules.rules` — their servability checks and in-flight rules;
 - :mod:`~microbatch.schedules.validate` — the dependency and deadlock check;
-- :mod:`~microbatch.schedules.simulate` — the event simulation and the bubble closed forms.
+- :mod:`~microbatch.schedules.simulate` — the event simulation (re-exporting the closed forms);
+- :mod:`~microbatch.schedules.closed_forms` — the bubble's closed forms, each with its source and rule.
 """
 
 __all__: list[str] = []

@@ -1,0 +1,111 @@
+"""Collectives and point-to-point sends: seconds of moving bytes between GPUs, at achievable bandwidth.
+
+Ring collectives (Patarasuk & Yuan 2009) at the bus bandwidth a process group reaches
+(:func:`group_bandwidth`: NVLink inside a node, one NIC per rank of the group in each node across
+nodes, each at the fraction NCCL reaches on that link, ``Accelerator.intra_node_achievable`` /
+``inter_node_achievable``); Megatron-LM's pipeline hand-off (scatter/gather, Narayanan et al. 2021
+§4.1) and the sequence-parallel backward re-gather (Korthikanti et al. 2022 §4.2.2). Latency (α)
+terms are ignored: they matter only for messages far smaller than a layer's activations.
+
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from microbatch.hardware import Accelerator
+
+__all__ = [
+    "allreduce_time_s",
+    "allgather_time_s",
+    "reduce_scatter_time_s",
+    "p2p_time_s",
+    "pipeline_send_time_s",
+    "sp_regather_time_s",
+    "group_bandwidth",
+    "ranks_per_node",
+]
+
+
+def allreduce_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring all-reduce: 2·(n−1)/n · bytes / bandwidth (Patarasuk & Yuan 2009); 0 for one rank."""
+    return 0.0 if ranks <= 1 else 2.0 * (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+def allgather_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring all-gather of a ``nbytes`` result: (n−1)/n · bytes / bandwidth."""
+    return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / bytes_per_s
+
+
+def reduce_scatter_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Ring reduce-scatter of a ``nbytes`` input: (n−1)/n · bytes / bandwidth."""
+    return allgather_time_s(nbytes, ranks, bytes_per_s)
+
+
+def p2p_time_s(nbytes: float, bytes_per_s: float) -> float:
+    """One point-to-point send: bytes / bandwidth."""
+    return nbytes / bytes_per_s
+
+
+def pipeline_send_time_s(
+    nbytes: float,
+    acc: Accelerator,
+    *,
+    tensor_parallel: int,
+    pipeline_stride: int,
+    network: float = 1.0,
+) -> float:
+    """One pipeline hand-off of a ``nbytes`` (b·s·h·e) activation between stages, Megatron's way.
+
+    Scatter/gather (Narayanan et al. 2021 §4.1): each of the t tensor ranks sends its 1/t slice over
+    the pipeline link (the stages ``pipeline_stride`` ranks apart: another node when t·d ≥ G), then the
+    receiving stage all-gathers the slices over NVLink: nbytes/t / bw_pp + (t−1)/t · nbytes / bw_tp.
+    Both at the achievable bandwidth (:func:`group_bandwidth`) times ``network``. Blocking in the
+    Megatron-LM of 2021–22 (send and receive are waited on before the next pass), so not overlapped.
+    With interleaving each micro-batch crosses v chunk boundaries per rank, so v of these per pass.
+    """
+    t = max(1, tensor_parallel)
+    bw_pp = group_bandwidth(acc, 2, pipeline_stride) * network
+    send = p2p_time_s(nbytes / t, bw_pp)
+    if t == 1:
+        return send
+    return send + allgather_time_s(nbytes, t, group_bandwidth(acc, t, 1) * network)
+
+
+def group_bandwidth(acc: Accelerator, size: int, stride: int) -> float:
+    """Achievable per-GPU bandwidth of a process group of ``size`` ranks ``stride`` apart.
+
+    Megatron orders ranks tensor-fastest, then data, then pipeline: the group stays inside one node
+    (NVLink/xGMI) when size × stride ≤ GPUs per node, else it crosses the network. The link's figure
+    times the fraction collectives reach on it (``Accelerator.intra_node_achievable`` /
+    ``inter_node_achievable``: NCCL's protocol overhead).
+    """
+    intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable
+    if size * stride <= acc.gpus_per_node:
+        return intra
+    return min(
+        intra, acc.inter_node_bytes_per_s * acc.inter_node_achievable * ranks_per_node(acc, size, stride)
+    )
+
+
+def ranks_per_node(acc: Accelerator, size: int, stride: int) -> int:
+    """Ranks of a group of ``size`` ranks ``stride`` apart that share one node: ⌊G/stride⌋, in [1, size].
+
+    A collective over such a group runs one ring per channel, each channel leaving the node through a
+    different NIC (NCCL's rings, one NIC per GPU in DGX/HGX nodes): with k ranks per node every ring
+    carries 1/k of the data across the k NICs of those ranks, so the per-GPU bus bandwidth is k × one
+    NIC's (bounded by NVLink). With one rank per node (stride ≥ G, as for tensor × data strides of a
+    pipeline, or t = 8 for data parallelism) it is one NIC's.
+    """
+    return max(1, min(size, acc.gpus_per_node // max(1, stride)))
+
+
+def sp_regather_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
+    """Two all-gathers of a ``nbytes`` (rows × h) tensor in each layer's backward under sequence parallelism.
+
+    Sequence parallelism keeps only the 1/t shard of the LayerNorm outputs that feed the QKV and the
+    first MLP GEMM; their weight gradients need the whole tensor, so the backward all-gathers it again
+    (Korthikanti et al. 2022 §4.2.2; Megatron-LM ``LinearWithGradAccumulationAndAsyncCommunication``).
+    Counted as exposed, as calculon's validation of the same runs does (``seq_par_ag_redo`` with no
+    tensor-parallel overlap, calculon-ai/calculon validation/seqsel/tab5). 2·(t−1)/t·bytes/bandwidth.
+    """
+    return 2.0 * allgather_time_s(nbytes, ranks, bytes_per_s)

@@ -1,0 +1,251 @@
+"""The planner's per-plan caches: everything a candidate's prediction needs that does not depend on it.
+
+:func:`make_context` builds a :class:`Context` for one :class:`~microbatch.predict.plan_config.PlanConfig`
+(layer split, parameters per stage in loop and V placement, bytes per parameter, the constants of the
+tokens/s and MFU); :func:`layer_costs` and :func:`activations` fill its caches per b_m. The evaluation
+of one candidate is :mod:`microbatch.predict.candidate`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from microbatch.precision import get_precision
+from microbatch.predict.activations import (
+    embedding_activation_bytes,
+    layer_activation_bytes,
+    output_activation_bytes,
+)
+from microbatch.predict.memory import split_layers, stage_params
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.roofline import (
+    LayerTime,
+    group_bandwidth,
+    layer_forward,
+    logits_forward,
+    p2p_time_s,
+)
+from microbatch.predict.state import bytes_per_param
+
+__all__ = [
+    "Activations",
+    "Context",
+    "InFlight",
+    "LayerCosts",
+    "StageTimes",
+    "activations",
+    "layer_costs",
+    "make_context",
+]
+
+
+class LayerCosts(NamedTuple):
+    """Per-micro-batch costs at one b_m that do not depend on the candidate's other choices."""
+
+    layer: LayerTime
+    """One layer's forward, by part."""
+    logits_s: float
+    """The output layer and loss, forward."""
+    p2p_s: float
+    """One pipeline send of a micro-batch's activations (0 without a pipeline)."""
+    gemm_efficiency: float
+    """Achieved fraction of peak FLOP/s of one layer's forward."""
+
+
+class Activations(NamedTuple):
+    """Activation bytes of one micro-batch at one b_m and recompute mode."""
+
+    per_layer: float
+    """One transformer layer's stashed activations."""
+    working: float
+    """The working set of the layer being recomputed (full recompute), else 0."""
+    embedding: float
+    """The embedding's (first stage)."""
+    output: float
+    """The output layer's and the loss's (the stage holding the head)."""
+
+
+@dataclass
+class Context:
+    """Per-plan caches: everything that does not depend on the candidate."""
+
+    cfg: PlanConfig
+    """The plan's configuration."""
+    split: tuple[int, ...]
+    """Layers per stage."""
+    probe: tuple[int, ...]
+    """Stages whose peak can be the maximum."""
+    params: dict[int, float]
+    """Parameters per GPU of each probed stage."""
+    act_kw: dict[str, Any]
+    """seq, tensor_parallel, sequence_parallel for the activation formulas."""
+    dtype: str
+    """Compute dtype of the precision (``bf16``, ``fp16``, ``fp32``)."""
+    e: int
+    """Bytes per activation element (the compute dtype's)."""
+    state_bpp: tuple[int, int, int]
+    """Weight, gradient and optimizer-state bytes per parameter."""
+    max_params: float = 0.0
+    """The most parameters on one GPU over the stages."""
+    params_v: dict[int, float] = field(default_factory=dict)
+    """Parameters per GPU of each probed rank under a V placement (DualPipeV): the embedding and the output
+    layer both on rank 0, no second copy of a tied embedding (:func:`microbatch.predict.memory.estimate_memory`)."""
+    max_params_v: float = 0.0
+    """The most parameters on one GPU under a V placement."""
+    tokens_per_step: float = 0.0
+    """B_global · s."""
+    num_gpus: int = 1
+    """d·p·t."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one GPU in the compute dtype."""
+    budget: float = 0.0
+    """Bytes a candidate may use (:attr:`PlanConfig.memory_budget_bytes`)."""
+    split_runs: tuple[tuple[int, int], ...] = ()
+    """The stages before the last as runs of equal layer counts: (layers, stages)."""
+    bw_dp: float = 0.0
+    """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
+    bw_pp: float = 0.0
+    """Achieved bytes/s between pipeline stages."""
+    layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
+    act_cache: dict[tuple[int, str], Activations] = field(default_factory=dict)
+    time_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
+    vtime_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
+    flight_cache: dict[tuple[str, int, int], InFlight] = field(default_factory=dict)
+    state_cache: dict[tuple[int, bool], tuple[tuple[tuple[float, float, float], ...], float]] = field(
+        default_factory=dict
+    )
+    comm_cache: dict[tuple[int, int, str, int, bool], tuple[float, float, float]] = field(
+        default_factory=dict
+    )
+
+
+def make_context(cfg: PlanConfig) -> Context:
+    """The caches for planning ``cfg``."""
+    p, t = cfg.pipeline_parallel, cfg.tensor_parallel
+    split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
+    if cfg.layers_per_stage is None:
+        # Within a run of equal stages the in-flight count falls with i, so the peak is at the first
+        # stage of each run or at the last stage (output layer).
+        probe = sorted({0, p - 1} | {i for i in range(1, p) if split[i] != split[i - 1]})
+    else:
+        probe = list(range(p))
+    # parameters of the probed stages only: every stage of a run of equal stages holds as many as the
+    # run's first (the embedding is on stage 0, the output layer on p − 1, both probed), so the maximum
+    # over the probed stages is the maximum over all
+    params = {i: stage_params(cfg.shape, i, p, split[i], t) for i in probe}
+    shape = cfg.shape
+    lp, emb, head = shape.layer_params(), shape.embedding_params(), shape.output_params()
+    params_v = {  # as estimate_memory writes it for a V placement (the output layer on rank 0)
+        i: (split[i] * lp + emb * (i == 0) + (head if i == 0 else 0)) / t for i in probe
+    }
+    prec = get_precision(cfg.precision)
+    runs: list[list[int]] = []
+    for n in split[:-1]:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    d, net = cfg.data_parallel, cfg.efficiency.network
+    return Context(
+        cfg=cfg,
+        split=split,
+        probe=tuple(probe),
+        params=params,
+        max_params=max(params.values()),
+        params_v=params_v,
+        max_params_v=max(params_v.values()),
+        act_kw=dict(seq=cfg.seq, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
+        dtype=prec.compute_dtype,
+        e=prec.weight_bytes,  # activations are kept in the compute dtype
+        state_bpp=bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer),
+        tokens_per_step=cfg.global_batch * cfg.seq_len,
+        num_gpus=cfg.num_gpus,
+        peak_flops=cfg.gpu.flops(prec.compute_dtype),
+        budget=cfg.memory_budget_bytes,
+        split_runs=tuple((n, c) for n, c in runs),
+        bw_dp=group_bandwidth(cfg.gpu, d, t) * net,
+        bw_pp=group_bandwidth(cfg.gpu, p, t * d) * net,
+    )
+
+
+def layer_costs(ctx: Context, b: int) -> LayerCosts:
+    """Per-micro-batch costs at b_m = b: layer forward, logits, p2p send, GEMM efficiency."""
+    hit = ctx.layer_cache.get(b)
+    if hit is None:
+        cfg = ctx.cfg
+        lt = layer_forward(
+            cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
+            sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
+            dtype=ctx.dtype, efficiency=cfg.efficiency,
+        )  # fmt: skip
+        logit_s, _ = logits_forward(
+            cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel, dtype=ctx.dtype,
+            efficiency=cfg.efficiency,
+        )  # fmt: skip
+        t, p = cfg.tensor_parallel, cfg.pipeline_parallel
+        p2p = 0.0
+        if p > 1:
+            # Megatron's scatter/gather: each tensor rank sends 1/t of the activation (Narayanan 2021 §4.1)
+            nbytes = ctx.e * b * cfg.seq_len * cfg.shape.hidden / t
+            p2p = p2p_time_s(nbytes, ctx.bw_pp)
+        flops_rate = lt.flops / lt.compute_s / cfg.gpu.flops(ctx.dtype) if lt.compute_s else 0.0
+        hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
+        ctx.layer_cache[b] = hit
+    return hit
+
+
+def activations(ctx: Context, b: int, rc: str) -> Activations:
+    """Activation bytes at b_m = b under recompute ``rc``: per layer, the recompute working set, the
+    embedding's and the output layer's (cached per (b, rc))."""
+    key = (b, rc)
+    hit = ctx.act_cache.get(key)
+    if hit is None:
+        cfg = ctx.cfg
+        per_layer = layer_activation_bytes(
+            cfg.shape, b, recompute=rc, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e, **ctx.act_kw
+        )
+        working = 0.0
+        if rc == "full":
+            working = layer_activation_bytes(
+                cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
+                **ctx.act_kw,
+            )  # fmt: skip
+        emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
+        out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
+        hit = Activations(per_layer=per_layer, working=working, embedding=emb, output=out)
+        ctx.act_cache[key] = hit
+    return hit
+
+
+class InFlight(NamedTuple):
+    """What a schedule's (m, v) fixes for the memory of the probed stages."""
+
+    v_placement: bool
+    """The schedule places its chunks in a V (DualPipeV): the output layer on rank 0, :attr:`Context.params_v`."""
+    rows: tuple[tuple[int, float, int, bool, bool], ...]
+    """Per probed stage: (layers, layer-micro-batches per stage layer in flight, micro-batches in flight,
+    holds the embedding, holds the output layer)."""
+
+
+class StageTimes(NamedTuple):
+    """Seconds per micro-batch by stage (F, I, W lists) and the bottleneck stage k's."""
+
+    f: list[float]
+    """Forward per stage (per virtual stage for a V placement)."""
+    i: list[float]
+    """Input gradients per stage (idem)."""
+    w: list[float]
+    """Weight gradients per stage (idem)."""
+    k: int
+    """The bottleneck stage (rank): the largest F + I + W."""
+    Tk: float
+    """Its F + I + W."""
+    sumT: float
+    """Σ F + I + W over the stages (ranks)."""
+    fk: float
+    """Its F (both chunks of a V rank)."""
+    ik: float
+    """Its I."""
+    wk: float
+    """Its W."""

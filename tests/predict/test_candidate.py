@@ -1,0 +1,106 @@
+"""One planner candidate: the fast paths of the evaluation give the numbers of the plain computation.
+
+The planner's hot loop caches per (b_m, recompute), per (schedule, m, v), per ZeRO stage, computes the
+step-time rule once per distinct stage and fills the Candidate's dictionary at once (bench/bench_plan.py,
+issue 17's ≥ 50,000 candidates/s). These tests hold each shortcut to the plain computation, value for
+value: a shortcut that changed a number fails here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.candidate import (
+    Candidate,
+    _fast_candidate,
+    _stage_times,
+    _v_stage_times,
+    evaluate,
+    layer_costs,
+    make_context,
+)
+from microbatch.predict.plan import PlanConfig, _schedule_options
+from microbatch.predict.roofline import model_flops_per_step
+from microbatch.predict.steptime import pipeline_stage_times
+
+A100 = get_accelerator("a100-80gb")
+CONFIGS = [
+    dict(shape=get_model("gpt2"), global_batch=48, pipeline_parallel=3, data_parallel=2),
+    dict(shape=get_model("gpt2"), global_batch=64, pipeline_parallel=4, layers_per_stage=(2, 3, 3, 4)),
+    dict(
+        shape=get_model("llama-2-7b"), global_batch=64, pipeline_parallel=5, tensor_parallel=2
+    ),  # 32 = 6+6+6+7+7
+    dict(shape=get_model("llama-2-7b"), global_batch=32, data_parallel=4),
+]
+
+
+def _keys(cfg: PlanConfig) -> list[tuple[int, int, str, int, str, int]]:
+    per = cfg.global_batch // cfg.data_parallel
+    out = []
+    for b in (b for b in range(1, per + 1) if per % b == 0):
+        for sched, v in _schedule_options(cfg, per // b):
+            for rc in ("none", "selective", "full"):
+                for z in (0, 1, 2, 3) if cfg.data_parallel > 1 else (0,):
+                    out.append((b, per // b, sched, v, rc, z))
+    return out
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=["gpt2-p3-d2", "gpt2-uneven", "7b-p5-t2", "7b-d4"])
+def test_shared_caches_give_each_candidate_what_a_fresh_context_gives(kw):
+    """Every candidate evaluated in a shared context, in a shuffled order, equals the same candidate
+    evaluated alone in a fresh context: no cache key misses a choice the numbers depend on."""
+    cfg = PlanConfig(gpu=A100, simulate_top=0, **kw)
+    mf = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
+    keys = _keys(cfg)
+    assert len({k[2] for k in keys}) >= (1 if cfg.pipeline_parallel == 1 else 3)
+    random.Random(17).shuffle(keys)
+    shared = make_context(cfg)
+    for key in keys:
+        got = evaluate(shared, *key, mf)
+        assert got == evaluate(make_context(cfg), *key, mf), key
+
+
+@pytest.mark.parametrize("kw", CONFIGS[:3], ids=["gpt2-p3-d2", "gpt2-uneven", "7b-p5-t2"])
+def test_stage_times_equal_the_step_time_rule_on_every_stage(kw):
+    """The rule is run once per distinct stage and spread: the lists equal the rule on the full split
+    (this fails if the rule gains a term that depends on a stage's position)."""
+    cfg = PlanConfig(gpu=A100, **kw)
+    ctx = make_context(cfg)
+    for b in (1, 2):
+        for rc in ("none", "selective", "full"):
+            costs = layer_costs(ctx, b)
+            f, i, w = pipeline_stage_times(costs.layer, costs.logits_s, split=ctx.split, p2p_s=costs.p2p_s,
+                                           recompute=rc)  # fmt: skip
+            tm = _stage_times(ctx, b, rc)
+            assert (tm.f, tm.i, tm.w) == (f, i, w)
+            T = [a + b_ + c for a, b_, c in zip(f, i, w, strict=True)]
+            assert (tm.Tk, tm.sumT, tm.fk, tm.ik, tm.wk) == (max(T), sum(T), f[tm.k], i[tm.k], w[tm.k])
+            assert T.index(max(T)) == tm.k
+
+
+def test_v_stage_times_split_each_rank_in_two_chunks_with_the_head_on_rank_0():
+    cfg = PlanConfig(gpu=A100, shape=get_model("gpt2"), global_batch=48, pipeline_parallel=3)
+    ctx = make_context(cfg)
+    costs = layer_costs(ctx, 2)
+    f, i, w = pipeline_stage_times(costs.layer, costs.logits_s, split=(2,) * 6, p2p_s=costs.p2p_s)
+    tm = _v_stage_times(ctx, 2, "none")
+    assert (tm.f, tm.i, tm.w) == (f, i, w)  # per virtual stage, the output layer on stage 5
+    assert tm.k == 0 and tm.fk == f[0] + f[5] and tm.ik == i[0] + i[5] and tm.wk == w[0] + w[5]
+    assert tm.Tk == pytest.approx(sum(f[s] + i[s] + w[s] for s in (0, 5)))
+
+
+def test_fast_candidate_is_the_dataclass():
+    cfg = PlanConfig(gpu=A100, shape=get_model("gpt2"), global_batch=48, pipeline_parallel=3, data_parallel=2)
+    ctx = make_context(cfg)
+    c = evaluate(ctx, 2, 12, "1f1b", 1, "selective", 2, 1e15)
+    plain = Candidate(**c.to_dict())
+    assert c == plain and type(c) is Candidate and c.__dict__ == plain.__dict__
+    assert replace(c, zero=3).zero == 3 and Candidate.from_dict(c.to_dict()) == c
+    assert _fast_candidate(c.to_dict()) == plain
+    with pytest.raises(AttributeError):
+        c.zero = 1  # type: ignore[misc]  # still frozen
