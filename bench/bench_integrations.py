@@ -8,10 +8,13 @@ For Lightning (``KneeBatchSize`` vs ``BatchSizeFinder(mode="power", max_trials=.
    training step starts (``on_train_start``; the first real call; the return), by the wall clock;
 2. **the answer** (b_m, and g where the tool sets one);
 3. **memory and throughput at the answer**, measured the same way for every tool in another fresh
-   child: the built-in GPT at b_m, 2 warm-up then 5 timed training steps (forward, backward, AdamW),
-   the peak RSS (VmHWM) above the RSS before the first step; then samples/s of every answer
-   measured alternately in one more child (3 rounds × 5 steps each, median), so that the drift of
-   a shared machine falls on all of them alike.
+   child, as training at the answer runs: each optimizer step is g micro-batches of b_m (forward,
+   backward) then one AdamW step, so B_global samples per step for every tool (an answer b_m × g is
+   not timed as b_m samples per optimizer step: that would charge it g optimizer steps per global
+   batch). Peak RSS (VmHWM) above the RSS before the first step, over 2 warm-up and 5 timed steps;
+   then samples/s of every answer measured alternately in one more child (5 rounds × 3 timed steps
+   each, median), so that the drift of a shared machine falls on all of them alike, by the wall
+   clock and by the process's CPU time (one thread: not stretched by other jobs' load).
 
 On a CPU nothing runs out of memory, so the peers' finders answer with the largest size they try
 (Lightning: 2^(max_trials−1) capped by the data; Accelerate and Hugging Face: the starting size,
@@ -61,8 +64,20 @@ def _rss_hwm() -> tuple[int, int]:
     return rss, hwm
 
 
-def measure_at(b: int) -> dict:
-    """Samples/s and peak RSS above the start, of training steps at b_m = b (the same for every tool)."""
+def _train_steps(torch, model, opt, data, loss_of, b: int, g: int, start: int):
+    """One optimizer step as training at the answer runs it: ``g`` micro-batches of ``b`` samples
+    (forward, backward), then one AdamW step; ``start`` is the first sample's index."""
+    for j in range(g):
+        i = (start + j * b) % (N_DATA - b)
+        x = data[i : i + b]
+        loss_of(model(x), x).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def measure_at(b: int, g: int) -> dict:
+    """Samples/s and peak RSS above the start of optimizer steps at the answer b_m × g (the same for
+    every tool): 2 warm-up then 5 timed steps, each ``g`` micro-batches of ``b`` and one AdamW step."""
     torch, shape, data, build_model, loss_of = _setup()
     model = build_model(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -70,35 +85,46 @@ def measure_at(b: int) -> dict:
     base, _ = _rss_hwm()
     times = []
     for i in range(7):
-        x = data[(i * b) % (N_DATA - b) :][:b]
         t0 = time.perf_counter()
-        loss_of(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_steps(torch, model, opt, data, loss_of, b, g, i * b * g)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     _, hwm = _rss_hwm()
-    return {"samples_per_s": b / statistics.median(times), "peak_above_start_bytes": hwm - base}
+    return {"samples_per_s": b * g / statistics.median(times), "peak_above_start_bytes": hwm - base}
 
 
-def paired_throughput(sizes: list[int], rounds: int = 3) -> dict[int, float]:
-    """Samples/s at each size, measured alternately in one process (``rounds`` × 5 steps each, median):
-    a shared machine's speed drifts over a minute, and sizes measured together share the drift."""
+def paired_throughput(answers: list[tuple[int, int]], rounds: int = 5) -> dict[str, dict[str, float]]:
+    """Samples/s at each answer (b_m, g), measured alternately in one process: ``rounds`` rounds, each
+    1 warm-up and 3 timed optimizer steps (g micro-batches of b_m and one AdamW step) per answer; the
+    median of all. A shared machine's speed drifts over a minute: answers measured in turn share it.
+    Two clocks: the wall clock, and the process's CPU time (one thread: the time the work takes when
+    it has the core, which other jobs' load does not stretch; cache sharing still does)."""
     torch, shape, data, build_model, loss_of = _setup()
     model = build_model(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times: dict[int, list[float]] = {b: [] for b in sizes}
+    wall: dict[tuple[int, int], list[float]] = {a: [] for a in answers}
+    cpu: dict[tuple[int, int], list[float]] = {a: [] for a in answers}
     for _round in range(rounds):
-        for b in sizes:
-            for i in range(6):
-                x = data[(i * b) % (N_DATA - b) :][:b]
-                t0 = time.perf_counter()
-                loss_of(model(x), x).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        for b, g in answers:
+            for i in range(4):
+                t0, c0 = time.perf_counter(), time.process_time()
+                _train_steps(torch, model, opt, data, loss_of, b, g, i * b * g)
                 if i >= 1:
-                    times[b].append(time.perf_counter() - t0)
-    return {b: b / statistics.median(t) for b, t in times.items()}
+                    wall[(b, g)].append((time.perf_counter() - t0) / (b * g))
+                    cpu[(b, g)].append((time.process_time() - c0) / (b * g))
+    return {
+        f"{b}x{g}": {
+            "wall": 1.0 / statistics.median(wall[(b, g)]),
+            "cpu": 1.0 / statistics.median(cpu[(b, g)]),
+        }
+        for b, g in answers
+    }
+
+
+def _curve(result) -> list[list]:
+    """The tune's curve: [b_m, samples/s] per point (None when out of memory; a point measured again
+    to confirm the knee holds its median measurement), then [None, the number of probes]."""
+    return [[p.micro_batch, p.samples_per_s] for p in result.points] + [[None, result.probes]]
 
 
 def lightning(which: str, global_batch: int, cap: int) -> dict:
@@ -143,7 +169,7 @@ def lightning(which: str, global_batch: int, cap: int) -> dict:
     out = {"time_to_answer_s": clock.t - t0, "micro_batch": module.batch_size,
            "grad_accum": trainer.accumulate_grad_batches}  # fmt: skip
     if which == "ours":
-        out["probes"] = [p.micro_batch for p in finder.result.points]
+        out["probes"] = _curve(finder.result)
     return out
 
 
@@ -177,7 +203,7 @@ def accelerate_(which: str, global_batch: int, cap: int) -> dict:
         f = knee_batch_size(body, global_batch=global_batch, max_micro_batch=cap, use_cache=False)
         f()
         return {"time_to_answer_s": seen["t"] - t0, "micro_batch": seen["b"], "grad_accum": seen["g"],
-                "probes": [p.micro_batch for p in f.result.points]}  # fmt: skip
+                "probes": _curve(f.result)}  # fmt: skip
 
     @find_executable_batch_size(starting_batch_size=cap)
     def peer(batch_size):
@@ -207,7 +233,7 @@ def hf(which: str, global_batch: int, cap: int) -> dict:
         from microbatch.integrations.hf import tune_trainer
 
         res = tune_trainer(trainer, global_batch, max_micro_batch=cap, use_cache=False)
-        extra = {"probes": [p.micro_batch for p in res.points]}
+        extra = {"probes": _curve(res)}
     else:
         extra = {}  # auto_find_batch_size acts only on out-of-memory inside train(): on a CPU it keeps b0
     return {"time_to_answer_s": time.perf_counter() - t0, "micro_batch": trainer.args.per_device_train_batch_size,
@@ -238,14 +264,15 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--only", choices=sorted(RUNS))
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--measure", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--pair", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.measure:
-        print(json.dumps(measure_at(a.measure)))
+        b, g = map(int, a.measure.split("x"))
+        print(json.dumps(measure_at(b, g)))
         return
     if a.pair:
-        print(json.dumps(paired_throughput([int(x) for x in a.pair.split(",")])))
+        print(json.dumps(paired_throughput([tuple(map(int, x.split("x"))) for x in a.pair.split(",")])))
         return
     if a.one:
         print(json.dumps(RUNS[a.one[0]](a.one[1], a.global_batch, a.max)))
@@ -254,17 +281,18 @@ def main() -> None:
     for fw in [a.only] if a.only else list(RUNS):
         for which in ("ours", "peer"):
             r = _child(["--one", fw, which, "--global-batch", str(a.global_batch), "--max", str(a.max)])
-            b = r["micro_batch"]
-            if b not in measured:
-                measured[b] = _child(["--measure", str(b)])
-            rows.append({"framework": fw, "tool": which, **r, **measured[b]})
-    paired = {int(k): v for k, v in _child(["--pair", ",".join(map(str, sorted(measured)))]).items()}
+            answer = f"{r['micro_batch']}x{r['grad_accum'] or 1}"  # what training at the answer runs
+            if answer not in measured:
+                measured[answer] = _child(["--measure", answer])
+            rows.append({"framework": fw, "tool": which, "answer": answer, **r, **measured[answer]})
+    paired = _child(["--pair", ",".join(sorted(measured))])
     for r in rows:
         r["samples_per_s_single"] = r["samples_per_s"]
-        r["samples_per_s"] = paired[r["micro_batch"]]
+        r["samples_per_s"] = paired[r["answer"]]["wall"]
+        r["samples_per_cpu_s"] = paired[r["answer"]]["cpu"]
     load = os.getloadavg()[0]
     print(f"{'framework':<11}{'tool':<6}{'answer s':>9}{'b_m':>5}{'g':>5}{'samples/s':>11}{'peak MiB':>10}"
-          f"{'mem vs peer':>12}{'thr vs peer':>12}")  # fmt: skip
+          f"{'mem vs peer':>12}{'thr vs peer':>12}{'(cpu time)':>11}")  # fmt: skip
     for r in rows:
         peer = next(p for p in rows if p["framework"] == r["framework"] and p["tool"] == "peer")
         mem = (
@@ -273,9 +301,14 @@ def main() -> None:
             else float("nan")
         )
         thr = r["samples_per_s"] / peer["samples_per_s"]
+        thr_cpu = r["samples_per_cpu_s"] / peer["samples_per_cpu_s"]
         print(f"{r['framework']:<11}{r['tool']:<6}{r['time_to_answer_s']:>9.2f}{r['micro_batch']:>5}"
               f"{str(r['grad_accum']):>5}{r['samples_per_s']:>11.1f}{r['peak_above_start_bytes'] / 2**20:>10.1f}"
-              f"{mem:>12.2f}{thr:>12.2f}")  # fmt: skip
+              f"{mem:>12.2f}{thr:>12.2f}{thr_cpu:>11.2f}")  # fmt: skip
+    for r in rows:
+        if r.get("probes"):
+            curve = " ".join(f"{b}:{t:.0f}" if t else f"{b}:oom" for b, t in r["probes"] if b is not None)
+            print(f"{r['framework']} ours, samples/s as probed: {curve} ({r['probes'][-1][1]} probes)")
     print(
         f"load average (1 min) at the end: {load:.2f}; cores: {os.cpu_count()}; model tiny, seq {SEQ}, 1 thread"
     )

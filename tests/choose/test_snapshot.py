@@ -129,3 +129,58 @@ def test_leave_no_trace_restores_after_a_raise_inside():
         random.random()
         raise RuntimeError("boom")
     _assert_same(before, _state(model, opt))
+
+
+def _switches(model):
+    """Every sub-module's checkpointing switches, as the instance holds them (absent ones left out)."""
+    names = ("checkpointing", "gradient_checkpointing", "_gradient_checkpointing_func")
+    return [{n: m.__dict__[n] for n in names if n in m.__dict__} for m in model.modules()]
+
+
+@pytest.mark.parametrize("setting", ["on", "auto"])
+def test_a_tune_with_checkpointing_leaves_the_models_switch_as_it_was(setting):
+    from microbatch.measure.gpt import build_model
+    from microbatch.model import get_model
+
+    shape = get_model("tiny", seq=16)
+    model = build_model(shape)
+    before = _switches(model)
+    tokens = torch.randint(0, shape.vocab, (8, 16), generator=torch.Generator().manual_seed(0))
+    # "auto" turns checkpointing on where plain steps run out of memory: b_m = 4 here (an injected OOM)
+    oom_at = None if setting == "on" else 4
+
+    def make_batch(b):
+        if oom_at is not None and b >= oom_at and not model.checkpointing:
+            raise torch.OutOfMemoryError(f"injected at {b}")
+        return tokens[:b]
+
+    result = tune(model, make_batch, timing=FAST, max_micro_batch=8, use_cache=False, checkpointing=setting,
+                  memory_budget_bytes=2**40)  # fmt: skip
+    assert any(p.checkpointing and not p.oom for p in result.points)  # it did probe with checkpointing on
+    assert model.checkpointing is False and _switches(model) == before
+
+
+def test_a_tune_leaves_a_hugging_face_models_checkpointing_as_it_was():
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    for on_before in (False, True):
+        if on_before:  # 5.x: activation_checkpointing_enable; 4.x: gradient_checkpointing_enable
+            kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+            getattr(model, f"{kind}_checkpointing_enable")(
+                **{f"{kind}_checkpointing_kwargs": {"use_reentrant": False}}
+            )
+        before = _switches(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore", FutureWarning
+            )  # 5.x: gradient_checkpointing_* are deprecated aliases
+            result = tune(model, lambda b: {"input_ids": ids[:b], "labels": ids[:b]}, timing=FAST,
+                          max_micro_batch=2, use_cache=False, checkpointing="on", memory_budget_bytes=2**40)  # fmt: skip
+        assert all(p.checkpointing for p in result.points)
+        # the flags and the function attribute enable() sets (and disable() would leave behind)
+        assert _switches(model) == before
+        assert any(s.get("gradient_checkpointing") for s in before) == on_before

@@ -57,7 +57,11 @@ def test_probes_then_trains_at_the_knee_with_global_batch_exact():
     )
     assert b * g * 1 == B
     probes = [c for c in calls if c[2]]
-    assert [c[0] for c in probes] == [p.micro_batch for p in result.points]
+    searched = [p.micro_batch for p in result.points]
+    assert [c[0] for c in probes][: len(searched)] == searched and len(probes) == result.probes
+    assert set(c[0] for c in probes[len(searched) :]) <= set(
+        searched
+    )  # the knee confirmed: points re-measured
     assert all(gg == B // bb for bb, gg, _, _ in probes)  # each probe ran at the g of its b_m
     assert calls[-1] == (b, g, False, "mine")  # then one real call with (b_m, g)
     assert seen == [b] * (2 * g) and updates == 2

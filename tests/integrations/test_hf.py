@@ -82,3 +82,53 @@ def test_checkpointing_setting_reads_either_name():
 
     assert checkpointing_setting(V4()) and checkpointing_setting(V5())
     assert not checkpointing_setting(object())
+
+
+def _switches(model):
+    names = ("gradient_checkpointing", "_gradient_checkpointing_func")
+    return [{n: m.__dict__[n] for n in names if n in m.__dict__} for m in model.modules()]
+
+
+def test_checkpointing_in_the_arguments_is_probed_then_the_model_is_left_as_it_was(tmp_path):
+    import warnings
+
+    name = "activation_checkpointing" if hasattr(transformers.TrainingArguments, "activation_checkpointing") else (
+        "gradient_checkpointing")  # fmt: skip  # 5.x / 4.x
+    trainer = _trainer(tmp_path, **{name: True})
+    model = trainer.model
+    before = _switches(model)
+    assert not any(s.get("gradient_checkpointing") for s in before)
+    seen: list[bool] = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a: seen.append(any(getattr(x, "gradient_checkpointing", False) for x in m.modules()))
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "error", FutureWarning
+        )  # the installed version's own method, not a deprecated alias
+        tune_trainer(trainer, timing=FAST, max_micro_batch=4, use_cache=False)
+    hook.remove()
+    assert seen and all(seen)  # every probe ran the step train() will run: with checkpointing
+    assert _switches(model) == before  # flags back, and no _gradient_checkpointing_func left behind
+    trainer.train()  # the Trainer turns it on itself
+    assert trainer.state.global_step == 2 and any(s.get("gradient_checkpointing") for s in _switches(model))
+
+
+def test_the_hf_export_builds_training_arguments_on_the_installed_version(tmp_path):
+    import warnings
+
+    from microbatch.show.export import export_plan
+
+    cand = {"micro_batch": 4, "grad_accum": 8, "data_parallel": 1, "global_batch": 32, "precision": "fp32",
+            "recompute": "full", "pipeline_parallel": 1, "tensor_parallel": 1, "zero": 0}  # fmt: skip
+    ex = export_plan(cand, "hf")
+    major = int(transformers.__version__.split(".")[0])
+    key = "activation_checkpointing" if major >= 5 else "gradient_checkpointing"
+    assert ex.config[key] is True and any(f"transformers {transformers.__version__}" in n for n in ex.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated name on the installed version
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", **ex.config
+        )
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8)
+    assert checkpointing_setting(args) is True

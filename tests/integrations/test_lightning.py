@@ -192,3 +192,44 @@ def test_ddp_two_gloo_ranks_agree_on_one_micro_batch(tmp_path):
     assert r0["b"] * r0["g"] * 2 == B and r0["acc"] == r0["g"] and r0["bs"] == r0["b"]
     assert r0["seen"] == [r0["b"]] * (2 * r0["g"]) == r1["seen"]
     assert max(r0["points"]) <= B // 2
+
+
+class GPT(L.LightningModule):
+    """The built-in GPT on token ids, with its ``checkpointing`` switch on the module (where
+    ``set_checkpointing`` finds it)."""
+
+    def __init__(self):
+        super().__init__()
+        from microbatch.measure.gpt import build_model, next_token_loss
+        from microbatch.model import get_model
+
+        shape = get_model("tiny", seq=16)
+        self.gpt, self.loss_of = build_model(shape), next_token_loss
+        self.batch_size = 1
+        self.data = torch.randint(0, shape.vocab, (256, 16), generator=torch.Generator().manual_seed(0))
+        self.checkpointing = False
+        self.checkpointed: list[bool] = []
+
+    def training_step(self, batch, i):
+        self.gpt.checkpointing = self.checkpointing
+        self.checkpointed.append(self.checkpointing)
+        return self.loss_of(self.gpt(batch), batch)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_probing_with_checkpointing_on_leaves_the_switch_off_for_training():
+    module = GPT()
+    knee = KneeBatchSize(4, timing=FAST, max_micro_batch=2, use_cache=False, checkpointing="on")
+    trainer = _trainer(knee)
+    trainer.fit(module)
+    probes = len(module.checkpointed) - 2 * knee.grad_accum  # then fit's 2 steps of g micro-batches
+    # every probe ran with checkpointing on (the first step, which makes AdamW's state, is not a probe)
+    assert probes > 1 and all(module.checkpointed[1:probes])
+    assert all(p.checkpointing for p in knee.result.points)
+    assert module.checkpointing is False  # put back as found
+    assert not any(module.checkpointed[probes:])  # and training ran without it, as the user set

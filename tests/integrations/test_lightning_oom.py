@@ -239,3 +239,39 @@ def test_refused_up_front():
         SplitOnOOM(reduction="max")
     with pytest.raises(ConfigError, match="grow_after must be a whole number"):
         SplitOnOOM(grow_after=0)
+
+
+class EmptyFirstPiece(MaskedNet):
+    """The first 4 rows of every batch are masked out: after the split to 4 rows the first piece has no items
+    (a stand-in zero, not run); the step also returns a tensor that carries its graph."""
+
+    def training_step(self, batch):
+        self.forwards += 1
+        err = (self.net(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+        return {"loss": (err * batch["mask"]).sum() / batch["mask"].sum(), "err": {"rows": [err]}}
+
+    def on_train_batch_end(self, outputs, batch, i):
+        super().on_train_batch_end(outputs, batch, i)
+        self.seen = (
+            outputs["loss"].dtype,
+            outputs["err"]["rows"][0].grad_fn,
+            outputs["err"]["rows"][0].shape,
+        )
+
+    def train_dataloader(self):
+        mask = (torch.arange(64) % 16 >= 4).double() * (1 + (torch.arange(64) % 3 == 0).double())
+        data = [{"x": x, "y": y, "mask": m} for x, y, m in zip(self.x, self.y, mask, strict=True)]
+        return DataLoader(data, batch_size=ROWS)
+
+
+def test_a_piece_without_items_gives_the_models_dtype_and_extra_outputs_are_detached():
+    ref = fit(EmptyFirstPiece(), agb=2)
+    cb = SplitOnOOM(count_fn=lambda b: b["mask"].sum())
+    run = fit(EmptyFirstPiece(), callback=cb, limit=AllocationLimit(FITS), agb=2)
+    assert cb.controller.micro_batch_size == 4 and run.forwards == 3 * 2 * 3 + 2  # the empty piece never runs
+    for (name, a), b in zip(ref.named_parameters(), run.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10), name
+    assert close(ref.losses, run.losses) and close(ref.norms, run.norms)
+    # fp64 as the model's own loss (the stand-in zero of the first piece is not float32), and the last
+    # piece's extra output without its graph (Lightning's own step keeps it attached: the graph is ours)
+    assert run.seen == (torch.float64, None, (4,)) and ref.seen[0] == torch.float64

@@ -113,11 +113,20 @@ def test_failure_part_way_through_the_step():
     widths = [int(mb["attention_mask"].sum(1).max()) for mb in microbatch.run.accumulate.split(batch, 4)]
     budget = logits_budget(4, 6)
     assert [logits_budget(4, w) <= budget for w in widths] == [True, True, False]
-    ref, _ = full_batch_grad(batch)
+    ref, ref_loss = full_batch_grad(batch)
     model = make_model()
-    with AllocationLimit(budget):
-        accumulate(model, batch, loss_fn, micro_batch_size=4, on_oom="split")
+    pieces = []
+
+    def counting(m, mb):
+        pieces.append(int(mb["input_ids"].shape[0]))
+        return loss_fn(m, mb)
+
+    with AllocationLimit(budget) as limit:
+        loss = accumulate(model, batch, counting, micro_batch_size=4, on_oom="split")
+    # the third piece of 4 failed after two had added to .grad; the step was redone in pieces of 2
+    assert limit.failures == 1 and pieces == [4, 4, 4] + [2] * 6
     assert rel(flat(model), ref) < 1e-10
+    assert abs(float(loss) - ref_loss) < 1e-10 * abs(ref_loss)
 
 
 def test_the_uneven_token_case_is_not_trivial():

@@ -14,7 +14,12 @@ What is kept, and restored bitwise (``torch.equal``):
   device and dtype they had) and its ``param_groups`` settings (lr, betas, ...);
 - the random number generators: torch's CPU generator, every CUDA device's generator (when CUDA
   is initialised), Python's ``random`` and NumPy's global generator (when NumPy is imported);
-- ``training`` of every sub-module.
+- ``training`` of every sub-module;
+- the activation checkpointing switches of every sub-module (:data:`CHECKPOINTING_ATTRS`): a tune
+  with ``checkpointing="on"`` or ``"auto"``, or an integration that turns the framework's setting on
+  to probe, leaves the model as it found it — the flags back to their values and attributes that
+  were not there before removed (Hugging Face's ``gradient_checkpointing_disable`` would leave
+  ``_gradient_checkpointing_func`` behind).
 
 **Cost.** The copies live in host memory, never on the device: parameters + buffers + gradients
 + optimizer state (about 4× the parameters' bytes for fp32 AdamW after its first step: weights,
@@ -36,7 +41,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StateSnapshot", "leave_no_trace", "gc_frozen", "save_rng", "restore_rng"]
+__all__ = [
+    "CHECKPOINTING_ATTRS",
+    "StateSnapshot",
+    "leave_no_trace",
+    "gc_frozen",
+    "save_rng",
+    "restore_rng",
+    "save_flags",
+    "restore_flags",
+]
+
+CHECKPOINTING_ATTRS = ("checkpointing", "gradient_checkpointing", "_gradient_checkpointing_func")
+"""The sub-module attributes that switch activation checkpointing: the built-in GPT's
+``checkpointing`` (:func:`microbatch.measure.probes.set_checkpointing`); Hugging Face's per-module
+``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``, which
+``gradient_checkpointing_enable`` (4.x) and ``activation_checkpointing_enable`` (5.x) set."""
+
+_ABSENT = object()
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -68,6 +90,8 @@ class StateSnapshot:
     """(module, its ``training`` flag)."""
     rng: dict[str, Any] = field(default_factory=dict)
     """The random generators' states."""
+    flags: list[tuple[Any, str, Any]] = field(default_factory=list)
+    """(module, attribute, its value or absent): the checkpointing switches (:func:`save_flags`)."""
 
     @classmethod
     def take(cls, model: Any, optimizer: Any = None) -> StateSnapshot:
@@ -98,6 +122,7 @@ class StateSnapshot:
                     for grp in optimizer.param_groups
                 ]
         snap.training = [(m, m.training) for m in model.modules()]
+        snap.flags = save_flags(model)
         snap.rng = save_rng()
         return snap
 
@@ -140,7 +165,23 @@ class StateSnapshot:
                     grp.update(kept)
         for m, flag in self.training:
             m.training = flag
+        restore_flags(self.flags)
         restore_rng(self.rng)
+
+
+def save_flags(model: Any) -> list[tuple[Any, str, Any]]:
+    """The activation checkpointing switches of every sub-module of ``model`` (:data:`CHECKPOINTING_ATTRS`):
+    (module, attribute, value), with a marker for an attribute the module's instance does not have."""
+    return [(m, name, m.__dict__.get(name, _ABSENT)) for m in model.modules() for name in CHECKPOINTING_ATTRS]
+
+
+def restore_flags(saved: list[tuple[Any, str, Any]]) -> None:
+    """Put back the switches :func:`save_flags` returned: values reset, attributes added since deleted."""
+    for m, name, value in saved:
+        if value is _ABSENT:
+            m.__dict__.pop(name, None)
+        else:
+            m.__dict__[name] = value
 
 
 def save_rng() -> dict[str, Any]:

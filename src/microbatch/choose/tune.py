@@ -28,6 +28,7 @@ from microbatch.choose.config import (
     apply_options,
     check_options_used,
 )
+from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
 from microbatch.choose.probing import (
     Prober,
@@ -118,6 +119,11 @@ def _run(
 
     try:
         points = search(measure, search_config, choice, known=known, on_point=on_point, log=log)
+        if log.probes and not log.interrupted:  # a flat curve's knee, measured again (a cached run: kept)
+            points = confirm_knee(measure, points, choice, log)
+            if use_cache:  # a repeated tune reads the confirmed (median) points
+                known.update({(p.micro_batch, p.checkpointing): p for p in points})
+                save_points(key, fields, known)
     finally:
         prober.close()
     rec = recommend([curve_point(p) for p in points], choice)
@@ -305,7 +311,8 @@ def tune(
     ``torch.device``.
 
     **No trace**: the model's parameters, buffers and gradients, the optimizer's state, the random
-    generators and ``model.training`` are restored bitwise when ``tune`` returns or raises
+    generators, ``model.training`` and the activation checkpointing switches are restored bitwise when
+    ``tune`` returns or raises
     (:mod:`microbatch.choose.snapshot`; the copies are kept in host memory).
 
     Peak memory: CUDA allocator statistics on a GPU; on the CPU the process's peak RSS, reset

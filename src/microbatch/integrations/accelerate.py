@@ -51,6 +51,7 @@ from microbatch.choose.config import (
     apply_options,
     check_options_used,
 )
+from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
 from microbatch.choose.result import TuneResult
 from microbatch.choose.search import SearchLog, curve_point, search
@@ -159,6 +160,8 @@ def knee_batch_size(
         log = SearchLog()
         with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
             points = search(measure, s, c, log=log)
+            if not log.interrupted:
+                points = confirm_knee(measure, points, c, log)  # a flat curve's knee, measured again
         rec = recommend([curve_point(p) for p in points], c)
         result = TuneResult(
             points=points, recommendation=rec, model=getattr(function, "__qualname__", "function"), seq=None,

@@ -13,8 +13,12 @@ model and the optimizer bitwise (:mod:`microbatch.choose.snapshot`); then sets
 already give). ``trainer.train()`` then runs at the knee.
 
 Tested on transformers 5.x (``activation_checkpointing``, with ``gradient_checkpointing`` its
-deprecated alias) and written for 4.4x–4.5x too (``gradient_checkpointing``): the setting is read
-under whichever name the installed version has. Refused before any probe: no ``train_dataset``,
+deprecated alias) and on 4.45, 4.49 and 4.57 (``gradient_checkpointing``; ``bench/check_transformers4.sh``):
+the setting is read, and turned on for the probes, under whichever name the installed version has,
+and the model's checkpointing switches are put back exactly afterwards
+(:func:`microbatch.choose.snapshot.save_flags`). Before 4.46 ``compute_loss`` takes no
+``num_items_in_batch`` and the Trainer has no ``model_accepts_loss_kwargs``: :func:`split_on_oom`
+then scales as the 4.45 step does (the mean loss over ``gradient_accumulation_steps``). Refused before any probe: no ``train_dataset``,
 an iterable dataset, DeepSpeed or FSDP enabled (they shard the state the probes must restore),
 DataParallel over several GPUs in one process (use ``torchrun``), a global batch the world size
 does not divide.
@@ -36,6 +40,7 @@ import sys
 from typing import Any
 
 from microbatch.choose.result import TuneResult
+from microbatch.choose.snapshot import restore_flags, save_flags
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
@@ -57,6 +62,19 @@ def checkpointing_setting(args: Any) -> bool:
         if value is not None:
             return bool(value)
     return False
+
+
+def _checkpointing_on(model: Any, args: Any) -> None:
+    """Turn activation checkpointing on through the installed version's method, with the arguments'
+    kwargs (``use_reentrant=False`` when none are given): 5.x ``activation_checkpointing_enable(
+    activation_checkpointing_kwargs=...)``, 4.x ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)``
+    (a deprecated alias in 5.x, which warns)."""
+    for kind in ("activation", "gradient"):
+        enable = getattr(model, f"{kind}_checkpointing_enable", None)
+        if enable is not None:
+            kwargs = getattr(args, f"{kind}_checkpointing_kwargs", None) or {"use_reentrant": False}
+            enable(**{f"{kind}_checkpointing_kwargs": kwargs})
+            return
 
 
 def _check(trainer: Any) -> None:
@@ -126,7 +144,7 @@ def tune_trainer(
     created = trainer.optimizer is None
     if created:
         trainer.create_optimizer()
-    ckpt_before = bool(getattr(model, "is_gradient_checkpointing", False))
+    flags = save_flags(model)  # the checkpointing switches, put back exactly after the probes
     ckpt = checkpointing_setting(args)
     collate = _collator(trainer)
     data = _without_unused_columns(trainer, dataset)
@@ -142,19 +160,15 @@ def tune_trainer(
             return trainer.compute_loss(m, inputs)
 
     try:
-        if ckpt and not ckpt_before and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=getattr(args, "gradient_checkpointing_kwargs", None)
-                or {"use_reentrant": False}
-            )
+        if ckpt:
+            _checkpointing_on(model, args)  # train() will turn it on: probe the step it will run
         result = tune(
             model, make_batch, loss_fn=loss_fn, optimizer=trainer.optimizer, global_batch=global_batch,
             **options_with_cap(dict(options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance),
                                global_batch, world),
         )  # fmt: skip
     finally:
-        if ckpt and not ckpt_before and hasattr(model, "gradient_checkpointing_disable"):
-            model.gradient_checkpointing_disable()  # the Trainer turns it on itself in train()
+        restore_flags(flags)  # the Trainer turns checkpointing on itself in train()
         if created:
             trainer.optimizer = None  # train() builds its own, as it would have
     b, g = choice_of(result, global_batch, world)
@@ -186,7 +200,12 @@ def _check_split(trainer: Any) -> None:
 
 
 def split_on_oom(
-    trainer: Any, *, initial: int | None = None, knee: int | None = None, grow_after: int | None = None
+    trainer: Any,
+    *,
+    initial: int | None = None,
+    knee: int | None = None,
+    grow_after: int | None = None,
+    count_fn: Any = None,
 ) -> MicroBatchController:
     """Make ``trainer``'s training step survive out-of-memory by redoing it with smaller micro-batches.
 
@@ -195,23 +214,44 @@ def split_on_oom(
     :func:`~microbatch.run.accumulate.accumulate` over the Trainer's own ``compute_loss`` (under
     ``compute_loss_context_manager``), with the Trainer's scaling kept: when the loss is normalised by
     ``num_items_in_batch`` (the model takes loss kwargs, or ``compute_loss_func``) each piece's loss
-    is already its share of the step and the pieces add up; otherwise each piece's mean is weighted
-    by its rows — exact for a loss that is a mean over rows, the mean of the pieces' means for a
-    per-token mean without ``num_items_in_batch`` — and divided by ``gradient_accumulation_steps``.
+    is already its share of the step and the pieces add up; otherwise (a model that takes no loss
+    kwargs, transformers before 4.46) the loss is the model's mean over the piece, and each piece's
+    mean is weighted by its share of the items it averages over, then divided by
+    ``gradient_accumulation_steps``: ``count_fn(inputs) -> items`` when given; else, for per-token
+    labels, those not -100 (``shift_labels``; ``labels`` of an encoder-decoder; ``labels[..., 1:]``,
+    the shift of every Hugging Face causal LM, otherwise), and the rows for one label per row. A piece
+    without items is not run (its mean would be nan). Exact when that count is what the loss averages
+    over; when the Trainer does not confirm the shift (``_loss_shifts_labels``, 5.x, set from the
+    model's ``loss_type``) a split step warns once (``RuntimeWarning``): a custom loss may average over
+    other items; give ``count_fn`` to say which, e.g. ``lambda inputs: (inputs["labels"][..., 1:] != -100).sum()``.
     The returned loss is the one the unwrapped step returns. ``initial``: the starting size (default
     ``per_device_train_batch_size``); ``knee``, ``grow_after``: see
     :class:`~microbatch.run.controller.MicroBatchController`. Returns the controller, also set as
     ``trainer.microbatch_controller`` (its ``summary()`` is JSON-ready for logging). Calling it again
     replaces the controller and keeps a single wrapper.
+
+    A step, for the controller, is an optimizer step (``step_counter`` is the Trainer's
+    ``state.global_step``): its ``steps``, the events' ``step``, the log lines and the ``grow_after``
+    window count the steps the Trainer counts and logs, while each of the ``gradient_accumulation_steps``
+    calls per step is counted in ``calls``.
     """
     from microbatch.run.accumulate import accumulate
 
     _check_split(trainer)
+    if count_fn is not None and not callable(count_fn):
+        raise ConfigError(f"count_fn must be callable (inputs -> items), got {type(count_fn).__name__}")
     start = int(trainer.args.per_device_train_batch_size) if initial is None else initial
-    ctrl = MicroBatchController(start, knee=max(start, knee or start), grow_after=grow_after)
+    ctrl = MicroBatchController(
+        start,
+        knee=max(start, knee or start),
+        grow_after=grow_after,
+        step_counter=lambda: trainer.state.global_step,
+    )
     trainer.microbatch_controller = ctrl
+    trainer.microbatch_count_fn = count_fn
     if getattr(trainer.training_step, "_microbatch_split", False):
         return ctrl  # already wrapped: it reads trainer.microbatch_controller at every step
+    warned: list[bool] = []  # the inexact-count warning, once per wrapper
 
     def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         from microbatch.run.microbatches import batch_rows
@@ -221,26 +261,75 @@ def split_on_oom(
             trainer.optimizer.train()
         inputs = trainer._prepare_inputs(inputs)
         scaled = trainer.loss_is_scaled_for_ga if getattr(trainer, "loss_is_scaled_for_ga", None) is not None else (
-            (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None)
-            or trainer.compute_loss_func is not None
-        )  # fmt: skip  # the test transformers 5.x's training_step makes
+            (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+            or getattr(trainer, "compute_loss_func", None) is not None
+        )  # fmt: skip  # the test transformers 5.x's training_step makes (no such attributes before 4.46)
         rows = batch_rows(inputs)
-        ga = 1.0 if scaled else float(trainer.current_gradient_accumulation_steps)
+        # compute_loss takes num_items_in_batch from 4.46 on (the Trainer passes None before)
+        items = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+        ga = 1.0 if scaled else float(getattr(trainer, "current_gradient_accumulation_steps", None)
+                                      or trainer.args.gradient_accumulation_steps)  # fmt: skip  # < 4.50: args
 
-        def loss_fn(m: Any, mb: Any) -> tuple[Any, int]:
+        count, exact = (batch_rows, True) if scaled else _items_of(trainer, inputs)
+        if not float(count(inputs)) > 0:
+            count = batch_rows  # no items at all: every piece's mean is nan, as the unsplit step's
+        like = next(iter(model.parameters()))
+
+        def loss_fn(m: Any, mb: Any) -> tuple[Any, float]:
+            n = float(count(mb))  # a Python float: a tensor count would scale in float32
+            if not scaled and not n > 0:  # a mean over no items would be nan: it adds nothing
+                return like.new_zeros((), requires_grad=True), n
             with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(m, mb, num_items_in_batch=num_items_in_batch)
-            n = batch_rows(mb)
-            # accumulate divides Σ loss_sum by Σ n = rows: a share of the step times rows, or a mean times n
+                loss = trainer.compute_loss(m, mb, **items)
+            # accumulate divides Σ loss_sum by Σ n: a share of the step times rows, or a piece's mean times its items
             return (loss * rows if scaled else loss * (n / ga)), n
 
-        return accumulate(
-            model, inputs, loss_fn, count_fn=batch_rows, controller=trainer.microbatch_controller
-        )
+        ctrl = trainer.microbatch_controller
+        loss = accumulate(model, inputs, loss_fn, count_fn=count, controller=ctrl)
+        if not exact and ctrl.micro_batch_size < rows and not warned:
+            warned.append(True)
+            import warnings
+
+            warnings.warn(
+                "split_on_oom split a step whose loss is the model's per-token mean (not normalised by "
+                "num_items_in_batch); the pieces are weighted by their labels[..., 1:] != -100 (the shift of a "
+                "causal LM), exact only if the loss averages over those; say what it averages over: "
+                "split_on_oom(trainer, count_fn=lambda inputs: (inputs['labels'][..., 1:] != -100).sum())",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return loss
 
     training_step._microbatch_split = True  # type: ignore[attr-defined]
     trainer.training_step = training_step
     return ctrl
+
+
+def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
+    """``(count, known)``: what the Trainer's unscaled loss averages over per piece, and whether that is known.
+
+    ``shift_labels`` (given by the collator), or the Trainer's own ``_loss_shifts_labels`` (5.x; True for a
+    ``loss_type`` that maps to ``ForCausalLMLoss``), or an encoder-decoder (labels aligned, unshifted): known.
+    Otherwise per-token labels of a decoder-only model are counted after the shift every Hugging Face
+    causal LM makes (``labels[..., 1:]``), unknown for a custom loss: a split step warns once.
+    """
+    import torch
+
+    from microbatch.run.microbatches import batch_rows
+
+    user = getattr(trainer, "microbatch_count_fn", None)
+    if user is not None:
+        return user, True
+    if "shift_labels" in inputs:
+        return (lambda mb: mb["shift_labels"].ne(-100).sum()), True
+    labels = inputs.get("labels") if hasattr(inputs, "get") else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return batch_rows, True  # one label per row (or none): a mean over rows
+    if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
+        return (lambda mb: mb["labels"].ne(-100).sum()), True
+    return (lambda mb: mb["labels"][..., 1:].ne(-100).sum()), bool(
+        getattr(trainer, "_loss_shifts_labels", False)
+    )
 
 
 def _collator(trainer: Any) -> Any:

@@ -18,7 +18,7 @@ that loop, so from ``on_train_start`` to the end of fit :class:`SplitOnOOM` repl
    :class:`microbatch.errors.OutOfMemoryError`.
 2. keeps the batch's gradient aside, puts the earlier gradients back (the same tensors), and
    returns a detached leaf carrying the whole batch's loss value (a dict's other keys are the
-   last piece's). Its backward reaches no parameter: a hook on it receives
+   last piece's, detached; a piece without items is a zero of the parameters' dtype and device, not run). Its backward reaches no parameter: a hook on it receives
    ``∂(closure loss)/∂leaf`` — ``1/accumulate_grad_batches``, Lightning's own division — and adds
    the batch's gradient times that into ``.grad``, where backward would have put it: after the
    zero_grad, before ``on_after_backward``, clipping and the optimizer step.
@@ -227,6 +227,8 @@ class SplitOnOOM(CallbackBase):
         mean = self.reduction == "mean"
         extra: dict[str, Any] = {}
         dict_out = False
+        params = [p for p in module.parameters() if p.requires_grad]
+        like = params[0] if params else torch.zeros(())  # the stand-in zero loss's dtype and device
 
         def share(mb: Any) -> float:
             return float(count(mb)) / total
@@ -235,17 +237,17 @@ class SplitOnOOM(CallbackBase):
             nonlocal dict_out
             w = share(mb)
             if w == 0.0:  # no items: nothing to learn from it (a mean over none would be nan)
-                return torch.zeros((), requires_grad=True), 0.0
+                return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True), 0.0
+            extra.clear()  # a failed piece's outputs go before the next forward, not after it
             out = original(mb, *rest, **kwargs)
             loss = _loss_of(out)
             if isinstance(out, Mapping):
                 dict_out = True
-                extra.clear()
-                extra.update((k, v) for k, v in out.items() if k != "loss")
+                # detached, as Lightning keeps a step's extra outputs: no piece's graph outlives its backward
+                extra.update((k, _detached(v)) for k, v in out.items() if k != "loss")
             # accumulate returns Σ loss_sum / Σ w with Σ w = 1: the weighted mean, or the plain sum
             return (loss * w if mean else loss), w
 
-        params = [p for p in module.parameters() if p.requires_grad]
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -258,6 +260,19 @@ class SplitOnOOM(CallbackBase):
         leaf = value.detach().clone().requires_grad_(True)
         leaf.register_hook(_GradientAdder(params, grads))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         return {"loss": leaf, **extra} if dict_out else leaf
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor in it (through dicts, lists and tuples) detached from its graph."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, Mapping):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_detached(v) for v in value)
+    return value
 
 
 class _GradientAdder:

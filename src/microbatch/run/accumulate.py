@@ -17,7 +17,7 @@ step would have given. Under DDP the ranks agree on it in the step's one ``all_r
 
 The rooms around it: splitting (:mod:`microbatch.run.microbatches`), counting and scaling for
 hand-written loops (:mod:`microbatch.run.scaling`; both re-exported here), out-of-memory
-(:mod:`microbatch.run.oom`), the size across steps (:mod:`microbatch.run.controller`) and the
+(:mod:`microbatch.run.oom`), what the ranks agree on (:mod:`microbatch.run.agree`), the size across steps (:mod:`microbatch.run.controller`) and the
 noise-scale arithmetic (:mod:`microbatch.run.noise`, fed through ``noise=``).
 
 torch is imported here at module level; ``import microbatch`` stays light because this module
@@ -32,11 +32,13 @@ from typing import Any
 
 import torch
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.run import agree as ag
+from microbatch.run.agree import check_can_agree as _check_can_agree  # the name bench/bench_oom.py imports
 from microbatch.run.controller import MicroBatchController
 from microbatch.run.microbatches import Batch, batch_rows, split, split_by_tokens
 from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
-from microbatch.run.oom import free_memory, is_out_of_memory, one_row_error, short_error
+from microbatch.run.oom import free_memory, is_out_of_memory, one_row_error, set_aside_error, short_error
 from microbatch.run.scaling import (
     CountFn,
     as_number,
@@ -130,11 +132,15 @@ def accumulate(
     ``"split"`` redoes the step with micro-batches of half the size, down to one row (see
     :mod:`microbatch.run.oom` for what counts as out of memory); the gradient and the loss are those
     of the step without the error, and one row out of memory raises
-    :class:`microbatch.errors.OutOfMemoryError` with the gradients as they were. ``controller`` (a
+    :class:`microbatch.errors.OutOfMemoryError` with the gradients as they were (a
+    :class:`~microbatch.errors.MeasurementError`, not a ``torch.OutOfMemoryError``: catch it by that
+    type). So does an out-of-memory while setting aside the gradients present before the call: that
+    is not the micro-batch's size, so it is not split. ``controller`` (a
     :class:`~microbatch.run.controller.MicroBatchController`, in place of ``micro_batch_size``) keeps
     the size that worked from step to step and implies ``"split"``. Under DDP the ranks agree on a
     split in the step's one ``all_reduce`` and all redo the step at the same size; the gradients are
-    then all-reduced after the last backward instead of during it.
+    then all-reduced after the last backward instead of during it, and a parameter no rank has a
+    gradient for keeps ``.grad = None``, as under DDP's own reduction (:mod:`microbatch.run.agree`).
 
     ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
     the first micro-batch's gradient and the whole batch's, with no extra backward.
@@ -150,10 +156,11 @@ def accumulate(
         if on_oom not in (None, "split"):
             raise ConfigError(f"on_oom={on_oom!r} with a controller; a controller splits on out-of-memory")
         on_oom = "split"
-    elif micro_batch_size is None:
-        raise ConfigError(
-            "micro_batch_size must be a whole number >= 1, got None; give the rows per forward/backward (b_m), "
-            "or controller=MicroBatchController(initial=b_m)"
+    else:
+        check_positive_int(
+            "micro_batch_size",
+            micro_batch_size,
+            fix="give the rows per forward/backward (b_m), or controller=MicroBatchController(initial=b_m)",
         )
     on_oom = on_oom or "raise"
     if on_oom not in ON_OOM:
@@ -165,7 +172,7 @@ def accumulate(
         )
     if controller is None:
         assert micro_batch_size is not None
-        controller = MicroBatchController(micro_batch_size)  # this step only
+        controller = MicroBatchController(micro_batch_size, one_call=True)  # this call only
     rows = batch_rows(batch)
     if rows == 0:
         raise ConfigError("batch has 0 rows; give at least one row")
@@ -225,36 +232,10 @@ def _accumulate_splitting(
         del micro_batches
         free_memory(model_device(model))
         if ran <= 1:  # every rank is down to one row
-            raise one_row_error(controller.steps, reason or "out of memory")
+            raise one_row_error(controller.where(), reason or "out of memory")
         new = ran // 2 if same_size else max(1, mine // 2)
         if new < size:
             controller.record_split(new, reason or "out of memory")
-
-
-def _check_can_agree(model: Any) -> None:
-    """ConfigError unless every collective of the step is one :func:`_run` places (a rank may stop early).
-
-    DDP broadcasting buffers makes a collective in every forward; FSDP (``fully_shard`` or the older
-    wrapper) gathers parameters in every forward and backward. A rank out of memory skips those, and
-    the others would wait in them.
-    """
-    names = (
-        {c.__name__ for m in model.modules() for c in type(m).__mro__} if hasattr(model, "modules") else set()
-    )
-    if names & {"FSDPModule", "FullyShardedDataParallel"}:
-        raise ConfigError(
-            "on_oom='split' does not support FSDP: it makes collectives inside every forward and backward, so a "
-            "rank out of memory would leave the others waiting there; use on_oom='raise' with FSDP, or DDP"
-        )
-    if not is_ddp(model):
-        return
-    will_sync = getattr(model, "will_sync_module_buffers", None)
-    if callable(will_sync) and will_sync():
-        raise ConfigError(
-            "this DDP model broadcasts its buffers in every forward (a collective); with on_oom='split' a rank "
-            "that runs out of memory skips forwards and the others would wait there; wrap the model with "
-            "DistributedDataParallel(..., broadcast_buffers=False)"
-        )
 
 
 def accumulate_micro_batches(
@@ -290,7 +271,9 @@ def accumulate_micro_batches(
         def pieces(size: int) -> list[Batch]:
             return micro_batches if size >= rows else [p for mb in micro_batches for p in split(mb, size)]
 
-        controller = MicroBatchController(max(rows, 1))  # this call only: its log lines and the halving
+        controller = MicroBatchController(
+            max(rows, 1), one_call=True
+        )  # this call: its log lines, the halving
         return _accumulate_splitting(
             model, pieces, rows, loss_fn, count_fn, noise, controller, same_size=False
         )
@@ -313,11 +296,13 @@ def _run(
 
     ``agree=(size, rows run)`` (DDP, ``on_oom="split"``): every micro-batch runs under ``no_sync``; an
     out-of-memory here is caught and this rank goes on to the step's all_reduce with a flag, which
-    also carries the size of every rank (they must match; 0 when the micro-batches were given, which
-    differ by rank) and the most rows each ran; if any rank failed, every rank restores its gradients
-    and returns ``(None, reason, the ranks' mean of those rows rounded up)``; otherwise the
-    gradients are all-reduced after the last backward. Without ``agree`` any exception propagates
-    after the restore, and DDP all-reduces during the last backward as usual.
+    also carries what :mod:`microbatch.run.agree` lists (the sizes, which must match, 0 when the
+    micro-batches were given, which differ by rank; the most rows each ran; which parameters have a
+    gradient); if any rank failed, every rank restores its gradients and returns ``(None, reason,
+    the ranks' mean of those rows rounded up)``; otherwise the gradients are all-reduced after the
+    last backward. Without ``agree`` any exception propagates after the restore, and DDP all-reduces
+    during the last backward as usual. An out-of-memory while setting the old gradients aside raises
+    :func:`~microbatch.run.oom.set_aside_error` (on every rank, after the all_reduce, with ``agree``).
     """
     group, world = group_and_world(model)
     manual = agree is not None and world > 1
@@ -328,13 +313,29 @@ def _run(
         scale = loss_scale(counted) * average
 
     # Set the old gradients aside: keep a copy, zero in place (tensor identity kept, which DDP's
-    # gradient-as-bucket-view relies on). This call then accumulates only its own gradient.
-    saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
-    for p, s in zip(params, saved, strict=True):
-        if s is not None:
-            p.grad.zero_()
+    # gradient-as-bucket-view relies on). This call then accumulates only its own gradient. The copy
+    # is the step's first allocation: out of memory here is not the micro-batch's fault (no split),
+    # and with agree this rank still joins the all_reduce, so no other rank waits for it.
+    copy_failed: str | None = None
+    saved: list[torch.Tensor | None] = []
+    try:
+        saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is kept; anything else propagates
+        if not is_out_of_memory(e):
+            raise
+        copy_failed = short_error(e)  # the text only; nothing was changed yet
+    if copy_failed is not None:
+        free_memory(model_device(model))
+        if not manual:
+            raise set_aside_error(copy_failed)
+    else:
+        for p, s in zip(params, saved, strict=True):
+            if s is not None:
+                p.grad.zero_()
 
     def restore() -> None:
+        if copy_failed is not None:
+            return  # nothing was changed
         for p, s in zip(params, saved, strict=True):
             if s is not None and p.grad is not None:
                 p.grad.copy_(s)
@@ -348,7 +349,7 @@ def _run(
         small: tuple[float, float] | None = None  # (items, |g_small|²) of the first micro-batch, for noise
         last = len(micro_batches) - 1
         try:
-            for i, mb in enumerate(micro_batches):
+            for i, mb in enumerate(micro_batches if copy_failed is None else []):
                 with sync_unless_last(model, i == last and not manual):
                     loss_sum, n = _check_loss(loss_fn(model, mb), i)
                     # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
@@ -369,32 +370,44 @@ def _run(
             losses, counts, small = [], [], None
 
         # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
-        # carries the agreement (ranks out of memory, each rank's size, rows run) with on_oom="split".
+        # carries the agreement (microbatch.run.agree) with on_oom="split".
         loss_total, n_total = total_of(losses), total_of(counts)
         ran = 0
         if world > 1:
             dev = model_device(model)
             parts = [loss_total, n_total]
             if agree is not None:
-                parts += [1.0 if reason is not None else 0.0, float(agree[0]), float(agree[1])]
+                has_grad = [p.grad is not None for p in params]
+                parts += ag.agreement_parts(
+                    oom=reason is not None,
+                    copy_failed=copy_failed is not None,
+                    size=agree[0],
+                    rows=agree[1],
+                    has_grad=has_grad,
+                )
             sums = torch.stack(
                 [torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in parts]
             )
             torch.distributed.all_reduce(sums, group=group)
+            sums = sums.cpu()  # one copy to the host, not one per read
             loss_global, n_global = float(sums[0]), float(sums[1])
             if agree is not None:
-                if float(sums[3]) != agree[0] * world:
+                if not ag.sizes_agree(agree[0], world, float(sums[ag.SIZE]), float(sums[ag.SIZE_SQ])):
                     raise ConfigError(
                         f"ranks ran different micro-batch sizes (this rank {agree[0]}, mean "
-                        f"{float(sums[3]) / world:g}); give every rank the same micro_batch_size or controller"
+                        f"{float(sums[ag.SIZE]) / world:g}); give every rank the same micro_batch_size or controller"
                     )
-                if float(sums[2]) > 0:  # some rank ran out of memory: every rank redoes the step
+                if float(sums[ag.COPY_FAILED]) > 0:  # every rank raises: the sizes are not at fault
+                    raise set_aside_error(
+                        copy_failed or "on another rank", ranks=(int(sums[ag.COPY_FAILED]), world)
+                    )
+                if float(sums[ag.OOM]) > 0:  # some rank ran out of memory: every rank redoes the step
                     if reason is None:
                         restore()
-                        reason = f"out of memory on {int(sums[2])} of {world} ranks"
-                    ran = math.ceil(float(sums[4]) / world)  # the ranks' mean rows run, rounded up
+                        reason = f"out of memory on {int(sums[ag.OOM])} of {world} ranks"
+                    ran = math.ceil(float(sums[ag.ROWS]) / world)  # the ranks' mean rows run, rounded up
                     return None, reason, ran
-                _all_reduce_grads(params, group)
+                ag.all_reduce_grads(params, [float(f) > 0 for f in sums[ag.FLAGS :]], group)
         else:
             loss_global, n_global = to_float(loss_total), to_float(n_total)
         if count_fn is None:
@@ -421,19 +434,9 @@ def _run(
     for p, s in zip(params, saved, strict=True):
         if s is not None:
             p.grad.add_(s)
-    return torch.tensor(loss_global / n_global, dtype=losses[0].dtype, device=losses[0].device), None, 0
-
-
-def _all_reduce_grads(params: list[torch.Tensor], group: Any) -> None:
-    """SUM every parameter's gradient over the ranks, in place, in parameter order (zeros where unused)."""
-    works = []
-    for p in params:
-        if p.grad is None:  # unused on this rank: every rank must reduce the same tensors
-            p.grad = torch.zeros_like(p)
-        works.append(torch.distributed.all_reduce(p.grad, group=group, async_op=True))
-    for w in works:
-        if w is not None:
-            w.wait()
+    # The loss's dtype and device: a micro-batch with items (an empty one may return a stand-in zero).
+    like = next((x for x, n in zip(losses, counts, strict=True) if to_float(n) > 0), losses[0])
+    return torch.tensor(loss_global / n_global, dtype=like.dtype, device=like.device), None, 0
 
 
 def _noise_update(

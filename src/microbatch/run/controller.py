@@ -68,7 +68,9 @@ class MicroBatchController:
     (the oldest are dropped; the counts stay exact). ``step_counter``: a function returning the
     optimizer steps completed so far (for example ``lambda: trainer.global_step``), for loops that
     call :func:`~microbatch.run.accumulate.accumulate` several times per optimizer step; None (the
-    default): each completed call is a step (see the module's docstring).
+    default): each completed call is a step (see the module's docstring). ``one_call``: made by
+    :func:`~microbatch.run.accumulate.accumulate` for a single call without a controller; its log lines
+    and errors say "this call" instead of a step number (every such call would be "step 0").
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class MicroBatchController:
         grow_after: int | None = None,
         max_history: int = 1000,
         step_counter: Callable[[], int] | None = None,
+        one_call: bool = False,
     ) -> None:
         check_positive_int("initial", initial, fix="give the micro-batch size to start with (rows)")
         if knee is not None:
@@ -101,6 +104,8 @@ class MicroBatchController:
         """How many events :attr:`history` keeps."""
         self.step_counter = step_counter
         """Optimizer steps completed so far (None: the calls count the steps); an integration sets it."""
+        self.one_call = one_call
+        """Made for one call only (no step numbers in its log lines)."""
         self.micro_batch_size = initial
         """The size the next step runs at: the last that worked (or the last grown to)."""
         self.calls = 0
@@ -135,6 +140,10 @@ class MicroBatchController:
             f"grows={self.grows}, step_unit={self.step_unit!r})"
         )
 
+    def where(self) -> str:
+        """How log lines and errors name the current step: ``"step N"``, or ``"this call"`` (``one_call``)."""
+        return "this call" if self.one_call else f"step {self.steps}"
+
     def _record(self, event: ResizeEvent) -> None:
         self.history.append(event)
         if len(self.history) > self.max_history:
@@ -151,7 +160,7 @@ class MicroBatchController:
         self._changed_at = step
         self._record(ResizeEvent(step=step, old=old, new=new, kind="split", reason=reason))
         log.warning(
-            "step %d: out of memory at micro-batch %d, redoing the step at %d (%s)", step, old, new, reason
+            "%s: out of memory at micro-batch %d, redoing the step at %d (%s)", self.where(), old, new, reason
         )
 
     def start_step(self) -> None:

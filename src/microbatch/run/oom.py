@@ -33,7 +33,14 @@ from microbatch.errors import OutOfMemoryError
 from microbatch.measure.device import oom_types, short_error
 from microbatch.measure.hostmem import malloc_trim
 
-__all__ = ["CPU_ALLOC_FAILURE", "is_out_of_memory", "free_memory", "one_row_error", "short_error"]
+__all__ = [
+    "CPU_ALLOC_FAILURE",
+    "is_out_of_memory",
+    "free_memory",
+    "one_row_error",
+    "set_aside_error",
+    "short_error",
+]
 
 CPU_ALLOC_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 """The words of torch's CPU allocator when an allocation fails (``c10/core/impl/alloc_cpu.cpp``)."""
@@ -59,10 +66,30 @@ def free_memory(device: Any) -> None:
         malloc_trim()
 
 
-def one_row_error(step: int, reason: str) -> OutOfMemoryError:
-    """The error when a micro-batch of one row is out of memory: there is nothing left to split."""
+def one_row_error(where: str, reason: str) -> OutOfMemoryError:
+    """The error when a micro-batch of one row is out of memory: there is nothing left to split.
+
+    ``where``: ``"step N"``, or ``"this call"`` when no controller counts the steps
+    (:meth:`~microbatch.run.controller.MicroBatchController.where`). The type is
+    :class:`microbatch.errors.OutOfMemoryError` (a :class:`~microbatch.errors.MeasurementError`), not
+    ``torch.OutOfMemoryError``: catch it by the former.
+    """
     return OutOfMemoryError(
-        f"step {step}: a micro-batch of 1 row is out of memory ({reason}); splitting cannot go lower and the "
+        f"{where}: a micro-batch of 1 row is out of memory ({reason}); splitting cannot go lower and the "
         "gradients are as they were before the step; free memory (activation checkpointing, a shorter sequence, "
         "a smaller model or optimizer state) or use a device with more"
+    )
+
+
+def set_aside_error(reason: str, *, ranks: tuple[int, int] | None = None) -> OutOfMemoryError:
+    """The error when copying the gradients present before a step runs out of memory (before any forward).
+
+    Not the micro-batch's fault, so not split: the copy is the size of the gradients whatever the
+    micro-batch. ``ranks``: (ranks whose copy failed, world size) under DDP, where every rank raises it.
+    """
+    where = "" if ranks is None else f" on {ranks[0]} of {ranks[1]} ranks"
+    return OutOfMemoryError(
+        f"out of memory setting aside the gradients present before the step{where} ({reason}); this is not the "
+        "micro-batch's size, so the step is not split: nothing ran and the gradients are as they were; free "
+        "memory (call optimizer.zero_grad(set_to_none=True) before accumulating, or keep fewer tensors alive)"
     )

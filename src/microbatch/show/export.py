@@ -8,7 +8,9 @@ changes the optimisation).
   ``gradient_accumulation_steps`` = g — which DeepSpeed's pipeline engine takes as m, the
   micro-batches per flush — and ``zero_optimization.stage``.
 - **Hugging Face** ``TrainingArguments`` keyword arguments: ``per_device_train_batch_size`` = b_m,
-  ``gradient_accumulation_steps`` = g.
+  ``gradient_accumulation_steps`` = g, and activation checkpointing under the installed major
+  version's name (``activation_checkpointing`` on 5.x, ``gradient_checkpointing`` on 4.x); a note
+  says which version it was written for.
 - **Lightning**: ``Trainer`` keyword arguments (``accumulate_grad_batches`` = g) and the
   DataLoader's ``batch_size`` = b_m, in two sections.
 - **torchtitan** TOML: ``training.local_batch_size`` (b_m, or b_m·m with pipelining, which
@@ -179,28 +181,44 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
     return cfg, notes
 
 
-def _hf_checkpointing_key() -> str:
-    """``activation_checkpointing`` from transformers 5 (``gradient_checkpointing`` is deprecated there)."""
+def _hf_checkpointing_key() -> tuple[str, str]:
+    """The ``TrainingArguments`` key for activation checkpointing on the installed transformers, and a
+    note that says which version it was written for: ``activation_checkpointing`` from 5.0 (where
+    ``gradient_checkpointing`` is a deprecated alias), ``gradient_checkpointing`` on 4.x and when
+    transformers is not installed here (both major versions accept it)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        major = int(version("transformers").split(".")[0])
+        installed = version("transformers")
+        major = int(installed.split(".")[0])
     except (PackageNotFoundError, ValueError):
-        return "gradient_checkpointing"
-    return "activation_checkpointing" if major >= 5 else "gradient_checkpointing"
+        return "gradient_checkpointing", (
+            "transformers is not installed here: written with gradient_checkpointing, which 4.x takes and 5.x "
+            "accepts as a deprecated alias of activation_checkpointing"
+        )
+    if major >= 5:
+        return "activation_checkpointing", (
+            f"written for transformers {installed} (installed here): on 4.x rename activation_checkpointing "
+            "to gradient_checkpointing"
+        )
+    return "gradient_checkpointing", (
+        f"written for transformers {installed} (installed here): 5.x takes gradient_checkpointing as a "
+        "deprecated alias of activation_checkpointing"
+    )
 
 
 def _hf(c: Json) -> tuple[Json, list[str]]:
     prec = _precision(c)
+    key, version_note = _hf_checkpointing_key()
     cfg = {
         "per_device_train_batch_size": c["micro_batch"],
         "gradient_accumulation_steps": c["grad_accum"],
         "bf16": prec == "bf16-mixed",
         "fp16": prec == "fp16-mixed",
-        _hf_checkpointing_key(): c.get("recompute", "none") != "none",
+        key: c.get("recompute", "none") != "none",
     }
     notes = [f"run on d = {c['data_parallel']} processes (torchrun --nproc_per_node ...); the Trainer multiplies "
-             "per_device_train_batch_size by the world size"]  # fmt: skip
+             "per_device_train_batch_size by the world size", version_note]  # fmt: skip
     if c.get("pipeline_parallel", 1) > 1 or c.get("tensor_parallel", 1) > 1:
         notes.append(
             "the Hugging Face Trainer runs no pipeline or tensor parallelism; use DeepSpeed or torchtitan"

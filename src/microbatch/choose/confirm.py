@@ -1,0 +1,96 @@
+"""Confirm the knee: re-measure it, its neighbour and the fastest point alternately before answering.
+
+The doubling search measures each b_m once, one after the other. Where the curve is flat (on a
+CPU, a small model is within 20% of its best from b_m = 8 up), the knee is chosen by a few per
+cent of throughput, and a machine shared with other jobs moves a probe's throughput by more
+than that between one probe and the next (the bench measured b_m = 4 at 585/s and b_m = 8 at
+257/s in one run at load 4.7 on 2 cores, where a quiet machine gives 8 about 10% more than 4): a
+small b_m measured in a quiet moment passes the line (1 − τ)(1 + μ)·reference, or the larger ones
+measured in a busy moment fall below it, and the answer keeps less than 1 − τ of the throughput
+it could have had.
+
+:func:`confirm_knee` runs after the search. When the knee has something to be compared with —
+the next larger measured b_m (its neighbour) or a faster point — it measures the knee and those
+points again, alternately (knee, neighbour, fastest, knee, ...: the drift of the machine falls on
+all of them alike), keeps for each the measurement with the median throughput of the three it
+now has (a real measurement, not an average: one disturbed probe cannot move it), and chooses
+again. When the knee moves, the new knee and its neighbour are measured again the same way. A
+knee that is the largest and fastest point measured (the search settled on it) costs nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from microbatch.choose.config import ChoiceConfig
+from microbatch.choose.knee import recommend
+from microbatch.choose.search import SearchLog, curve_point
+from microbatch.errors import ConfigError
+from microbatch.measure.probes import Measurement
+
+__all__ = ["CONFIRM_ROUNDS", "confirm_knee"]
+
+CONFIRM_ROUNDS = 2
+"""Re-measurements of the knee and of the fastest point (alternately): with the search's own
+measurement, three of each, whose median survives one disturbed probe."""
+
+
+def _median(ms: list[Measurement]) -> Measurement:
+    """The measurement of ``ms`` with the median throughput (the lower middle one of an even count of
+    measurements that did not run out of memory), with the largest peak memory of all."""
+    ok = sorted((m for m in ms if not m.oom and m.throughput), key=lambda m: m.throughput or 0.0)
+    mid = ok[(len(ok) - 1) // 2]
+    peaks = [m.peak_memory_bytes for m in ms if m.peak_memory_bytes is not None]
+    return replace(mid, peak_memory_bytes=max(peaks) if peaks else None, repeats=sum(m.repeats for m in ok))
+
+
+def confirm_knee(
+    measure: Callable[[int, bool], Measurement],
+    points: list[Measurement],
+    choice: ChoiceConfig,
+    log: SearchLog,
+    *,
+    rounds: int = CONFIRM_ROUNDS,
+) -> list[Measurement]:
+    """The search's ``points`` with the knee and the fastest point re-measured (see the module).
+
+    ``measure(b, checkpointing)`` probes one point (the search's own); ``choice`` is the one the
+    answer is chosen with; ``log`` counts the extra probes and says what was confirmed. Returns a
+    new list: the re-measured points' entries replaced by their median measurement.
+    A Ctrl-C keeps what was measured (``log.interrupted``); a re-measurement that runs out of
+    memory is left out of the median.
+    """
+    pts = list(points)
+    confirmed: set[int] = set()  # indices into pts re-measured already
+    try:
+        while True:
+            try:
+                rec = recommend([curve_point(p) for p in pts], choice)
+            except ConfigError:
+                return pts  # nothing to choose from: the caller's recommend says why
+            index = {p.micro_batch: i for i, p in enumerate(pts) if not p.oom and p.throughput}
+            knee = rec.knee.micro_batch
+            above = [b for b in index if b > knee]
+            group = sorted({knee, rec.fastest.micro_batch, *([min(above)] if above else [])})
+            todo = [index[b] for b in group if index[b] not in confirmed]
+            if len(group) < 2 or not todo:
+                return pts  # nothing to compare the knee with, or all of it measured again
+            again: dict[int, list[Measurement]] = {i: [pts[i]] for i in todo}
+            for _ in range(rounds):
+                for i in todo:
+                    m = measure(pts[i].micro_batch, pts[i].checkpointing)
+                    log.probes += 1
+                    log.oom_events += int(m.oom)
+                    again[i].append(m)
+            for i, ms in again.items():
+                pts[i] = _median(ms)
+                confirmed.add(i)
+            log.stop_reason += (
+                f"; knee {knee} confirmed: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "
+                f"alternately ({rounds} rounds, median of {rounds + 1})"
+            )
+    except KeyboardInterrupt:
+        log.interrupted = True
+        log.stop_reason += "; interrupted (Ctrl-C) while confirming the knee: the points measured are kept"
+        return pts

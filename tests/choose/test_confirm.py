@@ -1,0 +1,91 @@
+"""confirm_knee: a knee chosen on one disturbed probe is measured again, alternately with the fastest."""
+
+from __future__ import annotations
+
+from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.confirm import confirm_knee
+from microbatch.choose.knee import recommend
+from microbatch.choose.search import SearchLog, curve_point, search
+from microbatch.measure.probes import Measurement
+
+TRUE = {1: 100.0, 2: 150.0, 4: 180.0, 8: 200.0, 16: 200.0}
+CHOICE = ChoiceConfig(tolerance=0.15, reference="measured")  # the line: 0.85 × 200 = 170
+
+
+def _scripted(disturbed: dict[int, list[float]]):
+    """measure(b, ckpt): the true curve, except the scripted values of ``disturbed`` first; logs the calls."""
+    calls: list[int] = []
+
+    def measure(b: int, ckpt: bool) -> Measurement:
+        calls.append(b)
+        queue = disturbed.get(b, [])
+        t = queue.pop(0) if queue else TRUE[b]
+        return Measurement(micro_batch=b, throughput=t, samples_per_s=t, step_time_s=b / t, repeats=3,
+                           peak_memory_bytes=1000 * b, checkpointing=ckpt)  # fmt: skip
+
+    return measure, calls
+
+
+def _knee(points):
+    return recommend([curve_point(p) for p in points], CHOICE).knee.micro_batch
+
+
+def test_a_knee_passed_on_one_quiet_moment_moves_to_the_true_knee():
+    measure, calls = _scripted({2: [190.0]})  # b_m 2 measured 27% fast once (another job paused)
+    log = SearchLog()
+    points = search(measure, SearchConfig(max_micro_batch=16), CHOICE, log=log)
+    assert _knee(points) == 2  # the search alone answers 2: 150/200 = 75% of the best, below 1 − τ
+    n = len(calls)
+    confirmed = confirm_knee(measure, points, CHOICE, log)
+    assert _knee(confirmed) == 4 and TRUE[4] / TRUE[8] >= 0.85
+    # the knee 2, its neighbour 4 and the fastest 8 alternately; then 4 is the knee, its neighbour and the
+    # fastest are 8, all measured again already: done. The search's points are kept in their order.
+    assert calls[n:] == [2, 4, 8, 2, 4, 8] and log.probes == n + 6
+    assert [p.micro_batch for p in confirmed] == [p.micro_batch for p in points]
+    assert next(p for p in confirmed if p.micro_batch == 2).throughput == 150.0  # the median of 190, 150, 150
+    assert "knee 2 confirmed: 2, 4, 8 re-measured alternately (2 rounds, median of 3)" in log.stop_reason
+
+
+def test_a_knee_that_is_the_largest_and_fastest_point_costs_no_probe():
+    measure, calls = _scripted({})
+    points = [measure(b, False) for b in (1, 2, 4, 8)]
+    n = len(calls)
+    assert (
+        confirm_knee(measure, points, ChoiceConfig(tolerance=0.0, reference="measured"), SearchLog())
+        == points
+    )
+    assert len(calls) == n
+
+
+def test_a_true_knee_stays_and_one_disturbed_remeasurement_does_not_move_it():
+    measure, calls = _scripted({4: [180.0, 120.0]})  # the knee's first re-measurement is disturbed
+    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]
+    confirmed = confirm_knee(measure, points, CHOICE, SearchLog())
+    assert _knee(confirmed) == 4 and calls[5:] == [4, 8, 4, 8]
+
+
+def test_ctrl_c_while_confirming_keeps_the_points():
+    measure, _ = _scripted({2: [190.0]})
+    points = [measure(b, False) for b in (1, 2, 4, 8)]
+
+    def interrupted(b: int, ckpt: bool) -> Measurement:
+        raise KeyboardInterrupt
+
+    log = SearchLog()
+    assert confirm_knee(interrupted, points, CHOICE, log) == points and log.interrupted
+
+
+def test_a_knee_that_is_fastest_because_larger_probes_ran_in_a_busy_moment_moves_up():
+    measure, calls = _scripted({8: [120.0], 16: [130.0]})  # other jobs took the core for the last probes
+    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]
+    assert _knee(points) == 4  # 4 is the fastest measured: 180/200 = 90% of what 8 gives
+    confirmed = confirm_knee(measure, points, CHOICE, SearchLog())
+    # 4 and its neighbour 8 measured again: 8 is back at 200, 4 still within τ of it, the knee stays
+    assert calls[5:] == [4, 8, 4, 8] and _knee(confirmed) == 4
+    strict = ChoiceConfig(tolerance=0.05, reference="measured")  # a line 4 does not pass once 8 is known
+    measure, calls = _scripted({8: [120.0], 16: [130.0]})
+    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]
+    assert recommend([curve_point(p) for p in points], strict).knee.micro_batch == 4
+    confirmed = confirm_knee(measure, points, strict, SearchLog())
+    assert recommend([curve_point(p) for p in confirmed], strict).knee.micro_batch == 8
+    assert calls[5:] == [4, 8, 4, 8, 16, 16]  # then the new knee's neighbour 16
