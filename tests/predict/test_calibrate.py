@@ -572,20 +572,26 @@ H200_GPT2_XL_RERUN = {1: 0.10802772903442383, 2: 0.09031212615966797, 4: 0.12779
                       8: 0.2269925308227539, 16: 0.4208950500488281}  # fmt: skip
 
 
-def test_a_probe_no_slower_than_a_larger_one_is_latency_bound_and_16_stays_within_10_percent():
+# and a third run (bench/results/h200-2026-11-30b/rerun/calibrate2.json): b_m 1 again no faster than 2
+H200_GPT2_XL_THIRD = {1: 0.0915, 2: 0.0901, 4: 0.1254, 8: 0.2285, 16: 0.4215}
+
+
+@pytest.mark.parametrize("times", [H200_GPT2_XL_RERUN, H200_GPT2_XL_THIRD], ids=["run1", "rerun"])
+def test_a_probe_no_slower_than_a_larger_one_is_latency_bound_and_16_stays_within_10_percent(times):
     from microbatch.predict.calibrate import fit_efficiency
 
     shape, acc = get_model("gpt2-xl"), get_accelerator("h200")
-    eff, details, notes = fit_efficiency(shape, _pts(H200_GPT2_XL_RERUN, (1, 2, 4)), acc, seq=1024)
+    eff, details, notes = fit_efficiency(shape, _pts(times, (1, 2, 4)), acc, seq=1024)
     assert details["latency_bound"], notes
     assert any("no faster than b_m 2" in n for n in notes) and not any("caches spill" in n for n in notes)
-    # +5.3% at 8 and +10.1% at 16: the 10% goal is missed by 0.1 point here (b_m 4's efficiency carried
-    # to 16 through the roofline, whose time grows 3.62x from 4 to 16 where the device's grew 3.29x)
+    # +3.9% at 8 and +7.6% at 16 with the step-time model of session 13 (before its GEMM tile and row
+    # terms: +5.3% and +10.1%, b_m 4's efficiency carried to 16 through a roofline that grew faster
+    # than the device's time)
     errs = {
         b: predict_step_time_s(shape, b, acc, seq=1024, efficiency=eff) / H200_GPT2_XL_RERUN[b] - 1
         for b in (8, 16)
     }
-    assert 0 < errs[8] < 0.07 and 0 < errs[16] < 0.11, errs
+    assert 0 < errs[8] < 0.07 and 0 < errs[16] < 0.10, errs
     # before: the falling pair read as a GEMM ceiling above the peak, 32% too fast at 16
     assert eff.half_rows == 0
 
