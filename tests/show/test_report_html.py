@@ -286,11 +286,22 @@ def test_report_opens_with_the_answers_and_speaks_in_words(tmp_path, capsys):
     assert "small train: b_m = <b>8</b>, g = 4 (the knee; 89.3% of the best" in text
     rec = plan["recommended"]["micro_batch"]
     assert f"on h100-sxm: b_m = <b>{rec}</b>" in text
-    # one row per b_m in the plan table: the b_m column holds no repeats
+    # one row per b_m in the plan table (the fastest at it), and the recommended candidate highlighted
+    # above its b_m's fastest when it is not the fastest there (here: 1f1b against interleaved)
     table = text[text.index("<table", text.index("<h2>Plan:")) :]
     table = table[: table.index("</table>")]
-    bms = [int(c.split("<td>")[1].split("<")[0]) for c in table.split("<tr")[2:]]
-    assert bms == sorted(set(bms)) and len(bms) >= 2, bms
+    rows = table.split("<tr")[2:]
+    bms = [int(c.split("<td>")[1].split("<")[0]) for c in rows]
+    picked = [i for i, c in enumerate(rows) if c.startswith(' class="pick"')]
+    assert len(picked) == 1 and bms[picked[0]] == rec, (picked, bms)
+    rest = [b for i, b in enumerate(bms) if i != picked[0]]
+    assert rest == sorted(set(rest)) and len(rest) >= 2, bms
+    fastest = plan["fastest"]
+    if (
+        fastest["schedule"] != plan["recommended"]["schedule"]
+        or fastest["zero"] != plan["recommended"]["zero"]
+    ):
+        assert bms.count(rec) == 2, bms  # the knee and, below it, the fastest at its b_m
     assert human_header("mem_uncal_err_%") == "memory uncalibrated error (%)"
     assert human_header("step_ms") == "step measured (ms)"
     assert throughput_figure(_tune_result()).axes[0].get_ylim()[0] == 0

@@ -99,18 +99,20 @@ def _plan_section(plan: dict[str, Any]) -> str:
     if len(per_b) < len(cands):
         parts.append(
             f"<p>The best of {len(cands)} candidates at each micro-batch b_m (those that fit first, then the "
-            "fastest); the recommended one is highlighted.</p>"
+            "fastest); the recommended one is highlighted, above its b_m's fastest where they differ.</p>"
         )
-    hi = next(
-        (
-            i
-            for i, c in enumerate(shown)
-            if all(
-                c.get(k) == rec.get(k) for k in ("micro_batch", "schedule", "recompute", "zero", "virtual")
-            )
-        ),
-        None,
-    )
+
+    def is_rec(c: dict[str, Any]) -> bool:
+        keys = ("micro_batch", "schedule", "recompute", "zero", "virtual")
+        return bool(rec) and all(c.get(k) == rec.get(k) for k in keys)
+
+    if rec and not any(is_rec(c) for c in shown):
+        # the knee is not the fastest at its b_m: show it above that b_m's fastest, as the text table does
+        at = next(
+            (i for i, c in enumerate(shown) if c.get("micro_batch") == rec.get("micro_batch")), len(shown)
+        )
+        shown.insert(at, rec)
+    hi = next((i for i, c in enumerate(shown) if is_rec(c)), None)
     rows = [
         [
             c.get("micro_batch"),
