@@ -89,3 +89,22 @@ def test_a_knee_that_is_fastest_because_larger_probes_ran_in_a_busy_moment_moves
     confirmed = confirm_knee(measure, points, strict, SearchLog())
     assert recommend([curve_point(p) for p in confirmed], strict).knee.micro_batch == 8
     assert calls[5:] == [4, 8, 4, 8, 16, 16]  # then the new knee's neighbour 16
+
+
+def test_cuda_event_timings_are_not_measured_again():
+    from dataclasses import replace
+
+    measure, calls = _scripted({2: [190.0]})
+    log = SearchLog()
+    points = [
+        replace(p, clock="cuda-events")
+        for p in search(measure, SearchConfig(max_micro_batch=16), CHOICE, log=log)
+    ]
+    n = len(calls)
+    confirmed = confirm_knee(measure, points, CHOICE, log)
+    assert len(calls) == n and confirmed == points  # no probe: the device's own time is not re-measured
+    assert "not re-measured: CUDA-event timings" in log.stop_reason
+    # the same points on a host clock are re-measured
+    host = [replace(p, clock="process") for p in points]
+    confirm_knee(measure, host, CHOICE, SearchLog())
+    assert len(calls) > n
