@@ -118,19 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'model':<6}{'p':>2}  {'schedule':<17}{'m':>3}{'rank':>5}  {'measured KiB':>12}  {'pred KiB':>9}  {'error':>7}  {'uncal err':>9}"
     print(head)
     print("-" * len(head))
-    errs = []
+    errs: dict[str, list[float]] = {}
     for model, p, name, m, row in memory_rows:
         e, u = row["error_pct"], row["uncalibrated_error_pct"]
-        if e is not None and name in ("gpipe", "1f1b"):
-            errs.append(abs(e))
+        if e is not None:
+            errs.setdefault(name, []).append(abs(e))
         print(
             f"{model:<6}{p:>2}  {name:<17}{m:>3}{row['rank']:>5}  {row['measured_peak_bytes'] / 1024:12.1f}  "
             f"{(row['predicted_bytes'] or 0) / 1024:9.1f}  {'-' if e is None else f'{e:+.1f}%':>7}  "
             f"{'-' if u is None else f'{u:+.1f}%':>9}"
         )
-    if errs:
+    for name, xs in errs.items():
         print(
-            f"GPipe/1F1B calibrated memory error: max {max(errs):.1f}%, {sum(x <= 10 for x in errs)} of {len(errs)} "
+            f"{name} calibrated memory error: max {max(xs):.1f}%, {sum(x <= 10 for x in xs)} of {len(xs)} "
             "ranks within 10%"
         )
     print()

@@ -1,11 +1,13 @@
-"""The prediction made before a pipeline run: profile, runtime calibration, simulation."""
+"""The prediction made before a pipeline run: profile, the runtime's costs between ops, the replay."""
 
 from __future__ import annotations
 
 import pytest
 
 from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline_order import torch_order
 from microbatch.run.pipeline_profile import predict_before, profile_stages
+from microbatch.run.pipeline_replay import ZERO_TERMS, replay, runtime_terms
 
 torch = pytest.importorskip("torch")
 
@@ -14,21 +16,78 @@ def _flat(p: int, f: float = 1e-3, b: float = 2e-3) -> dict[int, dict[str, float
     return {s: {"F": f, "B": b, "I": b / 2, "W": b / 2} for s in range(p)}
 
 
-def test_equal_stages_without_overhead_give_the_closed_form():
+def _terms(**kw):
+    t = {k: (dict(v) if isinstance(v, dict) else v) for k, v in ZERO_TERMS.items()}
+    t.update(kw)
+    return t
+
+
+def test_equal_stages_without_costs_between_ops_give_the_closed_form():
     cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
-    pred = predict_before(cfg, _flat(2), {"comm_s": 0.0, "overhead_s": 0.0})
+    pred = predict_before(cfg, _flat(2), _terms())
     assert pred["bubble_fraction"] == pytest.approx(1 / 5)  # (p−1)/(m+p−1)
     assert pred["step_time_s"] == pytest.approx((4 + 1) * 3e-3)
 
 
-def test_overhead_and_hand_off_lengthen_the_step_and_count_as_idle():
+def test_costs_between_ops_lengthen_the_step_and_count_as_idle():
     cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
-    base = predict_before(cfg, _flat(2), {"comm_s": 0.0, "overhead_s": 0.0})
-    slow = predict_before(cfg, _flat(2), {"comm_s": 1e-3, "overhead_s": 5e-4})
-    assert slow["step_time_s"] > base["step_time_s"] + 8 * 5e-4  # every action on a rank pays it
+    base = predict_before(cfg, _flat(2), _terms())
+    slow = predict_before(
+        cfg, _flat(2), _terms(after_send_s={"fwd": 1e-4, "bwd": 5e-3}, hop_s={"fwd": 1e-3, "bwd": 1e-3})
+    )
+    # the last rank's 4 gradient sends each hold it 5 ms; rank 0 waits for them but the first
+    assert slow["step_time_s"] > base["step_time_s"] + 3 * 5e-3
     assert slow["bubble_fraction"] > base["bubble_fraction"]
     # busy stays the profiled op time: 1 − busy / (p · step)
     assert slow["bubble_fraction"] == pytest.approx(1 - 2 * 4 * 3e-3 / (2 * slow["step_time_s"]))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "m", "v"), [("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 2, 4, 1)]
+)
+def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v):
+    """A trace replayed with known costs between ops, read back: the measured terms are those costs
+    (hand-offs longer than the after-op costs, so that every wait is the hand-off's)."""
+    cfg = PipelineConfig(schedule=schedule, stages=p, microbatches=m, virtual=v)
+    known = _terms(
+        after_send_s={"fwd": 1e-4, "bwd": 3e-4},
+        after_local_s=5e-5,
+        hop_s={"fwd": 2e-3, "bwd": 3e-3},
+        start_s=4e-4,
+        end_s=6e-4,
+    )
+    op_s = {(s, k): t * (1 + 0.1 * s) for s, row in _flat(cfg.total_stages).items() for k, t in row.items()}
+    order = torch_order(cfg.schedule, p, m, v)
+    rep = replay(cfg, order, op_s, known)
+    stage_of = {(r, n): a for r in range(p) for n, a in enumerate(order[r])}
+    ranks = []
+    for r in range(p):
+        ivs = []
+        for n, (a, e, kind, i) in enumerate(rep["timeline"][r]):
+            s = int(stage_of[(r, n)].split(kind)[0])
+            ivs.append((kind, s, i, a, e))
+        ranks.append(ivs)
+    got = runtime_terms(cfg, [{"start": 0.0, "end": rep["step_time_s"], "ranks": ranks}])
+    for key in ("after_local_s", "start_s", "end_s"):
+        if key != "after_local_s" or got["cases"]["after_local"]:
+            assert got[key] == pytest.approx(known[key], abs=1e-9), key
+    for d in ("fwd", "bwd"):
+        assert got["hop_s"][d] == pytest.approx(known["hop_s"][d], abs=1e-9)
+        if got["cases"]["after_send"][d]:
+            assert got["after_send_s"][d] == pytest.approx(known["after_send_s"][d], abs=1e-9)
+    # and the replay with the recovered terms gives the step back
+    assert replay(cfg, order, op_s, got)["step_time_s"] == pytest.approx(rep["step_time_s"])
+
+
+def test_the_replay_without_costs_matches_the_event_simulation():
+    from microbatch.run.pipeline_summary import predict
+
+    cfg = PipelineConfig(schedule="interleaved-1f1b", stages=2, microbatches=4, virtual=2)
+    op_s = {(s, k): 1e-3 * (1 + s) * (2 if k == "B" else 1) for s in range(4) for k in "FB"}
+    sim = predict(cfg, op_s)
+    rep = replay(cfg, torch_order(cfg.schedule, 2, 4, 2), op_s, ZERO_TERMS)
+    assert rep["step_time_s"] == pytest.approx(sim.makespan)
+    assert rep["bubble_fraction"] == pytest.approx(sim.bubble_fraction)
 
 
 @pytest.mark.timeout(60)
@@ -38,4 +97,33 @@ def test_profile_measures_every_stage_of_the_split_the_ranks_use():
     assert sorted(prof) == [0, 1]
     for row in prof.values():
         assert row["F"] > 0 and row["B"] > 0 and row["W"] > 0
+        assert 0 < row["cpuF"] <= 1.5 * row["F"] + 1e-4  # CPU seconds of the one thread
     assert prof[1]["I"] > 0  # stage 1's input comes from stage 0 and needs a gradient
+    idle = profile_stages(cfg, repeats=2, idle_s=0.002)
+    assert idle[1]["F"] < 0.002 + 10 * prof[1]["F"]  # the sleep is not timed
+
+
+def test_other_runnable_threads_slow_the_ops_by_processor_sharing():
+    """2 cores, 2 other runnable threads: a busy rank gets cores / (others + ranks busy at once)."""
+    cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=1)
+    prof = {s: {"F": 1e-3, "B": 2e-3, "cpuF": 1e-3, "cpuB": 2e-3} for s in range(2)}
+    alone = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 0.0}))
+    shared = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 2.0}))
+    assert alone["cpu_share"] == 1.0 and alone["step_time_s"] == pytest.approx(6e-3)
+    # one rank busy at a time at m = 1 (bubble 1/2): share = 2 / (2 + 1)
+    assert shared["cpu_share"] == pytest.approx(2 / 3)
+    assert shared["step_time_s"] == pytest.approx(6e-3 * 1.5)
+    assert shared["bubble_fraction"] == pytest.approx(alone["bubble_fraction"])
+
+
+def test_weight_gradient_is_timed_as_torch_runs_it_not_as_a_second_full_backward():
+    """A non-first stage's W is torch's stage_backward_weight (weight gradients from the kept
+    intermediate gradients), so W < B and I + W is about one backward; the first stage, whose input
+    needs no gradient, runs its whole backward at W, as torch's runtime does."""
+    prof = profile_stages(
+        PipelineConfig(schedule="zb-h1", stages=2, microbatches=2, model="small"), repeats=3
+    )
+    last, first = prof[1], prof[0]
+    assert last["W"] < 0.75 * last["B"], last  # autograd.grad over the parameters gave W ≈ B
+    assert 0.7 * last["B"] < last["I"] + last["W"] < 1.6 * last["B"], last
+    assert first["I"] < 0.01 * first["B"] and first["W"] > 0.5 * first["B"], first  # I: an empty call

@@ -3,10 +3,13 @@
 - **measured**: the peak of the saved-activation storages actually alive on the rank during a step
   (:class:`microbatch.run.instrument.LiveBytes`: counted once per storage, released through weak
   references when the last saved tensor on it is freed) — memory held, not the schedule's count.
-- **predicted, calibrated**: the schedule's in-flight rule (:func:`microbatch.schedules.registry.in_flight_chunks`,
-  the rule :mod:`microbatch.predict.memory` reads) times the saved bytes of one micro-batch of each
-  of the rank's stages, as measured by the hooks (the calibration: one number per stage and b_m),
-  plus the received stage inputs torch's runtime keeps until the step ends (see :func:`_calibrated`).
+- **predicted, calibrated**: the saved bytes the rank holds along torch's order of its actions
+  (:func:`_calibrated`), from each stage's bytes of one micro-batch as the hooks measured them (the
+  calibration: one number per stage and b_m, storages shared by micro-batches held once), the part
+  torch's split backward keeps between I and W (measured on one micro-batch before the steps), and
+  the received stage inputs torch's runtime keeps. On GPipe and 1F1B with equal stages this is the
+  registry's in-flight rule (:func:`microbatch.schedules.registry.in_flight_chunks`, the rule
+  :mod:`microbatch.predict.memory` reads) × bytes per micro-batch.
 - **predicted, uncalibrated**: :func:`microbatch.predict.memory.estimate_memory`'s activation bytes
   for the rank's transformer blocks (Korthikanti et al. 2022's per-layer formula, fp32), the same
   in-flight rule, and the embedding and output terms on the ranks that hold them; None where the
@@ -18,11 +21,12 @@ count cannot show either.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.run.pipeline_config import PipelineConfig
-from microbatch.schedules.registry import get_spec, in_flight_chunks, stage_ranks
+from microbatch.schedules.registry import get_spec, stage_ranks
 
 __all__ = ["memory_rows"]
 
@@ -43,29 +47,61 @@ def _input_bytes(cfg: PipelineConfig) -> float | None:
     return float(cfg.micro_batch * shape.seq * shape.hidden * dtype_bytes)
 
 
-def _calibrated(cfg: PipelineConfig, rank: int, per_stage_bytes: dict[int, float]) -> float | None:
-    """In-flight chunks × saved bytes per chunk, plus the received inputs torch's runtime keeps.
+def _rank_order(cfg: PipelineConfig, rank: int, executed: list[str]) -> list[str]:
+    """torch's compute order of ``rank`` for ``cfg`` (what the ranks ran where it cannot be derived)."""
+    from microbatch.errors import ScheduleError
+    from microbatch.run.pipeline_order import torch_order
 
-    torch.distributed.pipelining keeps every micro-batch's received stage input (its receive
-    buffer) until the step ends, and the stage's first operation saves that input for its
-    backward; so a stage fed by another rank holds m inputs, of which the in-flight count covers
-    chunks / v (measured: on tiny, p = 4, 1F1B, the last three ranks held exactly 5, 6 and 7
-    inputs of 16 KiB beyond their in-flight count)."""
+    try:
+        return torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)[rank]
+    except ScheduleError:
+        return executed
+
+
+def _calibrated(
+    cfg: PipelineConfig,
+    rank: int,
+    own: dict[int, float],
+    shared: dict[int, float],
+    kept: dict[int, float],
+    executed: list[str],
+) -> float | None:
+    """Peak of the saved bytes the rank holds along torch's order of its actions, per stage:
+
+    - a forward F adds the stage's own bytes of one micro-batch (``own``, measured by the hooks:
+      saved storages less those an earlier micro-batch saved, which are held once: ``shared``);
+    - a full backward B frees them; torch's input-gradient pass I frees all but the fraction
+      ``kept`` that its weight-gradient pass W needs (measured by
+      :func:`microbatch.run.instrument.split_backward_kept`), W frees the rest;
+    - torch.distributed.pipelining keeps every micro-batch's received stage input (its receive
+      buffer, allocated per micro-batch and reused across steps) and the stage's first operation
+      saves it: m inputs per stage fed by another rank, held throughout (measured: on tiny, p = 4,
+      1F1B, the last three ranks held exactly 5, 6 and 7 inputs of 16 KiB beyond their in-flight
+      count).
+
+    On GPipe and 1F1B with equal stages this is the registry's in-flight rule × bytes per micro-batch
+    (:func:`microbatch.schedules.registry.in_flight_chunks`); it differs where a rank's stages differ
+    in size (interleaved, DualPipeV: the embedding-only stage) and where I frees part of a stage
+    (zero-bubble schedules: the last stage's loss and output softmax go at I, not at W)."""
     name = _rule_name(cfg)
     if get_spec(name).in_flight is None:
         return None
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
     mine = [s for s, r in enumerate(placement) if r == rank]
-    known = [per_stage_bytes[s] for s in mine if s in per_stage_bytes]
-    if not known:
+    if any(s not in own for s in mine):
         return None
-    chunks = in_flight_chunks(name, rank, cfg.stages, cfg.microbatches, cfg.virtual)
-    held = chunks * sum(known) / len(known)
-    inp = _input_bytes(cfg)
-    if inp:
-        fed = [s for s in mine if s > 0 and placement[s - 1] != rank]
-        held += sum(max(0.0, cfg.microbatches - chunks / cfg.virtual) for _ in fed) * inp
-    return held
+    inp = _input_bytes(cfg) or 0.0
+    fed = {s for s in mine if s > 0 and placement[s - 1] != rank}
+    held = sum(cfg.microbatches * inp for _ in fed) + sum(shared.get(s, 0.0) for s in mine)
+    peak = held
+    for action in _rank_order(cfg, rank, executed):
+        kind = next(c for c in action if c.isalpha())
+        s = int(action[: action.index(kind)])
+        x = max(0.0, own[s] - (inp if s in fed else 0.0))
+        k = kept.get(s, 1.0)
+        held += {"F": x, "B": -x, "I": -x * (1.0 - k), "W": -x * k}.get(kind, 0.0)
+        peak = max(peak, held)
+    return peak
 
 
 def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[float | None]:
@@ -105,21 +141,30 @@ def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[floa
 def memory_rows(cfg: PipelineConfig, ranks: list[dict[str, Any]], use: list[int]) -> list[dict[str, Any]]:
     """Per rank: measured peak of live saved bytes, the two predictions and their errors (%), the
     schedule's counted bytes, the host high-water mark and the bytes still alive after the step."""
-    per_stage: dict[int, list[int]] = {}
+    own_of: dict[int, list[float]] = {}
+    shared_of: dict[int, float] = {}
+    kept: dict[int, float] = {}
     for r in ranks:
+        for s, f in (r.get("kept_after_input_grad") or {}).items():
+            if f is not None:
+                kept[int(s)] = float(f)
         for k in use:
             st = r["steps"][k]
-            for (_kind, stage, _i, _a, _e), nbytes in zip(
-                [it for it in st["intervals"] if it[0] == "F"], st["per_microbatch_bytes"], strict=False
+            forwards = [it for it in st["intervals"] if it[0] == "F"]
+            shared_mb = st.get("per_microbatch_shared_bytes") or [0] * len(forwards)
+            for (_kind, stage, _i, _a, _e), nbytes, sh in zip(
+                forwards, st["per_microbatch_bytes"], shared_mb, strict=False
             ):
-                per_stage.setdefault(stage, []).append(nbytes)
-    mean = {s: sum(v) / len(v) for s, v in per_stage.items() if v}
+                own_of.setdefault(stage, []).append(nbytes - sh)
+                shared_of[stage] = max(shared_of.get(stage, 0.0), float(sh))
+    # the median: the first micro-batch of a step owns the storages the later ones share
+    own = {s: statistics.median(v) for s, v in own_of.items() if v}
     uncal = _uncalibrated(cfg, ranks[0]["layers_per_stage"])
     out = []
     for r in ranks:
         steps = [r["steps"][k] for k in use]
         measured = max(st["peak_activation_bytes"] for st in steps)
-        cal = _calibrated(cfg, r["rank"], mean)
+        cal = _calibrated(cfg, r["rank"], own, shared_of, kept, r["steps"][-1]["order"])
         un = uncal[r["rank"]]
         hosts = [st["host_peak_bytes"] for st in steps if st.get("host_peak_bytes") is not None]
         out.append(

@@ -7,15 +7,17 @@ Three inputs, all measured on this machine before the run:
    backward, input-gradient and weight-gradient time of one micro-batch — median of a few repeats,
    one thread, as each worker runs.
 2. **The pipeline runtime's own cost** (:func:`calibrate_runtime`): a tiny run of the same
-   schedule, p, m and v through ``torch.distributed.pipelining`` on a model whose ops take
-   microseconds, so its step time is almost all runtime overhead and hand-off. From it: the
-   hand-off latency (median wait for another rank's output,
-   :func:`microbatch.run.pipeline_summary.measured_comm_s`) and the per-action overhead, the
-   remainder of its measured step time over the simulated one, spread over each rank's actions.
+   schedule, p, m, v and micro-batch through ``torch.distributed.pipelining`` on a model whose ops
+   are element-wise (microseconds) but whose stage boundary has the real model's shape
+   (b_m × s × h), so that it sends the same bytes: its step is almost all runtime and hand-off.
+   From its intervals, :func:`microbatch.run.pipeline_replay.runtime_terms` measures the time
+   between ops where it goes: the sender's cost after an op that hands its output to another rank
+   (per direction), after an op that does not, the hand-off as the waiting rank sees it (per
+   direction), and the step's start and end.
 3. **The schedule**: torch's own action order (:func:`microbatch.run.pipeline_order.torch_order`).
 
-:func:`predict_before` simulates the order with (profiled time + overhead) per action and the
-hand-off on every cross-rank dependency: the bubble and step time predicted before the run.
+:func:`predict_before` replays the order (:func:`microbatch.run.pipeline_replay.replay`) with the
+profiled op times and those terms: the bubble and step time predicted before the run.
 """
 
 from __future__ import annotations
@@ -29,41 +31,77 @@ from microbatch.run.pipeline_config import PipelineConfig
 __all__ = ["calibrate_runtime", "calibration_model", "predict_before", "profile_stages", "run_predicted"]
 
 
-def calibration_model() -> Any:
-    """A stack of 18 units whose ops take microseconds (vocabulary 32, width 8): embedding, 16
-    residual linear layers (x + W·x, so that no stage output is a view, which torch's split
-    backward refuses), head — the model of :func:`calibrate_runtime` (p·v up to 18 stages)."""
+def calibration_model(width: int = 8) -> Any:
+    """A stack of 18 units whose ops are element-wise (vocabulary 32): embedding, 16 residual
+    scalings x + x·w (w of size ``width``; the output is never a view, which torch's split backward
+    refuses), head — the model of :func:`calibrate_runtime` (p·v up to 18 stages). Its stage
+    boundary is b_m × s × ``width``: with the real model's width its sends carry the real bytes.
+    ``module:calibration_model_<width>`` names it for the pipeline's model factory."""
+    import torch
     from torch import nn
 
-    class Residual(nn.Module):
+    class Scale(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lin = nn.Linear(8, 8)
+            self.w = nn.Parameter(torch.full((width,), 0.01))
 
         def forward(self, x: Any) -> Any:
-            return x + self.lin(x)
+            return x + x * self.w
 
-    return nn.Sequential(nn.Embedding(32, 8), *[Residual() for _ in range(16)], nn.Linear(8, 32))
+    return nn.Sequential(nn.Embedding(32, width), *[Scale() for _ in range(16)], nn.Linear(width, 32))
 
 
-def _median_time(fn: Any, repeats: int) -> float:
-    out = []
+def __getattr__(name: str) -> Any:
+    """``calibration_model_<width>``: :func:`calibration_model` of that width, as a factory."""
+    prefix = "calibration_model_"
+    if name.startswith(prefix) and name[len(prefix) :].isdigit():
+        width = int(name[len(prefix) :])
+        return lambda: calibration_model(width)
+    raise AttributeError(name)
+
+
+def _median_time(fn: Any, repeats: int, idle_s: float = 0.0) -> tuple[float, float]:
+    """Median wall and median thread-CPU seconds of ``fn()``, each call after ``idle_s`` asleep."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        if idle_s:
+            time.sleep(idle_s)
+        c0, t0 = time.thread_time(), time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
-def profile_stages(cfg: PipelineConfig, repeats: int = 5) -> dict[int, dict[str, float]]:
+def _torch_split_backward() -> tuple[Any, Any] | None:
+    """torch's ``stage_backward_input`` and ``stage_backward_weight`` (the functions its zero-bubble
+    runtime runs as I and W), or None where this torch has none. Timing W as ``autograd.grad`` over
+    the parameters instead re-runs the input-gradient chain: on ``small``'s last stage 30.7 ms against
+    torch's 16.1 ms W (I 15.4 ms, full backward 34.8 ms; measured on the 2-core dev machine)."""
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError:  # a torch without the split backward (private API)
+        return None
+    return stage_backward_input, stage_backward_weight
+
+
+def profile_stages(cfg: PipelineConfig, repeats: int = 5, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
     """Per virtual stage: ``F``, ``B``, ``I`` and ``W`` seconds of one micro-batch (median of
-    ``repeats``), measured in this process with one thread on the split the ranks use."""
+    ``repeats``), measured in this process with one thread on the split the ranks use, and the
+    same in thread-CPU seconds (``cpuF`` … ``cpuW``).
+
+    ``idle_s``: sleep that long before each timed call. A rank of a pipeline waits between its
+    ops, and while it waits other processes run on its core and take its caches: an op that
+    follows a wait runs slower than the same op back to back (measured on the 2-core dev machine at
+    load 2: tiny's last-stage forward 0.57 ms back to back, 0.71 / 0.74 / 0.97 ms after 1 / 3 / 6 ms
+    asleep). :func:`run_predicted` passes the calibration run's mean gap between ops."""
     import torch
     import torch.nn.functional as F
 
     from microbatch.run.pipeline_rank import build_full_model, make_batch
     from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
 
+    split_fns = _torch_split_backward()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -88,35 +126,58 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 5) -> dict[int, dict[str,
 
             y = fwd()
             grad = None if s == last else torch.ones_like(y)
-            f_s = _median_time(fwd, repeats)
+            f_s, f_cpu = _median_time(fwd, repeats, idle_s)
 
-            def full_b(fwd: Any = fwd, grad: Any = grad) -> float:
+            def full_b(fwd: Any = fwd, grad: Any = grad) -> tuple[float, float]:
                 y = fwd()
-                t0 = time.perf_counter()
+                if idle_s:
+                    time.sleep(idle_s)
+                c0, t0 = time.thread_time(), time.perf_counter()
                 torch.autograd.backward(y, grad)
-                return time.perf_counter() - t0
+                return time.perf_counter() - t0, time.thread_time() - c0
 
-            b_s = statistics.median(full_b() for _ in range(repeats))
+            b_runs = [full_b() for _ in range(repeats)]
             wants = [t for t in ([inp] if inp.requires_grad else []) + params]
 
             def split(
                 fwd: Any = fwd, grad: Any = grad, inp: Any = inp, params: Any = params
-            ) -> tuple[float, float]:
+            ) -> tuple[float, float, float, float]:
                 y = fwd()
-                t0 = time.perf_counter()
-                if inp.requires_grad:
+                if idle_s:
+                    time.sleep(idle_s)
+                c0, t0 = time.thread_time(), time.perf_counter()
+                groups = None
+                if inp.requires_grad and split_fns is not None:
+                    # torch's own I: input gradients, keeping what W needs (intermediate gradients)
+                    _, groups = split_fns[0]([y], None if grad is None else [grad], [inp], iter(params))
+                elif inp.requires_grad:
                     torch.autograd.grad(y, [inp], grad, retain_graph=True)
-                t1 = time.perf_counter()
-                if params:
+                i_wall, i_cpu = time.perf_counter() - t0, time.thread_time() - c0
+                if idle_s:
+                    time.sleep(idle_s)
+                c1, t1 = time.thread_time(), time.perf_counter()
+                if groups is not None and split_fns is not None:
+                    split_fns[1](iter(params), groups)  # torch's W: weight gradients from those
+                elif params:
+                    # the first stage (no input gradient: torch runs its whole backward at W), or no
+                    # split-backward functions in this torch
                     torch.autograd.grad(y, params, grad, allow_unused=True)
-                return t1 - t0, time.perf_counter() - t1
+                return i_wall, time.perf_counter() - t1, i_cpu, time.thread_time() - c1
 
-            parts = [split() for _ in range(repeats)] if wants else [(0.0, 0.0)]
+            parts = [split() for _ in range(repeats)] if wants else [(0.0, 0.0, 0.0, 0.0)]
+
+            def med(runs: Any, k: int) -> float:
+                return float(statistics.median(x[k] for x in runs))
+
             out[s] = {
                 "F": f_s,
-                "B": b_s,
-                "I": statistics.median(a for a, _ in parts),
-                "W": statistics.median(b for _, b in parts),
+                "B": med(b_runs, 0),
+                "I": med(parts, 0),
+                "W": med(parts, 1),
+                "cpuF": f_cpu,
+                "cpuB": med(b_runs, 1),
+                "cpuI": med(parts, 2),
+                "cpuW": med(parts, 3),
             }
             mod.zero_grad(set_to_none=True)
             with torch.no_grad():
@@ -126,55 +187,121 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 5) -> dict[int, dict[str,
         torch.set_num_threads(threads)
 
 
-def calibrate_runtime(cfg: PipelineConfig) -> dict[str, float]:
-    """Hand-off latency and per-action overhead of torch's pipeline runtime for ``cfg``'s schedule,
-    p, m and v on this machine, from a run of :func:`calibration_model` (a few seconds)."""
+def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] | None:
+    """Cores this process may use and the mean number of *other* runnable threads on the machine
+    (``/proc/loadavg``'s running count, ``samples`` readings ``every_s`` apart, less this reader);
+    None where the kernel does not say (not Linux)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+        running = []
+        for _ in range(samples):
+            with open("/proc/loadavg") as f:
+                running.append(int(f.read().split()[3].split("/")[0]))
+            time.sleep(every_s)
+    except (OSError, AttributeError, ValueError, IndexError):
+        return None
+    return {"cores": float(cores), "others": max(0.0, statistics.fmean(running) - 1.0)}
+
+
+def _boundary(cfg: PipelineConfig) -> tuple[int, int]:
+    """Width and sequence length of the real model's stage boundary (8 and 8 when unknown)."""
+    if ":" in cfg.model:
+        return 8, cfg.seq or 8
+    from microbatch.model import get_model
+
+    shape = get_model(cfg.model, seq=cfg.seq)
+    return shape.hidden, shape.seq
+
+
+def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
+    """The runtime's costs between ops for ``cfg``'s schedule, p, m, v and micro-batch on this
+    machine (:func:`microbatch.run.pipeline_replay.runtime_terms`), from a run of
+    :func:`calibration_model` with the real boundary's width and sequence (a few seconds)."""
     from dataclasses import replace
 
     from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline_replay import runtime_terms
 
+    width, seq = _boundary(cfg)
+    load = machine_load()
     tiny = replace(
         cfg,
-        model="microbatch.run.pipeline_profile:calibration_model",
-        seq=8,
-        global_batch=None,
+        model=f"microbatch.run.pipeline_profile:calibration_model_{width}",
+        seq=seq,
+        global_batch=cfg.batch,
         check_gradients=False,
         balance="params",
-        steps=3,
+        steps=6,
         dtype="float32",
     )
     rep = run_pipeline(tiny)
-    comm = float(rep["predicted"]["with_comm"]["comm_time_s"])
-    measured = float(rep["measured"]["step_time_s"])
-    simulated = float(rep["predicted"]["with_comm"]["step_time_s"])
-    per_rank = max(len(v) for v in rep["executed_order"].values())
-    overhead = max(0.0, (measured - simulated) / per_rank) if per_rank else 0.0
-    return {"comm_s": comm, "overhead_s": overhead, "calibration_step_s": measured}
+    terms = runtime_terms(tiny, rep["step_intervals"])
+    terms["calibration_step_s"] = float(rep["measured"]["step_time_s"])
+    terms["calibration_bubble"] = float(rep["measured"]["bubble_fraction"])
+    # the runtime's own work inside each stage call (receive-buffer lookup, caches, output
+    # bookkeeping; on a shared machine also the cost of running after a wait): the calibration
+    # run's op time less the same op profiled on one process
+    alone = profile_stages(tiny)
+    terms["in_op_s"] = {
+        key: max(0.0, float(t) - alone[int(key[:-1])][key[-1]])
+        for key, t in rep["measured"]["op_time_s"].items()
+    }
+    terms["machine"] = load
+    return terms
 
 
 def predict_before(
-    cfg: PipelineConfig, profile: dict[int, dict[str, float]], runtime: dict[str, float]
+    cfg: PipelineConfig, profile: dict[int, dict[str, float]], runtime: dict[str, Any]
 ) -> dict[str, Any]:
-    """Bubble and step time of ``cfg`` simulated before the run: torch's order, the profiled
-    per-stage times plus the runtime's per-action overhead, the hand-off on cross-rank inputs."""
-    from microbatch.run.pipeline_summary import predict
+    """Bubble and step time of ``cfg`` predicted before the run: torch's order replayed with the
+    profiled per-stage times and the runtime's measured costs between ops
+    (:func:`microbatch.run.pipeline_replay.replay`)."""
+    from microbatch.run.pipeline_order import torch_order
+    from microbatch.run.pipeline_replay import replay
 
-    o = runtime["overhead_s"]
-    times = {(s, k): t + o for s, row in profile.items() for k, t in row.items()}
-    sim = predict(cfg, times, comm_s=runtime["comm_s"])
-    # the overhead runs outside the forward/backward calls, where a run measures its busy time:
-    # it counts as idle here too, so that the bubble compares like with like
-    n_actions = sim.schedule.num_actions()
-    busy = sum(sim.busy) - o * n_actions
-    span = cfg.stages * sim.makespan
+    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    extra = runtime.get("in_op_s", {})
+    split = any(k in ("I", "W") for acts in order.values() for a in acts for k in a if k.isalpha())
+
+    def times(share: float) -> dict[tuple[int, str], float]:
+        def op(s: int, row: dict[str, float], k: str) -> float:
+            alone = row[f"cpu{k}"] / share if f"cpu{k}" in row else row[k]
+            return alone + float(extra.get(f"{s}{k}", 0.0))
+
+        kinds = "FBIW" if split else "FB"
+        return {(s, k): op(s, row, k) for s, row in profile.items() for k in kinds if k in row}
+
+    # the ranks share the machine's cores with each other and with the other runnable threads
+    # measured before the calibration run: an op gets cores / (others + ranks busy at once) of a
+    # core (processor sharing), at most one; the ranks busy at once come from the replay itself
+    # the ranks share the machine's cores with each other and with the other runnable threads
+    # measured before the calibration run: an op gets cores / (others + ranks busy at once) of a
+    # core (processor sharing), at most one; the ranks busy at once come from the replay itself
+    machine = runtime.get("machine")
+    share = 1.0
+    rep = replay(cfg, order, times(share), runtime)
+    if machine:
+        for _ in range(3):
+            busy_ranks = cfg.stages * (1.0 - rep["bubble_fraction"])
+            share = min(1.0, float(machine["cores"]) / max(1e-9, float(machine["others"]) + busy_ranks))
+            rep = replay(cfg, order, times(share), runtime)
+    after = runtime["after_send_s"]
+    hop = runtime["hop_s"]
     return {
-        "bubble_fraction": 1.0 - busy / span if span > 0 else 0.0,
-        "step_time_s": sim.makespan,
-        "overhead_s": o,
-        "comm_time_s": runtime["comm_s"],
-        "profile_s": {f"{s}{k}": t for s, row in sorted(profile.items()) for k, t in row.items()},
-        "source": "made before the run: one-process per-stage profile + the runtime's overhead and hand-off "
-        "from a tiny calibration run, simulated on torch's order",
+        "bubble_fraction": rep["bubble_fraction"],
+        "step_time_s": rep["step_time_s"],
+        "overhead_s": (after["fwd"] + after["bwd"] + runtime["after_local_s"]) / 3,
+        "comm_time_s": (hop["fwd"] + hop["bwd"]) / 2,
+        "cpu_share": share,
+        "runtime": {k: v for k, v in runtime.items() if k != "cases"},
+        "profile_s": {
+            f"{s}{k}": t for s, row in sorted(profile.items()) for k, t in row.items() if k in "FBIW"
+        },
+        "source": "made before the run: one-process per-stage profile + the runtime's measured costs between "
+        "ops (after a send, after a local op, hand-off, step start and end) from a calibration run with the "
+        "real boundary's bytes, replayed on torch's order",
     }
 
 
@@ -187,7 +314,8 @@ def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> di
 
     check_splittable(cfg)
     check_fits(cfg)
-    before = predict_before(cfg, profile_stages(cfg), calibrate_runtime(cfg))
+    runtime = calibrate_runtime(cfg)
+    before = predict_before(cfg, profile_stages(cfg, idle_s=runtime["mean_gap_s"]), runtime)
     report = run_pipeline(cfg, deadline_s=deadline_s)
     report["before_run"] = before
     return report

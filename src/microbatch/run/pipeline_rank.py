@@ -38,7 +38,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
 from microbatch.measure.hostmem import peak_rss_bytes, reset_peak_rss
-from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn
+from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn, split_backward_kept
 from microbatch.run.pipeline_config import PipelineConfig
 from microbatch.run.pipeline_split import (
     balanced_split,
@@ -172,7 +172,7 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
 
     mb, b = cfg.micro_batch, cfg.batch
     with torch.no_grad():
-        tok, _ = make_batch(cfg, vocab, seq, -1)
+        tok, tgt = make_batch(cfg, vocab, seq, -1)
         x = tok[:mb]
         boundary: list[Any] = []
         for mod in modules:
@@ -186,10 +186,21 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         # example outputs must say requires_grad, or the previous stage expects no gradient back
         out = boundary[s].to(device).detach().requires_grad_(boundary[s].is_floating_point())
         stage_objs.append(PipelineStage(modules[s], s, n_stages, device, input_args=inp, output_args=out))
+    total_tokens = b * seq
+    # what torch's split backward keeps of each stage's saved bytes between I and W (measured here)
+    kept_after_input_grad = {
+        s: split_backward_kept(
+            modules[s],
+            tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).clone().requires_grad_(True),
+            first=s == 0,
+            loss_fn=make_loss_fn(total_tokens) if s == n_stages - 1 else None,
+            target=tgt[:mb].to(device),
+        )
+        for s in mine
+    }
     for st in stage_objs:
         instrument_stage(st, rec)
 
-    total_tokens = b * seq
     loss_fn = make_loss_fn(total_tokens, rec)
     cls = getattr(ts, str(get_spec(cfg.schedule).torch_name), None)
     if cls is None:
@@ -254,8 +265,11 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
                     (k, s, i, wall0 + span(t0, a), wall0 + span(t0, e)) for (k, s, i, a, e) in rec.intervals
                 ],
                 "order": list(rec.order),
+                "cpu_s": list(rec.cpu_s),
+                "live_trace": list(rec.live_trace),
                 "peak_in_flight": rec.peak_in_flight,
                 "per_microbatch_bytes": list(rec.per_microbatch_bytes),
+                "per_microbatch_shared_bytes": list(rec.per_microbatch_shared_bytes),
                 "counted_activation_bytes": rec.counted_peak_bytes,
                 "peak_activation_bytes": rec.live.peak,
                 "live_bytes_after_step": rec.live.bytes,
@@ -269,6 +283,7 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         "rank": rank,
         "stages": mine,
         "layers_per_stage": sizes,
+        "kept_after_input_grad": {str(s): f for s, f in kept_after_input_grad.items()},
         "steps": steps_out,
         "max_grad_rel_error": grad_err,
         "torch_order": {

@@ -48,6 +48,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     - ``memory``: per rank, measured against predicted activation memory with the error
       (:func:`microbatch.run.pipeline_memory.memory_rows`).
     - ``measured.op_time_s``: mean seconds of each stage's F/B/I/W (``"1F"``) — the simulator's input.
+    - ``measured.cpu_share``: CPU seconds / wall seconds inside the ops, over all ranks (the share of
+      a core the ops got; below 1 when the machine is shared); None on a GPU or without CPU times.
     - ``predicted``: :func:`predict` on torch's order with those times (no communication time);
       ``predicted.with_comm``: the same plus the measured hand-off latency (:func:`measured_comm_s`).
     - ``gradients_match`` / ``max_grad_rel_error``: largest ‖g_pipe − g_ref‖/‖g_ref‖ over the
@@ -55,6 +57,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
       :data:`GRAD_TOLERANCE` by dtype.
     - ``order_matches_torch``: every rank ran exactly torch's planned compute order.
     - ``timeline`` / ``predicted_timeline``: the last step's intervals, seconds from its start.
+    - ``step_intervals``: every measured step's start, end and raw per-rank intervals (wall-clock
+      seconds), what :func:`microbatch.run.pipeline_replay.runtime_terms` reads.
     """
     cfg = config_from_dict(raw["config"])
     ranks = sorted(raw["ranks"], key=lambda x: x["rank"])
@@ -104,6 +108,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             }
         )
     mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
+    op_wall = sum(e - a for r in ranks for k in use for (_, _, _, a, e) in r["steps"][k]["intervals"])
+    op_cpu = sum(c for r in ranks for k in use for c in r["steps"][k].get("cpu_s", []))
     executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
     pred = predict(cfg, mean_times, executed)
     comm = measured_comm_s(cfg, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
@@ -118,6 +124,14 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
         for r in ranks
         for (kind, s, i, a, e) in r["steps"][-1]["intervals"]
+    ]
+    step_intervals = [
+        {
+            "start": min(r["steps"][k]["start_wall_s"] for r in ranks),
+            "end": max(r["steps"][k]["end_wall_s"] for r in ranks),
+            "ranks": [r["steps"][k]["intervals"] for r in ranks],
+        }
+        for k in use
     ]
     predicted_rows = pred.timeline_rows()
     err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
@@ -142,6 +156,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "step_time_s": wall,
             "stage_stats": stats,
             "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
+            "cpu_share": op_cpu / op_wall
+            if op_wall > 0 and op_cpu > 0 and not str(raw.get("device", "cpu")).startswith("cuda")
+            else None,
         },
         "memory": memory,
         "predicted": {
@@ -165,6 +182,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         ),
         "executed_order": executed,
         "timeline": timeline,
+        "step_intervals": step_intervals,
         "predicted_timeline": [
             {"rank": r, "label": lab, "microbatch": i, "start_s": a, "end_s": e}
             for r, rows in enumerate(predicted_rows)

@@ -69,10 +69,7 @@ def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> 
         f"{m['bubble_fraction']:>8.1%}",
         f"  step time             {_ms(b and b['step_time_s']):>14}   {_ms(pw['step_time_s']):>21}   "
         f"{_ms(m['step_time_s']):>8}",
-        f"  before the run: one-process profile + runtime overhead {_ms(b and b['overhead_s'])} per action and "
-        f"hand-off {_ms(b and b['comm_time_s'])} (tiny calibration run)"
-        if b
-        else "  before the run: not predicted (--no-predict)",
+        _before_line(b) if b else "  before the run: not predicted (--no-predict)",
         f"  replay: the simulator on torch's order with this run's op times and hand-off "
         f"{pw['comm_time_s'] * 1e3:.2f} ms (without it: bubble {p['bubble_fraction']:.1%})",
         "",
@@ -87,8 +84,8 @@ def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> 
         )
     lines += [
         "",
-        "  activation memory per rank: measured = peak of saved storages alive; predicted = in-flight rule ×",
-        "  saved bytes per micro-batch (calibrated) and predict/memory's formula (uncalibrated)",
+        "  activation memory per rank: measured = peak of saved storages alive; predicted = torch's order walked",
+        "  with each stage's saved bytes per micro-batch (calibrated) and predict/memory's formula (uncalibrated)",
         "  rank   measured  predicted  error   uncalibrated  error   host peak",
     ]
     for row in report.get("memory", []):
@@ -160,3 +157,18 @@ def chrome_trace(report: dict[str, Any]) -> dict[str, Any]:
                 {"name": "in flight", "ph": "C", "pid": r, "ts": t * 1e6, "args": {"micro-batches": held}}
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _before_line(b: dict[str, Any]) -> str:
+    """The measured runtime terms behind the prediction made before the run, on one line."""
+    rt = b.get("runtime")
+    if not rt:
+        return (
+            f"  before the run: one-process profile + runtime overhead {_ms(b['overhead_s'])} per action and "
+            f"hand-off {_ms(b['comm_time_s'])} (calibration run)"
+        )
+    return (
+        f"  before the run: one-process profile + from a calibration run: after a send "
+        f"{_ms(rt['after_send_s']['fwd'])} fwd / {_ms(rt['after_send_s']['bwd'])} bwd, after a local op "
+        f"{_ms(rt['after_local_s'])}, hand-off {_ms(rt['hop_s']['fwd'])} fwd / {_ms(rt['hop_s']['bwd'])} bwd"
+    )

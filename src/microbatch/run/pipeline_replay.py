@@ -1,0 +1,203 @@
+"""Where a pipeline step's time goes between the ops, measured, and a replay of torch's order with it.
+
+torch.distributed.pipelining runs every rank as one Python loop: post the sends and receives an
+action needs, wait for them, run the forward or backward, go on. On gloo a send into a rank that
+is already blocked waiting for it does not return at once (measured on the 2-core dev machine:
+``dist.isend`` of 32 KiB took 0.07 ms when the receiver had not started waiting yet, 2.4 ms when it
+was blocked in ``wait()``; in a tiny 1F1B run the last rank's gradient sends took 5.4-5.9 ms each,
+its forward sends 0.1 ms), and a rank woken by a message starts its op some time after the sender
+finished. So the time between ops is not one overhead per action: it depends on whether the op
+just finished hands its output to another rank, and whether the next op waits for one.
+
+:func:`runtime_terms` reads those terms from a run's own intervals (the tiny calibration run of
+:func:`microbatch.run.pipeline_profile.calibrate_runtime`), each the mean over every case in the
+measured steps:
+
+- ``after_send_s`` (per direction, ``"fwd"`` / ``"bwd"``): the gap between an op whose output goes
+  to another rank and the rank's next op, where that next op did not wait for another rank — the
+  sender's own cost of posting the send (and torch's bookkeeping around it);
+- ``after_local_s``: the same gap after an op whose output stays on the rank;
+- ``hop_s`` (per direction): from the end of an op on one rank to the start of the op that consumes
+  its output on another rank, where the consumer sat waiting for it (its rank's previous op had
+  ended before the producer's) — the hand-off as the consumer sees it, the sender's post included;
+- ``start_s``: from the step's start (the barrier before ``step()``) to the first op of a rank that
+  waits for nobody; ``end_s``: from the end of the last op to the step's end (the last rank's
+  return from ``step()``) beyond the after-op cost the replay already charges;
+- ``mean_gap_s``: the mean time a rank sat between two ops (waiting or not), for which
+  :func:`microbatch.run.pipeline_profile.profile_stages` idles before each profiled op.
+
+:func:`replay` runs torch's order with per-stage op times and these terms: an op starts when its
+rank is free and its inputs have arrived (producer end + hop when the producer is on another rank);
+the rank is free again after the op plus its after-op cost. The busy time is the ops alone, as a run
+measures it, so the bubble compares like with like. Plain data in and out; no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from microbatch.errors import ScheduleError
+from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.schedules.registry import stage_ranks
+
+__all__ = ["ZERO_TERMS", "parse_action", "replay", "runtime_terms"]
+
+ZERO_TERMS: dict[str, Any] = {
+    "after_send_s": {"fwd": 0.0, "bwd": 0.0},
+    "after_local_s": 0.0,
+    "hop_s": {"fwd": 0.0, "bwd": 0.0},
+    "start_s": 0.0,
+    "end_s": 0.0,
+}
+"""No cost between ops: :func:`replay` then gives the event simulation's makespan."""
+
+Interval = tuple[str, int, int, float, float]
+
+
+def parse_action(action: str) -> tuple[int, str, int]:
+    """``"2I3"`` -> (stage 2, kind ``"I"``, micro-batch 3)."""
+    k = next(i for i, c in enumerate(action) if c.isalpha())
+    return int(action[:k]), action[k], int(action[k + 1 :])
+
+
+def _deps(kind: str, s: int, i: int, last: int) -> list[tuple[str, int, int]]:
+    """The ops of other stages whose output op (kind, s, i) consumes: F from stage s − 1, B and I
+    from stage s + 1 (its B, or its I under a split backward)."""
+    if kind == "F" and s > 0:
+        return [("F", s - 1, i)]
+    if kind in ("B", "I") and s < last:
+        return [("B", s + 1, i), ("I", s + 1, i)]
+    return []
+
+
+def _sends(kind: str, s: int, placement: list[int]) -> str | None:
+    """The direction in which op (kind, s) hands its output to another rank, if it does."""
+    if kind == "F" and s + 1 < len(placement) and placement[s + 1] != placement[s]:
+        return "fwd"
+    if kind in ("B", "I") and s > 0 and placement[s - 1] != placement[s]:
+        return "bwd"
+    return None
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The terms above from a run's measured steps: each ``{"start": s, "end": s, "ranks": [[(kind,
+    stage, microbatch, start, end), ...] per rank]}`` in one clock (seconds)."""
+    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    last = cfg.total_stages - 1
+    after: dict[str, list[float]] = {"fwd": [], "bwd": [], "local": []}
+    hop: dict[str, list[float]] = {"fwd": [], "bwd": []}
+    start: list[float] = []
+    gaps: list[float] = []
+    seen: list[tuple[str, float, float, float | None, tuple[str, int, int] | None, Interval | None]] = []
+    for step in steps:
+        span: dict[tuple[str, int, int], float] = {}
+        for intervals in step["ranks"]:
+            for kind, s, i, _a, e in intervals:
+                span[(kind, s, i)] = e
+        for intervals in step["ranks"]:
+            ops = sorted(intervals, key=lambda x: x[3])
+            for n, (kind, s, i, a, _e) in enumerate(ops):
+                prev = ops[n - 1] if n else None
+                dep = next((d for d in _deps(kind, s, i, last) if d in span), None)
+                dep_end = span[dep] if dep is not None and placement[dep[1]] != placement[s] else None
+                prev_end = prev[4] if prev is not None else step["start"]
+                gaps.append(a - prev_end)
+                if dep_end is not None and dep_end >= prev_end:  # it waited for another rank
+                    hop["fwd" if kind == "F" else "bwd"].append(a - dep_end)
+                elif prev is None:
+                    start.append(a - step["start"])
+                else:
+                    seen.append((kind, a, prev_end, dep_end, dep, prev))
+    # a gap after an op is the rank's own cost unless the next op's input arrived within it: its
+    # producer on another rank ended less than one (mean) hand-off before the gap began
+    hop_mean = {d: _mean(v) for d, v in hop.items()}
+    for kind, a, prev_end, dep_end, _dep, prev in seen:
+        if dep_end is not None and dep_end + hop_mean["fwd" if kind == "F" else "bwd"] > prev_end:
+            continue
+        if prev is None:
+            continue
+        after[_sends(prev[0], prev[1], placement) or "local"].append(a - prev_end)
+    after_mean = {d: _mean(v) for d, v in after.items()}
+    # the step's end beyond the last op's own after-op cost
+    end: list[float] = []
+    for step in steps:
+        last_ops = [max(iv, key=lambda x: x[4]) for iv in step["ranks"] if iv]
+        if not last_ops:
+            continue
+        ends = [e + after_mean[_sends(k, s, placement) or "local"] for k, s, _i, _a, e in last_ops]
+        end.append(max(0.0, step["end"] - max(ends)))
+    return {
+        "after_send_s": {"fwd": after_mean["fwd"], "bwd": after_mean["bwd"]},
+        "after_local_s": after_mean["local"],
+        "hop_s": hop_mean,
+        "start_s": _mean(start),
+        "end_s": _mean(end),
+        "mean_gap_s": _mean(gaps),
+        "cases": {
+            "after_send": {"fwd": len(after["fwd"]), "bwd": len(after["bwd"])},
+            "after_local": len(after["local"]),
+            "hop": {"fwd": len(hop["fwd"]), "bwd": len(hop["bwd"])},
+        },
+    }
+
+
+def replay(
+    cfg: PipelineConfig,
+    order: dict[int, list[str]],
+    op_s: dict[tuple[int, str], float],
+    terms: dict[str, Any],
+) -> dict[str, Any]:
+    """Run ``order`` (rank -> actions like ``"1B0"``) with ``op_s[(stage, kind)]`` seconds per op and
+    the measured ``terms``; return the step time, the busy seconds per rank, the bubble
+    (1 − Σ busy / (p × step)) and the timeline. Raises :class:`ScheduleError` on a deadlock."""
+    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    last = cfg.total_stages - 1
+    p = cfg.stages
+    present = {(k, s, i) for r in range(p) for s, k, i in map(parse_action, order[r])}
+    free = [float(terms["start_s"])] * p
+    nxt = [0] * p
+    busy = [0.0] * p
+    done: dict[tuple[str, int, int], float] = {}
+    rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
+    total = sum(len(order[r]) for r in range(p))
+    while len(done) < total:
+        moved = False
+        for r in range(p):
+            while nxt[r] < len(order[r]):
+                s, kind, i = parse_action(order[r][nxt[r]])
+                dep = next((d for d in _deps(kind, s, i, last) if d in present), None)
+                local = ("I", s, i) if kind == "W" else None
+                if (dep is not None and dep not in done) or (local is not None and local not in done):
+                    break
+                ready = free[r]
+                if dep is not None:
+                    cross = placement[dep[1]] != r
+                    ready = max(
+                        ready, done[dep] + (terms["hop_s"]["fwd" if kind == "F" else "bwd"] if cross else 0.0)
+                    )
+                dur = float(op_s.get((s, kind), 0.0))
+                end = ready + dur
+                done[(kind, s, i)] = end
+                busy[r] += dur
+                rows[r].append((ready, end, kind, i))
+                direction = _sends(kind, s, placement)
+                free[r] = end + (
+                    terms["after_send_s"][direction] if direction else float(terms["after_local_s"])
+                )
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: order[r][nxt[r]] for r in range(p) if nxt[r] < len(order[r])}
+            raise ScheduleError(f"the order deadlocks in the replay: every rank waits ({stuck})")
+    step = max(free) + float(terms["end_s"])
+    return {
+        "step_time_s": step,
+        "busy_s": busy,
+        "bubble_fraction": 1.0 - sum(busy) / (p * step) if step > 0 else 0.0,
+        "timeline": rows,
+    }
