@@ -127,3 +127,16 @@ def test_weight_gradient_is_timed_as_torch_runs_it_not_as_a_second_full_backward
     assert last["W"] < 0.75 * last["B"], last  # autograd.grad over the parameters gave W ≈ B
     assert 0.7 * last["B"] < last["I"] + last["W"] < 1.6 * last["B"], last
     assert first["I"] < 0.01 * first["B"] and first["W"] > 0.5 * first["B"], first  # I: an empty call
+
+
+def test_the_dualpipev_replay_sends_an_overlapped_forward_after_its_backward():
+    """The replay of a DualPipeV run holds torch's overlapped F+B steps (the forward's output leaves
+    after the pair): with equal per-chunk times every rank idles the closed form's 2(p-1)·T_F."""
+    from microbatch.run.pipeline_summary import predict
+    from microbatch.schedules.closed_forms import dualpipev_idle_time
+
+    cfg = PipelineConfig(schedule="dualpipev", stages=2, microbatches=4, virtual=2)
+    times = {(s, k): 1.0 for s in range(4) for k in "FIW"}
+    sim = predict(cfg, times, comm_s=0.0)
+    idle = [sim.makespan - b for b in sim.busy]
+    assert idle == pytest.approx([dualpipev_idle_time(2, 1.0, 1.0, 1.0)] * 2)  # 2.0; without the pairing 1.0

@@ -13,6 +13,7 @@ Drawing and prose live in :mod:`microbatch.show.pipeline_report`.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 from microbatch.errors import ScheduleError
@@ -251,6 +252,9 @@ def predict(
         virtual=cfg.virtual,
         placement=get_spec(cfg.schedule).placement,
     )
+    spec = get_spec(cfg.schedule)
+    if spec.overlapped is not None:  # DualPipeV: a forward's output leaves after its paired backward
+        sched = replace(sched, overlapped=spec.overlapped(sched.actions))
     n = cfg.total_stages
     times = {k: [float(op_time_s.get((s, k), 0.0)) for s in range(n)] for k in "FBIW"}
     split = sched.split_backward
