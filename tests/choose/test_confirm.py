@@ -43,7 +43,8 @@ def test_a_knee_passed_on_one_quiet_moment_moves_to_the_true_knee():
     assert calls[n:] == [2, 4, 8, 2, 4, 8] and log.probes == n + 6
     assert [p.micro_batch for p in confirmed] == [p.micro_batch for p in points]
     assert next(p for p in confirmed if p.micro_batch == 2).throughput == 150.0  # the median of 190, 150, 150
-    assert "knee 2 confirmed: 2, 4, 8 re-measured alternately (2 rounds, median of 3)" in log.stop_reason
+    assert "knee 2 checked: 2, 4, 8 re-measured alternately (2 rounds, median of 3)" in log.stop_reason
+    assert "the knee moved from 2 to 4 on the re-measured points" in log.stop_reason
 
 
 def test_a_knee_that_is_the_largest_and_fastest_point_costs_no_probe():

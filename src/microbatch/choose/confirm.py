@@ -72,6 +72,7 @@ def confirm_knee(
     """
     pts = list(points)
     confirmed: set[int] = set()  # indices into pts re-measured already
+    first: int | None = None  # the search's knee
     try:
         while True:
             try:
@@ -80,10 +81,13 @@ def confirm_knee(
                 return pts  # nothing to choose from: the caller's recommend says why
             index = {p.micro_batch: i for i, p in enumerate(pts) if not p.oom and p.throughput}
             knee = rec.knee.micro_batch
+            first = knee if first is None else first
             above = [b for b in index if b > knee]
             group = sorted({knee, rec.fastest.micro_batch, *([min(above)] if above else [])})
             todo = [index[b] for b in group if index[b] not in confirmed]
             if len(group) < 2 or not todo:
+                if first is not None and knee != first:
+                    log.stop_reason += f"; the knee moved from {first} to {knee} on the re-measured points"
                 return pts  # nothing to compare the knee with, or all of it measured again
             if all(pts[index[b]].clock == DEVICE_CLOCK for b in group):
                 log.stop_reason += (
@@ -101,7 +105,7 @@ def confirm_knee(
                 pts[i] = _median(ms)
                 confirmed.add(i)
             log.stop_reason += (
-                f"; knee {knee} confirmed: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "
+                f"; knee {knee} checked: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "
                 f"alternately ({rounds} rounds, median of {rounds + 1})"
             )
     except KeyboardInterrupt:
