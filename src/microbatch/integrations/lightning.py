@@ -48,7 +48,7 @@ from microbatch.integrations.common import (
     options_with_cap,
 )
 from microbatch.integrations.lightning_oom import CallbackBase as _Base
-from microbatch.integrations.lightning_oom import SplitOnOOM
+from microbatch.integrations.lightning_oom import SplitOnOOM, loss_of
 
 __all__ = ["KneeBatchSize", "SplitOnOOM", "SUPPORTED_STRATEGIES"]
 
@@ -176,14 +176,7 @@ class KneeBatchSize(_Base):
             return strategy.batch_to_device(next(iter(loader)))
 
         def loss_fn(model: Any, batch: Any) -> Any:
-            out = strategy.training_step(batch, 0)
-            loss = out.get("loss") if isinstance(out, dict) else out
-            if loss is None:
-                raise ConfigError(
-                    "training_step returned no loss (None, or a dict without 'loss'); KneeBatchSize needs the "
-                    "loss tensor that Lightning's automatic optimization would back-propagate"
-                )
-            return loss
+            return loss_of(strategy.training_step(batch, 0), "KneeBatchSize")
 
         first = _train_loader(trainer)  # checked before any probe, at the user's own batch size
         _check_loader(first, original, self.batch_arg_name)

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 from microbatch.errors import ConfigError
 from microbatch.run.controller import MicroBatchController
 
-__all__ = ["SplitOnOOM", "CallbackBase"]
+__all__ = ["SplitOnOOM", "CallbackBase", "loss_of"]
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback as CallbackBase
@@ -95,12 +95,14 @@ def _check_trainer(trainer: Any, pl_module: Any) -> None:
         )
 
 
-def _loss_of(out: Any) -> Any:
+def loss_of(out: Any, caller: str, where: str = "") -> Any:
+    """The loss tensor a LightningModule's ``training_step`` returned (the tensor, or a dict's ``"loss"``);
+    a ConfigError naming ``caller`` when there is none (automatic optimization needs one to back-propagate)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     if loss is None:
         raise ConfigError(
-            "training_step returned no loss (None, or a dict without 'loss') for a piece of the batch; SplitOnOOM "
-            "needs the loss tensor automatic optimization would back-propagate (skipping a batch is not supported)"
+            f"training_step returned no loss (None, or a dict without 'loss'){where}; {caller} needs the loss "
+            "tensor that Lightning's automatic optimization would back-propagate (skipping a batch is not supported)"
         )
     return loss
 
@@ -240,7 +242,7 @@ class SplitOnOOM(CallbackBase):
                 return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True), 0.0
             extra.clear()  # a failed piece's outputs go before the next forward, not after it
             out = original(mb, *rest, **kwargs)
-            loss = _loss_of(out)
+            loss = loss_of(out, "SplitOnOOM", " for a piece of the batch")
             if isinstance(out, Mapping):
                 dict_out = True
                 # detached, as Lightning keeps a step's extra outputs: no piece's graph outlives its backward
