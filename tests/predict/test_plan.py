@@ -126,6 +126,17 @@ def test_lints():
     assert any("m = 2 < p = 4" in x for x in tiny_m.lints)
 
 
+def test_zero_2_or_3_with_pipeline_stages_names_the_frameworks_and_the_flag():
+    base = _cfg(micro_batches=(2,), schedules=("1f1b",), recompute=("none",))
+    z3 = make_plan(replace(base, zero=(3,)))
+    msgs = [x for x in lint(z3, z3.candidates[0]) if "pipeline stages runs in torchtitan" in x]
+    assert len(msgs) == 1 and "plan with --zero 1" in msgs[0] and "ZeRO 3 with p = 4" in msgs[0], msgs
+    z1 = make_plan(replace(base, zero=(1,)))
+    assert not any("torchtitan" in x for x in lint(z1, z1.candidates[0]))
+    flat = make_plan(replace(base, zero=(3,), pipeline_parallel=1, schedules=("gpipe",)))
+    assert not any("torchtitan" in x for x in lint(flat, flat.candidates[0]))  # no pipeline: nothing to say
+
+
 def test_nothing_fits_says_what_would():
     cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=get_accelerator("l4"), global_batch=64,
                      pipeline_parallel=4)  # fmt: skip

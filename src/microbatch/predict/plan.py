@@ -341,6 +341,22 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
             f"GPipe holds all m = {c.microbatches} micro-batches' activations on each stage: "
             f"{_gib(c.memory['activations'])}; 1F1B holds at most p = {p}{tail}"
         )
+    if p > 1 and c.zero >= 2:
+        # ZeRO 2/3 with pipeline stages: FSDP with PP in torchtitan; DeepSpeed's PipelineEngine asserts
+        # ZeRO <= 1 and Megatron-LM shards only the optimizer state (its distributed optimizer)
+        low = [x for x in plan.candidates if x.fits and x.zero <= 1 and x.micro_batch == c.micro_batch]
+        alt = max(low, key=lambda x: x.tokens_per_s) if low else None
+        tail = (
+            f" (the best of those here: ZeRO {alt.zero}, {alt.schedule}, {_gib(alt.peak_memory_bytes)}, "
+            f"{100 * alt.tokens_per_s / c.tokens_per_s:.0f}% of this throughput)"
+            if alt
+            else " (none fits at this b_m)"
+        )
+        out.append(
+            f"ZeRO {c.zero} with p = {p} pipeline stages runs in torchtitan (FSDP with pipeline parallelism); "
+            f"DeepSpeed's pipeline engine takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: for those, "
+            f"plan with --zero 1{tail}"
+        )
     ctx = make_context(cfg)
     bms = sorted({x.micro_batch for x in plan.candidates})
     if len(bms) > 1:
