@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_microbench import _timer  # noqa: E402 - the one timer of the GPU benches
 
 
 def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, repeats: int) -> dict[str, Any]:
@@ -54,21 +57,13 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
     target = tgt[:micro_batch].to(device)
     cuda = device.startswith("cuda")
 
+    run = _timer(torch, cuda)  # CUDA events (or the wall clock on the CPU), median of the repeats
+
     def timed(fn: Any) -> float:
-        out = []
-        for _ in range(repeats):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                out.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-        return statistics.median(out)
+        return float(run(fn, repeats=repeats, warmup=0))
+
+    def timed_once(fn: Any) -> float:
+        return float(run(fn, repeats=1, warmup=0))
 
     rows = []
     last = len(modules) - 1
@@ -91,19 +86,6 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         f_s = timed(fwd)
-
-        def timed_once(fn: Any) -> float:
-            if cuda:
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                return float(a.elapsed_time(b) / 1e3)
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
 
         def b_s_fn(fwd: Any = fwd, grad: Any = grad) -> float:
             vals = []

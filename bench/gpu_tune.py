@@ -220,19 +220,11 @@ def cmd_measure(args) -> int:
 
 
 # -- Lightning ----------------------------------------------------------------------------
-def cmd_lightning(args) -> int:
-    s = _settings(args)
-    try:
-        import lightning.pytorch as pl
-        from lightning.pytorch.tuner import Tuner
-    except ImportError as e:
-        _write(Path(args.out), f"lightning_{args.model}.json", {"installed": False, "error": str(e)})
-        return 0
+def _lightning_module(model, vocab: int, seq: int, trials: list | None = None):
+    """The LightningModule both Lightning runs tune: the HF model on random tokens, AdamW, a
+    ``batch_size`` attribute (from 2) that the finders set; ``trials`` records each loader's size."""
+    import lightning.pytorch as pl
     import torch
-
-    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
-    seq = s["seq"]
-    calls = {"trials": []}
 
     class Data(torch.utils.data.Dataset):
         def __len__(self):
@@ -248,7 +240,8 @@ def cmd_lightning(args) -> int:
             self.batch_size = 2
 
         def train_dataloader(self):
-            calls["trials"].append(self.batch_size)
+            if trials is not None:
+                trials.append(self.batch_size)
             return torch.utils.data.DataLoader(Data(), batch_size=self.batch_size, num_workers=0)
 
         def training_step(self, batch, i):
@@ -256,6 +249,22 @@ def cmd_lightning(args) -> int:
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return Module()
+
+
+def cmd_lightning(args) -> int:
+    s = _settings(args)
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.tuner import Tuner
+    except ImportError as e:
+        _write(Path(args.out), f"lightning_{args.model}.json", {"installed": False, "error": str(e)})
+        return 0
+
+    model, vocab = _hf_model(s["model"], s["seq"], s["device"])
+    seq = s["seq"]
+    calls = {"trials": []}
 
     trainer = pl.Trainer(
         accelerator="cpu" if args.dry_run else "gpu",
@@ -268,7 +277,7 @@ def cmd_lightning(args) -> int:
         enable_model_summary=False,
         default_root_dir=args.out,  # its temporary checkpoint goes here, not into the checkout
     )
-    module = Module()
+    module = _lightning_module(model, vocab, seq, calls["trials"])
     t0 = time.perf_counter()
     found = Tuner(trainer).scale_batch_size(
         module, mode="power", steps_per_trial=3, init_val=2, max_val=s["cap"] * 2 if args.dry_run else 8192
@@ -306,28 +315,6 @@ def cmd_knee_lightning(args) -> int:
     model, vocab = _hf_model(s["model"], s["seq"], s["device"])
     seq, B = s["seq"], (16 if args.dry_run else 256)
 
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 10**6
-
-        def __getitem__(self, i):
-            return torch.randint(0, vocab, (seq,))
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.batch_size = 2
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(Data(), batch_size=self.batch_size, num_workers=0)
-
-        def training_step(self, batch, i):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
     timing = {}
 
     class Timed(KneeBatchSize):
@@ -342,7 +329,7 @@ def cmd_knee_lightning(args) -> int:
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[cb], default_root_dir=args.out,
     )  # fmt: skip
-    module = Module()
+    module = _lightning_module(model, vocab, seq)
     before = {k: v.detach().clone() for k, v in list(module.state_dict().items())[:4]}
     t0 = time.perf_counter()
     trainer.fit(module)
