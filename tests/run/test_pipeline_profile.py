@@ -103,17 +103,37 @@ def test_profile_measures_every_stage_of_the_split_the_ranks_use():
     assert idle[1]["F"] < 0.002 + 10 * prof[1]["F"]  # the sleep is not timed
 
 
-def test_other_runnable_threads_slow_the_ops_by_processor_sharing():
-    """2 cores, 2 other runnable threads: a busy rank gets cores / (others + ranks busy at once)."""
+def test_other_runnable_threads_slow_the_ops_in_short_time_slices_as_processor_sharing():
+    """2 cores, 2 other runnable threads, slices far shorter than the ops: one busy rank gets
+    cores / (others + 1) of a core (the processor-sharing limit of the scheduler's slices)."""
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=1)
     prof = {s: {"F": 1e-3, "B": 2e-3, "cpuF": 1e-3, "cpuB": 2e-3} for s in range(2)}
-    alone = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 0.0}))
-    shared = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 2.0}))
-    assert alone["cpu_share"] == 1.0 and alone["step_time_s"] == pytest.approx(6e-3)
+    alone = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 0.0, "slice_s": 1e-6}))
+    shared = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 2.0, "slice_s": 1e-6}))
+    assert alone["cpu_share"] == pytest.approx(1.0) and alone["step_time_s"] == pytest.approx(6e-3)
     # one rank busy at a time at m = 1 (bubble 1/2): share = 2 / (2 + 1)
-    assert shared["cpu_share"] == pytest.approx(2 / 3)
-    assert shared["step_time_s"] == pytest.approx(6e-3 * 1.5)
-    assert shared["bubble_fraction"] == pytest.approx(alone["bubble_fraction"])
+    assert shared["cpu_share"] == pytest.approx(2 / 3, rel=1e-3)
+    assert shared["step_time_s"] == pytest.approx(6e-3 * 1.5, rel=1e-3)
+    assert shared["bubble_fraction"] == pytest.approx(alone["bubble_fraction"], abs=1e-3)
+
+
+def test_more_ranks_than_cores_wait_for_a_core_and_ops_shorter_than_a_slice_are_not_stretched():
+    """GPipe p = 4 on 2 cores, ops of 1 and 2 ms, 4 ms slices: every op runs whole once it has a
+    core (its busy time is its work), but ranks queue for the cores, so the step is longer than
+    with a core each and never shorter than the work over the cores."""
+    cfg = PipelineConfig(schedule="gpipe", stages=4, microbatches=8)
+    order = torch_order(cfg.schedule, 4, 8, 1)
+    op_s = {(s, k): t for s, row in _flat(4).items() for k, t in row.items() if k in "FB"}
+    own = replay(cfg, order, op_s, ZERO_TERMS)
+    two = replay(cfg, order, op_s, ZERO_TERMS, cores=2, slice_s=4e-3)
+    work = 4 * 8 * 3e-3
+    assert sum(two["busy_s"]) == pytest.approx(work) == pytest.approx(sum(own["busy_s"]))
+    assert own["step_time_s"] == pytest.approx((8 + 3) * 3e-3)  # the closed form, a core each
+    assert two["step_time_s"] > own["step_time_s"] * 1.2
+    assert two["step_time_s"] >= work / 2 - 1e-12
+    # long ops in short slices are stretched instead: their busy time exceeds their work
+    slow = replay(cfg, order, {k: 10 * t for k, t in op_s.items()}, ZERO_TERMS, cores=2, slice_s=1e-3)
+    assert sum(slow["busy_s"]) > 1.2 * 10 * work
 
 
 def test_weight_gradient_is_timed_as_torch_runs_it_not_as_a_second_full_backward():

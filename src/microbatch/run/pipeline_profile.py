@@ -15,14 +15,21 @@ Three inputs, all measured on this machine before the run:
    (per direction), after an op that does not, the hand-off as the waiting rank sees it (per
    direction), and the step's start and end.
 3. **The schedule**: torch's own action order (:func:`microbatch.run.pipeline_order.torch_order`).
+4. **The machine** (:func:`machine_load`): its cores, the other programs' runnable threads, and the
+   scheduler's time slice, measured with busy loops (:func:`scheduler_slice_s`).
 
 :func:`predict_before` replays the order (:func:`microbatch.run.pipeline_replay.replay`) with the
-profiled op times and those terms: the bubble and step time predicted before the run.
+profiled op times and those terms, the ranks' work queued for the machine's cores in time slices
+(more ranks than cores wait for a core; an op longer than a slice is shared): the bubble and step
+time predicted before the run.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -187,10 +194,47 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 5, idle_s: float = 0.0) -
         torch.set_num_threads(threads)
 
 
+SLICE_S = 0.004
+"""The scheduler's time slice when it cannot be measured: 4 ms, one tick at the common ``HZ=250``
+(measured on the 2-core dev machine, Linux 6.18: a busy loop among three on two cores ran 3.98 ms
+at a time, median of 190 runs)."""
+
+_SPIN = """
+import json, sys, time
+end = time.perf_counter() + float(sys.argv[1])
+last = start = time.perf_counter()
+runs = []
+while last < end:
+    now = time.perf_counter()
+    if now - last > 5e-5:
+        runs.append(last - start)
+        start = now
+    last = now
+print(json.dumps(runs[1:]))
+"""
+
+
+def scheduler_slice_s(cores: int, seconds: float = 0.3) -> float | None:
+    """How long the kernel lets a busy thread run before it hands the core to another that waits:
+    ``cores + 1`` busy loops for ``seconds``, each noting the runs between its pauses (> 50 µs
+    without the CPU); the median run. None when no loop was ever paused."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SPIN, str(seconds)], stdout=subprocess.PIPE, text=True)
+        for _ in range(cores + 1)
+    ]
+    runs: list[float] = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=30 + 10 * seconds)
+        if proc.returncode == 0 and out.strip():
+            runs.extend(json.loads(out))
+    return float(statistics.median(runs)) if runs else None
+
+
 def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] | None:
-    """Cores this process may use and the mean number of *other* runnable threads on the machine
-    (``/proc/loadavg``'s running count, ``samples`` readings ``every_s`` apart, less this reader);
-    None where the kernel does not say (not Linux)."""
+    """Cores this process may use, the mean number of *other* runnable threads on the machine
+    (``/proc/loadavg``'s running count, ``samples`` readings ``every_s`` apart, less this reader)
+    and the scheduler's time slice (:func:`scheduler_slice_s`); None where the kernel does not say
+    (not Linux)."""
     import os
 
     try:
@@ -202,7 +246,12 @@ def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] |
             time.sleep(every_s)
     except (OSError, AttributeError, ValueError, IndexError):
         return None
-    return {"cores": float(cores), "others": max(0.0, statistics.fmean(running) - 1.0)}
+    others = max(0.0, statistics.fmean(running) - 1.0)
+    try:
+        slice_s = scheduler_slice_s(cores)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        slice_s = None
+    return {"cores": float(cores), "others": others, "slice_s": slice_s or SLICE_S}
 
 
 def _boundary(cfg: PipelineConfig) -> tuple[int, int]:
@@ -259,34 +308,36 @@ def predict_before(
     profiled per-stage times and the runtime's measured costs between ops
     (:func:`microbatch.run.pipeline_replay.replay`)."""
     from microbatch.run.pipeline_order import torch_order
-    from microbatch.run.pipeline_replay import replay
+    from microbatch.run.pipeline_replay import parse_action, replay
 
     order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
     extra = runtime.get("in_op_s", {})
     split = any(k in ("I", "W") for acts in order.values() for a in acts for k in a if k.isalpha())
 
-    def times(share: float) -> dict[tuple[int, str], float]:
-        def op(s: int, row: dict[str, float], k: str) -> float:
-            alone = row[f"cpu{k}"] / share if f"cpu{k}" in row else row[k]
-            return alone + float(extra.get(f"{s}{k}", 0.0))
-
-        kinds = "FBIW" if split else "FB"
-        return {(s, k): op(s, row, k) for s, row in profile.items() for k in kinds if k in row}
-
-    # the ranks share the machine's cores with each other and with the other runnable threads
-    # measured before the calibration run: an op gets cores / (others + ranks busy at once) of a
-    # core (processor sharing), at most one; the ranks busy at once come from the replay itself
-    # the ranks share the machine's cores with each other and with the other runnable threads
-    # measured before the calibration run: an op gets cores / (others + ranks busy at once) of a
-    # core (processor sharing), at most one; the ranks busy at once come from the replay itself
     machine = runtime.get("machine")
-    share = 1.0
-    rep = replay(cfg, order, times(share), runtime)
-    if machine:
-        for _ in range(3):
-            busy_ranks = cfg.stages * (1.0 - rep["bubble_fraction"])
-            share = min(1.0, float(machine["cores"]) / max(1e-9, float(machine["others"]) + busy_ranks))
-            rep = replay(cfg, order, times(share), runtime)
+    kinds = "FBIW" if split else "FB"
+
+    def op_time(s: int, row: dict[str, float], k: str) -> float:
+        # under processor sharing an op's work is its CPU time alone; without a machine reading
+        # its wall time alone; plus the runtime's own work inside the stage call
+        alone = row[f"cpu{k}"] if machine and f"cpu{k}" in row else row[k]
+        return alone + float(extra.get(f"{s}{k}", 0.0))
+
+    op_s = {(s, k): op_time(s, row, k) for s, row in profile.items() for k in kinds if k in row}
+    # the ranks share the machine's cores with each other and with the other programs' runnable
+    # threads measured before the calibration run, in time slices (the replay's scheduler)
+    rep = replay(
+        cfg,
+        order,
+        op_s,
+        runtime,
+        cores=int(machine["cores"]) if machine else None,
+        slice_s=float(machine.get("slice_s") or SLICE_S) if machine else SLICE_S,
+        others=round(float(machine["others"])) if machine else 0,
+    )
+    work = sum(op_s.get((s, k), 0.0) for acts in order.values() for s, k, _i in map(parse_action, acts))
+    busy = sum(rep["busy_s"])
+    share = work / busy if busy > 0 else 1.0  # the share of a core the ops got in the replay
     after = runtime["after_send_s"]
     hop = runtime["hop_s"]
     return {

@@ -28,13 +28,16 @@ measured steps:
 
 :func:`replay` runs torch's order with per-stage op times and these terms: an op starts when its
 rank is free and its inputs have arrived (producer end + hop when the producer is on another rank);
-the rank is free again after the op plus its after-op cost. The busy time is the ops alone, as a run
-measures it, so the bubble compares like with like. Plain data in and out; no torch.
+the rank is free again after the op plus its after-op cost. Given the machine's cores, the ranks'
+work (ops and after-op costs) queues for them in the scheduler's time slices. The busy time is
+the ops alone, as a run measures it, so the bubble compares like with like. Plain data in and out;
+no torch.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from typing import Any
 
 from microbatch.errors import ScheduleError
@@ -151,49 +154,103 @@ def replay(
     order: dict[int, list[str]],
     op_s: dict[tuple[int, str], float],
     terms: dict[str, Any],
+    *,
+    cores: int | None = None,
+    slice_s: float = 0.004,
+    others: int = 0,
 ) -> dict[str, Any]:
     """Run ``order`` (rank -> actions like ``"1B0"``) with ``op_s[(stage, kind)]`` seconds per op and
     the measured ``terms``; return the step time, the busy seconds per rank, the bubble
-    (1 − Σ busy / (p × step)) and the timeline. Raises :class:`ScheduleError` on a deadlock."""
+    (1 − Σ busy / (p × step)) and the timeline. Raises :class:`ScheduleError` on a deadlock.
+
+    Without ``cores`` every rank has a core of its own. With ``cores`` the ranks' work (their ops
+    and the runtime's work after each op) shares that many cores with ``others`` always-runnable
+    threads of other programs, as the kernel's scheduler shares them: runnable work waits in one
+    queue, a core runs it for at most ``slice_s`` (the scheduler's time slice, measured by
+    :func:`microbatch.run.pipeline_profile.machine_load`) and puts it back at the end of the queue
+    when others wait. An op's time then counts from when it first gets a core to when it ends, as a
+    run measures it, so ``op_s`` is its CPU time alone; a hand-off (``hop_s``) is latency and takes
+    no core."""
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
     last = cfg.total_stages - 1
     p = cfg.stages
-    present = {(k, s, i) for r in range(p) for s, k, i in map(parse_action, order[r])}
+    acts = [[parse_action(a) for a in order[r]] for r in range(p)]
+    present = {(k, s, i) for r in range(p) for s, k, i in acts[r]}
     free = [float(terms["start_s"])] * p
     nxt = [0] * p
     busy = [0.0] * p
     done: dict[tuple[str, int, int], float] = {}
     rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
-    total = sum(len(order[r]) for r in range(p))
-    while len(done) < total:
-        moved = False
-        for r in range(p):
-            while nxt[r] < len(order[r]):
-                s, kind, i = parse_action(order[r][nxt[r]])
-                dep = next((d for d in _deps(kind, s, i, last) if d in present), None)
-                local = ("I", s, i) if kind == "W" else None
-                if (dep is not None and dep not in done) or (local is not None and local not in done):
-                    break
-                ready = free[r]
-                if dep is not None:
-                    cross = placement[dep[1]] != r
-                    ready = max(
-                        ready, done[dep] + (terms["hop_s"]["fwd" if kind == "F" else "bwd"] if cross else 0.0)
-                    )
-                dur = float(op_s.get((s, kind), 0.0))
-                end = ready + dur
-                done[(kind, s, i)] = end
-                busy[r] += dur
-                rows[r].append((ready, end, kind, i))
-                direction = _sends(kind, s, placement)
-                free[r] = end + (
-                    terms["after_send_s"][direction] if direction else float(terms["after_local_s"])
-                )
-                nxt[r] += 1
-                moved = True
-        if not moved:
+    # a job: [work left, first time on a core (or -1), 1 for an op / 0 for the work after it];
+    # the phantom jobs (-1, -2, ...) stand for the other programs' runnable threads
+    jobs: dict[int, list[float]] = {-1 - k: [float("inf"), -1.0, 0.0] for k in range(others)}
+    queue: deque[int] = deque(jobs)
+    on_core: dict[int, float] = {}  # job -> end of its slice
+    n_cores = cores if cores is not None else p + others
+    quantum = slice_s if cores is not None else float("inf")
+    total = sum(len(a) for a in acts)
+    t = 0.0
+
+    def ready_at(r: int) -> float | None:
+        """When rank r's next op can start (its rank free, its inputs arrived); None if an input
+        is not done yet, the rank is working or has no op left."""
+        if r in jobs or nxt[r] >= len(acts[r]):
+            return None
+        s, kind, i = acts[r][nxt[r]]
+        dep = next((d for d in _deps(kind, s, i, last) if d in present), None)
+        local = ("I", s, i) if kind == "W" else None
+        if (dep is not None and dep not in done) or (local is not None and local not in done):
+            return None
+        ready = free[r]
+        if dep is not None:
+            hop = terms["hop_s"]["fwd" if kind == "F" else "bwd"] if placement[dep[1]] != r else 0.0
+            ready = max(ready, done[dep] + hop)
+        return ready
+
+    while len(done) < total or any(j >= 0 for j in jobs):
+        starts = {r: a for r in range(p) if (a := ready_at(r)) is not None}
+        ends = [min(end, t + jobs[j][0]) for j, end in on_core.items()]
+        now = min([*ends, *starts.values()], default=float("inf"))
+        if now == float("inf"):
             stuck = {r: order[r][nxt[r]] for r in range(p) if nxt[r] < len(order[r])}
             raise ScheduleError(f"the order deadlocks in the replay: every rank waits ({stuck})")
+        now = max(t, now)
+        for j in on_core:
+            jobs[j][0] -= now - t
+        t = now
+        tol = 1e-12 * max(1.0, t)
+        for j in [j for j in on_core if jobs[j][0] <= tol]:  # work done
+            del on_core[j]
+            _, first, is_op = jobs.pop(j)
+            free[j] = t
+            if not is_op:  # the runtime's work after the op is done: the rank is free
+                continue
+            s, kind, i = acts[j][nxt[j]]
+            done[(kind, s, i)] = t
+            busy[j] += t - first
+            rows[j].append((first, t, kind, i))
+            direction = _sends(kind, s, placement)
+            after = terms["after_send_s"][direction] if direction else float(terms["after_local_s"])
+            nxt[j] += 1
+            if after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
+                jobs[j] = [float(after), t, 0.0]
+                queue.append(j)
+        for r, a in starts.items():
+            if a <= t and r not in jobs:
+                s, kind, _i = acts[r][nxt[r]]
+                jobs[r] = [float(op_s.get((s, kind), 0.0)), -1.0, 1.0]
+                queue.append(r)
+        for j in [j for j, end in on_core.items() if end <= t + tol]:  # slice over
+            if queue:
+                del on_core[j]
+                queue.append(j)
+            else:
+                on_core[j] = t + quantum
+        while queue and len(on_core) < n_cores:
+            j = queue.popleft()
+            on_core[j] = t + quantum
+            if jobs[j][1] < 0:
+                jobs[j][1] = t
     step = max(free) + float(terms["end_s"])
     return {
         "step_time_s": step,
