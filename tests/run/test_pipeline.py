@@ -319,7 +319,10 @@ def test_measured_bubble_falls_as_m_grows():
     # match what this run's own op times imply
     step8, bubble8 = _implied_by_op_times(eight)
     assert eight["predicted"]["with_comm"]["bubble_fraction"] == pytest.approx(bubble8, abs=0.02)
-    assert eight["measured"]["bubble_fraction"] == pytest.approx(bubble8, abs=0.06)
+    # the measured bubble also holds the runtime's work between ops (hand-off bookkeeping, the
+    # autograd engine's start), which no op interval contains: 0.01-0.05 above the implied bubble
+    # over four idle runs on the 2-core dev machine, so allow 0.08
+    assert eight["measured"]["bubble_fraction"] == pytest.approx(bubble8, abs=0.08)
     assert eight["measured"]["step_time_s"] == pytest.approx(step8, rel=0.15)
     assert one["measured"]["bubble_fraction"] > eight["measured"]["bubble_fraction"] + 0.1
     assert bubble1 > bubble8

@@ -17,8 +17,11 @@ def _flat(p: int, f: float = 1e-3, b: float = 2e-3) -> dict[int, dict[str, float
 
 
 def _terms(**kw):
+    """ZERO_TERMS with ``kw``; a send into a waiting rank costs what any send costs unless given."""
     t = {k: (dict(v) if isinstance(v, dict) else v) for k, v in ZERO_TERMS.items()}
     t.update(kw)
+    if "after_send_waiting_s" not in kw:
+        t["after_send_waiting_s"] = dict(t["after_send_s"])
     return t
 
 
@@ -51,6 +54,7 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
     cfg = PipelineConfig(schedule=schedule, stages=p, microbatches=m, virtual=v)
     known = _terms(
         after_send_s={"fwd": 1e-4, "bwd": 3e-4},
+        after_send_waiting_s={"fwd": 2e-4, "bwd": 7e-4},
         after_local_s=5e-5,
         hop_s={"fwd": 2e-3, "bwd": 3e-3},
         start_s=4e-4,
@@ -73,8 +77,11 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
             assert got[key] == pytest.approx(known[key], abs=1e-9), key
     for d in ("fwd", "bwd"):
         assert got["hop_s"][d] == pytest.approx(known["hop_s"][d], abs=1e-9)
-        if got["cases"]["after_send"][d]:
-            assert got["after_send_s"][d] == pytest.approx(known["after_send_s"][d], abs=1e-9)
+        for key in ("after_send", "after_send_waiting"):
+            if got["cases"][key][d]:
+                assert got[key + "_s"][d] == pytest.approx(known[key + "_s"][d], abs=1e-9), (key, d)
+    # the trace shows sends into a rank that sat waiting (their own cost recovered above)
+    assert sum(got["cases"]["after_send_waiting"].values()) > 0
     # and the replay with the recovered terms gives the step back
     assert replay(cfg, order, op_s, got)["step_time_s"] == pytest.approx(rep["step_time_s"])
 

@@ -282,7 +282,7 @@ def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
         global_batch=cfg.batch,
         check_gradients=False,
         balance="params",
-        steps=6,
+        steps=21,
         dtype="float32",
     )
     rep = run_pipeline(tiny)

@@ -48,6 +48,7 @@ __all__ = ["ZERO_TERMS", "parse_action", "replay", "runtime_terms"]
 
 ZERO_TERMS: dict[str, Any] = {
     "after_send_s": {"fwd": 0.0, "bwd": 0.0},
+    "after_send_waiting_s": {"fwd": 0.0, "bwd": 0.0},
     "after_local_s": 0.0,
     "hop_s": {"fwd": 0.0, "bwd": 0.0},
     "start_s": 0.0,
@@ -74,6 +75,15 @@ def _deps(kind: str, s: int, i: int, last: int) -> list[tuple[str, int, int]]:
     return []
 
 
+def _consumers(kind: str, s: int, i: int) -> list[tuple[str, int, int]]:
+    """The ops of other stages that consume op (kind, s, i)'s output (the inverse of :func:`_deps`)."""
+    if kind == "F":
+        return [("F", s + 1, i)]
+    if kind in ("B", "I"):
+        return [("B", s - 1, i), ("I", s - 1, i)]
+    return []
+
+
 def _sends(kind: str, s: int, placement: list[int]) -> str | None:
     """The direction in which op (kind, s) hands its output to another rank, if it does."""
     if kind == "F" and s + 1 < len(placement) and placement[s + 1] != placement[s]:
@@ -92,16 +102,19 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
     stage, microbatch, start, end), ...] per rank]}`` in one clock (seconds)."""
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
     last = cfg.total_stages - 1
-    after: dict[str, list[float]] = {"fwd": [], "bwd": [], "local": []}
+    after: dict[str, list[float]] = {"fwd": [], "bwd": [], "local": [], "fwd_waiting": [], "bwd_waiting": []}
     hop: dict[str, list[float]] = {"fwd": [], "bwd": []}
     start: list[float] = []
     gaps: list[float] = []
-    seen: list[tuple[str, float, float, float | None, tuple[str, int, int] | None, Interval | None]] = []
+    seen: list[tuple[str, float, float, float | None, Interval | None, bool]] = []
     for step in steps:
         span: dict[tuple[str, int, int], float] = {}
+        before: dict[tuple[str, int, int], float] = {}  # op -> end of its rank's previous op
         for intervals in step["ranks"]:
-            for kind, s, i, _a, e in intervals:
+            ops = sorted(intervals, key=lambda x: x[3])
+            for n, (kind, s, i, _a, e) in enumerate(ops):
                 span[(kind, s, i)] = e
+                before[(kind, s, i)] = ops[n - 1][4] if n else step["start"]
         for intervals in step["ranks"]:
             ops = sorted(intervals, key=lambda x: x[3])
             for n, (kind, s, i, a, _e) in enumerate(ops):
@@ -115,17 +128,28 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
                 elif prev is None:
                     start.append(a - step["start"])
                 else:
-                    seen.append((kind, a, prev_end, dep_end, dep, prev))
+                    # did the rank prev handed its output to sit waiting for it when prev ended?
+                    waited = any(
+                        c in before and before[c] <= prev[4] for c in _consumers(prev[0], prev[1], prev[2])
+                    )
+                    seen.append((kind, a, prev_end, dep_end, prev, waited))
     # a gap after an op is the rank's own cost unless the next op's input arrived within it: its
     # producer on another rank ended less than one (mean) hand-off before the gap began
     hop_mean = {d: _mean(v) for d, v in hop.items()}
-    for kind, a, prev_end, dep_end, _dep, prev in seen:
+    for kind, a, prev_end, dep_end, prev, waited in seen:
         if dep_end is not None and dep_end + hop_mean["fwd" if kind == "F" else "bwd"] > prev_end:
             continue
         if prev is None:
             continue
-        after[_sends(prev[0], prev[1], placement) or "local"].append(a - prev_end)
+        direction = _sends(prev[0], prev[1], placement)
+        key = "local" if direction is None else direction + ("_waiting" if waited else "")
+        after[key].append(a - prev_end)
     after_mean = {d: _mean(v) for d, v in after.items()}
+    for d in ("fwd", "bwd"):  # a case the run never showed: the direction's other case
+        pooled = _mean(after[d] + after[d + "_waiting"])
+        for key in (d, d + "_waiting"):
+            if not after[key]:
+                after_mean[key] = pooled
     # the step's end beyond the last op's own after-op cost
     end: list[float] = []
     for step in steps:
@@ -136,6 +160,7 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
         end.append(max(0.0, step["end"] - max(ends)))
     return {
         "after_send_s": {"fwd": after_mean["fwd"], "bwd": after_mean["bwd"]},
+        "after_send_waiting_s": {"fwd": after_mean["fwd_waiting"], "bwd": after_mean["bwd_waiting"]},
         "after_local_s": after_mean["local"],
         "hop_s": hop_mean,
         "start_s": _mean(start),
@@ -143,6 +168,7 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
         "mean_gap_s": _mean(gaps),
         "cases": {
             "after_send": {"fwd": len(after["fwd"]), "bwd": len(after["bwd"])},
+            "after_send_waiting": {"fwd": len(after["fwd_waiting"]), "bwd": len(after["bwd_waiting"])},
             "after_local": len(after["local"]),
             "hop": {"fwd": len(hop["fwd"]), "bwd": len(hop["bwd"])},
         },
@@ -207,6 +233,14 @@ def replay(
             ready = max(ready, done[dep] + hop)
         return ready
 
+    def waiting(c: tuple[str, int, int], t: float) -> bool:
+        """Is the rank of op c sitting idle with c as its next op at time t?"""
+        r = placement[c[1]] if 0 <= c[1] <= last else -1
+        if r < 0 or r in jobs or nxt[r] >= len(acts[r]) or free[r] > t:
+            return False
+        s, kind, i = acts[r][nxt[r]]
+        return (kind, s, i) == c
+
     while len(done) < total or any(j >= 0 for j in jobs):
         starts = {r: a for r in range(p) if (a := ready_at(r)) is not None}
         ends = [min(end, t + jobs[j][0]) for j, end in on_core.items()]
@@ -230,8 +264,13 @@ def replay(
             busy[j] += t - first
             rows[j].append((first, t, kind, i))
             direction = _sends(kind, s, placement)
-            after = terms["after_send_s"][direction] if direction else float(terms["after_local_s"])
             nxt[j] += 1
+            if direction is None:
+                after = float(terms["after_local_s"])
+            elif any(waiting(c, t) for c in _consumers(kind, s, i)):
+                after = terms.get("after_send_waiting_s", terms["after_send_s"])[direction]
+            else:
+                after = terms["after_send_s"][direction]
             if after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
                 jobs[j] = [float(after), t, 0.0]
                 queue.append(j)
