@@ -10,6 +10,7 @@ in-flight rule × saved bytes per micro-batch (calibrated) and predict/memory's 
 
     python bench/bench_pipeline.py                          # tiny and small, p = 2 and 4
     python bench/bench_pipeline.py --models tiny --stages 2 --only 1f1b
+    python bench/bench_pipeline.py --repeat 3               # each case 3 times: the measurement's own spread
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--stages", default="2,4")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run each case N times (prediction and run each time)"
+    )
     ap.add_argument("--only", default=None, help="comma-separated schedule names")
     args = ap.parse_args(argv)
 
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_s=300,
                 )
                 try:
-                    rep = run_predicted(cfg)
+                    reps = [run_predicted(cfg) for _ in range(max(1, args.repeat))]
+                    rep = reps[0]
                 except PipelineError as e:
                     print(f"  FAILED {model} p={p} {name} v={v}: {e}", file=sys.stderr, flush=True)
                     refused.append(f"{model} p={p} {name} v={v} (failed: {str(e)[:120]})")
@@ -71,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  refused {model} p={p} {name} v={v}: {e}", file=sys.stderr, flush=True)
                     refused.append(f"{model} p={p} {name} v={v}")
                     continue
-                b, pw, meas = rep["before_run"], rep["predicted"]["with_comm"], rep["measured"]
-                bubble_rows.append(
-                    (model, p, name, m, v, b["bubble_fraction"], pw["bubble_fraction"], meas["bubble_fraction"],
-                     b["step_time_s"], meas["step_time_s"])
-                )  # fmt: skip
+                for r in reps:
+                    b, pw, meas = r["before_run"], r["predicted"]["with_comm"], r["measured"]
+                    bubble_rows.append(
+                        (model, p, name, m, v, b["bubble_fraction"], pw["bubble_fraction"], meas["bubble_fraction"],
+                         b["step_time_s"], meas["step_time_s"])
+                    )  # fmt: skip
                 for row in rep["memory"]:
                     memory_rows.append((model, p, name, m, row))
                 if name in ("gpipe", "1f1b"):
@@ -114,6 +120,20 @@ def main(argv: list[str] | None = None) -> int:
             f"|before - measured| bubble: mean {sum(diffs) / len(diffs):.1f} points, max {max(diffs):.1f} over "
             f"{len(diffs)} runs (goal <= 5 in every run); {sum(d <= 5 for d in diffs)} runs within 5"
         )
+    if args.repeat > 1:  # the same case run again: how far the measurement and the prediction move alone
+        by_case: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+        for model, p, name, _m, _v, bb, _br, bm, _sb, _sm in bubble_rows:
+            by_case.setdefault((model, p, name), []).append((bb, bm))
+        print(
+            f"over {args.repeat} repeats of each case: range of the measured bubble / of the before-run prediction"
+        )
+        for (model, p, name), xs in by_case.items():
+            before, measured = [x[0] for x in xs], [x[1] for x in xs]
+            print(
+                f"  {model:<6}{p:>2}  {name:<17} measured {min(measured):.1%}-{max(measured):.1%} "
+                f"({(max(measured) - min(measured)) * 100:.1f} pt), before {min(before):.1%}-{max(before):.1%} "
+                f"({(max(before) - min(before)) * 100:.1f} pt)"
+            )
     print()
     head = f"{'model':<6}{'p':>2}  {'schedule':<17}{'m':>3}{'rank':>5}  {'measured KiB':>12}  {'pred KiB':>9}  {'error':>7}  {'uncal err':>9}"
     print(head)

@@ -67,19 +67,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-def _median_time(fn: Any, repeats: int, idle_s: float = 0.0) -> tuple[float, float]:
-    """Median wall and median thread-CPU seconds of ``fn()``, each call after ``idle_s`` asleep."""
-    wall, cpu = [], []
-    for _ in range(repeats):
-        if idle_s:
-            time.sleep(idle_s)
-        c0, t0 = time.thread_time(), time.perf_counter()
-        fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
-    return statistics.median(wall), statistics.median(cpu)
-
-
 def _torch_split_backward() -> tuple[Any, Any] | None:
     """torch's ``stage_backward_input`` and ``stage_backward_weight`` (the functions its zero-bubble
     runtime runs as I and W), or None where this torch has none. Timing W as ``autograd.grad`` over
@@ -92,10 +79,25 @@ def _torch_split_backward() -> tuple[Any, Any] | None:
     return stage_backward_input, stage_backward_weight
 
 
-def profile_stages(cfg: PipelineConfig, repeats: int = 5, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
+def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
+    """Wall and thread-CPU seconds of one ``fn()`` after ``idle_s`` asleep."""
+    if idle_s:
+        time.sleep(idle_s)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
     """Per virtual stage: ``F``, ``B``, ``I`` and ``W`` seconds of one micro-batch (median of
     ``repeats``), measured in this process with one thread on the split the ranks use, and the
     same in thread-CPU seconds (``cpuF`` … ``cpuW``).
+
+    The repeats go round the stages (stage 0's ops, stage 1's, …, then again), so that a drift of
+    the machine's speed while profiling (frequency, other programs) moves every stage alike: the
+    bubble depends on the stages' ratio. Profiling one stage after the other moved the predicted
+    ZB-H1 bubble of ``small`` at p = 2 between 23.7% and 31.0% over five profiles on an idle
+    machine (stage 0's backward 16.2-22.3 ms).
 
     ``idle_s``: sleep that long before each timed call. A rank of a pipeline waits between its
     ops, and while it waits other processes run on its core and take its caches: an op that
@@ -119,8 +121,10 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 5, idle_s: float = 0.0) -
         x: Any = tok[: cfg.micro_batch]
         target = tgt[: cfg.micro_batch]
         total = cfg.batch * seq
-        out: dict[int, dict[str, float]] = {}
         last = len(modules) - 1
+        ops: list[
+            tuple[Any, Any, Any, bool]
+        ] = []  # per stage: forward, full backward, split backward, any grads
         for s, mod in enumerate(modules):
             params = [p for p in mod.parameters() if p.requires_grad]
             inp = x.detach().requires_grad_(x.is_floating_point())
@@ -133,63 +137,69 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 5, idle_s: float = 0.0) -
 
             y = fwd()
             grad = None if s == last else torch.ones_like(y)
-            f_s, f_cpu = _median_time(fwd, repeats, idle_s)
 
             def full_b(fwd: Any = fwd, grad: Any = grad) -> tuple[float, float]:
                 y = fwd()
-                if idle_s:
-                    time.sleep(idle_s)
-                c0, t0 = time.thread_time(), time.perf_counter()
-                torch.autograd.backward(y, grad)
-                return time.perf_counter() - t0, time.thread_time() - c0
-
-            b_runs = [full_b() for _ in range(repeats)]
-            wants = [t for t in ([inp] if inp.requires_grad else []) + params]
+                return _timed(lambda: torch.autograd.backward(y, grad), idle_s)
 
             def split(
                 fwd: Any = fwd, grad: Any = grad, inp: Any = inp, params: Any = params
             ) -> tuple[float, float, float, float]:
                 y = fwd()
-                if idle_s:
-                    time.sleep(idle_s)
-                c0, t0 = time.thread_time(), time.perf_counter()
-                groups = None
-                if inp.requires_grad and split_fns is not None:
-                    # torch's own I: input gradients, keeping what W needs (intermediate gradients)
-                    _, groups = split_fns[0]([y], None if grad is None else [grad], [inp], iter(params))
-                elif inp.requires_grad:
-                    torch.autograd.grad(y, [inp], grad, retain_graph=True)
-                i_wall, i_cpu = time.perf_counter() - t0, time.thread_time() - c0
-                if idle_s:
-                    time.sleep(idle_s)
-                c1, t1 = time.thread_time(), time.perf_counter()
-                if groups is not None and split_fns is not None:
-                    split_fns[1](iter(params), groups)  # torch's W: weight gradients from those
-                elif params:
-                    # the first stage (no input gradient: torch runs its whole backward at W), or no
-                    # split-backward functions in this torch
-                    torch.autograd.grad(y, params, grad, allow_unused=True)
-                return i_wall, time.perf_counter() - t1, i_cpu, time.thread_time() - c1
+                groups: list[Any] = []
 
-            parts = [split() for _ in range(repeats)] if wants else [(0.0, 0.0, 0.0, 0.0)]
+                def input_grad() -> None:
+                    if inp.requires_grad and split_fns is not None:
+                        # torch's own I: input gradients, keeping what W needs (intermediate gradients)
+                        groups.append(
+                            split_fns[0]([y], None if grad is None else [grad], [inp], iter(params))[1]
+                        )
+                    elif inp.requires_grad:
+                        torch.autograd.grad(y, [inp], grad, retain_graph=True)
 
-            def med(runs: Any, k: int) -> float:
-                return float(statistics.median(x[k] for x in runs))
+                def weight_grad() -> None:
+                    if groups and split_fns is not None:
+                        split_fns[1](iter(params), groups[0])  # torch's W: weight gradients from those
+                    elif params:
+                        # the first stage (no input gradient: torch runs its whole backward at W,
+                        # accumulating into .grad), or no split-backward functions in this torch
+                        torch.autograd.backward(y, grad, inputs=params)
 
-            out[s] = {
-                "F": f_s,
-                "B": med(b_runs, 0),
-                "I": med(parts, 0),
-                "W": med(parts, 1),
-                "cpuF": f_cpu,
-                "cpuB": med(b_runs, 1),
-                "cpuI": med(parts, 2),
-                "cpuW": med(parts, 3),
-            }
-            mod.zero_grad(set_to_none=True)
+                i_wall, i_cpu = _timed(input_grad, idle_s)
+                w_wall, w_cpu = _timed(weight_grad, idle_s)
+                return i_wall, w_wall, i_cpu, w_cpu
+
+            ops.append((fwd, full_b, split, bool(([inp] if inp.requires_grad else []) + params)))
             with torch.no_grad():
                 x = mod(x)
-        return out
+        runs: dict[int, dict[str, list[tuple[float, ...]]]] = {
+            s: {"F": [], "B": [], "S": []} for s in range(len(ops))
+        }
+        for _ in range(repeats):
+            for s, (fwd, full_b, split, wants) in enumerate(ops):
+                runs[s]["F"].append(_timed(fwd, idle_s))
+                runs[s]["B"].append(full_b())
+                runs[s]["S"].append(split() if wants else (0.0, 0.0, 0.0, 0.0))
+        # the gradients accumulate across the repeats, as over a step's micro-batches (a fresh
+        # allocation per call made the first stage's W, 32 MiB of embedding gradient on small,
+        # vary 18.9-25.5 ms between profiles)
+
+        def med(xs: list[tuple[float, ...]], k: int) -> float:
+            return float(statistics.median(x[k] for x in xs))
+
+        return {
+            s: {
+                "F": med(r["F"], 0),
+                "B": med(r["B"], 0),
+                "I": med(r["S"], 0),
+                "W": med(r["S"], 1),
+                "cpuF": med(r["F"], 1),
+                "cpuB": med(r["B"], 1),
+                "cpuI": med(r["S"], 2),
+                "cpuW": med(r["S"], 3),
+            }  # fmt: skip
+            for s, r in runs.items()
+        }
     finally:
         torch.set_num_threads(threads)
 
