@@ -19,6 +19,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -119,8 +120,10 @@ class ChildProber:
             self.close()
             raise MeasurementError(f"the probe process gave no answer in {self.timeout_s:.0f} s")
         line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(timeout=30)
+        if not line:  # the child died: its exit status tells how
+            if not _reap(self.proc, timeout_s=30.0):
+                self.proc.kill()
+                _reap(self.proc, timeout_s=None)
             return None
         answer: dict[str, Any] = json.loads(line)
         return answer
@@ -154,16 +157,45 @@ class ChildProber:
         return m
 
     def close(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                try:
-                    if self.proc.stdin is not None:
-                        self.proc.stdin.close()
-                    self.proc.wait(timeout=10)
-                except (OSError, subprocess.TimeoutExpired):
-                    self.proc.kill()
-                    self.proc.wait()
-            self.proc = None
+        """End the child: close its stdin (it exits after the probe it is running), kill it after
+        10 s, and reap it.
+
+        Reaped with ``os.waitpid`` rather than ``Popen.wait``/``poll``: a Ctrl-C (KeyboardInterrupt)
+        that lands between ``Popen``'s ``_waitpid_lock.acquire()`` and its ``try`` leaves that lock
+        held for good, and a later ``Popen.wait()`` then blocks forever on a child that is already
+        a zombie (seen: ``microbatch tune`` interrupted after two probes hung in 1 of 8 runs)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        except OSError:
+            pass
+        if not _reap(proc, timeout_s=10.0):
+            proc.kill()
+            _reap(proc, timeout_s=None)
+
+
+def _reap(proc: subprocess.Popen[str], timeout_s: float | None) -> bool:
+    """Wait for ``proc`` to exit (at most ``timeout_s``; None: for good) without ``Popen``'s lock;
+    sets ``proc.returncode``. True once it has exited."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (by Popen itself)
+            if proc.returncode is None:
+                proc.returncode = 0
+            return True
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
 
 
 def _worker() -> int:
