@@ -175,7 +175,11 @@ def test_9_sigint_keeps_the_partial_result(tmp_path):
     env = dict(os.environ, MICROBATCH_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     args = [sys.executable, "-m", "microbatch.cli", "tune", "--model", "tiny", "--seq", "32", "--no-cache",
             "--reference", "measured", "--patience", "50", "--max-micro-batch", "4096", "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Ctrl-C as a terminal sends it, whatever this test runs under: a shell's background job
+    # (`.ci/run &`) starts with SIGINT ignored, the ignore is inherited, and a Python started so
+    # installs no KeyboardInterrupt handler (the tune then ran on, probing, past the 60 s)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         assert proc.stderr is not None
         seen = []
