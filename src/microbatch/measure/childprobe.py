@@ -121,9 +121,7 @@ class ChildProber:
             raise MeasurementError(f"the probe process gave no answer in {self.timeout_s:.0f} s")
         line = self.proc.stdout.readline()
         if not line:  # the child died: its exit status tells how
-            if not _reap(self.proc, timeout_s=30.0):
-                self.proc.kill()
-                _reap(self.proc, timeout_s=None)
+            _end(self.proc, kill_after_s=30.0)
             return None
         answer: dict[str, Any] = json.loads(line)
         return answer
@@ -172,9 +170,14 @@ class ChildProber:
                 proc.stdin.close()
         except OSError:
             pass
-        if not _reap(proc, timeout_s=10.0):
-            proc.kill()
-            _reap(proc, timeout_s=None)
+        _end(proc, kill_after_s=10.0)
+
+
+def _end(proc: subprocess.Popen[str], kill_after_s: float) -> None:
+    """Reap ``proc``, killing it if it has not exited within ``kill_after_s``."""
+    if not _reap(proc, timeout_s=kill_after_s):
+        proc.kill()
+        _reap(proc, timeout_s=None)
 
 
 def _reap(proc: subprocess.Popen[str], timeout_s: float | None) -> bool:

@@ -122,9 +122,8 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
         target = tgt[: cfg.micro_batch]
         total = cfg.batch * seq
         last = len(modules) - 1
-        ops: list[
-            tuple[Any, Any, Any, bool]
-        ] = []  # per stage: forward, full backward, split backward, any grads
+        # per stage: forward, full backward, split backward, and whether it has gradients to take
+        ops: list[tuple[Any, Any, Any, bool]] = []
         for s, mod in enumerate(modules):
             params = [p for p in mod.parameters() if p.requires_grad]
             inp = x.detach().requires_grad_(x.is_floating_point())
@@ -169,20 +168,20 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
                 w_wall, w_cpu = _timed(weight_grad, idle_s)
                 return i_wall, w_wall, i_cpu, w_cpu
 
-            ops.append((fwd, full_b, split, bool(([inp] if inp.requires_grad else []) + params)))
+            ops.append((fwd, full_b, split, inp.requires_grad or bool(params)))
             with torch.no_grad():
                 x = mod(x)
         runs: dict[int, dict[str, list[tuple[float, ...]]]] = {
             s: {"F": [], "B": [], "S": []} for s in range(len(ops))
         }
+        # the gradients accumulate across the repeats, as over a step's micro-batches (a fresh
+        # allocation per call made the first stage's W, 32 MiB of embedding gradient on small,
+        # vary 18.9-25.5 ms between profiles)
         for _ in range(repeats):
             for s, (fwd, full_b, split, wants) in enumerate(ops):
                 runs[s]["F"].append(_timed(fwd, idle_s))
                 runs[s]["B"].append(full_b())
                 runs[s]["S"].append(split() if wants else (0.0, 0.0, 0.0, 0.0))
-        # the gradients accumulate across the repeats, as over a step's micro-batches (a fresh
-        # allocation per call made the first stage's W, 32 MiB of embedding gradient on small,
-        # vary 18.9-25.5 ms between profiles)
 
         def med(xs: list[tuple[float, ...]], k: int) -> float:
             return float(statistics.median(x[k] for x in xs))

@@ -110,13 +110,12 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
     for step in steps:
         span: dict[tuple[str, int, int], float] = {}
         before: dict[tuple[str, int, int], float] = {}  # op -> end of its rank's previous op
-        for intervals in step["ranks"]:
-            ops = sorted(intervals, key=lambda x: x[3])
+        in_order = [sorted(intervals, key=lambda x: x[3]) for intervals in step["ranks"]]
+        for ops in in_order:
             for n, (kind, s, i, _a, e) in enumerate(ops):
                 span[(kind, s, i)] = e
                 before[(kind, s, i)] = ops[n - 1][4] if n else step["start"]
-        for intervals in step["ranks"]:
-            ops = sorted(intervals, key=lambda x: x[3])
+        for ops in in_order:
             for n, (kind, s, i, a, _e) in enumerate(ops):
                 prev = ops[n - 1] if n else None
                 dep = next((d for d in _deps(kind, s, i, last) if d in span), None)
@@ -268,7 +267,7 @@ def replay(
             if direction is None:
                 after = float(terms["after_local_s"])
             elif any(waiting(c, t) for c in _consumers(kind, s, i)):
-                after = terms.get("after_send_waiting_s", terms["after_send_s"])[direction]
+                after = terms["after_send_waiting_s"][direction]
             else:
                 after = terms["after_send_s"][direction]
             if after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
