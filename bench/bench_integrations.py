@@ -49,6 +49,12 @@ def _setup() -> tuple:
     from microbatch.model import get_model
 
     torch.set_num_threads(1)
+    # the process's first optimizer imports torch._dynamo (~2 s, once per process): a cost every
+    # training run pays once, before or after any finder. Paid here, before every tool's clock, so
+    # that no tool is charged for it (Lightning imports it with its own package; Accelerate's
+    # decorator stops its clock before the user's function builds its optimizer; our Accelerate
+    # probes build it inside the clock)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     shape = get_model("tiny", seq=SEQ)
     data = torch.randint(0, shape.vocab, (N_DATA, SEQ), generator=torch.Generator().manual_seed(0))
     return torch, shape, data, build_model, next_token_loss

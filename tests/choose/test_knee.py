@@ -10,7 +10,7 @@ from _published import PUBLISHED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from microbatch.choose.bound import BOUND_MARGIN, BOUND_SLACK, throughput_bound
+from microbatch.choose.bound import BOUND_CONFIDENCE, BOUND_MARGIN, BOUND_SLACK, throughput_bound
 from microbatch.choose.config import DEFAULT_RULE, DEFAULT_TOLERANCE
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
 from microbatch.choose.knee import find_knee, flattened, points_from_records, recommend
@@ -229,11 +229,13 @@ def test_bound_on_affine_step_time_is_the_asymptote_and_knee_is_closed_form():
     assert bound.throughput == pytest.approx(1 / c)
     assert bound.slope == pytest.approx(c) and bound.intercept == pytest.approx(a)
     assert bound.max_residual == pytest.approx(0.0, abs=1e-12)
-    # knee against T-hat = 1/c with margin mu: smallest b with b/(a+cb) >= x/c, x = (1-tau)(1+mu),
-    # i.e. b >= x/(1-x) * a/c
-    x = (1 - tau) * (1 + BOUND_MARGIN)
-    b_star = x / (1 - x) * a / c  # 103.8: no measured point reaches it yet
+    # on an exact line the bound has no error, so the margin mu = 2 SE is 0: the knee is the
+    # smallest b with b/(a+cb) >= x/c, x = (1-tau)(1+mu), i.e. b >= x/(1-x) * a/c
+    assert bound.relative_error == pytest.approx(0.0, abs=1e-9)
     rec = recommend(pts, reference="bound", tolerance=tau)
+    assert rec.margin == pytest.approx(0.0, abs=1e-9)
+    x = (1 - tau) * (1 + rec.margin)
+    b_star = x / (1 - x) * a / c  # 70.8: no measured point reaches it yet
     assert rec.knee.micro_batch == 64 == rec.fastest.micro_batch and rec.reference == "bound"
     assert rec.reference_throughput == pytest.approx(1 / c)
     more = curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
@@ -241,11 +243,48 @@ def test_bound_on_affine_step_time_is_the_asymptote_and_knee_is_closed_form():
     assert k == 128 == min(b for b, _ in affine(a, c, (128, 256)) if b >= b_star)
     # against the best measured alone the same curve gives a smaller knee, further from 1/c
     assert recommend(more, tolerance=tau).knee.micro_batch == 64
-    # without the margin the line is (1 - tau)/tau * a/c = 70.8: still 128 among powers of two
-    assert find_knee(more, bound=1 / c, margin=0.0).micro_batch == 128
     assert find_knee(curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 72, 96, 128))), bound=1 / c).micro_batch == 72
+    # a margin raises the line: with 5% it is 103.8, past 72 and 96
     odd = curve(affine(a, c, bs=(1, 2, 4, 8, 16, 32, 72, 96, 128)))
     assert find_knee(odd, bound=1 / c, margin=BOUND_MARGIN).micro_batch == 128
+
+
+def test_bound_relative_error_is_the_least_squares_standard_error_of_the_slope():
+    """SE(c)/c against the matrix form of ordinary least squares (numpy), on a noisy tail."""
+    np = pytest.importorskip("numpy")
+    pts = [(4, 150.0), (8, 176.0), (16, 221.0), (32, 226.0), (64, 241.0)]
+    bound = throughput_bound(curve(pts))
+    assert bound is not None
+    b = np.array([p[0] for p in pts], dtype=float)
+    u = b / np.array([p[1] for p in pts])
+    X = np.column_stack([np.ones_like(b), b])
+    coef, rss, *_ = np.linalg.lstsq(X, u, rcond=None)
+    cov = rss[0] / (len(b) - 2) * np.linalg.inv(X.T @ X)
+    assert bound.slope == pytest.approx(coef[1])
+    assert bound.relative_error == pytest.approx(math.sqrt(cov[1, 1]) / coef[1])
+    assert 0.01 < bound.relative_error < 0.2
+    rec = recommend(curve(pts), reference="bound")
+    assert rec.margin == pytest.approx(BOUND_CONFIDENCE * bound.relative_error)
+    # the same tail with its noise halved (residuals about the same line halved): half the margin
+    line = {bb: coef[0] + coef[1] * bb for bb in b}
+    calmer = [(int(bb), bb / (line[bb] + (uu - line[bb]) / 2)) for bb, uu in zip(b, u, strict=True)]
+    assert throughput_bound(curve(calmer)).relative_error == pytest.approx(bound.relative_error / 2, rel=1e-6)
+
+
+def test_margin_follows_the_fit_on_a_recorded_h200_curve():
+    """gpt2 on an H200 (bench/results/h200-2026-11-30b/rerun/tune/ours_gpt2.json, CUDA events):
+    the bound over 2..32 is 167,807 tokens/s with a relative standard error of 1.9%. With a fixed
+    5% margin the line was 0.85 × 1.05 × 167,807 = 149,768 and 16 (148,737) missed it by 0.7%, so
+    the knee was 32; with two standard errors (3.7%) the line is 147,961 and the knee is 16
+    (95.8% of 32's throughput, half its activations)."""
+    gpt2 = [(1, 42344.6), (2, 69005.0), (4, 105594.8), (8, 135842.0), (16, 148737.0), (32, 155308.4)]
+    rec = recommend(curve(gpt2), reference="bound")
+    assert rec.bound is not None and rec.bound.fitted_on == (2, 4, 8, 16, 32)
+    assert rec.bound.throughput == pytest.approx(167807, rel=1e-4)
+    assert rec.bound.relative_error == pytest.approx(0.0186, abs=5e-4)
+    assert rec.margin == pytest.approx(2 * rec.bound.relative_error)
+    assert rec.knee.micro_batch == 16
+    assert find_knee(curve(gpt2), bound=rec.bound.throughput, margin=BOUND_MARGIN).micro_batch == 32
 
 
 def test_bound_fit_averages_noise_that_a_secant_would_amplify():
@@ -314,7 +353,9 @@ def test_bound_fields_in_json():
     assert d["throughput_bound"]["fitted_on"] == [4, 8, 16, 32, 64]
     assert d["reference_throughput"] == pytest.approx(250.0)
     assert d["fraction_of_reference"] == pytest.approx(d["throughput"] / 250.0)
-    assert d["bound_margin"] == BOUND_MARGIN  # reference bound: the margin applies
+    # reference bound: the margin applies, two standard errors of a fit that has none here
+    assert d["bound_margin"] == pytest.approx(0.0, abs=1e-9) and d["bound_margin"] == rec.margin
+    assert d["throughput_bound"]["relative_error"] == pytest.approx(0.0, abs=1e-9)
     assert d["throughput_bound"]["max_residual"] == pytest.approx(0.0, abs=1e-12)
     assert recommend(curve(SEED)).to_dict()["bound_margin"] == 0.0  # measured: none
 
@@ -327,8 +368,8 @@ def test_margin_with_the_bound_reference_prefers_the_point_clear_of_the_line():
     # 86 is within 15% of 100 but not with a 5% margin (89.25): measured 4, bound 2
     pts = curve([(1, 86.0), (2, 100.0), (4, 97.0), (8, 93.0), (16, 90.0)])
     assert recommend(pts).knee.micro_batch == 1
-    rec = recommend(pts, reference="bound")
-    assert rec.margin == BOUND_MARGIN and rec.knee.micro_batch == 2
+    rec = recommend(pts, reference="bound")  # no bound on this bend: the fixed margin
+    assert rec.bound is None and rec.margin == BOUND_MARGIN and rec.knee.micro_batch == 2
 
 
 def test_bound_knee_is_fastest_when_nothing_is_within_tau():

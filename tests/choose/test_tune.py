@@ -439,8 +439,9 @@ def test_settling_needs_half_the_margin():
     T-hat over 4..64) settled at 64 on the bare line and chose it (80% of the sweep's best). With
     half the choice's margin to settle, the search probes 128 (here the sweep's own figures past
     64) and chooses it."""
+    from microbatch.choose.bound import choice_margin
     from microbatch.choose.knee import recommend
-    from microbatch.choose.search import SETTLE_MARGIN
+    from microbatch.choose.search import SETTLE_SHARE
     from microbatch.choose.search import curve_point as _point
 
     tuned = {1: 27.2, 2: 28.2, 4: 63.0, 8: 108.4, 16: 152.8, 32: 186.8, 64: 214.3}
@@ -453,8 +454,9 @@ def test_settling_needs_half_the_margin():
     first = [_point(p) for p in pts if p.micro_batch <= 64]
     from microbatch.choose.bound import throughput_bound
 
-    t_hat = throughput_bound(first).throughput
-    assert 0.85 * t_hat <= tuned[64] < 0.85 * (1 + SETTLE_MARGIN) * t_hat
+    bound = throughput_bound(first)
+    t_hat = bound.throughput
+    assert 0.85 * t_hat <= tuned[64] < 0.85 * (1 + SETTLE_SHARE * choice_margin(bound)) * t_hat
 
 
 # -- the settings as config objects ---------------------------------------------------------------

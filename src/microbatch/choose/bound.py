@@ -2,12 +2,14 @@
 
 A line u = a + c·b fitted to the step time per unit of throughput (u = b/T) of the largest
 probes: under the roofline the step time is convex in b, so no larger b_m runs faster than
-T̂ = 1/c. The derivation, and why the window, the slack η and the margin μ have these values,
-is in ``docs/knee.md`` ("Reference").
+T̂ = 1/c. The knee must clear (1 − τ)·(1 + μ) of the reference, μ being two of the bound's own
+relative standard errors (:func:`choice_margin`). The derivation, and why the window, the slack η
+and the margin have these values, is in ``docs/knee.md`` ("Reference").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,7 +22,9 @@ __all__ = [
     "BOUND_MIN_POINTS",
     "BOUND_SLACK",
     "BOUND_MARGIN",
+    "BOUND_CONFIDENCE",
     "ThroughputBound",
+    "choice_margin",
     "throughput_bound",
 ]
 
@@ -33,10 +37,16 @@ BOUND_SLACK = 0.15
 """η: the largest relative residual of the bound's line for the tail to count as affine (timing
 noise); beyond it no bound is given."""
 BOUND_MARGIN = 0.05
-"""μ: with ``reference="bound"`` a point counts as within τ of the reference only if it reaches
-(1 − τ)·(1 + μ) of it: the reference is an estimate (a bound fitted on five probes with ~3% noise
-each has ~4% error; a best measured by a search that stopped early is low by up to a doubling's
-gain)."""
+"""μ when no bound could be fitted (fewer than four points, or a tail that is not affine): with
+``reference="bound"`` a point counts as within τ of the reference only if it reaches
+(1 − τ)·(1 + μ) of it, and a best measured by a search that stopped early is low by up to a
+doubling's gain. With a bound, μ comes from the bound's own error (:func:`choice_margin`)."""
+BOUND_CONFIDENCE = 2.0
+"""k: with a bound, μ = k·SE(T̂)/T̂, so that the knee is within τ of T̂ raised by k standard errors,
+the reference as high as the fit allows at ~95% one-sided confidence (normal approximation; ~91–93%
+with the fit's 2–3 degrees of freedom). Compared in a simulation on the 40 recorded CPU sweeps
+(``bench/sim_search.py``) with k = 1 and with a fixed μ = 5%: k = 2 keeps the choice within τ as
+often as the fixed 5% or more often, and on an H200 curve (μ 3.7%) picks 16 where 5% picked 32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +61,9 @@ class ThroughputBound:
     """a: the fit's u at b = 0."""
     max_residual: float
     """Largest |a + c·b − u| / u over ``fitted_on`` (at most η was checked)."""
+    relative_error: float
+    """Standard error of T̂ relative to T̂: SE(c)/c, SE(c) = s/√Σ(b − b̄)² with s² the residual
+    sum of squares over n − 2 (ordinary least squares)."""
     fitted_on: tuple[int, ...]
     """The largest measured b_m the line was fitted on (up to ``BOUND_WINDOW``, at least 4)."""
 
@@ -80,6 +93,9 @@ def throughput_bound(
     worst = max(abs(a + c * b - u) / u for b, u in zip(bs, us, strict=True))
     if worst > slack:
         return None
+    b_mean = sum(bs) / len(bs)
+    rss = sum((a + c * b - u) ** 2 for b, u in zip(bs, us, strict=True))
+    se_c = math.sqrt(rss / (len(bs) - 2) / sum((b - b_mean) ** 2 for b in bs))
     # u(b') ≥ u_n + c·(b' − b_n) for b' > b_n; its intercept decides between 1/c and T(b_n)
     top = 1.0 / c if us[-1] - c * bs[-1] >= 0 else curve[-1].measured_throughput
     return ThroughputBound(
@@ -87,5 +103,13 @@ def throughput_bound(
         slope=c,
         intercept=a,
         max_residual=worst,
+        relative_error=se_c / c,
         fitted_on=tuple(p.micro_batch for p in curve),
     )
+
+
+def choice_margin(bound: ThroughputBound | None) -> float:
+    """μ, the share by which the knee must clear the line (1 − τ)·reference under
+    ``reference="bound"``: k = :data:`BOUND_CONFIDENCE` relative standard errors of T̂ when a
+    bound was fitted (the reference is known that well and no better), else :data:`BOUND_MARGIN`."""
+    return BOUND_CONFIDENCE * bound.relative_error if bound is not None else BOUND_MARGIN

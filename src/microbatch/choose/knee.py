@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from microbatch.choose.bound import BOUND_MARGIN, ThroughputBound, throughput_bound
+from microbatch.choose.bound import ThroughputBound, choice_margin, throughput_bound
 from microbatch.choose.config import (
     DEFAULT_RULE,
     DEFAULT_TOLERANCE,
@@ -146,8 +146,8 @@ class Recommendation:
     bound: ThroughputBound | None = None
     """T̂ when ``reference`` is ``bound`` and the tail gives one (None otherwise)."""
     margin: float = 0.0
-    """μ: the knee had to reach (1 − τ)·(1 + μ)·reference (``BOUND_MARGIN`` with ``reference="bound"``,
-    else 0)."""
+    """μ: the knee had to reach (1 − τ)·(1 + μ)·reference (with ``reference="bound"``: the bound's
+    relative standard error, or ``BOUND_MARGIN`` when no bound was fitted; else 0)."""
     left_out: tuple[tuple[int, str], ...] = ()
     """Measured b_m not considered, each with why (over the budget, the latency limit, or b_m·d not
     dividing B_global)."""
@@ -279,7 +279,7 @@ def recommend(
     cands, left_out = _candidates(measured, choice, data_parallel)
     against_bound = reference == "bound" and choice.rule == "fraction"
     bound = throughput_bound(cands) if against_bound else None
-    margin = BOUND_MARGIN if against_bound else 0.0
+    margin = choice_margin(bound) if against_bound else 0.0
     knee = find_knee(
         cands,
         rule=choice.rule,

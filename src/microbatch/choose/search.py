@@ -8,7 +8,7 @@ and never probe a b_m predicted to exceed the budget less its headroom. Stop whe
   on what any larger b_m can reach (:func:`microbatch.choose.bound.throughput_bound`: a line
   fitted to the step time of the five largest probes, valid because the roofline's step time is
   convex) is known and a measured point is within τ of max(best, T̂) with half the choice's
-  margin (``SETTLE_MARGIN``), so no further probe can move the knee beyond it;
+  margin (``SETTLE_SHARE``), so no further probe can move the knee beyond it;
 - the curve has flattened or fallen: the newest point gains less than τ per doubling over the
   best point before it (τ is the knee rule's tolerance), ``patience`` times in a row (default
   2: on a CPU, decoding a 124M-parameter model gained 5% from b_m = 1 to 2, then 30% per
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from microbatch.choose.bound import BOUND_MARGIN, BOUND_MIN_POINTS, throughput_bound
+from microbatch.choose.bound import BOUND_MIN_POINTS, choice_margin, throughput_bound
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
 from microbatch.choose.knee import knee_fraction, recommend
@@ -40,15 +40,16 @@ from microbatch.choose.memory_fit import fit_memory
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["SETTLE_MARGIN", "SearchLog", "curve_point", "search", "Measure", "OnPoint"]
+__all__ = ["SETTLE_SHARE", "SearchLog", "curve_point", "search", "Measure", "OnPoint"]
 
 Measure = Callable[[int, bool], Measurement]
 """``measure(b, checkpointing)``: probe one point."""
 OnPoint = Callable[[Measurement, bool], None]
 """``on_point(m, from_cache)``: called after each point (progress display)."""
 
-SETTLE_MARGIN = BOUND_MARGIN / 2
-"""The search settles once a measured point reaches (1 − τ)(1 + μ/2) of the reference: halfway
+SETTLE_SHARE = 0.5
+"""The search settles once a measured point reaches (1 − τ)(1 + μ/2) of the reference (μ: the
+choice's margin, :func:`microbatch.choose.bound.choice_margin`): halfway
 between the bare line (which settled on a point that only just reached it: a decode run stopped at
 64 with 85.1% of T̂, 80% of the sweep's best) and the choice's own line (which costs one more
 doubling too often). Chosen by simulation (BENCHMARKS.md, "Measure: tune")."""
@@ -133,9 +134,10 @@ class _Walk:
             return None
         tau = choice.tolerance
         best = max(p.measured_throughput for p in ok)
-        if best < (1.0 - tau) * (1.0 + SETTLE_MARGIN) * max(bound.throughput, best):
+        margin = choice_margin(bound)
+        if best < (1.0 - tau) * (1.0 + SETTLE_SHARE * margin) * max(bound.throughput, best):
             return None  # no measured point reaches the settle line yet
-        knee = knee_fraction(ok, tau, bound=bound.throughput, margin=BOUND_MARGIN)
+        knee = knee_fraction(ok, tau, bound=bound.throughput, margin=margin)
         first, last = bound.fitted_on[0], bound.fitted_on[-1]
         return (
             f"knee settled: no micro-batch past {last} can beat {bound.throughput:,.1f}/s (the step-time "

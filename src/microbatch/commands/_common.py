@@ -351,7 +351,8 @@ def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
             f"the most any larger b_m can reach, 1/slope of a line fitted to step time over the {BOUND_WINDOW} "
             "largest b_m (the roofline makes step time convex in b_m, so no larger b_m beats it), when "
             f"every point is within {100 * BOUND_SLACK:g}% of that line; a point is then within τ of the "
-            f"bound only with a {100 * BOUND_MARGIN:g}% margin for the fit's error. "
+            "bound only with a margin for the fit's error (two standard errors of its slope; "
+            f"{100 * BOUND_MARGIN:g}% when no line fits). "
             "Default: bound for tune (it stops early, so it must answer for what it did not measure), "
             "measured for recommend (a curve given whole is taken as the truth).",
         ),

@@ -29,8 +29,9 @@ PLAN_TOLERANCE = 0.15
 Defined here because predict/ sits below choose/; a test holds the two equal."""
 PLAN_MARGIN = 0.05
 """μ of the planner's knee: the knee must reach (1 − τ)·(1 + μ) of the best, the margin ``tune``
-asks when its reference is a prediction rather than a measurement
-(``microbatch.choose.bound.BOUND_MARGIN``); a test holds the two equal."""
+asks when its reference is an estimate it has no fitted error for
+(``microbatch.choose.bound.BOUND_MARGIN``; with a fitted bound ``tune`` uses the fit's own error);
+a test holds the two equal."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -127,7 +127,7 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
             ax.axhline(ref, color=COLORS["fit"], ls="--", lw=1, label=f"bound on larger b_m ({ref:,.0f})")
         if tol > 0 and rule == "fraction":
             mu = float(tune.get("bound_margin") or 0.0)
-            what = ("the bound" if ref > best else "best") + (f", {mu:.0%} margin" if mu else "")
+            what = ("the bound" if ref > best else "best") + (f", {mu:.1%} margin" if mu >= 0.0005 else "")
             ax.axhspan(
                 ref * (1 - tol) * (1 + mu),
                 ref,
