@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from microbatch.errors import ConfigError, PipelineError
     from microbatch.run.launch import run_pipeline
     from microbatch.run.pipeline_config import PipelineConfig
+    from microbatch.run.pipeline_memory import boundary_bytes
     from microbatch.run.pipeline_profile import run_predicted
 
     load = os.getloadavg()[0]
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_s=300,
                         )
                     )
-                    growth.append((model, p, name, m, rep["memory"][0]["measured_peak_bytes"],
-                                   twice["memory"][0]["measured_peak_bytes"]))  # fmt: skip
+                    buf = boundary_bytes(cfg) or 0.0
+                    for row, row2 in zip(rep["memory"], twice["memory"], strict=True):
+                        growth.append((model, p, name, m, row["rank"], row["measured_peak_bytes"],
+                                       row2["measured_peak_bytes"], buf))  # fmt: skip
                 print(f"  done {model} p={p} {name} m={m} v={v}", file=sys.stderr, flush=True)
 
     print(
@@ -154,10 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             "ranks within 10%"
         )
     print()
-    print(f"{'model':<6}{'p':>2}  {'schedule':<9}  rank-0 measured KiB at m -> 2m")
-    for model, p, name, m, a, b in growth:
+    # from m to 2m: GPipe's in-flight activations double; 1F1B's in-flight count stays min(p - rank, m),
+    # but torch's runtime keeps one receive buffer per micro-batch on every stage fed by another rank
+    # (b_m x s x h x dtype bytes), so there the peak grows by exactly m buffers: growth / (m x buffer)
+    # = 1.00 is the buffers alone, more is activations held per micro-batch as well (rank 0 is fed by
+    # no rank; it keeps the m chunks of the batch's token ids)
+    print(
+        f"{'model':<6}{'p':>2}  {'schedule':<9}{'rank':>5}  measured KiB at m -> 2m   growth / (m x recv buffer)"
+    )
+    for model, p, name, m, rank, a, b, buf in growth:
         print(
-            f"{model:<6}{p:>2}  {name:<9}  m={m}: {a / 1024:.1f} -> m={2 * m}: {b / 1024:.1f}  (x{b / a:.2f})"
+            f"{model:<6}{p:>2}  {name:<9}{rank:>5}  m={m}: {a / 1024:.1f} -> m={2 * m}: {b / 1024:.1f} (x{b / a:.2f})"
+            f"   {(b - a) / (m * buf):.2f}"
         )
     if refused:
         print(f"not run (refused: more stages than the model's layers + 2, or failed): {'; '.join(refused)}")

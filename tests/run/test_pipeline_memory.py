@@ -72,6 +72,13 @@ def test_gpipe_memory_grows_with_m_and_1f1b_does_not_measured():
     for a, b in zip(_measured(f2), _measured(f4), strict=True):
         assert b == pytest.approx(a, rel=0.1)  # 1F1B holds p − i whatever m
     assert _measured(g4)[0] > 1.6 * _measured(f4)[0]
+    # what 1F1B's rank 1 gains from m = 2 to 4 is torch's runtime, not activations: one receive
+    # buffer (b_m·s·h·4 bytes) per micro-batch, measured through the same hooks
+    from microbatch.run.pipeline_memory import boundary_bytes
+
+    buf = boundary_bytes(PipelineConfig(schedule="1f1b", stages=2, microbatches=2))
+    assert _measured(f4)[1] - _measured(f2)[1] == pytest.approx(2 * buf, rel=0.05)
+    assert _measured(g4)[1] - _measured(g2)[1] > 10 * 2 * buf  # GPipe: the activations as well
 
 
 @pytest.mark.timeout(200)
@@ -90,7 +97,7 @@ def test_dualpipev_runs_on_torch_with_unsplit_gradients_and_torchs_order():
 def _old_rule_bytes(rep, rank):
     """The prediction before issue 16's second pass: the registry's in-flight chunks × the rank's
     mean saved bytes per micro-batch, plus the received inputs beyond the in-flight count."""
-    from microbatch.run.pipeline_memory import _input_bytes, _rule_name
+    from microbatch.run.pipeline_memory import _rule_name, boundary_bytes
     from microbatch.schedules.registry import in_flight_chunks
 
     cfg = PipelineConfig(
@@ -102,9 +109,9 @@ def _old_rule_bytes(rep, rank):
     st = rep["measured"]["stage_stats"][rank]
     chunks = in_flight_chunks(_rule_name(cfg), rank, cfg.stages, cfg.microbatches, cfg.virtual)
     fed = 1 if rank > 0 else 0
-    return chunks * st["activation_bytes_per_microbatch"] + fed * (cfg.microbatches - chunks) * _input_bytes(
-        cfg
-    )
+    return chunks * st["activation_bytes_per_microbatch"] + fed * (
+        cfg.microbatches - chunks
+    ) * boundary_bytes(cfg)
 
 
 def test_split_backward_under_the_hooks_frees_what_it_saved():

@@ -28,7 +28,7 @@ from microbatch.errors import ConfigError
 from microbatch.run.pipeline_config import PipelineConfig
 from microbatch.schedules.registry import get_spec, stage_ranks
 
-__all__ = ["memory_rows"]
+__all__ = ["memory_rows", "boundary_bytes"]
 
 
 def _rule_name(cfg: PipelineConfig) -> str:
@@ -36,7 +36,7 @@ def _rule_name(cfg: PipelineConfig) -> str:
     return "zb-h1" if cfg.schedule == "zb-interleaved" and cfg.virtual == 1 else cfg.schedule
 
 
-def _input_bytes(cfg: PipelineConfig) -> float | None:
+def boundary_bytes(cfg: PipelineConfig) -> float | None:
     """Bytes of one micro-batch's activation between stages of a built-in model: b_m·s·h·dtype."""
     if ":" in cfg.model:
         return None
@@ -90,7 +90,7 @@ def _calibrated(
     mine = [s for s, r in enumerate(placement) if r == rank]
     if any(s not in own for s in mine):
         return None
-    inp = _input_bytes(cfg) or 0.0
+    inp = boundary_bytes(cfg) or 0.0
     fed = {s for s in mine if s > 0 and placement[s - 1] != rank}
     held = sum(cfg.microbatches * inp for _ in fed) + sum(shared.get(s, 0.0) for s in mine)
     peak = held
