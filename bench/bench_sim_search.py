@@ -12,7 +12,7 @@ the knee of the curve itself (memory: log2 of the ratio, 0 = the same b_m).
 Then the recorded H200 tune curves (``bench/results/h200-2026-11-30*/**/ours_*.json``: CUDA
 events, no noise added) are replayed through ``recommend(reference="bound")`` under each rule.
 
-    python bench/sim_search.py [--seeds 400] [--noise 0.0 0.03 0.05] [--json OUT]
+    python bench/bench_sim_search.py [--seeds 400] [--noise 0.0 0.03 0.05] [--json OUT]
 """
 
 from __future__ import annotations
