@@ -63,7 +63,8 @@ def load_json(
     if path.is_dir():
         path = path / "result.json"
     if not path.is_file():
-        raise ConfigError(f"{what} {str(path)!r} does not exist; {fix}")
+        why = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"{what} {str(path)!r} {why}; {fix}")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

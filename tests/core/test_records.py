@@ -37,6 +37,8 @@ def test_load_results_splits_a_multi_gpu_plan(tmp_path, capsys):
 def test_load_json_names_the_file_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"result file .*nope.json' does not exist; give files"):
         load_json(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match=r"result file '/dev/null' is not a regular file; give files"):
+        load_json("/dev/null")  # exists, but is a device
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="is not JSON .* at line 1"):

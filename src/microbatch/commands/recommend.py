@@ -30,7 +30,8 @@ def read_rows(path: str) -> list[Any]:
             f"--measurements {path!r} is a folder; give a JSON or CSV file of points (tune --out writes result.json in its folder)"
         )
     if not p.is_file():
-        raise ConfigError(f"--measurements {path!r} does not exist; give a JSON or CSV file of points")
+        why = "is not a regular file" if p.exists() else "does not exist"
+        raise ConfigError(f"--measurements {path!r} {why}; give a JSON or CSV file of points")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
