@@ -10,7 +10,7 @@ import math
 
 from microbatch.errors import ConfigError
 
-__all__ = ["GIB", "MIB", "parse_bytes", "format_bytes", "format_number"]
+__all__ = ["GIB", "MIB", "parse_bytes", "format_bytes", "format_count", "format_number"]
 
 KIB = 2**10
 MIB = 2**20
@@ -81,3 +81,12 @@ def format_number(x: float) -> str:
     if abs(x - round(x)) < 1e-9:
         return str(int(round(x)))
     return f"{x:.4g}"
+
+
+def format_count(n: int) -> str:
+    """A parameter count as text: ``"6.74 B"``, ``"124.4 M"``, ``"136,960"``."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,}"

@@ -113,6 +113,10 @@ def test_5_tune_model_too_big_for_the_budget(capsys):
     from microbatch.model import get_model
 
     assert need == pytest.approx(16 * get_model("llama-2-7b").param_count() / 2**30, abs=0.01)
+    # a tiny model against a tiny budget reads in units that show the numbers (was "0.00 B
+    # parameters needs 0.00 GiB ... budget 0.00 GiB")
+    check_refused(["tune", "--model", "tiny", "--memory-budget", "1KB"], capsys,
+                  r"tiny \(136,960 parameters\) needs 2\.09 MiB", r"memory budget 1000 B")  # fmt: skip
 
 
 def test_5_static_bytes_rule():

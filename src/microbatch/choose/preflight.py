@@ -17,7 +17,7 @@ from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
 from microbatch.predict.state import model_state_bytes
-from microbatch.units import format_bytes
+from microbatch.units import format_bytes, format_count
 
 __all__ = [
     "walk_sizes",
@@ -90,8 +90,8 @@ def check_static_fits(shape: ModelShape, mode: str, budget: int | None, budget_s
             else ("fp32 weights, 4 B/param")
         )
         raise ConfigError(
-            f"model {shape.name} ({params / 1e9:.2f} B parameters) needs {format_bytes(need, unit='GiB')} before any "
-            f"activation ({what}), over the memory budget {format_bytes(budget, unit='GiB')} ({budget_source}); "
+            f"model {shape.name} ({format_count(params)} parameters) needs {format_bytes(need)} before any "
+            f"activation ({what}), over the memory budget {format_bytes(budget)} ({budget_source}); "
             "use a smaller model, raise --memory-budget, or plan it with `microbatch plan` (sharding, pipelining)"
         )
 

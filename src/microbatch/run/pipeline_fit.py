@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from microbatch.errors import ConfigError
 from microbatch.run.pipeline_config import PipelineConfig
-from microbatch.units import format_bytes
+from microbatch.units import format_bytes, format_count
 
 __all__ = ["PROCESS_BYTES", "available_host_bytes", "check_fits", "predicted_host_bytes"]
 
@@ -67,7 +67,7 @@ def check_fits(cfg: PipelineConfig, *, available: int | None = None) -> dict[str
     if avail is not None and pred["total"] > avail:
         one = _DTYPE_BYTES[cfg.dtype] * shape.param_count()
         raise ConfigError(
-            f"model {cfg.model} ({shape.param_count() / 1e9:.2f} B parameters, {format_bytes(one)} in "
+            f"model {cfg.model} ({format_count(shape.param_count())} parameters, {format_bytes(one)} in "
             f"{cfg.dtype}) on {cfg.stages} local ranks needs about {format_bytes(pred['total'])} of host memory "
             f"(the model built on every rank {format_bytes(pred['model_copies'])}, gradients and Adam "
             f"{format_bytes(pred['gradients_and_adam'])}"
