@@ -45,8 +45,9 @@ BOUND_CONFIDENCE = 2.0
 """k: with a bound, μ = k·SE(T̂)/T̂, so that the knee is within τ of T̂ raised by k standard errors,
 the reference as high as the fit allows at ~95% one-sided confidence (normal approximation; ~91–93%
 with the fit's 2–3 degrees of freedom). Compared in a simulation on the 40 recorded CPU sweeps
-(``bench/bench_sim_search.py``) with k = 1 and with a fixed μ = 5%: k = 2 keeps the choice within τ as
-often as the fixed 5% or more often, and on an H200 curve (μ 3.7%) picks 16 where 5% picked 32."""
+(``bench/bench_sim_search.py``) with k = 1 and with a fixed μ = 5%: k = 2 keeps the choice within
+τ as often as the fixed 5% or more often, and on an H200 curve (μ 3.7%) picks 16 where 5% picked
+32."""
 
 
 @dataclass(frozen=True, kw_only=True)

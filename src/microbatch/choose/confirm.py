@@ -20,7 +20,8 @@ knee that is the largest and fastest point measured (the search settled on it) c
 Points timed by CUDA events are not re-measured: they are the device's own time, which other jobs on
 the host do not move, and a probe's repeats agree within 0.1–2.8% from b_m 8 up (the relative
 interquartile range ``spread`` of gpt2, gpt2-medium and gpt2-large on the H200,
-``bench/results/h200-2026-11-30b/rerun/tune/ours_*.json``), under the margin the choice keeps (two standard errors of the fitted bound: 3.7% on gpt2 there).
+``bench/results/h200-2026-11-30b/rerun/tune/ours_*.json``), under the margin the choice keeps (two
+standard errors of the fitted bound: 3.7% on gpt2 there).
 """
 
 from __future__ import annotations

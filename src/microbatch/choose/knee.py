@@ -146,8 +146,9 @@ class Recommendation:
     bound: ThroughputBound | None = None
     """T̂ when ``reference`` is ``bound`` and the tail gives one (None otherwise)."""
     margin: float = 0.0
-    """μ: the knee had to reach (1 − τ)·(1 + μ)·reference (with ``reference="bound"``: the bound's
-    relative standard error, or ``BOUND_MARGIN`` when no bound was fitted; else 0)."""
+    """μ: the knee had to reach (1 − τ)·(1 + μ)·reference (with ``reference="bound"``: two relative
+    standard errors of the fitted bound, ``choice_margin``, or ``BOUND_MARGIN`` when no bound was
+    fitted; else 0)."""
     left_out: tuple[tuple[int, str], ...] = ()
     """Measured b_m not considered, each with why (over the budget, the latency limit, or b_m·d not
     dividing B_global)."""
