@@ -90,6 +90,12 @@ def test_recommend_reference_bound(tmp_path, capsys):
     assert bound["fraction_of_reference"] == pytest.approx((16 / (0.05 + 0.064)) / 250.0)
     code, out, _ = run(["recommend", "-m", str(f), "--reference", "bound"], capsys)
     assert code == 0 and "no b_m past 16 runs faster than 250.0" in out and "of the bound" in out
+    # the line the knee had to clear: an exact line has no error, so two standard errors are 0
+    assert "the knee had to reach (1 − 0.15)·(1 + 0.0%) = 85.0% of it (two standard errors of that fit)" in out
+    # with 1 and 2 only there is no bound: the fixed 5% margin, said so
+    f.write_text(json.dumps([{"micro_batch": 1, "throughput": 50.0}, {"micro_batch": 2, "throughput": 90.0}]))
+    code, out, _ = run(["recommend", "-m", str(f), "--reference", "bound"], capsys)
+    assert "(1 − 0.15)·(1 + 5.0%) = 89.2% of it (no fit to take it from)" in out
     code, _, err = run(["recommend", "-m", str(f), "--reference", "projected"], capsys)
     assert code == 2
 

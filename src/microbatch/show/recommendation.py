@@ -36,6 +36,15 @@ def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> l
     return lines
 
 
+def _margin_text(d: Mapping[str, Any], why: str) -> str:
+    """The line the knee had to clear, (1 − τ)·(1 + μ) of the reference, when rule fraction used μ."""
+    mu = d.get("bound_margin")
+    if d.get("rule") != "fraction" or mu is None:
+        return ""
+    tau = float(d["tolerance"])
+    return f"; the knee had to reach (1 − {tau:g})·(1 + {100 * mu:.1f}%) = {100 * (1 - tau) * (1 + mu):.1f}% of it ({why})"
+
+
 def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
     bound = d.get("throughput_bound")
     if bound:
@@ -44,11 +53,13 @@ def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
             f"bound: no b_m past {on[-1]} runs faster than {bound['throughput']:,.1f} {unit} "
             f"(1 / the slope of step time against b_m, fitted on {', '.join(str(b) for b in on)}: "
             f"affine within {100 * bound['max_residual']:.1f}%)"
+            + _margin_text(d, "two standard errors of that fit")
         ]
     if d.get("reference") == "bound" and d.get("rule") == "fraction":
         return [
             f"bound: none (fewer than {BOUND_MIN_POINTS} points, or step time over the {BOUND_WINDOW} largest "
             f"misses a line by more than {100 * BOUND_SLACK:g}%); best measured used"
+            + _margin_text(d, "no fit to take it from")
         ]
     return []
 
