@@ -91,7 +91,9 @@ def test_recommend_reference_bound(tmp_path, capsys):
     code, out, _ = run(["recommend", "-m", str(f), "--reference", "bound"], capsys)
     assert code == 0 and "no b_m past 16 runs faster than 250.0" in out and "of the bound" in out
     # the line the knee had to clear: an exact line has no error, so two standard errors are 0
-    assert "the knee had to reach (1 − 0.15)·(1 + 0.0%) = 85.0% of it (two standard errors of that fit)" in out
+    assert (
+        "the knee had to reach (1 − 0.15)·(1 + 0.0%) = 85.0% of it (two standard errors of that fit)" in out
+    )
     # with 1 and 2 only there is no bound: the fixed 5% margin, said so
     f.write_text(json.dumps([{"micro_batch": 1, "throughput": 50.0}, {"micro_batch": 2, "throughput": 90.0}]))
     code, out, _ = run(["recommend", "-m", str(f), "--reference", "bound"], capsys)
