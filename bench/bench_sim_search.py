@@ -1,6 +1,7 @@
 """The search and the knee replayed on recorded curves, under each margin rule, with noise.
 
-Drives ``microbatch.choose.search.search`` with synthetic measurements: a recorded curve (the
+Drives ``microbatch.choose.search.search`` (then, as ``tune`` does, ``confirm_knee``; ``--no-confirm``
+leaves it out) with synthetic measurements: a recorded curve (the
 exhaustive sweeps of ``bench/bench_tune.py`` in ``bench/results/bench_tune-*.json``: CPU decoding
 and training) times log-normal noise, many seeds. For each rule of the margin μ the knee must clear
 (``fixed``: μ = 5% whenever the reference is the bound; ``se``: μ = the fitted bound's relative
@@ -34,9 +35,10 @@ import microbatch.choose.knee as knee_mod  # noqa: E402
 import microbatch.choose.search as search_mod  # noqa: E402
 from microbatch.choose.bound import BOUND_MARGIN, ThroughputBound, choice_margin  # noqa: E402
 from microbatch.choose.config import ChoiceConfig, SearchConfig  # noqa: E402
+from microbatch.choose.confirm import confirm_knee  # noqa: E402
 from microbatch.choose.curve import CurvePoint  # noqa: E402
 from microbatch.choose.knee import recommend  # noqa: E402
-from microbatch.choose.search import curve_point, search  # noqa: E402
+from microbatch.choose.search import SearchLog, curve_point, search  # noqa: E402
 from microbatch.measure.probes import Measurement  # noqa: E402
 
 TAU = 0.15
@@ -61,9 +63,9 @@ def use_rule(name: str) -> None:
     search_mod.choice_margin = rule  # type: ignore[attr-defined]
 
 
-def recorded_sweeps() -> dict[str, list[dict[int, float]]]:
+def recorded_sweeps(pattern: str = "bench_tune-*.json") -> dict[str, list[dict[int, float]]]:
     out: dict[str, list[dict[int, float]]] = {"decode": [], "train": []}
-    for f in sorted(glob.glob(str(ROOT / "bench/results/bench_tune-*.json"))):
+    for f in sorted(glob.glob(str(ROOT / "bench/results" / pattern))):
         for row in json.loads(Path(f).read_text()):
             curve = {int(b): float(t) for b, t in row["sweep_points"] if t}
             out["decode" if row["mode"] == "decode" else "train"].append(curve)
@@ -80,18 +82,25 @@ def true_knee(curve: dict[int, float]) -> int:
     return min(b for b, t in curve.items() if t >= (1 - TAU) * best)
 
 
-def one(curve: dict[int, float], noise: float, rng: random.Random, start: float) -> dict[str, Any]:
+def one(
+    curve: dict[int, float], noise: float, rng: random.Random, start: float, confirm: bool
+) -> dict[str, Any]:
+    calls: list[int] = []
+
     def measure(b: int, ckpt: bool) -> Measurement:
+        calls.append(b)
         t = curve[b] * math.exp(rng.gauss(0.0, noise)) if noise else curve[b]
         return Measurement(micro_batch=b, throughput=t, step_time_s=b / t, peak_memory_bytes=b)
 
-    pts = search(
-        measure, SearchConfig(max_micro_batch=max(curve)), ChoiceConfig(tolerance=TAU, reference="bound")
-    )
-    rec = recommend([curve_point(p) for p in pts], ChoiceConfig(tolerance=TAU, reference="bound"))
+    choice = ChoiceConfig(tolerance=TAU, reference="bound")
+    log = SearchLog()
+    pts = search(measure, SearchConfig(max_micro_batch=max(curve)), choice, log=log)
+    if confirm:  # as tune and the integrations do after the search: the knee measured again
+        pts = confirm_knee(measure, pts, choice, log)
+    rec = recommend([curve_point(p) for p in pts], choice)
     b = rec.knee.micro_batch
     best = max(curve.values())
-    cost = sum(probe_cost(p.micro_batch, curve[p.micro_batch], start) for p in pts)
+    cost = sum(probe_cost(c, curve[c], start) for c in calls)
     whole = sum(probe_cost(bb, t, start) for bb, t in curve.items())
     return {
         "within": curve[b] >= (1 - TAU) * best,
@@ -101,11 +110,13 @@ def one(curve: dict[int, float], noise: float, rng: random.Random, start: float)
     }
 
 
-def simulate(curves: list[dict[int, float]], noise: float, seeds: int, start: float) -> dict[str, float]:
+def simulate(
+    curves: list[dict[int, float]], noise: float, seeds: int, start: float, confirm: bool
+) -> dict[str, float]:
     rows = []
     for i, curve in enumerate(curves):
         rng = random.Random(1000 * i + int(noise * 1000))
-        rows += [one(curve, noise, rng, start) for _ in range(seeds if noise else 1)]
+        rows += [one(curve, noise, rng, start, confirm) for _ in range(seeds if noise else 1)]
     return {
         "within_tau": sum(r["within"] for r in rows) / len(rows),
         "worst_fraction": min(r["fraction"] for r in rows),
@@ -140,8 +151,16 @@ def main() -> int:
     )
     ap.add_argument("--rules", nargs="+", default=["fixed", "se", "2se"], choices=["fixed", "se", "2se"])
     ap.add_argument("--json", help="write the table's rows here")
+    ap.add_argument(
+        "--sweeps", default="bench_tune-*.json", help="which bench/results files hold the sweeps (a glob)"
+    )
+    ap.add_argument(
+        "--no-confirm",
+        action="store_true",
+        help="search and choose only (default: confirm the knee, as tune does)",
+    )
     args = ap.parse_args()
-    sweeps = recorded_sweeps()
+    sweeps = recorded_sweeps(args.sweeps)
     # a probe's fixed start, in units of one step at the sweep's b_m = 16 (profiled decode sweep:
     # start 3.7 s against 2.6 s at b_m = 64, BENCHMARKS.md "Measure: tune")
     rows: list[dict[str, Any]] = []
@@ -151,8 +170,11 @@ def main() -> int:
             for rule in args.rules:
                 use_rule(rule)
                 start = statistics.median(1.4 * 64 / c[64] for c in curves)
-                r = simulate(curves, noise, args.seeds, start)
-                rows.append({"case": case, "curves": len(curves), "noise": noise, "rule": rule, **r})
+                r = simulate(curves, noise, args.seeds, start, not args.no_confirm)
+                rows.append(
+                    {"case": case, "curves": len(curves), "noise": noise, "rule": rule,
+                     "confirm": not args.no_confirm, **r}
+                )  # fmt: skip
                 print(
                     f"{case:8} {noise:5.2f} {rule:6} {100 * r['within_tau']:7.1f}% {100 * r['worst_fraction']:5.1f}%"
                     f" {100 * r['time_share']:5.1f}% {r['log2_vs_knee']:+11.2f}"
