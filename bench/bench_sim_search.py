@@ -35,7 +35,7 @@ import microbatch.choose.knee as knee_mod  # noqa: E402
 import microbatch.choose.search as search_mod  # noqa: E402
 from microbatch.choose.bound import BOUND_MARGIN, ThroughputBound, choice_margin  # noqa: E402
 from microbatch.choose.config import ChoiceConfig, SearchConfig  # noqa: E402
-from microbatch.choose.confirm import confirm_knee  # noqa: E402
+from microbatch.choose.confirm import CONFIRM_BUDGET, confirm_knee  # noqa: E402
 from microbatch.choose.curve import CurvePoint  # noqa: E402
 from microbatch.choose.knee import recommend  # noqa: E402
 from microbatch.choose.search import SearchLog, curve_point, search  # noqa: E402
@@ -83,20 +83,22 @@ def true_knee(curve: dict[int, float]) -> int:
 
 
 def one(
-    curve: dict[int, float], noise: float, rng: random.Random, start: float, confirm: bool
+    curve: dict[int, float], noise: float, rng: random.Random, start: float, confirm: float | None
 ) -> dict[str, Any]:
     calls: list[int] = []
+    now = [0.0]  # the simulated clock: each probe advances it by its cost
 
     def measure(b: int, ckpt: bool) -> Measurement:
         calls.append(b)
+        now[0] += probe_cost(b, curve[b], start)
         t = curve[b] * math.exp(rng.gauss(0.0, noise)) if noise else curve[b]
         return Measurement(micro_batch=b, throughput=t, step_time_s=b / t, peak_memory_bytes=b)
 
     choice = ChoiceConfig(tolerance=TAU, reference="bound")
-    log = SearchLog()
+    log = SearchLog(clock=lambda: now[0])  # confirm_knee budgets with the probes' simulated cost
     pts = search(measure, SearchConfig(max_micro_batch=max(curve)), choice, log=log)
-    if confirm:  # as tune and the integrations do after the search: the knee measured again
-        pts = confirm_knee(measure, pts, choice, log)
+    if confirm is not None:  # as tune and the integrations do after the search: the knee measured again
+        pts = confirm_knee(measure, pts, choice, log, budget=confirm)
     rec = recommend([curve_point(p) for p in pts], choice)
     b = rec.knee.micro_batch
     best = max(curve.values())
@@ -111,8 +113,9 @@ def one(
 
 
 def simulate(
-    curves: list[dict[int, float]], noise: float, seeds: int, start: float, confirm: bool
+    curves: list[dict[int, float]], noise: float, seeds: int, start: float, confirm: float | None
 ) -> dict[str, float]:
+    """``confirm``: the confirmation's budget (a share of the search's time), None for none."""
     rows = []
     for i, curve in enumerate(curves):
         rng = random.Random(1000 * i + int(noise * 1000))
@@ -159,26 +162,39 @@ def main() -> int:
         action="store_true",
         help="search and choose only (default: confirm the knee, as tune does)",
     )
+    ap.add_argument(
+        "--confirm-budget",
+        type=float,
+        nargs="+",
+        default=[CONFIRM_BUDGET],
+        help=f"the confirmation's time as a share of the search's (default {CONFIRM_BUDGET:g}, as tune "
+        "runs it; inf: unbounded, the code before 2026-12-01 afternoon)",
+    )
     args = ap.parse_args()
+    budgets: list[float | None] = [None] if args.no_confirm else list(args.confirm_budget)
     sweeps = recorded_sweeps(args.sweeps)
     # a probe's fixed start, in units of one step at the sweep's b_m = 16 (profiled decode sweep:
     # start 3.7 s against 2.6 s at b_m = 64, BENCHMARKS.md "Measure: tune")
     rows: list[dict[str, Any]] = []
-    print(f"{'case':8} {'noise':>5} {'rule':6} {'within τ':>8} {'worst':>6} {'time':>6} {'log2 b/knee':>11}")
+    print(
+        f"{'case':8} {'noise':>5} {'rule':6} {'confirm':>7} {'within τ':>8} {'worst':>6} {'time':>6} {'log2 b/knee':>11}"
+    )
     for case, curves in sweeps.items():
         for noise in args.noise:
             for rule in args.rules:
-                use_rule(rule)
-                start = statistics.median(1.4 * 64 / c[64] for c in curves)
-                r = simulate(curves, noise, args.seeds, start, not args.no_confirm)
-                rows.append(
-                    {"case": case, "curves": len(curves), "noise": noise, "rule": rule,
-                     "confirm": not args.no_confirm, **r}
-                )  # fmt: skip
-                print(
-                    f"{case:8} {noise:5.2f} {rule:6} {100 * r['within_tau']:7.1f}% {100 * r['worst_fraction']:5.1f}%"
-                    f" {100 * r['time_share']:5.1f}% {r['log2_vs_knee']:+11.2f}"
-                )
+                for budget in budgets:
+                    use_rule(rule)
+                    start = statistics.median(1.4 * 64 / c[64] for c in curves)
+                    r = simulate(curves, noise, args.seeds, start, budget)
+                    rows.append(
+                        {"case": case, "curves": len(curves), "noise": noise, "rule": rule,
+                         "confirm": budget is not None, "confirm_budget": budget, **r}
+                    )  # fmt: skip
+                    print(
+                        f"{case:8} {noise:5.2f} {rule:6} {'no' if budget is None else f'{budget:g}×':>7}"
+                        f" {100 * r['within_tau']:7.1f}% {100 * r['worst_fraction']:5.1f}%"
+                        f" {100 * r['time_share']:5.1f}% {r['log2_vs_knee']:+11.2f}"
+                    )
     print("\nH200 tune curves (CUDA events), recommend(reference='bound'):")
     for name, pts in h200_curves():
         picks = []

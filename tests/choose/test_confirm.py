@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
@@ -13,17 +15,30 @@ CHOICE = ChoiceConfig(tolerance=0.15, reference="measured")  # the line: 0.85 ×
 
 
 def _scripted(disturbed: dict[int, list[float]]):
-    """measure(b, ckpt): the true curve, except the scripted values of ``disturbed`` first; logs the calls."""
+    """measure(b, ckpt): the true curve, except the scripted values of ``disturbed`` first; logs the calls.
+    Also a SearchLog whose clock advances by b at each probe (a probe's cost grows with its work)."""
     calls: list[int] = []
+    now = [0.0]
 
     def measure(b: int, ckpt: bool) -> Measurement:
         calls.append(b)
+        now[0] += b
         queue = disturbed.get(b, [])
         t = queue.pop(0) if queue else TRUE[b]
         return Measurement(micro_batch=b, throughput=t, samples_per_s=t, step_time_s=b / t, repeats=3,
                            peak_memory_bytes=1000 * b, checkpointing=ckpt)  # fmt: skip
 
-    return measure, calls
+    return measure, calls, SearchLog(clock=lambda: now[0])
+
+
+def _measured(measure, log: SearchLog, sizes) -> list[Measurement]:
+    """The points of ``sizes`` measured in order, their cost logged as the search logs it."""
+    out = []
+    for b in sizes:
+        t0 = log.clock()
+        out.append(measure(b, False))
+        log.seconds[(b, False)] = log.clock() - t0
+    return out
 
 
 def _knee(points):
@@ -31,16 +46,16 @@ def _knee(points):
 
 
 def test_a_knee_passed_on_one_quiet_moment_moves_to_the_true_knee():
-    measure, calls = _scripted({2: [190.0]})  # b_m 2 measured 27% fast once (another job paused)
-    log = SearchLog()
+    measure, calls, log = _scripted({2: [190.0]})  # b_m 2 measured 27% fast once (another job paused)
     points = search(measure, SearchConfig(max_micro_batch=16), CHOICE, log=log)
     assert _knee(points) == 2  # the search alone answers 2: 150/200 = 75% of the best, below 1 − τ
     n = len(calls)
-    confirmed = confirm_knee(measure, points, CHOICE, log)
+    confirmed = confirm_knee(measure, points, CHOICE, log, budget=math.inf)  # the budget: its own test
     assert _knee(confirmed) == 4 and TRUE[4] / TRUE[8] >= 0.85
     # the knee 2, its neighbour 4 and the fastest 8 alternately; then 4 is the knee, its neighbour and the
     # fastest are 8, all measured again already: done. The search's points are kept in their order.
     assert calls[n:] == [2, 4, 8, 2, 4, 8] and log.probes == n + 6
+    assert sum(log.seconds.values()) == 1 + 2 + 4 + 8  # the search's probes, timed on its clock
     assert [p.micro_batch for p in confirmed] == [p.micro_batch for p in points]
     assert next(p for p in confirmed if p.micro_batch == 2).throughput == 150.0  # the median of 190, 150, 150
     assert "knee 2 checked: 2, 4, 8 re-measured alternately (2 rounds, median of 3)" in log.stop_reason
@@ -48,55 +63,55 @@ def test_a_knee_passed_on_one_quiet_moment_moves_to_the_true_knee():
 
 
 def test_a_knee_that_is_the_largest_and_fastest_point_costs_no_probe():
-    measure, calls = _scripted({})
-    points = [measure(b, False) for b in (1, 2, 4, 8)]
+    measure, calls, log = _scripted({})
+    points = _measured(measure, log, (1, 2, 4, 8))
     n = len(calls)
-    assert (
-        confirm_knee(measure, points, ChoiceConfig(tolerance=0.0, reference="measured"), SearchLog())
-        == points
-    )
+    assert confirm_knee(measure, points, ChoiceConfig(tolerance=0.0, reference="measured"), log) == points
     assert len(calls) == n
 
 
 def test_a_true_knee_stays_and_one_disturbed_remeasurement_does_not_move_it():
-    measure, calls = _scripted({4: [180.0, 120.0]})  # the knee's first re-measurement is disturbed
-    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]
-    confirmed = confirm_knee(measure, points, CHOICE, SearchLog())
+    measure, calls, log = _scripted({4: [180.0, 120.0]})  # the knee's first re-measurement is disturbed
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
+    confirmed = confirm_knee(measure, points, CHOICE, log)
     assert _knee(confirmed) == 4 and calls[5:] == [4, 8, 4, 8]
 
 
 def test_ctrl_c_while_confirming_keeps_the_points():
-    measure, _ = _scripted({2: [190.0]})
-    points = [measure(b, False) for b in (1, 2, 4, 8)]
+    measure, _, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8))
 
     def interrupted(b: int, ckpt: bool) -> Measurement:
         raise KeyboardInterrupt
 
-    log = SearchLog()
-    assert confirm_knee(interrupted, points, CHOICE, log) == points and log.interrupted
+    assert confirm_knee(interrupted, points, CHOICE, log, budget=math.inf) == points and log.interrupted
 
 
 def test_a_knee_that_is_fastest_because_larger_probes_ran_in_a_busy_moment_moves_up():
-    measure, calls = _scripted({8: [120.0], 16: [130.0]})  # other jobs took the core for the last probes
-    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]
+    measure, calls, log = _scripted({8: [120.0], 16: [130.0]})  # other jobs took the core for the last probes
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
     assert _knee(points) == 4  # 4 is the fastest measured: 180/200 = 90% of what 8 gives
-    confirmed = confirm_knee(measure, points, CHOICE, SearchLog())
+    confirmed = confirm_knee(measure, points, CHOICE, log)
     # 4 and its neighbour 8 measured again: 8 is back at 200, 4 still within τ of it, the knee stays
     assert calls[5:] == [4, 8, 4, 8] and _knee(confirmed) == 4
     strict = ChoiceConfig(tolerance=0.05, reference="measured")  # a line 4 does not pass once 8 is known
-    measure, calls = _scripted({8: [120.0], 16: [130.0]})
-    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]
-    assert recommend([curve_point(p) for p in points], strict).knee.micro_batch == 4
-    confirmed = confirm_knee(measure, points, strict, SearchLog())
-    assert recommend([curve_point(p) for p in confirmed], strict).knee.micro_batch == 8
-    assert calls[5:] == [4, 8, 4, 8, 16, 16]  # then the new knee's neighbour 16
+    for budget, tail in ((2.0, [16, 16]), (1.0, [])):
+        measure, calls, log = _scripted({8: [120.0], 16: [130.0]})
+        points = _measured(measure, log, (1, 2, 4, 8, 16))
+        assert recommend([curve_point(p) for p in points], strict).knee.micro_batch == 4
+        confirmed = confirm_knee(measure, points, strict, log, budget=budget)
+        assert recommend([curve_point(p) for p in confirmed], strict).knee.micro_batch == 8
+        # then the new knee's neighbour 16 -- twice 16 units, past the budget of 1 × the search's 31 with 24
+        # spent: not measured again, and the log says why
+        assert calls[5:] == [4, 8, 4, 8, *tail]
+    assert "knee 8 not re-measured: 16 would take about 32.0 s, more than the 7.0 s left" in log.stop_reason
+    assert "the knee moved from 4 to 8" in log.stop_reason
 
 
 def test_cuda_event_timings_are_not_measured_again():
     from dataclasses import replace
 
-    measure, calls = _scripted({2: [190.0]})
-    log = SearchLog()
+    measure, calls, log = _scripted({2: [190.0]})
     points = [
         replace(p, clock="cuda-events")
         for p in search(measure, SearchConfig(max_micro_batch=16), CHOICE, log=log)
@@ -107,5 +122,44 @@ def test_cuda_event_timings_are_not_measured_again():
     assert "not re-measured: CUDA-event timings" in log.stop_reason
     # the same points on a host clock are re-measured
     host = [replace(p, clock="process") for p in points]
-    confirm_knee(measure, host, CHOICE, SearchLog())
+    confirm_knee(measure, host, CHOICE, log, budget=math.inf)
     assert len(calls) > n
+
+
+def test_the_confirmation_takes_at_most_the_search_s_own_time():
+    """A decode run on the 2-core CPU searched 1..512 in about a sweep's time, then spent ~90 s more
+    re-measuring its largest points (254% of the sweep, BENCHMARKS.md): the re-measurements stop where they
+    would take more than the search did, and the knee the search chose stands."""
+    measure, calls, log = _scripted(
+        {2: [190.0]}
+    )  # the knee 2 passed on one quiet moment, as in the first test
+    points = _measured(measure, log, (1, 2, 4, 8))  # 15 units of probing
+    assert _knee(points) == 2
+    confirmed = confirm_knee(measure, points, CHOICE, log)  # 2, 4, 8 twice: 28 units, more than 15
+    assert confirmed == points and len(calls) == 4 and log.probes == 0
+    assert (
+        "knee 2 not re-measured: 2, 4, 8 would take about 28.0 s, more than the 15.0 s left"
+        in log.stop_reason
+    )
+    # with one more point searched (31 units) the same confirmation fits, runs and moves the knee to 4
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
+    assert _knee(confirm_knee(measure, points, CHOICE, log)) == 4 and calls[5:] == [2, 4, 8, 2, 4, 8]
+    # what the clock says the re-measurements took counts, not the estimate: a first round that runs long
+    # leaves nothing for the next knee
+    slow, calls, log = _scripted({2: [190.0]})
+    points = _measured(slow, log, (1, 2, 4, 8, 16))
+    log.seconds[(2, False)] = log.seconds[(4, False)] = log.seconds[(8, False)] = 0.5  # underestimated costs
+    confirmed = confirm_knee(slow, points, ChoiceConfig(tolerance=0.05, reference="measured"), log)
+    assert "not re-measured" in log.stop_reason and calls[5:] == [2, 4, 8, 2, 4, 8]
+
+
+def test_points_from_the_cache_cost_nothing_and_a_cached_search_confirms_nothing():
+    measure, calls, log = _scripted({2: [190.0]})
+    points = [measure(b, False) for b in (1, 2, 4, 8, 16)]  # as if read from the cache: no time logged
+    assert confirm_knee(measure, points, CHOICE, log) == points and len(calls) == 5
+    assert "the search measured nothing (its points came from the cache)" in log.stop_reason
+    # a search that measured 16 only (the rest cached): 2 and 4 are costed as 16's probe, 2·(16 + 16 + 16) > 16
+    log.seconds[(16, False)] = 16.0
+    assert confirm_knee(measure, points, ChoiceConfig(tolerance=0.15, reference="measured"), log) == points
+    assert len(calls) == 5 and "2, 4, 8 would take about 96.0 s, more than the 16.0 s left" in log.stop_reason

@@ -17,6 +17,16 @@ now has (a real measurement, not an average: one disturbed probe cannot move it)
 again. When the knee moves, the new knee and its neighbour are measured again the same way. A
 knee that is the largest and fastest point measured (the search settled on it) costs nothing more.
 
+The confirmation spends at most what the search's own probes took (``CONFIRM_BUDGET``, timed on
+``log.clock``): before each round of re-measurements it adds up what those points' latest probes
+took (``log.seconds``) and, when that would overrun what is left of the budget, keeps the points
+as they are and says so. A confirmation therefore never more than doubles the time to answer;
+where the search itself walked to the end of a flat curve (a decode run on the 2-core CPU searched
+to 512 in about a sweep's time, then spent ~90 s more re-measuring 128, 256 and 512: 254% of the
+sweep, BENCHMARKS.md) the expensive re-measurements of the largest points are the ones it drops,
+and a close call found early, where the probes are cheap (64 and 128 after a 21 s search: 64 fell
+below the line and the knee moved to 128, 66% → 84% of the sweep's best), is still confirmed.
+
 Points timed by CUDA events are not re-measured: they are the device's own time, which other jobs on
 the host do not move, and a probe's repeats agree within 0.1–2.8% from b_m 8 up (the relative
 interquartile range ``spread`` of gpt2, gpt2-medium and gpt2-large on the H200,
@@ -35,7 +45,7 @@ from microbatch.choose.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["CONFIRM_ROUNDS", "DEVICE_CLOCK", "confirm_knee"]
+__all__ = ["CONFIRM_BUDGET", "CONFIRM_ROUNDS", "DEVICE_CLOCK", "confirm_knee"]
 
 DEVICE_CLOCK = "cuda-events"
 """The clock of points that are not re-measured (:class:`microbatch.measure.device.Device`'s name for
@@ -44,6 +54,12 @@ CUDA-event timing)."""
 CONFIRM_ROUNDS = 2
 """Re-measurements of the knee and of the fastest point (alternately): with the search's own
 measurement, three of each, whose median survives one disturbed probe."""
+
+
+CONFIRM_BUDGET = 1.0
+"""The confirmation's time, at most, as a share of the time the search's probes took: at most
+doubling the time to answer. Not a tuned figure: a bound on the cost of an insurance that, on the
+recorded runs, either paid in cheap probes or not at all (module docstring)."""
 
 
 def _median(ms: list[Measurement]) -> Measurement:
@@ -55,6 +71,11 @@ def _median(ms: list[Measurement]) -> Measurement:
     return replace(mid, peak_memory_bytes=max(peaks) if peaks else None, repeats=sum(m.repeats for m in ok))
 
 
+def _moved(log: SearchLog, first: int | None, knee: int) -> None:
+    if first is not None and knee != first:
+        log.stop_reason += f"; the knee moved from {first} to {knee} on the re-measured points"
+
+
 def confirm_knee(
     measure: Callable[[int, bool], Measurement],
     points: list[Measurement],
@@ -62,6 +83,7 @@ def confirm_knee(
     log: SearchLog,
     *,
     rounds: int = CONFIRM_ROUNDS,
+    budget: float = CONFIRM_BUDGET,
 ) -> list[Measurement]:
     """The search's ``points`` with the knee and the fastest point re-measured (see the module).
 
@@ -69,9 +91,13 @@ def confirm_knee(
     answer is chosen with; ``log`` counts the extra probes and says what was confirmed. Returns a
     new list: the re-measured points' entries replaced by their median measurement.
     A Ctrl-C keeps what was measured (``log.interrupted``); a re-measurement that runs out of
-    memory is left out of the median.
+    memory is left out of the median. ``budget``: the share of the search's probe time (the sum
+    of ``log.seconds``) the re-measurements may take; a round that would overrun it is not started.
     """
     pts = list(points)
+    searched = sum(log.seconds.values())  # the points taken from the cache took no time
+    allowed = budget * searched
+    spent = 0.0
     confirmed: set[int] = set()  # indices into pts re-measured already
     first: int | None = None  # the search's knee
     try:
@@ -87,18 +113,35 @@ def confirm_knee(
             group = sorted({knee, rec.fastest.micro_batch, *([min(above)] if above else [])})
             todo = [index[b] for b in group if index[b] not in confirmed]
             if len(group) < 2 or not todo:
-                if first is not None and knee != first:
-                    log.stop_reason += f"; the knee moved from {first} to {knee} on the re-measured points"
+                _moved(log, first, knee)
                 return pts  # nothing to compare the knee with, or all of it measured again
             if all(pts[index[b]].clock == DEVICE_CLOCK for b in group):
                 log.stop_reason += (
                     f"; knee {knee} not re-measured: CUDA-event timings (the device's own time)"
                 )
                 return pts
+            if not allowed:
+                log.stop_reason += f"; knee {knee} not re-measured: the search measured nothing (its points came from the cache)"
+                return pts
+            longest = max(log.seconds.values())  # a point taken from the cache: costed as the longest probe
+            cost = rounds * sum(
+                log.seconds.get((pts[i].micro_batch, pts[i].checkpointing), longest) for i in todo
+            )
+            if spent + cost > allowed:
+                log.stop_reason += (
+                    f"; knee {knee} not re-measured: {', '.join(str(pts[i].micro_batch) for i in todo)} "
+                    f"would take about {cost:.1f} s, more than the {max(allowed - spent, 0.0):.1f} s left "
+                    f"of the confirmation's budget ({budget:g} × the search's {searched:.1f} s)"
+                )
+                _moved(log, first, knee)
+                return pts
             again: dict[int, list[Measurement]] = {i: [pts[i]] for i in todo}
             for _ in range(rounds):
                 for i in todo:
-                    m = measure(pts[i].micro_batch, pts[i].checkpointing)
+                    key = (pts[i].micro_batch, pts[i].checkpointing)
+                    t0 = log.clock()
+                    m = measure(*key)
+                    spent += log.clock() - t0
                     log.probes += 1
                     log.oom_events += int(m.oom)
                     again[i].append(m)

@@ -29,6 +29,7 @@ The settings are a :class:`~microbatch.choose.config.SearchConfig` (how to walk)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,6 +83,11 @@ class SearchLog:
     """Probes measured now (not from the cache)."""
     cached: int = 0
     """Points taken from the cache."""
+    seconds: dict[tuple[int, bool], float] = field(default_factory=dict)
+    """Seconds each point's latest probe took, by (b_m, checkpointing), on ``clock`` (what a
+    re-measurement costs; :func:`microbatch.choose.confirm.confirm_knee` budgets with it)."""
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
+    """The clock probes are timed with (a simulation gives its own)."""
 
 
 class _Walk:
@@ -110,7 +116,9 @@ class _Walk:
             m, cached = self.known[key], True
             self.log.cached += 1
         else:
+            t0 = self.log.clock()
             m, cached = self.measure(b, self.ckpt), False
+            self.log.seconds[key] = self.log.clock() - t0
             self.log.probes += 1
             self.log.oom_events += int(m.oom)
         self.points.append(m)
