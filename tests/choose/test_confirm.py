@@ -146,12 +146,50 @@ def test_the_confirmation_takes_at_most_the_search_s_own_time():
     points = _measured(measure, log, (1, 2, 4, 8, 16))
     assert _knee(confirm_knee(measure, points, CHOICE, log)) == 4 and calls[5:] == [2, 4, 8, 2, 4, 8]
     # what the clock says the re-measurements took counts, not the estimate: a first round that runs long
-    # leaves nothing for the next knee
+    # leaves too little for the next knee. Estimated 2·(0.5 + 0.5 + 0.5) = 3, it took 28; the budget is
+    # 3 × 18.5 = 55.5, so 16's 32 more do not fit after 28 (they would after the estimated 3)
     slow, calls, log = _scripted({2: [190.0]})
     points = _measured(slow, log, (1, 2, 4, 8, 16))
     log.seconds[(2, False)] = log.seconds[(4, False)] = log.seconds[(8, False)] = 0.5  # underestimated costs
-    confirmed = confirm_knee(slow, points, ChoiceConfig(tolerance=0.05, reference="measured"), log)
-    assert "not re-measured" in log.stop_reason and calls[5:] == [2, 4, 8, 2, 4, 8]
+    strict = ChoiceConfig(tolerance=0.05, reference="measured")
+    confirmed = confirm_knee(slow, points, strict, log, budget=3.0)
+    assert (
+        calls[5:] == [2, 4, 8, 2, 4, 8]
+        and recommend([curve_point(p) for p in confirmed], strict).knee.micro_batch == 8
+    )
+    assert "knee 8 not re-measured: 16 would take about 32.0 s, more than the 27.5 s left" in log.stop_reason
+
+
+def test_a_confirmation_that_exactly_fits_the_budget_runs():
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
+    log.seconds.update({(1, False): 3.0, (2, False): 1.0, (4, False): 2.0, (8, False): 4.0, (16, False): 4.0})
+    assert _knee(confirm_knee(measure, points, CHOICE, log)) == 4  # 2·(1 + 2 + 4) = 14 = 1 × 14
+    assert calls[5:] == [2, 4, 8, 2, 4, 8]
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
+    log.seconds.update({(1, False): 3.0, (2, False): 1.5, (4, False): 2.0, (8, False): 4.0, (16, False): 4.0})
+    assert confirm_knee(measure, points, CHOICE, log) == points  # 2·(1.5 + 2 + 4) = 15 > 14.5
+    assert len(calls) == 5 and "15.0 s, more than the 14.5 s left" in log.stop_reason
+
+
+def test_a_budget_of_zero_turns_the_confirmation_off_and_a_negative_one_is_refused():
+    import pytest
+
+    from microbatch.errors import ConfigError
+
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
+    assert confirm_knee(measure, points, CHOICE, log, budget=0.0) == points and len(calls) == 5
+    assert "the confirmation's budget is 0" in log.stop_reason
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ConfigError, match="must be >= 0"):
+            confirm_knee(measure, points, CHOICE, log, budget=bad)
+    # an unbounded budget after a search taken whole from the cache: nothing to confirm, no error
+    cached = [measure(b, False) for b in (1, 2, 4, 8)]
+    fresh = SearchLog()
+    assert confirm_knee(measure, cached, CHOICE, fresh, budget=math.inf) == cached
+    assert "its points came from the cache" in fresh.stop_reason
 
 
 def test_points_from_the_cache_cost_nothing_and_a_cached_search_confirms_nothing():

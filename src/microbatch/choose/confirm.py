@@ -17,11 +17,14 @@ now has (a real measurement, not an average: one disturbed probe cannot move it)
 again. When the knee moves, the new knee and its neighbour are measured again the same way. A
 knee that is the largest and fastest point measured (the search settled on it) costs nothing more.
 
-The confirmation spends at most what the search's own probes took (``CONFIRM_BUDGET``, timed on
-``log.clock``): before each round of re-measurements it adds up what those points' latest probes
-took (``log.seconds``) and, when that would overrun what is left of the budget, keeps the points
-as they are and says so. A confirmation therefore never more than doubles the time to answer;
-where the search itself walked to the end of a flat curve (a decode run on the 2-core CPU searched
+The confirmation is budgeted at what the search's own probes took (``CONFIRM_BUDGET``, timed on
+``log.clock``): before re-measuring a knee's points (all their rounds) it estimates their cost from
+what those points' latest probes took (``log.seconds``; a point taken from the cache is costed as
+the longest probe, and a search that measured nothing confirms nothing) and, when the time the
+re-measurements already took plus that estimate would overrun the budget, keeps the points as they
+are and says so. A confirmation is therefore expected to at most double the time to answer (a
+re-measurement can run longer than its estimate on a busy machine; the next knee's then pays for
+it); where the search itself walked to the end of a flat curve (a decode run on the 2-core CPU searched
 to 512 in about a sweep's time, then spent ~90 s more re-measuring 128, 256 and 512: 254% of the
 sweep, BENCHMARKS.md) the expensive re-measurements of the largest points are the ones it drops,
 and a close call found early, where the probes are cheap (64 and 128 after a 21 s search: 64 fell
@@ -57,8 +60,8 @@ measurement, three of each, whose median survives one disturbed probe."""
 
 
 CONFIRM_BUDGET = 1.0
-"""The confirmation's time, at most, as a share of the time the search's probes took: at most
-doubling the time to answer. Not a tuned figure: a bound on the cost of an insurance that, on the
+"""The confirmation's time budget as a share of the time the search's probes took: expected to at
+most double the time to answer. Not a tuned figure: a bound on the cost of an insurance that, on the
 recorded runs, either paid in cheap probes or not at all (module docstring)."""
 
 
@@ -91,12 +94,18 @@ def confirm_knee(
     answer is chosen with; ``log`` counts the extra probes and says what was confirmed. Returns a
     new list: the re-measured points' entries replaced by their median measurement.
     A Ctrl-C keeps what was measured (``log.interrupted``); a re-measurement that runs out of
-    memory is left out of the median. ``budget``: the share of the search's probe time (the sum
-    of ``log.seconds``) the re-measurements may take; a round that would overrun it is not started.
+    memory is left out of the median. ``budget`` (≥ 0): the share of the search's probe time (the
+    sum of ``log.seconds``) the re-measurements may take; a knee whose re-measurements, estimated
+    from those points' own probe times (a cached point: the longest probe), would overrun what is
+    left is not re-measured. A search that measured nothing (all from the cache) confirms nothing.
     """
+    if not budget >= 0:  # also NaN
+        raise ConfigError(
+            f"confirmation budget {budget!r} must be >= 0 (a share of the search's time; 0: off)"
+        )
     pts = list(points)
     searched = sum(log.seconds.values())  # the points taken from the cache took no time
-    allowed = budget * searched
+    allowed = budget * searched if searched else 0.0
     spent = 0.0
     confirmed: set[int] = set()  # indices into pts re-measured already
     first: int | None = None  # the search's knee
@@ -120,8 +129,11 @@ def confirm_knee(
                     f"; knee {knee} not re-measured: CUDA-event timings (the device's own time)"
                 )
                 return pts
-            if not allowed:
+            if not searched:
                 log.stop_reason += f"; knee {knee} not re-measured: the search measured nothing (its points came from the cache)"
+                return pts
+            if not budget:
+                log.stop_reason += f"; knee {knee} not re-measured: the confirmation's budget is 0"
                 return pts
             longest = max(log.seconds.values())  # a point taken from the cache: costed as the longest probe
             cost = rounds * sum(
