@@ -182,9 +182,9 @@ def main() -> int:
     for case, curves in sweeps.items():
         for noise in args.noise:
             for rule in args.rules:
+                use_rule(rule)
+                start = statistics.median(1.4 * 64 / c[64] for c in curves)
                 for budget in budgets:
-                    use_rule(rule)
-                    start = statistics.median(1.4 * 64 / c[64] for c in curves)
                     r = simulate(curves, noise, args.seeds, start, budget)
                     rows.append(
                         {"case": case, "curves": len(curves), "noise": noise, "rule": rule,
