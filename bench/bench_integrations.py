@@ -18,9 +18,11 @@ For Lightning (``KneeBatchSize`` vs ``BatchSizeFinder(mode="power", max_trials=.
 
 On a CPU nothing runs out of memory, so the peers' finders answer with the largest size they try
 (Lightning: 2^(max_trials−1) capped by the data; Accelerate and Hugging Face: the starting size,
-which they keep). Model: the registry's ``tiny`` GPT (2 layers, hidden 64, seq 64), one thread.
+which they keep). Model: the registry's ``tiny`` GPT (2 layers, hidden 64, seq 64) or, with
+``--model small``, its ``small`` (4 layers, hidden 256, vocabulary 4096: activations large enough
+that the process's fixed resident memory no longer dominates the peak); one thread.
 
-Usage: python bench/bench_integrations.py [--global-batch 64] [--max 64] [--json OUT]
+Usage: python bench/bench_integrations.py [--model tiny|small] [--global-batch 64] [--max 64] [--json OUT]
 Prints one summary table.
 """
 
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 SEQ = 64
 N_DATA = 4096
+MODEL = os.environ.get("MB_BENCH_MODEL", "tiny")  # the parent passes --model to its children here
 
 
 def _setup() -> tuple:
@@ -55,7 +58,7 @@ def _setup() -> tuple:
     # decorator stops its clock before the user's function builds its optimizer; our Accelerate
     # probes build it inside the clock)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-    shape = get_model("tiny", seq=SEQ)
+    shape = get_model(MODEL, seq=SEQ)
     data = torch.randint(0, shape.vocab, (N_DATA, SEQ), generator=torch.Generator().manual_seed(0))
     return torch, shape, data, build_model, next_token_loss
 
@@ -265,6 +268,7 @@ def _child(args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("tiny", "small"), default=MODEL)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--max", type=int, default=64, help="largest b_m any tool tries")
     ap.add_argument("--json")
@@ -273,6 +277,7 @@ def main() -> None:
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--pair", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    os.environ["MB_BENCH_MODEL"] = a.model  # read by every child at import
     if a.measure:
         b, g = map(int, a.measure.split("x"))
         print(json.dumps(measure_at(b, g)))
@@ -316,10 +321,10 @@ def main() -> None:
             curve = " ".join(f"{b}:{t:.0f}" if t else f"{b}:oom" for b, t in r["probes"] if b is not None)
             print(f"{r['framework']} ours, samples/s as probed: {curve} ({r['probes'][-1][1]} probes)")
     print(
-        f"load average (1 min) at the end: {load:.2f}; cores: {os.cpu_count()}; model tiny, seq {SEQ}, 1 thread"
+        f"load average (1 min) at the end: {load:.2f}; cores: {os.cpu_count()}; model {a.model}, seq {SEQ}, 1 thread"
     )
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "load": load}, indent=2))
+        Path(a.json).write_text(json.dumps({"rows": rows, "load": load, "model": a.model}, indent=2))
 
 
 if __name__ == "__main__":

@@ -547,3 +547,22 @@ def test_margin_of_two_standard_errors_keeps_noisy_choices_within_tau():
     one = share_within(lambda bound: bound.relative_error if bound is not None else 0.05)
     fixed = share_within(lambda bound: 0.05)
     assert two > one and two > fixed and two >= 0.85, (two, one, fixed)
+
+
+def test_with_a_global_batch_the_search_probes_only_b_m_it_could_choose():
+    """B_global = 96 on 1 replica: no probe at 64 (96 / 64 is no whole g); 48 and 96 instead.
+    B_global = 126 on 2 replicas (63 each): 1, 3, 7, 21, 63 — a power-of-two walk would have
+    probed 2, 4, 8, 16, 32, of which none divides 63."""
+    rising = {b: 100.0 * b for b in (1, 2, 3, 4, 7, 8, 16, 21, 32, 48, 63, 96)}  # never flat
+    log = SearchLog()
+    pts = search(
+        synthetic(rising), SearchConfig(max_micro_batch=1024), ChoiceConfig(global_batch=96), log=log
+    )
+    assert bs(pts) == [1, 2, 4, 8, 16, 32, 48, 96] and "B_global / d = 96" in log.stop_reason
+    pts = search(synthetic(rising), choice=ChoiceConfig(global_batch=126, data_parallel=2))
+    assert bs(pts) == [1, 3, 7, 21, 63]
+    # refine: the divisor of B/d nearest halfway between the knee (20) and the point below (8): 10, not 14
+    flat_after_16 = {1: 100.0, 2: 190.0, 4: 360.0, 8: 650.0, 10: 800.0, 16: 1000.0, 32: 1010.0}
+    choice = ChoiceConfig(global_batch=40, reference="measured")
+    pts = search(synthetic(flat_after_16), SearchConfig(refine=True), choice)
+    assert bs(pts) == [1, 2, 4, 8, 20, 40, 10]

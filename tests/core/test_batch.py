@@ -7,7 +7,14 @@ import re
 
 import pytest
 
-from microbatch.batch import BatchConfig, divisors, nearest_multiples, solve
+from microbatch.batch import (
+    LADDER_MIN_RATIO,
+    BatchConfig,
+    divisors,
+    nearest_multiples,
+    next_micro_batch,
+    solve,
+)
 from microbatch.errors import ConfigError
 
 FIELDS = ("global_batch", "micro_batch", "grad_accum", "data_parallel")
@@ -144,3 +151,25 @@ def test_divisors_and_nearest_multiples():
     assert nearest_multiples(500, 32) == [480, 512]
     assert nearest_multiples(512, 32) == [512]
     assert nearest_multiples(10, 32) == [32]  # no positive multiple below
+
+
+def _ladder(per, start=1):
+    out, b = [start], start
+    while (b := next_micro_batch(b, per)) is not None:
+        out.append(b)
+    return out
+
+
+def test_search_ladder_steps_along_the_divisors_of_the_per_replica_batch():
+    assert _ladder(64) == [1, 2, 4, 8, 16, 32, 64]  # a power of two: plain doubling
+    assert _ladder(96) == [1, 2, 4, 8, 16, 32, 48, 96]
+    assert _ladder(63) == [1, 3, 7, 21, 63]
+    assert _ladder(1000) == [1, 2, 4, 8, 20, 40, 100, 200, 500, 1000]
+    assert next_micro_batch(5) == 10 and next_micro_batch(64, 64) is None  # no B given: doubling
+    for per in (6, 12, 63, 96, 100, 360, 997, 1000, 1024, 1536):
+        steps = _ladder(per)
+        assert steps[-1] == per and all(per % b == 0 for b in steps)  # every b_m gives an exact B
+        # each step at least 1.5x (the noise of a gain per doubling), but the last one onto B/d
+        assert all(b2 >= LADDER_MIN_RATIO * b1 for b1, b2 in zip(steps[:-2], steps[1:-1], strict=True))
+        assert all(b2 <= 4 * b1 or per < 4 * b1 or b2 == min(d for d in divisors(per) if d >= 1.5 * b1)
+                   for b1, b2 in zip(steps, steps[1:], strict=False))  # fmt: skip

@@ -10,7 +10,10 @@ accelerate = pytest.importorskip("accelerate")
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from microbatch.errors import ConfigError  # noqa: E402
-from microbatch.integrations.accelerate import knee_batch_size  # noqa: E402
+from microbatch.integrations.accelerate import ProbeDone, StepProbe, knee_batch_size  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
+
+FAST = TimingConfig(warmup=1, min_repeats=3, max_repeats=3, max_time_s=0.5)
 
 B = 32
 g0 = torch.Generator().manual_seed(1)
@@ -18,7 +21,7 @@ DATA = TensorDataset(torch.randn(1024, 32, generator=g0), torch.randn(1024, gene
 
 
 def _make(calls, *, oom_above=None, steps=2, **opts):
-    @knee_batch_size(global_batch=B, max_micro_batch=16, repeats=3, max_time_s=0.5, use_cache=False, **opts)
+    @knee_batch_size(global_batch=B, max_micro_batch=16, timing=FAST, use_cache=False, **opts)
     def train(micro_batch, grad_accum, probe=None, tag="x"):
         calls.append((micro_batch, grad_accum, probe is not None, tag))
         if oom_above is not None and micro_batch > oom_above:
@@ -96,3 +99,54 @@ def test_bad_input():
         too_short()
     with pytest.raises(TypeError, match="unexpected option"):
         knee_batch_size(lambda b, g, probe=None: None, global_batch=8, tolerence=0.1)()
+    # a probe setting that does not apply to the user's own step is refused, not ignored
+    with pytest.raises(TypeError, match=r"unexpected option\(s\) 'precision'"):
+        knee_batch_size(lambda b, g, probe=None: None, global_batch=8, precision="bf16-mixed")()
+    with pytest.raises(ConfigError, match=r"timing 3 must be a microbatch.measure.timing.TimingConfig"):
+        knee_batch_size(lambda b, g, probe=None: None, global_batch=8, timing=3)
+
+
+def _steps(probe, n):
+    """Call probe.step() up to n times; the number of calls made when it raised ProbeDone (None if not)."""
+    for k in range(1, n + 1):
+        try:
+            probe.step()
+        except ProbeDone:
+            return k
+    return None
+
+
+def test_step_probe_stops_by_the_tools_timing_rule(monkeypatch):
+    import microbatch.integrations.accelerate as acc
+
+    clock = iter([0.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0] + [16.0 + k for k in range(40)])
+    monkeypatch.setattr(acc.time, "process_time", lambda: next(clock))
+    # warm-up 10 s (untimed), then 1 s per micro-step: the median is stable after the third timed gap
+    t = TimingConfig(warmup=1, min_repeats=3, max_repeats=10, max_time_s=100.0, rel_tol=0.05, clock="process")
+    probe = StepProbe(4, t)
+    # calls: stamp 0 (warm-up start), stamp 10 (warm-up end, timing starts), then 11, 12, 13
+    assert _steps(probe, 20) == 5 and probe.gaps_s == [1.0, 1.0, 1.0]
+    # never stable: the cap of max_repeats timed gaps
+    noisy = iter([0.0] + [float(2**k) for k in range(40)])
+    monkeypatch.setattr(acc.time, "process_time", lambda: next(noisy))
+    t2 = TimingConfig(warmup=1, min_repeats=3, max_repeats=4, max_time_s=1e9, rel_tol=0.0, clock="process")
+    probe = StepProbe(4, t2)
+    assert _steps(probe, 20) == 1 + 1 + 4 and len(probe.gaps_s) == 4
+
+
+def test_step_probe_syncs_each_step_and_stops_together():
+    synced, asked = [], []
+    # another process wants to go on twice: this one keeps stepping until all agree
+    answers = iter([False, False, True])
+
+    def agree(stop):
+        asked.append(stop)
+        return next(answers)
+
+    t = TimingConfig(warmup=0, min_repeats=1, max_repeats=1, max_time_s=100.0)
+    probe = StepProbe(2, t, sync=lambda: synced.append(1), agree=agree)
+    assert _steps(probe, 10) == 4  # stamp, then three decisions: False, False, True
+    assert asked == [True, True, True] and len(synced) == 4
+    # the time limit (wall clock) ends a probe whose median never settles, after min_repeats
+    t3 = TimingConfig(warmup=0, min_repeats=2, max_repeats=100, max_time_s=1e-9, rel_tol=0.0)
+    assert _steps(StepProbe(2, t3), 10) == 3

@@ -1,6 +1,8 @@
 """The search: measure throughput and peak memory as b_m doubles, fit memory, stop at the knee.
 
-**Strategy** (:func:`search`). Start at b_m = 1 (or ``start``) and double. After two probes,
+**Strategy** (:func:`search`). Start at b_m = 1 (or ``start``) and double (where B_global is
+given, step along the divisors of B_global / d instead: :func:`microbatch.batch.next_micro_batch`;
+a b_m no exact B_global allows is never probed). After two probes,
 fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.choose.memory_fit.fit_memory`)
 and never probe a b_m predicted to exceed the budget less its headroom. Stop when
 
@@ -21,7 +23,8 @@ and never probe a b_m predicted to exceed the budget less its headroom. Stop whe
 - ``max_micro_batch`` is reached, or the user presses Ctrl-C (what was measured is kept).
 
 With ``refine=True`` one more probe halves the gap between the knee and the point below it
-(for example 6 between 4 and 8); the knee moves there if it is within the tolerance.
+(for example 6 between 4 and 8; with B_global given, the divisor nearest halfway); the knee moves
+there if it is within the tolerance.
 
 The settings are a :class:`~microbatch.choose.config.SearchConfig` (how to walk) and a
 :class:`~microbatch.choose.config.ChoiceConfig` (the stop rules' τ, rule, reference, budget).
@@ -33,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from microbatch.batch import next_micro_batch
 from microbatch.choose.bound import BOUND_MIN_POINTS, choice_margin, throughput_bound
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
@@ -109,6 +113,9 @@ class _Walk:
         self.known, self.on_point, self.log = known, on_point, log
         self.points: list[Measurement] = []
         self.ckpt = config.checkpointing == "on"
+        d, B = choice.data_parallel or 1, choice.global_batch
+        self.per_replica = B // d if B is not None and B % d == 0 else None
+        """B_global / d: the search probes only its divisors (:func:`microbatch.batch.next_micro_batch`)."""
         budget = choice.memory_budget_bytes
         self.usable = None if budget is None else budget * (1.0 - choice.memory_headroom)
 
@@ -209,7 +216,13 @@ class _Walk:
             if why:
                 self.log.stop_reason = why
                 return
-            b *= 2
+            step = next_micro_batch(b, self.per_replica)
+            if step is None:
+                self.log.stop_reason = (
+                    f"reached the per-replica batch B_global / d = {self.per_replica} (g = 1)"
+                )
+                return
+            b = step
 
     def refine(self) -> None:
         """One more probe halfway between the knee and the measured point below it."""
@@ -232,9 +245,13 @@ class _Walk:
         lower = [p.micro_batch for p in ok if p.micro_batch < knee.micro_batch]
         if not lower:
             return
-        mid = (max(lower) + knee.micro_batch) // 2
-        measured = {p.micro_batch for p in self.points}
-        if mid in measured or mid <= max(lower) or self.predicted_not_to_fit(mid):
+        below, half = max(lower), (max(lower) + knee.micro_batch) / 2
+        per = self.per_replica  # only a b_m an exact B_global allows, where B_global is given
+        between = [b for b in range(below + 1, knee.micro_batch) if per is None or per % b == 0]
+        if not between:
+            return
+        mid = min(between, key=lambda b: (abs(b - half), b))
+        if mid in {p.micro_batch for p in self.points} or self.predicted_not_to_fit(mid):
             return
         self.probe(mid)
 

@@ -28,8 +28,12 @@ call by raising :class:`ProbeDone` once it has enough steps (the decorator catch
     train()          # probes b_m = 1, 2, 4, ... then trains at the knee; train.result holds the curve
 
 Each probe is a fresh call, so the function builds its own state and the probes leave no trace
-on it. The time of a point is the median gap between ``probe.step()`` calls after ``warmup``
-calls (data loading and the optimizer steps inside the gaps count: this is the real step); the
+on it. The time of a point is the median gap between ``probe.step()`` calls after the warm-up
+ones (data loading and the optimizer steps inside the gaps count: this is the real step), timed
+by the rule of every probe of the tool (``timing``, a
+:class:`~microbatch.measure.timing.TimingConfig`; default the CPU's or CUDA's: on the CPU one
+warm-up call, then 3 to 10 timed until the median moves less than 5%, at most 3 s; the device is
+synchronised at each call); the
 peak memory is the device's over the call (CUDA allocator, or the process's peak RSS on the CPU).
 A ``torch.OutOfMemoryError`` in a probe marks the point as not fitting. Under several processes
 every process probes together and the slowest time and largest peak count.
@@ -46,13 +50,13 @@ from typing import Any
 
 from microbatch.choose.config import (
     ChoiceConfig,
-    ProbeConfig,
     SearchConfig,
     apply_options,
     check_options_used,
 )
 from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
+from microbatch.choose.probing import CPU_TIMING, default_timing
 from microbatch.choose.result import TuneResult
 from microbatch.choose.search import SearchLog, curve_point, search
 from microbatch.choose.snapshot import gc_frozen
@@ -65,6 +69,7 @@ from microbatch.integrations.common import (
     options_with_cap,
 )
 from microbatch.measure.probes import Measurement
+from microbatch.measure.timing import TimingConfig, enough_repeats
 
 __all__ = ["knee_batch_size", "StepProbe", "ProbeDone"]
 
@@ -74,30 +79,52 @@ class ProbeDone(BaseException):
 
 
 class StepProbe:
-    """Times the gaps between ``step()`` calls of one probing call."""
+    """Times the gaps between ``step()`` calls of one probing call, by the rule of every probe
+    (:func:`microbatch.measure.timing.enough_repeats`): ``timing.warmup`` untimed micro-steps, then
+    timed ones until the median is stable, ``timing.max_repeats`` or ``timing.max_time_s``.
+
+    ``sync``: called before each stamp (the device's synchronize: on CUDA the loop would otherwise
+    run ahead of the kernels it queued); ``agree(stop)``: the stop decision taken together by every
+    process (each process then leaves its loop at the same micro-step, which collective ops need)."""
 
     def __init__(
-        self, micro_batch: int, *, warmup: int = 1, repeats: int = 5, max_time_s: float = 3.0
+        self,
+        micro_batch: int,
+        timing: TimingConfig | None = None,
+        *,
+        sync: Callable[[], None] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         self.micro_batch = micro_batch
         """b_m of this call."""
-        self.warmup, self.repeats, self.max_time_s = warmup, repeats, max_time_s
+        self.timing = timing or CPU_TIMING
+        self._clock = time.process_time if self.timing.clock == "process" else time.perf_counter
+        self._sync, self._agree = sync, agree
+        self._start = 0.0
         self.stamps: list[float] = []
-        """``time.perf_counter()`` at each ``step()``."""
+        """The clock (``time.perf_counter``, or ``time.process_time`` with ``clock="process"``) at
+        each ``step()``."""
 
     def step(self, tokens: int | None = None) -> None:
         """Mark the end of one micro-step; raises :class:`ProbeDone` when enough are timed."""
-        self.stamps.append(time.perf_counter())
-        timed = len(self.stamps) - 1 - self.warmup
-        if timed >= self.repeats or (
-            timed >= 2 and self.stamps[-1] - self.stamps[self.warmup] > self.max_time_s
-        ):
+        if self._sync is not None:
+            self._sync()
+        self.stamps.append(self._clock())
+        warm = self.timing.warmup
+        if len(self.stamps) == warm + 1:
+            self._start = time.perf_counter()  # the timed micro-steps start (max_time_s: wall clock)
+        if len(self.stamps) < warm + 2:
+            return
+        stop = enough_repeats(self.gaps_s, self.timing, time.perf_counter() - self._start)
+        if self._agree is not None:
+            stop = self._agree(stop)
+        if stop:
             raise ProbeDone
 
     @property
     def gaps_s(self) -> list[float]:
         """Seconds of each timed micro-step (after the warm-up)."""
-        s = self.stamps[self.warmup :]
+        s = self.stamps[self.timing.warmup :]
         return [b - a for a, b in zip(s, s[1:], strict=False)]
 
 
@@ -114,9 +141,7 @@ def knee_batch_size(
     global_batch: int,
     memory_budget_bytes: int | None = None,
     tolerance: float = 0.15,
-    warmup: int = 1,
-    repeats: int = 5,
-    max_time_s: float = 3.0,
+    timing: TimingConfig | None = None,
     device: str | None = None,
     **options: Any,
 ) -> Any:
@@ -126,22 +151,25 @@ def knee_batch_size(
     ``global_batch / num_processes``; ``patience``; ``memory_budget_bytes``), then calls
     ``function(b_m, g, None, ...)`` with the knee and returns what it returns. The decorated
     function's ``result`` attribute holds the :class:`~microbatch.choose.result.TuneResult`.
-    ``device``: where peak memory is read (default: ``cuda`` when available, else ``cpu``).
+    ``timing``: warm-up, repeats, time limit and clock of each probe
+    (:class:`~microbatch.measure.timing.TimingConfig`; default
+    :func:`microbatch.choose.probing.default_timing` of the device). ``device``: where peak memory
+    is read and the step synchronised (default: ``cuda`` when available, else ``cpu``).
     """
     if function is None:
         return functools.partial(
             knee_batch_size, global_batch=global_batch, memory_budget_bytes=memory_budget_bytes,
-            tolerance=tolerance, warmup=warmup, repeats=repeats, max_time_s=max_time_s, device=device,
-            **options,
+            tolerance=tolerance, timing=timing, device=device, **options,
         )  # fmt: skip
     check_global_batch(global_batch, 1)
     opts = dict(
         options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance, global_batch=global_batch
     )
-    for name in ("warmup", "repeats"):
-        value = {"warmup": warmup, "repeats": repeats}[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "warmup" else 2):
-            raise ConfigError(f"{name} {value!r} must be a whole number >= {0 if name == 'warmup' else 2}")
+    if timing is not None and not isinstance(timing, TimingConfig):
+        raise ConfigError(
+            f"timing {timing!r} must be a microbatch.measure.timing.TimingConfig or None, e.g. "
+            "TimingConfig(warmup=1, min_repeats=3, max_repeats=10, max_time_s=3.0)"
+        )
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -152,10 +180,9 @@ def knee_batch_size(
         o = options_with_cap(opts, global_batch, world)
         s = apply_options(SearchConfig(), o)
         c = apply_options(ChoiceConfig(), o).resolve(reference="bound", data_parallel=world)
-        check_options_used({k: v for k, v in o.items() if k not in _PROBE_FIELDS}, "knee_batch_size",
-                           SearchConfig, ChoiceConfig)  # fmt: skip
+        check_options_used(o, "knee_batch_size", SearchConfig, ChoiceConfig)
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        measure = _measurer(function, args, kwargs, global_batch, world, dev, warmup, repeats, max_time_s)
+        measure = _measurer(function, args, kwargs, global_batch, world, dev, timing or default_timing(dev))
         t0 = time.perf_counter()
         log = SearchLog()
         with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
@@ -183,9 +210,6 @@ def knee_batch_size(
     return wrapper
 
 
-_PROBE_FIELDS = {f for f in ProbeConfig.__dataclass_fields__}
-
-
 def _rank() -> int:
     from microbatch.measure.device import distributed
 
@@ -195,7 +219,7 @@ def _rank() -> int:
 
 def _measurer(
     function: Callable[..., Any], args: Any, kwargs: Any, global_batch: int, world: int, dev: str,
-    warmup: int, repeats: int, max_time_s: float,
+    timing: TimingConfig,
 ) -> Callable[[int, bool], Measurement]:  # fmt: skip
     """measure(b, checkpointing): one probing call of ``function`` at b_m = b."""
     from microbatch.measure.device import Device, agree_any, oom_types, reduce_max, short_error
@@ -204,7 +228,7 @@ def _measurer(
 
     def measure(b: int, ckpt: bool) -> Measurement:
         g = max(1, global_batch // (b * world))
-        probe = StepProbe(b, warmup=warmup, repeats=repeats, max_time_s=max_time_s)
+        probe = StepProbe(b, timing, sync=device.sync, agree=agree_any if world > 1 else None)
         device.free()
         device.reset_peak()
         err: str | None = None
@@ -221,7 +245,8 @@ def _measurer(
         if err is None and len(gaps) < 2:
             raise ConfigError(
                 f"the function returned after {len(probe.stamps)} probe.step() calls at micro_batch {b}: it must "
-                f"call probe.step() after each micro-step ({warmup} warm-up + at least 2 timed); give it more data"
+                f"call probe.step() after each micro-step ({timing.warmup} warm-up + at least 2 timed, "
+                f"{timing.min_repeats} or more for a steady median); give it more data"
             )
         if agree_any(err is not None):
             return replace(Measurement(micro_batch=b, oom=True, memory_method=device.method),

@@ -22,6 +22,7 @@ __all__ = [
     "CLOCKS",
     "Timer",
     "TimingConfig",
+    "enough_repeats",
     "spread",
     "time_until_stable",
     "wall_timer",
@@ -97,17 +98,30 @@ def time_until_stable(
     start = time.perf_counter()
     while True:
         times.append(clock(fn))
-        n = len(times)
-        stop = n >= timing.max_repeats or (
-            n >= timing.min_repeats and time.perf_counter() - start >= timing.max_time_s
-        )
-        if not stop and n >= timing.min_repeats and n >= 2:
-            m_all, m_prev = statistics.median(times), statistics.median(times[:-1])
-            stop = m_all > 0 and abs(m_all - m_prev) / m_all < timing.rel_tol
+        stop = enough_repeats(times, timing, time.perf_counter() - start)
         if agree is not None:
             stop = agree(stop)
         if stop:
             return times
+
+
+def enough_repeats(times: list[float], timing: TimingConfig, elapsed_s: float) -> bool:
+    """Whether the timed repeats ``times`` (after the warm-up), taken over ``elapsed_s`` seconds,
+    are enough: ``max_repeats`` reached, or at least ``min_repeats`` and either ``max_time_s``
+    spent or the median stable (the median of all and that of all but the last differ by less
+    than ``rel_tol``). The one stop rule of every probe (:func:`time_until_stable`, and the
+    Accelerate decorator's step probe, which times the user's own loop)."""
+    n = len(times)
+    if n >= timing.max_repeats:
+        return True
+    if n < timing.min_repeats:
+        return False
+    if elapsed_s >= timing.max_time_s:
+        return True
+    if n < 2:
+        return False
+    m_all, m_prev = statistics.median(times), statistics.median(times[:-1])
+    return m_all > 0 and abs(m_all - m_prev) / m_all < timing.rel_tol
 
 
 def wall_timer(fn: Callable[[], Any]) -> float:
