@@ -150,3 +150,80 @@ def test_step_probe_syncs_each_step_and_stops_together():
     # the time limit (wall clock) ends a probe whose median never settles, after min_repeats
     t3 = TimingConfig(warmup=0, min_repeats=2, max_repeats=100, max_time_s=1e-9, rel_tol=0.0)
     assert _steps(StepProbe(2, t3), 10) == 3
+
+
+_DDP_CHILD = """
+import json, os
+import torch, accelerate
+from torch.utils.data import DataLoader, TensorDataset
+from microbatch.integrations.accelerate import knee_batch_size
+from microbatch.measure.timing import TimingConfig
+
+g0 = torch.Generator().manual_seed(1)
+DATA = TensorDataset(torch.randn(1024, 32, generator=g0), torch.randn(1024, generator=g0))
+seen = []
+
+@knee_batch_size(global_batch=int(os.environ["GLOBAL_BATCH"]), use_cache=False,
+                 timing=TimingConfig(warmup=1, min_repeats=3, max_repeats=6, max_time_s=0.5, rel_tol=0.05))
+def train(micro_batch, grad_accum, probe=None):
+    # the Accelerator (and with it the process group) is made inside, as the protocol shows
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(DATA, batch_size=micro_batch))
+    updates = 0
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+            if probe is None:
+                seen.append(len(x))
+            updates += int(acc.sync_gradients)
+            opt.step(); opt.zero_grad()
+        if probe is not None:
+            probe.step()
+        elif updates == 2:
+            break
+    return acc.num_processes, acc.process_index
+
+world, rank = train()
+res = train.result
+knee = res.recommendation.knee.micro_batch
+out = {"world": world, "b": knee, "g": res.recommendation.grad_accum(knee),
+       "points": [p.micro_batch for p in res.points], "seen": seen}
+open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w").write(json.dumps(out))
+"""
+
+
+def test_two_gloo_processes_agree_when_the_accelerator_is_made_inside(tmp_path):
+    """accelerate launch / torchrun set WORLD_SIZE before the function makes its Accelerator: the
+    decorator reads the world from there (read as 1, each process held B_global alone and left its
+    probe loop at its own step: a collective mismatch crashed gloo), and the ranks stop each probe
+    together. B_global 48 on 2 processes: every b_m probed divides 24."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from _helpers import free_port
+
+    script = tmp_path / "child.py"
+    script.write_text(_DDP_CHILD)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), GLOBAL_BATCH="48", OUT_DIR=str(tmp_path), OMP_NUM_THREADS="1")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
+    assert r0["b"] * r0["g"] * 2 == 48 and all(24 % b == 0 for b in r0["points"])
+    assert r0["seen"] == [r0["b"]] * (2 * r0["g"]) == r1["seen"]

@@ -128,11 +128,25 @@ class StepProbe:
         return [b - a for a, b in zip(s, s[1:], strict=False)]
 
 
+def _launched(name: str, default: int) -> int:
+    """``name`` (``WORLD_SIZE`` or ``RANK``) as the launcher set it (``accelerate launch`` and
+    ``torchrun`` both do), or ``default``."""
+    import os
+
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
+
+
 def _num_processes() -> int:
+    """The processes training together: the process group's size once one is initialised, else
+    the launcher's ``WORLD_SIZE``. The decorated function usually makes its ``Accelerator`` (which
+    initialises the group) inside, after the decorator has to know the world: read as 1 there, each
+    process would train with B_global of its own and leave its probe loop alone, out of step with
+    the others' collectives."""
     from microbatch.measure.device import distributed
 
     dist = distributed()
-    return int(dist.get_world_size()) if dist is not None else 1
+    return int(dist.get_world_size()) if dist is not None else _launched("WORLD_SIZE", 1)
 
 
 def knee_batch_size(
@@ -214,7 +228,7 @@ def _rank() -> int:
     from microbatch.measure.device import distributed
 
     dist = distributed()
-    return int(dist.get_rank()) if dist is not None else 0
+    return int(dist.get_rank()) if dist is not None else _launched("RANK", 0)
 
 
 def _measurer(
