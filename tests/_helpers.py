@@ -61,3 +61,31 @@ def run_two_ranks(script: Path, tmp_path: Path, *, timeout_s: float = 150) -> No
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+
+
+def run_launched(
+    script: str, tmp_path: Path, *, ranks: int = 2, timeout_s: float = 120, **env: str
+) -> list[dict]:
+    """Run the Python source ``script`` as ``ranks`` processes the way torchrun / ``accelerate
+    launch`` start them (``MASTER_ADDR``/``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``;
+    ``OUT_DIR`` = tmp_path, plus ``env``); assert every one exits 0 within ``timeout_s`` (a hang
+    fails) and return what each wrote to ``OUT_DIR/rank{RANK}.json``."""
+    import json
+
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks),
+                 RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OUT_DIR=str(tmp_path),
+                 OMP_NUM_THREADS="1", **env)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(path)], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=timeout_s)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]

@@ -200,29 +200,9 @@ def test_two_gloo_processes_agree_when_the_accelerator_is_made_inside(tmp_path):
     decorator reads the world from there (read as 1, each process held B_global alone and left its
     probe loop at its own step: a collective mismatch crashed gloo), and the ranks stop each probe
     together. B_global 48 on 2 processes: every b_m probed divides 24."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from _helpers import run_launched
 
-    from _helpers import free_port
-
-    script = tmp_path / "child.py"
-    script.write_text(_DDP_CHILD)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                   LOCAL_RANK=str(rank), GLOBAL_BATCH="48", OUT_DIR=str(tmp_path), OMP_NUM_THREADS="1")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=120)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_launched(_DDP_CHILD, tmp_path, GLOBAL_BATCH="48")
     assert r0["world"] == r1["world"] == 2
     assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
     assert r0["b"] * r0["g"] * 2 == 48 and all(24 % b == 0 for b in r0["points"])

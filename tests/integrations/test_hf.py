@@ -132,3 +132,40 @@ def test_the_hf_export_builds_training_arguments_on_the_installed_version(tmp_pa
         )
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 8)
     assert checkpointing_setting(args) is True
+
+
+_DDP_CHILD = """
+import json, os, tempfile
+import torch, transformers
+from microbatch.integrations.hf import tune_trainer
+from microbatch.measure.timing import TimingConfig
+
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(
+    transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+ids = torch.randint(0, 64, (512, 16), generator=torch.Generator().manual_seed(1))
+args = transformers.TrainingArguments(
+    output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=3, max_steps=2,
+    use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no", dataloader_num_workers=0)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids])
+res = tune_trainer(trainer, timing=TimingConfig(warmup=1, min_repeats=3, max_repeats=6, max_time_s=0.5),
+                   use_cache=False)
+seen = []
+model.register_forward_pre_hook(lambda m, a, k: seen.append(k["input_ids"].shape[0]), with_kwargs=True)
+trainer.train()
+out = {"world": args.world_size, "b": args.per_device_train_batch_size, "g": args.gradient_accumulation_steps,
+       "points": [p.micro_batch for p in res.points], "seen": seen, "steps": trainer.state.global_step}
+open(os.path.join(os.environ["OUT_DIR"], f"rank{args.process_index}.json"), "w").write(json.dumps(out))
+"""
+
+
+def test_two_gloo_processes_keep_the_effective_batch_and_agree(tmp_path):
+    """torchrun-style, 2 processes: the arguments' effective batch 4 × 3 × 2 = 24 is kept exactly,
+    both ranks probe the same b_m (divisors of 24 / 2 = 12 only) and train at the same knee."""
+    from _helpers import run_launched
+
+    r0, r1 = run_launched(_DDP_CHILD, tmp_path)
+    assert r0["world"] == r1["world"] == 2
+    assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
+    assert r0["b"] * r0["g"] * 2 == 24 and all(12 % b == 0 for b in r0["points"])
+    assert r0["seen"] == [r0["b"]] * (2 * r0["g"]) == r1["seen"] and r0["steps"] == 2

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import sys
 
 import pytest
 
@@ -166,27 +163,9 @@ open(os.path.join(os.environ["OUT_DIR"], f"rank{trainer.global_rank}.json"), "w"
 
 
 def test_ddp_two_gloo_ranks_agree_on_one_micro_batch(tmp_path):
-    import subprocess
+    from _helpers import run_launched
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "child.py"
-    script.write_text(_DDP_CHILD)
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", GLOBAL_BATCH=str(B), OUT_DIR=str(tmp_path),
-                   TESTS_DIR=os.path.dirname(__file__), OMP_NUM_THREADS="1")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_launched(_DDP_CHILD, tmp_path, GLOBAL_BATCH=str(B), TESTS_DIR=os.path.dirname(__file__))
     assert r0["world"] == r1["world"] == 2
     assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
     assert r0["b"] * r0["g"] * 2 == B and r0["acc"] == r0["g"] and r0["bs"] == r0["b"]
