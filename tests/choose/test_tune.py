@@ -566,3 +566,20 @@ def test_with_a_global_batch_the_search_probes_only_b_m_it_could_choose():
     choice = ChoiceConfig(global_batch=40, reference="measured")
     pts = search(synthetic(flat_after_16), SearchConfig(refine=True), choice)
     assert bs(pts) == [1, 2, 4, 8, 20, 40, 10]
+
+
+def test_the_preflight_walk_is_the_search_ladder():
+    """The sizes the check before work expects are those the search probes: with B/d = 6 and
+    start 4 the walk is 4, 6 (6 divides: accepted; doubling would have probed 4, 8 and refused)."""
+    from microbatch.choose.preflight import check_walk, walk_sizes
+
+    assert walk_sizes(SearchConfig(start=4, max_micro_batch=8), 6) == [4, 6]
+    assert walk_sizes(SearchConfig(start=1, max_micro_batch=1024), 96) == [1, 2, 4, 8, 16, 32, 48, 96]
+    assert walk_sizes(SearchConfig(start=3, max_micro_batch=100)) == [3, 6, 12, 24, 48, 96]
+    check_walk(SearchConfig(start=4, max_micro_batch=8), ChoiceConfig(global_batch=6))
+    calls = []
+    pts = search(synthetic({4: 400.0, 6: 500.0}, calls=calls), SearchConfig(start=4, max_micro_batch=8),
+                 ChoiceConfig(global_batch=6))  # fmt: skip
+    assert bs(pts) == [4, 6] == [b for b, _ in calls]
+    with pytest.raises(ConfigError, match=r"none of the probed b_m \(4\) divides"):
+        check_walk(SearchConfig(start=4, max_micro_batch=5), ChoiceConfig(global_batch=6))

@@ -135,7 +135,8 @@ class SearchConfig:
     """How the doubling search walks b_m (:mod:`microbatch.choose.search`)."""
 
     start: int = 1
-    """First b_m probed (then doubled)."""
+    """First b_m probed (then doubled; where B_global is given, stepped along the divisors of
+    B_global / d: :func:`microbatch.batch.next_micro_batch`)."""
     max_micro_batch: int | None = 1024
     """Largest b_m probed (None: no cap but memory)."""
     patience: int = 2

@@ -4,7 +4,7 @@ A tune that is refused after six probes, or a model whose weights and optimizer 
 the host, wastes minutes and can take the machine down with it. Every check here reads only the
 settings and the model's shape: no torch, no allocation.
 
-- :func:`check_walk`: the doubling walk has a point to measure and a point the global batch accepts.
+- :func:`check_walk`: the walk has a point to measure and a point the global batch accepts.
 - :func:`static_train_bytes` / :func:`check_static_fits`: the model's weights (+ gradients and
   Adam's two moments for training) against the memory budget, before the model is built.
 - :func:`check_seq`: a sequence no longer than the model's learned position table.
@@ -13,6 +13,7 @@ settings and the model's shape: no torch, no allocation.
 
 from __future__ import annotations
 
+from microbatch.batch import next_micro_batch
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
@@ -28,14 +29,16 @@ __all__ = [
 ]
 
 
-def walk_sizes(search: SearchConfig) -> list[int]:
-    """The b_m the doubling walk may probe: start, 2·start, ... up to ``max_micro_batch`` (first 64 with no cap)."""
+def walk_sizes(search: SearchConfig, per_replica: int | None = None) -> list[int]:
+    """The b_m the walk may probe: start, then :func:`microbatch.batch.next_micro_batch` (doubling,
+    or the divisors of ``per_replica`` = B_global / d when given) up to ``max_micro_batch`` (the
+    first 64 with no cap)."""
     sizes: list[int] = []
-    b = search.start
+    b: int | None = search.start
     cap = search.max_micro_batch
-    while (cap is None and len(sizes) < 64) or (cap is not None and b <= cap):
+    while b is not None and (b <= cap if cap is not None else len(sizes) < 64):
         sizes.append(b)
-        b *= 2
+        b = next_micro_batch(b, per_replica)
     return sizes
 
 
@@ -58,12 +61,17 @@ def check_walk(search: SearchConfig, choice: ChoiceConfig) -> None:
             f"b_m gives B = b_m × g × d; use a multiple of {d}, e.g. {max(lo, d)} or {lo + d}"
         )
     per = choice.global_batch // d
-    sizes = walk_sizes(search)
+    sizes = walk_sizes(search, per)
     if not any(per % b == 0 for b in sizes):
+        fix = (
+            f"use --start 1 (or another divisor of {per})"
+            if search.start > per
+            else f"use a --start that divides {per} (e.g. 1), or raise --max-micro-batch"
+        )
         raise ConfigError(
             f"--global-batch {choice.global_batch} with --data-parallel {d} leaves {per} samples per replica, "
             f"which none of the probed b_m ({', '.join(map(str, sizes[:6]))}{', ...' if len(sizes) > 6 else ''}) "
-            "divides; use a power-of-two multiple of --start for --global-batch / --data-parallel, or --start 1"
+            f"divides (B = b_m × g × d needs a whole g); {fix}"
         )
 
 

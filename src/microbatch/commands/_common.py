@@ -356,7 +356,13 @@ def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "Default: bound for tune (it stops early, so it must answer for what it did not measure), "
             "measured for recommend (a curve given whole is taken as the truth).",
         ),
-        click.option("--global-batch", "-B", type=int, help="B_global, to report g = B / (b_m × d)."),
+        click.option(
+            "--global-batch",
+            "-B",
+            type=int,
+            help="B_global: the knee is chosen among the b_m with b_m × d dividing it, and g = B / (b_m × d) "
+            "reported; tune probes only those b_m.",
+        ),
         click.option(
             "--data-parallel", "-d", type=int, default=1, show_default=True, help="d: data-parallel replicas."
         ),

@@ -155,7 +155,13 @@ def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig
     show_default=True,
     help="For --model: the built-in PyTorch GPT, or a transformers model of the same shape (random weights).",
 )
-@click.option("--start", type=int, default=1, show_default=True, help="First b_m probed (then doubled).")
+@click.option(
+    "--start",
+    type=int,
+    default=1,
+    show_default=True,
+    help="First b_m probed (then doubled; with -B, the next divisor of B / d).",
+)
 @click.option("--max-micro-batch", type=int, default=1024, show_default=True, help="Largest b_m probed.")
 @click.option(
     "--patience",
@@ -219,7 +225,8 @@ def cmd(
     first probe; progress goes to stderr, one line per probe.
 
     \b
-    It doubles b_m from --start and stops when the knee is settled (1 / the slope of a line
+    It doubles b_m from --start (with -B, steps along the divisors of B / d: for 96, ... 32,
+    48, 96) and stops when the knee is settled (1 / the slope of a line
     fitted to the step time of the five largest probes bounds what any larger b_m can reach,
     and a measured b_m is within the tolerance of that bound), when --patience doublings in a
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
