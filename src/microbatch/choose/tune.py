@@ -1,6 +1,7 @@
 """The two ways to tune: a described model (:func:`tune_model`) or the user's own step (:func:`tune`).
 
-Each measures the throughput and peak-memory curve as b_m doubles (:mod:`microbatch.choose.search`),
+Each measures the throughput and peak-memory curve as b_m doubles (along the divisors of B_global / d
+when B_global is given; :mod:`microbatch.choose.search`),
 chooses the knee (:mod:`microbatch.choose.knee`) and returns a :class:`~microbatch.choose.result.TuneResult`.
 Settings are three config objects (:mod:`microbatch.choose.config`): ``probe`` (how each point
 is measured), ``search`` (how b_m is walked) and ``choice`` (how the curve becomes a choice);

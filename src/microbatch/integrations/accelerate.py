@@ -25,7 +25,8 @@ call by raising :class:`ProbeDone` once it has enough steps (the decorator catch
             if probe is not None:
                 probe.step()
 
-    train()          # probes b_m = 1, 2, 4, ... then trains at the knee; train.result holds the curve
+    train()          # probes b_m = 1, 2, 4, ... (divisors of 256 / processes) then trains at the knee;
+                     # train.result holds the curve
 
 Each probe is a fresh call, so the function builds its own state and the probes leave no trace
 on it. The time of a point is the median gap between ``probe.step()`` calls after the warm-up
