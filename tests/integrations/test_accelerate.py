@@ -207,3 +207,29 @@ def test_two_gloo_processes_agree_when_the_accelerator_is_made_inside(tmp_path):
     assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
     assert r0["b"] * r0["g"] * 2 == 48 and all(24 % b == 0 for b in r0["points"])
     assert r0["seen"] == [r0["b"]] * (2 * r0["g"]) == r1["seen"]
+
+
+def test_the_real_call_draws_what_it_would_have_drawn_without_the_probes():
+    """The probes draw random numbers (model initialisation, shuffling); the generators are put
+    back before the real call, so a seeded script trains exactly as it would without the decorator."""
+    import random
+
+    import numpy as np
+
+    drawn = {}
+
+    def body(micro_batch, grad_accum, probe=None):
+        first = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+        if probe is None:
+            drawn["real"] = first
+            return "trained"
+        for _ in range(20):
+            torch.randn(64, 64)  # the probe's own work draws too
+            probe.step()
+
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    expected = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    f = knee_batch_size(body, global_batch=8, timing=FAST, use_cache=False)
+    assert f() == "trained" and f.result.probes >= 2
+    assert drawn["real"] == expected

@@ -29,7 +29,8 @@ call by raising :class:`ProbeDone` once it has enough steps (the decorator catch
                      # train.result holds the curve
 
 Each probe is a fresh call, so the function builds its own state and the probes leave no trace
-on it. The time of a point is the median gap between ``probe.step()`` calls after the warm-up
+on it; the random generators (torch's CPU and CUDA ones, Python's, NumPy's) are put back as they
+were before the first probe, so the real call draws what it would have drawn without them. The time of a point is the median gap between ``probe.step()`` calls after the warm-up
 ones (data loading and the optimizer steps inside the gaps count: this is the real step), timed
 by the rule of every probe of the tool (``timing``, a
 :class:`~microbatch.measure.timing.TimingConfig`; default the CPU's or CUDA's: on the CPU one
@@ -60,7 +61,7 @@ from microbatch.choose.knee import recommend
 from microbatch.choose.probing import CPU_TIMING, default_timing
 from microbatch.choose.result import TuneResult
 from microbatch.choose.search import SearchLog, curve_point, search
-from microbatch.choose.snapshot import gc_frozen
+from microbatch.choose.snapshot import gc_frozen, restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
@@ -200,10 +201,18 @@ def knee_batch_size(
         measure = _measurer(function, args, kwargs, global_batch, world, dev, timing or default_timing(dev))
         t0 = time.perf_counter()
         log = SearchLog()
-        with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
-            points = search(measure, s, c, log=log)
-            if not log.interrupted:
-                points = confirm_knee(measure, points, c, log)  # a flat curve's knee, measured again
+        # the random generators as they were: the real call draws what it would have drawn without
+        # the probes before it (its model's initialisation, its data order), whatever the probes did
+        rng = save_rng()
+        if dev.startswith("cuda") and "cuda" not in rng:
+            rng["cuda"] = torch.cuda.get_rng_state_all()  # initialises CUDA, which the probes would
+        try:
+            with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
+                points = search(measure, s, c, log=log)
+                if not log.interrupted:
+                    points = confirm_knee(measure, points, c, log)  # a flat curve's knee, measured again
+        finally:
+            restore_rng(rng)
         rec = recommend([curve_point(p) for p in points], c)
         result = TuneResult(
             points=points, recommendation=rec, model=getattr(function, "__qualname__", "function"), seq=None,
