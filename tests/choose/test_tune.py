@@ -583,3 +583,20 @@ def test_the_preflight_walk_is_the_search_ladder():
     assert bs(pts) == [4, 6] == [b for b, _ in calls]
     with pytest.raises(ConfigError, match=r"none of the probed b_m \(4\) divides"):
         check_walk(SearchConfig(start=4, max_micro_batch=5), ChoiceConfig(global_batch=6))
+
+
+def test_stop_search_from_the_measure_keeps_the_points_or_refuses_when_there_are_none():
+    from microbatch.choose.search import StopSearch
+
+    inner = synthetic({b: 100.0 * b for b in (1, 2, 4, 8, 16)})
+
+    def measure(b, ckpt):
+        if b >= 8:
+            raise StopSearch(f"no data for {b}")
+        return inner(b, ckpt)
+
+    log = SearchLog()
+    pts = search(measure, choice=MEASURED, log=log)
+    assert bs(pts) == [1, 2, 4] and log.stop_reason == "no data for 8" and not log.interrupted
+    with pytest.raises(ConfigError, match="no data for 8"):
+        search(measure, SearchConfig(start=8), MEASURED)

@@ -233,3 +233,22 @@ def test_the_real_call_draws_what_it_would_have_drawn_without_the_probes():
     f = knee_batch_size(body, global_batch=8, timing=FAST, use_cache=False)
     assert f() == "trained" and f.result.probes >= 2
     assert drawn["real"] == expected
+
+
+def test_data_too_short_for_a_large_b_m_ends_the_search_and_keeps_its_points():
+    """64 samples: b_m 32 gives 2 micro-steps (the warm-up, then no timed gap), too few to time. The
+    search stops there, keeps 1..16 and trains at their knee, instead of losing every point to an error."""
+    import time as _time
+
+    def body(micro_batch, grad_accum, probe=None):
+        for _start in range(0, 64, micro_batch):
+            _time.sleep(0.002 + 0.0005 * micro_batch)  # a step whose throughput keeps rising with b_m
+            if probe is not None:
+                probe.step()
+        return micro_batch, grad_accum
+
+    f = knee_batch_size(body, global_batch=64, timing=FAST, use_cache=False, reference="measured", patience=9)
+    b, g = f()
+    res = f.result
+    assert [p.micro_batch for p in res.points if not p.oom][:5] == [1, 2, 4, 8, 16]
+    assert "probe.step() calls at micro_batch 32" in res.stop_reason and b * g == 64 and b <= 16

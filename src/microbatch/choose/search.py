@@ -45,7 +45,14 @@ from microbatch.choose.memory_fit import fit_memory
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["SETTLE_SHARE", "SearchLog", "curve_point", "search", "Measure", "OnPoint"]
+__all__ = ["SETTLE_SHARE", "SearchLog", "StopSearch", "curve_point", "search", "Measure", "OnPoint"]
+
+
+class StopSearch(Exception):
+    """Raised by ``measure`` when a b_m cannot be measured and no larger one could be either (the
+    user's data holds too few batches of it): the search ends there with the points so far, the
+    message as its stop reason. Not for errors that make the earlier points wrong."""
+
 
 Measure = Callable[[int, bool], Measurement]
 """``measure(b, checkpointing)``: probe one point."""
@@ -287,4 +294,8 @@ def search(
     except KeyboardInterrupt:
         walk.log.interrupted = True
         walk.log.stop_reason = "interrupted (Ctrl-C); the points measured so far are kept"
+    except StopSearch as stop:
+        if not any(p.throughput for p in walk.points if not p.oom):
+            raise ConfigError(str(stop)) from None  # nothing measured: nothing to choose from
+        walk.log.stop_reason = str(stop)
     return walk.points

@@ -60,7 +60,7 @@ from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
 from microbatch.choose.probing import CPU_TIMING, default_timing
 from microbatch.choose.result import TuneResult
-from microbatch.choose.search import SearchLog, curve_point, search
+from microbatch.choose.search import SearchLog, StopSearch, curve_point, search
 from microbatch.choose.snapshot import gc_frozen, restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
@@ -267,7 +267,9 @@ def _measurer(
         device.free()
         gaps = probe.gaps_s
         if err is None and len(gaps) < 2:
-            raise ConfigError(
+            # too few micro-steps to time: where a smaller b_m was timed, the data holds too few
+            # batches of this size (and of any larger one): the search stops, its points kept
+            raise StopSearch(
                 f"the function returned after {len(probe.stamps)} probe.step() calls at micro_batch {b}: it must "
                 f"call probe.step() after each micro-step ({timing.warmup} warm-up + at least 2 timed, "
                 f"{timing.min_repeats} or more for a steady median); give it more data"
