@@ -169,3 +169,13 @@ def test_two_gloo_processes_keep_the_effective_batch_and_agree(tmp_path):
     assert r0["b"] == r1["b"] and r0["g"] == r1["g"] and r0["points"] == r1["points"]
     assert r0["b"] * r0["g"] * 2 == 24 and all(12 % b == 0 for b in r0["points"])
     assert r0["seen"] == [r0["b"]] * (2 * r0["g"]) == r1["seen"] and r0["steps"] == 2
+
+
+def test_the_probes_never_ask_for_more_rows_than_the_dataset_holds(tmp_path):
+    """10 rows, effective batch 16: b_m 16 would run on 10 rows and be counted as 16."""
+    ids = torch.randint(0, 64, (10, 16), generator=torch.Generator().manual_seed(2))
+    trainer = _trainer(tmp_path, dataset=[{"input_ids": x, "labels": x} for x in ids])
+    result = tune_trainer(trainer, timing=FAST, use_cache=False)
+    assert max(p.micro_batch for p in result.points) <= 10
+    b, g = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+    assert b * g == 16 and b <= 8

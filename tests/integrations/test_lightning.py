@@ -212,3 +212,23 @@ def test_probing_with_checkpointing_on_leaves_the_switch_off_for_training():
     assert all(p.checkpointing for p in knee.result.points)
     assert module.checkpointing is False  # put back as found
     assert not any(module.checkpointed[probes:])  # and training ran without it, as the user set
+
+
+def test_the_search_never_asks_the_loader_for_more_than_the_data_holds():
+    """12 samples, B_global 32: a loader asked for 16 or 32 rows gives 12 (the whole dataset), and
+    its throughput would be counted for rows never run; the probes stop at 12's largest ladder step."""
+    module = Tiny()
+    module.data = TensorDataset(module.data.tensors[0][:12], module.data.tensors[1][:12])
+    asked: list[int] = []
+    real = module.training_step
+
+    def step(batch, *args, **kwargs):
+        asked.append(len(batch[0]))
+        return real(batch, *args, **kwargs)
+
+    module.training_step = step
+    knee = KneeBatchSize(32, timing=FAST, use_cache=False)
+    _trainer(knee).fit(module)
+    probed = [p.micro_batch for p in knee.result.points]
+    assert max(probed) <= 12 and 32 % knee.micro_batch == 0
+    assert set(asked) <= set(probed) | {knee.micro_batch, 12 % knee.micro_batch}  # every batch as labelled

@@ -41,6 +41,7 @@ from microbatch.choose.result import TuneResult
 from microbatch.choose.snapshot import restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
+    cap_at_data,
     check_global_batch,
     choice_of,
     curve_lines,
@@ -180,10 +181,11 @@ class KneeBatchSize(_Base):
 
         first = _train_loader(trainer)  # checked before any probe, at the user's own batch size
         _check_loader(first, original, self.batch_arg_name)
+        # the rebuilt loader shards the dataset over the ranks (DistributedSampler under DDP)
+        options = cap_at_data(options_with_cap(self.options, self.global_batch, world), first.dataset, world)
         del first
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if optimizers else None
-        options = options_with_cap(self.options, self.global_batch, world)
         muted = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
         pl_module.log = lambda *a, **k: None  # no result collection before the fit loop runs
         pl_module.log_dict = lambda *a, **k: None
