@@ -120,7 +120,8 @@ def tune_trainer(
 
     ``global_batch``: B_global, held exactly (default: ``per_device_train_batch_size ×
     gradient_accumulation_steps × world_size`` as given). Other keywords go to
-    :func:`microbatch.tune` (``max_micro_batch`` — capped at ``global_batch / world_size`` —,
+    :func:`microbatch.tune` (``max_micro_batch`` — capped at ``global_batch / world_size`` and at the
+    dataset's length —,
     ``timing``, ``patience`` ...). Returns the :class:`~microbatch.choose.result.TuneResult`;
     ``trainer.args`` then holds b_m and g.
 

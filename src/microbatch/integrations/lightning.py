@@ -98,7 +98,8 @@ class KneeBatchSize(_Base):
     ``tolerance``: τ, the share of the best throughput the knee may give up. ``batch_arg_name``:
     the attribute Lightning's ``BatchSizeFinder`` would scale. Other keywords go to
     :func:`microbatch.tune` (``max_micro_batch``, ``timing``, ``patience``, ``start`` ...);
-    ``max_micro_batch`` is capped at ``global_batch / world_size``.
+    ``max_micro_batch`` is capped at ``global_batch / world_size`` and at the rows one process's
+    share of the dataset holds.
 
     After fit starts: :attr:`result` (the :class:`~microbatch.choose.result.TuneResult`),
     :attr:`micro_batch` and :attr:`grad_accum`.
