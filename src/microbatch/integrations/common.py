@@ -21,7 +21,6 @@ __all__ = [
     "curve_lines",
     "emit_lines",
     "options_with_cap",
-    "cap_at_data",
     "log",
 ]
 
@@ -87,25 +86,20 @@ def emit_lines(lines: list[str], rank: int = 0) -> None:
             log.info(line)
 
 
-def options_with_cap(options: dict[str, Any], global_batch: int, world: int) -> dict[str, Any]:
-    """The tune options with ``max_micro_batch`` capped at B_global / world (no larger b_m can be exact)."""
+def options_with_cap(
+    options: dict[str, Any], global_batch: int, world: int, *, data: Any = None, data_shards: int = 1
+) -> dict[str, Any]:
+    """The tune options with ``max_micro_batch`` capped at B_global / world (no larger b_m can be
+    exact) and, given ``data`` with a length, at what one process's share of it holds (its length
+    over ``data_shards``, rounded up as ``DistributedSampler`` pads): a probe's first batch of a
+    larger b_m would hold only that share, and its throughput would be counted for samples it never
+    ran (Lightning's ``BatchSizeFinder`` caps at the data the same way)."""
     out = dict(options)
     cap = global_batch // world
+    try:
+        cap = min(cap, max(1, -(-len(data) // data_shards)))
+    except TypeError:  # no data, or no length: the probes take what the loader gives
+        pass
     given = out.get("max_micro_batch", 1024)
     out["max_micro_batch"] = cap if given is None else min(int(given), cap)
-    return out
-
-
-def cap_at_data(options: dict[str, Any], dataset: Any, shards: int = 1) -> dict[str, Any]:
-    """The tune options with ``max_micro_batch`` capped at what one process's share of the dataset
-    holds (its length over ``shards``, rounded up as ``DistributedSampler`` pads), where it has a
-    length: a probe's first batch of a larger b_m would hold only that share, and its throughput
-    would be counted for samples it never ran (Lightning's ``BatchSizeFinder`` caps the same way)."""
-    try:
-        n = -(-len(dataset) // shards)
-    except TypeError:  # no length: the probes take what the loader gives
-        return options
-    out = dict(options)
-    given = out.get("max_micro_batch")
-    out["max_micro_batch"] = max(1, n) if given is None else max(1, min(int(given), n))
     return out

@@ -43,7 +43,6 @@ from microbatch.choose.result import TuneResult
 from microbatch.choose.snapshot import restore_flags, save_flags
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
-    cap_at_data,
     check_global_batch,
     choice_of,
     curve_lines,
@@ -166,8 +165,8 @@ def tune_trainer(
             _checkpointing_on(model, args)  # train() will turn it on: probe the step it will run
         result = tune(
             model, make_batch, loss_fn=loss_fn, optimizer=trainer.optimizer, global_batch=global_batch,
-            **cap_at_data(options_with_cap(dict(options, memory_budget_bytes=memory_budget_bytes,
-                                                tolerance=tolerance), global_batch, world), data),
+            **options_with_cap(dict(options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance),
+                               global_batch, world, data=data),
         )  # fmt: skip
     finally:
         restore_flags(flags)  # the Trainer turns checkpointing on itself in train()

@@ -41,7 +41,6 @@ from microbatch.choose.result import TuneResult
 from microbatch.choose.snapshot import restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
-    cap_at_data,
     check_global_batch,
     choice_of,
     curve_lines,
@@ -183,7 +182,9 @@ class KneeBatchSize(_Base):
         first = _train_loader(trainer)  # checked before any probe, at the user's own batch size
         _check_loader(first, original, self.batch_arg_name)
         # the rebuilt loader shards the dataset over the ranks (DistributedSampler under DDP)
-        options = cap_at_data(options_with_cap(self.options, self.global_batch, world), first.dataset, world)
+        options = options_with_cap(
+            self.options, self.global_batch, world, data=first.dataset, data_shards=world
+        )
         del first
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if optimizers else None
