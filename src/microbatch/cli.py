@@ -113,9 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("interrupted", 130, args)
     except click.exceptions.Exit as e:
         return e.exit_code
+    except click.UsageError as e:  # one line: click's message names the value and the rule; the fix is --help
+        where = e.ctx.command_path if e.ctx is not None else "microbatch"
+        message = f"{e.format_message().rstrip('.')}; see '{where} --help'"
+        click.echo(f"error: {message}", err=True)
+        return _fail(message, 2, args)
     except click.ClickException as e:
         e.show()
-        return _fail(e.format_message(), 2 if isinstance(e, click.UsageError) else e.exit_code, args)
+        return _fail(e.format_message(), e.exit_code, args)
     except ConfigError as e:
         click.echo(f"error: {e}", err=True)
         return _fail(str(e), 2, args)

@@ -47,20 +47,29 @@ class PipelineError(MicrobatchError):
 def check_positive_int(name: str, value: object, *, fix: str = "") -> int:
     """Return ``value`` as an int if it is a whole number >= 1, else raise :class:`ConfigError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        tail = f"; {fix}" if fix else ""
+        tail = f"; {fix}" if fix else f"; give {name} a whole number of 1 or more"
         raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}{tail}")
     return value
 
 
 def check_non_negative(name: str, value: float, *, fix: str = "") -> float:
     """Return ``value`` as a float if it is finite and >= 0, else raise :class:`ConfigError`."""
+    return _check_number(name, value, strict=False, fix=fix)
+
+
+def check_positive(name: str, value: float, *, fix: str = "") -> float:
+    """Return ``value`` as a float if it is finite and > 0, else raise :class:`ConfigError`."""
+    return _check_number(name, value, strict=True, fix=fix)
+
+
+def _check_number(name: str, value: float, *, strict: bool, fix: str) -> float:
     import math
 
     try:
         v = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v) or v < 0:
+    if not math.isfinite(v) or v < 0 or (strict and v == 0):
         tail = f"; {fix}" if fix else ""
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}{tail}")
+        raise ConfigError(f"{name} must be a finite number {'>' if strict else '>='} 0, got {value!r}{tail}")
     return v

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from microbatch.errors import ConfigError, check_non_negative
+from microbatch.errors import ConfigError, check_positive
 from microbatch.units import GIB
 
 __all__ = [
@@ -106,9 +106,7 @@ class Accelerator:
             "intra_node_bytes_per_s",
             "inter_node_bytes_per_s",
         ):
-            v = check_non_negative(f"{self.name} {f}", getattr(self, f))
-            if v == 0:
-                raise ConfigError(f"{self.name} {f} must be > 0, got 0; give the device's figure")
+            check_positive(f"{self.name} {f}", getattr(self, f), fix="give the device's figure")
         for f in ("intra_node_achievable", "inter_node_achievable"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not (0 < v <= 1):
@@ -119,8 +117,11 @@ class Accelerator:
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
-            if check_non_negative(f"{self.name} peak_flops[{dt}]", self.peak_flops[dt]) == 0:
-                raise ConfigError(f"{self.name} peak_flops[{dt}] must be > 0")
+            check_positive(
+                f"{self.name} peak_flops[{dt}]",
+                self.peak_flops[dt],
+                fix="give the device's dense peak FLOP/s",
+            )
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ConfigError(
                 f"{self.name} gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}"
@@ -340,6 +341,16 @@ def match_accelerator(name: str) -> str | None:
         if re.search(pattern, n):
             return key
     return None
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (Linux), else the machine's count."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def detect_local() -> Accelerator | None:

@@ -77,7 +77,10 @@ def classify(result: Any) -> str:
     """Which command wrote ``result``: the envelope's ``command`` field (any command), or, for a
     file written before the envelope existed, one of :data:`GUESSED_KINDS` recognised by its keys."""
     if not isinstance(result, dict):
-        raise ConfigError(f"a result must be a JSON object, got {type(result).__name__}")
+        raise ConfigError(
+            f"a result must be a JSON object, got {type(result).__name__}; give the JSON that tune, plan, "
+            "pipeline, simulate or validate print with --json"
+        )
     command = result.get("command")
     if isinstance(command, str) and command:
         return command
@@ -108,8 +111,16 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
     for p in paths:
         data = load_json(p)
         items = data if isinstance(data, list) else [data]
+        if not items:
+            raise ConfigError(
+                f"{p} holds an empty list: no result in it; give the JSON that tune, plan, pipeline, "
+                "simulate or validate print with --json"
+            )
         for item in items:
-            kind = classify(item)
+            try:
+                kind = classify(item)
+            except ConfigError as e:  # say which file
+                raise ConfigError(f"{p}: {e}") from None
             if kind == "plan" and isinstance(item.get("plans"), list):
                 out += [(classify(sub), sub) for sub in item["plans"]]
             else:

@@ -298,3 +298,103 @@ def test_17_timing_defaults_follow_the_cores():
     assert cpu_timing_defaults(1, None, cores=64)[:2] == (1, "process")
     assert cpu_timing_defaults(None, "process", cores=64)[:2] == (1, "process")
     assert cpu_timing_defaults(8, None, cores=64)[:2] == (8, "wall")
+
+
+# 19. found by a sweep of every command with bad input (2026-12-01)
+def test_19_click_usage_errors_are_one_line_with_the_fix(capsys):
+    line = check_refused(["batch", "-B", "1.5", "-b", "1"], capsys, r"'1\.5' is not a valid integer")
+    assert line.endswith("see 'microbatch batch --help'") and "Usage:" not in line
+    check_refused(["nosuchcmd"], capsys, r"No such command 'nosuchcmd'; see 'microbatch --help'")
+    assert main(["memory", "--model", "tiny", "--json"]) == 2  # a missing option, as JSON: one object
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"] == "bad_input" and "--micro-batch" in out["error"]
+
+
+@pytest.mark.parametrize(
+    "args,patterns",
+    [
+        (["-b", "0"], [r"micro-batch must be a whole number >= 1, got 0; give"]),  # was taken as "not given"
+        (["-p", "2", "-v", "0"], [r"virtual must be a whole number >= 1, got 0"]),
+        (["-d", "100000"], [r"use global batch 100000, or a data-parallel among"]),  # not "100000 or 100000"
+        (
+            ["--gpu-set", "bf16=0"],
+            [r"peak_flops\[bf16\] must be a finite number > 0, got 0\.0; give the device"],
+        ),
+    ],
+)
+def test_19_plan_refuses_zero_as_a_value(capsys, args, patterns):
+    check_refused(["plan", "--model", "tiny", "--gpu", "a100-80gb", "-B", "64", *args], capsys, *patterns)
+
+
+def test_19_report_names_the_file_and_checks_out_first(tmp_path, capsys):
+    plan = write(tmp_path, "plan.json", "")
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"]) == 0
+    Path(plan).write_text(capsys.readouterr().out)
+    null = write(tmp_path, "null.json", "null")
+    check_refused(
+        ["report", null, "--out", str(tmp_path / "r.html")], capsys, r"null\.json: a result must be"
+    )
+    empty = write(tmp_path, "list.json", "[]")
+    check_refused(
+        ["report", empty, "--out", str(tmp_path / "r.html")], capsys, r"list\.json holds an empty list"
+    )
+    blocker = write(tmp_path, "afile", "x")
+    check_refused(
+        ["report", plan, "--out", f"{blocker}/x.html"], capsys, r"--out .*afile.* cannot be written"
+    )
+    assert not list(tmp_path.glob("*.html"))
+
+
+def test_19_validate_checks_its_options_before_measuring(tmp_path, capsys, monkeypatch):
+    import microbatch.predict.validation as validation
+
+    def measured(**_):
+        raise AssertionError("the CPU was measured before the options were checked")
+
+    monkeypatch.setattr(validation, "measure_cpu", measured)
+    f = write(tmp_path, "r.json", {"points": SEED})
+    for args, pat in (
+        (["--cpu-peak-gflops", "0"], r"--cpu-peak-gflops must be a finite number > 0, got 0\.0; give"),
+        (["--cpu-bandwidth-gbs", "nan"], r"--cpu-bandwidth-gbs must be a finite number > 0, got nan"),
+        (["--cpu-threads", "0"], r"--cpu-threads must be a whole number >= 1, got 0"),
+        (["--fit-on", "1"], r"--fit-on 1 must be at least 2.*give --fit-on 2 or more"),
+    ):
+        check_refused(["validate", "--calibration", f, *args], capsys, pat)
+
+
+def test_19_noise_refuses_before_importing_torch():
+    code = (
+        "import sys; from microbatch.cli import main; rc = main(['noise', '-B', '0']); "
+        "sys.exit(10 if 'torch' in sys.modules else rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+
+
+def test_19_tune_threads_and_device(capsys):
+    import torch
+
+    check_refused(
+        ["tune", "--model", "tiny", "--threads", "100000"],
+        capsys,
+        r"threads 100000 is more than the \d+ core",
+    )
+    if not torch.cuda.is_available():
+        check_refused(
+            ["tune", "--model", "tiny", "--device", "cuda:99"], capsys, r"--device cuda:99: no CUDA"
+        )
+
+
+def test_19_recommend_inputs(tmp_path, capsys):
+    null = write(tmp_path, "null.json", "null")
+    check_refused(["recommend", "-m", null], capsys, r"null\.json: expected an object with a 'points' list")
+    check_refused(["recommend", "-m", ""], capsys, r"--measurements '' names no file")
+    f = write(tmp_path, "c.json", SEED)
+    check_refused(["recommend", "-m", f, "-B", "7", "-d", "2"], capsys,
+                  r"global batch 7 is not divisible by data-parallel 2.*use a global batch of 6 or 8")  # fmt: skip
+
+
+def test_19_demo_refuses_a_model_over_its_budget_before_any_step(tmp_path, capsys):
+    line = check_refused(["demo", "--model", "llama-2-7b", "--out", str(tmp_path / "d")], capsys,
+                         r"over the demo's 4\.00 GiB.*use --model small or tiny")  # fmt: skip
+    assert "microbatch tune --model llama-2-7b --memory-budget" in line

@@ -81,6 +81,8 @@ def test_plan_and_export(capsys, tmp_path):
     )
     saved = json.loads((tmp_path / "hf.json").read_text())
     assert saved["command"] == "export" and saved["config"] == e["config"]
+    printed = json.loads(capsys.readouterr().out)  # --json always prints its one object on stdout
+    assert printed["config"] == e["config"] and printed["output"] == str(tmp_path / "hf.json")
 
 
 def test_plan_multi_gpu(capsys):
@@ -195,6 +197,7 @@ def test_report_reads_every_command(capsys, tmp_path):
     plan.write_text(json.dumps(run_json([*PLAN, "--gpu", "a100-80gb"], capsys)))
     files.append(str(tmp_path / "export.json"))
     assert main(["export", "--plan", str(plan), "--format", "hf", "--json", "-o", files[-1]]) == 0
+    assert json.loads(capsys.readouterr().out)["output"] == files[-1]
     first = tmp_path / "first.html"
     files.append(str(tmp_path / "report.json"))
     (tmp_path / "report.json").write_text(

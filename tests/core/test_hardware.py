@@ -47,7 +47,7 @@ def test_aliases_and_overrides():
     assert slow.flops("fp16") == 312e12  # the others stay
     with pytest.raises(ConfigError, match="unknown accelerator field 'colour'"):
         get_accelerator("l4", colour="green")
-    with pytest.raises(ConfigError, match="must be > 0"):
+    with pytest.raises(ConfigError, match="must be a finite number > 0, got 0; give the device"):
         get_accelerator("l4", memory_bytes=0)
 
 

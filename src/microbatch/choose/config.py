@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from microbatch.errors import ConfigError, check_positive_int
-from microbatch.hardware import DEFAULT_HEADROOM
+from microbatch.hardware import DEFAULT_HEADROOM, usable_cores
 from microbatch.measure.spec import BACKENDS, MODES
 from microbatch.measure.timing import TimingConfig
 from microbatch.precision import get_precision
@@ -209,6 +209,12 @@ class ProbeConfig:
             raise ConfigError(f"timing {self.timing!r} must be a TimingConfig or None")
         if self.threads is not None:
             check_positive_int("threads", self.threads, fix="e.g. --threads 1")
+            cores = usable_cores()
+            if self.threads > cores:
+                raise ConfigError(
+                    f"threads {self.threads} is more than the {cores} core(s) this process may use: more "
+                    f"threads than cores only contend and the timing measures that; use --threads {cores} or fewer"
+                )
         check_positive_int("new_tokens", self.new_tokens, fix="tokens decoded after the prefill, e.g. 32")
         if self.in_process is not None and not isinstance(self.in_process, bool):
             raise ConfigError(f"in_process {self.in_process!r} must be True, False or None")

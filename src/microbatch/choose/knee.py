@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from microbatch.batch import nearest_multiples
 from microbatch.choose.bound import ThroughputBound, choice_margin, throughput_bound
 from microbatch.choose.config import (
     DEFAULT_RULE,
@@ -232,6 +233,12 @@ def _candidates(
         )
         why.append(f"step time <= {choice.max_latency_ms} ms")
     if choice.global_batch is not None:
+        if choice.global_batch % data_parallel:
+            near = " or ".join(map(str, nearest_multiples(choice.global_batch, data_parallel)))
+            raise ConfigError(
+                f"global batch {choice.global_batch} is not divisible by data-parallel {data_parallel}: no b_m "
+                f"gives B_global = b_m × g × d; use a global batch of {near}, or another data-parallel"
+            )
         per = choice.global_batch / data_parallel
         cands = keep(
             lambda p: per == int(per) and int(per) % p.micro_batch == 0,
@@ -273,8 +280,8 @@ def recommend(
         if pts and all(p.oom for p in pts):
             smallest = min(p.micro_batch for p in pts)
             raise ConfigError(
-                f"micro-batch {smallest} is already out of memory; turn activation checkpointing on "
-                "(--checkpointing on), shorten the sequence (--seq) or raise the memory budget"
+                f"micro-batch {smallest} is already out of memory; measure again (`microbatch tune`) with "
+                "activation checkpointing on (--checkpointing on), a shorter sequence (--seq) or a larger memory budget"
             )
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
     cands, left_out = _candidates(measured, choice, data_parallel)

@@ -270,7 +270,13 @@ def tune_model(
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
+            raise ConfigError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; pick one of them"
+            )
     choice, budget_source = resolve_budget(choice, probe_config)
     _preflight(shape, hf_config, probe_config, search_config, choice, budget_source)
     prober = open_prober(spec, probe_config, choice.memory_budget_bytes)

@@ -10,8 +10,12 @@ from typing import Any
 import click
 
 from microbatch.commands._common import check_out_dir, emit, json_option, write_result
+from microbatch.units import GIB
 
 __all__ = ["cmd"]
+
+DEMO_BUDGET_BYTES = 4 * GIB
+"""The memory budget of the demo's tunes on the CPU (it fits the built-in small models)."""
 
 
 def _step(quiet: bool, text: str) -> float:
@@ -63,9 +67,19 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     from microbatch.show.text import render_timeline_text
 
     quiet = as_json
+    from microbatch.choose.preflight import static_train_bytes
+    from microbatch.errors import ConfigError
     from microbatch.model import get_model
+    from microbatch.units import format_bytes
 
-    get_model(model_name)  # an unknown name fails here, before any work
+    shape = get_model(model_name)  # an unknown name fails here, before any work
+    need = static_train_bytes(shape.param_count(), "train")
+    if need > DEMO_BUDGET_BYTES:  # nor does a model the demo's budget cannot hold start
+        raise ConfigError(
+            f"--model {model_name} needs {format_bytes(need)} for its weights, gradients and AdamW state, over the "
+            f"demo's {format_bytes(DEMO_BUDGET_BYTES)} on the CPU; use --model small or tiny, or tune it with "
+            f"`microbatch tune --model {model_name} --memory-budget ...` on a machine that holds it"
+        )
     out = check_out_dir(out_dir)  # made and written to before any work: no result lost at the end
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"out": str(out)}
@@ -75,13 +89,12 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
     from microbatch.measure.timing import TimingConfig
-    from microbatch.units import GIB
 
     # One thread and the probe's own CPU time: steady numbers on a small or shared machine
     # (several threads on two busy cores can run many times slower than one).
     timing = TimingConfig(clock="process", max_time_s=2.0 if quick else 4.0)
     search = SearchConfig(max_micro_batch=16 if quick else 64, patience=3, use_cache=False)
-    choice = ChoiceConfig(memory_budget_bytes=4 * GIB)
+    choice = ChoiceConfig(memory_budget_bytes=DEMO_BUDGET_BYTES)
     for mode in ("train", "decode"):
         t0 = _step(
             quiet, f"tune {model_name} ({mode}) on the CPU: doubling b_m, each probe in a child process"

@@ -72,8 +72,9 @@ def cmd(
         )
         ex = export_tune(data, fmt, gpus_per_node=gpus_per_node)
     payload = {"format": ex.format, "config": ex.config, "notes": list(ex.notes)}
-    if output and as_json:
+    if output and as_json:  # the file holds the envelope (a result `report` reads); stdout the same
         write_result(output, payload)
+        emit({**payload, "output": output}, as_json, ex.text)
     elif output:
         text = ex.text()
         Path(output).write_text(text + ("\n" if not text.endswith("\n") else ""))

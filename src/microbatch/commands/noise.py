@@ -97,11 +97,7 @@ def cmd(
     Example: microbatch noise --model tiny --seq 32 --global-batch 32 --micro-batch 4 --steps 10
     (default model: tiny; any registry name, --hf-config or shape flags work, up to 500M parameters).
     """
-    import torch
-
     from microbatch.errors import ConfigError, check_positive_int
-    from microbatch.measure.gpt import build_model
-    from microbatch.run.noise_measure import measure_noise_scale
 
     check_positive_int("--global-batch", global_batch)
     check_positive_int("--micro-batch", micro_batch)
@@ -114,12 +110,18 @@ def cmd(
     shape = resolve_model(model_spec, default="tiny")
     if shape.param_count() > MAX_PARAMS:
         raise ConfigError(
-            f"model {shape.name} has {shape.param_count():,} parameters, over the {MAX_PARAMS:,} this CPU "
-            "demonstration builds; use a smaller model (tiny, small) or the Python hook on your own hardware"
+            f"model {shape.name} at seq {shape.seq} has {shape.param_count():,} parameters, over the {MAX_PARAMS:,} "
+            "this CPU demonstration builds; use a smaller model (tiny, small) or a shorter --seq, or the Python "
+            "hook on your own hardware"
         )
     if shape.seq < 2:
         raise ConfigError(f"--seq {shape.seq} leaves no next-token target; use --seq 2 or more")
     _check_memory(shape, global_batch, micro_batch)
+    import torch  # after the checks: bad input is refused before torch's import
+
+    from microbatch.measure.gpt import build_model
+    from microbatch.run.noise_measure import measure_noise_scale
+
     model = build_model(shape, seed=seed)
     vocab, s = shape.vocab, shape.seq
     gen = torch.Generator().manual_seed(seed + 1)

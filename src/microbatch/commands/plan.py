@@ -82,7 +82,6 @@ def cmd(
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     """
     from microbatch.commands._common import parse_split, parse_zero
-    from microbatch.errors import ConfigError
     from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
     from microbatch.predict.plan import PlanConfig, compare_gpus
     from microbatch.show.plan_report import comparison_rows, explain, render_plan, text_table
@@ -101,10 +100,10 @@ def cmd(
         tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel,
         schedules=None if schedule == "auto" else (schedule,),
-        virtuals=(virtual,) if virtual else None,
+        virtuals=(virtual,) if virtual is not None else None,
         recompute=None if recompute == "auto" else (recompute,),
         zero=None if zero == "auto" else (parse_zero(zero),),
-        micro_batches=(micro_batch,) if micro_batch else None,
+        micro_batches=(micro_batch,) if micro_batch is not None else None,
         layers_per_stage=parse_split(layers_per_stage),
         precision=precision,
         grad_dtype=grad_dtype,
@@ -159,7 +158,11 @@ def cmd(
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
         out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
+    nothing_fits = all(pl.recommended is None for pl in plans)
+    why = (plans[0].advice[0] if plans[0].advice else "nothing fits") if nothing_fits else None
+    if why is not None:  # one JSON object: the plan (what was computed is kept) with the error in it
+        out = {**out, "error": why, "kind": "bad_input"}
     emit(out, as_json, render)
-    if all(pl.recommended is None for pl in plans):
-        first = plans[0]
-        raise ConfigError(first.advice[0] if first.advice else "nothing fits")
+    if why is not None:
+        click.echo(f"error: {why}", err=True)
+        raise click.exceptions.Exit(2)

@@ -24,6 +24,8 @@ def read_rows(path: str) -> list[Any]:
     """
     from microbatch.records import result_points
 
+    if not path.strip():
+        raise ConfigError("--measurements '' names no file; give a JSON or CSV file of points")
     p = Path(path)
     if p.is_dir():
         raise ConfigError(
@@ -43,7 +45,7 @@ def read_rows(path: str) -> list[Any]:
             f"--measurements {path!r} is empty; give a JSON list of points or a CSV with a header "
             "micro_batch,throughput[,peak_memory_bytes,oom,step_time_s]"
         )
-    if text.lstrip().startswith(("[", "{")):
+    if text.lstrip().startswith(("[", "{")) or p.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -35,8 +35,10 @@ def cmd(results: tuple[str, ...], out_path: str, title: str, no_png: bool, as_js
 
     The HTML embeds every figure as SVG: it needs no network and no other file.
     """
+    from microbatch.commands._common import check_output_file
     from microbatch.show.html import build_report, load_results
 
+    check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True)  # before any work
     rep = build_report(load_results(results), out_path, title=title, png=not no_png)
     payload = {
         "html": str(rep.html_path),

@@ -24,6 +24,7 @@ from microbatch.commands._common import (
     model_options,
     progress,
 )
+from microbatch.hardware import usable_cores
 from microbatch.precision import MEASURABLE
 
 if TYPE_CHECKING:
@@ -41,22 +42,13 @@ probe's threads fought the other processes for two cores) against seconds with `
 --clock process``; on a large machine torch's threads are what a user's run gets."""
 
 
-def _cores() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def cpu_timing_defaults(
     threads: int | None, clock: str | None, cores: int | None = None
 ) -> tuple[int | None, str, str]:
     """(threads, clock, a line saying why) for a CPU tune: the flags given, the rest from the cores."""
     from microbatch.errors import ConfigError
 
-    n = _cores() if cores is None else cores
+    n = usable_cores() if cores is None else cores
     if threads is None and clock is None:
         if n <= SMALL_CPU:
             return (

@@ -104,7 +104,8 @@ class PlanConfig:
             lo, hi = (B // d) * d, (B // d + 1) * d
             raise ConfigError(
                 f"global batch {B} is not divisible by data-parallel {d}; B_global = b_m × g × d needs "
-                f"d | B; use global batch {lo or hi} or {hi}, or a data-parallel among {divisors(B)[:12]}"
+                f"d | B; use global batch {' or '.join(str(x) for x in dict.fromkeys((lo or hi, hi)))}, or a "
+                f"data-parallel among {divisors(B)[:12]}"
             )
         if not (0 <= self.memory_headroom < 1):
             raise ConfigError(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, check_positive, check_positive_int
 from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator, measure_cpu
 from microbatch.model import ModelShape
 from microbatch.predict.calibrate import (
@@ -183,6 +183,13 @@ class Validation:
         }
 
 
+def _check_fit_on(fit_on: int) -> None:
+    if fit_on < MIN_POINTS:
+        raise ConfigError(
+            f"--fit-on {fit_on} must be at least {MIN_POINTS}: a line has two parameters; give --fit-on {MIN_POINTS} or more"
+        )
+
+
 def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_ON) -> Validation:
     """Predict every point uncalibrated, from the smallest ``fit_on`` probes, and leave-one-out.
 
@@ -192,8 +199,7 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     pts = [p for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None]
     have = [p.micro_batch for p in pts]
     need_points("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
-    if fit_on < MIN_POINTS:
-        raise ConfigError(f"--fit-on {fit_on} must be at least {MIN_POINTS}: a line has two parameters")
+    _check_fit_on(fit_on)
     k = min(fit_on, len(pts) - 1)
     small = tuple(have[:k])
     notes = list(meas.notes)
@@ -280,7 +286,7 @@ def validation_accelerator(
                 "give --gpu NAME (e.g. h100-sxm)"
             )
         acc = get_accelerator(name)
-    elif cpu_peak_gflops and cpu_bandwidth_gbs:
+    elif cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None:
         acc = cpu_accelerator(
             flops_per_s=cpu_peak_gflops * 1e9,
             bytes_per_s=cpu_bandwidth_gbs * 1e9,
@@ -290,11 +296,11 @@ def validation_accelerator(
         acc = recorded
     else:
         acc = measure_cpu(threads=cpu_threads)
-        if cpu_peak_gflops or cpu_bandwidth_gbs:
+        if cpu_peak_gflops is not None or cpu_bandwidth_gbs is not None:
             acc = cpu_accelerator(
-                flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops else acc.flops("fp32"),
+                flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops is not None else acc.flops("fp32"),
                 bytes_per_s=(cpu_bandwidth_gbs * 1e9)
-                if cpu_bandwidth_gbs
+                if cpu_bandwidth_gbs is not None
                 else acc.memory_bandwidth_bytes_per_s,
                 source=acc.source + " (partly overridden)",
             )
@@ -322,9 +328,16 @@ def validate_result(
     On the CPU without both figures given the accelerator is measured now, so step-time
     predictions vary from call to call; raises :class:`ConfigError` for too few points.
     """
+    # the options first, before the file is read or this CPU measured
+    for flag, v in (("--cpu-peak-gflops", cpu_peak_gflops), ("--cpu-bandwidth-gbs", cpu_bandwidth_gbs)):
+        if v is not None:
+            check_positive(flag, v, fix=f"give this CPU's figure, or leave {flag} out to measure it now")
+    if cpu_threads is not None:
+        check_positive_int("--cpu-threads", cpu_threads, fix="give the probes' --threads, or leave it out")
+    _check_fit_on(fit_on)
     meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
     recorded = recorded_cpu(tune_result)
-    given = bool(cpu_peak_gflops and cpu_bandwidth_gbs)
+    given = bool(cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None)
     acc = validation_accelerator(
         meas,
         gpu=gpu,
