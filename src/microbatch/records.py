@@ -333,6 +333,11 @@ def read_measurements(
     dev = str(data.get("device") or device or "")
     if not dev:
         raise ConfigError(f"{label}: no 'device'; say where (cpu, cuda) the points were measured")
+    if memory_key == "peak_allocated_bytes" and not dev.startswith("cuda"):
+        raise ConfigError(
+            f"{label}: measured on {dev}, which has no allocator count of tensors (peak_allocated_bytes is "
+            "CUDA's); use --memory peak (the process's peak RSS)"
+        )
     ckpt = flag(data.get("checkpointing"))
     if ckpt is None and checkpointing is not None:
         ckpt = checkpointing

@@ -360,6 +360,10 @@ def test_19_validate_checks_its_options_before_measuring(tmp_path, capsys, monke
         (["--fit-on", "1"], r"--fit-on 1 must be at least 2.*give --fit-on 2 or more"),
     ):
         check_refused(["validate", "--calibration", f, *args], capsys, pat)
+    cpu = write(tmp_path, "cpu.json", {"device": "cpu", "model": "tiny", "seq": 64, "precision": "fp32",
+                                       "points": SEED})  # fmt: skip
+    check_refused(["validate", "--calibration", cpu, "--memory", "allocated"], capsys,
+                  r"measured on cpu, which has no allocator count.*use --memory peak")  # fmt: skip
 
 
 def test_19_noise_refuses_before_importing_torch():
