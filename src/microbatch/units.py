@@ -77,8 +77,11 @@ def format_bytes(n: float | None, *, digits: int = 2, unit: str | None = None) -
 
 
 def format_number(x: float) -> str:
-    """Short number: integers without decimals, else 4 significant digits."""
-    if abs(x - round(x)) < 1e-9:
+    """Short number: integers without decimals (below 10**15), else 4 significant digits;
+    ``"inf"``, ``"-inf"`` and ``"nan"`` for the non-finite."""
+    if not math.isfinite(x):
+        return str(float(x))  # "inf", "-inf", "nan"
+    if abs(x) < 1e15 and abs(x - round(x)) < 1e-9:
         return str(int(round(x)))
     return f"{x:.4g}"
 

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+from _cli import run, run_json
 
-from microbatch.cli import main
 from microbatch.show.text import normalize_rows, render_timeline_text, save_timeline_png, timeline_svg
-
-
-def run(args, capsys):
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def run_json(args, capsys):
-    code, out, err = run([*args, "--json"], capsys)
-    assert code == 0, err
-    return json.loads(out)
-
 
 # --- bubble ---------------------------------------------------------------------------------
 

@@ -8,28 +8,13 @@ import json
 
 import click
 import pytest
+from _cli import run, run_json
 
 import microbatch
 from microbatch.cli import COMMANDS, group, main
 
 GIB = 2**30
 VERSION = microbatch.__version__
-
-
-def run(args, capsys):
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def run_json(args, capsys, command=None):
-    """Run with --json; check the envelope; return the object."""
-    code, out, err = run([*args, "--json"], capsys)
-    assert code == 0, err
-    d = json.loads(out)
-    assert list(d)[:2] == ["command", "version"]
-    assert d["command"] == (command or args[0]) and d["version"] == VERSION
-    return d
 
 
 def test_every_command_takes_json():

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from microbatch.cli import main
+from _cli import run, run_json
 
 SEED = [
     {"micro_batch": 1, "throughput": 1000},
@@ -16,18 +15,6 @@ SEED = [
     {"micro_batch": 8, "throughput": 5000},
     {"micro_batch": 16, "throughput": 5600},
 ]
-
-
-def run(args, capsys):
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def run_json(args, capsys):
-    code, out, err = run([*args, "--json"], capsys)
-    assert code == 0, err
-    return json.loads(out)
 
 
 def test_recommend_seed_json(tmp_path, capsys):

@@ -319,3 +319,54 @@ def test_simulator_invariants(case):
             ds, de, dr = end[d]
             gap = kw["comm_time"] if dr != rank else 0.0
             assert start >= de + gap - 1e-9, (a, d)
+
+
+# --- size and overflow (bad-input sweep) -----------------------------------------------------
+
+
+def _peak_bytes(p):
+    import tracemalloc
+
+    schedule = generate("gpipe", p, 1)
+    tracemalloc.start()
+    try:
+        simulate(schedule, forward_time=1.0, backward_time=2.0).to_dict()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_simulation_memory_is_linear_in_the_stages():
+    # p ranks × every stage of per-rank templates made p = 10,000 run out of memory: the memory of
+    # a simulation must grow with its actions (2p here), not with p². 4× the ranks: 4× (not 16×).
+    small, large = _peak_bytes(50), _peak_bytes(200)
+    assert large / small < 8, (small, large)
+
+
+def test_a_hand_written_action_on_another_rank_pays_comm_by_placement():
+    # templates are built per rank on first use; comm is still charged when the dependency's stage
+    # is placed on another rank than the one running the action (stage 1 belongs to rank 1 here)
+    s = Schedule.from_strings("odd", [["0F0", "1F0", "1B0", "0B0"], []], microbatches=1)
+    r = simulate(s, forward_time=1.0, backward_time=1.0, comm_time=5.0)
+    assert [iv[:2] for iv in r.intervals[0]] == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (8.0, 9.0)]
+    s2 = Schedule.from_strings("split", [["0F0", "0B0"], ["1F0", "1B0"]], microbatches=1)
+    assert simulate(s2, forward_time=1.0, backward_time=1.0, comm_time=5.0).makespan == pytest.approx(14.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"forward_time": 1.0, "backward_time": 2.0, "comm_time": 1e308},
+        {"forward_time": 1e308, "backward_time": 1e308},
+    ],
+)
+def test_times_that_overflow_are_refused(kw):
+    with pytest.raises(ConfigError, match=r"the op times given overflow: the makespan is inf.*below ~1e300"):
+        simulate(generate("1f1b", 4, 8), **kw)
+
+
+def test_too_many_stages_for_the_simulation_names_the_stages():
+    from microbatch.schedules.registry import check_simulable
+
+    with pytest.raises(ConfigError, match=r"stages = 600000: .*use --stages 500,000 or fewer"):
+        check_simulable("gpipe", 600_000, 1)

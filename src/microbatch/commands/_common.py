@@ -431,14 +431,34 @@ def virtual_option(f: F) -> F:
     )(f)
 
 
+MIN_DIAGRAM_WIDTH = 10
+"""Fewest columns a terminal diagram's time axis can use (:func:`microbatch.show.text.render_timeline_text`
+widens anything narrower to 10)."""
+
+
+def check_width(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    """``--width`` callback: at least :data:`MIN_DIAGRAM_WIDTH` columns, else click's usage error
+    (exit 2, one line) with the value, the rule and the fix. Any command's ``--width`` can take it
+    (``callback=check_width``)."""
+    if value < MIN_DIAGRAM_WIDTH:
+        raise click.BadParameter(
+            f"{value} columns is below the diagram's minimum of {MIN_DIAGRAM_WIDTH}; give --width "
+            f"{MIN_DIAGRAM_WIDTH} or more (default 100)",
+            ctx=ctx,
+            param=param,
+        )
+    return value
+
+
 def width_option(f: F) -> F:
-    """``--width``: columns of the diagram's time axis."""
+    """``--width``: columns of the diagram's time axis, checked by :func:`check_width`."""
     return click.option(
         "--width",
         type=int,
         default=100,
         show_default=True,
-        help="Most columns the diagram's time axis may use.",
+        callback=check_width,
+        help=f"Most columns the diagram's time axis may use (at least {MIN_DIAGRAM_WIDTH}).",
     )(f)
 
 

@@ -61,7 +61,7 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from microbatch.commands._schedule_inputs import check_times, resolve_virtual
+    from microbatch.commands._schedule_inputs import check_times, diagram_rows_note, resolve_virtual
     from microbatch.schedules.registry import (
         MAX_SIMULATED_ACTIONS,
         check_servable,
@@ -107,6 +107,7 @@ def cmd(
         or dualpipev_closed
     )
     too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
+    too_tall = diagram_rows_note(stages)
     if not closed:
         check_simulable(spec.name, stages, microbatches, virtual)
     elif too_big and not no_diagram:
@@ -114,7 +115,10 @@ def cmd(
             f"no diagram: {count_actions(spec.name, stages, microbatches, virtual):,} actions is over the "
             f"simulation limit of {MAX_SIMULATED_ACTIONS:,}; the numbers are the closed form"
         )
-    run_sim = not closed or (not no_diagram and not too_big)
+    if too_tall and not no_diagram and not (closed and too_big):
+        notes.append(too_tall + ("; the numbers are the closed form" if closed else ""))
+    draw = not no_diagram and not too_tall
+    run_sim = not closed or (draw and not too_big)
     sim = None
     if spec.split_backward:
         given = [t is not None for t in (forward_time, input_time, weight_time)]
@@ -209,7 +213,7 @@ def cmd(
             lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
         lines.append(f"  method: {result['method']}")
         lines += [f"  note: {n}" for n in notes]
-        if not no_diagram and sim is not None:
+        if draw and sim is not None:
             lines.append("")
             lines.append(
                 render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=use_color())

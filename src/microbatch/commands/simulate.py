@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -23,16 +24,32 @@ from microbatch.show.text import bubble_lines, pct
 __all__ = ["cmd", "parse_stage_times", "resolve_times"]
 
 
+_ENTRY_PARTS = {
+    1: (("factor", False),),
+    2: (("forward time F", False), ("backward time B", False)),
+    3: (("forward time F", False), ("input-gradient time I", False), ("weight-gradient time W", True)),
+}
+"""Per entry form, each value's name and whether it may be 0 (as for the flags: only W may)."""
+
+
 def parse_stage_times(text: str) -> list[tuple[float, ...]]:
     """``--stage-times``: comma-separated, one entry per virtual stage.
 
     An entry is a number (a speed factor applied to the base times), ``F:B`` (forward and full
-    backward) or ``F:I:W`` (forward, input-gradient and weight-gradient times).
+    backward) or ``F:I:W`` (forward, input-gradient and weight-gradient times). Every value must
+    be finite and > 0 (W may be 0), as for ``--forward-time`` and the others; the error names the
+    flag and the entry (counted from 0, as the virtual stages are).
     """
     from microbatch.errors import ConfigError
 
+    if not text.strip():
+        raise ConfigError(
+            "--stage-times is empty: give one entry per virtual stage, e.g. --stage-times 1,1,1.5,1, "
+            "or leave the option out for equal stages"
+        )
+    raws = text.split(",")
     entries: list[tuple[float, ...]] = []
-    for i, raw in enumerate(text.split(",")):
+    for i, raw in enumerate(raws):
         parts = raw.strip().split(":")
         try:
             vals = tuple(float(x) for x in parts)
@@ -45,8 +62,26 @@ def parse_stage_times(text: str) -> list[tuple[float, ...]]:
             raise ConfigError(
                 f"--stage-times entry {i} is {raw.strip()!r}: give one value (a factor), two (F:B) or three (F:I:W)"
             )
+        for x, (what, zero_ok) in zip(vals, _ENTRY_PARTS[len(vals)], strict=True):
+            if not (math.isfinite(x) and (x >= 0 if zero_ok else x > 0)):
+                raise ConfigError(
+                    f"--stage-times entry {i} is {raw.strip()!r} (entries count from 0, one per virtual stage; "
+                    f"{len(raws)} given): the {what} {x:g} must be a finite number {'>= 0' if zero_ok else '> 0'}; give a "
+                    "measured or estimated value, e.g. --stage-times 1,1,1.5,1"
+                )
         entries.append(vals)
     return entries
+
+
+def _finite(
+    value: float, why: str, fix: str = "give times below ~1e300 (a larger unit, e.g. ms instead of ns)"
+) -> float:
+    """``value``, or a ConfigError saying that ``why`` overflowed the largest float, and ``fix``."""
+    from microbatch.errors import ConfigError
+
+    if not math.isfinite(value):
+        raise ConfigError(f"{why} = {value:g}, past the largest float (~1.8e308); {fix}")
+    return value
 
 
 def resolve_times(
@@ -84,10 +119,15 @@ def resolve_times(
     elif backward_time is not None:
         tb = backward_time
     elif input_time is not None and weight_time is not None:
-        tb = input_time + weight_time
+        tb = _finite(input_time + weight_time, "the backward T_B = --input-time + --weight-time")
     else:
-        tb = 2.0 * tf  # the usual assumption: a backward costs two forwards
-    if not stage_times:
+        # the usual assumption: a backward costs two forwards
+        tb = _finite(
+            2.0 * tf,
+            f"--forward-time {tf:g} makes the default backward time 2 × --forward-time",
+            "give --backward-time too, or a --forward-time below ~1e300",
+        )
+    if stage_times is None:
         return {
             "forward_time": tf,
             "backward_time": tb,
@@ -112,12 +152,21 @@ def resolve_times(
                     f"--stage-times entry {k} is a factor but {spec.name!r} has no base --input-time/--weight-time; "
                     "give them, or write the entry as F:I:W"
                 )
-            f.append(e[0] * tf)
+            x = e[0]
+            f.append(_finite(x * tf, f"--stage-times entry {k}: the factor {x:g} × the forward time {tf:g}"))
             if split and input_time is not None and weight_time is not None:
-                i_.append(e[0] * input_time)
-                w.append(e[0] * weight_time)
+                i_.append(
+                    _finite(x * input_time, f"--stage-times entry {k}: {x:g} × --input-time {input_time:g}")
+                )
+                w.append(
+                    _finite(
+                        x * weight_time, f"--stage-times entry {k}: {x:g} × --weight-time {weight_time:g}"
+                    )
+                )
             elif tb is not None:
-                b.append(e[0] * tb)
+                b.append(
+                    _finite(x * tb, f"--stage-times entry {k}: the factor {x:g} × the backward time {tb:g}")
+                )
         elif len(e) == 2:
             if split:
                 raise ConfigError(
@@ -131,7 +180,7 @@ def resolve_times(
                 i_.append(e[1])
                 w.append(e[2])
             else:
-                b.append(e[1] + e[2])
+                b.append(_finite(e[1] + e[2], f"--stage-times entry {k}: the backward I + W"))
     return {
         "forward_time": f,
         "backward_time": None if split else b,
@@ -204,7 +253,13 @@ def cmd(
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
     from microbatch.commands._common import check_output_file
-    from microbatch.commands._schedule_inputs import check_times, resolve_virtual
+    from microbatch.commands._schedule_inputs import (
+        MAX_DIAGRAM_RANKS,
+        check_times,
+        diagram_rows_note,
+        resolve_virtual,
+    )
+    from microbatch.errors import ConfigError
     from microbatch.schedules.registry import check_servable, check_simulable, generate, get_spec
     from microbatch.schedules.simulate import (
         ZB_IDLE_SCHEDULES,
@@ -227,8 +282,30 @@ def cmd(
         weight_time=weight_time,
         comm_time=comm_time,
     )
+    if stage_times is not None:
+        parse_stage_times(stage_times)  # its syntax and values, before the schedule is built
     check_output_file(svg_path, "--svg", (".svg",))
     check_output_file(png_path, "--png", (".png",))
+    if (svg_path or png_path) and diagram_rows_note(stages):  # a chart of one row per rank
+        raise ConfigError(
+            f"--{'svg' if svg_path else 'png'}: p = {stages:,} ranks is over the chart limit of {MAX_DIAGRAM_RANKS:,} "
+            "rows (one per rank; at p = 2,000 a PNG took 46 s); draw a smaller p, or leave the chart out"
+        )
+    if (
+        not spec.split_backward
+        and input_time is not None
+        and weight_time is not None
+        and backward_time is None
+    ):
+        notes.append(
+            f"{spec.name} runs a full backward: --input-time + --weight-time = {input_time + weight_time:g} is used "
+            "as T_B; the split into I and W matters only to zero-bubble and DualPipeV schedules"
+        )
+    if with_intervals and not as_json:
+        notes.append("--intervals adds every op's (start, end) to the --json output only; add --json")
+    too_tall = diagram_rows_note(stages)
+    if too_tall and not no_diagram:
+        notes.append(too_tall)
     schedule = generate(spec.name, stages, microbatches, virtual)
     times = resolve_times(
         spec,
@@ -327,7 +404,7 @@ def cmd(
             )
         lines += [f"  note: {n}" for n in notes]
         lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
-        if not no_diagram:
+        if not no_diagram and not too_tall:
             lines += [
                 "",
                 render_timeline_text(rows, sim.makespan, width=width, color=use_color(), time_unit=time_unit),

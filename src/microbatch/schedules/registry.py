@@ -199,6 +199,13 @@ def check_simulable(name: str, stages: int, microbatches: int, virtual: int = 1)
     if n > MAX_SIMULATED_ACTIONS:
         per = n // (stages * virtual * microbatches)
         most = MAX_SIMULATED_ACTIONS // (stages * virtual * per)
+        if most < 1:  # p·v alone is too many: fewer micro-batches cannot help
+            most_p = MAX_SIMULATED_ACTIONS // (virtual * microbatches * per)
+            raise ConfigError(
+                f"stages = {stages}: {name} with p·v = {stages * virtual} and m = {microbatches} has {n:,} actions, "
+                f"over the simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use --stages "
+                f"{most_p:,} or fewer (the bubble of a larger p is its closed form: microbatch bubble --no-diagram)"
+            )
         raise ConfigError(
             f"microbatches = {microbatches}: {name} with p·v = {stages * virtual} has {n:,} actions, over the "
             f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use --microbatches {most:,} "

@@ -109,8 +109,9 @@ class SimResult:
 
     def stage_stats(self) -> list[dict[str, Any]]:
         """Per rank: ``{stage, busy, idle, peak_in_flight}`` (``stage`` is the rank index)."""
+        peaks = self.peak_in_flight  # once: a property that walks every rank
         return [
-            {"stage": r, "busy": self.busy[r], "idle": self.idle[r], "peak_in_flight": self.peak_in_flight[r]}
+            {"stage": r, "busy": self.busy[r], "idle": self.idle[r], "peak_in_flight": peaks[r]}
             for r in range(self.stages)
         ]
 
@@ -213,7 +214,8 @@ def simulate(
     then B = I + W); a schedule with I and W needs ``input_time`` and ``weight_time``.
     ``comm_time`` is added to every dependency between different ranks. Raises
     :class:`~microbatch.errors.ScheduleError` if the ranks' orders deadlock (see
-    :func:`microbatch.schedules.validate.validate` for a full check).
+    :func:`microbatch.schedules.validate.validate` for a full check), and
+    :class:`~microbatch.errors.ConfigError` if the times overflow (a makespan past the largest float).
     """
     p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
     comm = non_negative_time("comm_time", comm_time)
@@ -242,49 +244,53 @@ def simulate(
     # Completion times live in one flat list: slot (F = 0, B or I = 1, W = 2; B and I share a
     # slot because "B or I on stage s+1" is one dependency), then stage, then micro-batch. A
     # missing dependency points into a tail of m zeros (done at time 0), so the loop needs no
-    # branches. Per rank and kind, a template per stage gives the base indices and durations.
+    # branches. Per rank and kind, a template per stage gives the base indices and durations; it
+    # is built on first use, for the stages the rank runs (building one for every rank × every
+    # stage up front cost p² time and memory: 4·10⁸ tuples for p = 10,000).
     none_base = 3 * nst * m
-    templates: list[dict[str, list[tuple[int, float, int, float, int, float, int]]]] = []
-    for r in range(schedule.stages):
-        tmpl: dict[str, list[tuple[int, float, int, float, int, float, int]]] = {}
-        for k in ("F", "B", "I", "W"):
-            rows_k = []
-            for st in range(nst):
-                c_prev = comm if st > 0 and rank_of[st - 1] != r else 0.0
-                c_next = comm if st < nst - 1 and rank_of[st + 1] != r else 0.0
-                # in flight from F's end to the end of B, or of W for a split backward (DualPipeV
-                # mixes the two: each micro-batch has either B or I and W)
-                delta = 1 if k == "F" else (0 if k == "I" else -1)
-                dur = dur_by_kind[k][st]
-                if k == "F":
-                    d1 = (st - 1) * m if st > 0 else none_base
-                    rows_k.append((st * m, dur, d1, c_prev, none_base, 0.0, delta))
-                elif k == "W":
-                    rows_k.append(((2 * nst + st) * m, dur, (nst + st) * m, 0.0, none_base, 0.0, delta))
-                else:  # B or I: its own F, and B or I of the next stage
-                    d2 = (nst + st + 1) * m if st < nst - 1 else none_base
-                    rows_k.append(((nst + st) * m, dur, st * m, 0.0, d2, c_next, delta))
-            tmpl[k] = rows_k
-        templates.append(tmpl)
+
+    def template(r: int, k: str, st: int) -> tuple[int, float, int, float, int, float, int]:
+        """The row of kind ``k`` on virtual stage ``st`` run by rank ``r``."""
+        c_prev = comm if st > 0 and rank_of[st - 1] != r else 0.0
+        c_next = comm if st < nst - 1 and rank_of[st + 1] != r else 0.0
+        # in flight from F's end to the end of B, or of W for a split backward (DualPipeV
+        # mixes the two: each micro-batch has either B or I and W)
+        delta = 1 if k == "F" else (0 if k == "I" else -1)
+        dur = dur_by_kind[k][st]
+        if k == "F":
+            d1 = (st - 1) * m if st > 0 else none_base
+            return (st * m, dur, d1, c_prev, none_base, 0.0, delta)
+        if k == "W":
+            return ((2 * nst + st) * m, dur, (nst + st) * m, 0.0, none_base, 0.0, delta)
+        # B or I: its own F, and B or I of the next stage
+        d2 = (nst + st + 1) * m if st < nst - 1 else none_base
+        return ((nst + st) * m, dur, st * m, 0.0, d2, c_next, delta)
+
+    def outside(r: int, s: int, k: str, mb: int) -> ScheduleError:
+        return ScheduleError(
+            f"rank {r}: action {s}{k}{mb} is outside the schedule (p·v = {nst}, m = {m}, kinds F/B/I/W)"
+        )
 
     plan: list[list[tuple[int, float, int, float, int, float]]] = []
     durations: list[list[float]] = []
     deltas: list[list[int]] = []
     for r, acts in enumerate(schedule.actions):
-        tmpl = templates[r]
+        tmpl: dict[str, dict[int, tuple[int, float, int, float, int, float, int]]] = {
+            k: {} for k in dur_by_kind
+        }
         ops: list[tuple[int, float, int, float, int, float]] = []
         durs: list[float] = []
         dels: list[int] = []
         append_op, append_dur, append_del = ops.append, durs.append, dels.append
         for s, k, mb in acts:
             try:
-                if s < 0 or mb < 0 or mb >= m:
-                    raise IndexError
                 kb, dur, b1, c1, b2, c2, delta = tmpl[k][s]
-            except (IndexError, KeyError):
-                raise ScheduleError(
-                    f"rank {r}: action {s}{k}{mb} is outside the schedule (p·v = {nst}, m = {m}, kinds F/B/I/W)"
-                ) from None
+            except KeyError:  # first use of (kind, stage) on this rank, or an unknown kind or stage
+                if k not in tmpl or not 0 <= s < nst:
+                    raise outside(r, s, k, mb) from None
+                kb, dur, b1, c1, b2, c2, delta = tmpl[k][s] = template(r, k, s)
+            if mb < 0 or mb >= m:
+                raise outside(r, s, k, mb)
             append_op((kb + mb, dur, b1 + mb, c1, b2 + mb, c2))
             append_dur(dur)
             append_del(delta)
@@ -350,15 +356,24 @@ def simulate(
                 "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedules.validate.validate"
             )
 
+    makespan = max(free) if p else 0.0
+    overflow = ConfigError(
+        f"the op times given overflow: the makespan is {makespan} (past the largest float, ~1.8e308); use times "
+        "below ~1e300 (a larger unit, e.g. ms instead of ns)"
+    )
+    if not math.isfinite(makespan):
+        raise overflow
     intervals = []
     busy = []
     peaks = []
     for r, acts in enumerate(schedule.actions):
         st_r, durs = starts[r], durations[r]
         intervals.append(tuple(zip(st_r, map(add, st_r, durs), acts, strict=True)))
-        busy.append(math.fsum(durs))
+        try:
+            busy.append(math.fsum(durs))
+        except OverflowError:  # an exact sum past the largest float that the running sum rounded below it
+            raise overflow from None
         peaks.append(max(0, max(accumulate(deltas[r]), default=0)))
-    makespan = max(free) if p else 0.0
     idle = [max(0.0, makespan - b) for b in busy]  # floor float noise (fsum vs running sums)
     total_idle = sum(idle)
     total_busy = sum(busy)
