@@ -7,7 +7,7 @@ from typing import Any, NoReturn
 import click
 
 from microbatch._json import dumps
-from microbatch.commands._common import emit, json_option, stages_option
+from microbatch.commands._common import emit, json_option, stages_option, width_option
 from microbatch.schedules.registry import schedule_names
 
 __all__ = ["cmd"]
@@ -78,7 +78,7 @@ __all__ = ["cmd"]
     default=None,
     help="Draw the measured timeline as PNG.",
 )
-@click.option("--width", type=int, default=100, show_default=True, help="Columns of the terminal diagrams.")
+@width_option
 @click.option(
     "--predict/--no-predict",
     "predict_first",

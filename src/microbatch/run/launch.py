@@ -3,7 +3,8 @@
 :func:`run_pipeline` starts p worker processes on this machine (gloo on the CPU, a free port
 found by binding port 0, ``torch.set_num_threads(1)`` per worker), waits for them under a
 deadline and raises :class:`~microbatch.errors.PipelineError` naming the rank and the last
-lines of its error output as soon as any rank fails, killing the others: never a hang.
+lines of its error output as soon as any rank fails, killing the others: never a hang. Ctrl-C and
+SIGTERM kill every rank too before the interrupt propagates.
 :func:`run_external` is the same rank code under an outside launcher (``torchrun`` on one or
 several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``).
@@ -25,25 +26,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline_config import STARTUP_S, PipelineConfig
 from microbatch.run.pipeline_summary import summarize
 from microbatch.schedules.registry import rank_stages
 
 __all__ = [
     "STARTUP_S",
+    "Terminated",
     "check_splittable",
     "free_port",
     "run_external",
     "run_pipeline",
     "under_torchrun",
 ]
-
-STARTUP_S = 60.0
-"""Allowance for starting Python and importing torch in every worker, added to the deadline."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -192,14 +191,18 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
     from microbatch.run.pipeline_fit import check_fits
 
     check_fits(cfg)  # predicted host memory of the p local ranks against what is available
-    deadline = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
+    if deadline_s is None:
+        deadline = cfg.timeout_s + STARTUP_S
+        why = f"{cfg.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up"
+    else:
+        deadline, why = deadline_s, ""
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg.to_dict(), f)
     for attempt in range(3):
         try:
-            raw = _launch_once(cfg, tmp, cfg_path, result_path, free_port(), deadline)
+            raw = _launch_once(cfg, tmp, cfg_path, result_path, free_port(), deadline, why)
             break
         except _PortTaken:
             if attempt == 2:
@@ -216,13 +219,24 @@ class _PortTaken(Exception):
 
 
 def _launch_once(
-    cfg: PipelineConfig, tmp: str, cfg_path: str, result_path: str, port: int, deadline_s: float
+    cfg: PipelineConfig,
+    tmp: str,
+    cfg_path: str,
+    result_path: str,
+    port: int,
+    deadline_s: float,
+    deadline_why: str = "",
 ) -> dict[str, Any]:
-    """Start the ranks on ``port``, wait for them, return rank 0's raw result."""
+    """Start the ranks on ``port``, wait for them, return rank 0's raw result.
+
+    SIGTERM (``timeout``, a job scheduler) stops the ranks as Ctrl-C does: it raises
+    :class:`Terminated` (a ``KeyboardInterrupt``) here, and every rank is killed before it propagates.
+    """
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs: list[subprocess.Popen[bytes]] = []
     errs: list[str] = []
     code = "from microbatch.run.launch import _worker_main; _worker_main()"
+    restore = _raise_on_sigterm()
     try:
         for r in range(cfg.stages):
             env = dict(os.environ)
@@ -280,26 +294,71 @@ def _launch_once(
             if time.monotonic() > t_end:
                 alive = [r for r, rc in enumerate(rcs) if rc is None]
                 _kill_all(procs)
+                said = f" ({deadline_why})" if deadline_why else ""
                 raise PipelineError(
-                    f"pipeline run passed its deadline of {deadline_s:.0f} s; ranks {alive} were still running "
+                    f"pipeline run passed its deadline of {deadline_s:.0f} s{said}; ranks {alive} were still running "
                     f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
                 )
             time.sleep(0.05)
         with open(result_path) as f:
             raw: dict[str, Any] = json.load(f)
     finally:
-        _kill_all(procs)
+        try:
+            _kill_all(procs)
+        finally:
+            restore()
     return raw
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while the ranks ran: handled as an interrupt (every rank is killed, exit 130)."""
+
+
+def _raise_on_sigterm() -> Callable[[], object]:
+    """Make SIGTERM raise :class:`Terminated` in this (main) thread, once; return the function that puts
+    the previous handler back. Elsewhere than the main thread it changes nothing (Python allows signal
+    handlers only there)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    raised = False
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if not raised:  # a second SIGTERM must not cut the clean-up short
+            raised = True
+            raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def check_splittable(cfg: PipelineConfig) -> None:
-    """Refuse, before any process starts, a built-in model with fewer layers than p·v stages
-    (units: the embedding, every block, the head)."""
+    """Refuse, before any process starts, a model the ranks could not build or split.
+
+    A ``module:function`` model is imported and built here
+    (:func:`microbatch.run.pipeline_split.inspect_factory`): a module that cannot be imported, a name
+    that cannot be called, a call that fails or returns something other than a stack of layers with a
+    token embedding is a :class:`ConfigError` naming the factory. Any model needs at least p·v layers
+    (units: for a built-in model the embedding, every block, the head); a built-in model with learned
+    positions takes at most its position table's length as ``seq``."""
     if ":" in cfg.model:
+        from microbatch.run.pipeline_split import inspect_factory
+
+        units = inspect_factory(cfg.model).units
+        if cfg.total_stages > units:
+            raise ConfigError(
+                f"{cfg.total_stages} stages (p·v = {cfg.stages}·{cfg.virtual}) but model factory {cfg.model} "
+                f"returns only {units} layers to split; each stage needs at least one; use p·v <= {units} or "
+                "a deeper model"
+            )
         return
+    from microbatch.choose.preflight import check_seq
     from microbatch.model import get_model
 
     shape = get_model(cfg.model, seq=cfg.seq)
+    check_seq(shape, shape.seq)  # a model with learned positions takes at most its table's length
     units = shape.layers + 2
     if cfg.total_stages > units:
         raise ConfigError(
@@ -317,6 +376,7 @@ def run_external(cfg: PipelineConfig) -> dict[str, Any] | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
     from microbatch.run.pipeline_rank import run_rank
 
+    check_splittable(cfg)  # a factory that cannot be imported or built: ConfigError before joining
     rank, world, device = _init_group(cfg)
     import torch.distributed as dist
 

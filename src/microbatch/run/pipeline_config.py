@@ -14,7 +14,15 @@ from typing import Any
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.schedules.registry import check_servable, torch_spec
 
-__all__ = ["PipelineConfig", "config_from_dict"]
+__all__ = ["FACTORY_SEQ", "STARTUP_S", "PipelineConfig", "config_from_dict"]
+
+STARTUP_S = 60.0
+"""Allowance for starting Python and importing torch in every worker, added to ``timeout_s`` for the
+launcher's deadline of a local run (:func:`microbatch.run.launch.run_pipeline`)."""
+
+FACTORY_SEQ = 16
+"""Tokens per sequence of a ``module:function`` model when ``seq`` is not given (what
+:func:`microbatch.run.pipeline_rank.build_full_model` uses)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +78,12 @@ class PipelineConfig:
                 f"stages {self.stages} is not a pipeline; pipelining needs p >= 2; give --stages 2"
             )
         if self.global_batch is not None:
-            check_positive_int("global batch", self.global_batch)
+            check_positive_int(
+                "global batch",
+                self.global_batch,
+                fix=f"give --global-batch a multiple of m = {self.microbatches} sequences, or leave it out "
+                "for B = m",
+            )
             if self.global_batch % self.microbatches:
                 m = self.microbatches
                 lo, hi = (self.global_batch // m) * m, (self.global_batch // m + 1) * m
@@ -80,7 +93,9 @@ class PipelineConfig:
                     f"micro-batch holds B/m whole sequences; nearest valid global batches: {near}"
                 )
         if self.seq is not None:
-            check_positive_int("seq", self.seq)
+            check_positive_int(
+                "seq", self.seq, fix="give --seq 1 or more tokens, or leave it out for the model's length"
+            )
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"backend {self.backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
         if self.balance not in ("params", "time"):
@@ -88,7 +103,10 @@ class PipelineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            raise ConfigError(f"timeout {self.timeout_s!r} s must be a positive number of seconds")
+            raise ConfigError(
+                f"timeout {self.timeout_s!r} s must be a positive, finite number of seconds; give --timeout "
+                "300 (the default) or more for a long run"
+            )
         check_servable(self.schedule, self.stages, self.microbatches, self.virtual)
 
     @property

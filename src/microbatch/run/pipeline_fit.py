@@ -1,43 +1,129 @@
-"""Will a local pipeline run fit in this machine's memory? Predicted before any process starts.
+"""Will a local pipeline run fit this machine: its memory, and its deadline? Predicted before any process starts.
 
-Every rank of :mod:`microbatch.run.pipeline_rank` builds the whole model (same weights on every rank,
-then keeps its stages), so on one host the model's parameters are resident p times, plus each rank's
-gradients and Adam's two moments for its own stages (together 3 copies of the model over all ranks),
-plus, with ``check_gradients``, an unsplit reference model and its gradients on every rank. Each
-worker process also holds the Python interpreter and torch's libraries, about 0.2–0.4 GB
-(:mod:`microbatch.measure.hostmem`; :data:`PROCESS_BYTES` takes the upper end). Activations are left
-out: for the models this refuses they are small beside the model state.
+**Host memory** (:func:`predicted_host_bytes`). Every rank of :mod:`microbatch.run.pipeline_rank`
+builds the whole model (same weights on every rank, then keeps its stages), so on one host the model's
+parameters are resident p times, plus each rank's gradients and Adam's two moments for its own stages
+(together 3 copies of the model over all ranks), plus, with ``check_gradients``, an unsplit reference
+model and its gradients on every rank. Each worker process also holds the Python interpreter and
+torch's libraries, about 0.2–0.4 GB (:mod:`microbatch.measure.hostmem`; :data:`PROCESS_BYTES` takes
+the upper end). What grows with m, b_m and s:
+
+- **the batch**: every rank draws the whole global batch of token ids (int64, B × (s + 1)) and keeps
+  two shifted copies (inputs, targets) of the example batch through the run; at the first step's
+  draw five such arrays are alive: 5·B·(s + 1)·8 bytes per rank;
+- **activations** (built-in models): one micro-batch through the whole model holds
+  :mod:`microbatch.predict.activations`' bytes (Korthikanti et al. 2022, in the run's dtype; the
+  built-in GPT's attention is torch's SDPA, whose CPU kernel saves no s×s score matrix), and the
+  ranks hold Σ_r chunks_r / (p·v) such micro-batches at their peaks, chunks_r from the registry's
+  in-flight rule (GPipe m per rank, 1F1B min(m, p − r)); one chunk per stage where a schedule has no
+  rule (a lower bound: every stage holds its first micro-batch until its backward arrives);
+- **receive buffers** (built-in models): torch.distributed.pipelining allocates, per micro-batch, a
+  buffer for the activation each stage receives from another rank and one for the gradient it
+  receives back: 2·m·b_m·s·h·dtype per link between ranks.
+
+With nccl only the host's share counts: the model built on every rank before its stages move, the
+batch, the processes.
+
+**Time** (:func:`min_run_s`): the steps' model FLOPs (:func:`microbatch.predict.roofline.model_flops_per_step`,
+halved: causal attention kernels skip half the scores, and a lower bound must not overstate) over
+the ranks' cores at this machine's measured matrix-product rate. A run that cannot finish before
+its deadline is refused instead of being killed minutes later.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from microbatch.errors import ConfigError
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.hardware import usable_cores
+from microbatch.run.pipeline_config import FACTORY_SEQ, STARTUP_S, PipelineConfig
 from microbatch.units import format_bytes, format_count
 
-__all__ = ["PROCESS_BYTES", "available_host_bytes", "check_fits", "predicted_host_bytes"]
+__all__ = [
+    "PROCESS_BYTES",
+    "available_host_bytes",
+    "check_duration",
+    "check_fits",
+    "gemm_flops_per_s",
+    "min_run_s",
+    "predicted_host_bytes",
+]
 
 PROCESS_BYTES = 400 * 1024**2
 """Resident bytes of one worker before the model: Python and torch's libraries (measured 0.2–0.4 GB,
 see :mod:`microbatch.measure.hostmem`)."""
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_TOKEN_BYTES = 8  # torch.randint's int64 token ids
+_BATCH_ARRAYS = 5  # the example inputs and targets + a step's drawn tokens and its two shifted copies
+
+_STATE_TERMS = ("model_copies", "gradients_and_adam", "reference_model")
+_LABELS = {
+    "batch": "token ids of the batch on every rank",
+    "activations": "activations in flight",
+    "receive_buffers": "per-micro-batch receive buffers",
+    "model_copies": "the model built on every rank",
+    "gradients_and_adam": "gradients and Adam",
+    "reference_model": "reference model",
+    "processes": "the processes",
+}
 
 
-def predicted_host_bytes(cfg: PipelineConfig, params: int) -> dict[str, float]:
-    """Bytes the p local ranks hold together for a model of ``params`` parameters: the whole model on
-    every rank, gradients and Adam's two moments once over all ranks, the reference model with its
-    gradients on every rank when checking gradients, and the processes themselves."""
+def predicted_host_bytes(cfg: PipelineConfig, params: int, shape: Any = None) -> dict[str, float]:
+    """Bytes the p local ranks hold together on the host for a model of ``params`` parameters, by
+    term (see the module's docstring) and ``total``. ``shape``: the built-in model's
+    :class:`~microbatch.model.ModelShape` (activations and receive buffers are counted only with it);
+    the sequence length is ``cfg.seq``, else the shape's, else a factory model's :data:`FACTORY_SEQ`."""
     e = _DTYPE_BYTES[cfg.dtype]
     p = cfg.stages
+    host = cfg.backend == "gloo"  # with nccl, gradients, optimizer and activations live on the GPUs
+    seq = cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
     out = {
-        "model_copies": p * params * e,
-        "gradients_and_adam": 3 * params * e,
-        "reference_model": (2 * p * params * e) if cfg.check_gradients else 0.0,
-        "processes": p * PROCESS_BYTES,
+        "model_copies": float(p * params * e),
+        "gradients_and_adam": float(3 * params * e) if host else 0.0,
+        "reference_model": float(2 * p * params * e) if cfg.check_gradients and host else 0.0,
+        "batch": float(p * _BATCH_ARRAYS * cfg.batch * (seq + 1) * _TOKEN_BYTES),
+        "activations": _activation_bytes(cfg, shape, seq) if host and shape is not None else 0.0,
+        "receive_buffers": _receive_bytes(cfg, shape, seq) if host and shape is not None else 0.0,
+        "processes": float(p * PROCESS_BYTES),
     }
     out["total"] = sum(out.values())
     return out
+
+
+def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
+    """Activations the ranks hold together at their peaks (the module's docstring)."""
+    from microbatch.predict.activations import (
+        embedding_activation_bytes,
+        layer_activation_bytes,
+        output_activation_bytes,
+    )
+    from microbatch.run.pipeline_memory import _rule_name
+    from microbatch.schedules.registry import get_spec, in_flight_chunks
+
+    e, b = _DTYPE_BYTES[cfg.dtype], cfg.micro_batch
+    one = (
+        shape.layers * layer_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
+        + embedding_activation_bytes(shape, b, seq=seq)
+        + output_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
+    )  # one micro-batch through the whole model
+    p, m, v = cfg.stages, cfg.microbatches, cfg.virtual
+    rule = _rule_name(cfg)
+    if get_spec(rule).in_flight is not None:
+        chunks = sum(in_flight_chunks(rule, r, p, m, v) for r in range(p))
+    else:
+        chunks = p * v
+    return float(one * chunks / (p * v))
+
+
+def _receive_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
+    """torch's receive buffers: an activation and a gradient per micro-batch per link between ranks."""
+    from microbatch.schedules.registry import stage_ranks
+
+    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    links = sum(1 for s in range(1, len(placement)) if placement[s] != placement[s - 1])
+    boundary = cfg.micro_batch * seq * shape.hidden * _DTYPE_BYTES[cfg.dtype]
+    return float(2 * links * cfg.microbatches * boundary)
 
 
 def available_host_bytes() -> int | None:
@@ -53,30 +139,123 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_fits(cfg: PipelineConfig, *, available: int | None = None) -> dict[str, float] | None:
-    """Refuse, before any process starts, a built-in model whose predicted host memory
-    (:func:`predicted_host_bytes`) exceeds the host's available memory; returns the prediction
-    (None for a ``module:function`` model, whose size is unknown before it is built)."""
+def check_fits(
+    cfg: PipelineConfig, *, available: int | None = None, flops_per_s: float | None = None
+) -> dict[str, float]:
+    """Refuse, before any process starts, a run whose predicted host memory
+    (:func:`predicted_host_bytes`) exceeds the host's available memory, then one that cannot finish
+    before its deadline (:func:`check_duration`); return the memory prediction.
+
+    A ``module:function`` model is built once here on the meta device
+    (:func:`microbatch.run.pipeline_split.inspect_factory`) for its parameter count; its activations
+    are unknown and not counted. ``flops_per_s``: the rate :func:`check_duration` assumes (default:
+    measured)."""
+    shape: Any = None
+    if ":" in cfg.model:
+        from microbatch.run.pipeline_split import inspect_factory
+
+        params = inspect_factory(cfg.model).params
+        what = f"model factory {cfg.model}"
+    else:
+        from microbatch.model import get_model
+
+        shape = get_model(cfg.model, seq=cfg.seq)
+        params = shape.param_count()
+        what = f"model {cfg.model}"
+    pred = predicted_host_bytes(cfg, params, shape)
+    avail = available_host_bytes() if available is None else available
+    if avail is not None and pred["total"] > avail:
+        one = _DTYPE_BYTES[cfg.dtype] * params
+        seq = cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
+        terms = sorted(((k, v) for k, v in pred.items() if k != "total" and v > 0), key=lambda kv: -kv[1])
+        grows = sum(v for k, v in pred.items() if k in ("batch", "activations", "receive_buffers"))
+        state = sum(v for k, v in pred.items() if k in _STATE_TERMS)
+        if grows >= state:
+            fix = (
+                "use fewer micro-batches (--microbatches), a smaller --global-batch or a shorter --seq: the "
+                "batch, the activations and the receive buffers grow with m·b_m·s"
+            )
+        else:
+            fix = "use a smaller model (--model tiny or small) or run one rank per machine under torchrun"
+        raise ConfigError(
+            f"{what} ({format_count(params)} parameters, {format_bytes(one)} in {cfg.dtype}) on {cfg.stages} "
+            f"local ranks with m = {cfg.microbatches}, b_m = {cfg.micro_batch}, s = {seq} needs about "
+            f"{format_bytes(pred['total'])} of host memory ("
+            + ", ".join(f"{_LABELS[k]} {format_bytes(v)}" for k, v in terms)
+            + f") but {format_bytes(avail)} is available; {fix}"
+        )
+    check_duration(cfg, flops_per_s=flops_per_s)
+    return pred
+
+
+def gemm_flops_per_s(n: int = 384, repeats: int = 5) -> float:
+    """This machine's single-thread fp32 matrix-product rate: the best of ``repeats`` timed n×n
+    products (2·n³ FLOPs each; about 20 ms in all on a laptop core). An upper bound on what a rank's
+    one thread computes, so times derived from it are lower bounds."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * n**3 / max(best, 1e-9)
+
+
+def min_run_s(cfg: PipelineConfig, flops_per_s: float) -> tuple[float, float, int] | None:
+    """A lower bound on the run's compute seconds: (seconds, FLOPs, cores) for a built-in model on the
+    CPU, None otherwise. Half the steps' model FLOPs
+    (:func:`microbatch.predict.roofline.model_flops_per_step`) over min(p, usable cores) cores at
+    ``flops_per_s`` each."""
     if ":" in cfg.model or cfg.backend != "gloo":
         return None
     from microbatch.model import get_model
+    from microbatch.predict.roofline import model_flops_per_step
 
     shape = get_model(cfg.model, seq=cfg.seq)
-    pred = predicted_host_bytes(cfg, shape.param_count())
-    avail = available_host_bytes() if available is None else available
-    if avail is not None and pred["total"] > avail:
-        one = _DTYPE_BYTES[cfg.dtype] * shape.param_count()
+    flops = cfg.steps * model_flops_per_step(shape, cfg.batch, shape.seq) / 2
+    cores = max(1, min(cfg.stages, usable_cores()))
+    return flops / (cores * flops_per_s), flops, cores
+
+
+def check_duration(cfg: PipelineConfig, *, flops_per_s: float | None = None) -> None:
+    """Refuse a run whose compute alone (:func:`min_run_s`) would pass its deadline, ``--timeout``
+    plus the launcher's start-up allowance: it would be killed there, after that long, with nothing."""
+    if ":" in cfg.model or cfg.backend != "gloo":
+        return
+    rate = gemm_flops_per_s() if flops_per_s is None else flops_per_s
+    est = min_run_s(cfg, rate)
+    if est is None:
+        return
+    seconds, flops, cores = est
+    deadline = cfg.timeout_s + STARTUP_S
+    if seconds > deadline:
+        from microbatch.model import get_model
+
+        seq = get_model(cfg.model, seq=cfg.seq).seq
         raise ConfigError(
-            f"model {cfg.model} ({format_count(shape.param_count())} parameters, {format_bytes(one)} in "
-            f"{cfg.dtype}) on {cfg.stages} local ranks needs about {format_bytes(pred['total'])} of host memory "
-            f"(the model built on every rank {format_bytes(pred['model_copies'])}, gradients and Adam "
-            f"{format_bytes(pred['gradients_and_adam'])}"
-            + (
-                f", reference model {format_bytes(pred['reference_model'])}"
-                if pred["reference_model"]
-                else ""
-            )
-            + f") but {format_bytes(avail)} is available; use a smaller model (--model tiny or small) or "
-            "run one rank per machine under torchrun"
+            f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {seq}) are "
+            f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "
+            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({cfg.timeout_s:g} s of --timeout + "
+            f"{STARTUP_S:.0f} s allowed for start-up); lower --steps, --seq or --global-batch, or raise "
+            f"--timeout well above {_round_up(seconds)} s"
         )
-    return pred
+
+
+def _round_up(x: float) -> int:
+    """``x`` rounded up to two significant digits (a --timeout to suggest)."""
+    import math
+
+    if x <= 0:
+        return 1
+    scale = 10 ** max(0, math.floor(math.log10(x)) - 1)
+    return int(math.ceil(x / scale) * scale)

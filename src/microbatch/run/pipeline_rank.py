@@ -31,7 +31,6 @@ by :mod:`microbatch.run.launch` (``microbatch pipeline``) or by ``torchrun``.
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from typing import Any
@@ -39,9 +38,10 @@ from typing import Any
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
 from microbatch.measure.hostmem import peak_rss_bytes, reset_peak_rss
 from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn, split_backward_kept
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline_config import FACTORY_SEQ, PipelineConfig
 from microbatch.run.pipeline_split import (
     balanced_split,
+    load_factory,
     model_units,
     split_units,
     unit_param_counts,
@@ -58,18 +58,18 @@ def build_full_model(cfg: PipelineConfig) -> tuple[Any, int, int]:
 
     dtype = getattr(torch, cfg.dtype)
     if ":" in cfg.model:
-        mod_name, fn_name = cfg.model.split(":", 1)
-        try:
-            factory = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(
-                f"model factory {cfg.model!r} cannot be loaded ({e}); give module:function"
-            ) from None
+        factory = load_factory(cfg.model)  # checked in the launching process first (inspect_factory)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            model = factory().to(dtype)
+            model = factory()
+        if not isinstance(model, torch.nn.Module):  # it returned a module in the launcher's check
+            raise ConfigError(
+                f"model factory {cfg.model} returned {type(model).__name__} on this rank, not a torch.nn.Module; "
+                "a factory must build the same model wherever it is called"
+            )
+        model = model.to(dtype)
         vocab = next(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
-        return model, vocab, cfg.seq or 16
+        return model, vocab, cfg.seq or FACTORY_SEQ
     from microbatch.measure.gpt import build_model
     from microbatch.model import get_model
 

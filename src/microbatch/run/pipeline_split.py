@@ -1,6 +1,8 @@
 """Splitting a model into pipeline stages: its layers, a balanced contiguous split, the stage modules.
 
-:func:`model_units` lists the layers pipelining may cut between; :func:`balanced_split` cuts a
+:func:`load_factory` imports a ``module:function`` model factory and :func:`inspect_factory` builds
+its model once in the launching process (on the meta device where it can), so that a factory that
+cannot be imported, called or split is refused before any rank starts. :func:`model_units` lists the layers pipelining may cut between; :func:`balanced_split` cuts a
 list of weights (parameter counts from :func:`unit_param_counts`, or measured seconds from
 :func:`unit_times_s`) into contiguous groups minimising the heaviest; :func:`split_units` builds the
 stage modules. torch is imported inside the functions that need it.
@@ -8,13 +10,152 @@ stage modules. torch is imported inside the functions that need it.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import reprlib
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 from microbatch.errors import ConfigError
 
-__all__ = ["balanced_split", "model_units", "split_units", "unit_param_counts", "unit_times_s"]
+__all__ = [
+    "FactoryModel",
+    "balanced_split",
+    "inspect_factory",
+    "load_factory",
+    "model_units",
+    "split_units",
+    "unit_param_counts",
+    "unit_times_s",
+]
+
+_BUILT_IN = "a built-in model (--model tiny or small)"
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """The function ``module:function`` names, imported here, as every rank imports it.
+
+    Raises :class:`ConfigError` naming the module and the fix when the module cannot be imported (or
+    raises while importing), has no such attribute, or the attribute cannot be called.
+    """
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise ConfigError(
+            f"model {spec!r} is not module:function; a model factory is named as module:function (for "
+            f"example mypkg.models:build); give that, or {_BUILT_IN}"
+        )
+    import sys
+
+    # the ranks run ``python -c``, which imports from the working folder: so does this check
+    here = os.getcwd()
+    added = "" not in sys.path and here not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"model factory {spec}: module {mod_name!r} cannot be imported ({_one_line(e)}); install it or put "
+            f"its folder on PYTHONPATH (every rank imports it too), or give {_BUILT_IN}"
+        ) from None
+    except Exception as e:  # the module itself fails while importing
+        raise ConfigError(
+            f"model factory {spec}: importing module {mod_name!r} raised {_one_line(e)}; fix the module, or "
+            f"give {_BUILT_IN}"
+        ) from None
+    finally:
+        if added:
+            sys.path.remove(here)
+    try:
+        factory = getattr(module, fn_name)
+    except AttributeError:
+        raise ConfigError(
+            f"model factory {spec}: module {mod_name!r} has no attribute {fn_name!r}; give module:function "
+            f"naming a function of {mod_name} that returns a torch.nn.Module"
+        ) from None
+    if not callable(factory):
+        raise ConfigError(
+            f"model factory {spec} names {reprlib.repr(factory)} (of type {type(factory).__name__}), which "
+            "cannot be called; give module:function naming a function that takes no arguments and returns a "
+            "torch.nn.Module"
+        )
+    return cast("Callable[[], Any]", factory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FactoryModel:
+    """What building a ``module:function`` model in the launching process showed."""
+
+    spec: str
+    """The factory, as ``module:function``."""
+    params: int
+    """Distinct parameters of the model (a tied weight counted once)."""
+    units: int
+    """Layers pipelining may cut between (:func:`model_units`)."""
+    vocab: int
+    """Vocabulary: ``num_embeddings`` of the model's first ``nn.Embedding`` (token ids are drawn below it)."""
+    meta: bool
+    """True when it was built on the meta device (no memory, no weights initialised)."""
+
+
+@functools.lru_cache(maxsize=16)
+def inspect_factory(spec: str) -> FactoryModel:
+    """Import the factory ``spec`` names, call it once here and check what it returns.
+
+    It is called on the meta device (shapes without memory); a factory that cannot build there (it
+    loads weights, moves tensors to a device) is called again for real. The rules each rank relies on:
+    it takes no arguments, returns a ``torch.nn.Module`` that :func:`model_units` can split, holding an
+    ``nn.Embedding`` for the token ids. Raises :class:`ConfigError` naming the factory, what it did or
+    returned, and the fix. Cached per ``spec``: the launcher checks it more than once per run, and every
+    rank must build the same model from it anyway.
+    """
+    import torch
+    from torch import nn
+
+    factory = load_factory(spec)
+
+    def build() -> Any:
+        with torch.random.fork_rng(devices=[]):  # leave this process's random stream as it was
+            return factory()
+
+    try:
+        with torch.device("meta"):
+            model, meta = build(), True
+    except Exception:  # cannot build on the meta device: build it for real, as the ranks do
+        try:
+            model, meta = build(), False
+        except Exception as e:
+            raise ConfigError(
+                f"model factory {spec} failed when called with no arguments ({_one_line(e)}); a model "
+                "factory takes no arguments and returns a torch.nn.Module; fix it, or give "
+                f"{_BUILT_IN}"
+            ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model factory {spec} returned a {type(model).__name__} ({reprlib.repr(model)}), not a "
+            "torch.nn.Module; it must return the model: an nn.Sequential of layers, or a module with .embed, "
+            f".layers and .head; or give {_BUILT_IN}"
+        )
+    try:
+        units = model_units(model)
+    except ConfigError as e:
+        raise ConfigError(f"model factory {spec}: {e}") from None
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ConfigError(
+            f"model factory {spec} returned a {type(model).__name__} without an nn.Embedding; the pipeline "
+            "feeds token ids (b, s) and draws them below the first nn.Embedding's num_embeddings; make the "
+            "first layer an nn.Embedding"
+        )
+    params = sum(p.numel() for p in model.parameters())
+    return FactoryModel(spec=spec, params=params, units=len(units), vocab=int(emb.num_embeddings), meta=meta)
 
 
 def model_units(model: Any) -> list[Any]:

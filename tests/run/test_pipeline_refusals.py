@@ -1,0 +1,269 @@
+"""Bad input to ``microbatch pipeline`` is refused before any rank starts, in one line, exit 2.
+
+A ``module:function`` model is imported and built in the launching process; host memory counts the
+batch, the activations and torch's receive buffers that grow with m·b_m·s; a run whose compute
+cannot finish before its deadline is refused; SIGTERM stops every rank as Ctrl-C does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from microbatch.errors import ConfigError, PipelineError
+from microbatch.run import pipeline_fit as fit
+from microbatch.run.launch import check_splittable, run_pipeline
+from microbatch.run.pipeline_config import PipelineConfig
+
+torch = pytest.importorskip("torch")
+
+GIB = 1024**3
+HERE = "test_pipeline_refusals"  # this module, as module:function factories name it
+
+
+# -- factories for --model module:function ------------------------------------------------
+
+
+def stack():
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 8), nn.Linear(8, 64))
+
+
+def one_layer():
+    return torch.nn.Linear(8, 8)
+
+
+def no_embedding():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 64))
+
+
+def needs_an_argument(width):
+    return torch.nn.Linear(width, width)
+
+
+NOT_A_FUNCTION = 3
+
+
+# -- 1. the model factory, checked in the parent --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model,pattern",
+    [
+        (
+            "os:system",
+            r"model factory os:system failed when called with no arguments \(TypeError: .*\); a model "
+            r"factory takes no arguments and returns a torch\.nn\.Module",
+        ),
+        ("os:getcwd", r"model factory os:getcwd returned a str \('.*'\), not a torch\.nn\.Module"),
+        (
+            "nosuchmod_xyz:fn",
+            r"module 'nosuchmod_xyz' cannot be imported \(ModuleNotFoundError: .*\); install it or put its "
+            r"folder on PYTHONPATH",
+        ),
+        (f"{HERE}:missing", rf"module '{HERE}' has no attribute 'missing'; give module:function"),
+        (f"{HERE}:NOT_A_FUNCTION", r"names 3 \(of type int\), which cannot be called"),
+        (f"{HERE}:needs_an_argument", r"failed when called with no arguments \(TypeError: .*width"),
+        (f"{HERE}:one_layer", r"cannot split a Linear into stages"),
+        (f"{HERE}:no_embedding", r"without an nn\.Embedding; the pipeline feeds token ids"),
+        ("nosuchmod_xyz:", r"model 'nosuchmod_xyz:' is not module:function"),
+    ],
+)
+def test_a_bad_model_factory_is_refused_naming_it(model, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        check_splittable(PipelineConfig(model=model))
+
+
+def test_a_good_factory_is_built_on_the_meta_device_and_counted():
+    from microbatch.run.pipeline_split import inspect_factory
+
+    check_splittable(PipelineConfig(model=f"{HERE}:stack"))
+    info = inspect_factory(f"{HERE}:stack")
+    assert (info.units, info.vocab, info.meta) == (3, 64, True)
+    assert info.params == sum(p.numel() for p in stack().parameters())
+    with pytest.raises(ConfigError, match=r"4 stages .* returns only 3 layers"):
+        check_splittable(PipelineConfig(model=f"{HERE}:stack", stages=4))
+    pred = fit.check_fits(PipelineConfig(model=f"{HERE}:stack"), available=24 * GIB, flops_per_s=1e9)
+    assert pred["model_copies"] == 2 * 4 * info.params
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("predict", [[], ["--no-predict"]])
+def test_cli_refuses_a_bad_factory_in_one_line_before_any_process(capsys, predict):
+    from microbatch.cli import main
+
+    t0 = time.monotonic()
+    assert main(["pipeline", "-p", "2", "--model", "os:getcwd", *predict]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: model factory os:getcwd returned a str .*\n", err), err
+    assert time.monotonic() - t0 < 8  # before: 19 s, then an AttributeError in a rank
+
+
+# -- 2. memory that grows with m, b_m and s; seq past the positions; compute past the deadline ------
+
+
+def test_host_memory_counts_the_batch_activations_and_receive_buffers():
+    from microbatch.model import get_model
+    from microbatch.predict.activations import (
+        embedding_activation_bytes,
+        layer_activation_bytes,
+        output_activation_bytes,
+    )
+
+    shape = get_model("tiny")
+    s, h = shape.seq, shape.hidden
+    one = (
+        shape.layers * layer_activation_bytes(shape, 1, dtype_bytes=4)
+        + embedding_activation_bytes(shape, 1)
+        + output_activation_bytes(shape, 1, dtype_bytes=4)
+    )
+    gpipe = fit.predicted_host_bytes(PipelineConfig(schedule="gpipe", microbatches=4), 1000, shape)
+    assert gpipe["activations"] == pytest.approx(4 * one)  # GPipe holds all m
+    f1b = fit.predicted_host_bytes(PipelineConfig(schedule="1f1b", microbatches=4), 1000, shape)
+    assert f1b["activations"] == pytest.approx((2 + 1) / 2 * one)  # 1F1B: min(m, p - r)
+    assert f1b["batch"] == 2 * 5 * 4 * (s + 1) * 8
+    assert f1b["receive_buffers"] == 2 * 1 * 4 * (1 * s * h * 4)
+    eight = fit.predicted_host_bytes(PipelineConfig(schedule="1f1b", microbatches=8), 1000, shape)
+    assert eight["batch"] == 2 * f1b["batch"] and eight["receive_buffers"] == 2 * f1b["receive_buffers"]
+
+
+def test_a_trillion_microbatches_are_refused_with_the_numbers():
+    cfg = PipelineConfig(stages=2, microbatches=10**12)
+    with pytest.raises(
+        ConfigError,
+        match=r"model tiny .* m = 1000000000000, b_m = 1, s = 64 needs about \d+\.\d+ GiB of host memory "
+        r"\(.*token ids of the batch on every rank \d+\.\d+ GiB.*\) but 24\.00 GiB is available; use fewer "
+        r"micro-batches",
+    ):
+        fit.check_fits(cfg, available=24 * GIB, flops_per_s=1e12)
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_a_trillion_microbatches_before_any_process(capsys):
+    from microbatch.cli import main
+
+    t0 = time.monotonic()
+    assert main(["pipeline", "-p", "2", "-m", "1000000000000", "--no-predict"]) == 2
+    assert "needs about" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 8  # before: a rank died after 4.7 s allocating 520 TB
+
+
+def test_seq_past_the_learned_positions_is_refused():
+    check_splittable(PipelineConfig(model="gpt2", seq=1024))
+    with pytest.raises(ConfigError, match=r"seq 2048 is longer than model gpt2's 1024 learned positions; .*"
+                       r"use --seq 1024 or less"):  # fmt: skip
+        check_splittable(PipelineConfig(model="gpt2", seq=2048))
+
+
+def test_a_run_whose_compute_passes_the_deadline_is_refused():
+    # small at s = 100000 (SDPA holds no s×s scores, so it fits in memory) is ~7.5e14 FLOPs in 3 steps:
+    # over an hour even at 100 GFLOP/s on each of 2 cores; before, it ran silently past 120 s
+    cfg = PipelineConfig(model="small", seq=100_000)
+    with pytest.raises(
+        ConfigError,
+        match=r"3 steps of model small \(B = 4, s = 100000\) are .* FLOPs: at least .* s on \d+ cores? .* past "
+        r"the deadline of 180 s \(120 s of --timeout \+ 60 s allowed for start-up\); lower --steps, --seq or "
+        r"--global-batch, or raise --timeout well above \d+ s",
+    ):
+        fit.check_duration(cfg, flops_per_s=1e11)
+    with pytest.raises(ConfigError, match=r"1000000000000 steps of model tiny"):
+        fit.check_duration(PipelineConfig(steps=10**12, timeout_s=20), flops_per_s=1e11)
+    fit.check_duration(PipelineConfig(model="small"), flops_per_s=1e9)  # the default run passes
+
+
+# -- 5. every message gives the fix -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,pattern",
+    [
+        ({"seq": 0}, r"seq must be a whole number >= 1, got 0; give --seq 1 or more"),
+        ({"global_batch": 0}, r"global batch .* got 0; give --global-batch a multiple of m = 4"),
+        ({"timeout_s": 0.0}, r"timeout 0\.0 s must be a positive, finite number of seconds; give --timeout"),
+        ({"timeout_s": float("nan")}, r"timeout nan s .*; give --timeout"),
+    ],
+)
+def test_bad_numbers_are_refused_with_the_fix(kw, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        PipelineConfig(**kw)
+
+
+# -- 3, 4. the launcher: the deadline's parts, SIGTERM --------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
+    import microbatch.run.launch as launch
+
+    real = subprocess.Popen
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]  # ranks that never finish
+    monkeypatch.setattr(launch, "STARTUP_S", 1.0)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda args, **kw: real(sleeper, **kw))
+    with pytest.raises(
+        PipelineError,
+        match=r"deadline of 2 s \(0\.5 s of --timeout \+ 1 s allowed for start-up\); ranks \[0, 1\]",
+    ):
+        run_pipeline(PipelineConfig(timeout_s=0.5))
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc")
+def test_sigterm_stops_every_rank():
+    env = {**os.environ, "MICROBATCH_PIPELINE_FAULT": "1:hang", "OMP_NUM_THREADS": "1"}
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "microbatch", "pipeline", "-p", "2", "-m", "2", "--steps", "2",
+         "--no-predict", "--timeout", "60"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        t_end = time.monotonic() + 60
+        while len(workers) < 2 and cli.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.1)
+            workers = _children(cli.pid)
+        assert len(workers) == 2, f"ranks not started (exit {cli.poll()})"
+        time.sleep(1.0)
+        cli.send_signal(signal.SIGTERM)
+        rc = cli.wait(timeout=30)
+        t_end = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert [w for w in workers if _alive(w)] == [], "ranks survived SIGTERM"
+        assert rc == 130 and "interrupted" in (cli.stderr.read() if cli.stderr else "")
+    finally:
+        for w in workers:  # only the ranks this test started
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
