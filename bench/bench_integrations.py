@@ -11,7 +11,9 @@ For Lightning (``KneeBatchSize`` vs ``BatchSizeFinder(mode="power", max_trials=.
    child, as training at the answer runs: each optimizer step is g micro-batches of b_m (forward,
    backward) then one AdamW step, so B_global samples per step for every tool (an answer b_m × g is
    not timed as b_m samples per optimizer step: that would charge it g optimizer steps per global
-   batch). Peak RSS (VmHWM) above the RSS before the first step, over 2 warm-up and 5 timed steps;
+   batch). Peak RSS (VmHWM) above the RSS before the first step, over 2 warm-up and 5 timed steps
+   (and, beside it, the peak over the 5 timed steps above the RSS the warm-up left once the free
+   heap is returned: without the first step's one-time costs, which every answer pays alike);
    then samples/s of every answer measured alternately in one more child (5 rounds × 3 timed steps
    each, median), so that the drift of a shared machine falls on all of them alike, by the wall
    clock and by the process's CPU time (one thread: not stretched by other jobs' load).
@@ -90,16 +92,31 @@ def measure_at(b: int, g: int) -> dict:
     torch, shape, data, build_model, loss_of = _setup()
     model = build_model(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    import gc
+
+    from microbatch.measure.hostmem import malloc_trim
+
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     base, _ = _rss_hwm()
     times = []
     for i in range(7):
+        if i == 2:  # the warm state: what the warm-up left once the allocator gave back the free heap
+            _, hwm_warmup = _rss_hwm()
+            gc.collect()
+            malloc_trim()
+            Path("/proc/self/clear_refs").write_text("5")
+            warm, _ = _rss_hwm()
         t0 = time.perf_counter()
         _train_steps(torch, model, opt, data, loss_of, b, g, i * b * g)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     _, hwm = _rss_hwm()
-    return {"samples_per_s": b * g / statistics.median(times), "peak_above_start_bytes": hwm - base}
+    return {
+        "samples_per_s": b * g / statistics.median(times),
+        "peak_above_start_bytes": max(hwm, hwm_warmup) - base,
+        "peak_above_warm_bytes": hwm - warm,
+        "warm_left_bytes": warm - base,
+    }
 
 
 def paired_throughput(answers: list[tuple[int, int]], rounds: int = 5) -> dict[str, dict[str, float]]:
@@ -303,19 +320,27 @@ def main() -> None:
         r["samples_per_cpu_s"] = paired[r["answer"]]["cpu"]
     load = os.getloadavg()[0]
     print(f"{'framework':<11}{'tool':<6}{'answer s':>9}{'b_m':>5}{'g':>5}{'samples/s':>11}{'peak MiB':>10}"
-          f"{'mem vs peer':>12}{'thr vs peer':>12}{'(cpu time)':>11}")  # fmt: skip
+          f"{'mem vs peer':>12}{'warm MiB':>9}{'(vs peer)':>10}{'thr vs peer':>12}{'(cpu time)':>11}")  # fmt: skip
+
+    def ratio(r: dict, peer: dict, key: str) -> float:
+        return r[key] / peer[key] if peer[key] else float("nan")
+
     for r in rows:
         peer = next(p for p in rows if p["framework"] == r["framework"] and p["tool"] == "peer")
-        mem = (
-            r["peak_above_start_bytes"] / peer["peak_above_start_bytes"]
-            if peer["peak_above_start_bytes"]
-            else float("nan")
-        )
+        mem = ratio(r, peer, "peak_above_start_bytes")
+        warm = ratio(r, peer, "peak_above_warm_bytes")
         thr = r["samples_per_s"] / peer["samples_per_s"]
         thr_cpu = r["samples_per_cpu_s"] / peer["samples_per_cpu_s"]
         print(f"{r['framework']:<11}{r['tool']:<6}{r['time_to_answer_s']:>9.2f}{r['micro_batch']:>5}"
               f"{str(r['grad_accum']):>5}{r['samples_per_s']:>11.1f}{r['peak_above_start_bytes'] / 2**20:>10.1f}"
-              f"{mem:>12.2f}{thr:>12.2f}{thr_cpu:>11.2f}")  # fmt: skip
+              f"{mem:>12.2f}{r['peak_above_warm_bytes'] / 2**20:>9.1f}{warm:>10.2f}{thr:>12.2f}{thr_cpu:>11.2f}")  # fmt: skip
+    print(
+        "peak MiB: peak RSS above the RSS before the first step (2 warm-up + 5 timed steps); warm MiB: peak RSS "
+        "over the 5 timed steps above the RSS after the warm-up, the free heap returned (malloc_trim) - "
+        "without the one-time costs of a first step (lazy library set-up, "
+        + ", ".join(sorted({f"{r['warm_left_bytes'] / 2**20:.1f}" for r in rows}))
+        + " MiB here) that every answer pays alike"
+    )
     for r in rows:
         if r.get("probes"):
             curve = " ".join(f"{b}:{t:.0f}" if t else f"{b}:oom" for b, t in r["probes"] if b is not None)
