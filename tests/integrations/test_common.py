@@ -22,3 +22,24 @@ def test_search_is_capped_at_the_per_process_batch():
     assert options_with_cap({}, 64, 4)["max_micro_batch"] == 16
     assert options_with_cap({"max_micro_batch": 8}, 64, 4)["max_micro_batch"] == 8
     assert options_with_cap({"max_micro_batch": None}, 64, 2)["max_micro_batch"] == 32
+
+
+@pytest.mark.parametrize(
+    "kw,error,pattern",
+    [
+        ({"tolerance": -1}, "ConfigError", r"tolerance -1 must be a number in \[0, 1\)"),
+        ({"max_micro_batch": 0}, "ConfigError", r"max_micro_batch must be a whole number >= 1, got 0"),
+        ({"colour": 1}, "TypeError", r"unexpected option\(s\) 'colour'"),
+    ],
+)
+def test_the_callback_and_the_decorator_check_their_options_when_made(kw, error, pattern):
+    """Bad settings are refused when the callback is made or the function decorated, not when fit
+    starts or the function is first called."""
+    from microbatch.integrations.accelerate import knee_batch_size
+    from microbatch.integrations.lightning import KneeBatchSize
+
+    exc = ConfigError if error == "ConfigError" else TypeError
+    with pytest.raises(exc, match=pattern):
+        KneeBatchSize(global_batch=64, **kw)
+    with pytest.raises(exc, match=pattern):
+        knee_batch_size(global_batch=64, **kw)(lambda micro_batch, grad_accum, probe=None: None)

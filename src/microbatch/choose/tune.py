@@ -45,17 +45,18 @@ from microbatch.choose.snapshot import gc_frozen, leave_no_trace
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["tune", "tune_model"]
+__all__ = ["configs_from_options", "tune", "tune_model"]
 
 
-def _configs(
+def configs_from_options(
     what: str,
     probe: ProbeConfig | None,
     search_config: SearchConfig | None,
     choice: ChoiceConfig | None,
     options: MutableMapping[str, Any],
 ) -> tuple[ProbeConfig, SearchConfig, ChoiceConfig]:
-    """The three configs given (or the defaults), with the keyword ``options`` put in."""
+    """The three configs given (or the defaults), with the keyword ``options`` put in: a ConfigError
+    for a bad value, a TypeError naming an option no config takes (``what`` names the caller)."""
     options = dict(options)
     p = apply_options(probe or ProbeConfig(), options)
     s = apply_options(search_config or SearchConfig(), options)
@@ -233,7 +234,7 @@ def tune_model(
     from microbatch.measure.spec import ProbeSpec
 
     t_start = time.perf_counter()
-    probe_config, search_config, choice = _configs("tune_model", probe, search, choice, options)
+    probe_config, search_config, choice = configs_from_options("tune_model", probe, search, choice, options)
     choice = choice.resolve(reference="bound")
     shape, target, label = _describe(model, hf_config, probe_config.backend)
     if probe_config.mode == "decode" and search_config.checkpointing != "off":
@@ -335,7 +336,7 @@ def tune(
     options = dict(options)
     if options.get("device") is not None:
         options["device"] = str(torch.device(options["device"]))
-    probe_config, search_config, choice = _configs("tune", probe, search, choice, options)
+    probe_config, search_config, choice = configs_from_options("tune", probe, search, choice, options)
     if probe_config.mode != "train":
         raise ConfigError(
             f"tune() measures the user's training step: mode {probe_config.mode!r} must be train"

@@ -151,6 +151,16 @@ def _num_processes() -> int:
     return int(dist.get_world_size()) if dist is not None else _launched("WORLD_SIZE", 1)
 
 
+def _configs(options: dict[str, Any], world: int) -> tuple[SearchConfig, ChoiceConfig]:
+    """The search and choice settings ``options`` give on ``world`` processes; a ConfigError for a bad
+    value, a TypeError for an option neither takes."""
+    o = dict(options)
+    s = apply_options(SearchConfig(), o)
+    c = apply_options(ChoiceConfig(), o).resolve(reference="bound", data_parallel=world)
+    check_options_used(o, "knee_batch_size", SearchConfig, ChoiceConfig)
+    return s, c
+
+
 def knee_batch_size(
     function: Callable[..., Any] | None = None,
     *,
@@ -181,6 +191,7 @@ def knee_batch_size(
     opts = dict(
         options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance, global_batch=global_batch
     )
+    _configs(opts, 1)  # every option checked at decoration, not at the first call
     if timing is not None and not isinstance(timing, TimingConfig):
         raise ConfigError(
             f"timing {timing!r} must be a microbatch.measure.timing.TimingConfig or None, e.g. "
@@ -193,10 +204,7 @@ def knee_batch_size(
 
         world = _num_processes()
         check_global_batch(global_batch, world)
-        o = options_with_cap(opts, global_batch, world)
-        s = apply_options(SearchConfig(), o)
-        c = apply_options(ChoiceConfig(), o).resolve(reference="bound", data_parallel=world)
-        check_options_used(o, "knee_batch_size", SearchConfig, ChoiceConfig)
+        s, c = _configs(options_with_cap(opts, global_batch, world), world)
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         measure = _measurer(function, args, kwargs, global_batch, world, dev, timing or default_timing(dev))
         t0 = time.perf_counter()

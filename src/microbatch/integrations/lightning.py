@@ -119,6 +119,10 @@ class KneeBatchSize(_Base):
         self.options: dict[str, Any] = dict(
             options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance
         )
+        # every option checked now, as tune will read it: a bad value is refused here, not at fit start
+        from microbatch.choose.tune import configs_from_options
+
+        configs_from_options("KneeBatchSize", None, None, None, dict(self.options, global_batch=global_batch))
         self.result: TuneResult | None = None
         """The tune's result (after fit started)."""
         self.micro_batch: int | None = None
