@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.UsageError as e:  # one line: click's message names the value and the rule; the fix is --help
+        if type(e).__name__ == "NoArgsIsHelpError":  # `microbatch` alone: the help itself
+            e.show()
+            return _fail(e.format_message(), 2, args)
         where = e.ctx.command_path if e.ctx is not None else "microbatch"
         message = f"{e.format_message().rstrip('.')}; see '{where} --help'"
         click.echo(f"error: {message}", err=True)

@@ -305,6 +305,8 @@ def test_19_click_usage_errors_are_one_line_with_the_fix(capsys):
     line = check_refused(["batch", "-B", "1.5", "-b", "1"], capsys, r"'1\.5' is not a valid integer")
     assert line.endswith("see 'microbatch batch --help'") and "Usage:" not in line
     check_refused(["nosuchcmd"], capsys, r"No such command 'nosuchcmd'; see 'microbatch --help'")
+    assert main([]) == 2  # no command: the help itself, not an error line around it
+    assert capsys.readouterr().err.startswith("Usage: microbatch")
     assert main(["memory", "--model", "tiny", "--json"]) == 2  # a missing option, as JSON: one object
     out = json.loads(capsys.readouterr().out)
     assert out["kind"] == "bad_input" and "--micro-batch" in out["error"]

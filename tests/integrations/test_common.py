@@ -43,3 +43,15 @@ def test_the_callback_and_the_decorator_check_their_options_when_made(kw, error,
         KneeBatchSize(global_batch=64, **kw)
     with pytest.raises(exc, match=pattern):
         knee_batch_size(global_batch=64, **kw)(lambda micro_batch, grad_accum, probe=None: None)
+
+
+def test_the_callback_takes_tunes_own_keywords_and_a_torch_device():
+    import torch
+
+    from microbatch.choose.config import SearchConfig
+    from microbatch.integrations.lightning import KneeBatchSize
+
+    cb = KneeBatchSize(
+        8, device=torch.device("cpu"), on_point=lambda p: None, search=SearchConfig(max_micro_batch=4)
+    )
+    assert cb.options["search"].max_micro_batch == 4  # handed to tune as given

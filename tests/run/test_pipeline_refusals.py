@@ -267,3 +267,22 @@ def test_sigterm_stops_every_rank():
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+def test_a_factory_that_imports_from_the_working_folder_when_called_passes_the_check(tmp_path, monkeypatch):
+    """The ranks run ``python -c`` in the working folder, so a factory may import a sibling module
+    inside its body; the launcher's check must see the same path (it removed the folder before the
+    call once, and refused a factory that trains)."""
+    (tmp_path / "mb_factory_mod.py").write_text(
+        "def build():\n    import mb_factory_helper\n    return mb_factory_helper.make()\n"
+    )
+    (tmp_path / "mb_factory_helper.py").write_text(
+        "import torch.nn as nn\n\ndef make():\n    return nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8), nn.Linear(8, 50))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    from microbatch.run.pipeline_split import inspect_factory
+
+    inspect_factory.cache_clear()
+    assert inspect_factory("mb_factory_mod:build").units == 3
+    assert str(tmp_path) not in sys.path  # put back as it was

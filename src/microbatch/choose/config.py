@@ -210,7 +210,7 @@ class ProbeConfig:
         if self.threads is not None:
             check_positive_int("threads", self.threads, fix="e.g. --threads 1")
             cores = usable_cores()
-            if self.threads > cores:
+            if self.threads > cores and (self.device is None or self.device == "cpu"):  # CPU probes only
                 raise ConfigError(
                     f"threads {self.threads} is more than the {cores} core(s) this process may use: more "
                     f"threads than cores only contend and the timing measures that; use --threads {cores} or fewer"

@@ -119,10 +119,23 @@ class KneeBatchSize(_Base):
         self.options: dict[str, Any] = dict(
             options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance
         )
-        # every option checked now, as tune will read it: a bad value is refused here, not at fit start
+        # every setting checked now, as tune will read it: a bad value is refused here, not at fit start
+        # (tune's own keywords, probe/search/choice/on_point, go to it as they are; a torch.device
+        # becomes its name, as tune makes it)
         from microbatch.choose.tune import configs_from_options
 
-        configs_from_options("KneeBatchSize", None, None, None, dict(self.options, global_batch=global_batch))
+        settings = {
+            k: v for k, v in self.options.items() if k not in ("probe", "search", "choice", "on_point")
+        }
+        if settings.get("device") is not None:
+            settings["device"] = str(settings["device"])
+        configs_from_options(
+            "KneeBatchSize",
+            self.options.get("probe"),
+            self.options.get("search"),
+            self.options.get("choice"),
+            dict(settings, global_batch=global_batch),
+        )
         self.result: TuneResult | None = None
         """The tune's result (after fit started)."""
         self.micro_batch: int | None = None

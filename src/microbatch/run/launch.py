@@ -190,7 +190,7 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
     check_splittable(cfg)
     from microbatch.run.pipeline_fit import check_fits
 
-    check_fits(cfg)  # predicted host memory of the p local ranks against what is available
+    check_fits(cfg, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
     if deadline_s is None:
         deadline = cfg.timeout_s + STARTUP_S
         why = f"{cfg.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up"
@@ -322,6 +322,8 @@ def _raise_on_sigterm() -> Callable[[], object]:
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # the caller chose to ignore it: so do we
+        return lambda: None
     raised = False
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -376,11 +378,13 @@ def run_external(cfg: PipelineConfig) -> dict[str, Any] | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
     from microbatch.run.pipeline_rank import run_rank
 
-    check_splittable(cfg)  # a factory that cannot be imported or built: ConfigError before joining
     rank, world, device = _init_group(cfg)
     import torch.distributed as dist
 
     try:
+        # a factory that cannot be imported or built: ConfigError on every rank; checked once the
+        # group is made, so that a factory that builds on the GPU builds on this rank's device
+        check_splittable(cfg)
         raw = run_rank(cfg, rank=rank, world_size=world, device=device)
     except ConfigError:
         raise

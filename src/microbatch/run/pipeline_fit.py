@@ -140,7 +140,11 @@ def available_host_bytes() -> int | None:
 
 
 def check_fits(
-    cfg: PipelineConfig, *, available: int | None = None, flops_per_s: float | None = None
+    cfg: PipelineConfig,
+    *,
+    available: int | None = None,
+    flops_per_s: float | None = None,
+    deadline_s: float | None = None,
 ) -> dict[str, float]:
     """Refuse, before any process starts, a run whose predicted host memory
     (:func:`predicted_host_bytes`) exceeds the host's available memory, then one that cannot finish
@@ -164,7 +168,9 @@ def check_fits(
         what = f"model {cfg.model}"
     pred = predicted_host_bytes(cfg, params, shape)
     avail = available_host_bytes() if available is None else available
-    if avail is not None and pred["total"] > avail:
+    # a factory under nccl may build straight on its GPU: its host share is not known, so not refused
+    unknown_host = ":" in cfg.model and cfg.backend != "gloo"
+    if avail is not None and pred["total"] > avail and not unknown_host:
         one = _DTYPE_BYTES[cfg.dtype] * params
         seq = cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
         terms = sorted(((k, v) for k, v in pred.items() if k != "total" and v > 0), key=lambda kv: -kv[1])
@@ -184,7 +190,7 @@ def check_fits(
             + ", ".join(f"{_LABELS[k]} {format_bytes(v)}" for k, v in terms)
             + f") but {format_bytes(avail)} is available; {fix}"
         )
-    check_duration(cfg, flops_per_s=flops_per_s)
+    check_duration(cfg, flops_per_s=flops_per_s, deadline_s=deadline_s)
     return pred
 
 
@@ -199,7 +205,8 @@ def gemm_flops_per_s(n: int = 384, repeats: int = 5) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        with torch.random.fork_rng(devices=[]):  # the caller's random stream left as it was
+            a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b  # warm-up
         best = float("inf")
         for _ in range(repeats):
@@ -227,9 +234,12 @@ def min_run_s(cfg: PipelineConfig, flops_per_s: float) -> tuple[float, float, in
     return flops / (cores * flops_per_s), flops, cores
 
 
-def check_duration(cfg: PipelineConfig, *, flops_per_s: float | None = None) -> None:
-    """Refuse a run whose compute alone (:func:`min_run_s`) would pass its deadline, ``--timeout``
-    plus the launcher's start-up allowance: it would be killed there, after that long, with nothing."""
+def check_duration(
+    cfg: PipelineConfig, *, flops_per_s: float | None = None, deadline_s: float | None = None
+) -> None:
+    """Refuse a run whose compute alone (:func:`min_run_s`) would pass its deadline (``deadline_s``,
+    default ``--timeout`` plus the launcher's start-up allowance): it would be killed there, after
+    that long, with nothing."""
     if ":" in cfg.model or cfg.backend != "gloo":
         return
     rate = gemm_flops_per_s() if flops_per_s is None else flops_per_s
@@ -237,7 +247,12 @@ def check_duration(cfg: PipelineConfig, *, flops_per_s: float | None = None) -> 
     if est is None:
         return
     seconds, flops, cores = est
-    deadline = cfg.timeout_s + STARTUP_S
+    deadline = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
+    why = (
+        f"{cfg.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up"
+        if deadline_s is None
+        else "given"
+    )
     if seconds > deadline:
         from microbatch.model import get_model
 
@@ -245,8 +260,7 @@ def check_duration(cfg: PipelineConfig, *, flops_per_s: float | None = None) -> 
         raise ConfigError(
             f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {seq}) are "
             f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "
-            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({cfg.timeout_s:g} s of --timeout + "
-            f"{STARTUP_S:.0f} s allowed for start-up); lower --steps, --seq or --global-batch, or raise "
+            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why}); lower --steps, --seq or --global-batch, or raise "
             f"--timeout well above {_round_up(seconds)} s"
         )
 

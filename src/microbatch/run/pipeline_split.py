@@ -10,12 +10,13 @@ stage modules. torch is imported inside the functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 import reprlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,6 +40,20 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
+@contextlib.contextmanager
+def working_folder_first() -> Iterator[None]:
+    """The working folder first on ``sys.path`` inside the block, as the ranks have it (they run
+    ``python -c``): a factory's module, and what the factory imports when called, resolve as there."""
+    import sys
+
+    here = os.getcwd()
+    sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        sys.path.remove(here)  # the first occurrence: the one put in above
+
+
 def load_factory(spec: str) -> Callable[[], Any]:
     """The function ``module:function`` names, imported here, as every rank imports it.
 
@@ -51,15 +66,9 @@ def load_factory(spec: str) -> Callable[[], Any]:
             f"model {spec!r} is not module:function; a model factory is named as module:function (for "
             f"example mypkg.models:build); give that, or {_BUILT_IN}"
         )
-    import sys
-
-    # the ranks run ``python -c``, which imports from the working folder: so does this check
-    here = os.getcwd()
-    added = "" not in sys.path and here not in sys.path
-    if added:
-        sys.path.append(here)
     try:
-        module = importlib.import_module(mod_name)
+        with working_folder_first():
+            module = importlib.import_module(mod_name)
     except ImportError as e:
         raise ConfigError(
             f"model factory {spec}: module {mod_name!r} cannot be imported ({_one_line(e)}); install it or put "
@@ -70,9 +79,6 @@ def load_factory(spec: str) -> Callable[[], Any]:
             f"model factory {spec}: importing module {mod_name!r} raised {_one_line(e)}; fix the module, or "
             f"give {_BUILT_IN}"
         ) from None
-    finally:
-        if added:
-            sys.path.remove(here)
     try:
         factory = getattr(module, fn_name)
     except AttributeError:
@@ -122,7 +128,8 @@ def inspect_factory(spec: str) -> FactoryModel:
     factory = load_factory(spec)
 
     def build() -> Any:
-        with torch.random.fork_rng(devices=[]):  # leave this process's random stream as it was
+        # this process's random stream left as it was; imports inside the factory resolve as in a rank
+        with torch.random.fork_rng(devices=[]), working_folder_first():
             return factory()
 
     try:

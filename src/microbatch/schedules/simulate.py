@@ -358,8 +358,13 @@ def simulate(
 
     makespan = max(free) if p else 0.0
     overflow = ConfigError(
-        f"the op times given overflow: the makespan is {makespan} (past the largest float, ~1.8e308); use times "
-        "below ~1e300 (a larger unit, e.g. ms instead of ns)"
+        f"the op times given overflow: the makespan is {makespan:.4g}"
+        + (
+            " (past the largest float, ~1.8e308)"
+            if not math.isfinite(makespan)
+            else ", its sums over the ranks pass the largest float (~1.8e308)"
+        )
+        + "; use times below ~1e300 (a larger unit, e.g. ms instead of ns)"
     )
     if not math.isfinite(makespan):
         raise overflow
@@ -377,6 +382,8 @@ def simulate(
     idle = [max(0.0, makespan - b) for b in busy]  # floor float noise (fsum vs running sums)
     total_idle = sum(idle)
     total_busy = sum(busy)
+    if not (math.isfinite(total_idle) and math.isfinite(total_busy) and math.isfinite(p * makespan)):
+        raise overflow  # the makespan fits a float but the sums over the ranks do not
     fraction = total_idle / (p * makespan) if makespan > 0 else 0.0
     ratio = total_idle / total_busy if total_busy > 0 else (0.0 if total_idle == 0 else math.inf)
     return SimResult(
