@@ -14,7 +14,7 @@ from microbatch.units import format_number
 SIM_1F1B = ["simulate", "-p", "4", "-m", "8", "-s", "1f1b"]
 
 
-def refused(args, capsys, pattern):
+def assert_refused(args, capsys, pattern):
     code, out, err = run(args, capsys)
     assert code == 2, (out, err)
     assert len(err.strip().splitlines()) == 1, err
@@ -74,7 +74,7 @@ def test_simulate_refuses_times_whose_makespan_overflows(capsys, json_flag):
 
 
 def test_forward_time_whose_default_backward_overflows_names_the_flag(capsys):
-    err = refused(
+    err = assert_refused(
         ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--forward-time", "1e308"],
         capsys,
         "--forward-time 1e+308 makes the default backward time 2 × --forward-time = inf",
@@ -90,11 +90,12 @@ def test_forward_time_whose_default_backward_overflows_names_the_flag(capsys):
     "command", [["bubble", "-p", "4", "-m", "4"], ["simulate", "-p", "4", "-m", "4", "-s", "1f1b"]]
 )
 def test_width_below_the_diagram_minimum_is_refused(capsys, command, width):
-    refused(
+    err = assert_refused(
         [*command, "--width", width],
         capsys,
         f"'--width': {width} columns is below the diagram's minimum of 10; give --width 10 or more",
     )
+    assert "Traceback" not in err and err.startswith("error: ")
 
 
 def test_width_at_the_minimum_is_accepted(capsys):
@@ -104,11 +105,12 @@ def test_width_at_the_minimum_is_accepted(capsys):
 
 @pytest.mark.parametrize("text", ["", " "])
 def test_empty_stage_times_are_refused(capsys, text):
-    refused(
+    err = assert_refused(
         ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--stage-times", text],
         capsys,
         "--stage-times is empty",
     )
+    assert "Traceback" not in err and err.startswith("error: ")
 
 
 @pytest.mark.parametrize(
@@ -126,12 +128,14 @@ def test_empty_stage_times_are_refused(capsys, text):
     ],
 )
 def test_bad_stage_times_name_the_flag_and_the_entry(capsys, schedule, text, message):
-    err = refused(["simulate", "-p", "4", "-m", "8", "-s", schedule, "--stage-times", text], capsys, message)
+    err = assert_refused(
+        ["simulate", "-p", "4", "-m", "8", "-s", schedule, "--stage-times", text], capsys, message
+    )
     assert "forward_time" not in err and "weight_time" not in err
 
 
 def test_stage_times_that_overflow_name_the_flag(capsys):
-    refused(
+    err = assert_refused(
         [
             *SIM_1F1B,
             "--stage-times",
@@ -142,6 +146,7 @@ def test_stage_times_that_overflow_name_the_flag(capsys):
         capsys,
         "--stage-times entry 2: the factor 1e+306 × the forward time 100000 = inf",
     )
+    assert "Traceback" not in err and err.startswith("error: ")
 
 
 # --- options that a schedule does not use -----------------------------------------------------
