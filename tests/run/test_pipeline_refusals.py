@@ -203,7 +203,9 @@ def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
 
     real = subprocess.Popen
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]  # ranks that never finish
-    monkeypatch.setattr(launch, "STARTUP_S", 1.0)
+    import microbatch.run.pipeline_config as pipeline_config
+
+    monkeypatch.setattr(pipeline_config, "STARTUP_S", 1.0)  # the one allowance, read by cfg.deadline()
     monkeypatch.setattr(launch.subprocess, "Popen", lambda args, **kw: real(sleeper, **kw))
     with pytest.raises(
         PipelineError,

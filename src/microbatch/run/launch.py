@@ -191,11 +191,7 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
     from microbatch.run.pipeline_fit import check_fits
 
     check_fits(cfg, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
-    if deadline_s is None:
-        deadline = cfg.timeout_s + STARTUP_S
-        why = f"{cfg.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up"
-    else:
-        deadline, why = deadline_s, ""
+    deadline, why = cfg.deadline(deadline_s)
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
     with open(cfg_path, "w") as f:
@@ -225,7 +221,7 @@ def _launch_once(
     result_path: str,
     port: int,
     deadline_s: float,
-    deadline_why: str = "",
+    deadline_why: str,
 ) -> dict[str, Any]:
     """Start the ranks on ``port``, wait for them, return rank 0's raw result.
 
@@ -294,9 +290,8 @@ def _launch_once(
             if time.monotonic() > t_end:
                 alive = [r for r, rc in enumerate(rcs) if rc is None]
                 _kill_all(procs)
-                said = f" ({deadline_why})" if deadline_why else ""
                 raise PipelineError(
-                    f"pipeline run passed its deadline of {deadline_s:.0f} s{said}; ranks {alive} were still running "
+                    f"pipeline run passed its deadline of {deadline_s:.0f} s{f' ({deadline_why})' if deadline_why else ''}; ranks {alive} were still running "
                     f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
                 )
             time.sleep(0.05)

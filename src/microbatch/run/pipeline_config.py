@@ -124,6 +124,16 @@ class PipelineConfig:
         """p·v stages in all."""
         return self.stages * self.virtual
 
+    def deadline(self, given_s: float | None = None) -> tuple[float, str]:
+        """Seconds the launcher allows a local run, and what they are made of: ``given_s`` (and ``""``),
+        or ``timeout_s`` plus :data:`STARTUP_S`."""
+        if given_s is not None:
+            return given_s, ""
+        return (
+            self.timeout_s + STARTUP_S,
+            f"{self.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up",
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the form :func:`config_from_dict` reads back)."""
         return asdict(self)

@@ -36,7 +36,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import usable_cores
-from microbatch.run.pipeline_config import FACTORY_SEQ, STARTUP_S, PipelineConfig
+from microbatch.run.pipeline_config import FACTORY_SEQ, PipelineConfig
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
@@ -77,7 +77,7 @@ def predicted_host_bytes(cfg: PipelineConfig, params: int, shape: Any = None) ->
     e = _DTYPE_BYTES[cfg.dtype]
     p = cfg.stages
     host = cfg.backend == "gloo"  # with nccl, gradients, optimizer and activations live on the GPUs
-    seq = cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
+    seq = _seq(cfg, shape)
     out = {
         "model_copies": float(p * params * e),
         "gradients_and_adam": float(3 * params * e) if host else 0.0,
@@ -89,6 +89,11 @@ def predicted_host_bytes(cfg: PipelineConfig, params: int, shape: Any = None) ->
     }
     out["total"] = sum(out.values())
     return out
+
+
+def _seq(cfg: PipelineConfig, shape: Any) -> int:
+    """Tokens per sequence of the run: ``cfg.seq``, else the built-in shape's, else :data:`FACTORY_SEQ`."""
+    return cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
 
 
 def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
@@ -172,7 +177,7 @@ def check_fits(
     unknown_host = ":" in cfg.model and cfg.backend != "gloo"
     if avail is not None and pred["total"] > avail and not unknown_host:
         one = _DTYPE_BYTES[cfg.dtype] * params
-        seq = cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
+        seq = _seq(cfg, shape)
         terms = sorted(((k, v) for k, v in pred.items() if k != "total" and v > 0), key=lambda kv: -kv[1])
         grows = sum(v for k, v in pred.items() if k in ("batch", "activations", "receive_buffers"))
         state = sum(v for k, v in pred.items() if k in _STATE_TERMS)
@@ -247,12 +252,7 @@ def check_duration(
     if est is None:
         return
     seconds, flops, cores = est
-    deadline = cfg.timeout_s + STARTUP_S if deadline_s is None else deadline_s
-    why = (
-        f"{cfg.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up"
-        if deadline_s is None
-        else "given"
-    )
+    deadline, why = cfg.deadline(deadline_s)
     if seconds > deadline:
         from microbatch.model import get_model
 
@@ -260,7 +260,7 @@ def check_duration(
         raise ConfigError(
             f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {seq}) are "
             f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "
-            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why}); lower --steps, --seq or --global-batch, or raise "
+            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why or 'given'}); lower --steps, --seq or --global-batch, or raise "
             f"--timeout well above {_round_up(seconds)} s"
         )
 
