@@ -345,6 +345,9 @@ def test_19_report_names_the_file_and_checks_out_first(tmp_path, capsys):
         ["report", plan, "--out", f"{blocker}/x.html"], capsys, r"--out .*afile.* cannot be written"
     )
     assert not list(tmp_path.glob("*.html"))
+    # a bad input leaves no output folder behind: the inputs are read before --out's folder is made
+    check_refused(["report", null, "--out", str(tmp_path / "new" / "r.html")], capsys, r"null\.json")
+    assert not (tmp_path / "new").exists()
 
 
 def test_19_validate_checks_its_options_before_measuring(tmp_path, capsys, monkeypatch):

@@ -285,6 +285,30 @@ def test_a_factory_that_imports_from_the_working_folder_when_called_passes_the_c
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     from microbatch.run.pipeline_split import inspect_factory
 
-    inspect_factory.cache_clear()
     assert inspect_factory("mb_factory_mod:build").units == 3
     assert str(tmp_path) not in sys.path  # put back as it was
+
+
+def test_a_reloaded_factory_module_is_inspected_again(tmp_path, monkeypatch):
+    """In a long-lived process (a notebook) a user edits the factory and reloads its module; the check
+    must see the new model (the cache was keyed by the spec alone and answered the old one)."""
+    import importlib
+
+    from microbatch.run.pipeline_split import inspect_factory
+
+    mod = tmp_path / "mb_factory_reload.py"
+    layers = "nn.Embedding(50, 8), {}nn.Linear(8, 50)"
+    mod.write_text(f"import torch.nn as nn\n\ndef build():\n    return nn.Sequential({layers.format('')})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.delitem(sys.modules, "mb_factory_reload", raising=False)
+    assert inspect_factory("mb_factory_reload:build").units == 2
+    assert inspect_factory("mb_factory_reload:build").units == 2  # unchanged: the same answer
+    mod.write_text(
+        "import torch.nn as nn\n\ndef build():\n    return nn.Sequential("
+        + layers.format("nn.Linear(8, 8), nn.Linear(8, 8), ")
+        + ")\n"
+    )
+    importlib.reload(sys.modules["mb_factory_reload"])
+    assert inspect_factory("mb_factory_reload:build").units == 4
+    monkeypatch.delitem(sys.modules, "mb_factory_reload")

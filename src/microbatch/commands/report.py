@@ -38,8 +38,9 @@ def cmd(results: tuple[str, ...], out_path: str, title: str, no_png: bool, as_js
     from microbatch.commands._common import check_output_file
     from microbatch.show.html import build_report, load_results
 
-    check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True)  # before any work
-    rep = build_report(load_results(results), out_path, title=title, png=not no_png)
+    loaded = load_results(results)  # a bad input refused before the output's folder is made
+    check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True)  # before the figures
+    rep = build_report(loaded, out_path, title=title, png=not no_png)
     payload = {
         "html": str(rep.html_path),
         "figures": [str(p) for p in rep.png_paths],

@@ -111,7 +111,6 @@ class FactoryModel:
     """True when it was built on the meta device (no memory, no weights initialised)."""
 
 
-@functools.lru_cache(maxsize=16)
 def inspect_factory(spec: str) -> FactoryModel:
     """Import the factory ``spec`` names, call it once here and check what it returns.
 
@@ -120,12 +119,16 @@ def inspect_factory(spec: str) -> FactoryModel:
     it takes no arguments, returns a ``torch.nn.Module`` that :func:`model_units` can split, holding an
     ``nn.Embedding`` for the token ids. Raises :class:`ConfigError` naming the factory, what it did or
     returned, and the fix. Cached per ``spec``: the launcher checks it more than once per run, and every
-    rank must build the same model from it anyway.
+    rank must build the same model from it anyway. The cache is keyed by the function object as well,
+    so a module reloaded in a long-lived process (a notebook) is inspected again.
     """
+    return _inspect(spec, load_factory(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
     import torch
     from torch import nn
-
-    factory = load_factory(spec)
 
     def build() -> Any:
         # this process's random stream left as it was; imports inside the factory resolve as in a rank
