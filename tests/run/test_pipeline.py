@@ -410,6 +410,13 @@ def test_cli_json_and_trace(tmp_path):
     assert 0 < before["bubble_fraction"] < 1 and before["step_time_s"] > 0
     assert before["overhead_s"] >= 0 and before["comm_time_s"] >= 0
     assert set(before["profile_s"]) >= {"0F", "0B", "1F", "1B"}
+    # gloo ranks on the CPU: the between-op terms from the calibration run loaded like the real
+    # stages, the bare calibration's kept beside them
+    assert before["runtime"]["loaded"] is True and "CPU load" in before["source"]
+    assert set(before["runtime"]["bare_terms"]) == {
+        "after_send_s", "after_send_waiting_s", "after_local_s", "hop_s", "start_s", "end_s",
+    }  # fmt: skip
+    assert before["runtime"]["loaded_step_s"] > 0
     assert [row["rank"] for row in out["memory"]] == [0, 1]
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert sorted(e["name"] for e in events) == sorted(["F0", "F1", "B0", "B1"] * 2)

@@ -167,3 +167,81 @@ def test_the_dualpipev_replay_sends_an_overlapped_forward_after_its_backward():
     sim = predict(cfg, times, comm_s=0.0)
     idle = [sim.makespan - b for b in sim.busy]
     assert idle == pytest.approx([dualpipev_idle_time(2, 1.0, 1.0, 1.0)] * 2)  # 2.0; without the pairing 1.0
+
+
+def test_after_op_terms_as_latency_take_no_core():
+    """Measured under the run's own contention, the terms already hold the waits for a core: as
+    latency they delay their rank but do not queue for a core. With a core each the two readings
+    agree; with fewer cores than ranks the queued reading is longer."""
+    cfg = PipelineConfig(schedule="gpipe", stages=4, microbatches=8)
+    order = torch_order(cfg.schedule, 4, 8, 1)
+    op_s = {(s, k): t for s, row in _flat(4).items() for k, t in row.items() if k in "FB"}
+    terms = _terms(after_send_s={"fwd": 2e-3, "bwd": 2e-3}, after_local_s=1e-3)
+    own_q = replay(cfg, order, op_s, terms)
+    own_l = replay(cfg, order, op_s, terms, after_as_latency=True)
+    assert own_l["step_time_s"] == pytest.approx(own_q["step_time_s"])
+    two_q = replay(cfg, order, op_s, terms, cores=2, slice_s=4e-3)
+    two_l = replay(cfg, order, op_s, terms, cores=2, slice_s=4e-3, after_as_latency=True)
+    assert two_l["step_time_s"] < two_q["step_time_s"]
+    assert sum(two_l["busy_s"]) == pytest.approx(sum(own_q["busy_s"]))  # busy is the ops alone either way
+    # as latency, each rank's ops and its after-op terms chain: rank 0 runs 8 F and 8 B (3 ms a pair)
+    # with a send after each forward, at least 8·3 + 8·2 ms
+    assert two_l["step_time_s"] >= 8 * 3e-3 + 8 * 2e-3
+
+
+def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_times():
+    from microbatch.run.pipeline_profile import loaded_calibration_model
+    from microbatch.run.pipeline_split import balanced_split, model_units, unit_param_counts
+
+    spins = [[0.02, 0.03, 0.0], [0.0, 0.0, 0.0], [0.0, 0.01, 0.025]]
+    model = loaded_calibration_model(16, spins)
+    units = model_units(model)
+    assert len(units) == 3 and balanced_split(unit_param_counts(units), 3) == [1, 1, 1]
+    import time
+
+    x = units[0](torch.tensor([[1, 2, 3]]))
+    assert x.shape == (1, 3, 16)
+    c0 = time.thread_time()
+    h = units[2](units[1](x.detach().requires_grad_()))
+    assert time.thread_time() - c0 < 0.02  # stages 1 and 2 spin no forward
+    inp = x.detach().requires_grad_()
+    c0 = time.thread_time()
+    y = units[2](units[1](inp))
+    (g,) = torch.autograd.grad(y.sum(), [inp], retain_graph=True)  # input gradient: stage 2's I
+    took = time.thread_time() - c0
+    assert 0.01 <= took < 0.01 + 0.02 and g.shape == inp.shape
+    c0 = time.thread_time()
+    torch.autograd.grad(y.sum(), list(units[2].parameters())[:1])  # stage 2's own weight: its W
+    assert time.thread_time() - c0 >= 0.025
+    c0 = time.thread_time()
+    units[0](torch.tensor([[1, 2, 3]]))
+    assert time.thread_time() - c0 >= 0.02  # stage 0's forward
+    assert h.shape[-1] == 32  # the head's vocabulary
+
+
+def test_a_loaded_calibration_is_made_for_gloo_ranks_with_a_machine_reading():
+    from microbatch.run.pipeline_profile import needs_loaded_calibration
+
+    two = {"machine": {"cores": 2.0, "others": 0.0, "slice_s": 4e-3}}
+    assert needs_loaded_calibration(PipelineConfig(stages=4, microbatches=8), two)
+    assert needs_loaded_calibration(PipelineConfig(stages=2, microbatches=8), two)
+    assert not needs_loaded_calibration(PipelineConfig(stages=4, microbatches=8), {"machine": None})
+    assert not needs_loaded_calibration(PipelineConfig(stages=4, microbatches=8, backend="nccl"), two)
+
+
+def test_the_loaded_calibration_is_bounded_by_the_users_wait_and_the_runs_timeout():
+    """Its step is as long as the real one: a large model gets fewer steps (at least 5), and none
+    when even 5 would take half the run's timeout (the bare calibration's terms are kept)."""
+    from microbatch.run.pipeline_profile import (
+        CALIBRATION_STEPS,
+        LOADED_BUDGET_S,
+        MIN_LOADED_STEPS,
+        loaded_steps,
+    )
+
+    assert loaded_steps(0.025, 120) == CALIBRATION_STEPS  # tiny: all 21 steps
+    assert loaded_steps(0.0, 120) == CALIBRATION_STEPS
+    assert loaded_steps(1.0, 120) == int(LOADED_BUDGET_S)  # 10 steps of 1 s
+    assert loaded_steps(3.0, 120) == MIN_LOADED_STEPS  # 15 s, under half the timeout
+    assert loaded_steps(20.0, 120) is None  # 5 steps would take 100 s of a 120 s timeout
+    assert loaded_steps(20.0, 1000) == MIN_LOADED_STEPS

@@ -18,15 +18,25 @@ Three inputs, all measured on this machine before the run:
 4. **The machine** (:func:`machine_load`): its cores, the other programs' runnable threads, and the
    scheduler's time slice, measured with busy loops (:func:`scheduler_slice_s`).
 
+5. **Gloo ranks on the CPU** (:func:`needs_loaded_calibration`): the runtime's cost again
+   (:func:`calibrate_loaded`), from a calibration run whose stages spin for the profiled CPU time
+   of the real stages (:func:`loaded_calibration_model`), so that its ranks load the cores and
+   wait for each other as the real ones will: the time between ops under that load (on the 2-core
+   dev machine, small p = 4: the gap after a send 3.6-4.6 ms in the real run, 0.9-1.1 ms in the
+   bare calibration). It costs a second calibration run as long as 21 real steps (`microbatch
+   pipeline -p 2 -m 4`: 19.4 → 24.5 s on tiny, 18.6 → 27.6 s on small; ``--no-predict`` skips both).
+
 :func:`predict_before` replays the order (:func:`microbatch.run.pipeline_replay.replay`) with the
 profiled op times and those terms, the ranks' work queued for the machine's cores in time slices
 (more ranks than cores wait for a core; an op longer than a slice is shared): the bubble and step
-time predicted before the run.
+time predicted before the run. Terms from a loaded calibration already hold their waits for a
+core and are taken as latency.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +45,17 @@ from typing import Any
 
 from microbatch.run.pipeline_config import PipelineConfig
 
-__all__ = ["calibrate_runtime", "calibration_model", "predict_before", "profile_stages", "run_predicted"]
+__all__ = [
+    "calibrate_loaded",
+    "calibrate_runtime",
+    "calibration_model",
+    "loaded_calibration_model",
+    "loaded_steps",
+    "needs_loaded_calibration",
+    "predict_before",
+    "profile_stages",
+    "run_predicted",
+]
 
 
 def calibration_model(width: int = 8) -> Any:
@@ -58,12 +78,76 @@ def calibration_model(width: int = 8) -> Any:
     return nn.Sequential(nn.Embedding(32, width), *[Scale() for _ in range(16)], nn.Linear(width, 32))
 
 
+LOAD_ENV = "MICROBATCH_CALIBRATION_LOAD"
+"""The environment variable that carries :func:`loaded_calibration_model`'s per-stage CPU seconds
+(JSON ``[[F, I, W], ...]``) to the calibration's ranks."""
+
+
+def _spin(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` of its own CPU time (what an op of that CPU time takes
+    from a core, however the cores are shared)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def loaded_calibration_model(width: int, spins: list[list[float]]) -> Any:
+    """:func:`calibration_model`'s runtime with the real stages' CPU load: one unit per stage
+    (``len(spins)`` stages; the first with the embedding, the last with the head, so a split by
+    parameters gives each stage exactly one), whose forward spins for the stage's profiled forward CPU
+    time, whose input gradient for its I (or its whole backward) and whose weight gradient for its W.
+    ``spins[s] = [F, I, W]`` in CPU seconds. With it the calibration run's ranks compete for the
+    cores as the real ranks will, so the time between ops it measures is the time under that
+    contention (:func:`calibrate_runtime`, ``loaded``)."""
+    import torch
+    from torch import nn
+
+    class Spin(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, fwd_s: float, bwd_s: float) -> Any:
+            ctx.bwd_s = bwd_s
+            _spin(fwd_s)
+            return x.view_as(x) * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            _spin(ctx.bwd_s)
+            return grad, None, None
+
+    spin: Any = Spin.apply
+
+    class Unit(nn.Module):
+        def __init__(self, f: float, i: float, w: float) -> None:
+            super().__init__()
+            self.f, self.i, self.w_s = f, i, w
+            self.w = nn.Parameter(torch.full((width,), 0.01))
+
+        def forward(self, x: Any) -> Any:
+            x = spin(x, self.f, self.i)  # forward and input-gradient load
+            return x + x * spin(self.w, 0.0, self.w_s)  # weight-gradient load
+
+    units = [Unit(*row) for row in spins]
+    first, last = (
+        nn.Sequential(nn.Embedding(32, width), units[0]),
+        nn.Sequential(units[-1], nn.Linear(width, 32)),
+    )
+    return (
+        nn.Sequential(first, *units[1:-1], last)
+        if len(units) > 1
+        else nn.Sequential(first, nn.Linear(width, 32))
+    )
+
+
 def __getattr__(name: str) -> Any:
-    """``calibration_model_<width>``: :func:`calibration_model` of that width, as a factory."""
-    prefix = "calibration_model_"
-    if name.startswith(prefix) and name[len(prefix) :].isdigit():
-        width = int(name[len(prefix) :])
-        return lambda: calibration_model(width)
+    """``calibration_model_<width>``: :func:`calibration_model` of that width, as a factory;
+    ``loaded_calibration_model_<width>``: :func:`loaded_calibration_model` with the spins in the
+    environment (``LOAD_ENV``)."""
+    for prefix in ("calibration_model_", "loaded_calibration_model_"):
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            width = int(name[len(prefix) :])
+            if prefix.startswith("loaded"):
+                return lambda: loaded_calibration_model(width, json.loads(os.environ[LOAD_ENV]))
+            return lambda: calibration_model(width)
     raise AttributeError(name)
 
 
@@ -244,8 +328,6 @@ def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] |
     (``/proc/loadavg``'s running count, ``samples`` readings ``every_s`` apart, less this reader)
     and the scheduler's time slice (:func:`scheduler_slice_s`); None where the kernel does not say
     (not Linux)."""
-    import os
-
     try:
         cores = len(os.sched_getaffinity(0))
         running = []
@@ -273,27 +355,61 @@ def _boundary(cfg: PipelineConfig) -> tuple[int, int]:
     return shape.hidden, shape.seq
 
 
-def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
-    """The runtime's costs between ops for ``cfg``'s schedule, p, m, v and micro-batch on this
-    machine (:func:`microbatch.run.pipeline_replay.runtime_terms`), from a run of
-    :func:`calibration_model` with the real boundary's width and sequence (a few seconds)."""
+CALIBRATION_STEPS = 21
+"""Steps of a calibration run (the bare one and the loaded one): the terms are means over every
+case in the steps after the first. A loaded step is as long as a real one (small, p = 4, m = 8:
+~0.4 s on the 2-core dev machine); with 8 loaded steps two calibrations of the same case put the
+bubble 2.6-4.1 points apart."""
+
+LOADED_BUDGET_S = 10.0
+"""Seconds of the real stages' work the loaded calibration may take (its steps cut to fit, never
+below ``MIN_LOADED_STEPS``): on `tiny` and `small` (steps predicted at 25-490 ms on the 2-core dev
+machine) 20 or all 21 of ``CALIBRATION_STEPS`` fit; a larger model gets fewer steps, a noisier reading, rather than a
+calibration many times longer than the run it predicts. A bound on the user's wait, not a fitted
+constant."""
+
+MIN_LOADED_STEPS = 5
+"""Fewest steps a loaded calibration runs: the first warms up and the terms are means over the rest."""
+
+
+def loaded_steps(step_s: float, timeout_s: float) -> int | None:
+    """Steps of the loaded calibration for a run whose step is predicted at ``step_s`` seconds:
+    as many as ``LOADED_BUDGET_S`` holds, between ``MIN_LOADED_STEPS`` and ``CALIBRATION_STEPS``;
+    None (the bare calibration's terms are kept) when even the fewest would take half the run's
+    ``timeout_s``."""
+    n = CALIBRATION_STEPS if step_s <= 0 else min(CALIBRATION_STEPS, int(LOADED_BUDGET_S // step_s))
+    n = max(n, MIN_LOADED_STEPS)
+    return n if n * step_s < 0.5 * timeout_s else None
+
+
+def _calibration_cfg(cfg: PipelineConfig, factory: str, steps: int = CALIBRATION_STEPS) -> PipelineConfig:
+    """``cfg``'s schedule, p, m, v and batch on the calibration model ``factory`` (this module's
+    ``calibration_model`` or ``loaded_calibration_model``) with the real boundary's width and
+    sequence, fp32, ``steps`` steps, no gradient check."""
     from dataclasses import replace
 
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_replay import runtime_terms
-
     width, seq = _boundary(cfg)
-    load = machine_load()
-    tiny = replace(
+    return replace(
         cfg,
-        model=f"microbatch.run.pipeline_profile:calibration_model_{width}",
+        model=f"microbatch.run.pipeline_profile:{factory}_{width}",
         seq=seq,
         global_batch=cfg.batch,
         check_gradients=False,
         balance="params",
-        steps=21,
+        steps=steps,
         dtype="float32",
     )
+
+
+def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
+    """The runtime's costs between ops for ``cfg``'s schedule, p, m, v and micro-batch on this
+    machine (:func:`microbatch.run.pipeline_replay.runtime_terms`), from a run of
+    :func:`calibration_model` with the real boundary's width and sequence (a few seconds)."""
+    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline_replay import runtime_terms
+
+    load = machine_load()
+    tiny = _calibration_cfg(cfg, "calibration_model")
     rep = run_pipeline(tiny)
     terms = runtime_terms(tiny, rep["step_intervals"])
     terms["calibration_step_s"] = float(rep["measured"]["step_time_s"])
@@ -308,6 +424,73 @@ def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
     }
     terms["machine"] = load
     return terms
+
+
+TERM_KEYS = ("after_send_s", "after_send_waiting_s", "after_local_s", "hop_s", "start_s", "end_s")
+"""The runtime's between-op terms (:func:`microbatch.run.pipeline_replay.runtime_terms`) a loaded
+calibration replaces."""
+
+
+def needs_loaded_calibration(cfg: PipelineConfig, runtime: dict[str, Any]) -> bool:
+    """Gloo ranks on the CPU (a machine reading taken): the time between their ops depends on the work
+    the ranks do around it — a rank that computed for a millisecond and one that spun for
+    microseconds find the runtime, the other rank and the kernel in different states — and the bare
+    calibration's element-wise stages barely load the cores. Measured on the 2-core dev machine:
+    `small` p = 4, m = 8, the gap after a send to a waiting rank 3.6-4.6 ms in the real run against
+    0.9-1.1 ms in the bare calibration; `tiny` p = 2, GPipe, the gap after a local op 1.08-1.19 ms
+    against 0.43-0.54 ms. ``bench/bench_pipeline.py --repeat 3`` with the loaded calibration for
+    every p: 46 of 48 runs within 5 points of the measured bubble, mean 1.9, max 5.6, tiny's mean
+    signed error +1.2 points (bare calibration, three runs of the same bench: 44, 38 and 39 of 48,
+    mean 2.1-2.8, max 6.2-12.4, tiny read 3-6 points low). NCCL ranks have a device each and keep
+    the bare calibration (BENCHMARKS.md, "Run: pipeline")."""
+    return cfg.backend == "gloo" and runtime.get("machine") is not None
+
+
+def calibrate_loaded(
+    cfg: PipelineConfig,
+    profile: dict[int, dict[str, float]],
+    runtime: dict[str, Any],
+    steps: int = CALIBRATION_STEPS,
+) -> dict[str, Any]:
+    """``runtime`` with its between-op terms measured again under the real stages' CPU load: a run
+    of :func:`loaded_calibration_model` whose stages spin for ``profile``'s CPU times (the forward,
+    and the input and weight gradients for split schedules or the whole backward), the boundary's
+    real bytes, ``steps`` steps (:func:`loaded_steps`). Those terms already hold the waits for a core, so
+    :func:`predict_before` takes them as latency (``runtime["loaded"]``). The bare calibration's
+    in-op costs and machine reading are kept."""
+    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline_order import torch_order
+    from microbatch.run.pipeline_replay import runtime_terms
+
+    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    split = any(k in ("I", "W") for acts in order.values() for a in acts for k in a if k.isalpha())
+
+    def cpu(row: dict[str, float], k: str) -> float:
+        return float(row.get(f"cpu{k}", row.get(k, 0.0)))
+
+    spins = [
+        [cpu(profile[s], "F"), cpu(profile[s], "I" if split else "B"), cpu(profile[s], "W") if split else 0.0]
+        for s in range(cfg.total_stages)
+    ]
+    loaded = _calibration_cfg(cfg, "loaded_calibration_model", steps)
+    before = os.environ.get(LOAD_ENV)
+    os.environ[LOAD_ENV] = json.dumps(spins)
+    try:
+        rep = run_pipeline(loaded)
+    finally:
+        if before is None:
+            os.environ.pop(LOAD_ENV, None)
+        else:
+            os.environ[LOAD_ENV] = before
+    terms = runtime_terms(loaded, rep["step_intervals"])
+    out = dict(runtime)
+    out.update({k: terms[k] for k in TERM_KEYS})
+    out["loaded"] = True
+    out["loaded_steps"] = steps
+    out["bare_terms"] = {k: runtime[k] for k in TERM_KEYS}
+    out["loaded_step_s"] = float(rep["measured"]["step_time_s"])
+    out["loaded_bubble"] = float(rep["measured"]["bubble_fraction"])
+    return out
 
 
 def predict_before(
@@ -343,6 +526,7 @@ def predict_before(
         cores=int(machine["cores"]) if machine else None,
         slice_s=float(machine.get("slice_s") or SLICE_S) if machine else SLICE_S,
         others=round(float(machine["others"])) if machine else 0,
+        after_as_latency=bool(runtime.get("loaded")),
     )
     work = sum(op_s.get((s, k), 0.0) for acts in order.values() for s, k, _i in map(parse_action, acts))
     busy = sum(rep["busy_s"])
@@ -361,7 +545,9 @@ def predict_before(
         },
         "source": "made before the run: one-process per-stage profile + the runtime's measured costs between "
         "ops (after a send, after a local op, hand-off, step start and end) from a calibration run with the "
-        "real boundary's bytes, replayed on torch's order",
+        "real boundary's bytes"
+        + (" and the real stages' CPU load (terms taken as latency)" if runtime.get("loaded") else "")
+        + ", replayed on torch's order",
     }
 
 
@@ -375,7 +561,13 @@ def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> di
     check_splittable(cfg)
     check_fits(cfg)
     runtime = calibrate_runtime(cfg)
-    before = predict_before(cfg, profile_stages(cfg, idle_s=runtime["mean_gap_s"]), runtime)
+    profile = profile_stages(cfg, idle_s=runtime["mean_gap_s"])
+    if needs_loaded_calibration(cfg, runtime):
+        # as many loaded steps as the bound on the wait allows, from the step the bare terms predict
+        steps = loaded_steps(predict_before(cfg, profile, runtime)["step_time_s"], cfg.timeout_s)
+        if steps is not None:
+            runtime = calibrate_loaded(cfg, profile, runtime, steps)
+    before = predict_before(cfg, profile, runtime)
     report = run_pipeline(cfg, deadline_s=deadline_s)
     report["before_run"] = before
     return report

@@ -183,6 +183,7 @@ def replay(
     cores: int | None = None,
     slice_s: float = 0.004,
     others: int = 0,
+    after_as_latency: bool = False,
 ) -> dict[str, Any]:
     """Run ``order`` (rank -> actions like ``"1B0"``) with ``op_s[(stage, kind)]`` seconds per op and
     the measured ``terms``; return the step time, the busy seconds per rank, the bubble
@@ -195,7 +196,9 @@ def replay(
     :func:`microbatch.run.pipeline_profile.machine_load`) and puts it back at the end of the queue
     when others wait. An op's time then counts from when it first gets a core to when it ends, as a
     run measures it, so ``op_s`` is its CPU time alone; a hand-off (``hop_s``) is latency and takes
-    no core."""
+    no core. ``after_as_latency``: the work after each op is latency too (the rank is busy for it
+    but takes no core): for terms measured under the run's own contention, which already hold the
+    waits for a core (:func:`microbatch.run.pipeline_profile.calibrate_loaded`)."""
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
     last = cfg.total_stages - 1
     p = cfg.stages
@@ -270,7 +273,9 @@ def replay(
                 after = terms["after_send_waiting_s"][direction]
             else:
                 after = terms["after_send_s"][direction]
-            if after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
+            if after > 0 and after_as_latency:  # measured with its waits for a core: a delay
+                free[j] = t + float(after)
+            elif after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
                 jobs[j] = [float(after), t, 0.0]
                 queue.append(j)
         for r, a in starts.items():

@@ -167,8 +167,13 @@ def _before_line(b: dict[str, Any]) -> str:
             f"  before the run: one-process profile + runtime overhead {_ms(b['overhead_s'])} per action and "
             f"hand-off {_ms(b['comm_time_s'])} (calibration run)"
         )
+    how = (
+        "a calibration run whose stages load the cores as the real ones (terms as latency)"
+        if rt.get("loaded")
+        else "a calibration run"
+    )
     return (
-        f"  before the run: one-process profile + from a calibration run: after a send "
+        f"  before the run: one-process profile + from {how}: after a send "
         f"{_ms(rt['after_send_s']['fwd'])} fwd / {_ms(rt['after_send_s']['bwd'])} bwd, after a local op "
         f"{_ms(rt['after_local_s'])}, hand-off {_ms(rt['hop_s']['fwd'])} fwd / {_ms(rt['hop_s']['bwd'])} bwd"
     )
