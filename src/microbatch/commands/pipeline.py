@@ -84,7 +84,8 @@ __all__ = ["cmd"]
     "predict_first",
     default=True,
     show_default=True,
-    help="Predict bubble and step time before the run (one-process profile + a tiny runtime calibration run).",
+    help="Predict bubble and step time before the run: a one-process profile of the stages and a short "
+    "calibration run of the runtime (on the CPU a second one loaded like the real stages: 5-10 s more).",
 )
 @json_option
 def cmd(
