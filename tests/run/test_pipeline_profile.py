@@ -6,8 +6,9 @@ import pytest
 
 from microbatch.run.pipeline_config import PipelineConfig
 from microbatch.run.pipeline_order import torch_order
-from microbatch.run.pipeline_profile import predict_before, profile_stages
+from microbatch.run.pipeline_profile import predict_before
 from microbatch.run.pipeline_replay import ZERO_TERMS, replay, runtime_terms
+from microbatch.run.pipeline_stage_profile import profile_stages
 
 torch = pytest.importorskip("torch")
 
@@ -190,7 +191,7 @@ def test_after_op_terms_as_latency_take_no_core():
 
 
 def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_times():
-    from microbatch.run.pipeline_profile import loaded_calibration_model
+    from microbatch.run.pipeline_calibrate import loaded_calibration_model
     from microbatch.run.pipeline_split import balanced_split, model_units, unit_param_counts
 
     spins = [[0.02, 0.03, 0.0], [0.0, 0.0, 0.0], [0.0, 0.01, 0.025]]
@@ -220,7 +221,7 @@ def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_
 
 
 def test_a_loaded_calibration_is_made_for_gloo_ranks_with_a_machine_reading():
-    from microbatch.run.pipeline_profile import needs_loaded_calibration
+    from microbatch.run.pipeline_calibrate import needs_loaded_calibration
 
     two = {"machine": {"cores": 2.0, "others": 0.0, "slice_s": 4e-3}}
     assert needs_loaded_calibration(PipelineConfig(stages=4, microbatches=8), two)
@@ -232,7 +233,7 @@ def test_a_loaded_calibration_is_made_for_gloo_ranks_with_a_machine_reading():
 def test_the_loaded_calibration_is_bounded_by_the_users_wait_and_the_runs_timeout():
     """Its step is as long as the real one: a large model gets fewer steps (at least 5), and none
     when even 5 would take half the run's timeout (the bare calibration's terms are kept)."""
-    from microbatch.run.pipeline_profile import (
+    from microbatch.run.pipeline_calibrate import (
         CALIBRATION_STEPS,
         LOADED_BUDGET_S,
         MIN_LOADED_STEPS,

@@ -10,7 +10,7 @@ finished. So the time between ops is not one overhead per action: it depends on 
 just finished hands its output to another rank, and whether the next op waits for one.
 
 :func:`runtime_terms` reads those terms from a run's own intervals (the tiny calibration run of
-:func:`microbatch.run.pipeline_profile.calibrate_runtime`), each the mean over every case in the
+:func:`microbatch.run.pipeline_calibrate.calibrate_runtime`), each the mean over every case in the
 measured steps:
 
 - ``after_send_s`` (per direction, ``"fwd"`` / ``"bwd"``): the gap between an op whose output goes
@@ -24,7 +24,7 @@ measured steps:
   waits for nobody; ``end_s``: from the end of the last op to the step's end (the last rank's
   return from ``step()``) beyond the after-op cost the replay already charges;
 - ``mean_gap_s``: the mean time a rank sat between two ops (waiting or not), for which
-  :func:`microbatch.run.pipeline_profile.profile_stages` idles before each profiled op.
+  :func:`microbatch.run.pipeline_stage_profile.profile_stages` idles before each profiled op.
 
 :func:`replay` runs torch's order with per-stage op times and these terms: an op starts when its
 rank is free and its inputs have arrived (producer end + hop when the producer is on another rank);
@@ -193,12 +193,12 @@ def replay(
     and the runtime's work after each op) shares that many cores with ``others`` always-runnable
     threads of other programs, as the kernel's scheduler shares them: runnable work waits in one
     queue, a core runs it for at most ``slice_s`` (the scheduler's time slice, measured by
-    :func:`microbatch.run.pipeline_profile.machine_load`) and puts it back at the end of the queue
+    :func:`microbatch.run.pipeline_calibrate.machine_load`) and puts it back at the end of the queue
     when others wait. An op's time then counts from when it first gets a core to when it ends, as a
     run measures it, so ``op_s`` is its CPU time alone; a hand-off (``hop_s``) is latency and takes
     no core. ``after_as_latency``: the work after each op is latency too (the rank is busy for it
     but takes no core): for terms measured under the run's own contention, which already hold the
-    waits for a core (:func:`microbatch.run.pipeline_profile.calibrate_loaded`)."""
+    waits for a core (:func:`microbatch.run.pipeline_calibrate.calibrate_loaded`)."""
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
     last = cfg.total_stages - 1
     p = cfg.stages

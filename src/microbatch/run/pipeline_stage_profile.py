@@ -1,0 +1,151 @@
+"""A per-stage profile of a pipeline's model on one process: each stage's forward (the last stage
+with its loss), full backward, input-gradient and weight-gradient time of one micro-batch, timed as
+torch's runtime runs them (:func:`profile_stages`) — the op times of the prediction made before a
+run (:mod:`microbatch.run.pipeline_profile`) and of the calibration's in-op costs
+(:mod:`microbatch.run.pipeline_calibrate`)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from microbatch.run.pipeline_config import PipelineConfig
+
+__all__ = ["profile_stages"]
+
+
+def _torch_split_backward() -> tuple[Any, Any] | None:
+    """torch's ``stage_backward_input`` and ``stage_backward_weight`` (the functions its zero-bubble
+    runtime runs as I and W), or None where this torch has none. Timing W as ``autograd.grad`` over
+    the parameters instead re-runs the input-gradient chain: on ``small``'s last stage 30.7 ms against
+    torch's 16.1 ms W (I 15.4 ms, full backward 34.8 ms; measured on the 2-core dev machine)."""
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    except ImportError:  # a torch without the split backward (private API)
+        return None
+    return stage_backward_input, stage_backward_weight
+
+
+def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
+    """Wall and thread-CPU seconds of one ``fn()`` after ``idle_s`` asleep."""
+    if idle_s:
+        time.sleep(idle_s)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
+    """Per virtual stage: ``F``, ``B``, ``I`` and ``W`` seconds of one micro-batch (median of
+    ``repeats``), measured in this process with one thread on the split the ranks use, and the
+    same in thread-CPU seconds (``cpuF`` … ``cpuW``).
+
+    The repeats go round the stages (stage 0's ops, stage 1's, …, then again), so that a drift of
+    the machine's speed while profiling (frequency, other programs) moves every stage alike: the
+    bubble depends on the stages' ratio. Profiling one stage after the other moved the predicted
+    ZB-H1 bubble of ``small`` at p = 2 between 23.7% and 31.0% over five profiles on an idle
+    machine (stage 0's backward 16.2-22.3 ms).
+
+    ``idle_s``: sleep that long before each timed call. A rank of a pipeline waits between its
+    ops, and while it waits other processes run on its core and take its caches: an op that
+    follows a wait runs slower than the same op back to back (measured on the 2-core dev machine at
+    load 2: tiny's last-stage forward 0.57 ms back to back, 0.71 / 0.74 / 0.97 ms after 1 / 3 / 6 ms
+    asleep). :func:`run_predicted` passes the calibration run's mean gap between ops."""
+    import torch
+    import torch.nn.functional as F
+
+    from microbatch.run.pipeline_rank import build_full_model, make_batch
+    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
+
+    split_fns = _torch_split_backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        full, vocab, seq = build_full_model(cfg)
+        units = model_units(full)
+        modules = split_units(units, balanced_split(unit_param_counts(units), cfg.total_stages))
+        tok, tgt = make_batch(cfg, vocab, seq, -1)
+        x: Any = tok[: cfg.micro_batch]
+        target = tgt[: cfg.micro_batch]
+        total = cfg.batch * seq
+        last = len(modules) - 1
+        # per stage: forward, full backward, split backward, and whether it has gradients to take
+        ops: list[tuple[Any, Any, Any, bool]] = []
+        for s, mod in enumerate(modules):
+            params = [p for p in mod.parameters() if p.requires_grad]
+            inp = x.detach().requires_grad_(x.is_floating_point())
+
+            def fwd(mod: Any = mod, inp: Any = inp, s: int = s) -> Any:
+                y = mod(inp)
+                if s == last:
+                    y = F.cross_entropy(y.flatten(0, -2).float(), target.flatten(), reduction="sum") / total
+                return y
+
+            y = fwd()
+            grad = None if s == last else torch.ones_like(y)
+
+            def full_b(fwd: Any = fwd, grad: Any = grad) -> tuple[float, float]:
+                y = fwd()
+                return _timed(lambda: torch.autograd.backward(y, grad), idle_s)
+
+            def split(
+                fwd: Any = fwd, grad: Any = grad, inp: Any = inp, params: Any = params
+            ) -> tuple[float, float, float, float]:
+                y = fwd()
+                groups: list[Any] = []
+
+                def input_grad() -> None:
+                    if inp.requires_grad and split_fns is not None:
+                        # torch's own I: input gradients, keeping what W needs (intermediate gradients)
+                        groups.append(
+                            split_fns[0]([y], None if grad is None else [grad], [inp], iter(params))[1]
+                        )
+                    elif inp.requires_grad:
+                        torch.autograd.grad(y, [inp], grad, retain_graph=True)
+
+                def weight_grad() -> None:
+                    if groups and split_fns is not None:
+                        split_fns[1](iter(params), groups[0])  # torch's W: weight gradients from those
+                    elif params:
+                        # the first stage (no input gradient: torch runs its whole backward at W,
+                        # accumulating into .grad), or no split-backward functions in this torch
+                        torch.autograd.backward(y, grad, inputs=params)
+
+                i_wall, i_cpu = _timed(input_grad, idle_s)
+                w_wall, w_cpu = _timed(weight_grad, idle_s)
+                return i_wall, w_wall, i_cpu, w_cpu
+
+            ops.append((fwd, full_b, split, inp.requires_grad or bool(params)))
+            with torch.no_grad():
+                x = mod(x)
+        runs: dict[int, dict[str, list[tuple[float, ...]]]] = {
+            s: {"F": [], "B": [], "S": []} for s in range(len(ops))
+        }
+        # the gradients accumulate across the repeats, as over a step's micro-batches (a fresh
+        # allocation per call made the first stage's W, 32 MiB of embedding gradient on small,
+        # vary 18.9-25.5 ms between profiles)
+        for _ in range(repeats):
+            for s, (fwd, full_b, split, wants) in enumerate(ops):
+                runs[s]["F"].append(_timed(fwd, idle_s))
+                runs[s]["B"].append(full_b())
+                runs[s]["S"].append(split() if wants else (0.0, 0.0, 0.0, 0.0))
+
+        def med(xs: list[tuple[float, ...]], k: int) -> float:
+            return float(statistics.median(x[k] for x in xs))
+
+        return {
+            s: {
+                "F": med(r["F"], 0),
+                "B": med(r["B"], 0),
+                "I": med(r["S"], 0),
+                "W": med(r["S"], 1),
+                "cpuF": med(r["F"], 1),
+                "cpuB": med(r["B"], 1),
+                "cpuI": med(r["S"], 2),
+                "cpuW": med(r["S"], 3),
+            }  # fmt: skip
+            for s, r in runs.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
