@@ -290,8 +290,9 @@ def _launch_once(
             if time.monotonic() > t_end:
                 alive = [r for r, rc in enumerate(rcs) if rc is None]
                 _kill_all(procs)
+                said = f" ({deadline_why})" if deadline_why else ""
                 raise PipelineError(
-                    f"pipeline run passed its deadline of {deadline_s:.0f} s{f' ({deadline_why})' if deadline_why else ''}; ranks {alive} were still running "
+                    f"pipeline run passed its deadline of {deadline_s:.0f} s{said}; ranks {alive} were still running "
                     f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
                 )
             time.sleep(0.05)
