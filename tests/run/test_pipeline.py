@@ -225,6 +225,29 @@ def test_1f1b_matches_unsplit_gradients_and_holds_p_minus_i():
         assert s["activation_bytes_per_microbatch"] > 2 * 64 * 64 * 4
     assert 0 < rep["measured"]["bubble_fraction"] < 1
     assert len(rep["losses"]) == 2 and all(3 < x < 9 for x in rep["losses"])  # ~ln(512) = 6.2
+    assert rep["measured_steps"] == 1 and rep["measured"]["bubble_se"] is None  # no spread to state
+
+
+def _step_bubbles(rep):
+    """Each measured step's bubble, read again from that step's intervals and wall time."""
+    p = rep["stages"]
+    return [
+        1 - sum(e - a for r in st["ranks"] for (_k, _s, _i, a, e) in r) / (p * (st["end"] - st["start"]))
+        for st in rep["step_intervals"]
+    ]
+
+
+@pytest.mark.timeout(150)
+def test_the_measured_bubble_states_its_standard_error_over_steps():
+    import statistics
+
+    rep = run(schedule="gpipe", stages=2, microbatches=2, steps=4)
+    m, per_step = rep["measured"], _step_bubbles(rep)
+    assert len(per_step) == rep["measured_steps"] == 3
+    assert m["bubble_steps"] == pytest.approx(per_step)
+    assert m["bubble_fraction"] == pytest.approx(statistics.fmean(per_step))
+    assert m["bubble_se"] == pytest.approx(statistics.stdev(per_step) / 3**0.5)
+    assert m["bubble_se"] > 0
 
 
 @pytest.mark.timeout(150)

@@ -234,14 +234,15 @@ def test_the_loaded_calibration_is_bounded_by_the_users_wait_and_the_runs_timeou
     """Its step is as long as the real one: a large model gets fewer steps (at least 5), and none
     when even 5 would take half the run's timeout (the bare calibration's terms are kept)."""
     from microbatch.run.pipeline_calibrate import (
-        CALIBRATION_STEPS,
         LOADED_BUDGET_S,
+        MAX_LOADED_STEPS,
         MIN_LOADED_STEPS,
         loaded_steps,
     )
 
-    assert loaded_steps(0.025, 120) == CALIBRATION_STEPS  # tiny: all 21 steps
-    assert loaded_steps(0.0, 120) == CALIBRATION_STEPS
+    assert loaded_steps(0.025, 120) == MAX_LOADED_STEPS  # tiny: all 61 steps (1.5 s)
+    assert loaded_steps(0.0, 120) == MAX_LOADED_STEPS
+    assert loaded_steps(0.5, 120) == 20  # small at p = 4: as many as 10 s hold
     assert loaded_steps(1.0, 120) == int(LOADED_BUDGET_S)  # 10 steps of 1 s
     assert loaded_steps(3.0, 120) == MIN_LOADED_STEPS  # 15 s, under half the timeout
     assert loaded_steps(20.0, 120) is None  # 5 steps would take 100 s of a 120 s timeout

@@ -34,6 +34,7 @@ from microbatch.run.pipeline_config import PipelineConfig
 __all__ = [
     "CALIBRATION_STEPS",
     "LOADED_BUDGET_S",
+    "MAX_LOADED_STEPS",
     "MIN_LOADED_STEPS",
     "SLICE_S",
     "calibrate_loaded",
@@ -209,17 +210,23 @@ def _boundary(cfg: PipelineConfig) -> tuple[int, int]:
 
 
 CALIBRATION_STEPS = 21
-"""Steps of a calibration run (the bare one and the loaded one): the terms are means over every
-case in the steps after the first. A loaded step is as long as a real one (small, p = 4, m = 8:
-~0.4 s on the 2-core dev machine); with 8 loaded steps two calibrations of the same case put the
-bubble 2.6-4.1 points apart."""
+"""Steps of the bare calibration run: the terms are means over every case in the steps after the
+first."""
+
+MAX_LOADED_STEPS = 61
+"""Most steps of a loaded calibration (the first warms up): its between-op terms are means over
+the rest, and on a model whose ops take a millisecond a few slow steps move them. Measured on the
+2-core dev machine, `tiny` p = 2, one profile, five loaded calibrations each: the predicted 1F1B
+bubble ranged 37.3-50.6% with 21 steps (sd 5.3 points) and 44.7-47.7% with 61 (sd 1.3); GPipe
+43.9-47.3% (sd 1.3) and 44.3-46.4% (sd 0.9). A loaded step is as long as a real one, so
+``LOADED_BUDGET_S`` cuts this for larger models."""
 
 LOADED_BUDGET_S = 10.0
 """Seconds of the real stages' work the loaded calibration may take (its steps cut to fit, never
-below ``MIN_LOADED_STEPS``): on `tiny` and `small` (steps predicted at 25-490 ms on the 2-core dev
-machine) 20 or all 21 of ``CALIBRATION_STEPS`` fit; a larger model gets fewer steps, a noisier reading, rather than a
-calibration many times longer than the run it predicts. A bound on the user's wait, not a fitted
-constant."""
+below ``MIN_LOADED_STEPS``): on `tiny` (steps predicted at 25-95 ms on the 2-core dev machine)
+all or most of ``MAX_LOADED_STEPS``, on `small` (0.2-0.5 s) 20-50; a larger model gets fewer
+steps, a noisier reading, rather than a calibration many times longer than the run it predicts. A
+bound on the user's wait, not a fitted constant."""
 
 MIN_LOADED_STEPS = 5
 """Fewest steps a loaded calibration runs: the first warms up and the terms are means over the rest."""
@@ -227,10 +234,10 @@ MIN_LOADED_STEPS = 5
 
 def loaded_steps(step_s: float, timeout_s: float) -> int | None:
     """Steps of the loaded calibration for a run whose step is predicted at ``step_s`` seconds:
-    as many as ``LOADED_BUDGET_S`` holds, between ``MIN_LOADED_STEPS`` and ``CALIBRATION_STEPS``;
+    as many as ``LOADED_BUDGET_S`` holds, between ``MIN_LOADED_STEPS`` and ``MAX_LOADED_STEPS``;
     None (the bare calibration's terms are kept) when even the fewest would take half the run's
     ``timeout_s``."""
-    n = CALIBRATION_STEPS if step_s <= 0 else min(CALIBRATION_STEPS, int(LOADED_BUDGET_S // step_s))
+    n = MAX_LOADED_STEPS if step_s <= 0 else min(MAX_LOADED_STEPS, int(LOADED_BUDGET_S // step_s))
     n = max(n, MIN_LOADED_STEPS)
     return n if n * step_s < 0.5 * timeout_s else None
 
@@ -304,7 +311,7 @@ def calibrate_loaded(
     cfg: PipelineConfig,
     profile: dict[int, dict[str, float]],
     runtime: dict[str, Any],
-    steps: int = CALIBRATION_STEPS,
+    steps: int = MAX_LOADED_STEPS,
 ) -> dict[str, Any]:
     """``runtime`` with its between-op terms measured again under the real stages' CPU load: a run
     of :func:`loaded_calibration_model` whose stages spin for ``profile``'s CPU times (the forward,

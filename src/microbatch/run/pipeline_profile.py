@@ -17,7 +17,7 @@ Inputs, all measured on this machine before the run:
 profiled op times and those terms, the ranks' work queued for the machine's cores in time slices
 (more ranks than cores wait for a core; an op longer than a slice is shared): the bubble and step
 time predicted before the run. Terms from a loaded calibration already hold their waits for a
-core and are taken as latency. :func:`run_predicted` does all of it, then the run.
+core and are taken as latency. :func:`predict_run` does all of it; :func:`run_predicted` then runs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from microbatch.run.pipeline_calibrate import SLICE_S
 from microbatch.run.pipeline_config import PipelineConfig
 from microbatch.run.pipeline_stage_profile import profile_stages
 
-__all__ = ["predict_before", "run_predicted"]
+__all__ = ["predict_before", "predict_run", "run_predicted"]
 
 
 def predict_before(
@@ -89,11 +89,13 @@ def predict_before(
     }
 
 
-def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict[str, Any]:
-    """:func:`microbatch.run.launch.run_pipeline` with the prediction made before the ranks start
-    as ``report["before_run"]``: the checks first (layers, host memory), then the profile and the
-    runtime calibration, then the run."""
-    from microbatch.run.launch import check_splittable, run_pipeline
+def predict_run(cfg: PipelineConfig) -> dict[str, Any]:
+    """The prediction of ``cfg``'s run made before its ranks start (:func:`predict_before`'s
+    result): the checks first (layers, host memory), then the runtime calibration, the per-stage
+    profile and, for gloo ranks on the CPU, the loaded calibration. It does not depend on
+    ``cfg.steps`` (the calibrations run their own steps), so a caller may choose the run's steps
+    from its predicted step time."""
+    from microbatch.run.launch import check_splittable
     from microbatch.run.pipeline_calibrate import (
         calibrate_loaded,
         calibrate_runtime,
@@ -111,7 +113,15 @@ def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> di
         steps = loaded_steps(predict_before(cfg, profile, runtime)["step_time_s"], cfg.timeout_s)
         if steps is not None:
             runtime = calibrate_loaded(cfg, profile, runtime, steps)
-    before = predict_before(cfg, profile, runtime)
+    return predict_before(cfg, profile, runtime)
+
+
+def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict[str, Any]:
+    """:func:`microbatch.run.launch.run_pipeline` with the prediction made before the ranks start
+    (:func:`predict_run`) as ``report["before_run"]``."""
+    from microbatch.run.launch import run_pipeline
+
+    before = predict_run(cfg)
     report = run_pipeline(cfg, deadline_s=deadline_s)
     report["before_run"] = before
     return report

@@ -51,7 +51,7 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
     ops, and while it waits other processes run on its core and take its caches: an op that
     follows a wait runs slower than the same op back to back (measured on the 2-core dev machine at
     load 2: tiny's last-stage forward 0.57 ms back to back, 0.71 / 0.74 / 0.97 ms after 1 / 3 / 6 ms
-    asleep). :func:`run_predicted` passes the calibration run's mean gap between ops."""
+    asleep). :func:`microbatch.run.pipeline_profile.predict_run` passes the calibration run's mean gap between ops."""
     import torch
     import torch.nn.functional as F
 

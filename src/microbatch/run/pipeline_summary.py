@@ -12,6 +12,8 @@ Drawing and prose live in :mod:`microbatch.show.pipeline_report`.
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
@@ -36,7 +38,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     Steps after the first are averaged (the first warms up); with one step, it is used. Keys:
 
     - ``measured.bubble_fraction``: Σ_ranks idle / (p × step wall time); the step's wall time runs
-      from the barrier before ``step()`` to the last rank's return.
+      from the barrier before ``step()`` to the last rank's return. ``bubble_steps``: each measured
+      step's; ``bubble_se``: their standard error (sample standard deviation / √steps; None with
+      one step) — on a shared CPU one step's bubble moves by several points (tiny, p = 2: sd 6-8
+      points per step on the 2-core dev machine), so a measurement of few steps is itself uncertain.
     - ``measured.stage_stats[r]`` (``stage`` is the rank; ``virtual_stages`` the stages it holds):
       ``busy_s`` (time inside forward/backward calls, the loss counted with the forward),
       ``idle_s`` = wall − busy, ``counted_in_flight`` (the schedule's count of micro-batches
@@ -154,6 +159,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "device": raw.get("device"),
         "measured": {
             "bubble_fraction": sum(bubbles) / len(bubbles),
+            "bubble_steps": bubbles,
+            "bubble_se": statistics.stdev(bubbles) / math.sqrt(len(bubbles)) if len(bubbles) > 1 else None,
             "step_time_s": wall,
             "stage_stats": stats,
             "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},

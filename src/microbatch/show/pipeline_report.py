@@ -66,7 +66,12 @@ def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> 
     lines += [
         "                       before the run   replay (measured ops)   measured",
         f"  bubble (idle share)   {_pct(b and b['bubble_fraction']):>14}   {pw['bubble_fraction']:>21.1%}   "
-        f"{m['bubble_fraction']:>8.1%}",
+        f"{m['bubble_fraction']:>8.1%}"
+        + (
+            f" ± {m['bubble_se'] * 100:.1f} pt (standard error over steps)"
+            if m.get("bubble_se") is not None
+            else ""
+        ),
         f"  step time             {_ms(b and b['step_time_s']):>14}   {_ms(pw['step_time_s']):>21}   "
         f"{_ms(m['step_time_s']):>8}",
         _before_line(b) if b else "  before the run: not predicted (--no-predict)",
