@@ -212,8 +212,15 @@ def test_bubble_charts_share_one_time_scale_in_ms_and_the_colour_table(tmp_path)
 
     from microbatch.show.timeline import KIND_COLORS
 
-    rep = build_report([("pipeline", _seconds_pipeline())], tmp_path / "p.html")
+    res = _seconds_pipeline()
+    res["before_run"] = {"bubble_fraction": 0.412}
+    res["predicted"]["with_comm"] = {"bubble_fraction": 0.377}
+    res["measured"].update(bubble_fraction=0.45, bubble_steps=[0.43, 0.47], bubble_se=0.02)
+    rep = build_report([("pipeline", res)], tmp_path / "p.html")
     text = rep.html_path.read_text()
+    # the three columns of the run: before the run, the replay with measured op times, measured ± se
+    assert "<td>bubble fraction</td><td>41.2%</td><td>37.7%</td><td>45.0% ± 2.0 pt</td>" in text
+    assert "the mean over 2 steps after the first" in text
     assert [p.name for p in rep.png_paths] == ["bubble-measured-0.png", "bubble-predicted-0.png"]
     assert text.count("time (ms)") == 2  # the axis label of both charts (matplotlib keeps it as a comment)
     # both axes end at the longer of the two spans, 80 ms: the same scale

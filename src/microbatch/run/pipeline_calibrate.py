@@ -300,10 +300,11 @@ def needs_loaded_calibration(cfg: PipelineConfig, runtime: dict[str, Any]) -> bo
     `small` p = 4, m = 8, the gap after a send to a waiting rank 3.6-4.6 ms in the real run against
     0.9-1.1 ms in the bare calibration; `tiny` p = 2, GPipe, the gap after a local op 1.08-1.19 ms
     against 0.43-0.54 ms. ``bench/bench_pipeline.py --repeat 3`` with the loaded calibration for
-    every p: 46 of 48 runs within 5 points of the measured bubble, mean 1.9, max 5.6, tiny's mean
-    signed error +1.2 points (bare calibration, three runs of the same bench: 44, 38 and 39 of 48,
-    mean 2.1-2.8, max 6.2-12.4, tiny read 3-6 points low). NCCL ranks have a device each and keep
-    the bare calibration (BENCHMARKS.md, "Run: pipeline")."""
+    every p (21 steps; each run measured over 7 steps): 46, 41 and 37 of 48 runs within 5 points of
+    the measured bubble, tiny p = 2's mean signed error +0.1 to +2.4 points (bare calibration: 44,
+    38 and 39 of 48, tiny p = 2 read 1.8-4.0 points low); with up to ``MAX_LOADED_STEPS`` steps and
+    each run measured over at least 3 s of steps: 44 and 44 of 48. NCCL ranks have a device each
+    and keep the bare calibration (BENCHMARKS.md, "Run: pipeline")."""
     return cfg.backend == "gloo" and runtime.get("machine") is not None
 
 

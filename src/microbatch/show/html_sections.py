@@ -143,26 +143,37 @@ def _bubble(
 
 
 def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Section:
-    """A pipeline run: the bubble and in-flight counts predicted against measured, the gradient
-    check, and the measured and predicted bubble charts on one time scale."""
+    """A pipeline run: the bubble predicted before the run, replayed with the run's op times and
+    measured (± its standard error over steps), the in-flight counts, the gradient check, and the
+    measured and predicted bubble charts on one time scale."""
     meas, pred = res.get("measured", {}), res.get("predicted", {})
     parts = [
         f"<h2>Pipeline run: {esc(res.get('schedule'))}, p = {esc(res.get('stages'))}, "
         f"m = {esc(res.get('microbatches'))}</h2>"
     ]
+    before = res.get("before_run") or {}
+    replay = pred.get("with_comm") or pred
+    se = meas.get("bubble_se")
+    measured = pct(meas.get("bubble_fraction")) + ("" if se is None else f" ± {100 * se:.1f} pt")
     rows: list[list[Any]] = [
-        ["bubble fraction", pct(pred.get("bubble_fraction")), pct(meas.get("bubble_fraction"))]
+        ["bubble fraction", pct(before.get("bubble_fraction")), pct(replay.get("bubble_fraction")), measured]
     ]
     pif = pred.get("peak_in_flight") or []
     for i, s in enumerate(meas.get("stage_stats", [])):
         rows.append(
             [
                 f"in flight (counted), rank {s.get('stage', i)}",
+                "—",
                 pif[i] if i < len(pif) else "—",
                 s.get("counted_in_flight", s.get("peak_in_flight")),
             ]
         )
-    parts.append(table(["", "predicted", "measured"], rows))
+    parts.append(table(["", "before the run", "replay (measured op times)", "measured"], rows))
+    if se is not None:
+        parts.append(
+            f"<p>Measured: the mean over {esc(len(meas.get('bubble_steps') or []))} steps after the first, "
+            "± its standard error.</p>"
+        )
     if res.get("gradients_match") is not None:
         parts.append(
             f"<p>Gradients match the unsplit model: <b>{esc(res.get('gradients_match'))}</b> "
