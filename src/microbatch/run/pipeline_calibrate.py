@@ -321,11 +321,11 @@ def calibrate_loaded(
     :func:`predict_before` takes them as latency (``runtime["loaded"]``). The bare calibration's
     in-op costs and machine reading are kept."""
     from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_order import torch_order
+    from microbatch.run.pipeline_order import splits_backward, torch_order
     from microbatch.run.pipeline_replay import runtime_terms
 
     order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
-    split = any(k in ("I", "W") for acts in order.values() for a in acts for k in a if k.isalpha())
+    split = splits_backward(order)
 
     def cpu(row: dict[str, float], k: str) -> float:
         return float(row.get(f"cpu{k}", row.get(k, 0.0)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from microbatch.errors import ScheduleError
 from microbatch.schedules.registry import check_servable, torch_spec
 
-__all__ = ["torch_order"]
+__all__ = ["splits_backward", "torch_order"]
 
 
 def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[int, list[str]]:
@@ -73,3 +73,9 @@ def _parts(action: object) -> tuple[object, ...]:
     (DualPipeV's ``OVERLAP_F_B``) is its sub-actions, forward first; any other action is itself."""
     subs = getattr(action, "sub_actions", None)
     return tuple(subs) if subs else (action,)
+
+
+def splits_backward(order: dict[int, list[str]]) -> bool:
+    """Whether an order (rank -> actions like ``"1I0"``) runs the backward split into input (I)
+    and weight (W) gradients, as the zero-bubble schedules do, rather than whole (B)."""
+    return any(k in ("I", "W") for acts in order.values() for a in acts for k in a if k.isalpha())

@@ -37,12 +37,12 @@ def predict_before(
     """Bubble and step time of ``cfg`` predicted before the run: torch's order replayed with the
     profiled per-stage times and the runtime's measured costs between ops
     (:func:`microbatch.run.pipeline_replay.replay`)."""
-    from microbatch.run.pipeline_order import torch_order
+    from microbatch.run.pipeline_order import splits_backward, torch_order
     from microbatch.run.pipeline_replay import parse_action, replay
 
     order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
     extra = runtime.get("in_op_s", {})
-    split = any(k in ("I", "W") for acts in order.values() for a in acts for k in a if k.isalpha())
+    split = splits_backward(order)
 
     machine = runtime.get("machine")
     kinds = "FBIW" if split else "FB"
