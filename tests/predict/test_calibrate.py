@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -443,24 +444,26 @@ def tiny_sweeper():
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tiny_sweeper):
-    return tiny_sweeper.result()
+    return tiny_sweeper.result(0)
 
 
-SWEEP_ROUNDS = 4
-"""Passes over b_m 1, 2, 4, 8 in the one child, in alternating order (1→8, 8→1: a drift in the
-machine's speed falls on both ends alike); each point's time is the fastest of its passes (~4 s a
-pass on the 2-core dev machine)."""
+SWEEP_PASSES = 12
+"""Passes over b_m 1, 2, 4, 8 in the one child, in alternating order (1→8, 8→1); each pass is one
+tune-like sweep (~2 s on the 2-core dev machine) and is validated on its own."""
 
 RE_MEASURE_ROUNDS = 2
-"""How many times the step-time test re-measures (four passes each) before it holds the bound."""
+"""How many times the step-time test measures SWEEP_PASSES more passes while the median error is over
+the target, before it holds the bound (at most 36 passes, ~80 s)."""
 
-STEP_TIME_OF_PASSES = min
-"""How a point's time is taken from its passes. The probe's CPU time on a shared VM only gains from
-noise (time the host takes can count as the guest's CPU time), so the least of the passes is the
-estimate of the step's own cost (as ``timeit`` takes the minimum). Measured 2026-11-30 on the 2-core
-dev machine at load 3-5 (other engineers' tests running), error at b_m 8 fitted on 1, 2, 4: the
-median of 3 passes gave -6.6% to +26.1% (5 sweeps); the least of 3, -9.4% to +5.6%; the least of 4
-alternating passes, -6.9% to +2.7% (6 sweeps). An earlier session's single passes ranged -34% to +16%."""
+STEP_ERROR_OF_PASSES = statistics.median
+"""How the test's one figure is taken from the passes: the median over passes of each pass's own
+calibrated error at b_m 8 (fit on that pass's b_m 1, 2, 4), the error a user's single sweep has in the
+middle of the machine's noise. Measured on the 2-core dev machine (a Firecracker VM) 2026-12-01: one
+pass's error ranges −34% to +49% (the VM's speed moves 30% between seconds, invisibly to the guest's
+/proc/stat), while the median of 12 passes gave +5.1%, +0.5%, +2.9%, +1.2%, +1.2%, +6.9%, +0.4%
+(quiet), +1.1%, +2.8% (a memory-streaming co-runner on the other core) and +3.6% (a spinning one). The rule it replaces — each b_m's fastest pass,
+then one fit — mixes passes taken in different machine states: it gave +19.1% over 12 passes on the
+same quiet machine, −12.8% and −10.6% under the co-runner, and failed CI once at −14.4% after 12."""
 
 
 class _TinySweep:
@@ -474,28 +477,25 @@ class _TinySweep:
         from microbatch.measure.spec import ProbeSpec
         from microbatch.measure.timing import TimingConfig
 
-        # the probe's CPU time (one torch thread): steadier than the wall clock on a shared machine
+        # the probe's CPU time (one torch thread): steadier than the wall clock on a shared machine;
+        # short probes, so that many passes (each validated alone) fit in CI's time
         timing = TimingConfig(
-            warmup=5, min_repeats=30, max_repeats=60, max_time_s=1.5, rel_tol=0.02, clock="process"
+            warmup=3, min_repeats=10, max_repeats=20, max_time_s=0.4, rel_tol=0.02, clock="process"
         )
         self.prober = ChildProber(ProbeSpec(model="tiny", seq=64, threads=1, timing=timing), timeout_s=120)
         self.passes: list[list[dict]] = []
-        self.more(SWEEP_ROUNDS)
+        self.more(SWEEP_PASSES)
 
-    def more(self, rounds: int) -> None:
-        for _ in range(rounds):
+    def more(self, passes: int) -> None:
+        for _ in range(passes):
             r = len(self.passes)
             got = {b: self.prober.measure(b).to_dict() for b in (self.BMS if r % 2 == 0 else self.BMS[::-1])}
             self.passes.append([got[b] for b in self.BMS])
 
-    def result(self) -> dict:
-        points = [dict(p) for p in self.passes[0]]  # memory from the first pass
-        for i, p in enumerate(points):
-            for key in ("micro_step_s", "step_time_s"):
-                if p.get(key):
-                    p[key] = STEP_TIME_OF_PASSES(run[i][key] for run in self.passes)
-        return {"points": points, "model": "tiny", "seq": 64, "precision": "fp32", "checkpointing": "off",
-                "device": "cpu", "mode": "train"}  # fmt: skip
+    def result(self, i: int) -> dict:
+        """Pass ``i`` as a tune result."""
+        return {"points": [dict(p) for p in self.passes[i]], "model": "tiny", "seq": 64, "precision": "fp32",
+                "checkpointing": "off", "device": "cpu", "mode": "train"}  # fmt: skip
 
 
 @pytest.mark.timeout(180)
@@ -517,28 +517,35 @@ def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
 
 @pytest.mark.timeout(400)
 def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweeper):
-    """Step time at b_m 8 from b_m 1, 2, 4 within the stated 10% (STEP_TARGET), each point the fastest
-    of its passes. Never skipped: when the error is over the target the sweep is re-measured (four
-    more passes, at most twice, RE_MEASURE_ROUNDS) — more passes only bring each point's minimum nearer
-    the step's own cost — and the bound is then held; validate's verdict agrees with its error."""
+    """Step time at b_m 8 from b_m 1, 2, 4 within the stated 10% (STEP_TARGET): each pass validated
+    alone as a tune result, the median of their errors held (STEP_ERROR_OF_PASSES). Never skipped:
+    while the median is over the target the sweep is re-measured (SWEEP_PASSES more, at most
+    RE_MEASURE_ROUNDS times), then the bound is held; each pass's verdict agrees with its error."""
     from microbatch.hardware import measure_cpu
 
     cpu = measure_cpu()
+    done: list[dict] = []
 
-    def errors() -> dict:
-        meas = read_measurements(tiny_sweeper.result())
-        return validate(meas, cover_measurements(cpu, meas)[0], fit_on=3).errors()
+    def median_error() -> float:
+        for i in range(len(done), len(tiny_sweeper.passes)):
+            meas = read_measurements(tiny_sweeper.result(i))
+            done.append(validate(meas, cover_measurements(cpu, meas)[0], fit_on=3).errors())
+        return STEP_ERROR_OF_PASSES([e["step_calibrated"] for e in done])
 
-    e = errors()
+    err = median_error()
     for _ in range(RE_MEASURE_ROUNDS):
-        if abs(e["step_calibrated"]) <= STEP_TARGET:
+        if abs(err) <= STEP_TARGET:
             break
-        tiny_sweeper.more(SWEEP_ROUNDS)
-        e = errors()
-    assert abs(e["step_calibrated"]) <= STEP_TARGET, (e, len(tiny_sweeper.passes))
-    assert e["step_met"], e
-    assert e["step_uncalibrated"] != e["step_calibrated"], e  # the calibration changed the prediction
-    assert not math.isnan(e["step_loo_worst"])
+        tiny_sweeper.more(SWEEP_PASSES)
+        err = median_error()
+    per_pass = [round(e["step_calibrated"], 3) for e in done]
+    assert abs(err) <= STEP_TARGET, (err, per_pass)
+    for e in done:
+        assert e["step_met"] == (abs(e["step_calibrated"]) <= STEP_TARGET), e
+        assert e["step_uncalibrated"] != e["step_calibrated"], e  # the calibration changed the prediction
+        assert not math.isnan(e["step_loo_worst"])
+    # the calibration is the point: uncalibrated, the CPU's matmul peak with no ramp is far too fast
+    assert abs(err) < abs(statistics.median(e["step_uncalibrated"] for e in done)) / 2, per_pass
 
 
 # -- the latency-bound regime (issue 17) ---------------------------------------------------------------
