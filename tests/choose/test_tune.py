@@ -600,3 +600,36 @@ def test_stop_search_from_the_measure_keeps_the_points_or_refuses_when_there_are
     assert bs(pts) == [1, 2, 4] and log.stop_reason == "no data for 8" and not log.interrupted
     with pytest.raises(ConfigError, match="no data for 8"):
         search(measure, SearchConfig(start=8), MEASURED)
+
+
+def test_walk_refusals_name_the_settings_as_the_caller_spells_them(tmp_path, monkeypatch):
+    """The command line's refusal names its flags; the Python API's names its keywords (it named
+    ``--global-batch`` to a caller of ``microbatch.tune(..., global_batch=7)``)."""
+    import torch
+
+    import microbatch
+    from microbatch.choose.preflight import FLAG_NAMES, KEYWORD_NAMES, check_walk
+
+    bad = (SearchConfig(start=16, max_micro_batch=4), ChoiceConfig())
+    with pytest.raises(
+        ConfigError, match=r"^--start 16 is above --max-micro-batch 4: .*use --start 4 or less"
+    ):
+        check_walk(*bad, FLAG_NAMES)
+    with pytest.raises(
+        ConfigError,
+        match=r"^start=16 is above max_micro_batch=4: .*use start=4 or less, or raise max_micro_batch$",
+    ):
+        check_walk(*bad, KEYWORD_NAMES)
+    odd = (SearchConfig(), ChoiceConfig(global_batch=7, data_parallel=2))
+    with pytest.raises(
+        ConfigError, match=r"^global_batch=7 is not divisible by data-parallel size 2: .*e\.g\. 6 or 8$"
+    ):
+        check_walk(*odd, KEYWORD_NAMES)
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Linear(4, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"^start=16 is above max_micro_batch=4") as err:
+        microbatch.tune(model, lambda b: torch.randn(b, 4), loss_fn=lambda m, x: m(x).mean(), start=16,
+                        max_micro_batch=4, timing=FAST, use_cache=False)  # fmt: skip
+    assert "--" not in str(err.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

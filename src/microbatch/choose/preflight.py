@@ -23,6 +23,8 @@ from microbatch.units import format_bytes, format_count
 __all__ = [
     "walk_sizes",
     "check_walk",
+    "FLAG_NAMES",
+    "KEYWORD_NAMES",
     "static_train_bytes",
     "check_static_fits",
     "check_seq",
@@ -42,14 +44,27 @@ def walk_sizes(search: SearchConfig, per_replica: int | None = None) -> list[int
     return sizes
 
 
-def check_walk(search: SearchConfig, choice: ChoiceConfig) -> None:
+FLAG_NAMES = {"start": "--start", "max": "--max-micro-batch", "B": "--global-batch", "d": "--data-parallel"}
+"""How the command line names the walk's settings (``microbatch tune``)."""
+KEYWORD_NAMES = {"start": "start", "max": "max_micro_batch", "B": "global_batch", "d": "data-parallel size"}
+"""How the Python API names them (``microbatch.tune(..., global_batch=...)``, the configs' fields; d
+is the world size under torch.distributed unless ``data_parallel`` is given)."""
+
+
+def check_walk(search: SearchConfig, choice: ChoiceConfig, names: dict[str, str] = FLAG_NAMES) -> None:
     """ConfigError when no b_m of the walk could be chosen: nothing to measure, or none whose
-    b_m·d divides the global batch (the knee is chosen among those only)."""
+    b_m·d divides the global batch (the knee is chosen among those only). ``names``: how the
+    caller's user spells the settings (FLAG_NAMES or KEYWORD_NAMES), so the fix names what to change."""
+
+    def given(key: str, value: object) -> str:
+        name = names[key]
+        return f"{name} {value}" if name.startswith("-") or " " in name else f"{name}={value}"
+
     cap = search.max_micro_batch
     if cap is not None and search.start > cap:
         raise ConfigError(
-            f"--start {search.start} is above --max-micro-batch {cap}: nothing would be measured; "
-            f"use --start {cap} or less, or raise --max-micro-batch"
+            f"{given('start', search.start)} is above {given('max', cap)}: nothing would be measured; "
+            f"use {given('start', cap)} or less, or raise {names['max']}"
         )
     if choice.global_batch is None:
         return
@@ -57,19 +72,19 @@ def check_walk(search: SearchConfig, choice: ChoiceConfig) -> None:
     if choice.global_batch % d:
         lo = choice.global_batch // d * d
         raise ConfigError(
-            f"--global-batch {choice.global_batch} is not divisible by --data-parallel {d}: no micro-batch "
+            f"{given('B', choice.global_batch)} is not divisible by {given('d', d)}: no micro-batch "
             f"b_m gives B = b_m × g × d; use a multiple of {d}, e.g. {max(lo, d)} or {lo + d}"
         )
     per = choice.global_batch // d
     sizes = walk_sizes(search, per)
     if not any(per % b == 0 for b in sizes):
         fix = (
-            f"use --start 1 (or another divisor of {per})"
+            f"use {given('start', 1)} (or another divisor of {per})"
             if search.start > per
-            else f"use a --start that divides {per} (e.g. 1), or raise --max-micro-batch"
+            else f"use a {names['start']} that divides {per} (e.g. 1), or raise {names['max']}"
         )
         raise ConfigError(
-            f"--global-batch {choice.global_batch} with --data-parallel {d} leaves {per} samples per replica, "
+            f"{given('B', choice.global_batch)} with {given('d', d)} leaves {per} samples per replica, "
             f"which none of the probed b_m ({', '.join(map(str, sizes[:6]))}{', ...' if len(sizes) > 6 else ''}) "
             f"divides (B = b_m × g × d needs a whole g); {fix}"
         )

@@ -193,11 +193,11 @@ def _preflight(
     budget_source: str,
 ) -> None:
     """Every check that needs no model built: the walk, transformers, the sequence, the static memory."""
-    from microbatch.choose.preflight import check_seq, check_static_fits, check_walk
+    from microbatch.choose.preflight import KEYWORD_NAMES, check_seq, check_static_fits, check_walk
     from microbatch.measure.hf import require_transformers
     from microbatch.model import from_hf_config
 
-    check_walk(search_config, choice)
+    check_walk(search_config, choice, KEYWORD_NAMES)
     described = shape if shape is not None else from_hf_config(str(hf_config), seq=probe.seq)
     if hf_config is not None:
         require_transformers("--hf-config")
@@ -347,9 +347,9 @@ def tune(
     )
     if search_config.use_cache is None:
         search_config = replace(search_config, use_cache=not dist)
-    from microbatch.choose.preflight import check_walk
+    from microbatch.choose.preflight import KEYWORD_NAMES, check_walk
 
-    check_walk(search_config, choice)
+    check_walk(search_config, choice, KEYWORD_NAMES)
     params = list(model.parameters())
     if probe_config.device is not None:
         device = torch.device(probe_config.device)

@@ -224,6 +224,7 @@ def cmd(
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
     from microbatch.choose.config import ProbeConfig, SearchConfig
+    from microbatch.choose.preflight import FLAG_NAMES, check_walk
     from microbatch.choose.tune import tune_model
     from microbatch.show.recommendation import render_tune
 
@@ -253,6 +254,7 @@ def cmd(
             use_cache=flags["use_cache"],
         )
         choice = choice_config(choice_spec)
+    check_walk(search, choice, FLAG_NAMES)  # tune_model checks it too, naming its keywords
     target = _target(model_spec)
     out_dir = check_out_dir(out) if out else None  # before any probe: a result is never lost to a bad path
 
