@@ -13,6 +13,8 @@ settings and the model's shape: no torch, no allocation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from microbatch.batch import next_micro_batch
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.errors import ConfigError
@@ -51,7 +53,7 @@ KEYWORD_NAMES = {"start": "start", "max": "max_micro_batch", "B": "global_batch"
 is the world size under torch.distributed unless ``data_parallel`` is given)."""
 
 
-def check_walk(search: SearchConfig, choice: ChoiceConfig, names: dict[str, str] = FLAG_NAMES) -> None:
+def check_walk(search: SearchConfig, choice: ChoiceConfig, names: Mapping[str, str] = FLAG_NAMES) -> None:
     """ConfigError when no b_m of the walk could be chosen: nothing to measure, or none whose
     b_m·d divides the global batch (the knee is chosen among those only). ``names``: how the
     caller's user spells the settings (FLAG_NAMES or KEYWORD_NAMES), so the fix names what to change."""
