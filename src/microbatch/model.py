@@ -2,8 +2,10 @@
 
 A :class:`ModelShape` is the geometry the formulas need (layers L, hidden h, heads a, kv heads,
 ffn hidden, vocab V, sequence s) plus the details that change parameter counts (tied
-embeddings, gated MLP, biases, norm kind, learned positions). Parameter counts match the real
-models: GPT-2 124,439,808 (tied embeddings), Llama-2-7B 6,738,415,616.
+embeddings, gated MLP, biases, norm kind, learned positions) and, for mixture-of-experts models,
+the experts and latent attention of :mod:`microbatch.moe`. Parameter counts match the real
+models: GPT-2 124,439,808 (tied embeddings), Llama-2-7B 6,738,415,616; Mixtral-8x7B 46.7B total /
+12.9B active, DeepSeek-V3 671B / 37B (without its multi-token-prediction module).
 
 The registry's ``tiny`` and ``small`` are the built-in models that ``tune``, ``pipeline`` and
 the demo run for real on the CPU (``microbatch.measure.gpt`` builds them in PyTorch).
@@ -12,12 +14,19 @@ the demo run for real on the CPU (``microbatch.measure.gpt`` builds them in PyTo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from microbatch.batch import divisors
 from microbatch.errors import ConfigError, check_positive_int
+from microbatch.moe import (
+    Experts,
+    LatentAttention,
+    experts_from_hf,
+    latent_attention_from_hf,
+    with_expert_flags,
+)
+from microbatch.shape import ModelShape
 
 __all__ = [
     "ModelShape",
@@ -28,129 +37,6 @@ __all__ = [
     "from_flags",
     "resolve_model",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """The shape of a decoder-only transformer."""
-
-    name: str = "custom"
-    """A label for reports and caches."""
-    layers: int
-    """L: transformer blocks."""
-    hidden: int
-    """h: model (residual stream) width."""
-    heads: int
-    """a: attention heads; must divide ``hidden``."""
-    kv_heads: int | None = None
-    """Key/value heads (grouped-query attention); None means ``heads`` (multi-head attention)."""
-    ffn_hidden: int | None = None
-    """MLP inner width; None means 4·h."""
-    vocab: int
-    """V: vocabulary size."""
-    seq: int
-    """s: sequence length used by default (the longest the data holds)."""
-    max_positions: int | None = None
-    """Learned position-embedding table size; None means ``seq``. Ignored with rotary positions."""
-    tied_embeddings: bool = False
-    """Output layer shares the input embedding matrix (GPT-2)."""
-    gated_mlp: bool = False
-    """SwiGLU-style MLP with three matrices (Llama, Mistral) instead of two."""
-    bias: bool = True
-    """Linear layers and norms carry biases (GPT-2: yes; Llama: no)."""
-    norm: str = "layernorm"
-    """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only)."""
-    learned_positions: bool = True
-    """A learned position-embedding table (GPT-2) rather than rotary embeddings (Llama)."""
-    flash_attention: bool = True
-    """Attention kernels that never store the s×s score matrix (drops the 5·a·s/h activation term)."""
-    dropout: bool = True
-    """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
-    Llama-family training runs without dropout."""
-
-    def __post_init__(self) -> None:
-        for f in ("layers", "hidden", "heads", "vocab", "seq"):
-            check_positive_int(f, getattr(self, f))
-        if self.kv_heads is not None:
-            check_positive_int("kv_heads", self.kv_heads)
-            if self.heads % self.kv_heads:
-                raise ConfigError(
-                    f"kv heads {self.kv_heads} do not divide heads {self.heads}; grouped-query attention "
-                    "needs heads % kv_heads == 0; choose kv heads among "
-                    + ", ".join(str(d) for d in range(1, self.heads + 1) if self.heads % d == 0)
-                )
-        if self.ffn_hidden is not None:
-            check_positive_int("ffn_hidden", self.ffn_hidden)
-        if self.hidden % self.heads:
-            near = sorted(
-                {(self.hidden // self.heads) * self.heads, (self.hidden // self.heads + 1) * self.heads}
-            )
-            raise ConfigError(
-                f"heads {self.heads} do not divide hidden {self.hidden}; each head needs hidden/heads "
-                f"whole dimensions; use hidden in {', '.join(str(n) for n in near if n > 0)} or heads among "
-                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80]
-            )
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ConfigError(f"norm {self.norm!r} is not known; use 'layernorm' or 'rmsnorm'")
-
-    # -- derived sizes -------------------------------------------------------------------
-    @property
-    def kv(self) -> int:
-        """Key/value heads in effect."""
-        return self.kv_heads or self.heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def ffn(self) -> int:
-        """MLP inner width in effect."""
-        return self.ffn_hidden or 4 * self.hidden
-
-    @property
-    def positions(self) -> int:
-        return self.max_positions or self.seq
-
-    def with_seq(self, seq: int) -> ModelShape:
-        check_positive_int("seq", seq, fix="give the longest sequence the data holds")
-        return replace(self, seq=seq)
-
-    # -- parameter counts (exact for the GPT-2 and Llama families) -----------------------
-    def norm_params(self) -> int:
-        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
-
-    def attention_params(self) -> int:
-        """q and o projections h×h, k and v projections h×(kv·head_dim), biases if any."""
-        h, kvd = self.hidden, self.kv * self.head_dim
-        weights = 2 * h * h + 2 * h * kvd
-        return weights + ((2 * h + 2 * kvd) if self.bias else 0)
-
-    def mlp_params(self) -> int:
-        h, f = self.hidden, self.ffn
-        if self.gated_mlp:
-            return 3 * h * f + ((2 * f + h) if self.bias else 0)
-        return 2 * h * f + ((f + h) if self.bias else 0)
-
-    def layer_params(self) -> int:
-        """One transformer block: attention, MLP and two norms."""
-        return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
-
-    def embedding_params(self) -> int:
-        """Token embedding plus learned positions (if any)."""
-        return self.vocab * self.hidden + (self.positions * self.hidden if self.learned_positions else 0)
-
-    def output_params(self) -> int:
-        """Final norm plus the output projection (zero extra when tied to the embedding)."""
-        return self.norm_params() + (0 if self.tied_embeddings else self.vocab * self.hidden)
-
-    def param_count(self) -> int:
-        return self.layers * self.layer_params() + self.embedding_params() + self.output_params()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["param_count"] = self.param_count()
-        return d
 
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelShape:
@@ -227,6 +113,18 @@ PRESETS: dict[str, ModelShape] = {
     "megatron-175b": _megatron("megatron-175b", 96, 12288, 96),
     "megatron-530b": _megatron("megatron-530b", 105, 20480, 128),
     "megatron-1t": _megatron("megatron-1t", 128, 25600, 160),
+    # Mixture of experts (Hugging Face configs; s = 4096, the pre-training length of DeepSeek-V3 §4.2 and
+    # of the Megatron-Bridge Mixtral recipe). DeepSeek-V3 leaves out its multi-token-prediction module
+    # (one more block and norms, 14B: the Hugging Face checkpoint's 685B = 671B + 14B).
+    "mixtral-8x7b": replace(
+        _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096),
+        moe=Experts(experts=8, top_k=2, expert_ffn_hidden=14336),
+    ),
+    "deepseek-v3": replace(
+        _llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096),
+        moe=Experts(experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1, dense_layers=3),
+        mla=LatentAttention(kv_lora_rank=512, q_lora_rank=1536),
+    ),
 }
 ALIASES = {
     "22b": "megatron-22b",
@@ -235,6 +133,7 @@ ALIASES = {
     "1t": "megatron-1t",
     "gpt2-small": "gpt2",
     "gpt3": "gpt3-175b",
+    "mixtral": "mixtral-8x7b",
 }
 
 
@@ -348,8 +247,10 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
 
     Reads layers, hidden, heads, kv heads, ffn hidden, vocab and max positions; the family
     (``model_type``) decides the block details (Llama-like: RMSNorm, rotary, SwiGLU, no biases;
-    otherwise GPT-2-like). Ignores mixture-of-experts routing and per-family oddities (Qwen2's
-    q/k/v biases, Gemma's head_dim != hidden/heads), which change parameter counts slightly.
+    otherwise GPT-2-like). Experts (Mixtral, Qwen-MoE, DeepSeek) and DeepSeek's latent attention are
+    read by :func:`microbatch.moe.experts_from_hf` and :func:`microbatch.moe.latent_attention_from_hf`.
+    Ignores per-family oddities (Qwen2's q/k/v biases, Gemma's head_dim != hidden/heads), which change
+    parameter counts slightly.
     """
     path = Path(path)
     raw = _read_hf_dict(path)
@@ -396,10 +297,15 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     for f in ("layers", "hidden", "heads", "vocab"):
         if not isinstance(fields[f], int) or isinstance(fields[f], bool):
             raise ConfigError(f"--hf-config {str(path)!r}: {f} is {fields[f]!r}, not a whole number")
+    source = f"--hf-config {str(path)!r}"
+    fields.update(
+        moe=experts_from_hf(raw, vals["ffn_hidden"], source), mla=latent_attention_from_hf(raw, source)
+    )
     return ModelShape(**fields)
 
 
-_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq")
+_EXPERT_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts")
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq", *_EXPERT_FLAGS)
 
 
 def from_flags(
@@ -441,16 +347,26 @@ def resolve_model(
 ) -> ModelShape:
     """One shape from ``--model NAME``, ``--hf-config PATH`` or the shape flags.
 
-    With a name or a config, any shape flag given overrides that field (``--model gpt2 --seq 512``).
+    With a name or a config, any shape flag given overrides that field (``--model gpt2 --seq 512``);
+    the expert flags (``--experts --top-k --expert-ffn-hidden --shared-experts``) set or override the
+    experts (:func:`microbatch.moe.with_expert_flags`).
     """
     unknown = set(flags) - set(_SHAPE_FLAGS)
     if unknown:
         raise ConfigError(f"unknown shape flags {sorted(unknown)}; known: {', '.join(_SHAPE_FLAGS)}")
     if model is not None and hf_config is not None:
         raise ConfigError("give either --model or --hf-config, not both")
+    expert_flags = {k: flags.pop(k, None) for k in _EXPERT_FLAGS}
     given = {k: v for k, v in flags.items() if v is not None}
     for k, v in given.items():
         check_positive_int("--" + k.replace("_", "-"), v, fix="sizes are whole numbers >= 1")
+    shape = _resolve_dense(model, hf_config, given)
+    moe = with_expert_flags(shape.moe, shape.ffn, expert_flags)
+    return shape if moe is shape.moe else replace(shape, moe=moe)
+
+
+def _resolve_dense(model: str | None, hf_config: str | Path | None, given: dict[str, int]) -> ModelShape:
+    """The shape of ``--model``, ``--hf-config`` or the shape flags, with the shape flags applied."""
     if model is not None:
         base = get_model(model)
     elif hf_config is not None:

@@ -142,3 +142,92 @@ def test_cli_hf_config_and_override(tmp_path, capsys):
     assert main(["memory", "--hf-config", str(path), "--seq", "1024", "-b", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model_shape"]["param_count"] == 6_738_415_616 and out["config"]["seq"] == 1024
+
+
+# -- mixture of experts and latent attention ------------------------------------------------------------
+MIXTRAL_CFG = {
+    "model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "hidden_act": "silu", "tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 2,
+}  # fmt: skip
+DEEPSEEK_V3_CFG = {
+    "model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "hidden_act": "silu", "tie_word_embeddings": False,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "num_nextn_predict_layers": 1,
+}  # fmt: skip
+
+
+def test_moe_param_counts_match_the_published_totals():
+    # Mixtral paper (Jiang et al. 2024) §2: 46.7B total (sparse), 12.9B active — within 0.5%.
+    mix = get_model("mixtral-8x7b")
+    assert mix.param_count() == pytest.approx(46.7e9, rel=0.005)
+    assert mix.active_param_count() == pytest.approx(12.9e9, rel=0.005)
+    # DeepSeek-V3 report (arXiv 2412.19437) §1 and Table 1: 671B total, 37B activated per token, without the
+    # 14B multi-token-prediction module. Total within 0.5%, active within 2% (the report rounds 37.5B to 37B).
+    ds = get_model("deepseek-v3")
+    assert ds.param_count() == pytest.approx(671e9, rel=0.005)
+    assert ds.active_param_count() == pytest.approx(37e9, rel=0.02)
+    # A dense model's active count is its total.
+    assert get_model("llama-2-7b").active_param_count() == 6_738_415_616
+
+
+def test_moe_terms_each_count():
+    """Dropping any term (router, shared experts, dense first layers, MLA) moves the totals."""
+    from dataclasses import replace
+
+    ds = get_model("deepseek-v3")
+    h, mats = ds.hidden, 3
+    moe = ds.moe
+    assert moe is not None and ds.mla is not None
+    # One MoE block = attention + router + E experts + S shared + 2 norms; a dense block has the 18432 MLP.
+    assert ds.layer_params() - ds.layer_params(0) == (
+        h * 256 + 256 * mats * h * 2048 + 1 * mats * h * 2048 - mats * h * 18432
+    )
+    no_shared = replace(ds, moe=replace(moe, shared_experts=0))
+    assert ds.param_count() - no_shared.param_count() == 58 * mats * h * 2048
+    no_dense = replace(ds, moe=replace(moe, dense_layers=0))
+    assert no_dense.param_count() - ds.param_count() == 3 * (ds.layer_params() - ds.layer_params(0))
+    # MLA (DeepSeek-V2 §2.1): q LoRA 7168·1536 + 1536 + 1536·128·192; kv 7168·576 + 512 + 512·128·256; o 128·128·7168.
+    mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert ds.attention_params() == mla
+    # Active: K = 8 routed experts of 256.
+    assert ds.layer_params() - ds.layer_params(active=True) == (256 - 8) * mats * h * 2048
+
+
+def test_hf_moe_configs_match_the_registry(tmp_path):
+    mix = from_hf_config(_write(tmp_path, MIXTRAL_CFG))
+    assert mix.param_count() == get_model("mixtral-8x7b").param_count()
+    assert mix.active_param_count() == get_model("mixtral-8x7b").active_param_count()
+    ds = from_hf_config(_write(tmp_path, DEEPSEEK_V3_CFG))
+    assert ds.moe == get_model("deepseek-v3").moe and ds.mla == get_model("deepseek-v3").mla
+    assert ds.param_count() == get_model("deepseek-v3").param_count()
+    # Qwen2-MoE: num_experts, one shared expert of shared_expert_intermediate_size.
+    qwen = from_hf_config(_write(tmp_path, {**LLAMA_CFG, "model_type": "qwen2_moe", "num_experts": 60,
+                                            "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                                            "shared_expert_intermediate_size": 5632}))  # fmt: skip
+    assert qwen.moe is not None and (qwen.moe.experts, qwen.moe.top_k, qwen.moe.shared_experts) == (60, 4, 1)
+    assert qwen.moe.shared_width == 5632 and qwen.moe.expert_ffn_hidden == 1408
+    with pytest.raises(ConfigError, match="num_experts_per_tok.*--top-k"):
+        from_hf_config(_write(tmp_path, {**MIXTRAL_CFG, "num_experts_per_tok": None}))
+    assert from_hf_config(_write(tmp_path, LLAMA_CFG)).moe is None
+
+
+def test_expert_flags_and_round_trip():
+    from dataclasses import asdict
+
+    s = resolve_model("llama-2-7b", experts=8, top_k=2)
+    assert s.moe is not None and s.moe.expert_ffn_hidden == 11008  # F defaults to the model's ffn
+    assert s.param_count() > 7 * get_model("llama-2-7b").param_count() // 2
+    s2 = resolve_model("deepseek-v3", top_k=4, shared_experts=0)
+    assert s2.moe is not None and (s2.moe.top_k, s2.moe.shared_experts, s2.moe.experts) == (4, 0, 256)
+    with pytest.raises(ConfigError, match="both --experts E and --top-k K"):
+        resolve_model("llama-2-7b", experts=8)
+    with pytest.raises(ConfigError, match="top-k 9 > experts 8"):
+        resolve_model("mixtral-8x7b", top_k=9)
+    ds = get_model("deepseek-v3")
+    back = ModelShape(**{k: v for k, v in asdict(ds).items()})  # a shape read back from JSON dicts
+    assert back == ds and back.param_count() == ds.param_count()
+    assert ds.to_dict()["active_param_count"] == ds.active_param_count()

@@ -1,0 +1,243 @@
+"""Mixture-of-experts and multi-head latent attention: the two shape extensions of a block.
+
+:class:`Experts` describes a mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al.
+2024, arXiv 2401.04088; DeepSeekMoE / DeepSeek-V3, arXiv 2412.19437 §2.1.2): E routed experts of
+inner width F, of which each token visits K, plus S shared experts every token visits, and a
+router (one h×E matrix). The first ``dense_layers`` blocks keep a dense MLP (DeepSeek-V3's
+``first_k_dense_replace`` = 3).
+
+:class:`LatentAttention` describes DeepSeek's multi-head latent attention (MLA; DeepSeek-V2,
+arXiv 2405.04434 §2.1; DeepSeek-V3 §2.1.1): queries and keys/values pass through low-rank
+down-projections (ranks d_c' = ``q_lora_rank`` and d_c = ``kv_lora_rank``), each head has a
+non-rotary part (``qk_nope_head_dim``) and a decoupled rotary part (``qk_rope_head_dim``) shared by
+all heads for the key, and a value width ``v_head_dim``.
+
+Both are frozen values a :class:`microbatch.model.ModelShape` carries; their parameter counts are
+pure functions here; :func:`experts_from_hf` and :func:`latent_attention_from_hf` read the
+Hugging Face ``config.json`` keys of Mixtral, Qwen2/Qwen3-MoE and DeepSeek-V2/V3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from microbatch.errors import ConfigError, check_positive_int
+
+__all__ = [
+    "Experts",
+    "LatentAttention",
+    "experts_from_hf",
+    "latent_attention_from_hf",
+    "as_experts",
+    "as_latent_attention",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experts:
+    """A mixture-of-experts MLP: E routed experts (top-K per token), S shared experts, a router."""
+
+    experts: int
+    """E: routed experts per MoE layer."""
+    top_k: int
+    """K: routed experts each token visits (Mixtral 2, DeepSeek-V3 8)."""
+    expert_ffn_hidden: int
+    """F: inner width of one routed expert's MLP (DeepSeek-V3 ``moe_intermediate_size`` 2048)."""
+    shared_experts: int = 0
+    """S: experts every token visits (DeepSeek-V3 1, Mixtral 0)."""
+    shared_ffn_hidden: int | None = None
+    """Inner width of one shared expert; None means F (DeepSeek); Qwen2-MoE gives its own."""
+    dense_layers: int = 0
+    """The first blocks that keep a dense MLP of the model's ``ffn_hidden`` (DeepSeek-V3: 3)."""
+
+    def __post_init__(self) -> None:
+        for f in ("experts", "top_k", "expert_ffn_hidden"):
+            check_positive_int(f.replace("_", "-"), getattr(self, f))
+        if self.shared_experts < 0 or self.dense_layers < 0:
+            raise ConfigError(
+                f"shared experts {self.shared_experts} and dense layers {self.dense_layers} must be >= 0; "
+                "give 0 for none"
+            )
+        if self.top_k > self.experts:
+            raise ConfigError(
+                f"top-k {self.top_k} > experts {self.experts}; a token visits at most every expert once; "
+                f"use --top-k {self.experts} or less"
+            )
+        if self.shared_ffn_hidden is not None:
+            check_positive_int("shared-ffn-hidden", self.shared_ffn_hidden)
+
+    @property
+    def shared_width(self) -> int:
+        """Inner width of one shared expert in effect."""
+        return self.shared_ffn_hidden or self.expert_ffn_hidden
+
+    def router_params(self, hidden: int) -> int:
+        """The router (gate) weight h×E (Mixtral, Qwen-MoE, DeepSeek; biases and DeepSeek-V3's E-wide
+        load-balancing correction bias, which is not trained by gradient, are ignored: E ≪ h·E)."""
+        return hidden * self.experts
+
+    def routed_params(self, hidden: int, matrices: int) -> int:
+        """All E routed experts: E · matrices · h · F (matrices = 3 for SwiGLU, 2 otherwise; no biases)."""
+        return self.experts * matrices * hidden * self.expert_ffn_hidden
+
+    def shared_params(self, hidden: int, matrices: int) -> int:
+        """The S shared experts: S · matrices · h · F_shared."""
+        return self.shared_experts * matrices * hidden * self.shared_width
+
+    def moe_params(self, hidden: int, matrices: int) -> int:
+        """One MoE MLP in total: router + routed experts + shared experts."""
+        return (
+            self.router_params(hidden)
+            + self.routed_params(hidden, matrices)
+            + self.shared_params(hidden, matrices)
+        )
+
+    def active_moe_params(self, hidden: int, matrices: int) -> int:
+        """The MoE MLP parameters one token uses: router + K routed experts + the shared experts
+        (the "activated parameters" of Mixtral §2 and DeepSeek-V3 Table 1)."""
+        routed = self.top_k * matrices * hidden * self.expert_ffn_hidden
+        return self.router_params(hidden) + routed + self.shared_params(hidden, matrices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA): low-rank q and kv projections, decoupled RoPE."""
+
+    kv_lora_rank: int
+    """d_c: the compressed key/value latent width (DeepSeek-V3: 512)."""
+    q_lora_rank: int | None = None
+    """d_c': the compressed query width (DeepSeek-V3: 1536); None means a full-rank query projection."""
+    qk_nope_head_dim: int = 128
+    """d_h: the non-rotary query/key width per head."""
+    qk_rope_head_dim: int = 64
+    """d_h^R: the decoupled rotary query/key width per head (the key's is shared by all heads)."""
+    v_head_dim: int = 128
+    """The value (and attention output) width per head."""
+
+    def __post_init__(self) -> None:
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_positive_int(f.replace("_", "-"), getattr(self, f))
+        if self.q_lora_rank is not None:
+            check_positive_int("q-lora-rank", self.q_lora_rank)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: d_h + d_h^R (DeepSeek-V3: 192)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def params(self, hidden: int, heads: int) -> int:
+        """MLA's weights (DeepSeek-V2 §2.1.2–2.1.3, equations 9–14 and 37–47; no biases), n_h = heads:
+
+        q: h·d_c' + d_c' (norm) + d_c'·n_h·(d_h + d_h^R), or h·n_h·(d_h + d_h^R) without q LoRA;
+        kv: h·(d_c + d_h^R) + d_c (norm) + d_c·n_h·(d_h + d_v); output: n_h·d_v·h.
+        """
+        qk = heads * self.qk_head_dim
+        if self.q_lora_rank is None:
+            q = hidden * qk
+        else:
+            q = hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * qk
+        kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * hidden
+
+    def flops_per_token(self, hidden: int, heads: int) -> int:
+        """Forward GEMM FLOPs per token of MLA's projections: 2 × its weights (norms are not GEMMs,
+        their few parameters are counted anyway: d_c + d_c' ≪ the rest)."""
+        return 2 * self.params(hidden, heads)
+
+
+# -- Hugging Face config.json keys ------------------------------------------------------------------------
+_EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
+
+
+def _first(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    return None
+
+
+def _whole(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{source}: {key} is {value!r}, not a whole number >= 0; fix the config")
+    return value
+
+
+def experts_from_hf(raw: dict[str, Any], ffn_hidden: int | None, source: str) -> Experts | None:
+    """The :class:`Experts` of a config dict, or None for a dense model (no expert count, or 0/1 experts).
+
+    Keys: E from ``num_local_experts`` (Mixtral), ``n_routed_experts`` (DeepSeek), ``num_experts``
+    (Qwen-MoE); K from ``num_experts_per_tok``; F from ``moe_intermediate_size`` or, as in
+    Mixtral, ``intermediate_size``; S from ``n_shared_experts`` (DeepSeek, width F) or one shared
+    expert of ``shared_expert_intermediate_size`` (Qwen2-MoE); dense first blocks from
+    ``first_k_dense_replace``. Ignores ``moe_layer_freq`` / ``decoder_sparse_step`` other than 1.
+    """
+    e = _first(raw, _EXPERT_KEYS)
+    if e is None or e in (0, 1):
+        return None
+    e = _whole(raw, "experts", e, source)
+    k = _first(raw, _TOPK_KEYS)
+    if k is None:
+        raise ConfigError(
+            f"{source} has {e} experts but no num_experts_per_tok; give --top-k K (Mixtral 2, DeepSeek-V3 8)"
+        )
+    f = raw.get("moe_intermediate_size") or ffn_hidden
+    if f is None:
+        raise ConfigError(f"{source} has experts but no moe_intermediate_size; give --expert-ffn-hidden F")
+    shared = raw.get("n_shared_experts") or 0
+    shared_width = None
+    if not shared and raw.get("shared_expert_intermediate_size"):
+        shared, shared_width = 1, _whole(raw, "shared_expert_intermediate_size", raw["shared_expert_intermediate_size"], source)  # fmt: skip
+    return Experts(
+        experts=e,
+        top_k=_whole(raw, "num_experts_per_tok", k, source),
+        expert_ffn_hidden=_whole(raw, "moe_intermediate_size", f, source),
+        shared_experts=_whole(raw, "n_shared_experts", shared, source),
+        shared_ffn_hidden=shared_width,
+        dense_layers=_whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source),
+    )
+
+
+def latent_attention_from_hf(raw: dict[str, Any], source: str) -> LatentAttention | None:
+    """The :class:`LatentAttention` of a DeepSeek-V2/V3 config dict (``kv_lora_rank`` present), else None."""
+    if raw.get("kv_lora_rank") is None:
+        return None
+    dims = {
+        k: _whole(raw, k, raw[k], source)
+        for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if raw.get(k) is not None
+    }
+    q = raw.get("q_lora_rank")
+    return LatentAttention(q_lora_rank=None if q is None else _whole(raw, "q_lora_rank", q, source), **dims)
+
+
+def as_experts(value: Experts | dict[str, Any] | None) -> Experts | None:
+    """An :class:`Experts` from itself or its dict (a shape read back from JSON)."""
+    return Experts(**value) if isinstance(value, dict) else value
+
+
+def as_latent_attention(value: LatentAttention | dict[str, Any] | None) -> LatentAttention | None:
+    """A :class:`LatentAttention` from itself or its dict (a shape read back from JSON)."""
+    return LatentAttention(**value) if isinstance(value, dict) else value
+
+
+def with_expert_flags(base: Experts | None, ffn_hidden: int, flags: dict[str, int | None]) -> Experts | None:
+    """``base`` with the expert flags given (``--experts --top-k --expert-ffn-hidden --shared-experts``).
+
+    Without a base (a dense model), ``--experts`` and ``--top-k`` are both needed; F defaults to the
+    model's ffn hidden. No flag given returns ``base`` unchanged.
+    """
+    given = {k: v for k, v in flags.items() if v is not None}
+    if not given:
+        return base
+    if base is None:
+        if "experts" not in given or "top_k" not in given:
+            raise ConfigError(
+                "a dense model becomes mixture-of-experts with both --experts E and --top-k K "
+                f"(given: {', '.join('--' + k.replace('_', '-') for k in given)}); add the missing one"
+            )
+        given.setdefault("expert_ffn_hidden", ffn_hidden)
+        return Experts(**given)
+    return replace(base, **given)

@@ -1,0 +1,185 @@
+"""The shape of a decoder-only transformer and its exact parameter counts.
+
+A :class:`ModelShape` is the geometry the formulas need (layers L, hidden h, heads a, kv heads,
+ffn hidden, vocab V, sequence s) plus the details that change parameter counts (tied
+embeddings, gated MLP, biases, norm kind, learned positions) and, for mixture-of-experts models,
+the experts and latent attention of :mod:`microbatch.moe`. :mod:`microbatch.model` holds the
+registry of named shapes and the readers (Hugging Face configs, shape flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from microbatch.batch import divisors
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.moe import Experts, LatentAttention, as_experts, as_latent_attention
+
+__all__ = ["ModelShape"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The shape of a decoder-only transformer."""
+
+    name: str = "custom"
+    """A label for reports and caches."""
+    layers: int
+    """L: transformer blocks."""
+    hidden: int
+    """h: model (residual stream) width."""
+    heads: int
+    """a: attention heads; must divide ``hidden``."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means ``heads`` (multi-head attention)."""
+    ffn_hidden: int | None = None
+    """MLP inner width; None means 4·h."""
+    vocab: int
+    """V: vocabulary size."""
+    seq: int
+    """s: sequence length used by default (the longest the data holds)."""
+    max_positions: int | None = None
+    """Learned position-embedding table size; None means ``seq``. Ignored with rotary positions."""
+    tied_embeddings: bool = False
+    """Output layer shares the input embedding matrix (GPT-2)."""
+    gated_mlp: bool = False
+    """SwiGLU-style MLP with three matrices (Llama, Mistral) instead of two."""
+    bias: bool = True
+    """Linear layers and norms carry biases (GPT-2: yes; Llama: no)."""
+    norm: str = "layernorm"
+    """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only)."""
+    learned_positions: bool = True
+    """A learned position-embedding table (GPT-2) rather than rotary embeddings (Llama)."""
+    flash_attention: bool = True
+    """Attention kernels that never store the s×s score matrix (drops the 5·a·s/h activation term)."""
+    dropout: bool = True
+    """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
+    Llama-family training runs without dropout."""
+    moe: Experts | None = None
+    """Mixture-of-experts MLPs (E, K, F, S, dense first layers); None means every MLP is dense."""
+    mla: LatentAttention | None = None
+    """DeepSeek's multi-head latent attention in place of (grouped-query) attention; None means none."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "moe", as_experts(self.moe))  # a shape read back from JSON
+        object.__setattr__(self, "mla", as_latent_attention(self.mla))
+        if self.moe is not None and self.moe.dense_layers > self.layers:
+            raise ConfigError(
+                f"dense layers {self.moe.dense_layers} > layers {self.layers}; use at most {self.layers}"
+            )
+        for f in ("layers", "hidden", "heads", "vocab", "seq"):
+            check_positive_int(f, getattr(self, f))
+        if self.kv_heads is not None:
+            check_positive_int("kv_heads", self.kv_heads)
+            if self.heads % self.kv_heads:
+                raise ConfigError(
+                    f"kv heads {self.kv_heads} do not divide heads {self.heads}; grouped-query attention "
+                    "needs heads % kv_heads == 0; choose kv heads among "
+                    + ", ".join(str(d) for d in range(1, self.heads + 1) if self.heads % d == 0)
+                )
+        if self.ffn_hidden is not None:
+            check_positive_int("ffn_hidden", self.ffn_hidden)
+        if self.hidden % self.heads:
+            near = sorted(
+                {(self.hidden // self.heads) * self.heads, (self.hidden // self.heads + 1) * self.heads}
+            )
+            raise ConfigError(
+                f"heads {self.heads} do not divide hidden {self.hidden}; each head needs hidden/heads "
+                f"whole dimensions; use hidden in {', '.join(str(n) for n in near if n > 0)} or heads among "
+                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80]
+            )
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ConfigError(f"norm {self.norm!r} is not known; use 'layernorm' or 'rmsnorm'")
+
+    # -- derived sizes -------------------------------------------------------------------
+    @property
+    def kv(self) -> int:
+        """Key/value heads in effect."""
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn(self) -> int:
+        """MLP inner width in effect."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def positions(self) -> int:
+        return self.max_positions or self.seq
+
+    def with_seq(self, seq: int) -> ModelShape:
+        check_positive_int("seq", seq, fix="give the longest sequence the data holds")
+        return replace(self, seq=seq)
+
+    # -- parameter counts (exact for the GPT-2 and Llama families) -----------------------
+    def norm_params(self) -> int:
+        return 2 * self.hidden if self.norm == "layernorm" else self.hidden
+
+    def attention_params(self) -> int:
+        """q and o projections h×h, k and v projections h×(kv·head_dim), biases if any (or MLA's)."""
+        if self.mla is not None:
+            return self.mla.params(self.hidden, self.heads)
+        h, kvd = self.hidden, self.kv * self.head_dim
+        weights = 2 * h * h + 2 * h * kvd
+        return weights + ((2 * h + 2 * kvd) if self.bias else 0)
+
+    def mlp_params(self) -> int:
+        h, f = self.hidden, self.ffn
+        if self.gated_mlp:
+            return 3 * h * f + ((2 * f + h) if self.bias else 0)
+        return 2 * h * f + ((f + h) if self.bias else 0)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Block ``index`` (0-based) has a mixture-of-experts MLP."""
+        return self.moe is not None and index >= self.moe.dense_layers
+
+    def layer_params(self, index: int | None = None, *, active: bool = False) -> int:
+        """One transformer block: attention, MLP (dense or MoE) and two norms. ``index`` None means
+        the largest block (a MoE block when there are experts); ``active`` counts the parameters one
+        token uses (K routed experts, not E)."""
+        idx = self.layers - 1 if index is None else index
+        if self.moe is None or not self.is_moe_layer(idx):
+            mlp = self.mlp_params()
+        else:
+            mats = 3 if self.gated_mlp else 2
+            f = self.moe.active_moe_params if active else self.moe.moe_params
+            mlp = f(self.hidden, mats)
+        return self.attention_params() + mlp + 2 * self.norm_params()
+
+    def layers_params(self, first: int, count: int, *, active: bool = False) -> int:
+        """Blocks ``first`` … ``first + count − 1`` together (dense first layers counted as dense)."""
+        if self.moe is None:
+            return count * self.layer_params()
+        dense = max(0, min(first + count, self.moe.dense_layers) - first)
+        return dense * self.layer_params(0, active=active) + (count - dense) * self.layer_params(
+            active=active
+        )
+
+    def embedding_params(self) -> int:
+        """Token embedding plus learned positions (if any)."""
+        return self.vocab * self.hidden + (self.positions * self.hidden if self.learned_positions else 0)
+
+    def output_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied to the embedding)."""
+        return self.norm_params() + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def param_count(self) -> int:
+        """Total parameters (every expert)."""
+        return self.layers_params(0, self.layers) + self.embedding_params() + self.output_params()
+
+    def active_param_count(self) -> int:
+        """Parameters one token uses: K routed experts per MoE block, embeddings included (Mixtral's
+        12.9B and DeepSeek-V3's 37B count them); equal to :meth:`param_count` for a dense model."""
+        return (
+            self.layers_params(0, self.layers, active=True) + self.embedding_params() + self.output_params()
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["param_count"] = self.param_count()
+        d["active_param_count"] = self.active_param_count()
+        return d
