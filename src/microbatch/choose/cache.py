@@ -1,9 +1,14 @@
-"""The tune cache: measured points saved as JSON, keyed by what makes a measurement repeatable.
+"""The tune cache: measured points saved as JSON, keyed by everything that changes a measurement.
 
-Points are saved under ``$MICROBATCH_CACHE_DIR`` (default ``~/.cache/microbatch``), keyed by
-the model's fingerprint, sequence length, precision, device name, torch version, mode and
-global batch, after every probe: a repeated ``tune`` reuses them and an interrupted one keeps
-them. A cache that cannot be read or written is not an error.
+Points are saved under ``$MICROBATCH_CACHE_DIR`` (default ``~/.cache/microbatch``) after every
+probe: a repeated ``tune`` reuses them and an interrupted one keeps them. The key
+(:func:`cache_key` of the fields :mod:`microbatch.choose.tune` gathers) holds the model's structure,
+what the step is fed (:func:`batch_structure` of ``make_batch(b)`` for two b), the loss function
+(:func:`callable_identity`), the optimizer and its settings (:func:`optimizer_identity`), the
+device and its name, threads, precision, mode, checkpointing, the timing settings, B_global and d,
+and the torch, Python and microbatch versions. A change to any of them measures again. Each point
+keeps when it was measured (``measured_at``) so that an answer served from the cache can say so
+(:class:`CacheUse`). A cache that cannot be read or written is not an error.
 """
 
 from __future__ import annotations
@@ -11,13 +16,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from microbatch._json import dumps
 from microbatch.measure.probes import Measurement
 
-__all__ = ["cache_dir", "cache_key", "load_points", "save_points", "module_fingerprint", "class_name"]
+__all__ = [
+    "CacheUse",
+    "CachedAnswer",
+    "batch_structure",
+    "cache_dir",
+    "cache_key",
+    "callable_identity",
+    "class_name",
+    "load_points",
+    "module_fingerprint",
+    "optimizer_identity",
+    "save_points",
+    "versions",
+]
 
 Points = dict[tuple[int, bool], Measurement]
 """Measured points by (b_m, activation checkpointing on)."""
@@ -34,29 +56,149 @@ def cache_key(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def load_points(key: str) -> Points:
-    """The points saved under ``key`` (none when the file is missing or unreadable)."""
+Stamps = dict[tuple[int, bool], float]
+"""When each point was measured (seconds since the epoch), by (b_m, checkpointing)."""
+
+
+def load_points(key: str, stamps: Stamps | None = None) -> Points:
+    """The points saved under ``key`` (none when the file is missing or unreadable); when each was
+    measured goes into ``stamps`` if given (points saved before stamps existed: the file's time)."""
     path = cache_dir() / f"tune-{key}.json"
     try:
         data = json.loads(path.read_text())
-        return {
+        points = {
             (int(d["micro_batch"]), bool(d.get("checkpointing"))): Measurement.from_dict(d)
             for d in data["points"]
         }
+        if stamps is not None:
+            saved = path.stat().st_mtime
+            for d in data["points"]:
+                at = d.get("measured_at")
+                key_ = (int(d["micro_batch"]), bool(d.get("checkpointing")))
+                stamps[key_] = float(at) if isinstance(at, (int, float)) else saved
+        return points
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
 
-def save_points(key: str, fields: dict[str, Any], points: Points) -> None:
-    """Save ``points`` under ``key`` (atomically: written aside, then renamed)."""
+def save_points(key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None) -> None:
+    """Save ``points`` under ``key`` (atomically: written aside, then renamed), each with when it
+    was measured (``stamps``; now for a point without one)."""
     d = cache_dir()
+    now = time.time()
+    rows = [dict(m.to_dict(), measured_at=(stamps or {}).get(k, now)) for k, m in points.items()]
     try:
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f"tune-{key}.json.tmp"
-        tmp.write_text(dumps({"key": fields, "points": [m.to_dict() for m in points.values()]}))
+        tmp.write_text(dumps({"key": fields, "points": rows}))
         tmp.replace(d / f"tune-{key}.json")
     except OSError:
         pass  # a cache that cannot be written is not an error
+
+
+class CachedAnswer(UserWarning):
+    """Warned by :func:`microbatch.tune` and :func:`microbatch.choose.tune.tune_model` when points of
+    the answer came from the cache (``warnings.simplefilter("ignore", CachedAnswer)`` silences it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheUse:
+    """How much of an answer came from the cache: what every entry point says in one line."""
+
+    points: int
+    """Points of the answer taken from the cache."""
+    measured: int
+    """Points measured in this run."""
+    oldest_s: float | None
+    """When the oldest cached point was measured (seconds since the epoch)."""
+    key: str
+    """The cache key (the file is ``tune-<key>.json`` in :func:`cache_dir`)."""
+
+    def message(self) -> str:
+        """One line: how many points came from the cache, when they were measured, how to measure again."""
+        when = (
+            ""
+            if self.oldest_s is None
+            else time.strftime(" (measured from %Y-%m-%d %H:%M UTC", time.gmtime(self.oldest_s))
+        )
+        when += ")" if when else ""
+        return (
+            f"{self.points} of {self.points + self.measured} points from the cache{when}, "
+            f"{cache_dir() / f'tune-{self.key}.json'}; use_cache=False (--no-cache) measures them again"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "points": self.points,
+            "measured": self.measured,
+            "oldest_measured_at": self.oldest_s,
+            "key": self.key,
+            "file": str(cache_dir() / f"tune-{self.key}.json"),
+        }
+
+
+def batch_structure(batch: Any, depth: int = 0) -> Any:
+    """What a step is fed, without its values: tensors as (shape, dtype, device), containers
+    recursively, other objects by type (numbers and strings by value: they are settings)."""
+    if depth > 6:
+        return type(batch).__name__
+    shape = getattr(batch, "shape", None)
+    if shape is not None and hasattr(batch, "dtype"):
+        return ["tensor", list(shape), str(batch.dtype), str(getattr(batch, "device", ""))]
+    if isinstance(batch, Mapping):
+        return {
+            str(k): batch_structure(v, depth + 1) for k, v in sorted(batch.items(), key=lambda kv: str(kv[0]))
+        }
+    if isinstance(batch, (list, tuple)):
+        return [type(batch).__name__, [batch_structure(v, depth + 1) for v in batch]]
+    if batch is None or isinstance(batch, (bool, int, float, str)):
+        return batch
+    return type(batch).__name__
+
+
+def callable_identity(fn: Callable[..., Any] | None) -> str | None:
+    """A callable's module, qualified name and a hash of its code (a lambda or a function whose body
+    changed is another loss); None for None (the default loss)."""
+    if fn is None:
+        return None
+    inner: Any = getattr(fn, "__func__", fn)  # a bound method: its function
+    name = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
+    code = getattr(inner, "__code__", None)
+    if code is None:
+        return f"{name} {type(fn).__name__} {getattr(fn, 'func', '')!r}"  # partials, callable objects
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_consts).encode())
+    h.update(repr(code.co_names).encode())
+    return f"{name} {h.hexdigest()[:12]}"
+
+
+def optimizer_identity(optimizer: Any) -> dict[str, Any] | None:
+    """An optimizer's class and its settings (defaults and each group's, parameters left out)."""
+    if optimizer is None:
+        return None
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"n_params": len(g.get("params", []))}
+        for g in getattr(optimizer, "param_groups", [])
+    ]
+    defaults = getattr(optimizer, "defaults", {})
+    return {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "defaults": json.loads(json.dumps(defaults, sort_keys=True, default=str)),
+        "groups": json.loads(json.dumps(groups, sort_keys=True, default=str)),
+    }
+
+
+def versions() -> dict[str, str]:
+    """The torch, Python and microbatch versions (a new release may time differently)."""
+    import torch
+
+    from microbatch import __version__
+
+    return {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "microbatch": __version__,
+    }
 
 
 def class_name(model: Any) -> str:

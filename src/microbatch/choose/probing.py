@@ -53,6 +53,32 @@ class Prober(Protocol):
     def close(self) -> None: ...
 
 
+SMALL_CPU = 4
+"""On a CPU with this many cores or fewer, tuning defaults to one thread and the process clock.
+
+Measured on a 2-core machine (BENCHMARKS.md, issue 18): ``tune --model small --memory-budget 4GiB
+-B 256`` took 126 s with torch's threads and the wall clock (226 tokens/s at b_m 1, knee 64: the
+probe's threads fought the other processes for two cores) against seconds with one thread and the
+process clock; on a large machine torch's threads are what a user's run gets."""
+
+
+def cpu_timing_rule(threads: int | None, clock: str | None, cores: int) -> tuple[int | None, str, bool]:
+    """(threads, clock, chosen) for CPU probes: what was given, the rest from the core count
+    (``chosen``: neither was given and the rule picked both). One thread with the process clock on a
+    CPU of :data:`SMALL_CPU` cores or fewer; torch's threads with the wall clock above. The process
+    clock adds up every thread's CPU time, so it measures a step only with one thread."""
+    if threads is None and clock is None:
+        return (1, "process", True) if cores <= SMALL_CPU else (None, "wall", True)
+    if clock is None:
+        clock = "process" if threads == 1 else "wall"
+    if clock == "process" and threads is not None and threads != 1:
+        raise ConfigError(
+            f"clock process with threads {threads}: the process clock adds up the CPU time of every thread, "
+            "so it would not measure the step; use threads=1 with clock process, or clock wall"
+        )
+    return (1 if clock == "process" else threads), clock, False
+
+
 def default_timing(device: str) -> TimingConfig:
     """:data:`CUDA_TIMING` on a CUDA device, :data:`CPU_TIMING` elsewhere."""
     return CUDA_TIMING if device.startswith("cuda") else CPU_TIMING

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch._json import dumps
+from microbatch.choose.cache import CacheUse
 from microbatch.choose.knee import Recommendation
 from microbatch.envelope import envelope
 from microbatch.measure.probes import Measurement
@@ -69,6 +70,10 @@ class TuneResult:
     """Memory before activations (process, weights, gradients, optimizer state) where measured."""
     fingerprint: str = ""
     """Cache key of the run."""
+    cache: CacheUse | None = None
+    """How many points of the answer came from the cache, and when they were measured (None: none)."""
+    timing_choice: str = ""
+    """How the probes were timed and why (threads, clock), where the tuner chose it."""
 
     def to_dict(self) -> dict[str, Any]:
         d = self.recommendation.to_dict()
@@ -105,7 +110,10 @@ class TuneResult:
             wall_time_s=self.wall_time_s,
             static_bytes=self.static_bytes,
             fingerprint=self.fingerprint,
+            cache=self.cache.to_dict() if self.cache is not None else None,
         )
+        if self.timing_choice:
+            d["timing_choice"] = self.timing_choice
         # The budget is the user's; keep the key even when None (recommend's dict has it).
         d["memory_budget_bytes"] = self.memory_budget_bytes
         d["memory_budget_source"] = self.memory_budget_source

@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from microbatch.choose.cache import cache_key, class_name, load_points, module_fingerprint, save_points
+from microbatch.choose.cache import (
+    CachedAnswer,
+    CacheUse,
+    batch_structure,
+    cache_key,
+    callable_identity,
+    class_name,
+    load_points,
+    module_fingerprint,
+    optimizer_identity,
+    save_points,
+    versions,
+)
 from microbatch.choose.config import (
     ChoiceConfig,
     ProbeConfig,
@@ -34,6 +47,7 @@ from microbatch.choose.knee import recommend
 from microbatch.choose.probing import (
     Prober,
     check_cuda_budget,
+    cpu_timing_rule,
     default_timing,
     device_name,
     open_prober,
@@ -44,6 +58,7 @@ from microbatch.choose.search import OnPoint, SearchLog, curve_point, search
 from microbatch.choose.snapshot import gc_frozen, leave_no_trace
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
+from microbatch.measure.timing import TimingConfig
 
 __all__ = ["configs_from_options", "tune", "tune_model"]
 
@@ -92,8 +107,6 @@ def _run(
     The configs are resolved: ``probe.device`` set, ``search_config.use_cache`` a bool,
     ``choice.reference`` and ``choice.data_parallel`` set, the budget filled in.
     """
-    import torch
-
     device = probe.device or "cpu"
     name = device_name(device)
     fields = dict(
@@ -101,33 +114,53 @@ def _run(
         seq=probe.seq,
         precision=probe.precision,
         device=name,
-        torch=torch.__version__,
+        device_type=device,
         mode=probe.mode,
+        checkpointing=search_config.checkpointing,
         global_batch=choice.global_batch,
         data_parallel=choice.data_parallel,
+        versions=versions(),
     )
     key = cache_key(fields)
     use_cache = bool(search_config.use_cache)
-    known = load_points(key) if use_cache else {}
+    stamps: dict[tuple[int, bool], float] = {}
+    known = load_points(key, stamps) if use_cache else {}
+    from_cache = set(known)  # what was measured before this run
     log = SearchLog()
 
     def measure(b: int, ckpt: bool) -> Measurement:
         prober.start()
         m = prober.measure(b, checkpointing=ckpt)
+        from_cache.discard((b, ckpt))
         if use_cache:
             known[(b, ckpt)] = m
-            save_points(key, fields, known)
+            stamps[(b, ckpt)] = time.time()
+            save_points(key, fields, known, stamps)
         return m
 
+    points: list[Measurement] = []
     try:
         points = search(measure, search_config, choice, known=known, on_point=on_point, log=log)
         if log.probes and not log.interrupted:  # a flat curve's knee, measured again (a cached run: kept)
             points = confirm_knee(measure, points, choice, log)
             if use_cache:  # a repeated tune reads the confirmed (median) points
                 known.update({(p.micro_batch, p.checkpointing): p for p in points})
-                save_points(key, fields, known)
+                save_points(key, fields, known, stamps)
     finally:
         prober.close()
+    cached = [
+        (p.micro_batch, p.checkpointing) for p in points if (p.micro_batch, p.checkpointing) in from_cache
+    ]
+    cache = (
+        CacheUse(
+            points=len(cached),
+            measured=len(points) - len(cached),
+            oldest_s=min((stamps[k] for k in cached if k in stamps), default=None),
+            key=key,
+        )
+        if cached
+        else None
+    )
     rec = recommend([curve_point(p) for p in points], choice)
     methods = {p.memory_method for p in points if p.memory_method}
     return TuneResult(
@@ -140,7 +173,7 @@ def _run(
         device_name=name,
         precision=probe.precision,
         checkpointing=search_config.checkpointing,
-        torch_version=torch.__version__,
+        torch_version=fields["versions"]["torch"],
         memory_budget_bytes=choice.memory_budget_bytes,
         memory_method=", ".join(sorted(methods)),
         stop_reason=log.stop_reason,
@@ -153,6 +186,7 @@ def _run(
         memory_budget_source=setup.budget_source,
         static_bytes=getattr(prober, "static_bytes", None),
         fingerprint=key,
+        cache=cache,
     )
 
 
@@ -285,8 +319,11 @@ def tune_model(
     fp["timing"] = spec.timing.__dict__
     fp["in_process"] = probe_config.in_process
     fp["threads"] = probe_config.threads
+    fp["new_tokens"] = probe_config.new_tokens
     setup = _Setup(model_label=label, fingerprint_fields=fp, budget_source=budget_source, t_start=t_start)
-    return _run(prober, probe_config, search_config, choice, setup, on_point)
+    result = _run(prober, probe_config, search_config, choice, setup, on_point)
+    _say_cached(result)
+    return result
 
 
 def tune(
@@ -355,8 +392,8 @@ def tune(
         device = torch.device(probe_config.device)
     else:
         device = params[0].device if params else torch.device("cpu")
-    timing = probe_config.timing or default_timing(device.type)
-    probe_config = replace(probe_config, device=device.type, timing=timing, in_process=True)
+    timing, threads, timing_choice = _in_process_timing(probe_config, device.type)
+    probe_config = replace(probe_config, device=device.type, timing=timing, in_process=True, threads=threads)
     global_batch, data_parallel = choice.global_batch, choice.data_parallel or 1
 
     def g_for(b: int) -> int | None:
@@ -383,9 +420,76 @@ def tune(
         "class": type(model).__name__,
         "timing": timing.__dict__,
         "in_process": True,
+        "threads": threads or torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+        "loss_fn": callable_identity(loss_fn),
+        "optimizer": optimizer_identity(optimizer),
     }
     setup = _Setup(
         model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
     )
-    with leave_no_trace(model, optimizer), gc_frozen():  # restored bitwise; probes' gc skips old objects
-        return _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
+    with leave_no_trace(model, optimizer), gc_frozen(), _torch_threads(threads):  # restored bitwise
+        fp["batch"] = _batch_structures(make_batch, search_config)  # may draw from the generators: restored
+        result = _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
+    result = replace(result, timing_choice=timing_choice)
+    _say_cached(result)
+    return result
+
+
+def _say_cached(result: TuneResult) -> None:
+    """Warn (:class:`~microbatch.choose.cache.CachedAnswer`) when points of the answer came from the cache."""
+    if result.cache is not None:
+        import warnings
+
+        warnings.warn(f"microbatch.tune: {result.cache.message()}", CachedAnswer, stacklevel=3)
+
+
+def _in_process_timing(probe: ProbeConfig, device_type: str) -> tuple[TimingConfig, int | None, str]:
+    """The timing, torch threads and a line saying why, for probes in this process: as the command line
+    on a CPU (:func:`~microbatch.choose.probing.cpu_timing_rule`: one thread and the process clock on a
+    small CPU) unless ``timing`` or ``threads`` was given; the device's default timing elsewhere."""
+    from microbatch.hardware import usable_cores
+    from microbatch.measure.timing import TimingConfig
+
+    if device_type != "cpu":
+        return probe.timing or default_timing(device_type), probe.threads, "timing: CUDA events"
+    given_clock = probe.timing.clock if probe.timing is not None else None
+    cores = usable_cores()
+    threads, clock, chosen = cpu_timing_rule(probe.threads, given_clock, cores)
+    base = probe.timing or default_timing("cpu")
+    timing = base if base.clock == clock else TimingConfig(**dict(base.__dict__, clock=clock))
+    what = "torch's threads" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
+    why = f"{cores} cores detected" if chosen else "as given"
+    return timing, threads, f"timing: {what}, {clock} clock ({why}; threads=/timing= to change)"
+
+
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` (None: unchanged) for the block, then put back."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _batch_structures(make_batch: Callable[[int], Any], search: SearchConfig) -> list[Any]:
+    """What ``make_batch`` returns for the first two b_m the search may probe (shapes and dtypes, no
+    values): part of the cache key, so that other data is measured again."""
+    first = search.start
+    sizes = (
+        [first]
+        if search.max_micro_batch is not None and search.max_micro_batch <= first
+        else [first, 2 * first]
+    )
+    out = []
+    for b in sizes:
+        batch = make_batch(b)
+        out.append(batch_structure(batch))
+        del batch
+    return out

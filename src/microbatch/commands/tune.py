@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from microbatch.choose.probing import SMALL_CPU
 from microbatch.commands._common import (
     check_out_dir,
     choice_config,
@@ -33,46 +34,37 @@ if TYPE_CHECKING:
 
 __all__ = ["cmd", "SMALL_CPU", "cpu_timing_defaults"]
 
-SMALL_CPU = 4
-"""On a CPU with this many cores or fewer, tune defaults to one thread and the process clock.
-
-Measured on a 2-core machine (BENCHMARKS.md, issue 18): ``tune --model small --memory-budget 4GiB
--B 256`` took 126 s with torch's threads and the wall clock (226 tokens/s at b_m 1, knee 64: the
-probe's threads fought the other processes for two cores) against seconds with ``--threads 1
---clock process``; on a large machine torch's threads are what a user's run gets."""
-
 
 def cpu_timing_defaults(
     threads: int | None, clock: str | None, cores: int | None = None
 ) -> tuple[int | None, str, str]:
-    """(threads, clock, a line saying why) for a CPU tune: the flags given, the rest from the cores."""
+    """(threads, clock, a line saying why) for a CPU tune: the flags given, the rest from the cores
+    (:func:`microbatch.choose.probing.cpu_timing_rule`, the rule ``microbatch.tune`` follows too)."""
+    from microbatch.choose.probing import cpu_timing_rule
     from microbatch.errors import ConfigError
 
     n = usable_cores() if cores is None else cores
-    if threads is None and clock is None:
-        if n <= SMALL_CPU:
-            return (
-                1,
-                "process",
-                (
-                    f"timing: 1 thread, process clock ({n} cores detected: steadier where other work shares "
-                    "the cores; --threads/--clock to change)"
-                ),
-            )
-        return (
-            None,
-            "wall",
-            f"timing: torch's threads, wall clock ({n} cores detected; --threads/--clock to change)",
-        )
-    if clock is None:
-        clock = "process" if threads == 1 else "wall"
     if clock == "process" and threads is not None and threads != 1:
         raise ConfigError(
             f"--clock process with --threads {threads}: the process clock adds up the CPU time of every thread, "
             "so it would not measure the step; use --threads 1 with --clock process, or --clock wall"
         )
-    if clock == "process" and threads is None:
-        threads = 1
+    threads, clock, chosen = cpu_timing_rule(threads, clock, n)
+    if chosen and threads == 1:
+        return (
+            1,
+            "process",
+            (
+                f"timing: 1 thread, process clock ({n} cores detected: steadier where other work shares "
+                "the cores; --threads/--clock to change)"
+            ),
+        )
+    if chosen:
+        return (
+            None,
+            "wall",
+            f"timing: torch's threads, wall clock ({n} cores detected; --threads/--clock to change)",
+        )
     what = "torch's threads" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
     return threads, clock, f"timing: {what}, {clock} clock (as given)"
 
@@ -265,9 +257,16 @@ def cmd(
         on_point = _lines()
     if timing_line:
         on_point = _first_say(timing_line, on_point)  # once work starts: a refusal stays one line
+    import warnings
+
+    from microbatch.choose.cache import CachedAnswer
+
     try:
         if live is not None:
             live.start()
+        warnings.simplefilter(
+            "ignore", CachedAnswer
+        )  # the answer's text says it (show.recommendation.cache_line)
         result = tune_model(
             target.get("model"),
             hf_config=target.get("hf_config"),

@@ -13,7 +13,7 @@ from typing import Any
 from microbatch.choose.bound import BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
 from microbatch.units import format_bytes
 
-__all__ = ["render_curve", "render_recommendation", "render_tune"]
+__all__ = ["render_curve", "render_recommendation", "render_tune", "use_line"]
 
 
 def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -114,8 +114,31 @@ def render_recommendation(
     return "\n".join(lines)
 
 
+def use_line(d: Mapping[str, Any]) -> str:
+    """The answer in one plain line: ``use b_m = 4, g = 64 (b_m x g x d = 4 x 64 x 1 = 256)``; without a
+    global batch g is left to the caller: ``use b_m = 4 (g = B_global / (b_m x d): no global batch given)``."""
+    b_m, g, dp = d["micro_batch"], d.get("grad_accum"), d.get("data_parallel") or 1
+    if g is None or d.get("global_batch") is None:
+        return f"use b_m = {b_m} (g = B_global / (b_m x d): no global batch given)"
+    return f"use b_m = {b_m}, g = {g} (b_m x g x d = {b_m} x {g} x {dp} = {b_m * g * dp})"
+
+
+def cache_line(cache: Mapping[str, Any]) -> str:
+    """One line for an answer served (partly) from the cache: how many points, when they were
+    measured, where, and how to measure again."""
+    import time
+
+    at = cache.get("oldest_measured_at")
+    when = f", measured from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(at))}" if at else ""
+    return (
+        f"from the cache: {cache['points']} of {cache['points'] + cache['measured']} points{when} "
+        f"({cache['file']}); --no-cache (use_cache=False) measures them again"
+    )
+
+
 def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
-    """Human text of a tune result dict: what was tuned, the curve and the choice, how it stopped."""
+    """Human text of a tune result dict: what was tuned, the curve and the choice, how it stopped,
+    and last the answer in one plain line (:func:`use_line`), where a terminal leaves the eye."""
     head = (
         f"tune {d['model']} ({d['mode']}, seq {d['seq']}, {d['precision']}, {d['device_name']}, "
         f"torch {d['torch_version']})"
@@ -125,6 +148,8 @@ def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
         f"{d['probes']} probes measured, {d['cached']} from the cache, {d['oom_events']} out of memory, "
         f"{d['wall_time_s']:.1f} s; memory method: {d['memory_method']}",
     ]
+    if d.get("cache"):
+        tail.append(cache_line(d["cache"]))
     if d.get("static_bytes"):
         what = "process, weights" + (", gradients, optimizer" if d["mode"] == "train" else "")
         tail.append(f"static memory ({what}): {format_bytes(d['static_bytes'], digits=0, unit='MiB')}")
@@ -136,4 +161,5 @@ def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
         tail.append(str(d["timing_choice"]))
     if d.get("interrupted"):
         tail.append("interrupted: the choice uses the points measured so far")
+    tail += ["", use_line(d)]
     return "\n".join([head, "", render_recommendation(d, d["points"], unit=unit), *tail])

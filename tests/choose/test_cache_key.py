@@ -1,0 +1,121 @@
+"""The tune cache answers only for the measurement it holds: every input that changes a measurement
+changes the key, and an answer served from the cache says so (issue 30)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from microbatch.choose.cache import (  # noqa: E402
+    CachedAnswer,
+    batch_structure,
+    callable_identity,
+    optimizer_identity,
+)
+from microbatch.choose.tune import tune  # noqa: E402
+from microbatch.measure.timing import TimingConfig  # noqa: E402
+
+FAST = TimingConfig(warmup=0, min_repeats=1, max_repeats=1, max_time_s=0.2, rel_tol=1.0)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 8)
+        self.out = torch.nn.Linear(8, 50)
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+def _batches(seq):
+    return lambda b: torch.randint(0, 50, (b, seq))
+
+
+def _tune(model, make_batch, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CachedAnswer)
+        r = tune(model, make_batch, max_micro_batch=2, timing=FAST, tolerance=0.0, **kw)
+    said = [str(w.message) for w in caught if issubclass(w.category, CachedAnswer)]
+    return r, said
+
+
+def test_the_same_call_is_answered_from_the_cache_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = Net()
+    first, said = _tune(model, _batches(8))
+    assert first.cached == 0 and first.cache is None and said == []
+    again, said = _tune(model, _batches(8))
+    assert again.probes == 0 and again.cached == len(again.points) == 2
+    assert again.cache is not None and again.cache.points == 2 and again.cache.measured == 0
+    assert again.to_dict()["cache"]["points"] == 2
+    assert len(said) == 1 and "2 of 2 points from the cache" in said[0] and "use_cache=False" in said[0]
+    assert again.cache.oldest_s is not None and again.cache.oldest_s <= first.wall_time_s + 1e12
+
+
+def test_only_the_batch_changed_measures_again(tmp_path, monkeypatch):
+    """The issue's case: the same module and settings fed sequences 4x longer."""
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = Net()
+    _tune(model, _batches(8))
+    longer, said = _tune(model, _batches(32))
+    assert longer.cached == 0 and longer.probes == 2 and said == []
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["loss", "optimizer", "optimizer_lr", "threads", "checkpointing", "precision"],
+)
+def test_each_setting_that_changes_a_measurement_is_in_the_key(tmp_path, monkeypatch, change):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = Net()
+    make = _batches(8)
+
+    def ce(m, x):
+        return torch.nn.functional.cross_entropy(m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+    def ce_smoothed(m, x):
+        return torch.nn.functional.cross_entropy(
+            m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten(), label_smoothing=0.1
+        )
+
+    base = dict(loss_fn=ce, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), threads=1)
+    _tune(model, make, **base)
+    same, _ = _tune(model, make, **dict(base, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    assert same.cached == 2  # a new optimizer object with the same settings: the same measurement
+    changed = {
+        "loss": dict(base, loss_fn=ce_smoothed),
+        "optimizer": dict(base, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3)),
+        "optimizer_lr": dict(base, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2)),
+        "threads": dict(base, threads=2),
+        "checkpointing": dict(base, checkpointing="auto"),
+        "precision": dict(base, precision="bf16-mixed"),
+    }[change]
+    r, said = _tune(model, make, **changed)
+    assert r.cached == 0 and said == []
+
+
+def test_key_parts_are_what_they_claim():
+    assert batch_structure({"input_ids": torch.zeros(2, 8, dtype=torch.long), "n": 3}) == {
+        "input_ids": ["tensor", [2, 8], "torch.int64", "cpu"],
+        "n": 3,
+    }
+    assert batch_structure((torch.zeros(1, 4),)) != batch_structure((torch.zeros(1, 5),))
+
+    def f(m, x):
+        return x.sum()
+
+    def g(m, x):
+        return x.mean()
+
+    assert callable_identity(f) != callable_identity(g)
+    assert callable_identity(None) is None
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    a = optimizer_identity(torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1))
+    b = optimizer_identity(torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0))
+    assert a is not None and b is not None and a != b and a["class"].endswith("AdamW")
+    assert "params" not in a["groups"][0]
