@@ -15,7 +15,7 @@ from torch import nn
 from microbatch.errors import ConfigError
 from microbatch.run.accumulate import accumulate, grad_sq_norm, split
 from microbatch.run.noise import GradientNoiseScale, b_simple, g_sq_estimate, trace_sigma_estimate
-from microbatch.run.noise_measure import measure_noise_scale
+from microbatch.run.noise_measure import NoiseInterrupted, measure_noise_scale
 
 # -- the estimators (McCandlish et al. 2018, appendix A.1) ---------------------------------------
 
@@ -186,6 +186,41 @@ def test_measure_needs_two_micro_batches():
         measure_noise_scale(model, make_batches(w_star, 1.0, g, 2, rows=8), reg_loss, micro_batch_size=8)
 
 
+def test_ctrl_c_keeps_the_steps_measured():
+    """A KeyboardInterrupt in step 4 raises NoiseInterrupted holding steps 1-3, equal to a run of 3 steps."""
+    model, w_star, _, g = regression_problem(1.0)
+    data = list(make_batches(w_star, 1.0, g, 4, rows=32))
+    seen: list[int] = []
+
+    def loss(m, mb):
+        if len(seen) == 3:  # in the 4th step, before its gradient norms are taken
+            raise KeyboardInterrupt
+        return reg_loss(m, mb)
+
+    with pytest.raises(NoiseInterrupted) as e:
+        measure_noise_scale(
+            model, iter(data), loss, micro_batch_size=8, on_step=lambda est: seen.append(est.steps)
+        )
+    assert isinstance(e.value, KeyboardInterrupt) and seen == [1, 2, 3]
+    assert [h.steps for h in e.value.history] == [1, 2, 3] and e.value.final == e.value.history[-1]
+    model2, _, _, _ = regression_problem(1.0)
+    whole, _ = measure_noise_scale(model2, iter(data[:3]), reg_loss, micro_batch_size=8)
+    assert e.value.final.g_sq == pytest.approx(whole.g_sq, rel=1e-12)
+    assert e.value.final.trace_sigma == pytest.approx(whole.trace_sigma, rel=1e-12)
+
+
+def test_ctrl_c_before_a_step_finished_keeps_nothing():
+    model, w_star, _, g = regression_problem(1.0)
+
+    def batches():
+        raise KeyboardInterrupt
+        yield  # pragma: no cover
+
+    with pytest.raises(NoiseInterrupted) as e:
+        measure_noise_scale(model, batches(), reg_loss, micro_batch_size=8)
+    assert e.value.final is None and e.value.history == []
+
+
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
@@ -210,7 +245,10 @@ def test_cli_json_values():
         ],
     )
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)  # progress goes to stderr, one line per measured step
+    assert [x for x in res.stderr.splitlines() if x.startswith("noise: step")][-1].startswith(
+        "noise: step 2/2"
+    )
     assert out["steps"] == 2 and len(out["per_step"]) == 2
     assert out["tokens_per_sequence"] == 7
     assert out["g_sq"] == pytest.approx(sum(p["g_sq"] for p in out["per_step"]) / 2)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
+
+if TYPE_CHECKING:
+    from microbatch.run.noise import NoiseEstimate
 
 __all__ = ["cmd", "MAX_PARAMS", "predicted_bytes"]
 
@@ -120,17 +124,16 @@ def cmd(
     import torch  # after the checks: bad input is refused before torch's import
 
     from microbatch.measure.gpt import build_model
-    from microbatch.run.noise_measure import measure_noise_scale
+    from microbatch.run.noise_measure import NoiseInterrupted, measure_noise_scale
 
     model = build_model(shape, seed=seed)
     vocab, s = shape.vocab, shape.seq
     gen = torch.Generator().manual_seed(seed + 1)
     zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    t0 = time.perf_counter()
 
     def batches() -> Iterator[torch.Tensor]:
-        for i in range(steps):
-            if not as_json:  # one line per step on stderr, a terminal or not
-                progress(f"noise: step {i + 1}/{steps}")
+        for _ in range(steps):
             yield torch.multinomial(zipf, global_batch * s, replacement=True, generator=gen).view(
                 global_batch, s
             )
@@ -143,50 +146,78 @@ def cmd(
         )
         return loss, target.numel()
 
-    final, history = measure_noise_scale(
-        model,
-        batches(),
-        loss_fn,
-        micro_batch_size=micro_batch,
-        count_fn=lambda tokens: tokens.shape[0] * (s - 1),
-        decay=decay,
-    )
-    tokens_per_seq = s - 1
-    b_tokens = final.b_simple
+    def on_step(est: NoiseEstimate) -> None:  # one line per step on stderr, a terminal or not
+        b = f"{est.b_simple:,.0f} tokens" if math.isfinite(est.b_simple) else "not resolved yet"
+        progress(f"noise: step {est.steps}/{steps} measured, B_simple {b} [{time.perf_counter() - t0:.1f} s]")
+
+    setting = {"model": shape.name, "seq": s, "global_batch": global_batch, "micro_batch": micro_batch}
+    try:
+        final, history = measure_noise_scale(
+            model,
+            batches(),
+            loss_fn,
+            micro_batch_size=micro_batch,
+            count_fn=lambda tokens: tokens.shape[0] * (s - 1),
+            decay=decay,
+            on_step=on_step,
+        )
+    except NoiseInterrupted as e:  # Ctrl-C: the steps measured are kept and printed, exit 130
+        result = _result(setting, decay, e.final, e.history, steps_asked=steps)
+        emit(result, as_json, lambda: _render(result))
+        progress(f"interrupted: kept the {len(e.history)} step(s) measured of {steps}")
+        raise click.exceptions.Exit(130) from None
+    result = _result(setting, decay, final, history)
+    emit(result, as_json, lambda: _render(result))
+
+
+def _result(
+    setting: dict[str, Any],
+    decay: float,
+    final: NoiseEstimate | None,
+    history: list[NoiseEstimate],
+    steps_asked: int | None = None,
+) -> dict[str, Any]:
+    """The command's result: ``setting`` (model, seq, B, b_m), the smoothed and per-step estimates;
+    with ``steps_asked`` an interrupted run's (``final`` None when no step finished)."""
+    tokens_per_seq = setting["seq"] - 1
+    b_tokens = final.b_simple if final is not None else math.nan
     b_seqs = b_tokens / tokens_per_seq if math.isfinite(b_tokens) else math.inf
-    result = {
-        "model": shape.name,
-        "seq": s,
-        "global_batch": global_batch,
-        "micro_batch": micro_batch,
-        "steps": final.steps,
+    out = {
+        **setting,
+        "steps": final.steps if final is not None else 0,
         "decay": decay,
         "data": "random tokens, Zipf unigram distribution (a demonstration, not your data)",
         "tokens_per_sequence": tokens_per_seq,
-        "g_sq": final.g_sq,
-        "trace_sigma": final.trace_sigma,
-        "b_simple_tokens": b_tokens,
-        "b_simple_sequences": b_seqs,
+        "g_sq": final.g_sq if final is not None else None,
+        "trace_sigma": final.trace_sigma if final is not None else None,
+        "b_simple_tokens": b_tokens if final is not None else None,
+        "b_simple_sequences": b_seqs if final is not None else None,
         "per_step": [{"g_sq": h.last_g_sq, "trace_sigma": h.last_trace_sigma} for h in history],
         "source": "McCandlish et al. 2018, arXiv:1812.06162, sec. 2.2 and appendix A.1",
     }
+    if steps_asked is not None:
+        out.update(interrupted=True, steps_asked=steps_asked)
+    return out
 
-    def render() -> str:
-        lines = [
-            f"gradient noise scale: {shape.name}, seq {s}, B_global {global_batch}, b_m {micro_batch}, "
-            f"{final.steps} steps",
-            "  data: random tokens (Zipf unigram) at initialisation; a demonstration, not your data",
-            f"  |G|²   (smoothed)  = {final.g_sq:.4g}",
-            f"  tr(Σ)  (smoothed)  = {final.trace_sigma:.4g}",
+
+def _render(r: dict[str, Any]) -> str:
+    """The text of :func:`_result`'s dict."""
+    lines = [
+        f"gradient noise scale: {r['model']}, seq {r['seq']}, B_global {r['global_batch']}, b_m {r['micro_batch']}, "
+        f"{r['steps']} steps"
+        + (f" (interrupted: {r['steps']} of {r['steps_asked']} measured)" if r.get("interrupted") else ""),
+        "  data: random tokens (Zipf unigram) at initialisation; a demonstration, not your data",
+    ]
+    if r["g_sq"] is None:
+        return "\n".join([*lines, "  nothing measured: interrupted before the first step finished"])
+    lines += [f"  |G|²   (smoothed)  = {r['g_sq']:.4g}", f"  tr(Σ)  (smoothed)  = {r['trace_sigma']:.4g}"]
+    b_tokens, b_seqs = r["b_simple_tokens"], r["b_simple_sequences"]
+    if math.isfinite(b_tokens):
+        lines += [
+            f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}",
+            f"  suggestion: B_global near {max(1, round(b_seqs))} sequences (the statistical choice; "
+            "b_m is the physical one)",
         ]
-        if math.isfinite(b_tokens):
-            lines += [
-                f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {tokens_per_seq}",
-                f"  suggestion: B_global near {max(1, round(b_seqs))} sequences (the statistical choice; "
-                "b_m is the physical one)",
-            ]
-        else:
-            lines.append("  B_simple: |G|² not resolved above the noise (≤ 0); run more --steps")
-        return "\n".join(lines)
-
-    emit(result, as_json, render)
+    else:
+        lines.append("  B_simple: |G|² not resolved above the noise (≤ 0); run more --steps")
+    return "\n".join(lines)

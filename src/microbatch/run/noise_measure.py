@@ -17,7 +17,18 @@ from microbatch.run.microbatches import Batch, batch_rows
 from microbatch.run.noise import GradientNoiseScale, NoiseEstimate
 from microbatch.run.scaling import CountFn
 
-__all__ = ["measure_noise_scale"]
+__all__ = ["NoiseInterrupted", "measure_noise_scale"]
+
+
+class NoiseInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or :class:`~microbatch.run.launch.Terminated`) during :func:`measure_noise_scale`,
+    carrying what was measured before it: ``final`` (the smoothed estimate after the last whole
+    step, None when no step finished) and ``history`` (one estimate per finished step). A caller that
+    does not look at them sees the ``KeyboardInterrupt`` it expects."""
+
+    def __init__(self, final: NoiseEstimate | None, history: list[NoiseEstimate]) -> None:
+        super().__init__(f"interrupted after {len(history)} measured step(s)")
+        self.final, self.history = final, history
 
 
 def measure_noise_scale(
@@ -29,15 +40,46 @@ def measure_noise_scale(
     count_fn: CountFn | None = None,
     decay: float = 1.0,
     step_fn: Callable[[], object] | None = None,
+    on_step: Callable[[NoiseEstimate], object] | None = None,
 ) -> tuple[NoiseEstimate, list[NoiseEstimate]]:
     """Run :func:`microbatch.run.accumulate.accumulate` over ``batches`` (one per step) and estimate B_simple.
 
     Gradients are cleared (set to None) before each step; ``step_fn`` (e.g. ``optimizer.step``)
-    runs after each, if given. Returns the final smoothed estimate and the one after every step.
-    Each batch needs at least two micro-batches.
+    runs after each, if given, then ``on_step`` with the estimate so far (a progress display).
+    Returns the final smoothed estimate and the one after every step.
+    Each batch needs at least two micro-batches. A Ctrl-C raises :class:`NoiseInterrupted` holding
+    the estimates of the steps whose two gradient norms were taken (a step cut short before its whole
+    batch's norm counts for nothing; ``accumulate`` restores its gradients).
     """
     hook = GradientNoiseScale(decay=decay)
     history: list[NoiseEstimate] = []
+    try:
+        _measure(model, batches, loss_fn, micro_batch_size, count_fn, (step_fn, on_step), hook, history)
+    except KeyboardInterrupt as e:
+        estimate = hook.estimate  # a step whose two norms were both taken counts, even if cut short after
+        if estimate is not None and hook.steps > len(history):
+            history.append(estimate)
+            if on_step is not None:
+                on_step(estimate)
+        raise NoiseInterrupted(history[-1] if history else None, list(history)) from e
+    if not history:
+        raise ConfigError("no step gave a noise estimate; give at least one batch with two micro-batches")
+    return history[-1], history
+
+
+def _measure(
+    model: Any,
+    batches: Iterable[Batch],
+    loss_fn: LossFn,
+    micro_batch_size: int,
+    count_fn: CountFn | None,
+    after: tuple[Callable[[], object] | None, Callable[[NoiseEstimate], object] | None],
+    hook: GradientNoiseScale,
+    history: list[NoiseEstimate],
+) -> None:
+    """The loop of :func:`measure_noise_scale`: appends each finished step's estimate to ``history``;
+    ``after`` is (``step_fn``, ``on_step``)."""
+    step_fn, on_step = after
     for batch in batches:
         rows = batch_rows(batch)
         if rows <= micro_batch_size:
@@ -53,6 +95,5 @@ def measure_noise_scale(
         estimate = hook.estimate
         if estimate is not None and hook.steps > len(history):
             history.append(estimate)
-    if not history:
-        raise ConfigError("no step gave a noise estimate; give at least one batch with two micro-batches")
-    return history[-1], history
+            if on_step is not None:
+                on_step(estimate)
