@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
+from microbatch.predict.experts import moe_activation_terms
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -44,6 +45,7 @@ def layer_activation_terms(
     recompute: str = "none",
     flash_attention: bool | None = None,
     dtype_bytes: int = 2,
+    expert_load: float = 1.0,
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for its backward, for one micro-batch, by term.
 
@@ -61,6 +63,10 @@ def layer_activation_terms(
       split by t (16sbh at f = 4h).
     - ``dropout_masks``: after attention and after the MLP, 2sbh·1 byte, not split unless SP.
 
+    A mixture-of-experts block replaces ``mlp_hidden`` by the routed and shared experts' terms
+    (:func:`microbatch.predict.experts.moe_activation_terms`, at ``expert_load`` × the balanced rows);
+    DeepSeek's latent attention keeps Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split
+    by t, and its two latents (d_c' + d_c + d_h^R per token) whole.
     Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
     recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
     """
@@ -85,6 +91,16 @@ def layer_activation_terms(
         "mlp_hidden": (3 if shape.gated_mlp else 2) * e * s * b * f / t,
         "dropout_masks": (2 * sbh / sp) if shape.dropout else 0.0,
     }
+    if shape.mla is not None:
+        m = shape.mla
+        terms["qkv"] = e * s * b * a * (2 * m.qk_head_dim + m.v_head_dim) / t
+        terms["qkv"] += e * s * b * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)
+        terms["attention_output"] = e * s * b * a * m.v_head_dim / t
+    if shape.moe is not None:
+        del terms["mlp_hidden"]
+        terms.update(
+            moe_activation_terms(shape, b, s, tensor_parallel=t, sp=sp, dtype_bytes=e, load=expert_load)
+        )
     if flash:
         terms["attention_stats"] = 4 * a * s * b / t
     elif recompute == "none":
@@ -103,11 +119,12 @@ def layer_activation_bytes(
     recompute: str = "none",
     flash_attention: bool | None = None,
     dtype_bytes: int = 2,
+    expert_load: float = 1.0,
 ) -> float:
     """Sum of :func:`layer_activation_terms`: bytes one layer keeps for one micro-batch."""
     terms = layer_activation_terms(
         shape, micro_batch, seq=seq, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
-        recompute=recompute, flash_attention=flash_attention, dtype_bytes=dtype_bytes,
+        recompute=recompute, flash_attention=flash_attention, dtype_bytes=dtype_bytes, expert_load=expert_load,
     )  # fmt: skip
     return sum(terms.values())
 

@@ -112,6 +112,12 @@ class Candidate:
     optimizer_s; simulated_idle (a fraction) when simulated."""
     simulated: bool = False
     """True when the pipeline time comes from the event simulator."""
+    expert_parallel: int = 1
+    """EP: GPUs the routed experts are spread over (inside d)."""
+    total_params: int = 0
+    """The model's parameters, every expert counted."""
+    active_params: int = 0
+    """The parameters one token uses (K routed experts per MoE block); = total for a dense model."""
 
     @property
     def bubble_pct(self) -> float:
@@ -143,6 +149,9 @@ class Candidate:
             "gemm_efficiency": self.gemm_efficiency,
             "time": dict(self.time),
             "simulated": self.simulated,
+            "expert_parallel": self.expert_parallel,
+            "total_params": self.total_params,
+            "active_params": self.active_params,
         }
 
     @classmethod
@@ -186,12 +195,18 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
         d = cfg.data_parallel
         wb, gb, ob = ctx.state_bpp
         params = ctx.params_v if v_placement else ctx.params
+        de = (
+            d // cfg.expert_parallel
+        )  # the routed experts' state is sharded over the expert-data-parallel d/EP
         rows = []
         for i in ctx.probe:
-            n = params[i]
+            x = ctx.expert_params[i]
+            n = params[i] - x
             rows.append(
-                (n * wb / (d if z >= 3 else 1), n * gb / (d if z >= 2 else 1), n * ob / (d if z >= 1 else 1))
-            )
+                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1),
+                 n * gb / (d if z >= 2 else 1) + x * gb / (de if z >= 2 else 1),
+                 n * ob / (d if z >= 1 else 1) + x * ob / (de if z >= 1 else 1))
+            )  # fmt: skip
         other = cfg.memory_calibration.fixed_bytes
         if z >= 3 and d > 1:
             other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
@@ -205,11 +220,12 @@ def _memory(
 ) -> tuple[float, int, tuple[float, float, float, float, float]]:
     """(peak bytes, stage, breakdown) over the probed stages; ``flight`` is :func:`_flight`'s answer when
     the caller has it."""
-    per_layer, working, emb, out = activations(ctx, b, rc)
+    per_layer, working, emb, out, a2a = activations(ctx, b, rc)
     scale = ctx.cfg.memory_calibration.activation_scale
     if flight is None:
         flight = _flight(ctx, sched, m, v)
     states, other = _state(ctx, z, flight.v_placement)
+    other += a2a
     best = -1.0
     at = 0
     parts = (0.0, 0.0, 0.0, 0.0, 0.0)
@@ -388,13 +404,16 @@ def evaluate(
             "time": {"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
                      "optimizer_s": opt},
             "simulated": False,
+            "expert_parallel": cfg.expert_parallel,
+            "total_params": ctx.total_params,
+            "active_params": ctx.active_params,
         }
     )  # fmt: skip
 
 
 def _fast_candidate(fields: dict[str, Any]) -> Candidate:
     """``Candidate(**fields)`` for the planner's hot loop, given every field: the frozen dataclass's
-    ``__init__`` sets each of its 23 fields through ``object.__setattr__`` (about 4 µs a candidate, a
+    ``__init__`` sets each of its fields through ``object.__setattr__`` (about 4 µs a candidate, a
     fifth of the evaluation); filling the instance dictionary at once takes 0.5 µs. Candidate has no
     ``__post_init__`` and no slots, so the result is the same object (equal, frozen, ``replace``-able;
     tested against the constructor)."""

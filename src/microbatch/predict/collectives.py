@@ -23,6 +23,7 @@ __all__ = [
     "sp_regather_time_s",
     "group_bandwidth",
     "ranks_per_node",
+    "alltoall_time_s",
 ]
 
 
@@ -109,3 +110,18 @@ def sp_regather_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
     tensor-parallel overlap, calculon-ai/calculon validation/seqsel/tab5). 2·(t−1)/t·bytes/bandwidth.
     """
     return 2.0 * allgather_time_s(nbytes, ranks, bytes_per_s)
+
+
+def alltoall_time_s(nbytes: float, ranks: int, ranks_in_node: int, bw_intra: float, bw_inter: float) -> float:
+    """One all-to-all in which each GPU sends ``nbytes`` spread evenly over ``ranks`` GPUs (MoE dispatch or
+    combine): the (k−1)/n share for the k − 1 peers in its node goes over NVLink, the (n−k)/n share for
+    the other nodes over its own NIC, both at once: max(bytes·(k−1)/n / bw_intra, bytes·(n−k)/n / bw_inter)
+    (the pairwise-exchange all-to-all NCCL runs, one peer per step; DeepSeek-V3 §3.2.2 bounds the
+    cross-node share by routing each token to at most 4 nodes, which this does not model). 0 for one rank.
+    """
+    if ranks <= 1:
+        return 0.0
+    k = max(1, min(ranks, ranks_in_node))
+    intra = nbytes * (k - 1) / ranks / bw_intra
+    inter = nbytes * (ranks - k) / ranks / bw_inter if ranks > k else 0.0
+    return max(intra, inter)

@@ -27,6 +27,7 @@ from microbatch.predict.activations import (
     layer_activation_bytes,
     output_activation_bytes,
 )
+from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
 from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes
 from microbatch.schedules import registry
 
@@ -90,16 +91,18 @@ def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches:
 
 
 def stage_params(
-    shape: ModelShape, stage: int, stages: int, stage_layers: int, tensor_parallel: int = 1
+    shape: ModelShape, stage: int, stages: int, stage_layers: int, tensor_parallel: int = 1, first: int = -1
 ) -> float:
     """Parameters one GPU of stage ``stage`` holds: its layers, plus embedding (first) and output (last).
 
     Megatron layout: the vocabulary-parallel embedding on the first stage, the final norm and
     output layer on the last; with tied embeddings and p > 1 the last stage keeps its own copy of
     the embedding matrix (synchronised by an all-reduce). Everything is divided by t; the few
-    parameters tensor parallelism replicates (norms, row-parallel biases) are ignored.
+    parameters tensor parallelism replicates (norms, row-parallel biases) are ignored. ``first`` is the
+    stage's first layer (−1: an even split, stage × stage_layers): a MoE model's dense first blocks count
+    as dense. Every expert is counted; :func:`expert_params` gives the part expert parallelism shards.
     """
-    n = stage_layers * shape.layer_params()
+    n = shape.layers_params(stage * stage_layers if first < 0 else first, stage_layers)
     if stage == 0:
         n += shape.embedding_params()
     if stage == stages - 1:
@@ -160,9 +163,18 @@ class MemoryConfig:
     """Activation recomputation: none, selective, full."""
     flash_attention: bool | None = None
     """Flash attention; None means the model's setting."""
+    expert_parallel: int = 1
+    """EP: GPUs the routed experts are spread over, inside the data-parallel group (EP divides d and E;
+    :mod:`microbatch.predict.experts`)."""
+    capacity_factor: float | None = None
+    """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
+    expert_imbalance: float = 1.0
+    """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
 
     def __post_init__(self) -> None:
         check_positive_int("micro-batch", self.micro_batch, fix="b_m counts whole sequences")
+        check_positive_int("expert-parallel", self.expert_parallel)
+        expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if self.seq is not None:
             check_positive_int("seq", self.seq)
         for name in ("tensor_parallel", "pipeline_parallel", "virtual", "data_parallel"):
@@ -192,6 +204,11 @@ class MemoryConfig:
     def m(self) -> int:
         """Micro-batches per flush in effect."""
         return self.microbatches or 4 * self.pipeline_parallel
+
+    @property
+    def expert_load(self) -> float:
+        """Routed rows over the balanced share: the capacity factor, or the imbalance when dropless."""
+        return expert_load(self.capacity_factor, self.expert_imbalance)
 
     def validate_for(self, shape: ModelShape) -> None:
         """The rules that need the model: t divides heads (and kv heads), p ≤ layers, p·v divides layers."""
@@ -226,6 +243,7 @@ class MemoryConfig:
             )
         if self.layers_per_stage is not None:
             split_layers(shape.layers, p, self.layers_per_stage)
+        check_expert_layout(shape, self.expert_parallel, self.data_parallel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,6 +348,9 @@ class MemoryEstimate:
                 "grad_dtype": cfg.grad_dtype,
                 "optimizer": cfg.optimizer,
                 "recompute": cfg.recompute,
+                "expert_parallel": cfg.expert_parallel,
+                "capacity_factor": cfg.capacity_factor,
+                "expert_imbalance": cfg.expert_imbalance,
                 "flash_attention": self.shape.flash_attention
                 if cfg.flash_attention is None
                 else cfg.flash_attention,
@@ -358,32 +379,34 @@ def estimate_memory(
     split = split_layers(shape.layers, p, config.layers_per_stage)
     e = get_precision(config.precision).weight_bytes  # activations are kept in the compute dtype
     seq, sp, fa = config.seq, config.sequence_parallel, config.flash_attention
+    load = config.expert_load
     per_layer = layer_activation_bytes(
         shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute=config.recompute,
-        flash_attention=fa, dtype_bytes=e,
+        flash_attention=fa, dtype_bytes=e, expert_load=load,
     )  # fmt: skip
     working = 0.0
     if config.recompute == "full":
         working = layer_activation_bytes(
             shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute="none",
-            flash_attention=fa, dtype_bytes=e,
+            flash_attention=fa, dtype_bytes=e, expert_load=load,
         )  # fmt: skip
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
+    ep, d = config.expert_parallel, config.data_parallel
     for i, n_layers in enumerate(split):
-        params = stage_params(shape, i, p, n_layers, t)
+        first = sum(split[:i])
+        params = stage_params(shape, i, p, n_layers, t, first)
         if last != p - 1:  # a V placement (dualpipev): the output layer comes back to rank 0
             head = shape.output_params() if i == last else 0
-            params = (n_layers * shape.layer_params() + shape.embedding_params() * (i == 0) + head) / t
-        state = model_state_bytes(
-            params,
-            precision=config.precision,
-            grad_dtype=config.grad_dtype,
-            optimizer=config.optimizer,
-            zero=config.zero,
-            data_parallel=config.data_parallel,
-        )
+            params = (shape.layers_params(first, n_layers) + shape.embedding_params() * (i == 0) + head) / t
+        experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
+        params += experts / ep - experts
+        kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer)
+        state = model_state_bytes(params - experts / ep, zero=config.zero, data_parallel=d, **kw)
+        if experts:
+            est = model_state_bytes(experts / ep, zero=config.zero, data_parallel=d // ep, **kw)
+            state = {k: state[k] + est[k] for k in state}
         held = in_flight_microbatches(config.schedule, i, p, m, v)
         terms = {"layers": per_layer * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
@@ -402,6 +425,8 @@ def estimate_memory(
         other = cal.fixed_bytes
         if config.zero >= 3 and config.data_parallel > 1:
             other += 2 * shape.layer_params() / t * w_bytes
+        if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
+            other += 2 * dispatch_bytes(shape, config.micro_batch, seq or shape.seq, dtype_bytes=e, load=load)
         stages.append(
             StageMemory(
                 stage=i,

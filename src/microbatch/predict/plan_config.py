@@ -14,6 +14,7 @@ from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.activations import RECOMPUTE_MODES
+from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import ZERO_STAGES, bytes_per_param
@@ -95,6 +96,13 @@ class PlanConfig:
     """τ of the knee (a fraction of the fastest's tokens/s)."""
     margin: float = PLAN_MARGIN
     """μ of the knee: extra share the knee must reach, for the prediction's error."""
+    expert_parallel: int = 1
+    """EP: GPUs the routed experts are spread over, inside the data-parallel group (divides d and E);
+    the GPUs stay d·p·t (:mod:`microbatch.predict.experts`)."""
+    capacity_factor: float | None = None
+    """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
+    expert_imbalance: float = 1.0
+    """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
@@ -159,6 +167,8 @@ class PlanConfig:
                 f"tolerance {self.tolerance:g} with margin {self.margin:g} asks the knee to beat the fastest "
                 f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
             )
+        check_expert_layout(self.shape, self.expert_parallel, self.data_parallel)
+        expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
             raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
         # the rules that need the model (t | heads, p <= layers, uneven split)
@@ -176,6 +186,11 @@ class PlanConfig:
         return self.data_parallel * self.pipeline_parallel * self.tensor_parallel
 
     @property
+    def expert_load(self) -> float:
+        """Routed rows over the balanced share: the capacity factor, or the imbalance when dropless."""
+        return expert_load(self.capacity_factor, self.expert_imbalance)
+
+    @property
     def seq_len(self) -> int:
         """Sequence length in effect."""
         return self.seq or self.shape.seq
@@ -190,12 +205,17 @@ class PlanConfig:
         return {
             "model": self.shape.name,
             "model_shape": self.shape.to_dict(),
+            "total_params": self.shape.param_count(),
+            "active_params": self.shape.active_param_count(),
             "gpu": self.gpu.to_dict(),
             "global_batch": self.global_batch,
             "data_parallel": self.data_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "tensor_parallel": self.tensor_parallel,
             "sequence_parallel": self.sequence_parallel,
+            "expert_parallel": self.expert_parallel,
+            "capacity_factor": self.capacity_factor,
+            "expert_imbalance": self.expert_imbalance,
             "seq": self.seq_len,
             "precision": self.precision,
             "grad_dtype": self.grad_dtype,

@@ -17,6 +17,7 @@ from microbatch.predict.activations import (
     layer_activation_bytes,
     output_activation_bytes,
 )
+from microbatch.predict.experts import dispatch_bytes, expert_params
 from microbatch.predict.memory import split_layers, stage_params
 from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.roofline import (
@@ -64,6 +65,8 @@ class Activations(NamedTuple):
     """The embedding's (first stage)."""
     output: float
     """The output layer's and the loss's (the stage holding the head)."""
+    a2a: float = 0.0
+    """Expert parallelism: the all-to-all send and receive buffers of the layer in flight (other bytes)."""
 
 
 @dataclass
@@ -77,7 +80,9 @@ class Context:
     probe: tuple[int, ...]
     """Stages whose peak can be the maximum."""
     params: dict[int, float]
-    """Parameters per GPU of each probed stage."""
+    """Parameters per GPU of each probed stage (routed experts counted once per GPU: 1/EP of them)."""
+    expert_params: dict[int, float]
+    """Of those, the routed-expert parameters per GPU of each probed stage (state sharded over d/EP)."""
     act_kw: dict[str, Any]
     """seq, tensor_parallel, sequence_parallel for the activation formulas."""
     dtype: str
@@ -86,6 +91,10 @@ class Context:
     """Bytes per activation element (the compute dtype's)."""
     state_bpp: tuple[int, int, int]
     """Weight, gradient and optimizer-state bytes per parameter."""
+    total_params: int = 0
+    """The model's parameters (every expert)."""
+    active_params: int = 0
+    """The parameters one token uses."""
     max_params: float = 0.0
     """The most parameters on one GPU over the stages."""
     params_v: dict[int, float] = field(default_factory=dict)
@@ -133,11 +142,15 @@ def make_context(cfg: PlanConfig) -> Context:
     # parameters of the probed stages only: every stage of a run of equal stages holds as many as the
     # run's first (the embedding is on stage 0, the output layer on p − 1, both probed), so the maximum
     # over the probed stages is the maximum over all
-    params = {i: stage_params(cfg.shape, i, p, split[i], t) for i in probe}
-    shape = cfg.shape
-    lp, emb, head = shape.layer_params(), shape.embedding_params(), shape.output_params()
+    shape, ep = cfg.shape, cfg.expert_parallel
+    firsts = [sum(split[:i]) for i in range(p)]
+    experts = {i: expert_params(shape, firsts[i], split[i]) / t for i in probe}  # 1/EP of them per GPU
+    params = {i: stage_params(shape, i, p, split[i], t, firsts[i]) - experts[i] * (1 - 1 / ep) for i in probe}
+    emb, head = shape.embedding_params(), shape.output_params()
     params_v = {  # as estimate_memory writes it for a V placement (the output layer on rank 0)
-        i: (split[i] * lp + emb * (i == 0) + (head if i == 0 else 0)) / t for i in probe
+        i: (shape.layers_params(firsts[i], split[i]) + emb * (i == 0) + (head if i == 0 else 0)) / t
+        - experts[i] * (1 - 1 / ep)
+        for i in probe
     }
     prec = get_precision(cfg.precision)
     runs: list[list[int]] = []
@@ -152,6 +165,9 @@ def make_context(cfg: PlanConfig) -> Context:
         split=split,
         probe=tuple(probe),
         params=params,
+        expert_params={i: n / ep for i, n in experts.items()},
+        total_params=shape.param_count(),
+        active_params=shape.active_param_count(),
         max_params=max(params.values()),
         params_v=params_v,
         max_params_v=max(params_v.values()),
@@ -177,7 +193,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
         lt = layer_forward(
             cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
             sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
-            dtype=ctx.dtype, efficiency=cfg.efficiency,
+            dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
         )  # fmt: skip
         logit_s, _ = logits_forward(
             cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel, dtype=ctx.dtype,
@@ -203,17 +219,21 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
     if hit is None:
         cfg = ctx.cfg
         per_layer = layer_activation_bytes(
-            cfg.shape, b, recompute=rc, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e, **ctx.act_kw
-        )
+            cfg.shape, b, recompute=rc, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
+            expert_load=cfg.expert_load, **ctx.act_kw,
+        )  # fmt: skip
         working = 0.0
         if rc == "full":
             working = layer_activation_bytes(
                 cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-                **ctx.act_kw,
+                expert_load=cfg.expert_load, **ctx.act_kw,
             )  # fmt: skip
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
         out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
-        hit = Activations(per_layer=per_layer, working=working, embedding=emb, output=out)
+        a2a = 0.0
+        if cfg.expert_parallel > 1:
+            a2a = 2 * dispatch_bytes(cfg.shape, b, cfg.seq_len, dtype_bytes=ctx.e, load=cfg.expert_load)
+        hit = Activations(per_layer=per_layer, working=working, embedding=emb, output=out, a2a=a2a)
         ctx.act_cache[key] = hit
     return hit
 

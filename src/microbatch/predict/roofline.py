@@ -35,6 +35,7 @@ from microbatch.model import ModelShape
 from microbatch.predict.collectives import (
     allgather_time_s,
     allreduce_time_s,
+    alltoall_time_s,
     group_bandwidth,
     p2p_time_s,
     pipeline_send_time_s,
@@ -42,6 +43,7 @@ from microbatch.predict.collectives import (
     reduce_scatter_time_s,
     sp_regather_time_s,
 )
+from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
 
 __all__ = [
     "RooflineEfficiency",
@@ -245,6 +247,9 @@ class LayerTime:
     """Backward of the attention core (None: 2 × ``attention_s``)."""
     elementwise_backward_s: float | None = None
     """Backward of the elementwise kernels (None: 2 × ``elementwise_s``)."""
+    ep_comm_s: float = 0.0
+    """Mixture of experts: the dispatch and combine all-to-alls of the expert-parallel group (exposed;
+    the backward runs them again)."""
     sp_regather_s: float = 0.0
     """With sequence parallelism, the backward's second all-gather of the two column-parallel GEMMs'
     inputs (:func:`sp_regather_time_s`); not run under full recompute, which gathers them again anyway."""
@@ -262,7 +267,7 @@ class LayerTime:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s
+        return self.compute_s + self.tp_comm_s + self.ep_comm_s
 
 
 def score_passes(dropout: bool, backward: bool = False) -> float:
@@ -296,11 +301,12 @@ def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_paralle
 
     At kv = a, f = 4h: (24·b·s·h² + 4·b·s²·h)/t, Narayanan et al. 2021 Eq. 3 (per layer, forward).
     Counts the full s×s score matrix (as the paper does), not the causal half flash kernels skip.
+    Mixture of experts: the MLP weights one token uses (router, K routed and S shared experts,
+    :meth:`microbatch.moe.Experts.active_moe_params`); DeepSeek's latent attention: its projections and a
+    core of 2·rows·s·a·(d_qk + d_v) (:func:`microbatch.predict.experts.attention_widths`).
     """
-    h, f = shape.hidden, shape.ffn
-    kvd = shape.kv * shape.head_dim
-    weights = h * (h + 2 * kvd) + h * h + (3 if shape.gated_mlp else 2) * h * f
-    return (2.0 * rows * weights + 4.0 * rows * seq * h) / tensor_parallel
+    qk, v = attention_widths(shape)
+    return (2.0 * rows * gemm_weights(shape) + 2.0 * rows * seq * (qk + v)) / tensor_parallel
 
 
 def layer_forward(
@@ -314,8 +320,12 @@ def layer_forward(
     flash_attention: bool | None = None,
     dtype: str = "bf16",
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+    moe_layout: tuple[int, float] | None = None,
 ) -> LayerTime:
     """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
+
+    A mixture-of-experts block's MLP is :func:`_moe_mlp`'s at ``moe_layout`` = (expert parallel EP,
+    expert load; None means (1, 1.0)); MLA's projections are one GEMM of its weights.
 
     Elementwise traffic per layer, read + write of e-byte tensors: two norms and two residual
     adds (about 10 tensor passes of rows×h, split by t only with SP), the activation function
@@ -331,15 +341,18 @@ def layer_forward(
     bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
     g = gemm_time_s
     kw: dict[str, Any] = dict(dtype=dtype, efficiency=efficiency)
-    gemm = (
-        g(rows, h, (h + 2 * kvd) / t, acc, **kw)
-        + g(rows, h / t, h, acc, **kw)
-        + g(rows, h, (2 if shape.gated_mlp else 1) * f / t, acc, **kw)
-        + g(rows, f / t, h, acc, **kw)
-    )
+    if shape.mla is None:
+        gemm = g(rows, h, (h + 2 * kvd) / t, acc, **kw) + g(rows, h / t, h, acc, **kw)
+    else:  # MLA's projections as one GEMM of its weights (k = h): FLOPs exact, efficiency approximate
+        gemm = g(rows, h, shape.mla.params(h, a) / h / t, acc, **kw)
+    moe = _moe_mlp(shape, micro_batch, s, acc, t, moe_layout or (1, 1.0), kw)
+    gemm += moe[0] if shape.moe is not None else (
+        g(rows, h, (2 if shape.gated_mlp else 1) * f / t, acc, **kw) + g(rows, f / t, h, acc, **kw)
+    )  # fmt: skip
     flash = shape.flash_attention if flash_attention is None else flash_attention
-    attn_flops = 4.0 * rows * s * h / t
-    attn_bytes = e * rows * (2 * h + 2 * kvd) / t  # read Q, K, V; write O
+    qk, vd = attention_widths(shape)
+    attn_flops = 2.0 * rows * s * (qk + vd) / t
+    attn_bytes = e * rows * (qk + vd + (qk + vd if shape.mla else 2 * kvd)) / t  # read Q, K, V; write O
     attn_bwd_bytes = 2 * attn_bytes  # read Q, K, V, O, dO; write dQ, dK, dV (about twice)
     if not flash:
         drop = bool(shape.dropout)
@@ -351,7 +364,7 @@ def layer_forward(
     sp = t if sequence_parallel else 1
     passes_h = 10 + (4 if shape.dropout else 0)
     passes_f = 3 if shape.gated_mlp else 2
-    elementwise = e * rows * (passes_h * h / sp + passes_f * f / t) / bw
+    elementwise = e * rows * (passes_h * h / sp + passes_f * (moe[2] if shape.moe else f) / t) / bw
     tp_comm = regather = 0.0
     if t > 1:
         bw_tp = group_bandwidth(acc, t, 1) * efficiency.network
@@ -364,10 +377,43 @@ def layer_forward(
         elementwise_s=elementwise,
         tp_comm_s=tp_comm,
         flops=layer_forward_flops(shape, rows, s, t),
+        ep_comm_s=moe[1],
         attention_backward_s=attention_bwd,
         elementwise_backward_s=elementwise_backward_ratio() * elementwise,
         sp_regather_s=regather,
     )
+
+
+def _moe_mlp(
+    shape: ModelShape, b: int, s: int, acc: Accelerator, t: int, layout: tuple[int, float], kw: dict[str, Any]
+) -> tuple[float, float, float]:
+    """(GEMM seconds, all-to-all seconds, activation-function width) of a MoE block's MLP on one GPU.
+
+    GEMMs: E/EP local experts, each at :func:`~microbatch.predict.experts.rows_per_expert` rows
+    EP·b·s·K/E·load (the GEMM efficiency at that row count: the MoE knee), its F split by t; the S
+    shared experts at b·s rows; the router b·s × h × E. All-to-all: dispatch and combine,
+    :func:`~microbatch.predict.collectives.alltoall_time_s` of
+    :func:`~microbatch.predict.experts.dispatch_bytes` over the EP ranks t apart (NVLink inside a node, the
+    NICs across). Width: K·load·F + S·F_s, the activation function's per-token traffic. Zeros when dense.
+    """
+    moe = shape.moe
+    if moe is None:
+        return 0.0, 0.0, 0.0
+    ep, load = layout
+    h, F, mats = shape.hidden, moe.expert_ffn_hidden, 2 if shape.gated_mlp else 1
+    r = rows_per_expert(moe, b, s, ep, load)
+    g = gemm_time_s
+    gemm = moe.experts // ep * (g(r, h, mats * F / t, acc, **kw) + g(r, F / t, h, acc, **kw))
+    gemm += g(b * s, h, moe.experts, acc, **kw)
+    if moe.shared_experts:
+        fs = moe.shared_experts * moe.shared_width
+        gemm += g(b * s, h, mats * fs / t, acc, **kw) + g(b * s, fs / t, h, acc, **kw)
+    net = kw["efficiency"].network
+    nbytes = dispatch_bytes(shape, b, s, dtype_bytes=4 if kw["dtype"] == "fp32" else 2, load=load)
+    intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * net
+    inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * net
+    a2a = 2 * alltoall_time_s(nbytes, ep, ranks_per_node(acc, ep, t), intra, inter)
+    return gemm, a2a, moe.top_k * load * F + moe.shared_experts * moe.shared_width
 
 
 def logits_forward(

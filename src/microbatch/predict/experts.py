@@ -1,0 +1,181 @@
+"""Mixture-of-experts costs: rows per expert, expert activations, the all-to-all, expert parallelism.
+
+A MoE block (:class:`microbatch.moe.Experts`) routes each of a micro-batch's b·s tokens to K of E
+experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; DeepSeek-V3, arXiv 2412.19437 §2.1.2), plus
+S shared experts every token visits. **Expert parallelism** (EP, Lepikhin et al. 2020 "GShard")
+places E/EP experts on each of EP GPUs; a token's hidden state is sent to the GPUs of its experts
+(dispatch all-to-all) and its outputs sent back (combine all-to-all), twice more in the backward.
+
+**Layout** (Megatron-core's parallel state, ``expert_model_parallel_size``; "MoE parallel folding",
+Liu et al. 2025, arXiv 2504.14960): the GPUs stay t·p·d; the EP group is carved out of the
+data-parallel group (EP divides d), and the experts are split over the t tensor ranks as the dense
+MLP is (expert tensor parallel = t, Megatron's default). Each GPU therefore holds 1/(t·EP) of the
+routed experts and 1/t of everything else; expert gradients are reduced, and under ZeRO their
+optimizer state sharded, over the d/EP **expert-data-parallel** replicas (Megatron-LM's
+``theoretical_memory_usage`` divides the expert weights by the expert-parallel size).
+
+**Assumptions, stated**: dropless routing with every GPU receiving ``load`` × its balanced share
+b·s·K of token copies (``load`` = 1: DeepSeek-V3's auxiliary-loss-free balancing keeps experts even,
+§2.1.2; set above 1 for a measured imbalance), or, with a capacity factor c (GShard §2.2; Switch
+Transformer, Fedus et al. 2022 §2.2), buffers padded to c × the balanced share (tokens over it are
+dropped): ``load`` = c. The dense first blocks of DeepSeek-V3 are timed as MoE blocks (3 of 61; their
+MLP of 18,432 equals K·F + S·F = 8·2,048 + 2,048 active width).
+"""
+
+from __future__ import annotations
+
+from microbatch.errors import ConfigError, check_positive, check_positive_int
+from microbatch.moe import Experts
+from microbatch.shape import ModelShape
+
+__all__ = [
+    "check_expert_layout",
+    "expert_load",
+    "rows_per_expert",
+    "routed_rows",
+    "expert_params",
+    "moe_activation_terms",
+    "dispatch_bytes",
+    "attention_widths",
+    "gemm_weights",
+]
+
+
+def check_expert_layout(shape: ModelShape, expert_parallel: int, data_parallel: int) -> None:
+    """ConfigError unless EP divides E and the data-parallel size d (EP lives inside the d replicas)."""
+    check_positive_int("expert-parallel", expert_parallel)
+    if expert_parallel == 1:
+        return
+    if shape.moe is None:
+        raise ConfigError(
+            f"expert-parallel {expert_parallel} needs a mixture-of-experts model ({shape.name} is dense); "
+            "give --experts E --top-k K, a MoE model (mixtral-8x7b, deepseek-v3), or drop --expert-parallel"
+        )
+    e = shape.moe.experts
+    if e % expert_parallel:
+        ok = [x for x in range(1, e + 1) if e % x == 0 and data_parallel % x == 0]
+        raise ConfigError(
+            f"expert-parallel {expert_parallel} does not divide experts {e}; every GPU holds E/EP whole "
+            f"experts; use expert-parallel among {ok}"
+        )
+    if data_parallel % expert_parallel:
+        ok = [x for x in range(1, data_parallel + 1) if data_parallel % x == 0 and e % x == 0]
+        raise ConfigError(
+            f"expert-parallel {expert_parallel} does not divide data-parallel {data_parallel}; the experts are "
+            f"spread over ranks of the data-parallel group (Megatron's layout); use expert-parallel among {ok}"
+        )
+
+
+def expert_load(capacity_factor: float | None, imbalance: float = 1.0) -> float:
+    """Token copies a GPU's experts hold per micro-batch, over the balanced share b·s·K.
+
+    Dropless (``capacity_factor`` None): ``imbalance`` (1 = perfectly balanced, the stated assumption).
+    With a capacity factor c: the buffers are padded to c × the balanced share (GShard §2.2), so c.
+    """
+    check_positive("expert imbalance", imbalance)
+    if capacity_factor is None:
+        return imbalance
+    return check_positive(
+        "capacity factor", capacity_factor, fix="give for example 1.25, or none for dropless"
+    )
+
+
+def rows_per_expert(
+    moe: Experts, micro_batch: int, seq: int, expert_parallel: int = 1, load: float = 1.0
+) -> float:
+    """Rows one expert's GEMMs see per micro-batch: EP·b_m·s·K/E × load.
+
+    Each of the EP GPUs routes b_m·s·K token copies evenly over E experts; an expert lives on one GPU
+    of the EP group and receives its share from all EP of them (the micro-batches of the EP ranks are
+    dispatched together). At EP = 1 this is b_m·s·K/E, the knee's variable: with E = 256, K = 8 an
+    expert sees 1/32 of the micro-batch's tokens.
+    """
+    return expert_parallel * micro_batch * seq * moe.top_k / moe.experts * load
+
+
+def routed_rows(moe: Experts, micro_batch: int, seq: int, load: float = 1.0) -> float:
+    """Token copies one GPU's experts hold per micro-batch: b_m·s·K × load (E/EP experts × the rows of each)."""
+    return micro_batch * seq * moe.top_k * load
+
+
+def expert_params(shape: ModelShape, first: int, count: int) -> int:
+    """Routed-expert parameters of blocks ``first`` … ``first + count − 1`` (the part EP shards):
+    E · matrices · h · F per MoE block. The router and the shared experts are replicated like dense weights."""
+    moe = shape.moe
+    if moe is None:
+        return 0
+    moe_blocks = sum(1 for i in range(first, first + count) if shape.is_moe_layer(i))
+    return moe_blocks * moe.routed_params(shape.hidden, 3 if shape.gated_mlp else 2)
+
+
+def moe_activation_terms(
+    shape: ModelShape,
+    micro_batch: int,
+    seq: int,
+    *,
+    tensor_parallel: int,
+    sp: int,
+    dtype_bytes: int,
+    load: float,
+) -> dict[str, float]:
+    """Bytes a MoE block's MLP keeps for its backward per micro-batch, replacing the dense ``mlp_hidden``.
+
+    Korthikanti et al. 2022 §4.1's MLP terms applied to the R = b·s·K·load routed rows (Megatron-core's
+    ``MoELayer``: router, permutation, grouped expert MLP, unpermutation):
+
+    - ``router``: fp32 logits and probabilities, 2 × 4·b·s·E (Megatron keeps the router in fp32);
+    - ``expert_input``: the permuted token copies, e·R·h (/t with sequence parallelism, like ``mlp_input``);
+    - ``expert_hidden``: the experts' activation input and output, matrices·e·R·F/t (gate, up, product);
+    - ``expert_output``: the expert outputs kept for the gate weights' gradient, e·R·h (/t with SP);
+    - ``shared_hidden``: the shared experts' MLP at b·s rows, matrices·e·b·s·S·F_s/t.
+    """
+    moe = shape.moe
+    if moe is None:
+        return {}
+    e, t = dtype_bytes, tensor_parallel
+    tokens = micro_batch * seq
+    rows = routed_rows(moe, micro_batch, seq, load)
+    mats = 3 if shape.gated_mlp else 2
+    return {
+        "router": 2 * 4 * tokens * moe.experts,
+        "expert_input": e * rows * shape.hidden / sp,
+        "expert_hidden": mats * e * rows * moe.expert_ffn_hidden / t,
+        "expert_output": e * rows * shape.hidden / sp,
+        "shared_hidden": mats * e * tokens * moe.shared_experts * moe.shared_width / t,
+    }
+
+
+def dispatch_bytes(
+    shape: ModelShape, micro_batch: int, seq: int, *, dtype_bytes: int, load: float = 1.0
+) -> float:
+    """Bytes one GPU sends in one dispatch (and again in one combine) all-to-all: e·b·s·K·h × load.
+
+    Each token copy's hidden state goes to its expert's GPU; with tensor parallelism every tensor rank
+    sends the same tokens to its own counterpart (Megatron's all-to-all dispatcher after the sequence-
+    parallel all-gather), so the bytes per GPU do not shrink with t.
+    """
+    if shape.moe is None:
+        return 0.0
+    return dtype_bytes * routed_rows(shape.moe, micro_batch, seq, load) * shape.hidden
+
+
+def attention_widths(shape: ModelShape) -> tuple[int, int]:
+    """(query/key, value) width summed over the heads: (h, h) for multi-head attention (grouped-query
+    attention shares K and V, not the score work), a·(d_h + d_h^R) and a·d_v for DeepSeek's MLA."""
+    if shape.mla is None:
+        return shape.hidden, shape.hidden
+    return shape.heads * shape.mla.qk_head_dim, shape.heads * shape.mla.v_head_dim
+
+
+def gemm_weights(shape: ModelShape) -> int:
+    """Weights one token's forward multiplies in one block (2 FLOPs each): attention projections (MLA's
+    when present) and the MLP one token uses (:meth:`microbatch.moe.Experts.active_moe_params`), no biases
+    or norms. Dense, kv = a, f = 4h: 12h² (Narayanan et al. 2021 Eq. 3's 24·b·s·h² / (2·b·s))."""
+    h, mats = shape.hidden, 3 if shape.gated_mlp else 2
+    if shape.mla is None:
+        kvd = shape.kv * shape.head_dim
+        attn = h * (h + 2 * kvd) + h * h
+    else:
+        attn = shape.mla.params(h, shape.heads)
+    mlp = mats * h * shape.ffn if shape.moe is None else shape.moe.active_moe_params(h, mats)
+    return attn + mlp

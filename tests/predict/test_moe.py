@@ -1,0 +1,196 @@
+"""Mixture of experts and expert parallelism: rows per expert, the all-to-all, expert memory, the planner.
+
+Each test holds one term to its equation, so that dropping the term (or getting its sharding wrong)
+fails here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from microbatch.errors import ConfigError
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model, resolve_model
+from microbatch.predict.activations import layer_activation_terms
+from microbatch.predict.collectives import alltoall_time_s, ranks_per_node
+from microbatch.predict.experts import dispatch_bytes, expert_params, gemm_weights, rows_per_expert
+from microbatch.predict.memory import MemoryConfig, estimate_memory
+from microbatch.predict.plan import make_plan
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.roofline import gemm_time_s, layer_forward, layer_forward_flops
+
+H100 = get_accelerator("h100-80gb")
+MIX = get_model("mixtral-8x7b")
+DS = get_model("deepseek-v3")
+
+
+def test_rows_per_expert_is_ep_b_s_k_over_e():
+    assert MIX.moe is not None and DS.moe is not None
+    assert rows_per_expert(MIX.moe, 1, 4096) == 4096 * 2 / 8
+    assert rows_per_expert(DS.moe, 2, 4096) == 2 * 4096 * 8 / 256
+    assert rows_per_expert(DS.moe, 2, 4096, expert_parallel=8) == 8 * 2 * 4096 * 8 / 256
+    assert rows_per_expert(DS.moe, 2, 4096, load=1.25) == 1.25 * 2 * 4096 * 8 / 256
+
+
+def test_moe_mlp_gemms_run_at_the_rows_each_expert_receives():
+    """The MLP GEMM time of a MoE block is E/EP experts at EP·b·s·K/E rows, plus the router; no shared experts in
+    Mixtral. Dropping the per-expert rows (timing the experts at b·s rows) or the E/EP count fails."""
+    kw = dict(dtype="bf16")
+    s, h, F = 4096, 4096, 14336
+    for ep in (1, 4):
+        lt = layer_forward(MIX, 1, H100, moe_layout=(ep, 1.0))
+        dense_attn = layer_forward(replace(MIX, moe=None), 1, H100)
+        attn_gemm = dense_attn.gemm_s - (
+            gemm_time_s(s, h, 2 * F, H100, **kw) + gemm_time_s(s, F, h, H100, **kw)
+        )
+        r = ep * s * 2 / 8
+        expected = 8 // ep * (gemm_time_s(r, h, 2 * F, H100, **kw) + gemm_time_s(r, F, h, H100, **kw))
+        expected += gemm_time_s(s, h, 8, H100, **kw)  # router
+        assert lt.gemm_s - attn_gemm == pytest.approx(expected, rel=1e-12)
+
+
+def test_moe_knee_tokens_per_expert_lower_the_gemm_efficiency():
+    """DeepSeek-V3's experts see b·s·8/256 rows: at b_m = 1, s = 512 that is 16 rows, far below the ramp, so the
+    achieved FLOP rate of a layer rises with b_m much longer than a dense layer of the same active width."""
+    short = DS.with_seq(512)
+    rate = {
+        b: layer_forward(short, b, H100).flops / layer_forward(short, b, H100).compute_s for b in (1, 8, 64)
+    }
+    assert rate[1] < rate[8] < rate[64]
+    assert rate[64] / rate[1] > 2.0
+
+
+def test_alltoall_within_and_across_nodes():
+    nbytes = 1e9
+    # 8 ranks in one node: 7/8 over NVLink
+    assert alltoall_time_s(nbytes, 8, 8, 400e9, 50e9) == pytest.approx(nbytes * 7 / 8 / 400e9)
+    # 32 ranks, 8 per node: 24/32 over the NIC dominates
+    assert alltoall_time_s(nbytes, 32, 8, 400e9, 50e9) == pytest.approx(nbytes * 24 / 32 / 50e9)
+    assert alltoall_time_s(nbytes, 1, 1, 400e9, 50e9) == 0.0
+    # the layer's ep_comm_s: dispatch + combine of e·b·s·K·h bytes over the EP ranks t apart
+    lt1 = layer_forward(MIX, 1, H100, moe_layout=(1, 1.0))
+    assert lt1.ep_comm_s == 0.0
+    lt = layer_forward(MIX, 1, H100, tensor_parallel=2, moe_layout=(8, 1.0))
+    nb = dispatch_bytes(MIX, 1, 4096, dtype_bytes=2)
+    assert nb == 2 * 4096 * 2 * 4096
+    intra = H100.intra_node_bytes_per_s * H100.intra_node_achievable
+    inter = H100.inter_node_bytes_per_s * H100.inter_node_achievable
+    k = ranks_per_node(H100, 8, 2)
+    assert k == 4  # t = 2: four EP ranks share a node
+    assert lt.ep_comm_s == pytest.approx(2 * alltoall_time_s(nb, 8, k, intra, inter))
+    assert lt.total_s == pytest.approx(lt.compute_s + lt.tp_comm_s + lt.ep_comm_s)
+
+
+def test_moe_flops_count_the_active_experts():
+    rows = 4096
+    mla = DS.mla
+    assert mla is not None
+    attn = mla.params(7168, 128)
+    mlp = 7168 * 256 + 8 * 3 * 7168 * 2048 + 3 * 7168 * 2048
+    assert gemm_weights(DS) == attn + mlp
+    core = 2.0 * rows * 4096 * 128 * (192 + 128)
+    assert layer_forward_flops(DS, rows, 4096) == pytest.approx(2.0 * rows * (attn + mlp) + core)
+    # a dense model keeps Narayanan's 24·b·s·h² + 4·b·s²·h
+    g = get_model("gpt3-175b")
+    assert layer_forward_flops(g, 2048, 2048) == pytest.approx(24 * 2048 * 12288**2 + 4 * 2048 * 2048 * 12288)
+
+
+def test_moe_activation_terms():
+    t = layer_activation_terms(MIX, 1, tensor_parallel=2)
+    dense = layer_activation_terms(replace(MIX, moe=None), 1, tensor_parallel=2)
+    rows = 4096 * 2  # b·s·K
+    assert "mlp_hidden" not in t
+    assert t["expert_hidden"] == 3 * 2 * rows * 14336 / 2 == 2 * dense["mlp_hidden"]
+    assert t["expert_input"] == t["expert_output"] == 2 * rows * 4096
+    assert t["router"] == 2 * 4 * 4096 * 8
+    assert t["shared_hidden"] == 0
+    ds = layer_activation_terms(DS, 1)
+    assert ds["shared_hidden"] == 3 * 2 * 4096 * 1 * 2048
+    assert layer_activation_terms(MIX, 1, expert_load=1.25)["expert_hidden"] == pytest.approx(
+        1.25 * t["expert_hidden"] * 2
+    )
+    # MLA: Q and K of a·192, V of a·128, the latents 1536 + 512 + 64 per token
+    assert ds["qkv"] == 2 * 4096 * 128 * (2 * 192 + 128) + 2 * 4096 * (1536 + 512 + 64)
+
+
+def test_expert_weights_and_state_shard_over_ep_and_expert_data_parallel():
+    """Expert weights divide by t·EP; their ZeRO-1 optimizer state by d/EP (the expert-data-parallel group);
+    everything else as before. The all-to-all buffers are other bytes."""
+    base = dict(micro_batch=1, tensor_parallel=2, pipeline_parallel=4, data_parallel=8, zero=1)
+    one = estimate_memory(MIX, MemoryConfig(**base)).stages[1]
+    ep8 = estimate_memory(MIX, MemoryConfig(**base, expert_parallel=8)).stages[1]
+    experts = expert_params(MIX, 8, 8) / 2  # stage 1: layers 8..15, per tensor rank
+    assert experts == 8 * 8 * 3 * 4096 * 14336 / 2
+    dense = one.params - experts
+    assert ep8.params == pytest.approx(dense + experts / 8)
+    assert ep8.weights_bytes == pytest.approx(2 * (dense + experts / 8))
+    assert ep8.optimizer_bytes == pytest.approx(12 * dense / 8 + 12 * (experts / 8) / (8 // 8))
+    assert one.optimizer_bytes == pytest.approx(12 * (dense + experts) / 8)
+    assert ep8.other_bytes == pytest.approx(2 * dispatch_bytes(MIX, 1, 4096, dtype_bytes=2))
+    assert one.other_bytes == 0.0
+    # dense first layers are dense: DeepSeek-V3's stage 0 holds fewer parameters than stage 1 of equal layers
+    st = estimate_memory(DS.with_seq(1024), MemoryConfig(micro_batch=1, pipeline_parallel=61)).stages
+    assert st[0].params - st[1].params == DS.embedding_params()
+    assert st[1].params == DS.layer_params(1) == DS.layer_params(0)
+    assert st[3].params - st[2].params == DS.layer_params() - DS.layer_params(0)
+
+
+def test_expert_parallel_layout_is_checked():
+    with pytest.raises(ConfigError, match="does not divide data-parallel 4"):
+        estimate_memory(MIX, MemoryConfig(micro_batch=1, data_parallel=4, expert_parallel=8))
+    with pytest.raises(ConfigError, match="does not divide experts 8"):
+        estimate_memory(MIX, MemoryConfig(micro_batch=1, data_parallel=6, expert_parallel=3))
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        estimate_memory(
+            get_model("llama-2-7b"), MemoryConfig(micro_batch=1, data_parallel=2, expert_parallel=2)
+        )
+    with pytest.raises(ConfigError, match="capacity factor"):
+        MemoryConfig(micro_batch=1, capacity_factor=0.0)
+
+
+def test_planner_memory_equals_the_memory_model_with_experts():
+    cfg = PlanConfig(shape=MIX, gpu=H100, global_batch=64, tensor_parallel=2, pipeline_parallel=4, data_parallel=8,
+                     expert_parallel=4, capacity_factor=1.25)  # fmt: skip
+    plan = make_plan(cfg)
+    assert plan.candidates
+    for c in plan.candidates[::5]:
+        est = estimate_memory(
+            MIX,
+            MemoryConfig(
+                micro_batch=c.micro_batch, tensor_parallel=2, pipeline_parallel=4, virtual=c.virtual,
+                microbatches=c.microbatches, schedule=c.schedule, data_parallel=8, zero=c.zero,
+                recompute=c.recompute, expert_parallel=4, capacity_factor=1.25,
+            ),
+        )  # fmt: skip
+        assert c.peak_memory_bytes == pytest.approx(est.peak_bytes, rel=1e-9), c
+        assert c.memory == pytest.approx(est.peak_stage.breakdown(), rel=1e-9)
+
+
+def test_plan_json_gives_total_and_active_params():
+    cfg = PlanConfig(shape=MIX, gpu=H100, global_batch=32, pipeline_parallel=4, data_parallel=8, expert_parallel=8,
+                     tensor_parallel=2, recompute=("none",), zero=(1,))  # fmt: skip
+    d = make_plan(cfg).to_dict()
+    assert d["total_params"] == MIX.param_count() and d["active_params"] == MIX.active_param_count()
+    assert d["expert_parallel"] == 8
+    for c in d["candidates"]:
+        assert (c["total_params"], c["active_params"], c["expert_parallel"]) == (
+            d["total_params"],
+            d["active_params"],
+            8,
+        )
+    # more expert parallelism: less memory for the experts, an all-to-all in the step
+    d1 = make_plan(replace(cfg, expert_parallel=1)).to_dict()
+    by = {(c["micro_batch"], c["schedule"], c["virtual"]): c for c in d1["candidates"]}
+    c8 = d["candidates"][0]
+    c1 = by[(c8["micro_batch"], c8["schedule"], c8["virtual"])]
+    assert c8["memory"]["weights"] < c1["memory"]["weights"]
+
+
+def test_resolve_model_expert_flags_reach_the_planner():
+    shape = resolve_model("llama-2-7b", experts=8, top_k=2)
+    cfg = PlanConfig(
+        shape=shape, gpu=H100, global_batch=16, data_parallel=8, expert_parallel=8, tensor_parallel=1
+    )
+    assert make_plan(cfg).to_dict()["active_params"] < shape.param_count()
