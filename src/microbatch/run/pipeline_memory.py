@@ -4,8 +4,11 @@
   (:class:`microbatch.run.instrument.LiveBytes`: counted once per storage, released through weak
   references when the last saved tensor on it is freed) — memory held, not the schedule's count.
 - **predicted, calibrated**: the saved bytes the rank holds along torch's order of its actions
-  (:func:`_calibrated`), from each stage's bytes of one micro-batch as the hooks measured them (the
-  calibration: one number per stage and b_m, storages shared by micro-batches held once), the part
+  (:func:`_calibrated`), from each stage's bytes of one micro-batch measured on one process apart
+  from the run (the calibration: :func:`microbatch.run.pipeline_stage_profile.stage_saved_bytes`,
+  one number per stage and b_m, storages shared by micro-batches held once — not the run's own
+  hooks, so that a stage that saves more or less in the run than its forward does alone shows as
+  error, as well as a late free), the part
   torch's split backward keeps between I and W (measured on one micro-batch before the steps), and
   the received stage inputs torch's runtime keeps. On GPipe and 1F1B with equal stages this is the
   registry's in-flight rule (:func:`microbatch.schedules.registry.in_flight_chunks`, the rule
@@ -21,7 +24,6 @@ count cannot show either.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from microbatch.errors import ConfigError
@@ -68,7 +70,7 @@ def _calibrated(
 ) -> float | None:
     """Peak of the saved bytes the rank holds along torch's order of its actions, per stage:
 
-    - a forward F adds the stage's own bytes of one micro-batch (``own``, measured by the hooks:
+    - a forward F adds the stage's own bytes of one micro-batch (``own``, measured on one process:
       saved storages less those an earlier micro-batch saved, which are held once: ``shared``);
     - a full backward B frees them; torch's input-gradient pass I frees all but the fraction
       ``kept`` that its weight-gradient pass W needs (measured by
@@ -138,27 +140,29 @@ def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[floa
     return [float(st.activations_bytes) for st in est.stages]
 
 
-def memory_rows(cfg: PipelineConfig, ranks: list[dict[str, Any]], use: list[int]) -> list[dict[str, Any]]:
+def memory_rows(
+    cfg: PipelineConfig,
+    ranks: list[dict[str, Any]],
+    use: list[int],
+    stage_bytes: dict[int, dict[str, float]] | None = None,
+) -> list[dict[str, Any]]:
     """Per rank: measured peak of live saved bytes, the two predictions and their errors (%), the
-    schedule's counted bytes, the host high-water mark and the bytes still alive after the step."""
-    own_of: dict[int, list[float]] = {}
-    shared_of: dict[int, float] = {}
+    schedule's counted bytes, the host high-water mark and the bytes still alive after the step.
+
+    ``stage_bytes``: each stage's ``own`` and ``shared`` saved bytes of one micro-batch
+    (:func:`microbatch.run.pipeline_stage_profile.stage_saved_bytes`); None measures them here, on
+    one process, on the split the ranks used."""
+    from microbatch.run.pipeline_stage_profile import stage_saved_bytes
+
     kept: dict[int, float] = {}
     for r in ranks:
         for s, f in (r.get("kept_after_input_grad") or {}).items():
             if f is not None:
                 kept[int(s)] = float(f)
-        for k in use:
-            st = r["steps"][k]
-            forwards = [it for it in st["intervals"] if it[0] == "F"]
-            shared_mb = st.get("per_microbatch_shared_bytes") or [0] * len(forwards)
-            for (_kind, stage, _i, _a, _e), nbytes, sh in zip(
-                forwards, st["per_microbatch_bytes"], shared_mb, strict=False
-            ):
-                own_of.setdefault(stage, []).append(nbytes - sh)
-                shared_of[stage] = max(shared_of.get(stage, 0.0), float(sh))
-    # the median: the first micro-batch of a step owns the storages the later ones share
-    own = {s: statistics.median(v) for s, v in own_of.items() if v}
+    if stage_bytes is None:
+        stage_bytes = stage_saved_bytes(cfg, list(ranks[0]["layers_per_stage"]))
+    own = {s: row["own"] for s, row in stage_bytes.items()}
+    shared_of = {s: row["shared"] for s, row in stage_bytes.items()}
     uncal = _uncalibrated(cfg, ranks[0]["layers_per_stage"])
     out = []
     for r in ranks:

@@ -2,7 +2,9 @@
 with its loss), full backward, input-gradient and weight-gradient time of one micro-batch, timed as
 torch's runtime runs them (:func:`profile_stages`) — the op times of the prediction made before a
 run (:mod:`microbatch.run.pipeline_profile`) and of the calibration's in-op costs
-(:mod:`microbatch.run.pipeline_calibrate`)."""
+(:mod:`microbatch.run.pipeline_calibrate`) — and the bytes each stage's forward saves for one
+micro-batch (:func:`stage_saved_bytes`), the calibration of the per-rank memory prediction
+(:mod:`microbatch.run.pipeline_memory`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 from microbatch.run.pipeline_config import PipelineConfig
 
-__all__ = ["profile_stages"]
+__all__ = ["profile_stages", "stage_saved_bytes"]
 
 
 def _torch_split_backward() -> tuple[Any, Any] | None:
@@ -149,3 +151,56 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
         }
     finally:
         torch.set_num_threads(threads)
+
+
+def stage_saved_bytes(cfg: PipelineConfig, sizes: list[int] | None = None) -> dict[int, dict[str, float]]:
+    """Per virtual stage, the bytes autograd saves in its forward (the last stage with its loss) for
+    one micro-batch, measured in this process, apart from any run: ``own`` (storages no earlier
+    micro-batch saved) and ``shared`` (storages an earlier micro-batch of the step saved too and that
+    are still alive: the batch's token ids and targets, which the micro-batches take as views, held
+    once). Measured with the run's own saved-tensor hooks
+    (:func:`microbatch.run.instrument._saved_bytes_hooks`, parameters never counted) on two
+    micro-batches of the run's data (one where m = 1), the second one's bytes kept: the first
+    micro-batch also owns the shared storages.
+
+    ``sizes``: units per stage as the ranks split them (the report's ``layers_per_stage``); None
+    splits by parameter count, as the ranks do with ``balance="params"``. Placement follows the
+    schedule: stages on one rank share their saved storages as on that rank."""
+    import torch.nn.functional as F
+
+    from microbatch.run.instrument import StageRecorder, _saved_bytes_hooks
+    from microbatch.run.pipeline_rank import build_full_model, make_batch
+    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
+    from microbatch.schedules.registry import stage_ranks
+
+    full, vocab, seq = build_full_model(cfg)
+    units = model_units(full)
+    modules = split_units(units, sizes or balanced_split(unit_param_counts(units), cfg.total_stages))
+    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    recorders = {r: StageRecorder(rank=r) for r in set(placement)}
+    tok, tgt = make_batch(cfg, vocab, seq, -1)
+    b, total, last = cfg.micro_batch, cfg.batch * seq, len(modules) - 1
+    alive: list[Any] = []  # every micro-batch's graph stays alive, as between a forward and its backward
+    out: dict[int, dict[str, float]] = {}
+    for i in range(min(2, cfg.microbatches)):
+        x: Any = tok[i * b : (i + 1) * b]
+        target = tgt[i * b : (i + 1) * b]
+        for s, mod in enumerate(modules):
+            rec = recorders[placement[s]]
+            params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+            inp = x if s == 0 else x.detach().requires_grad_(x.is_floating_point())
+            seen: dict[int, int] = {}
+            shared: dict[int, int] = {}
+            with _saved_bytes_hooks(params, seen, rec, (s, i), shared):
+                y = mod(inp)
+                if s == last:
+                    y = F.cross_entropy(y.flatten(0, -2).float(), target.flatten(), reduction="sum") / total
+            rec.step_ptrs.update(dict.fromkeys(seen, (s, i)))
+            alive.append(y)
+            out[s] = {
+                "own": float(sum(seen.values()) - sum(shared.values())),
+                "shared": float(sum(shared.values())),
+            }
+            x = y
+    del alive
+    return out
