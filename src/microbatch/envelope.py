@@ -9,12 +9,14 @@ call this module.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from microbatch import __version__
 
-__all__ = ["ENVELOPE_KEYS", "ERROR_KINDS", "envelope", "error_envelope"]
+__all__ = ["ENVELOPE_KEYS", "ERROR_KINDS", "MARK", "envelope", "error_envelope", "is_ours", "mark_line"]
 
 ENVELOPE_KEYS = ("command", "version")
 """The keys every JSON object of the command line starts with."""
@@ -43,3 +45,44 @@ def error_envelope(message: str, exit_code: int, command: str | None) -> dict[st
     """
     kind = ERROR_KINDS.get(exit_code, "failure")
     return {"command": command, "version": __version__, "error": message, "kind": kind}
+
+
+MARK = "written by microbatch"
+"""The words every file the command line writes that cannot hold the envelope carries (an SVG's or
+HTML's comment, a TOML's comment, a PNG's ``Software`` text): with the envelope, what
+:func:`is_ours` recognises."""
+
+_SNIFF_BYTES = 64 * 1024
+"""How much of a file :func:`is_ours` reads for the mark (ours put it in the first few hundred bytes)."""
+
+_ENVELOPE_READ_BYTES = 256 * 1024**2
+"""The largest JSON file :func:`is_ours` parses for the envelope (the largest results are a few MB)."""
+
+
+def mark_line(command: str, comment: str = "#") -> str:
+    """The line that marks a file ``command`` wrote: ``# written by microbatch export 0.1.0``, or with
+    ``comment="<!--"`` an XML/HTML comment."""
+    text = f"{MARK} {command} {__version__}" if command else f"{MARK} {__version__}"
+    return f"<!-- {text} -->" if comment == "<!--" else f"{comment} {text}"
+
+
+def is_ours(path: str | Path) -> bool:
+    """Whether the file at ``path`` is one the command line wrote, so that writing it again loses
+    nothing of the user's: an empty file, a JSON object in the envelope (``command`` and ``version``
+    strings), or a file carrying :data:`MARK` in its first 64 KiB. False for anything else,
+    and for a file that cannot be read."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size == 0:
+            return True
+        with p.open("rb") as f:
+            head = f.read(_SNIFF_BYTES)
+        if MARK.encode() in head or b"Software\x00" + MARK.encode() in head:
+            return True
+        if not head.lstrip().startswith(b"{") or size > _ENVELOPE_READ_BYTES:
+            return False
+        data = json.loads(p.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(isinstance(data.get(k), str) for k in ENVELOPE_KEYS)

@@ -34,6 +34,8 @@ __all__ = [
     "load_json",
     "classify",
     "load_results",
+    "MAX_EXACT_WHOLE",
+    "check_fields",
     "number",
     "positive",
     "flag",
@@ -121,6 +123,7 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
                 kind = classify(item)
             except ConfigError as e:  # say which file
                 raise ConfigError(f"{p}: {e}") from None
+            check_fields(kind, item, source=str(p))
             if kind == "plan" and isinstance(item.get("plans"), list):
                 out += [(classify(sub), sub) for sub in item["plans"]]
             else:
@@ -131,6 +134,60 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
 
 
 # -- field checks ----------------------------------------------------------------------------------
+POINT_NUMBERS = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "step_time_s", "micro_step_s",
+                 "tokens_per_s", "samples_per_s")  # fmt: skip
+"""Fields of a measured point (``tune``, ``recommend``) that are numbers or null."""
+
+RESULT_NUMBERS = ("throughput", "tolerance", "reference_throughput", "bound_margin", "memory_budget_bytes",
+                  "global_batch", "grad_accum", "data_parallel", "max_fitting_micro_batch", "seq")  # fmt: skip
+"""Top-level fields of a ``tune`` or ``recommend`` result that are numbers or null."""
+
+
+def _json_number(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
+    """Refuse a ``tune`` or ``recommend`` result whose numbers are not numbers: its knee (``micro_batch``)
+    and each point's ``micro_batch`` whole numbers >= 1 (at most :data:`MAX_EXACT_WHOLE`), the fields of
+    :data:`POINT_NUMBERS` and :data:`RESULT_NUMBERS` JSON numbers or null. ConfigError naming the file,
+    the point and the field: a hand-edited or foreign file is refused with the place to fix, before
+    anything is drawn. Other kinds are not checked here."""
+    if kind not in ("tune", "recommend"):
+        return
+    fix = "fix the file, or give the result.json `microbatch tune --out DIR` wrote"
+    for key in RESULT_NUMBERS:
+        if not _json_number(item.get(key)):
+            raise ConfigError(f"{source}: {key} {_short(item[key])} is not a number; {fix}")
+    points = item.get("points", [])
+    if not isinstance(points, list):
+        raise ConfigError(f"{source}: points is a {type(points).__name__}, not a list of points; {fix}")
+    for i, pt in enumerate(points):
+        where = f"{source}: point {i + 1}"
+        if not isinstance(pt, dict):
+            raise ConfigError(
+                f"{where} is {_short(pt)}, not an object with micro_batch, throughput, ...; {fix}"
+            )
+        for key in POINT_NUMBERS:
+            if not _json_number(pt.get(key)):
+                raise ConfigError(f"{where}: {key} {_short(pt[key])} is not a number; {fix}")
+        try:
+            if (
+                not _json_number(pt.get("micro_batch"))
+                or (number(pt.get("micro_batch"), what="micro_batch", whole=True) or 0) < 1
+            ):
+                raise ConfigError(f"micro_batch {_short(pt.get('micro_batch'))} must be a whole number >= 1")
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}; {fix}") from None
+    knee = item.get("micro_batch")
+    if knee is not None:
+        try:
+            if not _json_number(knee) or (number(knee, what="micro_batch", whole=True) or 0) < 1:
+                raise ConfigError(f"micro_batch {_short(knee)} must be a whole number >= 1")
+        except ConfigError as e:
+            raise ConfigError(f"{source}: the knee's {e}; {fix}") from None
+
+
 def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
     """``v`` as a finite float (a whole one with ``whole``); None for None or ``""``.
 
@@ -144,11 +201,30 @@ def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
         f = float(v)
     except (TypeError, ValueError):
         raise ConfigError(f"{v!r} is not a number") from None
+    if whole and math.isfinite(f) and max(abs(f), abs(v) if isinstance(v, int) else 0) > MAX_EXACT_WHOLE:
+        raise ConfigError(
+            f"{what} {_short(v)} is over 2^53 = {MAX_EXACT_WHOLE:,}, past which a number is not held exactly (it "
+            f"would be read as {f:.17g}); no real {what} is that large: check the file"
+        )
     if whole and (not math.isfinite(f) or f != int(f)):
-        raise ConfigError(f"{what} {v!r} must be a whole number >= 1")
+        raise ConfigError(f"{what} {_short(v)} must be a whole number >= 1")
     if not math.isfinite(f):
         raise ConfigError(f"{v!r} must be finite")
     return f
+
+
+MAX_EXACT_WHOLE = 2**53
+"""The largest whole number every larger one of which a float (IEEE 754 double, 53-bit significand)
+cannot hold exactly: a count read past it would be silently rounded."""
+
+
+def _short(v: Any) -> str:
+    """``v`` for a message: its repr, or for a number of more than 20 digits its magnitude (a value of
+    10^300 is not spelt out in 301 digits)."""
+    text = repr(v)
+    if isinstance(v, int) and not isinstance(v, bool) and len(text) > 20:
+        return f"{float(v):.3g}" if abs(v) < 10**308 else f"a {len(text.lstrip('-'))}-digit number"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def positive(v: Any, *, where: str) -> float | None:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from microbatch._json import dumps
+from microbatch.commands._outputs import (
+    check_out_dir,
+    check_output_file,
+    command_name,
+    force_option,
+    keep_beside,
+    keep_result,
+    same_file,
+    write_result,
+)
 from microbatch.envelope import envelope
 from microbatch.precision import PRECISIONS
 from microbatch.schedules.registry import schedule_names
@@ -30,6 +39,10 @@ __all__ = [
     "keep_result",
     "keep_beside",
     "check_output_file",
+    "MAX_BATCH",
+    "check_batch_bound",
+    "force_option",
+    "same_file",
     "flags_for",
     "progress",
     "option_group",
@@ -50,6 +63,27 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+
+
+MAX_BATCH = 10**9
+"""Most sequences any batch flag takes (B_global, b_m, g, d). The choosers enumerate the divisors of
+B / d (time grows with √B): ``plan`` took 0.7 s at B = 735,134,400 (1,344 divisors) and 4.4 s at
+B = 963,761,198,400 (6,720), and ``plan``/``batch`` at B = 10^20 never answered (2 cores, 2026-12-03).
+The largest published global batches are tens of thousands of sequences (65,536 for BERT with LAMB,
+You et al. 2020), four orders of magnitude below."""
+
+
+def check_batch_bound(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    """Click callback of a batch flag: refuse a value over :data:`MAX_BATCH` (usage error, exit 2,
+    one line with the value, the rule and the fix)."""
+    if value is not None and value > MAX_BATCH:
+        raise click.BadParameter(
+            f"{value:,} is over the limit of {MAX_BATCH:,} sequences (the choices enumerate divisors, so time "
+            f"grows with the batch; published global batches are below 100,000); give {MAX_BATCH:,} or less",
+            ctx=ctx,
+            param=param,
+        )
+    return value
 
 
 def stages_option(required: bool = True, default: int | None = None) -> Callable[[F], F]:
@@ -89,14 +123,6 @@ def precision_options(f: F) -> F:
     return f
 
 
-def command_name() -> str:
-    """The name of the command that is running (``tune``, ``plan``, ...), from click's context."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is None or not ctx.command.name:
-        raise RuntimeError("no command is running; pass command= to write_result()")
-    return ctx.command.name
-
-
 def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
     """Print ``obj`` in the envelope (:func:`microbatch.envelope.envelope`: the running
     command's name and the version first) as JSON when asked, else the human rendering."""
@@ -104,100 +130,6 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
         click.echo(dumps(envelope(obj, command_name())))
     else:
         click.echo(render())
-
-
-def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path:
-    """Write ``obj`` in the envelope as JSON to ``path`` (its folder made if missing); return the path.
-
-    For result files other commands read back (``tune --out``, the demo's results).
-    """
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(dumps(envelope(obj, command or command_name())) + "\n", encoding="utf-8")
-    return p
-
-
-def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
-    """``path`` as a folder this process can write to (made if missing), checked before any work.
-
-    ConfigError naming the flag, the folder, why and the fix when it cannot be made or written.
-    """
-    import tempfile
-
-    from microbatch.errors import ConfigError
-
-    p = Path(path)
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".microbatch-check-"):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"{flag} {str(path)!r} cannot be written ({e.strerror or e}); the results would be lost after the "
-            f"run: give {flag} a folder you can write to"
-        ) from None
-    return p
-
-
-def check_output_file(
-    path: str | None, flag: str, suffixes: tuple[str, ...] = (), *, create_folder: bool = False
-) -> None:
-    """Refuse, before any work, an output file that could not be written: a suffix that names
-    another format (``--png out.svg``), a path that is a folder, a folder that is missing (made
-    instead with ``create_folder``) or not writable (tried with a temporary file).
-
-    ConfigError naming the flag, the path, why and the fix.
-    """
-    import tempfile
-
-    from microbatch.errors import ConfigError
-
-    if not path:
-        return
-    ext = os.path.splitext(path)[1].lower()
-    if suffixes and ext and ext not in suffixes:
-        raise ConfigError(
-            f"{flag} {path}: the suffix {ext} names another format than {flag} writes ({'/'.join(suffixes)}); "
-            f"use a name ending in {suffixes[0]}"
-            + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
-        )
-    if os.path.isdir(path):
-        example = os.path.join(path, "out" + (suffixes[0] if suffixes else ".json"))
-        raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. {example}")
-    folder = Path(os.path.abspath(path)).parent
-    if not folder.is_dir() and not create_folder:
-        raise ConfigError(
-            f"{flag} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or write elsewhere"
-        )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".microbatch-check-"):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"{flag} {path}: the folder {folder} cannot be written ({e.strerror or e}); write elsewhere"
-        ) from None
-
-
-def keep_beside(obj: Any, command: str | None = None) -> Path:
-    """Write ``obj`` (in the envelope) to a new file in the temporary folder and return its path:
-    where a result goes when the path asked for cannot take it, so that it is never lost."""
-    import tempfile
-
-    name = command or command_name()
-    fd, other = tempfile.mkstemp(prefix=f"microbatch-{name}-", suffix=".json")
-    os.close(fd)
-    return write_result(other, obj, command=name)
-
-
-def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple[Path, str | None]:
-    """:func:`write_result` to ``path``; if that fails now (the folder vanished, the disk filled),
-    :func:`keep_beside` it and return that path with a line saying why (else None)."""
-    try:
-        return write_result(path, obj, command), None
-    except OSError as e:
-        kept = keep_beside(obj, command)
-        return kept, f"could not write {path} ({e.strerror or e}); the result was kept in {kept}"
 
 
 class flags_for:  # noqa: N801 - used as a context manager, named like one
@@ -275,6 +207,49 @@ def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--seq", type=int, help="s: sequence length (overrides the model's)."),
     ]
     return option_group(f, "model_spec", MODEL_FLAGS, opts)
+
+
+MOE_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor")
+"""Parameters :func:`moe_options` adds (``plan`` and ``memory``); the command receives them as ``moe_spec``."""
+
+
+def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The mixture-of-experts flags of ``plan`` and ``memory``: the expert shape (E, K, F, S: set or override
+    the model's experts, :func:`microbatch.moe.with_expert_flags`), expert parallelism EP (``-e``, inside the
+    data-parallel group) and the capacity factor (default dropless). Split the dict with :func:`moe_split`."""
+    opts = [
+        click.option(
+            "--experts", type=int, help="E: routed experts per MoE layer (with --top-k on a dense model)."
+        ),
+        click.option("--top-k", "top_k", type=int, help="K: routed experts each token visits."),
+        click.option("--expert-ffn-hidden", "expert_ffn_hidden", type=int, help="F: one expert's MLP width."),
+        click.option("--shared-experts", "shared_experts", type=int, help="S: experts every token visits."),
+        click.option(
+            "--expert-parallel",
+            "-e",
+            "expert_parallel",
+            type=int,
+            default=1,
+            show_default=True,
+            help="EP: GPUs the experts are spread over, inside the data-parallel group (divides d and E).",
+        ),  # fmt: skip
+        click.option(
+            "--capacity-factor",
+            "capacity_factor",
+            type=float,
+            help="Expert buffers padded to this × the balanced share (tokens over it dropped); default dropless.",
+        ),  # fmt: skip
+    ]
+    return option_group(f, "moe_spec", MOE_FLAGS, opts)
+
+
+def moe_split(moe_spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shape flags for :func:`resolve_model`, layout keywords for MemoryConfig / PlanConfig)."""
+    shape = {k: moe_spec.get(k) for k in MOE_FLAGS[:4]}
+    return shape, {
+        "expert_parallel": moe_spec.get("expert_parallel") or 1,
+        "capacity_factor": moe_spec.get("capacity_factor"),
+    }
 
 
 def resolve_model(spec: Mapping[str, Any], default: str | None = None) -> ModelShape:
@@ -360,11 +335,18 @@ def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--global-batch",
             "-B",
             type=int,
+            callback=check_batch_bound,
             help="B_global: the knee is chosen among the b_m with b_m × d dividing it, and g = B / (b_m × d) "
             "reported; tune probes only those b_m.",
         ),
         click.option(
-            "--data-parallel", "-d", type=int, default=1, show_default=True, help="d: data-parallel replicas."
+            "--data-parallel",
+            "-d",
+            type=int,
+            default=1,
+            show_default=True,
+            callback=check_batch_bound,
+            help="d: data-parallel replicas.",
         ),
     ]
     return option_group(f, "choice_spec", CHOICE_FLAGS, opts)

@@ -4,17 +4,39 @@ from __future__ import annotations
 
 import click
 
-from microbatch.commands._common import emit, json_option
+from microbatch.commands._common import check_batch_bound, emit, json_option
 
 __all__ = ["cmd"]
 
 
 @click.command("batch")
-@click.option("--global-batch", "-B", type=int, help="B_global: sequences per optimizer step.")
-@click.option("--micro-batch", "-b", type=int, help="b_m: sequences per forward/backward on one device.")
-@click.option("--grad-accum", "-g", type=int, help="g: micro-batches per replica per optimizer step.")
 @click.option(
-    "--data-parallel", "-d", type=int, help="d: data-parallel replicas (default 1 when two are missing)."
+    "--global-batch",
+    "-B",
+    type=int,
+    callback=check_batch_bound,
+    help="B_global: sequences per optimizer step.",
+)
+@click.option(
+    "--micro-batch",
+    "-b",
+    type=int,
+    callback=check_batch_bound,
+    help="b_m: sequences per forward/backward on one device.",
+)
+@click.option(
+    "--grad-accum",
+    "-g",
+    type=int,
+    callback=check_batch_bound,
+    help="g: micro-batches per replica per optimizer step.",
+)
+@click.option(
+    "--data-parallel",
+    "-d",
+    type=int,
+    callback=check_batch_bound,
+    help="d: data-parallel replicas (default 1 when two are missing).",
 )
 @json_option
 def cmd(

@@ -34,6 +34,11 @@ def _save(out: Path, name: str, obj: dict[str, Any]) -> Path:
     return write_result(out / name, obj, command=name.removesuffix(".json").split("-")[0])
 
 
+DEMO_FILES = ("tune-train.json", "tune-decode.json", "plan.json", "simulate-gpipe.json", "simulate-1f1b.json",
+              "pipeline.json", "validate.json", "report.html")  # fmt: skip
+"""The files the demo writes in --out: each replaced only when it is one of ours."""
+
+
 @click.command("demo")
 @click.option(
     "--out",
@@ -80,7 +85,8 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
             f"demo's {format_bytes(DEMO_BUDGET_BYTES)} on the CPU; use --model small or tiny, or tune it with "
             f"`microbatch tune --model {model_name} --memory-budget ...` on a machine that holds it"
         )
-    out = check_out_dir(out_dir)  # made and written to before any work: no result lost at the end
+    # made and written to before any work (no result lost at the end); no file of the user's in it replaced
+    out = check_out_dir(out_dir, files=DEMO_FILES)
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"out": str(out)}
     t_start = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from microbatch.commands._common import check_output_file, emit, json_option, write_result
+from microbatch.commands._common import check_output_file, emit, force_option, json_option, write_result
 
 __all__ = ["cmd"]
 
@@ -28,6 +28,7 @@ __all__ = ["cmd"]
 @click.option(
     "--output", "-o", type=click.Path(dir_okay=False), help="Write the config here instead of stdout."
 )
+@force_option
 @json_option
 def cmd(
     plan_path: str | None,
@@ -36,6 +37,7 @@ def cmd(
     gpu: str | None,
     gpus_per_node: int | None,
     output: str | None,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Write a plan's recommendation or a tune's knee in a framework's terms; B_global = b_m × g × d is kept.
@@ -57,10 +59,12 @@ def cmd(
         raise ConfigError(
             "give exactly one of --plan (a `plan --json` file) or --tune (a tune's result.json)"
         )
-    if output:
-        check_output_file(output, "--output", create_folder=True)  # before the work; a missing folder is made
+    if output:  # before the work; a missing folder is made; never the input, never a file not ours
+        inputs = [("--plan", plan_path), ("--tune", tune_path)]
+        check_output_file(output, "--output", create_folder=True, inputs=inputs, force=force)
     if plan_path is not None:
         data = load_json(plan_path, what="--plan", fix="give the file `microbatch plan --json` wrote")
+        _check_kind(data, "--plan", plan_path)
         ex = export_plan(data, fmt, gpu=gpu, gpus_per_node=gpus_per_node)
     else:
         if gpu is not None:
@@ -70,6 +74,7 @@ def cmd(
         data = load_json(
             str(tune_path), what="--tune", fix="give the result.json `microbatch tune --out DIR` wrote"
         )
+        _check_kind(data, "--tune", str(tune_path))
         ex = export_tune(data, fmt, gpus_per_node=gpus_per_node)
     payload = {"format": ex.format, "config": ex.config, "notes": list(ex.notes)}
     if output and as_json:  # the file holds the envelope (a result `report` reads); stdout the same
@@ -77,9 +82,40 @@ def cmd(
         emit({**payload, "output": output}, as_json, ex.text)
     elif output:
         text = ex.text()
+        if fmt == "torchtitan":  # TOML takes a comment: the mark that lets a later export replace it
+            from microbatch.envelope import mark_line
+
+            text = mark_line("export") + "\n" + text
         Path(output).write_text(text + ("\n" if not text.endswith("\n") else ""))
     else:
         emit(payload, as_json, ex.text)
     if not as_json:
         for note in ex.notes:
             click.echo(f"note: {note}", err=True)
+
+
+_FLAG_OF = {"plan": "--plan", "tune": "--tune"}
+
+
+def _check_kind(data: object, flag: str, path: str) -> None:
+    """Refuse, in the words of what was given, a result of another command than ``flag`` reads: a
+    tune result given as --plan (or the reverse) is named as such, with the flag that reads it."""
+    from microbatch.errors import ConfigError
+    from microbatch.records import classify
+
+    try:
+        kind = classify(data)
+    except ConfigError:
+        return  # not a result file: the reader of the flag says what it lacks
+    want = flag.removeprefix("--")
+    if kind == want:
+        return
+    if kind in _FLAG_OF:
+        raise ConfigError(
+            f"{flag} {path} holds a {kind} result (written by `microbatch {kind}`), not a {want} result; "
+            f"give it as {_FLAG_OF[kind]} {path}"
+        )
+    raise ConfigError(
+        f"{flag} {path} holds a {kind} result (written by `microbatch {kind}`); export reads a plan "
+        "(--plan, from `microbatch plan --json`) or a tune (--tune, from `microbatch tune --out DIR`)"
+    )

@@ -7,9 +7,12 @@ from typing import Any
 import click
 
 from microbatch.commands._common import (
+    check_batch_bound,
     emit,
     json_option,
     model_options,
+    moe_options,
+    moe_split,
     parse_split,
     parse_zero,
     precision_options,
@@ -26,7 +29,13 @@ from microbatch.schedules.registry import schedule_names
 @click.command("memory")
 @model_options
 @click.option(
-    "--micro-batch", "-b", "micro_batch", type=int, required=True, help="b_m: sequences per micro-batch."
+    "--micro-batch",
+    "-b",
+    "micro_batch",
+    type=int,
+    callback=check_batch_bound,
+    required=True,
+    help="b_m: sequences per micro-batch.",
 )
 @click.option("--tensor-parallel", "-t", "tensor_parallel", type=int, default=1, show_default=True, help="t.")
 @stages_option(required=False, default=1)
@@ -48,12 +57,13 @@ from microbatch.schedules.registry import schedule_names
 @precision_options
 @click.option("--zero", type=zero_choice(), default="0", show_default=True, help="ZeRO stage; dist-opt = 1.")
 @click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
+@moe_options
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5.")
 @click.option("--gpu", help="Also say whether the peak fits this accelerator (e.g. a100-80gb).")
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
-    model_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
+    model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
     precision: str, grad_dtype: str, optimizer: str, zero: str, data_parallel: int, layers_per_stage: str | None,
     gpu: str | None, calibration: str | None, as_json: bool,
@@ -69,7 +79,8 @@ def cmd(
     from microbatch.predict.state import bytes_per_param
     from microbatch.units import format_bytes
 
-    shape = resolve_model(model_spec)
+    expert_shape, expert_layout = moe_split(moe_spec)
+    shape = resolve_model({**model_spec, **expert_shape})
     cfg = MemoryConfig(
         micro_batch=micro_batch,
         tensor_parallel=tensor_parallel,
@@ -86,6 +97,7 @@ def cmd(
         optimizer=optimizer,
         recompute=recompute,
         flash_attention=flash,
+        **expert_layout,
     )
     acc = None
     if gpu:

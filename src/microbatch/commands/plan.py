@@ -7,9 +7,12 @@ from typing import Any
 import click
 
 from microbatch.commands._common import (
+    check_batch_bound,
     emit,
     json_option,
     model_options,
+    moe_options,
+    moe_split,
     precision_options,
     resolve_model,
     stages_option,
@@ -23,10 +26,28 @@ __all__ = ["cmd"]
 @click.command("plan")
 @model_options
 @click.option("--gpu", required=True, help="Accelerator name, or several separated by commas to compare.")
-@click.option("--global-batch", "-B", "global_batch", type=int, required=True, help="B_global (held fixed).")
-@click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
+@click.option(
+    "--global-batch",
+    "-B",
+    "global_batch",
+    type=int,
+    callback=check_batch_bound,
+    required=True,
+    help="B_global (held fixed).",
+)
+@click.option(
+    "--data-parallel",
+    "-d",
+    "data_parallel",
+    type=int,
+    callback=check_batch_bound,
+    default=1,
+    show_default=True,
+    help="d.",
+)
 @stages_option(required=False, default=1)
 @click.option("--tensor-parallel", "-t", "tensor_parallel", type=int, default=1, show_default=True, help="t.")
+@moe_options
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs t > 1).")
 @click.option(
     "--schedule", type=click.Choice(["auto", *schedule_names(in_flight=True)]), default="auto",
@@ -42,7 +63,12 @@ __all__ = ["cmd"]
     "--zero", type=click.Choice(["auto", "0", "1", "2", "3", "dist-opt"]), default="auto", show_default=True
 )
 @click.option(
-    "--micro-batch", "-b", "micro_batch", type=int, help="Only this b_m (default: every divisor of B/d)."
+    "--micro-batch",
+    "-b",
+    "micro_batch",
+    type=int,
+    callback=check_batch_bound,
+    help="Only this b_m (default: every divisor of B/d).",
 )
 @precision_options
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
@@ -69,7 +95,7 @@ __all__ = ["cmd"]
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
-    model_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
+    model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, layers_per_stage: str | None,
     memory_headroom: float | None, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
@@ -80,13 +106,15 @@ def cmd(
     \b
     Example: microbatch plan --model llama-2-7b --gpu a100-80gb --global-batch 64 -p 4
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
+    Mixture of experts: --model deepseek-v3 --gpu h100-80gb -B 4096 -d 128 -p 16 -e 64
     """
     from microbatch.commands._common import parse_split, parse_zero
     from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
     from microbatch.predict.plan import PlanConfig, compare_gpus
     from microbatch.show.plan_report import comparison_rows, explain, render_plan, text_table
 
-    shape = resolve_model(model_spec)
+    expert_shape, expert_layout = moe_split(moe_spec)
+    shape = resolve_model({**model_spec, **expert_shape})
     gpus = parse_gpus(gpu)
     if gpu_set:
         overrides = parse_overrides(gpu_set)
@@ -112,6 +140,7 @@ def cmd(
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,
         dp_overlap=dp_overlap,
+        **expert_layout,
     )
     applied = []
     if calibration:

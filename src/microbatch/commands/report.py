@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from microbatch.commands._common import emit, json_option
+from microbatch.commands._common import emit, force_option, json_option
 
 __all__ = ["cmd"]
 
@@ -20,8 +20,11 @@ __all__ = ["cmd"]
 )
 @click.option("--title", default="microbatch report", show_default=True)
 @click.option("--no-png", is_flag=True, help="Skip the PNG copies of the figures.")
+@force_option
 @json_option
-def cmd(results: tuple[str, ...], out_path: str, title: str, no_png: bool, as_json: bool) -> None:
+def cmd(
+    results: tuple[str, ...], out_path: str, title: str, no_png: bool, force: bool, as_json: bool
+) -> None:
     """Build the report from RESULTS: JSON files that the commands write with --json (or a
     `tune --out` directory). tune, recommend, plan (one GPU or several), simulate, pipeline and
     validate get figures and tables; any other command's result, a table of its fields.
@@ -39,8 +42,12 @@ def cmd(results: tuple[str, ...], out_path: str, title: str, no_png: bool, as_js
     from microbatch.show.html import build_report, load_results
 
     loaded = load_results(results)  # a bad input refused before the output's folder is made
-    check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True)  # before the figures
-    rep = build_report(loaded, out_path, title=title, png=not no_png)
+    inputs = [("RESULTS", r) for r in results]  # never written over, nor a file not ours without --force
+    check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True, inputs=inputs, force=force)
+    try:
+        rep = build_report(loaded, out_path, title=title, png=not no_png)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        raise _unreadable(results, e) from None
     payload = {
         "html": str(rep.html_path),
         "figures": [str(p) for p in rep.png_paths],
@@ -53,4 +60,29 @@ def cmd(results: tuple[str, ...], out_path: str, title: str, no_png: bool, as_js
             f"report written to {rep.html_path} ({', '.join(rep.sections)}); "
             f"{len(rep.png_paths)} PNG figures beside it"
         ),
+    )
+
+
+def _unreadable(results: tuple[str, ...], error: Exception) -> Exception:
+    """A ConfigError naming the file whose content the report could not draw (each file is drawn
+    alone, without figures, to a temporary folder, to find it) and what went wrong: a field of an
+    unexpected type or value in a file that was edited or not written by microbatch."""
+    import tempfile
+
+    from microbatch.errors import ConfigError
+    from microbatch.show.html import build_report, load_results
+
+    culprit = None
+    with tempfile.TemporaryDirectory(prefix="microbatch-report-check-") as tmp:
+        for r in results:
+            try:
+                build_report(load_results([r]), f"{tmp}/one.html", png=False)
+            except Exception:  # noqa: BLE001 - any failure points at this file
+                culprit = r
+                break
+    what = f"{culprit}:" if culprit is not None else f"one of {', '.join(results)}:"
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+    return ConfigError(
+        f"{what} a field holds a value of the wrong kind, so the report cannot be drawn ({reason}); give the "
+        "JSON a microbatch command wrote with --json or --out, unedited"
     )

@@ -10,6 +10,7 @@ import click
 from microbatch.commands._common import (
     SCHEDULE_HELP,
     emit,
+    force_option,
     json_option,
     microbatches_option,
     stages_option,
@@ -225,6 +226,7 @@ def resolve_times(
     is_flag=True,
     help="With --json: add every op's (start, end, action) and the activation timeline per rank.",
 )
+@force_option
 @json_option
 def cmd(
     stages: int,
@@ -243,6 +245,7 @@ def cmd(
     width: int,
     no_diagram: bool,
     with_intervals: bool,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Simulate a schedule on op times: makespan, bubble, idle and in-flight per rank, a diagram.
@@ -284,8 +287,8 @@ def cmd(
     )
     if stage_times is not None:
         parse_stage_times(stage_times)  # its syntax and values, before the schedule is built
-    check_output_file(svg_path, "--svg", (".svg",))
-    check_output_file(png_path, "--png", (".png",))
+    check_output_file(svg_path, "--svg", (".svg",), force=force)
+    check_output_file(png_path, "--png", (".png",), force=force)
     if (svg_path or png_path) and diagram_rows_note(stages):  # a chart of one row per rank
         raise ConfigError(
             f"--{'svg' if svg_path else 'png'}: p = {stages:,} ranks is over the chart limit of {MAX_DIAGRAM_RANKS:,} "

@@ -47,6 +47,7 @@ from microbatch.schedules.rules import (
 
 __all__ = [
     "MAX_SIMULATED_ACTIONS",
+    "MAX_STAGES",
     "SCHEDULES",
     "ScheduleSpec",
     "check_servable",
@@ -169,6 +170,13 @@ def schedule_names(*, in_flight: bool = False, torch: bool = False, aliases: boo
     return tuple(out)
 
 
+MAX_STAGES = 100_000
+"""Most pipeline ranks p any schedule is served for. Every per-rank answer is a list of p numbers:
+``bubble --json`` at p = 1,000,000 took 1.1 s and 116 MB peak RSS (2 cores, 2026-12-03), linear in p
+(p = 10^8 never answered); at this limit about 0.1 s. The deepest published pipeline has p = 64
+(Narayanan et al. 2021, Table 1: 1T parameters, t = 8, p = 64), 1,500 times fewer."""
+
+
 def check_servable(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Raise :class:`ScheduleError` if schedule ``name`` cannot serve (p, m, v); names the rule."""
     check_positive_int("stages", stages, fix="a pipeline needs at least one rank (--stages 1 or more)")
@@ -176,6 +184,12 @@ def check_servable(name: str, stages: int, microbatches: int, virtual: int = 1) 
         "microbatches", microbatches, fix="use at least one micro-batch (--microbatches 1 or more)"
     )
     check_positive_int("virtual", virtual, fix="use --virtual 1 for one stage per rank")
+    if stages > MAX_STAGES:
+        raise ScheduleError(
+            f"stages = {stages:,} is over the limit of {MAX_STAGES:,} ranks: every per-rank answer (in-flight "
+            f"counts, idle times) is a list of p numbers, so time and memory grow with p; use --stages "
+            f"{MAX_STAGES:,} or fewer (the deepest published pipelines have 64)"
+        )
     get_spec(name).check(stages, microbatches, virtual)
 
 

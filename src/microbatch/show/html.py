@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from microbatch import records
+from microbatch import __version__, records
+from microbatch.envelope import MARK
 from microbatch.errors import ConfigError
 from microbatch.show.figures import FIGURE_SIZE_PX, Figure
 from microbatch.show.html_parts import CSS
@@ -242,6 +243,7 @@ def build_report(
         sections.append(kind)
     doc = (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<meta name='generator' content='{MARK} {__version__}'>"
         f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{_esc(title)}</title>"
         f"<style>{CSS}</style></head><body><h1>{_esc(title)}</h1>"
         "<p class='lead'>B_global = b_m × g × d. The global batch is a statistical choice; the micro-batch is a "

@@ -284,9 +284,13 @@ def _ticks(lo: float, hi: float, n: int = 8) -> list[float]:
 def save_timeline_svg(
     intervals_by_rank: Iterable[Iterable[Any]], makespan: float | None, path: str | Path, **kw: Any
 ) -> Path:
-    """Write :func:`timeline_svg` to ``path``; returns the path."""
+    """Write :func:`timeline_svg` to ``path``, after a comment that marks it as ours to replace
+    (:func:`microbatch.envelope.is_ours`); returns the path."""
+    from microbatch.envelope import mark_line
+
     p = Path(path)
-    p.write_text(timeline_svg(intervals_by_rank, makespan, **kw), encoding="utf-8")
+    text = mark_line("", comment="<!--") + "\n" + timeline_svg(intervals_by_rank, makespan, **kw)
+    p.write_text(text, encoding="utf-8")
     return p
 
 

@@ -1,0 +1,215 @@
+"""Output paths of the commands: checked before any work (writable, not a folder, not an input, never
+a file of the user's replaced without ``--force``) and written so that a computed result is never lost."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from microbatch._json import dumps
+from microbatch.envelope import envelope
+
+__all__ = [
+    "command_name",
+    "check_out_dir",
+    "check_output_file",
+    "force_option",
+    "keep_beside",
+    "keep_result",
+    "same_file",
+    "write_result",
+]
+
+
+def command_name() -> str:
+    """The name of the command that is running (``tune``, ``plan``, ...), from click's context."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or not ctx.command.name:
+        raise RuntimeError("no command is running; pass command= to write_result()")
+    return ctx.command.name
+
+
+def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path:
+    """Write ``obj`` in the envelope as JSON to ``path`` (its folder made if missing); return the path.
+
+    For result files other commands read back (``tune --out``, the demo's results).
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(dumps(envelope(obj, command or command_name())) + "\n", encoding="utf-8")
+    return p
+
+
+def check_out_dir(
+    path: str | Path,
+    flag: str = "--out",
+    *,
+    files: Sequence[str] = ("result.json",),
+    force: bool | None = None,
+) -> Path:
+    """``path`` as a folder this process can write to (made if missing), checked before any work.
+
+    ConfigError naming the flag, the folder, why and the fix when it cannot be made or written, when
+    it is a file, or when one of ``files`` (what the command writes in it) exists and is not one of
+    ours (:func:`microbatch.envelope.is_ours`) and ``force`` is not True (None: the command has no
+    ``--force``).
+    """
+    import tempfile
+
+    from microbatch.errors import ConfigError
+
+    p = Path(path)
+    blocker = _file_in_the_way(p)
+    if blocker is not None:
+        raise ConfigError(
+            f"{flag} {str(path)!r} cannot be written: {blocker} is a file, not a folder; give {flag} a folder "
+            "you can write to (new or existing)"
+        )
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".microbatch-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {str(path)!r} cannot be written ({e.strerror or e}); the results would be lost after the "
+            f"run: give {flag} a folder you can write to"
+        ) from None
+    for name in files:
+        _check_not_theirs(p / name, f"{flag} {str(path)!r}: {name}", force)
+    return p
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its ancestors (nearest the root) that exists and is not a folder, if
+    any: a folder cannot be made under it."""
+    parts = [path, *path.parents][::-1]
+    for q in parts:
+        if q.exists() and not q.is_dir():
+            return q
+        if not q.exists():
+            return None
+    return None
+
+
+def _check_not_theirs(path: Path, what: str, force: bool | None) -> None:
+    """Refuse to replace an existing regular file that is not one of ours without ``--force``."""
+    from microbatch.envelope import is_ours
+    from microbatch.errors import ConfigError
+
+    if force or not path.is_file() or is_ours(path):
+        return
+    fix = (
+        "give --force to replace it, or another name" if force is not None else "move it, or write elsewhere"
+    )
+    raise ConfigError(
+        f'{what} exists and is not a file microbatch wrote (no JSON envelope {{"command", "version"}}, no '
+        f"'written by microbatch' mark): it may be yours and would be lost; {fix}"
+    )
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether the paths ``a`` and ``b`` name one file: the same path once symbolic links, ``..`` and
+    the working folder are resolved, or the same file on disk (a hard link). A folder means its
+    ``result.json`` (as :func:`microbatch.records.load_json` reads it)."""
+    pa, pb = Path(a), Path(b)
+    pa, pb = (q / "result.json" if q.is_dir() else q for q in (pa, pb))
+    if os.path.realpath(pa) == os.path.realpath(pb):
+        return True
+    try:
+        return os.path.samefile(pa, pb)
+    except OSError:
+        return False
+
+
+def check_output_file(
+    path: str | None,
+    flag: str,
+    suffixes: tuple[str, ...] = (),
+    *,
+    create_folder: bool = False,
+    inputs: Sequence[tuple[str, str | None]] = (),
+    force: bool | None = None,
+) -> None:
+    """Refuse, before any work, an output file that could not be written: a suffix that names
+    another format (``--png out.svg``), a path that is a folder, one of the ``inputs`` (``(flag,
+    path)`` pairs: writing would destroy what is read, even with ``--force``), a folder that is a
+    file, a folder that is missing (made instead with ``create_folder``) or not writable (tried with a
+    temporary file), an existing file that is not one of ours (:func:`microbatch.envelope.is_ours`)
+    unless ``force`` (None: the command has no ``--force``).
+
+    ConfigError naming the flag, the path, why and the fix.
+    """
+    import tempfile
+
+    from microbatch.errors import ConfigError
+
+    if not path:
+        return
+    ext = os.path.splitext(path)[1].lower()
+    if suffixes and ext and ext not in suffixes:
+        raise ConfigError(
+            f"{flag} {path}: the suffix {ext} names another format than {flag} writes ({'/'.join(suffixes)}); "
+            f"use a name ending in {suffixes[0]}"
+            + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
+        )
+    if os.path.isdir(path):
+        example = os.path.join(path, "out" + (suffixes[0] if suffixes else ".json"))
+        raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. {example}")
+    for in_flag, in_path in inputs:
+        if in_path and same_file(path, in_path):
+            raise ConfigError(
+                f"{flag} {path} is the input {in_flag} {in_path}: writing it would replace what is read; "
+                f"give {flag} another file"
+            )
+    folder = Path(os.path.abspath(path)).parent
+    blocker = _file_in_the_way(folder)
+    if blocker is not None:
+        raise ConfigError(
+            f"{flag} {path} cannot be written: {blocker} is a file, not a folder; give {flag} a path in a "
+            "folder (new or existing)"
+        )
+    if not folder.is_dir() and not create_folder:
+        raise ConfigError(
+            f"{flag} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or write elsewhere"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".microbatch-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path}: the folder {folder} cannot be written ({e.strerror or e}); write elsewhere"
+        ) from None
+    _check_not_theirs(Path(path), f"{flag} {path}", force)
+
+
+force_option = click.option(
+    "--force", is_flag=True, help="Replace an output file that exists and is not one microbatch wrote."
+)
+"""``--force``: without it an existing output file that does not carry the envelope or the mark
+(:func:`microbatch.envelope.is_ours`) is refused, never replaced."""
+
+
+def keep_beside(obj: Any, command: str | None = None) -> Path:
+    """Write ``obj`` (in the envelope) to a new file in the temporary folder and return its path:
+    where a result goes when the path asked for cannot take it, so that it is never lost."""
+    import tempfile
+
+    name = command or command_name()
+    fd, other = tempfile.mkstemp(prefix=f"microbatch-{name}-", suffix=".json")
+    os.close(fd)
+    return write_result(other, obj, command=name)
+
+
+def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple[Path, str | None]:
+    """:func:`write_result` to ``path``; if that fails now (the folder vanished, the disk filled),
+    :func:`keep_beside` it and return that path with a line saying why (else None)."""
+    try:
+        return write_result(path, obj, command), None
+    except OSError as e:
+        kept = keep_beside(obj, command)
+        return kept, f"could not write {path} ({e.strerror or e}); the result was kept in {kept}"

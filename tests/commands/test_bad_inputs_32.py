@@ -1,0 +1,314 @@
+"""Issue 32, scripted: the classes of bad input a new user hit, each refused up front with one line
+(exit 2, the value, the rule and the fix; with --json one error object), in-process and in well under a
+second each: tracebacks that reached the user, work done before a refusal, unbounded inputs, a user's
+file overwritten, messages that misled. No probe, process or model is started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from microbatch.cli import main
+
+SEED = [
+    {"micro_batch": 1, "throughput": 1000},
+    {"micro_batch": 4, "throughput": 3200},
+    {"micro_batch": 8, "throughput": 5000},
+]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+def refused(args, capsys, *patterns, limit_s=10.0):
+    """exit 2, one 'error:' line on stderr matching every pattern, and with --json the same line as one
+    error object on stdout; the line."""
+    t0 = time.perf_counter()
+    code = main(args)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for pat in patterns:
+        assert re.search(pat, lines[0]), (pat, lines[0])
+    assert time.perf_counter() - t0 < limit_s  # refused up front
+    assert main([*args, "--json"]) == 2
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["kind"] == "bad_input" and obj["error"] == lines[0].removeprefix("error: ")
+    return lines[0]
+
+
+def write(path, obj):
+    p = Path(path)
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(p)
+
+
+def tune_result(**over):
+    d = {"command": "tune", "version": "0.1.0", "micro_batch": 4, "global_batch": 64, "grad_accum": 16,
+         "data_parallel": 1, "precision": "fp32", "model": "tiny", "seq": 64, "device": "cpu",
+         "points": [dict(p, peak_memory_bytes=1e6 * p["micro_batch"]) for p in SEED]}  # fmt: skip
+    d.update(over)
+    return d
+
+
+# 1. tracebacks that reached the user ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad,pattern",
+    [
+        (
+            {"points": [{"micro_batch": 4, "throughput": "fast"}]},
+            r"point 1: throughput 'fast' is not a number",
+        ),
+        ({"points": [{"micro_batch": "4", "throughput": 5}]}, r"point 1: micro_batch '4' must be a whole"),
+        ({"points": ["x"]}, r"point 1 is 'x', not an object"),
+        ({"points": "x"}, r"points is a str, not a list"),
+        ({"reference_throughput": "x"}, r"reference_throughput 'x' is not a number"),
+        ({"micro_batch": 2.5}, r"the knee's micro_batch 2\.5 must be a whole number"),
+    ],
+)
+def test_report_refuses_a_tune_whose_numbers_are_strings(tmp_path, capsys, bad, pattern):
+    f = write(tmp_path / "r.json", tune_result(**bad))
+    refused(
+        ["report", f, "--out", str(tmp_path / "r.html"), "--no-png"], capsys, re.escape(f) + ": ", pattern
+    )
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_names_the_file_it_cannot_draw(tmp_path, capsys):
+    """Any other field of the wrong kind (a plan, a pipeline, a validate result): the file is named,
+    with what went wrong, not a traceback."""
+    good = write(tmp_path / "good.json", tune_result())
+    for name, obj in (
+        ("plan.json", {"command": "plan", "version": "x", "recommended": "x", "candidates": 5}),
+        ("pipe.json", {"command": "pipeline", "version": "x", "measured": 5, "predicted": "x"}),
+        ("val.json", {"command": "validate", "version": "x", "rows": 5}),
+    ):
+        bad = write(tmp_path / name, obj)
+        refused(["report", good, bad, "--out", str(tmp_path / "r.html"), "--no-png"], capsys,
+                rf"^error: {re.escape(bad)}: a field holds a value of the wrong kind", r"(TypeError|AttributeError)")  # fmt: skip
+
+
+# 3. unbounded inputs --------------------------------------------------------------------------------
+def test_recommend_refuses_a_count_a_float_cannot_hold(tmp_path, capsys):
+    f = write(tmp_path / "c.json", [{"micro_batch": 10**300, "throughput": 5}, *SEED])
+    refused(["recommend", "-m", f], capsys, r"micro_batch 1e\+300 is over 2\^53 = 9,007,199,254,740,992")
+    # 2^53 itself is exact: taken as it is, not rounded
+    f = write(tmp_path / "d.json", [{"micro_batch": 2**53, "throughput": 1e9}, *SEED])
+    assert main(["recommend", "-m", f, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fastest_fitting"]["micro_batch"] == 2**53
+
+
+def test_library_number_is_exact_up_to_2_53():
+    from microbatch.errors import ConfigError
+    from microbatch.records import MAX_EXACT_WHOLE, number
+
+    assert number(MAX_EXACT_WHOLE, what="micro_batch", whole=True) == MAX_EXACT_WHOLE
+    with pytest.raises(ConfigError, match=r"micro_batch 9007199254740993 is over 2\^53"):
+        number(MAX_EXACT_WHOLE + 1, what="micro_batch", whole=True)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bubble", "-p", "100000000", "-m", "100000000"],
+        ["simulate", "-s", "gpipe", "-p", "100001", "-m", "1"],
+        ["plan", "--model", "tiny", "--gpu", "h100", "-B", "64", "-p", "100001"],
+        ["memory", "--model", "tiny", "--gpu", "h100", "-b", "1", "-p", "100001"],
+        ["pipeline", "-p", "100001", "--no-predict"],
+    ],
+)
+def test_stages_are_bounded_in_every_command(capsys, args):
+    refused(
+        args,
+        capsys,
+        r"stages = 100,0\d*,?\d* is over the limit of 100,000 ranks",
+        r"use --stages 100,000 or fewer",
+    )
+
+
+def test_bubble_answers_at_the_stage_limit_in_closed_form(capsys):
+    from microbatch.schedules.registry import MAX_STAGES
+
+    assert main(["bubble", "-p", str(MAX_STAGES), "-m", str(10**30), "-s", "1f1b", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["peak_in_flight"]) == MAX_STAGES and d["peak_in_flight"][:2] == [MAX_STAGES, MAX_STAGES - 1]
+    assert d["bubble_fraction"] == pytest.approx((MAX_STAGES - 1) / (10**30 + MAX_STAGES - 1))
+    assert d["microbatches"] == 10**30  # an exact int, not a rounded float
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["batch", "-B", "100000000000000000000000", "-b", "7"], "--global-batch"),
+        (["batch", "-B", "64", "-b", "1000000001"], "--micro-batch"),
+        (["plan", "--model", "gpt2", "--gpu", "h100", "-B", "100000000000000000000"], "--global-batch"),
+        (["plan", "--model", "gpt2", "--gpu", "h100", "-B", "64", "-d", str(10**10)], "--data-parallel"),
+        (["tune", "--model", "tiny", "-B", "100000000000000000000"], "--global-batch"),
+        (["memory", "--model", "gpt2", "--gpu", "h100", "-b", str(10**20)], "--micro-batch"),
+        (["pipeline", "-B", str(10**12), "--no-predict"], "--global-batch"),
+    ],
+)
+def test_batch_sizes_are_bounded(capsys, args, flag):
+    refused(
+        args,
+        capsys,
+        rf"'{flag}'",
+        r"is over the limit of 1,000,000,000 sequences",
+        r"give 1,000,000,000 or less",
+    )
+
+
+def test_recommend_global_batch_is_bounded(tmp_path, capsys):
+    f = write(tmp_path / "c.json", SEED)
+    refused(["recommend", "-m", f, "-B", str(10**20)], capsys, r"over the limit of 1,000,000,000")
+
+
+# 4. a user's file overwritten -----------------------------------------------------------------------
+@pytest.fixture
+def plan_file(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"]) == 0
+    return write(tmp_path / "plan.json", capsys.readouterr().out)
+
+
+def test_export_never_writes_over_its_input(tmp_path, capsys, plan_file):
+    before = Path(plan_file).read_bytes()
+    refused(["export", "--plan", plan_file, "--format", "deepspeed", "-o", plan_file, "--force"], capsys,
+            r"--output .*plan\.json is the input --plan .*plan\.json", r"give --output another file")  # fmt: skip
+    os.symlink(plan_file, tmp_path / "link.json")  # the same file by another name
+    refused(["export", "--plan", str(tmp_path / "link.json"), "--format", "hf", "-o", plan_file], capsys,
+            r"is the input --plan")  # fmt: skip
+    refused(
+        ["export", "--plan", plan_file, "--format", "hf", "-o", "./sub/../plan.json"], capsys, r"is the input"
+    )
+    assert Path(plan_file).read_bytes() == before
+    run = tmp_path / "run"
+    run.mkdir()
+    result = write(run / "result.json", tune_result())
+    refused(["export", "--tune", str(run), "--format", "hf", "-o", result], capsys, r"is the input --tune")
+    assert json.loads(Path(result).read_text())["command"] == "tune"
+
+
+def test_export_replaces_only_its_own_files_without_force(tmp_path, capsys, plan_file):
+    mine = write(tmp_path / "ds.json", '{"train_batch_size": 7}')
+    refused(["export", "--plan", plan_file, "--format", "deepspeed", "-o", mine], capsys,
+            r"--output .*ds\.json exists and is not a file microbatch wrote", r"give --force to replace it")  # fmt: skip
+    assert json.loads(Path(mine).read_text()) == {"train_batch_size": 7}
+    assert main(["export", "--plan", plan_file, "--format", "deepspeed", "-o", mine, "--force"]) == 0
+    assert json.loads(Path(mine).read_text())["train_micro_batch_size_per_gpu"] >= 1
+    # files we wrote are replaced without --force: the envelope (--json) and the TOML's mark
+    for fmt, name, extra in (("hf", "hf.json", ["--json"]), ("torchtitan", "t.toml", [])):
+        out = str(tmp_path / name)
+        for _ in range(2):
+            assert main(["export", "--plan", plan_file, "--format", fmt, "-o", out, *extra]) == 0, (
+                capsys.readouterr().err
+            )
+    capsys.readouterr()
+    assert Path(tmp_path / "t.toml").read_text().startswith("# written by microbatch export")
+
+
+def test_charts_are_replaced_only_when_ours(tmp_path, capsys):
+    svg, png = str(tmp_path / "t.svg"), str(tmp_path / "t.png")
+    args = ["simulate", "-p", "2", "-m", "2", "-s", "gpipe", "--no-diagram", "--svg", svg, "--png", png]
+    for _ in range(2):  # our own chart is replaced on a rerun
+        assert main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    from microbatch.envelope import is_ours
+
+    assert is_ours(svg) and is_ours(png)
+    write(svg, "<svg>a drawing of mine</svg>")
+    refused(args, capsys, r"--svg .*t\.svg exists and is not a file microbatch wrote")
+    assert Path(svg).read_text() == "<svg>a drawing of mine</svg>"
+    assert main([*args, "--force"]) == 0
+
+
+def test_report_out_is_never_a_user_file(tmp_path, capsys):
+    res = write(tmp_path / "t.json", tune_result())
+    html = tmp_path / "r.html"
+    for _ in range(2):  # our report is replaced on a rerun
+        assert main(["report", res, "--out", str(html), "--no-png"]) == 0
+    capsys.readouterr()
+    html.write_text("<html>my notes</html>")
+    refused(
+        ["report", res, "--out", str(html), "--no-png"], capsys, r"--out .*r\.html exists and is not a file"
+    )
+    assert html.read_text() == "<html>my notes</html>"
+
+
+def test_folders_of_results_keep_the_users_files(tmp_path, capsys):
+    """tune --out and demo --out write result files in a folder: one there that is not ours is
+    refused before any work (tune and demo have no --force: move it, or write elsewhere)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    write(out / "result.json", {"mine": 1})
+    refused(["tune", "--model", "tiny", "--out", str(out)], capsys,
+            r"--out .*run.*: result\.json exists and is not a file microbatch wrote", r"move it, or write elsewhere")  # fmt: skip
+    write(out / "plan.json", "not json")
+    refused(
+        ["demo", "--quick", "--out", str(out)],
+        capsys,
+        r"plan\.json exists and is not a file microbatch wrote",
+    )
+
+
+def test_pipeline_outputs_checked_before_any_process(tmp_path, capsys):
+    trace = write(tmp_path / "trace.json", {"traceEvents": []})
+    refused(
+        ["pipeline", "--trace", trace],
+        capsys,
+        r"--trace .*trace\.json exists and is not a file microbatch wrote",
+    )
+
+
+def test_is_ours():
+    from microbatch.envelope import is_ours, mark_line
+
+    def f(name, text):
+        p = Path(name)
+        p.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return p
+
+    assert is_ours(f("a.json", '{"command": "plan", "version": "0.1.0", "x": 1}'))
+    assert is_ours(f("e.json", ""))  # empty: nothing to lose
+    assert is_ours(f("s.svg", mark_line("simulate", comment="<!--") + "\n<svg/>"))
+    assert not is_ours(f("b.json", '{"command": "plan"}'))  # no version: not the envelope
+    assert not is_ours(f("c.json", '[{"command": "plan", "version": "0.1.0"}]'))
+    assert not is_ours(f("d.json", "{not json"))
+    assert not is_ours(f("m.txt", "microbatch is mentioned here"))
+    assert not is_ours(Path("missing"))
+
+
+# 5. messages that misled ----------------------------------------------------------------------------
+def test_a_file_in_the_way_is_called_a_file(tmp_path, capsys):
+    blocker = write(tmp_path / "FILE", "x")
+    refused(["simulate", "-p", "2", "-m", "2", "-s", "gpipe", "--svg", f"{blocker}/x.svg"], capsys,
+            r"--svg .*FILE/x\.svg cannot be written: .*FILE is a file, not a folder")  # fmt: skip
+    line = refused(["tune", "--model", "tiny", "--out", f"{blocker}/sub/deeper"], capsys,
+                   r"cannot be written: .*FILE is a file, not a folder")  # fmt: skip
+    assert "mkdir" not in line
+
+
+def test_export_words_what_it_was_given(tmp_path, capsys, plan_file):
+    tune = write(tmp_path / "result.json", tune_result())
+    line = refused(["export", "--plan", tune, "--format", "hf"], capsys,
+                   r"--plan .*result\.json holds a tune result", r"give it as --tune .*result\.json")  # fmt: skip
+    assert "the plan lacks" not in line
+    refused(
+        ["export", "--tune", plan_file, "--format", "hf"],
+        capsys,
+        r"holds a plan result",
+        r"give it as --plan",
+    )
+    sim = write(tmp_path / "sim.json", {"command": "simulate", "version": "0.1.0", "makespan": 1})
+    refused(["export", "--plan", sim, "--format", "hf"], capsys, r"holds a simulate result",
+            r"export reads a plan \(--plan.*or a tune \(--tune")  # fmt: skip
