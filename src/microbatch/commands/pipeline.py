@@ -7,7 +7,14 @@ from typing import Any, NoReturn
 import click
 
 from microbatch._json import dumps
-from microbatch.commands._common import emit, json_option, stages_option, width_option
+from microbatch.commands._common import (
+    check_batch_bound,
+    emit,
+    force_option,
+    json_option,
+    stages_option,
+    width_option,
+)
 from microbatch.schedules.registry import schedule_names
 
 __all__ = ["cmd"]
@@ -35,7 +42,12 @@ __all__ = ["cmd"]
     "--model", default="tiny", show_default=True, help="Built-in model (tiny, small) or module:function."
 )
 @click.option(
-    "--global-batch", "-B", type=int, default=None, help="B: sequences per optimizer step (default m)."
+    "--global-batch",
+    "-B",
+    type=int,
+    default=None,
+    callback=check_batch_bound,
+    help="B: sequences per optimizer step (default m).",
 )
 @click.option("--seq", type=int, default=None, help="s: tokens per sequence (default: the model's).")
 @click.option(
@@ -94,6 +106,7 @@ __all__ = ["cmd"]
     "calibration run of the runtime (on the CPU a second one loaded like the real stages, up to about 10 s "
     "of stage work: tiny 1F1B p = 2 took 22 s in all on 2 cores, 7.5 s without).",
 )
+@force_option
 @json_option
 def cmd(
     stages: int,
@@ -114,6 +127,7 @@ def cmd(
     png_path: str | None,
     width: int,
     predict_first: bool,
+    force: bool,
     as_json: bool,
 ) -> None:
     """Split a model into p stages, train it N steps under torch's pipeline schedule and measure.
@@ -138,9 +152,9 @@ def cmd(
     notes: list[str] = []
     virtual = resolve_virtual(spec, virtual, notes)  # a V holds exactly two stages per rank
     # every output path is checked before any process starts
-    check_output_file(trace, "--trace", (".json",))
-    check_output_file(svg_path, "--svg", (".svg",))
-    check_output_file(png_path, "--png", (".png",))
+    check_output_file(trace, "--trace", (".json",), force=force)
+    check_output_file(svg_path, "--svg", (".svg",), force=force)
+    check_output_file(png_path, "--png", (".png",), force=force)
     cfg = PipelineConfig(
         schedule=spec.name,
         stages=stages,
@@ -174,16 +188,24 @@ def cmd(
         False  # a file that cannot be written after the run: the result is kept, printed and saved beside
     )
     if trace:
-        failed |= not _write(report, "trace", trace, lambda: dumps(chrome_trace(report)))
+        failed |= not _write(report, "trace", trace, lambda: dumps(_marked_trace(chrome_trace(report))))
     rows_ms = measured_rows_ms(report)
     title = f"measured {report['schedule']}: p = {stages}, m = {microbatches}" + (
         f", v = {virtual}" if virtual > 1 else ""
     )
     if svg_path:
+        from microbatch.envelope import mark_line
         from microbatch.show.text import timeline_svg
 
         failed |= not _write(
-            report, "svg", svg_path, lambda: timeline_svg(rows_ms, None, title=title, time_unit="ms")
+            report,
+            "svg",
+            svg_path,
+            lambda: (
+                mark_line("pipeline", comment="<!--")
+                + "\n"
+                + timeline_svg(rows_ms, None, title=title, time_unit="ms")
+            ),
         )
     if png_path:
         from microbatch.show.text import save_timeline_png
@@ -204,6 +226,15 @@ def cmd(
         _exit_rank()
     if failed:
         raise SystemExit(1)
+
+
+def _marked_trace(trace: dict[str, Any]) -> dict[str, Any]:
+    """The Chrome trace with the mark first (its ``otherData``, which trace viewers show and otherwise
+    ignore): a later run may replace the file (:func:`microbatch.envelope.is_ours`)."""
+    from microbatch.envelope import mark_line
+
+    other = {"written_by": mark_line("pipeline", comment="").strip(), **trace.get("otherData", {})}
+    return {"otherData": other, **{k: v for k, v in trace.items() if k != "otherData"}}
 
 
 def _write(report: dict[str, Any], key: str, path: str, text: Any) -> bool:
