@@ -194,3 +194,43 @@ def test_resolve_model_expert_flags_reach_the_planner():
         shape=shape, gpu=H100, global_batch=16, data_parallel=8, expert_parallel=8, tensor_parallel=1
     )
     assert make_plan(cfg).to_dict()["active_params"] < shape.param_count()
+
+
+def test_cli_plan_and_memory_take_the_expert_flags(capsys):
+    import json
+
+    from microbatch.cli import main
+
+    rc = main(["plan", "--model", "llama-2-7b", "--experts", "8", "--top-k", "2", "--gpu", "h100-80gb", "-B", "32",
+               "-d", "8", "-p", "4", "-e", "8", "-b", "1", "--recompute", "none", "--zero", "1", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    shape = resolve_model("llama-2-7b", experts=8, top_k=2)
+    assert out["total_params"] == shape.param_count() and out["active_params"] == shape.active_param_count()
+    assert out["expert_parallel"] == 8 and out["model_shape"]["moe"]["experts"] == 8
+    assert "each expert's GEMMs see EP·b_m·s·K/E = 8,192 rows" in out["explanation"]
+    assert out["recommended"]["total_params"] == shape.param_count()
+    rc = main(["memory", "--model", "mixtral-8x7b", "-b", "1", "-d", "8", "-e", "8", "--capacity-factor", "1.25",
+               "--json"])  # fmt: skip
+    assert rc == 0
+    mem = json.loads(capsys.readouterr().out)
+    assert mem["config"]["expert_parallel"] == 8 and mem["config"]["capacity_factor"] == 1.25
+    est = estimate_memory(
+        MIX, MemoryConfig(micro_batch=1, data_parallel=8, expert_parallel=8, capacity_factor=1.25)
+    )
+    assert mem["peak_memory_bytes"] == pytest.approx(est.peak_bytes)
+    assert main(["memory", "--model", "mixtral-8x7b", "-b", "1", "-d", "4", "-e", "8"]) == 2
+    assert "does not divide data-parallel 4" in capsys.readouterr().err
+
+
+def test_explain_result_keeps_the_moe_sentence():
+    from microbatch.show.plan_report import explain, explain_result
+
+    cfg = PlanConfig(shape=DS.with_seq(1024), gpu=H100, global_batch=256, pipeline_parallel=8, data_parallel=32,
+                     expert_parallel=32, recompute=("full",), zero=(1,), capacity_factor=1.25)  # fmt: skip
+    plan = make_plan(cfg)
+    text = explain(plan)
+    assert plan.recommended is not None
+    rows = 32 * plan.recommended.micro_batch * 1024 * 8 / 256 * 1.25
+    assert f"EP·b_m·s·K/E = {rows:,.0f} rows" in text and "capacity factor 1.25" in text
+    assert explain_result(plan.to_dict()) == text

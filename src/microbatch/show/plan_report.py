@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.moe import Experts, as_experts
 from microbatch.predict.candidate import Candidate
+from microbatch.predict.experts import rows_per_expert
 from microbatch.predict.plan import Plan
 from microbatch.units import format_bytes
 
@@ -116,6 +118,7 @@ def explain(plan: Plan) -> str:
         plan.recommended, plan.candidates, pipeline_parallel=cfg.pipeline_parallel,
         memory_budget_bytes=cfg.memory_budget_bytes, lints=plan.lints, advice=plan.advice,
         fastest=plan.fastest, knee=plan.knee, choose=cfg.choose, tolerance=cfg.tolerance, margin=cfg.margin,
+        moe=(cfg.shape.moe, cfg.seq_len, cfg.expert_parallel, cfg.capacity_factor) if cfg.shape.moe else None,
     )  # fmt: skip
 
 
@@ -124,6 +127,11 @@ def explain_result(result: dict[str, Any]) -> str:
     try:
         rec = result.get("recommended")
         fast = result.get("fastest")
+        experts = as_experts((result.get("model_shape") or {}).get("moe"))
+        cap = result.get("capacity_factor")
+        moe = None if experts is None else (
+            experts, int(result["seq"]), int(result.get("expert_parallel", 1)), None if cap is None else float(cap)
+        )  # fmt: skip
         return _explain(
             Candidate.from_dict(rec) if rec else None,
             [Candidate.from_dict(c) for c in result.get("candidates", [])],
@@ -136,6 +144,7 @@ def explain_result(result: dict[str, Any]) -> str:
             choose=str(result.get("choose", "fastest")),
             tolerance=float(result.get("tolerance", 0.0)),
             margin=float(result.get("margin", 0.0)),
+            moe=moe,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(
@@ -156,6 +165,7 @@ def _explain(
     choose: str = "fastest",
     tolerance: float = 0.0,
     margin: float = 0.0,
+    moe: tuple[Experts, int, int, float | None] | None = None,
 ) -> str:
     if c is None:  # the headline; the rest of the advice (what would fit) is listed after it
         return advice[0] if advice else "nothing fits"
@@ -202,12 +212,29 @@ def _explain(
             )  # fmt: skip
             why += f"; its step takes {g.step_time_s:.3g} s"
         parts.append(f"Larger b_m = {g.micro_batch} {why}.")
+    if moe is not None:
+        parts.append(_moe_knee(c, *moe))
     choice = _choice_line(fastest, knee, choose, tolerance, margin)
     if choice:
         parts.append(choice)
     if lints:
         parts.append("Check: " + " ".join(lints))
     return " ".join(parts)
+
+
+def _moe_knee(c: Candidate, moe: Experts, seq: int, ep: int, capacity: float | None) -> str:
+    """The MoE knee in words: the rows each expert's GEMMs see at the recommended b_m, and the assumption."""
+    rows = rows_per_expert(moe, c.micro_batch, seq, ep, capacity or 1.0)
+    load = (
+        f"buffers padded to capacity factor {capacity:g}" if capacity
+        else "dropless, experts assumed evenly loaded"
+    )  # fmt: skip
+    return (
+        f"Mixture of experts (E = {moe.experts}, top-k = {moe.top_k}, EP = {ep}): each expert's GEMMs see "
+        f"EP·b_m·s·K/E = {rows:,.0f} rows per micro-batch at b_m = {c.micro_batch} (b_m·s = "
+        f"{c.micro_batch * seq:,} for the attention): {ep * moe.top_k / moe.experts:.3g}× a dense layer's rows, so "
+        f"the knee of b_m is where those rows leave the GEMMs' small-row ramp ({load})."
+    )
 
 
 def _same(a: Candidate, b: Candidate) -> bool:
