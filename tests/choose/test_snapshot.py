@@ -184,3 +184,29 @@ def test_a_tune_leaves_a_hugging_face_models_checkpointing_as_it_was():
         # the flags and the function attribute enable() sets (and disable() would leave behind)
         assert _switches(model) == before
         assert any(s.get("gradient_checkpointing") for s in before) == on_before
+
+
+def test_a_probe_that_changes_the_param_groups_gets_them_put_back():
+    """A probe may set the learning rate, change betas, attach a scheduler (which adds
+    ``initial_lr`` and rescales ``lr``) or change a tensor learning rate in place: afterwards every
+    group holds exactly its keys and values from before, on the same parameters, and a second
+    probe in the same snapshot starts from them too."""
+    model, opt = _model_and_optimizer()
+    opt.param_groups[0]["weight_decay"] = torch.tensor(0.05)  # a tensor setting (torch accepts tensor lr too)
+    before = _state(model, opt)
+    params = [list(g["params"]) for g in opt.param_groups]
+    with leave_no_trace(model, opt) as snap:
+        g = opt.param_groups[0]
+        g["lr"] = 0.5
+        g["betas"] = (0.5, 0.5)
+        g["weight_decay"].fill_(9.0)  # in place
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.1)  # adds initial_lr, lr *= 0.1
+        assert "initial_lr" in g and g["lr"] != 1e-2
+        snap.restore()
+        assert opt.param_groups[0]["lr"] == 1e-2
+        opt.param_groups[0]["weight_decay"].fill_(7.0)  # the second probe changes it again
+    after = _state(model, opt)
+    assert [sorted(g) for g in after["groups"]] == [sorted(g) for g in before["groups"]]  # no initial_lr
+    assert after["groups"][0]["lr"] == 1e-2 and after["groups"][0]["betas"] == before["groups"][0]["betas"]
+    assert float(after["groups"][0]["weight_decay"]) == pytest.approx(0.05)
+    assert [list(g["params"]) for g in opt.param_groups] == params

@@ -143,6 +143,8 @@ class StateSnapshot:
 
     def restore(self) -> None:
         """Put everything back, bitwise."""
+        import copy
+
         import torch
 
         with torch.no_grad():
@@ -164,7 +166,12 @@ class StateSnapshot:
                         for k, v in st.items()
                     }
                 for grp, kept in zip(opt.param_groups, self.param_groups, strict=True):
-                    grp.update(kept)
+                    # exactly the saved settings: keys a probe added go (a scheduler's initial_lr),
+                    # and fresh copies, so that a later in-place change cannot reach the snapshot
+                    params = grp["params"]
+                    grp.clear()
+                    grp["params"] = params
+                    grp.update(copy.deepcopy(kept))
         for m, flag in self.training:
             m.training = flag
         restore_flags(self.flags)
