@@ -50,6 +50,38 @@ def needs_an_argument(width):
 NOT_A_FUNCTION = 3
 
 
+def not_chaining():  # the second layer expects 16 features, the first gives 8
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), nn.Linear(16, 8), nn.Linear(8, 64))
+
+
+def returns_a_tuple():  # nn.GRU returns (output, hidden)
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 64))
+
+
+def no_logits():  # ends at the hidden width, not the vocabulary
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 8))
+
+
+class _RealOnly(torch.nn.Module):
+    """A layer that cannot be built on the meta device (it reads its weight's values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = float(self.lin.weight.abs().sum().item()) + 1.0
+
+    def forward(self, x):
+        return self.lin(x) / self.scale
+
+
+def real_only_stack():
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), _RealOnly(), nn.Linear(4, 64))
+
+
 # -- 1. the model factory, checked in the parent --------------------------------------------
 
 
@@ -103,6 +135,67 @@ def test_cli_refuses_a_bad_factory_in_one_line_before_any_process(capsys, predic
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: model factory os:getcwd returned a str .*\n", err), err
     assert time.monotonic() - t0 < 8  # before: 19 s, then an AttributeError in a rank
+
+
+@pytest.mark.parametrize(
+    "model,pattern",
+    [
+        (f"{HERE}:not_chaining", r"layer 1 \(Linear\) fails on layer 0's output, a tensor of shape \(4, 16, 8\) "
+                                 r"\(RuntimeError: .*\); each layer must take the previous layer's output"),
+        (f"{HERE}:returns_a_tuple", r"layer 1 \(GRU\) returns a tuple, not one tensor; pipelining passes one "
+                                    r"tensor between stages"),
+        (f"{HERE}:no_logits", r"the last layer returns shape \(4, 16, 8\) for token ids \(4, 16\); the loss "
+                              r"needs logits \(4, 16, 64\)"),
+        (f"{HERE}:real_only_stack", r"layer 2 \(Linear\) fails on layer 1's output"),  # built for real
+    ],
+)  # fmt: skip
+def test_a_factory_whose_layers_do_not_chain_is_refused_before_any_process(model, pattern):
+    """Issue 32: before, these failed after about 22 s, inside the per-stage profile, with a traceback."""
+    cfg = PipelineConfig(model=model, global_batch=16)  # m = 4: b_m = 4, s = 16 (FACTORY_SEQ)
+    check_splittable(cfg)  # they import, build and split: only running them shows the fault
+    with pytest.raises(ConfigError, match=pattern):
+        fit.check_fits(cfg, available=24 * GIB, flops_per_s=1e9)
+    fit.check_fits(
+        PipelineConfig(model=f"{HERE}:stack", global_batch=16), available=24 * GIB, flops_per_s=1e9
+    )
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_a_factory_that_does_not_chain_in_one_line(capsys):
+    from microbatch.cli import main
+
+    t0 = time.monotonic()
+    assert main(["pipeline", "-p", "2", "--model", f"{HERE}:returns_a_tuple"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"error: model factory \S+:returns_a_tuple: layer 1 \(GRU\) returns a tuple.*\n", err
+    ), err
+    assert time.monotonic() - t0 < 8  # before: 22 s, in the per-stage profile
+
+
+@pytest.mark.parametrize(
+    "timeout,pattern",
+    [
+        ("0.001", r"timeout 0\.001 s is too short for the ranks to start.*give --timeout 10 or more"),
+        ("9.9", r"timeout 9\.9 s is too short"),
+        ("1e300", r"timeout 1e\+300 s is over the limit of 1e\+06 s .*give --timeout 1e\+06 or less"),
+    ],
+)
+def test_a_timeout_the_ranks_cannot_start_in_is_refused_before_they_start(
+    capsys, monkeypatch, timeout, pattern
+):
+    """Issue 32: --timeout 0.001 started the ranks and died on a socket timeout."""
+    import microbatch.run.launch as launch
+    from microbatch.cli import main
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started before the timeout was checked")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+    assert main(["pipeline", "--timeout", timeout]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: " + pattern + r".*\n", err), err
+    fit.check_timeout(PipelineConfig(timeout_s=fit.MIN_TIMEOUT_S))  # the minimum itself is taken
 
 
 # -- 2. memory that grows with m, b_m and s; seq past the positions; compute past the deadline ------
@@ -206,6 +299,7 @@ def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
     import microbatch.run.pipeline_config as pipeline_config
 
     monkeypatch.setattr(pipeline_config, "STARTUP_S", 1.0)  # the one allowance, read by cfg.deadline()
+    monkeypatch.setattr(fit, "MIN_TIMEOUT_S", 0.1)  # a short run, for the deadline
     monkeypatch.setattr(launch.subprocess, "Popen", lambda args, **kw: real(sleeper, **kw))
     with pytest.raises(
         PipelineError,

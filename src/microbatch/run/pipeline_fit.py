@@ -32,6 +32,7 @@ its deadline is refused instead of being killed minutes later.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from microbatch.errors import ConfigError
@@ -40,7 +41,11 @@ from microbatch.run.pipeline_config import FACTORY_SEQ, PipelineConfig
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
+    "MAX_TIMEOUT_S",
+    "MIN_TIMEOUT_S",
     "PROCESS_BYTES",
+    "check_factory_forward",
+    "check_timeout",
     "available_host_bytes",
     "check_duration",
     "check_fits",
@@ -144,6 +149,102 @@ def available_host_bytes() -> int | None:
     return None
 
 
+MIN_TIMEOUT_S = 10.0
+"""Shortest ``--timeout`` a local run takes. It is the process group's timeout, so the ranks' rendezvous
+must fit in it: every rank imports torch before it connects (1.2 s measured on this 2-core VM, idle,
+2026-12-03), and a host loaded 8 processes deep on 2 cores runs each about 4 times slower. ``--timeout
+0.001`` failed at the connect ("client socket has timed out after 1ms") after the ranks had started;
+1 s worked for tiny p = 2 on the idle VM, so this minimum keeps a margin of about 8 over an idle start."""
+
+MAX_TIMEOUT_S = 1e6
+"""Longest ``--timeout`` (11.6 days): far past any local run, and inside what torch's process group
+takes (a ``datetime.timedelta``, at most 999,999,999 days; milliseconds in a 64-bit count); 1e300
+overflowed there on every rank."""
+
+
+def check_timeout(cfg: PipelineConfig) -> None:
+    """Refuse, before anything starts, a ``timeout_s`` the ranks cannot start up in (under
+    :data:`MIN_TIMEOUT_S`) or torch cannot hold (over :data:`MAX_TIMEOUT_S`)."""
+    t = cfg.timeout_s
+    if t < MIN_TIMEOUT_S:
+        raise ConfigError(
+            f"timeout {t:g} s is too short for the ranks to start: it is the process group's timeout, and "
+            f"every rank imports torch and connects within it; give --timeout {MIN_TIMEOUT_S:g} or more "
+            "(default 300)"
+        )
+    if t > MAX_TIMEOUT_S:
+        raise ConfigError(
+            f"timeout {t:g} s is over the limit of {MAX_TIMEOUT_S:g} s (11.6 days) that torch's process group "
+            f"can hold; give --timeout {MAX_TIMEOUT_S:g} or less"
+        )
+
+
+def check_factory_forward(cfg: PipelineConfig) -> None:
+    """Run a ``module:function`` model's layers once, in order, on one micro-batch of token ids
+    (b_m × s), in this process before any rank starts: on the meta device (shapes only, no memory, no
+    time) when the factory builds there, else for real. Refuses, naming the layer, its output and the
+    fix, a layer that raises on its predecessor's output (layers that do not chain), a layer whose
+    output is not one tensor (a tuple: torch's pipelining passes one tensor between stages), and a last
+    layer whose output is not logits (b_m, s, ≥ vocab) that the loss reads. Cached per factory and
+    micro-batch shape. Built-in models: nothing to check."""
+    if ":" not in cfg.model:
+        return
+    from microbatch.run.pipeline_split import load_factory
+
+    _forward_once(cfg.model, load_factory(cfg.model), cfg.micro_batch, cfg.seq or FACTORY_SEQ)
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
+    import torch
+
+    from microbatch.run.pipeline_split import model_units, working_folder_first
+
+    def build(meta: bool) -> Any:
+        with torch.random.fork_rng(devices=[]), working_folder_first():
+            if meta:
+                with torch.device("meta"):
+                    return factory()
+            return factory()
+
+    try:
+        model, device = build(meta=True), "meta"
+    except Exception:  # noqa: BLE001 - it cannot build there: build it for real, as the ranks do
+        model, device = build(meta=False), "cpu"
+    emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))  # inspect_factory checked
+    units = model_units(model)
+    x: Any = torch.zeros((batch, seq), dtype=torch.long, device=device)
+    with torch.no_grad():
+        for i, unit in enumerate(units):
+            where = f"model factory {spec}: layer {i} ({type(unit).__name__})"
+            got = "the token ids" if i == 0 else f"layer {i - 1}'s output"
+            try:
+                y = unit(x)
+            except Exception as e:  # noqa: BLE001 - the user's layer: any failure is named
+                raise ConfigError(
+                    f"{where} fails on {got}, a tensor of shape {tuple(x.shape)} ({_one_line(e)}); each layer "
+                    "must take the previous layer's output (the first the token ids (b, s)): make consecutive "
+                    "layers' sizes match"
+                ) from None
+            if not isinstance(y, torch.Tensor):
+                raise ConfigError(
+                    f"{where} returns a {type(y).__name__}, not one tensor; pipelining passes one tensor "
+                    "between stages: wrap the layer so it returns the tensor the next layer takes (e.g. out[0])"
+                )
+            x = y
+    shape, vocab = tuple(x.shape), int(emb.num_embeddings)
+    if len(shape) < 2 or shape[:2] != (batch, seq) or shape[-1] < vocab:
+        raise ConfigError(
+            f"model factory {spec}: the last layer returns shape {shape} for token ids ({batch}, {seq}); the "
+            f"loss needs logits ({batch}, {seq}, {vocab}), one score per token of the vocabulary "
+            f"(nn.Embedding's {vocab}): end the model with a layer such as nn.Linear(hidden, {vocab})"
+        )
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 def check_fits(
     cfg: PipelineConfig,
     *,
@@ -159,6 +260,8 @@ def check_fits(
     (:func:`microbatch.run.pipeline_split.inspect_factory`) for its parameter count; its activations
     are unknown and not counted. ``flops_per_s``: the rate :func:`check_duration` assumes (default:
     measured)."""
+    check_timeout(cfg)
+    check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
     shape: Any = None
     if ":" in cfg.model:
         from microbatch.run.pipeline_split import inspect_factory
