@@ -209,7 +209,9 @@ def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return option_group(f, "model_spec", MODEL_FLAGS, opts)
 
 
-MOE_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor")
+MOE_FLAGS = (
+    "experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor", "context_parallel"
+)  # fmt: skip
 """Parameters :func:`moe_options` adds (``plan`` and ``memory``); the command receives them as ``moe_spec``."""
 
 
@@ -239,6 +241,15 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             type=float,
             help="Expert buffers padded to this × the balanced share (tokens over it dropped); default dropless.",
         ),  # fmt: skip
+        click.option(
+            "--context-parallel",
+            "-c",
+            "context_parallel",
+            type=int,
+            default=1,
+            show_default=True,
+            help="c: GPUs each sequence is split over (ring attention); GPUs = t·p·d·c, 2c divides s.",
+        ),  # fmt: skip
     ]
     return option_group(f, "moe_spec", MOE_FLAGS, opts)
 
@@ -249,6 +260,7 @@ def moe_split(moe_spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return shape, {
         "expert_parallel": moe_spec.get("expert_parallel") or 1,
         "capacity_factor": moe_spec.get("capacity_factor"),
+        "context_parallel": moe_spec.get("context_parallel") or 1,
     }
 
 

@@ -113,7 +113,9 @@ class Candidate:
     simulated: bool = False
     """True when the pipeline time comes from the event simulator."""
     expert_parallel: int = 1
-    """EP: GPUs the routed experts are spread over (inside d)."""
+    """EP: GPUs the routed experts are spread over (inside d·c)."""
+    context_parallel: int = 1
+    """c: GPUs each sequence is split over."""
     total_params: int = 0
     """The model's parameters, every expert counted."""
     active_params: int = 0
@@ -150,6 +152,7 @@ class Candidate:
             "time": dict(self.time),
             "simulated": self.simulated,
             "expert_parallel": self.expert_parallel,
+            "context_parallel": self.context_parallel,
             "total_params": self.total_params,
             "active_params": self.active_params,
         }
@@ -192,7 +195,7 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
     hit = ctx.state_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
-        d = cfg.data_parallel
+        d = cfg.shard_group  # d·c: the context-parallel ranks replicate the state too
         wb, gb, ob = ctx.state_bpp
         params = ctx.params_v if v_placement else ctx.params
         de = (
@@ -330,7 +333,7 @@ def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float
     """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds) for
     ``n`` parameters on the GPU that holds the most."""
     cfg = ctx.cfg
-    d = cfg.data_parallel
+    d = cfg.shard_group  # gradients reduced over d·c
     wb, gb, ob = ctx.state_bpp
     back = tm.ik + tm.wk
     bw_dp = ctx.bw_dp
@@ -405,6 +408,7 @@ def evaluate(
                      "optimizer_s": opt},
             "simulated": False,
             "expert_parallel": cfg.expert_parallel,
+            "context_parallel": cfg.context_parallel,
             "total_params": ctx.total_params,
             "active_params": ctx.active_params,
         }

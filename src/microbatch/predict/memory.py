@@ -27,6 +27,7 @@ from microbatch.predict.activations import (
     layer_activation_bytes,
     output_activation_bytes,
 )
+from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
 from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes
 from microbatch.schedules import registry
@@ -164,8 +165,10 @@ class MemoryConfig:
     flash_attention: bool | None = None
     """Flash attention; None means the model's setting."""
     expert_parallel: int = 1
-    """EP: GPUs the routed experts are spread over, inside the data-parallel group (EP divides d and E;
-    :mod:`microbatch.predict.experts`)."""
+    """EP: GPUs the routed experts are spread over, inside the data-parallel × context-parallel group (EP
+    divides d·c and E; :mod:`microbatch.predict.experts`)."""
+    context_parallel: int = 1
+    """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); 2c divides s."""
     capacity_factor: float | None = None
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
     expert_imbalance: float = 1.0
@@ -174,6 +177,7 @@ class MemoryConfig:
     def __post_init__(self) -> None:
         check_positive_int("micro-batch", self.micro_batch, fix="b_m counts whole sequences")
         check_positive_int("expert-parallel", self.expert_parallel)
+        check_positive_int("context-parallel", self.context_parallel)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if self.seq is not None:
             check_positive_int("seq", self.seq)
@@ -243,7 +247,9 @@ class MemoryConfig:
             )
         if self.layers_per_stage is not None:
             split_layers(shape.layers, p, self.layers_per_stage)
-        check_expert_layout(shape, self.expert_parallel, self.data_parallel)
+        check_expert_layout(shape, self.expert_parallel, self.data_parallel * self.context_parallel)
+        flash = shape.flash_attention if self.flash_attention is None else self.flash_attention
+        check_context_layout(self.seq or shape.seq, self.context_parallel, flash)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -349,6 +355,7 @@ class MemoryEstimate:
                 "optimizer": cfg.optimizer,
                 "recompute": cfg.recompute,
                 "expert_parallel": cfg.expert_parallel,
+                "context_parallel": cfg.context_parallel,
                 "capacity_factor": cfg.capacity_factor,
                 "expert_imbalance": cfg.expert_imbalance,
                 "flash_attention": self.shape.flash_attention
@@ -378,7 +385,8 @@ def estimate_memory(
     p, t, m, v = config.pipeline_parallel, config.tensor_parallel, config.m, config.virtual
     split = split_layers(shape.layers, p, config.layers_per_stage)
     e = get_precision(config.precision).weight_bytes  # activations are kept in the compute dtype
-    seq, sp, fa = config.seq, config.sequence_parallel, config.flash_attention
+    c = config.context_parallel  # each GPU holds s/c tokens of every sequence
+    seq, sp, fa = (config.seq or shape.seq) // c, config.sequence_parallel, config.flash_attention
     load = config.expert_load
     per_layer = layer_activation_bytes(
         shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute=config.recompute,
@@ -393,7 +401,10 @@ def estimate_memory(
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
-    ep, d = config.expert_parallel, config.data_parallel
+    ep, d = (
+        config.expert_parallel,
+        config.data_parallel * c,
+    )  # state shards over d·c (the CP ranks replicate it)
     for i, n_layers in enumerate(split):
         first = sum(split[:i])
         params = stage_params(shape, i, p, n_layers, t, first)
@@ -423,10 +434,10 @@ def estimate_memory(
             terms["recompute_working"] = working
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
         other = cal.fixed_bytes
-        if config.zero >= 3 and config.data_parallel > 1:
+        if config.zero >= 3 and d > 1:
             other += 2 * shape.layer_params() / t * w_bytes
         if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
-            other += 2 * dispatch_bytes(shape, config.micro_batch, seq or shape.seq, dtype_bytes=e, load=load)
+            other += 2 * dispatch_bytes(shape, config.micro_batch, seq, dtype_bytes=e, load=load)
         stages.append(
             StageMemory(
                 stage=i,

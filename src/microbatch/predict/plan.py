@@ -162,7 +162,7 @@ def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
     per_replica = cfg.global_batch // cfg.data_parallel
     bms = cfg.micro_batches or tuple(divisors(per_replica))
     rcs = cfg.recompute or RECOMPUTE_MODES
-    zs = cfg.zero or (ZERO_STAGES if cfg.data_parallel > 1 else (0,))
+    zs = cfg.zero or (ZERO_STAGES if cfg.shard_group > 1 else (0,))
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
     out = []
     for b in bms:

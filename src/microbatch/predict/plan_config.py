@@ -14,6 +14,7 @@ from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.activations import RECOMPUTE_MODES
+from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
@@ -101,6 +102,9 @@ class PlanConfig:
     the GPUs stay d·p·t (:mod:`microbatch.predict.experts`)."""
     capacity_factor: float | None = None
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
+    context_parallel: int = 1
+    """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
+    d·p·t·c and ZeRO and the gradient reduction span the d·c ranks."""
     expert_imbalance: float = 1.0
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
 
@@ -167,7 +171,10 @@ class PlanConfig:
                 f"tolerance {self.tolerance:g} with margin {self.margin:g} asks the knee to beat the fastest "
                 f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
             )
-        check_expert_layout(self.shape, self.expert_parallel, self.data_parallel)
+        check_positive_int("context-parallel", self.context_parallel)
+        check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
+        flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
+        check_context_layout(self.seq_len, self.context_parallel, flash)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
             raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
@@ -182,8 +189,14 @@ class PlanConfig:
 
     @property
     def num_gpus(self) -> int:
-        """GPUs in the layout: d·p·t."""
-        return self.data_parallel * self.pipeline_parallel * self.tensor_parallel
+        """GPUs in the layout: d·p·t·c."""
+        return self.data_parallel * self.pipeline_parallel * self.tensor_parallel * self.context_parallel
+
+    @property
+    def shard_group(self) -> int:
+        """d·c: the ranks that hold the same weights, over which gradients are reduced and ZeRO shards
+        (Megatron's data-parallel × context-parallel group)."""
+        return self.data_parallel * self.context_parallel
 
     @property
     def expert_load(self) -> float:
@@ -214,6 +227,7 @@ class PlanConfig:
             "tensor_parallel": self.tensor_parallel,
             "sequence_parallel": self.sequence_parallel,
             "expert_parallel": self.expert_parallel,
+            "context_parallel": self.context_parallel,
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,
             "seq": self.seq_len,

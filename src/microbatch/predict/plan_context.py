@@ -159,7 +159,7 @@ def make_context(cfg: PlanConfig) -> Context:
             runs[-1][1] += 1
         else:
             runs.append([n, 1])
-    d, net = cfg.data_parallel, cfg.efficiency.network
+    d, net, c = cfg.shard_group, cfg.efficiency.network, cfg.context_parallel
     return Context(
         cfg=cfg,
         split=split,
@@ -171,7 +171,7 @@ def make_context(cfg: PlanConfig) -> Context:
         max_params=max(params.values()),
         params_v=params_v,
         max_params_v=max(params_v.values()),
-        act_kw=dict(seq=cfg.seq, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
+        act_kw=dict(seq=cfg.seq_len // c, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
         dtype=prec.compute_dtype,
         e=prec.weight_bytes,  # activations are kept in the compute dtype
         state_bpp=bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer),
@@ -194,16 +194,18 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
             cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
             sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
             dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
+            context_parallel=cfg.context_parallel,
         )  # fmt: skip
         logit_s, _ = logits_forward(
-            cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel, dtype=ctx.dtype,
+            cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
+            dtype=ctx.dtype,
             efficiency=cfg.efficiency,
         )  # fmt: skip
         t, p = cfg.tensor_parallel, cfg.pipeline_parallel
         p2p = 0.0
         if p > 1:
             # Megatron's scatter/gather: each tensor rank sends 1/t of the activation (Narayanan 2021 §4.1)
-            nbytes = ctx.e * b * cfg.seq_len * cfg.shape.hidden / t
+            nbytes = ctx.e * b * cfg.seq_len // cfg.context_parallel * cfg.shape.hidden / t
             p2p = p2p_time_s(nbytes, ctx.bw_pp)
         flops_rate = lt.flops / lt.compute_s / cfg.gpu.flops(ctx.dtype) if lt.compute_s else 0.0
         hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
@@ -232,7 +234,8 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
         out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
         a2a = 0.0
         if cfg.expert_parallel > 1:
-            a2a = 2 * dispatch_bytes(cfg.shape, b, cfg.seq_len, dtype_bytes=ctx.e, load=cfg.expert_load)
+            s_local = cfg.seq_len // cfg.context_parallel
+            a2a = 2 * dispatch_bytes(cfg.shape, b, s_local, dtype_bytes=ctx.e, load=cfg.expert_load)
         hit = Activations(per_layer=per_layer, working=working, embedding=emb, output=out, a2a=a2a)
         ctx.act_cache[key] = hit
     return hit

@@ -43,6 +43,7 @@ from microbatch.predict.collectives import (
     reduce_scatter_time_s,
     sp_regather_time_s,
 )
+from microbatch.predict.context import kv_exchange_bytes, ring_exposed_s
 from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
 
 __all__ = [
@@ -247,6 +248,10 @@ class LayerTime:
     """Backward of the attention core (None: 2 × ``attention_s``)."""
     elementwise_backward_s: float | None = None
     """Backward of the elementwise kernels (None: 2 × ``elementwise_s``)."""
+    cp_comm_s: float = 0.0
+    """Context parallelism: the ring K/V exchange not hidden behind the attention (forward)."""
+    cp_comm_backward_s: float = 0.0
+    """Its backward (K/V again and their gradients, 2 × the bytes) not hidden behind the attention backward."""
     ep_comm_s: float = 0.0
     """Mixture of experts: the dispatch and combine all-to-alls of the expert-parallel group (exposed;
     the backward runs them again)."""
@@ -267,7 +272,7 @@ class LayerTime:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.ep_comm_s
+        return self.compute_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
 
 
 def score_passes(dropout: bool, backward: bool = False) -> float:
@@ -321,8 +326,13 @@ def layer_forward(
     dtype: str = "bf16",
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
     moe_layout: tuple[int, float] | None = None,
+    context_parallel: int = 1,
 ) -> LayerTime:
     """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
+
+    With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys (causal load
+    balance: 1/c of the attention each) and passes K/V around a ring of c ranks t apart
+    (:mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``.
 
     A mixture-of-experts block's MLP is :func:`_moe_mlp`'s at ``moe_layout`` = (expert parallel EP,
     expert load; None means (1, 1.0)); MLA's projections are one GEMM of its weights.
@@ -333,8 +343,8 @@ def layer_forward(
     removes some of these passes, and launch overheads (see ``half_rows``).
     """
     s = seq or shape.seq
-    t = tensor_parallel
-    rows = micro_batch * s
+    t, c = tensor_parallel, context_parallel
+    rows = micro_batch * s / c
     h, f, a = shape.hidden, shape.ffn, shape.heads
     kvd = shape.kv * shape.head_dim
     e = 4 if dtype == "fp32" else 2
@@ -345,7 +355,7 @@ def layer_forward(
         gemm = g(rows, h, (h + 2 * kvd) / t, acc, **kw) + g(rows, h / t, h, acc, **kw)
     else:  # MLA's projections as one GEMM of its weights (k = h): FLOPs exact, efficiency approximate
         gemm = g(rows, h, shape.mla.params(h, a) / h / t, acc, **kw)
-    moe = _moe_mlp(shape, micro_batch, s, acc, t, moe_layout or (1, 1.0), kw)
+    moe = _moe_mlp(shape, micro_batch, s // c, acc, t, moe_layout or (1, 1.0), kw)
     gemm += moe[0] if shape.moe is not None else (
         g(rows, h, (2 if shape.gated_mlp else 1) * f / t, acc, **kw) + g(rows, f / t, h, acc, **kw)
     )  # fmt: skip
@@ -371,7 +381,11 @@ def layer_forward(
         tp_comm = 2 * allreduce_time_s(e * rows * h, t, bw_tp)
         if sequence_parallel:
             regather = sp_regather_time_s(e * rows * h, t, bw_tp)
+    ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
+    ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     return LayerTime(
+        cp_comm_s=ring_exposed_s(ring_s, attention),
+        cp_comm_backward_s=ring_exposed_s(2 * ring_s, attention_bwd),
         gemm_s=gemm,
         attention_s=attention,
         elementwise_s=elementwise,

@@ -58,12 +58,12 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none") -> tuple[float, flo
 
     W = the GEMMs again (one weight-gradient GEMM per forward GEMM); I = gemm + attention and
     elementwise backward (``LayerTime.backward_memory_s``) + tp_comm (the backward all-reduces) + the
-    sequence-parallel re-gather (+ a MoE block's two all-to-alls again); full recompute adds the forward to I (its forward gathers again, so no
+    sequence-parallel re-gather (+ a MoE block's two all-to-alls again, + the exposed ring exchange of context parallelism); full recompute adds the forward to I (its forward gathers again, so no
     re-gather), selective recompute the attention core.
     """
     forward = lt.total_s
     weight = lt.gemm_s
-    inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s + lt.ep_comm_s
+    inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s + lt.ep_comm_s + lt.cp_comm_backward_s
     if recompute == "full":
         inputs += forward
     else:

@@ -1,0 +1,65 @@
+"""Context parallelism: a sequence split over c GPUs, ring attention, causal load balance.
+
+Context parallelism (CP; Megatron-core ``context_parallel_size``, Korthikanti et al.'s sequence
+parallelism extended to attention; torch's ``torch.distributed.tensor.experimental.context_parallel``;
+Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv 2310.01889) gives each of c GPUs
+s/c tokens of every sequence. Every per-token activation and GEMM shrinks by c; attention needs all
+keys and values, so each layer passes the K/V blocks around a ring of c ranks (c − 1 steps), each step
+overlapped with the attention of the block already held (Ring Attention §3). Causal masking would give
+the last rank the most work; Megatron-core splits each sequence into 2c chunks and gives rank i chunks
+i and 2c − 1 − i, so every rank does 1/c of the causal attention (causal load balance) — the rule here,
+which needs s divisible by 2c.
+
+**Layout**: GPUs = t·p·d·c; the c ranks hold the same weights, so gradients are reduced and ZeRO
+shards state over the d·c ranks (Megatron's data-parallel × context-parallel group); expert
+parallelism lives inside d·c. Attention runs as flash kernels (ring attention is built on them).
+"""
+
+from __future__ import annotations
+
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.model import ModelShape
+
+__all__ = ["check_context_layout", "kv_exchange_bytes", "ring_exposed_s"]
+
+
+def check_context_layout(seq: int, context_parallel: int, flash_attention: bool) -> None:
+    """ConfigError unless 2c divides s (causal load balance) and attention is flash (ring attention's kernel)."""
+    c = check_positive_int("context-parallel", context_parallel)
+    if c == 1:
+        return
+    if seq % (2 * c):
+        ok = [x for x in range(2, 65) if seq % (2 * x) == 0]
+        raise ConfigError(
+            f"context-parallel {c} needs the sequence {seq} divisible by 2 × {c} = {2 * c} (each rank holds two "
+            f"of 2c chunks, for causal load balance); use context-parallel among {ok[:12]} or another --seq"
+        )
+    if not flash_attention:
+        raise ConfigError(
+            f"context-parallel {c} runs ring attention on flash-attention kernels; drop --no-flash-attention "
+            "or --context-parallel"
+        )
+
+
+def kv_exchange_bytes(shape: ModelShape, micro_batch: int, seq: int, context_parallel: int, *,
+                      tensor_parallel: int = 1, dtype_bytes: int = 2) -> float:  # fmt: skip
+    """Bytes one GPU sends around the ring in one layer's forward: (c − 1) · e · b · (s/c) · (K + V width) / t.
+
+    K + V width per token: 2 · kv_heads · head_dim (grouped-query attention sends the shared heads), or
+    a · (d_h + d_h^R + d_v) for DeepSeek's MLA (Megatron exchanges the decompressed K and V). Split by t
+    (each tensor rank holds its heads). The backward sends K and V again and their gradients back: 2 ×.
+    """
+    c = context_parallel
+    if c <= 1:
+        return 0.0
+    if shape.mla is None:
+        width = 2 * shape.kv * shape.head_dim
+    else:
+        width = shape.heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim)
+    return (c - 1) * dtype_bytes * micro_batch * seq / c * width / tensor_parallel
+
+
+def ring_exposed_s(comm_s: float, attention_s: float) -> float:
+    """Seconds of the ring exchange not hidden behind attention: max(0, comm − attention) (each step's
+    send/receive overlaps the attention of the block already held; Ring Attention §3)."""
+    return max(0.0, comm_s - attention_s)
