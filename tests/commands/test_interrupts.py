@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -119,3 +120,36 @@ def test_noise_interrupted_prints_the_partial_estimate_as_text():
     n = int(head.split(", ")[-1].split()[0])
     assert n >= 2 and f"(interrupted: {n} of 100000 measured)" in head
     assert "|G|²   (smoothed)  =" in out and "tr(Σ)  (smoothed)  =" in out
+
+
+def test_pipeline_interrupted_in_the_run_exits_130_with_the_steps_every_rank_finished(tmp_path):
+    """SIGINT after the run's first finished step: the launcher kills the ranks, summarises the steps
+    every rank finished (their step logs) and prints that report; --trace is written from it."""
+    trace = tmp_path / "t.json"
+    args = ["pipeline", "--model", "tiny", "-p", "2", "-m", "4", "--steps", "2000", "--timeout", "600"]
+    cmd = Command(*args, "--no-predict", "--json", "--trace", str(trace))
+    cmd.wait_for(lambda line: line.startswith("pipeline:   step "), timeout_s=120)
+    rc, out, err = cmd.interrupt()
+    assert rc == 130, err
+    r = json.loads(out)
+    assert r["command"] == "pipeline" and r["interrupted"] is True and r["steps_asked"] == 2000
+    n = r["steps"]
+    assert 1 <= n < 2000 and r["measured_steps"] == max(1, n - 1)
+    m = r["measured"]
+    assert len(m["bubble_steps"]) == r["measured_steps"] and 0.0 < m["bubble_fraction"] < 1.0
+    assert m["step_time_s"] > 0 and len(r["losses"]) == n  # the last stage's loss of every kept step
+    assert any("interrupted (Ctrl-C or SIGTERM) after" in note for note in r["notes"])
+    assert r["trace"] == str(trace) and json.loads(trace.read_text())["traceEvents"]
+    assert f"interrupted: kept the {n} step(s) of 2000 every rank finished" in err
+    assert "Traceback" not in err
+
+
+def test_pipeline_interrupted_in_a_calibration_says_where_and_exits_130():
+    """SIGINT while the calibration's ranks run: nothing of the run itself was measured; it says so."""
+    cmd = Command("pipeline", "--model", "tiny", "-p", "2", "-m", "4", "--steps", "3", "--json")
+    cmd.wait_for(lambda line: line.startswith("pipeline: 2 ranks started for"), timeout_s=120)
+    rc, out, err = cmd.interrupt()
+    assert rc == 130, err
+    assert re.search(r"interrupted during the calibration run .*: no step of the run was measured", err), err
+    assert json.loads(out) == {**json.loads(out), "kind": "interrupted"}
+    assert "Traceback" not in err

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -16,6 +16,9 @@ from microbatch.commands._common import (
     width_option,
 )
 from microbatch.schedules.registry import schedule_names
+
+if TYPE_CHECKING:
+    from microbatch.run.pipeline_config import PipelineConfig
 
 __all__ = ["cmd"]
 
@@ -143,7 +146,7 @@ def cmd(
     """
     from microbatch.commands._common import check_output_file, use_color
     from microbatch.commands._schedule_inputs import resolve_virtual
-    from microbatch.run.launch import run_external, run_pipeline, under_torchrun
+    from microbatch.run.launch import run_external, under_torchrun
     from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.registry import torch_spec
     from microbatch.show.pipeline_report import chrome_trace, measured_rows_ms, render
@@ -177,13 +180,13 @@ def cmd(
         if report is None:  # not rank 0: rank 0 prints
             _exit_rank()
     else:
-        if predict_first:
-            from microbatch.run.pipeline_profile import run_predicted
-
-            report = run_predicted(cfg)
-        else:
-            report = run_pipeline(cfg)
+        report = _run_local(cfg, predict_first)
     report["notes"] = notes
+    if report.get("interrupted"):
+        notes.append(
+            f"interrupted (Ctrl-C or SIGTERM) after {report['steps']} of {report['steps_asked']} steps: the figures are "
+            "those of the steps every rank finished"
+        )
     failed = (
         False  # a file that cannot be written after the run: the result is kept, printed and saved beside
     )
@@ -224,8 +227,105 @@ def cmd(
     emit(report, as_json, lambda: render(report, width, color=use_color()))
     if external:
         _exit_rank()
+    if report.get("interrupted"):
+        from microbatch.commands._common import progress
+
+        progress(
+            f"interrupted: kept the {report['steps']} step(s) of {report['steps_asked']} every rank finished"
+        )
+        raise click.exceptions.Exit(130)
     if failed:
         raise SystemExit(1)
+
+
+def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:
+    """The prediction (``predict_first``) and the run of ``cfg`` in local ranks, with a progress line
+    on stderr at each phase. A Ctrl-C in the run returns the report of the steps every rank finished,
+    marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
+    it came and is raised again (exit 130)."""
+    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline_progress import PipelineInterrupted, announce, progress_to
+
+    lines = _Lines()
+    before: dict[str, Any] | None = None
+    with progress_to(lines):
+        try:
+            announce("check")
+            if predict_first:
+                from microbatch.run.pipeline_profile import predict_run
+
+                before = predict_run(cfg)
+            announce("run")
+            report: dict[str, Any] = run_pipeline(cfg)
+        except PipelineInterrupted as e:
+            if lines.phase != "run" or e.report is None:
+                lines.interrupted(e.why)
+                raise
+            report = e.report
+            report.update(interrupted=True, steps_asked=e.asked)
+        except KeyboardInterrupt:
+            lines.interrupted("")
+            raise
+    if before is not None:
+        report["before_run"] = before
+    return report
+
+
+class _Lines:
+    """Progress lines on stderr for ``pipeline``: each phase as it starts, the steps of each run of
+    ranks (the first seen, the last, and at most one every 2 s between), with the seconds since the start.
+    The checks' line is said once the next phase starts, so that a refusal stays one line."""
+
+    LABELS = {
+        "calibrate": "calibration run of torch's runtime (between-op costs)",
+        "profile": "profiling the stages on one process",
+        "calibrate_loaded": "calibration run loaded like the real stages",
+    }
+
+    def __init__(self) -> None:
+        import time
+
+        self.clock = time.perf_counter
+        self.t0 = self.clock()
+        self.phase = ""
+        self.checked = False
+        self.last_step: float | None = None
+        """When the last step line was said (None: none yet in this run of ranks)."""
+
+    def say(self, text: str) -> None:
+        from microbatch.commands._common import progress
+
+        progress(f"pipeline: {text} [{self.clock() - self.t0:.1f} s]")
+
+    def __call__(self, e: Any) -> None:
+        if e.phase in ("check", "run"):  # said with the work that follows: a refusal stays one line
+            self.phase = "run" if e.phase == "run" else self.phase or "check"
+            return
+        if not self.checked:
+            self.checked = True
+            self.say("checked: layers, host memory, deadline")
+        if e.phase in self.LABELS:
+            self.phase = e.phase
+            self.say(self.LABELS[e.phase])
+        elif e.phase == "start":
+            what = "the run: " if self.phase == "run" else ""
+            self.say(f"{what}{e.ranks} ranks started for {e.total} step(s)")
+            self.last_step = None
+        elif e.phase == "step":
+            now = self.clock()
+            if self.last_step is None or e.done == e.total or now - self.last_step >= 2.0:
+                self.last_step = now
+                what = "step" if self.phase == "run" else "calibration step"
+                self.say(f"  {what} {e.done}/{e.total} finished on every rank")
+        elif e.phase == "summarise" and self.phase == "run":
+            self.say("summarising the measured steps")
+
+    def interrupted(self, why: str) -> None:
+        """Say where a Ctrl-C came when it kept nothing of the run."""
+        where = {"check": "during the checks", "": "before the run", "run": "as the ranks started"}.get(
+            self.phase, f"during the {self.LABELS.get(self.phase, self.phase)}"
+        )
+        self.say(f"interrupted {where}: no step of the run was measured" + (f" ({why})" if why else ""))
 
 
 def _marked_trace(trace: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,10 @@
 found by binding port 0, ``torch.set_num_threads(1)`` per worker), waits for them under a
 deadline and raises :class:`~microbatch.errors.PipelineError` naming the rank and the last
 lines of its error output as soon as any rank fails, killing the others: never a hang. Ctrl-C and
-SIGTERM kill every rank too before the interrupt propagates.
+SIGTERM kill every rank too, then raise :class:`~microbatch.run.pipeline_progress.PipelineInterrupted`
+with the report of the steps every rank finished (each rank logs its finished steps to a file of its
+own as it goes). Each phase (ranks started, steps finished, summary) is announced to a progress
+function, if the caller installed one (:mod:`microbatch.run.pipeline_progress`).
 :func:`run_external` is the same rank code under an outside launcher (``torchrun`` on one or
 several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``).
@@ -31,6 +34,14 @@ from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
 from microbatch.run.pipeline_config import STARTUP_S, PipelineConfig
+from microbatch.run.pipeline_progress import (
+    PipelineInterrupted,
+    StepCounter,
+    StepLog,
+    announce,
+    read_partial,
+    step_log_path,
+)
 from microbatch.run.pipeline_summary import summarize
 from microbatch.schedules.registry import rank_stages
 
@@ -100,7 +111,8 @@ def _worker_main() -> None:
         from microbatch.run.pipeline_rank import run_rank
 
         r, world, device = _init_group(cfg)
-        out = run_rank(cfg, rank=r, world_size=world, device=device)
+        log = StepLog(step_log_path(os.path.dirname(result_path), r))  # what a Ctrl-C keeps
+        out = run_rank(cfg, rank=r, world_size=world, device=device, on_step=log.write)
         if out is not None:
             tmp = result_path + ".tmp"
             with open(tmp, "w") as f:
@@ -206,8 +218,37 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                     "three free ports were taken before the ranks could bind them; retry, or run under torchrun "
                     "with --master-port"
                 ) from None
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: every rank is dead; keep the steps they finished
+            raise _interrupted(cfg, tmp) from e
     shutil.rmtree(tmp, ignore_errors=True)
+    announce("summarise")
     return summarize(raw)
+
+
+def _interrupted(cfg: PipelineConfig, tmp: str) -> PipelineInterrupted:
+    """The report of the steps every rank finished before an interrupt (from the ranks' step logs in
+    ``tmp``, which is then removed), as a :class:`PipelineInterrupted` to raise."""
+    import torch
+
+    head = {"config": cfg.to_dict(), "torch_version": torch.__version__, "device": _device_name(cfg)}
+    raw = read_partial([step_log_path(tmp, r) for r in range(cfg.stages)], head)
+    if raw is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return PipelineInterrupted(None, 0, cfg.steps, "no step was finished by every rank")
+    steps = len(raw["ranks"][0]["steps"])
+    try:
+        report = summarize(raw)
+    except Exception as e:  # the interrupt still ends the run: say why nothing is shown
+        return PipelineInterrupted(
+            None, steps, cfg.steps, f"the {steps} step(s) kept could not be summarised: {e}"
+        )
+    shutil.rmtree(tmp, ignore_errors=True)
+    return PipelineInterrupted(report, steps, cfg.steps)
+
+
+def _device_name(cfg: PipelineConfig) -> str:
+    """The device rank 0 ran on, as the worker names it (``cpu``, ``cuda:0``)."""
+    return "cuda:0" if cfg.backend == "nccl" else "cpu"
 
 
 class _PortTaken(Exception):
@@ -260,8 +301,17 @@ def _launch_once(
                         start_new_session=True,
                     )
                 )
+        announce("start", total=cfg.steps, ranks=cfg.stages)
+        finished = StepCounter([step_log_path(tmp, r) for r in range(cfg.stages)])
+        done, next_count = 0, 0.0
         t_end = time.monotonic() + deadline_s
         while True:
+            if time.monotonic() >= next_count:  # the steps every rank finished, four times a second
+                next_count = time.monotonic() + 0.25
+                n = finished()
+                if n > done:
+                    done = n
+                    announce("step", done=done, total=cfg.steps)
             rcs = [p.poll() for p in procs]
             bad = [r for r, rc in enumerate(rcs) if rc not in (None, 0)]
             if bad:
@@ -286,6 +336,8 @@ def _launch_once(
                     f"full logs: {os.path.join(tmp, 'rank*.err')}"
                 )
             if all(rc == 0 for rc in rcs):
+                if finished() > done:  # the last steps, finished since the last look
+                    announce("step", done=finished.last, total=cfg.steps)
                 break
             if time.monotonic() > t_end:
                 alive = [r for r, rc in enumerate(rcs) if rc is None]

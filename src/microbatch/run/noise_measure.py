@@ -21,7 +21,7 @@ __all__ = ["NoiseInterrupted", "measure_noise_scale"]
 
 
 class NoiseInterrupted(KeyboardInterrupt):
-    """Ctrl-C (or :class:`~microbatch.run.launch.Terminated`) during :func:`measure_noise_scale`,
+    """Ctrl-C (any ``KeyboardInterrupt``) during :func:`measure_noise_scale`,
     carrying what was measured before it: ``final`` (the smoothed estimate after the last whole
     step, None when no step finished) and ``history`` (one estimate per finished step). A caller that
     does not look at them sees the ``KeyboardInterrupt`` it expects."""

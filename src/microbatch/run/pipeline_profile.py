@@ -103,15 +103,20 @@ def predict_run(cfg: PipelineConfig) -> dict[str, Any]:
         needs_loaded_calibration,
     )
     from microbatch.run.pipeline_fit import check_fits
+    from microbatch.run.pipeline_progress import announce
 
+    announce("check")
     check_splittable(cfg)
     check_fits(cfg)
+    announce("calibrate")
     runtime = calibrate_runtime(cfg)
+    announce("profile")
     profile = profile_stages(cfg, idle_s=runtime["mean_gap_s"])
     if needs_loaded_calibration(cfg, runtime):
         # as many loaded steps as the bound on the wait allows, from the step the bare terms predict
         steps = loaded_steps(predict_before(cfg, profile, runtime)["step_time_s"], cfg.timeout_s)
         if steps is not None:
+            announce("calibrate_loaded")
             runtime = calibrate_loaded(cfg, profile, runtime, steps)
     return predict_before(cfg, profile, runtime)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
@@ -124,10 +125,19 @@ def _fault(rank: int, where: str) -> None:
         time.sleep(10_000)
 
 
-def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = None) -> dict[str, Any] | None:
+def run_rank(
+    cfg: PipelineConfig,
+    *,
+    rank: int,
+    world_size: int,
+    device: Any = None,
+    on_step: Callable[[str, dict[str, Any]], object] | None = None,
+) -> dict[str, Any] | None:
     """Run ``cfg`` as rank ``rank`` of an initialised process group; return the gathered result on
     rank 0 (``None`` elsewhere). The result holds raw per-rank measurements; :mod:`microbatch.run.launch`
-    turns them into the report."""
+    turns them into the report. ``on_step(kind, record)``, if given, receives this rank's record of
+    each finished step (``"step"``), preceded after the first by the rest of what the rank reports
+    (``"setup"``): what a Ctrl-C keeps (:mod:`microbatch.run.pipeline_progress`)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
@@ -279,16 +289,13 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
                 "loss": float(sum(x.item() for x in losses)) if last and losses else None,
             }
         )
+        if on_step is not None:
+            if step == 0:
+                on_step("setup", _rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched))
+            on_step("step", steps_out[-1])
     mine_info = {
-        "rank": rank,
-        "stages": mine,
-        "layers_per_stage": sizes,
-        "kept_after_input_grad": {str(s): f for s, f in kept_after_input_grad.items()},
+        **_rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched),
         "steps": steps_out,
-        "max_grad_rel_error": grad_err,
-        "torch_order": {
-            str(k): [str(a) for a in v if a is not None] for k, v in _pipeline_order(sched).items()
-        },
     }
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
     dist.gather_object(mine_info, gathered, dst=0)
@@ -299,6 +306,23 @@ def run_rank(cfg: PipelineConfig, *, rank: int, world_size: int, device: Any = N
         "torch_version": torch.__version__,
         "device": str(device),
         "ranks": gathered,
+    }
+
+
+def _rank_info(
+    rank: int, mine: list[int], sizes: list[int], kept: dict[int, Any], grad_err: float | None, sched: Any
+) -> dict[str, Any]:
+    """What a rank reports besides its steps: its stages, the split, what torch's split backward
+    keeps, the gradient check and torch's planned order."""
+    return {
+        "rank": rank,
+        "stages": mine,
+        "layers_per_stage": sizes,
+        "kept_after_input_grad": {str(s): f for s, f in kept.items()},
+        "max_grad_rel_error": grad_err,
+        "torch_order": {
+            str(k): [str(a) for a in v if a is not None] for k, v in _pipeline_order(sched).items()
+        },
     }
 
 
