@@ -177,6 +177,37 @@ def _hf_lookup(raw: dict[str, Any], field: str) -> Any:
     return None
 
 
+_HF_REQUIRED = ("layers", "hidden", "heads", "vocab")
+"""Fields a config.json must state itself (transformers' family defaults are not taken for them)."""
+
+
+def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
+    """Refuse, naming the file and the key, a size field of the config that is not a whole number >= 1
+    (a string, a fraction, a negative, a boolean), an encoder (:func:`_check_decoder_only`), or a
+    required field (:data:`_HF_REQUIRED`) that is missing: checked on the file's JSON, before
+    transformers is imported."""
+    where = f"--hf-config {str(file)!r}"
+    for field, keys in _HF_KEYS.items():
+        for key in keys:
+            v = raw.get(key)
+            if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                continue
+            if isinstance(v, str) and v.strip().isdigit():
+                fix = f'write it as a JSON number: "{key}": {int(v)}'
+            else:
+                fix = f"give {key} the model's {field} as a whole number >= 1"
+            raise ConfigError(f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}")
+    _check_decoder_only(raw, file)  # an encoder's keys differ: say what it is, not what it lacks
+    missing = [f for f in _HF_REQUIRED if all(raw.get(k) is None for k in _HF_KEYS[f])]
+    if missing:
+        raise ConfigError(
+            f"{where} lacks {', '.join(missing)} (looked for "
+            + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
+            + f'); add {"them" if len(missing) > 1 else "it"} to the file (e.g. "{_HF_KEYS[missing[0]][0]}": ...), '
+            "or give the shape flags alone (--layers --hidden --heads --vocab --seq) instead of --hf-config"
+        )
+
+
 def _read_hf_dict(path: Path) -> dict[str, Any]:
     """The config as a dict: through transformers' AutoConfig where installed, plain JSON otherwise.
 
@@ -199,6 +230,7 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--hf-config {str(file)!r} holds {type(raw).__name__}, not a JSON object")
+    _check_hf_fields(raw, file)  # before transformers is imported (seconds): the file's own numbers
     if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
         try:
             from transformers import AutoConfig
@@ -301,7 +333,10 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     fields.update(
         moe=experts_from_hf(raw, vals["ffn_hidden"], source), mla=latent_attention_from_hf(raw, source)
     )
-    return ModelShape(**fields)
+    try:
+        return ModelShape(**fields)
+    except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
+        raise ConfigError(f"{source}: {e}") from None
 
 
 _EXPERT_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts")

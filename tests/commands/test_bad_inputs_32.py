@@ -312,3 +312,40 @@ def test_export_words_what_it_was_given(tmp_path, capsys, plan_file):
     sim = write(tmp_path / "sim.json", {"command": "simulate", "version": "0.1.0", "makespan": 1})
     refused(["export", "--plan", sim, "--format", "hf"], capsys, r"holds a simulate result",
             r"export reads a plan \(--plan.*or a tune \(--tune")  # fmt: skip
+
+
+# 2. work before refusing: a config.json's own numbers, before transformers is imported ---------------
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "vocab_size": 128}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        ({"num_hidden_layers": "32"}, r"num_hidden_layers \(layers\) is '32', not a whole number >= 1; write it "
+                                      r"as a JSON number: \"num_hidden_layers\": 32"),
+        ({"num_hidden_layers": -2}, r"num_hidden_layers \(layers\) is -2, not a whole number >= 1"),
+        ({"hidden_size": 64.5}, r"hidden_size \(hidden\) is 64\.5, not a whole number"),
+        ({"vocab_size": True}, r"vocab_size \(vocab\) is True, not a whole number"),
+        ({"max_position_embeddings": "long"}, r"max_position_embeddings \(seq\) is 'long'"),
+        ({"num_key_value_heads": 0}, r"num_key_value_heads \(kv_heads\) is 0"),
+        ({"num_hidden_layers": None}, r"lacks layers \(looked for layers: num_hidden_layers/n_layer.*\); add it "
+                                      r"to the file"),
+        ({"hidden_size": 62}, r"heads 4 do not divide hidden 62"),  # a rule between fields: the file named
+    ],
+)  # fmt: skip
+def test_hf_config_fields_are_checked_before_transformers(tmp_path, capsys, monkeypatch, change, pattern):
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name == "transformers" and "hidden_size" not in change:  # the field rule needs the merged config
+            raise AssertionError("transformers looked up before the file's numbers were checked")
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    cfg = {k: v for k, v in {**LLAMA, **change}.items() if v is not None}
+    f = write(tmp_path / "config.json", cfg)
+    refused(["memory", "--hf-config", f, "--gpu", "h100", "-b", "1"], capsys, rf"--hf-config '{re.escape(f)}'",
+            pattern)  # fmt: skip
