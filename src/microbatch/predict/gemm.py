@@ -1,0 +1,183 @@
+"""GEMM kernels on the roofline: FLOPs, bytes, and the efficiencies real kernels reach.
+
+A GEMM ``[rows, k] × [k, n]`` moves ``rows·k + k·n + rows·n`` elements and does ``2·rows·k·n`` FLOPs
+(Williams, Waterman, Patterson 2009); its time is the longer of FLOPs over the derated peak and bytes
+over the derated bandwidth, with wave quantisation, a per-tile overhead and a small-row ramp measured
+on an H200 (``bench/gpu_microbench.py``). :mod:`microbatch.predict.roofline` builds a layer from these
+and re-exports them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from microbatch.errors import ConfigError
+from microbatch.hardware import Accelerator
+
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "RooflineEfficiency",
+    "gemm_flops",
+    "gemm_bytes",
+    "arithmetic_intensity",
+    "gemm_time_s",
+    "wave_efficiency",
+    "k_efficiency",
+    "row_efficiency",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineEfficiency:
+    """Fractions of the datasheet peaks that real kernels reach; calibrate from measurements.
+
+    The defaults are assumptions, not measurements: large half-precision GEMMs reach about 80% of
+    the dense peak in NVIDIA's own cuBLAS figures ("Matrix Multiplication Background" guide, A100
+    and H100 plots), and streaming kernels about 80% of HBM bandwidth (NVIDIA's bandwidthTest /
+    STREAM-like figures). ``half_rows`` bends the GEMM efficiency down at small row counts
+    (efficiency × rows/(rows + half_rows)): tile and wave quantisation, launch overhead; 0 means
+    pure roofline.
+    """
+
+    gemm_max: float = 0.8
+    """Fraction of peak FLOP/s a large GEMM reaches."""
+    memory: float = 0.8
+    """Fraction of peak memory bandwidth a streaming kernel reaches."""
+    half_rows: float = 0.0
+    """Rows b_m·s at which the GEMM efficiency is half of ``gemm_max`` (0: no ramp)."""
+    network: float = 1.0
+    """Fraction of the link bandwidth collectives reach (bus bandwidth / link bandwidth)."""
+    tile_rows: int = 128
+    """GEMM output tile height: cuBLAS's large half-precision kernels use 128- and 256-wide tiles
+    (NVIDIA "Matrix Multiplication Background" guide, tile and wave quantisation); 0 disables
+    quantisation."""
+    tile_cols: int = 128
+    """GEMM output tile width."""
+    tile_overhead_s: float = 2.73e-6
+    """Fixed seconds per GEMM output tile besides its k-loop (operand prologue, epilogue store): a GEMM
+    with a short inner dimension k spends a larger share of each tile there, efficiency k/(k + k₀)
+    with k₀ = this × per-SM FLOP/s / (2·T_r·T_c) (:func:`k_efficiency`). Measured by
+    ``bench/gpu_microbench.py`` on an H200 (``bench/results/h200-2026-11-30b/run1/microbench.json``):
+    fitting gemm_max·waves·k/(k + k₀)·rows/(rows + R) to its 41 GEMMs (the development set's 32 layer
+    GEMMs at 2,048 rows, k 768–25,600; a square 8,192 GEMM; 8 rows 128–16,384) gives k₀ = 625 and
+    R = 140 at RMS error 8.4% (16.4% without k₀, 18.0% without R, 21.8% with neither: the row-parallel
+    projections with k = h/t reach 0.45–0.70 of peak where the others reach 0.65–0.80); k₀ = 625 is
+    625 × 2·128·128 / (989.4 TFLOP/s / 132 SMs) = 2.73 µs. As a time it carries to other GPUs: on an
+    A100 (2.89 TFLOP/s per SM) k₀ = 241. 0 disables the term."""
+    ramp_rows: float = 140.0
+    """Rows at which a GPU GEMM reaches half its large-GEMM efficiency (:func:`row_efficiency`):
+    R = 140 from the same H200 fit as ``tile_overhead_s`` (its row ramp at k 4,096, n 16,384: 0.35 of
+    peak at 128 rows, 0.66 at 2,048, 0.69 at 8,192). Carried to other GPUs as a count of rows (cuBLAS
+    picks smaller, less efficient tiles for few rows on every GPU): an assumption, not a measurement
+    there. Applies only to accelerators with compute units (GPUs); ``half_rows`` is the ramp a
+    calibration fits on top. 0 disables the term."""
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_max", "memory", "network"):
+            v = getattr(self, name)
+            if not (0 < v <= 1):
+                raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
+        if self.tile_rows < 0 or self.tile_cols < 0:
+            raise ConfigError(
+                "efficiency tile_rows and tile_cols must be >= 0 (0 disables tile quantisation)"
+            )
+        for name in ("tile_overhead_s", "ramp_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"efficiency {name} must be >= 0, got {getattr(self, name)!r}")
+        if self.half_rows < 0:
+            raise ConfigError(f"efficiency half_rows must be >= 0, got {self.half_rows!r}")
+
+    def gemm(self, rows: float) -> float:
+        """Fraction of peak FLOP/s a GEMM with ``rows`` rows reaches when compute-bound."""
+        return self.gemm_max * rows / (rows + self.half_rows)
+
+
+DEFAULT_EFFICIENCY = RooflineEfficiency()
+
+
+# -- GEMMs ---------------------------------------------------------------------------------------
+def gemm_flops(rows: float, k: float, n: float) -> float:
+    """2·rows·k·n: one multiply and one add per output element per inner index."""
+    return 2.0 * rows * k * n
+
+
+def gemm_bytes(rows: float, k: float, n: float, dtype_bytes: int = 2) -> float:
+    """(rows·k + k·n + rows·n) · e: read both operands once, write the output once (ideal tiling)."""
+    return (rows * k + k * n + rows * n) * dtype_bytes
+
+
+def arithmetic_intensity(rows: float, k: float, n: float, dtype_bytes: int = 2) -> float:
+    """FLOP per byte of a GEMM; compare with :meth:`Accelerator.ridge_point`."""
+    return gemm_flops(rows, k, n) / gemm_bytes(rows, k, n, dtype_bytes)
+
+
+def wave_efficiency(
+    rows: float, n: float, units: int | None, tile_rows: int = 128, tile_cols: int = 128
+) -> float:
+    """Useful share of the work when output tiles run in waves of ``units`` at a time.
+
+    tiles = ⌈rows/T_r⌉·⌈n/T_c⌉ run in ⌈tiles/units⌉ waves, each as long as one full tile: efficiency
+    rows·n / (waves·units·T_r·T_c) (NVIDIA "Matrix Multiplication Background" guide: tile and wave
+    quantisation). 1 when units or tiles are unknown.
+    """
+    if not units or not tile_rows or not tile_cols:
+        return 1.0
+    tiles = math.ceil(rows / tile_rows) * math.ceil(n / tile_cols)
+    waves = math.ceil(tiles / units)
+    return rows * n / (waves * units * tile_rows * tile_cols)
+
+
+def k_efficiency(
+    k: float, acc: Accelerator, dtype: str = "bf16", efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
+) -> float:
+    """Share of a GEMM tile's time spent in its k-loop: k / (k + k₀), k₀ = τ·(peak/SMs) / (2·T_r·T_c).
+
+    Each output tile of T_r × T_c runs k/T_k steps of 2·T_r·T_c·T_k FLOPs at the SM's rate plus a fixed
+    τ = ``efficiency.tile_overhead_s`` (loading the first operand slices, storing the tile). k₀ is τ in
+    units of the k-loop: the inner dimension whose loop takes as long as the overhead. 1 when the
+    accelerator's SM count is unknown or τ = 0.
+    """
+    units = acc.compute_units
+    if not units or not efficiency.tile_overhead_s or not efficiency.tile_rows or not efficiency.tile_cols:
+        return 1.0
+    k0 = (
+        efficiency.tile_overhead_s
+        * acc.flops(dtype)
+        / units
+        / (2.0 * efficiency.tile_rows * efficiency.tile_cols)
+    )
+    return k / (k + k0)
+
+
+def row_efficiency(
+    rows: float, acc: Accelerator, efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
+) -> float:
+    """rows / (rows + R), R = ``efficiency.ramp_rows``: the small-row ramp of GPU GEMMs (measured on an
+    H200, see the field); 1 on accelerators without compute units (CPUs) or with R = 0."""
+    if not acc.compute_units or not efficiency.ramp_rows:
+        return 1.0
+    return rows / (rows + efficiency.ramp_rows)
+
+
+def gemm_time_s(
+    rows: float,
+    k: float,
+    n: float,
+    acc: Accelerator,
+    *,
+    dtype: str = "bf16",
+    efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+) -> float:
+    """max(FLOPs / (peak·eff·wave eff·k eff), bytes / (bandwidth·eff)): the roofline time of one GEMM.
+
+    eff = ``efficiency.gemm(rows)`` (the large-GEMM ceiling and a calibrated ramp), wave eff =
+    :func:`wave_efficiency` × :func:`k_efficiency` (the fixed cost of each output tile) ×
+    :func:`row_efficiency` (the measured small-row ramp).
+    """
+    e = 4 if dtype == "fp32" else 2
+    waves = wave_efficiency(rows, n, acc.compute_units, efficiency.tile_rows, efficiency.tile_cols)
+    waves *= k_efficiency(k, acc, dtype, efficiency) * row_efficiency(rows, acc, efficiency)
+    compute = gemm_flops(rows, k, n) / (acc.flops(dtype) * efficiency.gemm(rows) * waves)
+    memory = gemm_bytes(rows, k, n, e) / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
+    return max(compute, memory)
