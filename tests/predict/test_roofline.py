@@ -146,21 +146,37 @@ def test_attention_score_passes_and_backward_by_hand():
 
 
 def test_backward_input_pass_by_hand():
+    """F, I and W of one megatron-22b layer (t = 8, sequence parallel, no flash attention, fp16,
+    b_m 4 × 2048 on the A100) against its parts worked out here from the layer's shape, not read
+    from the LayerTime the code returns: the four GEMMs (QKV h -> 3h/t, projection h/t -> h, fc1
+    h -> 4h/t, fc2 4h/t -> h) each timed by gemm_time_s; the attention core memory-bound with its
+    6.5 (forward) and 9.5 (backward) passes over the b·(a/t)·s² scores; 14 elementwise passes of
+    rows × h/t (norms, residuals, dropout) and 2 of rows × 4h/t (GELU), 1.5× that backward; the two
+    all-reduces and (SP, backward) the two all-gathers of b·s·h fp16 at 0.82 × 300 GB/s."""
     shape = get_model("megatron-22b")
     lt = layer_forward(shape, 4, A100, tensor_parallel=8, sequence_parallel=True, flash_attention=False)
     f, i, w = layer_pass_times(lt, "none")
-    assert f == pytest.approx(lt.gemm_s + lt.attention_s + lt.elementwise_s + lt.tp_comm_s)
-    assert w == pytest.approx(lt.gemm_s)
-    back_mem = lt.attention_backward_s + lt.elementwise_backward_s
-    assert i == pytest.approx(lt.gemm_s + back_mem + lt.tp_comm_s + lt.sp_regather_s)
-    assert layer_pass_times(lt, "selective")[1] == pytest.approx(i + lt.attention_s)
+    rows, s, h, t, e = 4 * 2048, 2048, 6144, 8, 2
+    bw = 0.8 * 2039e9
+    gemms = sum(
+        gemm_time_s(rows, k, n, A100, dtype="fp16")
+        for k, n in [(h, 3 * h / t), (h / t, h), (h, 4 * h / t), (4 * h / t, h)]
+    )
+    qkvo, score = e * rows * 4 * h / t, e * 64 * s * rows / t
+    attention, attention_back = (qkvo + 6.5 * score) / bw, (2 * qkvo + 9.5 * score) / bw
+    elementwise = e * rows * (14 * h / t + 2 * 4 * h / t) / bw
+    gather = 7 / 8 * e * rows * h / (0.82 * 300e9)  # one ring all-gather; an all-reduce is two
+    all_reduces, regather = 2 * (2 * gather), 2 * gather
+    assert w == pytest.approx(gemms, rel=1e-9)  # one weight-gradient GEMM per forward GEMM
+    assert f == pytest.approx(gemms + attention + elementwise + all_reduces, rel=1e-9)  # ≈ 6.90 ms
+    back = gemms + attention_back + 1.5 * elementwise + all_reduces + regather
+    assert i == pytest.approx(back, rel=1e-9)  # ≈ 8.23 ms
+    assert layer_pass_times(lt, "selective")[1] == pytest.approx(back + attention, rel=1e-9)
     # full recompute gathers again in its forward: no separate re-gather
-    assert layer_pass_times(lt, "full")[1] == pytest.approx(i - lt.sp_regather_s + f)
-    # the re-gather: two all-gathers of b·s·h fp16 over 8 ranks at 0.82 × 300 GB/s
-    assert lt.sp_regather_s == pytest.approx(2 * 7 / 8 * 2 * 4 * 2048 * 6144 / (0.82 * 300e9))
+    assert layer_pass_times(lt, "full")[1] == pytest.approx(back - regather + f, rel=1e-9)
     assert sp_regather_time_s(1e9, 8, 1e9) == pytest.approx(1.75)
     no_sp = layer_forward(shape, 4, A100, tensor_parallel=8, flash_attention=False)
-    assert no_sp.sp_regather_s == 0 and no_sp.tp_comm_s == pytest.approx(lt.tp_comm_s)
+    assert no_sp.sp_regather_s == 0 and no_sp.tp_comm_s == pytest.approx(all_reduces, rel=1e-9)
 
 
 def test_short_k_gemms_cost_more_per_flop():

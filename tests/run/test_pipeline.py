@@ -213,12 +213,17 @@ def test_1f1b_matches_unsplit_gradients_and_holds_p_minus_i():
     assert _in_flight(rep) == [2, 1] == rep["predicted"]["peak_in_flight"]
     assert rep["order_matches_torch"]
     st = rep["measured"]["stage_stats"]
-    # the schedule's count: rank 0 two micro-batches' saved activations at its peak, rank 1 one
-    assert st[0]["counted_activation_bytes"] == pytest.approx(2 * st[0]["activation_bytes_per_microbatch"])
-    assert st[1]["counted_activation_bytes"] == pytest.approx(st[1]["activation_bytes_per_microbatch"])
-    # memory actually held (saved storages alive) is near that, measured independently
+    # the schedule's count: rank 0 two micro-batches' saved activations at its peak, rank 1 one —
+    # against each stage's bytes of one micro-batch measured apart, on this process (not the run's hooks)
+    alone = _stage_bytes(rep)
+    assert st[0]["counted_activation_bytes"] == 2 * alone[0]
+    assert st[1]["counted_activation_bytes"] == alone[1]
+    assert [s["activation_bytes_per_microbatch"] for s in st] == alone
+    # memory actually held (saved storages alive) against the prediction walking torch's order with
+    # those bytes: byte counts, not times, so the same on any machine and load (0.0% on the dev
+    # machine); 2% leaves out a x1.02 and anything freed an op late (a micro-batch: +50% on rank 1)
     for row in rep["memory"]:
-        assert row["measured_peak_bytes"] == pytest.approx(row["predicted_bytes"], rel=0.25)
+        assert abs(row["error_pct"]) <= 2, row
     for s in st:
         assert s["busy_s"] > 0 and s["idle_s"] >= 0
         # saved activations of a micro-batch exceed its b_m·s·h fp32 input (2·64·64·4 bytes)
@@ -228,13 +233,36 @@ def test_1f1b_matches_unsplit_gradients_and_holds_p_minus_i():
     assert rep["measured_steps"] == 1 and rep["measured"]["bubble_se"] is None  # no spread to state
 
 
+def _stage_bytes(rep):
+    """Each stage's saved bytes of one micro-batch (its own and those shared with the step's other
+    micro-batches), measured on this process by a plain forward of the split — not by the run."""
+    from microbatch.run.pipeline_stage_profile import stage_saved_bytes
+
+    cfg = PipelineConfig(
+        schedule=rep["schedule"], stages=rep["stages"], microbatches=rep["microbatches"],
+        global_batch=rep["global_batch"], model=rep["model"],
+    )  # fmt: skip
+    prof = stage_saved_bytes(cfg, rep["layers_per_stage"])
+    return [prof[s]["own"] + prof[s]["shared"] for s in sorted(prof)]
+
+
 def _step_bubbles(rep):
-    """Each measured step's bubble, read again from that step's intervals and wall time."""
+    """Each measured step's bubble as the idle time it is, added up gap by gap: per rank, from the
+    step's start to its first op, between its ops, and from its last op to the step's end (the
+    report's figure is 1 - busy / (p · wall); the two agree only if no rank runs two ops at once)."""
     p = rep["stages"]
-    return [
-        1 - sum(e - a for r in st["ranks"] for (_k, _s, _i, a, e) in r) / (p * (st["end"] - st["start"]))
-        for st in rep["step_intervals"]
-    ]
+    out = []
+    for st in rep["step_intervals"]:
+        idle = 0.0
+        for ivs in st["ranks"]:
+            t = st["start"]
+            for _k, _s, _i, a, e in sorted(ivs, key=lambda x: x[3]):
+                assert a >= t - 1e-9  # one op at a time on a rank
+                idle += a - t
+                t = e
+            idle += st["end"] - t
+        out.append(idle / (p * (st["end"] - st["start"])))
+    return out
 
 
 @pytest.mark.timeout(150)
@@ -255,8 +283,8 @@ def test_gpipe_holds_all_m_microbatches():
     rep = run_cached(schedule="gpipe", stages=2, microbatches=4, check_gradients=True)
     assert rep["gradients_match"] is True
     assert _in_flight(rep) == [4, 4] == rep["predicted"]["peak_in_flight"]
-    for s in rep["measured"]["stage_stats"]:
-        assert s["counted_activation_bytes"] == pytest.approx(4 * s["activation_bytes_per_microbatch"])
+    alone = _stage_bytes(rep)  # measured apart from the run
+    assert [s["counted_activation_bytes"] for s in rep["measured"]["stage_stats"]] == [4 * b for b in alone]
 
 
 @pytest.mark.timeout(200)
@@ -334,7 +362,15 @@ def test_measured_bubble_falls_as_m_grows():
     # from the op intervals) must agree with it.
     step1, bubble1 = _implied_by_op_times(one)
     ops = one["measured"]["op_time_s"]
-    comm = one["predicted"]["with_comm"]["comm_time_s"]
+    # the hand-off, read here from the raw intervals, not from the report: in the chain each step
+    # waits twice, rank 1 for stage 0's output and rank 0 for stage 1's gradient; the report's
+    # comm_time_s (measured_comm_s) must be their median (the upper one of an even count)
+    gaps = []
+    for st in one["step_intervals"]:
+        at = {(k, s): (a, e) for ivs in st["ranks"] for (k, s, _i, a, e) in ivs}
+        gaps += [at[("F", 1)][0] - at[("F", 0)][1], at[("B", 0)][0] - at[("B", 1)][1]]
+    comm = sorted(max(0.0, g) for g in gaps)[len(gaps) // 2]
+    assert one["predicted"]["with_comm"]["comm_time_s"] == pytest.approx(comm, abs=1e-9)
     assert step1 == pytest.approx(sum(ops[k] for k in ("0F", "1F", "1B", "0B")) + 2 * comm)
     assert (
         comm < 0.05 * step1

@@ -223,3 +223,67 @@ def test_cli_checks_output_paths_before_the_run(args, pattern, capsys):
 
     assert main(["pipeline", "-p", "2", "-m", "4", *args]) == 2
     assert __import__("re").search(pattern, capsys.readouterr().err)
+
+
+@pytest.mark.timeout(300)
+def test_the_uncalibrated_prediction_is_within_15_percent_of_the_measured_peak():
+    """predict/memory's Korthikanti et al. per-layer formula (fp32, the registry's in-flight rule, the
+    embedding and head terms), with nothing measured, against the saved storages the ranks actually
+    held: measured -3.8% / -1.4% (GPipe m = 4, ranks 0 / 1) and -3.5% / +10.2% (1F1B) on the dev
+    machine — byte counts, the same on any machine. 15% keeps a x1.5 (-26% at best) or x0.75
+    (+33% at least) out, and the formula's known misses on tiny (rank 1's loss and softmax) in."""
+    for schedule in ("gpipe", "1f1b"):
+        rep = run(schedule=schedule, stages=2, microbatches=4)
+        for row in rep["memory"]:
+            assert row["uncalibrated_bytes"] is not None, row
+            assert abs(row["uncalibrated_error_pct"]) <= 15, (schedule, row)
+            measured = row["measured_peak_bytes"]
+            assert row["uncalibrated_error_pct"] == pytest.approx(
+                100 * (measured - row["uncalibrated_bytes"]) / row["uncalibrated_bytes"]
+            )
+
+
+def test_the_calibration_is_measured_on_one_process_not_read_from_the_runs_hooks():
+    """The calibrated prediction takes each stage's bytes of one micro-batch from a one-process
+    forward of the split (stage_saved_bytes), so what the run's hooks report does not move it: a
+    run whose hooks read every micro-batch 1.5x larger gets the same prediction, and its measured
+    peak 1.5x over the prediction shows as +50% error (reading the hooks, it showed 0%)."""
+    from microbatch.run.pipeline_memory import memory_rows
+    from microbatch.run.pipeline_stage_profile import stage_saved_bytes
+
+    cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
+    prof = stage_saved_bytes(cfg, [2, 2])
+    assert prof[0]["shared"] > 0  # the batch's token ids, a view per micro-batch: held once
+    order = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]}
+    buf = 1 * 64 * 64 * 4  # tiny's boundary: b_m·s·h fp32, received per micro-batch by rank 1
+    # GPipe holds both micro-batches: the shared storages once, the received inputs, the rest twice
+    honest = [
+        prof[0]["shared"] + 2 * prof[0]["own"],
+        prof[1]["shared"] + 2 * buf + 2 * (prof[1]["own"] - buf),
+    ]
+
+    def ranks(scale):
+        return [
+            {
+                "rank": r,
+                "layers_per_stage": [2, 2],
+                "steps": [
+                    {
+                        "intervals": [(a[1], r, int(a[2]), 0.0, 1.0) for a in order[r]],
+                        "per_microbatch_bytes": [scale * (prof[r]["own"] + prof[r]["shared"])] * 2,
+                        "per_microbatch_shared_bytes": [0, scale * prof[r]["shared"]],
+                        "peak_activation_bytes": scale * honest[r],
+                        "counted_activation_bytes": 0,
+                        "live_bytes_after_step": 0,
+                        "order": order[r],
+                    }
+                ],
+            }
+            for r in range(2)
+        ]
+
+    same, big = memory_rows(cfg, ranks(1.0), [0]), memory_rows(cfg, ranks(1.5), [0])
+    for r in range(2):
+        assert same[r]["predicted_bytes"] == pytest.approx(honest[r]) == big[r]["predicted_bytes"]
+        assert same[r]["error_pct"] == pytest.approx(0.0, abs=1e-9)
+        assert big[r]["error_pct"] == pytest.approx(50.0)
