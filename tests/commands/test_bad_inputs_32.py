@@ -349,3 +349,28 @@ def test_hf_config_fields_are_checked_before_transformers(tmp_path, capsys, monk
     f = write(tmp_path / "config.json", cfg)
     refused(["memory", "--hf-config", f, "--gpu", "h100", "-b", "1"], capsys, rf"--hf-config '{re.escape(f)}'",
             pattern)  # fmt: skip
+
+
+def test_validate_refuses_more_threads_than_cores_before_measuring(tmp_path, capsys, monkeypatch):
+    """--cpu-threads 10^20 measured the CPU for seconds, then raised torch's ValueError (a traceback)."""
+    import microbatch.predict.validation as validation
+    from microbatch.hardware import usable_cores
+
+    def measured(**_):
+        raise AssertionError("the CPU was measured before --cpu-threads was checked")
+
+    monkeypatch.setattr(validation, "measure_cpu", measured)
+    f = write(tmp_path / "r.json", tune_result())
+    cores = usable_cores()
+    for n in (str(10**20), str(cores + 1)):
+        refused(["validate", "--calibration", f, "--cpu-threads", n], capsys,
+                rf"--cpu-threads {n} is more than the {cores} cores", rf"give --cpu-threads {cores} or fewer")  # fmt: skip
+
+
+def test_export_of_a_tune_speaks_of_the_tune(tmp_path, capsys):
+    bad = write(tmp_path / "t.json", tune_result(global_batch=65))  # 4 × 16 × 1 != 65
+    line = refused(["export", "--tune", bad, "--format", "hf"], capsys, r"the tune result breaks B_global",
+                   r"tune again or fix grad_accum")  # fmt: skip
+    assert "plan" not in line
+    strings = write(tmp_path / "s.json", tune_result(points=["x"]))  # was an AttributeError traceback
+    refused(["export", "--tune", strings, "--format", "hf"], capsys, r"point 1 is 'x', not an object")

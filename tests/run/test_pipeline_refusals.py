@@ -406,3 +406,22 @@ def test_a_reloaded_factory_module_is_inspected_again(tmp_path, monkeypatch):
     importlib.reload(sys.modules["mb_factory_reload"])
     assert inspect_factory("mb_factory_reload:build").units == 4
     monkeypatch.delitem(sys.modules, "mb_factory_reload")
+
+
+@pytest.mark.parametrize("seed", ["100000000000000000000", "-1"])
+def test_a_seed_torch_cannot_hold_is_refused_before_the_ranks_start(capsys, monkeypatch, seed):
+    """Issue 32: --seed 10^20 started the ranks, which died on 'Overflow when unpacking long long'."""
+    import microbatch.run.launch as launch
+    from microbatch.cli import main
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started before the seed was checked")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+    assert main(["pipeline", "--seed", seed, "--no-predict"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"error: seed {seed} is outside 0 \.\. 4,294,967,295 .*give --seed between 0 and 4294967295\n", err
+    )
+    fit.check_seed(PipelineConfig(seed=fit.MAX_SEED))  # the largest is taken
+    torch.Generator().manual_seed(1_000_003 * (fit.MAX_SEED + 1) + 10**6)  # and torch holds what it derives

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from microbatch.commands._common import check_output_file, emit, force_option, json_option, write_result
@@ -97,11 +99,11 @@ def cmd(
 _FLAG_OF = {"plan": "--plan", "tune": "--tune"}
 
 
-def _check_kind(data: object, flag: str, path: str) -> None:
+def _check_kind(data: Any, flag: str, path: str) -> None:
     """Refuse, in the words of what was given, a result of another command than ``flag`` reads: a
     tune result given as --plan (or the reverse) is named as such, with the flag that reads it."""
     from microbatch.errors import ConfigError
-    from microbatch.records import classify
+    from microbatch.records import check_fields, classify
 
     try:
         kind = classify(data)
@@ -109,6 +111,7 @@ def _check_kind(data: object, flag: str, path: str) -> None:
         return  # not a result file: the reader of the flag says what it lacks
     want = flag.removeprefix("--")
     if kind == want:
+        check_fields(kind, data, source=path)  # a tune's points: numbers, before they are read
         return
     if kind in _FLAG_OF:
         raise ConfigError(

@@ -127,8 +127,16 @@ def cmd(
     matmul peak and copy bandwidth, which the calibrated efficiency absorbs. Targets: memory
     within 5%, step time within 10% at the largest b_m.
     """
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import usable_cores
     from microbatch.predict.validation import validate_result
 
+    cores = usable_cores()
+    if cpu_threads is not None and cpu_threads > cores:  # before the CPU is measured (seconds)
+        raise ConfigError(
+            f"--cpu-threads {cpu_threads} is more than the {cores} cores this process may run on; a matmul "
+            f"timed on more threads than cores measures the contention; give --cpu-threads {cores} or fewer"
+        )
     shape = resolve_model(model_spec) if any(model_spec.get(k) is not None for k in MODEL_FLAGS) else None
     result = validate_result(
         calibration,

@@ -41,10 +41,12 @@ from microbatch.run.pipeline_config import FACTORY_SEQ, PipelineConfig
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
+    "MAX_SEED",
     "MAX_TIMEOUT_S",
     "MIN_TIMEOUT_S",
     "PROCESS_BYTES",
     "check_factory_forward",
+    "check_seed",
     "check_timeout",
     "available_host_bytes",
     "check_duration",
@@ -179,6 +181,21 @@ def check_timeout(cfg: PipelineConfig) -> None:
         )
 
 
+MAX_SEED = 2**32 - 1
+"""Largest ``--seed``: the ranks seed torch with it and each step's batch generator with
+1,000,003·(seed + 1) + step, which torch holds in 64 bits (a seed of 10^20 overflowed in every rank
+after they had started); 2^32 − 1 is the usual range of a seed (NumPy's legacy seeds)."""
+
+
+def check_seed(cfg: PipelineConfig) -> None:
+    """Refuse a seed outside 0 .. :data:`MAX_SEED` before the ranks start."""
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(
+            f"seed {cfg.seed} is outside 0 .. {MAX_SEED:,} (2^32 − 1): the ranks derive 64-bit generator seeds "
+            f"from it; give --seed between 0 and {MAX_SEED}"
+        )
+
+
 def check_factory_forward(cfg: PipelineConfig) -> None:
     """Run a ``module:function`` model's layers once, in order, on one micro-batch of token ids
     (b_m × s), in this process before any rank starts: on the meta device (shapes only, no memory, no
@@ -261,6 +278,7 @@ def check_fits(
     are unknown and not counted. ``flops_per_s``: the rate :func:`check_duration` assumes (default:
     measured)."""
     check_timeout(cfg)
+    check_seed(cfg)
     check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
     shape: Any = None
     if ":" in cfg.model:

@@ -128,15 +128,17 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
     return cand
 
 
-def _check_identity(c: Json) -> None:
+def _check_identity(c: Json, what: str = "plan") -> None:
+    """B_global = b_m × g × d, in whole numbers, in the words of ``what`` was given (a plan, a tune result)."""
     b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
     for name, v in (("micro_batch", b), ("grad_accum", g), ("data_parallel", d), ("global_batch", B)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"plan {name} must be a whole number >= 1, got {v!r}")
+            raise ConfigError(f"the {what}'s {name} must be a whole number >= 1, got {v!r}")
     if b * g * d != B:
+        again = "plan again" if what == "plan" else "tune again"
         raise ConfigError(
-            f"plan breaks B_global = b_m × g × d: {b} × {g} × {d} = {b * g * d} != {B}; the exporter never "
-            "changes the global batch silently; plan again or fix grad_accum"
+            f"the {what} breaks B_global = b_m × g × d: {b} × {g} × {d} = {b * g * d} != {B}; the exporter never "
+            f"changes the global batch silently; {again} or fix grad_accum"
         )
 
 
@@ -314,10 +316,10 @@ def _torchtitan(c: Json) -> tuple[Json, list[str]]:
 _BUILDERS = {"deepspeed": _deepspeed, "hf": _hf, "lightning": _lightning, "torchtitan": _torchtitan}
 
 
-def _export(cand: Json, fmt: str, notes: tuple[str, ...] = ()) -> Export:
+def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan") -> Export:
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
-    _check_identity(cand)
+    _check_identity(cand, what)
     cfg, more = _BUILDERS[fmt](cand)
     return Export(format=fmt, config=cfg, notes=tuple(more) + notes)
 
@@ -368,7 +370,7 @@ def export_tune(result: object, fmt: str, *, gpus_per_node: int | None = None) -
     where = data.get("device_name") or data.get("device") or "the tune's machine"
     note = (f"b_m = {cand['micro_batch']} is the knee measured on {where} for {data.get('model')}; on another "
             "accelerator or model, tune there")  # fmt: skip
-    return _export(cand, fmt, (note,))
+    return _export(cand, fmt, (note,), what="tune result")
 
 
 def export_result(
