@@ -65,6 +65,8 @@ Gbit = 1e9 / 8
 
 DTYPES = ("bf16", "fp16", "fp32")
 """Data types with a peak FLOP/s entry (fp32 is the non-tensor-core SIMT rate)."""
+OPTIONAL_DTYPES = ("fp8",)
+"""Data types only some accelerators have tensor cores for (FP8 E4M3/E5M2: Hopper, Ada, Blackwell, MI300)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +148,7 @@ class Accelerator:
         peaks = dict(self.peak_flops)
         other: dict[str, Any] = {}
         for k, v in values.items():
-            if k in DTYPES:
+            if k in DTYPES or k in OPTIONAL_DTYPES:
                 peaks[k] = float(v)  # type: ignore[arg-type]  # a peak is a number; float() raises otherwise
             elif k in known:
                 other[k] = v
@@ -174,10 +176,12 @@ def _acc(
     source: str,
     gpus_per_node: int = 8,
     links: tuple[float, float] = (1.0, 1.0),
+    fp8: float | None = None,
 ) -> Accelerator:
+    peaks = {"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB} | ({"fp8": fp8 * TB} if fp8 else {})
     return Accelerator(
         name=name,
-        peak_flops={"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB},
+        peak_flops=peaks,
         memory_bytes=mem_gib * GIB,
         memory_bandwidth_bytes_per_s=bw * GB,
         intra_node_bytes_per_s=intra * GB,
@@ -208,28 +212,32 @@ ACCELERATORS: dict[str, Accelerator] = {
              links=_NVLINK_IB),
         _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
-             "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU",
-             links=_NVLINK_IB),
+             "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "
+             "3,958 TFLOP/s fp8 with sparsity = 1,979 dense",
+             links=_NVLINK_IB, fp8=1978.9),
         _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
-             "only); typical node: 200 Gb/s per GPU"),
+             "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513),
         _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
-             "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU",
-             links=_NVLINK_IB),
+             "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
+             "fp8 as H100 SXM, 1,979 dense",
+             links=_NVLINK_IB, fp8=1978.9),
         _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
-             "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU",
-             links=_NVLINK_IB),
+             "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
+             "fp8 with sparsity = 4.5 dense",
+             links=_NVLINK_IB, fp8=4500),
         _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
-             "(8 L4s): 100 Gb/s shared by 8 GPUs"),
+             "(8 L4s): 100 Gb/s shared by 8 GPUs; 485 TFLOP/s fp8 with sparsity = 242.5 dense", fp8=242.5),
         _acc("mi300x", 1307.4, 1307.4, 163.4, 192, 5300, 448, _IB_NDR, 304,
              "AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 163.4 fp32, 192 GB HBM3 at "
-             "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU",
-             links=(1.0, _NVLINK_IB[1])),  # no cited figure for xGMI: its line rate; NDR's 0.96
+             "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU; "
+             "2,614.9 TFLOP/s fp8 dense",
+             links=(1.0, _NVLINK_IB[1]), fp8=2614.9),  # no cited figure for xGMI: its line rate; NDR's 0.96
     )
 }  # fmt: skip
 

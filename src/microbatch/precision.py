@@ -4,6 +4,14 @@ A precision names the numerics of a training step: half-precision compute with f
 weights (``bf16-mixed``, ``fp16-mixed``; Micikevicius et al. 2018, "Mixed Precision
 Training") or fp32 throughout. Byte counts per parameter follow ZeRO §3.1 (Rajbhandari et al.
 2020: 2 + 2 + 12 = 16 B with Adam under mixed precision).
+
+``fp8`` runs the linear layers' GEMMs in FP8 (E4M3 forward, E5M2 or E4M3 gradients) with dynamic
+scaling, everything else in bf16, as torchao's ``float8`` training (the converter torchtitan uses) and
+Transformer Engine do: the weights, gradients, fp32 master weights and Adam state stay as under
+``bf16-mixed`` (torchao keeps the high-precision weights and casts per GEMM; the activations saved for
+the backward are the bf16 inputs). The scaling recipe (:data:`FP8_RECIPES`) sets the casting
+overhead and the GEMM kernel: ``tensorwise`` (one scale per tensor) or ``rowwise`` (one per row).
+Not modelled: Transformer Engine's cached FP8 weight copies (up to 2 B/param more) and FP8 all-gathers.
 """
 
 from __future__ import annotations
@@ -12,7 +20,10 @@ from dataclasses import dataclass
 
 from microbatch.errors import ConfigError
 
-__all__ = ["Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision"]
+__all__ = [
+    "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
+    "get_fp8_recipe",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +42,8 @@ class Precision:
     """Whether the probes can run it on this code path (torch autocast on CPU and CUDA)."""
     description: str
     """One line for ``--help``."""
+    gemm_dtype: str | None = None
+    """The dtype the linear layers' GEMMs run in when it differs from ``compute_dtype`` (``fp8``)."""
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -60,6 +73,15 @@ PRECISIONS: dict[str, Precision] = {
             measurable=True,
             description="fp32 throughout",
         ),
+        Precision(
+            name="fp8",
+            compute_dtype="bf16",
+            gemm_dtype="fp8",
+            weight_bytes=2,
+            master_copy=True,
+            measurable=False,
+            description="FP8 linear GEMMs (torchao float8 / Transformer Engine), bf16 elsewhere, fp32 master weights",
+        ),
     )
 }
 """Every precision the planner knows, by name."""
@@ -75,7 +97,7 @@ def get_precision(name: str, *, measurable: bool = False, what: str = "precision
     """
     allowed = MEASURABLE if measurable else tuple(PRECISIONS)
     if name not in allowed:
-        extra = " (fp16-mixed is planned but not measured)" if measurable and name in PRECISIONS else ""
+        extra = f" ({name} is planned but not measured)" if measurable and name in PRECISIONS else ""
         raise ConfigError(f"{what} {name!r} is not known{extra}; use one of {', '.join(allowed)}")
     return PRECISIONS[name]
 
@@ -83,3 +105,42 @@ def get_precision(name: str, *, measurable: bool = False, what: str = "precision
 def check_precision(name: str, *, measurable: bool = False, what: str = "precision") -> str:
     """``name`` if it is a known (and, with ``measurable``, measurable) precision; else ConfigError."""
     return get_precision(name, measurable=measurable, what=what).name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Recipe:
+    """One FP8 scaling recipe: what its casts cost and how fast its GEMM kernel runs."""
+
+    name: str
+    """``tensorwise`` or ``rowwise`` (torchao ``Float8LinearConfig.from_recipe_name``; torchtitan
+    ``--quantize.linear.float8.recipe_name``)."""
+    backward_amax: bool
+    """Whether the backward's transposed operands need their own amax pass (rowwise scales run along the
+    other axis of the transpose; one tensorwise scale serves both)."""
+    gemm_factor: float
+    """Share of the tensorwise FP8 GEMM rate its kernel reaches: 1 for tensorwise (cuBLAS per-tensor
+    scaling); rowwise 0.82, fitted to torchtitan's Llama-3-8B runs on 8 H100 (FSDP, b 1, s 8192, compiled;
+    commit 7a04053 of pytorch/torchtitan: bf16 5,760 tokens/s per GPU, rowwise 6,424, tensorwise 7,186):
+    the planner then gives rowwise/tensorwise 0.89 (published 0.894) and tensorwise/bf16 1.26 (published
+    1.248), held by ``tests/predict/test_fp8.py``."""
+    description: str
+    """One line for ``--help``."""
+
+
+FP8_RECIPES: dict[str, Fp8Recipe] = {
+    r.name: r
+    for r in (
+        Fp8Recipe(name="tensorwise", backward_amax=False, gemm_factor=1.0,
+                  description="one dynamic scale per tensor (fastest)"),
+        Fp8Recipe(name="rowwise", backward_amax=True, gemm_factor=0.82,
+                  description="one dynamic scale per row (more accurate, slower kernels)"),
+    )
+}  # fmt: skip
+"""The FP8 scaling recipes the planner knows."""
+
+
+def get_fp8_recipe(name: str) -> Fp8Recipe:
+    """The recipe called ``name``; ConfigError naming the choices."""
+    if name not in FP8_RECIPES:
+        raise ConfigError(f"fp8 recipe {name!r} is not known; use one of {', '.join(FP8_RECIPES)}")
+    return FP8_RECIPES[name]

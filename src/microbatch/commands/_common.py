@@ -21,7 +21,7 @@ from microbatch.commands._outputs import (
     write_result,
 )
 from microbatch.envelope import envelope
-from microbatch.precision import PRECISIONS
+from microbatch.precision import FP8_RECIPES, PRECISIONS
 from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
@@ -210,7 +210,8 @@ def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 MOE_FLAGS = (
-    "experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor", "context_parallel"
+    "experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor", "context_parallel",
+    "fp8_recipe",
 )  # fmt: skip
 """Parameters :func:`moe_options` adds (``plan`` and ``memory``); the command receives them as ``moe_spec``."""
 
@@ -250,6 +251,14 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="c: GPUs each sequence is split over (ring attention); GPUs = t·p·d·c, 2c divides s.",
         ),  # fmt: skip
+        click.option(
+            "--fp8-recipe",
+            "fp8_recipe",
+            type=click.Choice(list(FP8_RECIPES)),
+            default="tensorwise",
+            show_default=True,
+            help="With --precision fp8: one scale per tensor or per row (torchao float8).",
+        ),  # fmt: skip
     ]
     return option_group(f, "moe_spec", MOE_FLAGS, opts)
 
@@ -261,6 +270,7 @@ def moe_split(moe_spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
         "expert_parallel": moe_spec.get("expert_parallel") or 1,
         "capacity_factor": moe_spec.get("capacity_factor"),
         "context_parallel": moe_spec.get("context_parallel") or 1,
+        "fp8_recipe": moe_spec.get("fp8_recipe") or "tensorwise",
     }
 
 

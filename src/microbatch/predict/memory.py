@@ -20,7 +20,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative, check_positive_int
 from microbatch.model import ModelShape
-from microbatch.precision import get_precision
+from microbatch.precision import get_fp8_recipe, get_precision
 from microbatch.predict.activations import (
     check_recompute,
     embedding_activation_bytes,
@@ -167,6 +167,9 @@ class MemoryConfig:
     expert_parallel: int = 1
     """EP: GPUs the routed experts are spread over, inside the data-parallel × context-parallel group (EP
     divides d·c and E; :mod:`microbatch.predict.experts`)."""
+    fp8_recipe: str = "tensorwise"
+    """With ``precision="fp8"``: the scaling recipe; it changes no byte here (torchao keeps the weights and
+    the saved activations in bf16; :mod:`microbatch.precision`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); 2c divides s."""
     capacity_factor: float | None = None
@@ -178,6 +181,7 @@ class MemoryConfig:
         check_positive_int("micro-batch", self.micro_batch, fix="b_m counts whole sequences")
         check_positive_int("expert-parallel", self.expert_parallel)
         check_positive_int("context-parallel", self.context_parallel)
+        get_fp8_recipe(self.fp8_recipe)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if self.seq is not None:
             check_positive_int("seq", self.seq)
@@ -351,6 +355,7 @@ class MemoryEstimate:
                 "data_parallel": cfg.data_parallel,
                 "zero": cfg.zero,
                 "precision": cfg.precision,
+                "fp8_recipe": cfg.fp8_recipe if cfg.precision == "fp8" else None,
                 "grad_dtype": cfg.grad_dtype,
                 "optimizer": cfg.optimizer,
                 "recompute": cfg.recompute,

@@ -13,6 +13,7 @@ from microbatch.batch import divisors
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
+from microbatch.precision import get_fp8_recipe, get_precision
 from microbatch.predict.activations import RECOMPUTE_MODES
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, expert_load
@@ -102,6 +103,8 @@ class PlanConfig:
     the GPUs stay d·p·t (:mod:`microbatch.predict.experts`)."""
     capacity_factor: float | None = None
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
+    fp8_recipe: str = "tensorwise"
+    """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
     d·p·t·c and ZeRO and the gradient reduction span the d·c ranks."""
@@ -172,6 +175,12 @@ class PlanConfig:
                 f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
             )
         check_positive_int("context-parallel", self.context_parallel)
+        get_fp8_recipe(self.fp8_recipe)  # validates it
+        if get_precision(self.precision).gemm_dtype == "fp8" and "fp8" not in self.gpu.peak_flops:
+            raise ConfigError(
+                f"precision fp8 needs FP8 tensor cores; {self.gpu.name} has none (peaks for "
+                f"{', '.join(self.gpu.peak_flops)}); use --precision bf16-mixed or an H100, H200, B200, L4 or MI300X"
+            )
         check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
@@ -232,6 +241,7 @@ class PlanConfig:
             "expert_imbalance": self.expert_imbalance,
             "seq": self.seq_len,
             "precision": self.precision,
+            "fp8_recipe": self.fp8_recipe if self.precision == "fp8" else None,
             "grad_dtype": self.grad_dtype,
             "optimizer": self.optimizer,
             "memory_headroom": self.memory_headroom,

@@ -25,11 +25,11 @@ replace (any object with the same two methods works).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
+from microbatch.precision import get_fp8_recipe
 from microbatch.predict.collectives import (
     allgather_time_s,
     allreduce_time_s,
@@ -43,6 +43,7 @@ from microbatch.predict.collectives import (
 )
 from microbatch.predict.context import kv_exchange_bytes, ring_exposed_s
 from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
+from microbatch.predict.fp8 import cast_bytes
 from microbatch.predict.gemm import (
     DEFAULT_EFFICIENCY,
     RooflineEfficiency,
@@ -182,12 +183,16 @@ def layer_forward(
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
     moe_layout: tuple[int, float] | None = None,
     context_parallel: int = 1,
+    fp8_recipe: str | None = None,
 ) -> LayerTime:
     """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
 
     With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys (causal load
     balance: 1/c of the attention each) and passes K/V around a ring of c ranks t apart
     (:mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``.
+    With ``fp8_recipe`` the linear GEMMs run at the accelerator's FP8 rate (times the recipe's kernel
+    factor) and their casts (:func:`microbatch.predict.fp8.cast_bytes`) add to the elementwise traffic;
+    attention and the rest stay in ``dtype``.
 
     A mixture-of-experts block's MLP is :func:`_moe_mlp`'s at ``moe_layout`` = (expert parallel EP,
     expert load; None means (1, 1.0)); MLA's projections are one GEMM of its weights.
@@ -204,15 +209,14 @@ def layer_forward(
     kvd = shape.kv * shape.head_dim
     e = 4 if dtype == "fp32" else 2
     bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
-    g = gemm_time_s
-    kw: dict[str, Any] = dict(dtype=dtype, efficiency=efficiency)
+    g = _Linears(acc, dtype, efficiency, fp8_recipe)
     if shape.mla is None:
-        gemm = g(rows, h, (h + 2 * kvd) / t, acc, **kw) + g(rows, h / t, h, acc, **kw)
+        gemm = g(rows, h, (h + 2 * kvd) / t) + g(rows, h / t, h)
     else:  # MLA's projections as one GEMM of its weights (k = h): FLOPs exact, efficiency approximate
-        gemm = g(rows, h, shape.mla.params(h, a) / h / t, acc, **kw)
-    moe = _moe_mlp(shape, micro_batch, s // c, acc, t, moe_layout or (1, 1.0), kw)
+        gemm = g(rows, h, shape.mla.params(h, a) / h / t)
+    moe = _moe_mlp(shape, micro_batch, s // c, acc, t, moe_layout or (1, 1.0), g)
     gemm += moe[0] if shape.moe is not None else (
-        g(rows, h, (2 if shape.gated_mlp else 1) * f / t, acc, **kw) + g(rows, f / t, h, acc, **kw)
+        g(rows, h, (2 if shape.gated_mlp else 1) * f / t) + g(rows, f / t, h)
     )  # fmt: skip
     flash = shape.flash_attention if flash_attention is None else flash_attention
     qk, vd = attention_widths(shape)
@@ -230,6 +234,8 @@ def layer_forward(
     passes_h = 10 + (4 if shape.dropout else 0)
     passes_f = 3 if shape.gated_mlp else 2
     elementwise = e * rows * (passes_h * h / sp + passes_f * (moe[2] if shape.moe else f) / t) / bw
+    elementwise_bwd = elementwise_backward_ratio() * elementwise + g.cast_backward_bytes / bw
+    elementwise += g.cast_forward_bytes / bw
     tp_comm = regather = 0.0
     if t > 1:
         bw_tp = group_bandwidth(acc, t, 1) * efficiency.network
@@ -248,13 +254,35 @@ def layer_forward(
         flops=layer_forward_flops(shape, rows, s, t),
         ep_comm_s=moe[1],
         attention_backward_s=attention_bwd,
-        elementwise_backward_s=elementwise_backward_ratio() * elementwise,
+        elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
     )
 
 
+class _Linears:
+    """The linear layers' GEMM times of one layer (:func:`gemm_time_s`), at the FP8 rate with an FP8 recipe,
+    and the casting bytes they add (:func:`microbatch.predict.fp8.cast_bytes`), summed over the calls."""
+
+    def __init__(self, acc: Accelerator, dtype: str, efficiency: RooflineEfficiency, fp8_recipe: str | None):
+        self.acc, self.recipe = acc, None if fp8_recipe is None else get_fp8_recipe(fp8_recipe)
+        self.dtype = dtype if self.recipe is None else "fp8"
+        self.e = 4 if dtype == "fp32" else 2
+        self.network = efficiency.network
+        if self.recipe is not None:
+            efficiency = replace(efficiency, gemm_max=efficiency.gemm_max * self.recipe.gemm_factor)
+        self.efficiency = efficiency
+        self.cast_forward_bytes = self.cast_backward_bytes = 0.0
+
+    def __call__(self, rows: float, k: float, n: float) -> float:
+        if self.recipe is not None:
+            fwd, bwd = cast_bytes(rows, k, n, self.recipe, self.e)
+            self.cast_forward_bytes += fwd
+            self.cast_backward_bytes += bwd
+        return gemm_time_s(rows, k, n, self.acc, dtype=self.dtype, efficiency=self.efficiency)
+
+
 def _moe_mlp(
-    shape: ModelShape, b: int, s: int, acc: Accelerator, t: int, layout: tuple[int, float], kw: dict[str, Any]
+    shape: ModelShape, b: int, s: int, acc: Accelerator, t: int, layout: tuple[int, float], g: _Linears
 ) -> tuple[float, float, float]:
     """(GEMM seconds, all-to-all seconds, activation-function width) of a MoE block's MLP on one GPU.
 
@@ -271,14 +299,13 @@ def _moe_mlp(
     ep, load = layout
     h, F, mats = shape.hidden, moe.expert_ffn_hidden, 2 if shape.gated_mlp else 1
     r = rows_per_expert(moe, b, s, ep, load)
-    g = gemm_time_s
-    gemm = moe.experts // ep * (g(r, h, mats * F / t, acc, **kw) + g(r, F / t, h, acc, **kw))
-    gemm += g(b * s, h, moe.experts, acc, **kw)
+    gemm = moe.experts // ep * (g(r, h, mats * F / t) + g(r, F / t, h))
+    gemm += g(b * s, h, moe.experts)
     if moe.shared_experts:
         fs = moe.shared_experts * moe.shared_width
-        gemm += g(b * s, h, mats * fs / t, acc, **kw) + g(b * s, fs / t, h, acc, **kw)
-    net = kw["efficiency"].network
-    nbytes = dispatch_bytes(shape, b, s, dtype_bytes=4 if kw["dtype"] == "fp32" else 2, load=load)
+        gemm += g(b * s, h, mats * fs / t) + g(b * s, fs / t, h)
+    net = g.network
+    nbytes = dispatch_bytes(shape, b, s, dtype_bytes=g.e, load=load)
     intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * net
     inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * net
     a2a = 2 * alltoall_time_s(nbytes, ep, ranks_per_node(acc, ep, t), intra, inter)

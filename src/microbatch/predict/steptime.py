@@ -130,15 +130,19 @@ def predict_step_time_s(
     precision: str = "bf16-mixed",
     checkpointing: bool = False,
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+    fp8_recipe: str = "tensorwise",
 ) -> float:
     """Roofline time of one training micro-step (forward + backward, no optimizer) on one device.
 
     T = L·(3·compute + 2·tp_comm) [+ L·forward with full recompute] + 3·logits, each at rows =
-    b_m·s: the stage time (:func:`stage_time`) of one stage holding every layer.
+    b_m·s: the stage time (:func:`stage_time`) of one stage holding every layer. Under ``fp8`` the
+    linear GEMMs run in FP8 with ``fp8_recipe``'s casts.
     """
     s = seq or shape.seq
-    dtype = get_precision(precision).compute_dtype
-    lt = layer_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency)
+    prec = get_precision(precision)
+    dtype = prec.compute_dtype
+    recipe = fp8_recipe if prec.gemm_dtype == "fp8" else None
+    lt = layer_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency, fp8_recipe=recipe)
     logits_s, _ = logits_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency)
     recompute = "full" if checkpointing else "none"
     return stage_time(lt, logits_s, layers=shape.layers, last=True, recompute=recompute).total_s
