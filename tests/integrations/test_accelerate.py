@@ -252,3 +252,34 @@ def test_data_too_short_for_a_large_b_m_ends_the_search_and_keeps_its_points():
     res = f.result
     assert [p.micro_batch for p in res.points if not p.oom][:5] == [1, 2, 4, 8, 16]
     assert "probe.step() calls at micro_batch 32" in res.stop_reason and b * g == 64 and b <= 16
+
+
+def test_world_size_set_for_one_process_without_a_group_is_refused(monkeypatch):
+    """Issue 32: WORLD_SIZE=2 for one process whose function makes no process group; the decorator
+    halved B_global (8 × 4 = 32 for 64 asked). Now the world is read from the group after the first call."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    calls = []
+
+    @knee_batch_size(global_batch=B, max_micro_batch=16, timing=FAST)
+    def train(micro_batch, grad_accum, probe=None):
+        calls.append((micro_batch, grad_accum))
+        for _ in range(6):
+            if probe is not None:
+                probe.step()
+
+    with pytest.raises(
+        ConfigError, match=r"WORLD_SIZE says 2 processes.*in no process group.*unset WORLD_SIZE"
+    ):
+        train()
+    assert calls == [(1, B // 2)]  # refused after the first probing call, before any real call
+
+
+def test_the_choice_is_printed_once_in_accelerates_own_way(capsys):
+    calls = []
+    train = _make(calls)
+    train()
+    out = capsys.readouterr().out
+    b = train.result.recommendation.knee.micro_batch
+    g = B // b
+    assert out.count("microbatch: use b_m") == 1
+    assert f"microbatch: use b_m = {b}, g = {g} (b_m x g x world = {b} x {g} x 1 = {B})" in out

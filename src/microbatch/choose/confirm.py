@@ -44,6 +44,7 @@ from dataclasses import replace
 
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.knee import recommend
+from microbatch.choose.noise import between_se, relative_se
 from microbatch.choose.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
@@ -67,11 +68,15 @@ recorded runs, either paid in cheap probes or not at all (module docstring)."""
 
 def _median(ms: list[Measurement]) -> Measurement:
     """The measurement of ``ms`` with the median throughput (the lower middle one of an even count of
-    measurements that did not run out of memory), with the largest peak memory of all."""
+    measurements that did not run out of memory), with the largest peak memory of all, and its
+    standard error: the larger of its repeats' and of the re-measurements' own scatter
+    (:func:`microbatch.choose.noise.between_se`: the machine's drift between probes)."""
     ok = sorted((m for m in ms if not m.oom and m.throughput), key=lambda m: m.throughput or 0.0)
     mid = ok[(len(ok) - 1) // 2]
     peaks = [m.peak_memory_bytes for m in ms if m.peak_memory_bytes is not None]
-    return replace(mid, peak_memory_bytes=max(peaks) if peaks else None, repeats=sum(m.repeats for m in ok))
+    repeats = sum(m.repeats for m in ok)
+    se = max(relative_se(mid.spread, repeats), between_se([m.throughput or 0.0 for m in ok]))
+    return replace(mid, peak_memory_bytes=max(peaks) if peaks else None, repeats=repeats, throughput_se=se)
 
 
 def _moved(log: SearchLog, first: int | None, knee: int) -> None:

@@ -30,6 +30,9 @@ class CurvePoint:
     """The probe ran out of memory."""
     step_time_s: float | None = None
     """Time of one step (a micro-step in training, one token in decoding), for latency limits."""
+    throughput_se: float | None = None
+    """Standard error of ``throughput`` relative to it (None or 0: not known;
+    :mod:`microbatch.choose.noise`)."""
 
     def __post_init__(self) -> None:
         check_positive_int("micro_batch", self.micro_batch, fix="micro-batch sizes are whole numbers >= 1")

@@ -13,6 +13,7 @@ which no larger point gains τ per doubling. The derivation, and why τ = 0.15, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from microbatch.choose.config import (
 )
 from microbatch.choose.curve import CurvePoint, gain_per_doubling, measured_curve
 from microbatch.choose.memory_fit import MemoryFit, fit_memory, max_fitting_micro_batch
+from microbatch.choose.noise import NOISE_Z, indistinguishable
 from microbatch.errors import ConfigError
 from microbatch.hardware import DEFAULT_HEADROOM
 from microbatch.records import number, true_or_false
@@ -153,6 +155,18 @@ class Recommendation:
     left_out: tuple[tuple[int, str], ...] = ()
     """Measured b_m not considered, each with why (over the budget, the latency limit, or b_m·d not
     dividing B_global)."""
+    indistinguishable: tuple[int, ...] = ()
+    """b_m the measurements cannot separate from the knee at their noise (the knee included;
+    :func:`microbatch.choose.noise.indistinguishable`). Empty for rule ``gain``."""
+    bound_contradicted: int | None = None
+    """A measured b_m faster than the bound T̂ beyond its noise: the bound was dropped (a projection
+    never overrides a measurement) and the reference is the measured best."""
+
+    @property
+    def knee_fraction_of_reference(self) -> float:
+        """The knee's throughput over the reference (0 when the reference is 0)."""
+        ref = self.reference_throughput
+        return self.knee.measured_throughput / ref if ref > 0 else 0.0
 
     @property
     def reference_throughput(self) -> float:
@@ -200,6 +214,8 @@ class Recommendation:
             throughput_bound=self.bound.to_dict() if self.bound else None,
             left_out=[{"micro_batch": b, "why": why} for b, why in self.left_out],
             bound_margin=self.margin,
+            indistinguishable=list(self.indistinguishable),
+            bound_contradicted=self.bound_contradicted,
         )
         return d
 
@@ -287,6 +303,9 @@ def recommend(
     cands, left_out = _candidates(measured, choice, data_parallel)
     against_bound = reference == "bound" and choice.rule == "fraction"
     bound = throughput_bound(cands) if against_bound else None
+    contradicted = _contradicts(cands, bound)
+    if contradicted is not None:
+        bound = None  # a projection never overrides a measurement
     margin = choice_margin(bound) if against_bound else 0.0
     knee = find_knee(
         cands,
@@ -295,6 +314,16 @@ def recommend(
         bound=bound.throughput if bound else None,
         margin=margin,
     )
+    same: tuple[int, ...] = ()
+    if choice.rule == "fraction":
+        top = max(cands, key=lambda p: p.measured_throughput)
+        ref_abs_se = (
+            bound.relative_error * bound.throughput
+            if bound is not None and bound.throughput > top.measured_throughput
+            else (top.throughput_se or 0.0) * top.measured_throughput
+        )
+        ref = max(top.measured_throughput, bound.throughput if bound else 0.0)
+        same = indistinguishable(cands, knee, (1.0 - choice.tolerance) * (1.0 + margin) * ref, ref_abs_se)
     fastest = max(cands, key=lambda p: (p.measured_throughput, -p.micro_batch))
     fit = fit_memory(pts)
     return Recommendation(
@@ -316,7 +345,27 @@ def recommend(
         bound=bound,
         margin=margin,
         left_out=tuple(left_out),
+        indistinguishable=same,
+        bound_contradicted=contradicted,
     )
+
+
+def _contradicts(cands: Sequence[CurvePoint], bound: ThroughputBound | None) -> int | None:
+    """The fastest measured b_m that beats the bound T̂ by more than the noise of both (its own
+    standard error and T̂'s), or None: a line through the tail that a measurement outruns is not a
+    bound on it."""
+    if bound is None:
+        return None
+    beyond = [
+        p
+        for p in cands
+        if p.measured_throughput - bound.throughput
+        > NOISE_Z
+        * math.hypot(
+            (p.throughput_se or 0.0) * p.measured_throughput, bound.relative_error * bound.throughput
+        )
+    ]
+    return max(beyond, key=lambda p: p.measured_throughput).micro_batch if beyond else None
 
 
 def points_from_records(

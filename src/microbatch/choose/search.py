@@ -42,6 +42,7 @@ from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
 from microbatch.choose.knee import knee_fraction, recommend
 from microbatch.choose.memory_fit import fit_memory
+from microbatch.choose.noise import relative_se
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
@@ -68,13 +69,15 @@ doubling too often). Chosen by simulation (BENCHMARKS.md, "Measure: tune")."""
 
 
 def curve_point(m: Measurement) -> CurvePoint:
-    """The point of the throughput curve a measurement gives."""
+    """The point of the throughput curve a measurement gives (with its relative standard error)."""
+    se = m.throughput_se if m.throughput_se is not None else relative_se(m.spread, m.repeats)
     return CurvePoint(
         micro_batch=m.micro_batch,
         throughput=None if m.oom else m.throughput,
         peak_memory_bytes=m.peak_memory_bytes,
         oom=m.oom,
         step_time_s=m.step_time_s,
+        throughput_se=se,
     )
 
 

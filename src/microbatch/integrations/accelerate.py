@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -65,13 +66,14 @@ from microbatch.choose.snapshot import gc_frozen, restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
+    choice_lines,
     choice_of,
     curve_lines,
     emit_lines,
     options_with_cap,
 )
 from microbatch.measure.probes import Measurement
-from microbatch.measure.timing import TimingConfig, enough_repeats
+from microbatch.measure.timing import TimingConfig, enough_repeats, spread
 
 __all__ = ["knee_batch_size", "StepProbe", "ProbeDone"]
 
@@ -236,10 +238,41 @@ def knee_batch_size(
             raise KeyboardInterrupt
         b, g = choice_of(result, global_batch, world)
         emit_lines(curve_lines(result, b, g, world), _rank())
+        emit_lines(choice_lines(result, b, g, world), _rank(), say=_accelerate_print)
         return function(b, g, None, *args, **kwargs)
 
     wrapper.result = None  # type: ignore[attr-defined]
     return wrapper
+
+
+def _check_world(world: int) -> None:
+    """ConfigError unless the processes training together are ``world``: read from the process group
+    once the function has made its Accelerator. ``WORLD_SIZE=2`` set for one process without a group
+    would have the decorator split B_global over a second process that does not exist (issue 32:
+    8 × 4 = 32 for 64 asked)."""
+    from microbatch.measure.device import distributed
+
+    dist = distributed()
+    actual = int(dist.get_world_size()) if dist is not None else 1
+    if actual != world:
+        where = "in no process group" if dist is None else f"in a process group of {actual}"
+        raise ConfigError(
+            f"the launcher's WORLD_SIZE says {world} processes, but after the function's first call this "
+            f"process trains {where}: B_global = b_m × g × {world} would not hold; launch every process with "
+            "`accelerate launch` or torchrun (the function's Accelerator joins them), or unset WORLD_SIZE "
+            "to train in one process"
+        )
+
+
+def _accelerate_print(line: str) -> None:
+    """Accelerate's own way to tell the user (``PartialState().print``: the main process only), where
+    Accelerate is installed; else standard error (the decorator is called on rank 0 only)."""
+    try:
+        from accelerate.state import PartialState
+
+        PartialState().print(line)
+    except ImportError:
+        print(line, file=sys.stderr)
 
 
 def _rank() -> int:
@@ -257,6 +290,7 @@ def _measurer(
     from microbatch.measure.device import Device, agree_any, oom_types, reduce_max, short_error
 
     device = Device(dev)
+    checked: list[bool] = []
 
     def measure(b: int, ckpt: bool) -> Measurement:
         g = max(1, global_batch // (b * world))
@@ -270,6 +304,9 @@ def _measurer(
             pass
         except oom_types() as e:
             err = short_error(e)
+        if not checked:  # the function has made its Accelerator (and the process group) by now
+            _check_world(world)
+            checked.append(True)
         device.sync()
         peak, alloc = device.peak()
         device.free()
@@ -288,7 +325,7 @@ def _measurer(
         t, peak_all = reduce_max([statistics.median(gaps), float(peak)])
         return Measurement(
             micro_batch=b, throughput=b / t, samples_per_s=b / t, step_time_s=t, micro_step_s=t,
-            repeats=len(gaps), peak_memory_bytes=int(peak_all), peak_allocated_bytes=alloc,
+            repeats=len(gaps), spread=spread(gaps), peak_memory_bytes=int(peak_all), peak_allocated_bytes=alloc,
             memory_method=device.method, clock="wall",
         )  # fmt: skip
 

@@ -8,6 +8,9 @@ at ``B_global / world``, and checks the identity again on the answer.
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from microbatch.batch import nearest_multiples
@@ -18,8 +21,10 @@ __all__ = [
     "check_global_batch",
     "nearest_global_batches",
     "choice_of",
+    "choice_lines",
     "curve_lines",
     "emit_lines",
+    "quiet_cache",
     "options_with_cap",
     "log",
 ]
@@ -79,11 +84,42 @@ def curve_lines(result: TuneResult, micro_batch: int, grad_accum: int, world: in
     return lines
 
 
-def emit_lines(lines: list[str], rank: int = 0) -> None:
-    """Log ``lines`` at INFO on rank 0."""
+def choice_lines(result: TuneResult, micro_batch: int, grad_accum: int, world: int) -> list[str]:
+    """What every integration shows its user once, in the framework's own way: the choice in one plain
+    line (with the b_m the measurements could not tell from it, where there are any), and where
+    points came from the cache, that line too."""
+    rec = result.recommendation
+    line = (
+        f"microbatch: use b_m = {micro_batch}, g = {grad_accum} (b_m x g x world = {micro_batch} x "
+        f"{grad_accum} x {world} = {micro_batch * grad_accum * world}); the knee of {len(result.points)} "
+        f"measured points, {100 * rec.knee_fraction_of_reference:.0f}% of the reference throughput"
+    )
+    others = [b for b in rec.indistinguishable if b != micro_batch]
+    if others:
+        line += f"; indistinguishable at the measured noise: b_m {', '.join(map(str, others))}"
+    lines = [line]
+    if result.cache is not None:
+        lines.append(f"microbatch: {result.cache.message()}")
+    return lines
+
+
+@contextmanager
+def quiet_cache() -> Iterator[None]:
+    """No :class:`~microbatch.choose.cache.CachedAnswer` warning inside: the integration says it itself
+    (:func:`choice_lines`)."""
+    from microbatch.choose.cache import CachedAnswer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CachedAnswer)
+        yield
+
+
+def emit_lines(lines: list[str], rank: int = 0, say: Callable[[str], None] | None = None) -> None:
+    """Log ``lines`` at INFO on rank 0 (the curve), and hand them to ``say`` there too (the choice:
+    the framework's own visible channel)."""
     if rank == 0:
         for line in lines:
-            log.info(line)
+            (say or log.info)(line)
 
 
 def options_with_cap(

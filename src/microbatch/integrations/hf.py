@@ -44,10 +44,12 @@ from microbatch.choose.snapshot import restore_flags, save_flags
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
+    choice_lines,
     choice_of,
     curve_lines,
     emit_lines,
     options_with_cap,
+    quiet_cache,
 )
 from microbatch.run.controller import MicroBatchController
 
@@ -163,11 +165,12 @@ def tune_trainer(
     try:
         if ckpt:
             _checkpointing_on(model, args)  # train() will turn it on: probe the step it will run
-        result = tune(
-            model, make_batch, loss_fn=loss_fn, optimizer=trainer.optimizer, global_batch=global_batch,
-            **options_with_cap(dict(options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance),
-                               global_batch, world, data=data),
-        )  # fmt: skip
+        with quiet_cache():  # said below, through the Trainer's logger
+            result = tune(
+                model, make_batch, loss_fn=loss_fn, optimizer=trainer.optimizer, global_batch=global_batch,
+                **options_with_cap(dict(options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance),
+                                   global_batch, world, data=data),
+            )  # fmt: skip
     finally:
         restore_flags(flags)  # the Trainer turns checkpointing on itself in train()
         if created:
@@ -176,10 +179,20 @@ def tune_trainer(
     args.per_device_train_batch_size = b
     args.gradient_accumulation_steps = g
     trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
-    emit_lines(curve_lines(result, b, g, world), int(getattr(args, "process_index", 0)))
+    rank = int(getattr(args, "process_index", 0))
+    emit_lines(curve_lines(result, b, g, world), rank)
+    emit_lines(choice_lines(result, b, g, world), rank, say=_trainer_logger().warning)
     if on_oom == "split":
         split_on_oom(trainer, knee=b, grow_after=grow_after)
     return result
+
+
+def _trainer_logger() -> Any:
+    """The Trainer's own logger (``transformers.trainer``): the choice goes there at WARNING, the level
+    its default verbosity shows (the Trainer's INFO lines are hidden by default), once, on rank 0."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.get_logger("transformers.trainer")
 
 
 def _check_split(trainer: Any) -> None:

@@ -13,7 +13,8 @@ optimizer of ``configure_optimizers``. The weights, gradients, optimizer state, 
 and ``training`` flags are restored bitwise afterwards (:mod:`microbatch.choose.snapshot`), and
 the batch-size attribute too if anything fails. Then it sets the attribute to the knee b_m,
 ``trainer.accumulate_grad_batches = g`` with ``b_m × g × world_size == global_batch`` exactly,
-rebuilds the dataloaders, logs the curve and the choice, and training proceeds.
+leaves the dataloaders for the fit loop to build after the generators are restored (so it draws
+exactly what it would without the callback), prints the curve and the choice, and training proceeds.
 
 Under DDP every rank probes together (the probes are synchronised; the slowest rank's time and
 the largest rank's memory count) and every rank sets the same b_m and g.
@@ -42,10 +43,12 @@ from microbatch.choose.snapshot import restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
+    choice_lines,
     choice_of,
     curve_lines,
     emit_lines,
     options_with_cap,
+    quiet_cache,
 )
 from microbatch.integrations.lightning_oom import CallbackBase as _Base
 from microbatch.integrations.lightning_oom import SplitOnOOM, loss_of
@@ -82,11 +85,14 @@ def _train_loader(trainer: Any) -> Any:
     return combined.flattened[0]
 
 
-def _reset_dataloaders(trainer: Any) -> None:
-    _train_loader(trainer)
-    val = trainer.fit_loop.epoch_loop.val_loop
-    val._combined_loader = None
-    val.setup_data()
+def _drop_dataloaders(trainer: Any) -> None:
+    """Leave no loader behind: the fit loop builds (and iterates) its own, as it would without the
+    callback, after the generators are restored. Building them here iterated the train loader, which
+    drew the sampler's seed from the global generator before the restore undid the draw: the fit
+    loop then shuffled with one draw fewer than a run without the callback (issue 30)."""
+    trainer.fit_loop._combined_loader = None
+    trainer.fit_loop._data_fetcher = None
+    trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
 
 class KneeBatchSize(_Base):
@@ -209,14 +215,15 @@ class KneeBatchSize(_Base):
         pl_module.log = lambda *a, **k: None  # no result collection before the fit loop runs
         pl_module.log_dict = lambda *a, **k: None
         try:
-            result = tune(
-                strategy.model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
-                global_batch=self.global_batch, **options,
-            )  # fmt: skip
+            with quiet_cache():  # said below, in Lightning's own way
+                result = tune(
+                    strategy.model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
+                    global_batch=self.global_batch, **options,
+                )  # fmt: skip
             b, g = choice_of(result, self.global_batch, world)
         except BaseException:
             lightning_setattr(pl_module, self.batch_arg_name, original)
-            _reset_dataloaders(trainer)
+            _drop_dataloaders(trainer)
             raise
         finally:
             for name, value in muted.items():
@@ -226,9 +233,12 @@ class KneeBatchSize(_Base):
                     setattr(pl_module, name, value)
         lightning_setattr(pl_module, self.batch_arg_name, b)
         trainer.accumulate_grad_batches = g
-        _reset_dataloaders(trainer)
+        _drop_dataloaders(trainer)
         self.result, self.micro_batch, self.grad_accum = result, b, g
+        from lightning.pytorch.utilities import rank_zero_info
+
         emit_lines(curve_lines(result, b, g, world), trainer.global_rank)
+        emit_lines(choice_lines(result, b, g, world), trainer.global_rank, say=rank_zero_info)
         for logger in trainer.loggers:
             logger.log_hyperparams({"microbatch/micro_batch": b, "microbatch/grad_accum": g,
                                     "microbatch/global_batch": self.global_batch})  # fmt: skip

@@ -81,6 +81,10 @@ class Measurement:
     """Relative interquartile range of the timed repeats."""
     repeats: int = 0
     """Timed repeats."""
+    throughput_se: float | None = None
+    """Standard error of ``throughput`` relative to it, where a point was measured more than once
+    (the knee's confirmation: the larger of the repeats' and the re-measurements' own); None: from
+    ``spread`` and ``repeats`` (:func:`microbatch.choose.noise.relative_se`)."""
     peak_memory_bytes: int | None = None
     """Peak memory compared with a budget (CUDA: reserved + context; CPU: peak RSS of the process)."""
     peak_allocated_bytes: int | None = None

@@ -64,6 +64,23 @@ def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
     return []
 
 
+def _noise_lines(d: Mapping[str, Any]) -> list[str]:
+    """The b_m the measurements cannot tell from the knee, and how the knee was chosen among them."""
+    same = [b for b in d.get("indistinguishable") or [] if b != d["micro_batch"]]
+    out = []
+    if same:
+        out.append(
+            f"indistinguishable at the measured noise: b_m {', '.join(str(b) for b in same)} (two standard "
+            f"errors of the medians); the knee is the least memory among them that reaches the line"
+        )
+    if d.get("bound_contradicted") is not None:
+        out.append(
+            f"bound dropped: b_m {d['bound_contradicted']} measured faster than the line through the tail "
+            "allowed (a projection never overrides a measurement); the reference is the best measured"
+        )
+    return out
+
+
 def render_recommendation(
     d: Mapping[str, Any], points: Sequence[Mapping[str, Any]] | None = None, unit: str = "samples/s"
 ) -> str:
@@ -88,6 +105,7 @@ def render_recommendation(
         + (f", g = {f['grad_accum']}" if f.get("grad_accum") is not None else "")
         + f"  — {f['throughput']:,.1f} {unit}, peak {format_bytes(f['peak_memory_bytes'])}"
     )
+    lines += _noise_lines(d)
     lines += _bound_lines(d, unit)
     fit = d.get("memory_fit")
     if fit:
