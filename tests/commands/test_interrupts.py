@@ -150,6 +150,7 @@ def test_pipeline_interrupted_in_a_calibration_says_where_and_exits_130():
     cmd.wait_for(lambda line: line.startswith("pipeline: 2 ranks started for"), timeout_s=120)
     rc, out, err = cmd.interrupt()
     assert rc == 130, err
-    assert re.search(r"interrupted during the calibration run .*: no step of the run was measured", err), err
+    # the calibration's ranks take seconds to start: the signal lands in the calibration run
+    assert re.search(r"interrupted during the calibration run: no step of the run was measured", err), err
     assert json.loads(out) == {**json.loads(out), "kind": "interrupted"}
     assert "Traceback" not in err

@@ -323,9 +323,14 @@ class _Lines:
 
     def interrupted(self, why: str) -> None:
         """Say where a Ctrl-C came when it kept nothing of the run."""
-        where = {"check": "during the checks", "": "before the run", "run": "as the ranks started"}.get(
-            self.phase, f"during the {self.LABELS.get(self.phase, self.phase)}"
-        )
+        where = {
+            "": "before the run",
+            "check": "during the checks",
+            "calibrate": "during the calibration run",
+            "profile": "while profiling the stages",
+            "calibrate_loaded": "during the loaded calibration run",
+            "run": "as the run's ranks started",
+        }.get(self.phase, "before the run")
         self.say(f"interrupted {where}: no step of the run was measured" + (f" ({why})" if why else ""))
 
 
