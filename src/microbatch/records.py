@@ -234,9 +234,13 @@ def positive(v: Any, *, where: str) -> float | None:
     """
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(f"{where} {v!r} must be a number > 0")
-    return float(v)
+    try:
+        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an int past the largest float (~1.8e308)
+        f = math.inf
+    if not math.isfinite(f) or f <= 0:
+        raise ConfigError(f"{where} {_short(v)} must be a number > 0, and finite")
+    return f
 
 
 def flag(v: Any) -> bool | None:
@@ -436,8 +440,16 @@ def read_measurements(
         if not isinstance(r, dict) or "micro_batch" not in r:
             raise ConfigError(f"{label}: point {i + 1} has no 'micro_batch'")
         b = r["micro_batch"]
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or b < 1 or b != int(b):
-            raise ConfigError(f"{label}: point {i + 1}: micro_batch {b!r} must be a whole number >= 1")
+        if (
+            isinstance(b, bool)
+            or not isinstance(b, (int, float))
+            or not (1 <= b <= MAX_EXACT_WHOLE)
+            or b != int(b)
+        ):
+            raise ConfigError(
+                f"{label}: point {i + 1}: micro_batch {_short(b)} must be a whole number from 1 to 2^53 "
+                f"({MAX_EXACT_WHOLE:,}, the largest a float holds exactly)"
+            )
         if "checkpointing" in r and bool(r["checkpointing"]) != ckpt:
             continue
         if r.get("oom"):

@@ -374,3 +374,28 @@ def test_export_of_a_tune_speaks_of_the_tune(tmp_path, capsys):
     assert "plan" not in line
     strings = write(tmp_path / "s.json", tune_result(points=["x"]))  # was an AttributeError traceback
     refused(["export", "--tune", strings, "--format", "hf"], capsys, r"point 1 is 'x', not an object")
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        ({"micro_batch": 10**300}, r"point 3: micro_batch 1e\+300 must be a whole number from 1 to 2\^53"),
+        (
+            {"peak_memory_bytes": 10**400},
+            r"point 3: peak_memory_bytes a 401-digit number must be a number > 0",
+        ),
+    ],
+)
+def test_calibration_numbers_past_a_float_are_refused(tmp_path, capsys, change, pattern):
+    """validate, plan --calibration and memory --calibration raised OverflowError on these (a traceback)."""
+    pts = [dict(micro_batch=b, peak_memory_bytes=1e6 * b, step_time_s=0.01 * b) for b in (1, 2, 4)]
+    pts[2].update(change)
+    f = write(tmp_path / "cal.json", {"command": "tune", "version": "0.1.0", "device": "cpu", "model": "tiny",
+                                      "seq": 64, "precision": "fp32", "points": pts})  # fmt: skip
+    refused(
+        ["validate", "--calibration", f, "--cpu-peak-gflops", "10", "--cpu-bandwidth-gbs", "10"],
+        capsys,
+        pattern,
+    )
+    refused(["plan", "--model", "tiny", "--gpu", "h100", "-B", "64", "--calibration", f], capsys, pattern)
+    refused(["memory", "--model", "tiny", "--gpu", "h100", "-b", "1", "--calibration", f], capsys, pattern)
