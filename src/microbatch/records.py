@@ -199,8 +199,12 @@ def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
         raise ConfigError(f"{v!r} is not a number")
     try:
         f = float(v)
+    except OverflowError:  # an int past the largest float (~1.8e308)
+        raise ConfigError(
+            f"{what} {_short(v)} is past the largest float (~1.8e308); check the file"
+        ) from None
     except (TypeError, ValueError):
-        raise ConfigError(f"{v!r} is not a number") from None
+        raise ConfigError(f"{_short(v)} is not a number") from None
     if whole and math.isfinite(f) and max(abs(f), abs(v) if isinstance(v, int) else 0) > MAX_EXACT_WHOLE:
         raise ConfigError(
             f"{what} {_short(v)} is over 2^53 = {MAX_EXACT_WHOLE:,}, past which a number is not held exactly (it "

@@ -399,3 +399,10 @@ def test_calibration_numbers_past_a_float_are_refused(tmp_path, capsys, change, 
     )
     refused(["plan", "--model", "tiny", "--gpu", "h100", "-B", "64", "--calibration", f], capsys, pattern)
     refused(["memory", "--model", "tiny", "--gpu", "h100", "-b", "1", "--calibration", f], capsys, pattern)
+
+
+def test_recommend_refuses_a_number_past_the_largest_float(tmp_path, capsys):
+    f = write(
+        tmp_path / "c.json", [{"micro_batch": 1, "throughput": 10**400}, *SEED[1:]]
+    )  # was OverflowError
+    refused(["recommend", "-m", f], capsys, r"row 1: throughput a 401-digit number is past the largest float")
