@@ -406,3 +406,19 @@ def test_recommend_refuses_a_number_past_the_largest_float(tmp_path, capsys):
         tmp_path / "c.json", [{"micro_batch": 1, "throughput": 10**400}, *SEED[1:]]
     )  # was OverflowError
     refused(["recommend", "-m", f], capsys, r"row 1: throughput a 401-digit number is past the largest float")
+
+
+def test_report_figures_folder_keeps_the_users_files(tmp_path, capsys):
+    res = write(tmp_path / "t.json", tune_result())
+    html = tmp_path / "r.html"
+    for _ in range(2):  # our PNGs carry the mark: a rerun replaces them
+        assert main(["report", res, "--out", str(html)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    figures = tmp_path / "r-figures"
+    from microbatch.envelope import is_ours
+
+    assert list(figures.glob("*.png")) and all(is_ours(p) for p in figures.glob("*.png"))
+    (figures / "throughput.png").write_bytes(b"\x89PNG my own chart")
+    refused(["report", res, "--out", str(html)], capsys, r"r-figures, which holds files microbatch did not write "
+            r"\(throughput\.png\)", r"give --force")  # fmt: skip
+    assert main(["report", res, "--out", str(html), "--no-png"]) == 0  # no figure written there: no refusal

@@ -44,6 +44,8 @@ def cmd(
     loaded = load_results(results)  # a bad input refused before the output's folder is made
     inputs = [("RESULTS", r) for r in results]  # never written over, nor a file not ours without --force
     check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True, inputs=inputs, force=force)
+    if not no_png:  # the PNGs go in <name>-figures/ beside it: nothing there that is not ours is replaced
+        _check_figures_folder(out_path, force)
     try:
         rep = build_report(loaded, out_path, title=title, png=not no_png)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
@@ -86,3 +88,25 @@ def _unreadable(results: tuple[str, ...], error: Exception) -> Exception:
         f"{what} a field holds a value of the wrong kind, so the report cannot be drawn ({reason}); give the "
         "JSON a microbatch command wrote with --json or --out, unedited"
     )
+
+
+def _check_figures_folder(out_path: str, force: bool) -> None:
+    """Refuse, without ``--force``, a ``<name>-figures`` folder beside the HTML that holds a file that is
+    not one of ours (:func:`microbatch.envelope.is_ours`): the report writes its PNGs there, under names
+    known only once the figures are drawn."""
+    from pathlib import Path
+
+    from microbatch.envelope import is_ours
+    from microbatch.errors import ConfigError
+
+    out = Path(out_path)
+    folder = out.with_name(out.stem + "-figures")
+    if force or not folder.is_dir():
+        return
+    theirs = sorted(p.name for p in folder.iterdir() if p.is_file() and not is_ours(p))
+    if theirs:
+        raise ConfigError(
+            f"--out {out_path}: the figures go in {folder}, which holds files microbatch did not write "
+            f"({', '.join(theirs[:3])}{', ...' if len(theirs) > 3 else ''}) that a figure could replace; give "
+            "--force to write there anyway, --no-png, or another --out"
+        )

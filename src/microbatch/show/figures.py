@@ -97,7 +97,11 @@ def render_figure(fig: MplFigure, name: str, title: str, png_dir: Path | None) -
     if png_dir is not None:
         png_dir.mkdir(parents=True, exist_ok=True)
         png_path = png_dir / f"{name}.png"
-        fig.savefig(png_path, format="png", dpi=fig.dpi)
+        from microbatch import __version__
+        from microbatch.envelope import MARK
+
+        # the mark tells a later report that the file is ours to replace (microbatch.envelope.is_ours)
+        fig.savefig(png_path, format="png", dpi=fig.dpi, metadata={"Software": f"{MARK} {__version__}"})
     axes = fig.get_axes()
     xlim = (float(axes[0].get_xlim()[0]), float(axes[0].get_xlim()[1])) if axes else None
     xlabel = axes[0].get_xlabel() if axes else ""
