@@ -211,7 +211,7 @@ def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 MOE_FLAGS = (
     "experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor", "context_parallel",
-    "fp8_recipe",
+    "fp8_recipe", "recompute_every",
 )  # fmt: skip
 """Parameters :func:`moe_options` adds (``plan`` and ``memory``); the command receives them as ``moe_spec``."""
 
@@ -259,6 +259,14 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="With --precision fp8: one scale per tensor or per row (torchao float8).",
         ),  # fmt: skip
+        click.option(
+            "--recompute-every",
+            "recompute_every",
+            type=int,
+            default=1,
+            show_default=True,
+            help="K: full recompute of one layer in K (with --recompute full; torchtitan's selective_ac_option).",
+        ),  # fmt: skip
     ]
     return option_group(f, "moe_spec", MOE_FLAGS, opts)
 
@@ -271,6 +279,7 @@ def moe_split(moe_spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
         "capacity_factor": moe_spec.get("capacity_factor"),
         "context_parallel": moe_spec.get("context_parallel") or 1,
         "fp8_recipe": moe_spec.get("fp8_recipe") or "tensorwise",
+        "recompute_every": moe_spec.get("recompute_every") or 1,
     }
 
 

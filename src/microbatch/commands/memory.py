@@ -51,7 +51,7 @@ from microbatch.schedules.registry import schedule_names
 )
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs t > 1).")
 @click.option(
-    "--recompute", type=click.Choice(["none", "selective", "full"]), default="none", show_default=True
+    "--recompute", type=click.Choice(["none", "selective", "full", "op"]), default="none", show_default=True
 )
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
 @precision_options

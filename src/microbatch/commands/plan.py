@@ -57,7 +57,14 @@ __all__ = ["cmd"]
     "--virtual", "-v", type=int, help="Only this v for interleaved 1F1B (default: every v that fits)."
 )
 @click.option(
-    "--recompute", type=click.Choice(["auto", "none", "selective", "full"]), default="auto", show_default=True
+    "--recompute",
+    type=click.Choice(["auto", "none", "selective", "full", "op"]),
+    default="auto",
+    show_default=True,
+    help="auto searches none, selective and full; op is torchtitan's per-op selective recompute.",
+)
+@click.option(
+    "--async-tp", "async_tp", is_flag=True, help="TP collectives overlapped with their GEMMs (needs SP)."
 )
 @click.option(
     "--zero", type=click.Choice(["auto", "0", "1", "2", "3", "dist-opt"]), default="auto", show_default=True
@@ -98,7 +105,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, layers_per_stage: str | None,
-    memory_headroom: float | None, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
+    memory_headroom: float | None, async_tp: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the knee (or the fastest) that fits.
@@ -140,6 +147,7 @@ def cmd(
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,
         dp_overlap=dp_overlap,
+        async_tp=async_tp,
         **expert_layout,
     )
     applied = []

@@ -14,9 +14,11 @@ from __future__ import annotations
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
 from microbatch.predict.experts import moe_activation_terms
+from microbatch.predict.recompute import op_saved_terms
 
 __all__ = [
     "RECOMPUTE_MODES",
+    "RECOMPUTE_CHOICES",
     "check_recompute",
     "layer_activation_terms",
     "layer_activation_bytes",
@@ -25,13 +27,16 @@ __all__ = [
 ]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-"""Activation recomputation: none, selective (attention core only, Korthikanti §5), full (per layer)."""
+"""Activation recomputation the planner searches by default: none, selective (attention core only,
+Korthikanti §5), full (per layer)."""
+RECOMPUTE_CHOICES = (*RECOMPUTE_MODES, "op")
+"""Every mode: also ``op``, torchtitan's per-op selective recompute (:mod:`microbatch.predict.recompute`)."""
 
 
 def check_recompute(recompute: str) -> str:
-    """``recompute`` if it is one of :data:`RECOMPUTE_MODES`, else :class:`ConfigError` naming them."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute {recompute!r} is not known; use one of {', '.join(RECOMPUTE_MODES)}")
+    """``recompute`` if it is one of :data:`RECOMPUTE_CHOICES`, else :class:`ConfigError` naming them."""
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ConfigError(f"recompute {recompute!r} is not known; use one of {', '.join(RECOMPUTE_CHOICES)}")
     return recompute
 
 
@@ -67,6 +72,7 @@ def layer_activation_terms(
     (:func:`microbatch.predict.experts.moe_activation_terms`, at ``expert_load`` × the balanced rows);
     DeepSeek's latent attention keeps Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split
     by t, and its two latents (d_c' + d_c + d_h^R per token) whole.
+    Per-op selective recompute (``op``) keeps :func:`microbatch.predict.recompute.op_saved_terms`.
     Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
     recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
     """
@@ -106,6 +112,9 @@ def layer_activation_terms(
     elif recompute == "none":
         per_score = (2 * e + 1) if shape.dropout else e  # softmax out (+ dropout mask + dropout out)
         terms["attention_scores"] = per_score * a * s * s * b / t
+    if recompute == "op":
+        return op_saved_terms(shape, s * b, tensor_parallel=t, sp=sp, dtype_bytes=e, none_bytes=sum(terms.values()),
+                              flash_stats=4 * a * s * b / t)  # fmt: skip
     return terms
 
 

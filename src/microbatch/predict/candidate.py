@@ -259,7 +259,12 @@ def _stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
     runs = ctx.split_runs
     kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
     fu, iu, wu = pipeline_stage_times(
-        costs.layer, costs.logits_s, split=kinds, p2p_s=costs.p2p_s, recompute=rc
+        costs.layer,
+        costs.logits_s,
+        split=kinds,
+        p2p_s=costs.p2p_s,
+        recompute=rc,
+        recompute_every=ctx.cfg.recompute_every,
     )
     tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
     at = {n: j for j, n in enumerate(kinds[:-1])}
@@ -297,7 +302,12 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
         for s in range(2 * p)
     )
     f, i_, w = pipeline_stage_times(
-        costs.layer, costs.logits_s, split=chunks, p2p_s=costs.p2p_s, recompute=rc
+        costs.layer,
+        costs.logits_s,
+        split=chunks,
+        p2p_s=costs.p2p_s,
+        recompute=rc,
+        recompute_every=ctx.cfg.recompute_every,
     )
     rf = [f[r] + f[2 * p - 1 - r] for r in range(p)]
     ri = [i_[r] + i_[2 * p - 1 - r] for r in range(p)]

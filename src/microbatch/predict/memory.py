@@ -29,6 +29,7 @@ from microbatch.predict.activations import (
 )
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
+from microbatch.predict.recompute import every_kth
 from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes
 from microbatch.schedules import registry
 
@@ -167,6 +168,8 @@ class MemoryConfig:
     expert_parallel: int = 1
     """EP: GPUs the routed experts are spread over, inside the data-parallel × context-parallel group (EP
     divides d·c and E; :mod:`microbatch.predict.experts`)."""
+    recompute_every: int = 1
+    """With ``recompute="full"``: K, full recompute of one layer in K (the others keep everything)."""
     fp8_recipe: str = "tensorwise"
     """With ``precision="fp8"``: the scaling recipe; it changes no byte here (torchao keeps the weights and
     the saved activations in bf16; :mod:`microbatch.precision`)."""
@@ -181,6 +184,12 @@ class MemoryConfig:
         check_positive_int("micro-batch", self.micro_batch, fix="b_m counts whole sequences")
         check_positive_int("expert-parallel", self.expert_parallel)
         check_positive_int("context-parallel", self.context_parallel)
+        check_positive_int("recompute-every", self.recompute_every)
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise ConfigError(
+                f"recompute-every {self.recompute_every} is full recompute of one layer in K; give --recompute full "
+                "with it, or drop --recompute-every"
+            )
         get_fp8_recipe(self.fp8_recipe)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if self.seq is not None:
@@ -359,6 +368,7 @@ class MemoryEstimate:
                 "grad_dtype": cfg.grad_dtype,
                 "optimizer": cfg.optimizer,
                 "recompute": cfg.recompute,
+                "recompute_every": cfg.recompute_every,
                 "expert_parallel": cfg.expert_parallel,
                 "context_parallel": cfg.context_parallel,
                 "capacity_factor": cfg.capacity_factor,
@@ -398,18 +408,16 @@ def estimate_memory(
         flash_attention=fa, dtype_bytes=e, expert_load=load,
     )  # fmt: skip
     working = 0.0
-    if config.recompute == "full":
+    if config.recompute in ("full", "op"):  # the layer being recomputed holds its full activations
         working = layer_activation_bytes(
             shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute="none",
             flash_attention=fa, dtype_bytes=e, expert_load=load,
         )  # fmt: skip
+        per_layer = every_kth(per_layer, working, config.recompute_every if config.recompute == "full" else 1)
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
-    ep, d = (
-        config.expert_parallel,
-        config.data_parallel * c,
-    )  # state shards over d·c (the CP ranks replicate it)
+    ep, d = config.expert_parallel, config.data_parallel * c  # state shards over d·c (CP ranks replicate it)
     for i, n_layers in enumerate(split):
         first = sum(split[:i])
         params = stage_params(shape, i, p, n_layers, t, first)

@@ -148,7 +148,7 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     return out
 
 
-_RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+_RECOMPUTE_RANK = {"none": 0, "selective": 1, "op": 2, "full": 3}
 
 
 def _sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:

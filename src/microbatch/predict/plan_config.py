@@ -14,7 +14,7 @@ from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_fp8_recipe, get_precision
-from microbatch.predict.activations import RECOMPUTE_MODES
+from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
@@ -103,6 +103,10 @@ class PlanConfig:
     the GPUs stay d·p·t (:mod:`microbatch.predict.experts`)."""
     capacity_factor: float | None = None
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
+    recompute_every: int = 1
+    """K: the ``full`` candidates recompute one layer in K (torchtitan ``selective_ac_option = "K"``)."""
+    async_tp: bool = False
+    """Tensor-parallel collectives overlapped with their GEMMs (torchtitan's async TP; needs sequence parallel)."""
     fp8_recipe: str = "tensorwise"
     """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`)."""
     context_parallel: int = 1
@@ -139,9 +143,9 @@ class PlanConfig:
                     f"schedule {s!r} is not known; use auto or one of {', '.join(schedule_names(in_flight=True))}"
                 )
         for r in self.recompute or ():
-            if r not in RECOMPUTE_MODES:
+            if r not in RECOMPUTE_CHOICES:
                 raise ConfigError(
-                    f"recompute {r!r} is not known; use auto or one of {', '.join(RECOMPUTE_MODES)}"
+                    f"recompute {r!r} is not known; use auto or one of {', '.join(RECOMPUTE_CHOICES)}"
                 )
         for z in self.zero or ():
             if isinstance(z, bool) or z not in ZERO_STAGES:
@@ -176,6 +180,16 @@ class PlanConfig:
             )
         check_positive_int("context-parallel", self.context_parallel)
         get_fp8_recipe(self.fp8_recipe)  # validates it
+        check_positive_int("recompute-every", self.recompute_every)
+        if self.recompute_every > 1 and self.recompute is not None and "full" not in self.recompute:
+            raise ConfigError(
+                f"recompute-every {self.recompute_every} applies to full recompute; give --recompute full or auto"
+            )
+        if self.async_tp and not self.sequence_parallel:
+            raise ConfigError(
+                "async tensor parallelism overlaps the sequence-parallel all-gathers and reduce-scatters with the "
+                "GEMMs; give --sequence-parallel (and --tensor-parallel > 1) with --async-tp"
+            )
         if get_precision(self.precision).gemm_dtype == "fp8" and "fp8" not in self.gpu.peak_flops:
             raise ConfigError(
                 f"precision fp8 needs FP8 tensor cores; {self.gpu.name} has none (peaks for "
@@ -237,6 +251,8 @@ class PlanConfig:
             "sequence_parallel": self.sequence_parallel,
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
+            "recompute_every": self.recompute_every,
+            "async_tp": self.async_tp,
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,
             "seq": self.seq_len,

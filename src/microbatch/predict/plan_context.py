@@ -20,6 +20,7 @@ from microbatch.predict.activations import (
 from microbatch.predict.experts import dispatch_bytes, expert_params
 from microbatch.predict.memory import split_layers, stage_params
 from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.recompute import every_kth
 from microbatch.predict.roofline import (
     LayerTime,
     group_bandwidth,
@@ -196,6 +197,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
             dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
             context_parallel=cfg.context_parallel,
             fp8_recipe=cfg.fp8_recipe if get_precision(cfg.precision).gemm_dtype == "fp8" else None,
+            async_tp=cfg.async_tp,
         )  # fmt: skip
         logit_s, _ = logits_forward(
             cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
@@ -226,11 +228,12 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
             expert_load=cfg.expert_load, **ctx.act_kw,
         )  # fmt: skip
         working = 0.0
-        if rc == "full":
+        if rc in ("full", "op"):
             working = layer_activation_bytes(
                 cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
                 expert_load=cfg.expert_load, **ctx.act_kw,
             )  # fmt: skip
+            per_layer = every_kth(per_layer, working, cfg.recompute_every if rc == "full" else 1)
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
         out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
         a2a = 0.0

@@ -55,6 +55,7 @@ from microbatch.predict.gemm import (
     row_efficiency,
     wave_efficiency,
 )
+from microbatch.predict.recompute import op_recompute_gemm_share
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -104,6 +105,9 @@ class LayerTime:
     """Backward of the attention core (None: 2 × ``attention_s``)."""
     elementwise_backward_s: float | None = None
     """Backward of the elementwise kernels (None: 2 × ``elementwise_s``)."""
+    op_recompute_s: float = 0.0
+    """Per-op selective recompute: the forward rerun in the backward — the even-numbered matmuls
+    (:func:`microbatch.predict.recompute.op_recompute_gemm_share` of ``gemm_s``) and the elementwise kernels."""
     cp_comm_s: float = 0.0
     """Context parallelism: the ring K/V exchange not hidden behind the attention (forward)."""
     cp_comm_backward_s: float = 0.0
@@ -184,6 +188,7 @@ def layer_forward(
     moe_layout: tuple[int, float] | None = None,
     context_parallel: int = 1,
     fp8_recipe: str | None = None,
+    async_tp: bool = False,
 ) -> LayerTime:
     """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
 
@@ -192,7 +197,9 @@ def layer_forward(
     (:mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``.
     With ``fp8_recipe`` the linear GEMMs run at the accelerator's FP8 rate (times the recipe's kernel
     factor) and their casts (:func:`microbatch.predict.fp8.cast_bytes`) add to the elementwise traffic;
-    attention and the rest stay in ``dtype``.
+    attention and the rest stay in ``dtype``. With ``async_tp`` the tensor-parallel collectives are
+    decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, micro-pipelined
+    all-gather-matmul and matmul-reduce-scatter): exposed max(0, collectives − GEMMs).
 
     A mixture-of-experts block's MLP is :func:`_moe_mlp`'s at ``moe_layout`` = (expert parallel EP,
     expert load; None means (1, 1.0)); MLA's projections are one GEMM of its weights.
@@ -244,7 +251,10 @@ def layer_forward(
             regather = sp_regather_time_s(e * rows * h, t, bw_tp)
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
+    if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
+        tp_comm = max(0.0, tp_comm - gemm)
     return LayerTime(
+        op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
         cp_comm_s=ring_exposed_s(ring_s, attention),
         cp_comm_backward_s=ring_exposed_s(2 * ring_s, attention_bwd),
         gemm_s=gemm,
@@ -363,4 +373,6 @@ def hardware_flops_per_step(
         extra = shape.layers * layer_forward_flops(shape, rows, s)
     elif recompute == "selective":
         extra = shape.layers * 4.0 * rows * s * shape.hidden
+    elif recompute == "op":  # the even-numbered matmuls again (:mod:`microbatch.predict.recompute`)
+        extra = shape.layers * op_recompute_gemm_share(shape) * 2.0 * rows * gemm_weights(shape)
     return model_flops_per_step(shape, global_batch, s) + extra

@@ -53,16 +53,20 @@ class StageTime:
         return self.forward_s + self.input_grad_s + self.weight_grad_s
 
 
-def layer_pass_times(lt: LayerTime, recompute: str = "none") -> tuple[float, float, float]:
+def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one layer for one micro-batch.
 
     W = the GEMMs again (one weight-gradient GEMM per forward GEMM); I = gemm + attention and
     elementwise backward (``LayerTime.backward_memory_s``) + tp_comm (the backward all-reduces) + the
-    sequence-parallel re-gather (+ a MoE block's two all-to-alls again, + the exposed ring exchange of context parallelism); full recompute adds the forward to I (its forward gathers again, so no
-    re-gather), selective recompute the attention core.
+    sequence-parallel re-gather (+ a MoE block's two all-to-alls again, + the exposed ring exchange of
+    context parallelism); full recompute adds the forward to I (its forward gathers again, so no re-gather), selective recompute the attention core, per-op selective recompute ``op_recompute_s``;
+    ``every`` = K > 1 with full recompute: one layer in K reruns its forward (the mean over K layers).
     """
     forward = lt.total_s
     weight = lt.gemm_s
+    if recompute == "full" and every > 1:  # one layer in K reruns its forward: the mean over K layers
+        plain, full = layer_pass_times(lt, "none")[1], layer_pass_times(lt, "full")[1]
+        return forward, (plain * (every - 1) + full) / every, weight
     inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s + lt.ep_comm_s + lt.cp_comm_backward_s
     if recompute == "full":
         inputs += forward
@@ -70,6 +74,8 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none") -> tuple[float, flo
         inputs += lt.sp_regather_s
         if recompute == "selective":
             inputs += lt.attention_s
+        elif recompute == "op":
+            inputs += lt.op_recompute_s
     return forward, inputs, weight
 
 
@@ -102,6 +108,7 @@ def pipeline_stage_times(
     recompute: str = "none",
     last_has_logits: bool = True,
     virtual: int = 1,
+    recompute_every: int = 1,
 ) -> tuple[list[float], list[float], list[float]]:
     """(F, I, W) of every stage of a pipeline whose stages hold ``split`` layers: :func:`stage_time`
     for each, the output layer and loss on the last. The planner's hot loop: one pass, lists out.
@@ -109,7 +116,7 @@ def pipeline_stage_times(
     ``virtual`` = v chunks per rank (interleaved 1F1B): a micro-batch crosses v chunk boundaries on
     each rank, so F and I carry v sends of ``p2p_s`` (Narayanan et al. 2021 §2.2.2: interleaving
     multiplies the pipeline communication by v)."""
-    f, i, w = layer_pass_times(lt, recompute)
+    f, i, w = layer_pass_times(lt, recompute, recompute_every)
     last = len(split) - 1
     sends = p2p_s * max(1, virtual)
     fs, is_, ws = [], [], []
