@@ -108,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
         code = group.main(args=args, prog_name="microbatch", standalone_mode=False)
         if isinstance(code, int):  # click returns an Exit's code here (tune's 130 after Ctrl-C)
             return code
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        return _fail("interrupted", 130, args)
+    except click.exceptions.Abort as e:  # click turns a KeyboardInterrupt into Abort: keep its message
+        cause = e.__cause__ or e.__context__
+        said = (
+            f"interrupted: {cause}" if isinstance(cause, KeyboardInterrupt) and str(cause) else "interrupted"
+        )
+        click.echo(said, err=True)
+        return _fail(said, 130, args)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.UsageError as e:  # one line: click's message names the value and the rule; the fix is --help
@@ -130,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     except MicrobatchError as e:
         click.echo(f"error: {e}", err=True)
         return _fail(str(e), 1, args)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        return _fail("interrupted", 130, args)
+    except KeyboardInterrupt as e:
+        said = f"interrupted: {e}" if str(e) else "interrupted"  # what the library kept, or that nothing was
+        click.echo(said, err=True)
+        return _fail(said, 130, args)
     return 0
 
 

@@ -92,6 +92,7 @@ def confirm_knee(
     *,
     rounds: int = CONFIRM_ROUNDS,
     budget: float = CONFIRM_BUDGET,
+    on_point: Callable[[Measurement, bool], None] | None = None,
 ) -> list[Measurement]:
     """The search's ``points`` with the knee and the fastest point re-measured (see the module).
 
@@ -103,6 +104,7 @@ def confirm_knee(
     sum of ``log.seconds``) the re-measurements may take; a knee whose re-measurements, estimated
     from those points' own probe times (a cached point: the longest probe), would overrun what is
     left is not re-measured. A search that measured nothing (all from the cache) confirms nothing.
+    ``on_point(m, from_cache)`` is called after each re-measurement (progress).
     """
     if not budget >= 0:  # also NaN
         raise ConfigError(
@@ -159,6 +161,8 @@ def confirm_knee(
                     t0 = log.clock()
                     m = measure(*key)
                     spent += log.clock() - t0
+                    if on_point is not None:
+                        on_point(m, False)  # progress: each re-measurement, as the search's own probes
                     log.probes += 1
                     log.oom_events += int(m.oom)
                     again[i].append(m)

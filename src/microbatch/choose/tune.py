@@ -60,7 +60,10 @@ from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 from microbatch.measure.timing import TimingConfig
 
-__all__ = ["configs_from_options", "tune", "tune_model"]
+__all__ = ["NOTHING_MEASURED", "configs_from_options", "tune", "tune_model"]
+
+NOTHING_MEASURED = "interrupted before any point was measured: nothing to choose from"
+"""The KeyboardInterrupt's message when Ctrl-C came before the first point."""
 
 
 def configs_from_options(
@@ -140,14 +143,22 @@ def _run(
 
     points: list[Measurement] = []
     try:
-        points = search(measure, search_config, choice, known=known, on_point=on_point, log=log)
-        if log.probes and not log.interrupted:  # a flat curve's knee, measured again (a cached run: kept)
-            points = confirm_knee(measure, points, choice, log)
-            if use_cache:  # a repeated tune reads the confirmed (median) points
-                known.update({(p.micro_batch, p.checkpointing): p for p in points})
-                save_points(key, fields, known, stamps)
-    finally:
-        prober.close()
+        try:
+            points = search(measure, search_config, choice, known=known, on_point=on_point, log=log)
+            if log.probes and not log.interrupted:  # a flat curve's knee, measured again (cached: kept)
+                points = confirm_knee(measure, points, choice, log, on_point=on_point)
+                if use_cache:  # a repeated tune reads the confirmed (median) points
+                    known.update({(p.micro_batch, p.checkpointing): p for p in points})
+                    save_points(key, fields, known, stamps)
+        finally:
+            prober.close()
+    except KeyboardInterrupt:  # one that landed outside the search's and the confirmation's own handling
+        log.interrupted = True
+        log.stop_reason += (
+            "; " if log.stop_reason else ""
+        ) + "interrupted (Ctrl-C): the points measured are kept"
+    if log.interrupted and not any(not p.oom for p in points):
+        raise KeyboardInterrupt(NOTHING_MEASURED)
     cached = [
         (p.micro_batch, p.checkpointing) for p in points if (p.micro_batch, p.checkpointing) in from_cache
     ]
@@ -314,7 +325,10 @@ def tune_model(
             )
     choice, budget_source = resolve_budget(choice, probe_config)
     _preflight(shape, hf_config, probe_config, search_config, choice, budget_source)
-    prober = open_prober(spec, probe_config, choice.memory_budget_bytes)
+    try:
+        prober = open_prober(spec, probe_config, choice.memory_budget_bytes)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(NOTHING_MEASURED) from None
     fp = _model_fingerprint(shape, hf_config, probe_config.backend)
     fp["timing"] = spec.timing.__dict__
     fp["in_process"] = probe_config.in_process

@@ -76,7 +76,11 @@ class ChildProber:
             text=True,
             bufsize=1,
         )
-        reply = self._ask({"op": "setup", "spec": self.spec.to_dict(), "limit_bytes": self.limit_bytes})
+        try:
+            reply = self._ask({"op": "setup", "spec": self.spec.to_dict(), "limit_bytes": self.limit_bytes})
+        except KeyboardInterrupt:
+            self.kill()
+            raise
         self.setup_reply = reply
         if reply is None:
             rc = self.proc.returncode if self.proc else None
@@ -134,7 +138,11 @@ class ChildProber:
 
     def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
         self.start()
-        reply = self._ask({"op": "probe", "micro_batch": micro_batch, "checkpointing": checkpointing})
+        try:
+            reply = self._ask({"op": "probe", "micro_batch": micro_batch, "checkpointing": checkpointing})
+        except KeyboardInterrupt:
+            self.kill()  # not the 10 s a finishing probe may take: the user is waiting
+            raise
         if reply is None:  # the child died: killed for memory (SIGKILL) or aborted by a failed allocation
             rc = self.proc.returncode if self.proc else None
             self.close()
@@ -153,6 +161,13 @@ class ChildProber:
         if m.oom:
             self.close()  # a fresh child: the failed allocation may have left the heap fragmented
         return m
+
+    def kill(self) -> None:
+        """End the child now (SIGKILL) and reap it."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            _reap(proc, timeout_s=None)
 
     def close(self) -> None:
         """End the child: close its stdin (it exits after the probe it is running), kill it after
@@ -298,6 +313,11 @@ def _worker() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
+        import signal
+
+        # Ctrl-C reaches the whole process group: the parent handles it (keeps the points, ends this
+        # child at once); a child dying of it mid-probe would read as an out-of-memory kill
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.exit(_worker())
     print(
         "usage: python -m microbatch.measure.childprobe --worker   (started by microbatch tune)",
