@@ -25,6 +25,15 @@ activation checkpointing it was measured with; the tune must have had a global b
 What each framework refuses is refused here, not written: DeepSpeed's pipeline engine with ZeRO
 stage 2 or 3; a Lightning export of tensor parallelism is stated in the notes (Lightning's
 ``ModelParallelStrategy`` needs the model's own parallelisation function), never turned into FSDP.
+
+The layouts of issue 29 (:func:`_check_supported`): torchtitan takes expert parallelism
+(``expert_parallel_degree``), context parallelism (``context_parallel_degree``), FP8 linears (the
+``quantize.linear.float8`` converter with its ``recipe_name``), per-op and every-K-th-layer recompute
+(``selective_ac_option``) and async TP; it refuses a capacity factor (its MoE routes dropless). DeepSpeed
+writes MoE as a note (its ``deepspeed.moe.layer.MoE(ep_size=…)`` lives in model code) and refuses context
+parallelism (Ulysses is all-to-all, not a ring) and FP8 (no FP8 switch in its config); the Hugging Face
+Trainer and Lightning refuse expert and context parallelism; the Trainer refuses FP8 and Lightning writes
+Transformer Engine's ``precision="transformer-engine"`` (tensorwise only).
 """
 
 from __future__ import annotations
@@ -115,7 +124,8 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
             )
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
-                    "precision", "seq"):  # fmt: skip
+                    "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
+                    "expert_parallel", "context_parallel"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
     else:
@@ -176,9 +186,15 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             + (f", not {c.get('schedule')}" if c.get("schedule") not in (None, "1f1b") else "")
         )
     if c.get("recompute", "none") != "none":
+        every = c.get("recompute_every", 1)
         notes.append(
-            f"recompute {c['recompute']}: wrap the layers with deepspeed.checkpointing.checkpoint "
-            "(activation checkpointing is set in model code)"
+            f"recompute {c['recompute']}{f' of every {every}th layer' if every > 1 else ''}: wrap the layers with "
+            "deepspeed.checkpointing.checkpoint (activation checkpointing is set in model code)"
+        )
+    if (ep := c.get("expert_parallel", 1)) > 1:
+        notes.append(
+            f"expert parallelism {ep}: build the MoE layers with deepspeed.moe.layer.MoE(ep_size={ep}, ...) in "
+            "model code (dropless unless you pass capacity_factor there)"
         )
     return cfg, notes
 
@@ -225,15 +241,21 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
         notes.append(
             "the Hugging Face Trainer runs no pipeline or tensor parallelism; use DeepSpeed or torchtitan"
         )
-    if c.get("recompute") == "selective":
-        notes.append("gradient_checkpointing recomputes whole layers (full), not selective")
+    if c.get("recompute") in ("selective", "op") or c.get("recompute_every", 1) > 1:
+        notes.append(
+            f"gradient_checkpointing recomputes every whole layer (full), not {c.get('recompute')}"
+            + (f" of one layer in {c['recompute_every']}" if c.get("recompute_every", 1) > 1 else "")
+        )
     if c.get("zero", 0) > 0:
         notes.append(f"ZeRO {c['zero']}: pass deepspeed=<the DeepSpeed JSON of this plan> or use FSDP")
     return cfg, notes
 
 
 def _lightning(c: Json) -> tuple[Json, list[str]]:
-    trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _precision(c)}
+    prec = _precision(c)
+    trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": prec}
+    if prec == "fp8":  # Lightning's FP8 is Transformer Engine's plugin (tensorwise scaling)
+        trainer["precision"] = "transformer-engine"
     d, z, t = c["data_parallel"], c.get("zero", 0), c.get("tensor_parallel", 1)
     world = d * t
     per_node = int(c.get("gpus_per_node") or min(world, GPUS_PER_NODE))
@@ -310,7 +332,51 @@ def _torchtitan(c: Json) -> tuple[Json, list[str]]:
             "torchtitan's tensor parallelism always shards norms and dropout along the sequence (SP)"
         )
     mode = c.get("recompute", "none")
-    return {"training": training, "parallelism": parallelism, "activation_checkpoint": {"mode": mode}}, notes
+    cfg = {"training": training, "parallelism": parallelism, "activation_checkpoint": {"mode": mode}}
+    return cfg, notes + _torchtitan_new(c, cfg)
+
+
+def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
+    """The torchtitan keys of expert and context parallelism, FP8, per-op or every-K recompute and async TP."""
+    par, notes = cfg["parallelism"], []
+    if (ep := c.get("expert_parallel", 1)) > 1:
+        par["expert_parallel_degree"] = ep
+        notes.append(f"expert parallelism {ep} is carved out of the data-parallel × context-parallel ranks")
+    if (cp := c.get("context_parallel", 1)) > 1:
+        par["context_parallel_degree"] = cp
+    if c.get("async_tp"):
+        par["enable_async_tensor_parallel"] = True
+        cfg.setdefault("compile", {})["enable"] = True
+        notes.append("async tensor parallelism needs torch.compile (compile.enable = true, written)")
+    if _precision(c) == "fp8":
+        cfg.setdefault("model", {})["converters"] = ["quantize.linear.float8"]
+        cfg["quantize.linear.float8"] = {"recipe_name": c.get("fp8_recipe", "tensorwise")}
+        cfg.setdefault("compile", {})["enable"] = True
+        notes.append("float8 linears need torch.compile to fuse the casts (compile.enable = true, written)")
+    ac = cfg["activation_checkpoint"]
+    if ac["mode"] == "op":
+        ac.update(mode="selective", selective_ac_option="op")
+    elif ac["mode"] == "full" and c.get("recompute_every", 1) > 1:
+        ac.update(mode="selective", selective_ac_option=str(c["recompute_every"]))
+    return notes
+
+
+def _check_supported(c: Json, fmt: str) -> None:
+    """ConfigError naming what ``fmt`` lacks for this candidate's layout (see the module docstring)."""
+    lacks: list[str] = []
+    if c.get("capacity_factor") is not None and fmt != "deepspeed":
+        lacks.append("MoE capacity factor" + (" (its MoE routes dropless)" if fmt == "torchtitan" else ""))
+    if c.get("expert_parallel", 1) > 1 and fmt in ("hf", "lightning"):
+        lacks.append("expert parallelism")
+    if c.get("context_parallel", 1) > 1 and fmt != "torchtitan":
+        lacks.append("ring context parallelism" + (" (Ulysses is all-to-all)" if fmt == "deepspeed" else ""))
+    rowwise = c.get("fp8_recipe") == "rowwise"
+    if _precision(c) == "fp8" and (fmt in ("deepspeed", "hf") or (fmt == "lightning" and rowwise)):
+        lacks.append(f"FP8 {c.get('fp8_recipe', 'tensorwise')} recipe in its configuration")
+    if lacks:
+        raise ConfigError(
+            f"{fmt} has no {' and no '.join(lacks)}; export this plan to torchtitan, or plan again without it"
+        )
 
 
 _BUILDERS = {"deepspeed": _deepspeed, "hf": _hf, "lightning": _lightning, "torchtitan": _torchtitan}
@@ -320,6 +386,7 @@ def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
     _check_identity(cand, what)
+    _check_supported(cand, fmt)
     cfg, more = _BUILDERS[fmt](cand)
     return Export(format=fmt, config=cfg, notes=tuple(more) + notes)
 
@@ -389,6 +456,8 @@ def export_result(
 
 
 def _toml_value(v: object) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
