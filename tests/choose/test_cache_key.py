@@ -119,3 +119,33 @@ def test_key_parts_are_what_they_claim():
     b = optimizer_identity(torch.optim.AdamW(p, lr=1e-3, weight_decay=0.0))
     assert a is not None and b is not None and a != b and a["class"].endswith("AdamW")
     assert "params" not in a["groups"][0]
+
+
+def test_models_the_probes_cannot_train_are_refused_before_any_probe(tmp_path, monkeypatch):
+    """Issue 32 item 5: torch's own messages named neither the model nor the fix."""
+    from microbatch.errors import ConfigError
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    frozen = Net().requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"Net has no trainable parameter.*requires_grad_\(True\)"):
+        tune(frozen, _batches(8), max_micro_batch=2, timing=FAST)
+    with torch.device("meta"):
+        meta = Net()
+    with pytest.raises(
+        ConfigError, match=r"parameter 'emb.weight' and 2 more of Net is on the meta device.*to_empty"
+    ):
+        tune(meta, _batches(8), max_micro_batch=2, timing=FAST)
+
+
+def test_a_nan_loss_is_said(tmp_path, monkeypatch):
+    from microbatch.choose.tune import NonFiniteLoss
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = Net()
+    with pytest.warns(NonFiniteLoss, match=r"loss of the first probing step was nan"):
+        r = tune(model, _batches(8), loss_fn=lambda m, x: m(x).sum() * float("nan"), max_micro_batch=2,
+                 timing=FAST)  # fmt: skip
+    assert r.notes and "nan" in r.notes[0] and r.to_dict()["notes"] == list(r.notes)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # put back as it was
+    ok = tune(model, _batches(8), max_micro_batch=2, timing=FAST, use_cache=False)
+    assert ok.notes == ()

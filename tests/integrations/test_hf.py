@@ -179,3 +179,8 @@ def test_the_probes_never_ask_for_more_rows_than_the_dataset_holds(tmp_path):
     assert max(p.micro_batch for p in result.points) <= 10
     b, g = trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
     assert b * g == 16 and b <= 8
+
+
+def test_tune_trainer_names_what_it_needs():
+    with pytest.raises(ConfigError, match=r"tune_trainer needs a transformers.Trainer, got NoneType"):
+        tune_trainer(None)

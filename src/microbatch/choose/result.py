@@ -74,6 +74,8 @@ class TuneResult:
     """How many points of the answer came from the cache, and when they were measured (None: none)."""
     timing_choice: str = ""
     """How the probes were timed and why (threads, clock), where the tuner chose it."""
+    notes: tuple[str, ...] = ()
+    """What the user should know about the run besides the curve (a NaN loss, ...)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = self.recommendation.to_dict()
@@ -114,6 +116,7 @@ class TuneResult:
         )
         if self.timing_choice:
             d["timing_choice"] = self.timing_choice
+        d["notes"] = list(self.notes)
         # The budget is the user's; keep the key even when None (recommend's dict has it).
         d["memory_budget_bytes"] = self.memory_budget_bytes
         d["memory_budget_source"] = self.memory_budget_source

@@ -15,6 +15,7 @@ seq=128, tolerance=0.05)``). The configs are built once, here, and passed down w
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
@@ -60,7 +61,7 @@ from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 from microbatch.measure.timing import TimingConfig
 
-__all__ = ["NOTHING_MEASURED", "configs_from_options", "tune", "tune_model"]
+__all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
 
 NOTHING_MEASURED = "interrupted before any point was measured: nothing to choose from"
 """The KeyboardInterrupt's message when Ctrl-C came before the first point."""
@@ -402,6 +403,7 @@ def tune(
 
     check_walk(search_config, choice, KEYWORD_NAMES)
     params = list(model.parameters())
+    _check_trainable(model, optimizer)
     if probe_config.device is not None:
         device = torch.device(probe_config.device)
     else:
@@ -445,9 +447,42 @@ def tune(
     with leave_no_trace(model, optimizer), gc_frozen(), _torch_threads(threads):  # restored bitwise
         fp["batch"] = _batch_structures(make_batch, search_config)  # may draw from the generators: restored
         result = _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
-    result = replace(result, timing_choice=timing_choice)
+    notes: tuple[str, ...] = ()
+    if step.first_loss is not None and not math.isfinite(step.first_loss):
+        notes = (
+            f"the loss of the first probing step was {step.first_loss}: the timings hold, but this step does "
+            "not train (check the data, the loss function and the learning rate)",
+        )
+        import warnings
+
+        warnings.warn(f"microbatch.tune: {notes[0]}", NonFiniteLoss, stacklevel=2)
+    result = replace(result, timing_choice=timing_choice, notes=notes)
     _say_cached(result)
     return result
+
+
+class NonFiniteLoss(UserWarning):
+    """Warned by :func:`microbatch.tune` when the user's step gave a NaN or infinite loss."""
+
+
+def _check_trainable(model: Any, optimizer: Any) -> None:
+    """ConfigError for a model the probes cannot train: parameters on the meta device (no data), or no
+    trainable parameter and no optimizer (torch's own message, 'optimizer got an empty parameter
+    list', names neither the model nor the fix)."""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""
+        raise ConfigError(
+            f"parameter {meta[0]!r}{more} of {type(model).__name__} is on the meta device (shapes, no data): "
+            "the probes must run the step; materialise the model first (model.to_empty(device=...) and "
+            "initialise it, or load its weights)"
+        )
+    if optimizer is None and not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"{type(model).__name__} has no trainable parameter (none with requires_grad=True): there is no "
+            "training step to tune; unfreeze the parameters to train (p.requires_grad_(True)), or pass the "
+            "optimizer you train with"
+        )
 
 
 def _say_cached(result: TuneResult) -> None:

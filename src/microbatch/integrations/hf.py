@@ -132,6 +132,11 @@ def tune_trainer(
     """
     from microbatch.choose.tune import tune
 
+    if not hasattr(trainer, "args") or not hasattr(trainer, "training_step"):
+        raise ConfigError(
+            f"tune_trainer needs a transformers.Trainer, got {type(trainer).__name__} ({trainer!r:.60}); "
+            "build the Trainer with its model, arguments and train_dataset, then call tune_trainer(trainer)"
+        )
     args = trainer.args
     world = int(args.world_size)
     if global_batch is None:

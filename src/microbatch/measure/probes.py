@@ -201,22 +201,27 @@ class TrainProbe:
         self.grad_accum_for: Callable[[int], int | None] = grad_accum_for or (lambda b: None)
         self.ready = False
         self.checkpointing = False
+        self.first_loss: float | None = None
+        """The loss of the set-up step (None before it)."""
 
     def set_checkpointing(self, on: bool) -> None:
         if on != self.checkpointing:
             set_checkpointing(self.model, on)
             self.checkpointing = on
 
-    def _micro(self, batch: Any) -> None:
+    def _micro(self, batch: Any) -> Any:
         with _autocast(self.dev.device, self.precision):
             loss = self.loss_fn(self.model, batch)
         loss.backward()
+        return loss
 
     def setup(self, micro_batch: int = 1) -> None:
-        """One full step (forward, backward, optimizer step) so the optimizer's state exists."""
+        """One full step (forward, backward, optimizer step) so the optimizer's state exists; its loss
+        is read once (``first_loss``: a NaN or infinite loss is reported, not timed around)."""
         self.model.train()
         batch = self.make_batch(micro_batch)
-        self._micro(batch)
+        loss = self._micro(batch)
+        self.first_loss = float(loss.detach().float().item())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         del batch

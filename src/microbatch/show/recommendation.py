@@ -177,6 +177,7 @@ def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
         )
     if d.get("timing_choice"):
         tail.append(str(d["timing_choice"]))
+    tail += [f"note: {n}" for n in d.get("notes") or []]
     if d.get("interrupted"):
         tail.append("interrupted: the choice uses the points measured so far")
     tail += ["", use_line(d)]
