@@ -234,3 +234,57 @@ def test_explain_result_keeps_the_moe_sentence():
     rows = 32 * plan.recommended.micro_batch * 1024 * 8 / 256 * 1.25
     assert f"EP·b_m·s·K/E = {rows:,.0f} rows" in text and "capacity factor 1.25" in text
     assert explain_result(plan.to_dict()) == text
+
+
+def _megatron_weight_and_optimizer_bytes(shape, t: int, d: int) -> float:
+    """Megatron-LM's theoretical_memory_usage.compute_weight_and_optimizer_memory, written from its equations
+    (p = 1, untied, RMSNorm, SwiGLU, distributed optimizer: 6 + 12/d bytes per parameter): dense and MoE layer
+    counts, its MLA term, no router."""
+    h, a, moe, mla = shape.hidden, shape.heads, shape.moe, shape.mla
+    if mla is None:
+        attn = 2 * h * h * (1 + shape.kv / a) * (a * shape.head_dim / h)
+    else:
+        q = mla.q_lora_rank * (h + a * mla.qk_head_dim + 1)
+        attn = q + mla.kv_lora_rank * (h + a * (mla.qk_nope_head_dim + mla.v_head_dim) + 1)
+        attn += h * mla.qk_rope_head_dim + a * mla.v_head_dim * h
+    dense = 2 * h * (shape.ffn * 1.5 + 1) + attn
+    moe_layer = (
+        2 * h * (moe.expert_ffn_hidden * moe.experts * 1.5 + moe.shared_experts * moe.shared_width * 1.5 + 1)
+    )
+    moe_layer += attn
+    n_dense = moe.dense_layers
+    block = dense * n_dense + moe_layer * (shape.layers - n_dense) + h
+    emb = h * shape.vocab
+    return ((block + emb) / t + emb / t) * (6 + 12 / d)
+
+
+def test_moe_state_matches_megatrons_theoretical_memory_at_ep_1():
+    """A differential over random MoE shapes (with and without MLA, shared experts, dense first layers): weights,
+    fp32 gradients and the distributed optimizer's state at p = 1, EP = 1 equal Megatron-LM's formula plus the
+    router Megatron leaves out."""
+    import random
+
+    from microbatch.moe import Experts, LatentAttention
+    from microbatch.shape import ModelShape
+
+    rng = random.Random(29)
+    for _ in range(40):
+        heads = rng.choice((8, 16, 32))
+        h = heads * rng.choice((64, 128))
+        moe = Experts(experts=rng.choice((4, 8, 16, 64)), top_k=2, expert_ffn_hidden=rng.choice((256, 1024, 2048)),
+                      shared_experts=rng.choice((0, 1, 2)), dense_layers=rng.choice((0, 1, 3)))  # fmt: skip
+        mla = rng.choice(
+            (None, LatentAttention(kv_lora_rank=rng.choice((128, 512)), q_lora_rank=rng.choice((256, 1536))))
+        )
+        shape = ModelShape(name="r", layers=rng.choice((4, 8, 12)), hidden=h, heads=heads,
+                           kv_heads=None if mla else rng.choice((heads, heads // 4)), ffn_hidden=rng.choice((2048, 4096)),
+                           vocab=128 * rng.randint(100, 400), seq=1024, gated_mlp=True, bias=False, norm="rmsnorm",
+                           learned_positions=False, dropout=False, moe=moe, mla=mla)  # fmt: skip
+        t, d = rng.choice((1, 2, 4)), rng.choice((2, 4, 8))
+        if heads % t or shape.kv % t and t % shape.kv:
+            continue
+        st = estimate_memory(shape, MemoryConfig(micro_batch=1, tensor_parallel=t, data_parallel=d, zero=1,
+                                                 grad_dtype="fp32")).stages[0]  # fmt: skip
+        router = (shape.layers - moe.dense_layers) * h * moe.experts / t
+        megatron = _megatron_weight_and_optimizer_bytes(shape, t, d) + router * (6 + 12 / d)
+        assert st.state_bytes == pytest.approx(megatron, rel=1e-9), (shape, t, d)

@@ -11,8 +11,11 @@ Liu et al. 2025, arXiv 2504.14960): the GPUs stay t·p·d; the EP group is carve
 data-parallel group (EP divides d), and the experts are split over the t tensor ranks as the dense
 MLP is (expert tensor parallel = t, Megatron's default). Each GPU therefore holds 1/(t·EP) of the
 routed experts and 1/t of everything else; expert gradients are reduced, and under ZeRO their
-optimizer state sharded, over the d/EP **expert-data-parallel** replicas (Megatron-LM's
-``theoretical_memory_usage`` divides the expert weights by the expert-parallel size).
+optimizer state sharded, over the d/EP **expert-data-parallel** replicas (Megatron-core's expert-data-
+parallel group). Megatron-LM's ``theoretical_memory_usage`` counts the same parameters (its MoE and MLA
+terms; it leaves out the h×E router) but keeps every expert on each (p, t) shard, ignoring EP: at EP = 1
+the two agree (``tests/predict/test_moe.py`` holds them equal on random configurations); above it this
+model's expert state is 1/EP of Megatron's figure, which overstates what an EP rank holds.
 
 **Assumptions, stated**: dropless routing with every GPU receiving ``load`` × its balanced share
 b·s·K of token copies (``load`` = 1: DeepSeek-V3's auxiliary-loss-free balancing keeps experts even,
