@@ -375,7 +375,11 @@ def test_measured_bubble_falls_as_m_grows():
     assert (
         comm < 0.05 * step1
     )  # small beside the ops (0.6-0.9 ms in the README's runs, 5.5 ms once under load)
-    assert one["measured"]["step_time_s"] == pytest.approx(step1, rel=0.1)
+    # the step's wall time holds the chain and the runtime's own work around it (the start, the cost
+    # after each local op, the return: 1-3 ms idle, up to ~10% of the step at load 6-8 on 2 cores):
+    # never under the chain, and within a quarter of it, which a wrong step boundary (the barrier's
+    # wait, a second step) would overshoot
+    assert 0.98 * step1 <= one["measured"]["step_time_s"] <= 1.25 * step1
     assert one["predicted"]["with_comm"]["step_time_s"] == pytest.approx(step1, rel=0.02)
     # m = 8: the stages cost differently (the last holds the head and the loss), so the bubble is
     # not the equal-time (p-1)/(m+p-1) = 1/9; the simulated bubble must match what this run's own
