@@ -391,6 +391,13 @@ def evaluate(
         comm = ctx.comm_cache[key] = _comm(ctx, m, z, tm, n)
     dp, zero_s, opt = comm
     step = pipe + dp + zero_s + opt
+    if not ctx.fixed:  # the fields every candidate of this plan shares, built once
+        ctx.fixed.update(
+            global_batch=cfg.global_batch, data_parallel=cfg.data_parallel, pipeline_parallel=p,
+            tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel, simulated=False,
+            expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel,
+            total_params=ctx.total_params, active_params=ctx.active_params,
+        )  # fmt: skip
     return _fast_candidate(
         {
             "micro_batch": b,
@@ -407,31 +414,24 @@ def evaluate(
             "tokens_per_s": ctx.tokens_per_step / step,
             "mfu": model_flops / (step * ctx.num_gpus * ctx.peak_flops),
             "fits": peak <= ctx.budget,
-            "global_batch": cfg.global_batch,
-            "data_parallel": cfg.data_parallel,
-            "pipeline_parallel": p,
-            "tensor_parallel": cfg.tensor_parallel,
-            "sequence_parallel": cfg.sequence_parallel,
             "peak_stage": stage,
             "gemm_efficiency": layer_costs(ctx, b).gemm_efficiency,
             "time": {"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
                      "optimizer_s": opt},
-            "simulated": False,
-            "expert_parallel": cfg.expert_parallel,
-            "context_parallel": cfg.context_parallel,
-            "total_params": ctx.total_params,
-            "active_params": ctx.active_params,
-        }
+        },
+        ctx.fixed,
     )  # fmt: skip
 
 
-def _fast_candidate(fields: dict[str, Any]) -> Candidate:
+def _fast_candidate(fields: dict[str, Any], fixed: dict[str, Any] | None = None) -> Candidate:
     """``Candidate(**fields)`` for the planner's hot loop, given every field: the frozen dataclass's
     ``__init__`` sets each of its fields through ``object.__setattr__`` (about 4 µs a candidate, a
     fifth of the evaluation); filling the instance dictionary at once takes 0.5 µs. Candidate has no
     ``__post_init__`` and no slots, so the result is the same object (equal, frozen, ``replace``-able;
-    tested against the constructor)."""
+    tested against the constructor). ``fixed``: the fields every candidate of the plan shares."""
     c = object.__new__(Candidate)
+    if fixed:
+        c.__dict__.update(fixed)
     c.__dict__.update(fields)
     return c
 

@@ -117,6 +117,8 @@ class Context:
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_pp: float = 0.0
     """Achieved bytes/s between pipeline stages."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """The candidate fields every candidate of this plan shares (filled by the first evaluation)."""
     layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
     act_cache: dict[tuple[int, str], Activations] = field(default_factory=dict)
     time_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
