@@ -288,3 +288,29 @@ def test_moe_state_matches_megatrons_theoretical_memory_at_ep_1():
         router = (shape.layers - moe.dense_layers) * h * moe.experts / t
         megatron = _megatron_weight_and_optimizer_bytes(shape, t, d) + router * (6 + 12 / d)
         assert st.state_bytes == pytest.approx(megatron, rel=1e-9), (shape, t, d)
+
+
+def test_all_to_all_hidden_by_dualpipev_and_by_ep_overlap():
+    """DeepSeek-V3 §3.2.1: the all-to-all runs under another micro-batch's compute: exposed max(0, a2a − compute);
+    DualPipeV always, other schedules with ep_overlap."""
+    from microbatch.predict.candidate import _stage_times, _v_stage_times, layer_costs, make_context
+    from microbatch.predict.steptime import overlap_expert_comm
+
+    slow = H100.with_overrides(inter_node_bytes_per_s=2e9)  # a slow NIC: the all-to-all outlasts the compute
+    lt = layer_forward(MIX, 1, slow, tensor_parallel=2, moe_layout=(8, 1.0))
+    hidden = overlap_expert_comm(lt)
+    assert lt.ep_comm_s > lt.compute_s and hidden.ep_comm_s == pytest.approx(lt.ep_comm_s - lt.compute_s)
+    fast = layer_forward(MIX, 1, H100, tensor_parallel=2, moe_layout=(8, 1.0))
+    assert overlap_expert_comm(fast).ep_comm_s == max(0.0, fast.ep_comm_s - fast.compute_s)
+    base = dict(shape=MIX, gpu=slow, global_batch=64, tensor_parallel=2, pipeline_parallel=4, data_parallel=8,
+                expert_parallel=8)  # fmt: skip
+    plain, over = make_context(PlanConfig(**base)), make_context(PlanConfig(**base, ep_overlap=True))
+    n = plain.split[0]
+    gain = layer_costs(plain, 1).layer.ep_comm_s - overlap_expert_comm(layer_costs(plain, 1).layer).ep_comm_s
+    assert gain > 0
+    assert _stage_times(plain, 1, "none").f[0] - _stage_times(over, 1, "none").f[0] == pytest.approx(n * gain)
+    assert _stage_times(plain, 1, "none").i[0] - _stage_times(over, 1, "none").i[0] == pytest.approx(n * gain)
+    # DualPipeV hides it without the flag: its first chunk holds n/2 layers and one pipeline send
+    costs = layer_costs(plain, 1)
+    v = _v_stage_times(plain, 1, "none")
+    assert v.f[0] == pytest.approx((n // 2) * overlap_expert_comm(costs.layer).total_s + costs.p2p_s)

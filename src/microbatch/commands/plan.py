@@ -67,6 +67,10 @@ __all__ = ["cmd"]
     "--async-tp", "async_tp", is_flag=True, help="TP collectives overlapped with their GEMMs (needs SP)."
 )
 @click.option(
+    "--ep-overlap", "ep_overlap", is_flag=True,
+    help="MoE all-to-all hidden behind another micro-batch's compute in every schedule (dualpipev always does).",
+)  # fmt: skip
+@click.option(
     "--zero", type=click.Choice(["auto", "0", "1", "2", "3", "dist-opt"]), default="auto", show_default=True
 )
 @click.option(
@@ -105,7 +109,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, layers_per_stage: str | None,
-    memory_headroom: float | None, async_tp: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
+    memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the knee (or the fastest) that fits.
@@ -148,6 +152,7 @@ def cmd(
         choose=choose,
         dp_overlap=dp_overlap,
         async_tp=async_tp,
+        ep_overlap=ep_overlap,
         **expert_layout,
     )
     applied = []

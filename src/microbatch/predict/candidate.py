@@ -51,7 +51,7 @@ from microbatch.predict.roofline import (
     allreduce_time_s,
     reduce_scatter_time_s,
 )
-from microbatch.predict.steptime import pipeline_stage_times
+from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
 from microbatch.schedules.registry import get_spec, in_flight_chunks
 from microbatch.schedules.simulate import dualpipev_idle_time
@@ -258,8 +258,9 @@ def _stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
     # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
     runs = ctx.split_runs
     kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
+    layer = overlap_expert_comm(costs.layer) if ctx.cfg.ep_overlap else costs.layer
     fu, iu, wu = pipeline_stage_times(
-        costs.layer,
+        layer,
         costs.logits_s,
         split=kinds,
         p2p_s=costs.p2p_s,
@@ -302,7 +303,7 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
         for s in range(2 * p)
     )
     f, i_, w = pipeline_stage_times(
-        costs.layer,
+        overlap_expert_comm(costs.layer),  # DualPipeV pairs one micro-batch's forward with another's backward
         costs.logits_s,
         split=chunks,
         p2p_s=costs.p2p_s,

@@ -105,6 +105,9 @@ class PlanConfig:
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
     recompute_every: int = 1
     """K: the ``full`` candidates recompute one layer in K (torchtitan ``selective_ac_option = "K"``)."""
+    ep_overlap: bool = False
+    """MoE all-to-all overlapped with another micro-batch's computation in every schedule (Megatron-core's
+    ``--overlap-moe-expert-parallel-comm``); DualPipeV always overlaps it (DeepSeek-V3 §3.2.1)."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with their GEMMs (torchtitan's async TP; needs sequence parallel)."""
     fp8_recipe: str = "tensorwise"
@@ -253,6 +256,7 @@ class PlanConfig:
             "context_parallel": self.context_parallel,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
+            "ep_overlap": self.ep_overlap,
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,
             "seq": self.seq_len,

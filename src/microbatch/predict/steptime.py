@@ -20,7 +20,7 @@ and launch gaps (a calibrated ``half_rows`` absorbs constant overheads).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
@@ -33,7 +33,9 @@ from microbatch.predict.roofline import (
     logits_forward,
 )
 
-__all__ = ["StageTime", "layer_pass_times", "stage_time", "pipeline_stage_times", "predict_step_time_s"]
+__all__ = [
+    "StageTime", "layer_pass_times", "stage_time", "pipeline_stage_times", "predict_step_time_s", "overlap_expert_comm",
+]  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,20 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
         elif recompute == "op":
             inputs += lt.op_recompute_s
     return forward, inputs, weight
+
+
+def overlap_expert_comm(lt: LayerTime) -> LayerTime:
+    """``lt`` with its MoE all-to-all hidden behind computation: exposed max(0, all-to-all − compute).
+
+    DeepSeek-V3 (arXiv 2412.19437 §3.2.1): DualPipe pairs a forward chunk of one micro-batch with a backward
+    chunk of another so that the dispatch and combine all-to-alls of each run under the other's
+    computation ("both all-to-all and PP communication can be fully hidden"); Megatron-core's
+    ``--overlap-moe-expert-parallel-comm`` does the same inside 1F1B. The all-to-all of one pass is hidden
+    behind up to one layer's compute; the rest shows. Unchanged when the layer has no all-to-all.
+    """
+    if not lt.ep_comm_s:
+        return lt
+    return replace(lt, ep_comm_s=max(0.0, lt.ep_comm_s - lt.compute_s))
 
 
 def stage_time(
