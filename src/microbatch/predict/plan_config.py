@@ -181,6 +181,20 @@ class PlanConfig:
                 f"tolerance {self.tolerance:g} with margin {self.margin:g} asks the knee to beat the fastest "
                 f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
             )
+        self._check_issue29_layout()
+        if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
+            raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
+        # the rules that need the model (t | heads, p <= layers, uneven split)
+        MemoryConfig(
+            micro_batch=1,
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            sequence_parallel=self.sequence_parallel,
+            layers_per_stage=self.layers_per_stage,
+        ).validate_for(self.shape)
+
+    def _check_issue29_layout(self) -> None:
+        """Expert and context parallelism, FP8, every-K recompute and async TP: their rules."""
         check_positive_int("context-parallel", self.context_parallel)
         get_fp8_recipe(self.fp8_recipe)  # validates it
         check_positive_int("recompute-every", self.recompute_every)
@@ -202,16 +216,6 @@ class PlanConfig:
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
-        if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
-            raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
-        # the rules that need the model (t | heads, p <= layers, uneven split)
-        MemoryConfig(
-            micro_batch=1,
-            tensor_parallel=self.tensor_parallel,
-            pipeline_parallel=self.pipeline_parallel,
-            sequence_parallel=self.sequence_parallel,
-            layers_per_stage=self.layers_per_stage,
-        ).validate_for(self.shape)
 
     @property
     def num_gpus(self) -> int:

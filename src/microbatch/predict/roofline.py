@@ -243,12 +243,7 @@ def layer_forward(
     elementwise = e * rows * (passes_h * h / sp + passes_f * (moe[2] if shape.moe else f) / t) / bw
     elementwise_bwd = elementwise_backward_ratio() * elementwise + g.cast_backward_bytes / bw
     elementwise += g.cast_forward_bytes / bw
-    tp_comm = regather = 0.0
-    if t > 1:
-        bw_tp = group_bandwidth(acc, t, 1) * efficiency.network
-        tp_comm = 2 * allreduce_time_s(e * rows * h, t, bw_tp)
-        if sequence_parallel:
-            regather = sp_regather_time_s(e * rows * h, t, bw_tp)
+    tp_comm, regather = _tp_comm(e * rows * h, acc, t, sequence_parallel, efficiency.network)
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
@@ -267,6 +262,14 @@ def layer_forward(
         elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
     )
+
+
+def _tp_comm(nbytes: float, acc: Accelerator, t: int, sp: bool, network: float) -> tuple[float, float]:
+    """(two all-reduces of the rows×h activation, the sequence-parallel re-gather) over t ranks in a node."""
+    if t <= 1:
+        return 0.0, 0.0
+    bw_tp = group_bandwidth(acc, t, 1) * network
+    return 2 * allreduce_time_s(nbytes, t, bw_tp), (sp_regather_time_s(nbytes, t, bw_tp) if sp else 0.0)
 
 
 class _Linears:
