@@ -389,32 +389,37 @@ def test_the_loaded_calibration_spins_for_the_profiled_cpu_times(monkeypatch):
 @pytest.mark.timeout(120)
 def test_the_bubble_predicted_before_a_run_is_held_to_the_bubble_the_run_measures():
     """tiny, 1F1B, p = 2, m = 4, gloo, 6 steps (5 measured): the prediction made before the ranks
-    start (profile, bare and loaded calibrations, replay) against the bubble the run then measures,
-    within ``BAND`` = 0.35 (35 points) either way. About 15-25 s on 2 cores.
+    start (profile, bare and loaded calibrations, replay) against the bubble the run then measures:
+    from 25 points under it to 45 points over it (the side a loaded machine pushes it). About 15 s
+    on an idle 2-core machine, 30 s at load 6-8.
 
-    Why so wide, from the numbers (20 runs of ``predict_run`` + ``run_pipeline``
-    on tiny p = 2, the 2-core dev machine shared with other test runs, load 1-6): the prediction's
-    own error ran from -9 to +20 points at load 1-2 and +17 to +32 points at load 4-6 (1F1B m = 4:
-    predicted 86.6-93.4% against measured 61.4-69.1%; it reads the other programs' threads as
-    competing for the ranks' cores, and they compete less than it predicts). A band that holds at
-    load 8 must take that in. What the listed mutations move the prediction by, on the same runs:
-    the profiled forward time x1.5 by 1.2-2.5 points (tiny's step is mostly the runtime's work
-    between ops, and with equal stages the 1F1B bubble does not depend on F at all: without those
-    costs x1.5 moves it by 0.1 point), the runtime's between-op terms x1.5 by 0.4-6 points, the bare
-    calibration instead of the loaded one by -14 to +18 points. So no band that a loaded CI machine
-    passes can see a x1.5: this test holds the prediction to the run where it would go wrong
-    wholesale (a replay without the runtime's costs predicts 37% here, a wrong unit or a stage
-    left out far more), and the x1.5 mutations are killed by the hand-worked tests above
-    (terms, spins, F, the loaded calibration, the idle gap, CPU against wall time)."""
+    Why so wide, from the numbers (19 runs of ``predict_run`` + ``run_pipeline`` on tiny p = 2,
+    GPipe / 1F1B / ZB-H1, m = 2 and 4, on the 2-core dev machine shared with other test runs): the
+    prediction's own error ran from -9.3 to +20.0 points at load 1-2 and from +5.6 to +32.0 points
+    at load 4-6 (1F1B m = 4: predicted 86.6-93.4% against measured 61.4-69.1%; under load it
+    over-predicts: it reads the other programs' threads as competing for the ranks' cores more than
+    they do), and this very case, eight runs more at load 5.8-8.4, from +14.1 to +35.3 (predicted
+    90.4-96.0%, measured 58.9-79.9%). Over the run the band is that bias and a margin: a prediction
+    near 95% cannot be further over a measured bubble of 50% or more. What the listed mutations
+    move the prediction by, on the same runs: the profiled forward time x1.5 by 0.8-2.6 points
+    (tiny's step is mostly the runtime's work between ops, and with equal stages the 1F1B bubble does
+    not depend on F: on the op times alone x1.5 moves it by 0.1 point), the runtime's between-op
+    terms x1.5 by 0.1-8.3 points, the bare calibration instead of the loaded one by -18 to +6. So no
+    band that a loaded CI machine passes can see a x1.5 on this case (nor on small, whose run alone
+    takes ~30 s): this test holds the prediction to the run where it would go wrong wholesale (the
+    op times alone replay to 25% here), and the x1.5 mutations are killed by the hand-worked tests
+    above (terms, spins, F, the loaded calibration, the idle gap, CPU against wall time). Below the
+    run it has 25 points: the most seen was 9.3, and the op times alone (25% against 45-70%
+    measured) fall out there whenever the run measures over 50%."""
     from microbatch.run.pipeline_profile import run_predicted
 
-    band = 0.35
+    under, over = 0.25, 0.45
     rep = run_predicted(
         PipelineConfig(schedule="1f1b", stages=2, microbatches=4, steps=6, timeout_s=60), deadline_s=100
     )
     before, measured = rep["before_run"]["bubble_fraction"], rep["measured"]["bubble_fraction"]
     assert rep["before_run"]["runtime"]["loaded"] is True  # gloo ranks: the loaded calibration was made
-    assert abs(before - measured) <= band, (before, measured)
+    assert -under <= before - measured <= over, (before, measured)
     # the runtime's costs between ops are in it: above the replay of the profiled op times alone
     prof: dict[int, dict[str, float]] = {0: {}, 1: {}}
     for key, t in rep["before_run"]["profile_s"].items():
