@@ -107,3 +107,29 @@ def test_a_bound_a_measurement_outruns_is_dropped():
     rec = recommend(pts, bound_choice)
     assert rec.bound_contradicted == 4 and rec.bound is None
     assert rec.reference_throughput == 212.0 == fitted.best_throughput
+
+
+def test_the_curves_own_scatter_is_the_noise_between_probes():
+    """One probe per point sees no drift between probes; the tail's misfit to the step-time line does."""
+    from microbatch.choose.noise import residual_scatter
+
+    line = {b: b / (0.002 + b / 200.0) for b in (1, 2, 4, 8, 16)}  # u = b/T exactly affine
+    assert residual_scatter([_p(b, t) for b, t in line.items()]) == pytest.approx(0.0, abs=1e-12)
+    jolted = {**line, 4: line[4] * 1.10}  # one probe 10% fast
+    scatter = residual_scatter([_p(b, t) for b, t in jolted.items()])
+    # by hand: least squares of u on b over the five points, relative residuals, sqrt(RSS / 3)
+    bs = [1.0, 2.0, 4.0, 8.0, 16.0]
+    us = [b / jolted[int(b)] for b in bs]
+    mb, mu = sum(bs) / 5, sum(us) / 5
+    c = sum((b - mb) * (u - mu) for b, u in zip(bs, us)) / sum((b - mb) ** 2 for b in bs)
+    a = mu - c * mb
+    hand = math.sqrt(sum(((a + c * b - u) / u) ** 2 for b, u in zip(bs, us)) / 3)
+    assert scatter == pytest.approx(hand) and 0.02 < scatter < 0.1
+    # the repeats said 0.5%; the curve's scatter widens the set to what the probes really can tell apart
+    # (b_m 4 is 5% above 8: apart at 2·sqrt(2)·0.5% = 1.4%, not at 2·sqrt(2)·scatter)
+    pts = [_p(b, t, 0.005) for b, t in jolted.items()]
+    assert 4 in indistinguishable(pts, pts[3], line=100.0, reference_se=0.0)
+    assert abs(jolted[4] / jolted[8] - 1) > 2 * math.sqrt(2) * 0.005
+    # a bend (a flat small-b regime, then linear) is not noise: no floor
+    bend = {1: 50.0, 2: 100.0, 4: 190.0, 8: 200.0, 16: 200.0}
+    assert residual_scatter([_p(b, t) for b, t in bend.items()]) == 0.0

@@ -18,10 +18,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 
+from microbatch.choose.bound import BOUND_SLACK
 from microbatch.choose.curve import CurvePoint
+from microbatch.fit import fit_line
 
-__all__ = ["MAD_SIGMA", "MEDIAN_SE", "NOISE_Z", "between_se", "indistinguishable", "relative_se"]
+__all__ = [
+    "MAD_SIGMA",
+    "MEDIAN_SE",
+    "NOISE_Z",
+    "TAIL_POINTS",
+    "between_se",
+    "indistinguishable",
+    "relative_se",
+    "residual_scatter",
+]
 
 MEDIAN_SE = math.sqrt(math.pi / 2) / 1.349
 """SE of a sample median over (IQR / median) · 1/√n, for a normal population: the median's
@@ -60,6 +72,36 @@ def between_se(throughputs: Sequence[float]) -> float:
     return math.sqrt(math.pi / 2) * MAD_SIGMA * mad / (med * math.sqrt(k))
 
 
+TAIL_POINTS = 5
+"""Points the residual scatter is read on: the largest measured, as the bound's line
+(:data:`microbatch.choose.bound.BOUND_WINDOW`), where the knee is decided."""
+
+
+def residual_scatter(points: Sequence[CurvePoint], window: int = TAIL_POINTS) -> float:
+    """The between-probe noise the curve itself shows: the relative RMS residual of the step time per
+    sample u = b/T around its least-squares line u = a + c·b over the ``window`` largest measured
+    points, √(Σ((a + c·b − u)/u)² / (n − 2)) (the line the bound is fitted on, ``docs/knee.md``: the
+    roofline's step time is affine in b there, so what the line misses is noise, or a bend the
+    noise cannot be told from). 0 with fewer than three points, or where the line misses a point by
+    more than the bound's slack η (:data:`microbatch.choose.bound.BOUND_SLACK`: the curve bends
+    there, as a GPU's flat small-b_m regime does, and the misfit is not noise).
+
+    Each point of the search is one probe, taken at one moment of the machine: its repeats' spread
+    does not see the drift between probes (on the 2-core VM beside busy processes, ten ``tune`` runs
+    of one model chose four different knees while every set built from the repeats alone named one
+    or two b_m, BENCHMARKS.md), this does."""
+    curve = sorted((p for p in points if not p.oom and p.throughput), key=lambda p: p.micro_batch)[-window:]
+    if len(curve) < 3:
+        return 0.0
+    bs = [float(p.micro_batch) for p in curve]
+    us = [p.micro_batch / p.measured_throughput for p in curve]
+    a, c = fit_line(bs, us)
+    rel = [(a + c * b - u) / u for b, u in zip(bs, us, strict=True)]
+    if max(abs(r) for r in rel) > BOUND_SLACK:
+        return 0.0  # not affine within the bound's slack: a bend of the curve, not noise
+    return math.sqrt(sum(r * r for r in rel) / (len(curve) - 2))
+
+
 def _se(p: CurvePoint) -> float:
     """Absolute standard error of a point's throughput."""
     return (p.throughput_se or 0.0) * p.measured_throughput
@@ -72,13 +114,20 @@ def indistinguishable(
     from ``knee`` at their noise, ascending, the knee included; ``line`` = (1 − τ)(1 + μ)·reference
     is what the knee had to reach, ``reference_se`` the reference's own absolute standard error.
 
-    b belongs when |T_b − T_k| ≤ z·√(se_b² + se_k²) (the same throughput at the noise), when b < k
+    Every point's standard error is at least the curve's :func:`residual_scatter` (the noise between
+    probes). b belongs when |T_b − T_k| ≤ z·√(se_b² + se_k²) (the same throughput at the noise), when b < k
     could pass the line (T_b + z·√(se_b² + se_L²) ≥ line: the noise could make it the knee), or when
     k could fail the line (T_k − z·√(se_k² + se_L²) < line) and b > k is at most the first point
     above k that passes it surely. With no noise recorded (every se 0) only points of the knee's
     exact throughput belong.
     """
-    pts = sorted(candidates, key=lambda p: p.micro_batch)
+    floor = residual_scatter(candidates)
+    pts = [
+        replace(p, throughput_se=max(p.throughput_se or 0.0, floor))
+        for p in sorted(candidates, key=lambda p: p.micro_batch)
+    ]
+    knee = next(p for p in pts if p.micro_batch == knee.micro_batch)
+    reference_se = max(reference_se, floor * line)
     t_k, se_k = knee.measured_throughput, _se(knee)
 
     def could_fail(p: CurvePoint) -> bool:

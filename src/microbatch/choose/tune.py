@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 from microbatch.choose.cache import (
     CachedAnswer,
     CacheUse,
-    batch_structure,
     cache_key,
     callable_identity,
     class_name,
@@ -48,7 +46,6 @@ from microbatch.choose.knee import recommend
 from microbatch.choose.probing import (
     Prober,
     check_cuda_budget,
-    cpu_timing_rule,
     default_timing,
     device_name,
     open_prober,
@@ -57,9 +54,15 @@ from microbatch.choose.probing import (
 from microbatch.choose.result import TuneResult
 from microbatch.choose.search import OnPoint, SearchLog, curve_point, search
 from microbatch.choose.snapshot import gc_frozen, leave_no_trace
+from microbatch.choose.user_step import (
+    NonFiniteLoss,
+    batch_structures,
+    check_trainable,
+    in_process_timing,
+    torch_threads,
+)
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
-from microbatch.measure.timing import TimingConfig
 
 __all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
 
@@ -403,12 +406,12 @@ def tune(
 
     check_walk(search_config, choice, KEYWORD_NAMES)
     params = list(model.parameters())
-    _check_trainable(model, optimizer)
+    check_trainable(model, optimizer)
     if probe_config.device is not None:
         device = torch.device(probe_config.device)
     else:
         device = params[0].device if params else torch.device("cpu")
-    timing, threads, timing_choice = _in_process_timing(probe_config, device.type)
+    timing, threads, timing_choice = in_process_timing(probe_config, device.type)
     probe_config = replace(probe_config, device=device.type, timing=timing, in_process=True, threads=threads)
     global_batch, data_parallel = choice.global_batch, choice.data_parallel or 1
 
@@ -444,8 +447,8 @@ def tune(
     setup = _Setup(
         model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
     )
-    with leave_no_trace(model, optimizer), gc_frozen(), _torch_threads(threads):  # restored bitwise
-        fp["batch"] = _batch_structures(make_batch, search_config)  # may draw from the generators: restored
+    with leave_no_trace(model, optimizer), gc_frozen(), torch_threads(threads):  # restored bitwise
+        fp["batch"] = batch_structures(make_batch, search_config)  # may draw from the generators: restored
         result = _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
     notes: tuple[str, ...] = ()
     if step.first_loss is not None and not math.isfinite(step.first_loss):
@@ -461,84 +464,9 @@ def tune(
     return result
 
 
-class NonFiniteLoss(UserWarning):
-    """Warned by :func:`microbatch.tune` when the user's step gave a NaN or infinite loss."""
-
-
-def _check_trainable(model: Any, optimizer: Any) -> None:
-    """ConfigError for a model the probes cannot train: parameters on the meta device (no data), or no
-    trainable parameter and no optimizer (torch's own message, 'optimizer got an empty parameter
-    list', names neither the model nor the fix)."""
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""
-        raise ConfigError(
-            f"parameter {meta[0]!r}{more} of {type(model).__name__} is on the meta device (shapes, no data): "
-            "the probes must run the step; materialise the model first (model.to_empty(device=...) and "
-            "initialise it, or load its weights)"
-        )
-    if optimizer is None and not any(p.requires_grad for p in model.parameters()):
-        raise ConfigError(
-            f"{type(model).__name__} has no trainable parameter (none with requires_grad=True): there is no "
-            "training step to tune; unfreeze the parameters to train (p.requires_grad_(True)), or pass the "
-            "optimizer you train with"
-        )
-
-
 def _say_cached(result: TuneResult) -> None:
     """Warn (:class:`~microbatch.choose.cache.CachedAnswer`) when points of the answer came from the cache."""
     if result.cache is not None:
         import warnings
 
         warnings.warn(f"microbatch.tune: {result.cache.message()}", CachedAnswer, stacklevel=3)
-
-
-def _in_process_timing(probe: ProbeConfig, device_type: str) -> tuple[TimingConfig, int | None, str]:
-    """The timing, torch threads and a line saying why, for probes in this process: as the command line
-    on a CPU (:func:`~microbatch.choose.probing.cpu_timing_rule`: one thread and the process clock on a
-    small CPU) unless ``timing`` or ``threads`` was given; the device's default timing elsewhere."""
-    from microbatch.hardware import usable_cores
-    from microbatch.measure.timing import TimingConfig
-
-    if device_type != "cpu":
-        return probe.timing or default_timing(device_type), probe.threads, "timing: CUDA events"
-    given_clock = probe.timing.clock if probe.timing is not None else None
-    cores = usable_cores()
-    threads, clock, chosen = cpu_timing_rule(probe.threads, given_clock, cores)
-    base = probe.timing or default_timing("cpu")
-    timing = base if base.clock == clock else TimingConfig(**dict(base.__dict__, clock=clock))
-    what = "torch's threads" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
-    why = f"{cores} cores detected" if chosen else "as given"
-    return timing, threads, f"timing: {what}, {clock} clock ({why}; threads=/timing= to change)"
-
-
-@contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``threads`` (None: unchanged) for the block, then put back."""
-    import torch
-
-    before = torch.get_num_threads()
-    if threads is not None and threads != before:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
-def _batch_structures(make_batch: Callable[[int], Any], search: SearchConfig) -> list[Any]:
-    """What ``make_batch`` returns for the first two b_m the search may probe (shapes and dtypes, no
-    values): part of the cache key, so that other data is measured again."""
-    first = search.start
-    sizes = (
-        [first]
-        if search.max_micro_batch is not None and search.max_micro_batch <= first
-        else [first, 2 * first]
-    )
-    out = []
-    for b in sizes:
-        batch = make_batch(b)
-        out.append(batch_structure(batch))
-        del batch
-    return out

@@ -1,0 +1,92 @@
+"""What :func:`microbatch.tune` needs of the user's own step before it measures: a model the probes can
+train, the timing of probes in this process (as the command line times them on a CPU), torch's
+threads for the probes (put back after), and the structure of the batches for the cache key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from microbatch.choose.cache import batch_structure
+from microbatch.choose.config import ProbeConfig, SearchConfig
+from microbatch.choose.probing import cpu_timing_rule, default_timing
+from microbatch.errors import ConfigError
+from microbatch.measure.timing import TimingConfig
+
+__all__ = ["NonFiniteLoss", "batch_structures", "check_trainable", "in_process_timing", "torch_threads"]
+
+
+class NonFiniteLoss(UserWarning):
+    """Warned by :func:`microbatch.tune` when the user's step gave a NaN or infinite loss."""
+
+
+def check_trainable(model: Any, optimizer: Any) -> None:
+    """ConfigError for a model the probes cannot train: parameters on the meta device (no data), or no
+    trainable parameter and no optimizer (torch's own message, 'optimizer got an empty parameter
+    list', names neither the model nor the fix)."""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""
+        raise ConfigError(
+            f"parameter {meta[0]!r}{more} of {type(model).__name__} is on the meta device (shapes, no data): "
+            "the probes must run the step; materialise the model first (model.to_empty(device=...) and "
+            "initialise it, or load its weights)"
+        )
+    if optimizer is None and not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"{type(model).__name__} has no trainable parameter (none with requires_grad=True): there is no "
+            "training step to tune; unfreeze the parameters to train (p.requires_grad_(True)), or pass the "
+            "optimizer you train with"
+        )
+
+
+def in_process_timing(probe: ProbeConfig, device_type: str) -> tuple[TimingConfig, int | None, str]:
+    """The timing, torch threads and a line saying why, for probes in this process: as the command line
+    on a CPU (:func:`~microbatch.choose.probing.cpu_timing_rule`: one thread and the process clock on a
+    small CPU) unless ``timing`` or ``threads`` was given; the device's default timing elsewhere."""
+    from microbatch.hardware import usable_cores
+    from microbatch.measure.timing import TimingConfig
+
+    if device_type != "cpu":
+        return probe.timing or default_timing(device_type), probe.threads, "timing: CUDA events"
+    given_clock = probe.timing.clock if probe.timing is not None else None
+    cores = usable_cores()
+    threads, clock, chosen = cpu_timing_rule(probe.threads, given_clock, cores)
+    base = probe.timing or default_timing("cpu")
+    timing = base if base.clock == clock else TimingConfig(**dict(base.__dict__, clock=clock))
+    what = "torch's threads" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
+    why = f"{cores} cores detected" if chosen else "as given"
+    return timing, threads, f"timing: {what}, {clock} clock ({why}; threads=/timing= to change)"
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` (None: unchanged) for the block, then put back."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None and threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def batch_structures(make_batch: Callable[[int], Any], search: SearchConfig) -> list[Any]:
+    """What ``make_batch`` returns for the first two b_m the search may probe (shapes and dtypes, no
+    values): part of the cache key, so that other data is measured again."""
+    first = search.start
+    sizes = (
+        [first]
+        if search.max_micro_batch is not None and search.max_micro_batch <= first
+        else [first, 2 * first]
+    )
+    out = []
+    for b in sizes:
+        batch = make_batch(b)
+        out.append(batch_structure(batch))
+        del batch
+    return out
