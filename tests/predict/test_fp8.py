@@ -66,13 +66,18 @@ def _tps(precision: str, recipe: str = "tensorwise") -> float:
     return make_plan(cfg).candidates[0].tokens_per_s
 
 
-def test_planner_reproduces_torchtitans_fp8_ratios():
-    """torchtitan commit 7a04053, Llama-3-8B on 8 H100 (FSDP, b 1, s 8192): bf16 5,760 tokens/s per GPU, rowwise
-    6,424, tensorwise (with FP8 all-gather) 7,186. The ratios within 5% (rowwise's kernel factor is fitted to them)."""
+def test_fp8_ratios_follow_from_the_terms_not_from_a_fit():
+    """FP8 runs the linear GEMMs at twice the bf16 dense rate (H100 datasheet) and adds cast traffic;
+    rowwise adds the backward's own amax passes and nothing else (no kernel factor is fitted: the
+    published FP8 step times are held out). So bf16 < rowwise < tensorwise, and tensorwise cannot gain
+    more than the GEMMs' share of the step allows."""
     bf, tw, rw = _tps("bf16-mixed"), _tps("fp8"), _tps("fp8", "rowwise")
-    assert tw / bf == pytest.approx(7186 / 5760, rel=0.05)
-    assert rw / tw == pytest.approx(6424 / 7186, rel=0.05)
-    assert rw < tw
+    assert FP8_RECIPES["rowwise"].gemm_factor == FP8_RECIPES["tensorwise"].gemm_factor == 1.0
+    assert bf < rw < tw < 2 * bf
+    b16 = layer_forward(LLAMA, 1, H100, seq=8192)
+    f8 = layer_forward(LLAMA, 1, H100, seq=8192, fp8_recipe="tensorwise")
+    assert f8.gemm_s < b16.gemm_s  # the GEMMs themselves are faster ...
+    assert f8.elementwise_s > b16.elementwise_s  # ... and the casts cost traffic
 
 
 def test_fp8_needs_fp8_tensor_cores_and_a_known_recipe():
