@@ -121,9 +121,9 @@ def test_the_curves_own_scatter_is_the_noise_between_probes():
     bs = [1.0, 2.0, 4.0, 8.0, 16.0]
     us = [b / jolted[int(b)] for b in bs]
     mb, mu = sum(bs) / 5, sum(us) / 5
-    c = sum((b - mb) * (u - mu) for b, u in zip(bs, us)) / sum((b - mb) ** 2 for b in bs)
+    c = sum((b - mb) * (u - mu) for b, u in zip(bs, us, strict=True)) / sum((b - mb) ** 2 for b in bs)
     a = mu - c * mb
-    hand = math.sqrt(sum(((a + c * b - u) / u) ** 2 for b, u in zip(bs, us)) / 3)
+    hand = math.sqrt(sum(((a + c * b - u) / u) ** 2 for b, u in zip(bs, us, strict=True)) / 3)
     assert scatter == pytest.approx(hand) and 0.02 < scatter < 0.1
     # the repeats said 0.5%; the curve's scatter widens the set to what the probes really can tell apart
     # (b_m 4 is 5% above 8: apart at 2·sqrt(2)·0.5% = 1.4%, not at 2·sqrt(2)·scatter)
