@@ -145,13 +145,14 @@ def memory_rows(
     ranks: list[dict[str, Any]],
     use: list[int],
     stage_bytes: dict[int, dict[str, float]] | None = None,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Per rank: measured peak of live saved bytes, the two predictions and their errors (%), the
     schedule's counted bytes, the host high-water mark and the bytes still alive after the step.
 
     ``stage_bytes``: each stage's ``own`` and ``shared`` saved bytes of one micro-batch
     (:func:`microbatch.run.pipeline_stage_profile.stage_saved_bytes`); None measures them here, on
-    one process, on the split the ranks used."""
+    one process, on the split the ranks used, on ``device`` (where the ranks ran)."""
     from microbatch.run.pipeline_stage_profile import stage_saved_bytes
 
     kept: dict[int, float] = {}
@@ -160,7 +161,7 @@ def memory_rows(
             if f is not None:
                 kept[int(s)] = float(f)
     if stage_bytes is None:
-        stage_bytes = stage_saved_bytes(cfg, list(ranks[0]["layers_per_stage"]))
+        stage_bytes = stage_saved_bytes(cfg, list(ranks[0]["layers_per_stage"]), device)
     own = {s: row["own"] for s, row in stage_bytes.items()}
     shared_of = {s: row["shared"] for s, row in stage_bytes.items()}
     uncal = _uncalibrated(cfg, ranks[0]["layers_per_stage"])

@@ -153,7 +153,9 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
         torch.set_num_threads(threads)
 
 
-def stage_saved_bytes(cfg: PipelineConfig, sizes: list[int] | None = None) -> dict[int, dict[str, float]]:
+def stage_saved_bytes(
+    cfg: PipelineConfig, sizes: list[int] | None = None, device: str = "cpu"
+) -> dict[int, dict[str, float]]:
     """Per virtual stage, the bytes autograd saves in its forward (the last stage with its loss) for
     one micro-batch, measured in this process, apart from any run: ``own`` (storages no earlier
     micro-batch saved) and ``shared`` (storages an earlier micro-batch of the step saved too and that
@@ -165,7 +167,10 @@ def stage_saved_bytes(cfg: PipelineConfig, sizes: list[int] | None = None) -> di
 
     ``sizes``: units per stage as the ranks split them (the report's ``layers_per_stage``); None
     splits by parameter count, as the ranks do with ``balance="params"``. Placement follows the
-    schedule: stages on one rank share their saved storages as on that rank."""
+    schedule: stages on one rank share their saved storages as on that rank. ``device``: where the
+    ranks ran (``"cuda:0"`` for NCCL ranks), since a kernel may save other tensors on another device
+    (PyTorch's attention saves its s x s probabilities on one path and only their log-sum-exp on the
+    flash path)."""
     import torch.nn.functional as F
 
     from microbatch.run.instrument import StageRecorder, _saved_bytes_hooks
@@ -175,10 +180,13 @@ def stage_saved_bytes(cfg: PipelineConfig, sizes: list[int] | None = None) -> di
 
     full, vocab, seq = build_full_model(cfg)
     units = model_units(full)
-    modules = split_units(units, sizes or balanced_split(unit_param_counts(units), cfg.total_stages))
+    modules = [
+        m.to(device)
+        for m in split_units(units, sizes or balanced_split(unit_param_counts(units), cfg.total_stages))
+    ]
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
     recorders = {r: StageRecorder(rank=r) for r in set(placement)}
-    tok, tgt = make_batch(cfg, vocab, seq, -1)
+    tok, tgt = (t.to(device) for t in make_batch(cfg, vocab, seq, -1))
     b, total, last = cfg.micro_batch, cfg.batch * seq, len(modules) - 1
     alive: list[Any] = []  # every micro-batch's graph stays alive, as between a forward and its backward
     out: dict[int, dict[str, float]] = {}

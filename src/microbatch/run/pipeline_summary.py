@@ -124,7 +124,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     for st in stats:
         st["counted_in_flight_chunks"] = st["counted_in_flight"]
         st["counted_in_flight"] = st["counted_in_flight"] if v == 1 else st["counted_in_flight"] / v
-    memory = memory_rows(cfg, ranks, use)
+    memory = memory_rows(cfg, ranks, use, device=str(raw.get("device") or "cpu"))
     t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
     timeline = [
         {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
