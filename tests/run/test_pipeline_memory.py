@@ -193,10 +193,16 @@ def test_a_model_too_large_for_the_host_is_refused_with_the_numbers():
     assert check_fits(PipelineConfig(model="tiny"), available=24 * 1024**3) is not None
 
 
-def test_cli_refuses_llama_before_starting_any_process(capsys):
+def test_cli_refuses_llama_before_starting_any_process(capsys, monkeypatch):
+    import subprocess
     import time
 
     from microbatch.cli import main
+
+    def refuse(*args, **kwargs):  # "before any process" checked as such, not only by the clock
+        raise AssertionError(f"a process was started: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
     from microbatch.run.pipeline_fit import available_host_bytes
 
     avail = available_host_bytes()
