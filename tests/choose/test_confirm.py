@@ -135,7 +135,7 @@ def test_the_confirmation_takes_at_most_the_search_s_own_time():
     )  # the knee 2 passed on one quiet moment, as in the first test
     points = _measured(measure, log, (1, 2, 4, 8))  # 15 units of probing
     assert _knee(points) == 2
-    confirmed = confirm_knee(measure, points, CHOICE, log)  # 2, 4, 8 twice: 28 units, more than 15
+    confirmed = confirm_knee(measure, points, CHOICE, log, min_budget_s=0.0)  # 2, 4, 8 twice: 28 > 15
     assert confirmed == points and len(calls) == 4 and log.probes == 0
     assert (
         "knee 2 not re-measured: 2, 4, 8 would take about 28.0 s, more than the 15.0 s left"
@@ -201,3 +201,18 @@ def test_points_from_the_cache_cost_nothing_and_a_cached_search_confirms_nothing
     log.seconds[(16, False)] = 16.0
     assert confirm_knee(measure, points, ChoiceConfig(tolerance=0.15, reference="measured"), log) == points
     assert len(calls) == 5 and "2, 4, 8 would take about 96.0 s, more than the 16.0 s left" in log.stop_reason
+
+
+def test_a_short_search_still_gets_the_minimum_confirmation():
+    """A search of cheap probes (15 units here, a tiny model's 2-5 s on a CPU) gets min_budget_s of
+    re-measurement anyway: 2, 4, 8 twice (28) fits 30, where 1 × the search's 15 did not."""
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8))
+    assert confirm_knee(measure, points, CHOICE, log, min_budget_s=0.0) == points and len(calls) == 4
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8))
+    confirmed = confirm_knee(measure, points, CHOICE, log, min_budget_s=30.0)
+    assert calls[4:] == [2, 4, 8, 2, 4, 8] and _knee(confirmed) == 4
+    measure, calls, log = _scripted({2: [190.0]})
+    points = _measured(measure, log, (1, 2, 4, 8))
+    assert confirm_knee(measure, points, CHOICE, log, budget=0.0, min_budget_s=30.0) == points  # 0: off

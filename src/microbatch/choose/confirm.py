@@ -49,7 +49,7 @@ from microbatch.choose.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["CONFIRM_BUDGET", "CONFIRM_ROUNDS", "DEVICE_CLOCK", "confirm_knee"]
+__all__ = ["CONFIRM_BUDGET", "CONFIRM_MIN_S", "CONFIRM_ROUNDS", "DEVICE_CLOCK", "confirm_knee"]
 
 DEVICE_CLOCK = "cuda-events"
 """The clock of points that are not re-measured (:class:`microbatch.measure.device.Device`'s name for
@@ -59,6 +59,14 @@ CONFIRM_ROUNDS = 2
 """Re-measurements of the knee and of the fastest point (alternately): with the search's own
 measurement, three of each, whose median survives one disturbed probe."""
 
+
+CONFIRM_MIN_S = 10.0
+"""Seconds of re-measurement always allowed (unless the budget is 0), whatever the search took: a
+small model's probes on a CPU cost well under a second each and its whole search 2-5 s, so a budget of
+a share of the search alone confirmed nothing on 6 of 10 ``tune --model tiny -B 64`` runs beside a busy
+process, whose knees moved over 1, 2, 4 and 8 (bench/bench_knee_noise.py, BENCHMARKS.md). Not a
+fitted figure: what a user waits for at most, beyond the search, for an answer the noise does not
+decide."""
 
 CONFIRM_BUDGET = 1.0
 """The confirmation's time budget as a share of the time the search's probes took: expected to at
@@ -93,6 +101,7 @@ def confirm_knee(
     rounds: int = CONFIRM_ROUNDS,
     budget: float = CONFIRM_BUDGET,
     on_point: Callable[[Measurement, bool], None] | None = None,
+    min_budget_s: float = CONFIRM_MIN_S,
 ) -> list[Measurement]:
     """The search's ``points`` with the knee and the fastest point re-measured (see the module).
 
@@ -104,7 +113,8 @@ def confirm_knee(
     sum of ``log.seconds``) the re-measurements may take; a knee whose re-measurements, estimated
     from those points' own probe times (a cached point: the longest probe), would overrun what is
     left is not re-measured. A search that measured nothing (all from the cache) confirms nothing.
-    ``on_point(m, from_cache)`` is called after each re-measurement (progress).
+    ``on_point(m, from_cache)`` is called after each re-measurement (progress). ``min_budget_s``: the
+    re-measurement seconds always allowed (:data:`CONFIRM_MIN_S`) when ``budget`` is not 0.
     """
     if not budget >= 0:  # also NaN
         raise ConfigError(
@@ -112,7 +122,7 @@ def confirm_knee(
         )
     pts = list(points)
     searched = sum(log.seconds.values())  # the points taken from the cache took no time
-    allowed = budget * searched if searched else 0.0
+    allowed = max(budget * searched, min_budget_s) if searched else 0.0
     spent = 0.0
     confirmed: set[int] = set()  # indices into pts re-measured already
     first: int | None = None  # the search's knee
@@ -150,7 +160,8 @@ def confirm_knee(
                 log.stop_reason += (
                     f"; knee {knee} not re-measured: {', '.join(str(pts[i].micro_batch) for i in todo)} "
                     f"would take about {cost:.1f} s, more than the {max(allowed - spent, 0.0):.1f} s left "
-                    f"of the confirmation's budget ({budget:g} × the search's {searched:.1f} s)"
+                    f"of the confirmation's budget (max of {budget:g} × the search's {searched:.1f} s and "
+                    f"{min_budget_s:g} s)"
                 )
                 _moved(log, first, knee)
                 return pts
