@@ -448,7 +448,8 @@ def tune(
         model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
     )
     with leave_no_trace(model, optimizer), gc_frozen(), torch_threads(threads):  # restored bitwise
-        fp["batch"] = batch_structures(make_batch, search_config)  # may draw from the generators: restored
+        if search_config.use_cache:  # the key only: may draw from the generators (restored)
+            fp["batch"] = batch_structures(make_batch, search_config)
         result = _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
     notes: tuple[str, ...] = ()
     if step.first_loss is not None and not math.isfinite(step.first_loss):
