@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,6 +18,10 @@ from microbatch.commands._common import (
     width_option,
 )
 from microbatch.show.text import bubble_lines, pct
+
+if TYPE_CHECKING:
+    from microbatch.schedules.registry import ScheduleSpec
+    from microbatch.schedules.simulate import SimResult
 
 __all__ = ["cmd"]
 
@@ -67,19 +72,12 @@ def cmd(
         check_servable,
         check_simulable,
         count_actions,
-        generate,
         get_spec,
-        in_flight_formula,
     )
     from microbatch.schedules.simulate import (
         DUALPIPEV_CLOSED_FORM_RULE,
         ZB_IDLE_SCHEDULES,
-        bubble_fraction,
-        bubble_ratio,
         dualpipev_closed_form_holds,
-        dualpipev_idle_time,
-        simulate,
-        zb_idle_time,
     )
 
     spec = get_spec(schedule_name)
@@ -118,106 +116,161 @@ def cmd(
     if too_tall and not no_diagram and not (closed and too_big):
         notes.append(too_tall + ("; the numbers are the closed form" if closed else ""))
     draw = not no_diagram and not too_tall
+    shape = _Shape(spec, stages, microbatches, virtual)
     run_sim = not closed or (draw and not too_big)
-    sim = None
+    sim: SimResult | None
     if spec.split_backward:
-        given = [t is not None for t in (forward_time, input_time, weight_time)]
-        if not all(given):
-            notes.append(
-                f"times T_F = {tf:g}, T_I = {ti:g}, T_W = {tw:g}"
-                + (" (defaults; give --forward-time, --input-time, --weight-time)" if not any(given) else "")
-            )
-        if run_sim:
-            sim = simulate(
-                generate(spec.name, stages, microbatches, virtual),
-                forward_time=tf,
-                input_time=ti,
-                weight_time=tw,
-            )
-        busy = microbatches * virtual * (tf + ti + tw)
-        if spec.name in ZB_IDLE_SCHEDULES:
-            idle = zb_idle_time(spec.name, stages, tf, ti, tw)
-            result["method"] = "closed form: Qi et al. 2024 (Zero Bubble PP), Table 2"
-        elif dualpipev_closed:
-            idle = dualpipev_idle_time(stages, tf, ti, tw)
-            result["method"] = (
-                "closed form: max((p−1)(2T_F+T_I−T_W), (p−1)(T_F+2T_I−T_W)−T_F) per chunk, DualPipeV as torch runs it "
-                "(DeepSeek-V3 report, arXiv 2412.19437, sec 3.2.1, Table 2: (PP/2−1)(T_F&B+T_B−3T_W))"
-            )
-        else:
-            assert sim is not None  # no closed form: simulated above
-            idle = sum(sim.idle) / stages
-            result["method"] = "simulation (no closed form for this schedule)"
-        result["times"] = {"forward": tf, "input": ti, "weight": tw}
-        result["idle_time_per_stage"] = idle
-        result["bubble_fraction"] = idle / (idle + busy) if idle + busy > 0 else 0.0
-        result["bubble_ratio"] = idle / busy if busy > 0 else 0.0
+        sim = _split_backward_bubble(
+            shape, (forward_time, input_time, weight_time), run_sim, dualpipev_closed, result, notes
+        )
     else:
-        for flag, t in (
-            ("--forward-time", forward_time),
-            ("--input-time", input_time),
-            ("--weight-time", weight_time),
-        ):
-            if t is not None:
-                notes.append(f"{flag} ignored: the {spec.name} bubble does not depend on op times")
-        if run_sim:
-            sim = simulate(
-                generate(spec.name, stages, microbatches, virtual), forward_time=1.0, backward_time=2.0
-            )
-        if closed:
-            result["method"] = (
-                "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
-            )
-            result["bubble_fraction"] = bubble_fraction(stages, microbatches, virtual)
-            result["bubble_ratio"] = bubble_ratio(stages, microbatches, virtual)
-        else:
-            assert sim is not None
-            if (
-                spec.fill_drain_bubble
-                and abs(sim.bubble_fraction - bubble_fraction(stages, microbatches, virtual)) > 1e-9
-            ):
-                notes.append(
-                    f"m < p: the closed form (p−1)/(v·m+p−1) = {pct(bubble_fraction(stages, microbatches, virtual))} "
-                    f"does not hold; torch's {spec.name} order idles {pct(sim.bubble_fraction)} (simulated)"
-                )
-            result["method"] = "simulation with T_B = 2 T_F (no closed form for this schedule here)"
-            result["bubble_fraction"] = sim.bubble_fraction
-            result["bubble_ratio"] = sim.bubble_ratio
+        sim = _full_backward_bubble(
+            shape, (forward_time, input_time, weight_time), run_sim, closed, result, notes
+        )
     result["fraction_is"] = "idle / total stage time"
     result["ratio_is"] = "idle / ideal busy time (Megatron)"
     result["simulated_bubble_fraction"] = sim.bubble_fraction if sim is not None else None
-    if spec.in_flight is not None:
-        result["peak_in_flight"] = in_flight_formula(spec.name, stages, microbatches, virtual)
-    else:
-        assert sim is not None or not closed
-        if sim is None:
-            sim = simulate(
-                generate(spec.name, stages, microbatches, virtual),
-                forward_time=1.0,
-                input_time=1.0,
-                weight_time=1.0,
-            )
-        result["peak_in_flight"] = list(sim.peak_in_flight)
+    result["peak_in_flight"], sim = _peak_in_flight(shape, sim, closed)
     result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
     result["notes"] = notes
+    emit(result, as_json, lambda: _render(shape, result, sim if draw else None, width))
 
-    def render() -> str:
-        from microbatch.show.text import render_timeline_text
 
-        lines = [
-            f"{spec.name}: p = {stages} stages, m = {microbatches} micro-batches"
-            + (f", v = {virtual} stages per rank" if virtual > 1 else ""),
-            *bubble_lines(result["bubble_fraction"], result["bubble_ratio"], result["peak_in_flight"]),
-        ]
-        if "idle_time_per_stage" in result:
-            lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
-        lines.append(f"  method: {result['method']}")
-        lines += [f"  note: {n}" for n in notes]
-        if draw and sim is not None:
-            lines.append("")
-            lines.append(
-                render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=use_color())
+@dataclass(frozen=True)
+class _Shape:
+    """The schedule and its size (p, m, v), resolved once."""
+
+    spec: ScheduleSpec
+    stages: int
+    microbatches: int
+    virtual: int
+
+
+def _split_backward_bubble(
+    shape: _Shape,
+    given: tuple[float | None, float | None, float | None],
+    run_sim: bool,
+    dualpipev_closed: bool,
+    result: dict[str, Any],
+    notes: list[str],
+) -> SimResult | None:
+    """The idle time of a zero-bubble or DualPipeV schedule (closed form, else simulated) into ``result``."""
+    from microbatch.schedules.registry import generate
+    from microbatch.schedules.simulate import ZB_IDLE_SCHEDULES, dualpipev_idle_time, simulate, zb_idle_time
+
+    spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
+    tf, ti, tw = (1.0 if t is None else t for t in given)
+    sim = None
+    flags = [t is not None for t in given]
+    if not all(flags):
+        notes.append(
+            f"times T_F = {tf:g}, T_I = {ti:g}, T_W = {tw:g}"
+            + (" (defaults; give --forward-time, --input-time, --weight-time)" if not any(flags) else "")
+        )
+    if run_sim:
+        sim = simulate(
+            generate(spec.name, stages, microbatches, virtual),
+            forward_time=tf,
+            input_time=ti,
+            weight_time=tw,
+        )
+    busy = microbatches * virtual * (tf + ti + tw)
+    if spec.name in ZB_IDLE_SCHEDULES:
+        idle = zb_idle_time(spec.name, stages, tf, ti, tw)
+        result["method"] = "closed form: Qi et al. 2024 (Zero Bubble PP), Table 2"
+    elif dualpipev_closed:
+        idle = dualpipev_idle_time(stages, tf, ti, tw)
+        result["method"] = (
+            "closed form: max((p−1)(2T_F+T_I−T_W), (p−1)(T_F+2T_I−T_W)−T_F) per chunk, DualPipeV as torch runs it "
+            "(DeepSeek-V3 report, arXiv 2412.19437, sec 3.2.1, Table 2: (PP/2−1)(T_F&B+T_B−3T_W))"
+        )
+    else:
+        assert sim is not None  # no closed form: simulated above
+        idle = sum(sim.idle) / stages
+        result["method"] = "simulation (no closed form for this schedule)"
+    result["times"] = {"forward": tf, "input": ti, "weight": tw}
+    result["idle_time_per_stage"] = idle
+    result["bubble_fraction"] = idle / (idle + busy) if idle + busy > 0 else 0.0
+    result["bubble_ratio"] = idle / busy if busy > 0 else 0.0
+    return sim
+
+
+def _full_backward_bubble(
+    shape: _Shape,
+    given: tuple[float | None, float | None, float | None],
+    run_sim: bool,
+    closed: bool,
+    result: dict[str, Any],
+    notes: list[str],
+) -> SimResult | None:
+    """The bubble of a schedule with a full backward (closed form, else simulated) into ``result``."""
+    from microbatch.schedules.registry import generate
+    from microbatch.schedules.simulate import bubble_fraction, bubble_ratio, simulate
+
+    spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
+    sim = None
+    for flag, t in zip(("--forward-time", "--input-time", "--weight-time"), given, strict=True):
+        if t is not None:
+            notes.append(f"{flag} ignored: the {spec.name} bubble does not depend on op times")
+    if run_sim:
+        sim = simulate(
+            generate(spec.name, stages, microbatches, virtual), forward_time=1.0, backward_time=2.0
+        )
+    if closed:
+        result["method"] = (
+            "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
+        )
+        result["bubble_fraction"] = bubble_fraction(stages, microbatches, virtual)
+        result["bubble_ratio"] = bubble_ratio(stages, microbatches, virtual)
+    else:
+        assert sim is not None
+        if (
+            spec.fill_drain_bubble
+            and abs(sim.bubble_fraction - bubble_fraction(stages, microbatches, virtual)) > 1e-9
+        ):
+            notes.append(
+                f"m < p: the closed form (p−1)/(v·m+p−1) = {pct(bubble_fraction(stages, microbatches, virtual))} "
+                f"does not hold; torch's {spec.name} order idles {pct(sim.bubble_fraction)} (simulated)"
             )
-        return "\n".join(lines)
+        result["method"] = "simulation with T_B = 2 T_F (no closed form for this schedule here)"
+        result["bubble_fraction"] = sim.bubble_fraction
+        result["bubble_ratio"] = sim.bubble_ratio
+    return sim
 
-    emit(result, as_json, render)
+
+def _peak_in_flight(shape: _Shape, sim: SimResult | None, closed: bool) -> tuple[Any, SimResult | None]:
+    """Peak in-flight micro-batches per rank: the registry's rule, else simulated (and the simulation)."""
+    from microbatch.schedules.registry import generate, in_flight_formula
+    from microbatch.schedules.simulate import simulate
+
+    spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
+    if spec.in_flight is not None:
+        return in_flight_formula(spec.name, stages, microbatches, virtual), sim
+    assert sim is not None or not closed
+    if sim is None:
+        sim = simulate(
+            generate(spec.name, stages, microbatches, virtual),
+            forward_time=1.0,
+            input_time=1.0,
+            weight_time=1.0,
+        )
+    return list(sim.peak_in_flight), sim
+
+
+def _render(shape: _Shape, result: dict[str, Any], sim: SimResult | None, width: int) -> str:
+    """The text answer: the numbers, the method, the notes and (given ``sim``) the diagram."""
+    from microbatch.show.text import render_timeline_text
+
+    lines = [
+        f"{shape.spec.name}: p = {shape.stages} stages, m = {shape.microbatches} micro-batches"
+        + (f", v = {shape.virtual} stages per rank" if shape.virtual > 1 else ""),
+        *bubble_lines(result["bubble_fraction"], result["bubble_ratio"], result["peak_in_flight"]),
+    ]
+    if "idle_time_per_stage" in result:
+        lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
+    lines.append(f"  method: {result['method']}")
+    lines += [f"  note: {n}" for n in result["notes"]]
+    if sim is not None:
+        lines.append("")
+        lines.append(render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=use_color()))
+    return "\n".join(lines)

@@ -65,13 +65,40 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     Every result is also saved as JSON in --out, so `microbatch report` can rebuild the
     report and scripts can read the numbers.
     """
-    from microbatch.errors import MicrobatchError
-    from microbatch.schedules.registry import generate
-    from microbatch.schedules.simulate import simulate
     from microbatch.show.html import build_report
-    from microbatch.show.text import render_timeline_text
 
     quiet = as_json
+    _check_model_fits(model_name)  # an unknown or too large model fails here, before any work
+    # made and written to before any work (no result lost at the end); no file of the user's in it replaced
+    out = check_out_dir(out_dir, files=DEMO_FILES)
+    results: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {"out": str(out)}
+    t_start = time.perf_counter()
+
+    _tune_both(out, model_name, quick, quiet, results, summary)
+    _plan_llama(out, quiet, results, summary)
+    _simulate_gpipe_and_1f1b(out, quiet, results, summary)
+    _run_small_pipeline(out, model_name, quiet, results, summary)
+    _validate_training(out, quiet, results, summary)
+
+    # 6. Show: one self-contained HTML report.
+    t0 = _step(quiet, "write the report")
+    rep = build_report(results, out / "report.html", title="microbatch demo")
+    summary["report"] = str(rep.html_path)
+    summary["seconds"] = round(time.perf_counter() - t_start, 1)
+    _done(quiet, t0, f"{len(rep.png_paths)} figures")
+    emit(
+        summary,
+        as_json,
+        lambda: (
+            f"\nreport: {rep.html_path.resolve()}\n(all results as JSON in {out}/; "
+            f"total {summary['seconds']} s)"
+        ),
+    )
+
+
+def _check_model_fits(model_name: str) -> None:
+    """Refuse an unknown model, or one whose training state the demo's budget cannot hold."""
     from microbatch.choose.preflight import static_train_bytes
     from microbatch.errors import ConfigError
     from microbatch.model import get_model
@@ -85,13 +112,21 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
             f"demo's {format_bytes(DEMO_BUDGET_BYTES)} on the CPU; use --model small or tiny, or tune it with "
             f"`microbatch tune --model {model_name} --memory-budget ...` on a machine that holds it"
         )
-    # made and written to before any work (no result lost at the end); no file of the user's in it replaced
-    out = check_out_dir(out_dir, files=DEMO_FILES)
-    results: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {"out": str(out)}
-    t_start = time.perf_counter()
 
-    # 1. Measure: the throughput and memory curve of a built-in model, training and decoding.
+
+def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: d.get(k) for k in keys}
+
+
+def _tune_both(
+    out: Path,
+    model_name: str,
+    quick: bool,
+    quiet: bool,
+    results: list[dict[str, Any]],
+    summary: dict[str, Any],
+) -> None:
+    """1. Measure: the throughput and memory curve of a built-in model, training and decoding."""
     from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
     from microbatch.measure.timing import TimingConfig
@@ -114,16 +149,10 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
         d = res.to_dict()
         _save(out, f"tune-{mode}.json", d)
         results.append(d)
-        summary[f"tune_{mode}"] = {
-            k: d.get(k)
-            for k in (
-                "micro_batch",
-                "throughput",
-                "fraction_of_best",
-                "peak_memory_bytes",
-                "max_fitting_micro_batch",
-            )
-        }
+        summary[f"tune_{mode}"] = _pick(
+            d,
+            ("micro_batch", "throughput", "fraction_of_best", "peak_memory_bytes", "max_fitting_micro_batch"),
+        )
         ff = d.get("fastest_fitting") or {}
         _done(
             quiet,
@@ -133,12 +162,14 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
             f"{[p['micro_batch'] for p in d['points']]}",
         )
 
-    # 2. Predict: a plan for a large model on a named GPU.
-    t0 = _step(quiet, "plan Llama-3-8B, seq 8192, on 64 H100s: p = 4, d = 16, global batch 1024")
+
+def _plan_llama(out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """2. Predict: a plan for a large model on a named GPU."""
     from microbatch.hardware import get_accelerator
     from microbatch.model import get_model
     from microbatch.predict.plan import PlanConfig, make_plan
 
+    t0 = _step(quiet, "plan Llama-3-8B, seq 8192, on 64 H100s: p = 4, d = 16, global batch 1024")
     plan = make_plan(
         PlanConfig(
             shape=get_model("llama-3-8b"),
@@ -152,19 +183,11 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     _save(out, "plan.json", pd)
     results.append(pd)
     rec = pd["recommended"] or {}
-    summary["plan"] = {
-        k: rec.get(k)
-        for k in (
-            "micro_batch",
-            "microbatches",
-            "schedule",
-            "recompute",
-            "zero",
-            "bubble_fraction",
-            "peak_memory_bytes",
-            "fits",
-        )
-    }
+    summary["plan"] = _pick(
+        rec,
+        ("micro_batch", "microbatches", "schedule", "recompute", "zero", "bubble_fraction",
+         "peak_memory_bytes", "fits"),
+    )  # fmt: skip
     _done(
         quiet,
         t0,
@@ -173,7 +196,15 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
         f"bubble {100 * (rec.get('bubble_fraction') or 0):.1f}%",
     )
 
-    # 3. Simulate GPipe against 1F1B: the same bubble, different memory.
+
+def _simulate_gpipe_and_1f1b(
+    out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any]
+) -> None:
+    """3. Simulate GPipe against 1F1B: the same bubble, different memory."""
+    from microbatch.schedules.registry import generate
+    from microbatch.schedules.simulate import simulate
+    from microbatch.show.text import render_timeline_text
+
     t0 = _step(quiet, "simulate GPipe against 1F1B, p = 4, m = 8 (B = 2F)")
     for name in ("gpipe", "1f1b"):
         sim = simulate(generate(name, 4, 8), forward_time=1.0, backward_time=2.0)
@@ -196,14 +227,19 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
             click.echo(render_timeline_text(sim.intervals, sim.makespan, width=72, legend=False), err=True)
     _done(quiet, t0, "same bubble; GPipe holds m micro-batches per stage, 1F1B min(m, p−i)")
 
-    # 4. Run: a real 2-stage pipeline on torch.distributed.pipelining (gloo, 2 processes).
+
+def _run_small_pipeline(
+    out: Path, model_name: str, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any]
+) -> None:
+    """4. Run: a real 2-stage pipeline on torch.distributed.pipelining (gloo, 2 processes)."""
+    from microbatch.errors import MicrobatchError
+    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline_config import PipelineConfig
+
     t0 = _step(
         quiet,
         f"run a real 2-stage 1F1B pipeline of {model_name} (gloo, 2 processes), m = 4, gradients checked",
     )
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_config import PipelineConfig
-
     try:
         pr = run_pipeline(
             PipelineConfig(
@@ -229,7 +265,12 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
         summary["pipeline"] = {"error": str(e)}
         _done(quiet, t0, f"pipeline run failed: {e}")
 
-    # 5. Close the loop: predict the measured training points from the smallest probes.
+
+def _validate_training(
+    out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any]
+) -> None:
+    """5. Close the loop: predict the measured training points from the smallest probes."""
+    from microbatch.errors import MicrobatchError
     from microbatch.predict.validation import validate_result
 
     t0 = _step(quiet, "validate: predict the largest probes from the smallest (calibrated planner)")
@@ -242,18 +283,3 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     except MicrobatchError as e:  # e.g. too few training points; the rest of the demo still stands
         summary["validate"] = {"error": str(e)}
         _done(quiet, t0, f"validation failed: {e}")
-
-    # 6. Show: one self-contained HTML report.
-    t0 = _step(quiet, "write the report")
-    rep = build_report(results, out / "report.html", title="microbatch demo")
-    summary["report"] = str(rep.html_path)
-    summary["seconds"] = round(time.perf_counter() - t_start, 1)
-    _done(quiet, t0, f"{len(rep.png_paths)} figures")
-    emit(
-        summary,
-        as_json,
-        lambda: (
-            f"\nreport: {rep.html_path.resolve()}\n(all results as JSON in {out}/; "
-            f"total {summary['seconds']} s)"
-        ),
-    )

@@ -217,12 +217,33 @@ def simulate(
     :func:`microbatch.schedules.validate.validate` for a full check), and
     :class:`~microbatch.errors.ConfigError` if the times overflow (a makespan past the largest float).
     """
-    p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
+    nst = schedule.num_virtual_stages
     comm = non_negative_time("comm_time", comm_time)
-    f_t = _per_stage("forward_time", forward_time, nst)
-    b_t = None if backward_time is None else _per_stage("backward_time", backward_time, nst)
-    i_t = None if input_time is None else _per_stage("input_time", input_time, nst)
-    w_t = None if weight_time is None else _per_stage("weight_time", weight_time, nst)
+    dur_by_kind = _durations_by_kind(
+        schedule,
+        _per_stage("forward_time", forward_time, nst),
+        None if backward_time is None else _per_stage("backward_time", backward_time, nst),
+        None if input_time is None else _per_stage("input_time", input_time, nst),
+        None if weight_time is None else _per_stage("weight_time", weight_time, nst),
+    )
+    plan, durations, deltas = _compile(schedule, dur_by_kind, comm)
+    starts, free = _run(schedule, plan)
+    return _result(schedule, starts, durations, deltas, free, comm)
+
+
+_Op = tuple[int, float, int, float, int, float]
+"""One compiled action: (completion slot, duration, dependency 1, its comm time, dependency 2, its comm time)."""
+
+
+def _durations_by_kind(
+    schedule: Schedule,
+    f_t: list[float],
+    b_t: list[float] | None,
+    i_t: list[float] | None,
+    w_t: list[float] | None,
+) -> dict[str, list[float]]:
+    """Per kind (F, B, I, W), one duration per virtual stage; refuses times the schedule's kinds lack."""
+    nst = schedule.num_virtual_stages
     kinds = {a.kind for rank in schedule.actions for a in rank}
     if kinds & {"I", "W"} and (i_t is None or w_t is None):
         raise ConfigError(
@@ -238,7 +259,14 @@ def simulate(
                 "or both input_time and weight_time"
             )
     zero = [0.0] * nst
-    dur_by_kind = {"F": f_t, "B": b_t or zero, "I": i_t or zero, "W": w_t or zero}
+    return {"F": f_t, "B": b_t or zero, "I": i_t or zero, "W": w_t or zero}
+
+
+def _compile(
+    schedule: Schedule, dur_by_kind: dict[str, list[float]], comm: float
+) -> tuple[list[list[_Op]], list[list[float]], list[list[int]]]:
+    """Per rank, its actions as flat index rows (``_Op``), their durations and in-flight deltas."""
+    m, nst = schedule.microbatches, schedule.num_virtual_stages
     rank_of = [schedule.stage_to_rank(s) for s in range(nst)]
 
     # Completion times live in one flat list: slot (F = 0, B or I = 1, W = 2; B and I share a
@@ -271,14 +299,14 @@ def simulate(
             f"rank {r}: action {s}{k}{mb} is outside the schedule (p·v = {nst}, m = {m}, kinds F/B/I/W)"
         )
 
-    plan: list[list[tuple[int, float, int, float, int, float]]] = []
+    plan: list[list[_Op]] = []
     durations: list[list[float]] = []
     deltas: list[list[int]] = []
     for r, acts in enumerate(schedule.actions):
         tmpl: dict[str, dict[int, tuple[int, float, int, float, int, float, int]]] = {
             k: {} for k in dur_by_kind
         }
-        ops: list[tuple[int, float, int, float, int, float]] = []
+        ops: list[_Op] = []
         durs: list[float] = []
         dels: list[int] = []
         append_op, append_dur, append_del = ops.append, durs.append, dels.append
@@ -297,7 +325,14 @@ def simulate(
         plan.append(ops)
         durations.append(durs)
         deltas.append(dels)
+    return plan, durations, deltas
 
+
+def _run(schedule: Schedule, plan: list[list[_Op]]) -> tuple[list[list[float]], list[float]]:
+    """Each rank's start times and end time: ranks run their lists in order, each op when its inputs
+    are done; raises ScheduleError on a deadlock."""
+    p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
+    none_base = 3 * nst * m
     end = [-1.0] * none_base + [0.0] * m
     starts: list[list[float]] = [[] for _ in range(p)]
     ptr = [0] * p
@@ -355,7 +390,19 @@ def simulate(
                 f"rank {r} position {ptr[r]} ({a}) can never start: its dependency never runs or runs later "
                 "on a rank that waits for this one (deadlock); check the schedule with microbatch.schedules.validate.validate"
             )
+    return starts, free
 
+
+def _result(
+    schedule: Schedule,
+    starts: list[list[float]],
+    durations: list[list[float]],
+    deltas: list[list[int]],
+    free: list[float],
+    comm: float,
+) -> SimResult:
+    """The timeline and its statistics; raises ConfigError when a sum overflows a float."""
+    p = schedule.stages
     makespan = max(free) if p else 0.0
     overflow = ConfigError(
         f"the op times given overflow: the makespan is {makespan:.4g}"
