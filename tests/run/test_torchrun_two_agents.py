@@ -17,6 +17,18 @@ pytest.importorskip("torch")
 
 
 def _agents(port: int, command: list[str], timeout_s: float = 150) -> list[subprocess.CompletedProcess[str]]:
+    """Two torchrun agents of one rank each, meeting at localhost:port. The rendezvous store is hosted
+    here, by the test, for as long as both agents run (``is_host=false`` for both): when one agent hosts
+    it, as on two machines, that agent can exit the moment its worker is done while the other agent
+    still polls the store (torch's elastic agent, ``num_nodes_waiting``), and the other agent then fails
+    with a RendezvousConnectionError although both workers finished (seen in 2 of 4 runs on the 2-core
+    VM, 2026-12-03)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("localhost", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MICROBATCH_PIPELINE_FAULT", None)
 
@@ -24,7 +36,7 @@ def _agents(port: int, command: list[str], timeout_s: float = 150) -> list[subpr
         return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--node-rank", str(rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-            "--rdzv-id", f"microbatch-test-{port}", *command,
+            "--rdzv-id", f"microbatch-test-{port}", "--rdzv-conf", "is_host=false", *command,
         ]  # fmt: skip
 
     procs = [
@@ -41,6 +53,7 @@ def _agents(port: int, command: list[str], timeout_s: float = 150) -> list[subpr
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        del store
     return out
 
 
