@@ -98,6 +98,11 @@ class Accelerator:
     48-49GB/s per NIC", 48 of 50 GB/s); the same fraction is taken for HDR (24 of 25 GB/s)."""
     compute_units: int | None = None
     """Streaming multiprocessors (NVIDIA) or compute units (AMD): GEMM tiles run in waves of this many."""
+    attention_fraction: float | None = None
+    """Share of the bf16 peak a causal flash-attention kernel reaches at long key lengths (its ceiling f∞;
+    :func:`microbatch.predict.attention.flash_rate_fraction` bends it down at short ones). None: no kernel
+    evidence for this accelerator, the attention core then runs at the GEMM efficiency on the full
+    FLOP count (the rule before issue 28). Each row names its evidence."""
     source: str = ""
     """Where the figures come from."""
 
@@ -116,6 +121,12 @@ class Accelerator:
                     f"{self.name} {f} must be in (0, 1], got {v!r}; give the measured bus bandwidth "
                     "over the link's figure (1 when unknown)"
                 )
+        v = self.attention_fraction
+        if v is not None and (not isinstance(v, (int, float)) or not (0 < v <= 1)):
+            raise ConfigError(
+                f"{self.name} attention_fraction must be in (0, 1], got {v!r}; give the share of the bf16 "
+                "peak a causal flash-attention kernel reaches (or leave it unset)"
+            )
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
@@ -177,6 +188,7 @@ def _acc(
     gpus_per_node: int = 8,
     links: tuple[float, float] = (1.0, 1.0),
     fp8: float | None = None,
+    attention: float | None = None,
 ) -> Accelerator:
     peaks = {"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB} | ({"fp8": fp8 * TB} if fp8 else {})
     return Accelerator(
@@ -188,9 +200,10 @@ def _acc(
         inter_node_bytes_per_s=inter,
         gpus_per_node=gpus_per_node,
         compute_units=units,
-        source=source,
         intra_node_achievable=links[0],
         inter_node_achievable=links[1],
+        attention_fraction=attention,
+        source=source + (_ATTENTION_SOURCES[attention] if attention in _ATTENTION_SOURCES else ""),
     )
 
 
@@ -198,6 +211,21 @@ _IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 refere
 _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)
 _NVLINK_IB = (0.82, 0.96)
 """Achievable fractions of NVLink and InfiniBand (see ``Accelerator.intra_node_achievable``)."""
+
+_ATTN_HOPPER = 0.389
+"""Causal flash-attention ceiling on Hopper: 0.348 of the bf16 peak measured on an H200 by
+``bench/gpu_microbench.py`` (``bench/results/h200-2026-11-30b/run1/microbench.json``: PyTorch SDPA,
+is_causal, s 2,048, 32 heads of 128, the causal half of the FLOPs counted), over the ramp
+2,048/(2,048 + s₀) of :data:`microbatch.predict.attention.FLASH_SEQ_HALF`: 0.348 × 2,289/2,048 = 0.389.
+Carried to the other Hopper parts as a share of their own peak (an assumption: the PCIe and NVL
+cards' lower power limits may cost more)."""
+# A100: no causal flash ceiling is set. FlashAttention-2 (Dao 2023, arXiv 2307.08691) reaches "50-73% of the
+# theoretical maximum FLOPs/s on A100" over forward and backward, causal and not; its causal backward figure
+# was not read here, and 0.73 (the top, non-causal forward) would make a causal A100 step faster than the rule
+# it replaces (0.4 of peak forward, 0.5 backward, in the kernel's own FLOP count). The A100 rows keep that rule.
+_ATTENTION_SOURCES = {
+    _ATTN_HOPPER: "; attention: causal flash ceiling 0.389 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
+}
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
@@ -214,16 +242,27 @@ ACCELERATORS: dict[str, Accelerator] = {
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "
              "3,958 TFLOP/s fp8 with sparsity = 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER),
         _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
-             "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513),
+             "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513,
+             attention=_ATTN_HOPPER),
+        _acc("h100-nvl", 835.5, 835.5, 60, 94, 3900, 64, 200 * Gbit, 132,
+             "NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense, 60 fp32, 94 GB HBM3 "
+             "at 3.9 TB/s, 350-400 W; NVLink bridge 600 GB/s joins two cards only, so a node's GPUs meet over "
+             "PCIe Gen5 x16 (64 GB/s each way); typical node: 200 Gb/s per GPU; 3,341 TFLOP/s fp8 with "
+             "sparsity = 1,670.5 dense", fp8=1670.5, attention=_ATTN_HOPPER),
+        _acc("h800", 989.4, 989.4, 66.9, 80, 3350, 200, _IB_NDR, 132,
+             "NVIDIA H800 SXM5: the H100 SXM's compute and HBM3 (989 TFLOP/s bf16 dense, 67 fp32, 3.35 TB/s) "
+             "with NVLink cut to 400 GB/s (200 each way); one 400 Gb/s NIC per GPU (DeepSeek-V3's H800 "
+             "cluster, arXiv 2412.19437 §3.2.2: IB 50 GB/s per GPU against NVLink's 160 GB/s achieved)",
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER),
         _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
              "fp8 as H100 SXM, 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER),
         _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
@@ -301,6 +340,8 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
 # Substrings of torch.cuda.get_device_name() -> registry key, most specific first.
 _DEVICE_NAMES = (
     ("h100 pcie", "h100-pcie"),
+    ("h100 nvl", "h100-nvl"),
+    ("h800", "h800"),
     ("h100", "h100-sxm"),
     ("h200", "h200"),
     ("b200", "b200"),
@@ -339,6 +380,8 @@ def match_accelerator(name: str) -> str | None:
     for key, pattern in (
         ("h200", r"h200"),
         ("h100-pcie", r"h100.*pcie"),
+        ("h100-nvl", r"h100.*nvl"),
+        ("h800", r"h800"),
         ("h100-sxm", r"h100"),
         ("a100-40gb", r"a100.*40"),
         ("a100-80gb", r"a100"),

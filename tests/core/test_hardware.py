@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from microbatch.errors import ConfigError
-from microbatch.hardware import ACCELERATORS, get_accelerator, parse_gpus
+from microbatch.hardware import ACCELERATORS, from_device_name, get_accelerator, parse_gpus, parse_overrides
 from microbatch.units import GIB
 
 
@@ -90,3 +90,26 @@ def test_achievable_link_fractions_are_cited_and_checked():
         a100.with_overrides(intra_node_achievable=1.5)
     with pytest.raises(ConfigError, match=r"inter_node_achievable must be in \(0, 1\]"):
         a100.with_overrides(inter_node_achievable=0)
+
+
+def test_issue28_rows_and_the_flash_ceiling():
+    """H100 NVL and H800 rows (issue 28), matched from device names; the flash ceiling is checked and overridable."""
+    nvl, h800, sxm = get_accelerator("h100-nvl"), get_accelerator("h800"), get_accelerator("h100-sxm")
+    assert nvl.flops("bf16") == pytest.approx(1671e12 / 2)  # the datasheet's sparse figure halved
+    assert nvl.memory_bandwidth_bytes_per_s == pytest.approx(3.9e12)
+    assert h800.flops("bf16") == sxm.flops("bf16")  # the H100 SXM's compute ...
+    assert h800.intra_node_bytes_per_s == pytest.approx(
+        sxm.intra_node_bytes_per_s * 400 / 900
+    )  # ... NVLink cut
+    assert from_device_name("NVIDIA H800").name == "h800"
+    assert from_device_name("NVIDIA H100 NVL").name == "h100-nvl"
+    assert from_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+    # the Hopper ceiling reproduces the H200's measured 0.348 at s = 2,048 through the ramp
+    assert sxm.attention_fraction == pytest.approx(0.3477 * (2048 + 241) / 2048, abs=1e-3)
+    assert get_accelerator("a100-80gb").attention_fraction is None  # no causal kernel evidence read
+    assert "attention" in sxm.source
+    assert (
+        get_accelerator("h100-sxm", **parse_overrides(["attention_fraction=0.5"])).attention_fraction == 0.5
+    )
+    with pytest.raises(ConfigError, match=r"attention_fraction must be in \(0, 1\], got 1.5"):
+        sxm.with_overrides(attention_fraction=1.5)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_fp8_recipe
+from microbatch.predict.attention import flash_attention_times_s
 from microbatch.predict.collectives import (
     allgather_time_s,
     allreduce_time_s,
@@ -195,7 +196,10 @@ def layer_forward(
     With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys (causal load
     balance: 1/c of the attention each) and passes K/V around a ring of c ranks t apart
     (:mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``.
-    With ``fp8_recipe`` the linear GEMMs run at the accelerator's FP8 rate (times the recipe's kernel
+    Under flash attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the
+    attention core runs on the kernel's own curve (:func:`microbatch.predict.attention.flash_attention_times_s`:
+    the causal half of the FLOPs, a backward of 5/2 × them, at the ceiling × s/(s + s₀)); otherwise at
+    the GEMM efficiency on the full FLOPs. With ``fp8_recipe`` the linear GEMMs run at the accelerator's FP8 rate (times the recipe's kernel
     factor) and their casts (:func:`microbatch.predict.fp8.cast_bytes`) add to the elementwise traffic;
     attention and the rest stay in ``dtype``. With ``async_tp`` the tensor-parallel collectives are
     decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, micro-pipelined
@@ -234,9 +238,13 @@ def layer_forward(
         drop = bool(shape.dropout)
         attn_bytes += score_passes(drop) * e * a * s * rows / t
         attn_bwd_bytes += score_passes(drop, backward=True) * e * a * s * rows / t
-    attn_rate = acc.flops(dtype) * efficiency.gemm(rows)
-    attention = max(attn_flops / attn_rate, attn_bytes / bw)
-    attention_bwd = max(2 * attn_flops / attn_rate, attn_bwd_bytes / bw)
+    if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
+        fwd_s, bwd_s = flash_attention_times_s(attn_flops, s / c, acc.flops(dtype), acc.attention_fraction)
+    else:
+        attn_rate = acc.flops(dtype) * efficiency.gemm(rows)
+        fwd_s, bwd_s = attn_flops / attn_rate, 2 * attn_flops / attn_rate
+    attention = max(fwd_s, attn_bytes / bw)
+    attention_bwd = max(bwd_s, attn_bwd_bytes / bw)
     sp = t if sequence_parallel else 1
     passes_h = 10 + (4 if shape.dropout else 0)
     passes_f = 3 if shape.gated_mlp else 2
