@@ -84,6 +84,13 @@ def test_report_refuses_a_tune_whose_numbers_are_strings(tmp_path, capsys, bad, 
     assert not (tmp_path / "r.html").exists()
 
 
+def test_report_passes_the_librarys_own_refusal_through(tmp_path, capsys):
+    """A good file with a bad --out: the library's message (the suffix), not 'a field of the wrong kind'."""
+    good = write(tmp_path / "good.json", tune_result())
+    refused(["report", good, "--out", str(tmp_path / "r"), "--no-png"], capsys,
+            r"^error: report path .*/r' must end in \.html", r"for example --out report\.html")  # fmt: skip
+
+
 def test_report_names_the_file_it_cannot_draw(tmp_path, capsys):
     """Any other field of the wrong kind (a plan, a pipeline, a validate result): the file is named,
     with what went wrong, not a traceback."""

@@ -46,8 +46,12 @@ def cmd(
     check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True, inputs=inputs, force=force)
     if not no_png:  # the PNGs go in <name>-figures/ beside it: nothing there that is not ours is replaced
         _check_figures_folder(out_path, force)
+    from microbatch.errors import MicrobatchError
+
     try:
         rep = build_report(loaded, out_path, title=title, png=not no_png)
+    except MicrobatchError:
+        raise  # the library's own refusal says what is wrong (a ConfigError is a ValueError too)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
         raise _unreadable(results, e) from None
     payload = {
