@@ -1,11 +1,14 @@
-"""Uncalibrated step-time error on the development set of published runs (issue 17).
+"""Uncalibrated step-time error on the development set of published runs (issues 17 and 28).
 
 Reads ``tests/data/published_runs.json`` (Narayanan et al. 2021 Table 1; Korthikanti et al. 2022 Table 5, full
-recompute and sequence parallelism + selective recompute); for each fully or partly specified row it builds the
+recompute and sequence parallelism + selective recompute; Megatron-Bridge's DGX-H100 FP8 dense Llama rows; the
+Llama 3 report's Table 4); for each fully or partly specified row it builds the
 planner's configuration (model, accelerator, B_global, t, p, d = GPUs/(t·p)), predicts the step time
 with the default (uncalibrated) roofline efficiencies, and prints the error against the measured
-step time, row by row, with the mean |error|. Where the source leaves a choice open (Narayanan et
-al. 2021 Table 1 gives no micro-batch size or schedule) the script states the value it assumed.
+step time, row by row, then the error by source, accelerator and sequence band, the share of rows
+predicted too fast and the worst rows. Where the source leaves a choice open (Narayanan et al. 2021
+Table 1 gives no micro-batch size or schedule) the script states the value it assumed. Development
+sources only: the held-out set of issue 28 is not read here.
 
 Run: .venv/bin/python bench/bench_published.py [--json]
 """
@@ -20,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.hardware import get_accelerator  # noqa: E402
-from microbatch.model import ModelShape  # noqa: E402
+from microbatch.model import ModelShape, get_model  # noqa: E402
 from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
+from microbatch.predict.roofline import model_flops_per_step  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_runs.json"
 
@@ -58,7 +62,7 @@ def narayanan_rows(data: dict, micro_batch: int = 1) -> list[dict]:
         c = plan.fastest or plan.candidates[0]
         err = 100 * (c.step_time_s / measured - 1)
         out.append({
-            "source": "Narayanan 2021 Table 1", "model": shape.name, "gpus": n, "t": t, "p": p, "d": d,
+            "source": "Narayanan 2021 Table 1", "gpu": gpu.name, "seq": s, "model": shape.name, "gpus": n, "t": t, "p": p, "d": d,
             "global_batch": B, "micro_batch": micro_batch, "assumed": "b_m, 1F1B, full recompute",
             "measured_step_s": measured, "predicted_step_s": c.step_time_s, "error_pct": err, "fits": c.fits,
         })  # fmt: skip
@@ -89,7 +93,7 @@ def korthikanti_rows(data: dict) -> list[dict]:
             plan = make_plan(cfg)
             c = plan.fastest or plan.candidates[0]
             out.append({
-                "source": "Korthikanti 2022 Tab 5", "model": f"{shape.name} {rc[:3]}", "gpus": n, "t": t, "p": p,
+                "source": "Korthikanti 2022 Tab 5", "gpu": gpu.name, "seq": s, "model": f"{shape.name} {rc[:3]}", "gpus": n, "t": t, "p": p,
                 "d": d, "global_batch": B, "micro_batch": b, "virtual": v, "recompute": rc,
                 "measured_step_s": measured, "predicted_step_s": c.step_time_s,
                 "error_pct": 100 * (c.step_time_s / measured - 1), "fits": c.fits,
@@ -97,12 +101,116 @@ def korthikanti_rows(data: dict) -> list[dict]:
     return out
 
 
+def _llama(name: str, seq: int, table: dict | None = None) -> ModelShape:
+    if table is None:
+        return get_model(name, seq=seq)
+    t = table
+    return ModelShape(
+        name=t["name"], layers=t["layers"], hidden=t["hidden"], heads=t["heads"], kv_heads=t["kv"],
+        ffn_hidden=t["ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=False,
+    )  # fmt: skip
+
+
+def _fastest(cfg: PlanConfig) -> tuple[float, bool, str]:
+    plan = make_plan(cfg)
+    c = plan.fastest or plan.candidates[0]
+    return c.step_time_s, c.fits, f"{c.schedule} v{c.virtual} {c.recompute} Z{c.zero}"
+
+
+def bridge_rows(data: dict) -> list[dict]:
+    """Megatron-Bridge DGX-H100 FP8 dense rows: step = GBS·s / (tokens/s/GPU · GPUs)."""
+    sec = data["megatron_bridge_dgx_h100_fp8"]
+    gpu = get_accelerator(sec["gpu"])
+    table405 = data["llama3_2024_table4"]["shape"]
+    out = []
+    for r in sec["rows"]:
+        s, n, t, p, c, v = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["vp"]
+        shape = _llama(r["model"], s, table405 if r["model"] == table405["name"] else None)
+        d = n // (t * p * c)
+        note = ""
+        if v > 1 and shape.layers % (
+            p * v
+        ):  # Megatron splits unevenly (the 405B's 126 layers over 8 x 8 chunks)
+            v, note = 1, f"v{r['vp']} not expressible ({shape.layers} layers): "
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
+            tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, micro_batches=(r["micro_batch"],),
+            zero=(3,) if r["fsdp"] else (1,), flash_attention=True, precision=sec["precision"],
+            fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
+            virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest",
+        )  # fmt: skip
+        pred, fits, how = _fastest(cfg)
+        measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
+        out.append({
+            "source": f"Megatron-Bridge {r['container']}", "gpu": gpu.name, "seq": s, "model": shape.name,
+            "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
+            "assumed": note + how, "measured_step_s": measured, "predicted_step_s": pred,
+            "error_pct": 100 * (pred / measured - 1), "fits": fits,
+        })  # fmt: skip
+    return out
+
+
+def llama3_rows(data: dict) -> list[dict]:
+    """Llama 3 Table 4: step = model FLOPs / (TFLOP/s per GPU · GPUs), b_m = 1, the rest the planner's fastest."""
+    sec = data["llama3_2024_table4"]
+    gpu = get_accelerator(sec["gpu"])
+    out = []
+    for r in sec["rows"]:
+        s, n, t, p, c, B = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["global_batch"]
+        shape = _llama("", s, sec["shape"])
+        d = n // (t * p * c)
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
+            sequence_parallel=True, context_parallel=c, micro_batches=(1,), flash_attention=True,
+            memory_headroom=0.0, choose="fastest",
+        )  # fmt: skip
+        pred, fits, how = _fastest(cfg)
+        measured = model_flops_per_step(shape, B, s) / (r["tflops_per_gpu"] * 1e12 * n)
+        out.append({
+            "source": "Llama 3 Table 4", "gpu": gpu.name, "seq": s, "model": f"{shape.name} c{c}", "gpus": n,
+            "t": t, "p": p, "d": d, "global_batch": B, "micro_batch": 1, "assumed": how,
+            "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
+            "fits": fits,
+        })  # fmt: skip
+    return out
+
+
+def _band(seq: int) -> str:
+    return "s <= 2k" if seq <= 2048 else ("2k < s <= 8k" if seq <= 8192 else "s > 8k")
+
+
+def _summary(label: str, part: list[dict]) -> str:
+    errs = [abs(r["error_pct"]) for r in part]
+    fast = sum(1 for r in part if r["error_pct"] < 0)
+    return (
+        f"  {label:<26} {len(part):>3} rows  mean |error| {sum(errs) / len(errs):5.1f}%  max {max(errs):5.1f}%  "
+        f"mean signed {sum(r['error_pct'] for r in part) / len(part):+6.1f}%  too fast {100 * fast / len(part):3.0f}%"
+    )
+
+
+def print_breakdown(rows: list[dict], worst: int = 5) -> None:
+    """Error by source, accelerator and sequence band; the share too fast; the worst rows."""
+    for title, key in (("by source", "source"), ("by accelerator", "gpu"), ("by sequence band", "band")):
+        print(title)
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            groups.setdefault(_band(r["seq"]) if key == "band" else r[key], []).append(r)
+        for label, part in groups.items():
+            print(_summary(label, part))
+    print("worst rows")
+    for r in sorted(rows, key=lambda r: -abs(r["error_pct"]))[:worst]:
+        print(
+            f"  {r['source']:<24} {r['model']:<18} {r['gpus']:>6} GPUs  s {r['seq']:>6}  {r['error_pct']:+6.1f}%"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     data = json.loads(DATA.read_text())
-    rows = narayanan_rows(data) + korthikanti_rows(data)
+    base = narayanan_rows(data) + korthikanti_rows(data)
+    rows = base + bridge_rows(data) + llama3_rows(data)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -113,18 +221,27 @@ def main() -> None:
               f"{r['global_batch']:>5} {r['micro_batch']:>3} {r['measured_step_s']:>8.2f}s "
               f"{r['predicted_step_s']:>8.2f}s {r['error_pct']:>+6.1f}%")  # fmt: skip
     print()
-    for label, part in (("Narayanan 2021", rows[:10]), ("Korthikanti 2022", rows[10:]), ("all", rows)):
+    for label, part in (
+        ("Narayanan 2021", base[:10]),
+        ("Korthikanti 2022", base[10:18]),
+        ("issue-17 rows", base),
+    ):
         errs = [abs(r["error_pct"]) for r in part]
         signs = sum(1 for r in part if r["error_pct"] < 0)
         print(
             f"{label:<17} mean |error| {sum(errs) / len(errs):.1f}%, max {max(errs):.1f}%, "
             f"mean signed {sum(r['error_pct'] for r in part) / len(part):+.1f}%, {signs} of {len(part)} too fast"
         )
+    print()
+    print_breakdown(rows)
     print(
         "Narayanan rows, assumed where the source is silent: b_m = 1, 1F1B (no interleaving), full recompute, no ZeRO"
     )
     print(
         "from the runs' software (2021 Megatron-LM): no flash attention; gradient all-reduce after the backward"
+    )
+    print(
+        "Megatron-Bridge and Llama 3 rows: recompute (and for Llama 3 the schedule and ZeRO) the planner's fastest that fits"
     )
     for k in ("nemo_dgx_h100_bf16",):
         print(f"{k}: {data[k]['_status']}")
