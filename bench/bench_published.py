@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.hardware import get_accelerator  # noqa: E402
 from microbatch.model import ModelShape, get_model  # noqa: E402
+from microbatch.predict.attention import FA3_HOPPER_CEILING  # noqa: E402
 from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
 from microbatch.predict.roofline import model_flops_per_step  # noqa: E402
 
@@ -120,7 +121,8 @@ def _fastest(cfg: PlanConfig) -> tuple[float, bool, str]:
 def bridge_rows(data: dict) -> list[dict]:
     """Megatron-Bridge DGX-H100 FP8 dense rows: step = GBS·s / (tokens/s/GPU · GPUs)."""
     sec = data["megatron_bridge_dgx_h100_fp8"]
-    gpu = get_accelerator(sec["gpu"])
+    # Transformer Engine's cuDNN fused attention on Hopper: the FA3-class ceiling (predict/attention.py)
+    gpu = get_accelerator(sec["gpu"], attention_fraction=FA3_HOPPER_CEILING)
     table405 = data["llama3_2024_table4"]["shape"]
     out = []
     for r in sec["rows"]:

@@ -63,3 +63,13 @@ def test_layer_uses_the_flash_curve_only_with_flash_and_a_ceiling() -> None:
     assert layer_forward(shape, 1, h100, flash_attention=False).attention_s == pytest.approx(
         layer_forward(shape, 1, bare, flash_attention=False).attention_s
     )
+
+
+def test_fa3_ceiling_reproduces_its_kernel_benchmark() -> None:
+    """FA3_HOPPER_CEILING x peak through the ramp: tritonbench's FA3 points on an H100 within 1.5%."""
+    from microbatch.predict.attention import FA3_HOPPER_CEILING
+
+    peak = get_accelerator("h100-sxm").flops("bf16") / 1e12
+    fa3 = {512: 430, 1024: 517, 2048: 566, 4096: 590, 8192: 614, 16384: 621}
+    for s, tflops in fa3.items():
+        assert peak * flash_rate_fraction(s, FA3_HOPPER_CEILING) == pytest.approx(tflops, rel=0.015)

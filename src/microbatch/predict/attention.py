@@ -26,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "FLASH_SEQ_HALF",
     "FLASH_BACKWARD_RATIO",
+    "FA3_HOPPER_CEILING",
     "causal_flash_flops",
     "flash_backward_flops",
     "flash_rate_fraction",
@@ -40,6 +41,13 @@ From an H100 kernel benchmark, not a step time: pytorch/benchmark pull request 2
 kernel at 329, 390, 434, 458, 471, 477 TFLOP/s and FlashAttention-3 at 430, 517, 566, 590, 614, 621 TFLOP/s
 for s = 512 … 16,384. Fitting R·s/(s + s₀) through the two ends gives s₀ = 241 for FA2 (512 and
 16,384) and 241 for FA3 (512 and 8,192); every other point of both kernels lies within 1.5% of the curve."""
+
+FA3_HOPPER_CEILING = 0.639
+"""Ceiling of a Hopper-specific kernel (FlashAttention-3; cuDNN's fused attention, which Transformer Engine
+runs under Megatron-core and NeMo, is taken to be of its class — an assumption, not a measurement): the
+same benchmark's FA3 curve R·s/(s + s₀) has R = 632 TFLOP/s, 0.639 of the H100 SXM's 989.4 (forward,
+not causal: optimistic for a causal backward). Give it with ``--gpu-set attention_fraction=0.639``; the
+accelerator rows carry the FA2-class ceiling PyTorch's SDPA reaches."""
 
 FLASH_BACKWARD_RATIO = 2.5
 """Backward / forward FLOPs of a flash kernel: 5 matmuls against 2 (FlashAttention-2 Algorithm 2)."""
