@@ -104,3 +104,25 @@ def test_fast_candidate_is_the_dataclass():
     assert _fast_candidate(c.to_dict()) == plain
     with pytest.raises(AttributeError):
         c.zero = 1  # type: ignore[misc]  # still frozen
+
+
+def test_fsdp_edges_by_hand_and_exposed_whatever_the_compute():
+    """Issue 28: ZeRO-3's first gather per micro-step and last reduce-scatter per step are never hidden."""
+    from microbatch.predict.collectives import allgather_time_s, fsdp_edges_s, reduce_scatter_time_s
+
+    assert fsdp_edges_s(0.8, 0.4, units=4, microsteps=3) == pytest.approx(3 * 0.2 + 0.1)
+    assert fsdp_edges_s(0.8, 0.4, units=0, microsteps=1) == pytest.approx(1.2)
+    # a long sequence on 8 GPUs: compute hides the whole gather and reduce-scatter, the edges stay
+    from microbatch.predict.candidate import _comm
+
+    cfg = PlanConfig(gpu=A100, shape=get_model("gpt2"), global_batch=64, data_parallel=8, seq=1024)
+    ctx = make_context(cfg)
+    tm = _stage_times(ctx, 2, "none")
+    n = 124e6
+    wb, gb, _ = ctx.state_bpp
+    ag = allgather_time_s(n * wb, 8, ctx.bw_dp)
+    rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_dp)
+    assert ag < tm.fk and ag + rs < tm.ik + tm.wk  # all of it hidden by the old rule
+    dp, zero_s, _ = _comm(ctx, 4, 3, tm, n)
+    assert zero_s == pytest.approx(4 * ag / 12 + rs / 12)  # gpt2: 12 layers on the one stage
+    assert ctx.split == (12,)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.predict.collectives import fsdp_edges_s
 from microbatch.predict.plan_context import (
     Context,
     InFlight,
@@ -367,6 +368,8 @@ def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float
             ag = allgather_time_s(n * wb, d, bw_dp)
             rs = reduce_scatter_time_s(n * gb, d, bw_dp)
             zero_s = m * (max(0.0, ag - tm.fk) + max(0.0, ag + rs - back))
+            # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
+            zero_s += fsdp_edges_s(ag, rs, ctx.split[tm.k], m)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
     owned = n / d if z >= 1 else n
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)

@@ -24,6 +24,7 @@ __all__ = [
     "group_bandwidth",
     "ranks_per_node",
     "alltoall_time_s",
+    "fsdp_edges_s",
 ]
 
 
@@ -125,3 +126,19 @@ def alltoall_time_s(nbytes: float, ranks: int, ranks_in_node: int, bw_intra: flo
     intra = nbytes * (k - 1) / ranks / bw_intra
     inter = nbytes * (ranks - k) / ranks / bw_inter if ranks > k else 0.0
     return max(intra, inter)
+
+
+def fsdp_edges_s(allgather_s: float, reduce_scatter_s: float, units: int, microsteps: int) -> float:
+    """ZeRO-3/FSDP communication no prefetch can hide: m · AG/u + RS/u seconds per optimizer step.
+
+    FSDP gathers and reduce-scatters one wrapped unit (a transformer block) at a time and prefetches
+    the next unit's gather behind the current unit's compute (PyTorch FSDP's forward/backward prefetch,
+    Zhao et al. 2023, arXiv 2304.11277 §3.3-3.4; DeepSpeed ZeRO-3's prefetch bucket likewise). The
+    first unit's gather of each micro-step's forward has nothing before it to run behind, and the last
+    unit's reduce-scatter of the step's last backward has nothing after it: of the whole-stage all-gather
+    ``allgather_s`` and reduce-scatter ``reduce_scatter_s`` spread over ``units`` units, one unit's
+    gather per micro-step and one unit's reduce-scatter per step stay exposed whatever the compute.
+    Ignores the slowdown of GEMMs that share the SMs with NCCL kernels and the latency of each call.
+    """
+    u = max(1, units)
+    return microsteps * allgather_s / u + reduce_scatter_s / u
