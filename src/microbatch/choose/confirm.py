@@ -136,7 +136,16 @@ def confirm_knee(
             knee = rec.knee.micro_batch
             first = knee if first is None else first
             above = [b for b in index if b > knee]
-            group = sorted({knee, rec.fastest.micro_batch, *([min(above)] if above else [])})
+            # and the largest b_m below the knee that the noise cannot tell from it: the knee it would be
+            below = [b for b in rec.indistinguishable if b < knee and b in index]
+            group = sorted(
+                {
+                    knee,
+                    rec.fastest.micro_batch,
+                    *([min(above)] if above else []),
+                    *([max(below)] if below else []),
+                }
+            )
             todo = [index[b] for b in group if index[b] not in confirmed]
             if len(group) < 2 or not todo:
                 _moved(log, first, knee)
