@@ -80,7 +80,9 @@ def main() -> None:
           f"{os.cpu_count()} cpus, {time.time() - t0:.0f} s; re-measured medians over {a.rounds} rounds:")  # fmt: skip
     print("  " + ", ".join(f"b_m {b}: {med[b]:,.0f}/s ({100 * med[b] / best:.1f}%)" for b in sizes))
     print()
-    print(f"{'run':>4} {'b_m':>5}  {'indistinguishable':<22} {'in every other set':<19} {'re-measured / best':>18}")
+    print(
+        f"{'run':>4} {'b_m':>5}  {'indistinguishable':<22} {'in every other set':<19} {'re-measured / best':>18}"
+    )
     in_all = within = 0
     for i, d in enumerate(runs):
         b = d["micro_batch"]
