@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -25,10 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from microbatch.hardware import get_accelerator  # noqa: E402
 from microbatch.model import ModelShape, get_model  # noqa: E402
 from microbatch.predict.attention import FA3_HOPPER_CEILING  # noqa: E402
+from microbatch.predict.gemm import DEFAULT_EFFICIENCY  # noqa: E402
 from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
 from microbatch.predict.roofline import model_flops_per_step  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_runs.json"
+FUSED = replace(DEFAULT_EFFICIENCY, fused_elementwise=True)
+"""Megatron-LM's fused LayerNorm and bias-GELU kernels (every development row's framework; Llama 3's assumed)."""
 
 
 def eq3_hardware_flops(B: int, s: int, L: int, h: int, V: int) -> float:
@@ -57,7 +61,7 @@ def narayanan_rows(data: dict, micro_batch: int = 1) -> list[dict]:
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
             micro_batches=(micro_batch,), recompute=("full",), zero=(0,) if d > 1 else None, flash_attention=False, dp_overlap=False,
-            schedules=("1f1b",), memory_headroom=0.0, choose="fastest",
+            schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
         plan = make_plan(cfg)
         c = plan.fastest or plan.candidates[0]
@@ -89,7 +93,7 @@ def korthikanti_rows(data: dict) -> list[dict]:
                 sequence_parallel=rc == "selective", micro_batches=(b,), recompute=(rc,),
                 zero=(0,) if d > 1 else None, flash_attention=False, dp_overlap=False,
                 schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",), virtuals=(v,) if v > 1 else None,
-                memory_headroom=0.0, choose="fastest", precision=sec["precision"],
+                memory_headroom=0.0, choose="fastest", efficiency=FUSED, precision=sec["precision"],
             )  # fmt: skip
             plan = make_plan(cfg)
             c = plan.fastest or plan.candidates[0]
@@ -139,7 +143,7 @@ def bridge_rows(data: dict) -> list[dict]:
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, micro_batches=(r["micro_batch"],),
             zero=(3,) if r["fsdp"] else (1,), flash_attention=True, precision=sec["precision"],
             fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
-            virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest",
+            virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
         pred, fits, how = _fastest(cfg)
         measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
@@ -164,7 +168,7 @@ def llama3_rows(data: dict) -> list[dict]:
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
             sequence_parallel=True, context_parallel=c, micro_batches=(1,), flash_attention=True,
-            memory_headroom=0.0, choose="fastest",
+            memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
         pred, fits, how = _fastest(cfg)
         measured = model_flops_per_step(shape, B, s) / (r["tflops_per_gpu"] * 1e12 * n)

@@ -126,3 +126,18 @@ def test_fsdp_edges_by_hand_and_exposed_whatever_the_compute():
     dp, zero_s, _ = _comm(ctx, 4, 3, tm, n)
     assert zero_s == pytest.approx(4 * ag / 12 + rs / 12)  # gpt2: 12 layers on the one stage
     assert ctx.split == (12,)
+
+
+def test_interleaved_rank_sends_v_times_per_micro_batch():
+    """Narayanan et al. 2021 §2.2.2: with v chunks a micro-batch crosses v boundaries on each rank (issue 28:
+    pipeline_stage_times' ``virtual`` was written and not wired)."""
+    cfg = PlanConfig(gpu=A100, shape=get_model("gpt2"), global_batch=48, pipeline_parallel=3)
+    ctx = make_context(cfg)
+    p2p = layer_costs(ctx, 2).p2p_s
+    assert p2p > 0
+    one, two = _stage_times(ctx, 2, "none", 1), _stage_times(ctx, 2, "none", 2)
+    for a, b in zip(two.f + two.i, one.f + one.i, strict=True):
+        assert a - b == pytest.approx(p2p)
+    assert two.w == one.w
+    c = evaluate(ctx, 2, 24, "interleaved-1f1b", 2, "none", 0, 1e15)
+    assert c.time["pipeline_s"] == pytest.approx(24 * two.Tk + 2 * two.Tk / 2)

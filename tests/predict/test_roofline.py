@@ -151,10 +151,14 @@ def test_backward_input_pass_by_hand():
     from the LayerTime the code returns: the four GEMMs (QKV h -> 3h/t, projection h/t -> h, fc1
     h -> 4h/t, fc2 4h/t -> h) each timed by gemm_time_s; the attention core memory-bound with its
     6.5 (forward) and 9.5 (backward) passes over the b·(a/t)·s² scores; 14 elementwise passes of
-    rows × h/t (norms, residuals, dropout) and 2 of rows × 4h/t (GELU), 1.5× that backward; the two
+    rows × h/t (norms, residuals, dropout) and 2 of rows × 4h/t (GELU), fused (Megatron's kernels: at
+    the streaming rate), 1.5× that backward; the two
     all-reduces and (SP, backward) the two all-gathers of b·s·h fp16 at 0.82 × 300 GB/s."""
     shape = get_model("megatron-22b")
-    lt = layer_forward(shape, 4, A100, tensor_parallel=8, sequence_parallel=True, flash_attention=False)
+    fused = RooflineEfficiency(fused_elementwise=True)  # Megatron-LM's fused LayerNorm and bias-GELU
+    lt = layer_forward(
+        shape, 4, A100, tensor_parallel=8, sequence_parallel=True, flash_attention=False, efficiency=fused
+    )
     f, i, w = layer_pass_times(lt, "none")
     rows, s, h, t, e = 4 * 2048, 2048, 6144, 8, 2
     bw = 0.8 * 2039e9
@@ -175,7 +179,7 @@ def test_backward_input_pass_by_hand():
     # full recompute gathers again in its forward: no separate re-gather
     assert layer_pass_times(lt, "full")[1] == pytest.approx(back - regather + f, rel=1e-9)
     assert sp_regather_time_s(1e9, 8, 1e9) == pytest.approx(1.75)
-    no_sp = layer_forward(shape, 4, A100, tensor_parallel=8, flash_attention=False)
+    no_sp = layer_forward(shape, 4, A100, tensor_parallel=8, flash_attention=False, efficiency=fused)
     assert no_sp.sp_regather_s == 0 and no_sp.tp_comm_s == pytest.approx(all_reduces, rel=1e-9)
 
 
@@ -220,3 +224,29 @@ def test_row_efficiency_by_hand():
     # gemm_time_s divides by it: b_m·s = 2048 rows vs 16384 rows of the same GEMM, per row
     per_row = [gemm_time_s(r, 4096, 16384, A100) / r for r in (2048, 16384)]
     assert per_row[0] / per_row[1] == pytest.approx((1 + 140 / 2048) / (1 + 140 / 16384), rel=1e-9)
+
+
+def test_elementwise_at_measured_fractions_unless_fused():
+    """Issue 28: eager norms (0.44) and activations (0.48) at their measured fractions of bandwidth on a GPU;
+    fused or compiled ones, and every CPU, at the streaming rate (``memory``)."""
+    from dataclasses import replace as _replace
+
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import cpu_accelerator
+    from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+    from microbatch.predict.roofline import elementwise_forward_s
+
+    h100 = get_accelerator("h100-sxm")
+    bw = h100.memory_bandwidth_bytes_per_s
+    rb, h, pf = 2 * 4096.0, 4096.0, 3 * 14336.0  # e·rows with rows = 4096; h; 3 passes of f
+    eager = elementwise_forward_s(rb, h, pf, False, h100, DEFAULT_EFFICIENCY)
+    assert eager == pytest.approx(rb * (4 * h / (0.44 * bw) + 6 * h / (0.8 * bw) + pf / (0.48 * bw)))
+    fused_eff = _replace(DEFAULT_EFFICIENCY, fused_elementwise=True)
+    fused = elementwise_forward_s(rb, h, pf, True, h100, fused_eff)
+    assert fused == pytest.approx(rb * (14 * h + pf) / (0.8 * bw))  # the rule before issue 28
+    cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=2e10, memory_bytes=1e10)
+    assert elementwise_forward_s(rb, h, pf, False, cpu, DEFAULT_EFFICIENCY) == pytest.approx(
+        elementwise_forward_s(rb, h, pf, False, cpu, fused_eff)
+    )
+    with pytest.raises(ConfigError, match="norm_memory"):
+        _replace(DEFAULT_EFFICIENCY, norm_memory=0.0)

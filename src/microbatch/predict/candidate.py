@@ -247,9 +247,10 @@ def _memory(
     return best, at, parts
 
 
-def _stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
-    """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, and the bottleneck stage."""
-    hit = ctx.time_cache.get((b, rc))
+def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
+    """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, and the bottleneck stage; with
+    ``v`` chunks per rank (interleaved 1F1B) a micro-batch crosses v chunk boundaries on each rank: v sends."""
+    hit = ctx.time_cache.get((b, rc, v))
     if hit is not None:
         return hit
     costs = layer_costs(ctx, b)
@@ -267,6 +268,7 @@ def _stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
         p2p_s=costs.p2p_s,
         recompute=rc,
         recompute_every=ctx.cfg.recompute_every,
+        virtual=v,
     )
     tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
     at = {n: j for j, n in enumerate(kinds[:-1])}
@@ -286,7 +288,7 @@ def _stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
     T.append(tu[-1])
     k = max(range(p), key=T.__getitem__)
     hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
-    ctx.time_cache[(b, rc)] = hit
+    ctx.time_cache[(b, rc, v)] = hit
     return hit
 
 
@@ -386,7 +388,11 @@ def evaluate(
     flight = _flight(ctx, sched, m, v)
     peak, stage, (wt, gr, op, ac, ot) = _memory(ctx, b, m, sched, v, rc, z, flight)
     v_placement = flight.v_placement
-    tm = _v_stage_times(ctx, b, rc) if v_placement else _stage_times(ctx, b, rc)
+    tm = (
+        _v_stage_times(ctx, b, rc)
+        if v_placement
+        else _stage_times(ctx, b, rc, v if sched == "interleaved-1f1b" else 1)
+    )
     pipe, bubble = _pipeline_time(sched, p, m, v, tm)
     key = (b, m, rc, z, v_placement)
     comm = ctx.comm_cache.get(key)
@@ -454,7 +460,7 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
         tm = _v_stage_times(ctx, c.micro_batch, c.recompute)
         f, i_, w = tm.f, tm.i, tm.w
     else:
-        tm = _stage_times(ctx, c.micro_batch, c.recompute)
+        tm = _stage_times(ctx, c.micro_batch, c.recompute, v)  # a send per chunk: v per rank
         f, i_, w = tm.f, tm.i, tm.w
         if v > 1:  # per virtual stage: a rank's work split evenly over its v chunks (loop placement)
             f = [f[s % p] / v for s in range(p * v)]

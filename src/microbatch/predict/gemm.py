@@ -73,8 +73,20 @@ class RooflineEfficiency:
     there. Applies only to accelerators with compute units (GPUs); ``half_rows`` is the ramp a
     calibration fits on top. 0 disables the term."""
 
+    norm_memory: float = 0.44
+    """Fraction of memory bandwidth an unfused (eager PyTorch) LayerNorm reaches on a GPU: 0.44, measured by
+    ``bench/gpu_microbench.py`` on an H200 (``bench/results/h200-2026-11-30b/run1/microbench.json``,
+    ``torch.nn.functional.layer_norm`` over 256 MiB: 2.11 TB/s of 4.8). Used for the norms unless
+    ``fused_elementwise``; carried to other GPUs as a fraction (an assumption)."""
+    activation_memory: float = 0.48
+    """The same for the MLP's activation function: 0.48, the same run's eager GELU (2.31 TB/s of 4.8)."""
+    fused_elementwise: bool = False
+    """Norms and activation functions run fused or compiled (Megatron-LM's fused LayerNorm and bias-GELU
+    kernels, ``torch.compile``): at ``memory``, the streaming rate (the same H200 run: copy 0.78, add 0.83
+    of the bandwidth). False: eager kernels at ``norm_memory`` and ``activation_memory``."""
+
     def __post_init__(self) -> None:
-        for name in ("gemm_max", "memory", "network"):
+        for name in ("gemm_max", "memory", "network", "norm_memory", "activation_memory"):
             v = getattr(self, name)
             if not (0 < v <= 1):
                 raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
@@ -87,6 +99,12 @@ class RooflineEfficiency:
                 raise ConfigError(f"efficiency {name} must be >= 0, got {getattr(self, name)!r}")
         if self.half_rows < 0:
             raise ConfigError(f"efficiency half_rows must be >= 0, got {self.half_rows!r}")
+
+    def elementwise_fractions(self, gpu: bool) -> tuple[float, float]:
+        """(norm, activation) fractions of bandwidth: ``memory`` when fused or off a GPU, else the eager ones."""
+        if self.fused_elementwise or not gpu:
+            return self.memory, self.memory
+        return self.norm_memory, self.activation_memory
 
     def gemm(self, rows: float) -> float:
         """Fraction of peak FLOP/s a GEMM with ``rows`` rows reaches when compute-bound."""

@@ -72,6 +72,7 @@ __all__ = [
     "score_passes",
     "sp_regather_time_s",
     "elementwise_backward_ratio",
+    "elementwise_forward_s",
     "layer_forward",
     "logits_forward",
     "allreduce_time_s",
@@ -162,6 +163,28 @@ def elementwise_backward_ratio() -> float:
     return 1.5
 
 
+def elementwise_forward_s(
+    row_bytes: float,
+    width_h: float,
+    passes_f_width: float,
+    dropout: bool,
+    acc: Accelerator,
+    eff: RooflineEfficiency,
+) -> float:
+    """Seconds of a layer's elementwise kernels: e·rows·(4·h/bw_norm + (6 [+ 4])·h/bw + P_f·f/bw_act).
+
+    Two norms (read x, write y: 4 passes of rows × h) at the norm rate, two residual adds (read two, write
+    one: 6 passes) and, with dropout, two masked passes each way (4) at the streaming rate, the activation
+    function (``passes_f_width`` = 2 or 3 passes × its width) at the activation rate; h already split by t
+    under sequence parallelism. Rates: ``eff.elementwise_fractions`` of the bandwidth (eager kernels at their
+    measured fractions on a GPU, fused or compiled ones at the streaming rate).
+    """
+    bw = acc.memory_bandwidth_bytes_per_s
+    norm, act = eff.elementwise_fractions(bool(acc.compute_units))
+    stream = (6 + (4 if dropout else 0)) * width_h / (bw * eff.memory)
+    return row_bytes * (4 * width_h / (bw * norm) + stream + passes_f_width / (bw * act))
+
+
 def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_parallel: int = 1) -> float:
     """Forward FLOPs of one layer on one of t GPUs: 2·rows·(GEMM weights) + 4·rows·s·h (QKᵀ and ·V).
 
@@ -246,9 +269,8 @@ def layer_forward(
     attention = max(fwd_s, attn_bytes / bw)
     attention_bwd = max(bwd_s, attn_bwd_bytes / bw)
     sp = t if sequence_parallel else 1
-    passes_h = 10 + (4 if shape.dropout else 0)
-    passes_f = 3 if shape.gated_mlp else 2
-    elementwise = e * rows * (passes_h * h / sp + passes_f * (moe[2] if shape.moe else f) / t) / bw
+    width_f = (3 if shape.gated_mlp else 2) * (moe[2] if shape.moe else f) / t
+    elementwise = elementwise_forward_s(e * rows, h / sp, width_f, bool(shape.dropout), acc, efficiency)
     elementwise_bwd = elementwise_backward_ratio() * elementwise + g.cast_backward_bytes / bw
     elementwise += g.cast_forward_bytes / bw
     tp_comm, regather = _tp_comm(e * rows * h, acc, t, sequence_parallel, efficiency.network)
