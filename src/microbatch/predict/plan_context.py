@@ -121,7 +121,7 @@ class Context:
     """The candidate fields every candidate of this plan shares (filled by the first evaluation)."""
     layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
     act_cache: dict[tuple[int, str], Activations] = field(default_factory=dict)
-    time_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
+    time_cache: dict[tuple[int, str, int], StageTimes] = field(default_factory=dict)
     vtime_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
     flight_cache: dict[tuple[str, int, int], InFlight] = field(default_factory=dict)
     state_cache: dict[tuple[int, bool], tuple[tuple[tuple[float, float, float], ...], float]] = field(
