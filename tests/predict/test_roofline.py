@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from microbatch.hardware import get_accelerator
@@ -250,3 +252,25 @@ def test_elementwise_at_measured_fractions_unless_fused():
     )
     with pytest.raises(ConfigError, match="norm_memory"):
         _replace(DEFAULT_EFFICIENCY, norm_memory=0.0)
+
+
+def test_parallel_block_reduces_once_per_pass():
+    """GPT-J/NeoX/PaLM parallel attention + MLP: one TP all-reduce (and one SP gather) per layer and pass."""
+    shape = get_model("megatron-22b")
+    kw = dict(tensor_parallel=8, sequence_parallel=True, flash_attention=False)
+    serial = layer_forward(shape, 2, A100, **kw)
+    parallel = layer_forward(shape, 2, A100, parallel_block=True, **kw)
+    assert serial.tp_comm_s > 0 and serial.sp_regather_s > 0
+    assert parallel.tp_comm_s == pytest.approx(serial.tp_comm_s / 2)
+    assert parallel.sp_regather_s == pytest.approx(serial.sp_regather_s / 2)
+    assert (parallel.gemm_s, parallel.attention_s, parallel.elementwise_s) == (
+        serial.gemm_s, serial.attention_s, serial.elementwise_s,
+    )  # fmt: skip
+    from microbatch.predict.plan import PlanConfig, make_plan
+
+    cfg = PlanConfig(
+        shape=shape, gpu=A100, global_batch=8, tensor_parallel=8, micro_batches=(1,), recompute=("full",)
+    )
+    a = make_plan(cfg).candidates[0]
+    b = make_plan(replace(cfg, parallel_block=True)).candidates[0]
+    assert b.step_time_s < a.step_time_s

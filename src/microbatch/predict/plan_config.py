@@ -115,6 +115,9 @@ class PlanConfig:
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
     d·p·t·c and ZeRO and the gradient reduction span the d·c ranks."""
+    parallel_block: bool = False
+    """Attention and MLP side by side on one input (GPT-J, GPT-NeoX ``use_parallel_residual``, PaLM): one
+    tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two."""
     expert_imbalance: float = 1.0
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
 
@@ -260,6 +263,7 @@ class PlanConfig:
             "context_parallel": self.context_parallel,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
+            "parallel_block": self.parallel_block,
             "ep_overlap": self.ep_overlap,
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,

@@ -213,6 +213,7 @@ def layer_forward(
     context_parallel: int = 1,
     fp8_recipe: str | None = None,
     async_tp: bool = False,
+    parallel_block: bool = False,
 ) -> LayerTime:
     """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
 
@@ -226,7 +227,9 @@ def layer_forward(
     factor) and their casts (:func:`microbatch.predict.fp8.cast_bytes`) add to the elementwise traffic;
     attention and the rest stay in ``dtype``. With ``async_tp`` the tensor-parallel collectives are
     decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, micro-pipelined
-    all-gather-matmul and matmul-reduce-scatter): exposed max(0, collectives − GEMMs).
+    all-gather-matmul and matmul-reduce-scatter): exposed max(0, collectives − GEMMs). With ``parallel_block``
+    (GPT-J, GPT-NeoX, PaLM: attention and MLP side by side on one input, their outputs summed) the block's
+    two row-parallel outputs are reduced together: one all-reduce per pass, half the tensor-parallel traffic.
 
     A mixture-of-experts block's MLP is :func:`_moe_mlp`'s at ``moe_layout`` = (expert parallel EP,
     expert load; None means (1, 1.0)); MLA's projections are one GEMM of its weights.
@@ -274,6 +277,8 @@ def layer_forward(
     elementwise_bwd = elementwise_backward_ratio() * elementwise + g.cast_backward_bytes / bw
     elementwise += g.cast_forward_bytes / bw
     tp_comm, regather = _tp_comm(e * rows * h, acc, t, sequence_parallel, efficiency.network)
+    if parallel_block:  # attention and MLP on one input: one all-reduce (one gather) per pass, not two
+        tp_comm, regather = tp_comm / 2, regather / 2
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
