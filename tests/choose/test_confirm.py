@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
@@ -95,8 +97,10 @@ def test_a_knee_that_is_fastest_because_larger_probes_ran_in_a_busy_moment_moves
     points = _measured(measure, log, (1, 2, 4, 8, 16))
     assert _knee(points) == 4  # 4 is the fastest measured: 180/200 = 90% of what 8 gives
     confirmed = confirm_knee(measure, points, CHOICE, log)
-    # 4 and its neighbour 8 measured again: 8 is back at 200, 4 still within τ of it, the knee stays
-    assert calls[5:] == [4, 8, 4, 8] and _knee(confirmed) == 4
+    # 4 and its neighbour 8 measured again: 8 is back at 200, 4 still within τ of it, the knee stays;
+    # 8's 120 then 200, 200 show the machine's noise (pooled_scatter), within which 2's 150 cannot be
+    # told from the knee's 180: 2 is measured again too, and stays below the line
+    assert calls[5:] == [4, 8, 4, 8, 2, 2] and _knee(confirmed) == 4
     strict = ChoiceConfig(tolerance=0.05, reference="measured")  # a line 4 does not pass once 8 is known
     for budget, tail in ((2.0, [16, 16]), (1.0, [])):
         measure, calls, log = _scripted({8: [120.0], 16: [130.0]})
@@ -231,3 +235,19 @@ def test_a_knee_that_is_the_fastest_has_its_indistinguishable_neighbour_below_me
     assert rec.knee.micro_batch == 8 == rec.fastest.micro_batch and 4 in rec.indistinguishable
     confirmed = confirm_knee(measure, points, CHOICE, log, min_budget_s=100.0)
     assert calls[4:6] == [4, 8] and _knee(confirmed) == 4
+
+
+def test_the_machines_noise_pooled_over_the_re_measured_points_is_every_points_floor():
+    from microbatch.choose.confirm import pooled_scatter
+
+    # by hand: groups (100, 110, 90) and (200, 220): deviations from each mean 0, .1, -.1 and -1/21, 1/21
+    sigma = pooled_scatter([[100.0, 110.0, 90.0], [200.0, 220.0]])
+    assert sigma == pytest.approx(math.sqrt((0.01 + 0.01 + 2 / 21**2) / 3))
+    assert pooled_scatter([[5.0]]) == 0.0
+    # 4 re-measured at 150 then 210 (the machine drifting by ±17%): every point now carries that noise
+    measure, calls, log = _scripted({4: [150.0, 210.0, 180.0]})
+    points = _measured(measure, log, (1, 2, 4, 8, 16))
+    confirmed = confirm_knee(measure, points, CHOICE, log, budget=math.inf)
+    once = next(p for p in confirmed if p.micro_batch == 1)  # never re-measured: one draw of the noise
+    assert once.throughput_se is not None and once.throughput_se > 0.05
+    assert recommend([curve_point(p) for p in confirmed], CHOICE).indistinguishable != (4,)

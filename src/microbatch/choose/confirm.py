@@ -39,6 +39,7 @@ standard errors of the fitted bound: 3.7% on gpt2 there).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -49,7 +50,14 @@ from microbatch.choose.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["CONFIRM_BUDGET", "CONFIRM_MIN_S", "CONFIRM_ROUNDS", "DEVICE_CLOCK", "confirm_knee"]
+__all__ = [
+    "CONFIRM_BUDGET",
+    "CONFIRM_MIN_S",
+    "CONFIRM_ROUNDS",
+    "DEVICE_CLOCK",
+    "confirm_knee",
+    "pooled_scatter",
+]
 
 DEVICE_CLOCK = "cuda-events"
 """The clock of points that are not re-measured (:class:`microbatch.measure.device.Device`'s name for
@@ -85,6 +93,42 @@ def _median(ms: list[Measurement]) -> Measurement:
     repeats = sum(m.repeats for m in ok)
     se = max(relative_se(mid.spread, repeats), between_se([m.throughput or 0.0 for m in ok]))
     return replace(mid, peak_memory_bytes=max(peaks) if peaks else None, repeats=repeats, throughput_se=se)
+
+
+def pooled_scatter(groups: list[list[float]]) -> float:
+    """The relative standard deviation of one probe, pooled over every re-measured point:
+    √(Σ_g Σ_i (t_gi / mean_g − 1)² / Σ_g (n_g − 1)) (the pooled within-group variance, here the machine's
+    drift between probes of one b_m); 0 with no group of two or more."""
+    dof = sum(len(g) - 1 for g in groups if len(g) >= 2)
+    if dof == 0:
+        return 0.0
+    ss = 0.0
+    for g in groups:
+        if len(g) >= 2:
+            mean = sum(g) / len(g)
+            ss += sum((t / mean - 1.0) ** 2 for t in g)
+    return math.sqrt(ss / dof)
+
+
+def _with_pooled_noise(
+    pts: list[Measurement], confirmed: set[int], groups: list[list[float]]
+) -> list[Measurement]:
+    """``pts`` with every point's standard error at least what the re-measurements show of the machine's
+    noise (:func:`pooled_scatter`, σ): σ for a point measured once (one draw of that noise), and
+    √(π/2)·σ/√n for a median of n. Pooled over all the re-measured points (6 or more degrees of
+    freedom where one point's three measurements give 2): a set of indistinguishable b_m read off
+    three values alone named only the knee where the next run chose another (BENCHMARKS.md)."""
+    sigma = pooled_scatter(groups)
+    if sigma <= 0:
+        return pts
+    out = []
+    for i, p in enumerate(pts):
+        floor = (
+            sigma if i not in confirmed else math.sqrt(math.pi / 2) * sigma / math.sqrt(CONFIRM_ROUNDS + 1)
+        )
+        se = p.throughput_se if p.throughput_se is not None else relative_se(p.spread, p.repeats)
+        out.append(p if p.oom or se >= floor else replace(p, throughput_se=floor))
+    return out
 
 
 def _moved(log: SearchLog, first: int | None, knee: int) -> None:
@@ -125,6 +169,7 @@ def confirm_knee(
     allowed = max(budget * searched, min_budget_s) if searched else 0.0
     spent = 0.0
     confirmed: set[int] = set()  # indices into pts re-measured already
+    groups: list[list[float]] = []  # the throughputs of each re-measured point (its search probe first)
     first: int | None = None  # the search's knee
     try:
         while True:
@@ -189,6 +234,8 @@ def confirm_knee(
             for i, ms in again.items():
                 pts[i] = _median(ms)
                 confirmed.add(i)
+                groups.append([m.throughput for m in ms if not m.oom and m.throughput])
+            pts = _with_pooled_noise(pts, confirmed, groups)
             log.stop_reason += (
                 f"; knee {knee} checked: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "
                 f"alternately ({rounds} rounds, median of {rounds + 1})"
