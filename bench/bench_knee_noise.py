@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="re-measurement rounds of each chosen b_m")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("-B", "--global-batch", type=int, default=64)
+    ap.add_argument("--raw", help="write every run's tune JSON and the re-measurements here")
     a = ap.parse_args()
     busy = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(a.busy)]
     for p in busy:
@@ -72,6 +73,9 @@ def main() -> None:
                 again[b].append(next(p["throughput"] for p in d["points"] if p["micro_batch"] == b))
         med = {b: statistics.median(v) for b, v in again.items()}
         best = max(med.values())
+        if a.raw:
+            with open(a.raw, "w") as f:
+                json.dump({"runs": runs, "remeasured": {str(b): v for b, v in again.items()}}, f)
     finally:
         for p in busy:
             p.terminate()
