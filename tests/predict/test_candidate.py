@@ -24,7 +24,7 @@ from microbatch.predict.candidate import (
     layer_costs,
     make_context,
 )
-from microbatch.predict.plan import PlanConfig, _schedule_options
+from microbatch.predict.plan import PlanConfig, _schedule_options, make_plan
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.steptime import pipeline_stage_times
 
@@ -120,8 +120,9 @@ def test_fsdp_edges_by_hand_and_exposed_whatever_the_compute():
     tm = _stage_times(ctx, 2, "none")
     n = 124e6
     wb, gb, _ = ctx.state_bpp
-    ag = allgather_time_s(n * wb, 8, ctx.bw_dp)
-    rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_dp)
+    alpha = 12 * (8.4e-6 + 7 * 3.4e-6)  # one gather (reduce-scatter) per layer, 7 NVLink ring steps each
+    ag = allgather_time_s(n * wb, 8, ctx.bw_dp) + alpha
+    rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_dp) + alpha
     assert ag < tm.fk and ag + rs < tm.ik + tm.wk  # all of it hidden by the old rule
     dp, zero_s, _ = _comm(ctx, 4, 3, tm, n)
     assert zero_s == pytest.approx(4 * ag / 12 + rs / 12)  # gpt2: 12 layers on the one stage
@@ -141,3 +142,31 @@ def test_interleaved_rank_sends_v_times_per_micro_batch():
     assert two.w == one.w
     c = evaluate(ctx, 2, 24, "interleaved-1f1b", 2, "none", 0, 1e15)
     assert c.time["pipeline_s"] == pytest.approx(24 * two.Tk + 2 * two.Tk / 2)
+
+
+def test_ring_latency_grows_with_the_group_by_nccls_model():
+    """NCCL's tuning model (ring, Simple): 8.4 µs + 3.4 µs per NVLink step + 9.6 µs per inter-node step."""
+    from microbatch.predict.collectives import ring_latency_s
+
+    assert ring_latency_s(1, 1) == 0.0
+    assert ring_latency_s(8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    # 512 ranks one per node (t = 8): 511 inter-node steps
+    assert ring_latency_s(512, 512) == pytest.approx(8.4e-6 + 511 * 9.6e-6)
+    # 64 ranks on 8 nodes: 56 NVLink steps and 7 inter-node ones; an all-reduce twice the steps
+    assert ring_latency_s(64, 8) == pytest.approx(8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6)
+    assert ring_latency_s(64, 8, allreduce=True) == pytest.approx(8.4e-6 + 112 * 3.4e-6 + 14 * 9.6e-6)
+    # FSDP over 128 and 512 ranks of one model: the exposed ZeRO-3 time grows with the width
+    times = []
+    for d in (128, 512):
+        cfg = PlanConfig(gpu=A100, shape=get_model("llama-2-7b"), global_batch=d, data_parallel=d, zero=(3,),
+                         micro_batches=(1,), recompute=("full",))  # fmt: skip
+        times.append(make_plan_fastest(cfg).time["zero_comm_s"])
+    # the exposed edges (one gather, one reduce-scatter per step at m = 1) carry one α each: on 16 and 64 nodes of 8
+    grow = 2 * (ring_latency_s(512, 64) - ring_latency_s(128, 16))
+    assert grow == pytest.approx(2 * ((448 - 112) * 3.4e-6 + (63 - 15) * 9.6e-6))
+    assert times[1] - times[0] == pytest.approx(grow, rel=0.05)  # the bandwidth terms barely move
+
+
+def make_plan_fastest(cfg: PlanConfig) -> Candidate:
+    plan = make_plan(replace(cfg, choose="fastest", memory_headroom=0.0))
+    return plan.fastest or plan.candidates[0]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.predict.collectives import fsdp_edges_s
+from microbatch.predict.collectives import fsdp_edges_s, ranks_per_node, ring_latency_s
 from microbatch.predict.plan_context import (
     Context,
     InFlight,
@@ -367,11 +367,15 @@ def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float
         else:
             # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
             # reduce-scattered, every micro-step; prefetch hides what compute covers
-            ag = allgather_time_s(n * wb, d, bw_dp)
-            rs = reduce_scatter_time_s(n * gb, d, bw_dp)
+            # one gather and one reduce-scatter per layer, each with its ring latency (NCCL's model)
+            units = ctx.split[tm.k]
+            nodes = -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel))
+            alpha = units * ring_latency_s(d, nodes)
+            ag = allgather_time_s(n * wb, d, bw_dp) + alpha
+            rs = reduce_scatter_time_s(n * gb, d, bw_dp) + alpha
             zero_s = m * (max(0.0, ag - tm.fk) + max(0.0, ag + rs - back))
             # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
-            zero_s += fsdp_edges_s(ag, rs, ctx.split[tm.k], m)
+            zero_s += fsdp_edges_s(ag, rs, units, m)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
     owned = n / d if z >= 1 else n
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)

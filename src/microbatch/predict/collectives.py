@@ -25,7 +25,19 @@ __all__ = [
     "ranks_per_node",
     "alltoall_time_s",
     "fsdp_edges_s",
+    "ring_latency_s",
+    "NCCL_RING_BASE_LATENCY_S",
+    "NCCL_RING_NVLINK_HOP_S",
+    "NCCL_RING_NET_HOP_S",
 ]
+
+NCCL_RING_BASE_LATENCY_S = 8.4e-6
+"""A ring collective's fixed latency, Simple protocol: NCCL's own tuning model (``baseLat`` ring/Simple, 8.4 µs,
+NVIDIA/nccl src/graph/tuning.cc at commit 01afd20)."""
+NCCL_RING_NVLINK_HOP_S = 3.4e-6
+"""Latency of one ring step inside a node over NVLink, Simple protocol (``hwLat`` NVLink ring/Simple, 3.4 µs, same file)."""
+NCCL_RING_NET_HOP_S = 9.6e-6
+"""Latency of one ring step between nodes, Simple protocol (``hwLat`` NET ring/Simple, 9.6 µs, same file)."""
 
 
 def allreduce_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:
@@ -142,3 +154,19 @@ def fsdp_edges_s(allgather_s: float, reduce_scatter_s: float, units: int, micros
     """
     u = max(1, units)
     return microsteps * allgather_s / u + reduce_scatter_s / u
+
+
+def ring_latency_s(ranks: int, nodes: int, *, allreduce: bool = False) -> float:
+    """α of one ring collective over ``ranks`` GPUs on ``nodes`` nodes, NCCL's model: base + steps × hop.
+
+    All-gather and reduce-scatter take n − 1 steps, of which N − 1 cross nodes (an all-reduce twice as
+    many): α = 8.4 µs + (steps − inter)·3.4 µs + inter·9.6 µs (NVIDIA/nccl src/graph/tuning.cc, ring,
+    Simple protocol; its 1.9× "plateau" factor for large inter-node all-reduces is left out). It grows
+    linearly with the group: the data-parallel width's cost that the bandwidth term (n−1)/n·bytes/bw hides.
+    0 for one rank.
+    """
+    if ranks <= 1:
+        return 0.0
+    k = 2 if allreduce else 1
+    steps, inter = k * (ranks - 1), k * (max(1, nodes) - 1)
+    return NCCL_RING_BASE_LATENCY_S + (steps - inter) * NCCL_RING_NVLINK_HOP_S + inter * NCCL_RING_NET_HOP_S
