@@ -8,13 +8,17 @@ chip: override it for your cluster (:func:`get_accelerator` takes overrides, and
 :meth:`Accelerator.with_overrides` replaces any field, for example with a measured value).
 
 Compute units (for GEMM wave quantisation) come from the architecture whitepapers: A100 108 SMs,
-H100 SXM5 132, H100 PCIe 114, L4 58 (NVIDIA Ampere, Hopper and Ada whitepapers), B200 148 (two
+H100 SXM5 132 (also the H800 and the H100 NVL), H100 PCIe 114, L4 58 (NVIDIA Ampere, Hopper and Ada whitepapers), B200 148 (two
 74-SM dies, NVIDIA Blackwell technical brief), MI300X 304 CUs (AMD CDNA 3 whitepaper); H200 is an
 H100 SXM die with more memory (132).
 
 Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total
 to ``torch.cuda.mem_get_info``; the CUDA context takes a few hundred MiB more): the planner keeps
 a headroom fraction free for that reason.
+
+The flash-attention ceiling (``attention_fraction``, issue 28) is set where kernel evidence was read or
+measured (the Hopper rows); sustained clocks under power limits are not a separate figure: the measured
+GEMM and attention fractions (H200, 700 W) carry them.
 
 A CPU has no row: :func:`cpu_accelerator` builds one from figures given, :func:`measure_cpu` from a
 quick fp32 matmul and copy timed here (the only function in this module besides
