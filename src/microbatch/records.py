@@ -8,7 +8,7 @@ knee (:mod:`microbatch.choose.knee`), the report (:mod:`microbatch.show.html`) �
   ``command`` field (``{"command": ..., "version": ..., ...}``), or, for files written before the
   envelope existed, guessed from its keys;
 - the field checks every reader applies to a measured point (:func:`number`, :func:`positive`,
-  :func:`flag`, :func:`true_or_false`);
+  :func:`flag`, :func:`true_or_false`), defined in :mod:`microbatch.fields` and handed on here;
 - :func:`read_measurements`: the measured points of a ``tune`` (or ``recommend``) result plus what
   they were measured with (model, sequence length, precision, checkpointing, device), as the
   calibration fits use them.
@@ -19,13 +19,13 @@ Core: no torch, no layer above.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.fields import MAX_EXACT_WHOLE, flag, number, positive, short_repr, true_or_false
 from microbatch.model import ModelShape, get_model
 from microbatch.precision import PRECISIONS
 
@@ -158,7 +158,7 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
     fix = "fix the file, or give the result.json `microbatch tune --out DIR` wrote"
     for key in RESULT_NUMBERS:
         if not _json_number(item.get(key)):
-            raise ConfigError(f"{source}: {key} {_short(item[key])} is not a number; {fix}")
+            raise ConfigError(f"{source}: {key} {short_repr(item[key])} is not a number; {fix}")
     points = item.get("points", [])
     if not isinstance(points, list):
         raise ConfigError(f"{source}: points is a {type(points).__name__}, not a list of points; {fix}")
@@ -166,111 +166,28 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
         where = f"{source}: point {i + 1}"
         if not isinstance(pt, dict):
             raise ConfigError(
-                f"{where} is {_short(pt)}, not an object with micro_batch, throughput, ...; {fix}"
+                f"{where} is {short_repr(pt)}, not an object with micro_batch, throughput, ...; {fix}"
             )
         for key in POINT_NUMBERS:
             if not _json_number(pt.get(key)):
-                raise ConfigError(f"{where}: {key} {_short(pt[key])} is not a number; {fix}")
+                raise ConfigError(f"{where}: {key} {short_repr(pt[key])} is not a number; {fix}")
         try:
             if (
                 not _json_number(pt.get("micro_batch"))
                 or (number(pt.get("micro_batch"), what="micro_batch", whole=True) or 0) < 1
             ):
-                raise ConfigError(f"micro_batch {_short(pt.get('micro_batch'))} must be a whole number >= 1")
+                raise ConfigError(
+                    f"micro_batch {short_repr(pt.get('micro_batch'))} must be a whole number >= 1"
+                )
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}; {fix}") from None
     knee = item.get("micro_batch")
     if knee is not None:
         try:
             if not _json_number(knee) or (number(knee, what="micro_batch", whole=True) or 0) < 1:
-                raise ConfigError(f"micro_batch {_short(knee)} must be a whole number >= 1")
+                raise ConfigError(f"micro_batch {short_repr(knee)} must be a whole number >= 1")
         except ConfigError as e:
             raise ConfigError(f"{source}: the knee's {e}; {fix}") from None
-
-
-def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
-    """``v`` as a finite float (a whole one with ``whole``); None for None or ``""``.
-
-    Numeric strings are accepted (CSV cells). Raises :class:`ConfigError` naming the value.
-    """
-    if v is None or v == "":
-        return None
-    if isinstance(v, bool):
-        raise ConfigError(f"{v!r} is not a number")
-    try:
-        f = float(v)
-    except OverflowError:  # an int past the largest float (~1.8e308)
-        raise ConfigError(
-            f"{what} {_short(v)} is past the largest float (~1.8e308); check the file"
-        ) from None
-    except (TypeError, ValueError):
-        raise ConfigError(f"{_short(v)} is not a number") from None
-    if whole and math.isfinite(f) and max(abs(f), abs(v) if isinstance(v, int) else 0) > MAX_EXACT_WHOLE:
-        raise ConfigError(
-            f"{what} {_short(v)} is over 2^53 = {MAX_EXACT_WHOLE:,}, past which a number is not held exactly (it "
-            f"would be read as {f:.17g}); no real {what} is that large: check the file"
-        )
-    if whole and (not math.isfinite(f) or f != int(f)):
-        raise ConfigError(f"{what} {_short(v)} must be a whole number >= 1")
-    if not math.isfinite(f):
-        raise ConfigError(f"{v!r} must be finite")
-    return f
-
-
-MAX_EXACT_WHOLE = 2**53
-"""The largest whole number every larger one of which a float (IEEE 754 double, 53-bit significand)
-cannot hold exactly: a count read past it would be silently rounded."""
-
-
-def _short(v: Any) -> str:
-    """``v`` for a message: its repr, or for a number of more than 20 digits its magnitude (a value of
-    10^300 is not spelt out in 301 digits)."""
-    text = repr(v)
-    if isinstance(v, int) and not isinstance(v, bool) and len(text) > 20:
-        return f"{float(v):.3g}" if abs(v) < 10**308 else f"a {len(text.lstrip('-'))}-digit number"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def positive(v: Any, *, where: str) -> float | None:
-    """``v`` as a float > 0 (a JSON number, not a string); None for None.
-
-    Raises :class:`ConfigError` "``where`` ``v`` must be a number > 0".
-    """
-    if v is None:
-        return None
-    try:
-        f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-    except OverflowError:  # an int past the largest float (~1.8e308)
-        f = math.inf
-    if not math.isfinite(f) or f <= 0:
-        raise ConfigError(f"{where} {_short(v)} must be a number > 0, and finite")
-    return f
-
-
-def flag(v: Any) -> bool | None:
-    """A setting written as a flag: ``True``/``"on"``/``"full"`` → True, ``False``/``"off"``/``"none"`` →
-    False, anything else (``"auto"``, missing) → None."""
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("on", "true", "yes", "1", "full"):
-        return True
-    if isinstance(v, str) and v.strip().lower() in ("off", "false", "no", "0", "none"):
-        return False
-    return None
-
-
-def true_or_false(v: Any, *, where: str) -> bool:
-    """A yes/no field (``oom``): a bool, 0/1, or ``"true"``/``"false"``/``"yes"``/``"no"``/``""``.
-
-    Raises :class:`ConfigError` "``where`` ``v`` must be true or false" for anything else.
-    """
-    if isinstance(v, bool):
-        return v
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "0", "false", "no")) or v == 0:
-        return False
-    if (isinstance(v, str) and v.strip().lower() in ("1", "true", "yes")) or v == 1:
-        return True
-    raise ConfigError(f"{where} {v!r} must be true or false")
 
 
 def result_points(data: Any, *, source: str) -> list[Any]:
@@ -388,6 +305,36 @@ def read_measurements(
             "measure with `microbatch tune --mode train`"
         )
     notes: list[str] = []
+    fshape, model = _model_of(data, shape, label, notes)
+    prec, dev = _precision_and_device(data, precision, device, memory_key, label)
+    ckpt = _checkpointing(data, rows, checkpointing, notes)
+    time_key = (
+        "micro_step_s" if any(isinstance(r, dict) and r.get("micro_step_s") for r in rows) else "step_time_s"
+    )
+    clocks = sorted({str(r["clock"]) for r in rows if isinstance(r, dict) and r.get("clock")})
+    if clocks and clocks != ["wall"]:
+        notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
+    points, oom = _points(rows, label, ckpt, memory_key, time_key)
+    return Measurements(
+        shape=fshape,
+        model=model,
+        precision=prec,
+        checkpointing=bool(ckpt),
+        device=dev,
+        device_name=str(data.get("device_name") or data.get("gpu") or ""),
+        points=tuple(points[b] for b in sorted(points)),
+        oom=tuple(sorted(set(oom))),
+        memory_key=memory_key,
+        time_key=time_key,
+        source=label,
+        notes=tuple(notes),
+    )
+
+
+def _model_of(
+    data: dict[str, Any], shape: ModelShape | None, label: str, notes: list[str]
+) -> tuple[ModelShape, str]:
+    """The shape and name of the model the points were measured with (the file's, else ``shape``)."""
     raw_seq = data.get("seq")
     seq = (
         int(raw_seq)
@@ -407,6 +354,13 @@ def read_measurements(
         if model:
             notes.append(f"the file's model {model!r} is not in the registry; assumed it is {shape.name}")
         model = model or shape.name
+    return fshape, model
+
+
+def _precision_and_device(
+    data: dict[str, Any], precision: str | None, device: str | None, memory_key: str, label: str
+) -> tuple[str, str]:
+    """The precision and device the points were measured in (the file's, else the keywords'), checked."""
     prec = data.get("precision") or precision
     if prec is None:
         raise ConfigError(
@@ -422,6 +376,14 @@ def read_measurements(
             f"{label}: measured on {dev}, which has no allocator count of tensors (peak_allocated_bytes is "
             "CUDA's); use --memory peak (the process's peak RSS)"
         )
+    return prec, dev
+
+
+def _checkpointing(
+    data: dict[str, Any], rows: list[Any], checkpointing: bool | None, notes: list[str]
+) -> bool:
+    """Whether the points to use were measured with activation checkpointing: the file's, else the
+    keyword's, else the larger group of points (ties: off)."""
     ckpt = flag(data.get("checkpointing"))
     if ckpt is None and checkpointing is not None:
         ckpt = checkpointing
@@ -432,12 +394,13 @@ def read_measurements(
             notes.append(
                 f"points measured with and without checkpointing; used those with it {'on' if ckpt else 'off'}"
             )
-    time_key = (
-        "micro_step_s" if any(isinstance(r, dict) and r.get("micro_step_s") for r in rows) else "step_time_s"
-    )
-    clocks = sorted({str(r["clock"]) for r in rows if isinstance(r, dict) and r.get("clock")})
-    if clocks and clocks != ["wall"]:
-        notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
+    return bool(ckpt)
+
+
+def _points(
+    rows: list[Any], label: str, ckpt: bool, memory_key: str, time_key: str
+) -> tuple[dict[int, MeasuredPoint], list[int]]:
+    """The measured points by b_m (those with checkpointing as ``ckpt``), and the b_m that ran out of memory."""
     points: dict[int, MeasuredPoint] = {}
     oom: list[int] = []
     for i, r in enumerate(rows):
@@ -451,7 +414,7 @@ def read_measurements(
             or b != int(b)
         ):
             raise ConfigError(
-                f"{label}: point {i + 1}: micro_batch {_short(b)} must be a whole number from 1 to 2^53 "
+                f"{label}: point {i + 1}: micro_batch {short_repr(b)} must be a whole number from 1 to 2^53 "
                 f"({MAX_EXACT_WHOLE:,}, the largest a float holds exactly)"
             )
         if "checkpointing" in r and bool(r["checkpointing"]) != ckpt:
@@ -463,17 +426,4 @@ def read_measurements(
         mem = positive(r.get(memory_key), where=f"{where} {memory_key}")
         t = positive(r.get(time_key), where=f"{where} {time_key}")
         points[int(b)] = MeasuredPoint(micro_batch=int(b), peak_memory_bytes=mem, step_time_s=t)
-    return Measurements(
-        shape=fshape,
-        model=model,
-        precision=prec,
-        checkpointing=bool(ckpt),
-        device=dev,
-        device_name=str(data.get("device_name") or data.get("gpu") or ""),
-        points=tuple(points[b] for b in sorted(points)),
-        oom=tuple(sorted(set(oom))),
-        memory_key=memory_key,
-        time_key=time_key,
-        source=label,
-        notes=tuple(notes),
-    )
+    return points, oom

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -12,7 +12,10 @@ import click
 from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
 
 if TYPE_CHECKING:
+    import torch
+
     from microbatch.run.noise import NoiseEstimate
+    from microbatch.shape import ModelShape
 
 __all__ = ["cmd", "MAX_PARAMS", "predicted_bytes"]
 
@@ -101,6 +104,43 @@ def cmd(
     Example: microbatch noise --model tiny --seq 32 --global-batch 32 --micro-batch 4 --steps 10
     (default model: tiny; any registry name, --hf-config or shape flags work, up to 500M parameters).
     """
+    shape = _checked_shape(model_spec, global_batch, micro_batch, steps)
+    _check_memory(shape, global_batch, micro_batch)
+    # torch is imported after the checks: bad input is refused before torch's import
+    from microbatch.measure.gpt import build_model
+    from microbatch.run.noise_measure import NoiseInterrupted, measure_noise_scale
+
+    model = build_model(shape, seed=seed)
+    s = shape.seq
+    batches, loss_fn = _random_tokens(shape, global_batch, steps, seed)
+    t0 = time.perf_counter()
+
+    def on_step(est: NoiseEstimate) -> None:  # one line per step on stderr, a terminal or not
+        b = f"{est.b_simple:,.0f} tokens" if math.isfinite(est.b_simple) else "not resolved yet"
+        progress(f"noise: step {est.steps}/{steps} measured, B_simple {b} [{time.perf_counter() - t0:.1f} s]")
+
+    setting = {"model": shape.name, "seq": s, "global_batch": global_batch, "micro_batch": micro_batch}
+    try:
+        final, history = measure_noise_scale(
+            model,
+            batches,
+            loss_fn,
+            micro_batch_size=micro_batch,
+            count_fn=lambda tokens: tokens.shape[0] * (s - 1),
+            decay=decay,
+            on_step=on_step,
+        )
+    except NoiseInterrupted as e:  # Ctrl-C: the steps measured are kept and printed, exit 130
+        result = _result(setting, decay, e.final, e.history, steps_asked=steps)
+        emit(result, as_json, lambda: _render(result))
+        progress(f"interrupted: kept the {len(e.history)} step(s) measured of {steps}")
+        raise click.exceptions.Exit(130) from None
+    result = _result(setting, decay, final, history)
+    emit(result, as_json, lambda: _render(result))
+
+
+def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: int, steps: int) -> ModelShape:
+    """The model's shape, with every setting checked before torch is imported."""
     from microbatch.errors import ConfigError, check_positive_int
 
     check_positive_int("--global-batch", global_batch)
@@ -120,17 +160,19 @@ def cmd(
         )
     if shape.seq < 2:
         raise ConfigError(f"--seq {shape.seq} leaves no next-token target; use --seq 2 or more")
-    _check_memory(shape, global_batch, micro_batch)
-    import torch  # after the checks: bad input is refused before torch's import
+    return shape
 
-    from microbatch.measure.gpt import build_model
-    from microbatch.run.noise_measure import NoiseInterrupted, measure_noise_scale
 
-    model = build_model(shape, seed=seed)
+def _random_tokens(
+    shape: ModelShape, global_batch: int, steps: int, seed: int
+) -> tuple[Iterator[torch.Tensor], Callable[[Any, torch.Tensor], tuple[torch.Tensor, int]]]:
+    """``steps`` batches of random tokens from a Zipf unigram distribution, and the next-token loss
+    (summed, with its count of targets)."""
+    import torch
+
     vocab, s = shape.vocab, shape.seq
     gen = torch.Generator().manual_seed(seed + 1)
     zipf = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
-    t0 = time.perf_counter()
 
     def batches() -> Iterator[torch.Tensor]:
         for _ in range(steps):
@@ -146,28 +188,7 @@ def cmd(
         )
         return loss, target.numel()
 
-    def on_step(est: NoiseEstimate) -> None:  # one line per step on stderr, a terminal or not
-        b = f"{est.b_simple:,.0f} tokens" if math.isfinite(est.b_simple) else "not resolved yet"
-        progress(f"noise: step {est.steps}/{steps} measured, B_simple {b} [{time.perf_counter() - t0:.1f} s]")
-
-    setting = {"model": shape.name, "seq": s, "global_batch": global_batch, "micro_batch": micro_batch}
-    try:
-        final, history = measure_noise_scale(
-            model,
-            batches(),
-            loss_fn,
-            micro_batch_size=micro_batch,
-            count_fn=lambda tokens: tokens.shape[0] * (s - 1),
-            decay=decay,
-            on_step=on_step,
-        )
-    except NoiseInterrupted as e:  # Ctrl-C: the steps measured are kept and printed, exit 130
-        result = _result(setting, decay, e.final, e.history, steps_asked=steps)
-        emit(result, as_json, lambda: _render(result))
-        progress(f"interrupted: kept the {len(e.history)} step(s) measured of {steps}")
-        raise click.exceptions.Exit(130) from None
-    result = _result(setting, decay, final, history)
-    emit(result, as_json, lambda: _render(result))
+    return batches(), loss_fn
 
 
 def _result(

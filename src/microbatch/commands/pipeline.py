@@ -150,7 +150,7 @@ def cmd(
     from microbatch.run.launch import run_external, under_torchrun
     from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.registry import torch_spec
-    from microbatch.show.pipeline_report import chrome_trace, measured_rows_ms, render
+    from microbatch.show.pipeline_report import render
 
     spec = torch_spec(schedule)
     notes: list[str] = []
@@ -188,20 +188,51 @@ def cmd(
             f"interrupted (Ctrl-C or SIGTERM) after {report['steps']} of {report['steps_asked']} steps: the figures are "
             "those of the steps every rank finished"
         )
-    failed = (
-        False  # a file that cannot be written after the run: the result is kept, printed and saved beside
-    )
-    if trace:
-        failed |= not _write(report, "trace", trace, lambda: dumps(_marked_trace(chrome_trace(report))))
-    rows_ms = measured_rows_ms(report)
     title = f"measured {report['schedule']}: p = {stages}, m = {microbatches}" + (
         f", v = {virtual}" if virtual > 1 else ""
     )
+    # a file that cannot be written after the run: the result is kept, printed and saved beside
+    failed = not _write_outputs(report, title, trace, svg_path, png_path)
+    if failed:  # the whole result is kept beside, in the temporary folder
+        from microbatch.commands._common import keep_beside
+
+        kept = keep_beside(report, "pipeline")
+        notes.append(f"the whole result is kept in {kept}")
+    emit(report, as_json, lambda: render(report, width, color=use_color()))
+    _end(report, external, failed)
+
+
+def _end(report: dict[str, Any], external: bool, failed: bool) -> None:
+    """End a torchrun rank; exit 130 after an interrupted run, 1 when an output could not be written."""
+    if external:
+        _exit_rank()
+    if report.get("interrupted"):
+        from microbatch.commands._common import progress
+
+        progress(
+            f"interrupted: kept the {report['steps']} step(s) of {report['steps_asked']} every rank finished"
+        )
+        raise click.exceptions.Exit(130)
+    if failed:
+        raise SystemExit(1)
+
+
+def _write_outputs(
+    report: dict[str, Any], title: str, trace: str | None, svg_path: str | None, png_path: str | None
+) -> bool:
+    """Write the Chrome trace, SVG and PNG asked for, each recorded in ``report``; False when one
+    could not be written (noted in ``report["notes"]``)."""
+    from microbatch.show.pipeline_report import chrome_trace, measured_rows_ms
+
+    ok = True
+    if trace:
+        ok &= _write(report, "trace", trace, lambda: dumps(_marked_trace(chrome_trace(report))))
+    rows_ms = measured_rows_ms(report)
     if svg_path:
         from microbatch.envelope import mark_line
         from microbatch.show.text import timeline_svg
 
-        failed |= not _write(
+        ok &= _write(
             report,
             "svg",
             svg_path,
@@ -218,25 +249,9 @@ def cmd(
             save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
             report["png"] = str(png_path)
         except OSError as e:
-            notes.append(f"could not write --png {png_path} ({e}); the result is printed below")
-            failed = True
-    if failed:  # the whole result is kept beside, in the temporary folder
-        from microbatch.commands._common import keep_beside
-
-        kept = keep_beside(report, "pipeline")
-        notes.append(f"the whole result is kept in {kept}")
-    emit(report, as_json, lambda: render(report, width, color=use_color()))
-    if external:
-        _exit_rank()
-    if report.get("interrupted"):
-        from microbatch.commands._common import progress
-
-        progress(
-            f"interrupted: kept the {report['steps']} step(s) of {report['steps_asked']} every rank finished"
-        )
-        raise click.exceptions.Exit(130)
-    if failed:
-        raise SystemExit(1)
+            report["notes"].append(f"could not write --png {png_path} ({e}); the result is printed below")
+            ok = False
+    return ok
 
 
 def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,6 +20,11 @@ from microbatch.commands._common import (
 )
 from microbatch.predict.apply_calibration import CALIBRATION_HELP
 from microbatch.schedules.registry import schedule_names
+
+if TYPE_CHECKING:
+    from microbatch.hardware import Accelerator
+    from microbatch.predict.apply_calibration import AppliedCalibration
+    from microbatch.predict.plan import Plan, PlanConfig
 
 __all__ = ["cmd"]
 
@@ -83,6 +89,17 @@ __all__ = ["cmd"]
 )
 @precision_options
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
+@click.option(
+    "--dropout/--no-dropout", "dropout", default=None, help="Training with dropout (default: the model's)."
+)
+@click.option(
+    "--compile", "compiled", is_flag=True,
+    help="Norms and activations fused or compiled (torch.compile, Megatron's kernels); default eager.",
+)  # fmt: skip
+@click.option(
+    "--parallel-block", "parallel_block", is_flag=True,
+    help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass.",
+)  # fmt: skip
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
 @click.option(
     "--memory-headroom", type=float, default=None, help="Share of device memory kept free (default 0.1)."
@@ -108,7 +125,8 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
-    precision: str, grad_dtype: str, optimizer: str, flash: bool | None, layers_per_stage: str | None,
+    precision: str, grad_dtype: str, optimizer: str, flash: bool | None, dropout: bool | None, compiled: bool,
+    parallel_block: bool, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
@@ -119,13 +137,17 @@ def cmd(
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     Mixture of experts: --model deepseek-v3 --gpu h100-80gb -B 4096 -d 128 -p 16 -e 64
     """
+    from dataclasses import replace
+
     from microbatch.commands._common import parse_split, parse_zero
     from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
-    from microbatch.predict.plan import PlanConfig, compare_gpus
-    from microbatch.show.plan_report import comparison_rows, explain, render_plan, text_table
+    from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+    from microbatch.predict.plan import PlanConfig
 
     expert_shape, expert_layout = moe_split(moe_spec)
     shape = resolve_model({**model_spec, **expert_shape})
+    if dropout is not None:
+        shape = replace(shape, dropout=dropout)
     gpus = parse_gpus(gpu)
     if gpu_set:
         overrides = parse_overrides(gpu_set)
@@ -153,9 +175,35 @@ def cmd(
         dp_overlap=dp_overlap,
         async_tp=async_tp,
         ep_overlap=ep_overlap,
+        parallel_block=parallel_block,
+        efficiency=replace(DEFAULT_EFFICIENCY, fused_elementwise=compiled),
         **expert_layout,
     )
-    applied = []
+    plans, applied = _plans(cfg, gpus, calibration)
+    out, render = _answer(plans, applied, all_rows)
+    if applied:
+        out["calibration"] = applied[0].calibration.to_dict()
+        out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
+    nothing_fits = all(pl.recommended is None for pl in plans)
+    why = (plans[0].advice[0] if plans[0].advice else "nothing fits") if nothing_fits else None
+    if why is not None:  # one JSON object: the plan (what was computed is kept) with the error in it
+        out = {**out, "error": why, "kind": "bad_input"}
+    emit(out, as_json, render)
+    if why is not None:
+        click.echo(f"error: {why}", err=True)
+        raise click.exceptions.Exit(2)
+
+
+def _plans(
+    cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None
+) -> tuple[list[Plan], list[AppliedCalibration]]:
+    """One plan per accelerator, each with ``calibration`` applied when one is given."""
+    from microbatch.predict.plan import compare_gpus
+
+    shape, precision = cfg.shape, cfg.precision
+    global_batch, data_parallel = cfg.global_batch, cfg.data_parallel
+    tensor_parallel, stages = cfg.tensor_parallel, cfg.pipeline_parallel
+    applied: list[AppliedCalibration] = []
     if calibration:
         from dataclasses import replace
 
@@ -174,11 +222,27 @@ def cmd(
             for g in gpus
         ]
         plans = [
-            make_plan(replace(cfg, gpu=g, memory_calibration=a.memory, efficiency=a.efficiency))
+            make_plan(
+                replace(
+                    cfg,
+                    gpu=g,
+                    memory_calibration=a.memory,
+                    efficiency=replace(a.efficiency, fused_elementwise=cfg.efficiency.fused_elementwise),
+                )
+            )  # fmt: skip
             for g, a in zip(gpus, applied, strict=True)
         ]
     else:
         plans = compare_gpus(cfg, gpus)
+    return plans, applied
+
+
+def _answer(
+    plans: list[Plan], applied: list[AppliedCalibration], all_rows: bool
+) -> tuple[dict[str, Any], Callable[[], str]]:
+    """The JSON answer and its text: one plan, or the plans side by side."""
+    from microbatch.show.plan_report import comparison_rows, explain, render_plan, text_table
+
     cal_lines = list(dict.fromkeys(line for a in applied for line in a.lines()))
     if len(plans) == 1:
         out = {**plans[0].to_dict(), "explanation": explain(plans[0])}
@@ -197,14 +261,4 @@ def cmd(
             parts += ["side by side (same model, layout and B_global)", text_table(rows)] + cal_lines
             return "\n".join(parts)
 
-    if applied:
-        out["calibration"] = applied[0].calibration.to_dict()
-        out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
-    nothing_fits = all(pl.recommended is None for pl in plans)
-    why = (plans[0].advice[0] if plans[0].advice else "nothing fits") if nothing_fits else None
-    if why is not None:  # one JSON object: the plan (what was computed is kept) with the error in it
-        out = {**out, "error": why, "kind": "bad_input"}
-    emit(out, as_json, render)
-    if why is not None:
-        click.echo(f"error: {why}", err=True)
-        raise click.exceptions.Exit(2)
+    return out, render

@@ -29,6 +29,8 @@ from microbatch.hardware import usable_cores
 from microbatch.precision import MEASURABLE
 
 if TYPE_CHECKING:
+    from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
+    from microbatch.choose.result import TuneResult
     from microbatch.choose.search import OnPoint
     from microbatch.measure.timing import TimingConfig
 
@@ -215,10 +217,47 @@ def cmd(
     and a measured b_m is within the tolerance of that bound), when --patience doublings in a
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
-    from microbatch.choose.config import ProbeConfig, SearchConfig
     from microbatch.choose.preflight import FLAG_NAMES, check_walk
-    from microbatch.choose.tune import tune_model
     from microbatch.show.recommendation import render_tune
+
+    probe, search, choice, timing_line = _configs(model_spec, choice_spec, repeats, clock, flags)
+    check_walk(search, choice, FLAG_NAMES)  # tune_model checks it too, naming its keywords
+    target = _target(model_spec)
+    out_dir = check_out_dir(out) if out else None  # before any probe: a result is never lost to a bad path
+
+    result = _measure(
+        target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
+    )
+    d = result.to_dict()
+    if timing_line:
+        d["timing_choice"] = timing_line
+    kept = None
+    if out_dir is not None:
+        path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints
+        kept = str(path)
+        progress(why or f"wrote {path}")
+    emit(d, as_json, lambda: render_tune(d))
+    if result.interrupted:
+        n = sum(1 for p in result.points if not p.oom)
+        progress(
+            f"interrupted: kept the {n} point(s) measured (b_m {', '.join(str(p.micro_batch) for p in result.points)})"
+            + (" in the cache" if search.use_cache else "")
+            + (f" and {kept}" if kept else "")
+            + "; the choice above uses them"
+        )
+        raise click.exceptions.Exit(130)
+
+
+def _configs(
+    model_spec: dict[str, Any],
+    choice_spec: dict[str, Any],
+    repeats: int | None,
+    clock: str | None,
+    flags: dict[str, Any],
+) -> tuple[ProbeConfig, SearchConfig, ChoiceConfig, str | None]:
+    """The probe, search and choice configs from the flags (errors name the flags), and the line that
+    says which timing the CPU defaults chose (None when none was chosen)."""
+    from microbatch.choose.config import ProbeConfig, SearchConfig
 
     device = flags["device"]
     threads, timing_line = flags["threads"], None
@@ -246,12 +285,23 @@ def cmd(
             use_cache=flags["use_cache"],
         )
         choice = choice_config(choice_spec)
-    check_walk(search, choice, FLAG_NAMES)  # tune_model checks it too, naming its keywords
-    target = _target(model_spec)
-    out_dir = check_out_dir(out) if out else None  # before any probe: a result is never lost to a bad path
+    return probe, search, choice, timing_line
+
+
+def _measure(
+    target: dict[str, Any],
+    probe: ProbeConfig,
+    search: SearchConfig,
+    choice: ChoiceConfig,
+    timing_line: str | None,
+    *,
+    live_display: bool,
+) -> TuneResult:
+    """Run the search with progress on stderr: a live display, or one line per probe."""
+    from microbatch.choose.tune import tune_model
 
     live = None
-    if sys.stderr.isatty() and not as_json:
+    if live_display:
         live, on_point = _progress(search.start)
     else:
         on_point = _lines()
@@ -278,24 +328,7 @@ def cmd(
     finally:
         if live is not None:
             live.stop()
-    d = result.to_dict()
-    if timing_line:
-        d["timing_choice"] = timing_line
-    kept = None
-    if out_dir is not None:
-        path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints
-        kept = str(path)
-        progress(why or f"wrote {path}")
-    emit(d, as_json, lambda: render_tune(d))
-    if result.interrupted:
-        n = sum(1 for p in result.points if not p.oom)
-        progress(
-            f"interrupted: kept the {n} point(s) measured (b_m {', '.join(str(p.micro_batch) for p in result.points)})"
-            + (" in the cache" if search.use_cache else "")
-            + (f" and {kept}" if kept else "")
-            + "; the choice above uses them"
-        )
-        raise click.exceptions.Exit(130)
+    return result
 
 
 def _first_say(line: str, on_point: OnPoint) -> OnPoint:

@@ -26,7 +26,6 @@ loads only on first use of ``microbatch.run.accumulate``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,6 +144,27 @@ def accumulate(
     ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
     the first micro-batch's gradient and the whole batch's, with no extra backward.
     """
+    on_oom = _resolve_on_oom(micro_batch_size, on_oom, controller)
+    if on_oom == "raise":
+        assert micro_batch_size is not None
+        return accumulate_micro_batches(
+            model, split(batch, micro_batch_size), loss_fn, count_fn=count_fn, noise=noise
+        )
+    if controller is None:
+        assert micro_batch_size is not None
+        controller = MicroBatchController(micro_batch_size, one_call=True)  # this call only
+    rows = batch_rows(batch)
+    if rows == 0:
+        raise ConfigError("batch has 0 rows; give at least one row")
+    return _accumulate_splitting(
+        model, lambda size: split(batch, size), rows, loss_fn, count_fn, noise, controller
+    )
+
+
+def _resolve_on_oom(
+    micro_batch_size: int | None, on_oom: str | None, controller: MicroBatchController | None
+) -> str:
+    """``on_oom`` checked against the size or controller given (a controller implies ``"split"``)."""
     if controller is not None:
         if micro_batch_size is not None:
             raise ConfigError(
@@ -165,20 +185,7 @@ def accumulate(
     on_oom = on_oom or "raise"
     if on_oom not in ON_OOM:
         raise ConfigError(f"on_oom must be one of {', '.join(map(repr, ON_OOM))}, got {on_oom!r}")
-    if on_oom == "raise":
-        assert micro_batch_size is not None
-        return accumulate_micro_batches(
-            model, split(batch, micro_batch_size), loss_fn, count_fn=count_fn, noise=noise
-        )
-    if controller is None:
-        assert micro_batch_size is not None
-        controller = MicroBatchController(micro_batch_size, one_call=True)  # this call only
-    rows = batch_rows(batch)
-    if rows == 0:
-        raise ConfigError("batch has 0 rows; give at least one row")
-    return _accumulate_splitting(
-        model, lambda size: split(batch, size), rows, loss_fn, count_fn, noise, controller
-    )
+    return on_oom
 
 
 def _accumulate_splitting(
@@ -311,11 +318,61 @@ def _run(
     scale = 1.0
     if counted is not None:
         scale = loss_scale(counted) * average
+    saved, copy_failed = _set_aside(model, params, manual)
 
-    # Set the old gradients aside: keep a copy, zero in place (tensor identity kept, which DDP's
-    # gradient-as-bucket-view relies on). This call then accumulates only its own gradient. The copy
-    # is the step's first allocation: out of memory here is not the micro-batch's fault (no split),
-    # and with agree this rank still joins the all_reduce, so no other rank waits for it.
+    def restore() -> None:
+        if copy_failed is not None:
+            return  # nothing was changed
+        for p, s in zip(params, saved, strict=True):
+            if s is not None and p.grad is not None:
+                p.grad.copy_(s)
+            else:
+                p.grad = s
+
+    try:
+        todo = micro_batches if copy_failed is None else []
+        losses, counts, small, reason = _backward_each(model, todo, loss_fn, params, scale, manual, noise)
+        if reason is not None:
+            restore()
+            losses, counts, small = [], [], None
+
+        # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
+        # carries the agreement (microbatch.run.agree) with on_oom="split".
+        loss_total, n_total = total_of(losses), total_of(counts)
+        if world > 1:
+            loss_global, n_global, redo = ag.all_reduce_sums(
+                model, params, [loss_total, n_total], agree, reason, copy_failed
+            )
+            if redo is not None:  # some rank ran out of memory: every rank redoes the step
+                if reason is None:
+                    restore()
+                    reason = redo[0]
+                return None, reason, redo[1]
+        else:
+            loss_global, n_global = to_float(loss_total), to_float(n_total)
+        _to_mean(params, count_fn, counted, n_global, average)
+        if noise is not None:
+            _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, model_device(model))
+    except BaseException:
+        restore()
+        raise
+    for p, s in zip(params, saved, strict=True):
+        if s is not None:
+            p.grad.add_(s)
+    # The loss's dtype and device: a micro-batch with items (an empty one may return a stand-in zero).
+    like = next((x for x, n in zip(losses, counts, strict=True) if to_float(n) > 0), losses[0])
+    return torch.tensor(loss_global / n_global, dtype=like.dtype, device=like.device), None, 0
+
+
+def _set_aside(model: Any, params: list[Any], manual: bool) -> tuple[list[torch.Tensor | None], str | None]:
+    """Set the old gradients aside: keep a copy, zero in place; ``(copies, None)``, or ``([], reason)``
+    when the copy ran out of memory under ``manual`` agreement (raised otherwise).
+
+    Zeroing in place keeps the tensors' identity, which DDP's gradient-as-bucket-view relies on; the
+    call then accumulates only its own gradient. The copy is the step's first allocation: out of
+    memory here is not the micro-batch's fault (no split), and with agreement this rank still joins
+    the all_reduce, so no other rank waits for it.
+    """
     copy_failed: str | None = None
     saved: list[torch.Tensor | None] = []
     try:
@@ -332,111 +389,66 @@ def _run(
         for p, s in zip(params, saved, strict=True):
             if s is not None:
                 p.grad.zero_()
+    return saved, copy_failed
 
-    def restore() -> None:
-        if copy_failed is not None:
-            return  # nothing was changed
-        for p, s in zip(params, saved, strict=True):
-            if s is not None and p.grad is not None:
-                p.grad.copy_(s)
-            else:
-                p.grad = s
 
-    reason: str | None = None
+def _backward_each(
+    model: Any,
+    micro_batches: list[Batch],
+    loss_fn: LossFn,
+    params: list[Any],
+    scale: float,
+    manual: bool,
+    noise: GradientNoiseScale | None,
+) -> tuple[list[torch.Tensor], list[Any], tuple[float, float] | None, str | None]:
+    """Forward and backward of each micro-batch: the detached loss sums, the item counts, ``(items,
+    |g_small|²)`` of the first (for ``noise``), and the reason of an out-of-memory caught under
+    ``manual`` agreement (anything else propagates)."""
+    losses: list[torch.Tensor] = []
+    counts: list[Any] = []
+    small: tuple[float, float] | None = None  # (items, |g_small|²) of the first micro-batch, for noise
+    last = len(micro_batches) - 1
     try:
-        losses: list[torch.Tensor] = []
-        counts: list[Any] = []
-        small: tuple[float, float] | None = None  # (items, |g_small|²) of the first micro-batch, for noise
-        last = len(micro_batches) - 1
-        try:
-            for i, mb in enumerate(micro_batches if copy_failed is None else []):
-                with sync_unless_last(model, i == last and not manual):
-                    loss_sum, n = _check_loss(loss_fn(model, mb), i)
-                    # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
-                    (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
-                losses.append(loss_sum.detach())
-                counts.append(n)
-                del loss_sum
-                if noise is not None and i == 0 and last > 0:
-                    n_small = to_float(n)
-                    if n_small > 0:
-                        small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)
-        except Exception as e:
-            if not (manual and is_out_of_memory(e)):
-                raise
-            reason = short_error(e)  # the text only: the exception's frames hold the failed tensors
-        if reason is not None:
-            restore()
-            losses, counts, small = [], [], None
+        for i, mb in enumerate(micro_batches):
+            with sync_unless_last(model, i == last and not manual):
+                loss_sum, n = _check_loss(loss_fn(model, mb), i)
+                # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
+                (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
+            losses.append(loss_sum.detach())
+            counts.append(n)
+            del loss_sum
+            if noise is not None and i == 0 and last > 0:
+                n_small = to_float(n)
+                if n_small > 0:
+                    small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)
+    except Exception as e:
+        if not (manual and is_out_of_memory(e)):
+            raise
+        return losses, counts, small, short_error(e)  # the text only: the frames hold the failed tensors
+    return losses, counts, small, None
 
-        # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
-        # carries the agreement (microbatch.run.agree) with on_oom="split".
-        loss_total, n_total = total_of(losses), total_of(counts)
-        ran = 0
-        if world > 1:
-            dev = model_device(model)
-            parts = [loss_total, n_total]
-            if agree is not None:
-                has_grad = [p.grad is not None for p in params]
-                parts += ag.agreement_parts(
-                    oom=reason is not None,
-                    copy_failed=copy_failed is not None,
-                    size=agree[0],
-                    rows=agree[1],
-                    has_grad=has_grad,
-                )
-            sums = torch.stack(
-                [torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in parts]
-            )
-            torch.distributed.all_reduce(sums, group=group)
-            sums = sums.cpu()  # one copy to the host, not one per read
-            loss_global, n_global = float(sums[0]), float(sums[1])
-            if agree is not None:
-                if not ag.sizes_agree(agree[0], world, float(sums[ag.SIZE]), float(sums[ag.SIZE_SQ])):
-                    raise ConfigError(
-                        f"ranks ran different micro-batch sizes (this rank {agree[0]}, mean "
-                        f"{float(sums[ag.SIZE]) / world:g}); give every rank the same micro_batch_size or controller"
-                    )
-                if float(sums[ag.COPY_FAILED]) > 0:  # every rank raises: the sizes are not at fault
-                    raise set_aside_error(
-                        copy_failed or "on another rank", ranks=(int(sums[ag.COPY_FAILED]), world)
-                    )
-                if float(sums[ag.OOM]) > 0:  # some rank ran out of memory: every rank redoes the step
-                    if reason is None:
-                        restore()
-                        reason = f"out of memory on {int(sums[ag.OOM])} of {world} ranks"
-                    ran = math.ceil(float(sums[ag.ROWS]) / world)  # the ranks' mean rows run, rounded up
-                    return None, reason, ran
-                ag.all_reduce_grads(params, [float(f) > 0 for f in sums[ag.FLAGS :]], group)
-        else:
-            loss_global, n_global = to_float(loss_total), to_float(n_total)
-        if count_fn is None:
-            if not n_global > 0:
-                raise ConfigError(
-                    f"the whole batch has {n_global:g} valid items; the mean loss needs at least one (check the "
-                    "labels: are they all -100?)"
-                )
-            # The gradients hold ∇Σloss_sum (averaged over ranks by DDP): rescale to the mean.
-            rescale = average / n_global
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(rescale)
-        elif counted is not None and abs(n_global - counted) > 1e-9 * max(1.0, counted):
+
+def _to_mean(
+    params: list[Any], count_fn: CountFn | None, counted: float | None, n_global: float, average: int
+) -> None:
+    """Without ``count_fn``, rescale ∇Σloss_sum to the mean over ``n_global`` items; with it, check that
+    the items counted before match those the losses reported."""
+    if count_fn is None:
+        if not n_global > 0:
             raise ConfigError(
-                f"count_fn counted {counted:g} items but loss_fn reported {n_global:g}; they must count the "
-                "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
+                f"the whole batch has {n_global:g} valid items; the mean loss needs at least one (check the "
+                "labels: are they all -100?)"
             )
-        if noise is not None:
-            _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, model_device(model))
-    except BaseException:
-        restore()
-        raise
-    for p, s in zip(params, saved, strict=True):
-        if s is not None:
-            p.grad.add_(s)
-    # The loss's dtype and device: a micro-batch with items (an empty one may return a stand-in zero).
-    like = next((x for x, n in zip(losses, counts, strict=True) if to_float(n) > 0), losses[0])
-    return torch.tensor(loss_global / n_global, dtype=like.dtype, device=like.device), None, 0
+        # The gradients hold ∇Σloss_sum (averaged over ranks by DDP): rescale to the mean.
+        rescale = average / n_global
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(rescale)
+    elif counted is not None and abs(n_global - counted) > 1e-9 * max(1.0, counted):
+        raise ConfigError(
+            f"count_fn counted {counted:g} items but loss_fn reported {n_global:g}; they must count the "
+            "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
+        )
 
 
 def _noise_update(

@@ -18,13 +18,16 @@ own (DDP broadcasting buffers, FSDP): a rank that stops early would leave the ot
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.scaling import is_ddp
+from microbatch.run.oom import set_aside_error
+from microbatch.run.scaling import group_and_world, is_ddp, model_device
 
 __all__ = [
     "agreement_parts",
+    "all_reduce_sums",
     "sizes_agree",
     "all_reduce_grads",
     "check_can_agree",
@@ -105,3 +108,46 @@ def check_can_agree(model: Any) -> None:
             "that runs out of memory skips forwards and the others would wait there; wrap the model with "
             "DistributedDataParallel(..., broadcast_buffers=False)"
         )
+
+
+def all_reduce_sums(
+    model: Any,
+    params: list[Any],
+    parts: list[Any],
+    agree: tuple[int, int] | None,
+    reason: str | None,
+    copy_failed: str | None,
+) -> tuple[float, float, tuple[str, int] | None]:
+    """The step's one all_reduce: the global loss sum and item count, and with ``agree`` the ranks'
+    agreement; ``redo`` = (reason, the ranks' mean rows rounded up) when some rank ran out of memory,
+    else the gradients are all-reduced here."""
+    import torch
+
+    group, world = group_and_world(model)
+    dev = model_device(model)
+    if agree is not None:
+        has_grad = [p.grad is not None for p in params]
+        parts = parts + agreement_parts(
+            oom=reason is not None,
+            copy_failed=copy_failed is not None,
+            size=agree[0],
+            rows=agree[1],
+            has_grad=has_grad,
+        )
+    sums = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in parts])
+    torch.distributed.all_reduce(sums, group=group)
+    sums = sums.cpu()  # one copy to the host, not one per read
+    loss_global, n_global = float(sums[0]), float(sums[1])
+    if agree is not None:
+        if not sizes_agree(agree[0], world, float(sums[SIZE]), float(sums[SIZE_SQ])):
+            raise ConfigError(
+                f"ranks ran different micro-batch sizes (this rank {agree[0]}, mean "
+                f"{float(sums[SIZE]) / world:g}); give every rank the same micro_batch_size or controller"
+            )
+        if float(sums[COPY_FAILED]) > 0:  # every rank raises: the sizes are not at fault
+            raise set_aside_error(copy_failed or "on another rank", ranks=(int(sums[COPY_FAILED]), world))
+        if float(sums[OOM]) > 0:  # some rank ran out of memory: every rank redoes the step
+            why = f"out of memory on {int(sums[OOM])} of {world} ranks"
+            return loss_global, n_global, (why, math.ceil(float(sums[ROWS]) / world))
+        all_reduce_grads(params, [float(f) > 0 for f in sums[FLAGS:]], group)
+    return loss_global, n_global, None

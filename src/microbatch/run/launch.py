@@ -269,85 +269,13 @@ def _launch_once(
     SIGTERM (``timeout``, a job scheduler) stops the ranks as Ctrl-C does: it raises
     :class:`Terminated` (a ``KeyboardInterrupt``) here, and every rank is killed before it propagates.
     """
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs: list[subprocess.Popen[bytes]] = []
     errs: list[str] = []
-    code = "from microbatch.run.launch import _worker_main; _worker_main()"
     restore = _raise_on_sigterm()
     try:
-        for r in range(cfg.stages):
-            env = dict(os.environ)
-            env.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                WORLD_SIZE=str(cfg.stages),
-                LOCAL_WORLD_SIZE=str(cfg.stages),
-                MICROBATCH_WORKER="1",
-                PYTHONPATH=os.pathsep.join(x for x in (src, env.get("PYTHONPATH", "")) if x),
-            )
-            if cfg.backend == "gloo":
-                env.setdefault("OMP_NUM_THREADS", "1")
-            err = os.path.join(tmp, f"rank{r}.err")
-            errs.append(err)
-            with open(err, "w") as ef:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", code, cfg_path, result_path],
-                        env=env,
-                        stdout=subprocess.DEVNULL,
-                        stderr=ef,
-                        start_new_session=True,
-                    )
-                )
+        _start_ranks(cfg, tmp, cfg_path, result_path, port, procs, errs)
         announce("start", total=cfg.steps, ranks=cfg.stages)
-        finished = StepCounter([step_log_path(tmp, r) for r in range(cfg.stages)])
-        done, next_count = 0, 0.0
-        t_end = time.monotonic() + deadline_s
-        while True:
-            if time.monotonic() >= next_count:  # the steps every rank finished, four times a second
-                next_count = time.monotonic() + 0.25
-                n = finished()
-                if n > done:
-                    done = n
-                    announce("step", done=done, total=cfg.steps)
-            rcs = [p.poll() for p in procs]
-            bad = [r for r, rc in enumerate(rcs) if rc not in (None, 0)]
-            if bad:
-                time.sleep(0.3)  # let a crash's neighbours report, then name the cause, not a victim
-                later = [x for x, rc in enumerate(p.poll() for p in procs) if rc not in (None, 0)]
-                causes = [x for x in bad + later if not _is_victim(_tail(errs[x]))]
-                r = causes[0] if causes else bad[0]
-                rc = procs[r].poll() or 0  # bad ranks have exited: poll() is their status
-                if rc < 0:
-                    why = f"killed by signal {signal.Signals(-rc).name}"
-                    if -rc == signal.SIGKILL:
-                        why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
-                else:
-                    why = f"exit status {rc}"
-                tail = _tail(errs[r])
-                why += f": {tail}" if tail else ""
-                _kill_all(procs)
-                if "address already in use" in tail.lower() or "eaddrinuse" in tail.lower():
-                    raise _PortTaken(port)
-                raise PipelineError(
-                    f"rank {r} (stages {_stages_of(cfg, r)}) failed ({why}); every rank was stopped; "
-                    f"full logs: {os.path.join(tmp, 'rank*.err')}"
-                )
-            if all(rc == 0 for rc in rcs):
-                if finished() > done:  # the last steps, finished since the last look
-                    announce("step", done=finished.last, total=cfg.steps)
-                break
-            if time.monotonic() > t_end:
-                alive = [r for r, rc in enumerate(rcs) if rc is None]
-                _kill_all(procs)
-                said = f" ({deadline_why})" if deadline_why else ""
-                raise PipelineError(
-                    f"pipeline run passed its deadline of {deadline_s:.0f} s{said}; ranks {alive} were still running "
-                    f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
-                )
-            time.sleep(0.05)
+        _wait_for_ranks(cfg, tmp, port, procs, errs, deadline_s, deadline_why)
         with open(result_path) as f:
             raw: dict[str, Any] = json.load(f)
     finally:
@@ -356,6 +284,117 @@ def _launch_once(
         finally:
             restore()
     return raw
+
+
+def _start_ranks(
+    cfg: PipelineConfig,
+    tmp: str,
+    cfg_path: str,
+    result_path: str,
+    port: int,
+    procs: list[subprocess.Popen[bytes]],
+    errs: list[str],
+) -> None:
+    """Start one process per rank (in ``procs``, as each starts), its stderr in ``tmp`` (``errs``)."""
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "from microbatch.run.launch import _worker_main; _worker_main()"
+    for r in range(cfg.stages):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(cfg.stages),
+            LOCAL_WORLD_SIZE=str(cfg.stages),
+            MICROBATCH_WORKER="1",
+            PYTHONPATH=os.pathsep.join(x for x in (src, env.get("PYTHONPATH", "")) if x),
+        )
+        if cfg.backend == "gloo":
+            env.setdefault("OMP_NUM_THREADS", "1")
+        err = os.path.join(tmp, f"rank{r}.err")
+        errs.append(err)
+        with open(err, "w") as ef:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, cfg_path, result_path],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=ef,
+                    start_new_session=True,
+                )
+            )
+
+
+def _wait_for_ranks(
+    cfg: PipelineConfig,
+    tmp: str,
+    port: int,
+    procs: list[subprocess.Popen[bytes]],
+    errs: list[str],
+    deadline_s: float,
+    deadline_why: str,
+) -> None:
+    """Wait until every rank exits 0, announcing the steps they finish; on a failed rank or past the
+    deadline, kill every rank and raise."""
+    finished = StepCounter([step_log_path(tmp, r) for r in range(cfg.stages)])
+    done, next_count = 0, 0.0
+    t_end = time.monotonic() + deadline_s
+    while True:
+        if time.monotonic() >= next_count:  # the steps every rank finished, four times a second
+            next_count = time.monotonic() + 0.25
+            n = finished()
+            if n > done:
+                done = n
+                announce("step", done=done, total=cfg.steps)
+        rcs = [p.poll() for p in procs]
+        bad = [r for r, rc in enumerate(rcs) if rc not in (None, 0)]
+        if bad:
+            raise _rank_failure(cfg, tmp, port, procs, errs, bad)
+        if all(rc == 0 for rc in rcs):
+            if finished() > done:  # the last steps, finished since the last look
+                announce("step", done=finished.last, total=cfg.steps)
+            return
+        if time.monotonic() > t_end:
+            alive = [r for r, rc in enumerate(rcs) if rc is None]
+            _kill_all(procs)
+            said = f" ({deadline_why})" if deadline_why else ""
+            raise PipelineError(
+                f"pipeline run passed its deadline of {deadline_s:.0f} s{said}; ranks {alive} were still running "
+                f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
+            )
+        time.sleep(0.05)
+
+
+def _rank_failure(
+    cfg: PipelineConfig,
+    tmp: str,
+    port: int,
+    procs: list[subprocess.Popen[bytes]],
+    errs: list[str],
+    bad: list[int],
+) -> Exception:
+    """Every rank killed, and the error naming the rank that caused the failure (not a victim)."""
+    time.sleep(0.3)  # let a crash's neighbours report, then name the cause, not a victim
+    later = [x for x, rc in enumerate(p.poll() for p in procs) if rc not in (None, 0)]
+    causes = [x for x in bad + later if not _is_victim(_tail(errs[x]))]
+    r = causes[0] if causes else bad[0]
+    rc = procs[r].poll() or 0  # bad ranks have exited: poll() is their status
+    if rc < 0:
+        why = f"killed by signal {signal.Signals(-rc).name}"
+        if -rc == signal.SIGKILL:
+            why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
+    else:
+        why = f"exit status {rc}"
+    tail = _tail(errs[r])
+    why += f": {tail}" if tail else ""
+    _kill_all(procs)
+    if "address already in use" in tail.lower() or "eaddrinuse" in tail.lower():
+        return _PortTaken(port)
+    return PipelineError(
+        f"rank {r} (stages {_stages_of(cfg, r)}) failed ({why}); every rank was stopped; "
+        f"full logs: {os.path.join(tmp, 'rank*.err')}"
+    )
 
 
 class Terminated(KeyboardInterrupt):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
@@ -140,8 +141,6 @@ def run_rank(
     (``"setup"``): what a Ctrl-C keeps (:mod:`microbatch.run.pipeline_progress`)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as ts
 
     if world_size != cfg.stages:
         raise ConfigError(
@@ -153,78 +152,19 @@ def run_rank(
     rec = StageRecorder(rank=rank, cuda=cuda)
     _fault(rank, "setup")
 
-    full, vocab, seq = build_full_model(cfg)
-    units = model_units(full)
-    n_stages = cfg.total_stages
-    if cfg.balance == "time":
-        box: list[Any] = [None]
-        if rank == 0:
-            tok, _ = make_batch(cfg, vocab, seq, -1)
-            box[0] = balanced_split(unit_times_s(units, tok[: cfg.micro_batch]), n_stages)
-        dist.broadcast_object_list(box, src=0)
-        sizes: list[int] = box[0]
-        full, vocab, seq = build_full_model(cfg)  # fresh weights and gradients after timing
-        units = model_units(full)
-    else:
-        sizes = balanced_split(unit_param_counts(units), n_stages)
-    modules = split_units(units, sizes)
+    full, vocab, seq, sizes, modules = _split_model(cfg, rank)
     placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
-    mine = [s for s in range(n_stages) if placement[s] == rank]
-
-    # parameters shared by stages on different ranks (tied embeddings): all-reduce their gradients
-    names = {id(p): n for n, p in full.named_parameters()}
-    holders: dict[int, set[int]] = {}
-    for s, mod in enumerate(modules):
-        for p in mod.parameters():
-            holders.setdefault(id(p), set()).add(placement[s])
-    shared = sorted((names[i] for i, rs in holders.items() if len(rs) > 1), key=list(names.values()).index)
-    by_name = dict(full.named_parameters())
-
-    mb, b = cfg.micro_batch, cfg.batch
-    with torch.no_grad():
-        tok, tgt = make_batch(cfg, vocab, seq, -1)
-        x = tok[:mb]
-        boundary: list[Any] = []
-        for mod in modules:
-            x = mod(x)
-            boundary.append(x)
-    for s in mine:  # after the example pass on the CPU (the shared weight moves with its owner)
-        modules[s].to(device)
-    stage_objs: list[Any] = []
-    for s in mine:
-        inp = tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).requires_grad_(True)
-        # example outputs must say requires_grad, or the previous stage expects no gradient back
-        out = boundary[s].to(device).detach().requires_grad_(boundary[s].is_floating_point())
-        stage_objs.append(PipelineStage(modules[s], s, n_stages, device, input_args=inp, output_args=out))
-    total_tokens = b * seq
-    # what torch's split backward keeps of each stage's saved bytes between I and W (measured here)
-    kept_after_input_grad = {
-        s: split_backward_kept(
-            modules[s],
-            tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).clone().requires_grad_(True),
-            first=s == 0,
-            loss_fn=make_loss_fn(total_tokens) if s == n_stages - 1 else None,
-            target=tgt[:mb].to(device),
-        )
-        for s in mine
-    }
+    mine = [s for s in range(cfg.total_stages) if placement[s] == rank]
+    shared = _SharedParameters.of(full, modules, placement)
+    total_tokens = cfg.batch * seq
+    stage_objs, kept_after_input_grad = _build_stages(cfg, modules, mine, vocab, seq, device)
     for st in stage_objs:
         instrument_stage(st, rec)
-
-    loss_fn = make_loss_fn(total_tokens, rec)
-    cls = getattr(ts, str(get_spec(cfg.schedule).torch_name), None)
-    if cls is None:
-        raise ScheduleError(f"{cfg.schedule} needs a newer torch than {torch.__version__}")
-    single = issubclass(cls, ts.PipelineScheduleSingle)  # one stage object per rank (GPipe, 1F1B)
-    sched = cls(
-        stage_objs[0] if single else stage_objs, cfg.microbatches, loss_fn=loss_fn, **_schedule_kwargs(cls)
-    )
+    sched = _make_schedule(cfg, stage_objs, make_loss_fn(total_tokens, rec))
     params = [p for s in mine for p in modules[s].parameters()]
     params = list({id(p): p for p in params}.values())
     opt = torch.optim.Adam(params, lr=cfg.lr)
 
-    first = 0 in mine
-    last = (n_stages - 1) in mine
     steps_out: list[dict[str, Any]] = []
     grad_err: float | None = None
     for step in range(cfg.steps):
@@ -232,63 +172,12 @@ def run_rank(
         inputs, targets = inputs.to(device), targets.to(device)
         rec.reset()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        rss_reset = reset_peak_rss()
-        dist.barrier()
-        wall0 = time.time()
-        t0 = rec.now()
-        _fault(rank, "step")
-        losses: list[Any] = []
-        kwargs: dict[str, Any] = {}
-        if last:
-            kwargs["target"], kwargs["losses"] = targets, losses
-        if first:
-            sched.step(inputs, **kwargs)
-        else:
-            sched.step(**kwargs)
-        t_end = rec.now()
-        if cuda:
-            torch.cuda.synchronize(device)
-        host_peak = peak_rss_bytes() if rss_reset else None
-        rec.leak.clear()  # an injected leak ends with the step
-        span = _cuda_span if cuda else _cpu_span
-        wall1 = wall0 + span(t0, t_end)
-        for name in shared:
-            prm = by_name[name]
-            mine_too = rank in holders[id(prm)] and prm.grad is not None
-            g = prm.grad if mine_too else torch.zeros(prm.shape, dtype=prm.dtype, device=device)
-            dist.all_reduce(g)  # every rank joins (zeros where it does not hold the weight)
-            if rank in holders[id(prm)]:
-                prm.grad = g
+        times = _timed_step(cfg, sched, rec, rank, mine, inputs, targets, device)
+        shared.all_reduce_gradients(rank, device)
         if cfg.check_gradients and step == 0:
             grad_err = _grad_error(cfg, mine, modules, inputs, targets, total_tokens, device)
         opt.step()
-        steps_out.append(
-            {
-                "rank": rank,
-                "stages": mine,
-                "start_wall_s": wall0,
-                "end_wall_s": wall1,
-                "intervals": [
-                    (k, s, i, wall0 + span(t0, a), wall0 + span(t0, e)) for (k, s, i, a, e) in rec.intervals
-                ],
-                "order": list(rec.order),
-                "cpu_s": list(rec.cpu_s),
-                "live_trace": list(rec.live_trace),
-                "peak_in_flight": rec.peak_in_flight,
-                "per_microbatch_bytes": list(rec.per_microbatch_bytes),
-                "per_microbatch_shared_bytes": list(rec.per_microbatch_shared_bytes),
-                "counted_activation_bytes": rec.counted_peak_bytes,
-                "peak_activation_bytes": rec.live.peak,
-                "live_bytes_after_step": rec.live.bytes,
-                "host_peak_bytes": host_peak,
-                "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-                "cuda_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
-                "loss": float(sum(x.item() for x in losses)) if last and losses else None,
-            }
-        )
+        steps_out.append(_step_record(rank, mine, rec, times, device))
         if on_step is not None:
             if step == 0:
                 on_step("setup", _rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched))
@@ -306,6 +195,205 @@ def run_rank(
         "torch_version": torch.__version__,
         "device": str(device),
         "ranks": gathered,
+    }
+
+
+def _split_model(cfg: PipelineConfig, rank: int) -> tuple[Any, int, int, list[int], list[Any]]:
+    """The full model (vocabulary, sequence length), units per stage and the stages' modules; with
+    ``balance="time"`` rank 0 times the units and broadcasts the split, and the model is rebuilt."""
+    import torch.distributed as dist
+
+    full, vocab, seq = build_full_model(cfg)
+    units = model_units(full)
+    n_stages = cfg.total_stages
+    if cfg.balance == "time":
+        box: list[Any] = [None]
+        if rank == 0:
+            tok, _ = make_batch(cfg, vocab, seq, -1)
+            box[0] = balanced_split(unit_times_s(units, tok[: cfg.micro_batch]), n_stages)
+        dist.broadcast_object_list(box, src=0)
+        sizes: list[int] = box[0]
+        full, vocab, seq = build_full_model(cfg)  # fresh weights and gradients after timing
+        units = model_units(full)
+    else:
+        sizes = balanced_split(unit_param_counts(units), n_stages)
+    return full, vocab, seq, sizes, split_units(units, sizes)
+
+
+@dataclass(frozen=True)
+class _SharedParameters:
+    """Parameters held by stages on different ranks (tied embeddings), whose gradients are all-reduced."""
+
+    names: list[str]
+    by_name: dict[str, Any]
+    holders: dict[int, set[int]]
+    """id(parameter) -> the ranks that hold it."""
+
+    @classmethod
+    def of(cls, full: Any, modules: list[Any], placement: list[int]) -> _SharedParameters:
+        names = {id(p): n for n, p in full.named_parameters()}
+        holders: dict[int, set[int]] = {}
+        for s, mod in enumerate(modules):
+            for p in mod.parameters():
+                holders.setdefault(id(p), set()).add(placement[s])
+        shared = sorted(
+            (names[i] for i, rs in holders.items() if len(rs) > 1), key=list(names.values()).index
+        )
+        return cls(names=shared, by_name=dict(full.named_parameters()), holders=holders)
+
+    def all_reduce_gradients(self, rank: int, device: Any) -> None:
+        """Sum each shared parameter's gradient over the ranks (every rank joins, with zeros where it
+        does not hold the weight)."""
+        import torch
+        import torch.distributed as dist
+
+        for name in self.names:
+            prm = self.by_name[name]
+            mine_too = rank in self.holders[id(prm)] and prm.grad is not None
+            g = prm.grad if mine_too else torch.zeros(prm.shape, dtype=prm.dtype, device=device)
+            dist.all_reduce(g)  # every rank joins (zeros where it does not hold the weight)
+            if rank in self.holders[id(prm)]:
+                prm.grad = g
+
+
+def _build_stages(
+    cfg: PipelineConfig, modules: list[Any], mine: list[int], vocab: int, seq: int, device: Any
+) -> tuple[list[Any], dict[int, Any]]:
+    """torch's ``PipelineStage`` for each stage of this rank, with example shapes from one pass on
+    the CPU, and what torch's split backward keeps of each stage's saved bytes between I and W."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    n_stages = cfg.total_stages
+    mb = cfg.micro_batch
+    with torch.no_grad():
+        tok, tgt = make_batch(cfg, vocab, seq, -1)
+        x = tok[:mb]
+        boundary: list[Any] = []
+        for mod in modules:
+            x = mod(x)
+            boundary.append(x)
+    for s in mine:  # after the example pass on the CPU (the shared weight moves with its owner)
+        modules[s].to(device)
+    stage_objs: list[Any] = []
+    for s in mine:
+        inp = tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).requires_grad_(True)
+        # example outputs must say requires_grad, or the previous stage expects no gradient back
+        out = boundary[s].to(device).detach().requires_grad_(boundary[s].is_floating_point())
+        stage_objs.append(PipelineStage(modules[s], s, n_stages, device, input_args=inp, output_args=out))
+    total_tokens = cfg.batch * seq
+    # what torch's split backward keeps of each stage's saved bytes between I and W (measured here)
+    kept_after_input_grad = {
+        s: split_backward_kept(
+            modules[s],
+            tok[:mb].to(device) if s == 0 else boundary[s - 1].to(device).clone().requires_grad_(True),
+            first=s == 0,
+            loss_fn=make_loss_fn(total_tokens) if s == n_stages - 1 else None,
+            target=tgt[:mb].to(device),
+        )
+        for s in mine
+    }
+    return stage_objs, kept_after_input_grad
+
+
+def _make_schedule(cfg: PipelineConfig, stage_objs: list[Any], loss_fn: Any) -> Any:
+    """torch's schedule object of ``cfg.schedule`` over this rank's stages."""
+    import torch
+    from torch.distributed.pipelining import schedules as ts
+
+    cls = getattr(ts, str(get_spec(cfg.schedule).torch_name), None)
+    if cls is None:
+        raise ScheduleError(f"{cfg.schedule} needs a newer torch than {torch.__version__}")
+    single = issubclass(cls, ts.PipelineScheduleSingle)  # one stage object per rank (GPipe, 1F1B)
+    return cls(
+        stage_objs[0] if single else stage_objs, cfg.microbatches, loss_fn=loss_fn, **_schedule_kwargs(cls)
+    )
+
+
+@dataclass(frozen=True)
+class _StepTimes:
+    """What one timed step read: its wall-clock start and end, the recorder's clock at its start and
+    how to turn two readings into seconds, the host's peak and the last stage's losses."""
+
+    wall0: float
+    wall1: float
+    t0: Any
+    span: Callable[[Any, Any], float]
+    host_peak: int | None
+    losses: list[Any]
+
+
+def _timed_step(
+    cfg: PipelineConfig,
+    sched: Any,
+    rec: StageRecorder,
+    rank: int,
+    mine: list[int],
+    inputs: Any,
+    targets: Any,
+    device: Any,
+) -> _StepTimes:
+    """One ``sched.step`` between a barrier and the device's synchronisation, timed."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_reset = reset_peak_rss()
+    dist.barrier()
+    wall0 = time.time()
+    t0 = rec.now()
+    _fault(rank, "step")
+    losses: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    if (cfg.total_stages - 1) in mine:
+        kwargs["target"], kwargs["losses"] = targets, losses
+    if 0 in mine:
+        sched.step(inputs, **kwargs)
+    else:
+        sched.step(**kwargs)
+    t_end = rec.now()
+    if cuda:
+        torch.cuda.synchronize(device)
+    host_peak = peak_rss_bytes() if rss_reset else None
+    rec.leak.clear()  # an injected leak ends with the step
+    span = _cuda_span if cuda else _cpu_span
+    return _StepTimes(
+        wall0=wall0, wall1=wall0 + span(t0, t_end), t0=t0, span=span, host_peak=host_peak, losses=losses
+    )
+
+
+def _step_record(
+    rank: int, mine: list[int], rec: StageRecorder, times: _StepTimes, device: Any
+) -> dict[str, Any]:
+    """This rank's record of one step (times, order, memory, loss), read after the optimizer step."""
+    import torch
+
+    cuda = device.type == "cuda"
+    wall0, t0, span, losses = times.wall0, times.t0, times.span, times.losses
+    return {
+        "rank": rank,
+        "stages": mine,
+        "start_wall_s": wall0,
+        "end_wall_s": times.wall1,
+        "intervals": [
+            (k, s, i, wall0 + span(t0, a), wall0 + span(t0, e)) for (k, s, i, a, e) in rec.intervals
+        ],
+        "order": list(rec.order),
+        "cpu_s": list(rec.cpu_s),
+        "live_trace": list(rec.live_trace),
+        "peak_in_flight": rec.peak_in_flight,
+        "per_microbatch_bytes": list(rec.per_microbatch_bytes),
+        "per_microbatch_shared_bytes": list(rec.per_microbatch_shared_bytes),
+        "counted_activation_bytes": rec.counted_peak_bytes,
+        "peak_activation_bytes": rec.live.peak,
+        "live_bytes_after_step": rec.live.bytes,
+        "host_peak_bytes": times.host_peak,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "cuda_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+        "loss": float(sum(x.item() for x in losses)) if losses else None,  # filled on the last stage only
     }
 
 

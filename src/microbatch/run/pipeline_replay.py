@@ -199,105 +199,136 @@ def replay(
     no core. ``after_as_latency``: the work after each op is latency too (the rank is busy for it
     but takes no core): for terms measured under the run's own contention, which already hold the
     waits for a core (:func:`microbatch.run.pipeline_calibrate.calibrate_loaded`)."""
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
-    last = cfg.total_stages - 1
+    rp = _Replay(cfg, order, op_s, terms, cores=cores, slice_s=slice_s, others=others, after=after_as_latency)
+    while len(rp.done) < rp.total or any(j >= 0 for j in rp.jobs):
+        rp.advance()
     p = cfg.stages
-    acts = [[parse_action(a) for a in order[r]] for r in range(p)]
-    present = {(k, s, i) for r in range(p) for s, k, i in acts[r]}
-    free = [float(terms["start_s"])] * p
-    nxt = [0] * p
-    busy = [0.0] * p
-    done: dict[tuple[str, int, int], float] = {}
-    rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
-    # a job: [work left, first time on a core (or -1), 1 for an op / 0 for the work after it];
-    # the phantom jobs (-1, -2, ...) stand for the other programs' runnable threads
-    jobs: dict[int, list[float]] = {-1 - k: [float("inf"), -1.0, 0.0] for k in range(others)}
-    queue: deque[int] = deque(jobs)
-    on_core: dict[int, float] = {}  # job -> end of its slice
-    n_cores = cores if cores is not None else p + others
-    quantum = slice_s if cores is not None else float("inf")
-    total = sum(len(a) for a in acts)
-    t = 0.0
+    step = max(rp.free) + float(terms["end_s"])
+    return {
+        "step_time_s": step,
+        "busy_s": rp.busy,
+        "bubble_fraction": 1.0 - sum(rp.busy) / (p * step) if step > 0 else 0.0,
+        "timeline": rp.rows,
+    }
 
-    def ready_at(r: int) -> float | None:
+
+class _Replay:
+    """The state of one replay: each rank's next op and free time, the ops done, and the jobs that
+    share the cores (a job: [work left, first time on a core (or -1), 1 for an op / 0 for the work
+    after it]; the phantom jobs -1, -2, ... stand for the other programs' runnable threads)."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        order: dict[int, list[str]],
+        op_s: dict[tuple[int, str], float],
+        terms: dict[str, Any],
+        *,
+        cores: int | None,
+        slice_s: float,
+        others: int,
+        after: bool,
+    ) -> None:
+        self.order, self.op_s, self.terms = order, op_s, terms
+        self.after_as_latency = after
+        self.placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+        self.last = cfg.total_stages - 1
+        self.p = p = cfg.stages
+        self.acts = [[parse_action(a) for a in order[r]] for r in range(p)]
+        self.present = {(k, s, i) for r in range(p) for s, k, i in self.acts[r]}
+        self.free = [float(terms["start_s"])] * p
+        self.nxt = [0] * p
+        self.busy = [0.0] * p
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
+        self.jobs: dict[int, list[float]] = {-1 - k: [float("inf"), -1.0, 0.0] for k in range(others)}
+        self.queue: deque[int] = deque(self.jobs)
+        self.on_core: dict[int, float] = {}  # job -> end of its slice
+        self.n_cores = cores if cores is not None else p + others
+        self.quantum = slice_s if cores is not None else float("inf")
+        self.total = sum(len(a) for a in self.acts)
+        self.t = 0.0
+
+    def ready_at(self, r: int) -> float | None:
         """When rank r's next op can start (its rank free, its inputs arrived); None if an input
         is not done yet, the rank is working or has no op left."""
-        if r in jobs or nxt[r] >= len(acts[r]):
+        if r in self.jobs or self.nxt[r] >= len(self.acts[r]):
             return None
-        s, kind, i = acts[r][nxt[r]]
-        dep = next((d for d in _deps(kind, s, i, last) if d in present), None)
+        s, kind, i = self.acts[r][self.nxt[r]]
+        dep = next((d for d in _deps(kind, s, i, self.last) if d in self.present), None)
         local = ("I", s, i) if kind == "W" else None
-        if (dep is not None and dep not in done) or (local is not None and local not in done):
+        if (dep is not None and dep not in self.done) or (local is not None and local not in self.done):
             return None
-        ready = free[r]
+        ready = self.free[r]
         if dep is not None:
-            hop = terms["hop_s"]["fwd" if kind == "F" else "bwd"] if placement[dep[1]] != r else 0.0
-            ready = max(ready, done[dep] + hop)
+            hop = self.terms["hop_s"]["fwd" if kind == "F" else "bwd"] if self.placement[dep[1]] != r else 0.0
+            ready = max(ready, self.done[dep] + hop)
         return ready
 
-    def waiting(c: tuple[str, int, int], t: float) -> bool:
+    def waiting(self, c: tuple[str, int, int], t: float) -> bool:
         """Is the rank of op c sitting idle with c as its next op at time t?"""
-        r = placement[c[1]] if 0 <= c[1] <= last else -1
-        if r < 0 or r in jobs or nxt[r] >= len(acts[r]) or free[r] > t:
+        r = self.placement[c[1]] if 0 <= c[1] <= self.last else -1
+        if r < 0 or r in self.jobs or self.nxt[r] >= len(self.acts[r]) or self.free[r] > t:
             return False
-        s, kind, i = acts[r][nxt[r]]
+        s, kind, i = self.acts[r][self.nxt[r]]
         return (kind, s, i) == c
 
-    while len(done) < total or any(j >= 0 for j in jobs):
-        starts = {r: a for r in range(p) if (a := ready_at(r)) is not None}
+    def advance(self) -> None:
+        """Move to the next event (an op that can start, a job's work or slice ending) and handle it."""
+        p, jobs, on_core, t = self.p, self.jobs, self.on_core, self.t
+        starts = {r: a for r in range(p) if (a := self.ready_at(r)) is not None}
         ends = [min(end, t + jobs[j][0]) for j, end in on_core.items()]
         now = min([*ends, *starts.values()], default=float("inf"))
         if now == float("inf"):
-            stuck = {r: order[r][nxt[r]] for r in range(p) if nxt[r] < len(order[r])}
+            stuck = {r: self.order[r][self.nxt[r]] for r in range(p) if self.nxt[r] < len(self.order[r])}
             raise ScheduleError(f"the order deadlocks in the replay: every rank waits ({stuck})")
         now = max(t, now)
         for j in on_core:
             jobs[j][0] -= now - t
-        t = now
+        self.t = t = now
         tol = 1e-12 * max(1.0, t)
         for j in [j for j in on_core if jobs[j][0] <= tol]:  # work done
-            del on_core[j]
-            _, first, is_op = jobs.pop(j)
-            free[j] = t
-            if not is_op:  # the runtime's work after the op is done: the rank is free
-                continue
-            s, kind, i = acts[j][nxt[j]]
-            done[(kind, s, i)] = t
-            busy[j] += t - first
-            rows[j].append((first, t, kind, i))
-            direction = _sends(kind, s, placement)
-            nxt[j] += 1
-            if direction is None:
-                after = float(terms["after_local_s"])
-            elif any(waiting(c, t) for c in _consumers(kind, s, i)):
-                after = terms["after_send_waiting_s"][direction]
-            else:
-                after = terms["after_send_s"][direction]
-            if after > 0 and after_as_latency:  # measured with its waits for a core: a delay
-                free[j] = t + float(after)
-            elif after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
-                jobs[j] = [float(after), t, 0.0]
-                queue.append(j)
+            self.finish(j)
         for r, a in starts.items():
             if a <= t and r not in jobs:
-                s, kind, _i = acts[r][nxt[r]]
-                jobs[r] = [float(op_s.get((s, kind), 0.0)), -1.0, 1.0]
-                queue.append(r)
+                s, kind, _i = self.acts[r][self.nxt[r]]
+                jobs[r] = [float(self.op_s.get((s, kind), 0.0)), -1.0, 1.0]
+                self.queue.append(r)
         for j in [j for j, end in on_core.items() if end <= t + tol]:  # slice over
-            if queue:
+            if self.queue:
                 del on_core[j]
-                queue.append(j)
+                self.queue.append(j)
             else:
-                on_core[j] = t + quantum
-        while queue and len(on_core) < n_cores:
-            j = queue.popleft()
-            on_core[j] = t + quantum
+                on_core[j] = t + self.quantum
+        while self.queue and len(on_core) < self.n_cores:
+            j = self.queue.popleft()
+            on_core[j] = t + self.quantum
             if jobs[j][1] < 0:
                 jobs[j][1] = t
-    step = max(free) + float(terms["end_s"])
-    return {
-        "step_time_s": step,
-        "busy_s": busy,
-        "bubble_fraction": 1.0 - sum(busy) / (p * step) if step > 0 else 0.0,
-        "timeline": rows,
-    }
+
+    def finish(self, j: int) -> None:
+        """Job ``j``'s work is done at ``self.t``: an op is recorded and the runtime's work after it
+        queued (or, ``after_as_latency``, waited out); the work after an op frees the rank."""
+        t, terms = self.t, self.terms
+        del self.on_core[j]
+        _, first, is_op = self.jobs.pop(j)
+        self.free[j] = t
+        if not is_op:  # the runtime's work after the op is done: the rank is free
+            return
+        s, kind, i = self.acts[j][self.nxt[j]]
+        self.done[(kind, s, i)] = t
+        self.busy[j] += t - first
+        self.rows[j].append((first, t, kind, i))
+        direction = _sends(kind, s, self.placement)
+        self.nxt[j] += 1
+        if direction is None:
+            after = float(terms["after_local_s"])
+        elif any(self.waiting(c, t) for c in _consumers(kind, s, i)):
+            after = terms["after_send_waiting_s"][direction]
+        else:
+            after = terms["after_send_s"][direction]
+        if after > 0 and self.after_as_latency:  # measured with its waits for a core: a delay
+            self.free[j] = t + float(after)
+        elif after > 0:  # the runtime's own work after the op (posting the send, bookkeeping)
+            self.jobs[j] = [float(after), t, 0.0]
+            self.queue.append(j)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from microbatch.run.pipeline_config import PipelineConfig
@@ -55,72 +56,12 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
     load 2: tiny's last-stage forward 0.57 ms back to back, 0.71 / 0.74 / 0.97 ms after 1 / 3 / 6 ms
     asleep). :func:`microbatch.run.pipeline_profile.predict_run` passes the calibration run's mean gap between ops."""
     import torch
-    import torch.nn.functional as F
-
-    from microbatch.run.pipeline_rank import build_full_model, make_batch
-    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
 
     split_fns = _torch_split_backward()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        full, vocab, seq = build_full_model(cfg)
-        units = model_units(full)
-        modules = split_units(units, balanced_split(unit_param_counts(units), cfg.total_stages))
-        tok, tgt = make_batch(cfg, vocab, seq, -1)
-        x: Any = tok[: cfg.micro_batch]
-        target = tgt[: cfg.micro_batch]
-        total = cfg.batch * seq
-        last = len(modules) - 1
-        # per stage: forward, full backward, split backward, and whether it has gradients to take
-        ops: list[tuple[Any, Any, Any, bool]] = []
-        for s, mod in enumerate(modules):
-            params = [p for p in mod.parameters() if p.requires_grad]
-            inp = x.detach().requires_grad_(x.is_floating_point())
-
-            def fwd(mod: Any = mod, inp: Any = inp, s: int = s) -> Any:
-                y = mod(inp)
-                if s == last:
-                    y = F.cross_entropy(y.flatten(0, -2).float(), target.flatten(), reduction="sum") / total
-                return y
-
-            y = fwd()
-            grad = None if s == last else torch.ones_like(y)
-
-            def full_b(fwd: Any = fwd, grad: Any = grad) -> tuple[float, float]:
-                y = fwd()
-                return _timed(lambda: torch.autograd.backward(y, grad), idle_s)
-
-            def split(
-                fwd: Any = fwd, grad: Any = grad, inp: Any = inp, params: Any = params
-            ) -> tuple[float, float, float, float]:
-                y = fwd()
-                groups: list[Any] = []
-
-                def input_grad() -> None:
-                    if inp.requires_grad and split_fns is not None:
-                        # torch's own I: input gradients, keeping what W needs (intermediate gradients)
-                        groups.append(
-                            split_fns[0]([y], None if grad is None else [grad], [inp], iter(params))[1]
-                        )
-                    elif inp.requires_grad:
-                        torch.autograd.grad(y, [inp], grad, retain_graph=True)
-
-                def weight_grad() -> None:
-                    if groups and split_fns is not None:
-                        split_fns[1](iter(params), groups[0])  # torch's W: weight gradients from those
-                    elif params:
-                        # the first stage (no input gradient: torch runs its whole backward at W,
-                        # accumulating into .grad), or no split-backward functions in this torch
-                        torch.autograd.backward(y, grad, inputs=params)
-
-                i_wall, i_cpu = _timed(input_grad, idle_s)
-                w_wall, w_cpu = _timed(weight_grad, idle_s)
-                return i_wall, w_wall, i_cpu, w_cpu
-
-            ops.append((fwd, full_b, split, inp.requires_grad or bool(params)))
-            with torch.no_grad():
-                x = mod(x)
+        ops = _stage_ops(cfg, split_fns, idle_s)
         runs: dict[int, dict[str, list[tuple[float, ...]]]] = {
             s: {"F": [], "B": [], "S": []} for s in range(len(ops))
         }
@@ -151,6 +92,95 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
         }
     finally:
         torch.set_num_threads(threads)
+
+
+_StageOps = tuple[Callable[[], Any], Callable[[], tuple[float, float]], Callable[[], tuple[float, ...]], bool]
+"""Of one stage: its forward, a timed full backward, a timed split backward (I, W wall; I, W CPU
+seconds), and whether it has gradients to take."""
+
+
+def _stage_ops(cfg: PipelineConfig, split_fns: Any, idle_s: float) -> list[_StageOps]:
+    """The split the ranks use, and per stage the calls that :func:`profile_stages` times, each on
+    the stage's input from one forward pass of the whole model."""
+    import torch
+    import torch.nn.functional as F
+
+    from microbatch.run.pipeline_rank import build_full_model, make_batch
+    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
+
+    full, vocab, seq = build_full_model(cfg)
+    units = model_units(full)
+    modules = split_units(units, balanced_split(unit_param_counts(units), cfg.total_stages))
+    tok, tgt = make_batch(cfg, vocab, seq, -1)
+    x: Any = tok[: cfg.micro_batch]
+    target = tgt[: cfg.micro_batch]
+    total = cfg.batch * seq
+    last = len(modules) - 1
+
+    def loss(y: Any) -> Any:
+        return F.cross_entropy(y.flatten(0, -2).float(), target.flatten(), reduction="sum") / total
+
+    ops: list[_StageOps] = []
+    for s, mod in enumerate(modules):
+        ops.append(
+            _one_stage_ops(
+                mod,
+                x.detach().requires_grad_(x.is_floating_point()),
+                loss if s == last else None,
+                split_fns,
+                idle_s,
+            )
+        )
+        with torch.no_grad():
+            x = mod(x)
+    return ops
+
+
+def _one_stage_ops(
+    mod: Any, inp: Any, loss: Callable[[Any], Any] | None, split_fns: Any, idle_s: float
+) -> _StageOps:
+    """Forward, full backward and split backward of one stage on ``inp`` (``loss``: the last stage's)."""
+    import torch
+
+    params = [p for p in mod.parameters() if p.requires_grad]
+
+    def fwd() -> Any:
+        y = mod(inp)
+        if loss is not None:
+            y = loss(y)
+        return y
+
+    y = fwd()
+    grad = None if loss is not None else torch.ones_like(y)
+
+    def full_b() -> tuple[float, float]:
+        y = fwd()
+        return _timed(lambda: torch.autograd.backward(y, grad), idle_s)
+
+    def split() -> tuple[float, float, float, float]:
+        y = fwd()
+        groups: list[Any] = []
+
+        def input_grad() -> None:
+            if inp.requires_grad and split_fns is not None:
+                # torch's own I: input gradients, keeping what W needs (intermediate gradients)
+                groups.append(split_fns[0]([y], None if grad is None else [grad], [inp], iter(params))[1])
+            elif inp.requires_grad:
+                torch.autograd.grad(y, [inp], grad, retain_graph=True)
+
+        def weight_grad() -> None:
+            if groups and split_fns is not None:
+                split_fns[1](iter(params), groups[0])  # torch's W: weight gradients from those
+            elif params:
+                # the first stage (no input gradient: torch runs its whole backward at W,
+                # accumulating into .grad), or no split-backward functions in this torch
+                torch.autograd.backward(y, grad, inputs=params)
+
+        i_wall, i_cpu = _timed(input_grad, idle_s)
+        w_wall, w_cpu = _timed(weight_grad, idle_s)
+        return i_wall, w_wall, i_cpu, w_cpu
+
+    return fwd, full_b, split, inp.requires_grad or bool(params)
 
 
 def stage_saved_bytes(

@@ -70,80 +70,18 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     ranks = sorted(raw["ranks"], key=lambda x: x["rank"])
     n_steps = len(ranks[0]["steps"])
     use = list(range(1, n_steps)) if n_steps > 1 else [0]
-    p = cfg.stages
-
-    bubbles: list[float] = []
-    walls: list[float] = []
-    busy: defaultdict[int, list[float]] = defaultdict(list)
-    op_times: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for k in use:
-        start = min(r["steps"][k]["start_wall_s"] for r in ranks)
-        end = max(r["steps"][k]["end_wall_s"] for r in ranks)
-        wall = end - start
-        walls.append(wall)
-        tot = 0.0
-        for r in ranks:
-            b = sum(e - s for _, _, _, s, e in r["steps"][k]["intervals"])
-            busy[r["rank"]].append(b)
-            tot += b
-            for kind, stage, _i, s, e in r["steps"][k]["intervals"]:
-                op_times[(stage, kind)].append(e - s)
-        bubbles.append(1.0 - tot / (p * wall) if wall > 0 else 0.0)
-    wall = sum(walls) / len(walls)
-    stats: list[dict[str, Any]] = []
-    for r in ranks:
-        steps = [r["steps"][k] for k in use]
-        per_mb = [x for st in steps for x in st["per_microbatch_bytes"]]
-        b = sum(busy[r["rank"]]) / len(use)
-        cuda = [st["cuda_peak_bytes"] for st in steps if st.get("cuda_peak_bytes") is not None]
-        stats.append(
-            {
-                "stage": r["rank"],
-                "virtual_stages": r["stages"],
-                "busy_s": b,
-                "idle_s": max(0.0, wall - b),
-                "counted_in_flight": max(st["peak_in_flight"] for st in steps),
-                "activation_bytes_per_microbatch": (sum(per_mb) / len(per_mb)) if per_mb else 0,
-                "peak_activation_bytes": max(st["peak_activation_bytes"] for st in steps),
-                "counted_activation_bytes": max(st["counted_activation_bytes"] for st in steps),
-                "cuda_peak_bytes": max(cuda) if cuda else None,
-                "cuda_reserved_bytes": max(
-                    (st["cuda_reserved_bytes"] for st in steps if st.get("cuda_reserved_bytes") is not None),
-                    default=None,
-                ),
-            }
-        )
-    mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
+    bubbles, wall, busy, mean_times = _measured_steps(ranks, use, cfg.stages)
+    stats = _stage_stats(ranks, use, wall, busy, cfg.virtual)
     op_wall = sum(e - a for r in ranks for k in use for (_, _, _, a, e) in r["steps"][k]["intervals"])
     op_cpu = sum(c for r in ranks for k in use for c in r["steps"][k].get("cpu_s", []))
     executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
     pred = predict(cfg, mean_times, executed)
     comm = measured_comm_s(cfg, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
     pred_comm = predict(cfg, mean_times, executed, comm_s=comm)
-    v = cfg.virtual
-    for st in stats:
-        st["counted_in_flight_chunks"] = st["counted_in_flight"]
-        st["counted_in_flight"] = st["counted_in_flight"] if v == 1 else st["counted_in_flight"] / v
     memory = memory_rows(cfg, ranks, use, device=str(raw.get("device") or "cpu"))
-    t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
-    timeline = [
-        {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
-        for r in ranks
-        for (kind, s, i, a, e) in r["steps"][-1]["intervals"]
-    ]
-    step_intervals = [
-        {
-            "start": min(r["steps"][k]["start_wall_s"] for r in ranks),
-            "end": max(r["steps"][k]["end_wall_s"] for r in ranks),
-            "ranks": [r["steps"][k]["intervals"] for r in ranks],
-        }
-        for k in use
-    ]
-    predicted_rows = pred.timeline_rows()
     err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
     max_err = max(err) if err else None
     tol = GRAD_TOLERANCE[cfg.dtype]
-    losses = [st["loss"] for r in ranks for st in r["steps"] if st["loss"] is not None]
     return {
         "schedule": cfg.schedule,
         "stages": cfg.stages,
@@ -169,31 +107,114 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             else None,
         },
         "memory": memory,
-        "predicted": {
-            "bubble_fraction": pred.bubble_fraction,
-            "peak_in_flight": list(pred.peak_in_flight),
-            "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
-            "step_time_s": pred.makespan,
-            "source": "microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
-            "with_comm": {
-                "comm_time_s": comm,
-                "bubble_fraction": pred_comm.bubble_fraction,
-                "step_time_s": pred_comm.makespan,
-            },
-        },
+        "predicted": _predicted(pred, pred_comm, comm),
         "gradients_match": None if max_err is None else bool(max_err <= tol),
         "max_grad_rel_error": max_err,
         "grad_tolerance": tol,
-        "losses": losses,
+        "losses": [st["loss"] for r in ranks for st in r["steps"] if st["loss"] is not None],
         "order_matches_torch": all(
             executed[str(r)] == [str(a) for a in acts] for r, acts in enumerate(pred.schedule.actions)
         ),
         "executed_order": executed,
-        "timeline": timeline,
-        "step_intervals": step_intervals,
+        **_timelines(ranks, use, pred),
+    }
+
+
+def _measured_steps(
+    ranks: list[dict[str, Any]], use: list[int], p: int
+) -> tuple[list[float], float, dict[int, list[float]], dict[tuple[int, str], float]]:
+    """Over the measured steps: each step's bubble, the mean step wall time, each rank's busy seconds
+    per step and the mean seconds of each (stage, kind) op."""
+    bubbles: list[float] = []
+    walls: list[float] = []
+    busy: defaultdict[int, list[float]] = defaultdict(list)
+    op_times: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for k in use:
+        start = min(r["steps"][k]["start_wall_s"] for r in ranks)
+        end = max(r["steps"][k]["end_wall_s"] for r in ranks)
+        wall = end - start
+        walls.append(wall)
+        tot = 0.0
+        for r in ranks:
+            b = sum(e - s for _, _, _, s, e in r["steps"][k]["intervals"])
+            busy[r["rank"]].append(b)
+            tot += b
+            for kind, stage, _i, s, e in r["steps"][k]["intervals"]:
+                op_times[(stage, kind)].append(e - s)
+        bubbles.append(1.0 - tot / (p * wall) if wall > 0 else 0.0)
+    mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
+    return bubbles, sum(walls) / len(walls), busy, mean_times
+
+
+def _stage_stats(
+    ranks: list[dict[str, Any]], use: list[int], wall: float, busy: dict[int, list[float]], v: int
+) -> list[dict[str, Any]]:
+    """Per rank: busy and idle seconds, in-flight counts, saved-activation and device bytes."""
+    stats: list[dict[str, Any]] = []
+    for r in ranks:
+        steps = [r["steps"][k] for k in use]
+        per_mb = [x for st in steps for x in st["per_microbatch_bytes"]]
+        b = sum(busy[r["rank"]]) / len(use)
+        cuda = [st["cuda_peak_bytes"] for st in steps if st.get("cuda_peak_bytes") is not None]
+        counted = max(st["peak_in_flight"] for st in steps)
+        stats.append(
+            {
+                "stage": r["rank"],
+                "virtual_stages": r["stages"],
+                "busy_s": b,
+                "idle_s": max(0.0, wall - b),
+                "counted_in_flight": counted if v == 1 else counted / v,
+                "activation_bytes_per_microbatch": (sum(per_mb) / len(per_mb)) if per_mb else 0,
+                "peak_activation_bytes": max(st["peak_activation_bytes"] for st in steps),
+                "counted_activation_bytes": max(st["counted_activation_bytes"] for st in steps),
+                "cuda_peak_bytes": max(cuda) if cuda else None,
+                "cuda_reserved_bytes": max(
+                    (st["cuda_reserved_bytes"] for st in steps if st.get("cuda_reserved_bytes") is not None),
+                    default=None,
+                ),
+                "counted_in_flight_chunks": counted,
+            }
+        )
+    return stats
+
+
+def _predicted(pred: SimResult, pred_comm: SimResult, comm: float) -> dict[str, Any]:
+    """The simulator's bubble, in-flight counts and step time on torch's order, without and with comm."""
+    return {
+        "bubble_fraction": pred.bubble_fraction,
+        "peak_in_flight": list(pred.peak_in_flight),
+        "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
+        "step_time_s": pred.makespan,
+        "source": "microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
+        "with_comm": {
+            "comm_time_s": comm,
+            "bubble_fraction": pred_comm.bubble_fraction,
+            "step_time_s": pred_comm.makespan,
+        },
+    }
+
+
+def _timelines(ranks: list[dict[str, Any]], use: list[int], pred: SimResult) -> dict[str, Any]:
+    """The last step's measured intervals (seconds from its start), every measured step's raw
+    intervals, and the predicted timeline."""
+    t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
+    return {
+        "timeline": [
+            {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
+            for r in ranks
+            for (kind, s, i, a, e) in r["steps"][-1]["intervals"]
+        ],
+        "step_intervals": [
+            {
+                "start": min(r["steps"][k]["start_wall_s"] for r in ranks),
+                "end": max(r["steps"][k]["end_wall_s"] for r in ranks),
+                "ranks": [r["steps"][k]["intervals"] for r in ranks],
+            }
+            for k in use
+        ],
         "predicted_timeline": [
             {"rank": r, "label": lab, "microbatch": i, "start_s": a, "end_s": e}
-            for r, rows in enumerate(predicted_rows)
+            for r, rows in enumerate(pred.timeline_rows())
             for (a, e, lab, i) in rows
         ],
     }
