@@ -633,3 +633,29 @@ def test_walk_refusals_name_the_settings_as_the_caller_spells_them(tmp_path, mon
                         max_micro_batch=4, timing=FAST, use_cache=False)  # fmt: skip
     assert "--" not in str(err.value)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_hf_config_with_experts_is_tuned_as_a_mixture_of_experts(tmp_path, monkeypatch):
+    """Issue 29: a small Mixtral config (4 experts, top-2) measured on the CPU: the model built is the
+    transformers MoE (experts routed per token, each expert's GEMM on its own rows), its memory grows
+    with b_m, and the shape read from the config carries the experts."""
+    transformers = pytest.importorskip("transformers")
+    from microbatch.measure.hf import hf_model, load_hf_config
+    from microbatch.model import from_hf_config
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 128, "max_position_embeddings": 64}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    shape = from_hf_config(str(path), seq=16)
+    assert shape.moe is not None and (shape.moe.experts, shape.moe.top_k) == (4, 2)
+    import torch
+
+    model = hf_model(load_hf_config(str(path)), torch.float32, torch.device("cpu"), 0)
+    assert isinstance(model, transformers.MixtralForCausalLM)
+    r = tune_model(
+        hf_config=str(path), seq=16, max_micro_batch=4, in_process=True, timing=FAST, tolerance=0.0
+    )
+    assert [p.micro_batch for p in r.points][:3] == [1, 2, 4] and all(p.tokens_per_s > 0 for p in r.points)
