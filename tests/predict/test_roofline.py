@@ -29,7 +29,9 @@ from microbatch.predict.roofline import (
 from microbatch.predict.steptime import layer_pass_times
 
 A100 = get_accelerator("a100-80gb")
-PURE = RooflineEfficiency(gemm_max=1.0, memory=1.0, tile_rows=0, tile_cols=0, ramp_rows=0.0)
+PURE = RooflineEfficiency(
+    gemm_max=1.0, memory=1.0, tile_rows=0, tile_cols=0, ramp_rows=0.0, launch_s_per_kernel=0.0
+)
 
 
 @pytest.mark.parametrize("name", ["megatron-22b", "megatron-175b", "megatron-530b", "megatron-1t"])
@@ -274,3 +276,43 @@ def test_parallel_block_reduces_once_per_pass():
     a = make_plan(cfg).candidates[0]
     b = make_plan(replace(cfg, parallel_block=True)).candidates[0]
     assert b.step_time_s < a.step_time_s
+
+
+def test_launch_floor_by_hand():
+    """Issue 28: on a GPU a pass takes at least its kernels' launch time on the host (6.58 µs each, measured)."""
+    from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+    from microbatch.predict.launch import LAUNCH_S_PER_KERNEL, launch_gap_s, layer_kernels
+
+    assert LAUNCH_S_PER_KERNEL == DEFAULT_EFFICIENCY.launch_s_per_kernel == 6.58e-6
+    assert launch_gap_s(10, 1e-5, 4e-5) == pytest.approx(6e-5)
+    assert launch_gap_s(10, 1e-5, 2e-4) == 0.0
+    gpt2, llama = get_model("gpt2"), get_model("llama-2-7b")
+    # gpt2 eager, unfused attention, dropout: 4 GEMMs + 4 attention + 2 norms + 2 adds + GELU + 2 dropouts
+    assert layer_kernels(gpt2, flash=False, tensor_parallel=1, fused=False) == 4 + 4 + 2 + 2 + 1 + 2
+    # llama: 5 GEMMs (gate and up apart), flash, SiLU and its multiply, no dropout, 2 collectives at t = 2
+    assert layer_kernels(llama, flash=True, tensor_parallel=2, fused=False) == 5 + 1 + 2 + 2 + 2 + 2
+    assert layer_kernels(llama, flash=True, tensor_parallel=1, fused=True) == 5 + 1 + 3
+    # a tiny micro-batch of gpt2 on an H100 (GEMMs on the plain roofline): the forward is the host's 15
+    # launches, the backward its 30
+    h100 = get_accelerator("h100-sxm")
+    plain = RooflineEfficiency(tile_rows=0, tile_cols=0, ramp_rows=0.0, tile_overhead_s=0.0)
+    lt = layer_forward(gpt2, 1, h100, seq=16, flash_attention=False, efficiency=plain)
+    assert lt.compute_s == pytest.approx(15 * 6.58e-6)
+    f, i, w = layer_pass_times(lt, "none")
+    assert f == pytest.approx(15 * 6.58e-6)
+    assert i + w == pytest.approx(30 * 6.58e-6)  # input and weight gradients together: twice the kernels
+    off = layer_forward(
+        gpt2, 1, h100, seq=16, flash_attention=False, efficiency=replace(plain, launch_s_per_kernel=0.0)
+    )
+    assert off.compute_s < lt.compute_s / 3
+    big = layer_forward(gpt2, 16, h100, seq=1024, flash_attention=False)  # device-bound: no gap
+    assert big.elementwise_s == pytest.approx(
+        layer_forward(
+            gpt2,
+            16,
+            h100,
+            seq=1024,
+            flash_attention=False,
+            efficiency=RooflineEfficiency(launch_s_per_kernel=0),
+        ).elementwise_s
+    )

@@ -85,7 +85,15 @@ class RooflineEfficiency:
     kernels, ``torch.compile``): at ``memory``, the streaming rate (the same H200 run: copy 0.78, add 0.83
     of the bandwidth). False: eager kernels at ``norm_memory`` and ``activation_memory``."""
 
+    launch_s_per_kernel: float = 6.58e-6
+    """Host seconds per eager kernel launch on a GPU (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`,
+    measured on an H200 host): a layer's pass takes at least its kernels × this. 0 disables the floor."""
+
     def __post_init__(self) -> None:
+        if self.launch_s_per_kernel < 0:
+            raise ConfigError(
+                f"efficiency launch_s_per_kernel must be >= 0, got {self.launch_s_per_kernel!r}"
+            )
         for name in ("gemm_max", "memory", "network", "norm_memory", "activation_memory"):
             v = getattr(self, name)
             if not (0 < v <= 1):

@@ -56,6 +56,7 @@ from microbatch.predict.gemm import (
     row_efficiency,
     wave_efficiency,
 )
+from microbatch.predict.launch import launch_gap_s, layer_kernels
 from microbatch.predict.recompute import op_recompute_gemm_share
 
 __all__ = [
@@ -237,7 +238,9 @@ def layer_forward(
     Elementwise traffic per layer, read + write of e-byte tensors: two norms and two residual
     adds (about 10 tensor passes of rows×h, split by t only with SP), the activation function
     (2 or 3 passes of rows×f/t) and, with dropout, two masked passes. Ignores kernel fusion, which
-    removes some of these passes, and launch overheads (see ``half_rows``).
+    removes some of these passes. On a GPU each pass takes at least its kernels' launch time on the host
+    (:mod:`microbatch.predict.launch`); the part the device time does not cover is added to the elementwise
+    time of that pass.
     """
     s = seq or shape.seq
     t, c = tensor_parallel, context_parallel
@@ -276,6 +279,11 @@ def layer_forward(
     elementwise = elementwise_forward_s(e * rows, h / sp, width_f, bool(shape.dropout), acc, efficiency)
     elementwise_bwd = elementwise_backward_ratio() * elementwise + g.cast_backward_bytes / bw
     elementwise += g.cast_forward_bytes / bw
+    if acc.compute_units and efficiency.launch_s_per_kernel:  # a GPU waits on the host's launches
+        n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
+        elementwise += launch_gap_s(n, efficiency.launch_s_per_kernel, gemm + attention + elementwise)
+        back = 2 * gemm + attention_bwd + elementwise_bwd
+        elementwise_bwd += launch_gap_s(2 * n, efficiency.launch_s_per_kernel, back)
     tp_comm, regather = _tp_comm(e * rows * h, acc, t, sequence_parallel, efficiency.network)
     if parallel_block:  # attention and MLP on one input: one all-reduce (one gather) per pass, not two
         tp_comm, regather = tp_comm / 2, regather / 2
