@@ -488,3 +488,24 @@ def test_cli_plan_schedule_dualpipev(capsys):
     assert out["recommended"]["schedule"] == "dualpipev" and out["recommended"]["simulated"]
     assert main(args) == 0
     assert re.search(r"dualpipev, v = 2", capsys.readouterr().out)
+
+
+def test_plan_flags_of_issue_28_reach_the_step_time(capsys):
+    """``plan --compile`` (fused norms and activations), ``--parallel-block`` and ``--no-dropout`` each
+    shorten the predicted step of the same layout, by the term they change."""
+    import json
+
+    from microbatch.cli import main
+
+    def step(*extra: str) -> float:
+        args = ["plan", "--model", "gpt2-large", "--gpu", "h100-sxm", "-B", "8", "-t", "4", "-b", "2",
+                "--recompute", "none", "--zero", "0", "--json", *extra]  # fmt: skip
+        assert main(args) == 0
+        d = json.loads(capsys.readouterr().out)
+        return float(d["recommended"]["step_time_s"])
+
+    base = step()
+    assert step("--compile") < base  # elementwise at the streaming rate, not the eager kernels' measured one
+    assert step("--parallel-block") < base  # one TP all-reduce per layer and pass
+    assert step("--no-dropout") < base  # gpt2 trains with dropout: two masked passes fewer
+    assert step("--dropout") == pytest.approx(base)
