@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -251,3 +252,16 @@ def test_the_machines_noise_pooled_over_the_re_measured_points_is_every_points_f
     once = next(p for p in confirmed if p.micro_batch == 1)  # never re-measured: one draw of the noise
     assert once.throughput_se is not None and once.throughput_se > 0.05
     assert recommend([curve_point(p) for p in confirmed], CHOICE).indistinguishable != (4,)
+
+
+def test_a_knee_at_the_end_of_the_search_is_compared_with_the_point_below_it():
+    """The knee is the largest and fastest point (4 dipped once to 120, 2 at 150, 8 at 200): it had
+    nothing to be compared with, and the noise estimate sees nothing (the dip is too deep for the
+    step-time line to call it noise: residual_scatter 0); the point below is measured again with it,
+    whatever that estimate says, and the knee comes back to 4."""
+    measure, calls, log = _scripted({4: [120.0]})
+    points = _measured(measure, log, (1, 2, 4, 8))
+    no_noise = [replace(p, throughput_se=0.0) for p in points]
+    assert recommend([curve_point(p) for p in no_noise], CHOICE).indistinguishable == (8,)
+    confirmed = confirm_knee(measure, no_noise, CHOICE, log, min_budget_s=100.0)
+    assert calls[4:6] == [4, 8] and _knee(confirmed) == 4
