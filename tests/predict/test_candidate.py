@@ -170,3 +170,19 @@ def test_ring_latency_grows_with_the_group_by_nccls_model():
 def make_plan_fastest(cfg: PlanConfig) -> Candidate:
     plan = make_plan(replace(cfg, choose="fastest", memory_headroom=0.0))
     return plan.fastest or plan.candidates[0]
+
+
+def test_optimizer_update_at_the_measured_eager_rate_unless_fused():
+    """Issue 28: an eager AdamW streams at 0.26 of the bandwidth (H200 measured), a fused one at ``memory``."""
+    from microbatch.predict.candidate import _comm
+
+    cfg = PlanConfig(gpu=A100, shape=get_model("gpt2"), global_batch=8)
+    ctx = make_context(cfg)
+    tm = _stage_times(ctx, 1, "none")
+    wb, gb, ob = ctx.state_bpp
+    n = 124e6
+    _, _, opt = _comm(ctx, 8, 0, tm, n)
+    assert opt == pytest.approx(2 * (wb + gb + ob) * n / (2039e9 * 0.26))
+    fused = replace(cfg, efficiency=replace(cfg.efficiency, fused_elementwise=True))
+    _, _, opt_fused = _comm(make_context(fused), 8, 0, tm, n)
+    assert opt_fused == pytest.approx(2 * (wb + gb + ob) * n / (2039e9 * 0.8))

@@ -378,7 +378,8 @@ def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float
             zero_s += fsdp_edges_s(ag, rs, units, m)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
     owned = n / d if z >= 1 else n
-    opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
+    rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
+    opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     return dp, zero_s, opt
 
 

@@ -85,6 +85,11 @@ class RooflineEfficiency:
     kernels, ``torch.compile``): at ``memory``, the streaming rate (the same H200 run: copy 0.78, add 0.83
     of the bandwidth). False: eager kernels at ``norm_memory`` and ``activation_memory``."""
 
+    optimizer_memory: float = 0.26
+    """Fraction of memory bandwidth an unfused optimizer update reaches on a GPU: 0.26, measured by
+    ``bench/gpu_microbench.py`` on an H200 (``torch.optim.AdamW`` default, fp32, 268M parameters in 5.96 ms:
+    1.26 TB/s of 4.8 counting 16 bytes read and 12 written per parameter). Used unless
+    ``fused_elementwise`` (Megatron's and apex's fused Adam: the streaming rate ``memory``)."""
     launch_s_per_kernel: float = 6.58e-6
     """Host seconds per eager kernel launch on a GPU (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`,
     measured on an H200 host): a layer's pass takes at least its kernels × this. 0 disables the floor."""
@@ -94,7 +99,7 @@ class RooflineEfficiency:
             raise ConfigError(
                 f"efficiency launch_s_per_kernel must be >= 0, got {self.launch_s_per_kernel!r}"
             )
-        for name in ("gemm_max", "memory", "network", "norm_memory", "activation_memory"):
+        for name in ("gemm_max", "memory", "network", "norm_memory", "activation_memory", "optimizer_memory"):
             v = getattr(self, name)
             if not (0 < v <= 1):
                 raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
@@ -113,6 +118,10 @@ class RooflineEfficiency:
         if self.fused_elementwise or not gpu:
             return self.memory, self.memory
         return self.norm_memory, self.activation_memory
+
+    def optimizer_fraction(self, gpu: bool) -> float:
+        """Fraction of bandwidth the optimizer update reaches: ``memory`` when fused or off a GPU."""
+        return self.memory if self.fused_elementwise or not gpu else self.optimizer_memory
 
     def gemm(self, rows: float) -> float:
         """Fraction of peak FLOP/s a GEMM with ``rows`` rows reaches when compute-bound."""
