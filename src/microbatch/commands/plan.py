@@ -94,7 +94,7 @@ __all__ = ["cmd"]
 )
 @click.option(
     "--compile", "compiled", is_flag=True,
-    help="Norms and activations fused or compiled (torch.compile, Megatron's kernels); default eager.",
+    help="Norms, activations and the optimizer fused or compiled (torch.compile, Megatron), not eager.",
 )  # fmt: skip
 @click.option(
     "--parallel-block", "parallel_block", is_flag=True,
