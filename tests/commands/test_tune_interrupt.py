@@ -92,14 +92,14 @@ class _Prober:
 
 @pytest.mark.parametrize("close_interrupts", [False, True])
 def test_ctrl_c_while_confirming_keeps_every_point(tmp_path, monkeypatch, close_interrupts):
-    from microbatch.choose.tune import _run, _Setup
+    from microbatch.choose.driver import Setup, run_search
 
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     prober = _Prober(interrupt_at=5, close_interrupts=close_interrupts)  # 4 search probes, then confirming
-    setup = _Setup(
+    setup = Setup(
         model_label="m", fingerprint_fields={"t": 1}, budget_source="given", t_start=time.perf_counter()
     )
-    result = _run(
+    result = run_search(
         prober,  # type: ignore[arg-type]
         ProbeConfig(device="cpu", seq=8),
         SearchConfig(max_micro_batch=16, use_cache=True),

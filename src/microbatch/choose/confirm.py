@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from microbatch.choose.config import ChoiceConfig
-from microbatch.choose.knee import recommend
+from microbatch.choose.knee import Recommendation, recommend
 from microbatch.choose.noise import between_se, relative_se
 from microbatch.choose.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
@@ -131,6 +131,74 @@ def _with_pooled_noise(
     return out
 
 
+def _group(rec: Recommendation, index: dict[int, int]) -> list[int]:
+    """The b_m to compare the knee with: the fastest point, the next measured above the knee, and
+    the largest below it that the noise cannot tell from it."""
+    knee = rec.knee.micro_batch
+    above = [b for b in index if b > knee]
+    # and the largest b_m below the knee that the noise cannot tell from it: the knee it would be;
+    # a knee that is the largest and fastest point has only that point to be compared with, so
+    # the one below it is measured again whatever the noise estimate says (one dip of it, as
+    # 4 at 80% of 8 between 2 and 8 at 83% and 100%, is what put the knee at the end)
+    below = [b for b in rec.indistinguishable if b < knee and b in index]
+    if not above and rec.fastest.micro_batch == knee:
+        below += [b for b in index if b < knee]
+    group = sorted(
+        {
+            knee,
+            rec.fastest.micro_batch,
+            *([min(above)] if above else []),
+            *([max(below)] if below else []),
+        }
+    )
+    return group
+
+
+def _why_not_remeasured(
+    pts: list[Measurement], index: dict[int, int], group: list[int], searched: float, budget: float
+) -> str | None:
+    """Why the knee's group is not measured again (device timings, nothing searched, no budget), or None."""
+    if all(pts[index[b]].clock == DEVICE_CLOCK for b in group):
+        return "CUDA-event timings (the device's own time)"
+    if not searched:
+        return "the search measured nothing (its points came from the cache)"
+    if not budget:
+        return "the confirmation's budget is 0"
+    return None
+
+
+def _cost_s(log: SearchLog, pts: list[Measurement], todo: list[int], rounds: int) -> float:
+    """The seconds ``rounds`` re-measurements of ``todo`` should take, from their own probe times."""
+    longest = max(log.seconds.values())  # a point taken from the cache: costed as the longest probe
+    return rounds * sum(log.seconds.get((pts[i].micro_batch, pts[i].checkpointing), longest) for i in todo)
+
+
+def _remeasure(
+    measure: Callable[[int, bool], Measurement],
+    pts: list[Measurement],
+    todo: list[int],
+    rounds: int,
+    log: SearchLog,
+    on_point: Callable[[Measurement, bool], None] | None,
+) -> tuple[dict[int, list[Measurement]], float]:
+    """The points ``todo`` measured ``rounds`` more times, alternately: each one's measurements (the
+    search's first) and the seconds the re-measurements took."""
+    spent = 0.0
+    again: dict[int, list[Measurement]] = {i: [pts[i]] for i in todo}
+    for _ in range(rounds):
+        for i in todo:
+            key = (pts[i].micro_batch, pts[i].checkpointing)
+            t0 = log.clock()
+            m = measure(*key)
+            spent += log.clock() - t0
+            if on_point is not None:
+                on_point(m, False)  # progress: each re-measurement, as the search's own probes
+            log.probes += 1
+            log.oom_events += int(m.oom)
+            again[i].append(m)
+    return again, spent
+
+
 def _moved(log: SearchLog, first: int | None, knee: int) -> None:
     if first is not None and knee != first:
         log.stop_reason += f"; the knee moved from {first} to {knee} on the re-measured points"
@@ -180,41 +248,16 @@ def confirm_knee(
             index = {p.micro_batch: i for i, p in enumerate(pts) if not p.oom and p.throughput}
             knee = rec.knee.micro_batch
             first = knee if first is None else first
-            above = [b for b in index if b > knee]
-            # and the largest b_m below the knee that the noise cannot tell from it: the knee it would be;
-            # a knee that is the largest and fastest point has only that point to be compared with, so
-            # the one below it is measured again whatever the noise estimate says (one dip of it, as
-            # 4 at 80% of 8 between 2 and 8 at 83% and 100%, is what put the knee at the end)
-            below = [b for b in rec.indistinguishable if b < knee and b in index]
-            if not above and rec.fastest.micro_batch == knee:
-                below += [b for b in index if b < knee]
-            group = sorted(
-                {
-                    knee,
-                    rec.fastest.micro_batch,
-                    *([min(above)] if above else []),
-                    *([max(below)] if below else []),
-                }
-            )
+            group = _group(rec, index)
             todo = [index[b] for b in group if index[b] not in confirmed]
             if len(group) < 2 or not todo:
                 _moved(log, first, knee)
                 return pts  # nothing to compare the knee with, or all of it measured again
-            if all(pts[index[b]].clock == DEVICE_CLOCK for b in group):
-                log.stop_reason += (
-                    f"; knee {knee} not re-measured: CUDA-event timings (the device's own time)"
-                )
+            why_not = _why_not_remeasured(pts, index, group, searched, budget)
+            if why_not:
+                log.stop_reason += f"; knee {knee} not re-measured: {why_not}"
                 return pts
-            if not searched:
-                log.stop_reason += f"; knee {knee} not re-measured: the search measured nothing (its points came from the cache)"
-                return pts
-            if not budget:
-                log.stop_reason += f"; knee {knee} not re-measured: the confirmation's budget is 0"
-                return pts
-            longest = max(log.seconds.values())  # a point taken from the cache: costed as the longest probe
-            cost = rounds * sum(
-                log.seconds.get((pts[i].micro_batch, pts[i].checkpointing), longest) for i in todo
-            )
+            cost = _cost_s(log, pts, todo, rounds)
             if spent + cost > allowed:
                 log.stop_reason += (
                     f"; knee {knee} not re-measured: {', '.join(str(pts[i].micro_batch) for i in todo)} "
@@ -224,18 +267,8 @@ def confirm_knee(
                 )
                 _moved(log, first, knee)
                 return pts
-            again: dict[int, list[Measurement]] = {i: [pts[i]] for i in todo}
-            for _ in range(rounds):
-                for i in todo:
-                    key = (pts[i].micro_batch, pts[i].checkpointing)
-                    t0 = log.clock()
-                    m = measure(*key)
-                    spent += log.clock() - t0
-                    if on_point is not None:
-                        on_point(m, False)  # progress: each re-measurement, as the search's own probes
-                    log.probes += 1
-                    log.oom_events += int(m.oom)
-                    again[i].append(m)
+            again, took = _remeasure(measure, pts, todo, rounds, log, on_point)
+            spent += took
             for i, ms in again.items():
                 pts[i] = _median(ms)
                 confirmed.add(i)

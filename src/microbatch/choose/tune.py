@@ -18,21 +18,16 @@ import json
 import math
 import time
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from microbatch.choose.cache import (
     CachedAnswer,
-    CacheUse,
-    cache_key,
     callable_identity,
     class_name,
-    load_points,
     module_fingerprint,
     optimizer_identity,
-    save_points,
-    versions,
 )
 from microbatch.choose.config import (
     ChoiceConfig,
@@ -41,18 +36,15 @@ from microbatch.choose.config import (
     apply_options,
     check_options_used,
 )
-from microbatch.choose.confirm import confirm_knee
-from microbatch.choose.knee import recommend
+from microbatch.choose.driver import NOTHING_MEASURED, Setup, run_search
 from microbatch.choose.probing import (
-    Prober,
     check_cuda_budget,
     default_timing,
-    device_name,
     open_prober,
     resolve_budget,
 )
 from microbatch.choose.result import TuneResult
-from microbatch.choose.search import OnPoint, SearchLog, curve_point, search
+from microbatch.choose.search import OnPoint
 from microbatch.choose.snapshot import gc_frozen, leave_no_trace
 from microbatch.choose.user_step import (
     NonFiniteLoss,
@@ -62,12 +54,8 @@ from microbatch.choose.user_step import (
     torch_threads,
 )
 from microbatch.errors import ConfigError
-from microbatch.measure.probes import Measurement
 
 __all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
-
-NOTHING_MEASURED = "interrupted before any point was measured: nothing to choose from"
-"""The KeyboardInterrupt's message when Ctrl-C came before the first point."""
 
 
 def configs_from_options(
@@ -85,124 +73,6 @@ def configs_from_options(
     c = apply_options(choice or ChoiceConfig(), options)
     check_options_used(options, what, ProbeConfig, SearchConfig, ChoiceConfig)
     return p, s, c
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Setup:
-    """What a run is besides its settings: how it is named and keyed, where its budget came from."""
-
-    model_label: str
-    """The model's name in the result."""
-    fingerprint_fields: dict[str, Any]
-    """What identifies the model (and how it is probed) in the cache key."""
-    budget_source: str
-    """Where the memory budget came from (``given``, ``device total``, ...)."""
-    t_start: float
-    """``time.perf_counter()`` when the tune began (setup included in its wall time)."""
-
-
-def _run(
-    prober: Prober,
-    probe: ProbeConfig,
-    search_config: SearchConfig,
-    choice: ChoiceConfig,
-    setup: _Setup,
-    on_point: OnPoint | None,
-) -> TuneResult:
-    """Search with ``prober`` (caching each point), choose, and put the result together.
-
-    The configs are resolved: ``probe.device`` set, ``search_config.use_cache`` a bool,
-    ``choice.reference`` and ``choice.data_parallel`` set, the budget filled in.
-    """
-    device = probe.device or "cpu"
-    name = device_name(device)
-    fields = dict(
-        setup.fingerprint_fields,
-        seq=probe.seq,
-        precision=probe.precision,
-        device=name,
-        device_type=device,
-        mode=probe.mode,
-        checkpointing=search_config.checkpointing,
-        global_batch=choice.global_batch,
-        data_parallel=choice.data_parallel,
-        versions=versions(),
-    )
-    key = cache_key(fields)
-    use_cache = bool(search_config.use_cache)
-    stamps: dict[tuple[int, bool], float] = {}
-    known = load_points(key, stamps) if use_cache else {}
-    from_cache = set(known)  # what was measured before this run
-    log = SearchLog()
-
-    def measure(b: int, ckpt: bool) -> Measurement:
-        prober.start()
-        m = prober.measure(b, checkpointing=ckpt)
-        from_cache.discard((b, ckpt))
-        if use_cache:
-            known[(b, ckpt)] = m
-            stamps[(b, ckpt)] = time.time()
-            save_points(key, fields, known, stamps)
-        return m
-
-    points: list[Measurement] = []
-    try:
-        try:
-            points = search(measure, search_config, choice, known=known, on_point=on_point, log=log)
-            if log.probes and not log.interrupted:  # a flat curve's knee, measured again (cached: kept)
-                points = confirm_knee(measure, points, choice, log, on_point=on_point)
-                if use_cache:  # a repeated tune reads the confirmed (median) points
-                    known.update({(p.micro_batch, p.checkpointing): p for p in points})
-                    save_points(key, fields, known, stamps)
-        finally:
-            prober.close()
-    except KeyboardInterrupt:  # one that landed outside the search's and the confirmation's own handling
-        log.interrupted = True
-        log.stop_reason += (
-            "; " if log.stop_reason else ""
-        ) + "interrupted (Ctrl-C): the points measured are kept"
-    if log.interrupted and not any(not p.oom for p in points):
-        raise KeyboardInterrupt(NOTHING_MEASURED)
-    cached = [
-        (p.micro_batch, p.checkpointing) for p in points if (p.micro_batch, p.checkpointing) in from_cache
-    ]
-    cache = (
-        CacheUse(
-            points=len(cached),
-            measured=len(points) - len(cached),
-            oldest_s=min((stamps[k] for k in cached if k in stamps), default=None),
-            key=key,
-        )
-        if cached
-        else None
-    )
-    rec = recommend([curve_point(p) for p in points], choice)
-    methods = {p.memory_method for p in points if p.memory_method}
-    return TuneResult(
-        points=points,
-        recommendation=rec,
-        model=setup.model_label,
-        seq=probe.seq,
-        mode=probe.mode,
-        device=device,
-        device_name=name,
-        precision=probe.precision,
-        checkpointing=search_config.checkpointing,
-        torch_version=fields["versions"]["torch"],
-        memory_budget_bytes=choice.memory_budget_bytes,
-        memory_method=", ".join(sorted(methods)),
-        stop_reason=log.stop_reason,
-        skipped=log.skipped,
-        interrupted=log.interrupted,
-        oom_events=log.oom_events,
-        probes=log.probes,
-        cached=log.cached,
-        wall_time_s=time.perf_counter() - setup.t_start,
-        memory_budget_source=setup.budget_source,
-        static_bytes=getattr(prober, "static_bytes", None),
-        fingerprint=key,
-        cache=cache,
-    )
 
 
 def _describe(model: Any, hf_config: str | None, backend: str) -> tuple[Any, dict[str, Any], str]:
@@ -317,29 +187,22 @@ def tune_model(
         threads=probe_config.threads,
     )
     if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: no CUDA device is available here; use --device cpu")
-        index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; pick one of them"
-            )
+        _check_cuda_device(device)
     choice, budget_source = resolve_budget(choice, probe_config)
     _preflight(shape, hf_config, probe_config, search_config, choice, budget_source)
     try:
         prober = open_prober(spec, probe_config, choice.memory_budget_bytes)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(NOTHING_MEASURED) from None
-    fp = _model_fingerprint(shape, hf_config, probe_config.backend)
-    fp["timing"] = spec.timing.__dict__
-    fp["in_process"] = probe_config.in_process
-    fp["threads"] = probe_config.threads
-    fp["new_tokens"] = probe_config.new_tokens
-    setup = _Setup(model_label=label, fingerprint_fields=fp, budget_source=budget_source, t_start=t_start)
-    result = _run(prober, probe_config, search_config, choice, setup, on_point)
+    fp = {
+        **_model_fingerprint(shape, hf_config, probe_config.backend),
+        "timing": spec.timing.__dict__,
+        "in_process": probe_config.in_process,
+        "threads": probe_config.threads,
+        "new_tokens": probe_config.new_tokens,
+    }
+    setup = Setup(model_label=label, fingerprint_fields=fp, budget_source=budget_source, t_start=t_start)
+    result = run_search(prober, probe_config, search_config, choice, setup, on_point)
     _say_cached(result)
     return result
 
@@ -383,34 +246,13 @@ def tune(
     is no child process here: on the CPU an over-committed host can kill this process, so give a
     ``max_micro_batch``. ``reference``: as in :func:`tune_model`.
     """
-    import torch
 
     from microbatch.measure.probes import InProcessProber, TrainProbe
 
     t_start = time.perf_counter()
-    options = dict(options)
-    if options.get("device") is not None:
-        options["device"] = str(torch.device(options["device"]))
-    probe_config, search_config, choice = configs_from_options("tune", probe, search, choice, options)
-    if probe_config.mode != "train":
-        raise ConfigError(
-            f"tune() measures the user's training step: mode {probe_config.mode!r} must be train"
-        )
-    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    choice = choice.resolve(
-        reference="bound", data_parallel=torch.distributed.get_world_size() if dist else 1
-    )
-    if search_config.use_cache is None:
-        search_config = replace(search_config, use_cache=not dist)
-    from microbatch.choose.preflight import KEYWORD_NAMES, check_walk
-
-    check_walk(search_config, choice, KEYWORD_NAMES)
-    params = list(model.parameters())
+    probe_config, search_config, choice = _tune_configs(probe, search, choice, options)
     check_trainable(model, optimizer)
-    if probe_config.device is not None:
-        device = torch.device(probe_config.device)
-    else:
-        device = params[0].device if params else torch.device("cpu")
+    device = _user_device(model, probe_config)
     timing, threads, timing_choice = in_process_timing(probe_config, device.type)
     probe_config = replace(probe_config, device=device.type, timing=timing, in_process=True, threads=threads)
     global_batch, data_parallel = choice.global_batch, choice.data_parallel or 1
@@ -431,6 +273,81 @@ def tune(
     choice, budget_source = resolve_budget(choice, replace(probe_config, device=str(device)))
     if device.type == "cuda":
         check_cuda_budget(step, choice.memory_budget_bytes, str(device))
+    inner, fp = _in_process_fingerprint(model, timing, threads, loss_fn, optimizer)
+    setup = Setup(
+        model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
+    )
+    with leave_no_trace(model, optimizer), gc_frozen(), torch_threads(threads):  # restored bitwise
+        if search_config.use_cache:  # the key only: may draw from the generators (restored)
+            fp["batch"] = batch_structures(make_batch, search_config)
+        result = run_search(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
+    notes = _first_loss_notes(step.first_loss)
+    result = replace(result, timing_choice=timing_choice, notes=notes)
+    _say_cached(result)
+    return result
+
+
+def _check_cuda_device(device: str) -> None:
+    """Refuse a CUDA device this machine does not have."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; pick one of them"
+        )
+
+
+def _user_device(model: Any, probe_config: ProbeConfig) -> Any:
+    """The torch device to probe on: the one given, else the model's parameters', else the CPU."""
+    import torch
+
+    if probe_config.device is not None:
+        return torch.device(probe_config.device)
+    params = list(model.parameters())
+    return params[0].device if params else torch.device("cpu")
+
+
+def _tune_configs(
+    probe: ProbeConfig | None,
+    search: SearchConfig | None,
+    choice: ChoiceConfig | None,
+    options: dict[str, Any],
+) -> tuple[ProbeConfig, SearchConfig, ChoiceConfig]:
+    """:func:`tune`'s settings resolved: training only, d = the world size under torch.distributed
+    (where the cache is off by default), the walk checked."""
+    import torch
+
+    options = dict(options)
+    if options.get("device") is not None:
+        options["device"] = str(torch.device(options["device"]))
+    probe_config, search_config, choice = configs_from_options("tune", probe, search, choice, options)
+    if probe_config.mode != "train":
+        raise ConfigError(
+            f"tune() measures the user's training step: mode {probe_config.mode!r} must be train"
+        )
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    choice = choice.resolve(
+        reference="bound", data_parallel=torch.distributed.get_world_size() if dist else 1
+    )
+    if search_config.use_cache is None:
+        search_config = replace(search_config, use_cache=not dist)
+    from microbatch.choose.preflight import KEYWORD_NAMES, check_walk
+
+    check_walk(search_config, choice, KEYWORD_NAMES)
+    return probe_config, search_config, choice
+
+
+def _in_process_fingerprint(
+    model: Any, timing: Any, threads: int | None, loss_fn: Any, optimizer: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The model under its DDP/FSDP/compile wrappers, and the fields of the cache key of an
+    in-process tune."""
+    import torch
+
     inner = model
     while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):
         inner = getattr(inner, "_orig_mod", None) or inner.module
@@ -444,25 +361,21 @@ def tune(
         "loss_fn": callable_identity(loss_fn),
         "optimizer": optimizer_identity(optimizer),
     }
-    setup = _Setup(
-        model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
-    )
-    with leave_no_trace(model, optimizer), gc_frozen(), torch_threads(threads):  # restored bitwise
-        if search_config.use_cache:  # the key only: may draw from the generators (restored)
-            fp["batch"] = batch_structures(make_batch, search_config)
-        result = _run(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
-    notes: tuple[str, ...] = ()
-    if step.first_loss is not None and not math.isfinite(step.first_loss):
-        notes = (
-            f"the loss of the first probing step was {step.first_loss}: the timings hold, but this step does "
-            "not train (check the data, the loss function and the learning rate)",
-        )
-        import warnings
+    return inner, fp
 
-        warnings.warn(f"microbatch.tune: {notes[0]}", NonFiniteLoss, stacklevel=2)
-    result = replace(result, timing_choice=timing_choice, notes=notes)
-    _say_cached(result)
-    return result
+
+def _first_loss_notes(first_loss: float | None) -> tuple[str, ...]:
+    """A note (and a :class:`NonFiniteLoss` warning) when the first probing step's loss is NaN or infinite."""
+    if first_loss is None or math.isfinite(first_loss):
+        return ()
+    notes = (
+        f"the loss of the first probing step was {first_loss}: the timings hold, but this step does "
+        "not train (check the data, the loss function and the learning rate)",
+    )
+    import warnings
+
+    warnings.warn(f"microbatch.tune: {notes[0]}", NonFiniteLoss, stacklevel=3)
+    return notes
 
 
 def _say_cached(result: TuneResult) -> None:

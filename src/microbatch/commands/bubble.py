@@ -66,19 +66,8 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from microbatch.commands._schedule_inputs import check_times, diagram_rows_note, resolve_virtual
-    from microbatch.schedules.registry import (
-        MAX_SIMULATED_ACTIONS,
-        check_servable,
-        check_simulable,
-        count_actions,
-        get_spec,
-    )
-    from microbatch.schedules.simulate import (
-        DUALPIPEV_CLOSED_FORM_RULE,
-        ZB_IDLE_SCHEDULES,
-        dualpipev_closed_form_holds,
-    )
+    from microbatch.commands._schedule_inputs import check_times, resolve_virtual
+    from microbatch.schedules.registry import check_servable, get_spec
 
     spec = get_spec(schedule_name)
     notes: list[str] = []
@@ -91,33 +80,9 @@ def cmd(
         "microbatches": microbatches,
         "virtual": virtual,
     }
-    # A closed form needs no schedule: build and simulate only for a diagram, or where no closed
-    # form exists, and never past the simulation limit (stated up front).
     tf, ti, tw = (1.0 if t is None else t for t in (forward_time, input_time, weight_time))
-    dualpipev_closed = spec.name == "dualpipev" and dualpipev_closed_form_holds(tf, ti, tw)
-    if spec.name == "dualpipev" and not dualpipev_closed:
-        notes.append(
-            f"the DualPipeV closed form needs {DUALPIPEV_CLOSED_FORM_RULE} (it is a lower bound otherwise): simulated"
-        )
-    closed = (
-        (spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"))
-        or (spec.split_backward and spec.name in ZB_IDLE_SCHEDULES)
-        or dualpipev_closed
-    )
-    too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
-    too_tall = diagram_rows_note(stages)
-    if not closed:
-        check_simulable(spec.name, stages, microbatches, virtual)
-    elif too_big and not no_diagram:
-        notes.append(
-            f"no diagram: {count_actions(spec.name, stages, microbatches, virtual):,} actions is over the "
-            f"simulation limit of {MAX_SIMULATED_ACTIONS:,}; the numbers are the closed form"
-        )
-    if too_tall and not no_diagram and not (closed and too_big):
-        notes.append(too_tall + ("; the numbers are the closed form" if closed else ""))
-    draw = not no_diagram and not too_tall
     shape = _Shape(spec, stages, microbatches, virtual)
-    run_sim = not closed or (draw and not too_big)
+    closed, dualpipev_closed, draw, run_sim = _what_to_run(shape, (tf, ti, tw), no_diagram, notes)
     sim: SimResult | None
     if spec.split_backward:
         sim = _split_backward_bubble(
@@ -144,6 +109,49 @@ class _Shape:
     stages: int
     microbatches: int
     virtual: int
+
+
+def _what_to_run(
+    shape: _Shape, times: tuple[float, float, float], no_diagram: bool, notes: list[str]
+) -> tuple[bool, bool, bool, bool]:
+    """Whether a closed form gives the bubble (and DualPipeV's does), whether a diagram is drawn and
+    whether the schedule is simulated: a closed form needs no schedule, so it is built and simulated
+    only for a diagram, or where no closed form exists, and never past the simulation limit (stated
+    up front)."""
+    from microbatch.commands._schedule_inputs import diagram_rows_note
+    from microbatch.schedules.registry import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
+    from microbatch.schedules.simulate import (
+        DUALPIPEV_CLOSED_FORM_RULE,
+        ZB_IDLE_SCHEDULES,
+        dualpipev_closed_form_holds,
+    )
+
+    spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
+    tf, ti, tw = times
+    dualpipev_closed = spec.name == "dualpipev" and dualpipev_closed_form_holds(tf, ti, tw)
+    if spec.name == "dualpipev" and not dualpipev_closed:
+        notes.append(
+            f"the DualPipeV closed form needs {DUALPIPEV_CLOSED_FORM_RULE} (it is a lower bound otherwise): simulated"
+        )
+    closed = (
+        (spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"))
+        or (spec.split_backward and spec.name in ZB_IDLE_SCHEDULES)
+        or dualpipev_closed
+    )
+    too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
+    too_tall = diagram_rows_note(stages)
+    if not closed:
+        check_simulable(spec.name, stages, microbatches, virtual)
+    elif too_big and not no_diagram:
+        notes.append(
+            f"no diagram: {count_actions(spec.name, stages, microbatches, virtual):,} actions is over the "
+            f"simulation limit of {MAX_SIMULATED_ACTIONS:,}; the numbers are the closed form"
+        )
+    if too_tall and not no_diagram and not (closed and too_big):
+        notes.append(too_tall + ("; the numbers are the closed form" if closed else ""))
+    draw = not no_diagram and not too_tall
+    run_sim = not closed or (draw and not too_big)
+    return closed, dualpipev_closed, draw, run_sim
 
 
 def _split_backward_bubble(

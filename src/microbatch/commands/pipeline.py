@@ -147,7 +147,7 @@ def cmd(
     """
     from microbatch.commands._common import check_output_file, use_color
     from microbatch.commands._schedule_inputs import resolve_virtual
-    from microbatch.run.launch import run_external, under_torchrun
+    from microbatch.run.launch import under_torchrun
     from microbatch.run.pipeline_config import PipelineConfig
     from microbatch.schedules.registry import torch_spec
     from microbatch.show.pipeline_report import render
@@ -175,13 +175,7 @@ def cmd(
         seed=seed,
     )
     external = under_torchrun()
-    report: dict[str, Any] | None
-    if external:
-        report = run_external(cfg)
-        if report is None:  # not rank 0: rank 0 prints
-            _exit_rank()
-    else:
-        report = _run_local(cfg, predict_first)
+    report = _run(cfg, external, predict_first)
     report["notes"] = notes
     if report.get("interrupted"):
         notes.append(
@@ -193,11 +187,6 @@ def cmd(
     )
     # a file that cannot be written after the run: the result is kept, printed and saved beside
     failed = not _write_outputs(report, title, trace, svg_path, png_path)
-    if failed:  # the whole result is kept beside, in the temporary folder
-        from microbatch.commands._common import keep_beside
-
-        kept = keep_beside(report, "pipeline")
-        notes.append(f"the whole result is kept in {kept}")
     emit(report, as_json, lambda: render(report, width, color=use_color()))
     _end(report, external, failed)
 
@@ -221,7 +210,7 @@ def _write_outputs(
     report: dict[str, Any], title: str, trace: str | None, svg_path: str | None, png_path: str | None
 ) -> bool:
     """Write the Chrome trace, SVG and PNG asked for, each recorded in ``report``; False when one
-    could not be written (noted in ``report["notes"]``)."""
+    could not be written (noted in ``report["notes"]``, and the whole result kept beside)."""
     from microbatch.show.pipeline_report import chrome_trace, measured_rows_ms
 
     ok = True
@@ -251,7 +240,24 @@ def _write_outputs(
         except OSError as e:
             report["notes"].append(f"could not write --png {png_path} ({e}); the result is printed below")
             ok = False
+    if not ok:  # the whole result is kept beside, in the temporary folder
+        from microbatch.commands._common import keep_beside
+
+        kept = keep_beside(report, "pipeline")
+        report["notes"].append(f"the whole result is kept in {kept}")
     return ok
+
+
+def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> dict[str, Any]:
+    """The report of this rank under torchrun (rank 0; the other ranks end here), else of the local run."""
+    if external:
+        from microbatch.run.launch import run_external
+
+        report = run_external(cfg)
+        if report is None:  # not rank 0: rank 0 prints
+            _exit_rank()
+        return report
+    return _run_local(cfg, predict_first)
 
 
 def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:

@@ -110,31 +110,14 @@ def cmd(
     _check_before_work(
         spec, stages, microbatches, virtual, given, comm_time, stage_times, svg_path, png_path, force
     )
-    if (
-        not spec.split_backward
-        and input_time is not None
-        and weight_time is not None
-        and backward_time is None
-    ):
-        notes.append(
-            f"{spec.name} runs a full backward: --input-time + --weight-time = {input_time + weight_time:g} is used "
-            "as T_B; the split into I and W matters only to zero-bubble and DualPipeV schedules"
-        )
-    if with_intervals and not as_json:
-        notes.append("--intervals adds every op's (start, end) to the --json output only; add --json")
+    _note_flags(spec, given, with_intervals and not as_json, notes)
     too_tall = diagram_rows_note(stages)
     if too_tall and not no_diagram:
         notes.append(too_tall)
     schedule = generate(spec.name, stages, microbatches, virtual)
     times = resolve_times(spec, schedule, **given, stage_times=stage_times)
     sim = simulate(schedule, comm_time=comm_time, **times)
-    result = sim.to_dict()
-    result["schedule"] = spec.name
-    result["times"] = {k.removesuffix("_time"): v for k, v in times.items() if v is not None}
-    result["fraction_is"] = "idle / total stage time"
-    result["ratio_is"] = "idle / ideal busy time (Megatron)"
-    result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
-    result["notes"] = notes
+    result = _result(sim, spec.name, times, notes)
     uniform = not stage_times and comm_time == 0
     closed = _closed_form(spec, stages, microbatches, virtual, times) if uniform else None
     if closed is not None:
@@ -156,6 +139,38 @@ def cmd(
     )
     if failed:
         raise SystemExit(1)
+
+
+def _note_flags(
+    spec: ScheduleSpec, given: dict[str, float | None], intervals_without_json: bool, notes: list[str]
+) -> None:
+    """Note flags that do less than they may seem to: I + W given to a full backward, --intervals
+    without --json."""
+    input_time, weight_time = given["input_time"], given["weight_time"]
+    if (
+        not spec.split_backward
+        and input_time is not None
+        and weight_time is not None
+        and given["backward_time"] is None
+    ):
+        notes.append(
+            f"{spec.name} runs a full backward: --input-time + --weight-time = {input_time + weight_time:g} is used "
+            "as T_B; the split into I and W matters only to zero-bubble and DualPipeV schedules"
+        )
+    if intervals_without_json:
+        notes.append("--intervals adds every op's (start, end) to the --json output only; add --json")
+
+
+def _result(sim: SimResult, schedule_name: str, times: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """The simulation's summary with the times it ran on and what its numbers are."""
+    result = sim.to_dict()
+    result["schedule"] = schedule_name
+    result["times"] = {k.removesuffix("_time"): v for k, v in times.items() if v is not None}
+    result["fraction_is"] = "idle / total stage time"
+    result["ratio_is"] = "idle / ideal busy time (Megatron)"
+    result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
+    result["notes"] = notes
+    return result
 
 
 def _check_before_work(

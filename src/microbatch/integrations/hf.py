@@ -37,6 +37,7 @@ model in pieces. Single process only (refused under DDP, DeepSpeed, FSDP, fp16 l
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from microbatch.choose.result import TuneResult
@@ -157,16 +158,7 @@ def tune_trainer(
     collate = _collator(trainer)
     data = _without_unused_columns(trainer, dataset)
 
-    def make_batch(b: int) -> Any:
-        from torch.utils.data import DataLoader
-
-        batch = next(iter(DataLoader(data, batch_size=b, collate_fn=collate)))
-        return trainer._prepare_inputs(batch)
-
-    def loss_fn(m: Any, inputs: Any) -> Any:
-        with trainer.compute_loss_context_manager():
-            return trainer.compute_loss(m, inputs)
-
+    make_batch, loss_fn = _probe_step(trainer, data, collate)
     try:
         if ckpt:
             _checkpointing_on(model, args)  # train() will turn it on: probe the step it will run
@@ -181,15 +173,39 @@ def tune_trainer(
         if created:
             trainer.optimizer = None  # train() builds its own, as it would have
     b, g = choice_of(result, global_batch, world)
+    _set_choice(trainer, result, b, g, world)
+    if on_oom == "split":
+        split_on_oom(trainer, knee=b, grow_after=grow_after)
+    return result
+
+
+def _probe_step(
+    trainer: Any, data: Any, collate: Any
+) -> tuple[Callable[[int], Any], Callable[[Any, Any], Any]]:
+    """``make_batch(b)`` from the Trainer's data and collator, and its ``compute_loss``."""
+
+    def make_batch(b: int) -> Any:
+        from torch.utils.data import DataLoader
+
+        batch = next(iter(DataLoader(data, batch_size=b, collate_fn=collate)))
+        return trainer._prepare_inputs(batch)
+
+    def loss_fn(m: Any, inputs: Any) -> Any:
+        with trainer.compute_loss_context_manager():
+            return trainer.compute_loss(m, inputs)
+
+    return make_batch, loss_fn
+
+
+def _set_choice(trainer: Any, result: TuneResult, b: int, g: int, world: int) -> None:
+    """Set b_m and g in ``trainer.args`` and say the curve and the choice (on rank 0)."""
+    args = trainer.args
     args.per_device_train_batch_size = b
     args.gradient_accumulation_steps = g
     trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
     rank = int(getattr(args, "process_index", 0))
     emit_lines(curve_lines(result, b, g, world), rank)
     emit_lines(choice_lines(result, b, g, world), rank, say=_trainer_logger().warning)
-    if on_oom == "split":
-        split_on_oom(trainer, knee=b, grow_after=grow_after)
-    return result
 
 
 def _trainer_logger() -> Any:
@@ -254,7 +270,6 @@ def split_on_oom(
     window count the steps the Trainer counts and logs, while each of the ``gradient_accumulation_steps``
     calls per step is counted in ``calls``.
     """
-    from microbatch.run.accumulate import accumulate
 
     _check_split(trainer)
     if count_fn is not None and not callable(count_fn):
@@ -270,6 +285,17 @@ def split_on_oom(
     trainer.microbatch_count_fn = count_fn
     if getattr(trainer.training_step, "_microbatch_split", False):
         return ctrl  # already wrapped: it reads trainer.microbatch_controller at every step
+    training_step = _split_training_step(trainer)
+    training_step._microbatch_split = True  # type: ignore[attr-defined]
+    trainer.training_step = training_step
+    return ctrl
+
+
+def _split_training_step(trainer: Any) -> Callable[..., Any]:
+    """The ``training_step`` :func:`split_on_oom` installs: the Trainer's step through
+    :func:`~microbatch.run.accumulate.accumulate` with ``trainer.microbatch_controller``."""
+    from microbatch.run.accumulate import accumulate
+
     warned: list[bool] = []  # the inexact-count warning, once per wrapper
 
     def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -319,9 +345,7 @@ def split_on_oom(
             )
         return loss
 
-    training_step._microbatch_split = True  # type: ignore[attr-defined]
-    trainer.training_step = training_step
-    return ctrl
+    return training_step
 
 
 def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:

@@ -218,8 +218,6 @@ def _reap(proc: subprocess.Popen[str], timeout_s: float | None) -> bool:
 
 def _worker() -> int:
     """The child's loop: one JSON request per line on stdin, one JSON reply per line on stdout."""
-    import resource
-
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the protocol stream
     probe: Probe | None = None
@@ -233,74 +231,14 @@ def _worker() -> int:
         msg = json.loads(line)
         try:
             if msg["op"] == "setup":
-                import torch
-
-                torch.manual_seed(0)
-                spec = ProbeSpec.from_dict(msg["spec"])
-                if spec.threads:
-                    torch.set_num_threads(spec.threads)
-                probe = build_probe(spec)
-                limit = msg.get("limit_bytes")
-                need = (
-                    current_rss_bytes()
-                    + static_bytes(probe)
-                    - sum(p.numel() * p.element_size() for p in probe.model.parameters())
-                )
-                if limit is not None and need > limit:
-                    reply(
-                        {
-                            "config_error": (
-                                f"memory budget {limit} bytes ({format_bytes(limit, unit='GiB')}) is below the model's static "
-                                f"memory: it needs at least {need} bytes ({format_bytes(need, unit='GiB')}: process, weights"
-                                + (", gradients and optimizer state" if spec.mode == "train" else "")
-                                + "); raise --memory-budget or choose a smaller model"
-                            )
-                        }
-                    )
-                    continue
-                ooms = oom_types()  # resolved before the limit: nothing lazy may allocate in an except clause
-                if limit is not None:
-                    room = limit - current_rss_bytes()
-                    resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
-                    limited = True
-                caught: tuple[type[BaseException], ...] = (RuntimeError, *ooms)
-                try:
-                    probe.setup(1)
-                except caught as e:
-                    if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, ooms):
-                        raise
-                    reply({"oom": True, "error": short_error(e)})
-                    continue
-                reply({"static_bytes": need, "rss_after_setup": current_rss_bytes()})
+                probe, limited, answer = _setup(msg)
+                reply(answer)
             elif msg["op"] == "alloc":  # a known allocation, to check the peak-memory method
-                import torch
-
-                reset_peak_rss()
-                before = peak_rss_bytes()
-                t = torch.ones(int(msg["bytes"]) // 4, dtype=torch.float32)
-                t += 1  # touch every page
-                reply({"peak_delta_bytes": peak_rss_bytes() - before, "allocated_bytes": t.numel() * 4})
-                del t
+                reply(_alloc(int(msg["bytes"])))
             elif msg["op"] == "probe":
                 if probe is None:
                     raise MeasurementError("a probe request came before the setup request")
-                probe.set_checkpointing(bool(msg.get("checkpointing")))
-                try:
-                    m = probe.measure(int(msg["micro_batch"]))
-                except RuntimeError as e:
-                    if not limited:
-                        raise
-                    # Under RLIMIT_AS the CPU allocator's failure is a plain RuntimeError: the only
-                    # change from a working probe is b_m, so it is recorded as out of memory.
-                    gc.collect()
-                    m = Measurement(
-                        micro_batch=int(msg["micro_batch"]),
-                        oom=True,
-                        memory_method="vmhwm",
-                        checkpointing=probe.checkpointing,
-                        error=short_error(e),
-                    )
-                reply({"measurement": m.to_dict()})
+                reply({"measurement": _measure(probe, msg, limited).to_dict()})
         except ConfigError as e:
             reply({"config_error": str(e)})
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
@@ -309,6 +247,81 @@ def _worker() -> int:
             traceback.print_exc(file=sys.stderr)
             reply({"error": short_error(e)})
     return 0
+
+
+def _setup(msg: dict[str, Any]) -> tuple[Probe, bool, dict[str, Any]]:
+    """Build the probe of ``msg["spec"]``, put the process under the memory limit, set up at b_m = 1:
+    the probe, whether the limit is on, and the reply (static bytes, or why not)."""
+    import resource
+
+    import torch
+
+    torch.manual_seed(0)
+    spec = ProbeSpec.from_dict(msg["spec"])
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    probe = build_probe(spec)
+    limit = msg.get("limit_bytes")
+    need = (
+        current_rss_bytes()
+        + static_bytes(probe)
+        - sum(p.numel() * p.element_size() for p in probe.model.parameters())
+    )
+    if limit is not None and need > limit:
+        why = (
+            f"memory budget {limit} bytes ({format_bytes(limit, unit='GiB')}) is below the model's static "
+            f"memory: it needs at least {need} bytes ({format_bytes(need, unit='GiB')}: process, weights"
+            + (", gradients and optimizer state" if spec.mode == "train" else "")
+            + "); raise --memory-budget or choose a smaller model"
+        )
+        return probe, False, {"config_error": why}
+    ooms = oom_types()  # resolved before the limit: nothing lazy may allocate in an except clause
+    limited = False
+    if limit is not None:
+        room = limit - current_rss_bytes()
+        resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
+        limited = True
+    caught: tuple[type[BaseException], ...] = (RuntimeError, *ooms)
+    try:
+        probe.setup(1)
+    except caught as e:
+        if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, ooms):
+            raise
+        return probe, limited, {"oom": True, "error": short_error(e)}
+    return probe, limited, {"static_bytes": need, "rss_after_setup": current_rss_bytes()}
+
+
+def _alloc(n_bytes: int) -> dict[str, Any]:
+    """Allocate and touch ``n_bytes``: the peak-memory method's reading of a known allocation."""
+    import torch
+
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    t = torch.ones(n_bytes // 4, dtype=torch.float32)
+    t += 1  # touch every page
+    answer = {"peak_delta_bytes": peak_rss_bytes() - before, "allocated_bytes": t.numel() * 4}
+    del t
+    return answer
+
+
+def _measure(probe: Probe, msg: dict[str, Any], limited: bool) -> Measurement:
+    """One probe at ``msg["micro_batch"]``; under the memory limit a RuntimeError is out of memory."""
+    probe.set_checkpointing(bool(msg.get("checkpointing")))
+    try:
+        return probe.measure(int(msg["micro_batch"]))
+    except RuntimeError as e:
+        if not limited:
+            raise
+        # Under RLIMIT_AS the CPU allocator's failure is a plain RuntimeError: the only
+        # change from a working probe is b_m, so it is recorded as out of memory.
+        gc.collect()
+        return Measurement(
+            micro_batch=int(msg["micro_batch"]),
+            oom=True,
+            memory_method="vmhwm",
+            checkpointing=probe.checkpointing,
+            error=short_error(e),
+        )
 
 
 if __name__ == "__main__":

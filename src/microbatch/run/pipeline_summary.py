@@ -72,8 +72,6 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     use = list(range(1, n_steps)) if n_steps > 1 else [0]
     bubbles, wall, busy, mean_times = _measured_steps(ranks, use, cfg.stages)
     stats = _stage_stats(ranks, use, wall, busy, cfg.virtual)
-    op_wall = sum(e - a for r in ranks for k in use for (_, _, _, a, e) in r["steps"][k]["intervals"])
-    op_cpu = sum(c for r in ranks for k in use for c in r["steps"][k].get("cpu_s", []))
     executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
     pred = predict(cfg, mean_times, executed)
     comm = measured_comm_s(cfg, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
@@ -95,17 +93,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "layers_per_stage": ranks[0]["layers_per_stage"],
         "torch_version": raw.get("torch_version"),
         "device": raw.get("device"),
-        "measured": {
-            "bubble_fraction": sum(bubbles) / len(bubbles),
-            "bubble_steps": bubbles,
-            "bubble_se": statistics.stdev(bubbles) / math.sqrt(len(bubbles)) if len(bubbles) > 1 else None,
-            "step_time_s": wall,
-            "stage_stats": stats,
-            "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
-            "cpu_share": op_cpu / op_wall
-            if op_wall > 0 and op_cpu > 0 and not str(raw.get("device", "cpu")).startswith("cuda")
-            else None,
-        },
+        "measured": _measured(ranks, use, bubbles, wall, stats, mean_times, str(raw.get("device", "cpu"))),
         "memory": memory,
         "predicted": _predicted(pred, pred_comm, comm),
         "gradients_match": None if max_err is None else bool(max_err <= tol),
@@ -144,6 +132,32 @@ def _measured_steps(
         bubbles.append(1.0 - tot / (p * wall) if wall > 0 else 0.0)
     mean_times = {key: sum(v) / len(v) for key, v in op_times.items()}
     return bubbles, sum(walls) / len(walls), busy, mean_times
+
+
+def _measured(
+    ranks: list[dict[str, Any]],
+    use: list[int],
+    bubbles: list[float],
+    wall: float,
+    stats: list[dict[str, Any]],
+    mean_times: dict[tuple[int, str], float],
+    device: str,
+) -> dict[str, Any]:
+    """The measured bubble (mean, per step, standard error), step time, per-rank stats, op times and
+    the share of a core the ops got (None on a GPU or without CPU times)."""
+    op_wall = sum(e - a for r in ranks for k in use for (_, _, _, a, e) in r["steps"][k]["intervals"])
+    op_cpu = sum(c for r in ranks for k in use for c in r["steps"][k].get("cpu_s", []))
+    return {
+        "bubble_fraction": sum(bubbles) / len(bubbles),
+        "bubble_steps": bubbles,
+        "bubble_se": statistics.stdev(bubbles) / math.sqrt(len(bubbles)) if len(bubbles) > 1 else None,
+        "step_time_s": wall,
+        "stage_stats": stats,
+        "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
+        "cpu_share": op_cpu / op_wall
+        if op_wall > 0 and op_cpu > 0 and not device.startswith("cuda")
+        else None,
+    }
 
 
 def _stage_stats(

@@ -21,6 +21,14 @@ def validate(schedule: Schedule) -> None:
     a cycle across ranks — a deadlock — is found too. Raises :class:`ScheduleError` naming the
     first violation, its rank and its position in that rank's list.
     """
+    seen = _placed_once(schedule)
+    _check_complete(schedule, seen)
+    _replay(schedule, seen)
+
+
+def _placed_once(schedule: Schedule) -> dict[Action, tuple[int, int]]:
+    """Each action's (rank, position), checked: a known kind, stage and micro-batch, on the rank that
+    owns its stage, listed once."""
     p, m, nst = schedule.stages, schedule.microbatches, schedule.num_virtual_stages
     seen: dict[Action, tuple[int, int]] = {}
     for rank, acts in enumerate(schedule.actions):
@@ -43,6 +51,12 @@ def validate(schedule: Schedule) -> None:
                 r0, p0 = seen[a]
                 raise ScheduleError(f"{where}: duplicate of rank {r0} position {p0}")
             seen[a] = (rank, pos)
+    return seen
+
+
+def _check_complete(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
+    """Every (stage, micro-batch) has one F and either one B or one I and one W."""
+    m, nst = schedule.microbatches, schedule.num_virtual_stages
     for s in range(nst):
         for mb in range(m):
             if Action(s, "F", mb) not in seen:
@@ -56,7 +70,11 @@ def validate(schedule: Schedule) -> None:
                 absent = f"{s}B{mb}" if not (has_i or has_w) else (f"{s}W{mb}" if has_i else f"{s}I{mb}")
                 raise ScheduleError(f"missing action {absent} (rank {schedule.stage_to_rank(s)})")
 
-    # Replay: a rank advances while its next action's dependencies are done.
+
+def _replay(schedule: Schedule, seen: dict[Action, tuple[int, int]]) -> None:
+    """Replay the ranks' orders: a rank advances while its next action's dependencies are done;
+    raises on the first action that can never start (a later one of its own rank first, else a deadlock)."""
+    p, nst = schedule.stages, schedule.num_virtual_stages
     done: set[Action] = set()
     ptr = [0] * p
     remaining = schedule.num_actions()

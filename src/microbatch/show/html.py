@@ -77,6 +77,15 @@ def _plan_section(plan: dict[str, Any]) -> str:
             + f", recompute {_esc(rec.get('recompute'))}, ZeRO {_esc(rec.get('zero'))}: bubble {_pct(rec.get('bubble_fraction'))}, "
             f"peak {_gib(rec.get('peak_memory_bytes'))}, step {_num(rec.get('step_time_s'), '{:.3f}')} s, MFU {_pct(rec.get('mfu'))}.</p>"
         )
+    parts += _plan_notes(plan, rec)
+    parts += _candidates_table(cands, rec)
+    parts.append(_exports_section(plan))
+    return "".join(parts)
+
+
+def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
+    """The plan's reasons, explanation, lints and warnings, each as a list."""
+    parts: list[str] = []
     for key in ("reasons", "explanation", "lints", "warnings"):
         val = plan.get(key) or rec.get(key)
         if key == "explanation" and not val:  # Plan.to_dict is data only: the words are show's
@@ -91,7 +100,13 @@ def _plan_section(plan: dict[str, Any]) -> str:
                 + "".join(f"<li>{_esc(v if isinstance(v, str) else v.get('message', v))}</li>" for v in items)
                 + "</ul>"
             )
-    # the best candidate at each b_m (fitting first, then the fastest), in b_m order: one row per b_m
+    return parts
+
+
+def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[str]:
+    """The best candidate at each b_m (fitting first, then the fastest), in b_m order, the recommended
+    one highlighted; with a line saying so when candidates were left out."""
+    parts: list[str] = []
     ranked = sorted(cands, key=lambda c: (not c.get("fits", True), c.get("step_time_s") or 1e300))
     per_b: dict[Any, dict[str, Any]] = {}
     for c in ranked:
@@ -151,8 +166,7 @@ def _plan_section(plan: dict[str, Any]) -> str:
             hi,
         )
     )
-    parts.append(_exports_section(plan))
-    return "".join(parts)
+    return parts
 
 
 @dataclass(frozen=True, kw_only=True)

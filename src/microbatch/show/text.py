@@ -104,21 +104,7 @@ def render_timeline_text(
     ncols = max(1, math.ceil(span * scale - 1e-9))
     labels = d_min * scale >= longest  # every op can show its label, or none does
 
-    lines_cells: list[list[tuple[str, str | None]]] = []
-    for rank in rows:
-        cells: list[tuple[str, str | None]] = [(IDLE_CHAR, None)] * ncols
-        for start, end, label, mb in rank:
-            c0 = min(ncols - 1, int(round((start - t0) * scale)))
-            c1 = min(ncols, max(c0 + 1, int(round((end - t0) * scale))))
-            text = f"{label}{mb}" if mb >= 0 else label
-            w = c1 - c0
-            kind = kind_of(label)
-            # the whole label when it fits (filled with "-"), else the kind letter alone
-            shown = text.ljust(w, FILL_CHAR) if labels and len(text) <= w else kind * w
-            for j in range(w):
-                cells[c0 + j] = (shown[j], kind)
-        lines_cells.append(cells)
-
+    lines_cells = _cells(rows, t0, scale, ncols, labels)
     name_w = len(f"{rank_label} {len(rows) - 1}")
     unit = f" {time_unit}" if time_unit else ""
     per_col = span / ncols
@@ -138,11 +124,50 @@ def render_timeline_text(
     if not color:
         return "\n".join(plain_lines + ([legend_line] if legend else []))
 
+    return _in_colour(
+        plain_lines[0], lines_cells, rows, rank_label, legend, f"{format_number(per_col)}{unit}"
+    )
+
+
+def _cells(
+    rows: list[list[tuple[float, float, str, int]]], t0: float, scale: float, ncols: int, labels: bool
+) -> list[list[tuple[str, str | None]]]:
+    """Per rank, each column's character and the kind of op in it (None: idle)."""
+    lines_cells: list[list[tuple[str, str | None]]] = []
+    for rank in rows:
+        cells: list[tuple[str, str | None]] = [(IDLE_CHAR, None)] * ncols
+        for start, end, label, mb in rank:
+            c0 = min(ncols - 1, int(round((start - t0) * scale)))
+            c1 = min(ncols, max(c0 + 1, int(round((end - t0) * scale))))
+            text = f"{label}{mb}" if mb >= 0 else label
+            w = c1 - c0
+            kind = kind_of(label)
+            # the whole label when it fits (filled with "-"), else the kind letter alone
+            shown = text.ljust(w, FILL_CHAR) if labels and len(text) <= w else kind * w
+            for j in range(w):
+                cells[c0 + j] = (shown[j], kind)
+        lines_cells.append(cells)
+
+    return lines_cells
+
+
+def _in_colour(
+    header: str,
+    lines_cells: list[list[tuple[str, str | None]]],
+    rows: list[list[tuple[float, float, str, int]]],
+    rank_label: str,
+    legend: bool,
+    column: str,
+) -> str:
+    """The diagram with ANSI colours (rich), one styled span per run of equal style; ``column``:
+    the time one column stands for, for the legend."""
     from rich.console import Console
     from rich.text import Text
 
+    name_w = len(f"{rank_label} {len(rows) - 1}")
+    ncols = len(lines_cells[0]) if lines_cells else 0
     console = Console(force_terminal=True, color_system="standard", width=name_w + ncols + 8, record=False)
-    out = [Text(plain_lines[0])]
+    out = [Text(header)]
     for r, cells in enumerate(lines_cells):
         t = Text(f"{rank_label} {r}".ljust(name_w) + " |")
         run, run_style = "", ""
@@ -162,7 +187,7 @@ def render_timeline_text(
         for k in sorted({kind_of(r[2]) for rank in rows for r in rank}, key=kind_order):
             lt.append(f" {k} ", style=KIND_TERMINAL.get(k, ""))
             lt.append(f" {KIND_NAMES.get(k, k)}  ")
-        lt.append(f"{IDLE_CHAR} idle; one column = {format_number(per_col)}{unit}", style="dim")
+        lt.append(f"{IDLE_CHAR} idle; one column = {column}", style="dim")
         out.append(lt)
     with console.capture() as cap:
         for t in out:

@@ -1,0 +1,176 @@
+"""The one measuring driver that :func:`~microbatch.choose.tune.tune` and
+:func:`~microbatch.choose.tune.tune_model` share: search the throughput curve with a prober
+(caching each point), confirm a flat curve's knee, choose, and put the :class:`TuneResult`
+together. The callers resolve the settings and open the prober; this module only runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from microbatch.choose.cache import CacheUse, cache_key, load_points, save_points, versions
+from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
+from microbatch.choose.confirm import confirm_knee
+from microbatch.choose.knee import recommend
+from microbatch.choose.probing import Prober, device_name
+from microbatch.choose.result import TuneResult
+from microbatch.choose.search import OnPoint, SearchLog, curve_point, search
+from microbatch.measure.probes import Measurement
+
+__all__ = ["NOTHING_MEASURED", "Setup", "run_search"]
+
+NOTHING_MEASURED = "interrupted before any point was measured: nothing to choose from"
+"""The KeyboardInterrupt's message when Ctrl-C came before the first point."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """What a run is besides its settings: how it is named and keyed, where its budget came from."""
+
+    model_label: str
+    """The model's name in the result."""
+    fingerprint_fields: dict[str, Any]
+    """What identifies the model (and how it is probed) in the cache key."""
+    budget_source: str
+    """Where the memory budget came from (``given``, ``device total``, ...)."""
+    t_start: float
+    """``time.perf_counter()`` when the tune began (setup included in its wall time)."""
+
+
+def run_search(
+    prober: Prober,
+    probe: ProbeConfig,
+    search_config: SearchConfig,
+    choice: ChoiceConfig,
+    setup: Setup,
+    on_point: OnPoint | None,
+) -> TuneResult:
+    """Search with ``prober`` (caching each point), choose, and put the result together.
+
+    The configs are resolved: ``probe.device`` set, ``search_config.use_cache`` a bool,
+    ``choice.reference`` and ``choice.data_parallel`` set, the budget filled in.
+    """
+    device = probe.device or "cpu"
+    name = device_name(device)
+    fields = dict(
+        setup.fingerprint_fields,
+        seq=probe.seq,
+        precision=probe.precision,
+        device=name,
+        device_type=device,
+        mode=probe.mode,
+        checkpointing=search_config.checkpointing,
+        global_batch=choice.global_batch,
+        data_parallel=choice.data_parallel,
+        versions=versions(),
+    )
+    cache = _PointCache(cache_key(fields), fields, bool(search_config.use_cache))
+    log = SearchLog()
+    points = _search_and_confirm(cache.measuring(prober), prober, search_config, choice, log, on_point, cache)
+    rec = recommend([curve_point(p) for p in points], choice)
+    methods = {p.memory_method for p in points if p.memory_method}
+    return TuneResult(
+        points=points,
+        recommendation=rec,
+        model=setup.model_label,
+        seq=probe.seq,
+        mode=probe.mode,
+        device=device,
+        device_name=name,
+        precision=probe.precision,
+        checkpointing=search_config.checkpointing,
+        torch_version=fields["versions"]["torch"],
+        memory_budget_bytes=choice.memory_budget_bytes,
+        memory_method=", ".join(sorted(methods)),
+        stop_reason=log.stop_reason,
+        skipped=log.skipped,
+        interrupted=log.interrupted,
+        oom_events=log.oom_events,
+        probes=log.probes,
+        cached=log.cached,
+        wall_time_s=time.perf_counter() - setup.t_start,
+        memory_budget_source=setup.budget_source,
+        static_bytes=getattr(prober, "static_bytes", None),
+        fingerprint=cache.key,
+        cache=cache.use(points),
+    )
+
+
+class _PointCache:
+    """The points known for one cache key: read before the search, written after each probe."""
+
+    def __init__(self, key: str, fields: dict[str, Any], enabled: bool) -> None:
+        self.key, self.fields, self.enabled = key, fields, enabled
+        self.stamps: dict[tuple[int, bool], float] = {}
+        self.known = load_points(key, self.stamps) if enabled else {}
+        self.from_cache = set(self.known)  # what was measured before this run
+
+    def measuring(self, prober: Prober) -> Callable[[int, bool], Measurement]:
+        """``measure(b, checkpointing)`` with ``prober``, each point saved as it comes."""
+
+        def measure(b: int, ckpt: bool) -> Measurement:
+            prober.start()
+            m = prober.measure(b, checkpointing=ckpt)
+            self.from_cache.discard((b, ckpt))
+            if self.enabled:
+                self.known[(b, ckpt)] = m
+                self.stamps[(b, ckpt)] = time.time()
+                save_points(self.key, self.fields, self.known, self.stamps)
+            return m
+
+        return measure
+
+    def keep(self, points: list[Measurement]) -> None:
+        """Save ``points`` over those known (a repeated tune reads the confirmed, median, points)."""
+        if self.enabled:
+            self.known.update({(p.micro_batch, p.checkpointing): p for p in points})
+            save_points(self.key, self.fields, self.known, self.stamps)
+
+    def use(self, points: list[Measurement]) -> CacheUse | None:
+        """How many of ``points`` came from the cache (None when none did)."""
+        cached = [
+            (p.micro_batch, p.checkpointing)
+            for p in points
+            if (p.micro_batch, p.checkpointing) in self.from_cache
+        ]
+        if not cached:
+            return None
+        return CacheUse(
+            points=len(cached),
+            measured=len(points) - len(cached),
+            oldest_s=min((self.stamps[k] for k in cached if k in self.stamps), default=None),
+            key=self.key,
+        )
+
+
+def _search_and_confirm(
+    measure: Callable[[int, bool], Measurement],
+    prober: Prober,
+    search_config: SearchConfig,
+    choice: ChoiceConfig,
+    log: SearchLog,
+    on_point: OnPoint | None,
+    cache: _PointCache,
+) -> list[Measurement]:
+    """The searched points, a flat curve's knee measured again; the prober closed. A Ctrl-C keeps the
+    points measured (``log.interrupted``), unless there is none."""
+    points: list[Measurement] = []
+    try:
+        try:
+            points = search(measure, search_config, choice, known=cache.known, on_point=on_point, log=log)
+            if log.probes and not log.interrupted:  # a flat curve's knee, measured again (cached: kept)
+                points = confirm_knee(measure, points, choice, log, on_point=on_point)
+                cache.keep(points)
+        finally:
+            prober.close()
+    except KeyboardInterrupt:  # one that landed outside the search's and the confirmation's own handling
+        log.interrupted = True
+        log.stop_reason += (
+            "; " if log.stop_reason else ""
+        ) + "interrupted (Ctrl-C): the points measured are kept"
+    if log.interrupted and not any(not p.oom for p in points):
+        raise KeyboardInterrupt(NOTHING_MEASURED)
+    return points
