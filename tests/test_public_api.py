@@ -16,6 +16,7 @@ import pkgutil
 import subprocess
 import sys
 import types
+import typing
 
 import pytest
 
@@ -35,8 +36,28 @@ EXPECTED_ALL = [
     "estimate_memory",
     "simulate",
     "run_pipeline",
+    "ModelShape",
+    "Accelerator",
+    "TimingConfig",
+    "ProbeConfig",
+    "SearchConfig",
+    "ChoiceConfig",
+    "Measurement",
+    "TuneResult",
+    "CurvePoint",
+    "Recommendation",
+    "PlanConfig",
+    "Plan",
+    "MemoryConfig",
+    "MemoryCalibration",
+    "MemoryEstimate",
+    "Schedule",
+    "SimResult",
+    "PipelineConfig",
+    "GradientNoiseScale",
 ]
-"""The top-level ``microbatch.__all__``, in order."""
+"""The top-level ``microbatch.__all__``, in order: the functions, then the config and result types
+they take and return."""
 
 EXPECTED_HOME = {
     # public name: (defining module, name there)
@@ -50,6 +71,25 @@ EXPECTED_HOME = {
     "estimate_memory": ("microbatch.predict.memory", "estimate_memory"),
     "simulate": ("microbatch.schedules.simulate", "simulate"),
     "run_pipeline": ("microbatch.run.launch", "run_pipeline"),
+    "ModelShape": ("microbatch.shape", "ModelShape"),
+    "Accelerator": ("microbatch.hardware", "Accelerator"),
+    "TimingConfig": ("microbatch.measure.timing", "TimingConfig"),
+    "ProbeConfig": ("microbatch.choose.config", "ProbeConfig"),
+    "SearchConfig": ("microbatch.choose.config", "SearchConfig"),
+    "ChoiceConfig": ("microbatch.choose.config", "ChoiceConfig"),
+    "Measurement": ("microbatch.measure.probes", "Measurement"),
+    "TuneResult": ("microbatch.choose.result", "TuneResult"),
+    "CurvePoint": ("microbatch.choose.curve", "CurvePoint"),
+    "Recommendation": ("microbatch.choose.knee", "Recommendation"),
+    "PlanConfig": ("microbatch.predict.plan_config", "PlanConfig"),
+    "Plan": ("microbatch.predict.plan", "Plan"),
+    "MemoryConfig": ("microbatch.predict.memory", "MemoryConfig"),
+    "MemoryCalibration": ("microbatch.predict.memory", "MemoryCalibration"),
+    "MemoryEstimate": ("microbatch.predict.memory", "MemoryEstimate"),
+    "Schedule": ("microbatch.schedules.action", "Schedule"),
+    "SimResult": ("microbatch.schedules.simulate", "SimResult"),
+    "PipelineConfig": ("microbatch.run.pipeline_config", "PipelineConfig"),
+    "GradientNoiseScale": ("microbatch.run.noise", "GradientNoiseScale"),
 }
 """Where each lazily exported entry point is defined (``obj.__module__``, ``obj.__name__``)."""
 
@@ -66,7 +106,7 @@ def test_every_export_has_a_pinned_home() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_HOME))
-def test_lazy_export_resolves_to_its_callable(name: str) -> None:
+def test_lazy_export_resolves_to_its_definition(name: str) -> None:
     module, qualname = EXPECTED_HOME[name]
     obj = getattr(microbatch, name)
     assert callable(obj), f"microbatch.{name} is a {type(obj).__name__}, not callable"
@@ -75,6 +115,41 @@ def test_lazy_export_resolves_to_its_callable(name: str) -> None:
     ns: dict[str, object] = {}
     exec(f"from microbatch import {name} as imported", ns)
     assert ns["imported"] is obj
+
+
+PUBLIC_FUNCTIONS = (
+    "tune",
+    "recommend",
+    "plan",
+    "estimate_memory",
+    "simulate",
+    "run_pipeline",
+    "accumulate",
+    "solve",
+)
+"""The top-level functions whose signatures the exported types must cover."""
+
+
+def _classes_in(hint: object) -> set[type]:
+    """The classes a type hint names, through unions, generics and callables (whose parameters
+    come as a list)."""
+    if isinstance(hint, list):
+        return set().union(*(_classes_in(h) for h in hint))
+    found = {hint} if isinstance(hint, type) else set()
+    return found.union(*(_classes_in(a) for a in typing.get_args(hint)))
+
+
+def test_the_types_the_functions_take_and_return_are_exported() -> None:
+    """Every microbatch class named in a public function's signature (parameters and return) is in
+    ``microbatch.__all__``, as the very class the function names."""
+    named: set[type] = set()
+    for name in PUBLIC_FUNCTIONS:
+        fn = getattr(microbatch, name)
+        hints = typing.get_type_hints(getattr(fn, "__wrapped__", fn))
+        named |= {c for h in hints.values() for c in _classes_in(h) if c.__module__.startswith("microbatch.")}
+    exported = {getattr(microbatch, n) for n in EXPECTED_HOME}
+    assert {c.__name__ for c in named} >= {"TuneResult", "PlanConfig", "Plan", "SimResult", "PipelineConfig"}
+    assert not named - exported, sorted(c.__name__ for c in named - exported)
 
 
 def test_dir_lists_the_exports_and_unknown_names_raise() -> None:

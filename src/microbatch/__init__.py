@@ -11,7 +11,7 @@ core (``errors``, ``batch``, ``model``, ``hardware``, ``units``, ``records``) â†
 ``show`` â†’ ``commands`` / ``cli``.
 
 Importing the package is cheap: torch, numpy and matplotlib are imported only by the modules
-that need them, and the public functions below load their module on first use.
+that need them, and the public functions and types below load their module on first use.
 """
 
 from __future__ import annotations
@@ -33,6 +33,26 @@ _LAZY = {
     "estimate_memory": "predict.memory",
     "simulate": "schedules.simulate",
     "run_pipeline": "run.launch",
+    # the config and result types the functions above take and return
+    "ModelShape": "shape",
+    "Accelerator": "hardware",
+    "TimingConfig": "measure.timing",
+    "ProbeConfig": "choose.config",
+    "SearchConfig": "choose.config",
+    "ChoiceConfig": "choose.config",
+    "Measurement": "measure.probes",
+    "TuneResult": "choose.result",
+    "CurvePoint": "choose.curve",
+    "Recommendation": "choose.knee",
+    "PlanConfig": "predict.plan_config",
+    "Plan": "predict.plan",
+    "MemoryConfig": "predict.memory",
+    "MemoryCalibration": "predict.memory",
+    "MemoryEstimate": "predict.memory",
+    "Schedule": "schedules.action",
+    "SimResult": "schedules.simulate",
+    "PipelineConfig": "run.pipeline_config",
+    "GradientNoiseScale": "run.noise",
 }
 # The public name when it differs from the name in its module.
 _RENAMED = {"plan": "make_plan"}
