@@ -118,6 +118,8 @@ def cmd(
         applied = apply_calibration(calibration, shape=shape, precision=precision, layout=layout)
     est = estimate_memory(shape, cfg, applied.memory if applied else None)
     out = est.to_dict()
+    out["total_params"] = shape.param_count()
+    out["active_params"] = shape.active_param_count()  # = total for a dense model
     if applied:
         out.update(applied.to_dict())
     if acc is not None:
@@ -164,9 +166,16 @@ def _render(
     from microbatch.units import format_bytes
 
     w, g, o = bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer)
+    moe = shape.moe
+    params = f"{shape.param_count():,} parameters" + (
+        f" ({shape.active_param_count():,} active; E={moe.experts}, top-k={moe.top_k}, EP={cfg.expert_parallel})"
+        if moe is not None
+        else ""
+    )
     lines = [
-        f"{shape.name}: {shape.param_count():,} parameters; b_m={cfg.micro_batch} s={cfg.seq or shape.seq} "
+        f"{shape.name}: {params}; b_m={cfg.micro_batch} s={cfg.seq or shape.seq} "
         f"t={cfg.tensor_parallel}{' +SP' if cfg.sequence_parallel else ''} p={cfg.pipeline_parallel} "
+        f"{f'c={cfg.context_parallel} ' if cfg.context_parallel > 1 else ''}"
         f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}; {cfg.precision} "
         f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}",
         "",
