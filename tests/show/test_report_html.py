@@ -338,3 +338,29 @@ def test_pipeline_charts_share_x_limits_and_an_axis_label_in_ms():
     res["timeline"][-1]["end_s"] = 100.1  # the measured step now ends at 100 ms
     _, figs = pipeline_section(res, None, 0)
     assert [f.x_limits for f in figs] == [(0.0, pytest.approx(100.0))] * 2
+
+
+def test_the_plan_section_names_the_moe_and_fp8_dimensions(tmp_path):
+    """Issue 29: the HTML plan section states total and active parameters, EP, c and the FP8 recipe."""
+    import json as _json
+
+    from microbatch.cli import main as _main
+    from microbatch.show.html import build_report, load_results
+
+    plan = tmp_path / "plan.json"
+    args = ["plan", "--model", "mixtral-8x7b", "--gpu", "h100", "-B", "256", "-d", "8", "-p", "4", "-e", "8",
+            "--precision", "fp8", "--json"]  # fmt: skip
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert _main(args) == 0
+    plan.write_text(buf.getvalue())
+    assert _json.loads(buf.getvalue())["active_params"] == 12_879_925_248
+    rep = build_report(load_results([str(plan)]), str(tmp_path / "r.html"), png=False)
+    html = rep.html_path.read_text()
+    assert (
+        "46.70B parameters, 12.88B active per token; expert parallel EP = 8; precision fp8 (tensorwise scaling)"
+        in html
+    )

@@ -69,6 +69,7 @@ def _plan_section(plan: dict[str, Any]) -> str:
         f"p = {_esc(plan.get('pipeline_parallel', 1))}, d = {_esc(plan.get('data_parallel', 1))}, "
         f"t = {_esc(plan.get('tensor_parallel', 1))}, global batch {_esc(plan.get('global_batch', ''))}</h2>"
     ]
+    parts.append(_plan_dimensions(plan))
     if rec:
         parts.append(
             f"<p class='answer'>Recommended: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, m = {_esc(rec.get('microbatches'))}, "
@@ -81,6 +82,24 @@ def _plan_section(plan: dict[str, Any]) -> str:
     parts += _candidates_table(cands, rec)
     parts.append(_exports_section(plan))
     return "".join(parts)
+
+
+def _plan_dimensions(plan: dict[str, Any]) -> str:
+    """One line of what a dense bf16 plan leaves out: parameters (total and active), expert and context
+    parallelism, the precision (and FP8 recipe); empty for a plan from before they existed."""
+    bits = []
+    total, active = plan.get("total_params"), plan.get("active_params")
+    if isinstance(total, int):
+        bits.append(f"{total / 1e9:,.2f}B parameters" + (
+            f", {active / 1e9:,.2f}B active per token" if isinstance(active, int) and active != total else ""
+        ))  # fmt: skip
+    for key, name in (("expert_parallel", "expert parallel EP"), ("context_parallel", "context parallel c")):
+        if (plan.get(key) or 1) > 1:
+            bits.append(f"{name} = {_esc(plan[key])}")
+    if plan.get("precision"):
+        recipe = plan.get("fp8_recipe")
+        bits.append(f"precision {_esc(plan['precision'])}" + (f" ({_esc(recipe)} scaling)" if recipe else ""))
+    return f"<p>{'; '.join(bits)}.</p>" if bits else ""
 
 
 def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
