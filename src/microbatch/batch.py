@@ -18,7 +18,16 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
 
-__all__ = ["BatchConfig", "solve", "divisors", "nearest_multiples", "next_micro_batch", "LADDER_MIN_RATIO"]
+__all__ = [
+    "BatchConfig",
+    "solve",
+    "grad_accum_for",
+    "per_replica",
+    "divisors",
+    "nearest_multiples",
+    "next_micro_batch",
+    "LADDER_MIN_RATIO",
+]
 
 _FIXES = {
     "global_batch": "give the sequences per optimizer step, e.g. --global-batch 512",
@@ -70,6 +79,19 @@ class BatchConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def grad_accum_for(global_batch: int, micro_batch: int, data_parallel: int = 1) -> int:
+    """g = B_global // (b_m × d): the micro-batches each replica runs per optimizer step, rounded down
+    (0 when b_m × d > B_global). The one derivation of g; exact when ``g × b_m × d == B_global``
+    (:class:`BatchConfig` and :func:`solve` check that and name the fix)."""
+    return global_batch // (micro_batch * data_parallel)
+
+
+def per_replica(global_batch: int, data_parallel: int = 1) -> int | None:
+    """B_global / d, the sequences each replica runs per optimizer step (b_m × g), when d divides
+    B_global; None when it does not (then no b_m gives B_global = b_m × g × d)."""
+    return global_batch // data_parallel if global_batch % data_parallel == 0 else None
 
 
 def divisors(n: int) -> list[int]:

@@ -11,8 +11,10 @@ from microbatch.batch import (
     LADDER_MIN_RATIO,
     BatchConfig,
     divisors,
+    grad_accum_for,
     nearest_multiples,
     next_micro_batch,
+    per_replica,
     solve,
 )
 from microbatch.errors import ConfigError
@@ -173,3 +175,19 @@ def test_search_ladder_steps_along_the_divisors_of_the_per_replica_batch():
         assert all(b2 >= LADDER_MIN_RATIO * b1 for b1, b2 in zip(steps[:-2], steps[1:-1], strict=True))
         assert all(b2 <= 4 * b1 or per < 4 * b1 or b2 == min(d for d in divisors(per) if d >= 1.5 * b1)
                    for b1, b2 in zip(steps, steps[1:], strict=False))  # fmt: skip
+
+
+def test_g_and_the_per_replica_batch_are_derived_in_one_place():
+    """grad_accum_for and per_replica are B = b_m·g·d read backwards: exact when they divide, rounded
+    down (g) or None (B/d) when not; every exact (B, b_m, d) they give is a valid BatchConfig."""
+    assert grad_accum_for(512, 8, 4) == 16 and grad_accum_for(500, 8, 4) == 15 and grad_accum_for(8, 16) == 0
+    assert per_replica(96, 4) == 24 and per_replica(97, 4) is None and per_replica(7) == 7
+    for B, d in itertools.product((1, 6, 96, 100, 1000), (1, 2, 3, 4)):
+        per = per_replica(B, d)
+        assert (per is None) == (B % d != 0)
+        for b in divisors(per) if per else ():
+            g = grad_accum_for(B, b, d)
+            assert (
+                BatchConfig(global_batch=B, micro_batch=b, grad_accum=g, data_parallel=d).per_replica_batch
+                == per
+            )

@@ -55,3 +55,22 @@ def test_the_callback_takes_tunes_own_keywords_and_a_torch_device():
         8, device=torch.device("cpu"), on_point=lambda p: None, search=SearchConfig(max_micro_batch=4)
     )
     assert cb.options["search"].max_micro_batch == 4  # handed to tune as given
+
+
+def test_the_knee_tolerance_is_one_constant():
+    """Every entry point's default τ is choose.config.DEFAULT_TOLERANCE itself (the same object: a
+    literal 0.15 written again would be another float), and the CLI's --tolerance shows it."""
+    import inspect
+
+    from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig
+    from microbatch.integrations.accelerate import knee_batch_size
+    from microbatch.integrations.hf import tune_trainer
+    from microbatch.integrations.lightning import KneeBatchSize
+
+    for fn in (knee_batch_size, tune_trainer, KneeBatchSize.__init__):
+        assert inspect.signature(fn).parameters["tolerance"].default is DEFAULT_TOLERANCE, fn
+    assert ChoiceConfig().tolerance is DEFAULT_TOLERANCE
+    from microbatch.commands.recommend import cmd
+
+    (opt,) = [o for o in cmd.params if o.name == "tolerance"]
+    assert opt.default is DEFAULT_TOLERANCE

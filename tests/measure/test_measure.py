@@ -272,3 +272,20 @@ def test_process_clock_ignores_time_off_the_cpu():
     assert proc.timer(lambda: _time.sleep(0.05)) < 0.02
     with pytest.raises(ConfigError, match="clock"):
         TimingConfig(clock="sundial")
+
+
+def test_one_table_of_out_of_memory_types():
+    """torch's out-of-memory types are listed once (measure.device); what catches them and what
+    names a rank's failure read that table; MemoryError is caught but not called torch's."""
+    import torch
+
+    from microbatch.measure.device import oom_types, torch_oom_types
+    from microbatch.run.launch import _reason
+
+    assert torch.OutOfMemoryError in torch_oom_types() and MemoryError not in torch_oom_types()
+    assert oom_types() == (MemoryError, *torch_oom_types())
+    assert (
+        _reason(torch.OutOfMemoryError("CUDA out of memory. Tried"))
+        == "out of memory (CUDA out of memory. Tried)"
+    )
+    assert _reason(MemoryError("no room")) == "MemoryError: no room"

@@ -102,7 +102,9 @@ class ChoiceConfig:
 
     def __post_init__(self) -> None:
         _choice("knee rule", self.rule, RULES)
-        _fraction("tolerance", self.tolerance, "0.15 for 15% of the best")
+        _fraction(
+            "tolerance", self.tolerance, f"{DEFAULT_TOLERANCE} for {100 * DEFAULT_TOLERANCE:g}% of the best"
+        )
         if self.reference is not None:
             _choice("reference", self.reference, REFERENCES)
         if self.memory_budget_bytes is not None and (

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from microbatch.batch import nearest_multiples
+from microbatch.batch import grad_accum_for, nearest_multiples, per_replica
 from microbatch.choose.bound import ThroughputBound, choice_margin, throughput_bound
 from microbatch.choose.config import (
     DEFAULT_RULE,
@@ -177,7 +177,7 @@ class Recommendation:
         """g = B_global // (b_m·d), or None without a global batch."""
         if self.global_batch is None:
             return None
-        return self.global_batch // (micro_batch * self.data_parallel)
+        return grad_accum_for(self.global_batch, micro_batch, self.data_parallel)
 
     def _point(self, p: CurvePoint) -> dict[str, Any]:
         return {
@@ -249,7 +249,7 @@ def _candidates(
         )
         why.append(f"step time <= {choice.max_latency_ms} ms")
     if choice.global_batch is not None:
-        if choice.global_batch % data_parallel:
+        if per_replica(choice.global_batch, data_parallel) is None:
             near = " or ".join(map(str, nearest_multiples(choice.global_batch, data_parallel)))
             raise ConfigError(
                 f"global batch {choice.global_batch} is not divisible by data-parallel {data_parallel}: no b_m "

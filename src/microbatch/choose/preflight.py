@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from microbatch.batch import next_micro_batch
+from microbatch.batch import next_micro_batch, per_replica
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
@@ -71,13 +71,13 @@ def check_walk(search: SearchConfig, choice: ChoiceConfig, names: Mapping[str, s
     if choice.global_batch is None:
         return
     d = choice.data_parallel or 1
-    if choice.global_batch % d:
+    per = per_replica(choice.global_batch, d)
+    if per is None:
         lo = choice.global_batch // d * d
         raise ConfigError(
             f"{given('B', choice.global_batch)} is not divisible by {given('d', d)}: no micro-batch "
             f"b_m gives B = b_m × g × d; use a multiple of {d}, e.g. {max(lo, d)} or {lo + d}"
         )
-    per = choice.global_batch // d
     sizes = walk_sizes(search, per)
     if not any(per % b == 0 for b in sizes):
         fix = (

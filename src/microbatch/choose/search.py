@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from microbatch.batch import next_micro_batch
+from microbatch.batch import next_micro_batch, per_replica
 from microbatch.choose.bound import BOUND_MIN_POINTS, choice_margin, throughput_bound
 from microbatch.choose.config import ChoiceConfig, SearchConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
@@ -124,7 +124,7 @@ class _Walk:
         self.points: list[Measurement] = []
         self.ckpt = config.checkpointing == "on"
         d, B = choice.data_parallel or 1, choice.global_batch
-        self.per_replica = B // d if B is not None and B % d == 0 else None
+        self.per_replica = None if B is None else per_replica(B, d)
         """B_global / d: the search probes only its divisors (:func:`microbatch.batch.next_micro_batch`)."""
         budget = choice.memory_budget_bytes
         self.usable = None if budget is None else budget * (1.0 - choice.memory_headroom)

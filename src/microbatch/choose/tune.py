@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from microbatch.batch import grad_accum_for
 from microbatch.choose.cache import (
     CachedAnswer,
     callable_identity,
@@ -258,7 +259,7 @@ def tune(
     global_batch, data_parallel = choice.global_batch, choice.data_parallel or 1
 
     def g_for(b: int) -> int | None:
-        return None if global_batch is None else max(1, global_batch // (b * data_parallel))
+        return None if global_batch is None else max(1, grad_accum_for(global_batch, b, data_parallel))
 
     step = TrainProbe(
         model,

@@ -322,6 +322,7 @@ def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
     passes it to :func:`choice_config`.
     """
     from microbatch.choose.bound import BOUND_MARGIN, BOUND_SLACK, BOUND_WINDOW
+    from microbatch.choose.config import DEFAULT_TOLERANCE
 
     opts = [
         click.option(
@@ -347,7 +348,11 @@ def choice_options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="fraction: smallest b_m within the tolerance of the best; gain: stop when a doubling gains < tolerance.",
         ),
         click.option(
-            "--tolerance", type=float, default=0.15, show_default=True, help="Tolerance τ of the rule."
+            "--tolerance",
+            type=float,
+            default=DEFAULT_TOLERANCE,
+            show_default=True,
+            help="Tolerance τ of the rule.",
         ),
         click.option(
             "--reference",

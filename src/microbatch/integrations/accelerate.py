@@ -51,7 +51,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from microbatch.batch import grad_accum_for
 from microbatch.choose.config import (
+    DEFAULT_TOLERANCE,
     ChoiceConfig,
     SearchConfig,
     apply_options,
@@ -168,7 +170,7 @@ def knee_batch_size(
     *,
     global_batch: int,
     memory_budget_bytes: int | None = None,
-    tolerance: float = 0.15,
+    tolerance: float = DEFAULT_TOLERANCE,
     timing: TimingConfig | None = None,
     device: str | None = None,
     **options: Any,
@@ -293,7 +295,7 @@ def _measurer(
     checked: list[bool] = []
 
     def measure(b: int, ckpt: bool) -> Measurement:
-        g = max(1, global_batch // (b * world))
+        g = max(1, grad_accum_for(global_batch, b, world))
         probe = StepProbe(b, timing, sync=device.sync, agree=agree_any if world > 1 else None)
         device.free()
         device.reset_peak()

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from microbatch.batch import nearest_multiples
+from microbatch.batch import grad_accum_for, nearest_multiples, per_replica
 from microbatch.choose.result import TuneResult
 from microbatch.errors import ConfigError, MicrobatchError
 
@@ -43,7 +43,7 @@ def check_global_batch(global_batch: object, world: int, *, name: str = "global_
     """``global_batch`` as an int, or a ConfigError: it must be a whole number divisible by the world size."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"{name} {global_batch!r} must be a whole number >= 1, e.g. {name}=256")
-    if global_batch % world:
+    if per_replica(global_batch, world) is None:
         below, above = nearest_global_batches(global_batch, world)
         raise ConfigError(
             f"{name} {global_batch} is not divisible by the world size {world}: B_global = b_m × g × {world} "
@@ -57,7 +57,7 @@ def choice_of(result: TuneResult, global_batch: int, world: int) -> tuple[int, i
     """(b_m, g) of the knee, with b_m × g × world == global_batch checked."""
     rec = result.recommendation
     b = rec.knee.micro_batch
-    g = global_batch // (b * world)
+    g = grad_accum_for(global_batch, b, world)
     if b * g * world != global_batch:
         below, above = nearest_global_batches(global_batch, b * world)
         raise MicrobatchError(

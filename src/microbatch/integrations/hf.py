@@ -40,6 +40,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from microbatch.choose.config import DEFAULT_TOLERANCE
 from microbatch.choose.result import TuneResult
 from microbatch.choose.snapshot import restore_flags, save_flags
 from microbatch.errors import ConfigError
@@ -113,7 +114,7 @@ def tune_trainer(
     global_batch: int | None = None,
     *,
     memory_budget_bytes: int | None = None,
-    tolerance: float = 0.15,
+    tolerance: float = DEFAULT_TOLERANCE,
     on_oom: str = "raise",
     grow_after: int | None = None,
     **options: Any,

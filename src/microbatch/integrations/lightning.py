@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from microbatch.choose.config import DEFAULT_TOLERANCE
 from microbatch.choose.result import TuneResult
 from microbatch.choose.snapshot import restore_rng, save_rng
 from microbatch.errors import ConfigError
@@ -115,7 +116,7 @@ class KneeBatchSize(_Base):
         global_batch: int,
         *,
         memory_budget_bytes: int | None = None,
-        tolerance: float = 0.15,
+        tolerance: float = DEFAULT_TOLERANCE,
         batch_arg_name: str = "batch_size",
         **options: Any,
     ) -> None:

@@ -35,7 +35,16 @@ from microbatch.measure.timing import cuda_timer, process_timer, wall_timer
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Device", "oom_types", "short_error", "distributed", "reduce_max", "agree_any", "gc_frozen"]
+__all__ = [
+    "Device",
+    "oom_types",
+    "torch_oom_types",
+    "short_error",
+    "distributed",
+    "reduce_max",
+    "agree_any",
+    "gc_frozen",
+]
 
 _frozen_depth = [0]
 """How many :func:`gc_frozen` blocks are open in this process."""
@@ -67,15 +76,21 @@ def gc_frozen() -> Iterator[None]:
             gc.unfreeze()
 
 
-def oom_types() -> tuple[type[BaseException], ...]:
-    """Exception types that mean out of memory: torch's (CUDA, and CPU where torch raises it) and MemoryError."""
+def torch_oom_types() -> tuple[type[BaseException], ...]:
+    """torch's out-of-memory exception types (``torch.OutOfMemoryError``, ``torch.cuda.OutOfMemoryError``,
+    one class in recent torch), those this torch has: the one table of them."""
     import torch
 
-    types: list[type[BaseException]] = [MemoryError]
+    types: list[type[BaseException]] = []
     for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None)):
         if isinstance(t, type) and issubclass(t, BaseException) and t not in types:
             types.append(t)
     return tuple(types)
+
+
+def oom_types() -> tuple[type[BaseException], ...]:
+    """Exception types that mean out of memory: torch's (CUDA, and CPU where torch raises it) and MemoryError."""
+    return (MemoryError, *torch_oom_types())
 
 
 def short_error(e: BaseException) -> str:

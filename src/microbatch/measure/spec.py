@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from microbatch.batch import grad_accum_for
 from microbatch.errors import ConfigError
 from microbatch.measure.hf import hf_config_from_shape, hf_model, load_hf_config
 from microbatch.measure.probes import DecodeProbe, Measurement, Probe, TrainProbe
@@ -86,7 +87,7 @@ class ProbeSpec:
         """g = B_global / (b_m·d) (at least 1), or None without a global batch."""
         if self.global_batch is None:
             return None
-        return max(1, self.global_batch // (micro_batch * self.data_parallel))
+        return max(1, grad_accum_for(self.global_batch, micro_batch, self.data_parallel))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

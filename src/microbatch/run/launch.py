@@ -131,13 +131,9 @@ def _worker_main() -> None:
 
 def _reason(e: BaseException) -> str:
     try:
-        import torch
+        from microbatch.measure.device import torch_oom_types
 
-        ooms = tuple(
-            t
-            for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-            if t
-        )
+        ooms = torch_oom_types()
         if ooms and isinstance(e, ooms):
             return f"out of memory ({str(e).splitlines()[0] if str(e) else 'no detail'})"
     except ImportError:  # pragma: no cover

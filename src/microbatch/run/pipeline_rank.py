@@ -112,10 +112,9 @@ def _fault(rank: int, where: str) -> None:
 
         torch.zeros(2, 3) @ torch.zeros(4, 5)
     if kind == "oom":
-        import torch
+        from microbatch.measure.device import torch_oom_types
 
-        oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-        raise oom(f"injected out-of-memory on rank {rank}")
+        raise torch_oom_types()[0](f"injected out-of-memory on rank {rank}")
     if kind == "exit":
         os._exit(3)
     if kind == "kill":
