@@ -1,44 +1,9 @@
 """Accelerate: :func:`knee_batch_size`, the decorator that replaces ``find_executable_batch_size``.
 
-``find_executable_batch_size`` calls the training function with a batch size and halves it on
-out-of-memory: the answer is the largest size that fits, and the effective batch changes with it.
-``knee_batch_size`` probes the function's own step, chooses the knee, and calls the function for
-real with ``(b_m, g)`` such that ``b_m × g × num_processes == global_batch`` exactly.
-
-**The protocol.** The decorated function takes ``(micro_batch, grad_accum, probe=None, ...)``:
-it builds its model, optimizer and data at ``micro_batch`` samples per step and accumulates
-``grad_accum`` micro-batches per optimizer step, as it would anyway. While probing, ``probe`` is a
-:class:`StepProbe`: the function calls ``probe.step()`` after each micro-step (forward + backward,
-and the optimizer step when one is due); the probe times the gaps between calls and ends the
-call by raising :class:`ProbeDone` once it has enough steps (the decorator catches it; do not catch
-``BaseException`` around the loop). For training, ``probe`` is None.
-
-    @knee_batch_size(global_batch=256, max_micro_batch=64)
-    def train(micro_batch, grad_accum, probe=None):
-        accelerator = Accelerator(gradient_accumulation_steps=grad_accum)
-        loader = DataLoader(dataset, batch_size=micro_batch, shuffle=True)
-        model, optimizer, loader = accelerator.prepare(build_model(), AdamW(...), loader)
-        for batch in loader:
-            with accelerator.accumulate(model):
-                accelerator.backward(loss_of(model, batch))
-                optimizer.step(); optimizer.zero_grad()
-            if probe is not None:
-                probe.step()
-
-    train()          # probes b_m = 1, 2, 4, ... (divisors of 256 / processes) then trains at the knee;
-                     # train.result holds the curve
-
-Each probe is a fresh call, so the function builds its own state and the probes leave no trace
-on it; the random generators (torch's CPU and CUDA ones, Python's, NumPy's) are put back as they
-were before the first probe, so the real call draws what it would have drawn without them. The time of a point is the median gap between ``probe.step()`` calls after the warm-up
-ones (data loading and the optimizer steps inside the gaps count: this is the real step), timed
-by the rule of every probe of the tool (``timing``, a
-:class:`~microbatch.measure.timing.TimingConfig`; default the CPU's or CUDA's: on the CPU one
-warm-up call, then 3 to 10 timed until the median moves less than 5%, at most 3 s; the device is
-synchronised at each call); the
-peak memory is the device's over the call (CUDA allocator, or the process's peak RSS on the CPU).
-A ``torch.OutOfMemoryError`` in a probe marks the point as not fitting. Under several processes
-every process probes together and the slowest time and largest peak count.
+It probes the decorated function's own step, chooses the knee, and calls the function for real
+with ``(b_m, g)`` such that ``b_m × g × num_processes == global_batch`` exactly. The protocol
+(``probe.step()``, :class:`ProbeDone`), what a probe measures and what it leaves behind:
+``docs/integrations.md`` (Accelerate).
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """Hugging Face Trainer: :func:`tune_trainer` sets the knee b_m and g on the Trainer's arguments.
 
-The replacement for ``TrainingArguments(auto_find_batch_size=True)``: that flag halves the batch
-size on out-of-memory until one fits — the largest size that fits, not the knee — and changes the
-effective batch (``per_device_train_batch_size × gradient_accumulation_steps × world``) as it
-goes. :func:`tune_trainer` measures the Trainer's own step — its ``compute_loss`` (so a custom
-``compute_loss`` or ``compute_loss_func``), its data collator with the unused columns removed, its
-mixed-precision context (``compute_loss_context_manager``), its activation checkpointing setting,
-and the optimizer ``create_optimizer`` builds — on batches of its ``train_dataset``; restores the
-model and the optimizer bitwise (:mod:`microbatch.choose.snapshot`); then sets
-``per_device_train_batch_size`` = b_m and ``gradient_accumulation_steps`` = g so that
-``b_m × g × world_size`` is exactly ``global_batch`` (default: the effective batch the arguments
-already give). ``trainer.train()`` then runs at the knee.
-
-Tested on transformers 5.x (``activation_checkpointing``, with ``gradient_checkpointing`` its
-deprecated alias) and on 4.45, 4.49 and 4.57 (``gradient_checkpointing``; ``bench/check_transformers4.sh``):
-the setting is read, and turned on for the probes, under whichever name the installed version has,
-and the model's checkpointing switches are put back exactly afterwards
-(:func:`microbatch.choose.snapshot.save_flags`). Before 4.46 ``compute_loss`` takes no
-``num_items_in_batch`` and the Trainer has no ``model_accepts_loss_kwargs``: :func:`split_on_oom`
-then scales as the 4.45 step does (the mean loss over ``gradient_accumulation_steps``). Refused before any probe: no ``train_dataset``,
-an iterable dataset, DeepSpeed or FSDP enabled (they shard the state the probes must restore),
-DataParallel over several GPUs in one process (use ``torchrun``), a global batch the world size
-does not divide.
-
-Out-of-memory during training, opt-in: ``tune_trainer(trainer, on_oom="split")`` (or
-:func:`split_on_oom` on any Trainer) replaces ``trainer.training_step`` on that instance with one
-that runs the step's batch through :func:`microbatch.run.accumulate.accumulate` with a
-:class:`~microbatch.run.controller.MicroBatchController` kept as ``trainer.microbatch_controller``:
-an out-of-memory in a forward or backward puts ``.grad`` back, halves the micro-batch and redoes
-the step, so the gradient is the one the step would have given; later steps run at the size that
-last worked (or grow back toward the knee with ``grow_after``). ``b_m × g × world`` does not change:
-the Trainer still hands ``per_device_train_batch_size`` rows to each call; they go through the
-model in pieces. Single process only (refused under DDP, DeepSpeed, FSDP, fp16 loss scaling).
+The replacement for ``TrainingArguments(auto_find_batch_size=True)``: it measures the Trainer's own
+step, restores it bitwise, and sets ``per_device_train_batch_size`` and
+``gradient_accumulation_steps`` so that ``b_m × g × world_size == global_batch``; :func:`split_on_oom`
+keeps training through out-of-memory. Versions tested, what is refused and why:
+``docs/integrations.md`` (Hugging Face Trainer).
 """
 
 from __future__ import annotations

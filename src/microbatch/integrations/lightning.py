@@ -1,37 +1,10 @@
 """Lightning: :class:`KneeBatchSize`, a callback that sets the knee b_m and g before training starts.
 
-In the manner of Lightning's ``BatchSizeFinder`` (``lightning.pytorch.tuner.batch_size_scaling``):
-the batch size is the ``batch_size`` attribute (``batch_arg_name``) of the LightningModule, its
-``hparams``, or the datamodule, found and set with Lightning's own ``lightning_hasattr`` /
-``lightning_setattr``; the train dataloader is rebuilt by the fit loop after each change.
-
-At ``on_fit_start`` (the strategy, precision and optimizers are set up) the callback runs
-:func:`microbatch.tune` on the module's own ``training_step`` — called through the strategy, so
-with the Trainer's precision context and, under DDP, the DDP wrapper and its gradient all-reduce —
-on batches of the module's own train dataloader (moved by the module's transfer hooks), with the
-optimizer of ``configure_optimizers``. The weights, gradients, optimizer state, random generators
-and ``training`` flags are restored bitwise afterwards (:mod:`microbatch.choose.snapshot`), and
-the batch-size attribute too if anything fails. Then it sets the attribute to the knee b_m,
-``trainer.accumulate_grad_batches = g`` with ``b_m × g × world_size == global_batch`` exactly,
-leaves the dataloaders for the fit loop to build after the generators are restored (so it draws
-exactly what it would without the callback), prints the curve and the choice, and training proceeds.
-
-Under DDP every rank probes together (the probes are synchronised; the slowest rank's time and
-the largest rank's memory count) and every rank sets the same b_m and g.
-
-Refused before any probe, with the value, the rule and the fix: a batch size attribute that
-cannot be found, dataloaders passed to ``fit()`` directly, an iterable dataset, a dataloader whose
-batch size does not follow the attribute (a fixed batch sampler), a global batch that the world
-size does not divide, manual optimization, and any strategy but single-device and DDP (FSDP,
-DeepSpeed and model-parallel shard the state the probes would have to restore).
-
-Costs: ``self.log`` calls inside ``training_step`` are dropped while probing (the loop's result
-collection does not exist yet); the backward pass is ``loss.backward()`` (with ``precision="16-mixed"``
-the gradient scaler is not applied while probing).
-
-Out-of-memory during training, opt-in: :class:`~microbatch.integrations.lightning_oom.SplitOnOOM`
-(re-exported here), a callback that redoes a step that runs out of memory with smaller pieces of
-its batch, with the gradient of the whole batch.
+In the manner of Lightning's ``BatchSizeFinder``: at ``on_fit_start`` it tunes the module's own
+``training_step`` through the strategy, restores everything bitwise, sets the batch-size attribute
+to b_m and ``accumulate_grad_batches`` to g with ``b_m × g × world_size == global_batch``.
+:class:`~microbatch.integrations.lightning_oom.SplitOnOOM` is re-exported here. What it reads, what
+is refused and what it costs: ``docs/integrations.md`` (Lightning).
 """
 
 from __future__ import annotations

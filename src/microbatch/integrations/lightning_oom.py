@@ -1,48 +1,10 @@
 """Lightning: :class:`SplitOnOOM`, a callback that keeps training through out-of-memory, exactly.
 
-Under automatic optimization Lightning runs, per batch, a closure: ``training_step`` (the loss),
-then ``zero_grad`` on the first batch of an accumulation window, then the strategy's ``backward``
-on ``loss / accumulate_grad_batches`` (``on_before_backward``, ``LightningModule.backward``,
-``on_after_backward``); on the last batch of the window, gradient clipping and
-``optimizer.step`` follow (``lightning/pytorch/loops/optimization/automatic.py``,
-``plugins/precision/precision.py``, Lightning 2.6). A callback cannot redo a step from outside
-that loop, so from ``on_train_start`` to the end of fit :class:`SplitOnOOM` replaces
-``training_step`` on the module instance (not the class) with one that:
-
-1. sets the gradients already present aside (earlier batches of the window; the zero_grad that
-   follows must not see the new ones), and runs :func:`microbatch.run.accumulate.accumulate` over
-   the batch with the controller: each piece calls the original ``training_step`` and takes its
-   loss (the tensor, or the ``"loss"`` of a dict), weighted by its share of the batch. An
-   out-of-memory in a piece's forward or backward puts the gradients back, halves the piece and
-   redoes the batch (:mod:`microbatch.run.oom`); one row out of memory raises
-   :class:`microbatch.errors.OutOfMemoryError`.
-2. keeps the batch's gradient aside, puts the earlier gradients back (the same tensors), and
-   returns a detached leaf carrying the whole batch's loss value (a dict's other keys are the
-   last piece's, detached; a piece without items is a zero of the parameters' dtype and device, not run). Its backward reaches no parameter: a hook on it receives
-   ``∂(closure loss)/∂leaf`` — ``1/accumulate_grad_batches``, Lightning's own division — and adds
-   the batch's gradient times that into ``.grad``, where backward would have put it: after the
-   zero_grad, before ``on_after_backward``, clipping and the optimizer step.
-
-So every ``.grad`` the hooks, the clipping and the optimizer see equals one backward of the whole
-batch's loss (tested in fp64 within 1e-10, with ``accumulate_grad_batches`` 1 and 2 and with
-clipping). The loss ``training_step`` returns must be the **mean** over the batch's rows (the
-default), or over the items ``count_fn(batch)`` counts (tokens, for a per-token mean), or with
-``reduction="sum"`` a sum: a piece's loss is weighted by its share of the batch's count (1 for a
-sum). ``b_m × g × world`` does not change: the dataloader still hands whole batches to the step.
-
-Refused before the first step, with the value, the rule and the fix: manual optimization (call
-:func:`microbatch.accumulate` with a controller in ``training_step`` yourself), any strategy but
-single-device (DDP, FSDP, DeepSpeed: under DDP Lightning calls ``training_step`` inside DDP's
-forward and its backward outside, so the pieces' backward would run where DDP's reducer does not
-expect one), fp16 with a gradient scaler (``precision="16-mixed"``: its backward scales the loss;
-bf16 and fp32 are fine); and at the first batch, a batch that is not a tensor, a tuple/list or a
-dict of tensors sharing dim 0 (:func:`microbatch.run.microbatches.batch_rows`).
-
-Costs: while a step runs, the gradients present before it and the batch's own are held at once
-(one extra gradient-sized buffer); ``self.log`` inside ``training_step`` runs once per piece, so
-after a split a step-level value is the last piece's (the loss Lightning receives, ``outputs`` in
-``on_train_batch_end``, is the whole batch's); the controller's step is Lightning's optimizer step
-(``trainer.global_step``).
+From ``on_train_start`` to the end of fit it replaces ``training_step`` on the module instance with
+one that runs the batch through :func:`microbatch.run.accumulate.accumulate` with a controller and
+hands Lightning's backward the whole batch's gradient, so every ``.grad`` the hooks, the clipping
+and the optimizer see equals one backward of the whole batch. How it fits Lightning's closure, what
+the loss must be, what is refused and what it costs: ``docs/integrations.md`` (Lightning: SplitOnOOM).
 """
 
 from __future__ import annotations

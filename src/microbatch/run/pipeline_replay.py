@@ -1,37 +1,10 @@
 """Where a pipeline step's time goes between the ops, measured, and a replay of torch's order with it.
 
-torch.distributed.pipelining runs every rank as one Python loop: post the sends and receives an
-action needs, wait for them, run the forward or backward, go on. On gloo a send into a rank that
-is already blocked waiting for it does not return at once (measured on the 2-core dev machine:
-``dist.isend`` of 32 KiB took 0.07 ms when the receiver had not started waiting yet, 2.4 ms when it
-was blocked in ``wait()``; in a tiny 1F1B run the last rank's gradient sends took 5.4-5.9 ms each,
-its forward sends 0.1 ms), and a rank woken by a message starts its op some time after the sender
-finished. So the time between ops is not one overhead per action: it depends on whether the op
-just finished hands its output to another rank, and whether the next op waits for one.
-
-:func:`runtime_terms` reads those terms from a run's own intervals (the tiny calibration run of
-:func:`microbatch.run.pipeline_calibrate.calibrate_runtime`), each the mean over every case in the
-measured steps:
-
-- ``after_send_s`` (per direction, ``"fwd"`` / ``"bwd"``): the gap between an op whose output goes
-  to another rank and the rank's next op, where that next op did not wait for another rank — the
-  sender's own cost of posting the send (and torch's bookkeeping around it);
-- ``after_local_s``: the same gap after an op whose output stays on the rank;
-- ``hop_s`` (per direction): from the end of an op on one rank to the start of the op that consumes
-  its output on another rank, where the consumer sat waiting for it (its rank's previous op had
-  ended before the producer's) — the hand-off as the consumer sees it, the sender's post included;
-- ``start_s``: from the step's start (the barrier before ``step()``) to the first op of a rank that
-  waits for nobody; ``end_s``: from the end of the last op to the step's end (the last rank's
-  return from ``step()``) beyond the after-op cost the replay already charges;
-- ``mean_gap_s``: the mean time a rank sat between two ops (waiting or not), for which
-  :func:`microbatch.run.pipeline_stage_profile.profile_stages` idles before each profiled op.
-
-:func:`replay` runs torch's order with per-stage op times and these terms: an op starts when its
-rank is free and its inputs have arrived (producer end + hop when the producer is on another rank);
-the rank is free again after the op plus its after-op cost. Given the machine's cores, the ranks'
-work (ops and after-op costs) queues for them in the scheduler's time slices. The busy time is
-the ops alone, as a run measures it, so the bubble compares like with like. Plain data in and out;
-no torch.
+:func:`runtime_terms` reads the costs between ops (after a send, after a local op, the hand-off,
+the step's start and end) from a run's own intervals; :func:`replay` runs torch's order with
+per-stage op times and those terms, the ranks' work sharing the machine's cores in the scheduler's
+time slices. Why the time between ops is not one overhead per action (gloo's sends, measured), and
+each term's definition: ``docs/pipeline-replay.md``. Plain data in and out; no torch.
 """
 
 from __future__ import annotations
