@@ -1,33 +1,11 @@
 """The search: measure throughput and peak memory as b_m doubles, fit memory, stop at the knee.
 
-**Strategy** (:func:`search`). Start at b_m = 1 (or ``start``) and double (where B_global is
-given, step along the divisors of B_global / d instead: :func:`microbatch.batch.next_micro_batch`;
-a b_m no exact B_global allows is never probed). After two probes,
-fit peak memory M(b) = M_0 + k·b on the largest probes (:func:`microbatch.choose.memory_fit.fit_memory`)
-and never probe a b_m predicted to exceed the budget less its headroom. Stop when
-
-- the knee is settled (rule ``fraction`` with ``reference="bound"``, the default): the bound T̂
-  on what any larger b_m can reach (:func:`microbatch.choose.bound.throughput_bound`: a line
-  fitted to the step time of the five largest probes, valid because the roofline's step time is
-  convex) is known and a measured point is within τ of max(best, T̂) with half the choice's
-  margin (``SETTLE_SHARE``), so no further probe can move the knee beyond it;
-- the curve has flattened or fallen: the newest point gains less than τ per doubling over the
-  best point before it (τ is the knee rule's tolerance), ``patience`` times in a row (default
-  2: on a CPU, decoding a 124M-parameter model gained 5% from b_m = 1 to 2, then 30% per
-  doubling up to 32 — one flat doubling is not a plateau; see BENCHMARKS.md), and, with
-  ``reference="bound"``, at least four points are measured (enough to fit the bound);
-- the next b_m is predicted not to fit, or ran out of memory (with ``checkpointing="auto"``,
-  the search first switches activation checkpointing on at that b_m and goes on: where both
-  fit, no recomputation is always the faster, so "try both, keep the faster that fits" only
-  needs checkpointing where plain steps do not fit);
-- ``max_micro_batch`` is reached, or the user presses Ctrl-C (what was measured is kept).
-
-With ``refine=True`` one more probe halves the gap between the knee and the point below it
-(for example 6 between 4 and 8; with B_global given, the divisor nearest halfway); the knee moves
-there if it is within the tolerance.
-
-The settings are a :class:`~microbatch.choose.config.SearchConfig` (how to walk) and a
-:class:`~microbatch.choose.config.ChoiceConfig` (the stop rules' τ, rule, reference, budget).
+:func:`search` doubles b_m (along the divisors of B_global / d when B_global is given), never
+probes a b_m the memory fit predicts past the budget, and stops when the knee is settled against
+the bound, the curve flattens ``patience`` times, memory runs out, ``max_micro_batch`` is reached
+or Ctrl-C comes; ``refine`` probes once between the knee and the point below. The strategy and
+why each stop rule: ``docs/search.md``. Settings: :class:`~microbatch.choose.config.SearchConfig`
+and :class:`~microbatch.choose.config.ChoiceConfig`.
 """
 
 from __future__ import annotations

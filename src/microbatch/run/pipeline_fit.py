@@ -1,33 +1,11 @@
 """Will a local pipeline run fit this machine: its memory, and its deadline? Predicted before any process starts.
 
-**Host memory** (:func:`predicted_host_bytes`). Every rank of :mod:`microbatch.run.pipeline_rank`
-builds the whole model (same weights on every rank, then keeps its stages), so on one host the model's
-parameters are resident p times, plus each rank's gradients and Adam's two moments for its own stages
-(together 3 copies of the model over all ranks), plus, with ``check_gradients``, an unsplit reference
-model and its gradients on every rank. Each worker process also holds the Python interpreter and
-torch's libraries, about 0.2–0.4 GB (:mod:`microbatch.measure.hostmem`; :data:`PROCESS_BYTES` takes
-the upper end). What grows with m, b_m and s:
-
-- **the batch**: every rank draws the whole global batch of token ids (int64, B × (s + 1)) and keeps
-  two shifted copies (inputs, targets) of the example batch through the run; at the first step's
-  draw five such arrays are alive: 5·B·(s + 1)·8 bytes per rank;
-- **activations** (built-in models): one micro-batch through the whole model holds
-  :mod:`microbatch.predict.activations`' bytes (Korthikanti et al. 2022, in the run's dtype; the
-  built-in GPT's attention is torch's SDPA, whose CPU kernel saves no s×s score matrix), and the
-  ranks hold Σ_r chunks_r / (p·v) such micro-batches at their peaks, chunks_r from the registry's
-  in-flight rule (GPipe m per rank, 1F1B min(m, p − r)); one chunk per stage where a schedule has no
-  rule (a lower bound: every stage holds its first micro-batch until its backward arrives);
-- **receive buffers** (built-in models): torch.distributed.pipelining allocates, per micro-batch, a
-  buffer for the activation each stage receives from another rank and one for the gradient it
-  receives back: 2·m·b_m·s·h·dtype per link between ranks.
-
-With nccl only the host's share counts: the model built on every rank before its stages move, the
-batch, the processes.
-
-**Time** (:func:`min_run_s`): the steps' model FLOPs (:func:`microbatch.predict.roofline.model_flops_per_step`,
-halved: causal attention kernels skip half the scores, and a lower bound must not overstate) over
-the ranks' cores at this machine's measured matrix-product rate. A run that cannot finish before
-its deadline is refused instead of being killed minutes later.
+:func:`predicted_host_bytes`: the host memory of p ranks on one machine (the model built on every
+rank, the gradients and Adam moments of its stages, the reference model with ``check_gradients``,
+each process's interpreter and libraries, the batch, the in-flight activations and the receive
+buffers). :func:`min_run_s`: a lower bound of the run's time, so that a run that cannot finish
+before its deadline is refused rather than killed. What each term counts and why:
+``docs/pipeline-fit.md``.
 """
 
 from __future__ import annotations
