@@ -2,7 +2,7 @@
 
 Reads ``tests/data/published_runs.json`` (Narayanan et al. 2021 Table 1; Korthikanti et al. 2022 Table 5, full
 recompute and sequence parallelism + selective recompute; Megatron-Bridge's DGX-H100 FP8 dense Llama rows; the
-Llama 3 report's Table 4); for each fully or partly specified row it builds the
+Llama 3 report's Table 4; Megatron-Bridge's DGX-H100 and DGX-B200 mixture-of-experts rows, issue 29); for each fully or partly specified row it builds the
 planner's configuration (model, accelerator, B_global, t, p, d = GPUs/(t·p)), predicts the step time
 with the default (uncalibrated) roofline efficiencies, and prints the error against the measured
 step time, row by row, then the error by source, accelerator and sequence band, the share of rows
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.hardware import get_accelerator  # noqa: E402
 from microbatch.model import ModelShape, get_model  # noqa: E402
+from microbatch.moe import Experts  # noqa: E402
 from microbatch.predict.attention import FA3_HOPPER_CEILING  # noqa: E402
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY  # noqa: E402
 from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
@@ -156,6 +157,55 @@ def bridge_rows(data: dict) -> list[dict]:
     return out
 
 
+def moe_shape(name: str, seq: int, table: dict) -> ModelShape:
+    """A Megatron-Bridge MoE row's model: the built-in or the recorded shape (every layer MoE, SwiGLU)."""
+    if table.get("builtin"):
+        return get_model(name, seq=seq)
+    t = table
+    return ModelShape(
+        name=name, layers=t["layers"], hidden=t["hidden"], heads=t["heads"], kv_heads=t["kv"],
+        ffn_hidden=t["expert_ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=t["bias"], norm="rmsnorm",
+        learned_positions=False, dropout=False,
+        moe=Experts(experts=t["experts"], top_k=t["top_k"], expert_ffn_hidden=t["expert_ffn"],
+                    shared_experts=t["shared_experts"]),
+    )  # fmt: skip
+
+
+def moe_bridge_rows(data: dict) -> list[dict]:
+    """Megatron-Bridge MoE rows (issue 29): step = GBS·s / (tokens/s/GPU · GPUs); nothing fitted."""
+    sec = data["megatron_bridge_moe"]
+    out = []
+    for r in sec["rows"]:
+        s, n, t, p, c, v, e = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["vp"], r["ep"]
+        hopper = r["system"].startswith("h100")
+        gpu = (
+            get_accelerator(r["system"], attention_fraction=FA3_HOPPER_CEILING)
+            if hopper
+            else get_accelerator(r["system"])
+        )
+        shape = moe_shape(r["model"], s, sec["shapes"][r["model"]])
+        d = n // (t * p * c)
+        note = "fp8 assumed: " if r.get("assumed_precision") else ""
+        if v > 1 and shape.layers % (p * v):
+            v, note = 1, note + f"v{r['vp']} not expressible ({shape.layers} layers): "
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
+            tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, expert_parallel=e,
+            micro_batches=(r["micro_batch"],), zero=(1,), flash_attention=True, precision=r["precision"],
+            fp8_recipe=r["fp8_recipe"] or "tensorwise", schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
+            virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
+        )  # fmt: skip
+        pred, fits, how = _fastest(cfg)
+        measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
+        out.append({
+            "source": f"MB MoE {r['container']}", "gpu": gpu.name, "seq": s, "model": f"{shape.name} e{e}",
+            "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
+            "assumed": note + how + ", dropless, even load", "measured_step_s": measured, "predicted_step_s": pred,
+            "error_pct": 100 * (pred / measured - 1), "fits": fits,
+        })  # fmt: skip
+    return out
+
+
 def llama3_rows(data: dict) -> list[dict]:
     """Llama 3 Table 4: step = model FLOPs / (TFLOP/s per GPU · GPUs), b_m = 1, the rest the planner's fastest."""
     sec = data["llama3_2024_table4"]
@@ -216,7 +266,8 @@ def main() -> None:
     args = ap.parse_args()
     data = json.loads(DATA.read_text())
     base = narayanan_rows(data) + korthikanti_rows(data)
-    rows = base + bridge_rows(data) + llama3_rows(data)
+    moe = moe_bridge_rows(data)
+    rows = base + bridge_rows(data) + llama3_rows(data) + moe
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -231,6 +282,7 @@ def main() -> None:
         ("Narayanan 2021", base[:10]),
         ("Korthikanti 2022", base[10:18]),
         ("issue-17 rows", base),
+        ("MoE rows (i. 29)", moe),
     ):
         errs = [abs(r["error_pct"]) for r in part]
         signs = sum(1 for r in part if r["error_pct"] < 0)
@@ -248,6 +300,13 @@ def main() -> None:
     )
     print(
         "Megatron-Bridge and Llama 3 rows: recompute (and for Llama 3 the schedule and ZeRO) the planner's fastest that fits"
+    )
+    print(
+        "Megatron-Bridge MoE rows (MB MoE): dropless with even expert load (the tables' forced balance), no"
+    )
+    print("all-to-all overlap, ZeRO-1; Qwen3 and GPT-OSS attention narrowed to heads x head_dim = hidden (no")
+    print(
+        "head_dim field); the 25.09 DeepSeek-V3 row's FP8 recipe assumed (no precision column); nothing fitted"
     )
     for k in ("nemo_dgx_h100_bf16",):
         print(f"{k}: {data[k]['_status']}")

@@ -86,3 +86,32 @@ def test_korthikanti_rows_errors_and_the_recompute_saving():
         assert predicted == pytest.approx(measured, rel=0.06), (name, measured, predicted)
     # no systematic sign: some rows too fast, some too slow
     assert 0 < sum(r["error_pct"] < 0 for r in rows) < len(rows)
+
+
+def test_megatron_bridge_moe_rows_load_sizes_match_and_each_gets_an_error():
+    """Issue 29: the Megatron-Bridge MoE rows load, their shapes' totals are the published sizes (3%), and the
+    bench predicts every covered row (errors printed, nothing fitted)."""
+    bench = _bench()
+    sec = DATA["megatron_bridge_moe"]
+    assert len(sec["rows"]) == 7
+    for name, table in sec["shapes"].items():
+        shape = bench.moe_shape(name, 4096, table)
+        assert shape.moe is not None
+        assert shape.param_count() / 1e9 == pytest.approx(table["published_total_b"], rel=0.03), name
+        assert shape.active_param_count() < shape.param_count() / 10
+    for r in sec["rows"]:
+        d = r["gpus"] // (r["tp"] * r["pp"] * r["cp"])
+        assert d * r["tp"] * r["pp"] * r["cp"] == r["gpus"] and d % r["ep"] == 0
+        assert r["global_batch"] % (d * r["micro_batch"]) == 0
+        # the table's GA follows from the layout (one 25.11 row's does not, and says so)
+        assert (r["global_batch"] // (d * r["micro_batch"]) == r["ga"]) != ("_ga_note" in r), r
+    rows = bench.moe_bridge_rows(DATA)
+    assert len(rows) == len(sec["rows"])
+    # DeepSeek-V3 25.09: 8192 · 4096 / (1297 · 1024) s
+    ds = next(r for r in rows if r["model"].startswith("deepseek-v3"))
+    assert ds["measured_step_s"] == pytest.approx(8192 * 4096 / (1297 * 1024), rel=1e-12)
+    for r in rows:
+        assert r["predicted_step_s"] > 0 and r["error_pct"] == pytest.approx(
+            100 * (r["predicted_step_s"] / r["measured_step_s"] - 1)
+        )
+    assert any("235B" in n["what"] and "EP 32" in n["why"] for n in DATA["not_covered"])
