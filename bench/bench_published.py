@@ -3,7 +3,8 @@
 Reads ``tests/data/published_runs.json`` (Narayanan et al. 2021 Table 1; Korthikanti et al. 2022 Table 5, full
 recompute and sequence parallelism + selective recompute; Megatron-Bridge's DGX-H100 FP8 dense Llama rows; the
 Llama 3 report's Table 4; Megatron-Bridge's DGX-H100 and DGX-B200 mixture-of-experts rows, issue 29);
-for each fully or partly specified row it builds the planner's configuration (model, accelerator, B_global, t, p, d = GPUs/(t·p)), predicts the step time
+for each fully or partly specified row it builds the planner's configuration (model, accelerator,
+B_global, t, p, d = GPUs/(t·p)), predicts the step time
 with the default (uncalibrated) roofline efficiencies, and prints the error against the measured
 step time, row by row, then the error by source, accelerator and sequence band, the share of rows
 predicted too fast and the worst rows. Where the source leaves a choice open (Narayanan et al. 2021
