@@ -214,6 +214,7 @@ def confirm_knee(
     budget: float = CONFIRM_BUDGET,
     on_point: Callable[[Measurement, bool], None] | None = None,
     min_budget_s: float = CONFIRM_MIN_S,
+    agree: Callable[[bool], bool] | None = None,
 ) -> list[Measurement]:
     """The search's ``points`` with the knee and the fastest point re-measured (see the module).
 
@@ -226,7 +227,10 @@ def confirm_knee(
     from those points' own probe times (a cached point: the longest probe), would overrun what is
     left is not re-measured. A search that measured nothing (all from the cache) confirms nothing.
     ``on_point(m, from_cache)`` is called after each re-measurement (progress). ``min_budget_s``: the
-    re-measurement seconds always allowed (:data:`CONFIRM_MIN_S`) when ``budget`` is not 0.
+    re-measurement seconds always allowed (:data:`CONFIRM_MIN_S`) when ``budget`` is not 0. ``agree(flag)``
+    (several processes measuring together): the budget decision, read off each process's own clock, made
+    the same on every rank (True on all if on any); every other decision reads the measurements, which
+    the probes already make equal on every rank.
     """
     if not budget >= 0:  # also NaN
         raise ConfigError(
@@ -258,7 +262,10 @@ def confirm_knee(
                 log.stop_reason += f"; knee {knee} not re-measured: {why_not}"
                 return pts
             cost = _cost_s(log, pts, todo, rounds)
-            if spent + cost > allowed:
+            over = spent + cost > allowed  # read off this process's clock: under torch.distributed every
+            if agree is not None:  # rank must take the same branch, or their probes fall out of step
+                over = agree(over)
+            if over:
                 log.stop_reason += (
                     f"; knee {knee} not re-measured: {', '.join(str(pts[i].micro_batch) for i in todo)} "
                     f"would take about {cost:.1f} s, more than the {max(allowed - spent, 0.0):.1f} s left "

@@ -146,6 +146,14 @@ class _PointCache:
         )
 
 
+def _agree() -> Callable[[bool], bool] | None:
+    """Under torch.distributed (``tune`` on every rank of a DDP/FSDP model): a decision made the same on
+    every rank; None in one process (``tune_model``'s child probes never are)."""
+    from microbatch.measure.device import agree_any, distributed
+
+    return agree_any if distributed() is not None else None
+
+
 def _search_and_confirm(
     measure: Callable[[int, bool], Measurement],
     prober: Prober,
@@ -162,7 +170,7 @@ def _search_and_confirm(
         try:
             points = search(measure, search_config, choice, known=cache.known, on_point=on_point, log=log)
             if log.probes and not log.interrupted:  # a flat curve's knee, measured again (cached: kept)
-                points = confirm_knee(measure, points, choice, log, on_point=on_point)
+                points = confirm_knee(measure, points, choice, log, on_point=on_point, agree=_agree())
                 cache.keep(points)
         finally:
             prober.close()

@@ -187,7 +187,7 @@ def knee_batch_size(
             with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
                 points = search(measure, s, c, log=log)
                 if not log.interrupted:
-                    points = confirm_knee(measure, points, c, log)  # a flat curve's knee, measured again
+                    points = confirm_knee(measure, points, c, log, agree=_agree(world))
         finally:
             restore_rng(rng)
         rec = recommend([curve_point(p) for p in points], c)
@@ -210,6 +210,13 @@ def knee_batch_size(
 
     wrapper.result = None  # type: ignore[attr-defined]
     return wrapper
+
+
+def _agree(world: int) -> Callable[[bool], bool] | None:
+    """What makes a decision the same on every process (None for one process)."""
+    from microbatch.measure.device import agree_any
+
+    return agree_any if world > 1 else None
 
 
 def _check_world(world: int) -> None:
@@ -289,10 +296,12 @@ def _measurer(
         if agree_any(err is not None):
             return replace(Measurement(micro_batch=b, oom=True, memory_method=device.method),
                            error=err or "out of memory on another process")  # fmt: skip
-        t, peak_all = reduce_max([statistics.median(gaps), float(peak)])
+        t, peak_all, spread_all = reduce_max(
+            [statistics.median(gaps), float(peak), spread(gaps)]
+        )  # ranks agree
         return Measurement(
             micro_batch=b, throughput=b / t, samples_per_s=b / t, step_time_s=t, micro_step_s=t,
-            repeats=len(gaps), spread=spread(gaps), peak_memory_bytes=int(peak_all), peak_allocated_bytes=alloc,
+            repeats=len(gaps), spread=spread_all, peak_memory_bytes=int(peak_all), peak_allocated_bytes=alloc,
             memory_method=device.method, clock="wall",
         )  # fmt: skip
 

@@ -275,7 +275,10 @@ class TrainProbe:
                 error=err or "out of memory on another rank",
             )
         t_micro = statistics.median(times)
-        peak_all, t_micro_all, t_opt_all = reduce_max([float(peak), t_micro, t_opt])
+        # every rank reads the same numbers: the choice (and the knee's noise, from the spread) must agree
+        peak_all, t_micro_all, t_opt_all, spread_all = reduce_max(
+            [float(peak), t_micro, t_opt, spread(times)]
+        )
         g = self.grad_accum_for(micro_batch)
         t_step = t_micro_all + (t_opt_all / g if g else 0.0)
         samples = micro_batch / t_step
@@ -288,7 +291,7 @@ class TrainProbe:
             step_time_s=t_step,
             micro_step_s=t_micro_all,
             optimizer_step_s=t_opt_all,
-            spread=spread(times),
+            spread=spread_all,
             repeats=len(times),
             peak_memory_bytes=int(peak_all),
             peak_allocated_bytes=alloc,
