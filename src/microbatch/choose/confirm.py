@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.knee import Recommendation, recommend
@@ -204,6 +204,41 @@ def _moved(log: SearchLog, first: int | None, knee: int) -> None:
         log.stop_reason += f"; the knee moved from {first} to {knee} on the re-measured points"
 
 
+@dataclass
+class _Budget:
+    """The confirmation's time: what it may take, what it took."""
+
+    share: float
+    """The share of the search's probe time allowed."""
+    searched_s: float
+    """What the search's probes took (0: all from the cache)."""
+    min_s: float
+    """Seconds always allowed."""
+    agree: Callable[[bool], bool] | None
+    """Makes the decision the same on every rank (None: one process)."""
+    spent: float = 0.0
+    """What the re-measurements took so far."""
+
+    @property
+    def allowed_s(self) -> float:
+        return max(self.share * self.searched_s, self.min_s) if self.searched_s else 0.0
+
+    def over(self, cost_s: float, sizes: list[int]) -> str | None:
+        """Why re-measuring ``sizes`` (about ``cost_s``) would overrun, or None. Read off this process's
+        clock: under torch.distributed every rank must take the same branch, or their probes fall out
+        of step, so the decision goes through ``agree``."""
+        over = self.spent + cost_s > self.allowed_s
+        if self.agree is not None:
+            over = self.agree(over)
+        if not over:
+            return None
+        return (
+            f"{', '.join(map(str, sizes))} would take about {cost_s:.1f} s, more than the "
+            f"{max(self.allowed_s - self.spent, 0.0):.1f} s left of the confirmation's budget (max of "
+            f"{self.share:g} × the search's {self.searched_s:.1f} s and {self.min_s:g} s)"
+        )
+
+
 def confirm_knee(
     measure: Callable[[int, bool], Measurement],
     points: list[Measurement],
@@ -238,8 +273,7 @@ def confirm_knee(
         )
     pts = list(points)
     searched = sum(log.seconds.values())  # the points taken from the cache took no time
-    allowed = max(budget * searched, min_budget_s) if searched else 0.0
-    spent = 0.0
+    money = _Budget(share=budget, searched_s=searched, min_s=min_budget_s, agree=agree)
     confirmed: set[int] = set()  # indices into pts re-measured already
     groups: list[list[float]] = []  # the throughputs of each re-measured point (its search probe first)
     first: int | None = None  # the search's knee
@@ -261,21 +295,13 @@ def confirm_knee(
             if why_not:
                 log.stop_reason += f"; knee {knee} not re-measured: {why_not}"
                 return pts
-            cost = _cost_s(log, pts, todo, rounds)
-            over = spent + cost > allowed  # read off this process's clock: under torch.distributed every
-            if agree is not None:  # rank must take the same branch, or their probes fall out of step
-                over = agree(over)
-            if over:
-                log.stop_reason += (
-                    f"; knee {knee} not re-measured: {', '.join(str(pts[i].micro_batch) for i in todo)} "
-                    f"would take about {cost:.1f} s, more than the {max(allowed - spent, 0.0):.1f} s left "
-                    f"of the confirmation's budget (max of {budget:g} × the search's {searched:.1f} s and "
-                    f"{min_budget_s:g} s)"
-                )
+            why_over = money.over(_cost_s(log, pts, todo, rounds), [pts[i].micro_batch for i in todo])
+            if why_over:
+                log.stop_reason += f"; knee {knee} not re-measured: {why_over}"
                 _moved(log, first, knee)
                 return pts
             again, took = _remeasure(measure, pts, todo, rounds, log, on_point)
-            spent += took
+            money.spent += took
             for i, ms in again.items():
                 pts[i] = _median(ms)
                 confirmed.add(i)
