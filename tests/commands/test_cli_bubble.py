@@ -373,9 +373,9 @@ def test_bubble_accepts_an_alias(capsys):
 def test_bubble_closed_form_of_a_huge_m_builds_no_schedule(capsys):
     import time
 
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time: what the answer cost, which a loaded machine does not stretch
     d = run_json(["bubble", "-p", "4", "-m", "1000000000"], capsys)
-    assert time.monotonic() - t0 < 5
+    assert time.process_time() - t0 < 5
     assert d["bubble_fraction"] == pytest.approx(3 / (1_000_000_000 + 3))
     assert d["peak_in_flight"] == [1_000_000_000] * 4
     assert d["simulated_bubble_fraction"] is None
