@@ -111,7 +111,7 @@ def pooled_scatter(groups: list[list[float]]) -> float:
 
 
 def _with_pooled_noise(
-    pts: list[Measurement], confirmed: set[int], groups: list[list[float]]
+    pts: list[Measurement], confirmed: set[int], groups: list[list[float]], rounds: int
 ) -> list[Measurement]:
     """``pts`` with every point's standard error at least what the re-measurements show of the machine's
     noise (:func:`pooled_scatter`, σ): σ for a point measured once (one draw of that noise), and
@@ -123,9 +123,7 @@ def _with_pooled_noise(
         return pts
     out = []
     for i, p in enumerate(pts):
-        floor = (
-            sigma if i not in confirmed else math.sqrt(math.pi / 2) * sigma / math.sqrt(CONFIRM_ROUNDS + 1)
-        )
+        floor = sigma if i not in confirmed else math.sqrt(math.pi / 2) * sigma / math.sqrt(rounds + 1)
         se = p.throughput_se if p.throughput_se is not None else relative_se(p.spread, p.repeats)
         out.append(p if p.oom or se >= floor else replace(p, throughput_se=floor))
     return out
@@ -306,7 +304,7 @@ def confirm_knee(
                 pts[i] = _median(ms)
                 confirmed.add(i)
                 groups.append([m.throughput for m in ms if not m.oom and m.throughput])
-            pts = _with_pooled_noise(pts, confirmed, groups)
+            pts = _with_pooled_noise(pts, confirmed, groups, rounds)
             log.stop_reason += (
                 f"; knee {knee} checked: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "
                 f"alternately ({rounds} rounds, median of {rounds + 1})"
