@@ -194,6 +194,8 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str, wrap: str =
         )
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(r.to_dict(), f)
+        dist.barrier()  # both ranks at the end before either tears gloo down: 'terminate called without
+        # an active exception' aborted rank 1 once in a clean-clone CI run (2026-12-04)
     finally:
         dist.destroy_process_group()
 

@@ -430,6 +430,7 @@ try:
 except Exception as e:
     results["buffers"] = f"{{type(e).__name__}}: {{e}}"
 torch.save(results, out)
+dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
 dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)

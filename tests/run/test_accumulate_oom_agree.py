@@ -146,6 +146,7 @@ except OutOfMemoryError as e:
     results["copy"] = str(e)
 results["copy_kept"] = all(torch.equal(p.grad, g) for p, g in zip(model.module.parameters(), pre, strict=True))
 torch.save(results, out)
+dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
 dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)

@@ -73,6 +73,7 @@ try:
 except ConfigError as e:
     results["sizes"] = str(e)
 torch.save(results, out)
+dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
 dist.destroy_process_group()
 sys.stdout.flush()
 os._exit(0)

@@ -89,6 +89,7 @@ res = microbatch.tune(model, lambda b: torch.randint(0, shape.vocab, (b, 32)), m
 if dist.get_rank() == 0:
     print(json.dumps({"points": [p.micro_batch for p in res.points],
                       "knee": res.recommendation.knee.micro_batch, "world": dist.get_world_size()}))
+dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
 dist.destroy_process_group()
 """
 
