@@ -128,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return _fail(e.format_message(), e.exit_code, args)
-    except ConfigError as e:
-        click.echo(f"error: {e}", err=True)
-        return _fail(str(e), 2, args)
+    except ConfigError as e:  # the library names parameters; the user typed flags
+        from microbatch.commands._flags import cli_message
+
+        message = cli_message(e, _command_of(args))
+        click.echo(f"error: {message}", err=True)
+        return _fail(message, 2, args)
     except MicrobatchError as e:
         click.echo(f"error: {e}", err=True)
         return _fail(str(e), 1, args)

@@ -4,9 +4,17 @@ Every error a user can cause is a :class:`ConfigError` whose message gives the v
 and the fix, in one line ("global batch 500 is not divisible by micro-batch 8 × data-parallel
 4 = 32; nearest valid global batches: 480, 512"). The CLI turns a ``ConfigError`` into exit
 status 2 and any other :class:`MicrobatchError` into exit status 1, without a traceback.
+
+The library speaks the caller's vocabulary: a message names a setting by its parameter (the
+config field or function argument, ``micro_batch``, ``hf_config``), never by a command-line flag,
+and the error carries those names in :attr:`ConfigError.params`. ``microbatch.commands._flags``
+rewrites each such name into the flag of the running command (``--micro-batch``), so the CLI user
+reads the flag they typed and a Python caller the argument they passed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "MicrobatchError",
@@ -17,6 +25,7 @@ __all__ = [
     "PipelineError",
     "check_positive_int",
     "check_non_negative",
+    "check_positive",
 ]
 
 
@@ -25,7 +34,19 @@ class MicrobatchError(Exception):
 
 
 class ConfigError(MicrobatchError, ValueError):
-    """Bad input: a value that breaks a rule. The message names the value, the rule and the fix."""
+    """Bad input: a value that breaks a rule. The message names the value, the rule and the fix.
+
+    ``params`` are the parameter names the message speaks of, each written in it as a whole word
+    (``ConfigError("seq 4096 is over 1024 positions; use seq 1024 or less", params=("seq",))``):
+    the command line replaces each by its flag. Name only words that mean the parameter wherever
+    they occur in the message.
+    """
+
+    params: tuple[str, ...]
+
+    def __init__(self, *args: object, params: Sequence[str] = ()) -> None:
+        super().__init__(*args)
+        self.params = tuple(params)
 
 
 class ScheduleError(ConfigError):
@@ -48,7 +69,7 @@ def check_positive_int(name: str, value: object, *, fix: str = "") -> int:
     """Return ``value`` as an int if it is a whole number >= 1, else raise :class:`ConfigError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         tail = f"; {fix}" if fix else f"; give {name} a whole number of 1 or more"
-        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}{tail}")
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}{tail}", params=_param(name))
     return value
 
 
@@ -68,8 +89,16 @@ def _check_number(name: str, value: float, *, strict: bool, fix: str) -> float:
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        raise ConfigError(f"{name} must be a number, got {value!r}", params=_param(name)) from None
     if not math.isfinite(v) or v < 0 or (strict and v == 0):
         tail = f"; {fix}" if fix else ""
-        raise ConfigError(f"{name} must be a finite number {'>' if strict else '>='} 0, got {value!r}{tail}")
+        raise ConfigError(
+            f"{name} must be a finite number {'>' if strict else '>='} 0, got {value!r}{tail}",
+            params=_param(name),
+        )
     return v
+
+
+def _param(name: str) -> tuple[str, ...]:
+    """``(name,)`` when ``name`` is a parameter's name (an identifier), else ``()`` (a phrase)."""
+    return (name,) if name.isidentifier() else ()

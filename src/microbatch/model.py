@@ -148,7 +148,8 @@ def get_model(name: str, *, seq: int | None = None) -> ModelShape:
     if key not in PRESETS:
         raise ConfigError(
             f"unknown model {name!r}; known models: {', '.join(PRESETS)} "
-            "(or give --hf-config PATH, or the shape flags --layers --hidden --heads --vocab --seq)"
+            "(or give hf_config, a config.json, or the shape: layers, hidden, heads, vocab and seq)",
+            params=_SHAPE_PARAMS,
         )
     shape = PRESETS[key]
     return shape.with_seq(seq) if seq is not None else shape
@@ -186,7 +187,7 @@ def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
     (a string, a fraction, a negative, a boolean), an encoder (:func:`_check_decoder_only`), or a
     required field (:data:`_HF_REQUIRED`) that is missing: checked on the file's JSON, before
     transformers is imported."""
-    where = f"--hf-config {str(file)!r}"
+    where = f"hf_config {str(file)!r}"
     for field, keys in _HF_KEYS.items():
         for key in keys:
             v = raw.get(key)
@@ -196,7 +197,9 @@ def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
                 fix = f'write it as a JSON number: "{key}": {int(v)}'
             else:
                 fix = f"give {key} the model's {field} as a whole number >= 1"
-            raise ConfigError(f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}")
+            raise ConfigError(
+                f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}", params=_HF
+            )
     _check_decoder_only(raw, file)  # an encoder's keys differ: say what it is, not what it lacks
     missing = [f for f in _HF_REQUIRED if all(raw.get(k) is None for k in _HF_KEYS[f])]
     if missing:
@@ -204,7 +207,8 @@ def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
             f"{where} lacks {', '.join(missing)} (looked for "
             + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
             + f'); add {"them" if len(missing) > 1 else "it"} to the file (e.g. "{_HF_KEYS[missing[0]][0]}": ...), '
-            "or give the shape flags alone (--layers --hidden --heads --vocab --seq) instead of --hf-config"
+            "or give the shape alone (its layers, hidden, heads, vocab and seq) without hf_config",
+            params=_HF,
         )
 
 
@@ -219,17 +223,20 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(
-            f"--hf-config {str(path)!r} is not a file or a folder holding config.json; "
-            "give the path of a Hugging Face config.json"
+            f"hf_config {str(path)!r} is not a file or a folder holding config.json; "
+            "give the path of a Hugging Face config.json",
+            params=_HF,
         )
     try:
         raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(
-            f"--hf-config {str(file)!r} is not readable JSON ({e}); give a config.json"
+            f"hf_config {str(file)!r} is not readable JSON ({e}); give a config.json", params=_HF
         ) from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"--hf-config {str(file)!r} holds {type(raw).__name__}, not a JSON object")
+        raise ConfigError(
+            f"hf_config {str(file)!r} holds {type(raw).__name__}, not a JSON object", params=_HF
+        )
     _check_hf_fields(raw, file)  # before transformers is imported (seconds): the file's own numbers
     if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
         try:
@@ -267,10 +274,11 @@ def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
     else:
         return
     raise ConfigError(
-        f"--hf-config {str(path)!r} is {kind} model ({model_type or 'unknown type'}); microbatch supports "
+        f"hf_config {str(path)!r} is {kind} model ({model_type or 'unknown type'}); microbatch supports "
         "decoder-only causal language models (gpt2, llama, mistral, qwen2, gemma, phi3, ...): its memory "
         "formulas count one stack of causal decoder layers and its probes build AutoModelForCausalLM; "
-        "give a decoder-only config, or the shape flags for a comparable decoder"
+        "give a decoder-only config, or the shape of a comparable decoder",
+        params=_HF,
     )
 
 
@@ -291,9 +299,10 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     missing = [f for f in ("layers", "hidden", "heads", "vocab") if vals[f] is None]
     if missing:
         raise ConfigError(
-            f"--hf-config {str(path)!r} lacks {', '.join(missing)} (looked for "
+            f"hf_config {str(path)!r} lacks {', '.join(missing)} (looked for "
             + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
-            + "); give them with the shape flags instead"
+            + "); give the shape itself instead",
+            params=_HF,
         )
     model_type = str(raw.get("model_type", "")).lower()
     llama_like = model_type in _LLAMA_LIKE or (
@@ -328,17 +337,22 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
         )
     for f in ("layers", "hidden", "heads", "vocab"):
         if not isinstance(fields[f], int) or isinstance(fields[f], bool):
-            raise ConfigError(f"--hf-config {str(path)!r}: {f} is {fields[f]!r}, not a whole number")
-    source = f"--hf-config {str(path)!r}"
+            raise ConfigError(
+                f"hf_config {str(path)!r}: {f} is {fields[f]!r}, not a whole number", params=_HF
+            )
+    source = f"hf_config {str(path)!r}"
     fields.update(
         moe=experts_from_hf(raw, vals["ffn_hidden"], source), mla=latent_attention_from_hf(raw, source)
     )
     try:
         return ModelShape(**fields)
     except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(f"{source}: {e}", params=_HF) from None
 
 
+_HF = ("hf_config",)
+_SHAPE_PARAMS = ("hf_config", "layers", "hidden", "heads", "vocab", "seq")
+"""The parameters a message that asks for a model shape names (the CLI writes them as flags)."""
 _EXPERT_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts")
 _SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq", *_EXPERT_FLAGS)
 
@@ -354,14 +368,16 @@ def from_flags(
     seq: int | None = None,
     name: str = "custom",
 ) -> ModelShape:
-    """A GPT-2-like shape from explicit sizes (``--layers --hidden --heads --vocab --seq``)."""
+    """A GPT-2-like shape from explicit sizes (``layers hidden heads vocab seq``)."""
     if layers is None or hidden is None or heads is None or vocab is None or seq is None:
         given = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq)
         missing = [k for k, v in given.items() if v is None]
         raise ConfigError(
-            "the model shape lacks "
-            + ", ".join("--" + m.replace("_", "-") for m in missing)
-            + "; give --model NAME, --hf-config PATH, or all of --layers --hidden --heads --vocab --seq"
+            "the shape lacks "
+            + ", ".join(missing)
+            + "; give model (a registry name), hf_config (a config.json), or all of layers, hidden, heads, "
+            "vocab and seq",
+            params=("model", *_SHAPE_PARAMS),
         )
     return ModelShape(
         name=name,
@@ -380,36 +396,37 @@ def resolve_model(
     hf_config: str | Path | None = None,
     **flags: int | None,
 ) -> ModelShape:
-    """One shape from ``--model NAME``, ``--hf-config PATH`` or the shape flags.
+    """One shape from ``model`` (a registry name), ``hf_config`` (a config.json) or the shape sizes.
 
-    With a name or a config, any shape flag given overrides that field (``--model gpt2 --seq 512``);
-    the expert flags (``--experts --top-k --expert-ffn-hidden --shared-experts``) set or override the
-    experts (:func:`microbatch.moe.with_expert_flags`).
+    With a name or a config, any size given overrides that field (``model="gpt2", seq=512``); the
+    expert sizes (``experts top_k expert_ffn_hidden shared_experts``) set or override the experts
+    (:func:`microbatch.moe.with_expert_flags`).
     """
     unknown = set(flags) - set(_SHAPE_FLAGS)
     if unknown:
-        raise ConfigError(f"unknown shape flags {sorted(unknown)}; known: {', '.join(_SHAPE_FLAGS)}")
+        raise ConfigError(f"unknown shape parameters {sorted(unknown)}; known: {', '.join(_SHAPE_FLAGS)}")
     if model is not None and hf_config is not None:
-        raise ConfigError("give either --model or --hf-config, not both")
+        raise ConfigError("give either model or hf_config, not both", params=("model", "hf_config"))
     expert_flags = {k: flags.pop(k, None) for k in _EXPERT_FLAGS}
     given = {k: v for k, v in flags.items() if v is not None}
     for k, v in given.items():
-        check_positive_int("--" + k.replace("_", "-"), v, fix="sizes are whole numbers >= 1")
+        check_positive_int(k, v, fix="sizes are whole numbers >= 1")
     shape = _resolve_dense(model, hf_config, given)
     moe = with_expert_flags(shape.moe, shape.ffn, expert_flags)
     return shape if moe is shape.moe else replace(shape, moe=moe)
 
 
 def _resolve_dense(model: str | None, hf_config: str | Path | None, given: dict[str, int]) -> ModelShape:
-    """The shape of ``--model``, ``--hf-config`` or the shape flags, with the shape flags applied."""
+    """The shape of ``model``, ``hf_config`` or the sizes, with the sizes given applied."""
     if model is not None:
         base = get_model(model)
     elif hf_config is not None:
         base = from_hf_config(hf_config)
     elif not given:
         raise ConfigError(
-            "no model given; give --model NAME (" + ", ".join(PRESETS) + "), --hf-config PATH, "
-            "or the shape flags --layers --hidden --heads --vocab --seq"
+            "no model given; give a registry name (" + ", ".join(PRESETS) + "), hf_config (a config.json), "
+            "or the shape: layers, hidden, heads, vocab and seq",
+            params=_SHAPE_PARAMS,
         )
     else:
         return from_flags(
@@ -430,7 +447,8 @@ def _resolve_dense(model: str | None, hf_config: str | Path | None, given: dict[
         and seq > base.max_positions
     ):
         raise ConfigError(
-            f"--seq {seq} is longer than model {base.name}'s {base.max_positions} learned positions; "
-            f"use --seq {base.max_positions} or less (or a model with rotary positions)"
+            f"seq {seq} is longer than model {base.name}'s {base.max_positions} learned positions; "
+            f"use seq {base.max_positions} or less (or a model with rotary positions)",
+            params=("seq",),
         )
     return replace(base, **overrides) if overrides else base

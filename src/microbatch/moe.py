@@ -53,7 +53,7 @@ class Experts:
 
     def __post_init__(self) -> None:
         for f in ("experts", "top_k", "expert_ffn_hidden"):
-            check_positive_int(f.replace("_", "-"), getattr(self, f))
+            check_positive_int(f, getattr(self, f))
         if self.shared_experts < 0 or self.dense_layers < 0:
             raise ConfigError(
                 f"shared experts {self.shared_experts} and dense layers {self.dense_layers} must be >= 0; "
@@ -61,11 +61,12 @@ class Experts:
             )
         if self.top_k > self.experts:
             raise ConfigError(
-                f"top-k {self.top_k} > experts {self.experts}; a token visits at most every expert once; "
-                f"use --top-k {self.experts} or less"
+                f"top_k {self.top_k} > experts {self.experts}; a token visits at most every expert once; "
+                f"use top_k {self.experts} or less",
+                params=("top_k", "experts"),
             )
         if self.shared_ffn_hidden is not None:
-            check_positive_int("shared-ffn-hidden", self.shared_ffn_hidden)
+            check_positive_int("shared_ffn_hidden", self.shared_ffn_hidden)
 
     @property
     def shared_width(self) -> int:
@@ -117,9 +118,9 @@ class LatentAttention:
 
     def __post_init__(self) -> None:
         for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            check_positive_int(f.replace("_", "-"), getattr(self, f))
+            check_positive_int(f, getattr(self, f))
         if self.q_lora_rank is not None:
-            check_positive_int("q-lora-rank", self.q_lora_rank)
+            check_positive_int("q_lora_rank", self.q_lora_rank)
 
     @property
     def qk_head_dim(self) -> int:
@@ -159,9 +160,15 @@ def _first(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
+_HF = ("hf_config",)
+"""The parameter a config file's ``source`` names (``hf_config '/path'``)."""
+
+
 def _whole(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{source}: {key} is {value!r}, not a whole number >= 0; fix the config")
+        raise ConfigError(
+            f"{source}: {key} is {value!r}, not a whole number >= 0; fix the config", params=_HF
+        )
     return value
 
 
@@ -181,11 +188,15 @@ def experts_from_hf(raw: dict[str, Any], ffn_hidden: int | None, source: str) ->
     k = _first(raw, _TOPK_KEYS)
     if k is None:
         raise ConfigError(
-            f"{source} has {e} experts but no num_experts_per_tok; give --top-k K (Mixtral 2, DeepSeek-V3 8)"
+            f"{source} has {e} experts but no num_experts_per_tok; give top_k (Mixtral 2, DeepSeek-V3 8)",
+            params=(*_HF, "top_k"),
         )
     f = raw.get("moe_intermediate_size") or ffn_hidden
     if f is None:
-        raise ConfigError(f"{source} has experts but no moe_intermediate_size; give --expert-ffn-hidden F")
+        raise ConfigError(
+            f"{source} has experts but no moe_intermediate_size; give expert_ffn_hidden",
+            params=(*_HF, "expert_ffn_hidden"),
+        )
     shared = raw.get("n_shared_experts") or 0
     shared_width = None
     if not shared and raw.get("shared_expert_intermediate_size"):
@@ -224,10 +235,10 @@ def as_latent_attention(value: LatentAttention | dict[str, Any] | None) -> Laten
 
 
 def with_expert_flags(base: Experts | None, ffn_hidden: int, flags: dict[str, int | None]) -> Experts | None:
-    """``base`` with the expert flags given (``--experts --top-k --expert-ffn-hidden --shared-experts``).
+    """``base`` with the expert sizes given (``experts top_k expert_ffn_hidden shared_experts``).
 
-    Without a base (a dense model), ``--experts`` and ``--top-k`` are both needed; F defaults to the
-    model's ffn hidden. No flag given returns ``base`` unchanged.
+    Without a base (a dense model), ``experts`` and ``top_k`` are both needed; F defaults to the
+    model's ffn hidden. No size given returns ``base`` unchanged.
     """
     given = {k: v for k, v in flags.items() if v is not None}
     if not given:
@@ -235,8 +246,9 @@ def with_expert_flags(base: Experts | None, ffn_hidden: int, flags: dict[str, in
     if base is None:
         if "experts" not in given or "top_k" not in given:
             raise ConfigError(
-                "a dense model becomes mixture-of-experts with both --experts E and --top-k K "
-                f"(given: {', '.join('--' + k.replace('_', '-') for k in given)}); add the missing one"
+                "a dense model becomes mixture-of-experts with both experts E and top_k K "
+                f"(given: {', '.join(given)}); add the missing one",
+                params=("experts", "top_k", *given),
             )
         given.setdefault("expert_ffn_hidden", ffn_hidden)
         return Experts(**given)

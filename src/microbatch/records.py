@@ -55,7 +55,7 @@ def load_json(
     source: str | Path | dict[str, Any] | list[Any],
     *,
     what: str = "result file",
-    fix: str = "give files written by --json or --out",
+    fix: str = "give files a command wrote (its JSON output, or the result.json of its output folder)",
 ) -> Any:
     """The JSON value at ``source`` (a directory means its ``result.json``), or ``source`` itself when
     it is already a dict or list. Raises :class:`ConfigError` naming ``what``, the path and ``fix``."""
@@ -80,8 +80,8 @@ def classify(result: Any) -> str:
     file written before the envelope existed, one of :data:`GUESSED_KINDS` recognised by its keys."""
     if not isinstance(result, dict):
         raise ConfigError(
-            f"a result must be a JSON object, got {type(result).__name__}; give the JSON that tune, plan, "
-            "pipeline, simulate or validate print with --json"
+            f"a result must be a JSON object, got {type(result).__name__}; give the JSON output of tune, plan, "
+            "pipeline, simulate or validate"
         )
     command = result.get("command")
     if isinstance(command, str) and command:
@@ -99,7 +99,7 @@ def classify(result: Any) -> str:
     raise ConfigError(
         "cannot tell which command wrote this result (keys: "
         + ", ".join(sorted(result)[:12])
-        + "); give the JSON that tune, plan, pipeline, simulate or validate print with --json"
+        + "); give the JSON output of tune, plan, pipeline, simulate or validate"
     )
 
 
@@ -115,8 +115,8 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
         items = data if isinstance(data, list) else [data]
         if not items:
             raise ConfigError(
-                f"{p} holds an empty list: no result in it; give the JSON that tune, plan, pipeline, "
-                "simulate or validate print with --json"
+                f"{p} holds an empty list: no result in it; give the JSON output of tune, plan, pipeline, "
+                "simulate or validate"
             )
         for item in items:
             try:
@@ -155,7 +155,7 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
     anything is drawn. Other kinds are not checked here."""
     if kind not in ("tune", "recommend"):
         return
-    fix = "fix the file, or give the result.json `microbatch tune --out DIR` wrote"
+    fix = "fix the file, or give the result.json a tune wrote"
     for key in RESULT_NUMBERS:
         if not _json_number(item.get(key)):
             raise ConfigError(f"{source}: {key} {short_repr(item[key])} is not a number; {fix}")
@@ -198,7 +198,7 @@ def result_points(data: Any, *, source: str) -> list[Any]:
     if isinstance(data, dict) and isinstance(data.get("points"), list):
         return list(data["points"])
     raise ConfigError(
-        f"{source}: expected an object with a 'points' list (a `tune --out` result.json) or a list of "
+        f"{source}: expected an object with a 'points' list (a tune's result.json) or a list of "
         "points with micro_batch, throughput, peak_memory_bytes, step_time_s"
     )
 
@@ -293,7 +293,7 @@ def read_measurements(
     figure (``peak_memory_bytes``, or ``peak_allocated_bytes`` for CUDA's tensors only).
     """
     label = str(source) if isinstance(source, (str, Path)) else "calibration data"
-    data = load_json(source, what="calibration file", fix="give a `tune --out DIR` result.json")
+    data = load_json(source, what="calibration file", fix="give a tune's result.json")
     rows = result_points(data, source=label)
     if not isinstance(data, dict):
         data = {"points": rows}
@@ -302,7 +302,7 @@ def read_measurements(
     if data.get("mode", "train") != "train":
         raise ConfigError(
             f"{label}: measured in mode {data.get('mode')!r}; calibration models training micro-steps: "
-            "measure with `microbatch tune --mode train`"
+            "measure with a tune in mode 'train'"
         )
     notes: list[str] = []
     fshape, model = _model_of(data, shape, label, notes)
@@ -347,8 +347,9 @@ def _model_of(
     if fshape is None:
         if shape is None:
             raise ConfigError(
-                f"{label}: model {model or '(none)'!r} is not in the registry; give the model "
-                "(--model NAME or the shape flags) it was measured with"
+                f"{label}: model {model or '(none)'!r} is not in the registry; give shape, the model it "
+                "was measured with",
+                params=("shape",),
             )
         fshape = shape.with_seq(seq) if seq else shape
         if model:
@@ -374,7 +375,8 @@ def _precision_and_device(
     if memory_key == "peak_allocated_bytes" and not dev.startswith("cuda"):
         raise ConfigError(
             f"{label}: measured on {dev}, which has no allocator count of tensors (peak_allocated_bytes is "
-            "CUDA's); use --memory peak (the process's peak RSS)"
+            "CUDA's); use memory_key 'peak_memory_bytes' (the process's peak RSS)",
+            params=("memory_key",),
         )
     return prec, dev
 

@@ -190,7 +190,9 @@ def test_validate_with_noise_reports_the_error():
     d["points"][-1]["step_time_s"] *= 1.2  # the largest point is 20% slower than the model says
     v = validate(read_measurements(d), ACC)
     assert v.errors()["step_calibrated"] == pytest.approx(1 / 1.2 - 1, rel=1e-6)
-    assert not v.errors()["step_met"] and "NOT met" in v.summary()
+    from microbatch.show.validation import validation_summary
+
+    assert not v.errors()["step_met"] and "NOT met" in validation_summary(v.to_dict())
 
 
 def test_too_few_points_says_how_many_more():
@@ -400,6 +402,7 @@ def test_validate_cli_cpu_given_peak(tmp_path, capsys):
 def test_validate_result_is_what_the_cli_prints(tmp_path, capsys):
     """``validate_result(tune_result)`` (the demo's call) returns exactly ``validate --json``'s object."""
     from microbatch.commands._common import dumps
+    from microbatch.show.validation import with_summary
 
     d = synthetic()
     path = tmp_path / "result.json"
@@ -417,7 +420,7 @@ def test_validate_result_is_what_the_cli_prints(tmp_path, capsys):
         printed = json.loads(capsys.readouterr().out)
         assert printed.pop("command", "validate") == "validate"  # the CLI's envelope around the result
         printed.pop("version", None)
-        got = validate_result(json.loads(path.read_text()), **kw)
+        got = with_summary(validate_result(json.loads(path.read_text()), **kw))  # show/ writes the summary
         assert json.loads(dumps(got)) == printed
         assert got["rows"] and got["summary"].startswith("gpt2 s=1024")
     with pytest.raises(ConfigError, match="measure 1 more"):

@@ -67,7 +67,7 @@ def test_measured_now_says_so_and_how_much_the_machine_moved(monkeypatch):
     assert moved["peak_flops"] == pytest.approx([40e9, 60e9, 50e9])
     assert moved["peak_spread"] == pytest.approx(0.5)
     note = next(w for w in out["warnings"] if "measured now" in w)
-    assert "40.0–60.0 GFLOP/s (50% apart)" in note and "--cpu-peak-gflops" in note
+    assert "40.0–60.0 GFLOP/s (50% apart)" in note and "give cpu_peak_gflops" in note and "--" not in note
     # the first measurement is the one used
     assert out["accelerator"]["peak_flops"]["fp32"] == pytest.approx(40e9)
 

@@ -133,9 +133,9 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
 
 
 class flags_for:  # noqa: N801 - used as a context manager, named like one
-    """Context manager: a ConfigError whose message starts with a config field's name (``threads must
-    be ...``) is raised again with the flag's name (``--threads must be ...``): CLI messages speak in
-    flags, library messages in parameters."""
+    """Context manager: a ConfigError that carries no parameter names but whose message starts with a
+    config field's name (``threads must be ...``) is raised again carrying that name, so the CLI writes
+    it as the flag (``--threads must be ...``, :func:`microbatch.commands._flags.cli_message`)."""
 
     def __init__(self, *fields: str) -> None:
         self.fields = fields
@@ -146,12 +146,12 @@ class flags_for:  # noqa: N801 - used as a context manager, named like one
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         from microbatch.errors import ConfigError
 
-        if isinstance(exc, ConfigError) and type(exc) is ConfigError:
+        if isinstance(exc, ConfigError) and type(exc) is ConfigError and not exc.params:
             text = str(exc)
             for field in sorted(self.fields, key=len, reverse=True):
                 if text.startswith(field + " ") or text.startswith(field.replace("_", " ") + " "):
                     plain = field if text.startswith(field + " ") else field.replace("_", " ")
-                    raise ConfigError("--" + field.replace("_", "-") + text[len(plain) :]) from None
+                    raise ConfigError(field + text[len(plain) :], params=(field,)) from None
 
 
 def progress(text: str) -> None:

@@ -272,10 +272,11 @@ def _validate_training(
     """5. Close the loop: predict the measured training points from the smallest probes."""
     from microbatch.errors import MicrobatchError
     from microbatch.predict.validation import validate_result
+    from microbatch.show.validation import with_summary
 
     t0 = _step(quiet, "validate: predict the largest probes from the smallest (calibrated planner)")
     try:
-        vd = validate_result(json.loads((out / "tune-train.json").read_text()))
+        vd = with_summary(validate_result(json.loads((out / "tune-train.json").read_text())))
         _save(out, "validate.json", vd)
         results.append(vd)
         summary["validate"] = vd["summary"]

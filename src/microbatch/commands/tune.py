@@ -236,7 +236,7 @@ def cmd(
         path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints
         kept = str(path)
         progress(why or f"wrote {path}")
-    emit(d, as_json, lambda: render_tune(d))
+    emit(d, as_json, lambda: render_tune(d, again="--no-cache"))
     if result.interrupted:
         n = sum(1 for p in result.points if not p.oom)
         progress(

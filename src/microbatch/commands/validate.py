@@ -7,61 +7,9 @@ from typing import Any
 import click
 
 from microbatch.commands._common import MODEL_FLAGS, emit, json_option, model_options, resolve_model
-from microbatch.units import format_bytes
+from microbatch.show.validation import render_validation
 
 __all__ = ["cmd", "render_validation"]
-
-_COLUMNS = (
-    ("micro_batch", "b_m", "{}"),
-    ("fit", "fit", "{}"),
-    ("mem_MiB", "mem MiB", "{:,.1f}"),
-    ("mem_uncal_MiB", "uncal", "{:,.1f}"),
-    ("mem_uncal_err_%", "err%", "{:+.1f}"),
-    ("mem_cal_MiB", "cal", "{:,.1f}"),
-    ("mem_cal_err_%", "err%", "{:+.1f}"),
-    ("mem_loo_err_%", "loo%", "{:+.1f}"),
-    ("step_ms", "step ms", "{:,.2f}"),
-    ("step_uncal_ms", "uncal", "{:,.2f}"),
-    ("step_uncal_err_%", "err%", "{:+.1f}"),
-    ("step_cal_ms", "cal", "{:,.2f}"),
-    ("step_cal_err_%", "err%", "{:+.1f}"),
-    ("step_loo_err_%", "loo%", "{:+.1f}"),
-)
-
-
-def render_validation(d: dict[str, Any]) -> str:
-    """The ``validate --json`` object as text: a table, the summary, the calibration, the warnings."""
-    head = [h for _, h, _ in _COLUMNS]
-    body = [[("—" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in _COLUMNS] for r in d["rows"]]
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-    lines = [
-        f"{d['model']} s={d['seq']} {d['precision']}, checkpointing {'on' if d['checkpointing'] else 'off'}, "
-        f"measured on {d['device_name'] or d['device']} ({d['memory_key']}, {d['time_key']}); step times "
-        f"predicted for {d['accelerator']['name']}: {d['accelerator']['source']}",
-        "uncal = analytic model; cal = calibrated on the smallest probes (fit = probe); loo = leave-one-out",
-        "",
-        "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-    ]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in body]
-    cal = d["calibration"]
-    mem, eff = cal["memory"], cal["efficiency"]
-    lines += [
-        "",
-        d["summary"],
-        "",
-        f"calibration (b_m {', '.join(map(str, cal['micro_batches']))}): activation_scale "
-        f"{mem['activation_scale']:.3f}, fixed_bytes {format_bytes(mem['fixed_bytes'], digits=1, unit='MiB')}"
-        + (
-            f"; gemm_max {eff['gemm_max']:.3f}, half_rows {eff['half_rows']:,.0f} (vs {cal['accelerator']})"
-            if eff
-            else ""
-        ),
-    ]
-    if d["oom"]:
-        lines.append(f"out of memory (not predicted here): b_m {', '.join(map(str, d['oom']))}")
-    lines += [f"note: {w}" for w in d["warnings"]]
-    return "\n".join(lines)
 
 
 @click.command("validate")
@@ -148,4 +96,11 @@ def cmd(
         cpu_bandwidth_gbs=cpu_bandwidth_gbs,
         cpu_threads=cpu_threads,
     )
+    from microbatch.commands._flags import cli_text
+    from microbatch.show.validation import with_summary
+
+    result = with_summary(result)
+    result["warnings"] = [
+        cli_text(w, ("cpu_peak_gflops", "cpu_bandwidth_gbs"), "validate") for w in result["warnings"]
+    ]
     emit(result, as_json, lambda: render_validation(result))

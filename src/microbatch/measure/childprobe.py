@@ -93,14 +93,15 @@ class ChildProber:
                 )
         if reply.get("config_error"):
             self.close()
-            raise ConfigError(reply["config_error"])
+            raise ConfigError(reply["config_error"], params=tuple(reply.get("params", ())))
         if reply.get("oom"):
             self.close()
             raise ConfigError(
                 f"micro-batch 1 is already out of memory under the limit of {self.limit_bytes} bytes "
                 f"({format_bytes(self.limit_bytes or 0, unit='GiB')}) "
-                f"(the setup step needs more); turn activation checkpointing on, use a shorter --seq, "
-                "or raise --memory-budget"
+                f"(the setup step needs more); turn activation checkpointing on, use a shorter seq, "
+                "or raise memory_budget_bytes",
+                params=("seq", "memory_budget_bytes"),
             )
         if reply.get("error"):
             self.close()
@@ -240,7 +241,7 @@ def _worker() -> int:
                     raise MeasurementError("a probe request came before the setup request")
                 reply({"measurement": _measure(probe, msg, limited).to_dict()})
         except ConfigError as e:
-            reply({"config_error": str(e)})
+            reply({"config_error": str(e), "params": list(e.params)})
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
             import traceback
 
@@ -272,9 +273,9 @@ def _setup(msg: dict[str, Any]) -> tuple[Probe, bool, dict[str, Any]]:
             f"memory budget {limit} bytes ({format_bytes(limit, unit='GiB')}) is below the model's static "
             f"memory: it needs at least {need} bytes ({format_bytes(need, unit='GiB')}: process, weights"
             + (", gradients and optimizer state" if spec.mode == "train" else "")
-            + "); raise --memory-budget or choose a smaller model"
+            + "); raise memory_budget_bytes or choose a smaller model"
         )
-        return probe, False, {"config_error": why}
+        return probe, False, {"config_error": why, "params": ["memory_budget_bytes"]}
     ooms = oom_types()  # resolved before the limit: nothing lazy may allocate in an except clause
     limited = False
     if limit is not None:

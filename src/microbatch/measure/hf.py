@@ -23,20 +23,22 @@ if TYPE_CHECKING:
 __all__ = ["require_transformers", "hf_config_from_shape", "load_hf_config", "hf_model", "HFDecoder"]
 
 
-def require_transformers(what: str = "a Hugging Face model") -> None:
-    """ConfigError naming the extra to install when the optional ``transformers`` is missing."""
+def require_transformers(what: str = "a Hugging Face model", *, params: tuple[str, ...] = ()) -> None:
+    """ConfigError naming the extra to install when the optional ``transformers`` is missing; ``params``
+    are the parameter names ``what`` speaks of (:attr:`~microbatch.errors.ConfigError.params`)."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(
             f"{what} needs the optional package transformers, which is not installed; "
-            "install it with: pip install 'microbatch[hf]'"
+            "install it with: pip install 'microbatch[hf]'",
+            params=params,
         )
 
 
 def hf_config_from_shape(shape: ModelShape) -> Any:
     """A transformers config of a registry shape (GPT-2 layout for learned positions, Llama otherwise)."""
-    require_transformers("--backend hf")
+    require_transformers("backend hf", params=("backend",))
     if shape.learned_positions:
         from transformers import GPT2Config
 
@@ -67,6 +69,9 @@ def hf_config_from_shape(shape: ModelShape) -> Any:
     )
 
 
+_HF = ("hf_config",)
+
+
 def load_hf_config(path: str) -> Any:
     """A transformers config from ``config.json`` or its folder (local files only)."""
     p = Path(path)
@@ -74,23 +79,25 @@ def load_hf_config(path: str) -> Any:
         p = p / "config.json"
     if not p.is_file():
         raise ConfigError(
-            f"--hf-config {path!r}: no such file; give a Hugging Face config.json or its folder"
+            f"hf_config {path!r}: no such file; give a Hugging Face config.json or its folder", params=_HF
         )
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(
-            f"--hf-config {path!r} is not valid JSON ({e.msg}); give a Hugging Face config.json"
+            f"hf_config {path!r} is not valid JSON ({e.msg}); give a Hugging Face config.json", params=_HF
         ) from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(f"--hf-config {path!r} has no 'model_type'; give a Hugging Face config.json")
-    require_transformers("--hf-config")
+        raise ConfigError(
+            f"hf_config {path!r} has no 'model_type'; give a Hugging Face config.json", params=_HF
+        )
+    require_transformers("hf_config", params=_HF)
     from transformers import AutoConfig
 
     try:
         return AutoConfig.for_model(**data)
     except (ValueError, KeyError) as e:
-        raise ConfigError(f"--hf-config {path!r}: transformers cannot read it ({e})") from None
+        raise ConfigError(f"hf_config {path!r}: transformers cannot read it ({e})", params=_HF) from None
 
 
 def hf_model(config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:

@@ -168,7 +168,8 @@ def set_checkpointing(model: Any, on: bool) -> None:
     elif on:
         raise ConfigError(
             "the model has no activation checkpointing switch (no .checkpointing attribute or "
-            "gradient_checkpointing_enable); use --checkpointing off or apply torch.utils.checkpoint yourself"
+            "gradient_checkpointing_enable); turn checkpointing off or apply torch.utils.checkpoint yourself",
+            params=("checkpointing",),
         )
 
 
@@ -326,7 +327,8 @@ class DecodeProbe:
         if self.new_tokens >= seq:
             raise ConfigError(
                 f"decoding {self.new_tokens} tokens needs seq > {self.new_tokens}, got seq {seq}; "
-                "give a longer --seq or fewer repeats"
+                "give a longer seq or fewer repeats",
+                params=("seq",),
             )
         if device is None:
             device = next(model.parameters()).device

@@ -68,7 +68,7 @@ class ProbeSpec:
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.model, self.hf_config, self.shape)) != 1:
-            raise ConfigError("give exactly one of --model NAME or --hf-config PATH")
+            raise ConfigError("give exactly one of model or hf_config", params=("model", "hf_config"))
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1:
             raise ConfigError(
                 f"seq {self.seq!r} must be a whole number >= 1: the longest sequence the data holds"
@@ -112,7 +112,8 @@ def _registry_model(spec: ProbeSpec, device: torch.device) -> tuple[Any, int]:
     if shape.learned_positions and spec.seq > shape.positions:
         raise ConfigError(
             f"seq {spec.seq} is longer than {shape.name}'s {shape.positions} learned positions; "
-            f"use --seq <= {shape.positions}"
+            f"use seq <= {shape.positions}",
+            params=("seq",),
         )
     if spec.backend == "hf":
         return hf_model(hf_config_from_shape(shape), torch.float32, device, spec.seed), shape.vocab
@@ -133,7 +134,7 @@ def build_probe(spec: ProbeSpec) -> Probe:
         config = load_hf_config(spec.hf_config)
         vocab = int(getattr(config, "vocab_size", 0) or 0)
         if vocab < 1:
-            raise ConfigError(f"--hf-config {spec.hf_config!r} has no vocab_size")
+            raise ConfigError(f"hf_config {spec.hf_config!r} has no vocab_size", params=("hf_config",))
         model = hf_model(config, torch.float32, device, spec.seed)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     if spec.mode == "decode":

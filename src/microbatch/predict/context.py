@@ -25,19 +25,21 @@ __all__ = ["check_context_layout", "kv_exchange_bytes", "ring_exposed_s"]
 
 def check_context_layout(seq: int, context_parallel: int, flash_attention: bool) -> None:
     """ConfigError unless 2c divides s (causal load balance) and attention is flash (ring attention's kernel)."""
-    c = check_positive_int("context-parallel", context_parallel)
+    c = check_positive_int("context_parallel", context_parallel)
     if c == 1:
         return
     if seq % (2 * c):
         ok = [x for x in range(2, 65) if seq % (2 * x) == 0]
         raise ConfigError(
-            f"context-parallel {c} needs the sequence {seq} divisible by 2 × {c} = {2 * c} (each rank holds two "
-            f"of 2c chunks, for causal load balance); use context-parallel among {ok[:12]} or another --seq"
+            f"context_parallel {c} needs seq {seq} divisible by 2 × {c} = {2 * c} (each rank holds two "
+            f"of 2c chunks, for causal load balance); use context_parallel among {ok[:12]} or another seq",
+            params=("context_parallel", "seq"),
         )
     if not flash_attention:
         raise ConfigError(
-            f"context-parallel {c} runs ring attention on flash-attention kernels; drop --no-flash-attention "
-            "or --context-parallel"
+            f"context_parallel {c} runs ring attention on flash-attention kernels; turn flash_attention on "
+            "or drop context_parallel",
+            params=("context_parallel", "flash_attention"),
         )
 
 

@@ -46,26 +46,29 @@ __all__ = [
 
 def check_expert_layout(shape: ModelShape, expert_parallel: int, data_parallel: int) -> None:
     """ConfigError unless EP divides E and the data-parallel size d (EP lives inside the d replicas)."""
-    check_positive_int("expert-parallel", expert_parallel)
+    check_positive_int("expert_parallel", expert_parallel)
     if expert_parallel == 1:
         return
     if shape.moe is None:
         raise ConfigError(
-            f"expert-parallel {expert_parallel} needs a mixture-of-experts model ({shape.name} is dense); "
-            "give --experts E --top-k K, a MoE model (mixtral-8x7b, deepseek-v3), or drop --expert-parallel"
+            f"expert_parallel {expert_parallel} needs a mixture-of-experts model ({shape.name} is dense); "
+            "give experts E and top_k K, a MoE model (mixtral-8x7b, deepseek-v3), or drop expert_parallel",
+            params=("expert_parallel", "experts", "top_k"),
         )
     e = shape.moe.experts
     if e % expert_parallel:
         ok = [x for x in range(1, e + 1) if e % x == 0 and data_parallel % x == 0]
         raise ConfigError(
-            f"expert-parallel {expert_parallel} does not divide experts {e}; every GPU holds E/EP whole "
-            f"experts; use expert-parallel among {ok}"
+            f"expert_parallel {expert_parallel} does not divide experts {e}; every GPU holds E/EP whole "
+            f"experts; use expert_parallel among {ok}",
+            params=("expert_parallel",),
         )
     if data_parallel % expert_parallel:
         ok = [x for x in range(1, data_parallel + 1) if data_parallel % x == 0 and e % x == 0]
         raise ConfigError(
-            f"expert-parallel {expert_parallel} does not divide data-parallel {data_parallel}; the experts are "
-            f"spread over ranks of the data-parallel group (Megatron's layout); use expert-parallel among {ok}"
+            f"expert_parallel {expert_parallel} does not divide data-parallel {data_parallel}; the experts are "
+            f"spread over ranks of the data-parallel group (Megatron's layout); use expert_parallel among {ok}",
+            params=("expert_parallel",),
         )
 
 

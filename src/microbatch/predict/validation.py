@@ -138,24 +138,9 @@ class Validation:
             )
         return out
 
-    def summary(self) -> str:
-        e = self.errors()
-
-        def f(x: float | None) -> str:
-            return "n/a" if x is None else f"{100 * x:+.1f}%"
-
-        return (
-            f"{self.measurements.model} s={self.measurements.seq} {self.measurements.precision} on "
-            f"{self.measurements.device_name or self.measurements.device}: calibrated on b_m "
-            f"{', '.join(map(str, self.fit_on))}, at the largest b_m {e['largest_micro_batch']} memory "
-            f"{f(e['memory_calibrated'])} (uncalibrated {f(e['memory_uncalibrated'])}; target ±{100 * MEMORY_TARGET:.0f}%: "
-            f"{'met' if e['memory_met'] else 'NOT met'}), step time {f(e['step_calibrated'])} (uncalibrated "
-            f"{f(e['step_uncalibrated'])}; target ±{100 * STEP_TARGET:.0f}%: {'met' if e['step_met'] else 'NOT met'}); "
-            f"worst leave-one-out: memory {f(e['memory_loo_worst'])}, step {f(e['step_loo_worst'])}"
-        )
-
     def to_dict(self) -> dict[str, Any]:
-        """What ``validate --json`` prints: provenance, the table rows, the summary, the errors, the calibration."""
+        """What ``validate --json`` prints but its summary line (:func:`microbatch.show.validation.with_summary`
+        writes it): provenance, the table rows, the errors, the calibration."""
         m = self.measurements
         return {
             "model": m.model,
@@ -175,7 +160,6 @@ class Validation:
             "fit_on": list(self.fit_on),
             "oom": list(m.oom),
             "rows": self.rows(),
-            "summary": self.summary(),
             "errors": self.errors(),
             "points": [dict(p) for p in self.points],
             "calibration": self.calibration.to_dict(),
@@ -186,7 +170,8 @@ class Validation:
 def _check_fit_on(fit_on: int) -> None:
     if fit_on < MIN_POINTS:
         raise ConfigError(
-            f"--fit-on {fit_on} must be at least {MIN_POINTS}: a line has two parameters; give --fit-on {MIN_POINTS} or more"
+            f"fit_on {fit_on} must be at least {MIN_POINTS}: a line has two parameters; give fit_on {MIN_POINTS} or more",
+            params=("fit_on",),
         )
 
 
@@ -283,7 +268,8 @@ def validation_accelerator(
         if name is None:
             raise ConfigError(
                 f"{meas.source}: device {meas.device_name or meas.device!r} is not in the accelerator table; "
-                "give --gpu NAME (e.g. h100-sxm)"
+                "give gpu NAME (e.g. h100-sxm)",
+                params=("gpu",),
             )
         acc = get_accelerator(name)
     elif cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None:
@@ -320,20 +306,23 @@ def validate_result(
     cpu_bandwidth_gbs: float | None = None,
     cpu_threads: int | None = None,
 ) -> dict[str, Any]:
-    """What ``microbatch validate --calibration FILE --json`` prints, for a tune result (a loaded
+    """What ``microbatch validate`` prints as JSON but its summary line, for a tune result (a loaded
     ``result.json`` dict, or its path): :func:`~microbatch.records.read_measurements`,
     :func:`validation_accelerator`, :func:`validate`, :meth:`Validation.to_dict` (``rows``,
-    ``summary``, ``errors``, ...). The keywords are the command's options.
+    ``errors``, ...; :func:`microbatch.show.validation.with_summary` adds the summary line). The
+    keywords are the command's options.
 
     On the CPU without both figures given the accelerator is measured now, so step-time
     predictions vary from call to call; raises :class:`ConfigError` for too few points.
     """
     # the options first, before the file is read or this CPU measured
-    for flag, v in (("--cpu-peak-gflops", cpu_peak_gflops), ("--cpu-bandwidth-gbs", cpu_bandwidth_gbs)):
+    for name, v in (("cpu_peak_gflops", cpu_peak_gflops), ("cpu_bandwidth_gbs", cpu_bandwidth_gbs)):
         if v is not None:
-            check_positive(flag, v, fix=f"give this CPU's figure, or leave {flag} out to measure it now")
+            check_positive(name, v, fix=f"give this CPU's figure, or leave {name} out to measure it now")
     if cpu_threads is not None:
-        check_positive_int("--cpu-threads", cpu_threads, fix="give the probes' --threads, or leave it out")
+        check_positive_int(
+            "cpu_threads", cpu_threads, fix="give the probes' threads, or leave cpu_threads out"
+        )
     _check_fit_on(fit_on)
     meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
     recorded = recorded_cpu(tune_result)
@@ -373,7 +362,7 @@ def validate_result(
         f"({100 * moved['peak_spread']:.0f}% apart) and {min(bws) / 1e9:.1f}–{max(bws) / 1e9:.1f} GB/s "
         f"({100 * moved['bandwidth_spread']:.0f}% apart), so the uncalibrated step-time error moves with the "
         "machine's load from run to run (the calibrated figures are relative to the peak and move less); "
-        "for a repeatable figure give --cpu-peak-gflops and --cpu-bandwidth-gbs, or record them in the file "
+        "for a repeatable figure give cpu_peak_gflops and cpu_bandwidth_gbs, or record them in the file "
         '(an "accelerator" object with peak_flops and memory_bandwidth_bytes_per_s)'
     )
     return out

@@ -248,15 +248,17 @@ def _durations_by_kind(
     if kinds & {"I", "W"} and (i_t is None or w_t is None):
         raise ConfigError(
             f"schedule {schedule.name!r} splits the backward into I and W: input_time and weight_time are "
-            "required (--input-time, --weight-time); a full backward time does not say how to split it"
+            "required; a full backward time does not say how to split it",
+            params=("input_time", "weight_time"),
         )
     if "B" in kinds and b_t is None:
         if i_t is not None and w_t is not None:
             b_t = [a + b for a, b in zip(i_t, w_t, strict=True)]
         else:
             raise ConfigError(
-                f"schedule {schedule.name!r} runs full backwards: backward_time is required (--backward-time), "
-                "or both input_time and weight_time"
+                f"schedule {schedule.name!r} runs full backwards: backward_time is required, "
+                "or both input_time and weight_time",
+                params=("backward_time", "input_time", "weight_time"),
             )
     zero = [0.0] * nst
     return {"F": f_t, "B": b_t or zero, "I": i_t or zero, "W": w_t or zero}

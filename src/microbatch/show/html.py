@@ -263,7 +263,10 @@ def build_report(
     """
     out = Path(out_path)
     if out.suffix.lower() not in (".html", ".htm"):
-        raise ConfigError(f"report path {str(out)!r} must end in .html; for example --out report.html")
+        raise ConfigError(
+            f"report path {str(out)!r} must end in .html; for example out_path report.html",
+            params=("out_path",),
+        )
     items = [(classify(r), r) if isinstance(r, dict) else r for r in results]
     png_dir = out.with_name(out.stem + "-figures") if png else None
     figs: list[Figure] = []

@@ -141,22 +141,24 @@ def use_line(d: Mapping[str, Any]) -> str:
     return f"use b_m = {b_m}, g = {g} (b_m x g x d = {b_m} x {g} x {dp} = {b_m * g * dp})"
 
 
-def cache_line(cache: Mapping[str, Any]) -> str:
+def cache_line(cache: Mapping[str, Any], again: str = "use_cache=False") -> str:
     """One line for an answer served (partly) from the cache: how many points, when they were
-    measured, where, and how to measure again."""
+    measured, where, and how to measure again (``again``: the caller's words for it; the command
+    line passes its flag)."""
     import time
 
     at = cache.get("oldest_measured_at")
     when = f", measured from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(at))}" if at else ""
     return (
         f"from the cache: {cache['points']} of {cache['points'] + cache['measured']} points{when} "
-        f"({cache['file']}); --no-cache (use_cache=False) measures them again"
+        f"({cache['file']}); {again} measures them again"
     )
 
 
-def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
+def render_tune(d: Mapping[str, Any], unit: str = "tokens/s", *, again: str = "use_cache=False") -> str:
     """Human text of a tune result dict: what was tuned, the curve and the choice, how it stopped,
-    and last the answer in one plain line (:func:`use_line`), where a terminal leaves the eye."""
+    and last the answer in one plain line (:func:`use_line`), where a terminal leaves the eye.
+    ``again``: how to measure cached points again, in the caller's words (:func:`cache_line`)."""
     head = (
         f"tune {d['model']} ({d['mode']}, seq {d['seq']}, {d['precision']}, {d['device_name']}, "
         f"torch {d['torch_version']})"
@@ -167,7 +169,7 @@ def render_tune(d: Mapping[str, Any], unit: str = "tokens/s") -> str:
         f"{d['wall_time_s']:.1f} s; memory method: {d['memory_method']}",
     ]
     if d.get("cache"):
-        tail.append(cache_line(d["cache"]))
+        tail.append(cache_line(d["cache"], again))
     if d.get("static_bytes"):
         what = "process, weights" + (", gradients, optimizer" if d["mode"] == "train" else "")
         tail.append(f"static memory ({what}): {format_bytes(d['static_bytes'], digits=0, unit='MiB')}")
