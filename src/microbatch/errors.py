@@ -9,7 +9,7 @@ The library speaks the caller's vocabulary: a message names a setting by its par
 config field or function argument, ``micro_batch``, ``hf_config``), never by a command-line flag,
 and the error carries those names in :attr:`ConfigError.params`. ``microbatch.commands._flags``
 rewrites each such name into the flag of the running command (``--micro-batch``), so the CLI user
-reads the flag they typed and a Python caller the argument they passed.
+reads the flag they typed and a Python caller the argument they passed (``docs/errors.md``).
 """
 
 from __future__ import annotations

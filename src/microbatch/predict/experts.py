@@ -1,28 +1,10 @@
 """Mixture-of-experts costs: rows per expert, expert activations, the all-to-all, expert parallelism.
 
 A MoE block (:class:`microbatch.moe.Experts`) routes each of a micro-batch's b·s tokens to K of E
-experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; DeepSeek-V3, arXiv 2412.19437 §2.1.2), plus
-S shared experts every token visits. **Expert parallelism** (EP, Lepikhin et al. 2020 "GShard")
-places E/EP experts on each of EP GPUs; a token's hidden state is sent to the GPUs of its experts
-(dispatch all-to-all) and its outputs sent back (combine all-to-all), twice more in the backward.
-
-**Layout** (Megatron-core's parallel state, ``expert_model_parallel_size``; "MoE parallel folding",
-Liu et al. 2025, arXiv 2504.14960): the GPUs stay t·p·d; the EP group is carved out of the
-data-parallel group (EP divides d), and the experts are split over the t tensor ranks as the dense
-MLP is (expert tensor parallel = t, Megatron's default). Each GPU therefore holds 1/(t·EP) of the
-routed experts and 1/t of everything else; expert gradients are reduced, and under ZeRO their
-optimizer state sharded, over the d/EP **expert-data-parallel** replicas (Megatron-core's expert-data-
-parallel group). Megatron-LM's ``theoretical_memory_usage`` counts the same parameters (its MoE and MLA
-terms; it leaves out the h×E router) but keeps every expert on each (p, t) shard, ignoring EP: at EP = 1
-the two agree (``tests/predict/test_moe.py`` holds them equal on random configurations); above it this
-model's expert state is 1/EP of Megatron's figure, which overstates what an EP rank holds.
-
-**Assumptions, stated**: dropless routing with every GPU receiving ``load`` × its balanced share
-b·s·K of token copies (``load`` = 1: DeepSeek-V3's auxiliary-loss-free balancing keeps experts even,
-§2.1.2; set above 1 for a measured imbalance), or, with a capacity factor c (GShard §2.2; Switch
-Transformer, Fedus et al. 2022 §2.2), buffers padded to c × the balanced share (tokens over it are
-dropped): ``load`` = c. The dense first blocks of DeepSeek-V3 are timed as MoE blocks (3 of 61; their
-MLP of 18,432 equals K·F + S·F = 8·2,048 + 2,048 active width).
+experts plus S shared ones; expert parallelism (EP, GShard) places E/EP experts on each of EP GPUs
+inside the data-parallel group, with a dispatch and a combine all-to-all. The layout (Megatron-core's),
+how it differs from Megatron-LM's memory formula, and the routing assumptions (dropless with a stated
+``load``, or a capacity factor) are in ``docs/moe.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Run a pipeline schedule on op durations: an event simulation, plus the closed forms.
 
-:func:`simulate` replays a :class:`~microbatch.schedules.action.Schedule` the way the ranks run it:
-each rank executes its own list in order, and an op starts at ``max(rank free, every
-dependency done + comm)``, where ``comm`` (point-to-point latency) is paid only when the
-dependency ran on another rank; a forward that torch overlaps with the next action
-(:attr:`~microbatch.schedules.action.Schedule.overlapped`, DualPipeV) counts as done for the other
-ranks when that action ends, as torch sends its output then. It is dependency-driven, not a lock-step grid: a rank that
-waits is parked on the one op it waits for and woken when that op ends, so the cost is
-linear in the number of actions.
-
-Times are in whatever unit the caller gives (seconds, milliseconds, "one forward"). A time is
-a number (every virtual stage the same) or a sequence with one entry per *virtual* stage.
-
-Units of memory: an *activation chunk* is one micro-batch's stashed activations of one
-virtual stage (1/v of a rank's layers). ``peak_in_flight`` is given in micro-batches of a
-whole rank's layers (chunks / v), so 1F1B reads [4, 3, 2, 1] for p = 4 and interleaved 1F1B's
-first rank reads p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022, sec 4.2.3).
-A micro-batch is *in flight* from the end of its forward until the end of the last part of its
-backward (B, or W when the backward is split; DualPipeV splits some micro-batches and not others).
-
-The closed forms of the bubble live in :mod:`microbatch.schedules.closed_forms` and are re-exported here
-(:func:`bubble_fraction`, :func:`bubble_ratio`, :func:`zb_idle_time`, :func:`dualpipev_idle_time`).
-
-The in-flight closed forms are the schedules' in-flight rules (:mod:`microbatch.schedules.rules`,
-read through :func:`microbatch.schedules.registry.in_flight_formula`).
+:func:`simulate` replays a :class:`~microbatch.schedules.action.Schedule` as the ranks run it, each
+rank its own list in order, an op starting at ``max(rank free, every dependency done + comm)``;
+dependency-driven, so linear in the number of actions. Times are in the caller's unit, one number or
+one per virtual stage; ``peak_in_flight`` counts micro-batches of a whole rank's layers. The rules
+(overlapped forwards, what "in flight" means, the units) are in ``docs/simulate.md``; the bubble's
+closed forms are :mod:`microbatch.schedules.closed_forms` (re-exported here), the in-flight ones the
+registry's rules (:func:`microbatch.schedules.registry.in_flight_formula`).
 """
 
 from __future__ import annotations
