@@ -87,7 +87,8 @@ class ModelShape:
             raise ConfigError(
                 f"heads {self.heads} do not divide hidden {self.hidden}; each head needs hidden/heads "
                 f"whole dimensions; use hidden in {', '.join(str(n) for n in near if n > 0)} or heads among "
-                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80]
+                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80],
+                params=("heads", "hidden"),
             )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"norm {self.norm!r} is not known; use 'layernorm' or 'rmsnorm'")

@@ -134,7 +134,9 @@ def test_cli_shape_flags_bad_input_exit_2(capsys):
     )
     assert rc == 2
     err = capsys.readouterr().err
-    assert "heads 12 do not divide hidden 770" in err and "Traceback" not in err
+    # the flags the user typed (the library's message names the fields: test_shape_validation_messages)
+    assert "--heads 12 do not divide --hidden 770" in err and "use --hidden in 768, 780" in err
+    assert "hidden/heads" in err and "Traceback" not in err
 
 
 def test_cli_hf_config_and_override(tmp_path, capsys):
