@@ -76,3 +76,27 @@ def test_given_figures_are_not_remeasured(monkeypatch):
     monkeypatch.setattr(validation, "measure_cpu", _machine([]))  # any call fails (StopIteration)
     out = validation.validate_result(_cpu_result(), cpu_peak_gflops=50, cpu_bandwidth_gbs=10)
     assert "remeasured" not in out["accelerator"] and out["accelerator"]["peak_flops"]["fp32"] == 50e9
+
+
+def test_predict_returns_values_and_show_writes_the_summary():
+    """predict/ gives the errors as numbers and no sentence; show/ writes the summary from those numbers,
+    where ``validate --json`` has always had it (after ``rows``), and the text rendering carries it."""
+    from microbatch.show.validation import render_validation, validation_summary, with_summary
+
+    d = validation.validate_result(_cpu_result(), cpu_peak_gflops=50, cpu_bandwidth_gbs=10)
+    assert "summary" not in d and not any(isinstance(v, str) and " " in v for v in d["errors"].values())
+    e = d["errors"]
+    line = validation_summary(d)
+    assert line.startswith(
+        f"small s={SHAPE.seq} fp32 on cpu: calibrated on b_m 1, 2, 4, at the largest b_m 8 "
+    )
+    assert (
+        f"step time {100 * e['step_calibrated']:+.1f}% (uncalibrated {100 * e['step_uncalibrated']:+.1f}%"
+        in line
+    )
+    assert ("target ±10%: met" in line) == e["step_met"] and ("target ±5%: met" in line) == e["memory_met"]
+    full = with_summary(d)
+    keys = list(full)
+    assert keys.index("summary") == keys.index("rows") + 1 and full["summary"] == line
+    assert {k: v for k, v in full.items() if k != "summary"} == d
+    assert line in render_validation(full).splitlines()
