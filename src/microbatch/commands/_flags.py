@@ -23,7 +23,6 @@ PARAM_DESTS: dict[str, str] = {
     "memory_budget_bytes": "memory_budget",
     "flash_attention": "flash",
     "schedule": "schedule_name",
-    "calibration_file": "calibration",
     "shape": "model",
     "memory_key": "memory",
 }
