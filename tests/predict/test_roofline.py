@@ -316,3 +316,21 @@ def test_launch_floor_by_hand():
             efficiency=RooflineEfficiency(launch_s_per_kernel=0),
         ).elementwise_s
     )
+
+
+def test_rows_below_one_tile_are_charged_once_by_the_ramp():
+    """Fewer rows than a tile: the measured ramp rows/(rows + 140) owns the loss, tile quantisation does not."""
+    from microbatch.predict.roofline import k_efficiency
+
+    # 16 rows × 108·128 columns on 108 SMs: one wave of 108 column tiles, nothing lost to quantisation
+    assert wave_efficiency(16, 128 * 108, 108) == 1.0
+    assert wave_efficiency(16, 128 * 109, 108) == pytest.approx(109 / 216)  # the column waves still count
+    assert wave_efficiency(200, 128 * 54, 108) == pytest.approx(200 / 256)  # above a tile: 2 row tiles
+    # compute time by hand at 16 rows, k 8,192, n 128·108 on an A100 (bandwidth bound removed)
+    eff = RooflineEfficiency()
+    rows, k, n = 16, 8192, 128 * 108
+    rate = A100.flops("bf16") * 0.8 * k_efficiency(k, A100) * rows / (rows + 140)
+    compute = 2 * rows * k * n / rate
+    memory = 2 * (rows * k + k * n + rows * n) / (A100.memory_bandwidth_bytes_per_s * 0.8)
+    assert gemm_time_s(rows, k, n, A100, efficiency=eff) == pytest.approx(max(compute, memory), rel=1e-12)
+    assert compute > memory  # the hand value above is the compute side, so the ramp is what is checked

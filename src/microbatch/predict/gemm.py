@@ -155,10 +155,18 @@ def wave_efficiency(
     tiles = ⌈rows/T_r⌉·⌈n/T_c⌉ run in ⌈tiles/units⌉ waves, each as long as one full tile: efficiency
     rows·n / (waves·units·T_r·T_c) (NVIDIA "Matrix Multiplication Background" guide: tile and wave
     quantisation). 1 when units or tiles are unknown.
+
+    Fewer rows than one tile (rows < T_r) are not charged here: cuBLAS then runs a shorter tile, and the
+    cost of that choice is :func:`row_efficiency`'s measured ramp (``RooflineEfficiency.ramp_rows``).
+    Charging both, rows/T_r here and rows/(rows + R) there, counted the same loss twice: at 16 rows
+    16/128 × 16/156 = 1.3% of the large-GEMM rate where the ramp alone says 10%. The waves over the column
+    tiles still count: efficiency n / (waves·units·T_c) with ⌈n/T_c⌉ tiles.
     """
     if not units or not tile_rows or not tile_cols:
         return 1.0
     tiles = math.ceil(rows / tile_rows) * math.ceil(n / tile_cols)
+    if rows < tile_rows:  # one partial row of tiles: its loss is the small-row ramp's (see below)
+        tile_rows = rows
     waves = math.ceil(tiles / units)
     return rows * n / (waves * units * tile_rows * tile_cols)
 
@@ -189,7 +197,8 @@ def row_efficiency(
     rows: float, acc: Accelerator, efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY
 ) -> float:
     """rows / (rows + R), R = ``efficiency.ramp_rows``: the small-row ramp of GPU GEMMs (measured on an
-    H200, see the field); 1 on accelerators without compute units (CPUs) or with R = 0."""
+    H200, see the field); 1 on accelerators without compute units (CPUs) or with R = 0. The one term that
+    owns the loss of GEMMs with fewer rows than a tile (:func:`wave_efficiency` does not charge them)."""
     if not acc.compute_units or not efficiency.ramp_rows:
         return 1.0
     return rows / (rows + efficiency.ramp_rows)
