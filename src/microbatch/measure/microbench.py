@@ -1,0 +1,346 @@
+"""Kernel microbenchmark of the current device: the measured terms a calibration gives the planner.
+
+Times, on the current device, what the step-time model (:mod:`microbatch.predict.roofline`) charges:
+
+- the layer GEMMs of a model shape (QKV, projection, the MLP's two, the output layer) at rows b_m·s for
+  a few b_m, and a small grid of M, N, K so the GEMM efficiency curve can be read between them;
+- causal attention (``torch.nn.functional.scaled_dot_product_attention``, forward) at a few sequence
+  lengths with the model's heads and head dimension, b·s held at the tokens of the largest b_m;
+- streaming kernels (copy, add, GeLU, LayerNorm) over a large tensor;
+- the host's floor per eager kernel launch;
+- all-reduce and all-gather over the initialised ``torch.distributed`` process group (skipped, and
+  said, when none is).
+
+Clock: CUDA events after warm-up on a GPU; on the CPU the calling thread's CPU clock
+(``time.thread_time``) with torch at one thread (as ``tune`` probes a small CPU: steady where other work
+shares the cores). Each figure is the median of its repeats; every item stops repeating after its share
+of ``budget_s``, and items past the budget are skipped and named (``MicrobenchResult.notes``). A Ctrl-C
+returns what was measured (``complete=False``). The record is :mod:`microbatch.microbench_record`;
+:mod:`microbatch.predict.kernel_calibration` turns it into the planner's kernel terms.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
+from microbatch.microbench_record import (
+    AttentionTiming,
+    CollectiveTiming,
+    GemmTiming,
+    MicrobenchResult,
+    StreamTiming,
+)
+from microbatch.model import ModelShape
+
+__all__ = [
+    "MicrobenchConfig",
+    "MicrobenchResult",
+    "layer_gemm_shapes",
+    "grid_gemm_shapes",
+    "attention_seqs",
+    "run_microbench",
+]
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobenchConfig:
+    """What to measure and how long it may take."""
+
+    shape: ModelShape
+    """The model whose layer GEMMs, heads and head dimension are measured (at its ``seq``)."""
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    """b_m whose rows b_m·s the layer GEMMs are measured at."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (``cuda:N``)."""
+    dtype: str = "auto"
+    """``bf16``, ``fp16``, ``fp32``, or ``auto`` (bf16 on CUDA, fp32 on the CPU)."""
+    quick: bool = False
+    """Small grid and tensors (a CPU run in seconds); the layer GEMMs stay the model's."""
+    repeats: int = 10
+    """Timed repeats per item (fewer when its share of the budget runs out)."""
+    warmup: int = 3
+    """Untimed calls before the repeats."""
+    budget_s: float = 20.0
+    """Wall seconds for the whole benchmark; items past it are skipped and named."""
+    threads: int = 1
+    """torch threads on the CPU (the thread clock counts the calling thread only, so 1 measures all work)."""
+
+    def __post_init__(self) -> None:
+        if not self.micro_batches:
+            raise ConfigError("micro_batches is empty; give at least one b_m, e.g. (1, 2, 4)")
+        for b in self.micro_batches:
+            check_positive_int("micro_batches", b)
+        check_positive_int("repeats", self.repeats)
+        check_positive_int("threads", self.threads)
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.budget_s > 0:
+            raise ConfigError(f"budget_s must be > 0 seconds, got {self.budget_s}; e.g. 20")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r} is neither cpu nor cuda (cuda:N)")
+        if self.device == "cpu" and self.dtype in ("bf16", "fp16"):
+            raise ConfigError(
+                f"dtype {self.dtype} on the CPU times emulated half precision, not the planner's kernels; "
+                "use fp32 (or auto) on the CPU"
+            )
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype that runs: ``auto`` is bf16 on CUDA, fp32 on the CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if self.device.startswith("cuda") else "fp32"
+
+
+def layer_gemm_shapes(shape: ModelShape, rows: int) -> list[tuple[str, int, int, int]]:
+    """(label, rows, k, n) of one layer's GEMMs and the output layer, as :func:`~microbatch.predict.roofline.layer_forward`
+    charges them at t = 1: QKV ``h → h + 2·kv·d``, projection ``h → h``, MLP ``h → f`` (2f gated) and ``f → h``,
+    logits ``h → V``."""
+    h, f = shape.hidden, shape.ffn
+    kvd = shape.kv * shape.head_dim
+    return [
+        ("qkv", rows, h, h + 2 * kvd),
+        ("proj", rows, h, h),
+        ("fc1", rows, h, (2 if shape.gated_mlp else 1) * f),
+        ("fc2", rows, f, h),
+        ("logits", rows, h, shape.vocab),
+    ]
+
+
+def grid_gemm_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
+    """The M × (K = N) grid: rows 128 … 8,192 and widths 1,024 … 8,192 (quick: rows 16 … 256, widths 64, 256)."""
+    rows, widths = ((16, 64, 256), (64, 256)) if quick else ((128, 512, 2048, 8192), (1024, 4096, 8192))
+    return [("grid", m, w, w) for w in widths for m in rows]
+
+
+def attention_seqs(seq: int, quick: bool) -> tuple[int, ...]:
+    """Key lengths for attention: s/4, s/2, s (and 2s unless quick), at least 16."""
+    out = {max(16, seq // 4), max(16, seq // 2), seq} | (set() if quick else {2 * seq})
+    return tuple(sorted(out))
+
+
+@dataclass
+class _Bench:
+    """The running benchmark: its clock, its budget and what it has measured so far."""
+
+    cfg: MicrobenchConfig
+    torch: Any
+    cuda: bool
+    acc: Accelerator | None
+    t_start: float = field(default_factory=time.perf_counter)
+    skipped: list[str] = field(default_factory=list)
+
+    def left_s(self) -> float:
+        return self.cfg.budget_s - (time.perf_counter() - self.t_start)
+
+    def time_s(self, fn: Callable[[], Any], share_s: float) -> float | None:
+        """Median seconds of ``fn`` after warm-up, repeating until ``repeats`` or ``share_s``; None past the budget."""
+        if self.left_s() <= 0:
+            return None
+        torch, t_end = self.torch, time.perf_counter() + max(share_s, 0.0)
+        for _ in range(self.cfg.warmup):
+            fn()
+        if self.cuda:
+            torch.cuda.synchronize()
+        times: list[float] = []
+        while len(times) < self.cfg.repeats and (not times or time.perf_counter() < t_end):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.thread_time()
+                fn()
+                times.append(time.thread_time() - t0)
+        return statistics.median(times)
+
+
+def _peak(acc: Accelerator | None, dtype: str) -> float | None:
+    return acc.flops(dtype) if acc is not None else None
+
+
+def _frac(value: float, ref: float | None) -> float | None:
+    return value / ref if ref else None
+
+
+def _gemms(b: _Bench, shapes: list[tuple[str, int, int, int]], dtype: Any, out: list[GemmTiming]) -> None:
+    torch, dev = b.torch, b.cfg.device
+    peak = _peak(b.acc, b.cfg.resolved_dtype)
+    for i, (label, m, k, n) in enumerate(shapes):
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        w = torch.randn(k, n, device=dev, dtype=dtype)
+        s = b.time_s(lambda x=x, w=w: torch.matmul(x, w), 0.5 * b.left_s() / max(1, len(shapes) - i))
+        if s is None:
+            b.skipped.append(f"GEMM {label} {m}×{k}×{n}")
+            continue
+        fl = 2.0 * m * k * n / s
+        out.append(
+            GemmTiming(
+                label=label, rows=m, k=k, n=n, seconds=s, flops_per_s=fl, fraction_of_peak=_frac(fl, peak)
+            )
+        )
+
+
+def _attention(b: _Bench, dtype: Any, out: list[AttentionTiming]) -> None:
+    torch, dev, sh = b.torch, b.cfg.device, b.cfg.shape
+    peak = _peak(b.acc, b.cfg.resolved_dtype)
+    tokens = max(b.cfg.micro_batches) * sh.seq
+    seqs = attention_seqs(sh.seq, b.cfg.quick)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for i, s_len in enumerate(seqs):
+        batch = max(1, tokens // s_len)
+        q, k, v = (
+            torch.randn(batch, sh.heads, s_len, sh.head_dim, device=dev, dtype=dtype) for _ in range(3)
+        )
+        s = b.time_s(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=True), 0.3 * b.left_s() / (len(seqs) - i))
+        if s is None:
+            b.skipped.append(f"attention s={s_len}")
+            continue
+        fl = 4.0 * batch * sh.heads * s_len * s_len * sh.head_dim / 2  # causal: half the blocks
+        out.append(
+            AttentionTiming(seq=s_len, heads=sh.heads, head_dim=sh.head_dim, batch=batch, seconds=s,
+                            flops_per_s=fl / s, fraction_of_peak=_frac(fl / s, peak))
+        )  # fmt: skip
+
+
+def _stream(b: _Bench, dtype: Any, out: list[StreamTiming]) -> None:
+    torch, dev = b.torch, b.cfg.device
+    n_el = (4 if b.cfg.quick else 64) * 2**20
+    width = 1024
+    x = torch.randn(n_el, device=dev, dtype=dtype)
+    y = torch.randn(n_el, device=dev, dtype=dtype)
+    xl = x.view(-1, width)
+    e = x.element_size()
+    bw = b.acc.memory_bandwidth_bytes_per_s if b.acc is not None else None
+    ln = torch.nn.functional.layer_norm
+    kernels = (
+        ("copy", lambda: y.copy_(x), 2 * n_el * e),
+        ("add", lambda: torch.add(x, y), 3 * n_el * e),
+        ("gelu", lambda: torch.nn.functional.gelu(x), 2 * n_el * e),
+        ("layernorm", lambda: ln(xl, (width,)), 2 * n_el * e),
+    )
+    for i, (name, fn, nbytes) in enumerate(kernels):
+        s = b.time_s(fn, 0.5 * b.left_s() / (len(kernels) - i))
+        if s is None:
+            b.skipped.append(f"stream {name}")
+            continue
+        out.append(StreamTiming(kernel=name, nbytes=nbytes, seconds=s, bytes_per_s=nbytes / s,
+                                fraction_of_bandwidth=_frac(nbytes / s, bw)))  # fmt: skip
+
+
+def _launch_s(b: _Bench) -> float | None:
+    """Wall seconds per tiny eager kernel: 2,000 in-place adds on a one-element tensor."""
+    if b.left_s() <= 0:
+        b.skipped.append("launch floor")
+        return None
+    torch = b.torch
+    one = torch.ones(1, device=b.cfg.device)
+    for _ in range(100):
+        one.add_(1.0)
+    if b.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        one.add_(1.0)
+    if b.cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 2000
+
+
+def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list[str]) -> None:
+    """All-reduce and all-gather over the initialised process group; a note when there is none."""
+    from microbatch.measure.device import distributed
+
+    dist = distributed()
+    if dist is None:
+        notes.append("no torch.distributed process group is initialised: collectives not measured")
+        return
+    torch, n = b.torch, dist.get_world_size()
+    if n < 2:
+        notes.append("the process group has one rank: collectives not measured")
+        return
+    numel = (2 if b.cfg.quick else 64) * 2**20 // 2
+    x = torch.randn(numel, device=b.cfg.device, dtype=dtype)
+    parts = [torch.empty(numel // n, device=b.cfg.device, dtype=dtype) for _ in range(n)]
+    link = b.acc.intra_node_bytes_per_s if b.acc is not None else None
+    nbytes = numel * x.element_size()
+    for op, fn, factor in (
+        ("all_reduce", lambda: dist.all_reduce(x), 2.0 * (n - 1) / n),
+        ("all_gather", lambda: dist.all_gather(parts, parts[0]), (n - 1) / n),
+    ):
+        s = b.time_s(fn, 0.25 * b.left_s())
+        if s is None:
+            b.skipped.append(f"collective {op}")
+            continue
+        bus = factor * nbytes / s
+        out.append(CollectiveTiming(op=op, nbytes=nbytes, world_size=n, seconds=s, bus_bytes_per_s=bus,
+                                    fraction_of_link=_frac(bus, link)))  # fmt: skip
+
+
+def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
+    cuda = cfg.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError(f"device {cfg.device} was asked for but torch sees no CUDA device; use device cpu")
+    name = torch.cuda.get_device_name(torch.device(cfg.device)) if cuda else "cpu"
+    key = match_accelerator(name) if cuda else None
+    return cuda, name, ACCELERATORS[key] if key else None
+
+
+def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
+    """Measure the kernels (module docstring) and return the typed result; Ctrl-C returns what was measured."""
+    import torch
+
+    cuda, name, acc = _device(cfg, torch)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.resolved_dtype]
+    before = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(cfg.threads)
+    if cuda:
+        torch.cuda.set_device(torch.device(cfg.device))
+    b = _Bench(cfg=cfg, torch=torch, cuda=cuda, acc=acc)
+    gemms: list[GemmTiming] = []
+    attn: list[AttentionTiming] = []
+    stream: list[StreamTiming] = []
+    coll: list[CollectiveTiming] = []
+    notes: list[str] = []
+    launch: float | None = None
+    complete = True
+    layer = [g for bm in cfg.micro_batches for g in layer_gemm_shapes(cfg.shape, bm * cfg.shape.seq)]
+    try:
+        with torch.no_grad():
+            _gemms(b, layer, dtype, gemms)
+            _attention(b, dtype, attn)
+            _stream(b, dtype, stream)
+            launch = _launch_s(b)
+            _gemms(b, grid_gemm_shapes(cfg.quick), dtype, gemms)
+            _collectives(b, dtype, coll, notes)
+    except KeyboardInterrupt:
+        complete = False
+        notes.append("interrupted: the items listed were measured, the rest were not")
+    finally:
+        torch.set_num_threads(before)
+    if b.skipped:
+        notes.append(f"past the {cfg.budget_s:g} s budget, not measured: {', '.join(b.skipped)}")
+    if acc is None:
+        notes.append(f"{name} is not in the accelerator table: no fractions of peak")
+    return MicrobenchResult(
+        device="cuda" if cuda else "cpu", device_name=name, accelerator=acc.name if acc else None,
+        torch_version=str(torch.__version__), dtype=cfg.resolved_dtype,
+        timer="CUDA events" if cuda else f"thread CPU clock (time.thread_time), {cfg.threads} torch thread(s)",
+        model=cfg.shape.name, seq=cfg.shape.seq, micro_batches=tuple(cfg.micro_batches), gemms=tuple(gemms),
+        attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
+        seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
+    )  # fmt: skip

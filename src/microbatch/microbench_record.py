@@ -1,0 +1,180 @@
+"""The result of a kernel microbenchmark (``microbatch bench-gpu``) as a typed value and its JSON.
+
+Written by :mod:`microbatch.measure.microbench` (which times the kernels) and read by
+:mod:`microbatch.predict.kernel_calibration` (which turns them into the planner's kernel terms): the two
+are peers that do not import each other, so the record they share lives here, below both. Pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from microbatch.errors import ConfigError
+
+__all__ = [
+    "KIND",
+    "GemmTiming",
+    "AttentionTiming",
+    "StreamTiming",
+    "CollectiveTiming",
+    "MicrobenchResult",
+]
+
+KIND = "microbench"
+"""The ``kind`` field that tells a microbenchmark file from a tune result or a saved calibration."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmTiming:
+    """One GEMM ``[rows, k] × [k, n]``: median seconds and what they achieve."""
+
+    label: str
+    """``qkv``, ``proj``, ``fc1``, ``fc2``, ``logits`` (a layer GEMM of the model) or ``grid``."""
+    rows: int
+    """M: rows of the input (b_m·s for a layer GEMM)."""
+    k: int
+    """K: the inner dimension."""
+    n: int
+    """N: output columns."""
+    seconds: float
+    """Median seconds of one GEMM."""
+    flops_per_s: float
+    """2·rows·k·n / seconds."""
+    fraction_of_peak: float | None = None
+    """flops_per_s over the accelerator table's peak in this dtype (None: the device is not in the table)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionTiming:
+    """Causal scaled-dot-product attention (forward) at one sequence length."""
+
+    seq: int
+    """s: query and key length."""
+    heads: int
+    """Heads."""
+    head_dim: int
+    """d: head dimension."""
+    batch: int
+    """Sequences."""
+    seconds: float
+    """Median seconds of one forward."""
+    flops_per_s: float
+    """Causal FLOPs (half of 4·b·a·s²·d) / seconds."""
+    fraction_of_peak: float | None = None
+    """flops_per_s over the table's peak (None: not in the table)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamTiming:
+    """One memory-bound kernel over a large tensor."""
+
+    kernel: str
+    """``copy``, ``add``, ``gelu`` or ``layernorm``."""
+    nbytes: int
+    """Bytes read plus written."""
+    seconds: float
+    """Median seconds."""
+    bytes_per_s: float
+    """nbytes / seconds."""
+    fraction_of_bandwidth: float | None = None
+    """bytes_per_s over the table's memory bandwidth (None: not in the table)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveTiming:
+    """One ring collective over the initialised process group."""
+
+    op: str
+    """``all_reduce`` or ``all_gather``."""
+    nbytes: int
+    """Bytes of the (output) tensor."""
+    world_size: int
+    """Ranks in the group."""
+    seconds: float
+    """Median seconds."""
+    bus_bytes_per_s: float
+    """Bus bandwidth (nccl-tests' convention): all-reduce 2(n−1)/n · bytes / s, all-gather (n−1)/n · bytes / s."""
+    fraction_of_link: float | None = None
+    """bus_bytes_per_s over the table's intra-node link bandwidth (None: not in the table)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobenchResult:
+    """What one microbenchmark measured on one device, with where and how."""
+
+    device: str
+    """``cpu`` or ``cuda``."""
+    device_name: str
+    """The device's own name (``torch.cuda.get_device_name``; ``cpu``)."""
+    accelerator: str | None
+    """The accelerator table's key for it (None: not in the table)."""
+    torch_version: str
+    """torch.__version__ that ran it."""
+    dtype: str
+    """``bf16``, ``fp16`` or ``fp32``."""
+    timer: str
+    """How seconds were taken (CUDA events, or the thread's CPU clock)."""
+    model: str = ""
+    """The model whose layer GEMMs were measured."""
+    seq: int = 0
+    """Its sequence length."""
+    micro_batches: tuple[int, ...] = ()
+    """The b_m whose rows b_m·s were measured."""
+    gemms: tuple[GemmTiming, ...] = ()
+    """Layer GEMMs of the model, then the M, N, K grid."""
+    attention: tuple[AttentionTiming, ...] = ()
+    """Causal SDPA at a few sequence lengths."""
+    stream: tuple[StreamTiming, ...] = ()
+    """Copy, add, GeLU, LayerNorm."""
+    collectives: tuple[CollectiveTiming, ...] = ()
+    """All-reduce and all-gather when a process group was initialised."""
+    launch_s_per_kernel: float | None = None
+    """Wall seconds per tiny eager kernel (the host's launch floor)."""
+    seconds_total: float = 0.0
+    """Wall seconds the whole benchmark took."""
+    complete: bool = True
+    """False when it was interrupted: what is here was measured, the rest was not."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """What was skipped and why."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with ``"kind": "microbench"``."""
+        return {"kind": KIND, **asdict(self)}
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as JSON text."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MicrobenchResult:
+        """The result :meth:`to_dict` wrote (an envelope's ``result`` or the bare object)."""
+        d = d.get("result", d) if isinstance(d.get("result"), dict) else d
+        try:
+            if d.get("kind") != KIND:
+                raise ValueError(f"kind is {d.get('kind')!r}, not {KIND!r}")
+            rows = {k: v for k, v in d.items() if k != "kind"}
+            return cls(
+                **{
+                    **rows,
+                    "micro_batches": tuple(rows.get("micro_batches", ())),
+                    "gemms": tuple(GemmTiming(**g) for g in rows.get("gemms", ())),
+                    "attention": tuple(AttentionTiming(**a) for a in rows.get("attention", ())),
+                    "stream": tuple(StreamTiming(**s) for s in rows.get("stream", ())),
+                    "collectives": tuple(CollectiveTiming(**c) for c in rows.get("collectives", ())),
+                    "notes": tuple(rows.get("notes", ())),
+                }
+            )
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(
+                f"not a microbenchmark result ({type(e).__name__}: {e}); give the file bench-gpu wrote"
+            ) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> MicrobenchResult:
+        """:meth:`from_dict` of JSON text."""
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"microbenchmark result is not JSON ({e.msg} at line {e.lineno})") from None
