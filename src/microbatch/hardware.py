@@ -216,11 +216,11 @@ _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B
 _NVLINK_IB = (0.82, 0.96)
 """Achievable fractions of NVLink and InfiniBand (see ``Accelerator.intra_node_achievable``)."""
 
-_ATTN_HOPPER = 0.389
+_ATTN_HOPPER = 0.417
 """Causal flash-attention ceiling on Hopper: 0.348 of the bf16 peak measured on an H200 by
 ``bench/gpu_microbench.py`` (``bench/results/h200-2026-11-30b/run1/microbench.json``: PyTorch SDPA,
-is_causal, s 2,048, 32 heads of 128, the causal half of the FLOPs counted), over the ramp
-2,048/(2,048 + s₀) of :data:`microbatch.predict.attention.FLASH_SEQ_HALF`: 0.348 × 2,289/2,048 = 0.389.
+is_causal, s 2,048, 32 heads of 128, the causal half of the FLOPs counted), over the causal forward's
+ramp 2,048/(2,048 + 404) at d = 128 (:data:`microbatch.predict.attention.FA2_CURVES`): 0.348 × 2,452/2,048 = 0.417.
 Carried to the other Hopper parts as a share of their own peak (an assumption: the PCIe and NVL
 cards' lower power limits may cost more)."""
 # A100: no causal flash ceiling is set. FlashAttention-2 (Dao 2023, arXiv 2307.08691) reaches "50-73% of the
@@ -228,7 +228,7 @@ cards' lower power limits may cost more)."""
 # was not read here, and 0.73 (the top, non-causal forward) would make a causal A100 step faster than the rule
 # it replaces (0.4 of peak forward, 0.5 backward, in the kernel's own FLOP count). The A100 rows keep that rule.
 _ATTENTION_SOURCES = {
-    _ATTN_HOPPER: "; attention: causal flash ceiling 0.389 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
+    _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
 }
 
 ACCELERATORS: dict[str, Accelerator] = {

@@ -104,8 +104,8 @@ def test_issue28_rows_and_the_flash_ceiling():
     assert from_device_name("NVIDIA H800").name == "h800"
     assert from_device_name("NVIDIA H100 NVL").name == "h100-nvl"
     assert from_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
-    # the Hopper ceiling reproduces the H200's measured 0.348 at s = 2,048 through the ramp
-    assert sxm.attention_fraction == pytest.approx(0.3477 * (2048 + 241) / 2048, abs=1e-3)
+    # the Hopper ceiling reproduces the H200's measured 0.348 at s = 2,048 through the causal ramp (s0 404)
+    assert sxm.attention_fraction == pytest.approx(0.3477 * (2048 + 404) / 2048, abs=1e-3)
     assert get_accelerator("a100-80gb").attention_fraction is None  # no causal kernel evidence read
     assert "attention" in sxm.source
     assert (

@@ -2,7 +2,7 @@
 
 A flash kernel (Dao et al. 2022, 2023) never writes the s×s scores to memory; its time is its FLOPs
 over the rate the kernel reaches, and that rate is far below a large GEMM's: the softmax between the
-two matmuls, the causal mask's diagonal blocks and the kernel's own prologue cost it. Three terms,
+two matmuls, the causal mask's diagonal blocks and the kernel's own prologue cost it. Four terms,
 each a pure function:
 
 - :func:`causal_flash_flops`: a causal kernel skips the blocks above the diagonal, so it runs half
@@ -12,42 +12,65 @@ each a pure function:
   dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀ·Q) against the forward's two: 5/2 of the forward's FLOPs
   (FlashAttention-2, Dao 2023, Algorithm 2; the flash-attention repository's benchmark counts the
   backward the same way).
-- :func:`flash_rate_fraction`: the share of the accelerator's peak the kernel reaches at key length
-  s, ``f∞ · s / (s + s₀)``, with f∞ the accelerator's ``Accelerator.attention_fraction`` (the
-  ceiling, cited in each row) and s₀ = :data:`FLASH_SEQ_HALF` (the ramp, from kernel benchmarks).
+- :func:`flash_shape_factor`: how the kernel's rate moves with key length s, head dimension d, causal
+  masking and direction, relative to its long-sequence causal forward rate at d = 128: the FA2 kernel's
+  published curves (:data:`FA2_CURVES`), each ``R·s/(s + s₀)``.
+- :func:`flash_rate_fraction`: the share of the accelerator's peak the kernel reaches, f∞ × that factor,
+  with f∞ the accelerator's ``Accelerator.attention_fraction`` (the causal forward ceiling at d = 128,
+  cited in each row).
 
-What it ignores: the head dimension (kernels at d = 64 reach less than at d = 128), a backward rate
-below the forward's (both taken at one rate), the SDPA backend a framework picks (cuDNN or FA3 on
-Hopper reach more than the FA2-class kernel the ceilings describe). Pure Python: no torch.
+What it ignores: head dimensions outside 64–128 (taken at the nearer end: no FA2 causal figure for
+d = 256 was read), the causal backward (not published: its curve is composed from the causal forward's
+and the non-causal backward's, see :data:`FA2_CURVES`), the SDPA backend a framework picks (cuDNN or FA3
+on Hopper reach more than the FA2-class kernel the ceilings describe: :data:`FA3_HOPPER_CEILING`).
+Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
-    "FLASH_SEQ_HALF",
+    "FA2_CURVES",
     "FLASH_BACKWARD_RATIO",
     "FA3_HOPPER_CEILING",
     "causal_flash_flops",
     "flash_backward_flops",
+    "flash_shape_factor",
     "flash_rate_fraction",
     "flash_attention_times_s",
 ]
 
-FLASH_SEQ_HALF = 241.0
-"""s₀: the key length at which a flash-attention kernel reaches half its long-sequence rate (tokens).
+FA2_CURVES: dict[tuple[int, bool, bool], tuple[float, float]] = {
+    (64, False, False): (327.0, 78.0),
+    (128, False, False): (377.0, 104.0),
+    (64, True, False): (308.0, 359.0),
+    (128, True, False): (350.0, 404.0),
+    (64, False, True): (296.0, 252.0),
+    (128, False, True): (329.0, 274.0),
+}
+"""(R TFLOP/s, s₀ tokens) of FlashAttention-2 on an H100 SXM5 (bf16, B·s = 16k tokens, H·d = 2,048) by
+(head dim, causal, backward): least-squares fits of R·s/(s + s₀) to the FA2 bars of FlashAttention-3's
+Figures 5 and 6 (Shah et al. 2024, arXiv 2407.08608), s = 512 … 16k. Forward, not causal, d 64: 282, 306, 318,
+321, 322, 324; d 128: 309, 350, 362, 368, 370, 370. Forward, causal, d 64: 180, 229, 262, 284, 295, 299; d 128:
+191, 260, 298, 319, 333, 335. Backward, not causal, d 64: 198, 238, 264, 279, 287, 291; d 128: 214, 260, 291,
+310, 318, 322. Every point lies within 3.5% of its curve (within 2% but the causal d-128 forward's). A kernel
+benchmark, not a step time. The causal mask lengthens the ramp (s₀ 78–104 → 359–404: the diagonal blocks'
+masking and their load imbalance), d = 64 lowers the plateau (0.87 of d = 128 forward, 0.90 backward), the
+backward runs at 0.87 of the forward's rate. No causal backward is published there: its curve is taken as
+the non-causal backward's with the causal forward's ratio of plateaus and its added s₀
+(:func:`flash_shape_factor`)."""
 
-From an H100 kernel benchmark, not a step time: pytorch/benchmark pull request 2391 (tritonbench
-``flash_attention``, d_head 128, B·s = 16,384 tokens, H·d = 2,048) lists the Triton tutorial's FA2
-kernel at 329, 390, 434, 458, 471, 477 TFLOP/s and FlashAttention-3 at 430, 517, 566, 590, 614, 621 TFLOP/s
-for s = 512 … 16,384. Fitting R·s/(s + s₀) through the two ends gives s₀ = 241 for FA2 (512 and
-16,384) and 241 for FA3 (512 and 8,192); every other point of both kernels lies within 1.5% of the curve."""
+_REFERENCE = (128, True, False)
+"""The curve the accelerator ceilings describe: causal forward at d = 128."""
 
-FA3_HOPPER_CEILING = 0.639
+FA3_HOPPER_CEILING = 0.625
 """Ceiling of a Hopper-specific kernel (FlashAttention-3; cuDNN's fused attention, which Transformer Engine
-runs under Megatron-core and NeMo, is taken to be of its class — an assumption, not a measurement): the
-same benchmark's FA3 curve R·s/(s + s₀) has R = 632 TFLOP/s, 0.639 of the H100 SXM's 989.4 (forward,
-not causal: optimistic for a causal backward). Give it with ``--gpu-set attention_fraction=0.639``; the
-accelerator rows carry the FA2-class ceiling PyTorch's SDPA reaches."""
+runs under Megatron-core and NeMo, is taken to be of its class — an assumption, not a measurement): the FA3
+bars of the causal d-128 forward in FlashAttention-3's Figure 5 (292, 423, 521, 579, 602, 616 TFLOP/s for
+s = 512 … 16k) fitted to R·s/(s + 404), the FA2 causal ramp: R = 618 TFLOP/s, 0.625 of the H100 SXM's 989.4
+(within 5% from s = 1k, 18% over at 512). Give it with ``--gpu-set attention_fraction=0.625``; the accelerator
+rows carry the FA2-class ceiling PyTorch's SDPA reaches."""
 
 FLASH_BACKWARD_RATIO = 2.5
 """Backward / forward FLOPs of a flash kernel: 5 matmuls against 2 (FlashAttention-2 Algorithm 2)."""
@@ -63,24 +86,61 @@ def flash_backward_flops(forward_flops: float) -> float:
     return FLASH_BACKWARD_RATIO * forward_flops
 
 
-def flash_rate_fraction(seq: float, ceiling: float, seq_half: float = FLASH_SEQ_HALF) -> float:
-    """Share of peak FLOP/s a flash kernel reaches at key length ``seq``: ceiling · s / (s + s₀)."""
+def _curve(head_dim: int, causal: bool, backward: bool) -> tuple[float, float]:
+    """(R, s₀) of :data:`FA2_CURVES` at one of its head dims; the causal backward composed (see there)."""
+    if causal and backward:
+        r_nc, s0_nc = FA2_CURVES[(head_dim, False, True)]
+        r_cf, s0_cf = FA2_CURVES[(head_dim, True, False)]
+        r_nf, s0_nf = FA2_CURVES[(head_dim, False, False)]
+        return r_nc * r_cf / r_nf, s0_nc + s0_cf - s0_nf
+    return FA2_CURVES[(head_dim, causal, backward)]
+
+
+def flash_shape_factor(seq: float, head_dim: int = 128, causal: bool = True, backward: bool = False) -> float:
+    """Rate of a flash kernel at (s, d, causal, direction) over its causal forward plateau at d = 128.
+
+    φ = (R_x / R_ref) · s / (s + s₀,x), with (R_x, s₀,x) the :data:`FA2_CURVES` entry (the causal backward:
+    R = R_bwd·R_causal/R_full and s₀ = s₀,bwd + s₀,causal − s₀,full) and R_ref = 350 TFLOP/s, the causal
+    forward at d = 128. Between d = 64 and 128 both R and s₀ are interpolated linearly in log₂ d; outside,
+    the nearer end. 0 for s ≤ 0. At the reference and long s, φ → 1.
+    """
     if seq <= 0:
         return 0.0
-    return ceiling * seq / (seq + seq_half)
+    w = min(1.0, max(0.0, math.log2(max(head_dim, 1) / 64)))  # 0 at d <= 64, 1 at d >= 128
+    r64, s64 = _curve(64, causal, backward)
+    r128, s128 = _curve(128, causal, backward)
+    r, s0 = r64 + w * (r128 - r64), s64 + w * (s128 - s64)
+    return r / FA2_CURVES[_REFERENCE][0] * seq / (seq + s0)
+
+
+def flash_rate_fraction(
+    seq: float, ceiling: float, head_dim: int = 128, causal: bool = True, backward: bool = False
+) -> float:
+    """Share of peak FLOP/s a flash kernel reaches: ceiling · :func:`flash_shape_factor` (s, d, causal, direction).
+
+    ``ceiling`` is f∞ of the causal forward at d = 128 (``Accelerator.attention_fraction``).
+    """
+    return ceiling * flash_shape_factor(seq, head_dim, causal, backward)
 
 
 def flash_attention_times_s(
-    full_flops: float, seq: float, peak_flops_per_s: float, ceiling: float
+    full_flops: float,
+    seq: float,
+    peak_flops_per_s: float,
+    ceiling: float,
+    head_dim: int = 128,
+    causal: bool = True,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of a causal flash-attention core whose full-matrix FLOPs are ``full_flops``.
+    """(forward, backward) seconds of a flash-attention core whose full-matrix FLOPs are ``full_flops``.
 
-    forward = (F/2) / (peak · f(s)); backward = 5/2 × that (:func:`causal_flash_flops`,
-    :func:`flash_backward_flops`, :func:`flash_rate_fraction`). The memory side (reading Q, K, V and
-    writing O) is the caller's roofline bound.
+    forward = F_k / (peak · f_fwd(s, d)); backward = 5/2 · F_k / (peak · f_bwd(s, d)), with F_k = F/2 when
+    causal (:func:`causal_flash_flops`), F otherwise, :func:`flash_backward_flops` and each direction at its
+    own :func:`flash_rate_fraction`. The memory side (reading Q, K, V and writing O) is the caller's
+    roofline bound.
     """
-    rate = peak_flops_per_s * flash_rate_fraction(seq, ceiling)
-    if rate <= 0:
+    fwd_rate = peak_flops_per_s * flash_rate_fraction(seq, ceiling, head_dim, causal)
+    bwd_rate = peak_flops_per_s * flash_rate_fraction(seq, ceiling, head_dim, causal, backward=True)
+    if fwd_rate <= 0 or bwd_rate <= 0:
         return 0.0, 0.0
-    forward = causal_flash_flops(full_flops) / rate
-    return forward, flash_backward_flops(forward)
+    kernel = causal_flash_flops(full_flops) if causal else full_flops
+    return kernel / fwd_rate, flash_backward_flops(kernel) / bwd_rate

@@ -223,7 +223,8 @@ def layer_forward(
     (:mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``.
     Under flash attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the
     attention core runs on the kernel's own curve (:func:`microbatch.predict.attention.flash_attention_times_s`:
-    the causal half of the FLOPs, a backward of 5/2 × them, at the ceiling × s/(s + s₀)); otherwise at
+    the causal half of the FLOPs, a backward of 5/2 × them, each direction at the ceiling × its published
+    curve in s and the head dimension); otherwise at
     the GEMM efficiency on the full FLOPs. With ``fp8_recipe`` the linear GEMMs run at the accelerator's FP8 rate (times the recipe's kernel
     factor) and their casts (:func:`microbatch.predict.fp8.cast_bytes`) add to the elementwise traffic;
     attention and the rest stay in ``dtype``. With ``async_tp`` the tensor-parallel collectives are
@@ -268,7 +269,9 @@ def layer_forward(
         attn_bytes += score_passes(drop) * e * a * s * rows / t
         attn_bwd_bytes += score_passes(drop, backward=True) * e * a * s * rows / t
     if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
-        fwd_s, bwd_s = flash_attention_times_s(attn_flops, s / c, acc.flops(dtype), acc.attention_fraction)
+        fwd_s, bwd_s = flash_attention_times_s(
+            attn_flops, s / c, acc.flops(dtype), acc.attention_fraction, head_dim=shape.head_dim
+        )
     else:
         attn_rate = acc.flops(dtype) * efficiency.gemm(rows)
         fwd_s, bwd_s = attn_flops / attn_rate, 2 * attn_flops / attn_rate
