@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import Accelerator
+from microbatch.predict.measured_gemm import MeasuredGemms
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -93,6 +94,11 @@ class RooflineEfficiency:
     launch_s_per_kernel: float = 6.58e-6
     """Host seconds per eager kernel launch on a GPU (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`,
     measured on an H200 host): a layer's pass takes at least its kernels × this. 0 disables the floor."""
+
+    gemm_measured: MeasuredGemms | None = None
+    """Measured / analytic GEMM times at measured shapes (a kernel microbenchmark's calibration,
+    :mod:`microbatch.predict.measured_gemm`): :func:`gemm_time_s` multiplies its time by the ratio read
+    there. None: analytic only."""
 
     def __post_init__(self) -> None:
         if self.launch_s_per_kernel < 0:
@@ -224,4 +230,5 @@ def gemm_time_s(
     waves *= k_efficiency(k, acc, dtype, efficiency) * row_efficiency(rows, acc, efficiency)
     compute = gemm_flops(rows, k, n) / (acc.flops(dtype) * efficiency.gemm(rows) * waves)
     memory = gemm_bytes(rows, k, n, e) / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
-    return max(compute, memory)
+    measured = efficiency.gemm_measured  # a microbenchmark's ratio at this shape (1 when none)
+    return max(compute, memory) * (measured.factor(rows, k, n) if measured is not None else 1.0)
