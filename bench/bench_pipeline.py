@@ -1,7 +1,7 @@
 """Pipeline runs against their predictions: bubble before the run, after-the-fact replay and
 measured; activation memory per rank measured against predicted (gloo on the CPU).
 
-For each model, p and schedule: ``microbatch.run.pipeline_profile.predict_run(cfg)`` profiles the
+For each model, p and schedule: ``microbatch.run.pipeline.before_run.predict_run(cfg)`` profiles the
 stages on one process and calibrates the runtime (the prediction made before the ranks start); the
 ranks then run for at least ``--steps`` steps and ``--measure-s`` seconds of steps (the measured
 bubble's standard error over steps is printed beside it), and the run's own op times are replayed
@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from microbatch.errors import ConfigError, PipelineError
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_config import PipelineConfig
-    from microbatch.run.pipeline_memory import boundary_bytes
-    from microbatch.run.pipeline_profile import predict_run
+    from microbatch.run.pipeline.before_run import predict_run
+    from microbatch.run.pipeline.config import PipelineConfig
+    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.memory import boundary_bytes
 
     def run_predicted(cfg: PipelineConfig) -> dict:
         """The prediction made before the run, then the run with enough steps that the measured

@@ -5,14 +5,14 @@ are out of reach on a one-GPU machine. What fits, and what this script runs:
 
 1. ``profile``: the per-stage forward / backward / input-gradient / weight-gradient times of one
    micro-batch on CUDA (CUDA events, median of repeats), for a GPT-2-shaped stack split into p
-   stages by parameter count as the runner splits it (microbatch.run.pipeline_split), with each
+   stages by parameter count as the runner splits it (microbatch.run.pipeline.split), with each
    stage's peak allocated memory — the inputs the before-the-run prediction takes, here measured on
    the GPU. Also the W / B ratio that zero-bubble schedules rely on.
 2. ``gloo-cuda``: whether gloo moves CUDA tensors between two processes (send/recv): the only way
    to put two pipeline ranks on one GPU. Run in child processes under a time limit; the answer is
    recorded either way.
 3. If gloo does move CUDA tensors: a p = 2, m = 4 1F1B run of the real runner with both ranks on
-   cuda:0 (microbatch.run.pipeline_rank.run_rank), its per-rank ``max_memory_allocated``, busy and
+   cuda:0 (microbatch.run.pipeline.rank.run_rank), its per-rank ``max_memory_allocated``, busy and
    step time, and the gradient check against the unsplit model.
 
     PYTHONPATH=src python3 bench/gpu_pipeline.py --out $OUT/pipeline.json     # on the GPU, < 1 min
@@ -41,9 +41,9 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
     import torch
     import torch.nn.functional as F
 
-    from microbatch.run.pipeline_config import PipelineConfig
-    from microbatch.run.pipeline_rank import build_full_model, make_batch
-    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
+    from microbatch.run.pipeline.config import PipelineConfig
+    from microbatch.run.pipeline.rank import build_full_model, make_batch
+    from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
 
     cfg = PipelineConfig(schedule="1f1b", stages=stages, microbatches=stages, model=model, seq=seq,
                          global_batch=stages * micro_batch)  # fmt: skip
@@ -156,7 +156,7 @@ def _gloo_child(rank: int, port: int, device: str, q: Any) -> None:
 def gloo_cuda(device: str, timeout_s: float) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from microbatch.run.launch import free_port
+    from microbatch.run.pipeline.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -185,8 +185,8 @@ def _runner_child(rank: int, port: int, device: str, q: Any, model: str) -> None
     try:
         import torch.distributed as dist
 
-        from microbatch.run.pipeline_config import PipelineConfig
-        from microbatch.run.pipeline_rank import run_rank
+        from microbatch.run.pipeline.config import PipelineConfig
+        from microbatch.run.pipeline.rank import run_rank
 
         dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
         cfg = PipelineConfig(
@@ -205,7 +205,7 @@ def _runner_child(rank: int, port: int, device: str, q: Any, model: str) -> None
 def runner_on_one_gpu(device: str, model: str, timeout_s: float) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from microbatch.run.launch import free_port
+    from microbatch.run.pipeline.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

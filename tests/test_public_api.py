@@ -70,7 +70,7 @@ EXPECTED_HOME = {
     "plan": ("microbatch.predict.plan", "make_plan"),
     "estimate_memory": ("microbatch.predict.memory", "estimate_memory"),
     "simulate": ("microbatch.schedules.simulate", "simulate"),
-    "run_pipeline": ("microbatch.run.launch", "run_pipeline"),
+    "run_pipeline": ("microbatch.run.pipeline.launch", "run_pipeline"),
     "ModelShape": ("microbatch.shape", "ModelShape"),
     "Accelerator": ("microbatch.hardware", "Accelerator"),
     "TimingConfig": ("microbatch.measure.timing", "TimingConfig"),
@@ -88,7 +88,7 @@ EXPECTED_HOME = {
     "MemoryEstimate": ("microbatch.predict.memory", "MemoryEstimate"),
     "Schedule": ("microbatch.schedules.action", "Schedule"),
     "SimResult": ("microbatch.schedules.simulate", "SimResult"),
-    "PipelineConfig": ("microbatch.run.pipeline_config", "PipelineConfig"),
+    "PipelineConfig": ("microbatch.run.pipeline.config", "PipelineConfig"),
     "GradientNoiseScale": ("microbatch.run.noise", "GradientNoiseScale"),
 }
 """Where each lazily exported entry point is defined (``obj.__module__``, ``obj.__name__``)."""

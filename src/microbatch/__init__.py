@@ -32,7 +32,7 @@ _LAZY = {
     "plan": "predict.plan",
     "estimate_memory": "predict.memory",
     "simulate": "schedules.simulate",
-    "run_pipeline": "run.launch",
+    "run_pipeline": "run.pipeline.launch",
     # the config and result types the functions above take and return
     "ModelShape": "shape",
     "Accelerator": "hardware",
@@ -51,7 +51,7 @@ _LAZY = {
     "MemoryEstimate": "predict.memory",
     "Schedule": "schedules.action",
     "SimResult": "schedules.simulate",
-    "PipelineConfig": "run.pipeline_config",
+    "PipelineConfig": "run.pipeline.config",
     "GradientNoiseScale": "run.noise",
 }
 # The public name when it differs from the name in its module.

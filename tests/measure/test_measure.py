@@ -282,7 +282,7 @@ def test_one_table_of_out_of_memory_types():
     import torch
 
     from microbatch.measure.device import oom_types, torch_oom_types
-    from microbatch.run.launch import _reason
+    from microbatch.run.pipeline.launch import _reason
 
     assert torch.OutOfMemoryError in torch_oom_types() and MemoryError not in torch_oom_types()
     assert oom_types() == (MemoryError, *torch_oom_types())

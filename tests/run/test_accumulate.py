@@ -443,7 +443,7 @@ results["noise"] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
 torch.save(results, out)
 dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
 dist.destroy_process_group()
-# as microbatch.run.launch does: skip the interpreter's teardown, where gloo's background threads
+# as microbatch.run.pipeline.launch does: skip the interpreter's teardown, where gloo's background threads
 # can abort an exiting process ("terminate called without an active exception") after its work
 import os
 sys.stdout.flush()

@@ -233,8 +233,8 @@ def _run_small_pipeline(
 ) -> None:
     """4. Run: a real 2-stage pipeline on torch.distributed.pipelining (gloo, 2 processes)."""
     from microbatch.errors import MicrobatchError
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_config import PipelineConfig
+    from microbatch.run.pipeline.config import PipelineConfig
+    from microbatch.run.pipeline.launch import run_pipeline
 
     t0 = _step(
         quiet,

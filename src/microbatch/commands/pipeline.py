@@ -18,7 +18,7 @@ from microbatch.commands._common import (
 from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
-    from microbatch.run.pipeline_config import PipelineConfig
+    from microbatch.run.pipeline.config import PipelineConfig
 
 __all__ = ["cmd"]
 
@@ -147,8 +147,8 @@ def cmd(
     """
     from microbatch.commands._common import check_output_file, use_color
     from microbatch.commands._schedule_inputs import resolve_virtual
-    from microbatch.run.launch import under_torchrun
-    from microbatch.run.pipeline_config import PipelineConfig
+    from microbatch.run.pipeline.config import PipelineConfig
+    from microbatch.run.pipeline.launch import under_torchrun
     from microbatch.schedules.registry import torch_spec
     from microbatch.show.pipeline_report import render
 
@@ -251,7 +251,7 @@ def _write_outputs(
 def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> dict[str, Any]:
     """The report of this rank under torchrun (rank 0; the other ranks end here), else of the local run."""
     if external:
-        from microbatch.run.launch import run_external
+        from microbatch.run.pipeline.launch import run_external
 
         report = run_external(cfg)
         if report is None:  # not rank 0: rank 0 prints
@@ -265,8 +265,8 @@ def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:
     on stderr at each phase. A Ctrl-C in the run returns the report of the steps every rank finished,
     marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
     it came and is raised again (exit 130)."""
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_progress import PipelineInterrupted, announce, progress_to
+    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.progress import PipelineInterrupted, announce, progress_to
 
     lines = _Lines()
     before: dict[str, Any] | None = None
@@ -274,7 +274,7 @@ def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:
         try:
             announce("check")
             if predict_first:
-                from microbatch.run.pipeline_profile import predict_run
+                from microbatch.run.pipeline.before_run import predict_run
 
                 before = predict_run(cfg)
             announce("run")

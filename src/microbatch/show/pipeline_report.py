@@ -1,6 +1,6 @@
 """A pipeline run drawn: the report as text with both timelines, and the timeline as a Chrome trace.
 
-The report itself is data, built in :mod:`microbatch.run.pipeline_summary`; this module only
+The report itself is data, built in :mod:`microbatch.run.pipeline.summary`; this module only
 formats it (:func:`render`), converts its timelines to rows for :mod:`microbatch.show.text`
 (:func:`measured_rows_ms`, :func:`predicted_rows_ms`) and writes the Chrome trace
 (:func:`chrome_trace`).
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from microbatch.run.pipeline_summary import timeline_rows
+from microbatch.run.pipeline.summary import timeline_rows
 from microbatch.show.text import render_timeline_text
 from microbatch.units import format_bytes
 
@@ -49,7 +49,7 @@ def _bytes(n: float | None) -> str:
 
 
 def render(report: dict[str, Any], width: int = 100, *, color: bool = False) -> str:
-    """The report of :func:`microbatch.run.pipeline_summary.summarize` as text: measured beside
+    """The report of :func:`microbatch.run.pipeline.summary.summarize` as text: measured beside
     predicted, a table per rank, both timelines on one time scale, the gradient check."""
     m, p, v = report["measured"], report["predicted"], report["virtual"]
     lines = [

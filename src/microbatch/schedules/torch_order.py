@@ -1,7 +1,7 @@
 """torch's own compute order of a pipeline schedule, derived without a process group.
 
-:func:`torch_order` is what :mod:`microbatch.run.pipeline_summary` simulates to predict a run and
-what ``tests/test_pipeline.py`` compares the generators of :mod:`microbatch.schedules.generators` with.
+:func:`torch_order` is what :mod:`microbatch.run.pipeline.summary` simulates to predict a run and
+what ``tests/run/pipeline/test_pipeline.py`` compares the generators of :mod:`microbatch.schedules.generators` with.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
 
         raise ScheduleError(
             f"{name} needs torch.distributed.pipelining.{spec.torch_name}, absent in torch "
-            f"{torch.__version__}; upgrade torch or use --schedule interleaved-1f1b"
+            f"{torch.__version__}; upgrade torch or use schedule 'interleaved-1f1b'"
         )
     obj = object.__new__(cls)
     obj.pp_group_size = p
@@ -63,7 +63,7 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
     except Exception as e:  # torch internals moved: say so plainly
         raise ScheduleError(
             f"cannot derive {spec.torch_name}'s order on this torch ({type(e).__name__}: {e}); "
-            "compare with --schedule 1f1b or gpipe"
+            "compare with schedule '1f1b' or 'gpipe'"
         ) from None
     return {r: [str(x) for a in ops if a is not None for x in _parts(a)] for r, ops in order.items()}
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import usable_cores
-from microbatch.run.pipeline_config import FACTORY_SEQ, PipelineConfig
+from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
@@ -88,7 +88,7 @@ def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
         layer_activation_bytes,
         output_activation_bytes,
     )
-    from microbatch.run.pipeline_memory import _rule_name
+    from microbatch.run.pipeline.memory import _rule_name
     from microbatch.schedules.registry import get_spec, in_flight_chunks
 
     e, b = _DTYPE_BYTES[cfg.dtype], cfg.micro_batch
@@ -184,7 +184,7 @@ def check_factory_forward(cfg: PipelineConfig) -> None:
     micro-batch shape. Built-in models: nothing to check."""
     if ":" not in cfg.model:
         return
-    from microbatch.run.pipeline_split import load_factory
+    from microbatch.run.pipeline.split import load_factory
 
     _forward_once(cfg.model, load_factory(cfg.model), cfg.micro_batch, cfg.seq or FACTORY_SEQ)
 
@@ -193,7 +193,7 @@ def check_factory_forward(cfg: PipelineConfig) -> None:
 def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
     import torch
 
-    from microbatch.run.pipeline_split import model_units, working_folder_first
+    from microbatch.run.pipeline.split import model_units, working_folder_first
 
     def build(meta: bool) -> Any:
         with torch.random.fork_rng(devices=[]), working_folder_first():
@@ -252,7 +252,7 @@ def check_fits(
     before its deadline (:func:`check_duration`); return the memory prediction.
 
     A ``module:function`` model is built once here on the meta device
-    (:func:`microbatch.run.pipeline_split.inspect_factory`) for its parameter count; its activations
+    (:func:`microbatch.run.pipeline.split.inspect_factory`) for its parameter count; its activations
     are unknown and not counted. ``flops_per_s``: the rate :func:`check_duration` assumes (default:
     measured)."""
     check_timeout(cfg)
@@ -260,7 +260,7 @@ def check_fits(
     check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
     shape: Any = None
     if ":" in cfg.model:
-        from microbatch.run.pipeline_split import inspect_factory
+        from microbatch.run.pipeline.split import inspect_factory
 
         params = inspect_factory(cfg.model).params
         what = f"model factory {cfg.model}"

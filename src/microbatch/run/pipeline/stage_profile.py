@@ -1,10 +1,10 @@
 """A per-stage profile of a pipeline's model on one process: each stage's forward (the last stage
 with its loss), full backward, input-gradient and weight-gradient time of one micro-batch, timed as
 torch's runtime runs them (:func:`profile_stages`) — the op times of the prediction made before a
-run (:mod:`microbatch.run.pipeline_profile`) and of the calibration's in-op costs
-(:mod:`microbatch.run.pipeline_calibrate`) — and the bytes each stage's forward saves for one
+run (:mod:`microbatch.run.pipeline.before_run`) and of the calibration's in-op costs
+(:mod:`microbatch.run.pipeline.calibrate`) — and the bytes each stage's forward saves for one
 micro-batch (:func:`stage_saved_bytes`), the calibration of the per-rank memory prediction
-(:mod:`microbatch.run.pipeline_memory`)."""
+(:mod:`microbatch.run.pipeline.memory`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline.config import PipelineConfig
 
 __all__ = ["profile_stages", "stage_saved_bytes"]
 
@@ -54,7 +54,7 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
     ops, and while it waits other processes run on its core and take its caches: an op that
     follows a wait runs slower than the same op back to back (measured on the 2-core dev machine at
     load 2: tiny's last-stage forward 0.57 ms back to back, 0.71 / 0.74 / 0.97 ms after 1 / 3 / 6 ms
-    asleep). :func:`microbatch.run.pipeline_profile.predict_run` passes the calibration run's mean gap between ops."""
+    asleep). :func:`microbatch.run.pipeline.before_run.predict_run` passes the calibration run's mean gap between ops."""
     import torch
 
     split_fns = _torch_split_backward()
@@ -105,8 +105,8 @@ def _stage_ops(cfg: PipelineConfig, split_fns: Any, idle_s: float) -> list[_Stag
     import torch
     import torch.nn.functional as F
 
-    from microbatch.run.pipeline_rank import build_full_model, make_batch
-    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
+    from microbatch.run.pipeline.rank import build_full_model, make_batch
+    from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
 
     full, vocab, seq = build_full_model(cfg)
     units = model_units(full)
@@ -191,7 +191,7 @@ def stage_saved_bytes(
     micro-batch saved) and ``shared`` (storages an earlier micro-batch of the step saved too and that
     are still alive: the batch's token ids and targets, which the micro-batches take as views, held
     once). Measured with the run's own saved-tensor hooks
-    (:func:`microbatch.run.instrument._saved_bytes_hooks`, parameters never counted) on two
+    (:func:`microbatch.run.pipeline.instrument._saved_bytes_hooks`, parameters never counted) on two
     micro-batches of the run's data (one where m = 1), the second one's bytes kept: the first
     micro-batch also owns the shared storages.
 
@@ -203,9 +203,9 @@ def stage_saved_bytes(
     flash path)."""
     import torch.nn.functional as F
 
-    from microbatch.run.instrument import StageRecorder, _saved_bytes_hooks
-    from microbatch.run.pipeline_rank import build_full_model, make_batch
-    from microbatch.run.pipeline_split import balanced_split, model_units, split_units, unit_param_counts
+    from microbatch.run.pipeline.instrument import StageRecorder, _saved_bytes_hooks
+    from microbatch.run.pipeline.rank import build_full_model, make_batch
+    from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
     from microbatch.schedules.registry import stage_ranks
 
     full, vocab, seq = build_full_model(cfg)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from microbatch.run.launch import free_port
+from microbatch.run.pipeline.launch import free_port
 
 pytest.importorskip("torch")
 

@@ -4,17 +4,17 @@
 found by binding port 0, ``torch.set_num_threads(1)`` per worker), waits for them under a
 deadline and raises :class:`~microbatch.errors.PipelineError` naming the rank and the last
 lines of its error output as soon as any rank fails, killing the others: never a hang. Ctrl-C and
-SIGTERM kill every rank too, then raise :class:`~microbatch.run.pipeline_progress.PipelineInterrupted`
+SIGTERM kill every rank too, then raise :class:`~microbatch.run.pipeline.progress.PipelineInterrupted`
 with the report of the steps every rank finished (each rank logs its finished steps to a file of its
 own as it goes). Each phase (ranks started, steps finished, summary) is announced to a progress
-function, if the caller installed one (:mod:`microbatch.run.pipeline_progress`).
+function, if the caller installed one (:mod:`microbatch.run.pipeline.progress`).
 :func:`run_external` is the same rank code under an outside launcher (``torchrun`` on one or
 several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT``).
 
-What one rank does is :func:`microbatch.run.pipeline_rank.run_rank`; rank 0's gathered
+What one rank does is :func:`microbatch.run.pipeline.rank.run_rank`; rank 0's gathered
 measurements become the report (measured and predicted bubble, in-flight counts, memory,
-timeline) in :func:`microbatch.run.pipeline_summary.summarize`. Drawing it is
+timeline) in :func:`microbatch.run.pipeline.summary.summarize`. Drawing it is
 :mod:`microbatch.show.pipeline_report`'s job.
 """
 
@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
-from microbatch.run.pipeline_config import STARTUP_S, PipelineConfig
-from microbatch.run.pipeline_progress import (
+from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
+from microbatch.run.pipeline.progress import (
     PipelineInterrupted,
     StepCounter,
     StepLog,
@@ -42,7 +42,7 @@ from microbatch.run.pipeline_progress import (
     read_partial,
     step_log_path,
 )
-from microbatch.run.pipeline_summary import summarize
+from microbatch.run.pipeline.summary import summarize
 from microbatch.schedules.registry import rank_stages
 
 __all__ = [
@@ -108,7 +108,7 @@ def _worker_main() -> None:
     try:
         with open(cfg_path) as f:
             cfg = PipelineConfig(**json.load(f))
-        from microbatch.run.pipeline_rank import run_rank
+        from microbatch.run.pipeline.rank import run_rank
 
         r, world, device = _init_group(cfg)
         log = StepLog(step_log_path(os.path.dirname(result_path), r))  # what a Ctrl-C keeps
@@ -196,7 +196,7 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dic
                 f"{torch.cuda.device_count()}; use --backend gloo or fewer --stages"
             )
     check_splittable(cfg)
-    from microbatch.run.pipeline_fit import check_fits
+    from microbatch.run.pipeline.fit import check_fits
 
     check_fits(cfg, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
     deadline, why = cfg.deadline(deadline_s)
@@ -293,7 +293,7 @@ def _start_ranks(
 ) -> None:
     """Start one process per rank (in ``procs``, as each starts), its stderr in ``tmp`` (``errs``)."""
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "from microbatch.run.launch import _worker_main; _worker_main()"
+    code = "from microbatch.run.pipeline.launch import _worker_main; _worker_main()"
     for r in range(cfg.stages):
         env = dict(os.environ)
         env.update(
@@ -423,13 +423,13 @@ def check_splittable(cfg: PipelineConfig) -> None:
     """Refuse, before any process starts, a model the ranks could not build or split.
 
     A ``module:function`` model is imported and built here
-    (:func:`microbatch.run.pipeline_split.inspect_factory`): a module that cannot be imported, a name
+    (:func:`microbatch.run.pipeline.split.inspect_factory`): a module that cannot be imported, a name
     that cannot be called, a call that fails or returns something other than a stack of layers with a
     token embedding is a :class:`ConfigError` naming the factory. Any model needs at least p·v layers
     (units: for a built-in model the embedding, every block, the head); a built-in model with learned
     positions takes at most its position table's length as ``seq``."""
     if ":" in cfg.model:
-        from microbatch.run.pipeline_split import inspect_factory
+        from microbatch.run.pipeline.split import inspect_factory
 
         units = inspect_factory(cfg.model).units
         if cfg.total_stages > units:
@@ -459,7 +459,7 @@ def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:
 
 def run_external(cfg: PipelineConfig) -> dict[str, Any] | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
-    from microbatch.run.pipeline_rank import run_rank
+    from microbatch.run.pipeline.rank import run_rank
 
     rank, world, device = _init_group(cfg)
     import torch.distributed as dist

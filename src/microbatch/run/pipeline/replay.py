@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from microbatch.errors import ScheduleError
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.schedules.registry import stage_ranks
 
 __all__ = ["ZERO_TERMS", "parse_action", "replay", "runtime_terms"]
@@ -166,12 +166,12 @@ def replay(
     and the runtime's work after each op) shares that many cores with ``others`` always-runnable
     threads of other programs, as the kernel's scheduler shares them: runnable work waits in one
     queue, a core runs it for at most ``slice_s`` (the scheduler's time slice, measured by
-    :func:`microbatch.run.pipeline_calibrate.machine_load`) and puts it back at the end of the queue
+    :func:`microbatch.run.pipeline.calibrate.machine_load`) and puts it back at the end of the queue
     when others wait. An op's time then counts from when it first gets a core to when it ends, as a
     run measures it, so ``op_s`` is its CPU time alone; a hand-off (``hop_s``) is latency and takes
     no core. ``after_as_latency``: the work after each op is latency too (the rank is busy for it
     but takes no core): for terms measured under the run's own contention, which already hold the
-    waits for a core (:func:`microbatch.run.pipeline_calibrate.calibrate_loaded`)."""
+    waits for a core (:func:`microbatch.run.pipeline.calibrate.calibrate_loaded`)."""
     rp = _Replay(cfg, order, op_s, terms, cores=cores, slice_s=slice_s, others=others, after=after_as_latency)
     while len(rp.done) < rp.total or any(j >= 0 for j in rp.jobs):
         rp.advance()

@@ -17,13 +17,13 @@ import time
 import pytest
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
-from microbatch.run.instrument import make_loss_fn
-from microbatch.run.launch import run_pipeline, under_torchrun
-from microbatch.run.pipeline_config import PipelineConfig
-from microbatch.run.pipeline_order import torch_order
-from microbatch.run.pipeline_split import balanced_split, model_units, split_units
-from microbatch.run.pipeline_summary import predict
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.instrument import make_loss_fn
+from microbatch.run.pipeline.launch import run_pipeline, under_torchrun
+from microbatch.run.pipeline.split import balanced_split, model_units, split_units
+from microbatch.run.pipeline.summary import predict
 from microbatch.schedules.registry import check_servable, stage_ranks
+from microbatch.schedules.torch_order import torch_order
 from microbatch.show.pipeline_report import chrome_trace
 
 torch = pytest.importorskip("torch")
@@ -236,7 +236,7 @@ def test_1f1b_matches_unsplit_gradients_and_holds_p_minus_i():
 def _stage_bytes(rep):
     """Each stage's saved bytes of one micro-batch (its own and those shared with the step's other
     micro-batches), measured on this process by a plain forward of the split — not by the run."""
-    from microbatch.run.pipeline_stage_profile import stage_saved_bytes
+    from microbatch.run.pipeline.stage_profile import stage_saved_bytes
 
     cfg = PipelineConfig(
         schedule=rep["schedule"], stages=rep["stages"], microbatches=rep["microbatches"],
@@ -521,7 +521,7 @@ def test_same_code_runs_under_torchrun():
 def test_a_taken_port_is_replaced(monkeypatch):
     import socket
 
-    import microbatch.run.launch as launch
+    import microbatch.run.pipeline.launch as launch
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -572,7 +572,7 @@ def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
 
 
 def test_measured_comm_is_the_median_wait_for_another_ranks_output():
-    from microbatch.run.pipeline_summary import measured_comm_s
+    from microbatch.run.pipeline.summary import measured_comm_s
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     rank0 = [("F", 0, 0, 0.0, 1.0), ("F", 0, 1, 1.0, 2.0), ("B", 0, 0, 4.5, 6.0), ("B", 0, 1, 6.0, 7.0)]

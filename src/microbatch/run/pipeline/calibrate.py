@@ -1,11 +1,11 @@
 """The pipeline runtime's own costs on this machine, measured before a run (for
-:mod:`microbatch.run.pipeline_profile`'s prediction).
+:mod:`microbatch.run.pipeline.before_run`'s prediction).
 
 - **The bare calibration** (:func:`calibrate_runtime`): a short run of the same schedule, p, m, v
   and micro-batch through ``torch.distributed.pipelining`` on a model whose ops are element-wise
   (microseconds, :func:`calibration_model`) but whose stage boundary has the real model's shape
   (b_m × s × h), so that it sends the same bytes: its step is almost all runtime and hand-off.
-  From its intervals, :func:`microbatch.run.pipeline_replay.runtime_terms` measures the time
+  From its intervals, :func:`microbatch.run.pipeline.replay.runtime_terms` measures the time
   between ops where it goes: the sender's cost after an op that hands its output to another rank
   (per direction), after an op that does not, the hand-off as the waiting rank sees it (per
   direction), and the step's start and end; and the runtime's own work inside each stage call.
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline.config import PipelineConfig
 
 __all__ = [
     "CALIBRATION_STEPS",
@@ -251,7 +251,7 @@ def _calibration_cfg(cfg: PipelineConfig, factory: str, steps: int = CALIBRATION
     width, seq = _boundary(cfg)
     return replace(
         cfg,
-        model=f"microbatch.run.pipeline_calibrate:{factory}_{width}",
+        model=f"microbatch.run.pipeline.calibrate:{factory}_{width}",
         seq=seq,
         global_batch=cfg.batch,
         check_gradients=False,
@@ -263,11 +263,11 @@ def _calibration_cfg(cfg: PipelineConfig, factory: str, steps: int = CALIBRATION
 
 def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
     """The runtime's costs between ops for ``cfg``'s schedule, p, m, v and micro-batch on this
-    machine (:func:`microbatch.run.pipeline_replay.runtime_terms`), from a run of
+    machine (:func:`microbatch.run.pipeline.replay.runtime_terms`), from a run of
     :func:`calibration_model` with the real boundary's width and sequence (a few seconds)."""
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_replay import runtime_terms
-    from microbatch.run.pipeline_stage_profile import profile_stages
+    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.replay import runtime_terms
+    from microbatch.run.pipeline.stage_profile import profile_stages
 
     load = machine_load()
     tiny = _calibration_cfg(cfg, "calibration_model")
@@ -288,7 +288,7 @@ def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 TERM_KEYS = ("after_send_s", "after_send_waiting_s", "after_local_s", "hop_s", "start_s", "end_s")
-"""The runtime's between-op terms (:func:`microbatch.run.pipeline_replay.runtime_terms`) a loaded
+"""The runtime's between-op terms (:func:`microbatch.run.pipeline.replay.runtime_terms`) a loaded
 calibration replaces."""
 
 
@@ -320,9 +320,9 @@ def calibrate_loaded(
     real bytes, ``steps`` steps (:func:`loaded_steps`). Those terms already hold the waits for a core, so
     :func:`predict_before` takes them as latency (``runtime["loaded"]``). The bare calibration's
     in-op costs and machine reading are kept."""
-    from microbatch.run.launch import run_pipeline
-    from microbatch.run.pipeline_order import splits_backward, torch_order
-    from microbatch.run.pipeline_replay import runtime_terms
+    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.replay import runtime_terms
+    from microbatch.schedules.torch_order import splits_backward, torch_order
 
     order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
     split = splits_backward(order)

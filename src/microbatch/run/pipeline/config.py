@@ -18,11 +18,11 @@ __all__ = ["FACTORY_SEQ", "STARTUP_S", "PipelineConfig", "config_from_dict"]
 
 STARTUP_S = 60.0
 """Allowance for starting Python and importing torch in every worker, added to ``timeout_s`` for the
-launcher's deadline of a local run (:func:`microbatch.run.launch.run_pipeline`)."""
+launcher's deadline of a local run (:func:`microbatch.run.pipeline.launch.run_pipeline`)."""
 
 FACTORY_SEQ = 16
 """Tokens per sequence of a ``module:function`` model when ``seq`` is not given (what
-:func:`microbatch.run.pipeline_rank.build_full_model` uses)."""
+:func:`microbatch.run.pipeline.rank.build_full_model` uses)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,9 +17,9 @@ import time
 import pytest
 
 from microbatch.errors import ConfigError, PipelineError
-from microbatch.run import pipeline_fit as fit
-from microbatch.run.launch import check_splittable, run_pipeline
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline import fit
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.launch import check_splittable, run_pipeline
 
 torch = pytest.importorskip("torch")
 
@@ -129,7 +129,7 @@ def test_a_bad_model_factory_is_refused_naming_it(model, pattern):
 
 
 def test_a_good_factory_is_built_on_the_meta_device_and_counted():
-    from microbatch.run.pipeline_split import inspect_factory
+    from microbatch.run.pipeline.split import inspect_factory
 
     check_splittable(PipelineConfig(model=f"{HERE}:stack"))
     info = inspect_factory(f"{HERE}:stack")
@@ -203,7 +203,7 @@ def test_a_timeout_the_ranks_cannot_start_in_is_refused_before_they_start(
     capsys, monkeypatch, timeout, pattern
 ):
     """Issue 32: --timeout 0.001 started the ranks and died on a socket timeout."""
-    import microbatch.run.launch as launch
+    import microbatch.run.pipeline.launch as launch
     from microbatch.cli import main
 
     def no_process(*a, **k):
@@ -311,11 +311,11 @@ def test_bad_numbers_are_refused_with_the_fix(kw, pattern):
 
 @pytest.mark.timeout(60)
 def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
-    import microbatch.run.launch as launch
+    import microbatch.run.pipeline.launch as launch
 
     real = subprocess.Popen
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]  # ranks that never finish
-    import microbatch.run.pipeline_config as pipeline_config
+    import microbatch.run.pipeline.config as pipeline_config
 
     monkeypatch.setattr(pipeline_config, "STARTUP_S", 1.0)  # the one allowance, read by cfg.deadline()
     monkeypatch.setattr(fit, "MIN_TIMEOUT_S", 0.1)  # a short run, for the deadline
@@ -396,7 +396,7 @@ def test_a_factory_that_imports_from_the_working_folder_when_called_passes_the_c
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    from microbatch.run.pipeline_split import inspect_factory
+    from microbatch.run.pipeline.split import inspect_factory
 
     assert inspect_factory("mb_factory_mod:build").units == 3
     assert str(tmp_path) not in sys.path  # put back as it was
@@ -407,7 +407,7 @@ def test_a_reloaded_factory_module_is_inspected_again(tmp_path, monkeypatch):
     must see the new model (the cache was keyed by the spec alone and answered the old one)."""
     import importlib
 
-    from microbatch.run.pipeline_split import inspect_factory
+    from microbatch.run.pipeline.split import inspect_factory
 
     mod = tmp_path / "mb_factory_reload.py"
     layers = "nn.Embedding(50, 8), {}nn.Linear(8, 50)"
@@ -430,7 +430,7 @@ def test_a_reloaded_factory_module_is_inspected_again(tmp_path, monkeypatch):
 @pytest.mark.parametrize("seed", ["100000000000000000000", "-1"])
 def test_a_seed_torch_cannot_hold_is_refused_before_the_ranks_start(capsys, monkeypatch, seed):
     """Issue 32: --seed 10^20 started the ranks, which died on 'Overflow when unpacking long long'."""
-    import microbatch.run.launch as launch
+    import microbatch.run.pipeline.launch as launch
     from microbatch.cli import main
 
     def no_process(*a, **k):

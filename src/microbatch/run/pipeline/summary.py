@@ -1,12 +1,12 @@
 """A pipeline run's report as data: measured bubble and memory per rank, the simulator's
 prediction on the same action order, the timeline as plain rows.
 
-:func:`summarize` reduces the raw per-rank intervals that :func:`microbatch.run.pipeline_rank.run_rank`
+:func:`summarize` reduces the raw per-rank intervals that :func:`microbatch.run.pipeline.rank.run_rank`
 gathers on rank 0 to the measured bubble, busy and idle time, in-flight counts and
 saved-activation bytes, and runs the simulator on torch's own order (see
-:func:`microbatch.run.pipeline_order.torch_order`) fed with the measured per-stage forward and
+:func:`microbatch.schedules.torch_order.torch_order`) fed with the measured per-stage forward and
 backward times, so that measured and predicted compare like with like. Plain data in, plain data
-out: no torch needed here beyond what :func:`~microbatch.run.pipeline_order.torch_order` imports.
+out: no torch needed here beyond what :func:`~microbatch.schedules.torch_order.torch_order` imports.
 Drawing and prose live in :mod:`microbatch.show.pipeline_report`.
 """
 
@@ -19,12 +19,12 @@ from dataclasses import replace
 from typing import Any
 
 from microbatch.errors import ScheduleError
-from microbatch.run.pipeline_config import PipelineConfig, config_from_dict
-from microbatch.run.pipeline_memory import memory_rows
-from microbatch.run.pipeline_order import torch_order
+from microbatch.run.pipeline.config import PipelineConfig, config_from_dict
+from microbatch.run.pipeline.memory import memory_rows
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.registry import get_spec, stage_ranks
 from microbatch.schedules.simulate import SimResult, simulate
+from microbatch.schedules.torch_order import torch_order
 
 __all__ = ["GRAD_TOLERANCE", "measured_comm_s", "predict", "summarize", "timeline_rows"]
 
@@ -52,7 +52,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
       actually alive), ``counted_activation_bytes`` (the count times the bytes) and
       ``cuda_peak_bytes`` / ``cuda_reserved_bytes`` (GPU only).
     - ``memory``: per rank, measured against predicted activation memory with the error
-      (:func:`microbatch.run.pipeline_memory.memory_rows`).
+      (:func:`microbatch.run.pipeline.memory.memory_rows`).
     - ``measured.op_time_s``: mean seconds of each stage's F/B/I/W (``"1F"``) — the simulator's input.
     - ``measured.cpu_share``: CPU seconds / wall seconds inside the ops, over all ranks (the share of
       a core the ops got; below 1 when the machine is shared); None on a GPU or without CPU times.
@@ -64,7 +64,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     - ``order_matches_torch``: every rank ran exactly torch's planned compute order.
     - ``timeline`` / ``predicted_timeline``: the last step's intervals, seconds from its start.
     - ``step_intervals``: every measured step's start, end and raw per-rank intervals (wall-clock
-      seconds), what :func:`microbatch.run.pipeline_replay.runtime_terms` reads.
+      seconds), what :func:`microbatch.run.pipeline.replay.runtime_terms` reads.
     """
     cfg = config_from_dict(raw["config"])
     ranks = sorted(raw["ranks"], key=lambda x: x["rank"])

@@ -2,18 +2,18 @@
 
 Inputs, all measured on this machine before the run:
 
-1. **A per-stage profile** on one process (:func:`microbatch.run.pipeline_stage_profile.profile_stages`): the model split as the ranks
+1. **A per-stage profile** on one process (:func:`microbatch.run.pipeline.stage_profile.profile_stages`): the model split as the ranks
    split it (by parameter count), each stage's forward (the last stage with its loss), full
    backward, input-gradient and weight-gradient time of one micro-batch — median of a few repeats,
    one thread, as each worker runs.
-2. **The pipeline runtime's own costs between ops** (:mod:`microbatch.run.pipeline_calibrate`): a
+2. **The pipeline runtime's own costs between ops** (:mod:`microbatch.run.pipeline.calibrate`): a
    short calibration run of torch's runtime with the real boundary's bytes, and on the CPU a second
    one whose stages load the cores as the real ones do.
-3. **The schedule**: torch's own action order (:func:`microbatch.run.pipeline_order.torch_order`).
-4. **The machine** (:func:`microbatch.run.pipeline_calibrate.machine_load`): its cores, the other
+3. **The schedule**: torch's own action order (:func:`microbatch.schedules.torch_order.torch_order`).
+4. **The machine** (:func:`microbatch.run.pipeline.calibrate.machine_load`): its cores, the other
    programs' runnable threads, and the scheduler's time slice.
 
-:func:`predict_before` replays the order (:func:`microbatch.run.pipeline_replay.replay`) with the
+:func:`predict_before` replays the order (:func:`microbatch.run.pipeline.replay.replay`) with the
 profiled op times and those terms, the ranks' work queued for the machine's cores in time slices
 (more ranks than cores wait for a core; an op longer than a slice is shared): the bubble and step
 time predicted before the run. Terms from a loaded calibration already hold their waits for a
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from microbatch.run.pipeline_calibrate import SLICE_S
-from microbatch.run.pipeline_config import PipelineConfig
-from microbatch.run.pipeline_stage_profile import profile_stages
+from microbatch.run.pipeline.calibrate import SLICE_S
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.stage_profile import profile_stages
 
 __all__ = ["predict_before", "predict_run", "run_predicted"]
 
@@ -36,9 +36,9 @@ def predict_before(
 ) -> dict[str, Any]:
     """Bubble and step time of ``cfg`` predicted before the run: torch's order replayed with the
     profiled per-stage times and the runtime's measured costs between ops
-    (:func:`microbatch.run.pipeline_replay.replay`)."""
-    from microbatch.run.pipeline_order import splits_backward, torch_order
-    from microbatch.run.pipeline_replay import parse_action, replay
+    (:func:`microbatch.run.pipeline.replay.replay`)."""
+    from microbatch.run.pipeline.replay import parse_action, replay
+    from microbatch.schedules.torch_order import splits_backward, torch_order
 
     order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
     extra = runtime.get("in_op_s", {})
@@ -95,15 +95,15 @@ def predict_run(cfg: PipelineConfig) -> dict[str, Any]:
     profile and, for gloo ranks on the CPU, the loaded calibration. It does not depend on
     ``cfg.steps`` (the calibrations run their own steps), so a caller may choose the run's steps
     from its predicted step time."""
-    from microbatch.run.launch import check_splittable
-    from microbatch.run.pipeline_calibrate import (
+    from microbatch.run.pipeline.calibrate import (
         calibrate_loaded,
         calibrate_runtime,
         loaded_steps,
         needs_loaded_calibration,
     )
-    from microbatch.run.pipeline_fit import check_fits
-    from microbatch.run.pipeline_progress import announce
+    from microbatch.run.pipeline.fit import check_fits
+    from microbatch.run.pipeline.launch import check_splittable
+    from microbatch.run.pipeline.progress import announce
 
     announce("check")
     check_splittable(cfg)
@@ -122,9 +122,9 @@ def predict_run(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict[str, Any]:
-    """:func:`microbatch.run.launch.run_pipeline` with the prediction made before the ranks start
+    """:func:`microbatch.run.pipeline.launch.run_pipeline` with the prediction made before the ranks start
     (:func:`predict_run`) as ``report["before_run"]``."""
-    from microbatch.run.launch import run_pipeline
+    from microbatch.run.pipeline.launch import run_pipeline
 
     before = predict_run(cfg)
     report = run_pipeline(cfg, deadline_s=deadline_s)

@@ -6,12 +6,12 @@ torch's own schedule classes, for N optimizer steps, and records what happened:
 - **Busy time** of every forward (F), full backward (B), input backward (I) and weight
   backward (W): the stage's ``forward_one_chunk`` / ``backward_one_chunk`` /
   ``backward_weight_one_chunk`` are wrapped (``time.perf_counter`` on the CPU, CUDA events on a
-  GPU; see :mod:`microbatch.run.instrument`). The last stage's loss is timed as part of its forward.
+  GPU; see :mod:`microbatch.run.pipeline.instrument`). The last stage's loss is timed as part of its forward.
 - **In flight**: micro-batches whose forward is done and whose backward (W for a split backward)
   is not, counted per rank over all its virtual stages; the maximum over the step.
 - **Saved activations**: bytes packed by autograd (``saved_tensors_hooks``) during each forward
   (parameters excluded, storages deduplicated), per micro-batch; the peak of the saved storages
-  actually alive (freed through weak references, :class:`~microbatch.run.instrument.LiveBytes`);
+  actually alive (freed through weak references, :class:`~microbatch.run.pipeline.instrument.LiveBytes`);
   and the sum the schedule's in-flight count implies (``counted_activation_bytes``).
 - **Host peak memory** per step: the process's high-water mark (``VmHWM``) reset before the step
   (:mod:`microbatch.measure.hostmem`); it includes the model, gradients and optimizer.
@@ -25,8 +25,8 @@ global batch. Weights shared between stages on different ranks (tied embeddings)
 gradients all-reduced among the ranks that hold them before the optimizer step.
 
 :func:`run_rank` returns the raw per-rank records, gathered on rank 0;
-:func:`microbatch.run.pipeline_summary.summarize` reduces them to the report. Processes are started
-by :mod:`microbatch.run.launch` (``microbatch pipeline``) or by ``torchrun``.
+:func:`microbatch.run.pipeline.summary.summarize` reduces them to the report. Processes are started
+by :mod:`microbatch.run.pipeline.launch` (``microbatch pipeline``) or by ``torchrun``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError, ScheduleError
 from microbatch.measure.hostmem import peak_rss_bytes, reset_peak_rss
-from microbatch.run.instrument import StageRecorder, instrument_stage, make_loss_fn, split_backward_kept
-from microbatch.run.pipeline_config import FACTORY_SEQ, PipelineConfig
-from microbatch.run.pipeline_split import (
+from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
+from microbatch.run.pipeline.instrument import (
+    StageRecorder,
+    instrument_stage,
+    make_loss_fn,
+    split_backward_kept,
+)
+from microbatch.run.pipeline.split import (
     balanced_split,
     load_factory,
     model_units,
@@ -134,10 +139,10 @@ def run_rank(
     on_step: Callable[[str, dict[str, Any]], object] | None = None,
 ) -> dict[str, Any] | None:
     """Run ``cfg`` as rank ``rank`` of an initialised process group; return the gathered result on
-    rank 0 (``None`` elsewhere). The result holds raw per-rank measurements; :mod:`microbatch.run.launch`
+    rank 0 (``None`` elsewhere). The result holds raw per-rank measurements; :mod:`microbatch.run.pipeline.launch`
     turns them into the report. ``on_step(kind, record)``, if given, receives this rank's record of
     each finished step (``"step"``), preceded after the first by the rest of what the rank reports
-    (``"setup"``): what a Ctrl-C keeps (:mod:`microbatch.run.pipeline_progress`)."""
+    (``"setup"``): what a Ctrl-C keeps (:mod:`microbatch.run.pipeline.progress`)."""
     import torch
     import torch.distributed as dist
 

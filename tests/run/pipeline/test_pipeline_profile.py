@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from microbatch.run.pipeline_config import PipelineConfig
-from microbatch.run.pipeline_order import torch_order
-from microbatch.run.pipeline_profile import predict_before
-from microbatch.run.pipeline_replay import ZERO_TERMS, replay, runtime_terms
-from microbatch.run.pipeline_stage_profile import profile_stages
+from microbatch.run.pipeline.before_run import predict_before
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.replay import ZERO_TERMS, replay, runtime_terms
+from microbatch.run.pipeline.stage_profile import profile_stages
+from microbatch.schedules.torch_order import torch_order
 
 torch = pytest.importorskip("torch")
 
@@ -88,7 +88,7 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
 
 
 def test_the_replay_without_costs_matches_the_event_simulation():
-    from microbatch.run.pipeline_summary import predict
+    from microbatch.run.pipeline.summary import predict
 
     cfg = PipelineConfig(schedule="interleaved-1f1b", stages=2, microbatches=4, virtual=2)
     op_s = {(s, k): 1e-3 * (1 + s) * (2 if k == "B" else 1) for s in range(4) for k in "FB"}
@@ -165,7 +165,7 @@ def test_weight_gradient_is_timed_as_torch_runs_it_not_as_a_second_full_backward
 def test_the_dualpipev_replay_sends_an_overlapped_forward_after_its_backward():
     """The replay of a DualPipeV run holds torch's overlapped F+B steps (the forward's output leaves
     after the pair): with equal per-chunk times every rank idles the closed form's 2(p-1)·T_F."""
-    from microbatch.run.pipeline_summary import predict
+    from microbatch.run.pipeline.summary import predict
     from microbatch.schedules.closed_forms import dualpipev_idle_time
 
     cfg = PipelineConfig(schedule="dualpipev", stages=2, microbatches=4, virtual=2)
@@ -196,8 +196,8 @@ def test_after_op_terms_as_latency_take_no_core():
 
 
 def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_times():
-    from microbatch.run.pipeline_calibrate import loaded_calibration_model
-    from microbatch.run.pipeline_split import balanced_split, model_units, unit_param_counts
+    from microbatch.run.pipeline.calibrate import loaded_calibration_model
+    from microbatch.run.pipeline.split import balanced_split, model_units, unit_param_counts
 
     spins = [[0.02, 0.03, 0.0], [0.0, 0.0, 0.0], [0.0, 0.01, 0.025]]
     model = loaded_calibration_model(16, spins)
@@ -226,7 +226,7 @@ def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_
 
 
 def test_a_loaded_calibration_is_made_for_gloo_ranks_with_a_machine_reading():
-    from microbatch.run.pipeline_calibrate import needs_loaded_calibration
+    from microbatch.run.pipeline.calibrate import needs_loaded_calibration
 
     two = {"machine": {"cores": 2.0, "others": 0.0, "slice_s": 4e-3}}
     assert needs_loaded_calibration(PipelineConfig(stages=4, microbatches=8), two)
@@ -238,7 +238,7 @@ def test_a_loaded_calibration_is_made_for_gloo_ranks_with_a_machine_reading():
 def test_the_loaded_calibration_is_bounded_by_the_users_wait_and_the_runs_timeout():
     """Its step is as long as the real one: a large model gets fewer steps (at least 5), and none
     when even 5 would take half the run's timeout (the bare calibration's terms are kept)."""
-    from microbatch.run.pipeline_calibrate import (
+    from microbatch.run.pipeline.calibrate import (
         LOADED_BUDGET_S,
         MAX_LOADED_STEPS,
         MIN_LOADED_STEPS,
@@ -290,8 +290,8 @@ def test_timed_reads_the_threads_cpu_time_beside_the_wall_time():
     of CPU whatever the load (the loop ends on the thread's own clock)."""
     import time
 
-    from microbatch.run.pipeline_calibrate import _spin
-    from microbatch.run.pipeline_stage_profile import _timed
+    from microbatch.run.pipeline.calibrate import _spin
+    from microbatch.run.pipeline.stage_profile import _timed
 
     def work() -> None:
         time.sleep(0.03)
@@ -306,7 +306,7 @@ def test_the_profile_reports_each_stages_median_wall_and_cpu_times(monkeypatch):
     """Every timed call answers 2 ms of wall and 1 ms of CPU time: each stage's F, B, I and W are
     those (the first stage's I too: an empty call), each cpu* column the CPU time — the profile
     neither scales nor swaps what it timed."""
-    import microbatch.run.pipeline_stage_profile as sp
+    import microbatch.run.pipeline.stage_profile as sp
 
     def fake(fn, idle_s):
         fn()
@@ -324,10 +324,10 @@ def test_predict_run_profiles_after_the_mean_gap_and_predicts_with_the_loaded_te
     """The wiring of the prediction made before a run, with each measurement replaced by a known
     value: the profile idles for the bare calibration's mean gap between ops, the loaded
     calibration gets that profile and its terms (taken as latency) make the prediction."""
-    import microbatch.run.launch as launch
-    import microbatch.run.pipeline_calibrate as cal
-    import microbatch.run.pipeline_fit as fit
-    import microbatch.run.pipeline_profile as pp
+    import microbatch.run.pipeline.before_run as pp
+    import microbatch.run.pipeline.calibrate as cal
+    import microbatch.run.pipeline.fit as fit
+    import microbatch.run.pipeline.launch as launch
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=1)
     prof = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 3.0, "B": 4.0}}
@@ -363,9 +363,9 @@ def test_the_loaded_calibration_spins_for_the_profiled_cpu_times(monkeypatch):
     import json
     import os
 
-    import microbatch.run.launch as launch
-    import microbatch.run.pipeline_calibrate as cal
-    import microbatch.run.pipeline_replay as rp
+    import microbatch.run.pipeline.calibrate as cal
+    import microbatch.run.pipeline.launch as launch
+    import microbatch.run.pipeline.replay as rp
 
     prof = {s: {"F": 9.0, "B": 9.0, "I": 9.0, "W": 9.0, "cpuF": 1e-3 * (s + 1), "cpuB": 5e-3,
                 "cpuI": 2e-3 * (s + 1), "cpuW": 3e-3 * (s + 1)} for s in range(2)}  # fmt: skip
@@ -411,7 +411,7 @@ def test_the_bubble_predicted_before_a_run_is_held_to_the_bubble_the_run_measure
     above (terms, spins, F, the loaded calibration, the idle gap, CPU against wall time). Below the
     run it has 25 points: the most seen was 9.3, and the op times alone (25% against 45-70%
     measured) fall out there whenever the run measures over 50%."""
-    from microbatch.run.pipeline_profile import run_predicted
+    from microbatch.run.pipeline.before_run import run_predicted
 
     under, over = 0.25, 0.45
     rep = run_predicted(

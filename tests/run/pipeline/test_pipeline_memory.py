@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from microbatch.errors import ConfigError
-from microbatch.run.launch import run_pipeline
-from microbatch.run.pipeline_config import PipelineConfig
-from microbatch.run.pipeline_fit import check_fits, predicted_host_bytes
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.fit import check_fits, predicted_host_bytes
+from microbatch.run.pipeline.launch import run_pipeline
 
 torch = pytest.importorskip("torch")
 
@@ -30,7 +30,7 @@ def _measured(rep):
 
 
 def test_live_bytes_count_a_storage_once_and_release_it_when_the_last_tensor_dies():
-    from microbatch.run.instrument import LiveBytes
+    from microbatch.run.pipeline.instrument import LiveBytes
 
     live = LiveBytes()
     a = torch.zeros(256)  # 1 KiB
@@ -74,7 +74,7 @@ def test_gpipe_memory_grows_with_m_and_1f1b_does_not_measured():
     assert _measured(g4)[0] > 1.6 * _measured(f4)[0]
     # what 1F1B's rank 1 gains from m = 2 to 4 is torch's runtime, not activations: one receive
     # buffer (b_m·s·h·4 bytes) per micro-batch, measured through the same hooks
-    from microbatch.run.pipeline_memory import boundary_bytes
+    from microbatch.run.pipeline.memory import boundary_bytes
 
     buf = boundary_bytes(PipelineConfig(schedule="1f1b", stages=2, microbatches=2))
     assert _measured(f4)[1] - _measured(f2)[1] == pytest.approx(2 * buf, rel=0.05)
@@ -97,7 +97,7 @@ def test_dualpipev_runs_on_torch_with_unsplit_gradients_and_torchs_order():
 def _old_rule_bytes(rep, rank):
     """The prediction before issue 16's second pass: the registry's in-flight chunks × the rank's
     mean saved bytes per micro-batch, plus the received inputs beyond the in-flight count."""
-    from microbatch.run.pipeline_memory import _rule_name, boundary_bytes
+    from microbatch.run.pipeline.memory import _rule_name, boundary_bytes
     from microbatch.schedules.registry import in_flight_chunks
 
     cfg = PipelineConfig(
@@ -120,7 +120,7 @@ def test_split_backward_under_the_hooks_frees_what_it_saved():
     a detached alias, so after I and W nothing of the micro-batch is left alive."""
     import torch.nn.functional as F
 
-    from microbatch.run.instrument import StageRecorder, _saved_bytes_hooks, split_backward_kept
+    from microbatch.run.pipeline.instrument import StageRecorder, _saved_bytes_hooks, split_backward_kept
 
     pytest.importorskip("torch.distributed.pipelining._backward")
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -203,7 +203,7 @@ def test_cli_refuses_llama_before_starting_any_process(capsys, monkeypatch):
         raise AssertionError(f"a process was started: {args[:1]}")
 
     monkeypatch.setattr(subprocess, "Popen", refuse)
-    from microbatch.run.pipeline_fit import available_host_bytes
+    from microbatch.run.pipeline.fit import available_host_bytes
 
     avail = available_host_bytes()
     if avail is None or avail > 120 * 1024**3:
@@ -254,8 +254,8 @@ def test_the_calibration_is_measured_on_one_process_not_read_from_the_runs_hooks
     forward of the split (stage_saved_bytes), so what the run's hooks report does not move it: a
     run whose hooks read every micro-batch 1.5x larger gets the same prediction, and its measured
     peak 1.5x over the prediction shows as +50% error (reading the hooks, it showed 0%)."""
-    from microbatch.run.pipeline_memory import memory_rows
-    from microbatch.run.pipeline_stage_profile import stage_saved_bytes
+    from microbatch.run.pipeline.memory import memory_rows
+    from microbatch.run.pipeline.stage_profile import stage_saved_bytes
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     prof = stage_saved_bytes(cfg, [2, 2])

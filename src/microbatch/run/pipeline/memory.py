@@ -1,11 +1,11 @@
 """Per-rank activation memory of a pipeline run: measured against predicted, with the error.
 
 - **measured**: the peak of the saved-activation storages actually alive on the rank during a step
-  (:class:`microbatch.run.instrument.LiveBytes`: counted once per storage, released through weak
+  (:class:`microbatch.run.pipeline.instrument.LiveBytes`: counted once per storage, released through weak
   references when the last saved tensor on it is freed) — memory held, not the schedule's count.
 - **predicted, calibrated**: the saved bytes the rank holds along torch's order of its actions
   (:func:`_calibrated`), from each stage's bytes of one micro-batch measured on one process apart
-  from the run (the calibration: :func:`microbatch.run.pipeline_stage_profile.stage_saved_bytes`,
+  from the run (the calibration: :func:`microbatch.run.pipeline.stage_profile.stage_saved_bytes`,
   one number per stage and b_m, storages shared by micro-batches held once — not the run's own
   hooks, so that a stage that saves more or less in the run than its forward does alone shows as
   error, as well as a late free), the part
@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.pipeline_config import PipelineConfig
+from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.schedules.registry import get_spec, stage_ranks
 
 __all__ = ["memory_rows", "boundary_bytes"]
@@ -52,7 +52,7 @@ def boundary_bytes(cfg: PipelineConfig) -> float | None:
 def _rank_order(cfg: PipelineConfig, rank: int, executed: list[str]) -> list[str]:
     """torch's compute order of ``rank`` for ``cfg`` (what the ranks ran where it cannot be derived)."""
     from microbatch.errors import ScheduleError
-    from microbatch.run.pipeline_order import torch_order
+    from microbatch.schedules.torch_order import torch_order
 
     try:
         return torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)[rank]
@@ -74,7 +74,7 @@ def _calibrated(
       saved storages less those an earlier micro-batch saved, which are held once: ``shared``);
     - a full backward B frees them; torch's input-gradient pass I frees all but the fraction
       ``kept`` that its weight-gradient pass W needs (measured by
-      :func:`microbatch.run.instrument.split_backward_kept`), W frees the rest;
+      :func:`microbatch.run.pipeline.instrument.split_backward_kept`), W frees the rest;
     - torch.distributed.pipelining keeps every micro-batch's received stage input (its receive
       buffer, allocated per micro-batch and reused across steps) and the stage's first operation
       saves it: m inputs per stage fed by another rank, held throughout (measured: on tiny, p = 4,
@@ -151,9 +151,9 @@ def memory_rows(
     schedule's counted bytes, the host high-water mark and the bytes still alive after the step.
 
     ``stage_bytes``: each stage's ``own`` and ``shared`` saved bytes of one micro-batch
-    (:func:`microbatch.run.pipeline_stage_profile.stage_saved_bytes`); None measures them here, on
+    (:func:`microbatch.run.pipeline.stage_profile.stage_saved_bytes`); None measures them here, on
     one process, on the split the ranks used, on ``device`` (where the ranks ran)."""
-    from microbatch.run.pipeline_stage_profile import stage_saved_bytes
+    from microbatch.run.pipeline.stage_profile import stage_saved_bytes
 
     kept: dict[int, float] = {}
     for r in ranks:

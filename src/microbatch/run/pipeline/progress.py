@@ -5,15 +5,15 @@ per-stage profile, a loaded calibration run, the run itself). The library never 
 phase is announced as a :class:`Progress` value to the function the caller installed with
 :func:`progress_to` (the command prints a line on stderr); with none installed, :func:`announce`
 does nothing. The phases (:data:`PHASES`) are announced where they happen: the checks and the run by
-the caller, the calibrations and the profile by :func:`microbatch.run.pipeline_profile.predict_run`,
-the ranks' start, each measured step and the summary by :func:`microbatch.run.launch.run_pipeline`.
+the caller, the calibrations and the profile by :func:`microbatch.run.pipeline.before_run.predict_run`,
+the ranks' start, each measured step and the summary by :func:`microbatch.run.pipeline.launch.run_pipeline`.
 
 **Steps kept.** Each worker appends every finished step's record (and, after the first, the rank's
 setup: its stages, the layers per stage, torch's order, the gradient check) to a file of its own, one
 JSON object a line (:class:`StepLog`). The launcher counts those lines for the progress, and on a
 Ctrl-C or SIGTERM (after it has killed every rank) reads them back (:func:`read_partial`): the steps
 that every rank finished make the same raw result a whole run gives, so the report of an interrupted
-run is :func:`microbatch.run.pipeline_summary.summarize` of fewer steps. It is raised as
+run is :func:`microbatch.run.pipeline.summary.summarize` of fewer steps. It is raised as
 :class:`PipelineInterrupted`, a ``KeyboardInterrupt`` that carries it.
 """
 
@@ -171,7 +171,7 @@ def read_partial(paths: list[str], head: dict[str, Any]) -> dict[str, Any] | Non
 class PipelineInterrupted(KeyboardInterrupt):
     """A Ctrl-C or SIGTERM while the ranks ran; every rank has been killed.
 
-    ``report``: :func:`microbatch.run.pipeline_summary.summarize` of the steps every rank finished
+    ``report``: :func:`microbatch.run.pipeline.summary.summarize` of the steps every rank finished
     (None when none did, or when they could not be summarised: ``why`` says so); ``steps``: how many
     steps that report holds; ``asked``: the steps the run was asked for."""
 
