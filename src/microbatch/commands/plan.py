@@ -225,7 +225,7 @@ def _plans(
             make_plan(
                 replace(
                     cfg,
-                    gpu=g,
+                    gpu=a.accelerator or g,
                     memory_calibration=a.memory,
                     efficiency=replace(a.efficiency, fused_elementwise=cfg.efficiency.fused_elementwise),
                 )

@@ -9,15 +9,19 @@ fitted against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
+from microbatch.microbench_record import KIND as MICROBENCH
+from microbatch.microbench_record import MicrobenchResult
 from microbatch.model import ModelShape
+from microbatch.precision import get_precision
 from microbatch.predict.activations import check_recompute
 from microbatch.predict.calibrate import Calibration, calibrate
+from microbatch.predict.kernel_calibration import kernel_terms, measured_cpu_accelerator, measured_on
 from microbatch.predict.memory import MemoryCalibration
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import check_zero
@@ -32,6 +36,7 @@ __all__ = [
     "calibration_notes",
     "calibrated_inputs",
     "apply_calibration",
+    "apply_microbench",
 ]
 
 CALIBRATION_HELP = (
@@ -41,7 +46,8 @@ CALIBRATION_HELP = (
     "against rows b_m·s. Assumes activations linear in b_m (2+ points needed) and backward = 2× forward; "
     "the analytic terms are scaled, not replaced, so another s, layout or b_m range is an extrapolation "
     "(the output says which). The efficiency applies only on the GPU it was measured on; another model is "
-    "an error, another precision a warning."
+    "an error, another precision a warning. Or a `bench-gpu` kernel microbenchmark: its measured GEMM, "
+    "attention, streaming and collective terms replace the analytic ones on the accelerator it ran on."
 )
 """Help text of ``--calibration`` on ``memory`` and ``plan``."""
 
@@ -216,6 +222,10 @@ class AppliedCalibration:
     """For ``PlanConfig(efficiency=)``: the fitted one on its own accelerator, else the default."""
     notes: tuple[str, ...]
     """Warnings (mismatches) and extrapolations, in words, for the output."""
+    accelerator: Accelerator | None = None
+    """The planned accelerator with measured figures (a microbenchmark's attention ceiling); None: as given."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Kernel term -> where it came from (a microbenchmark's calibration); empty for a tune result."""
 
     def to_dict(self) -> dict[str, Any]:
         """The calibration and the notes, for a command's JSON."""
@@ -224,6 +234,12 @@ class AppliedCalibration:
     def lines(self) -> list[str]:
         """Text for a command's output: what was applied, then each note."""
         c, m = self.calibration, self.memory
+        if self.sources:
+            head = f"kernel terms from a microbenchmark of {c.device_name or c.device} ({c.accelerator}):"
+            rows = [f"  {term}: {where}" for term, where in self.sources.items()]
+            return [head, *rows, "  memory model (bytes): analytic, a microbenchmark measures no memory"] + [
+                f"note: {n}" for n in self.notes
+            ]
         head = (
             f"calibrated from {c.model} s={c.seq} {c.precision} on {c.device_name or c.device} (b_m "
             f"{', '.join(map(str, c.micro_batches))}): activations × {m.activation_scale:.3f}, "
@@ -247,6 +263,13 @@ def apply_calibration(
     """One call for the commands: :func:`load_calibration`, :func:`calibrated_inputs` and
     :func:`calibration_notes` for the planned model, precision, device and layout (its sequence
     length defaults to the model's)."""
+    data = load_json(source, what="calibration file", fix="give a tune result or a bench-gpu result")
+    inner = data.get("result", data) if isinstance(data, dict) else data
+    if isinstance(inner, dict) and inner.get("kind") == MICROBENCH:
+        label = str(source) if isinstance(source, (str, Path)) else "microbenchmark"
+        return apply_microbench(
+            MicrobenchResult.from_dict(inner), shape=shape, precision=precision, gpu=gpu, label=label
+        )
     cal, warns = load_calibration(source, shape=shape, precision=precision, gpu=gpu, strict=strict)
     eff = DEFAULT_EFFICIENCY
     gpu_notes: list[str] = []
@@ -256,3 +279,46 @@ def apply_calibration(
     return AppliedCalibration(
         calibration=cal, memory=cal.memory, efficiency=eff, notes=tuple(dict.fromkeys(notes))
     )
+
+
+def apply_microbench(
+    result: MicrobenchResult,
+    *,
+    shape: ModelShape,
+    precision: str,
+    gpu: Accelerator | None = None,
+    label: str = "microbenchmark",
+) -> AppliedCalibration:
+    """A kernel microbenchmark as a calibration (:mod:`microbatch.predict.kernel_calibration`): its measured
+    kernel terms for ``gpu`` (this CPU, from the file's own figures, when None and it ran on a CPU); memory
+    stays analytic. The result's ``details`` carry each term's source and the GEMM ratios."""
+    acc = gpu if gpu is not None else (measured_cpu_accelerator(result) if result.device == "cpu" else None)
+    if acc is None:
+        raise ConfigError(f"{label} was measured on {result.device_name}: give the accelerator to plan for")
+    terms = kernel_terms(result, acc)
+    warns: list[str] = []
+    dtype = get_precision(precision).compute_dtype
+    if dtype != result.dtype:
+        warns.append(
+            f"{label} was measured in {result.dtype} but the plan computes in {dtype}: the measured ratios and "
+            "fractions are applied to the other dtype (an extrapolation)"
+        )
+    table = terms.efficiency.gemm_measured
+    cal = Calibration(
+        memory=MemoryCalibration(), efficiency=replace(terms.efficiency, gemm_measured=None),
+        accelerator=measured_on(result), peak_flops=acc.flops(result.dtype), model=result.model,
+        shape={k: v for k, v in shape.to_dict().items() if k != "param_count"}, seq=result.seq or shape.seq,
+        precision=precision, checkpointing=False, device=result.device, device_name=result.device_name,
+        micro_batches=result.micro_batches, memory_key="",
+        details={
+            "from": "microbench", "file": label, "term_sources": dict(terms.sources),
+            "gemm_ratios": [list(p) for p in table.points] if table else [],
+            "attention_fraction": terms.accelerator.attention_fraction, "torch": result.torch_version,
+        },
+        notes=tuple(result.notes),
+    )  # fmt: skip
+    notes = tuple(dict.fromkeys(warns + list(terms.notes)))
+    return AppliedCalibration(
+        calibration=cal, memory=cal.memory, efficiency=terms.efficiency, notes=notes,
+        accelerator=terms.accelerator, sources=dict(terms.sources),
+    )  # fmt: skip

@@ -1,0 +1,158 @@
+"""Kernel terms from a microbenchmark of the target accelerator: measured, replacing the analytic ones.
+
+A ``bench-gpu`` result (:class:`~microbatch.microbench_record.MicrobenchResult`) measured on one
+accelerator sets, for plans on that accelerator:
+
+- **GEMMs**: at each measured shape the ratio measured / analytic time
+  (:mod:`microbatch.predict.measured_gemm`), read between the shapes; ``RooflineEfficiency.gemm_measured``.
+- **Attention**: the flash ceiling f∞ (``Accelerator.attention_fraction``) from the measured causal SDPA
+  rate f(s, d) at each key length s: f∞ = f(s, d) / φ(s, d) (inverting
+  :func:`~microbatch.predict.attention.flash_rate_fraction`: φ is
+  :func:`~microbatch.predict.attention.flash_shape_factor`, causal forward), the median over the measured s.
+- **Streaming**: ``memory`` = the median fraction of the bandwidth of copy and add; on a GPU
+  ``norm_memory`` = LayerNorm's, ``activation_memory`` = GeLU's; on the CPU (where the planner charges
+  every memory-bound kernel at ``memory``) the median of all four.
+- **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
+- **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
+  (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one.
+
+Each fraction is clamped to (0, 1] (a clamp is noted); each term says where it came from
+(:attr:`KernelTerms.sources`). A file measured on another accelerator sets nothing. Pure Python.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from microbatch.hardware import Accelerator, cpu_accelerator
+from microbatch.microbench_record import MicrobenchResult
+from microbatch.predict.attention import flash_shape_factor
+from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
+from microbatch.predict.measured_gemm import MeasuredGemms
+
+__all__ = ["KernelTerms", "measured_cpu_accelerator", "kernel_terms", "measured_on"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelTerms:
+    """What a microbenchmark sets for one accelerator, and where each term comes from."""
+
+    accelerator: Accelerator
+    """The planned accelerator with the measured attention ceiling (when measured)."""
+    efficiency: RooflineEfficiency
+    """The efficiency with the measured fractions and GEMM ratios."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Term -> where its value comes from (measured: which kernels; else the analytic default)."""
+    notes: tuple[str, ...] = ()
+    """Clamps and mismatches."""
+
+
+def measured_on(result: MicrobenchResult) -> str:
+    """The accelerator name a result applies to: its table key, or ``cpu``."""
+    return result.accelerator or ("cpu" if result.device == "cpu" else result.device_name)
+
+
+def measured_cpu_accelerator(result: MicrobenchResult) -> Accelerator:
+    """This CPU as an :class:`Accelerator` from the microbenchmark itself: peak = the fastest GEMM measured,
+    bandwidth = the fastest streaming kernel (nominal figures the measured terms are fractions of)."""
+    flops = max((g.flops_per_s for g in result.gemms), default=1e9)
+    bw = max((s.bytes_per_s for s in result.stream), default=1e9)
+    return cpu_accelerator(
+        flops_per_s=flops,
+        bytes_per_s=bw,
+        source=f"microbenchmark: fastest GEMM {flops / 1e9:.1f} GFLOP/s, fastest stream {bw / 1e9:.1f} GB/s",
+    )
+
+
+def _clamp(name: str, value: float, notes: list[str]) -> float:
+    if value > 1.0:
+        notes.append(
+            f"measured {name} {value:.3g} of the table's figure > 1: clamped to 1 (the figure is low)"
+        )
+        return 1.0
+    return value
+
+
+def _gemm_ratios(
+    result: MicrobenchResult, acc: Accelerator, eff: RooflineEfficiency
+) -> tuple[tuple[float, float, float, float], ...]:
+    """(rows, k, n, measured / analytic seconds) per measured GEMM, the analytic time on ``acc``."""
+    seen: dict[tuple[int, int, int], float] = {}
+    for g in result.gemms:
+        analytic = gemm_time_s(g.rows, g.k, g.n, acc, dtype=result.dtype, efficiency=eff)
+        seen[(g.rows, g.k, g.n)] = g.seconds / analytic
+    return tuple((float(r), float(k), float(n), q) for (r, k, n), q in seen.items())
+
+
+def _stream_terms(
+    result: MicrobenchResult, acc: Accelerator, sources: dict[str, str], notes: list[str]
+) -> dict[str, float]:
+    frac = {s.kernel: s.bytes_per_s / acc.memory_bandwidth_bytes_per_s for s in result.stream}
+    out: dict[str, float] = {}
+    gpu = bool(acc.compute_units)
+    main = [frac[k] for k in (("copy", "add") if gpu else tuple(frac)) if k in frac]
+    if main:
+        out["memory"] = _clamp("streaming bandwidth", statistics.median(main), notes)
+        sources["memory"] = (
+            f"measured: median of {'copy, add' if gpu else ', '.join(frac)} ({out['memory']:.3f})"
+        )
+    if gpu:
+        for term, kernel in (("norm_memory", "layernorm"), ("activation_memory", "gelu")):
+            if kernel in frac:
+                out[term] = _clamp(f"{kernel} bandwidth", frac[kernel], notes)
+                sources[term] = f"measured: {kernel} ({out[term]:.3f})"
+    return out
+
+
+def _attention_fraction(
+    result: MicrobenchResult, acc: Accelerator, sources: dict[str, str], notes: list[str]
+) -> float | None:
+    if not result.attention:
+        return None
+    peak = acc.flops(result.dtype)
+    ceilings = [a.flops_per_s / peak / flash_shape_factor(a.seq, a.head_dim) for a in result.attention]
+    f = _clamp("attention ceiling", statistics.median(ceilings), notes)
+    seqs = ", ".join(str(a.seq) for a in result.attention)
+    sources["attention_fraction"] = f"measured: causal SDPA at s = {seqs} (ceiling {f:.3f})"
+    return f
+
+
+def kernel_terms(
+    result: MicrobenchResult, acc: Accelerator, base: RooflineEfficiency = DEFAULT_EFFICIENCY
+) -> KernelTerms:
+    """The measured kernel terms of ``result`` for plans on ``acc`` (module docstring); ``base`` unchanged,
+    with every term sourced as analytic, when ``result`` was measured on another accelerator."""
+    sources = {
+        k: "analytic (default)"
+        for k in ("gemm", "attention_fraction", "memory", "launch_s_per_kernel", "network")
+    }
+    where = measured_on(result)
+    if where != acc.name:
+        note = (
+            f"kernel microbenchmark measured on {result.device_name} ({where}), the plan is for {acc.name}: "
+            "its kernel terms are NOT applied (the analytic ones are used)"
+        )
+        return KernelTerms(accelerator=acc, efficiency=base, sources=sources, notes=(note,))
+    notes: list[str] = []
+    values = _stream_terms(result, acc, sources, notes)
+    if result.launch_s_per_kernel is not None and acc.compute_units:
+        values["launch_s_per_kernel"] = result.launch_s_per_kernel
+        sources["launch_s_per_kernel"] = (
+            f"measured: {result.launch_s_per_kernel * 1e6:.2f} µs per eager kernel"
+        )
+    ar = [c for c in result.collectives if c.op == "all_reduce"]
+    if ar:
+        link = acc.intra_node_bytes_per_s * acc.intra_node_achievable
+        values["network"] = _clamp("all-reduce bus bandwidth", ar[0].bus_bytes_per_s / link, notes)
+        sources["network"] = (
+            f"measured: all-reduce over {ar[0].world_size} ranks ({values['network']:.3f} of the link)"
+        )
+    eff = replace(base, **values)
+    if result.gemms:
+        ratios = _gemm_ratios(result, acc, eff)
+        eff = replace(eff, gemm_measured=MeasuredGemms(points=ratios, accelerator=acc.name))
+        sources["gemm"] = f"measured: {len(ratios)} GEMM shapes, read between them (measured / analytic time)"
+    attn = _attention_fraction(result, acc, sources, notes)
+    acc_out = acc.with_overrides(attention_fraction=attn) if attn is not None else acc
+    return KernelTerms(accelerator=acc_out, efficiency=eff, sources=sources, notes=tuple(notes))
