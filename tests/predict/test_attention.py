@@ -8,6 +8,7 @@ from microbatch.hardware import get_accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.attention import (
     FA2_CURVES,
+    FLASH_SEQ_HALF,
     causal_flash_flops,
     flash_attention_times_s,
     flash_backward_flops,
@@ -36,6 +37,8 @@ def test_terms_by_hand() -> None:
     assert flash_rate_fraction(2048, 0.417) == pytest.approx(0.417 * 2048 / 2452)
     assert flash_rate_fraction(2048, 0.417) == pytest.approx(0.348, abs=5e-4)
     assert flash_rate_fraction(0, 0.5) == 0.0
+    assert FLASH_SEQ_HALF == 404.0  # inverting the reference ramp: 0.348 x (2048 + 404) / 2048 = 0.417
+    assert 0.348 * (2048 + FLASH_SEQ_HALF) / 2048 == pytest.approx(0.417, abs=5e-4)
     # d 64 causal forward: 308/350 x s/(s + 359)
     assert flash_shape_factor(4096, 64) == pytest.approx(308 / 350 * 4096 / 4455)
     # not causal, backward, d 128: 329/350 x s/(s + 274)

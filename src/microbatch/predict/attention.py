@@ -32,6 +32,7 @@ import math
 
 __all__ = [
     "FA2_CURVES",
+    "FLASH_SEQ_HALF",
     "FLASH_BACKWARD_RATIO",
     "FA3_HOPPER_CEILING",
     "causal_flash_flops",
@@ -63,6 +64,10 @@ the non-causal backward's with the causal forward's ratio of plateaus and its ad
 
 _REFERENCE = (128, True, False)
 """The curve the accelerator ceilings describe: causal forward at d = 128."""
+
+FLASH_SEQ_HALF = FA2_CURVES[_REFERENCE][1]
+"""s₀ of the reference curve (causal forward, d = 128): 404 tokens. A measured causal d-128 forward fraction
+f(s) gives the ceiling f∞ = f(s)·(s + s₀)/s (:func:`flash_shape_factor` is s/(s + s₀) there)."""
 
 FA3_HOPPER_CEILING = 0.625
 """Ceiling of a Hopper-specific kernel (FlashAttention-3; cuDNN's fused attention, which Transformer Engine
