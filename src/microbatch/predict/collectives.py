@@ -20,6 +20,7 @@ __all__ = [
     "reduce_scatter_time_s",
     "p2p_time_s",
     "pipeline_send_time_s",
+    "scatter_gather_send_s",
     "sp_regather_time_s",
     "group_bandwidth",
     "ranks_per_node",
@@ -60,6 +61,26 @@ def p2p_time_s(nbytes: float, bytes_per_s: float) -> float:
     return nbytes / bytes_per_s
 
 
+def scatter_gather_send_s(
+    nbytes: float, tensor_parallel: int, bw_pp: float, bw_tp: float, sequence_parallel: bool = False
+) -> float:
+    """One pipeline hand-off of a ``nbytes`` (b·s·h·e) activation from one stage's t tensor ranks to the next's.
+
+    Megatron-LM's scatter/gather (Narayanan et al. 2021 §4.1): each of the t ranks sends 1/t of the tensor
+    over the pipeline link, then the receiving stage all-gathers the slices over NVLink:
+    nbytes/t / bw_pp + (t−1)/t · nbytes / bw_tp. Under sequence parallelism the activation between stages
+    is already the rank's s/t shard and Megatron sends only that, with no gather (``p2p_communication``:
+    the scatter/gather applies only ``if args.scatter_gather_tensors_in_pipeline and not
+    args.sequence_parallel``; the receive shape is (s/t, b, h)): nbytes/t / bw_pp. Blocking in the Megatron-LM
+    of 2021–22 (the send, the receive and the gather are waited on before the next pass), so not overlapped.
+    """
+    t = max(1, tensor_parallel)
+    send = p2p_time_s(nbytes / t, bw_pp)
+    if t == 1 or sequence_parallel:
+        return send
+    return send + allgather_time_s(nbytes, t, bw_tp)
+
+
 def pipeline_send_time_s(
     nbytes: float,
     acc: Accelerator,
@@ -67,22 +88,15 @@ def pipeline_send_time_s(
     tensor_parallel: int,
     pipeline_stride: int,
     network: float = 1.0,
+    sequence_parallel: bool = False,
 ) -> float:
-    """One pipeline hand-off of a ``nbytes`` (b·s·h·e) activation between stages, Megatron's way.
-
-    Scatter/gather (Narayanan et al. 2021 §4.1): each of the t tensor ranks sends its 1/t slice over
-    the pipeline link (the stages ``pipeline_stride`` ranks apart: another node when t·d ≥ G), then the
-    receiving stage all-gathers the slices over NVLink: nbytes/t / bw_pp + (t−1)/t · nbytes / bw_tp.
-    Both at the achievable bandwidth (:func:`group_bandwidth`) times ``network``. Blocking in the
-    Megatron-LM of 2021–22 (send and receive are waited on before the next pass), so not overlapped.
-    With interleaving each micro-batch crosses v chunk boundaries per rank, so v of these per pass.
-    """
+    """:func:`scatter_gather_send_s` between two stages ``pipeline_stride`` ranks apart (another node when
+    t·d ≥ G), both links at the achievable bandwidth (:func:`group_bandwidth`) times ``network``. With
+    interleaving each micro-batch crosses v chunk boundaries per rank, so v of these per pass."""
     t = max(1, tensor_parallel)
     bw_pp = group_bandwidth(acc, 2, pipeline_stride) * network
-    send = p2p_time_s(nbytes / t, bw_pp)
-    if t == 1:
-        return send
-    return send + allgather_time_s(nbytes, t, group_bandwidth(acc, t, 1) * network)
+    bw_tp = group_bandwidth(acc, t, 1) * network
+    return scatter_gather_send_s(nbytes, t, bw_pp, bw_tp, sequence_parallel)
 
 
 def group_bandwidth(acc: Accelerator, size: int, stride: int) -> float:

@@ -26,7 +26,7 @@ from microbatch.predict.roofline import (
     group_bandwidth,
     layer_forward,
     logits_forward,
-    p2p_time_s,
+    scatter_gather_send_s,
 )
 from microbatch.predict.state import bytes_per_param
 
@@ -209,9 +209,10 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
         t, p = cfg.tensor_parallel, cfg.pipeline_parallel
         p2p = 0.0
         if p > 1:
-            # Megatron's scatter/gather: each tensor rank sends 1/t of the activation (Narayanan 2021 §4.1)
-            nbytes = ctx.e * b * cfg.seq_len // cfg.context_parallel * cfg.shape.hidden / t
-            p2p = p2p_time_s(nbytes, ctx.bw_pp)
+            # Megatron's scatter/gather: 1/t per tensor rank, then an NVLink all-gather unless SP (collectives)
+            nbytes = ctx.e * b * cfg.seq_len // cfg.context_parallel * cfg.shape.hidden
+            bw_tp = group_bandwidth(cfg.gpu, t, 1) * cfg.efficiency.network
+            p2p = scatter_gather_send_s(nbytes, t, ctx.bw_pp, bw_tp, cfg.sequence_parallel)
         flops_rate = lt.flops / lt.compute_s / cfg.gpu.flops(ctx.dtype) if lt.compute_s else 0.0
         hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
         ctx.layer_cache[b] = hit

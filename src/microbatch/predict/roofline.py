@@ -40,6 +40,7 @@ from microbatch.predict.collectives import (
     pipeline_send_time_s,
     ranks_per_node,
     reduce_scatter_time_s,
+    scatter_gather_send_s,
     sp_regather_time_s,
 )
 from microbatch.predict.context import kv_exchange_bytes, ring_exposed_s
@@ -81,6 +82,7 @@ __all__ = [
     "reduce_scatter_time_s",
     "p2p_time_s",
     "pipeline_send_time_s",
+    "scatter_gather_send_s",
     "group_bandwidth",
     "ranks_per_node",
     "model_flops_per_step",
