@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "Run pipeline-parallel training and compare the bubble with the prediction."),
     "report": ("report", "Build one self-contained HTML report from saved results."),
     "demo": ("demo", "The whole story on a built-in model on the CPU, in a few minutes."),
+    "bench-gpu": ("bench_gpu", "Time GEMMs, attention, streaming and collectives here, for plan --calibration."),
 }
 
 

@@ -1,0 +1,134 @@
+"""``microbatch bench-gpu``: a few seconds of kernel microbenchmarks, written for ``plan --calibration``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
+from microbatch.commands._outputs import check_output_file, force_option, keep_result
+
+__all__ = ["cmd", "render"]
+
+
+def _parse_bms(text: str) -> tuple[int, ...]:
+    from microbatch.errors import ConfigError
+
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or any(b < 1 for b in out):
+        raise ConfigError(
+            f"--micro-batches {text!r} is not a list of positive integers; e.g. --micro-batches 1,2,4"
+        )
+    return out
+
+
+def render(d: dict[str, Any]) -> str:
+    """The result as a short table: GEMMs, attention, streaming, collectives, then the notes."""
+    frac = lambda f: f"{100 * f:5.1f}%" if f is not None else "     -"  # noqa: E731
+    lines = [
+        f"{d['device_name']} ({d['accelerator'] or 'not in the accelerator table'}), {d['dtype']}, torch "
+        f"{d['torch_version']}; {d['timer']}; {d['seconds_total']:.1f} s",
+        f"GEMMs (model {d['model']}, s = {d['seq']}, b_m {', '.join(map(str, d['micro_batches']))}; then the grid)",
+        "  label      rows      k      n     seconds   TFLOP/s  of peak",
+    ]
+    for g in d["gemms"]:
+        lines.append(
+            f"  {g['label']:<7} {g['rows']:>7} {g['k']:>6} {g['n']:>6}  {g['seconds']:.3e}  "
+            f"{g['flops_per_s'] / 1e12:8.3f}  {frac(g['fraction_of_peak'])}"
+        )
+    for a in d["attention"]:
+        lines.append(
+            f"attention causal s={a['seq']:<6} b={a['batch']} heads={a['heads']} d={a['head_dim']}: "
+            f"{a['flops_per_s'] / 1e12:.3f} TFLOP/s {frac(a['fraction_of_peak'])}"
+        )
+    for s in d["stream"]:
+        lines.append(
+            f"stream {s['kernel']:<9} {s['bytes_per_s'] / 1e9:8.1f} GB/s {frac(s['fraction_of_bandwidth'])}"
+        )
+    for c in d["collectives"]:
+        lines.append(
+            f"{c['op']} over {c['world_size']} ranks: bus {c['bus_bytes_per_s'] / 1e9:.1f} GB/s {frac(c['fraction_of_link'])}"
+        )
+    if d["launch_s_per_kernel"] is not None:
+        lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
+    lines += [f"note: {n}" for n in d["notes"]]
+    return "\n".join(lines)
+
+
+@click.command("bench-gpu")
+@model_options
+@click.option(
+    "--device", default=None, help="cpu or cuda (cuda:N). Default: cuda when torch sees one, else cpu."
+)
+@click.option(
+    "--micro-batches", "micro_batches", default=None,
+    help="b_m whose rows b_m·s the layer GEMMs are timed at, comma-separated. Default: 1,2,4,8 (quick: 1,4).",
+)  # fmt: skip
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto", show_default=True,
+              help="Data type: auto is bf16 on CUDA, fp32 on the CPU.")  # fmt: skip
+@click.option(
+    "--quick", is_flag=True, help="Small grid and tensors: seconds on a CPU (the model's GEMMs stay)."
+)
+@click.option(
+    "--repeats", type=int, default=10, show_default=True, help="Timed repeats per kernel (median kept)."
+)
+@click.option("--budget-s", "budget_s", type=float, default=20.0, show_default=True,
+              help="Wall seconds for everything; kernels past it are skipped and named.")  # fmt: skip
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads on the CPU.")
+@click.option(
+    "--out", type=click.Path(dir_okay=False), help="Write the result as JSON here (for plan --calibration)."
+)
+@force_option
+@json_option
+def cmd(
+    model_spec: dict[str, Any], device: str | None, micro_batches: str | None, dtype: str, quick: bool,
+    repeats: int, budget_s: float, threads: int, out: str | None, force: bool, as_json: bool,
+) -> None:  # fmt: skip
+    """Time the kernels the step-time model charges, on this device, for `plan --calibration`.
+
+    Times the layer GEMMs of --model (QKV, projection, MLP, output layer) at rows b_m·s, a small
+    M×N×K grid, causal attention (SDPA) at a few sequence lengths, streaming kernels (copy, add,
+    GeLU, LayerNorm), the per-kernel launch floor, and all-reduce/all-gather when a torch.distributed
+    process group is initialised (else skipped, and said). CUDA events after warm-up on a GPU; the
+    thread's CPU clock at --threads on a CPU. Each figure is a median; the whole run stays inside
+    --budget-s. Default model: gpt2 on CUDA, tiny on the CPU.
+
+    Then plan with the measured terms in place of the analytic ones, on the accelerator it ran on:
+
+        microbatch bench-gpu --model llama-2-7b --out h100.json
+        microbatch plan --model llama-2-7b --gpu h100-sxm -B 512 -d 8 --calibration h100.json
+
+    Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
+    """
+    from microbatch.errors import ConfigError
+    from microbatch.measure.microbench import MicrobenchConfig, run_microbench
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    default_model = "gpt2" if device.startswith("cuda") else "tiny"
+    shape = resolve_model(model_spec, default=default_model)
+    bms = _parse_bms(micro_batches) if micro_batches else ((1, 4) if quick else (1, 2, 4, 8))
+    for flag, value in (("--repeats", repeats), ("--threads", threads)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    if not budget_s > 0:
+        raise ConfigError(f"--budget-s {budget_s} must be > 0 seconds; e.g. --budget-s 20")
+    cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
+                           repeats=repeats, budget_s=budget_s, threads=threads)  # fmt: skip
+    check_output_file(out, "--out", (".json",), force=force)  # before any kernel runs
+    progress(f"bench-gpu: {shape.name} on {device}, up to {budget_s:g} s")
+    result = run_microbench(cfg)
+    d = result.to_dict()
+    if out:
+        path, why = keep_result(out, d)
+        progress(why or f"wrote {path}")
+    emit(d, as_json, lambda: render(d))
+    if not result.complete:
+        progress("interrupted: kept what was measured" + (f" in {out}" if out else ""))
+        raise click.exceptions.Exit(130)
