@@ -154,7 +154,7 @@ class MicrobenchResult:
         try:
             if d.get("kind") != KIND:
                 raise ValueError(f"kind is {d.get('kind')!r}, not {KIND!r}")
-            rows = {k: v for k, v in d.items() if k != "kind"}
+            rows = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}  # the envelope's keys aside
             return cls(
                 **{
                     **rows,

@@ -1,0 +1,111 @@
+"""The kernel microbenchmark: its timings agree with an independent timing, its JSON round-trips, and its
+command checks input before measuring and writes what it measured."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from microbatch.cli import main
+from microbatch.errors import ConfigError
+from microbatch.measure.microbench import MicrobenchConfig, layer_gemm_shapes, run_microbench
+from microbatch.microbench_record import MicrobenchResult
+from microbatch.model import get_model
+
+TINY = get_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def quick() -> MicrobenchResult:
+    return run_microbench(MicrobenchConfig(shape=TINY, micro_batches=(1, 4), quick=True, budget_s=15))
+
+
+def _independent_s(m: int, k: int, n: int) -> float:
+    """torch.mm of that shape, one thread, by the wall clock (not the benchmark's code or clock)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.rand(m, k), torch.rand(k, n)
+        for _ in range(5):
+            torch.mm(a, b)
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemm_seconds_agree_with_an_independent_matmul_timing(quick: MicrobenchResult) -> None:
+    g = next(g for g in quick.gemms if (g.label, g.rows, g.k, g.n) == ("grid", 256, 256, 256))
+    ref = _independent_s(256, 256, 256)
+    # measured here: within 10% of each other on the 2-core VM; 0.6x..1.6x leaves room for a busy machine
+    assert 0.6 < g.seconds / ref < 1.6, (g.seconds, ref)
+    assert g.flops_per_s == pytest.approx(2 * 256**3 / g.seconds)
+
+
+def test_it_measures_the_model_layer_gemms_at_each_rows_and_says_what_it_skipped(
+    quick: MicrobenchResult,
+) -> None:
+    want = {(r, k, n) for b in (1, 4) for _, r, k, n in layer_gemm_shapes(TINY, b * TINY.seq)}
+    got = {(g.rows, g.k, g.n) for g in quick.gemms if g.label != "grid"}
+    assert got == want
+    assert {s.kernel for s in quick.stream} == {"copy", "add", "gelu", "layernorm"}
+    assert [a.seq for a in quick.attention] == [16, 32, 64]
+    assert quick.collectives == () and any("no torch.distributed" in n for n in quick.notes)
+    assert quick.complete and quick.device == "cpu" and quick.dtype == "fp32"
+    assert quick.seconds_total < 20
+
+
+def test_json_round_trips(quick: MicrobenchResult) -> None:
+    assert MicrobenchResult.from_json(quick.to_json()) == quick
+    assert MicrobenchResult.from_dict({"command": "bench-gpu", "version": "x", **quick.to_dict()}) == quick
+    with pytest.raises(ConfigError, match="not a microbenchmark result"):
+        MicrobenchResult.from_dict({"kind": "calibration"})
+
+
+def test_a_tiny_budget_skips_items_and_names_them() -> None:
+    r = run_microbench(MicrobenchConfig(shape=TINY, micro_batches=(1,), quick=True, budget_s=1e-9))
+    assert r.gemms == () and any("budget" in n for n in r.notes)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        ({"micro_batches": ()}, "micro_batches is empty"),
+        ({"budget_s": 0}, "budget_s must be > 0"),
+        ({"dtype": "bf16"}, "dtype bf16 on the CPU"),
+        ({"device": "tpu"}, "neither cpu nor cuda"),
+    ],
+)
+def test_bad_config_is_refused(kw: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        MicrobenchConfig(shape=TINY, **kw)
+
+
+def test_command_json_and_out_file(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "mb.json"
+    assert main(["bench-gpu", "--quick", "--json", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["command"] == "bench-gpu" and printed["kind"] == "microbench"
+    assert MicrobenchResult.from_json(out.read_text()).gemms  # the file plan --calibration reads
+    assert main(["bench-gpu", "--quick", "--out", str(out)]) == 0  # ours: replaced
+    # a file that is not ours is refused before anything is measured
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text("{}")
+    capsys.readouterr()
+    assert main(["bench-gpu", "--quick", "--out", str(theirs)]) == 2
+    assert theirs.read_text() == "{}" and "--force" in capsys.readouterr().err
+
+
+def test_command_refuses_bad_input_before_measuring(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench-gpu", "--micro-batches", "0,2"]) == 2
+    assert "positive integers" in capsys.readouterr().err
+    assert main(["bench-gpu", "--budget-s", "0"]) == 2
+    assert "--budget-s" in capsys.readouterr().err
