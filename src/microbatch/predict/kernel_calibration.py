@@ -77,12 +77,20 @@ def _clamp(name: str, value: float, notes: list[str]) -> float:
 def _gemm_ratios(
     result: MicrobenchResult, acc: Accelerator, eff: RooflineEfficiency
 ) -> tuple[tuple[float, float, float, float], ...]:
-    """(rows, k, n, measured / analytic seconds) per measured GEMM, the analytic time on ``acc``."""
-    seen: dict[tuple[int, int, int], float] = {}
+    """(rows, k, n, measured / analytic seconds) per measured shape, the analytic time on ``acc``; a shape
+    measured twice (a layer GEMM that is also on the grid) gets the mean of its seconds."""
+    seen: dict[tuple[int, int, int], list[float]] = {}
     for g in result.gemms:
-        analytic = gemm_time_s(g.rows, g.k, g.n, acc, dtype=result.dtype, efficiency=eff)
-        seen[(g.rows, g.k, g.n)] = g.seconds / analytic
-    return tuple((float(r), float(k), float(n), q) for (r, k, n), q in seen.items())
+        seen.setdefault((g.rows, g.k, g.n), []).append(g.seconds)
+    return tuple(
+        (
+            float(r),
+            float(k),
+            float(n),
+            statistics.mean(s) / gemm_time_s(r, k, n, acc, dtype=result.dtype, efficiency=eff),
+        )
+        for (r, k, n), s in seen.items()
+    )
 
 
 def _stream_terms(

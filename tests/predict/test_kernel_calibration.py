@@ -1,0 +1,188 @@
+"""A kernel microbenchmark as a calibration: the measured terms replace the analytic ones on the accelerator
+it ran on (GEMM times at measured shapes exactly, read between them; the attention ceiling; streaming
+fractions; the all-reduce bus bandwidth), nowhere else; the plan says where each term came from.
+
+Synthetic results have known times (the analytic model would give others), so each check has an exact answer.
+One real CPU microbenchmark of the tiny model is compared with a measured step (bench/bench_microbench_calibration.py
+prints the same comparison)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from microbatch.cli import main
+from microbatch.hardware import get_accelerator
+from microbatch.measure.microbench import MicrobenchConfig, layer_gemm_shapes, run_microbench
+from microbatch.microbench_record import (
+    AttentionTiming,
+    CollectiveTiming,
+    GemmTiming,
+    MicrobenchResult,
+    StreamTiming,
+)
+from microbatch.model import get_model
+from microbatch.predict.apply_calibration import apply_calibration, apply_microbench
+from microbatch.predict.attention import flash_rate_fraction
+from microbatch.predict.gemm import DEFAULT_EFFICIENCY, gemm_time_s
+from microbatch.predict.measured_gemm import interpolate_ratio
+from microbatch.predict.steptime import predict_step_time_s
+
+SHAPE = get_model("llama-2-7b")
+H100 = get_accelerator("h100-sxm")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rate(rows: int) -> float:
+    """A made-up GEMM rate: 400 TFLOP/s with a 500-row ramp (not the analytic model's)."""
+    return 400e12 * rows / (rows + 500)
+
+
+def synthetic(collective: bool = False) -> MicrobenchResult:
+    gemms = [
+        GemmTiming(label=lab, rows=r, k=k, n=n, seconds=2 * r * k * n / _rate(r), flops_per_s=_rate(r))
+        for b in (1, 4) for lab, r, k, n in layer_gemm_shapes(SHAPE, b * SHAPE.seq)
+    ]  # fmt: skip
+    bw = H100.memory_bandwidth_bytes_per_s
+    stream = tuple(
+        StreamTiming(kernel=k, nbytes=1, seconds=1.0, bytes_per_s=f * bw)
+        for k, f in (("copy", 0.7), ("add", 0.8), ("gelu", 0.4), ("layernorm", 0.3))
+    )
+    coll = (CollectiveTiming(op="all_reduce", nbytes=1, world_size=8, seconds=1.0, bus_bytes_per_s=300e9),)
+    return MicrobenchResult(
+        device="cuda", device_name="NVIDIA H100 80GB HBM3", accelerator="h100-sxm", torch_version="2.11",
+        dtype="bf16", timer="CUDA events", model=SHAPE.name, seq=SHAPE.seq, micro_batches=(1, 4),
+        gemms=tuple(gemms), stream=stream, collectives=coll if collective else (), launch_s_per_kernel=5e-6,
+        attention=(AttentionTiming(seq=4096, heads=32, head_dim=128, batch=2, seconds=1.0, flops_per_s=300e12),),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def h100_file(tmp_path: Path) -> Path:
+    p = tmp_path / "h100.json"
+    p.write_text(synthetic().to_json())
+    return p
+
+
+def test_planner_gemm_time_at_a_measured_shape_is_the_measured_time(h100_file: Path) -> None:
+    a = apply_calibration(h100_file, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+    for g in synthetic().gemms:
+        t = gemm_time_s(g.rows, g.k, g.n, H100, dtype="bf16", efficiency=a.efficiency)
+        assert t == pytest.approx(g.seconds, rel=1e-9)
+        plain = gemm_time_s(g.rows, g.k, g.n, H100, dtype="bf16")
+        assert abs(plain / g.seconds - 1) > 0.1  # the uncalibrated model differs there
+
+
+def test_between_measured_rows_the_ratio_lies_between_theirs() -> None:
+    pts = ((1000.0, 4096.0, 4096.0, 1.5), (4000.0, 4096.0, 4096.0, 1.1))
+    mid = interpolate_ratio(pts, 2000.0, 4096.0, 4096.0)
+    assert 1.1 < mid < 1.5
+    assert interpolate_ratio(pts, 1000.0, 4096.0, 4096.0) == 1.5
+    # equal log-distance from both: their mean
+    assert interpolate_ratio(pts, 2000.0, 4096.0, 4096.0) == pytest.approx(1.3)
+
+
+def test_attention_streaming_network_and_launch_are_the_measured_ones(tmp_path: Path) -> None:
+    p = tmp_path / "mb.json"
+    p.write_text(synthetic(collective=True).to_json())
+    a = apply_calibration(p, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+    assert a.accelerator is not None
+    f = a.accelerator.attention_fraction
+    assert f is not None  # the model's flash rate at the measured s equals the measured rate
+    assert flash_rate_fraction(4096, f, 128) * H100.flops("bf16") == pytest.approx(300e12)
+    e = a.efficiency
+    assert e.memory == pytest.approx(statistics.median([0.7, 0.8]))
+    assert (e.norm_memory, e.activation_memory) == (pytest.approx(0.3), pytest.approx(0.4))
+    assert e.network == pytest.approx(300e9 / (H100.intra_node_bytes_per_s * H100.intra_node_achievable))
+    assert e.launch_s_per_kernel == 5e-6
+    assert all(v.startswith("measured") for v in a.sources.values())
+    assert a.calibration.details["from"] == "microbench"
+
+
+def test_another_accelerator_gets_the_analytic_terms_and_says_so(h100_file: Path) -> None:
+    a100 = get_accelerator("a100-80gb")
+    a = apply_calibration(h100_file, shape=SHAPE, precision="bf16-mixed", gpu=a100)
+    assert a.efficiency == DEFAULT_EFFICIENCY and a.accelerator == a100
+    assert any("NOT applied" in n for n in a.notes)
+    assert all(v.startswith("analytic") for v in a.sources.values())
+
+
+def _plan(*extra: str, capsys: pytest.CaptureFixture[str]) -> dict:
+    args = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "--json", *extra]
+    assert main(args) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_with_a_microbenchmark_uses_the_measured_terms_and_names_them(
+    h100_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = _plan(capsys=capsys)
+    cal = _plan("--calibration", str(h100_file), capsys=capsys)
+    # the measured GEMMs run at 0.23-0.36 of peak where the default reaches about 0.6: slower steps
+    assert cal["recommended"]["step_time_s"] > 1.2 * plain["recommended"]["step_time_s"]
+    sources = cal["calibration"]["details"]["term_sources"]
+    assert sources["gemm"].startswith("measured") and sources["network"].startswith("analytic")
+    assert main(["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-d", "8",
+                 "--calibration", str(h100_file)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "kernel terms from a microbenchmark of NVIDIA H100 80GB HBM3 (h100-sxm)" in text
+    assert "gemm: measured" in text
+
+
+@pytest.fixture(scope="module")
+def cpu_bench() -> MicrobenchResult:
+    return run_microbench(MicrobenchConfig(shape=get_model("tiny"), micro_batches=(1, 2, 4, 8), quick=True))
+
+
+def test_a_cpu_microbenchmark_on_a_named_gpu_is_not_applied(
+    cpu_bench: MicrobenchResult, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = tmp_path / "cpu.json"
+    p.write_text(cpu_bench.to_json())
+    plain = _plan(capsys=capsys)
+    cal = _plan("--calibration", str(p), capsys=capsys)
+    assert cal["recommended"]["step_time_s"] == pytest.approx(plain["recommended"]["step_time_s"])
+    assert any("NOT applied" in n for n in cal["calibration_notes"])
+
+
+def test_the_cpu_microbenchmark_sets_this_cpus_terms(cpu_bench: MicrobenchResult) -> None:
+    a = apply_microbench(cpu_bench, shape=get_model("tiny"), precision="fp32")
+    assert a.accelerator is not None and a.accelerator.name == "cpu"
+    for g in cpu_bench.gemms:  # a shape measured twice (tiny's proj is on the grid too): their mean
+        same = [h.seconds for h in cpu_bench.gemms if (h.rows, h.k, h.n) == (g.rows, g.k, g.n)]
+        t = gemm_time_s(g.rows, g.k, g.n, a.accelerator, dtype="fp32", efficiency=a.efficiency)
+        assert t == pytest.approx(statistics.mean(same), rel=1e-9)
+
+
+def test_tiny_step_predicted_from_a_cpu_microbenchmark_against_a_measured_step(
+    cpu_bench: MicrobenchResult,
+) -> None:
+    """The error is measured, not hidden: on the 2-core VM the prediction is 45-55% short at b_m 1-8 (the
+    measured micro-step carries autograd, embedding, loss and optimizer-free bookkeeping the kernel terms do
+    not). The bound, |error| < 70%, is that with margin; the target lives in the bench (BENCHMARKS.md)."""
+    tiny = get_model("tiny")
+    cmd = [sys.executable, "-m", "microbatch", "tune", "--model", "tiny", "--start", "1", "--max-micro-batch", "8",
+           "--patience", "99", "--threads", "1", "--clock", "process", "--no-cache", "--json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT, timeout=240)
+    points = {
+        p["micro_batch"]: p["step_time_s"] for p in json.loads(out.stdout)["points"] if p.get("step_time_s")
+    }
+    a = apply_microbench(cpu_bench, shape=tiny, precision="fp32")
+    assert a.accelerator is not None
+    errors = {
+        b: predict_step_time_s(tiny, b, a.accelerator, precision="fp32", efficiency=a.efficiency) / t - 1
+        for b, t in points.items()
+    }
+    assert len(errors) >= 3
+    assert all(abs(e) < 0.7 for e in errors.values()), errors
+    # more work takes more predicted time, as it takes more measured time
+    bms = sorted(errors)
+    preds = [
+        predict_step_time_s(tiny, b, a.accelerator, precision="fp32", efficiency=a.efficiency) for b in bms
+    ]
+    assert preds == sorted(preds)
