@@ -56,7 +56,15 @@ def test_it_measures_the_model_layer_gemms_at_each_rows_and_says_what_it_skipped
     want = {(r, k, n) for b in (1, 4) for _, r, k, n in layer_gemm_shapes(TINY, b * TINY.seq)}
     got = {(g.rows, g.k, g.n) for g in quick.gemms if g.label != "grid"}
     assert got == want
-    assert {s.kernel for s in quick.stream} == {"copy", "add", "gelu", "layernorm"}
+    assert {s.kernel for s in quick.stream} == {
+        "copy",
+        "add",
+        "gelu",
+        "layernorm",
+        "softmax",
+        "dropout",
+        "adamw",
+    }
     assert [a.seq for a in quick.attention] == [16, 32, 64]
     assert quick.collectives == () and any("no torch.distributed" in n for n in quick.notes)
     assert quick.complete and quick.device == "cpu" and quick.dtype == "fp32"

@@ -6,7 +6,7 @@ Times, on the current device, what the step-time model (:mod:`microbatch.predict
   a few b_m, and a small grid of M, N, K so the GEMM efficiency curve can be read between them;
 - causal attention (``torch.nn.functional.scaled_dot_product_attention``, forward) at a few sequence
   lengths with the model's heads and head dimension, b·s held at the tokens of the largest b_m;
-- streaming kernels (copy, add, GeLU, LayerNorm) over a large tensor;
+- streaming kernels (copy, add, GeLU, LayerNorm, softmax, dropout) over a large tensor, and one AdamW step;
 - the host's floor per eager kernel launch;
 - all-reduce and all-gather over the initialised ``torch.distributed`` process group (skipped, and
   said, when none is).
@@ -72,6 +72,9 @@ class MicrobenchConfig:
     """Wall seconds for the whole benchmark; items past it are skipped and named."""
     threads: int = 1
     """torch threads on the CPU (the thread clock counts the calling thread only, so 1 measures all work)."""
+    extra_gemms: tuple[tuple[str, int, int, int], ...] = ()
+    """More GEMMs (label, rows, k, n) to time after the grid (``bench/gpu_microbench.py``: the development
+    set's layer shapes, a square GEMM, a row ramp)."""
 
     def __post_init__(self) -> None:
         if not self.micro_batches:
@@ -231,6 +234,9 @@ def _stream(b: _Bench, dtype: Any, out: list[StreamTiming]) -> None:
         ("add", lambda: torch.add(x, y), 3 * n_el * e),
         ("gelu", lambda: torch.nn.functional.gelu(x), 2 * n_el * e),
         ("layernorm", lambda: ln(xl, (width,)), 2 * n_el * e),
+        ("softmax", lambda: torch.softmax(xl, dim=-1), 2 * n_el * e),
+        ("dropout", lambda: torch.nn.functional.dropout(x, 0.1, training=True), 3 * n_el * e),
+        ("adamw", _adamw_step(torch, dev, n_el // 4), 28 * (n_el // 4)),
     )
     for i, (name, fn, nbytes) in enumerate(kernels):
         s = b.time_s(fn, 0.5 * b.left_s() / (len(kernels) - i))
@@ -239,6 +245,14 @@ def _stream(b: _Bench, dtype: Any, out: list[StreamTiming]) -> None:
             continue
         out.append(StreamTiming(kernel=name, nbytes=nbytes, seconds=s, bytes_per_s=nbytes / s,
                                 fraction_of_bandwidth=_frac(nbytes / s, bw)))  # fmt: skip
+
+
+def _adamw_step(torch: Any, dev: str, numel: int) -> Callable[[], Any]:
+    """One ``torch.optim.AdamW`` step (foreach) over ``numel`` fp32 parameters: 16 B read and 12 B written each
+    (parameter, gradient, two moments; the gradient is not written)."""
+    prm = torch.nn.Parameter(torch.zeros(numel, device=dev))
+    prm.grad = torch.randn(numel, device=dev)
+    return torch.optim.AdamW([prm], lr=1e-4, foreach=True).step  # type: ignore[no-any-return]
 
 
 def _launch_s(b: _Bench) -> float | None:
@@ -325,7 +339,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
             _attention(b, dtype, attn)
             _stream(b, dtype, stream)
             launch = _launch_s(b)
-            _gemms(b, grid_gemm_shapes(cfg.quick), dtype, gemms)
+            _gemms(b, grid_gemm_shapes(cfg.quick) + list(cfg.extra_gemms), dtype, gemms)
             _collectives(b, dtype, coll, notes)
     except KeyboardInterrupt:
         complete = False

@@ -11,7 +11,8 @@ accelerator sets, for plans on that accelerator:
   :func:`~microbatch.predict.attention.flash_shape_factor`, causal forward), the median over the measured s.
 - **Streaming**: ``memory`` = the median fraction of the bandwidth of copy and add; on a GPU
   ``norm_memory`` = LayerNorm's, ``activation_memory`` = GeLU's; on the CPU (where the planner charges
-  every memory-bound kernel at ``memory``) the median of all four.
+  every memory-bound kernel at ``memory``) the median of copy, add, GeLU and LayerNorm; on a GPU
+  ``optimizer_memory`` = one AdamW step's (28 B per parameter).
 - **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
 - **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
   (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one.
@@ -99,14 +100,13 @@ def _stream_terms(
     frac = {s.kernel: s.bytes_per_s / acc.memory_bandwidth_bytes_per_s for s in result.stream}
     out: dict[str, float] = {}
     gpu = bool(acc.compute_units)
-    main = [frac[k] for k in (("copy", "add") if gpu else tuple(frac)) if k in frac]
-    if main:
-        out["memory"] = _clamp("streaming bandwidth", statistics.median(main), notes)
-        sources["memory"] = (
-            f"measured: median of {'copy, add' if gpu else ', '.join(frac)} ({out['memory']:.3f})"
-        )
+    kernels = [k for k in (("copy", "add") if gpu else ("copy", "add", "gelu", "layernorm")) if k in frac]
+    if kernels:
+        out["memory"] = _clamp("streaming bandwidth", statistics.median(frac[k] for k in kernels), notes)
+        sources["memory"] = f"measured: median of {', '.join(kernels)} ({out['memory']:.3f})"
     if gpu:
-        for term, kernel in (("norm_memory", "layernorm"), ("activation_memory", "gelu")):
+        pairs = (("norm_memory", "layernorm"), ("activation_memory", "gelu"), ("optimizer_memory", "adamw"))
+        for term, kernel in pairs:
             if kernel in frac:
                 out[term] = _clamp(f"{kernel} bandwidth", frac[kernel], notes)
                 sources[term] = f"measured: {kernel} ({out[term]:.3f})"
