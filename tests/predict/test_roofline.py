@@ -143,6 +143,18 @@ def test_attention_score_passes_and_backward_by_hand():
     rows, s, t, e, bw = 4 * 2048, 2048, 8, 2, 0.8 * 2039e9
     qkvo = e * rows * 4 * 6144 / t
     score = e * 64 * s * rows / t  # one pass over b·(a/t)·s² fp16 scores
+    # eager: the matmuls' passes at the streaming rate, the softmax's at 0.356 and dropout's at 0.585 of the
+    # bandwidth (measured on an H200): forward 2 + 2 + 2.5 passes, backward 4 + 3 + 2.5
+    soft, drop = 0.356 * 2039e9, 0.585 * 2039e9
+    assert lt.attention_s == pytest.approx((qkvo + 2 * score) / bw + 2 * score / soft + 2.5 * score / drop)
+    assert lt.attention_backward_s == pytest.approx(
+        (2 * qkvo + 4 * score) / bw + 3 * score / soft + 2.5 * score / drop
+    )
+    # fused (Megatron's FusedScaleMaskSoftmax, compiled code): every pass at the streaming rate
+    fused = replace(eff, fused_elementwise=True)
+    lt = layer_forward(
+        shape, 4, A100, tensor_parallel=8, flash_attention=False, dtype="fp16", efficiency=fused
+    )
     assert lt.attention_s == pytest.approx((qkvo + 6.5 * score) / bw)  # memory-bound: ≈ 1.10 ms
     assert lt.attention_backward_s == pytest.approx((2 * qkvo + 9.5 * score) / bw)
     assert lt.elementwise_backward_s == pytest.approx(elementwise_backward_ratio() * lt.elementwise_s)

@@ -82,10 +82,21 @@ class RooflineEfficiency:
     activation_memory: float = 0.48
     """The same for the MLP's activation function: 0.48, the same run's eager GELU (2.31 TB/s of 4.8)."""
     fused_elementwise: bool = False
-    """Norms and activation functions run fused or compiled (Megatron-LM's fused LayerNorm and bias-GELU
-    kernels, ``torch.compile``): at ``memory``, the streaming rate (the same H200 run: copy 0.78, add 0.83
-    of the bandwidth). False: eager kernels at ``norm_memory`` and ``activation_memory``."""
+    """Norms, activation functions, softmax and dropout run fused or compiled (Megatron-LM's fused LayerNorm,
+    bias-GELU and scale-mask-softmax kernels, ``torch.compile``): at ``memory``, the streaming rate (the same
+    H200 run: copy 0.78, add 0.83 of the bandwidth), and rotary embeddings as one fused kernel. False: eager
+    kernels at ``norm_memory``, ``activation_memory``, ``softmax_memory`` and ``dropout_memory``."""
 
+    softmax_memory: float = 0.356
+    """Fraction of memory bandwidth an eager softmax reaches on a GPU: 0.356, measured by
+    ``bench/gpu_microbench.py`` on an H200 (``bench/results/h200-2026-11-30b/run1/microbench.json``,
+    ``torch.softmax`` over 32 × 2,048 × 2,048 bf16 scores, read + write: 1.71 TB/s of 4.8). Used for the
+    attention scores' softmax without flash attention and the loss's softmax over the vocabulary unless
+    ``fused_elementwise`` (Megatron's FusedScaleMaskSoftmax, compiled code: the streaming rate)."""
+    dropout_memory: float = 0.585
+    """The same for an eager dropout: 0.585, the same run's ``torch.nn.functional.dropout`` over the same scores
+    (3.37 TB/s counting 3 element passes; 2.81 TB/s counting what it moves, read x, write y, a 1-byte mask:
+    2.5 passes at 2 bytes, the count :func:`microbatch.predict.roofline.score_passes` uses)."""
     optimizer_memory: float = 0.26
     """Fraction of memory bandwidth an unfused optimizer update reaches on a GPU: 0.26, measured by
     ``bench/gpu_microbench.py`` on an H200 (``torch.optim.AdamW`` default, fp32, 268M parameters in 5.96 ms:
@@ -105,7 +116,10 @@ class RooflineEfficiency:
             raise ConfigError(
                 f"efficiency launch_s_per_kernel must be >= 0, got {self.launch_s_per_kernel!r}"
             )
-        for name in ("gemm_max", "memory", "network", "norm_memory", "activation_memory", "optimizer_memory"):
+        for name in (
+            "gemm_max", "memory", "network", "norm_memory", "activation_memory", "optimizer_memory",
+            "softmax_memory", "dropout_memory",
+        ):  # fmt: skip
             v = getattr(self, name)
             if not (0 < v <= 1):
                 raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
@@ -124,6 +138,12 @@ class RooflineEfficiency:
         if self.fused_elementwise or not gpu:
             return self.memory, self.memory
         return self.norm_memory, self.activation_memory
+
+    def score_fractions(self, gpu: bool) -> tuple[float, float]:
+        """(softmax, dropout) fractions of bandwidth: ``memory`` when fused or off a GPU, else the eager ones."""
+        if self.fused_elementwise or not gpu:
+            return self.memory, self.memory
+        return self.softmax_memory, self.dropout_memory
 
     def optimizer_fraction(self, gpu: bool) -> float:
         """Fraction of bandwidth the optimizer update reaches: ``memory`` when fused or off a GPU."""

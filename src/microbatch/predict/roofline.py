@@ -6,7 +6,8 @@ the peak FLOP/s and its bytes over the memory bandwidth, each derated by an effi
 its arithmetic intensity grows with rows = b_m·s until it passes the device's ridge point
 (peak / bandwidth) and the kernel turns compute-bound (seed 002: "intensity ≈ b_m·s·h/(h + b_m·s)").
 Attention's score matrix (without flash attention) and the elementwise ops (norms, residuals,
-activation functions, dropout) are memory traffic. A GEMM's backward is 2 × its forward (input and
+activation functions, dropout, rotary embeddings) are memory traffic, each at its measured fraction of the
+bandwidth (:mod:`microbatch.predict.memory_ops`). A GEMM's backward is 2 × its forward (input and
 weight gradients); the memory-bound kernels' backward is counted by its own passes
 (:func:`score_passes`, :func:`elementwise_backward_ratio`); recompute adds its forward again. GPU
 GEMMs lose efficiency at short inner dimensions and few rows (:func:`k_efficiency`,
@@ -58,6 +59,14 @@ from microbatch.predict.gemm import (
     wave_efficiency,
 )
 from microbatch.predict.launch import launch_gap_s, layer_kernels
+from microbatch.predict.memory_ops import (
+    elementwise_backward_ratio,
+    elementwise_forward_s,
+    rotary_forward_s,
+    rotary_passes,
+    score_pass_split,
+    score_passes,
+)
 from microbatch.predict.recompute import op_recompute_gemm_share
 
 __all__ = [
@@ -72,6 +81,9 @@ __all__ = [
     "k_efficiency",
     "row_efficiency",
     "score_passes",
+    "score_pass_split",
+    "rotary_passes",
+    "rotary_forward_s",
     "sp_regather_time_s",
     "elementwise_backward_ratio",
     "elementwise_forward_s",
@@ -140,54 +152,6 @@ class LayerTime:
         return self.compute_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
 
 
-def score_passes(dropout: bool, backward: bool = False) -> float:
-    """Passes over the b·(a/t)·s² attention-score tensor without flash attention, in e-byte units.
-
-    Forward: QKᵀ writes the scores (1), the fused scale-mask-softmax reads and writes them (2), ·V
-    reads the probabilities (1): 4; dropout on the probabilities reads them, writes them and writes a
-    1-byte mask (1 + 1 + ½ at e = 2): 2.5 more. Backward: dP = dO·Vᵀ writes (1), dV = Pᵀ·dO reads P
-    (1), dropout's backward reads dP and the mask and writes (2.5), softmax's backward reads P and dP
-    and writes dS (3), dQ = dS·K and dK = dSᵀ·Q read dS (2): 7, or 9.5 with dropout. (Megatron-LM's
-    attention: FusedScaleMaskSoftmax then torch dropout, Korthikanti et al. 2022 §4.1 Fig. 4.)
-    """
-    if backward:
-        return 9.5 if dropout else 7.0
-    return 6.5 if dropout else 4.0
-
-
-def elementwise_backward_ratio() -> float:
-    """Backward / forward memory traffic of an elementwise kernel: 3/2.
-
-    y = f(x) reads x and writes y (2 passes); its backward reads the saved x (or y) and dy and writes
-    dx (3 passes). The same holds for LayerNorm (x, dy in; dx out; the γ/β reductions ride on the same
-    reads) and dropout (forward reads x, writes y and a ½-pass mask; backward reads dy and the mask,
-    writes dx). The GEMMs' backward is 2 × their forward (FLOPs), not this.
-    """
-    return 1.5
-
-
-def elementwise_forward_s(
-    row_bytes: float,
-    width_h: float,
-    passes_f_width: float,
-    dropout: bool,
-    acc: Accelerator,
-    eff: RooflineEfficiency,
-) -> float:
-    """Seconds of a layer's elementwise kernels: e·rows·(4·h/bw_norm + (6 [+ 4])·h/bw + P_f·f/bw_act).
-
-    Two norms (read x, write y: 4 passes of rows × h) at the norm rate, two residual adds (read two, write
-    one: 6 passes) and, with dropout, two masked passes each way (4) at the streaming rate, the activation
-    function (``passes_f_width`` = 2 or 3 passes × its width) at the activation rate; h already split by t
-    under sequence parallelism. Rates: ``eff.elementwise_fractions`` of the bandwidth (eager kernels at their
-    measured fractions on a GPU, fused or compiled ones at the streaming rate).
-    """
-    bw = acc.memory_bandwidth_bytes_per_s
-    norm, act = eff.elementwise_fractions(bool(acc.compute_units))
-    stream = (6 + (4 if dropout else 0)) * width_h / (bw * eff.memory)
-    return row_bytes * (4 * width_h / (bw * norm) + stream + passes_f_width / (bw * act))
-
-
 def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_parallel: int = 1) -> float:
     """Forward FLOPs of one layer on one of t GPUs: 2·rows·(GEMM weights) + 4·rows·s·h (QKᵀ and ·V).
 
@@ -218,78 +182,37 @@ def layer_forward(
     async_tp: bool = False,
     parallel_block: bool = False,
 ) -> LayerTime:
-    """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs.
+    """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs, by part.
 
-    With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys (causal load
-    balance: 1/c of the attention each) and passes K/V around a ring of c ranks t apart
-    (:mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``.
-    Under flash attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the
-    attention core runs on the kernel's own curve (:func:`microbatch.predict.attention.flash_attention_times_s`:
-    the causal half of the FLOPs, a backward of 5/2 × them, each direction at the ceiling × its published
-    curve in s and the head dimension); otherwise at
-    the GEMM efficiency on the full FLOPs. With ``fp8_recipe`` the linear GEMMs run at the accelerator's FP8 rate (times the recipe's kernel
-    factor) and their casts (:func:`microbatch.predict.fp8.cast_bytes`) add to the elementwise traffic;
-    attention and the rest stay in ``dtype``. With ``async_tp`` the tensor-parallel collectives are
-    decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, micro-pipelined
-    all-gather-matmul and matmul-reduce-scatter): exposed max(0, collectives − GEMMs). With ``parallel_block``
-    (GPT-J, GPT-NeoX, PaLM: attention and MLP side by side on one input, their outputs summed) the block's
-    two row-parallel outputs are reduced together: one all-reduce per pass, half the tensor-parallel traffic.
-
-    A mixture-of-experts block's MLP is :func:`_moe_mlp`'s at ``moe_layout`` = (expert parallel EP,
-    expert load; None means (1, 1.0)); MLA's projections are one GEMM of its weights.
-
-    Elementwise traffic per layer, read + write of e-byte tensors: two norms and two residual
-    adds (about 10 tensor passes of rows×h, split by t only with SP), the activation function
-    (2 or 3 passes of rows×f/t) and, with dropout, two masked passes. Ignores kernel fusion, which
-    removes some of these passes. On a GPU each pass takes at least its kernels' launch time on the host
-    (:mod:`microbatch.predict.launch`); the part the device time does not cover is added to the elementwise
-    time of that pass.
+    Linear layers: :func:`_layer_gemms` (with ``fp8_recipe`` at the FP8 rate, their casts in the elementwise
+    traffic; a mixture-of-experts MLP at ``moe_layout`` = (EP, expert load), None meaning (1, 1.0)).
+    Attention core: :func:`_attention_core_s` (flash on its own curve, or the scores through memory).
+    Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary, the host's
+    launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys and
+    passes K/V around a ring of c ranks t apart (:mod:`microbatch.predict.context`), overlapped with its
+    attention: the exposed rest is ``cp_comm_s``. Tensor parallelism: two all-reduces per pass (all-gather
+    + reduce-scatter under SP, the same bytes; :func:`_tp_comm`). With ``async_tp`` the collectives are
+    decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism): exposed
+    max(0, collectives − GEMMs). With ``parallel_block`` (GPT-J, GPT-NeoX, PaLM: attention and MLP on one
+    input, outputs summed) one all-reduce per pass, half the tensor-parallel traffic.
     """
     s = seq or shape.seq
     t, c = tensor_parallel, context_parallel
     rows = micro_batch * s / c
-    h, f, a = shape.hidden, shape.ffn, shape.heads
-    kvd = shape.kv * shape.head_dim
     e = 4 if dtype == "fp32" else 2
-    bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
     g = _Linears(acc, dtype, efficiency, fp8_recipe)
-    if shape.mla is None:
-        gemm = g(rows, h, (h + 2 * kvd) / t) + g(rows, h / t, h)
-    else:  # MLA's projections as one GEMM of its weights (k = h): FLOPs exact, efficiency approximate
-        gemm = g(rows, h, shape.mla.params(h, a) / h / t)
-    moe = _moe_mlp(shape, micro_batch, s // c, acc, t, moe_layout or (1, 1.0), g)
-    gemm += moe[0] if shape.moe is not None else (
-        g(rows, h, (2 if shape.gated_mlp else 1) * f / t) + g(rows, f / t, h)
-    )  # fmt: skip
+    gemm, a2a, width_moe = _layer_gemms(shape, micro_batch, s, c, t, acc, moe_layout or (1, 1.0), g)
     flash = shape.flash_attention if flash_attention is None else flash_attention
-    qk, vd = attention_widths(shape)
-    attn_flops = 2.0 * rows * s * (qk + vd) / t
-    attn_bytes = e * rows * (qk + vd + (qk + vd if shape.mla else 2 * kvd)) / t  # read Q, K, V; write O
-    attn_bwd_bytes = 2 * attn_bytes  # read Q, K, V, O, dO; write dQ, dK, dV (about twice)
-    if not flash:
-        drop = bool(shape.dropout)
-        attn_bytes += score_passes(drop) * e * a * s * rows / t
-        attn_bwd_bytes += score_passes(drop, backward=True) * e * a * s * rows / t
-    if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
-        fwd_s, bwd_s = flash_attention_times_s(
-            attn_flops, s / c, acc.flops(dtype), acc.attention_fraction, head_dim=shape.head_dim
-        )
-    else:
-        attn_rate = acc.flops(dtype) * efficiency.gemm(rows)
-        fwd_s, bwd_s = attn_flops / attn_rate, 2 * attn_flops / attn_rate
-    attention = max(fwd_s, attn_bytes / bw)
-    attention_bwd = max(bwd_s, attn_bwd_bytes / bw)
-    sp = t if sequence_parallel else 1
-    width_f = (3 if shape.gated_mlp else 2) * (moe[2] if shape.moe else f) / t
-    elementwise = elementwise_forward_s(e * rows, h / sp, width_f, bool(shape.dropout), acc, efficiency)
-    elementwise_bwd = elementwise_backward_ratio() * elementwise + g.cast_backward_bytes / bw
-    elementwise += g.cast_forward_bytes / bw
+    attention, attention_bwd = _attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
+    elementwise, elementwise_bwd = _elementwise_s(
+        shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e
+    )
     if acc.compute_units and efficiency.launch_s_per_kernel:  # a GPU waits on the host's launches
         n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
         elementwise += launch_gap_s(n, efficiency.launch_s_per_kernel, gemm + attention + elementwise)
         back = 2 * gemm + attention_bwd + elementwise_bwd
         elementwise_bwd += launch_gap_s(2 * n, efficiency.launch_s_per_kernel, back)
-    tp_comm, regather = _tp_comm(e * rows * h, acc, t, sequence_parallel, efficiency.network)
+    tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, sequence_parallel, efficiency.network)
     if parallel_block:  # attention and MLP on one input: one all-reduce (one gather) per pass, not two
         tp_comm, regather = tp_comm / 2, regather / 2
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
@@ -305,11 +228,117 @@ def layer_forward(
         elementwise_s=elementwise,
         tp_comm_s=tp_comm,
         flops=layer_forward_flops(shape, rows, s, t),
-        ep_comm_s=moe[1],
+        ep_comm_s=a2a,
         attention_backward_s=attention_bwd,
         elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
     )
+
+
+def _layer_gemms(
+    shape: ModelShape,
+    b: int,
+    s: int,
+    c: int,
+    t: int,
+    acc: Accelerator,
+    layout: tuple[int, float],
+    g: _Linears,
+) -> tuple[float, float, float]:
+    """(GEMM seconds, expert all-to-all seconds, the MoE activation width) of one layer's linear layers.
+
+    QKV [rows, h] × [h, (h + 2·kv·d)/t] and the output projection [rows, h/t] × [h, h]; DeepSeek's latent
+    attention (MLA) as one GEMM of its projection weights (k = h: FLOPs exact, efficiency approximate). The
+    MLP: up (2 × f/t wide when gated) and down projections, or a mixture-of-experts block's
+    (:func:`_moe_mlp`). Each GEMM at :func:`gemm_time_s` through ``g`` (FP8 rate and casts when a recipe is on).
+    """
+    rows = b * s / c
+    h, f, kvd = shape.hidden, shape.ffn, shape.kv * shape.head_dim
+    if shape.mla is None:
+        gemm = g(rows, h, (h + 2 * kvd) / t) + g(rows, h / t, h)
+    else:
+        gemm = g(rows, h, shape.mla.params(h, shape.heads) / h / t)
+    if shape.moe is not None:
+        moe_s, a2a, width = _moe_mlp(shape, b, s // c, acc, t, layout, g)
+        return gemm + moe_s, a2a, width
+    return gemm + g(rows, h, (2 if shape.gated_mlp else 1) * f / t) + g(rows, f / t, h), 0.0, 0.0
+
+
+def _attention_core_s(
+    shape: ModelShape,
+    rows: float,
+    s: int,
+    c: int,
+    t: int,
+    flash: bool,
+    acc: Accelerator,
+    dtype: str,
+    efficiency: RooflineEfficiency,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (QKᵀ, softmax, ·V) for ``rows`` queries on one GPU.
+
+    FLOPs 2·rows·s·(d_qk + d_v)·a/t; bytes: read Q, K, V and write O (the backward about twice). Under flash
+    attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the kernel's own
+    curve (:func:`microbatch.predict.attention.flash_attention_times_s`: the causal half of the FLOPs, a
+    backward of 5/2 × them, each direction at the ceiling × its published curve in the key length s/c and the
+    head dimension); otherwise the GEMM efficiency on the full FLOPs. Without flash the s×s scores pass
+    through memory (:func:`score_passes`): their GEMM-side passes at the streaming rate, the softmax's and
+    dropout's at ``efficiency.score_fractions`` (the eager kernels' measured rates unless fused). Each
+    direction is the longer of its compute and memory times.
+    """
+    e = 4 if dtype == "fp32" else 2
+    bw = acc.memory_bandwidth_bytes_per_s
+    qk, vd = attention_widths(shape)
+    flops = 2.0 * rows * s * (qk + vd) / t
+    kvd = shape.kv * shape.head_dim
+    fwd_bytes = e * rows * (qk + vd + (qk + vd if shape.mla else 2 * kvd)) / t  # read Q, K, V; write O
+    fwd_mem, bwd_mem = fwd_bytes / (bw * efficiency.memory), 2 * fwd_bytes / (bw * efficiency.memory)
+    if not flash:
+        scores = e * shape.heads * s * rows / t
+        soft, drop = efficiency.score_fractions(bool(acc.compute_units))
+        for backward in (False, True):
+            gemm_side, softmax, dropout = score_pass_split(bool(shape.dropout), backward)
+            passes_s = scores * (gemm_side / efficiency.memory + softmax / soft + dropout / drop) / bw
+            fwd_mem, bwd_mem = (fwd_mem, bwd_mem + passes_s) if backward else (fwd_mem + passes_s, bwd_mem)
+    if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
+        fwd_s, bwd_s = flash_attention_times_s(
+            flops, s / c, acc.flops(dtype), acc.attention_fraction, head_dim=shape.head_dim
+        )
+    else:
+        rate = acc.flops(dtype) * efficiency.gemm(rows)
+        fwd_s, bwd_s = flops / rate, 2 * flops / rate
+    return max(fwd_s, fwd_mem), max(bwd_s, bwd_mem)
+
+
+def _elementwise_s(
+    shape: ModelShape,
+    rows: float,
+    t: int,
+    sequence_parallel: bool,
+    width_moe: float,
+    acc: Accelerator,
+    efficiency: RooflineEfficiency,
+    g: _Linears,
+    *,
+    dtype_bytes: int,
+) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's memory-bound elementwise kernels on one GPU.
+
+    :func:`elementwise_forward_s` (two norms, two residual adds, the activation over its width — the MoE
+    block's ``width_moe`` per token when it has experts — and dropout; h split by t only under SP), backward
+    :func:`elementwise_backward_ratio` × that; the FP8 casts of ``g``'s GEMMs; rotary embeddings on Q and K
+    (:func:`rotary_forward_s`, the same passes backward).
+    """
+    bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
+    sp = t if sequence_parallel else 1
+    width_f = (3 if shape.gated_mlp else 2) * (width_moe if shape.moe else shape.ffn) / t
+    row_bytes = dtype_bytes * rows
+    forward = elementwise_forward_s(
+        row_bytes, shape.hidden / sp, width_f, bool(shape.dropout), acc, efficiency
+    )
+    rotary = rotary_forward_s(shape, row_bytes, t, acc, efficiency)
+    backward = elementwise_backward_ratio() * forward + g.cast_backward_bytes / bw + rotary
+    return forward + g.cast_forward_bytes / bw + rotary, backward
 
 
 def _tp_comm(nbytes: float, acc: Accelerator, t: int, sp: bool, network: float) -> tuple[float, float]:
@@ -385,14 +414,17 @@ def logits_forward(
 ) -> tuple[float, float]:
     """(seconds, FLOPs) of the output layer and cross-entropy at rows = b_m·s on one of t GPUs.
 
-    GEMM rows×h×V/t, then fp32 logits written, read by the softmax and read again by the loss's
-    backward preparation (3 passes of 4·rows·V/t bytes).
+    GEMM rows×h×V/t, then 3 passes of the fp32 logits (4·rows·V/t bytes): written (at the streaming rate),
+    read by the softmax and read again by the loss's backward preparation (2 passes at the softmax rate of
+    ``efficiency.score_fractions``: an eager softmax's measured rate on a GPU unless fused).
     """
     s = seq or shape.seq
     rows = micro_batch * s
     t = tensor_parallel
     gemm = gemm_time_s(rows, shape.hidden, shape.vocab / t, acc, dtype=dtype, efficiency=efficiency)
-    loss = 3 * 4 * rows * shape.vocab / t / (acc.memory_bandwidth_bytes_per_s * efficiency.memory)
+    softmax = efficiency.score_fractions(bool(acc.compute_units))[0]
+    passes = 1 / efficiency.memory + 2 / softmax
+    loss = 4 * rows * shape.vocab / t * passes / acc.memory_bandwidth_bytes_per_s
     return gemm + loss, gemm_flops(rows, shape.hidden, shape.vocab / t)
 
 

@@ -1,0 +1,71 @@
+"""Memory-bound operators at their measured fractions of bandwidth (issue 28 item 1): each by hand."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from microbatch.hardware import cpu_accelerator, get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.gemm import DEFAULT_EFFICIENCY, gemm_time_s
+from microbatch.predict.memory_ops import rotary_forward_s, rotary_passes, score_pass_split, score_passes
+from microbatch.predict.roofline import layer_forward, logits_forward
+
+A100 = get_accelerator("a100-80gb")
+FUSED = replace(DEFAULT_EFFICIENCY, fused_elementwise=True)
+
+
+def test_score_passes_split_by_kernel_add_up() -> None:
+    for dropout in (False, True):
+        for backward in (False, True):
+            assert sum(score_pass_split(dropout, backward)) == score_passes(dropout, backward)
+    assert score_pass_split(True) == (2.0, 2.0, 2.5)
+    assert score_pass_split(False, backward=True) == (4.0, 3.0, 0.0)
+
+
+def test_measured_fractions_eager_on_a_gpu_streaming_when_fused_or_on_a_cpu() -> None:
+    assert DEFAULT_EFFICIENCY.score_fractions(True) == (0.356, 0.585)  # H200 eager softmax, dropout
+    assert FUSED.score_fractions(True) == (0.8, 0.8)
+    assert DEFAULT_EFFICIENCY.score_fractions(False) == (0.8, 0.8)
+    with pytest.raises(ValueError, match="softmax_memory must be in"):
+        replace(DEFAULT_EFFICIENCY, softmax_memory=1.5)
+
+
+def test_rotary_by_hand() -> None:
+    shape = get_model("llama-2-7b")  # rotary, a = kv = 32 heads of 128
+    assert not shape.learned_positions
+    rows, t = 4096, 2
+    width = (32 + 32) * 128 / t  # Q and K on one of t ranks
+    bw = A100.memory_bandwidth_bytes_per_s * 0.8
+    assert rotary_passes(False) == 10.0 and rotary_passes(True) == 2.0
+    assert rotary_forward_s(shape, 2 * rows, t, A100, DEFAULT_EFFICIENCY) == pytest.approx(
+        2 * rows * width * 10 / bw
+    )
+    assert rotary_forward_s(shape, 2 * rows, t, A100, FUSED) == pytest.approx(2 * rows * width * 2 / bw)
+    assert (
+        rotary_forward_s(get_model("gpt2"), 2 * rows, t, A100, DEFAULT_EFFICIENCY) == 0.0
+    )  # learned positions
+    # in the layer: forward and backward each carry it once more than without rotary
+    plain = replace(shape, learned_positions=True)
+    with_rope = layer_forward(shape, 2, A100, seq=2048, tensor_parallel=t, efficiency=FUSED)
+    without = layer_forward(plain, 2, A100, seq=2048, tensor_parallel=t, efficiency=FUSED)
+    rope = 2 * rows * width * 2 / bw
+    assert with_rope.elementwise_s - without.elementwise_s == pytest.approx(rope, rel=1e-9)
+    assert (with_rope.elementwise_backward_s or 0) - (without.elementwise_backward_s or 0) == pytest.approx(
+        rope, rel=1e-9
+    )
+
+
+def test_loss_softmax_over_the_vocabulary_by_hand() -> None:
+    shape = get_model("gpt2")
+    rows, v = 1024, shape.vocab
+    gemm = gemm_time_s(rows, shape.hidden, v, A100)
+    bw = A100.memory_bandwidth_bytes_per_s
+    eager, _ = logits_forward(shape, 1, A100, seq=1024)
+    assert eager == pytest.approx(gemm + 4 * rows * v * (1 / 0.8 + 2 / 0.356) / bw)
+    fused, _ = logits_forward(shape, 1, A100, seq=1024, efficiency=FUSED)
+    assert fused == pytest.approx(gemm + 3 * 4 * rows * v / (0.8 * bw))
+    cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=1e10, source="test")
+    on_cpu, _ = logits_forward(shape, 1, cpu, seq=1024)
+    assert on_cpu == pytest.approx(gemm_time_s(rows, shape.hidden, v, cpu) + 3 * 4 * rows * v / (0.8 * 1e10))
