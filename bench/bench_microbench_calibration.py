@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,19 +50,25 @@ def main() -> None:
     if args.microbench:
         mb = MicrobenchResult.from_json(Path(args.microbench).read_text())
     else:
-        mb = run_microbench(MicrobenchConfig(shape=shape, micro_batches=bms, device=args.device, quick=not cuda))
+        mb = run_microbench(
+            MicrobenchConfig(shape=shape, micro_batches=bms, device=args.device, quick=not cuda)
+        )
     cmd = [sys.executable, "-m", "microbatch", "tune", "--model", args.model, "--device", args.device,
            "--start", str(min(bms)), "--max-micro-batch", str(max(bms)), "--patience", "99",
            "--precision", precision, "--no-cache", "--json"] + ([] if cuda else ["--threads", "1", "--clock", "process"])  # fmt: skip
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     tune = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)
-    points = {p["micro_batch"]: p["step_time_s"] for p in tune.get("result", tune)["points"] if p.get("step_time_s")}
+    points = {
+        p["micro_batch"]: p["step_time_s"] for p in tune.get("result", tune)["points"] if p.get("step_time_s")
+    }
     gpu = ACCELERATORS.get(mb.accelerator or "") if cuda else None
     applied = apply_microbench(mb, shape=shape, precision=precision, gpu=gpu)
     acc = applied.accelerator
     assert acc is not None
     rows = []
-    print(f"{args.model} on {mb.device_name} ({mb.dtype}, {mb.timer}); microbenchmark {mb.seconds_total:.1f} s")
+    print(
+        f"{args.model} on {mb.device_name} ({mb.dtype}, {mb.timer}); microbenchmark {mb.seconds_total:.1f} s"
+    )
     print(" b_m   measured s  predicted s   error   uncalibrated")
     for b in bms:
         if b not in points:
@@ -74,9 +81,13 @@ def main() -> None:
         un = f"{plain / points[b] - 1:+7.1%}" if plain else "      -"
         print(f"{b:4d}  {points[b]:11.4g}  {pred:11.4g}  {err:+6.1%}   {un}")
     mean = sum(abs(r["error"]) for r in rows) / max(1, len(rows))
-    print(f"mean |error| {mean:.1%} over {len(rows)} b_m (measured step includes the optimizer; predicted: forward + backward)")
+    print(
+        f"mean |error| {mean:.1%} over {len(rows)} b_m (measured step includes the optimizer; predicted: forward + backward)"
+    )
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "mean_abs_error": mean, "device": mb.device_name}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"rows": rows, "mean_abs_error": mean, "device": mb.device_name}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #   1. environment
 #   2. CUDA tests (pytest -m cuda: measure, tune, accumulate's real CUDA out-of-memory recovery)
 #   3. kernel microbenchmarks (GEMM at the development set's shapes, streaming) for issue 17
+#   3b. plan --calibration from that microbenchmark vs a measured tune step of gpt2 (issue 28 item 5)
 #   4. tune on gpt2, gpt2-medium, gpt2-large (bf16-mixed, seq 1024): ours (microbatch.tune on the
 #      model already on the GPU) vs Lightning Tuner.scale_batch_size and Accelerate
 #      find_executable_batch_size; then our KneeBatchSize callback and knee_batch_size decorator (issue 14)
@@ -87,6 +88,19 @@ if [[ $DRY == 1 ]]; then MB="--smoke"; else MB=""; fi
 run 60 microbench "$PY" bench/gpu_microbench.py $MB --out "$OUT/microbench.json"
 tail -n 30 "$OUT/logs/microbench.log" >>"$OUT/gpu.log"
 
+# == 3b. plan --calibration from the microbenchmark vs a measured tune step (issue 28 item 5) =====
+# the microbenchmark above timed gpt2's layer GEMMs at b_m 1, 2, 4, 8 (s 1024); tune measures the same
+# b_m; the planner's micro-step with the measured kernel terms against it, and uncalibrated. Done when
+# within 5%. The table is in logs/microbench_calibration.log and $OUT/microbench-calibration.json.
+log "section 3b: calibration from the microbenchmark vs a measured step"
+if [[ $DRY == 1 ]]; then
+  run 60 microbench_calibration "$PY" bench/bench_microbench_calibration.py --out "$OUT/microbench-calibration.json"
+else
+  run 90 microbench_calibration "$PY" bench/bench_microbench_calibration.py --device cuda --model gpt2 \
+    --microbench "$OUT/microbench.json" --out "$OUT/microbench-calibration.json"
+fi
+tail -n 8 "$OUT/logs/microbench_calibration.log" >>"$OUT/gpu.log"
+
 # == 4. tune on GPT-2 models vs Lightning and Accelerate (issue 14) ============================
 log "section 4: tune vs Lightning / Accelerate"
 MODELS="gpt2 gpt2-medium gpt2-large"
@@ -149,6 +163,6 @@ log "all done in $((SECONDS - START)) s"
 # summaries at the top, and pack everything else into one archive.
 cp "$OUT/tune/summary.json" "$OUT/tune-summary.json" 2>/dev/null
 tar -czf "$OUT/all-results.tar.gz" -C "$OUT" --exclude=all-results.tar.gz --exclude=cache . 2>/dev/null
-find "$OUT" -mindepth 1 -maxdepth 1 ! -name gpu.log ! -name env.json ! -name calibrate.json ! -name tune-summary.json ! -name microbench.json ! -name pipeline.json \
+find "$OUT" -mindepth 1 -maxdepth 1 ! -name gpu.log ! -name env.json ! -name calibrate.json ! -name tune-summary.json ! -name microbench.json ! -name microbench-calibration.json ! -name pipeline.json \
   ! -name all-results.tar.gz -exec rm -rf {} +
 ls -la "$OUT"
