@@ -301,9 +301,10 @@ def test_launch_floor_by_hand():
     gpt2, llama = get_model("gpt2"), get_model("llama-2-7b")
     # gpt2 eager, unfused attention, dropout: 4 GEMMs + 4 attention + 2 norms + 2 adds + GELU + 2 dropouts
     assert layer_kernels(gpt2, flash=False, tensor_parallel=1, fused=False) == 4 + 4 + 2 + 2 + 1 + 2
-    # llama: 5 GEMMs (gate and up apart), flash, SiLU and its multiply, no dropout, 2 collectives at t = 2
-    assert layer_kernels(llama, flash=True, tensor_parallel=2, fused=False) == 5 + 1 + 2 + 2 + 2 + 2
-    assert layer_kernels(llama, flash=True, tensor_parallel=1, fused=True) == 5 + 1 + 3
+    # llama: 5 GEMMs (gate and up apart), flash, SiLU and its multiply, no dropout, rotary on Q and K (5 eager
+    # kernels each, 1 fused), 2 collectives at t = 2
+    assert layer_kernels(llama, flash=True, tensor_parallel=2, fused=False) == 5 + 1 + 2 + 2 + 2 + 10 + 2
+    assert layer_kernels(llama, flash=True, tensor_parallel=1, fused=True) == 5 + 1 + 3 + 2
     # a tiny micro-batch of gpt2 on an H100 (GEMMs on the plain roofline): the forward is the host's 15
     # launches, the backward its 30
     h100 = get_accelerator("h100-sxm")

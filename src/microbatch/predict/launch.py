@@ -32,7 +32,10 @@ def layer_kernels(shape: ModelShape, *, flash: bool, tensor_parallel: int, fused
     them) and down projections. Attention: one flash kernel, or four unfused (QKᵀ, softmax, dropout, ·V).
     Elementwise, eager: two norms, two residual adds, the activation (and the gate's multiply), dropout
     twice when the model trains with it; fused or compiled (``fused``): three (the norms fused with the
-    adds, the activation with its multiply). Two collectives per layer with t > 1.
+    adds, the activation with its multiply). Rotary embeddings (not with learned positions): five eager
+    kernels on each of Q and K (q·cos, the negation and concatenation of rotate_half, ·sin, the add: Hugging
+    Face Llama's ``apply_rotary_pos_emb``), one fused kernel on each (Megatron-core's and Transformer
+    Engine's fused RoPE). Two collectives per layer with t > 1.
     """
     gated = bool(shape.gated_mlp)
     gemms = 4 + (1 if gated else 0)
@@ -41,7 +44,8 @@ def layer_kernels(shape: ModelShape, *, flash: bool, tensor_parallel: int, fused
         elementwise = 3
     else:
         elementwise = 2 + 2 + (2 if gated else 1) + (2 if shape.dropout else 0)
-    return gemms + attention + elementwise + (2 if tensor_parallel > 1 else 0)
+    rotary = 0 if shape.learned_positions else (2 if fused else 10)
+    return gemms + attention + elementwise + rotary + (2 if tensor_parallel > 1 else 0)
 
 
 def launch_gap_s(kernels: int, launch_s: float, device_s: float) -> float:
