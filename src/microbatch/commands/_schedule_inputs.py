@@ -44,12 +44,12 @@ def resolve_virtual(spec: ScheduleSpec, virtual: int | None, notes: list[str]) -
         given = ctx.get_parameter_source("virtual") not in (ParameterSource.DEFAULT, None)
     if given and virtual is not None:
         return virtual
-    if spec.placement == "v":
-        return 2
-    if spec.name == "interleaved-1f1b":
+    if spec.stages_per_rank is not None:  # a V placement (zbv, dualpipev): exactly two stages per rank
+        return spec.stages_per_rank
+    if spec.v1_equivalent is not None:
         notes.append(
-            "v = 1 (the default): interleaved-1f1b with one stage per rank is 1F1B; give --virtual 2 or "
-            "more to interleave"
+            f"v = 1 (the default): {spec.name} with one stage per rank is {spec.v1_equivalent.upper()}; give "
+            "--virtual 2 or more to interleave"
         )
     return 1
 

@@ -82,11 +82,11 @@ def cmd(
     }
     tf, ti, tw = (1.0 if t is None else t for t in (forward_time, input_time, weight_time))
     shape = _Shape(spec, stages, microbatches, virtual)
-    closed, dualpipev_closed, draw, run_sim = _what_to_run(shape, (tf, ti, tw), no_diagram, notes)
+    closed, idle_closed, draw, run_sim = _what_to_run(shape, (tf, ti, tw), no_diagram, notes)
     sim: SimResult | None
     if spec.split_backward:
         sim = _split_backward_bubble(
-            shape, (forward_time, input_time, weight_time), run_sim, dualpipev_closed, result, notes
+            shape, (forward_time, input_time, weight_time), run_sim, idle_closed, result, notes
         )
     else:
         sim = _full_backward_bubble(
@@ -114,30 +114,23 @@ class _Shape:
 def _what_to_run(
     shape: _Shape, times: tuple[float, float, float], no_diagram: bool, notes: list[str]
 ) -> tuple[bool, bool, bool, bool]:
-    """Whether a closed form gives the bubble (and DualPipeV's does), whether a diagram is drawn and
+    """Whether a closed form gives the bubble (and whether it is the idle-time closed form of a split
+    backward, :attr:`ScheduleSpec.idle_closed_form`), whether a diagram is drawn and
     whether the schedule is simulated: a closed form needs no schedule, so it is built and simulated
     only for a diagram, or where no closed form exists, and never past the simulation limit (stated
     up front)."""
     from microbatch.commands._schedule_inputs import diagram_rows_note
     from microbatch.schedules.registry import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
-    from microbatch.schedules.simulate import (
-        DUALPIPEV_CLOSED_FORM_RULE,
-        ZB_IDLE_SCHEDULES,
-        dualpipev_closed_form_holds,
-    )
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
     tf, ti, tw = times
-    dualpipev_closed = spec.name == "dualpipev" and dualpipev_closed_form_holds(tf, ti, tw)
-    if spec.name == "dualpipev" and not dualpipev_closed:
+    idle_form = spec.idle_closed_form if spec.split_backward else None
+    idle_closed = idle_form is not None and idle_form.holds(tf, ti, tw)
+    if idle_form is not None and not idle_closed:
         notes.append(
-            f"the DualPipeV closed form needs {DUALPIPEV_CLOSED_FORM_RULE} (it is a lower bound otherwise): simulated"
+            f"the {idle_form.label} closed form needs {idle_form.rule} (it is a lower bound otherwise): simulated"
         )
-    closed = (
-        (spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"))
-        or (spec.split_backward and spec.name in ZB_IDLE_SCHEDULES)
-        or dualpipev_closed
-    )
+    closed = spec.fill_drain_holds(stages, microbatches) or idle_closed
     too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
     too_tall = diagram_rows_note(stages)
     if not closed:
@@ -151,20 +144,20 @@ def _what_to_run(
         notes.append(too_tall + ("; the numbers are the closed form" if closed else ""))
     draw = not no_diagram and not too_tall
     run_sim = not closed or (draw and not too_big)
-    return closed, dualpipev_closed, draw, run_sim
+    return closed, idle_closed, draw, run_sim
 
 
 def _split_backward_bubble(
     shape: _Shape,
     given: tuple[float | None, float | None, float | None],
     run_sim: bool,
-    dualpipev_closed: bool,
+    idle_closed: bool,
     result: dict[str, Any],
     notes: list[str],
 ) -> SimResult | None:
     """The idle time of a zero-bubble or DualPipeV schedule (closed form, else simulated) into ``result``."""
     from microbatch.schedules.registry import generate
-    from microbatch.schedules.simulate import ZB_IDLE_SCHEDULES, dualpipev_idle_time, simulate, zb_idle_time
+    from microbatch.schedules.simulate import simulate
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
     tf, ti, tw = (1.0 if t is None else t for t in given)
@@ -183,15 +176,9 @@ def _split_backward_bubble(
             weight_time=tw,
         )
     busy = microbatches * virtual * (tf + ti + tw)
-    if spec.name in ZB_IDLE_SCHEDULES:
-        idle = zb_idle_time(spec.name, stages, tf, ti, tw)
-        result["method"] = "closed form: Qi et al. 2024 (Zero Bubble PP), Table 2"
-    elif dualpipev_closed:
-        idle = dualpipev_idle_time(stages, tf, ti, tw)
-        result["method"] = (
-            "closed form: max((p−1)(2T_F+T_I−T_W), (p−1)(T_F+2T_I−T_W)−T_F) per chunk, DualPipeV as torch runs it "
-            "(DeepSeek-V3 report, arXiv 2412.19437, sec 3.2.1, Table 2: (PP/2−1)(T_F&B+T_B−3T_W))"
-        )
+    if idle_closed and spec.idle_closed_form is not None:
+        idle = spec.idle_closed_form.idle_time(stages, tf, ti, tw)
+        result["method"] = spec.idle_closed_form.method
     else:
         assert sim is not None  # no closed form: simulated above
         idle = sum(sim.idle) / stages

@@ -81,6 +81,7 @@ def cmd(
                --sequence-parallel --recompute selective --no-flash-attention
     """
     from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.schedules.registry import default_schedule
 
     expert_shape, expert_layout = moe_split(moe_spec)
     shape = resolve_model({**model_spec, **expert_shape})
@@ -91,7 +92,7 @@ def cmd(
         pipeline_parallel=stages,
         virtual=virtual,
         microbatches=microbatches,
-        schedule=schedule or ("interleaved-1f1b" if virtual > 1 else "1f1b"),
+        schedule=schedule or default_schedule(virtual),
         layers_per_stage=parse_split(layers_per_stage),
         data_parallel=data_parallel,
         zero=parse_zero(zero),

@@ -134,7 +134,7 @@ def cmd(
         result,
         as_json,
         lambda: _render(
-            sim, rows, title, result, spec.name, time_unit, width if not no_diagram and not too_tall else None
+            sim, rows, title, result, spec, time_unit, width if not no_diagram and not too_tall else None
         ),
     )
     if failed:
@@ -209,36 +209,21 @@ def _closed_form(
     spec: ScheduleSpec, stages: int, microbatches: int, virtual: int, times: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The closed form the simulated schedule should match on equal stages without comm time, if any."""
-    from microbatch.schedules.simulate import ZB_IDLE_SCHEDULES, bubble_fraction, bubble_ratio, zb_idle_time
+    from microbatch.schedules.simulate import bubble_fraction, bubble_ratio
 
     closed: dict[str, Any] | None = None
     # The closed forms hold for equal stages and no comm time, and for m >= p (GPipe's for every m).
-    if spec.fill_drain_bubble and (microbatches >= stages or spec.name == "gpipe"):
+    if spec.fill_drain_holds(stages, microbatches):
         closed = {
             "bubble_fraction": bubble_fraction(stages, microbatches, virtual),
             "bubble_ratio": bubble_ratio(stages, microbatches, virtual),
         }
-    if spec.split_backward and spec.name in ZB_IDLE_SCHEDULES:
-        closed = {
-            "idle_time_per_stage": zb_idle_time(
-                spec.name, stages, times["forward_time"], times["input_time"], times["weight_time"]
-            ),
-            "valid_when": "T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
-        }
-    if spec.name == "dualpipev" and times.get("input_time") is not None:
-        from microbatch.schedules.closed_forms import (
-            DUALPIPEV_CLOSED_FORM_RULE,
-            dualpipev_closed_form_holds,
-            dualpipev_idle_time,
-        )
-
+    form = spec.idle_closed_form
+    if spec.split_backward and form is not None and times.get("input_time") is not None:
         tf, ti, tw = times["forward_time"], times["input_time"], times["weight_time"] or 0.0
-        closed = {
-            "idle_time_per_stage": dualpipev_idle_time(stages, tf, ti, tw),
-            "valid_when": f"{DUALPIPEV_CLOSED_FORM_RULE} (exact), a lower bound otherwise "
-            "(DeepSeek-V3 report, sec 3.2.1, as torch runs it)",
-            "exact": dualpipev_closed_form_holds(tf, ti, tw),
-        }
+        closed = {"idle_time_per_stage": form.idle_time(stages, tf, ti, tw), "valid_when": form.valid_when}
+        if form.exact_when is not None:
+            closed["exact"] = form.holds(tf, ti, tw)
     return closed
 
 
@@ -280,7 +265,7 @@ def _render(
     rows: _Rows,
     title: str,
     result: dict[str, Any],
-    schedule_name: str,
+    spec: ScheduleSpec,
     time_unit: str,
     diagram_width: int | None,
 ) -> str:
@@ -300,11 +285,7 @@ def _render(
     if "idle_time_per_stage" in cf:
         lines.append(
             f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  "
-            + (
-                "(DeepSeek-V3 report, sec 3.2.1)"
-                if schedule_name == "dualpipev"
-                else "(Qi et al. 2024, Table 2)"
-            )
+            + f"({spec.idle_closed_form.source if spec.idle_closed_form is not None else ''})"
         )
     lines += [f"  note: {n}" for n in result["notes"]]
     lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]

@@ -55,7 +55,6 @@ from microbatch.predict.roofline import (
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
 from microbatch.schedules.registry import get_spec, in_flight_chunks
-from microbatch.schedules.simulate import dualpipev_idle_time
 
 __all__ = ["Candidate", "Context", "LayerCosts", "evaluate", "layer_costs", "make_context", "with_simulation"]
 
@@ -324,23 +323,14 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
 
 
 def _pipeline_time(sched: str, p: int, m: int, v: int, tm: StageTimes) -> tuple[float, float]:
-    """(seconds of compute + bubble, bubble fraction) by the closed forms in the module docstring."""
-    Tk = tm.Tk
+    """(seconds of compute + bubble, bubble fraction): the schedule's step-time closed form from the
+    registry (:attr:`microbatch.schedules.registry.ScheduleSpec.step_time`; module docstring)."""
     if p == 1:
-        return m * Tk, 0.0
-    if sched == "interleaved-1f1b" and v > 1:
-        total = m * Tk + (p - 1) * Tk / v
-        return total, (p - 1) / (v * m + p - 1)
-    if sched == "zb-h1":
-        idle = (p - 1) * max(0.0, tm.fk + tm.ik - tm.wk)
-        total = m * Tk + idle
-        return total, idle / total
-    if sched == "dualpipev":  # per-chunk times of stage 0's chunk (layers only; the head is on stage 2p − 1)
-        idle = dualpipev_idle_time(p, tm.f[0], tm.i[0], tm.w[0])
-        total = m * Tk + idle
-        return total, idle / total
-    total = (m - 1) * Tk + tm.sumT
-    return total, (p - 1) / (m + p - 1)
+        return m * tm.Tk, 0.0
+    step_time = get_spec(sched).step_time
+    if step_time is None:
+        raise ConfigError(f"schedule {sched!r} has no step-time closed form; the planner cannot screen it")
+    return step_time(p, m, v, tm)
 
 
 def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
@@ -396,7 +386,7 @@ def evaluate(
     tm = (
         _v_stage_times(ctx, b, rc)
         if v_placement
-        else _stage_times(ctx, b, rc, v if sched == "interleaved-1f1b" else 1)
+        else _stage_times(ctx, b, rc, v)  # v = 1 but for an interleaved schedule (its check)
     )
     pipe, bubble = _pipeline_time(sched, p, m, v, tm)
     key = (b, m, rc, z, v_placement)

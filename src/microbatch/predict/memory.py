@@ -205,10 +205,10 @@ class MemoryConfig:
             raise ConfigError(
                 f"schedule {self.schedule!r} is not known; use one of {', '.join(registry.schedule_names(in_flight=True))}"
             )
-        if self.virtual > 1 and self.schedule not in ("interleaved-1f1b", "dualpipev"):
+        if self.virtual > 1 and registry.get_spec(self.schedule).stages_per_rank == 1:
             raise ConfigError(
-                f"virtual {self.virtual} needs the interleaved-1f1b schedule (schedule is {self.schedule}); "
-                "use --schedule interleaved-1f1b or --virtual 1"
+                f"virtual {self.virtual} needs the {registry.INTERLEAVED_SCHEDULE} schedule (schedule is "
+                f"{self.schedule}); use --schedule {registry.INTERLEAVED_SCHEDULE} or --virtual 1"
             )
         if self.pipeline_parallel > 1:  # the schedule's own (p, m, v) rule, as bubble and simulate apply it
             registry.check_servable(self.schedule, self.pipeline_parallel, self.m, self.virtual)
@@ -246,11 +246,12 @@ class MemoryConfig:
                 f"pipeline-parallel {p} > layers {shape.layers}; every stage needs at least one layer; "
                 f"use at most {shape.layers} stages"
             )
-        if v > 1 and shape.layers % (p * v) and self.schedule == "dualpipev":
-            ok = [x for x in range(1, shape.layers // 2 + 1) if shape.layers % (2 * x) == 0]
+        fixed = registry.get_spec(self.schedule).stages_per_rank
+        if v > 1 and shape.layers % (p * v) and fixed is not None:  # a V schedule: v is not a choice
+            ok = [x for x in range(1, shape.layers // v + 1) if shape.layers % (v * x) == 0]
             raise ConfigError(
-                f"dualpipev needs layers {shape.layers} divisible by 2 × stages {p} = {2 * p} (two chunks per "
-                f"rank); use stages among {ok}"
+                f"{self.schedule} needs layers {shape.layers} divisible by {v} × stages {p} = {v * p} "
+                f"({'two' if v == 2 else v} chunks per rank); use stages among {ok}"
             )
         if v > 1 and shape.layers % (p * v):
             ok = [x for x in range(2, shape.layers // p + 1) if shape.layers % (p * x) == 0]

@@ -36,7 +36,14 @@ from microbatch.predict.candidate import (
 from microbatch.predict.plan_config import CHOICES, PLAN_MARGIN, PLAN_TOLERANCE, PlanConfig
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.state import ZERO_STAGES
-from microbatch.schedules.registry import schedule_names
+from microbatch.schedules.closed_forms import bubble_fraction
+from microbatch.schedules.registry import (
+    DEFAULT_SCHEDULE,
+    check_servable,
+    get_spec,
+    schedule_names,
+    virtual_options,
+)
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -60,6 +67,11 @@ KNEE_TOLERANCE = 0.1
 whose throughput is within a tolerance of the best")."""
 _KNEE_FACTOR = 4
 """Lint b_m at least this many times the knee ("far past the knee")."""
+
+
+def _count(n: int) -> str:
+    """A small count in words (two), as the messages write it."""
+    return {1: "one", 2: "two", 3: "three", 4: "four"}.get(n, str(n))
 
 
 def _gib(n: float) -> str:
@@ -113,31 +125,19 @@ class Plan:
 
 # -- search ---------------------------------------------------------------------------------------------
 def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
-    """(schedule, v) pairs that can serve (p, m, v) under torch's rules: interleaved 1F1B with every v
-    that divides the layers evenly, DualPipeV with v = 2 when 2p divides the layers and m >= 2p (an
-    even split only)."""
+    """(schedule, v) pairs that can serve (p, m, v) under torch's rules, v from the registry
+    (:func:`microbatch.schedules.registry.virtual_options`: interleaved 1F1B with every v that divides the
+    layers evenly, DualPipeV with v = 2 when 2p divides the layers); a schedule with several stages per
+    rank only on an even split."""
     p, L = cfg.pipeline_parallel, cfg.shape.layers
     if p == 1:
-        return [("1f1b", 1)]
-    from microbatch.schedules.registry import check_servable
-
+        return [(DEFAULT_SCHEDULE, 1)]
     names = cfg.schedules or schedule_names(in_flight=True)
     out = []
     for name in names:
-        vs = [1]
-        if name == "dualpipev":  # two chunks of L/(2p) layers per rank in a V (torch: exactly 2)
-            if cfg.layers_per_stage is not None or L % (2 * p):
-                continue
-            vs = [2]
-        elif name == "interleaved-1f1b":
-            if cfg.layers_per_stage is not None:
-                continue
-            vs = (
-                list(cfg.virtuals)
-                if cfg.virtuals
-                else [v for v in divisors(L // p) if v > 1 and L % (p * v) == 0]
-            )
-        for v in vs:
+        if cfg.layers_per_stage is not None and get_spec(name).needs_even_split:
+            continue
+        for v in virtual_options(name, L, p, cfg.virtuals):
             if v > 1 and L % (p * v):
                 continue
             try:
@@ -182,18 +182,21 @@ def make_plan(cfg: PlanConfig) -> Plan:
     if not cands:
         p, per_replica = cfg.pipeline_parallel, cfg.global_batch // cfg.data_parallel
         L = cfg.shape.layers
-        if cfg.schedules == ("dualpipev",) and (L % (2 * p) or cfg.layers_per_stage is not None):
-            ok = [x for x in range(1, L // 2 + 1) if L % (2 * x) == 0]
+        only = get_spec(cfg.schedules[0]) if len(cfg.schedules) == 1 else None
+        v = (only.stages_per_rank if only is not None else None) or 1  # a fixed v > 1: a V schedule
+        if v > 1 and (L % (v * p) or cfg.layers_per_stage is not None):
+            assert only is not None
+            ok = [x for x in range(1, L // v + 1) if L % (v * x) == 0]
             raise ConfigError(
-                f"dualpipev needs an even split of layers {L} into 2 × stages {p} = {2 * p} chunks (two per "
-                f"rank, no --layers-per-stage); use pipeline-parallel among {ok}, or another schedule"
+                f"{only.name} needs an even split of layers {L} into {v} × stages {p} = {v * p} chunks "
+                f"({_count(v)} per rank, no --layers-per-stage); use pipeline-parallel among {ok}, or another schedule"
             )
         raise ConfigError(
             f"no schedule in {list(cfg.schedules or schedule_names(in_flight=True))} can serve p = {p} with at most "
             f"m = B/(d·b_m) = {per_replica} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
             "m >= 2p); "
             f"raise the global batch to at least "
-            f"{(2 if cfg.schedules == ('dualpipev',) else 1) * p * cfg.data_parallel} or use --schedule gpipe"
+            f"{v * p * cfg.data_parallel} or use --schedule gpipe"
         )
     cands.sort(key=_sort_key)
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
@@ -317,9 +320,9 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
     elif (
         p > 1
         and c.microbatches < 4 * p
-        # DualPipeV's idle does not grow as m shrinks (m >= 2p): lint it only when it idles more than
-        # 1F1B would at m = 4p
-        and (c.schedule != "dualpipev" or c.bubble_fraction > (p - 1) / (5 * p - 1))
+        # a schedule whose idle does not grow as m shrinks (DualPipeV, m >= 2p): lint it only when it
+        # idles more than 1F1B would at m = 4p
+        and (not get_spec(c.schedule).bubble_flat_in_m or c.bubble_fraction > bubble_fraction(p, 4 * p))
     ):
         per_replica = B // d
         better = [b for b in divisors(per_replica) if per_replica // b >= 4 * p]
@@ -330,9 +333,10 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
         out.append(
             f"m = {c.microbatches} < 4p = {4 * p}: the bubble ({c.bubble_pct:.0f}%) is not buried{hint}"
         )
-    if c.schedule == "gpipe" and p > 1 and c.microbatches > p:
+    lighter = get_spec(c.schedule).lighter_equivalent
+    if lighter is not None and p > 1 and c.microbatches > p:
         alt = next(
-            (x for x in plan.candidates if x.schedule == "1f1b" and x.micro_batch == c.micro_batch
+            (x for x in plan.candidates if x.schedule == lighter and x.micro_batch == c.micro_batch
              and x.recompute == c.recompute and x.zero == c.zero),
             None,
         )  # fmt: skip

@@ -13,17 +13,28 @@ re-exports them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = [
     "DUALPIPEV_CLOSED_FORM_RULE",
+    "DUALPIPEV_IDLE",
+    "IdleClosedForm",
+    "PipelineTime",
+    "StageTimesLike",
+    "ZB_H1_IDLE",
     "ZB_IDLE_SCHEDULES",
     "bubble_fraction",
     "bubble_ratio",
     "dualpipev_closed_form_holds",
     "dualpipev_idle_time",
+    "dualpipev_step_time",
+    "fill_drain_step_time",
     "non_negative_time",
+    "zb_h1_step_time",
     "zb_idle_time",
 ]
 
@@ -140,3 +151,136 @@ def dualpipev_idle_time(stages: int, forward_time: float, input_time: float, wei
     tw = non_negative_time("weight_time", weight_time)
     n = stages - 1
     return max(0.0, n * (2 * tf + ti - tw), n * (tf + 2 * ti - tw) - tf)
+
+
+# -- the closed forms as the registry attaches them to a schedule -------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdleClosedForm:
+    """The closed form of the idle time per stage of a schedule that splits the backward into I and W,
+    as :attr:`microbatch.schedules.registry.ScheduleSpec.idle_closed_form` attaches it."""
+
+    idle_time: Callable[[int, float, float, float], float]
+    """``(stages, T_F, T_I, T_W) -> idle seconds per stage``."""
+    exact_when: Callable[[float, float, float], bool] | None = None
+    """``(T_F, T_I, T_W) -> True`` where the closed form equals the event simulation (a lower bound
+    elsewhere); None: taken as exact under the source's own assumptions."""
+    rule: str = ""
+    """The condition of :attr:`exact_when`, for messages (``T_W <= T_I``)."""
+    label: str = ""
+    """The schedule as the source names it, for messages (``DualPipeV``)."""
+    method: str = ""
+    """The formula and its source, as ``bubble --json`` reports its ``method``."""
+    valid_when: str = ""
+    """When it holds, with the source, as ``simulate --json`` reports its ``valid_when``."""
+    source: str = ""
+    """The source, short (``Qi et al. 2024, Table 2``)."""
+
+    def holds(self, forward_time: float, input_time: float, weight_time: float) -> bool:
+        """True where the closed form is exact for these times (:attr:`exact_when`)."""
+        return self.exact_when is None or self.exact_when(forward_time, input_time, weight_time)
+
+
+def _zb_h1_idle(stages: int, forward_time: float, input_time: float, weight_time: float) -> float:
+    return zb_idle_time("zb-h1", stages, forward_time, input_time, weight_time)
+
+
+ZB_H1_IDLE = IdleClosedForm(
+    idle_time=_zb_h1_idle,
+    method="closed form: Qi et al. 2024 (Zero Bubble PP), Table 2",
+    valid_when="T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
+    source="Qi et al. 2024, Table 2",
+)
+"""ZB-H1's idle (p−1)(T_F + T_I − T_W) (:func:`zb_idle_time`)."""
+
+DUALPIPEV_IDLE = IdleClosedForm(
+    idle_time=dualpipev_idle_time,
+    exact_when=dualpipev_closed_form_holds,
+    rule=DUALPIPEV_CLOSED_FORM_RULE,
+    label="DualPipeV",
+    method=(
+        "closed form: max((p−1)(2T_F+T_I−T_W), (p−1)(T_F+2T_I−T_W)−T_F) per chunk, DualPipeV as torch runs it "
+        "(DeepSeek-V3 report, arXiv 2412.19437, sec 3.2.1, Table 2: (PP/2−1)(T_F&B+T_B−3T_W))"
+    ),
+    valid_when=(
+        f"{DUALPIPEV_CLOSED_FORM_RULE} (exact), a lower bound otherwise (DeepSeek-V3 report, sec 3.2.1, "
+        "as torch runs it)"
+    ),
+    source="DeepSeek-V3 report, sec 3.2.1",
+)
+"""DualPipeV's idle per rank as torch runs it (:func:`dualpipev_idle_time`)."""
+
+
+class StageTimesLike(Protocol):
+    """Seconds per micro-batch by stage that a step-time closed form reads (the planner's
+    ``StageTimes``): per (virtual) stage lists and the bottleneck stage's sums."""
+
+    @property
+    def f(self) -> Sequence[float]:
+        """Forward per stage (per virtual stage for a V placement)."""
+
+    @property
+    def i(self) -> Sequence[float]:
+        """Input gradient per stage (idem)."""
+
+    @property
+    def w(self) -> Sequence[float]:
+        """Weight gradient per stage (idem)."""
+
+    @property
+    def Tk(self) -> float:  # noqa: N802 - the planner's name
+        """The bottleneck rank's F + I + W."""
+
+    @property
+    def sumT(self) -> float:  # noqa: N802 - the planner's name
+        """Σ F + I + W over the ranks."""
+
+    @property
+    def fk(self) -> float:
+        """The bottleneck rank's F."""
+
+    @property
+    def ik(self) -> float:
+        """Its I."""
+
+    @property
+    def wk(self) -> float:
+        """Its W."""
+
+
+PipelineTime = Callable[[int, int, int, StageTimesLike], tuple[float, float]]
+"""``(stages p > 1, microbatches m, virtual v, stage times) -> (seconds of compute + bubble of one
+flush, bubble fraction)``: a schedule's step-time closed form, as the planner screens with it."""
+
+
+def fill_drain_step_time(
+    stages: int, microbatches: int, virtual: int, times: StageTimesLike
+) -> tuple[float, float]:
+    """GPipe, 1F1B, interleaved 1F1B: (m−1)·T_k + Σ T (the bottleneck's m micro-batches plus one pass
+    through the others); with v > 1 chunks per rank m·T_k + (p−1)·T_k/v (Narayanan et al. 2021, sec
+    2.2.2). The fraction is :func:`bubble_fraction` (equal stages)."""
+    Tk = times.Tk
+    if virtual > 1:
+        return microbatches * Tk + (stages - 1) * Tk / virtual, bubble_fraction(stages, microbatches, virtual)
+    return (microbatches - 1) * Tk + times.sumT, bubble_fraction(stages, microbatches)
+
+
+def zb_h1_step_time(
+    stages: int, microbatches: int, virtual: int, times: StageTimesLike
+) -> tuple[float, float]:
+    """ZB-H1: m·T_k plus the idle (p−1)·max(0, T_F + T_I − T_W) of the bottleneck rank
+    (:func:`zb_idle_time`, floored at 0)."""
+    idle = max(0.0, zb_idle_time("zb-h1", stages, times.fk, times.ik, times.wk))
+    total = microbatches * times.Tk + idle
+    return total, idle / total
+
+
+def dualpipev_step_time(
+    stages: int, microbatches: int, virtual: int, times: StageTimesLike
+) -> tuple[float, float]:
+    """DualPipeV: m·T_k plus :func:`dualpipev_idle_time` on the per-chunk times of stage 0's chunk
+    (layers only; the head is on stage 2p − 1)."""
+    idle = dualpipev_idle_time(stages, times.f[0], times.i[0], times.w[0])
+    total = microbatches * times.Tk + idle
+    return total, idle / total

@@ -17,8 +17,18 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from microbatch.batch import divisors
 from microbatch.errors import ConfigError, ScheduleError, check_positive_int
 from microbatch.schedules.action import Action, Schedule, check_placement, stage_to_rank
+from microbatch.schedules.closed_forms import (
+    DUALPIPEV_IDLE,
+    ZB_H1_IDLE,
+    IdleClosedForm,
+    PipelineTime,
+    dualpipev_step_time,
+    fill_drain_step_time,
+    zb_h1_step_time,
+)
 from microbatch.schedules.generators import (
     dualpipev_order,
     dualpipev_overlapped,
@@ -46,6 +56,8 @@ from microbatch.schedules.rules import (
 )
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
+    "INTERLEAVED_SCHEDULE",
     "MAX_SIMULATED_ACTIONS",
     "MAX_STAGES",
     "SCHEDULES",
@@ -53,6 +65,7 @@ __all__ = [
     "check_servable",
     "check_simulable",
     "count_actions",
+    "default_schedule",
     "generate",
     "get_spec",
     "in_flight_chunks",
@@ -64,6 +77,7 @@ __all__ = [
     "schedule_names",
     "stage_ranks",
     "torch_spec",
+    "virtual_options",
 ]
 
 
@@ -97,9 +111,40 @@ class ScheduleSpec:
     rank runs ZB-H1's order, tested)."""
     fill_drain_bubble: bool = False
     """True when the bubble is the closed form (p−1)/(v·m+p−1) for equal stages and m >= p."""
+    fill_drain_any_m: bool = False
+    """True when that closed form holds for every m, not only m >= p (GPipe)."""
+    idle_closed_form: IdleClosedForm | None = None
+    """The closed form of the idle time per stage when the backward is split (ZB-H1, DualPipeV);
+    :mod:`microbatch.schedules.closed_forms`."""
+    step_time: PipelineTime | None = None
+    """The planner's closed form of one flush's time and bubble from per-stage times; None when the
+    planner does not serve the schedule (it also needs :attr:`in_flight`)."""
+    stages_per_rank: int | None = 1
+    """Stages (model chunks) each rank holds: 1; 2 for a V placement; None when v is free (the
+    interleaved schedules: any v that splits the layers evenly)."""
+    v1_equivalent: str | None = None
+    """The schedule this one is with one stage per rank (interleaved-1f1b: 1f1b), said when v
+    defaults to 1."""
+    lighter_equivalent: str | None = None
+    """A schedule with the same bubble that holds fewer activations (GPipe: 1F1B), named by the
+    planner's lint."""
+    bubble_flat_in_m: bool = False
+    """True when the idle does not grow as m falls (DualPipeV, m >= 2p): the planner's lint of
+    m < 4p then fires only when the bubble is over 1F1B's at m = 4p."""
+    deepspeed_native: bool = False
+    """True when DeepSpeed's pipeline engine runs this schedule (its 1F1B-like TrainSchedule)."""
     overlapped: Callable[[Sequence[Sequence[Action]]], tuple[frozenset[int], ...]] | None = None
     """Per-rank positions of forwards that torch runs with the next action as one overlapped step
     (:attr:`microbatch.schedules.action.Schedule.overlapped`), from the generated actions; None: none."""
+
+    def fill_drain_holds(self, stages: int, microbatches: int) -> bool:
+        """True when the fill-drain closed form (p−1)/(v·m+p−1) gives this schedule's bubble at (p, m)."""
+        return self.fill_drain_bubble and (microbatches >= stages or self.fill_drain_any_m)
+
+    @property
+    def needs_even_split(self) -> bool:
+        """Several stages per rank: the layers split evenly into p·v chunks (no uneven split)."""
+        return self.stages_per_rank != 1
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
@@ -168,6 +213,30 @@ def schedule_names(*, in_flight: bool = False, torch: bool = False, aliases: boo
         if aliases:
             out += spec.aliases
     return tuple(out)
+
+
+DEFAULT_SCHEDULE = "1f1b"
+"""The schedule named when none is asked with one stage per rank (and the label of a plan without a
+pipeline: plain gradient accumulation)."""
+INTERLEAVED_SCHEDULE = "interleaved-1f1b"
+"""The schedule named when none is asked with several stages per rank."""
+
+
+def default_schedule(virtual: int = 1) -> str:
+    """:data:`DEFAULT_SCHEDULE` for v = 1, :data:`INTERLEAVED_SCHEDULE` for v > 1."""
+    return INTERLEAVED_SCHEDULE if virtual > 1 else DEFAULT_SCHEDULE
+
+
+def virtual_options(name: str, layers: int, stages: int, requested: Sequence[int] = ()) -> list[int]:
+    """The chunks per rank v the planner tries for schedule ``name``: its fixed
+    :attr:`ScheduleSpec.stages_per_rank`; for a free v, the ``requested`` ones, else every v > 1 with
+    p·v dividing the layers (v = 1 of an interleaved schedule is its :attr:`ScheduleSpec.v1_equivalent`)."""
+    fixed = get_spec(name).stages_per_rank
+    if fixed is not None:
+        return [fixed]
+    if requested:
+        return list(requested)
+    return [v for v in divisors(layers // stages) if v > 1 and layers % (stages * v) == 0]
 
 
 MAX_STAGES = 100_000
@@ -332,6 +401,9 @@ register_schedule(
         torch_name="ScheduleGPipe",
         in_flight=gpipe_in_flight,
         fill_drain_bubble=True,
+        fill_drain_any_m=True,
+        step_time=fill_drain_step_time,
+        lighter_equivalent="1f1b",
     )
 )
 register_schedule(
@@ -343,6 +415,8 @@ register_schedule(
         torch_name="Schedule1F1B",
         in_flight=one_f_one_b_in_flight,
         fill_drain_bubble=True,
+        step_time=fill_drain_step_time,
+        deepspeed_native=True,
     )
 )
 register_schedule(
@@ -355,6 +429,9 @@ register_schedule(
         aliases=("interleaved",),
         in_flight=interleaved_in_flight,
         fill_drain_bubble=True,
+        step_time=fill_drain_step_time,
+        stages_per_rank=None,
+        v1_equivalent="1f1b",
     )
 )
 register_schedule(
@@ -366,6 +443,8 @@ register_schedule(
         description="Zero-bubble H1: backward split into I and W; idle (p−1)(T_F+T_I−T_W).",
         in_flight=zb_h1_in_flight,
         run_as="zb-interleaved",
+        idle_closed_form=ZB_H1_IDLE,
+        step_time=zb_h1_step_time,
     )
 )
 register_schedule(
@@ -378,6 +457,7 @@ register_schedule(
         description="Zero-bubble V: two stages per rank in a V, backward split into I and W (torch's order).",
         torch_name="ScheduleZBVZeroBubble",
         aliases=("zb-v",),
+        stages_per_rank=2,
     )
 )
 register_schedule(
@@ -389,6 +469,7 @@ register_schedule(
         description="Interleaved zero bubble (ZB1P): v stages per rank, I/W split (torch's order).",
         torch_name="ScheduleInterleavedZeroBubble",
         aliases=("zb", "zero-bubble"),
+        stages_per_rank=None,
     )
 )
 register_schedule(
@@ -403,5 +484,9 @@ register_schedule(
         aliases=("dualpipe-v", "dual-pipe-v"),
         in_flight=dualpipev_in_flight,
         overlapped=dualpipev_overlapped,
+        idle_closed_form=DUALPIPEV_IDLE,
+        step_time=dualpipev_step_time,
+        stages_per_rank=2,
+        bubble_flat_in_m=True,
     )
 )

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.schedules.registry import torch_spec
+from microbatch.schedules.registry import DEFAULT_SCHEDULE, ScheduleSpec, get_spec, torch_spec
 
 __all__ = [
     "FORMATS",
@@ -183,7 +183,7 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
         notes.append(
             f"pipeline engine: gradient_accumulation_steps = m = {c['grad_accum']} micro-batches per flush; "
             f"build PipelineModule(num_stages={p}); DeepSpeed's engine runs its own 1F1B-like schedule"
-            + (f", not {c.get('schedule')}" if c.get("schedule") not in (None, "1f1b") else "")
+            + (f", not {c.get('schedule')}" if not _deepspeed_native(c.get("schedule")) else "")
         )
     if c.get("recompute", "none") != "none":
         every = c.get("recompute_every", 1)
@@ -283,6 +283,20 @@ def _lightning(c: Json) -> tuple[Json, list[str]]:
     return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
 
 
+def _spec(name: str | None) -> ScheduleSpec | None:
+    """The registry's entry of schedule ``name``; None for no name or one the registry does not know."""
+    try:
+        return None if name is None else get_spec(name)
+    except ConfigError:
+        return None
+
+
+def _deepspeed_native(name: str | None) -> bool:
+    """True when there is no schedule (no pipeline) or DeepSpeed's pipeline engine runs it itself."""
+    spec = _spec(name)
+    return name is None or (spec is not None and spec.deepspeed_native)
+
+
 def _torchtitan_schedule(name: str) -> str:
     """torchtitan's ``pipeline_parallel_schedule``: the name of the torch class that runs ``name``
     without its ``Schedule`` prefix (``Interleaved1F1B``); 1F1B for a schedule torch cannot run."""
@@ -313,10 +327,13 @@ def _torchtitan(c: Json) -> tuple[Json, list[str]]:
         # one flush per step: the local batch is the m micro-batches of one flush
         training["local_batch_size"] = b * g
         parallelism["pipeline_parallel_microbatch_size"] = b
-        parallelism["pipeline_parallel_schedule"] = _torchtitan_schedule(c.get("schedule", "1f1b"))
-        if c.get("schedule") == "zb-h1":
+        name = c.get("schedule", DEFAULT_SCHEDULE)
+        parallelism["pipeline_parallel_schedule"] = _torchtitan_schedule(name)
+        spec = _spec(c.get("schedule"))
+        if spec is not None and spec.run_as is not None:
             notes.append(
-                "zb-h1 is torch's ScheduleInterleavedZeroBubble with one stage per rank (InterleavedZeroBubble)"
+                f"{name} is torch's {torch_spec(name).torch_name} with one stage per rank "
+                f"({_torchtitan_schedule(name)})"
             )
     else:
         training["local_batch_size"] = b  # torchtitan accumulates global / (local × dp) micro-batches
