@@ -191,10 +191,9 @@ def wave_efficiency(
     if not units or not tile_rows or not tile_cols:
         return 1.0
     tiles = math.ceil(rows / tile_rows) * math.ceil(n / tile_cols)
-    if rows < tile_rows:  # one partial row of tiles: its loss is the small-row ramp's (see below)
-        tile_rows = rows
+    height = min(float(tile_rows), rows)  # one partial row of tiles: its loss is the small-row ramp's (above)
     waves = math.ceil(tiles / units)
-    return rows * n / (waves * units * tile_rows * tile_cols)
+    return rows * n / (waves * units * height * tile_cols)
 
 
 def k_efficiency(
