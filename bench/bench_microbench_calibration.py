@@ -6,7 +6,8 @@
    and optimizer, timed by the probe process);
 3. the planner's micro-step time (:func:`microbatch.predict.steptime.predict_step_time_s`) with the
    microbenchmark's kernel terms (:func:`microbatch.predict.apply_calibration.apply_microbench`), and
-   uncalibrated where the device is in the accelerator table.
+   uncalibrated (the accelerator table's GPU; on the CPU a quick matmul peak and copy bandwidth,
+   :func:`microbatch.hardware.measure_cpu`, at the default efficiencies).
 
 Prints one table: b_m, measured, predicted, error; and the mean |error|. Nothing is fitted to the
 measured step. Run::
@@ -36,7 +37,7 @@ def main() -> None:
     ap.add_argument("--microbench", help="use this bench-gpu result instead of measuring one")
     ap.add_argument("--out", help="write the table as JSON here")
     args = ap.parse_args()
-    from microbatch.hardware import ACCELERATORS
+    from microbatch.hardware import ACCELERATORS, measure_cpu
     from microbatch.measure.microbench import MicrobenchConfig, run_microbench
     from microbatch.microbench_record import MicrobenchResult
     from microbatch.model import get_model
@@ -62,6 +63,7 @@ def main() -> None:
         p["micro_batch"]: p["step_time_s"] for p in tune.get("result", tune)["points"] if p.get("step_time_s")
     }
     gpu = ACCELERATORS.get(mb.accelerator or "") if cuda else None
+    plain_acc = gpu if cuda else measure_cpu(threads=1)  # uncalibrated: the table's GPU, or a quick CPU peak
     applied = apply_microbench(mb, shape=shape, precision=precision, gpu=gpu)
     acc = applied.accelerator
     assert acc is not None
@@ -74,7 +76,9 @@ def main() -> None:
         if b not in points:
             continue
         pred = predict_step_time_s(shape, b, acc, precision=precision, efficiency=applied.efficiency)
-        plain = predict_step_time_s(shape, b, gpu, precision=precision) if gpu is not None else None
+        plain = (
+            predict_step_time_s(shape, b, plain_acc, precision=precision) if plain_acc is not None else None
+        )
         err = pred / points[b] - 1
         rows.append({"micro_batch": b, "measured_s": points[b], "predicted_s": pred, "error": err,
                      "uncalibrated_s": plain})  # fmt: skip
@@ -82,7 +86,7 @@ def main() -> None:
         print(f"{b:4d}  {points[b]:11.4g}  {pred:11.4g}  {err:+6.1%}   {un}")
     mean = sum(abs(r["error"]) for r in rows) / max(1, len(rows))
     print(
-        f"mean |error| {mean:.1%} over {len(rows)} b_m (measured step includes the optimizer; predicted: forward + backward)"
+        f"mean |error| {mean:.1%} over {len(rows)} b_m (measured: tune's micro-step, forward + backward; predicted: the planner's)"
     )
     if args.out:
         Path(args.out).write_text(
