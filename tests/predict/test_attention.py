@@ -119,3 +119,19 @@ def test_fa3_ceiling_reproduces_its_kernel_benchmark() -> None:
     fa3 = {1024: 423, 2048: 521, 4096: 579, 8192: 602, 16384: 616}
     for s, tflops in fa3.items():
         assert peak * flash_rate_fraction(s, FA3_HOPPER_CEILING) == pytest.approx(tflops, rel=0.05)
+
+
+def test_layer_reads_the_models_head_dimension() -> None:
+    """A model with 64-wide heads runs on the d-64 curves: slower than the same width in 128-wide heads."""
+    h100 = get_accelerator("h100-sxm")
+    d64 = ModelShape(name="d64", layers=1, hidden=4096, heads=64, vocab=32000, seq=8192)
+    d128 = ModelShape(name="d128", layers=1, hidden=4096, heads=32, vocab=32000, seq=8192)
+    assert (d64.head_dim, d128.head_dim) == (64, 128)
+    full = 2.0 * 8192 * 8192 * (4096 + 4096)  # the same FLOPs for both
+    fwd, bwd = flash_attention_times_s(full, 8192, h100.flops("bf16"), 0.417, head_dim=64)
+    lt = layer_forward(d64, 1, h100, flash_attention=True)
+    assert lt.attention_s == pytest.approx(fwd)
+    assert lt.attention_backward_s == pytest.approx(bwd)
+    ref = layer_forward(d128, 1, h100, flash_attention=True)
+    # forward: (350 / 308) x (8192 + 359) / (8192 + 404) slower at d 64
+    assert lt.attention_s / ref.attention_s == pytest.approx(350 / 308 * (8192 + 359) / (8192 + 404))
