@@ -300,6 +300,71 @@ def test_the_flag_rule_catches_a_flag(tmp_path):
     assert not FLAG.search("no a--b, no --, no ---x")
 
 
+def _schedule_words() -> set[str]:
+    """Every registered schedule name and alias (the registry is the one table of them)."""
+    from microbatch.schedules.registry import SCHEDULES
+
+    return {n for spec in SCHEDULES.values() for n in (spec.name, *spec.aliases)}
+
+
+def schedule_name_comparisons(path: pathlib.Path, words: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every comparison in ``path`` against a schedule name or alias written as a string:
+    ``name == "dualpipev"``, ``name in ("gpipe", "1f1b")``, ``case "zb-h1":``. A name as data (a default,
+    a list to loop over, a message) is not a comparison."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[int, str]] = []
+
+    def check(node: ast.AST, line: int) -> None:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        for item in items:
+            if isinstance(item, ast.Constant) and isinstance(item.value, str) and item.value.lower() in words:
+                found.append((line, item.value))
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare):
+            for operand in (n.left, *n.comparators):
+                check(operand, n.lineno)
+        elif isinstance(n, ast.MatchValue):
+            check(n.value, n.value.lineno)
+    return sorted(found)
+
+
+def test_schedule_behaviour_comes_from_the_registry():
+    """Outside schedules/ no code compares a schedule's name to decide what to do: behaviour that differs
+    by schedule is a field or function of its registry entry (DESIGN), so a new schedule touches only
+    schedules/ and its tests."""
+    words = _schedule_words()
+    stray = {
+        module_name(p): found
+        for p in MODULES
+        if layer(module_name(p)) != "schedules" and (found := schedule_name_comparisons(p, words))
+    }
+    assert not stray, f"schedule names compared outside schedules/ (make it a field of ScheduleSpec): {stray}"
+
+
+def test_the_schedule_name_rule_catches_a_comparison(tmp_path):
+    """The checker itself can fail: ==, in a tuple and a match case count; a default, a list of data and
+    a message do not."""
+    fake = tmp_path / "m.py"
+    fake.write_text(
+        'def f(name="1f1b"):\n'
+        '    for n in ("gpipe", "1f1b"):\n'
+        '        print(f"{n} is not dualpipev")\n'
+        '    if name == "DualPipeV" or "zb-h1" != name:\n'
+        "        return 1\n"
+        '    if name in ("gpipe", "other"):\n'
+        "        return 2\n"
+        "    match name:\n"
+        '        case "interleaved":\n'
+        "            return 3\n"
+        "    return 0\n"
+    )
+    words = _schedule_words()
+    assert schedule_name_comparisons(fake, words) == [
+        (4, "DualPipeV"), (4, "zb-h1"), (6, "gpipe"), (9, "interleaved")
+    ]  # fmt: skip
+
+
 def import_graph() -> dict[str, list[str]]:
     """Module -> the microbatch modules it imports (anywhere in the file), sorted."""
     names = {module_name(p) for p in MODULES}

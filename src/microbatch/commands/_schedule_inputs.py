@@ -10,10 +10,11 @@ import click
 from click.core import ParameterSource
 
 from microbatch.errors import ConfigError
-from microbatch.schedules.registry import ScheduleSpec
+from microbatch.schedules.registry import ScheduleSpec, schedule_names
 
 __all__ = [
     "MAX_DIAGRAM_RANKS",
+    "ScheduleChoice",
     "check_times",
     "diagram_rows_note",
     "resolve_virtual",
@@ -22,6 +23,24 @@ __all__ = [
 MAX_DIAGRAM_RANKS = 1_000
 """Most ranks (one row each) a terminal diagram is drawn for. A taller one is not readable, and
 at p = 100,000 drawing it took 12 s and 0.5 GB (2 cores); the numbers need no diagram."""
+
+
+class ScheduleChoice(click.Choice[str]):
+    """``click.Choice`` over the registry's schedules as they are when the command runs (a schedule
+    registered after import is a choice too): those with an in-flight rule, after ``extra`` words."""
+
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self._extra = extra
+        super().__init__(self.choices)
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        """The choices now: ``extra``, then :func:`schedule_names` with ``in_flight=True``."""
+        return (*self._extra, *schedule_names(in_flight=True))
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        """click sets the choices once; they are read from the registry instead."""
 
 
 def diagram_rows_note(stages: int) -> str | None:

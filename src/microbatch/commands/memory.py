@@ -23,7 +23,7 @@ from microbatch.commands._common import (
 from microbatch.predict.apply_calibration import CALIBRATION_HELP
 
 __all__ = ["cmd"]
-from microbatch.schedules.registry import schedule_names
+from microbatch.commands._schedule_inputs import ScheduleChoice
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 @click.option("--microbatches", "-m", type=int, help="m per flush (default 4p).")
 @click.option(
     "--schedule",
-    type=click.Choice(schedule_names(in_flight=True)),
+    type=ScheduleChoice(),
     default=None,
     help="Pipeline schedule (default 1f1b; interleaved-1f1b when --virtual > 1).",
 )

@@ -18,8 +18,8 @@ from microbatch.commands._common import (
     resolve_model,
     stages_option,
 )
+from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.predict.apply_calibration import CALIBRATION_HELP
-from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
@@ -56,7 +56,7 @@ __all__ = ["cmd"]
 @moe_options
 @click.option("--sequence-parallel", is_flag=True, help="Megatron sequence parallelism (needs t > 1).")
 @click.option(
-    "--schedule", type=click.Choice(["auto", *schedule_names(in_flight=True)]), default="auto",
+    "--schedule", type=ScheduleChoice(("auto",)), default="auto",
     show_default=True,
 )  # fmt: skip
 @click.option(

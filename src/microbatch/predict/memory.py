@@ -207,8 +207,8 @@ class MemoryConfig:
             )
         if self.virtual > 1 and registry.get_spec(self.schedule).stages_per_rank == 1:
             raise ConfigError(
-                f"virtual {self.virtual} needs the {registry.INTERLEAVED_SCHEDULE} schedule (schedule is "
-                f"{self.schedule}); use --schedule {registry.INTERLEAVED_SCHEDULE} or --virtual 1"
+                f"virtual {self.virtual} needs the interleaved-1f1b schedule (schedule is {self.schedule}); "
+                "use --schedule interleaved-1f1b or --virtual 1"
             )
         if self.pipeline_parallel > 1:  # the schedule's own (p, m, v) rule, as bubble and simulate apply it
             registry.check_servable(self.schedule, self.pipeline_parallel, self.m, self.virtual)
