@@ -189,3 +189,10 @@ def test_tiny_step_predicted_from_a_cpu_microbenchmark_against_a_measured_step(
         predict_step_time_s(tiny, b, a.accelerator, precision="fp32", efficiency=a.efficiency) for b in bms
     ]
     assert preds == sorted(preds)
+
+
+def test_memory_with_a_microbenchmark_is_refused_naming_what_it_is(
+    h100_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["memory", "--model", "llama-2-7b", "-b", "1", "--calibration", str(h100_file)]) == 2
+    assert "is a kernel microbenchmark: it measures kernel times, not memory" in capsys.readouterr().err

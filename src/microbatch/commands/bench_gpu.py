@@ -28,7 +28,10 @@ def _parse_bms(text: str) -> tuple[int, ...]:
 
 def render(d: dict[str, Any]) -> str:
     """The result as a short table: GEMMs, attention, streaming, collectives, then the notes."""
-    frac = lambda f: f"{100 * f:5.1f}%" if f is not None else "     -"  # noqa: E731
+
+    def frac(f: float | None) -> str:
+        return f"{100 * f:5.1f}%" if f is not None else "     -"
+
     lines = [
         f"{d['device_name']} ({d['accelerator'] or 'not in the accelerator table'}), {d['dtype']}, torch "
         f"{d['torch_version']}; {d['timer']}; {d['seconds_total']:.1f} s",

@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
@@ -185,7 +186,7 @@ def _gemms(b: _Bench, shapes: list[tuple[str, int, int, int]], dtype: Any, out: 
     for i, (label, m, k, n) in enumerate(shapes):
         x = torch.randn(m, k, device=dev, dtype=dtype)
         w = torch.randn(k, n, device=dev, dtype=dtype)
-        s = b.time_s(lambda x=x, w=w: torch.matmul(x, w), 0.5 * b.left_s() / max(1, len(shapes) - i))
+        s = b.time_s(partial(torch.matmul, x, w), 0.5 * b.left_s() / max(1, len(shapes) - i))
         if s is None:
             b.skipped.append(f"GEMM {label} {m}×{k}×{n}")
             continue
@@ -208,7 +209,7 @@ def _attention(b: _Bench, dtype: Any, out: list[AttentionTiming]) -> None:
         q, k, v = (
             torch.randn(batch, sh.heads, s_len, sh.head_dim, device=dev, dtype=dtype) for _ in range(3)
         )
-        s = b.time_s(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=True), 0.3 * b.left_s() / (len(seqs) - i))
+        s = b.time_s(partial(sdpa, q, k, v, is_causal=True), 0.3 * b.left_s() / (len(seqs) - i))
         if s is None:
             b.skipped.append(f"attention s={s_len}")
             continue

@@ -267,6 +267,11 @@ def apply_calibration(
     inner = data.get("result", data) if isinstance(data, dict) else data
     if isinstance(inner, dict) and inner.get("kind") == MICROBENCH:
         label = str(source) if isinstance(source, (str, Path)) else "microbenchmark"
+        if gpu is None:
+            raise ConfigError(
+                f"{label} is a kernel microbenchmark: it measures kernel times, not memory, and calibrates a "
+                "step-time prediction on an accelerator; give it to plan, or give a tune result for memory"
+            )
         return apply_microbench(
             MicrobenchResult.from_dict(inner), shape=shape, precision=precision, gpu=gpu, label=label
         )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from microbatch.hardware import Accelerator, cpu_accelerator
 from microbatch.microbench_record import MicrobenchResult
@@ -96,7 +97,7 @@ def _gemm_ratios(
 
 def _stream_terms(
     result: MicrobenchResult, acc: Accelerator, sources: dict[str, str], notes: list[str]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     frac = {s.kernel: s.bytes_per_s / acc.memory_bandwidth_bytes_per_s for s in result.stream}
     out: dict[str, float] = {}
     gpu = bool(acc.compute_units)
