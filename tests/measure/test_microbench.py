@@ -117,3 +117,20 @@ def test_command_refuses_bad_input_before_measuring(capsys) -> None:  # type: ig
     assert "positive integers" in capsys.readouterr().err
     assert main(["bench-gpu", "--budget-s", "0"]) == 2
     assert "--budget-s" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_what_was_measured(monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import microbatch.measure.microbench as mb
+
+    def interrupt(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mb, "_stream", interrupt)  # after the layer GEMMs and attention
+    r = run_microbench(MicrobenchConfig(shape=TINY, micro_batches=(1,), quick=True))
+    assert not r.complete and r.gemms and r.attention and not r.stream
+    assert any(n.startswith("interrupted") for n in r.notes)
+    out = tmp_path / "partial.json"
+    assert main(["bench-gpu", "--quick", "--micro-batches", "1", "--out", str(out)]) == 130
+    kept = MicrobenchResult.from_json(out.read_text())
+    assert not kept.complete and len(kept.gemms) == 5
+    assert "interrupted: kept what was measured" in capsys.readouterr().err
