@@ -58,7 +58,9 @@ Reading the measured points is :func:`microbatch.records.read_measurements`; the
 is :mod:`microbatch.predict.steptime`'s; applying a calibration to a plan (checking it is for the
 planned model, saying what it extrapolates) is :mod:`microbatch.predict.apply_calibration`. How
 well this predicts the measured points themselves (uncalibrated, from the smallest probes,
-leave-one-out) is :mod:`microbatch.predict.validation`.
+leave-one-out) is :mod:`microbatch.predict.validation`. A kernel microbenchmark (``bench-gpu``) calibrates
+otherwise: its measured kernel times replace the analytic terms instead of scaling them
+(:mod:`microbatch.predict.kernel_calibration`, applied by the same ``apply_calibration``).
 
 Pure Python: no torch.
 """
