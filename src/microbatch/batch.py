@@ -20,14 +20,25 @@ from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = [
     "BatchConfig",
+    "DEFAULT_KNEE_TOLERANCE",
     "solve",
+    "global_batch_of",
     "grad_accum_for",
     "per_replica",
+    "check_data_parallel",
+    "check_micro_batch",
     "divisors",
     "nearest_multiples",
     "next_micro_batch",
     "LADDER_MIN_RATIO",
 ]
+
+DEFAULT_KNEE_TOLERANCE = 0.15
+"""τ of the knee, the one constant: the knee is the smallest b_m (the planner: the least memory) whose
+throughput is within 15% of the best (``docs/knee.md`` gives the rule and why 0.15). ``tune``'s default
+(``microbatch.choose.config.DEFAULT_TOLERANCE``) and the planner's
+(``microbatch.predict.plan_config.PLAN_TOLERANCE``) are this value; it lives here, in the core, because
+predict/ sits below choose/."""
 
 _FIXES = {
     "global_batch": "give the sequences per optimizer step, e.g. --global-batch 512",
@@ -54,7 +65,7 @@ class BatchConfig:
     def __post_init__(self) -> None:
         for name, fix in _FIXES.items():
             check_positive_int(name.replace("_", "-"), getattr(self, name), fix=fix)
-        if self.micro_batch * self.grad_accum * self.data_parallel != self.global_batch:
+        if global_batch_of(self.micro_batch, self.grad_accum, self.data_parallel) != self.global_batch:
             raise ConfigError(
                 f"global batch {self.global_batch} != micro-batch {self.micro_batch} × grad-accum "
                 f"{self.grad_accum} × data-parallel {self.data_parallel} = "
@@ -81,6 +92,11 @@ class BatchConfig:
         return asdict(self)
 
 
+def global_batch_of(micro_batch: int, grad_accum: int, data_parallel: int = 1) -> int:
+    """B_global = b_m × g × d: the sequences the optimizer sees per step (seed 002)."""
+    return micro_batch * grad_accum * data_parallel
+
+
 def grad_accum_for(global_batch: int, micro_batch: int, data_parallel: int = 1) -> int:
     """g = B_global // (b_m × d): the micro-batches each replica runs per optimizer step, rounded down
     (0 when b_m × d > B_global). The one derivation of g; exact when ``g × b_m × d == B_global``
@@ -92,6 +108,34 @@ def per_replica(global_batch: int, data_parallel: int = 1) -> int | None:
     """B_global / d, the sequences each replica runs per optimizer step (b_m × g), when d divides
     B_global; None when it does not (then no b_m gives B_global = b_m × g × d)."""
     return global_batch // data_parallel if global_batch % data_parallel == 0 else None
+
+
+def check_data_parallel(global_batch: int, data_parallel: int) -> int:
+    """B_global / d, the per-replica batch; :class:`ConfigError` naming the values, the rule and the nearest
+    valid global batches and data-parallel sizes when d does not divide B_global."""
+    B, d = global_batch, data_parallel
+    per = per_replica(B, d)
+    if per is None:
+        lo, hi = (B // d) * d, (B // d + 1) * d
+        raise ConfigError(
+            f"global batch {B} is not divisible by data-parallel {d}; B_global = b_m × g × d needs "
+            f"d | B; use global batch {' or '.join(str(x) for x in dict.fromkeys((lo or hi, hi)))}, or a "
+            f"data-parallel among {divisors(B)[:12]}"
+        )
+    return per
+
+
+def check_micro_batch(global_batch: int, micro_batch: int, data_parallel: int = 1) -> int:
+    """g = B_global / (b_m × d) for a d that divides B_global; :class:`ConfigError` naming the values, the
+    rule and the valid micro-batches when b_m does not divide the per-replica batch B/d."""
+    B, d, b = global_batch, data_parallel, micro_batch
+    per = B // d
+    if per % b:
+        raise ConfigError(
+            f"micro-batch {b} does not divide the per-replica batch B/d = {B}/{d} = {per}; "
+            f"B_global = b_m × g × d must hold; use a micro-batch among {divisors(per)}"
+        )
+    return grad_accum_for(B, b, d)
 
 
 def divisors(n: int) -> list[int]:

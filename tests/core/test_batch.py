@@ -8,9 +8,13 @@ import re
 import pytest
 
 from microbatch.batch import (
+    DEFAULT_KNEE_TOLERANCE,
     LADDER_MIN_RATIO,
     BatchConfig,
+    check_data_parallel,
+    check_micro_batch,
     divisors,
+    global_batch_of,
     grad_accum_for,
     nearest_multiples,
     next_micro_batch,
@@ -191,3 +195,30 @@ def test_g_and_the_per_replica_batch_are_derived_in_one_place():
                 BatchConfig(global_batch=B, micro_batch=b, grad_accum=g, data_parallel=d).per_replica_batch
                 == per
             )
+
+
+def test_the_divisibility_checks_give_the_value_the_rule_and_the_fix():
+    """check_data_parallel and check_micro_batch return B/d and g where they divide, and otherwise name the
+    values, the identity and valid choices (each of which passes)."""
+    assert check_data_parallel(96, 4) == 24 and check_micro_batch(96, 3, 4) == 8
+    assert global_batch_of(3, 8, 4) == 96
+    with pytest.raises(ConfigError, match=r"global batch 100 is not divisible by data-parallel 8; .*use global "
+                       r"batch 96 or 104, or a data-parallel among \[1, 2, 4, 5, 10"):  # fmt: skip
+        check_data_parallel(100, 8)
+    with pytest.raises(ConfigError, match=r"global batch 3 is .*use global batch 8, or"):
+        check_data_parallel(3, 8)
+    with pytest.raises(ConfigError, match=r"micro-batch 5 does not divide the per-replica batch B/d = 96/4 = 24; "
+                       r"B_global = b_m × g × d must hold; use a micro-batch among \[1, 2, 3, 4, 6, 8, 12, 24\]"):  # fmt: skip
+        check_micro_batch(96, 5, 4)
+    for b in divisors(24):
+        g = check_micro_batch(96, b, 4)
+        assert BatchConfig(global_batch=96, micro_batch=b, grad_accum=g, data_parallel=4).grad_accum == g
+
+
+def test_one_knee_tolerance():
+    """tune's default τ and the planner's are the one constant (the same object), 15%."""
+    from microbatch.choose.config import DEFAULT_TOLERANCE
+    from microbatch.predict.plan_config import PLAN_TOLERANCE
+
+    assert DEFAULT_TOLERANCE is DEFAULT_KNEE_TOLERANCE and PLAN_TOLERANCE is DEFAULT_KNEE_TOLERANCE
+    assert DEFAULT_KNEE_TOLERANCE == 0.15

@@ -22,6 +22,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
+from microbatch.batch import DEFAULT_KNEE_TOLERANCE
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, usable_cores
 from microbatch.measure.spec import BACKENDS, MODES
@@ -48,8 +49,9 @@ REFERENCES = ("measured", "bound")
 """What rule ``fraction`` measures against: the best measured point, or also the bound on larger b_m."""
 DEFAULT_RULE = "fraction"
 """Default knee rule (see ``docs/knee.md`` for why)."""
-DEFAULT_TOLERANCE = 0.15
-"""Default tolerance τ: 15% of the best throughput (see ``docs/knee.md`` for why)."""
+DEFAULT_TOLERANCE = DEFAULT_KNEE_TOLERANCE
+"""Default tolerance τ: 15% of the best throughput, the one knee tolerance
+(:data:`microbatch.batch.DEFAULT_KNEE_TOLERANCE`; see ``docs/knee.md`` for why)."""
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 """torch device types a probe may run on (the registry models' probes: cpu and cuda only)."""
 CHECKPOINTING = ("off", "on", "auto")

@@ -207,12 +207,13 @@ def _plans(
     if calibration:
         from dataclasses import replace
 
+        from microbatch.batch import check_data_parallel
         from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration
         from microbatch.predict.plan import make_plan
 
         layout = PlannedLayout(
             seq=cfg.seq_len,
-            micro_batches=cfg.micro_batches or (global_batch // data_parallel,),
+            micro_batches=cfg.micro_batches or (check_data_parallel(global_batch, data_parallel),),
             tensor_parallel=tensor_parallel,
             pipeline_parallel=stages,
             data_parallel=data_parallel,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from microbatch.batch import divisors
+from microbatch.batch import check_data_parallel, divisors, global_batch_of, grad_accum_for, per_replica
 from microbatch.errors import ConfigError, ScheduleError
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
@@ -159,14 +159,13 @@ def _sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
 
 def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
     ctx = ctx or make_context(cfg)
-    per_replica = cfg.global_batch // cfg.data_parallel
-    bms = cfg.micro_batches or tuple(divisors(per_replica))
+    bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
     zs = cfg.zero or (ZERO_STAGES if cfg.shard_group > 1 else (0,))
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
     out = []
     for b in bms:
-        m = per_replica // b
+        m = grad_accum_for(cfg.global_batch, b, cfg.data_parallel)  # m = g: one flush per step
         for sched, v in _schedule_options(cfg, m):
             for rc in rcs:
                 for z in zs:
@@ -180,7 +179,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
     ctx = make_context(cfg)
     cands = _enumerate(cfg, ctx)
     if not cands:
-        p, per_replica = cfg.pipeline_parallel, cfg.global_batch // cfg.data_parallel
+        p, per = cfg.pipeline_parallel, check_data_parallel(cfg.global_batch, cfg.data_parallel)
         L = cfg.shape.layers
         only = get_spec(cfg.schedules[0]) if len(cfg.schedules) == 1 else None
         v = (only.stages_per_rank if only is not None else None) or 1  # a fixed v > 1: a V schedule
@@ -193,7 +192,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
             )
         raise ConfigError(
             f"no schedule in {list(cfg.schedules or schedule_names(in_flight=True))} can serve p = {p} with at most "
-            f"m = B/(d·b_m) = {per_replica} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
+            f"m = B/(d·b_m) = {per} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
             "m >= 2p); "
             f"raise the global batch to at least "
             f"{v * p * cfg.data_parallel} or use --schedule gpipe"
@@ -274,7 +273,7 @@ def search_layouts(
             if p > shape.layers:
                 break
             d = num_gpus // (t * p)
-            if global_batch % d:
+            if per_replica(global_batch, d) is None:
                 continue
             try:
                 cfg = PlanConfig(
@@ -307,10 +306,11 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
         return []
     out = []
     p, d, B = cfg.pipeline_parallel, cfg.data_parallel, cfg.global_batch
-    if c.micro_batch * c.grad_accum * d != B:
+    if global_batch_of(c.micro_batch, c.grad_accum, d) != B:
         out.append(
             f"global batch changed: b_m {c.micro_batch} × g {c.grad_accum} × d {d} = "
-            f"{c.micro_batch * c.grad_accum * d} != B_global {B}; hold B_global fixed unless you mean to retune"
+            f"{global_batch_of(c.micro_batch, c.grad_accum, d)} != B_global {B}; hold B_global fixed unless you "
+            "mean to retune"
         )
     if p > 1 and c.microbatches < p:
         out.append(
@@ -324,12 +324,11 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
         # idles more than 1F1B would at m = 4p
         and (not get_spec(c.schedule).bubble_flat_in_m or c.bubble_fraction > bubble_fraction(p, 4 * p))
     ):
-        per_replica = B // d
-        better = [b for b in divisors(per_replica) if per_replica // b >= 4 * p]
+        better = [b for b in divisors(check_data_parallel(B, d)) if grad_accum_for(B, b, d) >= 4 * p]
         hint = ""
         if better:
-            b4 = max(better)
-            hint = f"; b_m = {b4} gives m = {per_replica // b4} at bubble {100 * (p - 1) / (per_replica // b4 + p - 1):.0f}%"
+            m4 = grad_accum_for(B, max(better), d)
+            hint = f"; b_m = {max(better)} gives m = {m4} at bubble {100 * (p - 1) / (m4 + p - 1):.0f}%"
         out.append(
             f"m = {c.microbatches} < 4p = {4 * p}: the bubble ({c.bubble_pct:.0f}%) is not buried{hint}"
         )
@@ -406,7 +405,7 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> list[str]:
             )
     if cfg.data_parallel == 1:
         for d2 in (8, 64):
-            if cfg.global_batch % d2 == 0:
+            if per_replica(cfg.global_batch, d2) is not None:
                 tries.append((f"data-parallel {d2} with ZeRO-3", {"data_parallel": d2, "zero": (3,)}))
     for label, change in tries:
         try:

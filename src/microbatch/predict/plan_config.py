@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from microbatch.batch import divisors
+from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_data_parallel, check_micro_batch
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
@@ -26,10 +26,9 @@ __all__ = ["PlanConfig", "CHOICES", "PLAN_TOLERANCE", "PLAN_MARGIN"]
 
 CHOICES = ("knee", "fastest")
 """How the planner picks among the candidates that fit: ``knee`` (the default) or ``fastest``."""
-PLAN_TOLERANCE = 0.15
-"""τ of the planner's knee: the same 15% of the best as ``tune``'s default
-(``microbatch.choose.config.DEFAULT_TOLERANCE``; the rule and why 0.15 are in ``docs/knee.md``).
-Defined here because predict/ sits below choose/; a test holds the two equal."""
+PLAN_TOLERANCE = DEFAULT_KNEE_TOLERANCE
+"""τ of the planner's knee: the one knee tolerance, 15% of the best, as ``tune``'s default
+(:data:`microbatch.batch.DEFAULT_KNEE_TOLERANCE`; the rule and why 0.15 are in ``docs/knee.md``)."""
 PLAN_MARGIN = 0.05
 """μ of the planner's knee: the knee must reach (1 − τ)·(1 + μ) of the best, the margin ``tune``
 asks when its reference is an estimate it has no fitted error for
@@ -125,13 +124,7 @@ class PlanConfig:
         for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
             check_positive_int(name.replace("_", "-"), getattr(self, name))
         B, d = self.global_batch, self.data_parallel
-        if B % d:
-            lo, hi = (B // d) * d, (B // d + 1) * d
-            raise ConfigError(
-                f"global batch {B} is not divisible by data-parallel {d}; B_global = b_m × g × d needs "
-                f"d | B; use global batch {' or '.join(str(x) for x in dict.fromkeys((lo or hi, hi)))}, or a "
-                f"data-parallel among {divisors(B)[:12]}"
-            )
+        check_data_parallel(B, d)
         if not (0 <= self.memory_headroom < 1):
             raise ConfigError(
                 f"memory headroom {self.memory_headroom!r} must be in [0, 1); it is the share of memory kept "
@@ -158,11 +151,7 @@ class PlanConfig:
                 raise ConfigError(f"ZeRO stage {z!r} is not known; use auto or 0, 1, 2, 3")
         for b in self.micro_batches or ():
             check_positive_int("micro-batch", b)
-            if (B // d) % b:
-                raise ConfigError(
-                    f"micro-batch {b} does not divide the per-replica batch B/d = {B}/{d} = {B // d}; "
-                    f"B_global = b_m × g × d must hold; use a micro-batch among {divisors(B // d)}"
-                )
+            check_micro_batch(B, b, d)
         bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
         L, p = self.shape.layers, self.pipeline_parallel
         for v in self.virtuals or ():

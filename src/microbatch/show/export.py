@@ -42,6 +42,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
 from microbatch.schedules.registry import DEFAULT_SCHEDULE, ScheduleSpec, get_spec, torch_spec
 
@@ -144,10 +145,10 @@ def _check_identity(c: Json, what: str = "plan") -> None:
     for name, v in (("micro_batch", b), ("grad_accum", g), ("data_parallel", d), ("global_batch", B)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"the {what}'s {name} must be a whole number >= 1, got {v!r}")
-    if b * g * d != B:
+    if global_batch_of(b, g, d) != B:
         again = "plan again" if what == "plan" else "tune again"
         raise ConfigError(
-            f"the {what} breaks B_global = b_m × g × d: {b} × {g} × {d} = {b * g * d} != {B}; the exporter never "
+            f"the {what} breaks B_global = b_m × g × d: {b} × {g} × {d} = {global_batch_of(b, g, d)} != {B}; the exporter never "
             f"changes the global batch silently; {again} or fix grad_accum"
         )
 
