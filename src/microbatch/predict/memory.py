@@ -385,6 +385,28 @@ class MemoryEstimate:
         }
 
 
+def _stage_state(
+    shape: ModelShape, config: MemoryConfig, i: int, n_layers: int, first: int, last: int
+) -> tuple[float, dict[str, float]]:
+    """(parameters this GPU of stage ``i`` holds, its model-state bytes by term): the stage's layers (from
+    layer ``first``), the embedding on rank 0 and the output layer on rank ``last`` (rank 0 again under a
+    V placement), over t; routed experts sharded over EP and their state over d·c/EP, the rest's over d·c."""
+    p, t, ep = config.pipeline_parallel, config.tensor_parallel, config.expert_parallel
+    d = config.data_parallel * config.context_parallel  # state shards over d·c (CP ranks replicate it)
+    params = stage_params(shape, i, p, n_layers, t, first)
+    if last != p - 1:  # a V placement (dualpipev): the output layer comes back to rank 0
+        head = shape.output_params() if i == last else 0
+        params = (shape.layers_params(first, n_layers) + shape.embedding_params() * (i == 0) + head) / t
+    experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
+    params += experts / ep - experts
+    kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer)
+    state = model_state_bytes(params - experts / ep, zero=config.zero, data_parallel=d, **kw)
+    if experts:
+        est = model_state_bytes(experts / ep, zero=config.zero, data_parallel=d // ep, **kw)
+        state = {k: state[k] + est[k] for k in state}
+    return params, state
+
+
 def estimate_memory(
     shape: ModelShape, config: MemoryConfig, calibration: MemoryCalibration | None = None
 ) -> MemoryEstimate:
@@ -420,18 +442,7 @@ def estimate_memory(
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
     ep, d = config.expert_parallel, config.data_parallel * c  # state shards over d·c (CP ranks replicate it)
     for i, n_layers in enumerate(split):
-        first = sum(split[:i])
-        params = stage_params(shape, i, p, n_layers, t, first)
-        if last != p - 1:  # a V placement (dualpipev): the output layer comes back to rank 0
-            head = shape.output_params() if i == last else 0
-            params = (shape.layers_params(first, n_layers) + shape.embedding_params() * (i == 0) + head) / t
-        experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
-        params += experts / ep - experts
-        kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer)
-        state = model_state_bytes(params - experts / ep, zero=config.zero, data_parallel=d, **kw)
-        if experts:
-            est = model_state_bytes(experts / ep, zero=config.zero, data_parallel=d // ep, **kw)
-            state = {k: state[k] + est[k] for k in state}
+        params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
         held = in_flight_microbatches(config.schedule, i, p, m, v)
         terms = {"layers": per_layer * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
