@@ -7,9 +7,9 @@ what ``tests/run/pipeline/test_pipeline.py`` compares the generators of :mod:`mi
 from __future__ import annotations
 
 from microbatch.errors import ScheduleError
-from microbatch.schedules.registry import check_servable, torch_spec
+from microbatch.schedules.registry import ScheduleSpec, check_servable, get_spec, schedule_names, torch_spec
 
-__all__ = ["splits_backward", "torch_order"]
+__all__ = ["in_flight_spec", "single_stage_order", "splits_backward", "torch_order"]
 
 
 def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> dict[int, list[str]]:
@@ -17,30 +17,14 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
 
     For the multi-stage schedules this is torch's own ``pipeline_order``, computed by the schedule
     class's ``_calculate_single_rank_operations`` on an instance that has no process group and no
-    stages (idle slots dropped). GPipe and 1F1B follow the loops of their ``_step_microbatches``
-    (torch 2.13's ``Schedule1F1B._get_pipeline_order`` does not match what it runs): GPipe does
-    every forward then every backward; 1F1B does min(m, p − i) forwards, then alternates B and F.
-    DualPipeV's overlapped forward+backward pairs are written as their two parts, forward first.
+    stages (idle slots dropped). torch's single-stage classes (GPipe, 1F1B) have none: their order is
+    the loop of their ``_step_microbatches`` (:func:`single_stage_order`; torch 2.13's
+    ``Schedule1F1B._get_pipeline_order`` does not match what it runs). DualPipeV's overlapped
+    forward+backward pairs are written as their two parts, forward first.
     """
     spec = torch_spec(schedule)
-    name = spec.name
-    check_servable(name, stages, microbatches, virtual)
+    check_servable(spec.name, stages, microbatches, virtual)
     p, m, v = stages, microbatches, virtual
-    if name == "gpipe":
-        return {r: [f"{r}F{i}" for i in range(m)] + [f"{r}B{i}" for i in range(m)] for r in range(p)}
-    if name == "1f1b":
-        out: dict[int, list[str]] = {}
-        for r in range(p):
-            warm = min(m, p - r)
-            ops = [f"{r}F{i}" for i in range(warm)]
-            f = warm
-            for b in range(m):
-                ops.append(f"{r}B{b}")
-                if f < m:
-                    ops.append(f"{r}F{f}")
-                    f += 1
-            out[r] = ops
-        return out
     from torch.distributed.pipelining import schedules as ts
 
     cls = getattr(ts, str(spec.torch_name), None)
@@ -48,9 +32,11 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
         import torch
 
         raise ScheduleError(
-            f"{name} needs torch.distributed.pipelining.{spec.torch_name}, absent in torch "
+            f"{spec.name} needs torch.distributed.pipelining.{spec.torch_name}, absent in torch "
             f"{torch.__version__}; upgrade torch or use schedule 'interleaved-1f1b'"
         )
+    if not hasattr(cls, "_calculate_single_rank_operations"):
+        return single_stage_order(spec, p, m)
     obj = object.__new__(cls)
     obj.pp_group_size = p
     obj._n_microbatches = m
@@ -66,6 +52,40 @@ def torch_order(schedule: str, stages: int, microbatches: int, virtual: int = 1)
             "compare with schedule '1f1b' or 'gpipe'"
         ) from None
     return {r: [str(x) for a in ops if a is not None for x in _parts(a)] for r, ops in order.items()}
+
+
+def single_stage_order(spec: ScheduleSpec, stages: int, microbatches: int) -> dict[int, list[str]]:
+    """The loop of torch's single-stage schedules (``ScheduleGPipe``, ``Schedule1F1B``): rank r runs
+    as many forwards as its in-flight rule holds (GPipe m, 1F1B min(m, p − r)), then one backward and
+    one forward alternately until every micro-batch is done."""
+    if spec.in_flight is None:
+        raise ScheduleError(f"{spec.name} runs one stage per rank but has no in-flight rule to order it by")
+    out: dict[int, list[str]] = {}
+    for r in range(stages):
+        warm = min(microbatches, spec.in_flight(r, stages, microbatches, 1))
+        ops = [f"{r}F{i}" for i in range(warm)]
+        f = warm
+        for b in range(microbatches):
+            ops.append(f"{r}B{b}")
+            if f < microbatches:
+                ops.append(f"{r}F{f}")
+                f += 1
+        out[r] = ops
+    return out
+
+
+def in_flight_spec(schedule: str, virtual: int) -> ScheduleSpec | None:
+    """The registry entry whose in-flight rule describes torch running ``schedule`` with ``virtual``
+    stages per rank: its own, or, with one stage per rank, that of the entry that runs as it
+    (:attr:`ScheduleSpec.run_as`: ZB-H1 runs as torch's interleaved zero bubble with v = 1); None
+    when no entry has a rule (the simulator counts those)."""
+    spec = torch_spec(schedule)
+    if spec.in_flight is not None:
+        return spec
+    if virtual != 1:
+        return None
+    runs_as = (get_spec(n) for n in schedule_names())
+    return next((s for s in runs_as if s.run_as == spec.name and s.in_flight is not None), None)
 
 
 def _parts(action: object) -> tuple[object, ...]:

@@ -97,8 +97,8 @@ def test_dualpipev_runs_on_torch_with_unsplit_gradients_and_torchs_order():
 def _old_rule_bytes(rep, rank):
     """The prediction before issue 16's second pass: the registry's in-flight chunks × the rank's
     mean saved bytes per micro-batch, plus the received inputs beyond the in-flight count."""
-    from microbatch.run.pipeline.memory import _rule_name, boundary_bytes
-    from microbatch.schedules.registry import in_flight_chunks
+    from microbatch.run.pipeline.memory import boundary_bytes
+    from microbatch.run.pipeline.resolved import resolve
 
     cfg = PipelineConfig(
         schedule=rep["schedule"],
@@ -107,7 +107,8 @@ def _old_rule_bytes(rep, rank):
         virtual=rep["virtual"],
     )
     st = rep["measured"]["stage_stats"][rank]
-    chunks = in_flight_chunks(_rule_name(cfg), rank, cfg.stages, cfg.microbatches, cfg.virtual)
+    rule = resolve(cfg).rule
+    chunks = rule.in_flight(rank, cfg.stages, cfg.microbatches, cfg.virtual)
     fed = 1 if rank > 0 else 0
     return chunks * st["activation_bytes_per_microbatch"] + fed * (
         cfg.microbatches - chunks

@@ -426,3 +426,22 @@ def test_the_bubble_predicted_before_a_run_is_held_to_the_bubble_the_run_measure
         prof[int(key[:-1])][key[-1]] = t
     ops_only = predict_before(PipelineConfig(schedule="1f1b", stages=2, microbatches=4), prof, _terms())
     assert before > ops_only["bubble_fraction"], (before, ops_only["bubble_fraction"], measured)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "rule"),
+    [("zb-h1", 1, "zb-h1"), ("zb-interleaved", 1, "zb-h1"), ("zb-interleaved", 2, None), ("1f1b", 1, "1f1b")],
+)
+def test_the_resolved_run_names_the_schedule_once_and_finds_its_in_flight_rule(schedule, virtual, rule):
+    """zb-h1 runs as torch's interleaved zero bubble: the config says so once (no name back again);
+    the in-flight rule is found through the registry's run_as (ZB-H1's rule at v = 1 only)."""
+    from microbatch.run.pipeline.resolved import resolve
+
+    cfg = PipelineConfig(schedule=schedule, stages=2, microbatches=4, virtual=virtual)
+    run = resolve(cfg)
+    assert cfg.schedule == run.spec.name and run.torch_class == run.spec.torch_name
+    assert (run.rule.name if run.rule else None) == rule
+    assert resolve(cfg) is run  # derived once
+    assert list(run.placement) == [s % 2 for s in range(2 * virtual)]
+    assert run.order is not None and sorted(run.order) == [0, 1]
+    assert run.stages_of(1) == [s for s in range(2 * virtual) if s % 2 == 1]

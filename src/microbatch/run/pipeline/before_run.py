@@ -38,9 +38,10 @@ def predict_before(
     profiled per-stage times and the runtime's measured costs between ops
     (:func:`microbatch.run.pipeline.replay.replay`)."""
     from microbatch.run.pipeline.replay import parse_action, replay
-    from microbatch.schedules.torch_order import splits_backward, torch_order
+    from microbatch.run.pipeline.resolved import resolve
+    from microbatch.schedules.torch_order import splits_backward
 
-    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    order = resolve(cfg).torch_order()
     extra = runtime.get("in_op_s", {})
     split = splits_backward(order)
 

@@ -201,11 +201,11 @@ def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] |
 
 def _boundary(cfg: PipelineConfig) -> tuple[int, int]:
     """Width and sequence length of the real model's stage boundary (8 and 8 when unknown)."""
-    if ":" in cfg.model:
-        return 8, cfg.seq or 8
-    from microbatch.model import get_model
+    from microbatch.run.pipeline.resolved import resolve
 
-    shape = get_model(cfg.model, seq=cfg.seq)
+    shape = resolve(cfg).shape
+    if shape is None:
+        return 8, cfg.seq or 8
     return shape.hidden, shape.seq
 
 
@@ -322,9 +322,10 @@ def calibrate_loaded(
     in-op costs and machine reading are kept."""
     from microbatch.run.pipeline.launch import run_pipeline
     from microbatch.run.pipeline.replay import runtime_terms
-    from microbatch.schedules.torch_order import splits_backward, torch_order
+    from microbatch.run.pipeline.resolved import resolve
+    from microbatch.schedules.torch_order import splits_backward
 
-    order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
+    order = resolve(cfg).torch_order()
     split = splits_backward(order)
 
     def cpu(row: dict[str, float], k: str) -> float:

@@ -88,8 +88,7 @@ def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
         layer_activation_bytes,
         output_activation_bytes,
     )
-    from microbatch.run.pipeline.memory import _rule_name
-    from microbatch.schedules.registry import get_spec, in_flight_chunks
+    from microbatch.run.pipeline.resolved import resolve
 
     e, b = _DTYPE_BYTES[cfg.dtype], cfg.micro_batch
     one = (
@@ -98,9 +97,9 @@ def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
         + output_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
     )  # one micro-batch through the whole model
     p, m, v = cfg.stages, cfg.microbatches, cfg.virtual
-    rule = _rule_name(cfg)
-    if get_spec(rule).in_flight is not None:
-        chunks = sum(in_flight_chunks(rule, r, p, m, v) for r in range(p))
+    rule = resolve(cfg).rule
+    if rule is not None and rule.in_flight is not None:
+        chunks = sum(rule.in_flight(r, p, m, v) for r in range(p))
     else:
         chunks = p * v
     return float(one * chunks / (p * v))
@@ -108,9 +107,9 @@ def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
 
 def _receive_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
     """torch's receive buffers: an activation and a gradient per micro-batch per link between ranks."""
-    from microbatch.schedules.registry import stage_ranks
+    from microbatch.run.pipeline.resolved import resolve
 
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    placement = resolve(cfg).placement
     links = sum(1 for s in range(1, len(placement)) if placement[s] != placement[s - 1])
     boundary = cfg.micro_batch * seq * shape.hidden * _DTYPE_BYTES[cfg.dtype]
     return float(2 * links * cfg.microbatches * boundary)
@@ -265,9 +264,10 @@ def check_fits(
         params = inspect_factory(cfg.model).params
         what = f"model factory {cfg.model}"
     else:
-        from microbatch.model import get_model
+        from microbatch.run.pipeline.resolved import resolve
 
-        shape = get_model(cfg.model, seq=cfg.seq)
+        shape = resolve(cfg).shape
+        assert shape is not None  # a built-in model
         params = shape.param_count()
         what = f"model {cfg.model}"
     pred = predicted_host_bytes(cfg, params, shape)
@@ -329,10 +329,11 @@ def min_run_s(cfg: PipelineConfig, flops_per_s: float) -> tuple[float, float, in
     ``flops_per_s`` each."""
     if ":" in cfg.model or cfg.backend != "gloo":
         return None
-    from microbatch.model import get_model
     from microbatch.predict.roofline import model_flops_per_step
+    from microbatch.run.pipeline.resolved import resolve
 
-    shape = get_model(cfg.model, seq=cfg.seq)
+    shape = resolve(cfg).shape
+    assert shape is not None  # a built-in model
     flops = cfg.steps * model_flops_per_step(shape, cfg.batch, shape.seq) / 2
     cores = max(1, min(cfg.stages, usable_cores()))
     return flops / (cores * flops_per_s), flops, cores
@@ -353,9 +354,10 @@ def check_duration(
     seconds, flops, cores = est
     deadline, why = cfg.deadline(deadline_s)
     if seconds > deadline:
-        from microbatch.model import get_model
+        from microbatch.run.pipeline.resolved import resolve
 
-        seq = get_model(cfg.model, seq=cfg.seq).seq
+        shape = resolve(cfg).shape
+        seq = shape.seq if shape is not None else cfg.seq
         raise ConfigError(
             f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {seq}) are "
             f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "

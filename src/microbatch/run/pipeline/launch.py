@@ -43,7 +43,6 @@ from microbatch.run.pipeline.progress import (
     step_log_path,
 )
 from microbatch.run.pipeline.summary import summarize
-from microbatch.schedules.registry import rank_stages
 
 __all__ = [
     "STARTUP_S",
@@ -440,9 +439,10 @@ def check_splittable(cfg: PipelineConfig) -> None:
             )
         return
     from microbatch.choose.preflight import check_seq
-    from microbatch.model import get_model
+    from microbatch.run.pipeline.resolved import resolve
 
-    shape = get_model(cfg.model, seq=cfg.seq)
+    shape = resolve(cfg).shape
+    assert shape is not None  # a built-in model (a factory returned above)
     check_seq(shape, shape.seq)  # a model with learned positions takes at most its table's length
     units = shape.layers + 2
     if cfg.total_stages > units:
@@ -454,7 +454,9 @@ def check_splittable(cfg: PipelineConfig) -> None:
 
 
 def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:
-    return rank_stages(cfg.schedule, cfg.stages, cfg.virtual, rank)
+    from microbatch.run.pipeline.resolved import resolve
+
+    return resolve(cfg).stages_of(rank)
 
 
 def run_external(cfg: PipelineConfig) -> dict[str, Any] | None:

@@ -28,36 +28,23 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.run.pipeline.config import PipelineConfig
-from microbatch.schedules.registry import get_spec, stage_ranks
+from microbatch.run.pipeline.resolved import resolve
 
 __all__ = ["memory_rows", "boundary_bytes"]
 
 
-def _rule_name(cfg: PipelineConfig) -> str:
-    """The schedule whose in-flight rule describes the run: zb-h1 runs as zb-interleaved with v = 1."""
-    return "zb-h1" if cfg.schedule == "zb-interleaved" and cfg.virtual == 1 else cfg.schedule
-
-
 def boundary_bytes(cfg: PipelineConfig) -> float | None:
     """Bytes of one micro-batch's activation between stages of a built-in model: b_m·s·h·dtype."""
-    if ":" in cfg.model:
+    run = resolve(cfg)
+    if run.shape is None:
         return None
-    from microbatch.model import get_model
-
-    shape = get_model(cfg.model, seq=cfg.seq)
-    dtype_bytes = 4 if cfg.dtype == "float32" else 2
-    return float(cfg.micro_batch * shape.seq * shape.hidden * dtype_bytes)
+    return float(cfg.micro_batch * run.shape.seq * run.shape.hidden * run.dtype_bytes)
 
 
 def _rank_order(cfg: PipelineConfig, rank: int, executed: list[str]) -> list[str]:
     """torch's compute order of ``rank`` for ``cfg`` (what the ranks ran where it cannot be derived)."""
-    from microbatch.errors import ScheduleError
-    from microbatch.schedules.torch_order import torch_order
-
-    try:
-        return torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)[rank]
-    except ScheduleError:
-        return executed
+    order = resolve(cfg).order
+    return executed if order is None else list(order[rank])
 
 
 def _calibrated(
@@ -85,15 +72,14 @@ def _calibrated(
     (:func:`microbatch.schedules.registry.in_flight_chunks`); it differs where a rank's stages differ
     in size (interleaved, DualPipeV: the embedding-only stage) and where I frees part of a stage
     (zero-bubble schedules: the last stage's loss and output softmax go at I, not at W)."""
-    name = _rule_name(cfg)
-    if get_spec(name).in_flight is None:
+    run = resolve(cfg)
+    if run.rule is None:
         return None
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
-    mine = [s for s, r in enumerate(placement) if r == rank]
+    mine = run.stages_of(rank)
     if any(s not in own for s in mine):
         return None
     inp = boundary_bytes(cfg) or 0.0
-    fed = {s for s in mine if s > 0 and placement[s - 1] != rank}
+    fed = run.fed(rank)
     held = sum(cfg.microbatches * inp for _ in fed) + sum(shared.get(s, 0.0) for s in mine)
     peak = held
     for action in _rank_order(cfg, rank, executed):
@@ -110,12 +96,12 @@ def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[floa
     """predict/memory's activation bytes per rank, for v = 1 and a built-in model."""
     p = cfg.stages
     none: list[float | None] = [None] * p
-    if ":" in cfg.model or cfg.virtual != 1 or get_spec(_rule_name(cfg)).in_flight is None:
+    run = resolve(cfg)
+    shape = run.shape
+    if shape is None or cfg.virtual != 1 or run.rule is None:
         return none
-    from microbatch.model import get_model
     from microbatch.predict.memory import MemoryConfig, estimate_memory
 
-    shape = get_model(cfg.model, seq=cfg.seq)
     blocks = list(layers_per_stage)
     blocks[0] -= 1  # the embedding unit
     blocks[-1] -= 1  # the head unit
@@ -129,7 +115,7 @@ def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[floa
                 seq=cfg.seq,
                 pipeline_parallel=p,
                 microbatches=cfg.microbatches,
-                schedule=_rule_name(cfg),
+                schedule=run.rule.name,
                 layers_per_stage=tuple(blocks),
                 precision="fp32",
                 optimizer="adamw",

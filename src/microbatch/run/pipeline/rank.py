@@ -46,6 +46,7 @@ from microbatch.run.pipeline.instrument import (
     make_loss_fn,
     split_backward_kept,
 )
+from microbatch.run.pipeline.resolved import resolve
 from microbatch.run.pipeline.split import (
     balanced_split,
     load_factory,
@@ -54,7 +55,6 @@ from microbatch.run.pipeline.split import (
     unit_param_counts,
     unit_times_s,
 )
-from microbatch.schedules.registry import get_spec, stage_ranks
 
 __all__ = ["build_full_model", "make_batch", "run_rank"]
 
@@ -78,9 +78,9 @@ def build_full_model(cfg: PipelineConfig) -> tuple[Any, int, int]:
         vocab = next(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
         return model, vocab, cfg.seq or FACTORY_SEQ
     from microbatch.measure.gpt import build_model
-    from microbatch.model import get_model
 
-    shape = get_model(cfg.model, seq=cfg.seq)
+    shape = resolve(cfg).shape
+    assert shape is not None  # a built-in model (a factory returned above)
     return build_model(shape, dtype=dtype, seed=cfg.seed), shape.vocab, shape.seq
 
 
@@ -157,8 +157,8 @@ def run_rank(
     _fault(rank, "setup")
 
     full, vocab, seq, sizes, modules = _split_model(cfg, rank)
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
-    mine = [s for s in range(cfg.total_stages) if placement[s] == rank]
+    placement = list(resolve(cfg).placement)
+    mine = resolve(cfg).stages_of(rank)
     shared = _SharedParameters.of(full, modules, placement)
     total_tokens = cfg.batch * seq
     stage_objs, kept_after_input_grad = _build_stages(cfg, modules, mine, vocab, seq, device)
@@ -305,7 +305,7 @@ def _make_schedule(cfg: PipelineConfig, stage_objs: list[Any], loss_fn: Any) -> 
     import torch
     from torch.distributed.pipelining import schedules as ts
 
-    cls = getattr(ts, str(get_spec(cfg.schedule).torch_name), None)
+    cls = getattr(ts, resolve(cfg).torch_class, None)
     if cls is None:
         raise ScheduleError(f"{cfg.schedule} needs a newer torch than {torch.__version__}")
     single = issubclass(cls, ts.PipelineScheduleSingle)  # one stage object per rank (GPipe, 1F1B)

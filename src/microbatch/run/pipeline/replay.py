@@ -15,7 +15,7 @@ from typing import Any
 
 from microbatch.errors import ScheduleError
 from microbatch.run.pipeline.config import PipelineConfig
-from microbatch.schedules.registry import stage_ranks
+from microbatch.run.pipeline.resolved import resolve
 
 __all__ = ["ZERO_TERMS", "parse_action", "replay", "runtime_terms"]
 
@@ -73,7 +73,7 @@ def _mean(xs: list[float]) -> float:
 def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
     """The terms above from a run's measured steps: each ``{"start": s, "end": s, "ranks": [[(kind,
     stage, microbatch, start, end), ...] per rank]}`` in one clock (seconds)."""
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    placement = resolve(cfg).placement
     last = cfg.total_stages - 1
     after: dict[str, list[float]] = {"fwd": [], "bwd": [], "local": [], "fwd_waiting": [], "bwd_waiting": []}
     hop: dict[str, list[float]] = {"fwd": [], "bwd": []}
@@ -204,7 +204,7 @@ class _Replay:
     ) -> None:
         self.order, self.op_s, self.terms = order, op_s, terms
         self.after_as_latency = after
-        self.placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+        self.placement = resolve(cfg).placement
         self.last = cfg.total_stages - 1
         self.p = p = cfg.stages
         self.acts = [[parse_action(a) for a in order[r]] for r in range(p)]

@@ -205,8 +205,8 @@ def stage_saved_bytes(
 
     from microbatch.run.pipeline.instrument import StageRecorder, _saved_bytes_hooks
     from microbatch.run.pipeline.rank import build_full_model, make_batch
+    from microbatch.run.pipeline.resolved import resolve
     from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
-    from microbatch.schedules.registry import stage_ranks
 
     full, vocab, seq = build_full_model(cfg)
     units = model_units(full)
@@ -214,7 +214,7 @@ def stage_saved_bytes(
         m.to(device)
         for m in split_units(units, sizes or balanced_split(unit_param_counts(units), cfg.total_stages))
     ]
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    placement = resolve(cfg).placement
     recorders = {r: StageRecorder(rank=r) for r in set(placement)}
     tok, tgt = (t.to(device) for t in make_batch(cfg, vocab, seq, -1))
     b, total, last = cfg.micro_batch, cfg.batch * seq, len(modules) - 1

@@ -18,13 +18,11 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-from microbatch.errors import ScheduleError
 from microbatch.run.pipeline.config import PipelineConfig, config_from_dict
 from microbatch.run.pipeline.memory import memory_rows
+from microbatch.run.pipeline.resolved import resolve
 from microbatch.schedules.action import Schedule
-from microbatch.schedules.registry import get_spec, stage_ranks
 from microbatch.schedules.simulate import SimResult, simulate
-from microbatch.schedules.torch_order import torch_order
 
 __all__ = ["GRAD_TOLERANCE", "measured_comm_s", "predict", "summarize", "timeline_rows"]
 
@@ -239,7 +237,7 @@ def measured_comm_s(cfg: PipelineConfig, steps: list[list[list[Any]]]) -> float:
     rank (F from stage s−1, B/I from stage s+1) and whose rank sat idle waiting for it, the gap
     from the input's end to the op's start. ``steps``: per step, per rank, the raw intervals
     ``(kind, stage, microbatch, start, end)``. 0 when no op waited on another rank."""
-    placement = stage_ranks(cfg.schedule, cfg.stages, cfg.virtual)
+    placement = resolve(cfg).placement
     last = cfg.total_stages - 1
     gaps: list[float] = []
     for per_rank in steps:
@@ -281,20 +279,19 @@ def predict(
     Where torch's order cannot be derived (an older torch whose internals differ), the order the
     ranks ``executed`` (rank -> action strings) is simulated instead. ``comm_s`` is paid on every
     dependency between ranks (see :func:`measured_comm_s`)."""
-    try:
-        order = torch_order(cfg.schedule, cfg.stages, cfg.microbatches, cfg.virtual)
-    except ScheduleError:
-        if executed is None:
-            raise
+    run = resolve(cfg)
+    if run.order is not None or executed is None:
+        order = run.torch_order()  # raises, where executed is None, why it cannot be derived here
+    else:
         order = {int(r): acts for r, acts in executed.items()}  # what this torch really ran
     sched = Schedule.from_strings(
         cfg.schedule,
         [order[r] for r in range(cfg.stages)],
         microbatches=cfg.microbatches,
         virtual=cfg.virtual,
-        placement=get_spec(cfg.schedule).placement,
+        placement=run.spec.placement,
     )
-    spec = get_spec(cfg.schedule)
+    spec = run.spec
     if spec.overlapped is not None:  # DualPipeV: a forward's output leaves after its paired backward
         sched = replace(sched, overlapped=spec.overlapped(sched.actions))
     n = cfg.total_stages
