@@ -17,12 +17,18 @@ to ``torch.cuda.mem_get_info``; the CUDA context takes a few hundred MiB more): 
 a headroom fraction free for that reason.
 
 The flash-attention ceiling (``attention_fraction``, issue 28) is set where kernel evidence was read or
-measured (the Hopper rows); sustained clocks under power limits are not a separate figure: the measured
-GEMM and attention fractions (H200, 700 W) carry them.
+measured (the Hopper rows).
 
-A CPU has no row: :func:`cpu_accelerator` builds one from figures given, :func:`measure_cpu` from a
-quick fp32 matmul and copy timed here (the only function in this module besides
-:func:`detect_local` that imports torch, when called).
+Clocks (issue 28): a datasheet's tensor peak is SMs × FLOP per clock per SM × one clock, the boost clock
+the row names (A100: 108 × 2,048 × 1,410 MHz = 312 TFLOP/s; Hopper: 4,096 per SM, H100 SXM 132 × 1,830 MHz
+= 989.4). Under a long dense GEMM at its power limit a GPU can hold a lower clock; the roofline's compute
+rate is the peak × ``sustained_clock_fraction`` (:meth:`Accelerator.sustained_flops`), 1 where no
+sustained-clock figure was found (the row says so). The kernel fractions measured by a seconds-long
+microbenchmark carry the clock it ran at; a kernel calibration therefore resets the fraction to 1.
+
+A CPU has no row: :func:`cpu_accelerator` builds one from figures given
+(:func:`microbatch.measure.cpu.measure_cpu` from a quick fp32 matmul and copy). This module measures nothing:
+it is the table and its pure lookups.
 """
 
 from __future__ import annotations
@@ -107,6 +113,13 @@ class Accelerator:
     :func:`microbatch.predict.attention.flash_rate_fraction` bends it down at short ones). None: no kernel
     evidence for this accelerator, the attention core then runs at the GEMM efficiency on the full
     FLOP count (the rule before issue 28). Each row names its evidence."""
+    sustained_clock_fraction: float = 1.0
+    """The clock a long dense GEMM holds at the power limit over the clock the datasheet peak is computed at
+    (f_sustained / f_datasheet): the roofline's compute rate is ``peak × this``
+    (:meth:`sustained_flops`). 1 where no cited sustained-clock figure exists (each row says which);
+    above 1 where a part sustains more than the datasheet's clock (at most 1.25 is accepted)."""
+    power_limit_w: float | None = None
+    """The board's power limit (TDP) in watts at which the row's figures hold; None when not stated."""
     source: str = ""
     """Where the figures come from."""
 
@@ -131,6 +144,15 @@ class Accelerator:
                 f"{self.name} attention_fraction must be in (0, 1], got {v!r}; give the share of the bf16 "
                 "peak a causal flash-attention kernel reaches (or leave it unset)"
             )
+        v = self.sustained_clock_fraction
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1.25):
+            raise ConfigError(
+                f"{self.name} sustained_clock_fraction must be in (0, 1.25], got {v!r}; give the clock a long "
+                "dense GEMM holds at the power limit over the datasheet's boost clock (1 when unknown)"
+            )
+        w = self.power_limit_w
+        if w is not None:
+            check_positive(f"{self.name} power_limit_w", w, fix="give the board's power limit in watts")
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
@@ -149,6 +171,22 @@ class Accelerator:
         if dtype not in self.peak_flops:
             raise ConfigError(f"no peak FLOP/s for dtype {dtype!r}; known: {', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
+
+    def sustained_flops(self, dtype: str) -> float:
+        """The compute rate the roofline uses: :meth:`flops` × ``sustained_clock_fraction`` (tensor throughput
+        scales with the SM clock: peak = SMs × FLOP per clock × clock)."""
+        return self.flops(dtype) * self.sustained_clock_fraction
+
+    def at_sustained_clock(self) -> Accelerator:
+        """A copy whose peaks are :meth:`sustained_flops` (fraction 1): what the roofline's kernels see.
+
+        Itself when the fraction is 1.
+        """
+        f = self.sustained_clock_fraction
+        if f == 1:
+            return self
+        peaks = {k: v * f for k, v in self.peak_flops.items()}
+        return replace(self, peak_flops=peaks, sustained_clock_fraction=1.0)
 
     def ridge_point(self, dtype: str = "bf16") -> float:
         """FLOP per byte at which the roofline turns from memory- to compute-bound (Williams et al. 2009)."""
@@ -193,6 +231,8 @@ def _acc(
     links: tuple[float, float] = (1.0, 1.0),
     fp8: float | None = None,
     attention: float | None = None,
+    watts: float | None = None,
+    clock: tuple[float, str] = (1.0, ""),
 ) -> Accelerator:
     peaks = {"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB} | ({"fp8": fp8 * TB} if fp8 else {})
     return Accelerator(
@@ -207,7 +247,11 @@ def _acc(
         intra_node_achievable=links[0],
         inter_node_achievable=links[1],
         attention_fraction=attention,
-        source=source + (_ATTENTION_SOURCES[attention] if attention in _ATTENTION_SOURCES else ""),
+        sustained_clock_fraction=clock[0],
+        power_limit_w=watts,
+        source=source
+        + (_ATTENTION_SOURCES[attention] if attention in _ATTENTION_SOURCES else "")
+        + (f"; {clock[1]}" if clock[1] else ""),
     )
 
 
@@ -231,47 +275,84 @@ _ATTENTION_SOURCES = {
     _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
 }
 
+_CLOCK_A100 = (
+    1.0,
+    "clock: 312 TFLOP/s = 108 SMs x 2,048 FLOP/clock x 1,410 MHz, the boost and maximum clock (NVIDIA A100 "
+    "datasheet; forums.developer.nvidia.com 'how to calculate the tensor core fp16 performance of H100'); "
+    "TDP 400 W; sustained clock under a long bf16 GEMM: no cited reading, fraction 1 (NVIDIA rates A100 HPL at "
+    "1,305 MHz, the clock it holds at 400 W in FP64 DGEMM, glennklockwood.com/garden/peak-FLOPS: not a bf16 "
+    "figure; H. He, thonking.ai 'Strangely, matrix multiplications...' measured 8192^3 bf16 cuBLAS at 257 "
+    "TFLOP/s on random against 295 on zero inputs at 400 W, power-limited, with no clock given)",
+)
+_CLOCK_H100_SXM = (
+    1.0,
+    "clock: 989.4 TFLOP/s = 132 SMs x 4,096 FLOP/clock x 1,830 MHz (glennklockwood.com/garden/processors/h100: "
+    "1.83 GHz for low precision; 1,980 MHz is the maximum clock); TDP 700 W; sustained clock under a long "
+    "bf16 GEMM on this part: no cited reading, fraction 1 (the nearest evidence is the H200's, same die and "
+    "limit: see its row; --gpu-set sustained_clock_fraction=0.82 applies it)",
+)
+_CLOCK_H200 = (
+    1500 / 1830,
+    "clock: peak at 1,830 MHz as the H100 SXM (132 x 4,096 FLOP/clock); TDP 700 W; sustained 1,500 MHz: "
+    "H200 runners at 700 W 'cannot reliably sustain a locked 1830 MHz graphics/SM clock under full load', "
+    "1,500 MHz is the clock they hold (github.com/tile-ai/TileOPs issue 1587, 2026): fraction 1,500/1,830 = "
+    "0.820, a lower bound of the sustained clock (the true one lies between 1,500 and 1,830 MHz)",
+)
+_CLOCK_UNCITED = "no cited sustained-clock reading under a long bf16 GEMM: fraction 1"
+
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB),
+             links=_NVLINK_IB, watts=400, clock=_CLOCK_A100),
         _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB),
+             links=_NVLINK_IB, watts=400, clock=_CLOCK_A100),
         _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "
              "3,958 TFLOP/s fp8 with sparsity = 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_CLOCK_H100_SXM),
         _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
              "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513,
-             attention=_ATTN_HOPPER),
+             attention=_ATTN_HOPPER, watts=350,
+             clock=(1.0, "clock: 756.5 = 114 SMs x 4,096 FLOP/clock x 1,620 MHz, the H100 whitepaper's maximum "
+                    "tensor-core boost for the PCIe card (its board maximum is 1,755 MHz; NVIDIA developer forums, "
+                    "'how to calculate the tensor core fp16 performance of H100'); TDP 350 W (H100 PCIe product "
+                    "brief PB-11133-001); " + _CLOCK_UNCITED + " (one server log, github reanimator/bee "
+                    "benchmark-clock-calibration.md, saw 1,384 MHz on average in a chassis 'not designed for it': "
+                    "thermal, not this card's rating)")),
         _acc("h100-nvl", 835.5, 835.5, 60, 94, 3900, 64, 200 * Gbit, 132,
              "NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense, 60 fp32, 94 GB HBM3 "
              "at 3.9 TB/s, 350-400 W; NVLink bridge 600 GB/s joins two cards only, so a node's GPUs meet over "
              "PCIe Gen5 x16 (64 GB/s each way); typical node: 200 Gb/s per GPU; 3,341 TFLOP/s fp8 with "
-             "sparsity = 1,670.5 dense", fp8=1670.5, attention=_ATTN_HOPPER),
+             "sparsity = 1,670.5 dense", fp8=1670.5, attention=_ATTN_HOPPER, watts=400,
+             clock=(1.0, "clock: 835.5 = 132 SMs x 4,096 FLOP/clock x 1,545 MHz, so NVIDIA rates the NVL's "
+                    "tensor peak below its 1,785 MHz maximum (the 60 TFLOP/s fp32 figure is at ~1,775 MHz); dense "
+                    "= the datasheet's sparse figure halved; TDP 350-400 W, 400 taken; " + _CLOCK_UNCITED)),
         _acc("h800", 989.4, 989.4, 66.9, 80, 3350, 200, _IB_NDR, 132,
              "NVIDIA H800 SXM5: the H100 SXM's compute and HBM3 (989 TFLOP/s bf16 dense, 67 fp32, 3.35 TB/s) "
              "with NVLink cut to 400 GB/s (200 each way); one 400 Gb/s NIC per GPU (DeepSeek-V3's H800 "
              "cluster, arXiv 2412.19437 §3.2.2: IB 50 GB/s per GPU against NVLink's 160 GB/s achieved)",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_CLOCK_H100_SXM),
         _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
              "fp8 as H100 SXM, 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_CLOCK_H200),
         _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
              "fp8 with sparsity = 4.5 dense",
-             links=_NVLINK_IB, fp8=4500),
+             links=_NVLINK_IB, fp8=4500, watts=1000,
+             clock=(1.0, "clock: 2,250 = 148 SMs x 8,192 FLOP/clock x ~1,860 MHz (the 'tensor clock' hmc-tech.com "
+                    "lists for the B200, against a 1,980 MHz boost; 8,192 per SM is inferred from the peak, not "
+                    "read); TDP 1,000 W (HGX B200); " + _CLOCK_UNCITED)),
         _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "

@@ -164,4 +164,5 @@ def kernel_terms(
         sources["gemm"] = f"measured: {len(ratios)} GEMM shapes, read between them (measured / analytic time)"
     attn = _attention_fraction(result, acc, sources, notes)
     acc_out = acc.with_overrides(attention_fraction=attn) if attn is not None else acc
+    acc_out = acc_out.with_overrides(sustained_clock_fraction=1.0)  # the measurement carries its clock
     return KernelTerms(accelerator=acc_out, efficiency=eff, sources=sources, notes=tuple(notes))

@@ -196,6 +196,7 @@ def layer_forward(
     max(0, collectives − GEMMs). With ``parallel_block`` (GPT-J, GPT-NeoX, PaLM: attention and MLP on one
     input, outputs summed) one all-reduce per pass, half the tensor-parallel traffic.
     """
+    acc = acc.at_sustained_clock()  # kernels run at the clock held under the power limit (issue 28)
     s = seq or shape.seq
     t, c = tensor_parallel, context_parallel
     rows = micro_batch * s / c
@@ -418,6 +419,7 @@ def logits_forward(
     read by the softmax and read again by the loss's backward preparation (2 passes at the softmax rate of
     ``efficiency.score_fractions``: an eager softmax's measured rate on a GPU unless fused).
     """
+    acc = acc.at_sustained_clock()  # as layer_forward
     s = seq or shape.seq
     rows = micro_batch * s
     t = tensor_parallel
