@@ -219,12 +219,12 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.predict.calibrate": (1, "issue 31: being reworked"),
     "microbatch.predict.candidate": (1, "issue 31: schedule dispatch through the registry"),
     "microbatch.predict.memory": (3, "issue 28/31: being reworked"),
-    "microbatch.predict.plan": (3, "issue 31: lint/what_would_fit move to show/"),
+    "microbatch.predict.plan": (2, "issue 31: its errors; lint/what_would_fit's sentences moved to show/"),
     "microbatch.predict.plan_config": (5, "issue 31: being reworked"),
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (12, "issue 31: export names through the registry"),
-    "microbatch.show.plan_report": (3, "issue 31: being reworked"),
+    "microbatch.show.plan_report": (4, "issue 31: being reworked; +1 with predict.plan's lint sentences"),
     "microbatch.show.pipeline_report": (1, "issue 31: the typed pipeline report"),
 }
 """Module (or package prefix ending in ``.``) below ``commands/`` -> (most strings naming a flag, why).

@@ -15,9 +15,22 @@ from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
-from microbatch.show.plan_report import explain, explain_result, plan_table_rows
+from microbatch.predict.plan_advice import Advice, BubbleNotBuried, HoldsEveryMicrobatch
+from microbatch.show.plan_report import (
+    explain,
+    explain_result,
+    lint_sentence,
+    plan_advice,
+    plan_dict,
+    plan_lints,
+    plan_table_rows,
+)
 
 A100 = get_accelerator("a100-80gb")
+
+
+def _words(lints) -> list[str]:
+    return [lint_sentence(x) for x in lints]
 
 
 def _cfg(**kw) -> PlanConfig:
@@ -116,25 +129,35 @@ def test_zero3_communication_favours_larger_micro_batches():
 
 def test_lints():
     few = make_plan(_cfg(micro_batches=(8,), schedules=("1f1b",)))  # m = 8 < 4p = 16
-    assert any("m = 8 < 4p = 16" in x and "b_m = 4 gives m = 16" in x for x in few.lints)
+    assert any("m = 8 < 4p = 16" in x and "b_m = 4 gives m = 16" in x for x in plan_lints(few))
     gp = make_plan(_cfg(micro_batches=(2,), schedules=("gpipe", "1f1b"), recompute=("none",)))
     gpipe = next(c for c in gp.candidates if c.schedule == "gpipe")
-    assert any("GPipe holds all m = 32" in x and "1F1B" in x for x in lint(gp, gpipe))
+    assert any("GPipe holds all m = 32" in x and "1F1B" in x for x in _words(lint(gp, gpipe)))
     wrong = replace(gp.candidates[0], grad_accum=16)
-    assert any("global batch changed" in x for x in lint(gp, wrong))
+    assert any("global batch changed" in x for x in _words(lint(gp, wrong)))
     tiny_m = make_plan(_cfg(micro_batches=(32,), schedules=("gpipe",)))
-    assert any("m = 2 < p = 4" in x for x in tiny_m.lints)
+    assert any("m = 2 < p = 4" in x for x in plan_lints(tiny_m))
+    # predict gives the numbers, show the words
+    assert [x for x in few.lints if isinstance(x, BubbleNotBuried)] == [
+        BubbleNotBuried(microbatches=8, stages=4, bubble_pct=few.lints[0].bubble_pct, better_micro_batch=4,
+                        better_microbatches=16, better_bubble_pct=100 * 3 / 19)
+    ]  # fmt: skip
+    held = next(x for x in lint(gp, gpipe) if isinstance(x, HoldsEveryMicrobatch))
+    assert (held.schedule, held.lighter, held.microbatches) == ("gpipe", "1f1b", 32)
+    assert held.lighter_peak_bytes is not None and held.lighter_peak_bytes < gpipe.peak_memory_bytes
 
 
 def test_zero_2_or_3_with_pipeline_stages_names_the_frameworks_and_the_flag():
     base = _cfg(micro_batches=(2,), schedules=("1f1b",), recompute=("none",))
     z3 = make_plan(replace(base, zero=(3,)))
-    msgs = [x for x in lint(z3, z3.candidates[0]) if "pipeline stages runs in torchtitan" in x]
+    msgs = [x for x in _words(lint(z3, z3.candidates[0])) if "pipeline stages runs in torchtitan" in x]
     assert len(msgs) == 1 and "plan with --zero 1" in msgs[0] and "ZeRO 3 with p = 4" in msgs[0], msgs
     z1 = make_plan(replace(base, zero=(1,)))
-    assert not any("torchtitan" in x for x in lint(z1, z1.candidates[0]))
+    assert not any("torchtitan" in x for x in _words(lint(z1, z1.candidates[0])))
     flat = make_plan(replace(base, zero=(3,), pipeline_parallel=1, schedules=("gpipe",)))
-    assert not any("torchtitan" in x for x in lint(flat, flat.candidates[0]))  # no pipeline: nothing to say
+    assert not any(
+        "torchtitan" in x for x in _words(lint(flat, flat.candidates[0]))
+    )  # no pipeline: nothing to say
 
 
 def test_nothing_fits_says_what_would():
@@ -142,9 +165,18 @@ def test_nothing_fits_says_what_would():
                      pipeline_parallel=4)  # fmt: skip
     plan = make_plan(cfg)
     assert plan.recommended is None
-    assert plan.advice[0].startswith("nothing fits in 21.6 GiB")
-    assert any("pipeline-parallel 8" in a and "would fit" in a and "GiB at b_m" in a for a in plan.advice)
+    assert plan_advice(plan)[0].startswith("nothing fits in 21.6 GiB")
+    assert any(
+        "pipeline-parallel 8" in a and "would fit" in a and "GiB at b_m" in a for a in plan_advice(plan)
+    )
     assert "nothing fits" in explain(plan)
+    assert (
+        isinstance(plan.advice, Advice) and plan.advice.smallest.peak_memory_bytes > plan.advice.budget_bytes
+    )
+    assert any(a.setting == "pipeline_parallel" and a.value == 8 and a.fits for a in plan.advice.alternatives)
+    assert plan_dict(plan)["advice"] == plan_advice(plan)  # plan --json writes the words
+    d = json.loads(json.dumps(plan.to_dict()))  # the data read back says the same
+    assert explain_result(d) == explain(plan) and explain_result(plan_dict(plan)) == explain(plan)
 
 
 def test_bad_input():
@@ -295,7 +327,7 @@ def test_plan_recommends_the_knee_not_the_far_past_fastest():
     assert all(c.peak_memory_bytes >= knee.peak_memory_bytes for c in fits if c.tokens_per_s >= line)
     text = explain(plan)
     assert re.search(rf"Fastest: b_m = {fast.micro_batch}\b.*--choose fastest", text)
-    assert not any("far past the kernel-efficiency knee" in x for x in plan.lints)
+    assert not any("far past the kernel-efficiency knee" in x for x in plan_lints(plan))
     # --choose fastest gives the old answer, and names the knee beside it
     pf = make_plan(replace(cfg, choose="fastest"))
     assert pf.recommended is not None and pf.recommended.micro_batch == fast.micro_batch
@@ -456,8 +488,8 @@ def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
     assert rec.step_time_s < 0.97 * min(c.step_time_s for c in others if c.simulated)
     # m = 12 < 4p: 1F1B's bubble is not buried there, DualPipeV's (a few per cent) is
     one = next(c for c in others if (c.schedule, c.micro_batch) == ("1f1b", 2))
-    assert any("is not buried" in x for x in lint(fast, one)) and not any(
-        "is not buried" in x for x in fast.lints
+    assert any("is not buried" in x for x in _words(lint(fast, one))) and not any(
+        "is not buried" in x for x in plan_lints(fast)
     )
     assert fast.knee is not None and fast.knee.schedule != "dualpipev"  # more memory: not the knee
     assert make_plan(_cfg(global_batch=24, pipeline_parallel=6)).recommended.schedule != "dualpipev"

@@ -33,7 +33,7 @@ class ScheduleChoice(click.Choice[str]):
         self._extra = extra
         super().__init__(self.choices)
 
-    @property  # type: ignore[override]
+    @property
     def choices(self) -> tuple[str, ...]:
         """The choices now: ``extra``, then :func:`schedule_names` with ``in_flight=True``."""
         return (*self._extra, *schedule_names(in_flight=True))

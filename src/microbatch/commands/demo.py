@@ -179,7 +179,9 @@ def _plan_llama(out: Path, quiet: bool, results: list[dict[str, Any]], summary: 
             pipeline_parallel=4,
         )
     )
-    pd = plan.to_dict()
+    from microbatch.show.plan_report import plan_dict
+
+    pd = plan_dict(plan)
     _save(out, "plan.json", pd)
     results.append(pd)
     rec = pd["recommended"] or {}

@@ -184,8 +184,10 @@ def cmd(
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
         out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
+    from microbatch.show.plan_report import plan_advice
+
     nothing_fits = all(pl.recommended is None for pl in plans)
-    why = (plans[0].advice[0] if plans[0].advice else "nothing fits") if nothing_fits else None
+    why = (plan_advice(plans[0]) or ["nothing fits"])[0] if nothing_fits else None
     if why is not None:  # one JSON object: the plan (what was computed is kept) with the error in it
         out = {**out, "error": why, "kind": "bad_input"}
     emit(out, as_json, render)
@@ -242,18 +244,18 @@ def _answer(
     plans: list[Plan], applied: list[AppliedCalibration], all_rows: bool
 ) -> tuple[dict[str, Any], Callable[[], str]]:
     """The JSON answer and its text: one plan, or the plans side by side."""
-    from microbatch.show.plan_report import comparison_rows, explain, render_plan, text_table
+    from microbatch.show.plan_report import comparison_rows, explain, plan_dict, render_plan, text_table
 
     cal_lines = list(dict.fromkeys(line for a in applied for line in a.lines()))
     if len(plans) == 1:
-        out = {**plans[0].to_dict(), "explanation": explain(plans[0])}
+        out = {**plan_dict(plans[0]), "explanation": explain(plans[0])}
 
         def render() -> str:
             return render_plan(plans[0], all_rows=all_rows) + "".join("\n" + x for x in cal_lines)
     else:
         rows = comparison_rows(plans)
         out = {
-            "plans": [{**pl.to_dict(), "explanation": explain(pl)} for pl in plans],
+            "plans": [{**plan_dict(pl), "explanation": explain(pl)} for pl in plans],
             "comparison": [dict(zip(rows[0], r, strict=True)) for r in rows[1:]],
         }
 

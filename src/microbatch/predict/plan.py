@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from microbatch.batch import check_data_parallel, divisors, global_batch_of, grad_accum_for, per_replica
 from microbatch.errors import ConfigError, ScheduleError
@@ -33,6 +33,19 @@ from microbatch.predict.candidate import (
     make_context,
     with_simulation,
 )
+from microbatch.predict.plan_advice import (
+    Advice,
+    Alternative,
+    BubbleNotBuried,
+    FarPastKnee,
+    GlobalBatchChanged,
+    HoldsEveryMicrobatch,
+    Lint,
+    TooFewMicrobatches,
+    ZeroWithPipeline,
+    advice_to_dict,
+    lint_to_dict,
+)
 from microbatch.predict.plan_config import CHOICES, PLAN_MARGIN, PLAN_TOLERANCE, PlanConfig
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.state import ZERO_STAGES
@@ -44,7 +57,6 @@ from microbatch.schedules.registry import (
     schedule_names,
     virtual_options,
 )
-from microbatch.units import format_bytes
 
 __all__ = [
     "PlanConfig",
@@ -74,11 +86,6 @@ def _count(n: int) -> str:
     return {1: "one", 2: "two", 3: "three", 4: "four"}.get(n, str(n))
 
 
-def _gib(n: float) -> str:
-    """Bytes for the lints and the advice, in GiB with one decimal (:func:`microbatch.units.format_bytes`)."""
-    return format_bytes(n, digits=1, unit="GiB")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """The planner's answer for one accelerator."""
@@ -90,10 +97,10 @@ class Plan:
     recommended: Candidate | None
     """The candidate chosen by ``config.choose`` (the knee by default, else the fastest) among those
     that fit; None when nothing fits."""
-    lints: tuple[str, ...] = ()
-    """Pitfalls found (seed 002's list)."""
-    advice: tuple[str, ...] = ()
-    """When nothing fits: what would, with the numbers."""
+    lints: tuple[Lint, ...] = ()
+    """Pitfalls found on the recommendation (seed 002's list; :func:`lint`)."""
+    advice: Advice | None = None
+    """When nothing fits: what would, with the numbers (:func:`what_would_fit`)."""
     fastest: Candidate | None = None
     """The fastest candidate that fits (the recommendation under ``choose="fastest"``)."""
     knee: Candidate | None = None
@@ -105,9 +112,10 @@ class Plan:
         return len(self.candidates)
 
     def to_dict(self) -> dict[str, Any]:
-        """Data only: the configuration, the recommendation, every candidate, the lints and the advice.
+        """Data only: the configuration, the recommendation, every candidate, the lints and the advice as
+        numbers (:mod:`microbatch.predict.plan_advice`).
 
-        The recommendation in words is :func:`microbatch.show.plan_report.explain`'s.
+        The same in words (as ``plan --json`` writes it) is :func:`microbatch.show.plan_report.plan_dict`'s.
         """
         d = self.config.to_dict()
         d.update(
@@ -116,8 +124,8 @@ class Plan:
                 "fastest": self.fastest.to_dict() if self.fastest else None,
                 "knee": self.knee.to_dict() if self.knee else None,
                 "candidates": [c.to_dict() for c in self.candidates],
-                "lints": list(self.lints),
-                "advice": list(self.advice),
+                "lints": [lint_to_dict(x) for x in self.lints],
+                "advice": advice_to_dict(self.advice) if self.advice is not None else None,
             }
         )
         return d
@@ -137,7 +145,7 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     for name in names:
         if cfg.layers_per_stage is not None and get_spec(name).needs_even_split:
             continue
-        for v in virtual_options(name, L, p, cfg.virtuals):
+        for v in virtual_options(name, L, p, cfg.virtuals or ()):
             if v > 1 and L % (p * v):
                 continue
             try:
@@ -181,7 +189,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
     if not cands:
         p, per = cfg.pipeline_parallel, check_data_parallel(cfg.global_batch, cfg.data_parallel)
         L = cfg.shape.layers
-        only = get_spec(cfg.schedules[0]) if len(cfg.schedules) == 1 else None
+        only = get_spec(cfg.schedules[0]) if cfg.schedules and len(cfg.schedules) == 1 else None
         v = (only.stages_per_rank if only is not None else None) or 1  # a fixed v > 1: a V schedule
         if v > 1 and (L % (v * p) or cfg.layers_per_stage is not None):
             assert only is not None
@@ -215,9 +223,8 @@ def make_plan(cfg: PlanConfig) -> Plan:
             knee = knee_candidate(cands, cfg.tolerance, cfg.margin)
     rec = knee if cfg.choose == "knee" else fastest
     plan = Plan(config=cfg, candidates=tuple(cands), recommended=rec, fastest=fastest, knee=knee)
-    lints = tuple(lint(plan))
-    advice = tuple(what_would_fit(cfg, plan)) if rec is None else ()
-    return replace(plan, lints=lints, advice=advice)
+    advice = what_would_fit(cfg, plan) if rec is None else None
+    return replace(plan, lints=tuple(lint(plan)), advice=advice)
 
 
 def knee_candidate(
@@ -298,68 +305,63 @@ def _knee_micro_batch(ctx: Context, bms: list[int]) -> int:
     return min(b for b, r in rates.items() if r >= (1 - KNEE_TOLERANCE) * top)
 
 
-def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
-    """Seed 002's pitfalls, checked on ``candidate`` (default: the recommendation, else the best row)."""
+def lint(plan: Plan, candidate: Candidate | None = None) -> list[Lint]:
+    """Seed 002's pitfalls, checked on ``candidate`` (default: the recommendation, else the best row);
+    :func:`microbatch.show.plan_report.lint_sentence` writes each."""
     cfg = plan.config
     c = candidate or plan.recommended or (plan.candidates[0] if plan.candidates else None)
     if c is None:
         return []
-    out = []
+    out: list[Lint] = []
     p, d, B = cfg.pipeline_parallel, cfg.data_parallel, cfg.global_batch
     if global_batch_of(c.micro_batch, c.grad_accum, d) != B:
         out.append(
-            f"global batch changed: b_m {c.micro_batch} × g {c.grad_accum} × d {d} = "
-            f"{global_batch_of(c.micro_batch, c.grad_accum, d)} != B_global {B}; hold B_global fixed unless you "
-            "mean to retune"
+            GlobalBatchChanged(
+                micro_batch=c.micro_batch, grad_accum=c.grad_accum, data_parallel=d, global_batch=B
+            )
         )
+    spec = get_spec(c.schedule)
     if p > 1 and c.microbatches < p:
         out.append(
-            f"m = {c.microbatches} < p = {p}: some stages never overlap; bubble {c.bubble_pct:.0f}%; "
-            f"use b_m <= {max(1, B // (d * p))} so that m >= p"
+            TooFewMicrobatches(
+                microbatches=c.microbatches,
+                stages=p,
+                bubble_pct=c.bubble_pct,
+                max_micro_batch=max(1, B // (d * p)),
+            )
         )
     elif (
         p > 1
         and c.microbatches < 4 * p
         # a schedule whose idle does not grow as m shrinks (DualPipeV, m >= 2p): lint it only when it
         # idles more than 1F1B would at m = 4p
-        and (not get_spec(c.schedule).bubble_flat_in_m or c.bubble_fraction > bubble_fraction(p, 4 * p))
+        and (not spec.bubble_flat_in_m or c.bubble_fraction > bubble_fraction(p, 4 * p))
     ):
         better = [b for b in divisors(check_data_parallel(B, d)) if grad_accum_for(B, b, d) >= 4 * p]
-        hint = ""
+        found = BubbleNotBuried(microbatches=c.microbatches, stages=p, bubble_pct=c.bubble_pct)
         if better:
             m4 = grad_accum_for(B, max(better), d)
-            hint = f"; b_m = {max(better)} gives m = {m4} at bubble {100 * (p - 1) / (m4 + p - 1):.0f}%"
-        out.append(
-            f"m = {c.microbatches} < 4p = {4 * p}: the bubble ({c.bubble_pct:.0f}%) is not buried{hint}"
-        )
-    lighter = get_spec(c.schedule).lighter_equivalent
-    if lighter is not None and p > 1 and c.microbatches > p:
+            found = replace(found, better_micro_batch=max(better), better_microbatches=m4,
+                            better_bubble_pct=100 * (p - 1) / (m4 + p - 1))  # fmt: skip
+        out.append(found)
+    if spec.lighter_equivalent is not None and p > 1 and c.microbatches > p:
         alt = next(
-            (x for x in plan.candidates if x.schedule == lighter and x.micro_batch == c.micro_batch
+            (x for x in plan.candidates if x.schedule == spec.lighter_equivalent and x.micro_batch == c.micro_batch
              and x.recompute == c.recompute and x.zero == c.zero),
             None,
         )  # fmt: skip
-        tail = f" (1F1B: {_gib(alt.peak_memory_bytes)} at the same bubble)" if alt else ""
         out.append(
-            f"GPipe holds all m = {c.microbatches} micro-batches' activations on each stage: "
-            f"{_gib(c.memory['activations'])}; 1F1B holds at most p = {p}{tail}"
-        )
+            HoldsEveryMicrobatch(
+                schedule=c.schedule, lighter=spec.lighter_equivalent, microbatches=c.microbatches, stages=p,
+                activations_bytes=c.memory["activations"], lighter_peak_bytes=alt.peak_memory_bytes if alt else None,
+            )
+        )  # fmt: skip
     if p > 1 and c.zero >= 2:
         # ZeRO 2/3 with pipeline stages: FSDP with PP in torchtitan; DeepSpeed's PipelineEngine asserts
         # ZeRO <= 1 and Megatron-LM shards only the optimizer state (its distributed optimizer)
         low = [x for x in plan.candidates if x.fits and x.zero <= 1 and x.micro_batch == c.micro_batch]
-        alt = max(low, key=lambda x: x.tokens_per_s) if low else None
-        tail = (
-            f" (the best of those here: ZeRO {alt.zero}, {alt.schedule}, {_gib(alt.peak_memory_bytes)}, "
-            f"{100 * alt.tokens_per_s / c.tokens_per_s:.0f}% of this throughput)"
-            if alt
-            else " (none fits at this b_m)"
-        )
-        out.append(
-            f"ZeRO {c.zero} with p = {p} pipeline stages runs in torchtitan (FSDP with pipeline parallelism); "
-            f"DeepSpeed's pipeline engine takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: for those, "
-            f"plan with --zero 1{tail}"
-        )
+        best = max(low, key=lambda x: x.tokens_per_s) if low else None
+        out.append(ZeroWithPipeline(zero=c.zero, stages=p, alternative=best, tokens_per_s=c.tokens_per_s))
     ctx = make_context(cfg)
     bms = sorted({x.micro_batch for x in plan.candidates})
     if len(bms) > 1:
@@ -371,56 +373,44 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[str]:
             and at_knee.tokens_per_s >= (1 - KNEE_TOLERANCE) * c.tokens_per_s
         ):
             out.append(
-                f"b_m = {c.micro_batch} is far past the kernel-efficiency knee: b_m = {knee} reaches "
-                f"{100 * layer_costs(ctx, knee).gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and "
-                f"{100 * at_knee.tokens_per_s / c.tokens_per_s:.0f}% of the throughput with "
-                f"{_gib(c.memory['activations'] - at_knee.memory['activations'])} less activation memory"
-            )
+                FarPastKnee(
+                    micro_batch=c.micro_batch, knee=knee, knee_efficiency=layer_costs(ctx, knee).gemm_efficiency,
+                    efficiency=c.gemm_efficiency, knee_tokens_per_s=at_knee.tokens_per_s, tokens_per_s=c.tokens_per_s,
+                    saved_bytes=c.memory["activations"] - at_knee.memory["activations"],
+                )
+            )  # fmt: skip
     return out
 
 
-def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> list[str]:
-    """When nothing fits: the smallest peak found, and what changes (b_m, recompute, p, t, ZeRO) would fit."""
+def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
+    """When nothing fits: the smallest peak found, and what changes (p, t with sequence parallelism, d with
+    ZeRO-3) would fit; :func:`microbatch.show.plan_report.advice_lines` writes it."""
     plan = plan or make_plan(cfg)
-    budget = cfg.memory_budget_bytes
-    best = min(plan.candidates, key=lambda c: c.peak_memory_bytes)
-    out = [
-        f"nothing fits in {_gib(budget)} ({_gib(cfg.gpu.memory_bytes)} × (1 − headroom {cfg.memory_headroom:g})); "
-        f"the smallest peak is {_gib(best.peak_memory_bytes)} at b_m = {best.micro_batch}, {best.schedule}, "
-        f"recompute {best.recompute}, ZeRO {best.zero} (weights {_gib(best.memory['weights'])}, optimizer "
-        f"{_gib(best.memory['optimizer'])}, activations {_gib(best.memory['activations'])})"
-    ]
-    tries: list[tuple[str, dict[str, Any]]] = []
+    tries: list[
+        tuple[Literal["pipeline_parallel", "tensor_parallel", "data_parallel"], int, dict[str, Any]]
+    ] = []
     L, heads = cfg.shape.layers, cfg.shape.heads
     for p2 in (2 * cfg.pipeline_parallel, 4 * cfg.pipeline_parallel, 8 * cfg.pipeline_parallel):
         if p2 <= L:
-            tries.append((f"pipeline-parallel {p2}", {"pipeline_parallel": p2, "layers_per_stage": None}))
+            tries.append(("pipeline_parallel", p2, {"pipeline_parallel": p2, "layers_per_stage": None}))
     for t2 in (2 * cfg.tensor_parallel, 4 * cfg.tensor_parallel):
         if heads % t2 == 0 and t2 <= cfg.gpu.gpus_per_node:
-            tries.append(
-                (
-                    f"tensor-parallel {t2} with sequence parallel",
-                    {"tensor_parallel": t2, "sequence_parallel": True},
-                )
-            )
+            tries.append(("tensor_parallel", t2, {"tensor_parallel": t2, "sequence_parallel": True}))
     if cfg.data_parallel == 1:
         for d2 in (8, 64):
             if per_replica(cfg.global_batch, d2) is not None:
-                tries.append((f"data-parallel {d2} with ZeRO-3", {"data_parallel": d2, "zero": (3,)}))
-    for label, change in tries:
+                tries.append(("data_parallel", d2, {"data_parallel": d2, "zero": (3,)}))
+    alternatives = []
+    for setting, value, change in tries:
         try:
             alt = replace(cfg, simulate_top=0, **change)
             cands = _enumerate(alt)
         except ConfigError:
             continue
         fit = [c for c in cands if c.fits]
-        if fit:
-            c = min(fit, key=lambda c: c.step_time_s)
-            out.append(
-                f"{label} would fit: {_gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}, recompute "
-                f"{c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s"
-            )
-        else:
-            low = min(cands, key=lambda c: c.peak_memory_bytes)
-            out.append(f"{label}: still {_gib(low.peak_memory_bytes)} at best")
-    return out
+        best = min(fit, key=lambda c: c.step_time_s) if fit else min(cands, key=lambda c: c.peak_memory_bytes)
+        alternatives.append(Alternative(setting=setting, value=value, best=best, fits=bool(fit)))
+    return Advice(
+        budget_bytes=cfg.memory_budget_bytes, memory_bytes=cfg.gpu.memory_bytes, headroom=cfg.memory_headroom,
+        smallest=min(plan.candidates, key=lambda c: c.peak_memory_bytes), alternatives=tuple(alternatives),
+    )  # fmt: skip

@@ -97,6 +97,8 @@ class ScheduleSpec:
     """True when the schedule uses I and W instead of B (needs input and weight times)."""
     description: str = ""
     """One line for help texts."""
+    label: str = ""
+    """The name as the literature writes it (``GPipe``, ``1F1B``), for sentences; empty: :attr:`name`."""
     torch_name: str | None = None
     """Name of the matching ``torch.distributed.pipelining`` class, if torch has one."""
     aliases: tuple[str, ...] = ()
@@ -216,8 +218,7 @@ def schedule_names(*, in_flight: bool = False, torch: bool = False, aliases: boo
 
 
 DEFAULT_SCHEDULE = "1f1b"
-"""The schedule named when none is asked with one stage per rank (and the label of a plan without a
-pipeline: plain gradient accumulation)."""
+"""The schedule when none is asked, v = 1 (and a plan's label without a pipeline: plain accumulation)."""
 INTERLEAVED_SCHEDULE = "interleaved-1f1b"
 """The schedule named when none is asked with several stages per rank."""
 
@@ -398,6 +399,7 @@ register_schedule(
         generate=gpipe_order,
         check=check_gpipe,
         description="GPipe: all forwards, then all backwards (holds m micro-batches).",
+        label="GPipe",
         torch_name="ScheduleGPipe",
         in_flight=gpipe_in_flight,
         fill_drain_bubble=True,
@@ -412,6 +414,7 @@ register_schedule(
         generate=one_f_one_b_order,
         check=check_1f1b,
         description="1F1B / PipeDream-Flush: same bubble as GPipe, holds at most p − rank.",
+        label="1F1B",
         torch_name="Schedule1F1B",
         in_flight=one_f_one_b_in_flight,
         fill_drain_bubble=True,

@@ -12,14 +12,32 @@ from microbatch.moe import Experts, as_experts
 from microbatch.predict.candidate import Candidate
 from microbatch.predict.experts import rows_per_expert
 from microbatch.predict.plan import Plan
+from microbatch.predict.plan_advice import (
+    Advice,
+    BubbleNotBuried,
+    FarPastKnee,
+    GlobalBatchChanged,
+    HoldsEveryMicrobatch,
+    Lint,
+    TooFewMicrobatches,
+    ZeroWithPipeline,
+    advice_from_dict,
+    lint_from_dict,
+)
+from microbatch.schedules.registry import get_spec
 from microbatch.units import format_bytes
 
 __all__ = [
     "TABLE_COLUMNS",
+    "advice_lines",
     "comparison_rows",
     "explain",
     "explain_result",
+    "lint_sentence",
+    "plan_dict",
     "plan_table_rows",
+    "plan_advice",
+    "plan_lints",
     "render_plan",
     "text_table",
 ]
@@ -116,7 +134,7 @@ def explain(plan: Plan) -> str:
     cfg = plan.config
     return _explain(
         plan.recommended, plan.candidates, pipeline_parallel=cfg.pipeline_parallel,
-        memory_budget_bytes=cfg.memory_budget_bytes, lints=plan.lints, advice=plan.advice,
+        memory_budget_bytes=cfg.memory_budget_bytes, lints=plan_lints(plan), advice=plan_advice(plan),
         fastest=plan.fastest, knee=plan.knee, choose=cfg.choose, tolerance=cfg.tolerance, margin=cfg.margin,
         moe=(cfg.shape.moe, cfg.seq_len, cfg.expert_parallel, cfg.capacity_factor) if cfg.shape.moe else None,
     )  # fmt: skip
@@ -137,8 +155,10 @@ def explain_result(result: dict[str, Any]) -> str:
             [Candidate.from_dict(c) for c in result.get("candidates", [])],
             pipeline_parallel=int(result.get("pipeline_parallel", 1)),
             memory_budget_bytes=float(result["memory_budget_bytes"]),
-            lints=list(result.get("lints", [])),
-            advice=list(result.get("advice", [])),
+            lints=[
+                x if isinstance(x, str) else lint_sentence(lint_from_dict(x)) for x in result.get("lints", [])
+            ],
+            advice=_advice_words(result.get("advice")),
             fastest=Candidate.from_dict(fast) if fast else None,
             knee=Candidate.from_dict(result["knee"]) if result.get("knee") else None,
             choose=str(result.get("choose", "fastest")),
@@ -300,7 +320,119 @@ def render_plan(plan: Plan, *, all_rows: bool = False) -> str:
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
     parts = [head, "", title, text_table(rows), "", explain(plan)]
     # With no recommendation the explanation is the advice's headline: list only the rest.
-    advice = plan.advice[1:] if plan.recommended is None else plan.advice
+    advice = plan_advice(plan)[1:] if plan.recommended is None else plan_advice(plan)
     if advice:
         parts += [""] + [f"- {a}" for a in advice]
     return "\n".join(parts)
+
+
+# -- the planner's pitfalls and advice in words ---------------------------------------------------------
+def _name(schedule: str) -> str:
+    spec = get_spec(schedule)
+    return spec.label or spec.name
+
+
+def lint_sentence(lint: Lint) -> str:
+    """One pitfall (:func:`microbatch.predict.plan.lint`) as a sentence with its numbers and its fix."""
+    if isinstance(lint, GlobalBatchChanged):
+        b, g, d = lint.micro_batch, lint.grad_accum, lint.data_parallel
+        return (
+            f"global batch changed: b_m {b} × g {g} × d {d} = {b * g * d} != B_global {lint.global_batch}; hold "
+            "B_global fixed unless you mean to retune"
+        )
+    if isinstance(lint, TooFewMicrobatches):
+        return (
+            f"m = {lint.microbatches} < p = {lint.stages}: some stages never overlap; bubble {lint.bubble_pct:.0f}%; "
+            f"use b_m <= {lint.max_micro_batch} so that m >= p"
+        )
+    if isinstance(lint, BubbleNotBuried):
+        hint = ""
+        if lint.better_micro_batch is not None:
+            hint = (
+                f"; b_m = {lint.better_micro_batch} gives m = {lint.better_microbatches} at bubble "
+                f"{lint.better_bubble_pct:.0f}%"
+            )
+        return f"m = {lint.microbatches} < 4p = {4 * lint.stages}: the bubble ({lint.bubble_pct:.0f}%) is not buried{hint}"
+    if isinstance(lint, HoldsEveryMicrobatch):
+        lighter = _name(lint.lighter)
+        tail = (
+            f" ({lighter}: {_gib(lint.lighter_peak_bytes)} at the same bubble)"
+            if lint.lighter_peak_bytes is not None
+            else ""
+        )
+        return (
+            f"{_name(lint.schedule)} holds all m = {lint.microbatches} micro-batches' activations on each stage: "
+            f"{_gib(lint.activations_bytes)}; {lighter} holds at most p = {lint.stages}{tail}"
+        )
+    if isinstance(lint, ZeroWithPipeline):
+        alt = lint.alternative
+        tail = (
+            f" (the best of those here: ZeRO {alt.zero}, {alt.schedule}, {_gib(alt.peak_memory_bytes)}, "
+            f"{100 * alt.tokens_per_s / lint.tokens_per_s:.0f}% of this throughput)"
+            if alt
+            else " (none fits at this b_m)"
+        )
+        return (
+            f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in torchtitan (FSDP with pipeline "
+            "parallelism); DeepSpeed's pipeline engine takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
+            f"for those, plan with --zero 1{tail}"
+        )
+    assert isinstance(lint, FarPastKnee)
+    return (
+        f"b_m = {lint.micro_batch} is far past the kernel-efficiency knee: b_m = {lint.knee} reaches "
+        f"{100 * lint.knee_efficiency:.0f}% of peak (vs {100 * lint.efficiency:.0f}%) and "
+        f"{100 * lint.knee_tokens_per_s / lint.tokens_per_s:.0f}% of the throughput with "
+        f"{_gib(lint.saved_bytes)} less activation memory"
+    )
+
+
+_SETTINGS = {
+    "pipeline_parallel": "pipeline-parallel {}",
+    "tensor_parallel": "tensor-parallel {} with sequence parallel",
+    "data_parallel": "data-parallel {} with ZeRO-3",
+}
+"""How each layout change of the advice reads."""
+
+
+def advice_lines(advice: Advice) -> list[str]:
+    """When nothing fits (:func:`microbatch.predict.plan.what_would_fit`): the headline with the smallest
+    peak, then one line per layout change tried."""
+    best = advice.smallest
+    out = [
+        f"nothing fits in {_gib(advice.budget_bytes)} ({_gib(advice.memory_bytes)} × (1 − headroom "
+        f"{advice.headroom:g})); the smallest peak is {_gib(best.peak_memory_bytes)} at b_m = {best.micro_batch}, "
+        f"{best.schedule}, recompute {best.recompute}, ZeRO {best.zero} (weights {_gib(best.memory['weights'])}, "
+        f"optimizer {_gib(best.memory['optimizer'])}, activations {_gib(best.memory['activations'])})"
+    ]
+    for a in advice.alternatives:
+        label, c = _SETTINGS[a.setting].format(a.value), a.best
+        if a.fits:
+            out.append(
+                f"{label} would fit: {_gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}, recompute "
+                f"{c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s"
+            )
+        else:
+            out.append(f"{label}: still {_gib(c.peak_memory_bytes)} at best")
+    return out
+
+
+def plan_lints(plan: Plan) -> list[str]:
+    """The plan's pitfalls in words."""
+    return [lint_sentence(x) for x in plan.lints]
+
+
+def plan_advice(plan: Plan) -> list[str]:
+    """The plan's advice in words (none when something fits)."""
+    return advice_lines(plan.advice) if plan.advice is not None else []
+
+
+def _advice_words(advice: object) -> list[str]:
+    """The advice of a plan read back: sentences as written (``plan --json``), or data (:meth:`Plan.to_dict`)."""
+    if isinstance(advice, dict):
+        return advice_lines(advice_from_dict(advice))
+    return [str(a) for a in advice or []]  # type: ignore[attr-defined]
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """:meth:`Plan.to_dict` with the lints and the advice in words: what ``plan --json`` writes."""
+    return {**plan.to_dict(), "lints": plan_lints(plan), "advice": plan_advice(plan)}
