@@ -32,9 +32,10 @@ import torch.nn.functional as F
 
 from microbatch.measure.gpt import build_model
 from microbatch.model import get_model
-from microbatch.run.accumulate import _check_can_agree, accumulate
-from microbatch.run.controller import MicroBatchController
-from microbatch.run.microbatches import batch_rows
+from microbatch.run.accumulate import accumulate
+from microbatch.run.accumulate.agree import check_can_agree as _check_can_agree
+from microbatch.run.accumulate.controller import MicroBatchController
+from microbatch.run.accumulate.microbatches import batch_rows
 
 
 def main() -> None:

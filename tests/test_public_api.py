@@ -63,8 +63,8 @@ EXPECTED_HOME = {
     # public name: (defining module, name there)
     "BatchConfig": ("microbatch.batch", "BatchConfig"),
     "solve": ("microbatch.batch", "solve"),
-    "accumulate": ("microbatch.run.accumulate", "accumulate"),
-    "MicroBatchController": ("microbatch.run.controller", "MicroBatchController"),
+    "accumulate": ("microbatch.run.accumulate.exact", "accumulate"),
+    "MicroBatchController": ("microbatch.run.accumulate.controller", "MicroBatchController"),
     "tune": ("microbatch.choose.tune", "tune"),
     "recommend": ("microbatch.choose.knee", "recommend"),
     "plan": ("microbatch.predict.plan", "make_plan"),

@@ -25,8 +25,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "BatchConfig": "batch",
     "solve": "batch",
-    "accumulate": "run.accumulate",
-    "MicroBatchController": "run.controller",
+    "accumulate": "run.accumulate.exact",
+    "MicroBatchController": "run.accumulate.controller",
     "tune": "choose.tune",
     "recommend": "choose.knee",
     "plan": "predict.plan",

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from microbatch.errors import ConfigError, OutOfMemoryError  # noqa: E402
 from microbatch.integrations.lightning import SplitOnOOM  # noqa: E402
-from microbatch.run.controller import MicroBatchController  # noqa: E402
-from microbatch.run.oom import CPU_ALLOC_FAILURE  # noqa: E402
+from microbatch.run.accumulate.controller import MicroBatchController  # noqa: E402
+from microbatch.run.accumulate.oom import CPU_ALLOC_FAILURE  # noqa: E402
 
 WIDTH = 64  # the hidden layer: a (rows, 64) fp64 activation is rows × 512 bytes
 FITS = 4 * WIDTH * 8  # 4 rows fit, 8 do not; the largest weight (64, 4) and its gradient are 2048 bytes too

@@ -26,7 +26,7 @@ from microbatch.integrations.common import (
     options_with_cap,
     quiet_cache,
 )
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.controller import MicroBatchController
 
 __all__ = ["tune_trainer", "split_on_oom", "checkpointing_setting"]
 
@@ -235,7 +235,7 @@ def split_on_oom(
     other items; give ``count_fn`` to say which, e.g. ``lambda inputs: (inputs["labels"][..., 1:] != -100).sum()``.
     The returned loss is the one the unwrapped step returns. ``initial``: the starting size (default
     ``per_device_train_batch_size``); ``knee``, ``grow_after``: see
-    :class:`~microbatch.run.controller.MicroBatchController`. Returns the controller, also set as
+    :class:`~microbatch.run.accumulate.controller.MicroBatchController`. Returns the controller, also set as
     ``trainer.microbatch_controller`` (its ``summary()`` is JSON-ready for logging). Calling it again
     replaces the controller and keeps a single wrapper.
 
@@ -273,7 +273,7 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
     warned: list[bool] = []  # the inexact-count warning, once per wrapper
 
     def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        from microbatch.run.microbatches import batch_rows
+        from microbatch.run.accumulate.microbatches import batch_rows
 
         model.train()
         if callable(getattr(trainer.optimizer, "train", None)):
@@ -332,7 +332,7 @@ def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
     """
     import torch
 
-    from microbatch.run.microbatches import batch_rows
+    from microbatch.run.accumulate.microbatches import batch_rows
 
     user = getattr(trainer, "microbatch_count_fn", None)
     if user is not None:

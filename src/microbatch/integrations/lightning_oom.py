@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.controller import MicroBatchController
 
 __all__ = ["SplitOnOOM", "CallbackBase", "loss_of"]
 
@@ -72,7 +72,7 @@ def loss_of(out: Any, caller: str, where: str = "") -> Any:
 class SplitOnOOM(CallbackBase):
     """Redo a training step that runs out of memory with smaller pieces of its batch, same gradient.
 
-    ``controller``: a :class:`~microbatch.run.controller.MicroBatchController` to keep across fits
+    ``controller``: a :class:`~microbatch.run.accumulate.controller.MicroBatchController` to keep across fits
     (its ``step_counter`` is set to ``trainer.global_step`` if it has none); None (the default)
     makes one at the first batch, starting at the batch's rows (whole batches until the first
     out-of-memory), growing back after ``grow_after`` clean optimizer steps (None: never).
@@ -169,7 +169,7 @@ class SplitOnOOM(CallbackBase):
         import torch
 
         from microbatch.run.accumulate import accumulate
-        from microbatch.run.microbatches import batch_rows
+        from microbatch.run.accumulate.microbatches import batch_rows
 
         if not args:
             raise ConfigError(

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.accumulate import LossFn, accumulate
-from microbatch.run.microbatches import Batch, batch_rows
+from microbatch.run.accumulate.exact import LossFn, accumulate
+from microbatch.run.accumulate.microbatches import Batch, batch_rows
+from microbatch.run.accumulate.scaling import CountFn
 from microbatch.run.noise import GradientNoiseScale, NoiseEstimate
-from microbatch.run.scaling import CountFn
 
 __all__ = ["NoiseInterrupted", "measure_noise_scale"]
 

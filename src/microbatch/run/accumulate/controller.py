@@ -1,14 +1,14 @@
 """A micro-batch size that survives out-of-memory: :class:`MicroBatchController`.
 
-Passed to :func:`microbatch.run.accumulate.accumulate` step after step, it holds the size to
+Passed to :func:`microbatch.run.accumulate.exact.accumulate` step after step, it holds the size to
 run, halves it when a step runs out of memory (the step is redone, so its gradient does not
 change), remembers the size that last worked, and, if asked, grows back toward the tuned knee
 after a number of clean steps, never above it. Every change is an :class:`ResizeEvent` in
-:attr:`MicroBatchController.history` and one log record (logger ``microbatch.run.controller``,
+:attr:`MicroBatchController.history` and one log record (logger ``microbatch.run.accumulate.controller``,
 level WARNING for a split, INFO for a growth; the library never prints: configure ``logging``
 to see them).
 
-**What a step is.** By default, one :func:`~microbatch.run.accumulate.accumulate` call: in a
+**What a step is.** By default, one :func:`~microbatch.run.accumulate.exact.accumulate` call: in a
 loop written by hand, that call takes the optimizer step's whole batch, so a step is an optimizer
 step. A Trainer with gradient accumulation makes several calls per optimizer step (one per batch
 it hands to its training step); there the integrations give the controller a ``step_counter``
@@ -20,7 +20,7 @@ unit the user sets everything else in (``grow_after``, ``max_steps``, logging in
 step number a log line must be matched against; and growing after N optimizer steps is growing
 after N × g calls, so the window is no shorter.
 
-Under DDP every rank holds its own controller; :func:`~microbatch.run.accumulate.accumulate`
+Under DDP every rank holds its own controller; :func:`~microbatch.run.accumulate.exact.accumulate`
 agrees the new size across ranks, so the controllers stay equal.
 
 Pure Python: no torch.
@@ -37,7 +37,9 @@ from microbatch.errors import ConfigError, check_positive_int
 
 __all__ = ["MicroBatchController", "ResizeEvent"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("microbatch.run.controller")
+"""The logger of the resizes; its name kept from before the module moved into the package (users
+configure it by that name: ``docs/accumulate.md``)."""
 logging.getLogger("microbatch").addHandler(logging.NullHandler())  # silent unless the user configures logging
 
 
@@ -67,9 +69,9 @@ class MicroBatchController:
     ``knee``); None (the default) never grows. ``max_history``: events kept in :attr:`history`
     (the oldest are dropped; the counts stay exact). ``step_counter``: a function returning the
     optimizer steps completed so far (for example ``lambda: trainer.global_step``), for loops that
-    call :func:`~microbatch.run.accumulate.accumulate` several times per optimizer step; None (the
+    call :func:`~microbatch.run.accumulate.exact.accumulate` several times per optimizer step; None (the
     default): each completed call is a step (see the module's docstring). ``one_call``: made by
-    :func:`~microbatch.run.accumulate.accumulate` for a single call without a controller; its log lines
+    :func:`~microbatch.run.accumulate.exact.accumulate` for a single call without a controller; its log lines
     and errors say "this call" instead of a step number (every such call would be "step 0").
     """
 
@@ -109,7 +111,7 @@ class MicroBatchController:
         self.micro_batch_size = initial
         """The size the next step runs at: the last that worked (or the last grown to)."""
         self.calls = 0
-        """:func:`~microbatch.run.accumulate.accumulate` calls completed through this controller."""
+        """:func:`~microbatch.run.accumulate.exact.accumulate` calls completed through this controller."""
         self.splits = 0
         """Times a step ran out of memory and was redone at half the size."""
         self.grows = 0

@@ -70,7 +70,7 @@ def one_row_error(where: str, reason: str) -> OutOfMemoryError:
     """The error when a micro-batch of one row is out of memory: there is nothing left to split.
 
     ``where``: ``"step N"``, or ``"this call"`` when no controller counts the steps
-    (:meth:`~microbatch.run.controller.MicroBatchController.where`). The type is
+    (:meth:`~microbatch.run.accumulate.controller.MicroBatchController.where`). The type is
     :class:`microbatch.errors.OutOfMemoryError` (a :class:`~microbatch.errors.MeasurementError`), not
     ``torch.OutOfMemoryError``: catch it by the former.
     """

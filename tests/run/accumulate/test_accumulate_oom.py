@@ -28,8 +28,8 @@ from test_accumulate import V, full_batch_grad, make_model, rel, set_pre_grads
 import microbatch
 from microbatch.errors import ConfigError, OutOfMemoryError
 from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split_by_tokens
-from microbatch.run.controller import MicroBatchController
-from microbatch.run.oom import CPU_ALLOC_FAILURE, is_out_of_memory
+from microbatch.run.accumulate.controller import MicroBatchController
+from microbatch.run.accumulate.oom import CPU_ALLOC_FAILURE, is_out_of_memory
 
 S = 9
 BYTES = 8  # float64
@@ -327,7 +327,7 @@ import os, resource, sys, torch
 torch.set_num_threads(1)  # before the limit: libgomp cannot start threads under it
 from microbatch.measure.hostmem import virtual_bytes
 from microbatch.run.accumulate import accumulate
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.controller import MicroBatchController
 
 ROWS, D, W = 256, 64, 16384
 torch.manual_seed(0)
@@ -388,11 +388,11 @@ def test_real_cpu_out_of_memory_in_a_child_recovers(tmp_path):
 
 WORKER = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from test_accumulate_oom import AllocationLimit, sorted_batch, loss_fn, count_fn, logits_budget, S
 from test_accumulate import make_model, set_pre_grads
 from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split_by_tokens
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.controller import MicroBatchController
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)

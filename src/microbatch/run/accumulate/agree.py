@@ -1,6 +1,6 @@
 """Ranks agreeing on an out-of-memory split under DDP: what the step's one ``all_reduce`` carries.
 
-With ``on_oom="split"`` under DDP (:func:`microbatch.run.accumulate.accumulate`), every micro-batch
+With ``on_oom="split"`` under DDP (:func:`microbatch.run.accumulate.exact.accumulate`), every micro-batch
 runs under ``no_sync`` and the step's one ``all_reduce`` of the loss and item sums also carries,
 in the same float64 tensor (:func:`agreement_parts`): whether this rank ran out of memory, whether
 it could not set aside the gradients present before the step, its micro-batch size and that size
@@ -22,8 +22,8 @@ import math
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.oom import set_aside_error
-from microbatch.run.scaling import group_and_world, is_ddp, model_device
+from microbatch.run.accumulate.oom import set_aside_error
+from microbatch.run.accumulate.scaling import group_and_world, is_ddp, model_device
 
 __all__ = [
     "agreement_parts",

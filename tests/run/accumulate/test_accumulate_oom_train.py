@@ -12,7 +12,7 @@ from test_accumulate import rel
 from test_accumulate_oom import BYTES, count_fn
 
 from microbatch.run.accumulate import accumulate
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.controller import MicroBatchController
 
 # -- 200 steps of the built-in GPT: the loss curve does not see the splits --------------------------
 

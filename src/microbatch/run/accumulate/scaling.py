@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from microbatch.errors import ConfigError
-from microbatch.run.microbatches import Batch
+from microbatch.run.accumulate.microbatches import Batch
 
 __all__ = [
     "CountFn",

@@ -9,15 +9,15 @@ factor, ``1 / N_total`` (times the world size under DDP, to undo DDP's averaging
 accumulated gradient is exactly the full-batch gradient up to the order of summation.
 
 :func:`accumulate` (and :func:`accumulate_micro_batches` for a list already split, for example
-by :func:`~microbatch.run.microbatches.split_by_tokens`) is all-or-nothing: if anything raises
+by :func:`~microbatch.run.accumulate.microbatches.split_by_tokens`) is all-or-nothing: if anything raises
 inside, every parameter's ``.grad`` is put back to what it was before the call. That is what lets
-``on_oom="split"`` (or a :class:`~microbatch.run.controller.MicroBatchController`) redo a step that
+``on_oom="split"`` (or a :class:`~microbatch.run.accumulate.controller.MicroBatchController`) redo a step that
 ran out of memory with micro-batches of half the size: the redone step's gradient is the one the
 step would have given. Under DDP the ranks agree on it in the step's one ``all_reduce``.
 
-The rooms around it: splitting (:mod:`microbatch.run.microbatches`), counting and scaling for
-hand-written loops (:mod:`microbatch.run.scaling`; both re-exported here), out-of-memory
-(:mod:`microbatch.run.oom`), what the ranks agree on (:mod:`microbatch.run.agree`), the size across steps (:mod:`microbatch.run.controller`) and the
+The rooms around it: splitting (:mod:`microbatch.run.accumulate.microbatches`), counting and scaling for
+hand-written loops (:mod:`microbatch.run.accumulate.scaling`; both re-exported here), out-of-memory
+(:mod:`microbatch.run.accumulate.oom`), what the ranks agree on (:mod:`microbatch.run.accumulate.agree`), the size across steps (:mod:`microbatch.run.accumulate.controller`) and the
 noise-scale arithmetic (:mod:`microbatch.run.noise`, fed through ``noise=``).
 
 torch is imported here at module level; ``import microbatch`` stays light because this module
@@ -32,13 +32,20 @@ from typing import Any
 import torch
 
 from microbatch.errors import ConfigError, check_positive_int
-from microbatch.run import agree as ag
-from microbatch.run.agree import check_can_agree as _check_can_agree  # the name bench/bench_oom.py imports
-from microbatch.run.controller import MicroBatchController
-from microbatch.run.microbatches import Batch, batch_rows, split, split_by_tokens
-from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
-from microbatch.run.oom import free_memory, is_out_of_memory, one_row_error, set_aside_error, short_error
-from microbatch.run.scaling import (
+from microbatch.run.accumulate import agree as ag
+from microbatch.run.accumulate.agree import (
+    check_can_agree as _check_can_agree,  # the name bench/bench_oom.py imports
+)
+from microbatch.run.accumulate.controller import MicroBatchController
+from microbatch.run.accumulate.microbatches import Batch, batch_rows, split, split_by_tokens
+from microbatch.run.accumulate.oom import (
+    free_memory,
+    is_out_of_memory,
+    one_row_error,
+    set_aside_error,
+    short_error,
+)
+from microbatch.run.accumulate.scaling import (
     CountFn,
     as_number,
     count_items,
@@ -51,6 +58,7 @@ from microbatch.run.scaling import (
     to_float,
     total_of,
 )
+from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
 
 __all__ = [
     "accumulate",
@@ -129,17 +137,17 @@ def accumulate(
 
     ``on_oom``: ``"raise"`` (the default) lets an out-of-memory error propagate (after the restore).
     ``"split"`` redoes the step with micro-batches of half the size, down to one row (see
-    :mod:`microbatch.run.oom` for what counts as out of memory); the gradient and the loss are those
+    :mod:`microbatch.run.accumulate.oom` for what counts as out of memory); the gradient and the loss are those
     of the step without the error, and one row out of memory raises
     :class:`microbatch.errors.OutOfMemoryError` with the gradients as they were (a
     :class:`~microbatch.errors.MeasurementError`, not a ``torch.OutOfMemoryError``: catch it by that
     type). So does an out-of-memory while setting aside the gradients present before the call: that
     is not the micro-batch's size, so it is not split. ``controller`` (a
-    :class:`~microbatch.run.controller.MicroBatchController`, in place of ``micro_batch_size``) keeps
+    :class:`~microbatch.run.accumulate.controller.MicroBatchController`, in place of ``micro_batch_size``) keeps
     the size that worked from step to step and implies ``"split"``. Under DDP the ranks agree on a
     split in the step's one ``all_reduce`` and all redo the step at the same size; the gradients are
     then all-reduced after the last backward instead of during it, and a parameter no rank has a
-    gradient for keeps ``.grad = None``, as under DDP's own reduction (:mod:`microbatch.run.agree`).
+    gradient for keeps ``.grad = None``, as under DDP's own reduction (:mod:`microbatch.run.accumulate.agree`).
 
     ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
     the first micro-batch's gradient and the whole batch's, with no extra backward.
@@ -260,7 +268,7 @@ def accumulate_micro_batches(
     micro-batch cut into pieces of at most half the rows of the largest (then half again ...), down to
     one row; the gradient and the loss are those of the step without the error (the sum over items
     does not depend on the grouping). Each split is logged as by a
-    :class:`~microbatch.run.controller.MicroBatchController`, but nothing is remembered for the next
+    :class:`~microbatch.run.accumulate.controller.MicroBatchController`, but nothing is remembered for the next
     call: the caller chose the micro-batches (a token budget, say), so give the next call smaller ones
     (``split_by_tokens(..., max_tokens // 2)``) if splits recur. Under DDP the ranks agree on a split in
     the step's one ``all_reduce``, each halving its own micro-batches, and stop together when every
@@ -303,13 +311,13 @@ def _run(
 
     ``agree=(size, rows run)`` (DDP, ``on_oom="split"``): every micro-batch runs under ``no_sync``; an
     out-of-memory here is caught and this rank goes on to the step's all_reduce with a flag, which
-    also carries what :mod:`microbatch.run.agree` lists (the sizes, which must match, 0 when the
+    also carries what :mod:`microbatch.run.accumulate.agree` lists (the sizes, which must match, 0 when the
     micro-batches were given, which differ by rank; the most rows each ran; which parameters have a
     gradient); if any rank failed, every rank restores its gradients and returns ``(None, reason,
     the ranks' mean of those rows rounded up)``; otherwise the gradients are all-reduced after the
     last backward. Without ``agree`` any exception propagates after the restore, and DDP all-reduces
     during the last backward as usual. An out-of-memory while setting the old gradients aside raises
-    :func:`~microbatch.run.oom.set_aside_error` (on every rank, after the all_reduce, with ``agree``).
+    :func:`~microbatch.run.accumulate.oom.set_aside_error` (on every rank, after the all_reduce, with ``agree``).
     """
     group, world = group_and_world(model)
     manual = agree is not None and world > 1
@@ -337,7 +345,7 @@ def _run(
             losses, counts, small = [], [], None
 
         # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
-        # carries the agreement (microbatch.run.agree) with on_oom="split".
+        # carries the agreement (microbatch.run.accumulate.agree) with on_oom="split".
         loss_total, n_total = total_of(losses), total_of(counts)
         if world > 1:
             loss_global, n_global, redo = ag.all_reduce_sums(

@@ -2,7 +2,7 @@
 
 The ranks hold different numbers of rows (3 and 9) or are given micro-batches of different sizes,
 and only one of them runs out of memory. What must hold: the ranks agree in the step's one
-``all_reduce`` (:mod:`microbatch.run.agree`) and take the same path — all redo the step at the size
+``all_reduce`` (:mod:`microbatch.run.accumulate.agree`) and take the same path — all redo the step at the size
 the agreed rows give, all stop together when every rank is down to one row (a rank that stopped
 alone would leave the other waiting in the next ``all_reduce``: a hang, caught here by the timeout),
 all refuse different micro-batch sizes — and the gradients equal the full batch's.
@@ -20,13 +20,13 @@ from test_accumulate_oom import sorted_batch
 
 WORKER = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from _helpers import AllocationLimit
 from test_accumulate_oom import sorted_batch, loss_fn, count_fn, logits_budget, S
 from test_accumulate import make_model
 from microbatch.errors import ConfigError, OutOfMemoryError
 from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.controller import MicroBatchController
 
 rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)

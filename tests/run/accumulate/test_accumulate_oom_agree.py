@@ -1,4 +1,4 @@
-"""``on_oom="split"``: what the ranks agree on (microbatch.run.agree), the copy of the old gradients running
+"""``on_oom="split"``: what the ranks agree on (microbatch.run.accumulate.agree), the copy of the old gradients running
 out of memory (not split), and the messages of a call without a controller.
 
 Two gloo processes check that a parameter no rank used keeps ``.grad = None`` as under plain DDP
@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from microbatch.errors import ConfigError, OutOfMemoryError
 from microbatch.run.accumulate import accumulate
-from microbatch.run.agree import agreement_parts, sizes_agree
-from microbatch.run.controller import MicroBatchController
+from microbatch.run.accumulate.agree import agreement_parts, sizes_agree
+from microbatch.run.accumulate.controller import MicroBatchController
 
 
 class CloneFails(TorchDispatchMode):
@@ -100,7 +100,7 @@ def test_without_a_controller_the_log_says_this_call(caplog):
 
 WORKER = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from test_accumulate_oom import sorted_batch, loss_fn, count_fn
 from test_accumulate_oom_agree import CloneFails
 from test_accumulate import make_model, set_pre_grads

@@ -401,7 +401,7 @@ def test_exception_inside_a_backward_restores_grads():
 
 WORKER = r"""
 import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
+sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from test_accumulate import make_model, make_batch, loss_fn, count_fn, set_pre_grads, split
 from microbatch.run.accumulate import accumulate, count_items, loss_scale, sync_unless_last
 from microbatch.run.noise import GradientNoiseScale
