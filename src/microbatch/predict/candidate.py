@@ -322,14 +322,19 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
     return hit
 
 
-def _pipeline_time(sched: str, p: int, m: int, v: int, tm: StageTimes) -> tuple[float, float]:
+def _pipeline_time(ctx: Context, sched: str, m: int, v: int, tm: StageTimes) -> tuple[float, float]:
     """(seconds of compute + bubble, bubble fraction): the schedule's step-time closed form from the
     registry (:attr:`microbatch.schedules.registry.ScheduleSpec.step_time`; module docstring)."""
+    p = ctx.cfg.pipeline_parallel
     if p == 1:
         return m * tm.Tk, 0.0
-    step_time = get_spec(sched).step_time
+    step_time = ctx.step_time_cache.get(sched)
     if step_time is None:
-        raise ConfigError(f"schedule {sched!r} has no step-time closed form; the planner cannot screen it")
+        step_time = ctx.step_time_cache[sched] = get_spec(sched).step_time
+        if step_time is None:
+            raise ConfigError(
+                f"schedule {sched!r} has no step-time closed form; the planner cannot screen it"
+            )
     return step_time(p, m, v, tm)
 
 
@@ -388,7 +393,7 @@ def evaluate(
         if v_placement
         else _stage_times(ctx, b, rc, v)  # v = 1 but for an interleaved schedule (its check)
     )
-    pipe, bubble = _pipeline_time(sched, p, m, v, tm)
+    pipe, bubble = _pipeline_time(ctx, sched, m, v, tm)
     key = (b, m, rc, z, v_placement)
     comm = ctx.comm_cache.get(key)
     if comm is None:

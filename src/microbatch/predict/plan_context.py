@@ -29,6 +29,7 @@ from microbatch.predict.roofline import (
     scatter_gather_send_s,
 )
 from microbatch.predict.state import bytes_per_param
+from microbatch.schedules.closed_forms import PipelineTime
 
 __all__ = [
     "Activations",
@@ -124,6 +125,8 @@ class Context:
     time_cache: dict[tuple[int, str, int], StageTimes] = field(default_factory=dict)
     vtime_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
     flight_cache: dict[tuple[str, int, int], InFlight] = field(default_factory=dict)
+    step_time_cache: dict[str, PipelineTime | None] = field(default_factory=dict)
+    """Each schedule's step-time closed form (:attr:`~microbatch.schedules.registry.ScheduleSpec.step_time`)."""
     state_cache: dict[tuple[int, bool], tuple[tuple[tuple[float, float, float], ...], float]] = field(
         default_factory=dict
     )

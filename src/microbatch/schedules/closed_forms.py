@@ -63,6 +63,11 @@ def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
     check_positive_int("stages", stages)
     check_positive_int("microbatches", microbatches)
     check_positive_int("virtual", virtual)
+    return _fraction(stages, microbatches, virtual)
+
+
+def _fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """:func:`bubble_fraction` of a checked (p, m, v): the planner's screen calls it per candidate."""
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
@@ -100,12 +105,17 @@ def zb_idle_time(
     if key == "1f1b":
         return (stages - 1) * (tf + tb + tw)
     if key == "zb-h1":
-        return (stages - 1) * (tf + tb - tw)
+        return _zb_h1(stages, tf, tb, tw)
     if key == "zb-h2":
         return max(0.0, (stages - 1) * (tf + tb - 2 * tw))
     raise ConfigError(
         f"schedule {schedule!r} has no zero-bubble closed form; use one of {', '.join(ZB_IDLE_SCHEDULES)}"
     )
+
+
+def _zb_h1(stages: int, forward_time: float, input_time: float, weight_time: float) -> float:
+    """ZB-H1's line of :func:`zb_idle_time`, (p−1)(T_F + T_B − T_W), for checked times."""
+    return (stages - 1) * (forward_time + input_time - weight_time)
 
 
 DUALPIPEV_CLOSED_FORM_RULE = "T_W <= T_I"
@@ -262,8 +272,8 @@ def fill_drain_step_time(
     2.2.2). The fraction is :func:`bubble_fraction` (equal stages)."""
     Tk = times.Tk
     if virtual > 1:
-        return microbatches * Tk + (stages - 1) * Tk / virtual, bubble_fraction(stages, microbatches, virtual)
-    return (microbatches - 1) * Tk + times.sumT, bubble_fraction(stages, microbatches)
+        return microbatches * Tk + (stages - 1) * Tk / virtual, _fraction(stages, microbatches, virtual)
+    return (microbatches - 1) * Tk + times.sumT, _fraction(stages, microbatches)
 
 
 def zb_h1_step_time(
@@ -271,7 +281,7 @@ def zb_h1_step_time(
 ) -> tuple[float, float]:
     """ZB-H1: m·T_k plus the idle (p−1)·max(0, T_F + T_I − T_W) of the bottleneck rank
     (:func:`zb_idle_time`, floored at 0)."""
-    idle = max(0.0, zb_idle_time("zb-h1", stages, times.fk, times.ik, times.wk))
+    idle = max(0.0, _zb_h1(stages, times.fk, times.ik, times.wk))
     total = microbatches * times.Tk + idle
     return total, idle / total
 
