@@ -3,7 +3,7 @@
 For each built-in model (``tiny`` s=64, ``small`` s=128; training, fp32, AdamW) the script
 measures b_m 1, 2, 4, 8, 16 with microbatch.measure.childprobe's child-process prober (the code ``tune``
 uses: peak RSS of the child, median micro-step time; several passes, the fastest kept per b_m),
-builds this CPU's accelerator from a quick matmul and copy (:func:`microbatch.hardware.measure_cpu`),
+builds this CPU's accelerator from a quick matmul and copy (:func:`microbatch.measure.cpu.measure_cpu`),
 calibrates on b_m 1, 2, 4 and predicts all points. Goal: |memory| ≤ 5%, |step time| ≤ 10%
 calibrated, at the largest b_m.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.hardware import measure_cpu  # noqa: E402
+from microbatch.measure.cpu import measure_cpu  # noqa: E402
 from microbatch.measure.childprobe import ChildProber  # noqa: E402
 from microbatch.measure.spec import ProbeSpec  # noqa: E402
 from microbatch.measure.timing import TimingConfig  # noqa: E402

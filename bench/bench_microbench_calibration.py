@@ -7,7 +7,7 @@
 3. the planner's micro-step time (:func:`microbatch.predict.steptime.predict_step_time_s`) with the
    microbenchmark's kernel terms (:func:`microbatch.predict.apply_calibration.apply_microbench`), and
    uncalibrated (the accelerator table's GPU; on the CPU a quick matmul peak and copy bandwidth,
-   :func:`microbatch.hardware.measure_cpu`, at the default efficiencies).
+   :func:`microbatch.measure.cpu.measure_cpu`, at the default efficiencies).
 
 Prints one table: b_m, measured, predicted, error; and the mean |error|. Nothing is fitted to the
 measured step. Run::
@@ -37,7 +37,8 @@ def main() -> None:
     ap.add_argument("--microbench", help="use this bench-gpu result instead of measuring one")
     ap.add_argument("--out", help="write the table as JSON here")
     args = ap.parse_args()
-    from microbatch.hardware import ACCELERATORS, measure_cpu
+    from microbatch.hardware import ACCELERATORS
+    from microbatch.measure.cpu import measure_cpu
     from microbatch.measure.microbench import MicrobenchConfig, run_microbench
     from microbatch.microbench_record import MicrobenchResult
     from microbatch.model import get_model

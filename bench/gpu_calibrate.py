@@ -178,7 +178,8 @@ def _write(path: Path, doc: dict) -> None:
 
 
 def _validate(name: str, seq: int, points: list[dict], device: str, device_name: str, smoke: bool) -> dict:
-    from microbatch.hardware import get_accelerator, measure_cpu
+    from microbatch.hardware import get_accelerator
+    from microbatch.measure.cpu import measure_cpu
     from microbatch.predict.calibrate import cover_measurements
     from microbatch.predict.validation import validate
     from microbatch.records import read_measurements

@@ -33,13 +33,12 @@ it is the table and its pure lookups.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from microbatch import hardware_clocks as _clk
 from microbatch.errors import ConfigError, check_positive
 from microbatch.units import GIB
 
@@ -52,9 +51,7 @@ __all__ = [
     "parse_overrides",
     "from_device_name",
     "match_accelerator",
-    "detect_local",
     "cpu_accelerator",
-    "measure_cpu",
     "DEFAULT_HEADROOM",
 ]
 
@@ -275,30 +272,6 @@ _ATTENTION_SOURCES = {
     _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
 }
 
-_CLOCK_A100 = (
-    1.0,
-    "clock: 312 TFLOP/s = 108 SMs x 2,048 FLOP/clock x 1,410 MHz, the boost and maximum clock (NVIDIA A100 "
-    "datasheet; forums.developer.nvidia.com 'how to calculate the tensor core fp16 performance of H100'); "
-    "TDP 400 W; sustained clock under a long bf16 GEMM: no cited reading, fraction 1 (NVIDIA rates A100 HPL at "
-    "1,305 MHz, the clock it holds at 400 W in FP64 DGEMM, glennklockwood.com/garden/peak-FLOPS: not a bf16 "
-    "figure; H. He, thonking.ai 'Strangely, matrix multiplications...' measured 8192^3 bf16 cuBLAS at 257 "
-    "TFLOP/s on random against 295 on zero inputs at 400 W, power-limited, with no clock given)",
-)
-_CLOCK_H100_SXM = (
-    1.0,
-    "clock: 989.4 TFLOP/s = 132 SMs x 4,096 FLOP/clock x 1,830 MHz (glennklockwood.com/garden/processors/h100: "
-    "1.83 GHz for low precision; 1,980 MHz is the maximum clock); TDP 700 W; sustained clock under a long "
-    "bf16 GEMM on this part: no cited reading, fraction 1 (the nearest evidence is the H200's, same die and "
-    "limit: see its row; --gpu-set sustained_clock_fraction=0.82 applies it)",
-)
-_CLOCK_H200 = (
-    1500 / 1830,
-    "clock: peak at 1,830 MHz as the H100 SXM (132 x 4,096 FLOP/clock); TDP 700 W; sustained 1,500 MHz: "
-    "H200 runners at 700 W 'cannot reliably sustain a locked 1830 MHz graphics/SM clock under full load', "
-    "1,500 MHz is the clock they hold (github.com/tile-ai/TileOPs issue 1587, 2026): fraction 1,500/1,830 = "
-    "0.820, a lower bound of the sustained clock (the true one lies between 1,500 and 1,830 MHz)",
-)
-_CLOCK_UNCITED = "no cited sustained-clock reading under a long bf16 GEMM: fraction 1"
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
@@ -306,53 +279,44 @@ ACCELERATORS: dict[str, Accelerator] = {
         _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB, watts=400, clock=_CLOCK_A100),
+             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100),
         _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB, watts=400, clock=_CLOCK_A100),
+             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100),
         _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "
              "3,958 TFLOP/s fp8 with sparsity = 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_CLOCK_H100_SXM),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
         _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
              "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513,
              attention=_ATTN_HOPPER, watts=350,
-             clock=(1.0, "clock: 756.5 = 114 SMs x 4,096 FLOP/clock x 1,620 MHz, the H100 whitepaper's maximum "
-                    "tensor-core boost for the PCIe card (its board maximum is 1,755 MHz; NVIDIA developer forums, "
-                    "'how to calculate the tensor core fp16 performance of H100'); TDP 350 W (H100 PCIe product "
-                    "brief PB-11133-001); " + _CLOCK_UNCITED + " (one server log, github reanimator/bee "
-                    "benchmark-clock-calibration.md, saw 1,384 MHz on average in a chassis 'not designed for it': "
-                    "thermal, not this card's rating)")),
+             clock=_clk.CLOCK_PCIE),
         _acc("h100-nvl", 835.5, 835.5, 60, 94, 3900, 64, 200 * Gbit, 132,
              "NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense, 60 fp32, 94 GB HBM3 "
              "at 3.9 TB/s, 350-400 W; NVLink bridge 600 GB/s joins two cards only, so a node's GPUs meet over "
              "PCIe Gen5 x16 (64 GB/s each way); typical node: 200 Gb/s per GPU; 3,341 TFLOP/s fp8 with "
              "sparsity = 1,670.5 dense", fp8=1670.5, attention=_ATTN_HOPPER, watts=400,
-             clock=(1.0, "clock: 835.5 = 132 SMs x 4,096 FLOP/clock x 1,545 MHz, so NVIDIA rates the NVL's "
-                    "tensor peak below its 1,785 MHz maximum (the 60 TFLOP/s fp32 figure is at ~1,775 MHz); dense "
-                    "= the datasheet's sparse figure halved; TDP 350-400 W, 400 taken; " + _CLOCK_UNCITED)),
+             clock=_clk.CLOCK_NVL),
         _acc("h800", 989.4, 989.4, 66.9, 80, 3350, 200, _IB_NDR, 132,
              "NVIDIA H800 SXM5: the H100 SXM's compute and HBM3 (989 TFLOP/s bf16 dense, 67 fp32, 3.35 TB/s) "
              "with NVLink cut to 400 GB/s (200 each way); one 400 Gb/s NIC per GPU (DeepSeek-V3's H800 "
              "cluster, arXiv 2412.19437 §3.2.2: IB 50 GB/s per GPU against NVLink's 160 GB/s achieved)",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_CLOCK_H100_SXM),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
         _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
              "fp8 as H100 SXM, 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_CLOCK_H200),
+             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H200),
         _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
              "fp8 with sparsity = 4.5 dense",
              links=_NVLINK_IB, fp8=4500, watts=1000,
-             clock=(1.0, "clock: 2,250 = 148 SMs x 8,192 FLOP/clock x ~1,860 MHz (the 'tensor clock' hmc-tech.com "
-                    "lists for the B200, against a 1,980 MHz boost; 8,192 per SM is inferred from the peak, not "
-                    "read); TDP 1,000 W (HGX B200); " + _CLOCK_UNCITED)),
+             clock=_clk.CLOCK_B200),
         _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
@@ -489,16 +453,6 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def detect_local() -> Accelerator | None:
-    """The accelerator of CUDA device 0 (imports torch), or None without CUDA or for an unknown device."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(0)
-    return from_device_name(props.name, props.total_memory)
-
-
 # -- the CPU ---------------------------------------------------------------------------------------
 def cpu_accelerator(
     *, flops_per_s: float, bytes_per_s: float, memory_bytes: float | None = None, source: str = ""
@@ -529,50 +483,3 @@ def _mem_total_bytes() -> float:
     except OSError:
         pass
     return float(16 * 2**30)  # a placeholder capacity where /proc is absent; only "fits" uses it
-
-
-def measure_cpu(*, n: int = 1024, repeats: int = 5, threads: int | None = None) -> Accelerator:
-    """This CPU as an Accelerator: the best of ``repeats`` n×n fp32 matmuls (2n³ FLOPs) with torch's
-    default threads (or ``threads``), and the best of ``repeats`` copies of a 64 MiB tensor (read + write).
-
-    Quick (well under a second) and noisy on a shared machine; the calibration absorbs the choice.
-    """
-    import time
-
-    import torch
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _measure_cpu(torch, time, n, repeats)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _measure_cpu(torch: Any, time: ModuleType, n: int, repeats: int) -> Accelerator:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    flops = 2.0 * n**3 / best
-    x = torch.empty(16 * 2**20)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best_c = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        y.copy_(x)
-        best_c = min(best_c, time.perf_counter() - t0)
-    bw = 2.0 * x.numel() * 4 / best_c
-    return cpu_accelerator(
-        flops_per_s=flops,
-        bytes_per_s=bw,
-        source=(
-            f"measured here: {n}x{n} fp32 matmul {flops / 1e9:.1f} GFLOP/s, 64 MiB copy "
-            f"{bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)"
-        ),
-    )

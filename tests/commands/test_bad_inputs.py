@@ -351,12 +351,12 @@ def test_19_report_names_the_file_and_checks_out_first(tmp_path, capsys):
 
 
 def test_19_validate_checks_its_options_before_measuring(tmp_path, capsys, monkeypatch):
-    import microbatch.predict.validation as validation
+    import microbatch.measure.cpu as cpu
 
     def measured(**_):
         raise AssertionError("the CPU was measured before the options were checked")
 
-    monkeypatch.setattr(validation, "measure_cpu", measured)
+    monkeypatch.setattr(cpu, "measure_cpu", measured)
     f = write(tmp_path, "r.json", {"points": SEED})
     for args, pat in (
         (["--cpu-peak-gflops", "0"], r"--cpu-peak-gflops must be a finite number > 0, got 0\.0; give"),

@@ -364,13 +364,13 @@ def test_hf_config_fields_are_checked_before_transformers(tmp_path, capsys, monk
 
 def test_validate_refuses_more_threads_than_cores_before_measuring(tmp_path, capsys, monkeypatch):
     """--cpu-threads 10^20 measured the CPU for seconds, then raised torch's ValueError (a traceback)."""
-    import microbatch.predict.validation as validation
+    import microbatch.measure.cpu as cpu
     from microbatch.hardware import usable_cores
 
     def measured(**_):
         raise AssertionError("the CPU was measured before --cpu-threads was checked")
 
-    monkeypatch.setattr(validation, "measure_cpu", measured)
+    monkeypatch.setattr(cpu, "measure_cpu", measured)
     f = write(tmp_path / "r.json", tune_result())
     cores = usable_cores()
     for n in (str(10**20), str(cores + 1)):

@@ -113,3 +113,109 @@ def test_issue28_rows_and_the_flash_ceiling():
     )
     with pytest.raises(ConfigError, match=r"attention_fraction must be in \(0, 1\], got 1.5"):
         sxm.with_overrides(attention_fraction=1.5)
+
+
+# -- issue 28 (2): clocks as the parts are sold and run ------------------------------------------------
+CLOCKED = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200", "b200")
+
+
+@pytest.mark.parametrize(
+    "name, sms, per_clock, mhz",
+    [("a100-80gb", 108, 2048, 1410), ("h100-sxm", 132, 4096, 1830), ("h100-pcie", 114, 4096, 1620),
+     ("h100-nvl", 132, 4096, 1545), ("h200", 132, 4096, 1830)],
+)  # fmt: skip
+def test_each_peak_is_sms_times_flop_per_clock_times_the_clock_its_row_names(name, sms, per_clock, mhz):
+    """By hand: the dense bf16 peak = SMs × FLOP/clock/SM × the clock the row's source names."""
+    acc = get_accelerator(name)
+    assert acc.compute_units == sms
+    assert acc.flops("bf16") == pytest.approx(sms * per_clock * mhz * 1e6, rel=2e-3)
+    assert f"{mhz:,} MHz" in acc.source
+
+
+def test_each_row_states_its_clock_power_limit_and_sustained_clock_evidence():
+    watts = {"a100-40gb": 400, "a100-80gb": 400, "h100-sxm": 700, "h100-pcie": 350, "h100-nvl": 400,
+             "h800": 700, "h200": 700, "b200": 1000}  # fmt: skip
+    for name in CLOCKED:
+        acc = ACCELERATORS[name]
+        assert acc.power_limit_w == watts[name] and "TDP" in acc.source and "clock: " in acc.source
+        if acc.sustained_clock_fraction == 1.0:  # no figure: the row says so rather than invent one
+            assert "no cited reading" in acc.source, name
+    h200 = ACCELERATORS["h200"]
+    assert h200.sustained_clock_fraction == pytest.approx(1500 / 1830)
+    assert "TileOPs issue 1587" in h200.source and "lower bound" in h200.source
+    assert ACCELERATORS["l4"].sustained_clock_fraction == 1.0  # not a part this issue names: the default
+
+
+def test_sustained_flops_and_at_sustained_clock():
+    h200 = get_accelerator("h200")
+    f = 1500 / 1830
+    assert h200.flops("bf16") == pytest.approx(989.4e12)  # the datasheet peak stays (MFU's denominator)
+    assert h200.sustained_flops("bf16") == pytest.approx(989.4e12 * f)
+    run = h200.at_sustained_clock()
+    assert run.sustained_clock_fraction == 1.0
+    assert run.peak_flops == pytest.approx({k: v * f for k, v in h200.peak_flops.items()})
+    a100 = get_accelerator("a100-80gb")
+    assert a100.at_sustained_clock() is a100  # fraction 1: the same object, nothing rebuilt
+
+
+def test_sustained_clock_fraction_and_power_limit_are_validated():
+    a100 = get_accelerator("a100-80gb")
+    for bad in (0, -0.5, 1.3, float("nan"), True, "fast"):
+        with pytest.raises(ConfigError, match=r"sustained_clock_fraction must be in \(0, 1.25\]"):
+            a100.with_overrides(sustained_clock_fraction=bad)
+    with pytest.raises(ConfigError, match=r"power_limit_w must be a finite number > 0"):
+        a100.with_overrides(power_limit_w=0.0)
+    assert a100.with_overrides(sustained_clock_fraction=1.05).sustained_clock_fraction == 1.05
+
+
+def test_gpu_set_overrides_the_clock_fraction_and_power_limit():
+    over = parse_overrides(["sustained_clock_fraction=0.9", "power_limit_w=500"])
+    assert over == {"sustained_clock_fraction": 0.9, "power_limit_w": 500.0}
+    acc = get_accelerator("h100-sxm", **over)
+    assert acc.sustained_clock_fraction == 0.9 and acc.power_limit_w == 500.0
+    assert acc.sustained_flops("bf16") == pytest.approx(0.9 * 989.4e12)
+    assert get_accelerator("h200", sustained_clock_fraction=1.0).sustained_flops("bf16") == pytest.approx(
+        989.4e12
+    )
+
+
+def test_the_roofline_runs_its_gemms_at_the_sustained_clock_by_hand():
+    """A compute-bound GEMM (the output layer) by hand: 2·rows·h·V / (peak · f · gemm_max), the loss's
+    memory passes unchanged; with the memory terms and launch gaps removed the whole step scales as 1/f."""
+    from dataclasses import replace
+
+    from microbatch.model import get_model
+    from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+    from microbatch.predict.plan import PlanConfig, make_plan
+    from microbatch.predict.roofline import logits_forward
+    from microbatch.predict.steptime import predict_step_time_s
+
+    shape = get_model("gpt2")
+    eff = replace(DEFAULT_EFFICIENCY, tile_rows=0, tile_overhead_s=0.0, ramp_rows=0.0, half_rows=0.0)
+    f = 0.8
+    acc = get_accelerator("a100-80gb", sustained_clock_fraction=f)
+    rows = 8 * shape.seq
+    t, _ = logits_forward(shape, 8, acc, efficiency=eff)
+    soft = eff.score_fractions(True)[0]
+    loss = 4 * rows * shape.vocab * (1 / eff.memory + 2 / soft) / acc.memory_bandwidth_bytes_per_s
+    gemm = 2 * rows * shape.hidden * shape.vocab / (312e12 * f * eff.gemm_max)
+    assert gemm > 2 * rows * shape.hidden * 2 / (
+        acc.memory_bandwidth_bytes_per_s * eff.memory
+    )  # compute-bound
+    assert t == pytest.approx(gemm + loss, rel=1e-9)
+    # everything compute-bound: infinite bandwidth and links, no launch gaps -> time ∝ 1/f exactly
+    fast = dict(memory_bandwidth_bytes_per_s=1e30, intra_node_bytes_per_s=1e30, inter_node_bytes_per_s=1e30)
+    bare = replace(eff, launch_s_per_kernel=0.0)
+    one = get_accelerator("a100-80gb", **fast)
+    slow = one.with_overrides(sustained_clock_fraction=f)
+    assert predict_step_time_s(shape, 4, slow, efficiency=bare) == pytest.approx(
+        predict_step_time_s(shape, 4, one, efficiency=bare) / f, rel=1e-9
+    )
+    plans = [
+        make_plan(PlanConfig(shape=shape, gpu=g, global_batch=32, pipeline_parallel=1, efficiency=bare))
+        for g in (one, slow)
+    ]
+    steps = [{c.micro_batch: c.step_time_s for c in p.candidates} for p in plans]
+    assert steps[0] and steps[0].keys() == steps[1].keys()
+    for b in steps[0]:
+        assert steps[1][b] == pytest.approx(steps[0][b] / f, rel=1e-9), b

@@ -513,7 +513,7 @@ class _TinySweep:
 
 @pytest.mark.timeout(180)
 def test_real_tiny_sweep_memory_from_smallest_probes(tiny_sweep):
-    from microbatch.hardware import measure_cpu
+    from microbatch.measure.cpu import measure_cpu
 
     meas = read_measurements(tiny_sweep)
     assert [p.micro_batch for p in meas.points] == [1, 2, 4, 8]
@@ -536,7 +536,7 @@ def test_real_tiny_sweep_step_time_from_smallest_probes(tiny_sweeper):
     held to STEP_SANITY, each pass's verdict must agree with its error, and the calibration must do no
     worse than the uncalibrated prediction by more than a median's own noise. The 10% target itself is
     a benchmark figure (bench/bench_calibrate.py), not a timed assertion: it depends on the host."""
-    from microbatch.hardware import measure_cpu
+    from microbatch.measure.cpu import measure_cpu
 
     cpu = measure_cpu()
     done: list[dict] = []

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import microbatch.predict.validation as validation
+from microbatch.errors import ConfigError
 from microbatch.hardware import cpu_accelerator
 from microbatch.model import get_model
 from microbatch.predict.calibrate import analytic_memory_line
@@ -43,15 +44,15 @@ def _machine(peaks):
     return measure
 
 
-def test_recorded_figures_give_the_same_answer_every_run(monkeypatch):
+def test_recorded_figures_give_the_same_answer_every_run():
     def no_measure(threads=None):
         raise AssertionError("measured although figures were recorded")
 
-    monkeypatch.setattr(validation, "measure_cpu", no_measure)
     d = _cpu_result(
         accelerator={"name": "cpu", "peak_flops": {"fp32": 50e9}, "memory_bandwidth_bytes_per_s": 10e9}
     )
-    a, b = validation.validate_result(d), validation.validate_result(json.loads(json.dumps(d)))
+    a = validation.validate_result(d, measure=no_measure)
+    b = validation.validate_result(json.loads(json.dumps(d)), measure=no_measure)
     assert a["errors"] == b["errors"] and a["accelerator"]["figures"] == "recorded"
     assert a["accelerator"]["peak_flops"]["fp32"] == 50e9
     # the points were made at exactly these figures: uncalibrated error is the efficiency's (0.5 vs 0.8)
@@ -59,9 +60,8 @@ def test_recorded_figures_give_the_same_answer_every_run(monkeypatch):
     assert any("recorded with the measurements" in w for w in a["warnings"])
 
 
-def test_measured_now_says_so_and_how_much_the_machine_moved(monkeypatch):
-    monkeypatch.setattr(validation, "measure_cpu", _machine([40.0, 60.0, 50.0]))
-    out = validation.validate_result(_cpu_result())
+def test_measured_now_says_so_and_how_much_the_machine_moved():
+    out = validation.validate_result(_cpu_result(), measure=_machine([40.0, 60.0, 50.0]))
     moved = out["accelerator"]["remeasured"]
     assert out["accelerator"]["figures"] == "measured now"
     assert moved["peak_flops"] == pytest.approx([40e9, 60e9, 50e9])
@@ -72,9 +72,20 @@ def test_measured_now_says_so_and_how_much_the_machine_moved(monkeypatch):
     assert out["accelerator"]["peak_flops"]["fp32"] == pytest.approx(40e9)
 
 
-def test_given_figures_are_not_remeasured(monkeypatch):
-    monkeypatch.setattr(validation, "measure_cpu", _machine([]))  # any call fails (StopIteration)
-    out = validation.validate_result(_cpu_result(), cpu_peak_gflops=50, cpu_bandwidth_gbs=10)
+def test_predict_never_measures_the_cpu_itself():
+    """issue 31: with no figures given or recorded and no measure function, validation asks for one."""
+    assert not hasattr(validation, "measure_cpu")
+    with pytest.raises(
+        ConfigError, match=r"give cpu_peak_gflops and cpu_bandwidth_gbs, or a measure function"
+    ):
+        validation.validate_result(_cpu_result())
+
+
+def test_given_figures_are_not_remeasured():
+    # any call of the measure function fails (StopIteration)
+    out = validation.validate_result(
+        _cpu_result(), cpu_peak_gflops=50, cpu_bandwidth_gbs=10, measure=_machine([])
+    )
     assert "remeasured" not in out["accelerator"] and out["accelerator"]["peak_flops"]["fp32"] == 50e9
 
 

@@ -273,12 +273,15 @@ def _validate_training(
 ) -> None:
     """5. Close the loop: predict the measured training points from the smallest probes."""
     from microbatch.errors import MicrobatchError
+    from microbatch.measure.cpu import measure_cpu
     from microbatch.predict.validation import validate_result
     from microbatch.show.validation import with_summary
 
     t0 = _step(quiet, "validate: predict the largest probes from the smallest (calibrated planner)")
     try:
-        vd = with_summary(validate_result(json.loads((out / "tune-train.json").read_text())))
+        vd = with_summary(
+            validate_result(json.loads((out / "tune-train.json").read_text()), measure=measure_cpu)
+        )
         _save(out, "validate.json", vd)
         results.append(vd)
         summary["validate"] = vd["summary"]

@@ -77,6 +77,7 @@ def cmd(
     """
     from microbatch.errors import ConfigError
     from microbatch.hardware import usable_cores
+    from microbatch.measure.cpu import measure_cpu
     from microbatch.predict.validation import validate_result
 
     cores = usable_cores()
@@ -95,6 +96,7 @@ def cmd(
         cpu_peak_gflops=cpu_peak_gflops,
         cpu_bandwidth_gbs=cpu_bandwidth_gbs,
         cpu_threads=cpu_threads,
+        measure=measure_cpu,
     )
     from microbatch.commands._flags import cli_text
     from microbatch.show.validation import with_summary

@@ -47,7 +47,7 @@ mean instead). The efficiency is relative to the accelerator it was fitted again
 transfers to that accelerator.
 
 **The CPU.** The planner's accelerators are GPUs; a CPU gets an :class:`Accelerator` built from
-a quick measured fp32 matmul peak and copy bandwidth (:func:`~microbatch.hardware.measure_cpu`),
+a quick measured fp32 matmul peak and copy bandwidth (:func:`~microbatch.measure.cpu.measure_cpu`),
 or from figures given (:func:`~microbatch.hardware.cpu_accelerator`); where the measurements are
 faster than that peak allows (a busy machine understates it), :func:`cover_measurements` doubles
 it until the efficiency fit needs no clamp, and says so. The uncalibrated CPU prediction (80% of

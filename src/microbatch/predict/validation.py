@@ -16,12 +16,13 @@ Pure Python: no torch, except where :func:`validation_accelerator` measures this
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive, check_positive_int
-from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator, measure_cpu
+from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.calibrate import (
     MIN_POINTS,
@@ -252,13 +253,15 @@ def validation_accelerator(
     cpu_bandwidth_gbs: float | None = None,
     cpu_threads: int | None = None,
     recorded: Accelerator | None = None,
+    measure: Callable[..., Accelerator] | None = None,
 ) -> Accelerator:
     """The accelerator ``validate`` predicts ``meas``'s step times for.
 
     ``gpu`` (a registry name) when given; else the GPU the points name (:class:`ConfigError` when
     the table lacks it); else this CPU: the peak and bandwidth given, or those ``recorded`` with the
     measurements (:func:`recorded_cpu`), or measured now
-    (:func:`~microbatch.hardware.measure_cpu`, with either figure given replacing the measured one),
+    by ``measure`` (the caller's :func:`~microbatch.measure.cpu.measure_cpu`: this module measures nothing;
+    with either figure given replacing the measured one),
     raised by :func:`~microbatch.predict.calibrate.cover_measurements` where a point is faster than it allows.
     """
     if gpu:
@@ -281,7 +284,13 @@ def validation_accelerator(
     elif recorded is not None:
         acc = recorded
     else:
-        acc = measure_cpu(threads=cpu_threads)
+        if measure is None:
+            raise ConfigError(
+                "this CPU's peak and bandwidth are neither given nor recorded with the measurements; give "
+                "cpu_peak_gflops and cpu_bandwidth_gbs, or a measure function (microbatch.measure.cpu.measure_cpu)",
+                params=("cpu_peak_gflops", "cpu_bandwidth_gbs"),
+            )
+        acc = measure(threads=cpu_threads)
         if cpu_peak_gflops is not None or cpu_bandwidth_gbs is not None:
             acc = cpu_accelerator(
                 flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops is not None else acc.flops("fp32"),
@@ -305,6 +314,7 @@ def validate_result(
     cpu_peak_gflops: float | None = None,
     cpu_bandwidth_gbs: float | None = None,
     cpu_threads: int | None = None,
+    measure: Callable[..., Accelerator] | None = None,
 ) -> dict[str, Any]:
     """What ``microbatch validate`` prints as JSON but its summary line, for a tune result (a loaded
     ``result.json`` dict, or its path): :func:`~microbatch.records.read_measurements`,
@@ -334,6 +344,7 @@ def validate_result(
         cpu_bandwidth_gbs=cpu_bandwidth_gbs,
         cpu_threads=cpu_threads,
         recorded=recorded,
+        measure=measure,
     )
     out = validate(meas, acc, fit_on=fit_on).to_dict()
     if gpu or meas.is_cuda or given:
@@ -345,7 +356,7 @@ def validate_result(
         )
         return out
     # measured now: measure again to say how much this machine moves between runs
-    again = [measure_cpu(threads=cpu_threads) for _ in range(REMEASURE - 1)]
+    again = [measure(threads=cpu_threads) for _ in range(REMEASURE - 1)] if measure is not None else []
     peaks = [acc.flops("fp32")] + [a.flops("fp32") for a in again]
     bws = [acc.memory_bandwidth_bytes_per_s] + [a.memory_bandwidth_bytes_per_s for a in again]
     moved: dict[str, Any] = {
