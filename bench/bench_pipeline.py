@@ -59,15 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     from microbatch.run.pipeline.config import PipelineConfig
     from microbatch.run.pipeline.launch import run_pipeline
     from microbatch.run.pipeline.memory import boundary_bytes
+    from microbatch.run.pipeline.report import PipelineReport
 
-    def run_predicted(cfg: PipelineConfig) -> dict:
+    def run_predicted(cfg: PipelineConfig) -> PipelineReport:
         """The prediction made before the run, then the run with enough steps that the measured
         bubble's own noise is small: the prediction does not depend on the run's steps."""
         before = predict_run(cfg)
-        steps = max(cfg.steps, min(64, 1 + math.ceil(args.measure_s / max(before["step_time_s"], 1e-6))))
-        report = run_pipeline(replace(cfg, steps=steps))
-        report["before_run"] = before
-        return report
+        steps = max(cfg.steps, min(64, 1 + math.ceil(args.measure_s / max(before.step_time_s, 1e-6))))
+        return replace(run_pipeline(replace(cfg, steps=steps)), before_run=before)
 
     load = os.getloadavg()[0]
     t_all = time.perf_counter()
@@ -99,13 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                     refused.append(f"{model} p={p} {name} v={v}")
                     continue
                 for r in reps:
-                    b, pw, meas = r["before_run"], r["predicted"]["with_comm"], r["measured"]
+                    b, pw, meas = r.before_run, r.predicted.with_comm, r.measured
+                    assert b is not None  # made by run_predicted
                     bubble_rows.append(
-                        (model, p, name, m, v, b["bubble_fraction"], pw["bubble_fraction"], meas["bubble_fraction"],
-                         b["step_time_s"], meas["step_time_s"], b["runtime"].get("loaded_bubble"),
-                         meas.get("bubble_se"), r["steps"])
+                        (model, p, name, m, v, b.bubble_fraction, pw.bubble_fraction, meas.bubble_fraction,
+                         b.step_time_s, meas.step_time_s, b.runtime.get("loaded_bubble"),
+                         meas.bubble_se, r.steps)
                     )  # fmt: skip
-                for row in rep["memory"]:
+                for row in rep.memory:
                     memory_rows.append((model, p, name, m, row))
                 if name in ("gpipe", "1f1b"):
                     twice = run_pipeline(
@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
                     buf = boundary_bytes(cfg) or 0.0
-                    for row, row2 in zip(rep["memory"], twice["memory"], strict=True):
-                        growth.append((model, p, name, m, row["rank"], row["measured_peak_bytes"],
-                                       row2["measured_peak_bytes"], buf))  # fmt: skip
+                    for row, row2 in zip(rep.memory, twice.memory, strict=True):
+                        growth.append((model, p, name, m, row.rank, row.measured_peak_bytes,
+                                       row2.measured_peak_bytes, buf))  # fmt: skip
                 print(f"  done {model} p={p} {name} m={m} v={v}", file=sys.stderr, flush=True)
 
     print(
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(head))
     errs: dict[str, list[float]] = {}
     for model, p, name, m, row in memory_rows:
-        e, u = row["error_pct"], row["uncalibrated_error_pct"]
+        e, u = row.error_pct, row.uncalibrated_error_pct
         if e is not None:
             errs.setdefault(name, []).append(abs(e))
         print(
-            f"{model:<6}{p:>2}  {name:<17}{m:>3}{row['rank']:>5}  {row['measured_peak_bytes'] / 1024:12.1f}  "
-            f"{(row['predicted_bytes'] or 0) / 1024:9.1f}  {'-' if e is None else f'{e:+.1f}%':>7}  "
+            f"{model:<6}{p:>2}  {name:<17}{m:>3}{row.rank:>5}  {row.measured_peak_bytes / 1024:12.1f}  "
+            f"{(row.predicted_bytes or 0) / 1024:9.1f}  {'-' if e is None else f'{e:+.1f}%':>7}  "
             f"{'-' if u is None else f'{u:+.1f}%':>9}"
         )
     for name, xs in errs.items():

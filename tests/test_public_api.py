@@ -54,6 +54,7 @@ EXPECTED_ALL = [
     "Schedule",
     "SimResult",
     "PipelineConfig",
+    "PipelineReport",
     "GradientNoiseScale",
 ]
 """The top-level ``microbatch.__all__``, in order: the functions, then the config and result types
@@ -89,6 +90,7 @@ EXPECTED_HOME = {
     "Schedule": ("microbatch.schedules.action", "Schedule"),
     "SimResult": ("microbatch.schedules.simulate", "SimResult"),
     "PipelineConfig": ("microbatch.run.pipeline.config", "PipelineConfig"),
+    "PipelineReport": ("microbatch.run.pipeline.report", "PipelineReport"),
     "GradientNoiseScale": ("microbatch.run.noise", "GradientNoiseScale"),
 }
 """Where each lazily exported entry point is defined (``obj.__module__``, ``obj.__name__``)."""
@@ -148,7 +150,7 @@ def test_the_types_the_functions_take_and_return_are_exported() -> None:
         hints = typing.get_type_hints(getattr(fn, "__wrapped__", fn))
         named |= {c for h in hints.values() for c in _classes_in(h) if c.__module__.startswith("microbatch.")}
     exported = {getattr(microbatch, n) for n in EXPECTED_HOME}
-    assert {c.__name__ for c in named} >= {"TuneResult", "PlanConfig", "Plan", "SimResult", "PipelineConfig"}
+    assert {c.__name__ for c in named} >= {"TuneResult", "PlanConfig", "Plan", "SimResult", "PipelineConfig", "PipelineReport"}
     assert not named - exported, sorted(c.__name__ for c in named - exported)
 
 

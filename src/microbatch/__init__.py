@@ -52,6 +52,7 @@ _LAZY = {
     "Schedule": "schedules.action",
     "SimResult": "schedules.simulate",
     "PipelineConfig": "run.pipeline.config",
+    "PipelineReport": "run.pipeline.report",
     "GradientNoiseScale": "run.noise",
 }
 # The public name when it differs from the name in its module.

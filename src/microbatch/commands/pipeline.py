@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -19,6 +20,7 @@ from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
     from microbatch.run.pipeline.config import PipelineConfig
+    from microbatch.run.pipeline.report import BeforeRun, PipelineReport
 
 __all__ = ["cmd"]
 
@@ -175,42 +177,39 @@ def cmd(
         seed=seed,
     )
     external = under_torchrun()
-    report = _run(cfg, external, predict_first)
-    report["notes"] = notes
-    if report.get("interrupted"):
+    report = replace(_run(cfg, external, predict_first), notes=notes)
+    if report.interrupted:
         notes.append(
-            f"interrupted (Ctrl-C or SIGTERM) after {report['steps']} of {report['steps_asked']} steps: the figures are "
+            f"interrupted (Ctrl-C or SIGTERM) after {report.steps} of {report.steps_asked} steps: the figures are "
             "those of the steps every rank finished"
         )
-    title = f"measured {report['schedule']}: p = {stages}, m = {microbatches}" + (
+    title = f"measured {report.schedule}: p = {stages}, m = {microbatches}" + (
         f", v = {virtual}" if virtual > 1 else ""
     )
     # a file that cannot be written after the run: the result is kept, printed and saved beside
     failed = not _write_outputs(report, title, trace, svg_path, png_path)
-    emit(report, as_json, lambda: render(report, width, color=use_color()))
+    emit(report.to_json(), as_json, lambda: render(report, width, color=use_color()))
     _end(report, external, failed)
 
 
-def _end(report: dict[str, Any], external: bool, failed: bool) -> None:
+def _end(report: PipelineReport, external: bool, failed: bool) -> None:
     """End a torchrun rank; exit 130 after an interrupted run, 1 when an output could not be written."""
     if external:
         _exit_rank()
-    if report.get("interrupted"):
+    if report.interrupted:
         from microbatch.commands._common import progress
 
-        progress(
-            f"interrupted: kept the {report['steps']} step(s) of {report['steps_asked']} every rank finished"
-        )
+        progress(f"interrupted: kept the {report.steps} step(s) of {report.steps_asked} every rank finished")
         raise click.exceptions.Exit(130)
     if failed:
         raise SystemExit(1)
 
 
 def _write_outputs(
-    report: dict[str, Any], title: str, trace: str | None, svg_path: str | None, png_path: str | None
+    report: PipelineReport, title: str, trace: str | None, svg_path: str | None, png_path: str | None
 ) -> bool:
-    """Write the Chrome trace, SVG and PNG asked for, each recorded in ``report``; False when one
-    could not be written (noted in ``report["notes"]``, and the whole result kept beside)."""
+    """Write the Chrome trace, SVG and PNG asked for, each recorded in ``report.outputs``; False when
+    one could not be written (noted in ``report.notes``, and the whole result kept beside)."""
     from microbatch.show.pipeline_report import chrome_trace, measured_rows_ms
 
     ok = True
@@ -236,19 +235,19 @@ def _write_outputs(
 
         try:
             save_timeline_png(rows_ms, None, png_path, title=title, time_unit="ms")
-            report["png"] = str(png_path)
+            report.outputs["png"] = str(png_path)
         except OSError as e:
-            report["notes"].append(f"could not write --png {png_path} ({e}); the result is printed below")
+            report.notes.append(f"could not write --png {png_path} ({e}); the result is printed below")
             ok = False
     if not ok:  # the whole result is kept beside, in the temporary folder
         from microbatch.commands._common import keep_beside
 
-        kept = keep_beside(report, "pipeline")
-        report["notes"].append(f"the whole result is kept in {kept}")
+        kept = keep_beside(report.to_json(), "pipeline")
+        report.notes.append(f"the whole result is kept in {kept}")
     return ok
 
 
-def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> dict[str, Any]:
+def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> PipelineReport:
     """The report of this rank under torchrun (rank 0; the other ranks end here), else of the local run."""
     if external:
         from microbatch.run.pipeline.launch import run_external
@@ -260,7 +259,7 @@ def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> dict[str, 
     return _run_local(cfg, predict_first)
 
 
-def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:
+def _run_local(cfg: PipelineConfig, predict_first: bool) -> PipelineReport:
     """The prediction (``predict_first``) and the run of ``cfg`` in local ranks, with a progress line
     on stderr at each phase. A Ctrl-C in the run returns the report of the steps every rank finished,
     marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
@@ -269,7 +268,7 @@ def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:
     from microbatch.run.pipeline.progress import PipelineInterrupted, announce, progress_to
 
     lines = _Lines()
-    before: dict[str, Any] | None = None
+    before: BeforeRun | None = None
     with progress_to(lines):
         try:
             announce("check")
@@ -278,19 +277,16 @@ def _run_local(cfg: PipelineConfig, predict_first: bool) -> dict[str, Any]:
 
                 before = predict_run(cfg)
             announce("run")
-            report: dict[str, Any] = run_pipeline(cfg)
+            report = run_pipeline(cfg)
         except PipelineInterrupted as e:
             if lines.phase != "run" or e.report is None:
                 lines.interrupted(e.why)
                 raise
-            report = e.report
-            report.update(interrupted=True, steps_asked=e.asked)
+            report = replace(e.report, interrupted=True, steps_asked=e.asked)
         except KeyboardInterrupt:
             lines.interrupted("")
             raise
-    if before is not None:
-        report["before_run"] = before
-    return report
+    return report if before is None else replace(report, before_run=before)
 
 
 class _Lines:
@@ -364,16 +360,16 @@ def _marked_trace(trace: dict[str, Any]) -> dict[str, Any]:
     return {"otherData": other, **{k: v for k, v in trace.items() if k != "otherData"}}
 
 
-def _write(report: dict[str, Any], key: str, path: str, text: Any) -> bool:
-    """Write ``text()`` to ``path`` and record it under ``report[key]``; on failure add a note and
+def _write(report: PipelineReport, key: str, path: str, text: Any) -> bool:
+    """Write ``text()`` to ``path`` and record it in ``report.outputs[key]``; on failure add a note and
     return False (the run's result is never lost to a late error)."""
     try:
         with open(path, "w") as f:
             f.write(text())
     except OSError as e:
-        report["notes"].append(f"could not write --{key} {path} ({e.strerror or e})")
+        report.notes.append(f"could not write --{key} {path} ({e.strerror or e})")
         return False
-    report[key] = str(path)
+    report.outputs[key] = str(path)
     return True
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from microbatch.commands._common import emit, force_option, json_option
@@ -49,7 +51,9 @@ def cmd(
     from microbatch.errors import MicrobatchError
 
     try:
-        rep = build_report(loaded, out_path, title=title, png=not no_png)
+        rep = build_report(
+            [_read_typed(kind, r) for kind, r in loaded], out_path, title=title, png=not no_png
+        )
     except MicrobatchError:
         raise  # the library's own refusal says what is wrong (a ConfigError is a ValueError too)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
@@ -67,6 +71,16 @@ def cmd(
             f"{len(rep.png_paths)} PNG figures beside it"
         ),
     )
+
+
+def _read_typed(kind: str, result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A result as its typed report reads it, where it has one: a pipeline result (this version's or
+    an earlier one's) goes through :class:`~microbatch.run.pipeline.report.PipelineReport`."""
+    if kind != "pipeline":
+        return kind, result
+    from microbatch.run.pipeline.report import PipelineReport
+
+    return kind, {**result, **PipelineReport.from_json(result).to_json()}
 
 
 def _unreadable(results: tuple[str, ...], error: Exception) -> Exception:

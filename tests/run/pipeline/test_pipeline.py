@@ -180,13 +180,17 @@ def test_torchrun_detection():
 
 
 def test_chrome_trace_events():
-    report = {
-        "stages": 2,
-        "timeline": [
-            {"rank": 0, "stage": 0, "kind": "F", "microbatch": 0, "start_s": 0.0, "end_s": 0.002},
-            {"rank": 1, "stage": 1, "kind": "B", "microbatch": 0, "start_s": 0.003, "end_s": 0.004},
+    from types import SimpleNamespace
+
+    from microbatch.run.pipeline.report import TimelineOp
+
+    report = SimpleNamespace(
+        stages=2,
+        timeline=[
+            TimelineOp(rank=0, stage=0, kind="F", microbatch=0, start_s=0.0, end_s=0.002),
+            TimelineOp(rank=1, stage=1, kind="B", microbatch=0, start_s=0.003, end_s=0.004),
         ],
-    }
+    )
     trace = chrome_trace(report)["traceEvents"]
     ev = [e for e in trace if e["ph"] == "X"]
     assert [(e["name"], e["pid"], e["ts"], e["dur"]) for e in ev] == [
@@ -201,36 +205,36 @@ def test_chrome_trace_events():
 
 
 def _in_flight(rep):
-    return [s["counted_in_flight"] for s in rep["measured"]["stage_stats"]]
+    return [s.counted_in_flight for s in rep.measured.stage_stats]
 
 
 @pytest.mark.timeout(150)
 def test_1f1b_matches_unsplit_gradients_and_holds_p_minus_i():
     rep = run_cached(schedule="1f1b", stages=2, microbatches=4, global_batch=8, check_gradients=True)
-    assert rep["micro_batch"] == 2
-    assert rep["gradients_match"] is True
-    assert rep["max_grad_rel_error"] <= 1e-5
-    assert _in_flight(rep) == [2, 1] == rep["predicted"]["peak_in_flight"]
-    assert rep["order_matches_torch"]
-    st = rep["measured"]["stage_stats"]
+    assert rep.micro_batch == 2
+    assert rep.gradients_match is True
+    assert rep.max_grad_rel_error <= 1e-5
+    assert _in_flight(rep) == [2, 1] == rep.predicted.peak_in_flight
+    assert rep.order_matches_torch
+    st = rep.measured.stage_stats
     # the schedule's count: rank 0 two micro-batches' saved activations at its peak, rank 1 one —
     # against each stage's bytes of one micro-batch measured apart, on this process (not the run's hooks)
     alone = _stage_bytes(rep)
-    assert st[0]["counted_activation_bytes"] == 2 * alone[0]
-    assert st[1]["counted_activation_bytes"] == alone[1]
-    assert [s["activation_bytes_per_microbatch"] for s in st] == alone
+    assert st[0].counted_activation_bytes == 2 * alone[0]
+    assert st[1].counted_activation_bytes == alone[1]
+    assert [s.activation_bytes_per_microbatch for s in st] == alone
     # memory actually held (saved storages alive) against the prediction walking torch's order with
     # those bytes: byte counts, not times, so the same on any machine and load (0.0% on the dev
     # machine); 2% leaves out a x1.02 and anything freed an op late (a micro-batch: +50% on rank 1)
-    for row in rep["memory"]:
-        assert abs(row["error_pct"]) <= 2, row
+    for row in rep.memory:
+        assert abs(row.error_pct) <= 2, row
     for s in st:
-        assert s["busy_s"] > 0 and s["idle_s"] >= 0
+        assert s.busy_s > 0 and s.idle_s >= 0
         # saved activations of a micro-batch exceed its b_m·s·h fp32 input (2·64·64·4 bytes)
-        assert s["activation_bytes_per_microbatch"] > 2 * 64 * 64 * 4
-    assert 0 < rep["measured"]["bubble_fraction"] < 1
-    assert len(rep["losses"]) == 2 and all(3 < x < 9 for x in rep["losses"])  # ~ln(512) = 6.2
-    assert rep["measured_steps"] == 1 and rep["measured"]["bubble_se"] is None  # no spread to state
+        assert s.activation_bytes_per_microbatch > 2 * 64 * 64 * 4
+    assert 0 < rep.measured.bubble_fraction < 1
+    assert len(rep.losses) == 2 and all(3 < x < 9 for x in rep.losses)  # ~ln(512) = 6.2
+    assert rep.measured_steps == 1 and rep.measured.bubble_se is None  # no spread to state
 
 
 def _stage_bytes(rep):
@@ -239,10 +243,10 @@ def _stage_bytes(rep):
     from microbatch.run.pipeline.stage_profile import stage_saved_bytes
 
     cfg = PipelineConfig(
-        schedule=rep["schedule"], stages=rep["stages"], microbatches=rep["microbatches"],
-        global_batch=rep["global_batch"], model=rep["model"],
+        schedule=rep.schedule, stages=rep.stages, microbatches=rep.microbatches,
+        global_batch=rep.global_batch, model=rep.model,
     )  # fmt: skip
-    prof = stage_saved_bytes(cfg, rep["layers_per_stage"])
+    prof = stage_saved_bytes(cfg, rep.layers_per_stage)
     return [prof[s]["own"] + prof[s]["shared"] for s in sorted(prof)]
 
 
@@ -250,18 +254,18 @@ def _step_bubbles(rep):
     """Each measured step's bubble as the idle time it is, added up gap by gap: per rank, from the
     step's start to its first op, between its ops, and from its last op to the step's end (the
     report's figure is 1 - busy / (p · wall); the two agree only if no rank runs two ops at once)."""
-    p = rep["stages"]
+    p = rep.stages
     out = []
-    for st in rep["step_intervals"]:
+    for st in rep.step_intervals:
         idle = 0.0
-        for ivs in st["ranks"]:
-            t = st["start"]
+        for ivs in st.ranks:
+            t = st.start
             for _k, _s, _i, a, e in sorted(ivs, key=lambda x: x[3]):
                 assert a >= t - 1e-9  # one op at a time on a rank
                 idle += a - t
                 t = e
-            idle += st["end"] - t
-        out.append(idle / (p * (st["end"] - st["start"])))
+            idle += st.end - t
+        out.append(idle / (p * (st.end - st.start)))
     return out
 
 
@@ -270,21 +274,21 @@ def test_the_measured_bubble_states_its_standard_error_over_steps():
     import statistics
 
     rep = run(schedule="gpipe", stages=2, microbatches=2, steps=4)
-    m, per_step = rep["measured"], _step_bubbles(rep)
-    assert len(per_step) == rep["measured_steps"] == 3
-    assert m["bubble_steps"] == pytest.approx(per_step)
-    assert m["bubble_fraction"] == pytest.approx(statistics.fmean(per_step))
-    assert m["bubble_se"] == pytest.approx(statistics.stdev(per_step) / 3**0.5)
-    assert m["bubble_se"] > 0
+    m, per_step = rep.measured, _step_bubbles(rep)
+    assert len(per_step) == rep.measured_steps == 3
+    assert m.bubble_steps == pytest.approx(per_step)
+    assert m.bubble_fraction == pytest.approx(statistics.fmean(per_step))
+    assert m.bubble_se == pytest.approx(statistics.stdev(per_step) / 3**0.5)
+    assert m.bubble_se > 0
 
 
 @pytest.mark.timeout(150)
 def test_gpipe_holds_all_m_microbatches():
     rep = run_cached(schedule="gpipe", stages=2, microbatches=4, check_gradients=True)
-    assert rep["gradients_match"] is True
-    assert _in_flight(rep) == [4, 4] == rep["predicted"]["peak_in_flight"]
+    assert rep.gradients_match is True
+    assert _in_flight(rep) == [4, 4] == rep.predicted.peak_in_flight
     alone = _stage_bytes(rep)  # measured apart from the run
-    assert [s["counted_activation_bytes"] for s in rep["measured"]["stage_stats"]] == [4 * b for b in alone]
+    assert [s.counted_activation_bytes for s in rep.measured.stage_stats] == [4 * b for b in alone]
 
 
 @pytest.mark.timeout(200)
@@ -293,9 +297,9 @@ def test_saved_activation_bytes_grow_linearly_with_the_micro_batch():
     two = run_cached(
         schedule="1f1b", stages=2, microbatches=4, global_batch=8, check_gradients=True
     )  # b_m = 2
-    assert (one["micro_batch"], two["micro_batch"]) == (1, 2)
-    for a, b in zip(one["measured"]["stage_stats"], two["measured"]["stage_stats"], strict=True):
-        ratio = b["activation_bytes_per_microbatch"] / a["activation_bytes_per_microbatch"]
+    assert (one.micro_batch, two.micro_batch) == (1, 2)
+    for a, b in zip(one.measured.stage_stats, two.measured.stage_stats, strict=True):
+        ratio = b.activation_bytes_per_microbatch / a.activation_bytes_per_microbatch
         assert ratio == pytest.approx(2.0, rel=0.02)
 
 
@@ -303,8 +307,8 @@ def test_saved_activation_bytes_grow_linearly_with_the_micro_batch():
 def test_1f1b_on_four_stages_holds_four_three_two_one():
     rep = run(schedule="1f1b", stages=4, microbatches=8, steps=1, check_gradients=True)
     assert _in_flight(rep) == [4, 3, 2, 1]
-    assert rep["gradients_match"] is True
-    assert rep["layers_per_stage"] == [1, 1, 1, 1]
+    assert rep.gradients_match is True
+    assert rep.layers_per_stage == [1, 1, 1, 1]
 
 
 @pytest.mark.timeout(150)
@@ -313,10 +317,10 @@ def test_1f1b_on_four_stages_holds_four_three_two_one():
 )
 def test_interleaved_and_zero_bubble_gradients_and_order(schedule, m, v):
     rep = run(schedule=schedule, stages=2, microbatches=m, virtual=v, check_gradients=True)
-    assert rep["gradients_match"] is True, rep["max_grad_rel_error"]
-    assert rep["order_matches_torch"], rep["executed_order"]
-    assert _in_flight(rep) == rep["predicted"]["peak_in_flight"]
-    kinds = {it["kind"] for it in rep["timeline"]}
+    assert rep.gradients_match is True, rep.max_grad_rel_error
+    assert rep.order_matches_torch, rep.executed_order
+    assert _in_flight(rep) == rep.predicted.peak_in_flight
+    kinds = {it.kind for it in rep.timeline}
     assert kinds == ({"F", "I", "W"} if schedule != "interleaved-1f1b" else {"F", "B"})
 
 
@@ -325,12 +329,12 @@ def _implied_by_op_times(rep):
     out here independently of the simulator: each op starts when its rank is free and its input
     has arrived (F after the previous stage's F of that micro-batch, B after the next stage's B),
     plus the measured hand-off latency per cross-rank input."""
-    op, comm = rep["measured"]["op_time_s"], rep["predicted"]["with_comm"]["comm_time_s"]
-    orders = {int(r): list(o) for r, o in rep["executed_order"].items()}
+    op, comm = rep.measured.op_time_s, rep.predicted.with_comm.comm_time_s
+    orders = {int(r): list(o) for r, o in rep.executed_order.items()}
     end: dict[str, float] = {}
     free = dict.fromkeys(orders, 0.0)
     pos = dict.fromkeys(orders, 0)
-    last = rep["stages"] - 1
+    last = rep.stages - 1
     while any(pos[r] < len(o) for r, o in orders.items()):
         moved = False
         for r, o in orders.items():
@@ -348,7 +352,7 @@ def _implied_by_op_times(rep):
         assert moved, "deadlock in the executed order"
     step = max(end.values())
     busy = sum(op[name[:2]] for o in orders.values() for name in o)
-    return step, 1.0 - busy / (rep["stages"] * step)
+    return step, 1.0 - busy / (rep.stages * step)
 
 
 @pytest.mark.slow
@@ -361,16 +365,16 @@ def test_measured_bubble_falls_as_m_grows():
     # plus two hand-offs, and the step's wall time (barrier to the last rank's return, read apart
     # from the op intervals) must agree with it.
     step1, bubble1 = _implied_by_op_times(one)
-    ops = one["measured"]["op_time_s"]
+    ops = one.measured.op_time_s
     # the hand-off, read here from the raw intervals, not from the report: in the chain each step
     # waits twice, rank 1 for stage 0's output and rank 0 for stage 1's gradient; the report's
     # comm_time_s (measured_comm_s) must be their median (the upper one of an even count)
     gaps = []
-    for st in one["step_intervals"]:
-        at = {(k, s): (a, e) for ivs in st["ranks"] for (k, s, _i, a, e) in ivs}
+    for st in one.step_intervals:
+        at = {(k, s): (a, e) for ivs in st.ranks for (k, s, _i, a, e) in ivs}
         gaps += [at[("F", 1)][0] - at[("F", 0)][1], at[("B", 0)][0] - at[("B", 1)][1]]
     comm = sorted(max(0.0, g) for g in gaps)[len(gaps) // 2]
-    assert one["predicted"]["with_comm"]["comm_time_s"] == pytest.approx(comm, abs=1e-9)
+    assert one.predicted.with_comm.comm_time_s == pytest.approx(comm, abs=1e-9)
     assert step1 == pytest.approx(sum(ops[k] for k in ("0F", "1F", "1B", "0B")) + 2 * comm)
     assert (
         comm < 0.05 * step1
@@ -379,21 +383,21 @@ def test_measured_bubble_falls_as_m_grows():
     # after each local op, the return: 1-3 ms idle, up to ~10% of the step at load 6-8 on 2 cores):
     # never under the chain, and within a quarter of it, which a wrong step boundary (the barrier's
     # wait, a second step) would overshoot
-    assert 0.98 * step1 <= one["measured"]["step_time_s"] <= 1.25 * step1
-    assert one["predicted"]["with_comm"]["step_time_s"] == pytest.approx(step1, rel=0.02)
+    assert 0.98 * step1 <= one.measured.step_time_s <= 1.25 * step1
+    assert one.predicted.with_comm.step_time_s == pytest.approx(step1, rel=0.02)
     # m = 8: the stages cost differently (the last holds the head and the loss), so the bubble is
     # not the equal-time (p-1)/(m+p-1) = 1/9; the simulated bubble must match what this run's own
     # op times imply
     step8, bubble8 = _implied_by_op_times(eight)
-    assert eight["predicted"]["with_comm"]["bubble_fraction"] == pytest.approx(bubble8, abs=0.02)
+    assert eight.predicted.with_comm.bubble_fraction == pytest.approx(bubble8, abs=0.02)
     # the measured bubble also holds the runtime's work between ops (hand-off bookkeeping, the
     # autograd engine's start), which no op interval contains, and that work grows with the
     # machine's load (0.01-0.05 above the op-time bubble over four idle runs on the 2-core dev
     # machine, 0.10 once under CI's load): so the measurement is bounded from below only, the
     # bubble and the step's wall time never under what the op times imply
-    assert eight["measured"]["bubble_fraction"] >= bubble8 - 0.02
-    assert eight["measured"]["step_time_s"] >= 0.98 * step8
-    assert one["measured"]["bubble_fraction"] > eight["measured"]["bubble_fraction"] + 0.1
+    assert eight.measured.bubble_fraction >= bubble8 - 0.02
+    assert eight.measured.step_time_s >= 0.98 * step8
+    assert one.measured.bubble_fraction > eight.measured.bubble_fraction + 0.1
     assert bubble1 > bubble8
 
 
@@ -533,7 +537,7 @@ def test_a_taken_port_is_replaced(monkeypatch):
     finally:
         busy.close()
     assert next(ports, None) is None  # the busy port was tried, then a second one
-    assert rep["measured"]["stage_stats"][0]["counted_in_flight"] == 2
+    assert rep.measured.stage_stats[0].counted_in_flight == 2
 
 
 def make_stack():
@@ -552,9 +556,9 @@ def test_any_stack_of_layers_balanced_by_measured_time(monkeypatch):
         schedule="1f1b", stages=2, microbatches=2, model="test_pipeline:make_stack", seq=8,
         balance="time", check_gradients=True,
     )  # fmt: skip
-    assert sum(rep["layers_per_stage"]) == 5 and min(rep["layers_per_stage"]) >= 1
-    assert rep["gradients_match"] is True
-    assert [s["counted_in_flight"] for s in rep["measured"]["stage_stats"]] == [2, 1]
+    assert sum(rep.layers_per_stage) == 5 and min(rep.layers_per_stage) >= 1
+    assert rep.gradients_match is True
+    assert [s.counted_in_flight for s in rep.measured.stage_stats] == [2, 1]
 
 
 @pytest.mark.cuda
@@ -563,12 +567,12 @@ def test_nccl_on_two_gpus_times_with_cuda_events_and_reports_peak_memory():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (NCCL does not put two ranks on one GPU)")
     rep = run(schedule="1f1b", stages=2, microbatches=4, backend="nccl", check_gradients=True, steps=3)
-    assert rep["device"].startswith("cuda")
-    assert rep["gradients_match"] is True
-    assert [s["counted_in_flight"] for s in rep["measured"]["stage_stats"]] == [2, 1]
-    for s in rep["measured"]["stage_stats"]:
-        assert s["cuda_peak_bytes"] >= s["peak_activation_bytes"] > 0
-        assert s["busy_s"] > 0
+    assert rep.device.startswith("cuda")
+    assert rep.gradients_match is True
+    assert [s.counted_in_flight for s in rep.measured.stage_stats] == [2, 1]
+    for s in rep.measured.stage_stats:
+        assert s.cuda_peak_bytes >= s.peak_activation_bytes > 0
+        assert s.busy_s > 0
 
 
 def test_measured_comm_is_the_median_wait_for_another_ranks_output():

@@ -26,7 +26,7 @@ def run(**kw):
 
 
 def _measured(rep):
-    return [row["measured_peak_bytes"] for row in rep["memory"]]
+    return [row.measured_peak_bytes for row in rep.memory]
 
 
 def test_live_bytes_count_a_storage_once_and_release_it_when_the_last_tensor_dies():
@@ -54,13 +54,13 @@ def test_an_injected_leak_makes_measured_exceed_predicted(monkeypatch):
     clean = run(schedule="1f1b", stages=2, microbatches=4)
     monkeypatch.setenv("MICROBATCH_PIPELINE_FAULT", "0:leak")
     leaky = run_pipeline(PipelineConfig(schedule="1f1b", stages=2, microbatches=4, steps=1, timeout_s=60))
-    per_mb = leaky["measured"]["stage_stats"][0]["activation_bytes_per_microbatch"]
-    c0, l0 = clean["memory"][0], leaky["memory"][0]
-    assert l0["counted_bytes"] == c0["counted_bytes"]  # the count is blind to the leak
-    assert l0["predicted_bytes"] == pytest.approx(c0["predicted_bytes"])
-    assert l0["measured_peak_bytes"] > 1.3 * l0["predicted_bytes"]
-    assert l0["measured_peak_bytes"] - c0["measured_peak_bytes"] >= 0.8 * per_mb  # one micro-batch more
-    assert abs(c0["error_pct"]) <= 10  # without the leak, rank 0 is within 10%
+    per_mb = leaky.measured.stage_stats[0].activation_bytes_per_microbatch
+    c0, l0 = clean.memory[0], leaky.memory[0]
+    assert l0.counted_bytes == c0.counted_bytes  # the count is blind to the leak
+    assert l0.predicted_bytes == pytest.approx(c0.predicted_bytes)
+    assert l0.measured_peak_bytes > 1.3 * l0.predicted_bytes
+    assert l0.measured_peak_bytes - c0.measured_peak_bytes >= 0.8 * per_mb  # one micro-batch more
+    assert abs(c0.error_pct) <= 10  # without the leak, rank 0 is within 10%
 
 
 @pytest.mark.timeout(300)
@@ -84,14 +84,14 @@ def test_gpipe_memory_grows_with_m_and_1f1b_does_not_measured():
 @pytest.mark.timeout(200)
 def test_dualpipev_runs_on_torch_with_unsplit_gradients_and_torchs_order():
     rep = run(schedule="dualpipev", stages=2, microbatches=4, virtual=2, check_gradients=True)
-    assert rep["gradients_match"] is True, rep["max_grad_rel_error"]
-    assert rep["order_matches_torch"], rep["executed_order"]
-    assert {it["kind"] for it in rep["timeline"]} == {"F", "B", "I", "W"}
-    assert [s["virtual_stages"] for s in rep["measured"]["stage_stats"]] == [[0, 3], [1, 2]]
+    assert rep.gradients_match is True, rep.max_grad_rel_error
+    assert rep.order_matches_torch, rep.executed_order
+    assert {it.kind for it in rep.timeline} == {"F", "B", "I", "W"}
+    assert [s.virtual_stages for s in rep.measured.stage_stats] == [[0, 3], [1, 2]]
     # memory along torch's order with each stage's own bytes (rank 0 holds the small embedding and
     # head stages: the registry's 2p + 1 chunks × the rank's mean stage predicted +24%..+48%)
-    for row in rep["memory"]:
-        assert abs(row["error_pct"]) <= 10, row
+    for row in rep.memory:
+        assert abs(row.error_pct) <= 10, row
 
 
 def _old_rule_bytes(rep, rank):
@@ -101,16 +101,16 @@ def _old_rule_bytes(rep, rank):
     from microbatch.run.pipeline.resolved import resolve
 
     cfg = PipelineConfig(
-        schedule=rep["schedule"],
-        stages=rep["stages"],
-        microbatches=rep["microbatches"],
-        virtual=rep["virtual"],
+        schedule=rep.schedule,
+        stages=rep.stages,
+        microbatches=rep.microbatches,
+        virtual=rep.virtual,
     )
-    st = rep["measured"]["stage_stats"][rank]
+    st = rep.measured.stage_stats[rank]
     rule = resolve(cfg).rule
     chunks = rule.in_flight(rank, cfg.stages, cfg.microbatches, cfg.virtual)
     fed = 1 if rank > 0 else 0
-    return chunks * st["activation_bytes_per_microbatch"] + fed * (
+    return chunks * st.activation_bytes_per_microbatch + fed * (
         cfg.microbatches - chunks
     ) * boundary_bytes(cfg)
 
@@ -163,9 +163,9 @@ def test_zero_bubble_and_interleaved_memory_within_10_percent_where_the_old_rule
     zb = run(schedule="zb-h1", stages=2, microbatches=4)
     il = run(schedule="interleaved-1f1b", stages=2, microbatches=4, virtual=2)
     for rep in (zb, il):
-        for row in rep["memory"]:
-            assert abs(row["error_pct"]) <= 10, (rep["schedule"], row)
-    meas = zb["memory"][1]["measured_peak_bytes"]
+        for row in rep.memory:
+            assert abs(row.error_pct) <= 10, (rep.schedule, row)
+    meas = zb.memory[1].measured_peak_bytes
     old = _old_rule_bytes(zb, 1)
     assert abs(meas - old) / old > 0.1, (meas, old)
 
@@ -175,9 +175,9 @@ def test_the_embedding_only_rank_holds_the_shared_token_ids_once():
     """At p = 4 rank 0 holds only the embedding; its saved token ids are views of one batch tensor,
     held once whatever the number of micro-batches in flight (the old prediction: 3× measured)."""
     rep = run(schedule="1f1b", stages=4, microbatches=4)
-    row = rep["memory"][0]
-    assert abs(row["error_pct"]) <= 10, row
-    assert row["measured_peak_bytes"] < 0.6 * _old_rule_bytes(rep, 0)
+    row = rep.memory[0]
+    assert abs(row.error_pct) <= 10, row
+    assert row.measured_peak_bytes < 0.6 * _old_rule_bytes(rep, 0)
 
 
 def test_a_model_too_large_for_the_host_is_refused_with_the_numbers():
@@ -241,12 +241,12 @@ def test_the_uncalibrated_prediction_is_within_15_percent_of_the_measured_peak()
     (+33% at least) out, and the formula's known misses on tiny (rank 1's loss and softmax) in."""
     for schedule in ("gpipe", "1f1b"):
         rep = run(schedule=schedule, stages=2, microbatches=4)
-        for row in rep["memory"]:
-            assert row["uncalibrated_bytes"] is not None, row
-            assert abs(row["uncalibrated_error_pct"]) <= 15, (schedule, row)
-            measured = row["measured_peak_bytes"]
-            assert row["uncalibrated_error_pct"] == pytest.approx(
-                100 * (measured - row["uncalibrated_bytes"]) / row["uncalibrated_bytes"]
+        for row in rep.memory:
+            assert row.uncalibrated_bytes is not None, row
+            assert abs(row.uncalibrated_error_pct) <= 15, (schedule, row)
+            measured = row.measured_peak_bytes
+            assert row.uncalibrated_error_pct == pytest.approx(
+                100 * (measured - row.uncalibrated_bytes) / row.uncalibrated_bytes
             )
 
 
@@ -291,6 +291,6 @@ def test_the_calibration_is_measured_on_one_process_not_read_from_the_runs_hooks
 
     same, big = memory_rows(cfg, ranks(1.0), [0]), memory_rows(cfg, ranks(1.5), [0])
     for r in range(2):
-        assert same[r]["predicted_bytes"] == pytest.approx(honest[r]) == big[r]["predicted_bytes"]
-        assert same[r]["error_pct"] == pytest.approx(0.0, abs=1e-9)
-        assert big[r]["error_pct"] == pytest.approx(50.0)
+        assert same[r].predicted_bytes == pytest.approx(honest[r]) == big[r].predicted_bytes
+        assert same[r].error_pct == pytest.approx(0.0, abs=1e-9)
+        assert big[r].error_pct == pytest.approx(50.0)

@@ -7,6 +7,7 @@ import pytest
 from microbatch.run.pipeline.before_run import predict_before
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.replay import ZERO_TERMS, replay, runtime_terms
+from microbatch.run.pipeline.report import StepIntervals
 from microbatch.run.pipeline.stage_profile import profile_stages
 from microbatch.schedules.torch_order import torch_order
 
@@ -29,8 +30,8 @@ def _terms(**kw):
 def test_equal_stages_without_costs_between_ops_give_the_closed_form():
     cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
     pred = predict_before(cfg, _flat(2), _terms())
-    assert pred["bubble_fraction"] == pytest.approx(1 / 5)  # (p−1)/(m+p−1)
-    assert pred["step_time_s"] == pytest.approx((4 + 1) * 3e-3)
+    assert pred.bubble_fraction == pytest.approx(1 / 5)  # (p−1)/(m+p−1)
+    assert pred.step_time_s == pytest.approx((4 + 1) * 3e-3)
 
 
 def test_costs_between_ops_lengthen_the_step_and_count_as_idle():
@@ -40,10 +41,10 @@ def test_costs_between_ops_lengthen_the_step_and_count_as_idle():
         cfg, _flat(2), _terms(after_send_s={"fwd": 1e-4, "bwd": 5e-3}, hop_s={"fwd": 1e-3, "bwd": 1e-3})
     )
     # the last rank's 4 gradient sends each hold it 5 ms; rank 0 waits for them but the first
-    assert slow["step_time_s"] > base["step_time_s"] + 3 * 5e-3
-    assert slow["bubble_fraction"] > base["bubble_fraction"]
+    assert slow.step_time_s > base.step_time_s + 3 * 5e-3
+    assert slow.bubble_fraction > base.bubble_fraction
     # busy stays the profiled op time: 1 − busy / (p · step)
-    assert slow["bubble_fraction"] == pytest.approx(1 - 2 * 4 * 3e-3 / (2 * slow["step_time_s"]))
+    assert slow.bubble_fraction == pytest.approx(1 - 2 * 4 * 3e-3 / (2 * slow.step_time_s))
 
 
 @pytest.mark.parametrize(
@@ -72,7 +73,7 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
             s = int(stage_of[(r, n)].split(kind)[0])
             ivs.append((kind, s, i, a, e))
         ranks.append(ivs)
-    got = runtime_terms(cfg, [{"start": 0.0, "end": rep["step_time_s"], "ranks": ranks}])
+    got = runtime_terms(cfg, [StepIntervals(start=0.0, end=rep["step_time_s"], ranks=ranks)])
     for key in ("after_local_s", "start_s", "end_s"):
         if key != "after_local_s" or got["cases"]["after_local"]:
             assert got[key] == pytest.approx(known[key], abs=1e-9), key
@@ -120,11 +121,11 @@ def test_other_runnable_threads_slow_the_ops_in_short_time_slices_as_processor_s
     prof = {s: {"F": 1e-3, "B": 2e-3, "cpuF": 1e-3, "cpuB": 2e-3} for s in range(2)}
     alone = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 0.0, "slice_s": 1e-6}))
     shared = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 2.0, "slice_s": 1e-6}))
-    assert alone["cpu_share"] == pytest.approx(1.0) and alone["step_time_s"] == pytest.approx(6e-3)
+    assert alone.cpu_share == pytest.approx(1.0) and alone.step_time_s == pytest.approx(6e-3)
     # one rank busy at a time at m = 1 (bubble 1/2): share = 2 / (2 + 1)
-    assert shared["cpu_share"] == pytest.approx(2 / 3, rel=1e-3)
-    assert shared["step_time_s"] == pytest.approx(6e-3 * 1.5, rel=1e-3)
-    assert shared["bubble_fraction"] == pytest.approx(alone["bubble_fraction"], abs=1e-3)
+    assert shared.cpu_share == pytest.approx(2 / 3, rel=1e-3)
+    assert shared.step_time_s == pytest.approx(6e-3 * 1.5, rel=1e-3)
+    assert shared.bubble_fraction == pytest.approx(alone.bubble_fraction, abs=1e-3)
 
 
 def test_more_ranks_than_cores_wait_for_a_core_and_ops_shorter_than_a_slice_are_not_stretched():
@@ -267,11 +268,11 @@ def test_the_prediction_charges_each_measured_term_once_on_the_critical_path():
     )
     pred = predict_before(one, prof, terms)
     step = 10.0 + 0.5 + (0.1 + 0.2) + (0.3 + 0.5) + 2 * 0.01
-    assert pred["step_time_s"] == pytest.approx(step, abs=1e-9)
-    assert pred["bubble_fraction"] == pytest.approx(1 - 10.5 / (2 * step), abs=1e-9)
+    assert pred.step_time_s == pytest.approx(step, abs=1e-9)
+    assert pred.bubble_fraction == pytest.approx(1 - 10.5 / (2 * step), abs=1e-9)
     two = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     waiting = _terms(after_send_s={"fwd": 0.02, "bwd": 0.04}, after_send_waiting_s={"fwd": 0.07, "bwd": 0.09})
-    assert predict_before(two, prof, waiting)["step_time_s"] == pytest.approx(17.0 + 0.09, abs=1e-9)
+    assert predict_before(two, prof, waiting).step_time_s == pytest.approx(17.0 + 0.09, abs=1e-9)
 
 
 def test_with_a_machine_reading_the_ops_take_their_cpu_time_not_their_wall_time():
@@ -281,8 +282,8 @@ def test_with_a_machine_reading_the_ops_take_their_cpu_time_not_their_wall_time(
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=1)
     prof = {s: {"F": 2e-3, "B": 4e-3, "cpuF": 1e-3, "cpuB": 2e-3} for s in range(2)}
     alone = _terms(machine={"cores": 2.0, "others": 0.0, "slice_s": 1e-6})
-    assert predict_before(cfg, prof, alone)["step_time_s"] == pytest.approx(6e-3, rel=1e-6)
-    assert predict_before(cfg, prof, _terms())["step_time_s"] == pytest.approx(12e-3, rel=1e-6)  # no reading
+    assert predict_before(cfg, prof, alone).step_time_s == pytest.approx(6e-3, rel=1e-6)
+    assert predict_before(cfg, prof, _terms()).step_time_s == pytest.approx(12e-3, rel=1e-6)  # no reading
 
 
 def test_timed_reads_the_threads_cpu_time_beside_the_wall_time():
@@ -353,8 +354,8 @@ def test_predict_run_profiles_after_the_mean_gap_and_predicts_with_the_loaded_te
     assert seen["idle_s"] == 0.004
     assert seen["loaded"][0] is prof and seen["loaded"][1] is bare
     assert seen["loaded"][2] == cal.loaded_steps(10.0, cfg.timeout_s)  # from the bare terms' step
-    assert pred["step_time_s"] == pytest.approx(10.25)  # the loaded terms' start, nothing else
-    assert pred["runtime"]["loaded"] is True and "CPU load" in pred["source"]
+    assert pred.step_time_s == pytest.approx(10.25)  # the loaded terms' start, nothing else
+    assert pred.runtime["loaded"] is True and "CPU load" in pred.source
 
 
 def test_the_loaded_calibration_spins_for_the_profiled_cpu_times(monkeypatch):
@@ -374,7 +375,9 @@ def test_the_loaded_calibration_spins_for_the_profiled_cpu_times(monkeypatch):
     def fake_run(c, **kw):
         got["spins"] = json.loads(os.environ[cal.LOAD_ENV])
         got["model"] = c.model
-        return {"step_intervals": [], "measured": {"step_time_s": 0.01, "bubble_fraction": 0.3}}
+        from types import SimpleNamespace as NS
+
+        return NS(step_intervals=[], measured=NS(step_time_s=0.01, bubble_fraction=0.3))
 
     monkeypatch.setattr(launch, "run_pipeline", fake_run)
     monkeypatch.setattr(rp, "runtime_terms", lambda c, steps: _terms(start_s=0.125))
@@ -417,15 +420,15 @@ def test_the_bubble_predicted_before_a_run_is_held_to_the_bubble_the_run_measure
     rep = run_predicted(
         PipelineConfig(schedule="1f1b", stages=2, microbatches=4, steps=6, timeout_s=60), deadline_s=100
     )
-    before, measured = rep["before_run"]["bubble_fraction"], rep["measured"]["bubble_fraction"]
-    assert rep["before_run"]["runtime"]["loaded"] is True  # gloo ranks: the loaded calibration was made
+    before, measured = rep.before_run.bubble_fraction, rep.measured.bubble_fraction
+    assert rep.before_run.runtime["loaded"] is True  # gloo ranks: the loaded calibration was made
     assert -under <= before - measured <= over, (before, measured)
     # the runtime's costs between ops are in it: above the replay of the profiled op times alone
     prof: dict[int, dict[str, float]] = {0: {}, 1: {}}
-    for key, t in rep["before_run"]["profile_s"].items():
+    for key, t in rep.before_run.profile_s.items():
         prof[int(key[:-1])][key[-1]] = t
     ops_only = predict_before(PipelineConfig(schedule="1f1b", stages=2, microbatches=4), prof, _terms())
-    assert before > ops_only["bubble_fraction"], (before, ops_only["bubble_fraction"], measured)
+    assert before > ops_only.bubble_fraction, (before, ops_only.bubble_fraction, measured)
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,12 @@ core and are taken as latency. :func:`predict_run` does all of it; :func:`run_pr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from microbatch.run.pipeline.calibrate import SLICE_S
 from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.report import BeforeRun, PipelineReport
 from microbatch.run.pipeline.stage_profile import profile_stages
 
 __all__ = ["predict_before", "predict_run", "run_predicted"]
@@ -33,7 +35,7 @@ __all__ = ["predict_before", "predict_run", "run_predicted"]
 
 def predict_before(
     cfg: PipelineConfig, profile: dict[int, dict[str, float]], runtime: dict[str, Any]
-) -> dict[str, Any]:
+) -> BeforeRun:
     """Bubble and step time of ``cfg`` predicted before the run: torch's order replayed with the
     profiled per-stage times and the runtime's measured costs between ops
     (:func:`microbatch.run.pipeline.replay.replay`)."""
@@ -72,25 +74,23 @@ def predict_before(
     share = work / busy if busy > 0 else 1.0  # the share of a core the ops got in the replay
     after = runtime["after_send_s"]
     hop = runtime["hop_s"]
-    return {
-        "bubble_fraction": rep["bubble_fraction"],
-        "step_time_s": rep["step_time_s"],
-        "overhead_s": (after["fwd"] + after["bwd"] + runtime["after_local_s"]) / 3,
-        "comm_time_s": (hop["fwd"] + hop["bwd"]) / 2,
-        "cpu_share": share,
-        "runtime": {k: v for k, v in runtime.items() if k != "cases"},
-        "profile_s": {
-            f"{s}{k}": t for s, row in sorted(profile.items()) for k, t in row.items() if k in "FBIW"
-        },
-        "source": "made before the run: one-process per-stage profile + the runtime's measured costs between "
+    return BeforeRun(
+        bubble_fraction=rep["bubble_fraction"],
+        step_time_s=rep["step_time_s"],
+        overhead_s=(after["fwd"] + after["bwd"] + runtime["after_local_s"]) / 3,
+        comm_time_s=(hop["fwd"] + hop["bwd"]) / 2,
+        cpu_share=share,
+        runtime={k: v for k, v in runtime.items() if k != "cases"},
+        profile_s={f"{s}{k}": t for s, row in sorted(profile.items()) for k, t in row.items() if k in "FBIW"},
+        source="made before the run: one-process per-stage profile + the runtime's measured costs between "
         "ops (after a send, after a local op, hand-off, step start and end) from a calibration run with the "
         "real boundary's bytes"
         + (" and the real stages' CPU load (terms taken as latency)" if runtime.get("loaded") else "")
         + ", replayed on torch's order",
-    }
+    )
 
 
-def predict_run(cfg: PipelineConfig) -> dict[str, Any]:
+def predict_run(cfg: PipelineConfig) -> BeforeRun:
     """The prediction of ``cfg``'s run made before its ranks start (:func:`predict_before`'s
     result): the checks first (layers, host memory), then the runtime calibration, the per-stage
     profile and, for gloo ranks on the CPU, the loaded calibration. It does not depend on
@@ -115,19 +115,18 @@ def predict_run(cfg: PipelineConfig) -> dict[str, Any]:
     profile = profile_stages(cfg, idle_s=runtime["mean_gap_s"])
     if needs_loaded_calibration(cfg, runtime):
         # as many loaded steps as the bound on the wait allows, from the step the bare terms predict
-        steps = loaded_steps(predict_before(cfg, profile, runtime)["step_time_s"], cfg.timeout_s)
+        steps = loaded_steps(predict_before(cfg, profile, runtime).step_time_s, cfg.timeout_s)
         if steps is not None:
             announce("calibrate_loaded")
             runtime = calibrate_loaded(cfg, profile, runtime, steps)
     return predict_before(cfg, profile, runtime)
 
 
-def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict[str, Any]:
+def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> PipelineReport:
     """:func:`microbatch.run.pipeline.launch.run_pipeline` with the prediction made before the ranks start
-    (:func:`predict_run`) as ``report["before_run"]``."""
+    (:func:`predict_run`) as its ``before_run``."""
     from microbatch.run.pipeline.launch import run_pipeline
 
     before = predict_run(cfg)
     report = run_pipeline(cfg, deadline_s=deadline_s)
-    report["before_run"] = before
-    return report
+    return replace(report, before_run=before)

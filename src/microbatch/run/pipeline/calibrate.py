@@ -272,16 +272,15 @@ def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
     load = machine_load()
     tiny = _calibration_cfg(cfg, "calibration_model")
     rep = run_pipeline(tiny)
-    terms = runtime_terms(tiny, rep["step_intervals"])
-    terms["calibration_step_s"] = float(rep["measured"]["step_time_s"])
-    terms["calibration_bubble"] = float(rep["measured"]["bubble_fraction"])
+    terms = runtime_terms(tiny, rep.step_intervals)
+    terms["calibration_step_s"] = float(rep.measured.step_time_s)
+    terms["calibration_bubble"] = float(rep.measured.bubble_fraction)
     # the runtime's own work inside each stage call (receive-buffer lookup, caches, output
     # bookkeeping; on a shared machine also the cost of running after a wait): the calibration
     # run's op time less the same op profiled on one process
     alone = profile_stages(tiny)
     terms["in_op_s"] = {
-        key: max(0.0, float(t) - alone[int(key[:-1])][key[-1]])
-        for key, t in rep["measured"]["op_time_s"].items()
+        key: max(0.0, float(t) - alone[int(key[:-1])][key[-1]]) for key, t in rep.measured.op_time_s.items()
     }
     terms["machine"] = load
     return terms
@@ -345,12 +344,12 @@ def calibrate_loaded(
             os.environ.pop(LOAD_ENV, None)
         else:
             os.environ[LOAD_ENV] = before
-    terms = runtime_terms(loaded, rep["step_intervals"])
+    terms = runtime_terms(loaded, rep.step_intervals)
     out = dict(runtime)
     out.update({k: terms[k] for k in TERM_KEYS})
     out["loaded"] = True
     out["loaded_steps"] = steps
     out["bare_terms"] = {k: runtime[k] for k in TERM_KEYS}
-    out["loaded_step_s"] = float(rep["measured"]["step_time_s"])
-    out["loaded_bubble"] = float(rep["measured"]["bubble_fraction"])
+    out["loaded_step_s"] = float(rep.measured.step_time_s)
+    out["loaded_bubble"] = float(rep.measured.bubble_fraction)
     return out

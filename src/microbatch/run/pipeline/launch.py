@@ -42,6 +42,7 @@ from microbatch.run.pipeline.progress import (
     read_partial,
     step_log_path,
 )
+from microbatch.run.pipeline.report import PipelineReport
 from microbatch.run.pipeline.summary import summarize
 
 __all__ = [
@@ -179,8 +180,8 @@ def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
             pass
 
 
-def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> dict[str, Any]:
-    """Run ``cfg`` in ``cfg.stages`` local processes and return :func:`summarize`'s report.
+def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> PipelineReport:
+    """Run ``cfg`` in ``cfg.stages`` local processes and return its typed report (:func:`summarize`).
 
     Raises :class:`PipelineError` (which rank, why, the end of its error output) when a rank
     exits non-zero or is killed, or when the run passes ``deadline_s`` (default: the config's
@@ -459,7 +460,7 @@ def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:
     return resolve(cfg).stages_of(rank)
 
 
-def run_external(cfg: PipelineConfig) -> dict[str, Any] | None:
+def run_external(cfg: PipelineConfig) -> PipelineReport | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
     from microbatch.run.pipeline.rank import run_rank
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.report import RankMemory
 from microbatch.run.pipeline.resolved import resolve
 
 __all__ = ["memory_rows", "boundary_bytes"]
@@ -132,7 +133,7 @@ def memory_rows(
     use: list[int],
     stage_bytes: dict[int, dict[str, float]] | None = None,
     device: str = "cpu",
-) -> list[dict[str, Any]]:
+) -> list[RankMemory]:
     """Per rank: measured peak of live saved bytes, the two predictions and their errors (%), the
     schedule's counted bytes, the host high-water mark and the bytes still alive after the step.
 
@@ -159,16 +160,16 @@ def memory_rows(
         un = uncal[r["rank"]]
         hosts = [st["host_peak_bytes"] for st in steps if st.get("host_peak_bytes") is not None]
         out.append(
-            {
-                "rank": r["rank"],
-                "measured_peak_bytes": measured,
-                "predicted_bytes": cal,
-                "error_pct": None if not cal else 100 * (measured - cal) / cal,
-                "uncalibrated_bytes": un,
-                "uncalibrated_error_pct": None if not un else 100 * (measured - un) / un,
-                "counted_bytes": max(st["counted_activation_bytes"] for st in steps),
-                "live_bytes_after_step": max(st["live_bytes_after_step"] for st in steps),
-                "host_peak_bytes": max(hosts) if hosts else None,
-            }
+            RankMemory(
+                rank=r["rank"],
+                measured_peak_bytes=measured,
+                predicted_bytes=cal,
+                error_pct=None if not cal else 100 * (measured - cal) / cal,
+                uncalibrated_bytes=un,
+                uncalibrated_error_pct=None if not un else 100 * (measured - un) / un,
+                counted_bytes=max(st["counted_activation_bytes"] for st in steps),
+                live_bytes_after_step=max(st["live_bytes_after_step"] for st in steps),
+                host_peak_bytes=max(hosts) if hosts else None,
+            )
         )
     return out

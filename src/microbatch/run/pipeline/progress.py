@@ -25,7 +25,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from microbatch.run.pipeline.report import PipelineReport
 
 __all__ = [
     "PHASES",
@@ -175,6 +178,6 @@ class PipelineInterrupted(KeyboardInterrupt):
     (None when none did, or when they could not be summarised: ``why`` says so); ``steps``: how many
     steps that report holds; ``asked``: the steps the run was asked for."""
 
-    def __init__(self, report: dict[str, Any] | None, steps: int, asked: int, why: str = "") -> None:
+    def __init__(self, report: PipelineReport | None, steps: int, asked: int, why: str = "") -> None:
         super().__init__(f"interrupted after {steps} of {asked} steps")
         self.report, self.steps, self.asked, self.why = report, steps, asked, why

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from microbatch.errors import ScheduleError
 from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.report import StepIntervals
 from microbatch.run.pipeline.resolved import resolve
 
 __all__ = ["ZERO_TERMS", "parse_action", "replay", "runtime_terms"]
@@ -57,7 +59,7 @@ def _consumers(kind: str, s: int, i: int) -> list[tuple[str, int, int]]:
     return []
 
 
-def _sends(kind: str, s: int, placement: list[int]) -> str | None:
+def _sends(kind: str, s: int, placement: Sequence[int]) -> str | None:
     """The direction in which op (kind, s) hands its output to another rank, if it does."""
     if kind == "F" and s + 1 < len(placement) and placement[s + 1] != placement[s]:
         return "fwd"
@@ -70,9 +72,10 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """The terms above from a run's measured steps: each ``{"start": s, "end": s, "ranks": [[(kind,
-    stage, microbatch, start, end), ...] per rank]}`` in one clock (seconds)."""
+def runtime_terms(cfg: PipelineConfig, steps: list[StepIntervals]) -> dict[str, Any]:
+    """The terms above from a run's measured steps (:attr:`PipelineReport.step_intervals
+    <microbatch.run.pipeline.report.PipelineReport.step_intervals>`: start, end and per rank the
+    ``(kind, stage, microbatch, start, end)`` intervals, in one clock, seconds)."""
     placement = resolve(cfg).placement
     last = cfg.total_stages - 1
     after: dict[str, list[float]] = {"fwd": [], "bwd": [], "local": [], "fwd_waiting": [], "bwd_waiting": []}
@@ -83,22 +86,22 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
     for step in steps:
         span: dict[tuple[str, int, int], float] = {}
         before: dict[tuple[str, int, int], float] = {}  # op -> end of its rank's previous op
-        in_order = [sorted(intervals, key=lambda x: x[3]) for intervals in step["ranks"]]
+        in_order = [sorted(intervals, key=lambda x: x[3]) for intervals in step.ranks]
         for ops in in_order:
             for n, (kind, s, i, _a, e) in enumerate(ops):
                 span[(kind, s, i)] = e
-                before[(kind, s, i)] = ops[n - 1][4] if n else step["start"]
+                before[(kind, s, i)] = ops[n - 1][4] if n else step.start
         for ops in in_order:
             for n, (kind, s, i, a, _e) in enumerate(ops):
                 prev = ops[n - 1] if n else None
                 dep = next((d for d in _deps(kind, s, i, last) if d in span), None)
                 dep_end = span[dep] if dep is not None and placement[dep[1]] != placement[s] else None
-                prev_end = prev[4] if prev is not None else step["start"]
+                prev_end = prev[4] if prev is not None else step.start
                 gaps.append(a - prev_end)
                 if dep_end is not None and dep_end >= prev_end:  # it waited for another rank
                     hop["fwd" if kind == "F" else "bwd"].append(a - dep_end)
                 elif prev is None:
-                    start.append(a - step["start"])
+                    start.append(a - step.start)
                 else:
                     # did the rank prev handed its output to sit waiting for it when prev ended?
                     waited = any(
@@ -125,11 +128,11 @@ def runtime_terms(cfg: PipelineConfig, steps: list[dict[str, Any]]) -> dict[str,
     # the step's end beyond the last op's own after-op cost
     end: list[float] = []
     for step in steps:
-        last_ops = [max(iv, key=lambda x: x[4]) for iv in step["ranks"] if iv]
+        last_ops = [max(iv, key=lambda x: x[4]) for iv in step.ranks if iv]
         if not last_ops:
             continue
         ends = [e + after_mean[_sends(k, s, placement) or "local"] for k, s, _i, _a, e in last_ops]
-        end.append(max(0.0, step["end"] - max(ends)))
+        end.append(max(0.0, step.end - max(ends)))
     return {
         "after_send_s": {"fwd": after_mean["fwd"], "bwd": after_mean["bwd"]},
         "after_send_waiting_s": {"fwd": after_mean["fwd_waiting"], "bwd": after_mean["bwd_waiting"]},

@@ -20,6 +20,16 @@ from typing import Any
 
 from microbatch.run.pipeline.config import PipelineConfig, config_from_dict
 from microbatch.run.pipeline.memory import memory_rows
+from microbatch.run.pipeline.report import (
+    Measured,
+    PipelineReport,
+    Predicted,
+    PredictedOp,
+    RankStats,
+    StepIntervals,
+    TimelineOp,
+    WithComm,
+)
 from microbatch.run.pipeline.resolved import resolve
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.simulate import SimResult, simulate
@@ -30,10 +40,11 @@ GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 """Largest relative gradient error accepted as a match, by parameter dtype (fp32: the issue's 1e-5)."""
 
 
-def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+def summarize(raw: dict[str, Any]) -> PipelineReport:
     """Measured and predicted bubble, busy/idle time, in-flight counts and memory per rank.
 
-    Steps after the first are averaged (the first warms up); with one step, it is used. Keys:
+    Steps after the first are averaged (the first warms up); with one step, it is used. Fields
+    (:class:`~microbatch.run.pipeline.report.PipelineReport`):
 
     - ``measured.bubble_fraction``: Σ_ranks idle / (p × step wall time); the step's wall time runs
       from the barrier before ``step()`` to the last rank's return. ``bubble_steps``: each measured
@@ -78,32 +89,32 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
     max_err = max(err) if err else None
     tol = GRAD_TOLERANCE[cfg.dtype]
-    return {
-        "schedule": cfg.schedule,
-        "stages": cfg.stages,
-        "microbatches": cfg.microbatches,
-        "virtual": cfg.virtual,
-        "model": cfg.model,
-        "global_batch": cfg.batch,
-        "micro_batch": cfg.micro_batch,
-        "steps": n_steps,
-        "measured_steps": len(use),
-        "layers_per_stage": ranks[0]["layers_per_stage"],
-        "torch_version": raw.get("torch_version"),
-        "device": raw.get("device"),
-        "measured": _measured(ranks, use, bubbles, wall, stats, mean_times, str(raw.get("device", "cpu"))),
-        "memory": memory,
-        "predicted": _predicted(pred, pred_comm, comm),
-        "gradients_match": None if max_err is None else bool(max_err <= tol),
-        "max_grad_rel_error": max_err,
-        "grad_tolerance": tol,
-        "losses": [st["loss"] for r in ranks for st in r["steps"] if st["loss"] is not None],
-        "order_matches_torch": all(
+    return PipelineReport(
+        schedule=cfg.schedule,
+        stages=cfg.stages,
+        microbatches=cfg.microbatches,
+        virtual=cfg.virtual,
+        model=cfg.model,
+        global_batch=cfg.batch,
+        micro_batch=cfg.micro_batch,
+        steps=n_steps,
+        measured_steps=len(use),
+        layers_per_stage=list(ranks[0]["layers_per_stage"]),
+        torch_version=raw.get("torch_version"),
+        device=raw.get("device"),
+        measured=_measured(ranks, use, bubbles, wall, stats, mean_times, str(raw.get("device", "cpu"))),
+        memory=memory,
+        predicted=_predicted(pred, pred_comm, comm),
+        gradients_match=None if max_err is None else bool(max_err <= tol),
+        max_grad_rel_error=max_err,
+        grad_tolerance=tol,
+        losses=[st["loss"] for r in ranks for st in r["steps"] if st["loss"] is not None],
+        order_matches_torch=all(
             executed[str(r)] == [str(a) for a in acts] for r, acts in enumerate(pred.schedule.actions)
         ),
-        "executed_order": executed,
+        executed_order=executed,
         **_timelines(ranks, use, pred),
-    }
+    )
 
 
 def _measured_steps(
@@ -137,32 +148,30 @@ def _measured(
     use: list[int],
     bubbles: list[float],
     wall: float,
-    stats: list[dict[str, Any]],
+    stats: list[RankStats],
     mean_times: dict[tuple[int, str], float],
     device: str,
-) -> dict[str, Any]:
+) -> Measured:
     """The measured bubble (mean, per step, standard error), step time, per-rank stats, op times and
     the share of a core the ops got (None on a GPU or without CPU times)."""
     op_wall = sum(e - a for r in ranks for k in use for (_, _, _, a, e) in r["steps"][k]["intervals"])
     op_cpu = sum(c for r in ranks for k in use for c in r["steps"][k].get("cpu_s", []))
-    return {
-        "bubble_fraction": sum(bubbles) / len(bubbles),
-        "bubble_steps": bubbles,
-        "bubble_se": statistics.stdev(bubbles) / math.sqrt(len(bubbles)) if len(bubbles) > 1 else None,
-        "step_time_s": wall,
-        "stage_stats": stats,
-        "op_time_s": {f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
-        "cpu_share": op_cpu / op_wall
-        if op_wall > 0 and op_cpu > 0 and not device.startswith("cuda")
-        else None,
-    }
+    return Measured(
+        bubble_fraction=sum(bubbles) / len(bubbles),
+        bubble_steps=bubbles,
+        bubble_se=statistics.stdev(bubbles) / math.sqrt(len(bubbles)) if len(bubbles) > 1 else None,
+        step_time_s=wall,
+        stage_stats=stats,
+        op_time_s={f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
+        cpu_share=op_cpu / op_wall if op_wall > 0 and op_cpu > 0 and not device.startswith("cuda") else None,
+    )
 
 
 def _stage_stats(
     ranks: list[dict[str, Any]], use: list[int], wall: float, busy: dict[int, list[float]], v: int
-) -> list[dict[str, Any]]:
+) -> list[RankStats]:
     """Per rank: busy and idle seconds, in-flight counts, saved-activation and device bytes."""
-    stats: list[dict[str, Any]] = []
+    stats: list[RankStats] = []
     for r in ranks:
         steps = [r["steps"][k] for k in use]
         per_mb = [x for st in steps for x in st["per_microbatch_bytes"]]
@@ -170,40 +179,38 @@ def _stage_stats(
         cuda = [st["cuda_peak_bytes"] for st in steps if st.get("cuda_peak_bytes") is not None]
         counted = max(st["peak_in_flight"] for st in steps)
         stats.append(
-            {
-                "stage": r["rank"],
-                "virtual_stages": r["stages"],
-                "busy_s": b,
-                "idle_s": max(0.0, wall - b),
-                "counted_in_flight": counted if v == 1 else counted / v,
-                "activation_bytes_per_microbatch": (sum(per_mb) / len(per_mb)) if per_mb else 0,
-                "peak_activation_bytes": max(st["peak_activation_bytes"] for st in steps),
-                "counted_activation_bytes": max(st["counted_activation_bytes"] for st in steps),
-                "cuda_peak_bytes": max(cuda) if cuda else None,
-                "cuda_reserved_bytes": max(
+            RankStats(
+                stage=r["rank"],
+                virtual_stages=r["stages"],
+                busy_s=b,
+                idle_s=max(0.0, wall - b),
+                counted_in_flight=counted if v == 1 else counted / v,
+                activation_bytes_per_microbatch=(sum(per_mb) / len(per_mb)) if per_mb else 0,
+                peak_activation_bytes=max(st["peak_activation_bytes"] for st in steps),
+                counted_activation_bytes=max(st["counted_activation_bytes"] for st in steps),
+                cuda_peak_bytes=max(cuda) if cuda else None,
+                cuda_reserved_bytes=max(
                     (st["cuda_reserved_bytes"] for st in steps if st.get("cuda_reserved_bytes") is not None),
                     default=None,
                 ),
-                "counted_in_flight_chunks": counted,
-            }
+                counted_in_flight_chunks=counted,
+            )
         )
     return stats
 
 
-def _predicted(pred: SimResult, pred_comm: SimResult, comm: float) -> dict[str, Any]:
+def _predicted(pred: SimResult, pred_comm: SimResult, comm: float) -> Predicted:
     """The simulator's bubble, in-flight counts and step time on torch's order, without and with comm."""
-    return {
-        "bubble_fraction": pred.bubble_fraction,
-        "peak_in_flight": list(pred.peak_in_flight),
-        "peak_in_flight_chunks": list(pred.peak_in_flight_chunks),
-        "step_time_s": pred.makespan,
-        "source": "microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
-        "with_comm": {
-            "comm_time_s": comm,
-            "bubble_fraction": pred_comm.bubble_fraction,
-            "step_time_s": pred_comm.makespan,
-        },
-    }
+    return Predicted(
+        bubble_fraction=pred.bubble_fraction,
+        peak_in_flight=list(pred.peak_in_flight),
+        peak_in_flight_chunks=list(pred.peak_in_flight_chunks),
+        step_time_s=pred.makespan,
+        source="microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
+        with_comm=WithComm(
+            comm_time_s=comm, bubble_fraction=pred_comm.bubble_fraction, step_time_s=pred_comm.makespan
+        ),
+    )
 
 
 def _timelines(ranks: list[dict[str, Any]], use: list[int], pred: SimResult) -> dict[str, Any]:
@@ -212,20 +219,20 @@ def _timelines(ranks: list[dict[str, Any]], use: list[int], pred: SimResult) -> 
     t0 = min(r["steps"][-1]["start_wall_s"] for r in ranks)
     return {
         "timeline": [
-            {"rank": r["rank"], "stage": s, "kind": kind, "microbatch": i, "start_s": a - t0, "end_s": e - t0}
+            TimelineOp(rank=r["rank"], stage=s, kind=kind, microbatch=i, start_s=a - t0, end_s=e - t0)
             for r in ranks
             for (kind, s, i, a, e) in r["steps"][-1]["intervals"]
         ],
         "step_intervals": [
-            {
-                "start": min(r["steps"][k]["start_wall_s"] for r in ranks),
-                "end": max(r["steps"][k]["end_wall_s"] for r in ranks),
-                "ranks": [r["steps"][k]["intervals"] for r in ranks],
-            }
+            StepIntervals(
+                start=min(r["steps"][k]["start_wall_s"] for r in ranks),
+                end=max(r["steps"][k]["end_wall_s"] for r in ranks),
+                ranks=[r["steps"][k]["intervals"] for r in ranks],
+            )
             for k in use
         ],
         "predicted_timeline": [
-            {"rank": r, "label": lab, "microbatch": i, "start_s": a, "end_s": e}
+            PredictedOp(rank=r, label=lab, microbatch=i, start_s=a, end_s=e)
             for r, rows in enumerate(pred.timeline_rows())
             for (a, e, lab, i) in rows
         ],
@@ -307,12 +314,12 @@ def predict(
     )
 
 
-def timeline_rows(report: dict[str, Any]) -> list[list[tuple[float, float, str, int]]]:
+def timeline_rows(report: PipelineReport) -> list[list[tuple[float, float, str, int]]]:
     """The measured last step as per-rank ``(start, end, label, microbatch)`` rows, labelled as
     :meth:`microbatch.schedules.simulate.SimResult.timeline_rows` labels them (chunk prefix when v > 1)."""
-    p, v = report["stages"], report["virtual"]
+    p, v = report.stages, report.virtual
     rows: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
-    for it in sorted(report["timeline"], key=lambda x: x["start_s"]):
-        label = it["kind"] if v == 1 else f"{it['stage'] // p}{it['kind']}"
-        rows[it["rank"]].append((it["start_s"], it["end_s"], label, it["microbatch"]))
+    for it in sorted(report.timeline, key=lambda x: x.start_s):
+        label = it.kind if v == 1 else f"{it.stage // p}{it.kind}"
+        rows[it.rank].append((it.start_s, it.end_s, label, it.microbatch))
     return rows
