@@ -19,11 +19,14 @@ CLOCK_A100 = (1.0, (
     "multiplications...': bf16 8192^3 cuBLAS 257 TFLOP/s on random inputs, 295 on zeros, clock not given)"))
 CLOCK_H100_SXM = (1.0, (
     "clock: 989.4 = 132 SMs x 4,096 FLOP/clock x 1,830 MHz (glennklockwood.com/garden/processors/h100; maximum "
-    f"1,980 MHz); TDP 700 W; {_NONE} (nearest: the H200's, same die and limit, fraction 0.82)"))
-CLOCK_H200 = (1500 / 1830, (
+    f"1,980 MHz); TDP 700 W; {_NONE} (nearest: the H200's, same die and limit, 0.82, not applied there either)"))
+CLOCK_H200 = (1.0, (
     "clock: 1,830 MHz as the H100 SXM; TDP 700 W; sustained 1,500 MHz: H200s at 700 W 'cannot reliably sustain "
     "a locked 1830 MHz graphics/SM clock under full load', 1,500 is what they hold (github.com/tile-ai/TileOPs "
-    "issue 1587): 1,500/1,830 = 0.820, a lower bound (the sustained clock lies in 1,500-1,830 MHz)"))
+    "issue 1587): 1,500/1,830 = 0.820, a lower bound (the sustained clock lies in 1,500-1,830 MHz); NOT applied "
+    "(fraction 1): the table's GEMM shape terms and the Hopper attention ceiling were measured on an H200 "
+    "(bench/gpu_microbench.py, seconds-long kernels) and already carry the clock it held, so 0.82 on top would "
+    "count it twice"))
 CLOCK_PCIE = (1.0, (
     "clock: 756.5 = 114 SMs x 4,096 x 1,620 MHz, the whitepaper's tensor boost (board maximum 1,755; NVIDIA "
     f"forums, as A100); TDP 350 W (product brief PB-11133-001); {_NONE} (reanimator/bee's clock notes: 1,384 "
