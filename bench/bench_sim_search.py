@@ -1,6 +1,6 @@
 """The search and the knee replayed on recorded curves, under each margin rule, with noise.
 
-Drives ``microbatch.choose.search.search`` (then, as ``tune`` does, ``confirm_knee``; ``--no-confirm``
+Drives ``microbatch.choose.tune.search.search`` (then, as ``tune`` does, ``confirm_knee``; ``--no-confirm``
 leaves it out) with synthetic measurements: a recorded curve (the
 exhaustive sweeps of ``bench/bench_tune.py`` in ``bench/results/bench_tune-*.json``: CPU decoding
 and training) times log-normal noise, many seeds. For each rule of the margin μ the knee must clear
@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 import microbatch.choose.knee as knee_mod  # noqa: E402
-import microbatch.choose.search as search_mod  # noqa: E402
+import microbatch.choose.tune.search as search_mod  # noqa: E402
 from microbatch.choose.bound import BOUND_MARGIN, ThroughputBound, choice_margin  # noqa: E402
 from microbatch.choose.config import ChoiceConfig, SearchConfig  # noqa: E402
-from microbatch.choose.confirm import CONFIRM_BUDGET, confirm_knee  # noqa: E402
 from microbatch.choose.curve import CurvePoint  # noqa: E402
 from microbatch.choose.knee import recommend  # noqa: E402
-from microbatch.choose.search import SearchLog, curve_point, search  # noqa: E402
+from microbatch.choose.tune.confirm import CONFIRM_BUDGET, confirm_knee  # noqa: E402
+from microbatch.choose.tune.search import SearchLog, curve_point, search  # noqa: E402
 from microbatch.measure.probes import Measurement  # noqa: E402
 
 TAU = 0.15

@@ -37,8 +37,8 @@ from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig  # 
 from microbatch.choose.curve import CurvePoint  # noqa: E402
 from microbatch.choose.knee import find_knee  # noqa: E402
 from microbatch.choose.memory_fit import fit_memory  # noqa: E402
-from microbatch.choose.probing import CPU_TIMING  # noqa: E402
 from microbatch.choose.tune import tune_model  # noqa: E402
+from microbatch.choose.tune.probing import CPU_TIMING  # noqa: E402
 from microbatch.measure.childprobe import ChildProber  # noqa: E402
 from microbatch.measure.spec import ProbeSpec  # noqa: E402
 from microbatch.measure.timing import TimingConfig  # noqa: E402

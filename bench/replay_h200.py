@@ -9,7 +9,7 @@ rebuilds both from the raw files, with no GPU:
    recorded, against Lightning's and Accelerate's answers (``lightning_*.json``, ``accelerate_*.json``),
    their throughput and peak memory taken from our recorded points at their batch size or from
    ``measured_*.json``.
-2. **Replayed**: the recorded points fed through today's :func:`microbatch.choose.search.search` and
+2. **Replayed**: the recorded points fed through today's :func:`microbatch.choose.tune.search.search` and
    :func:`microbatch.choose.knee.recommend` (a replay, not a new GPU run: a b_m the GPU run did not
    record ends the replay, and the line says so).
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.choose.config import ChoiceConfig, SearchConfig  # noqa: E402
 from microbatch.choose.knee import recommend  # noqa: E402
-from microbatch.choose.search import SearchLog, curve_point, search  # noqa: E402
+from microbatch.choose.tune.search import SearchLog, curve_point, search  # noqa: E402
 from microbatch.measure.probes import Measurement  # noqa: E402
 
 DIR = Path(__file__).resolve().parent / "results" / "h200-2026-11-30"

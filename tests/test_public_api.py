@@ -66,7 +66,7 @@ EXPECTED_HOME = {
     "solve": ("microbatch.batch", "solve"),
     "accumulate": ("microbatch.run.accumulate.exact", "accumulate"),
     "MicroBatchController": ("microbatch.run.accumulate.controller", "MicroBatchController"),
-    "tune": ("microbatch.choose.tune", "tune"),
+    "tune": ("microbatch.choose.tune.entry", "tune"),
     "recommend": ("microbatch.choose.knee", "recommend"),
     "plan": ("microbatch.predict.plan", "make_plan"),
     "estimate_memory": ("microbatch.predict.memory", "estimate_memory"),

@@ -27,7 +27,7 @@ _LAZY = {
     "solve": "batch",
     "accumulate": "run.accumulate.exact",
     "MicroBatchController": "run.accumulate.controller",
-    "tune": "choose.tune",
+    "tune": "choose.tune.entry",
     "recommend": "choose.knee",
     "plan": "predict.plan",
     "estimate_memory": "predict.memory",

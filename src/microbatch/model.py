@@ -36,6 +36,7 @@ __all__ = [
     "from_hf_config",
     "from_flags",
     "resolve_model",
+    "check_seq",
 ]
 
 
@@ -440,15 +441,17 @@ def _resolve_dense(model: str | None, hf_config: str | Path | None, given: dict[
         )
     overrides: dict[str, Any] = given  # shape flags: ModelShape field -> whole number (checked above)
     seq = given.get("seq")
-    if (
-        seq is not None
-        and base.learned_positions
-        and base.max_positions is not None
-        and seq > base.max_positions
-    ):
+    if seq is not None:
+        check_seq(base, seq)
+    return replace(base, **overrides) if overrides else base
+
+
+def check_seq(shape: ModelShape, seq: int) -> None:
+    """ConfigError when ``seq`` is longer than the model's learned position table (the one check of
+    it: ``resolve_model``, ``tune_model``'s preflight and the pipeline run's call it)."""
+    if shape.learned_positions and shape.max_positions is not None and seq > shape.max_positions:
         raise ConfigError(
-            f"seq {seq} is longer than model {base.name}'s {base.max_positions} learned positions; "
-            f"use seq {base.max_positions} or less (or a model with rotary positions)",
+            f"seq {seq} is longer than model {shape.name}'s {shape.max_positions} learned positions; "
+            f"use seq {shape.max_positions} or less (or a model with rotary positions)",
             params=("seq",),
         )
-    return replace(base, **overrides) if overrides else base

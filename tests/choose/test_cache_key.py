@@ -9,13 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from microbatch.choose.cache import (  # noqa: E402
+from microbatch.choose.tune import tune  # noqa: E402
+from microbatch.choose.tune.cache import (  # noqa: E402
     CachedAnswer,
     batch_structure,
     callable_identity,
     optimizer_identity,
 )
-from microbatch.choose.tune import tune  # noqa: E402
 from microbatch.measure.timing import TimingConfig  # noqa: E402
 
 FAST = TimingConfig(warmup=0, min_repeats=1, max_repeats=1, max_time_s=0.2, rel_tol=1.0)

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from microbatch.choose.config import ChoiceConfig, SearchConfig
-from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
-from microbatch.choose.search import SearchLog, curve_point, search
+from microbatch.choose.tune.confirm import confirm_knee
+from microbatch.choose.tune.search import SearchLog, curve_point, search
 from microbatch.measure.probes import Measurement
 
 TRUE = {1: 100.0, 2: 150.0, 4: 180.0, 8: 200.0, 16: 200.0}
@@ -239,7 +239,7 @@ def test_a_knee_that_is_the_fastest_has_its_indistinguishable_neighbour_below_me
 
 
 def test_the_machines_noise_pooled_over_the_re_measured_points_is_every_points_floor():
-    from microbatch.choose.confirm import pooled_scatter
+    from microbatch.choose.tune.confirm import pooled_scatter
 
     # by hand: groups (100, 110, 90) and (200, 220): deviations from each mean 0, .1, -.1 and -1/21, 1/21
     sigma = pooled_scatter([[100.0, 110.0, 90.0], [200.0, 220.0]])

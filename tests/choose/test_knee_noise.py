@@ -8,11 +8,11 @@ import math
 import pytest
 
 from microbatch.choose.config import ChoiceConfig
-from microbatch.choose.confirm import _median
 from microbatch.choose.curve import CurvePoint
 from microbatch.choose.knee import recommend
 from microbatch.choose.noise import MAD_SIGMA, MEDIAN_SE, between_se, indistinguishable, relative_se
-from microbatch.choose.search import curve_point
+from microbatch.choose.tune.confirm import _median
+from microbatch.choose.tune.search import curve_point
 from microbatch.measure.probes import Measurement
 
 MEASURED = ChoiceConfig(tolerance=0.15, reference="measured")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from microbatch.choose.config import ChoiceConfig, SearchConfig
-from microbatch.choose.search import SearchLog, search
 from microbatch.choose.tune import tune, tune_model
+from microbatch.choose.tune.search import SearchLog, search
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 from microbatch.measure.timing import TimingConfig
@@ -376,7 +376,7 @@ def test_bound_stops_measured_decode_curves_at_128_within_tau_of_their_best(curv
     assert bs(pts) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert "knee settled" in log.stop_reason
     from microbatch.choose.knee import recommend
-    from microbatch.choose.search import curve_point as _point
+    from microbatch.choose.tune.search import curve_point as _point
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.micro_batch == 128
@@ -392,7 +392,7 @@ def test_bound_stop_keeps_the_choice_within_tau_of_the_whole_curve(a, c):
     full = {2**i: 2**i / (a + c * 2**i) for i in range(14)}
     pts = search(synthetic(full), SearchConfig(max_micro_batch=2**13))
     from microbatch.choose.knee import recommend
-    from microbatch.choose.search import curve_point as _point
+    from microbatch.choose.tune.search import curve_point as _point
 
     knee = recommend([_point(p) for p in pts], reference="bound").knee
     assert knee.throughput >= 0.85 * max(full.values())
@@ -420,7 +420,7 @@ def test_fitted_bound_on_real_decode_sweeps_stops_early_and_stays_within_tau():
     own best every time, and the search stops by 128 in four of six (the old three-point secant
     rule, refusing any tail whose slope moved by > 10%, did so in two, and once chose 83.5%)."""
     from microbatch.choose.knee import recommend
-    from microbatch.choose.search import curve_point as _point
+    from microbatch.choose.tune.search import curve_point as _point
 
     stops = []
     for curve in DECODE_SWEEPS:
@@ -441,8 +441,8 @@ def test_settling_needs_half_the_margin():
     64) and chooses it."""
     from microbatch.choose.bound import choice_margin
     from microbatch.choose.knee import recommend
-    from microbatch.choose.search import SETTLE_SHARE
-    from microbatch.choose.search import curve_point as _point
+    from microbatch.choose.tune.search import SETTLE_SHARE
+    from microbatch.choose.tune.search import curve_point as _point
 
     tuned = {1: 27.2, 2: 28.2, 4: 63.0, 8: 108.4, 16: 152.8, 32: 186.8, 64: 214.3}
     curve = {**tuned, 128: 253.8, 256: 269.5, 512: 280.4}
@@ -521,9 +521,9 @@ def test_margin_of_two_standard_errors_keeps_noisy_choices_within_tau():
     import random
 
     import microbatch.choose.knee as knee_mod
-    import microbatch.choose.search as search_mod
+    import microbatch.choose.tune.search as search_mod
     from microbatch.choose.knee import recommend
-    from microbatch.choose.search import curve_point as _point
+    from microbatch.choose.tune.search import curve_point as _point
 
     def share_within(margin_rule=None) -> float:
         saved = knee_mod.choice_margin, search_mod.choice_margin
@@ -571,7 +571,7 @@ def test_with_a_global_batch_the_search_probes_only_b_m_it_could_choose():
 def test_the_preflight_walk_is_the_search_ladder():
     """The sizes the check before work expects are those the search probes: with B/d = 6 and
     start 4 the walk is 4, 6 (6 divides: accepted; doubling would have probed 4, 8 and refused)."""
-    from microbatch.choose.preflight import check_walk, walk_sizes
+    from microbatch.choose.tune.preflight import check_walk, walk_sizes
 
     assert walk_sizes(SearchConfig(start=4, max_micro_batch=8), 6) == [4, 6]
     assert walk_sizes(SearchConfig(start=1, max_micro_batch=1024), 96) == [1, 2, 4, 8, 16, 32, 48, 96]
@@ -586,7 +586,7 @@ def test_the_preflight_walk_is_the_search_ladder():
 
 
 def test_stop_search_from_the_measure_keeps_the_points_or_refuses_when_there_are_none():
-    from microbatch.choose.search import StopSearch
+    from microbatch.choose.tune.search import StopSearch
 
     inner = synthetic({b: 100.0 * b for b in (1, 2, 4, 8, 16)})
 
@@ -608,7 +608,7 @@ def test_walk_refusals_name_the_settings_as_the_caller_spells_them(tmp_path, mon
     import torch
 
     import microbatch
-    from microbatch.choose.preflight import FLAG_NAMES, KEYWORD_NAMES, check_walk
+    from microbatch.choose.tune.preflight import FLAG_NAMES, KEYWORD_NAMES, check_walk
 
     bad = (SearchConfig(start=16, max_micro_batch=4), ChoiceConfig())
     with pytest.raises(

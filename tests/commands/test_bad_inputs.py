@@ -120,7 +120,7 @@ def test_5_tune_model_too_big_for_the_budget(capsys):
 
 
 def test_5_static_bytes_rule():
-    from microbatch.choose.preflight import static_train_bytes
+    from microbatch.choose.tune.preflight import static_train_bytes
 
     assert static_train_bytes(1000, "train") == 16_000  # fp32 weights 4 + grads 4 + AdamW 8
     assert static_train_bytes(1000, "decode") == 4_000

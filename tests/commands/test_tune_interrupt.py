@@ -92,7 +92,7 @@ class _Prober:
 
 @pytest.mark.parametrize("close_interrupts", [False, True])
 def test_ctrl_c_while_confirming_keeps_every_point(tmp_path, monkeypatch, close_interrupts):
-    from microbatch.choose.driver import Setup, run_search
+    from microbatch.choose.tune.driver import Setup, run_search
 
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     prober = _Prober(interrupt_at=5, close_interrupts=close_interrupts)  # 4 search probes, then confirming

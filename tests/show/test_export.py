@@ -141,7 +141,7 @@ def _tune_result(global_batch=64, data_parallel=2, precision="bf16-mixed", ckpt=
     from microbatch.choose.config import ChoiceConfig
     from microbatch.choose.knee import recommend
     from microbatch.choose.result import TuneResult
-    from microbatch.choose.search import curve_point
+    from microbatch.choose.tune.search import curve_point
     from microbatch.measure.probes import Measurement
 
     curve = {1: 100.0, 2: 190.0, 4: 330.0, 8: 360.0, 16: 370.0}

@@ -1,17 +1,19 @@
-"""Choosing: the knee rules and the search that measures as little as it can (``tune``).
+"""Choosing: the knee rules (pure) and, in :mod:`microbatch.choose.tune`, the one measuring driver.
 
-Layer 4: uses ``predict`` and ``measure``. Modules, bottom up:
+Layer 4, beside ``run`` (the two do not import each other): uses ``predict`` and ``measure``.
+The rules, bottom up (no clock, no probe, no device: a curve in, a choice out):
 
 - ``curve``: a measured point of the throughput curve, the gain per doubling;
 - ``bound``: the bound on what a larger b_m can reach (a line fitted to step time);
 - ``memory_fit``: peak memory M(b) = M_0 + k·b and the largest b_m that fits;
+- ``noise``: the standard errors that say when two points cannot be told apart;
 - ``config``: the settings — ``ChoiceConfig``, ``SearchConfig``, ``ProbeConfig``;
 - ``knee``: the knee rules and ``recommend`` (the choice under budget, latency and B_global);
-- ``search``: the doubling search and its stop rules;
-- ``cache``, ``probing``, ``result``: the tune cache, driving the probes, the answer;
-- ``tune``: the entry points ``tune_model`` (a described model) and ``tune`` (the user's step).
+- ``result``: :class:`~microbatch.choose.result.TuneResult`, the answer of a tune.
 
-Why the rules are what they are: ``docs/knee.md``.
+``tune/``: the search, the confirmation, probing, the cache and the entry points ``tune`` and
+``tune_model``; every integration runs the same driver. Why the rules are what they are:
+``docs/knee.md``.
 """
 
 __all__: list[str] = []

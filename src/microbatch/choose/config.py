@@ -136,7 +136,7 @@ class ChoiceConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SearchConfig:
-    """How the doubling search walks b_m (:mod:`microbatch.choose.search`)."""
+    """How the doubling search walks b_m (:mod:`microbatch.choose.tune.search`)."""
 
     start: int = 1
     """First b_m probed (then doubled; where B_global is given, stepped along the divisors of

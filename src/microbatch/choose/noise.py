@@ -7,7 +7,7 @@ throughputs differ by less than the noise of the two measurements cannot be told
 chosen between them by which one the noise put above the line (1 − τ)(1 + μ)·reference moves from
 run to run (on the 2-core VM beside one busy process, three ``tune --model tiny -B 64`` chose 2, 8
 and 4: issue 30). So the answer states the set of b_m the measurements cannot separate from its knee
-(:func:`indistinguishable`); the knee's confirmation (:mod:`microbatch.choose.confirm`) re-measures
+(:func:`indistinguishable`); the knee's confirmation (:mod:`microbatch.choose.tune.confirm`) re-measures
 the knee, its neighbour and the fastest point, alternately, before the choice, where its budget
 allows; and among the indistinguishable b_m the knee stays the rule's: the least memory whose
 median reaches the line — not the fastest measured among them, which is the noise's pick.

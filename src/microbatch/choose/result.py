@@ -8,17 +8,55 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from microbatch._json import dumps
-from microbatch.choose.cache import CacheUse
 from microbatch.choose.knee import Recommendation
 from microbatch.envelope import envelope
 from microbatch.measure.probes import Measurement
 
-__all__ = ["TuneResult"]
+__all__ = ["CacheUse", "TuneResult"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheUse:
+    """How much of an answer came from the cache: what every entry point says in one line."""
+
+    points: int
+    """Points of the answer taken from the cache."""
+    measured: int
+    """Points measured in this run."""
+    oldest_s: float | None
+    """When the oldest cached point was measured (seconds since the epoch)."""
+    key: str
+    """The cache key."""
+    file: str
+    """The cache file (``tune-<key>.json`` in :func:`microbatch.choose.tune.cache.cache_dir`)."""
+
+    def message(self) -> str:
+        """One line: how many points came from the cache, when they were measured, how to measure again."""
+        when = (
+            ""
+            if self.oldest_s is None
+            else time.strftime(" (measured from %Y-%m-%d %H:%M UTC", time.gmtime(self.oldest_s))
+        )
+        when += ")" if when else ""
+        return (
+            f"{self.points} of {self.points + self.measured} points from the cache{when}, "
+            f"{self.file}; use_cache=False (--no-cache) measures them again"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "points": self.points,
+            "measured": self.measured,
+            "oldest_measured_at": self.oldest_s,
+            "key": self.key,
+            "file": self.file,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -99,7 +99,7 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
 
 def _check_model_fits(model_name: str) -> None:
     """Refuse an unknown model, or one whose training state the demo's budget cannot hold."""
-    from microbatch.choose.preflight import static_train_bytes
+    from microbatch.choose.tune.preflight import static_train_bytes
     from microbatch.errors import ConfigError
     from microbatch.model import get_model
     from microbatch.units import format_bytes

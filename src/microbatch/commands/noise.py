@@ -46,7 +46,7 @@ def predicted_bytes(shape: Any, global_batch: int, micro_batch: int) -> dict[str
 def _check_memory(shape: Any, global_batch: int, micro_batch: int) -> None:
     """ConfigError, before the model is built, when the run is predicted not to fit 80% of the host's
     available memory (the same limit ``tune`` puts on its probes)."""
-    from microbatch.choose.probing import cpu_default_limit
+    from microbatch.choose.tune.probing import cpu_default_limit
     from microbatch.errors import ConfigError
     from microbatch.units import format_bytes
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from microbatch.choose.probing import SMALL_CPU
+from microbatch.choose.tune.probing import SMALL_CPU
 from microbatch.commands._common import (
     check_out_dir,
     choice_config,
@@ -31,7 +31,7 @@ from microbatch.precision import MEASURABLE
 if TYPE_CHECKING:
     from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
     from microbatch.choose.result import TuneResult
-    from microbatch.choose.search import OnPoint
+    from microbatch.choose.tune.search import OnPoint
     from microbatch.measure.timing import TimingConfig
 
 __all__ = ["cmd", "SMALL_CPU", "cpu_timing_defaults"]
@@ -41,8 +41,8 @@ def cpu_timing_defaults(
     threads: int | None, clock: str | None, cores: int | None = None
 ) -> tuple[int | None, str, str]:
     """(threads, clock, a line saying why) for a CPU tune: the flags given, the rest from the cores
-    (:func:`microbatch.choose.probing.cpu_timing_rule`, the rule ``microbatch.tune`` follows too)."""
-    from microbatch.choose.probing import cpu_timing_rule
+    (:func:`microbatch.choose.tune.probing.cpu_timing_rule`, the rule ``microbatch.tune`` follows too)."""
+    from microbatch.choose.tune.probing import cpu_timing_rule
     from microbatch.errors import ConfigError
 
     n = usable_cores() if cores is None else cores
@@ -96,7 +96,7 @@ def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig | None:
     """The probe timing of ``--repeats`` and ``--clock`` (None: the device's default)."""
-    from microbatch.choose.probing import default_timing
+    from microbatch.choose.tune.probing import default_timing
     from microbatch.errors import check_positive_int
     from microbatch.measure.timing import TimingConfig
 
@@ -217,7 +217,7 @@ def cmd(
     and a measured b_m is within the tolerance of that bound), when --patience doublings in a
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
-    from microbatch.choose.preflight import FLAG_NAMES, check_walk
+    from microbatch.choose.tune.preflight import FLAG_NAMES, check_walk
     from microbatch.show.recommendation import render_tune
 
     probe, search, choice, timing_line = _configs(model_spec, choice_spec, repeats, clock, flags)
@@ -309,7 +309,7 @@ def _measure(
         on_point = _first_say(timing_line, on_point)  # once work starts: a refusal stays one line
     import warnings
 
-    from microbatch.choose.cache import CachedAnswer
+    from microbatch.choose.tune.cache import CachedAnswer
 
     try:
         if live is not None:

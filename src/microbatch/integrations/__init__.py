@@ -13,7 +13,7 @@ Lightning is installed).
 - :mod:`~microbatch.integrations.common`: the B_global checks they share.
 
 Each probes with :func:`microbatch.tune`, which leaves the model, optimizer and random generators
-as it found them (:mod:`microbatch.choose.snapshot`).
+as it found them (:mod:`microbatch.measure.snapshot`).
 """
 
 __all__: list[str] = []

@@ -20,16 +20,14 @@ from microbatch.batch import grad_accum_for
 from microbatch.choose.config import (
     DEFAULT_TOLERANCE,
     ChoiceConfig,
+    ProbeConfig,
     SearchConfig,
     apply_options,
     check_options_used,
 )
-from microbatch.choose.confirm import confirm_knee
-from microbatch.choose.knee import recommend
-from microbatch.choose.probing import CPU_TIMING, default_timing
-from microbatch.choose.result import TuneResult
-from microbatch.choose.search import SearchLog, StopSearch, curve_point, search
-from microbatch.choose.snapshot import gc_frozen, restore_rng, save_rng
+from microbatch.choose.tune.driver import Setup, run_search
+from microbatch.choose.tune.probing import CPU_TIMING, default_timing
+from microbatch.choose.tune.search import StopSearch
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
@@ -40,6 +38,7 @@ from microbatch.integrations.common import (
     options_with_cap,
 )
 from microbatch.measure.probes import Measurement
+from microbatch.measure.snapshot import gc_frozen, restore_rng, save_rng
 from microbatch.measure.timing import TimingConfig, enough_repeats, spread
 
 __all__ = ["knee_batch_size", "StepProbe", "ProbeDone"]
@@ -148,7 +147,7 @@ def knee_batch_size(
     function's ``result`` attribute holds the :class:`~microbatch.choose.result.TuneResult`.
     ``timing``: warm-up, repeats, time limit and clock of each probe
     (:class:`~microbatch.measure.timing.TimingConfig`; default
-    :func:`microbatch.choose.probing.default_timing` of the device). ``device``: where peak memory
+    :func:`microbatch.choose.tune.probing.default_timing` of the device). ``device``: where peak memory
     is read and the step synchronised (default: ``cuda`` when available, else ``cpu``).
     """
     if function is None:
@@ -176,8 +175,15 @@ def knee_batch_size(
         s, c = _configs(options_with_cap(opts, global_batch, world), world)
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
         measure = _measurer(function, args, kwargs, global_batch, world, dev, timing or default_timing(dev))
-        t0 = time.perf_counter()
-        log = SearchLog()
+        probe = ProbeConfig(device=dev)  # the device is all a decorated function's probe config says
+        setup = Setup(
+            model_label=getattr(function, "__qualname__", "function"),
+            fingerprint_fields=None,  # a function's step cannot be keyed: no cache
+            budget_source="given" if c.memory_budget_bytes else "none",
+            t_start=time.perf_counter(),
+            device_name=dev,
+            precision="as the function runs",
+        )
         # the random generators as they were: the real call draws what it would have drawn without
         # the probes before it (its model's initialisation, its data order), whatever the probes did
         rng = save_rng()
@@ -185,23 +191,12 @@ def knee_batch_size(
             rng["cuda"] = torch.cuda.get_rng_state_all()  # initialises CUDA, which the probes would
         try:
             with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
-                points = search(measure, s, c, log=log)
-                if not log.interrupted:
-                    points = confirm_knee(measure, points, c, log, agree=_agree(world))
+                no_cache = replace(s, use_cache=False)
+                result = run_search(_FunctionProber(measure), probe, no_cache, c, setup, None)
         finally:
             restore_rng(rng)
-        rec = recommend([curve_point(p) for p in points], c)
-        result = TuneResult(
-            points=points, recommendation=rec, model=getattr(function, "__qualname__", "function"), seq=None,
-            mode="train", device=dev, device_name=dev, precision="as the function runs", checkpointing="off",
-            torch_version=torch.__version__, memory_budget_bytes=c.memory_budget_bytes,
-            memory_method=", ".join(sorted({p.memory_method for p in points if p.memory_method})),
-            stop_reason=log.stop_reason, skipped=log.skipped, interrupted=log.interrupted,
-            oom_events=log.oom_events, probes=log.probes, cached=0, wall_time_s=time.perf_counter() - t0,
-            memory_budget_source="given" if c.memory_budget_bytes else "none",
-        )  # fmt: skip
         wrapper.result = result  # type: ignore[attr-defined]
-        if log.interrupted:
+        if result.interrupted:
             raise KeyboardInterrupt
         b, g = choice_of(result, global_batch, world)
         emit_lines(curve_lines(result, b, g, world), _rank())
@@ -210,13 +205,6 @@ def knee_batch_size(
 
     wrapper.result = None  # type: ignore[attr-defined]
     return wrapper
-
-
-def _agree(world: int) -> Callable[[bool], bool] | None:
-    """What makes a decision the same on every process (None for one process)."""
-    from microbatch.measure.device import agree_any
-
-    return agree_any if world > 1 else None
 
 
 def _check_world(world: int) -> None:
@@ -254,6 +242,23 @@ def _rank() -> int:
 
     dist = distributed()
     return int(dist.get_rank()) if dist is not None else _launched("RANK", 0)
+
+
+class _FunctionProber:
+    """The driver's prober (:class:`~microbatch.choose.tune.probing.Prober`) over one probing call of the
+    decorated function per point: nothing to start or close."""
+
+    def __init__(self, measure: Callable[[int, bool], Measurement]) -> None:
+        self._measure = measure
+
+    def start(self) -> None:
+        pass
+
+    def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
+        return self._measure(micro_batch, checkpointing)
+
+    def close(self) -> None:
+        pass
 
 
 def _measurer(

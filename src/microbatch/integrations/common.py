@@ -105,9 +105,9 @@ def choice_lines(result: TuneResult, micro_batch: int, grad_accum: int, world: i
 
 @contextmanager
 def quiet_cache() -> Iterator[None]:
-    """No :class:`~microbatch.choose.cache.CachedAnswer` warning inside: the integration says it itself
+    """No :class:`~microbatch.choose.tune.cache.CachedAnswer` warning inside: the integration says it itself
     (:func:`choice_lines`)."""
-    from microbatch.choose.cache import CachedAnswer
+    from microbatch.choose.tune.cache import CachedAnswer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CachedAnswer)

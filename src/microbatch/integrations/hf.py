@@ -15,7 +15,6 @@ from typing import Any
 
 from microbatch.choose.config import DEFAULT_TOLERANCE
 from microbatch.choose.result import TuneResult
-from microbatch.choose.snapshot import restore_flags, save_flags
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
@@ -26,6 +25,7 @@ from microbatch.integrations.common import (
     options_with_cap,
     quiet_cache,
 )
+from microbatch.measure.snapshot import restore_flags, save_flags
 from microbatch.run.accumulate.controller import MicroBatchController
 
 __all__ = ["tune_trainer", "split_on_oom", "checkpointing_setting"]

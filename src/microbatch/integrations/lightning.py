@@ -13,7 +13,6 @@ from typing import Any
 
 from microbatch.choose.config import DEFAULT_TOLERANCE
 from microbatch.choose.result import TuneResult
-from microbatch.choose.snapshot import restore_rng, save_rng
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
@@ -26,6 +25,7 @@ from microbatch.integrations.common import (
 )
 from microbatch.integrations.lightning_oom import CallbackBase as _Base
 from microbatch.integrations.lightning_oom import SplitOnOOM, loss_of
+from microbatch.measure.snapshot import restore_rng, save_rng
 
 __all__ = ["KneeBatchSize", "SplitOnOOM", "SUPPORTED_STRATEGIES"]
 

@@ -269,7 +269,7 @@ def test_cli_refuses_a_trillion_microbatches_before_any_process(capsys, no_proce
 def test_seq_past_the_learned_positions_is_refused():
     check_splittable(PipelineConfig(model="gpt2", seq=1024))
     with pytest.raises(ConfigError, match=r"seq 2048 is longer than model gpt2's 1024 learned positions; .*"
-                       r"use --seq 1024 or less"):  # fmt: skip
+                       r"use seq 1024 or less"):  # fmt: skip
         check_splittable(PipelineConfig(model="gpt2", seq=2048))
 
 

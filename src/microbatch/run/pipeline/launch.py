@@ -439,7 +439,7 @@ def check_splittable(cfg: PipelineConfig) -> None:
                 "a deeper model"
             )
         return
-    from microbatch.choose.preflight import check_seq
+    from microbatch.model import check_seq
     from microbatch.run.pipeline.resolved import resolve
 
     shape = resolve(cfg).shape

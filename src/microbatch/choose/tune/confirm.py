@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.knee import Recommendation, recommend
 from microbatch.choose.noise import between_se, relative_se
-from microbatch.choose.search import SearchLog, curve_point
+from microbatch.choose.tune.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 

@@ -8,7 +8,7 @@ what the step is fed (:func:`batch_structure` of ``make_batch(b)`` for two b), t
 device and its name, threads, precision, mode, checkpointing, the timing settings, B_global and d,
 and the torch, Python and microbatch versions. A change to any of them measures again. Each point
 keeps when it was measured (``measured_at``) so that an answer served from the cache can say so
-(:class:`CacheUse`). A cache that cannot be read or written is not an error.
+(:class:`~microbatch.choose.result.CacheUse`). A cache that cannot be read or written is not an error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from microbatch._json import dumps
 from microbatch.measure.probes import Measurement
 
 __all__ = [
-    "CacheUse",
     "CachedAnswer",
     "batch_structure",
     "cache_dir",
@@ -99,42 +97,6 @@ def save_points(key: str, fields: dict[str, Any], points: Points, stamps: Stamps
 class CachedAnswer(UserWarning):
     """Warned by :func:`microbatch.tune` and :func:`microbatch.choose.tune.tune_model` when points of
     the answer came from the cache (``warnings.simplefilter("ignore", CachedAnswer)`` silences it)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CacheUse:
-    """How much of an answer came from the cache: what every entry point says in one line."""
-
-    points: int
-    """Points of the answer taken from the cache."""
-    measured: int
-    """Points measured in this run."""
-    oldest_s: float | None
-    """When the oldest cached point was measured (seconds since the epoch)."""
-    key: str
-    """The cache key (the file is ``tune-<key>.json`` in :func:`cache_dir`)."""
-
-    def message(self) -> str:
-        """One line: how many points came from the cache, when they were measured, how to measure again."""
-        when = (
-            ""
-            if self.oldest_s is None
-            else time.strftime(" (measured from %Y-%m-%d %H:%M UTC", time.gmtime(self.oldest_s))
-        )
-        when += ")" if when else ""
-        return (
-            f"{self.points} of {self.points + self.measured} points from the cache{when}, "
-            f"{cache_dir() / f'tune-{self.key}.json'}; use_cache=False (--no-cache) measures them again"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "points": self.points,
-            "measured": self.measured,
-            "oldest_measured_at": self.oldest_s,
-            "key": self.key,
-            "file": str(cache_dir() / f"tune-{self.key}.json"),
-        }
 
 
 def batch_structure(batch: Any, depth: int = 0) -> Any:

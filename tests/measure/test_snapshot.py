@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from microbatch.choose.snapshot import StateSnapshot, leave_no_trace  # noqa: E402
 from microbatch.choose.tune import tune  # noqa: E402
+from microbatch.measure.snapshot import StateSnapshot, leave_no_trace  # noqa: E402
 from microbatch.measure.timing import TimingConfig  # noqa: E402
 
 FAST = TimingConfig(warmup=1, min_repeats=2, max_repeats=2, max_time_s=0.5, rel_tol=0.9)

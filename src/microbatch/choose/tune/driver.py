@@ -1,7 +1,10 @@
-"""The one measuring driver that :func:`~microbatch.choose.tune.tune` and
-:func:`~microbatch.choose.tune.tune_model` share: search the throughput curve with a prober
-(caching each point), confirm a flat curve's knee, choose, and put the :class:`TuneResult`
-together. The callers resolve the settings and open the prober; this module only runs it.
+"""The one measuring driver that every entry point shares: :func:`~microbatch.choose.tune.entry.tune`,
+:func:`~microbatch.choose.tune.entry.tune_model` and the integrations (Lightning and the Hugging Face
+Trainer through ``tune``; Accelerate's :func:`~microbatch.integrations.accelerate.knee_batch_size`
+with a prober over the decorated function). :func:`run_search` searches the throughput curve with a
+prober (caching each point where the run can be keyed), confirms a flat curve's knee, chooses, and
+puts the :class:`TuneResult` together. The callers resolve the settings and open the prober; this
+module only runs it.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from microbatch.choose.cache import CacheUse, cache_key, load_points, save_points, versions
 from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
-from microbatch.choose.confirm import confirm_knee
 from microbatch.choose.knee import recommend
-from microbatch.choose.probing import Prober, device_name
-from microbatch.choose.result import TuneResult
-from microbatch.choose.search import OnPoint, SearchLog, curve_point, search
+from microbatch.choose.result import CacheUse, TuneResult
+from microbatch.choose.tune.cache import cache_dir, cache_key, load_points, save_points, versions
+from microbatch.choose.tune.confirm import confirm_knee
+from microbatch.choose.tune.probing import Prober, device_name
+from microbatch.choose.tune.search import OnPoint, SearchLog, curve_point, search
 from microbatch.measure.probes import Measurement
 
 __all__ = ["NOTHING_MEASURED", "Setup", "run_search"]
@@ -32,12 +35,17 @@ class Setup:
 
     model_label: str
     """The model's name in the result."""
-    fingerprint_fields: dict[str, Any]
-    """What identifies the model (and how it is probed) in the cache key."""
+    fingerprint_fields: dict[str, Any] | None
+    """What identifies the model (and how it is probed) in the cache key. None: the run cannot be
+    keyed (a decorated function's step): no cache, no fingerprint."""
     budget_source: str
     """Where the memory budget came from (``given``, ``device total``, ...)."""
     t_start: float
     """``time.perf_counter()`` when the tune began (setup included in its wall time)."""
+    device_name: str | None = None
+    """The device's name in the result. None: read from the device (the GPU's or the CPU's model name)."""
+    precision: str | None = None
+    """The precision in the result. None: the probe config's (a decorated function runs its own)."""
 
 
 def run_search(
@@ -54,20 +62,25 @@ def run_search(
     ``choice.reference`` and ``choice.data_parallel`` set, the budget filled in.
     """
     device = probe.device or "cpu"
-    name = device_name(device)
-    fields = dict(
-        setup.fingerprint_fields,
-        seq=probe.seq,
-        precision=probe.precision,
-        device=name,
-        device_type=device,
-        mode=probe.mode,
-        checkpointing=search_config.checkpointing,
-        global_batch=choice.global_batch,
-        data_parallel=choice.data_parallel,
-        versions=versions(),
+    name = setup.device_name or device_name(device)
+    vers = versions()
+    fields = (
+        None
+        if setup.fingerprint_fields is None
+        else dict(
+            setup.fingerprint_fields,
+            seq=probe.seq,
+            precision=probe.precision,
+            device=name,
+            device_type=device,
+            mode=probe.mode,
+            checkpointing=search_config.checkpointing,
+            global_batch=choice.global_batch,
+            data_parallel=choice.data_parallel,
+            versions=vers,
+        )
     )
-    cache = _PointCache(cache_key(fields), fields, bool(search_config.use_cache))
+    cache = _PointCache(fields, bool(search_config.use_cache))
     log = SearchLog()
     points = _search_and_confirm(cache.measuring(prober), prober, search_config, choice, log, on_point, cache)
     rec = recommend([curve_point(p) for p in points], choice)
@@ -80,9 +93,9 @@ def run_search(
         mode=probe.mode,
         device=device,
         device_name=name,
-        precision=probe.precision,
+        precision=setup.precision or probe.precision,
         checkpointing=search_config.checkpointing,
-        torch_version=fields["versions"]["torch"],
+        torch_version=vers["torch"],
         memory_budget_bytes=choice.memory_budget_bytes,
         memory_method=", ".join(sorted(methods)),
         stop_reason=log.stop_reason,
@@ -100,12 +113,14 @@ def run_search(
 
 
 class _PointCache:
-    """The points known for one cache key: read before the search, written after each probe."""
+    """The points known for one cache key: read before the search, written after each probe (none,
+    and no key, for a run that cannot be keyed: ``fields`` None)."""
 
-    def __init__(self, key: str, fields: dict[str, Any], enabled: bool) -> None:
-        self.key, self.fields, self.enabled = key, fields, enabled
+    def __init__(self, fields: dict[str, Any] | None, enabled: bool) -> None:
+        self.key = "" if fields is None else cache_key(fields)
+        self.fields, self.enabled = fields or {}, enabled and fields is not None
         self.stamps: dict[tuple[int, bool], float] = {}
-        self.known = load_points(key, self.stamps) if enabled else {}
+        self.known = load_points(self.key, self.stamps) if self.enabled else {}
         self.from_cache = set(self.known)  # what was measured before this run
 
     def measuring(self, prober: Prober) -> Callable[[int, bool], Measurement]:
@@ -143,6 +158,7 @@ class _PointCache:
             measured=len(points) - len(cached),
             oldest_s=min((self.stamps[k] for k in cached if k in self.stamps), default=None),
             key=self.key,
+            file=str(cache_dir() / f"tune-{self.key}.json"),
         )
 
 

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from microbatch.choose.cache import batch_structure
 from microbatch.choose.config import ProbeConfig, SearchConfig
-from microbatch.choose.probing import cpu_timing_rule, default_timing
+from microbatch.choose.tune.cache import batch_structure
+from microbatch.choose.tune.probing import cpu_timing_rule, default_timing
 from microbatch.errors import ConfigError
 from microbatch.measure.timing import TimingConfig
 
@@ -43,7 +43,7 @@ def check_trainable(model: Any, optimizer: Any) -> None:
 
 def in_process_timing(probe: ProbeConfig, device_type: str) -> tuple[TimingConfig, int | None, str]:
     """The timing, torch threads and a line saying why, for probes in this process: as the command line
-    on a CPU (:func:`~microbatch.choose.probing.cpu_timing_rule`: one thread and the process clock on a
+    on a CPU (:func:`~microbatch.choose.tune.probing.cpu_timing_rule`: one thread and the process clock on a
     small CPU) unless ``timing`` or ``threads`` was given; the device's default timing elsewhere."""
     from microbatch.hardware import usable_cores
     from microbatch.measure.timing import TimingConfig

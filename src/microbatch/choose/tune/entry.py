@@ -1,7 +1,7 @@
 """The two ways to tune: a described model (:func:`tune_model`) or the user's own step (:func:`tune`).
 
 Each measures the throughput and peak-memory curve as b_m doubles (along the divisors of B_global / d
-when B_global is given; :mod:`microbatch.choose.search`),
+when B_global is given; :mod:`microbatch.choose.tune.search`),
 chooses the knee (:mod:`microbatch.choose.knee`) and returns a :class:`~microbatch.choose.result.TuneResult`.
 Settings are three config objects (:mod:`microbatch.choose.config`): ``probe`` (how each point
 is measured), ``search`` (how b_m is walked) and ``choice`` (how the curve becomes a choice);
@@ -9,7 +9,7 @@ their fields may also be given as keywords, which override them (``tune_model("s
 seq=128, tolerance=0.05)``). The configs are built once, here, and passed down whole.
 
 **Cache.** Points are saved under ``$MICROBATCH_CACHE_DIR`` after every probe
-(:mod:`microbatch.choose.cache`): a repeated ``tune`` reuses them and an interrupted one keeps them.
+(:mod:`microbatch.choose.tune.cache`): a repeated ``tune`` reuses them and an interrupted one keeps them.
 """
 
 from __future__ import annotations
@@ -23,13 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from microbatch.batch import grad_accum_for
-from microbatch.choose.cache import (
-    CachedAnswer,
-    callable_identity,
-    class_name,
-    module_fingerprint,
-    optimizer_identity,
-)
 from microbatch.choose.config import (
     ChoiceConfig,
     ProbeConfig,
@@ -37,17 +30,23 @@ from microbatch.choose.config import (
     apply_options,
     check_options_used,
 )
-from microbatch.choose.driver import NOTHING_MEASURED, Setup, run_search
-from microbatch.choose.probing import (
+from microbatch.choose.result import TuneResult
+from microbatch.choose.tune.cache import (
+    CachedAnswer,
+    callable_identity,
+    class_name,
+    module_fingerprint,
+    optimizer_identity,
+)
+from microbatch.choose.tune.driver import NOTHING_MEASURED, Setup, run_search
+from microbatch.choose.tune.probing import (
     check_cuda_budget,
     default_timing,
     open_prober,
     resolve_budget,
 )
-from microbatch.choose.result import TuneResult
-from microbatch.choose.search import OnPoint
-from microbatch.choose.snapshot import gc_frozen, leave_no_trace
-from microbatch.choose.user_step import (
+from microbatch.choose.tune.search import OnPoint
+from microbatch.choose.tune.user_step import (
     NonFiniteLoss,
     batch_structures,
     check_trainable,
@@ -55,6 +54,7 @@ from microbatch.choose.user_step import (
     torch_threads,
 )
 from microbatch.errors import ConfigError
+from microbatch.measure.snapshot import gc_frozen, leave_no_trace
 
 __all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
 
@@ -113,9 +113,9 @@ def _preflight(
     budget_source: str,
 ) -> None:
     """Every check that needs no model built: the walk, transformers, the sequence, the static memory."""
-    from microbatch.choose.preflight import KEYWORD_NAMES, check_seq, check_static_fits, check_walk
+    from microbatch.choose.tune.preflight import KEYWORD_NAMES, check_static_fits, check_walk
     from microbatch.measure.hf import require_transformers
-    from microbatch.model import from_hf_config
+    from microbatch.model import check_seq, from_hf_config
 
     check_walk(search_config, choice, KEYWORD_NAMES)
     described = shape if shape is not None else from_hf_config(str(hf_config), seq=probe.seq)
@@ -240,7 +240,7 @@ def tune(
     **No trace**: the model's parameters, buffers and gradients, the optimizer's state, the random
     generators, ``model.training`` and the activation checkpointing switches are restored bitwise when
     ``tune`` returns or raises
-    (:mod:`microbatch.choose.snapshot`; the copies are kept in host memory).
+    (:mod:`microbatch.measure.snapshot`; the copies are kept in host memory).
 
     Peak memory: CUDA allocator statistics on a GPU; on the CPU the process's peak RSS, reset
     before each probe (``/proc/self/clear_refs``), so the figure includes the whole process. There
@@ -336,7 +336,7 @@ def _tune_configs(
     )
     if search_config.use_cache is None:
         search_config = replace(search_config, use_cache=not dist)
-    from microbatch.choose.preflight import KEYWORD_NAMES, check_walk
+    from microbatch.choose.tune.preflight import KEYWORD_NAMES, check_walk
 
     check_walk(search_config, choice, KEYWORD_NAMES)
     return probe_config, search_config, choice
@@ -380,7 +380,7 @@ def _first_loss_notes(first_loss: float | None) -> tuple[str, ...]:
 
 
 def _say_cached(result: TuneResult) -> None:
-    """Warn (:class:`~microbatch.choose.cache.CachedAnswer`) when points of the answer came from the cache."""
+    """Warn (:class:`~microbatch.choose.tune.cache.CachedAnswer`) when points of the answer came from the cache."""
     if result.cache is not None:
         import warnings
 

@@ -77,7 +77,7 @@ class SearchLog:
     """Points taken from the cache."""
     seconds: dict[tuple[int, bool], float] = field(default_factory=dict)
     """Seconds each point's latest probe took, by (b_m, checkpointing), on ``clock`` (what a
-    re-measurement costs; :func:`microbatch.choose.confirm.confirm_knee` budgets with it). The whole
+    re-measurement costs; :func:`microbatch.choose.tune.confirm.confirm_knee` budgets with it). The whole
     ``measure`` call: with ``tune``'s child-process prober that includes starting a child when one
     is needed (the first probe, and the one after an out-of-memory kill)."""
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)

@@ -7,7 +7,7 @@ settings and the model's shape: no torch, no allocation.
 - :func:`check_walk`: the walk has a point to measure and a point the global batch accepts.
 - :func:`static_train_bytes` / :func:`check_static_fits`: the model's weights (+ gradients and
   Adam's two moments for training) against the memory budget, before the model is built.
-- :func:`check_seq`: a sequence no longer than the model's learned position table.
+- :func:`microbatch.model.check_seq`: a sequence no longer than the model's learned position table.
 - :func:`microbatch.measure.hf.require_transformers`: the optional ``transformers``, when needed.
 """
 
@@ -29,7 +29,6 @@ __all__ = [
     "KEYWORD_NAMES",
     "static_train_bytes",
     "check_static_fits",
-    "check_seq",
 ]
 
 
@@ -118,13 +117,4 @@ def check_static_fits(shape: ModelShape, mode: str, budget: int | None, budget_s
             f"model {shape.name} ({format_count(params)} parameters) needs {format_bytes(need)} before any "
             f"activation ({what}), over the memory budget {format_bytes(budget)} ({budget_source}); "
             "use a smaller model, raise --memory-budget, or plan it with `microbatch plan` (sharding, pipelining)"
-        )
-
-
-def check_seq(shape: ModelShape, seq: int) -> None:
-    """ConfigError when ``seq`` is longer than the model's learned position table."""
-    if shape.learned_positions and shape.max_positions is not None and seq > shape.max_positions:
-        raise ConfigError(
-            f"--seq {seq} is longer than model {shape.name}'s {shape.max_positions} learned positions; "
-            f"use --seq {shape.max_positions} or less (or a model with rotary positions)"
         )
