@@ -21,7 +21,16 @@ module of this package does not import them all.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as the type checker sees them; loaded on first use at run time
+    from microbatch.choose.tune.entry import (
+        NOTHING_MEASURED,
+        NonFiniteLoss,
+        configs_from_options,
+        tune,
+        tune_model,
+    )
 
 __all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
 
