@@ -239,7 +239,7 @@ def test_a_knee_that_is_the_fastest_has_its_indistinguishable_neighbour_below_me
 
 
 def test_the_machines_noise_pooled_over_the_re_measured_points_is_every_points_floor():
-    from microbatch.choose.tune.confirm import pooled_scatter
+    from microbatch.choose.confirm_rules import pooled_scatter
 
     # by hand: groups (100, 110, 90) and (200, 220): deviations from each mean 0, .1, -.1 and -1/21, 1/21
     sigma = pooled_scatter([[100.0, 110.0, 90.0], [200.0, 220.0]])

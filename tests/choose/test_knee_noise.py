@@ -8,10 +8,10 @@ import math
 import pytest
 
 from microbatch.choose.config import ChoiceConfig
+from microbatch.choose.confirm_rules import median_measurement as _median
 from microbatch.choose.curve import CurvePoint
 from microbatch.choose.knee import recommend
 from microbatch.choose.noise import MAD_SIGMA, MEDIAN_SE, between_se, indistinguishable, relative_se
-from microbatch.choose.tune.confirm import _median
 from microbatch.choose.tune.search import curve_point
 from microbatch.measure.probes import Measurement
 

@@ -6,6 +6,7 @@ The rules, bottom up (no clock, no probe, no device: a curve in, a choice out):
 - ``curve``: a measured point of the throughput curve, the gain per doubling;
 - ``bound``: the bound on what a larger b_m can reach (a line fitted to step time);
 - ``memory_fit``: peak memory M(b) = M_0 + k·b and the largest b_m that fits;
+- ``confirm_rules``: which points confirm the knee, which measurement of each to keep, the noise;
 - ``noise``: the standard errors that say when two points cannot be told apart;
 - ``config``: the settings — ``ChoiceConfig``, ``SearchConfig``, ``ProbeConfig``;
 - ``knee``: the knee rules and ``recommend`` (the choice under budget, latency and B_global);

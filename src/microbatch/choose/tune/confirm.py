@@ -39,13 +39,12 @@ standard errors of the fitted bound: 3.7% on gpt2 there).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from microbatch.choose.config import ChoiceConfig
-from microbatch.choose.knee import Recommendation, recommend
-from microbatch.choose.noise import between_se, relative_se
+from microbatch.choose.confirm_rules import comparison_group, median_measurement, with_pooled_noise
+from microbatch.choose.knee import recommend
 from microbatch.choose.tune.search import SearchLog, curve_point
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
@@ -56,7 +55,6 @@ __all__ = [
     "CONFIRM_ROUNDS",
     "DEVICE_CLOCK",
     "confirm_knee",
-    "pooled_scatter",
 ]
 
 DEVICE_CLOCK = "cuda-events"
@@ -80,76 +78,6 @@ CONFIRM_BUDGET = 1.0
 """The confirmation's time budget as a share of the time the search's probes took: expected to at
 most double the time to answer. Not a tuned figure: a bound on the cost of an insurance that, on the
 recorded runs, either paid in cheap probes or not at all (module docstring)."""
-
-
-def _median(ms: list[Measurement]) -> Measurement:
-    """The measurement of ``ms`` with the median throughput (the lower middle one of an even count of
-    measurements that did not run out of memory), with the largest peak memory of all, and its
-    standard error: the larger of its repeats' and of the re-measurements' own scatter
-    (:func:`microbatch.choose.noise.between_se`: the machine's drift between probes)."""
-    ok = sorted((m for m in ms if not m.oom and m.throughput), key=lambda m: m.throughput or 0.0)
-    mid = ok[(len(ok) - 1) // 2]
-    peaks = [m.peak_memory_bytes for m in ms if m.peak_memory_bytes is not None]
-    repeats = sum(m.repeats for m in ok)
-    se = max(relative_se(mid.spread, repeats), between_se([m.throughput or 0.0 for m in ok]))
-    return replace(mid, peak_memory_bytes=max(peaks) if peaks else None, repeats=repeats, throughput_se=se)
-
-
-def pooled_scatter(groups: list[list[float]]) -> float:
-    """The relative standard deviation of one probe, pooled over every re-measured point:
-    √(Σ_g Σ_i (t_gi / mean_g − 1)² / Σ_g (n_g − 1)) (the pooled within-group variance, here the machine's
-    drift between probes of one b_m); 0 with no group of two or more."""
-    dof = sum(len(g) - 1 for g in groups if len(g) >= 2)
-    if dof == 0:
-        return 0.0
-    ss = 0.0
-    for g in groups:
-        if len(g) >= 2:
-            mean = sum(g) / len(g)
-            ss += sum((t / mean - 1.0) ** 2 for t in g)
-    return math.sqrt(ss / dof)
-
-
-def _with_pooled_noise(
-    pts: list[Measurement], confirmed: set[int], groups: list[list[float]], rounds: int
-) -> list[Measurement]:
-    """``pts`` with every point's standard error at least what the re-measurements show of the machine's
-    noise (:func:`pooled_scatter`, σ): σ for a point measured once (one draw of that noise), and
-    √(π/2)·σ/√n for a median of n. Pooled over all the re-measured points (6 or more degrees of
-    freedom where one point's three measurements give 2): a set of indistinguishable b_m read off
-    three values alone named only the knee where the next run chose another (BENCHMARKS.md)."""
-    sigma = pooled_scatter(groups)
-    if sigma <= 0:
-        return pts
-    out = []
-    for i, p in enumerate(pts):
-        floor = sigma if i not in confirmed else math.sqrt(math.pi / 2) * sigma / math.sqrt(rounds + 1)
-        se = p.throughput_se if p.throughput_se is not None else relative_se(p.spread, p.repeats)
-        out.append(p if p.oom or se >= floor else replace(p, throughput_se=floor))
-    return out
-
-
-def _group(rec: Recommendation, index: dict[int, int]) -> list[int]:
-    """The b_m to compare the knee with: the fastest point, the next measured above the knee, and
-    the largest below it that the noise cannot tell from it."""
-    knee = rec.knee.micro_batch
-    above = [b for b in index if b > knee]
-    # and the largest b_m below the knee that the noise cannot tell from it: the knee it would be;
-    # a knee that is the largest and fastest point has only that point to be compared with, so
-    # the one below it is measured again whatever the noise estimate says (one dip of it, as
-    # 4 at 80% of 8 between 2 and 8 at 83% and 100%, is what put the knee at the end)
-    below = [b for b in rec.indistinguishable if b < knee and b in index]
-    if not above and rec.fastest.micro_batch == knee:
-        below += [b for b in index if b < knee]
-    group = sorted(
-        {
-            knee,
-            rec.fastest.micro_batch,
-            *([min(above)] if above else []),
-            *([max(below)] if below else []),
-        }
-    )
-    return group
 
 
 def _why_not_remeasured(
@@ -284,7 +212,7 @@ def confirm_knee(
             index = {p.micro_batch: i for i, p in enumerate(pts) if not p.oom and p.throughput}
             knee = rec.knee.micro_batch
             first = knee if first is None else first
-            group = _group(rec, index)
+            group = comparison_group(rec, index)
             todo = [index[b] for b in group if index[b] not in confirmed]
             if len(group) < 2 or not todo:
                 _moved(log, first, knee)
@@ -301,10 +229,10 @@ def confirm_knee(
             again, took = _remeasure(measure, pts, todo, rounds, log, on_point)
             money.spent += took
             for i, ms in again.items():
-                pts[i] = _median(ms)
+                pts[i] = median_measurement(ms)
                 confirmed.add(i)
                 groups.append([m.throughput for m in ms if not m.oom and m.throughput])
-            pts = _with_pooled_noise(pts, confirmed, groups, rounds)
+            pts = with_pooled_noise(pts, confirmed, groups, rounds)
             log.stop_reason += (
                 f"; knee {knee} checked: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "
                 f"alternately ({rounds} rounds, median of {rounds + 1})"
