@@ -34,9 +34,10 @@ sys.path.insert(0, str(ROOT / "src"))
 import microbatch.choose.knee as knee_mod  # noqa: E402
 import microbatch.choose.tune.search as search_mod  # noqa: E402
 from microbatch.choose.bound import BOUND_MARGIN, ThroughputBound, choice_margin  # noqa: E402
-from microbatch.choose.config import ChoiceConfig, SearchConfig  # noqa: E402
+from microbatch.choose.config import ChoiceConfig  # noqa: E402
 from microbatch.choose.curve import CurvePoint  # noqa: E402
 from microbatch.choose.knee import recommend  # noqa: E402
+from microbatch.choose.tune.config import SearchConfig  # noqa: E402
 from microbatch.choose.tune.confirm import CONFIRM_BUDGET, confirm_knee  # noqa: E402
 from microbatch.choose.tune.search import SearchLog, curve_point, search  # noqa: E402
 from microbatch.measure.probes import Measurement  # noqa: E402

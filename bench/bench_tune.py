@@ -33,11 +33,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig  # noqa: E402
+from microbatch.choose.config import ChoiceConfig  # noqa: E402
 from microbatch.choose.curve import CurvePoint  # noqa: E402
 from microbatch.choose.knee import find_knee  # noqa: E402
 from microbatch.choose.memory_fit import fit_memory  # noqa: E402
 from microbatch.choose.tune import tune_model  # noqa: E402
+from microbatch.choose.tune.config import ProbeConfig, SearchConfig  # noqa: E402
 from microbatch.choose.tune.probing import CPU_TIMING  # noqa: E402
 from microbatch.measure.childprobe import ChildProber  # noqa: E402
 from microbatch.measure.spec import ProbeSpec  # noqa: E402

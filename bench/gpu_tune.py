@@ -95,8 +95,8 @@ def check_cuda_oom_caught_by_type_and_freed() -> None:
 
 
 def check_cuda_tune_tiny_memory_linear() -> None:
-    from microbatch.choose.config import ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
+    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
     from microbatch.measure.timing import TimingConfig
 
     r = tune_model(
@@ -160,7 +160,7 @@ def cmd_ours(args) -> int:
     import torch
 
     import microbatch
-    from microbatch.choose.config import ProbeConfig, SearchConfig
+    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
     from microbatch.measure.timing import TimingConfig
 
     s = _settings(args)

@@ -33,8 +33,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.choose.config import ChoiceConfig, SearchConfig  # noqa: E402
+from microbatch.choose.config import ChoiceConfig  # noqa: E402
 from microbatch.choose.knee import recommend  # noqa: E402
+from microbatch.choose.tune.config import SearchConfig  # noqa: E402
 from microbatch.choose.tune.search import SearchLog, curve_point, search  # noqa: E402
 from microbatch.measure.probes import Measurement  # noqa: E402
 

@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.knee import recommend
+from microbatch.choose.tune.config import SearchConfig
 from microbatch.choose.tune.confirm import confirm_knee
 from microbatch.choose.tune.search import SearchLog, curve_point, search
 from microbatch.measure.probes import Measurement

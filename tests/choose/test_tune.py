@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.tune import tune, tune_model
+from microbatch.choose.tune.config import SearchConfig
 from microbatch.choose.tune.search import SearchLog, search
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
@@ -461,7 +462,7 @@ def test_settling_needs_half_the_margin():
 
 # -- the settings as config objects ---------------------------------------------------------------
 def test_search_and_probe_configs_name_field_value_and_fix():
-    from microbatch.choose.config import ProbeConfig
+    from microbatch.choose.tune.config import ProbeConfig
 
     for kw, msg in [
         ({"start": 0}, r"start must be a whole number >= 1, got 0; the first micro-batch probed"),
@@ -487,7 +488,8 @@ def test_search_and_probe_configs_name_field_value_and_fix():
 
 
 def test_keywords_go_to_the_config_with_that_field():
-    from microbatch.choose.config import ProbeConfig, apply_options, check_options_used
+    from microbatch.choose.config import apply_options, check_options_used
+    from microbatch.choose.tune.config import ProbeConfig
 
     options = {"tolerance": 0.05, "patience": 3, "seq": 64, "threads": 1}
     choice = apply_options(ChoiceConfig(), options)

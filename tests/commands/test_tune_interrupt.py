@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
+from microbatch.choose.config import ChoiceConfig
+from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.measure.probes import Measurement
 
 

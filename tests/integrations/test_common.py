@@ -48,7 +48,7 @@ def test_the_callback_and_the_decorator_check_their_options_when_made(kw, error,
 def test_the_callback_takes_tunes_own_keywords_and_a_torch_device():
     import torch
 
-    from microbatch.choose.config import SearchConfig
+    from microbatch.choose.tune.config import SearchConfig
     from microbatch.integrations.lightning import KneeBatchSize
 
     cb = KneeBatchSize(

@@ -8,7 +8,7 @@ The rules, bottom up (no clock, no probe, no device: a curve in, a choice out):
 - ``memory_fit``: peak memory M(b) = M_0 + k·b and the largest b_m that fits;
 - ``confirm_rules``: which points confirm the knee, which measurement of each to keep, the noise;
 - ``noise``: the standard errors that say when two points cannot be told apart;
-- ``config``: the settings — ``ChoiceConfig``, ``SearchConfig``, ``ProbeConfig``;
+- ``config``: the settings of a choice, ``ChoiceConfig`` (and ``apply_options``: keywords into a config);
 - ``knee``: the knee rules and ``recommend`` (the choice under budget, latency and B_global);
 - ``result``: :class:`~microbatch.choose.result.TuneResult`, the answer of a tune.
 

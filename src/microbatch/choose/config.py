@@ -1,18 +1,14 @@
-"""The settings of a choice and of a tune, as three frozen config objects.
+"""The settings of a choice: :class:`ChoiceConfig`, how a curve becomes a choice (knee rule,
+tolerance, reference, the memory budget and headroom, the latency limit, B_global and d). Read by
+:func:`microbatch.choose.knee.recommend` and by the search's stop rules. The settings of the
+measuring (:class:`~microbatch.choose.tune.config.SearchConfig`,
+:class:`~microbatch.choose.tune.config.ProbeConfig`) live with the driver.
 
-- :class:`ChoiceConfig`: how a curve becomes a choice (knee rule, tolerance, reference, the
-  memory budget and headroom, the latency limit, B_global and d). Read by
-  :func:`microbatch.choose.knee.recommend` and by the search's stop rules.
-- :class:`SearchConfig`: how the doubling search walks b_m (start, cap, patience, refine,
-  activation checkpointing, the cache).
-- :class:`ProbeConfig`: how each point is measured (mode, sequence, device, precision, backend,
-  timing, threads, in this process or a child).
-
-The command line builds them from flags of the same names (``--tolerance`` → ``tolerance``);
-Python callers build them or pass the same names as keywords to ``tune``/``recommend``, which
-build them once (:func:`apply_options`). Every field is checked when the object is made: a
-bad value raises :class:`~microbatch.errors.ConfigError` naming the field, the value, the rule
-and the fix.
+The command line builds it from flags of the same names (``--tolerance`` → ``tolerance``);
+Python callers build it or pass the same names as keywords to ``tune``/``recommend``, which
+build it once (:func:`apply_options`). Every field is checked when
+the object is made: a bad value raises :class:`~microbatch.errors.ConfigError` naming the field,
+the value, the rule and the fix.
 """
 
 from __future__ import annotations
@@ -20,25 +16,22 @@ from __future__ import annotations
 import math
 from collections.abc import MutableMapping
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from microbatch.batch import DEFAULT_KNEE_TOLERANCE
 from microbatch.errors import ConfigError, check_positive_int
-from microbatch.hardware import DEFAULT_HEADROOM, usable_cores
-from microbatch.measure.spec import BACKENDS, MODES
-from microbatch.measure.timing import TimingConfig
-from microbatch.precision import get_precision
+from microbatch.hardware import DEFAULT_HEADROOM
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "RULES",
     "REFERENCES",
     "DEFAULT_RULE",
     "DEFAULT_TOLERANCE",
-    "CHECKPOINTING",
-    "DEVICE_TYPES",
     "ChoiceConfig",
-    "SearchConfig",
-    "ProbeConfig",
+    "check_choice",
     "apply_options",
     "check_options_used",
 ]
@@ -52,10 +45,6 @@ DEFAULT_RULE = "fraction"
 DEFAULT_TOLERANCE = DEFAULT_KNEE_TOLERANCE
 """Default tolerance τ: 15% of the best throughput, the one knee tolerance
 (:data:`microbatch.batch.DEFAULT_KNEE_TOLERANCE`; see ``docs/knee.md`` for why)."""
-DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-"""torch device types a probe may run on (the registry models' probes: cpu and cuda only)."""
-CHECKPOINTING = ("off", "on", "auto")
-"""Activation checkpointing settings of the search."""
 
 
 def _number(name: str, value: object) -> float:
@@ -69,7 +58,8 @@ def _fraction(name: str, value: object, fix: str) -> None:
         raise ConfigError(f"{name} {value!r} must be a number in [0, 1), e.g. {fix}")
 
 
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """ConfigError unless ``value`` is one of ``allowed`` (a setting named ``name``)."""
     if value not in allowed:
         raise ConfigError(f"{name} {value!r} is not known; use one of {', '.join(allowed)}")
 
@@ -103,12 +93,12 @@ class ChoiceConfig:
     ``tune``."""
 
     def __post_init__(self) -> None:
-        _choice("knee rule", self.rule, RULES)
+        check_choice("knee rule", self.rule, RULES)
         _fraction(
             "tolerance", self.tolerance, f"{DEFAULT_TOLERANCE} for {100 * DEFAULT_TOLERANCE:g}% of the best"
         )
         if self.reference is not None:
-            _choice("reference", self.reference, REFERENCES)
+            check_choice("reference", self.reference, REFERENCES)
         if self.memory_budget_bytes is not None and (
             isinstance(self.memory_budget_bytes, bool)
             or not isinstance(self.memory_budget_bytes, int)
@@ -134,97 +124,8 @@ class ChoiceConfig:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class SearchConfig:
-    """How the doubling search walks b_m (:mod:`microbatch.choose.tune.search`)."""
-
-    start: int = 1
-    """First b_m probed (then doubled; where B_global is given, stepped along the divisors of
-    B_global / d: :func:`microbatch.batch.next_micro_batch`)."""
-    max_micro_batch: int | None = 1024
-    """Largest b_m probed (None: no cap but memory)."""
-    patience: int = 2
-    """Stop after this many doublings in a row gain less than τ (or fall)."""
-    refine: bool = False
-    """Probe once more halfway between the knee and the point below it."""
-    checkpointing: str = "off"
-    """Activation checkpointing: ``off``, ``on``, or ``auto`` (on only where a b_m does not fit
-    without it). Decoding has no backward pass: ``tune`` uses ``off`` there."""
-    use_cache: bool | None = None
-    """Reuse and save points in the cache (``$MICROBATCH_CACHE_DIR``). None: yes, except for
-    ``tune`` under ``torch.distributed``."""
-
-    def __post_init__(self) -> None:
-        check_positive_int("start", self.start, fix="the first micro-batch probed, e.g. --start 1")
-        if self.max_micro_batch is not None:
-            check_positive_int(
-                "max_micro_batch", self.max_micro_batch, fix="the largest micro-batch probed, e.g. 1024"
-            )
-        check_positive_int("patience", self.patience, fix="flat doublings in a row that stop, e.g. 2")
-        if not isinstance(self.refine, bool):
-            raise ConfigError(f"refine {self.refine!r} must be True or False")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ConfigError(f"checkpointing {self.checkpointing!r} is not known; use on, off or auto")
-        if self.use_cache is not None and not isinstance(self.use_cache, bool):
-            raise ConfigError(f"use_cache {self.use_cache!r} must be True, False or None")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeConfig:
-    """How each point of the curve is measured (:mod:`microbatch.measure.probes`)."""
-
-    mode: str = "train"
-    """``train`` (forward + backward micro-steps) or ``decode`` (KV-cache decoding after a prefill)."""
-    seq: int | None = None
-    """The longest sequence the data holds (memory is set by the longest sequence). None: the
-    registry shape's; required with a Hugging Face config."""
-    device: str | None = None
-    """``cpu`` or ``cuda`` (``cuda:N``). None: ``cpu`` for a registry model; for ``tune`` on the
-    user's model, the device of its parameters."""
-    precision: str = "fp32"
-    """A measurable precision of :data:`microbatch.precision.PRECISIONS` (``fp32``, ``bf16-mixed``)."""
-    backend: str = "builtin"
-    """For a registry model: the built-in PyTorch GPT (``builtin``) or a transformers model of
-    the same shape with random weights (``hf``)."""
-    timing: TimingConfig | None = None
-    """Warm-up, repeats and clock of each probe. None: short on the CPU, longer on CUDA."""
-    threads: int | None = None
-    """torch threads in the probe's child process (None: torch's; 1 is steadier on a shared CPU)."""
-    new_tokens: int = 32
-    """Decoding: tokens decoded after the prefill."""
-    in_process: bool | None = None
-    """Probe in this process (True) or in a child process under a hard memory limit (False).
-    None: in this process on CUDA (OOM is caught by type), in a child on the CPU (an
-    over-committed host kills the process outright)."""
-
-    def __post_init__(self) -> None:
-        _choice("mode", self.mode, MODES)
-        if self.seq is not None:
-            check_positive_int(
-                "seq", self.seq, fix="give the longest sequence the data holds, e.g. --seq 1024"
-            )
-        if self.device is not None and (
-            not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICE_TYPES
-        ):
-            raise ConfigError(f"device {self.device!r} is not known; use cpu or cuda (cuda:N)")
-        get_precision(self.precision, measurable=True)
-        _choice("backend", self.backend, BACKENDS)
-        if self.timing is not None and not isinstance(self.timing, TimingConfig):
-            raise ConfigError(f"timing {self.timing!r} must be a TimingConfig or None")
-        if self.threads is not None:
-            check_positive_int("threads", self.threads, fix="e.g. --threads 1")
-            cores = usable_cores()
-            if self.threads > cores and (self.device is None or self.device == "cpu"):  # CPU probes only
-                raise ConfigError(
-                    f"threads {self.threads} is more than the {cores} core(s) this process may use: more "
-                    f"threads than cores only contend and the timing measures that; use --threads {cores} or fewer"
-                )
-        check_positive_int("new_tokens", self.new_tokens, fix="tokens decoded after the prefill, e.g. 32")
-        if self.in_process is not None and not isinstance(self.in_process, bool):
-            raise ConfigError(f"in_process {self.in_process!r} must be True, False or None")
-
-
-C = TypeVar("C", ChoiceConfig, SearchConfig, ProbeConfig)
+C = TypeVar("C", bound="DataclassInstance")
+"""A config object (a dataclass): ChoiceConfig, SearchConfig or ProbeConfig."""
 
 
 def apply_options(config: C, options: MutableMapping[str, Any]) -> C:

@@ -127,7 +127,8 @@ def _tune_both(
     summary: dict[str, Any],
 ) -> None:
     """1. Measure: the throughput and memory curve of a built-in model, training and decoding."""
-    from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
+    from microbatch.choose.config import ChoiceConfig
+    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
     from microbatch.measure.timing import TimingConfig
 

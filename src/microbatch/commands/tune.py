@@ -29,8 +29,9 @@ from microbatch.hardware import usable_cores
 from microbatch.precision import MEASURABLE
 
 if TYPE_CHECKING:
-    from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
+    from microbatch.choose.config import ChoiceConfig
     from microbatch.choose.result import TuneResult
+    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
     from microbatch.choose.tune.search import OnPoint
     from microbatch.measure.timing import TimingConfig
 
@@ -257,7 +258,7 @@ def _configs(
 ) -> tuple[ProbeConfig, SearchConfig, ChoiceConfig, str | None]:
     """The probe, search and choice configs from the flags (errors name the flags), and the line that
     says which timing the CPU defaults chose (None when none was chosen)."""
-    from microbatch.choose.config import ProbeConfig, SearchConfig
+    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 
     device = flags["device"]
     threads, timing_line = flags["threads"], None

@@ -17,14 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from microbatch.batch import grad_accum_for
-from microbatch.choose.config import (
-    DEFAULT_TOLERANCE,
-    ChoiceConfig,
-    ProbeConfig,
-    SearchConfig,
-    apply_options,
-    check_options_used,
-)
+from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig, apply_options, check_options_used
+from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.driver import Setup, run_search
 from microbatch.choose.tune.probing import CPU_TIMING, default_timing
 from microbatch.choose.tune.search import StopSearch

@@ -5,6 +5,7 @@
 and hand it to :func:`~microbatch.choose.tune.driver.run_search`, which searches, confirms the knee
 and chooses with the pure rules of :mod:`microbatch.choose`. Modules, bottom up:
 
+- ``config``: the settings of the measuring, ``SearchConfig`` and ``ProbeConfig``;
 - ``preflight``: the checks made before any model is built;
 - ``cache``: the tune cache (keys, points on disk);
 - ``probing``: the prober protocol, default timings, the memory budget, opening a prober;

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from microbatch.choose.config import ChoiceConfig, ProbeConfig, SearchConfig
+from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.knee import recommend
 from microbatch.choose.result import CacheUse, TuneResult
 from microbatch.choose.tune.cache import cache_dir, cache_key, load_points, save_points, versions
+from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.confirm import confirm_knee
 from microbatch.choose.tune.probing import Prober, device_name
 from microbatch.choose.tune.search import OnPoint, SearchLog, curve_point, search

@@ -3,7 +3,7 @@
 Each measures the throughput and peak-memory curve as b_m doubles (along the divisors of B_global / d
 when B_global is given; :mod:`microbatch.choose.tune.search`),
 chooses the knee (:mod:`microbatch.choose.knee`) and returns a :class:`~microbatch.choose.result.TuneResult`.
-Settings are three config objects (:mod:`microbatch.choose.config`): ``probe`` (how each point
+Settings are three config objects (:mod:`microbatch.choose.config`, :mod:`microbatch.choose.tune.config`): ``probe`` (how each point
 is measured), ``search`` (how b_m is walked) and ``choice`` (how the curve becomes a choice);
 their fields may also be given as keywords, which override them (``tune_model("small",
 seq=128, tolerance=0.05)``). The configs are built once, here, and passed down whole.
@@ -23,13 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch.batch import grad_accum_for
-from microbatch.choose.config import (
-    ChoiceConfig,
-    ProbeConfig,
-    SearchConfig,
-    apply_options,
-    check_options_used,
-)
+from microbatch.choose.config import ChoiceConfig, apply_options, check_options_used
 from microbatch.choose.result import TuneResult
 from microbatch.choose.tune.cache import (
     CachedAnswer,
@@ -38,6 +32,7 @@ from microbatch.choose.tune.cache import (
     module_fingerprint,
     optimizer_identity,
 )
+from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.driver import NOTHING_MEASURED, Setup, run_search
 from microbatch.choose.tune.probing import (
     check_cuda_budget,
@@ -139,7 +134,7 @@ def tune_model(
 ) -> TuneResult:
     """Tune a registry model (name or :class:`~microbatch.model.ModelShape`) or a Hugging Face config.
 
-    ``probe``, ``search`` and ``choice`` hold the settings (:mod:`microbatch.choose.config`);
+    ``probe``, ``search`` and ``choice`` hold the settings (:mod:`microbatch.choose.config`, :mod:`microbatch.choose.tune.config`);
     keywords named like their fields override them. ``seq`` is the longest sequence the data
     holds (memory is set by the longest sequence; default: the shape's). On the CPU each probe
     runs in a child process under a hard memory limit (the budget, or 80% of the available
@@ -233,7 +228,7 @@ def tune(
     is off.
 
     Settings: ``probe`` (``device``: default, the parameters' device; ``precision``; ``timing``),
-    ``search`` and ``choice`` (:mod:`microbatch.choose.config`), or keywords named like their
+    ``search`` and ``choice`` (:mod:`microbatch.choose.config`, :mod:`microbatch.choose.tune.config`), or keywords named like their
     fields (``memory_budget_bytes=70 * 2**30, global_batch=1024``); ``device`` may be a
     ``torch.device``.
 

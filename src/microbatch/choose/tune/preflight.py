@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from microbatch.batch import next_micro_batch, per_replica
-from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.config import ChoiceConfig
+from microbatch.choose.tune.config import SearchConfig
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
 from microbatch.predict.state import model_state_bytes

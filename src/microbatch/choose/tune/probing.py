@@ -14,7 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from microbatch.choose.config import ChoiceConfig, ProbeConfig
+from microbatch.choose.config import ChoiceConfig
+from microbatch.choose.tune.config import ProbeConfig
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 from microbatch.measure.timing import TimingConfig

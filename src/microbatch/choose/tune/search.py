@@ -4,7 +4,7 @@
 probes a b_m the memory fit predicts past the budget, and stops when the knee is settled against
 the bound, the curve flattens ``patience`` times, memory runs out, ``max_micro_batch`` is reached
 or Ctrl-C comes; ``refine`` probes once between the knee and the point below. The strategy and
-why each stop rule: ``docs/search.md``. Settings: :class:`~microbatch.choose.config.SearchConfig`
+why each stop rule: ``docs/search.md``. Settings: :class:`~microbatch.choose.tune.config.SearchConfig`
 and :class:`~microbatch.choose.config.ChoiceConfig`.
 """
 
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 from microbatch.batch import next_micro_batch, per_replica
 from microbatch.choose.bound import BOUND_MIN_POINTS, choice_margin, throughput_bound
-from microbatch.choose.config import ChoiceConfig, SearchConfig
+from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
 from microbatch.choose.knee import knee_fraction, recommend
 from microbatch.choose.memory_fit import fit_memory
 from microbatch.choose.noise import relative_se
+from microbatch.choose.tune.config import SearchConfig
 from microbatch.errors import ConfigError
 from microbatch.measure.probes import Measurement
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from microbatch.choose.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.cache import batch_structure
+from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.probing import cpu_timing_rule, default_timing
 from microbatch.errors import ConfigError
 from microbatch.measure.timing import TimingConfig
