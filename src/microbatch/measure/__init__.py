@@ -10,6 +10,8 @@ prediction.
 - ``probes``: the training and decoding probes, :class:`~microbatch.measure.probes.Measurement`.
 - ``spec``: a probe as plain data (:class:`~microbatch.measure.spec.ProbeSpec`) and its building.
 - ``childprobe``: CPU probes in a child process under a hard memory limit.
+- ``snapshot``: a host copy of a model, optimizer and random generators, restored bitwise (a tune
+  leaves no trace: :func:`~microbatch.measure.snapshot.leave_no_trace`).
 - ``gpt``: the built-in decoder; ``hf``: Hugging Face models from configs.
 """
 
