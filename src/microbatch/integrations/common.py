@@ -131,7 +131,7 @@ def options_with_cap(
     larger b_m would hold only that share, and its throughput would be counted for samples it never
     ran (Lightning's ``BatchSizeFinder`` caps at the data the same way)."""
     out = dict(options)
-    cap = global_batch // world
+    cap = per_replica(global_batch, world) or max(1, global_batch // world)  # world | B: check_global_batch
     try:
         cap = min(cap, max(1, -(-len(data) // data_shards)))
     except TypeError:  # no data, or no length: the probes take what the loader gives

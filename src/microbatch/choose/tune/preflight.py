@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from microbatch.batch import next_micro_batch, per_replica
+from microbatch.batch import nearest_multiples, next_micro_batch, per_replica
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.tune.config import SearchConfig
 from microbatch.errors import ConfigError
@@ -73,10 +73,10 @@ def check_walk(search: SearchConfig, choice: ChoiceConfig, names: Mapping[str, s
     d = choice.data_parallel or 1
     per = per_replica(choice.global_batch, d)
     if per is None:
-        lo = choice.global_batch // d * d
+        near = nearest_multiples(choice.global_batch, d)
         raise ConfigError(
             f"{given('B', choice.global_batch)} is not divisible by {given('d', d)}: no micro-batch "
-            f"b_m gives B = b_m × g × d; use a multiple of {d}, e.g. {max(lo, d)} or {lo + d}"
+            f"b_m gives B = b_m × g × d; use a multiple of {d}, e.g. {' or '.join(map(str, near))}"
         )
     sizes = walk_sizes(search, per)
     if not any(per % b == 0 for b in sizes):
