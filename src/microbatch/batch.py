@@ -41,10 +41,10 @@ throughput is within 15% of the best (``docs/knee.md`` gives the rule and why 0.
 predict/ sits below choose/."""
 
 _FIXES = {
-    "global_batch": "give the sequences per optimizer step, e.g. --global-batch 512",
-    "micro_batch": "give the sequences per forward/backward on one device, e.g. --micro-batch 8",
-    "grad_accum": "give the micro-batches per replica per step, e.g. --grad-accum 1 for none",
-    "data_parallel": "give the data-parallel replicas, e.g. --data-parallel 1 for one device",
+    "global_batch": "give the sequences per optimizer step, e.g. global_batch 512",
+    "micro_batch": "give the sequences per forward/backward on one device, e.g. micro_batch 8",
+    "grad_accum": "give the micro-batches per replica per step, e.g. grad_accum 1 for none",
+    "data_parallel": "give the data-parallel replicas, e.g. data_parallel 1 for one device",
 }
 """The fix named by the error of a batch quantity that is not a whole number >= 1."""
 
@@ -64,7 +64,7 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         for name, fix in _FIXES.items():
-            check_positive_int(name.replace("_", "-"), getattr(self, name), fix=fix)
+            check_positive_int(name, getattr(self, name), fix=fix)
         if global_batch_of(self.micro_batch, self.grad_accum, self.data_parallel) != self.global_batch:
             raise ConfigError(
                 f"global batch {self.global_batch} != micro-batch {self.micro_batch} × grad-accum "
@@ -215,15 +215,15 @@ def solve(
     }
     for name, v in given.items():
         if v is not None:
-            check_positive_int(name.replace("_", "-"), v, fix=_FIXES[name])
+            check_positive_int(name, v, fix=_FIXES[name])
     missing = [k for k, v in given.items() if v is None]
     if len(missing) >= 2 and "data_parallel" in missing:
         given["data_parallel"] = 1
         missing.remove("data_parallel")
     if len(missing) > 1:
         raise ConfigError(
-            "give three of --global-batch, --micro-batch, --grad-accum, --data-parallel; missing: "
-            + ", ".join("--" + m.replace("_", "-") for m in missing)
+            "give three of global_batch, micro_batch, grad_accum, data_parallel; missing: " + ", ".join(missing),
+            params=tuple(given),
         )
     values = {k: v for k, v in given.items() if v is not None}
     if not missing:

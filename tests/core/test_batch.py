@@ -114,10 +114,11 @@ def test_the_suggested_fixes_are_valid(given):
 def test_bad_values_name_the_value_the_rule_and_the_fix(field, bad):
     given = {"global_batch": 64, "micro_batch": 8, "grad_accum": 4, "data_parallel": 2}
     given[field] = bad
-    flag = field.replace("_", "-")
-    pattern = rf"^{flag} must be a whole number >= 1, got {re.escape(repr(bad))}; give .*--{flag} \d+"
-    with pytest.raises(ConfigError, match=pattern):
+    # the library names the parameter, never the flag (the CLI writes --micro-batch: commands/_flags.py)
+    pattern = rf"^{field} must be a whole number >= 1, got {re.escape(repr(bad))}; give .*e\.g\. {field} \d+"
+    with pytest.raises(ConfigError, match=pattern) as info:
         solve(**given)
+    assert "--" not in str(info.value) and info.value.params == (field,)
     with pytest.raises(ConfigError, match=pattern):
         BatchConfig(**given)
 
@@ -125,11 +126,11 @@ def test_bad_values_name_the_value_the_rule_and_the_fix(field, bad):
 def test_too_many_missing():
     with pytest.raises(
         ConfigError,
-        match=r"^give three of --global-batch, --micro-batch, --grad-accum, --data-parallel; "
-        r"missing: --global-batch, --grad-accum$",
+        match=r"^give three of global_batch, micro_batch, grad_accum, data_parallel; "
+        r"missing: global_batch, grad_accum$",
     ):
         solve(micro_batch=8)
-    with pytest.raises(ConfigError, match=r"missing: --micro-batch, --grad-accum$"):
+    with pytest.raises(ConfigError, match=r"missing: micro_batch, grad_accum$"):
         solve(global_batch=64, data_parallel=2)
 
 
