@@ -222,7 +222,8 @@ def solve(
         missing.remove("data_parallel")
     if len(missing) > 1:
         raise ConfigError(
-            "give three of global_batch, micro_batch, grad_accum, data_parallel; missing: " + ", ".join(missing),
+            "give three of global_batch, micro_batch, grad_accum, data_parallel; missing: "
+            + ", ".join(missing),
             params=tuple(given),
         )
     values = {k: v for k, v in given.items() if v is not None}
