@@ -8,8 +8,9 @@ import click
 
 from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
 from microbatch.commands._outputs import check_output_file, force_option, keep_result
+from microbatch.show.answers import render_microbench
 
-__all__ = ["cmd", "render"]
+__all__ = ["cmd"]
 
 
 def _parse_bms(text: str) -> tuple[int, ...]:
@@ -24,42 +25,6 @@ def _parse_bms(text: str) -> tuple[int, ...]:
             f"--micro-batches {text!r} is not a list of positive integers; e.g. --micro-batches 1,2,4"
         )
     return out
-
-
-def render(d: dict[str, Any]) -> str:
-    """The result as a short table: GEMMs, attention, streaming, collectives, then the notes."""
-
-    def frac(f: float | None) -> str:
-        return f"{100 * f:5.1f}%" if f is not None else "     -"
-
-    lines = [
-        f"{d['device_name']} ({d['accelerator'] or 'not in the accelerator table'}), {d['dtype']}, torch "
-        f"{d['torch_version']}; {d['timer']}; {d['seconds_total']:.1f} s",
-        f"GEMMs (model {d['model']}, s = {d['seq']}, b_m {', '.join(map(str, d['micro_batches']))}; then the grid)",
-        "  label      rows      k      n     seconds   TFLOP/s  of peak",
-    ]
-    for g in d["gemms"]:
-        lines.append(
-            f"  {g['label']:<7} {g['rows']:>7} {g['k']:>6} {g['n']:>6}  {g['seconds']:.3e}  "
-            f"{g['flops_per_s'] / 1e12:8.3f}  {frac(g['fraction_of_peak'])}"
-        )
-    for a in d["attention"]:
-        lines.append(
-            f"attention causal s={a['seq']:<6} b={a['batch']} heads={a['heads']} d={a['head_dim']}: "
-            f"{a['flops_per_s'] / 1e12:.3f} TFLOP/s {frac(a['fraction_of_peak'])}"
-        )
-    for s in d["stream"]:
-        lines.append(
-            f"stream {s['kernel']:<9} {s['bytes_per_s'] / 1e9:8.1f} GB/s {frac(s['fraction_of_bandwidth'])}"
-        )
-    for c in d["collectives"]:
-        lines.append(
-            f"{c['op']} over {c['world_size']} ranks: bus {c['bus_bytes_per_s'] / 1e9:.1f} GB/s {frac(c['fraction_of_link'])}"
-        )
-    if d["launch_s_per_kernel"] is not None:
-        lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
-    lines += [f"note: {n}" for n in d["notes"]]
-    return "\n".join(lines)
 
 
 @click.command("bench-gpu")
@@ -131,7 +96,7 @@ def cmd(
     if out:
         path, why = keep_result(out, d)
         progress(why or f"wrote {path}")
-    emit(d, as_json, lambda: render(d))
+    emit(d, as_json, lambda: render_microbench(d))
     if not result.complete:
         progress("interrupted: kept what was measured" + (f" in {out}" if out else ""))
         raise click.exceptions.Exit(130)

@@ -17,7 +17,8 @@ from microbatch.commands._common import (
     virtual_option,
     width_option,
 )
-from microbatch.show.text import bubble_lines, pct
+from microbatch.show.answers import render_bubble
+from microbatch.show.text import pct
 
 if TYPE_CHECKING:
     from microbatch.schedules.registry import ScheduleSpec
@@ -98,7 +99,12 @@ def cmd(
     result["peak_in_flight"], sim = _peak_in_flight(shape, sim, closed)
     result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
     result["notes"] = notes
-    emit(result, as_json, lambda: _render(shape, result, sim if draw else None, width))
+    title = f"{spec.name}: p = {stages} stages, m = {microbatches} micro-batches" + (
+        f", v = {virtual} stages per rank" if virtual > 1 else ""
+    )
+    emit(
+        result, as_json, lambda: render_bubble(title, result, sim if draw else None, width, color=use_color())
+    )
 
 
 @dataclass(frozen=True)
@@ -250,22 +256,3 @@ def _peak_in_flight(shape: _Shape, sim: SimResult | None, closed: bool) -> tuple
             weight_time=1.0,
         )
     return list(sim.peak_in_flight), sim
-
-
-def _render(shape: _Shape, result: dict[str, Any], sim: SimResult | None, width: int) -> str:
-    """The text answer: the numbers, the method, the notes and (given ``sim``) the diagram."""
-    from microbatch.show.text import render_timeline_text
-
-    lines = [
-        f"{shape.spec.name}: p = {shape.stages} stages, m = {shape.microbatches} micro-batches"
-        + (f", v = {shape.virtual} stages per rank" if shape.virtual > 1 else ""),
-        *bubble_lines(result["bubble_fraction"], result["bubble_ratio"], result["peak_in_flight"]),
-    ]
-    if "idle_time_per_stage" in result:
-        lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
-    lines.append(f"  method: {result['method']}")
-    lines += [f"  note: {n}" for n in result["notes"]]
-    if sim is not None:
-        lines.append("")
-        lines.append(render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=use_color()))
-    return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -20,16 +20,11 @@ from microbatch.commands._common import (
     stages_option,
     zero_choice,
 )
+from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.predict.apply_calibration import CALIBRATION_HELP
+from microbatch.show.answers import render_memory
 
 __all__ = ["cmd"]
-from microbatch.commands._schedule_inputs import ScheduleChoice
-
-if TYPE_CHECKING:
-    from microbatch.hardware import Accelerator
-    from microbatch.predict.apply_calibration import AppliedCalibration
-    from microbatch.predict.memory import MemoryConfig, MemoryEstimate
-    from microbatch.shape import ModelShape
 
 
 @click.command("memory")
@@ -127,77 +122,4 @@ def cmd(
         out["gpu"] = acc.name
         out["gpu_memory_bytes"] = acc.memory_bytes
         out["fits"] = est.peak_bytes <= acc.memory_bytes
-    emit(out, as_json, lambda: _render(shape, cfg, est, out, acc, applied))
-
-
-def _stage_rows(est: MemoryEstimate) -> list[str]:
-    """One row per stage (bytes in GiB), the peak stage marked."""
-    from microbatch.units import format_bytes
-
-    lines: list[str] = []
-    peak = est.peak_stage.stage
-
-    def col(n: float, width: int = 9) -> str:
-        return format_bytes(n, unit="GiB").replace(" GiB", "G").rjust(width)
-
-    for st in est.stages:
-        mark = " <- peak" if st.stage == peak else ""
-        lines.append(
-            f"{st.stage:>5} {st.layers:>6} {st.in_flight:>9} {col(st.weights_bytes)} {col(st.gradients_bytes)} "
-            f"{col(st.optimizer_bytes)} {col(st.activations_bytes)} {col(st.other_bytes, 8)} "
-            f"{col(st.peak_bytes)}{mark}"
-        )
-    if len(est.stages) > 12:
-        top = sorted(est.stages, key=lambda s: -s.peak_bytes)[:1]
-        lines.append(f"(highest: stage {top[0].stage})")
-    return lines
-
-
-def _render(
-    shape: ModelShape,
-    cfg: MemoryConfig,
-    est: MemoryEstimate,
-    out: dict[str, Any],
-    acc: Accelerator | None,
-    applied: AppliedCalibration | None,
-) -> str:
-    """The text answer: the setting, one row per stage, the peak and whether it fits."""
-    from microbatch.hardware import DEFAULT_HEADROOM
-    from microbatch.predict.state import bytes_per_param
-    from microbatch.units import format_bytes
-
-    w, g, o = bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer)
-    moe = shape.moe
-    params = f"{shape.param_count():,} parameters" + (
-        f" ({shape.active_param_count():,} active; E={moe.experts}, top-k={moe.top_k}, EP={cfg.expert_parallel})"
-        if moe is not None
-        else ""
-    )
-    lines = [
-        f"{shape.name}: {params}; b_m={cfg.micro_batch} s={cfg.seq or shape.seq} "
-        f"t={cfg.tensor_parallel}{' +SP' if cfg.sequence_parallel else ''} p={cfg.pipeline_parallel} "
-        f"{f'c={cfg.context_parallel} ' if cfg.context_parallel > 1 else ''}"
-        f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}; {cfg.precision} "
-        f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}",
-        "",
-        f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'weights':>9} {'grads':>9} {'optim':>9} "
-        f"{'activ':>9} {'other':>8} {'peak':>9}",
-    ]
-    peak = est.peak_stage.stage
-    lines += _stage_rows(est)
-    terms = ", ".join(
-        f"{k} {format_bytes(v, unit='GiB')}" for k, v in est.peak_stage.activation_terms.items()
-    )
-    lines += [
-        "",
-        f"peak {format_bytes(est.peak_bytes, unit='GiB')} on stage {peak} (activations: {terms})",
-    ]
-    if acc is not None:
-        verdict = "fits" if out["fits"] else "does NOT fit"
-        lines.append(
-            f"{verdict} in {acc.name} ({format_bytes(acc.memory_bytes, digits=0, unit='GiB')}; keep "
-            f"~{100 * DEFAULT_HEADROOM:.0f}% headroom)"
-        )
-    if applied:
-        lines += [""] + applied.lines()
-    return "\n".join(lines)
+    emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))

@@ -19,7 +19,7 @@ from microbatch.commands._common import (
 )
 from microbatch.commands._sim_times import parse_stage_times, resolve_times
 from microbatch.schedules.registry import ScheduleSpec
-from microbatch.show.text import bubble_lines, pct
+from microbatch.show.answers import render_simulate
 
 if TYPE_CHECKING:
     from microbatch.schedules.simulate import SimResult
@@ -133,8 +133,15 @@ def cmd(
     emit(
         result,
         as_json,
-        lambda: _render(
-            sim, rows, title, result, spec, time_unit, width if not no_diagram and not too_tall else None
+        lambda: render_simulate(
+            sim,
+            rows,
+            title,
+            result,
+            spec.idle_closed_form.source if spec.idle_closed_form is not None else "",
+            time_unit,
+            width if not no_diagram and not too_tall else None,
+            color=use_color(),
         ),
     )
     if failed:
@@ -258,45 +265,3 @@ def _write_charts(
             notes.append(f"could not write --png {png_path} ({e.strerror or e}); the result is printed here")
             failed = True
     return failed
-
-
-def _render(
-    sim: SimResult,
-    rows: _Rows,
-    title: str,
-    result: dict[str, Any],
-    spec: ScheduleSpec,
-    time_unit: str,
-    diagram_width: int | None,
-) -> str:
-    """The text answer: numbers, closed form, notes, per-rank table and (unless ``diagram_width`` is None) the diagram."""
-    from microbatch.show.text import render_stats_table, render_timeline_text
-    from microbatch.units import format_number
-
-    unit = f" {time_unit}" if time_unit else ""
-    lines = [
-        title,
-        f"  makespan         {format_number(sim.makespan)}{unit}",
-        *bubble_lines(sim.bubble_fraction, sim.bubble_ratio, sim.peak_in_flight),
-    ]
-    cf = result.get("closed_form", {})
-    if "bubble_fraction" in cf:
-        lines.append(f"  closed form      {pct(cf['bubble_fraction']):>6}  (p−1)/(v·m+p−1), uniform stages")
-    if "idle_time_per_stage" in cf:
-        lines.append(
-            f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  "
-            + f"({spec.idle_closed_form.source if spec.idle_closed_form is not None else ''})"
-        )
-    lines += [f"  note: {n}" for n in result["notes"]]
-    lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
-    if diagram_width is not None:
-        lines += [
-            "",
-            render_timeline_text(
-                rows, sim.makespan, width=diagram_width, color=use_color(), time_unit=time_unit
-            ),
-        ]
-    for key in ("svg", "png"):
-        if key in result:
-            lines.append(f"wrote {result[key]}")
-    return "\n".join(lines)

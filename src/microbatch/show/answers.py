@@ -1,0 +1,185 @@
+"""The text answers of the calculator commands — ``bubble``, ``simulate``, ``memory``, ``noise`` and
+``bench-gpu`` — from their results (DESIGN: only show/ writes sentences; a command parses, calls, renders).
+``color`` says whether the terminal takes ANSI colours (the command decides: :func:`use_color`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from microbatch.show.text import bubble_lines, pct, render_stats_table, render_timeline_text
+from microbatch.units import format_bytes, format_number
+
+if TYPE_CHECKING:
+    from microbatch.hardware import Accelerator
+    from microbatch.model import ModelShape
+    from microbatch.predict.apply_calibration import AppliedCalibration
+    from microbatch.predict.memory import MemoryConfig, MemoryEstimate
+    from microbatch.schedules.simulate import SimResult
+
+__all__ = ["render_bubble", "render_memory", "render_microbench", "render_simulate"]
+
+Rows = list[list[tuple[float, float, str, int]]]
+"""A diagram's rows: per rank, (start, end, label, colour index) of each op."""
+
+
+def render_bubble(
+    title: str, result: dict[str, Any], sim: SimResult | None, width: int, *, color: bool = False
+) -> str:
+    """``bubble``'s text: the numbers, the method, the notes and (given ``sim``) the diagram."""
+    lines = [
+        title,
+        *bubble_lines(result["bubble_fraction"], result["bubble_ratio"], result["peak_in_flight"]),
+    ]
+    if "idle_time_per_stage" in result:
+        lines.append(f"  idle per stage   {result['idle_time_per_stage']:g}  time units")
+    lines.append(f"  method: {result['method']}")
+    lines += [f"  note: {n}" for n in result["notes"]]
+    if sim is not None:
+        lines.append("")
+        lines.append(render_timeline_text(sim.timeline_rows(), sim.makespan, width=width, color=color))
+    return "\n".join(lines)
+
+
+def render_simulate(
+    sim: SimResult,
+    rows: Rows,
+    title: str,
+    result: dict[str, Any],
+    idle_source: str,
+    time_unit: str,
+    diagram_width: int | None,
+    *,
+    color: bool = False,
+) -> str:
+    """``simulate``'s text: numbers, closed form, notes, per-rank table and (unless ``diagram_width`` is None) the diagram."""
+    unit = f" {time_unit}" if time_unit else ""
+    lines = [
+        title,
+        f"  makespan         {format_number(sim.makespan)}{unit}",
+        *bubble_lines(sim.bubble_fraction, sim.bubble_ratio, sim.peak_in_flight),
+    ]
+    cf = result.get("closed_form", {})
+    if "bubble_fraction" in cf:
+        lines.append(f"  closed form      {pct(cf['bubble_fraction']):>6}  (p−1)/(v·m+p−1), uniform stages")
+    if "idle_time_per_stage" in cf:
+        lines.append(
+            f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  "
+            + f"({idle_source})"
+        )
+    lines += [f"  note: {n}" for n in result["notes"]]
+    lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]
+    if diagram_width is not None:
+        lines += [
+            "",
+            render_timeline_text(rows, sim.makespan, width=diagram_width, color=color, time_unit=time_unit),
+        ]
+    for key in ("svg", "png"):
+        if key in result:
+            lines.append(f"wrote {result[key]}")
+    return "\n".join(lines)
+
+
+def _stage_rows(est: MemoryEstimate) -> list[str]:
+    """One row per stage (bytes in GiB), the peak stage marked."""
+    lines: list[str] = []
+    peak = est.peak_stage.stage
+
+    def col(n: float, width: int = 9) -> str:
+        return format_bytes(n, unit="GiB").replace(" GiB", "G").rjust(width)
+
+    for st in est.stages:
+        mark = " <- peak" if st.stage == peak else ""
+        lines.append(
+            f"{st.stage:>5} {st.layers:>6} {st.in_flight:>9} {col(st.weights_bytes)} {col(st.gradients_bytes)} "
+            f"{col(st.optimizer_bytes)} {col(st.activations_bytes)} {col(st.other_bytes, 8)} "
+            f"{col(st.peak_bytes)}{mark}"
+        )
+    if len(est.stages) > 12:
+        top = sorted(est.stages, key=lambda s: -s.peak_bytes)[:1]
+        lines.append(f"(highest: stage {top[0].stage})")
+    return lines
+
+
+def render_memory(
+    shape: ModelShape,
+    cfg: MemoryConfig,
+    est: MemoryEstimate,
+    out: dict[str, Any],
+    acc: Accelerator | None,
+    applied: AppliedCalibration | None,
+) -> str:
+    """``memory``'s text: the setting, one row per stage, the peak and whether it fits."""
+    from microbatch.hardware import DEFAULT_HEADROOM
+    from microbatch.predict.state import bytes_per_param
+
+    w, g, o = bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer)
+    moe = shape.moe
+    params = f"{shape.param_count():,} parameters" + (
+        f" ({shape.active_param_count():,} active; E={moe.experts}, top-k={moe.top_k}, EP={cfg.expert_parallel})"
+        if moe is not None
+        else ""
+    )
+    lines = [
+        f"{shape.name}: {params}; b_m={cfg.micro_batch} s={cfg.seq or shape.seq} "
+        f"t={cfg.tensor_parallel}{' +SP' if cfg.sequence_parallel else ''} p={cfg.pipeline_parallel} "
+        f"{f'c={cfg.context_parallel} ' if cfg.context_parallel > 1 else ''}"
+        f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}; {cfg.precision} "
+        f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}",
+        "",
+        f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'weights':>9} {'grads':>9} {'optim':>9} "
+        f"{'activ':>9} {'other':>8} {'peak':>9}",
+    ]
+    peak = est.peak_stage.stage
+    lines += _stage_rows(est)
+    terms = ", ".join(
+        f"{k} {format_bytes(v, unit='GiB')}" for k, v in est.peak_stage.activation_terms.items()
+    )
+    lines += [
+        "",
+        f"peak {format_bytes(est.peak_bytes, unit='GiB')} on stage {peak} (activations: {terms})",
+    ]
+    if acc is not None:
+        verdict = "fits" if out["fits"] else "does NOT fit"
+        lines.append(
+            f"{verdict} in {acc.name} ({format_bytes(acc.memory_bytes, digits=0, unit='GiB')}; keep "
+            f"~{100 * DEFAULT_HEADROOM:.0f}% headroom)"
+        )
+    if applied:
+        lines += [""] + applied.lines()
+    return "\n".join(lines)
+
+
+def render_microbench(d: dict[str, Any]) -> str:
+    """``bench-gpu``'s text: a short table: GEMMs, attention, streaming, collectives, then the notes."""
+
+    def frac(f: float | None) -> str:
+        return f"{100 * f:5.1f}%" if f is not None else "     -"
+
+    lines = [
+        f"{d['device_name']} ({d['accelerator'] or 'not in the accelerator table'}), {d['dtype']}, torch "
+        f"{d['torch_version']}; {d['timer']}; {d['seconds_total']:.1f} s",
+        f"GEMMs (model {d['model']}, s = {d['seq']}, b_m {', '.join(map(str, d['micro_batches']))}; then the grid)",
+        "  label      rows      k      n     seconds   TFLOP/s  of peak",
+    ]
+    for g in d["gemms"]:
+        lines.append(
+            f"  {g['label']:<7} {g['rows']:>7} {g['k']:>6} {g['n']:>6}  {g['seconds']:.3e}  "
+            f"{g['flops_per_s'] / 1e12:8.3f}  {frac(g['fraction_of_peak'])}"
+        )
+    for a in d["attention"]:
+        lines.append(
+            f"attention causal s={a['seq']:<6} b={a['batch']} heads={a['heads']} d={a['head_dim']}: "
+            f"{a['flops_per_s'] / 1e12:.3f} TFLOP/s {frac(a['fraction_of_peak'])}"
+        )
+    for s in d["stream"]:
+        lines.append(
+            f"stream {s['kernel']:<9} {s['bytes_per_s'] / 1e9:8.1f} GB/s {frac(s['fraction_of_bandwidth'])}"
+        )
+    for c in d["collectives"]:
+        lines.append(
+            f"{c['op']} over {c['world_size']} ranks: bus {c['bus_bytes_per_s'] / 1e9:.1f} GB/s {frac(c['fraction_of_link'])}"
+        )
+    if d["launch_s_per_kernel"] is not None:
+        lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
+    lines += [f"note: {n}" for n in d["notes"]]
+    return "\n".join(lines)
