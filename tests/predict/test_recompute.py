@@ -55,7 +55,7 @@ def test_full_recompute_of_every_kth_layer():
     lt = layer_forward(LLAMA, 1, H100)
     i_none, i_full = layer_pass_times(lt, "none")[1], layer_pass_times(lt, "full")[1]
     assert layer_pass_times(lt, "full", 3)[1] == pytest.approx((i_full + 2 * i_none) / 3)
-    with pytest.raises(ConfigError, match="recompute-every 2 is full recompute"):
+    with pytest.raises(ConfigError, match="recompute_every 2 is full recomputation of one layer in K; give recompute full"):
         MemoryConfig(micro_batch=1, recompute_every=2)
 
 

@@ -181,21 +181,22 @@ class MemoryConfig:
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
 
     def __post_init__(self) -> None:
-        check_positive_int("micro-batch", self.micro_batch, fix="b_m counts whole sequences")
-        check_positive_int("expert-parallel", self.expert_parallel)
-        check_positive_int("context-parallel", self.context_parallel)
-        check_positive_int("recompute-every", self.recompute_every)
+        check_positive_int("micro_batch", self.micro_batch, fix="b_m counts whole sequences")
+        check_positive_int("expert_parallel", self.expert_parallel)
+        check_positive_int("context_parallel", self.context_parallel)
+        check_positive_int("recompute_every", self.recompute_every)
         if self.recompute_every > 1 and self.recompute != "full":
             raise ConfigError(
-                f"recompute-every {self.recompute_every} is full recompute of one layer in K; give --recompute full "
-                "with it, or drop --recompute-every"
+                f"recompute_every {self.recompute_every} is full recomputation of one layer in K; give recompute "
+                "full with it, or drop recompute_every",
+                params=("recompute_every", "recompute"),
             )
         get_fp8_recipe(self.fp8_recipe)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if self.seq is not None:
             check_positive_int("seq", self.seq)
         for name in ("tensor_parallel", "pipeline_parallel", "virtual", "data_parallel"):
-            check_positive_int(name.replace("_", "-"), getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
@@ -207,14 +208,16 @@ class MemoryConfig:
             )
         if self.virtual > 1 and registry.get_spec(self.schedule).stages_per_rank == 1:
             raise ConfigError(
-                f"virtual {self.virtual} needs the interleaved-1f1b schedule (schedule is {self.schedule}); "
-                "use --schedule interleaved-1f1b or --virtual 1"
+                f"virtual {self.virtual} needs interleaved 1F1B, not schedule {self.schedule}; "
+                "use schedule interleaved-1f1b or virtual 1",
+                params=("virtual", "schedule"),
             )
         if self.pipeline_parallel > 1:  # the schedule's own (p, m, v) rule, as bubble and simulate apply it
             registry.check_servable(self.schedule, self.pipeline_parallel, self.m, self.virtual)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError(
-                "sequence parallelism needs tensor-parallel > 1; give --tensor-parallel or drop it"
+                "sequence_parallel needs tensor_parallel > 1; give tensor_parallel or drop sequence_parallel",
+                params=("sequence_parallel", "tensor_parallel"),
             )
 
     @property
