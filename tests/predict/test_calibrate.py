@@ -329,7 +329,9 @@ def test_apply_calibration_for_plan_and_memory(tmp_path):
     )
     assert any("32" in n for n in app.notes) and any("t = 2" in n for n in app.notes)
     assert json.loads(json.dumps(app.to_dict()))["calibration"]["kind"] == "calibration"
-    text = "\n".join(app.lines())
+    from microbatch.show.answers import calibration_lines
+
+    text = "\n".join(calibration_lines(app))
     assert "activations × 1.300" in text and "+ 0.75 GiB fixed" in text and "0.45 of peak" in text
     assert text.count("note: ") == len(app.notes)
     # the planner takes both corrections through its public config

@@ -244,9 +244,10 @@ def _answer(
     plans: list[Plan], applied: list[AppliedCalibration], all_rows: bool
 ) -> tuple[dict[str, Any], Callable[[], str]]:
     """The JSON answer and its text: one plan, or the plans side by side."""
+    from microbatch.show.answers import calibration_lines
     from microbatch.show.plan_report import comparison_rows, explain, plan_dict, render_plan, text_table
 
-    cal_lines = list(dict.fromkeys(line for a in applied for line in a.lines()))
+    cal_lines = list(dict.fromkeys(line for a in applied for line in calibration_lines(a)))
     if len(plans) == 1:
         out = {**plan_dict(plans[0]), "explanation": explain(plans[0])}
 

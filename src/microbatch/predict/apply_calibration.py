@@ -231,25 +231,6 @@ class AppliedCalibration:
         """The calibration and the notes, for a command's JSON."""
         return {"calibration": self.calibration.to_dict(), "calibration_notes": list(self.notes)}
 
-    def lines(self) -> list[str]:
-        """Text for a command's output: what was applied, then each note."""
-        c, m = self.calibration, self.memory
-        if self.sources:
-            head = f"kernel terms from a microbenchmark of {c.device_name or c.device} ({c.accelerator}):"
-            rows = [f"  {term}: {where}" for term, where in self.sources.items()]
-            return [head, *rows, "  memory model (bytes): analytic, a microbenchmark measures no memory"] + [
-                f"note: {n}" for n in self.notes
-            ]
-        head = (
-            f"calibrated from {c.model} s={c.seq} {c.precision} on {c.device_name or c.device} (b_m "
-            f"{', '.join(map(str, c.micro_batches))}): activations × {m.activation_scale:.3f}, "
-            f"+ {format_bytes(m.fixed_bytes, unit='GiB')} fixed"
-        )
-        if self.efficiency is c.efficiency and c.efficiency is not None:
-            e = c.efficiency
-            head += f"; GEMM efficiency {e.gemm_max:.2f} of peak, half of it at {e.half_rows:,.0f} rows"
-        return [head] + [f"note: {n}" for n in self.notes]
-
 
 def apply_calibration(
     source: str | Path | dict[str, Any] | list[Any],

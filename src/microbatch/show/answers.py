@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from microbatch.predict.memory import MemoryConfig, MemoryEstimate
     from microbatch.schedules.simulate import SimResult
 
-__all__ = ["render_bubble", "render_memory", "render_microbench", "render_simulate"]
+__all__ = ["calibration_lines", "render_bubble", "render_memory", "render_microbench", "render_simulate"]
 
 Rows = list[list[tuple[float, float, str, int]]]
 """A diagram's rows: per rank, (start, end, label, colour index) of each op."""
@@ -145,7 +145,7 @@ def render_memory(
             f"~{100 * DEFAULT_HEADROOM:.0f}% headroom)"
         )
     if applied:
-        lines += [""] + applied.lines()
+        lines += [""] + calibration_lines(applied)
     return "\n".join(lines)
 
 
@@ -183,3 +183,23 @@ def render_microbench(d: dict[str, Any]) -> str:
         lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
     lines += [f"note: {n}" for n in d["notes"]]
     return "\n".join(lines)
+
+
+def calibration_lines(applied: AppliedCalibration) -> list[str]:
+    """What ``plan``/``memory --calibration`` applied, in words, then each note."""
+    c, m = applied.calibration, applied.memory
+    if applied.sources:
+        head = f"kernel terms from a microbenchmark of {c.device_name or c.device} ({c.accelerator}):"
+        rows = [f"  {term}: {where}" for term, where in applied.sources.items()]
+        return [head, *rows, "  memory model (bytes): analytic, a microbenchmark measures no memory"] + [
+            f"note: {n}" for n in applied.notes
+        ]
+    head = (
+        f"calibrated from {c.model} s={c.seq} {c.precision} on {c.device_name or c.device} (b_m "
+        f"{', '.join(map(str, c.micro_batches))}): activations × {m.activation_scale:.3f}, "
+        f"+ {format_bytes(m.fixed_bytes, unit='GiB')} fixed"
+    )
+    if applied.efficiency is c.efficiency and c.efficiency is not None:
+        e = c.efficiency
+        head += f"; GEMM efficiency {e.gemm_max:.2f} of peak, half of it at {e.half_rows:,.0f} rows"
+    return [head] + [f"note: {n}" for n in applied.notes]
