@@ -229,7 +229,6 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.predict.calibrate": (1, "issue 31: being reworked"),
     "microbatch.predict.candidate": (1, "issue 31: schedule dispatch through the registry"),
     "microbatch.predict.plan": (2, "issue 31: its errors; lint/what_would_fit's sentences moved to show/"),
-    "microbatch.predict.plan_config": (5, "issue 31: being reworked"),
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (12, "issue 31: export names through the registry"),

@@ -55,7 +55,9 @@ def test_full_recompute_of_every_kth_layer():
     lt = layer_forward(LLAMA, 1, H100)
     i_none, i_full = layer_pass_times(lt, "none")[1], layer_pass_times(lt, "full")[1]
     assert layer_pass_times(lt, "full", 3)[1] == pytest.approx((i_full + 2 * i_none) / 3)
-    with pytest.raises(ConfigError, match="recompute_every 2 is full recomputation of one layer in K; give recompute full"):
+    with pytest.raises(
+        ConfigError, match="recompute_every 2 is full recomputation of one layer in K; give recompute full"
+    ):
         MemoryConfig(micro_batch=1, recompute_every=2)
 
 
@@ -88,7 +90,9 @@ def test_async_tp_hides_the_collectives_under_the_gemms():
     slow_async = layer_forward(LLAMA, 1, slow, tensor_parallel=4, sequence_parallel=True, async_tp=True)
     assert slow_async.tp_comm_s == pytest.approx(slow_plain.tp_comm_s - slow_plain.gemm_s)
     assert slow_async.tp_comm_s > 0
-    with pytest.raises(ConfigError, match="give --sequence-parallel"):
+    with pytest.raises(
+        ConfigError, match=r"give sequence_parallel \(and tensor_parallel > 1\) with async_tp"
+    ):
         PlanConfig(shape=LLAMA, gpu=H100, global_batch=8, tensor_parallel=2, async_tp=True)
 
 

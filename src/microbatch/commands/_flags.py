@@ -25,6 +25,9 @@ PARAM_DESTS: dict[str, str] = {
     "schedule": "schedule_name",
     "shape": "model",
     "memory_key": "memory",
+    "micro_batches": "micro_batch",
+    "virtuals": "virtual",
+    "schedules": "schedule",
 }
 """Library parameter → the click destination of the flag that sets it, where the names differ
 (``ChoiceConfig.memory_budget_bytes`` is set by ``--memory-budget 12GiB``)."""

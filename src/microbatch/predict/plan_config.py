@@ -134,7 +134,8 @@ class PlanConfig:
             check_positive_int("seq", self.seq)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError(
-                "sequence parallelism needs tensor-parallel > 1; give --tensor-parallel or drop it"
+                "sequence_parallel needs tensor_parallel > 1; give tensor_parallel or drop sequence_parallel",
+                params=("sequence_parallel", "tensor_parallel"),
             )
         for s in self.schedules or ():
             if s not in schedule_names(in_flight=True):
@@ -150,7 +151,7 @@ class PlanConfig:
             if isinstance(z, bool) or z not in ZERO_STAGES:
                 raise ConfigError(f"ZeRO stage {z!r} is not known; use auto or 0, 1, 2, 3")
         for b in self.micro_batches or ():
-            check_positive_int("micro-batch", b)
+            check_positive_int("micro_batches", b)
             check_micro_batch(B, b, d)
         bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
         L, p = self.shape.layers, self.pipeline_parallel
@@ -160,7 +161,8 @@ class PlanConfig:
                 ok = [x for x in range(2, L // p + 1) if L % (p * x) == 0]
                 raise ConfigError(
                     f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "
-                    f"use virtual among {ok or 'none (no v > 1 fits; drop --virtual)'}"
+                    f"use virtual among {ok or 'none (no v > 1 fits; drop virtuals)'}",
+                    params=("virtuals",),
                 )
         if self.choose not in CHOICES:
             raise ConfigError(f"choose {self.choose!r} is not known; use one of {', '.join(CHOICES)}")
@@ -187,22 +189,25 @@ class PlanConfig:
 
     def _check_issue29_layout(self) -> None:
         """Expert and context parallelism, FP8, every-K recompute and async TP: their rules."""
-        check_positive_int("context-parallel", self.context_parallel)
+        check_positive_int("context_parallel", self.context_parallel)
         get_fp8_recipe(self.fp8_recipe)  # validates it
-        check_positive_int("recompute-every", self.recompute_every)
+        check_positive_int("recompute_every", self.recompute_every)
         if self.recompute_every > 1 and self.recompute is not None and "full" not in self.recompute:
             raise ConfigError(
-                f"recompute-every {self.recompute_every} applies to full recompute; give --recompute full or auto"
+                f"recompute_every {self.recompute_every} applies to full recomputation; give recompute full or auto",
+                params=("recompute_every", "recompute"),
             )
         if self.async_tp and not self.sequence_parallel:
             raise ConfigError(
-                "async tensor parallelism overlaps the sequence-parallel all-gathers and reduce-scatters with the "
-                "GEMMs; give --sequence-parallel (and --tensor-parallel > 1) with --async-tp"
+                "async_tp overlaps the sequence-parallel all-gathers and reduce-scatters with the "
+                "GEMMs; give sequence_parallel (and tensor_parallel > 1) with async_tp",
+                params=("async_tp", "sequence_parallel", "tensor_parallel"),
             )
         if get_precision(self.precision).gemm_dtype == "fp8" and "fp8" not in self.gpu.peak_flops:
             raise ConfigError(
                 f"precision fp8 needs FP8 tensor cores; {self.gpu.name} has none (peaks for "
-                f"{', '.join(self.gpu.peak_flops)}); use --precision bf16-mixed or an H100, H200, B200, L4 or MI300X"
+                f"{', '.join(self.gpu.peak_flops)}); use precision bf16-mixed or an H100, H200, B200, L4 or MI300X",
+                params=("precision",),
             )
         check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
