@@ -20,6 +20,7 @@ from microbatch.errors import ConfigError, PipelineError, ScheduleError
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.instrument import make_loss_fn
 from microbatch.run.pipeline.launch import run_pipeline, under_torchrun
+from microbatch.run.pipeline.resolved import resolve
 from microbatch.run.pipeline.split import balanced_split, model_units, split_units
 from microbatch.run.pipeline.summary import predict
 from microbatch.schedules.registry import check_servable, stage_ranks
@@ -165,10 +166,10 @@ def test_sum_over_total_tokens_gives_the_mean_loss_gradient():
 
 def test_prediction_with_equal_times_is_the_closed_form():
     cfg = PipelineConfig(schedule="gpipe", stages=4, microbatches=4)
-    res = predict(cfg, {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
+    res = predict(resolve(cfg), {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
     assert res.bubble_fraction == pytest.approx(3 / 7)
     cfg = PipelineConfig(schedule="1f1b", stages=4, microbatches=8)
-    res = predict(cfg, {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
+    res = predict(resolve(cfg), {(s, k): t for s in range(4) for k, t in (("F", 1.0), ("B", 2.0))})
     assert list(res.peak_in_flight) == [4, 3, 2, 1]
 
 
@@ -246,7 +247,7 @@ def _stage_bytes(rep):
         schedule=rep.schedule, stages=rep.stages, microbatches=rep.microbatches,
         global_batch=rep.global_batch, model=rep.model,
     )  # fmt: skip
-    prof = stage_saved_bytes(cfg, rep.layers_per_stage)
+    prof = stage_saved_bytes(resolve(cfg), rep.layers_per_stage)
     return [prof[s]["own"] + prof[s]["shared"] for s in sorted(prof)]
 
 
@@ -588,5 +589,5 @@ def test_measured_comm_is_the_median_wait_for_another_ranks_output():
     ]
     # waits: F1/0 (input at 1.0, start 1.25) and B0/0 (input at 4.25, start 4.5, idle since 2.0): 0.25 each.
     # F1/1 and B0/1 start late because their rank was busy (gaps 0.75): not latency, not counted.
-    assert measured_comm_s(cfg, [[rank0, rank1]]) == pytest.approx(0.25)
-    assert measured_comm_s(cfg, [[rank0[:2], []]]) == 0.0
+    assert measured_comm_s(resolve(cfg), [[rank0, rank1]]) == pytest.approx(0.25)
+    assert measured_comm_s(resolve(cfg), [[rank0[:2], []]]) == 0.0

@@ -10,6 +10,7 @@ from microbatch.errors import ConfigError
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.fit import check_fits, predicted_host_bytes
 from microbatch.run.pipeline.launch import run_pipeline
+from microbatch.run.pipeline.resolved import resolve
 
 torch = pytest.importorskip("torch")
 
@@ -76,7 +77,7 @@ def test_gpipe_memory_grows_with_m_and_1f1b_does_not_measured():
     # buffer (b_m·s·h·4 bytes) per micro-batch, measured through the same hooks
     from microbatch.run.pipeline.memory import boundary_bytes
 
-    buf = boundary_bytes(PipelineConfig(schedule="1f1b", stages=2, microbatches=2))
+    buf = boundary_bytes(resolve(PipelineConfig(schedule="1f1b", stages=2, microbatches=2)))
     assert _measured(f4)[1] - _measured(f2)[1] == pytest.approx(2 * buf, rel=0.05)
     assert _measured(g4)[1] - _measured(g2)[1] > 10 * 2 * buf  # GPipe: the activations as well
 
@@ -110,9 +111,9 @@ def _old_rule_bytes(rep, rank):
     rule = resolve(cfg).rule
     chunks = rule.in_flight(rank, cfg.stages, cfg.microbatches, cfg.virtual)
     fed = 1 if rank > 0 else 0
-    return chunks * st.activation_bytes_per_microbatch + fed * (
-        cfg.microbatches - chunks
-    ) * boundary_bytes(cfg)
+    return chunks * st.activation_bytes_per_microbatch + fed * (cfg.microbatches - chunks) * boundary_bytes(
+        resolve(cfg)
+    )
 
 
 def test_split_backward_under_the_hooks_frees_what_it_saved():
@@ -188,10 +189,10 @@ def test_a_model_too_large_for_the_host_is_refused_with_the_numbers():
         match=r"llama-2-7b \(6\.74 B parameters.* needs about 175\.\d+ GiB.* but 24\.00 GiB is available; "
         r"use a smaller model",
     ):
-        check_fits(cfg, available=24 * 1024**3)
-    pred = predicted_host_bytes(cfg, 1_000_000)
+        check_fits(resolve(cfg), available=24 * 1024**3)
+    pred = predicted_host_bytes(resolve(cfg), 1_000_000)
     assert pred["model_copies"] == 2 * 4e6 and pred["gradients_and_adam"] == 3 * 4e6
-    assert check_fits(PipelineConfig(model="tiny"), available=24 * 1024**3) is not None
+    assert check_fits(resolve(PipelineConfig(model="tiny")), available=24 * 1024**3) is not None
 
 
 def test_cli_refuses_llama_before_starting_any_process(capsys, monkeypatch):
@@ -259,7 +260,7 @@ def test_the_calibration_is_measured_on_one_process_not_read_from_the_runs_hooks
     from microbatch.run.pipeline.stage_profile import stage_saved_bytes
 
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
-    prof = stage_saved_bytes(cfg, [2, 2])
+    prof = stage_saved_bytes(resolve(cfg), [2, 2])
     assert prof[0]["shared"] > 0  # the batch's token ids, a view per micro-batch: held once
     order = {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]}
     buf = 1 * 64 * 64 * 4  # tiny's boundary: b_m·s·h fp32, received per micro-batch by rank 1
@@ -289,7 +290,7 @@ def test_the_calibration_is_measured_on_one_process_not_read_from_the_runs_hooks
             for r in range(2)
         ]
 
-    same, big = memory_rows(cfg, ranks(1.0), [0]), memory_rows(cfg, ranks(1.5), [0])
+    same, big = memory_rows(resolve(cfg), ranks(1.0), [0]), memory_rows(resolve(cfg), ranks(1.5), [0])
     for r in range(2):
         assert same[r].predicted_bytes == pytest.approx(honest[r]) == big[r].predicted_bytes
         assert same[r].error_pct == pytest.approx(0.0, abs=1e-9)

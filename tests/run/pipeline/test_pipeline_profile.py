@@ -8,6 +8,7 @@ from microbatch.run.pipeline.before_run import predict_before
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.replay import ZERO_TERMS, replay, runtime_terms
 from microbatch.run.pipeline.report import StepIntervals
+from microbatch.run.pipeline.resolved import resolve
 from microbatch.run.pipeline.stage_profile import profile_stages
 from microbatch.schedules.torch_order import torch_order
 
@@ -29,16 +30,18 @@ def _terms(**kw):
 
 def test_equal_stages_without_costs_between_ops_give_the_closed_form():
     cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
-    pred = predict_before(cfg, _flat(2), _terms())
+    pred = predict_before(resolve(cfg), _flat(2), _terms())
     assert pred.bubble_fraction == pytest.approx(1 / 5)  # (p−1)/(m+p−1)
     assert pred.step_time_s == pytest.approx((4 + 1) * 3e-3)
 
 
 def test_costs_between_ops_lengthen_the_step_and_count_as_idle():
     cfg = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
-    base = predict_before(cfg, _flat(2), _terms())
+    base = predict_before(resolve(cfg), _flat(2), _terms())
     slow = predict_before(
-        cfg, _flat(2), _terms(after_send_s={"fwd": 1e-4, "bwd": 5e-3}, hop_s={"fwd": 1e-3, "bwd": 1e-3})
+        resolve(cfg),
+        _flat(2),
+        _terms(after_send_s={"fwd": 1e-4, "bwd": 5e-3}, hop_s={"fwd": 1e-3, "bwd": 1e-3}),
     )
     # the last rank's 4 gradient sends each hold it 5 ms; rank 0 waits for them but the first
     assert slow.step_time_s > base.step_time_s + 3 * 5e-3
@@ -64,7 +67,7 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
     )
     op_s = {(s, k): t * (1 + 0.1 * s) for s, row in _flat(cfg.total_stages).items() for k, t in row.items()}
     order = torch_order(cfg.schedule, p, m, v)
-    rep = replay(cfg, order, op_s, known)
+    rep = replay(resolve(cfg), order, op_s, known)
     stage_of = {(r, n): a for r in range(p) for n, a in enumerate(order[r])}
     ranks = []
     for r in range(p):
@@ -73,7 +76,7 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
             s = int(stage_of[(r, n)].split(kind)[0])
             ivs.append((kind, s, i, a, e))
         ranks.append(ivs)
-    got = runtime_terms(cfg, [StepIntervals(start=0.0, end=rep["step_time_s"], ranks=ranks)])
+    got = runtime_terms(resolve(cfg), [StepIntervals(start=0.0, end=rep["step_time_s"], ranks=ranks)])
     for key in ("after_local_s", "start_s", "end_s"):
         if key != "after_local_s" or got["cases"]["after_local"]:
             assert got[key] == pytest.approx(known[key], abs=1e-9), key
@@ -85,7 +88,7 @@ def test_runtime_terms_recover_the_costs_a_trace_was_made_with(schedule, p, m, v
     # the trace shows sends into a rank that sat waiting (their own cost recovered above)
     assert sum(got["cases"]["after_send_waiting"].values()) > 0
     # and the replay with the recovered terms gives the step back
-    assert replay(cfg, order, op_s, got)["step_time_s"] == pytest.approx(rep["step_time_s"])
+    assert replay(resolve(cfg), order, op_s, got)["step_time_s"] == pytest.approx(rep["step_time_s"])
 
 
 def test_the_replay_without_costs_matches_the_event_simulation():
@@ -93,8 +96,8 @@ def test_the_replay_without_costs_matches_the_event_simulation():
 
     cfg = PipelineConfig(schedule="interleaved-1f1b", stages=2, microbatches=4, virtual=2)
     op_s = {(s, k): 1e-3 * (1 + s) * (2 if k == "B" else 1) for s in range(4) for k in "FB"}
-    sim = predict(cfg, op_s)
-    rep = replay(cfg, torch_order(cfg.schedule, 2, 4, 2), op_s, ZERO_TERMS)
+    sim = predict(resolve(cfg), op_s)
+    rep = replay(resolve(cfg), torch_order(cfg.schedule, 2, 4, 2), op_s, ZERO_TERMS)
     assert rep["step_time_s"] == pytest.approx(sim.makespan)
     assert rep["bubble_fraction"] == pytest.approx(sim.bubble_fraction)
 
@@ -102,7 +105,7 @@ def test_the_replay_without_costs_matches_the_event_simulation():
 @pytest.mark.timeout(60)
 def test_profile_measures_every_stage_of_the_split_the_ranks_use():
     cfg = PipelineConfig(schedule="zb-h1", stages=2, microbatches=2)
-    prof = profile_stages(cfg, repeats=3)
+    prof = profile_stages(resolve(cfg), repeats=3)
     assert sorted(prof) == [0, 1]
     for row in prof.values():
         assert row["F"] > 0 and row["B"] > 0 and row["W"] > 0 and row["cpuF"] > 0
@@ -110,7 +113,7 @@ def test_profile_measures_every_stage_of_the_split_the_ranks_use():
     assert prof[1]["I"] > 0  # stage 1's input comes from stage 0 and needs a gradient
     # the sleep before each call is not timed: a sleep of 50 ms would put F over 50 ms, while a
     # preempted sample (a few ms on a loaded 2-core machine; tiny's F is ~1 ms) stays under half of it
-    idle = profile_stages(cfg, repeats=3, idle_s=0.05)
+    idle = profile_stages(resolve(cfg), repeats=3, idle_s=0.05)
     assert idle[1]["F"] < 0.025 + 10 * prof[1]["F"]
 
 
@@ -119,8 +122,10 @@ def test_other_runnable_threads_slow_the_ops_in_short_time_slices_as_processor_s
     cores / (others + 1) of a core (the processor-sharing limit of the scheduler's slices)."""
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=1)
     prof = {s: {"F": 1e-3, "B": 2e-3, "cpuF": 1e-3, "cpuB": 2e-3} for s in range(2)}
-    alone = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 0.0, "slice_s": 1e-6}))
-    shared = predict_before(cfg, prof, _terms(machine={"cores": 2.0, "others": 2.0, "slice_s": 1e-6}))
+    alone = predict_before(resolve(cfg), prof, _terms(machine={"cores": 2.0, "others": 0.0, "slice_s": 1e-6}))
+    shared = predict_before(
+        resolve(cfg), prof, _terms(machine={"cores": 2.0, "others": 2.0, "slice_s": 1e-6})
+    )
     assert alone.cpu_share == pytest.approx(1.0) and alone.step_time_s == pytest.approx(6e-3)
     # one rank busy at a time at m = 1 (bubble 1/2): share = 2 / (2 + 1)
     assert shared.cpu_share == pytest.approx(2 / 3, rel=1e-3)
@@ -135,15 +140,17 @@ def test_more_ranks_than_cores_wait_for_a_core_and_ops_shorter_than_a_slice_are_
     cfg = PipelineConfig(schedule="gpipe", stages=4, microbatches=8)
     order = torch_order(cfg.schedule, 4, 8, 1)
     op_s = {(s, k): t for s, row in _flat(4).items() for k, t in row.items() if k in "FB"}
-    own = replay(cfg, order, op_s, ZERO_TERMS)
-    two = replay(cfg, order, op_s, ZERO_TERMS, cores=2, slice_s=4e-3)
+    own = replay(resolve(cfg), order, op_s, ZERO_TERMS)
+    two = replay(resolve(cfg), order, op_s, ZERO_TERMS, cores=2, slice_s=4e-3)
     work = 4 * 8 * 3e-3
     assert sum(two["busy_s"]) == pytest.approx(work) == pytest.approx(sum(own["busy_s"]))
     assert own["step_time_s"] == pytest.approx((8 + 3) * 3e-3)  # the closed form, a core each
     assert two["step_time_s"] > own["step_time_s"] * 1.2
     assert two["step_time_s"] >= work / 2 - 1e-12
     # long ops in short slices are stretched instead: their busy time exceeds their work
-    slow = replay(cfg, order, {k: 10 * t for k, t in op_s.items()}, ZERO_TERMS, cores=2, slice_s=1e-3)
+    slow = replay(
+        resolve(cfg), order, {k: 10 * t for k, t in op_s.items()}, ZERO_TERMS, cores=2, slice_s=1e-3
+    )
     assert sum(slow["busy_s"]) > 1.2 * 10 * work
 
 
@@ -152,7 +159,7 @@ def test_weight_gradient_is_timed_as_torch_runs_it_not_as_a_second_full_backward
     intermediate gradients), so W < B and I + W is about one backward; the first stage, whose input
     needs no gradient, runs its whole backward at W, as torch's runtime does."""
     prof = profile_stages(
-        PipelineConfig(schedule="zb-h1", stages=2, microbatches=2, model="small"), repeats=3
+        resolve(PipelineConfig(schedule="zb-h1", stages=2, microbatches=2, model="small")), repeats=3
     )
     # on the thread's CPU time, which a preempted sample does not inflate (the work, not the machine's
     # load: small's last stage measured W/B 0.61, (I+W)/B 1.24 on the 2-core dev machine)
@@ -171,7 +178,7 @@ def test_the_dualpipev_replay_sends_an_overlapped_forward_after_its_backward():
 
     cfg = PipelineConfig(schedule="dualpipev", stages=2, microbatches=4, virtual=2)
     times = {(s, k): 1.0 for s in range(4) for k in "FIW"}
-    sim = predict(cfg, times, comm_s=0.0)
+    sim = predict(resolve(cfg), times, comm_s=0.0)
     idle = [sim.makespan - b for b in sim.busy]
     assert idle == pytest.approx([dualpipev_idle_time(2, 1.0, 1.0, 1.0)] * 2)  # 2.0; without the pairing 1.0
 
@@ -184,11 +191,11 @@ def test_after_op_terms_as_latency_take_no_core():
     order = torch_order(cfg.schedule, 4, 8, 1)
     op_s = {(s, k): t for s, row in _flat(4).items() for k, t in row.items() if k in "FB"}
     terms = _terms(after_send_s={"fwd": 2e-3, "bwd": 2e-3}, after_local_s=1e-3)
-    own_q = replay(cfg, order, op_s, terms)
-    own_l = replay(cfg, order, op_s, terms, after_as_latency=True)
+    own_q = replay(resolve(cfg), order, op_s, terms)
+    own_l = replay(resolve(cfg), order, op_s, terms, after_as_latency=True)
     assert own_l["step_time_s"] == pytest.approx(own_q["step_time_s"])
-    two_q = replay(cfg, order, op_s, terms, cores=2, slice_s=4e-3)
-    two_l = replay(cfg, order, op_s, terms, cores=2, slice_s=4e-3, after_as_latency=True)
+    two_q = replay(resolve(cfg), order, op_s, terms, cores=2, slice_s=4e-3)
+    two_l = replay(resolve(cfg), order, op_s, terms, cores=2, slice_s=4e-3, after_as_latency=True)
     assert two_l["step_time_s"] < two_q["step_time_s"]
     assert sum(two_l["busy_s"]) == pytest.approx(sum(own_q["busy_s"]))  # busy is the ops alone either way
     # as latency, each rank's ops and its after-op terms chain: rank 0 runs 8 F and 8 B (3 ms a pair)
@@ -266,13 +273,13 @@ def test_the_prediction_charges_each_measured_term_once_on_the_critical_path():
     terms = _terms(
         hop_s={"fwd": 0.1, "bwd": 0.2}, start_s=0.3, end_s=0.5, after_local_s=0.01, in_op_s={"0F": 0.5}
     )
-    pred = predict_before(one, prof, terms)
+    pred = predict_before(resolve(one), prof, terms)
     step = 10.0 + 0.5 + (0.1 + 0.2) + (0.3 + 0.5) + 2 * 0.01
     assert pred.step_time_s == pytest.approx(step, abs=1e-9)
     assert pred.bubble_fraction == pytest.approx(1 - 10.5 / (2 * step), abs=1e-9)
     two = PipelineConfig(schedule="gpipe", stages=2, microbatches=2)
     waiting = _terms(after_send_s={"fwd": 0.02, "bwd": 0.04}, after_send_waiting_s={"fwd": 0.07, "bwd": 0.09})
-    assert predict_before(two, prof, waiting).step_time_s == pytest.approx(17.0 + 0.09, abs=1e-9)
+    assert predict_before(resolve(two), prof, waiting).step_time_s == pytest.approx(17.0 + 0.09, abs=1e-9)
 
 
 def test_with_a_machine_reading_the_ops_take_their_cpu_time_not_their_wall_time():
@@ -282,8 +289,10 @@ def test_with_a_machine_reading_the_ops_take_their_cpu_time_not_their_wall_time(
     cfg = PipelineConfig(schedule="gpipe", stages=2, microbatches=1)
     prof = {s: {"F": 2e-3, "B": 4e-3, "cpuF": 1e-3, "cpuB": 2e-3} for s in range(2)}
     alone = _terms(machine={"cores": 2.0, "others": 0.0, "slice_s": 1e-6})
-    assert predict_before(cfg, prof, alone).step_time_s == pytest.approx(6e-3, rel=1e-6)
-    assert predict_before(cfg, prof, _terms()).step_time_s == pytest.approx(12e-3, rel=1e-6)  # no reading
+    assert predict_before(resolve(cfg), prof, alone).step_time_s == pytest.approx(6e-3, rel=1e-6)
+    assert predict_before(resolve(cfg), prof, _terms()).step_time_s == pytest.approx(
+        12e-3, rel=1e-6
+    )  # no reading
 
 
 def test_timed_reads_the_threads_cpu_time_beside_the_wall_time():
@@ -314,7 +323,7 @@ def test_the_profile_reports_each_stages_median_wall_and_cpu_times(monkeypatch):
         return 2e-3, 1e-3
 
     monkeypatch.setattr(sp, "_timed", fake)
-    prof = sp.profile_stages(PipelineConfig(schedule="zb-h1", stages=2, microbatches=2), repeats=3)
+    prof = sp.profile_stages(resolve(PipelineConfig(schedule="zb-h1", stages=2, microbatches=2)), repeats=3)
     assert sorted(prof) == [0, 1]
     for row in prof.values():
         assert row == {"F": 2e-3, "B": 2e-3, "I": 2e-3, "W": 2e-3,
@@ -374,15 +383,17 @@ def test_the_loaded_calibration_spins_for_the_profiled_cpu_times(monkeypatch):
 
     def fake_run(c, **kw):
         got["spins"] = json.loads(os.environ[cal.LOAD_ENV])
-        got["model"] = c.model
+        got["model"] = c.cfg.model
         from types import SimpleNamespace as NS
 
         return NS(step_intervals=[], measured=NS(step_time_s=0.01, bubble_fraction=0.3))
 
-    monkeypatch.setattr(launch, "run_pipeline", fake_run)
+    monkeypatch.setattr(launch, "run_resolved", fake_run)
     monkeypatch.setattr(rp, "runtime_terms", lambda c, steps: _terms(start_s=0.125))
     bare = {**_terms(), "machine": None}
-    out = cal.calibrate_loaded(PipelineConfig(schedule="zb-h1", stages=2, microbatches=2), prof, bare, 5)
+    out = cal.calibrate_loaded(
+        resolve(PipelineConfig(schedule="zb-h1", stages=2, microbatches=2)), prof, bare, 5
+    )
     assert got["spins"] == [[1e-3, 2e-3, 3e-3], [2e-3, 4e-3, 6e-3]]
     assert "loaded_calibration_model" in got["model"]
     assert out["start_s"] == 0.125 and out["loaded"] is True and out["bare_terms"]["start_s"] == 0.0
@@ -427,7 +438,9 @@ def test_the_bubble_predicted_before_a_run_is_held_to_the_bubble_the_run_measure
     prof: dict[int, dict[str, float]] = {0: {}, 1: {}}
     for key, t in rep.before_run.profile_s.items():
         prof[int(key[:-1])][key[-1]] = t
-    ops_only = predict_before(PipelineConfig(schedule="1f1b", stages=2, microbatches=4), prof, _terms())
+    ops_only = predict_before(
+        resolve(PipelineConfig(schedule="1f1b", stages=2, microbatches=4)), prof, _terms()
+    )
     assert before > ops_only.bubble_fraction, (before, ops_only.bubble_fraction, measured)
 
 

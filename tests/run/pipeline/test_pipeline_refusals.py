@@ -20,6 +20,7 @@ from microbatch.errors import ConfigError, PipelineError
 from microbatch.run.pipeline import fit
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.launch import check_splittable, run_pipeline
+from microbatch.run.pipeline.resolved import resolve
 
 torch = pytest.importorskip("torch")
 
@@ -125,19 +126,19 @@ def real_only_stack():
 )
 def test_a_bad_model_factory_is_refused_naming_it(model, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        check_splittable(PipelineConfig(model=model))
+        check_splittable(resolve(PipelineConfig(model=model)))
 
 
 def test_a_good_factory_is_built_on_the_meta_device_and_counted():
     from microbatch.run.pipeline.split import inspect_factory
 
-    check_splittable(PipelineConfig(model=f"{HERE}:stack"))
+    check_splittable(resolve(PipelineConfig(model=f"{HERE}:stack")))
     info = inspect_factory(f"{HERE}:stack")
     assert (info.units, info.vocab, info.meta) == (3, 64, True)
     assert info.params == sum(p.numel() for p in stack().parameters())
     with pytest.raises(ConfigError, match=r"4 stages .* returns only 3 layers"):
-        check_splittable(PipelineConfig(model=f"{HERE}:stack", stages=4))
-    pred = fit.check_fits(PipelineConfig(model=f"{HERE}:stack"), available=24 * GIB, flops_per_s=1e9)
+        check_splittable(resolve(PipelineConfig(model=f"{HERE}:stack", stages=4)))
+    pred = fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:stack")), available=24 * GIB, flops_per_s=1e9)
     assert pred["model_copies"] == 2 * 4 * info.params
 
 
@@ -169,11 +170,11 @@ def test_cli_refuses_a_bad_factory_in_one_line_before_any_process(capsys, no_pro
 def test_a_factory_whose_layers_do_not_chain_is_refused_before_any_process(model, pattern):
     """Issue 32: before, these failed after about 22 s, inside the per-stage profile, with a traceback."""
     cfg = PipelineConfig(model=model, global_batch=16)  # m = 4: b_m = 4, s = 16 (FACTORY_SEQ)
-    check_splittable(cfg)  # they import, build and split: only running them shows the fault
+    check_splittable(resolve(cfg))  # they import, build and split: only running them shows the fault
     with pytest.raises(ConfigError, match=pattern):
-        fit.check_fits(cfg, available=24 * GIB, flops_per_s=1e9)
+        fit.check_fits(resolve(cfg), available=24 * GIB, flops_per_s=1e9)
     fit.check_fits(
-        PipelineConfig(model=f"{HERE}:stack", global_batch=16), available=24 * GIB, flops_per_s=1e9
+        resolve(PipelineConfig(model=f"{HERE}:stack", global_batch=16)), available=24 * GIB, flops_per_s=1e9
     )
 
 
@@ -234,13 +235,13 @@ def test_host_memory_counts_the_batch_activations_and_receive_buffers():
         + embedding_activation_bytes(shape, 1)
         + output_activation_bytes(shape, 1, dtype_bytes=4)
     )
-    gpipe = fit.predicted_host_bytes(PipelineConfig(schedule="gpipe", microbatches=4), 1000, shape)
+    gpipe = fit.predicted_host_bytes(resolve(PipelineConfig(schedule="gpipe", microbatches=4)), 1000, shape)
     assert gpipe["activations"] == pytest.approx(4 * one)  # GPipe holds all m
-    f1b = fit.predicted_host_bytes(PipelineConfig(schedule="1f1b", microbatches=4), 1000, shape)
+    f1b = fit.predicted_host_bytes(resolve(PipelineConfig(schedule="1f1b", microbatches=4)), 1000, shape)
     assert f1b["activations"] == pytest.approx((2 + 1) / 2 * one)  # 1F1B: min(m, p - r)
     assert f1b["batch"] == 2 * 5 * 4 * (s + 1) * 8
     assert f1b["receive_buffers"] == 2 * 1 * 4 * (1 * s * h * 4)
-    eight = fit.predicted_host_bytes(PipelineConfig(schedule="1f1b", microbatches=8), 1000, shape)
+    eight = fit.predicted_host_bytes(resolve(PipelineConfig(schedule="1f1b", microbatches=8)), 1000, shape)
     assert eight["batch"] == 2 * f1b["batch"] and eight["receive_buffers"] == 2 * f1b["receive_buffers"]
 
 
@@ -252,7 +253,7 @@ def test_a_trillion_microbatches_are_refused_with_the_numbers():
         r"\(.*token ids of the batch on every rank \d+\.\d+ GiB.*\) but 24\.00 GiB is available; use fewer "
         r"micro-batches",
     ):
-        fit.check_fits(cfg, available=24 * GIB, flops_per_s=1e12)
+        fit.check_fits(resolve(cfg), available=24 * GIB, flops_per_s=1e12)
 
 
 @pytest.mark.timeout(60)
@@ -267,10 +268,10 @@ def test_cli_refuses_a_trillion_microbatches_before_any_process(capsys, no_proce
 
 
 def test_seq_past_the_learned_positions_is_refused():
-    check_splittable(PipelineConfig(model="gpt2", seq=1024))
+    check_splittable(resolve(PipelineConfig(model="gpt2", seq=1024)))
     with pytest.raises(ConfigError, match=r"seq 2048 is longer than model gpt2's 1024 learned positions; .*"
                        r"use seq 1024 or less"):  # fmt: skip
-        check_splittable(PipelineConfig(model="gpt2", seq=2048))
+        check_splittable(resolve(PipelineConfig(model="gpt2", seq=2048)))
 
 
 def test_a_run_whose_compute_passes_the_deadline_is_refused():
@@ -283,10 +284,10 @@ def test_a_run_whose_compute_passes_the_deadline_is_refused():
         r"the deadline of 180 s \(120 s of --timeout \+ 60 s allowed for start-up\); lower --steps, --seq or "
         r"--global-batch, or raise --timeout well above \d+ s",
     ):
-        fit.check_duration(cfg, flops_per_s=1e11)
+        fit.check_duration(resolve(cfg), flops_per_s=1e11)
     with pytest.raises(ConfigError, match=r"1000000000000 steps of model tiny"):
-        fit.check_duration(PipelineConfig(steps=10**12, timeout_s=20), flops_per_s=1e11)
-    fit.check_duration(PipelineConfig(model="small"), flops_per_s=1e9)  # the default run passes
+        fit.check_duration(resolve(PipelineConfig(steps=10**12, timeout_s=20)), flops_per_s=1e11)
+    fit.check_duration(resolve(PipelineConfig(model="small")), flops_per_s=1e9)  # the default run passes
 
 
 # -- 5. every message gives the fix -----------------------------------------------------------

@@ -28,22 +28,22 @@ from typing import Any
 from microbatch.run.pipeline.calibrate import SLICE_S
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.report import BeforeRun, PipelineReport
+from microbatch.run.pipeline.resolved import ResolvedRun, resolve
 from microbatch.run.pipeline.stage_profile import profile_stages
 
 __all__ = ["predict_before", "predict_run", "run_predicted"]
 
 
 def predict_before(
-    cfg: PipelineConfig, profile: dict[int, dict[str, float]], runtime: dict[str, Any]
+    run: ResolvedRun, profile: dict[int, dict[str, float]], runtime: dict[str, Any]
 ) -> BeforeRun:
-    """Bubble and step time of ``cfg`` predicted before the run: torch's order replayed with the
+    """Bubble and step time of ``run`` predicted before it: torch's order replayed with the
     profiled per-stage times and the runtime's measured costs between ops
     (:func:`microbatch.run.pipeline.replay.replay`)."""
     from microbatch.run.pipeline.replay import parse_action, replay
-    from microbatch.run.pipeline.resolved import resolve
     from microbatch.schedules.torch_order import splits_backward
 
-    order = resolve(cfg).torch_order()
+    order = run.torch_order()
     extra = runtime.get("in_op_s", {})
     split = splits_backward(order)
 
@@ -60,7 +60,7 @@ def predict_before(
     # the ranks share the machine's cores with each other and with the other programs' runnable
     # threads measured before the calibration run, in time slices (the replay's scheduler)
     rep = replay(
-        cfg,
+        run,
         order,
         op_s,
         runtime,
@@ -95,7 +95,7 @@ def predict_run(cfg: PipelineConfig) -> BeforeRun:
     result): the checks first (layers, host memory), then the runtime calibration, the per-stage
     profile and, for gloo ranks on the CPU, the loaded calibration. It does not depend on
     ``cfg.steps`` (the calibrations run their own steps), so a caller may choose the run's steps
-    from its predicted step time."""
+    from its predicted step time. The config is resolved here, once."""
     from microbatch.run.pipeline.calibrate import (
         calibrate_loaded,
         calibrate_runtime,
@@ -106,20 +106,21 @@ def predict_run(cfg: PipelineConfig) -> BeforeRun:
     from microbatch.run.pipeline.launch import check_splittable
     from microbatch.run.pipeline.progress import announce
 
+    run = resolve(cfg)
     announce("check")
-    check_splittable(cfg)
-    check_fits(cfg)
+    check_splittable(run)
+    check_fits(run)
     announce("calibrate")
-    runtime = calibrate_runtime(cfg)
+    runtime = calibrate_runtime(run)
     announce("profile")
-    profile = profile_stages(cfg, idle_s=runtime["mean_gap_s"])
+    profile = profile_stages(run, idle_s=runtime["mean_gap_s"])
     if needs_loaded_calibration(cfg, runtime):
         # as many loaded steps as the bound on the wait allows, from the step the bare terms predict
-        steps = loaded_steps(predict_before(cfg, profile, runtime).step_time_s, cfg.timeout_s)
+        steps = loaded_steps(predict_before(run, profile, runtime).step_time_s, cfg.timeout_s)
         if steps is not None:
             announce("calibrate_loaded")
-            runtime = calibrate_loaded(cfg, profile, runtime, steps)
-    return predict_before(cfg, profile, runtime)
+            runtime = calibrate_loaded(run, profile, runtime, steps)
+    return predict_before(run, profile, runtime)
 
 
 def run_predicted(cfg: PipelineConfig, *, deadline_s: float | None = None) -> PipelineReport:

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.resolved import ResolvedRun, resolve
 
 __all__ = [
     "CALIBRATION_STEPS",
@@ -199,13 +200,11 @@ def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] |
     return {"cores": float(cores), "others": others, "slice_s": slice_s or SLICE_S}
 
 
-def _boundary(cfg: PipelineConfig) -> tuple[int, int]:
+def _boundary(run: ResolvedRun) -> tuple[int, int]:
     """Width and sequence length of the real model's stage boundary (8 and 8 when unknown)."""
-    from microbatch.run.pipeline.resolved import resolve
-
-    shape = resolve(cfg).shape
+    shape = run.shape
     if shape is None:
-        return 8, cfg.seq or 8
+        return 8, run.cfg.seq or 8
     return shape.hidden, shape.seq
 
 
@@ -242,14 +241,15 @@ def loaded_steps(step_s: float, timeout_s: float) -> int | None:
     return n if n * step_s < 0.5 * timeout_s else None
 
 
-def _calibration_cfg(cfg: PipelineConfig, factory: str, steps: int = CALIBRATION_STEPS) -> PipelineConfig:
-    """``cfg``'s schedule, p, m, v and batch on the calibration model ``factory`` (this module's
-    ``calibration_model`` or ``loaded_calibration_model``) with the real boundary's width and
-    sequence, fp32, ``steps`` steps, no gradient check."""
+def _calibration_run(run: ResolvedRun, factory: str, steps: int = CALIBRATION_STEPS) -> ResolvedRun:
+    """The run of ``run``'s schedule, p, m, v and batch on the calibration model ``factory`` (this
+    module's ``calibration_model`` or ``loaded_calibration_model``) with the real boundary's width
+    and sequence, fp32, ``steps`` steps, no gradient check: a run of its own, resolved here."""
     from dataclasses import replace
 
-    width, seq = _boundary(cfg)
-    return replace(
+    cfg = run.cfg
+    width, seq = _boundary(run)
+    calibration = replace(
         cfg,
         model=f"microbatch.run.pipeline.calibrate:{factory}_{width}",
         seq=seq,
@@ -259,19 +259,20 @@ def _calibration_cfg(cfg: PipelineConfig, factory: str, steps: int = CALIBRATION
         steps=steps,
         dtype="float32",
     )
+    return resolve(calibration)
 
 
-def calibrate_runtime(cfg: PipelineConfig) -> dict[str, Any]:
-    """The runtime's costs between ops for ``cfg``'s schedule, p, m, v and micro-batch on this
+def calibrate_runtime(run: ResolvedRun) -> dict[str, Any]:
+    """The runtime's costs between ops for ``run``'s schedule, p, m, v and micro-batch on this
     machine (:func:`microbatch.run.pipeline.replay.runtime_terms`), from a run of
     :func:`calibration_model` with the real boundary's width and sequence (a few seconds)."""
-    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.launch import run_resolved
     from microbatch.run.pipeline.replay import runtime_terms
     from microbatch.run.pipeline.stage_profile import profile_stages
 
     load = machine_load()
-    tiny = _calibration_cfg(cfg, "calibration_model")
-    rep = run_pipeline(tiny)
+    tiny = _calibration_run(run, "calibration_model")
+    rep = run_resolved(tiny)
     terms = runtime_terms(tiny, rep.step_intervals)
     terms["calibration_step_s"] = float(rep.measured.step_time_s)
     terms["calibration_bubble"] = float(rep.measured.bubble_fraction)
@@ -308,7 +309,7 @@ def needs_loaded_calibration(cfg: PipelineConfig, runtime: dict[str, Any]) -> bo
 
 
 def calibrate_loaded(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     profile: dict[int, dict[str, float]],
     runtime: dict[str, Any],
     steps: int = MAX_LOADED_STEPS,
@@ -319,12 +320,11 @@ def calibrate_loaded(
     real bytes, ``steps`` steps (:func:`loaded_steps`). Those terms already hold the waits for a core, so
     :func:`predict_before` takes them as latency (``runtime["loaded"]``). The bare calibration's
     in-op costs and machine reading are kept."""
-    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.launch import run_resolved
     from microbatch.run.pipeline.replay import runtime_terms
-    from microbatch.run.pipeline.resolved import resolve
     from microbatch.schedules.torch_order import splits_backward
 
-    order = resolve(cfg).torch_order()
+    order = run.torch_order()
     split = splits_backward(order)
 
     def cpu(row: dict[str, float], k: str) -> float:
@@ -332,13 +332,13 @@ def calibrate_loaded(
 
     spins = [
         [cpu(profile[s], "F"), cpu(profile[s], "I" if split else "B"), cpu(profile[s], "W") if split else 0.0]
-        for s in range(cfg.total_stages)
+        for s in range(run.cfg.total_stages)
     ]
-    loaded = _calibration_cfg(cfg, "loaded_calibration_model", steps)
+    loaded = _calibration_run(run, "loaded_calibration_model", steps)
     before = os.environ.get(LOAD_ENV)
     os.environ[LOAD_ENV] = json.dumps(spins)
     try:
-        rep = run_pipeline(loaded)
+        rep = run_resolved(loaded)
     finally:
         if before is None:
             os.environ.pop(LOAD_ENV, None)

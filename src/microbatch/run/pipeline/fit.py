@@ -16,6 +16,7 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.hardware import usable_cores
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
+from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
@@ -54,11 +55,12 @@ _LABELS = {
 }
 
 
-def predicted_host_bytes(cfg: PipelineConfig, params: int, shape: Any = None) -> dict[str, float]:
+def predicted_host_bytes(run: ResolvedRun, params: int, shape: Any = None) -> dict[str, float]:
     """Bytes the p local ranks hold together on the host for a model of ``params`` parameters, by
     term (see the module's docstring) and ``total``. ``shape``: the built-in model's
     :class:`~microbatch.model.ModelShape` (activations and receive buffers are counted only with it);
     the sequence length is ``cfg.seq``, else the shape's, else a factory model's :data:`FACTORY_SEQ`."""
+    cfg = run.cfg
     e = _DTYPE_BYTES[cfg.dtype]
     p = cfg.stages
     host = cfg.backend == "gloo"  # with nccl, gradients, optimizer and activations live on the GPUs
@@ -68,8 +70,8 @@ def predicted_host_bytes(cfg: PipelineConfig, params: int, shape: Any = None) ->
         "gradients_and_adam": float(3 * params * e) if host else 0.0,
         "reference_model": float(2 * p * params * e) if cfg.check_gradients and host else 0.0,
         "batch": float(p * _BATCH_ARRAYS * cfg.batch * (seq + 1) * _TOKEN_BYTES),
-        "activations": _activation_bytes(cfg, shape, seq) if host and shape is not None else 0.0,
-        "receive_buffers": _receive_bytes(cfg, shape, seq) if host and shape is not None else 0.0,
+        "activations": _activation_bytes(run, shape, seq) if host and shape is not None else 0.0,
+        "receive_buffers": _receive_bytes(run, shape, seq) if host and shape is not None else 0.0,
         "processes": float(p * PROCESS_BYTES),
     }
     out["total"] = sum(out.values())
@@ -81,35 +83,32 @@ def _seq(cfg: PipelineConfig, shape: Any) -> int:
     return cfg.seq or (shape.seq if shape is not None else FACTORY_SEQ)
 
 
-def _activation_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
+def _activation_bytes(run: ResolvedRun, shape: Any, seq: int) -> float:
     """Activations the ranks hold together at their peaks (the module's docstring)."""
     from microbatch.predict.activations import (
         embedding_activation_bytes,
         layer_activation_bytes,
         output_activation_bytes,
     )
-    from microbatch.run.pipeline.resolved import resolve
 
+    cfg, rule = run.cfg, run.rule
+    p, m, v = cfg.stages, cfg.microbatches, cfg.virtual
+    if rule is not None and rule.in_flight is not None:
+        chunks = sum(rule.in_flight(r, p, m, v) for r in range(p))
+    else:
+        chunks = p * v
     e, b = _DTYPE_BYTES[cfg.dtype], cfg.micro_batch
     one = (
         shape.layers * layer_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
         + embedding_activation_bytes(shape, b, seq=seq)
         + output_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
     )  # one micro-batch through the whole model
-    p, m, v = cfg.stages, cfg.microbatches, cfg.virtual
-    rule = resolve(cfg).rule
-    if rule is not None and rule.in_flight is not None:
-        chunks = sum(rule.in_flight(r, p, m, v) for r in range(p))
-    else:
-        chunks = p * v
     return float(one * chunks / (p * v))
 
 
-def _receive_bytes(cfg: PipelineConfig, shape: Any, seq: int) -> float:
+def _receive_bytes(run: ResolvedRun, shape: Any, seq: int) -> float:
     """torch's receive buffers: an activation and a gradient per micro-batch per link between ranks."""
-    from microbatch.run.pipeline.resolved import resolve
-
-    placement = resolve(cfg).placement
+    cfg, placement = run.cfg, run.placement
     links = sum(1 for s in range(1, len(placement)) if placement[s] != placement[s - 1])
     boundary = cfg.micro_batch * seq * shape.hidden * _DTYPE_BYTES[cfg.dtype]
     return float(2 * links * cfg.microbatches * boundary)
@@ -240,7 +239,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def check_fits(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     *,
     available: int | None = None,
     flops_per_s: float | None = None,
@@ -254,23 +253,20 @@ def check_fits(
     (:func:`microbatch.run.pipeline.split.inspect_factory`) for its parameter count; its activations
     are unknown and not counted. ``flops_per_s``: the rate :func:`check_duration` assumes (default:
     measured)."""
+    cfg = run.cfg
     check_timeout(cfg)
     check_seed(cfg)
     check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
-    shape: Any = None
-    if ":" in cfg.model:
+    shape = run.shape
+    if shape is None:
         from microbatch.run.pipeline.split import inspect_factory
 
         params = inspect_factory(cfg.model).params
         what = f"model factory {cfg.model}"
     else:
-        from microbatch.run.pipeline.resolved import resolve
-
-        shape = resolve(cfg).shape
-        assert shape is not None  # a built-in model
         params = shape.param_count()
         what = f"model {cfg.model}"
-    pred = predicted_host_bytes(cfg, params, shape)
+    pred = predicted_host_bytes(run, params, shape)
     avail = available_host_bytes() if available is None else available
     # a factory under nccl may build straight on its GPU: its host share is not known, so not refused
     unknown_host = ":" in cfg.model and cfg.backend != "gloo"
@@ -294,7 +290,7 @@ def check_fits(
             + ", ".join(f"{_LABELS[k]} {format_bytes(v)}" for k, v in terms)
             + f") but {format_bytes(avail)} is available; {fix}"
         )
-    check_duration(cfg, flops_per_s=flops_per_s, deadline_s=deadline_s)
+    check_duration(run, flops_per_s=flops_per_s, deadline_s=deadline_s)
     return pred
 
 
@@ -322,44 +318,39 @@ def gemm_flops_per_s(n: int = 384, repeats: int = 5) -> float:
     return 2.0 * n**3 / max(best, 1e-9)
 
 
-def min_run_s(cfg: PipelineConfig, flops_per_s: float) -> tuple[float, float, int] | None:
+def min_run_s(run: ResolvedRun, flops_per_s: float) -> tuple[float, float, int] | None:
     """A lower bound on the run's compute seconds: (seconds, FLOPs, cores) for a built-in model on the
     CPU, None otherwise. Half the steps' model FLOPs
     (:func:`microbatch.predict.roofline.model_flops_per_step`) over min(p, usable cores) cores at
     ``flops_per_s`` each."""
-    if ":" in cfg.model or cfg.backend != "gloo":
+    cfg, shape = run.cfg, run.shape
+    if shape is None or cfg.backend != "gloo":
         return None
     from microbatch.predict.roofline import model_flops_per_step
-    from microbatch.run.pipeline.resolved import resolve
 
-    shape = resolve(cfg).shape
-    assert shape is not None  # a built-in model
     flops = cfg.steps * model_flops_per_step(shape, cfg.batch, shape.seq) / 2
     cores = max(1, min(cfg.stages, usable_cores()))
     return flops / (cores * flops_per_s), flops, cores
 
 
 def check_duration(
-    cfg: PipelineConfig, *, flops_per_s: float | None = None, deadline_s: float | None = None
+    run: ResolvedRun, *, flops_per_s: float | None = None, deadline_s: float | None = None
 ) -> None:
     """Refuse a run whose compute alone (:func:`min_run_s`) would pass its deadline (``deadline_s``,
     default ``--timeout`` plus the launcher's start-up allowance): it would be killed there, after
     that long, with nothing."""
-    if ":" in cfg.model or cfg.backend != "gloo":
+    cfg, shape = run.cfg, run.shape
+    if shape is None or cfg.backend != "gloo":
         return
     rate = gemm_flops_per_s() if flops_per_s is None else flops_per_s
-    est = min_run_s(cfg, rate)
+    est = min_run_s(run, rate)
     if est is None:
         return
     seconds, flops, cores = est
     deadline, why = cfg.deadline(deadline_s)
     if seconds > deadline:
-        from microbatch.run.pipeline.resolved import resolve
-
-        shape = resolve(cfg).shape
-        seq = shape.seq if shape is not None else cfg.seq
         raise ConfigError(
-            f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {seq}) are "
+            f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {shape.seq}) are "
             f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "
             f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why or 'given'}); lower --steps, --seq or --global-batch, or raise "
             f"--timeout well above {_round_up(seconds)} s"

@@ -43,6 +43,7 @@ from microbatch.run.pipeline.progress import (
     step_log_path,
 )
 from microbatch.run.pipeline.report import PipelineReport
+from microbatch.run.pipeline.resolved import ResolvedRun, resolve
 from microbatch.run.pipeline.summary import summarize
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "free_port",
     "run_external",
     "run_pipeline",
+    "run_resolved",
     "under_torchrun",
 ]
 
@@ -112,7 +114,7 @@ def _worker_main() -> None:
 
         r, world, device = _init_group(cfg)
         log = StepLog(step_log_path(os.path.dirname(result_path), r))  # what a Ctrl-C keeps
-        out = run_rank(cfg, rank=r, world_size=world, device=device, on_step=log.write)
+        out = run_rank(resolve(cfg), rank=r, world_size=world, device=device, on_step=log.write)
         if out is not None:
             tmp = result_path + ".tmp"
             with open(tmp, "w") as f:
@@ -185,8 +187,17 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> Pip
 
     Raises :class:`PipelineError` (which rank, why, the end of its error output) when a rank
     exits non-zero or is killed, or when the run passes ``deadline_s`` (default: the config's
-    timeout plus a start-up allowance); every worker is killed before it returns.
+    timeout plus a start-up allowance); every worker is killed before it returns. The config is
+    resolved here, once (:func:`~microbatch.run.pipeline.resolved.resolve`), and the
+    :class:`ResolvedRun` handed down (:func:`run_resolved`).
     """
+    run = resolve(cfg)
+    return run_resolved(run, deadline_s=deadline_s)
+
+
+def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> PipelineReport:
+    """:func:`run_pipeline` of a run resolved already."""
+    cfg = run.cfg
     if cfg.backend == "nccl":
         import torch
 
@@ -195,10 +206,10 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> Pip
                 f"backend nccl with {cfg.stages} stages needs {cfg.stages} GPUs, found "
                 f"{torch.cuda.device_count()}; use --backend gloo or fewer --stages"
             )
-    check_splittable(cfg)
+    check_splittable(run)
     from microbatch.run.pipeline.fit import check_fits
 
-    check_fits(cfg, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
+    check_fits(run, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
     deadline, why = cfg.deadline(deadline_s)
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
@@ -206,7 +217,7 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> Pip
         json.dump(cfg.to_dict(), f)
     for attempt in range(3):
         try:
-            raw = _launch_once(cfg, tmp, cfg_path, result_path, free_port(), deadline, why)
+            raw = _launch_once(run, tmp, cfg_path, result_path, free_port(), deadline, why)
             break
         except _PortTaken:
             if attempt == 2:
@@ -215,17 +226,18 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> Pip
                     "with --master-port"
                 ) from None
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: every rank is dead; keep the steps they finished
-            raise _interrupted(cfg, tmp) from e
+            raise _interrupted(run, tmp) from e
     shutil.rmtree(tmp, ignore_errors=True)
     announce("summarise")
-    return summarize(raw)
+    return summarize(raw, run)
 
 
-def _interrupted(cfg: PipelineConfig, tmp: str) -> PipelineInterrupted:
+def _interrupted(run: ResolvedRun, tmp: str) -> PipelineInterrupted:
     """The report of the steps every rank finished before an interrupt (from the ranks' step logs in
     ``tmp``, which is then removed), as a :class:`PipelineInterrupted` to raise."""
     import torch
 
+    cfg = run.cfg
     head = {"config": cfg.to_dict(), "torch_version": torch.__version__, "device": _device_name(cfg)}
     raw = read_partial([step_log_path(tmp, r) for r in range(cfg.stages)], head)
     if raw is None:
@@ -233,7 +245,7 @@ def _interrupted(cfg: PipelineConfig, tmp: str) -> PipelineInterrupted:
         return PipelineInterrupted(None, 0, cfg.steps, "no step was finished by every rank")
     steps = len(raw["ranks"][0]["steps"])
     try:
-        report = summarize(raw)
+        report = summarize(raw, run)
     except Exception as e:  # the interrupt still ends the run: say why nothing is shown
         return PipelineInterrupted(
             None, steps, cfg.steps, f"the {steps} step(s) kept could not be summarised: {e}"
@@ -252,7 +264,7 @@ class _PortTaken(Exception):
 
 
 def _launch_once(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     tmp: str,
     cfg_path: str,
     result_path: str,
@@ -265,13 +277,14 @@ def _launch_once(
     SIGTERM (``timeout``, a job scheduler) stops the ranks as Ctrl-C does: it raises
     :class:`Terminated` (a ``KeyboardInterrupt``) here, and every rank is killed before it propagates.
     """
+    cfg = run.cfg
     procs: list[subprocess.Popen[bytes]] = []
     errs: list[str] = []
     restore = _raise_on_sigterm()
     try:
         _start_ranks(cfg, tmp, cfg_path, result_path, port, procs, errs)
         announce("start", total=cfg.steps, ranks=cfg.stages)
-        _wait_for_ranks(cfg, tmp, port, procs, errs, deadline_s, deadline_why)
+        _wait_for_ranks(run, tmp, port, procs, errs, deadline_s, deadline_why)
         with open(result_path) as f:
             raw: dict[str, Any] = json.load(f)
     finally:
@@ -323,7 +336,7 @@ def _start_ranks(
 
 
 def _wait_for_ranks(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     tmp: str,
     port: int,
     procs: list[subprocess.Popen[bytes]],
@@ -333,6 +346,7 @@ def _wait_for_ranks(
 ) -> None:
     """Wait until every rank exits 0, announcing the steps they finish; on a failed rank or past the
     deadline, kill every rank and raise."""
+    cfg = run.cfg
     finished = StepCounter([step_log_path(tmp, r) for r in range(cfg.stages)])
     done, next_count = 0, 0.0
     t_end = time.monotonic() + deadline_s
@@ -346,7 +360,7 @@ def _wait_for_ranks(
         rcs = [p.poll() for p in procs]
         bad = [r for r, rc in enumerate(rcs) if rc not in (None, 0)]
         if bad:
-            raise _rank_failure(cfg, tmp, port, procs, errs, bad)
+            raise _rank_failure(run, tmp, port, procs, errs, bad)
         if all(rc == 0 for rc in rcs):
             if finished() > done:  # the last steps, finished since the last look
                 announce("step", done=finished.last, total=cfg.steps)
@@ -363,7 +377,7 @@ def _wait_for_ranks(
 
 
 def _rank_failure(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     tmp: str,
     port: int,
     procs: list[subprocess.Popen[bytes]],
@@ -388,7 +402,7 @@ def _rank_failure(
     if "address already in use" in tail.lower() or "eaddrinuse" in tail.lower():
         return _PortTaken(port)
     return PipelineError(
-        f"rank {r} (stages {_stages_of(cfg, r)}) failed ({why}); every rank was stopped; "
+        f"rank {r} (stages {run.stages_of(r)}) failed ({why}); every rank was stopped; "
         f"full logs: {os.path.join(tmp, 'rank*.err')}"
     )
 
@@ -419,7 +433,7 @@ def _raise_on_sigterm() -> Callable[[], object]:
     return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def check_splittable(cfg: PipelineConfig) -> None:
+def check_splittable(run: ResolvedRun) -> None:
     """Refuse, before any process starts, a model the ranks could not build or split.
 
     A ``module:function`` model is imported and built here
@@ -428,7 +442,8 @@ def check_splittable(cfg: PipelineConfig) -> None:
     token embedding is a :class:`ConfigError` naming the factory. Any model needs at least p·v layers
     (units: for a built-in model the embedding, every block, the head); a built-in model with learned
     positions takes at most its position table's length as ``seq``."""
-    if ":" in cfg.model:
+    cfg, shape = run.cfg, run.shape
+    if shape is None:
         from microbatch.run.pipeline.split import inspect_factory
 
         units = inspect_factory(cfg.model).units
@@ -440,10 +455,7 @@ def check_splittable(cfg: PipelineConfig) -> None:
             )
         return
     from microbatch.model import check_seq
-    from microbatch.run.pipeline.resolved import resolve
 
-    shape = resolve(cfg).shape
-    assert shape is not None  # a built-in model (a factory returned above)
     check_seq(shape, shape.seq)  # a model with learned positions takes at most its table's length
     units = shape.layers + 2
     if cfg.total_stages > units:
@@ -454,29 +466,25 @@ def check_splittable(cfg: PipelineConfig) -> None:
         )
 
 
-def _stages_of(cfg: PipelineConfig, rank: int) -> list[int]:
-    from microbatch.run.pipeline.resolved import resolve
-
-    return resolve(cfg).stages_of(rank)
-
-
 def run_external(cfg: PipelineConfig) -> PipelineReport | None:
-    """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
+    """Run this process as one rank under ``torchrun``; return the report on rank 0, else None. The
+    config is resolved here, once."""
     from microbatch.run.pipeline.rank import run_rank
 
+    run = resolve(cfg)
     rank, world, device = _init_group(cfg)
     import torch.distributed as dist
 
     try:
         # a factory that cannot be imported or built: ConfigError on every rank; checked once the
         # group is made, so that a factory that builds on the GPU builds on this rank's device
-        check_splittable(cfg)
-        raw = run_rank(cfg, rank=rank, world_size=world, device=device)
+        check_splittable(run)
+        raw = run_rank(run, rank=rank, world_size=world, device=device)
     except ConfigError:
         raise
     except Exception as e:  # one line naming this rank; torchrun stops the others
-        raise PipelineError(f"rank {rank} (stages {_stages_of(cfg, rank)}) failed: {_reason(e)}") from e
+        raise PipelineError(f"rank {rank} (stages {run.stages_of(rank)}) failed: {_reason(e)}") from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return summarize(raw) if raw is not None else None
+    return summarize(raw, run) if raw is not None else None

@@ -27,29 +27,27 @@ from __future__ import annotations
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.report import RankMemory
-from microbatch.run.pipeline.resolved import resolve
+from microbatch.run.pipeline.resolved import ResolvedRun
 
 __all__ = ["memory_rows", "boundary_bytes"]
 
 
-def boundary_bytes(cfg: PipelineConfig) -> float | None:
+def boundary_bytes(run: ResolvedRun) -> float | None:
     """Bytes of one micro-batch's activation between stages of a built-in model: b_m·s·h·dtype."""
-    run = resolve(cfg)
     if run.shape is None:
         return None
-    return float(cfg.micro_batch * run.shape.seq * run.shape.hidden * run.dtype_bytes)
+    return float(run.cfg.micro_batch * run.shape.seq * run.shape.hidden * run.dtype_bytes)
 
 
-def _rank_order(cfg: PipelineConfig, rank: int, executed: list[str]) -> list[str]:
-    """torch's compute order of ``rank`` for ``cfg`` (what the ranks ran where it cannot be derived)."""
-    order = resolve(cfg).order
+def _rank_order(run: ResolvedRun, rank: int, executed: list[str]) -> list[str]:
+    """torch's compute order of ``rank`` (what the ranks ran where it cannot be derived)."""
+    order = run.order
     return executed if order is None else list(order[rank])
 
 
 def _calibrated(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     rank: int,
     own: dict[int, float],
     shared: dict[int, float],
@@ -73,17 +71,16 @@ def _calibrated(
     (:func:`microbatch.schedules.registry.in_flight_chunks`); it differs where a rank's stages differ
     in size (interleaved, DualPipeV: the embedding-only stage) and where I frees part of a stage
     (zero-bubble schedules: the last stage's loss and output softmax go at I, not at W)."""
-    run = resolve(cfg)
     if run.rule is None:
         return None
     mine = run.stages_of(rank)
     if any(s not in own for s in mine):
         return None
-    inp = boundary_bytes(cfg) or 0.0
+    inp = boundary_bytes(run) or 0.0
     fed = run.fed(rank)
-    held = sum(cfg.microbatches * inp for _ in fed) + sum(shared.get(s, 0.0) for s in mine)
+    held = sum(run.cfg.microbatches * inp for _ in fed) + sum(shared.get(s, 0.0) for s in mine)
     peak = held
-    for action in _rank_order(cfg, rank, executed):
+    for action in _rank_order(run, rank, executed):
         kind = next(c for c in action if c.isalpha())
         s = int(action[: action.index(kind)])
         x = max(0.0, own[s] - (inp if s in fed else 0.0))
@@ -93,12 +90,11 @@ def _calibrated(
     return peak
 
 
-def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[float | None]:
+def _uncalibrated(run: ResolvedRun, layers_per_stage: list[int]) -> list[float | None]:
     """predict/memory's activation bytes per rank, for v = 1 and a built-in model."""
+    cfg, shape = run.cfg, run.shape
     p = cfg.stages
     none: list[float | None] = [None] * p
-    run = resolve(cfg)
-    shape = run.shape
     if shape is None or cfg.virtual != 1 or run.rule is None:
         return none
     from microbatch.predict.memory import MemoryConfig, estimate_memory
@@ -128,7 +124,7 @@ def _uncalibrated(cfg: PipelineConfig, layers_per_stage: list[int]) -> list[floa
 
 
 def memory_rows(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     ranks: list[dict[str, Any]],
     use: list[int],
     stage_bytes: dict[int, dict[str, float]] | None = None,
@@ -148,15 +144,15 @@ def memory_rows(
             if f is not None:
                 kept[int(s)] = float(f)
     if stage_bytes is None:
-        stage_bytes = stage_saved_bytes(cfg, list(ranks[0]["layers_per_stage"]), device)
+        stage_bytes = stage_saved_bytes(run, list(ranks[0]["layers_per_stage"]), device)
     own = {s: row["own"] for s, row in stage_bytes.items()}
     shared_of = {s: row["shared"] for s, row in stage_bytes.items()}
-    uncal = _uncalibrated(cfg, ranks[0]["layers_per_stage"])
+    uncal = _uncalibrated(run, ranks[0]["layers_per_stage"])
     out = []
     for r in ranks:
         steps = [r["steps"][k] for k in use]
         measured = max(st["peak_activation_bytes"] for st in steps)
-        cal = _calibrated(cfg, r["rank"], own, shared_of, kept, r["steps"][-1]["order"])
+        cal = _calibrated(run, r["rank"], own, shared_of, kept, r["steps"][-1]["order"])
         un = uncal[r["rank"]]
         hosts = [st["host_peak_bytes"] for st in steps if st.get("host_peak_bytes") is not None]
         out.append(

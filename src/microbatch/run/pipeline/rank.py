@@ -46,7 +46,7 @@ from microbatch.run.pipeline.instrument import (
     make_loss_fn,
     split_backward_kept,
 )
-from microbatch.run.pipeline.resolved import resolve
+from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.run.pipeline.split import (
     balanced_split,
     load_factory,
@@ -56,15 +56,16 @@ from microbatch.run.pipeline.split import (
     unit_times_s,
 )
 
-__all__ = ["build_full_model", "make_batch", "run_rank"]
+__all__ = ["build_full_model", "make_batch", "params_split", "run_rank"]
 
 
-def build_full_model(cfg: PipelineConfig) -> tuple[Any, int, int]:
+def build_full_model(run: ResolvedRun) -> tuple[Any, int, int]:
     """The unsplit model (same weights on every rank), its vocabulary and sequence length."""
     import torch
 
+    cfg, shape = run.cfg, run.shape
     dtype = getattr(torch, cfg.dtype)
-    if ":" in cfg.model:
+    if shape is None:
         factory = load_factory(cfg.model)  # checked in the launching process first (inspect_factory)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
@@ -79,9 +80,15 @@ def build_full_model(cfg: PipelineConfig) -> tuple[Any, int, int]:
         return model, vocab, cfg.seq or FACTORY_SEQ
     from microbatch.measure.gpt import build_model
 
-    shape = resolve(cfg).shape
-    assert shape is not None  # a built-in model (a factory returned above)
     return build_model(shape, dtype=dtype, seed=cfg.seed), shape.vocab, shape.seq
+
+
+def params_split(run: ResolvedRun, units: list[Any]) -> list[int]:
+    """Units per stage split by parameter count: the resolved run's split where it is known before
+    building (a built-in model), else from the built ``units`` (a ``module:function`` factory)."""
+    if run.split is not None:
+        return list(run.split)
+    return balanced_split(unit_param_counts(units), run.cfg.total_stages)
 
 
 def make_batch(cfg: PipelineConfig, vocab: int, seq: int, step: int) -> tuple[Any, Any]:
@@ -131,7 +138,7 @@ def _fault(rank: int, where: str) -> None:
 
 
 def run_rank(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     *,
     rank: int,
     world_size: int,
@@ -146,6 +153,7 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
+    cfg = run.cfg
     if world_size != cfg.stages:
         raise ConfigError(
             f"world size {world_size} differs from --stages {cfg.stages}; each rank holds one pipeline "
@@ -156,15 +164,14 @@ def run_rank(
     rec = StageRecorder(rank=rank, cuda=cuda)
     _fault(rank, "setup")
 
-    full, vocab, seq, sizes, modules = _split_model(cfg, rank)
-    placement = list(resolve(cfg).placement)
-    mine = resolve(cfg).stages_of(rank)
-    shared = _SharedParameters.of(full, modules, placement)
+    full, vocab, seq, sizes, modules = _split_model(run, rank)
+    mine = run.stages_of(rank)
+    shared = _SharedParameters.of(full, modules, list(run.placement))
     total_tokens = cfg.batch * seq
     stage_objs, kept_after_input_grad = _build_stages(cfg, modules, mine, vocab, seq, device)
     for st in stage_objs:
         instrument_stage(st, rec)
-    sched = _make_schedule(cfg, stage_objs, make_loss_fn(total_tokens, rec))
+    sched = _make_schedule(run, stage_objs, make_loss_fn(total_tokens, rec))
     params = [p for s in mine for p in modules[s].parameters()]
     params = list({id(p): p for p in params}.values())
     opt = torch.optim.Adam(params, lr=cfg.lr)
@@ -179,7 +186,7 @@ def run_rank(
         times = _timed_step(cfg, sched, rec, rank, mine, inputs, targets, device)
         shared.all_reduce_gradients(rank, device)
         if cfg.check_gradients and step == 0:
-            grad_err = _grad_error(cfg, mine, modules, inputs, targets, total_tokens, device)
+            grad_err = _grad_error(run, mine, modules, inputs, targets, total_tokens, device)
         opt.step()
         steps_out.append(_step_record(rank, mine, rec, times, device))
         if on_step is not None:
@@ -202,12 +209,14 @@ def run_rank(
     }
 
 
-def _split_model(cfg: PipelineConfig, rank: int) -> tuple[Any, int, int, list[int], list[Any]]:
-    """The full model (vocabulary, sequence length), units per stage and the stages' modules; with
-    ``balance="time"`` rank 0 times the units and broadcasts the split, and the model is rebuilt."""
+def _split_model(run: ResolvedRun, rank: int) -> tuple[Any, int, int, list[int], list[Any]]:
+    """The full model (vocabulary, sequence length), units per stage and the stages' modules: the
+    resolved run's split (:func:`params_split`); with ``balance="time"`` rank 0 times the units and
+    broadcasts the split, and the model is rebuilt."""
     import torch.distributed as dist
 
-    full, vocab, seq = build_full_model(cfg)
+    cfg = run.cfg
+    full, vocab, seq = build_full_model(run)
     units = model_units(full)
     n_stages = cfg.total_stages
     if cfg.balance == "time":
@@ -217,10 +226,10 @@ def _split_model(cfg: PipelineConfig, rank: int) -> tuple[Any, int, int, list[in
             box[0] = balanced_split(unit_times_s(units, tok[: cfg.micro_batch]), n_stages)
         dist.broadcast_object_list(box, src=0)
         sizes: list[int] = box[0]
-        full, vocab, seq = build_full_model(cfg)  # fresh weights and gradients after timing
+        full, vocab, seq = build_full_model(run)  # fresh weights and gradients after timing
         units = model_units(full)
     else:
-        sizes = balanced_split(unit_param_counts(units), n_stages)
+        sizes = params_split(run, units)
     return full, vocab, seq, sizes, split_units(units, sizes)
 
 
@@ -300,12 +309,13 @@ def _build_stages(
     return stage_objs, kept_after_input_grad
 
 
-def _make_schedule(cfg: PipelineConfig, stage_objs: list[Any], loss_fn: Any) -> Any:
-    """torch's schedule object of ``cfg.schedule`` over this rank's stages."""
+def _make_schedule(run: ResolvedRun, stage_objs: list[Any], loss_fn: Any) -> Any:
+    """torch's schedule object of the run's schedule over this rank's stages."""
     import torch
     from torch.distributed.pipelining import schedules as ts
 
-    cls = getattr(ts, resolve(cfg).torch_class, None)
+    cfg = run.cfg
+    cls = getattr(ts, run.torch_class, None)
     if cls is None:
         raise ScheduleError(f"{cfg.schedule} needs a newer torch than {torch.__version__}")
     single = issubclass(cls, ts.PipelineScheduleSingle)  # one stage object per rank (GPipe, 1F1B)
@@ -435,7 +445,7 @@ def _pipeline_order(sched: Any) -> dict[Any, Any]:
 
 
 def _grad_error(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     mine: list[int],
     modules: list[Any],
     inputs: Any,
@@ -446,7 +456,7 @@ def _grad_error(
     """Largest ‖g_pipe − g_ref‖ / ‖g_ref‖ over this rank's parameters, against the unsplit model."""
     import torch.nn.functional as F
 
-    ref, _, _ = build_full_model(cfg)
+    ref, _, _ = build_full_model(run)
     ref.to(device)
     logits = ref(inputs)
     loss: Any = (

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from microbatch.errors import ScheduleError
-from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.report import StepIntervals
-from microbatch.run.pipeline.resolved import resolve
+from microbatch.run.pipeline.resolved import ResolvedRun
 
 __all__ = ["ZERO_TERMS", "parse_action", "replay", "runtime_terms"]
 
@@ -72,12 +71,12 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def runtime_terms(cfg: PipelineConfig, steps: list[StepIntervals]) -> dict[str, Any]:
+def runtime_terms(run: ResolvedRun, steps: list[StepIntervals]) -> dict[str, Any]:
     """The terms above from a run's measured steps (:attr:`PipelineReport.step_intervals
     <microbatch.run.pipeline.report.PipelineReport.step_intervals>`: start, end and per rank the
     ``(kind, stage, microbatch, start, end)`` intervals, in one clock, seconds)."""
-    placement = resolve(cfg).placement
-    last = cfg.total_stages - 1
+    placement = run.placement
+    last = run.cfg.total_stages - 1
     after: dict[str, list[float]] = {"fwd": [], "bwd": [], "local": [], "fwd_waiting": [], "bwd_waiting": []}
     hop: dict[str, list[float]] = {"fwd": [], "bwd": []}
     start: list[float] = []
@@ -151,7 +150,7 @@ def runtime_terms(cfg: PipelineConfig, steps: list[StepIntervals]) -> dict[str, 
 
 
 def replay(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     order: dict[int, list[str]],
     op_s: dict[tuple[int, str], float],
     terms: dict[str, Any],
@@ -175,10 +174,10 @@ def replay(
     no core. ``after_as_latency``: the work after each op is latency too (the rank is busy for it
     but takes no core): for terms measured under the run's own contention, which already hold the
     waits for a core (:func:`microbatch.run.pipeline.calibrate.calibrate_loaded`)."""
-    rp = _Replay(cfg, order, op_s, terms, cores=cores, slice_s=slice_s, others=others, after=after_as_latency)
+    rp = _Replay(run, order, op_s, terms, cores=cores, slice_s=slice_s, others=others, after=after_as_latency)
     while len(rp.done) < rp.total or any(j >= 0 for j in rp.jobs):
         rp.advance()
-    p = cfg.stages
+    p = run.cfg.stages
     step = max(rp.free) + float(terms["end_s"])
     return {
         "step_time_s": step,
@@ -195,7 +194,7 @@ class _Replay:
 
     def __init__(
         self,
-        cfg: PipelineConfig,
+        run: ResolvedRun,
         order: dict[int, list[str]],
         op_s: dict[tuple[int, str], float],
         terms: dict[str, Any],
@@ -207,9 +206,9 @@ class _Replay:
     ) -> None:
         self.order, self.op_s, self.terms = order, op_s, terms
         self.after_as_latency = after
-        self.placement = resolve(cfg).placement
-        self.last = cfg.total_stages - 1
-        self.p = p = cfg.stages
+        self.placement = run.placement
+        self.last = run.cfg.total_stages - 1
+        self.p = p = run.cfg.stages
         self.acts = [[parse_action(a) for a in order[r]] for r in range(p)]
         self.present = {(k, s, i) for r in range(p) for s, k, i in self.acts[r]}
         self.free = [float(terms["start_s"])] * p

@@ -1,9 +1,12 @@
 """One resolved pipeline run: everything a :class:`PipelineConfig` implies, derived once.
 
 :func:`resolve` reads the config once: the model's shape, the registry entry that torch runs and the
-one whose in-flight rule describes the run, the placement of the virtual stages on the ranks, torch's
-class and its action order. Every module of the run reads these from the :class:`ResolvedRun`
-instead of asking the registry or the model table again; a rank builds its layers from it
+one whose in-flight rule describes the run, the placement of the virtual stages on the ranks, the
+stage split (layers per stage) where it is known before the model is built, torch's class and its
+action order. The entry points resolve once (:func:`~microbatch.run.pipeline.launch.run_pipeline`,
+:func:`~microbatch.run.pipeline.before_run.predict_run`, a worker's main) and hand the
+:class:`ResolvedRun` down: every module of the run reads these facts from it instead of asking the
+registry or the model table again; a rank builds its layers from it
 (:func:`microbatch.run.pipeline.rank.build_full_model`).
 """
 
@@ -36,6 +39,12 @@ class ResolvedRun:
     zero bubble with v = 1); None when only the simulator counts what a rank holds."""
     placement: tuple[int, ...]
     """Rank of every virtual stage (index = virtual stage)."""
+    split: tuple[int, ...] | None
+    """Layers (units: embedding, blocks, head) of every virtual stage, where they are known before
+    the model is built: a built-in model split by parameter count
+    (:func:`~microbatch.run.pipeline.split.shape_unit_params`). None for a ``module:function``
+    factory (its layers are known only once it is built, on each rank) and for ``balance="time"``
+    (rank 0 times the built layers and broadcasts the split)."""
 
     @cached_property
     def _order(self) -> tuple[Mapping[int, tuple[str, ...]] | None, ScheduleError | None]:
@@ -91,14 +100,14 @@ def resolve(cfg: PipelineConfig) -> ResolvedRun:
     hashable, so every later call returns the same value). An unknown built-in model raises the
     model table's :class:`~microbatch.errors.ConfigError`."""
     from microbatch.model import get_model
+    from microbatch.run.pipeline.split import balanced_split, shape_unit_params
     from microbatch.schedules.torch_order import in_flight_spec
 
     shape = None if ":" in cfg.model else get_model(cfg.model, seq=cfg.seq)
     spec = torch_spec(cfg.schedule)
-    return ResolvedRun(
-        cfg=cfg,
-        shape=shape,
-        spec=spec,
-        rule=in_flight_spec(spec.name, cfg.virtual),
-        placement=tuple(stage_ranks(spec.name, cfg.stages, cfg.virtual)),
-    )
+    rule = in_flight_spec(spec.name, cfg.virtual)
+    placement = tuple(stage_ranks(spec.name, cfg.stages, cfg.virtual))
+    split = None  # a model too shallow for p·v stages is refused by check_splittable, not here
+    if shape is not None and cfg.balance == "params" and cfg.total_stages <= shape.layers + 2:
+        split = tuple(balanced_split(shape_unit_params(shape), cfg.total_stages))
+    return ResolvedRun(cfg=cfg, shape=shape, spec=spec, rule=rule, placement=placement, split=split)

@@ -18,9 +18,12 @@ import reprlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from microbatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from microbatch.shape import ModelShape
 
 __all__ = [
     "FactoryModel",
@@ -28,6 +31,7 @@ __all__ = [
     "inspect_factory",
     "load_factory",
     "model_units",
+    "shape_unit_params",
     "split_units",
     "unit_param_counts",
     "unit_times_s",
@@ -239,6 +243,23 @@ def split_units(units: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
 def unit_param_counts(units: Sequence[Any]) -> list[int]:
     """Parameters of every unit (a weight shared by two units counts in both: both compute with it)."""
     return [sum(p.numel() for p in u.parameters()) for u in units]
+
+
+def shape_unit_params(shape: ModelShape) -> list[int]:
+    """:func:`unit_param_counts` of the built-in model of ``shape``
+    (:class:`microbatch.measure.gpt.GPT`: embedding, every block, head) without building it: token
+    (and learned position) embeddings; per block two norms, the q/k/v and output projections and the
+    dense MLP (the GPT builds every block dense, with standard attention); the head's norm and its
+    output projection (counted again where it is tied to the embedding, as in
+    :func:`unit_param_counts`)."""
+    h, kvd, f = shape.hidden, shape.kv * shape.head_dim, shape.ffn
+    norm = 2 * h if shape.norm == "layernorm" else h
+    attn = h * (h + 2 * kvd) + h * h + ((h + 2 * kvd) + h if shape.bias else 0)
+    mlp = (3 if shape.gated_mlp else 2) * h * f + (
+        ((2 if shape.gated_mlp else 1) * f + h) if shape.bias else 0
+    )
+    embed = shape.vocab * h + (shape.positions * h if shape.learned_positions else 0)
+    return [embed, *[2 * norm + attn + mlp] * shape.layers, norm + shape.vocab * h]
 
 
 def unit_times_s(units: Sequence[Any], tokens: Any, repeats: int = 3) -> list[float]:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.resolved import ResolvedRun
 
 __all__ = ["profile_stages", "stage_saved_bytes"]
 
@@ -39,7 +39,7 @@ def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
+def profile_stages(run: ResolvedRun, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
     """Per virtual stage: ``F``, ``B``, ``I`` and ``W`` seconds of one micro-batch (median of
     ``repeats``), measured in this process with one thread on the split the ranks use, and the
     same in thread-CPU seconds (``cpuF`` … ``cpuW``).
@@ -61,7 +61,7 @@ def profile_stages(cfg: PipelineConfig, repeats: int = 7, idle_s: float = 0.0) -
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ops = _stage_ops(cfg, split_fns, idle_s)
+        ops = _stage_ops(run, split_fns, idle_s)
         runs: dict[int, dict[str, list[tuple[float, ...]]]] = {
             s: {"F": [], "B": [], "S": []} for s in range(len(ops))
         }
@@ -99,18 +99,19 @@ _StageOps = tuple[Callable[[], Any], Callable[[], tuple[float, float]], Callable
 seconds), and whether it has gradients to take."""
 
 
-def _stage_ops(cfg: PipelineConfig, split_fns: Any, idle_s: float) -> list[_StageOps]:
+def _stage_ops(run: ResolvedRun, split_fns: Any, idle_s: float) -> list[_StageOps]:
     """The split the ranks use, and per stage the calls that :func:`profile_stages` times, each on
     the stage's input from one forward pass of the whole model."""
     import torch
     import torch.nn.functional as F
 
-    from microbatch.run.pipeline.rank import build_full_model, make_batch
-    from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
+    from microbatch.run.pipeline.rank import build_full_model, make_batch, params_split
+    from microbatch.run.pipeline.split import model_units, split_units
 
-    full, vocab, seq = build_full_model(cfg)
+    cfg = run.cfg
+    full, vocab, seq = build_full_model(run)
     units = model_units(full)
-    modules = split_units(units, balanced_split(unit_param_counts(units), cfg.total_stages))
+    modules = split_units(units, params_split(run, units))
     tok, tgt = make_batch(cfg, vocab, seq, -1)
     x: Any = tok[: cfg.micro_batch]
     target = tgt[: cfg.micro_batch]
@@ -184,7 +185,7 @@ def _one_stage_ops(
 
 
 def stage_saved_bytes(
-    cfg: PipelineConfig, sizes: list[int] | None = None, device: str = "cpu"
+    run: ResolvedRun, sizes: list[int] | None = None, device: str = "cpu"
 ) -> dict[int, dict[str, float]]:
     """Per virtual stage, the bytes autograd saves in its forward (the last stage with its loss) for
     one micro-batch, measured in this process, apart from any run: ``own`` (storages no earlier
@@ -204,17 +205,13 @@ def stage_saved_bytes(
     import torch.nn.functional as F
 
     from microbatch.run.pipeline.instrument import StageRecorder, _saved_bytes_hooks
-    from microbatch.run.pipeline.rank import build_full_model, make_batch
-    from microbatch.run.pipeline.resolved import resolve
-    from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
+    from microbatch.run.pipeline.rank import build_full_model, make_batch, params_split
+    from microbatch.run.pipeline.split import model_units, split_units
 
-    full, vocab, seq = build_full_model(cfg)
+    cfg, placement = run.cfg, run.placement
+    full, vocab, seq = build_full_model(run)
     units = model_units(full)
-    modules = [
-        m.to(device)
-        for m in split_units(units, sizes or balanced_split(unit_param_counts(units), cfg.total_stages))
-    ]
-    placement = resolve(cfg).placement
+    modules = [m.to(device) for m in split_units(units, sizes or params_split(run, units))]
     recorders = {r: StageRecorder(rank=r) for r in set(placement)}
     tok, tgt = (t.to(device) for t in make_batch(cfg, vocab, seq, -1))
     b, total, last = cfg.micro_batch, cfg.batch * seq, len(modules) - 1

@@ -18,7 +18,6 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-from microbatch.run.pipeline.config import PipelineConfig, config_from_dict
 from microbatch.run.pipeline.memory import memory_rows
 from microbatch.run.pipeline.report import (
     Measured,
@@ -30,7 +29,7 @@ from microbatch.run.pipeline.report import (
     TimelineOp,
     WithComm,
 )
-from microbatch.run.pipeline.resolved import resolve
+from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.simulate import SimResult, simulate
 
@@ -40,7 +39,7 @@ GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 """Largest relative gradient error accepted as a match, by parameter dtype (fp32: the issue's 1e-5)."""
 
 
-def summarize(raw: dict[str, Any]) -> PipelineReport:
+def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     """Measured and predicted bubble, busy/idle time, in-flight counts and memory per rank.
 
     Steps after the first are averaged (the first warms up); with one step, it is used. Fields
@@ -74,18 +73,20 @@ def summarize(raw: dict[str, Any]) -> PipelineReport:
     - ``timeline`` / ``predicted_timeline``: the last step's intervals, seconds from its start.
     - ``step_intervals``: every measured step's start, end and raw per-rank intervals (wall-clock
       seconds), what :func:`microbatch.run.pipeline.replay.runtime_terms` reads.
+
+    ``run``: the resolved run the ranks ran (``raw`` holds its config as they read it).
     """
-    cfg = config_from_dict(raw["config"])
+    cfg = run.cfg
     ranks = sorted(raw["ranks"], key=lambda x: x["rank"])
     n_steps = len(ranks[0]["steps"])
     use = list(range(1, n_steps)) if n_steps > 1 else [0]
     bubbles, wall, busy, mean_times = _measured_steps(ranks, use, cfg.stages)
     stats = _stage_stats(ranks, use, wall, busy, cfg.virtual)
     executed = {str(r["rank"]): r["steps"][-1]["order"] for r in ranks}
-    pred = predict(cfg, mean_times, executed)
-    comm = measured_comm_s(cfg, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
-    pred_comm = predict(cfg, mean_times, executed, comm_s=comm)
-    memory = memory_rows(cfg, ranks, use, device=str(raw.get("device") or "cpu"))
+    pred = predict(run, mean_times, executed)
+    comm = measured_comm_s(run, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
+    pred_comm = predict(run, mean_times, executed, comm_s=comm)
+    memory = memory_rows(run, ranks, use, device=str(raw.get("device") or "cpu"))
     err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
     max_err = max(err) if err else None
     tol = GRAD_TOLERANCE[cfg.dtype]
@@ -239,13 +240,13 @@ def _timelines(ranks: list[dict[str, Any]], use: list[int], pred: SimResult) -> 
     }
 
 
-def measured_comm_s(cfg: PipelineConfig, steps: list[list[list[Any]]]) -> float:
+def measured_comm_s(run: ResolvedRun, steps: list[list[list[Any]]]) -> float:
     """Median measured hand-off latency between ranks: for each op whose input comes from another
     rank (F from stage s−1, B/I from stage s+1) and whose rank sat idle waiting for it, the gap
     from the input's end to the op's start. ``steps``: per step, per rank, the raw intervals
     ``(kind, stage, microbatch, start, end)``. 0 when no op waited on another rank."""
-    placement = resolve(cfg).placement
-    last = cfg.total_stages - 1
+    placement = run.placement
+    last = run.cfg.total_stages - 1
     gaps: list[float] = []
     for per_rank in steps:
         span: dict[tuple[str, int, int], tuple[float, float, float | None]] = {}
@@ -274,19 +275,19 @@ def measured_comm_s(cfg: PipelineConfig, steps: list[list[list[Any]]]) -> float:
 
 
 def predict(
-    cfg: PipelineConfig,
+    run: ResolvedRun,
     op_time_s: dict[tuple[int, str], float],
     executed: dict[str, list[str]] | None = None,
     *,
     comm_s: float = 0.0,
 ) -> SimResult:
-    """:func:`microbatch.schedules.simulate.simulate` on torch's action order for ``cfg`` (as a
+    """:func:`microbatch.schedules.simulate.simulate` on torch's action order of ``run`` (as a
     :class:`~microbatch.schedules.action.Schedule`), with ``op_time_s[(stage, kind)]`` seconds per op.
 
     Where torch's order cannot be derived (an older torch whose internals differ), the order the
     ranks ``executed`` (rank -> action strings) is simulated instead. ``comm_s`` is paid on every
     dependency between ranks (see :func:`measured_comm_s`)."""
-    run = resolve(cfg)
+    cfg = run.cfg
     if run.order is not None or executed is None:
         order = run.torch_order()  # raises, where executed is None, why it cannot be derived here
     else:
