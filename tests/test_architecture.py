@@ -224,7 +224,6 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.run.": (24, "issue 31: run/ restructured (pipeline_*, launch, accumulate)"),
     "microbatch.choose.": (24, "issue 31: choose/ split into knee rules and one driver"),
     "microbatch.integrations.": (1, "issue 31: integrations restructured"),
-    "microbatch.hardware": (3, "issue 31: CPU measurement moves to measure/"),
     "microbatch.predict.apply_calibration": (4, "issue 31: prose moves to show/"),
     "microbatch.predict.calibrate": (1, "issue 31: being reworked"),
     "microbatch.predict.candidate": (1, "issue 31: schedule dispatch through the registry"),

@@ -364,7 +364,9 @@ def parse_gpus(text: str) -> list[Accelerator]:
     """Accelerators from ``--gpu NAME[,NAME…]``."""
     names = [n for n in (part.strip() for part in text.split(",")) if n]
     if not names:
-        raise ConfigError(f"--gpu {text!r} names no accelerator; known: {', '.join(ACCELERATORS)}")
+        raise ConfigError(
+            f"gpu {text!r} names no accelerator; known: {', '.join(ACCELERATORS)}", params=("gpu",)
+        )
     return [get_accelerator(n) for n in names]
 
 
@@ -375,14 +377,15 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(
-                f"--gpu-set {item!r} must be KEY=VALUE, for example inter_node_bytes_per_s=25e9"
+                f"gpu_set {item!r} must be KEY=VALUE, for example inter_node_bytes_per_s=25e9",
+                params=("gpu_set",),
             )
         try:
             out[key.strip()] = (
                 int(value) if key.strip() in ("gpus_per_node", "compute_units") else float(value)
             )
         except ValueError:
-            raise ConfigError(f"--gpu-set {item!r}: {value!r} is not a number") from None
+            raise ConfigError(f"gpu_set {item!r}: {value!r} is not a number", params=("gpu_set",)) from None
     return out
 
 
