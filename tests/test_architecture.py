@@ -227,7 +227,6 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.predict.apply_calibration": (4, "issue 31: prose moves to show/"),
     "microbatch.predict.calibrate": (1, "issue 31: being reworked"),
     "microbatch.predict.candidate": (1, "issue 31: schedule dispatch through the registry"),
-    "microbatch.predict.plan": (2, "issue 31: its errors; lint/what_would_fit's sentences moved to show/"),
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (12, "issue 31: export names through the registry"),

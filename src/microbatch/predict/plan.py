@@ -196,14 +196,16 @@ def make_plan(cfg: PlanConfig) -> Plan:
             ok = [x for x in range(1, L // v + 1) if L % (v * x) == 0]
             raise ConfigError(
                 f"{only.name} needs an even split of layers {L} into {v} × stages {p} = {v * p} chunks "
-                f"({_count(v)} per rank, no --layers-per-stage); use pipeline-parallel among {ok}, or another schedule"
+                f"({_count(v)} per rank, no layers_per_stage); use pipeline_parallel among {ok}, or another schedule",
+                params=("layers_per_stage", "pipeline_parallel"),
             )
         raise ConfigError(
             f"no schedule in {list(cfg.schedules or schedule_names(in_flight=True))} can serve p = {p} with at most "
             f"m = B/(d·b_m) = {per} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
             "m >= 2p); "
             f"raise the global batch to at least "
-            f"{v * p * cfg.data_parallel} or use --schedule gpipe"
+            f"{v * p * cfg.data_parallel} or use schedules gpipe",
+            params=("schedules",),
         )
     cands.sort(key=_sort_key)
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
