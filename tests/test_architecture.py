@@ -225,8 +225,6 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.choose.": (24, "issue 31: choose/ split into knee rules and one driver"),
     "microbatch.integrations.": (1, "issue 31: integrations restructured"),
     "microbatch.predict.apply_calibration": (4, "issue 31: prose moves to show/"),
-    "microbatch.predict.calibrate": (1, "issue 31: being reworked"),
-    "microbatch.predict.candidate": (1, "issue 31: schedule dispatch through the registry"),
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (12, "issue 31: export names through the registry"),

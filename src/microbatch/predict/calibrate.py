@@ -186,7 +186,7 @@ def need_points(kind: str, have: Sequence[int], source: str, need: int = MIN_POI
         raise ConfigError(
             f"{source}: fitting {kind} needs at least {need} measured b_m (not out of memory, with {kind} "
             f"measured); it has {len(have)} ({', '.join(map(str, have)) or 'none'}): measure {more} more "
-            f"(e.g. `microbatch tune --out DIR` probes b_m 1, 2, 4, ...)"
+            f"(e.g. a tune probes b_m 1, 2, 4, ...)"
         )
 
 

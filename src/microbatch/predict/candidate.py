@@ -165,7 +165,7 @@ class Candidate:
             return cls(**{k: v for k, v in d.items() if k in names})
         except TypeError as e:
             raise ConfigError(
-                f"not a plan candidate ({e}); give the output of `microbatch plan --json`"
+                f"not a plan candidate ({e}); give a candidate of a plan's JSON output (Candidate.to_dict)"
             ) from None
 
 
