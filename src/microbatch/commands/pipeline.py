@@ -21,6 +21,7 @@ from microbatch.schedules.registry import schedule_names
 if TYPE_CHECKING:
     from microbatch.run.pipeline.config import PipelineConfig
     from microbatch.run.pipeline.report import BeforeRun, PipelineReport
+    from microbatch.run.pipeline.resolved import ResolvedRun
 
 __all__ = ["cmd"]
 
@@ -248,23 +249,27 @@ def _write_outputs(
 
 
 def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> PipelineReport:
-    """The report of this rank under torchrun (rank 0; the other ranks end here), else of the local run."""
+    """The report of this rank under torchrun (rank 0; the other ranks end here), else of the local run.
+    The config is resolved here, once, and the resolved run handed to both."""
+    from microbatch.run.pipeline.resolved import resolve
+
+    run = resolve(cfg)
     if external:
         from microbatch.run.pipeline.launch import run_external
 
-        report = run_external(cfg)
+        report = run_external(run)
         if report is None:  # not rank 0: rank 0 prints
             _exit_rank()
         return report
-    return _run_local(cfg, predict_first)
+    return _run_local(run, predict_first)
 
 
-def _run_local(cfg: PipelineConfig, predict_first: bool) -> PipelineReport:
+def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
     """The prediction (``predict_first``) and the run of ``cfg`` in local ranks, with a progress line
     on stderr at each phase. A Ctrl-C in the run returns the report of the steps every rank finished,
     marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
     it came and is raised again (exit 130)."""
-    from microbatch.run.pipeline.launch import run_pipeline
+    from microbatch.run.pipeline.launch import run_resolved
     from microbatch.run.pipeline.progress import PipelineInterrupted, announce, progress_to
 
     lines = _Lines()
@@ -273,11 +278,11 @@ def _run_local(cfg: PipelineConfig, predict_first: bool) -> PipelineReport:
         try:
             announce("check")
             if predict_first:
-                from microbatch.run.pipeline.before_run import predict_run
+                from microbatch.run.pipeline.before_run import predict_resolved
 
-                before = predict_run(cfg)
+                before = predict_resolved(run)
             announce("run")
-            report = run_pipeline(cfg)
+            report = run_resolved(run)
         except PipelineInterrupted as e:
             if lines.phase != "run" or e.report is None:
                 lines.interrupted(e.why)

@@ -31,7 +31,7 @@ from microbatch.run.pipeline.report import BeforeRun, PipelineReport
 from microbatch.run.pipeline.resolved import ResolvedRun, resolve
 from microbatch.run.pipeline.stage_profile import profile_stages
 
-__all__ = ["predict_before", "predict_run", "run_predicted"]
+__all__ = ["predict_before", "predict_resolved", "predict_run", "run_predicted"]
 
 
 def predict_before(
@@ -96,6 +96,11 @@ def predict_run(cfg: PipelineConfig) -> BeforeRun:
     profile and, for gloo ranks on the CPU, the loaded calibration. It does not depend on
     ``cfg.steps`` (the calibrations run their own steps), so a caller may choose the run's steps
     from its predicted step time. The config is resolved here, once."""
+    return predict_resolved(resolve(cfg))
+
+
+def predict_resolved(run: ResolvedRun) -> BeforeRun:
+    """:func:`predict_run` of a run resolved already."""
     from microbatch.run.pipeline.calibrate import (
         calibrate_loaded,
         calibrate_runtime,
@@ -106,7 +111,7 @@ def predict_run(cfg: PipelineConfig) -> BeforeRun:
     from microbatch.run.pipeline.launch import check_splittable
     from microbatch.run.pipeline.progress import announce
 
-    run = resolve(cfg)
+    cfg = run.cfg
     announce("check")
     check_splittable(run)
     check_fits(run)

@@ -466,13 +466,11 @@ def check_splittable(run: ResolvedRun) -> None:
         )
 
 
-def run_external(cfg: PipelineConfig) -> PipelineReport | None:
-    """Run this process as one rank under ``torchrun``; return the report on rank 0, else None. The
-    config is resolved here, once."""
+def run_external(run: ResolvedRun) -> PipelineReport | None:
+    """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
     from microbatch.run.pipeline.rank import run_rank
 
-    run = resolve(cfg)
-    rank, world, device = _init_group(cfg)
+    rank, world, device = _init_group(run.cfg)
     import torch.distributed as dist
 
     try:
