@@ -223,8 +223,14 @@ FLAG_STRINGS_ALLOWED = {
     # issue 31 item 4: modules other engineers were restructuring; convert, then lower or drop the entry
     "microbatch.run.": (24, "issue 31: run/ restructured (pipeline_*, launch, accumulate)"),
     "microbatch.choose.": (24, "issue 31: choose/ split into knee rules and one driver"),
-    "microbatch.integrations.": (1, "issue 31: integrations restructured"),
-    "microbatch.predict.apply_calibration": (4, "issue 31: prose moves to show/"),
+    "microbatch.integrations.": (
+        1,
+        "torchrun's own flag (--nproc_per_node) in integrations/hf, not a microbatch flag",
+    ),
+    "microbatch.predict.apply_calibration": (
+        1,
+        "issue 31: CALIBRATION_HELP, the --calibration help text, belongs in commands/",
+    ),
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (12, "issue 31: export names through the registry"),

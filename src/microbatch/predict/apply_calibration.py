@@ -81,7 +81,7 @@ def load_calibration(
     (or names none); a CPU file gets no efficiency here.
     """
     label = str(source) if isinstance(source, (str, Path)) else "calibration data"
-    data = load_json(source, what="calibration file", fix="give a `tune --out DIR` result.json")
+    data = load_json(source, what="calibration file", fix="give a tune's result.json")
     warns: list[str] = []
     if isinstance(data, dict) and data.get("kind") == "calibration":
         cal = Calibration.from_dict(data)
@@ -105,7 +105,7 @@ def load_calibration(
         msg = (
             f"calibration {label} was measured on model {cal.model} but the plan is for {shape.name} "
             f"({', '.join(f'{f} {getattr(cshape, f)} vs {getattr(shape, f)}' for f in diff[:4])}); "
-            f"measure {shape.name} with `microbatch tune --model {shape.name} --out DIR` and pass that file"
+            f"tune {shape.name} and pass that tune's result.json"
         )
         if strict:
             raise ConfigError(msg)
