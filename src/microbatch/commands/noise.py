@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
+from microbatch.show.answers import render_noise
 
 if TYPE_CHECKING:
     import torch
@@ -132,11 +133,11 @@ def cmd(
         )
     except NoiseInterrupted as e:  # Ctrl-C: the steps measured are kept and printed, exit 130
         result = _result(setting, decay, e.final, e.history, steps_asked=steps)
-        emit(result, as_json, lambda: _render(result))
+        emit(result, as_json, lambda: render_noise(result))
         progress(f"interrupted: kept the {len(e.history)} step(s) measured of {steps}")
         raise click.exceptions.Exit(130) from None
     result = _result(setting, decay, final, history)
-    emit(result, as_json, lambda: _render(result))
+    emit(result, as_json, lambda: render_noise(result))
 
 
 def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: int, steps: int) -> ModelShape:
@@ -219,26 +220,3 @@ def _result(
     if steps_asked is not None:
         out.update(interrupted=True, steps_asked=steps_asked)
     return out
-
-
-def _render(r: dict[str, Any]) -> str:
-    """The text of :func:`_result`'s dict."""
-    lines = [
-        f"gradient noise scale: {r['model']}, seq {r['seq']}, B_global {r['global_batch']}, b_m {r['micro_batch']}, "
-        f"{r['steps']} steps"
-        + (f" (interrupted: {r['steps']} of {r['steps_asked']} measured)" if r.get("interrupted") else ""),
-        "  data: random tokens (Zipf unigram) at initialisation; a demonstration, not your data",
-    ]
-    if r["g_sq"] is None:
-        return "\n".join([*lines, "  nothing measured: interrupted before the first step finished"])
-    lines += [f"  |G|²   (smoothed)  = {r['g_sq']:.4g}", f"  tr(Σ)  (smoothed)  = {r['trace_sigma']:.4g}"]
-    b_tokens, b_seqs = r["b_simple_tokens"], r["b_simple_sequences"]
-    if math.isfinite(b_tokens):
-        lines += [
-            f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}",
-            f"  suggestion: B_global near {max(1, round(b_seqs))} sequences (the statistical choice; "
-            "b_m is the physical one)",
-        ]
-    else:
-        lines.append("  B_simple: |G|² not resolved above the noise (≤ 0); run more --steps")
-    return "\n".join(lines)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from microbatch.show.text import bubble_lines, pct, render_stats_table, render_timeline_text
@@ -16,7 +17,14 @@ if TYPE_CHECKING:
     from microbatch.predict.memory import MemoryConfig, MemoryEstimate
     from microbatch.schedules.simulate import SimResult
 
-__all__ = ["calibration_lines", "render_bubble", "render_memory", "render_microbench", "render_simulate"]
+__all__ = [
+    "calibration_lines",
+    "render_bubble",
+    "render_memory",
+    "render_microbench",
+    "render_noise",
+    "render_simulate",
+]
 
 Rows = list[list[tuple[float, float, str, int]]]
 """A diagram's rows: per rank, (start, end, label, colour index) of each op."""
@@ -203,3 +211,26 @@ def calibration_lines(applied: AppliedCalibration) -> list[str]:
         e = c.efficiency
         head += f"; GEMM efficiency {e.gemm_max:.2f} of peak, half of it at {e.half_rows:,.0f} rows"
     return [head] + [f"note: {n}" for n in applied.notes]
+
+
+def render_noise(r: dict[str, Any]) -> str:
+    """``noise``'s text, from its result dict."""
+    lines = [
+        f"gradient noise scale: {r['model']}, seq {r['seq']}, B_global {r['global_batch']}, b_m {r['micro_batch']}, "
+        f"{r['steps']} steps"
+        + (f" (interrupted: {r['steps']} of {r['steps_asked']} measured)" if r.get("interrupted") else ""),
+        "  data: random tokens (Zipf unigram) at initialisation; a demonstration, not your data",
+    ]
+    if r["g_sq"] is None:
+        return "\n".join([*lines, "  nothing measured: interrupted before the first step finished"])
+    lines += [f"  |G|²   (smoothed)  = {r['g_sq']:.4g}", f"  tr(Σ)  (smoothed)  = {r['trace_sigma']:.4g}"]
+    b_tokens, b_seqs = r["b_simple_tokens"], r["b_simple_sequences"]
+    if math.isfinite(b_tokens):
+        lines += [
+            f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}",
+            f"  suggestion: B_global near {max(1, round(b_seqs))} sequences (the statistical choice; "
+            "b_m is the physical one)",
+        ]
+    else:
+        lines.append("  B_simple: |G|² not resolved above the noise (≤ 0); run more --steps")
+    return "\n".join(lines)
