@@ -41,11 +41,10 @@ def predict_before(
     profiled per-stage times and the runtime's measured costs between ops
     (:func:`microbatch.run.pipeline.replay.replay`)."""
     from microbatch.run.pipeline.replay import parse_action, replay
-    from microbatch.schedules.torch_order import splits_backward
 
     order = run.torch_order()
     extra = runtime.get("in_op_s", {})
-    split = splits_backward(order)
+    split = run.splits_backward
 
     machine = runtime.get("machine")
     kinds = "FBIW" if split else "FB"

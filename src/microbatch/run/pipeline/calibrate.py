@@ -322,10 +322,8 @@ def calibrate_loaded(
     in-op costs and machine reading are kept."""
     from microbatch.run.pipeline.launch import run_resolved
     from microbatch.run.pipeline.replay import runtime_terms
-    from microbatch.schedules.torch_order import splits_backward
 
-    order = run.torch_order()
-    split = splits_backward(order)
+    split = run.splits_backward
 
     def cpu(row: dict[str, float], k: str) -> float:
         return float(row.get(f"cpu{k}", row.get(k, 0.0)))

@@ -86,6 +86,15 @@ class ResolvedRun:
         """Stages of ``rank`` whose input comes from another rank."""
         return {s for s in self.stages_of(rank) if s > 0 and self.placement[s - 1] != rank}
 
+    @cached_property
+    def splits_backward(self) -> bool:
+        """Whether torch's order runs the backward split into input (I) and weight (W) gradients
+        (:func:`microbatch.schedules.torch_order.splits_backward`); raises, as :meth:`torch_order`
+        does, where the order cannot be derived."""
+        from microbatch.schedules.torch_order import splits_backward
+
+        return splits_backward(self.torch_order())
+
     def torch_order(self) -> dict[int, list[str]]:
         """torch's order as lists; the :class:`ScheduleError` of why it cannot be derived, if so."""
         order, error = self._order
