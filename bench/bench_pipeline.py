@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from microbatch.run.pipeline.launch import run_pipeline
     from microbatch.run.pipeline.memory import boundary_bytes
     from microbatch.run.pipeline.report import PipelineReport
+    from microbatch.run.pipeline.resolved import resolve
 
     def run_predicted(cfg: PipelineConfig) -> PipelineReport:
         """The prediction made before the run, then the run with enough steps that the measured
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_s=300,
                         )
                     )
-                    buf = boundary_bytes(cfg) or 0.0
+                    buf = boundary_bytes(resolve(cfg)) or 0.0
                     for row, row2 in zip(rep.memory, twice.memory, strict=True):
                         growth.append((model, p, name, m, row.rank, row.measured_peak_bytes,
                                        row2.measured_peak_bytes, buf))  # fmt: skip

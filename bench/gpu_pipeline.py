@@ -43,11 +43,12 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
 
     from microbatch.run.pipeline.config import PipelineConfig
     from microbatch.run.pipeline.rank import build_full_model, make_batch
+    from microbatch.run.pipeline.resolved import resolve
     from microbatch.run.pipeline.split import balanced_split, model_units, split_units, unit_param_counts
 
     cfg = PipelineConfig(schedule="1f1b", stages=stages, microbatches=stages, model=model, seq=seq,
                          global_batch=stages * micro_batch)  # fmt: skip
-    full, vocab, s = build_full_model(cfg)
+    full, vocab, s = build_full_model(resolve(cfg))
     full = full.to(device)
     units = model_units(full)
     sizes = balanced_split(unit_param_counts(units), stages)
@@ -187,12 +188,13 @@ def _runner_child(rank: int, port: int, device: str, q: Any, model: str) -> None
 
         from microbatch.run.pipeline.config import PipelineConfig
         from microbatch.run.pipeline.rank import run_rank
+        from microbatch.run.pipeline.resolved import resolve
 
         dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
         cfg = PipelineConfig(
             schedule="1f1b", stages=2, microbatches=4, model=model, steps=3, check_gradients=True
         )
-        out = run_rank(cfg, rank=rank, world_size=2, device=device)
+        out = run_rank(resolve(cfg), rank=rank, world_size=2, device=device)
         if rank == 0:
             q.put({"ok": True, "raw": out})
         dist.barrier()
