@@ -128,8 +128,8 @@ def _tune_both(
 ) -> None:
     """1. Measure: the throughput and memory curve of a built-in model, training and decoding."""
     from microbatch.choose.config import ChoiceConfig
-    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
     from microbatch.choose.tune import tune_model
+    from microbatch.choose.tune.config import ProbeConfig, SearchConfig
     from microbatch.measure.timing import TimingConfig
 
     # One thread and the probe's own CPU time: steady numbers on a small or shared machine
@@ -249,20 +249,20 @@ def _run_small_pipeline(
                 schedule="1f1b", stages=2, microbatches=4, model=model_name, steps=2, check_gradients=True
             )
         )
-        _save(out, "pipeline.json", pr)
-        results.append(pr)
+        _save(out, "pipeline.json", pr.to_json())
+        results.append(pr.to_json())
         summary["pipeline"] = {
-            "measured_bubble_fraction": pr["measured"]["bubble_fraction"],
-            "predicted_bubble_fraction": pr["predicted"]["bubble_fraction"],
-            "gradients_match": pr.get("gradients_match"),
-            "max_grad_rel_error": pr.get("max_grad_rel_error"),
+            "measured_bubble_fraction": pr.measured.bubble_fraction,
+            "predicted_bubble_fraction": pr.predicted.bubble_fraction,
+            "gradients_match": pr.gradients_match,
+            "max_grad_rel_error": pr.max_grad_rel_error,
         }
         _done(
             quiet,
             t0,
-            f"measured bubble {100 * pr['measured']['bubble_fraction']:.1f}% against predicted "
-            f"{100 * pr['predicted']['bubble_fraction']:.1f}%; gradients match: "
-            f"{pr.get('gradients_match')} (max rel. error {pr.get('max_grad_rel_error'):.1e})",
+            f"measured bubble {100 * pr.measured.bubble_fraction:.1f}% against predicted "
+            f"{100 * pr.predicted.bubble_fraction:.1f}%; gradients match: "
+            f"{pr.gradients_match} (max rel. error {pr.max_grad_rel_error:.1e})",
         )
     except MicrobatchError as e:  # the rest of the demo still stands; say what failed
         summary["pipeline"] = {"error": str(e)}
