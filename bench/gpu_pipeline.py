@@ -34,8 +34,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_microbench import _timer  # noqa: E402 - the one timer of the GPU benches
-
 
 def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, repeats: int) -> dict[str, Any]:
     import torch
@@ -58,7 +56,16 @@ def profile(model: str, seq: int, micro_batch: int, stages: int, device: str, re
     target = tgt[:micro_batch].to(device)
     cuda = device.startswith("cuda")
 
-    run = _timer(torch, cuda)  # CUDA events (or the wall clock on the CPU), median of the repeats
+    from microbatch.measure.timing import cuda_timer, wall_timer
+
+    one = (
+        cuda_timer if cuda else wall_timer
+    )  # CUDA events (or the wall clock on the CPU): the library's clocks
+
+    def run(fn: Any, repeats: int, warmup: int = 0) -> float:
+        for _ in range(warmup):
+            fn()
+        return statistics.median(one(fn) for _ in range(repeats))
 
     def timed(fn: Any) -> float:
         return float(run(fn, repeats=repeats, warmup=0))
