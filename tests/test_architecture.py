@@ -222,7 +222,6 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.measure.childprobe": (3, "the child process's own argv (--worker), not a microbatch flag"),
     # issue 31 item 4: modules other engineers were restructuring; convert, then lower or drop the entry
     "microbatch.run.": (22, "issue 31: run/ restructured (pipeline_*, launch, accumulate)"),
-    "microbatch.choose.": (22, "issue 31: choose/ split into knee rules and one driver"),
     "microbatch.integrations.": (
         1,
         "torchrun's own flag (--nproc_per_node) in integrations/hf, not a microbatch flag",

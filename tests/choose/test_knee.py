@@ -149,13 +149,18 @@ def test_latency_limit():
     ]
     r = recommend(pts, max_latency_ms=12, tolerance=0.05)  # 8/400 = 20 ms is too slow
     assert r.fastest.micro_batch == 4 and r.knee.micro_batch == 4
-    with pytest.raises(ConfigError, match="step_time_s"):
+    with pytest.raises(ConfigError, match="^max_latency_ms needs step_time_s for every point") as err:
         recommend(curve([(1, 1)]), max_latency_ms=5)
+    assert err.value.params == ("max_latency_ms",)
 
 
 def test_all_oom_says_so():
-    with pytest.raises(ConfigError, match=r"micro-batch 1 is already out of memory.*checkpointing.*--seq"):
+    with pytest.raises(
+        ConfigError,
+        match=r"micro-batch 1 is already out of memory; .*with checkpointing on, a shorter seq or",
+    ) as err:
         recommend([CurvePoint(micro_batch=1, oom=True), CurvePoint(micro_batch=2, oom=True)])
+    assert "--" not in str(err.value) and err.value.params == ("checkpointing", "seq")
 
 
 @pytest.mark.parametrize(
@@ -431,7 +436,7 @@ def test_choice_config_and_keywords_give_the_same_choice():
         ("memory_budget_bytes", 0, r"memory budget 0 must be a whole number of bytes > 0, e.g. 12GiB"),
         ("memory_headroom", -0.1, r"memory_headroom -0.1 must be a number in \[0, 1\)"),
         ("max_latency_ms", 0, r"max_latency_ms 0 must be > 0"),
-        ("global_batch", 0, r"global_batch must be a whole number >= 1, got 0; e.g. --global-batch"),
+        ("global_batch", 0, r"global_batch must be a whole number >= 1, got 0; e.g. global_batch 512$"),
         ("data_parallel", 2.5, r"data_parallel must be a whole number >= 1, got 2.5"),
     ],
 )

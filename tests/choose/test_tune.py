@@ -264,7 +264,9 @@ def test_bad_inputs():
         tune_model("no-such-model", seq=8)
     with pytest.raises(ConfigError, match="seq"):
         tune_model("tiny", seq=0)
-    with pytest.raises(ConfigError, match="exactly one"):
+    with pytest.raises(
+        ConfigError, match=r"^give exactly one of model \(a name or a ModelShape\) or hf_config \(a path\)$"
+    ):
         tune_model(seq=8)
     with pytest.raises(ConfigError, match="mode"):
         tune_model("tiny", seq=8, mode="serve")
@@ -290,7 +292,7 @@ def test_hf_config_model_in_process(tmp_path, monkeypatch):
     )
     assert r.model == str(path)
     assert all(not p.oom and p.tokens_per_s > 0 for p in r.points)
-    with pytest.raises(ConfigError, match="--seq is required"):
+    with pytest.raises(ConfigError, match="^seq is required with hf_config: "):
         tune_model(hf_config=str(path))
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
@@ -610,7 +612,8 @@ def test_walk_refusals_name_the_settings_as_the_caller_spells_them(tmp_path, mon
     import torch
 
     import microbatch
-    from microbatch.choose.tune.preflight import FLAG_NAMES, KEYWORD_NAMES, check_walk
+    from microbatch.choose.tune.preflight import KEYWORD_NAMES, check_walk
+    from microbatch.commands.tune import FLAG_NAMES
 
     bad = (SearchConfig(start=16, max_micro_batch=4), ChoiceConfig())
     with pytest.raises(

@@ -111,9 +111,9 @@ class ChoiceConfig:
         if self.max_latency_ms is not None and _number("max_latency_ms", self.max_latency_ms) <= 0:
             raise ConfigError(f"max_latency_ms {self.max_latency_ms!r} must be > 0, e.g. 50")
         if self.global_batch is not None:
-            check_positive_int("global_batch", self.global_batch, fix="e.g. --global-batch 512")
+            check_positive_int("global_batch", self.global_batch, fix="e.g. global_batch 512")
         if self.data_parallel is not None:
-            check_positive_int("data_parallel", self.data_parallel, fix="e.g. --data-parallel 8")
+            check_positive_int("data_parallel", self.data_parallel, fix="e.g. data_parallel 8")
 
     def resolve(self, *, reference: str, data_parallel: int = 1) -> ChoiceConfig:
         """This config with the caller's defaults in the fields left None."""

@@ -241,7 +241,10 @@ def _candidates(
         why.append(f"peak memory <= {budget} bytes")
     if choice.max_latency_ms is not None:
         if any(p.step_time_s is None for p in cands):
-            raise ConfigError("--max-latency-ms needs step_time_s for every point; add a step_time_s column")
+            raise ConfigError(
+                "max_latency_ms needs step_time_s for every point; add a step_time_s column",
+                params=("max_latency_ms",),
+            )
         limit_ms = choice.max_latency_ms
         cands = keep(
             lambda p: p.step_time_s is not None and p.step_time_s * 1e3 <= limit_ms,
@@ -297,7 +300,8 @@ def recommend(
             smallest = min(p.micro_batch for p in pts)
             raise ConfigError(
                 f"micro-batch {smallest} is already out of memory; measure again (`microbatch tune`) with "
-                "activation checkpointing on (--checkpointing on), a shorter sequence (--seq) or a larger memory budget"
+                "checkpointing on, a shorter seq or a larger memory budget",
+                params=("checkpointing", "seq"),
             )
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
     cands, left_out = _candidates(measured, choice, data_parallel)

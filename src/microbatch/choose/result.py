@@ -36,8 +36,9 @@ class CacheUse:
     file: str
     """The cache file (``tune-<key>.json`` in :func:`microbatch.choose.tune.cache.cache_dir`)."""
 
-    def message(self) -> str:
-        """One line: how many points came from the cache, when they were measured, how to measure again."""
+    def message(self, again: str = "use_cache=False") -> str:
+        """One line: how many points came from the cache, when they were measured, how to measure again
+        (``again``: the caller's words for it)."""
         when = (
             ""
             if self.oldest_s is None
@@ -46,7 +47,7 @@ class CacheUse:
         when += ")" if when else ""
         return (
             f"{self.points} of {self.points + self.measured} points from the cache{when}, "
-            f"{self.file}; use_cache=False (--no-cache) measures them again"
+            f"{self.file}; {again} measures them again"
         )
 
     def to_dict(self) -> dict[str, Any]:

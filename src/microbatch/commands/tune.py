@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     from microbatch.choose.tune.search import OnPoint
     from microbatch.measure.timing import TimingConfig
 
-__all__ = ["cmd", "SMALL_CPU", "cpu_timing_defaults"]
+__all__ = ["cmd", "SMALL_CPU", "FLAG_NAMES", "cpu_timing_defaults"]
+
+FLAG_NAMES = {"start": "--start", "max": "--max-micro-batch", "B": "--global-batch", "d": "--data-parallel"}
+"""How the command line names the walk's settings (``check_walk``'s ``names``; the Python API's are
+:data:`microbatch.choose.tune.preflight.KEYWORD_NAMES`)."""
 
 
 def cpu_timing_defaults(
@@ -218,7 +222,7 @@ def cmd(
     and a measured b_m is within the tolerance of that bound), when --patience doublings in a
     row gain less than the tolerance, at the memory limit, or at --max-micro-batch.
     """
-    from microbatch.choose.tune.preflight import FLAG_NAMES, check_walk
+    from microbatch.choose.tune.preflight import check_walk
     from microbatch.show.recommendation import render_tune
 
     probe, search, choice, timing_line = _configs(model_spec, choice_spec, repeats, clock, flags)

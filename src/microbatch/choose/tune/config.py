@@ -57,7 +57,7 @@ class SearchConfig:
     ``tune`` under ``torch.distributed``."""
 
     def __post_init__(self) -> None:
-        check_positive_int("start", self.start, fix="the first micro-batch probed, e.g. --start 1")
+        check_positive_int("start", self.start, fix="the first micro-batch probed, e.g. start 1")
         if self.max_micro_batch is not None:
             check_positive_int(
                 "max_micro_batch", self.max_micro_batch, fix="the largest micro-batch probed, e.g. 1024"
@@ -102,9 +102,7 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         if self.seq is not None:
-            check_positive_int(
-                "seq", self.seq, fix="give the longest sequence the data holds, e.g. --seq 1024"
-            )
+            check_positive_int("seq", self.seq, fix="give the longest sequence the data holds, e.g. seq 1024")
         if self.device is not None and (
             not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICE_TYPES
         ):
@@ -114,12 +112,13 @@ class ProbeConfig:
         if self.timing is not None and not isinstance(self.timing, TimingConfig):
             raise ConfigError(f"timing {self.timing!r} must be a TimingConfig or None")
         if self.threads is not None:
-            check_positive_int("threads", self.threads, fix="e.g. --threads 1")
+            check_positive_int("threads", self.threads, fix="e.g. threads 1")
             cores = usable_cores()
             if self.threads > cores and (self.device is None or self.device == "cpu"):  # CPU probes only
                 raise ConfigError(
-                    f"threads {self.threads} is more than the {cores} core(s) this process may use: more "
-                    f"threads than cores only contend and the timing measures that; use --threads {cores} or fewer"
+                    f"threads {self.threads} is more than the {cores} core(s) this process may use: oversubscribed "
+                    f"cores only contend and the timing measures that; use threads {cores} or fewer",
+                    params=("threads",),
                 )
         check_positive_int("new_tokens", self.new_tokens, fix="tokens decoded after the prefill, e.g. 32")
         if self.in_process is not None and not isinstance(self.in_process, bool):

@@ -71,13 +71,17 @@ def configs_from_options(
     return p, s, c
 
 
+_SEQ_REQUIRED = "seq is required with hf_config: give the longest sequence the data holds"
+
+
 def _describe(model: Any, hf_config: str | None, backend: str) -> tuple[Any, dict[str, Any], str]:
     """(registry shape or None, the ProbeSpec's model fields, the result's label) of what to tune."""
     from microbatch.model import ModelShape, get_model
 
     if (model is None) == (hf_config is None):
         raise ConfigError(
-            "give exactly one of a model (name or shape) or hf_config (--model NAME or --hf-config PATH)"
+            "give exactly one of model (a name or a ModelShape) or hf_config (a path)",
+            params=("model", "hf_config"),
         )
     if isinstance(model, ModelShape):
         shape_dict = {k: v for k, v in model.to_dict().items() if k != "param_count"}
@@ -115,9 +119,9 @@ def _preflight(
     check_walk(search_config, choice, KEYWORD_NAMES)
     described = shape if shape is not None else from_hf_config(str(hf_config), seq=probe.seq)
     if hf_config is not None:
-        require_transformers("--hf-config")
+        require_transformers("hf_config", params=("hf_config",))
     elif probe.backend == "hf":
-        require_transformers("--backend hf")
+        require_transformers("backend hf", params=("backend",))
     check_seq(described, probe.seq or described.seq)
     check_static_fits(described, probe.mode, choice.memory_budget_bytes, budget_source)
 
@@ -157,7 +161,7 @@ def tune_model(
     seq = probe_config.seq
     if seq is None:
         if shape is None:
-            raise ConfigError("--seq is required with --hf-config: give the longest sequence the data holds")
+            raise ConfigError(_SEQ_REQUIRED, params=("seq", "hf_config"))
         seq = shape.seq
     device = probe_config.device or "cpu"
     probe_config = replace(
@@ -288,12 +292,15 @@ def _check_cuda_device(device: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        raise ConfigError(
+            f"device {device}: no CUDA GPU is available here; use device cpu", params=("device",)
+        )
     index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
     if index >= torch.cuda.device_count():
         raise ConfigError(
-            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; pick one of them"
+            f"device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; pick one of them",
+            params=("device",),
         )
 
 

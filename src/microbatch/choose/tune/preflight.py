@@ -26,7 +26,6 @@ from microbatch.units import format_bytes, format_count
 __all__ = [
     "walk_sizes",
     "check_walk",
-    "FLAG_NAMES",
     "KEYWORD_NAMES",
     "static_train_bytes",
     "check_static_fits",
@@ -46,17 +45,16 @@ def walk_sizes(search: SearchConfig, per_replica: int | None = None) -> list[int
     return sizes
 
 
-FLAG_NAMES = {"start": "--start", "max": "--max-micro-batch", "B": "--global-batch", "d": "--data-parallel"}
-"""How the command line names the walk's settings (``microbatch tune``)."""
 KEYWORD_NAMES = {"start": "start", "max": "max_micro_batch", "B": "global_batch", "d": "data-parallel size"}
 """How the Python API names them (``microbatch.tune(..., global_batch=...)``, the configs' fields; d
-is the world size under torch.distributed unless ``data_parallel`` is given)."""
+is the world size under torch.distributed unless ``data_parallel`` is given). The command line passes
+its flags (``microbatch.commands.tune.FLAG_NAMES``)."""
 
 
-def check_walk(search: SearchConfig, choice: ChoiceConfig, names: Mapping[str, str] = FLAG_NAMES) -> None:
+def check_walk(search: SearchConfig, choice: ChoiceConfig, names: Mapping[str, str] = KEYWORD_NAMES) -> None:
     """ConfigError when no b_m of the walk could be chosen: nothing to measure, or none whose
     b_m·d divides the global batch (the knee is chosen among those only). ``names``: how the
-    caller's user spells the settings (FLAG_NAMES or KEYWORD_NAMES), so the fix names what to change."""
+    caller's user spells the settings (KEYWORD_NAMES, or the command line's flags), so the fix names what to change."""
 
     def given(key: str, value: object) -> str:
         name = names[key]
@@ -117,5 +115,6 @@ def check_static_fits(shape: ModelShape, mode: str, budget: int | None, budget_s
         raise ConfigError(
             f"model {shape.name} ({format_count(params)} parameters) needs {format_bytes(need)} before any "
             f"activation ({what}), over the memory budget {format_bytes(budget)} ({budget_source}); "
-            "use a smaller model, raise --memory-budget, or plan it with `microbatch plan` (sharding, pipelining)"
+            "use a smaller model, raise memory_budget_bytes, or plan it with `microbatch plan` (sharding, pipelining)",
+            params=("memory_budget_bytes",),
         )

@@ -131,7 +131,8 @@ def check_cuda_budget(probe: Probe, budget: int | None, device: str) -> None:
             f"memory on {device}: it needs at least {need} bytes ({format_bytes(need, unit='GiB')}: CUDA "
             "context, weights"
             + (", gradients and Adam's state" if isinstance(probe, TrainProbe) else "")
-            + "); raise --memory-budget or choose a smaller model"
+            + "); raise memory_budget_bytes or choose a smaller model",
+            params=("memory_budget_bytes",),
         )
 
 
