@@ -76,7 +76,7 @@ if "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
   TO=""
   if "$PY" -c "import pytest_timeout" 2>/dev/null; then TO="--timeout=120"; fi
   run 150 cuda_tests "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs $TO \
-    tests/measure/test_measure.py tests/choose/test_tune.py tests/run/test_accumulate_oom_train.py
+    tests/measure/test_measure.py tests/choose/test_tune.py tests/run/accumulate/test_accumulate_oom_train.py
   tail -n 15 "$OUT/logs/cuda_tests.log" >>"$OUT/gpu.log"
 else
   run 60 tune_cuda_checks "$PY" bench/gpu_tune.py checks --out "$OUT/tune"
