@@ -53,6 +53,7 @@ def cmd(
     """
     from pathlib import Path
 
+    from microbatch.commands._flags import cli_text
     from microbatch.errors import ConfigError
     from microbatch.records import load_json
     from microbatch.show.export import export_plan, export_tune
@@ -78,7 +79,8 @@ def cmd(
         )
         _check_kind(data, "--tune", str(tune_path))
         ex = export_tune(data, fmt, gpus_per_node=gpus_per_node)
-    payload = {"format": ex.format, "config": ex.config, "notes": list(ex.notes)}
+    notes = [cli_text(n, ("gpus_per_node",), "export") for n in ex.notes]  # the library names its keyword
+    payload = {"format": ex.format, "config": ex.config, "notes": notes}
     if output and as_json:  # the file holds the envelope (a result `report` reads); stdout the same
         write_result(output, payload)
         emit({**payload, "output": output}, as_json, ex.text)
@@ -92,7 +94,7 @@ def cmd(
     else:
         emit(payload, as_json, ex.text)
     if not as_json:
-        for note in ex.notes:
+        for note in notes:
             click.echo(f"note: {note}", err=True)
 
 

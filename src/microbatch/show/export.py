@@ -96,7 +96,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
     data: Any = plan.to_dict() if hasattr(plan, "to_dict") else plan
     if not isinstance(data, dict):
         raise ConfigError(
-            f"a plan must be a JSON object, got {type(data).__name__}; give `plan --json` output"
+            f"a plan must be a JSON object, got {type(data).__name__}; give a plan's JSON output"
         )
     if "plans" in data:
         plans = data["plans"]
@@ -104,7 +104,8 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         if gpu is None:
             raise ConfigError(
                 f"the plan compares {len(plans)} accelerators ({', '.join(map(str, names))}): a multi-GPU plan "
-                f"needs --gpu to pick the one to export, e.g. --gpu {names[0]}"
+                f"needs gpu to pick the one to export, e.g. gpu {names[0]}",
+                params=("gpu",),
             )
         chosen = [p for p in plans if p.get("gpu", {}).get("name") == gpu]
         if not chosen:
@@ -114,8 +115,9 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         data = chosen[0]
     elif gpu is not None and isinstance(data.get("gpu"), dict) and data["gpu"].get("name") != gpu:
         raise ConfigError(
-            f"--gpu {gpu!r} does not match the plan, which is for {data['gpu'].get('name')!r}; drop --gpu or "
-            "give the plan made for that accelerator"
+            f"gpu {gpu!r} does not match the plan, which is for {data['gpu'].get('name')!r}; drop gpu or "
+            "give the plan made for that accelerator",
+            params=("gpu",),
         )
     if "recommended" in data:
         rec = data["recommended"]
@@ -133,9 +135,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         cand = dict(data)
     missing = [k for k in _NEEDED if k not in cand]
     if missing:
-        raise ConfigError(
-            f"the plan lacks {', '.join(missing)}; give the output of `microbatch plan --json` or a Candidate"
-        )
+        raise ConfigError(f"the plan lacks {', '.join(missing)}; give a plan's JSON output or a Candidate")
     return cand
 
 
@@ -162,7 +162,8 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
     if p > 1 and c.get("zero", 0) >= 2:
         raise ConfigError(
             f"DeepSpeed's pipeline engine refuses ZeRO stage {c['zero']} (it supports stage 0 or 1 with "
-            f"pipeline parallelism, here p = {p}); plan again with --zero 1 (or 0), or export to torchtitan"
+            f"pipeline parallelism, here p = {p}); plan again with zero 1 (or 0), or export to torchtitan",
+            params=("zero",),
         )
     cfg: Json = {
         "train_batch_size": c["global_batch"],
@@ -263,12 +264,13 @@ def _lightning(c: Json) -> tuple[Json, list[str]]:
     if world % per_node:
         raise ConfigError(
             f"{world} processes (d = {d} × t = {t}) do not fill nodes of {per_node} accelerators; "
-            f"give --gpus-per-node dividing {world}"
+            f"give gpus_per_node dividing {world}",
+            params=("gpus_per_node",),
         )
     trainer["devices"], trainer["num_nodes"] = per_node, world // per_node
     notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {per_node} × {world // per_node} "
              f"= {world} processes ({per_node} accelerators per node"
-             + ("" if c.get("gpus_per_node") else ", assumed: --gpus-per-node to change") + ")"]  # fmt: skip
+             + ("" if c.get("gpus_per_node") else ", assumed: gpus_per_node to change") + ")"]  # fmt: skip
     if t > 1:
         notes.append(
             f"tensor parallelism t = {t} is not a Trainer keyword: use lightning.pytorch.strategies."
@@ -426,13 +428,14 @@ def candidate_from_tune(result: object) -> Json:
     data: Any = result.to_dict() if hasattr(result, "to_dict") else result
     if not isinstance(data, dict) or "points" not in data or "micro_batch" not in data:
         raise ConfigError(
-            "a tune result must be the JSON object tune wrote (--out DIR/result.json or --json)"
+            "a tune result must be the JSON object a tune wrote (its result.json, or TuneResult.to_dict())"
         )
     b, g, big_b = data.get("micro_batch"), data.get("grad_accum"), data.get("global_batch")
     if big_b is None or g is None:
         raise ConfigError(
             f"the tune chose b_m = {b} without a global batch, so g is unknown and an export would set "
-            "B_global silently; tune again with --global-batch (-B)"
+            "B_global silently; tune again with global_batch",
+            params=("global_batch",),
         )
     knee = [p for p in data["points"] if p.get("micro_batch") == b and not p.get("oom")]
     ckpt = bool(knee and knee[0].get("checkpointing"))
@@ -467,7 +470,8 @@ def export_result(
     if isinstance(data, dict) and classify(data) == "tune":
         if gpu is not None:
             raise ConfigError(
-                "--gpu picks one plan of a multi-GPU comparison; a tune result has one device: drop it"
+                "gpu picks one plan of a multi-GPU comparison; a tune result has one device: drop it",
+                params=("gpu",),
             )
         return export_tune(data, fmt, gpus_per_node=gpus_per_node)
     return export_plan(data, fmt, gpu=gpu, gpus_per_node=gpus_per_node)
