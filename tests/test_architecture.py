@@ -233,7 +233,6 @@ FLAG_STRINGS_ALLOWED = {
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (1, "torchrun's own flag (--nproc_per_node) in the hf note, not ours"),
-    "microbatch.show.plan_report": (4, "issue 31: being reworked; +1 with predict.plan's lint sentences"),
     "microbatch.show.pipeline_report": (1, "issue 31: the typed pipeline report"),
 }
 """Module (or package prefix ending in ``.``) below ``commands/`` -> (most strings naming a flag, why).

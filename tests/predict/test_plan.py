@@ -151,7 +151,12 @@ def test_zero_2_or_3_with_pipeline_stages_names_the_frameworks_and_the_flag():
     base = _cfg(micro_batches=(2,), schedules=("1f1b",), recompute=("none",))
     z3 = make_plan(replace(base, zero=(3,)))
     msgs = [x for x in _words(lint(z3, z3.candidates[0])) if "pipeline stages runs in torchtitan" in x]
-    assert len(msgs) == 1 and "plan with --zero 1" in msgs[0] and "ZeRO 3 with p = 4" in msgs[0], msgs
+    assert len(msgs) == 1 and "plan with zero 1" in msgs[0] and "ZeRO 3 with p = 4" in msgs[0], msgs
+    assert "--" not in msgs[0]  # the library names the parameter; the command passes its flag in
+    zero_lint = next(x for x in lint(z3, z3.candidates[0]) if "torchtitan" in lint_sentence(x))
+    assert lint_sentence(zero_lint, words={"zero": "--zero"}) == msgs[0].replace(
+        "with zero 1", "with --zero 1"
+    )
     z1 = make_plan(replace(base, zero=(1,)))
     assert not any("torchtitan" in x for x in _words(lint(z1, z1.candidates[0])))
     flat = make_plan(replace(base, zero=(3,), pipeline_parallel=1, schedules=("gpipe",)))
@@ -225,7 +230,9 @@ def test_plan_data_has_no_prose_and_the_words_come_from_show(capsys):
                "--json"])  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["explanation"] == explain(plan)
+    assert "--" not in explain(plan)  # the library names the parameters; the command passes its flags in
+    assert out["explanation"] == explain(plan, words={"zero": "--zero", "choose": "--choose"})
+    assert "(--choose fastest takes the fastest)" in out["explanation"]
     assert out["recommended"]["step_time_s"] == d["recommended"]["step_time_s"]
 
 
@@ -326,7 +333,7 @@ def test_plan_recommends_the_knee_not_the_far_past_fastest():
     # nothing within the line uses less memory than the knee
     assert all(c.peak_memory_bytes >= knee.peak_memory_bytes for c in fits if c.tokens_per_s >= line)
     text = explain(plan)
-    assert re.search(rf"Fastest: b_m = {fast.micro_batch}\b.*--choose fastest", text)
+    assert re.search(rf"Fastest: b_m = {fast.micro_batch}\b.*\(choose fastest takes the fastest\)", text)
     assert not any("far past the kernel-efficiency knee" in x for x in plan_lints(plan))
     # --choose fastest gives the old answer, and names the knee beside it
     pf = make_plan(replace(cfg, choose="fastest"))

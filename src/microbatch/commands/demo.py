@@ -180,9 +180,10 @@ def _plan_llama(out: Path, quiet: bool, results: list[dict[str, Any]], summary: 
             pipeline_parallel=4,
         )
     )
+    from microbatch.commands._flags import flag_for
     from microbatch.show.plan_report import plan_dict
 
-    pd = plan_dict(plan)
+    pd = plan_dict(plan, words={p: flag_for(p, "plan") for p in ("zero", "choose")})
     _save(out, "plan.json", pd)
     results.append(pd)
     rec = pd["recommended"] or {}

@@ -244,24 +244,30 @@ def _answer(
     plans: list[Plan], applied: list[AppliedCalibration], all_rows: bool
 ) -> tuple[dict[str, Any], Callable[[], str]]:
     """The JSON answer and its text: one plan, or the plans side by side."""
+    from microbatch.commands._flags import flag_for
     from microbatch.show.answers import calibration_lines
     from microbatch.show.plan_report import comparison_rows, explain, plan_dict, render_plan, text_table
 
     cal_lines = list(dict.fromkeys(line for a in applied for line in calibration_lines(a)))
+    words = {p: flag_for(p, "plan") for p in ("zero", "choose")}  # the settings a sentence names
     if len(plans) == 1:
-        out = {**plan_dict(plans[0]), "explanation": explain(plans[0])}
+        out = {**plan_dict(plans[0], words=words), "explanation": explain(plans[0], words=words)}
 
         def render() -> str:
-            return render_plan(plans[0], all_rows=all_rows) + "".join("\n" + x for x in cal_lines)
+            return render_plan(plans[0], all_rows=all_rows, words=words) + "".join(
+                "\n" + x for x in cal_lines
+            )
     else:
         rows = comparison_rows(plans)
         out = {
-            "plans": [{**plan_dict(pl), "explanation": explain(pl)} for pl in plans],
+            "plans": [
+                {**plan_dict(pl, words=words), "explanation": explain(pl, words=words)} for pl in plans
+            ],
             "comparison": [dict(zip(rows[0], r, strict=True)) for r in rows[1:]],
         }
 
         def render() -> str:
-            parts = [render_plan(pl, all_rows=all_rows) + "\n" for pl in plans]
+            parts = [render_plan(pl, all_rows=all_rows, words=words) + "\n" for pl in plans]
             parts += ["side by side (same model, layout and B_global)", text_table(rows)] + cal_lines
             return "\n".join(parts)
 

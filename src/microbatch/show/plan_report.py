@@ -4,7 +4,7 @@ recommendation in words. Plain data in, strings out (the library never prints; t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from microbatch.errors import ConfigError
@@ -40,7 +40,17 @@ __all__ = [
     "plan_lints",
     "render_plan",
     "text_table",
+    "Words",
 ]
+
+Words = Mapping[str, str] | None
+"""How the reader names the planner's settings: parameter → its name in the caller's words (a command
+passes its flags, ``{"zero": "--zero", "choose": "--choose"}``); a setting not in it keeps its parameter
+name (``PlanConfig.zero``, ``PlanConfig.choose``)."""
+
+
+def _say(param: str, words: Words) -> str:
+    return (words or {}).get(param, param)
 
 
 def _gib(n: float) -> str:
@@ -129,18 +139,19 @@ def comparison_rows(plans: list[Plan]) -> list[list[str]]:
     return rows
 
 
-def explain(plan: Plan) -> str:
-    """The trade-off in words: bubble against kernel efficiency against memory."""
+def explain(plan: Plan, *, words: Words = None) -> str:
+    """The trade-off in words: bubble against kernel efficiency against memory (``words``: :data:`Words`)."""
     cfg = plan.config
     return _explain(
         plan.recommended, plan.candidates, pipeline_parallel=cfg.pipeline_parallel,
-        memory_budget_bytes=cfg.memory_budget_bytes, lints=plan_lints(plan), advice=plan_advice(plan),
+        memory_budget_bytes=cfg.memory_budget_bytes, lints=plan_lints(plan, words=words), advice=plan_advice(plan),
         fastest=plan.fastest, knee=plan.knee, choose=cfg.choose, tolerance=cfg.tolerance, margin=cfg.margin,
         moe=(cfg.shape.moe, cfg.seq_len, cfg.expert_parallel, cfg.capacity_factor) if cfg.shape.moe else None,
+        words=words,
     )  # fmt: skip
 
 
-def explain_result(result: dict[str, Any]) -> str:
+def explain_result(result: dict[str, Any], *, words: Words = None) -> str:
     """:func:`explain` for a plan read back from ``plan --json`` (:meth:`Plan.to_dict`)."""
     try:
         rec = result.get("recommended")
@@ -156,19 +167,21 @@ def explain_result(result: dict[str, Any]) -> str:
             pipeline_parallel=int(result.get("pipeline_parallel", 1)),
             memory_budget_bytes=float(result["memory_budget_bytes"]),
             lints=[
-                x if isinstance(x, str) else lint_sentence(lint_from_dict(x)) for x in result.get("lints", [])
+                x if isinstance(x, str) else lint_sentence(lint_from_dict(x), words=words)
+                for x in result.get("lints", [])
             ],
             advice=_advice_words(result.get("advice")),
             fastest=Candidate.from_dict(fast) if fast else None,
             knee=Candidate.from_dict(result["knee"]) if result.get("knee") else None,
             choose=str(result.get("choose", "fastest")),
+            words=words,
             tolerance=float(result.get("tolerance", 0.0)),
             margin=float(result.get("margin", 0.0)),
             moe=moe,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(
-            f"not a plan result ({type(e).__name__}: {e}); give the output of `microbatch plan --json`"
+            f"not a plan result ({type(e).__name__}: {e}); give a plan's JSON output (Plan.to_dict())"
         ) from None
 
 
@@ -186,6 +199,7 @@ def _explain(
     tolerance: float = 0.0,
     margin: float = 0.0,
     moe: tuple[Experts, int, int, float | None] | None = None,
+    words: Words = None,
 ) -> str:
     if c is None:  # the headline; the rest of the advice (what would fit) is listed after it
         return advice[0] if advice else "nothing fits"
@@ -234,7 +248,7 @@ def _explain(
         parts.append(f"Larger b_m = {g.micro_batch} {why}.")
     if moe is not None:
         parts.append(_moe_knee(c, *moe))
-    choice = _choice_line(fastest, knee, choose, tolerance, margin)
+    choice = _choice_line(fastest, knee, choose, tolerance, margin, _say("choose", words))
     if choice:
         parts.append(choice)
     if lints:
@@ -273,9 +287,15 @@ def _label(c: Candidate) -> str:
 
 
 def _choice_line(
-    fastest: Candidate | None, knee: Candidate | None, choose: str, tolerance: float, margin: float
+    fastest: Candidate | None,
+    knee: Candidate | None,
+    choose: str,
+    tolerance: float,
+    margin: float,
+    choose_word: str = "choose",
 ) -> str:
-    """One line: the knee beside the fastest, and why they differ (or that they are the same)."""
+    """One line: the knee beside the fastest, and why they differ (or that they are the same);
+    ``choose_word`` names the setting that picks one (the parameter, or a command's flag)."""
     if fastest is None or knee is None:  # a result written before the planner chose the knee
         return ""
     rule = (
@@ -288,8 +308,8 @@ def _choice_line(
     more = fastest.peak_memory_bytes - knee.peak_memory_bytes
     why = f"the fastest is {gain:.1f}% faster for {_gib(more)} more memory per GPU"
     if choose == "knee":
-        return f"Fastest: {_label(fastest)}; {why}; the knee is {rule} (--choose fastest takes the fastest)."
-    return f"Knee: {_label(knee)}; {why}; chosen the fastest (--choose knee takes the knee: {rule})."
+        return f"Fastest: {_label(fastest)}; {why}; the knee is {rule} ({choose_word} fastest takes the fastest)."
+    return f"Knee: {_label(knee)}; {why}; chosen the fastest ({choose_word} knee takes the knee: {rule})."
 
 
 def text_table(rows: Sequence[Sequence[str]]) -> str:
@@ -300,8 +320,9 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def render_plan(plan: Plan, *, all_rows: bool = False) -> str:
-    """The plan as text: header, trade-off table, recommendation in words, pitfalls."""
+def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> str:
+    """The plan as text: header, trade-off table, recommendation in words, pitfalls (``words``:
+    :data:`Words`)."""
     cfg = plan.config
     head = (
         f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
@@ -318,7 +339,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False) -> str:
         else "best candidate at each b_m (* = recommended, + = fastest where it differs)"
     )
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
-    parts = [head, "", title, text_table(rows), "", explain(plan)]
+    parts = [head, "", title, text_table(rows), "", explain(plan, words=words)]
     # With no recommendation the explanation is the advice's headline: list only the rest.
     advice = plan_advice(plan)[1:] if plan.recommended is None else plan_advice(plan)
     if advice:
@@ -332,8 +353,9 @@ def _name(schedule: str) -> str:
     return spec.label or spec.name
 
 
-def lint_sentence(lint: Lint) -> str:
-    """One pitfall (:func:`microbatch.predict.plan.lint`) as a sentence with its numbers and its fix."""
+def lint_sentence(lint: Lint, *, words: Words = None) -> str:
+    """One pitfall (:func:`microbatch.predict.plan.lint`) as a sentence with its numbers and its fix
+    (``words``: :data:`Words`)."""
     if isinstance(lint, GlobalBatchChanged):
         b, g, d = lint.micro_batch, lint.grad_accum, lint.data_parallel
         return (
@@ -375,7 +397,7 @@ def lint_sentence(lint: Lint) -> str:
         return (
             f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in torchtitan (FSDP with pipeline "
             "parallelism); DeepSpeed's pipeline engine takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
-            f"for those, plan with --zero 1{tail}"
+            f"for those, plan with {_say('zero', words)} 1{tail}"
         )
     assert isinstance(lint, FarPastKnee)
     return (
@@ -416,9 +438,9 @@ def advice_lines(advice: Advice) -> list[str]:
     return out
 
 
-def plan_lints(plan: Plan) -> list[str]:
-    """The plan's pitfalls in words."""
-    return [lint_sentence(x) for x in plan.lints]
+def plan_lints(plan: Plan, *, words: Words = None) -> list[str]:
+    """The plan's pitfalls in words (``words``: :data:`Words`)."""
+    return [lint_sentence(x, words=words) for x in plan.lints]
 
 
 def plan_advice(plan: Plan) -> list[str]:
@@ -433,6 +455,7 @@ def _advice_words(advice: object) -> list[str]:
     return [str(a) for a in advice or []]  # type: ignore[attr-defined]
 
 
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    """:meth:`Plan.to_dict` with the lints and the advice in words: what ``plan --json`` writes."""
-    return {**plan.to_dict(), "lints": plan_lints(plan), "advice": plan_advice(plan)}
+def plan_dict(plan: Plan, *, words: Words = None) -> dict[str, Any]:
+    """:meth:`Plan.to_dict` with the lints and the advice in words: what ``plan --json`` writes
+    (``words``: :data:`Words`)."""
+    return {**plan.to_dict(), "lints": plan_lints(plan, words=words), "advice": plan_advice(plan)}
