@@ -221,19 +221,17 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 FLAG_STRINGS_ALLOWED = {
     "microbatch.measure.childprobe": (3, "the child process's own argv (--worker), not a microbatch flag"),
     # issue 31 item 4: modules other engineers were restructuring; convert, then lower or drop the entry
-    "microbatch.run.": (22, "issue 31: run/ restructured (pipeline_*, launch, accumulate)"),
+    "microbatch.run.pipeline.launch": (
+        1,
+        "torchrun's own flag (--master-port) in a retry hint, not a microbatch flag",
+    ),
     "microbatch.integrations.": (
         1,
         "torchrun's own flag (--nproc_per_node) in integrations/hf, not a microbatch flag",
     ),
-    "microbatch.predict.apply_calibration": (
-        1,
-        "issue 31: CALIBRATION_HELP, the --calibration help text, belongs in commands/",
-    ),
     "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (1, "torchrun's own flag (--nproc_per_node) in the hf note, not ours"),
-    "microbatch.show.pipeline_report": (1, "issue 31: the typed pipeline report"),
 }
 """Module (or package prefix ending in ``.``) below ``commands/`` -> (most strings naming a flag, why).
 The library speaks in parameter names (``micro_batch``) and carries them in ``ConfigError.params``;

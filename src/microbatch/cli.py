@@ -37,7 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("pipeline", "Run pipeline-parallel training and compare the bubble with the prediction."),
     "report": ("report", "Build one self-contained HTML report from saved results."),
     "demo": ("demo", "The whole story on a built-in model on the CPU, in a few minutes."),
-    "bench-gpu": ("bench_gpu", "Time GEMMs, attention, streaming and collectives here, for plan --calibration."),
+    "bench-gpu": (
+        "bench_gpu",
+        "Time GEMMs, attention, streaming and collectives here, for plan --calibration.",
+    ),
 }
 
 
@@ -135,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         message = cli_message(e, _command_of(args))
         click.echo(f"error: {message}", err=True)
         return _fail(message, 2, args)
-    except MicrobatchError as e:
-        click.echo(f"error: {e}", err=True)
-        return _fail(str(e), 1, args)
+    except MicrobatchError as e:  # a run that failed; its message may name parameters too
+        from microbatch.commands._flags import cli_message
+
+        message = cli_message(e, _command_of(args))
+        click.echo(f"error: {message}", err=True)
+        return _fail(message, 1, args)
     except KeyboardInterrupt as e:
         said = f"interrupted: {e}" if str(e) else "interrupted"  # what the library kept, or that nothing was
         click.echo(said, err=True)

@@ -30,7 +30,17 @@ __all__ = [
 
 
 class MicrobatchError(Exception):
-    """Base class of every error microbatch raises on purpose."""
+    """Base class of every error microbatch raises on purpose.
+
+    ``params`` are the parameter names the message speaks of (see :class:`ConfigError`): the command
+    line writes each as its flag, whatever the error's kind.
+    """
+
+    params: tuple[str, ...]
+
+    def __init__(self, *args: object, params: Sequence[str] = ()) -> None:
+        super().__init__(*args)
+        self.params = tuple(params)
 
 
 class ConfigError(MicrobatchError, ValueError):
@@ -41,12 +51,6 @@ class ConfigError(MicrobatchError, ValueError):
     the command line replaces each by its flag. Name only words that mean the parameter wherever
     they occur in the message.
     """
-
-    params: tuple[str, ...]
-
-    def __init__(self, *args: object, params: Sequence[str] = ()) -> None:
-        super().__init__(*args)
-        self.params = tuple(params)
 
 
 class ScheduleError(ConfigError):

@@ -15,7 +15,7 @@ import importlib
 import re
 from collections.abc import Sequence
 
-from microbatch.errors import ConfigError
+from microbatch.errors import MicrobatchError
 
 __all__ = ["PARAM_DESTS", "PARAM_VALUES", "flag_for", "cli_message", "cli_text", "command_flags"]
 
@@ -64,7 +64,7 @@ def flag_for(param: str, command: str | None = None) -> str:
     return flags.get(dest) or flags.get(param) or "--" + dest.replace("_", "-")
 
 
-def cli_message(error: ConfigError, command: str | None = None) -> str:
+def cli_message(error: MicrobatchError, command: str | None = None) -> str:
     """``error``'s message with each of its :attr:`~microbatch.errors.ConfigError.params` written as
     ``command``'s flag (:func:`cli_text`)."""
     return cli_text(str(error), getattr(error, "params", ()), command)

@@ -133,11 +133,11 @@ def cmd(
         )
     except NoiseInterrupted as e:  # Ctrl-C: the steps measured are kept and printed, exit 130
         result = _result(setting, decay, e.final, e.history, steps_asked=steps)
-        emit(result, as_json, lambda: render_noise(result))
+        emit(result, as_json, lambda: render_noise(result, steps="--steps"))
         progress(f"interrupted: kept the {len(e.history)} step(s) measured of {steps}")
         raise click.exceptions.Exit(130) from None
     result = _result(setting, decay, final, history)
-    emit(result, as_json, lambda: render_noise(result))
+    emit(result, as_json, lambda: render_noise(result, steps="--steps"))
 
 
 def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: int, steps: int) -> ModelShape:

@@ -189,7 +189,9 @@ def cmd(
     )
     # a file that cannot be written after the run: the result is kept, printed and saved beside
     failed = not _write_outputs(report, title, trace, svg_path, png_path)
-    emit(report.to_json(), as_json, lambda: render(report, width, color=use_color()))
+    emit(
+        report.to_json(), as_json, lambda: render(report, width, color=use_color(), no_predict="--no-predict")
+    )
     _end(report, external, failed)
 
 

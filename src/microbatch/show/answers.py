@@ -213,8 +213,8 @@ def calibration_lines(applied: AppliedCalibration) -> list[str]:
     return [head] + [f"note: {n}" for n in applied.notes]
 
 
-def render_noise(r: dict[str, Any]) -> str:
-    """``noise``'s text, from its result dict."""
+def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
+    """``noise``'s text, from its result dict; ``steps`` names the setting for more steps, in the caller's words."""
     lines = [
         f"gradient noise scale: {r['model']}, seq {r['seq']}, B_global {r['global_batch']}, b_m {r['micro_batch']}, "
         f"{r['steps']} steps"
@@ -232,5 +232,5 @@ def render_noise(r: dict[str, Any]) -> str:
             "b_m is the physical one)",
         ]
     else:
-        lines.append("  B_simple: |G|² not resolved above the noise (≤ 0); run more --steps")
+        lines.append(f"  B_simple: |G|² not resolved above the noise (≤ 0); run more {steps}")
     return "\n".join(lines)

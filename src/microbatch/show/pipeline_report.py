@@ -49,9 +49,12 @@ def _bytes(n: float | None) -> str:
     return "-" if n is None else format_bytes(n, digits=1)
 
 
-def render(report: PipelineReport, width: int = 100, *, color: bool = False) -> str:
+def render(
+    report: PipelineReport, width: int = 100, *, color: bool = False, no_predict: str = "predict=False"
+) -> str:
     """The report of :func:`microbatch.run.pipeline.summary.summarize` as text: measured beside
-    predicted, a table per rank, both timelines on one time scale, the gradient check."""
+    predicted, a table per rank, both timelines on one time scale, the gradient check. ``no_predict``
+    names the setting that skipped the prediction before the run, in the caller's words."""
     m, p, v = report.measured, report.predicted, report.virtual
     lines = [
         f"pipeline {report.schedule}: p = {report.stages} ranks, m = {report.microbatches} micro-batches"
@@ -71,7 +74,7 @@ def render(report: PipelineReport, width: int = 100, *, color: bool = False) -> 
         + (f" ± {m.bubble_se * 100:.1f} pt (standard error over steps)" if m.bubble_se is not None else ""),
         f"  step time             {_ms(b.step_time_s if b else None):>14}   {_ms(pw.step_time_s):>21}   "
         f"{_ms(m.step_time_s):>8}",
-        _before_line(b) if b else "  before the run: not predicted (--no-predict)",
+        _before_line(b) if b else f"  before the run: not predicted ({no_predict})",
         f"  replay: the simulator on torch's order with this run's op times and hand-off "
         f"{pw.comm_time_s * 1e3:.2f} ms (without it: bubble {p.bubble_fraction:.1%})",
         "",

@@ -195,9 +195,9 @@ def test_cli_refuses_a_factory_that_does_not_chain_in_one_line(capsys, no_proces
 @pytest.mark.parametrize(
     "timeout,pattern",
     [
-        ("0.001", r"timeout 0\.001 s is too short for the ranks to start.*give --timeout 10 or more"),
-        ("9.9", r"timeout 9\.9 s is too short"),
-        ("1e300", r"timeout 1e\+300 s is over the limit of 1e\+06 s .*give --timeout 1e\+06 or less"),
+        ("0.001", r"--timeout 0\.001 is too short for the ranks to start.*give --timeout 10 or more"),
+        ("9.9", r"--timeout 9\.9 is too short"),
+        ("1e300", r"--timeout 1e\+300 is over the limit of 1e\+06 s .*give --timeout 1e\+06 or less"),
     ],
 )
 def test_a_timeout_the_ranks_cannot_start_in_is_refused_before_they_start(
@@ -280,12 +280,12 @@ def test_a_run_whose_compute_passes_the_deadline_is_refused():
     cfg = PipelineConfig(model="small", seq=100_000)
     with pytest.raises(
         ConfigError,
-        match=r"3 steps of model small \(B = 4, s = 100000\) are .* FLOPs: at least .* s on \d+ cores? .* past "
-        r"the deadline of 180 s \(120 s of --timeout \+ 60 s allowed for start-up\); lower --steps, --seq or "
-        r"--global-batch, or raise --timeout well above \d+ s",
+        match=r"3 step\(s\) of model small \(B = 4, s = 100000\) are .* FLOPs: at least .* s on \d+ cores? .* past "
+        r"the deadline of 180 s \(120 s of timeout_s \+ 60 s allowed for start-up\); lower steps, seq or "
+        r"global_batch, or raise timeout_s well above \d+ s",
     ):
         fit.check_duration(resolve(cfg), flops_per_s=1e11)
-    with pytest.raises(ConfigError, match=r"1000000000000 steps of model tiny"):
+    with pytest.raises(ConfigError, match=r"1000000000000 step\(s\) of model tiny"):
         fit.check_duration(resolve(PipelineConfig(steps=10**12, timeout_s=20)), flops_per_s=1e11)
     fit.check_duration(resolve(PipelineConfig(model="small")), flops_per_s=1e9)  # the default run passes
 
@@ -296,10 +296,10 @@ def test_a_run_whose_compute_passes_the_deadline_is_refused():
 @pytest.mark.parametrize(
     "kw,pattern",
     [
-        ({"seq": 0}, r"seq must be a whole number >= 1, got 0; give --seq 1 or more"),
-        ({"global_batch": 0}, r"global batch .* got 0; give --global-batch a multiple of m = 4"),
-        ({"timeout_s": 0.0}, r"timeout 0\.0 s must be a positive, finite number of seconds; give --timeout"),
-        ({"timeout_s": float("nan")}, r"timeout nan s .*; give --timeout"),
+        ({"seq": 0}, r"seq must be a whole number >= 1, got 0; give seq 1 or more"),
+        ({"global_batch": 0}, r"global_batch .* got 0; give global_batch a multiple of m = 4"),
+        ({"timeout_s": 0.0}, r"timeout_s 0\.0 must be a positive, finite number of seconds; give timeout_s"),
+        ({"timeout_s": float("nan")}, r"timeout_s nan .*; give timeout_s"),
     ],
 )
 def test_bad_numbers_are_refused_with_the_fix(kw, pattern):
@@ -323,7 +323,7 @@ def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
     monkeypatch.setattr(launch.subprocess, "Popen", lambda args, **kw: real(sleeper, **kw))
     with pytest.raises(
         PipelineError,
-        match=r"deadline of 2 s \(0\.5 s of --timeout \+ 1 s allowed for start-up\); ranks \[0, 1\]",
+        match=r"deadline of 2 s \(0\.5 s of timeout_s \+ 1 s allowed for start-up\); ranks \[0, 1\]",
     ):
         run_pipeline(PipelineConfig(timeout_s=0.5))
 
@@ -441,7 +441,7 @@ def test_a_seed_torch_cannot_hold_is_refused_before_the_ranks_start(capsys, monk
     assert main(["pipeline", "--seed", seed, "--no-predict"]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(
-        rf"error: seed {seed} is outside 0 \.\. 4,294,967,295 .*give --seed between 0 and 4294967295\n", err
+        rf"error: --seed {seed} is outside 0 \.\. 4,294,967,295 .*give --seed between 0 and 4294967295\n", err
     )
     fit.check_seed(PipelineConfig(seed=fit.MAX_SEED))  # the largest is taken
     torch.Generator().manual_seed(1_000_003 * (fit.MAX_SEED + 1) + 10**6)  # and torch holds what it derives

@@ -69,19 +69,20 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", torch_spec(self.schedule).name)
-        check_positive_int("stages", self.stages, fix="give --stages 2 or more ranks")
-        check_positive_int("microbatches", self.microbatches, fix="give --microbatches 1 or more")
-        check_positive_int("virtual", self.virtual, fix="give --virtual 1 or more stages per rank")
-        check_positive_int("steps", self.steps, fix="give --steps 1 or more")
+        check_positive_int("stages", self.stages, fix="give stages 2 or more ranks")
+        check_positive_int("microbatches", self.microbatches, fix="give microbatches 1 or more")
+        check_positive_int("virtual", self.virtual, fix="give virtual 1 or more stages per rank")
+        check_positive_int("steps", self.steps, fix="give steps 1 or more")
         if self.stages < 2:
             raise ConfigError(
-                f"stages {self.stages} is not a pipeline; pipelining needs p >= 2; give --stages 2"
+                f"stages {self.stages} is not a pipeline; pipelining needs p >= 2; give stages 2",
+                params=("stages",),
             )
         if self.global_batch is not None:
             check_positive_int(
-                "global batch",
+                "global_batch",
                 self.global_batch,
-                fix=f"give --global-batch a multiple of m = {self.microbatches} sequences, or leave it out "
+                fix=f"give global_batch a multiple of m = {self.microbatches} sequences, or leave it out "
                 "for B = m",
             )
             if self.global_batch % self.microbatches:
@@ -94,7 +95,7 @@ class PipelineConfig:
                 )
         if self.seq is not None:
             check_positive_int(
-                "seq", self.seq, fix="give --seq 1 or more tokens, or leave it out for the model's length"
+                "seq", self.seq, fix="give seq 1 or more tokens, or leave it out for the model's length"
             )
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"backend {self.backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
@@ -104,8 +105,9 @@ class PipelineConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ConfigError(
-                f"timeout {self.timeout_s!r} s must be a positive, finite number of seconds; give --timeout "
-                "300 (the default) or more for a long run"
+                f"timeout_s {self.timeout_s!r} must be a positive, finite number of seconds; give timeout_s "
+                "300 (the default) or more for a long run",
+                params=("timeout_s",),
             )
         check_servable(self.schedule, self.stages, self.microbatches, self.virtual)
 
@@ -131,7 +133,7 @@ class PipelineConfig:
             return given_s, ""
         return (
             self.timeout_s + STARTUP_S,
-            f"{self.timeout_s:g} s of --timeout + {STARTUP_S:.0f} s allowed for start-up",
+            f"{self.timeout_s:g} s of timeout_s + {STARTUP_S:.0f} s allowed for start-up",
         )
 
     def to_dict(self) -> dict[str, Any]:

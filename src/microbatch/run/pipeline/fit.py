@@ -146,14 +146,16 @@ def check_timeout(cfg: PipelineConfig) -> None:
     t = cfg.timeout_s
     if t < MIN_TIMEOUT_S:
         raise ConfigError(
-            f"timeout {t:g} s is too short for the ranks to start: it is the process group's timeout, and "
-            f"every rank imports torch and connects within it; give --timeout {MIN_TIMEOUT_S:g} or more "
-            "(default 300)"
+            f"timeout_s {t:g} is too short for the ranks to start: it is the process group's timeout, and "
+            f"every rank imports torch and connects within it; give timeout_s {MIN_TIMEOUT_S:g} or more "
+            "(default 300)",
+            params=("timeout_s",),
         )
     if t > MAX_TIMEOUT_S:
         raise ConfigError(
-            f"timeout {t:g} s is over the limit of {MAX_TIMEOUT_S:g} s (11.6 days) that torch's process group "
-            f"can hold; give --timeout {MAX_TIMEOUT_S:g} or less"
+            f"timeout_s {t:g} is over the limit of {MAX_TIMEOUT_S:g} s (11.6 days) that torch's process group "
+            f"can hold; give timeout_s {MAX_TIMEOUT_S:g} or less",
+            params=("timeout_s",),
         )
 
 
@@ -168,7 +170,8 @@ def check_seed(cfg: PipelineConfig) -> None:
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(
             f"seed {cfg.seed} is outside 0 .. {MAX_SEED:,} (2^32 − 1): the ranks derive 64-bit generator seeds "
-            f"from it; give --seed between 0 and {MAX_SEED}"
+            f"from it; give seed between 0 and {MAX_SEED}",
+            params=("seed",),
         )
 
 
@@ -276,19 +279,24 @@ def check_fits(
         terms = sorted(((k, v) for k, v in pred.items() if k != "total" and v > 0), key=lambda kv: -kv[1])
         grows = sum(v for k, v in pred.items() if k in ("batch", "activations", "receive_buffers"))
         state = sum(v for k, v in pred.items() if k in _STATE_TERMS)
+        named: tuple[str, ...] = ()
         if grows >= state:
+            named = ("microbatches", "global_batch", "seq")
             fix = (
-                "use fewer micro-batches (--microbatches), a smaller --global-batch or a shorter --seq: the "
+                "use fewer micro-batches (microbatches), a smaller global_batch or a shorter seq: the "
                 "batch, the activations and the receive buffers grow with m·b_m·s"
             )
         else:
-            fix = "use a smaller model (--model tiny or small) or run one rank per machine under torchrun"
+            fix = (
+                "use a smaller model (the built-in tiny or small) or run one rank per machine under torchrun"
+            )
         raise ConfigError(
             f"{what} ({format_count(params)} parameters, {format_bytes(one)} in {cfg.dtype}) on {cfg.stages} "
             f"local ranks with m = {cfg.microbatches}, b_m = {cfg.micro_batch}, s = {seq} needs about "
             f"{format_bytes(pred['total'])} of host memory ("
             + ", ".join(f"{_LABELS[k]} {format_bytes(v)}" for k, v in terms)
-            + f") but {format_bytes(avail)} is available; {fix}"
+            + f") but {format_bytes(avail)} is available; {fix}",
+            params=named,
         )
     check_duration(run, flops_per_s=flops_per_s, deadline_s=deadline_s)
     return pred
@@ -350,10 +358,11 @@ def check_duration(
     deadline, why = cfg.deadline(deadline_s)
     if seconds > deadline:
         raise ConfigError(
-            f"{cfg.steps} steps of model {cfg.model} (B = {cfg.batch}, s = {shape.seq}) are "
+            f"{cfg.steps} step(s) of model {cfg.model} (B = {cfg.batch}, s = {shape.seq}) are "
             f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "
-            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why or 'given'}); lower --steps, --seq or --global-batch, or raise "
-            f"--timeout well above {_round_up(seconds)} s"
+            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why or 'given'}); lower steps, seq or global_batch, or raise "
+            f"timeout_s well above {_round_up(seconds)} s",
+            params=("steps", "seq", "global_batch", "timeout_s"),
         )
 
 

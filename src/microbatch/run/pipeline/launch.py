@@ -88,7 +88,8 @@ def _init_group(cfg: PipelineConfig) -> tuple[int, int, Any]:
     if cfg.backend == "nccl":
         if not torch.cuda.is_available():
             raise ConfigError(
-                "backend nccl needs CUDA GPUs and none is visible; use --backend gloo on the CPU"
+                "backend nccl needs CUDA GPUs and none is visible; use backend gloo on the CPU",
+                params=("backend",),
             )
         device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -203,8 +204,9 @@ def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> Pipeli
 
         if torch.cuda.device_count() < cfg.stages:
             raise ConfigError(
-                f"backend nccl with {cfg.stages} stages needs {cfg.stages} GPUs, found "
-                f"{torch.cuda.device_count()}; use --backend gloo or fewer --stages"
+                f"backend nccl on {cfg.stages} ranks needs {cfg.stages} GPUs, found "
+                f"{torch.cuda.device_count()}; use backend gloo or fewer stages",
+                params=("backend", "stages"),
             )
     check_splittable(run)
     from microbatch.run.pipeline.fit import check_fits
@@ -371,7 +373,8 @@ def _wait_for_ranks(
             said = f" ({deadline_why})" if deadline_why else ""
             raise PipelineError(
                 f"pipeline run passed its deadline of {deadline_s:.0f} s{said}; ranks {alive} were still running "
-                f"and were killed; raise --timeout or lower --steps; logs: {os.path.join(tmp, 'rank*.err')}"
+                f"and were killed; raise timeout_s or lower steps; logs: {os.path.join(tmp, 'rank*.err')}",
+                params=("timeout_s", "steps"),
             )
         time.sleep(0.05)
 

@@ -156,8 +156,9 @@ def run_rank(
     cfg = run.cfg
     if world_size != cfg.stages:
         raise ConfigError(
-            f"world size {world_size} differs from --stages {cfg.stages}; each rank holds one pipeline "
-            f"position; start {cfg.stages} processes or give --stages {world_size}"
+            f"world size {world_size} differs from stages {cfg.stages}; each rank holds one pipeline "
+            f"position; start {cfg.stages} processes or give stages {world_size}",
+            params=("stages",),
         )
     device = torch.device(device or "cpu")
     cuda = device.type == "cuda"

@@ -37,7 +37,7 @@ __all__ = [
     "unit_times_s",
 ]
 
-_BUILT_IN = "a built-in model (--model tiny or small)"
+_BUILT_IN = "a built-in model: tiny or small"
 
 
 def _one_line(e: BaseException) -> str:
