@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from microbatch.commands._common import (
+    CALIBRATION_HELP,
     check_batch_bound,
     emit,
     json_option,
@@ -19,7 +20,6 @@ from microbatch.commands._common import (
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.predict.apply_calibration import CALIBRATION_HELP
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
