@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from microbatch.measure.cpu import measure_cpu  # noqa: E402
 from microbatch.measure.childprobe import ChildProber  # noqa: E402
+from microbatch.measure.cpu import measure_cpu  # noqa: E402
 from microbatch.measure.spec import ProbeSpec  # noqa: E402
 from microbatch.measure.timing import TimingConfig  # noqa: E402
 from microbatch.predict.calibrate import cover_measurements  # noqa: E402

@@ -150,7 +150,14 @@ def test_the_types_the_functions_take_and_return_are_exported() -> None:
         hints = typing.get_type_hints(getattr(fn, "__wrapped__", fn))
         named |= {c for h in hints.values() for c in _classes_in(h) if c.__module__.startswith("microbatch.")}
     exported = {getattr(microbatch, n) for n in EXPECTED_HOME}
-    assert {c.__name__ for c in named} >= {"TuneResult", "PlanConfig", "Plan", "SimResult", "PipelineConfig", "PipelineReport"}
+    assert {c.__name__ for c in named} >= {
+        "TuneResult",
+        "PlanConfig",
+        "Plan",
+        "SimResult",
+        "PipelineConfig",
+        "PipelineReport",
+    }
     assert not named - exported, sorted(c.__name__ for c in named - exported)
 
 

@@ -181,7 +181,10 @@ def test_bad_inputs_name_value_rule_fix():
         estimate_memory(
             shape, MemoryConfig(micro_batch=1, pipeline_parallel=4, virtual=2, schedule="interleaved-1f1b")
         )
-    with pytest.raises(ConfigError, match="virtual 2 needs interleaved 1F1B, not schedule 1f1b; use schedule interleaved-1f1b or virtual 1"):
+    with pytest.raises(
+        ConfigError,
+        match="virtual 2 needs interleaved 1F1B, not schedule 1f1b; use schedule interleaved-1f1b or virtual 1",
+    ):
         MemoryConfig(micro_batch=1, virtual=2)
     with pytest.raises(ConfigError, match="micro_batch must be a whole number >= 1, got -2"):
         MemoryConfig(micro_batch=-2)
