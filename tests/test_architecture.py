@@ -229,8 +229,6 @@ FLAG_STRINGS_ALLOWED = {
         1,
         "torchrun's own flag (--nproc_per_node) in integrations/hf, not a microbatch flag",
     ),
-    "microbatch.schedules.registry": (9, "issue 31: schedule behaviour through the registry"),
-    "microbatch.schedules.rules": (9, "issue 31: schedule behaviour through the registry"),
     "microbatch.show.export": (1, "torchrun's own flag (--nproc_per_node) in the hf note, not ours"),
 }
 """Module (or package prefix ending in ``.``) below ``commands/`` -> (most strings naming a flag, why).

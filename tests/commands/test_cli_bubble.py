@@ -216,7 +216,7 @@ BAD = [
             "--schedule",
             "1f1b",
         ],
-        r"microbatches = 2 < stages = 4",
+        r"--microbatches = 2 < --stages = 4",
     ),
     (
         ["simulate", "-p", "4", "-m", "8", "-s", "zb-h1"],

@@ -248,17 +248,19 @@ def test_interleaved_rule_is_torchs():
     check_servable("interleaved-1f1b", 4, 3, 2)  # rounds 1
     with pytest.raises(
         ScheduleError,
-        match=r"ScheduleInterleaved1F1B needs m to be a multiple of .* = 2; use --microbatches 8 or 10",
-    ):
+        match=r"ScheduleInterleaved1F1B needs m to be a multiple of .* = 2; use microbatches 8 or 10$",
+    ) as err:
         check_servable("interleaved-1f1b", 4, 9, 2)
+    assert err.value.params == ("microbatches", "stages")
 
 
 def test_single_stage_schedules_refuse_virtual():
     for name in ["gpipe", "1f1b", "zb-h1"]:
         with pytest.raises(
-            ScheduleError, match=re.escape(f"virtual = 2: schedule '{name}' runs one stage per rank")
-        ):
+            ScheduleError, match=re.escape(f"virtual = 2: {name} runs one stage per rank")
+        ) as err:
             check_servable(name, 4, 8, 2)
+        assert "--" not in str(err.value) and "use virtual 1, or schedule interleaved-1f1b" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -374,5 +374,11 @@ def test_times_that_overflow_are_refused(kw):
 def test_too_many_stages_for_the_simulation_names_the_stages():
     from microbatch.schedules.registry import check_simulable
 
-    with pytest.raises(ConfigError, match=r"stages = 600000: .*use --stages 500,000 or fewer"):
+    with pytest.raises(
+        ConfigError,
+        match=r"stages = 600000: .*use stages 500,000 or fewer \(.*closed form: bubble_fraction\)$",
+    ) as err:
         check_simulable("gpipe", 600_000, 1)
+    assert err.value.params == ("stages",)
+    with pytest.raises(ConfigError, match=r"closed form: microbatch bubble --no-diagram\)$"):
+        check_simulable("gpipe", 600_000, 1, closed_form="microbatch bubble --no-diagram")

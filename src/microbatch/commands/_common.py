@@ -55,6 +55,7 @@ __all__ = [
     "parse_zero",
     "SCHEDULE_HELP",
     "CALIBRATION_HELP",
+    "CLOSED_FORM",
     "microbatches_option",
     "virtual_option",
     "width_option",
@@ -76,6 +77,9 @@ CALIBRATION_HELP = (
     "attention, streaming and collective terms replace the analytic ones on the accelerator it ran on."
 )
 """Help text of ``--calibration`` on ``memory`` and ``plan``."""
+
+CLOSED_FORM = "microbatch bubble --no-diagram"
+"""Where the command line finds a bubble too large to simulate (``check_simulable``'s ``closed_form``)."""
 
 
 MAX_BATCH = 10**9

@@ -125,6 +125,7 @@ def _what_to_run(
     whether the schedule is simulated: a closed form needs no schedule, so it is built and simulated
     only for a diagram, or where no closed form exists, and never past the simulation limit (stated
     up front)."""
+    from microbatch.commands._common import CLOSED_FORM
     from microbatch.commands._schedule_inputs import diagram_rows_note
     from microbatch.schedules.registry import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
 
@@ -140,7 +141,7 @@ def _what_to_run(
     too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
     too_tall = diagram_rows_note(stages)
     if not closed:
-        check_simulable(spec.name, stages, microbatches, virtual)
+        check_simulable(spec.name, stages, microbatches, virtual, closed_form=CLOSED_FORM)
     elif too_big and not no_diagram:
         notes.append(
             f"no diagram: {count_actions(spec.name, stages, microbatches, virtual):,} actions is over the "

@@ -193,13 +193,13 @@ def _check_before_work(
     force: bool,
 ) -> None:
     """Everything that can be checked before the work: sizes, times, output paths."""
-    from microbatch.commands._common import check_output_file
+    from microbatch.commands._common import CLOSED_FORM, check_output_file
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
     from microbatch.errors import ConfigError
     from microbatch.schedules.registry import check_servable, check_simulable
 
     check_servable(spec.name, stages, microbatches, virtual)
-    check_simulable(spec.name, stages, microbatches, virtual)
+    check_simulable(spec.name, stages, microbatches, virtual, closed_form=CLOSED_FORM)
     check_times(**given, comm_time=comm_time)
     if stage_times is not None:
         parse_stage_times(stage_times)  # its syntax and values, before the schedule is built

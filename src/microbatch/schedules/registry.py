@@ -192,8 +192,8 @@ def get_spec(name: str) -> ScheduleSpec:
     spec = _lookup(name)
     if spec is None:
         raise ConfigError(
-            f"schedule {name!r} is unknown; known schedules: {', '.join(SCHEDULES)}; "
-            "pick one of these with --schedule"
+            f"schedule {name!r} is unknown; known schedules: {', '.join(SCHEDULES)}; pick one of these",
+            params=("schedule",),
         )
     return spec
 
@@ -249,16 +249,17 @@ MAX_STAGES = 100_000
 
 def check_servable(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
     """Raise :class:`ScheduleError` if schedule ``name`` cannot serve (p, m, v); names the rule."""
-    check_positive_int("stages", stages, fix="a pipeline needs at least one rank (--stages 1 or more)")
+    check_positive_int("stages", stages, fix="a pipeline needs at least one rank (stages 1 or more)")
     check_positive_int(
-        "microbatches", microbatches, fix="use at least one micro-batch (--microbatches 1 or more)"
+        "microbatches", microbatches, fix="use at least one micro-batch (microbatches 1 or more)"
     )
-    check_positive_int("virtual", virtual, fix="use --virtual 1 for one stage per rank")
+    check_positive_int("virtual", virtual, fix="use virtual 1 for one stage per rank")
     if stages > MAX_STAGES:
         raise ScheduleError(
             f"stages = {stages:,} is over the limit of {MAX_STAGES:,} ranks: every per-rank answer (in-flight "
-            f"counts, idle times) is a list of p numbers, so time and memory grow with p; use --stages "
-            f"{MAX_STAGES:,} or fewer (the deepest published pipelines have 64)"
+            f"counts, idle times) is a list of p numbers, so time and memory grow with p; use stages "
+            f"{MAX_STAGES:,} or fewer (the deepest published pipelines have 64)",
+            params=("stages",),
         )
     get_spec(name).check(stages, microbatches, virtual)
 
@@ -277,8 +278,12 @@ def count_actions(name: str, stages: int, microbatches: int, virtual: int = 1) -
     return stages * virtual * microbatches * per
 
 
-def check_simulable(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
-    """Raise :class:`ConfigError` before building a schedule larger than :data:`MAX_SIMULATED_ACTIONS`."""
+def check_simulable(
+    name: str, stages: int, microbatches: int, virtual: int = 1, *, closed_form: str = "bubble_fraction"
+) -> None:
+    """Raise :class:`ConfigError` before building a schedule larger than :data:`MAX_SIMULATED_ACTIONS`;
+    ``closed_form`` names where the caller finds the bubble without a schedule (the Python API's
+    :func:`~microbatch.schedules.closed_forms.bubble_fraction`; a command passes its own words)."""
     n = count_actions(name, stages, microbatches, virtual)
     if n > MAX_SIMULATED_ACTIONS:
         per = n // (stages * virtual * microbatches)
@@ -287,13 +292,15 @@ def check_simulable(name: str, stages: int, microbatches: int, virtual: int = 1)
             most_p = MAX_SIMULATED_ACTIONS // (virtual * microbatches * per)
             raise ConfigError(
                 f"stages = {stages}: {name} with p·v = {stages * virtual} and m = {microbatches} has {n:,} actions, "
-                f"over the simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use --stages "
-                f"{most_p:,} or fewer (the bubble of a larger p is its closed form: microbatch bubble --no-diagram)"
+                f"over the simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use stages "
+                f"{most_p:,} or fewer (the bubble of a larger p is its closed form: {closed_form})",
+                params=("stages",),
             )
         raise ConfigError(
             f"microbatches = {microbatches}: {name} with p·v = {stages * virtual} has {n:,} actions, over the "
-            f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use --microbatches {most:,} "
-            "or fewer (the bubble of a larger m is its closed form: microbatch bubble --no-diagram)"
+            f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use microbatches {most:,} "
+            f"or fewer (the bubble of a larger m is its closed form: {closed_form})",
+            params=("microbatches",),
         )
 
 

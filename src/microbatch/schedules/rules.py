@@ -51,14 +51,11 @@ def need_single_stage(name: str, torch_name: str | None) -> Check:
 
     def check(p: int, m: int, v: int) -> None:
         if v != 1:
-            owner = (
-                f"torch's {torch_name} is a single-stage schedule"
-                if torch_name
-                else "it is a single-stage schedule"
-            )
+            owner = f"as torch's {torch_name} does" if torch_name else "it has a single stage per rank"
             raise ScheduleError(
-                f"virtual = {v}: schedule {name!r} runs one stage per rank ({owner}); "
-                "use --virtual 1, or --schedule interleaved-1f1b for several stages per rank"
+                f"virtual = {v}: {name} runs one stage per rank ({owner}); "
+                "use virtual 1, or schedule interleaved-1f1b for several stages per rank",
+                params=("virtual", "schedule"),
             )
 
     return check
@@ -75,7 +72,8 @@ def check_1f1b(p: int, m: int, v: int) -> None:
     if m < p:
         raise ScheduleError(
             f"microbatches = {m} < stages = {p}: torch's Schedule1F1B needs m >= p; "
-            f"use --microbatches {p} or more, or --schedule gpipe"
+            f"use microbatches {p} or more, or schedule gpipe",
+            params=("microbatches", "stages", "schedule"),
         )
 
 
@@ -88,7 +86,8 @@ def need_whole_rounds(torch_name: str) -> Check:
             lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
             raise ScheduleError(
                 f"microbatches = {m} with stages = {p}: torch's {torch_name} needs m to be a "
-                f"multiple of its number of rounds max(1, m // p) = {rounds}; use --microbatches {lo} or {hi}"
+                f"multiple of its number of rounds max(1, m // p) = {rounds}; use microbatches {lo} or {hi}",
+                params=("microbatches", "stages"),
             )
 
     return check
@@ -100,7 +99,8 @@ def check_zb_h1(p: int, m: int, v: int) -> None:
     if m < p:
         raise ScheduleError(
             f"microbatches = {m} < stages = {p}: zb-h1 needs m >= p (it keeps 1F1B's warm-up, and torch's "
-            f"Schedule1F1B has the same rule); use --microbatches {p} or more"
+            f"Schedule1F1B has the same rule); use microbatches {p} or more",
+            params=("microbatches", "stages"),
         )
 
 
@@ -109,7 +109,8 @@ def check_zbv(p: int, m: int, v: int) -> None:
     if v != 2:
         raise ScheduleError(
             f"virtual = {v}: zbv places exactly two stages per rank in a V (torch's ScheduleZBVZeroBubble "
-            "requires 2); use --virtual 2"
+            "requires 2); use virtual 2",
+            params=("virtual",),
         )
 
 
@@ -119,12 +120,14 @@ def check_dualpipev(p: int, m: int, v: int) -> None:
     if v != 2:
         raise ScheduleError(
             f"virtual = {v}: dualpipev places exactly two stages per rank in a V (torch's ScheduleDualPipeV "
-            "requires 2); use --virtual 2"
+            "requires 2); use virtual 2",
+            params=("virtual",),
         )
     if m < 2 * p:
         raise ScheduleError(
             f"microbatches = {m} < 2·stages = {2 * p}: torch's ScheduleDualPipeV needs at least as many "
-            f"micro-batches as stages (2 per rank); use --microbatches {2 * p} or more, or --schedule zbv"
+            f"micro-batches as stages (2 per rank); use microbatches {2 * p} or more, or schedule zbv",
+            params=("microbatches", "schedule"),  # not stages: "2·stages" and "as stages" are p, not the flag
         )
 
 
