@@ -54,8 +54,6 @@ __all__ = [
     "zero_choice",
     "parse_zero",
     "SCHEDULE_HELP",
-    "CALIBRATION_HELP",
-    "CLOSED_FORM",
     "microbatches_option",
     "virtual_option",
     "width_option",
@@ -65,22 +63,6 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
-
-CALIBRATION_HELP = (
-    "Measured points: a `tune --out DIR` result.json (or DIR), or JSON with micro_batch, throughput, "
-    "peak_memory_bytes, step_time_s plus model, seq, precision, checkpointing, device. Fits, for that "
-    "implementation, the activation scale and fixed bytes of the memory model and the GEMM efficiency "
-    "against rows b_m·s. Assumes activations linear in b_m (2+ points needed) and backward = 2× forward; "
-    "the analytic terms are scaled, not replaced, so another s, layout or b_m range is an extrapolation "
-    "(the output says which). The efficiency applies only on the GPU it was measured on; another model is "
-    "an error, another precision a warning. Or a `bench-gpu` kernel microbenchmark: its measured GEMM, "
-    "attention, streaming and collective terms replace the analytic ones on the accelerator it ran on."
-)
-"""Help text of ``--calibration`` on ``memory`` and ``plan``."""
-
-CLOSED_FORM = "microbatch bubble --no-diagram"
-"""Where the command line finds a bubble too large to simulate (``check_simulable``'s ``closed_form``)."""
-
 
 MAX_BATCH = 10**9
 """Most sequences any batch flag takes (B_global, b_m, g, d). The choosers enumerate the divisors of

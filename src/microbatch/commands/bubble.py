@@ -125,8 +125,8 @@ def _what_to_run(
     whether the schedule is simulated: a closed form needs no schedule, so it is built and simulated
     only for a diagram, or where no closed form exists, and never past the simulation limit (stated
     up front)."""
-    from microbatch.commands._common import CLOSED_FORM
     from microbatch.commands._schedule_inputs import diagram_rows_note
+    from microbatch.commands._texts import CLOSED_FORM
     from microbatch.schedules.registry import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual

@@ -7,7 +7,6 @@ from typing import Any
 import click
 
 from microbatch.commands._common import (
-    CALIBRATION_HELP,
     check_batch_bound,
     emit,
     json_option,
@@ -22,6 +21,7 @@ from microbatch.commands._common import (
     zero_choice,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
+from microbatch.commands._texts import CALIBRATION_HELP
 from microbatch.show.answers import render_memory
 
 __all__ = ["cmd"]

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from microbatch.commands._common import (
-    CALIBRATION_HELP,
     check_batch_bound,
     emit,
     json_option,
@@ -20,6 +19,7 @@ from microbatch.commands._common import (
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
+from microbatch.commands._texts import CALIBRATION_HELP
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator

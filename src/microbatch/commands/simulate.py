@@ -193,8 +193,9 @@ def _check_before_work(
     force: bool,
 ) -> None:
     """Everything that can be checked before the work: sizes, times, output paths."""
-    from microbatch.commands._common import CLOSED_FORM, check_output_file
+    from microbatch.commands._common import check_output_file
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
+    from microbatch.commands._texts import CLOSED_FORM
     from microbatch.errors import ConfigError
     from microbatch.schedules.registry import check_servable, check_simulable
 

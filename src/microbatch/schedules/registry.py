@@ -187,8 +187,7 @@ def _lookup(name: str) -> ScheduleSpec | None:
 
 
 def get_spec(name: str) -> ScheduleSpec:
-    """The spec named ``name`` or one of its aliases (case-insensitive), or a ConfigError listing
-    the known names."""
+    """The spec named ``name`` or one of its aliases (case-insensitive), or a ConfigError listing them."""
     spec = _lookup(name)
     if spec is None:
         raise ConfigError(
@@ -281,9 +280,8 @@ def count_actions(name: str, stages: int, microbatches: int, virtual: int = 1) -
 def check_simulable(
     name: str, stages: int, microbatches: int, virtual: int = 1, *, closed_form: str = "bubble_fraction"
 ) -> None:
-    """Raise :class:`ConfigError` before building a schedule larger than :data:`MAX_SIMULATED_ACTIONS`;
-    ``closed_form`` names where the caller finds the bubble without a schedule (the Python API's
-    :func:`~microbatch.schedules.closed_forms.bubble_fraction`; a command passes its own words)."""
+    """Raise :class:`ConfigError` before building a schedule over :data:`MAX_SIMULATED_ACTIONS`; ``closed_form``:
+    the caller's words for the bubble without a schedule (a command passes its own)."""
     n = count_actions(name, stages, microbatches, virtual)
     if n > MAX_SIMULATED_ACTIONS:
         per = n // (stages * virtual * microbatches)
