@@ -123,3 +123,16 @@ def test_export_names_the_torch_class_that_runs_it(new_schedule):
     registry.SCHEDULES[NEW] = other
     ds2 = export_plan(plan.to_dict(), "deepspeed")
     assert any(f"not {NEW}" in n for n in ds2.notes)
+
+
+def test_the_default_virtual_is_the_registry_entrys():
+    """v when none is given comes from the entry (stages_per_rank, v1_equivalent), in parameter words."""
+    from microbatch.schedules.registry import get_spec
+    from microbatch.schedules.virtual import virtual_in_effect
+
+    assert virtual_in_effect(get_spec("dualpipev"), None) == (2, None)  # a V: two stages per rank
+    assert virtual_in_effect(get_spec("1f1b"), None) == (1, None)
+    assert virtual_in_effect(get_spec("interleaved-1f1b"), 3) == (3, None)  # given, it stands
+    v, note = virtual_in_effect(get_spec("interleaved-1f1b"), None)
+    assert v == 1 and note is not None
+    assert "is 1F1B; give virtual 2 or more" in note and "--" not in note

@@ -1,5 +1,5 @@
 """Inputs shared by ``bubble``, ``simulate`` and ``pipeline``, checked before any work starts:
-the virtual stages a schedule gets when ``--virtual`` is not given, op times, the diagram's most
+whether ``--virtual`` was given (the schedule decides its default), op times, the diagram's most
 rows (its width: :func:`microbatch.commands._common.width_option`)."""
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import click
 from click.core import ParameterSource
 
 from microbatch.errors import ConfigError
-from microbatch.schedules.registry import ScheduleSpec, schedule_names
+from microbatch.schedules.registry import schedule_names
 
 __all__ = [
     "MAX_DIAGRAM_RANKS",
     "ScheduleChoice",
     "check_times",
     "diagram_rows_note",
-    "resolve_virtual",
+    "given_virtual",
+    "virtual_note",
 ]
 
 MAX_DIAGRAM_RANKS = 1_000
@@ -53,24 +54,21 @@ def diagram_rows_note(stages: int) -> str | None:
     )
 
 
-def resolve_virtual(spec: ScheduleSpec, virtual: int | None, notes: list[str]) -> int:
-    """v in effect: ``--virtual`` when given; else 2 for a V placement (zbv, dualpipev: exactly two
-    stages per rank) and 1 otherwise, with a note when interleaved 1F1B falls back to one stage per
-    rank (it is then plain 1F1B)."""
-    given = virtual is not None
+def given_virtual(virtual: int | None) -> int | None:
+    """``--virtual`` as the user gave it: None when it was left at its default (click's parameter source),
+    so the schedule's own default applies (:func:`microbatch.schedules.virtual.virtual_in_effect`)."""
     ctx = click.get_current_context(silent=True)
     if ctx is not None and virtual is not None:
-        given = ctx.get_parameter_source("virtual") not in (ParameterSource.DEFAULT, None)
-    if given and virtual is not None:
-        return virtual
-    if spec.stages_per_rank is not None:  # a V placement (zbv, dualpipev): exactly two stages per rank
-        return spec.stages_per_rank
-    if spec.v1_equivalent is not None:
-        notes.append(
-            f"v = 1 (the default): {spec.name} with one stage per rank is {spec.v1_equivalent.upper()}; give "
-            "--virtual 2 or more to interleave"
-        )
-    return 1
+        if ctx.get_parameter_source("virtual") in (ParameterSource.DEFAULT, None):
+            return None
+    return virtual
+
+
+def virtual_note(note: str | None, command: str) -> list[str]:
+    """The schedule's note on its default v, in ``command``'s flags (a list of zero or one line)."""
+    from microbatch.commands._flags import cli_text
+
+    return [cli_text(note, ("virtual",), command)] if note else []
 
 
 def check_times(**times: float | None) -> None:

@@ -67,12 +67,13 @@ def cmd(
     \b
     Example: microbatch bubble --stages 4 --microbatches 4   → 42.9% idle
     """
-    from microbatch.commands._schedule_inputs import check_times, resolve_virtual
+    from microbatch.commands._schedule_inputs import check_times, given_virtual, virtual_note
     from microbatch.schedules.registry import check_servable, get_spec
+    from microbatch.schedules.virtual import virtual_in_effect
 
     spec = get_spec(schedule_name)
-    notes: list[str] = []
-    virtual = resolve_virtual(spec, virtual, notes)
+    virtual, note = virtual_in_effect(spec, given_virtual(virtual))  # a V holds exactly two per rank
+    notes = virtual_note(note, "bubble")
     check_servable(spec.name, stages, microbatches, virtual)
     check_times(forward_time=forward_time, input_time=input_time, weight_time=weight_time)
     result: dict[str, Any] = {

@@ -149,15 +149,16 @@ def cmd(
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
     from microbatch.commands._common import check_output_file, use_color
-    from microbatch.commands._schedule_inputs import resolve_virtual
+    from microbatch.commands._schedule_inputs import given_virtual, virtual_note
     from microbatch.run.pipeline.config import PipelineConfig
     from microbatch.run.pipeline.launch import under_torchrun
     from microbatch.schedules.registry import torch_spec
+    from microbatch.schedules.virtual import virtual_in_effect
     from microbatch.show.pipeline_report import render
 
     spec = torch_spec(schedule)
-    notes: list[str] = []
-    virtual = resolve_virtual(spec, virtual, notes)  # a V holds exactly two stages per rank
+    virtual, note = virtual_in_effect(spec, given_virtual(virtual))  # a V holds exactly two per rank
+    notes = virtual_note(note, "pipeline")
     # every output path is checked before any process starts
     check_output_file(trace, "--trace", (".json",), force=force)
     check_output_file(svg_path, "--svg", (".svg",), force=force)

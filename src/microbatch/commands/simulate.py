@@ -94,13 +94,14 @@ def cmd(
     ranks); each rank runs its own list in order, as torch does. Times are in any unit.
     Example: microbatch simulate -p 4 -m 8 -s 1f1b --forward-time 1 --backward-time 2 --svg 1f1b.svg
     """
-    from microbatch.commands._schedule_inputs import diagram_rows_note, resolve_virtual
+    from microbatch.commands._schedule_inputs import diagram_rows_note, given_virtual, virtual_note
     from microbatch.schedules.registry import generate, get_spec
     from microbatch.schedules.simulate import simulate
+    from microbatch.schedules.virtual import virtual_in_effect
 
     spec = get_spec(schedule_name)
-    notes: list[str] = []
-    virtual = resolve_virtual(spec, virtual, notes)
+    virtual, note = virtual_in_effect(spec, given_virtual(virtual))  # a V holds exactly two per rank
+    notes = virtual_note(note, "simulate")
     given = {
         "forward_time": forward_time,
         "backward_time": backward_time,
