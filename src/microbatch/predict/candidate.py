@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.predict.collectives import fsdp_edges_s, ranks_per_node, ring_latency_s
+from microbatch.predict.collectives import fsdp_edges_s, overlap_exposed_s, ranks_per_node, ring_latency_s
 from microbatch.predict.plan_context import (
     Context,
     InFlight,
@@ -259,7 +259,7 @@ def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
     # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
     runs = ctx.split_runs
     kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
-    layer = overlap_expert_comm(costs.layer) if ctx.cfg.ep_overlap else costs.layer
+    layer = overlap_expert_comm(costs.layer, _sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
     fu, iu, wu = pipeline_stage_times(
         layer,
         costs.logits_s,
@@ -305,7 +305,9 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
         for s in range(2 * p)
     )
     f, i_, w = pipeline_stage_times(
-        overlap_expert_comm(costs.layer),  # DualPipeV pairs one micro-batch's forward with another's backward
+        overlap_expert_comm(
+            costs.layer, _sigma(ctx)
+        ),  # DualPipeV pairs one micro-batch's forward with another's backward
         costs.logits_s,
         split=chunks,
         p2p_s=costs.p2p_s,
@@ -338,6 +340,11 @@ def _pipeline_time(ctx: Context, sched: str, m: int, v: int, tm: StageTimes) -> 
     return step_time(p, m, v, tm)
 
 
+def _sigma(ctx: Context) -> float:
+    """The slowdown of computation beside an overlapped collective on this plan's accelerator."""
+    return ctx.cfg.efficiency.overlap_fraction(bool(ctx.cfg.gpu.compute_units))
+
+
 def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
     """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds) for
     ``n`` parameters on the GPU that holds the most."""
@@ -346,18 +353,19 @@ def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float
     wb, gb, ob = ctx.state_bpp
     back = tm.ik + tm.wk
     bw_dp = ctx.bw_dp
+    sigma = _sigma(ctx)  # computation runs this much slower beside the NCCL kernels it overlaps
     dp = zero_s = 0.0
     if d > 1:
         if z <= 1:
             # gradients reduced once per step, overlapped with the last micro-batch's backward (exposed
             # whole when not dp_overlap); ZeRO-1 then all-gathers the updated half weights (not hidden)
             reduce = reduce_scatter_time_s(n * gb, d, bw_dp) if z == 1 else allreduce_time_s(n * gb, d, bw_dp)
-            dp = max(0.0, reduce - back) if cfg.dp_overlap else reduce
+            dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
             if z == 1:
                 dp += allgather_time_s(n * wb, d, bw_dp)
         elif z == 2:
             # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
-            zero_s = m * max(0.0, reduce_scatter_time_s(n * gb, d, bw_dp) - back)
+            zero_s = m * overlap_exposed_s(reduce_scatter_time_s(n * gb, d, bw_dp), back, sigma)
             dp = allgather_time_s(n * wb, d, bw_dp)
         else:
             # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
@@ -368,7 +376,7 @@ def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float
             alpha = units * ring_latency_s(d, nodes)
             ag = allgather_time_s(n * wb, d, bw_dp) + alpha
             rs = reduce_scatter_time_s(n * gb, d, bw_dp) + alpha
-            zero_s = m * (max(0.0, ag - tm.fk) + max(0.0, ag + rs - back))
+            zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
             # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
             zero_s += fsdp_edges_s(ag, rs, units, m)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out

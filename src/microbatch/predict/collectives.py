@@ -27,6 +27,8 @@ __all__ = [
     "alltoall_time_s",
     "fsdp_edges_s",
     "ring_latency_s",
+    "overlap_exposed_s",
+    "OVERLAP_COMPUTE_SLOWDOWN",
     "NCCL_RING_BASE_LATENCY_S",
     "NCCL_RING_NVLINK_HOP_S",
     "NCCL_RING_NET_HOP_S",
@@ -39,6 +41,33 @@ NCCL_RING_NVLINK_HOP_S = 3.4e-6
 """Latency of one ring step inside a node over NVLink, Simple protocol (``hwLat`` NVLink ring/Simple, 3.4 µs, same file)."""
 NCCL_RING_NET_HOP_S = 9.6e-6
 """Latency of one ring step between nodes, Simple protocol (``hwLat`` NET ring/Simple, 9.6 µs, same file)."""
+
+
+OVERLAP_COMPUTE_SLOWDOWN = 0.189
+"""How much longer computation takes while a collective runs beside it on the same GPU: 18.9%, the mean
+computational slowdown measured when GPT and Llama layers overlap NCCL collectives on 4 A100s,
+H100s, MI250s and MI210s ("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+Learning", arXiv 2507.03114, abstract: mean 18.9%, max 40.0%, against the same kernels run alone). The cause
+is physical: NCCL's kernels hold one thread block per channel on the SMs and share HBM bandwidth with the
+GEMMs (an FSDP prefetch all-gather on an H100 launched 24 blocks on its 132 SMs, 18.2% of them: NVIDIA
+developer forum, "Compute-communication overlap causes severe GEMM performance degradation because of tail
+effect", 2025). Used by :func:`overlap_exposed_s`; ``RooflineEfficiency.overlap_slowdown`` carries it."""
+
+
+def overlap_exposed_s(comm_s: float, compute_s: float, slowdown: float = OVERLAP_COMPUTE_SLOWDOWN) -> float:
+    """Seconds a collective of ``comm_s`` run beside ``compute_s`` of computation adds to that computation.
+
+    While the collective runs, computation proceeds at 1/(1 + σ) of its rate (σ = ``slowdown``,
+    :data:`OVERLAP_COMPUTE_SLOWDOWN`), so the ``comm_s`` window covers comm_s/(1 + σ) seconds of work and
+    the pair ends at max(comm, compute + σ·min(comm/(1 + σ), compute)); minus the computation alone:
+    exposed = max(comm − compute, σ·min(comm/(1 + σ), compute)). With σ = 0 it is the usual
+    max(0, comm − compute): communication hidden wherever computation outlasts it.
+    """
+    if comm_s <= 0.0:
+        return 0.0
+    sigma = max(0.0, slowdown)
+    slowed = sigma * min(comm_s / (1.0 + sigma), compute_s)
+    return max(comm_s - compute_s, slowed)
 
 
 def allreduce_time_s(nbytes: float, ranks: int, bytes_per_s: float) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.model import ModelShape
+from microbatch.predict.collectives import overlap_exposed_s
 
 __all__ = ["check_context_layout", "kv_exchange_bytes", "ring_exposed_s"]
 
@@ -61,7 +62,8 @@ def kv_exchange_bytes(shape: ModelShape, micro_batch: int, seq: int, context_par
     return (c - 1) * dtype_bytes * micro_batch * seq / c * width / tensor_parallel
 
 
-def ring_exposed_s(comm_s: float, attention_s: float) -> float:
-    """Seconds of the ring exchange not hidden behind attention: max(0, comm − attention) (each step's
-    send/receive overlaps the attention of the block already held; Ring Attention §3)."""
-    return max(0.0, comm_s - attention_s)
+def ring_exposed_s(comm_s: float, attention_s: float, slowdown: float = 0.0) -> float:
+    """Seconds the ring exchange adds to attention: each step's send/receive overlaps the attention of the
+    block already held (Ring Attention §3), which runs ``slowdown`` slower meanwhile
+    (:func:`microbatch.predict.collectives.overlap_exposed_s`; 0: max(0, comm − attention))."""
+    return overlap_exposed_s(comm_s, attention_s, slowdown)

@@ -106,6 +106,12 @@ class RooflineEfficiency:
     """Host seconds per eager kernel launch on a GPU (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`,
     measured on an H200 host): a layer's pass takes at least its kernels × this. 0 disables the floor."""
 
+    overlap_slowdown: float = 0.189
+    """How much longer a GPU's computation takes while an NCCL collective runs beside it (data-parallel
+    reduction, ZeRO/FSDP gathers, the MoE all-to-all, the context-parallel ring): 0.189, the mean measured
+    in arXiv 2507.03114 (:data:`microbatch.predict.collectives.OVERLAP_COMPUTE_SLOWDOWN`, with its physical
+    cause). Applies only to accelerators with compute units; 0 hides overlapped communication for free."""
+
     gemm_measured: MeasuredGemms | None = None
     """Measured / analytic GEMM times at measured shapes (a kernel microbenchmark's calibration,
     :mod:`microbatch.predict.measured_gemm`): :func:`gemm_time_s` multiplies its time by the ratio read
@@ -127,7 +133,7 @@ class RooflineEfficiency:
             raise ConfigError(
                 "efficiency tile_rows and tile_cols must be >= 0 (0 disables tile quantisation)"
             )
-        for name in ("tile_overhead_s", "ramp_rows"):
+        for name in ("tile_overhead_s", "ramp_rows", "overlap_slowdown"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"efficiency {name} must be >= 0, got {getattr(self, name)!r}")
         if self.half_rows < 0:
@@ -148,6 +154,10 @@ class RooflineEfficiency:
     def optimizer_fraction(self, gpu: bool) -> float:
         """Fraction of bandwidth the optimizer update reaches: ``memory`` when fused or off a GPU."""
         return self.memory if self.fused_elementwise or not gpu else self.optimizer_memory
+
+    def overlap_fraction(self, gpu: bool) -> float:
+        """Slowdown of computation under an overlapped collective: ``overlap_slowdown`` on a GPU, else 0."""
+        return self.overlap_slowdown if gpu else 0.0
 
     def gemm(self, rows: float) -> float:
         """Fraction of peak FLOP/s a GEMM with ``rows`` rows reaches when compute-bound."""

@@ -218,12 +218,13 @@ def layer_forward(
         tp_comm, regather = tp_comm / 2, regather / 2
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
+    sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
         tp_comm = max(0.0, tp_comm - gemm)
     return LayerTime(
         op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
-        cp_comm_s=ring_exposed_s(ring_s, attention),
-        cp_comm_backward_s=ring_exposed_s(2 * ring_s, attention_bwd),
+        cp_comm_s=ring_exposed_s(ring_s, attention, sigma),
+        cp_comm_backward_s=ring_exposed_s(2 * ring_s, attention_bwd, sigma),
         gemm_s=gemm,
         attention_s=attention,
         elementwise_s=elementwise,

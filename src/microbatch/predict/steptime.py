@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_precision
+from microbatch.predict.collectives import overlap_exposed_s
 from microbatch.predict.roofline import (
     DEFAULT_EFFICIENCY,
     LayerTime,
@@ -81,8 +82,9 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
     return forward, inputs, weight
 
 
-def overlap_expert_comm(lt: LayerTime) -> LayerTime:
-    """``lt`` with its MoE all-to-all hidden behind computation: exposed max(0, all-to-all − compute).
+def overlap_expert_comm(lt: LayerTime, slowdown: float = 0.0) -> LayerTime:
+    """``lt`` with its MoE all-to-all run beside computation, which runs ``slowdown`` slower meanwhile:
+    exposed :func:`~microbatch.predict.collectives.overlap_exposed_s` (max(0, all-to-all − compute) at 0).
 
     DeepSeek-V3 (arXiv 2412.19437 §3.2.1): DualPipe pairs a forward chunk of one micro-batch with a backward
     chunk of another so that the dispatch and combine all-to-alls of each run under the other's
@@ -92,7 +94,7 @@ def overlap_expert_comm(lt: LayerTime) -> LayerTime:
     """
     if not lt.ep_comm_s:
         return lt
-    return replace(lt, ep_comm_s=max(0.0, lt.ep_comm_s - lt.compute_s))
+    return replace(lt, ep_comm_s=overlap_exposed_s(lt.ep_comm_s, lt.compute_s, slowdown))
 
 
 def stage_time(
