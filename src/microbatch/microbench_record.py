@@ -132,6 +132,9 @@ class MicrobenchResult:
     """All-reduce and all-gather when a process group was initialised."""
     launch_s_per_kernel: float | None = None
     """Wall seconds per tiny eager kernel (the host's launch floor)."""
+    overlap_slowdown: float | None = None
+    """How much longer a GEMM took while an all-reduce ran beside it than alone (0.2 = 20% longer), when a
+    process group of 2+ ranks was initialised; None when not measured."""
     seconds_total: float = 0.0
     """Wall seconds the whole benchmark took."""
     complete: bool = True

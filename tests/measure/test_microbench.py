@@ -134,3 +134,40 @@ def test_ctrl_c_keeps_what_was_measured(monkeypatch, tmp_path, capsys) -> None: 
     kept = MicrobenchResult.from_json(out.read_text())
     assert not kept.complete and len(kept.gemms) == 5
     assert "interrupted: kept what was measured" in capsys.readouterr().err
+
+
+def _two_rank_worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        r = run_microbench(
+            MicrobenchConfig(shape=TINY, micro_batches=(1,), quick=True, budget_s=8, repeats=5)
+        )
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(r.to_json())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_measure_collectives_and_the_gemm_slowdown_beside_an_all_reduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28 item 5: with a process group the benchmark times the collectives and a GEMM beside an
+    all-reduce (the slowdown the planner charges overlapped communication), and the text says it."""
+    import torch.multiprocessing as mp
+
+    from microbatch.show.answers import render_microbench
+
+    out = tmp_path / "rank0.json"
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    r = MicrobenchResult.from_json(out.read_text())
+    ops = {c.op: c for c in r.collectives}
+    assert set(ops) == {"all_reduce", "all_gather"}
+    assert ops["all_reduce"].world_size == 2 and ops["all_reduce"].bus_bytes_per_s > 0
+    assert r.overlap_slowdown is not None  # measured, not the cited default
+    # the GEMM's own thread's CPU time beside gloo's threads: near its time alone, never a multiple of it
+    assert -0.5 < r.overlap_slowdown < 3.0
+    assert "a GEMM beside an all-reduce" in render_microbench(r.to_dict())
+    assert not any("process group" in n for n in r.notes)

@@ -58,6 +58,7 @@ def synthetic(collective: bool = False) -> MicrobenchResult:
         device="cuda", device_name="NVIDIA H100 80GB HBM3", accelerator="h100-sxm", torch_version="2.11",
         dtype="bf16", timer="CUDA events", model=SHAPE.name, seq=SHAPE.seq, micro_batches=(1, 4),
         gemms=tuple(gemms), stream=stream, collectives=coll if collective else (), launch_s_per_kernel=5e-6,
+        overlap_slowdown=0.25 if collective else None,
         attention=(AttentionTiming(seq=4096, heads=32, head_dim=128, batch=2, seconds=1.0, flops_per_s=300e12),),
     )  # fmt: skip
 
@@ -100,6 +101,7 @@ def test_attention_streaming_network_and_launch_are_the_measured_ones(tmp_path: 
     assert (e.norm_memory, e.activation_memory) == (pytest.approx(0.3), pytest.approx(0.4))
     assert e.network == pytest.approx(300e9 / (H100.intra_node_bytes_per_s * H100.intra_node_achievable))
     assert e.launch_s_per_kernel == 5e-6
+    assert e.overlap_slowdown == 0.25  # the measured GEMM slowdown beside an all-reduce, not the cited 0.189
     assert all(v.startswith("measured") for v in a.sources.values())
     assert a.calibration.details["from"] == "microbench"
 
@@ -196,3 +198,28 @@ def test_memory_with_a_microbenchmark_is_refused_naming_what_it_is(
 ) -> None:
     assert main(["memory", "--model", "llama-2-7b", "-b", "1", "--calibration", str(h100_file)]) == 2
     assert "is a kernel microbenchmark: it measures kernel times, not memory" in capsys.readouterr().err
+
+
+def test_a_measured_overlap_slowdown_moves_an_fsdp_plan_and_a_negative_one_counts_as_none(
+    tmp_path: Path,
+) -> None:
+    """Issue 28 item 3 measured: the GEMM slowdown beside an all-reduce replaces the cited 0.189."""
+    from dataclasses import replace
+
+    from microbatch.predict.plan import PlanConfig, make_plan
+
+    def zero3_s(overlap: float) -> float:
+        p = tmp_path / f"mb{overlap}.json"
+        p.write_text(replace(synthetic(collective=True), overlap_slowdown=overlap).to_json())
+        a = apply_calibration(p, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+        assert a.efficiency.overlap_slowdown == max(0.0, overlap)
+        cfg = PlanConfig(shape=SHAPE, gpu=H100, global_batch=64, data_parallel=64, zero=(3,), micro_batches=(1,),
+                         recompute=("full",), choose="fastest", memory_headroom=0.0, efficiency=a.efficiency)  # fmt: skip
+        best = make_plan(cfg).fastest
+        assert best is not None
+        return float(best.time["zero_comm_s"])
+
+    assert zero3_s(0.4) > zero3_s(0.1) > zero3_s(0.0)
+    assert zero3_s(-0.05) == zero3_s(
+        0.0
+    )  # a GEMM measured faster beside the collective: no slowdown, not a gain

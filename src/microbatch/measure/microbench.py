@@ -9,7 +9,9 @@ Times, on the current device, what the step-time model (:mod:`microbatch.predict
 - streaming kernels (copy, add, GeLU, LayerNorm, softmax, dropout) over a large tensor, and one AdamW step;
 - the host's floor per eager kernel launch;
 - all-reduce and all-gather over the initialised ``torch.distributed`` process group (skipped, and
-  said, when none is).
+  said, when none is), and a GEMM alone against the same GEMM while an all-reduce runs beside it: the
+  slowdown of computation under an overlapped collective
+  (:data:`microbatch.predict.collectives.OVERLAP_COMPUTE_SLOWDOWN` is the cited default).
 
 Clock: CUDA events after warm-up on a GPU; on the CPU the calling thread's CPU clock
 (``time.thread_time``) with torch at one thread (as ``tune`` probes a small CPU: steady where other work
@@ -147,17 +149,19 @@ class _Bench:
     def left_s(self) -> float:
         return self.cfg.budget_s - (time.perf_counter() - self.t_start)
 
-    def time_s(self, fn: Callable[[], Any], share_s: float) -> float | None:
-        """Median seconds of ``fn`` after warm-up, repeating until ``repeats`` or ``share_s``; None past the budget."""
-        if self.left_s() <= 0:
+    def time_s(self, fn: Callable[[], Any], share_s: float | None) -> float | None:
+        """Median seconds of ``fn`` after warm-up, repeating until ``repeats`` or ``share_s``; None past the
+        budget. ``share_s`` None: exactly ``warmup`` + ``repeats`` calls whatever the clock says (a collective:
+        every rank must make the same calls)."""
+        if share_s is not None and self.left_s() <= 0:
             return None
-        torch, t_end = self.torch, time.perf_counter() + max(share_s, 0.0)
+        torch, t_end = self.torch, time.perf_counter() + max(share_s or 0.0, 0.0)
         for _ in range(self.cfg.warmup):
             fn()
         if self.cuda:
             torch.cuda.synchronize()
         times: list[float] = []
-        while len(times) < self.cfg.repeats and (not times or time.perf_counter() < t_end):
+        while len(times) < self.cfg.repeats and (not times or share_s is None or time.perf_counter() < t_end):
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -287,18 +291,24 @@ def _launch_s(b: _Bench) -> float | None:
     return (time.perf_counter() - t0) / 2000
 
 
-def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list[str]) -> None:
-    """All-reduce and all-gather over the initialised process group; a note when there is none."""
+def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list[str]) -> float | None:
+    """All-reduce and all-gather over the initialised process group, then the GEMM slowdown beside an
+    all-reduce (:func:`_overlap_slowdown`, returned); a note when there is no group."""
     from microbatch.measure.device import distributed
 
     dist = distributed()
     if dist is None:
         notes.append("no torch.distributed process group is initialised: collectives not measured")
-        return
+        return None
     torch, n = b.torch, dist.get_world_size()
     if n < 2:
         notes.append("the process group has one rank: collectives not measured")
-        return
+        return None
+    go = torch.tensor([1.0 if b.left_s() > 0 else 0.0], device=b.cfg.device)  # NCCL reduces device tensors
+    dist.all_reduce(go, op=dist.ReduceOp.MIN)  # every rank measures the collectives, or none does
+    if go.item() == 0.0:
+        b.skipped.append("collectives")
+        return None
     numel = (2 if b.cfg.quick else 64) * 2**20 // 2
     x = torch.randn(numel, device=b.cfg.device, dtype=dtype)
     parts = [torch.empty(numel // n, device=b.cfg.device, dtype=dtype) for _ in range(n)]
@@ -308,13 +318,57 @@ def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list
         ("all_reduce", lambda: dist.all_reduce(x), 2.0 * (n - 1) / n),
         ("all_gather", lambda: dist.all_gather(parts, parts[0]), (n - 1) / n),
     ):
-        s = b.time_s(fn, 0.25 * b.left_s())
-        if s is None:
-            b.skipped.append(f"collective {op}")
-            continue
+        s = b.time_s(
+            fn, None
+        )  # a fixed count of calls on every rank (a time limit would differ between them)
+        assert s is not None
         bus = factor * nbytes / s
         out.append(CollectiveTiming(op=op, nbytes=nbytes, world_size=n, seconds=s, bus_bytes_per_s=bus,
                                     fraction_of_link=_frac(bus, link)))  # fmt: skip
+    reduce_s = next((c.seconds for c in out if c.op == "all_reduce"), None)
+    slowdown = _overlap_slowdown(b, dtype, dist, reduce_s)
+    if slowdown is None:
+        b.skipped.append("GEMM beside an all-reduce")
+    return slowdown
+
+
+def _overlap_slowdown(b: _Bench, dtype: Any, dist: Any, allreduce_s: float | None) -> float | None:
+    """Median seconds of a GEMM while an all-reduce runs beside it over its seconds alone, minus 1.
+
+    The GEMM is timed alone (:meth:`_Bench.time_s`), then each repeat starts an asynchronous all-reduce of a
+    buffer sized to outlast the GEMM twice (from the all-reduce just measured, at most 1 GiB) and times the
+    GEMM alone on the compute stream (CUDA events; the thread clock on the CPU) before waiting for the
+    collective. None past the budget."""
+    torch, dev = b.torch, b.cfg.device
+    side = (1024 if b.cfg.quick else 4096) if b.cuda else (192 if b.cfg.quick else 384)
+    x, w = torch.randn(side, side, device=dev, dtype=dtype), torch.randn(side, side, device=dev, dtype=dtype)
+    alone = b.time_s(partial(torch.matmul, x, w), None)
+    if alone is None or not allreduce_s:
+        return None
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = (2 if b.cfg.quick else 64) * 2**20 // 2
+    want = torch.tensor(
+        [min(2**30 // elem, max(numel, numel * 2.0 * alone / allreduce_s))], device=dev, dtype=torch.float32
+    )
+    dist.all_reduce(want, op=dist.ReduceOp.MAX)  # one buffer size on every rank (each timed its own GEMM)
+    buf = torch.zeros(int(want.item()), device=dev, dtype=dtype)
+    times: list[float] = []
+    for _ in range(b.cfg.repeats):  # a fixed count: every rank makes the same collective calls
+        work = dist.all_reduce(buf, async_op=True)
+        if b.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(x, w)
+            end.record()
+            work.wait()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.thread_time()
+            torch.matmul(x, w)
+            times.append(time.thread_time() - t0)
+            work.wait()
+    return statistics.median(times) / alone - 1.0
 
 
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
@@ -344,6 +398,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     coll: list[CollectiveTiming] = []
     notes: list[str] = []
     launch: float | None = None
+    overlap: float | None = None
     complete = True
     layer = [g for bm in cfg.micro_batches for g in layer_gemm_shapes(cfg.shape, bm * cfg.shape.seq)]
     try:
@@ -354,7 +409,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
             _stream(b, dtype, stream)
             launch = _launch_s(b)
             _gemms(b, grid_gemm_shapes(cfg.quick) + list(cfg.extra_gemms), dtype, gemms)
-            _collectives(b, dtype, coll, notes)
+            overlap = _collectives(b, dtype, coll, notes)
     except KeyboardInterrupt:
         complete = False
         notes.append("interrupted: the items listed were measured, the rest were not")
@@ -370,5 +425,5 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         timer="CUDA events" if cuda else f"thread CPU clock (time.thread_time), {cfg.threads} torch thread(s)",
         model=cfg.shape.name, seq=cfg.shape.seq, micro_batches=tuple(cfg.micro_batches), gemms=tuple(gemms),
         attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
-        seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
+        overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
     )  # fmt: skip

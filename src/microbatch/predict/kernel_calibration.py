@@ -15,7 +15,8 @@ accelerator sets, for plans on that accelerator:
   ``optimizer_memory`` = one AdamW step's (28 B per parameter).
 - **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
 - **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
-  (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one.
+  (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one; ``overlap_slowdown`` = the
+  measured slowdown of a GEMM beside an all-reduce (at least 0), when the file has one.
 
 Each fraction is clamped to (0, 1] (a clamp is noted); each term says where it came from
 (:attr:`KernelTerms.sources`). A file measured on another accelerator sets nothing. Pure Python.
@@ -134,7 +135,14 @@ def kernel_terms(
     with every term sourced as analytic, when ``result`` was measured on another accelerator."""
     sources = {
         k: "analytic (default)"
-        for k in ("gemm", "attention_fraction", "memory", "launch_s_per_kernel", "network")
+        for k in (
+            "gemm",
+            "attention_fraction",
+            "memory",
+            "launch_s_per_kernel",
+            "network",
+            "overlap_slowdown",
+        )
     }
     where = measured_on(result)
     if where != acc.name:
@@ -156,6 +164,11 @@ def kernel_terms(
         values["network"] = _clamp("all-reduce bus bandwidth", ar[0].bus_bytes_per_s / link, notes)
         sources["network"] = (
             f"measured: all-reduce over {ar[0].world_size} ranks ({values['network']:.3f} of the link)"
+        )
+    if result.overlap_slowdown is not None:
+        values["overlap_slowdown"] = max(0.0, result.overlap_slowdown)
+        sources["overlap_slowdown"] = (
+            f"measured: a GEMM beside an all-reduce took {result.overlap_slowdown:+.1%} longer than alone"
         )
     eff = replace(base, **values)
     if result.gemms:

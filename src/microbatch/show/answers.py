@@ -187,6 +187,8 @@ def render_microbench(d: dict[str, Any]) -> str:
         lines.append(
             f"{c['op']} over {c['world_size']} ranks: bus {c['bus_bytes_per_s'] / 1e9:.1f} GB/s {frac(c['fraction_of_link'])}"
         )
+    if d.get("overlap_slowdown") is not None:
+        lines.append(f"a GEMM beside an all-reduce: {d['overlap_slowdown']:+.1%} against alone")
     if d["launch_s_per_kernel"] is not None:
         lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
     lines += [f"note: {n}" for n in d["notes"]]
