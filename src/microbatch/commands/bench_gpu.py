@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -61,7 +62,9 @@ def cmd(
     Times the layer GEMMs of --model (QKV, projection, MLP, output layer) at rows b_m·s, a small
     M×N×K grid, causal attention (SDPA) at a few sequence lengths, streaming kernels (copy, add,
     GeLU, LayerNorm), the per-kernel launch floor, and all-reduce/all-gather when a torch.distributed
-    process group is initialised (else skipped, and said). CUDA events after warm-up on a GPU; the
+    process group is initialised (else skipped, and said) — launch it under torchrun for them,
+    with a GEMM timed beside an all-reduce (how much overlapped communication slows computation):
+    torchrun --nproc_per_node 8 -m microbatch bench-gpu --out node.json CUDA events after warm-up on a GPU; the
     thread's CPU clock at --threads on a CPU. Each figure is a median; the whole run stays inside
     --budget-s. Default model: gpt2 on CUDA, tiny on the CPU.
 
@@ -73,7 +76,7 @@ def cmd(
     Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
     """
     from microbatch.errors import ConfigError
-    from microbatch.measure.microbench import MicrobenchConfig, run_microbench
+    from microbatch.measure.microbench import MicrobenchConfig, join_launched_group, run_microbench
 
     if device is None:
         import torch
@@ -90,8 +93,22 @@ def cmd(
     cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
                            repeats=repeats, budget_s=budget_s, threads=threads)  # fmt: skip
     check_output_file(out, "--out", (".json",), force=force)  # before any kernel runs
+    device, rank, owned = join_launched_group(device)  # under torchrun: one process group, this rank's GPU
+    cfg = replace(cfg, device=device)
     progress(f"bench-gpu: {shape.name} on {device}, up to {budget_s:g} s")
-    result = run_microbench(cfg)
+    try:
+        result = run_microbench(cfg)
+        if owned:  # every rank done before any tears the group down (gloo aborts a rank still reading)
+            import torch.distributed
+
+            torch.distributed.barrier()
+    finally:
+        if owned:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+    if rank != 0:  # rank 0 speaks and writes for the group
+        return
     d = result.to_dict()
     if out:
         path, why = keep_result(out, d)

@@ -48,6 +48,7 @@ __all__ = [
     "grid_gemm_shapes",
     "attention_seqs",
     "run_microbench",
+    "join_launched_group",
 ]
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -369,6 +370,29 @@ def _overlap_slowdown(b: _Bench, dtype: Any, dist: Any, allreduce_s: float | Non
             times.append(time.thread_time() - t0)
             work.wait()
     return statistics.median(times) / alone - 1.0
+
+
+def join_launched_group(device: str) -> tuple[str, int, bool]:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) with no process group yet, initialise one
+    from the environment — NCCL on CUDA, each rank on ``cuda:LOCAL_RANK``; gloo on the CPU — so the
+    collectives and the GEMM beside an all-reduce are measured. Returns (device, rank, whether this call
+    initialised the group: the caller destroys it then)."""
+    import os
+
+    from microbatch.measure.device import distributed
+
+    dist = distributed()
+    if dist is not None:
+        return device, dist.get_rank(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device, 0, False
+    import torch.distributed
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return device, torch.distributed.get_rank(), True
 
 
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
