@@ -182,6 +182,7 @@ def test_two_gloo_ranks_measure_collectives_and_the_gemm_slowdown_beside_an_all_
 def test_bench_gpu_under_torchrun_joins_one_group_and_rank_0_speaks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`torchrun --nproc_per_node 2 -m microbatch bench-gpu` measures the collectives over the two ranks
     (gloo on the CPU) and the GEMM beside an all-reduce; one text, one file."""
+    import signal
     import subprocess
     import sys
     from pathlib import Path
@@ -190,9 +191,16 @@ def test_bench_gpu_under_torchrun_joins_one_group_and_rank_0_speaks(tmp_path) ->
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "microbatch", "bench-gpu", "--quick", "--budget-s", "6", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-    p = subprocess.run(run, capture_output=True, text=True, timeout=150, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.count("launch floor") == 1  # rank 1 measured in step but did not print
+    p = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # torchrun and both ranks: no worker outlives a hang
+        p.communicate()
+        raise
+    assert p.returncode == 0, stderr[:6000]
+    assert stdout.count("launch floor") == 1  # rank 1 measured in step but did not print
     r = MicrobenchResult.from_json(out.read_text())
     assert {c.op for c in r.collectives} == {"all_reduce", "all_gather"}
     assert all(c.world_size == 2 for c in r.collectives)
