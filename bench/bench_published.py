@@ -127,6 +127,9 @@ def _fastest(cfg: PlanConfig) -> tuple[float, bool, str]:
 def bridge_rows(data: dict) -> list[dict]:
     """Megatron-Bridge DGX-H100 FP8 dense rows: step = GBS·s / (tokens/s/GPU · GPUs)."""
     sec = data["megatron_bridge_dgx_h100_fp8"]
+    # the recipes overlap tensor-parallel communication with the GEMMs (Megatron-Bridge
+    # recipes/llama/llama3.py: CommOverlapConfig(tp_comm_overlap=True) with Transformer Engine userbuffers;
+    # scripts/performance/configs/llama/llama3_llm_pretrain.py sets the H100 userbuffers config): async_tp
     # Transformer Engine's cuDNN fused attention on Hopper: the FA3-class ceiling (predict/attention.py)
     gpu = get_accelerator(sec["gpu"], attention_fraction=FA3_HOPPER_CEILING)
     table405 = data["llama3_2024_table4"]["shape"]
@@ -142,7 +145,8 @@ def bridge_rows(data: dict) -> list[dict]:
             v, note = 1, f"v{r['vp']} not expressible ({shape.layers} layers): "
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
-            tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, micro_batches=(r["micro_batch"],),
+            tensor_parallel=t, sequence_parallel=t > 1, async_tp=t > 1, context_parallel=c,
+            micro_batches=(r["micro_batch"],),
             zero=(3,) if r["fsdp"] else (1,), flash_attention=True, precision=sec["precision"],
             fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
@@ -301,6 +305,12 @@ def main() -> None:
     )
     print(
         "Megatron-Bridge and Llama 3 rows: recompute (and for Llama 3 the schedule and ZeRO) the planner's fastest that fits"
+    )
+    print(
+        "from the runs' software (Megatron-Bridge recipes, llama3_70b_pretrain_config: CommOverlapConfig(tp_comm_overlap="
+    )
+    print(
+        "True), Transformer Engine userbuffers): dense rows with t > 1 overlap TP communication with the GEMMs (async_tp)"
     )
     print(
         "Megatron-Bridge MoE rows (MB MoE): dropless with even expert load (the tables' forced balance), no"
