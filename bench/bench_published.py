@@ -7,7 +7,8 @@ for each fully or partly specified row it builds the planner's configuration (mo
 B_global, t, p, d = GPUs/(t·p)), predicts the step time
 with the default (uncalibrated) roofline efficiencies, and prints the error against the measured
 step time, row by row, then the error by source, accelerator and sequence band, the share of rows
-predicted too fast and the worst rows. Where the source leaves a choice open (Narayanan et al. 2021
+predicted too fast and the worst rows, beside each group the error of the flat rule the issue compares
+against (every FLOP at 50% of peak, no communication: :func:`flat_rule_s`). Where the source leaves a choice open (Narayanan et al. 2021
 Table 1 gives no micro-batch size or schedule) the script states the value it assumed. Development
 sources only: the held-out set of issue 28 is not read here.
 
@@ -72,6 +73,7 @@ def narayanan_rows(data: dict, micro_batch: int = 1) -> list[dict]:
             "source": "Narayanan 2021 Table 1", "gpu": gpu.name, "seq": s, "model": shape.name, "gpus": n, "t": t, "p": p, "d": d,
             "global_batch": B, "micro_batch": micro_batch, "assumed": "b_m, 1F1B, full recompute",
             "measured_step_s": measured, "predicted_step_s": c.step_time_s, "error_pct": err, "fits": c.fits,
+            "flat_error_pct": 100 * (flat_rule_s(cfg, "full") / measured - 1),
         })  # fmt: skip
     return out
 
@@ -104,6 +106,7 @@ def korthikanti_rows(data: dict) -> list[dict]:
                 "d": d, "global_batch": B, "micro_batch": b, "virtual": v, "recompute": rc,
                 "measured_step_s": measured, "predicted_step_s": c.step_time_s,
                 "error_pct": 100 * (c.step_time_s / measured - 1), "fits": c.fits,
+                "flat_error_pct": 100 * (flat_rule_s(cfg, rc) / measured - 1),
             })  # fmt: skip
     return out
 
@@ -118,10 +121,31 @@ def _llama(name: str, seq: int, table: dict | None = None) -> ModelShape:
     )  # fmt: skip
 
 
-def _fastest(cfg: PlanConfig) -> tuple[float, bool, str]:
+def _fastest(cfg: PlanConfig) -> tuple[float, bool, str, float]:
+    """(step, fits, how, the flat rule's step) of the planner's fastest candidate."""
     plan = make_plan(cfg)
     c = plan.fastest or plan.candidates[0]
-    return c.step_time_s, c.fits, f"{c.schedule} v{c.virtual} {c.recompute} Z{c.zero}"
+    return (
+        c.step_time_s,
+        c.fits,
+        f"{c.schedule} v{c.virtual} {c.recompute} Z{c.zero}",
+        flat_rule_s(cfg, c.recompute),
+    )
+
+
+FLAT_FRACTION = 0.5
+"""The flat rule the issue compares against: every FLOP at 50% of the dense peak, no communication
+(llm-analysis's README efficiency)."""
+
+
+def flat_rule_s(cfg: PlanConfig, recompute: str) -> float:
+    """Step seconds by the flat rule: the FLOPs the step runs (model FLOPs, + one forward under full
+    recompute) over 50% of the GPUs' peak at the run's precision."""
+    s = cfg.seq or cfg.shape.seq
+    flops = model_flops_per_step(cfg.shape, cfg.global_batch, s) * (4 / 3 if recompute == "full" else 1.0)
+    gpus = cfg.tensor_parallel * cfg.pipeline_parallel * cfg.data_parallel * cfg.context_parallel
+    dtype = "fp8" if cfg.precision == "fp8" else ("fp16" if cfg.precision.startswith("fp16") else "bf16")
+    return flops / (FLAT_FRACTION * cfg.gpu.flops(dtype) * gpus)
 
 
 def bridge_rows(data: dict) -> list[dict]:
@@ -151,13 +175,13 @@ def bridge_rows(data: dict) -> list[dict]:
             fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
-        pred, fits, how = _fastest(cfg)
+        pred, fits, how, flat = _fastest(cfg)
         measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
         out.append({
             "source": f"Megatron-Bridge {r['container']}", "gpu": gpu.name, "seq": s, "model": shape.name,
             "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
             "assumed": note + how, "measured_step_s": measured, "predicted_step_s": pred,
-            "error_pct": 100 * (pred / measured - 1), "fits": fits,
+            "error_pct": 100 * (pred / measured - 1), "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip
     return out
 
@@ -200,13 +224,13 @@ def moe_bridge_rows(data: dict) -> list[dict]:
             fp8_recipe=r["fp8_recipe"] or "tensorwise", schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
-        pred, fits, how = _fastest(cfg)
+        pred, fits, how, flat = _fastest(cfg)
         measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
         out.append({
             "source": f"MB MoE {r['container']}", "gpu": gpu.name, "seq": s, "model": f"{shape.name} e{e}",
             "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
             "assumed": note + how + ", dropless, even load", "measured_step_s": measured, "predicted_step_s": pred,
-            "error_pct": 100 * (pred / measured - 1), "fits": fits,
+            "error_pct": 100 * (pred / measured - 1), "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip
     return out
 
@@ -231,13 +255,13 @@ def llama3_rows(data: dict) -> list[dict]:
             sequence_parallel=True, context_parallel=c, micro_batches=(1,), flash_attention=True,
             memory_headroom=0.0, choose="fastest", efficiency=FUSED, layers_per_stage=split,
         )  # fmt: skip
-        pred, fits, how = _fastest(cfg)
+        pred, fits, how, flat = _fastest(cfg)
         measured = model_flops_per_step(shape, B, s) / (r["tflops_per_gpu"] * 1e12 * n)
         out.append({
             "source": "Llama 3 Table 4", "gpu": gpu.name, "seq": s, "model": f"{shape.name} c{c}", "gpus": n,
             "t": t, "p": p, "d": d, "global_batch": B, "micro_batch": 1, "assumed": how,
             "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
-            "fits": fits,
+            "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip
     return out
 
@@ -248,10 +272,12 @@ def _band(seq: int) -> str:
 
 def _summary(label: str, part: list[dict]) -> str:
     errs = [abs(r["error_pct"]) for r in part]
+    flat = [abs(r["flat_error_pct"]) for r in part]
     fast = sum(1 for r in part if r["error_pct"] < 0)
     return (
         f"  {label:<26} {len(part):>3} rows  mean |error| {sum(errs) / len(errs):5.1f}%  max {max(errs):5.1f}%  "
-        f"mean signed {sum(r['error_pct'] for r in part) / len(part):+6.1f}%  too fast {100 * fast / len(part):3.0f}%"
+        f"mean signed {sum(r['error_pct'] for r in part) / len(part):+6.1f}%  too fast {100 * fast / len(part):3.0f}%  "
+        f"flat 50% rule {sum(flat) / len(flat):5.1f}%"
     )
 
 
