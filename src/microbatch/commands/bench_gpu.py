@@ -62,16 +62,18 @@ def cmd(
     Times the layer GEMMs of --model (QKV, projection, MLP, output layer) at rows b_m·s, a small
     M×N×K grid, causal attention (SDPA) at a few sequence lengths, streaming kernels (copy, add,
     GeLU, LayerNorm), the per-kernel launch floor, and all-reduce/all-gather when a torch.distributed
-    process group is initialised (else skipped, and said) — launch it under torchrun for them,
-    with a GEMM timed beside an all-reduce (how much overlapped communication slows computation):
-    torchrun --nproc_per_node 8 -m microbatch bench-gpu --out node.json CUDA events after warm-up on a GPU; the
+    process group is initialised (else skipped, and said); under torchrun the command joins one
+    and also times a GEMM beside an all-reduce (how much overlapped communication slows
+    computation), rank 0 printing and writing. CUDA events after warm-up on a GPU; the
     thread's CPU clock at --threads on a CPU. Each figure is a median; the whole run stays inside
     --budget-s. Default model: gpt2 on CUDA, tiny on the CPU.
 
     Then plan with the measured terms in place of the analytic ones, on the accelerator it ran on:
 
+    \b
         microbatch bench-gpu --model llama-2-7b --out h100.json
         microbatch plan --model llama-2-7b --gpu h100-sxm -B 512 -d 8 --calibration h100.json
+        torchrun --standalone --nproc_per_node 8 -m microbatch bench-gpu --out node.json
 
     Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
     """
@@ -118,8 +120,8 @@ def cmd(
             progress("interrupted: kept what was measured" + (f" in {out}" if out else ""))
     if owned and not device.startswith("cuda"):
         # gloo's process group aborts the process in its C++ teardown now and then ("terminate called
-        # without an active exception": 2 of 8 two-rank runs with destroy_process_group, 1 of 9 without,
-        # after everything was written): with the result out, leave without running it
+        # without an active exception", after everything was written: 2 of 8 two-rank runs with
+        # destroy_process_group, 2 of 35 without): with the result out, leave without running it
         import os
         import sys
 
