@@ -53,6 +53,7 @@ __all__ = [
     "match_accelerator",
     "cpu_accelerator",
     "DEFAULT_HEADROOM",
+    "HOPPER",
 ]
 
 DEFAULT_HEADROOM = 0.1
@@ -268,6 +269,10 @@ cards' lower power limits may cost more)."""
 # theoretical maximum FLOPs/s on A100" over forward and backward, causal and not; its causal backward figure
 # was not read here, and 0.73 (the top, non-causal forward) would make a causal A100 step faster than the rule
 # it replaces (0.4 of peak forward, 0.5 backward, in the kernel's own FLOP count). The A100 rows keep that rule.
+HOPPER = ("h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200")
+"""The Hopper rows: the accelerators the published flash-attention kernel figures (FlashAttention-3's
+H100 SXM5 benchmarks) carry to as a share of their own peak."""
+
 _ATTENTION_SOURCES = {
     _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
 }

@@ -135,3 +135,46 @@ def test_layer_reads_the_models_head_dimension() -> None:
     ref = layer_forward(d128, 1, h100, flash_attention=True)
     # forward: (350 / 308) x (8192 + 359) / (8192 + 404) slower at d 64
     assert lt.attention_s / ref.attention_s == pytest.approx(350 / 308 * (8192 + 359) / (8192 + 404))
+
+
+def test_named_kernel_classes_give_their_published_ceilings_on_hopper_only():
+    """Issue 28 item 1 (SDPA backends): fa2 = the FA2 causal d-128 plateau over the H100 SXM peak, fa3 = the FA3
+    fit, sdpa = the row's own; fa2 on the FA2 curve reproduces the FA2 bars at long s."""
+    from microbatch.errors import ConfigError
+    from microbatch.predict.attention import FA2_HOPPER_CEILING, FA3_HOPPER_CEILING, attention_ceiling
+
+    h100 = get_accelerator("h100-sxm")
+    assert FA2_HOPPER_CEILING == pytest.approx(350 / 989.4) == pytest.approx(0.3537, abs=1e-4)
+    assert attention_ceiling("fa2", "h100-sxm", h100.attention_fraction) == FA2_HOPPER_CEILING
+    assert attention_ceiling("fa3", "h200", 0.417) == FA3_HOPPER_CEILING
+    assert attention_ceiling("sdpa", "a100-80gb", None) is None  # the row's own: the A100 keeps its rule
+    assert attention_ceiling("sdpa", "h100-sxm", 0.417) == 0.417
+    # the FA2 bars: causal d 128 at 16k was 335 TFLOP/s
+    assert h100.flops("bf16") / 1e12 * flash_rate_fraction(16384, FA2_HOPPER_CEILING) == pytest.approx(
+        335, rel=0.02
+    )
+    with pytest.raises(ConfigError, match=r"only on Hopper .* not on a100-80gb"):
+        attention_ceiling("fa2", "a100-80gb", None)
+    with pytest.raises(ConfigError, match="not known"):
+        attention_ceiling("fa4", "h100-sxm", 0.417)
+
+
+def test_plan_with_each_attention_kernel_orders_the_steps_and_gpu_set_still_wins(capsys):
+    import json
+
+    from microbatch.cli import main
+
+    def step(*extra: str) -> float:
+        args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "16", "-d", "8", "--seq", "16384",
+                "-b", "1", "--zero", "3", "--recompute", "full", "--json", *extra]  # fmt: skip
+        assert main(args) == 0
+        out = json.loads(capsys.readouterr().out)
+        return float(out["candidates"][0]["step_time_s"])
+
+    fa2, sdpa, fa3 = step("--attention-kernel", "fa2"), step(), step("--attention-kernel", "fa3")
+    assert fa2 > sdpa > fa3  # 0.354 < 0.417 < 0.625 of peak on attention, long sequences
+    same = step("--attention-kernel", "fa2", "--gpu-set", "attention_fraction=0.417")
+    assert same == pytest.approx(sdpa)
+    assert main(["plan", "--model", "llama-3-8b", "--gpu", "a100-80gb", "-B", "16", "-d", "8",
+                 "--attention-kernel", "fa3"]) == 2  # fmt: skip
+    assert "--attention-kernel fa3 has a published ceiling only on Hopper" in capsys.readouterr().err

@@ -100,6 +100,13 @@ __all__ = ["cmd"]
     "--parallel-block", "parallel_block", is_flag=True,
     help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass.",
 )  # fmt: skip
+@click.option(
+    "--attention-kernel", "attention_kernel", type=click.Choice(["sdpa", "fa2", "fa3"]), default="sdpa",
+    show_default=True,
+    help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it), fa2 (the flash-attn 2 "
+    "package: 0.354 of an H100's peak), fa3 (FlashAttention-3, cuDNN under Transformer Engine: 0.625). "
+    "fa2/fa3 on Hopper rows only; --gpu-set attention_fraction=F overrides.",
+)  # fmt: skip
 @click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
 @click.option(
     "--memory-headroom", type=float, default=None, help="Share of device memory kept free (default 0.1)."
@@ -126,7 +133,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, dropout: bool | None, compiled: bool,
-    parallel_block: bool, layers_per_stage: str | None,
+    parallel_block: bool, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
@@ -141,6 +148,7 @@ def cmd(
 
     from microbatch.commands._common import parse_split, parse_zero
     from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
+    from microbatch.predict.attention import attention_ceiling
     from microbatch.predict.gemm import DEFAULT_EFFICIENCY
     from microbatch.predict.plan import PlanConfig
 
@@ -148,8 +156,11 @@ def cmd(
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
-    gpus = parse_gpus(gpu)
-    if gpu_set:
+    gpus = [
+        g.with_overrides(attention_fraction=attention_ceiling(attention_kernel, g.name, g.attention_fraction))
+        for g in parse_gpus(gpu)
+    ]
+    if gpu_set:  # after the kernel class: --gpu-set overrides any figure
         overrides = parse_overrides(gpu_set)
         gpus = [g.with_overrides(**overrides) for g in gpus]
     cfg = PlanConfig(

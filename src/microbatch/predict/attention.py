@@ -35,6 +35,9 @@ __all__ = [
     "FLASH_SEQ_HALF",
     "FLASH_BACKWARD_RATIO",
     "FA3_HOPPER_CEILING",
+    "FA2_HOPPER_CEILING",
+    "ATTENTION_KERNELS",
+    "attention_ceiling",
     "causal_flash_flops",
     "flash_backward_flops",
     "flash_shape_factor",
@@ -76,6 +79,45 @@ bars of the causal d-128 forward in FlashAttention-3's Figure 5 (292, 423, 521, 
 s = 512 … 16k) fitted to R·s/(s + 404), the FA2 causal ramp: R = 618 TFLOP/s, 0.625 of the H100 SXM's 989.4
 (within 5% from s = 1k, 18% over at 512). Give it with ``--gpu-set attention_fraction=0.625``; the accelerator
 rows carry the FA2-class ceiling PyTorch's SDPA reaches."""
+
+FA2_HOPPER_CEILING = 350.0 / 989.4
+"""Ceiling of the FlashAttention-2 kernel itself (the ``flash-attn`` 2 package) on Hopper: the plateau R = 350
+TFLOP/s of its causal d-128 forward (:data:`FA2_CURVES`, FlashAttention-3's Figure 5) over the H100 SXM's
+989.4 TFLOP/s bf16 peak: 0.354. Below the 0.417 PyTorch's SDPA reached on an H200 with torch 2.11 (the
+accelerator rows' ceiling), above which a run's older kernels do not go."""
+
+ATTENTION_KERNELS = ("sdpa", "fa2", "fa3")
+"""Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's
+scaled_dot_product_attention as measured), ``fa2`` (:data:`FA2_HOPPER_CEILING`), ``fa3``
+(FlashAttention-3 and cuDNN's fused attention under Transformer Engine, :data:`FA3_HOPPER_CEILING`)."""
+
+
+def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:
+    """The causal flash ceiling f∞ of attention kernel class ``kernel`` on ``accelerator``.
+
+    ``sdpa`` keeps the row's own ceiling ``row_ceiling``; ``fa2`` and ``fa3`` are the FlashAttention-3 paper's
+    H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a share of their
+    peak; elsewhere no such figure was read, and the error says how to give one.
+    """
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import HOPPER
+
+    if kernel not in ATTENTION_KERNELS:
+        raise ConfigError(
+            f"attention_kernel {kernel!r} is not known; use one of {', '.join(ATTENTION_KERNELS)}",
+            params=("attention_kernel",),
+        )
+    if kernel == "sdpa":
+        return row_ceiling
+    if accelerator not in HOPPER:
+        raise ConfigError(
+            f"attention_kernel {kernel} has a published ceiling only on Hopper ({', '.join(HOPPER)}), not on "
+            f"{accelerator}; use attention_kernel sdpa, or give the kernel's share of the peak as the "
+            "accelerator's attention_fraction",
+            params=("attention_kernel",),
+        )
+    return FA2_HOPPER_CEILING if kernel == "fa2" else FA3_HOPPER_CEILING
+
 
 FLASH_BACKWARD_RATIO = 2.5
 """Backward / forward FLOPs of a flash kernel: 5 matmuls against 2 (FlashAttention-2 Algorithm 2)."""
