@@ -121,6 +121,18 @@ def _llama(name: str, seq: int, table: dict | None = None) -> ModelShape:
     )  # fmt: skip
 
 
+def embedding_split(layers: int, stages: int) -> tuple[int, ...] | None:
+    """The stages as the 126-layer 405B runs split them: one layer fewer on the first and the last stage,
+    which also hold the embedding and the output layer and loss, when layers + 2 divide evenly (126 + 2 =
+    16 x 8 = 8 x 16: Llama 3's pipeline; Megatron-Bridge's 405B recipe counts the same "128 effective
+    layers" with account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split). None when
+    they do not."""
+    if stages < 2 or (layers + 2) % stages:
+        return None
+    n = (layers + 2) // stages
+    return (n - 1,) + (n,) * (stages - 2) + (n - 1,)
+
+
 def _fastest(cfg: PlanConfig) -> tuple[float, bool, str, float]:
     """(step, fits, how, the flat rule's step) of the planner's fastest candidate."""
     plan = make_plan(cfg)
@@ -162,15 +174,17 @@ def bridge_rows(data: dict) -> list[dict]:
         s, n, t, p, c, v = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["vp"]
         shape = _llama(r["model"], s, table405 if r["model"] == table405["name"] else None)
         d = n // (t * p * c)
-        note = ""
+        note, split = "", None
         if v > 1 and shape.layers % (
             p * v
         ):  # Megatron splits unevenly (the 405B's 126 layers over 8 x 8 chunks)
-            v, note = 1, f"v{r['vp']} not expressible ({shape.layers} layers): "
+            split = embedding_split(shape.layers, p)
+            if split is None:
+                v, note = 1, f"v{r['vp']} not expressible ({shape.layers} layers): "
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, async_tp=t > 1, context_parallel=c,
-            micro_batches=(r["micro_batch"],),
+            micro_batches=(r["micro_batch"],), layers_per_stage=split,
             zero=(3,) if r["fsdp"] else (1,), flash_attention=True, precision=sec["precision"],
             fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
@@ -244,12 +258,7 @@ def llama3_rows(data: dict) -> list[dict]:
         s, n, t, p, c, B = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["global_batch"]
         shape = _llama("", s, sec["shape"])
         d = n // (t * p * c)
-        # the stages as the run split them: 126 layers over 16 stages, one layer fewer on the first and the
-        # last, which hold the embedding and the output layer and loss (126 + 2 = 16 x 8; Megatron-Bridge's
-        # 405B recipe counts the same "128 effective layers", account_for_embedding/loss_in_pipeline_split)
-        split = (shape.layers // p,) * p
-        if shape.layers + 2 == 8 * p:
-            split = (7,) + (8,) * (p - 2) + (7,)
+        split = embedding_split(shape.layers, p)
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
             sequence_parallel=True, context_parallel=c, micro_batches=(1,), flash_attention=True,
@@ -339,10 +348,10 @@ def main() -> None:
         "Megatron-Bridge and Llama 3 rows: recompute (and for Llama 3 the schedule and ZeRO) the planner's fastest that fits"
     )
     print(
-        "Llama 3 rows: 7, 8 x 14, 7 layers per stage (the first and last hold the embedding and the loss); their"
+        "405B rows: 7, 8 x 14, 7 (Llama 3) or 15, 16 x 6, 15 (Megatron-Bridge, vp 8) layers per stage: the first"
     )
     print(
-        "interleaved schedule over such stages is not expressible: the fastest the planner can run there (ZB-H1)"
+        "and last stages also hold the embedding and the loss; Llama 3's v, not published, the planner's fastest"
     )
     print(
         "from the runs' software (Megatron-Bridge recipes, llama3_70b_pretrain_config: CommOverlapConfig(tp_comm_overlap="

@@ -249,6 +249,8 @@ class MemoryConfig:
                 f"pipeline-parallel {p} > layers {shape.layers}; every stage needs at least one layer; "
                 f"use at most {shape.layers} stages"
             )
+        if self.layers_per_stage is not None:  # a well-formed split before any rule reads it
+            split_layers(shape.layers, p, self.layers_per_stage)
         fixed = registry.get_spec(self.schedule).stages_per_rank
         if v > 1 and shape.layers % (p * v) and fixed is not None:  # a V schedule: v is not a choice
             ok = [x for x in range(1, shape.layers // v + 1) if shape.layers % (v * x) == 0]
@@ -256,14 +258,18 @@ class MemoryConfig:
                 f"{self.schedule} needs layers {shape.layers} divisible by {v} × stages {p} = {v * p} "
                 f"({'two' if v == 2 else v} chunks per rank); use stages among {ok}"
             )
-        if v > 1 and shape.layers % (p * v):
+        if v > 1 and self.layers_per_stage is not None and fixed is None:  # interleaved over uneven stages
+            if v > min(self.layers_per_stage):
+                raise ConfigError(
+                    f"interleaved 1F1B with virtual {v} over layers per stage {list(self.layers_per_stage)} leaves "
+                    f"a chunk without a layer; use virtual at most {min(self.layers_per_stage)}"
+                )
+        elif v > 1 and shape.layers % (p * v):
             ok = [x for x in range(2, shape.layers // p + 1) if shape.layers % (p * x) == 0]
             raise ConfigError(
                 f"interleaved 1F1B needs layers {shape.layers} divisible by stages {p} × virtual {v} = {p * v}; "
                 f"use virtual among {ok or 'none (no v > 1 fits)'}"
             )
-        if self.layers_per_stage is not None:
-            split_layers(shape.layers, p, self.layers_per_stage)
         check_expert_layout(shape, self.expert_parallel, self.data_parallel * self.context_parallel)
         flash = shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq or shape.seq, self.context_parallel, flash)

@@ -55,8 +55,8 @@ from microbatch.schedules.registry import (
     check_servable,
     get_spec,
     schedule_names,
-    virtual_options,
 )
+from microbatch.schedules.virtual import virtual_options
 
 __all__ = [
     "PlanConfig",
@@ -134,9 +134,10 @@ class Plan:
 # -- search ---------------------------------------------------------------------------------------------
 def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     """(schedule, v) pairs that can serve (p, m, v) under torch's rules, v from the registry
-    (:func:`microbatch.schedules.registry.virtual_options`: interleaved 1F1B with every v that divides the
-    layers evenly, DualPipeV with v = 2 when 2p divides the layers); a schedule with several stages per
-    rank only on an even split."""
+    (:func:`microbatch.schedules.virtual.virtual_options`: interleaved 1F1B with every v that divides the
+    layers evenly — on an uneven ``layers_per_stage``, every v that leaves each chunk a layer, a rank's work
+    spread evenly over its chunks — DualPipeV with v = 2 when 2p divides the layers); a V schedule only on
+    an even split."""
     p, L = cfg.pipeline_parallel, cfg.shape.layers
     if p == 1:
         return [(DEFAULT_SCHEDULE, 1)]
@@ -145,8 +146,9 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     for name in names:
         if cfg.layers_per_stage is not None and get_spec(name).needs_even_split:
             continue
-        for v in virtual_options(name, L, p, cfg.virtuals or ()):
-            if v > 1 and L % (p * v):
+        split = cfg.layers_per_stage
+        for v in virtual_options(name, L, p, cfg.virtuals or (), split):
+            if v > 1 and (L % (p * v) if split is None else v > min(split)):
                 continue
             try:
                 check_servable(name, p, m, v)

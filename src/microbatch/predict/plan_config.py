@@ -157,7 +157,15 @@ class PlanConfig:
         L, p = self.shape.layers, self.pipeline_parallel
         for v in self.virtuals or ():
             check_positive_int("virtual", v)
-            if L % (p * v):
+            if self.layers_per_stage is not None:  # uneven stages: each chunk needs a layer
+                if self.layers_per_stage and v > min(self.layers_per_stage):
+                    raise ConfigError(
+                        f"virtual {v}: interleaved 1F1B over layers_per_stage {list(self.layers_per_stage)} "
+                        f"leaves a chunk without a layer (v must be at most the fewest layers on a stage, "
+                        f"{min(self.layers_per_stage)}); use a smaller virtual",
+                        params=("virtuals", "layers_per_stage"),
+                    )
+            elif L % (p * v):
                 ok = [x for x in range(2, L // p + 1) if L % (p * x) == 0]
                 raise ConfigError(
                     f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "

@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from microbatch.batch import divisors
 from microbatch.errors import ConfigError, ScheduleError, check_positive_int
 from microbatch.schedules.action import Action, Schedule, check_placement, stage_to_rank
 from microbatch.schedules.closed_forms import (
@@ -77,7 +76,6 @@ __all__ = [
     "schedule_names",
     "stage_ranks",
     "torch_spec",
-    "virtual_options",
 ]
 
 
@@ -145,8 +143,9 @@ class ScheduleSpec:
 
     @property
     def needs_even_split(self) -> bool:
-        """Several stages per rank: the layers split evenly into p·v chunks (no uneven split)."""
-        return self.stages_per_rank != 1
+        """A fixed number of stages per rank > 1 (a V placement): the layers split evenly into p·v chunks, no
+        uneven split. A free v (interleaved) serves uneven stages, each rank's layers spread over its chunks."""
+        return self.stages_per_rank not in (1, None)
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
@@ -225,18 +224,6 @@ INTERLEAVED_SCHEDULE = "interleaved-1f1b"
 def default_schedule(virtual: int = 1) -> str:
     """:data:`DEFAULT_SCHEDULE` for v = 1, :data:`INTERLEAVED_SCHEDULE` for v > 1."""
     return INTERLEAVED_SCHEDULE if virtual > 1 else DEFAULT_SCHEDULE
-
-
-def virtual_options(name: str, layers: int, stages: int, requested: Sequence[int] = ()) -> list[int]:
-    """The chunks per rank v the planner tries for schedule ``name``: its fixed
-    :attr:`ScheduleSpec.stages_per_rank`; for a free v, the ``requested`` ones, else every v > 1 with
-    p·v dividing the layers (v = 1 of an interleaved schedule is its :attr:`ScheduleSpec.v1_equivalent`)."""
-    fixed = get_spec(name).stages_per_rank
-    if fixed is not None:
-        return [fixed]
-    if requested:
-        return list(requested)
-    return [v for v in divisors(layers // stages) if v > 1 and layers % (stages * v) == 0]
 
 
 MAX_STAGES = 100_000

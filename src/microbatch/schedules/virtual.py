@@ -1,10 +1,14 @@
-"""The stages per rank (v) a schedule runs with when the caller gives none: a fact of its registry entry."""
+"""The stages per rank (v) of a schedule: the one it runs with when the caller gives none (a fact of its registry
+entry), and the ones the planner tries."""
 
 from __future__ import annotations
 
-from microbatch.schedules.registry import ScheduleSpec
+from collections.abc import Sequence
 
-__all__ = ["virtual_in_effect"]
+from microbatch.batch import divisors
+from microbatch.schedules.registry import ScheduleSpec, get_spec
+
+__all__ = ["virtual_in_effect", "virtual_options"]
 
 
 def virtual_in_effect(spec: ScheduleSpec, virtual: int | None) -> tuple[int, str | None]:
@@ -24,3 +28,20 @@ def virtual_in_effect(spec: ScheduleSpec, virtual: int | None) -> tuple[int, str
             "virtual 2 or more to interleave"
         )
     return 1, None
+
+
+def virtual_options(
+    name: str, layers: int, stages: int, requested: Sequence[int] = (), split: Sequence[int] | None = None
+) -> list[int]:
+    """The chunks per rank v the planner tries for schedule ``name``: its fixed
+    :attr:`ScheduleSpec.stages_per_rank`; for a free v, the ``requested`` ones, else every v > 1 with
+    p·v dividing the layers (v = 1 of an interleaved schedule is its :attr:`ScheduleSpec.v1_equivalent`) —
+    or, on stages of uneven layers ``split``, every v > 1 that leaves each chunk a layer (v ≤ min(split))."""
+    fixed = get_spec(name).stages_per_rank
+    if fixed is not None:
+        return [fixed]
+    if requested:
+        return list(requested)
+    if split is not None:
+        return list(range(2, min(split) + 1))
+    return [v for v in divisors(layers // stages) if v > 1 and layers % (stages * v) == 0]
