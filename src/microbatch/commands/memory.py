@@ -59,7 +59,10 @@ __all__ = ["cmd"]
 @click.option("--zero", type=zero_choice(), default="0", show_default=True, help="ZeRO stage; dist-opt = 1.")
 @click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
 @moe_options
-@click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5.")
+@click.option(
+    "--layers-per-stage",
+    help="Uneven split, e.g. 5,6,6,5 (with --virtual, each stage's layers spread over its v chunks).",
+)
 @click.option("--gpu", help="Also say whether the peak fits this accelerator (e.g. a100-80gb).")
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option

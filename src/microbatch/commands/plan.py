@@ -107,7 +107,11 @@ __all__ = ["cmd"]
     "package: 0.354 of an H100's peak), fa3 (FlashAttention-3, cuDNN under Transformer Engine: 0.625). "
     "fa2/fa3 on Hopper rows only; --gpu-set attention_fraction=F overrides.",
 )  # fmt: skip
-@click.option("--layers-per-stage", help="Uneven split, e.g. 5,6,6,5 (every candidate is simulated).")
+@click.option(
+    "--layers-per-stage",
+    help="Uneven split, e.g. 7,8,8,7 (every candidate is simulated; interleaved 1F1B spreads each stage's "
+    "layers over its v chunks, v at most the fewest layers on a stage).",
+)
 @click.option(
     "--memory-headroom", type=float, default=None, help="Share of device memory kept free (default 0.1)."
 )
