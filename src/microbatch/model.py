@@ -105,6 +105,9 @@ PRESETS: dict[str, ModelShape] = {
     "llama-2-70b": _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
     "llama-3-8b": _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
     "llama-3-70b": _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    # Llama 3.1 405B (Llama Team 2024, arXiv 2407.21783, Table 3: 126 layers, width 16,384, FFN 53,248, 128
+    # heads, 8 key/value heads; the meta-llama config's vocabulary 128,256).
+    "llama-3.1-405b": _llama("llama-3.1-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
     "llama-3.2-1b": _llama("llama-3.2-1b", 16, 2048, 32, 8, 8192, 128256, 2048, tied=True),
     "mistral-7b": _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192),
     # GPT-3 175B (Brown et al. 2020, Table 2.1).

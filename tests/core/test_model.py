@@ -18,6 +18,10 @@ def test_exact_param_counts_of_real_models():
     assert get_model("llama-3-8b").param_count() == 8_030_261_248
     assert get_model("mistral-7b").param_count() == 7_241_732_096
     assert get_model("gpt2-xl").param_count() == 1_557_611_200
+    # Llama 3.1 405B: 126·(2·16384² + 2·16384·1024 + 3·16384·53248 + 2·16384) + 2·128256·16384 + 16384
+    per_layer = 2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248 + 2 * 16384
+    assert get_model("llama-3.1-405b").param_count() == 126 * per_layer + 2 * 128256 * 16384 + 16384
+    assert get_model("llama-3.1-405b").param_count() / 1e9 == pytest.approx(405.9, abs=0.1)
 
 
 def test_registry_has_every_issue_model():

@@ -252,7 +252,7 @@ def _explain(
     if choice:
         parts.append(choice)
     if lints:
-        parts.append("Check: " + " ".join(lints))
+        parts.append("Check: " + "; ".join(lints) + ".")  # each lint a clause; they ran together with " "
     return " ".join(parts)
 
 
