@@ -275,3 +275,36 @@ def test_cli_gpu_rules_and_output_paths(tmp_path, capsys):
     assert env["command"] == "export" and env["config"]["train_batch_size"] == 64
     assert main(["export", "--tune", str(run), "--plan", str(one), "--format", "hf"]) == 2
     assert "exactly one of --plan" in capsys.readouterr().err
+
+
+def test_torchtitan_stages_hold_the_planned_layers_and_chunks(pipe_plan):
+    """torchtitan's layers per (virtual) stage is L/(p·v) with no layer taken off the first and last stages
+    (its default takes one off each): the split the plan timed, v stages per rank with interleaving."""
+    par = tomllib.loads(export_plan(pipe_plan.to_dict(), "torchtitan").text())["parallelism"]
+    assert par["pipeline_parallel_layers_per_stage"] == 12 // 4  # gpt2: 12 layers over p = 4, v = 1
+    assert par["pipeline_parallel_first_stage_less_layers"] == 0
+    assert par["pipeline_parallel_last_stage_less_layers"] == 0
+    cfg = PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=128, data_parallel=2,
+                     pipeline_parallel=2, schedules=("interleaved-1f1b",), virtuals=(3,), micro_batches=(2,),
+                     zero=(1,))  # fmt: skip
+    inter = make_plan(cfg).to_dict()
+    ex = export_plan(inter, "torchtitan")
+    par = tomllib.loads(ex.text())["parallelism"]
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert par["pipeline_parallel_layers_per_stage"] == 12 // (2 * 3)  # 2 layers a stage, 3 stages a rank
+    # a candidate without the model's layers: said, not guessed
+    cand = dict(inter["recommended"], global_batch=128, data_parallel=2, pipeline_parallel=2)
+    bare = export_plan(cand, "torchtitan")
+    assert "pipeline_parallel_layers_per_stage" not in bare.config["parallelism"]
+    assert any("holds 3 stage(s)" in n for n in bare.notes)
+
+
+def test_torchtitan_export_of_an_uneven_split_says_so_rather_than_writing_an_even_one():
+    cfg = PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=128, data_parallel=2,
+                     pipeline_parallel=4, layers_per_stage=(2, 4, 4, 2), schedules=("1f1b",), micro_batches=(2,),
+                     zero=(1,))  # fmt: skip
+    d = make_plan(cfg).to_dict()
+    assert d["layers_per_stage"] == [2, 4, 4, 2]
+    ex = export_plan(d, "torchtitan")
+    assert "pipeline_parallel_layers_per_stage" not in ex.config["parallelism"]
+    assert any("pipeline_parallel_layers_per_stage" in n for n in ex.notes)

@@ -259,6 +259,7 @@ class PlanConfig:
             "global_batch": self.global_batch,
             "data_parallel": self.data_parallel,
             "pipeline_parallel": self.pipeline_parallel,
+            "layers_per_stage": list(self.layers_per_stage) if self.layers_per_stage is not None else None,
             "tensor_parallel": self.tensor_parallel,
             "sequence_parallel": self.sequence_parallel,
             "expert_parallel": self.expert_parallel,

@@ -45,6 +45,7 @@ from typing import Any
 from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
 from microbatch.schedules.registry import DEFAULT_SCHEDULE, ScheduleSpec, get_spec, torch_spec
+from microbatch.show.toml_text import toml_text
 
 __all__ = [
     "FORMATS",
@@ -83,7 +84,7 @@ class Export:
     def text(self) -> str:
         """The file's text: JSON, or TOML for torchtitan."""
         if self.format == "torchtitan":
-            return _toml(self.config)
+            return toml_text(self.config)
         return json.dumps(self.config, indent=2)
 
 
@@ -131,6 +132,10 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
                     "expert_parallel", "context_parallel"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
+        if isinstance(data.get("model_shape"), dict) and data.get("layers_per_stage") is None:
+            cand.setdefault(
+                "layers", data["model_shape"].get("layers")
+            )  # an even split: torchtitan's per stage
     else:
         cand = dict(data)
     missing = [k for k in _NEEDED if k not in cand]
@@ -332,6 +337,7 @@ def _torchtitan(c: Json) -> tuple[Json, list[str]]:
         parallelism["pipeline_parallel_microbatch_size"] = b
         name = c.get("schedule", DEFAULT_SCHEDULE)
         parallelism["pipeline_parallel_schedule"] = _torchtitan_schedule(name)
+        notes += _torchtitan_stages(c, parallelism, p)
         spec = _spec(c.get("schedule"))
         if spec is not None and spec.run_as is not None:
             notes.append(
@@ -354,6 +360,22 @@ def _torchtitan(c: Json) -> tuple[Json, list[str]]:
     mode = c.get("recompute", "none")
     cfg = {"training": training, "parallelism": parallelism, "activation_checkpoint": {"mode": mode}}
     return cfg, notes + _torchtitan_new(c, cfg)
+
+
+def _torchtitan_stages(c: Json, parallelism: Json, p: int) -> list[str]:
+    """torchtitan's layers per (virtual) stage for the plan's even split: L/(p·v), with its first and last
+    stages not shortened (its default takes a layer off each for the embedding and the output layer, which
+    would not be the split the plan timed, and with v > 1 would set another number of stages per rank)."""
+    v, layers = c.get("virtual", 1) or 1, c.get("layers")
+    if not isinstance(layers, int) or layers % (p * v):
+        return [
+            f"set parallelism.pipeline_parallel_layers_per_stage so each of the {p} ranks holds {v} stage(s) "
+            "(the plan's split was not read from the input)"
+        ]
+    parallelism["pipeline_parallel_layers_per_stage"] = layers // (p * v)
+    parallelism["pipeline_parallel_first_stage_less_layers"] = 0
+    parallelism["pipeline_parallel_last_stage_less_layers"] = 0
+    return []
 
 
 def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
@@ -475,24 +497,3 @@ def export_result(
             )
         return export_tune(data, fmt, gpus_per_node=gpus_per_node)
     return export_plan(data, fmt, gpu=gpu, gpus_per_node=gpus_per_node)
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a TOML basic string is a JSON string for these characters
-    raise ConfigError(f"cannot write {v!r} to TOML")
-
-
-def _toml(tables: Json) -> str:
-    lines = []
-    for name, table in tables.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-        lines.append("")
-    return "\n".join(lines)
