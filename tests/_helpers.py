@@ -39,6 +39,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WORKER_END = """torch.save(results, out)
+dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
+dist.destroy_process_group()
+# skip the interpreter's teardown, where gloo's background threads can abort an exiting process
+# ("terminate called without an active exception") after its work, as microbatch's own ranks do
+import os
+sys.stdout.flush()
+os._exit(0)
+"""
+"""The end of a two-rank worker script (:func:`run_two_ranks`): save ``results`` to ``out``, meet, leave."""
+
+
 def run_two_ranks(script: Path, tmp_path: Path, *, timeout_s: float = 150) -> None:
     """Run ``script RANK PORT OUT`` as two processes (OUT = tmp_path/r{rank}.pt); assert both exit 0."""
     port = free_port()

@@ -119,14 +119,10 @@ def cmd(
         if code:
             progress("interrupted: kept what was measured" + (f" in {out}" if out else ""))
     if owned and not device.startswith("cuda"):
-        # gloo's process group aborts the process in its C++ teardown now and then ("terminate called
-        # without an active exception", after everything was written: 2 of 8 two-rank runs with
-        # destroy_process_group, 2 of 35 without): with the result out, leave without running it
-        import os
-        import sys
+        # gloo's process group aborted the process in its teardown after everything was written (2 of 8
+        # two-rank runs with destroy_process_group, 2 of 35 without): leave without running it
+        from microbatch.measure.device import exit_past_teardown
 
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_past_teardown(code)
     if code:
         raise click.exceptions.Exit(code)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -16,6 +16,7 @@ from microbatch.commands._common import (
     stages_option,
     width_option,
 )
+from microbatch.measure.device import exit_past_teardown
 from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ def cmd(
 def _end(report: PipelineReport, external: bool, failed: bool) -> None:
     """End a torchrun rank; exit 130 after an interrupted run, 1 when an output could not be written."""
     if external:
-        _exit_rank()
+        exit_past_teardown()
     if report.interrupted:
         from microbatch.commands._common import progress
 
@@ -262,7 +263,7 @@ def _run(cfg: PipelineConfig, external: bool, predict_first: bool) -> PipelineRe
 
         report = run_external(run)
         if report is None:  # not rank 0: rank 0 prints
-            _exit_rank()
+            exit_past_teardown()
         return report
     return _run_local(run, predict_first)
 
@@ -379,18 +380,3 @@ def _write(report: PipelineReport, key: str, path: str, text: Any) -> bool:
         return False
     report.outputs[key] = str(path)
     return True
-
-
-def _exit_rank() -> NoReturn:
-    """End a torchrun rank now that its work is done and written.
-
-    Native threads that torch's gloo and pipelining runtime leave behind can abort the process at
-    interpreter shutdown ("terminate called without an active exception", exit -6) after a
-    successful run, which torchrun would report as a failure; the local workers end the same way.
-    """
-    import os
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from microbatch.measure.hostmem import malloc_trim, peak_rss_bytes, reset_peak_rss
 from microbatch.measure.timing import cuda_timer, process_timer, wall_timer
@@ -44,6 +44,7 @@ __all__ = [
     "reduce_max",
     "agree_any",
     "gc_frozen",
+    "exit_past_teardown",
 ]
 
 _frozen_depth = [0]
@@ -197,3 +198,18 @@ class Device:
             torch.cuda.empty_cache()
         else:
             malloc_trim()
+
+
+def exit_past_teardown(code: int = 0) -> NoReturn:
+    """End this process now that its work is done and written, skipping the interpreter's teardown.
+
+    Native threads that torch's gloo (and its pipelining runtime) leave behind can abort a process at
+    shutdown ("terminate called without an active exception", exit −6) after a successful run, which
+    torchrun would report as a failure: flush and leave with ``code``.
+    """
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

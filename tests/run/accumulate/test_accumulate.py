@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import run_two_ranks
+from _helpers import WORKER_END, run_two_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -399,7 +399,8 @@ def test_exception_inside_a_backward_restores_grads():
 
 # -- DDP -----------------------------------------------------------------------------------------
 
-WORKER = r"""
+WORKER = (
+    r"""
 import os, sys, torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from test_accumulate import make_model, make_batch, loss_fn, count_fn, set_pre_grads, split
@@ -440,15 +441,9 @@ model = torch.nn.parallel.DistributedDataParallel(make_model())
 hook = GradientNoiseScale()
 accumulate(model, shard, loss_fn, micro_batch_size=2, count_fn=count_fn, noise=hook)
 results["noise"] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
-torch.save(results, out)
-dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
-dist.destroy_process_group()
-# as microbatch.run.pipeline.launch does: skip the interpreter's teardown, where gloo's background threads
-# can abort an exiting process ("terminate called without an active exception") after its work
-import os
-sys.stdout.flush()
-os._exit(0)
 """
+    + WORKER_END
+)
 
 
 @pytest.mark.timeout(180)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import AllocationLimit, run_two_ranks
+from _helpers import WORKER_END, AllocationLimit, run_two_ranks
 from test_accumulate import V, full_batch_grad, make_model, rel, set_pre_grads
 
 import microbatch
@@ -386,7 +386,8 @@ def test_real_cpu_out_of_memory_in_a_child_recovers(tmp_path):
 
 # -- two ranks, only rank 1 runs out of memory ------------------------------------------------------
 
-WORKER = r"""
+WORKER = (
+    r"""
 import os, sys, torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from test_accumulate_oom import AllocationLimit, sorted_batch, loss_fn, count_fn, logits_budget, S
@@ -429,12 +430,9 @@ try:
     results["buffers"] = "accepted"
 except Exception as e:
     results["buffers"] = f"{{type(e).__name__}}: {{e}}"
-torch.save(results, out)
-dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
 """
+    + WORKER_END
+)
 
 
 @pytest.mark.timeout(180)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import run_two_ranks
+from _helpers import WORKER_END, run_two_ranks
 from test_accumulate import make_model, rel, set_pre_grads
 from test_accumulate_oom import AllocationLimit, S, logits_budget, loss_fn, sorted_batch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -98,7 +98,8 @@ def test_without_a_controller_the_log_says_this_call(caplog):
 
 # -- two ranks: unused parameters, and the copy failing on one rank ------------------------------
 
-WORKER = r"""
+WORKER = (
+    r"""
 import os, sys, torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from test_accumulate_oom import sorted_batch, loss_fn, count_fn
@@ -145,12 +146,9 @@ try:
 except OutOfMemoryError as e:
     results["copy"] = str(e)
 results["copy_kept"] = all(torch.equal(p.grad, g) for p, g in zip(model.module.parameters(), pre, strict=True))
-torch.save(results, out)
-dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
 """
+    + WORKER_END
+)
 
 
 @pytest.mark.timeout(180)

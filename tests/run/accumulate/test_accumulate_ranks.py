@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import run_two_ranks
+from _helpers import WORKER_END, run_two_ranks
 from test_accumulate import full_batch_grad, rel
 from test_accumulate_oom import sorted_batch
 
-WORKER = r"""
+WORKER = (
+    r"""
 import os, sys, torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
 from _helpers import AllocationLimit
@@ -72,12 +73,9 @@ try:
     results["sizes"] = "no error"
 except ConfigError as e:
     results["sizes"] = str(e)
-torch.save(results, out)
-dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
 """
+    + WORKER_END
+)
 
 
 @pytest.mark.timeout(120)
