@@ -101,6 +101,12 @@ __all__ = ["cmd"]
     help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass.",
 )  # fmt: skip
 @click.option(
+    "--cp-comm", "cp_comm", type=click.Choice(["allgather", "ring"]), default="allgather", show_default=True,
+    help="With -c: how K/V reach the c ranks. allgather: one all-gather hidden only behind the local 1/c of "
+    "attention (torch context_parallel, torchtitan's default, Llama 3); ring: a send per step behind each "
+    "step (Megatron --cp-comm-type p2p, torchtitan rotate method alltoall).",
+)  # fmt: skip
+@click.option(
     "--attention-kernel", "attention_kernel", type=click.Choice(["sdpa", "fa2", "fa3"]), default="sdpa",
     show_default=True,
     help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it), fa2 (the flash-attn 2 "
@@ -137,7 +143,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, dropout: bool | None, compiled: bool,
-    parallel_block: bool, attention_kernel: str, layers_per_stage: str | None,
+    parallel_block: bool, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
@@ -191,6 +197,7 @@ def cmd(
         async_tp=async_tp,
         ep_overlap=ep_overlap,
         parallel_block=parallel_block,
+        cp_comm=cp_comm,
         efficiency=replace(DEFAULT_EFFICIENCY, fused_elementwise=compiled),
         **expert_layout,
     )

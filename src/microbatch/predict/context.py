@@ -10,6 +10,19 @@ the last rank the most work; Megatron-core splits each sequence into 2c chunks a
 i and 2c − 1 − i, so every rank does 1/c of the causal attention (causal load balance) — the rule here,
 which needs s divisible by 2c.
 
+**How the K/V blocks travel** (:data:`CP_EXCHANGES`): ``ring`` passes one block a step, each send
+overlapped with the attention of the block already held (Megatron-core / Transformer Engine
+``--cp-comm-type p2p``; torch's ``set_rotate_method("alltoall")``, torchtitan
+``context_parallel_rotate_method = "alltoall"``). ``allgather`` gathers every rank's K/V in one
+collective launched before the first (local) attention step and waited on before the second
+(torch's ``context_parallel`` default, ``_AllGatherRotater`` in
+``torch/distributed/tensor/experimental/_context_parallel/_attention.py``; torchtitan's default;
+the Llama 3 report §3.3.2: "the all-gather communication latency is exposed in the critical path"):
+the same bytes, hidden only behind the local step, 1/c of the rank's causal attention under the
+load balance (its two chunks against each other: 2 of the rank's 2c chunk-pairs). The backward
+gathers K/V again the same way; the K/V gradients go back around the ring, one block a step
+(torch's backward keeps the all-to-all rotater for them).
+
 **Layout**: GPUs = t·p·d·c; the c ranks hold the same weights, so gradients are reduced and ZeRO
 shards state over the d·c ranks (Megatron's data-parallel × context-parallel group); expert
 parallelism lives inside d·c. Attention runs as flash kernels (ring attention is built on them).
@@ -21,7 +34,17 @@ from microbatch.errors import ConfigError, check_positive_int
 from microbatch.model import ModelShape
 from microbatch.predict.collectives import overlap_exposed_s
 
-__all__ = ["check_context_layout", "kv_exchange_bytes", "ring_exposed_s"]
+__all__ = [
+    "CP_EXCHANGES",
+    "check_context_layout",
+    "check_context_exchange",
+    "kv_exchange_bytes",
+    "ring_exposed_s",
+    "kv_exchange_exposed_s",
+]
+
+CP_EXCHANGES = ("allgather", "ring")
+"""How context parallelism moves K/V: one all-gather (torch's and torchtitan's default) or a ring of sends."""
 
 
 def check_context_layout(seq: int, context_parallel: int, flash_attention: bool) -> None:
@@ -67,3 +90,42 @@ def ring_exposed_s(comm_s: float, attention_s: float, slowdown: float = 0.0) -> 
     block already held (Ring Attention §3), which runs ``slowdown`` slower meanwhile
     (:func:`microbatch.predict.collectives.overlap_exposed_s`; 0: max(0, comm − attention))."""
     return overlap_exposed_s(comm_s, attention_s, slowdown)
+
+
+def check_context_exchange(exchange: str) -> str:
+    """``exchange`` if it is one of :data:`CP_EXCHANGES`, else a ConfigError naming them."""
+    if exchange not in CP_EXCHANGES:
+        raise ConfigError(
+            f"cp_comm {exchange!r} is not a context-parallel exchange; use one of {', '.join(CP_EXCHANGES)} "
+            "(allgather: torch's context_parallel and torchtitan's default; ring: Megatron's p2p)",
+            params=("cp_comm",),
+        )
+    return exchange
+
+
+def kv_exchange_exposed_s(
+    comm_s: float, attention_s: float, attention_backward_s: float, context_parallel: int,
+    exchange: str = "ring", slowdown: float = 0.0,
+) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) seconds one layer's K/V exchange adds to its attention, ``comm_s`` being the
+    forward's (c − 1)/c of K/V moved once (:func:`kv_exchange_bytes` over the group's bandwidth).
+
+    ``ring``: forward :func:`ring_exposed_s` (comm, attention); backward K/V again and their gradients
+    back, 2·comm behind the attention backward. ``allgather`` (module docstring): forward comm behind the
+    local step only, attention/c; backward the re-gather behind attention_backward/c plus the gradients'
+    ring behind the other (c − 1)/c of it. Each through :func:`overlap_exposed_s` with ``slowdown``.
+    """
+    c = context_parallel
+    if c <= 1 or comm_s <= 0:
+        return 0.0, 0.0
+    if check_context_exchange(exchange) == "ring":
+        return (
+            ring_exposed_s(comm_s, attention_s, slowdown),
+            ring_exposed_s(2 * comm_s, attention_backward_s, slowdown),
+        )
+    local, local_bwd = attention_s / c, attention_backward_s / c
+    return (
+        overlap_exposed_s(comm_s, local, slowdown),
+        overlap_exposed_s(comm_s, local_bwd, slowdown)
+        + ring_exposed_s(comm_s, attention_backward_s - local_bwd, slowdown),
+    )

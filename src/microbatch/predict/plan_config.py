@@ -15,7 +15,7 @@ from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_fp8_recipe, get_precision
 from microbatch.predict.activations import RECOMPUTE_CHOICES
-from microbatch.predict.context import check_context_layout
+from microbatch.predict.context import check_context_exchange, check_context_layout
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
@@ -114,6 +114,9 @@ class PlanConfig:
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
     d·p·t·c and ZeRO and the gradient reduction span the d·c ranks."""
+    cp_comm: str = "allgather"
+    """How the c ranks exchange K/V (:data:`microbatch.predict.context.CP_EXCHANGES`): ``allgather``, torch's
+    ``context_parallel`` and torchtitan's default and Llama 3's; ``ring``, Megatron's ``--cp-comm-type p2p``."""
     parallel_block: bool = False
     """Attention and MLP side by side on one input (GPT-J, GPT-NeoX ``use_parallel_residual``, PaLM): one
     tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two."""
@@ -220,6 +223,7 @@ class PlanConfig:
         check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
+        check_context_exchange(self.cp_comm)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
 
     @property
@@ -264,6 +268,7 @@ class PlanConfig:
             "sequence_parallel": self.sequence_parallel,
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
+            "cp_comm": self.cp_comm,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
             "parallel_block": self.parallel_block,

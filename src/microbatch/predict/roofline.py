@@ -44,7 +44,7 @@ from microbatch.predict.collectives import (
     scatter_gather_send_s,
     sp_regather_time_s,
 )
-from microbatch.predict.context import kv_exchange_bytes, ring_exposed_s
+from microbatch.predict.context import kv_exchange_bytes, kv_exchange_exposed_s
 from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
 from microbatch.predict.fp8 import cast_bytes
 from microbatch.predict.gemm import (
@@ -181,6 +181,7 @@ def layer_forward(
     fp8_recipe: str | None = None,
     async_tp: bool = False,
     parallel_block: bool = False,
+    cp_comm: str = "allgather",
 ) -> LayerTime:
     """Roofline forward time of one transformer layer at rows = b_m·s on one of t GPUs, by part.
 
@@ -189,8 +190,8 @@ def layer_forward(
     Attention core: :func:`_attention_core_s` (flash on its own curve, or the scores through memory).
     Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary, the host's
     launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys and
-    passes K/V around a ring of c ranks t apart (:mod:`microbatch.predict.context`), overlapped with its
-    attention: the exposed rest is ``cp_comm_s``. Tensor parallelism: two all-reduces per pass (all-gather
+    gathers the K/V of c ranks t apart, by ``cp_comm`` (one all-gather or a ring,
+    :mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``. Tensor parallelism: two all-reduces per pass (all-gather
     + reduce-scatter under SP, the same bytes; :func:`_tp_comm`). With ``async_tp`` the collectives are
     decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism): exposed
     max(0, collectives − GEMMs). With ``parallel_block`` (GPT-J, GPT-NeoX, PaLM: attention and MLP on one
@@ -219,12 +220,13 @@ def layer_forward(
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
+    cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
         tp_comm = max(0.0, tp_comm - gemm)
     return LayerTime(
         op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
-        cp_comm_s=ring_exposed_s(ring_s, attention, sigma),
-        cp_comm_backward_s=ring_exposed_s(2 * ring_s, attention_bwd, sigma),
+        cp_comm_s=cp_f,
+        cp_comm_backward_s=cp_b,
         gemm_s=gemm,
         attention_s=attention,
         elementwise_s=elementwise,

@@ -27,7 +27,7 @@ stage 2 or 3; a Lightning export of tensor parallelism is stated in the notes (L
 ``ModelParallelStrategy`` needs the model's own parallelisation function), never turned into FSDP.
 
 The layouts of issue 29 (:func:`_check_supported`): torchtitan takes expert parallelism
-(``expert_parallel_degree``), context parallelism (``context_parallel_degree``), FP8 linears (the
+(``expert_parallel_degree``), context parallelism (``context_parallel_degree``, its rotate method), FP8 linears (the
 ``quantize.linear.float8`` converter with its ``recipe_name``), per-op and every-K-th-layer recompute
 (``selective_ac_option``) and async TP; it refuses a capacity factor (its MoE routes dropless). DeepSpeed
 writes MoE as a note (its ``deepspeed.moe.layer.MoE(ep_size=…)`` lives in model code) and refuses context
@@ -129,7 +129,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
-                    "expert_parallel", "context_parallel"):  # fmt: skip
+                    "expert_parallel", "context_parallel", "cp_comm"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if isinstance(data.get("model_shape"), dict) and data.get("layers_per_stage") is None:
@@ -385,7 +385,8 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
         par["expert_parallel_degree"] = ep
         notes.append(f"expert parallelism {ep} is carved out of the data-parallel × context-parallel ranks")
     if (cp := c.get("context_parallel", 1)) > 1:
-        par["context_parallel_degree"] = cp
+        par["context_parallel_degree"] = cp  # torch's all-to-all rotater is the ring of sends
+        par["context_parallel_rotate_method"] = "alltoall" if c.get("cp_comm") == "ring" else "allgather"
     if c.get("async_tp"):
         par["enable_async_tensor_parallel"] = True
         cfg.setdefault("compile", {})["enable"] = True

@@ -328,7 +328,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
         f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
         f"{cfg.data_parallel}, p = {cfg.pipeline_parallel}, t = {cfg.tensor_parallel}"
         f"{' + SP' if cfg.sequence_parallel else ''}"
-        f"{f', c = {cfg.context_parallel}' if cfg.context_parallel > 1 else ''}"
+        f"{f', c = {cfg.context_parallel} ({cfg.cp_comm})' if cfg.context_parallel > 1 else ''}"
         f"{f', EP = {cfg.expert_parallel}' if cfg.expert_parallel > 1 else ''}"
         f", s = {cfg.seq_len}; {plan.evaluated} candidates, "
         f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.memory_budget_bytes)}"
