@@ -185,7 +185,7 @@ def bridge_rows(data: dict) -> list[dict]:
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, async_tp=t > 1, context_parallel=c,
             micro_batches=(r["micro_batch"],), layers_per_stage=split,
-            zero=(3,) if r["fsdp"] else (1,), flash_attention=True, precision=sec["precision"],
+            zero=(3,) if r["fsdp"] else (1,), zero3_impl="megatron", flash_attention=True, precision=sec["precision"],
             fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip

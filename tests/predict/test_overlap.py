@@ -9,8 +9,9 @@ import pytest
 from microbatch.errors import ConfigError
 from microbatch.hardware import cpu_accelerator, get_accelerator
 from microbatch.model import get_model
-from microbatch.predict.candidate import _comm, _stage_times, make_context
+from microbatch.predict.candidate import _stage_times, make_context
 from microbatch.predict.collectives import OVERLAP_COMPUTE_SLOWDOWN, allreduce_time_s, overlap_exposed_s
+from microbatch.predict.dp_comm import data_parallel_comm as _comm
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.plan import PlanConfig, make_plan
 from microbatch.predict.steptime import overlap_expert_comm

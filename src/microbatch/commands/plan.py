@@ -101,6 +101,12 @@ __all__ = ["cmd"]
     help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass.",
 )  # fmt: skip
 @click.option(
+    "--zero3-impl", "zero3_impl", type=click.Choice(["fsdp2", "fsdp1", "deepspeed", "megatron"]), default="fsdp2",
+    show_default=True,
+    help="Who runs ZeRO-3: fsdp2 (fully_shard, torchtitan) copies each gathered layer out on the compute "
+    "stream; fsdp1, deepspeed and megatron (its FSDP) compute from the gathered buffer.",
+)  # fmt: skip
+@click.option(
     "--cp-comm", "cp_comm", type=click.Choice(["allgather", "ring"]), default="allgather", show_default=True,
     help="With -c: how K/V reach the c ranks. allgather: one all-gather hidden only behind the local 1/c of "
     "attention (torch context_parallel, torchtitan's default, Llama 3); ring: a send per step behind each "
@@ -143,7 +149,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, dropout: bool | None, compiled: bool,
-    parallel_block: bool, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
+    parallel_block: bool, zero3_impl: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
@@ -198,6 +204,7 @@ def cmd(
         ep_overlap=ep_overlap,
         parallel_block=parallel_block,
         cp_comm=cp_comm,
+        zero3_impl=zero3_impl,
         efficiency=replace(DEFAULT_EFFICIENCY, fused_elementwise=compiled),
         **expert_layout,
     )

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.predict.collectives import fsdp_edges_s, overlap_exposed_s, ranks_per_node, ring_latency_s
+from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
 from microbatch.predict.plan_context import (
     Context,
     InFlight,
@@ -46,11 +46,6 @@ from microbatch.predict.plan_context import (
     activations,
     layer_costs,
     make_context,
-)
-from microbatch.predict.roofline import (
-    allgather_time_s,
-    allreduce_time_s,
-    reduce_scatter_time_s,
 )
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
@@ -259,7 +254,7 @@ def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
     # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
     runs = ctx.split_runs
     kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
-    layer = overlap_expert_comm(costs.layer, _sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
+    layer = overlap_expert_comm(costs.layer, overlap_sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
     fu, iu, wu = pipeline_stage_times(
         layer,
         costs.logits_s,
@@ -306,7 +301,7 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
     )
     f, i_, w = pipeline_stage_times(
         overlap_expert_comm(
-            costs.layer, _sigma(ctx)
+            costs.layer, overlap_sigma(ctx)
         ),  # DualPipeV pairs one micro-batch's forward with another's backward
         costs.logits_s,
         split=chunks,
@@ -340,52 +335,6 @@ def _pipeline_time(ctx: Context, sched: str, m: int, v: int, tm: StageTimes) -> 
     return step_time(p, m, v, tm)
 
 
-def _sigma(ctx: Context) -> float:
-    """The slowdown of computation beside an overlapped collective on this plan's accelerator."""
-    return ctx.cfg.efficiency.overlap_fraction(bool(ctx.cfg.gpu.compute_units))
-
-
-def _comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
-    """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds) for
-    ``n`` parameters on the GPU that holds the most."""
-    cfg = ctx.cfg
-    d = cfg.shard_group  # gradients reduced over d·c
-    wb, gb, ob = ctx.state_bpp
-    back = tm.ik + tm.wk
-    bw_dp = ctx.bw_dp
-    sigma = _sigma(ctx)  # computation runs this much slower beside the NCCL kernels it overlaps
-    dp = zero_s = 0.0
-    if d > 1:
-        if z <= 1:
-            # gradients reduced once per step, overlapped with the last micro-batch's backward (exposed
-            # whole when not dp_overlap); ZeRO-1 then all-gathers the updated half weights (not hidden)
-            reduce = reduce_scatter_time_s(n * gb, d, bw_dp) if z == 1 else allreduce_time_s(n * gb, d, bw_dp)
-            dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
-            if z == 1:
-                dp += allgather_time_s(n * wb, d, bw_dp)
-        elif z == 2:
-            # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
-            zero_s = m * overlap_exposed_s(reduce_scatter_time_s(n * gb, d, bw_dp), back, sigma)
-            dp = allgather_time_s(n * wb, d, bw_dp)
-        else:
-            # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
-            # reduce-scattered, every micro-step; prefetch hides what compute covers
-            # one gather and one reduce-scatter per layer, each with its ring latency (NCCL's model)
-            units = ctx.split[tm.k]
-            nodes = -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel))
-            alpha = units * ring_latency_s(d, nodes)
-            ag = allgather_time_s(n * wb, d, bw_dp) + alpha
-            rs = reduce_scatter_time_s(n * gb, d, bw_dp) + alpha
-            zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
-            # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
-            zero_s += fsdp_edges_s(ag, rs, units, m)
-    # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
-    owned = n / d if z >= 1 else n
-    rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
-    opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
-    return dp, zero_s, opt
-
-
 def evaluate(
     ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int, model_flops: float
 ) -> Candidate:
@@ -406,7 +355,7 @@ def evaluate(
     comm = ctx.comm_cache.get(key)
     if comm is None:
         n = ctx.max_params_v if v_placement else ctx.max_params
-        comm = ctx.comm_cache[key] = _comm(ctx, m, z, tm, n)
+        comm = ctx.comm_cache[key] = data_parallel_comm(ctx, m, z, tm, n)
     dp, zero_s, opt = comm
     step = pipe + dp + zero_s + opt
     if not ctx.fixed:  # the fields every candidate of this plan shares, built once

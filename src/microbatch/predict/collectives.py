@@ -26,6 +26,8 @@ __all__ = [
     "ranks_per_node",
     "alltoall_time_s",
     "fsdp_edges_s",
+    "ZERO3_IMPLS",
+    "fsdp2_copy_out_s",
     "ring_latency_s",
     "overlap_exposed_s",
     "OVERLAP_COMPUTE_SLOWDOWN",
@@ -197,6 +199,24 @@ def fsdp_edges_s(allgather_s: float, reduce_scatter_s: float, units: int, micros
     """
     u = max(1, units)
     return microsteps * allgather_s / u + reduce_scatter_s / u
+
+
+ZERO3_IMPLS = ("fsdp2", "fsdp1", "deepspeed", "megatron")
+"""Who runs ZeRO-3: PyTorch's ``fully_shard`` (FSDP2), ``FullyShardedDataParallel`` (FSDP1), DeepSpeed, or
+Megatron-core's FSDP (its ``ParamAndGradBuffer`` buckets: the parameters are views of the gathered bucket)."""
+
+
+def fsdp2_copy_out_s(unit_bytes: float, bytes_per_s: float) -> float:
+    """Seconds FSDP2 spends copying one gathered unit out of its all-gather buffer, on the compute stream.
+
+    ``fully_shard`` all-gathers into one flat buffer, then ``foreach_all_gather_copy_out`` makes the
+    *current* stream wait on the gather and copies each parameter out of it with
+    ``torch.split_with_sizes_copy`` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, called from
+    ``FSDPParamGroup.wait_for_unshard``): a read and a write of the unit's unsharded bytes, in line with
+    the computation, never hidden. FSDP1's flat parameter, DeepSpeed's ZeRO-3 and Megatron-core's FSDP
+    buckets compute from the gathered buffer itself (no copy). ``bytes_per_s``: the streaming copy rate (bandwidth × the measured copy fraction).
+    """
+    return 2.0 * unit_bytes / bytes_per_s
 
 
 def ring_latency_s(ranks: int, nodes: int, *, allreduce: bool = False) -> float:

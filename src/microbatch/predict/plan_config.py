@@ -15,6 +15,7 @@ from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_fp8_recipe, get_precision
 from microbatch.predict.activations import RECOMPUTE_CHOICES
+from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import check_context_exchange, check_context_layout
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
@@ -117,6 +118,11 @@ class PlanConfig:
     cp_comm: str = "allgather"
     """How the c ranks exchange K/V (:data:`microbatch.predict.context.CP_EXCHANGES`): ``allgather``, torch's
     ``context_parallel`` and torchtitan's default and Llama 3's; ``ring``, Megatron's ``--cp-comm-type p2p``."""
+    zero3_impl: str = "fsdp2"
+    """Who runs ZeRO-3 (:data:`microbatch.predict.collectives.ZERO3_IMPLS`): ``fsdp2`` (PyTorch's
+    ``fully_shard``, torchtitan's) copies each gathered layer out on the compute stream
+    (:func:`~microbatch.predict.collectives.fsdp2_copy_out_s`); ``fsdp1``, ``deepspeed`` and ``megatron``
+    (Megatron-core's FSDP) compute from the gathered buffer."""
     parallel_block: bool = False
     """Attention and MLP side by side on one input (GPT-J, GPT-NeoX ``use_parallel_residual``, PaLM): one
     tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two."""
@@ -224,6 +230,11 @@ class PlanConfig:
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
         check_context_exchange(self.cp_comm)
+        if self.zero3_impl not in ZERO3_IMPLS:
+            raise ConfigError(
+                f"zero3_impl {self.zero3_impl!r} is not known; use one of {', '.join(ZERO3_IMPLS)}",
+                params=("zero3_impl",),
+            )
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
 
     @property
@@ -269,6 +280,7 @@ class PlanConfig:
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
             "cp_comm": self.cp_comm,
+            "zero3_impl": self.zero3_impl,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
             "parallel_block": self.parallel_block,
