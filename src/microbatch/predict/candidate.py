@@ -88,6 +88,9 @@ class Candidate:
     """Model FLOPs utilisation: model FLOPs per step / (step time · GPUs · peak)."""
     fits: bool
     """Peak ≤ capacity × (1 − headroom)."""
+    fits_device: bool = True
+    """Peak ≤ capacity: with ``fits`` False, a tight candidate — inside the device, not its headroom (runs
+    this close do work when nothing else holds memory; the headroom is a policy, :data:`microbatch.hardware.DEFAULT_HEADROOM`)."""
     global_batch: int
     """B_global (held fixed)."""
     data_parallel: int
@@ -137,6 +140,7 @@ class Candidate:
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
             "fits": self.fits,
+            "fits_device": self.fits_device,
             "global_batch": self.global_batch,
             "data_parallel": self.data_parallel,
             "pipeline_parallel": self.pipeline_parallel,
@@ -381,6 +385,7 @@ def evaluate(
             "tokens_per_s": ctx.tokens_per_step / step,
             "mfu": model_flops / (step * ctx.num_gpus * ctx.peak_flops),
             "fits": peak <= ctx.budget,
+            "fits_device": peak <= ctx.cfg.gpu.memory_bytes,
             "peak_stage": stage,
             "gemm_efficiency": layer_costs(ctx, b).gemm_efficiency,
             "time": {"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,

@@ -87,7 +87,7 @@ def _row(c: Candidate) -> list[str]:
         f"{c.step_time_s:.3g} s",
         f"{c.tokens_per_s:,.0f}",
         f"{100 * c.mfu:.1f}%",
-        "yes" if c.fits else "no",
+        "yes" if c.fits else ("tight" if c.fits_device else "no"),
     ]
 
 
@@ -339,6 +339,8 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
         else "best candidate at each b_m (* = recommended, + = fastest where it differs)"
     )
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
+    if any(r[-1] == "tight" for r in rows[1:]):
+        title += f"; tight = inside the device's {_gib(cfg.gpu.memory_bytes)}, not its headroom"
     parts = [head, "", title, text_table(rows), "", explain(plan, words=words)]
     # With no recommendation the explanation is the advice's headline: list only the rest.
     advice = plan_advice(plan)[1:] if plan.recommended is None else plan_advice(plan)
@@ -426,6 +428,12 @@ def advice_lines(advice: Advice) -> list[str]:
         f"{best.schedule}, recompute {best.recompute}, ZeRO {best.zero} (weights {_gib(best.memory['weights'])}, "
         f"optimizer {_gib(best.memory['optimizer'])}, activations {_gib(best.memory['activations'])})"
     ]
+    if best.peak_memory_bytes <= advice.memory_bytes:  # tight: inside the device, not its headroom
+        out[0] += (
+            f"; that is inside the device's {_gib(advice.memory_bytes)} — it may run with nothing else on the "
+            "GPU (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation); "
+            "--memory-headroom 0 plans with it"
+        )
     for a in advice.alternatives:
         label, c = _SETTINGS[a.setting].format(a.value), a.best
         if a.fits:

@@ -1,0 +1,67 @@
+"""A candidate inside the device but not its headroom is "tight", not "no" (issue 28, item 4: configurations
+that really ran must not be reported as not fitting without saying they fit the device)."""
+
+from __future__ import annotations
+
+import json
+
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.plan import make_plan
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.show.plan_report import render_plan as plan_text
+
+GPT2 = get_model("gpt2")
+A100 = get_accelerator("a100-80gb")
+
+
+def _cfg(gpu) -> PlanConfig:
+    return PlanConfig(
+        shape=GPT2, gpu=gpu, global_batch=16, micro_batches=(16,), recompute=("none",), zero=(0,)
+    )
+
+
+def _peak() -> float:
+    return make_plan(_cfg(A100)).candidates[0].peak_memory_bytes
+
+
+def test_tight_between_budget_and_capacity():
+    peak = _peak()
+    tight_gpu = A100.with_overrides(
+        memory_bytes=peak / 0.95
+    )  # 95% full: over the 90% budget, inside the device
+    plan = make_plan(_cfg(tight_gpu))
+    c = plan.candidates[0]
+    assert not c.fits and c.fits_device and plan.recommended is None
+    d = c.to_dict()
+    assert d["fits"] is False and d["fits_device"] is True
+    text = plan_text(plan)
+    assert "tight = inside the device's" in text
+    row = [line for line in text.splitlines() if line.strip().startswith("16 ")][0]
+    assert row.split()[-1] == "tight"
+    assert "inside the device's" in text and "--memory-headroom 0 plans with it" in text
+    # with no headroom it is the plan
+    import dataclasses
+
+    assert make_plan(dataclasses.replace(_cfg(tight_gpu), memory_headroom=0.0)).recommended is not None
+
+
+def test_over_the_device_is_no_and_says_nothing_of_the_device():
+    peak = _peak()
+    small = A100.with_overrides(memory_bytes=peak / 1.05)  # 5% over the device
+    plan = make_plan(_cfg(small))
+    c = plan.candidates[0]
+    assert not c.fits and not c.fits_device
+    text = plan_text(plan)
+    assert "tight" not in text and "inside the device" not in text
+    row = [line for line in text.splitlines() if line.strip().startswith("16 ")][0]
+    assert row.split()[-1] == "no"
+
+
+def test_fitting_candidates_fit_the_device_too(capsys):
+    from microbatch.cli import main
+
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plan = out["result"] if "result" in out else out
+    assert all(c["fits_device"] for c in plan["candidates"] if c["fits"])
