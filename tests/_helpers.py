@@ -1,8 +1,10 @@
 """Helpers several test modules share: an out-of-memory injected at the allocation point, and two
-gloo ranks run as real processes with a timeout (so a hang fails instead of blocking CI)."""
+gloo ranks run as real processes with a timeout (so a hang fails instead of blocking CI), and a plan read
+back from ``plan --json``."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -101,3 +103,12 @@ def run_launched(
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def plan_json(args: list[str], capsys) -> dict:
+    """Run ``microbatch`` with ``args`` (a ``plan … --json`` line), check it exits 0, return the plan."""
+    from microbatch.cli import main
+
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    return out["result"] if "result" in out else out

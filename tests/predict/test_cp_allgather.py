@@ -6,9 +6,8 @@ planner, the CLI and the torchtitan export."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from _helpers import plan_json
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
@@ -115,9 +114,7 @@ def test_cli_and_torchtitan_export_carry_the_exchange(capsys):
             "--seq", "131072", "-b", "1", "--recompute", "full", "--zero", "1", "--json"]  # fmt: skip
     times = {}
     for how in ("allgather", "ring"):
-        assert main([*args, "--cp-comm", how]) == 0
-        out = json.loads(capsys.readouterr().out)
-        plan = out["result"] if "result" in out else out
+        plan = plan_json([*args, "--cp-comm", how], capsys)
         assert plan["cp_comm"] == how
         times[how] = plan["recommended"]["step_time_s"]
         par = export_plan(plan, "torchtitan").config["parallelism"]

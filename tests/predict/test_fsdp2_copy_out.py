@@ -4,9 +4,8 @@ planner and the CLI."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from _helpers import plan_json
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
@@ -67,9 +66,7 @@ def test_cli_flag(capsys):
             "--zero", "3", "--recompute", "full", "--json"]  # fmt: skip
     steps = {}
     for impl in ("fsdp2", "deepspeed"):
-        assert main([*args, "--zero3-impl", impl]) == 0
-        out = json.loads(capsys.readouterr().out)
-        plan = out["result"] if "result" in out else out
+        plan = plan_json([*args, "--zero3-impl", impl], capsys)
         assert plan["zero3_impl"] == impl
         steps[impl] = plan["recommended"]["step_time_s"]
     assert steps["fsdp2"] > steps["deepspeed"]

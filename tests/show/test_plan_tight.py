@@ -39,7 +39,7 @@ def test_tight_between_budget_and_capacity():
     assert "tight = inside the device's" in text
     row = [line for line in text.splitlines() if line.strip().startswith("16 ")][0]
     assert row.split()[-1] == "tight"
-    assert "inside the device's" in text and "--memory-headroom 0 plans with it" in text
+    assert "inside the device's" in text and "a memory headroom of 0 plans with it" in text
     # with no headroom it is the plan
     import dataclasses
 

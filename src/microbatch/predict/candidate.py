@@ -47,6 +47,7 @@ from microbatch.predict.plan_context import (
     layer_costs,
     make_context,
 )
+from microbatch.predict.state import resident_zero
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
 from microbatch.schedules.registry import get_spec, in_flight_chunks
@@ -197,6 +198,7 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
         d = cfg.shard_group  # d·c: the context-parallel ranks replicate the state too
         wb, gb, ob = ctx.state_bpp
         params = ctx.params_v if v_placement else ctx.params
+        z = resident_zero(z, cfg.pipeline_parallel)  # ZeRO-2/3 under a pipeline: ZeRO-1's state held
         de = (
             d // cfg.expert_parallel
         )  # the routed experts' state is sharded over the expert-data-parallel d/EP

@@ -41,6 +41,8 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
             if z == 1:
                 dp += allgather_time_s(n * wb, d, bw_dp)
+        elif cfg.pipeline_parallel > 1:  # ZeRO-2/3 under a pipeline: FSDP as torch's pipelining runs it
+            zero_s = _fsdp_under_pipeline(ctx, tm, n)
         elif z == 2:
             # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
             zero_s = m * overlap_exposed_s(reduce_scatter_time_s(n * gb, d, bw_dp), back, sigma)
@@ -48,23 +50,43 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
         else:
             # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
             # reduce-scattered, every micro-step; prefetch hides what compute covers
-            # one gather and one reduce-scatter per layer, each with its ring latency (NCCL's model)
-            units = ctx.split[tm.k]
-            nodes = -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel))
-            alpha = units * ring_latency_s(d, nodes)
-            ag = allgather_time_s(n * wb, d, bw_dp) + alpha
-            rs = reduce_scatter_time_s(n * gb, d, bw_dp) + alpha
+            ag, rs, units = _unit_collectives(ctx, tm, n)
             zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
             # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
             zero_s += fsdp_edges_s(ag, rs, units, m)
-            if cfg.zero3_impl == "fsdp2":  # each gather (forward, backward) copied out on the compute stream
-                zero_s += (
-                    2
-                    * m
-                    * fsdp2_copy_out_s(n * wb, cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
-                )
+            zero_s += 2 * m * _copy_out_s(ctx, n)  # each gather (forward, backward) copied out (FSDP2)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
     owned = n / d if z >= 1 else n
     rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     return dp, zero_s, opt
+
+
+def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, float, int]:
+    """(all-gather seconds, reduce-scatter seconds, units) of FSDP over the stage's ``n`` parameters: one
+    gather and one reduce-scatter per unit (a layer), each with its ring latency (NCCL's model)."""
+    cfg = ctx.cfg
+    d, units = cfg.shard_group, ctx.split[tm.k]
+    wb, gb, _ = ctx.state_bpp
+    alpha = units * ring_latency_s(d, -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel)))
+    ag = allgather_time_s(n * wb, d, ctx.bw_dp) + alpha
+    rs = reduce_scatter_time_s(n * gb, d, ctx.bw_dp) + alpha
+    return ag, rs, units
+
+
+def _copy_out_s(ctx: Context, n: float) -> float:
+    """One gather of ``n`` parameters copied out on the compute stream under FSDP2, else 0."""
+    cfg = ctx.cfg
+    if cfg.zero3_impl != "fsdp2":
+        return 0.0
+    rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
+    return fsdp2_copy_out_s(n * ctx.state_bpp[0], rate)
+
+
+def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float) -> float:
+    """Exposed seconds per step of ZeRO-2/3 under a pipeline, as FSDP runs in ``torch.distributed.pipelining``
+    (:func:`microbatch.predict.state.resident_zero`): the weights gathered once, unit by unit behind the
+    first micro-batch's forward (its first unit exposed; FSDP2 copies them out once), and the accumulated
+    gradients reduce-scattered once after the last backward with nothing left to hide behind: whole."""
+    ag, rs, units = _unit_collectives(ctx, tm, n)
+    return overlap_exposed_s(ag, tm.fk, overlap_sigma(ctx)) + ag / max(1, units) + rs + _copy_out_s(ctx, n)

@@ -30,7 +30,7 @@ from microbatch.predict.activations import (
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
 from microbatch.predict.recompute import every_kth
-from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes
+from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes, resident_zero
 from microbatch.schedules import registry
 
 __all__ = [
@@ -409,9 +409,10 @@ def _stage_state(
     experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
     params += experts / ep - experts
     kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer)
-    state = model_state_bytes(params - experts / ep, zero=config.zero, data_parallel=d, **kw)
+    z = resident_zero(config.zero, p)  # ZeRO-2/3 under a pipeline holds ZeRO-1's state through the step
+    state = model_state_bytes(params - experts / ep, zero=z, data_parallel=d, **kw)
     if experts:
-        est = model_state_bytes(experts / ep, zero=config.zero, data_parallel=d // ep, **kw)
+        est = model_state_bytes(experts / ep, zero=z, data_parallel=d // ep, **kw)
         state = {k: state[k] + est[k] for k in state}
     return params, state
 
@@ -468,7 +469,7 @@ def estimate_memory(
             terms["recompute_working"] = working
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
         other = cal.fixed_bytes
-        if config.zero >= 3 and d > 1:
+        if resident_zero(config.zero, p) >= 3 and d > 1:
             other += 2 * shape.layer_params() / t * w_bytes
         if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
             other += 2 * dispatch_bytes(shape, config.micro_batch, seq, dtype_bytes=e, load=load)

@@ -19,7 +19,9 @@ from __future__ import annotations
 from microbatch.errors import ConfigError
 from microbatch.precision import get_precision
 
-__all__ = ["GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero"]
+__all__ = [
+    "GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero", "resident_zero",
+]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
 """Gradient buffer type under mixed precision: ``half`` (ZeRO paper, 16 B/param) or ``fp32`` (Megatron, 18)."""
@@ -86,3 +88,18 @@ def check_zero(zero: object) -> int:
             "2 (+ gradients) or 3 (+ weights)"
         )
     return zero
+
+
+def resident_zero(zero: int, pipeline_parallel: int) -> int:
+    """The ZeRO stage whose sharding holds through a training step: 1 for ZeRO-2/3 under a pipeline, else ``zero``.
+
+    ZeRO-2/3 with pipeline stages is FSDP under ``torch.distributed.pipelining`` (torchtitan; DeepSpeed's
+    pipeline engine and Megatron-LM take ZeRO ≤ 1): the stage turns off FSDP's gradient sync and its
+    resharding after backward for every micro-batch but the last (``backward_maybe_with_nosync``: FSDP
+    ``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``) and reduces the gradients
+    once, after the last backward (``perform_reduce_grad``), and torchtitan does not reshard after forward
+    under PP ("to avoid per-microbatch all-gathers", ``reshard_after_forward = not pp_enabled``). So from the
+    first forward to the step's end the stage holds its weights and accumulated gradients whole: ZeRO-1's
+    memory (:func:`microbatch.predict.dp_comm.data_parallel_comm` times its one gather and exposed reduce-scatter).
+    """
+    return 1 if pipeline_parallel > 1 and zero >= 2 else zero

@@ -132,7 +132,12 @@ def render_memory(
         f"t={cfg.tensor_parallel}{' +SP' if cfg.sequence_parallel else ''} p={cfg.pipeline_parallel} "
         f"{f'c={cfg.context_parallel} ' if cfg.context_parallel > 1 else ''}"
         f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}; {cfg.precision} "
-        f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}",
+        f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}"
+        + (
+            " (held as ZeRO 1 through the step: FSDP under a pipeline keeps weights and gradients whole)"
+            if cfg.pipeline_parallel > 1 and cfg.zero >= 2
+            else ""
+        ),
         "",
         f"{'stage':>5} {'layers':>6} {'in-flight':>9} {'weights':>9} {'grads':>9} {'optim':>9} "
         f"{'activ':>9} {'other':>8} {'peak':>9}",

@@ -398,7 +398,9 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
         )
         return (
             f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in torchtitan (FSDP with pipeline "
-            "parallelism); DeepSpeed's pipeline engine takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
+            "parallelism), where the stage keeps its weights and gradients whole through the step (ZeRO 1's "
+            "memory) and reduce-scatters them once after the last backward, exposed; DeepSpeed's pipeline engine "
+            "takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
             f"for those, plan with {_say('zero', words)} 1{tail}"
         )
     assert isinstance(lint, FarPastKnee)
@@ -432,7 +434,7 @@ def advice_lines(advice: Advice) -> list[str]:
         out[0] += (
             f"; that is inside the device's {_gib(advice.memory_bytes)} — it may run with nothing else on the "
             "GPU (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation); "
-            "--memory-headroom 0 plans with it"
+            "a memory headroom of 0 plans with it"
         )
     for a in advice.alternatives:
         label, c = _SETTINGS[a.setting].format(a.value), a.best

@@ -1,0 +1,110 @@
+"""ZeRO-2/3 under a pipeline as FSDP runs in torch.distributed.pipelining (issue 28, item 3).
+
+The stage turns off FSDP's gradient sync and resharding after backward until the last micro-batch and
+reduces the gradients once after it (pipelining/stage.py); torchtitan does not reshard after forward under
+PP. So the stage holds ZeRO-1's state through the step, gathers its weights once and reduce-scatters its
+gradients once, exposed. By hand against the planner and the memory model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.candidate import _stage_times, evaluate, make_context
+from microbatch.predict.collectives import ranks_per_node, ring_latency_s
+from microbatch.predict.memory import MemoryConfig, estimate_memory
+from microbatch.predict.plan import PlanConfig
+from microbatch.predict.roofline import allgather_time_s, model_flops_per_step, reduce_scatter_time_s
+from microbatch.predict.state import resident_zero
+
+H100 = get_accelerator("h100-sxm")
+LLAMA = get_model("llama-3-8b")
+
+
+def test_resident_zero():
+    assert [resident_zero(z, 1) for z in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert [resident_zero(z, 4) for z in (0, 1, 2, 3)] == [0, 1, 1, 1]
+
+
+def _mem(zero: int, p: int) -> dict:
+    est = estimate_memory(
+        LLAMA,
+        MemoryConfig(
+            micro_batch=1, seq=4096, pipeline_parallel=p, microbatches=8, data_parallel=8, zero=zero
+        ),
+    )
+    s = est.stages[0]
+    return {"w": s.weights_bytes, "g": s.gradients_bytes, "o": s.optimizer_bytes, "other": s.other_bytes}
+
+
+def test_memory_under_a_pipeline_is_zero1s():
+    assert _mem(3, 4) == _mem(1, 4) == _mem(2, 4)
+    # without a pipeline ZeRO-3 shards the weights over d = 8 and holds two gathered layers
+    one, three = _mem(1, 1), _mem(3, 1)
+    assert three["w"] == pytest.approx(one["w"] / 8)
+    assert three["other"] > one["other"]
+
+
+def _cfg(**kw) -> PlanConfig:
+    base = dict(shape=LLAMA, gpu=H100, global_batch=64, data_parallel=8, pipeline_parallel=2, seq=4096,
+                micro_batches=(1,), recompute=("full",), zero=(3,), schedules=("1f1b",))  # fmt: skip
+    base.update(kw)
+    return PlanConfig(**base)
+
+
+def _candidate(cfg: PlanConfig, m: int, z: int = 3):
+    ctx = make_context(cfg)
+    return ctx, evaluate(
+        ctx, 1, m, "1f1b", 1, "full", z, model_flops_per_step(cfg.shape, cfg.global_batch, 4096)
+    )
+
+
+def test_one_gather_and_one_exposed_reduce_scatter_by_hand():
+    cfg = _cfg()
+    ctx, c = _candidate(cfg, 8)
+    tm = _stage_times(ctx, 1, "full")
+    n = max(ctx.params[i] for i in ctx.probe)  # the stage holding the most
+    wb, gb, _ = ctx.state_bpp
+    units = ctx.split[tm.k]
+    alpha = units * ring_latency_s(8, -(-8 // ranks_per_node(H100, 8, 1)))
+    ag = allgather_time_s(n * wb, 8, ctx.bw_dp) + alpha
+    rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_dp) + alpha
+    sig = 0.189
+    hidden = max(ag - tm.fk, sig * min(ag / (1 + sig), tm.fk))
+    copy = 2 * n * wb / (H100.memory_bandwidth_bytes_per_s * 0.8)  # FSDP2 copies the weights out once
+    t = c.to_dict()["time"]
+    assert t["zero_comm_s"] == pytest.approx(hidden + ag / units + rs + copy)
+    assert t["dp_comm_s"] == 0.0
+    # the reduce-scatter is whole: nothing after the last backward hides it
+    assert t["zero_comm_s"] > rs
+
+
+def test_does_not_grow_with_the_micro_batches_and_zero3_holds_zero1s_memory():
+    cfg = _cfg()
+    _, few = _candidate(cfg, 4)
+    _, many = _candidate(replace(cfg, global_batch=128), 16)
+    assert few.to_dict()["time"]["zero_comm_s"] == pytest.approx(many.to_dict()["time"]["zero_comm_s"])
+    _, z1 = _candidate(cfg, 8, 1)
+    _, z3 = _candidate(cfg, 8, 3)
+    assert z3.peak_memory_bytes == pytest.approx(z1.peak_memory_bytes)
+    # without the pipeline ZeRO-3 gathers every micro-step: it grows with m
+    flat = _cfg(pipeline_parallel=1, schedules=None)
+    _, a = _candidate(flat, 4)
+    _, b = _candidate(replace(flat, global_batch=128), 16)
+    assert b.to_dict()["time"]["zero_comm_s"] > 3 * a.to_dict()["time"]["zero_comm_s"]
+
+
+def test_the_planner_and_the_memory_model_agree_under_a_pipeline():
+    from microbatch.predict.plan import make_plan
+
+    plan = make_plan(_cfg(zero=(2, 3)))
+    for c in plan.candidates:
+        est = estimate_memory(
+            LLAMA,
+            MemoryConfig(micro_batch=c.micro_batch, seq=4096, pipeline_parallel=2, microbatches=c.microbatches,
+                         schedule=c.schedule, data_parallel=8, zero=c.zero, recompute=c.recompute),
+        )  # fmt: skip
+        assert c.peak_memory_bytes == pytest.approx(est.peak_bytes, rel=1e-9)
