@@ -255,8 +255,9 @@ et al.'s interleaving with a tunable number of contiguous micro-batches); its co
 in one all-gather exposed in the critical path (same section): ``cp_comm="allgather"``."""
 
 
-def llama3_rows(data: dict) -> list[dict]:
-    """Llama 3 Table 4: step = model FLOPs / (TFLOP/s per GPU · GPUs), b_m = 1, the rest the planner's fastest."""
+def llama3_rows(data: dict, cp_comm: str = "allgather") -> list[dict]:
+    """Llama 3 Table 4: step = model FLOPs / (TFLOP/s per GPU · GPUs), b_m = 1, the rest the planner's fastest;
+    ``cp_comm`` the report's all-gather unless asked otherwise."""
     sec = data["llama3_2024_table4"]
     gpu = get_accelerator(sec["gpu"])
     out = []
@@ -269,7 +270,7 @@ def llama3_rows(data: dict) -> list[dict]:
             shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
             sequence_parallel=True, context_parallel=c, micro_batches=(1,), flash_attention=True,
             memory_headroom=0.0, choose="fastest", efficiency=FUSED, layers_per_stage=split,
-            schedules=LLAMA3_SCHEDULE, cp_comm="allgather",
+            schedules=LLAMA3_SCHEDULE, cp_comm=cp_comm,
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)
         measured = model_flops_per_step(shape, B, s) / (r["tflops_per_gpu"] * 1e12 * n)
