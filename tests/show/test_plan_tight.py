@@ -40,6 +40,11 @@ def test_tight_between_budget_and_capacity():
     row = [line for line in text.splitlines() if line.strip().startswith("16 ")][0]
     assert row.split()[-1] == "tight"
     assert "inside the device's" in text and "a memory headroom of 0 plans with it" in text
+    # the HTML report's candidate table says the same
+    from microbatch.show.html import _candidates_table
+
+    html = "".join(_candidates_table([d], {}))
+    assert ">tight<" in html
     # with no headroom it is the plan
     import dataclasses
 

@@ -158,7 +158,7 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
             c.get("zero"),
             _pct(c.get("bubble_fraction")),
             _gib(c.get("peak_memory_bytes")),
-            "yes" if c.get("fits") else "no",
+            "yes" if c.get("fits") else ("tight" if c.get("fits_device") else "no"),
             _num(c.get("step_time_s"), "{:.3f}"),
             _num(c.get("tokens_per_s")),
             _pct(c.get("mfu")),
