@@ -185,7 +185,8 @@ def bridge_rows(data: dict) -> list[dict]:
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, async_tp=t > 1, context_parallel=c,
             micro_batches=(r["micro_batch"],), layers_per_stage=split,
-            zero=(3,) if r["fsdp"] else (1,), zero3_impl="megatron", flash_attention=True, precision=sec["precision"],
+            zero=(3,) if r["fsdp"] else (1,), zero3_impl="megatron", cp_comm="ring", flash_attention=True,
+            precision=sec["precision"],
             fp8_recipe=sec["fp8_recipe"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
@@ -233,7 +234,7 @@ def moe_bridge_rows(data: dict) -> list[dict]:
             v, note = 1, note + f"v{r['vp']} not expressible ({shape.layers} layers): "
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
-            tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, expert_parallel=e,
+            tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", expert_parallel=e,
             micro_batches=(r["micro_batch"],), zero=(1,), flash_attention=True, precision=r["precision"],
             fp8_recipe=r["fp8_recipe"] or "tensorwise", schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
@@ -369,6 +370,7 @@ def main() -> None:
         "True), Transformer Engine userbuffers): dense rows with t > 1 overlap TP communication with the GEMMs (async_tp)"
     )
     print(
+        "Megatron-Bridge rows: context parallelism as Megatron's p2p ring (its default cp_comm_type). "
         "Megatron-Bridge MoE rows (MB MoE): dropless with even expert load (the tables' forced balance), no"
     )
     print("all-to-all overlap, ZeRO-1; Qwen3 and GPT-OSS attention narrowed to heads x head_dim = hidden (no")

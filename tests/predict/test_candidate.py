@@ -199,3 +199,19 @@ def test_optimizer_update_at_the_measured_eager_rate_unless_fused():
     fused = replace(cfg, efficiency=replace(cfg.efficiency, fused_elementwise=True))
     _, _, opt_fused = _comm(make_context(fused), 8, 0, tm, n)
     assert opt_fused == pytest.approx(2 * (wb + gb + ob) * n / (2039e9 * 0.8))
+
+
+def test_communication_cache_keeps_v_apart():
+    """The data-parallel overlap reads the stage times, which carry v sends per chunk: a context that evaluated
+    interleaved v = 2 first gives 1F1B's communication as a fresh context does (found in review, 2026-12-04:
+    the cache key left v out, so the first schedule evaluated decided the other's)."""
+    slow = A100.with_overrides(inter_node_bytes_per_s=2e9)  # the reduction outlasts the backward it overlaps
+    cfg = PlanConfig(gpu=slow, shape=get_model("llama-2-7b"), global_batch=256, data_parallel=64,
+                     pipeline_parallel=4, zero=(0,))  # fmt: skip
+    flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
+    shared = make_context(cfg)
+    inter = evaluate(shared, 1, 4, "interleaved-1f1b", 2, "none", 0, flops)
+    after = evaluate(shared, 1, 4, "1f1b", 1, "none", 0, flops)
+    fresh = evaluate(make_context(cfg), 1, 4, "1f1b", 1, "none", 0, flops)
+    assert after.to_dict()["time"] == fresh.to_dict()["time"]
+    assert inter.to_dict()["time"]["dp_comm_s"] != fresh.to_dict()["time"]["dp_comm_s"]

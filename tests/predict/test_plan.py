@@ -548,3 +548,19 @@ def test_plan_flags_of_issue_28_reach_the_step_time(capsys):
     assert step("--parallel-block") < base  # one TP all-reduce per layer and pass
     assert step("--no-dropout") < base  # gpt2 trains with dropout: two masked passes fewer
     assert step("--dropout") == pytest.approx(base)
+
+
+def test_advice_skips_a_layout_no_schedule_can_serve(capsys):
+    """When nothing fits, an alternative layout with no servable schedule (p = 32 with m = 16 under 1F1B) is left
+    out of the advice instead of failing on an empty list (found in review, 2026-12-04)."""
+    cfg = PlanConfig(shape=get_model("llama-3-70b"), gpu=get_accelerator("h100-sxm"), global_batch=128,
+                     data_parallel=8, pipeline_parallel=4, schedules=("1f1b",), micro_batches=(1,), zero=(0,),
+                     recompute=("full",))  # fmt: skip
+    plan = make_plan(cfg)
+    assert plan.recommended is None and plan.advice is not None
+    settings = {(a.setting, a.value) for a in plan.advice.alternatives}
+    assert ("pipeline_parallel", 8) in settings and ("pipeline_parallel", 32) not in settings
+    assert any(a.fits for a in plan.advice.alternatives)
+    rc = main(["plan", "--model", "llama-3-70b", "--gpu", "h100-sxm", "-B", "128", "-d", "8", "-p", "4",
+               "--schedule", "1f1b", "-b", "1", "--zero", "0", "--recompute", "full"])  # fmt: skip
+    assert rc == 2 and "would fit" in capsys.readouterr().out  # nothing fits: exit 2, the advice printed

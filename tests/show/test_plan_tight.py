@@ -63,10 +63,27 @@ def test_over_the_device_is_no_and_says_nothing_of_the_device():
     assert row.split()[-1] == "no"
 
 
-def test_fitting_candidates_fit_the_device_too(capsys):
+def test_each_candidate_is_judged_against_the_device_and_the_budget(capsys):
     from microbatch.cli import main
 
-    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "16", "--json"]) == 0
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "1024", "-d", "16", "-p", "4",
+            "--seq", "8192", "--json"]  # fmt: skip
+    assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     plan = out["result"] if "result" in out else out
-    assert all(c["fits_device"] for c in plan["candidates"] if c["fits"])
+    cap, budget = 80 * 2**30, 0.9 * 80 * 2**30
+    kinds = set()
+    for c in plan["candidates"]:
+        assert c["fits"] == (c["peak_memory_bytes"] <= budget)
+        assert c["fits_device"] == (c["peak_memory_bytes"] <= cap)
+        kinds.add((c["fits"], c["fits_device"]))
+    assert kinds == {(True, True), (False, True), (False, False)}  # fits, tight and over the device
+
+
+def test_a_plan_read_back_without_the_field_says_no_not_tight():
+    from microbatch.predict.candidate import Candidate
+    from microbatch.show.plan_report import _row
+
+    c = make_plan(_cfg(A100.with_overrides(memory_bytes=_peak() / 0.95))).candidates[0].to_dict()
+    del c["fits_device"]  # a plan written before the field existed
+    assert _row(Candidate.from_dict(c))[-1] == "no"

@@ -248,7 +248,7 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             type=int,
             default=1,
             show_default=True,
-            help="c: GPUs each sequence is split over (ring attention); GPUs = t·p·d·c, 2c divides s.",
+            help="c: GPUs each sequence is split over (K/V exchanged, see plan --cp-comm); GPUs = t·p·d·c, 2c divides s.",
         ),  # fmt: skip
         click.option(
             "--fp8-recipe",

@@ -20,6 +20,8 @@ from microbatch.commands._common import (
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.commands._texts import CALIBRATION_HELP
+from microbatch.predict.collectives import ZERO3_IMPLS
+from microbatch.predict.context import CP_EXCHANGES
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
@@ -101,13 +103,14 @@ __all__ = ["cmd"]
     help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass.",
 )  # fmt: skip
 @click.option(
-    "--zero3-impl", "zero3_impl", type=click.Choice(["fsdp2", "fsdp1", "deepspeed", "megatron"]), default="fsdp2",
+    "--zero3-impl", "zero3_impl", type=click.Choice(list(ZERO3_IMPLS)), default="fsdp2",
     show_default=True,
     help="Who runs ZeRO-3: fsdp2 (fully_shard, torchtitan) copies each gathered layer out on the compute "
-    "stream; fsdp1, deepspeed and megatron (its FSDP) compute from the gathered buffer.",
+    "stream; fsdp1, deepspeed and megatron (its FSDP) compute from the gathered buffer. With -p > 1, ZeRO 2/3 "
+    "is FSDP under torch's pipelining whatever this says (DeepSpeed and Megatron take ZeRO <= 1 there).",
 )  # fmt: skip
 @click.option(
-    "--cp-comm", "cp_comm", type=click.Choice(["allgather", "ring"]), default="allgather", show_default=True,
+    "--cp-comm", "cp_comm", type=click.Choice(list(CP_EXCHANGES)), default="allgather", show_default=True,
     help="With -c: how K/V reach the c ranks. allgather: one all-gather hidden only behind the local 1/c of "
     "attention (torch context_parallel, torchtitan's default, Llama 3); ring: a send per step behind each "
     "step (Megatron --cp-comm-type p2p, torchtitan rotate method alltoall).",

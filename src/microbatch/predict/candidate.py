@@ -28,7 +28,8 @@ micro-batch, T_k = F_k + B_k; Narayanan et al. 2021 §2.2):
 
 plus the exposed data-parallel gradient reduction (overlapped with the last backward, or whole after it
 with ``PlanConfig.dp_overlap=False``), ZeRO-2/3
-communication per micro-step (overlapped with compute where shorter), and the optimizer update.
+communication per micro-step (overlapped with compute where shorter; under a pipeline once per step, as FSDP
+runs in torch's pipelining: :mod:`microbatch.predict.dp_comm`), and the optimizer update.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ class Candidate:
     """Model FLOPs utilisation: model FLOPs per step / (step time · GPUs · peak)."""
     fits: bool
     """Peak ≤ capacity × (1 − headroom)."""
-    fits_device: bool = True
+    fits_device: bool | None = None
     """Peak ≤ capacity: with ``fits`` False, a tight candidate — inside the device, not its headroom (runs
-    this close do work when nothing else holds memory; the headroom is a policy, :data:`microbatch.hardware.DEFAULT_HEADROOM`)."""
+    this close do work when nothing else holds memory; the headroom is a policy,
+    :data:`microbatch.hardware.DEFAULT_HEADROOM`). None when not known (a plan read back from an older file)."""
     global_batch: int
     """B_global (held fixed)."""
     data_parallel: int
@@ -115,6 +117,8 @@ class Candidate:
     """EP: GPUs the routed experts are spread over (inside d·c)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over."""
+    cp_comm: str = "allgather"
+    """How the c ranks exchange K/V (``PlanConfig.cp_comm``)."""
     total_params: int = 0
     """The model's parameters, every expert counted."""
     active_params: int = 0
@@ -153,6 +157,7 @@ class Candidate:
             "simulated": self.simulated,
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
+            "cp_comm": self.cp_comm,
             "total_params": self.total_params,
             "active_params": self.active_params,
         }
@@ -357,7 +362,7 @@ def evaluate(
         else _stage_times(ctx, b, rc, v)  # v = 1 but for an interleaved schedule (its check)
     )
     pipe, bubble = _pipeline_time(ctx, sched, m, v, tm)
-    key = (b, m, rc, z, v_placement)
+    key = (b, m, rc, z, v, v_placement)  # the stage times (v sends per chunk) feed the overlap
     comm = ctx.comm_cache.get(key)
     if comm is None:
         n = ctx.max_params_v if v_placement else ctx.max_params
@@ -368,7 +373,7 @@ def evaluate(
         ctx.fixed.update(
             global_batch=cfg.global_batch, data_parallel=cfg.data_parallel, pipeline_parallel=p,
             tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel, simulated=False,
-            expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel,
+            expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel, cp_comm=cfg.cp_comm,
             total_params=ctx.total_params, active_params=ctx.active_params,
         )  # fmt: skip
     return _fast_candidate(

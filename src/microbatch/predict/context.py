@@ -105,7 +105,7 @@ def check_context_exchange(exchange: str) -> str:
 
 def kv_exchange_exposed_s(
     comm_s: float, attention_s: float, attention_backward_s: float, context_parallel: int,
-    exchange: str = "ring", slowdown: float = 0.0,
+    exchange: str = "allgather", slowdown: float = 0.0,
 ) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) seconds one layer's K/V exchange adds to its attention, ``comm_s`` being the
     forward's (c − 1)/c of K/V moved once (:func:`kv_exchange_bytes` over the group's bandwidth).

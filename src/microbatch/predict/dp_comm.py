@@ -1,6 +1,7 @@
 """A candidate's data-parallel communication: the gradient reduction, ZeRO-1/2/3 gathers and
 reduce-scatters (and FSDP2's copy-out), each exposed past the computation it overlaps, and the
-optimizer update. Split from :mod:`microbatch.predict.candidate`, which calls it once per (m, ZeRO, stage).
+optimizer update. Split from :mod:`microbatch.predict.candidate`, which caches it per (b_m, m, recompute, ZeRO, v,
+placement).
 """
 
 from __future__ import annotations

@@ -296,7 +296,8 @@ class StageMemory:
     activations_bytes: float
     """Activation bytes at the peak (all in-flight micro-batches)."""
     other_bytes: float
-    """Buffers: ZeRO-3 gathered layers, the calibration's fixed offset."""
+    """Buffers: ZeRO-3 gathered layers (not under a pipeline: :func:`~microbatch.predict.state.resident_zero`),
+    the calibration's fixed offset."""
     activation_terms: dict[str, float] = field(default_factory=dict)
     """``activations_bytes`` split into transformer layers, embedding, output/loss, recompute working set
     (bytes by term)."""
@@ -425,7 +426,8 @@ def estimate_memory(
     Peak = model state (after ZeRO) + in-flight activations (layers, plus the embedding's on the
     first stage and the output layer's and loss's on the last) + other. Full recompute adds one
     layer's full activations as the working set of the layer being recomputed; ZeRO-3 adds two
-    gathered layers (the current and the prefetched one). Assumes all peaks coincide (they nearly
+    gathered layers (the current and the prefetched one); ZeRO-2/3 under a pipeline hold ZeRO-1's state
+    (:func:`~microbatch.predict.state.resident_zero`). Assumes all peaks coincide (they nearly
     do: activations peak at the end of the warm-up, while the state is resident throughout).
     """
     cal = calibration or MemoryCalibration()

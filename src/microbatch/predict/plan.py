@@ -411,6 +411,8 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
             cands = _enumerate(alt)
         except ConfigError:
             continue
+        if not cands:  # no schedule serves this layout at this batch: nothing to say of it
+            continue
         fit = [c for c in cands if c.fits]
         best = min(fit, key=lambda c: c.step_time_s) if fit else min(cands, key=lambda c: c.peak_memory_bytes)
         alternatives.append(Alternative(setting=setting, value=value, best=best, fits=bool(fit)))

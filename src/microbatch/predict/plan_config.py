@@ -122,7 +122,8 @@ class PlanConfig:
     """Who runs ZeRO-3 (:data:`microbatch.predict.collectives.ZERO3_IMPLS`): ``fsdp2`` (PyTorch's
     ``fully_shard``, torchtitan's) copies each gathered layer out on the compute stream
     (:func:`~microbatch.predict.collectives.fsdp2_copy_out_s`); ``fsdp1``, ``deepspeed`` and ``megatron``
-    (Megatron-core's FSDP) compute from the gathered buffer."""
+    (Megatron-core's FSDP) compute from the gathered buffer. Also ZeRO-2 under a pipeline, which is FSDP under
+    ``torch.distributed.pipelining`` (the plan's check line says DeepSpeed and Megatron take ZeRO ≤ 1 there)."""
     parallel_block: bool = False
     """Attention and MLP side by side on one input (GPT-J, GPT-NeoX ``use_parallel_residual``, PaLM): one
     tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two."""

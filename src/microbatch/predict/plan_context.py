@@ -130,7 +130,7 @@ class Context:
     state_cache: dict[tuple[int, bool], tuple[tuple[tuple[float, float, float], ...], float]] = field(
         default_factory=dict
     )
-    comm_cache: dict[tuple[int, int, str, int, bool], tuple[float, float, float]] = field(
+    comm_cache: dict[tuple[int, int, str, int, int, bool], tuple[float, float, float]] = field(
         default_factory=dict
     )
 

@@ -17,7 +17,8 @@ GEMMs lose efficiency at short inner dimensions and few rows (:func:`k_efficienc
 Patarasuk & Yuan 2009; Megatron-LM's placement, Narayanan et al. 2021 §3): tensor-parallel
 all-reduces in every layer (two forward, two backward), pipeline point-to-point sends per micro-batch, the data-parallel gradient all-reduce once per optimizer
 step (partly hidden behind the last backward), and under ZeRO-3/FSDP the weight all-gathers and
-gradient reduce-scatter of every micro-step (hidden behind compute where it is shorter).
+gradient reduce-scatter of every micro-step (hidden behind compute where it is shorter; once per step under a
+pipeline, :mod:`microbatch.predict.dp_comm`).
 Latency (α) terms are ignored: they matter only for messages far smaller than these.
 
 The efficiencies are a :class:`RooflineEfficiency` — a value a calibration from measurements can

@@ -87,7 +87,7 @@ def _row(c: Candidate) -> list[str]:
         f"{c.step_time_s:.3g} s",
         f"{c.tokens_per_s:,.0f}",
         f"{100 * c.mfu:.1f}%",
-        "yes" if c.fits else ("tight" if c.fits_device else "no"),
+        "yes" if c.fits else ("tight" if c.fits_device is True else "no"),
     ]
 
 
@@ -415,7 +415,7 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
 _SETTINGS = {
     "pipeline_parallel": "pipeline-parallel {}",
     "tensor_parallel": "tensor-parallel {} with sequence parallel",
-    "data_parallel": "data-parallel {} with ZeRO-3",
+    "data_parallel": "data-parallel {} with ZeRO-3 (ZeRO 1's memory under a pipeline)",
 }
 """How each layout change of the advice reads."""
 
