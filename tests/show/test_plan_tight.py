@@ -87,3 +87,17 @@ def test_a_plan_read_back_without_the_field_says_no_not_tight():
     c = make_plan(_cfg(A100.with_overrides(memory_bytes=_peak() / 0.95))).candidates[0].to_dict()
     del c["fits_device"]  # a plan written before the field existed
     assert _row(Candidate.from_dict(c))[-1] == "no"
+
+
+def test_a_comparison_row_says_tight_when_the_smallest_fits_the_device():
+    from microbatch.predict.plan import compare_gpus
+    from microbatch.show.plan_report import comparison_rows
+
+    peak = _peak()
+    tight_gpu = A100.with_overrides(memory_bytes=peak / 0.95)
+    plans = compare_gpus(_cfg(A100), [A100, tight_gpu])
+    rows = comparison_rows(plans)
+    assert rows[1][7] != "nothing fits" and not rows[1][7].startswith("tight")  # the 80 GB A100 fits
+    assert rows[2][7].startswith("tight: ")
+    small = A100.with_overrides(memory_bytes=peak / 1.05)
+    assert comparison_rows(compare_gpus(_cfg(A100), [small]))[1][7] == "nothing fits"

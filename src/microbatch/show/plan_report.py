@@ -127,9 +127,11 @@ def comparison_rows(plans: list[Plan]) -> list[list[str]]:
         c = pl.recommended
         g = pl.config.gpu
         if c is None:
-            rows.append(
-                [g.name, _gib(g.memory_bytes), "-", "-", "-", "-", "-", "nothing fits", "-", "-", "-", "-"]
-            )
+            small = min(pl.candidates, key=lambda x: x.peak_memory_bytes, default=None)
+            peak = "nothing fits"
+            if small is not None and small.fits_device is True:  # inside the device, not its headroom
+                peak = f"tight: {_gib(small.peak_memory_bytes)}"
+            rows.append([g.name, _gib(g.memory_bytes), "-", "-", "-", "-", "-", peak, "-", "-", "-", "-"])
             continue
         rows.append([
             g.name, _gib(g.memory_bytes), str(c.micro_batch), str(c.microbatches), c.schedule, c.recompute,
