@@ -210,7 +210,7 @@ def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 MOE_FLAGS = (
     "experts", "top_k", "expert_ffn_hidden", "shared_experts", "expert_parallel", "capacity_factor", "context_parallel",
-    "fp8_recipe", "recompute_every",
+    "fp8_recipe", "recompute_every", "shard_degree",
 )  # fmt: skip
 """Parameters :func:`moe_options` adds (``plan`` and ``memory``); the command receives them as ``moe_spec``."""
 
@@ -259,6 +259,13 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="With --precision fp8: one scale per tensor or per row (torchao float8).",
         ),  # fmt: skip
         click.option(
+            "--shard-degree",
+            "shard_degree",
+            type=int,
+            help="Hybrid sharding (HSDP): ZeRO shards over groups of this many of the d ranks, the d/N groups "
+            "all-reduce their gradient shards (FSDP HYBRID_SHARD; torchtitan data_parallel_shard_degree).",
+        ),  # fmt: skip
+        click.option(
             "--recompute-every",
             "recompute_every",
             type=int,
@@ -279,6 +286,7 @@ def moe_split(moe_spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
         "context_parallel": moe_spec.get("context_parallel") or 1,
         "fp8_recipe": moe_spec.get("fp8_recipe") or "tensorwise",
         "recompute_every": moe_spec.get("recompute_every") or 1,
+        "shard_degree": moe_spec.get("shard_degree"),
     }
 
 

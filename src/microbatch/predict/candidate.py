@@ -119,6 +119,8 @@ class Candidate:
     """c: GPUs each sequence is split over."""
     cp_comm: str = "allgather"
     """How the c ranks exchange K/V (``PlanConfig.cp_comm``)."""
+    shard_degree: int | None = None
+    """Hybrid sharding's group of data-parallel ranks (``PlanConfig.shard_degree``); None: all d."""
     total_params: int = 0
     """The model's parameters, every expert counted."""
     active_params: int = 0
@@ -158,6 +160,7 @@ class Candidate:
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
             "cp_comm": self.cp_comm,
+            "shard_degree": self.shard_degree,
             "total_params": self.total_params,
             "active_params": self.active_params,
         }
@@ -200,7 +203,7 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
     hit = ctx.state_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
-        d = cfg.shard_group  # d·c: the context-parallel ranks replicate the state too
+        d = cfg.zero_group  # d·c (the context-parallel ranks replicate the state too), or HSDP's shard group
         wb, gb, ob = ctx.state_bpp
         params = ctx.params_v if v_placement else ctx.params
         z = resident_zero(z, cfg.pipeline_parallel)  # ZeRO-2/3 under a pipeline: ZeRO-1's state held
@@ -374,6 +377,7 @@ def evaluate(
             global_batch=cfg.global_batch, data_parallel=cfg.data_parallel, pipeline_parallel=p,
             tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel, simulated=False,
             expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel, cp_comm=cfg.cp_comm,
+            shard_degree=cfg.shard_degree,
             total_params=ctx.total_params, active_params=ctx.active_params,
         )  # fmt: skip
     return _fast_candidate(

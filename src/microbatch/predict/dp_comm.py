@@ -26,38 +26,45 @@ def overlap_sigma(ctx: Context) -> float:
 
 def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
     """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds) for
-    ``n`` parameters on the GPU that holds the most."""
+    ``n`` parameters on the GPU that holds the most. ZeRO shards over ``cfg.zero_group`` ranks; under hybrid
+    sharding the ``cfg.replicas`` copies of each shard also all-reduce its gradients (:func:`_replica_s`),
+    right after each reduce-scatter, behind the same backward."""
     cfg = ctx.cfg
     d = cfg.shard_group  # gradients reduced over d·c
+    zg, bw_zero = cfg.zero_group, ctx.bw_zero  # ZeRO's shard group: d·c, or shard_degree·c (HSDP)
     wb, gb, ob = ctx.state_bpp
     back = tm.ik + tm.wk
-    bw_dp = ctx.bw_dp
     sigma = overlap_sigma(ctx)  # computation runs this much slower beside the NCCL kernels it overlaps
     dp = zero_s = 0.0
     if d > 1:
-        if z <= 1:
-            # gradients reduced once per step, overlapped with the last micro-batch's backward (exposed
-            # whole when not dp_overlap); ZeRO-1 then all-gathers the updated half weights (not hidden)
-            reduce = reduce_scatter_time_s(n * gb, d, bw_dp) if z == 1 else allreduce_time_s(n * gb, d, bw_dp)
+        if (
+            z == 0
+        ):  # gradients all-reduced once per step, behind the last micro-batch's backward (or after it)
+            reduce = allreduce_time_s(n * gb, d, ctx.bw_dp)
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
-            if z == 1:
-                dp += allgather_time_s(n * wb, d, bw_dp)
+        elif z == 1:
+            # reduce-scattered once per step like that; ZeRO-1 then all-gathers the updated half weights (not hidden)
+            reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n)
+            dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
+            dp += allgather_time_s(n * wb, zg, bw_zero)
         elif cfg.pipeline_parallel > 1:  # ZeRO-2/3 under a pipeline: FSDP as torch's pipelining runs it
             zero_s = _fsdp_under_pipeline(ctx, tm, n)
         elif z == 2:
             # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
-            zero_s = m * overlap_exposed_s(reduce_scatter_time_s(n * gb, d, bw_dp), back, sigma)
-            dp = allgather_time_s(n * wb, d, bw_dp)
+            rs = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n)
+            zero_s = m * overlap_exposed_s(rs, back, sigma)
+            dp = allgather_time_s(n * wb, zg, bw_zero)
         else:
             # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
-            # reduce-scattered, every micro-step; prefetch hides what compute covers
+            # reduce-scattered (and all-reduced across replicas), every micro-step; prefetch hides what compute covers
             ag, rs, units = _unit_collectives(ctx, tm, n)
+            rs += _replica_s(ctx, tm, n)
             zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
             # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
             zero_s += fsdp_edges_s(ag, rs, units, m)
             zero_s += 2 * m * _copy_out_s(ctx, n)  # each gather (forward, backward) copied out (FSDP2)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
-    owned = n / d if z >= 1 else n
+    owned = n / zg if z >= 1 else n
     rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     return dp, zero_s, opt
@@ -67,12 +74,26 @@ def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, fl
     """(all-gather seconds, reduce-scatter seconds, units) of FSDP over the stage's ``n`` parameters: one
     gather and one reduce-scatter per unit (a layer), each with its ring latency (NCCL's model)."""
     cfg = ctx.cfg
-    d, units = cfg.shard_group, ctx.split[tm.k]
+    d, units = cfg.zero_group, ctx.split[tm.k]
     wb, gb, _ = ctx.state_bpp
     alpha = units * ring_latency_s(d, -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel)))
-    ag = allgather_time_s(n * wb, d, ctx.bw_dp) + alpha
-    rs = reduce_scatter_time_s(n * gb, d, ctx.bw_dp) + alpha
+    ag = allgather_time_s(n * wb, d, ctx.bw_zero) + alpha
+    rs = reduce_scatter_time_s(n * gb, d, ctx.bw_zero) + alpha
     return ag, rs, units
+
+
+def _replica_s(ctx: Context, tm: StageTimes, n: float) -> float:
+    """Hybrid sharding: the all-reduce of this GPU's gradient shard (n/zero_group parameters) across the
+    replicas (FSDP2's HSDP all-reduces each reduce-scattered shard across the replicate dimension), one ring
+    latency per unit; 0 without replicas."""
+    cfg = ctx.cfg
+    r = cfg.replicas
+    if r <= 1:
+        return 0.0
+    units = ctx.split[tm.k]
+    stride = cfg.tensor_parallel * cfg.zero_group  # replicas sit a whole shard group apart
+    alpha = units * ring_latency_s(r, -(-r // ranks_per_node(cfg.gpu, r, stride)), allreduce=True)
+    return allreduce_time_s(n * ctx.state_bpp[1] / cfg.zero_group, r, ctx.bw_rep) + alpha
 
 
 def _copy_out_s(ctx: Context, n: float) -> float:
@@ -90,4 +111,5 @@ def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float) -> float:
     first micro-batch's forward (its first unit exposed; FSDP2 copies them out once), and the accumulated
     gradients reduce-scattered once after the last backward with nothing left to hide behind: whole."""
     ag, rs, units = _unit_collectives(ctx, tm, n)
-    return overlap_exposed_s(ag, tm.fk, overlap_sigma(ctx)) + ag / max(1, units) + rs + _copy_out_s(ctx, n)
+    exposed = ag / max(1, units) + rs + _replica_s(ctx, tm, n) + _copy_out_s(ctx, n)
+    return overlap_exposed_s(ag, tm.fk, overlap_sigma(ctx)) + exposed

@@ -30,7 +30,14 @@ from microbatch.predict.activations import (
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
 from microbatch.predict.recompute import every_kth
-from microbatch.predict.state import bytes_per_param, check_zero, model_state_bytes, resident_zero
+from microbatch.predict.stages import split_layers, stage_params
+from microbatch.predict.state import (
+    bytes_per_param,
+    check_zero,
+    model_state_bytes,
+    resident_zero,
+    zero_groups,
+)
 from microbatch.schedules import registry
 
 __all__ = [
@@ -46,36 +53,6 @@ __all__ = [
 
 
 # -- pipeline stages ------------------------------------------------------------------------------------
-def split_layers(
-    layers: int, stages: int, layers_per_stage: tuple[int, ...] | None = None
-) -> tuple[int, ...]:
-    """Layers on each stage: as given, or an even split with the remainder on the last stages.
-
-    The first stage holds the most in-flight micro-batches (and the embedding), so extra layers go
-    to the end.
-    """
-    check_positive_int("pipeline-parallel", stages)
-    if stages > layers:
-        raise ConfigError(
-            f"pipeline-parallel {stages} > layers {layers}; every stage needs at least one layer; "
-            f"use at most {layers} stages"
-        )
-    if layers_per_stage is not None:
-        split = tuple(layers_per_stage)
-        if (
-            len(split) != stages
-            or any(not isinstance(n, int) or n < 1 for n in split)
-            or sum(split) != layers
-        ):
-            raise ConfigError(
-                f"layers per stage {list(split)} must be {stages} whole numbers >= 1 summing to {layers}; "
-                f"for example {list(split_layers(layers, stages))}"
-            )
-        return split
-    base, extra = divmod(layers, stages)
-    return tuple(base + (1 if i >= stages - extra else 0) for i in range(stages))
-
-
 def in_flight_layers(
     schedule: str, stage: int, stages: int, microbatches: int, virtual: int, stage_layers: int
 ) -> float:
@@ -90,28 +67,6 @@ def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches:
     """Micro-batches whose forward has started on ``stage`` but whose backward has not finished:
     :func:`microbatch.schedules.registry.in_flight_microbatches`."""
     return registry.in_flight_microbatches(schedule, stage, stages, microbatches, virtual)
-
-
-def stage_params(
-    shape: ModelShape, stage: int, stages: int, stage_layers: int, tensor_parallel: int = 1, first: int = -1
-) -> float:
-    """Parameters one GPU of stage ``stage`` holds: its layers, plus embedding (first) and output (last).
-
-    Megatron layout: the vocabulary-parallel embedding on the first stage, the final norm and
-    output layer on the last; with tied embeddings and p > 1 the last stage keeps its own copy of
-    the embedding matrix (synchronised by an all-reduce). Everything is divided by t; the few
-    parameters tensor parallelism replicates (norms, row-parallel biases) are ignored. ``first`` is the
-    stage's first layer (−1: an even split, stage × stage_layers): a MoE model's dense first blocks count
-    as dense. Every expert is counted; :func:`expert_params` gives the part expert parallelism shards.
-    """
-    n = shape.layers_params(stage * stage_layers if first < 0 else first, stage_layers)
-    if stage == 0:
-        n += shape.embedding_params()
-    if stage == stages - 1:
-        n += shape.output_params()
-        if shape.tied_embeddings and stages > 1:
-            n += shape.vocab * shape.hidden
-    return n / tensor_parallel
 
 
 # -- configuration and estimate ----------------------------------------------------------------------------
@@ -175,6 +130,9 @@ class MemoryConfig:
     the saved activations in bf16; :mod:`microbatch.precision`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); 2c divides s."""
+    shard_degree: int | None = None
+    """Hybrid sharding: ZeRO shards over groups of this many data-parallel ranks (× c); None: all d·c
+    (:func:`microbatch.predict.state.zero_groups`)."""
     capacity_factor: float | None = None
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
     expert_imbalance: float = 1.0
@@ -197,6 +155,7 @@ class MemoryConfig:
             check_positive_int("seq", self.seq)
         for name in ("tensor_parallel", "pipeline_parallel", "virtual", "data_parallel"):
             check_positive_int(name, getattr(self, name))
+        zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
@@ -382,6 +341,7 @@ class MemoryEstimate:
                 "recompute_every": cfg.recompute_every,
                 "expert_parallel": cfg.expert_parallel,
                 "context_parallel": cfg.context_parallel,
+                "shard_degree": cfg.shard_degree,
                 "capacity_factor": cfg.capacity_factor,
                 "expert_imbalance": cfg.expert_imbalance,
                 "flash_attention": self.shape.flash_attention
@@ -402,7 +362,9 @@ def _stage_state(
     layer ``first``), the embedding on rank 0 and the output layer on rank ``last`` (rank 0 again under a
     V placement), over t; routed experts sharded over EP and their state over d·c/EP, the rest's over d·c."""
     p, t, ep = config.pipeline_parallel, config.tensor_parallel, config.expert_parallel
-    d = config.data_parallel * config.context_parallel  # state shards over d·c (CP ranks replicate it)
+    d = zero_groups(config.data_parallel, config.context_parallel, config.shard_degree)[
+        0
+    ]  # d·c, or HSDP's group
     params = stage_params(shape, i, p, n_layers, t, first)
     if last != p - 1:  # a V placement (dualpipev): the output layer comes back to rank 0
         head = shape.output_params() if i == last else 0
@@ -452,7 +414,10 @@ def estimate_memory(
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
-    ep, d = config.expert_parallel, config.data_parallel * c  # state shards over d·c (CP ranks replicate it)
+    ep = config.expert_parallel
+    d = zero_groups(config.data_parallel, c, config.shard_degree)[
+        0
+    ]  # state shards over d·c (or HSDP's group)
     for i, n_layers in enumerate(split):
         params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
         held = in_flight_microbatches(config.schedule, i, p, m, v)

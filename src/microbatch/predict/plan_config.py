@@ -20,7 +20,7 @@ from microbatch.predict.context import check_context_exchange, check_context_lay
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
-from microbatch.predict.state import ZERO_STAGES, bytes_per_param
+from microbatch.predict.state import ZERO_STAGES, bytes_per_param, zero_groups
 from microbatch.schedules.registry import schedule_names
 
 __all__ = ["PlanConfig", "CHOICES", "PLAN_TOLERANCE", "PLAN_MARGIN"]
@@ -115,6 +115,10 @@ class PlanConfig:
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
     d·p·t·c and ZeRO and the gradient reduction span the d·c ranks."""
+    shard_degree: int | None = None
+    """Hybrid sharding (HSDP): ZeRO shards over groups of this many data-parallel ranks (× c) and the d /
+    shard_degree groups all-reduce their gradient shards (:func:`microbatch.predict.state.zero_groups`); None
+    shards over all d·c."""
     cp_comm: str = "allgather"
     """How the c ranks exchange K/V (:data:`microbatch.predict.context.CP_EXCHANGES`): ``allgather``, torch's
     ``context_parallel`` and torchtitan's default and Llama 3's; ``ring``, Megatron's ``--cp-comm-type p2p``."""
@@ -231,6 +235,13 @@ class PlanConfig:
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
         check_context_exchange(self.cp_comm)
+        zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
+        if self.shard_degree is not None and self.expert_parallel > 1:
+            raise ConfigError(
+                f"shard_degree {self.shard_degree} with expert_parallel {self.expert_parallel}: hybrid sharding of "
+                "expert state is not modelled; drop one of them",
+                params=("shard_degree", "expert_parallel"),
+            )
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(
                 f"zero3_impl {self.zero3_impl!r} is not known; use one of {', '.join(ZERO3_IMPLS)}",
@@ -248,6 +259,16 @@ class PlanConfig:
         """d·c: the ranks that hold the same weights, over which gradients are reduced and ZeRO shards
         (Megatron's data-parallel × context-parallel group)."""
         return self.data_parallel * self.context_parallel
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks ZeRO shards over: d·c, or shard_degree·c under hybrid sharding."""
+        return zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)[0]
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each ZeRO shard (1 unless hybrid sharding): their gradients are all-reduced."""
+        return zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)[1]
 
     @property
     def expert_load(self) -> float:
@@ -281,6 +302,7 @@ class PlanConfig:
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
             "cp_comm": self.cp_comm,
+            "shard_degree": self.shard_degree,
             "zero3_impl": self.zero3_impl,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,

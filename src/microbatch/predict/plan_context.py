@@ -18,7 +18,6 @@ from microbatch.predict.activations import (
     output_activation_bytes,
 )
 from microbatch.predict.experts import dispatch_bytes, expert_params
-from microbatch.predict.memory import split_layers, stage_params
 from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.recompute import every_kth
 from microbatch.predict.roofline import (
@@ -28,6 +27,7 @@ from microbatch.predict.roofline import (
     logits_forward,
     scatter_gather_send_s,
 )
+from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import bytes_per_param
 from microbatch.schedules.closed_forms import PipelineTime
 
@@ -115,6 +115,10 @@ class Context:
     split_runs: tuple[tuple[int, int], ...] = ()
     """The stages before the last as runs of equal layer counts: (layers, stages)."""
     bw_dp: float = 0.0
+    bw_zero: float = 0.0
+    """Achieved bytes/s of ZeRO's shard group (the data-parallel group unless hybrid sharding)."""
+    bw_rep: float = 0.0
+    """Achieved bytes/s across the replicas of a shard under hybrid sharding (0 without)."""
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_pp: float = 0.0
     """Achieved bytes/s between pipeline stages."""
@@ -187,6 +191,8 @@ def make_context(cfg: PlanConfig) -> Context:
         budget=cfg.memory_budget_bytes,
         split_runs=tuple((n, c) for n, c in runs),
         bw_dp=group_bandwidth(cfg.gpu, d, t) * net,
+        bw_zero=group_bandwidth(cfg.gpu, cfg.zero_group, t) * net,
+        bw_rep=group_bandwidth(cfg.gpu, cfg.replicas, t * cfg.zero_group) * net if cfg.replicas > 1 else 0.0,
         bw_pp=group_bandwidth(cfg.gpu, p, t * d) * net,
     )
 

@@ -20,7 +20,7 @@ from microbatch.errors import ConfigError
 from microbatch.precision import get_precision
 
 __all__ = [
-    "GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero", "resident_zero",
+    "GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero", "resident_zero", "zero_groups",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -103,3 +103,28 @@ def resident_zero(zero: int, pipeline_parallel: int) -> int:
     memory (:func:`microbatch.predict.dp_comm.data_parallel_comm` times its one gather and exposed reduce-scatter).
     """
     return 1 if pipeline_parallel > 1 and zero >= 2 else zero
+
+
+def zero_groups(
+    data_parallel: int, context_parallel: int = 1, shard_degree: int | None = None
+) -> tuple[int, int]:
+    """(ranks ZeRO shards over, replicas of that shard): (d·c, 1), or under hybrid sharding (HSDP: FSDP's
+    ``HYBRID_SHARD``, torchtitan's ``data_parallel_shard_degree`` × ``data_parallel_replicate_degree``)
+    (shard_degree·c, d / shard_degree): the state sharded inside groups of shard_degree data-parallel ranks
+    (with their context-parallel ranks, as torchtitan's ``dp_shard_cp`` mesh), each group a replica whose
+    gradient shards are all-reduced across the replicas. A ConfigError unless shard_degree divides d.
+    """
+    if shard_degree is None:
+        return data_parallel * context_parallel, 1
+    if isinstance(shard_degree, bool) or not isinstance(shard_degree, int) or shard_degree < 1:
+        raise ConfigError(
+            f"shard_degree must be a positive integer, got {shard_degree!r}", params=("shard_degree",)
+        )
+    if data_parallel % shard_degree:
+        ok = [x for x in range(1, data_parallel + 1) if data_parallel % x == 0]
+        raise ConfigError(
+            f"shard_degree {shard_degree} must divide data_parallel {data_parallel} (each replica is a group of "
+            f"shard_degree ranks); use one of {ok[:16]}",
+            params=("shard_degree", "data_parallel"),
+        )
+    return shard_degree * context_parallel, data_parallel // shard_degree

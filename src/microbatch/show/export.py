@@ -127,7 +127,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
-                    "expert_parallel", "context_parallel", "cp_comm"):  # fmt: skip
+                    "expert_parallel", "context_parallel", "cp_comm", "shard_degree"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if isinstance(data.get("model_shape"), dict) and data.get("layers_per_stage") is None:
@@ -303,6 +303,8 @@ def _check_supported(c: Json, fmt: str) -> None:
             "all-gather or ring context parallelism"
             + (" (Ulysses is all-to-all)" if fmt == "deepspeed" else "")
         )
+    if c.get("shard_degree") and c.get("zero", 0) >= 1 and fmt != "torchtitan":
+        lacks.append(f"hybrid sharding over groups of {c['shard_degree']} set here")
     rowwise = c.get("fp8_recipe") == "rowwise"
     if precision_of(c) == "fp8" and (fmt in ("deepspeed", "hf") or (fmt == "lightning" and rowwise)):
         lacks.append(f"FP8 {c.get('fp8_recipe', 'tensorwise')} recipe in its configuration")

@@ -52,9 +52,10 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
     )
     b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
     training: Json = {"global_batch_size": B}
+    shard = c.get("shard_degree") or d
     parallelism: Json = {
-        "data_parallel_replicate_degree": d if z == 0 else 1,
-        "data_parallel_shard_degree": 1 if z == 0 else d,
+        "data_parallel_replicate_degree": d if z == 0 else d // shard,
+        "data_parallel_shard_degree": 1 if z == 0 else shard,  # hybrid sharding (HSDP) when shard < d
         "tensor_parallel_degree": t,
         "pipeline_parallel_degree": p,
     }

@@ -1,0 +1,64 @@
+"""Pipeline stages: how many layers each holds, and how many parameters one of its GPUs keeps.
+
+Pure functions shared by the memory model (:mod:`microbatch.predict.memory`, which re-exports them) and the
+planner (:mod:`microbatch.predict.plan_context`).
+"""
+
+from __future__ import annotations
+
+from microbatch.errors import ConfigError, check_positive_int
+from microbatch.model import ModelShape
+
+__all__ = ["split_layers", "stage_params"]
+
+
+def split_layers(
+    layers: int, stages: int, layers_per_stage: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """Layers on each stage: as given, or an even split with the remainder on the last stages.
+
+    The first stage holds the most in-flight micro-batches (and the embedding), so extra layers go
+    to the end.
+    """
+    check_positive_int("pipeline-parallel", stages)
+    if stages > layers:
+        raise ConfigError(
+            f"pipeline-parallel {stages} > layers {layers}; every stage needs at least one layer; "
+            f"use at most {layers} stages"
+        )
+    if layers_per_stage is not None:
+        split = tuple(layers_per_stage)
+        if (
+            len(split) != stages
+            or any(not isinstance(n, int) or n < 1 for n in split)
+            or sum(split) != layers
+        ):
+            raise ConfigError(
+                f"layers per stage {list(split)} must be {stages} whole numbers >= 1 summing to {layers}; "
+                f"for example {list(split_layers(layers, stages))}"
+            )
+        return split
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if i >= stages - extra else 0) for i in range(stages))
+
+
+def stage_params(
+    shape: ModelShape, stage: int, stages: int, stage_layers: int, tensor_parallel: int = 1, first: int = -1
+) -> float:
+    """Parameters one GPU of stage ``stage`` holds: its layers, plus embedding (first) and output (last).
+
+    Megatron layout: the vocabulary-parallel embedding on the first stage, the final norm and
+    output layer on the last; with tied embeddings and p > 1 the last stage keeps its own copy of
+    the embedding matrix (synchronised by an all-reduce). Everything is divided by t; the few
+    parameters tensor parallelism replicates (norms, row-parallel biases) are ignored. ``first`` is the
+    stage's first layer (−1: an even split, stage × stage_layers): a MoE model's dense first blocks count
+    as dense. Every expert is counted; :func:`expert_params` gives the part expert parallelism shards.
+    """
+    n = shape.layers_params(stage * stage_layers if first < 0 else first, stage_layers)
+    if stage == 0:
+        n += shape.embedding_params()
+    if stage == stages - 1:
+        n += shape.output_params()
+        if shape.tied_embeddings and stages > 1:
+            n += shape.vocab * shape.hidden
+    return n / tensor_parallel

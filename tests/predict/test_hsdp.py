@@ -1,0 +1,132 @@
+"""Hybrid sharding (HSDP: FSDP's HYBRID_SHARD, torchtitan's data_parallel_shard_degree × replicate degree): ZeRO
+shards inside groups of shard_degree data-parallel ranks, the d / shard_degree groups all-reduce their gradient
+shards. By hand against the memory model, the planner, the CLI and the torchtitan export (issue 28 item 3,
+"hierarchy")."""
+
+from __future__ import annotations
+
+import pytest
+from _helpers import plan_json
+
+from microbatch.errors import ConfigError
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.candidate import _stage_times, evaluate, make_context
+from microbatch.predict.collectives import ranks_per_node, ring_latency_s
+from microbatch.predict.dp_comm import _unit_collectives
+from microbatch.predict.memory import MemoryConfig, estimate_memory
+from microbatch.predict.plan import PlanConfig, make_plan
+from microbatch.predict.roofline import allreduce_time_s, model_flops_per_step
+from microbatch.predict.state import zero_groups
+from microbatch.show.export import export_plan
+
+H100 = get_accelerator("h100-sxm")
+LLAMA = get_model("llama-3-8b")
+
+
+def test_zero_groups():
+    assert zero_groups(64) == (64, 1)
+    assert zero_groups(64, 1, 8) == (8, 8)
+    assert zero_groups(64, 2, 8) == (16, 8)  # the context-parallel ranks shard with their group
+    assert zero_groups(64, 1, 64) == (64, 1)
+    with pytest.raises(
+        ConfigError, match=r"shard_degree 3 must divide data_parallel 64 .* \[1, 2, 4, 8, 16, 32, 64\]"
+    ):
+        zero_groups(64, 1, 3)
+    for bad in (0, -8, True, 2.0):
+        with pytest.raises(ConfigError, match="shard_degree must be a positive integer"):
+            zero_groups(64, 1, bad)  # type: ignore[arg-type]
+
+
+def test_memory_shards_over_the_group_only():
+    def state(**kw) -> tuple[float, float, float]:
+        s = estimate_memory(LLAMA, MemoryConfig(micro_batch=1, seq=4096, zero=3, **kw)).stages[0]
+        return s.weights_bytes, s.gradients_bytes, s.optimizer_bytes
+
+    hybrid = state(data_parallel=64, shard_degree=8)
+    assert hybrid == pytest.approx(state(data_parallel=8))  # what a group of 8 holds
+    full = state(data_parallel=64)
+    assert hybrid[0] == pytest.approx(8 * full[0]) and hybrid[2] == pytest.approx(8 * full[2])
+    assert state(data_parallel=64, shard_degree=64) == pytest.approx(full)
+
+
+def _cfg(**kw) -> PlanConfig:
+    base = dict(shape=LLAMA, gpu=H100, global_batch=256, data_parallel=64, seq=4096, micro_batches=(1,),
+                recompute=("full",), zero=(3,), shard_degree=8)  # fmt: skip
+    base.update(kw)
+    return PlanConfig(**base)
+
+
+def test_zero3_gathers_in_the_group_and_all_reduces_across_replicas_by_hand():
+    cfg = _cfg()
+    assert (cfg.zero_group, cfg.replicas) == (8, 8)
+    ctx = make_context(cfg)
+    flops = model_flops_per_step(LLAMA, 256, 4096)
+    hybrid = evaluate(ctx, 1, 4, "1f1b", 1, "full", 3, flops).to_dict()["time"]["zero_comm_s"]
+    # the same plan without the replicas' all-reduce is the plan of one group of 8 over a quarter of the batch
+    group = make_context(_cfg(data_parallel=8, global_batch=32, shard_degree=None))
+    alone = evaluate(group, 1, 4, "1f1b", 1, "full", 3, flops / 8).to_dict()["time"]["zero_comm_s"]
+    tm = _stage_times(ctx, 1, "full")
+    n, gb = ctx.max_params, ctx.state_bpp[1]
+    units = ctx.split[tm.k]
+    # replicas 8 GPUs apart: one per node, 8 nodes; the shard's gradients n·gb/8 all-reduced each micro-step
+    alpha = units * ring_latency_s(8, -(-8 // ranks_per_node(H100, 8, 8)), allreduce=True)
+    ar = allreduce_time_s(n * gb / 8, 8, ctx.bw_rep) + alpha
+    assert ctx.bw_rep > 0 and ar > 0
+    sig = 0.189
+    back = tm.ik + tm.wk
+    ag, rs, _ = _unit_collectives(ctx, tm, n)  # the group's own, as the lone group's: compare the difference
+
+    def exposed(c: float, x: float) -> float:
+        return max(c - x, sig * min(c / (1 + sig), x))
+
+    extra = 4 * (exposed(ag + rs + ar, back) - exposed(ag + rs, back)) + ar / units
+    assert hybrid - alone == pytest.approx(extra, rel=1e-9)
+    assert hybrid > alone
+
+
+def test_no_shard_degree_is_the_whole_group():
+    a = make_plan(_cfg(shard_degree=None)).candidates[0]
+    b = make_plan(_cfg(shard_degree=64)).candidates[0]
+    assert a.step_time_s == b.step_time_s and a.peak_memory_bytes == b.peak_memory_bytes
+
+
+@pytest.mark.parametrize("z", [1, 2, 3])
+def test_planner_and_memory_model_agree(z):
+    for p in (1, 2):
+        plan = make_plan(_cfg(zero=(z,), pipeline_parallel=p, schedules=("1f1b",)))
+        for c in plan.candidates:
+            est = estimate_memory(
+                LLAMA,
+                MemoryConfig(micro_batch=c.micro_batch, seq=4096, data_parallel=64, shard_degree=8, zero=z,
+                             pipeline_parallel=p, microbatches=c.microbatches, schedule=c.schedule,
+                             recompute=c.recompute),
+            )  # fmt: skip
+            assert c.peak_memory_bytes == pytest.approx(est.peak_bytes, rel=1e-9)
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="shard_degree 3 must divide data_parallel 64"):
+        _cfg(shard_degree=3)
+    with pytest.raises(ConfigError, match="shard_degree 8 with expert_parallel 8"):
+        PlanConfig(shape=get_model("mixtral-8x7b"), gpu=H100, global_batch=64, data_parallel=64, shard_degree=8,
+                   expert_parallel=8)  # fmt: skip
+
+
+def test_cli_and_exports(capsys):
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "256", "-d", "64", "--seq", "4096",
+            "-b", "1", "--zero", "3", "--recompute", "full", "--json"]  # fmt: skip
+    hybrid = plan_json([*args, "--shard-degree", "8"], capsys)
+    full = plan_json(args, capsys)
+    assert hybrid["shard_degree"] == 8 and full["shard_degree"] is None
+    assert hybrid["recommended"]["peak_memory_bytes"] > full["recommended"]["peak_memory_bytes"]
+    par = export_plan(hybrid, "torchtitan").config["parallelism"]
+    assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (8, 8)
+    par = export_plan(full, "torchtitan").config["parallelism"]
+    assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (64, 1)
+    with pytest.raises(ConfigError, match="deepspeed has no hybrid sharding over groups of 8"):
+        export_plan(hybrid, "deepspeed")
+    from microbatch.cli import main
+
+    assert main([*args, "--shard-degree", "3"]) == 2
+    assert "--shard-degree 3 must divide --data-parallel 64" in capsys.readouterr().out  # the flags' names
