@@ -71,8 +71,10 @@ def test_zero3_gathers_in_the_group_and_all_reduces_across_replicas_by_hand():
     units = ctx.split[tm.k]
     # replicas 8 GPUs apart: one per node, 8 nodes; the shard's gradients n·gb/8 all-reduced each micro-step
     alpha = units * ring_latency_s(8, -(-8 // ranks_per_node(H100, 8, 8)), allreduce=True)
-    ar = allreduce_time_s(n * gb / 8, 8, ctx.bw_rep) + alpha
-    assert ctx.bw_rep > 0 and ar > 0
+    # one GPU per node across the replicas: the NIC's achievable rate, not NVLink's (group_bandwidth's rule)
+    nic = H100.inter_node_bytes_per_s * H100.inter_node_achievable
+    assert ctx.bw_rep == pytest.approx(nic) and ctx.bw_zero > 2 * nic  # the group itself is inside a node
+    ar = allreduce_time_s(n * gb / 8, 8, nic) + alpha
     sig = 0.189
     back = tm.ik + tm.wk
     ag, rs, _ = _unit_collectives(ctx, tm, n)  # the group's own, as the lone group's: compare the difference
@@ -85,24 +87,66 @@ def test_zero3_gathers_in_the_group_and_all_reduces_across_replicas_by_hand():
     assert hybrid > alone
 
 
-def test_no_shard_degree_is_the_whole_group():
+def test_no_shard_degree_is_the_whole_group_and_zero0_ignores_it():
     a = make_plan(_cfg(shard_degree=None)).candidates[0]
     b = make_plan(_cfg(shard_degree=64)).candidates[0]
     assert a.step_time_s == b.step_time_s and a.peak_memory_bytes == b.peak_memory_bytes
+    for shard in (None, 8):  # ZeRO 0 is plain DDP over all d ranks whatever the groups
+        c = make_plan(_cfg(zero=(0,), shard_degree=shard, global_batch=4096)).candidates[0]
+        assert c.to_dict()["time"]["dp_comm_s"] == pytest.approx(
+            make_plan(_cfg(zero=(0,), shard_degree=None, global_batch=4096))
+            .candidates[0]
+            .to_dict()["time"]["dp_comm_s"]
+        )
+    # a group of one rank shards nothing: auto ZeRO offers only 0
+    assert {c.zero for c in make_plan(_cfg(zero=None, shard_degree=1)).candidates} == {0}
+
+
+def test_zero1_adds_one_replica_all_reduce_behind_the_last_backward():
+    flops = model_flops_per_step(LLAMA, 256, 4096)
+    ctx = make_context(_cfg(zero=(1,)))
+    lone = make_context(_cfg(zero=(1,), data_parallel=8, global_batch=32, shard_degree=None))
+    tm = _stage_times(ctx, 1, "full")
+    n, gb = ctx.max_params, ctx.state_bpp[1]
+    ar = allreduce_time_s(n * gb / 8, 8, ctx.bw_rep) + ring_latency_s(
+        8, 8, allreduce=True
+    )  # one bucketed call
+    from microbatch.predict.roofline import allgather_time_s, reduce_scatter_time_s
+
+    rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_zero)
+    sig, back = 0.189, tm.ik + tm.wk
+
+    def exposed(c: float, x: float) -> float:
+        return max(c - x, sig * min(c / (1 + sig), x))
+
+    hybrid = evaluate(ctx, 1, 4, "1f1b", 1, "full", 1, flops).to_dict()["time"]["dp_comm_s"]
+    alone = evaluate(lone, 1, 4, "1f1b", 1, "full", 1, flops / 8).to_dict()["time"]["dp_comm_s"]
+    assert alone == pytest.approx(exposed(rs, back) + allgather_time_s(n * 2, 8, lone.bw_zero))
+    assert hybrid - alone == pytest.approx(exposed(rs + ar, back) - exposed(rs, back), rel=1e-9)
 
 
 @pytest.mark.parametrize("z", [1, 2, 3])
-def test_planner_and_memory_model_agree(z):
+@pytest.mark.parametrize("c", [1, 2])
+def test_planner_and_memory_model_agree(z, c):
     for p in (1, 2):
-        plan = make_plan(_cfg(zero=(z,), pipeline_parallel=p, schedules=("1f1b",)))
-        for c in plan.candidates:
+        plan = make_plan(_cfg(zero=(z,), pipeline_parallel=p, context_parallel=c, schedules=("1f1b",)))
+        for cand in plan.candidates:
             est = estimate_memory(
                 LLAMA,
-                MemoryConfig(micro_batch=c.micro_batch, seq=4096, data_parallel=64, shard_degree=8, zero=z,
-                             pipeline_parallel=p, microbatches=c.microbatches, schedule=c.schedule,
-                             recompute=c.recompute),
+                MemoryConfig(micro_batch=cand.micro_batch, seq=4096, data_parallel=64, shard_degree=8, zero=z,
+                             pipeline_parallel=p, microbatches=cand.microbatches, schedule=cand.schedule,
+                             recompute=cand.recompute, context_parallel=c),
             )  # fmt: skip
-            assert c.peak_memory_bytes == pytest.approx(est.peak_bytes, rel=1e-9)
+            assert cand.peak_memory_bytes == pytest.approx(est.peak_bytes, rel=1e-9)
+
+
+def test_the_replicas_sit_a_whole_shard_group_apart_with_context_parallelism():
+    ctx = make_context(_cfg(context_parallel=2, data_parallel=32, shard_degree=4, global_batch=128))
+    assert (ctx.cfg.zero_group, ctx.cfg.replicas) == (8, 8)
+    from microbatch.predict.collectives import group_bandwidth
+
+    assert ctx.bw_rep == pytest.approx(group_bandwidth(H100, 8, 8))  # stride t·shard·c = 8: a node apart
+    assert ctx.bw_zero == pytest.approx(group_bandwidth(H100, 8, 1))
 
 
 def test_refusals():
@@ -111,6 +155,8 @@ def test_refusals():
     with pytest.raises(ConfigError, match="shard_degree 8 with expert_parallel 8"):
         PlanConfig(shape=get_model("mixtral-8x7b"), gpu=H100, global_batch=64, data_parallel=64, shard_degree=8,
                    expert_parallel=8)  # fmt: skip
+    with pytest.raises(ConfigError, match="shard_degree 4 with expert_parallel 8"):  # the memory model too
+        MemoryConfig(micro_batch=1, data_parallel=16, expert_parallel=8, shard_degree=4, zero=3)
 
 
 def test_cli_and_exports(capsys):
@@ -126,6 +172,13 @@ def test_cli_and_exports(capsys):
     assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (64, 1)
     with pytest.raises(ConfigError, match="deepspeed has no hybrid sharding over groups of 8"):
         export_plan(hybrid, "deepspeed")
+    # one group of all d ranks is no hybrid: it exports anywhere
+    whole = plan_json([*args, "--shard-degree", "64"], capsys)
+    assert export_plan(whole, "deepspeed").config["zero_optimization"]["stage"] == 3
+    # a hand-edited file: refused, not written as 12 × 5
+    bad = {**hybrid, "recommended": {**hybrid["recommended"], "shard_degree": 5}}
+    with pytest.raises(ConfigError, match="shard_degree 5 must divide data_parallel 64"):
+        export_plan(bad, "torchtitan")
     from microbatch.cli import main
 
     assert main([*args, "--shard-degree", "3"]) == 2

@@ -262,8 +262,10 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--shard-degree",
             "shard_degree",
             type=int,
-            help="Hybrid sharding (HSDP): ZeRO shards over groups of this many of the d ranks, the d/N groups "
-            "all-reduce their gradient shards (FSDP HYBRID_SHARD; torchtitan data_parallel_shard_degree).",
+            metavar="N",
+            help="Hybrid sharding (HSDP) with ZeRO >= 1: state sharded inside groups of N of the d ranks (with "
+            "their -c ranks), the d/N groups all-reduce their gradient shards (FSDP HYBRID_SHARD; torchtitan "
+            "data_parallel_shard_degree); N divides d; not with -e.",
         ),  # fmt: skip
         click.option(
             "--recompute-every",

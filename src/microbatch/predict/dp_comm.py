@@ -44,14 +44,14 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
         elif z == 1:
             # reduce-scattered once per step like that; ZeRO-1 then all-gathers the updated half weights (not hidden)
-            reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n)
+            reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
             dp += allgather_time_s(n * wb, zg, bw_zero)
         elif cfg.pipeline_parallel > 1:  # ZeRO-2/3 under a pipeline: FSDP as torch's pipelining runs it
             zero_s = _fsdp_under_pipeline(ctx, tm, n)
         elif z == 2:
             # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
-            rs = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n)
+            rs = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
             zero_s = m * overlap_exposed_s(rs, back, sigma)
             dp = allgather_time_s(n * wb, zg, bw_zero)
         else:
@@ -82,15 +82,16 @@ def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, fl
     return ag, rs, units
 
 
-def _replica_s(ctx: Context, tm: StageTimes, n: float) -> float:
+def _replica_s(ctx: Context, tm: StageTimes, n: float, per_unit: bool = True) -> float:
     """Hybrid sharding: the all-reduce of this GPU's gradient shard (n/zero_group parameters) across the
-    replicas (FSDP2's HSDP all-reduces each reduce-scattered shard across the replicate dimension), one ring
-    latency per unit; 0 without replicas."""
+    replicas (FSDP2's HSDP all-reduces each reduce-scattered shard across the replicate dimension, every
+    micro-step unless ``set_requires_all_reduce(False)`` defers it: taken every micro-step), with one ring
+    latency per unit (``per_unit``, FSDP's per-layer groups) or one (a bucketed reduction); 0 without replicas."""
     cfg = ctx.cfg
     r = cfg.replicas
     if r <= 1:
         return 0.0
-    units = ctx.split[tm.k]
+    units = ctx.split[tm.k] if per_unit else 1
     stride = cfg.tensor_parallel * cfg.zero_group  # replicas sit a whole shard group apart
     alpha = units * ring_latency_s(r, -(-r // ranks_per_node(cfg.gpu, r, stride)), allreduce=True)
     return allreduce_time_s(n * ctx.state_bpp[1] / cfg.zero_group, r, ctx.bw_rep) + alpha

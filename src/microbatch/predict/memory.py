@@ -33,6 +33,7 @@ from microbatch.predict.recompute import every_kth
 from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import (
     bytes_per_param,
+    check_hybrid,
     check_zero,
     model_state_bytes,
     resident_zero,
@@ -107,7 +108,7 @@ class MemoryConfig:
     layers_per_stage: tuple[int, ...] | None = None
     """An uneven split of the layers over the stages; None means even (remainder to the last stages)."""
     data_parallel: int = 1
-    """d: data-parallel replicas (ZeRO shards over them)."""
+    """d: data-parallel replicas (ZeRO shards over them, or over groups of ``shard_degree``)."""
     zero: int = 0
     """ZeRO stage 0–3 (1 = Megatron's distributed optimizer)."""
     precision: str = "bf16-mixed"
@@ -156,6 +157,7 @@ class MemoryConfig:
         for name in ("tensor_parallel", "pipeline_parallel", "virtual", "data_parallel"):
             check_positive_int(name, getattr(self, name))
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
+        check_hybrid(self.shard_degree, self.expert_parallel)
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)

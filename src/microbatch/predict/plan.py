@@ -171,7 +171,7 @@ def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
     ctx = ctx or make_context(cfg)
     bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
-    zs = cfg.zero or (ZERO_STAGES if cfg.shard_group > 1 else (0,))
+    zs = cfg.zero or (ZERO_STAGES if cfg.zero_group > 1 else (0,))  # nothing to shard over: ZeRO 0
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
     out = []
     for b in bms:

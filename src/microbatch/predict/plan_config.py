@@ -20,7 +20,7 @@ from microbatch.predict.context import check_context_exchange, check_context_lay
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
-from microbatch.predict.state import ZERO_STAGES, bytes_per_param, zero_groups
+from microbatch.predict.state import ZERO_STAGES, bytes_per_param, check_hybrid, zero_groups
 from microbatch.schedules.registry import schedule_names
 
 __all__ = ["PlanConfig", "CHOICES", "PLAN_TOLERANCE", "PLAN_MARGIN"]
@@ -114,7 +114,7 @@ class PlanConfig:
     """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
-    d·p·t·c and ZeRO and the gradient reduction span the d·c ranks."""
+    d·p·t·c and the gradient reduction spans the d·c ranks, as ZeRO does unless ``shard_degree``."""
     shard_degree: int | None = None
     """Hybrid sharding (HSDP): ZeRO shards over groups of this many data-parallel ranks (× c) and the d /
     shard_degree groups all-reduce their gradient shards (:func:`microbatch.predict.state.zero_groups`); None
@@ -236,12 +236,7 @@ class PlanConfig:
         check_context_layout(self.seq_len, self.context_parallel, flash)
         check_context_exchange(self.cp_comm)
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
-        if self.shard_degree is not None and self.expert_parallel > 1:
-            raise ConfigError(
-                f"shard_degree {self.shard_degree} with expert_parallel {self.expert_parallel}: hybrid sharding of "
-                "expert state is not modelled; drop one of them",
-                params=("shard_degree", "expert_parallel"),
-            )
+        check_hybrid(self.shard_degree, self.expert_parallel)
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(
                 f"zero3_impl {self.zero3_impl!r} is not known; use one of {', '.join(ZERO3_IMPLS)}",

@@ -115,11 +115,11 @@ class Context:
     split_runs: tuple[tuple[int, int], ...] = ()
     """The stages before the last as runs of equal layer counts: (layers, stages)."""
     bw_dp: float = 0.0
+    """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_zero: float = 0.0
     """Achieved bytes/s of ZeRO's shard group (the data-parallel group unless hybrid sharding)."""
     bw_rep: float = 0.0
     """Achieved bytes/s across the replicas of a shard under hybrid sharding (0 without)."""
-    """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_pp: float = 0.0
     """Achieved bytes/s between pipeline stages."""
     fixed: dict[str, Any] = field(default_factory=dict)

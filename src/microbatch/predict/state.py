@@ -20,7 +20,7 @@ from microbatch.errors import ConfigError
 from microbatch.precision import get_precision
 
 __all__ = [
-    "GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero", "resident_zero", "zero_groups",
+    "GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -128,3 +128,14 @@ def zero_groups(
             params=("shard_degree", "data_parallel"),
         )
     return shard_degree * context_parallel, data_parallel // shard_degree
+
+
+def check_hybrid(shard_degree: int | None, expert_parallel: int) -> None:
+    """ConfigError when hybrid sharding meets expert parallelism (the experts' state over d/EP is not split
+    into hybrid groups here)."""
+    if shard_degree is not None and expert_parallel > 1:
+        raise ConfigError(
+            f"shard_degree {shard_degree} with expert_parallel {expert_parallel}: hybrid sharding of expert "
+            "state is not modelled; drop one of them",
+            params=("shard_degree", "expert_parallel"),
+        )

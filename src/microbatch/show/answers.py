@@ -134,6 +134,11 @@ def render_memory(
         f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}; {cfg.precision} "
         f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}"
         + (
+            f" in groups of {cfg.shard_degree} (hybrid: {cfg.data_parallel // cfg.shard_degree} replicas)"
+            if cfg.shard_degree is not None and cfg.zero >= 1 and cfg.shard_degree < cfg.data_parallel
+            else ""
+        )
+        + (
             " (held as ZeRO 1 through the step: FSDP under a pipeline keeps weights and gradients whole)"
             if cfg.pipeline_parallel > 1 and cfg.zero >= 2
             else ""

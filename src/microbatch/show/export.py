@@ -303,7 +303,8 @@ def _check_supported(c: Json, fmt: str) -> None:
             "all-gather or ring context parallelism"
             + (" (Ulysses is all-to-all)" if fmt == "deepspeed" else "")
         )
-    if c.get("shard_degree") and c.get("zero", 0) >= 1 and fmt != "torchtitan":
+    hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
+    if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":
         lacks.append(f"hybrid sharding over groups of {c['shard_degree']} set here")
     rowwise = c.get("fp8_recipe") == "rowwise"
     if precision_of(c) == "fp8" and (fmt in ("deepspeed", "hf") or (fmt == "lightning" and rowwise)):

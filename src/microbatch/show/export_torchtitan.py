@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.predict.state import zero_groups
 from microbatch.schedules.registry import DEFAULT_SCHEDULE, ScheduleSpec, get_spec, torch_spec
 
 __all__ = ["Json", "precision_of", "schedule_spec", "torchtitan_config"]
@@ -52,7 +53,7 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
     )
     b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
     training: Json = {"global_batch_size": B}
-    shard = c.get("shard_degree") or d
+    shard = zero_groups(d, 1, c.get("shard_degree"))[0]  # refuses a degree that does not divide d
     parallelism: Json = {
         "data_parallel_replicate_degree": d if z == 0 else d // shard,
         "data_parallel_shard_degree": 1 if z == 0 else shard,  # hybrid sharding (HSDP) when shard < d

@@ -332,6 +332,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
         f"{' + SP' if cfg.sequence_parallel else ''}"
         f"{f', c = {cfg.context_parallel} ({cfg.cp_comm})' if cfg.context_parallel > 1 else ''}"
         f"{f', EP = {cfg.expert_parallel}' if cfg.expert_parallel > 1 else ''}"
+        f"{f', HSDP {cfg.replicas} × {cfg.shard_degree}' if cfg.replicas > 1 else ''}"
         f", s = {cfg.seq_len}; {plan.evaluated} candidates, "
         f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.memory_budget_bytes)}"
     )
