@@ -7,28 +7,21 @@ figure is the *typical* deployment named in the row (one NIC per GPU), not a pro
 chip: override it for your cluster (:func:`get_accelerator` takes overrides, and
 :meth:`Accelerator.with_overrides` replaces any field, for example with a measured value).
 
-Compute units (for GEMM wave quantisation) come from the architecture whitepapers: A100 108 SMs,
-H100 SXM5 132 (also the H800 and the H100 NVL), H100 PCIe 114, L4 58 (NVIDIA Ampere, Hopper and Ada whitepapers), B200 148 (two
-74-SM dies, NVIDIA Blackwell technical brief), MI300X 304 CUs (AMD CDNA 3 whitepaper); H200 is an
-H100 SXM die with more memory (132).
+Compute units (for GEMM wave quantisation) come from the architecture whitepapers: A100 108 SMs, H100 SXM5 132
+(also the H800, H100 NVL, H200 and H100 96 GB), H100 PCIe 114, L4 58 (NVIDIA Ampere, Hopper and Ada
+whitepapers), B200 148 (two 74-SM dies, NVIDIA Blackwell technical brief), MI300X 304 CUs (AMD CDNA 3).
 
-Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total
-to ``torch.cuda.mem_get_info``; the CUDA context takes a few hundred MiB more): the planner keeps
-a headroom fraction free for that reason.
-
-The flash-attention ceiling (``attention_fraction``, issue 28) is set where kernel evidence was read or
+Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total to
+``torch.cuda.mem_get_info``), or the usable size where it was read (the H100 96 GB's 94 GiB): the planner keeps
+a headroom free. The flash-attention ceiling (``attention_fraction``) is set where kernel evidence was read or
 measured (the Hopper rows).
 
-Clocks (issue 28): a datasheet's tensor peak is SMs × FLOP per clock per SM × one clock, the boost clock
-the row names (A100: 108 × 2,048 × 1,410 MHz = 312 TFLOP/s; Hopper: 4,096 per SM, H100 SXM 132 × 1,830 MHz
-= 989.4). Under a long dense GEMM at its power limit a GPU can hold a lower clock; the roofline's compute
-rate is the peak × ``sustained_clock_fraction`` (:meth:`Accelerator.sustained_flops`), 1 where no
-sustained-clock figure was found (the row says so). The kernel fractions measured by a seconds-long
-microbenchmark carry the clock it ran at; a kernel calibration therefore resets the fraction to 1.
+Clocks (issue 28): the roofline's compute rate is the peak × ``sustained_clock_fraction``
+(:meth:`Accelerator.sustained_flops`), the clock a long dense GEMM holds at the power limit over the clock the
+peak is computed at (:mod:`microbatch.hardware_clocks`: each row's evidence; a lower ``power_limit_w`` scales it).
 
-A CPU has no row: :func:`cpu_accelerator` builds one from figures given
-(:func:`microbatch.measure.cpu.measure_cpu` from a quick fp32 matmul and copy). This module measures nothing:
-it is the table and its pure lookups.
+A CPU has no row: :func:`cpu_accelerator` builds one from figures given (:func:`microbatch.measure.cpu.measure_cpu`
+from a quick fp32 matmul and copy). This module measures nothing: it is the table and its pure lookups.
 """
 
 from __future__ import annotations
@@ -117,7 +110,10 @@ class Accelerator:
     (:meth:`sustained_flops`). 1 where no cited sustained-clock figure exists (each row says which);
     above 1 where a part sustains more than the datasheet's clock (at most 1.25 is accepted)."""
     power_limit_w: float | None = None
-    """The board's power limit (TDP) in watts at which the row's figures hold; None when not stated."""
+    """The board's power limit in watts at which the row's figures hold; None when not stated."""
+    rated_power_w: float | None = None
+    """The board's rated maximum (TDP); overriding ``power_limit_w`` alone rescales the clock
+    (:func:`~microbatch.hardware_clocks.power_limited_clock`). None: the limit is only recorded."""
     source: str = ""
     """Where the figures come from."""
 
@@ -148,9 +144,9 @@ class Accelerator:
                 f"{self.name} sustained_clock_fraction must be in (0, 1.25], got {v!r}; give the clock a long "
                 "dense GEMM holds at the power limit over the datasheet's boost clock (1 when unknown)"
             )
-        w = self.power_limit_w
-        if w is not None:
-            check_positive(f"{self.name} power_limit_w", w, fix="give the board's power limit in watts")
+        for f in ("power_limit_w", "rated_power_w"):
+            if getattr(self, f) is not None:
+                check_positive(f"{self.name} {f}", getattr(self, f), fix="give the board's power in watts")
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
@@ -207,6 +203,12 @@ class Accelerator:
                 raise ConfigError(
                     f"unknown accelerator field {k!r}; known: {', '.join(sorted(known | set(DTYPES)))}"
                 )
+        was, rated = self.power_limit_w, other.get("rated_power_w", self.rated_power_w)
+        if "power_limit_w" in other and "sustained_clock_fraction" not in other and was and rated:
+            new = float(other["power_limit_w"])
+            other["sustained_clock_fraction"] = self.sustained_clock_fraction * _clk.power_limited_clock(
+                new, was, float(rated)
+            )
         return replace(self, peak_flops=peaks, **other)
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +233,7 @@ def _acc(
     attention: float | None = None,
     watts: float | None = None,
     clock: tuple[float, str] = (1.0, ""),
+    rated: float | None = None,
 ) -> Accelerator:
     peaks = {"bf16": bf16 * TB, "fp16": fp16 * TB, "fp32": fp32 * TB} | ({"fp8": fp8 * TB} if fp8 else {})
     return Accelerator(
@@ -247,6 +250,7 @@ def _acc(
         attention_fraction=attention,
         sustained_clock_fraction=clock[0],
         power_limit_w=watts,
+        rated_power_w=rated or watts,
         source=source
         + (_ATTENTION_SOURCES[attention] if attention in _ATTENTION_SOURCES else "")
         + (f"; {clock[1]}" if clock[1] else ""),
@@ -269,7 +273,7 @@ cards' lower power limits may cost more)."""
 # theoretical maximum FLOPs/s on A100" over forward and backward, causal and not; its causal backward figure
 # was not read here, and 0.73 (the top, non-causal forward) would make a causal A100 step faster than the rule
 # it replaces (0.4 of peak forward, 0.5 backward, in the kernel's own FLOP count). The A100 rows keep that rule.
-HOPPER = ("h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200")
+HOPPER = ("h100-sxm", "h100-96gb", "h100-pcie", "h100-nvl", "h800", "h200")
 """The Hopper rows: the accelerators the published flash-attention kernel figures (FlashAttention-3's
 H100 SXM5 benchmarks) carry to as a share of their own peak."""
 
@@ -316,6 +320,11 @@ ACCELERATORS: dict[str, Accelerator] = {
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
              "fp8 as H100 SXM, 1,979 dense",
              links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H200),
+        _acc("h100-96gb", 989.4, 989.4, 66.9, 94, 2410, 450, _IB_NDR, 132,
+             "H100 SXM5 with six HBM2e stacks, 96 GB (94 GiB usable) at 2.41 TB/s (Ujeniya et al., arXiv "
+             "2604.11391, its power-capped H100s); the H100 SXM's 132 SMs, peaks and NVLink; one 400 Gb/s NIC "
+             "per GPU", links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=500, rated=700,
+             clock=_clk.CLOCK_H100_96GB),
         _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
@@ -335,14 +344,9 @@ ACCELERATORS: dict[str, Accelerator] = {
 }  # fmt: skip
 
 _ALIASES = {
-    "a100": "a100-80gb",
-    "a100-40": "a100-40gb",
-    "a100-80": "a100-80gb",
-    "h100": "h100-sxm",
-    "h100-80gb": "h100-sxm",
-    "h200-sxm": "h200",
-    "mi300": "mi300x",
-}
+    "a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm",
+    "h100-96": "h100-96gb", "h100-hbm2e": "h100-96gb", "h200-sxm": "h200", "mi300": "mi300x",
+}  # fmt: skip
 
 
 def accelerator_names() -> list[str]:
@@ -411,13 +415,15 @@ _DEVICE_NAMES = (
 def from_device_name(device_name: str, total_memory_bytes: float | None = None) -> Accelerator | None:
     """The registry row for a device name as torch reports it, with the reported memory; None if unknown.
 
-    An A100 is told apart by its memory (40 or 80 GB).
+    An A100 is told apart by its memory (40 or 80 GB), an H100 SXM with 94 GiB from the 80 GB one.
     """
     low = device_name.lower()
     for needle, key in _DEVICE_NAMES:
         if needle in low:
             if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GIB:
                 key = "a100-40gb"
+            if key == "h100-sxm" and total_memory_bytes is not None and total_memory_bytes > 88 * GIB:
+                key = "h100-96gb"  # six HBM2e stacks: its own bandwidth (and the 500 W limit it is run at)
             acc = ACCELERATORS[key]
             return acc.with_overrides(memory_bytes=float(total_memory_bytes)) if total_memory_bytes else acc
     return None
@@ -439,6 +445,7 @@ def match_accelerator(name: str) -> str | None:
         ("h100-pcie", r"h100.*pcie"),
         ("h100-nvl", r"h100.*nvl"),
         ("h800", r"h800"),
+        ("h100-96gb", r"h100.*(96|hbm2e)"),
         ("h100-sxm", r"h100"),
         ("a100-40gb", r"a100.*40"),
         ("a100-80gb", r"a100"),

@@ -4,11 +4,46 @@ One entry per part: (``sustained_clock_fraction``, the sentence its row's ``sour
 tensor peak is SMs × FLOP per clock per SM × one clock; a long dense GEMM at the power limit may hold a lower
 clock. The fraction is the cited sustained clock over the datasheet's clock, 1 where no reading was found
 (the sentence says so). :mod:`microbatch.hardware` builds its rows with these.
+
+A board run below its rated power holds a lower clock under the same GEMM: :func:`power_limited_clock` scales
+a row's fraction when its ``power_limit_w`` is overridden, and gives the fraction
+of the H100 96 GB row, which such clusters run at 500 W of its 700 (:data:`CLOCK_H100_96GB`).
 """
 
 from __future__ import annotations
 
-__all__ = ["CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200"]
+from microbatch.errors import ConfigError
+
+__all__ = [
+    "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
+    "FIXED_POWER_SHARE", "power_limited_clock",
+]  # fmt: skip
+
+FIXED_POWER_SHARE = 0.2
+"""Share of a board's rated power that does not move with its SMs' clock (memory, leakage, the board): an H100
+SXM at P0 with 72.8 GB allocated and no kernel running draws 140-145 W of its 700 W (nvidia-smi listing in
+github.com/wilicc/gpu-burn issue 114): 140 / 700 = 0.2."""
+
+
+def power_limited_clock(power_w: float, reference_w: float, rated_w: float) -> float:
+    """Clock a long dense GEMM holds at a power limit ``power_w`` over the one it holds at ``reference_w``.
+
+    The SMs' switching power is α·C·V²·f (CMOS dynamic power) and over the boost range the voltage rises
+    with the clock (V ∝ f), so P − P₀ ∝ f³: f(P)/f(P_ref) = ((P − P₀)/(P_ref − P₀))^(1/3), with P₀ =
+    :data:`FIXED_POWER_SHARE` × ``rated_w``. A first-order model, not a reading; it is the smaller loss: at a
+    deep cap the voltage sits at its floor and the clock falls in proportion to power (a GB300 capped at 500 W
+    of 1,400: 617 TFLOP/s of cuBLAS GEMM against 1,600-2,174, github.com/facebookexperimental/triton PR 2023).
+    An H100 SXM at 500 W of 700: (360/560)^(1/3) = 0.863. Refuses a limit at or under P₀ or above ``rated_w``.
+    """
+    fixed = FIXED_POWER_SHARE * rated_w
+    for name, w in (("power_limit_w", power_w), ("the reference power", reference_w)):
+        if not fixed < w <= rated_w:
+            raise ConfigError(
+                f"{name} {w:g} W is outside ({fixed:g}, {rated_w:g}] W: a board runs above the {fixed:g} W its "
+                f"memory and leakage draw and at most at its rated {rated_w:g} W; give a limit in that range"
+            )
+    return float(((power_w - fixed) / (reference_w - fixed)) ** (1 / 3))
+
 
 # fmt: off
 _NONE = "sustained clock under a long bf16 GEMM: no cited reading, fraction 1"
@@ -37,4 +72,8 @@ CLOCK_NVL = (1.0, (
 CLOCK_B200 = (1.0, (
     "clock: 2,250 = 148 SMs x 8,192 x ~1,860 MHz, the 'tensor clock' hmc-tech.com lists (boost 1,980; 8,192 per "
     f"SM inferred from the peak); TDP 1,000 W (HGX B200); {_NONE}"))
+CLOCK_H100_96GB = (power_limited_clock(500, 700, 700), (
+    "clock: 1,830 MHz as the H100 SXM; TDP 700 W (the top of the power sweep arXiv 2604.11391 ran on these "
+    "boards), run at 500 W: 0.863 of the clock held at 700 W by power_limited_clock (f ∝ (P - P0)^(1/3), P0 = "
+    "140 W), a model, not a reading; override power_limit_w with 700 for the full limit"))
 # fmt: on

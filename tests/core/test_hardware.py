@@ -116,7 +116,7 @@ def test_issue28_rows_and_the_flash_ceiling():
 
 
 # -- issue 28 (2): clocks as the parts are sold and run ------------------------------------------------
-CLOCKED = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200", "b200")
+CLOCKED = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h800", "h200", "b200", "h100-96gb")
 
 
 @pytest.mark.parametrize(
@@ -134,7 +134,7 @@ def test_each_peak_is_sms_times_flop_per_clock_times_the_clock_its_row_names(nam
 
 def test_each_row_states_its_clock_power_limit_and_sustained_clock_evidence():
     watts = {"a100-40gb": 400, "a100-80gb": 400, "h100-sxm": 700, "h100-pcie": 350, "h100-nvl": 400,
-             "h800": 700, "h200": 700, "b200": 1000}  # fmt: skip
+             "h800": 700, "h200": 700, "b200": 1000, "h100-96gb": 500}  # fmt: skip
     for name in CLOCKED:
         acc = ACCELERATORS[name]
         assert acc.power_limit_w == watts[name] and "TDP" in acc.source and "clock: " in acc.source
@@ -164,8 +164,10 @@ def test_sustained_clock_fraction_and_power_limit_are_validated():
     for bad in (0, -0.5, 1.3, float("nan"), True, "fast"):
         with pytest.raises(ConfigError, match=r"sustained_clock_fraction must be in \(0, 1.25\]"):
             a100.with_overrides(sustained_clock_fraction=bad)
-    with pytest.raises(ConfigError, match=r"power_limit_w must be a finite number > 0"):
-        a100.with_overrides(power_limit_w=0.0)
+    with pytest.raises(ConfigError, match=r"power_limit_w 0 W is outside \(80, 400\] W"):
+        a100.with_overrides(power_limit_w=0.0)  # under the 80 W an A100 draws doing nothing
+    with pytest.raises(ConfigError, match=r"rated_power_w must be a finite number > 0"):
+        a100.with_overrides(rated_power_w=0.0)
     assert a100.with_overrides(sustained_clock_fraction=1.05).sustained_clock_fraction == 1.05
 
 

@@ -135,7 +135,8 @@ __all__ = ["cmd"]
     "gpu_set",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Override an accelerator figure, e.g. inter_node_bytes_per_s=25e9 or bf16=250e12 (repeatable).",
+    help="Override an accelerator figure, e.g. inter_node_bytes_per_s=25e9 or bf16=250e12 (repeatable); "
+    "power_limit_w=500 also lowers the clock GEMMs hold (f ∝ (P − P0)^(1/3)) unless sustained_clock_fraction is given.",
 )
 @click.option(
     "--dp-overlap/--no-dp-overlap", "dp_overlap", default=True, show_default=True,
