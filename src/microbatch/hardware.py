@@ -26,13 +26,13 @@ from a quick fp32 matmul and copy). This module measures nothing: it is the tabl
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from microbatch import hardware_clocks as _clk
 from microbatch.errors import ConfigError, check_positive
+from microbatch.hardware_names import device_key, name_key
 from microbatch.units import GIB
 
 __all__ = [
@@ -147,6 +147,9 @@ class Accelerator:
         for f in ("power_limit_w", "rated_power_w"):
             if getattr(self, f) is not None:
                 check_positive(f"{self.name} {f}", getattr(self, f), fix="give the board's power in watts")
+        if self.power_limit_w and self.rated_power_w and self.power_limit_w > self.rated_power_w:
+            raise ConfigError(f"{self.name} power_limit_w {self.power_limit_w:g} W is above its rated "
+                              f"{self.rated_power_w:g} W; a board's limit is at most its rating")  # fmt: skip
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
@@ -203,13 +206,21 @@ class Accelerator:
                 raise ConfigError(
                     f"unknown accelerator field {k!r}; known: {', '.join(sorted(known | set(DTYPES)))}"
                 )
-        was, rated = self.power_limit_w, other.get("rated_power_w", self.rated_power_w)
-        if "power_limit_w" in other and "sustained_clock_fraction" not in other and was and rated:
-            new = float(other["power_limit_w"])
-            other["sustained_clock_fraction"] = self.sustained_clock_fraction * _clk.power_limited_clock(
-                new, was, float(rated)
+        out = replace(self, peak_flops=peaks, **other)  # checks every field (a limit within its rating)
+        was, now = self.power_limit_w, out.power_limit_w
+        if (
+            "power_limit_w" not in other
+            or {"sustained_clock_fraction", "rated_power_w"} & other.keys()
+            or not (was and now)
+        ):
+            return out
+        if out.rated_power_w is None:  # the same board at another limit holds another clock: scale it
+            raise ConfigError(
+                f"{self.name} has no rated power, so its clock cannot follow power_limit_w; give rated_power_w "
+                "with it, or the clock as sustained_clock_fraction"
             )
-        return replace(self, peak_flops=peaks, **other)
+        f = _clk.power_limited_clock(now, was, out.rated_power_w)
+        return replace(out, sustained_clock_fraction=self.sustained_clock_fraction * f)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (``peak_flops`` as a dict)."""
@@ -334,12 +345,13 @@ ACCELERATORS: dict[str, Accelerator] = {
         _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
-             "(8 L4s): 100 Gb/s shared by 8 GPUs; 485 TFLOP/s fp8 with sparsity = 242.5 dense", fp8=242.5),
+             "(8 L4s): 100 Gb/s shared by 8 GPUs; 485 TFLOP/s fp8 with sparsity = 242.5 dense; TDP 72 W", fp8=242.5,
+             watts=72),
         _acc("mi300x", 1307.4, 1307.4, 163.4, 192, 5300, 448, _IB_NDR, 304,
              "AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 163.4 fp32, 192 GB HBM3 at "
              "5.3 TB/s, Infinity Fabric 896 GB/s peer aggregate (448 each way); one 400 Gb/s NIC per GPU; "
-             "2,614.9 TFLOP/s fp8 dense",
-             links=(1.0, _NVLINK_IB[1]), fp8=2614.9),  # no cited figure for xGMI: its line rate; NDR's 0.96
+             "2,614.9 TFLOP/s fp8 dense; board power 750 W",
+             links=(1.0, _NVLINK_IB[1]), fp8=2614.9, watts=750),  # no cited figure for xGMI: its line rate; NDR's 0.96
     )
 }  # fmt: skip
 
@@ -398,64 +410,20 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-# Substrings of torch.cuda.get_device_name() -> registry key, most specific first.
-_DEVICE_NAMES = (
-    ("h100 pcie", "h100-pcie"),
-    ("h100 nvl", "h100-nvl"),
-    ("h800", "h800"),
-    ("h100", "h100-sxm"),
-    ("h200", "h200"),
-    ("b200", "b200"),
-    ("a100", "a100-80gb"),
-    ("l4", "l4"),
-    ("mi300x", "mi300x"),
-)
-
-
 def from_device_name(device_name: str, total_memory_bytes: float | None = None) -> Accelerator | None:
-    """The registry row for a device name as torch reports it, with the reported memory; None if unknown.
-
-    An A100 is told apart by its memory (40 or 80 GB), an H100 SXM with 94 GiB from the 80 GB one.
-    """
-    low = device_name.lower()
-    for needle, key in _DEVICE_NAMES:
-        if needle in low:
-            if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GIB:
-                key = "a100-40gb"
-            if key == "h100-sxm" and total_memory_bytes is not None and total_memory_bytes > 88 * GIB:
-                key = "h100-96gb"  # six HBM2e stacks: its own bandwidth (and the 500 W limit it is run at)
-            acc = ACCELERATORS[key]
-            return acc.with_overrides(memory_bytes=float(total_memory_bytes)) if total_memory_bytes else acc
-    return None
+    """The registry row for a device name as torch reports it, with the reported memory; None if unknown
+    (:func:`~microbatch.hardware_names.device_key`: an A100 told apart by its memory)."""
+    key = device_key(device_name, total_memory_bytes)
+    if key is None:
+        return None
+    acc = ACCELERATORS[key]
+    return acc.with_overrides(memory_bytes=float(total_memory_bytes)) if total_memory_bytes else acc
 
 
 def match_accelerator(name: str) -> str | None:
-    """The registry name of a device name such as ``NVIDIA H200`` or ``NVIDIA A100-SXM4-80GB``; None if unknown.
-
-    From the name alone (a saved file's ``device_name``): an A100's size comes from the name, where
-    :func:`from_device_name` uses the memory torch reports.
-    """
-    n = name.lower().replace("nvidia", "").replace("amd instinct", "").strip()
-    if not n or n in ("cpu", "cuda", "gpu") or n.startswith("cuda:"):
-        return None
-    if n in ACCELERATORS:
-        return n
-    for key, pattern in (
-        ("h200", r"h200"),
-        ("h100-pcie", r"h100.*pcie"),
-        ("h100-nvl", r"h100.*nvl"),
-        ("h800", r"h800"),
-        ("h100-96gb", r"h100.*(96|hbm2e)"),
-        ("h100-sxm", r"h100"),
-        ("a100-40gb", r"a100.*40"),
-        ("a100-80gb", r"a100"),
-        ("b200", r"b200"),
-        ("l4", r"\bl4\b"),
-        ("mi300x", r"mi300"),
-    ):
-        if re.search(pattern, n):
-            return key
-    return None
+    """The registry name of a device name such as ``NVIDIA H200``; None if unknown (from the name alone,
+    :func:`~microbatch.hardware_names.name_key`)."""
+    return name_key(name, ACCELERATORS)
 
 
 def usable_cores() -> int:

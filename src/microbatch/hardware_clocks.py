@@ -16,13 +16,19 @@ from microbatch.errors import ConfigError
 
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
-    "FIXED_POWER_SHARE", "power_limited_clock",
+    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "power_limited_clock",
 ]  # fmt: skip
 
 FIXED_POWER_SHARE = 0.2
 """Share of a board's rated power that does not move with its SMs' clock (memory, leakage, the board): an H100
 SXM at P0 with 72.8 GB allocated and no kernel running draws 140-145 W of its 700 W (nvidia-smi listing in
 github.com/wilicc/gpu-burn issue 114): 140 / 700 = 0.2."""
+
+
+MIN_POWER_SHARE = 0.25
+"""The lowest power limit a board accepts as a share of its rating: an A100's ``nvidia-smi -q`` lists "Min Power
+Limit: 100.00 W" and "Max Power Limit: 400.00 W" (github.com/NVIDIA/DCGM issue 152): 0.25. Below it the driver
+refuses the limit, and the clock law below would run towards 0."""
 
 
 def power_limited_clock(power_w: float, reference_w: float, rated_w: float) -> float:
@@ -33,14 +39,15 @@ def power_limited_clock(power_w: float, reference_w: float, rated_w: float) -> f
     :data:`FIXED_POWER_SHARE` × ``rated_w``. A first-order model, not a reading; it is the smaller loss: at a
     deep cap the voltage sits at its floor and the clock falls in proportion to power (a GB300 capped at 500 W
     of 1,400: 617 TFLOP/s of cuBLAS GEMM against 1,600-2,174, github.com/facebookexperimental/triton PR 2023).
-    An H100 SXM at 500 W of 700: (360/560)^(1/3) = 0.863. Refuses a limit at or under P₀ or above ``rated_w``.
+    An H100 SXM at 500 W of 700: (360/560)^(1/3) = 0.863. Refuses a limit outside [:data:`MIN_POWER_SHARE` ×
+    ``rated_w``, ``rated_w``], the range a board accepts.
     """
-    fixed = FIXED_POWER_SHARE * rated_w
+    fixed, low = FIXED_POWER_SHARE * rated_w, MIN_POWER_SHARE * rated_w
     for name, w in (("power_limit_w", power_w), ("the reference power", reference_w)):
-        if not fixed < w <= rated_w:
+        if not low <= w <= rated_w:
             raise ConfigError(
-                f"{name} {w:g} W is outside ({fixed:g}, {rated_w:g}] W: a board runs above the {fixed:g} W its "
-                f"memory and leakage draw and at most at its rated {rated_w:g} W; give a limit in that range"
+                f"{name} {w:g} W is outside [{low:g}, {rated_w:g}] W: a board accepts a limit from "
+                f"{MIN_POWER_SHARE:g} of its rated {rated_w:g} W up to the rating; give a limit in that range"
             )
     return float(((power_w - fixed) / (reference_w - fixed)) ** (1 / 3))
 

@@ -122,7 +122,7 @@ CLOCKED = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h100-nvl", "h800"
 @pytest.mark.parametrize(
     "name, sms, per_clock, mhz",
     [("a100-80gb", 108, 2048, 1410), ("h100-sxm", 132, 4096, 1830), ("h100-pcie", 114, 4096, 1620),
-     ("h100-nvl", 132, 4096, 1545), ("h200", 132, 4096, 1830)],
+     ("h100-nvl", 132, 4096, 1545), ("h200", 132, 4096, 1830), ("h100-96gb", 132, 4096, 1830)],
 )  # fmt: skip
 def test_each_peak_is_sms_times_flop_per_clock_times_the_clock_its_row_names(name, sms, per_clock, mhz):
     """By hand: the dense bf16 peak = SMs × FLOP/clock/SM × the clock the row's source names."""
@@ -164,8 +164,10 @@ def test_sustained_clock_fraction_and_power_limit_are_validated():
     for bad in (0, -0.5, 1.3, float("nan"), True, "fast"):
         with pytest.raises(ConfigError, match=r"sustained_clock_fraction must be in \(0, 1.25\]"):
             a100.with_overrides(sustained_clock_fraction=bad)
-    with pytest.raises(ConfigError, match=r"power_limit_w 0 W is outside \(80, 400\] W"):
-        a100.with_overrides(power_limit_w=0.0)  # under the 80 W an A100 draws doing nothing
+    with pytest.raises(ConfigError, match=r"power_limit_w must be a finite number > 0"):
+        a100.with_overrides(power_limit_w=0.0)
+    with pytest.raises(ConfigError, match=r"power_limit_w 90 W is outside \[100, 400\] W"):
+        a100.with_overrides(power_limit_w=90.0)  # under the 100 W an A100 accepts
     with pytest.raises(ConfigError, match=r"rated_power_w must be a finite number > 0"):
         a100.with_overrides(rated_power_w=0.0)
     assert a100.with_overrides(sustained_clock_fraction=1.05).sustained_clock_fraction == 1.05

@@ -136,6 +136,30 @@ def test_plan_with_a_microbenchmark_uses_the_measured_terms_and_names_them(
     assert "gemm: measured" in text
 
 
+def test_a_plan_under_a_lower_power_limit_scales_the_measured_kernels_by_the_clock_law(
+    h100_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The measured kernels carry the clock of the row's 700 W; at 500 W the clock is (360/560)^(1/3) of it, by
+    hand: measured GEMMs run that much slower (up to the per-tile seconds that do not scale), and the plan
+    says so. Without a new limit the fraction stays 1 and no clock source is added."""
+    f = (360 / 560) ** (1 / 3)
+    capped = H100.with_overrides(power_limit_w=500)
+    a = apply_calibration(h100_file, shape=SHAPE, precision="bf16-mixed", gpu=capped)
+    assert a.accelerator is not None and a.accelerator.sustained_clock_fraction == pytest.approx(f)
+    assert "700 W" in a.sources["clock"] and "500 W" in a.sources["clock"]
+    run = a.accelerator.at_sustained_clock()
+    for g in synthetic().gemms:
+        t = gemm_time_s(g.rows, g.k, g.n, run, dtype="bf16", efficiency=a.efficiency)
+        assert g.seconds < t <= g.seconds / f * (1 + 1e-9)
+        assert t == pytest.approx(g.seconds / f, rel=0.03)
+    full = apply_calibration(h100_file, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+    assert full.accelerator is not None and full.accelerator.sustained_clock_fraction == 1.0
+    assert "clock" not in full.sources
+    cal = _plan("--calibration", str(h100_file), capsys=capsys)["recommended"]["step_time_s"]
+    low = _plan("--calibration", str(h100_file), "--gpu-set", "power_limit_w=500", capsys=capsys)
+    assert cal < low["recommended"]["step_time_s"] < cal / f
+
+
 @pytest.fixture(scope="module")
 def cpu_bench() -> MicrobenchResult:
     return run_microbench(MicrobenchConfig(shape=get_model("tiny"), micro_batches=(1, 2, 4, 8), quick=True))

@@ -14,6 +14,8 @@ accelerator sets, for plans on that accelerator:
   every memory-bound kernel at ``memory``) the median of copy, add, GeLU and LayerNorm; on a GPU
   ``optimizer_memory`` = one AdamW step's (28 B per parameter).
 - **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
+- **Clock**: the measured kernels carry the clock they held (``sustained_clock_fraction`` 1), at the row's power
+  limit; a plan at another ``power_limit_w`` scales it (:func:`~microbatch.hardware_clocks.power_limited_clock`).
 - **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
   (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one; ``overlap_slowdown`` = the
   measured slowdown of a GEMM beside an all-reduce (at least 0), when the file has one.
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.hardware import Accelerator, cpu_accelerator
+from microbatch.hardware_clocks import power_limited_clock
 from microbatch.microbench_record import MicrobenchResult
 from microbatch.predict.attention import flash_shape_factor
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
@@ -177,5 +180,21 @@ def kernel_terms(
         sources["gemm"] = f"measured: {len(ratios)} GEMM shapes, read between them (measured / analytic time)"
     attn = _attention_fraction(result, acc, sources, notes)
     acc_out = acc.with_overrides(attention_fraction=attn) if attn is not None else acc
-    acc_out = acc_out.with_overrides(sustained_clock_fraction=1.0)  # the measurement carries its clock
-    return KernelTerms(accelerator=acc_out, efficiency=eff, sources=sources, notes=tuple(notes))
+    return KernelTerms(accelerator=_measured_clock(acc_out, sources), efficiency=eff, sources=sources,
+                       notes=tuple(notes))  # fmt: skip
+
+
+def _measured_clock(acc: Accelerator, sources: dict[str, str]) -> Accelerator:
+    """``acc`` at the clock the measurement held: fraction 1 (the kernels carry it), scaled by
+    :func:`~microbatch.hardware_clocks.power_limited_clock` when the plan's power limit is not the row's —
+    the file records no limit, so the measurement is taken at the table row's."""
+    from microbatch.hardware import ACCELERATORS
+
+    ran_at = ACCELERATORS[acc.name].power_limit_w if acc.name in ACCELERATORS else None
+    if ran_at is None or acc.power_limit_w in (None, ran_at) or acc.rated_power_w is None:
+        return acc.with_overrides(sustained_clock_fraction=1.0)
+    f = power_limited_clock(acc.power_limit_w, ran_at, acc.rated_power_w)
+    sources["clock"] = (
+        f"measured at the row's {ran_at:g} W (assumed); at {acc.power_limit_w:g} W the clock x {f:.3f}"
+    )
+    return acc.with_overrides(sustained_clock_fraction=f)

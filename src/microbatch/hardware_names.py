@@ -1,0 +1,74 @@
+"""Which accelerator row a device is: from the name torch reports, or the name a saved file records.
+
+Pure string rules naming a row of :data:`microbatch.hardware.ACCELERATORS` (whose ``from_device_name`` and
+``match_accelerator`` wrap these with the table). An A100 is told apart by its memory (40 or 80 GB); an H100 with HBM2e only by a name that
+says so (a 94 GiB H100 may also be the HBM3 part of a GH200, which has another bandwidth).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Container
+
+from microbatch.units import GIB
+
+__all__ = ["device_key", "name_key"]
+
+# Substrings of torch.cuda.get_device_name() -> registry key, most specific first.
+_DEVICE_NAMES = (
+    ("h100 pcie", "h100-pcie"),
+    ("h100 nvl", "h100-nvl"),
+    ("h800", "h800"),
+    ("h100", "h100-sxm"),
+    ("h200", "h200"),
+    ("b200", "b200"),
+    ("a100", "a100-80gb"),
+    ("l4", "l4"),
+    ("mi300x", "mi300x"),
+)
+
+
+def device_key(device_name: str, total_memory_bytes: float | None = None) -> str | None:
+    """The table key of a device name as torch reports it; None if unknown.
+
+    An A100 is told apart by its memory (40 or 80 GB); an H100 with HBM2e by its name only.
+    """
+    low = device_name.lower()
+    for needle, key in _DEVICE_NAMES:
+        if needle in low:
+            if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GIB:
+                key = "a100-40gb"
+            if key == "h100-sxm" and "hbm2e" in low:
+                key = "h100-96gb"  # an SXM H100 whose name gives its HBM2e
+            return key
+    return None
+
+
+def name_key(name: str, known: Container[str]) -> str | None:
+    """The table key of a device name such as ``NVIDIA H200`` or ``NVIDIA A100-SXM4-80GB`` (a key in ``known``
+    is itself); None if unknown.
+
+    From the name alone (a saved file's ``device_name``): an A100's size comes from the name, where
+    :func:`device_key` uses the memory torch reports.
+    """
+    n = name.lower().replace("nvidia", "").replace("amd instinct", "").strip()
+    if not n or n in ("cpu", "cuda", "gpu") or n.startswith("cuda:"):
+        return None
+    if n in known:
+        return n
+    for key, pattern in (
+        ("h200", r"h200"),
+        ("h100-pcie", r"h100.*pcie"),
+        ("h100-nvl", r"h100.*nvl"),
+        ("h800", r"h800"),
+        ("h100-96gb", r"h100.*hbm2e"),
+        ("h100-sxm", r"h100"),
+        ("a100-40gb", r"a100.*40"),
+        ("a100-80gb", r"a100"),
+        ("b200", r"b200"),
+        ("l4", r"\bl4\b"),
+        ("mi300x", r"mi300"),
+    ):
+        if re.search(pattern, n):
+            return key
+    return None
