@@ -220,6 +220,10 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 
 FLAG_STRINGS_ALLOWED = {
     "microbatch.measure.childprobe": (3, "the child process's own argv (--worker), not a microbatch flag"),
+    "microbatch.measure.board": (
+        3,
+        "nvidia-smi's own argv (--query-gpu, --format, --id), not a microbatch flag",
+    ),
     # issue 31 item 4: modules other engineers were restructuring; convert, then lower or drop the entry
     "microbatch.run.pipeline.launch": (
         1,

@@ -135,6 +135,12 @@ class MicrobenchResult:
     overlap_slowdown: float | None = None
     """How much longer a GEMM took while an all-reduce ran beside it than alone (0.2 = 20% longer), when a
     process group of 2+ ranks was initialised; None when not measured."""
+    power_limit_w: float | None = None
+    """The board's enforced power limit as the driver reported it (``nvidia-smi``); None when not read."""
+    sm_clock_mhz: float | None = None
+    """The SM clock the board held while a long square GEMM ran (the driver's, median of its samples)."""
+    max_sm_clock_mhz: float | None = None
+    """The board's highest SM clock (the driver's), to read ``sm_clock_mhz`` against."""
     seconds_total: float = 0.0
     """Wall seconds the whole benchmark took."""
     complete: bool = True

@@ -8,6 +8,8 @@ Times, on the current device, what the step-time model (:mod:`microbatch.predict
   lengths with the model's heads and head dimension, b·s held at the tokens of the largest b_m;
 - streaming kernels (copy, add, GeLU, LayerNorm, softmax, dropout) over a large tensor, and one AdamW step;
 - the host's floor per eager kernel launch;
+- on an NVIDIA GPU, the board's power limit and the SM clock it holds under a long square GEMM, read from the
+  driver while the GEMM runs (:mod:`microbatch.measure.board`);
 - all-reduce and all-gather over the initialised ``torch.distributed`` process group (skipped, and
   said, when none is), and a GEMM alone against the same GEMM while an all-reduce runs beside it: the
   slowdown of computation under an overlapped collective
@@ -32,6 +34,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
+from microbatch.measure.board import BoardReading, clock_under_load
 from microbatch.microbench_record import (
     AttentionTiming,
     CollectiveTiming,
@@ -394,6 +397,26 @@ def join_launched_group(device: str) -> tuple[str, int, bool]:
     return device, torch.distributed.get_rank(), True
 
 
+BOARD_SHARE = 0.05
+"""Share of the budget (at most 2 s) the board's clock is sampled for, under a square 8,192 GEMM."""
+
+
+def _board(b: _Bench, dtype: Any) -> BoardReading | None:
+    """The driver's power limit and the SM clock held under a square GEMM (CUDA only; None when unread)."""
+    if not b.cuda or b.left_s() <= 0:
+        return None
+    torch, dev = b.torch, b.cfg.device
+    x = torch.randn(8192, 8192, device=dev, dtype=dtype)
+    props = torch.cuda.get_device_properties(torch.device(dev))
+    ident = f"GPU-{props.uuid}" if getattr(props, "uuid", None) else str(torch.cuda.current_device())
+
+    def work() -> None:
+        torch.matmul(x, x)
+        torch.cuda.synchronize()
+
+    return clock_under_load(work, min(2.0, BOARD_SHARE * b.cfg.budget_s), ident)
+
+
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
     cuda = cfg.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -422,11 +445,13 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     notes: list[str] = []
     launch: float | None = None
     overlap: float | None = None
+    board: BoardReading | None = None
     complete = True
     layer = [g for bm in cfg.micro_batches for g in layer_gemm_shapes(cfg.shape, bm * cfg.shape.seq)]
     try:
         with torch.no_grad():
             _settle(b, dtype)
+            board = _board(b, dtype)
             _gemms(b, layer, dtype, gemms)
             _attention(b, dtype, attn)
             _stream(b, dtype, stream)
@@ -442,6 +467,8 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         notes.append(f"past the {cfg.budget_s:g} s budget, not measured: {', '.join(b.skipped)}")
     if acc is None:
         notes.append(f"{name} is not in the accelerator table: no fractions of peak")
+    if cuda and board is None:
+        notes.append("the board's power limit and clock were not read (no nvidia-smi answer)")
     return MicrobenchResult(
         device="cuda" if cuda else "cpu", device_name=name, accelerator=acc.name if acc else None,
         torch_version=str(torch.__version__), dtype=cfg.resolved_dtype,
@@ -449,4 +476,6 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         model=cfg.shape.name, seq=cfg.shape.seq, micro_batches=tuple(cfg.micro_batches), gemms=tuple(gemms),
         attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
         overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
+        power_limit_w=board.power_limit_w if board else None, sm_clock_mhz=board.sm_clock_mhz if board else None,
+        max_sm_clock_mhz=board.max_sm_clock_mhz if board else None,
     )  # fmt: skip

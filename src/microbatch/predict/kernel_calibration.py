@@ -180,21 +180,20 @@ def kernel_terms(
         sources["gemm"] = f"measured: {len(ratios)} GEMM shapes, read between them (measured / analytic time)"
     attn = _attention_fraction(result, acc, sources, notes)
     acc_out = acc.with_overrides(attention_fraction=attn) if attn is not None else acc
-    return KernelTerms(accelerator=_measured_clock(acc_out, sources), efficiency=eff, sources=sources,
-                       notes=tuple(notes))  # fmt: skip
+    return KernelTerms(accelerator=_measured_clock(acc_out, result, sources), efficiency=eff,
+                       sources=sources, notes=tuple(notes))  # fmt: skip
 
 
-def _measured_clock(acc: Accelerator, sources: dict[str, str]) -> Accelerator:
+def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[str, str]) -> Accelerator:
     """``acc`` at the clock the measurement held: fraction 1 (the kernels carry it), scaled by
-    :func:`~microbatch.hardware_clocks.power_limited_clock` when the plan's power limit is not the row's —
-    the file records no limit, so the measurement is taken at the table row's."""
+    :func:`~microbatch.hardware_clocks.power_limited_clock` when the plan's power limit is not the one it ran
+    at — the driver's reading in the file, else (an older file) the table row's, said to be assumed."""
     from microbatch.hardware import ACCELERATORS
 
-    ran_at = ACCELERATORS[acc.name].power_limit_w if acc.name in ACCELERATORS else None
+    row = ACCELERATORS[acc.name].power_limit_w if acc.name in ACCELERATORS else None
+    ran_at, how = (result.power_limit_w, "read") if result.power_limit_w else (row, "the row's, assumed")
     if ran_at is None or acc.power_limit_w in (None, ran_at) or acc.rated_power_w is None:
         return acc.with_overrides(sustained_clock_fraction=1.0)
-    f = power_limited_clock(acc.power_limit_w, ran_at, acc.rated_power_w)
-    sources["clock"] = (
-        f"measured at the row's {ran_at:g} W (assumed); at {acc.power_limit_w:g} W the clock x {f:.3f}"
-    )
+    f = power_limited_clock(acc.power_limit_w, min(ran_at, acc.rated_power_w), acc.rated_power_w)
+    sources["clock"] = f"measured at {ran_at:g} W ({how}); at {acc.power_limit_w:g} W the clock x {f:.3f}"
     return acc.with_overrides(sustained_clock_fraction=f)

@@ -201,6 +201,14 @@ def render_microbench(d: dict[str, Any]) -> str:
         lines.append(f"a GEMM beside an all-reduce: {d['overlap_slowdown']:+.1%} against alone")
     if d["launch_s_per_kernel"] is not None:
         lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
+    if d.get("sm_clock_mhz") is not None or d.get("power_limit_w") is not None:
+        clock, top, watts = d.get("sm_clock_mhz"), d.get("max_sm_clock_mhz"), d.get("power_limit_w")
+        lines.append(
+            "board: "
+            + (f"power limit {watts:,.0f} W; " if watts else "")
+            + (f"SM clock under a long GEMM {clock:,.0f} MHz" if clock else "SM clock not read")
+            + (f" of {top:,.0f} maximum" if clock and top else "")
+        )
     lines += [f"note: {n}" for n in d["notes"]]
     return "\n".join(lines)
 
