@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
-from microbatch.measure.board import QUERY, BoardReading, _run, clock_under_load, read_board
+from microbatch.measure.board import MIN_SAMPLES, BoardReading, _run, clock_under_load, read_board
 from microbatch.microbench_record import MicrobenchResult
 from microbatch.predict.kernel_calibration import kernel_terms
 from microbatch.show.answers import render_microbench
@@ -28,8 +29,8 @@ def test_read_board_parses_the_drivers_csv_and_asks_for_that_gpu():
 
     r = read_board("GPU-1234", run)
     assert r == BoardReading(power_limit_w=700.0, sm_clock_mhz=1755.0, max_sm_clock_mhz=1980.0)
-    assert asked == [[*QUERY, "--id=GPU-1234"]]
-    assert QUERY[1] == "--query-gpu=power.limit,clocks.sm,clocks.max.sm"
+    assert asked == [["nvidia-smi", "--query-gpu=enforced.power.limit,clocks.sm,clocks.max.sm",
+                      "--format=csv,noheader,nounits", "--id=GPU-1234"]]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,24 @@ def test_clock_under_load_is_the_median_after_the_clock_settles():
     assert clock_under_load(lambda: None, 0.1, "0", lambda cmd: None, every_s=0.02) is None
 
 
+def test_a_reading_after_the_load_or_too_few_readings_give_no_clock():
+    """A slow driver (0.3 s a call) over a 0.5 s load: the reading that returns after the load ended (the idle
+    clock, 345 MHz) is dropped, and the one or two left are fewer than MIN_SAMPLES: no clock, not a wrong one."""
+    assert MIN_SAMPLES == 3
+    loaded = [True]
+
+    def slow(cmd: list[str]) -> str:
+        time.sleep(0.3)
+        return "700.00, 1500, 1980\n" if loaded[0] else "700.00, 345, 1980\n"
+
+    def work() -> None:
+        time.sleep(0.01)
+
+    r = clock_under_load(work, 0.5, "0", slow, every_s=0.0)
+    loaded[0] = False
+    assert r is None
+
+
 def test_a_missing_or_failing_tool_reads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert _run(["microbatch-no-such-tool", "--x"]) is None
     fake = tmp_path / "nvidia-smi"
@@ -95,6 +114,21 @@ def test_the_reading_is_kept_shown_and_read_back():
         old.pop(k)
     assert MicrobenchResult.from_dict(old).power_limit_w is None  # a file written before: still read
     assert "board:" not in render_microbench(old)
+
+
+def test_a_reading_outside_the_boards_range_is_taken_at_its_edge():
+    """A limit read below 0.25 of the rating (150 W of 700) or above it (800 W): no error the user could not act
+    on; the scaling starts from the edge of the board's range, and the source says so."""
+    sxm = get_accelerator("h100-sxm")
+    low = kernel_terms(_result(power_limit_w=150.0), sxm.with_overrides(power_limit_w=200))
+    assert low.accelerator.sustained_clock_fraction == pytest.approx((60 / 35) ** (1 / 3))
+    assert "taken as 175 W, the edge of the board's range" in low.sources["clock"]
+    # stretched past x 1.25 (175 -> 700 W would be x 2.52): refused, naming what to do
+    with pytest.raises(ConfigError, match=r"past the 1.25 the clock law is trusted for; run bench-gpu at"):
+        kernel_terms(_result(power_limit_w=150.0), sxm)
+    high = kernel_terms(_result(power_limit_w=800.0), sxm)
+    assert high.accelerator.sustained_clock_fraction == pytest.approx(1.0)
+    assert "taken as 700 W" in high.sources["clock"]
 
 
 def test_a_calibration_scales_from_the_limit_the_driver_read():

@@ -18,10 +18,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["BoardReading", "read_board", "clock_under_load", "QUERY"]
+__all__ = ["BoardReading", "read_board", "clock_under_load", "QUERY", "MIN_SAMPLES"]
 
-QUERY = ("nvidia-smi", "--query-gpu=power.limit,clocks.sm,clocks.max.sm", "--format=csv,noheader,nounits")
+QUERY = (
+    "nvidia-smi",
+    "--query-gpu=enforced.power.limit,clocks.sm,clocks.max.sm",
+    "--format=csv,noheader,nounits",
+)
 """The driver query: the enforced power limit (W), the current and the maximum SM clock (MHz)."""
+MIN_SAMPLES = 3
+"""Readings under load below which no clock is reported (one or two could fall before the clock settles)."""
 
 Runner = Callable[[list[str]], str | None]
 """Runs a command and returns its standard output, or None when it could not run."""
@@ -43,7 +49,7 @@ def _run(cmd: list[str]) -> str | None:
     if shutil.which(cmd[0]) is None:
         return None
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
@@ -76,16 +82,17 @@ def clock_under_load(
     work: Callable[[], object], seconds: float, ident: str, run: Runner = _run, every_s: float = 0.1
 ) -> BoardReading | None:
     """Call ``work`` repeatedly for ``seconds`` while a thread reads the board every ``every_s``; the reading
-    with the median SM clock of the samples taken while it ran (the first quarter, while the clock settles,
-    left out). None when the driver gave no clock. ``work`` must wait for its kernels (synchronise) so that
-    the loop's time is the device's."""
+    with the median SM clock of the samples taken while it ran (a reading that returns after the load ended is
+    dropped; the first quarter, while the clock settles, left out). None when fewer than :data:`MIN_SAMPLES`
+    remain or the driver gave no clock. ``work`` must wait for its kernels (synchronise) so that the loop's
+    time is the device's."""
     samples: list[BoardReading] = []
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.is_set():
             r = read_board(ident, run)
-            if r is not None and r.sm_clock_mhz is not None:
+            if r is not None and r.sm_clock_mhz is not None and not stop.is_set():  # still under load
                 samples.append(r)
             stop.wait(every_s)
 
@@ -97,9 +104,9 @@ def clock_under_load(
             work()
     finally:
         stop.set()
-        t.join(timeout=15)
+        t.join(timeout=5)
     kept = samples[len(samples) // 4 :]
-    if not kept:
+    if len(kept) < MIN_SAMPLES:
         return None
     mid = statistics.median_low([r.sm_clock_mhz or 0.0 for r in kept])
     return next(r for r in kept if r.sm_clock_mhz == mid)

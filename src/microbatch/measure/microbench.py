@@ -34,7 +34,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
-from microbatch.measure.board import BoardReading, clock_under_load
+from microbatch.measure.board import BoardReading, clock_under_load, read_board
 from microbatch.microbench_record import (
     AttentionTiming,
     CollectiveTiming,
@@ -401,20 +401,30 @@ BOARD_SHARE = 0.05
 """Share of the budget (at most 2 s) the board's clock is sampled for, under a square 8,192 GEMM."""
 
 
-def _board(b: _Bench, dtype: Any) -> BoardReading | None:
-    """The driver's power limit and the SM clock held under a square GEMM (CUDA only; None when unread)."""
+def _board(b: _Bench, dtype: Any, notes: list[str]) -> BoardReading | None:
+    """The driver's power limit and the SM clock held under a square GEMM (CUDA only): read once first, and
+    loaded only when the driver answers; None, with a note, when it does not or the GEMM cannot run."""
     if not b.cuda or b.left_s() <= 0:
         return None
     torch, dev = b.torch, b.cfg.device
-    x = torch.randn(8192, 8192, device=dev, dtype=dtype)
-    props = torch.cuda.get_device_properties(torch.device(dev))
-    ident = f"GPU-{props.uuid}" if getattr(props, "uuid", None) else str(torch.cuda.current_device())
+    uuid = getattr(torch.cuda.get_device_properties(torch.device(dev)), "uuid", None)
+    if not uuid or read_board(f"GPU-{uuid}") is None:  # the UUID: CUDA_VISIBLE_DEVICES does not renumber it
+        notes.append("the board's power limit and clock were not read (no nvidia-smi answer for this GPU)")
+        return None
+    try:
+        x = torch.randn(8192, 8192, device=dev, dtype=dtype)
 
-    def work() -> None:
-        torch.matmul(x, x)
-        torch.cuda.synchronize()
+        def work() -> None:
+            torch.matmul(x, x)
+            torch.cuda.synchronize()
 
-    return clock_under_load(work, min(2.0, BOARD_SHARE * b.cfg.budget_s), ident)
+        reading = clock_under_load(work, min(2.0, BOARD_SHARE * b.cfg.budget_s), f"GPU-{uuid}")
+    except RuntimeError as e:  # torch.OutOfMemoryError among them: an extra, not the benchmark
+        notes.append(f"the board's clock under load was not read ({type(e).__name__})")
+        return None
+    if reading is None:
+        notes.append("the board's clock under load was not read (too few driver readings)")
+    return reading
 
 
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
@@ -451,7 +461,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     try:
         with torch.no_grad():
             _settle(b, dtype)
-            board = _board(b, dtype)
+            board = _board(b, dtype, notes)
             _gemms(b, layer, dtype, gemms)
             _attention(b, dtype, attn)
             _stream(b, dtype, stream)
@@ -467,8 +477,6 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         notes.append(f"past the {cfg.budget_s:g} s budget, not measured: {', '.join(b.skipped)}")
     if acc is None:
         notes.append(f"{name} is not in the accelerator table: no fractions of peak")
-    if cuda and board is None:
-        notes.append("the board's power limit and clock were not read (no nvidia-smi answer)")
     return MicrobenchResult(
         device="cuda" if cuda else "cpu", device_name=name, accelerator=acc.name if acc else None,
         torch_version=str(torch.__version__), dtype=cfg.resolved_dtype,

@@ -30,8 +30,9 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from microbatch.errors import ConfigError
 from microbatch.hardware import Accelerator, cpu_accelerator
-from microbatch.hardware_clocks import power_limited_clock
+from microbatch.hardware_clocks import MIN_POWER_SHARE, power_limited_clock
 from microbatch.microbench_record import MicrobenchResult
 from microbatch.predict.attention import flash_shape_factor
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
@@ -194,6 +195,17 @@ def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[st
     ran_at, how = (result.power_limit_w, "read") if result.power_limit_w else (row, "the row's, assumed")
     if ran_at is None or acc.power_limit_w in (None, ran_at) or acc.rated_power_w is None:
         return acc.with_overrides(sustained_clock_fraction=1.0)
-    f = power_limited_clock(acc.power_limit_w, min(ran_at, acc.rated_power_w), acc.rated_power_w)
-    sources["clock"] = f"measured at {ran_at:g} W ({how}); at {acc.power_limit_w:g} W the clock x {f:.3f}"
+    rated = acc.rated_power_w
+    held = min(max(ran_at, MIN_POWER_SHARE * rated), rated)  # a reading outside the board's range: its edge
+    f = power_limited_clock(acc.power_limit_w, held, rated)
+    if f > 1.25:  # the clock law is first-order: it is not stretched this far from the measured point
+        raise ConfigError(
+            f"the microbenchmark ran at a {ran_at:g} W power limit and the plan is at {acc.power_limit_w:g} W: "
+            f"x {f:.2f} on its clock is past the 1.25 the clock law is trusted for; run bench-gpu at the plan's "
+            "limit, or give power_limit_w nearer the measured one"
+        )
+    edge = f", taken as {held:g} W, the edge of the board's range" if held != ran_at else ""
+    sources["clock"] = (
+        f"measured at {ran_at:g} W ({how}{edge}); at {acc.power_limit_w:g} W the clock x {f:.3f}"
+    )
     return acc.with_overrides(sustained_clock_fraction=f)
