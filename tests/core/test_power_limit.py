@@ -152,3 +152,15 @@ def test_a_step_on_the_capped_board_by_hand():
     sxm_t = predict_step_time_s(shape, 2, get_accelerator("h100-sxm"), efficiency=bare)
     row_t = predict_step_time_s(shape, 2, get_accelerator("h100-96gb", power_limit_w=700), efficiency=bare)
     assert sxm_t < row_t < sxm_t * 3350 / 2410
+
+
+def test_the_plan_header_says_the_limit_and_the_clock(capsys: pytest.CaptureFixture[str]):
+    from microbatch.cli import main
+
+    base = ["plan", "--model", "llama-3-8b", "-B", "256", "-d", "32"]
+    assert main([*base, "--gpu", "h100-96gb"]) == 0
+    assert "on 32 × h100-96gb (500 W of 700, clock × 0.863):" in capsys.readouterr().out
+    assert main([*base, "--gpu", "h100-sxm"]) == 0
+    assert "on 32 × h100-sxm: B_global" in capsys.readouterr().out  # at its rating and clock: nothing said
+    assert main([*base, "--gpu", "h100-sxm", "--gpu-set", "power_limit_w=600"]) == 0
+    assert f"(600 W of 700, clock × {(460 / 560) ** (1 / 3):.3f})" in capsys.readouterr().out

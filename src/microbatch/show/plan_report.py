@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.hardware import Accelerator
 from microbatch.moe import Experts, as_experts
 from microbatch.predict.candidate import Candidate
 from microbatch.predict.experts import rows_per_expert
@@ -322,12 +323,20 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _clock_note(gpu: Accelerator) -> str:
+    """`` (500 W of 700, clock × 0.863)`` when the board runs under its rating or at another clock, else ``""``."""
+    w, rated, f = gpu.power_limit_w, gpu.rated_power_w, gpu.sustained_clock_fraction
+    limit = f"{w:,.0f} W of {rated:,.0f}" if w and rated and w < rated else ""
+    clock = f"clock × {f:.3f}" if f != 1 else ""
+    return f" ({', '.join(x for x in (limit, clock) if x)})" if limit or clock else ""
+
+
 def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> str:
     """The plan as text: header, trade-off table, recommendation in words, pitfalls (``words``:
     :data:`Words`)."""
     cfg = plan.config
     head = (
-        f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}: B_global = {cfg.global_batch}, d = "
+        f"{cfg.shape.name} on {cfg.num_gpus} × {cfg.gpu.name}{_clock_note(cfg.gpu)}: B_global = {cfg.global_batch}, d = "
         f"{cfg.data_parallel}, p = {cfg.pipeline_parallel}, t = {cfg.tensor_parallel}"
         f"{' + SP' if cfg.sequence_parallel else ''}"
         f"{f', c = {cfg.context_parallel} ({cfg.cp_comm})' if cfg.context_parallel > 1 else ''}"
