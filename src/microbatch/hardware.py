@@ -139,9 +139,9 @@ class Accelerator:
                 "peak a causal flash-attention kernel reaches (or leave it unset)"
             )
         v = self.sustained_clock_fraction
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1.25):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= _clk.MAX_CLOCK_FRACTION):
             raise ConfigError(
-                f"{self.name} sustained_clock_fraction must be in (0, 1.25], got {v!r}; give the clock a long "
+                f"{self.name} sustained_clock_fraction must be in (0, {_clk.MAX_CLOCK_FRACTION:g}], got {v!r}; give the clock a long "
                 "dense GEMM holds at the power limit over the datasheet's boost clock (1 when unknown)"
             )
         for f in ("power_limit_w", "rated_power_w"):

@@ -16,8 +16,12 @@ from microbatch.errors import ConfigError
 
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
-    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "power_limited_clock",
+    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "power_limited_clock",
 ]  # fmt: skip
+
+MAX_CLOCK_FRACTION = 1.25
+"""The largest ``sustained_clock_fraction`` accepted: a part may hold more than its datasheet's clock, and a
+calibration's clock may be scaled up to another limit, but not past this."""
 
 FIXED_POWER_SHARE = 0.2
 """Share of a board's rated power that does not move with its SMs' clock (memory, leakage, the board): an H100

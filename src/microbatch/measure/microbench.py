@@ -408,7 +408,8 @@ def _board(b: _Bench, dtype: Any, notes: list[str]) -> BoardReading | None:
         return None
     torch, dev = b.torch, b.cfg.device
     uuid = getattr(torch.cuda.get_device_properties(torch.device(dev)), "uuid", None)
-    if not uuid or read_board(f"GPU-{uuid}") is None:  # the UUID: CUDA_VISIBLE_DEVICES does not renumber it
+    ident = f"GPU-{uuid}"  # the UUID: CUDA_VISIBLE_DEVICES does not renumber it
+    if not uuid or read_board(ident) is None:
         notes.append("the board's power limit and clock were not read (no nvidia-smi answer for this GPU)")
         return None
     try:
@@ -418,7 +419,7 @@ def _board(b: _Bench, dtype: Any, notes: list[str]) -> BoardReading | None:
             torch.matmul(x, x)
             torch.cuda.synchronize()
 
-        reading = clock_under_load(work, min(2.0, BOARD_SHARE * b.cfg.budget_s), f"GPU-{uuid}")
+        reading = clock_under_load(work, min(2.0, BOARD_SHARE * b.cfg.budget_s), ident)
     except RuntimeError as e:  # torch.OutOfMemoryError among them: an extra, not the benchmark
         notes.append(f"the board's clock under load was not read ({type(e).__name__})")
         return None

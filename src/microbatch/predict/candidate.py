@@ -199,6 +199,7 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
 
 def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, float, float], ...], float]:
     """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes."""
+    z = resident_zero(z, ctx.cfg.pipeline_parallel)  # ZeRO-2/3 under a pipeline: ZeRO-1's state held
     key = (z, v_placement)
     hit = ctx.state_cache.get(key)
     if hit is None:
@@ -206,7 +207,6 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
         d = cfg.zero_group  # d·c (the context-parallel ranks replicate the state too), or HSDP's shard group
         wb, gb, ob = ctx.state_bpp
         params = ctx.params_v if v_placement else ctx.params
-        z = resident_zero(z, cfg.pipeline_parallel)  # ZeRO-2/3 under a pipeline: ZeRO-1's state held
         de = (
             d // cfg.expert_parallel
         )  # the routed experts' state is sharded over the expert-data-parallel d/EP

@@ -15,6 +15,7 @@ from microbatch.predict.collectives import (
 )
 from microbatch.predict.plan_context import Context, StageTimes
 from microbatch.predict.roofline import allgather_time_s, allreduce_time_s, reduce_scatter_time_s
+from microbatch.predict.state import resident_zero
 
 __all__ = ["data_parallel_comm", "overlap_sigma"]
 
@@ -37,9 +38,8 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
     sigma = overlap_sigma(ctx)  # computation runs this much slower beside the NCCL kernels it overlaps
     dp = zero_s = 0.0
     if d > 1:
-        if (
-            z == 0
-        ):  # gradients all-reduced once per step, behind the last micro-batch's backward (or after it)
+        # ZeRO 0: gradients all-reduced once per step, behind the last micro-batch's backward (or after it)
+        if z == 0:
             reduce = allreduce_time_s(n * gb, d, ctx.bw_dp)
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
         elif z == 1:
@@ -47,8 +47,9 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
             dp += allgather_time_s(n * wb, zg, bw_zero)
-        elif cfg.pipeline_parallel > 1:  # ZeRO-2/3 under a pipeline: FSDP as torch's pipelining runs it
-            zero_s = _fsdp_under_pipeline(ctx, tm, n)
+        elif resident_zero(z, cfg.pipeline_parallel) != z:
+            # ZeRO-2/3 under a pipeline: FSDP as torch's pipelining runs it
+            zero_s = _fsdp_under_pipeline(ctx, tm, n, sigma)
         elif z == 2:
             # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
             rs = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
@@ -106,11 +107,12 @@ def _copy_out_s(ctx: Context, n: float) -> float:
     return fsdp2_copy_out_s(n * ctx.state_bpp[0], rate)
 
 
-def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float) -> float:
+def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float, sigma: float) -> float:
     """Exposed seconds per step of ZeRO-2/3 under a pipeline, as FSDP runs in ``torch.distributed.pipelining``
     (:func:`microbatch.predict.state.resident_zero`): the weights gathered once, unit by unit behind the
     first micro-batch's forward (its first unit exposed; FSDP2 copies them out once), and the accumulated
-    gradients reduce-scattered once after the last backward with nothing left to hide behind: whole."""
+    gradients reduce-scattered once after the last backward with nothing left to hide behind: whole; ``sigma``
+    the slowdown of the computation beside the gather (:func:`overlap_sigma`)."""
     ag, rs, units = _unit_collectives(ctx, tm, n)
     exposed = ag / max(1, units) + rs + _replica_s(ctx, tm, n) + _copy_out_s(ctx, n)
-    return overlap_exposed_s(ag, tm.fk, overlap_sigma(ctx)) + exposed
+    return overlap_exposed_s(ag, tm.fk, sigma) + exposed

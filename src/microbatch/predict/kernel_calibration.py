@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.hardware import Accelerator, cpu_accelerator
-from microbatch.hardware_clocks import MIN_POWER_SHARE, power_limited_clock
+from microbatch.hardware import ACCELERATORS, Accelerator, cpu_accelerator
+from microbatch.hardware_clocks import MAX_CLOCK_FRACTION, MIN_POWER_SHARE, power_limited_clock
 from microbatch.microbench_record import MicrobenchResult
 from microbatch.predict.attention import flash_shape_factor
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
@@ -189,8 +189,6 @@ def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[st
     """``acc`` at the clock the measurement held: fraction 1 (the kernels carry it), scaled by
     :func:`~microbatch.hardware_clocks.power_limited_clock` when the plan's power limit is not the one it ran
     at — the driver's reading in the file, else (an older file) the table row's, said to be assumed."""
-    from microbatch.hardware import ACCELERATORS
-
     row = ACCELERATORS[acc.name].power_limit_w if acc.name in ACCELERATORS else None
     ran_at, how = (result.power_limit_w, "read") if result.power_limit_w else (row, "the row's, assumed")
     if ran_at is None or acc.power_limit_w in (None, ran_at) or acc.rated_power_w is None:
@@ -198,10 +196,10 @@ def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[st
     rated = acc.rated_power_w
     held = min(max(ran_at, MIN_POWER_SHARE * rated), rated)  # a reading outside the board's range: its edge
     f = power_limited_clock(acc.power_limit_w, held, rated)
-    if f > 1.25:  # the clock law is first-order: it is not stretched this far from the measured point
+    if f > MAX_CLOCK_FRACTION:  # the clock law is first-order: not stretched this far from the measured point
         raise ConfigError(
             f"the microbenchmark ran at a {ran_at:g} W power limit and the plan is at {acc.power_limit_w:g} W: "
-            f"x {f:.2f} on its clock is past the 1.25 the clock law is trusted for; run bench-gpu at the plan's "
+            f"x {f:.2f} on its clock is past the {MAX_CLOCK_FRACTION:g} the clock law is trusted for; run bench-gpu at the plan's "
             "limit, or give power_limit_w nearer the measured one"
         )
     edge = f", taken as {held:g} W, the edge of the board's range" if held != ran_at else ""

@@ -44,7 +44,8 @@ from typing import Any
 
 from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
-from microbatch.show.export_torchtitan import Json, precision_of, schedule_spec, torchtitan_config
+from microbatch.show.export_common import Json, precision_of, schedule_spec
+from microbatch.show.export_torchtitan import torchtitan_config
 from microbatch.show.toml_text import toml_text
 
 __all__ = [

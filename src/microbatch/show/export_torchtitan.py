@@ -4,34 +4,18 @@
 ``parallelism.pipeline_parallel_microbatch_size``), ``training.global_batch_size`` = B,
 ``parallelism.pipeline_parallel_schedule`` (the torch class's name), the plan's stages, FSDP for ZeRO (torchtitan
 has no ZeRO-1), expert and context parallelism (with its K/V rotate method), FP8 linears, per-op and every-K-th
-recompute and async TP. Split from :mod:`microbatch.show.export` with the helpers both use.
+recompute and async TP. Split from :mod:`microbatch.show.export`; the helpers both use are in
+:mod:`microbatch.show.export_common`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from microbatch.errors import ConfigError
 from microbatch.predict.state import zero_groups
-from microbatch.schedules.registry import DEFAULT_SCHEDULE, ScheduleSpec, get_spec, torch_spec
+from microbatch.schedules.registry import DEFAULT_SCHEDULE, torch_spec
+from microbatch.show.export_common import Json, precision_of, schedule_spec
 
-__all__ = ["Json", "precision_of", "schedule_spec", "torchtitan_config"]
-
-Json = dict[str, Any]
-"""A JSON object: a plan, a candidate, a configuration."""
-
-
-def precision_of(c: Json) -> str:
-    """The candidate's precision (bf16-mixed when it says none)."""
-    return str(c.get("precision", "bf16-mixed"))
-
-
-def schedule_spec(name: str | None) -> ScheduleSpec | None:
-    """The registry's entry of schedule ``name``; None for no name or one the registry does not know."""
-    try:
-        return None if name is None else get_spec(name)
-    except ConfigError:
-        return None
+__all__ = ["torchtitan_config"]
 
 
 def _torchtitan_schedule(name: str) -> str:

@@ -44,7 +44,7 @@ from microbatch.show.html_sections import (
     validate_section,
 )
 from microbatch.show.html_sections import exports_section as _exports_section
-from microbatch.show.plan_report import explain_result
+from microbatch.show.plan_report import explain_result, fit_label
 
 __all__ = ["classify", "load_results", "build_report", "FIGURE_SIZE_PX", "Report"]
 
@@ -158,7 +158,7 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
             c.get("zero"),
             _pct(c.get("bubble_fraction")),
             _gib(c.get("peak_memory_bytes")),
-            "yes" if c.get("fits") else ("tight" if c.get("fits_device") else "no"),
+            fit_label(c.get("fits"), c.get("fits_device")),
             _num(c.get("step_time_s"), "{:.3f}"),
             _num(c.get("tokens_per_s")),
             _pct(c.get("mfu")),

@@ -88,8 +88,13 @@ def _row(c: Candidate) -> list[str]:
         f"{c.step_time_s:.3g} s",
         f"{c.tokens_per_s:,.0f}",
         f"{100 * c.mfu:.1f}%",
-        "yes" if c.fits else ("tight" if c.fits_device is True else "no"),
+        fit_label(c.fits, c.fits_device),
     ]
+
+
+def fit_label(fits: object, fits_device: object) -> str:
+    """``yes`` (inside the headroom), ``tight`` (inside the device, not its headroom) or ``no``."""
+    return "yes" if fits else ("tight" if fits_device is True else "no")
 
 
 def plan_table_rows(plan: Plan, *, per_micro_batch: bool = True, limit: int = 12) -> list[list[str]]:
