@@ -52,6 +52,20 @@ os._exit(0)
 """
 """The end of a two-rank worker script (:func:`run_two_ranks`): save ``results`` to ``out``, meet, leave."""
 
+LAUNCHED_END = """
+# both ranks at the end, then the process group ended before the interpreter's teardown is skipped: left to
+# exit, gloo's threads aborted a rank ('terminate called without an active exception') after its work was
+# written, in 1 of 6 runs and once in a clean-clone CI run (2026-12-04), as microbatch's own ranks avoid
+import sys as _sys, os as _os
+import torch.distributed as _dist
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()
+_sys.stdout.flush()
+_os._exit(0)
+"""
+"""The end of a script :func:`run_launched` starts, after it has written its ``rank{RANK}.json``."""
+
 
 def run_two_ranks(script: Path, tmp_path: Path, *, timeout_s: float = 150) -> None:
     """Run ``script RANK PORT OUT`` as two processes (OUT = tmp_path/r{rank}.pt); assert both exit 0."""
@@ -82,12 +96,12 @@ def run_launched(
 ) -> list[dict]:
     """Run the Python source ``script`` as ``ranks`` processes the way torchrun / ``accelerate
     launch`` start them (``MASTER_ADDR``/``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``;
-    ``OUT_DIR`` = tmp_path, plus ``env``); assert every one exits 0 within ``timeout_s`` (a hang
+    ``OUT_DIR`` = tmp_path, plus ``env``; each ends with :data:`LAUNCHED_END`); assert every one exits 0 within ``timeout_s`` (a hang
     fails) and return what each wrote to ``OUT_DIR/rank{RANK}.json``."""
     import json
 
     path = tmp_path / "child.py"
-    path.write_text(script)
+    path.write_text(script + LAUNCHED_END)  # every rank ends past gloo's teardown
     port = free_port()
     procs = []
     for rank in range(ranks):

@@ -156,12 +156,6 @@ trainer.train()
 out = {"world": args.world_size, "b": args.per_device_train_batch_size, "g": args.gradient_accumulation_steps,
        "points": [p.micro_batch for p in res.points], "seen": seen, "steps": trainer.state.global_step}
 open(os.path.join(os.environ["OUT_DIR"], f"rank{args.process_index}.json"), "w").write(json.dumps(out))
-# end the process group before the interpreter does: left to exit, gloo's threads aborted one rank
-# ('terminate called without an active exception') in 1 of 6 runs, on the code before this change too
-import torch.distributed as dist
-if dist.is_initialized():
-    dist.barrier()
-    dist.destroy_process_group()
 """
 
 
