@@ -14,6 +14,7 @@ reads the flag they typed and a Python caller the argument they passed (``docs/e
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "OutOfMemoryError",
     "PipelineError",
     "check_positive_int",
+    "whole_number",
     "check_non_negative",
     "check_positive",
 ]
@@ -69,12 +71,25 @@ class PipelineError(MicrobatchError):
     """A pipeline run failed on some rank; the message says which rank and why."""
 
 
+def whole_number(value: object) -> int | None:
+    """``value`` as an int when it is an integer of any kind (``int``, NumPy's, a 0-d integer tensor: whatever
+    has ``__index__``), else None; a bool is not a number here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # anything with __index__
+    except TypeError:
+        return None
+
+
 def check_positive_int(name: str, value: object, *, fix: str = "") -> int:
-    """Return ``value`` as an int if it is a whole number >= 1, else raise :class:`ConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Return ``value`` as an int if it is a whole number >= 1 (:func:`whole_number`), else raise
+    :class:`ConfigError`."""
+    v = whole_number(value)
+    if v is None or v < 1:
         tail = f"; {fix}" if fix else f"; give {name} a whole number of 1 or more"
         raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}{tail}", params=_param(name))
-    return value
+    return v
 
 
 def check_non_negative(name: str, value: float, *, fix: str = "") -> float:

@@ -52,8 +52,8 @@ __all__ = [
 DEFAULT_HEADROOM = 0.1
 """Share of device memory kept free when deciding what fits (the planner's ``memory_headroom``, the
 knee's ``headroom``): a policy, not a measurement. It covers what neither the analytic model nor a
-probe sees — the CUDA context (a few hundred MiB) and the marketed-versus-usable capacity gap (an
-"80 GB" H100 reports 79.6 GiB), NCCL or gloo buffers, the caching allocator's fragmentation and
+probe sees — the CUDA context (a few hundred MiB), what the driver keeps of the total it reports (the
+rows' capacities, :data:`_MIB_H100`: an H200's 140.4 GiB reads as 139.8 through torch), NCCL or gloo buffers, the caching allocator's fragmentation and
 segment rounding, a longer batch than the probe's, and other processes on the device. The memory
 fit's own error is under 1% at the largest probe (BENCHMARKS.md); the rest is this margin."""
 
@@ -268,6 +268,19 @@ def _acc(
     )
 
 
+_MIB_H100 = 81559 / 1024
+"""An 80 GB H100's capacity in GiB: the 81,559 MiB its driver reports (nvidia-smi's memory total on the SXM5
+HBM3 board, github.com/modal-labs/modal-client PR 2797 and github.com/wilicc/gpu-burn issue 114; the same
+on the PCIe board and the H800, github.com/NVIDIA/nccl issue 1264's listings), 79.6 GiB, not 80.
+
+Every row's capacity is the total the driver reports, not the marketed figure: A100 80 GB 81,920 MiB and
+40 GB 40,960 MiB (exactly 80 and 40 GiB, modal-client PR 2797), L4 23,034 MiB (the same PR), H200 143,771
+MiB (the nvidia-smi listings of H200 boards; bench/results/h200-2026-11-30b/run1/env.json read 139.8 GiB
+through torch, which leaves out what the driver keeps), B200 183,359 MiB (github.com/NVIDIA/TensorRT-LLM
+issue 10278), H100 NVL 99,961,274,368 bytes = 95,330 MiB (github.com/fastfetch-cli/fastfetch issue 1658),
+MI300X 206,158,430,208 bytes = 192 GiB (rocm-smi's VRAM total). The CUDA context and what torch cannot
+reach of that total are left to :data:`DEFAULT_HEADROOM`."""
+
 _IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 reference architecture)
 _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)
 _NVLINK_IB = (0.82, 0.96)
@@ -304,29 +317,29 @@ ACCELERATORS: dict[str, Accelerator] = {
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
              links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100),
-        _acc("h100-sxm", 989.4, 989.4, 66.9, 80, 3350, 450, _IB_NDR, 132,
+        _acc("h100-sxm", 989.4, 989.4, 66.9, _MIB_H100, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "
              "3,958 TFLOP/s fp8 with sparsity = 1,979 dense",
              links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
-        _acc("h100-pcie", 756.5, 756.5, 51.2, 80, 2000, 64, 200 * Gbit, 114,
+        _acc("h100-pcie", 756.5, 756.5, 51.2, _MIB_H100, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
              "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513,
              attention=_ATTN_HOPPER, watts=350,
              clock=_clk.CLOCK_PCIE),
-        _acc("h100-nvl", 835.5, 835.5, 60, 94, 3900, 64, 200 * Gbit, 132,
+        _acc("h100-nvl", 835.5, 835.5, 60, 95330 / 1024, 3900, 64, 200 * Gbit, 132,
              "NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense, 60 fp32, 94 GB HBM3 "
              "at 3.9 TB/s, 350-400 W; NVLink bridge 600 GB/s joins two cards only, so a node's GPUs meet over "
              "PCIe Gen5 x16 (64 GB/s each way); typical node: 200 Gb/s per GPU; 3,341 TFLOP/s fp8 with "
              "sparsity = 1,670.5 dense", fp8=1670.5, attention=_ATTN_HOPPER, watts=400,
              clock=_clk.CLOCK_NVL),
-        _acc("h800", 989.4, 989.4, 66.9, 80, 3350, 200, _IB_NDR, 132,
+        _acc("h800", 989.4, 989.4, 66.9, _MIB_H100, 3350, 200, _IB_NDR, 132,
              "NVIDIA H800 SXM5: the H100 SXM's compute and HBM3 (989 TFLOP/s bf16 dense, 67 fp32, 3.35 TB/s) "
              "with NVLink cut to 400 GB/s (200 each way); one 400 Gb/s NIC per GPU (DeepSeek-V3's H800 "
              "cluster, arXiv 2412.19437 §3.2.2: IB 50 GB/s per GPU against NVLink's 160 GB/s achieved)",
              links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
-        _acc("h200", 989.4, 989.4, 66.9, 141, 4800, 450, _IB_NDR, 132,
+        _acc("h200", 989.4, 989.4, 66.9, 143771 / 1024, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
              "fp8 as H100 SXM, 1,979 dense",
@@ -336,13 +349,13 @@ ACCELERATORS: dict[str, Accelerator] = {
              "2604.11391, its power-capped H100s); the H100 SXM's 132 SMs, peaks and NVLink; one 400 Gb/s NIC "
              "per GPU", links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=500, rated=700,
              clock=_clk.CLOCK_H100_96GB),
-        _acc("b200", 2250, 2250, 75, 180, 8000, 900, _IB_NDR, 148,
+        _acc("b200", 2250, 2250, 75, 183359 / 1024, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
              "fp8 with sparsity = 4.5 dense",
              links=_NVLINK_IB, fp8=4500, watts=1000,
              clock=_clk.CLOCK_B200),
-        _acc("l4", 121, 121, 30.3, 24, 300, 32, 100 * Gbit / 8, 58,
+        _acc("l4", 121, 121, 30.3, 23034 / 1024, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "
              "24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 32 GB/s each way, no NVLink; typical cloud node "
              "(8 L4s): 100 Gb/s shared by 8 GPUs; 485 TFLOP/s fp8 with sparsity = 242.5 dense; TDP 72 W", fp8=242.5,

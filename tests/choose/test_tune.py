@@ -640,6 +640,21 @@ def test_walk_refusals_name_the_settings_as_the_caller_spells_them(tmp_path, mon
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_a_loss_fn_returning_accumulate_s_pair_is_named(tmp_path, monkeypatch):
+    """tune's loss_fn returns the loss; given accumulate's (loss_sum, items) it says so, not an AttributeError."""
+    import torch
+
+    import microbatch
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(
+        ConfigError, match=r"must return the loss tensor, got tuple .*return loss_sum / items"
+    ):
+        microbatch.tune(model, lambda b: torch.randn(b, 4), loss_fn=lambda m, x: (m(x).sum(), len(x)),
+                        max_micro_batch=4, timing=FAST, use_cache=False)  # fmt: skip
+
+
 def test_hf_config_with_experts_is_tuned_as_a_mixture_of_experts(tmp_path, monkeypatch):
     """Issue 29: a small Mixtral config (4 experts, top-2) measured on the CPU: the model built is the
     transformers MoE (experts routed per token, each expert's GEMM on its own rows), its memory grows

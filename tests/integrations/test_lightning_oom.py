@@ -4,6 +4,7 @@ and the clipping see, and the loss Lightning receives equal a fit without the in
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -275,3 +276,37 @@ def test_a_piece_without_items_gives_the_models_dtype_and_extra_outputs_are_deta
     # fp64 as the model's own loss (the stand-in zero of the first piece is not float32), and the last
     # piece's extra output without its graph (Lightning's own step keeps it attached: the graph is ours)
     assert run.seen == (torch.float64, None, (4,)) and ref.seen[0] == torch.float64
+
+
+class TokenNet(MaskedNet):
+    """Per-token labels (a ``labels`` with a sequence dimension, -100 for padding) and a mean over the tokens."""
+
+    def training_step(self, batch):
+        self.forwards += 1
+        pred = self.net(batch["x"]).squeeze(-1)  # (rows,)
+        labels = batch["labels"]  # (rows, 3): the row's target where kept, else -100
+        keep = labels != -100
+        err = (pred.unsqueeze(-1) - torch.where(keep, labels, 0.0)) ** 2
+        return (err * keep).sum() / keep.sum()
+
+    def train_dataloader(self):
+        n = torch.arange(64)
+        labels = torch.stack([self.y, self.y, self.y], dim=-1)
+        labels[(n % 5) < 3, 1:] = -100  # 1 token on 3 rows of 5, 3 on the others: uneven per piece
+        data = [{"x": x, "labels": lab} for x, lab in zip(self.x, labels, strict=True)]
+        return DataLoader(data, batch_size=ROWS)
+
+
+def test_per_token_labels_without_count_fn_warn_once_and_count_fn_is_exact():
+    """A split step weighted by rows is another gradient for a mean over tokens; SplitOnOOM says so once, as
+    the Hugging Face split_on_oom does; with count_fn (the kept tokens) it is exact and says nothing."""
+    ref = fit(TokenNet())
+    with pytest.warns(RuntimeWarning, match="per-token labels") as rec:
+        rows = fit(TokenNet(), callback=SplitOnOOM(), limit=AllocationLimit(FITS))
+    assert sum("per-token labels" in str(w.message) for w in rec) == 1
+    assert not close(ref.norms, rows.norms, tol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        exact = fit(TokenNet(), callback=SplitOnOOM(count_fn=lambda b: (b["labels"] != -100).sum()),
+                    limit=AllocationLimit(FITS))  # fmt: skip
+    assert close(ref.norms, exact.norms)

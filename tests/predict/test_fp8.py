@@ -13,7 +13,7 @@ from microbatch.precision import FP8_RECIPES
 from microbatch.predict.fp8 import cast_bytes
 from microbatch.predict.plan import make_plan
 from microbatch.predict.plan_config import PlanConfig
-from microbatch.predict.roofline import DEFAULT_EFFICIENCY, gemm_time_s, layer_forward
+from microbatch.predict.roofline import DEFAULT_EFFICIENCY, gemm_time_s, layer_forward, model_flops_per_step
 from microbatch.predict.state import bytes_per_param
 
 H100 = get_accelerator("h100-80gb")
@@ -98,3 +98,15 @@ def test_cli_plan_fp8(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["precision"] == "fp8" and out["fp8_recipe"] == "rowwise"
     assert out["recommended"]["tokens_per_s"] == pytest.approx(_tps("fp8", "rowwise"), rel=1e-9)
+
+
+def test_fp8_mfu_is_a_share_of_the_fp8_peak():
+    """MFU divides by the peak of the dtype the GEMMs run in: under fp8 the fp8 peak (1,978.9 TFLOP/s on an
+    H100 SXM, twice bf16's), so it stays below 1 where the bf16 peak gave 1.08 (gpt3-175b, B 64, s 2,048)."""
+    cfg = PlanConfig(shape=get_model("gpt3-175b", seq=2048), gpu=get_accelerator("h100-sxm"), global_batch=64,
+                     precision="fp8")  # fmt: skip
+    plan = make_plan(cfg)
+    flops = model_flops_per_step(cfg.shape, 64, 2048)
+    for c in plan.candidates:
+        assert c.mfu == pytest.approx(flops / (c.step_time_s * cfg.num_gpus * 1978.9e12), rel=1e-9)
+        assert 0 < c.mfu < 1

@@ -314,3 +314,19 @@ def test_all_to_all_hidden_by_dualpipev_and_by_ep_overlap():
     costs = layer_costs(plain, 1)
     v = _v_stage_times(plain, 1, "none")
     assert v.f[0] == pytest.approx((n // 2) * overlap_expert_comm(costs.layer).total_s + costs.p2p_s)
+
+
+def test_the_planner_finds_the_peak_stage_after_the_dense_layers():
+    """DeepSeek-V3's first 3 layers keep a dense MLP: stage 0 (7 layers, 3 dense) is light, stage 1 (7 MoE
+    layers, one micro-batch fewer in flight) is the peak. The planner probes the first stage of each run of
+    like stages; probing every stage (an explicit split) must give the same peak, and the fit follows it."""
+    base = dict(
+        shape=get_model("deepseek-v3"), gpu=get_accelerator("h200", memory_bytes=250 * 2**30), global_batch=128,
+        data_parallel=8, pipeline_parallel=8, tensor_parallel=4, schedules=("1f1b",), recompute=("selective",),
+        zero=(1,), micro_batches=(2,), memory_headroom=0.05,
+    )  # fmt: skip
+    runs = make_plan(PlanConfig(**base)).candidates[0]
+    every = make_plan(PlanConfig(**base, layers_per_stage=(7, 7, 7, 8, 8, 8, 8, 8))).candidates[0]
+    assert runs.peak_stage == every.peak_stage == 1
+    assert runs.peak_memory_bytes == every.peak_memory_bytes
+    assert runs.peak_memory_bytes > 0.95 * 250 * 2**30 and not runs.fits  # 238.4 GiB over a 237.5 GiB budget

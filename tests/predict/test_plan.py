@@ -12,7 +12,7 @@ from _published import PUBLISHED
 from microbatch.cli import main
 from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
-from microbatch.model import get_model
+from microbatch.model import get_model, resolve_model
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.plan import PlanConfig, compare_gpus, lint, make_plan, search_layouts
 from microbatch.predict.plan_advice import Advice, BubbleNotBuried, HoldsEveryMicrobatch
@@ -136,7 +136,16 @@ def test_lints():
     wrong = replace(gp.candidates[0], grad_accum=16)
     assert any("global batch changed" in x for x in _words(lint(gp, wrong)))
     tiny_m = make_plan(_cfg(micro_batches=(32,), schedules=("gpipe",)))
-    assert any("m = 2 < p = 4" in x for x in plan_lints(tiny_m))
+    assert any("m = 2 < p = 4" in x and "use b_m <= 16 so that m >= p" in x for x in plan_lints(tiny_m))
+    # fewer sequences per replica than stages: no b_m reaches m >= p, so the fix is the batch or p
+    short = make_plan(_cfg(global_batch=4, data_parallel=2, micro_batches=(1,), schedules=("gpipe",)))
+    assert any(
+        "m = 2 < p = 4" in x
+        and "B_global / d = 2 per replica gives m <= 2 at any b_m" in x
+        and "raise B_global to d·p = 8 or more, or use p <= 2" in x
+        and "use b_m" not in x
+        for x in plan_lints(short)
+    ), plan_lints(short)
     # predict gives the numbers, show the words
     assert [x for x in few.lints if isinstance(x, BubbleNotBuried)] == [
         BubbleNotBuried(microbatches=8, stages=4, bubble_pct=few.lints[0].bubble_pct, better_micro_batch=4,
@@ -170,7 +179,7 @@ def test_nothing_fits_says_what_would():
                      pipeline_parallel=4)  # fmt: skip
     plan = make_plan(cfg)
     assert plan.recommended is None
-    assert plan_advice(plan)[0].startswith("nothing fits in 21.6 GiB")
+    assert plan_advice(plan)[0].startswith("nothing fits in 20.2 GiB (22.5 GiB")  # 23,034 MiB
     assert any(
         "pipeline-parallel 8" in a and "would fit" in a and "GiB at b_m" in a for a in plan_advice(plan)
     )
@@ -195,6 +204,11 @@ def test_bad_input():
         _cfg(micro_batches=(3,))
     with pytest.raises(ConfigError, match="must be a whole number >= 1"):
         _cfg(global_batch=-64)
+    # interleaving with no even split of the layers: the layers are the cause, not the batch
+    with pytest.raises(
+        ConfigError, match=r"can split layers 12 over stages 5.*use pipeline_parallel among \[2, 3, 4, 6\]"
+    ):
+        make_plan(_cfg(pipeline_parallel=5, schedules=("interleaved-1f1b",)))
 
 
 def test_compare_gpus_and_search():
@@ -564,3 +578,17 @@ def test_advice_skips_a_layout_no_schedule_can_serve(capsys):
     rc = main(["plan", "--model", "llama-3-70b", "--gpu", "h100-sxm", "-B", "128", "-d", "8", "-p", "4",
                "--schedule", "1f1b", "-b", "1", "--zero", "0", "--recompute", "full"])  # fmt: skip
     assert rc == 2 and "would fit" in capsys.readouterr().out  # nothing fits: exit 2, the advice printed
+
+
+def test_seq_is_the_shape_s_length_as_on_the_command_line():
+    """PlanConfig(seq=...) checks and resizes the model as ``--seq`` does: past a learned table it is refused,
+    and a learned-position model without a limit plans with its table at the planned length (the CLI's)."""
+    with pytest.raises(ConfigError, match="seq 4096 is longer than model gpt2's 1024 learned positions"):
+        PlanConfig(shape=get_model("gpt2"), gpu=A100, global_batch=8, seq=4096)
+    api = PlanConfig(shape=get_model("small"), gpu=A100, global_batch=8, seq=4096)
+    cli = PlanConfig(shape=resolve_model("small", seq=4096), gpu=A100, global_batch=8)
+    assert api.shape == cli.shape and api.shape.seq == 4096
+    a, c = make_plan(api), make_plan(cli)
+    assert [(x.peak_memory_bytes, x.step_time_s) for x in a.candidates] == [
+        (x.peak_memory_bytes, x.step_time_s) for x in c.candidates
+    ]

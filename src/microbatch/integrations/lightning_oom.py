@@ -115,6 +115,7 @@ class SplitOnOOM(CallbackBase):
         self._module: Any = None
         self._counts_for: Any = None  # the trainer whose global_step this callback gave the controller
         self._before: Any = None  # what the module's __dict__ held as training_step before the wrap
+        self._warned = False  # the per-token warning, once per callback
 
     def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
         """Check everything that can be checked before training."""
@@ -221,9 +222,29 @@ class SplitOnOOM(CallbackBase):
         finally:
             for p, g in zip(params, before, strict=True):
                 p.grad = g
+        if self.count_fn is None and mean and self.controller.micro_batch_size < rows and not self._warned:
+            if _per_token_labels(batch):
+                self._warned = True
+                import warnings
+
+                warnings.warn(
+                    "SplitOnOOM split a step whose batch has per-token labels, weighting each piece by its rows "
+                    "(no count_fn); a loss that is a mean over tokens then gets another gradient than the unsplit "
+                    "step's; say what it averages over, e.g. SplitOnOOM(count_fn=lambda batch: "
+                    "(batch['labels'][..., 1:] != -100).sum())",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         leaf = value.detach().clone().requires_grad_(True)
         leaf.register_hook(_GradientAdder(params, grads))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         return {"loss": leaf, **extra} if dict_out else leaf
+
+
+def _per_token_labels(batch: Any) -> bool:
+    """Whether ``batch`` carries labels per token: a mapping whose ``labels`` has a sequence dimension (the
+    Hugging Face convention), whose mean loss is over tokens rather than rows."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    return getattr(labels, "ndim", 0) >= 2
 
 
 def _detached(value: Any) -> Any:

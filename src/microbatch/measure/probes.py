@@ -213,6 +213,15 @@ class TrainProbe:
     def _micro(self, batch: Any) -> Any:
         with _autocast(self.dev.device, self.precision):
             loss = self.loss_fn(self.model, batch)
+        if not callable(getattr(loss, "backward", None)):
+            raise ConfigError(
+                f"tune's loss_fn(model, batch) must return the loss tensor, got {type(loss).__name__}"
+                + (
+                    " (accumulate's (loss_sum, items) pair?); return loss_sum / items"
+                    if isinstance(loss, tuple)
+                    else ""
+                )
+            )
         loss.backward()
         return loss
 

@@ -453,7 +453,7 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
         c,
         step_time_s=step,
         tokens_per_s=cfg.global_batch * cfg.seq_len / step,
-        mfu=model_flops / (step * cfg.num_gpus * cfg.gpu.flops(ctx.dtype)),
+        mfu=model_flops / (step * cfg.num_gpus * ctx.peak_flops),
         time=time,
         simulated=True,
     )

@@ -158,6 +158,17 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     return out
 
 
+def _splits(cfg: PlanConfig, name: str) -> bool:
+    """Whether schedule ``name`` has any v that splits the layers over the stages (whatever m is)."""
+    p, L, split = cfg.pipeline_parallel, cfg.shape.layers, cfg.layers_per_stage
+    if split is not None and get_spec(name).needs_even_split:
+        return False
+    return any(
+        v == 1 or not (L % (p * v) if split is None else v > min(split))
+        for v in virtual_options(name, L, p, cfg.virtuals or (), split)
+    )
+
+
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "op": 2, "full": 3}
 
 
@@ -201,8 +212,17 @@ def make_plan(cfg: PlanConfig) -> Plan:
                 f"({_count(v)} per rank, no layers_per_stage); use pipeline_parallel among {ok}, or another schedule",
                 params=("layers_per_stage", "pipeline_parallel"),
             )
+        names = list(cfg.schedules or schedule_names(in_flight=True))
+        if not any(_splits(cfg, name) for name in names):
+            ok = [x for x in range(2, L + 1) if any(L % (x * w) == 0 for w in range(2, L // x + 1))]
+            raise ConfigError(
+                f"no schedule in {names} can split layers {L} over stages {p}: interleaving needs an even split "
+                f"into v × {p} chunks with v >= 2 (or layers_per_stage), and none exists; use pipeline_parallel "
+                f"among {ok[:12]}, give layers_per_stage, or add schedule 1f1b",
+                params=("pipeline_parallel", "schedules"),
+            )
         raise ConfigError(
-            f"no schedule in {list(cfg.schedules or schedule_names(in_flight=True))} can serve p = {p} with at most "
+            f"no schedule in {names} can serve p = {p} with at most "
             f"m = B/(d·b_m) = {per} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
             "m >= 2p); "
             f"raise the global batch to at least "
@@ -332,6 +352,8 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[Lint]:
                 stages=p,
                 bubble_pct=c.bubble_pct,
                 max_micro_batch=max(1, B // (d * p)),
+                per_replica=B // d,
+                data_parallel=d,
             )
         )
     elif (

@@ -47,6 +47,9 @@ class TooFewMicrobatches:
     bubble_pct: float
     max_micro_batch: int
     """The largest b_m that gives m >= p: max(1, B/(d·p))."""
+    per_replica: int | None = None
+    """B_global / d: the most micro-batches any b_m gives; below p no b_m reaches m >= p."""
+    data_parallel: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)

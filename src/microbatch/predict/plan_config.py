@@ -12,7 +12,7 @@ from typing import Any
 from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_data_parallel, check_micro_batch
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
-from microbatch.model import ModelShape
+from microbatch.model import ModelShape, check_seq
 from microbatch.precision import get_fp8_recipe, get_precision
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
@@ -146,6 +146,11 @@ class PlanConfig:
             )
         if self.seq is not None:
             check_positive_int("seq", self.seq)
+            if self.seq != self.shape.seq:
+                # as resolve_model does for --seq: refused past a learned position table, and the shape
+                # (its position table's parameters) at the planned length, so the API and the CLI agree
+                check_seq(self.shape, self.seq)
+                object.__setattr__(self, "shape", self.shape.with_seq(self.seq))
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ConfigError(
                 "sequence_parallel needs tensor_parallel > 1; give tensor_parallel or drop sequence_parallel",

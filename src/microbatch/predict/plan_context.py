@@ -109,7 +109,8 @@ class Context:
     num_gpus: int = 1
     """d·p·t."""
     peak_flops: float = 0.0
-    """Peak FLOP/s of one GPU in the compute dtype."""
+    """Peak FLOP/s of one GPU in the dtype its GEMMs run in (fp8's under ``--precision fp8``, else the compute
+    dtype's): the MFU's denominator, so an fp8 plan's MFU is a share of the fp8 peak and never passes 1."""
     budget: float = 0.0
     """Bytes a candidate may use (:attr:`PlanConfig.memory_budget_bytes`)."""
     split_runs: tuple[tuple[int, int], ...] = ()
@@ -143,17 +144,20 @@ def make_context(cfg: PlanConfig) -> Context:
     """The caches for planning ``cfg``."""
     p, t = cfg.pipeline_parallel, cfg.tensor_parallel
     split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
-    if cfg.layers_per_stage is None:
-        # Within a run of equal stages the in-flight count falls with i, so the peak is at the first
-        # stage of each run or at the last stage (output layer).
-        probe = sorted({0, p - 1} | {i for i in range(1, p) if split[i] != split[i - 1]})
-    else:
-        probe = list(range(p))
-    # parameters of the probed stages only: every stage of a run of equal stages holds as many as the
-    # run's first (the embedding is on stage 0, the output layer on p − 1, both probed), so the maximum
-    # over the probed stages is the maximum over all
     shape, ep = cfg.shape, cfg.expert_parallel
     firsts = [sum(split[:i]) for i in range(p)]
+    if cfg.layers_per_stage is None:
+        # Within a run of like stages (as many layers, as many of them dense) the in-flight count falls with
+        # i, so the peak is at the first stage of each run or at the last stage (output layer); a model whose
+        # first layers keep a dense MLP (DeepSeek-V3's 3) starts a new run where its MoE layers begin
+        dense = shape.moe.dense_layers if shape.moe is not None else 0
+        kind = [(split[i], max(0, min(dense, firsts[i] + split[i]) - firsts[i])) for i in range(p)]
+        probe = sorted({0, p - 1} | {i for i in range(1, p) if kind[i] != kind[i - 1]})
+    else:
+        probe = list(range(p))
+    # parameters of the probed stages only: every stage of a run of like stages holds as many as the
+    # run's first (the embedding is on stage 0, the output layer on p − 1, both probed), so the maximum
+    # over the probed stages is the maximum over all
     experts = {i: expert_params(shape, firsts[i], split[i]) / t for i in probe}  # 1/EP of them per GPU
     params = {i: stage_params(shape, i, p, split[i], t, firsts[i]) - experts[i] * (1 - 1 / ep) for i in probe}
     emb, head = shape.embedding_params(), shape.output_params()
@@ -187,7 +191,7 @@ def make_context(cfg: PlanConfig) -> Context:
         state_bpp=bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer),
         tokens_per_step=cfg.global_batch * cfg.seq_len,
         num_gpus=cfg.num_gpus,
-        peak_flops=cfg.gpu.flops(prec.compute_dtype),
+        peak_flops=cfg.gpu.flops(prec.gemm_dtype or prec.compute_dtype),
         budget=cfg.memory_budget_bytes,
         split_runs=tuple((n, c) for n, c in runs),
         bw_dp=group_bandwidth(cfg.gpu, d, t) * net,

@@ -269,9 +269,18 @@ def fill_drain_step_time(
 ) -> tuple[float, float]:
     """GPipe, 1F1B, interleaved 1F1B: (m−1)·T_k + Σ T (the bottleneck's m micro-batches plus one pass
     through the others); with v > 1 chunks per rank m·T_k + (p−1)·T_k/v (Narayanan et al. 2021, sec
-    2.2.2). The fraction is :func:`bubble_fraction` (equal stages)."""
+    2.2.2) when m >= p. The fraction is :func:`bubble_fraction` (equal stages).
+
+    With fewer micro-batches than ranks (m < p, which torch's interleaved schedules run as one round) the
+    p·v chunks cannot all be busy: the last micro-batch leaves after one pass through all p·v chunks,
+    m − 1 chunk times behind the first, so (p·v + m − 1)·T_k/v, of which m·T_k is work. Both cases are
+    (max(m, p)·v + min(m, p) − 1)·T_k/v; the event simulator gives exactly this at equal stages
+    (tests/schedules/test_closed_forms.py)."""
     Tk = times.Tk
     if virtual > 1:
+        if microbatches < stages:
+            total = (stages * virtual + microbatches - 1) * Tk / virtual
+            return total, 1.0 - microbatches * Tk / total
         return microbatches * Tk + (stages - 1) * Tk / virtual, _fraction(stages, microbatches, virtual)
     return (microbatches - 1) * Tk + times.sumT, _fraction(stages, microbatches)
 

@@ -382,10 +382,13 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
             "B_global fixed unless you mean to retune"
         )
     if isinstance(lint, TooFewMicrobatches):
-        return (
-            f"m = {lint.microbatches} < p = {lint.stages}: some stages never overlap; bubble {lint.bubble_pct:.0f}%; "
-            f"use b_m <= {lint.max_micro_batch} so that m >= p"
-        )
+        head = f"m = {lint.microbatches} < p = {lint.stages}: some stages never overlap; bubble {lint.bubble_pct:.0f}%; "
+        if lint.per_replica is not None and lint.per_replica < lint.stages:
+            return head + (
+                f"B_global / d = {lint.per_replica} per replica gives m <= {lint.per_replica} at any b_m; raise "
+                f"B_global to d·p = {lint.data_parallel * lint.stages} or more, or use p <= {lint.per_replica}"
+            )
+        return head + f"use b_m <= {lint.max_micro_batch} so that m >= p"
     if isinstance(lint, BubbleNotBuried):
         hint = ""
         if lint.better_micro_batch is not None:

@@ -6,8 +6,10 @@ on padding), so the micro-batches hold different numbers of valid tokens.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,6 +204,28 @@ def test_batch_structures_tensor_tuple_list():
     accumulate(model, stacked, lf_tensor, micro_batch_size=4)
     assert rel(flat_grad(model), ref) < 1e-10
 
+    # a namedtuple (torch's default_collate keeps them): split into namedtuples, fields by name
+    Pair = namedtuple("Pair", ["ids", "labels"])
+
+    def lf_named(model, mb):
+        assert isinstance(mb, Pair)
+        return loss_fn(model, {"input_ids": mb.ids, "labels": mb.labels})
+
+    for on_oom in ("raise", "split"):
+        model = make_model()
+        accumulate(model, Pair(ids, labels), lf_named, micro_batch_size=3, on_oom=on_oom)
+        assert rel(flat_grad(model), ref) < 1e-10
+
+
+@pytest.mark.parametrize("size", [np.int64(4), torch.tensor(4), 4])
+def test_any_integer_type_is_a_micro_batch_size(size):
+    """NumPy's integers and a 0-d integer tensor are whole numbers (they have __index__); the split is the same."""
+    ref, _ = full_batch_grad(make_batch())
+    model = make_model()
+    accumulate(model, make_batch(), loss_fn, micro_batch_size=size)
+    assert rel(flat_grad(model), ref) < 1e-10
+    assert [len(mb["input_ids"]) for mb in split(make_batch(), size)] == [4, 4, 2]
+
 
 def test_split_sizes():
     batch = make_batch()
@@ -280,6 +304,21 @@ def test_public_name_is_callable_after_the_module_is_imported():
 def test_bad_micro_batch_size(bad):
     with pytest.raises(ConfigError, match=r"micro_batch_size must be a whole number >= 1, got"):
         accumulate(make_model(), make_batch(), loss_fn, micro_batch_size=bad)
+
+
+def test_callables_are_checked_before_any_forward():
+    model, batch = make_model(), make_batch()
+    with pytest.raises(
+        ConfigError, match=r"^loss_fn must be callable \(model, micro_batch\) -> \(loss_sum, items\), got int"
+    ):
+        accumulate(model, batch, 3, micro_batch_size=2)
+    with pytest.raises(ConfigError, match=r"^count_fn must be callable \(micro_batch\) -> items, got int"):
+        accumulate(model, batch, loss_fn, micro_batch_size=2, count_fn=3)
+    with pytest.raises(ConfigError, match=r"^model must be a torch.nn.Module .* got dict"):
+        accumulate(batch, model, loss_fn, micro_batch_size=2)  # the arguments swapped
+    with pytest.raises(ConfigError, match=r"^loss_fn must be callable"):
+        accumulate_micro_batches(model, split(batch, 2), None)
+    assert all(p.grad is None for p in model.parameters())  # nothing ran
 
 
 def test_different_first_dimensions():

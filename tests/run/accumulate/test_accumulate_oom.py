@@ -458,7 +458,9 @@ def test_ddp_only_rank_1_fails_both_split(tmp_path):
             ref_loss
         )
     for r in range(2):
-        assert res[r]["buffers"].startswith("ConfigError") and "broadcast_buffers=False" in res[r]["buffers"]
+        assert (
+            res[r]["buffers"].startswith("ConfigError") and "forward_sync_buffers=False" in res[r]["buffers"]
+        )
 
 
 def test_fsdp_is_refused():

@@ -172,3 +172,57 @@ def test_ddp_unused_parameters_stay_none_and_a_failed_copy_raises_on_every_rank(
         assert "setting aside the gradients" in res[r]["copy"] and "on 1 of 2 ranks" in res[r]["copy"], res[r]
         assert res[r]["copy_kept"]
     assert "Tried to allocate the copy" in res[1]["copy"] and "on another rank" in res[0]["copy"]
+
+
+# -- two ranks: out of memory before the first forward after DDP's first synchronised backward ---------
+
+BUCKETS_WORKER = (
+    r"""
+import os, sys, torch, torch.distributed as dist
+from microbatch.run.accumulate import accumulate
+from microbatch.run.accumulate.controller import MicroBatchController
+
+rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double(), broadcast_buffers=False)
+x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+
+
+def ok(m, mb):
+    return torch.nn.functional.mse_loss(m(mb[0]), mb[1], reduction="sum"), len(mb[0])
+
+
+def oom_on_rank1_before_forward(m, mb):
+    if rank == 1 and len(mb[0]) > 2:  # as moving the micro-batch to the device can, before any forward
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+    return ok(m, mb)
+
+
+model.zero_grad()
+accumulate(model, (x, y), ok, micro_batch_size=4)  # one synchronised DDP backward: its buckets rebuild next
+ctl = MicroBatchController(4)
+model.zero_grad()
+loss = accumulate(model, (x, y), oom_on_rank1_before_forward, controller=ctl)
+grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+full = accumulate(model, (x, y), ok, micro_batch_size=8)
+results = {{"size": ctl.micro_batch_size, "loss": float(loss), "full": float(full),
+            "same": all(torch.allclose(a, p.grad, rtol=1e-12, atol=0) for a, p in zip(grads, model.parameters()))}}
+"""
+    + WORKER_END
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_out_of_memory_before_ddp_rebuilds_its_buckets_does_not_hang(tmp_path):
+    """DDP rebuilds its gradient buckets (a broadcast) in the first forward after its first synchronised
+    backward; rank 1 runs out of memory before that forward. The step settles the buckets on every rank first:
+    both redo it at half the rows, with the full batch's gradient; before, rank 0 waited in the broadcast."""
+    script = tmp_path / "worker.py"
+    script.write_text(BUCKETS_WORKER.format())
+    run_two_ranks(script, tmp_path, timeout_s=90)
+    for r in range(2):
+        res = torch.load(tmp_path / f"r{r}.pt")
+        assert res["size"] == 2 and res["same"], (r, res)
+        assert res["loss"] == pytest.approx(res["full"], rel=1e-12)

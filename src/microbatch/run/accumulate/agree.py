@@ -31,6 +31,7 @@ __all__ = [
     "sizes_agree",
     "all_reduce_grads",
     "check_can_agree",
+    "settle_ddp_buckets",
     "FLAGS",
     "OOM",
     "COPY_FAILED",
@@ -106,8 +107,25 @@ def check_can_agree(model: Any) -> None:
         raise ConfigError(
             "this DDP model broadcasts its buffers in every forward (a collective); with on_oom='split' a rank "
             "that runs out of memory skips forwards and the others would wait there; wrap the model with "
-            "DistributedDataParallel(..., broadcast_buffers=False)"
+            "DistributedDataParallel(..., forward_sync_buffers=False) (torch >= 2.13; broadcast_buffers=False before)"
         )
+
+
+def settle_ddp_buckets(model: Any) -> None:
+    """Let a DDP model rebuild its gradient buckets now, on every rank together, not in a later forward.
+
+    DDP rebuilds its buckets once, in the first forward after its first synchronised backward
+    (``DistributedDataParallel._pre_forward`` calls ``reducer._rebuild_buckets()``, which broadcasts the new
+    bucket order from rank 0). A rank that runs out of memory before that forward (moving its micro-batch to
+    the device) never makes the broadcast and the others wait in it. Called at the start of a split-mode
+    step, where every rank is, it makes the same call the forward would; the forward's then finds nothing
+    to do. Nothing for a model that is not DDP, or under ``torch.no_grad`` (the forward would not either)."""
+    import torch
+
+    reducer = getattr(model, "reducer", None) if is_ddp(model) else None
+    rebuild = getattr(reducer, "_rebuild_buckets", None)
+    if callable(rebuild) and torch.is_grad_enabled():
+        rebuild()
 
 
 def all_reduce_sums(

@@ -48,6 +48,7 @@ from microbatch.run.accumulate.oom import (
 from microbatch.run.accumulate.scaling import (
     CountFn,
     as_number,
+    check_callables,
     count_items,
     grad_sq_norm,
     group_and_world,
@@ -152,6 +153,7 @@ def accumulate(
     ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
     the first micro-batch's gradient and the whole batch's, with no extra backward.
     """
+    check_callables(model, loss_fn, count_fn)
     on_oom = _resolve_on_oom(micro_batch_size, on_oom, controller)
     if on_oom == "raise":
         assert micro_batch_size is not None
@@ -218,6 +220,8 @@ def _accumulate_splitting(
     _, world = group_and_world(model)
     agree = world > 1
     _check_can_agree(model)
+    if agree:
+        ag.settle_ddp_buckets(model)  # DDP's one-time bucket broadcast, here on every rank, not in a forward
     controller.start_step()  # growth after clean optimizer steps, when the controller counts them
     counted: float | None = None
     while True:
@@ -274,6 +278,7 @@ def accumulate_micro_batches(
     the step's one ``all_reduce``, each halving its own micro-batches, and stop together when every
     rank is down to one row.
     """
+    check_callables(model, loss_fn, count_fn)
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ConfigError("no micro-batches to accumulate; give at least one")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, whole_number
 
 __all__ = ["Batch", "split", "split_by_tokens", "batch_rows", "take_rows"]
 
@@ -76,7 +76,11 @@ def take_rows(
         return cut(batch)
     if isinstance(batch, Mapping):
         return {k: cut(v) for k, v in batch.items()}
-    return type(batch)(cut(v) for v in batch) if isinstance(batch, tuple) else [cut(v) for v in batch]
+    if isinstance(batch, tuple):
+        parts = [cut(v) for v in batch]
+        make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
+        return make(parts) if callable(make) else type(batch)(parts)
+    return [cut(v) for v in batch]
 
 
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -85,7 +89,8 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     The last micro-batch holds the remainder and may be smaller; a micro-batch size at least the
     number of rows gives one micro-batch. Tuples stay tuples, lists lists, mappings become dicts.
     """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+    size = whole_number(micro_batch_size)
+    if size is None or size < 1:
         raise ConfigError(
             f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}; give the rows per "
             "forward/backward (b_m)"
@@ -93,7 +98,7 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     rows = batch_rows(batch)
     if rows == 0:
         raise ConfigError("batch has 0 rows; give at least one row")
-    return [take_rows(batch, i, min(i + micro_batch_size, rows)) for i in range(0, rows, micro_batch_size)]
+    return [take_rows(batch, i, min(i + size, rows)) for i in range(0, rows, size)]
 
 
 def split_by_tokens(

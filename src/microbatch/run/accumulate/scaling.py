@@ -21,6 +21,7 @@ from microbatch.errors import ConfigError
 from microbatch.run.accumulate.microbatches import Batch
 
 __all__ = [
+    "check_callables",
     "CountFn",
     "count_items",
     "loss_scale",
@@ -149,3 +150,19 @@ def grad_sq_norm(parameters: Iterable[torch.Tensor]) -> float:
         if p.grad is not None:
             total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
     return total
+
+
+def check_callables(model: Any, loss_fn: Any, count_fn: Any) -> None:
+    """ConfigError, before any forward, for a model without parameters() or a loss_fn / count_fn that cannot
+    be called."""
+    if not callable(getattr(model, "parameters", None)):
+        raise ConfigError(
+            f"model must be a torch.nn.Module (or DDP around one), got {type(model).__name__}; pass the module "
+            "whose gradients accumulate"
+        )
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"loss_fn must be callable (model, micro_batch) -> (loss_sum, items), got {type(loss_fn).__name__}"
+        )
+    if count_fn is not None and not callable(count_fn):
+        raise ConfigError(f"count_fn must be callable (micro_batch) -> items, got {type(count_fn).__name__}")
