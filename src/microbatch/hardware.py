@@ -158,6 +158,12 @@ class Accelerator:
                 self.peak_flops[dt],
                 fix="give the device's dense peak FLOP/s",
             )
+        v = self.compute_units
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(
+                f"{self.name} compute_units must be a whole number >= 1, got {v!r}; give the SMs (NVIDIA) or "
+                "compute units (AMD) the GEMM tiles run on"
+            )
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ConfigError(
                 f"{self.name} gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}"
@@ -194,17 +200,24 @@ class Accelerator:
 
         ``bf16``, ``fp16`` and ``fp32`` set one entry of ``peak_flops``.
         """
-        known = {f.name for f in fields(self)}
+        known = {f.name for f in fields(self)} - _NOT_FIGURES
         peaks = dict(self.peak_flops)
         other: dict[str, Any] = {}
         for k, v in values.items():
             if k in DTYPES or k in OPTIONAL_DTYPES:
                 peaks[k] = float(v)  # type: ignore[arg-type]  # a peak is a number; float() raises otherwise
+            elif k in _NOT_FIGURES:
+                raise ConfigError(
+                    f"{k} is not a figure to override"
+                    + ("; set one peak as bf16=, fp16=, fp32= or fp8=" if k == "peak_flops" else "")
+                    + f"; known: {', '.join(sorted(known | set(DTYPES) | set(OPTIONAL_DTYPES)))}"
+                )
             elif k in known:
                 other[k] = v
             else:
                 raise ConfigError(
-                    f"unknown accelerator field {k!r}; known: {', '.join(sorted(known | set(DTYPES)))}"
+                    f"unknown accelerator field {k!r}; known: "
+                    f"{', '.join(sorted(known | set(DTYPES) | set(OPTIONAL_DTYPES)))}"
                 )
         out = replace(self, peak_flops=peaks, **other)  # checks every field (a limit within its rating)
         was, now = self.power_limit_w, out.power_limit_w
@@ -280,6 +293,10 @@ through torch, which leaves out what the driver keeps), B200 183,359 MiB (github
 issue 10278), H100 NVL 99,961,274,368 bytes = 95,330 MiB (github.com/fastfetch-cli/fastfetch issue 1658),
 MI300X 206,158,430,208 bytes = 192 GiB (rocm-smi's VRAM total). The CUDA context and what torch cannot
 reach of that total are left to :data:`DEFAULT_HEADROOM`."""
+
+_NOT_FIGURES = frozenset({"name", "peak_flops", "source"})
+"""Fields ``with_overrides`` does not set: the row's name and its source, and the peaks as a whole (each is
+set by its dtype, ``bf16=`` ...)."""
 
 _IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 reference architecture)
 _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)

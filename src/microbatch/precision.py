@@ -16,11 +16,13 @@ Not modelled: Transformer Engine's cached FP8 weight copies (up to 2 B/param mor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from microbatch.errors import ConfigError
 
 __all__ = [
+    "check_gemm_dtype",
     "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
     "get_fp8_recipe",
 ]  # fmt: skip
@@ -139,6 +141,18 @@ FP8_RECIPES: dict[str, Fp8Recipe] = {
     )
 }  # fmt: skip
 """The FP8 scaling recipes the planner knows."""
+
+
+def check_gemm_dtype(precision: str, accelerator: str, peaks: Iterable[str]) -> None:
+    """ConfigError when ``precision`` runs its GEMMs in a dtype ``accelerator`` has no peak for (``peaks``:
+    the dtypes it has one for): fp8 needs FP8 tensor cores."""
+    have = list(peaks)
+    if get_precision(precision).gemm_dtype == "fp8" and "fp8" not in have:
+        raise ConfigError(
+            f"precision fp8 needs FP8 tensor cores; {accelerator} has none (peaks for {', '.join(have)}); use "
+            "precision bf16-mixed or an H100, H200, B200, L4 or MI300X",
+            params=("precision",),
+        )
 
 
 def get_fp8_recipe(name: str) -> Fp8Recipe:

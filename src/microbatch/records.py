@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, whole_number
 from microbatch.fields import MAX_EXACT_WHOLE, flag, number, positive, short_repr, true_or_false
 from microbatch.model import ModelShape, get_model
 from microbatch.precision import PRECISIONS
@@ -336,14 +336,19 @@ def _model_of(
 ) -> tuple[ModelShape, str]:
     """The shape and name of the model the points were measured with (the file's, else ``shape``)."""
     raw_seq = data.get("seq")
-    seq = (
-        int(raw_seq)
-        if isinstance(raw_seq, (int, float)) and not isinstance(raw_seq, bool) and raw_seq > 0
-        else None
-    )
+    seq = None
+    if raw_seq is not None:  # the length the points were measured at: a wrong one is an error, not a default
+        seq = int(raw_seq) if isinstance(raw_seq, float) and raw_seq.is_integer() else whole_number(raw_seq)
+        if seq is None or seq < 1:
+            raise ConfigError(
+                f"{label}: seq {raw_seq!r} is not a sequence length; give the whole number of tokens the points "
+                "were measured at (or leave seq out to take the model's)"
+            )
     fshape, model = _shape_of(
         data.get("model_shape") or data.get("model"), seq or (shape.seq if shape else None), label
     )
+    if seq is None and fshape is not None:
+        notes.append(f"the file gives no seq: the points are taken as measured at {model}'s s = {fshape.seq}")
     if fshape is None:
         if shape is None:
             raise ConfigError(
@@ -427,5 +432,10 @@ def _points(
         where = f"{label}: point {i + 1}:"
         mem = positive(r.get(memory_key), where=f"{where} {memory_key}")
         t = positive(r.get(time_key), where=f"{where} {time_key}")
+        if int(b) in points:  # one measurement per b_m: which one to fit on is not ours to guess
+            raise ConfigError(
+                f"{where} micro_batch {int(b)} is measured twice; keep one point per micro_batch (the median of "
+                "repeats, as tune writes)"
+            )
         points[int(b)] = MeasuredPoint(micro_batch=int(b), peak_memory_bytes=mem, step_time_s=t)
     return points, oom

@@ -5,10 +5,14 @@ A Ctrl-C landing between ``Popen._waitpid_lock.acquire()`` and its ``try`` leave
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from microbatch.measure.childprobe import ChildProber, _reap
 from microbatch.measure.spec import ProbeSpec
@@ -57,3 +61,40 @@ def test_reap_times_out_on_a_live_child_and_reads_a_dead_one() -> None:
     finally:
         proc.kill()
     assert _reap(proc, timeout_s=None) is True and proc.returncode == -9
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(90)
+def test_a_busy_worker_ends_when_its_parent_is_killed(tmp_path):
+    """A parent killed outright (SIGTERM's default, SIGKILL) runs no clean-up; its probe worker, inside a long
+    probe (it reads the closed stdin only after), must not outlive it: one was left at parent 1, burning a
+    core, 2026-12-04. Here the worker times a tiny model at s = 16,384 (many seconds on 2 cores) when its
+    parent dies 2 s in."""
+    spec = ProbeSpec(model="tiny", seq=16384).to_dict()
+    pid_file = tmp_path / "child.pid"
+    parent = (
+        "import json, os, signal, subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'microbatch.measure.childprobe', '--worker'],"
+        " stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        f"p.stdin.write(json.dumps({{'op': 'setup', 'spec': {spec!r}, 'limit_bytes': None}}) + '\\n')\n"
+        "p.stdout.readline()\n"
+        "p.stdin.write(json.dumps({'op': 'probe', 'micro_batch': 4, 'checkpointing': False}) + '\\n')\n"
+        "time.sleep(2)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
+        "OMP_NUM_THREADS": "1",
+    }
+    subprocess.run([sys.executable, "-c", parent], env=env, timeout=60, check=False)
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kernel kills the worker at its parent's death
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    raise AssertionError(f"probe worker {child} outlived its killed parent by 5 s")

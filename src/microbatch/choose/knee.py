@@ -273,6 +273,15 @@ def _candidates(
     return cands, left
 
 
+def _check_some_throughput(measured: list[CurvePoint]) -> None:
+    """ConfigError when every measured throughput is 0: the knee is a share of the best, and there is none."""
+    if not any(p.measured_throughput > 0 for p in measured):
+        raise ConfigError(
+            f"every measured throughput is 0 (b_m {', '.join(str(p.micro_batch) for p in measured)}): a knee is a "
+            "share of the best, and there is none; give the measured samples or tokens per second"
+        )
+
+
 def recommend(
     points: Sequence[CurvePoint], choice: ChoiceConfig | None = None, **options: Any
 ) -> Recommendation:
@@ -304,6 +313,7 @@ def recommend(
                 params=("checkpointing", "seq"),
             )
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
+    _check_some_throughput(measured)
     cands, left_out = _candidates(measured, choice, data_parallel)
     against_bound = reference == "bound" and choice.rule == "fraction"
     bound = throughput_bound(cands) if against_bound else None

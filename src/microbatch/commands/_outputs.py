@@ -14,6 +14,7 @@ from microbatch._json import dumps
 from microbatch.envelope import envelope
 
 __all__ = [
+    "write_text",
     "command_name",
     "check_out_dir",
     "check_output_file",
@@ -40,8 +41,18 @@ def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(dumps(envelope(obj, command or command_name())) + "\n", encoding="utf-8")
+    write_text(p, dumps(envelope(obj, command or command_name())) + "\n")
     return p
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def check_out_dir(

@@ -10,7 +10,7 @@ from typing import Any
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.registry import ScheduleSpec
 
-__all__ = ["parse_stage_times", "resolve_times"]
+__all__ = ["finite_time", "parse_stage_times", "resolve_times"]
 
 
 _ENTRY_PARTS = {
@@ -62,7 +62,7 @@ def parse_stage_times(text: str) -> list[tuple[float, ...]]:
     return entries
 
 
-def _finite(
+def finite_time(
     value: float, why: str, fix: str = "give times below ~1e300 (a larger unit, e.g. ms instead of ns)"
 ) -> float:
     """``value``, or a ConfigError saying that ``why`` overflowed the largest float, and ``fix``."""
@@ -140,9 +140,9 @@ def _base_backward(
     if backward_time is not None:
         return backward_time
     if input_time is not None and weight_time is not None:
-        return _finite(input_time + weight_time, "the backward T_B = --input-time + --weight-time")
+        return finite_time(input_time + weight_time, "the backward T_B = --input-time + --weight-time")
     # the usual assumption: a backward costs two forwards
-    return _finite(
+    return finite_time(
         2.0 * tf,
         f"--forward-time {tf:g} makes the default backward time 2 × --forward-time",
         "give --backward-time too, or a --forward-time below ~1e300",
@@ -173,19 +173,25 @@ def _per_stage_times(
                     "give them, or write the entry as F:I:W"
                 )
             x = e[0]
-            f.append(_finite(x * tf, f"--stage-times entry {k}: the factor {x:g} × the forward time {tf:g}"))
+            f.append(
+                finite_time(x * tf, f"--stage-times entry {k}: the factor {x:g} × the forward time {tf:g}")
+            )
             if split and input_time is not None and weight_time is not None:
                 i_.append(
-                    _finite(x * input_time, f"--stage-times entry {k}: {x:g} × --input-time {input_time:g}")
+                    finite_time(
+                        x * input_time, f"--stage-times entry {k}: {x:g} × --input-time {input_time:g}"
+                    )
                 )
                 w.append(
-                    _finite(
+                    finite_time(
                         x * weight_time, f"--stage-times entry {k}: {x:g} × --weight-time {weight_time:g}"
                     )
                 )
             elif tb is not None:
                 b.append(
-                    _finite(x * tb, f"--stage-times entry {k}: the factor {x:g} × the backward time {tb:g}")
+                    finite_time(
+                        x * tb, f"--stage-times entry {k}: the factor {x:g} × the backward time {tb:g}"
+                    )
                 )
         elif len(e) == 2:
             if split:
@@ -200,7 +206,7 @@ def _per_stage_times(
                 i_.append(e[1])
                 w.append(e[2])
             else:
-                b.append(_finite(e[1] + e[2], f"--stage-times entry {k}: the backward I + W"))
+                b.append(finite_time(e[1] + e[2], f"--stage-times entry {k}: the backward I + W"))
     return {
         "forward_time": f,
         "backward_time": None if split else b,

@@ -94,6 +94,7 @@ def cmd(
         raise ConfigError(f"--budget-s {budget_s} must be > 0 seconds; e.g. --budget-s 20")
     cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
                            repeats=repeats, budget_s=budget_s, threads=threads)  # fmt: skip
+    _check_fits(cfg)
     check_output_file(out, "--out", (".json",), force=force)  # before any kernel runs
     device, rank, owned = join_launched_group(device)  # under torchrun: one process group, this rank's GPU
     cfg = replace(cfg, device=device)
@@ -126,3 +127,27 @@ def cmd(
         exit_past_teardown(code)
     if code:
         raise click.exceptions.Exit(code)
+
+
+def _check_fits(cfg: Any) -> None:
+    """ConfigError, before any kernel, when the largest b_m's layer tensors cannot fit here: the GEMM operands
+    and output at b_m·s rows (x and the widest of Q/K/V or the MLP, and the result) against the device's
+    memory (CUDA's total; on the CPU what the host has available)."""
+    from microbatch.errors import ConfigError
+    from microbatch.run.pipeline.fit import available_host_bytes
+    from microbatch.units import format_bytes
+
+    sh, b = cfg.shape, max(cfg.micro_batches)
+    elem = 4 if cfg.resolved_dtype == "fp32" else 2
+    need = b * sh.seq * (sh.hidden + 2 * max(3 * sh.hidden, sh.ffn)) * elem
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        have: int | None = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
+    else:
+        have = available_host_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"--micro-batches {b} at s = {sh.seq:,} needs {format_bytes(need)} for one layer's GEMM operands, "
+            f"more than the {format_bytes(have)} {cfg.device} has; give smaller --micro-batches or a smaller --model"
+        )

@@ -17,6 +17,7 @@ from microbatch.commands._common import (
     virtual_option,
     width_option,
 )
+from microbatch.commands._sim_times import finite_time
 from microbatch.show.answers import render_bubble
 from microbatch.show.text import pct
 
@@ -183,7 +184,7 @@ def _split_backward_bubble(
             input_time=ti,
             weight_time=tw,
         )
-    busy = microbatches * virtual * (tf + ti + tw)
+    busy = finite_time(microbatches * virtual * (tf + ti + tw), "the busy time m·v·(T_F + T_I + T_W)")
     if idle_closed and spec.idle_closed_form is not None:
         idle = spec.idle_closed_form.idle_time(stages, tf, ti, tw)
         result["method"] = spec.idle_closed_form.method
@@ -192,7 +193,7 @@ def _split_backward_bubble(
         idle = sum(sim.idle) / stages
         result["method"] = "simulation (no closed form for this schedule)"
     result["times"] = {"forward": tf, "input": ti, "weight": tw}
-    result["idle_time_per_stage"] = idle
+    result["idle_time_per_stage"] = finite_time(idle, "the idle time per stage")
     result["bubble_fraction"] = idle / (idle + busy) if idle + busy > 0 else 0.0
     result["bubble_ratio"] = idle / busy if busy > 0 else 0.0
     return sim

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from microbatch.commands._common import check_output_file, emit, force_option, json_option, write_result
+from microbatch.commands._outputs import write_text
 
 __all__ = ["cmd"]
 
@@ -51,7 +52,6 @@ def cmd(
              microbatch export --tune run1 --format hf
     Notes on what the format cannot express go to stderr.
     """
-    from pathlib import Path
 
     from microbatch.commands._flags import cli_text
     from microbatch.errors import ConfigError
@@ -90,7 +90,7 @@ def cmd(
             from microbatch.envelope import mark_line
 
             text = mark_line("export") + "\n" + text
-        Path(output).write_text(text + ("\n" if not text.endswith("\n") else ""))
+        write_text(output, text + ("\n" if not text.endswith("\n") else ""))
     else:
         emit(payload, as_json, ex.text)
     if not as_json:

@@ -104,8 +104,10 @@ def cmd(
     acc = None
     if gpu:
         from microbatch.hardware import get_accelerator
+        from microbatch.precision import check_gemm_dtype
 
         acc = get_accelerator(gpu)
+        check_gemm_dtype(precision, acc.name, acc.peak_flops)
     applied = None
     if calibration:
         from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration

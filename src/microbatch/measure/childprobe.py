@@ -217,6 +217,21 @@ def _reap(proc: subprocess.Popen[str], timeout_s: float | None) -> bool:
         delay = min(2 * delay, 0.05)
 
 
+def _end_with_parent() -> None:
+    """Linux: ask the kernel to end this child when its parent dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``):
+    a parent killed by SIGTERM or SIGKILL runs no clean-up, and a child inside a long probe would not read
+    the end of its stdin until the probe ends (it was left running, parent 1). Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+
+
 def _worker() -> int:
     """The child's loop: one JSON request per line on stdin, one JSON reply per line on stdout."""
     out = sys.stdout
@@ -332,6 +347,7 @@ if __name__ == "__main__":
         # Ctrl-C reaches the whole process group: the parent handles it (keeps the points, ends this
         # child at once); a child dying of it mid-probe would read as an out-of-memory kill
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _end_with_parent()
         sys.exit(_worker())
     print(
         "usage: python -m microbatch.measure.childprobe --worker   (started by microbatch tune)",

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Device",
+    "CPU_ALLOC_FAILURE",
+    "is_out_of_memory",
     "oom_types",
     "torch_oom_types",
     "short_error",
@@ -92,6 +94,17 @@ def torch_oom_types() -> tuple[type[BaseException], ...]:
 def oom_types() -> tuple[type[BaseException], ...]:
     """Exception types that mean out of memory: torch's (CUDA, and CPU where torch raises it) and MemoryError."""
     return (MemoryError, *torch_oom_types())
+
+
+CPU_ALLOC_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+"""The words of torch's CPU allocator when an allocation fails (``c10/core/impl/alloc_cpu.cpp``)."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """True for torch's out-of-memory types and ``MemoryError``, and for the CPU allocator's ``RuntimeError``."""
+    if isinstance(e, oom_types()):
+        return True
+    return type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e)
 
 
 def short_error(e: BaseException) -> str:

@@ -139,7 +139,7 @@ def cover_measurements(
     if not k:
         return acc, ""
     note = f"a measured point was faster than the roofline at the measured peak: peak raised ×{2**k}"
-    return acc.with_overrides(source=f"{acc.source}; {note}"), note
+    return replace(acc, source=f"{acc.source}; {note}"), note
 
 
 def _memory_config(b: int, seq: int, precision: str, checkpointing: bool) -> MemoryConfig:

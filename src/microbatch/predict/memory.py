@@ -157,7 +157,7 @@ class MemoryConfig:
         for name in ("tensor_parallel", "pipeline_parallel", "virtual", "data_parallel"):
             check_positive_int(name, getattr(self, name))
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
-        check_hybrid(self.shard_degree, self.expert_parallel)
+        check_hybrid(self.shard_degree, self.expert_parallel, (self.zero,))
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)

@@ -13,7 +13,7 @@ from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_data_parallel, check_
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape, check_seq
-from microbatch.precision import get_fp8_recipe, get_precision
+from microbatch.precision import check_gemm_dtype, get_fp8_recipe, get_precision
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import check_context_exchange, check_context_layout
@@ -230,18 +230,14 @@ class PlanConfig:
                 "GEMMs; give sequence_parallel (and tensor_parallel > 1) with async_tp",
                 params=("async_tp", "sequence_parallel", "tensor_parallel"),
             )
-        if get_precision(self.precision).gemm_dtype == "fp8" and "fp8" not in self.gpu.peak_flops:
-            raise ConfigError(
-                f"precision fp8 needs FP8 tensor cores; {self.gpu.name} has none (peaks for "
-                f"{', '.join(self.gpu.peak_flops)}); use precision bf16-mixed or an H100, H200, B200, L4 or MI300X",
-                params=("precision",),
-            )
+        if get_precision(self.precision).gemm_dtype is not None:
+            check_gemm_dtype(self.precision, self.gpu.name, self.gpu.peak_flops)
         check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
         check_context_exchange(self.cp_comm)
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
-        check_hybrid(self.shard_degree, self.expert_parallel)
+        check_hybrid(self.shard_degree, self.expert_parallel, tuple(self.zero or ()))
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(
                 f"zero3_impl {self.zero3_impl!r} is not known; use one of {', '.join(ZERO3_IMPLS)}",

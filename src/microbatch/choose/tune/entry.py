@@ -112,7 +112,12 @@ def _preflight(
     budget_source: str,
 ) -> None:
     """Every check that needs no model built: the walk, transformers, the sequence, the static memory."""
-    from microbatch.choose.tune.preflight import KEYWORD_NAMES, check_static_fits, check_walk
+    from microbatch.choose.tune.preflight import (
+        KEYWORD_NAMES,
+        check_smallest_fits,
+        check_static_fits,
+        check_walk,
+    )
     from microbatch.measure.hf import require_transformers
     from microbatch.model import check_seq, from_hf_config
 
@@ -124,6 +129,12 @@ def _preflight(
         require_transformers("backend hf", params=("backend",))
     check_seq(described, probe.seq or described.seq)
     check_static_fits(described, probe.mode, choice.memory_budget_bytes, budget_source)
+    if probe.mode == "train":
+        check_smallest_fits(
+            described, seq=probe.seq or described.seq, start=search_config.start,
+            checkpointing=search_config.checkpointing, precision=probe.precision,
+            budget=choice.memory_budget_bytes, budget_source=budget_source,
+        )  # fmt: skip
 
 
 def tune_model(

@@ -24,6 +24,8 @@ from microbatch.predict.state import model_state_bytes
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
+    "SMALLEST_FIT_MARGIN",
+    "check_smallest_fits",
     "walk_sizes",
     "check_walk",
     "KEYWORD_NAMES",
@@ -117,4 +119,35 @@ def check_static_fits(shape: ModelShape, mode: str, budget: int | None, budget_s
             f"activation ({what}), over the memory budget {format_bytes(budget)} ({budget_source}); "
             "use a smaller model, raise memory_budget_bytes, or plan it with `microbatch plan` (sharding, pipelining)",
             params=("memory_budget_bytes",),
+        )
+
+
+SMALLEST_FIT_MARGIN = 2.0
+"""How far over the budget the predicted peak of the smallest probe must be before tune refuses to start:
+the memory model is not the measurement (eager kernels on the CPU hold buffers it does not count, a probe's
+allocator rounds), so a prediction within this factor of the budget is left to the probe to find out, and
+only a size that no error of the model explains is refused (seq 10^12, a context past any budget)."""
+
+
+def check_smallest_fits(
+    shape: ModelShape, *, seq: int, start: int, checkpointing: str, precision: str, budget: int | None,
+    budget_source: str,
+) -> None:  # fmt: skip
+    """ConfigError, before any probe, when the smallest micro-batch's predicted training peak (with
+    checkpointing if the search may use it) is over :data:`SMALLEST_FIT_MARGIN` × ``budget``."""
+    if budget is None:
+        return
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+
+    rc = "none" if checkpointing == "off" else "full"
+    cfg = MemoryConfig(micro_batch=start, seq=seq, precision=precision, recompute=rc)
+    peak = estimate_memory(shape.with_seq(seq), cfg).peak_bytes
+    if peak > SMALLEST_FIT_MARGIN * budget:
+        raise ConfigError(
+            f"model {shape.name} at seq {seq:,} needs about {format_bytes(peak)} at b_m {start}"
+            f"{' with checkpointing' if rc == 'full' else ''} (the memory model), over {SMALLEST_FIT_MARGIN:g}× the "
+            f"memory budget {format_bytes(budget)} ({budget_source}); give a shorter seq, "
+            + ("checkpointing auto, " if rc == "none" else "")
+            + "or a larger memory_budget_bytes",
+            params=("seq", "memory_budget_bytes", "checkpointing"),
         )

@@ -30,7 +30,7 @@ import gc
 from typing import Any
 
 from microbatch.errors import OutOfMemoryError
-from microbatch.measure.device import oom_types, short_error
+from microbatch.measure.device import CPU_ALLOC_FAILURE, is_out_of_memory, short_error
 from microbatch.measure.hostmem import malloc_trim
 
 __all__ = [
@@ -41,16 +41,6 @@ __all__ = [
     "set_aside_error",
     "short_error",
 ]
-
-CPU_ALLOC_FAILURE = "DefaultCPUAllocator: can't allocate memory"
-"""The words of torch's CPU allocator when an allocation fails (``c10/core/impl/alloc_cpu.cpp``)."""
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """True for torch's out-of-memory types and ``MemoryError``, and for the CPU allocator's ``RuntimeError``."""
-    if isinstance(e, oom_types()):
-        return True
-    return type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e)
 
 
 def free_memory(device: Any) -> None:

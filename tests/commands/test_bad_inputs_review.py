@@ -1,0 +1,94 @@
+"""Bad input an adversarial review found accepted or answered with a traceback (2026-12-04), each now
+refused up front with one line (exit 2: the value, the rule, the fix), or, for a disk that says no, one
+line and exit 1. No probe or model is started (``check_refused`` bounds the CPU time of each refusal).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_bad_inputs_32 import check_refused, tune_result, write
+
+from microbatch.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+PLAN = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-p", "4"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "pattern"),
+    [
+        (
+            "peak_flops=1",
+            r"peak_flops is not a figure to override; set one peak as bf16=, fp16=, fp32= or fp8=",
+        ),
+        ("name=5", r"name is not a figure to override"),
+        ("source=3", r"source is not a figure to override"),
+        ("compute_units=-1", r"compute_units must be a whole number >= 1, got -1"),
+        ("compute_units=0", r"compute_units must be a whole number >= 1, got 0"),
+    ],
+)
+def test_gpu_set_takes_figures_only(setting, pattern, capsys):
+    """peak_flops=1 was a TypeError traceback; compute_units=-1 gave an MFU of 128%; name=5 renamed the row."""
+    check_refused([*PLAN, "--gpu-set", setting], capsys, pattern)
+
+
+def test_an_overflowing_bubble_is_refused_not_nan(capsys):
+    for sched, m in (("zb-h1", "4"), ("dualpipev", "8")):
+        check_refused(["bubble", "-p", "4", "-m", m, "-s", sched, "--forward-time", "1e308", "--input-time",
+                       "1e308", "--weight-time", "1", "--no-diagram"], capsys,
+                      r"past the largest float", r"a larger unit")  # fmt: skip
+
+
+def test_a_curve_of_zero_throughput_has_no_knee(tmp_path, capsys):
+    f = write(tmp_path / "zero.csv", "micro_batch,throughput,peak_memory_bytes\n1,0,100\n2,0,200\n4,0,400\n")
+    check_refused(["recommend", "-m", f], capsys, r"every measured throughput is 0 \(b_m 1, 2, 4\)")
+
+
+def test_batch_product_over_the_bound_b_has(capsys):
+    check_refused(["batch", "-b", "1000000", "-g", "1000000", "-d", "1000000"], capsys,
+                  r"= 1,000,000,000,000,000,000 is over the limit of 1,000,000,000", r"give smaller -b, -g or -d")  # fmt: skip
+
+
+def test_memory_refuses_what_plan_refuses(capsys):
+    check_refused(["memory", "--model", "llama-2-7b", "-b", "1", "--precision", "fp8", "--gpu", "a100-80gb"], capsys,
+                  r"--precision fp8 needs FP8 tensor cores; a100-80gb has none")  # fmt: skip
+    for cmd in (["memory", "--model", "llama-2-7b", "-b", "1"], [*PLAN[:-2], "-p", "1"]):
+        check_refused([*cmd, "-d", "4", "--shard-degree", "2", "--zero", "0"], capsys,
+                      r"--shard-degree 2 shards the training state .* --zero 0 shards nothing")  # fmt: skip
+
+
+def test_validate_refuses_a_wrong_seq_and_a_point_measured_twice(tmp_path, capsys):
+    for bad in (0, -5, "32"):
+        f = write(tmp_path / "seq.json", tune_result(seq=bad))
+        check_refused(["validate", "--calibration", f], capsys, rf"seq {bad!r} is not a sequence length")
+    twice = tune_result()
+    twice["points"] = [*twice["points"], dict(twice["points"][0])]
+    f = write(tmp_path / "twice.json", twice)
+    check_refused(["validate", "--calibration", f], capsys, r"point 4: micro_batch 1 is measured twice")
+
+
+def test_tune_refuses_a_sequence_no_budget_holds_before_any_probe(capsys):
+    check_refused(["tune", "--model", "tiny", "--seq", "1000000000000", "-B", "8", "--memory-budget", "1GiB"],
+                  capsys, r"at --seq 1,000,000,000,000 needs about .* at b_m 1", r"give a shorter --seq")  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_is_one_line_not_a_traceback(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"]) == 0
+    plan.write_text(capsys.readouterr().out)
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", "/dev/full"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: could not use /dev/full: No space left on device" in err
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", "/dev/full", "--json"]) == 1
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["kind"] == "failure" and "/dev/full" in obj["error"]
