@@ -92,3 +92,38 @@ def test_a_full_disk_is_one_line_not_a_traceback(tmp_path, capsys):
     assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", "/dev/full", "--json"]) == 1
     obj = json.loads(capsys.readouterr().out)
     assert obj["kind"] == "failure" and "/dev/full" in obj["error"]
+
+
+def test_tune_refuses_a_budget_over_the_host_s_memory(capsys):
+    """A budget over what the host has available makes the probes' hard limit no protection."""
+    check_refused(["tune", "--model", "tiny", "-B", "8", "--memory-budget", "1000TB"], capsys,
+                  r"memory budget .* is over the .* this host has available", r"give --memory-budget .* or less")  # fmt: skip
+
+
+def test_a_context_split_no_c_divides_names_a_seq(capsys):
+    check_refused(["memory", "--model", "llama-2-7b", "-b", "1", "--seq", "4097", "-c", "2"], capsys,
+                  r"use --seq 4096 \(no --context-parallel from 2 to 64 splits 4097\)")  # fmt: skip
+
+
+def test_recommend_reads_a_spreadsheet_csv_and_a_tune_folder(tmp_path, capsys):
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbfmicro_batch,throughput,peak_memory_bytes\n1,10,100\n2,18,200\n4,20,400\n")
+    assert main(["recommend", "-m", str(bom), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["micro_batch"] == 2  # 18 is within 15% of 20
+    run = tmp_path / "run"
+    run.mkdir()
+    write(run / "result.json", tune_result())
+    assert main(["recommend", "-m", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["micro_batch"] == 8  # 3,200 is below 85% of 5,000
+
+
+@pytest.mark.parametrize(("key", "pattern"), [("recompute", r"the plan's recompute 'bogus' is not one of none"),
+                                              ("schedule", r"the plan's schedule 'bogus' is not one of gpipe"),
+                                              ("precision", r"the plan's precision 'bogus' is not one of")])  # fmt: skip
+def test_export_refuses_a_hand_edited_plan_s_unknown_words(key, pattern, tmp_path, capsys):
+    """torchtitan's config carried `mode = "bogus"` from a plan edited by hand."""
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    plan["recommended"][key] = "bogus"
+    f = write(tmp_path / "plan.json", plan)
+    check_refused(["export", "--plan", f, "--format", "torchtitan"], capsys, pattern)

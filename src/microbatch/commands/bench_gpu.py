@@ -134,7 +134,7 @@ def _check_fits(cfg: Any) -> None:
     and output at b_m·s rows (x and the widest of Q/K/V or the MLP, and the result) against the device's
     memory (CUDA's total; on the CPU what the host has available)."""
     from microbatch.errors import ConfigError
-    from microbatch.run.pipeline.fit import available_host_bytes
+    from microbatch.measure.hostmem import available_host_bytes
     from microbatch.units import format_bytes
 
     sh, b = cfg.shape, max(cfg.micro_batches)

@@ -150,7 +150,12 @@ def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: i
     if micro_batch >= global_batch:
         raise ConfigError(
             f"micro-batch {micro_batch} is not smaller than global batch {global_batch}; the noise scale needs "
-            f"two batch sizes: use --micro-batch at most {max(1, global_batch // 2)}"
+            "two batch sizes: "
+            + (
+                f"use --micro-batch at most {global_batch // 2}"
+                if global_batch >= 2
+                else f"raise --global-batch to {2 * micro_batch} or more"
+            )
         )
     shape = resolve_model(model_spec, default="tiny")
     if shape.param_count() > MAX_PARAMS:

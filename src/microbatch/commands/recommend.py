@@ -27,6 +27,8 @@ def read_rows(path: str) -> list[Any]:
     if not path.strip():
         raise ConfigError("--measurements '' names no file; give a JSON or CSV file of points")
     p = Path(path)
+    if p.is_dir() and (p / "result.json").is_file():  # a tune's folder, as --calibration and export take it
+        p = p / "result.json"
     if p.is_dir():
         raise ConfigError(
             f"--measurements {path!r} is a folder; give a JSON or CSV file of points (tune --out writes result.json in its folder)"
@@ -35,7 +37,7 @@ def read_rows(path: str) -> list[Any]:
         why = "is not a regular file" if p.exists() else "does not exist"
         raise ConfigError(f"--measurements {path!r} {why}; give a JSON or CSV file of points")
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheets write one) is not a column
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(
             f"--measurements {path!r} cannot be read ({e}); give a JSON or CSV text file"

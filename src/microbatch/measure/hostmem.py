@@ -10,6 +10,7 @@ libraries (about 0.2–0.4 GB); the per-sample slope does not.
 from __future__ import annotations
 
 __all__ = [
+    "available_host_bytes",
     "reset_peak_rss",
     "peak_rss_bytes",
     "current_rss_bytes",
@@ -69,3 +70,16 @@ def malloc_trim() -> bool:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what can be allocated without swapping); None
+    where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

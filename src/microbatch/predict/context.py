@@ -54,9 +54,15 @@ def check_context_layout(seq: int, context_parallel: int, flash_attention: bool)
         return
     if seq % (2 * c):
         ok = [x for x in range(2, 65) if seq % (2 * x) == 0]
+        nearest = (seq // (2 * c)) * 2 * c or 2 * c
+        fix = (
+            f"use context_parallel among {ok[:12]} or another seq"
+            if ok
+            else f"use seq {nearest} (no context_parallel from 2 to 64 splits {seq})"
+        )
         raise ConfigError(
             f"context_parallel {c} needs seq {seq} divisible by 2 × {c} = {2 * c} (each rank holds two "
-            f"of 2c chunks, for causal load balance); use context_parallel among {ok[:12]} or another seq",
+            f"of 2c chunks, for causal load balance); {fix}",
             params=("context_parallel", "seq"),
         )
     if not flash_attention:

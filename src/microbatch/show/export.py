@@ -157,6 +157,27 @@ def _check_identity(c: Json, what: str = "plan") -> None:
         )
 
 
+def _check_names(c: Json, what: str) -> None:
+    """ConfigError for a recompute, schedule or precision the tool does not know (a hand-edited plan): the
+    config would carry the word as it is (torchtitan's ``mode = "bogus"``)."""
+    from microbatch.precision import PRECISIONS
+    from microbatch.predict.activations import RECOMPUTE_CHOICES
+
+    rc = c.get("recompute", "none")
+    if rc not in RECOMPUTE_CHOICES:
+        raise ConfigError(
+            f"the {what}'s recompute {rc!r} is not one of {', '.join(RECOMPUTE_CHOICES)}; plan again"
+        )
+    if precision_of(c) not in PRECISIONS:
+        raise ConfigError(f"the {what}'s precision {precision_of(c)!r} is not one of {', '.join(PRECISIONS)}")
+    if c.get("schedule") is not None and schedule_spec(str(c["schedule"])) is None:
+        from microbatch.schedules.registry import schedule_names
+
+        raise ConfigError(
+            f"the {what}'s schedule {c['schedule']!r} is not one of {', '.join(schedule_names())}; plan again"
+        )
+
+
 def _deepspeed(c: Json) -> tuple[Json, list[str]]:
     p = c.get("pipeline_parallel", 1)
     if p > 1 and c.get("zero", 0) >= 2:
@@ -323,6 +344,7 @@ def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
     _check_identity(cand, what)
+    _check_names(cand, what)
     _check_supported(cand, fmt)
     cfg, more = _BUILDERS[fmt](cand)
     return Export(format=fmt, config=cfg, notes=tuple(more) + notes)

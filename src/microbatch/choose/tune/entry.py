@@ -118,6 +118,7 @@ def _preflight(
         check_static_fits,
         check_walk,
     )
+    from microbatch.choose.tune.probing import check_host_budget
     from microbatch.measure.hf import require_transformers
     from microbatch.model import check_seq, from_hf_config
 
@@ -135,6 +136,8 @@ def _preflight(
             checkpointing=search_config.checkpointing, precision=probe.precision,
             budget=choice.memory_budget_bytes, budget_source=budget_source,
         )  # fmt: skip
+    if budget_source == "given":  # after the checks of the model itself: those say more
+        check_host_budget(choice.memory_budget_bytes, probe)
 
 
 def tune_model(

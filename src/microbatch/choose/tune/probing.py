@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.tune.config import ProbeConfig
 from microbatch.errors import ConfigError
+from microbatch.measure.hostmem import available_host_bytes
 from microbatch.measure.probes import Measurement
 from microbatch.measure.timing import TimingConfig
 from microbatch.units import format_bytes
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from microbatch.measure.spec import ProbeSpec
 
 __all__ = [
+    "check_host_budget",
     "CPU_TIMING",
     "CUDA_TIMING",
     "Prober",
@@ -109,13 +111,8 @@ def cuda_total_bytes(device: str) -> int:
 
 def cpu_default_limit() -> int | None:
     """80% of MemAvailable: the child's hard limit when no budget is given (protects the host)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(int(line.split()[1]) * 1024 * 0.8)
-    except OSError:
-        pass
-    return None
+    avail = available_host_bytes()
+    return None if avail is None else int(avail * 0.8)
 
 
 def check_cuda_budget(probe: Probe, budget: int | None, device: str) -> None:
@@ -170,3 +167,19 @@ def open_prober(spec: ProbeSpec, probe: ProbeConfig, budget: int | None) -> Prob
     child = ChildProber(spec, limit_bytes=budget)
     child.start()
     return child
+
+
+def check_host_budget(budget: int | None, probe: ProbeConfig) -> None:
+    """ConfigError when a budget given for child probes on the CPU is over what the host has available: their
+    hard limit (``RLIMIT_AS`` at the budget) would then not keep them from the host's own memory."""
+    device = probe.device or "cpu"
+    avail = (
+        None if budget is None or device.startswith("cuda") or probe.in_process else available_host_bytes()
+    )
+    if budget is not None and avail is not None and budget > avail:
+        raise ConfigError(
+            f"memory budget {format_bytes(budget)} is over the {format_bytes(avail)} this host has available: "
+            "the probes' hard limit would not keep them from the host's own memory; give memory_budget_bytes "
+            f"{format_bytes(avail)} or less (or none: 80% of it)",
+            params=("memory_budget_bytes",),
+        )

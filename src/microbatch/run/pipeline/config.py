@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, whole_number
 from microbatch.schedules.registry import check_servable, torch_spec
 
 __all__ = ["FACTORY_SEQ", "STARTUP_S", "PipelineConfig", "config_from_dict"]
@@ -69,11 +69,10 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", torch_spec(self.schedule).name)
-        check_positive_int("stages", self.stages, fix="give stages 2 or more ranks")
         check_positive_int("microbatches", self.microbatches, fix="give microbatches 1 or more")
         check_positive_int("virtual", self.virtual, fix="give virtual 1 or more stages per rank")
         check_positive_int("steps", self.steps, fix="give steps 1 or more")
-        if self.stages < 2:
+        if whole_number(self.stages) is None or self.stages < 2:
             raise ConfigError(
                 f"stages {self.stages} is not a pipeline; pipelining needs p >= 2; give stages 2",
                 params=("stages",),

@@ -15,6 +15,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import usable_cores
+from microbatch.measure.hostmem import available_host_bytes
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
 from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.units import format_bytes, format_count
@@ -112,19 +113,6 @@ def _receive_bytes(run: ResolvedRun, shape: Any, seq: int) -> float:
     links = sum(1 for s in range(1, len(placement)) if placement[s] != placement[s - 1])
     boundary = cfg.micro_batch * seq * shape.hidden * _DTYPE_BYTES[cfg.dtype]
     return float(2 * links * cfg.microbatches * boundary)
-
-
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (what can be allocated without swapping); None
-    where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 MIN_TIMEOUT_S = 10.0
