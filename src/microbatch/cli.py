@@ -144,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         message = cli_message(e, _command_of(args))
         click.echo(f"error: {message}", err=True)
         return _fail(message, 1, args)
-    except (
-        OSError
-    ) as e:  # the disk or the file system said no (full, read-only, gone): its words, no traceback
+    except OSError as e:  # the file system said no (full, read-only, gone): its words, no traceback
+        import errno
+
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        message = f"could not use{where}: {e.strerror or e}; free space or choose another path, and run again"
+        full = e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+        advice = "; free space or choose another path, and run again" if full else ""
+        message = f"could not use{where}: {e.strerror or e}{advice}"
         click.echo(f"error: {message}", err=True)
         return _fail(message, 1, args)
     except KeyboardInterrupt as e:

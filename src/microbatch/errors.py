@@ -74,7 +74,7 @@ class PipelineError(MicrobatchError):
 def whole_number(value: object) -> int | None:
     """``value`` as an int when it is an integer of any kind (``int``, NumPy's, a 0-d integer tensor: whatever
     has ``__index__``), else None; a bool is not a number here."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):  # a bool is not a count
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]  # anything with __index__

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch import hardware_clocks as _clk
-from microbatch.errors import ConfigError, check_positive
+from microbatch.errors import ConfigError, check_positive, check_positive_int
 from microbatch.hardware_names import device_key, name_key
 from microbatch.units import GIB
 
@@ -158,12 +158,9 @@ class Accelerator:
                 self.peak_flops[dt],
                 fix="give the device's dense peak FLOP/s",
             )
-        v = self.compute_units
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(
-                f"{self.name} compute_units must be a whole number >= 1, got {v!r}; give the SMs (NVIDIA) or "
-                "compute units (AMD) the GEMM tiles run on"
-            )
+        if self.compute_units is not None:
+            check_positive_int(f"{self.name} compute_units", self.compute_units,
+                               fix="give the SMs (NVIDIA) or compute units (AMD) the GEMM tiles run on")  # fmt: skip
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ConfigError(
                 f"{self.name} gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}"
@@ -290,9 +287,10 @@ Every row's capacity is the total the driver reports, not the marketed figure: A
 40 GB 40,960 MiB (exactly 80 and 40 GiB, modal-client PR 2797), L4 23,034 MiB (the same PR), H200 143,771
 MiB (the nvidia-smi listings of H200 boards; bench/results/h200-2026-11-30b/run1/env.json read 139.8 GiB
 through torch, which leaves out what the driver keeps), B200 183,359 MiB (github.com/NVIDIA/TensorRT-LLM
-issue 10278), H100 NVL 99,961,274,368 bytes = 95,330 MiB (github.com/fastfetch-cli/fastfetch issue 1658),
-MI300X 206,158,430,208 bytes = 192 GiB (rocm-smi's VRAM total). The CUDA context and what torch cannot
-reach of that total are left to :data:`DEFAULT_HEADROOM`."""
+issue 10278), H100 NVL 95,830 MiB (nvidia-smi listings of H100 NVL boards), MI300X 192 GiB (rocm-smi's VRAM
+total reads 206,158,430,208 bytes = 192 GiB on some systems, 205,822,885,888 = 191.7 GiB on others; 192 kept);
+the 96 GB H100's 94 GiB is its source's usable figure, no driver listing read. The CUDA context and what torch
+cannot reach of that total are left to :data:`DEFAULT_HEADROOM`."""
 
 _NOT_FIGURES = frozenset({"name", "peak_flops", "source"})
 """Fields ``with_overrides`` does not set: the row's name and its source, and the peaks as a whole (each is
@@ -345,7 +343,7 @@ ACCELERATORS: dict[str, Accelerator] = {
              "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513,
              attention=_ATTN_HOPPER, watts=350,
              clock=_clk.CLOCK_PCIE),
-        _acc("h100-nvl", 835.5, 835.5, 60, 95330 / 1024, 3900, 64, 200 * Gbit, 132,
+        _acc("h100-nvl", 835.5, 835.5, 60, 95830 / 1024, 3900, 64, 200 * Gbit, 132,
              "NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense, 60 fp32, 94 GB HBM3 "
              "at 3.9 TB/s, 350-400 W; NVLink bridge 600 GB/s joins two cards only, so a node's GPUs meet over "
              "PCIe Gen5 x16 (64 GB/s each way); typical node: 200 Gb/s per GPU; 3,341 TFLOP/s fp8 with "
@@ -418,7 +416,8 @@ def parse_gpus(text: str) -> list[Accelerator]:
         raise ConfigError(
             f"gpu {text!r} names no accelerator; known: {', '.join(ACCELERATORS)}", params=("gpu",)
         )
-    return [get_accelerator(n) for n in names]
+    accs = [get_accelerator(n) for n in names]
+    return list({a.name: a for a in accs}.values())  # one column per accelerator, however often named
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:

@@ -149,6 +149,8 @@ def get_model(name: str, *, seq: int | None = None) -> ModelShape:
     """The registry's shape called ``name`` (case-insensitive), optionally at another sequence length."""
     key = name.strip().lower()
     key = ALIASES.get(key, key)
+    if key not in PRESETS:  # llama_2_7b as llama-2-7b, as accelerator names are read
+        key = ALIASES.get(key.replace("_", "-"), key.replace("_", "-"))
     if key not in PRESETS:
         raise ConfigError(
             f"unknown model {name!r}; known models: {', '.join(PRESETS)} "

@@ -150,7 +150,7 @@ def check_gemm_dtype(precision: str, accelerator: str, peaks: Iterable[str]) -> 
     if get_precision(precision).gemm_dtype == "fp8" and "fp8" not in have:
         raise ConfigError(
             f"precision fp8 needs FP8 tensor cores; {accelerator} has none (peaks for {', '.join(have)}); use "
-            "precision bf16-mixed or an H100, H200, B200, L4 or MI300X",
+            "precision bf16-mixed, or an accelerator with an fp8 peak (Hopper, Ada, Blackwell, MI300X)",
             params=("precision",),
         )
 

@@ -127,3 +127,52 @@ def test_export_refuses_a_hand_edited_plan_s_unknown_words(key, pattern, tmp_pat
     plan["recommended"][key] = "bogus"
     f = write(tmp_path / "plan.json", plan)
     check_refused(["export", "--plan", f, "--format", "torchtitan"], capsys, pattern)
+
+
+def test_names_read_as_accelerator_names_are(capsys):
+    """Case and ``_`` for ``-`` do not matter for models and schedules, as for accelerators; an alias of a schedule
+    is its name; an accelerator named twice is one column."""
+    from microbatch.model import get_model
+    from microbatch.schedules.registry import get_spec
+
+    assert get_model("Llama_2_7B") == get_model("llama-2-7b")
+    assert (
+        get_spec("Interleaved_1F1B").name == "interleaved-1f1b" and get_spec("DualPipe_V").name == "dualpipev"
+    )
+    base = ["plan", "--model", "llama_2_7b", "--gpu", "a100-80gb", "-B", "64", "-p", "4", "--json"]
+    for given, want in (("1F1B", "1f1b"), ("Interleaved", "interleaved-1f1b"), ("zb_h1", "zb-h1")):
+        assert main([*base, "--schedule", given]) == 0
+        assert {c["schedule"] for c in json.loads(capsys.readouterr().out)["candidates"]} == {want}
+    assert main([*base[:4], "a100-80gb,A100_80GB", *base[5:]]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "plans" not in out and out["gpu"]["name"] == "a100-80gb"
+
+
+def test_the_new_tune_refusals_stay_quiet_on_valid_input():
+    """The budget-over-host and smallest-probe refusals fire only where they should: a budget under the host's
+    available memory, in-process or CUDA probes (whose budget no child limit enforces), and a predicted smallest
+    peak between 1× and 2× the budget (left to the probe) pass; past 2× it is refused."""
+    from microbatch.choose.tune.config import ProbeConfig
+    from microbatch.choose.tune.preflight import SMALLEST_FIT_MARGIN, check_smallest_fits
+    from microbatch.choose.tune.probing import check_host_budget
+    from microbatch.errors import ConfigError
+    from microbatch.measure.hostmem import available_host_bytes
+    from microbatch.model import get_model
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+
+    avail = available_host_bytes()
+    assert avail is not None and avail > 2**20
+    check_host_budget(avail // 2, ProbeConfig(device="cpu", in_process=False))
+    check_host_budget(None, ProbeConfig(device="cpu", in_process=False))
+    check_host_budget(1000 * avail, ProbeConfig(device="cpu", in_process=True))  # no child limit to enforce
+    check_host_budget(1000 * avail, ProbeConfig(device="cuda", in_process=True))
+    with pytest.raises(ConfigError, match="is over the .* this host has available"):
+        check_host_budget(2 * avail, ProbeConfig(device="cpu", in_process=False))
+    tiny = get_model("tiny")
+    peak = estimate_memory(
+        tiny.with_seq(4096), MemoryConfig(micro_batch=1, seq=4096, precision="fp32")
+    ).peak_bytes
+    kw = dict(seq=4096, start=1, checkpointing="off", precision="fp32", budget_source="given")
+    check_smallest_fits(tiny, budget=int(peak / 1.5), **kw)  # 1.5× over: the probe finds out
+    with pytest.raises(ConfigError, match=r"over 2× the memory budget"):
+        check_smallest_fits(tiny, budget=int(peak / (SMALLEST_FIT_MARGIN + 0.5)), **kw)

@@ -5,12 +5,13 @@ rows (its width: :func:`microbatch.commands._common.width_option`)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from microbatch.errors import ConfigError
-from microbatch.schedules.registry import schedule_names
+from microbatch.schedules.registry import get_spec, schedule_names
 
 __all__ = [
     "MAX_DIAGRAM_RANKS",
@@ -42,6 +43,19 @@ class ScheduleChoice(click.Choice[str]):
     @choices.setter
     def choices(self, value: object) -> None:
         """click sets the choices once; they are read from the registry instead."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """A schedule named as the registry reads names (any case, ``_`` for ``-``, an alias) is its name."""
+        if isinstance(value, str):
+            key = value.strip().lower().replace("_", "-")
+            if key in self._extra:
+                value = key
+            else:
+                try:
+                    value = get_spec(value).name
+                except ConfigError:
+                    pass  # click's own message lists the choices
+        return super().convert(value, param, ctx)
 
 
 def diagram_rows_note(stages: int) -> str | None:

@@ -143,6 +143,8 @@ def _check_fits(cfg: Any) -> None:
     if cfg.device.startswith("cuda"):
         import torch
 
+        if not torch.cuda.is_available():
+            return  # the benchmark's own check says there is no CUDA device
         have: int | None = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
     else:
         have = available_host_bytes()

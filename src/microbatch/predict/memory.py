@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative, check_positive_int
-from microbatch.model import ModelShape
+from microbatch.model import ModelShape, check_seq
 from microbatch.precision import get_fp8_recipe, get_precision
 from microbatch.predict.activations import (
     check_recompute,
@@ -29,7 +29,7 @@ from microbatch.predict.activations import (
 )
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
-from microbatch.predict.recompute import every_kth
+from microbatch.predict.recompute import every_kth, recompute_working
 from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import (
     bytes_per_param,
@@ -382,19 +382,30 @@ def _stage_state(
     return params, state
 
 
+def _at_seq(shape: ModelShape, seq: int | None) -> ModelShape:
+    """``shape`` at the planned length ``seq``, checked as PlanConfig and ``--seq`` check it (a learned position
+    table is at most its length, and is sized to it)."""
+    if seq is None or seq == shape.seq:
+        return shape
+    check_seq(shape, seq)
+    return shape.with_seq(seq)
+
+
 def estimate_memory(
     shape: ModelShape, config: MemoryConfig, calibration: MemoryCalibration | None = None
 ) -> MemoryEstimate:
     """Predict every pipeline stage's peak bytes for ``shape`` trained as ``config``.
 
     Peak = model state (after ZeRO) + in-flight activations (layers, plus the embedding's on the
-    first stage and the output layer's and loss's on the last) + other. Full recompute adds one
-    layer's full activations as the working set of the layer being recomputed; ZeRO-3 adds two
+    first stage and the output layer's and loss's on the last) + other. Full and per-op recompute add the
+    working set of the layer being recomputed, what it re-materialises beyond what it keeps
+    (:func:`~microbatch.predict.recompute.recompute_working`); ZeRO-3 adds two
     gathered layers (the current and the prefetched one); ZeRO-2/3 under a pipeline hold ZeRO-1's state
     (:func:`~microbatch.predict.state.resident_zero`). Assumes all peaks coincide (they nearly
     do: activations peak at the end of the warm-up, while the state is resident throughout).
     """
     cal = calibration or MemoryCalibration()
+    shape = _at_seq(shape, config.seq)
     config.validate_for(shape)
     p, t, m, v = config.pipeline_parallel, config.tensor_parallel, config.m, config.virtual
     split = split_layers(shape.layers, p, config.layers_per_stage)
@@ -407,12 +418,13 @@ def estimate_memory(
         flash_attention=fa, dtype_bytes=e, expert_load=load,
     )  # fmt: skip
     working = 0.0
-    if config.recompute in ("full", "op"):  # the layer being recomputed holds its full activations
-        working = layer_activation_bytes(
+    if config.recompute in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
+        none = layer_activation_bytes(
             shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute="none",
             flash_attention=fa, dtype_bytes=e, expert_load=load,
         )  # fmt: skip
-        per_layer = every_kth(per_layer, working, config.recompute_every if config.recompute == "full" else 1)
+        working = recompute_working(none, per_layer)
+        per_layer = every_kth(per_layer, none, config.recompute_every if config.recompute == "full" else 1)
     w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer

@@ -138,18 +138,13 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     layers evenly — on an uneven ``layers_per_stage``, every v that leaves each chunk a layer, a rank's work
     spread evenly over its chunks — DualPipeV with v = 2 when 2p divides the layers); a V schedule only on
     an even split."""
-    p, L = cfg.pipeline_parallel, cfg.shape.layers
+    p = cfg.pipeline_parallel
     if p == 1:
         return [(DEFAULT_SCHEDULE, 1)]
     names = cfg.schedules or schedule_names(in_flight=True)
     out = []
     for name in names:
-        if cfg.layers_per_stage is not None and get_spec(name).needs_even_split:
-            continue
-        split = cfg.layers_per_stage
-        for v in virtual_options(name, L, p, cfg.virtuals or (), split):
-            if v > 1 and (L % (p * v) if split is None else v > min(split)):
-                continue
+        for v in _split_virtuals(cfg, name):
             try:
                 check_servable(name, p, m, v)
             except ScheduleError:
@@ -158,15 +153,17 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     return out
 
 
-def _splits(cfg: PlanConfig, name: str) -> bool:
-    """Whether schedule ``name`` has any v that splits the layers over the stages (whatever m is)."""
+def _split_virtuals(cfg: PlanConfig, name: str) -> list[int]:
+    """The v of schedule ``name`` that split the layers over the stages, whatever m is: every v of the registry
+    (:func:`~microbatch.schedules.virtual.virtual_options`) that divides the layers evenly into p·v chunks, or,
+    on an uneven ``layers_per_stage``, that leaves each chunk a layer; none for a V schedule on an uneven split."""
     p, L, split = cfg.pipeline_parallel, cfg.shape.layers, cfg.layers_per_stage
     if split is not None and get_spec(name).needs_even_split:
-        return False
-    return any(
-        v == 1 or not (L % (p * v) if split is None else v > min(split))
-        for v in virtual_options(name, L, p, cfg.virtuals or (), split)
-    )
+        return []
+    return [
+        v for v in virtual_options(name, L, p, cfg.virtuals or (), split)
+        if v == 1 or not (L % (p * v) if split is None else v > min(split))
+    ]  # fmt: skip
 
 
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "op": 2, "full": 3}
@@ -213,17 +210,18 @@ def make_plan(cfg: PlanConfig) -> Plan:
                 params=("layers_per_stage", "pipeline_parallel"),
             )
         names = list(cfg.schedules or schedule_names(in_flight=True))
-        if not any(_splits(cfg, name) for name in names):
+        if not any(_split_virtuals(cfg, name) for name in names):
             ok = [x for x in range(2, L + 1) if any(L % (x * w) == 0 for w in range(2, L // x + 1))]
+            among = f"use pipeline_parallel among {ok[:12]}, " if ok else ""
             raise ConfigError(
                 f"no schedule in {names} can split layers {L} over stages {p}: interleaving needs an even split "
-                f"into v × {p} chunks with v >= 2 (or layers_per_stage), and none exists; use pipeline_parallel "
-                f"among {ok[:12]}, give layers_per_stage, or add schedule 1f1b",
+                f"into v × {p} chunks with v >= 2 (or layers_per_stage), and none exists; {among}give "
+                "layers_per_stage, or add schedule 1f1b",
                 params=("pipeline_parallel", "schedules"),
             )
         raise ConfigError(
             f"no schedule in {names} can serve p = {p} with at most "
-            f"m = B/(d·b_m) = {per} micro-batches (1F1B, ZB-H1 and interleaved need m >= p, DualPipeV "
+            f"m = B/(d·b_m) = {per} micro-batches (1F1B and ZB-H1 need m >= p, DualPipeV "
             "m >= 2p); "
             f"raise the global batch to at least "
             f"{v * p * cfg.data_parallel} or use schedules gpipe",

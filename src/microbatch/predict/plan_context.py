@@ -19,7 +19,7 @@ from microbatch.predict.activations import (
 )
 from microbatch.predict.experts import dispatch_bytes, expert_params
 from microbatch.predict.plan_config import PlanConfig
-from microbatch.predict.recompute import every_kth
+from microbatch.predict.recompute import every_kth, recompute_working
 from microbatch.predict.roofline import (
     LayerTime,
     group_bandwidth,
@@ -62,7 +62,8 @@ class Activations(NamedTuple):
     per_layer: float
     """One transformer layer's stashed activations."""
     working: float
-    """The working set of the layer being recomputed (full recompute), else 0."""
+    """The working set of the layer being recomputed (full or per-op recompute: what it re-materialises beyond
+    what it keeps, :func:`~microbatch.predict.recompute.recompute_working`), else 0."""
     embedding: float
     """The embedding's (first stage)."""
     output: float
@@ -244,12 +245,13 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
             expert_load=cfg.expert_load, **ctx.act_kw,
         )  # fmt: skip
         working = 0.0
-        if rc in ("full", "op"):
-            working = layer_activation_bytes(
+        if rc in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
+            none = layer_activation_bytes(
                 cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
                 expert_load=cfg.expert_load, **ctx.act_kw,
             )  # fmt: skip
-            per_layer = every_kth(per_layer, working, cfg.recompute_every if rc == "full" else 1)
+            working = recompute_working(none, per_layer)
+            per_layer = every_kth(per_layer, none, cfg.recompute_every if rc == "full" else 1)
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
         out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
         a2a = 0.0

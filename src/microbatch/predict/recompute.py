@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from microbatch.model import ModelShape
 
-__all__ = ["matmul_widths", "op_saved_terms", "op_recompute_gemm_share", "every_kth"]
+__all__ = ["matmul_widths", "op_saved_terms", "op_recompute_gemm_share", "every_kth", "recompute_working"]
 
 
 def matmul_widths(shape: ModelShape) -> list[tuple[int, int, bool]]:
@@ -61,3 +61,12 @@ def op_recompute_gemm_share(shape: ModelShape) -> float:
 def every_kth(full_bytes: float, none_bytes: float, every: int) -> float:
     """Mean bytes per layer when one layer in K is fully recomputed: (full + (K − 1)·none) / K."""
     return (full_bytes + (every - 1) * none_bytes) / every
+
+
+def recompute_working(none_bytes: float, kept_bytes: float) -> float:
+    """Bytes the layer being recomputed adds while its backward runs: its activations without recompute
+    (``none_bytes``) less what it keeps under recompute (``kept_bytes``: the checkpointed input under full
+    recomputation, the saved outputs under per-op recomputation), which the recomputed forward refers to
+    rather than copies (autograd saves references). A stage of one layer and one micro-batch in flight then
+    holds what it holds without recompute, not more."""
+    return max(0.0, none_bytes - kept_bytes)

@@ -210,11 +210,6 @@ def layer_forward(
     elementwise, elementwise_bwd = _elementwise_s(
         shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e
     )
-    if acc.compute_units and efficiency.launch_s_per_kernel:  # a GPU waits on the host's launches
-        n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
-        elementwise += launch_gap_s(n, efficiency.launch_s_per_kernel, gemm + attention + elementwise)
-        back = 2 * gemm + attention_bwd + elementwise_bwd
-        elementwise_bwd += launch_gap_s(2 * n, efficiency.launch_s_per_kernel, back)
     tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, sequence_parallel, efficiency.network)
     if parallel_block:  # attention and MLP on one input: one all-reduce (one gather) per pass, not two
         tp_comm, regather = tp_comm / 2, regather / 2
@@ -224,6 +219,14 @@ def layer_forward(
     cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
         tp_comm = max(0.0, tp_comm - gemm)
+    if acc.compute_units and efficiency.launch_s_per_kernel:  # a GPU waits on the host's launches
+        # the host's issue time against all the device does in the pass, exposed communication included: a
+        # layer takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower
+        n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
+        device = gemm + attention + elementwise + tp_comm + cp_f
+        elementwise += launch_gap_s(n, efficiency.launch_s_per_kernel, device)
+        back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
+        elementwise_bwd += launch_gap_s(2 * n, efficiency.launch_s_per_kernel, back)
     return LayerTime(
         op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
         cp_comm_s=cp_f,

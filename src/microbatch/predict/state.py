@@ -133,10 +133,10 @@ def zero_groups(
 def check_hybrid(shard_degree: int | None, expert_parallel: int, zeros: tuple[int, ...] = ()) -> None:
     """ConfigError when hybrid sharding meets expert parallelism (the experts' state over d/EP is not split
     into hybrid groups here), or only ZeRO 0 (``zeros``: the stages given, () for any), which shards nothing."""
-    if shard_degree is not None and zeros and not any(zeros):
+    if shard_degree is not None and shard_degree > 1 and zeros and not any(zeros):
         raise ConfigError(
             f"shard_degree {shard_degree} shards the training state over groups of its ranks, and zero 0 "
-            "shards nothing; give zero 1, 2 or 3 (or auto), or drop shard_degree",
+            "shards nothing; give zero 1, 2 or 3, or drop shard_degree",
             params=("shard_degree", "zero"),
         )
     if shard_degree is not None and expert_parallel > 1:

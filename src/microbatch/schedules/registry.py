@@ -178,11 +178,16 @@ def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
 
 
 def _lookup(name: str) -> ScheduleSpec | None:
-    key = str(name).strip().lower()
-    spec = SCHEDULES.get(key)
+    key = _norm(str(name))
+    spec = next((s for n, s in SCHEDULES.items() if _norm(n) == key), None)
     if spec is not None:
         return spec
-    return next((s for s in SCHEDULES.values() if key in s.aliases), None)
+    return next((s for s in SCHEDULES.values() if key in map(_norm, s.aliases)), None)
+
+
+def _norm(name: str) -> str:
+    """A schedule name as looked up: case and ``_`` against ``-`` do not matter (``Interleaved_1F1B``)."""
+    return name.strip().lower().replace("_", "-")
 
 
 def get_spec(name: str) -> ScheduleSpec:

@@ -124,8 +124,8 @@ def settle_ddp_buckets(model: Any) -> None:
 
     reducer = getattr(model, "reducer", None) if is_ddp(model) else None
     rebuild = getattr(reducer, "_rebuild_buckets", None)
-    if callable(rebuild) and torch.is_grad_enabled():
-        rebuild()
+    if callable(rebuild) and torch.is_grad_enabled() and rebuild():
+        model._has_rebuilt_buckets = True  # as DDP's _pre_forward marks it (its ZeRO overlap hook reads it)
 
 
 def all_reduce_sums(
