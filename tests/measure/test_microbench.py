@@ -205,3 +205,16 @@ def test_bench_gpu_under_torchrun_joins_one_group_and_rank_0_speaks(tmp_path) ->
     assert {c.op for c in r.collectives} == {"all_reduce", "all_gather"}
     assert all(c.world_size == 2 for c in r.collectives)
     assert r.overlap_slowdown is not None
+
+
+def test_kernels_predicted_past_the_budget_are_skipped_and_said():
+    """A 70B layer's GEMMs on the CPU take tens of seconds each (one ran 54 s of a 5 s budget): each kernel's time
+    is predicted at the warm-up's rate first, and one predicted past the budget left is not run but named."""
+    res = run_microbench(MicrobenchConfig(shape=get_model("llama-2-70b", seq=512), micro_batches=(1,), device="cpu",
+                                          quick=True, budget_s=1.0, threads=1))  # fmt: skip
+    timed = {(g.rows, g.k, g.n) for g in res.gemms}
+    big = [(r, k, n) for _, r, k, n in layer_gemm_shapes(get_model("llama-2-70b", seq=512), 512)]
+    said = " ".join(res.notes)
+    skipped = {(r, k, n) for r, k, n in big if f"{r}×{k}×{n} (predicted" in said}
+    assert timed | skipped >= set(big) and not timed & skipped  # each one run or said, never both
+    assert (512, 8192, 57344) in skipped  # fc1: ~480 GFLOP, seconds on one CPU thread, past a 1 s budget

@@ -35,6 +35,7 @@ from typing import Any
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.measure.board import BoardReading, clock_under_load, read_board
+from microbatch.measure.microbench_shapes import attention_seqs, grid_gemm_shapes, layer_gemm_shapes
 from microbatch.microbench_record import (
     AttentionTiming,
     CollectiveTiming,
@@ -112,33 +113,6 @@ class MicrobenchConfig:
         return "bf16" if self.device.startswith("cuda") else "fp32"
 
 
-def layer_gemm_shapes(shape: ModelShape, rows: int) -> list[tuple[str, int, int, int]]:
-    """(label, rows, k, n) of one layer's GEMMs and the output layer, as :func:`~microbatch.predict.roofline.layer_forward`
-    charges them at t = 1: QKV ``h → h + 2·kv·d``, projection ``h → h``, MLP ``h → f`` (2f gated) and ``f → h``,
-    logits ``h → V``."""
-    h, f = shape.hidden, shape.ffn
-    kvd = shape.kv * shape.head_dim
-    return [
-        ("qkv", rows, h, h + 2 * kvd),
-        ("proj", rows, h, h),
-        ("fc1", rows, h, (2 if shape.gated_mlp else 1) * f),
-        ("fc2", rows, f, h),
-        ("logits", rows, h, shape.vocab),
-    ]
-
-
-def grid_gemm_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
-    """The M × (K = N) grid: rows 128 … 8,192 and widths 1,024 … 8,192 (quick: rows 16 … 256, widths 64, 256)."""
-    rows, widths = ((16, 64, 256), (64, 256)) if quick else ((128, 512, 2048, 8192), (1024, 4096, 8192))
-    return [("grid", m, w, w) for w in widths for m in rows]
-
-
-def attention_seqs(seq: int, quick: bool) -> tuple[int, ...]:
-    """Key lengths for attention: s/4, s/2, s (and 2s unless quick), at least 16."""
-    out = {max(16, seq // 4), max(16, seq // 2), seq} | (set() if quick else {2 * seq})
-    return tuple(sorted(out))
-
-
 @dataclass
 class _Bench:
     """The running benchmark: its clock, its budget and what it has measured so far."""
@@ -149,6 +123,18 @@ class _Bench:
     acc: Accelerator | None
     t_start: float = field(default_factory=time.perf_counter)
     skipped: list[str] = field(default_factory=list)
+    warm_rate: float | None = None
+    """FLOP/s a kernel's time is predicted at before it runs (:func:`_settle`): the CPU's warm-up matmuls, a
+    GPU's datasheet peak; None: no prediction, nothing skipped."""
+
+    def past_budget(self, flops: float, what: str) -> bool:
+        """Whether one call of ``flops`` at :attr:`warm_rate` would outlast the budget left (its warm-up call
+        alone would): then it is skipped and said, not run (a 70B layer's CPU GEMM ran 54 s of a 5 s budget)."""
+        t = flops / self.warm_rate if self.warm_rate else 0.0
+        if t > self.left_s():
+            self.skipped.append(f"{what} (predicted {t:.3g} s, past the {self.left_s():.3g} s left)")
+            return True
+        return False
 
     def left_s(self) -> float:
         return self.cfg.budget_s - (time.perf_counter() - self.t_start)
@@ -192,6 +178,8 @@ def _gemms(b: _Bench, shapes: list[tuple[str, int, int, int]], dtype: Any, out: 
     torch, dev = b.torch, b.cfg.device
     peak = _peak(b.acc, b.cfg.resolved_dtype)
     for i, (label, m, k, n) in enumerate(shapes):
+        if b.past_budget(2.0 * m * k * n, f"GEMM {label} {m}×{k}×{n}"):
+            continue
         x = torch.randn(m, k, device=dev, dtype=dtype)
         w = torch.randn(k, n, device=dev, dtype=dtype)
         s = b.time_s(partial(torch.matmul, x, w), 0.5 * b.left_s() / max(1, len(shapes) - i))
@@ -214,6 +202,8 @@ def _attention(b: _Bench, dtype: Any, out: list[AttentionTiming]) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for i, s_len in enumerate(seqs):
         batch = max(1, tokens // s_len)
+        if b.past_budget(2.0 * batch * sh.heads * s_len * s_len * sh.head_dim, f"attention s={s_len}"):
+            continue
         q, k, v = (
             torch.randn(batch, sh.heads, s_len, sh.head_dim, device=dev, dtype=dtype) for _ in range(3)
         )
@@ -269,11 +259,17 @@ def _settle(b: _Bench, dtype: Any) -> None:
     allocator settle, so the first GEMM timed is not the process's first."""
     torch = b.torch
     a = torch.randn(256, 256, device=b.cfg.device, dtype=dtype)
-    t_end = time.perf_counter() + (0.2 if b.cuda else 0.05)
+    t0 = time.perf_counter()
+    t_end, n = t0 + (0.2 if b.cuda else 0.05), 0
     while time.perf_counter() < t_end:
         a @ a
+        n += 1
     if b.cuda:
         torch.cuda.synchronize()
+    # the rate a skip is judged at: on the CPU the warm-up's own (its small matmuls run near the large ones'
+    # rate there); a GPU's small matmuls wait on launches, so its datasheet peak (unknown board: no skip)
+    cpu_rate = n * 2.0 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+    b.warm_rate = (_peak(b.acc, b.cfg.resolved_dtype) if b.cuda else cpu_rate) or None
 
 
 def _launch_s(b: _Bench) -> float | None:
