@@ -364,3 +364,17 @@ def test_the_plan_section_names_the_moe_and_fp8_dimensions(tmp_path):
         "46.70B parameters, 12.88B active per token; expert parallel EP = 8; precision fp8 (tensorwise scaling)"
         in html
     )
+
+
+def test_the_answers_give_the_prediction_made_before_the_run(tmp_path):
+    """'Predicted' in the answers is the before-run prediction (78.5% on a tiny run), not the replay of the measured
+    op times (23.6%, a check shown in the pipeline section); without one, the answers say there was none."""
+    res = _pipeline_result()
+    res["before_run"] = {"bubble_fraction": 0.785}
+    res["predicted"]["bubble_fraction"] = 0.236
+    text = build_report([res], tmp_path / "a.html", png=False).html_path.read_text()
+    answers = text[text.index("<h2>Answers</h2>") :]
+    answers = answers[: answers.index("</ul>")]
+    assert "measured bubble 50.0%, predicted before the run 78.5%" in answers and "23.6" not in answers
+    text = build_report([_pipeline_result()], tmp_path / "b.html", png=False).html_path.read_text()
+    assert "measured bubble 50.0%, no prediction before the run" in text

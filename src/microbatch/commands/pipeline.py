@@ -273,11 +273,14 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
     on stderr at each phase. A Ctrl-C in the run returns the report of the steps every rank finished,
     marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
     it came and is raised again (exit 130)."""
-    from microbatch.run.pipeline.launch import run_resolved
+    from microbatch.run.pipeline.launch import raise_on_sigterm, run_resolved
     from microbatch.run.pipeline.progress import PipelineInterrupted, announce, progress_to
 
     lines = _Lines()
     before: BeforeRun | None = None
+    restore = (
+        raise_on_sigterm()
+    )  # SIGTERM is an interrupt in every phase (calibration, checks), not only the run
     with progress_to(lines):
         try:
             announce("check")
@@ -295,6 +298,8 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
         except KeyboardInterrupt:
             lines.interrupted("")
             raise
+        finally:
+            restore()
     return report if before is None else replace(report, before_run=before)
 
 

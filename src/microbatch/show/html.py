@@ -241,9 +241,16 @@ def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
                 f"peak {_gib(rec.get('peak_memory_bytes'))}"
             )
         elif kind == "pipeline" and isinstance(r.get("measured"), dict):
+            # the prediction made before the run (the replay of the measured op times is a check, in its section)
+            before = (r.get("before_run") or {}).get("bubble_fraction")
+            said = (
+                f"predicted before the run {_pct(before)}"
+                if before is not None
+                else "no prediction before the run"
+            )
             lines.append(
                 f"pipeline {_esc(r.get('schedule', ''))}: measured bubble {_pct(r['measured'].get('bubble_fraction'))}, "
-                f"predicted {_pct((r.get('predicted') or {}).get('bubble_fraction'))}"
+                + said
             )
     if not lines:
         return ""

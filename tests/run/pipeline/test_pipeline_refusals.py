@@ -445,3 +445,24 @@ def test_a_seed_torch_cannot_hold_is_refused_before_the_ranks_start(capsys, monk
     )
     fit.check_seed(PipelineConfig(seed=fit.MAX_SEED))  # the largest is taken
     torch.Generator().manual_seed(1_000_003 * (fit.MAX_SEED + 1) + 10**6)  # and torch holds what it derives
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_before_the_ranks_run_is_an_interrupt_too():
+    """SIGTERM in a phase with no ranks running (the checks, the before-run prediction between its calibration
+    runs) is an interrupt as in the run: exit 130 and the phase said, not the process killed (exit -15, no word).
+    The prediction here sends it to its own process."""
+    script = (
+        "import os, signal, sys\n"
+        "import microbatch.run.pipeline.before_run as br\n"
+        "def predict(run):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    raise AssertionError('SIGTERM did not interrupt')\n"
+        "br.predict_resolved = predict\n"
+        "from microbatch.cli import main\n"
+        "sys.exit(main(['pipeline', '-p', '2', '-m', '2', '--steps', '2']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
+    assert "interrupted" in done.stderr

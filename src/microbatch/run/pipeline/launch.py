@@ -49,6 +49,7 @@ from microbatch.run.pipeline.summary import summarize
 __all__ = [
     "STARTUP_S",
     "Terminated",
+    "raise_on_sigterm",
     "check_splittable",
     "free_port",
     "run_external",
@@ -282,7 +283,7 @@ def _launch_once(
     cfg = run.cfg
     procs: list[subprocess.Popen[bytes]] = []
     errs: list[str] = []
-    restore = _raise_on_sigterm()
+    restore = raise_on_sigterm()
     try:
         _start_ranks(cfg, tmp, cfg_path, result_path, port, procs, errs)
         announce("start", total=cfg.steps, ranks=cfg.stages)
@@ -400,6 +401,8 @@ def _rank_failure(
     else:
         why = f"exit status {rc}"
     tail = _tail(errs[r])
+    if rc < 0 and "error" not in tail.lower() and "traceback" not in tail.lower():
+        tail = "no Python error on its stderr before it"  # not the last warning it printed, which is not why
     why += f": {tail}" if tail else ""
     _kill_all(procs)
     if "address already in use" in tail.lower() or "eaddrinuse" in tail.lower():
@@ -414,7 +417,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM arrived while the ranks ran: handled as an interrupt (every rank is killed, exit 130)."""
 
 
-def _raise_on_sigterm() -> Callable[[], object]:
+def raise_on_sigterm() -> Callable[[], object]:
     """Make SIGTERM raise :class:`Terminated` in this (main) thread, once; return the function that puts
     the previous handler back. Elsewhere than the main thread it changes nothing (Python allows signal
     handlers only there)."""
