@@ -273,14 +273,14 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
     on stderr at each phase. A Ctrl-C in the run returns the report of the steps every rank finished,
     marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
     it came and is raised again (exit 130)."""
-    from microbatch.run.pipeline.launch import raise_on_sigterm, run_resolved
+    from microbatch.run.pipeline.launch import run_resolved
     from microbatch.run.pipeline.progress import PipelineInterrupted, announce, progress_to
+    from microbatch.run.pipeline.signals import raise_on_sigterm
 
     lines = _Lines()
     before: BeforeRun | None = None
-    restore = (
-        raise_on_sigterm()
-    )  # SIGTERM is an interrupt in every phase (calibration, checks), not only the run
+    # SIGTERM is an interrupt in every phase (calibration, checks), not only the run
+    restore = raise_on_sigterm()
     with progress_to(lines):
         try:
             announce("check")

@@ -437,6 +437,17 @@ def test_a_hanging_rank_hits_the_deadline(monkeypatch):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hung", [0, 1])
+def test_a_hanging_rank_is_named_not_the_peer_that_timed_out_waiting(monkeypatch, hung):
+    """The process group's timeout (10 s) before the deadline: the healthy rank fails first, with gloo's "timed out
+    waiting"; the rank still running is the one that stopped, and the error names it (it named the healthy one)."""
+    monkeypatch.setenv("MICROBATCH_PIPELINE_FAULT", f"{hung}:hang")
+    with pytest.raises(PipelineError, match=rf"rank {hung} \(stages \[{hung}\]\) stopped making progress: rank {1 - hung} "
+                       "timed out waiting for it"):  # fmt: skip
+        run(schedule="1f1b", stages=2, microbatches=2, timeout_s=10, deadline_s=100)
+
+
 # -- command line ---------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
@@ -44,6 +44,7 @@ from microbatch.run.pipeline.progress import (
 )
 from microbatch.run.pipeline.report import PipelineReport
 from microbatch.run.pipeline.resolved import ResolvedRun, resolve
+from microbatch.run.pipeline.signals import Terminated, raise_on_sigterm
 from microbatch.run.pipeline.summary import summarize
 
 __all__ = [
@@ -167,7 +168,10 @@ def _tail(path: str, lines: int = 6) -> str:
 def _is_victim(reason: str) -> bool:
     """True when a rank's error only says that a peer went away (the cause is elsewhere)."""
     r = reason.lower()
-    return any(x in r for x in ("connection closed by peer", "connection reset by peer", "broken pipe"))
+    return any(
+        x in r
+        for x in ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting")
+    )  # a gloo timeout: it waited on a peer that stopped
 
 
 def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -392,6 +396,14 @@ def _rank_failure(
     time.sleep(0.3)  # let a crash's neighbours report, then name the cause, not a victim
     later = [x for x, rc in enumerate(p.poll() for p in procs) if rc not in (None, 0)]
     causes = [x for x in bad + later if not _is_victim(_tail(errs[x]))]
+    stalled = [x for x, p in enumerate(procs) if p.poll() is None]
+    if not causes and stalled:  # the ranks that failed only waited on a peer; those still running stopped
+        _kill_all(procs)
+        return PipelineError(
+            f"rank {', '.join(map(str, stalled))} (stages {[s for x in stalled for s in run.stages_of(x)]}) stopped "
+            f"making progress: rank {', '.join(map(str, sorted(set(bad + later))))} timed out waiting for it and "
+            f"every rank was stopped; look at what it runs (full logs: {os.path.join(tmp, 'rank*.err')})"
+        )
     r = causes[0] if causes else bad[0]
     rc = procs[r].poll() or 0  # bad ranks have exited: poll() is their status
     if rc < 0:
@@ -411,32 +423,6 @@ def _rank_failure(
         f"rank {r} (stages {run.stages_of(r)}) failed ({why}); every rank was stopped; "
         f"full logs: {os.path.join(tmp, 'rank*.err')}"
     )
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived while the ranks ran: handled as an interrupt (every rank is killed, exit 130)."""
-
-
-def raise_on_sigterm() -> Callable[[], object]:
-    """Make SIGTERM raise :class:`Terminated` in this (main) thread, once; return the function that puts
-    the previous handler back. Elsewhere than the main thread it changes nothing (Python allows signal
-    handlers only there)."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # the caller chose to ignore it: so do we
-        return lambda: None
-    raised = False
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        nonlocal raised
-        if not raised:  # a second SIGTERM must not cut the clean-up short
-            raised = True
-            raise Terminated(f"signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def check_splittable(run: ResolvedRun) -> None:
