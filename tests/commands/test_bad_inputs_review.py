@@ -176,3 +176,9 @@ def test_the_new_tune_refusals_stay_quiet_on_valid_input():
     check_smallest_fits(tiny, budget=int(peak / 1.5), **kw)  # 1.5× over: the probe finds out
     with pytest.raises(ConfigError, match=r"over 2× the memory budget"):
         check_smallest_fits(tiny, budget=int(peak / (SMALLEST_FIT_MARGIN + 0.5)), **kw)
+
+
+def test_an_fp8_recipe_without_fp8_is_refused_not_ignored(capsys):
+    for cmd in ([*PLAN[:-2], "-p", "1"], ["memory", "--model", "llama-2-7b", "-b", "1"]):
+        check_refused([*cmd, "--fp8-recipe", "rowwise"], capsys,
+                      r"--fp8-recipe rowwise scales FP8 GEMMs, and --precision bf16-mixed runs none")  # fmt: skip

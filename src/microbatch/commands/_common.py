@@ -21,6 +21,7 @@ from microbatch.commands._outputs import (
     write_result,
 )
 from microbatch.envelope import envelope
+from microbatch.errors import ConfigError
 from microbatch.precision import FP8_RECIPES, PRECISIONS
 from microbatch.schedules.registry import schedule_names
 
@@ -143,8 +144,6 @@ class flags_for:  # noqa: N801 - used as a context manager, named like one
         return None
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        from microbatch.errors import ConfigError
-
         if isinstance(exc, ConfigError) and type(exc) is ConfigError and not exc.params:
             text = str(exc)
             for field in sorted(self.fields, key=len, reverse=True):
@@ -254,9 +253,8 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--fp8-recipe",
             "fp8_recipe",
             type=click.Choice(list(FP8_RECIPES)),
-            default="tensorwise",
-            show_default=True,
-            help="With --precision fp8: one scale per tensor or per row (torchao float8).",
+            default=None,
+            help="With --precision fp8: one scale per tensor or per row (torchao float8).  [default: tensorwise]",
         ),  # fmt: skip
         click.option(
             "--shard-degree",
@@ -279,8 +277,12 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return option_group(f, "moe_spec", MOE_FLAGS, opts)
 
 
-def moe_split(moe_spec: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shape flags for :func:`resolve_model`, layout keywords for MemoryConfig / PlanConfig)."""
+def moe_split(moe_spec: Mapping[str, Any], precision: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shape flags for :func:`resolve_model`, layout keywords for MemoryConfig / PlanConfig); an FP8 recipe
+    given without ``--precision fp8`` is refused (it would be ignored)."""
+    if moe_spec.get("fp8_recipe") and precision != "fp8":
+        raise ConfigError(f"--fp8-recipe {moe_spec['fp8_recipe']} scales FP8 GEMMs, and --precision {precision} "
+                          "runs none; give --precision fp8 with it, or drop --fp8-recipe")  # fmt: skip
     shape = {k: moe_spec.get(k) for k in MOE_FLAGS[:4]}
     return shape, {
         "expert_parallel": moe_spec.get("expert_parallel") or 1,
@@ -414,8 +416,6 @@ def parse_split(text: str | None) -> tuple[int, ...] | None:
     """``--layers-per-stage 5,6,6,5`` as a tuple; None when not given."""
     if not text:
         return None
-    from microbatch.errors import ConfigError
-
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:

@@ -81,7 +81,7 @@ def cmd(
     from microbatch.predict.memory import MemoryConfig, estimate_memory
     from microbatch.schedules.registry import default_schedule
 
-    expert_shape, expert_layout = moe_split(moe_spec)
+    expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
     cfg = MemoryConfig(
         micro_batch=micro_batch,

@@ -172,7 +172,7 @@ def cmd(
     from microbatch.predict.gemm import DEFAULT_EFFICIENCY
     from microbatch.predict.plan import PlanConfig
 
-    expert_shape, expert_layout = moe_split(moe_spec)
+    expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
