@@ -190,8 +190,8 @@ BAD = [
     (["bubble", "-p", "4", "-m", "8", "-s", "zb-h1", "--forward-time", "0"], r"--forward-time 0: .* > 0"),
     (["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--png", "out.svg"], r"--png out.svg: the suffix .svg"),
     (
-        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--svg", "missing_dir/x.svg"],
-        r"folder .*missing_dir does not exist",
+        ["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--svg", "pyproject.toml/x.svg"],
+        r"pyproject.toml is a file, not a folder",
     ),
     (
         ["simulate", "-p", "4", "-m", "1000000000", "-s", "1f1b"],
@@ -313,12 +313,21 @@ def test_png_from_plain_rows(tmp_path):
     assert p.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bubble_interleaved_m_below_p_notes_the_simulated_excess(capsys):
+def test_bubble_interleaved_m_below_p_is_the_one_round_closed_form(capsys):
     d = run_json(["bubble", "-p", "4", "-m", "3", "-s", "interleaved-1f1b", "--virtual", "2"], capsys)
-    # the closed form 3/9 does not hold for m < p: the number is the simulation of torch's order
-    assert d["bubble_fraction"] == pytest.approx(d["simulated_bubble_fraction"])
-    assert d["bubble_fraction"] > 3 / 9 + 0.01
-    assert any("m < p: the closed form (p−1)/(v·m+p−1) = 33.3% does not hold" in n for n in d["notes"])
+    # the m >= p form 3/9 does not hold for m < p; one round of p·v + m − 1 = 10 chunk times, 6 of them work
+    assert d["bubble_fraction"] == pytest.approx(4 / 10)
+    assert d["bubble_ratio"] == pytest.approx(4 / 6)
+    assert d["bubble_fraction"] == pytest.approx(d["simulated_bubble_fraction"])  # torch's order, simulated
+    assert d["method"].startswith("closed form at m < p")
+    assert any("the m >= p form (p−1)/(v·m+p−1) would say 33.3%" in n for n in d["notes"])
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (4, 3), (8, 2), (8, 4)])
+def test_the_one_round_form_is_the_simulation_at_every_m_below_p(p, v, capsys):
+    for m in range(1, p):
+        d = run_json(["bubble", "-p", str(p), "-m", str(m), "-s", "interleaved", "--virtual", str(v)], capsys)
+        assert d["bubble_fraction"] == pytest.approx(d["simulated_bubble_fraction"], abs=1e-12), (p, v, m)
 
 
 def test_measured_rows_on_any_clock_are_drawn_from_their_first_start(tmp_path):

@@ -141,15 +141,14 @@ def check_output_file(
     flag: str,
     suffixes: tuple[str, ...] = (),
     *,
-    create_folder: bool = False,
     inputs: Sequence[tuple[str, str | None]] = (),
     force: bool | None = None,
 ) -> None:
     """Refuse, before any work, an output file that could not be written: a suffix that names
     another format (``--png out.svg``), a path that is a folder, one of the ``inputs`` (``(flag,
     path)`` pairs: writing would destroy what is read, even with ``--force``), a folder that is a
-    file, a folder that is missing (made instead with ``create_folder``) or not writable (tried with a
-    temporary file), an existing file that is not one of ours (:func:`microbatch.envelope.is_ours`)
+    file, a folder that cannot be made (a missing one is made, as every command does) or written
+    (tried with a temporary file), an existing file that is not one of ours (:func:`microbatch.envelope.is_ours`)
     unless ``force`` (None: the command has no ``--force``).
 
     ConfigError naming the flag, the path, why and the fix.
@@ -182,10 +181,6 @@ def check_output_file(
         raise ConfigError(
             f"{flag} {path} cannot be written: {blocker} is a file, not a folder; give {flag} a path in a "
             "folder (new or existing)"
-        )
-    if not folder.is_dir() and not create_folder:
-        raise ConfigError(
-            f"{flag} {path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or write elsewhere"
         )
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -208,8 +208,9 @@ def _full_backward_bubble(
     notes: list[str],
 ) -> SimResult | None:
     """The bubble of a schedule with a full backward (closed form, else simulated) into ``result``."""
+    from microbatch.schedules.closed_forms import fill_drain_bubble
     from microbatch.schedules.registry import generate
-    from microbatch.schedules.simulate import bubble_fraction, bubble_ratio, simulate
+    from microbatch.schedules.simulate import bubble_fraction, simulate
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
     sim = None
@@ -221,21 +222,21 @@ def _full_backward_bubble(
             generate(spec.name, stages, microbatches, virtual), forward_time=1.0, backward_time=2.0
         )
     if closed:
+        one_round = virtual > 1 and microbatches < stages
         result["method"] = (
-            "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
+            "closed form at m < p: (p·v+m−1−v·m)/(p·v+m−1) and (p·v+m−1−v·m)/(v·m): torch's order runs one "
+            "round, the last micro-batch one pass through the p·v chunks behind the first"
+            if one_round
+            else "closed form: (p−1)/(v·m+p−1) and (p−1)/(v·m) (Huang et al. 2019; Narayanan et al. 2021)"
         )
-        result["bubble_fraction"] = bubble_fraction(stages, microbatches, virtual)
-        result["bubble_ratio"] = bubble_ratio(stages, microbatches, virtual)
+        if one_round:
+            notes.append(
+                f"m < p: the m >= p form (p−1)/(v·m+p−1) would say {pct(bubble_fraction(stages, microbatches, virtual))}"
+            )
+        fraction, ratio = fill_drain_bubble(stages, microbatches, virtual)
+        result["bubble_fraction"], result["bubble_ratio"] = fraction, ratio
     else:
         assert sim is not None
-        if (
-            spec.fill_drain_bubble
-            and abs(sim.bubble_fraction - bubble_fraction(stages, microbatches, virtual)) > 1e-9
-        ):
-            notes.append(
-                f"m < p: the closed form (p−1)/(v·m+p−1) = {pct(bubble_fraction(stages, microbatches, virtual))} "
-                f"does not hold; torch's {spec.name} order idles {pct(sim.bubble_fraction)} (simulated)"
-            )
         result["method"] = "simulation with T_B = 2 T_F (no closed form for this schedule here)"
         result["bubble_fraction"] = sim.bubble_fraction
         result["bubble_ratio"] = sim.bubble_ratio

@@ -101,11 +101,20 @@ def _check_model_fits(model_name: str) -> None:
     """Refuse an unknown model, or one whose training state the demo's budget cannot hold."""
     from microbatch.choose.tune.preflight import static_train_bytes
     from microbatch.errors import ConfigError
-    from microbatch.model import get_model
+    from microbatch.model import get_model, model_names
     from microbatch.units import format_bytes
 
-    shape = get_model(model_name)  # an unknown name fails here, before any work
-    need = static_train_bytes(shape.param_count(), "train")
+    def need_of(name: str) -> float:
+        return static_train_bytes(get_model(name).param_count(), "train")
+
+    try:
+        need = need_of(model_name)  # an unknown name fails here, before any work
+    except ConfigError:  # the registry's message names plan's shape flags, which demo does not have
+        fit = [n for n in model_names() if need_of(n) <= DEMO_BUDGET_BYTES]
+        raise ConfigError(
+            f"--model {model_name!r} is not a built-in model; the demo runs one whose training state fits its "
+            f"{format_bytes(DEMO_BUDGET_BYTES)} on the CPU: use --model {', '.join(fit)}"
+        ) from None
     if need > DEMO_BUDGET_BYTES:  # nor does a model the demo's budget cannot hold start
         raise ConfigError(
             f"--model {model_name} needs {format_bytes(need)} for its weights, gradients and AdamW state, over the "

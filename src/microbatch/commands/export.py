@@ -64,7 +64,7 @@ def cmd(
         )
     if output:  # before the work; a missing folder is made; never the input, never a file not ours
         inputs = [("--plan", plan_path), ("--tune", tune_path)]
-        check_output_file(output, "--output", create_folder=True, inputs=inputs, force=force)
+        check_output_file(output, "--output", inputs=inputs, force=force)
     if plan_path is not None:
         data = load_json(plan_path, what="--plan", fix="give the file `microbatch plan --json` wrote")
         _check_kind(data, "--plan", plan_path)

@@ -181,6 +181,7 @@ def cmd(
     )
     external = under_torchrun()
     report = replace(_run(cfg, external, predict_first), notes=notes)
+    _note_uncalibrated(report, cfg)
     if report.interrupted:
         notes.append(
             f"interrupted (Ctrl-C or SIGTERM) after {report.steps} of {report.steps_asked} steps: the figures are "
@@ -195,6 +196,20 @@ def cmd(
         report.to_json(), as_json, lambda: render(report, width, color=use_color(), no_predict="--no-predict")
     )
     _end(report, external, failed)
+
+
+def _note_uncalibrated(report: PipelineReport, cfg: PipelineConfig) -> None:
+    """Say why the memory table has no uncalibrated prediction, where it has none."""
+    from microbatch.run.pipeline.memory import uncalibrated_gap
+    from microbatch.run.pipeline.resolved import resolve
+
+    if not report.memory or any(row.uncalibrated_bytes is not None for row in report.memory):
+        return
+    why = uncalibrated_gap(resolve(cfg), list(report.layers_per_stage))
+    if why:
+        report.notes.append(
+            f"no uncalibrated memory prediction: {why}; the calibrated one walks torch's order"
+        )
 
 
 def _end(report: PipelineReport, external: bool, failed: bool) -> None:

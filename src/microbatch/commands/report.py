@@ -45,7 +45,7 @@ def cmd(
 
     loaded = load_results(results)  # a bad input refused before the output's folder is made
     inputs = [("RESULTS", r) for r in results]  # never written over, nor a file not ours without --force
-    check_output_file(out_path, "--out", (".html", ".htm"), create_folder=True, inputs=inputs, force=force)
+    check_output_file(out_path, "--out", (".html", ".htm"), inputs=inputs, force=force)
     if not no_png:  # the PNGs go in <name>-figures/ beside it: nothing there that is not ours is replaced
         _check_figures_folder(out_path, force)
     from microbatch.errors import MicrobatchError

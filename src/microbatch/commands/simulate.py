@@ -218,15 +218,13 @@ def _closed_form(
     spec: ScheduleSpec, stages: int, microbatches: int, virtual: int, times: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The closed form the simulated schedule should match on equal stages without comm time, if any."""
-    from microbatch.schedules.simulate import bubble_fraction, bubble_ratio
+    from microbatch.schedules.closed_forms import fill_drain_bubble
 
     closed: dict[str, Any] | None = None
-    # The closed forms hold for equal stages and no comm time, and for m >= p (GPipe's for every m).
+    # The closed forms hold for equal stages and no comm time (GPipe's and interleaving's at every m).
     if spec.fill_drain_holds(stages, microbatches):
-        closed = {
-            "bubble_fraction": bubble_fraction(stages, microbatches, virtual),
-            "bubble_ratio": bubble_ratio(stages, microbatches, virtual),
-        }
+        fraction, ratio = fill_drain_bubble(stages, microbatches, virtual)
+        closed = {"bubble_fraction": fraction, "bubble_ratio": ratio}
     form = spec.idle_closed_form
     if spec.split_backward and form is not None and times.get("input_time") is not None:
         tf, ti, tw = times["forward_time"], times["input_time"], times["weight_time"] or 0.0

@@ -32,6 +32,7 @@ __all__ = [
     "dualpipev_closed_form_holds",
     "dualpipev_idle_time",
     "dualpipev_step_time",
+    "fill_drain_bubble",
     "fill_drain_step_time",
     "non_negative_time",
     "zb_h1_step_time",
@@ -81,6 +82,24 @@ def bubble_ratio(stages: int, microbatches: int, virtual: int = 1) -> float:
     check_positive_int("microbatches", microbatches)
     check_positive_int("virtual", virtual)
     return (stages - 1) / (virtual * microbatches)
+
+
+def fill_drain_bubble(stages: int, microbatches: int, virtual: int = 1) -> tuple[float, float]:
+    """(fraction, ratio) of a fill-drain schedule's bubble at every m, in chunk times T_k/v.
+
+    One flush lasts max(m, p)·v + min(m, p) − 1 chunk times, of which m·v are work: at m >= p this is
+    :func:`bubble_fraction` and :func:`bubble_ratio` ((p−1) idle chunk times, Huang et al. 2019;
+    Narayanan et al. 2021 sec 2.2.2); with v > 1 and m < p (torch's interleaved order runs one round)
+    the last micro-batch leaves one pass through the p·v chunks after its start, m − 1 chunk times behind
+    the first, so p·v + m − 1 (:func:`fill_drain_step_time`; equal to the event simulator,
+    tests/schedules/test_closed_forms.py). At v = 1 both cases are (p−1)/(m+p−1).
+    """
+    check_positive_int("stages", stages)
+    check_positive_int("microbatches", microbatches)
+    check_positive_int("virtual", virtual)
+    total = max(microbatches, stages) * virtual + min(microbatches, stages) - 1
+    busy = microbatches * virtual
+    return (total - busy) / total, (total - busy) / busy
 
 
 ZB_IDLE_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
@@ -280,7 +299,7 @@ def fill_drain_step_time(
     if virtual > 1:
         if microbatches < stages:
             total = (stages * virtual + microbatches - 1) * Tk / virtual
-            return total, 1.0 - microbatches * Tk / total
+            return total, fill_drain_bubble(stages, microbatches, virtual)[0]
         return microbatches * Tk + (stages - 1) * Tk / virtual, _fraction(stages, microbatches, virtual)
     return (microbatches - 1) * Tk + times.sumT, _fraction(stages, microbatches)
 

@@ -112,7 +112,8 @@ class ScheduleSpec:
     fill_drain_bubble: bool = False
     """True when the bubble is the closed form (p−1)/(v·m+p−1) for equal stages and m >= p."""
     fill_drain_any_m: bool = False
-    """True when that closed form holds for every m, not only m >= p (GPipe)."""
+    """True when the fill-drain form holds for every m, not only m >= p: GPipe's (p−1)/(m+p−1), and the
+    interleaved order's one round at m < p (:func:`microbatch.schedules.closed_forms.fill_drain_bubble`)."""
     idle_closed_form: IdleClosedForm | None = None
     """The closed form of the idle time per stage when the backward is split (ZB-H1, DualPipeV);
     :mod:`microbatch.schedules.closed_forms`."""
@@ -138,7 +139,8 @@ class ScheduleSpec:
     (:attr:`microbatch.schedules.action.Schedule.overlapped`), from the generated actions; None: none."""
 
     def fill_drain_holds(self, stages: int, microbatches: int) -> bool:
-        """True when the fill-drain closed form (p−1)/(v·m+p−1) gives this schedule's bubble at (p, m)."""
+        """True when the fill-drain closed form gives this schedule's bubble at (p, m): (p−1)/(v·m+p−1) at
+        m >= p, :func:`microbatch.schedules.closed_forms.fill_drain_bubble` at every m where it holds."""
         return self.fill_drain_bubble and (microbatches >= stages or self.fill_drain_any_m)
 
     @property
@@ -429,6 +431,7 @@ register_schedule(
         aliases=("interleaved",),
         in_flight=interleaved_in_flight,
         fill_drain_bubble=True,
+        fill_drain_any_m=True,
         step_time=fill_drain_step_time,
         stages_per_rank=None,
         v1_equivalent="1f1b",

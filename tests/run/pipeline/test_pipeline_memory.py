@@ -295,3 +295,22 @@ def test_the_calibration_is_measured_on_one_process_not_read_from_the_runs_hooks
         assert same[r].predicted_bytes == pytest.approx(honest[r]) == big[r].predicted_bytes
         assert same[r].error_pct == pytest.approx(0.0, abs=1e-9)
         assert big[r].error_pct == pytest.approx(50.0)
+
+
+@pytest.mark.timeout(200)
+def test_zbv_and_zero_bubble_interleaved_memory_is_predicted_within_10_percent():
+    """The walk along torch's order needs no in-flight rule; it was gated on one and left zbv and
+    zb-interleaved with v = 2 without a prediction (null). Their uncalibrated one stays null, with the
+    reason :func:`uncalibrated_gap` gives."""
+    from microbatch.run.pipeline.memory import uncalibrated_gap
+
+    for sched in ("zbv", "zb-interleaved"):
+        rep = run(schedule=sched, stages=2, microbatches=4, virtual=2)
+        for row in rep.memory:
+            assert row.predicted_bytes is not None and abs(row.error_pct) <= 10, (sched, row)
+            assert row.uncalibrated_bytes is None
+        cfg = PipelineConfig(schedule=sched, stages=2, microbatches=4, virtual=2)
+        why = uncalibrated_gap(resolve(cfg), list(rep.layers_per_stage))
+        assert why is not None and f"not {sched} with v = 2" in why
+    one = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
+    assert uncalibrated_gap(resolve(one), list(resolve(one).split or ())) is None

@@ -16,7 +16,8 @@
 - **predicted, uncalibrated**: :func:`microbatch.predict.memory.estimate_memory`'s activation bytes
   for the rank's transformer blocks (Korthikanti et al. 2022's per-layer formula, fp32), the same
   in-flight rule, and the embedding and output terms on the ranks that hold them; None where the
-  memory model cannot describe the split (a rank without a block, a ``module:function`` model).
+  memory model cannot describe the split (:func:`uncalibrated_gap` says why: a rank without a block, a
+  ``module:function`` model, more than one stage per rank).
 
 A leak or a late free makes measured exceed the calibrated prediction; the schedule's in-flight
 count cannot show either.
@@ -30,7 +31,7 @@ from microbatch.errors import ConfigError
 from microbatch.run.pipeline.report import RankMemory
 from microbatch.run.pipeline.resolved import ResolvedRun
 
-__all__ = ["memory_rows", "boundary_bytes"]
+__all__ = ["memory_rows", "boundary_bytes", "uncalibrated_gap"]
 
 
 def boundary_bytes(run: ResolvedRun) -> float | None:
@@ -71,8 +72,6 @@ def _calibrated(
     (:func:`microbatch.schedules.registry.in_flight_chunks`); it differs where a rank's stages differ
     in size (interleaved, DualPipeV: the embedding-only stage) and where I frees part of a stage
     (zero-bubble schedules: the last stage's loss and output softmax go at I, not at W)."""
-    if run.rule is None:
-        return None
     mine = run.stages_of(rank)
     if any(s not in own for s in mine):
         return None
@@ -90,20 +89,40 @@ def _calibrated(
     return peak
 
 
+def uncalibrated_gap(run: ResolvedRun, layers_per_stage: list[int]) -> str | None:
+    """Why predict/memory's formula gives no uncalibrated prediction for ``run`` (None: it gives one)."""
+    shape = run.shape
+    if shape is None:
+        return "a module:function model has no shape for predict/memory's formula"
+    if run.cfg.virtual != 1 or run.rule is None:
+        return (
+            f"predict/memory's in-flight rule describes one stage per rank (GPipe, 1F1B, ZB-H1), not "
+            f"{run.cfg.schedule} with v = {run.cfg.virtual}"
+        )
+    blocks = _block_counts(layers_per_stage)
+    if min(blocks) < 1 or sum(blocks) != shape.layers:
+        return "a rank holds no transformer block (the embedding or the head alone)"
+    return None
+
+
+def _block_counts(layers_per_stage: list[int]) -> list[int]:
+    """Transformer blocks per stage: the first stage's embedding unit and the last's head unit taken off."""
+    blocks = list(layers_per_stage)
+    blocks[0] -= 1
+    blocks[-1] -= 1
+    return blocks
+
+
 def _uncalibrated(run: ResolvedRun, layers_per_stage: list[int]) -> list[float | None]:
-    """predict/memory's activation bytes per rank, for v = 1 and a built-in model."""
+    """predict/memory's activation bytes per rank, where :func:`uncalibrated_gap` finds none missing."""
     cfg, shape = run.cfg, run.shape
     p = cfg.stages
     none: list[float | None] = [None] * p
-    if shape is None or cfg.virtual != 1 or run.rule is None:
+    if shape is None or run.rule is None or uncalibrated_gap(run, layers_per_stage) is not None:
         return none
     from microbatch.predict.memory import MemoryConfig, estimate_memory
 
-    blocks = list(layers_per_stage)
-    blocks[0] -= 1  # the embedding unit
-    blocks[-1] -= 1  # the head unit
-    if min(blocks) < 1 or sum(blocks) != shape.layers:
-        return none
+    blocks = _block_counts(layers_per_stage)
     try:
         est = estimate_memory(
             shape,
