@@ -23,6 +23,7 @@ __all__ = [
     "ScheduleError",
     "MeasurementError",
     "OutOfMemoryError",
+    "ProbeTimeoutError",
     "PipelineError",
     "check_positive_int",
     "whole_number",
@@ -61,6 +62,18 @@ class ScheduleError(ConfigError):
 
 class MeasurementError(MicrobatchError):
     """A measurement that could not be made (a crashed probe, a device that vanished)."""
+
+
+class ProbeTimeoutError(MeasurementError):
+    """A probe ran past its time limit and was stopped (its process ended): ``micro_batch`` (None during the
+    set-up) and ``timeout_s``. The search ends there with the points below it; a larger b_m takes longer."""
+
+    PARAMS = ("probe_timeout_s", "seq")
+    """The parameters its message names (the limit, and the sequence length that makes a probe long)."""
+
+    def __init__(self, message: str, *, micro_batch: int | None, timeout_s: float) -> None:
+        super().__init__(message, params=self.PARAMS)
+        self.micro_batch, self.timeout_s = micro_batch, timeout_s
 
 
 class OutOfMemoryError(MeasurementError):

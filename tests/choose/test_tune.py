@@ -679,3 +679,35 @@ def test_hf_config_with_experts_is_tuned_as_a_mixture_of_experts(tmp_path, monke
         hf_config=str(path), seq=16, max_micro_batch=4, in_process=True, timing=FAST, tolerance=0.0
     )
     assert [p.micro_batch for p in r.points][:3] == [1, 2, 4] and all(p.tokens_per_s > 0 for p in r.points)
+
+
+def test_a_probe_past_its_time_limit_ends_the_walk_below_it():
+    """A probe past probe_timeout_s is stopped (ProbeTimeoutError): the walk keeps the points below it
+    (a larger b_m takes longer still); with nothing measured it is bad input naming the limit and the fix."""
+    from microbatch.errors import ProbeTimeoutError
+
+    inner = synthetic({b: 100.0 * b for b in (1, 2, 4, 8, 16)})
+
+    def measure(b, ckpt):
+        if b >= 8:
+            raise ProbeTimeoutError(f"micro-batch {b} took longer than probe_timeout_s 5 s and was stopped",
+                                    micro_batch=b, timeout_s=5.0)  # fmt: skip
+        return inner(b, ckpt)
+
+    log = SearchLog()
+    pts = search(measure, choice=MEASURED, log=log)
+    assert bs(pts) == [1, 2, 4] and log.stop_reason.startswith(
+        "micro-batch 8 took longer than probe_timeout_s 5"
+    )
+    with pytest.raises(ConfigError, match="micro-batch 8 took longer") as e:
+        search(measure, SearchConfig(start=8), MEASURED)
+    assert "probe_timeout_s" in e.value.params  # the command line writes it as --probe-timeout
+
+
+def test_the_probe_time_limit_is_checked():
+    from microbatch.choose.tune.config import ProbeConfig
+
+    for bad in (0, -1, float("nan"), 0.5, 1e9):
+        with pytest.raises(ConfigError, match="probe_timeout_s"):
+            ProbeConfig(probe_timeout_s=bad)
+    assert ProbeConfig(probe_timeout_s=30).probe_timeout_s == 30

@@ -35,3 +35,34 @@ def test_demo_names_its_own_models_not_plans_shape_flags(capsys):
     line = check_refused(["demo", "--model", "foo", "--out", "d"], capsys,
                          r"--model 'foo' is not a built-in model", r"use --model tiny, small, gpt2$")  # fmt: skip
     assert "--hf-config" not in line and "--layers" not in line
+
+
+def test_tune_probe_timeout_is_checked_and_named_as_its_flag(capsys):
+    check_refused(["tune", "--model", "tiny", "--probe-timeout", "0"], capsys,
+                  r"^error: --probe-timeout must be a finite number > 0, got 0.0; seconds, e\.g\. --probe-timeout 600$")  # fmt: skip
+
+
+def test_tune_stop_reason_names_the_limit_as_flags(monkeypatch, capsys):
+    """The search's stop reason after a probe past its limit names --probe-timeout and --seq, not the
+    library's probe_timeout_s and seq."""
+    import json
+
+    from microbatch.errors import ProbeTimeoutError
+    from microbatch.measure.childprobe import ChildProber
+
+    real = ChildProber.measure
+
+    def measure(self, b, **kw):
+        if b >= 4:
+            raise ProbeTimeoutError(f"micro-batch {b} took longer than probe_timeout_s 9 s and was stopped; give a "
+                                    "larger probe_timeout_s, or a shorter seq", micro_batch=b, timeout_s=9.0)  # fmt: skip
+        return real(self, b, **kw)
+
+    monkeypatch.setattr(ChildProber, "measure", measure)
+    assert main(["tune", "--model", "tiny", "--seq", "16", "--no-cache", "--json"]) in (0, None)
+    d = json.loads(capsys.readouterr().out)
+    assert d["stop_reason"].startswith(
+        "micro-batch 4 took longer than --probe-timeout 9 s and was stopped; give a larger --probe-timeout, or a "
+        "shorter --seq"
+    )
+    assert [p["micro_batch"] for p in d["points"]][:2] == [1, 2]

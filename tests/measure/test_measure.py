@@ -296,3 +296,33 @@ def test_one_table_of_out_of_memory_types():
         == "out of memory (CUDA out of memory. Tried)"
     )
     assert _reason(MemoryError("no room")) == "MemoryError: no room"
+
+
+@linux
+def test_a_child_probe_past_its_time_limit_is_stopped_and_the_next_starts_fresh():
+    """The child is killed at the limit (not left running a long probe); the next probe starts a new child."""
+    import time
+
+    from microbatch.errors import ProbeTimeoutError
+
+    prober = ChildProber(
+        ProbeSpec(model="tiny", seq=64, timing=FAST, threads=1), limit_bytes=None, timeout_s=120
+    )
+    try:
+        prober.start()
+        first = prober.proc
+        assert first is not None
+        prober.timeout_s = 0.01  # no probe answers this fast: its own steps take longer
+        t0 = time.monotonic()
+        with pytest.raises(
+            ProbeTimeoutError, match=r"micro-batch 64 took longer than probe_timeout_s 0.01 s"
+        ) as e:
+            prober.measure(64)
+        assert time.monotonic() - t0 < 5  # stopped at the limit, not after the probe finished
+        assert e.value.micro_batch == 64 and prober.proc is None
+        assert first.returncode is not None  # the child was killed and reaped
+        prober.timeout_s = 120
+        m = prober.measure(1)
+        assert not m.oom and m.throughput and prober.proc is not first
+    finally:
+        prober.close()

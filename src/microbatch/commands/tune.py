@@ -25,6 +25,8 @@ from microbatch.commands._common import (
     model_options,
     progress,
 )
+from microbatch.commands._flags import cli_text
+from microbatch.errors import ProbeTimeoutError
 from microbatch.hardware import usable_cores
 from microbatch.precision import MEASURABLE
 
@@ -185,6 +187,15 @@ def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig
     "where other work competes for the cores; torch's own above).",
 )
 @click.option(
+    "--probe-timeout",
+    "probe_timeout_s",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds one probe may take on the CPU (a child process): one past it is stopped and the search "
+    "ends with the points below it.",
+)
+@click.option(
     "--use-cache/--no-cache",
     default=True,
     show_default=True,
@@ -234,6 +245,8 @@ def cmd(
         target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
     )
     d = result.to_dict()
+    if d.get("stop_reason"):  # a probe past its time limit names the limit and the fix: as flags here
+        d["stop_reason"] = cli_text(d["stop_reason"], ProbeTimeoutError.PARAMS, "tune")
     if timing_line:
         d["timing_choice"] = timing_line
     kept = None
@@ -270,7 +283,7 @@ def _configs(
         threads, clock, timing_line = cpu_timing_defaults(threads, clock)
     elif clock is None:
         clock = "wall"
-    with flags_for("threads", "seq", "start", "max_micro_batch", "patience", "max_latency_ms", "tolerance",
+    with flags_for("threads", "seq", "start", "probe_timeout_s", "max_micro_batch", "patience", "max_latency_ms", "tolerance",
                    "memory_headroom", "global_batch", "data_parallel", "device"):  # fmt: skip
         probe = ProbeConfig(
             mode=flags["mode"],
@@ -280,6 +293,7 @@ def _configs(
             backend=flags["backend"],
             timing=_timing(device, repeats, clock),
             threads=threads,
+            probe_timeout_s=flags["probe_timeout_s"],
         )
         search = SearchConfig(
             start=flags["start"],

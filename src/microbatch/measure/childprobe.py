@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from microbatch.errors import ConfigError, MeasurementError
+from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
 from microbatch.measure.device import oom_types, short_error
 from microbatch.measure.hostmem import current_rss_bytes, peak_rss_bytes, reset_peak_rss, virtual_bytes
 from microbatch.measure.probes import Measurement, Probe, static_bytes
@@ -122,8 +122,19 @@ class ChildProber:
             return None
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
         if not ready:
-            self.close()
-            raise MeasurementError(f"the probe process gave no answer in {self.timeout_s:.0f} s")
+            self.kill()  # a probe past its limit is stopped now, not given the time a finishing one gets
+            b = msg.get("micro_batch")
+            what = (
+                "the set-up (starting the probe process, importing torch, building the model, its first step)"
+                if b is None
+                else f"micro-batch {b}"
+            )
+            raise ProbeTimeoutError(
+                f"{what} took longer than probe_timeout_s {self.timeout_s:g} s and was stopped; give a larger "
+                "probe_timeout_s, or a shorter seq",
+                micro_batch=b,
+                timeout_s=self.timeout_s,
+            )
         line = self.proc.stdout.readline()
         if not line:  # the child died: its exit status tells how
             _end(self.proc, kill_after_s=30.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from microbatch.choose.config import check_choice
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive, check_positive_int
 from microbatch.hardware import usable_cores
 from microbatch.measure.spec import BACKENDS, MODES
 from microbatch.measure.timing import TimingConfig
@@ -71,6 +71,14 @@ class SearchConfig:
             raise ConfigError(f"use_cache {self.use_cache!r} must be True, False or None")
 
 
+PROBE_TIMEOUT_S = 600.0
+"""Default limit of one child probe, seconds: a probe measures a few warm-up and timed steps, so ten minutes
+is far past any probe of a model a CPU can train at a usable rate."""
+
+MAX_PROBE_TIMEOUT_S = 86_400.0
+"""The largest limit accepted (a day)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProbeConfig:
     """How each point of the curve is measured (:mod:`microbatch.measure.probes`)."""
@@ -98,6 +106,10 @@ class ProbeConfig:
     """Probe in this process (True) or in a child process under a hard memory limit (False).
     None: in this process on CUDA (OOM is caught by type), in a child on the CPU (an
     over-committed host kills the process outright)."""
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    """Longest a child process's probe (or its set-up) may take, seconds: one past it is stopped and the
+    search ends with the points below it (a larger b_m takes longer). In-process probes run the user's own
+    step, which cannot be stopped safely: not bounded."""
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
@@ -121,5 +133,12 @@ class ProbeConfig:
                     params=("threads",),
                 )
         check_positive_int("new_tokens", self.new_tokens, fix="tokens decoded after the prefill, e.g. 32")
+        check_positive("probe_timeout_s", self.probe_timeout_s, fix="seconds, e.g. probe_timeout_s 600")
+        if not 1 <= self.probe_timeout_s <= MAX_PROBE_TIMEOUT_S:
+            raise ConfigError(
+                f"probe_timeout_s {self.probe_timeout_s:g} is outside 1 to {MAX_PROBE_TIMEOUT_S:g} s; a probe "
+                f"measures a few steps: give seconds in that range, e.g. probe_timeout_s {PROBE_TIMEOUT_S:g}",
+                params=("probe_timeout_s",),
+            )
         if self.in_process is not None and not isinstance(self.in_process, bool):
             raise ConfigError(f"in_process {self.in_process!r} must be True, False or None")

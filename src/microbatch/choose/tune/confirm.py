@@ -46,7 +46,7 @@ from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.confirm_rules import comparison_group, median_measurement, with_pooled_noise
 from microbatch.choose.knee import recommend
 from microbatch.choose.tune.search import SearchLog, curve_point
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, ProbeTimeoutError
 from microbatch.measure.probes import Measurement
 
 __all__ = [
@@ -240,4 +240,7 @@ def confirm_knee(
     except KeyboardInterrupt:
         log.interrupted = True
         log.stop_reason += "; interrupted (Ctrl-C) while confirming the knee: the points measured are kept"
+        return pts
+    except ProbeTimeoutError as e:  # a re-measurement past the probe time limit: the search's points stand
+        log.stop_reason += f"; the knee's re-measurement stopped: {e}"
         return pts

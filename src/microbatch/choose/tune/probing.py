@@ -164,7 +164,7 @@ def open_prober(spec: ProbeSpec, probe: ProbeConfig, budget: int | None) -> Prob
         if spec.device.startswith("cuda"):
             check_cuda_budget(built, budget, spec.device)
         return InProcessProber(built)
-    child = ChildProber(spec, limit_bytes=budget)
+    child = ChildProber(spec, limit_bytes=budget, timeout_s=probe.probe_timeout_s)
     child.start()
     return child
 

@@ -22,7 +22,7 @@ from microbatch.choose.knee import knee_fraction, recommend
 from microbatch.choose.memory_fit import fit_memory
 from microbatch.choose.noise import relative_se
 from microbatch.choose.tune.config import SearchConfig
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, ProbeTimeoutError
 from microbatch.measure.probes import Measurement
 
 __all__ = ["SETTLE_SHARE", "SearchLog", "StopSearch", "curve_point", "search", "Measure", "OnPoint"]
@@ -30,8 +30,13 @@ __all__ = ["SETTLE_SHARE", "SearchLog", "StopSearch", "curve_point", "search", "
 
 class StopSearch(Exception):
     """Raised by ``measure`` when a b_m cannot be measured and no larger one could be either (the
-    user's data holds too few batches of it): the search ends there with the points so far, the
-    message as its stop reason. Not for errors that make the earlier points wrong."""
+    user's data holds too few batches of it; a probe past its time limit): the search ends there with the
+    points so far, the message as its stop reason. Not for errors that make the earlier points wrong.
+    ``params``: the parameters the message names, for the ConfigError raised when nothing was measured."""
+
+    def __init__(self, message: str, *, params: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.params = params
 
 
 Measure = Callable[[int, bool], Measurement]
@@ -115,7 +120,10 @@ class _Walk:
             self.log.cached += 1
         else:
             t0 = self.log.clock()
-            m, cached = self.measure(b, self.ckpt), False
+            try:
+                m, cached = self.measure(b, self.ckpt), False
+            except ProbeTimeoutError as e:  # a larger b_m takes longer still: the walk ends below it
+                raise StopSearch(str(e), params=e.params) from None
             self.log.seconds[key] = self.log.clock() - t0
             self.log.probes += 1
             self.log.oom_events += int(m.oom)
@@ -278,6 +286,6 @@ def search(
         walk.log.stop_reason = "interrupted (Ctrl-C); the points measured so far are kept"
     except StopSearch as stop:
         if not any(p.throughput for p in walk.points if not p.oom):
-            raise ConfigError(str(stop)) from None  # nothing measured: nothing to choose from
+            raise ConfigError(str(stop), params=stop.params) from None  # nothing measured: nothing to choose
         walk.log.stop_reason = str(stop)
     return walk.points
