@@ -83,6 +83,26 @@ def test_alltoall_within_and_across_nodes():
     assert lt.total_s == pytest.approx(lt.compute_s + lt.tp_comm_s + lt.ep_comm_s)
 
 
+def test_with_sequence_parallelism_each_tensor_rank_dispatches_its_own_tokens():
+    """Megatron-core's all-to-all dispatcher under TP + SP: each rank sends its b·s/t tokens (1/t of the bytes),
+    then the tensor group all-gathers what it received and reduce-scatters the outputs, inside the node."""
+    from microbatch.predict.collectives import allgather_time_s
+
+    nb = dispatch_bytes(MIX, 1, 4096, dtype_bytes=2)
+    intra = H100.intra_node_bytes_per_s * H100.intra_node_achievable
+    inter = H100.inter_node_bytes_per_s * H100.inter_node_achievable
+    for t, ep in ((2, 8), (4, 8), (2, 32)):
+        k = ranks_per_node(H100, ep, t)
+        lt = layer_forward(MIX, 1, H100, tensor_parallel=t, sequence_parallel=True, moe_layout=(ep, 1.0))
+        expected = 2 * alltoall_time_s(nb / t, ep, k, intra, inter) + 2 * allgather_time_s(nb, t, intra)
+        assert lt.ep_comm_s == pytest.approx(expected, rel=1e-12), (t, ep)
+        whole = layer_forward(
+            MIX, 1, H100, tensor_parallel=t, moe_layout=(ep, 1.0)
+        )  # no SP: every rank sends all
+        assert whole.ep_comm_s == pytest.approx(2 * alltoall_time_s(nb, ep, k, intra, inter), rel=1e-12)
+        assert lt.ep_comm_s < whole.ep_comm_s
+
+
 def test_moe_flops_count_the_active_experts():
     rows = 4096
     mla = DS.mla

@@ -138,9 +138,11 @@ def dispatch_bytes(
 ) -> float:
     """Bytes one GPU sends in one dispatch (and again in one combine) all-to-all: e·b·s·K·h × load.
 
-    Each token copy's hidden state goes to its expert's GPU; with tensor parallelism every tensor rank
-    sends the same tokens to its own counterpart (Megatron's all-to-all dispatcher after the sequence-
-    parallel all-gather), so the bytes per GPU do not shrink with t.
+    Each token copy's hidden state goes to its expert's GPU. These are the bytes of the micro-batch's b·s
+    tokens; with tensor and sequence parallelism each tensor rank dispatches only its own s/t of them and
+    its tensor group all-gathers what it received (Megatron-core's all-to-all dispatcher:
+    :func:`microbatch.predict.roofline._moe_mlp` divides by t for the all-to-all). The buffers a GPU holds
+    after that gather are these bytes whatever t (:mod:`microbatch.predict.memory`).
     """
     if shape.moe is None:
         return 0.0

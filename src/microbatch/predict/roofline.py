@@ -204,7 +204,8 @@ def layer_forward(
     rows = micro_batch * s / c
     e = 4 if dtype == "fp32" else 2
     g = _Linears(acc, dtype, efficiency, fp8_recipe)
-    gemm, a2a, width_moe = _layer_gemms(shape, micro_batch, s, c, t, acc, moe_layout or (1, 1.0), g)
+    layout = moe_layout or (1, 1.0)
+    gemm, a2a, width_moe = _layer_gemms(shape, micro_batch, s, c, t, acc, layout, g, sequence_parallel)
     flash = shape.flash_attention if flash_attention is None else flash_attention
     attention, attention_bwd = _attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
     elementwise, elementwise_bwd = _elementwise_s(
@@ -252,6 +253,7 @@ def _layer_gemms(
     acc: Accelerator,
     layout: tuple[int, float],
     g: _Linears,
+    sp: bool = False,
 ) -> tuple[float, float, float]:
     """(GEMM seconds, expert all-to-all seconds, the MoE activation width) of one layer's linear layers.
 
@@ -267,7 +269,7 @@ def _layer_gemms(
     else:
         gemm = g(rows, h, shape.mla.params(h, shape.heads) / h / t)
     if shape.moe is not None:
-        moe_s, a2a, width = _moe_mlp(shape, b, s // c, acc, t, layout, g)
+        moe_s, a2a, width = _moe_mlp(shape, b, s // c, acc, t, layout, g, sp)
         return gemm + moe_s, a2a, width
     return gemm + g(rows, h, (2 if shape.gated_mlp else 1) * f / t) + g(rows, f / t, h), 0.0, 0.0
 
@@ -380,7 +382,14 @@ class _Linears:
 
 
 def _moe_mlp(
-    shape: ModelShape, b: int, s: int, acc: Accelerator, t: int, layout: tuple[int, float], g: _Linears
+    shape: ModelShape,
+    b: int,
+    s: int,
+    acc: Accelerator,
+    t: int,
+    layout: tuple[int, float],
+    g: _Linears,
+    sp: bool = False,
 ) -> tuple[float, float, float]:
     """(GEMM seconds, all-to-all seconds, activation-function width) of a MoE block's MLP on one GPU.
 
@@ -389,7 +398,12 @@ def _moe_mlp(
     shared experts at b·s rows; the router b·s × h × E. All-to-all: dispatch and combine,
     :func:`~microbatch.predict.collectives.alltoall_time_s` of
     :func:`~microbatch.predict.experts.dispatch_bytes` over the EP ranks t apart (NVLink inside a node, the
-    NICs across). Width: K·load·F + S·F_s, the activation function's per-token traffic. Zeros when dense.
+    NICs across). With tensor and sequence parallelism (``sp``, t > 1) each rank dispatches only its own
+    b·s/t tokens (Megatron-core's ``MoEAlltoAllTokenDispatcher``: num_local_tokens = S/TP·B), then the t
+    ranks of a tensor group all-gather what they received for their F/t expert shards and reduce-scatter the
+    outputs before the combine (:func:`~microbatch.predict.collectives.allgather_time_s`, inside the node):
+    1/t of the all-to-all bytes, plus those two. Width: K·load·F + S·F_s, the activation function's
+    per-token traffic. Zeros when dense.
     """
     moe = shape.moe
     if moe is None:
@@ -406,7 +420,10 @@ def _moe_mlp(
     nbytes = dispatch_bytes(shape, b, s, dtype_bytes=g.e, load=load)
     intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * net
     inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * net
-    a2a = 2 * alltoall_time_s(nbytes, ep, ranks_per_node(acc, ep, t), intra, inter)
+    shard = t if sp and t > 1 else 1  # each tensor rank dispatches its own s/t tokens
+    a2a = 2 * alltoall_time_s(nbytes / shard, ep, ranks_per_node(acc, ep, t), intra, inter)
+    if shard > 1:  # the tensor group gathers the received tokens, and reduce-scatters the expert outputs
+        a2a += allgather_time_s(nbytes, t, intra) + reduce_scatter_time_s(nbytes, t, intra)
     return gemm, a2a, moe.top_k * load * F + moe.shared_experts * moe.shared_width
 
 
