@@ -603,3 +603,11 @@ def test_measured_comm_is_the_median_wait_for_another_ranks_output():
     # F1/1 and B0/1 start late because their rank was busy (gaps 0.75): not latency, not counted.
     assert measured_comm_s(resolve(cfg), [[rank0, rank1]]) == pytest.approx(0.25)
     assert measured_comm_s(resolve(cfg), [[rank0[:2], []]]) == 0.0
+
+
+def make_gpt_tiny():
+    """The built-in tiny GPT given as a factory (``--model test_pipeline:make_gpt_tiny``): no shape is known."""
+    from microbatch.measure.gpt import build_model
+    from microbatch.model import get_model
+
+    return build_model(get_model("tiny"))

@@ -219,10 +219,10 @@ def test_cli_refuses_llama_before_starting_any_process(capsys, monkeypatch):
     "args,pattern",
     [
         (
-            ["--trace", "missing_dir/t.json"],
-            r"--trace missing_dir/t.json: the folder .*missing_dir does not exist",
+            ["--trace", "pyproject.toml/t.json"],
+            r"--trace pyproject.toml/t.json cannot be written: .*pyproject.toml is a file, not a folder",
         ),
-        (["--svg", "missing_dir/x.svg"], r"--svg missing_dir/x.svg: the folder .*missing_dir does not exist"),
+        (["--svg", "pyproject.toml/x.svg"], r"--svg pyproject.toml/x.svg cannot be written: .*is a file"),
         (["--png", "out.svg"], r"--png out.svg: the suffix .svg names another format"),
     ],
 )
@@ -314,3 +314,25 @@ def test_zbv_and_zero_bubble_interleaved_memory_is_predicted_within_10_percent()
         assert why is not None and f"not {sched} with v = 2" in why
     one = PipelineConfig(schedule="1f1b", stages=2, microbatches=4)
     assert uncalibrated_gap(resolve(one), list(resolve(one).split or ())) is None
+
+
+@pytest.mark.timeout(300)
+def test_a_factory_model_whose_stage_ends_in_a_view_runs_and_is_predicted(monkeypatch):
+    """test_pipeline:make_stack cut [1, 3, 1] ends its middle stage in nn.Linear on a (b, s, h) input: a view.
+    torch's split backward detaches stage outputs in place and refused it (zb-h1 failed on rank 1: "Can't
+    detach views in-place", pytorch issue 142229); the stage now copies such an output. Its memory is
+    predicted from the measured received inputs (a factory has no shape): exact on 1F1B, where the calibrated
+    walk had counted no received input on the fed ranks and was 11% under on the GPT tiny given as a factory."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for sched in ("zb-h1", "1f1b"):
+        rep = run(schedule=sched, stages=3, microbatches=6, model="test_pipeline:make_stack", seq=16,
+                  check_gradients=True)  # fmt: skip
+        assert rep.gradients_match is True, sched
+        if sched == "1f1b":
+            for row in rep.memory:
+                assert row.predicted_bytes is not None and abs(row.error_pct) <= 1, row
+    rep = run(schedule="1f1b", stages=2, microbatches=4, model="test_pipeline:make_gpt_tiny", seq=16)
+    assert [abs(row.error_pct) <= 1 for row in rep.memory] == [True, True], rep.memory

@@ -54,6 +54,7 @@ def _calibrated(
     shared: dict[int, float],
     kept: dict[int, float],
     executed: list[str],
+    inputs: dict[int, float] | None = None,
 ) -> float | None:
     """Peak of the saved bytes the rank holds along torch's order of its actions, per stage:
 
@@ -64,7 +65,10 @@ def _calibrated(
       :func:`microbatch.run.pipeline.instrument.split_backward_kept`), W frees the rest;
     - torch.distributed.pipelining keeps every micro-batch's received stage input (its receive
       buffer, allocated per micro-batch and reused across steps) and the stage's first operation
-      saves it: m inputs per stage fed by another rank, held throughout (measured: on tiny, p = 4,
+      saves it: m inputs per stage fed by another rank, held throughout (``inputs``: each stage's received
+      bytes as measured, where its first operation saves the received tensor itself; saved only through a
+      view it leaves the measured count at the backward: 0. A ``module:function`` model has no shape to
+      compute them from: leaving them out under-predicted its fed ranks by (m − 1) inputs) (measured: on tiny, p = 4,
       1F1B, the last three ranks held exactly 5, 6 and 7 inputs of 16 KiB beyond their in-flight
       count).
 
@@ -75,14 +79,15 @@ def _calibrated(
     mine = run.stages_of(rank)
     if any(s not in own for s in mine):
         return None
-    inp = boundary_bytes(run) or 0.0
     fed = run.fed(rank)
-    held = sum(run.cfg.microbatches * inp for _ in fed) + sum(shared.get(s, 0.0) for s in mine)
+    formula = boundary_bytes(run) or 0.0  # a built-in model's b·s·h·dtype, where no measured input is given
+    inp = {s: inputs.get(s, formula) if inputs is not None else formula for s in fed}
+    held = sum(run.cfg.microbatches * inp[s] for s in fed) + sum(shared.get(s, 0.0) for s in mine)
     peak = held
     for action in _rank_order(run, rank, executed):
         kind = next(c for c in action if c.isalpha())
         s = int(action[: action.index(kind)])
-        x = max(0.0, own[s] - (inp if s in fed else 0.0))
+        x = max(0.0, own[s] - inp.get(s, 0.0))
         k = kept.get(s, 1.0)
         held += {"F": x, "B": -x, "I": -x * (1.0 - k), "W": -x * k}.get(kind, 0.0)
         peak = max(peak, held)
@@ -166,12 +171,13 @@ def memory_rows(
         stage_bytes = stage_saved_bytes(run, list(ranks[0]["layers_per_stage"]), device)
     own = {s: row["own"] for s, row in stage_bytes.items()}
     shared_of = {s: row["shared"] for s, row in stage_bytes.items()}
+    inputs = {s: row["input"] for s, row in stage_bytes.items() if "input" in row}
     uncal = _uncalibrated(run, ranks[0]["layers_per_stage"])
     out = []
     for r in ranks:
         steps = [r["steps"][k] for k in use]
         measured = max(st["peak_activation_bytes"] for st in steps)
-        cal = _calibrated(run, r["rank"], own, shared_of, kept, r["steps"][-1]["order"])
+        cal = _calibrated(run, r["rank"], own, shared_of, kept, r["steps"][-1]["order"], inputs)
         un = uncal[r["rank"]]
         hosts = [st["host_peak_bytes"] for st in steps if st.get("host_peak_bytes") is not None]
         out.append(

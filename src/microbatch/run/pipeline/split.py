@@ -229,15 +229,32 @@ def balanced_split(weights: Sequence[float], parts: int) -> list[int]:
 
 
 def split_units(units: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
-    """``nn.Sequential`` stage modules holding ``sizes[k]`` consecutive units each."""
-    from torch import nn
-
+    """Stage modules (``nn.Sequential``, :func:`_stage_class`) holding ``sizes[k]`` consecutive units each."""
+    stage = _stage_class()
     out: list[Any] = []
     i = 0
     for k in sizes:
-        out.append(nn.Sequential(*units[i : i + k]))
+        out.append(stage(*units[i : i + k]))
         i += k
     return out
+
+
+@functools.cache
+def _stage_class() -> Any:
+    """``nn.Sequential`` whose output is never a view: a stage ending in ``nn.Linear`` on a (b, s, h) input
+    returns a view of its matmul's result, and torch's split backward (``stage_backward_input``, the
+    zero-bubble schedules and DualPipeV) detaches its stage outputs in place, which a view refuses ("Can't
+    detach views in-place", pytorch/pytorch issue 142229, open in torch 2.13). Such an output is copied
+    once (one pass over b·s·h); any other is returned as it is."""
+    import torch
+    from torch import nn
+
+    class Stage(nn.Sequential):
+        def forward(self, x: Any) -> Any:
+            y = super().forward(x)
+            return y.clone() if isinstance(y, torch.Tensor) and y._is_view() else y
+
+    return Stage
 
 
 def unit_param_counts(units: Sequence[Any]) -> list[int]:

@@ -189,9 +189,11 @@ def stage_saved_bytes(
 ) -> dict[int, dict[str, float]]:
     """Per virtual stage, the bytes autograd saves in its forward (the last stage with its loss) for
     one micro-batch, measured in this process, apart from any run: ``own`` (storages no earlier
-    micro-batch saved) and ``shared`` (storages an earlier micro-batch of the step saved too and that
+    micro-batch saved), ``shared`` (storages an earlier micro-batch of the step saved too and that
     are still alive: the batch's token ids and targets, which the micro-batches take as views, held
-    once). Measured with the run's own saved-tensor hooks
+    once) and ``input`` (the bytes of the tensor the stage receives where autograd saves that tensor
+    itself, else 0, and 0 for the first: measured, so a ``module:function`` model's boundary is known
+    without its shape). Measured with the run's own saved-tensor hooks
     (:func:`microbatch.run.pipeline.instrument._saved_bytes_hooks`, parameters never counted) on two
     micro-batches of the run's data (one where m = 1), the second one's bytes kept: the first
     micro-batch also owns the shared storages.
@@ -226,7 +228,8 @@ def stage_saved_bytes(
             inp = x if s == 0 else x.detach().requires_grad_(x.is_floating_point())
             seen: dict[int, int] = {}
             shared: dict[int, int] = {}
-            with _saved_bytes_hooks(params, seen, rec, (s, i), shared):
+            held_ids: set[int] = set()
+            with _saved_bytes_hooks(params, seen, rec, (s, i), shared, held_ids):
                 y = mod(inp)
                 if s == last:
                     y = F.cross_entropy(y.flatten(0, -2).float(), target.flatten(), reduction="sum") / total
@@ -235,6 +238,10 @@ def stage_saved_bytes(
             out[s] = {
                 "own": float(sum(seen.values()) - sum(shared.values())),
                 "shared": float(sum(shared.values())),
+                # the received tensor, where autograd saves it as itself: torch's runtime keeps every micro-batch's
+                # (its receive buffers), so it stays among the saved storages the run counts; saved only as a
+                # view (a Linear flattening its input) it leaves that count at the backward
+                "input": float(inp.numel() * inp.element_size()) if s > 0 and id(inp) in held_ids else 0.0,
             }
             x = y
     del alive
