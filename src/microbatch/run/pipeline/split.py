@@ -251,7 +251,9 @@ def _stage_class() -> Any:
 
     class Stage(nn.Sequential):
         def forward(self, x: Any) -> Any:
-            y = super().forward(x)
+            y = x
+            for unit in self:  # nn.Sequential's own loop
+                y = unit(y)
             return y.clone() if isinstance(y, torch.Tensor) and y._is_view() else y
 
     return Stage
