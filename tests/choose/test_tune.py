@@ -707,7 +707,7 @@ def test_a_probe_past_its_time_limit_ends_the_walk_below_it():
 def test_the_probe_time_limit_is_checked():
     from microbatch.choose.tune.config import ProbeConfig
 
-    for bad in (0, -1, float("nan"), 0.5, 1e9):
+    for bad in (0, -1, float("nan"), 0.5, 1e9, "600", True, None):
         with pytest.raises(ConfigError, match="probe_timeout_s"):
             ProbeConfig(probe_timeout_s=bad)
     assert ProbeConfig(probe_timeout_s=30).probe_timeout_s == 30

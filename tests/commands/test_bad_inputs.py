@@ -405,5 +405,5 @@ def test_19_recommend_inputs(tmp_path, capsys):
 
 def test_19_demo_refuses_a_model_over_its_budget_before_any_step(tmp_path, capsys):
     line = check_refused(["demo", "--model", "llama-2-7b", "--out", str(tmp_path / "d")], capsys,
-                         r"over the demo's 4\.00 GiB.*use --model small or tiny")  # fmt: skip
+                         r"over the demo's 4\.00 GiB.*use --model tiny, small, gpt2, or tune it")  # fmt: skip
     assert "microbatch tune --model llama-2-7b --memory-budget" in line

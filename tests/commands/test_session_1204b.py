@@ -66,3 +66,36 @@ def test_tune_stop_reason_names_the_limit_as_flags(monkeypatch, capsys):
         "shorter --seq"
     )
     assert [p["micro_batch"] for p in d["points"]][:2] == [1, 2]
+
+
+def test_a_refused_command_leaves_no_folder_behind(tmp_path, capsys):
+    """The output folder is made when the file is written, not at the check: a command refused later in its
+    checks (a chart over its size limit, a bad -m) left empty folders."""
+    check_refused(["simulate", "-p", "3000", "-m", "1", "-s", "gpipe", "--png", str(tmp_path / "y" / "c.png")],
+                  capsys, r"over the chart limit")  # fmt: skip
+    check_refused(["pipeline", "-p", "2", "-m", "0", "--svg", str(tmp_path / "x" / "a" / "b.svg")], capsys,
+                  r"microbatches")  # fmt: skip
+    assert not (tmp_path / "y").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_probe_timeout_in_the_set_up_is_bad_input_like_one_in_the_first_probe(capsys):
+    """Both mean nothing was measured: exit 2 (the set-up's was a failure, exit 1)."""
+    check_refused(["tune", "--model", "tiny", "--seq", "4096", "--probe-timeout", "1", "--no-cache"], capsys,
+                  r"the set-up \(starting the probe process.*took longer than --probe-timeout 1 s",
+                  r"give a larger --probe-timeout, or a shorter --seq$")  # fmt: skip
+
+
+def test_simulate_names_the_closed_form_it_shows(capsys):
+    """At m < p simulate showed the one-round value beside the m >= p formula's name."""
+    import json
+
+    assert main(["simulate", "-p", "4", "-m", "2", "-s", "interleaved", "--virtual", "2", "--json"]) in (
+        0,
+        None,
+    )
+    cf = json.loads(capsys.readouterr().out)["closed_form"]
+    assert cf["bubble_fraction"] == pytest.approx(5 / 9) and "one round at m < p" in cf["formula"]
+    assert main(
+        ["simulate", "-p", "4", "-m", "2", "-s", "interleaved", "--virtual", "2", "--no-diagram"]
+    ) in (0, None)
+    assert "55.6%  (p·v+m−1−v·m)/(p·v+m−1), one round at m < p" in capsys.readouterr().out

@@ -48,6 +48,7 @@ def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path
 def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path."""
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
         Path(path).write_text(text, encoding="utf-8")
     except OSError as e:
         if e.filename is None:
@@ -147,8 +148,9 @@ def check_output_file(
     """Refuse, before any work, an output file that could not be written: a suffix that names
     another format (``--png out.svg``), a path that is a folder, one of the ``inputs`` (``(flag,
     path)`` pairs: writing would destroy what is read, even with ``--force``), a folder that is a
-    file, a folder that cannot be made (a missing one is made, as every command does) or written
-    (tried with a temporary file), an existing file that is not one of ours (:func:`microbatch.envelope.is_ours`)
+    file, a folder that cannot be made (a missing one is made when the file is written, as every
+    command does, not before: a refusal leaves nothing behind) or written (tried with a temporary file in
+    the nearest folder that exists), an existing file that is not one of ours (:func:`microbatch.envelope.is_ours`)
     unless ``force`` (None: the command has no ``--force``).
 
     ConfigError naming the flag, the path, why and the fix.
@@ -182,13 +184,13 @@ def check_output_file(
             f"{flag} {path} cannot be written: {blocker} is a file, not a folder; give {flag} a path in a "
             "folder (new or existing)"
         )
+    base = next(q for q in (folder, *folder.parents) if q.exists())  # made at the write, if missing
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".microbatch-check-"):
+        with tempfile.NamedTemporaryFile(dir=base, prefix=".microbatch-check-"):
             pass
     except OSError as e:
         raise ConfigError(
-            f"{flag} {path}: the folder {folder} cannot be written ({e.strerror or e}); write elsewhere"
+            f"{flag} {path}: the folder {base} cannot be written ({e.strerror or e}); write elsewhere"
         ) from None
     _check_not_theirs(Path(path), f"{flag} {path}", force)
 

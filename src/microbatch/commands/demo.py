@@ -107,10 +107,10 @@ def _check_model_fits(model_name: str) -> None:
     def need_of(name: str) -> float:
         return static_train_bytes(get_model(name).param_count(), "train")
 
+    fit = [n for n in model_names() if need_of(n) <= DEMO_BUDGET_BYTES]
     try:
         need = need_of(model_name)  # an unknown name fails here, before any work
     except ConfigError:  # the registry's message names plan's shape flags, which demo does not have
-        fit = [n for n in model_names() if need_of(n) <= DEMO_BUDGET_BYTES]
         raise ConfigError(
             f"--model {model_name!r} is not a built-in model; the demo runs one whose training state fits its "
             f"{format_bytes(DEMO_BUDGET_BYTES)} on the CPU: use --model {', '.join(fit)}"
@@ -118,7 +118,7 @@ def _check_model_fits(model_name: str) -> None:
     if need > DEMO_BUDGET_BYTES:  # nor does a model the demo's budget cannot hold start
         raise ConfigError(
             f"--model {model_name} needs {format_bytes(need)} for its weights, gradients and AdamW state, over the "
-            f"demo's {format_bytes(DEMO_BUDGET_BYTES)} on the CPU; use --model small or tiny, or tune it with "
+            f"demo's {format_bytes(DEMO_BUDGET_BYTES)} on the CPU; use --model {', '.join(fit)}, or tune it with "
             f"`microbatch tune --model {model_name} --memory-budget ...` on a machine that holds it"
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -393,6 +394,7 @@ def _write(report: PipelineReport, key: str, path: str, text: Any) -> bool:
     """Write ``text()`` to ``path`` and record it in ``report.outputs[key]``; on failure add a note and
     return False (the run's result is never lost to a late error)."""
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the run
         with open(path, "w") as f:
             f.write(text())
     except OSError as e:

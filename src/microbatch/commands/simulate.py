@@ -224,7 +224,9 @@ def _closed_form(
     # The closed forms hold for equal stages and no comm time (GPipe's and interleaving's at every m).
     if spec.fill_drain_holds(stages, microbatches):
         fraction, ratio = fill_drain_bubble(stages, microbatches, virtual)
-        closed = {"bubble_fraction": fraction, "bubble_ratio": ratio}
+        one_round = virtual > 1 and microbatches < stages
+        formula = "(p·v+m−1−v·m)/(p·v+m−1), one round at m < p" if one_round else "(p−1)/(v·m+p−1)"
+        closed = {"bubble_fraction": fraction, "bubble_ratio": ratio, "formula": formula}
     form = spec.idle_closed_form
     if spec.split_backward and form is not None and times.get("input_time") is not None:
         tf, ti, tw = times["forward_time"], times["input_time"], times["weight_time"] or 0.0

@@ -76,7 +76,8 @@ class Candidate:
     """ZeRO stage."""
     bubble_fraction: float
     """Idle share of the schedule with balanced stages (its closed form, (p−1)/(v·m+p−1) for GPipe, 1F1B
-    and interleaved). Stage imbalance is in ``step_time_s``; the simulator's idle share, which counts it,
+    and interleaved at m >= p; interleaved at m < p runs one round, :func:`microbatch.schedules.closed_forms.
+    fill_drain_bubble`). Stage imbalance is in ``step_time_s``; the simulator's idle share, which counts it,
     is ``time["simulated_idle"]`` when ``simulated``."""
     peak_memory_bytes: float
     """Peak bytes of the stage with the highest peak."""

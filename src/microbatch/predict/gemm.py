@@ -252,9 +252,12 @@ def gemm_time_s(
 
     eff = ``efficiency.gemm(rows)`` (the large-GEMM ceiling and a calibrated ramp), wave eff =
     :func:`wave_efficiency` × :func:`k_efficiency` (the fixed cost of each output tile) ×
-    :func:`row_efficiency` (the measured small-row ramp). The compute side is at most that of the same
-    GEMM padded to the most rows its waves hold (:func:`_wave_rows`), so it never falls as rows grow;
-    the bytes are the real operands'.
+    :func:`row_efficiency` (the measured small-row ramp). The tile grid's compute is at most that of the
+    same GEMM padded to the most rows its waves hold (:func:`_wave_rows`), so without a calibration
+    (``half_rows`` 0) the time never falls as rows grow; the bytes are the real operands'. A calibrated
+    ramp (``efficiency.gemm``) applies at the real rows, as it was fitted: the measured kernels ran those
+    rows, not padded ones (it keeps :func:`microbatch.predict.calibrate.point_efficiency` an exact inverse),
+    and within one wave it lets the time fall from a small row count to a larger one.
     """
     e = 4 if dtype == "fp32" else 2
     compute = _tiled_s(rows, k, n, acc, dtype, efficiency)

@@ -1,13 +1,14 @@
 """The closed forms of the pipeline bubble, each with its source and the conditions under which it holds.
 
-- :func:`bubble_fraction` — idle share of total stage time, (p−1)/(v·m + p−1);
-- :func:`bubble_ratio` — bubble time over ideal time (Megatron's number), (p−1)/(v·m);
+- :func:`bubble_fraction` — idle share of total stage time, (p−1)/(v·m + p−1) (interleaved: m ≥ p);
+- :func:`bubble_ratio` — bubble time over ideal time (Megatron's number), (p−1)/(v·m) (the same);
+- :func:`fill_drain_bubble` — both at every m: interleaving's one round at m < p, (p·v+m−1−v·m)/(p·v+m−1);
 - :func:`zb_idle_time` — idle time per stage of 1F1B / ZB-H1 / ZB-H2 (Qi et al. 2024, Table 2);
 - :func:`dualpipev_idle_time` — idle time per rank of DualPipeV as torch runs it (DeepSeek-V3 report,
   sec 3.2.1, Table 2, and its V variant; exact under :func:`dualpipev_closed_form_holds`).
 
 Each is tested against the event simulation (:func:`microbatch.schedules.simulate.simulate`), which
-re-exports them.
+re-exports the first two.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
 
     GPipe and 1F1B (v = 1): (p−1)/(m+p−1) (Huang et al. 2019, GPipe, sec 2.3; seed 002).
     Interleaved 1F1B with v stages per rank: the bubble shrinks by v (Narayanan et al. 2021,
-    sec 2.2.2), so the idle share is (p−1)/(v·m+p−1). Assumes equal stage times, the backward
-    a fixed multiple of the forward, and no communication time.
+    sec 2.2.2), so the idle share is (p−1)/(v·m+p−1), for m >= p (below it torch's order runs one
+    round: :func:`fill_drain_bubble`). Assumes equal stage times, the backward a fixed multiple of the
+    forward, and no communication time.
     """
     check_positive_int("stages", stages)
     check_positive_int("microbatches", microbatches)

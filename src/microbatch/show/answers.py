@@ -68,7 +68,8 @@ def render_simulate(
     ]
     cf = result.get("closed_form", {})
     if "bubble_fraction" in cf:
-        lines.append(f"  closed form      {pct(cf['bubble_fraction']):>6}  (p−1)/(v·m+p−1), uniform stages")
+        formula = cf.get("formula", "(p−1)/(v·m+p−1)")
+        lines.append(f"  closed form      {pct(cf['bubble_fraction']):>6}  {formula}, uniform stages")
     if "idle_time_per_stage" in cf:
         lines.append(
             f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  "

@@ -305,5 +305,6 @@ def save_timeline_png(
     from microbatch.envelope import MARK
 
     # the mark tells a later run that this file is ours to replace (microbatch.envelope.is_ours)
+    p.parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work, made at the write
     fig.savefig(p, format="png", metadata={"Software": f"{MARK} {__version__}"})
     return p

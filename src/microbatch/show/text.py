@@ -315,6 +315,7 @@ def save_timeline_svg(
 
     p = Path(path)
     text = mark_line("", comment="<!--") + "\n" + timeline_svg(intervals_by_rank, makespan, **kw)
+    p.parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work, made at the write
     p.write_text(text, encoding="utf-8")
     return p
 

@@ -322,7 +322,9 @@ def test_a_factory_model_whose_stage_ends_in_a_view_runs_and_is_predicted(monkey
     torch's split backward detaches stage outputs in place and refused it (zb-h1 failed on rank 1: "Can't
     detach views in-place", pytorch issue 142229); the stage now copies such an output. Its memory is
     predicted from the measured received inputs (a factory has no shape): exact on 1F1B, where the calibrated
-    walk had counted no received input on the fed ranks and was 11% under on the GPT tiny given as a factory."""
+    walk had counted no received input on the fed ranks and was 11% under on the GPT tiny given as a factory;
+    within 10% on zb-h1, where the last stage's input saved through a view lives until W (it was freed at I
+    in the walk: +59%)."""
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -331,8 +333,9 @@ def test_a_factory_model_whose_stage_ends_in_a_view_runs_and_is_predicted(monkey
         rep = run(schedule=sched, stages=3, microbatches=6, model="test_pipeline:make_stack", seq=16,
                   check_gradients=True)  # fmt: skip
         assert rep.gradients_match is True, sched
-        if sched == "1f1b":
-            for row in rep.memory:
-                assert row.predicted_bytes is not None and abs(row.error_pct) <= 1, row
+        for row in rep.memory:  # zb-h1: the last stage's input, saved through a view, is freed at W, not I
+            assert row.predicted_bytes is not None and abs(row.error_pct) <= (1 if sched == "1f1b" else 10), (
+                row
+            )
     rep = run(schedule="1f1b", stages=2, microbatches=4, model="test_pipeline:make_gpt_tiny", seq=16)
     assert [abs(row.error_pct) <= 1 for row in rep.memory] == [True, True], rep.memory

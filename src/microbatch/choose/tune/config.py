@@ -133,6 +133,11 @@ class ProbeConfig:
                     params=("threads",),
                 )
         check_positive_int("new_tokens", self.new_tokens, fix="tokens decoded after the prefill, e.g. 32")
+        if isinstance(self.probe_timeout_s, bool) or not isinstance(self.probe_timeout_s, (int, float)):
+            raise ConfigError(
+                f"probe_timeout_s must be a number of seconds, got {self.probe_timeout_s!r}; e.g. probe_timeout_s 600",
+                params=("probe_timeout_s",),
+            )
         check_positive("probe_timeout_s", self.probe_timeout_s, fix="seconds, e.g. probe_timeout_s 600")
         if not 1 <= self.probe_timeout_s <= MAX_PROBE_TIMEOUT_S:
             raise ConfigError(

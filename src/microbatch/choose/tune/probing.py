@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.tune.config import ProbeConfig
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, ProbeTimeoutError
 from microbatch.measure.hostmem import available_host_bytes
 from microbatch.measure.probes import Measurement
 from microbatch.measure.timing import TimingConfig
@@ -165,7 +165,10 @@ def open_prober(spec: ProbeSpec, probe: ProbeConfig, budget: int | None) -> Prob
             check_cuda_budget(built, budget, spec.device)
         return InProcessProber(built)
     child = ChildProber(spec, limit_bytes=budget, timeout_s=probe.probe_timeout_s)
-    child.start()
+    try:
+        child.start()
+    except ProbeTimeoutError as e:  # nothing measured: the limit is too short for this model (bad input)
+        raise ConfigError(str(e), params=e.params) from None
     return child
 
 

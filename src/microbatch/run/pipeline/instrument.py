@@ -312,8 +312,8 @@ def split_backward_kept(
 ) -> float | None:
     """Fraction of a stage's saved bytes still alive after torch's input-gradient pass (I), which
     the weight-gradient pass (W) later frees: measured on one micro-batch with torch's own
-    ``stage_backward_input`` / ``stage_backward_weight`` and :class:`LiveBytes` (the input and the
-    parameters excluded). 1.0 on the first stage (torch skips its I and runs the whole backward at
+    ``stage_backward_input`` / ``stage_backward_weight`` and :class:`LiveBytes` (the parameters excluded, and
+    the input where autograd saves it as itself: the runtime holds it throughout). 1.0 on the first stage (torch skips its I and runs the whole backward at
     W); None where this torch lacks those functions. The module's gradients are cleared afterwards.
 
     The I pass keeps the graph (``retain_graph=True``) only through the stage output it still holds;
@@ -328,13 +328,18 @@ def split_backward_kept(
     import torch
 
     params = list(module.parameters())
-    skip = {p.untyped_storage().data_ptr() for p in params} | {inp.untyped_storage().data_ptr()}
+    skip = {p.untyped_storage().data_ptr() for p in params}
     live = LiveBytes()
     rec = StageRecorder(rank=-1, live=live)
-    with torch.random.fork_rng(devices=[]), _saved_bytes_hooks(skip, {}, rec, None):
+    held: set[int] = set()
+    with torch.random.fork_rng(devices=[]), _saved_bytes_hooks(skip, {}, rec, None, held_ids=held):
         out = module(inp)
         outs = [loss_fn(out, target)] if loss_fn is not None else [out]
-    saved = live.bytes
+    # the input saved as itself stays alive here (this function holds it, as torch's runtime does in a run):
+    # it is neither freed at I nor at W, so it is left out of both counts; saved only through a view (a Linear
+    # flattening its input) it is freed with the view, at W where the weight gradient needs it
+    pinned = inp.untyped_storage().nbytes() if id(inp) in held else 0
+    saved = live.bytes - pinned
     grads = None if loss_fn is not None else [torch.ones_like(out)]
     try:
         _, groups = stage_backward_input(outs, grads, [inp], iter(params))
@@ -344,7 +349,7 @@ def split_backward_kept(
     if loss_fn is not None and not out._is_view():
         out.detach_()  # what torch's backward_one_chunk does to the last stage's output
     del outs, out, grads
-    kept = live.bytes
+    kept = live.bytes - pinned
     try:
         stage_backward_weight(iter(params), groups)
     except (TypeError, RuntimeError):

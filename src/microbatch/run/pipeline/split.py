@@ -245,7 +245,9 @@ def _stage_class() -> Any:
     returns a view of its matmul's result, and torch's split backward (``stage_backward_input``, the
     zero-bubble schedules and DualPipeV) detaches its stage outputs in place, which a view refuses ("Can't
     detach views in-place", pytorch/pytorch issue 142229, open in torch 2.13). Such an output is copied
-    once (one pass over b·s·h); any other is returned as it is."""
+    once (one pass over it: b·s·h between stages, b·s·V for a head returning logits), on every schedule, so
+    that the profile, the memory calibration and the run see the same stage; any other output is returned
+    as it is."""
     import torch
     from torch import nn
 
