@@ -350,3 +350,26 @@ def test_the_planner_finds_the_peak_stage_after_the_dense_layers():
     assert runs.peak_stage == every.peak_stage == 1
     assert runs.peak_memory_bytes == every.peak_memory_bytes
     assert runs.peak_memory_bytes > 0.95 * 250 * 2**30 and not runs.fits  # 238.4 GiB over a 237.5 GiB budget
+
+
+def test_a_moe_block_streams_its_routed_copies_to_the_experts_and_back():
+    """PERMUTE_PASSES (4) passes over b·s·K·load rows of h each direction, at the streaming rate: the only
+    elementwise difference from a dense block whose MLP has the same activation width K·F."""
+    from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+    from microbatch.predict.memory_ops import PERMUTE_PASSES
+    from microbatch.predict.roofline import _elementwise_s, _Linears
+
+    assert MIX.moe is not None and MIX.moe.shared_experts == 0
+    rows, k = 4096.0, MIX.moe.top_k
+    dense = replace(MIX, moe=None, ffn_hidden=k * MIX.moe.expert_ffn_hidden)
+    g = _Linears(H100, "bf16", DEFAULT_EFFICIENCY, None)
+    width = k * MIX.moe.expert_ffn_hidden
+    bw = H100.memory_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    for load, t, sp in ((1.0, 1, False), (1.25, 1, False), (1.0, 2, True)):
+        moe_f, moe_b = _elementwise_s(MIX, rows, t, sp, width * load, H100, DEFAULT_EFFICIENCY, g, dtype_bytes=2,
+                                      load=load)  # fmt: skip
+        dense_w = replace(dense, ffn_hidden=int(width * load))
+        den_f, den_b = _elementwise_s(dense_w, rows, t, sp, 0.0, H100, DEFAULT_EFFICIENCY, g, dtype_bytes=2)
+        expected = PERMUTE_PASSES * 2 * rows * k * load * MIX.hidden / (t if sp else 1) / bw
+        assert moe_f - den_f == pytest.approx(expected, rel=1e-9), (load, t)
+        assert moe_b - den_b == pytest.approx(expected, rel=1e-9), (load, t)

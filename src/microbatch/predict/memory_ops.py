@@ -17,6 +17,7 @@ from microbatch.model import ModelShape
 from microbatch.predict.gemm import RooflineEfficiency
 
 __all__ = [
+    "PERMUTE_PASSES",
     "score_passes",
     "score_pass_split",
     "rotary_passes",
@@ -24,6 +25,15 @@ __all__ = [
     "elementwise_backward_ratio",
     "elementwise_forward_s",
 ]
+
+
+PERMUTE_PASSES = 4.0
+"""Passes over a MoE block's routed token copies (b·s·K × load rows of h), each direction: the permutation
+before the experts reads the tokens and writes them in expert order (2), the unpermutation after reads the
+expert outputs and adds them, weighted by their router probabilities, into the tokens (2) (Megatron-core's
+``moe_utils.permute`` / ``unpermute``, fused or not: the same bytes); the backward runs the same passes
+over the gradients. At the streaming rate (``RooflineEfficiency.memory``: the H200 run's copy 0.78 of the
+bandwidth), an assumption for gather/scatter kernels."""
 
 
 def score_passes(dropout: bool, backward: bool = False) -> float:

@@ -61,6 +61,7 @@ from microbatch.predict.gemm import (
 )
 from microbatch.predict.launch import launch_gap_s, layer_kernels
 from microbatch.predict.memory_ops import (
+    PERMUTE_PASSES,
     elementwise_backward_ratio,
     elementwise_forward_s,
     rotary_forward_s,
@@ -209,7 +210,7 @@ def layer_forward(
     flash = shape.flash_attention if flash_attention is None else flash_attention
     attention, attention_bwd = _attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
     elementwise, elementwise_bwd = _elementwise_s(
-        shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e
+        shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e, load=layout[1]
     )
     tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, sequence_parallel, efficiency.network)
     if parallel_block:  # attention and MLP on one input: one all-reduce (one gather) per pass, not two
@@ -331,13 +332,16 @@ def _elementwise_s(
     g: _Linears,
     *,
     dtype_bytes: int,
+    load: float = 1.0,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's memory-bound elementwise kernels on one GPU.
 
     :func:`elementwise_forward_s` (two norms, two residual adds, the activation over its width — the MoE
     block's ``width_moe`` per token when it has experts — and dropout; h split by t only under SP), backward
     :func:`elementwise_backward_ratio` × that; the FP8 casts of ``g``'s GEMMs; rotary embeddings on Q and K
-    (:func:`rotary_forward_s`, the same passes backward).
+    (:func:`rotary_forward_s`, the same passes backward); a MoE block's token permutation and
+    unpermutation, :data:`PERMUTE_PASSES` over its K·``load`` copies of each of the rank's tokens (h; split
+    by t under SP, where each rank permutes its own tokens), each direction.
     """
     bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
     sp = t if sequence_parallel else 1
@@ -347,8 +351,10 @@ def _elementwise_s(
         row_bytes, shape.hidden / sp, width_f, bool(shape.dropout), acc, efficiency
     )
     rotary = rotary_forward_s(shape, row_bytes, t, acc, efficiency)
-    backward = elementwise_backward_ratio() * forward + g.cast_backward_bytes / bw + rotary
-    return forward + g.cast_forward_bytes / bw + rotary, backward
+    copies = 0.0 if shape.moe is None else shape.moe.top_k * load  # routed copies per token
+    permute = PERMUTE_PASSES * row_bytes * copies * shape.hidden / sp / bw  # to the experts and back
+    backward = elementwise_backward_ratio() * forward + g.cast_backward_bytes / bw + rotary + permute
+    return forward + g.cast_forward_bytes / bw + rotary + permute, backward
 
 
 def _tp_comm(nbytes: float, acc: Accelerator, t: int, sp: bool, network: float) -> tuple[float, float]:
