@@ -373,3 +373,21 @@ def test_a_moe_block_streams_its_routed_copies_to_the_experts_and_back():
         expected = PERMUTE_PASSES * 2 * rows * k * load * MIX.hidden / (t if sp else 1) / bw
         assert moe_f - den_f == pytest.approx(expected, rel=1e-9), (load, t)
         assert moe_b - den_b == pytest.approx(expected, rel=1e-9), (load, t)
+
+
+def test_under_sp_the_moe_block_gathers_its_routed_tokens_not_its_input():
+    """With EP > 1 (the all-to-all dispatcher) and no shared experts the block's tensor-parallel traffic is the
+    routed tokens' gather (in ep_comm_s): the dense rows x h pair is the attention's only (half of tp_comm_s). At
+    EP = 1 Megatron's all-gather dispatcher gathers the tokens themselves: the dense pair, nothing routed."""
+    kw = dict(tensor_parallel=2, sequence_parallel=True)
+    dense_pair = layer_forward(MIX, 1, H100, **kw, moe_layout=(1, 1.0)).tp_comm_s
+    assert layer_forward(MIX, 1, H100, **kw, moe_layout=(1, 1.0)).ep_comm_s == 0.0
+    assert layer_forward(MIX, 1, H100, tensor_parallel=2, moe_layout=(1, 1.0)).tp_comm_s == pytest.approx(
+        dense_pair
+    )
+    assert layer_forward(MIX, 1, H100, **kw, moe_layout=(8, 1.0)).tp_comm_s == pytest.approx(dense_pair / 2)
+    assert (
+        DS.moe is not None and DS.moe.shared_experts
+    )  # shared experts need the gathered input: the pair stays
+    ds = layer_forward(DS.with_seq(1024), 1, H100, **kw, moe_layout=(8, 1.0)).tp_comm_s
+    assert ds == pytest.approx(layer_forward(DS.with_seq(1024), 1, H100, **kw, moe_layout=(1, 1.0)).tp_comm_s)

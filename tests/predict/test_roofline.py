@@ -370,3 +370,28 @@ def test_the_padded_bound_is_the_last_row_of_the_same_waves():
     assert _wave_rows(100, 16384, 132, 128, 128) == 128  # 128 column tiles: one row tile per wave
     assert gemm_time_s(128, 1280, 3840, h100) == pytest.approx(gemm_time_s(512, 1280, 3840, h100))
     assert _wave_rows(300, 3840, None, 128, 128) == 300  # no SM count (a CPU): no bound
+
+
+def test_a_host_bound_weight_pass_takes_its_launches_and_faster_gemms_never_lengthen_zero_bubble():
+    """W of a split backward is the weight-gradient GEMMs or their launches, whichever is longer; that much of
+    the backward's launch gap moves from I to W (I + W unchanged). A faster GPU had made zb-h1 slower: its GEMMs
+    shrank W while the launch gap grew I, and the zero-bubble idle grows with I − W."""
+    from dataclasses import replace as dc_replace
+
+    from microbatch.predict.plan import make_plan
+    from microbatch.predict.plan_config import PlanConfig
+
+    acc = get_accelerator("h100-nvl")
+    tiny = get_model("tiny")
+    lt = layer_forward(tiny, 1, acc)
+    assert lt.backward_gap_s > 0 and lt.weight_host_s > lt.gemm_s  # host-bound
+    f, i, w = layer_pass_times(lt)
+    assert w == pytest.approx(lt.gemm_s + min(lt.weight_host_s - lt.gemm_s, lt.backward_gap_s))
+    bare = layer_pass_times(dc_replace(lt, backward_gap_s=0.0, weight_host_s=0.0))
+    assert i + w == pytest.approx(bare[1] + bare[2])  # the backward's total is unchanged
+    fast = dc_replace(acc, peak_flops={k: 2 * v for k, v in acc.peak_flops.items()})
+    for sched in ("zb-h1", "1f1b"):
+        cfg = PlanConfig(shape=tiny, gpu=acc, global_batch=2, pipeline_parallel=2, schedules=(sched,),
+                         recompute=("none",), simulate_top=0)  # fmt: skip
+        slow_s, fast_s = (make_plan(dc_replace(cfg, gpu=g)).candidates[0].step_time_s for g in (acc, fast))
+        assert fast_s <= slow_s * (1 + 1e-12), sched

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from microbatch.model import ModelShape
 
-__all__ = ["LAUNCH_S_PER_KERNEL", "layer_kernels", "launch_gap_s"]
+__all__ = ["LAUNCH_S_PER_KERNEL", "layer_gemm_kernels", "layer_kernels", "launch_gap_s"]
 
 LAUNCH_S_PER_KERNEL = 6.58e-6
 """Host seconds per eager kernel launch: measured on an H200 host (see the module docstring)."""
@@ -38,7 +38,7 @@ def layer_kernels(shape: ModelShape, *, flash: bool, tensor_parallel: int, fused
     Engine's fused RoPE). Two collectives per layer with t > 1.
     """
     gated = bool(shape.gated_mlp)
-    gemms = 4 + (1 if gated else 0)
+    gemms = layer_gemm_kernels(shape)
     attention = 1 if flash else 4
     if fused:
         elementwise = 3
@@ -46,6 +46,12 @@ def layer_kernels(shape: ModelShape, *, flash: bool, tensor_parallel: int, fused
         elementwise = 2 + 2 + (2 if gated else 1) + (2 if shape.dropout else 0)
     rotary = 0 if shape.learned_positions else (2 if fused else 10)
     return gemms + attention + elementwise + rotary + (2 if tensor_parallel > 1 else 0)
+
+
+def layer_gemm_kernels(shape: ModelShape) -> int:
+    """GEMM kernels of one layer's forward: QKV, output projection, the MLP's up (gate and up when gated) and
+    down; the backward runs one weight-gradient GEMM for each (the W pass of a split backward)."""
+    return 4 + (1 if shape.gated_mlp else 0)
 
 
 def launch_gap_s(kernels: int, launch_s: float, device_s: float) -> float:

@@ -27,7 +27,7 @@ replace (any object with the same two methods works).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
@@ -59,7 +59,8 @@ from microbatch.predict.gemm import (
     row_efficiency,
     wave_efficiency,
 )
-from microbatch.predict.launch import launch_gap_s, layer_kernels
+from microbatch.predict.launch import launch_gap_s, layer_gemm_kernels, layer_kernels
+from microbatch.predict.layer_time import LayerTime
 from microbatch.predict.memory_ops import (
     PERMUTE_PASSES,
     elementwise_backward_ratio,
@@ -106,54 +107,6 @@ __all__ = [
 
 
 # -- one layer -------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class LayerTime:
-    """Forward time of one layer for one micro-batch on one GPU, by part."""
-
-    gemm_s: float
-    """Linear layers (QKV, output projection, MLP)."""
-    attention_s: float
-    """Attention core: QKᵀ, softmax, ·V (scores streamed through memory without flash attention)."""
-    elementwise_s: float
-    """Norms, residual adds, activation function, dropout: memory traffic."""
-    tp_comm_s: float
-    """Two tensor-parallel all-reduces (or all-gather + reduce-scatter with SP)."""
-    flops: float
-    """Model FLOPs of this forward on this GPU."""
-    attention_backward_s: float | None = None
-    """Backward of the attention core (None: 2 × ``attention_s``)."""
-    elementwise_backward_s: float | None = None
-    """Backward of the elementwise kernels (None: 2 × ``elementwise_s``)."""
-    op_recompute_s: float = 0.0
-    """Per-op selective recompute: the forward rerun in the backward — the even-numbered matmuls
-    (:func:`microbatch.predict.recompute.op_recompute_gemm_share` of ``gemm_s``) and the elementwise kernels."""
-    cp_comm_s: float = 0.0
-    """Context parallelism: the ring K/V exchange not hidden behind the attention (forward)."""
-    cp_comm_backward_s: float = 0.0
-    """Its backward (K/V again and their gradients, 2 × the bytes) not hidden behind the attention backward."""
-    ep_comm_s: float = 0.0
-    """Mixture of experts: the dispatch and combine all-to-alls of the expert-parallel group (exposed;
-    the backward runs them again)."""
-    sp_regather_s: float = 0.0
-    """With sequence parallelism, the backward's second all-gather of the two column-parallel GEMMs'
-    inputs (:func:`sp_regather_time_s`); not run under full recompute, which gathers them again anyway."""
-
-    @property
-    def backward_memory_s(self) -> float:
-        """Attention-core and elementwise backward seconds (input-gradient side, no GEMMs)."""
-        a = 2 * self.attention_s if self.attention_backward_s is None else self.attention_backward_s
-        e = 2 * self.elementwise_s if self.elementwise_backward_s is None else self.elementwise_backward_s
-        return a + e
-
-    @property
-    def compute_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.elementwise_s
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.ep_comm_s + self.cp_comm_s
-
-
 def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_parallel: int = 1) -> float:
     """Forward FLOPs of one layer on one of t GPUs: 2·rows·(GEMM weights) + 4·rows·s·h (QKᵀ and ·V).
 
@@ -212,23 +165,18 @@ def layer_forward(
     elementwise, elementwise_bwd = _elementwise_s(
         shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e, load=layout[1]
     )
-    tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, sequence_parallel, efficiency.network)
-    if parallel_block:  # attention and MLP on one input: one all-reduce (one gather) per pass, not two
-        tp_comm, regather = tp_comm / 2, regather / 2
+    tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, efficiency.network, shape, sequence_parallel,
+                                 parallel_block, layout[0])  # fmt: skip
     ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
     cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
         tp_comm = max(0.0, tp_comm - gemm)
-    if acc.compute_units and efficiency.launch_s_per_kernel:  # a GPU waits on the host's launches
-        # the host's issue time against all the device does in the pass, exposed communication included: a
-        # layer takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower
-        n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
-        device = gemm + attention + elementwise + tp_comm + cp_f
-        elementwise += launch_gap_s(n, efficiency.launch_s_per_kernel, device)
-        back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
-        elementwise_bwd += launch_gap_s(2 * n, efficiency.launch_s_per_kernel, back)
+    device = gemm + attention + elementwise + tp_comm + cp_f
+    back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
+    forward_gap, backward_gap, weight_host = _launch_floor(shape, acc, efficiency, flash, t, device, back)
+    elementwise, elementwise_bwd = elementwise + forward_gap, elementwise_bwd + backward_gap
     return LayerTime(
         op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
         cp_comm_s=cp_f,
@@ -239,9 +187,36 @@ def layer_forward(
         tp_comm_s=tp_comm,
         flops=layer_forward_flops(shape, rows, s, t),
         ep_comm_s=a2a,
+        backward_gap_s=backward_gap,
+        weight_host_s=weight_host,
         attention_backward_s=attention_bwd,
         elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
+    )
+
+
+def _launch_floor(
+    shape: ModelShape,
+    acc: Accelerator,
+    efficiency: RooflineEfficiency,
+    flash: bool,
+    t: int,
+    device_s: float,
+    backward_s: float,
+) -> tuple[float, float, float]:
+    """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a GPU waiting on the host.
+
+    The host's issue time against all the device does in the pass, exposed communication included: a layer
+    takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. Zeros
+    off a GPU or without a launch cost."""
+    if not acc.compute_units or not efficiency.launch_s_per_kernel:
+        return 0.0, 0.0, 0.0
+    launch = efficiency.launch_s_per_kernel
+    n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
+    return (
+        launch_gap_s(n, launch, device_s),
+        launch_gap_s(2 * n, launch, backward_s),
+        layer_gemm_kernels(shape) * launch,
     )
 
 
@@ -357,12 +332,32 @@ def _elementwise_s(
     return forward + g.cast_forward_bytes / bw + rotary + permute, backward
 
 
-def _tp_comm(nbytes: float, acc: Accelerator, t: int, sp: bool, network: float) -> tuple[float, float]:
-    """(two all-reduces of the rows×h activation, the sequence-parallel re-gather) over t ranks in a node."""
+def _tp_comm(
+    nbytes: float,
+    acc: Accelerator,
+    t: int,
+    network: float,
+    shape: ModelShape,
+    sp: bool,
+    parallel_block: bool,
+    ep: int,
+) -> tuple[float, float]:
+    """(two all-reduces of the rows×h activation, the sequence-parallel re-gather) over t ranks in a node.
+
+    Half of each where the MLP needs no gather of its own: attention and MLP on one input (``parallel_block``:
+    one all-reduce per pass), or a MoE block under SP with the all-to-all dispatcher (EP > 1) and no shared
+    experts, which gathers only its routed tokens (in ``ep_comm_s``, :func:`_moe_mlp`); at EP = 1 Megatron's
+    all-gather dispatcher gathers the tokens themselves, and shared experts need the gathered input: the pair.
+    """
     if t <= 1:
         return 0.0, 0.0
     bw_tp = group_bandwidth(acc, t, 1) * network
-    return 2 * allreduce_time_s(nbytes, t, bw_tp), (sp_regather_time_s(nbytes, t, bw_tp) if sp else 0.0)
+    comm, regather = (
+        2 * allreduce_time_s(nbytes, t, bw_tp),
+        (sp_regather_time_s(nbytes, t, bw_tp) if sp else 0.0),
+    )
+    moe_sp = shape.moe is not None and sp and ep > 1 and not shape.moe.shared_experts
+    return (comm / 2, regather / 2) if parallel_block or moe_sp else (comm, regather)
 
 
 class _Linears:
@@ -404,7 +399,7 @@ def _moe_mlp(
     shared experts at b·s rows; the router b·s × h × E. All-to-all: dispatch and combine,
     :func:`~microbatch.predict.collectives.alltoall_time_s` of
     :func:`~microbatch.predict.experts.dispatch_bytes` over the EP ranks t apart (NVLink inside a node, the
-    NICs across). With tensor and sequence parallelism (``sp``, t > 1) each rank dispatches only its own
+    NICs across). With tensor and sequence parallelism (``sp``, t > 1, EP > 1) each rank dispatches only its own
     b·s/t tokens (Megatron-core's ``MoEAlltoAllTokenDispatcher``: num_local_tokens = S/TP·B), then the t
     ranks of a tensor group all-gather what they received for their F/t expert shards and reduce-scatter the
     outputs before the combine (:func:`~microbatch.predict.collectives.allgather_time_s`, inside the node):
@@ -426,7 +421,7 @@ def _moe_mlp(
     nbytes = dispatch_bytes(shape, b, s, dtype_bytes=g.e, load=load)
     intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * net
     inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * net
-    shard = t if sp and t > 1 else 1  # each tensor rank dispatches its own s/t tokens
+    shard = t if sp and t > 1 and ep > 1 else 1  # each tensor rank dispatches its own s/t tokens
     a2a = 2 * alltoall_time_s(nbytes / shard, ep, ranks_per_node(acc, ep, t), intra, inter)
     if shard > 1:  # the tensor group gathers the received tokens, and reduce-scatters the expert outputs
         a2a += allgather_time_s(nbytes, t, intra) + reduce_scatter_time_s(nbytes, t, intra)

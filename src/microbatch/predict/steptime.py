@@ -59,7 +59,9 @@ class StageTime:
 def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one layer for one micro-batch.
 
-    W = the GEMMs again (one weight-gradient GEMM per forward GEMM); I = gemm + attention and
+    W = the GEMMs again (one weight-gradient GEMM per forward GEMM), or their launches where the host is
+    slower (``LayerTime.weight_host_s``: that much of the backward's launch gap moves from I to W, so I + W
+    stays the backward and faster GEMMs never lengthen a zero-bubble schedule's I − W); I = gemm + attention and
     elementwise backward (``LayerTime.backward_memory_s``) + tp_comm (the backward all-reduces) + the
     sequence-parallel re-gather (+ a MoE block's two all-to-alls again, + the exposed ring exchange of
     context parallelism); full recompute adds the forward to I (its forward gathers again, so no re-gather), selective recompute the attention core, per-op selective recompute ``op_recompute_s``;
@@ -71,6 +73,9 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
         plain, full = layer_pass_times(lt, "none")[1], layer_pass_times(lt, "full")[1]
         return forward, (plain * (every - 1) + full) / every, weight
     inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s + lt.ep_comm_s + lt.cp_comm_backward_s
+    if lt.weight_host_s > weight and lt.backward_gap_s:  # a host-bound W pass: its launches, not its GEMMs
+        moved = min(lt.weight_host_s - weight, lt.backward_gap_s)  # of the gap the backward carries (in I)
+        weight, inputs = weight + moved, inputs - moved
     if recompute == "full":
         inputs += forward
     else:
