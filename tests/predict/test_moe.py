@@ -365,12 +365,15 @@ def test_a_moe_block_streams_its_routed_copies_to_the_experts_and_back():
     g = _Linears(H100, "bf16", DEFAULT_EFFICIENCY, None)
     width = k * MIX.moe.expert_ffn_hidden
     bw = H100.memory_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
-    for load, t, sp in ((1.0, 1, False), (1.25, 1, False), (1.0, 2, True)):
+    # under SP the all-to-all dispatcher (EP > 1) permutes the rank's own b·s/t tokens, the all-gather one
+    # (EP = 1) all b·s after gathering them
+    for load, t, sp, ep, own in ((1.0, 1, False, 1, 1), (1.25, 1, False, 4, 1), (1.0, 2, True, 8, 2),
+                                 (1.0, 2, True, 1, 1)):  # fmt: skip
         moe_f, moe_b = _elementwise_s(MIX, rows, t, sp, width * load, H100, DEFAULT_EFFICIENCY, g, dtype_bytes=2,
-                                      load=load)  # fmt: skip
+                                      layout=(ep, load))  # fmt: skip
         dense_w = replace(dense, ffn_hidden=int(width * load))
         den_f, den_b = _elementwise_s(dense_w, rows, t, sp, 0.0, H100, DEFAULT_EFFICIENCY, g, dtype_bytes=2)
-        expected = PERMUTE_PASSES * 2 * rows * k * load * MIX.hidden / (t if sp else 1) / bw
+        expected = PERMUTE_PASSES * 2 * rows * k * load * MIX.hidden / own / bw
         assert moe_f - den_f == pytest.approx(expected, rel=1e-9), (load, t)
         assert moe_b - den_b == pytest.approx(expected, rel=1e-9), (load, t)
 

@@ -389,6 +389,9 @@ def test_a_host_bound_weight_pass_takes_its_launches_and_faster_gemms_never_leng
     assert w == pytest.approx(lt.gemm_s + min(lt.weight_host_s - lt.gemm_s, lt.backward_gap_s))
     bare = layer_pass_times(dc_replace(lt, backward_gap_s=0.0, weight_host_s=0.0))
     assert i + w == pytest.approx(bare[1] + bare[2])  # the backward's total is unchanged
+    for every in (1, 2, 3):  # full recompute of one layer in K: W as every pass has it, I + W = B + forward/K
+        _, i_k, w_k = layer_pass_times(lt, "full", every)
+        assert w_k == pytest.approx(w) and i_k + w_k == pytest.approx(i + w + f / every), every
     fast = dc_replace(acc, peak_flops={k: 2 * v for k, v in acc.peak_flops.items()})
     for sched in ("zb-h1", "1f1b"):
         cfg = PlanConfig(shape=tiny, gpu=acc, global_batch=2, pipeline_parallel=2, schedules=(sched,),

@@ -140,8 +140,9 @@ def dispatch_bytes(
 
     Each token copy's hidden state goes to its expert's GPU. These are the bytes of the micro-batch's b·s
     tokens; with tensor and sequence parallelism each tensor rank dispatches only its own s/t of them and
-    its tensor group all-gathers what it received (Megatron-core's all-to-all dispatcher:
-    :func:`microbatch.predict.roofline._moe_mlp` divides by t for the all-to-all). The buffers a GPU holds
+    its tensor group all-gathers what it received (Megatron-core's all-to-all dispatcher, EP > 1:
+    :func:`microbatch.predict.roofline._moe_mlp` divides by t for the all-to-all; at EP = 1 its all-gather
+    dispatcher gathers the tokens, with no all-to-all). The buffers a GPU holds
     after that gather are these bytes whatever t (:mod:`microbatch.predict.memory`).
     """
     if shape.moe is None:

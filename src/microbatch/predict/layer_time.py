@@ -20,7 +20,8 @@ class LayerTime:
     attention_s: float
     """Attention core: QKᵀ, softmax, ·V (scores streamed through memory without flash attention)."""
     elementwise_s: float
-    """Norms, residual adds, activation function, dropout: memory traffic."""
+    """Norms, residual adds, activation function, dropout, rotary embeddings, a MoE block's token permutation:
+    memory traffic; and the host's launch time the device's work does not cover."""
     tp_comm_s: float
     """Two tensor-parallel all-reduces (or all-gather + reduce-scatter with SP)."""
     flops: float

@@ -163,7 +163,7 @@ def layer_forward(
     flash = shape.flash_attention if flash_attention is None else flash_attention
     attention, attention_bwd = _attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
     elementwise, elementwise_bwd = _elementwise_s(
-        shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e, load=layout[1]
+        shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e, layout=layout
     )
     tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, efficiency.network, shape, sequence_parallel,
                                  parallel_block, layout[0])  # fmt: skip
@@ -307,7 +307,7 @@ def _elementwise_s(
     g: _Linears,
     *,
     dtype_bytes: int,
-    load: float = 1.0,
+    layout: tuple[int, float] = (1, 1.0),
 ) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's memory-bound elementwise kernels on one GPU.
 
@@ -315,8 +315,9 @@ def _elementwise_s(
     block's ``width_moe`` per token when it has experts — and dropout; h split by t only under SP), backward
     :func:`elementwise_backward_ratio` × that; the FP8 casts of ``g``'s GEMMs; rotary embeddings on Q and K
     (:func:`rotary_forward_s`, the same passes backward); a MoE block's token permutation and
-    unpermutation, :data:`PERMUTE_PASSES` over its K·``load`` copies of each of the rank's tokens (h; split
-    by t under SP, where each rank permutes its own tokens), each direction.
+    unpermutation, :data:`PERMUTE_PASSES` over its K·load copies (``layout`` = (EP, load)) of each of the rank's
+    tokens (h; split by t under SP with EP > 1, where each rank permutes its own tokens; at EP = 1 the
+    all-gather dispatcher gathers them first), each direction.
     """
     bw = acc.memory_bandwidth_bytes_per_s * efficiency.memory
     sp = t if sequence_parallel else 1
@@ -326,8 +327,12 @@ def _elementwise_s(
         row_bytes, shape.hidden / sp, width_f, bool(shape.dropout), acc, efficiency
     )
     rotary = rotary_forward_s(shape, row_bytes, t, acc, efficiency)
+    ep, load = layout
     copies = 0.0 if shape.moe is None else shape.moe.top_k * load  # routed copies per token
-    permute = PERMUTE_PASSES * row_bytes * copies * shape.hidden / sp / bw  # to the experts and back
+    own = (
+        sp if ep > 1 else 1
+    )  # the all-to-all dispatcher permutes the rank's own tokens, the all-gather one all
+    permute = PERMUTE_PASSES * row_bytes * copies * shape.hidden / own / bw  # to the experts and back
     backward = elementwise_backward_ratio() * forward + g.cast_backward_bytes / bw + rotary + permute
     return forward + g.cast_forward_bytes / bw + rotary + permute, backward
 

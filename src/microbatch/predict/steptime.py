@@ -5,7 +5,7 @@ and of the output layer and loss (:func:`~microbatch.predict.roofline.logits_for
 
 - forward F = L·layer + logits (+ the pipeline send);
 - backward, split as ZB-H1 needs it (Qi et al. 2024): weight gradients W = L·gemm + logits (one
-  GEMM per forward GEMM), input gradients I = L·(gemm + attention backward + elementwise backward +
+  GEMM per forward GEMM, or their launches where the host is slower), input gradients I = L·(gemm + attention backward + elementwise backward +
   tp_comm [+ the sequence-parallel re-gather]) + logits (+ the send). The GEMMs' backward is 2 × their
   forward FLOPs; the memory-bound parts are counted by their own traffic
   (:func:`~microbatch.predict.roofline.score_passes`,
@@ -14,8 +14,9 @@ and of the output layer and loss (:func:`~microbatch.predict.roofline.logits_for
 
 A single device (no pipeline) runs T = F + I + W = L·(forward + I + W) [+ L·forward with full
 recompute] + 3·logits per micro-step: the planner (:mod:`microbatch.predict.candidate`) and the
-calibration (:mod:`microbatch.predict.calibrate`) both use this rule. Ignores the embedding lookup
-and launch gaps (a calibrated ``half_rows`` absorbs constant overheads).
+calibration (:mod:`microbatch.predict.calibrate`) both use this rule. The host's launch floor is in
+the layer's elementwise parts (:func:`~microbatch.predict.roofline.layer_forward`); the embedding lookup
+is ignored.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
     forward = lt.total_s
     weight = lt.gemm_s
     if recompute == "full" and every > 1:  # one layer in K reruns its forward: the mean over K layers
-        plain, full = layer_pass_times(lt, "none")[1], layer_pass_times(lt, "full")[1]
-        return forward, (plain * (every - 1) + full) / every, weight
+        plain, full = layer_pass_times(lt, "none"), layer_pass_times(lt, "full")
+        return forward, (plain[1] * (every - 1) + full[1]) / every, plain[2]  # W as every pass has it
     inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s + lt.ep_comm_s + lt.cp_comm_backward_s
     if lt.weight_host_s > weight and lt.backward_gap_s:  # a host-bound W pass: its launches, not its GEMMs
         moved = min(lt.weight_host_s - weight, lt.backward_gap_s)  # of the gap the backward carries (in I)
