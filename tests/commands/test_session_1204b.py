@@ -99,3 +99,12 @@ def test_simulate_names_the_closed_form_it_shows(capsys):
         ["simulate", "-p", "4", "-m", "2", "-s", "interleaved", "--virtual", "2", "--no-diagram"]
     ) in (0, None)
     assert "55.6%  (p·v+m−1−v·m)/(p·v+m−1), one round at m < p" in capsys.readouterr().out
+
+
+def test_bubble_and_simulate_take_v_as_plan_memory_and_pipeline_do(capsys):
+    import json
+
+    for cmd in ("bubble", "simulate"):
+        assert main([cmd, "-s", "interleaved", "-p", "4", "-m", "8", "-v", "2", "--json"]) in (0, None)
+        out = json.loads(capsys.readouterr().out)
+        assert out["virtual"] == 2, cmd
