@@ -453,14 +453,10 @@ def microbatches_option(f: F) -> F:
 
 def virtual_option(f: F) -> F:
     """``--virtual`` / ``-v``: v stages per rank, default 1 (``-v`` as plan, memory and pipeline spell it)."""
-    return click.option(
-        "--virtual",
-        "-v",
-        type=int,
-        default=1,
-        show_default=True,
-        help="v: virtual stages (model chunks) per rank.",
-    )(f)
+    return click.option("--virtual", "-v", type=int, default=1, show_default=True, help=VIRTUAL_HELP)(f)
+
+
+VIRTUAL_HELP = "v: virtual stages (model chunks) per rank."
 
 
 MIN_DIAGRAM_WIDTH = 10
