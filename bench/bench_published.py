@@ -207,7 +207,7 @@ def moe_shape(name: str, seq: int, table: dict) -> ModelShape:
         return get_model(name, seq=seq)
     t = table
     return ModelShape(
-        name=name, layers=t["layers"], hidden=t["hidden"], heads=t["heads"], kv_heads=t["kv"],
+        name=name, layers=t["layers"], hidden=t["hidden"], heads=t["heads"], head_size=t.get("head_size"), kv_heads=t["kv"],
         ffn_hidden=t["expert_ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=t["bias"], norm="rmsnorm",
         learned_positions=False, dropout=False,
         moe=Experts(experts=t["experts"], top_k=t["top_k"], expert_ffn_hidden=t["expert_ffn"],
@@ -373,9 +373,10 @@ def main() -> None:
         "Megatron-Bridge rows: context parallelism as Megatron's p2p ring (its default cp_comm_type). "
         "Megatron-Bridge MoE rows (MB MoE): dropless with even expert load (the tables' forced balance), no"
     )
-    print("all-to-all overlap, ZeRO-1; Qwen3 and GPT-OSS attention narrowed to heads x head_dim = hidden (no")
+    print("all-to-all overlap, ZeRO-1; Qwen3 and GPT-OSS at their own head widths (32 x 128 on 2048, 64 x 64")
     print(
-        "head_dim field); the 25.09 DeepSeek-V3 row's FP8 recipe assumed (no precision column); nothing fitted"
+        "on 2880), GPT-OSS's sliding-window layers as full causal attention; the 25.09 DeepSeek-V3 row's FP8 "
+        "recipe assumed (no precision column); nothing fitted"
     )
     for k in ("nemo_dgx_h100_bf16",):
         print(f"{k}: {data[k]['_status']}")

@@ -169,6 +169,7 @@ _HF_KEYS: dict[str, tuple[str, ...]] = {
     "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
     "heads": ("num_attention_heads", "n_head", "n_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
+    "head_size": ("head_dim",),
     "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
     "vocab": ("vocab_size",),
     "seq": ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", "n_ctx"),
@@ -295,8 +296,9 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     (``model_type``) decides the block details (Llama-like: RMSNorm, rotary, SwiGLU, no biases;
     otherwise GPT-2-like). Experts (Mixtral, Qwen-MoE, DeepSeek) and DeepSeek's latent attention are
     read by :func:`microbatch.moe.experts_from_hf` and :func:`microbatch.moe.latent_attention_from_hf`.
-    Ignores per-family oddities (Qwen2's q/k/v biases, Gemma's head_dim != hidden/heads), which change
-    parameter counts slightly.
+    A ``head_dim`` that differs from hidden/heads (Qwen3, Gemma, GPT-OSS) is kept as ``head_size``; under
+    DeepSeek's latent attention its own head widths rule. Ignores per-family oddities (Qwen2's q/k/v
+    biases on an otherwise bias-free block), which change parameter counts slightly.
     """
     path = Path(path)
     raw = _read_hf_dict(path)
@@ -321,6 +323,7 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
         layers=vals["layers"],
         hidden=vals["hidden"],
         heads=vals["heads"],
+        head_size=_own_head_size(vals),
         kv_heads=vals["kv_heads"],
         ffn_hidden=vals["ffn_hidden"],
         vocab=vals["vocab"],
@@ -350,17 +353,37 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     fields.update(
         moe=experts_from_hf(raw, vals["ffn_hidden"], source), mla=latent_attention_from_hf(raw, source)
     )
+    if fields["mla"] is not None:  # transformers' DeepSeek configs set head_dim to the rotary slice
+        fields["head_size"] = None
     try:
         return ModelShape(**fields)
     except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
         raise ConfigError(f"{source}: {e}", params=_HF) from None
 
 
+def _own_head_size(vals: dict[str, Any]) -> int | None:
+    """A config's ``head_dim`` where it is not hidden/heads (None where it is, or absent)."""
+    d, h, a = vals["head_size"], vals["hidden"], vals["heads"]
+    if d is None or (isinstance(h, int) and isinstance(a, int) and a and h % a == 0 and d == h // a):
+        return None
+    return int(d)
+
+
 _HF = ("hf_config",)
 _SHAPE_PARAMS = ("hf_config", "layers", "hidden", "heads", "vocab", "seq")
 """The parameters a message that asks for a model shape names (the CLI writes them as flags)."""
 _EXPERT_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts")
-_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq", *_EXPERT_FLAGS)
+_SHAPE_FLAGS = (
+    "layers",
+    "hidden",
+    "heads",
+    "head_size",
+    "kv_heads",
+    "ffn_hidden",
+    "vocab",
+    "seq",
+    *_EXPERT_FLAGS,
+)
 
 
 def from_flags(
@@ -373,6 +396,7 @@ def from_flags(
     vocab: int | None = None,
     seq: int | None = None,
     name: str = "custom",
+    head_size: int | None = None,
 ) -> ModelShape:
     """A GPT-2-like shape from explicit sizes (``layers hidden heads vocab seq``)."""
     if layers is None or hidden is None or heads is None or vocab is None or seq is None:
@@ -390,6 +414,7 @@ def from_flags(
         layers=layers,
         hidden=hidden,
         heads=heads,
+        head_size=head_size,
         kv_heads=kv_heads,
         ffn_hidden=ffn_hidden,
         vocab=vocab,
@@ -440,6 +465,7 @@ def _resolve_dense(model: str | None, hf_config: str | Path | None, given: dict[
             hidden=given.get("hidden"),
             heads=given.get("heads"),
             kv_heads=given.get("kv_heads"),
+            head_size=given.get("head_size"),
             ffn_hidden=given.get("ffn_hidden"),
             vocab=given.get("vocab"),
             seq=given.get("seq"),

@@ -30,7 +30,11 @@ class ModelShape:
     hidden: int
     """h: model (residual stream) width."""
     heads: int
-    """a: attention heads; must divide ``hidden``."""
+    """a: attention heads; must divide ``hidden`` unless ``head_size`` is given."""
+    head_size: int | None = None
+    """d_h, the width of one head, where the model sets it apart from hidden/heads (Hugging Face's
+    ``head_dim``: Qwen3-30B-A3B 32 × 128 = 4,096 on a 2,048 residual, Gemma 7B 16 × 256 on 3,072, GPT-OSS
+    64 × 64 on 2,880); None means hidden/heads. The query and attention-output width is a·d_h."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None means ``heads`` (multi-head attention)."""
     ffn_hidden: int | None = None
@@ -80,15 +84,18 @@ class ModelShape:
                 )
         if self.ffn_hidden is not None:
             check_positive_int("ffn_hidden", self.ffn_hidden)
-        if self.hidden % self.heads:
+        if self.head_size is not None:
+            check_positive_int("head_size", self.head_size, fix="give the width of one attention head")
+        elif self.hidden % self.heads:
             near = sorted(
                 {(self.hidden // self.heads) * self.heads, (self.hidden // self.heads + 1) * self.heads}
             )
             raise ConfigError(
                 f"heads {self.heads} do not divide hidden {self.hidden}; each head needs hidden/heads "
                 f"whole dimensions; use hidden in {', '.join(str(n) for n in near if n > 0)} or heads among "
-                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80],
-                params=("heads", "hidden"),
+                + ", ".join(str(d) for d in divisors(self.hidden) if d <= 4 * self.heads)[:80]
+                + "; or give head_size, the width of one head, where it is not hidden/heads",
+                params=("heads", "hidden", "head_size"),
             )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"norm {self.norm!r} is not known; use 'layernorm' or 'rmsnorm'")
@@ -101,7 +108,13 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """d_h: ``head_size`` when given, else hidden/heads."""
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """a·d_h: the width of the queries and of the attention output (h unless ``head_size`` sets d_h)."""
+        return self.heads * self.head_dim
 
     @property
     def ffn(self) -> int:
@@ -121,12 +134,13 @@ class ModelShape:
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden
 
     def attention_params(self) -> int:
-        """q and o projections h×h, k and v projections h×(kv·head_dim), biases if any (or MLA's)."""
+        """q and o projections h×(a·d_h) and (a·d_h)×h, k and v projections h×(kv·d_h), biases if any (or
+        MLA's). At d_h = h/a: 2h² + 2h·kv·d_h."""
         if self.mla is not None:
             return self.mla.params(self.hidden, self.heads)
-        h, kvd = self.hidden, self.kv * self.head_dim
-        weights = 2 * h * h + 2 * h * kvd
-        return weights + ((2 * h + 2 * kvd) if self.bias else 0)
+        h, qw, kvd = self.hidden, self.q_width, self.kv * self.head_dim
+        weights = 2 * h * qw + 2 * h * kvd
+        return weights + ((qw + h + 2 * kvd) if self.bias else 0)
 
     def mlp_params(self) -> int:
         h, f = self.hidden, self.ffn

@@ -174,14 +174,14 @@ def option_group(
     return wrapper
 
 
-MODEL_FLAGS = ("model", "hf_config", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq")
+MODEL_FLAGS = ("model", "hf_config", "layers", "hidden", "heads", "head_size", "kv_heads", "ffn_hidden", "vocab", "seq")  # fmt: skip
 """Parameters :func:`model_options` adds; the command receives them as one dict, ``model_spec``."""
 
 
 def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Add the model options: ``--model NAME``, ``--hf-config PATH`` and the shape flags.
 
-    The command receives one keyword argument ``model_spec`` (a dict of the nine values) and calls
+    The command receives one keyword argument ``model_spec`` (a dict of the ten values) and calls
     :func:`resolve_model` on it::
 
         @click.command("tune")
@@ -199,6 +199,7 @@ def model_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--layers", type=int, help="L: transformer layers (shape flag)."),
         click.option("--hidden", type=int, help="h: hidden size (shape flag)."),
         click.option("--heads", type=int, help="a: attention heads (shape flag)."),
+        click.option("--head-size", "head_size", type=int, help="d_h: one head's width (default h/a)."),
         click.option("--kv-heads", "kv_heads", type=int, help="Key/value heads (grouped-query attention)."),
         click.option("--ffn-hidden", "ffn_hidden", type=int, help="MLP inner width (default 4h)."),
         click.option("--vocab", type=int, help="V: vocabulary size (shape flag)."),

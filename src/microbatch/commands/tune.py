@@ -85,7 +85,7 @@ def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
 
     shape_flags = any(
         model_spec.get(k) is not None
-        for k in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab")
+        for k in ("layers", "hidden", "heads", "head_size", "kv_heads", "ffn_hidden", "vocab")
     )
     if model_spec.get("hf_config"):
         if shape_flags or model_spec.get("model"):

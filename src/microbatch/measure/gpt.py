@@ -99,8 +99,8 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv, self.head_dim = shape.heads, shape.kv, shape.head_dim
         kvd = self.kv * self.head_dim
-        self.qkv = nn.Linear(shape.hidden, shape.hidden + 2 * kvd, bias=shape.bias)
-        self.out = nn.Linear(shape.hidden, shape.hidden, bias=shape.bias)
+        self.qkv = nn.Linear(shape.hidden, shape.q_width + 2 * kvd, bias=shape.bias)
+        self.out = nn.Linear(shape.q_width, shape.hidden, bias=shape.bias)
         self.rotary = not shape.learned_positions
         if self.rotary:
             self._set_rope(max(shape.positions, shape.seq))
@@ -119,7 +119,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, start: int = 0
     ) -> torch.Tensor:
-        b, s, h = x.shape
+        b, s, _ = x.shape
         kvd = self.kv * self.head_dim
         q, k, v = self.qkv(x).split([self.heads * self.head_dim, kvd, kvd], dim=-1)
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0 and s > 1)
-        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(b, s, h))
+        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
         return out
 
 

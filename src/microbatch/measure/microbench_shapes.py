@@ -10,13 +10,13 @@ __all__ = ["layer_gemm_shapes", "grid_gemm_shapes", "attention_seqs"]
 
 def layer_gemm_shapes(shape: ModelShape, rows: int) -> list[tuple[str, int, int, int]]:
     """(label, rows, k, n) of one layer's GEMMs and the output layer, as :func:`~microbatch.predict.roofline.layer_forward`
-    charges them at t = 1: QKV ``h → h + 2·kv·d``, projection ``h → h``, MLP ``h → f`` (2f gated) and ``f → h``,
-    logits ``h → V``."""
-    h, f = shape.hidden, shape.ffn
+    charges them at t = 1: QKV ``h → a·d + 2·kv·d``, projection ``a·d → h`` (a·d = h unless the model sets its
+    head width apart), MLP ``h → f`` (2f gated) and ``f → h``, logits ``h → V``."""
+    h, f, qw = shape.hidden, shape.ffn, shape.q_width
     kvd = shape.kv * shape.head_dim
     return [
-        ("qkv", rows, h, h + 2 * kvd),
-        ("proj", rows, h, h),
+        ("qkv", rows, h, qw + 2 * kvd),
+        ("proj", rows, qw, h),
         ("fc1", rows, h, (2 if shape.gated_mlp else 1) * f),
         ("fc2", rows, f, h),
         ("logits", rows, h, shape.vocab),

@@ -59,8 +59,9 @@ def layer_activation_terms(
 
     - ``norms``: the two norm inputs, 4sbh; ``attention_input``: QKV input 2sbh; ``mlp_input``:
       first MLP linear input 2sbh — none split by t unless sequence parallel.
-    - ``qkv``: Q, K, V 6sbh (K and V scaled by kv_heads/heads); ``attention_output``: the output
-      projection input 2sbh — split by t.
+    - ``qkv``: Q, K, V 6sbh (K and V scaled by kv_heads/heads; 2sb·(a + 2·kv)·d_h where the model sets the
+      head width d_h apart from h/a); ``attention_output``: the output projection input 2sbh (2sb·a·d_h)
+      — split by t.
     - ``attention_scores``: softmax output 2as²b, its dropout mask as²b and output 2as²b = 5as²b,
       split by t; dropped by flash attention or selective recompute. Flash attention keeps
       instead a 4-byte log-sum-exp per head and row (``attention_stats``), 4asb.
@@ -87,12 +88,12 @@ def layer_activation_terms(
     if recompute == "full":
         return {"layer_input": e * sbh / sp}
     flash = shape.flash_attention if flash_attention is None else flash_attention
-    kv_frac = shape.kv / shape.heads
+    qw, kvd = shape.q_width, shape.kv * shape.head_dim
     terms = {
         "norms": 2 * e * sbh / sp,
         "attention_input": e * sbh / sp,
-        "qkv": e * sbh * (1 + 2 * kv_frac) / t,
-        "attention_output": e * sbh / t,
+        "qkv": e * s * b * (qw + 2 * kvd) / t,
+        "attention_output": e * s * b * qw / t,
         "mlp_input": e * sbh / sp,
         "mlp_hidden": (3 if shape.gated_mlp else 2) * e * s * b * f / t,
         "dropout_masks": (2 * sbh / sp) if shape.dropout else 0.0,

@@ -151,21 +151,23 @@ def dispatch_bytes(
 
 
 def attention_widths(shape: ModelShape) -> tuple[int, int]:
-    """(query/key, value) width summed over the heads: (h, h) for multi-head attention (grouped-query
-    attention shares K and V, not the score work), a·(d_h + d_h^R) and a·d_v for DeepSeek's MLA."""
+    """(query/key, value) width summed over the heads: (a·d_h, a·d_h) for multi-head attention, h at
+    d_h = h/a (grouped-query attention shares K and V, not the score work), a·(d_h + d_h^R) and a·d_v for
+    DeepSeek's MLA."""
     if shape.mla is None:
-        return shape.hidden, shape.hidden
+        return shape.q_width, shape.q_width
     return shape.heads * shape.mla.qk_head_dim, shape.heads * shape.mla.v_head_dim
 
 
 def gemm_weights(shape: ModelShape) -> int:
     """Weights one token's forward multiplies in one block (2 FLOPs each): attention projections (MLA's
     when present) and the MLP one token uses (:meth:`microbatch.moe.Experts.active_moe_params`), no biases
-    or norms. Dense, kv = a, f = 4h: 12h² (Narayanan et al. 2021 Eq. 3's 24·b·s·h² / (2·b·s))."""
+    or norms. Dense, kv = a, f = 4h: 12h² (Narayanan et al. 2021 Eq. 3's 24·b·s·h² / (2·b·s)); the q and o
+    projections are h × a·d_h each (h × h at d_h = h/a)."""
     h, mats = shape.hidden, 3 if shape.gated_mlp else 2
     if shape.mla is None:
-        kvd = shape.kv * shape.head_dim
-        attn = h * (h + 2 * kvd) + h * h
+        qw, kvd = shape.q_width, shape.kv * shape.head_dim
+        attn = h * (qw + 2 * kvd) + qw * h
     else:
         attn = shape.mla.params(h, shape.heads)
     mlp = mats * h * shape.ffn if shape.moe is None else shape.moe.active_moe_params(h, mats)

@@ -22,9 +22,9 @@ __all__ = ["matmul_widths", "op_saved_terms", "op_recompute_gemm_share", "every_
 
 def matmul_widths(shape: ModelShape) -> list[tuple[int, int, bool]]:
     """The block's matmuls in execution order as (k, n, column-parallel): q, k, v, o, then w1, (w3,) w2."""
-    h, kvd, f = shape.hidden, shape.kv * shape.head_dim, shape.ffn
+    h, qw, kvd, f = shape.hidden, shape.q_width, shape.kv * shape.head_dim, shape.ffn
     mlp = [(h, f, True), (h, f, True), (f, h, False)] if shape.gated_mlp else [(h, f, True), (f, h, False)]
-    return [(h, h, True), (h, kvd, True), (h, kvd, True), (h, h, False), *mlp]
+    return [(h, qw, True), (h, kvd, True), (h, kvd, True), (qw, h, False), *mlp]
 
 
 def op_saved_terms(shape: ModelShape, tokens: float, *, tensor_parallel: int, sp: int, dtype_bytes: int,
@@ -32,7 +32,7 @@ def op_saved_terms(shape: ModelShape, tokens: float, *, tensor_parallel: int, sp
     """Bytes a block keeps under per-op selective recompute, for ``tokens`` = b·s tokens of one micro-batch:
 
     ``layer_input`` e·sbh/sp (the checkpoint's input); ``saved_matmuls`` the outputs of the odd-numbered
-    matmuls (e·sb·n, /t for column-parallel ones); ``attention_output`` e·sbh/t and its ``attention_stats``
+    matmuls (e·sb·n, /t for column-parallel ones); ``attention_output`` e·sb·a·d_h/t (e·sbh/t at d_h = h/a) and its ``attention_stats``
     (the flash kernel's outputs are saved). A mixture-of-experts or latent-attention block, whose matmul
     order this does not spell out, keeps half of its no-recompute bytes ``none_bytes`` besides its input
     (an assumption).
@@ -44,7 +44,7 @@ def op_saved_terms(shape: ModelShape, tokens: float, *, tensor_parallel: int, sp
         return terms
     saved = matmul_widths(shape)[0::2]
     terms["saved_matmuls"] = sum(e * tokens * n / (t if col else 1) for _, n, col in saved)
-    terms["attention_output"] = e * tokens * shape.hidden / t
+    terms["attention_output"] = e * tokens * shape.q_width / t
     terms["attention_stats"] = flash_stats
     return terms
 

@@ -233,15 +233,16 @@ def _layer_gemms(
 ) -> tuple[float, float, float]:
     """(GEMM seconds, expert all-to-all seconds, the MoE activation width) of one layer's linear layers.
 
-    QKV [rows, h] × [h, (h + 2·kv·d)/t] and the output projection [rows, h/t] × [h, h]; DeepSeek's latent
+    QKV [rows, h] × [h, (a·d + 2·kv·d)/t] and the output projection [rows, a·d/t] × [a·d, h] (a·d = h
+    unless the model sets its head width apart); DeepSeek's latent
     attention (MLA) as one GEMM of its projection weights (k = h: FLOPs exact, efficiency approximate). The
     MLP: up (2 × f/t wide when gated) and down projections, or a mixture-of-experts block's
     (:func:`_moe_mlp`). Each GEMM at :func:`gemm_time_s` through ``g`` (FP8 rate and casts when a recipe is on).
     """
     rows = b * s / c
-    h, f, kvd = shape.hidden, shape.ffn, shape.kv * shape.head_dim
+    h, f, qw, kvd = shape.hidden, shape.ffn, shape.q_width, shape.kv * shape.head_dim
     if shape.mla is None:
-        gemm = g(rows, h, (h + 2 * kvd) / t) + g(rows, h / t, h)
+        gemm = g(rows, h, (qw + 2 * kvd) / t) + g(rows, qw / t, h)
     else:
         gemm = g(rows, h, shape.mla.params(h, shape.heads) / h / t)
     if shape.moe is not None:
@@ -479,7 +480,8 @@ def hardware_flops_per_step(
     """FLOPs the hardware runs: model FLOPs plus the recomputed forward.
 
     Full recompute runs each layer's forward twice: 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h))
-    (Narayanan et al. 2021 Eq. 3). Selective recomputes QKᵀ and ·V: 4·B·s²·h per layer.
+    (Narayanan et al. 2021 Eq. 3). Selective recomputes QKᵀ and ·V: 4·B·s²·h per layer (2·B·s²·(d_qk + d_v)·a,
+    :func:`microbatch.predict.experts.attention_widths`).
     """
     s = seq or shape.seq
     rows = global_batch * s
@@ -487,7 +489,7 @@ def hardware_flops_per_step(
     if recompute == "full":
         extra = shape.layers * layer_forward_flops(shape, rows, s)
     elif recompute == "selective":
-        extra = shape.layers * 4.0 * rows * s * shape.hidden
+        extra = shape.layers * 2.0 * rows * s * sum(attention_widths(shape))
     elif recompute == "op":  # the even-numbered matmuls again (:mod:`microbatch.predict.recompute`)
         extra = shape.layers * op_recompute_gemm_share(shape) * 2.0 * rows * gemm_weights(shape)
     return model_flops_per_step(shape, global_batch, s) + extra

@@ -273,9 +273,9 @@ def shape_unit_params(shape: ModelShape) -> list[int]:
     dense MLP (the GPT builds every block dense, with standard attention); the head's norm and its
     output projection (counted again where it is tied to the embedding, as in
     :func:`unit_param_counts`)."""
-    h, kvd, f = shape.hidden, shape.kv * shape.head_dim, shape.ffn
+    h, qw, kvd, f = shape.hidden, shape.q_width, shape.kv * shape.head_dim, shape.ffn
     norm = 2 * h if shape.norm == "layernorm" else h
-    attn = h * (h + 2 * kvd) + h * h + ((h + 2 * kvd) + h if shape.bias else 0)
+    attn = h * (qw + 2 * kvd) + qw * h + ((qw + 2 * kvd) + h if shape.bias else 0)
     mlp = (3 if shape.gated_mlp else 2) * h * f + (
         ((2 if shape.gated_mlp else 1) * f + h) if shape.bias else 0
     )
