@@ -45,10 +45,11 @@ from microbatch.run.accumulate.oom import (
     set_aside_error,
     short_error,
 )
+from microbatch.run.accumulate.retry import StepState, warn_norm_layers
 from microbatch.run.accumulate.scaling import (
     CountFn,
-    as_number,
     check_callables,
+    check_loss,
     count_items,
     grad_sq_norm,
     group_and_world,
@@ -58,6 +59,7 @@ from microbatch.run.accumulate.scaling import (
     sync_unless_last,
     to_float,
     total_of,
+    with_items,
 )
 from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
 
@@ -77,30 +79,6 @@ __all__ = [
 
 LossFn = Callable[[Any, Batch], "tuple[torch.Tensor, int | float | torch.Tensor]"]
 ON_OOM = ("raise", "split")
-
-
-def _check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.Tensor]:
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ConfigError(
-            f"loss_fn returned {type(out).__name__} for micro-batch {index}; it must return (loss_sum, n_items): "
-            "the summed loss over the valid items and how many there are"
-        )
-    loss_sum, n = out
-    if not isinstance(loss_sum, torch.Tensor):
-        raise ConfigError(
-            f"loss_fn's loss_sum is a {type(loss_sum).__name__}, not a tensor (micro-batch {index})"
-        )
-    if loss_sum.dim() != 0:
-        raise ConfigError(
-            f"loss_fn returned a loss of shape {tuple(loss_sum.shape)} for micro-batch {index}; it must be a "
-            "scalar: the SUM of the per-item losses (e.g. cross_entropy(..., reduction='sum'))"
-        )
-    if not loss_sum.requires_grad:
-        raise ConfigError(
-            f"loss_fn's loss for micro-batch {index} does not require grad; compute it from the model's output "
-            "with autograd enabled (not under torch.no_grad())"
-        )
-    return loss_sum, as_number("loss_fn's n_items", n)
 
 
 def accumulate(
@@ -155,6 +133,9 @@ def accumulate(
     """
     check_callables(model, loss_fn, count_fn)
     on_oom = _resolve_on_oom(micro_batch_size, on_oom, controller)
+    warn_norm_layers(
+        model, controller.micro_batch_size if controller else micro_batch_size or 1, batch_rows(batch)
+    )
     if on_oom == "raise":
         assert micro_batch_size is not None
         return accumulate_micro_batches(
@@ -224,11 +205,14 @@ def _accumulate_splitting(
         ag.settle_ddp_buckets(model)  # DDP's one-time bucket broadcast, here on every rank, not in a forward
     controller.start_step()  # growth after clean optimizer steps, when the controller counts them
     counted: float | None = None
+    state = StepState.take(model)  # random streams and BatchNorm statistics, put back before a redo
     while True:
         size = controller.micro_batch_size
         ran = min(size, rows)  # the most rows a micro-batch of this attempt holds (on this rank)
         micro_batches = pieces(size)
-        if count_fn is not None and counted is None:  # the total does not depend on the split
+        if count_fn is not None and not agree:
+            micro_batches, counted = with_items(micro_batches, count_fn)
+        elif count_fn is not None and counted is None:  # the total does not depend on the split
             counted = count_items(micro_batches, count_fn, model=model)
         reason: str | None = None
         if agree:
@@ -255,6 +239,8 @@ def _accumulate_splitting(
         new = ran // 2 if same_size else max(1, mine // 2)
         if new < size:
             controller.record_split(new, reason or "out of memory")
+            warn_norm_layers(model, new, rows)
+        state.restore()
 
 
 def accumulate_micro_batches(
@@ -289,7 +275,9 @@ def accumulate_micro_batches(
         rows = max(batch_rows(mb) for mb in micro_batches)
 
         def pieces(size: int) -> list[Batch]:
-            return micro_batches if size >= rows else [p for mb in micro_batches for p in split(mb, size)]
+            return (
+                list(micro_batches) if size >= rows else [p for mb in micro_batches for p in split(mb, size)]
+            )
 
         controller = MicroBatchController(
             max(rows, 1), one_call=True
@@ -297,7 +285,11 @@ def accumulate_micro_batches(
         return _accumulate_splitting(
             model, pieces, rows, loss_fn, count_fn, noise, controller, same_size=False
         )
-    counted = count_items(micro_batches, count_fn, model=model) if count_fn is not None else None
+    counted = None
+    if count_fn is not None and group_and_world(model)[1] == 1:
+        micro_batches, counted = with_items(micro_batches, count_fn)
+    elif count_fn is not None:
+        counted = count_items(micro_batches, count_fn, model=model)
     loss = _run(model, micro_batches, loss_fn, count_fn, noise, counted, None)[0]
     assert loss is not None
     return loss
@@ -424,7 +416,7 @@ def _backward_each(
     try:
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last and not manual):
-                loss_sum, n = _check_loss(loss_fn(model, mb), i)
+                loss_sum, n = check_loss(loss_fn(model, mb), i)
                 # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
                 (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
             losses.append(loss_sum.detach())

@@ -22,6 +22,7 @@ from microbatch.run.accumulate.microbatches import Batch
 
 __all__ = [
     "check_callables",
+    "check_loss",
     "CountFn",
     "count_items",
     "loss_scale",
@@ -33,6 +34,7 @@ __all__ = [
     "as_number",
     "total_of",
     "to_float",
+    "with_items",
 ]
 
 CountFn = Callable[[Batch], "int | float | torch.Tensor"]
@@ -44,11 +46,33 @@ def is_ddp(model: Any) -> bool:
 
 
 def group_and_world(model: Any) -> tuple[Any, int]:
-    """(process group, world size) of a DDP ``model``; ``(None, 1)`` for any other model."""
-    if not is_ddp(model):
+    """(process group, world size) over which ``model``'s gradients are averaged; ``(None, 1)`` for one process.
+
+    DDP and FSDP's older wrapper: their ``process_group``. FSDP2 (``fully_shard`` applied to the root module):
+    the one-dimensional device mesh of its parameters, whose reduce-scatter averages like DDP's all-reduce
+    (torch's default gradient divide factor, the mesh size). A two-dimensional mesh (HSDP, or FSDP with tensor
+    parallelism) averages over only some of its ranks: ConfigError, since the counts would be summed over
+    the wrong ranks.
+    """
+    if is_ddp(model):
+        group = getattr(model, "process_group", None)
+        return group, torch.distributed.get_world_size(group)
+    kinds = {c.__name__ for c in type(model).__mro__}
+    if "FullyShardedDataParallel" in kinds:
+        group = model.process_group
+        return group, torch.distributed.get_world_size(group)
+    if "FSDPModule" not in kinds:
         return None, 1
-    group = getattr(model, "process_group", None)
-    return group, torch.distributed.get_world_size(group)
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        return None, 1
+    if mesh.ndim != 1:
+        raise ConfigError(
+            f"this FSDP model's parameters live on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} (HSDP, or FSDP "
+            "with tensor parallelism); accumulate sums the valid items over the data-parallel ranks only on a 1-D "
+            "mesh; shard over a 1-D mesh, or scale the losses yourself with count_items and loss_scale"
+        )
+    return mesh.get_group(), mesh.size()
 
 
 def model_device(model: Any) -> torch.device:
@@ -144,11 +168,14 @@ def sync_unless_last(model: Any, is_last: bool) -> contextlib.AbstractContextMan
 
 
 def grad_sq_norm(parameters: Iterable[torch.Tensor]) -> float:
-    """Σ |p.grad|² over ``parameters`` (float64), skipping parameters without a gradient."""
+    """Σ |p.grad|² over ``parameters`` (float64), skipping parameters without a gradient; a sparse gradient
+    (``nn.Embedding(sparse=True)``) by its coalesced values (a row looked up twice is summed first)."""
     total = 0.0
     for p in parameters:
-        if p.grad is not None:
-            total += float(torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2)
+        g = p.grad
+        if g is not None:
+            g = g.coalesce().values() if g.is_sparse else g
+            total += float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
     return total
 
 
@@ -166,3 +193,52 @@ def check_callables(model: Any, loss_fn: Any, count_fn: Any) -> None:
         )
     if count_fn is not None and not callable(count_fn):
         raise ConfigError(f"count_fn must be callable (micro_batch) -> items, got {type(count_fn).__name__}")
+    if is_ddp(model):
+        if not getattr(model, "require_backward_grad_sync", True):
+            raise ConfigError(
+                "accumulate was called inside DDP's no_sync(): it syncs the step itself, once, and a gradient left "
+                "from a call under no_sync is never all-reduced (the ranks drift apart); call accumulate once per "
+                "optimizer step with the whole batch, outside no_sync (or accumulate_micro_batches with its pieces)"
+            )
+        if getattr(model, "static_graph", False):
+            raise ConfigError(
+                "DistributedDataParallel(static_graph=True) cannot skip the all-reduce of the micro-batches before "
+                "the last (torch's reducer asserts under no_sync); wrap the model without static_graph=True"
+            )
+
+
+def check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.Tensor]:
+    """``(loss_sum, n_items)`` of ``loss_fn``'s return for micro-batch ``index``; ConfigError for anything else."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ConfigError(
+            f"loss_fn returned {type(out).__name__} for micro-batch {index}; it must return (loss_sum, n_items): "
+            "the summed loss over the valid items and how many there are"
+        )
+    loss_sum, n = out
+    if not isinstance(loss_sum, torch.Tensor):
+        raise ConfigError(
+            f"loss_fn's loss_sum is a {type(loss_sum).__name__}, not a tensor (micro-batch {index})"
+        )
+    if loss_sum.dim() != 0:
+        raise ConfigError(
+            f"loss_fn returned a loss of shape {tuple(loss_sum.shape)} for micro-batch {index}; it must be a "
+            "scalar: the SUM of the per-item losses (e.g. cross_entropy(..., reduction='sum'))"
+        )
+    if not loss_sum.requires_grad:
+        raise ConfigError(
+            f"loss_fn's loss for micro-batch {index} does not require grad; compute it from the model's output "
+            "with autograd enabled (not under torch.no_grad())"
+        )
+    return loss_sum, as_number("loss_fn's n_items", n)
+
+
+def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[Batch], float]:
+    """One process: the micro-batches ``count_fn`` finds items in, and the total. One left out has none: its
+    summed loss is 0 by definition, though a loss written as a masked mean × n would make it NaN (0/0) and
+    poison every gradient. Not under DDP or FSDP, whose ranks must run the same forwards and backwards."""
+    counts = [to_float(as_number("count_fn(micro_batch)", count_fn(mb))) for mb in micro_batches]
+    total = float(sum(counts))
+    if not math.isfinite(total):
+        raise ConfigError(f"count_fn gave a total of {total!r} items; counts must be finite and >= 0")
+    kept = [mb for mb, n in zip(micro_batches, counts, strict=True) if n > 0]
+    return (kept or list(micro_batches[:1])), total
