@@ -248,3 +248,40 @@ def test_a_grad_scaler_sees_one_step_through_a_split():
     scaler.update()
     assert scaler.get_scale() == 512.0  # one update, not one per attempt
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # step skipped
+
+
+def test_nested_batches_and_per_row_values_split_with_the_rows():
+    """default_collate of ({"x": tensor}, y, text) samples gives [{"x": ...}, y, [texts]]: split together."""
+    from microbatch.errors import ConfigError
+    from microbatch.run.accumulate import split
+
+    torch.manual_seed(0)
+    x, y = torch.randn(ROWS, D, dtype=torch.float64), torch.randn(ROWS, dtype=torch.float64)
+    texts = [f"row {i}" for i in range(ROWS)]
+    batch = [{"x": x}, y, texts]
+    parts = split(batch, 3)
+    assert [p[2] for p in parts] == [texts[0:3], texts[3:6], texts[6:8]]
+    assert all(torch.equal(p[0]["x"], x[i * 3 : i * 3 + 3]) for i, p in enumerate(parts))
+    seen = []
+
+    def lf(m, mb):
+        seen.extend(mb[2])
+        return ((m(mb[0]["x"]).squeeze(-1) - mb[1]) ** 2).sum(), len(mb[2])
+
+    model = nn.Linear(D, 1).double()
+    accumulate(model, batch, lf, micro_batch_size=3)
+    ref = nn.Linear(D, 1).double()
+    ref.load_state_dict(model.state_dict())
+    ((ref(x).squeeze(-1) - y) ** 2).mean().backward()
+    assert seen == texts
+    assert (
+        max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+        )
+        < 1e-12
+    )
+    with pytest.raises(ConfigError, match=r"batch\[2\] has 7"):
+        split([{"x": x}, y, texts[:7]], 3)
+    with pytest.raises(ConfigError, match=r"batch\['task'\] is a str, not a tensor"):
+        split({"x": x, "task": "qa"}, 3)

@@ -1,7 +1,8 @@
 """Splitting a batch into micro-batches: by rows (:func:`split`) or by a token budget (:func:`split_by_tokens`).
 
-A batch is a tensor, a tuple/list of tensors or a mapping of name -> tensor, all with the rows in
-dim 0; micro-batches are views (no copy). :func:`batch_rows` checks that every tensor agrees on
+A batch is a tensor, a tuple/list of tensors or a mapping of name -> tensor, nested as a collate function
+makes them, with the rows in dim 0, and lists of plain values with one per row (the texts of the rows);
+micro-batches are views (no copy). :func:`batch_rows` checks that every tensor agrees on
 the number of rows. Used by :mod:`microbatch.run.accumulate` and by loops written by hand.
 
 torch is imported at module level; ``import microbatch`` stays light because this module loads
@@ -19,39 +20,49 @@ from microbatch.errors import ConfigError, check_positive_int, whole_number
 
 __all__ = ["Batch", "split", "split_by_tokens", "batch_rows", "take_rows"]
 
-Batch = Any  # a tensor, a tuple/list of tensors, or a mapping of name -> tensor, all sharing dim 0
+Batch = Any  # a tensor, tuples/lists/mappings of tensors (nested) and per-row lists, all sharing dim 0
 
 
-def _leaves(batch: Batch) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of ``batch``; ConfigError for any other structure."""
+def _per_row(value: Any) -> bool:
+    """A list or tuple of plain values (strings, numbers, None): one per row, sliced with the rows."""
+    return isinstance(value, (tuple, list)) and all(
+        not isinstance(v, (torch.Tensor, Mapping, tuple, list)) for v in value
+    )
+
+
+def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:
+    """(name, tensor or per-row list) for every leaf of ``batch``, through nested tuples, lists and mappings
+    (``default_collate`` of ``(dict, tensor)`` samples gives ``[dict, tensor]``); ConfigError for any other
+    structure."""
     if isinstance(batch, torch.Tensor):
-        items = [("batch", batch)]
-    elif isinstance(batch, Mapping):
-        items = [(f"batch[{k!r}]", v) for k, v in batch.items()]
+        if batch.dim() == 0:
+            raise ConfigError(f"{name} is a 0-dim tensor; every entry needs the rows in dim 0")
+        return [(name, batch)]
+    if isinstance(batch, Mapping):
+        items = [(f"{name}[{k!r}]", v) for k, v in batch.items()]
     elif isinstance(batch, (tuple, list)):
-        items = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
-    else:
+        if batch and _per_row(batch) and name != "batch":
+            return [(name, batch)]
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(batch)]
+    elif name == "batch":
         raise ConfigError(
             f"batch of type {type(batch).__name__} is not supported; a batch is a tensor, a tuple/list of "
-            "tensors or a dict of tensors, all with the rows in dim 0"
+            "tensors or a dict of tensors (nested as a collate function makes them), all with the rows in dim 0"
+        )
+    else:
+        raise ConfigError(
+            f"{name} is a {type(batch).__name__}, not a tensor; every entry of the batch must be a tensor "
+            "with the rows in dim 0 or a list with one value per row (keep other values in loss_fn's closure)"
         )
     if not items:
-        raise ConfigError("batch is empty (no tensors); give at least one tensor with the rows in dim 0")
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(
-                f"{name} is a {type(t).__name__}, not a tensor; every entry of the batch must be a tensor "
-                "with the rows in dim 0 (keep other values in loss_fn's closure)"
-            )
-        if t.dim() == 0:
-            raise ConfigError(f"{name} is a 0-dim tensor; every entry needs the rows in dim 0")
-    return items
+        raise ConfigError(f"{name} is empty (no tensors); give at least one tensor with the rows in dim 0")
+    return [leaf for n, v in items for leaf in _leaves(v, n)]
 
 
 def batch_rows(batch: Batch) -> int:
-    """Rows (dim 0) of ``batch``, after checking that every tensor in it has the same number."""
+    """Rows (dim 0) of ``batch``, after checking that every tensor (and per-row list) in it has the same number."""
     items = _leaves(batch)
-    sizes = {name: t.shape[0] for name, t in items}
+    sizes = {name: (t.shape[0] if isinstance(t, torch.Tensor) else len(t)) for name, t in items}
     if len(set(sizes.values())) > 1:
         shown = ", ".join(f"{n} has {s}" for n, s in sizes.items())
         raise ConfigError(
@@ -64,23 +75,22 @@ def batch_rows(batch: Batch) -> int:
 def take_rows(
     batch: Batch, start: int, stop: int, width: int | None = None, full_width: int | None = None
 ) -> Batch:
-    """Rows ``start:stop`` of every tensor (views); optionally cut dim 1 from ``full_width`` to ``width``."""
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        t = t[start:stop]
+    """Rows ``start:stop`` of every tensor (views) and per-row list, through nested containers; optionally cut
+    dim 1 of the tensors from ``full_width`` to ``width``."""
+    if isinstance(batch, torch.Tensor):
+        t = batch[start:stop]
         if width is not None and t.dim() >= 2 and t.shape[1] == full_width:
             t = t[:, :width]
         return t
-
-    if isinstance(batch, torch.Tensor):
-        return cut(batch)
     if isinstance(batch, Mapping):
-        return {k: cut(v) for k, v in batch.items()}
+        return {k: take_rows(v, start, stop, width, full_width) for k, v in batch.items()}
+    if _per_row(batch):
+        return batch[start:stop]
+    parts = [take_rows(v, start, stop, width, full_width) for v in batch]
     if isinstance(batch, tuple):
-        parts = [cut(v) for v in batch]
         make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
         return make(parts) if callable(make) else type(batch)(parts)
-    return [cut(v) for v in batch]
+    return parts
 
 
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -127,7 +137,7 @@ def split_by_tokens(
         raise ConfigError(
             f"lengths has {len(lens)} entries but the batch has {rows} rows; give one length per row"
         )
-    widths = {t.shape[1] for _, t in _leaves(batch) if t.dim() >= 2}
+    widths = {t.shape[1] for _, t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2}
     width = max(widths) if widths else 1
     if any(n < 0 or n > width for n in lens):
         bad = next(n for n in lens if n < 0 or n > width)
