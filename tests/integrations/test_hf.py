@@ -122,11 +122,11 @@ def test_the_hf_export_builds_training_arguments_on_the_installed_version(tmp_pa
     cand = {"micro_batch": 4, "grad_accum": 8, "data_parallel": 1, "global_batch": 32, "precision": "fp32",
             "recompute": "full", "pipeline_parallel": 1, "tensor_parallel": 1, "zero": 0}  # fmt: skip
     ex = export_plan(cand, "hf")
-    major = int(transformers.__version__.split(".")[0])
-    key = "activation_checkpointing" if major >= 5 else "gradient_checkpointing"
-    assert ex.config[key] is True and any(f"transformers {transformers.__version__}" in n for n in ex.notes)
+    # the key every release reads (4.x through 5.25; activation_checkpointing exists only from 5.23), whatever
+    # transformers the exporting machine has: the file is for the cluster's
+    assert ex.config["gradient_checkpointing"] is True and "activation_checkpointing" not in ex.config
     with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # no deprecated name on the installed version
+        warnings.simplefilter("ignore", FutureWarning)  # 5.23+ warns that the name is deprecated
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path), use_cpu=True, report_to="none", **ex.config
         )

@@ -225,14 +225,14 @@ def test_deepspeed_pipeline_with_zero_2_is_refused(pipe_plan):
     assert "--" not in str(err.value) and err.value.params == ("zero",)
 
 
-def test_lightning_states_tensor_parallelism_and_builds_a_ddp_trainer(flat_plan):
+def test_lightning_refuses_tensor_parallelism_and_builds_a_ddp_trainer(flat_plan):
     lightning = pytest.importorskip("lightning")
     d = flat_plan.to_dict()
     d["recommended"].update(data_parallel=2, grad_accum=8, tensor_parallel=2, zero=3)
-    ex = export_plan(d, "lightning")
-    assert "strategy" not in ex.config["trainer"]  # not silently FSDP
-    assert any("ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)" in n for n in ex.notes)
-    assert ex.config["trainer"]["devices"] * ex.config["trainer"]["num_nodes"] == 4
+    with pytest.raises(
+        ConfigError, match=r"ModelParallelStrategy\(data_parallel_size=2, tensor_parallel_size=2\)"
+    ):
+        export_plan(d, "lightning")  # not silently FSDP, nor DDP over d·t replicas
     d["recommended"].update(tensor_parallel=1, zero=0)
     ex = export_plan(d, "lightning", gpus_per_node=1)
     assert ex.config["trainer"] == {"accumulate_grad_batches": 8, "precision": "bf16-mixed", "devices": 1,

@@ -71,7 +71,10 @@ def test_targets_refuse_what_they_lack():
 def test_deepspeed_notes_moe_and_lightning_writes_transformer_engine():
     ex = export_plan(_plan(expert_parallel=8), "deepspeed")
     assert any("deepspeed.moe.layer.MoE(ep_size=8" in n for n in ex.notes)
-    llama = dict(shape=get_model("llama-3-8b"), tensor_parallel=1, sequence_parallel=False, pipeline_parallel=1,
-                 global_batch=8, schedules=None, zero=(3,))  # fmt: skip
-    lt = export_plan(_plan(precision="fp8", **llama), "lightning")
-    assert lt.config["trainer"]["precision"] == "transformer-engine"
+    gpt2 = dict(shape=get_model("gpt2"), tensor_parallel=1, sequence_parallel=False, pipeline_parallel=1,
+                global_batch=8, schedules=None, zero=(0,))  # fmt: skip
+    lt = export_plan(_plan(precision="fp8", **gpt2), "lightning")
+    assert (
+        lt.config["trainer"]["precision"] == "transformer-engine"
+        and lt.config["trainer"]["strategy"] == "ddp"
+    )

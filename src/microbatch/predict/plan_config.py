@@ -295,6 +295,9 @@ class PlanConfig:
             "layers_per_stage": list(self.layers_per_stage) if self.layers_per_stage is not None else None,
             "tensor_parallel": self.tensor_parallel,
             "sequence_parallel": self.sequence_parallel,
+            "flash_attention": self.shape.flash_attention
+            if self.flash_attention is None
+            else self.flash_attention,
             "expert_parallel": self.expert_parallel,
             "context_parallel": self.context_parallel,
             "cp_comm": self.cp_comm,

@@ -6,16 +6,17 @@ changes the optimisation).
 
 - **DeepSpeed** JSON: ``train_batch_size`` = B, ``train_micro_batch_size_per_gpu`` = b_m,
   ``gradient_accumulation_steps`` = g — which DeepSpeed's pipeline engine takes as m, the
-  micro-batches per flush — and ``zero_optimization.stage``.
+  micro-batches per flush — ``zero_optimization.stage``, and
+  ``data_types.grad_accum_dtype`` = fp32 when the plan accumulates gradients in fp32 (``grad_dtype``).
 - **Hugging Face** ``TrainingArguments`` keyword arguments: ``per_device_train_batch_size`` = b_m,
-  ``gradient_accumulation_steps`` = g, and activation checkpointing under the installed major
-  version's name (``activation_checkpointing`` on 5.x, ``gradient_checkpointing`` on 4.x); a note
-  says which version it was written for.
-- **Lightning**: ``Trainer`` keyword arguments (``accumulate_grad_batches`` = g) and the
-  DataLoader's ``batch_size`` = b_m, in two sections.
-- **torchtitan** TOML: ``training.local_batch_size`` (b_m, or b_m·m with pipelining, which
-  torchtitan splits into micro-batches of ``parallelism.pipeline_parallel_microbatch_size``),
-  ``training.global_batch_size`` = B, ``parallelism.pipeline_parallel_schedule``.
+  ``gradient_accumulation_steps`` = g, and ``gradient_checkpointing``, the name transformers 4.x and 5.x
+  both read (``activation_checkpointing`` exists only from 5.23, where the old name warns).
+- **Lightning**: ``Trainer`` keyword arguments (``accumulate_grad_batches`` = g, ``precision`` in
+  Lightning's words: ``16-mixed``, ``32-true``) and the DataLoader's ``batch_size`` = b_m, in two sections.
+- **torchtitan** ≤ 0.2.x TOML (:mod:`microbatch.show.export_torchtitan`): ``training.local_batch_size``
+  (b_m, or b_m·m with pipelining, which torchtitan splits into micro-batches of
+  ``parallelism.pipeline_parallel_microbatch_size``), ``training.global_batch_size`` = B,
+  ``parallelism.pipeline_parallel_schedule``.
 
 Input: the output of ``microbatch plan --json`` (a dict, or the ``plans`` of a comparison: then
 ``gpu`` must say which accelerator's), a :class:`~microbatch.predict.candidate.Candidate`, or a
@@ -23,8 +24,9 @@ tune's ``result.json`` (:func:`export_tune`: the knee b_m, g = B / (b_m·d), the
 activation checkpointing it was measured with; the tune must have had a global batch).
 
 What each framework refuses is refused here, not written: DeepSpeed's pipeline engine with ZeRO
-stage 2 or 3; a Lightning export of tensor parallelism is stated in the notes (Lightning's
-``ModelParallelStrategy`` needs the model's own parallelisation function), never turned into FSDP.
+stage 2 or 3, and fp32 gradient accumulation of a half-precision model without ZeRO; Lightning's Trainer with
+tensor parallelism (its DDP would multiply the global batch by t; ``ModelParallelStrategy`` needs the model's own
+parallelisation function) and Transformer Engine's FP8 under its FSDP or DeepSpeed strategies.
 
 The layouts of issue 29 (:func:`_check_supported`): torchtitan takes expert parallelism
 (``expert_parallel_degree``), context parallelism (``context_parallel_degree``, its rotate method), FP8 linears (the
@@ -44,8 +46,8 @@ from typing import Any
 
 from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
-from microbatch.show.export_common import Json, precision_of, schedule_spec
-from microbatch.show.export_torchtitan import torchtitan_config
+from microbatch.show.export_common import Json, accelerator_key, check_names, precision_of, schedule_spec
+from microbatch.show.export_torchtitan import TORCHTITAN_HEADER, torchtitan_config
 from microbatch.show.toml_text import toml_text
 
 __all__ = [
@@ -81,9 +83,9 @@ class Export:
     """What the format cannot express, or must be set elsewhere (model code, launcher)."""
 
     def text(self) -> str:
-        """The file's text: JSON, or TOML for torchtitan."""
+        """The file's text: JSON, or TOML for torchtitan (after a comment naming the releases it is for)."""
         if self.format == "torchtitan":
-            return toml_text(self.config)
+            return TORCHTITAN_HEADER + "\n" + toml_text(self.config)
         return json.dumps(self.config, indent=2)
 
 
@@ -101,19 +103,24 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
     if "plans" in data:
         plans = data["plans"]
         names = [p.get("gpu", {}).get("name") for p in plans]
+        want = accelerator_key(gpu)
         if gpu is None:
             raise ConfigError(
                 f"the plan compares {len(plans)} accelerators ({', '.join(map(str, names))}): a multi-GPU plan "
                 f"needs gpu to pick the one to export, e.g. gpu {names[0]}",
                 params=("gpu",),
             )
-        chosen = [p for p in plans if p.get("gpu", {}).get("name") == gpu]
+        chosen = [p for p in plans if accelerator_key(p.get("gpu", {}).get("name")) == want]
         if not chosen:
             raise ConfigError(
                 f"the comparison has no plan for gpu {gpu!r}; it has {', '.join(map(str, names))}"
             )
         data = chosen[0]
-    elif gpu is not None and isinstance(data.get("gpu"), dict) and data["gpu"].get("name") != gpu:
+    elif (
+        gpu is not None
+        and isinstance(data.get("gpu"), dict)
+        and accelerator_key(data["gpu"].get("name")) != accelerator_key(gpu)
+    ):
         raise ConfigError(
             f"gpu {gpu!r} does not match the plan, which is for {data['gpu'].get('name')!r}; drop gpu or "
             "give the plan made for that accelerator",
@@ -128,9 +135,12 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
-                    "expert_parallel", "context_parallel", "cp_comm", "shard_degree"):  # fmt: skip
+                    "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
+                    "flash_attention"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
+        if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
+            cand["flash_attention"] = data["model_shape"].get("flash_attention")  # the model's own setting
         if isinstance(data.get("model_shape"), dict) and data.get("layers_per_stage") is None:
             cand.setdefault(
                 "layers", data["model_shape"].get("layers")
@@ -157,29 +167,8 @@ def _check_identity(c: Json, what: str = "plan") -> None:
         )
 
 
-def _check_names(c: Json, what: str) -> None:
-    """ConfigError for a recompute, schedule or precision the tool does not know (a hand-edited plan): the
-    config would carry the word as it is (torchtitan's ``mode = "bogus"``)."""
-    from microbatch.precision import PRECISIONS
-    from microbatch.predict.activations import RECOMPUTE_CHOICES
-
-    rc = c.get("recompute", "none")
-    if rc not in RECOMPUTE_CHOICES:
-        raise ConfigError(
-            f"the {what}'s recompute {rc!r} is not one of {', '.join(RECOMPUTE_CHOICES)}; plan again"
-        )
-    if precision_of(c) not in PRECISIONS:
-        raise ConfigError(f"the {what}'s precision {precision_of(c)!r} is not one of {', '.join(PRECISIONS)}")
-    if c.get("schedule") is not None and schedule_spec(str(c["schedule"])) is None:
-        from microbatch.schedules.registry import schedule_names
-
-        raise ConfigError(
-            f"the {what}'s schedule {c['schedule']!r} is not one of {', '.join(schedule_names())}; plan again"
-        )
-
-
 def _deepspeed(c: Json) -> tuple[Json, list[str]]:
-    p = c.get("pipeline_parallel", 1)
+    p, t, d = c.get("pipeline_parallel", 1), c.get("tensor_parallel", 1), c["data_parallel"]
     if p > 1 and c.get("zero", 0) >= 2:
         raise ConfigError(
             f"DeepSpeed's pipeline engine refuses ZeRO stage {c['zero']} (it supports stage 0 or 1 with "
@@ -197,11 +186,21 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
         cfg["bf16"] = {"enabled": True}
     elif prec == "fp16-mixed":
         cfg["fp16"] = {"enabled": True}
+    if c.get("grad_dtype") == "fp32":  # the plan's 18 B/param: gradients accumulated in fp32
+        _check_deepspeed_grad_dtype(c, prec)
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     notes = [
         f"DeepSpeed checks train_batch_size = micro × accumulation × data-parallel world size "
-        f"({c['micro_batch']} × {c['grad_accum']} × {c['data_parallel']}); launch with d = {c['data_parallel']} "
-        f"data-parallel ranks (world size {c['data_parallel'] * p * c.get('tensor_parallel', 1)})"
+        f"({c['micro_batch']} × {c['grad_accum']} × {d}); launch with d = {d} "
+        f"data-parallel ranks (world size {d * p * t})"
     ]
+    if t > 1 and p == 1:
+        notes.append(
+            f"tensor parallelism t = {t} without a pipeline: pass mpu= (your model-parallel unit, whose "
+            f"get_data_parallel_world_size() is {d}) to deepspeed.initialize; without it DeepSpeed takes all "
+            f"{d * t} ranks as data-parallel and refuses train_batch_size {c['global_batch']} != "
+            f"{c['micro_batch']} × {c['grad_accum']} × {d * t}"
+        )
     if p > 1:
         notes.append(
             f"pipeline engine: gradient_accumulation_steps = m = {c['grad_accum']} micro-batches per flush; "
@@ -215,96 +214,128 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             "deepspeed.checkpointing.checkpoint (activation checkpointing is set in model code)"
         )
     if (ep := c.get("expert_parallel", 1)) > 1:
-        notes.append(
-            f"expert parallelism {ep}: build the MoE layers with deepspeed.moe.layer.MoE(ep_size={ep}, ...) in "
-            "model code (dropless unless you pass capacity_factor there)"
-        )
+        notes.append(_deepspeed_moe_note(ep, c.get("capacity_factor"), t))
     return cfg, notes
 
 
-def _hf_checkpointing_key() -> tuple[str, str]:
-    """The ``TrainingArguments`` key for activation checkpointing on the installed transformers, and a
-    note that says which version it was written for: ``activation_checkpointing`` from 5.0 (where
-    ``gradient_checkpointing`` is a deprecated alias), ``gradient_checkpointing`` on 4.x and when
-    transformers is not installed here (both major versions accept it)."""
-    from importlib.metadata import PackageNotFoundError, version
+def _check_deepspeed_grad_dtype(c: Json, prec: str) -> None:
+    """ConfigError for fp32 gradient accumulation of a bf16 or fp16 model without ZeRO: DeepSpeed's engine
+    accumulates in fp32 there only under ZeRO 1–3 (``_do_optimizer_sanity_check``: "unsupported mix")."""
+    if prec in ("bf16-mixed", "fp16-mixed") and c.get("zero", 0) == 0:
+        raise ConfigError(
+            f"DeepSpeed accumulates fp32 gradients (grad_dtype fp32) of a {prec} model only under ZeRO 1, 2 or 3: "
+            'with ZeRO 0 its engine raises "unsupported mix of model_dtype and grad_accum_dtype"; plan again with '
+            "zero 1 (or grad_dtype half)",
+            params=("zero", "grad_dtype"),
+        )
 
-    try:
-        installed = version("transformers")
-        major = int(installed.split(".")[0])
-    except (PackageNotFoundError, ValueError):
-        return "gradient_checkpointing", (
-            "transformers is not installed here: written with gradient_checkpointing, which 4.x takes and 5.x "
-            "accepts as a deprecated alias of activation_checkpointing"
-        )
-    if major >= 5:
-        return "activation_checkpointing", (
-            f"written for transformers {installed} (installed here): on 4.x rename activation_checkpointing "
-            "to gradient_checkpointing"
-        )
-    return "gradient_checkpointing", (
-        f"written for transformers {installed} (installed here): 5.x takes gradient_checkpointing as a "
-        "deprecated alias of activation_checkpointing"
+
+def _deepspeed_moe_note(ep: int, capacity_factor: float | None, t: int) -> str:
+    """The note on DeepSpeed's MoE layer, whose defaults (capacity_factor=1.0, drop_tokens=True,
+    enable_expert_tensor_parallelism=False) are not the plan's: the arguments that make them so."""
+    args = [
+        f"ep_size={ep}",
+        "drop_tokens=False" if capacity_factor is None else f"capacity_factor={capacity_factor}",
+    ]
+    if t > 1:
+        args.append("enable_expert_tensor_parallelism=True")
+    why = (
+        "routes dropless" if capacity_factor is None else f"caps each expert at {capacity_factor}× its share"
+    )
+    if t > 1:
+        why += f" and splits each expert over the t = {t} tensor-parallel ranks"
+    return (
+        f"expert parallelism {ep}: build the MoE layers with deepspeed.moe.layer.MoE({', '.join(args)}, ...) in "
+        f"model code (the plan {why}; its defaults, capacity_factor=1.0 with drop_tokens=True and no expert tensor "
+        "parallelism, are not)"
     )
 
 
 def _hf(c: Json) -> tuple[Json, list[str]]:
     prec = precision_of(c)
-    key, version_note = _hf_checkpointing_key()
     cfg = {
         "per_device_train_batch_size": c["micro_batch"],
         "gradient_accumulation_steps": c["grad_accum"],
         "bf16": prec == "bf16-mixed",
         "fp16": prec == "fp16-mixed",
-        key: c.get("recompute", "none") != "none",
+        # 4.x and 5.x read it; activation_checkpointing exists only from 5.23, where this name warns
+        "gradient_checkpointing": c.get("recompute", "none") != "none",
     }
     notes = [f"run on d = {c['data_parallel']} processes (torchrun --nproc_per_node ...); the Trainer multiplies "
-             "per_device_train_batch_size by the world size", version_note]  # fmt: skip
+             "per_device_train_batch_size by the world size",
+             "gradient_checkpointing is read by transformers 4.x and 5.x; from 5.23 it is a deprecated alias of "
+             "activation_checkpointing (a FutureWarning)"]  # fmt: skip
     if c.get("pipeline_parallel", 1) > 1 or c.get("tensor_parallel", 1) > 1:
         notes.append(
             "the Hugging Face Trainer runs no pipeline or tensor parallelism; use DeepSpeed or torchtitan"
         )
-    if c.get("recompute") in ("selective", "op") or c.get("recompute_every", 1) > 1:
+    if c.get("recompute") in ("selective", "op"):
+        notes.append(f"gradient_checkpointing recomputes every whole layer (full), not {c.get('recompute')}")
+    if (every := c.get("recompute_every", 1)) > 1 and c.get("recompute") == "full":
         notes.append(
-            f"gradient_checkpointing recomputes every whole layer (full), not {c.get('recompute')}"
-            + (f" of one layer in {c['recompute_every']}" if c.get("recompute_every", 1) > 1 else "")
+            f"gradient_checkpointing recomputes every layer, not one layer in {every}: on transformers 5.23+ add "
+            f'activation_checkpointing_kwargs={{"every_n_layers": {every}}} (5.22: gradient_checkpointing_kwargs); '
+            "not written, as 4.x would pass it on to torch.utils.checkpoint"
         )
     if c.get("zero", 0) > 0:
         notes.append(f"ZeRO {c['zero']}: pass deepspeed=<the DeepSpeed JSON of this plan> or use FSDP")
     return cfg, notes
 
 
+_LIGHTNING_PRECISION = {"bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "fp32": "32-true",
+                        "fp8": "transformer-engine"}  # fmt: skip
+"""The plan's precision → Lightning's ``Trainer(precision=...)``; FP8 is Transformer Engine's plugin (tensorwise)."""
+
+_LIGHTNING_STRATEGY = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}
+"""ZeRO stage → Lightning's registered strategy name (with d > 1)."""
+
+
 def _lightning(c: Json) -> tuple[Json, list[str]]:
     prec = precision_of(c)
-    trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": prec}
-    if prec == "fp8":  # Lightning's FP8 is Transformer Engine's plugin (tensorwise scaling)
-        trainer["precision"] = "transformer-engine"
-    d, z, t = c["data_parallel"], c.get("zero", 0), c.get("tensor_parallel", 1)
-    world = d * t
-    per_node = int(c.get("gpus_per_node") or min(world, GPUS_PER_NODE))
-    if world % per_node:
+    d, z = c["data_parallel"], c.get("zero", 0)
+    _check_lightning(c)
+    trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _LIGHTNING_PRECISION[prec]}
+    per_node = int(c.get("gpus_per_node") or min(d, GPUS_PER_NODE))
+    if d % per_node:
         raise ConfigError(
-            f"{world} processes (d = {d} × t = {t}) do not fill nodes of {per_node} accelerators; "
-            f"give gpus_per_node dividing {world}",
+            f"{d} processes (d = {d}) do not fill nodes of {per_node} accelerators; give gpus_per_node dividing {d}",
             params=("gpus_per_node",),
         )
-    trainer["devices"], trainer["num_nodes"] = per_node, world // per_node
-    notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {per_node} × {world // per_node} "
-             f"= {world} processes ({per_node} accelerators per node"
+    trainer["devices"], trainer["num_nodes"] = per_node, d // per_node
+    notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {per_node} × {d // per_node} "
+             f"= {d} processes ({per_node} accelerators per node"
              + ("" if c.get("gpus_per_node") else ", assumed: gpus_per_node to change") + ")"]  # fmt: skip
-    if t > 1:
-        notes.append(
-            f"tensor parallelism t = {t} is not a Trainer keyword: use lightning.pytorch.strategies."
-            f"ModelParallelStrategy(data_parallel_size={d}, tensor_parallel_size={t}) with the model's own "
-            "configure_model() parallelisation (no strategy is written here, and none is FSDP)"
-        )
-    elif d > 1:
-        trainer["strategy"] = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}[z]
+    if d > 1:
+        trainer["strategy"] = _LIGHTNING_STRATEGY[z]
     if c.get("pipeline_parallel", 1) > 1:
         notes.append("Lightning's Trainer runs no pipeline parallelism; use torchtitan or DeepSpeed")
     if c.get("recompute", "none") != "none":
         notes.append(f"recompute {c['recompute']}: enable activation checkpointing in the LightningModule")
     return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
+
+
+def _check_lightning(c: Json) -> None:
+    """ConfigError for tensor parallelism (no Trainer keyword: its DDP over d·t ranks would make the global
+    batch t× the plan's) and for FP8 under the FSDP or DeepSpeed strategy (their precision plugins refuse
+    ``transformer-engine``)."""
+    b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
+    z, t = c.get("zero", 0), c.get("tensor_parallel", 1)
+    if t > 1:
+        raise ConfigError(
+            f"Lightning's Trainer has no tensor-parallel keyword: devices for all d × t = {d * t} ranks would run "
+            f"DDP over them, and the global batch would be {b} × {g} × {d * t} = {B * t}, not {B}; export this "
+            "plan to torchtitan, or write lightning.pytorch.strategies.ModelParallelStrategy("
+            f"data_parallel_size={d}, tensor_parallel_size={t}) by hand with the model's configure_model() "
+            f"(accumulate_grad_batches={g}, DataLoader batch_size={b}), or plan again with tensor_parallel 1",
+            params=("tensor_parallel",),
+        )
+    if precision_of(c) == "fp8" and d > 1 and z >= 1:
+        raise ConfigError(
+            f"Lightning's FP8 (precision 'transformer-engine') runs under DDP or on one device: its "
+            f"{_LIGHTNING_STRATEGY[z]} strategy, for ZeRO {z}, refuses it; plan again with zero 0, or export this "
+            "plan to torchtitan (float8 linears under FSDP)",
+            params=("zero",),
+        )
 
 
 def _deepspeed_native(name: str | None) -> bool:
@@ -313,8 +344,8 @@ def _deepspeed_native(name: str | None) -> bool:
     return name is None or (spec is not None and spec.deepspeed_native)
 
 
-def _check_supported(c: Json, fmt: str) -> None:
-    """ConfigError naming what ``fmt`` lacks for this candidate's layout (see the module docstring)."""
+def _lacks(c: Json, fmt: str) -> list[str]:
+    """What ``fmt`` lacks for this candidate's layout (see the module docstring)."""
     lacks: list[str] = []
     if c.get("capacity_factor") is not None and fmt != "deepspeed":
         lacks.append("MoE capacity factor" + (" (its MoE routes dropless)" if fmt == "torchtitan" else ""))
@@ -331,10 +362,24 @@ def _check_supported(c: Json, fmt: str) -> None:
     rowwise = c.get("fp8_recipe") == "rowwise"
     if precision_of(c) == "fp8" and (fmt in ("deepspeed", "hf") or (fmt == "lightning" and rowwise)):
         lacks.append(f"FP8 {c.get('fp8_recipe', 'tensorwise')} recipe in its configuration")
+    return lacks
+
+
+def _exports(c: Json, fmt: str) -> bool:
+    """Whether ``fmt`` takes this candidate: it lacks nothing of it and its builder refuses nothing."""
+    try:
+        return not _lacks(c, fmt) and bool(_BUILDERS[fmt](c))
+    except ConfigError:
+        return False
+
+
+def _check_supported(c: Json, fmt: str) -> None:
+    """ConfigError naming what ``fmt`` lacks for this candidate's layout, and the formats that take it."""
+    lacks = _lacks(c, fmt)
     if lacks:
-        raise ConfigError(
-            f"{fmt} has no {' and no '.join(lacks)}; export this plan to torchtitan, or plan again without it"
-        )
+        others = [f for f in FORMATS if f != fmt and _exports(c, f)]
+        to = f"export this plan to {' or '.join(others)}, or " if others else ""
+        raise ConfigError(f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it")
 
 
 _BUILDERS = {"deepspeed": _deepspeed, "hf": _hf, "lightning": _lightning, "torchtitan": torchtitan_config}
@@ -344,7 +389,7 @@ def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not known; use one of {', '.join(FORMATS)}")
     _check_identity(cand, what)
-    _check_names(cand, what)
+    check_names(cand, what)
     _check_supported(cand, fmt)
     cfg, more = _BUILDERS[fmt](cand)
     return Export(format=fmt, config=cfg, notes=tuple(more) + notes)

@@ -1,21 +1,31 @@
 """The torchtitan export: a plan as torchtitan's TOML tables (:mod:`microbatch.show.export` writes them).
 
+For torchtitan ≤ 0.2.x, the last releases that read a TOML job config (0.3 reads none and renamed the keys).
 ``training.local_batch_size`` (b_m, or b_m·m with pipelining, which torchtitan splits into micro-batches of
 ``parallelism.pipeline_parallel_microbatch_size``), ``training.global_batch_size`` = B,
+``training.mixed_precision_param`` (float32 for an fp32 plan; torchtitan has no fp16),
 ``parallelism.pipeline_parallel_schedule`` (the torch class's name), the plan's stages, FSDP for ZeRO (torchtitan
-has no ZeRO-1), expert and context parallelism (with its K/V rotate method), FP8 linears, per-op and every-K-th
-recompute and async TP. Split from :mod:`microbatch.show.export`; the helpers both use are in
-:mod:`microbatch.show.export_common`.
+has no ZeRO-1), expert parallelism (with expert tensor parallelism t) and context parallelism (with its K/V rotate
+method), FP8 linears, per-op and every-K-th recompute and async TP. What torchtitan would refuse or run otherwise
+is refused here: DDP (ZeRO 0) beside tensor or pipeline parallelism, a multi-stage torch schedule with one stage
+per rank, fp16, and the planner's selective recompute (the attention core only) without flash attention. Split
+from :mod:`microbatch.show.export`; the helpers both use are in :mod:`microbatch.show.export_common`.
 """
 
 from __future__ import annotations
 
 from microbatch.errors import ConfigError
 from microbatch.predict.state import zero_groups
-from microbatch.schedules.registry import DEFAULT_SCHEDULE, torch_spec
+from microbatch.schedules.registry import DEFAULT_SCHEDULE, get_spec, schedule_names, torch_spec
 from microbatch.show.export_common import Json, precision_of, schedule_spec
 
-__all__ = ["torchtitan_config"]
+__all__ = ["TORCHTITAN_HEADER", "torchtitan_config"]
+
+TORCHTITAN_VERSIONS = "torchtitan ≤ 0.2.x (TOML job config)"
+"""The torchtitan releases the TOML is for: 0.3.0 reads no TOML (``--job.config_file`` is gone) and renamed keys."""
+
+TORCHTITAN_HEADER = f"# microbatch export for {TORCHTITAN_VERSIONS}; torchtitan 0.3 reads no TOML"
+"""The comment line the TOML text starts with."""
 
 
 def _torchtitan_schedule(name: str) -> str:
@@ -35,6 +45,7 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         c["data_parallel"],
         c.get("zero", 0),
     )
+    _check_torchtitan(c)
     b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
     training: Json = {"global_batch_size": B}
     shard = zero_groups(d, 1, c.get("shard_degree"))[0]  # refuses a degree that does not divide d
@@ -44,7 +55,7 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         "tensor_parallel_degree": t,
         "pipeline_parallel_degree": p,
     }
-    notes = []
+    notes = [f"written for {TORCHTITAN_VERSIONS}: torchtitan 0.3 reads no TOML and renamed these keys"]
     if p > 1:
         # one flush per step: the local batch is the m micro-batches of one flush
         training["local_batch_size"] = b * g
@@ -62,6 +73,7 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         training["local_batch_size"] = b  # torchtitan accumulates global / (local × dp) micro-batches
     if "seq" in c:
         training["seq_len"] = c["seq"]
+    notes += _torchtitan_precision(c, training, parallelism)
     if z in (1, 2):
         parallelism["fsdp_reshard_after_forward"] = "never"
         notes.append(
@@ -77,9 +89,115 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         notes.append(
             "torchtitan's tensor parallelism always shards norms and dropout along the sequence (SP)"
         )
+    checkpoint, more = _torchtitan_recompute(c)
+    cfg = {"training": training, "parallelism": parallelism, "activation_checkpoint": checkpoint}
+    return cfg, notes + more + _torchtitan_new(c, cfg)
+
+
+def _check_torchtitan(c: Json) -> None:
+    """ConfigError for a layout torchtitan 0.2 refuses or would run otherwise than the plan (module docstring)."""
+    p, t, d, z = (
+        c.get("pipeline_parallel", 1),
+        c.get("tensor_parallel", 1),
+        c["data_parallel"],
+        c.get("zero", 0),
+    )
+    cp, ep = c.get("context_parallel", 1), c.get("expert_parallel", 1)
+    if z == 0 and d > 1 and cp == 1 and (t > 1 or p > 1):
+        raise ConfigError(
+            f"torchtitan runs ZeRO 0 over d = {d} ranks as DDP (data_parallel_replicate_degree = {d}), and its DDP "
+            f'takes no other parallelism ("DDP has not supported > 1D parallelism"), here t = {t}, p = {p}; plan '
+            "again with zero 3 (or 1 or 2: torchtitan runs each as FSDP), or with tensor_parallel 1 and "
+            "pipeline_parallel 1",
+            params=("zero", "tensor_parallel", "pipeline_parallel"),
+        )
+    sharded = (1 if z == 0 else zero_groups(d, 1, c.get("shard_degree"))[0]) * cp
+    if ep > 1 and sharded % ep:
+        raise ConfigError(
+            f"torchtitan carves expert parallelism out of the FSDP-sharded ranks (data-parallel shard × context "
+            f"parallel = {sharded} here, with ZeRO {z}), which expert_parallel {ep} does not divide; plan again with "
+            "zero 3 (torchtitan's FSDP)",
+            params=("zero", "expert_parallel"),
+        )
+    if precision_of(c) == "fp16-mixed":
+        raise ConfigError(
+            "torchtitan has no fp16-mixed (its training.mixed_precision_param takes bfloat16 or float32); plan "
+            "again with precision bf16-mixed (or fp32), or export this plan to deepspeed, hf or lightning",
+            params=("precision",),
+        )
+    if p > 1:
+        _check_stages_per_rank(str(c.get("schedule", DEFAULT_SCHEDULE)), int(c.get("virtual", 1) or 1))
+
+
+def _check_stages_per_rank(name: str, v: int) -> None:
+    """ConfigError when torch runs ``name`` with a multi-stage class (one whose registry entry has no fixed
+    single stage per rank) and the plan has v < 2: torchtitan refuses it ("Multi-stage schedule requires at
+    least 2 stages per rank"). ZB-H1 is torch's InterleavedZeroBubble with one stage per rank."""
+    try:
+        runner = torch_spec(name)
+    except ConfigError:
+        return  # torch has no class: written as 1F1B (_torchtitan_schedule)
+    if runner.stages_per_rank == 1 or v >= 2:
+        return
+    ok = []
+    for other in schedule_names():  # the ones the planner times and torchtitan runs
+        spec = get_spec(other)
+        try:
+            single = torch_spec(other).stages_per_rank == 1
+        except ConfigError:
+            continue
+        if spec.step_time is None or (spec.stages_per_rank == 1 and not single):
+            continue
+        ok.append(f"{other} with virtual 2 or more" if spec.stages_per_rank is None else other)
+    raise ConfigError(
+        f"torchtitan runs schedule {name} as torch's {runner.torch_name}, a multi-stage schedule, and refuses it "
+        f'with {v} stage per rank ("Multi-stage schedule requires at least 2 stages per rank"); plan again with '
+        f"schedule {', '.join(ok)}",
+        params=("virtual",),
+    )
+
+
+def _torchtitan_precision(c: Json, training: Json, parallelism: Json) -> list[str]:
+    """``training.mixed_precision_param``: float32 for an fp32 plan (torchtitan's default is bfloat16); a note
+    where torchtitan turns mixed precision off (tensor or pipeline parallelism without FSDP or CP)."""
+    prec = precision_of(c)
+    if prec == "fp32":
+        training["mixed_precision_param"] = "float32"
+        return []
+    no_fsdp = parallelism["data_parallel_shard_degree"] == 1 and c.get("context_parallel", 1) == 1
+    if no_fsdp and (parallelism["tensor_parallel_degree"] > 1 or parallelism["pipeline_parallel_degree"] > 1):
+        return [
+            f"the plan is {prec}, but torchtitan casts to bfloat16 only under FSDP, HSDP or context parallelism, or "
+            "under DDP or on one device with no other parallelism: with tensor or pipeline parallelism and no FSDP "
+            '(d = 1) it trains in float32 ("Mixed precision training is disabled"), with more memory and time than '
+            "the plan counted"
+        ]
+    return []
+
+
+def _torchtitan_recompute(c: Json) -> tuple[Json, list[str]]:
+    """The ``[activation_checkpoint]`` table. The planner's ``selective`` recomputes only the attention core
+    (Korthikanti et al. 2022), which flash attention does not store: ``mode = "none"`` (torchtitan's own selective
+    is per-op or every-K-th-layer recompute; its default, option "2", recomputes every second block in full).
+    Without flash attention torchtitan has nothing that matches: ConfigError."""
     mode = c.get("recompute", "none")
-    cfg = {"training": training, "parallelism": parallelism, "activation_checkpoint": {"mode": mode}}
-    return cfg, notes + _torchtitan_new(c, cfg)
+    if mode != "selective":
+        return {"mode": mode}, []  # op and every-K are set by _torchtitan_new
+    flash = c.get("flash_attention")
+    if flash is False:
+        raise ConfigError(
+            "torchtitan has no recompute selective in the planner's sense without flash attention (only the "
+            "attention core's scores recomputed, Korthikanti et al. 2022): its selective mode recomputes per op or "
+            "every K-th block; plan again with recompute op (torchtitan's per-op selective) or full, or with flash "
+            "attention",
+            params=("recompute",),
+        )
+    assumed = "" if flash else " (flash attention assumed: the plan does not record it)"
+    return {"mode": "none"}, [
+        "recompute selective recomputes only the attention core (Korthikanti et al. 2022), which flash "
+        f'attention does not store{assumed}: written as mode = "none"; torchtitan\'s "selective" is per-op or '
+        'every-K-th-block recompute (its default, option "2", recomputes every second block in full)'
+    ]
 
 
 def _torchtitan_stages(c: Json, parallelism: Json, p: int) -> list[str]:
@@ -103,6 +221,8 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
     par, notes = cfg["parallelism"], []
     if (ep := c.get("expert_parallel", 1)) > 1:
         par["expert_parallel_degree"] = ep
+        if (t := c.get("tensor_parallel", 1)) > 1:  # the planner shards each expert's F over the t ranks
+            par["expert_tensor_parallel_degree"] = t
         notes.append(f"expert parallelism {ep} is carved out of the data-parallel × context-parallel ranks")
     if (cp := c.get("context_parallel", 1)) > 1:
         par["context_parallel_degree"] = cp  # torch's all-to-all rotater is the ring of sends
