@@ -209,7 +209,8 @@ def moe_shape(name: str, seq: int, table: dict) -> ModelShape:
     return ModelShape(
         name=name, layers=t["layers"], hidden=t["hidden"], heads=t["heads"], head_size=t.get("head_size"), kv_heads=t["kv"],
         ffn_hidden=t["expert_ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=t["bias"], norm="rmsnorm",
-        learned_positions=False, dropout=False,
+        learned_positions=False, dropout=False, sliding_window=t.get("sliding_window"),
+        sliding_layers=t.get("sliding_layers"),
         moe=Experts(experts=t["experts"], top_k=t["top_k"], expert_ffn_hidden=t["expert_ffn"],
                     shared_experts=t["shared_experts"]),
     )  # fmt: skip
@@ -375,7 +376,7 @@ def main() -> None:
     )
     print("all-to-all overlap, ZeRO-1; Qwen3 and GPT-OSS at their own head widths (32 x 128 on 2048, 64 x 64")
     print(
-        "on 2880), GPT-OSS's sliding-window layers as full causal attention; the 25.09 DeepSeek-V3 row's FP8 "
+        "on 2880), GPT-OSS's 18 sliding-window layers at 128 keys; the 25.09 DeepSeek-V3 row's FP8 "
         "recipe assumed (no precision column); nothing fitted"
     )
     for k in ("nemo_dgx_h100_bf16",):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
+from microbatch.hf_attention import own_head_size, sliding_window_of
 from microbatch.moe import (
     Experts,
     LatentAttention,
@@ -296,8 +297,9 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     (``model_type``) decides the block details (Llama-like: RMSNorm, rotary, SwiGLU, no biases;
     otherwise GPT-2-like). Experts (Mixtral, Qwen-MoE, DeepSeek) and DeepSeek's latent attention are
     read by :func:`microbatch.moe.experts_from_hf` and :func:`microbatch.moe.latent_attention_from_hf`.
-    A ``head_dim`` that differs from hidden/heads (Qwen3, Gemma, GPT-OSS) is kept as ``head_size``; under
-    DeepSeek's latent attention its own head widths rule. Ignores per-family oddities (Qwen2's q/k/v
+    A ``head_dim`` that differs from hidden/heads (Qwen3, Gemma, GPT-OSS) is kept as ``head_size``, under
+    DeepSeek's latent attention its own head widths rule; the sliding window and the layers using it are read
+    by :func:`microbatch.hf_attention.sliding_window_of`. Ignores per-family oddities (Qwen2's q/k/v
     biases on an otherwise bias-free block), which change parameter counts slightly.
     """
     path = Path(path)
@@ -323,7 +325,7 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
         layers=vals["layers"],
         hidden=vals["hidden"],
         heads=vals["heads"],
-        head_size=_own_head_size(vals),
+        head_size=own_head_size(vals["head_size"], vals["hidden"], vals["heads"]),
         kv_heads=vals["kv_heads"],
         ffn_hidden=vals["ffn_hidden"],
         vocab=vals["vocab"],
@@ -355,18 +357,12 @@ def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None
     )
     if fields["mla"] is not None:  # transformers' DeepSeek configs set head_dim to the rotary slice
         fields["head_size"] = None
+    if isinstance(vals["layers"], int):
+        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, vals["layers"], positions)
     try:
         return ModelShape(**fields)
     except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
         raise ConfigError(f"{source}: {e}", params=_HF) from None
-
-
-def _own_head_size(vals: dict[str, Any]) -> int | None:
-    """A config's ``head_dim`` where it is not hidden/heads (None where it is, or absent)."""
-    d, h, a = vals["head_size"], vals["hidden"], vals["heads"]
-    if d is None or (isinstance(h, int) and isinstance(a, int) and a and h % a == 0 and d == h // a):
-        return None
-    return int(d)
 
 
 _HF = ("hf_config",)

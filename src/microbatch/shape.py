@@ -57,6 +57,11 @@ class ModelShape:
     """A learned position-embedding table (GPT-2) rather than rotary embeddings (Llama)."""
     flash_attention: bool = True
     """Attention kernels that never store the s×s score matrix (drops the 5·a·s/h activation term)."""
+    sliding_window: int | None = None
+    """w: keys a query of a local-attention layer sees (itself and the w − 1 before it: Mistral 7B v0.1 4,096 on
+    every layer, GPT-OSS 128 and Gemma 2 4,096 on every other one, Gemma 3 1,024 on five of six); None: none."""
+    sliding_layers: int | None = None
+    """How many of the layers attend through ``sliding_window``; None means all of them when it is given."""
     dropout: bool = True
     """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
     Llama-family training runs without dropout."""
@@ -84,6 +89,8 @@ class ModelShape:
                 )
         if self.ffn_hidden is not None:
             check_positive_int("ffn_hidden", self.ffn_hidden)
+        if self.sliding_window is not None or self.sliding_layers is not None:
+            self._check_window()
         if self.head_size is not None:
             check_positive_int("head_size", self.head_size, fix="give the width of one attention head")
         elif self.hidden % self.heads:
@@ -100,7 +107,31 @@ class ModelShape:
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"norm {self.norm!r} is not known; use 'layernorm' or 'rmsnorm'")
 
+    def _check_window(self) -> None:
+        if self.sliding_window is None:
+            raise ConfigError(
+                f"sliding_layers {self.sliding_layers} without sliding_window; give the window's keys too",
+                params=("sliding_layers", "sliding_window"),
+            )
+        check_positive_int(
+            "sliding_window", self.sliding_window, fix="give the keys a local layer's query sees"
+        )
+        if self.sliding_layers is not None and not 0 <= self.sliding_layers <= self.layers:
+            raise ConfigError(
+                f"sliding_layers {self.sliding_layers} is outside 0..{self.layers} (the layers); give how many "
+                "layers attend through the window",
+                params=("sliding_layers",),
+            )
+
     # -- derived sizes -------------------------------------------------------------------
+    @property
+    def sliding_share(self) -> float:
+        """The share of layers that attend through ``sliding_window`` (0 without one)."""
+        if self.sliding_window is None:
+            return 0.0
+        n = self.layers if self.sliding_layers is None else self.sliding_layers
+        return n / self.layers
+
     @property
     def kv(self) -> int:
         """Key/value heads in effect."""

@@ -32,7 +32,7 @@ from dataclasses import replace
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
 from microbatch.precision import get_fp8_recipe
-from microbatch.predict.attention import flash_attention_times_s
+from microbatch.predict.attention_core import attention_core_s, attention_span
 from microbatch.predict.collectives import (
     allgather_time_s,
     allreduce_time_s,
@@ -114,10 +114,12 @@ def layer_forward_flops(shape: ModelShape, rows: float, seq: int, tensor_paralle
     Counts the full s×s score matrix (as the paper does), not the causal half flash kernels skip.
     Mixture of experts: the MLP weights one token uses (router, K routed and S shared experts,
     :meth:`microbatch.moe.Experts.active_moe_params`); DeepSeek's latent attention: its projections and a
-    core of 2·rows·s·a·(d_qk + d_v) (:func:`microbatch.predict.experts.attention_widths`).
+    core of 2·rows·s·a·(d_qk + d_v) (:func:`microbatch.predict.experts.attention_widths`). Sliding-window
+    layers count their keys (:func:`microbatch.predict.attention_core.attention_span`).
     """
     qk, v = attention_widths(shape)
-    return (2.0 * rows * gemm_weights(shape) + 2.0 * rows * seq * (qk + v)) / tensor_parallel
+    keys = attention_span(shape, seq)  # s, or less where layers attend through a sliding window
+    return (2.0 * rows * gemm_weights(shape) + 2.0 * rows * keys * (qk + v)) / tensor_parallel
 
 
 def layer_forward(
@@ -142,7 +144,7 @@ def layer_forward(
 
     Linear layers: :func:`_layer_gemms` (with ``fp8_recipe`` at the FP8 rate, their casts in the elementwise
     traffic; a mixture-of-experts MLP at ``moe_layout`` = (EP, expert load), None meaning (1, 1.0)).
-    Attention core: :func:`_attention_core_s` (flash on its own curve, or the scores through memory).
+    Attention core: :func:`~microbatch.predict.attention_core.attention_core_s` (flash on its own curve, or the scores through memory).
     Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary, the host's
     launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys and
     gathers the K/V of c ranks t apart, by ``cp_comm`` (one all-gather or a ring,
@@ -161,7 +163,7 @@ def layer_forward(
     layout = moe_layout or (1, 1.0)
     gemm, a2a, width_moe = _layer_gemms(shape, micro_batch, s, c, t, acc, layout, g, sequence_parallel)
     flash = shape.flash_attention if flash_attention is None else flash_attention
-    attention, attention_bwd = _attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
+    attention, attention_bwd = attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
     elementwise, elementwise_bwd = _elementwise_s(
         shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e, layout=layout
     )
@@ -249,52 +251,6 @@ def _layer_gemms(
         moe_s, a2a, width = _moe_mlp(shape, b, s // c, acc, t, layout, g, sp)
         return gemm + moe_s, a2a, width
     return gemm + g(rows, h, (2 if shape.gated_mlp else 1) * f / t) + g(rows, f / t, h), 0.0, 0.0
-
-
-def _attention_core_s(
-    shape: ModelShape,
-    rows: float,
-    s: int,
-    c: int,
-    t: int,
-    flash: bool,
-    acc: Accelerator,
-    dtype: str,
-    efficiency: RooflineEfficiency,
-) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core (QKᵀ, softmax, ·V) for ``rows`` queries on one GPU.
-
-    FLOPs 2·rows·s·(d_qk + d_v)·a/t; bytes: read Q, K, V and write O (the backward about twice). Under flash
-    attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the kernel's own
-    curve (:func:`microbatch.predict.attention.flash_attention_times_s`: the causal half of the FLOPs, a
-    backward of 5/2 × them, each direction at the ceiling × its published curve in the key length s/c and the
-    head dimension); otherwise the GEMM efficiency on the full FLOPs. Without flash the s×s scores pass
-    through memory (:func:`score_passes`): their GEMM-side passes at the streaming rate, the softmax's and
-    dropout's at ``efficiency.score_fractions`` (the eager kernels' measured rates unless fused). Each
-    direction is the longer of its compute and memory times.
-    """
-    e = 4 if dtype == "fp32" else 2
-    bw = acc.memory_bandwidth_bytes_per_s
-    qk, vd = attention_widths(shape)
-    flops = 2.0 * rows * s * (qk + vd) / t
-    kvd = shape.kv * shape.head_dim
-    fwd_bytes = e * rows * (qk + vd + (qk + vd if shape.mla else 2 * kvd)) / t  # read Q, K, V; write O
-    fwd_mem, bwd_mem = fwd_bytes / (bw * efficiency.memory), 2 * fwd_bytes / (bw * efficiency.memory)
-    if not flash:
-        scores = e * shape.heads * s * rows / t
-        soft, drop = efficiency.score_fractions(bool(acc.compute_units))
-        for backward in (False, True):
-            gemm_side, softmax, dropout = score_pass_split(bool(shape.dropout), backward)
-            passes_s = scores * (gemm_side / efficiency.memory + softmax / soft + dropout / drop) / bw
-            fwd_mem, bwd_mem = (fwd_mem, bwd_mem + passes_s) if backward else (fwd_mem + passes_s, bwd_mem)
-    if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
-        fwd_s, bwd_s = flash_attention_times_s(
-            flops, s / c, acc.flops(dtype), acc.attention_fraction, head_dim=shape.head_dim
-        )
-    else:
-        rate = acc.flops(dtype) * efficiency.gemm(rows)
-        fwd_s, bwd_s = flops / rate, 2 * flops / rate
-    return max(fwd_s, fwd_mem), max(bwd_s, bwd_mem)
 
 
 def _elementwise_s(
@@ -489,7 +445,7 @@ def hardware_flops_per_step(
     if recompute == "full":
         extra = shape.layers * layer_forward_flops(shape, rows, s)
     elif recompute == "selective":
-        extra = shape.layers * 2.0 * rows * s * sum(attention_widths(shape))
+        extra = shape.layers * 2.0 * rows * attention_span(shape, s) * sum(attention_widths(shape))
     elif recompute == "op":  # the even-numbered matmuls again (:mod:`microbatch.predict.recompute`)
         extra = shape.layers * op_recompute_gemm_share(shape) * 2.0 * rows * gemm_weights(shape)
     return model_flops_per_step(shape, global_batch, s) + extra

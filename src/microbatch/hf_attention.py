@@ -1,0 +1,54 @@
+"""What a Hugging Face ``config.json`` says of its attention beyond the head counts: the head width and the
+sliding window (read by :func:`microbatch.model.from_hf_config`).
+
+- ``head_dim`` where it is not hidden/heads (Qwen3, Gemma, GPT-OSS): :attr:`ModelShape.head_size`.
+- ``sliding_window`` and which layers use it (:attr:`ModelShape.sliding_window`, ``sliding_layers``): the
+  ``layer_types`` list where the config has one (transformers ≥ 4.53 writes it for GPT-OSS, Gemma 2/3, Qwen2 and
+  others: the "sliding_attention" entries); else none where ``use_sliding_window`` is false (Qwen2's default);
+  else Gemma 2's every other layer (its modelling code: layers 0, 2, 4, … slide) and Gemma 3's
+  ``sliding_window_pattern`` (every k-th layer global, the others local); else every layer (Mistral 7B v0.1,
+  Phi-3). A window no shorter than the positions the model holds changes nothing and is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["own_head_size", "sliding_window_of"]
+
+
+def own_head_size(head_dim: Any, hidden: Any, heads: Any) -> int | None:
+    """A config's ``head_dim`` where it is not hidden/heads (None where it is, or absent)."""
+    if head_dim is None or (
+        isinstance(hidden, int)
+        and isinstance(heads, int)
+        and heads
+        and hidden % heads == 0
+        and head_dim == hidden // heads
+    ):
+        return None
+    return int(head_dim)
+
+
+def sliding_window_of(
+    raw: dict[str, Any], layers: int, positions: int | None
+) -> tuple[int | None, int | None]:
+    """(window, layers that use it) from a config (module docstring); (None, None) for full attention."""
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return None, None
+    if positions is not None and window >= positions:
+        return None, None
+    types = raw.get("layer_types")
+    if isinstance(types, list) and types:
+        count = sum(1 for x in types if x == "sliding_attention")
+        return (window, count) if count else (None, None)
+    if raw.get("use_sliding_window") is False:
+        return None, None
+    model_type = str(raw.get("model_type", "")).lower()
+    if model_type == "gemma2":
+        return window, (layers + 1) // 2
+    pattern = raw.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 1:
+        return window, layers - layers // pattern
+    return window, None
