@@ -39,7 +39,7 @@ def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
     if whole and (not math.isfinite(f) or f != int(f)):
         raise ConfigError(f"{what} {short_repr(v)} must be a whole number >= 1")
     if not math.isfinite(f):
-        raise ConfigError(f"{v!r} must be finite")
+        raise ConfigError(f"{what} {v!r} must be finite" if what != "value" else f"{v!r} must be finite")
     return f
 
 

@@ -349,6 +349,12 @@ def _model_of(
     )
     if seq is None and fshape is not None:
         notes.append(f"the file gives no seq: the points are taken as measured at {model}'s s = {fshape.seq}")
+    if fshape is not None and shape is not None and _geometry(fshape) != _geometry(shape):
+        raise ConfigError(
+            f"{label}: measured with {model} ({fshape.param_count():,} parameters), not {shape.name} "
+            f"({shape.param_count():,}); give the model it was measured with, or none (the file names it)",
+            params=("shape",),
+        )
     if fshape is None:
         if shape is None:
             raise ConfigError(
@@ -361,6 +367,12 @@ def _model_of(
             notes.append(f"the file's model {model!r} is not in the registry; assumed it is {shape.name}")
         model = model or shape.name
     return fshape, model
+
+
+def _geometry(shape: ModelShape) -> tuple[Any, ...]:
+    """What makes two shapes the same model, whatever their names and sequence lengths."""
+    return (shape.layers, shape.hidden, shape.heads, shape.head_dim, shape.kv, shape.ffn, shape.vocab,
+            shape.gated_mlp, shape.bias, shape.norm, shape.moe, shape.mla)  # fmt: skip
 
 
 def _precision_and_device(

@@ -156,6 +156,8 @@ def test_tune_json_tiny_child_process(tmp_path, monkeypatch, capsys):
     assert d["static_bytes"] > 0
     saved = json.loads((tmp_path / "out" / "result.json").read_text())
     assert saved["points"] == pts and saved["torch_version"] == d["torch_version"]
+    # what validate needs to check the model it is given and to time the CPU as the probes ran
+    assert saved["model_shape"]["hidden"] == 64 and saved["model_shape"]["seq"] == 32 and "threads" in saved
     # recommend reads it back and agrees, given the same choice settings (tune's reference is the bound;
     # recommend's default, the best measured, may choose a smaller b_m on the same points)
     again = ["recommend", "-m", str(tmp_path / "out" / "result.json"), "--reference", d["reference"],

@@ -111,3 +111,42 @@ def test_predict_returns_values_and_show_writes_the_summary():
     assert keys.index("summary") == keys.index("rows") + 1 and full["summary"] == line
     assert {k: v for k, v in full.items() if k != "summary"} == d
     assert line in render_validation(full).splitlines()
+
+
+def test_the_spread_is_of_the_measurements_not_of_a_raised_peak():
+    """A review found 'gave 67.5–134.4 GFLOP/s (99% apart)' where the three matmuls gave 67.2–69.4: the first
+    entry was the peak cover_measurements had doubled to cover the points, not a measurement."""
+    out = validation.validate_result(_cpu_result(), measure=_machine([5.0, 5.0, 5.0]))  # far too slow: raised
+    assert out["accelerator"]["peak_flops"]["fp32"] > 5e9  # the points needed a higher peak
+    moved = out["accelerator"]["remeasured"]
+    assert moved["peak_flops"] == pytest.approx([5e9, 5e9, 5e9]) and moved["peak_spread"] == 0.0
+
+
+def test_the_cpu_is_timed_with_the_threads_the_probes_ran_with():
+    seen = []
+
+    def measure(threads=None):
+        seen.append(threads)
+        return cpu_accelerator(flops_per_s=50e9, bytes_per_s=10e9, memory_bytes=8e9)
+
+    validation.validate_result(_cpu_result(threads=1), measure=measure)
+    assert seen == [1, 1, 1]
+    seen.clear()
+    validation.validate_result(_cpu_result(threads=1), cpu_threads=2, measure=measure)  # the flag wins
+    assert seen == [2, 2, 2]
+
+
+def test_a_result_of_another_model_is_refused_naming_both():
+    from microbatch.model import ModelShape
+    from microbatch.records import read_measurements
+
+    with pytest.raises(ConfigError, match=r"measured with small \(.* parameters\), not tiny"):
+        read_measurements(_cpu_result(), shape=get_model("tiny"))
+    assert read_measurements(_cpu_result(), shape=get_model("small", seq=64)).shape.name == "small"
+    wide = ModelShape(name="hd", layers=2, hidden=64, heads=16, head_size=32, vocab=300, seq=32)
+    recorded = _cpu_result(model="llama_hd.json", model_shape=wide.to_dict())
+    assert read_measurements(recorded).shape.q_width == 512  # a config's result carries its shape
+    with pytest.raises(ConfigError, match="not narrow"):
+        read_measurements(
+            recorded, shape=ModelShape(name="narrow", layers=2, hidden=64, heads=4, vocab=300, seq=32)
+        )

@@ -409,13 +409,18 @@ def points_from_records(
             peak = number(r.get("peak_memory_bytes"), what="peak_memory_bytes")
             if peak is not None and peak < 0:
                 raise ConfigError(f"peak_memory_bytes {peak!r} must be >= 0")
+            step = number(r.get("step_time_s"), what="step_time_s")
+            if step is not None and step <= 0:
+                raise ConfigError(
+                    f"step_time_s {step!r} must be > 0 (seconds per optimizer step); check the file"
+                )
             out.append(
                 CurvePoint(
                     micro_batch=None if b is None else int(b),  # type: ignore[arg-type]  # CurvePoint rejects None
                     throughput=None if oom else number(r.get("throughput"), what="throughput"),
                     peak_memory_bytes=None if peak is None else int(round(peak)),
                     oom=oom,
-                    step_time_s=number(r.get("step_time_s"), what="step_time_s"),
+                    step_time_s=step,
                 )
             )
         except ConfigError as e:

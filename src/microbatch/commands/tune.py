@@ -101,6 +101,18 @@ def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": resolve_model(model_spec, default="small")}
 
 
+def _measured_shape(target: dict[str, Any], seq: int | None) -> Any:
+    """The shape of the model a tune measured: its registry entry, the shape given, or its config's."""
+    from microbatch.model import ModelShape, from_hf_config, get_model
+
+    model = target.get("model")
+    if isinstance(model, ModelShape):
+        return model.with_seq(seq) if seq else model
+    if model is not None:
+        return get_model(str(model), seq=seq)
+    return from_hf_config(target["hf_config"], seq=seq)
+
+
 def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig | None:
     """The probe timing of ``--repeats`` and ``--clock`` (None: the device's default)."""
     from microbatch.choose.tune.probing import default_timing
@@ -249,6 +261,9 @@ def cmd(
         d["stop_reason"] = cli_text(d["stop_reason"], ProbeTimeoutError.PARAMS, "tune")
     if timing_line:
         d["timing_choice"] = timing_line
+    # the probes' torch threads (None: torch's own), which validate times the CPU with, and the shape measured
+    d["threads"] = probe.threads
+    d["model_shape"] = _measured_shape(target, probe.seq).to_dict()
     kept = None
     if out_dir is not None:
         path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints

@@ -335,8 +335,18 @@ def validate_result(
         )
     _check_fit_on(fit_on)
     meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
-    recorded = recorded_cpu(tune_result)
+    raw = _raw(tune_result)
+    recorded = recorded_cpu(raw)
+    if cpu_threads is None and isinstance(raw, dict) and isinstance(raw.get("threads"), int):
+        cpu_threads = raw["threads"]  # time this CPU with the threads the probes ran with
     given = bool(cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None)
+    taken: list[Accelerator] = []  # what measure gave, before cover_measurements raises it
+
+    def measured(**kw: Any) -> Accelerator:
+        assert measure is not None
+        taken.append(measure(**kw))
+        return taken[-1]
+
     acc = validation_accelerator(
         meas,
         gpu=gpu,
@@ -344,7 +354,7 @@ def validate_result(
         cpu_bandwidth_gbs=cpu_bandwidth_gbs,
         cpu_threads=cpu_threads,
         recorded=recorded,
-        measure=measure,
+        measure=measured if measure is not None else None,
     )
     out = validate(meas, acc, fit_on=fit_on).to_dict()
     if gpu or meas.is_cuda or given:
@@ -355,27 +365,7 @@ def validate_result(
             f"step times predicted for this CPU's figures recorded with the measurements ({recorded.source})"
         )
         return out
-    # measured now: measure again to say how much this machine moves between runs
-    again = [measure(threads=cpu_threads) for _ in range(REMEASURE - 1)] if measure is not None else []
-    peaks = [acc.flops("fp32")] + [a.flops("fp32") for a in again]
-    bws = [acc.memory_bandwidth_bytes_per_s] + [a.memory_bandwidth_bytes_per_s for a in again]
-    moved: dict[str, Any] = {
-        "peak_flops": peaks,
-        "memory_bandwidth_bytes_per_s": bws,
-        "peak_spread": max(peaks) / min(peaks) - 1,
-        "bandwidth_spread": max(bws) / min(bws) - 1,
-    }
-    out["accelerator"]["figures"] = "measured now"
-    out["accelerator"]["remeasured"] = moved
-    out["warnings"].append(
-        f"this CPU's peak and bandwidth were measured now, not recorded with the measurements: {REMEASURE} "
-        f"measurements here gave {min(peaks) / 1e9:.1f}–{max(peaks) / 1e9:.1f} GFLOP/s "
-        f"({100 * moved['peak_spread']:.0f}% apart) and {min(bws) / 1e9:.1f}–{max(bws) / 1e9:.1f} GB/s "
-        f"({100 * moved['bandwidth_spread']:.0f}% apart), so the uncalibrated step-time error moves with the "
-        "machine's load from run to run (the calibrated figures are relative to the peak and move less); "
-        "for a repeatable figure give cpu_peak_gflops and cpu_bandwidth_gbs, or record them in the file "
-        '(an "accelerator" object with peak_flops and memory_bandwidth_bytes_per_s)'
-    )
+    _say_remeasured(out, (taken or [acc]) + _measure_again(measure, cpu_threads))
     return out
 
 
@@ -384,21 +374,26 @@ REMEASURE = 3
 all of them are reported, to show how much the machine moved."""
 
 
+def _raw(tune_result: str | Path | dict[str, Any] | list[Any]) -> Any:
+    """The result's JSON (a path, a folder holding result.json, or the loaded value); None if unreadable."""
+    if not isinstance(tune_result, (str, Path)):
+        return tune_result
+    path = Path(tune_result)
+    if path.is_dir():
+        path = path / "result.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def recorded_cpu(tune_result: str | Path | dict[str, Any] | list[Any]) -> Accelerator | None:
     """This CPU's figures recorded with the measurements, or None.
 
     Read from an ``accelerator`` object (``peak_flops`` — a number, or a dict by dtype with ``fp32`` —
     and ``memory_bandwidth_bytes_per_s``), as ``validate --json`` and a saved calibration write it.
     """
-    raw: Any = tune_result
-    if isinstance(raw, (str, Path)):
-        path = Path(raw)
-        if path.is_dir():
-            path = path / "result.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
+    raw: Any = _raw(tune_result)
     if not isinstance(raw, dict):
         return None
     a = raw.get("accelerator")
@@ -416,4 +411,33 @@ def recorded_cpu(tune_result: str | Path | dict[str, Any] | list[Any]) -> Accele
         flops_per_s=float(peak),
         bytes_per_s=float(bw),
         source=f"recorded: {float(peak) / 1e9:.1f} GFLOP/s, {float(bw) / 1e9:.1f} GB/s",
+    )
+
+
+def _measure_again(measure: Callable[..., Accelerator] | None, threads: int | None) -> list[Accelerator]:
+    """The CPU measured :data:`REMEASURE` − 1 more times (none without a measure function)."""
+    return [measure(threads=threads) for _ in range(REMEASURE - 1)] if measure is not None else []
+
+
+def _say_remeasured(out: dict[str, Any], runs: list[Accelerator]) -> None:
+    """Figures measured now: how much this machine moved between the measurements (``runs``: the measurements
+    themselves, not a peak raised to cover the points), in ``out`` and its warnings."""
+    peaks = [a.flops("fp32") for a in runs]
+    bws = [a.memory_bandwidth_bytes_per_s for a in runs]
+    moved: dict[str, Any] = {
+        "peak_flops": peaks,
+        "memory_bandwidth_bytes_per_s": bws,
+        "peak_spread": max(peaks) / min(peaks) - 1,
+        "bandwidth_spread": max(bws) / min(bws) - 1,
+    }
+    out["accelerator"]["figures"] = "measured now"
+    out["accelerator"]["remeasured"] = moved
+    out["warnings"].append(
+        f"this CPU's peak and bandwidth were measured now, not recorded with the measurements: {REMEASURE} "
+        f"measurements here gave {min(peaks) / 1e9:.1f}–{max(peaks) / 1e9:.1f} GFLOP/s "
+        f"({100 * moved['peak_spread']:.0f}% apart) and {min(bws) / 1e9:.1f}–{max(bws) / 1e9:.1f} GB/s "
+        f"({100 * moved['bandwidth_spread']:.0f}% apart), so the uncalibrated step-time error moves with the "
+        "machine's load from run to run (the calibrated figures are relative to the peak and move less); "
+        "for a repeatable figure give cpu_peak_gflops and cpu_bandwidth_gbs, or record them in the file "
+        '(an "accelerator" object with peak_flops and memory_bandwidth_bytes_per_s)'
     )

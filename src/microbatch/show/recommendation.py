@@ -36,24 +36,35 @@ def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> l
     return lines
 
 
-def _margin_text(d: Mapping[str, Any], why: str) -> str:
+def _line(d: Mapping[str, Any]) -> float | None:
+    """(1 − τ)·(1 + μ): the share of the reference the knee had to reach (rule fraction), else None."""
+    if d.get("rule") != "fraction":
+        return None
+    return (1 - float(d["tolerance"])) * (1 + float(d.get("bound_margin") or 0.0))
+
+
+def _margin_text(d: Mapping[str, Any], why: str, of: str = "it") -> str:
     """The line the knee had to clear, (1 − τ)·(1 + μ) of the reference, when rule fraction used μ."""
     mu = d.get("bound_margin")
-    if d.get("rule") != "fraction" or mu is None:
+    line = _line(d)
+    if line is None or mu is None:
         return ""
     tau = float(d["tolerance"])
-    return f"; the knee had to reach (1 − {tau:g})·(1 + {100 * mu:.1f}%) = {100 * (1 - tau) * (1 + mu):.1f}% of it ({why})"
+    return f"; the knee had to reach (1 − {tau:g})·(1 + {100 * mu:.1f}%) = {100 * line:.1f}% of {of} ({why})"
 
 
 def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
     bound = d.get("throughput_bound")
     if bound:
         on = bound["fitted_on"]
+        ref = d.get("reference_throughput")
+        below = ref is not None and ref > bound["throughput"] * (1 + 1e-12)  # the best measured beat it
         return [
             f"bound: no b_m past {on[-1]} runs faster than {bound['throughput']:,.1f} {unit} "
             f"(1 / the slope of step time against b_m, fitted on {', '.join(str(b) for b in on)}: "
             f"affine within {100 * bound['max_residual']:.1f}%)"
-            + _margin_text(d, "two standard errors of that fit")
+            + (f"; the best measured, {ref:,.1f} {unit}, is above it and is the reference" if below else "")
+            + _margin_text(d, "two standard errors of that fit", "the reference" if below else "it")
         ]
     if d.get("reference") == "bound" and d.get("rule") == "fraction":
         return [
@@ -69,9 +80,16 @@ def _noise_lines(d: Mapping[str, Any]) -> list[str]:
     same = [b for b in d.get("indistinguishable") or [] if b != d["micro_batch"]]
     out = []
     if same:
+        line = _line(d)
+        reached = line is None or float(d.get("fraction_of_reference") or 0.0) >= line - 1e-9
         out.append(
             f"indistinguishable at the measured noise: b_m {', '.join(str(b) for b in same)} (two standard "
-            f"errors of the medians); the knee is the least memory among them that reaches the line"
+            "errors of the medians); "
+            + (
+                "the knee is the least memory among them that reaches the line"
+                if reached
+                else "none reaches the line, so the knee is the fastest measured"
+            )
         )
     if d.get("bound_contradicted") is not None:
         out.append(
@@ -113,10 +131,17 @@ def render_recommendation(
             f"memory fit: {format_bytes(fit['intercept_bytes'])} + {format_bytes(fit['slope_bytes_per_sample'])}"
             f" × b_m (on b_m = {', '.join(str(b) for b in fit.get('fitted_on', []))})"
         )
-    if d.get("max_fitting_micro_batch") is not None:
+    most = d.get("max_fitting_micro_batch")
+    if most is not None:
         lines.append(
             f"largest b_m predicted to fit {format_bytes(d['memory_budget_bytes'])} with "
-            f"{100 * d['memory_headroom']:.0f}% headroom: {d['max_fitting_micro_batch']}"
+            f"{100 * d['memory_headroom']:.0f}% headroom: {most or 'none'}"
+            + (
+                f" (the knee, b_m = {d['micro_batch']}, was measured at {format_bytes(d['peak_memory_bytes'])}: "
+                "within the budget, not within the headroom the prediction keeps)"
+                if most < d["micro_batch"]
+                else ""
+            )
         )
     left = d.get("left_out") or []
     reasons: dict[str, list[str]] = {}
