@@ -105,7 +105,7 @@ def test_report_has_figures_and_pngs_of_expected_size(tmp_path):
     rep = build_report([_tune_result(), _pipeline_result()], tmp_path / "r.html")
     text = rep.html_path.read_text()
     assert text.count("<svg") >= 3  # throughput, memory, measured bubble diagram
-    for fid in ("fig-throughput-train", "fig-memory-train"):
+    for fid in ("fig-throughput-train-0", "fig-memory-train-0"):
         assert f"id='{fid}'" in text
     import re
 
@@ -175,7 +175,7 @@ def test_report_in_headless_chromium(tmp_path):
         flags + ["--dump-dom", rep.html_path.as_uri()], capture_output=True, text=True, timeout=90
     )
     assert dom.stdout.count("<svg") >= 3
-    assert 'id="fig-throughput-train"' in dom.stdout and 'id="fig-memory-train"' in dom.stdout
+    assert 'id="fig-throughput-train-0"' in dom.stdout and 'id="fig-memory-train-0"' in dom.stdout
 
 
 def _seconds_pipeline() -> dict:

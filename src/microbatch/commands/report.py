@@ -28,8 +28,10 @@ def cmd(
     results: tuple[str, ...], out_path: str, title: str, no_png: bool, force: bool, as_json: bool
 ) -> None:
     """Build the report from RESULTS: JSON files that the commands write with --json (or a
-    `tune --out` directory). tune, recommend, plan (one GPU or several), simulate, pipeline and
-    validate get figures and tables; any other command's result, a table of its fields.
+    `tune --out` directory). tune gets its throughput and memory figures and its points; recommend,
+    the table of its knee; plan (one GPU or several), its tables; simulate and pipeline, their
+    bubble diagrams; validate, predicted against measured; any other command's result, a table of
+    its fields. An interrupted tune says so, and every tune says why its search stopped.
 
     \b
     Example:
@@ -68,7 +70,11 @@ def cmd(
         as_json,
         lambda: (
             f"report written to {rep.html_path} ({', '.join(rep.sections)}); "
-            f"{len(rep.png_paths)} PNG figures beside it"
+            + (
+                f"{len(set(rep.png_paths))} PNG figures in {rep.png_paths[0].parent}"
+                if rep.png_paths
+                else "no PNG figures"
+            )
         ),
     )
 

@@ -11,6 +11,7 @@ Colours come from the one table in :mod:`microbatch.show.timeline`.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = [
     "Figure",
     "new_figure",
     "render_figure",
+    "prefix_svg_ids",
     "throughput_figure",
     "memory_figure",
     "timeline_figure",
@@ -89,10 +91,13 @@ def new_figure(size_in: tuple[float, float] = FIGURE_SIZE_IN, dpi: int = FIGURE_
 
 def render_figure(fig: MplFigure, name: str, title: str, png_dir: Path | None) -> Figure:
     """``fig`` as inline SVG text, and as ``png_dir/<name>.png`` when ``png_dir`` is given."""
+    import matplotlib
+
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None})
+    with matplotlib.rc_context({"svg.hashsalt": name}):  # the same figure, the same text
+        fig.savefig(buf, format="svg", metadata={"Date": None})
     svg = buf.getvalue()
-    svg = svg[svg.find("<svg") :]  # drop the XML prolog so the SVG can sit inline
+    svg = prefix_svg_ids(svg[svg.find("<svg") :], name)  # no XML prolog: the SVG sits inline
     png_path = None
     if png_dir is not None:
         png_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +111,23 @@ def render_figure(fig: MplFigure, name: str, title: str, png_dir: Path | None) -
     xlim = (float(axes[0].get_xlim()[0]), float(axes[0].get_xlim()[1])) if axes else None
     xlabel = axes[0].get_xlabel() if axes else ""
     return Figure(name=name, title=title, svg=svg, png_path=png_path, x_limits=xlim, x_label=xlabel)
+
+
+_SVG_ID = re.compile(r"""(\bid=["']|url\(#|href=["']#)([^"')]+)""")
+"""An element id in SVG text, where it is defined (``id="patch_1"``) or referred to (``url(#p1)``,
+``xlink:href="#DejaVuSans-31"``)."""
+
+
+def prefix_svg_ids(svg: str, prefix: str) -> str:
+    """``svg`` with every id it defines, and every reference to one, prefixed ``<prefix>-``: matplotlib
+    numbers its ids per file (``figure_1``, ``patch_1``, the glyphs ``DejaVuSans-31``), so two figures
+    inline in one HTML page would repeat them; with each figure's own prefix the page's ids are unique."""
+    defined = {m.group(2) for m in _SVG_ID.finditer(svg) if m.group(1).startswith("id")}
+
+    def one(m: re.Match[str]) -> str:
+        return m.group(1) + f"{prefix}-{m.group(2)}" if m.group(2) in defined else m.group(0)
+
+    return _SVG_ID.sub(one, svg)
 
 
 def _axes(fig: MplFigure) -> Axes:

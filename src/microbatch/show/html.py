@@ -29,11 +29,13 @@ from microbatch.envelope import MARK
 from microbatch.errors import ConfigError
 from microbatch.show.figures import FIGURE_SIZE_PX, Figure
 from microbatch.show.html_parts import CSS
+from microbatch.show.html_parts import bytes_column as _bytes_column
 from microbatch.show.html_parts import esc as _esc
-from microbatch.show.html_parts import gib as _gib
+from microbatch.show.html_parts import mem as _mem
 from microbatch.show.html_parts import name_of as _name
 from microbatch.show.html_parts import num as _num
 from microbatch.show.html_parts import pct as _pct
+from microbatch.show.html_parts import seconds_column as _seconds_column
 from microbatch.show.html_parts import table as _table
 from microbatch.show.html_sections import (
     comparison_section,
@@ -46,7 +48,7 @@ from microbatch.show.html_sections import (
 from microbatch.show.html_sections import exports_section as _exports_section
 from microbatch.show.plan_report import explain_result, fit_label
 
-__all__ = ["classify", "load_results", "build_report", "FIGURE_SIZE_PX", "Report"]
+__all__ = ["classify", "load_results", "check_result", "build_report", "FIGURE_SIZE_PX", "Report"]
 
 
 def classify(result: dict[str, Any]) -> str:
@@ -57,8 +59,36 @@ def classify(result: dict[str, Any]) -> str:
 
 def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]]:
     """Read result files (JSON; a directory means its ``result.json``), each with its kind; a
-    multi-GPU plan gives one result per accelerator (:func:`microbatch.records.load_results`)."""
-    return records.load_results(paths)
+    multi-GPU plan gives one result per accelerator (:func:`microbatch.records.load_results`).
+    A result the report cannot answer from is refused naming its file (:func:`check_result`)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for p in paths:
+        for kind, res in records.load_results([p]):
+            check_result(kind, res, source=str(p))
+            out.append((kind, res))
+    if not out:
+        return records.load_results([])  # its refusal: no results given
+    return out
+
+
+_NEEDED = {"tune": ("micro_batch", "points"), "recommend": ("micro_batch",)}
+"""The fields without which a kind of result has no answer to report: the knee and (a tune) the measured
+points. Other fields missing read ``—`` where they would be shown."""
+
+
+def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
+    """Refuse a ``tune`` or ``recommend`` result missing a field of :data:`_NEEDED` (null, or, for
+    ``points``, an empty list): ConfigError naming ``source``, the fields and the fix, before anything is
+    written. A report of such a file would say ``b_m = None``; tune never writes one (a search that
+    measured nothing is refused), so the file was cut short, edited, or written by something else."""
+    missing = [k for k in _NEEDED.get(kind, ()) if res.get(k) is None or res.get(k) == []]
+    if missing:
+        what = {"micro_batch": "no knee (micro_batch)", "points": "no measured points (points)"}
+        raise ConfigError(
+            f"{source}: a {kind} result with {' and '.join(what[k] for k in missing)}: missing, null or "
+            f"empty, so there is nothing to report; give the whole JSON a microbatch {kind} wrote (its JSON output, or the "
+            "result.json of its output folder)"
+        )
 
 
 def _plan_section(plan: dict[str, Any]) -> str:
@@ -76,7 +106,7 @@ def _plan_section(plan: dict[str, Any]) -> str:
             f"{_esc(rec.get('schedule'))}"
             + (f" (v = {_esc(rec.get('virtual'))})" if (rec.get("virtual") or 1) > 1 else "")
             + f", recompute {_esc(rec.get('recompute'))}, ZeRO {_esc(rec.get('zero'))}: bubble {_pct(rec.get('bubble_fraction'))}, "
-            f"peak {_gib(rec.get('peak_memory_bytes'))}, step {_num(rec.get('step_time_s'), '{:.3f}')} s, MFU {_pct(rec.get('mfu'))}.</p>"
+            f"peak {_mem(rec.get('peak_memory_bytes'))}, step {_num(rec.get('step_time_s'), '{:.3f}')} s, MFU {_pct(rec.get('mfu'))}.</p>"
         )
     parts += _plan_notes(plan, rec)
     parts += _candidates_table(cands, rec)
@@ -148,6 +178,8 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
         )
         shown.insert(at, rec)
     hi = next((i for i, c in enumerate(shown) if is_rec(c)), None)
+    peaks = _bytes_column([c.get("peak_memory_bytes") for c in shown])
+    unit, steps = _seconds_column([c.get("step_time_s") for c in shown], digits=3)
     rows = [
         [
             c.get("micro_batch"),
@@ -157,13 +189,13 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
             c.get("recompute"),
             c.get("zero"),
             _pct(c.get("bubble_fraction")),
-            _gib(c.get("peak_memory_bytes")),
+            peak,
             fit_label(c.get("fits"), c.get("fits_device")),
-            _num(c.get("step_time_s"), "{:.3f}"),
+            step,
             _num(c.get("tokens_per_s")),
             _pct(c.get("mfu")),
         ]
-        for c in shown
+        for c, peak, step in zip(shown, peaks, steps, strict=True)
     ]
     parts.append(
         _table(
@@ -177,7 +209,7 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
                 "bubble",
                 "peak memory",
                 "fits",
-                "step (s)",
+                f"step ({unit})",
                 "tokens/s",
                 "MFU",
             ],
@@ -207,7 +239,7 @@ _ORDER = {"tune": 0, "recommend": 0, "plan": 1, "simulate": 2, "pipeline": 3, "v
 def _section(kind: str, res: dict[str, Any], png_dir: Path | None, idx: int) -> tuple[str, list[Figure]]:
     """One result's HTML and figures."""
     if kind in ("tune", "recommend"):
-        return tune_section(res, png_dir, kind)
+        return tune_section(res, png_dir, kind, idx)
     if kind == "plan" and isinstance(res.get("plans"), list):  # a comparison across accelerators
         return comparison_section(res) + "".join(_plan_section(p) for p in res["plans"]), []
     if kind == "plan":
@@ -228,17 +260,23 @@ def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
         if kind in ("tune", "recommend") and r.get("micro_batch") is not None:
             g = f", g = {r['grad_accum']}" if r.get("grad_accum") is not None else ""
             what = f"{_name(r.get('model'))} {r.get('mode', '')}".strip() or kind
+            measured = len([p for p in r.get("points") or [] if not p.get("oom")])
+            stopped = (
+                f"; <b>interrupted</b>: chosen from the {measured} points measured before it stopped"
+                if r.get("interrupted")
+                else ""
+            )
             lines.append(
                 f"{what}: b_m = <b>{_esc(r['micro_batch'])}</b>{_esc(g)} (the knee; "
                 f"{_pct(r.get('fraction_of_best'))} of the best measured throughput, peak "
-                f"{_gib(r.get('peak_memory_bytes'))})"
+                f"{_mem(r.get('peak_memory_bytes'))}{stopped})"
             )
         elif kind == "plan" and r.get("recommended"):
             rec = r["recommended"]
             lines.append(
                 f"plan {_esc(_name(r.get('model')))} on {_esc(_name(r.get('gpu')))}: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, "
                 f"m = {_esc(rec.get('microbatches'))}, {_esc(rec.get('schedule'))}, bubble {_pct(rec.get('bubble_fraction'))}, "
-                f"peak {_gib(rec.get('peak_memory_bytes'))}"
+                f"peak {_mem(rec.get('peak_memory_bytes'))}"
             )
         elif kind == "pipeline" and isinstance(r.get("measured"), dict):
             # the prediction made before the run (the replay of the measured op times is a check, in its section)
@@ -275,6 +313,8 @@ def build_report(
             params=("out_path",),
         )
     items = [(classify(r), r) if isinstance(r, dict) else r for r in results]
+    for i, (kind, res) in enumerate(items):
+        check_result(kind, res, source=f"result {i + 1}")
     png_dir = out.with_name(out.stem + "-figures") if png else None
     figs: list[Figure] = []
     sections: list[str] = []
@@ -297,4 +337,22 @@ def build_report(
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc, encoding="utf-8")
-    return Report(html_path=out, png_paths=[f.png_path for f in figs if f.png_path], sections=sections)
+    pngs = [f.png_path for f in figs if f.png_path]
+    if png_dir is not None:
+        _drop_stale_pngs(png_dir, pngs)
+    return Report(html_path=out, png_paths=pngs, sections=sections)
+
+
+def _drop_stale_pngs(png_dir: Path, written: list[Path]) -> None:
+    """Remove the PNGs an earlier report wrote in ``png_dir`` (marked ours,
+    :func:`microbatch.envelope.is_ours`) that this one did not: the folder holds this report's figures,
+    as many as it says. A file not ours is left alone."""
+    from microbatch.envelope import is_ours
+
+    keep = {p.resolve() for p in written}
+    for p in png_dir.glob("*.png") if png_dir.is_dir() else ():
+        if p.is_file() and p.resolve() not in keep and is_ours(p):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:  # the report is written; an old figure left behind loses nothing
+                pass

@@ -7,13 +7,25 @@ Plain string functions with no state; :mod:`microbatch.show.html_sections` and
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from microbatch.show.figures import Figure
-from microbatch.units import format_bytes
+from microbatch.units import GIB, KIB, MIB, format_bytes
 
-__all__ = ["CSS", "esc", "table", "gib", "pct", "num", "name_of", "figure_html"]
+__all__ = [
+    "CSS",
+    "esc",
+    "table",
+    "gib",
+    "mem",
+    "bytes_column",
+    "seconds_column",
+    "pct",
+    "num",
+    "name_of",
+    "figure_html",
+]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1000px;color:#222;padding:0 1rem}
@@ -49,6 +61,48 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], highlight: int 
 def gib(b: float | None) -> str:
     """Bytes in GiB (one unit down a table's column), ``—`` for None."""
     return format_bytes(b, unit="GiB")
+
+
+def mem(b: float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1 (``232.10 MiB``,
+    ``3.00 GiB``), ``—`` for None: one value alone, where a column's shared unit does not apply."""
+    return format_bytes(b)
+
+
+_MAX_EXTRA_DIGITS = 4
+"""At most this many decimals more than a column's default, to keep distinct values distinct."""
+
+
+def _distinct(values: Sequence[float | None], render: Callable[[float, int], str], digits: int) -> list[str]:
+    """``render(v, d)`` for each value, with the fewest decimals ``d`` from ``digits`` up (at most
+    :data:`_MAX_EXTRA_DIGITS` more) that keep distinct values apart; ``—`` for None."""
+    real = sorted({v for v in values if v is not None})
+    d = digits
+    while d < digits + _MAX_EXTRA_DIGITS and len({render(v, d) for v in real}) < len(real):
+        d += 1
+    return ["—" if v is None else render(v, d) for v in values]
+
+
+def bytes_column(values: Sequence[float | None], digits: int = 2) -> list[str]:
+    """A table column of byte counts in one binary unit, chosen by the largest (GiB from 1 GiB, else
+    MiB, KiB): 232.10 MiB and 242.13 MiB stay apart rather than both ``0.23 GiB`` or ``0.24 GiB``;
+    more decimals where two distinct values would read the same. ``—`` for None."""
+    top = max((abs(v) for v in values if v is not None), default=0.0)
+    unit = "GiB" if top >= GIB else "MiB" if top >= MIB else "KiB" if top >= KIB else "B"
+    return _distinct(values, lambda v, d: format_bytes(v, digits=d, unit=unit), digits)
+
+
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3))
+"""Units of a column of times, largest first, with their length in seconds."""
+
+
+def seconds_column(values: Sequence[float | None], digits: int = 2) -> tuple[str, list[str]]:
+    """A table column of times given in seconds, in one unit chosen by the largest (s from 1 s, else
+    ms; s when there is none), and its unit for the header: 0.33 ms and 0.32 ms stay apart rather than both
+    ``0.0003`` s; more decimals where two distinct values would read the same. ``—`` for None."""
+    top = max((abs(v) for v in values if v is not None), default=0.0)
+    unit, scale = _TIME_UNITS[0] if top >= 1.0 or not top else _TIME_UNITS[1]
+    return unit, _distinct(values, lambda v, d: f"{v / scale:,.{d}f}", digits)
 
 
 def pct(x: float | None) -> str:

@@ -21,7 +21,17 @@ from microbatch.show.figures import (
     throughput_figure,
     timeline_figure,
 )
-from microbatch.show.html_parts import esc, figure_html, gib, name_of, num, pct, table
+from microbatch.show.html_parts import (
+    bytes_column,
+    esc,
+    figure_html,
+    mem,
+    name_of,
+    num,
+    pct,
+    seconds_column,
+    table,
+)
 from microbatch.show.pipeline_report import shared_span_ms
 from microbatch.show.timeline import Row, normalize_rows
 from microbatch.units import format_bytes
@@ -44,9 +54,12 @@ Section = tuple[str, list[Figure]]
 _MS_PER_S = 1e3
 
 
-def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune") -> Section:
-    """A measured curve (``tune``, or ``recommend`` on measurements made elsewhere): the answer,
-    the throughput and memory figures, and the table of points."""
+def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", idx: int = 0) -> Section:
+    """A measured curve (``tune``, or ``recommend`` on measurements made elsewhere): the answer and
+    how the search stopped (interrupted, a probe past its time limit), the throughput and memory
+    figures (named ``throughput-<mode>-<idx>``, ``memory-<mode>-<idx>``: ``idx`` is the result's
+    place on the page, so two curves never share a file), and the table of points; a result without
+    points (``recommend``), the table of its choice."""
     if kind == "tune":
         head = (
             f"Measured: {esc(name_of(t.get('model')))} — {esc(t.get('mode', 'train'))} "
@@ -54,45 +67,84 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune") ->
         )
     else:
         head = "Recommended from measurements"
-    ff = t.get("fastest_fitting") or {}
-    parts = [
-        f"<h2>{head}</h2>",
-        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} "
-        f"({pct(t.get('fraction_of_best'))} of best, peak {gib(t.get('peak_memory_bytes'))}). "
-        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))}, "
-        f"peak {gib(ff.get('peak_memory_bytes'))}. Rule: {esc(t.get('rule'))}, tolerance {esc(t.get('tolerance'))}"
-        + (
-            f", against the bound {num(t.get('reference_throughput'))} on any larger b_m "
-            f"({pct(t.get('fraction_of_reference'))} of it)."
-            if (
-                t.get("throughput_bound")
-                and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
-            )
-            else "."
-        )
-        + (f" g = {esc(t.get('grad_accum'))} for the global batch." if t.get("grad_accum") else "")
-        + "</p>",
-    ]
+    if t.get("interrupted"):
+        head += " — interrupted"
+    parts = [f"<h2>{head}</h2>", _knee_answer(t), _stopped(t)]
     figs: list[Figure] = []
     points = t.get("points") or []
     if points:
         mode = t.get("mode", "train")
         figs = [
-            render_figure(throughput_figure(t), f"throughput-{mode}", "Throughput and the knee", png_dir),
-            render_figure(memory_figure(t), f"memory-{mode}", "Memory against micro-batch", png_dir),
+            render_figure(
+                throughput_figure(t), f"throughput-{mode}-{idx}", "Throughput and the knee", png_dir
+            ),
+            render_figure(memory_figure(t), f"memory-{mode}-{idx}", "Memory against micro-batch", png_dir),
         ]
         parts += [figure_html(f) for f in figs]
-        rows = [
-            [
-                p["micro_batch"],
-                "OOM" if p.get("oom") else num(p.get("throughput")),
-                num(p.get("step_time_s"), "{:.4f}"),
-                gib(p.get("peak_memory_bytes")),
-            ]
-            for p in sorted(points, key=lambda p: p["micro_batch"])
-        ]
-        parts.append(table(["b_m", "throughput", "step (s)", "peak memory"], rows))
+        pts = sorted(points, key=lambda p: p["micro_batch"])
+        parts.append(
+            _points_table(
+                [[p["micro_batch"], "OOM" if p.get("oom") else num(p.get("throughput"))] for p in pts], pts
+            )
+        )
+    else:
+        chosen = [("knee", t), ("fastest that fits", t.get("fastest_fitting") or {})]
+        parts.append(
+            _points_table(
+                [[what, p.get("micro_batch"), num(p.get("throughput"))] for what, p in chosen],
+                [p for _, p in chosen],
+                first=("", "b_m", "throughput"),
+            )
+        )
     return "".join(parts), figs
+
+
+def _knee_answer(t: dict[str, Any]) -> str:
+    """The knee, the fastest that fits, the rule, and g where a global batch was given."""
+    ff = t.get("fastest_fitting") or {}
+    bounded = t.get("throughput_bound") and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
+    return (
+        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} "
+        f"({pct(t.get('fraction_of_best'))} of best, peak {mem(t.get('peak_memory_bytes'))}). "
+        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))}, "
+        f"peak {mem(ff.get('peak_memory_bytes'))}. Rule: {esc(t.get('rule') or '—')}, tolerance {num(t.get('tolerance'), '{:g}')}"
+        + (
+            f", against the bound {num(t.get('reference_throughput'))} on any larger b_m "
+            f"({pct(t.get('fraction_of_reference'))} of it)."
+            if bounded
+            else "."
+        )
+        + (f" g = {esc(t.get('grad_accum'))} for the global batch." if t.get("grad_accum") else "")
+        + "</p>"
+    )
+
+
+def _stopped(t: dict[str, Any]) -> str:
+    """How the search ended: interrupted (the knee is of the points measured so far) and why it stopped
+    (the search's own words: a settled knee, a probe past its time limit, out of memory...)."""
+    text = ""
+    if t.get("interrupted"):
+        n = len([p for p in t.get("points") or [] if not p.get("oom")])
+        text += (
+            f"<b>Interrupted</b> after {n} measured point{'s' if n != 1 else ''}: the knee is chosen from "
+            "the points measured so far, not from a finished search. "
+        )
+    if t.get("stop_reason"):
+        text += f"Stopped: {esc(str(t['stop_reason']).rstrip('.'))}."
+    return f"<p class='stopped'>{text.strip()}</p>" if text else ""
+
+
+def _points_table(
+    rows: list[list[Any]], pts: list[dict[str, Any]], first: tuple[str, ...] = ("b_m", "throughput")
+) -> str:
+    """``rows`` with each point's step time and peak memory, in one unit per column chosen by the
+    magnitude of the column (ms under a second, MiB under a GiB), so distinct values read distinct."""
+    unit, steps = seconds_column([p.get("step_time_s") for p in pts])
+    peaks = bytes_column([p.get("peak_memory_bytes") for p in pts])
+    return table(
+        [*first, f"step ({unit})", "peak memory"],
+        [[*r, step, peak] for r, step, peak in zip(rows, steps, peaks, strict=True)],
+    )
 
 
 def exports_section(plan: dict[str, Any]) -> str:
