@@ -130,6 +130,21 @@ PRESETS: dict[str, ModelShape] = {
         moe=Experts(experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1, dense_layers=3),
         mla=LatentAttention(kv_lora_rank=512, q_lora_rank=1536),
     ),
+    # HF configs (tests/data/published_runs.json cites them); left out: Qwen3's per-head q/k norms, GPT-OSS's
+    # expert biases and attention sinks. s = 4096, as the Megatron-Bridge rows ran them.
+    "qwen3-30b-a3b": replace(
+        _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 768, 151936, 4096),
+        head_size=128,
+        moe=Experts(experts=128, top_k=8, expert_ffn_hidden=768),
+    ),
+    "gpt-oss-120b": replace(
+        _llama("gpt-oss-120b", 36, 2880, 64, 8, 2880, 201088, 4096),
+        head_size=64,
+        bias=True,
+        sliding_window=128,
+        sliding_layers=18,
+        moe=Experts(experts=128, top_k=4, expert_ffn_hidden=2880),
+    ),
 }
 ALIASES = {
     "22b": "megatron-22b",

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from microbatch.model import get_model
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "tests" / "data" / "published_runs.json").read_text())
 DEV_TOLERANCE = 0.10
@@ -97,6 +99,7 @@ def test_megatron_bridge_moe_rows_load_sizes_match_and_each_gets_an_error():
     for name, table in sec["shapes"].items():
         shape = bench.moe_shape(name, 4096, table)
         assert shape.moe is not None
+        assert shape == get_model(name)  # the registry's entry is the shape the rows were predicted with
         assert shape.param_count() / 1e9 == pytest.approx(table["published_total_b"], rel=0.03), name
         # the active size as published: with the input embedding (Qwen3 3.3B, DeepSeek-V3 37B) or without it
         # (GPT-OSS's model card: 5.1B of our 5.7B; its embedding is 201,088 × 2,880 = 0.58B)
