@@ -236,9 +236,23 @@ def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[
     """One process: the micro-batches ``count_fn`` finds items in, and the total. One left out has none: its
     summed loss is 0 by definition, though a loss written as a masked mean × n would make it NaN (0/0) and
     poison every gradient. Not under DDP or FSDP, whose ranks must run the same forwards and backwards."""
-    counts = [to_float(as_number("count_fn(micro_batch)", count_fn(mb))) for mb in micro_batches]
+    values = [as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    counts = _floats(values)
     total = float(sum(counts))
     if not math.isfinite(total):
         raise ConfigError(f"count_fn gave a total of {total!r} items; counts must be finite and >= 0")
     kept = [mb for mb, n in zip(micro_batches, counts, strict=True) if n > 0]
     return (kept or list(micro_batches[:1])), total
+
+
+def _floats(values: Sequence[Any]) -> list[float]:
+    """Numbers and 1-element tensors as floats, the tensors read back in one transfer (one wait for the device,
+    not one per micro-batch) where they share a device."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    try:
+        read = iter(torch.stack([t.to(torch.float64) for t in tensors]).tolist())
+    except RuntimeError:  # on several devices: one read each
+        read = iter([to_float(t) for t in tensors])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
