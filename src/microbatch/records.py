@@ -349,12 +349,6 @@ def _model_of(
     )
     if seq is None and fshape is not None:
         notes.append(f"the file gives no seq: the points are taken as measured at {model}'s s = {fshape.seq}")
-    if fshape is not None and shape is not None and _geometry(fshape) != _geometry(shape):
-        raise ConfigError(
-            f"{label}: measured with {model} ({fshape.param_count():,} parameters), not {shape.name} "
-            f"({shape.param_count():,}); give the model it was measured with, or none (the file names it)",
-            params=("shape",),
-        )
     if fshape is None:
         if shape is None:
             raise ConfigError(
@@ -369,10 +363,16 @@ def _model_of(
     return fshape, model
 
 
-def _geometry(shape: ModelShape) -> tuple[Any, ...]:
-    """What makes two shapes the same model, whatever their names and sequence lengths."""
-    return (shape.layers, shape.hidden, shape.heads, shape.head_dim, shape.kv, shape.ffn, shape.vocab,
-            shape.gated_mlp, shape.bias, shape.norm, shape.moe, shape.mla)  # fmt: skip
+GEOMETRY = (
+    "layers", "hidden", "heads", "head_dim", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
+    "learned_positions", "moe", "mla",
+)  # fmt: skip
+"""Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
+
+
+def model_differences(a: ModelShape, b: ModelShape) -> list[str]:
+    """The :data:`GEOMETRY` fields where two shapes differ (none: the same model)."""
+    return [f for f in GEOMETRY if getattr(a, f) != getattr(b, f)]
 
 
 def _precision_and_device(

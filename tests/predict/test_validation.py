@@ -140,13 +140,16 @@ def test_a_result_of_another_model_is_refused_naming_both():
     from microbatch.model import ModelShape
     from microbatch.records import read_measurements
 
-    with pytest.raises(ConfigError, match=r"measured with small \(.* parameters\), not tiny"):
-        read_measurements(_cpu_result(), shape=get_model("tiny"))
-    assert read_measurements(_cpu_result(), shape=get_model("small", seq=64)).shape.name == "small"
+    def measure(threads=None):
+        return cpu_accelerator(flops_per_s=50e9, bytes_per_s=10e9, memory_bytes=8e9)
+
+    with pytest.raises(ConfigError, match=r"measured with small \(.* parameters\), not tiny \(layers 4 vs 2"):
+        validation.validate_result(_cpu_result(), shape=get_model("tiny"), measure=measure)
+    out = validation.validate_result(_cpu_result(), shape=get_model("small", seq=64), measure=measure)
+    assert out["rows"]  # the same model at another length is the same model
     wide = ModelShape(name="hd", layers=2, hidden=64, heads=16, head_size=32, vocab=300, seq=32)
     recorded = _cpu_result(model="llama_hd.json", model_shape=wide.to_dict())
     assert read_measurements(recorded).shape.q_width == 512  # a config's result carries its shape
+    narrow = ModelShape(name="narrow", layers=2, hidden=64, heads=4, vocab=300, seq=32)
     with pytest.raises(ConfigError, match="not narrow"):
-        read_measurements(
-            recorded, shape=ModelShape(name="narrow", layers=2, hidden=64, heads=4, vocab=300, seq=32)
-        )
+        validation.validate_result(recorded, shape=narrow, measure=measure)

@@ -25,7 +25,7 @@ from microbatch.predict.kernel_calibration import kernel_terms, measured_cpu_acc
 from microbatch.predict.memory import MemoryCalibration
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import check_zero
-from microbatch.records import load_json, read_measurements
+from microbatch.records import load_json, model_differences, read_measurements
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -37,17 +37,6 @@ __all__ = [
     "apply_calibration",
     "apply_microbench",
 ]
-
-_GEOMETRY = (
-    "layers", "hidden", "heads", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
-    "learned_positions",
-)  # fmt: skip
-"""Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
-
-
-def _same_model(a: ModelShape, b: ModelShape) -> list[str]:
-    """Geometry fields where the two shapes differ."""
-    return [f for f in _GEOMETRY if getattr(a, f) != getattr(b, f)]
 
 
 def load_calibration(
@@ -87,7 +76,7 @@ def load_calibration(
             else:
                 acc = ACCELERATORS[measured_on]
         cal = calibrate(meas, acc)
-    diff = _same_model(cshape, shape)
+    diff = model_differences(cshape, shape)
     if diff:
         msg = (
             f"calibration {label} was measured on model {cal.model} but the plan is for {shape.name} "

@@ -34,7 +34,7 @@ from microbatch.predict.calibrate import (
 )
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY
 from microbatch.predict.steptime import predict_step_time_s
-from microbatch.records import Measurements, read_measurements
+from microbatch.records import Measurements, model_differences, read_measurements
 from microbatch.units import MIB
 
 __all__ = [
@@ -335,6 +335,14 @@ def validate_result(
         )
     _check_fit_on(fit_on)
     meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
+    diff = model_differences(meas.shape, shape) if shape is not None else []
+    if diff and shape is not None:  # the file names the model it measured: another one given is a mistake
+        raise ConfigError(
+            f"{meas.source}: measured with {meas.model} ({meas.shape.param_count():,} parameters), not {shape.name} "
+            f"({', '.join(f'{f} {getattr(meas.shape, f)} vs {getattr(shape, f)}' for f in diff[:4])}); give the "
+            "model it was measured with, or none (the file names it)",
+            params=("shape",),
+        )
     raw = _raw(tune_result)
     recorded = recorded_cpu(raw)
     if cpu_threads is None and isinstance(raw, dict) and isinstance(raw.get("threads"), int):
