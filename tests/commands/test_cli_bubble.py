@@ -73,6 +73,31 @@ def test_bubble_zb_h1_says_default_times_and_is_a_third_of_1f1b(capsys):
     assert zb2["idle_time_per_stage"] == pytest.approx(3 * 1.5)
 
 
+def test_bubble_zb_h1_takes_the_m_pipeline_runs_and_simulates_below_p(capsys):
+    """One rule with pipeline, torch's ScheduleInterleavedZeroBubble's: m < p runs there (one round) and is
+    simulated here, where (p−1)(TF+TI−TW) does not hold; m = 5 at p = 2 (two rounds of uneven size), which
+    torch's class refuses, is refused here too (before: bubble refused m = 1 and took m = 5)."""
+    from microbatch.schedules.registry import generate
+    from microbatch.schedules.simulate import simulate
+    from microbatch.schedules.torch_order import torch_order
+
+    d = run_json(["bubble", "-p", "2", "-m", "1", "-s", "zb-h1"], capsys)
+    assert d["method"].startswith("simulation") and any("assumes m >= p" in n for n in d["notes"])
+    assert d["idle_time_per_stage"] == pytest.approx(2.0)  # the closed form would say 1
+    assert d["bubble_fraction"] == pytest.approx(2 / (2 + 3))
+    order = torch_order("zb-interleaved", 4, 2, 1)
+    ours = generate("zb-h1", 4, 2)
+    assert [[str(a) for a in r] for r in ours.actions] == [order[r] for r in range(4)]
+    sim = simulate(ours, forward_time=1, input_time=1, weight_time=1)
+    assert run_json(["bubble", "-p", "4", "-m", "2", "-s", "zb-h1"], capsys)[
+        "bubble_fraction"
+    ] == pytest.approx(sim.bubble_fraction)
+    code, _, err = run(["bubble", "-p", "2", "-m", "5", "-s", "zb-h1"], capsys)
+    assert (
+        code == 2 and "ScheduleInterleavedZeroBubble needs m to be a multiple of its number of rounds" in err
+    )
+
+
 # --- simulate ------------------------------------------------------------------------------
 
 
@@ -419,3 +444,12 @@ def test_simulate_dualpipev_closed_form_against_its_own_simulation(capsys, p, m,
         assert idle == pytest.approx([cf["idle_time_per_stage"]] * p)
     else:  # a lower bound outside T_W <= T_I
         assert min(idle) >= cf["idle_time_per_stage"] - 1e-9
+
+
+def test_simulate_states_zb_h1s_closed_form_only_where_it_holds(capsys):
+    """(p − 1)(T_F + T_I − T_W) is ZB-H1's idle at m >= p; below, torch runs one round and only the simulation
+    speaks (it had printed the form at m < p, where the simulated idle differs)."""
+    args = ["simulate", "--schedule", "zb-h1", "-p", "4", "--forward-time", "1", "--input-time", "1",
+            "--weight-time", "1", "--json"]  # fmt: skip
+    assert run_json([*args, "-m", "2"], capsys).get("closed_form") is None
+    assert run_json([*args, "-m", "8"], capsys)["closed_form"]["idle_time_per_stage"] == 3.0

@@ -139,6 +139,12 @@ def _what_to_run(
         notes.append(
             f"the {idle_form.label} closed form needs {idle_form.rule} (it is a lower bound otherwise): simulated"
         )
+    elif idle_form is not None and not idle_form.holds_at(stages, microbatches):
+        idle_closed = False
+        notes.append(
+            f"m = {microbatches} < p = {stages}: the {idle_form.label} closed form assumes m >= p; torch's order "
+            "(one round) simulated"
+        )
     closed = spec.fill_drain_holds(stages, microbatches) or idle_closed
     too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
     too_tall = diagram_rows_note(stages)
@@ -191,7 +197,11 @@ def _split_backward_bubble(
     else:
         assert sim is not None  # no closed form: simulated above
         idle = sum(sim.idle) / stages
-        result["method"] = "simulation (no closed form for this schedule)"
+        result["method"] = (
+            "simulation (no closed form for this schedule)"
+            if spec.idle_closed_form is None
+            else "simulation (the closed form does not hold here: see the notes)"
+        )
     result["times"] = {"forward": tf, "input": ti, "weight": tw}
     result["idle_time_per_stage"] = finite_time(idle, "the idle time per stage")
     result["bubble_fraction"] = idle / (idle + busy) if idle + busy > 0 else 0.0

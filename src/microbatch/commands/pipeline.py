@@ -41,13 +41,26 @@ __all__ = ["cmd"]
     + ", ".join(schedule_names(torch=True))
     + " (aliases: "
     + ", ".join(a for a in schedule_names(torch=True, aliases=True) if a not in schedule_names())
-    + ").",
+    + "). zb-h1 has no torch class of its own: torch runs it as its interleaved zero-bubble class "
+    "(ScheduleInterleavedZeroBubble) with one stage per rank, under that class's rule on m.",
 )
 @click.option(
-    "--virtual", "-v", type=int, default=None, help="v: stages per rank (default 1; zbv and dualpipev: 2)."
+    "--virtual",
+    "-v",
+    type=int,
+    default=None,
+    help="v: stages per rank (default 1; zbv and dualpipev: 2). p·v stages need p·v <= the model's layers "
+    "(a built-in model: its blocks + 2, the embedding and the head).",
 )
 @click.option(
-    "--model", default="tiny", show_default=True, help="Built-in model (tiny, small) or module:function."
+    "--model",
+    default="tiny",
+    show_default=True,
+    help="A built-in preset (tiny, small, gpt2, llama-2-7b, ...: every preset of microbatch.model, if it fits "
+    "the host's memory and the deadline) or module:function: a function of an importable module (every rank "
+    "imports it) that takes no arguments and returns the same nn.Module on every call (it is seeded with "
+    "--seed), a stack of layers — nn.Sequential, or embed/layers/head — that starts with an nn.Embedding and "
+    "maps token ids (b, s) to logits (b, s, V).",
 )
 @click.option(
     "--global-batch",
@@ -55,7 +68,7 @@ __all__ = ["cmd"]
     type=int,
     default=None,
     callback=check_batch_bound,
-    help="B: sequences per optimizer step (default m).",
+    help="B: sequences per optimizer step, a multiple of m (each micro-batch holds B/m; default m).",
 )
 @click.option("--seq", type=int, default=None, help="s: tokens per sequence (default: the model's).")
 @click.option(
@@ -67,7 +80,13 @@ __all__ = ["cmd"]
     "shown with its standard error: on a shared CPU one step's bubble moves by several points, so "
     "give more steps (e.g. 30 on a small model) to compare it with the prediction.",
 )
-@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
+@click.option(
+    "--backend",
+    type=click.Choice(["gloo", "nccl"]),
+    default="gloo",
+    show_default=True,
+    help="torch.distributed backend: gloo (CPU processes) or nccl (one GPU per rank).",
+)
 @click.option(
     "--balance",
     type=click.Choice(["params", "time"]),
@@ -76,7 +95,10 @@ __all__ = ["cmd"]
     help="Split layers by parameter count or by measured per-layer time.",
 )
 @click.option(
-    "--check-gradients", is_flag=True, help="Compare gradients with the unsplit model after step 1."
+    "--check-gradients",
+    is_flag=True,
+    help="Compare gradients with the unsplit model after step 1; a mismatch exits 1 (dropout in training "
+    "mode draws other masks in the reference, so it cannot match).",
 )
 @click.option(
     "--trace", type=click.Path(dir_okay=False), default=None, help="Write the timeline as a Chrome trace."
@@ -87,9 +109,16 @@ __all__ = ["cmd"]
     type=float,
     default=300.0,
     show_default=True,
-    help="Seconds before a stuck run is killed.",
+    help="Seconds each collective of the process group (gloo) may wait for a peer, at least 10; a local run "
+    "is killed after this plus 60 s of start-up in all, and one whose compute cannot finish by then is refused.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the weights (the same on every rank) and of the synthetic token batches, 0 to 2^32 − 1.",
+)
 @click.option(
     "--svg",
     "svg_path",
@@ -154,13 +183,13 @@ def cmd(
     from microbatch.commands._schedule_inputs import given_virtual, virtual_note
     from microbatch.run.pipeline.config import PipelineConfig
     from microbatch.run.pipeline.launch import under_torchrun
-    from microbatch.schedules.registry import torch_spec
+    from microbatch.schedules.registry import get_spec
     from microbatch.schedules.virtual import virtual_in_effect
     from microbatch.show.pipeline_report import render
 
-    spec = torch_spec(schedule)
+    spec = get_spec(schedule)  # the schedule asked (zb-h1 keeps its rule and name; torch's class runs it)
     virtual, note = virtual_in_effect(spec, given_virtual(virtual))  # a V holds exactly two per rank
-    notes = virtual_note(note, "pipeline")
+    notes = virtual_note(note, "pipeline") + _runs_as_note(spec.name)
     # every output path is checked before any process starts
     check_output_file(trace, "--trace", (".json",), force=force)
     check_output_file(svg_path, "--svg", (".svg",), force=force)
@@ -200,10 +229,13 @@ def cmd(
 
 
 def _note_uncalibrated(report: PipelineReport, cfg: PipelineConfig) -> None:
-    """Say why the memory table has no uncalibrated prediction, where it has none."""
+    """Say what the figures are (:func:`~microbatch.run.pipeline.summary.figure_notes`), and why the memory
+    table has no uncalibrated prediction, where it has none."""
     from microbatch.run.pipeline.memory import uncalibrated_gap
     from microbatch.run.pipeline.resolved import resolve
+    from microbatch.run.pipeline.summary import figure_notes
 
+    report.notes.extend(figure_notes(report))
     if not report.memory or any(row.uncalibrated_bytes is not None for row in report.memory):
         return
     why = uncalibrated_gap(resolve(cfg), list(report.layers_per_stage))
@@ -213,8 +245,22 @@ def _note_uncalibrated(report: PipelineReport, cfg: PipelineConfig) -> None:
         )
 
 
+def _runs_as_note(name: str) -> list[str]:
+    """A note where the schedule asked runs as another entry's torch class (zb-h1)."""
+    from microbatch.schedules.registry import get_spec, torch_spec
+
+    if get_spec(name).run_as is None:
+        return []
+    runner = torch_spec(name)
+    return [
+        f"{name} has no torch class of its own: torch runs it as its {runner.name} class {runner.torch_name} "
+        f"with one stage per rank, whose order is {name}'s"
+    ]
+
+
 def _end(report: PipelineReport, external: bool, failed: bool) -> None:
-    """End a torchrun rank; exit 130 after an interrupted run, 1 when an output could not be written."""
+    """End a torchrun rank; exit 130 after an interrupted run, 1 after a failed gradient check or when an
+    output could not be written."""
     if external:
         exit_past_teardown()
     if report.interrupted:
@@ -222,6 +268,14 @@ def _end(report: PipelineReport, external: bool, failed: bool) -> None:
 
         progress(f"interrupted: kept the {report.steps} step(s) of {report.steps_asked} every rank finished")
         raise click.exceptions.Exit(130)
+    if report.gradients_match is False:  # a failed check: the whole result is printed above
+        from microbatch.commands._common import progress
+
+        progress(
+            f"error: the gradients do not match the unsplit model (largest relative error "
+            f"{report.max_grad_rel_error:.2e}, tolerance {report.grad_tolerance:.0e})"
+        )
+        raise SystemExit(1)
     if failed:
         raise SystemExit(1)
 
@@ -308,12 +362,10 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
             report = run_resolved(run)
         except PipelineInterrupted as e:
             if lines.phase != "run" or e.report is None:
-                lines.interrupted(e.why)
-                raise
+                raise KeyboardInterrupt(lines.interrupted(e, run.cfg.steps)) from None
             report = replace(e.report, interrupted=True, steps_asked=e.asked)
         except KeyboardInterrupt:
-            lines.interrupted("")
-            raise
+            raise KeyboardInterrupt(lines.interrupted(None, run.cfg.steps)) from None
         finally:
             restore()
     return report if before is None else replace(report, before_run=before)
@@ -339,6 +391,8 @@ class _Lines:
         self.checked = False
         self.last_step: float | None = None
         """When the last step line was said (None: none yet in this run of ranks)."""
+        self.started = False
+        """Whether the ranks of the phase's run (a calibration's or the real one's) have started."""
 
     def say(self, text: str) -> None:
         from microbatch.commands._common import progress
@@ -348,6 +402,7 @@ class _Lines:
     def __call__(self, e: Any) -> None:
         if e.phase in ("check", "run"):  # said with the work that follows: a refusal stays one line
             self.phase = "run" if e.phase == "run" else self.phase or "check"
+            self.started = False
             return
         if not self.checked:
             self.checked = True
@@ -356,6 +411,7 @@ class _Lines:
             self.phase = e.phase
             self.say(self.LABELS[e.phase])
         elif e.phase == "start":
+            self.started = True
             what = "the run: " if self.phase == "run" else ""
             self.say(f"{what}{e.ranks} ranks started for {e.total} step(s)")
             self.last_step = None
@@ -368,17 +424,27 @@ class _Lines:
         elif e.phase == "summarise" and self.phase == "run":
             self.say("summarising the measured steps")
 
-    def interrupted(self, why: str) -> None:
-        """Say where a Ctrl-C came when it kept nothing of the run."""
+    def interrupted(self, e: Any, steps: int) -> str:
+        """Say where a Ctrl-C came when it kept nothing of the run, and return the message the command
+        ends with (after ``interrupted: ``). ``e``: the :class:`PipelineInterrupted` of a run of ranks
+        (its steps are that run's: a calibration's are not the run's), or None; ``steps``: the run's."""
         where = {
             "": "before the run",
             "check": "during the checks",
             "calibrate": "during the calibration run",
             "profile": "while profiling the stages",
             "calibrate_loaded": "during the loaded calibration run",
-            "run": "as the run's ranks started",
+            "run": "as the run's ranks started"
+            if self.started
+            else "during the run's checks, before its ranks started",
         }.get(self.phase, "before the run")
+        why = getattr(e, "why", "")
         self.say(f"interrupted {where}: no step of the run was measured" + (f" ({why})" if why else ""))
+        done = ""
+        if e is not None and self.phase in ("calibrate", "calibrate_loaded"):
+            kind = "loaded calibration" if self.phase == "calibrate_loaded" else "calibration"
+            done = f" ({e.steps} of the {kind} run's {e.asked} steps had finished)"
+        return f"{where}{done}; none of the run's {steps} step(s) was measured"
 
 
 def _marked_trace(trace: dict[str, Any]) -> dict[str, Any]:

@@ -228,7 +228,14 @@ def _closed_form(
         formula = "(p·v+m−1−v·m)/(p·v+m−1), one round at m < p" if one_round else "(p−1)/(v·m+p−1)"
         closed = {"bubble_fraction": fraction, "bubble_ratio": ratio, "formula": formula}
     form = spec.idle_closed_form
-    if spec.split_backward and form is not None and times.get("input_time") is not None:
+    if (
+        spec.split_backward
+        and form is not None
+        and times.get("input_time") is not None
+        and form.holds_at(
+            stages, microbatches
+        )  # ZB-H1's (p−1)(T_F+T_I−T_W) needs m >= p: one round is simulated
+    ):
         tf, ti, tw = times["forward_time"], times["input_time"], times["weight_time"] or 0.0
         closed = {"idle_time_per_stage": form.idle_time(stages, tf, ti, tw), "valid_when": form.valid_when}
         if form.exact_when is not None:

@@ -207,10 +207,16 @@ class IdleClosedForm:
     """When it holds, with the source, as ``simulate --json`` reports its ``valid_when``."""
     source: str = ""
     """The source, short (``Qi et al. 2024, Table 2``)."""
+    microbatches_per_rank: int = 1
+    """The closed form holds from m >= this × p micro-batches (the source's assumption: ZB-H1 m >= p)."""
 
     def holds(self, forward_time: float, input_time: float, weight_time: float) -> bool:
         """True where the closed form is exact for these times (:attr:`exact_when`)."""
         return self.exact_when is None or self.exact_when(forward_time, input_time, weight_time)
+
+    def holds_at(self, stages: int, microbatches: int) -> bool:
+        """True where the closed form describes (p, m): m >= :attr:`microbatches_per_rank` × p."""
+        return microbatches >= self.microbatches_per_rank * stages
 
 
 def _zb_h1_idle(stages: int, forward_time: float, input_time: float, weight_time: float) -> float:
@@ -220,8 +226,9 @@ def _zb_h1_idle(stages: int, forward_time: float, input_time: float, weight_time
 ZB_H1_IDLE = IdleClosedForm(
     idle_time=_zb_h1_idle,
     method="closed form: Qi et al. 2024 (Zero Bubble PP), Table 2",
-    valid_when="T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
+    valid_when="m >= p, T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
     source="Qi et al. 2024, Table 2",
+    label="ZB-H1",
 )
 """ZB-H1's idle (p−1)(T_F + T_I − T_W) (:func:`zb_idle_time`)."""
 
@@ -239,6 +246,7 @@ DUALPIPEV_IDLE = IdleClosedForm(
         "as torch runs it)"
     ),
     source="DeepSeek-V3 report, sec 3.2.1",
+    microbatches_per_rank=2,
 )
 """DualPipeV's idle per rank as torch runs it (:func:`dualpipev_idle_time`)."""
 
@@ -310,7 +318,8 @@ def zb_h1_step_time(
     stages: int, microbatches: int, virtual: int, times: StageTimesLike
 ) -> tuple[float, float]:
     """ZB-H1: m·T_k plus the idle (p−1)·max(0, T_F + T_I − T_W) of the bottleneck rank
-    (:func:`zb_idle_time`, floored at 0)."""
+    (:func:`zb_idle_time`, floored at 0), for m >= p (Table 2's assumption; at m < p the registry
+    simulates: :func:`microbatch.schedules.simulate.zb_h1_flush_time`)."""
     idle = max(0.0, _zb_h1(stages, times.fk, times.ik, times.wk))
     total = microbatches * times.Tk + idle
     return total, idle / total

@@ -91,13 +91,16 @@ def zb_h1_order(p: int, m: int, v: int) -> list[list[Action]]:
     gradient, deferrable). Rank r keeps 1F1B's warm-up (p−r forwards before its first I), then
     runs cycles "I, W, F"; rank r holds back r+1 of its W passes so that they fill the
     cool-down bubble at the end. With T_W <= T_F and T_W <= T_I the idle time per rank is
-    (p−1)(T_F + T_I − T_W): a third of 1F1B's when the three times are equal. For m >= p its
-    order equals torch's ScheduleInterleavedZeroBubble run with one stage per rank (tested);
-    unlike that class it also serves an m that is not a multiple of max(1, m // p).
+    (p−1)(T_F + T_I − T_W): a third of 1F1B's when the three times are equal. Its order equals
+    torch's ScheduleInterleavedZeroBubble run with one stage per rank (tested), which runs it; with
+    m < p (fewer micro-batches than 1F1B's warm-up) it is that class's one round,
+    :func:`zb_interleaved_order` at v = 1 (the closed form does not hold there).
     """
+    if m < p:
+        return zb_interleaved_order(p, m, 1)
     out: list[list[Action]] = []
     for r in range(p):
-        nf = p - r  # m >= p is checked
+        nf = p - r  # m >= p here
         acts = [Action(r, "F", i) for i in range(nf)]
         held = r + 1  # W passes deferred to the tail
         for k in range(m):

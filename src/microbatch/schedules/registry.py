@@ -26,7 +26,6 @@ from microbatch.schedules.closed_forms import (
     PipelineTime,
     dualpipev_step_time,
     fill_drain_step_time,
-    zb_h1_step_time,
 )
 from microbatch.schedules.generators import (
     dualpipev_order,
@@ -53,6 +52,7 @@ from microbatch.schedules.rules import (
     one_f_one_b_in_flight,
     zb_h1_in_flight,
 )
+from microbatch.schedules.simulate import zb_h1_flush_time
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -447,7 +447,7 @@ register_schedule(
         in_flight=zb_h1_in_flight,
         run_as="zb-interleaved",
         idle_closed_form=ZB_H1_IDLE,
-        step_time=zb_h1_step_time,
+        step_time=zb_h1_flush_time,
     )
 )
 register_schedule(

@@ -35,6 +35,7 @@ __all__ = [
     "need_whole_rounds",
     "one_f_one_b_in_flight",
     "zb_h1_in_flight",
+    "ZB_H1_TORCH_CLASS",
 ]
 
 Check = Callable[[int, int, int], None]
@@ -46,15 +47,20 @@ InFlightRule = Callable[[int, int, int, int], int]
 # -- servability -----------------------------------------------------------------------------
 
 
-def need_single_stage(name: str, torch_name: str | None) -> Check:
-    """A check refusing v != 1: the schedule runs one stage per rank."""
+def need_single_stage(
+    name: str, torch_name: str | None, *, owner: str = "", instead: str = "interleaved-1f1b"
+) -> Check:
+    """A check refusing v != 1: the schedule runs one stage per rank. ``owner``: why, in words (default:
+    torch's class ``torch_name`` does so); ``instead``: the schedule named for several stages per rank."""
 
     def check(p: int, m: int, v: int) -> None:
         if v != 1:
-            owner = f"as torch's {torch_name} does" if torch_name else "it has a single stage per rank"
+            why = owner or (
+                f"as torch's {torch_name} does" if torch_name else "it has a single stage per rank"
+            )
             raise ScheduleError(
-                f"virtual = {v}: {name} runs one stage per rank ({owner}); "
-                "use virtual 1, or schedule interleaved-1f1b for several stages per rank",
+                f"virtual = {v}: {name} runs one stage per rank ({why}); "
+                f"use virtual 1, or schedule {instead} for several stages per rank",
                 params=("virtual", "schedule"),
             )
 
@@ -93,15 +99,25 @@ def need_whole_rounds(torch_name: str) -> Check:
     return check
 
 
+ZB_H1_TORCH_CLASS = "ScheduleInterleavedZeroBubble"
+"""torch has no ZB-H1 class of its own: its interleaved zero-bubble class (ZB1P) with one stage per rank
+runs ZB-H1's order (the registry's ``run_as``; tested)."""
+
+
 def check_zb_h1(p: int, m: int, v: int) -> None:
-    """ZB-H1: one stage per rank and m >= p (it keeps 1F1B's warm-up)."""
-    need_single_stage("zb-h1", None)(p, m, v)
-    if m < p:
-        raise ScheduleError(
-            f"microbatches = {m} < stages = {p}: zb-h1 needs m >= p (it keeps 1F1B's warm-up, and torch's "
-            f"Schedule1F1B has the same rule); use microbatches {p} or more",
-            params=("microbatches", "stages"),
-        )
+    """ZB-H1 as torch runs it: its :data:`ZB_H1_TORCH_CLASS` with one stage per rank, under that class's
+    rule on m (a multiple of its max(1, m // p) rounds; any m < p is one round). One rule for every
+    command: ``bubble`` computes what ``pipeline`` can run. torch 2.13 checked by running: p = 2, m = 1
+    runs (gradients equal to the unsplit model's); m = 5 raises ValueError in the class's constructor.
+    At m < p the order is torch's one round (:func:`microbatch.schedules.generators.zb_h1_order`) and
+    the (p−1)(T_F+T_I−T_W) closed form does not hold (it is simulated)."""
+    need_single_stage(
+        "zb-h1",
+        None,
+        owner=f"torch runs it as its interleaved zero-bubble class {ZB_H1_TORCH_CLASS} with one stage per rank",
+        instead="interleaved-1f1b or zb-interleaved (its interleaved form)",
+    )(p, m, v)
+    need_whole_rounds(ZB_H1_TORCH_CLASS)(p, m, v)
 
 
 def check_zbv(p: int, m: int, v: int) -> None:

@@ -25,11 +25,13 @@ from microbatch.schedules.action import Action, Schedule
 from microbatch.schedules.closed_forms import (
     DUALPIPEV_CLOSED_FORM_RULE,
     ZB_IDLE_SCHEDULES,
+    StageTimesLike,
     bubble_fraction,
     bubble_ratio,
     dualpipev_closed_form_holds,
     dualpipev_idle_time,
     non_negative_time,
+    zb_h1_step_time,
     zb_idle_time,
 )
 
@@ -43,6 +45,7 @@ __all__ = [
     "dualpipev_closed_form_holds",
     "dualpipev_idle_time",
     "simulate",
+    "zb_h1_flush_time",
     "zb_idle_time",
 ]
 
@@ -429,3 +432,28 @@ def _result(
         peak_in_flight_chunks=tuple(peaks),
         comm_time=comm,
     )
+
+
+def zb_h1_flush_time(
+    stages: int, microbatches: int, virtual: int, times: StageTimesLike
+) -> tuple[float, float]:
+    """ZB-H1's step-time form for the planner (:data:`~microbatch.schedules.closed_forms.PipelineTime`):
+    the closed form :func:`~microbatch.schedules.closed_forms.zb_h1_step_time` at m >= p; at m < p,
+    where torch runs one round and Table 2's form does not hold, the event simulation of that order
+    (:func:`~microbatch.schedules.generators.zb_interleaved_order` at v = 1) on the per-stage times:
+    3·m·p actions, fewer than 3p²."""
+    if microbatches >= stages:
+        return zb_h1_step_time(stages, microbatches, virtual, times)
+    from microbatch.schedules.generators import zb_interleaved_order
+
+    order = zb_interleaved_order(stages, microbatches, 1)
+    sched = Schedule(
+        name="zb-h1",
+        stages=stages,
+        microbatches=microbatches,
+        virtual=1,
+        placement="loop",
+        actions=tuple(tuple(r) for r in order),
+    )
+    sim = simulate(sched, forward_time=list(times.f), input_time=list(times.i), weight_time=list(times.w))
+    return sim.makespan, sim.bubble_fraction

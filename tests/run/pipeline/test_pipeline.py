@@ -120,7 +120,8 @@ def test_placement():
 
 
 def test_the_runner_reads_names_aliases_and_torch_classes_from_the_registry():
-    assert PipelineConfig(schedule="zb-h1", stages=2, microbatches=4).schedule == "zb-interleaved"
+    assert PipelineConfig(schedule="zb-h1", stages=2, microbatches=4).schedule == "zb-h1"  # the name asked
+    assert resolve(PipelineConfig(schedule="zb-h1", stages=2, microbatches=4)).spec.name == "zb-interleaved"
     assert PipelineConfig(schedule="ZB-V", stages=2, microbatches=4, virtual=2).schedule == "zbv"
     assert PipelineConfig(schedule="interleaved", stages=2, microbatches=4, virtual=2).schedule == (
         "interleaved-1f1b"

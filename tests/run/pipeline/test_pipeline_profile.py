@@ -449,13 +449,16 @@ def test_the_bubble_predicted_before_a_run_is_held_to_the_bubble_the_run_measure
     [("zb-h1", 1, "zb-h1"), ("zb-interleaved", 1, "zb-h1"), ("zb-interleaved", 2, None), ("1f1b", 1, "1f1b")],
 )
 def test_the_resolved_run_names_the_schedule_once_and_finds_its_in_flight_rule(schedule, virtual, rule):
-    """zb-h1 runs as torch's interleaved zero bubble: the config says so once (no name back again);
-    the in-flight rule is found through the registry's run_as (ZB-H1's rule at v = 1 only)."""
+    """zb-h1 runs as torch's interleaved zero bubble: the config keeps the name asked, the resolved run
+    the entry whose class runs it; the in-flight rule is found through the registry's run_as (ZB-H1's
+    rule at v = 1 only)."""
     from microbatch.run.pipeline.resolved import resolve
+    from microbatch.schedules.registry import torch_spec
 
     cfg = PipelineConfig(schedule=schedule, stages=2, microbatches=4, virtual=virtual)
     run = resolve(cfg)
-    assert cfg.schedule == run.spec.name and run.torch_class == run.spec.torch_name
+    assert cfg.schedule == schedule and run.spec.name == torch_spec(schedule).name
+    assert run.torch_class == run.spec.torch_name
     assert (run.rule.name if run.rule else None) == rule
     assert resolve(cfg) is run  # derived once
     assert list(run.placement) == [s % 2 for s in range(2 * virtual)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from microbatch.errors import ConfigError
 from microbatch.model import PRESETS, get_model
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.rank import build_full_model, params_split
@@ -42,9 +43,10 @@ def test_the_resolved_split_is_the_split_of_the_built_model(model, stages, virtu
 
 def test_no_split_is_resolved_where_it_needs_the_built_model_or_a_timing():
     """A factory's layers are known only once it is built; a split by time only once rank 0 has timed
-    them; a model shallower than p·v stages is refused later, by the launcher's check."""
+    them; a built-in model shallower than p·v stages is refused by the config itself, before the rule on m."""
     assert (
         resolve(PipelineConfig(model="microbatch.run.pipeline.calibrate:calibration_model_8")).split is None
     )
     assert resolve(PipelineConfig(model="small", balance="time")).split is None
-    assert resolve(PipelineConfig(model="tiny", stages=5, microbatches=8)).split is None
+    with pytest.raises(ConfigError, match=r"5 stages \(p·v = 5·1\) but model tiny has only 4 layers"):
+        PipelineConfig(model="tiny", stages=5, microbatches=8)

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from microbatch.errors import ConfigError, check_positive_int, whole_number
-from microbatch.schedules.registry import check_servable, torch_spec
+from microbatch.schedules.registry import MAX_STAGES, check_servable, get_spec, torch_spec
 
-__all__ = ["FACTORY_SEQ", "STARTUP_S", "PipelineConfig", "config_from_dict"]
+if TYPE_CHECKING:
+    from microbatch.model import ModelShape
+
+__all__ = [
+    "FACTORY_SEQ",
+    "STARTUP_S",
+    "PipelineConfig",
+    "builtin_shape",
+    "check_enough_layers",
+    "config_from_dict",
+]
 
 STARTUP_S = 60.0
 """Allowance for starting Python and importing torch in every worker, added to ``timeout_s`` for the
@@ -31,8 +41,9 @@ class PipelineConfig:
 
     schedule: str = "1f1b"
     """Schedule name or alias from :mod:`microbatch.schedules.registry` that torch can run: gpipe,
-    1f1b, interleaved-1f1b, zb-interleaved (torch's ZB1P; zb-h1 runs as it with v = 1) or zbv.
-    Stored as the name of the schedule torch runs."""
+    1f1b, interleaved-1f1b, zb-h1, zb-interleaved (torch's ZB1P), zbv or dualpipev. Stored as the
+    registry's name of the schedule asked (``zb-h1``, never the name of the class's entry it runs as:
+    :attr:`microbatch.run.pipeline.resolved.ResolvedRun.spec` is that one)."""
     stages: int = 2
     """p: pipeline ranks (processes)."""
     microbatches: int = 4
@@ -68,7 +79,8 @@ class PipelineConfig:
     """Collective timeout of the process group and the launcher's deadline for the whole run."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", torch_spec(self.schedule).name)
+        object.__setattr__(self, "schedule", get_spec(self.schedule).name)
+        runner = torch_spec(self.schedule)  # refuses a schedule torch has no class for
         check_positive_int("microbatches", self.microbatches, fix="give microbatches 1 or more")
         check_positive_int("virtual", self.virtual, fix="give virtual 1 or more stages per rank")
         check_positive_int("steps", self.steps, fix="give steps 1 or more")
@@ -108,7 +120,16 @@ class PipelineConfig:
                 "300 (the default) or more for a long run",
                 params=("timeout_s",),
             )
+        if ":" not in self.model and self.stages <= MAX_STAGES:  # a built-in model: layers before m's rule
+            shape = builtin_shape(self.model, self.seq)
+            check_enough_layers(
+                self, shape.layers + 2, f"model {self.model} has", f"(embedding, {shape.layers} blocks, head)"
+            )
+        # the schedule's own rule, the one `bubble` applies too (zb-h1's is torch's class's rule at v = 1),
+        # then the rule of the class that runs it where that is another entry's
         check_servable(self.schedule, self.stages, self.microbatches, self.virtual)
+        if runner.name != self.schedule:
+            check_servable(runner.name, self.stages, self.microbatches, self.virtual)
 
     @property
     def batch(self) -> int:
@@ -138,6 +159,40 @@ class PipelineConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the form :func:`config_from_dict` reads back)."""
         return asdict(self)
+
+
+def builtin_shape(model: str, seq: int | None) -> ModelShape:
+    """The built-in model ``model`` at ``seq`` tokens (None: its own); an unknown name is refused with
+    what a pipeline run takes: a preset it builds, or a ``module:function`` factory (it builds the model
+    it trains, so a shape or a Hugging Face config.json alone is not enough)."""
+    from microbatch.model import PRESETS, get_model
+
+    try:
+        return get_model(model, seq=seq)
+    except ConfigError:
+        pass
+    file = model.endswith(".json") or "/" in model or "\\" in model
+    raise ConfigError(
+        f"model {model!r} is "
+        + ("a file, not a preset or a factory" if file else "neither a built-in preset nor module:function")
+        + "; the run builds and trains the network itself, so give a built-in preset ("
+        + ", ".join(PRESETS)
+        + ") or module:function, a function of your module that takes no arguments and returns the network "
+        "as a stack of layers (nn.Sequential, or embed/layers/head) mapping token ids (b, s) to logits "
+        "(b, s, V); a Hugging Face config.json or a shape alone cannot be trained here",
+        params=("model",),
+    )
+
+
+def check_enough_layers(cfg: PipelineConfig, units: int, what: str, detail: str = "") -> None:
+    """Refuse p·v stages for a model of ``units`` layers to split (each stage needs at least one);
+    ``what``: the model and its verb (``model tiny has``), ``detail``: what the layers are."""
+    if cfg.total_stages > units:
+        raise ConfigError(
+            f"{cfg.total_stages} stages (p·v = {cfg.stages}·{cfg.virtual}) but {what} only {units} layers "
+            f"to split{' ' + detail if detail else ''}; each stage needs at least one; use p·v <= {units} or "
+            "a deeper model"
+        )
 
 
 def config_from_dict(d: dict[str, Any]) -> PipelineConfig:

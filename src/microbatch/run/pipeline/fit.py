@@ -21,6 +21,7 @@ from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
+    "ATTENTION_PROBE_SEQ",
     "MAX_SEED",
     "MAX_TIMEOUT_S",
     "MIN_TIMEOUT_S",
@@ -28,6 +29,8 @@ __all__ = [
     "check_factory_forward",
     "check_seed",
     "check_timeout",
+    "attention_flops",
+    "attention_flops_per_s",
     "available_host_bytes",
     "check_duration",
     "check_fits",
@@ -314,32 +317,97 @@ def gemm_flops_per_s(n: int = 384, repeats: int = 5) -> float:
     return 2.0 * n**3 / max(best, 1e-9)
 
 
-def min_run_s(run: ResolvedRun, flops_per_s: float) -> tuple[float, float, int] | None:
+ATTENTION_PROBE_SEQ = 8192
+"""Longest sequence :func:`attention_flops_per_s` times (one head). Causal attention's rate on a CPU grows
+with s towards a plateau: forward and backward at head size 16 on one core of the 2-core dev VM ran
+66, 76, 82 and 84 GFLOP/s (full-matrix count) at s = 2,048, 4,096, 8,192 and 16,384 (2026-12-04), so at
+this length the rate is within a few percent of a longer sequence's; one repeat at head size 128 is
+1e11 FLOPs, about a second, spent only by runs that long."""
+
+
+def attention_flops_per_s(head_dim: int, seq: int, repeats: int = 2) -> float:
+    """This machine's single-thread rate of causal attention (``F.scaled_dot_product_attention``, forward
+    and backward), in the FLOPs :func:`microbatch.predict.roofline.model_flops_per_step` counts for it
+    (the full s×s matrix: 3 × 4·n²·d per head): one head of ``head_dim`` at n = min(``seq``,
+    :data:`ATTENTION_PROBE_SEQ`), the best of ``repeats``. Much under the matrix-product rate of
+    :func:`gemm_flops_per_s` (a quarter to two thirds of it on the dev VM), which is why a long sequence's
+    attention is timed at this rate, not at that one."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    n, d = max(16, min(int(seq), ATTENTION_PROBE_SEQ)), max(1, int(head_dim))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            q, k, v = (torch.randn(1, 1, n, d, requires_grad=True) for _ in range(3))
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first warms up
+            t0 = time.perf_counter()
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.backward(y, torch.ones_like(y))
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 12.0 * n * n * d / max(best, 1e-9)
+
+
+def attention_flops(run: ResolvedRun) -> float:
+    """FLOPs of the run's steps in attention's s² work (QKᵀ and ·V, forward and backward), in
+    :func:`microbatch.predict.roofline.model_flops_per_step`'s count: steps × 3 × L × 2·B·s·span·(qk + v)."""
+    from microbatch.predict.attention_core import attention_span
+    from microbatch.predict.experts import attention_widths
+
+    cfg, shape = run.cfg, run.shape
+    if shape is None:
+        return 0.0
+    qk, v = attention_widths(shape)
+    rows = cfg.batch * shape.seq
+    return cfg.steps * 3.0 * shape.layers * 2.0 * rows * attention_span(shape, shape.seq) * (qk + v)
+
+
+def min_run_s(
+    run: ResolvedRun, flops_per_s: float, attention_per_s: float | None = None
+) -> tuple[float, float, int] | None:
     """A lower bound on the run's compute seconds: (seconds, FLOPs, cores) for a built-in model on the
-    CPU, None otherwise. Half the steps' model FLOPs
-    (:func:`microbatch.predict.roofline.model_flops_per_step`) over min(p, usable cores) cores at
-    ``flops_per_s`` each."""
+    CPU, None otherwise, over min(p, usable cores) cores: half the steps' matrix-product FLOPs
+    (:func:`microbatch.predict.roofline.model_flops_per_step` less :func:`attention_flops`) at
+    ``flops_per_s`` each, plus the attention's s² FLOPs at ``attention_per_s`` (default ``flops_per_s``):
+    attention runs far slower than a matrix product, and at s = 100,000 on tiny it is almost all the
+    work (a step took about 800 s where the matrix-product rate alone bounded it at 149 s)."""
     cfg, shape = run.cfg, run.shape
     if shape is None or cfg.backend != "gloo":
         return None
     from microbatch.predict.roofline import model_flops_per_step
 
-    flops = cfg.steps * model_flops_per_step(shape, cfg.batch, shape.seq) / 2
+    flops = cfg.steps * model_flops_per_step(shape, cfg.batch, shape.seq)
+    attention = min(flops, attention_flops(run))
     cores = max(1, min(cfg.stages, usable_cores()))
-    return flops / (cores * flops_per_s), flops, cores
+    rate = attention_per_s or flops_per_s
+    return ((flops - attention) / 2 / flops_per_s + attention / rate) / cores, flops, cores
 
 
 def check_duration(
-    run: ResolvedRun, *, flops_per_s: float | None = None, deadline_s: float | None = None
+    run: ResolvedRun,
+    *,
+    flops_per_s: float | None = None,
+    deadline_s: float | None = None,
+    attention_per_s: float | None = None,
 ) -> None:
     """Refuse a run whose compute alone (:func:`min_run_s`) would pass its deadline (``deadline_s``,
     default ``--timeout`` plus the launcher's start-up allowance): it would be killed there, after
-    that long, with nothing."""
+    that long, with nothing. Rates not given are measured (:func:`gemm_flops_per_s`,
+    :func:`attention_flops_per_s`); with ``flops_per_s`` given alone, attention is taken at it too."""
     cfg, shape = run.cfg, run.shape
     if shape is None or cfg.backend != "gloo":
         return
-    rate = gemm_flops_per_s() if flops_per_s is None else flops_per_s
-    est = min_run_s(run, rate)
+    if flops_per_s is None:
+        flops_per_s = gemm_flops_per_s()
+        attention_per_s = attention_per_s or attention_flops_per_s(shape.head_dim, shape.seq)
+    rate = attention_per_s or flops_per_s
+    est = min_run_s(run, flops_per_s, rate)
     if est is None:
         return
     seconds, flops, cores = est
@@ -347,8 +415,9 @@ def check_duration(
     if seconds > deadline:
         raise ConfigError(
             f"{cfg.steps} step(s) of model {cfg.model} (B = {cfg.batch}, s = {shape.seq}) are "
-            f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {rate / 1e9:.3g} "
-            f"GFLOP/s each, past the deadline of {deadline:.0f} s ({why or 'given'}); lower steps, seq or global_batch, or raise "
+            f"{flops:.3g} FLOPs: at least {seconds:.3g} s on {cores} cores at the measured {flops_per_s / 1e9:.3g} "
+            f"GFLOP/s each ({rate / 1e9:.3g} GFLOP/s for attention's {attention_flops(run):.3g} FLOPs), past the "
+            f"deadline of {deadline:.0f} s ({why or 'given'}); lower steps, seq or global_batch, or raise "
             f"timeout_s well above {_round_up(seconds)} s",
             params=("steps", "seq", "global_batch", "timeout_s"),
         )

@@ -44,7 +44,7 @@ from microbatch.run.pipeline.progress import (
 )
 from microbatch.run.pipeline.report import PipelineReport
 from microbatch.run.pipeline.resolved import ResolvedRun, resolve
-from microbatch.run.pipeline.signals import Terminated, raise_on_sigterm
+from microbatch.run.pipeline.signals import LAUNCHER_PID_ENV, Terminated, exit_with_parent, raise_on_sigterm
 from microbatch.run.pipeline.summary import summarize
 
 __all__ = [
@@ -110,6 +110,7 @@ def _worker_main() -> None:
 
     cfg_path, result_path = sys.argv[1], sys.argv[2]
     rank = os.environ.get("RANK", "?")
+    exit_with_parent(int(os.environ.get(LAUNCHER_PID_ENV) or 0))  # a killed launcher takes its ranks along
     try:
         with open(cfg_path) as f:
             cfg = PipelineConfig(**json.load(f))
@@ -216,7 +217,7 @@ def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> Pipeli
     check_splittable(run)
     from microbatch.run.pipeline.fit import check_fits
 
-    check_fits(run, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
+    host = check_fits(run, deadline_s=deadline_s)  # host memory of the p local ranks, and the deadline
     deadline, why = cfg.deadline(deadline_s)
     tmp = tempfile.mkdtemp(prefix="microbatch-pipeline-")
     cfg_path, result_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "result.json")
@@ -233,13 +234,22 @@ def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> Pipeli
                     "with --master-port"
                 ) from None
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: every rank is dead; keep the steps they finished
-            raise _interrupted(run, tmp) from e
+            raise _interrupted(run, tmp, host) from e
     shutil.rmtree(tmp, ignore_errors=True)
     announce("summarise")
-    return summarize(raw, run)
+    return _with_host(summarize(raw, run), host)
 
 
-def _interrupted(run: ResolvedRun, tmp: str) -> PipelineInterrupted:
+def _with_host(report: PipelineReport, predicted: dict[str, float]) -> PipelineReport:
+    """``report`` with its ranks' host peak set against the host memory predicted before the run."""
+    from dataclasses import replace
+
+    from microbatch.run.pipeline.memory import host_memory
+
+    return replace(report, host_memory=host_memory(report, predicted))
+
+
+def _interrupted(run: ResolvedRun, tmp: str, host: dict[str, float]) -> PipelineInterrupted:
     """The report of the steps every rank finished before an interrupt (from the ranks' step logs in
     ``tmp``, which is then removed), as a :class:`PipelineInterrupted` to raise."""
     import torch
@@ -258,7 +268,7 @@ def _interrupted(run: ResolvedRun, tmp: str) -> PipelineInterrupted:
             None, steps, cfg.steps, f"the {steps} step(s) kept could not be summarised: {e}"
         )
     shutil.rmtree(tmp, ignore_errors=True)
-    return PipelineInterrupted(report, steps, cfg.steps)
+    return PipelineInterrupted(_with_host(report, host), steps, cfg.steps)
 
 
 def _device_name(cfg: PipelineConfig) -> str:
@@ -324,6 +334,7 @@ def _start_ranks(
             WORLD_SIZE=str(cfg.stages),
             LOCAL_WORLD_SIZE=str(cfg.stages),
             MICROBATCH_WORKER="1",
+            **{LAUNCHER_PID_ENV: str(os.getpid())},
             PYTHONPATH=os.pathsep.join(x for x in (src, env.get("PYTHONPATH", "")) if x),
         )
         if cfg.backend == "gloo":
@@ -434,28 +445,21 @@ def check_splittable(run: ResolvedRun) -> None:
     token embedding is a :class:`ConfigError` naming the factory. Any model needs at least p·v layers
     (units: for a built-in model the embedding, every block, the head); a built-in model with learned
     positions takes at most its position table's length as ``seq``."""
+    from microbatch.run.pipeline.config import check_enough_layers
+
     cfg, shape = run.cfg, run.shape
     if shape is None:
         from microbatch.run.pipeline.split import inspect_factory
 
         units = inspect_factory(cfg.model).units
-        if cfg.total_stages > units:
-            raise ConfigError(
-                f"{cfg.total_stages} stages (p·v = {cfg.stages}·{cfg.virtual}) but model factory {cfg.model} "
-                f"returns only {units} layers to split; each stage needs at least one; use p·v <= {units} or "
-                "a deeper model"
-            )
+        check_enough_layers(cfg, units, f"model factory {cfg.model} returns")
         return
     from microbatch.model import check_seq
 
     check_seq(shape, shape.seq)  # a model with learned positions takes at most its table's length
-    units = shape.layers + 2
-    if cfg.total_stages > units:
-        raise ConfigError(
-            f"{cfg.total_stages} stages (p·v = {cfg.stages}·{cfg.virtual}) but model {cfg.model} has only {units} "
-            f"layers to split (embedding, {shape.layers} blocks, head); each stage needs at least one; use "
-            f"p·v <= {units} or a deeper model"
-        )
+    check_enough_layers(
+        cfg, shape.layers + 2, f"model {cfg.model} has", f"(embedding, {shape.layers} blocks, head)"
+    )
 
 
 def run_external(run: ResolvedRun) -> PipelineReport | None:

@@ -20,7 +20,13 @@
   ``module:function`` model, more than one stage per rank).
 
 A leak or a late free makes measured exceed the calibrated prediction; the schedule's in-flight
-count cannot show either.
+count cannot show either. Measured and calibrated bytes are both counted by saved-tensor hooks (the
+run's, and one process's apart from it), so on a model that saves the same in the run their error is
+0 by construction: it checks the walk of torch's order (what is in flight when), not the bytes.
+
+- **host memory** (:func:`host_memory`): the ranks' peak resident sets (``VmHWM``) against the host
+  memory the check before the run predicted (:func:`microbatch.run.pipeline.fit.predicted_host_bytes`):
+  the comparison whose two sides come from different sources.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ from __future__ import annotations
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.run.pipeline.report import RankMemory
+from microbatch.run.pipeline.report import HostMemory, PipelineReport, RankMemory
 from microbatch.run.pipeline.resolved import ResolvedRun
 
-__all__ = ["memory_rows", "boundary_bytes", "uncalibrated_gap"]
+__all__ = ["boundary_bytes", "host_memory", "memory_rows", "uncalibrated_gap"]
 
 
 def boundary_bytes(run: ResolvedRun) -> float | None:
@@ -194,3 +200,19 @@ def memory_rows(
             )
         )
     return out
+
+
+def host_memory(report: PipelineReport, predicted: dict[str, float] | None) -> HostMemory | None:
+    """The ranks' host peak against ``predicted`` (:func:`microbatch.run.pipeline.fit.predicted_host_bytes`,
+    by term and ``total``): None without a prediction, or where a rank read no peak (not Linux)."""
+    peaks = [row.host_peak_bytes for row in report.memory]
+    if not predicted or not predicted.get("total") or not peaks or any(p is None for p in peaks):
+        return None
+    measured = sum(int(p or 0) for p in peaks)
+    total = float(predicted["total"])
+    return HostMemory(
+        measured_bytes=measured,
+        predicted_bytes=total,
+        error_pct=100.0 * (measured - total) / total,
+        predicted_terms={k: float(v) for k, v in predicted.items() if k != "total"},
+    )

@@ -49,6 +49,7 @@ from microbatch.run.pipeline.instrument import (
 from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.run.pipeline.split import (
     balanced_split,
+    dropout_modules,
     load_factory,
     model_units,
     split_units,
@@ -192,10 +193,12 @@ def run_rank(
         steps_out.append(_step_record(rank, mine, rec, times, device))
         if on_step is not None:
             if step == 0:
-                on_step("setup", _rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched))
+                on_step(
+                    "setup", _rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched, modules)
+                )
             on_step("step", steps_out[-1])
     mine_info = {
-        **_rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched),
+        **_rank_info(rank, mine, sizes, kept_after_input_grad, grad_err, sched, modules),
         "steps": steps_out,
     }
     gathered: list[Any] | None = [None] * world_size if rank == 0 else None
@@ -413,16 +416,23 @@ def _step_record(
 
 
 def _rank_info(
-    rank: int, mine: list[int], sizes: list[int], kept: dict[int, Any], grad_err: float | None, sched: Any
+    rank: int,
+    mine: list[int],
+    sizes: list[int],
+    kept: dict[int, Any],
+    grad_err: float | None,
+    sched: Any,
+    modules: list[Any],
 ) -> dict[str, Any]:
     """What a rank reports besides its steps: its stages, the split, what torch's split backward
-    keeps, the gradient check and torch's planned order."""
+    keeps, the gradient check, the random modules it trains with and torch's planned order."""
     return {
         "rank": rank,
         "stages": mine,
         "layers_per_stage": sizes,
         "kept_after_input_grad": {str(s): f for s, f in kept.items()},
         "max_grad_rel_error": grad_err,
+        "dropout_modules": [name for s in mine for name in dropout_modules(modules[s], f"stage {s}")],
         "torch_order": {
             str(k): [str(a) for a in v if a is not None] for k, v in _pipeline_order(sched).items()
         },

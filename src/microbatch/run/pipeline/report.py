@@ -15,7 +15,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 __all__ = [
+    "BUSY_HOST_OTHERS",
+    "LOW_CPU_SHARE",
     "BeforeRun",
+    "HostLoad",
+    "HostMemory",
     "Measured",
     "PipelineReport",
     "Predicted",
@@ -25,9 +29,26 @@ __all__ = [
     "StepIntervals",
     "TimelineOp",
     "WithComm",
+    "host_load",
 ]
 
 T = TypeVar("T")
+
+OMIT_IF_NONE = {"omit_if_none": True}
+"""Field metadata: left out of the JSON form when None (a field that result files of earlier versions lack)."""
+
+MEASURED_BUBBLE_IS = (
+    "mean over the measured steps of each step's idle share, 1 - sum of the ranks' busy / (p x step wall "
+    "time); bubble_of_mean_times is the share the mean busy/idle ms per rank give"
+)
+REPLAY_WITHOUT_HANDOFF_IS = (
+    "the simulator on torch's order with the measured mean op times and no hand-off latency between ranks "
+    "(the text's 'without it')"
+)
+REPLAY_WITH_HANDOFF_IS = (
+    "the simulator on torch's order with the measured mean op times and the measured hand-off latency "
+    "between ranks (comm_time_s): the text's 'replay (measured ops)' column"
+)
 
 
 def _plain(cls: type[T], d: Mapping[str, Any]) -> T:
@@ -69,7 +90,8 @@ class Measured:
     """The measured steps (the first warms up and is left out when there are more)."""
 
     bubble_fraction: float
-    """Σ_ranks idle / (p × step wall time), mean over the measured steps."""
+    """Σ_ranks idle / (p × step wall time) of each measured step, averaged over the steps (the mean of
+    per-step ratios: the headline "measured" bubble)."""
     bubble_steps: list[float]
     """Each measured step's bubble."""
     bubble_se: float | None
@@ -82,6 +104,11 @@ class Measured:
     """Mean seconds of each stage's F/B/I/W (``"1F"``)."""
     cpu_share: float | None = None
     """CPU seconds / wall seconds inside the ops (None on a GPU or without CPU times)."""
+    bubble_of_mean_times: float | None = field(default=None, metadata=OMIT_IF_NONE)
+    """1 − Σ_ranks mean busy / (p × mean step wall time): the idle share the per-rank busy and idle ms
+    (means over the steps) give; it differs from :attr:`bubble_fraction` when steps differ in length."""
+    bubble_fraction_is: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    """What :attr:`bubble_fraction` is, in words (:data:`MEASURED_BUBBLE_IS`; None in older files)."""
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Measured:
@@ -95,6 +122,8 @@ class WithComm:
     comm_time_s: float
     bubble_fraction: float
     step_time_s: float
+    bubble_fraction_is: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    """:data:`REPLAY_WITH_HANDOFF_IS` (None in older files)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +136,9 @@ class Predicted:
     step_time_s: float
     source: str
     with_comm: WithComm
-    """The same with the measured hand-off latency."""
+    """The same with the measured hand-off latency (the text's "replay (measured ops)" column)."""
+    bubble_fraction_is: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    """:data:`REPLAY_WITHOUT_HANDOFF_IS` (None in older files)."""
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Predicted:
@@ -133,6 +164,43 @@ class BeforeRun:
     source: str
 
 
+BUSY_HOST_OTHERS = 1.0
+"""Other programs' runnable threads (the mean over :func:`~microbatch.run.pipeline.calibrate.machine_load`'s
+samples) from which the host counts as busy: one thread that keeps a core's worth of work waiting beside
+the ranks. At load 5.5 on the 2-core dev VM (others 3.96) the prediction said 93.0% bubble and 98.7 ms
+per step; the run measured 67.3% and 40.4 ms."""
+
+LOW_CPU_SHARE = 0.8
+"""Share of a core the replayed ops got (:attr:`BeforeRun.cpu_share`) below which the ranks were
+predicted to wait for cores: the replay's model of contention, which moves with the load."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostLoad:
+    """How busy the host was when the prediction was made (:func:`host_load`)."""
+
+    others: float
+    """Other programs' runnable threads."""
+    cores: int
+    """Cores the ranks could use."""
+    cpu_share: float
+    """Share of a core the replayed ops got."""
+
+
+def host_load(before: BeforeRun) -> HostLoad | None:
+    """The host's load behind ``before`` when it was busy — other programs' runnable threads at least
+    :data:`BUSY_HOST_OTHERS`, or the replayed ops getting under :data:`LOW_CPU_SHARE` of a core — else
+    None (an idle host, or no machine reading: a GPU run). A prediction made then assumes the load it
+    measured stays as it was, and its model of sharing cores is rough: it can be far off."""
+    machine = before.runtime.get("machine") if before.runtime else None
+    if not machine:
+        return None
+    others = float(machine.get("others") or 0.0)
+    if others < BUSY_HOST_OTHERS and before.cpu_share >= LOW_CPU_SHARE:
+        return None
+    return HostLoad(others=others, cores=int(machine.get("cores") or 0), cpu_share=float(before.cpu_share))
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankMemory:
     """One rank's measured saved-activation peak beside the two predictions."""
@@ -148,6 +216,22 @@ class RankMemory:
     counted_bytes: int
     live_bytes_after_step: int
     host_peak_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """The p local ranks' host memory: what the machine measured against what the check before the run
+    predicted (:func:`microbatch.run.pipeline.fit.predicted_host_bytes`). Unlike the activation table's
+    calibrated column, the two come from different sources and can disagree."""
+
+    measured_bytes: int
+    """Σ over the ranks of each one's peak resident set over the measured steps (``VmHWM``, reset before
+    each step): the model, gradients, Adam, activations, buffers and the interpreter, as the kernel counts them."""
+    predicted_bytes: float
+    """The prediction's total, by term in :attr:`predicted_terms`."""
+    error_pct: float
+    """100 × (measured − predicted) / predicted."""
+    predicted_terms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +271,7 @@ _PARTS: dict[str, Any] = {
     "measured": Measured.from_json,
     "predicted": Predicted.from_json,
     "before_run": lambda d: _plain(BeforeRun, d),
+    "host_memory": lambda d: _plain(HostMemory, d),
     "memory": lambda rows: [_plain(RankMemory, r) for r in rows],
     "timeline": lambda rows: [_plain(TimelineOp, r) for r in rows],
     "predicted_timeline": lambda rows: [_plain(PredictedOp, r) for r in rows],
@@ -228,6 +313,14 @@ class PipelineReport:
     steps_asked: int | None = None
     """Steps asked for (an interrupted run)."""
     before_run: BeforeRun | None = None
+    torch_class: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    """The ``torch.distributed.pipelining`` class that ran ``schedule`` (zb-h1:
+    ``ScheduleInterleavedZeroBubble`` with one stage per rank)."""
+    dropout_modules: list[str] | None = field(default=None, metadata=OMIT_IF_NONE)
+    """Dropout layers that drop in training mode (``stage S name``): with them the gradient check's
+    reference draws other masks, so its gradients cannot match."""
+    host_memory: HostMemory | None = field(default=None, metadata=OMIT_IF_NONE)
+    """The ranks' host peak against the host memory predicted before the run (a local run)."""
     notes: list[str] = field(default_factory=list)
     """What the command noted on the way (written by the command, not the run)."""
     outputs: dict[str, str] = field(default_factory=dict)
@@ -236,7 +329,6 @@ class PipelineReport:
     def to_json(self) -> dict[str, Any]:
         """The result file's form: the fields in order, nested parts as objects; ``interrupted``
         and ``steps_asked`` only for an interrupted run, ``outputs`` as top-level keys."""
-        from dataclasses import asdict
 
         out: dict[str, Any] = {}
         for f in fields(self):
@@ -246,9 +338,9 @@ class PipelineReport:
             if f.name == "outputs":
                 out.update(value)
                 continue
-            if f.name == "before_run" and value is None:
+            if (f.name == "before_run" or f.metadata.get("omit_if_none")) and value is None:
                 continue
-            out[f.name] = _json_value(value, asdict)
+            out[f.name] = _json_value(value)
         return out
 
     @classmethod
@@ -268,9 +360,17 @@ class PipelineReport:
         return cls(**kw)
 
 
-def _json_value(value: Any, asdict: Any) -> Any:
+def _json_value(value: Any) -> Any:
+    """``value`` in JSON form: dataclasses as objects, their :data:`OMIT_IF_NONE` fields left out when
+    None (added after result files were first written: an old file writes back as it was read)."""
     if isinstance(value, list):
-        return [_json_value(v, asdict) for v in value]
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
     if hasattr(value, "__dataclass_fields__"):
-        return asdict(value)
+        return {
+            f.name: _json_value(getattr(value, f.name))
+            for f in fields(value)
+            if not (f.metadata.get("omit_if_none") and getattr(value, f.name) is None)
+        }
     return value

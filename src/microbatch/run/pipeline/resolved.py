@@ -33,7 +33,8 @@ class ResolvedRun:
     shape: ModelShape | None
     """The built-in model's shape at the run's sequence length; None for a ``module:function`` factory."""
     spec: ScheduleSpec
-    """The registry entry whose torch class runs the schedule."""
+    """The registry entry whose torch class runs the schedule (zb-h1: zb-interleaved, torch's
+    ScheduleInterleavedZeroBubble with one stage per rank); ``cfg.schedule`` names the one asked."""
     rule: ScheduleSpec | None
     """The registry entry whose in-flight rule describes the run (ZB-H1's for torch's interleaved
     zero bubble with v = 1); None when only the simulator counts what a rank holds."""
@@ -108,11 +109,11 @@ def resolve(cfg: PipelineConfig) -> ResolvedRun:
     """The :class:`ResolvedRun` of ``cfg``, derived once per process (the config is frozen and
     hashable, so every later call returns the same value). An unknown built-in model raises the
     model table's :class:`~microbatch.errors.ConfigError`."""
-    from microbatch.model import get_model
+    from microbatch.run.pipeline.config import builtin_shape
     from microbatch.run.pipeline.split import balanced_split, shape_unit_params
     from microbatch.schedules.torch_order import in_flight_spec
 
-    shape = None if ":" in cfg.model else get_model(cfg.model, seq=cfg.seq)
+    shape = None if ":" in cfg.model else builtin_shape(cfg.model, cfg.seq)
     spec = torch_spec(cfg.schedule)
     rule = in_flight_spec(spec.name, cfg.virtual)
     placement = tuple(stage_ranks(spec.name, cfg.stages, cfg.virtual))

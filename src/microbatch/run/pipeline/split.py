@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FactoryModel",
     "balanced_split",
+    "dropout_modules",
     "inspect_factory",
     "load_factory",
     "model_units",
@@ -37,7 +38,7 @@ __all__ = [
     "unit_times_s",
 ]
 
-_BUILT_IN = "a built-in model: tiny or small"
+_BUILT_IN = "a built-in model (tiny, small or another preset of microbatch.model)"
 
 
 def _one_line(e: BaseException) -> str:
@@ -302,3 +303,16 @@ def unit_times_s(units: Sequence[Any], tokens: Any, repeats: int = 3) -> list[fl
             x = u(x)
         times.append(best)
     return times
+
+
+def dropout_modules(module: Any, where: str = "") -> list[str]:
+    """Names of ``module``'s dropout layers that drop anything in training mode (``nn.Dropout`` and its
+    kin with p > 0): their random masks differ between the pipelined run and the unsplit reference of the
+    gradient check, so its gradients cannot match."""
+    import torch
+
+    return [
+        f"{where} {name or type(m).__name__}".strip()
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and float(m.p) > 0
+    ]

@@ -20,6 +20,9 @@ from typing import Any
 
 from microbatch.run.pipeline.memory import memory_rows
 from microbatch.run.pipeline.report import (
+    MEASURED_BUBBLE_IS,
+    REPLAY_WITH_HANDOFF_IS,
+    REPLAY_WITHOUT_HANDOFF_IS,
     Measured,
     PipelineReport,
     Predicted,
@@ -33,7 +36,7 @@ from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.schedules.action import Schedule
 from microbatch.schedules.simulate import SimResult, simulate
 
-__all__ = ["GRAD_TOLERANCE", "measured_comm_s", "predict", "summarize", "timeline_rows"]
+__all__ = ["GRAD_TOLERANCE", "figure_notes", "measured_comm_s", "predict", "summarize", "timeline_rows"]
 
 GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 """Largest relative gradient error accepted as a match, by parameter dtype (fp32: the issue's 1e-5)."""
@@ -45,11 +48,12 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     Steps after the first are averaged (the first warms up); with one step, it is used. Fields
     (:class:`~microbatch.run.pipeline.report.PipelineReport`):
 
-    - ``measured.bubble_fraction``: Σ_ranks idle / (p × step wall time); the step's wall time runs
-      from the barrier before ``step()`` to the last rank's return. ``bubble_steps``: each measured
-      step's; ``bubble_se``: their standard error (sample standard deviation / √steps; None with
-      one step) — on a shared CPU one step's bubble moves by several points (tiny, p = 2: sd 6-8
-      points per step on the 2-core dev machine), so a measurement of few steps is itself uncertain.
+    - ``measured.bubble_fraction``: the mean over steps of Σ_ranks idle / (p × step wall time), from
+      the barrier before ``step()`` to the last rank's return; ``bubble_of_mean_times``: 1 − Σ mean busy
+      / (p × mean wall), what the busy/idle seconds give; ``bubble_steps``: each step's; ``bubble_se``:
+      their standard error (sample standard deviation / √steps; None with one step) — on a shared CPU
+      one step's bubble moves by several points (tiny, p = 2: sd 6-8 points per step on the 2-core dev
+      machine), so a measurement of few steps is itself uncertain.
     - ``measured.stage_stats[r]`` (``stage`` is the rank; ``virtual_stages`` the stages it holds):
       ``busy_s`` (time inside forward/backward calls, the loss counted with the forward),
       ``idle_s`` = wall − busy, ``counted_in_flight`` (the schedule's count of micro-batches
@@ -65,7 +69,8 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     - ``measured.cpu_share``: CPU seconds / wall seconds inside the ops, over all ranks (the share of
       a core the ops got; below 1 when the machine is shared); None on a GPU or without CPU times.
     - ``predicted``: :func:`predict` on torch's order with those times (no communication time);
-      ``predicted.with_comm``: the same plus the measured hand-off latency (:func:`measured_comm_s`).
+      ``predicted.with_comm``: the same plus the measured hand-off latency (:func:`measured_comm_s`),
+      which the text shows as its "replay (measured ops)" column (each says so in ``bubble_fraction_is``).
     - ``gradients_match`` / ``max_grad_rel_error``: largest ‖g_pipe − g_ref‖/‖g_ref‖ over the
       parameters after step 1 against the unsplit model (None unless checked); tolerance
       :data:`GRAD_TOLERANCE` by dtype.
@@ -86,9 +91,7 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     pred = predict(run, mean_times, executed)
     comm = measured_comm_s(run, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
     pred_comm = predict(run, mean_times, executed, comm_s=comm)
-    memory = memory_rows(run, ranks, use, device=str(raw.get("device") or "cpu"))
-    err = [r["max_grad_rel_error"] for r in ranks if r["max_grad_rel_error"] is not None]
-    max_err = max(err) if err else None
+    max_err = max((e for r in ranks if (e := r["max_grad_rel_error"]) is not None), default=None)
     tol = GRAD_TOLERANCE[cfg.dtype]
     return PipelineReport(
         schedule=cfg.schedule,
@@ -104,12 +107,14 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
         torch_version=raw.get("torch_version"),
         device=raw.get("device"),
         measured=_measured(ranks, use, bubbles, wall, stats, mean_times, str(raw.get("device", "cpu"))),
-        memory=memory,
+        memory=memory_rows(run, ranks, use, device=str(raw.get("device") or "cpu")),
         predicted=_predicted(pred, pred_comm, comm),
         gradients_match=None if max_err is None else bool(max_err <= tol),
         max_grad_rel_error=max_err,
         grad_tolerance=tol,
         losses=[st["loss"] for r in ranks for st in r["steps"] if st["loss"] is not None],
+        torch_class=run.torch_class,
+        dropout_modules=[name for r in ranks for name in r.get("dropout_modules", [])],
         order_matches_torch=all(
             executed[str(r)] == [str(a) for a in acts] for r, acts in enumerate(pred.schedule.actions)
         ),
@@ -165,6 +170,8 @@ def _measured(
         stage_stats=stats,
         op_time_s={f"{s}{k}": v for (s, k), v in sorted(mean_times.items())},
         cpu_share=op_cpu / op_wall if op_wall > 0 and op_cpu > 0 and not device.startswith("cuda") else None,
+        bubble_of_mean_times=1.0 - sum(s.busy_s for s in stats) / (len(stats) * wall) if wall > 0 else None,
+        bubble_fraction_is=MEASURED_BUBBLE_IS,
     )
 
 
@@ -209,8 +216,12 @@ def _predicted(pred: SimResult, pred_comm: SimResult, comm: float) -> Predicted:
         step_time_s=pred.makespan,
         source="microbatch.schedules.simulate on torch's action order, fed the measured mean F/B/I/W time of each stage",
         with_comm=WithComm(
-            comm_time_s=comm, bubble_fraction=pred_comm.bubble_fraction, step_time_s=pred_comm.makespan
+            comm_time_s=comm,
+            bubble_fraction=pred_comm.bubble_fraction,
+            step_time_s=pred_comm.makespan,
+            bubble_fraction_is=REPLAY_WITH_HANDOFF_IS,
         ),
+        bubble_fraction_is=REPLAY_WITHOUT_HANDOFF_IS,
     )
 
 
@@ -324,3 +335,53 @@ def timeline_rows(report: PipelineReport) -> list[list[tuple[float, float, str, 
         label = it.kind if v == 1 else f"{it.stage // p}{it.kind}"
         rows[it.rank].append((it.start_s, it.end_s, label, it.microbatch))
     return rows
+
+
+def figure_notes(report: PipelineReport) -> list[str]:
+    """Notes on what the report's figures are: a gradient mismatch's likely cause (dropout), a prediction
+    made on a busy host (:func:`~microbatch.run.pipeline.before_run.host_load`), the measured bubble's
+    definition, the activation memory's calibrated column, and the host memory measured against the
+    prediction (:attr:`~microbatch.run.pipeline.report.PipelineReport.host_memory`)."""
+    from microbatch.units import format_bytes
+
+    notes: list[str] = []
+    add = notes.append
+    if report.gradients_match is False and report.dropout_modules:
+        shown = ", ".join(report.dropout_modules[:4]) + (" ..." if len(report.dropout_modules) > 4 else "")
+        add(
+            f"the model has dropout in training mode ({shown}): its masks differ between the pipelined run "
+            "and the unsplit reference, the likely cause of the mismatch; check gradients on a model without "
+            "dropout (p = 0) or in eval mode"
+        )
+    m = report.measured
+    b = report.before_run
+    if b is not None:
+        from microbatch.run.pipeline.report import BUSY_HOST_OTHERS, LOW_CPU_SHARE, host_load
+
+        load = host_load(b)
+        if load is not None:
+            in_run = f"; in the run they got {m.cpu_share:.0%}" if m.cpu_share is not None else ""
+            add(
+                f"the host was busy when the prediction was made: other programs kept {load.others:.2f} threads "
+                f"runnable on {load.cores} cores (busy from {BUSY_HOST_OTHERS:g}) and the replayed ops got "
+                f"{load.cpu_share:.0%} of a core (contended under {LOW_CPU_SHARE:.0%}){in_run}; the prediction "
+                "assumes that load holds through the run and models the sharing of cores roughly, so under "
+                "contention it can be far off: predict on an idle host to compare"
+            )
+    if m.bubble_of_mean_times is not None:
+        add(
+            f"measured bubble {m.bubble_fraction:.1%}: the mean of each step's idle share; the busy and idle ms "
+            f"per rank are means over the steps, whose share is {m.bubble_of_mean_times:.1%}"
+        )
+    if any(row.predicted_bytes is not None for row in report.memory):
+        add(
+            "activation memory: measured and predicted (calibrated) bytes both come from saved-tensor hooks, so "
+            "its error checks the walk of torch's order (what is in flight when), not the bytes"
+        )
+    h = report.host_memory
+    if h is not None:
+        add(
+            f"host memory: the ranks' peak resident memory (VmHWM) {format_bytes(h.measured_bytes, digits=1)} "
+            f"against {format_bytes(h.predicted_bytes, digits=1)} predicted before the run, error {h.error_pct:+.1f}%"
+        )
+    return notes
