@@ -4,7 +4,8 @@ sliding window (read by :func:`microbatch.model.from_hf_config`).
 - ``head_dim`` where it is not hidden/heads (Qwen3, Gemma, GPT-OSS): :attr:`ModelShape.head_size`.
 - ``sliding_window`` and which layers use it (:attr:`ModelShape.sliding_window`, ``sliding_layers``): the
   ``layer_types`` list where the config has one (transformers ≥ 4.53 writes it for GPT-OSS, Gemma 2/3, Qwen2 and
-  others: the "sliding_attention" entries); else none where ``use_sliding_window`` is false (Qwen2's default);
+  others: the "sliding_attention" entries); else none where ``use_sliding_window`` is false (Qwen2's default), the
+  layers from ``max_window_layers`` on where it is true (Qwen2);
   else Gemma 2's every other layer (its modelling code: layers 0, 2, 4, … slide) and Gemma 3's
   ``sliding_window_pattern`` (every k-th layer global, the others local); else every layer (Mistral 7B v0.1,
   Phi-3). A window no shorter than the positions the model holds changes nothing and is dropped.
@@ -45,6 +46,10 @@ def sliding_window_of(
         return (window, count) if count else (None, None)
     if raw.get("use_sliding_window") is False:
         return None, None
+    top = raw.get("max_window_layers")  # Qwen2: layers from this index on slide (its modelling code)
+    if isinstance(top, int) and not isinstance(top, bool) and raw.get("use_sliding_window"):
+        count = max(0, layers - top)
+        return (window, count) if count else (None, None)
     model_type = str(raw.get("model_type", "")).lower()
     if model_type == "gemma2":
         return window, (layers + 1) // 2

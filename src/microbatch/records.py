@@ -365,7 +365,7 @@ def _model_of(
 
 GEOMETRY = (
     "layers", "hidden", "heads", "head_dim", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
-    "learned_positions", "moe", "mla",
+    "learned_positions", "moe", "mla", "sliding_window", "sliding_layers",
 )  # fmt: skip
 """Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
 

@@ -116,9 +116,13 @@ class ModelShape:
         check_positive_int(
             "sliding_window", self.sliding_window, fix="give the keys a local layer's query sees"
         )
-        if self.sliding_layers is not None and not 0 <= self.sliding_layers <= self.layers:
+        if self.sliding_layers is not None and (
+            isinstance(self.sliding_layers, bool)
+            or not isinstance(self.sliding_layers, int)
+            or not 0 <= self.sliding_layers <= self.layers
+        ):
             raise ConfigError(
-                f"sliding_layers {self.sliding_layers} is outside 0..{self.layers} (the layers); give how many "
+                f"sliding_layers {self.sliding_layers!r} is not a whole number in 0..{self.layers} (the layers); give how many "
                 "layers attend through the window",
                 params=("sliding_layers",),
             )

@@ -105,3 +105,19 @@ def test_heads_need_not_divide_hidden_when_the_width_is_given():
         ModelShape(layers=1, hidden=64, heads=7, vocab=10, seq=8)
     with pytest.raises(ConfigError, match="head_size"):
         ModelShape(layers=1, hidden=64, heads=4, head_size=0, vocab=10, seq=8)
+
+
+def test_the_hf_backend_builds_the_head_width():
+    transformers = pytest.importorskip("transformers")
+    from microbatch.measure.hf import hf_config_from_shape
+
+    wide = ModelShape(name="wide", layers=1, hidden=64, heads=16, head_size=32, kv_heads=4, vocab=100, seq=16,
+                      gated_mlp=True, bias=False, norm="rmsnorm", learned_positions=False)  # fmt: skip
+    cfg = hf_config_from_shape(wide)
+    assert cfg.head_dim == 32
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == wide.param_count()
+    gpt = ModelShape(name="g", layers=1, hidden=96, heads=5, head_size=32, vocab=100, seq=16)  # GPT-2 layout
+    with pytest.raises(ConfigError, match="GPT-2 layout"):
+        hf_config_from_shape(gpt)

@@ -101,7 +101,18 @@ def test_a_configs_window_is_read_as_the_model_runs_it(tmp_path):
 def test_bad_windows_are_refused():
     with pytest.raises(ConfigError, match="sliding_layers 3 without sliding_window"):
         ModelShape(layers=4, hidden=64, heads=4, vocab=10, seq=8, sliding_layers=3)
-    with pytest.raises(ConfigError, match=r"sliding_layers 5 is outside 0\.\.4"):
+    with pytest.raises(ConfigError, match=r"sliding_layers 5 is not a whole number in 0\.\.4"):
         ModelShape(layers=4, hidden=64, heads=4, vocab=10, seq=8, sliding_window=4, sliding_layers=5)
     with pytest.raises(ConfigError, match="sliding_window must be"):
         ModelShape(layers=4, hidden=64, heads=4, vocab=10, seq=8, sliding_window=0)
+
+
+def test_qwen2s_window_covers_the_layers_from_max_window_layers(tmp_path):
+    s = _config(
+        tmp_path, model_type="qwen2", sliding_window=4096, use_sliding_window=True, max_window_layers=8
+    )
+    assert (s.sliding_window, s.sliding_layers) == (4096, 4)  # layers 8..11 of 12
+    assert _config(tmp_path, model_type="qwen2", sliding_window=4096, use_sliding_window=True,
+                   max_window_layers=12).sliding_window is None  # fmt: skip
+    with pytest.raises(ConfigError, match="not a whole number"):
+        ModelShape(layers=4, hidden=64, heads=4, vocab=10, seq=8, sliding_window=4, sliding_layers=True)

@@ -42,6 +42,14 @@ def hf_config_from_shape(shape: ModelShape) -> Any:
     if shape.learned_positions:
         from transformers import GPT2Config
 
+        if shape.head_size is not None and shape.head_size * shape.heads != shape.hidden:
+            raise ConfigError(
+                f"model {shape.name}: head_size {shape.head_size} × {shape.heads} heads is not hidden {shape.hidden}, "
+                "which transformers' GPT-2 layout (learned positions) cannot build; use backend builtin, or a "
+                "config.json whose family has head_dim (hf_config)",
+                params=("backend", "hf_config"),
+            )
+
         return GPT2Config(
             n_layer=shape.layers,
             n_embd=shape.hidden,
@@ -60,6 +68,7 @@ def hf_config_from_shape(shape: ModelShape) -> Any:
         hidden_size=shape.hidden,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv,
+        head_dim=shape.head_dim,
         intermediate_size=shape.ffn,
         vocab_size=shape.vocab,
         max_position_embeddings=max(shape.positions, shape.seq),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive, check_positive_int
+from microbatch.errors import ConfigError, check_positive, check_positive_int, whole_number
 from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.calibrate import (
@@ -345,8 +345,14 @@ def validate_result(
         )
     raw = _raw(tune_result)
     recorded = recorded_cpu(raw)
-    if cpu_threads is None and isinstance(raw, dict) and isinstance(raw.get("threads"), int):
-        cpu_threads = raw["threads"]  # time this CPU with the threads the probes ran with
+    if cpu_threads is None and isinstance(raw, dict) and raw.get("threads") is not None:
+        cpu_threads = whole_number(raw["threads"])  # time this CPU with the threads the probes ran with
+        if cpu_threads is None or cpu_threads < 1:
+            raise ConfigError(
+                f"{meas.source}: the file's threads {raw['threads']!r} is not a whole number >= 1 (the probes' "
+                "torch threads, as tune writes them); correct it, or give cpu_threads",
+                params=("cpu_threads",),
+            )
     given = bool(cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None)
     taken: list[Accelerator] = []  # what measure gave, before cover_measurements raises it
 

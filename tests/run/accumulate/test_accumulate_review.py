@@ -285,3 +285,35 @@ def test_nested_batches_and_per_row_values_split_with_the_rows():
         split([{"x": x}, y, texts[:7]], 3)
     with pytest.raises(ConfigError, match=r"batch\['task'\] is a str, not a tensor"):
         split({"x": x, "task": "qa"}, 3)
+
+
+def test_per_row_lists_of_lists_split_by_rows_not_inside():
+    """A row's own list (its answer choices) is one value of that row: [["a", "b"], ["c", "d"]] at 2 rows splits
+    into [["a", "b"]] and [["c", "d"]] (the inner lists were cut before)."""
+    from microbatch.run.accumulate import split
+
+    x = torch.zeros(2, 1)
+    parts = split({"x": x, "choices": [["a", "b"], ["c", "d"]]}, 1)
+    assert [p["choices"] for p in parts] == [[["a", "b"]], [["c", "d"]]]
+
+
+def test_fsdp_on_children_only_is_refused():
+    """fully_shard on the children but not the root: the root's parameters are never reduced and accumulate
+    saw one process (gradients 1.91x the full batch's on two ranks); refused where a process group is up."""
+    import torch.distributed as dist
+
+    from microbatch.errors import ConfigError
+
+    class FSDPModule(nn.Module):  # the class name fully_shard's modules derive from
+        pass
+
+    model = nn.Sequential(nn.Linear(D, 1))
+    model.add_module("sharded", FSDPModule())
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="not its root"):
+            accumulate(model, (torch.zeros(2, D), torch.zeros(2)), lambda m, mb: (m[0](mb[0]).sum(), 2),
+                       micro_batch_size=1)  # fmt: skip
+    finally:
+        dist.destroy_process_group()

@@ -234,7 +234,8 @@ def _accumulate_splitting(
             return loss
         del micro_batches
         free_memory(model_device(model))
-        if ran <= 1:  # every rank is down to one row
+        if ran <= 1:  # every rank is down to one row: the step is given up as it was found
+            state.restore()
             raise one_row_error(controller.where(), reason or "out of memory")
         new = ran // 2 if same_size else max(1, mine // 2)
         if new < size:

@@ -23,11 +23,17 @@ __all__ = ["Batch", "split", "split_by_tokens", "batch_rows", "take_rows"]
 Batch = Any  # a tensor, tuples/lists/mappings of tensors (nested) and per-row lists, all sharing dim 0
 
 
+def _holds_tensors(value: Any) -> bool:
+    """A tensor or a mapping, or a list/tuple with one somewhere inside."""
+    if isinstance(value, (torch.Tensor, Mapping)):
+        return True
+    return isinstance(value, (tuple, list)) and any(_holds_tensors(v) for v in value)
+
+
 def _per_row(value: Any) -> bool:
-    """A list or tuple of plain values (strings, numbers, None): one per row, sliced with the rows."""
-    return isinstance(value, (tuple, list)) and all(
-        not isinstance(v, (torch.Tensor, Mapping, tuple, list)) for v in value
-    )
+    """A list or tuple with no tensor or mapping inside: one value per row (a string, a number, a row's own list
+    of choices), sliced with the rows."""
+    return isinstance(value, (tuple, list)) and not _holds_tensors(value)
 
 
 def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:

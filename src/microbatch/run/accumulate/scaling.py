@@ -45,6 +45,14 @@ def is_ddp(model: Any) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+_FSDP = {"FSDPModule", "FullyShardedDataParallel"}
+"""The class names FSDP2's ``fully_shard`` and the older wrapper give a module (checked by name: no import)."""
+
+
+def _distributed() -> bool:
+    return bool(torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def group_and_world(model: Any) -> tuple[Any, int]:
     """(process group, world size) over which ``model``'s gradients are averaged; ``(None, 1)`` for one process.
 
@@ -58,11 +66,27 @@ def group_and_world(model: Any) -> tuple[Any, int]:
         group = getattr(model, "process_group", None)
         return group, torch.distributed.get_world_size(group)
     kinds = {c.__name__ for c in type(model).__mro__}
+    if not kinds & _FSDP:
+        if (
+            _distributed()  # no FSDP module exists without a process group: one walk of the modules only then
+            and hasattr(model, "modules")
+            and any(_FSDP & {c.__name__ for c in type(m).__mro__} for m in model.modules())
+        ):
+            raise ConfigError(
+                "this model shards some of its modules with FSDP but not its root: the root's own parameters are "
+                "never reduced and accumulate cannot see the ranks; apply fully_shard (or the FSDP wrapper) to the "
+                "root module too"
+            )
+        return None, 1
     if "FullyShardedDataParallel" in kinds:
+        if "HYBRID" in str(getattr(model, "sharding_strategy", "")):
+            raise ConfigError(
+                f"FSDP with {model.sharding_strategy} averages over the shard and the replicate groups; accumulate "
+                "sums the valid items over one group only; use FULL_SHARD or SHARD_GRAD_OP, or scale the losses "
+                "yourself with count_items and loss_scale"
+            )
         group = model.process_group
         return group, torch.distributed.get_world_size(group)
-    if "FSDPModule" not in kinds:
-        return None, 1
     mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
     if mesh is None:
         return None, 1
