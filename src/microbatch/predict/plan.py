@@ -144,6 +144,9 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     names = cfg.schedules or schedule_names(in_flight=True)
     out = []
     for name in names:
+        form = get_spec(name).idle_closed_form
+        if form is not None and not form.holds_at(p, m):
+            continue  # ZB-H1 at m < p: one round, which only an event simulation times (ms a candidate): simulate it
         for v in _split_virtuals(cfg, name):
             try:
                 check_servable(name, p, m, v)
