@@ -67,3 +67,15 @@ def _write(tmp_path, points):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(points))
     return path
+
+
+def test_a_budget_with_no_peaks_to_act_on_says_so(tmp_path, capsys):
+    path = _write(tmp_path, SEED)  # throughput only
+    d = run_json(["recommend", "-m", str(path), "--memory-budget", "1GiB"], capsys)
+    assert any("--memory-budget had nothing to act on" in n for n in d["notes"])
+    capsys.readouterr()
+    assert main(["recommend", "-m", str(path), "--memory-budget", "1GiB"]) == 0
+    assert "note: --memory-budget had nothing to act on" in capsys.readouterr().err
+    assert "notes" not in run_json(
+        ["recommend", "-m", str(_write(tmp_path, HD)), "--memory-budget", "1GiB"], capsys
+    )

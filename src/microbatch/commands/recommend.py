@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option
+from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option, progress
 from microbatch.errors import ConfigError
 
 __all__ = ["cmd", "read_rows"]
@@ -92,6 +92,13 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     rows = read_rows(measurements)
     points = points_from_records(rows, source=measurements)
     d = recommend(points, choice).to_dict()
+    if choice.memory_budget_bytes is not None and not any(p.peak_memory_bytes for p in points if not p.oom):
+        note = (
+            "--memory-budget had nothing to act on: no point gives peak_memory_bytes, so every measured b_m was "
+            "taken as fitting; add a peak_memory_bytes column to filter by memory"
+        )
+        d["notes"] = [*d.get("notes", []), note]
+        progress(f"note: {note}")
     pts = [
         {
             "micro_batch": p.micro_batch,
