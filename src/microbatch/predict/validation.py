@@ -15,7 +15,6 @@ Pure Python: no torch, except where :func:`validation_accelerator` measures this
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from microbatch.predict.calibrate import (
 )
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY
 from microbatch.predict.steptime import predict_step_time_s
-from microbatch.records import Measurements, model_differences, read_measurements
+from microbatch.records import Measurements, load_json, model_differences, read_measurements
 from microbatch.units import MIB
 
 __all__ = [
@@ -389,15 +388,11 @@ all of them are reported, to show how much the machine moved."""
 
 
 def _raw(tune_result: str | Path | dict[str, Any] | list[Any]) -> Any:
-    """The result's JSON (a path, a folder holding result.json, or the loaded value); None if unreadable."""
-    if not isinstance(tune_result, (str, Path)):
-        return tune_result
-    path = Path(tune_result)
-    if path.is_dir():
-        path = path / "result.json"
+    """The result's JSON (:func:`microbatch.records.load_json`: a path, a folder holding result.json, or the
+    loaded value); None if unreadable (read_measurements has said why by then)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return load_json(tune_result)
+    except ConfigError:
         return None
 
 
