@@ -201,6 +201,47 @@ def bridge_rows(data: dict) -> list[dict]:
     return out
 
 
+def megatron_flops(
+    B: int, s: int, L: int, h: int, V: int, a: int, kv: int | None = None, ffn: int | None = None
+) -> float:
+    """FLOPs per step as Megatron-LM counts them (megatron/training/training.py ``num_floating_point_operations``,
+    core_v0.8.0): 12·B·s·L·h²·((1 + kv/a + s/h) + f/h + V/(2·L·h)) for a GeLU MLP of width f, attention counted
+    full (not causal), no recompute."""
+    f = ffn or 4 * h
+    return 12.0 * B * s * L * h * h * ((1 + (kv or a) / a + s / h) + f / h + V / (2 * L * h))
+
+
+def megatron_readme_rows(data: dict) -> list[dict]:
+    """Megatron-LM README's H100 weak-scaling table (Megatron-Core r0.8.0, BF16): step = Megatron's FLOPs /
+    (TFLOP/s per GPU · GPUs); b_m, schedule and recompute the planner's fastest that fits; nothing fitted."""
+    sec = data["megatron_lm_readme_2024"]
+    # Transformer Engine's fused attention (cuDNN) on Hopper: the FA3-class ceiling, as for the Bridge rows
+    gpu = get_accelerator(sec["gpu"], attention_fraction=FA3_HOPPER_CEILING)
+    s, V = sec["seq"], sec["vocab"]
+    out = []
+    for r in sec["rows"]:
+        L, h, a, t, p, d, n, B = (r["layers"], r["hidden"], r["heads"], r["tp"], r["pp"], r["dp"], r["gpus"],
+                                  r["global_batch"])  # fmt: skip
+        shape = ModelShape(name=f"gpt-{r['params_b']:g}B", layers=L, hidden=h, heads=a, vocab=V, seq=s)
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=B, data_parallel=d, pipeline_parallel=p, tensor_parallel=t,
+            sequence_parallel=t > 1, async_tp=t > 1, zero=(1,), grad_dtype="fp32", flash_attention=True,
+            precision=sec["precision"], schedules=("1f1b", "interleaved-1f1b") if p > 1 else None,
+            memory_headroom=0.0, choose="fastest", efficiency=FUSED,
+        )  # fmt: skip
+        plan = make_plan(cfg)
+        c = plan.fastest or plan.candidates[0]
+        measured = megatron_flops(B, s, L, h, V, a) / (r["tflops_per_gpu"] * 1e12 * n)
+        out.append({
+            "source": "Megatron-LM README 2024", "gpu": gpu.name, "seq": s, "model": shape.name, "gpus": n, "t": t,
+            "p": p, "d": d, "global_batch": B, "micro_batch": c.micro_batch,
+            "assumed": f"b_m {c.micro_batch} {c.schedule} v{c.virtual} {c.recompute} (the planner's fastest)",
+            "measured_step_s": measured, "predicted_step_s": c.step_time_s, "error_pct": 100 * (c.step_time_s / measured - 1),
+            "fits": c.fits, "flat_error_pct": 100 * (flat_rule_s(cfg, c.recompute) / measured - 1),
+        })  # fmt: skip
+    return out
+
+
 def moe_shape(name: str, seq: int, table: dict) -> ModelShape:
     """A Megatron-Bridge MoE row's model: the built-in or the recorded shape (every layer MoE, SwiGLU)."""
     if table.get("builtin"):
@@ -323,7 +364,8 @@ def main() -> None:
     data = json.loads(DATA.read_text())
     base = narayanan_rows(data) + korthikanti_rows(data)
     moe = moe_bridge_rows(data)
-    rows = base + bridge_rows(data) + llama3_rows(data) + moe
+    readme = megatron_readme_rows(data)
+    rows = base + bridge_rows(data) + readme + llama3_rows(data) + moe
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -338,6 +380,7 @@ def main() -> None:
         ("Narayanan 2021", base[:10]),
         ("Korthikanti 2022", base[10:18]),
         ("issue-17 rows", base),
+        ("Megatron-LM README", readme),
         ("MoE rows (i. 29)", moe),
     ):
         errs = [abs(r["error_pct"]) for r in part]
@@ -373,6 +416,14 @@ def main() -> None:
     print(
         "Megatron-Bridge rows: context parallelism as Megatron's p2p ring (its default cp_comm_type). "
         "Megatron-Bridge MoE rows (MB MoE): dropless with even expert load (the tables' forced balance), no"
+    )
+    print(
+        "Megatron-LM README rows (H100, Megatron-Core r0.8.0): GPT blocks (4h GeLU MLP, untied embeddings, learned"
+        " positions, dropout 0.1: Megatron's defaults), BF16 with fp32 gradients, SP and overlapped TP communication"
+    )
+    print(
+        "when t > 1, the distributed optimizer, TE fused attention; b_m, 1F1B or interleaved, v and recompute the"
+        " planner's fastest (not published)"
     )
     print("all-to-all overlap, ZeRO-1; Qwen3 and GPT-OSS at their own head widths (32 x 128 on 2048, 64 x 64")
     print(
