@@ -16,7 +16,7 @@ from microbatch.errors import ConfigError
 
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
-    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "power_limited_clock",
+    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "HOPPER_BURST_TO_SUSTAINED", "power_limited_clock",
 ]  # fmt: skip
 
 MAX_CLOCK_FRACTION = 1.25
@@ -33,6 +33,26 @@ MIN_POWER_SHARE = 0.25
 """The lowest power limit a board accepts as a share of its rating: an A100's ``nvidia-smi -q`` lists "Min Power
 Limit: 100.00 W" and "Max Power Limit: 400.00 W" (github.com/NVIDIA/DCGM issue 152): 0.25. Below it the driver
 refuses the limit, and the clock law below would run towards 0."""
+
+
+HOPPER_BURST_TO_SUSTAINED = 1 - (14.7 / 19.6) * (1 - 1575 / 1980)
+"""The rate a dense kernel holds under a training step's sustained load over the rate it ran at in a short burst,
+on a 700 W Hopper part: 0.847. Why the Hopper rows need it: their kernel terms (the GEMM shape terms of
+:class:`~microbatch.predict.gemm.RooflineEfficiency`, the causal attention ceiling) were measured on an H200 by
+``bench/gpu_microbench.py`` in bursts (3 + 10 calls of 0.04-3 ms per shape: at most ~40 ms of load, with host gaps
+between shapes), shorter than the time a GPU runs at full power before its clock is pulled down: on a B200,
+FlashAttention-4 ran at 1,425-1,450 TFLOP/s for its first 20 back-to-back calls of ~0.8 ms, throttled from the
+30th and held 1,237 from the 70th, the SM clock falling from 1,965 to ~1,580 MHz (github.com/flashinfer-ai/
+flashinfer PR 2899): the rate fell 0.75 of the clock's relative fall (14.7% for 19.6%). A training step is
+sustained load, computation beside communication: on Hopper that holds 1,575 MHz against the 1,980 MHz a burst
+runs at ("when we overlap computation and communication, the power consumption exceeded the limit, resulting in
+GPU core frequency reduction (e.g. from 1980MHz to 1575 MHz)", github.com/deepseek-ai/DeepGEMM issue 120; H200s
+at 700 W hold 1,500 MHz under full load, tile-ai/TileOPs PR 1588). So 1 − 0.75 × (1 − 1,575/1,980) = 0.847.
+Cited, composed from two parts' figures, not measured on the table's H200: ``bench-gpu`` now times a square GEMM
+in a burst and under two seconds of load (``MicrobenchResult.burst_square_flops_per_s`` and
+``sustained_square_flops_per_s``), whose ratio replaces it on a lent GPU. The A100 rows do not take it: their
+kernel terms are the H200 fit's fractions carried over, not an A100 burst, and sit below what an A100 holds
+under load (cuBLAS 8,192³ bf16 257 TFLOP/s on random inputs, thonking.ai, against the carried ~240)."""
 
 
 def power_limited_clock(power_w: float, reference_w: float, rated_w: float) -> float:
@@ -63,28 +83,33 @@ CLOCK_A100 = (1.0, (
     f"calculate the tensor core fp16 performance of H100'); TDP 400 W; {_NONE} (A100 HPL is rated at 1,305 MHz "
     "held at 400 W in FP64, glennklockwood.com/garden/peak-FLOPS; H. He, thonking.ai 'Strangely, matrix "
     "multiplications...': bf16 8192^3 cuBLAS 257 TFLOP/s on random inputs, 295 on zeros, clock not given)"))
-CLOCK_H100_SXM = (1.0, (
+_BURST = (
+    "sustained: 0.847 of the burst rate the Hopper kernel terms were measured at (HOPPER_BURST_TO_SUSTAINED: "
+    "1,575 of the 1,980 MHz a burst runs at under computation beside communication, DeepGEMM issue 120; the rate "
+    "falls 0.75 of the clock, flashinfer PR 2899)")
+CLOCK_H100_SXM = (HOPPER_BURST_TO_SUSTAINED, (
     "clock: 989.4 = 132 SMs x 4,096 FLOP/clock x 1,830 MHz (glennklockwood.com/garden/processors/h100; maximum "
-    f"1,980 MHz); TDP 700 W; {_NONE} (nearest: the H200's, same die and limit, 0.82, not applied there either)"))
-CLOCK_H200 = (1.0, (
-    "clock: 1,830 MHz as the H100 SXM; TDP 700 W; sustained 1,500 MHz: H200s at 700 W 'cannot reliably sustain "
-    "a locked 1830 MHz graphics/SM clock under full load', 1,500 is what they hold (github.com/tile-ai/TileOPs "
-    "issue 1587): 1,500/1,830 = 0.820, a lower bound (the sustained clock lies in 1,500-1,830 MHz); NOT applied "
-    "(fraction 1): the table's GEMM shape terms and the Hopper attention ceiling were measured on an H200 "
-    "(bench/gpu_microbench.py, seconds-long kernels) and already carry the clock it held, so 0.82 on top would "
-    "count it twice"))
-CLOCK_PCIE = (1.0, (
+    f"1,980 MHz); TDP 700 W; {_BURST}"))
+CLOCK_H200 = (HOPPER_BURST_TO_SUSTAINED, (
+    "clock: 1,830 MHz as the H100 SXM; TDP 700 W; H200s at 700 W 'cannot reliably sustain a locked 1830 MHz "
+    "graphics/SM clock under full load', 1,500 is what they hold (github.com/tile-ai/TileOPs issue 1587); "
+    f"{_BURST}: the table's GEMM shape terms and attention ceiling were measured on an H200 in bursts "
+    "(bench/gpu_microbench.py, 13 calls per shape), which carry the burst clock, not the one a training step holds"))
+CLOCK_PCIE = (HOPPER_BURST_TO_SUSTAINED, (
     "clock: 756.5 = 114 SMs x 4,096 x 1,620 MHz, the whitepaper's tensor boost (board maximum 1,755; NVIDIA "
-    f"forums, as A100); TDP 350 W (product brief PB-11133-001); {_NONE} (reanimator/bee's clock notes: 1,384 "
-    "MHz average in a chassis 'not designed for it', thermal)"))
-CLOCK_NVL = (1.0, (
+    f"forums, as A100); TDP 350 W (product brief PB-11133-001); {_BURST}, the Hopper kernel terms carried to "
+    "this card: at half the SXM's power it may lose more (reanimator/bee's clock notes: 1,384 MHz average in a "
+    "chassis 'not designed for it', thermal)"))
+CLOCK_NVL = (HOPPER_BURST_TO_SUSTAINED, (
     "clock: 835.5 = 132 SMs x 4,096 x 1,545 MHz, below the 1,785 MHz maximum (fp32's 60 is at ~1,775); dense = "
-    f"the sparse figure halved; TDP 350-400 W, 400 taken; {_NONE}"))
+    f"the sparse figure halved; TDP 350-400 W, 400 taken; {_BURST}, the Hopper kernel terms carried to this card "
+    "(at its lower power it may lose more)"))
 CLOCK_B200 = (1.0, (
     "clock: 2,250 = 148 SMs x 8,192 x ~1,860 MHz, the 'tensor clock' hmc-tech.com lists (boost 1,980; 8,192 per "
     f"SM inferred from the peak); TDP 1,000 W (HGX B200); {_NONE}"))
-CLOCK_H100_96GB = (power_limited_clock(500, 700, 700), (
+CLOCK_H100_96GB = (HOPPER_BURST_TO_SUSTAINED * power_limited_clock(500, 700, 700), (
     "clock: 1,830 MHz as the H100 SXM; TDP 700 W (the top of the power sweep arXiv 2604.11391 ran on these "
     "boards), run at 500 W: 0.863 of the clock held at 700 W by power_limited_clock (f ∝ (P - P0)^(1/3), P0 = "
-    "140 W), a model, not a reading; override power_limit_w with 700 for the full limit"))
+    f"140 W), a model, not a reading, on top of the SXM's {_BURST}; override power_limit_w with 700 for the full "
+    "limit"))
 # fmt: on

@@ -141,6 +141,21 @@ class MicrobenchResult:
     """The SM clock the board held while a long square GEMM ran (the driver's, median of its samples)."""
     max_sm_clock_mhz: float | None = None
     """The board's highest SM clock (the driver's), to read ``sm_clock_mhz`` against."""
+    soak_s: float = 0.0
+    """Seconds of back-to-back calls each GEMM and attention item ran before it was timed: > 0, they carry the
+    clock a sustained load holds; 0 (and every file written before the field), bursts."""
+    burst_square_flops_per_s: float | None = None
+    """A square 8,192 GEMM's rate in a burst (warm-up and repeats, no soak); None when not measured."""
+    sustained_square_flops_per_s: float | None = None
+    """The same GEMM's rate over the second second of back-to-back calls; over :attr:`burst_square_flops_per_s`,
+    the ratio :data:`microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` cites for the Hopper rows."""
+
+    @property
+    def sustained_over_burst(self) -> float | None:
+        """Sustained over burst rate of the square GEMM, when both were measured."""
+        b, s = self.burst_square_flops_per_s, self.sustained_square_flops_per_s
+        return s / b if b and s else None
+
     seconds_total: float = 0.0
     """Wall seconds the whole benchmark took."""
     complete: bool = True

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from microbatch.errors import ConfigError
-from microbatch.hardware import ACCELERATORS, from_device_name, get_accelerator, parse_gpus, parse_overrides
+from microbatch.hardware import (
+    ACCELERATORS,
+    HOPPER,
+    from_device_name,
+    get_accelerator,
+    parse_gpus,
+    parse_overrides,
+)
+from microbatch.hardware_clocks import HOPPER_BURST_TO_SUSTAINED, power_limited_clock
 from microbatch.units import GIB
 
 
@@ -139,12 +147,20 @@ def test_each_row_states_its_clock_power_limit_and_sustained_clock_evidence():
         acc = ACCELERATORS[name]
         assert acc.power_limit_w == watts[name] and "TDP" in acc.source and "clock: " in acc.source
         if acc.sustained_clock_fraction == 1.0:  # no figure: the row says so rather than invent one
-            assert "no cited reading" in acc.source or "NOT applied" in acc.source, name
+            assert "no cited reading" in acc.source, name
+        if name in HOPPER:  # kernel terms measured in bursts on an H200: the sustained rate, cited
+            assert "DeepGEMM issue 120" in acc.source and "flashinfer PR 2899" in acc.source, name
+            base = HOPPER_BURST_TO_SUSTAINED
+            cap = power_limited_clock(acc.power_limit_w, acc.rated_power_w, acc.rated_power_w)
+            assert acc.sustained_clock_fraction == pytest.approx(base * cap), name
+    # 1 − (14.7/19.6)·(1 − 1,575/1,980): the rate falls 0.75 of the clock's fall, the clock 1,980 → 1,575 MHz
+    assert (
+        HOPPER_BURST_TO_SUSTAINED == pytest.approx(1 - 0.75 * (405 / 1980)) == pytest.approx(0.847, abs=5e-4)
+    )
     h200 = ACCELERATORS["h200"]
-    # cited (0.82) but not applied: the H200-measured kernel fractions already carry its held clock
-    assert h200.sustained_clock_fraction == 1.0
-    assert "TileOPs issue 1587" in h200.source and "NOT applied" in h200.source
-    assert ACCELERATORS["l4"].sustained_clock_fraction == 1.0  # not a part this issue names: the default
+    assert "TileOPs issue 1587" in h200.source and "in bursts" in h200.source
+    for name in ("a100-80gb", "b200", "l4"):  # kernel terms carried, not a burst of theirs: the default
+        assert ACCELERATORS[name].sustained_clock_fraction == 1.0
 
 
 def test_sustained_flops_and_at_sustained_clock():

@@ -97,9 +97,10 @@ def test_a_missing_or_failing_tool_reads_nothing(tmp_path: Path, monkeypatch: py
 
 
 def _result(**board: float) -> MicrobenchResult:
+    """A result whose kernels were timed after a soak (at the sustained clock: no burst factor on top)."""
     return MicrobenchResult(
         device="cuda", device_name="NVIDIA H100 80GB HBM3", accelerator="h100-sxm", torch_version="2.11",
-        dtype="bf16", timer="CUDA events", **board,
+        dtype="bf16", timer="CUDA events", soak_s=0.1, **board,
     )  # fmt: skip
 
 

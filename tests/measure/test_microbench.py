@@ -91,6 +91,8 @@ def test_a_tiny_budget_skips_items_and_names_them() -> None:
         ({"budget_s": 0}, "budget_s must be > 0"),
         ({"dtype": "bf16"}, "dtype bf16 on the CPU"),
         ({"device": "tpu"}, "neither cpu nor cuda"),
+        ({"soak_s": -0.1}, r"soak_s -0.1 must be in \[0, 10\] seconds"),
+        ({"soak_s": 11}, r"soak_s 11 must be in \[0, 10\]"),
     ],
 )
 def test_bad_config_is_refused(kw: dict, pattern: str) -> None:
@@ -218,3 +220,54 @@ def test_kernels_predicted_past_the_budget_are_skipped_and_said():
     skipped = {(r, k, n) for r, k, n in big if f"{r}×{k}×{n} (predicted" in said}
     assert timed | skipped >= set(big) and not timed & skipped  # each one run or said, never both
     assert (512, 8192, 57344) in skipped  # fc1: ~480 GFLOP, seconds on one CPU thread, past a 1 s budget
+
+
+def test_the_soak_calls_back_to_back_before_timing_and_cpu_runs_without_one() -> None:
+    """Issue 28: a compute item is timed after ``soak_s`` of back-to-back calls (the clock a sustained load
+    holds, not a burst's): on the CPU by default none (0), on a GPU 0.1 s; given, it calls the kernel for that
+    long before the warm-up and repeats, and not when twice it is past the budget left."""
+    from microbatch.measure.microbench_config import SOAK_S, Bench
+
+    assert MicrobenchConfig(shape=TINY).resolved_soak_s == 0.0
+    assert MicrobenchConfig(shape=TINY, device="cuda").resolved_soak_s == SOAK_S == 0.1
+    assert MicrobenchConfig(shape=TINY, device="cuda", soak_s=0).resolved_soak_s == 0.0
+    calls: list[float] = []
+    b = Bench(
+        cfg=MicrobenchConfig(shape=TINY, soak_s=0.05, repeats=3, warmup=1), torch=torch, cuda=False, acc=None
+    )
+    t0 = time.perf_counter()
+    n = b.soak(lambda: calls.append(time.perf_counter()))
+    assert n == len(calls) >= 100 and calls[-1] - t0 >= 0.05 > calls[0] - t0  # back to back for 0.05 s
+    calls.clear()
+    soaks: list[int] = []
+    b.soak = lambda fn: soaks.append(Bench.soak(b, fn)) or soaks[-1]  # type: ignore[method-assign]
+    b.time_s(lambda: calls.append(time.perf_counter()), None, soak=True)
+    assert len(soaks) == 1 and len(calls) == soaks[0] + 1 + 3  # the soak, then the warm-up and the repeats
+    calls.clear()
+    b.time_s(lambda: calls.append(time.perf_counter()), None)  # not a compute item: no soak
+    assert len(calls) == 4
+    late = Bench(cfg=MicrobenchConfig(shape=TINY, soak_s=5, budget_s=6), torch=torch, cuda=False, acc=None)
+    assert late.soak(lambda: None) == 0  # 2 × 5 s is past the 6 s budget: no soak
+
+
+def test_the_settled_rate_is_the_rate_over_the_windows_second_half() -> None:
+    """A GPU holding 1,000 calls/s for 0.5 s, then throttled to 800 calls/s: the second half's rate is 800/s
+    × the FLOPs per call; fewer than two calls there: None."""
+    from microbatch.measure.microbench_config import settled_rate
+
+    fast = [0.001 * (i + 1) for i in range(500)]
+    slow = [0.5 + (i + 1) / 800 for i in range(400)]
+    assert settled_rate(fast + slow, 0.0, 2.0) == pytest.approx(1600.0)
+    assert settled_rate([0.1], 0.0, 2.0) is None and settled_rate([], 0.0, 1.0) is None
+    # a burst timed on the same GEMM: the ratio the Hopper rows cite (HOPPER_BURST_TO_SUSTAINED) is read from both
+    r = MicrobenchResult(device="cuda", device_name="x", accelerator=None, torch_version="2", dtype="bf16",
+                         timer="CUDA events", burst_square_flops_per_s=1000.0, sustained_square_flops_per_s=850.0,
+                         soak_s=0.1)  # fmt: skip
+    assert r.sustained_over_burst == pytest.approx(0.85)
+    back = MicrobenchResult.from_json(r.to_json())
+    assert (back.soak_s, back.sustained_over_burst) == (0.1, pytest.approx(0.85))
+    old = r.to_dict()
+    for k in ("soak_s", "burst_square_flops_per_s", "sustained_square_flops_per_s"):
+        old.pop(k)
+    was = MicrobenchResult.from_dict(old)  # a file written before: bursts, no ratio
+    assert (was.soak_s, was.sustained_over_burst) == (0.0, None)

@@ -91,19 +91,19 @@ def test_layer_uses_the_flash_curve_only_with_flash_and_a_ceiling() -> None:
     h100 = get_accelerator("h100-sxm")
     lt = layer_forward(shape, 1, h100, flash_attention=True)
     full = 2.0 * 8192 * 8192 * (4096 + 4096)  # 2 rows s (d_qk + d_v) a, rows = s
-    fwd, bwd = flash_attention_times_s(full, 8192, h100.flops("bf16"), 0.417)
+    fwd, bwd = flash_attention_times_s(full, 8192, h100.sustained_flops("bf16"), 0.417)
     assert lt.attention_s == pytest.approx(fwd)
     assert lt.attention_backward_s == pytest.approx(bwd)
     # the old rule (full FLOPs at the GEMM efficiency 0.8, backward 2 x): 3 F / (0.8 peak); the curve:
     # F/2 / (0.417 peak 8192/8596) + 5/4 F / (0.417 peak 329/377 8192/8766)
-    old_total = 3 * full / (h100.flops("bf16") * 0.8)
+    old_total = 3 * full / (h100.sustained_flops("bf16") * 0.8)  # both at the clock the kernels run at
     curve = 0.5 / (0.417 * 8192 / 8596) + 1.25 / (0.417 * 329 / 377 * 8192 / 8766)
     assert (fwd + bwd) / old_total == pytest.approx(curve * 0.8 / 3, rel=1e-6)
     assert (lt.attention_s + (lt.attention_backward_s or 0.0)) / old_total > 1.2
     # without a ceiling (an accelerator with no kernel evidence): the GEMM-efficiency rule as before
     bare = h100.with_overrides(attention_fraction=None)
     old = layer_forward(shape, 1, bare, flash_attention=True)
-    assert old.attention_s == pytest.approx(full / (h100.flops("bf16") * 0.8))
+    assert old.attention_s == pytest.approx(full / (h100.sustained_flops("bf16") * 0.8))
     # without flash: the score passes through memory, untouched by the flash curve
     assert layer_forward(shape, 1, h100, flash_attention=False).attention_s == pytest.approx(
         layer_forward(shape, 1, bare, flash_attention=False).attention_s
@@ -128,7 +128,7 @@ def test_layer_reads_the_models_head_dimension() -> None:
     d128 = ModelShape(name="d128", layers=1, hidden=4096, heads=32, vocab=32000, seq=8192)
     assert (d64.head_dim, d128.head_dim) == (64, 128)
     full = 2.0 * 8192 * 8192 * (4096 + 4096)  # the same FLOPs for both
-    fwd, bwd = flash_attention_times_s(full, 8192, h100.flops("bf16"), 0.417, head_dim=64)
+    fwd, bwd = flash_attention_times_s(full, 8192, h100.sustained_flops("bf16"), 0.417, head_dim=64)
     lt = layer_forward(d64, 1, h100, flash_attention=True)
     assert lt.attention_s == pytest.approx(fwd)
     assert lt.attention_backward_s == pytest.approx(bwd)

@@ -12,6 +12,7 @@ import json
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,8 @@ def _rate(rows: int) -> float:
     return 400e12 * rows / (rows + 500)
 
 
-def synthetic(collective: bool = False) -> MicrobenchResult:
+def synthetic(collective: bool = False, soak_s: float = 0.1, **square: float) -> MicrobenchResult:
+    """A made-up H100 result; its kernels timed after a soak (the sustained clock) unless ``soak_s`` is 0."""
     gemms = [
         GemmTiming(label=lab, rows=r, k=k, n=n, seconds=2 * r * k * n / _rate(r), flops_per_s=_rate(r))
         for b in (1, 4) for lab, r, k, n in layer_gemm_shapes(SHAPE, b * SHAPE.seq)
@@ -60,6 +62,7 @@ def synthetic(collective: bool = False) -> MicrobenchResult:
         gemms=tuple(gemms), stream=stream, collectives=coll if collective else (), launch_s_per_kernel=5e-6,
         overlap_slowdown=0.25 if collective else None,
         attention=(AttentionTiming(seq=4096, heads=32, head_dim=128, batch=2, seconds=1.0, flops_per_s=300e12),),
+        soak_s=soak_s, **square,
     )  # fmt: skip
 
 
@@ -247,3 +250,50 @@ def test_a_measured_overlap_slowdown_moves_an_fsdp_plan_and_a_negative_one_count
     assert zero3_s(-0.05) == zero3_s(
         0.0
     )  # a GEMM measured faster beside the collective: no slowdown, not a gain
+
+
+def test_kernels_timed_in_bursts_are_slowed_to_the_sustained_rate(tmp_path: Path) -> None:
+    """Issue 28: a file whose kernels were timed in bursts (no soak, as every file before the field) carries the
+    clock of a burst, not of a training step: on a Hopper part the square GEMM's measured sustained / burst ratio
+    slows them, or, where the file has none, the cited HOPPER_BURST_TO_SUSTAINED; off Hopper with no ratio, 1.
+    Timed after a soak they carry the sustained clock: 1."""
+    from microbatch.hardware_clocks import HOPPER_BURST_TO_SUSTAINED
+
+    def fraction(result: MicrobenchResult, gpu=H100) -> tuple[float, str]:
+        p = tmp_path / "mb.json"
+        p.write_text(result.to_json())
+        a = apply_calibration(p, shape=SHAPE, precision="bf16-mixed", gpu=gpu)
+        assert a.accelerator is not None
+        return a.accelerator.sustained_clock_fraction, a.sources.get("clock", "")
+
+    soaked = fraction(synthetic())
+    assert soaked == (1.0, "")
+    f, why = fraction(synthetic(soak_s=0.0))
+    assert f == pytest.approx(HOPPER_BURST_TO_SUSTAINED) and "in bursts" in why and "cited" in why
+    measured = synthetic(soak_s=0.0, burst_square_flops_per_s=760e12, sustained_square_flops_per_s=646e12)
+    assert measured.sustained_over_burst == pytest.approx(0.85)
+    f, why = fraction(measured)
+    assert f == pytest.approx(0.85) and "sustained over burst" in why
+    # a sustained rate above the burst's (noise) slows nothing
+    f, _ = fraction(
+        synthetic(soak_s=0.0, burst_square_flops_per_s=700e12, sustained_square_flops_per_s=710e12)
+    )
+    assert f == 1.0
+    # a soaked file keeps 1 whatever its square GEMM says (its kernels already ran at the sustained clock)
+    assert fraction(synthetic(burst_square_flops_per_s=760e12, sustained_square_flops_per_s=646e12))[0] == 1.0
+    # the same burst file on a part its kernel terms were not measured in bursts on and without a ratio: 1
+    rebranded = replace(synthetic(soak_s=0.0), device_name="NVIDIA A100-SXM4-80GB", accelerator="a100-80gb")
+    assert fraction(rebranded, get_accelerator("a100-80gb"))[0] == 1.0
+    # every step slower by the burst ratio's share of compute: a calibrated plan from a burst file is slower
+    p_b, p_s = tmp_path / "b.json", tmp_path / "s.json"
+    p_b.write_text(synthetic(soak_s=0.0).to_json())
+    p_s.write_text(synthetic().to_json())
+    t = {
+        k: predict_step_time_s(SHAPE, 4, a.accelerator, efficiency=a.efficiency)
+        for k, a in (
+            ("burst", apply_calibration(p_b, shape=SHAPE, precision="bf16-mixed", gpu=H100)),
+            ("soaked", apply_calibration(p_s, shape=SHAPE, precision="bf16-mixed", gpu=H100)),
+        )
+        if a.accelerator is not None
+    }
+    assert t["soaked"] < t["burst"] < t["soaked"] / HOPPER_BURST_TO_SUSTAINED * (1 + 1e-9)

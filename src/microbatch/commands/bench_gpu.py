@@ -48,6 +48,9 @@ def _parse_bms(text: str) -> tuple[int, ...]:
 @click.option("--budget-s", "budget_s", type=float, default=20.0, show_default=True,
               help="Wall seconds for everything; kernels past it are skipped and named.")  # fmt: skip
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads on the CPU.")
+@click.option("--soak-s", "soak_s", type=float, default=None,
+              help="Seconds of back-to-back calls before each GEMM and attention kernel is timed, so it runs at the "
+                   "clock a training step's load holds. Default: 0.1 on a GPU, 0 on the CPU; 0 times bursts.")  # fmt: skip
 @click.option(
     "--out", type=click.Path(dir_okay=False), help="Write the result as JSON here (for plan --calibration)."
 )
@@ -55,12 +58,15 @@ def _parse_bms(text: str) -> tuple[int, ...]:
 @json_option
 def cmd(
     model_spec: dict[str, Any], device: str | None, micro_batches: str | None, dtype: str, quick: bool,
-    repeats: int, budget_s: float, threads: int, out: str | None, force: bool, as_json: bool,
+    repeats: int, budget_s: float, threads: int, soak_s: float | None, out: str | None, force: bool,
+    as_json: bool,
 ) -> None:  # fmt: skip
     """Time the kernels the step-time model charges, on this device, for `plan --calibration`.
 
     Times the layer GEMMs of --model (QKV, projection, MLP, output layer) at rows b_m·s, a small
-    M×N×K grid, causal attention (SDPA) at a few sequence lengths, streaming kernels (copy, add,
+    M×N×K grid, causal attention (SDPA) at a few sequence lengths (each after --soak-s of
+    back-to-back calls: the clock a training step holds, not a burst's), a square GEMM in a burst and
+    under two seconds of load, streaming kernels (copy, add,
     GeLU, LayerNorm), the per-kernel launch floor, and all-reduce/all-gather when a torch.distributed
     process group is initialised (else skipped, and said); under torchrun the command joins one
     and also times a GEMM beside an all-reduce (how much overlapped communication slows
@@ -93,7 +99,7 @@ def cmd(
     if not budget_s > 0:
         raise ConfigError(f"--budget-s {budget_s} must be > 0 seconds; e.g. --budget-s 20")
     cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
-                           repeats=repeats, budget_s=budget_s, threads=threads)  # fmt: skip
+                           repeats=repeats, budget_s=budget_s, threads=threads, soak_s=soak_s)  # fmt: skip
     _check_fits(cfg)
     check_output_file(out, "--out", (".json",), force=force)  # before any kernel runs
     device, rank, owned = join_launched_group(device)  # under torchrun: one process group, this rank's GPU

@@ -28,13 +28,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.measure.board import BoardReading, clock_under_load, read_board
+from microbatch.measure.microbench_config import Bench, MicrobenchConfig, frac, peak, settled_rate
 from microbatch.measure.microbench_shapes import attention_seqs, grid_gemm_shapes, layer_gemm_shapes
 from microbatch.microbench_record import (
     AttentionTiming,
@@ -43,7 +44,6 @@ from microbatch.microbench_record import (
     MicrobenchResult,
     StreamTiming,
 )
-from microbatch.model import ModelShape
 
 __all__ = [
     "MicrobenchConfig",
@@ -55,148 +55,30 @@ __all__ = [
     "join_launched_group",
 ]
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
 
-
-@dataclass(frozen=True, kw_only=True)
-class MicrobenchConfig:
-    """What to measure and how long it may take."""
-
-    shape: ModelShape
-    """The model whose layer GEMMs, heads and head dimension are measured (at its ``seq``)."""
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    """b_m whose rows b_m·s the layer GEMMs are measured at."""
-    device: str = "cpu"
-    """``cpu`` or ``cuda`` (``cuda:N``)."""
-    dtype: str = "auto"
-    """``bf16``, ``fp16``, ``fp32``, or ``auto`` (bf16 on CUDA, fp32 on the CPU)."""
-    quick: bool = False
-    """Small grid and tensors (a CPU run in seconds); the layer GEMMs stay the model's."""
-    repeats: int = 10
-    """Timed repeats per item (fewer when its share of the budget runs out)."""
-    warmup: int = 3
-    """Untimed calls before the repeats."""
-    budget_s: float = 20.0
-    """Wall seconds for the whole benchmark; items past it are skipped and named."""
-    threads: int = 1
-    """torch threads on the CPU (the thread clock counts the calling thread only, so 1 measures all work)."""
-    extra_gemms: tuple[tuple[str, int, int, int], ...] = ()
-    """More GEMMs (label, rows, k, n) to time after the grid (``bench/gpu_microbench.py``: the development
-    set's layer shapes, a square GEMM, a row ramp)."""
-
-    def __post_init__(self) -> None:
-        if not self.micro_batches:
-            raise ConfigError("micro_batches is empty; give at least one b_m, e.g. (1, 2, 4)")
-        for b in self.micro_batches:
-            check_positive_int("micro_batches", b)
-        check_positive_int("repeats", self.repeats)
-        check_positive_int("threads", self.threads)
-        if self.warmup < 0:
-            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
-        if not self.budget_s > 0:
-            raise ConfigError(f"budget_s must be > 0 seconds, got {self.budget_s}; e.g. 20")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"device {self.device!r} is neither cpu nor cuda (cuda:N)")
-        if self.device == "cpu" and self.dtype in ("bf16", "fp16"):
-            raise ConfigError(
-                f"dtype {self.dtype} on the CPU times emulated half precision, not the planner's kernels; "
-                "use fp32 (or auto) on the CPU"
-            )
-
-    @property
-    def resolved_dtype(self) -> str:
-        """The dtype that runs: ``auto`` is bf16 on CUDA, fp32 on the CPU."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bf16" if self.device.startswith("cuda") else "fp32"
-
-
-@dataclass
-class _Bench:
-    """The running benchmark: its clock, its budget and what it has measured so far."""
-
-    cfg: MicrobenchConfig
-    torch: Any
-    cuda: bool
-    acc: Accelerator | None
-    t_start: float = field(default_factory=time.perf_counter)
-    skipped: list[str] = field(default_factory=list)
-    warm_rate: float | None = None
-    """FLOP/s a kernel's time is predicted at before it runs (:func:`_settle`): the CPU's warm-up matmuls, a
-    GPU's datasheet peak; None: no prediction, nothing skipped."""
-
-    def past_budget(self, flops: float, what: str) -> bool:
-        """Whether one call of ``flops`` at :attr:`warm_rate` would outlast the budget left (its warm-up call
-        alone would): then it is skipped and said, not run (a 70B layer's CPU GEMM ran 54 s of a 5 s budget)."""
-        t = flops / self.warm_rate if self.warm_rate else 0.0
-        if t > self.left_s():
-            self.skipped.append(f"{what} (predicted {t:.3g} s, past the {self.left_s():.3g} s left)")
-            return True
-        return False
-
-    def left_s(self) -> float:
-        return self.cfg.budget_s - (time.perf_counter() - self.t_start)
-
-    def time_s(self, fn: Callable[[], Any], share_s: float | None) -> float | None:
-        """Median seconds of ``fn`` after warm-up, repeating until ``repeats`` or ``share_s``; None past the
-        budget. ``share_s`` None: exactly ``warmup`` + ``repeats`` calls whatever the clock says (a collective:
-        every rank must make the same calls)."""
-        if share_s is not None and self.left_s() <= 0:
-            return None
-        torch, t_end = self.torch, time.perf_counter() + max(share_s or 0.0, 0.0)
-        for _ in range(self.cfg.warmup):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        times: list[float] = []
-        while len(times) < self.cfg.repeats and (not times or share_s is None or time.perf_counter() < t_end):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.thread_time()
-                fn()
-                times.append(time.thread_time() - t0)
-        return statistics.median(times)
-
-
-def _peak(acc: Accelerator | None, dtype: str) -> float | None:
-    return acc.flops(dtype) if acc is not None else None
-
-
-def _frac(value: float, ref: float | None) -> float | None:
-    return value / ref if ref else None
-
-
-def _gemms(b: _Bench, shapes: list[tuple[str, int, int, int]], dtype: Any, out: list[GemmTiming]) -> None:
+def _gemms(b: Bench, shapes: list[tuple[str, int, int, int]], dtype: Any, out: list[GemmTiming]) -> None:
     torch, dev = b.torch, b.cfg.device
-    peak = _peak(b.acc, b.cfg.resolved_dtype)
+    top = peak(b.acc, b.cfg.resolved_dtype)
     for i, (label, m, k, n) in enumerate(shapes):
         if b.past_budget(2.0 * m * k * n, f"GEMM {label} {m}×{k}×{n}"):
             continue
         x = torch.randn(m, k, device=dev, dtype=dtype)
         w = torch.randn(k, n, device=dev, dtype=dtype)
-        s = b.time_s(partial(torch.matmul, x, w), 0.5 * b.left_s() / max(1, len(shapes) - i))
+        s = b.time_s(partial(torch.matmul, x, w), 0.5 * b.left_s() / max(1, len(shapes) - i), soak=True)
         if s is None:
             b.skipped.append(f"GEMM {label} {m}×{k}×{n}")
             continue
         fl = 2.0 * m * k * n / s
         out.append(
             GemmTiming(
-                label=label, rows=m, k=k, n=n, seconds=s, flops_per_s=fl, fraction_of_peak=_frac(fl, peak)
+                label=label, rows=m, k=k, n=n, seconds=s, flops_per_s=fl, fraction_of_peak=frac(fl, top)
             )
         )
 
 
-def _attention(b: _Bench, dtype: Any, out: list[AttentionTiming]) -> None:
+def _attention(b: Bench, dtype: Any, out: list[AttentionTiming]) -> None:
     torch, dev, sh = b.torch, b.cfg.device, b.cfg.shape
-    peak = _peak(b.acc, b.cfg.resolved_dtype)
+    top = peak(b.acc, b.cfg.resolved_dtype)
     tokens = max(b.cfg.micro_batches) * sh.seq
     seqs = attention_seqs(sh.seq, b.cfg.quick)
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -207,18 +89,18 @@ def _attention(b: _Bench, dtype: Any, out: list[AttentionTiming]) -> None:
         q, k, v = (
             torch.randn(batch, sh.heads, s_len, sh.head_dim, device=dev, dtype=dtype) for _ in range(3)
         )
-        s = b.time_s(partial(sdpa, q, k, v, is_causal=True), 0.3 * b.left_s() / (len(seqs) - i))
+        s = b.time_s(partial(sdpa, q, k, v, is_causal=True), 0.3 * b.left_s() / (len(seqs) - i), soak=True)
         if s is None:
             b.skipped.append(f"attention s={s_len}")
             continue
         fl = 4.0 * batch * sh.heads * s_len * s_len * sh.head_dim / 2  # causal: half the blocks
         out.append(
             AttentionTiming(seq=s_len, heads=sh.heads, head_dim=sh.head_dim, batch=batch, seconds=s,
-                            flops_per_s=fl / s, fraction_of_peak=_frac(fl / s, peak))
+                            flops_per_s=fl / s, fraction_of_peak=frac(fl / s, top))
         )  # fmt: skip
 
 
-def _stream(b: _Bench, dtype: Any, out: list[StreamTiming]) -> None:
+def _stream(b: Bench, dtype: Any, out: list[StreamTiming]) -> None:
     torch, dev = b.torch, b.cfg.device
     n_el = (4 if b.cfg.quick else 64) * 2**20
     width = 1024
@@ -243,7 +125,7 @@ def _stream(b: _Bench, dtype: Any, out: list[StreamTiming]) -> None:
             b.skipped.append(f"stream {name}")
             continue
         out.append(StreamTiming(kernel=name, nbytes=nbytes, seconds=s, bytes_per_s=nbytes / s,
-                                fraction_of_bandwidth=_frac(nbytes / s, bw)))  # fmt: skip
+                                fraction_of_bandwidth=frac(nbytes / s, bw)))  # fmt: skip
 
 
 def _adamw_step(torch: Any, dev: str, numel: int) -> Callable[[], Any]:
@@ -254,7 +136,7 @@ def _adamw_step(torch: Any, dev: str, numel: int) -> Callable[[], Any]:
     return torch.optim.AdamW([prm], lr=1e-4, foreach=True).step  # type: ignore[no-any-return]
 
 
-def _settle(b: _Bench, dtype: Any) -> None:
+def _settle(b: Bench, dtype: Any) -> None:
     """Untimed matmuls for 50 ms (0.2 s on a GPU) before the first item: thread pools, clocks and the
     allocator settle, so the first GEMM timed is not the process's first."""
     torch = b.torch
@@ -269,10 +151,10 @@ def _settle(b: _Bench, dtype: Any) -> None:
     # the rate a skip is judged at: on the CPU the warm-up's own (its small matmuls run near the large ones'
     # rate there); a GPU's small matmuls wait on launches, so its datasheet peak (unknown board: no skip)
     cpu_rate = n * 2.0 * 256**3 / max(time.perf_counter() - t0, 1e-9)
-    b.warm_rate = (_peak(b.acc, b.cfg.resolved_dtype) if b.cuda else cpu_rate) or None
+    b.warm_rate = (peak(b.acc, b.cfg.resolved_dtype) if b.cuda else cpu_rate) or None
 
 
-def _launch_s(b: _Bench) -> float | None:
+def _launch_s(b: Bench) -> float | None:
     """Wall seconds per tiny eager kernel: 2,000 in-place adds on a one-element tensor."""
     if b.left_s() <= 0:
         b.skipped.append("launch floor")
@@ -291,7 +173,7 @@ def _launch_s(b: _Bench) -> float | None:
     return (time.perf_counter() - t0) / 2000
 
 
-def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list[str]) -> float | None:
+def _collectives(b: Bench, dtype: Any, out: list[CollectiveTiming], notes: list[str]) -> float | None:
     """All-reduce and all-gather over the initialised process group, then the GEMM slowdown beside an
     all-reduce (:func:`_overlap_slowdown`, returned); a note when there is no group."""
     from microbatch.measure.device import distributed
@@ -323,7 +205,7 @@ def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list
             continue
         bus = factor * nbytes / s
         out.append(CollectiveTiming(op=op, nbytes=nbytes, world_size=n, seconds=s, bus_bytes_per_s=bus,
-                                    fraction_of_link=_frac(bus, link)))  # fmt: skip
+                                    fraction_of_link=frac(bus, link)))  # fmt: skip
     reduce_s = next((c.seconds for c in out if c.op == "all_reduce"), None)
     slowdown = _overlap_slowdown(b, dtype, dist, reduce_s)
     if slowdown is None:
@@ -331,10 +213,10 @@ def _collectives(b: _Bench, dtype: Any, out: list[CollectiveTiming], notes: list
     return slowdown
 
 
-def _overlap_slowdown(b: _Bench, dtype: Any, dist: Any, allreduce_s: float | None) -> float | None:
+def _overlap_slowdown(b: Bench, dtype: Any, dist: Any, allreduce_s: float | None) -> float | None:
     """Median seconds of a GEMM while an all-reduce runs beside it over its seconds alone, minus 1.
 
-    The GEMM is timed alone (:meth:`_Bench.time_s`), then each repeat starts an asynchronous all-reduce of a
+    The GEMM is timed alone (:meth:`Bench.time_s`), then each repeat starts an asynchronous all-reduce of a
     buffer sized to outlast the GEMM twice (from the all-reduce just measured, at most 1 GiB) and times the
     GEMM alone on the compute stream (CUDA events; the thread clock on the CPU) before waiting for the
     collective. None past the budget."""
@@ -397,31 +279,53 @@ BOARD_SHARE = 0.05
 """Share of the budget (at most 2 s) the board's clock is sampled for, under a square 8,192 GEMM."""
 
 
-def _board(b: _Bench, dtype: Any, notes: list[str]) -> BoardReading | None:
-    """The driver's power limit and the SM clock held under a square GEMM (CUDA only): read once first, and
-    loaded only when the driver answers; None, with a note, when it does not or the GEMM cannot run."""
+@dataclass(frozen=True)
+class _Square:
+    """The square GEMM timed in a burst and under load, and the board's reading under that load."""
+
+    board: BoardReading | None = None
+    burst: float | None = None
+    sustained: float | None = None
+
+
+def _board(b: Bench, dtype: Any, notes: list[str]) -> _Square:
+    """A square 8,192 GEMM (CUDA only): timed first in a burst (warm-up and repeats, as the kernels of the H200
+    table were), then back to back for ``min(2 s, BOARD_SHARE × budget)``, the rate over the window's second half
+    kept (:func:`~microbatch.measure.microbench_config.settled_rate`) while a thread reads the driver's power limit
+    and SM clock (when ``nvidia-smi`` answers for this GPU); a note for what could not be read."""
     if not b.cuda or b.left_s() <= 0:
-        return None
+        return _Square()
     torch, dev = b.torch, b.cfg.device
     uuid = getattr(torch.cuda.get_device_properties(torch.device(dev)), "uuid", None)
     ident = f"GPU-{uuid}"  # the UUID: CUDA_VISIBLE_DEVICES does not renumber it
-    if not uuid or read_board(ident) is None:
+    readable = bool(uuid) and read_board(ident) is not None
+    if not readable:
         notes.append("the board's power limit and clock were not read (no nvidia-smi answer for this GPU)")
-        return None
+    n, ends = 8192, []
     try:
-        x = torch.randn(8192, 8192, device=dev, dtype=dtype)
+        x = torch.randn(n, n, device=dev, dtype=dtype)
+        burst_s = b.time_s(partial(torch.matmul, x, x), None)
 
         def work() -> None:
             torch.matmul(x, x)
             torch.cuda.synchronize()
+            ends.append(time.perf_counter())
 
-        reading = clock_under_load(work, min(2.0, BOARD_SHARE * b.cfg.budget_s), ident)
+        seconds, start = min(2.0, BOARD_SHARE * b.cfg.budget_s), time.perf_counter()
+        if readable:
+            reading = clock_under_load(work, seconds, ident)
+        else:
+            reading = None
+            while time.perf_counter() < start + seconds:
+                work()
     except RuntimeError as e:  # torch.OutOfMemoryError among them: an extra, not the benchmark
-        notes.append(f"the board's clock under load was not read ({type(e).__name__})")
-        return None
-    if reading is None:
+        notes.append(f"the square GEMM under load was not measured ({type(e).__name__})")
+        return _Square()
+    if readable and reading is None:
         notes.append("the board's clock under load was not read (too few driver readings)")
-    return reading
+    flops = 2.0 * n**3
+    return _Square(board=reading, burst=flops / burst_s if burst_s else None,
+                   sustained=settled_rate(ends, start, flops))  # fmt: skip
 
 
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
@@ -444,7 +348,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         torch.set_num_threads(cfg.threads)
     if cuda:
         torch.cuda.set_device(torch.device(cfg.device))
-    b = _Bench(cfg=cfg, torch=torch, cuda=cuda, acc=acc)
+    b = Bench(cfg=cfg, torch=torch, cuda=cuda, acc=acc)
     gemms: list[GemmTiming] = []
     attn: list[AttentionTiming] = []
     stream: list[StreamTiming] = []
@@ -452,13 +356,13 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     notes: list[str] = []
     launch: float | None = None
     overlap: float | None = None
-    board: BoardReading | None = None
+    square = _Square()
     complete = True
     layer = [g for bm in cfg.micro_batches for g in layer_gemm_shapes(cfg.shape, bm * cfg.shape.seq)]
     try:
         with torch.no_grad():
             _settle(b, dtype)
-            board = _board(b, dtype, notes)
+            square = _board(b, dtype, notes)
             _gemms(b, layer, dtype, gemms)
             _attention(b, dtype, attn)
             _stream(b, dtype, stream)
@@ -474,6 +378,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         notes.append(f"past the {cfg.budget_s:g} s budget, not measured: {', '.join(b.skipped)}")
     if acc is None:
         notes.append(f"{name} is not in the accelerator table: no fractions of peak")
+    board = square.board
     return MicrobenchResult(
         device="cuda" if cuda else "cpu", device_name=name, accelerator=acc.name if acc else None,
         torch_version=str(torch.__version__), dtype=cfg.resolved_dtype,
@@ -482,5 +387,6 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
         overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
         power_limit_w=board.power_limit_w if board else None, sm_clock_mhz=board.sm_clock_mhz if board else None,
-        max_sm_clock_mhz=board.max_sm_clock_mhz if board else None,
+        max_sm_clock_mhz=board.max_sm_clock_mhz if board else None, soak_s=cfg.resolved_soak_s,
+        burst_square_flops_per_s=square.burst, sustained_square_flops_per_s=square.sustained,
     )  # fmt: skip

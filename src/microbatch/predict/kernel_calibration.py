@@ -14,8 +14,11 @@ accelerator sets, for plans on that accelerator:
   every memory-bound kernel at ``memory``) the median of copy, add, GeLU and LayerNorm; on a GPU
   ``optimizer_memory`` = one AdamW step's (28 B per parameter).
 - **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
-- **Clock**: the measured kernels carry the clock they held (``sustained_clock_fraction`` 1), at the row's power
-  limit; a plan at another ``power_limit_w`` scales it (:func:`~microbatch.hardware_clocks.power_limited_clock`).
+- **Clock**: kernels timed after a soak (``MicrobenchResult.soak_s`` > 0) carry the clock a sustained load holds
+  (``sustained_clock_fraction`` 1), at the row's power limit; a plan at another ``power_limit_w`` scales it
+  (:func:`~microbatch.hardware_clocks.power_limited_clock`). Kernels timed in bursts (a file without a soak) are
+  slowed by the square GEMM's sustained over burst rate measured with them, or, where the file has none, by the
+  Hopper rows' cited :data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` (other GPUs: 1).
 - **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
   (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one; ``overlap_slowdown`` = the
   measured slowdown of a GEMM beside an all-reduce (at least 0), when the file has one.
@@ -31,8 +34,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.hardware import ACCELERATORS, Accelerator, cpu_accelerator
-from microbatch.hardware_clocks import MAX_CLOCK_FRACTION, MIN_POWER_SHARE, power_limited_clock
+from microbatch.hardware import ACCELERATORS, HOPPER, Accelerator, cpu_accelerator
+from microbatch.hardware_clocks import (
+    HOPPER_BURST_TO_SUSTAINED,
+    MAX_CLOCK_FRACTION,
+    MIN_POWER_SHARE,
+    power_limited_clock,
+)
 from microbatch.microbench_record import MicrobenchResult
 from microbatch.predict.attention import flash_shape_factor
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
@@ -191,8 +199,9 @@ def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[st
     at — the driver's reading in the file, else (an older file) the table row's, said to be assumed."""
     row = ACCELERATORS[acc.name].power_limit_w if acc.name in ACCELERATORS else None
     ran_at, how = (result.power_limit_w, "read") if result.power_limit_w else (row, "the row's, assumed")
+    base = _burst_factor(acc, result, sources)
     if ran_at is None or acc.power_limit_w in (None, ran_at) or acc.rated_power_w is None:
-        return acc.with_overrides(sustained_clock_fraction=1.0)
+        return acc.with_overrides(sustained_clock_fraction=base)
     rated = acc.rated_power_w
     held = min(max(ran_at, MIN_POWER_SHARE * rated), rated)  # a reading outside the board's range: its edge
     f = power_limited_clock(acc.power_limit_w, held, rated)
@@ -205,5 +214,26 @@ def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[st
     edge = f", taken as {held:g} W, the edge of the board's range" if held != ran_at else ""
     sources["clock"] = (
         f"measured at {ran_at:g} W ({how}{edge}); at {acc.power_limit_w:g} W the clock x {f:.3f}"
+        + (f"; {sources['clock']}" if "clock" in sources else "")
     )
-    return acc.with_overrides(sustained_clock_fraction=f)
+    return acc.with_overrides(sustained_clock_fraction=f * base)
+
+
+def _burst_factor(acc: Accelerator, result: MicrobenchResult, sources: dict[str, str]) -> float:
+    """1 when the kernels were timed after a soak (they carry the sustained clock) or off a GPU; else, kernels
+    timed in bursts, the square GEMM's sustained over burst rate measured with them (at most 1), or the Hopper
+    rows' cited one; said in ``sources["clock"]``."""
+    if result.soak_s > 0 or not acc.compute_units:
+        return 1.0
+    ratio = result.sustained_over_burst
+    if ratio is not None:
+        r = min(1.0, ratio)
+        sources["clock"] = f"kernels timed in bursts: x {r:.3f}, the square GEMM's sustained over burst rate"
+        return r
+    if acc.name in HOPPER:
+        sources["clock"] = (
+            f"kernels timed in bursts (no soak in the file): x {HOPPER_BURST_TO_SUSTAINED:.3f}, the Hopper rows' "
+            "cited sustained rate"
+        )
+        return HOPPER_BURST_TO_SUSTAINED
+    return 1.0

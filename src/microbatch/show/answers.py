@@ -210,6 +210,14 @@ def render_microbench(d: dict[str, Any]) -> str:
             + (f"SM clock under a long GEMM {clock:,.0f} MHz" if clock else "SM clock not read")
             + (f" of {top:,.0f} maximum" if clock and top else "")
         )
+    burst, held = d.get("burst_square_flops_per_s"), d.get("sustained_square_flops_per_s")
+    if burst and held:
+        lines.append(
+            f"square 8,192 GEMM: {burst / 1e12:,.0f} TFLOP/s in a burst, {held / 1e12:,.0f} under load "
+            f"({held / burst:.3f} of it; the Hopper rows assume 0.847)"
+        )
+    if d.get("soak_s"):
+        lines.append(f"each GEMM and attention kernel timed after {d['soak_s']:g} s of back-to-back calls")
     lines += [f"note: {n}" for n in d["notes"]]
     return "\n".join(lines)
 

@@ -329,10 +329,12 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def _clock_note(gpu: Accelerator) -> str:
-    """`` (500 W of 700, clock × 0.863)`` when the board runs under its rating or at another clock, else ``""``."""
+    """`` (500 W of 700, sustained clock × 0.731)`` when the board runs under its rating or at another clock than
+    its datasheet's (the Hopper rows' sustained clock, :data:`microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED`),
+    else ``""``."""
     w, rated, f = gpu.power_limit_w, gpu.rated_power_w, gpu.sustained_clock_fraction
     limit = f"{w:,.0f} W of {rated:,.0f}" if w and rated and w < rated else ""
-    clock = f"clock × {f:.3f}" if f != 1 else ""
+    clock = f"sustained clock × {f:.3f}" if f != 1 else ""
     return f" ({', '.join(x for x in (limit, clock) if x)})" if limit or clock else ""
 
 
