@@ -84,6 +84,9 @@ fi
 
 # == 3. kernel microbenchmarks for the step-time model's constants (issue 17) =================
 log "section 3: microbenchmarks"
+# every GEMM and attention kernel is timed after 0.1 s of back-to-back calls (the clock a training step holds);
+# its "square 8192 GEMM: burst ..., under load ...: sustained/burst R" line is the measured ratio that replaces
+# the cited hardware_clocks.HOPPER_BURST_TO_SUSTAINED (0.847), with the SM clock the driver read under the load
 if [[ $DRY == 1 ]]; then MB="--smoke"; else MB=""; fi
 run 60 microbench "$PY" bench/gpu_microbench.py $MB --out "$OUT/microbench.json"
 tail -n 30 "$OUT/logs/microbench.log" >>"$OUT/gpu.log"

@@ -85,6 +85,13 @@ def main() -> None:
         print(
             f"dev-set GEMM fraction of peak: median {statistics.median(fr):.3f} (min {min(fr):.3f}, max {max(fr):.3f})"
         )
+    if r.sustained_over_burst is not None:
+        print(
+            f"square 8192 GEMM: burst {(r.burst_square_flops_per_s or 0) / 1e12:.1f} TFLOP/s, under load "
+            f"{(r.sustained_square_flops_per_s or 0) / 1e12:.1f}: sustained/burst {r.sustained_over_burst:.3f} "
+            "(hardware_clocks.HOPPER_BURST_TO_SUSTAINED cites 0.847); kernels soaked "
+            f"{r.soak_s:g} s each, SM clock under load {r.sm_clock_mhz or 'not read'} MHz"
+        )
     for n in r.notes:
         print(f"note: {n}")
     if args.out:
