@@ -109,6 +109,20 @@ def test_async_tp_hides_the_collectives_under_the_gemms():
     slow_async = layer_forward(LLAMA, 1, slow, tensor_parallel=4, sequence_parallel=True, async_tp=True)
     assert slow_async.tp_comm_s == pytest.approx(slow_plain.tp_comm_s - slow_plain.gemm_s)
     assert slow_async.tp_comm_s > 0
+    # the backward's SP re-gather runs under the backward GEMMs (2 × gemm) its collectives leave free
+    # (Transformer Engine's bulk overlap with the dgrad GEMM); without async TP it stays exposed
+    assert plain.sp_regather_s > 0 and lt.sp_regather_s == 0.0
+    # on the slow link the collectives alone outlast 2 × gemm: nothing is left to hide the re-gather under
+    assert slow_plain.tp_comm_s > 2 * slow_plain.gemm_s
+    assert (
+        slow_async.sp_regather_s == pytest.approx(slow_plain.sp_regather_s) and slow_async.sp_regather_s > 0
+    )
+    mid = H100.with_overrides(intra_node_bytes_per_s=80e9)  # between: part of it hidden
+    m_plain = layer_forward(LLAMA, 1, mid, tensor_parallel=4, sequence_parallel=True)
+    m_async = layer_forward(LLAMA, 1, mid, tensor_parallel=4, sequence_parallel=True, async_tp=True)
+    left = 2 * m_plain.gemm_s - m_plain.tp_comm_s
+    assert 0 < left < m_plain.sp_regather_s
+    assert m_async.sp_regather_s == pytest.approx(m_plain.sp_regather_s - left)
     with pytest.raises(
         ConfigError, match=r"give sequence_parallel \(and tensor_parallel > 1\) with async_tp"
     ):

@@ -174,6 +174,10 @@ def layer_forward(
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
     cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
     if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
+        # the backward's re-gather of the SP-scattered inputs runs under the backward GEMMs its collectives
+        # leave free (Transformer Engine's bulk overlap of that all-gather with the dgrad GEMM: Megatron-Bridge
+        # comm_overlap.py, qkv_dgrad / fc1_dgrad = BulkOverlapCfg)
+        regather = max(0.0, regather - max(0.0, 2 * gemm - tp_comm))
         tp_comm = max(0.0, tp_comm - gemm)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
