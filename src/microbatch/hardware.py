@@ -105,10 +105,12 @@ class Accelerator:
     evidence for this accelerator, the attention core then runs at the GEMM efficiency on the full
     FLOP count (the rule before issue 28). Each row names its evidence."""
     sustained_clock_fraction: float = 1.0
-    """The clock a long dense GEMM holds at the power limit over the clock the datasheet peak is computed at
-    (f_sustained / f_datasheet): the roofline's compute rate is ``peak × this``
-    (:meth:`sustained_flops`). 1 where no cited sustained-clock figure exists (each row says which);
-    above 1 where a part sustains more than the datasheet's clock (at most 1.25 is accepted)."""
+    """The compute rate a training step's sustained load holds over the rate the row's kernel terms stand for
+    (the roofline runs at ``peak × this``, :meth:`sustained_flops`): on the A100 rows the clock a long GEMM holds
+    at the power limit over the datasheet peak's clock, 1 where no figure is cited; on the Hopper rows, whose
+    kernel terms were measured in bursts on an H200, the sustained over the burst rate (0.847,
+    :data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED`). ``--gpu-set`` replaces it on that basis.
+    Each row says which; above 1 where a part sustains more (at most 1.25 is accepted)."""
     power_limit_w: float | None = None
     """The board's power limit in watts at which the row's figures hold; None when not stated."""
     rated_power_w: float | None = None

@@ -47,9 +47,9 @@ flashinfer PR 2899): the rate fell 0.75 of the clock's relative fall (14.7% for 
 sustained load, computation beside communication: on Hopper that holds 1,575 MHz against the 1,980 MHz a burst
 runs at ("when we overlap computation and communication, the power consumption exceeded the limit, resulting in
 GPU core frequency reduction (e.g. from 1980MHz to 1575 MHz)", github.com/deepseek-ai/DeepGEMM issue 120; H200s
-at 700 W hold 1,500 MHz under full load, tile-ai/TileOPs PR 1588). So 1 − 0.75 × (1 − 1,575/1,980) = 0.847.
+at 700 W hold 1,500 MHz under full load, tile-ai/TileOPs issue 1587). So 1 − 0.75 × (1 − 1,575/1,980) = 0.847.
 Cited, composed from two parts' figures, not measured on the table's H200: ``bench-gpu`` now times a square GEMM
-in a burst and under two seconds of load (``MicrobenchResult.burst_square_flops_per_s`` and
+in a burst and under load (``MicrobenchResult.burst_square_flops_per_s`` and
 ``sustained_square_flops_per_s``), whose ratio replaces it on a lent GPU. The A100 rows do not take it: their
 kernel terms are the H200 fit's fractions carried over, not an A100 burst, and sit below what an A100 holds
 under load (cuBLAS 8,192³ bf16 257 TFLOP/s on random inputs, thonking.ai, against the carried ~240)."""

@@ -147,7 +147,8 @@ class MicrobenchResult:
     burst_square_flops_per_s: float | None = None
     """A square 8,192 GEMM's rate in a burst (warm-up and repeats, no soak); None when not measured."""
     sustained_square_flops_per_s: float | None = None
-    """The same GEMM's rate over the second second of back-to-back calls; over :attr:`burst_square_flops_per_s`,
+    """The same GEMM's rate over the second half of min(2 s, 5% of the budget) of back-to-back calls (1 s at
+    bench-gpu's default 20 s budget); over :attr:`burst_square_flops_per_s`,
     the ratio :data:`microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` cites for the Hopper rows."""
 
     @property

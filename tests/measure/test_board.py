@@ -122,13 +122,13 @@ def test_a_reading_outside_the_boards_range_is_taken_at_its_edge():
     on; the scaling starts from the edge of the board's range, and the source says so."""
     sxm = get_accelerator("h100-sxm")
     low = kernel_terms(_result(power_limit_w=150.0), sxm.with_overrides(power_limit_w=200))
-    assert low.accelerator.sustained_clock_fraction == pytest.approx((60 / 35) ** (1 / 3))
+    assert low.clock_scale == pytest.approx((60 / 35) ** (1 / 3))
     assert "taken as 175 W, the edge of the board's range" in low.sources["clock"]
     # stretched past x 1.25 (175 -> 700 W would be x 2.52): refused, naming what to do
     with pytest.raises(ConfigError, match=r"past the 1.25 the clock law is trusted for; run bench-gpu at"):
         kernel_terms(_result(power_limit_w=150.0), sxm)
     high = kernel_terms(_result(power_limit_w=800.0), sxm)
-    assert high.accelerator.sustained_clock_fraction == pytest.approx(1.0)
+    assert high.clock_scale == pytest.approx(1.0)
     assert "taken as 700 W" in high.sources["clock"]
 
 
@@ -137,10 +137,11 @@ def test_a_calibration_scales_from_the_limit_the_driver_read():
     700 W it stays 1; an older file without the reading assumes the row's limit and says so."""
     sxm = get_accelerator("h100-sxm")
     up = kernel_terms(_result(power_limit_w=500.0), sxm)
-    assert up.accelerator.sustained_clock_fraction == pytest.approx((560 / 360) ** (1 / 3))
+    assert up.clock_scale == pytest.approx((560 / 360) ** (1 / 3))
+    assert up.accelerator.sustained_clock_fraction == sxm.sustained_clock_fraction  # the plan's own, kept
     assert "measured at 500 W (read)" in up.sources["clock"]
     same = kernel_terms(_result(power_limit_w=700.0), sxm)
-    assert same.accelerator.sustained_clock_fraction == 1.0 and "clock" not in same.sources
+    assert same.clock_scale == 1.0 and "clock" not in same.sources
     old = kernel_terms(_result(), sxm.with_overrides(power_limit_w=500))
-    assert old.accelerator.sustained_clock_fraction == pytest.approx((360 / 560) ** (1 / 3))
+    assert old.clock_scale == pytest.approx((360 / 560) ** (1 / 3))
     assert "the row's, assumed" in old.sources["clock"]

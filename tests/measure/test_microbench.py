@@ -259,6 +259,11 @@ def test_the_settled_rate_is_the_rate_over_the_windows_second_half() -> None:
     slow = [0.5 + (i + 1) / 800 for i in range(400)]
     assert settled_rate(fast + slow, 0.0, 2.0) == pytest.approx(1600.0)
     assert settled_rate([0.1], 0.0, 2.0) is None and settled_rate([], 0.0, 1.0) is None
+    # with each call's device seconds (CUDA events, as the burst is timed) the host's gaps are left out: calls of
+    # 1 ms ending 1.25 ms apart are a 1,000-per-second kernel rate, not the wall clock's 800
+    ends = [0.00125 * (i + 1) for i in range(800)]
+    assert settled_rate(ends, 0.0, 1.0) == pytest.approx(800.0)
+    assert settled_rate(ends, 0.0, 1.0, seconds=[0.001] * 800) == pytest.approx(1000.0)
     # a burst timed on the same GEMM: the ratio the Hopper rows cite (HOPPER_BURST_TO_SUSTAINED) is read from both
     r = MicrobenchResult(device="cuda", device_name="x", accelerator=None, torch_version="2", dtype="bf16",
                          timer="CUDA events", burst_square_flops_per_s=1000.0, sustained_square_flops_per_s=850.0,
@@ -271,3 +276,20 @@ def test_the_settled_rate_is_the_rate_over_the_windows_second_half() -> None:
         old.pop(k)
     was = MicrobenchResult.from_dict(old)  # a file written before: bursts, no ratio
     assert (was.soak_s, was.sustained_over_burst) == (0.0, None)
+
+
+def test_items_past_the_soaks_share_are_said_and_the_file_counts_as_burst_timed() -> None:
+    """The soaks take at most SOAK_SHARE of the budget; past it items are timed in bursts, the result says how
+    many, and records soak_s 0, so a calibration treats its kernels as burst-timed (review of 2026-12-05: the
+    soak was skipped silently and the file still said soaked)."""
+    from microbatch.measure.microbench_config import SOAK_SHARE
+
+    r = run_microbench(MicrobenchConfig(shape=TINY, micro_batches=(1,), quick=True, budget_s=3, soak_s=0.3))
+    assert SOAK_SHARE * 3 < 0.3 * len(r.gemms)  # more items than the share can soak
+    assert r.soak_s == 0.0
+    note = next(n for n in r.notes if "timed without the 0.3 s soak" in n)
+    assert "counts as timed in bursts" in note
+    ok = run_microbench(
+        MicrobenchConfig(shape=TINY, micro_batches=(1,), quick=True, budget_s=20, soak_s=0.01)
+    )
+    assert ok.soak_s == 0.01 and not any("without the" in n for n in ok.notes)

@@ -150,7 +150,7 @@ def test_megatron_bridge_dense_rows_as_their_recipes_run_them():
 def test_llama3_rows_as_the_report_ran_them():
     """Issue 28: Llama 3 Table 4 stated with the report's schedule (interleaved 1F1B, §3.3.2; the planner had
     picked ZB-H1, which it did not run), its stage split and its all-gather context parallelism; each row within
-    30% (today +24.3%, +22.2%, +13.9% at the Hopper rows' sustained clock; +9.5%, +8.5%, −1.9% at the burst
+    30% (today +24.3%, +23.1%, +13.1% at the Hopper rows' sustained clock; +9.5%, +8.5%, −1.9% at the burst
     rate before it: the rows take the TP collectives as exposed, the report does not say they were overlapped;
     overlapped they were −7% to −9% at the burst rate)."""
     bench = _bench()
@@ -168,11 +168,11 @@ def test_llama3_rows_as_the_report_ran_them():
             assert a["predicted_step_s"] == b["predicted_step_s"]
 
 
-def test_the_model_beats_the_flat_fraction_of_peak_rule_on_every_dense_development_source():
+def test_the_model_against_the_flat_fraction_of_peak_rule_by_dense_development_source():
     """Issue 28's comparison: each dense source's mean |error| below that of every FLOP at 50% of peak with no
-    communication (bench_published.flat_rule_s; by hand for one row), but Llama 3 Table 4's (its TP collectives
-    taken as exposed, not published: 20.1% against the rule's 8.7% at the Hopper rows' sustained clock); over
-    all dense rows pooled, below the rule's."""
+    communication (bench_published.flat_rule_s; by hand for one row) — Llama 3 Table 4 aside, whose rows take
+    their TP collectives as exposed (not published; 20.1% against the rule's 8.7% at the Hopper rows' sustained
+    clock): there the gap is held under 15 points; over all dense rows pooled, below the rule's."""
     bench = _bench()
     rows = (
         bench.narayanan_rows(DATA)
@@ -208,7 +208,10 @@ def test_the_model_beats_the_flat_fraction_of_peak_rule_on_every_dense_developme
     for source, part in by_source.items():
         ours = sum(abs(x["error_pct"]) for x in part) / len(part)
         rule = sum(abs(x["flat_error_pct"]) for x in part) / len(part)
-        assert (ours < rule) == (source != "Llama 3 Table 4"), (source, ours, rule)
+        if source == "Llama 3 Table 4":
+            assert ours < rule + 15.0, (source, ours, rule)
+        else:
+            assert ours < rule, (source, ours, rule)
     pooled = sum(abs(x["error_pct"]) for x in rows) / len(rows)
     assert pooled < sum(abs(x["flat_error_pct"]) for x in rows) / len(rows)
 
@@ -218,7 +221,7 @@ def test_megatron_lm_readme_rows_transcribed_and_predicted():
     of a GPT block with a 4h GeLU MLP and untied embeddings (12·L·h² + 2·V·h, the table's size within 3%),
     its MFU is its TFLOP/s over the H100's 989.4 (BF16) within rounding, the step time is Megatron's own FLOP
     count over the published rate (by hand for the 1.7B row), and every row gets a prediction that fits.
-    Today all but one row are predicted too fast (mean −15%, see BENCHMARKS.md): a guard of 25% per row."""
+    Today 8 of 9 rows are predicted too fast (mean |error| 8.5%, see BENCHMARKS.md): a guard of 25% per row."""
     bench = _bench()
     sec = DATA["megatron_lm_readme_2024"]
     V, s = sec["vocab"], sec["seq"]

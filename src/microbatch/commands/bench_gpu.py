@@ -66,7 +66,7 @@ def cmd(
     Times the layer GEMMs of --model (QKV, projection, MLP, output layer) at rows b_m·s, a small
     M×N×K grid, causal attention (SDPA) at a few sequence lengths (each after --soak-s of
     back-to-back calls: the clock a training step holds, not a burst's), a square GEMM in a burst and
-    under two seconds of load, streaming kernels (copy, add,
+    under up to two seconds of load (5% of --budget-s), streaming kernels (copy, add,
     GeLU, LayerNorm), the per-kernel launch floor, and all-reduce/all-gather when a torch.distributed
     process group is initialised (else skipped, and said); under torchrun the command joins one
     and also times a GEMM beside an all-reduce (how much overlapped communication slows

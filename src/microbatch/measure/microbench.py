@@ -290,8 +290,8 @@ class _Square:
 
 def _board(b: Bench, dtype: Any, notes: list[str]) -> _Square:
     """A square 8,192 GEMM (CUDA only): timed first in a burst (warm-up and repeats, as the kernels of the H200
-    table were), then back to back for ``min(2 s, BOARD_SHARE × budget)``, the rate over the window's second half
-    kept (:func:`~microbatch.measure.microbench_config.settled_rate`) while a thread reads the driver's power limit
+    table were), then back to back for ``min(2 s, BOARD_SHARE × budget)``, each call on CUDA events, the rate of the
+    calls in the window's second half kept (:func:`~microbatch.measure.microbench_config.settled_rate`) while a thread reads the driver's power limit
     and SM clock (when ``nvidia-smi`` answers for this GPU); a note for what could not be read."""
     if not b.cuda or b.left_s() <= 0:
         return _Square()
@@ -301,15 +301,21 @@ def _board(b: Bench, dtype: Any, notes: list[str]) -> _Square:
     readable = bool(uuid) and read_board(ident) is not None
     if not readable:
         notes.append("the board's power limit and clock were not read (no nvidia-smi answer for this GPU)")
-    n, ends = 8192, []
+    n, ends, took = 8192, [], []
     try:
         x = torch.randn(n, n, device=dev, dtype=dtype)
         burst_s = b.time_s(partial(torch.matmul, x, x), None)
 
-        def work() -> None:
+        def work() -> (
+            None
+        ):  # each call timed on the device (CUDA events, as the burst), ended on the wall clock
+            go, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            go.record()
             torch.matmul(x, x)
-            torch.cuda.synchronize()
+            done.record()
+            done.synchronize()
             ends.append(time.perf_counter())
+            took.append(go.elapsed_time(done) / 1e3)
 
         seconds, start = min(2.0, BOARD_SHARE * b.cfg.budget_s), time.perf_counter()
         if readable:
@@ -325,7 +331,7 @@ def _board(b: Bench, dtype: Any, notes: list[str]) -> _Square:
         notes.append("the board's clock under load was not read (too few driver readings)")
     flops = 2.0 * n**3
     return _Square(board=reading, burst=flops / burst_s if burst_s else None,
-                   sustained=settled_rate(ends, start, flops))  # fmt: skip
+                   sustained=settled_rate(ends, start, flops, seconds=took))  # fmt: skip
 
 
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
@@ -376,6 +382,11 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         torch.set_num_threads(before)
     if b.skipped:
         notes.append(f"past the {cfg.budget_s:g} s budget, not measured: {', '.join(b.skipped)}")
+    if b.unsoaked:
+        notes.append(
+            f"{b.unsoaked} of {b.soaked + b.unsoaked} GEMM and attention kernels were timed without the "
+            f"{cfg.resolved_soak_s:g} s soak (the budget): the file counts as timed in bursts (soak_s 0)"
+        )
     if acc is None:
         notes.append(f"{name} is not in the accelerator table: no fractions of peak")
     board = square.board
@@ -387,6 +398,6 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
         overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
         power_limit_w=board.power_limit_w if board else None, sm_clock_mhz=board.sm_clock_mhz if board else None,
-        max_sm_clock_mhz=board.max_sm_clock_mhz if board else None, soak_s=cfg.resolved_soak_s,
+        max_sm_clock_mhz=board.max_sm_clock_mhz if board else None, soak_s=0.0 if b.unsoaked else cfg.resolved_soak_s,
         burst_square_flops_per_s=square.burst, sustained_square_flops_per_s=square.sustained,
     )  # fmt: skip

@@ -19,12 +19,16 @@ from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
 
-__all__ = ["DTYPES", "MicrobenchConfig", "Bench", "peak", "frac", "settled_rate", "SOAK_S"]
+__all__ = ["DTYPES", "MicrobenchConfig", "Bench", "peak", "frac", "settled_rate", "SOAK_S", "SOAK_SHARE"]
 
 SOAK_S = 0.1
 """Seconds of back-to-back calls before a GPU compute item is timed: a B200 ran FlashAttention-4 at its burst
 rate for ~20 ms of back-to-back calls and reached its power-limited rate after ~55 ms (github.com/flashinfer-ai/
 flashinfer PR 2899: ~0.8 ms calls, throttling from the 30th, held from the 70th); 0.1 s is past that."""
+
+SOAK_SHARE = 0.3
+"""Share of the budget the soaks may take together; the items past it are timed in bursts and the result says so
+(then it counts as burst-timed: ``MicrobenchResult.soak_s`` 0)."""
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -114,6 +118,12 @@ class Bench:
     warm_rate: float | None = None
     """FLOP/s a kernel's time is predicted at before it runs (:func:`_settle`): the CPU's warm-up matmuls, a
     GPU's datasheet peak; None: no prediction, nothing skipped."""
+    soaked: int = 0
+    """Compute items timed after a soak."""
+    unsoaked: int = 0
+    """Compute items timed without one though a soak was asked for (the budget left, or the soaks' share spent)."""
+    soak_spent_s: float = 0.0
+    """Seconds the soaks took so far."""
 
     def past_budget(self, flops: float, what: str) -> bool:
         """Whether one call of ``flops`` at :attr:`warm_rate` would outlast the budget left (its warm-up call
@@ -129,11 +139,16 @@ class Bench:
 
     def soak(self, fn: Callable[[], Any]) -> int:
         """Call ``fn`` back to back for :attr:`MicrobenchConfig.resolved_soak_s` (waiting for the device every 8
-        calls, so the queue stays short), unless twice that is past the budget left; returns the calls made."""
+        calls, so the queue stays short), unless twice that is past the budget left or the soaks have spent their
+        share (:data:`SOAK_SHARE`): then the item is counted unsoaked. Returns the calls made."""
         soak, n = self.cfg.resolved_soak_s, 0
-        if soak <= 0 or self.left_s() < 2 * soak:
+        if soak <= 0:
             return 0
-        t_end = time.perf_counter() + soak
+        if self.left_s() < 2 * soak or self.soak_spent_s + soak > SOAK_SHARE * self.cfg.budget_s:
+            self.unsoaked += 1
+            return 0
+        t0 = time.perf_counter()
+        t_end = t0 + soak
         while time.perf_counter() < t_end:
             fn()
             n += 1
@@ -141,6 +156,8 @@ class Bench:
                 self.torch.cuda.synchronize()
         if self.cuda:
             self.torch.cuda.synchronize()
+        self.soaked += 1
+        self.soak_spent_s += time.perf_counter() - t0
         return n
 
     def time_s(self, fn: Callable[[], Any], share_s: float | None, soak: bool = False) -> float | None:
@@ -181,15 +198,25 @@ def frac(value: float, ref: float | None) -> float | None:
 
 
 def settled_rate(
-    ends: Sequence[float], start: float, flops_per_call: float, settle: float = 0.5
+    ends: Sequence[float],
+    start: float,
+    flops_per_call: float,
+    settle: float = 0.5,
+    seconds: Sequence[float] | None = None,
 ) -> float | None:
     """FLOP/s over the calls that ended in the last ``1 − settle`` of a load window that began at ``start``
     (``ends``: when each back-to-back call ended, on one clock): the rate the clock settled at, the window's first
-    part left to the power limit's response. None with fewer than 2 calls in that part."""
+    part left to the power limit's response. With ``seconds`` (each call's own device time, as the burst is timed)
+    the rate is their FLOPs over their device seconds, the host's gaps between calls left out; else over the wall
+    time between the first and the last kept call. None with fewer than 2 calls in that part."""
     if not ends:
         return None
     cut = start + settle * (ends[-1] - start)
-    kept = [t for t in ends if t >= cut]
-    if len(kept) < 2 or kept[-1] <= kept[0]:
+    kept = [i for i, t in enumerate(ends) if t >= cut]
+    if len(kept) < 2:
         return None
-    return (len(kept) - 1) * flops_per_call / (kept[-1] - kept[0])
+    if seconds is not None:
+        busy = sum(seconds[i] for i in kept)
+        return len(kept) * flops_per_call / busy if busy > 0 else None
+    span = ends[kept[-1]] - ends[kept[0]]
+    return (len(kept) - 1) * flops_per_call / span if span > 0 else None

@@ -4,23 +4,25 @@ what the planned configuration extrapolates from it.
 ``memory --calibration`` and ``plan --calibration`` call :func:`apply_calibration`; the fits
 themselves are :mod:`microbatch.predict.calibrate`'s. The memory corrections apply anywhere (the
 analytic terms are scaled, not replaced); the kernel efficiency only on the accelerator it was
-fitted against.
+fitted against, at the clock it was fitted at (:func:`calibrated_accelerator`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
+from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
 from microbatch.microbench_record import KIND as MICROBENCH
 from microbatch.microbench_record import MicrobenchResult
 from microbatch.model import ModelShape
 from microbatch.precision import get_precision
 from microbatch.predict.activations import check_recompute
-from microbatch.predict.calibrate import Calibration, calibrate
+from microbatch.predict.calibrate import Calibration, calibrate, clock_basis
 from microbatch.predict.kernel_calibration import kernel_terms, measured_cpu_accelerator, measured_on
 from microbatch.predict.memory import MemoryCalibration
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
@@ -34,6 +36,7 @@ __all__ = [
     "load_calibration",
     "calibration_notes",
     "calibrated_inputs",
+    "calibrated_accelerator",
     "apply_calibration",
     "apply_microbench",
 ]
@@ -179,11 +182,42 @@ def calibrated_inputs(
 ) -> tuple[MemoryCalibration, RooflineEfficiency, list[str]]:
     """(memory calibration, efficiency, notes) for ``PlanConfig(memory_calibration=..., efficiency=...)``.
 
-    The efficiency applies only on the accelerator it was fitted against; elsewhere the default.
+    The efficiency applies only on the accelerator it was fitted against; elsewhere the default. It holds at
+    the clock it was fitted at: plan on :func:`calibrated_accelerator`'s accelerator where that is not None.
     """
     if cal.efficiency is not None and cal.accelerator == gpu.name:
         return cal.memory, cal.efficiency, []
     return cal.memory, DEFAULT_EFFICIENCY, calibration_notes(cal, gpu=gpu)
+
+
+def calibrated_accelerator(cal: Calibration, gpu: Accelerator) -> tuple[Accelerator | None, list[str]]:
+    """(accelerator, notes): ``gpu`` at the clock ``cal``'s efficiency was fitted at; (None, []) when it is at it.
+
+    A fitted efficiency is relative to the peak × the row's ``sustained_clock_fraction`` at fit time
+    (:attr:`Calibration.sustained_clock_fraction`). Where the table's default for the row is now another (a
+    file saved when every row had 1, applied to a Hopper row, which has 0.847 now), the efficiency would be
+    applied on a clock it was not fitted at: the plan's step would be slower by their ratio. So the plan runs
+    at ``gpu``'s fraction × stored / the row's default: the fitted basis, still scaled by a power limit or
+    clock given for the plan. Only where the efficiency applies (the same accelerator, a row of the table).
+    """
+    row = ACCELERATORS.get(gpu.name)
+    if cal.efficiency is None or cal.accelerator != gpu.name or row is None:
+        return None, []
+    stored, default = cal.sustained_clock_fraction, row.sustained_clock_fraction
+    if math.isclose(stored, default, rel_tol=1e-9):
+        return None, []
+    f = gpu.sustained_clock_fraction * stored / default
+    if f > MAX_CLOCK_FRACTION:
+        raise ConfigError(
+            f"the calibration's efficiency was fitted at clock fraction {stored:g} of {gpu.name}'s peak, whose row "
+            f"has {default:g}: the plan's {gpu.sustained_clock_fraction:g} would become {f:.3g}, above "
+            f"{MAX_CLOCK_FRACTION:g}; give a lower sustained_clock_fraction, or re-fit the calibration (tune)"
+        )
+    note = (
+        f"kernel efficiency was fitted at clock fraction {stored:.3g} of {gpu.name}'s peak (its row has "
+        f"{default:.3g} now): applied on that basis, at clock fraction {f:.3g}"
+    )
+    return replace(gpu, sustained_clock_fraction=f, source=f"{gpu.source}; {note}"), [note]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +233,8 @@ class AppliedCalibration:
     notes: tuple[str, ...]
     """Warnings (mismatches) and extrapolations, in words, for the output."""
     accelerator: Accelerator | None = None
-    """The planned accelerator with measured figures (a microbenchmark's attention ceiling); None: as given."""
+    """The planned accelerator with measured figures (a microbenchmark's attention ceiling) or at a tune
+    calibration's clock (:func:`calibrated_accelerator`); None: as given."""
     sources: dict[str, str] = field(default_factory=dict)
     """Kernel term -> where it came from (a microbenchmark's calibration); empty for a tune result."""
 
@@ -234,12 +269,15 @@ def apply_calibration(
         )
     cal, warns = load_calibration(source, shape=shape, precision=precision, gpu=gpu, strict=strict)
     eff = DEFAULT_EFFICIENCY
+    acc: Accelerator | None = None
     gpu_notes: list[str] = []
     if gpu is not None:
         _, eff, gpu_notes = calibrated_inputs(cal, gpu)
+        acc, clock_notes = calibrated_accelerator(cal, gpu)
+        gpu_notes += clock_notes
     notes = warns + gpu_notes + calibration_notes(cal, replace(layout, seq=layout.seq or shape.seq))
     return AppliedCalibration(
-        calibration=cal, memory=cal.memory, efficiency=eff, notes=tuple(dict.fromkeys(notes))
+        calibration=cal, memory=cal.memory, efficiency=eff, notes=tuple(dict.fromkeys(notes)), accelerator=acc
     )
 
 
@@ -268,7 +306,8 @@ def apply_microbench(
     table = terms.efficiency.gemm_measured
     cal = Calibration(
         memory=MemoryCalibration(), efficiency=replace(terms.efficiency, gemm_measured=None),
-        accelerator=measured_on(result), peak_flops=acc.flops(result.dtype), model=result.model,
+        accelerator=measured_on(result), peak_flops=acc.flops(result.dtype), sustained_clock_fraction=clock_basis(acc),
+        model=result.model,
         shape={k: v for k, v in shape.to_dict().items() if k != "param_count"}, seq=result.seq or shape.seq,
         precision=precision, checkpointing=False, device=result.device, device_name=result.device_name,
         micro_batches=result.micro_batches, memory_key="",

@@ -44,7 +44,8 @@ half_rows = c₁/c₀. A constant per-step overhead (launches, Python) is exactl
 Clamps: gemm_max ≤ 1 (a measured point faster than the peak means the accelerator's peak is
 too low), half_rows ≥ 0 (an efficiency that falls with rows, as CPU caches spill, keeps the
 mean instead). The efficiency is relative to the accelerator it was fitted against and only
-transfers to that accelerator.
+transfers to that accelerator, at the clock it was fitted at (:attr:`Calibration.sustained_clock_fraction`,
+restored by :func:`~microbatch.predict.apply_calibration.calibrated_accelerator` when the table's has changed).
 
 **The CPU.** The planner's accelerators are GPUs; a CPU gets an :class:`Accelerator` built from
 a quick measured fp32 matmul peak and copy bandwidth (:func:`~microbatch.measure.cpu.measure_cpu`),
@@ -74,7 +75,8 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.fit import fit_line
-from microbatch.hardware import Accelerator
+from microbatch.hardware import ACCELERATORS, HOPPER, Accelerator
+from microbatch.hardware_clocks import HOPPER_BURST_TO_SUSTAINED, MAX_CLOCK_FRACTION
 from microbatch.model import ModelShape
 from microbatch.precision import get_precision
 from microbatch.predict.latency import latency_bound
@@ -98,6 +100,7 @@ __all__ = [
     "fit_memory_calibration",
     "point_efficiency",
     "fit_efficiency",
+    "clock_basis",
     "calibrate",
 ]
 
@@ -335,6 +338,18 @@ def fit_efficiency(
     return eff, details, notes
 
 
+def clock_basis(acc: Accelerator | str, *, legacy: bool = False) -> float:
+    """The clock an efficiency fitted against ``acc`` is relative to: its row's default ``sustained_clock_fraction``,
+    not ``acc``'s own (a power limit or clock given for the measured board describes that board); ``acc``'s own off
+    the table (a CPU), 1 for a name. ``legacy``: the row's before the Hopper rows took HOPPER_BURST_TO_SUSTAINED,
+    the basis of a file written without the field: 1, but the H100 96 GB's at 500 W (``power_limited_clock``).
+    """
+    name = acc if isinstance(acc, str) else acc.name
+    row = ACCELERATORS.get(name) or (None if isinstance(acc, str) else acc)
+    f = row.sustained_clock_fraction if row else 1.0
+    return f / HOPPER_BURST_TO_SUSTAINED if legacy and name in HOPPER else f
+
+
 # -- the calibration value ---------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
@@ -347,7 +362,10 @@ class Calibration:
     accelerator: str
     """The accelerator the efficiency is relative to (a registry name, or ``cpu``)."""
     peak_flops: float
-    """That accelerator's peak FLOP/s in the measured dtype (the efficiency's denominator)."""
+    """That accelerator's peak FLOP/s in the measured dtype (the efficiency's denominator, × the clock fraction)."""
+    sustained_clock_fraction: float = 1.0
+    """The accelerator row's ``sustained_clock_fraction`` the efficiency was fitted at (:func:`clock_basis`); in a
+    file written before this field, the row's then (1 but on the H100 96 GB: ``clock_basis(legacy=True)``)."""
     model: str
     """The model's label."""
     shape: dict[str, Any]
@@ -371,6 +389,13 @@ class Calibration:
     notes: tuple[str, ...] = ()
     """Clamps and assumptions of the fit."""
 
+    def __post_init__(self) -> None:
+        if not 0 < self.sustained_clock_fraction <= MAX_CLOCK_FRACTION:
+            raise ConfigError(
+                f"calibration sustained_clock_fraction {self.sustained_clock_fraction!r} is not in (0, "
+                f"{MAX_CLOCK_FRACTION:g}]; give the clock fraction its efficiency was fitted at"
+            )
+
     @property
     def n_points(self) -> int:
         return len(self.micro_batches)
@@ -392,6 +417,7 @@ class Calibration:
             "efficiency": asdict(self.efficiency) if self.efficiency else None,
             "accelerator": self.accelerator,
             "peak_flops": self.peak_flops,
+            "sustained_clock_fraction": self.sustained_clock_fraction,
             "model": self.model,
             "shape": dict(self.shape),
             "seq": self.seq,
@@ -416,6 +442,9 @@ class Calibration:
                 efficiency=RooflineEfficiency(**eff) if eff else None,
                 accelerator=d["accelerator"],
                 peak_flops=float(d["peak_flops"]),
+                sustained_clock_fraction=float(
+                    d.get("sustained_clock_fraction", clock_basis(d["accelerator"], legacy=True))
+                ),
                 model=d["model"],
                 shape=dict(d["shape"]),
                 seq=int(d["seq"]),
@@ -454,6 +483,7 @@ def calibrate(
         efficiency=eff,
         accelerator=acc.name if acc is not None else "",
         peak_flops=acc.flops(get_precision(meas.precision).compute_dtype) if acc is not None else 0.0,
+        sustained_clock_fraction=clock_basis(acc) if acc is not None else 1.0,
         model=meas.model,
         shape={k: v for k, v in meas.shape.to_dict().items() if k != "param_count"},
         seq=meas.seq,

@@ -14,11 +14,14 @@ accelerator sets, for plans on that accelerator:
   every memory-bound kernel at ``memory``) the median of copy, add, GeLU and LayerNorm; on a GPU
   ``optimizer_memory`` = one AdamW step's (28 B per parameter).
 - **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
-- **Clock**: kernels timed after a soak (``MicrobenchResult.soak_s`` > 0) carry the clock a sustained load holds
-  (``sustained_clock_fraction`` 1), at the row's power limit; a plan at another ``power_limit_w`` scales it
-  (:func:`~microbatch.hardware_clocks.power_limited_clock`). Kernels timed in bursts (a file without a soak) are
-  slowed by the square GEMM's sustained over burst rate measured with them, or, where the file has none, by the
-  Hopper rows' cited :data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` (other GPUs: 1).
+- **Clock**: the planned accelerator keeps its own ``sustained_clock_fraction``, so the terms a file did not
+  measure stay the row's; the measured terms are taken against the accelerator at the power limit the
+  measurement ran at, so a plan at another ``power_limit_w`` scales them by the clock law
+  (:func:`~microbatch.hardware_clocks.power_limited_clock`). Kernels timed after a soak
+  (``MicrobenchResult.soak_s`` > 0) carry the clock a sustained load holds; kernels timed in bursts (a file
+  without a soak) are slowed by the square GEMM's sustained over burst rate measured with them, or, where the
+  file has none, by the Hopper rows' cited :data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` (other
+  GPUs: 1). :attr:`KernelTerms.clock_scale` is the product: measured times are divided by it.
 - **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
   (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one; ``overlap_slowdown`` = the
   measured slowdown of a GEMM beside an all-reduce (at least 0), when the file has one.
@@ -61,6 +64,9 @@ class KernelTerms:
     """Term -> where its value comes from (measured: which kernels; else the analytic default)."""
     notes: tuple[str, ...] = ()
     """Clamps and mismatches."""
+    clock_scale: float = 1.0
+    """The measured kernels' times are divided by this on the plan: the plan's clock over the one the measurement
+    held at its power limit, times the sustained over burst rate of kernels timed in bursts."""
 
 
 def measured_on(result: MicrobenchResult) -> str:
@@ -90,10 +96,12 @@ def _clamp(name: str, value: float, notes: list[str]) -> float:
 
 
 def _gemm_ratios(
-    result: MicrobenchResult, acc: Accelerator, eff: RooflineEfficiency
+    result: MicrobenchResult, acc: Accelerator, eff: RooflineEfficiency, burst: float = 1.0
 ) -> tuple[tuple[float, float, float, float], ...]:
-    """(rows, k, n, measured / analytic seconds) per measured shape, the analytic time on ``acc``; a shape
+    """(rows, k, n, sustained / analytic seconds) per measured shape, the analytic time on ``acc`` at its sustained
+    clock and the measured one over ``burst`` (the sustained over burst rate of burst-timed kernels); a shape
     measured twice (a layer GEMM that is also on the grid) gets the mean of its seconds."""
+    run = acc.at_sustained_clock()
     seen: dict[tuple[int, int, int], list[float]] = {}
     for g in result.gemms:
         seen.setdefault((g.rows, g.k, g.n), []).append(g.seconds)
@@ -102,7 +110,7 @@ def _gemm_ratios(
             float(r),
             float(k),
             float(n),
-            statistics.mean(s) / gemm_time_s(r, k, n, acc, dtype=result.dtype, efficiency=eff),
+            statistics.mean(s) / burst / gemm_time_s(r, k, n, run, dtype=result.dtype, efficiency=eff),
         )
         for (r, k, n), s in seen.items()
     )
@@ -128,12 +136,16 @@ def _stream_terms(
 
 
 def _attention_fraction(
-    result: MicrobenchResult, acc: Accelerator, sources: dict[str, str], notes: list[str]
+    result: MicrobenchResult, acc: Accelerator, sources: dict[str, str], notes: list[str], burst: float = 1.0
 ) -> float | None:
+    """The flash ceiling f∞ of the measured causal SDPA rates, against ``acc``'s sustained peak (the rates × the
+    sustained over burst rate ``burst`` of burst-timed kernels); None when none was measured."""
     if not result.attention:
         return None
-    peak = acc.flops(result.dtype)
-    ceilings = [a.flops_per_s / peak / flash_shape_factor(a.seq, a.head_dim) for a in result.attention]
+    peak = acc.sustained_flops(result.dtype)
+    ceilings = [
+        burst * a.flops_per_s / peak / flash_shape_factor(a.seq, a.head_dim) for a in result.attention
+    ]
     f = _clamp("attention ceiling", statistics.median(ceilings), notes)
     seqs = ", ".join(str(a.seq) for a in result.attention)
     sources["attention_fraction"] = f"measured: causal SDPA at s = {seqs} (ceiling {f:.3f})"
@@ -183,25 +195,27 @@ def kernel_terms(
             f"measured: a GEMM beside an all-reduce took {result.overlap_slowdown:+.1%} longer than alone"
         )
     eff = replace(base, **values)
+    burst = _burst_factor(acc, result, sources)
+    ran, scale = _ran_at(acc, result, sources)
     if result.gemms:
-        ratios = _gemm_ratios(result, acc, eff)
+        ratios = _gemm_ratios(result, ran, eff, burst)
         eff = replace(eff, gemm_measured=MeasuredGemms(points=ratios, accelerator=acc.name))
         sources["gemm"] = f"measured: {len(ratios)} GEMM shapes, read between them (measured / analytic time)"
-    attn = _attention_fraction(result, acc, sources, notes)
+    attn = _attention_fraction(result, ran, sources, notes, burst)
     acc_out = acc.with_overrides(attention_fraction=attn) if attn is not None else acc
-    return KernelTerms(accelerator=_measured_clock(acc_out, result, sources), efficiency=eff,
-                       sources=sources, notes=tuple(notes))  # fmt: skip
+    return KernelTerms(accelerator=acc_out, efficiency=eff, sources=sources, notes=tuple(notes),
+                       clock_scale=scale * burst)  # fmt: skip
 
 
-def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[str, str]) -> Accelerator:
-    """``acc`` at the clock the measurement held: fraction 1 (the kernels carry it), scaled by
-    :func:`~microbatch.hardware_clocks.power_limited_clock` when the plan's power limit is not the one it ran
-    at — the driver's reading in the file, else (an older file) the table row's, said to be assumed."""
+def _ran_at(acc: Accelerator, result: MicrobenchResult, sources: dict[str, str]) -> tuple[Accelerator, float]:
+    """(``acc`` at the power limit the measurement ran at — the driver's reading in the file, else (an older file)
+    the table row's, said to be assumed —, the plan's clock over that one by
+    :func:`~microbatch.hardware_clocks.power_limited_clock`): the measured terms are taken against the first, so a
+    plan at another limit scales them by the second."""
     row = ACCELERATORS[acc.name].power_limit_w if acc.name in ACCELERATORS else None
     ran_at, how = (result.power_limit_w, "read") if result.power_limit_w else (row, "the row's, assumed")
-    base = _burst_factor(acc, result, sources)
     if ran_at is None or acc.power_limit_w in (None, ran_at) or acc.rated_power_w is None:
-        return acc.with_overrides(sustained_clock_fraction=base)
+        return acc, 1.0
     rated = acc.rated_power_w
     held = min(max(ran_at, MIN_POWER_SHARE * rated), rated)  # a reading outside the board's range: its edge
     f = power_limited_clock(acc.power_limit_w, held, rated)
@@ -216,7 +230,14 @@ def _measured_clock(acc: Accelerator, result: MicrobenchResult, sources: dict[st
         f"measured at {ran_at:g} W ({how}{edge}); at {acc.power_limit_w:g} W the clock x {f:.3f}"
         + (f"; {sources['clock']}" if "clock" in sources else "")
     )
-    return acc.with_overrides(sustained_clock_fraction=f * base)
+    return acc.with_overrides(power_limit_w=held), f
+
+
+MIN_SUSTAINED_OVER_BURST = 0.5
+"""A measured sustained over burst rate below this is taken as a disturbed measurement (another job on the GPU, a
+throttled board), not the clock law, and not used: the cited factor stands. The cited falls are 0.80-0.85
+(:data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED`); a board capped deep under its rating falls further,
+which ``power_limit_w`` states."""
 
 
 def _burst_factor(acc: Accelerator, result: MicrobenchResult, sources: dict[str, str]) -> float:
@@ -226,14 +247,21 @@ def _burst_factor(acc: Accelerator, result: MicrobenchResult, sources: dict[str,
     if result.soak_s > 0 or not acc.compute_units:
         return 1.0
     ratio = result.sustained_over_burst
-    if ratio is not None:
+    if ratio is not None and ratio >= MIN_SUSTAINED_OVER_BURST:
         r = min(1.0, ratio)
         sources["clock"] = f"kernels timed in bursts: x {r:.3f}, the square GEMM's sustained over burst rate"
         return r
+    odd = (
+        f" (its measured sustained over burst rate {ratio:.3f} is below {MIN_SUSTAINED_OVER_BURST:g}: not used)"
+        if ratio is not None
+        else ""
+    )
     if acc.name in HOPPER:
         sources["clock"] = (
             f"kernels timed in bursts (no soak in the file): x {HOPPER_BURST_TO_SUSTAINED:.3f}, the Hopper rows' "
-            "cited sustained rate"
+            f"cited sustained rate{odd}"
         )
         return HOPPER_BURST_TO_SUSTAINED
+    if odd:
+        sources["clock"] = f"kernels timed in bursts{odd}"
     return 1.0

@@ -177,7 +177,8 @@ def layer_forward(
         # the backward's re-gather of the SP-scattered inputs runs under the backward GEMMs its collectives
         # leave free (Transformer Engine's bulk overlap of that all-gather with the dgrad GEMM: Megatron-Bridge
         # comm_overlap.py, qkv_dgrad / fc1_dgrad = BulkOverlapCfg)
-        regather = max(0.0, regather - max(0.0, 2 * gemm - tp_comm))
+        # (the collectives hide under one pass's GEMMs, min(tp_comm, gemm) of the backward's 2 × gemm)
+        regather = max(0.0, regather - (2 * gemm - min(tp_comm, gemm)))
         tp_comm = max(0.0, tp_comm - gemm)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
