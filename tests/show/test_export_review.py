@@ -70,6 +70,9 @@ def test_torchtitan_refuses_ddp_beside_tensor_or_pipeline_parallelism(tmp_path, 
             export_plan(_plan(zero=(0,), **kw), "torchtitan")
         par = export_plan(_plan(zero=(3,), **kw), "torchtitan").config["parallelism"]
         assert (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"]) == (2, 1)
+        # ZeRO >= 1 sharded over groups of one (HSDP with shard degree 1) is DDP there too (review, 2026-12-05)
+        with pytest.raises(ConfigError, match=r"ZeRO 1 with shard degree 1 over d = 2 ranks as DDP"):
+            export_plan(_plan(zero=(1,), shard_degree=1, **kw), "torchtitan")
     par = export_plan(_plan(zero=(0,)), "torchtitan").config["parallelism"]  # plain DDP is fine
     assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (2, 1)
     f = tmp_path / "p.json"

@@ -103,13 +103,16 @@ def _check_torchtitan(c: Json) -> None:
         c.get("zero", 0),
     )
     cp, ep = c.get("context_parallel", 1), c.get("expert_parallel", 1)
-    if z == 0 and d > 1 and cp == 1 and (t > 1 or p > 1):
+    # ZeRO 0, or ZeRO >= 1 sharded over groups of one (shard degree 1: every rank a replica), is DDP there
+    replicated = z == 0 or zero_groups(d, 1, c.get("shard_degree"))[0] == 1
+    if replicated and d > 1 and cp == 1 and (t > 1 or p > 1):
+        how = "ZeRO 0" if z == 0 else f"ZeRO {z} with shard degree 1"
         raise ConfigError(
-            f"torchtitan runs ZeRO 0 over d = {d} ranks as DDP (data_parallel_replicate_degree = {d}), and its DDP "
+            f"torchtitan runs {how} over d = {d} ranks as DDP (data_parallel_replicate_degree = {d}), and its DDP "
             f'takes no other parallelism ("DDP has not supported > 1D parallelism"), here t = {t}, p = {p}; plan '
-            "again with zero 3 (or 1 or 2: torchtitan runs each as FSDP), or with tensor_parallel 1 and "
-            "pipeline_parallel 1",
-            params=("zero", "tensor_parallel", "pipeline_parallel"),
+            "again with zero 3 (or 1 or 2: torchtitan runs each as FSDP) and a shard degree above 1, or with "
+            "tensor_parallel 1 and pipeline_parallel 1",
+            params=("zero", "shard_degree", "tensor_parallel", "pipeline_parallel"),
         )
     sharded = (1 if z == 0 else zero_groups(d, 1, c.get("shard_degree"))[0]) * cp
     if ep > 1 and sharded % ep:

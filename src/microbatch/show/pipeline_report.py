@@ -105,7 +105,9 @@ def render(
     same = {"width": width, "color": color, "time_unit": "ms", "origin": 0.0, "fill_width": True}
     lines += ["", "measured (last step; ms from the barrier before step(); both diagrams on one time scale)"]
     lines.append(render_timeline_text(measured_rows, span_ms, legend=False, **same))  # type: ignore[arg-type]
-    lines += ["predicted (simulator replaying the measured op times, no communication time)"]
+    lines += [
+        "replay (the simulator on the measured op times, without the hand-off time the column above adds)"
+    ]
     lines.append(render_timeline_text(predicted_rows, span_ms, **same))  # type: ignore[arg-type]
     if report.gradients_match is not None:
         verdict = "match" if report.gradients_match else "DO NOT MATCH"
