@@ -143,8 +143,9 @@ class Accelerator:
         v = self.sustained_clock_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= _clk.MAX_CLOCK_FRACTION):
             raise ConfigError(
-                f"{self.name} sustained_clock_fraction must be in (0, {_clk.MAX_CLOCK_FRACTION:g}], got {v!r}; give the clock a long "
-                "dense GEMM holds at the power limit over the datasheet's boost clock (1 when unknown)"
+                f"{self.name} sustained_clock_fraction must be in (0, {_clk.MAX_CLOCK_FRACTION:g}], got {v!r}; give the rate a "
+                "long dense GEMM sustains over the rate the table's kernel terms stand for (1: that rate; the Hopper "
+                "rows take 0.847, their burst-measured terms at a training step's clock)"
             )
         for f in ("power_limit_w", "rated_power_w"):
             if getattr(self, f) is not None:
