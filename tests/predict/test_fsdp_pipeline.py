@@ -131,3 +131,64 @@ def test_the_planner_and_the_memory_model_agree_under_a_pipeline(model, p, ep, s
                          recompute=c.recompute, expert_parallel=ep),
         )  # fmt: skip
         assert est.peak_bytes == pytest.approx(one.peak_bytes)  # ZeRO-1's memory under the pipeline
+
+
+# -- gradients reduce-scattered after each micro-batch (pipeline_grad_reduce="each"; Llama 3's FSDP) ----------
+def test_each_holds_zero2s_memory_under_a_pipeline():
+    assert [resident_zero(z, 4, "each") for z in (0, 1, 2, 3)] == [0, 1, 2, 2]
+    assert [resident_zero(z, 1, "each") for z in (0, 1, 2, 3)] == [0, 1, 2, 3]
+
+    def mem(zero: int, reduce: str) -> dict:
+        est = estimate_memory(LLAMA, MemoryConfig(micro_batch=1, seq=4096, pipeline_parallel=4, microbatches=8,
+                                                  data_parallel=8, zero=zero, pipeline_grad_reduce=reduce))  # fmt: skip
+        s = est.stages[0]
+        return {"w": s.weights_bytes, "g": s.gradients_bytes, "o": s.optimizer_bytes, "other": s.other_bytes}
+
+    last, each = mem(2, "last"), mem(2, "each")
+    assert each["g"] == pytest.approx(last["g"] / 8)  # the gradients sharded over d = 8
+    assert (
+        each["w"] == last["w"] and each["o"] == last["o"]
+    )  # weights whole (not resharded), optimizer sharded
+    assert mem(3, "each") == each  # ZeRO-3 keeps its weights gathered from the first forward: ZeRO-2's memory
+
+
+def test_each_reduce_scatters_every_micro_batch_behind_its_backward_by_hand():
+    cfg = _cfg(pipeline_grad_reduce="each", zero3_impl="fsdp1")
+    ctx, c = _candidate(cfg, 8)
+    tm = _stage_times(ctx, 1, "full")
+    n = max(ctx.params[i] for i in ctx.probe)
+    wb, gb, _ = ctx.state_bpp
+    units = ctx.split[tm.k]
+    alpha = units * ring_latency_s(8, -(-8 // ranks_per_node(H100, 8, 1)))
+    ag = allgather_time_s(n * wb, 8, ctx.bw_dp) + alpha
+    rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_dp) + alpha
+    sig, back = 0.189, tm.ik + tm.wk
+    gather = max(ag - tm.fk, sig * min(ag / (1 + sig), tm.fk)) + ag / units
+    per_micro_batch = max(rs - back, sig * min(rs / (1 + sig), back))
+    assert c.to_dict()["time"]["zero_comm_s"] == pytest.approx(gather + 8 * per_micro_batch)
+    # it grows with m (one reduce-scatter per micro-batch), where "last" does not
+    _, many = _candidate(replace(cfg, global_batch=128), 16)
+    grown = many.to_dict()["time"]["zero_comm_s"] - c.to_dict()["time"]["zero_comm_s"]
+    assert grown == pytest.approx(8 * per_micro_batch)
+    # and it holds less: the gradients sharded
+    _, last = _candidate(_cfg(zero3_impl="fsdp1"), 8)
+    assert c.peak_memory_bytes < last.peak_memory_bytes
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(pipeline_parallel=1, schedules=None), "applies under a pipeline"),
+        (dict(zero=(0, 1)), "applies to ZeRO 2 or 3"),
+    ],
+)
+def test_each_refused_where_it_changes_nothing(kw, words):
+    from microbatch.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words) as e:
+        _cfg(pipeline_grad_reduce="each", **kw)
+    assert "pipeline_grad_reduce" in e.value.params
+    with pytest.raises(ConfigError, match="is not known; use last"):
+        _cfg(pipeline_grad_reduce="sometimes")
+    with pytest.raises(ConfigError, match="applies under a pipeline"):
+        MemoryConfig(micro_batch=1, zero=2, data_parallel=8, pipeline_grad_reduce="each")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CALIBRATION_HELP", "CLOSED_FORM"]
+__all__ = ["CALIBRATION_HELP", "CLOSED_FORM", "PP_GRAD_REDUCE_HELP"]
 
 CALIBRATION_HELP = (
     "Measured points: a `tune --out DIR` result.json (or DIR), or JSON with micro_batch, throughput, "
@@ -19,3 +19,10 @@ CALIBRATION_HELP = (
 
 CLOSED_FORM = "microbatch bubble --no-diagram"
 """Where the command line finds a bubble too large to simulate (``check_simulable``'s ``closed_form``)."""
+
+PP_GRAD_REDUCE_HELP = (
+    "ZeRO 2/3 with -p > 1: gradients reduce-scattered once after the last micro-batch, held whole until then "
+    "(torch's pipelining, torchtitan), or after each micro-batch behind its backward, only a shard kept (FSDP "
+    "without no_sync; Llama 3's FSDP)."
+)
+"""Help text of ``--pp-grad-reduce`` on ``memory`` and ``plan``."""

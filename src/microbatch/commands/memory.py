@@ -21,7 +21,8 @@ from microbatch.commands._common import (
     zero_choice,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._texts import CALIBRATION_HELP
+from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
+from microbatch.predict.state import PIPELINE_GRAD_REDUCE
 from microbatch.show.answers import render_memory
 
 __all__ = ["cmd"]
@@ -63,6 +64,10 @@ __all__ = ["cmd"]
     "--layers-per-stage",
     help="Uneven split, e.g. 5,6,6,5 (with --virtual, each stage's layers spread over its v chunks).",
 )
+@click.option(
+    "--pp-grad-reduce", "pipeline_grad_reduce", type=click.Choice(list(PIPELINE_GRAD_REDUCE)), default="last",
+    show_default=True, help=PP_GRAD_REDUCE_HELP,
+)  # fmt: skip
 @click.option("--gpu", help="Also say whether the peak fits this accelerator (e.g. a100-80gb).")
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
@@ -70,7 +75,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
     precision: str, grad_dtype: str, optimizer: str, zero: str, data_parallel: int, layers_per_stage: str | None,
-    gpu: str | None, calibration: str | None, as_json: bool,
+    pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
 
@@ -99,6 +104,7 @@ def cmd(
         optimizer=optimizer,
         recompute=recompute,
         flash_attention=flash,
+        pipeline_grad_reduce=pipeline_grad_reduce,
         **expert_layout,
     )
     acc = None

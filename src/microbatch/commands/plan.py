@@ -19,9 +19,10 @@ from microbatch.commands._common import (
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._texts import CALIBRATION_HELP
+from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import CP_EXCHANGES
+from microbatch.predict.state import PIPELINE_GRAD_REDUCE
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
@@ -110,6 +111,10 @@ __all__ = ["cmd"]
     "is FSDP under torch's pipelining whatever this says (DeepSpeed and Megatron take ZeRO <= 1 there).",
 )  # fmt: skip
 @click.option(
+    "--pp-grad-reduce", "pipeline_grad_reduce", type=click.Choice(list(PIPELINE_GRAD_REDUCE)), default="last",
+    show_default=True, help=PP_GRAD_REDUCE_HELP,
+)  # fmt: skip
+@click.option(
     "--cp-comm", "cp_comm", type=click.Choice(list(CP_EXCHANGES)), default="allgather", show_default=True,
     help="With -c: how K/V reach the c ranks. allgather: one all-gather hidden only behind the local 1/c of "
     "attention (torch context_parallel, torchtitan's default, Llama 3); ring: a send per step behind each "
@@ -153,7 +158,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, flash: bool | None, dropout: bool | None, compiled: bool,
-    parallel_block: bool, zero3_impl: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
+    parallel_block: bool, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
@@ -209,6 +214,7 @@ def cmd(
         parallel_block=parallel_block,
         cp_comm=cp_comm,
         zero3_impl=zero3_impl,
+        pipeline_grad_reduce=pipeline_grad_reduce,
         efficiency=replace(DEFAULT_EFFICIENCY, fused_elementwise=compiled),
         **expert_layout,
     )

@@ -200,7 +200,9 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
 
 def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, float, float], ...], float]:
     """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes."""
-    z = resident_zero(z, ctx.cfg.pipeline_parallel)  # ZeRO-2/3 under a pipeline: ZeRO-1's state held
+    z = resident_zero(
+        z, ctx.cfg.pipeline_parallel, ctx.cfg.pipeline_grad_reduce
+    )  # under a pipeline: 1 (or 2)
     key = (z, v_placement)
     hit = ctx.state_cache.get(key)
     if hit is None:

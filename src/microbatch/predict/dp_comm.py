@@ -15,7 +15,6 @@ from microbatch.predict.collectives import (
 )
 from microbatch.predict.plan_context import Context, StageTimes
 from microbatch.predict.roofline import allgather_time_s, allreduce_time_s, reduce_scatter_time_s
-from microbatch.predict.state import resident_zero
 
 __all__ = ["data_parallel_comm", "overlap_sigma"]
 
@@ -47,9 +46,10 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
             dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
             dp += allgather_time_s(n * wb, zg, bw_zero)
-        elif resident_zero(z, cfg.pipeline_parallel) != z:
-            # ZeRO-2/3 under a pipeline: FSDP as torch's pipelining runs it
-            zero_s = _fsdp_under_pipeline(ctx, tm, n, sigma)
+        elif cfg.pipeline_parallel > 1:
+            # ZeRO-2/3 under a pipeline (resident_zero): FSDP as torch's pipelining runs it, or reducing every
+            # micro-batch's gradients (pipeline_grad_reduce "each")
+            zero_s = _fsdp_under_pipeline(ctx, tm, n, sigma, m if cfg.pipeline_grad_reduce == "each" else 0)
         elif z == 2:
             # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
             rs = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
@@ -107,12 +107,16 @@ def _copy_out_s(ctx: Context, n: float) -> float:
     return fsdp2_copy_out_s(n * ctx.state_bpp[0], rate)
 
 
-def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float, sigma: float) -> float:
+def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float, sigma: float, each: int = 0) -> float:
     """Exposed seconds per step of ZeRO-2/3 under a pipeline, as FSDP runs in ``torch.distributed.pipelining``
     (:func:`microbatch.predict.state.resident_zero`): the weights gathered once, unit by unit behind the
     first micro-batch's forward (its first unit exposed; FSDP2 copies them out once), and the accumulated
     gradients reduce-scattered once after the last backward with nothing left to hide behind: whole; ``sigma``
-    the slowdown of the computation beside the gather (:func:`overlap_sigma`)."""
+    the slowdown of the computation beside the gather (:func:`overlap_sigma`). With ``each`` = m (gradients
+    reduced after every micro-batch, a shard kept) the m reduce-scatters each hide behind their micro-batch's
+    backward, as ZeRO-2 without a pipeline, the last one's tail included."""
     ag, rs, units = _unit_collectives(ctx, tm, n)
-    exposed = ag / max(1, units) + rs + _replica_s(ctx, tm, n) + _copy_out_s(ctx, n)
-    return overlap_exposed_s(ag, tm.fk, sigma) + exposed
+    gather = overlap_exposed_s(ag, tm.fk, sigma) + ag / max(1, units) + _copy_out_s(ctx, n)
+    if each:
+        return gather + each * overlap_exposed_s(rs + _replica_s(ctx, tm, n), tm.ik + tm.wk, sigma)
+    return gather + rs + _replica_s(ctx, tm, n)

@@ -34,6 +34,7 @@ from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import (
     bytes_per_param,
     check_hybrid,
+    check_pipeline_grad_reduce,
     check_zero,
     model_state_bytes,
     resident_zero,
@@ -138,9 +139,13 @@ class MemoryConfig:
     """MoE token capacity per expert over the balanced share (GShard); None means dropless."""
     expert_imbalance: float = 1.0
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
+    pipeline_grad_reduce: str = "last"
+    """ZeRO-2/3 under a pipeline: gradients reduce-scattered after the last micro-batch (whole until then) or
+    after each (a shard kept): :func:`microbatch.predict.state.resident_zero`."""
 
     def __post_init__(self) -> None:
         check_positive_int("micro_batch", self.micro_batch, fix="b_m counts whole sequences")
+        check_pipeline_grad_reduce(self.pipeline_grad_reduce, self.pipeline_parallel, (self.zero,))
         check_positive_int("expert_parallel", self.expert_parallel)
         check_positive_int("context_parallel", self.context_parallel)
         check_positive_int("recompute_every", self.recompute_every)
@@ -346,6 +351,7 @@ class MemoryEstimate:
                 "shard_degree": cfg.shard_degree,
                 "capacity_factor": cfg.capacity_factor,
                 "expert_imbalance": cfg.expert_imbalance,
+                "pipeline_grad_reduce": cfg.pipeline_grad_reduce,
                 "flash_attention": self.shape.flash_attention
                 if cfg.flash_attention is None
                 else cfg.flash_attention,
@@ -374,7 +380,9 @@ def _stage_state(
     experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
     params += experts / ep - experts
     kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer)
-    z = resident_zero(config.zero, p)  # ZeRO-2/3 under a pipeline holds ZeRO-1's state through the step
+    z = resident_zero(
+        config.zero, p, config.pipeline_grad_reduce
+    )  # under a pipeline: ZeRO-1's (or -2's) state
     state = model_state_bytes(params - experts / ep, zero=z, data_parallel=d, **kw)
     if experts:
         est = model_state_bytes(experts / ep, zero=z, data_parallel=d // ep, **kw)
@@ -450,7 +458,7 @@ def estimate_memory(
             terms["recompute_working"] = working
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
         other = cal.fixed_bytes
-        if resident_zero(config.zero, p) >= 3 and d > 1:
+        if resident_zero(config.zero, p, config.pipeline_grad_reduce) >= 3 and d > 1:
             other += 2 * shape.layer_params() / t * w_bytes
         if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
             other += 2 * dispatch_bytes(shape, config.micro_batch, seq, dtype_bytes=e, load=load)

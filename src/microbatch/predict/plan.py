@@ -388,7 +388,10 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[Lint]:
         # ZeRO <= 1 and Megatron-LM shards only the optimizer state (its distributed optimizer)
         low = [x for x in plan.candidates if x.fits and x.zero <= 1 and x.micro_batch == c.micro_batch]
         best = max(low, key=lambda x: x.tokens_per_s) if low else None
-        out.append(ZeroWithPipeline(zero=c.zero, stages=p, alternative=best, tokens_per_s=c.tokens_per_s))
+        each = cfg.pipeline_grad_reduce == "each"
+        out.append(
+            ZeroWithPipeline(zero=c.zero, stages=p, alternative=best, tokens_per_s=c.tokens_per_s, each=each)
+        )
     ctx = make_context(cfg)
     bms = sorted({x.micro_batch for x in plan.candidates})
     if len(bms) > 1:

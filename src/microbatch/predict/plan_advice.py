@@ -91,6 +91,8 @@ class ZeroWithPipeline:
     """The fastest fitting candidate at ZeRO <= 1 and the same b_m, if any."""
     tokens_per_s: float = 0.0
     """This candidate's tokens/s (the alternative's is its own)."""
+    each: bool = False
+    """Gradients reduce-scattered after every micro-batch (``pipeline_grad_reduce="each"``), not once."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,13 @@ from microbatch.predict.context import check_context_exchange, check_context_lay
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
-from microbatch.predict.state import ZERO_STAGES, bytes_per_param, check_hybrid, zero_groups
+from microbatch.predict.state import (
+    ZERO_STAGES,
+    bytes_per_param,
+    check_hybrid,
+    check_pipeline_grad_reduce,
+    zero_groups,
+)
 from microbatch.schedules.registry import schedule_names
 
 __all__ = ["PlanConfig", "CHOICES", "PLAN_TOLERANCE", "PLAN_MARGIN"]
@@ -133,6 +139,10 @@ class PlanConfig:
     tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two."""
     expert_imbalance: float = 1.0
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
+    pipeline_grad_reduce: str = "last"
+    """ZeRO-2/3 under a pipeline: gradients reduce-scattered once after the ``last`` micro-batch (torch's
+    pipelining) or after ``each`` one behind its backward, only a shard kept (FSDP without ``no_sync``; Llama
+    3): :func:`microbatch.predict.state.resident_zero`."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
@@ -244,6 +254,7 @@ class PlanConfig:
                 params=("zero3_impl",),
             )
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
+        check_pipeline_grad_reduce(self.pipeline_grad_reduce, self.pipeline_parallel, self.zero)
 
     @property
     def num_gpus(self) -> int:
@@ -303,6 +314,7 @@ class PlanConfig:
             "cp_comm": self.cp_comm,
             "shard_degree": self.shard_degree,
             "zero3_impl": self.zero3_impl,
+            "pipeline_grad_reduce": self.pipeline_grad_reduce,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
             "parallel_block": self.parallel_block,

@@ -20,7 +20,7 @@ from microbatch.errors import ConfigError
 from microbatch.precision import get_precision
 
 __all__ = [
-    "GRAD_DTYPES", "OPTIMIZERS", "ZERO_STAGES", "bytes_per_param", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "GRAD_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -90,8 +90,43 @@ def check_zero(zero: object) -> int:
     return zero
 
 
-def resident_zero(zero: int, pipeline_parallel: int) -> int:
-    """The ZeRO stage whose sharding holds through a training step: 1 for ZeRO-2/3 under a pipeline, else ``zero``.
+PIPELINE_GRAD_REDUCE = ("last", "each")
+"""When ZeRO-2/3 under a pipeline reduce-scatters the gradients: after the ``last`` micro-batch's backward
+(torch's pipelining, the default) or after ``each`` one, keeping only a shard (FSDP without ``no_sync``: the
+Llama 3 report's FSDP, arXiv 2407.21783 §3.3.2, "shards optimizer states and gradients" under its pipeline)."""
+
+
+def check_pipeline_grad_reduce(
+    value: object, pipeline_parallel: int | None = None, zeros: tuple[int, ...] | None = None
+) -> str:
+    """``value`` if it is one of :data:`PIPELINE_GRAD_REDUCE`, else :class:`ConfigError` naming them; ``each``
+    is refused where it would change nothing: without a pipeline (``pipeline_parallel`` 1: ZeRO-2/3 reduce
+    every micro-batch there already) or when the ZeRO stages searched (``zeros``, None for all) are all below 2."""
+    if value not in PIPELINE_GRAD_REDUCE:
+        raise ConfigError(
+            f"pipeline_grad_reduce {value!r} is not known; use last (gradients reduce-scattered once, after the "
+            "last micro-batch: torch's pipelining) or each (after every micro-batch, a shard kept: FSDP without "
+            "no_sync)",
+            params=("pipeline_grad_reduce",),
+        )
+    if value == "each" and pipeline_parallel == 1:
+        raise ConfigError(
+            "pipeline_grad_reduce each applies under a pipeline (without one ZeRO-2/3 already reduce-scatter "
+            "every micro-batch); give pipeline_parallel > 1 or drop it",
+            params=("pipeline_grad_reduce", "pipeline_parallel"),
+        )
+    if value == "each" and zeros and max(zeros) < 2:
+        raise ConfigError(
+            f"pipeline_grad_reduce each applies to ZeRO 2 or 3 (sharded gradients), not ZeRO {max(zeros)}; "
+            "give zero 2 or 3",
+            params=("pipeline_grad_reduce", "zero"),
+        )
+    return str(value)
+
+
+def resident_zero(zero: int, pipeline_parallel: int, grad_reduce: str = "last") -> int:
+    """The ZeRO stage whose sharding holds through a training step: 1 for ZeRO-2/3 under a pipeline (2 when the
+    gradients are reduce-scattered after ``each`` micro-batch), else ``zero``.
 
     ZeRO-2/3 with pipeline stages is FSDP under ``torch.distributed.pipelining`` (torchtitan; DeepSpeed's
     pipeline engine and Megatron-LM take ZeRO ≤ 1): the stage turns off FSDP's gradient sync and its
@@ -101,8 +136,13 @@ def resident_zero(zero: int, pipeline_parallel: int) -> int:
     under PP ("to avoid per-microbatch all-gathers", ``reshard_after_forward = not pp_enabled``). So from the
     first forward to the step's end the stage holds its weights and accumulated gradients whole: ZeRO-1's
     memory (:func:`microbatch.predict.dp_comm.data_parallel_comm` times its one gather and exposed reduce-scatter).
+    With ``grad_reduce="each"`` every micro-batch's gradients are reduce-scattered behind its backward and only
+    the shard is accumulated (FSDP's default without ``no_sync``; Llama 3's FP32 accumulation over micro-batches),
+    the weights still whole from the first forward (not resharded, as both run it): ZeRO-2's memory.
     """
-    return 1 if pipeline_parallel > 1 and zero >= 2 else zero
+    if pipeline_parallel > 1 and zero >= 2:
+        return 2 if grad_reduce == "each" else 1
+    return zero
 
 
 def zero_groups(

@@ -418,10 +418,15 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
             if alt
             else " (none fits at this b_m)"
         )
+        how = (
+            "FSDP without no_sync (Llama 3's), where the stage keeps its weights whole through the step and "
+            "reduce-scatters each micro-batch's gradients behind its backward, keeping a shard (ZeRO 2's memory)"
+            if lint.each
+            else "torchtitan (FSDP with pipeline parallelism), where the stage keeps its weights and gradients "
+            "whole through the step (ZeRO 1's memory) and reduce-scatters them once after the last backward, exposed"
+        )
         return (
-            f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in torchtitan (FSDP with pipeline "
-            "parallelism), where the stage keeps its weights and gradients whole through the step (ZeRO 1's "
-            "memory) and reduce-scatters them once after the last backward, exposed; DeepSpeed's pipeline engine "
+            f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in {how}; DeepSpeed's pipeline engine "
             "takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
             f"for those, plan with {_say('zero', words)} 1{tail}"
         )
