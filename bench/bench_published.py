@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from microbatch.hardware import get_accelerator  # noqa: E402
 from microbatch.model import ModelShape, get_model  # noqa: E402
 from microbatch.moe import Experts  # noqa: E402
-from microbatch.predict.attention import FA3_HOPPER_CEILING  # noqa: E402
+from microbatch.predict.attention import CUDNN_HOPPER_CEILING  # noqa: E402
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY  # noqa: E402
 from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
 from microbatch.predict.roofline import model_flops_per_step  # noqa: E402
@@ -167,8 +167,8 @@ def bridge_rows(data: dict) -> list[dict]:
     # the recipes overlap tensor-parallel communication with the GEMMs (Megatron-Bridge
     # recipes/llama/llama3.py: CommOverlapConfig(tp_comm_overlap=True) with Transformer Engine userbuffers;
     # scripts/performance/configs/llama/llama3_llm_pretrain.py sets the H100 userbuffers config): async_tp
-    # Transformer Engine's cuDNN fused attention on Hopper: the FA3-class ceiling (predict/attention.py)
-    gpu = get_accelerator(sec["gpu"], attention_fraction=FA3_HOPPER_CEILING)
+    # Transformer Engine's cuDNN fused attention on Hopper (TE prefers FusedAttention there): cuDNN's measured curve
+    gpu = get_accelerator(sec["gpu"], attention_fraction=CUDNN_HOPPER_CEILING)
     table405 = data["llama3_2024_table4"]["shape"]
     out = []
     for r in sec["rows"]:
@@ -216,8 +216,8 @@ def megatron_readme_rows(data: dict) -> list[dict]:
     """Megatron-LM README's H100 weak-scaling table (Megatron-Core r0.8.0, BF16): step = Megatron's FLOPs /
     (TFLOP/s per GPU · GPUs); b_m, schedule and recompute the planner's fastest that fits; nothing fitted."""
     sec = data["megatron_lm_readme_2024"]
-    # Transformer Engine's fused attention (cuDNN) on Hopper: the FA3-class ceiling, as for the Bridge rows
-    gpu = get_accelerator(sec["gpu"], attention_fraction=FA3_HOPPER_CEILING)
+    # Transformer Engine's fused attention (cuDNN) on Hopper: cuDNN's measured curve, as for the Bridge rows
+    gpu = get_accelerator(sec["gpu"], attention_fraction=CUDNN_HOPPER_CEILING)
     s, V = sec["seq"], sec["vocab"]
     out = []
     for r in sec["rows"]:
@@ -266,7 +266,7 @@ def moe_bridge_rows(data: dict) -> list[dict]:
         s, n, t, p, c, v, e = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["vp"], r["ep"]
         hopper = r["system"].startswith("h100")
         gpu = (
-            get_accelerator(r["system"], attention_fraction=FA3_HOPPER_CEILING)
+            get_accelerator(r["system"], attention_fraction=CUDNN_HOPPER_CEILING)
             if hopper
             else get_accelerator(r["system"])
         )
@@ -335,6 +335,33 @@ def llama3_rows(data: dict, cp_comm: str = "allgather") -> list[dict]:
     return out
 
 
+def nemo_long_rows(data: dict) -> list[dict]:
+    """NeMo 24.03's long-sequence table (LLAMA2-7B FP8 on DGX-H100, 4K to 1M tokens with context parallelism):
+    step = model FLOPs (NeMo's full-attention count) / (TFLOP/s per GPU · GPUs); TE's cuDNN attention, the p2p
+    ring, b_m 1, ZeRO-1, TP collectives exposed, the planner's fastest recompute (``_not_published``)."""
+    sec = data["nemo_long_sequence_2024"]
+    gpu = get_accelerator(sec["gpu"], attention_fraction=CUDNN_HOPPER_CEILING)
+    out = []
+    for r in sec["rows"]:
+        s, n, t, p, d, c = r["seq_k"] * 1024, r["gpus"], r["tp"], r["pp"], r["dp"], r["cp"]
+        shape = get_model(sec["model"]).with_seq(s)
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
+            tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", micro_batches=(1,),
+            zero=(1,), flash_attention=True, precision=sec["precision"], fp8_recipe=sec["fp8_recipe"],
+            schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED,
+        )  # fmt: skip
+        pred, fits, how, flat = _fastest(cfg)
+        measured = model_flops_per_step(shape, r["global_batch"], s) / (r["tflops_per_gpu"] * 1e12 * n)
+        out.append({
+            "source": "NeMo 24.03 long sequence", "gpu": gpu.name, "seq": s, "model": f"{shape.name} c{c}",
+            "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": 1, "assumed": how,
+            "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
+            "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
+        })  # fmt: skip
+    return out
+
+
 def _band(seq: int) -> str:
     return "s <= 2k" if seq <= 2048 else ("2k < s <= 8k" if seq <= 8192 else "s > 8k")
 
@@ -374,7 +401,8 @@ def main() -> None:
     base = narayanan_rows(data) + korthikanti_rows(data)
     moe = moe_bridge_rows(data)
     readme = megatron_readme_rows(data)
-    rows = base + bridge_rows(data) + readme + llama3_rows(data) + moe
+    longseq = nemo_long_rows(data)
+    rows = base + bridge_rows(data) + readme + llama3_rows(data) + longseq + moe
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -394,6 +422,7 @@ def main() -> None:
         ("Korthikanti 2022", base[10:18]),
         ("issue-17 rows", base),
         ("Megatron-LM README", readme),
+        ("NeMo long sequence", longseq),
         ("MoE rows (i. 29)", moe),
     ):
         errs = [abs(r["error_pct"]) for r in part]

@@ -121,6 +121,18 @@ def test_fa3_ceiling_reproduces_its_kernel_benchmark() -> None:
         assert peak * flash_rate_fraction(s, FA3_HOPPER_CEILING) == pytest.approx(tflops, rel=0.05)
 
 
+def test_cudnn_ceiling_reproduces_its_kernel_benchmark() -> None:
+    """CUDNN_HOPPER_CEILING x peak on the causal d-128 curve: the cuDNN bars of the FA3 paper's Fig. 5(d) within
+    3% at every length, 512 to 16k; below FA3's and above FA2's plateau."""
+    from microbatch.predict.attention import CUDNN_HOPPER_CEILING, FA2_HOPPER_CEILING, FA3_HOPPER_CEILING
+
+    peak = get_accelerator("h100-sxm").flops("bf16") / 1e12
+    cudnn = {512: 315, 1024: 410, 2048: 484, 4096: 518, 8192: 529, 16384: 539}
+    for s, tflops in cudnn.items():
+        assert peak * flash_rate_fraction(s, CUDNN_HOPPER_CEILING) == pytest.approx(tflops, rel=0.03)
+    assert FA2_HOPPER_CEILING < CUDNN_HOPPER_CEILING < FA3_HOPPER_CEILING
+
+
 def test_layer_reads_the_models_head_dimension() -> None:
     """A model with 64-wide heads runs on the d-64 curves: slower than the same width in 128-wide heads."""
     h100 = get_accelerator("h100-sxm")
@@ -147,6 +159,7 @@ def test_named_kernel_classes_give_their_published_ceilings_on_hopper_only():
     assert FA2_HOPPER_CEILING == pytest.approx(350 / 989.4) == pytest.approx(0.3537, abs=1e-4)
     assert attention_ceiling("fa2", "h100-sxm", h100.attention_fraction) == FA2_HOPPER_CEILING
     assert attention_ceiling("fa3", "h200", 0.417) == FA3_HOPPER_CEILING
+    assert attention_ceiling("cudnn", "h100-sxm", 0.417) == pytest.approx(0.570)
     assert attention_ceiling("sdpa", "a100-80gb", None) is None  # the row's own: the A100 keeps its rule
     assert attention_ceiling("sdpa", "h100-sxm", 0.417) == 0.417
     # the FA2 bars: causal d 128 at 16k was 335 TFLOP/s
@@ -172,7 +185,8 @@ def test_plan_with_each_attention_kernel_orders_the_steps_and_gpu_set_still_wins
         return float(out["candidates"][0]["step_time_s"])
 
     fa2, sdpa, fa3 = step("--attention-kernel", "fa2"), step(), step("--attention-kernel", "fa3")
-    assert fa2 > sdpa > fa3  # 0.354 < 0.417 < 0.625 of peak on attention, long sequences
+    cudnn = step("--attention-kernel", "cudnn")
+    assert fa2 > sdpa > cudnn > fa3  # 0.354 < 0.417 < 0.570 < 0.625 of peak on attention, long sequences
     same = step("--attention-kernel", "fa2", "--gpu-set", "attention_fraction=0.417")
     assert same == pytest.approx(sdpa)
     assert main(["plan", "--model", "llama-3-8b", "--gpu", "a100-80gb", "-B", "16", "-d", "8",

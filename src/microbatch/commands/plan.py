@@ -121,11 +121,11 @@ __all__ = ["cmd"]
     "step (Megatron --cp-comm-type p2p, torchtitan rotate method alltoall).",
 )  # fmt: skip
 @click.option(
-    "--attention-kernel", "attention_kernel", type=click.Choice(["sdpa", "fa2", "fa3"]), default="sdpa",
+    "--attention-kernel", "attention_kernel", type=click.Choice(["sdpa", "fa2", "cudnn", "fa3"]), default="sdpa",
     show_default=True,
     help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it), fa2 (the flash-attn 2 "
-    "package: 0.354 of an H100's peak), fa3 (FlashAttention-3, cuDNN under Transformer Engine: 0.625). "
-    "fa2/fa3 on Hopper rows only; --gpu-set attention_fraction=F overrides.",
+    "package: 0.354 of an H100's peak), cudnn (cuDNN's fused attention, Transformer Engine's on Hopper: 0.570), "
+    "fa3 (FlashAttention-3: 0.625). fa2/cudnn/fa3 on Hopper rows only; --gpu-set attention_fraction=F overrides.",
 )  # fmt: skip
 @click.option(
     "--layers-per-stage",

@@ -22,7 +22,8 @@ each a pure function:
 What it ignores: head dimensions outside 64–128 (taken at the nearer end: no FA2 causal figure for
 d = 256 was read), the causal backward (not published: its curve is composed from the causal forward's
 and the non-causal backward's, see :data:`FA2_CURVES`), the SDPA backend a framework picks (cuDNN or FA3
-on Hopper reach more than the FA2-class kernel the ceilings describe: :data:`FA3_HOPPER_CEILING`).
+on Hopper reach more than the FA2-class kernel the ceilings describe: :data:`CUDNN_HOPPER_CEILING`,
+:data:`FA3_HOPPER_CEILING`).
 Pure Python: no torch.
 """
 
@@ -35,6 +36,7 @@ __all__ = [
     "FLASH_SEQ_HALF",
     "FLASH_BACKWARD_RATIO",
     "FA3_HOPPER_CEILING",
+    "CUDNN_HOPPER_CEILING",
     "FA2_HOPPER_CEILING",
     "ATTENTION_KERNELS",
     "attention_ceiling",
@@ -73,12 +75,20 @@ FLASH_SEQ_HALF = FA2_CURVES[_REFERENCE][1]
 f(s) gives the ceiling f∞ = f(s)·(s + s₀)/s (:func:`flash_shape_factor` is s/(s + s₀) there)."""
 
 FA3_HOPPER_CEILING = 0.625
-"""Ceiling of a Hopper-specific kernel (FlashAttention-3; cuDNN's fused attention, which Transformer Engine
-runs under Megatron-core and NeMo, is taken to be of its class — an assumption, not a measurement): the FA3
-bars of the causal d-128 forward in FlashAttention-3's Figure 5 (292, 423, 521, 579, 602, 616 TFLOP/s for
-s = 512 … 16k) fitted to R·s/(s + 404), the FA2 causal ramp: R = 618 TFLOP/s, 0.625 of the H100 SXM's 989.4
-(within 5% from s = 1k, 18% over at 512). Give it with ``--gpu-set attention_fraction=0.625``; the accelerator
-rows carry the FA2-class ceiling PyTorch's SDPA reaches."""
+"""Ceiling of FlashAttention-3 on Hopper: the FA3 bars of the causal d-128 forward in FlashAttention-3's
+Figure 5 (292, 423, 521, 579, 602, 616 TFLOP/s for s = 512 … 16k) fitted to R·s/(s + 404), the FA2 causal
+ramp: R = 618 TFLOP/s, 0.625 of the H100 SXM's 989.4 (within 5% from s = 1k, 18% over at 512). Give it with
+``--attention-kernel fa3``; the accelerator rows carry the FA2-class ceiling PyTorch's SDPA reaches."""
+
+CUDNN_HOPPER_CEILING = 0.570
+"""Ceiling of cuDNN's fused attention on Hopper, the kernel Transformer Engine runs there (``DotProductAttention``
+selects FusedAttention over flash-attn on sm90 from TE v1.4: "Select FusedAttention on sm90 and FlashAttention on
+others for performance"), so under Megatron-core, NeMo and Megatron-Bridge: the cuDNN bars of the causal d-128
+forward in FlashAttention-3's Figure 5 (315, 410, 484, 518, 529, 539 TFLOP/s for s = 512 … 16k; the repository's
+``assets/flash3_fp16_fwd.png``) fitted to R·s/(s + 404): R = 564 TFLOP/s, 0.570 of 989.4, every point within 2.7%.
+Its backward keeps the FA2 curves' ratio to the forward (Figure 6(b), not causal: cuDNN 305, 408, 465, 499, 518,
+516 against its forward's 497, 574, 617, 609, 600, 595, 0.87 at 16k as FA2's 322/370 and FA3's 561/648), so
+:func:`flash_shape_factor` carries. Measured with a mid-2024 cuDNN; a container's own version may differ."""
 
 FA2_HOPPER_CEILING = 350.0 / 989.4
 """Ceiling of the FlashAttention-2 kernel itself (the ``flash-attn`` 2 package) on Hopper: the plateau R = 350
@@ -86,17 +96,18 @@ TFLOP/s of its causal d-128 forward (:data:`FA2_CURVES`, FlashAttention-3's Figu
 989.4 TFLOP/s bf16 peak: 0.354. Below the 0.417 PyTorch's SDPA reached on an H200 with torch 2.11 (the
 accelerator rows' ceiling), above which a run's older kernels do not go."""
 
-ATTENTION_KERNELS = ("sdpa", "fa2", "fa3")
+ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3")
 """Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's
-scaled_dot_product_attention as measured), ``fa2`` (:data:`FA2_HOPPER_CEILING`), ``fa3``
-(FlashAttention-3 and cuDNN's fused attention under Transformer Engine, :data:`FA3_HOPPER_CEILING`)."""
+scaled_dot_product_attention as measured), ``fa2`` (:data:`FA2_HOPPER_CEILING`), ``cudnn`` (cuDNN's fused
+attention, Transformer Engine's on Hopper: :data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3,
+:data:`FA3_HOPPER_CEILING`)."""
 
 
 def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:
     """The causal flash ceiling f∞ of attention kernel class ``kernel`` on ``accelerator``.
 
-    ``sdpa`` keeps the row's own ceiling ``row_ceiling``; ``fa2`` and ``fa3`` are the FlashAttention-3 paper's
-    H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a share of their
+    ``sdpa`` keeps the row's own ceiling ``row_ceiling``; ``fa2``, ``cudnn`` and ``fa3`` are the FlashAttention-3
+    paper's H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a share of their
     peak; elsewhere no such figure was read, and the error says how to give one.
     """
     from microbatch.errors import ConfigError
@@ -116,7 +127,7 @@ def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) 
             "accelerator's attention_fraction",
             params=("attention_kernel",),
         )
-    return FA2_HOPPER_CEILING if kernel == "fa2" else FA3_HOPPER_CEILING
+    return {"fa2": FA2_HOPPER_CEILING, "cudnn": CUDNN_HOPPER_CEILING}.get(kernel, FA3_HOPPER_CEILING)
 
 
 FLASH_BACKWARD_RATIO = 2.5
