@@ -362,6 +362,53 @@ def nemo_long_rows(data: dict) -> list[dict]:
     return out
 
 
+def nemo_shape(name: str, seq: int, tp: int, table: dict) -> ModelShape:
+    """A NeMo 24.07 table's model from its launcher config's widths (``shapes`` in the data): GPT3 at NeMo's GPT
+    defaults (GeLU, LayerNorm, learned positions, biases, tied embeddings; GPT2 BPE padded to 128·t as NeMo pads
+    it), Llama as Llama, Nemotron with its two-matrix squared-ReLU MLP."""
+    m = table[name]
+    common = dict(name=name, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv"],
+                  ffn_hidden=m["ffn"], seq=seq, dropout=m["dropout"])  # fmt: skip
+    if m["family"] == "gpt3":
+        pad = 128 * tp
+        return ModelShape(vocab=-(-m["vocab_unpadded"] // pad) * pad, tied_embeddings=True, **common)
+    return ModelShape(vocab=m["vocab_unpadded"], gated_mlp=m["family"] == "llama", bias=False,
+                      norm="rmsnorm" if m["family"] == "llama" else "layernorm", learned_positions=False,
+                      **common)  # fmt: skip
+
+
+def nemo_2407_rows(data: dict) -> list[dict]:
+    """NeMo 24.07's DGX-H100 FP8 pre-training table: step = GBS·s / (tokens/s/GPU · GPUs), each model's
+    settings from its launcher config at the 24.07 tag (``_stated``), ZeRO-1, cuDNN attention; nothing fitted."""
+    sec = data["nemo_2407_dgx_h100_fp8"]
+    gpu = get_accelerator(sec["gpu"], attention_fraction=CUDNN_HOPPER_CEILING)
+    out = []
+    for r in sec["rows"]:
+        s, n, t, p, c, v = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["vp"]
+        m = sec["shapes"][r["model"]]
+        shape = nemo_shape(r["model"], s, t, sec["shapes"])
+        d = n // (t * p * c)
+        sp = m["sp"] and t > 1
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
+            tensor_parallel=t, sequence_parallel=sp, async_tp=sp and r.get("tp_overlap", m["tp_overlap"]),
+            context_parallel=c, cp_comm="ring", micro_batches=(r["micro_batch"],), zero=(1,), flash_attention=True,
+            precision=sec["precision"], fp8_recipe=sec["fp8_recipe"],
+            schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",), virtuals=(v,) if v > 1 else None,
+            recompute=(m["recompute"],) if m["recompute"] else ("none",), memory_headroom=0.0, choose="fastest",
+            efficiency=FUSED,
+        )  # fmt: skip
+        pred, fits, how, flat = _fastest(cfg)
+        measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
+        out.append({
+            "source": "NeMo 24.07", "gpu": gpu.name, "seq": s, "model": shape.name, "gpus": n, "t": t, "p": p,
+            "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"], "assumed": how,
+            "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
+            "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
+        })  # fmt: skip
+    return out
+
+
 def _band(seq: int) -> str:
     return "s <= 2k" if seq <= 2048 else ("2k < s <= 8k" if seq <= 8192 else "s > 8k")
 
@@ -402,7 +449,8 @@ def main() -> None:
     moe = moe_bridge_rows(data)
     readme = megatron_readme_rows(data)
     longseq = nemo_long_rows(data)
-    rows = base + bridge_rows(data) + readme + llama3_rows(data) + longseq + moe
+    nemo = nemo_2407_rows(data)
+    rows = base + bridge_rows(data) + nemo + readme + llama3_rows(data) + longseq + moe
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -422,6 +470,7 @@ def main() -> None:
         ("Korthikanti 2022", base[10:18]),
         ("issue-17 rows", base),
         ("Megatron-LM README", readme),
+        ("NeMo 24.07", nemo),
         ("NeMo long sequence", longseq),
         ("MoE rows (i. 29)", moe),
     ):

@@ -10,7 +10,9 @@ scaling, everything else in bf16, as torchao's ``float8`` training (the converte
 Transformer Engine do: the weights, gradients, fp32 master weights and Adam state stay as under
 ``bf16-mixed`` (torchao keeps the high-precision weights and casts per GEMM; the activations saved for
 the backward are the bf16 inputs). The scaling recipe (:data:`FP8_RECIPES`) sets the casting
-overhead and the GEMM kernel: ``tensorwise`` (one scale per tensor) or ``rowwise`` (one per row).
+overhead and the GEMM kernel: ``tensorwise`` (one scale per tensor) or ``rowwise`` (one per row), torchao's;
+``te-delayed`` and ``te-current``, Transformer Engine's (Megatron-core, NeMo, Megatron-Bridge): casts fused with
+their transposes, and the FP8 weights cast once per step and cached over its micro-batches.
 Not modelled: Transformer Engine's cached FP8 weight copies (up to 2 B/param more) and FP8 all-gathers.
 """
 
@@ -119,6 +121,17 @@ class Fp8Recipe:
     backward_amax: bool
     """Whether the backward's transposed operands need their own amax pass (rowwise scales run along the
     other axis of the transpose; one tensorwise scale serves both)."""
+    amax_pass: bool = True
+    """Whether each cast first reads its tensor for the absolute maximum (dynamic or current scaling: torchao,
+    TE's ``Float8CurrentScaling``); delayed scaling takes the scale from an amax history the cast kernel
+    updates (TE's ``DelayedScaling``), no extra read."""
+    fused_transpose: bool = False
+    """Whether the cast writes the FP8 tensor and its transpose in one pass (TE's ``fp8_cast_transpose_fused``,
+    ``module/linear.py`` from v1.4), so the backward reads no transposed copy of its own."""
+    weight_cache: bool = False
+    """Whether the FP8 weights (and their transposes) are cast on a step's first micro-batch and cached for the
+    rest (TE's ``is_first_microbatch``: "allows caching of the FP8 versions of the weights"; Megatron-core's TE
+    layers pass it, ``extensions/transformer_engine.py``)."""
     gemm_factor: float
     """Share of the tensorwise FP8 GEMM rate its kernel reaches. 1 for both recipes: no kernel-level
     measurement of row-wise-scaled FP8 GEMMs is cited or measured here, so the rowwise kernel's own
@@ -138,6 +151,10 @@ FP8_RECIPES: dict[str, Fp8Recipe] = {
                   description="one dynamic scale per tensor (fastest)"),
         Fp8Recipe(name="rowwise", backward_amax=True, gemm_factor=1.0,
                   description="one dynamic scale per row (more accurate, slower kernels)"),
+        Fp8Recipe(name="te-delayed", backward_amax=False, amax_pass=False, fused_transpose=True, weight_cache=True,
+                  gemm_factor=1.0, description="Transformer Engine's delayed scaling (NeMo, Megatron's default)"),
+        Fp8Recipe(name="te-current", backward_amax=False, fused_transpose=True, weight_cache=True, gemm_factor=1.0,
+                  description="Transformer Engine's current scaling (Megatron-Bridge FP8-CS)"),
     )
 }  # fmt: skip
 """The FP8 scaling recipes the planner knows."""

@@ -61,6 +61,37 @@ def test_casts_cost_their_traffic_per_recipe():
     assert rw.gemm_s == pytest.approx(sum(gemm_time_s(*g, RUN, dtype="fp8", efficiency=eff) for g in GEMMS))
 
 
+def test_transformer_engine_recipes_fuse_the_transpose_and_cast_the_weights_once_a_step():
+    """te-delayed: read + FP8 + FP8ᵀ (e + 2 bytes an element) of x forward and dout backward, no amax pass (delayed
+    scaling's history), no transposes of their own; te-current adds the amax read (2e + 2); both cast each weight
+    once a step (weight_cast_bytes), not per micro-batch. In a plan the once-a-step casts add L × the layer's
+    weight-cast seconds, and more micro-batches amortise them (torchao's tensorwise pays them every one)."""
+    from microbatch.predict.fp8 import weight_cast_bytes
+
+    de, cur, tw = FP8_RECIPES["te-delayed"], FP8_RECIPES["te-current"], FP8_RECIPES["tensorwise"]
+    assert cast_bytes(10, 20, 30, de) == (4 * 200, 4 * 300)
+    assert cast_bytes(10, 20, 30, cur) == (6 * 200, 6 * 300)
+    assert (weight_cast_bytes(20, 30, de), weight_cast_bytes(20, 30, cur)) == (4 * 600, 6 * 600)
+    assert weight_cast_bytes(20, 30, tw) == 0.0
+    lt = layer_forward(LLAMA, 1, H100, seq=4096, fp8_recipe="te-current")
+    bw = H100.memory_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory
+    assert lt.weight_cast_s == pytest.approx(sum(weight_cast_bytes(k, n, cur) for _, k, n in GEMMS) / bw)
+
+    def step(recipe: str, batch: int) -> tuple[float, dict]:
+        cfg = PlanConfig(shape=LLAMA, gpu=H100, global_batch=batch, data_parallel=8, micro_batches=(1,), zero=(1,),
+                         recompute=("none",), precision="fp8", fp8_recipe=recipe, seq=4096)  # fmt: skip
+        c = make_plan(cfg).candidates[0]
+        return c.step_time_s, c.time
+
+    s1, time1 = step("te-current", 8)
+    assert time1["fp8_weight_cast_s"] == pytest.approx(LLAMA.layers * lt.weight_cast_s)
+    s8, _ = step("te-current", 64)
+    t1, t8 = step("tensorwise", 8)[0], step("tensorwise", 64)[0]
+    assert step("tensorwise", 8)[1]["fp8_weight_cast_s"] == 0.0
+    # per micro-batch, TE's once-a-step casts cost less with 8 micro-batches than with 1; torchao's do not
+    assert s8 / 8 < s1 and (s1 - s8 / 8) > (t1 - t8 / 8)
+
+
 def _tps(precision: str, recipe: str = "tensorwise") -> float:
     cfg = PlanConfig(shape=LLAMA, gpu=H100, global_batch=8, data_parallel=8, micro_batches=(1,), zero=(3,),
                      recompute=("selective",), precision=precision, fp8_recipe=recipe, seq=8192)  # fmt: skip

@@ -255,7 +255,8 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "fp8_recipe",
             type=click.Choice(list(FP8_RECIPES)),
             default=None,
-            help="With --precision fp8: one scale per tensor or per row (torchao float8).  [default: tensorwise]",
+            help="With --precision fp8: torchao's one scale per tensor or per row, or Transformer Engine's delayed "
+            "or current scaling (weights cast once a step).  [default: tensorwise]",
         ),  # fmt: skip
         click.option(
             "--shard-degree",

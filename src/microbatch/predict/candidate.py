@@ -111,7 +111,7 @@ class Candidate:
     """Achieved fraction of peak FLOP/s of one layer's forward at this b_m (kernel efficiency)."""
     time: dict[str, float] = field(default_factory=dict)
     """Step time split (seconds): pipeline_s (compute + bubble), bubble_s, dp_comm_s, zero_comm_s,
-    optimizer_s; simulated_idle (a fraction) when simulated."""
+    optimizer_s, fp8_weight_cast_s; simulated_idle (a fraction) when simulated."""
     simulated: bool = False
     """True when the pipeline time comes from the event simulator."""
     expert_parallel: int = 1
@@ -374,7 +374,9 @@ def evaluate(
         n = ctx.max_params_v if v_placement else ctx.max_params
         comm = ctx.comm_cache[key] = data_parallel_comm(ctx, m, z, tm, n)
     dp, zero_s, opt = comm
-    step = pipe + dp + zero_s + opt
+    # FP8 weights cast once a step (TE): each stage's first forward, one after another along the fill: all L layers
+    cast = cfg.shape.layers * layer_costs(ctx, b).layer.weight_cast_s
+    step = pipe + dp + zero_s + opt + cast
     if not ctx.fixed:  # the fields every candidate of this plan shares, built once
         ctx.fixed.update(
             global_batch=cfg.global_batch, data_parallel=cfg.data_parallel, pipeline_parallel=p,
@@ -403,7 +405,7 @@ def evaluate(
             "peak_stage": stage,
             "gemm_efficiency": layer_costs(ctx, b).gemm_efficiency,
             "time": {"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
-                     "optimizer_s": opt},
+                     "optimizer_s": opt, "fp8_weight_cast_s": cast},
         },
         ctx.fixed,
     )  # fmt: skip
@@ -448,7 +450,7 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
     else:
         res = simulate(sched, forward_time=f, backward_time=[a + b for a, b in zip(i_, w, strict=True)])
     pipe = res.makespan
-    step = pipe + c.time["dp_comm_s"] + c.time["zero_comm_s"] + c.time["optimizer_s"]
+    step = pipe + sum(c.time[k] for k in ("dp_comm_s", "zero_comm_s", "optimizer_s", "fp8_weight_cast_s"))
     time = dict(
         c.time, pipeline_s=pipe, bubble_s=pipe * res.bubble_fraction, simulated_idle=res.bubble_fraction
     )

@@ -45,6 +45,9 @@ class LayerTime:
     inputs (:func:`microbatch.predict.collectives.sp_regather_time_s`); not run under full recompute, which gathers them again anyway."""
     backward_gap_s: float = 0.0
     """The host's launch time the backward's device work does not cover (in ``elementwise_backward_s``)."""
+    weight_cast_s: float = 0.0
+    """FP8 weights cast (with their transposes) once a step, not per micro-batch, where the recipe caches them
+    (Transformer Engine's: :func:`microbatch.predict.fp8.weight_cast_bytes`); 0 otherwise."""
     weight_host_s: float = 0.0
     """The host's launch time of the weight-gradient GEMMs alone (one per forward GEMM): a split backward's
     W pass cannot run faster than its launches (:func:`microbatch.predict.steptime.layer_pass_times`)."""

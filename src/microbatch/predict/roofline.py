@@ -47,7 +47,7 @@ from microbatch.predict.collectives import (
 )
 from microbatch.predict.context import kv_exchange_bytes, kv_exchange_exposed_s
 from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
-from microbatch.predict.fp8 import cast_bytes
+from microbatch.predict.fp8 import cast_bytes, weight_cast_bytes
 from microbatch.predict.gemm import (
     DEFAULT_EFFICIENCY,
     RooflineEfficiency,
@@ -199,6 +199,7 @@ def layer_forward(
         attention_backward_s=attention_bwd,
         elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
+        weight_cast_s=g.weight_cast_bytes / (acc.memory_bandwidth_bytes_per_s * efficiency.memory),
     )
 
 
@@ -339,13 +340,14 @@ class _Linears:
         if self.recipe is not None:
             efficiency = replace(efficiency, gemm_max=efficiency.gemm_max * self.recipe.gemm_factor)
         self.efficiency = efficiency
-        self.cast_forward_bytes = self.cast_backward_bytes = 0.0
+        self.cast_forward_bytes = self.cast_backward_bytes = self.weight_cast_bytes = 0.0
 
     def __call__(self, rows: float, k: float, n: float) -> float:
         if self.recipe is not None:
             fwd, bwd = cast_bytes(rows, k, n, self.recipe, self.e)
             self.cast_forward_bytes += fwd
             self.cast_backward_bytes += bwd
+            self.weight_cast_bytes += weight_cast_bytes(k, n, self.recipe, self.e)
         return gemm_time_s(rows, k, n, self.acc, dtype=self.dtype, efficiency=self.efficiency)
 
 
