@@ -49,6 +49,7 @@ from microbatch.run.accumulate.retry import StepState, warn_norm_layers
 from microbatch.run.accumulate.scaling import (
     CountFn,
     check_callables,
+    check_empty_losses,
     check_loss,
     count_items,
     grad_sq_norm,
@@ -356,6 +357,7 @@ def _run(
                 return None, reason, redo[1]
         else:
             loss_global, n_global = to_float(loss_total), to_float(n_total)
+        check_empty_losses(model, losses, counts, loss_global, world)  # raises into the restore below
         _to_mean(params, count_fn, counted, n_global, average)
         if noise is not None:
             _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, model_device(model))

@@ -22,6 +22,7 @@ from microbatch.run.accumulate.microbatches import Batch
 
 __all__ = [
     "check_callables",
+    "check_empty_losses",
     "check_loss",
     "CountFn",
     "count_items",
@@ -254,6 +255,36 @@ def check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.
             "with autograd enabled (not under torch.no_grad())"
         )
     return loss_sum, as_number("loss_fn's n_items", n)
+
+
+def check_empty_losses(
+    model: Any, losses: Sequence[Any], counts: Sequence[Any], loss_total: float, world: int
+) -> None:
+    """ConfigError, on every rank, when the step's summed loss ``loss_total`` is not finite because a micro-batch
+    with 0 items returned a non-finite summed loss (a masked mean × n is 0/0 = NaN there and poisons every
+    gradient; under DDP or FSDP such micro-batches still run, as every rank runs the same forwards). Looked at
+    only when the total is not finite, which every rank sees alike; a non-finite loss with items (fp16 overflow,
+    divergence) passes through as before, for a GradScaler to skip."""
+    if math.isfinite(loss_total):
+        return
+    empty = [
+        i
+        for i, (loss, n) in enumerate(zip(losses, counts, strict=True))
+        if to_float(n) == 0 and not math.isfinite(to_float(loss))
+    ]
+    found = float(len(empty))
+    if world > 1:  # the ranks agree (one all_reduce, on this path only), so none waits for another
+        flag = torch.tensor([found], device=model_device(model))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group_and_world(model)[0])
+        found = float(flag.item())
+    if found:
+        where = f"micro-batch {empty[0]} of this rank" if empty else "a micro-batch of another rank"
+        raise ConfigError(
+            f"loss_fn returned a summed loss of {to_float(losses[empty[0]]) if empty else 'nan'} for {where}, "
+            "which has 0 items, so the step's gradient is not finite; the summed loss over no items must be 0: "
+            "return the SUM of the per-item losses (e.g. cross_entropy(..., reduction='sum', ignore_index=-100)), "
+            "not a masked mean times the count. The gradients are as they were before the call"
+        )
 
 
 def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[Batch], float]:

@@ -1,0 +1,96 @@
+"""An empty micro-batch whose loss_fn returns NaN (a masked mean × its count: 0/0) instead of 0.
+
+Under DDP or FSDP such a micro-batch still runs (every rank runs the same forwards), and on one process
+without ``count_fn`` too: its NaN would poison every gradient of the step. :func:`accumulate_micro_batches`
+now refuses, on every rank together, with the gradients put back as they were; a non-finite loss where
+the micro-batch has items (fp16 overflow, divergence) still passes through for a GradScaler to skip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import WORKER_END, run_two_ranks
+from test_accumulate import V, flat_grad, make_batch, make_model, set_pre_grads
+
+from microbatch.errors import ConfigError
+from microbatch.run.accumulate import accumulate_micro_batches
+
+
+def mean_times_n(model, mb):
+    """The foot-gun: a masked mean times the count, 0/0 = NaN where no label is valid."""
+    logits = model(mb["input_ids"])[:, :-1]
+    target = mb["labels"][:, 1:]
+    n = (target != -100).sum()
+    mean = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=-100, reduction="mean")
+    return mean * n, n
+
+
+def _pieces() -> list[dict[str, torch.Tensor]]:
+    batch = make_batch(rows=4)
+    empty = {k: v[:2].clone() for k, v in batch.items()}
+    empty["labels"][:] = -100
+    return [{k: v[2:] for k, v in batch.items()}, empty]
+
+
+def test_an_empty_micro_batch_with_a_nan_loss_is_refused_and_the_gradients_kept():
+    model = make_model()
+    before = set_pre_grads(model)
+    with pytest.raises(ConfigError, match=r"micro-batch 1 of this rank, which has 0 items") as e:
+        accumulate_micro_batches(model, _pieces(), mean_times_n)
+    assert "reduction='sum'" in str(e.value)
+    after = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))  # put back, not NaN
+
+
+def test_a_nan_loss_with_items_still_passes_through():
+    model = make_model()
+
+    def nan_loss(m, mb):
+        loss, n = mean_times_n(m, mb)
+        return loss * float("nan"), n
+
+    loss = accumulate_micro_batches(model, _pieces()[:1], nan_loss)
+    assert (
+        torch.isnan(loss) and torch.isnan(flat_grad(model)).any()
+    )  # unchanged behaviour: the scaler's to skip
+
+
+WORKER = (
+    r"""
+import os, sys, torch, torch.distributed as dist
+sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+from test_accumulate import make_model
+from test_accumulate_empty import _pieces, mean_times_n
+from microbatch.errors import ConfigError
+from microbatch.run.accumulate import accumulate_micro_batches
+
+rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+pieces = _pieces()
+if rank == 0:  # rank 0's pieces both hold items; only rank 1 has the empty one
+    pieces = [pieces[0], pieces[0]]
+model = torch.nn.parallel.DistributedDataParallel(make_model())
+results = {{}}
+try:
+    accumulate_micro_batches(model, pieces, mean_times_n)
+    results["error"] = "no error"
+except ConfigError as e:
+    results["error"] = str(e)
+results["finite"] = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+"""
+    + WORKER_END
+)
+
+
+@pytest.mark.timeout(120)
+def test_both_ranks_refuse_when_one_rank_has_the_empty_micro_batch(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
+    run_two_ranks(script, tmp_path, timeout_s=90)  # a rank left waiting in an all_reduce fails here
+    res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
+    assert "a micro-batch of another rank" in res[0]["error"], res[0]["error"]
+    assert "micro-batch 1 of this rank, which has 0 items" in res[1]["error"], res[1]["error"]
+    assert res[0]["finite"] and res[1]["finite"]
