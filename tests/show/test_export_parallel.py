@@ -78,3 +78,27 @@ def test_deepspeed_notes_moe_and_lightning_writes_transformer_engine():
         lt.config["trainer"]["precision"] == "transformer-engine"
         and lt.config["trainer"]["strategy"] == "ddp"
     )
+
+
+def test_targets_refuse_te_recipes_and_per_micro_batch_reduction_they_cannot_run():
+    """torchtitan's float8 is torchao's: Transformer Engine's recipes are not in its configuration; Lightning's TE
+    plugin runs delayed scaling, not current; torch's pipelining reduces FSDP's gradients once, so a plan with
+    pipeline_grad_reduce "each" (ZeRO-2 memory under a pipeline) does not export to torchtitan as if it could."""
+    llama = dict(shape=get_model("llama-3-8b"), tensor_parallel=1, sequence_parallel=False, pipeline_parallel=1,
+                 data_parallel=8, global_batch=8, schedules=None)  # fmt: skip
+    with pytest.raises(ConfigError, match="torchtitan has no FP8 te-delayed recipe"):
+        export_plan(_plan(precision="fp8", fp8_recipe="te-delayed", **llama), "torchtitan")
+    gpt2 = {**llama, "shape": get_model("gpt2"), "zero": (0,)}
+    with pytest.raises(ConfigError, match="lightning has no FP8 te-current recipe"):
+        export_plan(_plan(precision="fp8", fp8_recipe="te-current", **gpt2), "lightning")
+    lt = export_plan(_plan(precision="fp8", fp8_recipe="te-delayed", **gpt2), "lightning")
+    assert lt.config["trainer"]["precision"] == "transformer-engine"
+    each = dict(shape=get_model("llama-3-8b"), tensor_parallel=1, sequence_parallel=False, zero=(2,),
+                pipeline_grad_reduce="each")  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="torchtitan has no gradient reduce-scatters after each micro-batch"
+    ):
+        export_plan(_plan(**each), "torchtitan")
+    assert export_plan(
+        _plan(**{**each, "pipeline_grad_reduce": "last"}), "torchtitan"
+    ).config  # the same, once

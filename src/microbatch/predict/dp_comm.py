@@ -114,9 +114,11 @@ def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float, sigma: float, e
     gradients reduce-scattered once after the last backward with nothing left to hide behind: whole; ``sigma``
     the slowdown of the computation beside the gather (:func:`overlap_sigma`). With ``each`` = m (gradients
     reduced after every micro-batch, a shard kept) the m reduce-scatters each hide behind their micro-batch's
-    backward, as ZeRO-2 without a pipeline, the last one's tail included."""
+    backward, as ZeRO-2 without a pipeline, and the last micro-batch's last unit (1/units of one) is exposed,
+    as FSDP's last reduce-scatter is (:func:`~microbatch.predict.collectives.fsdp_edges_s`)."""
     ag, rs, units = _unit_collectives(ctx, tm, n)
     gather = overlap_exposed_s(ag, tm.fk, sigma) + ag / max(1, units) + _copy_out_s(ctx, n)
-    if each:
-        return gather + each * overlap_exposed_s(rs + _replica_s(ctx, tm, n), tm.ik + tm.wk, sigma)
+    if each:  # m reduce-scatters behind their backwards; the last micro-batch's last unit has none after it
+        rs += _replica_s(ctx, tm, n)
+        return gather + each * overlap_exposed_s(rs, tm.ik + tm.wk, sigma) + rs / max(1, units)
     return gather + rs + _replica_s(ctx, tm, n)

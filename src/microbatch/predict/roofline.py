@@ -334,6 +334,7 @@ class _Linears:
 
     def __init__(self, acc: Accelerator, dtype: str, efficiency: RooflineEfficiency, fp8_recipe: str | None):
         self.acc, self.recipe = acc, None if fp8_recipe is None else get_fp8_recipe(fp8_recipe)
+        self.high = dtype  # the compute dtype, for the GEMMs kept out of FP8 (a MoE router)
         self.dtype = dtype if self.recipe is None else "fp8"
         self.e = 4 if dtype == "fp32" else 2
         self.network = efficiency.network
@@ -342,13 +343,16 @@ class _Linears:
         self.efficiency = efficiency
         self.cast_forward_bytes = self.cast_backward_bytes = self.weight_cast_bytes = 0.0
 
-    def __call__(self, rows: float, k: float, n: float) -> float:
-        if self.recipe is not None:
-            fwd, bwd = cast_bytes(rows, k, n, self.recipe, self.e)
-            self.cast_forward_bytes += fwd
-            self.cast_backward_bytes += bwd
-            self.weight_cast_bytes += weight_cast_bytes(k, n, self.recipe, self.e)
-        return gemm_time_s(rows, k, n, self.acc, dtype=self.dtype, efficiency=self.efficiency)
+    def __call__(self, rows: float, k: float, n: float, times: int = 1, fp8: bool = True) -> float:
+        """Seconds of ``times`` GEMMs [rows, k] × [k, n] (a MoE block's local experts), their casts counted as
+        many times; ``fp8=False`` keeps one in the compute dtype, uncast (the router, as Megatron and TE run it)."""
+        if not fp8 or self.recipe is None:
+            return times * gemm_time_s(rows, k, n, self.acc, dtype=self.high, efficiency=self.efficiency)
+        fwd, bwd = cast_bytes(rows, k, n, self.recipe, self.e)
+        self.cast_forward_bytes += times * fwd
+        self.cast_backward_bytes += times * bwd
+        self.weight_cast_bytes += times * weight_cast_bytes(k, n, self.recipe, self.e)
+        return times * gemm_time_s(rows, k, n, self.acc, dtype=self.dtype, efficiency=self.efficiency)
 
 
 def _moe_mlp(
@@ -381,8 +385,9 @@ def _moe_mlp(
     ep, load = layout
     h, F, mats = shape.hidden, moe.expert_ffn_hidden, 2 if shape.gated_mlp else 1
     r = rows_per_expert(moe, b, s, ep, load)
-    gemm = moe.experts // ep * (g(r, h, mats * F / t) + g(r, F / t, h))
-    gemm += g(b * s, h, moe.experts)
+    local = moe.experts // ep  # each GEMM once per local expert: its time, casts and weight casts
+    gemm = g(r, h, mats * F / t, times=local) + g(r, F / t, h, times=local)
+    gemm += g(b * s, h, moe.experts, fp8=False)
     if moe.shared_experts:
         fs = moe.shared_experts * moe.shared_width
         gemm += g(b * s, h, mats * fs / t) + g(b * s, fs / t, h)

@@ -167,7 +167,8 @@ def predict_step_time_s(
 
     T = L·(3·compute + 2·tp_comm) [+ L·forward with full recompute] + 3·logits, each at rows =
     b_m·s: the stage time (:func:`stage_time`) of one stage holding every layer. Under ``fp8`` the
-    linear GEMMs run in FP8 with ``fp8_recipe``'s casts.
+    linear GEMMs run in FP8 with ``fp8_recipe``'s casts (a step of one micro-batch: a recipe that casts the
+    weights once a step pays that cast here, L × the layer's ``weight_cast_s``).
     """
     s = seq or shape.seq
     prec = get_precision(precision)
@@ -176,4 +177,5 @@ def predict_step_time_s(
     lt = layer_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency, fp8_recipe=recipe)
     logits_s, _ = logits_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency)
     recompute = "full" if checkpointing else "none"
-    return stage_time(lt, logits_s, layers=shape.layers, last=True, recompute=recompute).total_s
+    step = stage_time(lt, logits_s, layers=shape.layers, last=True, recompute=recompute).total_s
+    return step + shape.layers * lt.weight_cast_s

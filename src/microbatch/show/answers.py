@@ -140,7 +140,12 @@ def render_memory(
             else ""
         )
         + (
-            " (held as ZeRO 1 through the step: FSDP under a pipeline keeps weights and gradients whole)"
+            (
+                " (held as ZeRO 2 through the step: weights whole from the first forward, gradients "
+                "reduce-scattered after each micro-batch)"
+                if cfg.pipeline_grad_reduce == "each"
+                else " (held as ZeRO 1 through the step: FSDP under a pipeline keeps weights and gradients whole)"
+            )
             if cfg.pipeline_parallel > 1 and cfg.zero >= 2
             else ""
         ),

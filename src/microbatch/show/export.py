@@ -136,7 +136,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
-                    "flash_attention"):  # fmt: skip
+                    "flash_attention", "pipeline_grad_reduce"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
@@ -359,9 +359,23 @@ def _lacks(c: Json, fmt: str) -> list[str]:
     hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
     if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":
         lacks.append(f"hybrid sharding over groups of {c['shard_degree']} set here")
-    rowwise = c.get("fp8_recipe") == "rowwise"
-    if precision_of(c) == "fp8" and (fmt in ("deepspeed", "hf") or (fmt == "lightning" and rowwise)):
-        lacks.append(f"FP8 {c.get('fp8_recipe', 'tensorwise')} recipe in its configuration")
+    recipe = c.get("fp8_recipe", "tensorwise")
+    # torchtitan's float8 is torchao's (tensorwise, rowwise); Lightning's FP8 is TE's plugin at its default
+    # DelayedScaling, which runs neither torchao's rowwise nor TE's current scaling
+    theirs = {"torchtitan": ("tensorwise", "rowwise"), "lightning": ("tensorwise", "te-delayed")}.get(fmt, ())
+    if precision_of(c) == "fp8" and recipe not in theirs:
+        lacks.append(f"FP8 {recipe} recipe in its configuration")
+    each = (
+        c.get("pipeline_grad_reduce") == "each"
+        and c.get("pipeline_parallel", 1) > 1
+        and c.get("zero", 0) >= 2
+    )
+    if (
+        each and fmt != "deepspeed"
+    ):  # DeepSpeed takes no ZeRO >= 2 with a pipeline at all (its builder refuses)
+        lacks.append(
+            "gradient reduce-scatters after each micro-batch under pipelining (torch's stage reduces once)"
+        )
     return lacks
 
 

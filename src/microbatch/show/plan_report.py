@@ -428,7 +428,8 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
         return (
             f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in {how}; DeepSpeed's pipeline engine "
             "takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
-            f"for those, plan with {_say('zero', words)} 1{tail}"
+            f"for those, plan with {_say('zero', words)} 1{' (without the per-micro-batch reduction)' if lint.each else ''}"
+            f"{tail}"
         )
     assert isinstance(lint, FarPastKnee)
     return (

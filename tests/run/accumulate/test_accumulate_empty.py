@@ -58,6 +58,27 @@ def test_a_nan_loss_with_items_still_passes_through():
     )  # unchanged behaviour: the scaler's to skip
 
 
+def masked_sum(model, mb):
+    """A correct summed loss (0 over no items while the logits are finite), written as a masked sum."""
+    logits = model(mb["input_ids"])[:, :-1]
+    target = mb["labels"][:, 1:]
+    mask = target != -100
+    per = F.cross_entropy(logits.reshape(-1, V), target.clamp(min=0).reshape(-1), reduction="none")
+    return (per * mask.reshape(-1)).sum(), mask.sum()
+
+
+def test_a_diverged_step_with_an_empty_micro_batch_passes_through_for_the_scaler():
+    """With non-finite weights a correct masked sum is NaN on the empty micro-batch too (inf × 0): the step has
+    non-finite losses where there are items, so it is divergence, not the loss's form, and it passes through."""
+    model = make_model()
+    assert float(accumulate_micro_batches(model, _pieces(), masked_sum)) > 0  # finite: 0 on the empty one
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    model.zero_grad()
+    loss = accumulate_micro_batches(model, _pieces(), masked_sum)
+    assert torch.isnan(loss) and torch.isnan(flat_grad(model)).any()
+
+
 WORKER = (
     r"""
 import os, sys, torch, torch.distributed as dist

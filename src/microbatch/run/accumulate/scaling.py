@@ -260,24 +260,26 @@ def check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.
 def check_empty_losses(
     model: Any, losses: Sequence[Any], counts: Sequence[Any], loss_total: float, world: int
 ) -> None:
-    """ConfigError, on every rank, when the step's summed loss ``loss_total`` is not finite because a micro-batch
+    """ConfigError, on every rank, when the step's summed loss ``loss_total`` is not finite only because micro-batches
     with 0 items returned a non-finite summed loss (a masked mean × n is 0/0 = NaN there and poisons every
     gradient; under DDP or FSDP such micro-batches still run, as every rank runs the same forwards). Looked at
-    only when the total is not finite, which every rank sees alike; a non-finite loss with items (fp16 overflow,
-    divergence) passes through as before, for a GradScaler to skip."""
+    only when the total is not finite, which every rank sees alike; where a micro-batch with items is not finite
+    either (fp16 overflow, divergence: a correct masked sum is then NaN on an empty one too, inf × 0) the step
+    passes through as before, for a GradScaler to skip."""
     if math.isfinite(loss_total):
         return
-    empty = [
-        i
-        for i, (loss, n) in enumerate(zip(losses, counts, strict=True))
-        if to_float(n) == 0 and not math.isfinite(to_float(loss))
-    ]
-    found = float(len(empty))
+    bad = [(i, to_float(n) == 0) for i, (loss, n) in enumerate(zip(losses, counts, strict=True))
+           if not math.isfinite(to_float(loss))]  # fmt: skip
+    empty = [i for i, none in bad if none]
+    flags = [
+        float(len(empty)),
+        float(len(bad) - len(empty)),
+    ]  # empty and non-finite; with items and non-finite
     if world > 1:  # the ranks agree (one all_reduce, on this path only), so none waits for another
-        flag = torch.tensor([found], device=model_device(model))
+        flag = torch.tensor(flags, device=model_device(model))
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group_and_world(model)[0])
-        found = float(flag.item())
-    if found:
+        flags = [float(x) for x in flag.tolist()]
+    if flags[0] and not flags[1]:
         where = f"micro-batch {empty[0]} of this rank" if empty else "a micro-batch of another rank"
         raise ConfigError(
             f"loss_fn returned a summed loss of {to_float(losses[empty[0]]) if empty else 'nan'} for {where}, "
