@@ -13,7 +13,8 @@ the backward are the bf16 inputs). The scaling recipe (:data:`FP8_RECIPES`) sets
 overhead and the GEMM kernel: ``tensorwise`` (one scale per tensor) or ``rowwise`` (one per row), torchao's;
 ``te-delayed`` and ``te-current``, Transformer Engine's (Megatron-core, NeMo, Megatron-Bridge): casts fused with
 their transposes, and the FP8 weights cast once per step and cached over its micro-batches.
-Not modelled: Transformer Engine's cached FP8 weight copies (up to 2 B/param more) and FP8 all-gathers.
+Transformer Engine's cached FP8 weights and their transposes (2 B a layer parameter, :func:`weight_cache_bytes`)
+are held beside the bf16 ones; FP8 all-gathers are not modelled.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from microbatch.errors import ConfigError
 __all__ = [
     "check_gemm_dtype",
     "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
-    "get_fp8_recipe",
+    "get_fp8_recipe", "weight_cache_bytes",
 ]  # fmt: skip
 
 
@@ -177,3 +178,12 @@ def get_fp8_recipe(name: str) -> Fp8Recipe:
     if name not in FP8_RECIPES:
         raise ConfigError(f"fp8 recipe {name!r} is not known; use one of {', '.join(FP8_RECIPES)}")
     return FP8_RECIPES[name]
+
+
+def weight_cache_bytes(precision: str, fp8_recipe: str) -> int:
+    """Bytes per layer parameter of FP8 weight copies kept through a step: 2 (the FP8 weight and its transpose,
+    each 1 B) where ``precision`` is fp8 and its recipe caches them over the micro-batches (Transformer Engine's,
+    :attr:`Fp8Recipe.weight_cache`), else 0. The embedding and output layer are not TE linears: not counted."""
+    if get_precision(precision).gemm_dtype != "fp8":
+        return 0
+    return 2 if get_fp8_recipe(fp8_recipe).weight_cache else 0

@@ -123,6 +123,33 @@ def test_moe_experts_cast_each_local_expert_and_the_router_stays_in_bf16():
         assert lt.weight_cast_s == pytest.approx(expected / bw)
 
 
+def test_te_recipes_hold_their_cached_fp8_weights_and_the_planner_agrees():
+    """TE keeps each layer's FP8 weight and its transpose through the step: 2 B a layer parameter on top of the bf16
+    weights, whole under ZeRO (the embedding and output layer are not TE linears); the planner's peak is the
+    memory model's."""
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.precision import weight_cache_bytes
+
+    assert (weight_cache_bytes("fp8", "te-delayed"), weight_cache_bytes("fp8", "tensorwise")) == (2, 0)
+    assert weight_cache_bytes("bf16-mixed", "te-current") == 0
+
+    def est(recipe: str, zero: int = 0, p: int = 1):
+        return estimate_memory(LLAMA, MemoryConfig(micro_batch=1, seq=4096, precision="fp8", fp8_recipe=recipe,
+                                                   zero=zero, data_parallel=8, pipeline_parallel=p))  # fmt: skip
+
+    layers = LLAMA.layers_params(0, LLAMA.layers)
+    for zero in (0, 3):
+        te, tw = est("te-current", zero).stages[0], est("tensorwise", zero).stages[0]
+        assert te.weights_bytes - tw.weights_bytes == pytest.approx(2 * layers)
+    cfg = PlanConfig(shape=LLAMA, gpu=H100, global_batch=64, data_parallel=8, pipeline_parallel=2,
+                     micro_batches=(1,), zero=(1,), recompute=("none",), precision="fp8", fp8_recipe="te-current",
+                     seq=4096, schedules=("1f1b",))  # fmt: skip
+    c = make_plan(cfg).candidates[0]
+    mc = MemoryConfig(micro_batch=1, seq=4096, precision="fp8", fp8_recipe="te-current", zero=1, data_parallel=8,
+                      pipeline_parallel=2, microbatches=c.microbatches, schedule="1f1b")  # fmt: skip
+    assert c.peak_memory_bytes == pytest.approx(estimate_memory(LLAMA, mc).peak_bytes, rel=1e-9)
+
+
 def _tps(precision: str, recipe: str = "tensorwise") -> float:
     cfg = PlanConfig(shape=LLAMA, gpu=H100, global_batch=8, data_parallel=8, micro_batches=(1,), zero=(3,),
                      recompute=("selective",), precision=precision, fp8_recipe=recipe, seq=8192)  # fmt: skip

@@ -218,7 +218,7 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
             x = ctx.expert_params[i]
             n = params[i] - x
             rows.append(
-                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1),
+                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1) + ctx.fp8_cache.get(i, 0.0),
                  n * gb / (d if z >= 2 else 1) + x * gb / (de if z >= 2 else 1),
                  n * ob / (d if z >= 1 else 1) + x * ob / (de if z >= 1 else 1))
             )  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative, check_positive_int
 from microbatch.model import ModelShape, check_seq
-from microbatch.precision import get_fp8_recipe, get_precision
+from microbatch.precision import get_fp8_recipe, get_precision, weight_cache_bytes
 from microbatch.predict.activations import (
     check_recompute,
     embedding_activation_bytes,
@@ -387,6 +387,10 @@ def _stage_state(
     if experts:
         est = model_state_bytes(experts / ep, zero=z, data_parallel=d // ep, **kw)
         state = {k: state[k] + est[k] for k in state}
+    # Transformer Engine's FP8 weights and transposes, cached whole over the step (not sharded by ZeRO)
+    cache = weight_cache_bytes(config.precision, config.fp8_recipe)
+    if cache:
+        state["weights"] += cache * (shape.layers_params(first, n_layers) / t - experts + experts / ep)
     return params, state
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from microbatch.precision import get_precision
+from microbatch.precision import get_precision, weight_cache_bytes
 from microbatch.predict.activations import (
     embedding_activation_bytes,
     layer_activation_bytes,
@@ -124,6 +124,8 @@ class Context:
     """Achieved bytes/s across the replicas of a shard under hybrid sharding (0 without)."""
     bw_pp: float = 0.0
     """Achieved bytes/s between pipeline stages."""
+    fp8_cache: dict[int, float] = field(default_factory=dict)
+    """Bytes of Transformer Engine's cached FP8 weights on each probed stage (0 unless a caching recipe)."""
     fixed: dict[str, Any] = field(default_factory=dict)
     """The candidate fields every candidate of this plan shares (filled by the first evaluation)."""
     layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
@@ -161,6 +163,10 @@ def make_context(cfg: PlanConfig) -> Context:
     # over the probed stages is the maximum over all
     experts = {i: expert_params(shape, firsts[i], split[i]) / t for i in probe}  # 1/EP of them per GPU
     params = {i: stage_params(shape, i, p, split[i], t, firsts[i]) - experts[i] * (1 - 1 / ep) for i in probe}
+    cache = weight_cache_bytes(cfg.precision, cfg.fp8_recipe)  # TE's cached FP8 weights, per layer parameter
+    fp8_cache = {
+        i: cache * (shape.layers_params(firsts[i], split[i]) / t - experts[i] * (1 - 1 / ep)) for i in probe
+    }
     emb, head = shape.embedding_params(), shape.output_params()
     params_v = {  # as estimate_memory writes it for a V placement (the output layer on rank 0)
         i: (shape.layers_params(firsts[i], split[i]) + emb * (i == 0) + (head if i == 0 else 0)) / t
@@ -186,6 +192,7 @@ def make_context(cfg: PlanConfig) -> Context:
         max_params=max(params.values()),
         params_v=params_v,
         max_params_v=max(params_v.values()),
+        fp8_cache=fp8_cache,
         act_kw=dict(seq=cfg.seq_len // c, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
         dtype=prec.compute_dtype,
         e=prec.weight_bytes,  # activations are kept in the compute dtype
