@@ -127,8 +127,8 @@ def test_te_recipes_hold_their_cached_fp8_weights_and_the_planner_agrees():
     """TE keeps each layer's FP8 weight and its transpose through the step: 2 B a layer parameter on top of the bf16
     weights, whole under ZeRO (the embedding and output layer are not TE linears); the planner's peak is the
     memory model's."""
-    from microbatch.predict.memory import MemoryConfig, estimate_memory
     from microbatch.precision import weight_cache_bytes
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
 
     assert (weight_cache_bytes("fp8", "te-delayed"), weight_cache_bytes("fp8", "tensorwise")) == (2, 0)
     assert weight_cache_bytes("bf16-mixed", "te-current") == 0
