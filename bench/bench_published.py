@@ -522,6 +522,12 @@ def main() -> None:
         "on 2880), GPT-OSS's 18 sliding-window layers at 128 keys; the 25.09 DeepSeek-V3 row's FP8 "
         "recipe assumed (no precision column); nothing fitted"
     )
+    print(
+        "TE rows (Megatron-Bridge, Megatron-LM README, NeMo): cuDNN attention (TE prefers it on Hopper), FP8 as TE casts"
+        " (te-current for Bridge's FP8-CS, te-delayed for NeMo). NeMo 24.07 rows: each model's launcher config at the"
+        " 24.07 tag (dropout, SP, TP overlap, recompute), ZeRO-1; NeMo 24.03 long-sequence rows: b_m 1, ZeRO-1, TP"
+        " collectives exposed, Megatron's p2p ring, the planner's fastest recompute"
+    )
     for k in ("nemo_dgx_h100_bf16",):
         print(f"{k}: {data[k]['_status']}")
 
