@@ -101,17 +101,30 @@ def test_planner_matches_the_memory_model_for_op_and_every_k():
 
 
 def test_async_tp_hides_the_collectives_under_the_gemms():
+    """Async TP (torchtitan's, TE's userbuffers) runs each collective under its GEMM, and that GEMM runs slower
+    beside it, as beside every overlapped collective (the plan's overlap fraction σ = 0.189,
+    :func:`microbatch.predict.collectives.overlap_exposed_s`): exposed max(comm − gemm, σ·min(comm/(1 + σ), gemm))."""
+    from microbatch.predict.collectives import overlap_exposed_s
+    from microbatch.predict.roofline import DEFAULT_EFFICIENCY
+
+    sig = DEFAULT_EFFICIENCY.overlap_fraction(True)
+    assert sig == pytest.approx(0.189)
     plain = layer_forward(LLAMA, 1, H100, tensor_parallel=4, sequence_parallel=True)
     slow = H100.with_overrides(intra_node_bytes_per_s=20e9)
     lt = layer_forward(LLAMA, 1, H100, tensor_parallel=4, sequence_parallel=True, async_tp=True)
-    assert plain.tp_comm_s > 0 and lt.tp_comm_s == pytest.approx(max(0.0, plain.tp_comm_s - plain.gemm_s))
+    assert plain.tp_comm_s > 0 and lt.tp_comm_s == pytest.approx(
+        overlap_exposed_s(plain.tp_comm_s, plain.gemm_s, sig)
+    )
+    assert 0 < lt.tp_comm_s < plain.tp_comm_s  # mostly hidden; the GEMM's slowdown beside it is not
     slow_plain = layer_forward(LLAMA, 1, slow, tensor_parallel=4, sequence_parallel=True)
     slow_async = layer_forward(LLAMA, 1, slow, tensor_parallel=4, sequence_parallel=True, async_tp=True)
-    assert slow_async.tp_comm_s == pytest.approx(slow_plain.tp_comm_s - slow_plain.gemm_s)
-    assert slow_async.tp_comm_s > 0
+    assert slow_async.tp_comm_s == pytest.approx(
+        overlap_exposed_s(slow_plain.tp_comm_s, slow_plain.gemm_s, sig)
+    )
+    assert slow_async.tp_comm_s >= slow_plain.tp_comm_s - slow_plain.gemm_s > 0
     # the backward's SP re-gather runs under the backward GEMMs (2 × gemm) its collectives leave free
     # (Transformer Engine's bulk overlap with the dgrad GEMM); without async TP it stays exposed
-    assert plain.sp_regather_s > 0 and lt.sp_regather_s == 0.0
+    assert plain.sp_regather_s > 0 and lt.sp_regather_s < 0.5 * plain.sp_regather_s
     # the collectives hide under one pass's GEMMs (their excess is charged in tp_comm_s): the other gemm of
     # the backward's 2 × gemm is left for the re-gather (the excess is not charged twice)
     for bw in (20e9, 5e9, 80e9):
@@ -119,11 +132,7 @@ def test_async_tp_hides_the_collectives_under_the_gemms():
         p = layer_forward(LLAMA, 1, link, tensor_parallel=4, sequence_parallel=True)
         a = layer_forward(LLAMA, 1, link, tensor_parallel=4, sequence_parallel=True, async_tp=True)
         cover = 2 * p.gemm_s - min(p.tp_comm_s, p.gemm_s)
-        assert a.sp_regather_s == pytest.approx(max(0.0, p.sp_regather_s - cover))
-        if p.tp_comm_s > 2 * p.gemm_s:  # a slow link: backward exposure = both minus the backward's GEMMs
-            assert a.tp_comm_s + a.sp_regather_s == pytest.approx(
-                p.tp_comm_s + p.sp_regather_s - 2 * p.gemm_s
-            )
+        assert a.sp_regather_s == pytest.approx(overlap_exposed_s(p.sp_regather_s, cover, sig))
     assert layer_forward(LLAMA, 1, H100.with_overrides(intra_node_bytes_per_s=5e9), tensor_parallel=4,
                          sequence_parallel=True, async_tp=True).sp_regather_s > 0  # fmt: skip
     with pytest.raises(

@@ -38,6 +38,7 @@ from microbatch.predict.collectives import (
     allreduce_time_s,
     alltoall_time_s,
     group_bandwidth,
+    overlap_exposed_s,
     p2p_time_s,
     pipeline_send_time_s,
     ranks_per_node,
@@ -150,8 +151,10 @@ def layer_forward(
     gathers the K/V of c ranks t apart, by ``cp_comm`` (one all-gather or a ring,
     :mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``. Tensor parallelism: two all-reduces per pass (all-gather
     + reduce-scatter under SP, the same bytes; :func:`_tp_comm`). With ``async_tp`` the collectives are
-    decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism): exposed
-    max(0, collectives − GEMMs). With ``parallel_block`` (GPT-J, GPT-NeoX, PaLM: attention and MLP on one
+    decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, Transformer Engine's
+    userbuffers): exposed as every overlapped collective is, the excess plus the GEMMs' slowdown beside it
+    (:func:`~microbatch.predict.collectives.overlap_exposed_s`; TE's own defaults give its pipelined and bulk
+    overlaps 16 SMs, ``module/base.py``). With ``parallel_block`` (GPT-J, GPT-NeoX, PaLM: attention and MLP on one
     input, outputs summed) one all-reduce per pass, half the tensor-parallel traffic.
     """
     acc = acc.at_sustained_clock()  # kernels run at the clock held under the power limit (issue 28)
@@ -173,13 +176,15 @@ def layer_forward(
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
     cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
-    if async_tp:  # each collective runs under its GEMM (torchtitan's async TP): only the excess shows
+    if (
+        async_tp
+    ):  # each collective runs under its GEMM (torchtitan's async TP): the excess and the slowdown show
         # the backward's re-gather of the SP-scattered inputs runs under the backward GEMMs its collectives
         # leave free (Transformer Engine's bulk overlap of that all-gather with the dgrad GEMM: Megatron-Bridge
         # comm_overlap.py, qkv_dgrad / fc1_dgrad = BulkOverlapCfg)
         # (the collectives hide under one pass's GEMMs, min(tp_comm, gemm) of the backward's 2 × gemm)
-        regather = max(0.0, regather - (2 * gemm - min(tp_comm, gemm)))
-        tp_comm = max(0.0, tp_comm - gemm)
+        regather = overlap_exposed_s(regather, 2 * gemm - min(tp_comm, gemm), sigma)
+        tp_comm = overlap_exposed_s(tp_comm, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
     forward_gap, backward_gap, weight_host = _launch_floor(shape, acc, efficiency, flash, t, device, back)
