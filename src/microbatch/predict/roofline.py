@@ -176,15 +176,8 @@ def layer_forward(
     ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
     cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
-    if (
-        async_tp
-    ):  # each collective runs under its GEMM (torchtitan's async TP): the excess and the slowdown show
-        # the backward's re-gather of the SP-scattered inputs runs under the backward GEMMs its collectives
-        # leave free (Transformer Engine's bulk overlap of that all-gather with the dgrad GEMM: Megatron-Bridge
-        # comm_overlap.py, qkv_dgrad / fc1_dgrad = BulkOverlapCfg)
-        # (the collectives hide under one pass's GEMMs, min(tp_comm, gemm) of the backward's 2 × gemm)
-        regather = overlap_exposed_s(regather, 2 * gemm - min(tp_comm, gemm), sigma)
-        tp_comm = overlap_exposed_s(tp_comm, gemm, sigma)
+    if async_tp:
+        tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
     forward_gap, backward_gap, weight_host = _launch_floor(shape, acc, efficiency, flash, t, device, back)
@@ -206,6 +199,16 @@ def layer_forward(
         sp_regather_s=regather,
         weight_cast_s=g.weight_cast_bytes / (acc.memory_bandwidth_bytes_per_s * efficiency.memory),
     )
+
+
+def _async_tp_exposed(tp_comm: float, regather: float, gemm: float, sigma: float) -> tuple[float, float]:
+    """(TP collectives, SP re-gather) seconds left exposed under async TP: each collective runs under the GEMM it
+    feeds (torchtitan's async TP, TE's userbuffers), which runs ``sigma`` slower beside it; the backward's re-gather
+    of the SP-scattered inputs runs under the backward GEMMs the collectives leave free, min(tp_comm, gemm) of its
+    2 × gemm (Transformer Engine's bulk overlap of that all-gather with the dgrad GEMM: Megatron-Bridge
+    ``comm_overlap.py``, qkv_dgrad / fc1_dgrad = BulkOverlapCfg)."""
+    regather = overlap_exposed_s(regather, 2 * gemm - min(tp_comm, gemm), sigma)
+    return overlap_exposed_s(tp_comm, gemm, sigma), regather
 
 
 def _launch_floor(
