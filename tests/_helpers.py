@@ -41,6 +41,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WORKER_START = r"""
+import os, sys, torch, torch.distributed as dist
+sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+"""
+"""The start of a two-rank worker script (:func:`run_two_ranks`; ``.format(tests=...)`` fills the tests folder):
+torch, the tests and the package on the path, this rank's arguments, the gloo group of two."""
+
 WORKER_END = """torch.save(results, out)
 dist.barrier()  # both ranks at the end before either tears gloo down (an early teardown aborted a rank)
 dist.destroy_process_group()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, run_two_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -439,15 +439,12 @@ def test_exception_inside_a_backward_restores_grads():
 # -- DDP -----------------------------------------------------------------------------------------
 
 WORKER = (
-    r"""
-import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+    WORKER_START
+    + r"""
 from test_accumulate import make_model, make_batch, loss_fn, count_fn, set_pre_grads, split
 from microbatch.run.accumulate import accumulate, count_items, loss_scale, sync_unless_last
 from microbatch.run.noise import GradientNoiseScale
 
-rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
 batch = make_batch(rows=10)
 shard = {{k: (v[:6] if rank == 0 else v[6:]) for k, v in batch.items()}}  # 6 and 4 rows, unequal tokens
 results = {{}}

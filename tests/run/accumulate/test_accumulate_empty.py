@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, run_two_ranks
 from test_accumulate import V, flat_grad, make_batch, make_model, set_pre_grads
 
 from microbatch.errors import ConfigError
@@ -80,16 +80,13 @@ def test_a_diverged_step_with_an_empty_micro_batch_passes_through_for_the_scaler
 
 
 WORKER = (
-    r"""
-import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+    WORKER_START
+    + r"""
 from test_accumulate import make_model
 from test_accumulate_empty import _pieces, mean_times_n
 from microbatch.errors import ConfigError
 from microbatch.run.accumulate import accumulate_micro_batches
 
-rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
 pieces = _pieces()
 if rank == 0:  # rank 0's pieces both hold items; only rank 1 has the empty one
     pieces = [pieces[0], pieces[0]]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, AllocationLimit, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, AllocationLimit, run_two_ranks
 from test_accumulate import V, full_batch_grad, make_model, rel, set_pre_grads
 
 import microbatch
@@ -387,16 +387,13 @@ def test_real_cpu_out_of_memory_in_a_child_recovers(tmp_path):
 # -- two ranks, only rank 1 runs out of memory ------------------------------------------------------
 
 WORKER = (
-    r"""
-import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+    WORKER_START
+    + r"""
 from test_accumulate_oom import AllocationLimit, sorted_batch, loss_fn, count_fn, logits_budget, S
 from test_accumulate import make_model, set_pre_grads
 from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split_by_tokens
 from microbatch.run.accumulate.controller import MicroBatchController
 
-rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
 batch = sorted_batch()
 shard = {{k: (v[:6] if rank == 0 else v[6:]) for k, v in batch.items()}}  # rank 1 holds the long rows
 results = {{}}

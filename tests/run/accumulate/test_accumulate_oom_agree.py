@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import WORKER_END, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, run_two_ranks
 from test_accumulate import make_model, rel, set_pre_grads
 from test_accumulate_oom import AllocationLimit, S, logits_budget, loss_fn, sorted_batch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -99,17 +99,14 @@ def test_without_a_controller_the_log_says_this_call(caplog):
 # -- two ranks: unused parameters, and the copy failing on one rank ------------------------------
 
 WORKER = (
-    r"""
-import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+    WORKER_START
+    + r"""
 from test_accumulate_oom import sorted_batch, loss_fn, count_fn
 from test_accumulate_oom_agree import CloneFails
 from test_accumulate import make_model, set_pre_grads
 from microbatch.errors import OutOfMemoryError
 from microbatch.run.accumulate import accumulate
 
-rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
 
 
 class WithUnused(torch.nn.Module):

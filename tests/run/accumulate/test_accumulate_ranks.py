@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import WORKER_END, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, run_two_ranks
 from test_accumulate import full_batch_grad, rel
 from test_accumulate_oom import sorted_batch
 
 WORKER = (
-    r"""
-import os, sys, torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, os.path.dirname(os.path.dirname({tests!r}))]
+    WORKER_START
+    + r"""
 from _helpers import AllocationLimit
 from test_accumulate_oom import sorted_batch, loss_fn, count_fn, logits_budget, S
 from test_accumulate import make_model
@@ -29,8 +28,6 @@ from microbatch.errors import ConfigError, OutOfMemoryError
 from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split
 from microbatch.run.accumulate.controller import MicroBatchController
 
-rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
 batch = sorted_batch()
 shard = {{k: (v[:3] if rank == 0 else v[3:]) for k, v in batch.items()}}  # 3 short rows, 9 long ones
 results = {{}}
