@@ -1,10 +1,9 @@
 """Accelerators: peak dense FLOP/s, memory bandwidth and capacity, interconnect; one source per row.
 
-Every figure is the vendor's dense (no structured sparsity) peak from the datasheet named in
-the row's ``source``. Interconnect bandwidths are per GPU and per direction (NVIDIA quotes
-NVLink as the bidirectional total: 600 GB/s on A100 is 300 GB/s each way). The inter-node
-figure is the *typical* deployment named in the row (one NIC per GPU), not a property of the
-chip: override it for your cluster (:func:`get_accelerator` takes overrides, and
+Every figure is the vendor's dense (no structured sparsity) peak from the datasheet named in the row's ``source``.
+Interconnect bandwidths are per GPU and per direction (NVIDIA quotes NVLink as the bidirectional total: 600 GB/s on
+A100 is 300 GB/s each way). The inter-node figure is the *typical* deployment named in the row (one NIC per GPU),
+not a property of the chip: override it for your cluster (:func:`get_accelerator` takes overrides, and
 :meth:`Accelerator.with_overrides` replaces any field, for example with a measured value).
 
 Compute units (for GEMM wave quantisation) come from the architecture whitepapers: A100 108 SMs, H100 SXM5 132
@@ -47,15 +46,16 @@ __all__ = [
     "cpu_accelerator",
     "DEFAULT_HEADROOM",
     "HOPPER",
+    "AMPERE",
 ]
 
 DEFAULT_HEADROOM = 0.1
-"""Share of device memory kept free when deciding what fits (the planner's ``memory_headroom``, the
-knee's ``headroom``): a policy, not a measurement. It covers what neither the analytic model nor a
-probe sees — the CUDA context (a few hundred MiB), what the driver keeps of the total it reports (the
-rows' capacities, :data:`_MIB_H100`: an H200's 140.4 GiB reads as 139.8 through torch), NCCL or gloo buffers, the caching allocator's fragmentation and
-segment rounding, a longer batch than the probe's, and other processes on the device. The memory
-fit's own error is under 1% at the largest probe (BENCHMARKS.md); the rest is this margin."""
+"""Share of device memory kept free when deciding what fits (the planner's ``memory_headroom``, the knee's
+``headroom``): a policy, not a measurement. It covers what neither the analytic model nor a probe sees — the CUDA
+context (a few hundred MiB), what the driver keeps of the total it reports (the rows' capacities, :data:`_MIB_H100`:
+an H200's 140.4 GiB reads as 139.8 through torch), NCCL or gloo buffers, the caching allocator's fragmentation and
+segment rounding, a longer batch than the probe's, and other processes on the device. The memory fit's own error is
+under 1% at the largest probe (BENCHMARKS.md); the rest is this margin."""
 
 TB = 1e12
 """Bytes (or FLOP) in one decimal tera-unit, as datasheets use."""
@@ -282,18 +282,18 @@ def _acc(
 
 
 _MIB_H100 = 81559 / 1024
-"""An 80 GB H100's capacity in GiB: the 81,559 MiB its driver reports (nvidia-smi's memory total on the SXM5
-HBM3 board, github.com/modal-labs/modal-client PR 2797 and github.com/wilicc/gpu-burn issue 114; the same
-on the PCIe board and the H800, github.com/NVIDIA/nccl issue 1264's listings), 79.6 GiB, not 80.
+"""An 80 GB H100's capacity in GiB: the 81,559 MiB its driver reports (nvidia-smi's memory total on the SXM5 HBM3
+board, github.com/modal-labs/modal-client PR 2797 and github.com/wilicc/gpu-burn issue 114; the same on the PCIe
+board and the H800, github.com/NVIDIA/nccl issue 1264's listings), 79.6 GiB, not 80.
 
-Every row's capacity is the total the driver reports, not the marketed figure: A100 80 GB 81,920 MiB and
-40 GB 40,960 MiB (exactly 80 and 40 GiB, modal-client PR 2797), L4 23,034 MiB (the same PR), H200 143,771
-MiB (the nvidia-smi listings of H200 boards; bench/results/h200-2026-11-30b/run1/env.json read 139.8 GiB
-through torch, which leaves out what the driver keeps), B200 183,359 MiB (github.com/NVIDIA/TensorRT-LLM
-issue 10278), H100 NVL 95,830 MiB (nvidia-smi listings of H100 NVL boards), MI300X 192 GiB (rocm-smi's VRAM
-total reads 206,158,430,208 bytes = 192 GiB on some systems, 205,822,885,888 = 191.7 GiB on others; 192 kept);
-the 96 GB H100's 94 GiB is its source's usable figure, no driver listing read. The CUDA context and what torch
-cannot reach of that total are left to :data:`DEFAULT_HEADROOM`."""
+Every row's capacity is the total the driver reports, not the marketed figure: A100 80 GB 81,920 MiB and 40 GB
+40,960 MiB (exactly 80 and 40 GiB, modal-client PR 2797), L4 23,034 MiB (the same PR), H200 143,771 MiB (the
+nvidia-smi listings of H200 boards; bench/results/h200-2026-11-30b/run1/env.json read 139.8 GiB through torch, which
+leaves out what the driver keeps), B200 183,359 MiB (github.com/NVIDIA/TensorRT-LLM issue 10278), H100 NVL 95,830
+MiB (nvidia-smi listings of H100 NVL boards), MI300X 192 GiB (rocm-smi's VRAM total reads 206,158,430,208 bytes =
+192 GiB on some systems, 205,822,885,888 = 191.7 GiB on others; 192 kept); the 96 GB H100's 94 GiB is its source's
+usable figure, no driver listing read. The CUDA context and what torch cannot reach of that total are left to
+:data:`DEFAULT_HEADROOM`."""
 
 _NOT_FIGURES = frozenset({"name", "peak_flops", "source"})
 """Fields ``with_overrides`` does not set: the row's name and its source, and the peaks as a whole (each is
@@ -305,22 +305,22 @@ _NVLINK_IB = (0.82, 0.96)
 """Achievable fractions of NVLink and InfiniBand (see ``Accelerator.intra_node_achievable``)."""
 
 _ATTN_HOPPER = 0.417
-"""Causal flash-attention ceiling on Hopper: 0.348 of the bf16 peak measured on an H200 by
-``bench/gpu_microbench.py`` (``bench/results/h200-2026-11-30b/run1/microbench.json``: PyTorch SDPA,
-is_causal, s 2,048, 32 heads of 128, the causal half of the FLOPs counted), over the causal forward's
-ramp 2,048/(2,048 + 404) at d = 128 (:data:`microbatch.predict.attention.FA2_CURVES`): 0.348 × 2,452/2,048 = 0.417.
-Carried to the other Hopper parts as a share of their own peak (an assumption: the PCIe and NVL
-cards' lower power limits may cost more)."""
-# A100: no causal flash ceiling is set. FlashAttention-2 (Dao 2023, arXiv 2307.08691) reaches "50-73% of the
-# theoretical maximum FLOPs/s on A100" over forward and backward, causal and not; its causal backward figure
-# was not read here, and 0.73 (the top, non-causal forward) would make a causal A100 step faster than the rule
-# it replaces (0.4 of peak forward, 0.5 backward, in the kernel's own FLOP count). The A100 rows keep that rule.
+"""Causal flash-attention ceiling on Hopper: 0.348 of the bf16 peak measured on an H200 by ``bench/gpu_microbench.py``
+(``bench/results/h200-2026-11-30b/run1/microbench.json``: PyTorch SDPA, is_causal, s 2,048, 32 heads of 128, the
+causal half of the FLOPs counted), over the causal forward's ramp 2,048/(2,048 + 404) at d = 128
+(:data:`microbatch.predict.attention.FA2_CURVES`): 0.348 × 2,452/2,048 = 0.417. Carried to the other Hopper parts as a
+share of their own peak (an assumption: the PCIe and NVL cards' lower power limits may cost more)."""
+_ATTN_AMPERE = 0.694
+"""Causal flash ceiling on Ampere: FlashAttention-2 on an A100 80GB SXM4 (causal d-128 forward + backward, 99, 133,
+155, 173, 182, 189 TFLOP/s at s 512 ... 16k: its ``assets/flash2_a100_fwd_bwd_benchmark.png``) fitted to the curves'
+forward + backward (:func:`~microbatch.predict.attention.flash_fwd_bwd_factor`): 0.694 of 312. SDPA's flash is FA2."""
 HOPPER = ("h100-sxm", "h100-96gb", "h100-pcie", "h100-nvl", "h800", "h200")
-"""The Hopper rows: the accelerators the published flash-attention kernel figures (FlashAttention-3's
-H100 SXM5 benchmarks) carry to as a share of their own peak."""
+AMPERE = ("a100-40gb", "a100-80gb")
+"""The Hopper and Ampere rows: FlashAttention-3's H100 and FA2's A100 kernel figures carry to them as shares of peak."""
 
 _ATTENTION_SOURCES = {
     _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
+    _ATTN_AMPERE: "; attention: causal flash ceiling 0.694 of peak (FlashAttention-2's A100 benchmark)",
 }
 
 
@@ -330,11 +330,11 @@ ACCELERATORS: dict[str, Accelerator] = {
         _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100),
+             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100, attention=_ATTN_AMPERE),
         _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100),
+             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100, attention=_ATTN_AMPERE),
         _acc("h100-sxm", 989.4, 989.4, 66.9, _MIB_H100, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "

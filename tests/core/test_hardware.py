@@ -114,7 +114,13 @@ def test_issue28_rows_and_the_flash_ceiling():
     assert from_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm"
     # the Hopper ceiling reproduces the H200's measured 0.348 at s = 2,048 through the causal ramp (s0 404)
     assert sxm.attention_fraction == pytest.approx(0.3477 * (2048 + 404) / 2048, abs=1e-3)
-    assert get_accelerator("a100-80gb").attention_fraction is None  # no causal kernel evidence read
+    # the A100 rows: FlashAttention-2's own A100 figures (tests/predict/test_attention.py checks the fit)
+    assert (
+        get_accelerator("a100-80gb").attention_fraction
+        == get_accelerator("a100-40gb").attention_fraction
+        == 0.694
+    )
+    assert "FlashAttention-2's A100" in get_accelerator("a100-80gb").source
     assert "attention" in sxm.source
     assert (
         get_accelerator("h100-sxm", **parse_overrides(["attention_fraction=0.5"])).attention_fraction == 0.5

@@ -20,6 +20,7 @@ from microbatch.commands._common import (
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
+from microbatch.predict.attention import ATTENTION_KERNELS
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import CP_EXCHANGES
 from microbatch.predict.state import PIPELINE_GRAD_REDUCE
@@ -121,11 +122,13 @@ __all__ = ["cmd"]
     "step (Megatron --cp-comm-type p2p, torchtitan rotate method alltoall).",
 )  # fmt: skip
 @click.option(
-    "--attention-kernel", "attention_kernel", type=click.Choice(["sdpa", "fa2", "cudnn", "fa3"]), default="sdpa",
+    "--attention-kernel", "attention_kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="sdpa",
     show_default=True,
-    help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it), fa2 (the flash-attn 2 "
-    "package: 0.354 of an H100's peak), cudnn (cuDNN's fused attention, Transformer Engine's on Hopper: 0.570), "
-    "fa3 (FlashAttention-3: 0.625). fa2/cudnn/fa3 on Hopper rows only; --gpu-set attention_fraction=F overrides.",
+    help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it; on an A100 FA2's own figures, "
+    "0.694), fa2 (the flash-attn 2 package: 0.354 of an H100's peak), cudnn (cuDNN's fused attention, Transformer "
+    "Engine's on Hopper: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton flash kernel, llm-foundry's "
+    "attn_impl triton: 0.303 of an A100's). cudnn/fa3 on Hopper rows, triton on A100 rows only; "
+    "--gpu-set attention_fraction=F overrides.",
 )  # fmt: skip
 @click.option(
     "--layers-per-stage",

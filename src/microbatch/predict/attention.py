@@ -38,12 +38,14 @@ __all__ = [
     "FA3_HOPPER_CEILING",
     "CUDNN_HOPPER_CEILING",
     "FA2_HOPPER_CEILING",
+    "TRITON_AMPERE_CEILING",
     "ATTENTION_KERNELS",
     "attention_ceiling",
     "causal_flash_flops",
     "flash_backward_flops",
     "flash_shape_factor",
     "flash_rate_fraction",
+    "flash_fwd_bwd_factor",
     "flash_attention_times_s",
 ]
 
@@ -96,11 +98,20 @@ TFLOP/s of its causal d-128 forward (:data:`FA2_CURVES`, FlashAttention-3's Figu
 989.4 TFLOP/s bf16 peak: 0.354. Below the 0.417 PyTorch's SDPA reached on an H200 with torch 2.11 (the
 accelerator rows' ceiling), above which a run's older kernels do not go."""
 
-ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3")
+TRITON_AMPERE_CEILING = 0.303
+"""Ceiling of the Triton FlashAttention kernel (the flash-attention repository's ``flash_attn_triton.py``, the kernel
+behind MosaicML llm-foundry's ``attn_impl: triton``) on Ampere: its bars in FlashAttention-2's A100 benchmark
+(``assets/flash2_a100_fwd_bwd_benchmark.png``, causal d-128 forward + backward: 50, 61, 68, 74, 78, 80 TFLOP/s at
+s = 512 ... 16k) fitted to :func:`flash_fwd_bwd_factor`: 0.303 of 312, within 4% from 2k (16% over at 512, 8% at 1k:
+its ramp is flatter than FA2's). Its d-64 bars hold at d-128's level where FA2's drop, so a d-64 model runs it up to
+8% (from 4k) to 33% (at 512) faster than this predicts. No Hopper figure was read: refused there."""
+
+ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3", "triton")
 """Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's
-scaled_dot_product_attention as measured), ``fa2`` (:data:`FA2_HOPPER_CEILING`), ``cudnn`` (cuDNN's fused
-attention, Transformer Engine's on Hopper: :data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3,
-:data:`FA3_HOPPER_CEILING`)."""
+scaled_dot_product_attention as measured, or FA2's own figures on Ampere, SDPA's flash backend there), ``fa2``
+(:data:`FA2_HOPPER_CEILING`; the row's on Ampere), ``cudnn`` (cuDNN's fused attention, Transformer Engine's on Hopper:
+:data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3, :data:`FA3_HOPPER_CEILING`), ``triton`` (the Triton flash
+kernel, Ampere only: :data:`TRITON_AMPERE_CEILING`)."""
 
 
 def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:
@@ -108,10 +119,12 @@ def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) 
 
     ``sdpa`` keeps the row's own ceiling ``row_ceiling``; ``fa2``, ``cudnn`` and ``fa3`` are the FlashAttention-3
     paper's H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a share of their
-    peak; elsewhere no such figure was read, and the error says how to give one.
+    peak; on the Ampere rows (:data:`microbatch.hardware.AMPERE`) ``fa2`` is the row's own (FlashAttention-2's A100
+    figures) and ``triton`` :data:`TRITON_AMPERE_CEILING`. Elsewhere no such figure was read, and the error says how
+    to give one.
     """
     from microbatch.errors import ConfigError
-    from microbatch.hardware import HOPPER
+    from microbatch.hardware import AMPERE, HOPPER
 
     if kernel not in ATTENTION_KERNELS:
         raise ConfigError(
@@ -120,14 +133,18 @@ def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) 
         )
     if kernel == "sdpa":
         return row_ceiling
-    if accelerator not in HOPPER:
-        raise ConfigError(
-            f"attention_kernel {kernel} has a published ceiling only on Hopper ({', '.join(HOPPER)}), not on "
-            f"{accelerator}; use attention_kernel sdpa, or give the kernel's share of the peak as the "
-            "accelerator's attention_fraction",
-            params=("attention_kernel",),
-        )
-    return {"fa2": FA2_HOPPER_CEILING, "cudnn": CUDNN_HOPPER_CEILING}.get(kernel, FA3_HOPPER_CEILING)
+    hopper = {"fa2": FA2_HOPPER_CEILING, "cudnn": CUDNN_HOPPER_CEILING, "fa3": FA3_HOPPER_CEILING}
+    ampere = {"fa2": row_ceiling, "triton": TRITON_AMPERE_CEILING}
+    if accelerator in HOPPER and kernel in hopper:
+        return hopper[kernel]
+    if accelerator in AMPERE and kernel in ampere:
+        return ampere[kernel]
+    where = (HOPPER if kernel in hopper else ()) + (AMPERE if kernel in ampere else ())
+    raise ConfigError(
+        f"attention_kernel {kernel} has a published ceiling only on {', '.join(where)}, not on {accelerator}; "
+        "use attention_kernel sdpa, or give the kernel's share of the peak as the accelerator's attention_fraction",
+        params=("attention_kernel",),
+    )
 
 
 FLASH_BACKWARD_RATIO = 2.5
@@ -179,6 +196,20 @@ def flash_rate_fraction(
     ``ceiling`` is f∞ of the causal forward at d = 128 (``Accelerator.attention_fraction``).
     """
     return ceiling * flash_shape_factor(seq, head_dim, causal, backward)
+
+
+def flash_fwd_bwd_factor(seq: float, head_dim: int = 128, causal: bool = True) -> float:
+    """Rate of a flash kernel's forward and backward together over its ceiling: 3.5 / (1/φ_f + 2.5/φ_b).
+
+    The forward's FLOPs F and the backward's 2.5·F (:data:`FLASH_BACKWARD_RATIO`), each at its own
+    :func:`flash_shape_factor` φ: (F + 2.5·F) / (F/φ_f + 2.5·F/φ_b). What a forward + backward benchmark reports
+    (the flash-attention repository's ``benchmark_flash_attention.py`` counts 3.5 × the forward's FLOPs), so a
+    ceiling is fitted to such bars through it. 0 for s ≤ 0.
+    """
+    f, b = flash_shape_factor(seq, head_dim, causal), flash_shape_factor(seq, head_dim, causal, backward=True)
+    if f <= 0 or b <= 0:
+        return 0.0
+    return (1 + FLASH_BACKWARD_RATIO) / (1 / f + FLASH_BACKWARD_RATIO / b)
 
 
 def flash_attention_times_s(

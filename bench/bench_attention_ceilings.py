@@ -1,0 +1,70 @@
+"""Attention ceilings against the kernel benchmarks they come from (issue 28 item 1).
+
+Each series of ``tests/data/attention_bars.json`` (the flash-attention repository's FA2 release figures for the
+A100 and H100, the FlashAttention-3 paper's cuDNN and FA3 bars) beside what the planner's attention terms give
+for it: the kernel class's ceiling on that accelerator (:func:`microbatch.predict.attention.attention_ceiling`)
+× its peak × the shared curves (:func:`~microbatch.predict.attention.flash_rate_fraction` for a forward,
+:func:`~microbatch.predict.attention.flash_fwd_bwd_factor` for a forward + backward). "fitted" marks the series a
+ceiling was fitted to; the others were not fitted to anything here. At the bars' own clock: no sustained-clock
+factor (the roofline applies the row's own, :mod:`microbatch.hardware_clocks`).
+
+Run: .venv/bin/python bench/bench_attention_ceilings.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from microbatch.hardware import get_accelerator
+from microbatch.predict.attention import attention_ceiling, flash_fwd_bwd_factor, flash_rate_fraction
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "attention_bars.json"
+
+
+def predicted_tflops(series: dict, seq: int) -> float:
+    """The planner's rate for one bar: ceiling × peak × the curve (forward, or forward + backward)."""
+    acc = get_accelerator(series["gpu"])
+    ceiling = attention_ceiling(series["kernel"], acc.name, acc.attention_fraction)
+    d, causal = series["head_dim"], series["causal"]
+    shape = (
+        flash_fwd_bwd_factor(seq, d, causal)
+        if series["direction"] == "fwd_bwd"
+        else flash_rate_fraction(seq, 1.0, d, causal)
+    )
+    return acc.flops("bf16") / 1e12 * ceiling * shape
+
+
+def rows() -> list[dict]:
+    """One row per series: the bars, the predictions, the errors (%)."""
+    data = json.loads(DATA.read_text())
+    out = []
+    for series in data["series"]:
+        pairs = [
+            (s, b, predicted_tflops(series, s))
+            for s, b in zip(data["seq"], series["tflops"], strict=True)
+            if b is not None
+        ]
+        out.append(series | {"pairs": [{"seq": s, "bar": b, "predicted": p, "error_pct": 100 * (p / b - 1)}
+                                       for s, b, p in pairs]})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    table = rows()
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return
+    print(f"{'gpu':10} {'kernel':7} {'dir':8} {'d':>4} {'causal':6} {'fit':4}  error at s = 512 ... 16k (%)")
+    for r in table:
+        errors = " ".join(f"{p['error_pct']:+6.1f}" for p in r["pairs"])
+        print(f"{r['gpu']:10} {r['kernel']:7} {r['direction']:8} {r['head_dim']:>4} {str(r['causal']):6} "
+              f"{'yes' if r['fitted'] else 'no':4}  {errors}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
