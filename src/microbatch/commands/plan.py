@@ -119,7 +119,9 @@ __all__ = ["cmd"]
     "--cp-comm", "cp_comm", type=click.Choice(list(CP_EXCHANGES)), default="allgather", show_default=True,
     help="With -c: how K/V reach the c ranks. allgather: one all-gather hidden only behind the local 1/c of "
     "attention (torch context_parallel, torchtitan's default, Llama 3); ring: a send per step behind each "
-    "step (Megatron --cp-comm-type p2p, torchtitan rotate method alltoall).",
+    "step (Megatron --cp-comm-type p2p, torchtitan rotate method alltoall); ulysses: all-to-alls give each "
+    "rank whole sequences of a/c heads, exposed (DeepSpeed Ulysses, Megatron --cp-comm-type a2a; t·c must "
+    "divide the heads).",
 )  # fmt: skip
 @click.option(
     "--attention-kernel", "attention_kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="sdpa",

@@ -61,9 +61,11 @@ def attention_core_s(
     attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the kernel's own
     curve (:func:`microbatch.predict.attention.flash_attention_times_s`: the causal half of the FLOPs, a
     backward of 5/2 × them, each direction at the ceiling × its published curve in the key length s/c and the
-    head dimension); otherwise the GEMM efficiency on the full FLOPs. A model with windowed layers averages
+    head dimension); otherwise the GEMM efficiency on the full FLOPs. ``c`` is how many pieces the kernel sees the
+    keys in (:func:`microbatch.predict.context.attention_key_split`: the context-parallel degree under the ring or
+    the all-gather, 1 under Ulysses, whose ranks attend to whole sequences). A model with windowed layers averages
     a full layer and a windowed one, whose FLOPs are σ/s of them and whose curve is read at σ (the
-    equivalent causal length, :func:`window_span`), under flash and without context parallelism. Without
+    equivalent causal length, :func:`window_span`), under flash and with the keys whole (c = 1). Without
     flash the s×s scores pass through memory (:func:`~microbatch.predict.memory_ops.score_passes`): their
     GEMM-side passes at the streaming rate, the softmax's and dropout's at ``efficiency.score_fractions``
     (the eager kernels' measured rates unless fused). Each direction is the longer of its compute and memory

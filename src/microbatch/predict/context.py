@@ -21,7 +21,13 @@ the Llama 3 report §3.3.2: "the all-gather communication latency is exposed in 
 the same bytes, hidden only behind the local step, 1/c of the rank's causal attention under the
 load balance (its two chunks against each other: 2 of the rank's 2c chunk-pairs). The backward
 gathers K/V again the same way; the K/V gradients go back around the ring, one block a step
-(torch's backward keeps the all-to-all rotater for them).
+(torch's backward keeps the all-to-all rotater for them). ``ulysses`` moves heads instead of keys
+(Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv 2309.14509; Megatron-core ``--cp-comm-type a2a``, Transformer
+Engine's QKVO all-to-all): an all-to-all turns each rank's s/c tokens of every head into all s tokens of a/c
+heads before attention, another turns the output back; the backward does the same for dO and for dQ, dK, dV.
+Each rank then runs the whole causal sequence on its heads (the kernel's curve at s, not at s/c; no causal
+imbalance), and the all-to-alls, on the critical path, are exposed whole; c·t must divide the query and the
+K/V heads (:func:`check_ulysses_heads`).
 
 **Layout**: GPUs = t·p·d·c; the c ranks hold the same weights, so gradients are reduced and ZeRO
 shards state over the d·c ranks (Megatron's data-parallel × context-parallel group); expert
@@ -41,10 +47,14 @@ __all__ = [
     "kv_exchange_bytes",
     "ring_exposed_s",
     "kv_exchange_exposed_s",
+    "ulysses_bytes",
+    "check_ulysses_heads",
+    "attention_key_split",
 ]
 
-CP_EXCHANGES = ("allgather", "ring")
-"""How context parallelism moves K/V: one all-gather (torch's and torchtitan's default) or a ring of sends."""
+CP_EXCHANGES = ("allgather", "ring", "ulysses")
+"""How context parallelism moves K/V: one all-gather (torch's and torchtitan's default), a ring of sends
+(Megatron's p2p), or all-to-alls of the heads (DeepSpeed Ulysses, Megatron's a2a)."""
 
 
 def check_context_layout(seq: int, context_parallel: int, flash_attention: bool) -> None:
@@ -103,10 +113,53 @@ def check_context_exchange(exchange: str) -> str:
     if exchange not in CP_EXCHANGES:
         raise ConfigError(
             f"cp_comm {exchange!r} is not a context-parallel exchange; use one of {', '.join(CP_EXCHANGES)} "
-            "(allgather: torch's context_parallel and torchtitan's default; ring: Megatron's p2p)",
+            "(allgather: torch's context_parallel and torchtitan's default; ring: Megatron's p2p; ulysses: "
+            "DeepSpeed Ulysses, Megatron's a2a)",
             params=("cp_comm",),
         )
     return exchange
+
+
+def ulysses_bytes(shape: ModelShape, micro_batch: int, seq: int, context_parallel: int, *,
+                  tensor_parallel: int = 1, dtype_bytes: int = 2) -> float:  # fmt: skip
+    """Bytes one GPU puts through the all-to-alls of one layer's forward under Ulysses: e · b · (s/c) · (Q + K + V +
+    O widths) / t, of which (c − 1)/c leave the GPU (:func:`~microbatch.predict.collectives.alltoall_time_s` takes
+    that share). Widths per token: a·d_h for Q and O, kv·d_h for K and V (grouped-query attention moves the shared
+    heads), or MLA's a·(d_h + d_h^R) for Q and K and a·d_v for V and O (Megatron exchanges them decompressed). The
+    backward moves dO in and dQ, dK, dV out: the same bytes. 0 without context parallelism.
+    """
+    c = context_parallel
+    if c <= 1:
+        return 0.0
+    if shape.mla is None:
+        widths = 2 * shape.q_width + 2 * shape.kv * shape.head_dim
+    else:
+        widths = 2 * shape.heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim)
+    return dtype_bytes * micro_batch * seq / c * widths / tensor_parallel
+
+
+def check_ulysses_heads(shape: ModelShape, tensor_parallel: int, context_parallel: int) -> None:
+    """ConfigError unless t·c divides the query heads and the K/V heads: under Ulysses each GPU attends with whole
+    heads, a/(t·c) of them over the full sequence (DeepSpeed's ``DistributedAttention`` and Transformer Engine's
+    a2a both assert it)."""
+    t, c = tensor_parallel, context_parallel
+    kv = shape.heads if shape.mla is not None else shape.kv
+    if c <= 1 or (shape.heads % (t * c) == 0 and kv % (t * c) == 0):
+        return
+    ok = [x for x in range(2, 65) if shape.heads % (t * x) == 0 and kv % (t * x) == 0]
+    raise ConfigError(
+        f"cp_comm ulysses splits the heads over tensor_parallel × context_parallel = {t} × {c} = {t * c} GPUs, "
+        f"which must divide both the {shape.heads} query heads and the {kv} K/V heads of {shape.name}; "
+        + (f"use context_parallel among {ok[:8]}, " if ok else "")
+        + "or cp_comm ring or allgather (they split the sequence, not the heads)",
+        params=("cp_comm", "context_parallel", "tensor_parallel"),
+    )
+
+
+def attention_key_split(context_parallel: int, exchange: str) -> int:
+    """How many pieces each rank's attention kernel sees the keys in: c for the ring and the all-gather (each step
+    attends to s/c keys), 1 under Ulysses (whole sequences of fewer heads)."""
+    return 1 if check_context_exchange(exchange) == "ulysses" else max(1, context_parallel)
 
 
 def kv_exchange_exposed_s(
@@ -114,7 +167,8 @@ def kv_exchange_exposed_s(
     exchange: str = "allgather", slowdown: float = 0.0,
 ) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) seconds one layer's K/V exchange adds to its attention, ``comm_s`` being the
-    forward's (c − 1)/c of K/V moved once (:func:`kv_exchange_bytes` over the group's bandwidth).
+    forward's (c − 1)/c of K/V moved once (:func:`kv_exchange_bytes` over the group's bandwidth), or under
+    ``ulysses`` the forward's all-to-alls (:func:`ulysses_bytes`), exposed whole in each direction.
 
     ``ring``: forward :func:`ring_exposed_s` (comm, attention); backward K/V again and their gradients
     back, 2·comm behind the attention backward. ``allgather`` (module docstring): forward comm behind the
@@ -124,7 +178,9 @@ def kv_exchange_exposed_s(
     c = context_parallel
     if c <= 1 or comm_s <= 0:
         return 0.0, 0.0
-    if check_context_exchange(exchange) == "ring":
+    if check_context_exchange(exchange) == "ulysses":  # all-to-alls on the critical path: exposed whole
+        return comm_s, comm_s
+    if exchange == "ring":
         return (
             ring_exposed_s(comm_s, attention_s, slowdown),
             ring_exposed_s(2 * comm_s, attention_backward_s, slowdown),

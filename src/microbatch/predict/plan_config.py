@@ -16,7 +16,7 @@ from microbatch.model import ModelShape, check_seq
 from microbatch.precision import check_gemm_dtype, get_fp8_recipe, get_precision
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
-from microbatch.predict.context import check_context_exchange, check_context_layout
+from microbatch.predict.context import check_context_exchange, check_context_layout, check_ulysses_heads
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
@@ -127,7 +127,8 @@ class PlanConfig:
     shards over all d·c."""
     cp_comm: str = "allgather"
     """How the c ranks exchange K/V (:data:`microbatch.predict.context.CP_EXCHANGES`): ``allgather``, torch's
-    ``context_parallel`` and torchtitan's default and Llama 3's; ``ring``, Megatron's ``--cp-comm-type p2p``."""
+    ``context_parallel`` and torchtitan's default and Llama 3's; ``ring``, Megatron's ``--cp-comm-type p2p``;
+    ``ulysses``, all-to-alls of the heads (DeepSpeed Ulysses, Megatron's ``a2a``)."""
     zero3_impl: str = "fsdp2"
     """Who runs ZeRO-3 (:data:`microbatch.predict.collectives.ZERO3_IMPLS`): ``fsdp2`` (PyTorch's
     ``fully_shard``, torchtitan's) copies each gathered layer out on the compute stream
@@ -245,7 +246,8 @@ class PlanConfig:
         check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
-        check_context_exchange(self.cp_comm)
+        if check_context_exchange(self.cp_comm) == "ulysses":
+            check_ulysses_heads(self.shape, self.tensor_parallel, self.context_parallel)
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
         check_hybrid(self.shard_degree, self.expert_parallel, tuple(self.zero or ()))
         if self.zero3_impl not in ZERO3_IMPLS:

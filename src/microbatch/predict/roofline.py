@@ -46,7 +46,12 @@ from microbatch.predict.collectives import (
     scatter_gather_send_s,
     sp_regather_time_s,
 )
-from microbatch.predict.context import kv_exchange_bytes, kv_exchange_exposed_s
+from microbatch.predict.context import (
+    attention_key_split,
+    kv_exchange_bytes,
+    kv_exchange_exposed_s,
+    ulysses_bytes,
+)
 from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
 from microbatch.predict.fp8 import cast_bytes, weight_cast_bytes
 from microbatch.predict.gemm import (
@@ -166,16 +171,16 @@ def layer_forward(
     layout = moe_layout or (1, 1.0)
     gemm, a2a, width_moe = _layer_gemms(shape, micro_batch, s, c, t, acc, layout, g, sequence_parallel)
     flash = shape.flash_attention if flash_attention is None else flash_attention
-    attention, attention_bwd = attention_core_s(shape, rows, s, c, t, flash, acc, dtype, efficiency)
+    split = attention_key_split(c, cp_comm)  # the keys in c pieces (ring, all-gather) or whole (Ulysses)
+    attention, attention_bwd = attention_core_s(shape, rows, s, split, t, flash, acc, dtype, efficiency)
     elementwise, elementwise_bwd = _elementwise_s(
         shape, rows, t, sequence_parallel, width_moe, acc, efficiency, g, dtype_bytes=e, layout=layout
     )
     tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, efficiency.network, shape, sequence_parallel,
                                  parallel_block, layout[0])  # fmt: skip
-    ring = kv_exchange_bytes(shape, micro_batch, s, c, tensor_parallel=t, dtype_bytes=e)
-    ring_s = p2p_time_s(ring, group_bandwidth(acc, c, t) * efficiency.network) if ring else 0.0
+    cp_s = _cp_comm_s(shape, micro_batch, s, acc, c, t, e, efficiency.network, cp_comm)
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
-    cp_f, cp_b = kv_exchange_exposed_s(ring_s, attention, attention_bwd, c, cp_comm, sigma)
+    cp_f, cp_b = kv_exchange_exposed_s(cp_s, attention, attention_bwd, c, cp_comm, sigma)
     if async_tp:
         tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
@@ -199,6 +204,24 @@ def layer_forward(
         sp_regather_s=regather,
         weight_cast_s=g.weight_cast_bytes / (acc.memory_bandwidth_bytes_per_s * efficiency.memory),
     )
+
+
+def _cp_comm_s(
+    shape: ModelShape, b: int, s: int, acc: Accelerator, c: int, t: int, e: int, network: float, cp_comm: str
+) -> float:
+    """Seconds of one layer's forward context-parallel exchange over the c ranks t apart, before any overlap: K/V's
+    (c − 1)/c at the group's bandwidth (:func:`~microbatch.predict.context.kv_exchange_bytes`, ring and all-gather),
+    or Ulysses' all-to-alls of Q, K, V and O (:func:`~microbatch.predict.context.ulysses_bytes`), NVLink inside a
+    node and each GPU's NIC across (:func:`~microbatch.predict.collectives.alltoall_time_s`). 0 when c = 1."""
+    if c <= 1:
+        return 0.0
+    if cp_comm == "ulysses":
+        intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * network
+        inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * network
+        nbytes = ulysses_bytes(shape, b, s, c, tensor_parallel=t, dtype_bytes=e)
+        return alltoall_time_s(nbytes, c, ranks_per_node(acc, c, t), intra, inter)
+    ring = kv_exchange_bytes(shape, b, s, c, tensor_parallel=t, dtype_bytes=e)
+    return p2p_time_s(ring, group_bandwidth(acc, c, t) * network)
 
 
 def _async_tp_exposed(tp_comm: float, regather: float, gemm: float, sigma: float) -> tuple[float, float]:

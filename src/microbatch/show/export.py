@@ -351,10 +351,14 @@ def _lacks(c: Json, fmt: str) -> list[str]:
         lacks.append("MoE capacity factor" + (" (its MoE routes dropless)" if fmt == "torchtitan" else ""))
     if c.get("expert_parallel", 1) > 1 and fmt in ("hf", "lightning"):
         lacks.append("expert parallelism")
-    if c.get("context_parallel", 1) > 1 and fmt != "torchtitan":
+    if c.get("context_parallel", 1) > 1 and c.get("cp_comm") == "ulysses":
+        lacks.append(
+            "Ulysses context parallelism (Megatron's cp_comm_type a2a, Megatron-DeepSpeed's sequence parallel size)"
+        )
+    elif c.get("context_parallel", 1) > 1 and fmt != "torchtitan":
         lacks.append(
             "all-gather or ring context parallelism"
-            + (" (Ulysses is all-to-all)" if fmt == "deepspeed" else "")
+            + (" (its Ulysses is all-to-all: plan with cp_comm ulysses)" if fmt == "deepspeed" else "")
         )
     hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
     if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":

@@ -1,0 +1,114 @@
+"""Ulysses context parallelism (DeepSpeed Ulysses, Megatron's a2a): all-to-alls of the heads, the kernel on whole
+sequences, each term against a hand computation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.errors import ConfigError
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.attention_core import attention_core_s
+from microbatch.predict.collectives import alltoall_time_s
+from microbatch.predict.context import (
+    attention_key_split,
+    check_ulysses_heads,
+    kv_exchange_exposed_s,
+    ulysses_bytes,
+)
+from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+from microbatch.predict.plan import make_plan
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.roofline import layer_forward
+from microbatch.show.export import export_plan
+
+H100 = get_accelerator("h100-sxm")
+LLAMA = get_model("llama-3-8b")  # 32 query heads of 128, 8 K/V heads
+
+
+def test_bytes_by_hand():
+    """e·b·(s/c)·(2·a·d + 2·kv·d)/t: Llama 3 8B, b 2, s 32k, c 4, t 2: 2·2·8192·(2·4096 + 2·1024)/2 bytes; MLA's
+    Q and K at a·(d + d_R), V and O at a·d_v; none without context parallelism."""
+    assert ulysses_bytes(LLAMA, 2, 32768, 4, tensor_parallel=2) == 2 * 2 * 8192 * (2 * 4096 + 2 * 1024) / 2
+    v3 = get_model("deepseek-v3")
+    mla = v3.mla
+    assert ulysses_bytes(v3, 1, 4096, 2) == 2 * 2048 * 2 * v3.heads * (mla.qk_head_dim + mla.v_head_dim)
+    assert ulysses_bytes(LLAMA, 2, 32768, 1) == 0.0
+
+
+def test_heads_must_split_over_t_times_c():
+    check_ulysses_heads(LLAMA, 2, 4)  # 8 divides 32 and 8
+    check_ulysses_heads(LLAMA, 8, 1)  # no context parallelism: nothing to check
+    with pytest.raises(
+        ConfigError, match=r"2 × 8 = 16 GPUs.*32 query heads and the 8 K/V heads.*among \[2, 4\]"
+    ):
+        check_ulysses_heads(LLAMA, 2, 8)
+    check_ulysses_heads(get_model("deepseek-v3"), 8, 16)  # MLA: K and V per query head (128 of them)
+
+
+def test_the_kernel_sees_whole_sequences_and_the_all_to_alls_are_exposed():
+    """Under Ulysses each rank's attention is the unsplit kernel on 1/c of the heads: exactly 1/c of the c = 1
+    time (same curve point), faster than the ring's, whose kernel reads s/c keys; the exchange is exposed whole
+    however long the attention, where the ring's hides behind it."""
+    s, c = 16384, 4
+    rows = s / c
+    split = attention_key_split(c, "ulysses")
+    assert (split, attention_key_split(c, "ring"), attention_key_split(c, "allgather")) == (1, c, c)
+    whole = attention_core_s(LLAMA, s, s, 1, 1, True, H100, "bf16", DEFAULT_EFFICIENCY)
+    uly = attention_core_s(LLAMA, rows, s, split, 1, True, H100, "bf16", DEFAULT_EFFICIENCY)
+    ring = attention_core_s(LLAMA, rows, s, c, 1, True, H100, "bf16", DEFAULT_EFFICIENCY)
+    assert uly[0] == pytest.approx(whole[0] / c) and uly[1] == pytest.approx(whole[1] / c)
+    assert ring[0] > uly[0] and ring[1] > uly[1]
+    assert kv_exchange_exposed_s(1e-3, 1.0, 2.5, c, "ulysses", 0.189) == (1e-3, 1e-3)
+    assert kv_exchange_exposed_s(1e-3, 1.0, 2.5, c, "ring", 0.0) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(("t", "c", "crosses"), [(2, 4, False), (4, 4, True)])
+def test_layer_exchange_is_the_all_to_all_inside_or_across_nodes(t, c, crosses):
+    """cp_comm_s = one all-to-all of the Q, K, V and O bytes over the c ranks t apart: over NVLink while t·c ≤ 8,
+    else mostly over each GPU's NIC; the same in the backward."""
+    s = 32768
+    lt = layer_forward(LLAMA, 1, H100, seq=s, tensor_parallel=t, context_parallel=c, cp_comm="ulysses",
+                       flash_attention=True)  # fmt: skip
+    acc = H100.at_sustained_clock()
+    intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * DEFAULT_EFFICIENCY.network
+    inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * DEFAULT_EFFICIENCY.network
+    per_node = max(1, min(c, 8 // t))
+    nbytes = ulysses_bytes(LLAMA, 1, s, c, tensor_parallel=t)
+    expected = alltoall_time_s(nbytes, c, per_node, intra, inter)
+    assert lt.cp_comm_s == pytest.approx(expected) and lt.cp_comm_backward_s == pytest.approx(expected)
+    assert (nbytes * (c - per_node) / c / inter > nbytes * (per_node - 1) / c / intra) == crosses
+
+
+def _cfg(**kw):
+    base = dict(shape=LLAMA.with_seq(65536), gpu=H100, global_batch=32, data_parallel=4, tensor_parallel=2,
+                sequence_parallel=True, context_parallel=4, micro_batches=(1,), zero=(1,), flash_attention=True)  # fmt: skip
+    return PlanConfig(**(base | kw))
+
+
+def test_planner_runs_ulysses_and_refuses_heads_that_do_not_split():
+    uly, ring = make_plan(_cfg(cp_comm="ulysses")), make_plan(_cfg(cp_comm="ring"))
+    a, b = uly.candidates[0], ring.candidates[0]
+    assert a.cp_comm == "ulysses" and a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes)
+    assert a.step_time_s != b.step_time_s
+    with pytest.raises(ConfigError, match="must divide both the 32 query heads"):
+        _cfg(cp_comm="ulysses", context_parallel=8, data_parallel=2)
+
+
+def test_cli_and_export(capsys):
+    from microbatch.cli import main
+
+    args = ["plan", "--model", "llama-3-8b", "--seq", "65536", "--gpu", "h100", "-B", "32", "-d", "4", "-t", "2",
+            "-c", "4", "--cp-comm", "ulysses", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cp_comm"] == out["candidates"][0]["cp_comm"] == "ulysses"
+    assert main([*args[:-3], "-c", "8", "-d", "2", "--cp-comm", "ulysses"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp-comm ulysses splits the heads over --tensor-parallel × --context-parallel = 2 × 8" in err
+    plan = make_plan(_cfg(cp_comm="ulysses")).to_dict()
+    for fmt in ("torchtitan", "deepspeed"):
+        with pytest.raises(ConfigError, match=f"{fmt} has no Ulysses context parallelism"):
+            export_plan(plan, fmt)
