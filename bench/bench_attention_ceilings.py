@@ -37,17 +37,23 @@ def predicted_tflops(series: dict, seq: int) -> float:
 
 
 def rows() -> list[dict]:
-    """One row per series: the bars, the predictions, the errors (%)."""
+    """One row per series: each length's bar (None where the figure's label is not legible), the prediction,
+    the error (%, None without a bar)."""
     data = json.loads(DATA.read_text())
     out = []
     for series in data["series"]:
-        pairs = [
-            (s, b, predicted_tflops(series, s))
-            for s, b in zip(data["seq"], series["tflops"], strict=True)
-            if b is not None
-        ]
-        out.append(series | {"pairs": [{"seq": s, "bar": b, "predicted": p, "error_pct": 100 * (p / b - 1)}
-                                       for s, b, p in pairs]})  # fmt: skip
+        pairs = []
+        for s, bar in zip(data["seq"], series["tflops"], strict=True):
+            p = predicted_tflops(series, s)
+            pairs.append(
+                {
+                    "seq": s,
+                    "bar": bar,
+                    "predicted": p,
+                    "error_pct": None if bar is None else 100 * (p / bar - 1),
+                }
+            )
+        out.append(series | {"pairs": pairs})
     return out
 
 
@@ -61,7 +67,9 @@ def main() -> None:
         return
     print(f"{'gpu':10} {'kernel':7} {'dir':8} {'d':>4} {'causal':6} {'fit':4}  error at s = 512 ... 16k (%)")
     for r in table:
-        errors = " ".join(f"{p['error_pct']:+6.1f}" for p in r["pairs"])
+        errors = " ".join(
+            "      " if p["error_pct"] is None else f"{p['error_pct']:+6.1f}" for p in r["pairs"]
+        )
         print(f"{r['gpu']:10} {r['kernel']:7} {r['direction']:8} {r['head_dim']:>4} {str(r['causal']):6} "
               f"{'yes' if r['fitted'] else 'no':4}  {errors}")  # fmt: skip
 

@@ -13,7 +13,7 @@ whitepapers), B200 148 (two 74-SM dies, NVIDIA Blackwell technical brief), MI300
 Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total to
 ``torch.cuda.mem_get_info``), or the usable size where it was read (the H100 96 GB's 94 GiB): the planner keeps
 a headroom free. The flash-attention ceiling (``attention_fraction``) is set where kernel evidence was read or
-measured (the Hopper rows).
+measured (the Hopper and A100 rows).
 
 Clocks (issue 28): the roofline's compute rate is the peak × ``sustained_clock_fraction``
 (:meth:`Accelerator.sustained_flops`), the clock a long dense GEMM holds at the power limit over the clock the
@@ -301,8 +301,7 @@ set by its dtype, ``bf16=`` ...)."""
 
 _IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 reference architecture)
 _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)
-_NVLINK_IB = (0.82, 0.96)
-"""Achievable fractions of NVLink and InfiniBand (see ``Accelerator.intra_node_achievable``)."""
+_NVLINK_IB = (0.82, 0.96)  # achievable fractions of NVLink and InfiniBand (Accelerator.intra_node_achievable)
 
 _ATTN_HOPPER = 0.417
 """Causal flash-attention ceiling on Hopper: 0.348 of the bf16 peak measured on an H200 by ``bench/gpu_microbench.py``
@@ -315,8 +314,9 @@ _ATTN_AMPERE = 0.694
 155, 173, 182, 189 TFLOP/s at s 512 ... 16k: its ``assets/flash2_a100_fwd_bwd_benchmark.png``) fitted to the curves'
 forward + backward (:func:`~microbatch.predict.attention.flash_fwd_bwd_factor`): 0.694 of 312. SDPA's flash is FA2."""
 HOPPER = ("h100-sxm", "h100-96gb", "h100-pcie", "h100-nvl", "h800", "h200")
+"""The Hopper rows: the FlashAttention-3 paper's H100 SXM5 kernel figures carry to them as shares of their peak."""
 AMPERE = ("a100-40gb", "a100-80gb")
-"""The Hopper and Ampere rows: FlashAttention-3's H100 and FA2's A100 kernel figures carry to them as shares of peak."""
+"""The Ampere rows: FlashAttention-2's A100 kernel figures carry to them as shares of their peak."""
 
 _ATTENTION_SOURCES = {
     _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",

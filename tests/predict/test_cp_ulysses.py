@@ -45,6 +45,10 @@ def test_heads_must_split_over_t_times_c():
         ConfigError, match=r"2 × 8 = 16 GPUs.*32 query heads and the 8 K/V heads.*among \[2, 4\]"
     ):
         check_ulysses_heads(LLAMA, 2, 8)
+    with pytest.raises(
+        ConfigError, match=r"8 × 2 = 16 GPUs.*use tensor_parallel among \[1, 2, 4\], or use cp_comm"
+    ):
+        check_ulysses_heads(LLAMA, 8, 2)  # no c works at t 8: a smaller t does
     check_ulysses_heads(get_model("deepseek-v3"), 8, 16)  # MLA: K and V per query head (128 of them)
 
 
@@ -89,12 +93,54 @@ def _cfg(**kw):
 
 
 def test_planner_runs_ulysses_and_refuses_heads_that_do_not_split():
+    """Llama 3 8B at 64k, t 2, c 4 (one node): the same memory as the ring; a faster step, since the kernel reads 64k
+    keys at its plateau where the ring's reads 16k, and the all-to-alls inside the node cost less than that gains;
+    t·c = 16 does not divide the 8 K/V heads."""
     uly, ring = make_plan(_cfg(cp_comm="ulysses")), make_plan(_cfg(cp_comm="ring"))
     a, b = uly.candidates[0], ring.candidates[0]
     assert a.cp_comm == "ulysses" and a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes)
-    assert a.step_time_s != b.step_time_s
+    assert a.step_time_s < b.step_time_s
     with pytest.raises(ConfigError, match="must divide both the 32 query heads"):
         _cfg(cp_comm="ulysses", context_parallel=8, data_parallel=2)
+    with pytest.raises(ConfigError, match="Ulysses run flash on each rank's heads"):
+        _cfg(cp_comm="ulysses", flash_attention=False)
+
+
+def test_one_layer_by_hand():
+    """Llama 3 8B, b 1, s 32k, t 2, c 4 on H100s (one node): Q, K, V, O bytes 2·8192·(2·4096 + 2·1024)/2 =
+    83,886,080 per GPU, 3/4 of them over NVLink at 450 GB/s × 0.82 = 0.170 ms each way; the ring of the same layout
+    hides its K/V behind the attention (exposed: only the attention's slowdown beside the sends) while its kernel
+    reads 8k keys, not 32k."""
+    kw = dict(seq=32768, tensor_parallel=2, context_parallel=4, flash_attention=True)
+    uly = layer_forward(LLAMA, 1, H100, cp_comm="ulysses", **kw)
+    ring = layer_forward(LLAMA, 1, H100, cp_comm="ring", **kw)
+    assert ulysses_bytes(LLAMA, 1, 32768, 4, tensor_parallel=2) == 83_886_080
+    assert uly.cp_comm_s == pytest.approx(83_886_080 * 3 / 4 / (450e9 * 0.82), rel=1e-9)
+    assert uly.cp_comm_s == pytest.approx(1.705e-4, rel=1e-3)
+    assert 0 < ring.cp_comm_s < uly.cp_comm_s / 4  # only the attention's slowdown beside the ring's sends
+    assert uly.attention_s < ring.attention_s and uly.attention_backward_s < ring.attention_backward_s
+
+
+def test_windowed_layers_keep_their_window_under_ulysses():
+    """GPT-OSS's sliding-window layers: under Ulysses each rank attends with whole sequences, so the window holds and
+    c = 2 halves the c = 1 attention; the ring's steps read other ranks' blocks, taken as full (slower)."""
+    oss = get_model("gpt-oss-120b")
+    s, kw = 8192, dict(flash_attention=True)
+    whole = layer_forward(oss, 1, H100, seq=s, **kw).attention_s
+    uly = layer_forward(oss, 1, H100, seq=s, context_parallel=2, cp_comm="ulysses", **kw).attention_s
+    ring = layer_forward(oss, 1, H100, seq=s, context_parallel=2, cp_comm="ring", **kw).attention_s
+    assert uly == pytest.approx(whole / 2) and ring > uly
+
+
+def test_selective_recompute_repeats_the_exchange():
+    """Selective recompute reruns the attention core, and with it the context-parallel exchange inside it."""
+    from microbatch.predict.steptime import layer_pass_times
+
+    lt = layer_forward(LLAMA, 1, H100, seq=32768, tensor_parallel=4, context_parallel=4, cp_comm="ulysses",
+                       flash_attention=True)  # fmt: skip
+    assert lt.cp_comm_s > 0
+    none, selective = layer_pass_times(lt, "none"), layer_pass_times(lt, "selective")
+    assert selective[1] - none[1] == pytest.approx(lt.attention_s + lt.cp_comm_s)
 
 
 def test_cli_and_export(capsys):

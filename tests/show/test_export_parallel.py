@@ -57,7 +57,7 @@ def test_targets_refuse_what_they_lack():
         export_plan(_plan(expert_parallel=8), "lightning")
     with pytest.raises(
         ConfigError,
-        match=r"deepspeed has no all-gather or ring context parallelism \(its Ulysses is all-to-all: plan with",
+        match=r"deepspeed has no all-gather or ring context parallelism \(its Ulysses lives in Megatron-DeepSpeed",
     ):
         export_plan(_plan(context_parallel=2, data_parallel=4, global_batch=32), "deepspeed")
     with pytest.raises(ConfigError, match="deepspeed has no FP8 tensorwise recipe"):

@@ -98,13 +98,14 @@ TFLOP/s of its causal d-128 forward (:data:`FA2_CURVES`, FlashAttention-3's Figu
 989.4 TFLOP/s bf16 peak: 0.354. Below the 0.417 PyTorch's SDPA reached on an H200 with torch 2.11 (the
 accelerator rows' ceiling), above which a run's older kernels do not go."""
 
-TRITON_AMPERE_CEILING = 0.303
+TRITON_AMPERE_CEILING = 0.296
 """Ceiling of the Triton FlashAttention kernel (the flash-attention repository's ``flash_attn_triton.py``, the kernel
 behind MosaicML llm-foundry's ``attn_impl: triton``) on Ampere: its bars in FlashAttention-2's A100 benchmark
 (``assets/flash2_a100_fwd_bwd_benchmark.png``, causal d-128 forward + backward: 50, 61, 68, 74, 78, 80 TFLOP/s at
-s = 512 ... 16k) fitted to :func:`flash_fwd_bwd_factor`: 0.303 of 312, within 4% from 2k (16% over at 512, 8% at 1k:
-its ramp is flatter than FA2's). Its d-64 bars hold at d-128's level where FA2's drop, so a d-64 model runs it up to
-8% (from 4k) to 33% (at 512) faster than this predicts. No Hopper figure was read: refused there."""
+s = 512 ... 16k) fitted to :func:`flash_fwd_bwd_factor` from 2k: 0.296 of 312, within 2.3% there; its ramp is flatter
+than FA2's, so the curve falls under its bars below 2k (18% under at 512, 10% at 1k). Its d-64 bars hold at d-128's
+level where FA2's drop: a d-64 model runs it 1.09-1.12× faster than this predicts from 4k, up to 1.5× at 512. No
+Hopper figure was read: refused there."""
 
 ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3", "triton")
 """Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's

@@ -6,8 +6,9 @@
 the work of a full causal layer of a shorter length, the span σ; a model whose ``sliding_layers`` of L layers
 attend that way runs, per layer on average, (1 − share)·(full) + share·(windowed). A flash kernel skips the
 blocks outside the window (FlashAttention-2's ``window_size``); eager attention computes the whole masked
-matrix, so without flash a window saves nothing here. Under context parallelism the window is not applied
-(each ring step's keys are another rank's block; taken as full: pessimistic).
+matrix, so without flash a window saves nothing here. Under ring or all-gather context parallelism the window is
+not applied (each step's keys are another rank's block; taken as full: pessimistic); under Ulysses each rank
+attends to whole sequences, so it is.
 """
 
 from __future__ import annotations

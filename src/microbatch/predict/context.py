@@ -58,7 +58,8 @@ CP_EXCHANGES = ("allgather", "ring", "ulysses")
 
 
 def check_context_layout(seq: int, context_parallel: int, flash_attention: bool) -> None:
-    """ConfigError unless 2c divides s (causal load balance) and attention is flash (ring attention's kernel)."""
+    """ConfigError unless 2c divides s (causal load balance: Megatron's and torch's chunking, under every exchange)
+    and attention is flash (the kernel of ring attention's steps, and the one Ulysses runs as its frameworks do)."""
     c = check_positive_int("context_parallel", context_parallel)
     if c == 1:
         return
@@ -72,13 +73,14 @@ def check_context_layout(seq: int, context_parallel: int, flash_attention: bool)
         )
         raise ConfigError(
             f"context_parallel {c} needs seq {seq} divisible by 2 × {c} = {2 * c} (each rank holds two "
-            f"of 2c chunks, for causal load balance); {fix}",
+            f"of 2c chunks, for causal load balance, as Megatron and torch split it whatever the exchange); {fix}",
             params=("context_parallel", "seq"),
         )
     if not flash_attention:
         raise ConfigError(
-            f"context_parallel {c} runs ring attention on flash-attention kernels; turn flash_attention on "
-            "or drop context_parallel",
+            f"context_parallel {c} runs its attention on flash-attention kernels (the ring's and the all-gather's "
+            "steps are flash calls; Megatron's and DeepSpeed's Ulysses run flash on each rank's heads); turn "
+            "flash_attention on or drop context_parallel",
             params=("context_parallel", "flash_attention"),
         )
 
@@ -147,11 +149,19 @@ def check_ulysses_heads(shape: ModelShape, tensor_parallel: int, context_paralle
     if c <= 1 or (shape.heads % (t * c) == 0 and kv % (t * c) == 0):
         return
     ok = [x for x in range(2, 65) if shape.heads % (t * x) == 0 and kv % (t * x) == 0]
+    fewer_t = [x for x in range(1, t) if shape.heads % (x * c) == 0 and kv % (x * c) == 0]
+    fix = (
+        f"use context_parallel among {ok[:8]}"
+        if ok
+        else f"use tensor_parallel among {fewer_t}"
+        if fewer_t
+        else ""
+    )
     raise ConfigError(
         f"cp_comm ulysses splits the heads over tensor_parallel × context_parallel = {t} × {c} = {t * c} GPUs, "
         f"which must divide both the {shape.heads} query heads and the {kv} K/V heads of {shape.name}; "
-        + (f"use context_parallel among {ok[:8]}, " if ok else "")
-        + "or cp_comm ring or allgather (they split the sequence, not the heads)",
+        + (f"{fix}, or " if fix else "")
+        + "use cp_comm ring or allgather (they split the sequence, not the heads)",
         params=("cp_comm", "context_parallel", "tensor_parallel"),
     )
 

@@ -34,9 +34,11 @@ class LayerTime:
     """Per-op selective recompute: the forward rerun in the backward — the even-numbered matmuls
     (:func:`microbatch.predict.recompute.op_recompute_gemm_share` of ``gemm_s``) and the elementwise kernels."""
     cp_comm_s: float = 0.0
-    """Context parallelism: the ring K/V exchange not hidden behind the attention (forward)."""
+    """Context parallelism: the forward exchange not hidden behind the attention (the ring's or the all-gather's
+    K/V; Ulysses' all-to-alls of Q, K, V and O, exposed whole)."""
     cp_comm_backward_s: float = 0.0
-    """Its backward (K/V again and their gradients, 2 × the bytes) not hidden behind the attention backward."""
+    """Its backward not hidden behind the attention backward (ring, all-gather: K/V again and their gradients,
+    2 × the bytes; Ulysses: dO in and dQ, dK, dV out, the forward's bytes)."""
     ep_comm_s: float = 0.0
     """Mixture of experts: the dispatch and combine all-to-alls of the expert-parallel group (exposed;
     the backward runs them again)."""

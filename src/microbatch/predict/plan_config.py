@@ -119,7 +119,7 @@ class PlanConfig:
     fp8_recipe: str = "tensorwise"
     """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`)."""
     context_parallel: int = 1
-    """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); the GPUs are
+    """c: GPUs each sequence is split over (exchanged by ``cp_comm``, :mod:`microbatch.predict.context`); the GPUs are
     d·p·t·c and the gradient reduction spans the d·c ranks, as ZeRO does unless ``shard_degree``."""
     shard_degree: int | None = None
     """Hybrid sharding (HSDP): ZeRO shards over groups of this many data-parallel ranks (× c) and the d /

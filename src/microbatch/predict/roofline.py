@@ -152,9 +152,10 @@ def layer_forward(
     traffic; a mixture-of-experts MLP at ``moe_layout`` = (EP, expert load), None meaning (1, 1.0)).
     Attention core: :func:`~microbatch.predict.attention_core.attention_core_s` (flash on its own curve, or the scores through memory).
     Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary, the host's
-    launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens against all s keys and
-    gathers the K/V of c ranks t apart, by ``cp_comm`` (one all-gather or a ring,
-    :mod:`microbatch.predict.context`), overlapped with its attention: the exposed rest is ``cp_comm_s``. Tensor parallelism: two all-reduces per pass (all-gather
+    launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens' worth of work; by ``cp_comm``
+    (:mod:`microbatch.predict.context`, c ranks t apart) it gathers the K/V of the others (one all-gather or a
+    ring), overlapped with its attention, or (Ulysses) trades tokens for heads in all-to-alls, exposed: the
+    exposed rest is ``cp_comm_s`` (:func:`_cp_comm_s`). Tensor parallelism: two all-reduces per pass (all-gather
     + reduce-scatter under SP, the same bytes; :func:`_tp_comm`). With ``async_tp`` the collectives are
     decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, Transformer Engine's
     userbuffers): exposed as every overlapped collective is, the excess plus the GEMMs' slowdown beside it

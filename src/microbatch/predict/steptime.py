@@ -64,8 +64,10 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
     slower (``LayerTime.weight_host_s``: that much of the backward's launch gap moves from I to W, so I + W
     stays the backward and faster GEMMs never lengthen a zero-bubble schedule's I − W); I = gemm + attention and
     elementwise backward (``LayerTime.backward_memory_s``) + tp_comm (the backward all-reduces) + the
-    sequence-parallel re-gather (+ a MoE block's two all-to-alls again, + the exposed ring exchange of
-    context parallelism); full recompute adds the forward to I (its forward gathers again, so no re-gather), selective recompute the attention core, per-op selective recompute ``op_recompute_s``;
+    sequence-parallel re-gather (+ a MoE block's two all-to-alls again, + the exposed exchange of context
+    parallelism); full recompute adds the forward to I (its forward gathers again, so no re-gather), selective
+    recompute the attention core with its context-parallel exchange (the recomputed region holds it: Transformer
+    Engine's attention runs the ring or the all-to-alls inside), per-op selective recompute ``op_recompute_s``;
     ``every`` = K > 1 with full recompute: one layer in K reruns its forward (the mean over K layers).
     """
     forward = lt.total_s
@@ -82,7 +84,7 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
     else:
         inputs += lt.sp_regather_s
         if recompute == "selective":
-            inputs += lt.attention_s
+            inputs += lt.attention_s + lt.cp_comm_s
         elif recompute == "op":
             inputs += lt.op_recompute_s
     return forward, inputs, weight

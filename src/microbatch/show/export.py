@@ -353,12 +353,13 @@ def _lacks(c: Json, fmt: str) -> list[str]:
         lacks.append("expert parallelism")
     if c.get("context_parallel", 1) > 1 and c.get("cp_comm") == "ulysses":
         lacks.append(
-            "Ulysses context parallelism (Megatron's cp_comm_type a2a, Megatron-DeepSpeed's sequence parallel size)"
+            "Ulysses context parallelism (set Megatron's cp_comm_type a2a or Megatron-DeepSpeed's sequence parallel "
+            "size yourself; torchtitan takes cp_comm allgather or ring)"
         )
     elif c.get("context_parallel", 1) > 1 and fmt != "torchtitan":
         lacks.append(
             "all-gather or ring context parallelism"
-            + (" (its Ulysses is all-to-all: plan with cp_comm ulysses)" if fmt == "deepspeed" else "")
+            + (" (its Ulysses lives in Megatron-DeepSpeed, not in its config)" if fmt == "deepspeed" else "")
         )
     hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
     if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":

@@ -228,8 +228,14 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
             par["expert_tensor_parallel_degree"] = t
         notes.append(f"expert parallelism {ep} is carved out of the data-parallel × context-parallel ranks")
     if (cp := c.get("context_parallel", 1)) > 1:
+        exchange = c.get("cp_comm", "allgather")
+        if exchange not in ("allgather", "ring"):
+            raise ConfigError(
+                f"torchtitan has no {exchange} context parallelism (its rotate methods are an all-gather and a ring "
+                "of sends); plan with cp_comm allgather or ring"
+            )
         par["context_parallel_degree"] = cp  # torch's all-to-all rotater is the ring of sends
-        par["context_parallel_rotate_method"] = "allgather" if c.get("cp_comm") == "allgather" else "alltoall"
+        par["context_parallel_rotate_method"] = "allgather" if exchange == "allgather" else "alltoall"
     if c.get("async_tp"):
         par["enable_async_tensor_parallel"] = True
         cfg.setdefault("compile", {})["enable"] = True
