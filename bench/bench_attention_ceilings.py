@@ -65,12 +65,12 @@ def main() -> None:
     if args.json:
         print(json.dumps(table, indent=1))
         return
-    print(f"{'gpu':10} {'kernel':7} {'dir':8} {'d':>4} {'causal':6} {'fit':4}  error at s = 512 ... 16k (%)")
+    print(f"{'gpu':10} {'kernel':9} {'dir':8} {'d':>4} {'causal':6} {'fit':4}  error at s = 512 ... 16k (%)")
     for r in table:
         errors = " ".join(
             "      " if p["error_pct"] is None else f"{p['error_pct']:+6.1f}" for p in r["pairs"]
         )
-        print(f"{r['gpu']:10} {r['kernel']:7} {r['direction']:8} {r['head_dim']:>4} {str(r['causal']):6} "
+        print(f"{r['gpu']:10} {r['kernel']:9} {r['direction']:8} {r['head_dim']:>4} {str(r['causal']):6} "
               f"{'yes' if r['fitted'] else 'no':4}  {errors}")  # fmt: skip
 
 

@@ -117,13 +117,14 @@ def test_ceilings_order() -> None:
     """FA2 < cuDNN < FA3 on Hopper (their plateaus, FA3 paper Fig. 5); the Triton kernel below FA2 on the A100."""
     from microbatch.predict.attention import (
         CUDNN_HOPPER_CEILING,
+        EFFICIENT_AMPERE_CEILING,
         FA2_HOPPER_CEILING,
         FA3_HOPPER_CEILING,
         TRITON_AMPERE_CEILING,
     )
 
     assert FA2_HOPPER_CEILING < CUDNN_HOPPER_CEILING < FA3_HOPPER_CEILING
-    assert TRITON_AMPERE_CEILING < get_accelerator("a100-80gb").attention_fraction
+    assert TRITON_AMPERE_CEILING < EFFICIENT_AMPERE_CEILING < get_accelerator("a100-80gb").attention_fraction
 
 
 def test_layer_reads_the_models_head_dimension() -> None:
@@ -162,13 +163,18 @@ def test_named_kernel_classes_give_their_published_ceilings_where_read():
     assert attention_ceiling("sdpa", "a100-80gb", a100.attention_fraction) == a100.attention_fraction
     assert attention_ceiling("fa2", "a100-40gb", a100.attention_fraction) == a100.attention_fraction
     assert attention_ceiling("triton", "a100-80gb", a100.attention_fraction) == TRITON_AMPERE_CEILING
+    assert attention_ceiling("efficient", "a100-40gb", a100.attention_fraction) == pytest.approx(0.347)
     assert attention_ceiling("sdpa", "h100-sxm", 0.417) == 0.417
     # the FA2 bars: causal d 128 at 16k was 335 TFLOP/s
     assert h100.flops("bf16") / 1e12 * flash_rate_fraction(16384, FA2_HOPPER_CEILING) == pytest.approx(
         335, rel=0.02
     )
-    for kernel, where in (("fa3", "h100-sxm"), ("cudnn", "h800"), ("triton", "a100-80gb")):
-        bad = "a100-80gb" if where != "a100-80gb" else "h100-sxm"
+    for kernel, where, bad in (
+        ("fa3", "h100-sxm", "a100-80gb"),
+        ("cudnn", "h800", "a100-40gb"),
+        ("triton", "a100-80gb", "h100-sxm"),
+        ("efficient", "a100-40gb", "h200"),
+    ):
         with pytest.raises(ConfigError, match=rf"only on .*{where}.* not on {bad}"):
             attention_ceiling(kernel, bad, 0.4)
     with pytest.raises(ConfigError, match=r"only on h100-sxm.*a100-80gb, not on b200"):
@@ -261,7 +267,7 @@ def test_plan_with_each_attention_kernel_orders_the_steps_and_gpu_set_still_wins
 
 
 def test_plan_on_an_a100_runs_triton_slower_than_sdpa_and_refuses_cudnn(capsys):
-    """On the A100 rows sdpa and fa2 are FA2's own figures (one step), triton its slower kernel; cudnn has no
+    """On the A100 rows sdpa and fa2 are FA2's own figures (one step), efficient and triton slower kernels; cudnn has no
     A100 figure and is refused before any planning, with the accelerators that have one."""
     import json
 
@@ -274,7 +280,8 @@ def test_plan_on_an_a100_runs_triton_slower_than_sdpa_and_refuses_cudnn(capsys):
         return float(json.loads(capsys.readouterr().out)["candidates"][0]["step_time_s"])
 
     sdpa, fa2, triton = step(), step("--attention-kernel", "fa2"), step("--attention-kernel", "triton")
-    assert sdpa == fa2 < triton
+    efficient = step("--attention-kernel", "efficient")
+    assert sdpa == fa2 < efficient < triton  # 0.694 > 0.347 > 0.296 of peak on attention
     assert main(["plan", "--model", "llama-2-7b", "--gpu", "a100", "-B", "16", "-d", "8",
                  "--attention-kernel", "cudnn"]) == 2  # fmt: skip
     assert "cudnn has a published ceiling only on h100-sxm" in capsys.readouterr().err

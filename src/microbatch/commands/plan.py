@@ -129,8 +129,9 @@ __all__ = ["cmd"]
     help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it; on an A100 FA2's own figures, "
     "0.694), fa2 (the flash-attn 2 package: 0.354 of an H100's peak; on an A100 the same as sdpa), cudnn (cuDNN's "
     "fused attention, Transformer Engine's on Hopper: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton "
-    "flash kernel, llm-foundry's attn_impl triton: 0.296 of an A100's). fa2 on Hopper and A100 rows, cudnn/fa3 on "
-    "Hopper rows, triton on A100 rows only; --gpu-set attention_fraction=F overrides.",
+    "flash kernel, llm-foundry's attn_impl triton: 0.296 of an A100's), efficient (SDPA's memory-efficient backend, "
+    "taken with an attention mask, e.g. padded Hugging Face batches: 0.347 of an A100's). fa2 on Hopper and A100 "
+    "rows, cudnn/fa3 on Hopper rows, triton/efficient on A100 rows only; --gpu-set attention_fraction=F overrides.",
 )  # fmt: skip
 @click.option(
     "--layers-per-stage",

@@ -39,6 +39,7 @@ __all__ = [
     "CUDNN_HOPPER_CEILING",
     "FA2_HOPPER_CEILING",
     "TRITON_AMPERE_CEILING",
+    "EFFICIENT_AMPERE_CEILING",
     "ATTENTION_KERNELS",
     "attention_ceiling",
     "causal_flash_flops",
@@ -107,12 +108,22 @@ than FA2's, so the curve falls under its bars below 2k (18% under at 512, 10% at
 level where FA2's drop: a d-64 model runs it 1.09-1.12× faster than this predicts from 4k, up to 1.5× at 512. No
 Hopper figure was read: refused there."""
 
-ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3", "triton")
+EFFICIENT_AMPERE_CEILING = 0.347
+"""Ceiling of xformers' cutlass memory-efficient kernel, which PyTorch's SDPA runs as its EFFICIENT_ATTENTION backend
+(the one it falls back to when flash cannot run: an arbitrary attention mask, as Hugging Face models pass with
+padding, fp32, some head dims), on Ampere: the "xformers" bars of FlashAttention-2's A100 benchmark (the benchmark
+script at that release calls ``xops.fmha.cutlass.FwOp/BwOp``; causal d-128 forward + backward: 58, 72, 82, 87, 91, 92
+TFLOP/s at s = 512 ... 16k) fitted to :func:`flash_fwd_bwd_factor` from 2k: 0.347 of 312, within 5.3% there (17%
+under at 512); its d-128 unmasked bars within 6% from 2k. At d 64 it loses more than FA2 does: the curve is 8-28%
+over its d-64 bars from 2k. No Hopper figure was read: refused there."""
+
+ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3", "triton", "efficient")
 """Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's
 scaled_dot_product_attention as measured, or FA2's own figures on Ampere, SDPA's flash backend there), ``fa2``
 (:data:`FA2_HOPPER_CEILING`; the row's on Ampere), ``cudnn`` (cuDNN's fused attention, Transformer Engine's on Hopper:
 :data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3, :data:`FA3_HOPPER_CEILING`), ``triton`` (the Triton flash
-kernel, Ampere only: :data:`TRITON_AMPERE_CEILING`)."""
+kernel, Ampere only: :data:`TRITON_AMPERE_CEILING`), ``efficient`` (SDPA's memory-efficient backend, xformers'
+cutlass kernel, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`)."""
 
 
 def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:
@@ -121,7 +132,7 @@ def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) 
     ``sdpa`` keeps the row's own ceiling ``row_ceiling``; ``fa2``, ``cudnn`` and ``fa3`` are the FlashAttention-3
     paper's H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a share of their
     peak; on the Ampere rows (:data:`microbatch.hardware.AMPERE`) ``fa2`` is the row's own (FlashAttention-2's A100
-    figures) and ``triton`` :data:`TRITON_AMPERE_CEILING`. Elsewhere no such figure was read, and the error says how
+    figures), ``triton`` :data:`TRITON_AMPERE_CEILING` and ``efficient`` :data:`EFFICIENT_AMPERE_CEILING`. Elsewhere no such figure was read, and the error says how
     to give one.
     """
     from microbatch.errors import ConfigError
@@ -135,7 +146,7 @@ def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) 
     if kernel == "sdpa":
         return row_ceiling
     hopper = {"fa2": FA2_HOPPER_CEILING, "cudnn": CUDNN_HOPPER_CEILING, "fa3": FA3_HOPPER_CEILING}
-    ampere = {"fa2": row_ceiling, "triton": TRITON_AMPERE_CEILING}
+    ampere = {"fa2": row_ceiling, "triton": TRITON_AMPERE_CEILING, "efficient": EFFICIENT_AMPERE_CEILING}
     if accelerator in HOPPER and kernel in hopper:
         return hopper[kernel]
     if accelerator in AMPERE and kernel in ampere:
