@@ -8,7 +8,7 @@ from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
 from microbatch.predict.collectives import group_bandwidth
-from microbatch.predict.context import kv_exchange_bytes, ring_exposed_s
+from microbatch.predict.context import kv_exchange_bytes, ring_exposed_s, ring_merge_bytes
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.plan import make_plan
 from microbatch.predict.plan_config import PlanConfig
@@ -51,10 +51,14 @@ def test_kv_exchange_bytes_and_its_exposed_part():
     def exposed(comm: float, compute: float) -> float:
         return max(comm - compute, sig * min(comm / (1 + sig), compute))
 
+    # and the ring's steps merge their outputs through memory (ring_merge_bytes), on the critical path
+    merge_f, merge_b = (
+        x / (H100.memory_bandwidth_bytes_per_s * 0.8) for x in ring_merge_bytes(LLAMA, 1, 32768, 8)
+    )
     assert ring < lt.attention_s  # hidden by the old rule, slowed by the new one
-    assert lt.cp_comm_s == pytest.approx(exposed(ring, lt.attention_s))
-    assert lt.cp_comm_s == pytest.approx(sig / (1 + sig) * ring)
-    assert lt.cp_comm_backward_s == pytest.approx(exposed(2 * ring, lt.attention_backward_s or 0.0))
+    assert lt.cp_comm_s == pytest.approx(exposed(ring, lt.attention_s) + merge_f)
+    assert lt.cp_comm_s == pytest.approx(sig / (1 + sig) * ring + merge_f)
+    assert lt.cp_comm_backward_s == pytest.approx(exposed(2 * ring, lt.attention_backward_s or 0.0) + merge_b)
     # on a slow link the ring shows: a 1 GB/s link leaves most of it exposed
     slow = H100.with_overrides(intra_node_bytes_per_s=1e9)
     lt_slow = layer_forward(LLAMA, 1, slow, seq=32768, context_parallel=8)

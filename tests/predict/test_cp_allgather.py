@@ -12,8 +12,8 @@ from _helpers import plan_json
 from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
-from microbatch.predict.collectives import group_bandwidth
-from microbatch.predict.context import kv_exchange_bytes, kv_exchange_exposed_s
+from microbatch.predict.collectives import group_bandwidth, ring_hop_bandwidth
+from microbatch.predict.context import kv_exchange_bytes, kv_exchange_exposed_s, ring_merge_bytes
 from microbatch.predict.plan import make_plan
 from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.roofline import layer_forward
@@ -68,37 +68,63 @@ def test_unknown_exchange_is_refused_naming_the_choices():
 
 
 def test_layer_across_nodes_shows_the_gather_past_the_local_step():
-    # Llama-3-8B at 128k tokens over c = 32 ranks (4 nodes): the K/V cross the inter-node links
+    """Llama-3-8B at 128k tokens over c = 32 ranks (4 nodes): the gather runs at the collective's bandwidth (8 NICs
+    a node) and shows past the local step; the ring's sends leave a node by one NIC, hidden behind every step; the
+    gather's gradients go around that ring; both merge their steps through memory."""
     s, c = 131072, 32
     kw = dict(seq=s, context_parallel=c, tensor_parallel=1)
     ag = layer_forward(LLAMA, 1, H100, cp_comm="allgather", **kw)
     ring = layer_forward(LLAMA, 1, H100, cp_comm="ring", **kw)
-    comm = kv_exchange_bytes(LLAMA, 1, s, c) / group_bandwidth(H100, c, 1)
+    kv = kv_exchange_bytes(LLAMA, 1, s, c)
+    gather, hop = kv / group_bandwidth(H100, c, 1), kv / ring_hop_bandwidth(H100, c, 1)
+    assert ring_hop_bandwidth(H100, c, 1) == pytest.approx(400e9 / 8 * 0.96)  # one NDR NIC
+    assert group_bandwidth(H100, c, 1) > 7 * ring_hop_bandwidth(H100, c, 1)
+    merge_f, merge_b = (
+        x / (H100.memory_bandwidth_bytes_per_s * 0.8) for x in ring_merge_bytes(LLAMA, 1, s, c)
+    )
     sig = 0.189
     local = ag.attention_s / c
 
     def exposed(x: float, y: float) -> float:
         return max(x - y, sig * min(x / (1 + sig), y))
 
-    assert comm > local  # the gather outlasts the local step: it shows
-    assert ag.cp_comm_s == pytest.approx(exposed(comm, local))
+    assert gather > local  # the gather outlasts the local step: it shows
+    assert ag.cp_comm_s == pytest.approx(exposed(gather, local) + merge_f)
     bwd_local = (ag.attention_backward_s or 0.0) / c
     assert ag.cp_comm_backward_s == pytest.approx(
-        exposed(comm, bwd_local) + exposed(comm, (ag.attention_backward_s or 0.0) - bwd_local)
+        exposed(gather, bwd_local) + exposed(hop, (ag.attention_backward_s or 0.0) - bwd_local) + merge_b
     )
-    assert ring.cp_comm_s == pytest.approx(exposed(comm, ring.attention_s))
-    assert ag.cp_comm_s > ring.cp_comm_s and ag.total_s > ring.total_s
+    assert ring.cp_comm_s == pytest.approx(exposed(hop, ring.attention_s) + merge_f)
+    assert ring.cp_comm_backward_s == pytest.approx(
+        exposed(2 * hop, ring.attention_backward_s or 0.0) + merge_b
+    )
     assert ag.gemm_s == ring.gemm_s and ag.attention_s == ring.attention_s  # only the exchange differs
 
 
+SLOW = H100.with_overrides(intra_node_bytes_per_s=20e9)
+"""An H100 node whose links are 20 GB/s: inside it the gather outlasts the local step."""
+
+
+def test_inside_a_node_the_gather_never_beats_the_ring():
+    """c = 8 on one node: both at the node's rate, the ring hides behind every step, the gather behind one; on
+    NVLink both hide (equal), on a slow link the gather shows and the ring does not."""
+    kw = dict(seq=65536, context_parallel=8, tensor_parallel=1)
+    for acc in (H100, SLOW):
+        ag = layer_forward(LLAMA, 1, acc, cp_comm="allgather", **kw)
+        ring = layer_forward(LLAMA, 1, acc, cp_comm="ring", **kw)
+        assert ring_hop_bandwidth(acc, 8, 1) == group_bandwidth(acc, 8, 1)
+        assert ag.cp_comm_s >= ring.cp_comm_s and ag.total_s >= ring.total_s
+    assert ag.cp_comm_s > ring.cp_comm_s  # the slow link's
+
+
 def _cfg(**kw):
-    base = dict(shape=LLAMA, gpu=H100, global_batch=32, data_parallel=2, context_parallel=32, seq=131072,
+    base = dict(shape=LLAMA, gpu=SLOW, global_batch=32, data_parallel=2, context_parallel=8, seq=65536,
                 micro_batches=(1,), recompute=("full",), zero=(1,))  # fmt: skip
     base.update(kw)
     return PlanConfig(**base)
 
 
-def test_planner_default_is_torchs_all_gather_and_slower_than_the_ring_across_nodes():
+def test_planner_default_is_torchs_all_gather_and_slower_than_the_ring_inside_a_node():
     assert PlanConfig(shape=LLAMA, gpu=H100, global_batch=8).cp_comm == "allgather"
     ag = make_plan(_cfg()).candidates[0]
     ring = make_plan(_cfg(cp_comm="ring")).candidates[0]
@@ -110,8 +136,9 @@ def test_planner_default_is_torchs_all_gather_and_slower_than_the_ring_across_no
 def test_cli_and_torchtitan_export_carry_the_exchange(capsys):
     from microbatch.cli import main
 
-    args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "32", "-d", "2", "-c", "32",
-            "--seq", "131072", "-b", "1", "--recompute", "full", "--zero", "1", "--json"]  # fmt: skip
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "32", "-d", "2", "-c", "8",
+            "--seq", "65536", "-b", "1", "--recompute", "full", "--zero", "1", "--gpu-set", "intra_node_bytes_per_s=2e10",
+            "--json"]  # fmt: skip
     times = {}
     for how in ("allgather", "ring"):
         plan = plan_json([*args, "--cp-comm", how], capsys)

@@ -16,6 +16,7 @@ from microbatch.predict.context import (
     attention_key_split,
     check_ulysses_heads,
     kv_exchange_exposed_s,
+    ring_merge_bytes,
     ulysses_bytes,
 )
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY
@@ -54,8 +55,8 @@ def test_heads_must_split_over_t_times_c():
 
 def test_the_kernel_sees_whole_sequences_and_the_all_to_alls_are_exposed():
     """Under Ulysses each rank's attention is the unsplit kernel on 1/c of the heads: exactly 1/c of the c = 1
-    time (same curve point), faster than the ring's, whose kernel reads s/c keys; the exchange is exposed whole
-    however long the attention, where the ring's hides behind it."""
+    time (same curve point); the exchange is exposed whole however long the attention, where the ring's hides
+    behind it."""
     s, c = 16384, 4
     rows = s / c
     split = attention_key_split(c, "ulysses")
@@ -64,7 +65,9 @@ def test_the_kernel_sees_whole_sequences_and_the_all_to_alls_are_exposed():
     uly = attention_core_s(LLAMA, rows, s, split, 1, True, H100, "bf16", DEFAULT_EFFICIENCY)
     ring = attention_core_s(LLAMA, rows, s, c, 1, True, H100, "bf16", DEFAULT_EFFICIENCY)
     assert uly[0] == pytest.approx(whole[0] / c) and uly[1] == pytest.approx(whole[1] / c)
-    assert ring[0] > uly[0] and ring[1] > uly[1]
+    assert (
+        ring != uly
+    )  # the ring's steps: a causal diagonal and unmasked rectangles (test_ring_steps_by_hand)
     assert kv_exchange_exposed_s(1e-3, 1.0, 2.5, c, "ulysses", 0.189) == (1e-3, 1e-3)
     assert kv_exchange_exposed_s(1e-3, 1.0, 2.5, c, "ring", 0.0) == (0.0, 0.0)
 
@@ -93,13 +96,21 @@ def _cfg(**kw):
 
 
 def test_planner_runs_ulysses_and_refuses_heads_that_do_not_split():
-    """Llama 3 8B at 64k, t 2, c 4 (one node): the same memory as the ring; a faster step, since the kernel reads 64k
-    keys at its plateau where the ring's reads 16k, and the all-to-alls inside the node cost less than that gains;
+    """Llama 3 8B at 64k, t 2, c 4 (one node): the same memory as the ring; the step differs as the layers do (the
+    ring's unmasked steps outrun Ulysses' one causal kernel, which in turn merges nothing and hides nothing);
     t·c = 16 does not divide the 8 K/V heads."""
     uly, ring = make_plan(_cfg(cp_comm="ulysses")), make_plan(_cfg(cp_comm="ring"))
     a, b = uly.candidates[0], ring.candidates[0]
     assert a.cp_comm == "ulysses" and a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes)
-    assert a.step_time_s < b.step_time_s
+    kw = dict(seq=65536, tensor_parallel=2, sequence_parallel=True, context_parallel=4, flash_attention=True)
+    from microbatch.predict.steptime import layer_pass_times
+
+    la, lb = (
+        sum(layer_pass_times(layer_forward(LLAMA, 1, H100, cp_comm=x, **kw))) for x in ("ulysses", "ring")
+    )
+    layer = la - lb
+    assert (a.step_time_s - b.step_time_s) * layer > 0  # the same sign
+    assert a.step_time_s - b.step_time_s == pytest.approx(LLAMA.layers * 8 * layer, rel=0.05)
     with pytest.raises(ConfigError, match="must divide both the 32 query heads"):
         _cfg(cp_comm="ulysses", context_parallel=8, data_parallel=2)
     with pytest.raises(ConfigError, match="Ulysses run flash on each rank's heads"):
@@ -109,16 +120,20 @@ def test_planner_runs_ulysses_and_refuses_heads_that_do_not_split():
 def test_one_layer_by_hand():
     """Llama 3 8B, b 1, s 32k, t 2, c 4 on H100s (one node): Q, K, V, O bytes 2·8192·(2·4096 + 2·1024)/2 =
     83,886,080 per GPU, 3/4 of them over NVLink at 450 GB/s × 0.82 = 0.170 ms each way; the ring of the same layout
-    hides its K/V behind the attention (exposed: only the attention's slowdown beside the sends) while its kernel
-    reads 8k keys, not 32k."""
+    hides its K/V behind the attention (exposed: only the attention's slowdown beside the sends, then its merges)."""
     kw = dict(seq=32768, tensor_parallel=2, context_parallel=4, flash_attention=True)
     uly = layer_forward(LLAMA, 1, H100, cp_comm="ulysses", **kw)
     ring = layer_forward(LLAMA, 1, H100, cp_comm="ring", **kw)
     assert ulysses_bytes(LLAMA, 1, 32768, 4, tensor_parallel=2) == 83_886_080
     assert uly.cp_comm_s == pytest.approx(83_886_080 * 3 / 4 / (450e9 * 0.82), rel=1e-9)
     assert uly.cp_comm_s == pytest.approx(1.705e-4, rel=1e-3)
-    assert 0 < ring.cp_comm_s < uly.cp_comm_s / 4  # only the attention's slowdown beside the ring's sends
-    assert uly.attention_s < ring.attention_s and uly.attention_backward_s < ring.attention_backward_s
+    merge_f, _ = ring_merge_bytes(LLAMA, 1, 32768, 4, tensor_parallel=2)
+    hidden = ring.cp_comm_s - merge_f / (H100.memory_bandwidth_bytes_per_s * 0.8)
+    assert (
+        0 < hidden < uly.cp_comm_s / 4
+    )  # only the attention's slowdown beside the ring's sends, then its merges
+    # the ring's unmasked steps run nearer the plateau than Ulysses' one causal kernel over 32k keys
+    assert ring.attention_s < uly.attention_s and ring.attention_backward_s < uly.attention_backward_s
 
 
 def test_windowed_layers_keep_their_window_under_ulysses():
@@ -158,3 +173,49 @@ def test_cli_and_export(capsys):
     for fmt in ("torchtitan", "deepspeed"):
         with pytest.raises(ConfigError, match=f"{fmt} has no Ulysses context parallelism"):
             export_plan(plan, fmt)
+
+
+def test_ring_steps_by_hand():
+    """The ring's attention: its diagonal step causal at s/c keys with 1/c of the rank's causal FLOPs, the c − 1
+    others unmasked, half at s/2c keys and half at s/c, sharing the rest; c = 1 the one causal kernel."""
+    from microbatch.predict.attention import flash_attention_times_s
+    from microbatch.predict.attention_core import ring_steps_s
+
+    full, s, c, peak, ceil = 8e12, 65536.0, 8, 989.4e12, 0.57
+    diag = flash_attention_times_s(full / c, s / c, peak, ceil)
+    short = flash_attention_times_s(full / 2 * (c - 1) / c / 2, s / (2 * c), peak, ceil, causal=False)
+    long = flash_attention_times_s(full / 2 * (c - 1) / c / 2, s / c, peak, ceil, causal=False)
+    got = ring_steps_s(full, s, c, peak, ceil, 128)
+    assert got[0] == pytest.approx(diag[0] + short[0] + long[0]) and got[1] == pytest.approx(
+        diag[1] + short[1] + long[1]
+    )
+    assert ring_steps_s(full, s, 1, peak, ceil, 128) == flash_attention_times_s(full, s, peak, ceil)
+    # the unmasked steps run nearer the kernel's plateau than one causal kernel at s/c would
+    all_causal = flash_attention_times_s(full, s / c, peak, ceil)
+    assert got[0] < all_causal[0] and got[1] < all_causal[1]
+
+
+def test_ring_merges_by_hand():
+    """Llama 2 7B (32 heads, MHA: K = V = Q in bytes), b 1, s 32k, c 4, t 2: U = 2·8192·4096/2 bytes; forward
+    4U + 3·1.5U + U + 12U = 21.5U, backward 4U + 4·12.25U = 53U; none at c = 1 or under Ulysses' exchange."""
+    from microbatch.predict.context import CpLayout, cp_exchange_s
+
+    llama2 = get_model("llama-2-7b")
+    u = 2 * 8192 * 4096 / 2
+    f, b = ring_merge_bytes(llama2, 1, 32768, 4, tensor_parallel=2)
+    assert f == pytest.approx(21.5 * u) and b == pytest.approx(53 * u)
+    assert ring_merge_bytes(llama2, 1, 32768, 1) == (0.0, 0.0)
+    # GQA: K and V narrower than Q (8 of 32 heads): the K terms shrink by 4
+    k = u / 4
+    f8, _ = ring_merge_bytes(LLAMA, 1, 32768, 4, tensor_parallel=2)
+    assert f8 == pytest.approx(4 * k + 3 * (k + u / 2) + u + 12 * u)
+    uly = cp_exchange_s(llama2, 1, 32768, H100, CpLayout(4, 2, "ulysses"), 1.0, 0.8, (1.0, 2.5))
+    assert (
+        uly[0]
+        == uly[1]
+        == pytest.approx(
+            alltoall_time_s(
+                ulysses_bytes(llama2, 1, 32768, 4, tensor_parallel=2), 4, 4, 450e9 * 0.82, 50e9 * 0.96
+            )
+        )
+    )

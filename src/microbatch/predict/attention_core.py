@@ -20,7 +20,7 @@ from microbatch.predict.experts import attention_widths
 from microbatch.predict.gemm import RooflineEfficiency
 from microbatch.predict.memory_ops import score_pass_split
 
-__all__ = ["attention_core_s", "attention_span", "window_span"]
+__all__ = ["ring_steps_s", "attention_core_s", "attention_span", "window_span"]
 
 
 def window_span(seq: float, window: int | None) -> float:
@@ -43,6 +43,30 @@ def attention_span(shape: ModelShape, seq: float) -> float:
     if not share:
         return float(seq)
     return (1.0 - share) * seq + share * window_span(seq, shape.sliding_window)
+
+
+def ring_steps_s(
+    full_flops: float, keys: float, c: int, peak: float, ceiling: float, head_dim: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one rank's causal attention run as c flash steps over the keys in c pieces,
+    ``full_flops`` being the rank's full-matrix count.
+
+    Under the causal load balance (two chunks a rank, :mod:`microbatch.predict.context`) every step does the same
+    work, 1/c of the rank's causal FLOPs, but only the first, the rank's chunks against each other, is causal: the
+    c − 1 others are unmasked rectangles, all of one chunk pair's keys against all of its queries (Transformer
+    Engine v1.4 ``AttnFuncWithCP``: ``attn_mask_type="causal"`` on the diagonal step, ``"no_mask"`` on the others),
+    half of them s/c queries against s/2c keys, half s/2c against s/c, each on the unmasked curve at its key length.
+    c = 1: the one causal kernel at s.
+    """
+    diagonal = flash_attention_times_s(full_flops / c, keys / c, peak, ceiling, head_dim=head_dim)
+    if c <= 1:
+        return diagonal
+    causal_work = full_flops / 2 * (c - 1) / c  # the off-diagonal steps' FLOPs, run unmasked
+    short, long = (
+        flash_attention_times_s(causal_work / 2, length, peak, ceiling, head_dim=head_dim, causal=False)
+        for length in (keys / (2 * c), keys / c)
+    )
+    return diagonal[0] + short[0] + long[0], diagonal[1] + short[1] + long[1]
 
 
 def attention_core_s(
@@ -95,8 +119,8 @@ def attention_core_s(
         if part <= 0:
             continue
         if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
-            f, b = flash_attention_times_s(
-                flops * keys / s, keys / c, acc.flops(dtype), acc.attention_fraction, head_dim=shape.head_dim
+            f, b = ring_steps_s(
+                flops * keys / s, keys, c, acc.flops(dtype), acc.attention_fraction, shape.head_dim
             )
         else:
             rate = acc.flops(dtype) * efficiency.gemm(rows)

@@ -23,6 +23,7 @@ __all__ = [
     "scatter_gather_send_s",
     "sp_regather_time_s",
     "group_bandwidth",
+    "ring_hop_bandwidth",
     "ranks_per_node",
     "alltoall_time_s",
     "fsdp_edges_s",
@@ -144,6 +145,18 @@ def group_bandwidth(acc: Accelerator, size: int, stride: int) -> float:
     return min(
         intra, acc.inter_node_bytes_per_s * acc.inter_node_achievable * ranks_per_node(acc, size, stride)
     )
+
+
+def ring_hop_bandwidth(acc: Accelerator, size: int, stride: int) -> float:
+    """Per-GPU bandwidth of a ring of point-to-point sends over ``size`` ranks ``stride`` apart, each rank sending to
+    one neighbour (Transformer Engine's context-parallel ring: one ``isend``/``irecv`` pair a step): NVLink while the
+    ring stays in one node, else its slowest hop, a send between two nodes through the sending GPU's own NIC — a
+    collective's several rings leave a node by several NICs (:func:`group_bandwidth`), one peer-to-peer stream by
+    one. Each at its achievable fraction."""
+    intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable
+    if size * stride <= acc.gpus_per_node:
+        return intra
+    return min(intra, acc.inter_node_bytes_per_s * acc.inter_node_achievable)
 
 
 def ranks_per_node(acc: Accelerator, size: int, stride: int) -> int:

@@ -36,9 +36,19 @@ parallelism lives inside d·c. Attention runs as flash kernels (ring attention i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from microbatch.errors import ConfigError, check_positive_int
+from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
-from microbatch.predict.collectives import overlap_exposed_s
+from microbatch.predict.collectives import (
+    alltoall_time_s,
+    group_bandwidth,
+    overlap_exposed_s,
+    p2p_time_s,
+    ranks_per_node,
+    ring_hop_bandwidth,
+)
 
 __all__ = [
     "CP_EXCHANGES",
@@ -48,6 +58,9 @@ __all__ = [
     "ring_exposed_s",
     "kv_exchange_exposed_s",
     "ulysses_bytes",
+    "ring_merge_bytes",
+    "CpLayout",
+    "cp_exchange_s",
     "check_ulysses_heads",
     "attention_key_split",
 ]
@@ -172,18 +185,50 @@ def attention_key_split(context_parallel: int, exchange: str) -> int:
     return 1 if check_context_exchange(exchange) == "ulysses" else max(1, context_parallel)
 
 
+def ring_merge_bytes(shape: ModelShape, micro_batch: int, seq: int, context_parallel: int, *,
+                     tensor_parallel: int = 1, dtype_bytes: int = 2) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) bytes of the memory-bound work around a ring's c attention steps on one GPU, in the
+    tensors' own dtype — what Transformer Engine's ``AttnFuncWithCP`` runs beside the kernels (v1.4
+    ``transformer_engine/pytorch/attention.py``; line numbers of that tag), with Q = O = e·b·(s/c)·a·d/t and
+    K = V = e·b·(s/c)·kv·d/t bytes per rank, each step's tensors at their mean over the two kinds of off-diagonal
+    step (half the K/V against all of Q, or half of Q against all of K/V):
+
+    - forward: K and V packed into the send buffer (L537: read and write 2K); each of the c − 1 off-diagonal steps
+      copies half of K/V or half of Q contiguous (L592, L606, L621: mean K + Q/2); the output zeroed (L683: Q);
+      c corrections of the output by each step's log-sum-exp (L703–715: read the step's output, read and write
+      the running one, 3Q): 4K + (c − 1)(K + Q/2) + Q + 3c·Q;
+    - backward: K/V copied into the buffer (L762: 4K); each of c steps copies half of K/V or half of Q, O and dO
+      (L841, L879–884: mean K + 1.5Q), adds its dQ (L959, L974: mean 2.25Q), packs dK and dV (L982: mean 3K) and
+      adds them to the travelling dK/dV (L997–1011: mean 4.5K): 4K + c·(8.5K + 3.75Q).
+
+    torch's ``context_parallel`` merges each step's output the same way (its ``_SDPAMerger``), so the count serves
+    both K/V exchanges; Ulysses runs one kernel and merges nothing. (0, 0) without context parallelism.
+    """
+    c = context_parallel
+    if c <= 1:
+        return 0.0, 0.0
+    tokens = dtype_bytes * micro_batch * seq / c / tensor_parallel
+    if shape.mla is None:
+        q, k = tokens * shape.q_width, tokens * shape.kv * shape.head_dim
+    else:  # MLA: Q and K at a·(d + d_R), V and O at a·d_v (decompressed); each pair at its mean
+        q = k = tokens * shape.heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim) / 2
+    return 4 * k + (c - 1) * (k + q / 2) + q + 3 * c * q, 4 * k + c * (8.5 * k + 3.75 * q)
+
+
 def kv_exchange_exposed_s(
     comm_s: float, attention_s: float, attention_backward_s: float, context_parallel: int,
-    exchange: str = "allgather", slowdown: float = 0.0,
+    exchange: str = "allgather", slowdown: float = 0.0, gradient_ring_s: float | None = None,
 ) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) seconds one layer's K/V exchange adds to its attention, ``comm_s`` being the
-    forward's (c − 1)/c of K/V moved once (:func:`kv_exchange_bytes` over the group's bandwidth), or under
-    ``ulysses`` the forward's all-to-alls (:func:`ulysses_bytes`), exposed whole in each direction.
+    forward's (c − 1)/c of K/V moved once (:func:`kv_exchange_bytes` over the group's bandwidth: the ring's hop,
+    :func:`~microbatch.predict.collectives.ring_hop_bandwidth`, or the all-gather's), or under ``ulysses`` the
+    forward's all-to-alls (:func:`ulysses_bytes`), exposed whole in each direction.
 
     ``ring``: forward :func:`ring_exposed_s` (comm, attention); backward K/V again and their gradients
     back, 2·comm behind the attention backward. ``allgather`` (module docstring): forward comm behind the
     local step only, attention/c; backward the re-gather behind attention_backward/c plus the gradients'
-    ring behind the other (c − 1)/c of it. Each through :func:`overlap_exposed_s` with ``slowdown``.
+    ring (``gradient_ring_s``, the same bytes sent around a ring, ``comm_s`` when None) behind the other (c − 1)/c
+    of it. Each through :func:`overlap_exposed_s` with ``slowdown``.
     """
     c = context_parallel
     if c <= 1 or comm_s <= 0:
@@ -199,5 +244,52 @@ def kv_exchange_exposed_s(
     return (
         overlap_exposed_s(comm_s, local, slowdown),
         overlap_exposed_s(comm_s, local_bwd, slowdown)
-        + ring_exposed_s(comm_s, attention_backward_s - local_bwd, slowdown),
+        + ring_exposed_s(
+            comm_s if gradient_ring_s is None else gradient_ring_s, attention_backward_s - local_bwd, slowdown
+        ),
     )
+
+
+@dataclass(frozen=True)
+class CpLayout:
+    """One layer's context-parallel layout on one GPU: c ranks ``tensor_parallel`` apart, their exchange, and the
+    activations' bytes per element."""
+
+    context_parallel: int
+    tensor_parallel: int
+    exchange: str
+    dtype_bytes: int = 2
+
+
+def cp_exchange_s(
+    shape: ModelShape, micro_batch: int, seq: int, acc: Accelerator, layout: CpLayout, network: float,
+    memory: float, attention: tuple[float, float], slowdown: float = 0.0,
+) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) seconds the context-parallel exchange adds to one layer on one GPU, ``attention`` being
+    the attention core's (forward, backward) seconds it can hide behind.
+
+    ``ulysses``: the all-to-alls of :func:`ulysses_bytes` over the c ranks (NVLink inside a node, each GPU's NIC
+    across: :func:`~microbatch.predict.collectives.alltoall_time_s`), exposed whole. ``ring``: K/V
+    (:func:`kv_exchange_bytes`) at the ring's slowest hop (:func:`~microbatch.predict.collectives.ring_hop_bandwidth`:
+    one NIC once the ring leaves a node); ``allgather``: the gather at the group's collective bandwidth
+    (:func:`~microbatch.predict.collectives.group_bandwidth`), its gradients' ring at the hop's; both through
+    :func:`kv_exchange_exposed_s`, plus the steps' merges (:func:`ring_merge_bytes`) at the streaming rate
+    ``memory`` of the memory bandwidth, on the critical path. Links at their achievable rate × ``network``.
+    (0, 0) when c = 1.
+    """
+    c, t, e = layout.context_parallel, layout.tensor_parallel, layout.dtype_bytes
+    if c <= 1:
+        return 0.0, 0.0
+    if check_context_exchange(layout.exchange) == "ulysses":
+        intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * network
+        inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * network
+        nbytes = ulysses_bytes(shape, micro_batch, seq, c, tensor_parallel=t, dtype_bytes=e)
+        a2a = alltoall_time_s(nbytes, c, ranks_per_node(acc, c, t), intra, inter)
+        return a2a, a2a
+    kv = kv_exchange_bytes(shape, micro_batch, seq, c, tensor_parallel=t, dtype_bytes=e)
+    hop = p2p_time_s(kv, ring_hop_bandwidth(acc, c, t) * network)
+    gather = hop if layout.exchange == "ring" else p2p_time_s(kv, group_bandwidth(acc, c, t) * network)
+    fwd, bwd = kv_exchange_exposed_s(gather, *attention, c, layout.exchange, slowdown, gradient_ring_s=hop)
+    merge_f, merge_b = ring_merge_bytes(shape, micro_batch, seq, c, tensor_parallel=t, dtype_bytes=e)
+    rate = acc.memory_bandwidth_bytes_per_s * memory
+    return fwd + merge_f / rate, bwd + merge_b / rate

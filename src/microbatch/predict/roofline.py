@@ -46,12 +46,7 @@ from microbatch.predict.collectives import (
     scatter_gather_send_s,
     sp_regather_time_s,
 )
-from microbatch.predict.context import (
-    attention_key_split,
-    kv_exchange_bytes,
-    kv_exchange_exposed_s,
-    ulysses_bytes,
-)
+from microbatch.predict.context import CpLayout, attention_key_split, cp_exchange_s
 from microbatch.predict.experts import attention_widths, dispatch_bytes, gemm_weights, rows_per_expert
 from microbatch.predict.fp8 import cast_bytes, weight_cast_bytes
 from microbatch.predict.gemm import (
@@ -155,7 +150,8 @@ def layer_forward(
     launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens' worth of work; by ``cp_comm``
     (:mod:`microbatch.predict.context`, c ranks t apart) it gathers the K/V of the others (one all-gather or a
     ring), overlapped with its attention, or (Ulysses) trades tokens for heads in all-to-alls, exposed: the
-    exposed rest is ``cp_comm_s`` (:func:`_cp_comm_s`). Tensor parallelism: two all-reduces per pass (all-gather
+    exposed rest, with the ring's per-step merges, is ``cp_comm_s``
+    (:func:`~microbatch.predict.context.cp_exchange_s`). Tensor parallelism: two all-reduces per pass (all-gather
     + reduce-scatter under SP, the same bytes; :func:`_tp_comm`). With ``async_tp`` the collectives are
     decomposed and overlapped with the GEMMs they feed (torchtitan's async tensor parallelism, Transformer Engine's
     userbuffers): exposed as every overlapped collective is, the excess plus the GEMMs' slowdown beside it
@@ -179,9 +175,11 @@ def layer_forward(
     )
     tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, efficiency.network, shape, sequence_parallel,
                                  parallel_block, layout[0])  # fmt: skip
-    cp_s = _cp_comm_s(shape, micro_batch, s, acc, c, t, e, efficiency.network, cp_comm)
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
-    cp_f, cp_b = kv_exchange_exposed_s(cp_s, attention, attention_bwd, c, cp_comm, sigma)
+    cp_f, cp_b = cp_exchange_s(
+        shape, micro_batch, s, acc, CpLayout(c, t, cp_comm, e), efficiency.network, efficiency.memory,
+        (attention, attention_bwd), sigma,
+    )  # fmt: skip
     if async_tp:
         tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
@@ -205,24 +203,6 @@ def layer_forward(
         sp_regather_s=regather,
         weight_cast_s=g.weight_cast_bytes / (acc.memory_bandwidth_bytes_per_s * efficiency.memory),
     )
-
-
-def _cp_comm_s(
-    shape: ModelShape, b: int, s: int, acc: Accelerator, c: int, t: int, e: int, network: float, cp_comm: str
-) -> float:
-    """Seconds of one layer's forward context-parallel exchange over the c ranks t apart, before any overlap: K/V's
-    (c − 1)/c at the group's bandwidth (:func:`~microbatch.predict.context.kv_exchange_bytes`, ring and all-gather),
-    or Ulysses' all-to-alls of Q, K, V and O (:func:`~microbatch.predict.context.ulysses_bytes`), NVLink inside a
-    node and each GPU's NIC across (:func:`~microbatch.predict.collectives.alltoall_time_s`). 0 when c = 1."""
-    if c <= 1:
-        return 0.0
-    if cp_comm == "ulysses":
-        intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable * network
-        inter = acc.inter_node_bytes_per_s * acc.inter_node_achievable * network
-        nbytes = ulysses_bytes(shape, b, s, c, tensor_parallel=t, dtype_bytes=e)
-        return alltoall_time_s(nbytes, c, ranks_per_node(acc, c, t), intra, inter)
-    ring = kv_exchange_bytes(shape, b, s, c, tensor_parallel=t, dtype_bytes=e)
-    return p2p_time_s(ring, group_bandwidth(acc, c, t) * network)
 
 
 def _async_tp_exposed(tp_comm: float, regather: float, gemm: float, sigma: float) -> tuple[float, float]:
