@@ -27,11 +27,11 @@ def predicted_tflops(series: dict, seq: int) -> float:
     """The planner's rate for one bar: ceiling × peak × the curve (forward, or forward + backward)."""
     acc = get_accelerator(series["gpu"])
     ceiling = attention_ceiling(series["kernel"], acc.name, acc.attention_fraction)
-    d, causal = series["head_dim"], series["causal"]
+    d, causal, direction = series["head_dim"], series["causal"], series["direction"]
     shape = (
         flash_fwd_bwd_factor(seq, d, causal)
-        if series["direction"] == "fwd_bwd"
-        else flash_rate_fraction(seq, 1.0, d, causal)
+        if direction == "fwd_bwd"
+        else flash_rate_fraction(seq, 1.0, d, causal, backward=direction == "bwd")
     )
     return acc.flops("bf16") / 1e12 * ceiling * shape
 
@@ -43,7 +43,7 @@ def rows() -> list[dict]:
     out = []
     for series in data["series"]:
         pairs = []
-        for s, bar in zip(data["seq"], series["tflops"], strict=True):
+        for s, bar in zip(series.get("seq", data["seq"]), series["tflops"], strict=True):
             p = predicted_tflops(series, s)
             pairs.append(
                 {
@@ -65,13 +65,25 @@ def main() -> None:
     if args.json:
         print(json.dumps(table, indent=1))
         return
-    print(f"{'gpu':10} {'kernel':9} {'dir':8} {'d':>4} {'causal':6} {'fit':4}  error at s = 512 ... 16k (%)")
+    header = None
     for r in table:
+        seqs = tuple(p["seq"] for p in r["pairs"])
+        if seqs != header:  # a new block of lengths: name its columns
+            header = seqs
+            cols = " ".join(f"{_k(x):>6}" for x in seqs)
+            print(
+                f"\n{'gpu':10} {'kernel':9} {'dir':8} {'d':>4} {'causal':6} {'fit':4}  error (%) at s = {cols}"
+            )
         errors = " ".join(
             "      " if p["error_pct"] is None else f"{p['error_pct']:+6.1f}" for p in r["pairs"]
         )
         print(f"{r['gpu']:10} {r['kernel']:9} {r['direction']:8} {r['head_dim']:>4} {str(r['causal']):6} "
-              f"{'yes' if r['fitted'] else 'no':4}  {errors}")  # fmt: skip
+              f"{'yes' if r['fitted'] else 'no':4}  {' ' * 17}{errors}")  # fmt: skip
+
+
+def _k(s: int) -> str:
+    """A length as the figures write it: 512, 1k, ... 64k."""
+    return f"{s // 1024}k" if s >= 1024 else str(s)
 
 
 if __name__ == "__main__":
