@@ -201,8 +201,10 @@ def ring_merge_bytes(shape: ModelShape, micro_batch: int, seq: int, context_para
       (L841, L879–884: mean K + 1.5Q), adds its dQ (L959, L974: mean 2.25Q), packs dK and dV (L982: mean 3K) and
       adds them to the travelling dK/dV (L997–1011: mean 4.5K): 4K + c·(8.5K + 3.75Q).
 
-    torch's ``context_parallel`` merges each step's output the same way (its ``_SDPAMerger``), so the count serves
-    both K/V exchanges; Ulysses runs one kernel and merges nothing. (0, 0) without context parallelism.
+    torch's ``context_parallel`` merges each step's output too (``_SDPAMerger``: out − σ(lse_b − lse)·(out − out_b)
+    in fp32, eager) and accumulates the gradients in fp32, sending dK/dV in fp32: more bytes than these, so for
+    torch's exchanges the count is a lower bound. Ulysses runs one kernel and merges nothing. (0, 0) without
+    context parallelism.
     """
     c = context_parallel
     if c <= 1:
