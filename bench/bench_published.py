@@ -278,6 +278,7 @@ def moe_bridge_rows(data: dict) -> list[dict]:
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", expert_parallel=e,
+            ep_overlap=r.get("ep_overlap", False),
             micro_batches=(r["micro_batch"],), zero=(1,), flash_attention=True, precision=r["precision"],
             fp8_recipe=r["fp8_recipe"] or "tensorwise", schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
@@ -287,7 +288,8 @@ def moe_bridge_rows(data: dict) -> list[dict]:
         out.append({
             "source": f"MB MoE {r['container']}", "gpu": gpu.name, "seq": s, "model": f"{shape.name} e{e}",
             "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
-            "assumed": note + how + ", dropless, even load", "measured_step_s": measured, "predicted_step_s": pred,
+            "assumed": note + how + ", dropless, even load" + (", all-to-all overlapped" if r.get("ep_overlap") else ""),
+            "measured_step_s": measured, "predicted_step_s": pred,
             "error_pct": 100 * (pred / measured - 1), "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip
     return out
