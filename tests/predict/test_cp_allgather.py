@@ -149,3 +149,15 @@ def test_cli_and_torchtitan_export_carry_the_exchange(capsys):
     assert times["allgather"] > times["ring"]
     assert main([*args, "--cp-comm", "p2p"]) == 2
     assert "allgather" in capsys.readouterr().err
+
+
+def test_pipeline_hops_average_nvlink_and_one_nic():
+    """A pipeline's sends: all NVLink inside a node; one hop in k = 8/stride leaves the node by one NIC (the harmonic
+    mean over the hops a micro-batch passes); every hop by one NIC once the stages are a node apart."""
+    from microbatch.predict.collectives import pipeline_hop_bandwidth
+
+    nvlink, nic = 450e9 * 0.82, 50e9 * 0.96
+    assert pipeline_hop_bandwidth(H100, 4, 2) == pytest.approx(nvlink)
+    assert pipeline_hop_bandwidth(H100, 4, 4) == pytest.approx(1 / (0.5 / nic + 0.5 / nvlink))  # k = 2
+    assert pipeline_hop_bandwidth(H100, 8, 8) == pytest.approx(nic)
+    assert ring_hop_bandwidth(H100, 4, 4) == pytest.approx(nic) < pipeline_hop_bandwidth(H100, 4, 4)

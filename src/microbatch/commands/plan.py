@@ -130,7 +130,8 @@ __all__ = ["cmd"]
     "0.694), fa2 (the flash-attn 2 package: 0.354 of an H100's peak; on an A100 the same as sdpa), cudnn (cuDNN's "
     "fused attention, Transformer Engine's on Hopper: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton "
     "flash kernel, llm-foundry's attn_impl triton: 0.296 of an A100's), efficient (SDPA's memory-efficient backend, "
-    "taken with an attention mask, e.g. padded Hugging Face batches: 0.347 of an A100's). fa2 on Hopper and A100 "
+    "causal, where flash cannot run: 0.347 of an A100's; an explicit mask, as padded Hugging Face batches pass, "
+    "costs about twice that and is not modelled). fa2 on Hopper and A100 "
     "rows, cudnn/fa3 on Hopper rows, triton/efficient on A100 rows only; --gpu-set attention_fraction=F overrides.",
 )  # fmt: skip
 @click.option(

@@ -110,12 +110,13 @@ Hopper figure was read: refused there."""
 
 EFFICIENT_AMPERE_CEILING = 0.347
 """Ceiling of xformers' cutlass memory-efficient kernel, which PyTorch's SDPA runs as its EFFICIENT_ATTENTION backend
-(the one it falls back to when flash cannot run: an arbitrary attention mask, as Hugging Face models pass with
-padding, fp32, some head dims), on Ampere: the "xformers" bars of FlashAttention-2's A100 benchmark (the benchmark
-script at that release calls ``xops.fmha.cutlass.FwOp/BwOp``; causal d-128 forward + backward: 58, 72, 82, 87, 91, 92
-TFLOP/s at s = 512 ... 16k) fitted to :func:`flash_fwd_bwd_factor` from 2k: 0.347 of 312, within 5.3% there (17%
-under at 512); its d-128 unmasked bars within 6% from 2k. At d 64 it loses more than FA2 does: the curve is 8-28%
-over its d-64 bars from 2k. No Hopper figure was read: refused there."""
+where flash cannot run (fp32, some head dims), on Ampere, causal: the "xformers" bars of FlashAttention-2's A100
+benchmark (the script at that release calls ``xops.fmha.cutlass.FwOp/BwOp``; causal d-128 forward + backward: 58, 72,
+82, 87, 91, 92 TFLOP/s at s = 512 ... 16k) fitted to :func:`flash_fwd_bwd_factor` from 2k: 0.347 of 312, within 5%
+there (17% under at 512); its unmasked d-128 bars within 6.5% from 2k. At d 64 it loses more than FA2 does: the
+curve is 8-28% over its d-64 bars from 2k. Not modelled: an explicit attention mask (as padded Hugging Face batches
+pass), under which the kernel computes the whole s×s matrix and reads the mask — about twice this time and more.
+No Hopper figure was read: refused there."""
 
 ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3", "triton", "efficient")
 """Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's
@@ -123,7 +124,7 @@ scaled_dot_product_attention as measured, or FA2's own figures on Ampere, SDPA's
 (:data:`FA2_HOPPER_CEILING`; the row's on Ampere), ``cudnn`` (cuDNN's fused attention, Transformer Engine's on Hopper:
 :data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3, :data:`FA3_HOPPER_CEILING`), ``triton`` (the Triton flash
 kernel, Ampere only: :data:`TRITON_AMPERE_CEILING`), ``efficient`` (SDPA's memory-efficient backend, xformers'
-cutlass kernel, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`)."""
+cutlass kernel, causal, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`)."""
 
 
 def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:

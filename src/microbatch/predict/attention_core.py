@@ -56,7 +56,8 @@ def ring_steps_s(
     c − 1 others are unmasked rectangles, all of one chunk pair's keys against all of its queries (Transformer
     Engine v1.4 ``AttnFuncWithCP``: ``attn_mask_type="causal"`` on the diagonal step, ``"no_mask"`` on the others),
     half of them s/c queries against s/2c keys, half s/2c against s/c, each on the unmasked curve at its key length.
-    c = 1: the one causal kernel at s.
+    c = 1: the one causal kernel at s. The two kinds are averaged over the ranks; the last rank runs all its steps
+    at the shorter keys and the layer waits for it (at most 1.4% slower on these curves: not charged).
     """
     diagonal = flash_attention_times_s(full_flops / c, keys / c, peak, ceiling, head_dim=head_dim)
     if c <= 1:
@@ -85,8 +86,8 @@ def attention_core_s(
     FLOPs 2·rows·s·(d_qk + d_v)·a/t; bytes: read Q, K, V and write O (the backward about twice). Under flash
     attention on an accelerator with a flash ceiling (``Accelerator.attention_fraction``) the kernel's own
     curve (:func:`microbatch.predict.attention.flash_attention_times_s`: the causal half of the FLOPs, a
-    backward of 5/2 × them, each direction at the ceiling × its published curve in the key length s/c and the
-    head dimension); otherwise the GEMM efficiency on the full FLOPs. ``c`` is how many pieces the kernel sees the
+    backward of 5/2 × them, each direction at the ceiling × its published curve in the key length and the
+    head dimension; under ring or all-gather context parallelism the c steps of :func:`ring_steps_s`); otherwise the GEMM efficiency on the full FLOPs. ``c`` is how many pieces the kernel sees the
     keys in (:func:`microbatch.predict.context.attention_key_split`: the context-parallel degree under the ring or
     the all-gather, 1 under Ulysses, whose ranks attend to whole sequences). A model with windowed layers averages
     a full layer and a windowed one, whose FLOPs are σ/s of them and whose curve is read at σ (the
@@ -118,7 +119,9 @@ def attention_core_s(
     for part, keys in ((1.0 - share, float(s)), (share, span)):
         if part <= 0:
             continue
-        if flash and acc.attention_fraction:  # the kernel's own curve at its key length (s/c per ring step)
+        if (
+            flash and acc.attention_fraction
+        ):  # the kernel's own curves: one causal kernel, or the ring's c steps
             f, b = ring_steps_s(
                 flops * keys / s, keys, c, acc.flops(dtype), acc.attention_fraction, shape.head_dim
             )

@@ -24,6 +24,7 @@ __all__ = [
     "sp_regather_time_s",
     "group_bandwidth",
     "ring_hop_bandwidth",
+    "pipeline_hop_bandwidth",
     "ranks_per_node",
     "alltoall_time_s",
     "fsdp_edges_s",
@@ -157,6 +158,20 @@ def ring_hop_bandwidth(acc: Accelerator, size: int, stride: int) -> float:
     if size * stride <= acc.gpus_per_node:
         return intra
     return min(intra, acc.inter_node_bytes_per_s * acc.inter_node_achievable)
+
+
+def pipeline_hop_bandwidth(acc: Accelerator, stages: int, stride: int) -> float:
+    """Mean per-GPU bandwidth of the stage-to-stage sends a micro-batch makes along a pipeline of ``stages`` ranks
+    ``stride`` apart: each node holds k = G/stride consecutive stages (one when stride ≥ G), so one hop in k leaves
+    the node by the sending GPU's NIC and the others ride NVLink; a micro-batch passes them one after another, so
+    their times add: 1/bw = (1/k)/NIC + (1 − 1/k)/NVLink (each at its achievable fraction). NVLink alone when the
+    whole pipeline fits in a node. Unlike a ring step (:func:`ring_hop_bandwidth`), no send waits for the slowest."""
+    intra = acc.intra_node_bytes_per_s * acc.intra_node_achievable
+    if stages * stride <= acc.gpus_per_node:
+        return intra
+    nic = min(intra, acc.inter_node_bytes_per_s * acc.inter_node_achievable)
+    k = max(1, acc.gpus_per_node // max(1, stride))
+    return 1.0 / (1.0 / (k * nic) + (1.0 - 1.0 / k) / intra)
 
 
 def ranks_per_node(acc: Accelerator, size: int, stride: int) -> int:

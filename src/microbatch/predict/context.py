@@ -190,21 +190,24 @@ def ring_merge_bytes(shape: ModelShape, micro_batch: int, seq: int, context_para
     """(forward, backward) bytes of the memory-bound work around a ring's c attention steps on one GPU, in the
     tensors' own dtype — what Transformer Engine's ``AttnFuncWithCP`` runs beside the kernels (v1.4
     ``transformer_engine/pytorch/attention.py``; line numbers of that tag), with Q = O = e·b·(s/c)·a·d/t and
-    K = V = e·b·(s/c)·kv·d/t bytes per rank, each step's tensors at their mean over the two kinds of off-diagonal
-    step (half the K/V against all of Q, or half of Q against all of K/V):
+    K = V = e·b·(s/c)·kv·d/t bytes per rank, each off-diagonal step's tensors at their mean over its two kinds (half
+    the K/V against all of Q, or half of Q against all of K/V; half the ranks run each kind at a given step):
 
     - forward: K and V packed into the send buffer (L537: read and write 2K); each of the c − 1 off-diagonal steps
       copies half of K/V or half of Q contiguous (L592, L606, L621: mean K + Q/2); the output zeroed (L683: Q);
-      c corrections of the output by each step's log-sum-exp (L703–715: read the step's output, read and write
-      the running one, 3Q): 4K + (c − 1)(K + Q/2) + Q + 3c·Q;
-    - backward: K/V copied into the buffer (L762: 4K); each of c steps copies half of K/V or half of Q, O and dO
-      (L841, L879–884: mean K + 1.5Q), adds its dQ (L959, L974: mean 2.25Q), packs dK and dV (L982: mean 3K) and
-      adds them to the travelling dK/dV (L997–1011: mean 4.5K): 4K + c·(8.5K + 3.75Q).
+      the output corrected by each step's log-sum-exp (L703–715: read the step's output, read and write the running
+      one: 3Q for the diagonal step, mean 2.25Q for the others, which correct half of it when they ran half of Q):
+      4K + 4Q + (c − 1)(K + 2.75Q);
+    - backward: K/V copied into the buffer (L762: 4K); the diagonal step adds its dQ (3Q) and packs and adds its dK,
+      dV (4K + 6K) with no copy; each of the c − 1 others copies half of K/V or half of Q, O and dO (L841, L879–884:
+      mean K + 1.5Q), adds its dQ (L959, L974: mean 2.25Q), packs dK and dV (L982: mean 3K) and adds them to the
+      travelling dK/dV (L997–1011: mean 4.5K): 14K + 3Q + (c − 1)(8.5K + 3.75Q).
 
-    torch's ``context_parallel`` merges each step's output too (``_SDPAMerger``: out − σ(lse_b − lse)·(out − out_b)
-    in fp32, eager) and accumulates the gradients in fp32, sending dK/dV in fp32: more bytes than these, so for
-    torch's exchanges the count is a lower bound. Ulysses runs one kernel and merges nothing. (0, 0) without
-    context parallelism.
+    Counted as on the critical path: an upper bound where the forward's copies run on its second stream beside the
+    other stream's kernel (TE alternates two). torch's ``context_parallel`` merges each step's output too
+    (``_SDPAMerger``: out − σ(lse_b − lse)·(out − out_b) in fp32, eager) and accumulates the gradients in fp32,
+    sending dK/dV in fp32: more bytes than these, so for torch's exchanges the count is a lower bound. Ulysses runs
+    one kernel and merges nothing. (0, 0) without context parallelism.
     """
     c = context_parallel
     if c <= 1:
@@ -214,7 +217,9 @@ def ring_merge_bytes(shape: ModelShape, micro_batch: int, seq: int, context_para
         q, k = tokens * shape.q_width, tokens * shape.kv * shape.head_dim
     else:  # MLA: Q and K at a·(d + d_R), V and O at a·d_v (decompressed); each pair at its mean
         q = k = tokens * shape.heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim) / 2
-    return 4 * k + (c - 1) * (k + q / 2) + q + 3 * c * q, 4 * k + c * (8.5 * k + 3.75 * q)
+    forward = 4 * k + 4 * q + (c - 1) * (k + 2.75 * q)
+    backward = 14 * k + 3 * q + (c - 1) * (8.5 * k + 3.75 * q)
+    return forward, backward
 
 
 def kv_exchange_exposed_s(

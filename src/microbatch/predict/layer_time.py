@@ -35,7 +35,7 @@ class LayerTime:
     (:func:`microbatch.predict.recompute.op_recompute_gemm_share` of ``gemm_s``) and the elementwise kernels."""
     cp_comm_s: float = 0.0
     """Context parallelism: the forward exchange not hidden behind the attention (the ring's or the all-gather's
-    K/V; Ulysses' all-to-alls of Q, K, V and O, exposed whole)."""
+    K/V, and their steps' merges through memory; Ulysses' all-to-alls of Q, K, V and O, exposed whole)."""
     cp_comm_backward_s: float = 0.0
     """Its backward not hidden behind the attention backward (ring, all-gather: K/V again and their gradients,
     2 × the bytes; Ulysses: dO in and dQ, dK, dV out, the forward's bytes)."""

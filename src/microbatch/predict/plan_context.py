@@ -17,6 +17,7 @@ from microbatch.predict.activations import (
     layer_activation_bytes,
     output_activation_bytes,
 )
+from microbatch.predict.collectives import pipeline_hop_bandwidth
 from microbatch.predict.experts import dispatch_bytes, expert_params
 from microbatch.predict.plan_config import PlanConfig
 from microbatch.predict.recompute import every_kth, recompute_working
@@ -205,7 +206,9 @@ def make_context(cfg: PlanConfig) -> Context:
         bw_dp=group_bandwidth(cfg.gpu, d, t) * net,
         bw_zero=group_bandwidth(cfg.gpu, cfg.zero_group, t) * net,
         bw_rep=group_bandwidth(cfg.gpu, cfg.replicas, t * cfg.zero_group) * net if cfg.replicas > 1 else 0.0,
-        bw_pp=group_bandwidth(cfg.gpu, p, t * d) * net,
+        # each stage hands off to the next: point-to-point, one NIC where the chain leaves a node; stages are t·c·d
+        # ranks apart (Megatron's order: tensor, context, data, then pipeline)
+        bw_pp=pipeline_hop_bandwidth(cfg.gpu, p, t * cfg.context_parallel * d) * net,
     )
 
 
