@@ -286,3 +286,8 @@ def test_plan_on_an_a100_runs_triton_slower_than_sdpa_and_refuses_cudnn(capsys):
     assert main(["plan", "--model", "llama-2-7b", "--gpu", "a100", "-B", "16", "-d", "8",
                  "--attention-kernel", "cudnn"]) == 2  # fmt: skip
     assert "cudnn has a published ceiling only on h100-sxm" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-2-7b", "--gpu", "a100", "-B", "16", "-d", "8", "--no-flash-attention",
+                 "--attention-kernel", "triton"]) == 2  # fmt: skip
+    assert (
+        "--attention-kernel triton names a flash kernel, and --no-flash-attention" in capsys.readouterr().err
+    )

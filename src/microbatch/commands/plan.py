@@ -179,8 +179,7 @@ def cmd(
     from dataclasses import replace
 
     from microbatch.commands._common import parse_split, parse_zero
-    from microbatch.hardware import DEFAULT_HEADROOM, parse_gpus, parse_overrides
-    from microbatch.predict.attention import attention_ceiling
+    from microbatch.hardware import DEFAULT_HEADROOM
     from microbatch.predict.gemm import DEFAULT_EFFICIENCY
     from microbatch.predict.plan import PlanConfig
 
@@ -188,13 +187,7 @@ def cmd(
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
-    gpus = [
-        g.with_overrides(attention_fraction=attention_ceiling(attention_kernel, g.name, g.attention_fraction))
-        for g in parse_gpus(gpu)
-    ]
-    if gpu_set:  # after the kernel class: --gpu-set overrides any figure
-        overrides = parse_overrides(gpu_set)
-        gpus = [g.with_overrides(**overrides) for g in gpus]
+    gpus = _accelerators(gpu, attention_kernel, flash, gpu_set)
     cfg = PlanConfig(
         shape=shape,
         gpu=gpus[0],
@@ -240,6 +233,30 @@ def cmd(
     if why is not None:
         click.echo(f"error: {why}", err=True)
         raise click.exceptions.Exit(2)
+
+
+def _accelerators(
+    gpu: str, attention_kernel: str, flash: bool | None, gpu_set: tuple[str, ...]
+) -> list[Accelerator]:
+    """The ``--gpu`` rows at ``--attention-kernel``'s ceiling, then ``--gpu-set`` over any figure; a kernel class
+    named with ``--no-flash-attention`` is refused (the classes are flash kernels)."""
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import parse_gpus, parse_overrides
+    from microbatch.predict.attention import attention_ceiling
+
+    if flash is False and attention_kernel != "sdpa":
+        raise ConfigError(
+            f"--attention-kernel {attention_kernel} names a flash kernel, and --no-flash-attention runs the scores "
+            "through memory; drop one of the two"
+        )
+    gpus = [
+        g.with_overrides(attention_fraction=attention_ceiling(attention_kernel, g.name, g.attention_fraction))
+        for g in parse_gpus(gpu)
+    ]
+    if gpu_set:  # after the kernel class: --gpu-set overrides any figure
+        overrides = parse_overrides(gpu_set)
+        gpus = [g.with_overrides(**overrides) for g in gpus]
+    return gpus
 
 
 def _plans(
