@@ -398,3 +398,28 @@ def test_a_host_bound_weight_pass_takes_its_launches_and_faster_gemms_never_leng
                          recompute=("none",), simulate_top=0)  # fmt: skip
         slow_s, fast_s = (make_plan(dc_replace(cfg, gpu=g)).candidates[0].step_time_s for g in (acc, fast))
         assert fast_s <= slow_s * (1 + 1e-12), sched
+
+
+def test_launch_floor_counts_each_local_expert():
+    """A mixture-of-experts MLP issues its kernels per local expert (Transformer Engine's GroupedLinear: one GEMM
+    each; an activation each): Mixtral (8 experts, gated, no shared), flash, fused, t 1, on 8 ranks (1 local expert
+    each) against on 1 (all 8): GEMMs 2 + router 1 + 3 per local expert; elementwise 2 + top-k, score 2 +
+    permute, unpermute 2 + the all-to-all pair 2 (spread only) + one activation per local expert; fused rotary 2."""
+    from microbatch.predict.launch import layer_gemm_kernels, layer_kernels
+
+    mixtral = get_model("mixtral-8x7b")
+    assert layer_gemm_kernels(mixtral, 1) == 2 + 1 + 3 and layer_gemm_kernels(mixtral) == 2 + 1 + 24
+    spread = layer_kernels(mixtral, flash=True, tensor_parallel=1, fused=True, local_experts=1)
+    whole = layer_kernels(mixtral, flash=True, tensor_parallel=1, fused=True)
+    assert spread == (2 + 1 + 3) + 1 + (2 + 2 + 2 + 2 + 1) + 2
+    assert whole == (2 + 1 + 24) + 1 + (2 + 2 + 2 + 8) + 2
+    # a dense model's count is unchanged by the argument
+    llama = get_model("llama-2-7b")
+    assert layer_kernels(llama, flash=True, tensor_parallel=1, fused=True, local_experts=4) == 5 + 1 + 3 + 2
+    # on an H100 at a few tokens the 8-expert layer on one GPU waits on the host longer than the 1-expert one
+    h100 = get_accelerator("h100-sxm")
+    one = layer_forward(mixtral, 1, h100, seq=16, flash_attention=True, moe_layout=(8, 1.0))
+    all8 = layer_forward(mixtral, 1, h100, seq=16, flash_attention=True)
+    assert all8.weight_host_s == pytest.approx(27 * 6.58e-6) and one.weight_host_s == pytest.approx(
+        6 * 6.58e-6
+    )

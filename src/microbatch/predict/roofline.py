@@ -176,15 +176,14 @@ def layer_forward(
     tp_comm, regather = _tp_comm(e * rows * shape.hidden, acc, t, efficiency.network, shape, sequence_parallel,
                                  parallel_block, layout[0])  # fmt: skip
     sigma = efficiency.overlap_fraction(bool(acc.compute_units))  # the ring's NCCL kernels slow attention
-    cp_f, cp_b = cp_exchange_s(
-        shape, micro_batch, s, acc, CpLayout(c, t, cp_comm, e), efficiency.network, efficiency.memory,
-        (attention, attention_bwd), sigma,
-    )  # fmt: skip
+    cp_f, cp_b = cp_exchange_s(shape, micro_batch, s, acc, CpLayout(c, t, cp_comm, e), efficiency.network,
+                               efficiency.memory, (attention, attention_bwd), sigma)  # fmt: skip
     if async_tp:
         tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
-    forward_gap, backward_gap, weight_host = _launch_floor(shape, acc, efficiency, flash, t, device, back)
+    gaps = _launch_floor(shape, acc, efficiency, (flash, t, layout[0]), device, back)
+    forward_gap, backward_gap, weight_host = gaps
     elementwise, elementwise_bwd = elementwise + forward_gap, elementwise_bwd + backward_gap
     return LayerTime(
         op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
@@ -219,12 +218,12 @@ def _launch_floor(
     shape: ModelShape,
     acc: Accelerator,
     efficiency: RooflineEfficiency,
-    flash: bool,
-    t: int,
+    layout: tuple[bool, int, int],
     device_s: float,
     backward_s: float,
 ) -> tuple[float, float, float]:
-    """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a GPU waiting on the host.
+    """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a GPU waiting on the host, the layer laid
+    out as ``layout`` = (flash attention, t, expert parallelism: E/EP local experts a GPU).
 
     The host's issue time against all the device does in the pass, exposed communication included: a layer
     takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. Zeros
@@ -232,11 +231,15 @@ def _launch_floor(
     if not acc.compute_units or not efficiency.launch_s_per_kernel:
         return 0.0, 0.0, 0.0
     launch = efficiency.launch_s_per_kernel
-    n = layer_kernels(shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise)
+    flash, t, ep = layout
+    local = shape.moe.experts // ep if shape.moe else None
+    n = layer_kernels(
+        shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise, local_experts=local
+    )
     return (
         launch_gap_s(n, launch, device_s),
         launch_gap_s(2 * n, launch, backward_s),
-        layer_gemm_kernels(shape) * launch,
+        layer_gemm_kernels(shape, local) * launch,
     )
 
 
