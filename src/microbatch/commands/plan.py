@@ -127,7 +127,8 @@ __all__ = ["cmd"]
     "--attention-kernel", "attention_kernel", type=click.Choice(list(ATTENTION_KERNELS)), default="sdpa",
     show_default=True,
     help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it; on an A100 FA2's own figures, "
-    "0.694), fa2 (the flash-attn 2 package: 0.354 of an H100's peak; on an A100 the same as sdpa), cudnn (cuDNN's "
+    "0.694), fa2 (the flash-attn 2 package, and PyTorch's SDPA of 2024, whose flash backend it is: 0.354 of an "
+    "H100's peak; on an A100 the same as sdpa), cudnn (cuDNN's "
     "fused attention, Transformer Engine's on Hopper: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton "
     "flash kernel, llm-foundry's attn_impl triton: 0.296 of an A100's), efficient (SDPA's memory-efficient backend, "
     "causal, where flash cannot run: 0.347 of an A100's; an explicit mask, as padded Hugging Face batches pass, "
