@@ -423,3 +423,21 @@ def test_launch_floor_counts_each_local_expert():
     assert all8.weight_host_s == pytest.approx(27 * 6.58e-6) and one.weight_host_s == pytest.approx(
         6 * 6.58e-6
     )
+
+
+def test_launch_floor_counts_the_ring_steps():
+    """Ring attention issues c flash calls, each past the first with a correction and a copy: 3 kernels a step."""
+    from microbatch.predict.launch import layer_kernels
+
+    llama = get_model("llama-2-7b")
+    one = layer_kernels(llama, flash=True, tensor_parallel=1, fused=True)
+    assert layer_kernels(llama, flash=True, tensor_parallel=1, fused=True, ring_steps=8) == one + 3 * 7
+    assert layer_kernels(llama, flash=False, tensor_parallel=1, fused=True, ring_steps=8) == layer_kernels(
+        llama, flash=False, tensor_parallel=1, fused=True
+    )
+    # in a layer: a tiny micro-batch over 8 ranks waits on the host for the steps' launches (Ulysses: one call)
+    h100 = get_accelerator("h100-sxm")
+    kw = dict(seq=128, context_parallel=8, flash_attention=True)
+    ring = layer_forward(llama, 1, h100, cp_comm="ring", **kw)
+    uly = layer_forward(llama, 1, h100, cp_comm="ulysses", **kw)
+    assert ring.elementwise_s > uly.elementwise_s

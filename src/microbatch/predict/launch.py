@@ -27,8 +27,9 @@ LAUNCH_S_PER_KERNEL = 6.58e-6
 
 
 def layer_kernels(
-    shape: ModelShape, *, flash: bool, tensor_parallel: int, fused: bool, local_experts: int | None = None
-) -> int:
+    shape: ModelShape, *, flash: bool, tensor_parallel: int, fused: bool, local_experts: int | None = None,
+    ring_steps: int = 1,
+) -> int:  # fmt: skip
     """Kernels of one layer's forward: GEMMs, attention, elementwise ops, tensor-parallel collectives.
 
     GEMMs: QKV, output projection, the MLP's up (two for a gated MLP: gate and up, as Llama's code runs
@@ -39,7 +40,9 @@ def layer_kernels(
     kernels on each of Q and K (q·cos, the negation and concatenation of rotate_half, ·sin, the add: Hugging
     Face Llama's ``apply_rotary_pos_emb``), one fused kernel on each (Megatron-core's and Transformer
     Engine's fused RoPE). Two collectives per layer with t > 1. A mixture-of-experts MLP
-    (:func:`moe_kernels`) replaces the dense MLP's activation.
+    (:func:`moe_kernels`) replaces the dense MLP's activation. Ring or all-gather context parallelism runs the
+    attention as ``ring_steps`` = c flash calls, each with its output correction and, off the diagonal, a
+    half-chunk copy (Transformer Engine's ``AttnFuncWithCP``): 3 kernels for each step past the first.
     """
     gated = bool(shape.gated_mlp)
     gemms = layer_gemm_kernels(shape, local_experts)
@@ -49,7 +52,8 @@ def layer_kernels(
         activation = moe_kernels(shape, activation, local_experts)
     elementwise = (2 if fused else 4 + (2 if shape.dropout else 0)) + activation
     rotary = 0 if shape.learned_positions else (2 if fused else 10)
-    return gemms + attention + elementwise + rotary + (2 if tensor_parallel > 1 else 0)
+    steps = 3 * (max(1, ring_steps) - 1) if flash else 0
+    return gemms + attention + steps + elementwise + rotary + (2 if tensor_parallel > 1 else 0)
 
 
 def moe_kernels(shape: ModelShape, activation: int, local_experts: int | None = None) -> int:

@@ -182,7 +182,7 @@ def layer_forward(
         tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
-    gaps = _launch_floor(shape, acc, efficiency, (flash, t, layout[0]), device, back)
+    gaps = _launch_floor(shape, acc, efficiency, (flash, t, layout[0], split), device, back)
     forward_gap, backward_gap, weight_host = gaps
     elementwise, elementwise_bwd = elementwise + forward_gap, elementwise_bwd + backward_gap
     return LayerTime(
@@ -218,12 +218,12 @@ def _launch_floor(
     shape: ModelShape,
     acc: Accelerator,
     efficiency: RooflineEfficiency,
-    layout: tuple[bool, int, int],
+    layout: tuple[bool, int, int, int],
     device_s: float,
     backward_s: float,
 ) -> tuple[float, float, float]:
     """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a GPU waiting on the host, the layer laid
-    out as ``layout`` = (flash attention, t, expert parallelism: E/EP local experts a GPU).
+    out as ``layout`` = (flash attention, t, expert parallelism: E/EP local experts a GPU, ring steps).
 
     The host's issue time against all the device does in the pass, exposed communication included: a layer
     takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. Zeros
@@ -231,10 +231,11 @@ def _launch_floor(
     if not acc.compute_units or not efficiency.launch_s_per_kernel:
         return 0.0, 0.0, 0.0
     launch = efficiency.launch_s_per_kernel
-    flash, t, ep = layout
+    flash, t, ep, steps = layout
     local = shape.moe.experts // ep if shape.moe else None
+    fused = efficiency.fused_elementwise
     n = layer_kernels(
-        shape, flash=flash, tensor_parallel=t, fused=efficiency.fused_elementwise, local_experts=local
+        shape, flash=flash, tensor_parallel=t, fused=fused, local_experts=local, ring_steps=steps
     )
     return (
         launch_gap_s(n, launch, device_s),
