@@ -100,6 +100,17 @@ def run_two_ranks(script: Path, tmp_path: Path, *, timeout_s: float = 150) -> No
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
 
 
+def two_rank_results(
+    script_text: str, tmp_path: Path, *, timeout_s: float = 150, weights_only: bool = True
+) -> list:
+    """Write ``script_text`` as tmp_path/worker.py, run it on two ranks (:func:`run_two_ranks`) and load what each
+    rank saved (``torch.load`` of tmp_path/r{rank}.pt)."""
+    script = tmp_path / "worker.py"
+    script.write_text(script_text)
+    run_two_ranks(script, tmp_path, timeout_s=timeout_s)
+    return [torch.load(tmp_path / f"r{r}.pt", weights_only=weights_only) for r in range(2)]
+
+
 def run_launched(
     script: str, tmp_path: Path, *, ranks: int = 2, timeout_s: float = 120, **env: str
 ) -> list[dict]:

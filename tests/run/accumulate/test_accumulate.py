@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, WORKER_START, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, two_rank_results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -484,11 +484,8 @@ results["noise"] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
 
 @pytest.mark.timeout(180)
 def test_ddp_two_processes_equal_one_process(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    run_two_ranks(script, tmp_path)
+    res = two_rank_results(WORKER.format(tests=str(Path(__file__).parent)), tmp_path)
     ref, ref_loss = full_batch_grad(make_batch(rows=10))
-    res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     keys = [(False, False), (False, True), (True, False), (True, True)]
     keys += [("bucket_view_twice", False), ("bucket_view_twice", True), "helpers"]
     for key in keys:

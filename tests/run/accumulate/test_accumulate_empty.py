@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, WORKER_START, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, two_rank_results
 from test_accumulate import V, flat_grad, make_batch, make_model, set_pre_grads
 
 from microbatch.errors import ConfigError
@@ -105,10 +105,8 @@ results["finite"] = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for
 
 @pytest.mark.timeout(120)
 def test_both_ranks_refuse_when_one_rank_has_the_empty_micro_batch(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    run_two_ranks(script, tmp_path, timeout_s=90)  # a rank left waiting in an all_reduce fails here
-    res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
+    # a rank left waiting in an all_reduce fails here
+    res = two_rank_results(WORKER.format(tests=str(Path(__file__).parent)), tmp_path, timeout_s=90)
     assert "a micro-batch of another rank" in res[0]["error"], res[0]["error"]
     assert "micro-batch 1 of this rank, which has 0 items" in res[1]["error"], res[1]["error"]
     assert res[0]["finite"] and res[1]["finite"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, WORKER_START, AllocationLimit, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, AllocationLimit, two_rank_results
 from test_accumulate import V, full_batch_grad, make_model, rel, set_pre_grads
 
 import microbatch
@@ -434,11 +434,8 @@ except Exception as e:
 
 @pytest.mark.timeout(180)
 def test_ddp_only_rank_1_fails_both_split(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    run_two_ranks(script, tmp_path)
+    res = two_rank_results(WORKER.format(tests=str(Path(__file__).parent)), tmp_path)
     ref, ref_loss = full_batch_grad(sorted_batch())
-    res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     for key in [(False, False), (False, True), (True, False), (True, True)]:
         for r in range(2):
             g, loss, summary, _ = res[r][key]

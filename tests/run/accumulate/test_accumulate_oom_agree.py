@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import WORKER_END, WORKER_START, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, run_two_ranks, two_rank_results
 from test_accumulate import make_model, rel, set_pre_grads
 from test_accumulate_oom import AllocationLimit, S, logits_budget, loss_fn, sorted_batch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -150,10 +150,7 @@ results["copy_kept"] = all(torch.equal(p.grad, g) for p, g in zip(model.module.p
 
 @pytest.mark.timeout(180)
 def test_ddp_unused_parameters_stay_none_and_a_failed_copy_raises_on_every_rank(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    run_two_ranks(script, tmp_path)
-    res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
+    res = two_rank_results(WORKER.format(tests=str(Path(__file__).parent)), tmp_path)
     for r in range(2):
         plain, plain_loss = res[r]["raise"]
         split, split_loss = res[r]["split"]

@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from _helpers import WORKER_END, WORKER_START, run_two_ranks
+from _helpers import WORKER_END, WORKER_START, two_rank_results
 from test_accumulate import full_batch_grad, rel
 from test_accumulate_oom import sorted_batch
 
@@ -77,11 +76,9 @@ except ConfigError as e:
 
 @pytest.mark.timeout(120)
 def test_ranks_of_different_sizes_agree_split_and_stop_together(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    run_two_ranks(script, tmp_path, timeout_s=90)  # a rank left waiting in an all_reduce fails here
+    # a rank left waiting in an all_reduce fails here
+    res = two_rank_results(WORKER.format(tests=str(Path(__file__).parent)), tmp_path, timeout_s=90)
     ref, ref_loss = full_batch_grad(sorted_batch())
-    res = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
     for r in range(2):
         g, loss, history, _ = res[r]["rows"]
         assert rel(g, ref) < 1e-10 and abs(loss - ref_loss) < 1e-10 * abs(ref_loss), r

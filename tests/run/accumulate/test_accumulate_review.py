@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, AllocationLimit, run_two_ranks
+from _helpers import WORKER_END, AllocationLimit, two_rank_results
 from torch import nn
 
 from microbatch.run.accumulate import accumulate
@@ -179,10 +179,7 @@ results["ids"], results["labels"] = ids, labels
 
 @pytest.mark.timeout(180)
 def test_fsdp2_sums_items_over_ranks_and_ddp_misuse_is_refused(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
-    run_two_ranks(script, tmp_path)
-    res = [torch.load(tmp_path / f"r{r}.pt", weights_only=False) for r in range(2)]
+    res = two_rank_results(WORKER.format(tests=str(Path(__file__).parent)), tmp_path, weights_only=False)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 20))
     ids, labels = res[0]["ids"], res[0]["labels"]
