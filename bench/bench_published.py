@@ -278,7 +278,7 @@ def moe_bridge_rows(data: dict) -> list[dict]:
         cfg = PlanConfig(
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", expert_parallel=e,
-            ep_overlap=r.get("ep_overlap", False),
+            ep_overlap=r.get("ep_overlap", False), **r.get("optimizer_state", {}),
             micro_batches=(r["micro_batch"],), zero=(1,), flash_attention=True, precision=r["precision"],
             fp8_recipe=r["fp8_recipe"] or "tensorwise", schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
@@ -351,7 +351,7 @@ def nemo_long_rows(data: dict) -> list[dict]:
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", micro_batches=(1,),
             zero=(1,), flash_attention=True, precision=sec["precision"], fp8_recipe=sec["fp8_recipe"],
-            schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED,
+            schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED, **nemo_optimizer_state(),
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)
         measured = model_flops_per_step(shape, r["global_batch"], s) / (r["tflops_per_gpu"] * 1e12 * n)
@@ -379,6 +379,26 @@ def nemo_shape(name: str, seq: int, tp: int, table: dict) -> ModelShape:
                       **common)  # fmt: skip
 
 
+NEMO_FP8_GRAD_SYNC = "bf16"
+"""The gradient buffer of NeMo's FP8 table runs: bf16, as the launcher's one FP8 training config sets it
+(``gpt3/175b_fp8.yaml`` at 24.07: ``grad_sync_dtype: bf16``; the per-model configs are BF16, ``fp8: False``, so
+the tables' FP8 runs are not them) and as Megatron-Bridge's performance configs later do (``grad_reduce_in_fp32 =
+False``); apex's own default (= ``dtype``, fp32) would put GPT3-20B's 64-GPU row, which ran, at 96 GiB."""
+
+
+def nemo_optimizer_state(
+    optim_dtype: str = "fp32", grad_sync_dtype: str = NEMO_FP8_GRAD_SYNC
+) -> dict[str, str]:
+    """PlanConfig's state settings for NeMo's distributed Adam (apex ``DistributedFusedAdam`` as NeMo's
+    ``megatron_base_model.setup_optimization`` sets it up for a bf16 model, v2.0.0rc0): the moments in the config's
+    ``optim.dtype``, the gradient buffer in ``grad_sync_dtype``, the fp32 master kept as its 16-bit remainders when
+    the state is fp32 (``store_param_remainders``), none when the state is bf16 (``store_params`` False: the bf16
+    weights updated in place)."""
+    grad = grad_sync_dtype
+    return {"grad_dtype": "fp32" if grad == "fp32" else "half", "moments_dtype": optim_dtype,
+            "master_weights": "remainder" if optim_dtype == "fp32" else "none"}  # fmt: skip
+
+
 def nemo_2407_rows(data: dict) -> list[dict]:
     """NeMo 24.07's DGX-H100 FP8 pre-training table: step = GBS·s / (tokens/s/GPU · GPUs), each model's
     settings from its launcher config at the 24.07 tag (``_stated``), ZeRO-1, cuDNN attention; nothing fitted."""
@@ -398,7 +418,7 @@ def nemo_2407_rows(data: dict) -> list[dict]:
             precision=sec["precision"], fp8_recipe=sec["fp8_recipe"],
             schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",), virtuals=(v,) if v > 1 else None,
             recompute=(m["recompute"],) if m["recompute"] else ("none",), memory_headroom=0.0, choose="fastest",
-            efficiency=FUSED,
+            efficiency=FUSED, **nemo_optimizer_state(m.get("optim_dtype", "fp32")),
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)
         measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
@@ -527,7 +547,9 @@ def main() -> None:
     print(
         "TE rows (Megatron-Bridge, Megatron-LM README, NeMo): cuDNN attention (TE prefers it on Hopper), FP8 as TE casts"
         " (te-current for Bridge's FP8-CS, te-delayed for NeMo). NeMo 24.07 rows: each model's launcher config at the"
-        " 24.07 tag (dropout, SP, TP overlap, recompute), ZeRO-1; NeMo 24.03 long-sequence rows: b_m 1, ZeRO-1, TP"
+        " 24.07 tag (dropout, SP, TP overlap, recompute, optim.dtype), ZeRO-1 as NeMo's distributed Adam keeps it (bf16"
+        " gradient buffer, fp32 master as 16-bit remainders, or none under a bf16 state); DeepSeek-V3 with its recipe's"
+        " bf16 moments; NeMo 24.03 long-sequence rows: b_m 1, ZeRO-1, TP"
         " collectives exposed, Megatron's p2p ring, the planner's fastest recompute"
     )
     for k in ("nemo_dgx_h100_bf16",):

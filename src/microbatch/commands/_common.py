@@ -22,7 +22,7 @@ from microbatch.commands._outputs import (
 )
 from microbatch.envelope import envelope
 from microbatch.errors import ConfigError
-from microbatch.precision import FP8_RECIPES, PRECISIONS
+from microbatch.precision import FP8_RECIPES
 from microbatch.schedules.registry import schedule_names
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = [
     "json_option",
     "stages_option",
-    "precision_options",
     "command_name",
     "emit",
     "write_result",
@@ -98,29 +97,6 @@ def stages_option(required: bool = True, default: int | None = None) -> Callable
         default=default,
         help="Pipeline stages p (ranks). --pipeline-parallel is the same option.",
     )
-
-
-def precision_options(f: F) -> F:
-    """``--precision``, ``--grad-dtype`` and ``--optimizer``: the bytes of training state per parameter."""
-    opts = [
-        click.option(
-            "--precision",
-            type=click.Choice(list(PRECISIONS)),
-            default="bf16-mixed",
-            show_default=True,
-        ),
-        click.option(
-            "--grad-dtype",
-            type=click.Choice(["half", "fp32"]),
-            default="half",
-            show_default=True,
-            help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron).",
-        ),
-        click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
 
 
 def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:

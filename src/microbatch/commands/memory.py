@@ -15,12 +15,12 @@ from microbatch.commands._common import (
     moe_split,
     parse_split,
     parse_zero,
-    precision_options,
     resolve_model,
     stages_option,
     zero_choice,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
+from microbatch.commands._state_flags import precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.state import PIPELINE_GRAD_REDUCE
 from microbatch.show.answers import render_memory
@@ -74,7 +74,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
-    precision: str, grad_dtype: str, optimizer: str, zero: str, data_parallel: int, layers_per_stage: str | None,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, zero: str, data_parallel: int, layers_per_stage: str | None,
     pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
@@ -102,6 +102,8 @@ def cmd(
         precision=precision,
         grad_dtype=grad_dtype,
         optimizer=optimizer,
+        moments_dtype=moments_dtype,
+        master_weights=master_weights,
         recompute=recompute,
         flash_attention=flash,
         pipeline_grad_reduce=pipeline_grad_reduce,

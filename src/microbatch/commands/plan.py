@@ -14,11 +14,11 @@ from microbatch.commands._common import (
     model_options,
     moe_options,
     moe_split,
-    precision_options,
     resolve_model,
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
+from microbatch.commands._state_flags import precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
 from microbatch.predict.collectives import ZERO3_IMPLS
@@ -165,7 +165,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
-    precision: str, grad_dtype: str, optimizer: str, flash: bool | None, dropout: bool | None, compiled: bool,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, flash: bool | None, dropout: bool | None, compiled: bool,
     parallel_block: bool, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
@@ -206,6 +206,8 @@ def cmd(
         precision=precision,
         grad_dtype=grad_dtype,
         optimizer=optimizer,
+        moments_dtype=moments_dtype,
+        master_weights=master_weights,
         flash_attention=flash,
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,

@@ -32,10 +32,10 @@ from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expe
 from microbatch.predict.recompute import every_kth, recompute_working
 from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import (
-    bytes_per_param,
     check_hybrid,
     check_pipeline_grad_reduce,
     check_zero,
+    config_bytes_per_param,
     model_state_bytes,
     resident_zero,
     zero_groups,
@@ -118,6 +118,10 @@ class MemoryConfig:
     """Gradient type under mixed precision: half (16 B/param with Adam) or fp32 (18 B/param)."""
     optimizer: str = "adamw"
     """adamw or sgd."""
+    moments_dtype: str = "fp32"
+    """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
+    master_weights: str = "fp32"
+    """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
     recompute: str = "none"
     """Activation recomputation: none, selective, full."""
     flash_attention: bool | None = None
@@ -166,7 +170,7 @@ class MemoryConfig:
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
-        bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
+        self.state_bytes_per_param()  # validates the precision and the four state settings
         check_recompute(self.recompute)
         if self.schedule not in registry.schedule_names(in_flight=True):
             raise ConfigError(
@@ -195,6 +199,10 @@ class MemoryConfig:
     def expert_load(self) -> float:
         """Routed rows over the balanced share: the capacity factor, or the imbalance when dropless."""
         return expert_load(self.capacity_factor, self.expert_imbalance)
+
+    def state_bytes_per_param(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer) bytes per parameter before sharding (:mod:`microbatch.predict.state`)."""
+        return config_bytes_per_param(self)
 
     def validate_for(self, shape: ModelShape) -> None:
         """The rules that need the model: t divides heads (and kv heads), p ≤ layers, p·v divides layers."""
@@ -344,6 +352,8 @@ class MemoryEstimate:
                 "fp8_recipe": cfg.fp8_recipe if cfg.precision == "fp8" else None,
                 "grad_dtype": cfg.grad_dtype,
                 "optimizer": cfg.optimizer,
+                "moments_dtype": cfg.moments_dtype,
+                "master_weights": cfg.master_weights,
                 "recompute": cfg.recompute,
                 "recompute_every": cfg.recompute_every,
                 "expert_parallel": cfg.expert_parallel,
@@ -379,7 +389,8 @@ def _stage_state(
         params = (shape.layers_params(first, n_layers) + shape.embedding_params() * (i == 0) + head) / t
     experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
     params += experts / ep - experts
-    kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer)
+    kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer,
+              moments=config.moments_dtype, master=config.master_weights)  # fmt: skip
     z = resident_zero(
         config.zero, p, config.pipeline_grad_reduce
     )  # under a pipeline: ZeRO-1's (or -2's) state
@@ -437,7 +448,7 @@ def estimate_memory(
         )  # fmt: skip
         working = recompute_working(none, per_layer)
         per_layer = every_kth(per_layer, none, config.recompute_every if config.recompute == "full" else 1)
-    w_bytes = bytes_per_param(config.precision, config.grad_dtype, config.optimizer)[0]
+    w_bytes = config.state_bytes_per_param()[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
     ep = config.expert_parallel

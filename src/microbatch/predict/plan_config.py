@@ -22,9 +22,9 @@ from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import (
     ZERO_STAGES,
-    bytes_per_param,
     check_hybrid,
     check_pipeline_grad_reduce,
+    config_bytes_per_param,
     zero_groups,
 )
 from microbatch.schedules.registry import schedule_names
@@ -81,6 +81,10 @@ class PlanConfig:
     """Gradients under mixed precision: half (16 B/param) or fp32 (18 B/param)."""
     optimizer: str = "adamw"
     """adamw or sgd."""
+    moments_dtype: str = "fp32"
+    """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
+    master_weights: str = "fp32"
+    """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
     flash_attention: bool | None = None
     """Flash attention; None means the model's setting."""
     memory_headroom: float = DEFAULT_HEADROOM
@@ -183,7 +187,7 @@ class PlanConfig:
         for b in self.micro_batches or ():
             check_positive_int("micro_batches", b)
             check_micro_batch(B, b, d)
-        bytes_per_param(self.precision, self.grad_dtype, self.optimizer)  # validates the three
+        self.state_bytes_per_param()  # validates the precision and the four state settings
         L, p = self.shape.layers, self.pipeline_parallel
         for v in self.virtuals or ():
             check_positive_int("virtual", v)
@@ -224,6 +228,10 @@ class PlanConfig:
             sequence_parallel=self.sequence_parallel,
             layers_per_stage=self.layers_per_stage,
         ).validate_for(self.shape)
+
+    def state_bytes_per_param(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer) bytes per parameter before sharding (:mod:`microbatch.predict.state`)."""
+        return config_bytes_per_param(self)
 
     def _check_issue29_layout(self) -> None:
         """Expert and context parallelism, FP8, every-K recompute and async TP: their rules."""
@@ -328,6 +336,8 @@ class PlanConfig:
             "fp8_recipe": self.fp8_recipe if self.precision == "fp8" else None,
             "grad_dtype": self.grad_dtype,
             "optimizer": self.optimizer,
+            "moments_dtype": self.moments_dtype,
+            "master_weights": self.master_weights,
             "memory_headroom": self.memory_headroom,
             "memory_budget_bytes": self.memory_budget_bytes,
             "num_gpus": self.num_gpus,

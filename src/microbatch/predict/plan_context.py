@@ -29,7 +29,6 @@ from microbatch.predict.roofline import (
     scatter_gather_send_s,
 )
 from microbatch.predict.stages import split_layers, stage_params
-from microbatch.predict.state import bytes_per_param
 from microbatch.schedules.closed_forms import PipelineTime
 
 __all__ = [
@@ -197,7 +196,7 @@ def make_context(cfg: PlanConfig) -> Context:
         act_kw=dict(seq=cfg.seq_len // c, tensor_parallel=t, sequence_parallel=cfg.sequence_parallel),
         dtype=prec.compute_dtype,
         e=prec.weight_bytes,  # activations are kept in the compute dtype
-        state_bpp=bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer),
+        state_bpp=cfg.state_bytes_per_param(),
         tokens_per_step=cfg.global_batch * cfg.seq_len,
         num_gpus=cfg.num_gpus,
         peak_flops=cfg.gpu.flops(prec.gemm_dtype or prec.compute_dtype),

@@ -9,6 +9,16 @@ The two common mixed-precision conventions are named, not hidden behind one flag
   Korthikanti et al. 2022 Table 3 note; Megatron's distributed-optimizer doc table).
 - ``fp32``: 4 + 4 + 8 (two Adam moments) = 16 bytes.
 
+Frameworks that keep less are named too: **bf16 moments** (``moments="bf16"``: DeepSeek-V3's report §3.3.3
+"Low-Precision Storage"; Megatron-Core's precision-aware optimizer ``exp_avg_dtype``/``exp_avg_sq_dtype``; apex's
+``DistributedFusedAdam(dtype=bf16)``, NeMo's ``optim.dtype``), and the fp32 master kept as its **16-bit
+remainder** under the bf16 weights (``master="remainder"``: apex ``store_param_remainders``, which NeMo's
+distributed Adam turns on for bf16 models with fp32 state; Megatron-Core ``store_param_remainders`` with the
+precision-aware optimizer, TE ≥ 2.1) or **none** (the optimizer updates the bf16 weights themselves: apex with
+``dtype`` equal to the model's, ``store_params=False``). NeMo's distributed Adam at its defaults is thus 2 + 4
+(its gradient buffer in ``grad_sync_dtype``, = ``dtype`` = fp32) + 2 + 8 = 16 B; NeMo's Nemotron-4 340B
+config (``dtype: bf16``, ``grad_sync_dtype: bf16``) 2 + 2 + 0 + 4 = 8 B.
+
 SGD keeps one momentum buffer instead of two moments. ZeRO stage 1 shards the optimizer state
 over the d data-parallel replicas (Megatron's *distributed optimizer* is this), stage 2 also the
 gradients, stage 3 also the weights. The precisions are :data:`microbatch.precision.PRECISIONS`.
@@ -16,15 +26,22 @@ gradients, stage 3 also the weights. The precisions are :data:`microbatch.precis
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from microbatch.errors import ConfigError
 from microbatch.precision import get_precision
 
 __all__ = [
-    "GRAD_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "GRAD_DTYPES", "MASTER_WEIGHTS", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
 """Gradient buffer type under mixed precision: ``half`` (ZeRO paper, 16 B/param) or ``fp32`` (Megatron, 18)."""
+MOMENT_DTYPES = ("fp32", "bf16")
+"""The optimizer's moment buffers: fp32 (4 B each) or bf16 (2 B each; DeepSeek-V3, Megatron ``exp_avg_dtype``)."""
+MASTER_WEIGHTS = ("fp32", "remainder", "none")
+"""Mixed precision's master weights: an fp32 copy (4 B), the 16 bits of it the bf16 weights lack (2 B; apex and
+Megatron ``store_param_remainders``), or none (the half weights updated in place)."""
 OPTIMIZERS = ("adamw", "sgd")
 """Optimizers with a state-size rule (Adam/AdamW: two moments; SGD with momentum: one buffer)."""
 ZERO_STAGES = (0, 1, 2, 3)
@@ -32,27 +49,82 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def bytes_per_param(
-    precision: str, grad_dtype: str = "half", optimizer: str = "adamw"
+    precision: str,
+    grad_dtype: str = "half",
+    optimizer: str = "adamw",
+    moments: str = "fp32",
+    master: str = "fp32",
 ) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes per parameter before any sharding.
 
     Mixed precision keeps 2-byte weights, 2- or 4-byte gradients and fp32 master weights (4) plus
     the optimizer's fp32 buffers (Adam: 8; SGD momentum: 4) — ZeRO §3.1 (16 B with Adam) and
-    Megatron (18 B with fp32 gradients). fp32 keeps 4 + 4 + buffers (no master copy). Ignores
-    8-bit optimizers and fp32 gradient buffers kept next to half ones.
+    Megatron (18 B with fp32 gradients). ``moments="bf16"`` halves the buffers; ``master`` keeps the master
+    copy as 4 (fp32), 2 (``remainder``) or 0 (``none``) bytes. fp32 keeps 4 + 4 + buffers (no master copy).
+    Ignores 8-bit optimizers and fp32 gradient buffers kept next to half ones.
     """
     prec = get_precision(precision)
+    _check_state_dtypes(prec.name, prec.master_copy, moments, master)
     if grad_dtype not in GRAD_DTYPES:
         raise ConfigError(
             f"grad dtype {grad_dtype!r} is not known; use 'half' (16 B/param, ZeRO) or 'fp32' (18 B/param, Megatron)"
         )
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
-    moments = 8 if optimizer == "adamw" else 4
+    buffers = (2 if optimizer == "adamw" else 1) * (4 if moments == "fp32" else 2)
     w = prec.weight_bytes
     if not prec.master_copy:
-        return w, w, moments
-    return w, (w if grad_dtype == "half" else 4), 4 + moments
+        return w, w, buffers
+    return w, (w if grad_dtype == "half" else 4), {"fp32": 4, "remainder": 2, "none": 0}[master] + buffers
+
+
+def _check_state_dtypes(precision: str, master_copy: bool, moments: str, master: str) -> None:
+    """ConfigError for a moment or master-weight type not known, or a master setting the precision has no use
+    for: fp32 training keeps no master copy; the remainder completes bf16 weights only (fp16 shares no bits)."""
+    if moments not in MOMENT_DTYPES:
+        raise ConfigError(
+            f"moments_dtype {moments!r} is not known; use fp32 (4 B per moment) or bf16 (2 B: DeepSeek-V3, "
+            "Megatron exp_avg_dtype)",
+            params=("moments_dtype",),
+        )
+    if master not in MASTER_WEIGHTS:
+        raise ConfigError(
+            f"master_weights {master!r} is not known; use fp32 (4 B), remainder (2 B: the low 16 bits under "
+            "bf16 weights) or none (the half weights updated in place)",
+            params=("master_weights",),
+        )
+    if master != "fp32" and not master_copy:
+        raise ConfigError(
+            f"master_weights {master} with precision {precision}: fp32 training keeps no master copy; drop "
+            "master_weights or train in bf16-mixed",
+            params=("master_weights", "precision"),
+        )
+    if master == "remainder" and precision == "fp16-mixed":
+        raise ConfigError(
+            "master_weights remainder completes bf16 weights to fp32 (the low 16 bits); fp16 weights share no "
+            "bits with fp32: use master_weights fp32 or none with fp16-mixed, or bf16-mixed",
+            params=("master_weights", "precision"),
+        )
+
+
+class _StateSettings(Protocol):
+    @property
+    def precision(self) -> str: ...
+    @property
+    def grad_dtype(self) -> str: ...
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def moments_dtype(self) -> str: ...
+    @property
+    def master_weights(self) -> str: ...
+
+
+def config_bytes_per_param(cfg: _StateSettings) -> tuple[int, int, int]:
+    """:func:`bytes_per_param` of a config's precision, gradient type, optimizer, moments and master weights."""
+    return bytes_per_param(
+        cfg.precision, cfg.grad_dtype, cfg.optimizer, cfg.moments_dtype, cfg.master_weights
+    )
 
 
 def model_state_bytes(
@@ -63,6 +135,8 @@ def model_state_bytes(
     optimizer: str = "adamw",
     zero: int = 0,
     data_parallel: int = 1,
+    moments: str = "fp32",
+    master: str = "fp32",
 ) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state for ``params`` parameters on one GPU.
 
@@ -71,7 +145,7 @@ def model_state_bytes(
     parameter with mixed-precision Adam. Ignores temporary buffers (all-gather, bucket copies).
     """
     check_zero(zero)
-    w, g, o = bytes_per_param(precision, grad_dtype, optimizer)
+    w, g, o = bytes_per_param(precision, grad_dtype, optimizer, moments, master)
     d = data_parallel
     return {
         "weights": params * w / (d if zero >= 3 else 1),

@@ -119,9 +119,8 @@ def render_memory(
 ) -> str:
     """``memory``'s text: the setting, one row per stage, the peak and whether it fits."""
     from microbatch.hardware import DEFAULT_HEADROOM
-    from microbatch.predict.state import bytes_per_param
 
-    w, g, o = bytes_per_param(cfg.precision, cfg.grad_dtype, cfg.optimizer)
+    w, g, o = cfg.state_bytes_per_param()
     moe = shape.moe
     params = f"{shape.param_count():,} parameters" + (
         f" ({shape.active_param_count():,} active; E={moe.experts}, top-k={moe.top_k}, EP={cfg.expert_parallel})"

@@ -136,7 +136,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
-                    "flash_attention", "pipeline_grad_reduce"):  # fmt: skip
+                    "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
@@ -360,6 +360,11 @@ def _lacks(c: Json, fmt: str) -> list[str]:
         lacks.append(
             "all-gather or ring context parallelism"
             + (" (its Ulysses lives in Megatron-DeepSpeed, not in its config)" if fmt == "deepspeed" else "")
+        )
+    if c.get("moments_dtype", "fp32") != "fp32" or c.get("master_weights", "fp32") != "fp32":
+        lacks.append(  # none of the four configs sets them: Megatron's precision-aware optimizer and NeMo's do
+            f"optimizer state of {c.get('moments_dtype', 'fp32')} moments and {c.get('master_weights', 'fp32')} "
+            "master weights (Megatron's precision-aware optimizer and NeMo's optim.dtype set them)"
         )
     hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
     if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":

@@ -1,0 +1,50 @@
+"""The flags that size a training step's state per parameter: precision, gradient type, optimizer, its moments and
+its master weights (:mod:`microbatch.predict.state`), shared by ``plan`` and ``memory``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from microbatch.precision import PRECISIONS
+from microbatch.predict.state import GRAD_DTYPES, MASTER_WEIGHTS, MOMENT_DTYPES, OPTIMIZERS
+
+__all__ = ["precision_options"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def precision_options(f: F) -> F:
+    """``--precision``, ``--grad-dtype``, ``--optimizer``, ``--moments-dtype`` and ``--master-weights``: the bytes of
+    training state per parameter (:mod:`microbatch.predict.state`)."""
+    opts = [
+        click.option(
+            "--precision",
+            type=click.Choice(list(PRECISIONS)),
+            default="bf16-mixed",
+            show_default=True,
+        ),
+        click.option(
+            "--grad-dtype",
+            type=click.Choice(list(GRAD_DTYPES)),
+            default="half",
+            show_default=True,
+            help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron).",
+        ),
+        click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True),
+        click.option(
+            "--moments-dtype", type=click.Choice(list(MOMENT_DTYPES)), default="fp32", show_default=True,
+            help="The optimizer's moments: bf16 halves them (DeepSeek-V3; Megatron --exp-avg-dtype bf16; "
+            "NeMo optim.dtype bf16).",
+        ),
+        click.option(
+            "--master-weights", type=click.Choice(list(MASTER_WEIGHTS)), default="fp32", show_default=True,
+            help="Mixed precision's master copy: fp32 (4 B), remainder (2 B: the fp32 bits under bf16 weights, "
+            "NeMo's distributed Adam, Megatron --store-param-remainders) or none (bf16 weights updated in place).",
+        ),
+    ]  # fmt: skip
+    for opt in reversed(opts):
+        f = opt(f)
+    return f

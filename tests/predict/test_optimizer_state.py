@@ -1,0 +1,126 @@
+"""The optimizer state frameworks really keep: bf16 moments, the fp32 master as a 16-bit remainder or none (NeMo's
+distributed Adam, Megatron's precision-aware optimizer, DeepSeek-V3), each against a hand count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.errors import ConfigError
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.memory import MemoryConfig, estimate_memory
+from microbatch.predict.plan import make_plan
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.predict.state import bytes_per_param, model_state_bytes
+from microbatch.show.export import export_plan
+
+H100 = get_accelerator("h100-sxm")
+
+
+@pytest.mark.parametrize(
+    ("precision", "grad", "optimizer", "moments", "master", "want"),
+    [
+        ("bf16-mixed", "half", "adamw", "fp32", "fp32", (2, 2, 12)),  # ZeRO's 16 B
+        ("bf16-mixed", "fp32", "adamw", "fp32", "fp32", (2, 4, 12)),  # Megatron's 18 B
+        (
+            "bf16-mixed",
+            "fp32",
+            "adamw",
+            "fp32",
+            "remainder",
+            (2, 4, 10),
+        ),  # apex DistributedFusedAdam's default
+        (
+            "bf16-mixed",
+            "half",
+            "adamw",
+            "bf16",
+            "none",
+            (2, 2, 4),
+        ),  # NeMo's Nemotron-4 340B (optim.dtype bf16)
+        (
+            "fp8",
+            "half",
+            "adamw",
+            "bf16",
+            "remainder",
+            (2, 2, 6),
+        ),  # DeepSeek-V3's recipe (bf16 weights under FP8)
+        ("bf16-mixed", "half", "sgd", "bf16", "fp32", (2, 2, 6)),  # one momentum buffer in bf16
+        ("fp16-mixed", "half", "adamw", "fp32", "none", (2, 2, 8)),
+        ("fp32", "half", "adamw", "bf16", "fp32", (4, 4, 4)),  # no master copy, two bf16 moments
+    ],
+)
+def test_bytes_per_param_by_hand(precision, grad, optimizer, moments, master, want):
+    assert bytes_per_param(precision, grad, optimizer, moments, master) == want
+
+
+def test_zero_shards_the_smaller_state():
+    """ZeRO-1 over d = 8: NeMo 340B's state 2 + 2 + 4/8 B per parameter."""
+    state = model_state_bytes(1e9, zero=1, data_parallel=8, moments="bf16", master="none")
+    assert state == {"weights": 2e9, "gradients": 2e9, "optimizer": 4e9 / 8}
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"moments": "fp8"}, "moments_dtype 'fp8' is not known"),
+        ({"master": "fp16"}, "master_weights 'fp16' is not known"),
+        ({"master": "remainder", "precision": "fp16-mixed"}, "fp16 weights share no bits"),
+        ({"master": "none", "precision": "fp32"}, "fp32 training keeps no master copy"),
+    ],
+)
+def test_bad_state_settings_refused(kw, words):
+    args = {"precision": "bf16-mixed", "moments": "fp32", "master": "fp32"} | kw
+    with pytest.raises(ConfigError, match=words):
+        bytes_per_param(args["precision"], "half", "adamw", args["moments"], args["master"])
+
+
+def _plan_cfg(**kw):
+    base = dict(shape=get_model("llama-2-7b"), gpu=H100, global_batch=64, data_parallel=8, micro_batches=(1,),
+                zero=(1,), recompute=("none",), schedules=("1f1b",))  # fmt: skip
+    return PlanConfig(**(base | kw))
+
+
+def test_plan_memory_and_update_follow_the_state_bytes():
+    """The same plan with NeMo 340B's state (2 + 2 + 4 B) against ZeRO's (2 + 2 + 12 B): the optimizer bytes a third,
+    the rest of memory the same, and the update — a stream of the state the GPU owns — half as long (8 B of 16)."""
+    full = make_plan(_plan_cfg()).candidates[0]
+    lean = make_plan(_plan_cfg(moments_dtype="bf16", master_weights="none")).candidates[0]
+    assert lean.memory["optimizer"] == pytest.approx(full.memory["optimizer"] / 3)
+    for key in ("weights", "gradients", "activations"):
+        assert lean.memory[key] == full.memory[key]
+    assert lean.time["optimizer_s"] == pytest.approx(full.time["optimizer_s"] / 2)
+    assert full.peak_memory_bytes - lean.peak_memory_bytes == pytest.approx(
+        full.memory["optimizer"] - lean.memory["optimizer"]
+    )
+
+
+def test_memory_command_config_agrees_with_the_plan():
+    shape = get_model("llama-2-7b")
+    kw = dict(micro_batch=1, data_parallel=8, zero=1, moments_dtype="bf16", master_weights="remainder")
+    est = estimate_memory(shape, MemoryConfig(**kw))
+    plan = make_plan(_plan_cfg(moments_dtype="bf16", master_weights="remainder")).candidates[0]
+    assert est.stages[0].optimizer_bytes == pytest.approx(plan.memory["optimizer"])
+    assert est.stages[0].optimizer_bytes == pytest.approx(shape.param_count() * 6 / 8, rel=1e-9)
+    with pytest.raises(ConfigError, match="fp16 weights share no bits"):
+        MemoryConfig(micro_batch=1, precision="fp16-mixed", master_weights="remainder")
+
+
+def test_cli_states_it_and_exports_refuse_it(capsys):
+    from microbatch.cli import main
+
+    args = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "--json"]
+    assert main([*args, "--moments-dtype", "bf16", "--master-weights", "none"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["moments_dtype"] == "bf16" and out["master_weights"] == "none"
+    assert main([*args, "--precision", "fp32", "--master-weights", "remainder"]) == 2
+    err = capsys.readouterr().err
+    assert "--master-weights remainder with --precision fp32" in err
+    plan = make_plan(_plan_cfg(moments_dtype="bf16")).to_dict()
+    for fmt in ("deepspeed", "hf", "lightning", "torchtitan"):
+        with pytest.raises(ConfigError, match=f"{fmt} has no optimizer state of bf16 moments"):
+            export_plan(plan, fmt)
+    export_plan(make_plan(_plan_cfg()).to_dict(), "deepspeed")  # the default state exports
