@@ -27,7 +27,7 @@ from microbatch.errors import ConfigError
 __all__ = [
     "check_gemm_dtype",
     "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
-    "get_fp8_recipe", "weight_cache_bytes",
+    "get_fp8_recipe", "saves_fp8_inputs", "weight_cache_bytes",
 ]  # fmt: skip
 
 
@@ -133,6 +133,11 @@ class Fp8Recipe:
     """Whether the FP8 weights (and their transposes) are cast on a step's first micro-batch and cached for the
     rest (TE's ``is_first_microbatch``: "allows caching of the FP8 versions of the weights"; Megatron-core's TE
     layers pass it, ``extensions/transformer_engine.py``)."""
+    saves_fp8_inputs: bool = False
+    """Whether the linear layers keep their inputs for the weight gradient as the FP8 casts (1 B) instead of the
+    bf16 tensors: Transformer Engine's (``module/linear.py`` v1.8 saves ``inputmat``, the cast, under FP8;
+    ``layernorm_mlp.py`` saves ``ln_out`` as uint8 and the activation's output in FP8, ``fc1_out`` in bf16);
+    torchao's ``Float8Linear`` saves the high-precision input and casts again in the backward."""
     gemm_factor: float
     """Share of the tensorwise FP8 GEMM rate its kernel reaches. 1 for both recipes: no kernel-level
     measurement of row-wise-scaled FP8 GEMMs is cited or measured here, so the rowwise kernel's own
@@ -153,8 +158,9 @@ FP8_RECIPES: dict[str, Fp8Recipe] = {
         Fp8Recipe(name="rowwise", backward_amax=True, gemm_factor=1.0,
                   description="one dynamic scale per row (more accurate, slower kernels)"),
         Fp8Recipe(name="te-delayed", backward_amax=False, amax_pass=False, fused_transpose=True, weight_cache=True,
-                  gemm_factor=1.0, description="Transformer Engine's delayed scaling (NeMo, Megatron's default)"),
-        Fp8Recipe(name="te-current", backward_amax=False, fused_transpose=True, weight_cache=True, gemm_factor=1.0,
+                  saves_fp8_inputs=True, gemm_factor=1.0, description="Transformer Engine's delayed scaling (NeMo, Megatron's default)"),
+        Fp8Recipe(name="te-current", backward_amax=False, fused_transpose=True, weight_cache=True,
+                  saves_fp8_inputs=True, gemm_factor=1.0,
                   description="Transformer Engine's current scaling (Megatron-Bridge FP8-CS)"),
     )
 }  # fmt: skip
@@ -178,6 +184,12 @@ def get_fp8_recipe(name: str) -> Fp8Recipe:
     if name not in FP8_RECIPES:
         raise ConfigError(f"fp8 recipe {name!r} is not known; use one of {', '.join(FP8_RECIPES)}")
     return FP8_RECIPES[name]
+
+
+def saves_fp8_inputs(precision: str, fp8_recipe: str) -> bool:
+    """Whether ``precision`` runs FP8 GEMMs under a recipe whose linear layers save their inputs in FP8
+    (:attr:`Fp8Recipe.saves_fp8_inputs`)."""
+    return get_precision(precision).gemm_dtype == "fp8" and get_fp8_recipe(fp8_recipe).saves_fp8_inputs
 
 
 def weight_cache_bytes(precision: str, fp8_recipe: str) -> int:

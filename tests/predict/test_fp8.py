@@ -200,3 +200,51 @@ def test_fp8_mfu_is_a_share_of_the_fp8_peak():
     for c in plan.candidates:
         assert c.mfu == pytest.approx(flops / (c.step_time_s * cfg.num_gpus * 1978.9e12), rel=1e-9)
         assert 0 < c.mfu < 1
+
+
+def test_te_saves_linear_inputs_in_fp8_by_hand():
+    """Transformer Engine's FP8 keeps the linear layers' inputs as their 1-byte casts: a GPT block (flash, dropout,
+    f = 4h) keeps 5 sbh fewer bytes without recompute (QKV and MLP inputs −1 each, the MLP's second input −4, the
+    output projection's FP8 copy +1 beside the attention's own bf16 output) and 7 fewer under selective recompute
+    (the attention recomputed, only the projection's copy kept); a gated MLP keeps sbh + sbf fewer; full recompute
+    keeps the layer input only, unchanged. torchao's recipes save bf16: no change."""
+    from microbatch.model import ModelShape
+    from microbatch.precision import saves_fp8_inputs
+    from microbatch.predict.activations import layer_activation_bytes
+
+    gpt = ModelShape(name="g", layers=2, hidden=1024, heads=16, vocab=1000, seq=2048, dropout=True)
+    s, b, h = 2048, 2, 1024
+    sbh = s * b * h
+    for rc, fewer in (("none", 5), ("selective", 7), ("full", 0)):
+        kw = dict(seq=s, recompute=rc, flash_attention=True)
+        diff = layer_activation_bytes(gpt, b, **kw) - layer_activation_bytes(gpt, b, fp8_inputs=True, **kw)
+        assert diff == fewer * sbh, rc
+    gated = ModelShape(name="l", layers=2, hidden=h, heads=16, kv_heads=4, ffn_hidden=2816, vocab=1000, seq=s,
+                       gated_mlp=True, bias=False, norm="rmsnorm", learned_positions=False)  # fmt: skip
+    diff = layer_activation_bytes(gated, b, seq=s, flash_attention=True) - layer_activation_bytes(
+        gated, b, seq=s, flash_attention=True, fp8_inputs=True
+    )
+    assert diff == sbh + s * b * 2816
+    assert saves_fp8_inputs("fp8", "te-delayed") and saves_fp8_inputs("fp8", "te-current")
+    assert not saves_fp8_inputs("fp8", "tensorwise") and not saves_fp8_inputs("bf16-mixed", "te-delayed")
+
+
+def test_plan_and_memory_hold_te_fp8_activations_alike():
+    """The planner's and the memory command's activations agree under TE's FP8, and are below torchao's."""
+    from microbatch.model import get_model
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.predict.plan import make_plan
+    from microbatch.predict.plan_config import PlanConfig
+
+    shape = get_model("llama-2-7b")
+    acts = {}
+    for recipe in ("tensorwise", "te-delayed"):
+        cfg = PlanConfig(shape=shape, gpu=get_accelerator("h100-sxm"), global_batch=8, micro_batches=(1,),
+                         recompute=("none",), schedules=("1f1b",), zero=(0,), precision="fp8", fp8_recipe=recipe)  # fmt: skip
+        cand = make_plan(cfg).candidates[0]
+        est = estimate_memory(
+            shape, MemoryConfig(micro_batch=1, microbatches=8, precision="fp8", fp8_recipe=recipe)
+        )
+        assert est.stages[0].activations_bytes == pytest.approx(cand.memory["activations"], rel=1e-9)
+        acts[recipe] = cand.memory["activations"]
+    assert acts["te-delayed"] < acts["tensorwise"]

@@ -51,6 +51,7 @@ def layer_activation_terms(
     flash_attention: bool | None = None,
     dtype_bytes: int = 2,
     expert_load: float = 1.0,
+    fp8_inputs: bool = False,
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for its backward, for one micro-batch, by term.
 
@@ -73,6 +74,8 @@ def layer_activation_terms(
     (:func:`microbatch.predict.experts.moe_activation_terms`, at ``expert_load`` × the balanced rows);
     DeepSeek's latent attention keeps Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split
     by t, and its two latents (d_c' + d_c + d_h^R per token) whole.
+    With ``fp8_inputs`` (Transformer Engine's FP8) the linear layers keep 1-byte casts of their inputs
+    (:func:`_fp8_saved_inputs`; a GPT block 29 sbh, not 34); the routed experts' terms are not changed.
     Per-op selective recompute (``op``) keeps :func:`microbatch.predict.recompute.op_saved_terms`.
     Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
     recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
@@ -99,15 +102,14 @@ def layer_activation_terms(
         "dropout_masks": (2 * sbh / sp) if shape.dropout else 0.0,
     }
     if shape.mla is not None:
-        m = shape.mla
-        terms["qkv"] = e * s * b * a * (2 * m.qk_head_dim + m.v_head_dim) / t
-        terms["qkv"] += e * s * b * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)
-        terms["attention_output"] = e * s * b * a * m.v_head_dim / t
+        terms.update(_mla_terms(shape, s * b, t, e))
     if shape.moe is not None:
         del terms["mlp_hidden"]
         terms.update(
             moe_activation_terms(shape, b, s, tensor_parallel=t, sp=sp, dtype_bytes=e, load=expert_load)
         )
+    if fp8_inputs:  # the linear layers' saved inputs are their FP8 casts
+        _fp8_saved_inputs(terms, shape, s * b, t, sp, e, keeps_output=flash and recompute == "none")
     if flash:
         terms["attention_stats"] = 4 * a * s * b / t
     elif recompute == "none":
@@ -117,6 +119,31 @@ def layer_activation_terms(
         return op_saved_terms(shape, s * b, tensor_parallel=t, sp=sp, dtype_bytes=e, none_bytes=sum(terms.values()),
                               flash_stats=4 * a * s * b / t)  # fmt: skip
     return terms
+
+
+def _mla_terms(shape: ModelShape, tokens: int, t: int, e: int) -> dict[str, float]:
+    """DeepSeek's latent attention: Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split by t, and its
+    two latents (d_c' + d_c + d_h^R per token) whole."""
+    m, a = shape.mla, shape.heads
+    assert m is not None
+    qkv = e * tokens * a * (2 * m.qk_head_dim + m.v_head_dim) / t
+    qkv += e * tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim)
+    return {"qkv": qkv, "attention_output": e * tokens * a * m.v_head_dim / t}
+
+
+def _fp8_saved_inputs(
+    terms: dict[str, float], shape: ModelShape, tokens: int, t: int, sp: int, e: int, keeps_output: bool
+) -> None:
+    """Rewrite ``terms`` in place for linear layers that save their inputs as 1-byte FP8 casts
+    (:func:`layer_activation_terms`'s ``fp8_inputs``; :func:`microbatch.precision.saves_fp8_inputs`): the QKV and
+    first MLP inputs sbh; the output projection's input 1 B per element beside the e-byte output a fused (flash)
+    attention that is not recomputed keeps for its own backward (``keeps_output``: e + 1); the MLP's second linear
+    input 1 B of its f while the activation's input stays e bytes (2sbf → 3sbf, gated 6sbf → 5sbf)."""
+    terms["attention_input"] = terms["mlp_input"] = tokens * shape.hidden / sp
+    o = terms["attention_output"] / e  # elements of the output projection's input
+    terms["attention_output"] = o * (1 + (e if keeps_output else 0))
+    if "mlp_hidden" in terms:
+        terms["mlp_hidden"] = ((2 if shape.gated_mlp else 1) * e + 1) * tokens * shape.ffn / t
 
 
 def layer_activation_bytes(
@@ -130,11 +157,13 @@ def layer_activation_bytes(
     flash_attention: bool | None = None,
     dtype_bytes: int = 2,
     expert_load: float = 1.0,
+    fp8_inputs: bool = False,
 ) -> float:
     """Sum of :func:`layer_activation_terms`: bytes one layer keeps for one micro-batch."""
     terms = layer_activation_terms(
         shape, micro_batch, seq=seq, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
         recompute=recompute, flash_attention=flash_attention, dtype_bytes=dtype_bytes, expert_load=expert_load,
+        fp8_inputs=fp8_inputs,
     )  # fmt: skip
     return sum(terms.values())
 

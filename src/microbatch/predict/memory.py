@@ -20,7 +20,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative, check_positive_int
 from microbatch.model import ModelShape, check_seq
-from microbatch.precision import get_fp8_recipe, get_precision, weight_cache_bytes
+from microbatch.precision import get_fp8_recipe, get_precision, saves_fp8_inputs, weight_cache_bytes
 from microbatch.predict.activations import (
     check_recompute,
     embedding_activation_bytes,
@@ -132,8 +132,9 @@ class MemoryConfig:
     recompute_every: int = 1
     """With ``recompute="full"``: K, full recompute of one layer in K (the others keep everything)."""
     fp8_recipe: str = "tensorwise"
-    """With ``precision="fp8"``: the scaling recipe; it changes no byte here (torchao keeps the weights and
-    the saved activations in bf16; :mod:`microbatch.precision`)."""
+    """With ``precision="fp8"``: the scaling recipe. Transformer Engine's (``te-delayed``, ``te-current``) cache the
+    FP8 weights and transposes and save the linear layers' inputs in FP8; torchao's keep the weights and the saved
+    activations in bf16 (:mod:`microbatch.precision`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); 2c divides s."""
     shard_degree: int | None = None
@@ -435,16 +436,16 @@ def estimate_memory(
     e = get_precision(config.precision).weight_bytes  # activations are kept in the compute dtype
     c = config.context_parallel  # each GPU holds s/c tokens of every sequence
     seq, sp, fa = (config.seq or shape.seq) // c, config.sequence_parallel, config.flash_attention
-    load = config.expert_load
+    load, f8 = config.expert_load, saves_fp8_inputs(config.precision, config.fp8_recipe)
     per_layer = layer_activation_bytes(
         shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute=config.recompute,
-        flash_attention=fa, dtype_bytes=e, expert_load=load,
+        flash_attention=fa, dtype_bytes=e, expert_load=load, fp8_inputs=f8,
     )  # fmt: skip
     working = 0.0
     if config.recompute in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
         none = layer_activation_bytes(
             shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute="none",
-            flash_attention=fa, dtype_bytes=e, expert_load=load,
+            flash_attention=fa, dtype_bytes=e, expert_load=load, fp8_inputs=f8,
         )  # fmt: skip
         working = recompute_working(none, per_layer)
         per_layer = every_kth(per_layer, none, config.recompute_every if config.recompute == "full" else 1)

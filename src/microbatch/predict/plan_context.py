@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from microbatch.precision import get_precision, weight_cache_bytes
+from microbatch.precision import get_precision, saves_fp8_inputs, weight_cache_bytes
 from microbatch.predict.activations import (
     embedding_activation_bytes,
     layer_activation_bytes,
@@ -249,15 +249,16 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
     hit = ctx.act_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
+        f8 = saves_fp8_inputs(cfg.precision, cfg.fp8_recipe)
         per_layer = layer_activation_bytes(
             cfg.shape, b, recompute=rc, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-            expert_load=cfg.expert_load, **ctx.act_kw,
+            expert_load=cfg.expert_load, fp8_inputs=f8, **ctx.act_kw,
         )  # fmt: skip
         working = 0.0
         if rc in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
             none = layer_activation_bytes(
                 cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-                expert_load=cfg.expert_load, **ctx.act_kw,
+                expert_load=cfg.expert_load, fp8_inputs=f8, **ctx.act_kw,
             )  # fmt: skip
             working = recompute_working(none, per_layer)
             per_layer = every_kth(per_layer, none, cfg.recompute_every if rc == "full" else 1)
