@@ -18,20 +18,22 @@ import json
 from pathlib import Path
 
 from microbatch.hardware import get_accelerator
-from microbatch.predict.attention import attention_ceiling, flash_fwd_bwd_factor, flash_rate_fraction
+from microbatch.predict.attention import flash_fwd_bwd_factor, flash_rate_fraction, kernel_figures
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "attention_bars.json"
 
 
 def predicted_tflops(series: dict, seq: int) -> float:
-    """The planner's rate for one bar: ceiling × peak × the curve (forward, or forward + backward)."""
+    """The planner's rate for one bar: ceiling × peak × the curve (forward, or forward + backward) read at s/k, k
+    the kernel's ramp on that accelerator."""
     acc = get_accelerator(series["gpu"])
-    ceiling = attention_ceiling(series["kernel"], acc.name, acc.attention_fraction)
+    ceiling, ramp = kernel_figures(series["kernel"], acc.name, acc.attention_fraction, acc.attention_ramp)
+    assert ceiling is not None
     d, causal, direction = series["head_dim"], series["causal"], series["direction"]
     shape = (
-        flash_fwd_bwd_factor(seq, d, causal)
+        flash_fwd_bwd_factor(seq / ramp, d, causal)
         if direction == "fwd_bwd"
-        else flash_rate_fraction(seq, 1.0, d, causal, backward=direction == "bwd")
+        else flash_rate_fraction(seq / ramp, 1.0, d, causal, backward=direction == "bwd")
     )
     return acc.flops("bf16") / 1e12 * ceiling * shape
 

@@ -31,6 +31,16 @@ from typing import Any
 
 from microbatch import hardware_clocks as _clk
 from microbatch.errors import ConfigError, check_positive, check_positive_int
+from microbatch.hardware_attention import (
+    AMPERE,
+    ATTENTION_SOURCES,
+    ATTN_AMPERE,
+    ATTN_BLACKWELL,
+    ATTN_HOPPER,
+    BLACKWELL,
+    HOPPER,
+    RAMP_BLACKWELL,
+)
 from microbatch.hardware_names import device_key, name_key
 from microbatch.units import GIB
 
@@ -47,6 +57,7 @@ __all__ = [
     "DEFAULT_HEADROOM",
     "HOPPER",
     "AMPERE",
+    "BLACKWELL",
 ]
 
 DEFAULT_HEADROOM = 0.1
@@ -104,6 +115,9 @@ class Accelerator:
     :func:`microbatch.predict.attention.flash_rate_fraction` bends it down at short ones). None: no kernel
     evidence for this accelerator, the attention core then runs at the GEMM efficiency on the full
     FLOP count (the rule before issue 28). Each row names its evidence."""
+    attention_ramp: float = 1.0
+    """How many times longer than the FA2 H100 curves' the row's flash kernel takes to reach its ceiling (the curves
+    read at s/k); 1 but on Blackwell (:data:`~microbatch.hardware_attention.RAMP_BLACKWELL`)."""
     sustained_clock_fraction: float = 1.0
     """The compute rate a training step's sustained load holds over the rate the row's kernel terms stand for
     (the roofline runs at ``peak × this``, :meth:`sustained_flops`): on the A100 rows the clock a long GEMM holds
@@ -140,6 +154,9 @@ class Accelerator:
                 f"{self.name} attention_fraction must be in (0, 1], got {v!r}; give the share of the bf16 "
                 "peak a causal flash-attention kernel reaches (or leave it unset)"
             )
+        check_positive(
+            f"{self.name} attention_ramp", self.attention_ramp, fix="give 1 for the FA2 H100 curves' ramp"
+        )
         v = self.sustained_clock_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= _clk.MAX_CLOCK_FRACTION):
             raise ConfigError(
@@ -255,6 +272,7 @@ def _acc(
     links: tuple[float, float] = (1.0, 1.0),
     fp8: float | None = None,
     attention: float | None = None,
+    ramp: float = 1.0,
     watts: float | None = None,
     clock: tuple[float, str] = (1.0, ""),
     rated: float | None = None,
@@ -272,11 +290,12 @@ def _acc(
         intra_node_achievable=links[0],
         inter_node_achievable=links[1],
         attention_fraction=attention,
+        attention_ramp=ramp,
         sustained_clock_fraction=clock[0],
         power_limit_w=watts,
         rated_power_w=rated or watts,
         source=source
-        + (_ATTENTION_SOURCES[attention] if attention in _ATTENTION_SOURCES else "")
+        + (ATTENTION_SOURCES[attention] if attention in ATTENTION_SOURCES else "")
         + (f"; {clock[1]}" if clock[1] else ""),
     )
 
@@ -303,75 +322,54 @@ _IB_HDR = 200 * Gbit  # one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 refere
 _IB_NDR = 400 * Gbit  # one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100/H200/B200 reference architecture)
 _NVLINK_IB = (0.82, 0.96)  # achievable fractions of NVLink and InfiniBand (Accelerator.intra_node_achievable)
 
-_ATTN_HOPPER = 0.417
-"""Causal flash-attention ceiling on Hopper: 0.348 of the bf16 peak measured on an H200 by ``bench/gpu_microbench.py``
-(``bench/results/h200-2026-11-30b/run1/microbench.json``: PyTorch SDPA, is_causal, s 2,048, 32 heads of 128, the
-causal half of the FLOPs counted), over the causal forward's ramp 2,048/(2,048 + 404) at d = 128
-(:data:`microbatch.predict.attention.FA2_CURVES`): 0.348 × 2,452/2,048 = 0.417. Carried to the other Hopper parts as a
-share of their own peak (an assumption: the PCIe and NVL cards' lower power limits may cost more)."""
-_ATTN_AMPERE = 0.694
-"""Causal flash ceiling on Ampere: FlashAttention-2 on an A100 80GB SXM4 (causal d-128 forward + backward, 99, 133,
-155, 173, 182, 189 TFLOP/s at s 512 ... 16k: its ``assets/flash2_a100_fwd_bwd_benchmark.png``) fitted to the curves'
-forward + backward (:func:`~microbatch.predict.attention.flash_fwd_bwd_factor`): 0.694 of 312. SDPA's flash is FA2."""
-HOPPER = ("h100-sxm", "h100-96gb", "h100-pcie", "h100-nvl", "h800", "h200")
-"""The Hopper rows: the FlashAttention-3 paper's H100 SXM5 kernel figures carry to them as shares of their peak."""
-AMPERE = ("a100-40gb", "a100-80gb")
-"""The Ampere rows: FlashAttention-2's A100 kernel figures carry to them as shares of their peak."""
-
-_ATTENTION_SOURCES = {
-    _ATTN_HOPPER: "; attention: causal flash ceiling 0.417 of peak (H200 SDPA measured, bench/gpu_microbench.py)",
-    _ATTN_AMPERE: "; attention: causal flash ceiling 0.694 of peak (FlashAttention-2's A100 benchmark)",
-}
-
-
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         _acc("a100-40gb", 312, 312, 19.5, 40, 1555, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "1,555 GB/s HBM2, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100, attention=_ATTN_AMPERE),
+             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100, attention=ATTN_AMPERE),
         _acc("a100-80gb", 312, 312, 19.5, 80, 2039, 300, _IB_HDR, 108,
              "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, "
              "2,039 GB/s HBM2e, NVLink 600 GB/s (300 each way); DGX A100: one 200 Gb/s HDR NIC per GPU",
-             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100, attention=_ATTN_AMPERE),
+             links=_NVLINK_IB, watts=400, clock=_clk.CLOCK_A100, attention=ATTN_AMPERE),
         _acc("h100-sxm", 989.4, 989.4, 66.9, _MIB_H100, 3350, 450, _IB_NDR, 132,
              "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1,979 TFLOP/s bf16 with sparsity = 989 dense, "
              "67 fp32, 3.35 TB/s HBM3, NVLink 900 GB/s (450 each way); DGX H100: one 400 Gb/s NDR NIC per GPU; "
              "3,958 TFLOP/s fp8 with sparsity = 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
+             links=_NVLINK_IB, fp8=1978.9, attention=ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
         _acc("h100-pcie", 756.5, 756.5, 51.2, _MIB_H100, 2000, 64, 200 * Gbit, 114,
              "NVIDIA H100 Tensor Core GPU datasheet (PCIe): 1,513 TFLOP/s bf16 with sparsity = 756 dense, "
              "51 fp32, 2.0 TB/s HBM2e; PCIe Gen5 x16 64 GB/s each way (NVLink bridges pair two cards "
              "only); typical node: 200 Gb/s per GPU; 3,026 TFLOP/s fp8 with sparsity = 1,513 dense", fp8=1513,
-             attention=_ATTN_HOPPER, watts=350,
+             attention=ATTN_HOPPER, watts=350,
              clock=_clk.CLOCK_PCIE),
         _acc("h100-nvl", 835.5, 835.5, 60, 95830 / 1024, 3900, 64, 200 * Gbit, 132,
              "NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity = 835.5 dense, 60 fp32, 94 GB HBM3 "
              "at 3.9 TB/s, 350-400 W; NVLink bridge 600 GB/s joins two cards only, so a node's GPUs meet over "
              "PCIe Gen5 x16 (64 GB/s each way); typical node: 200 Gb/s per GPU; 3,341 TFLOP/s fp8 with "
-             "sparsity = 1,670.5 dense", fp8=1670.5, attention=_ATTN_HOPPER, watts=400,
+             "sparsity = 1,670.5 dense", fp8=1670.5, attention=ATTN_HOPPER, watts=400,
              clock=_clk.CLOCK_NVL),
         _acc("h800", 989.4, 989.4, 66.9, _MIB_H100, 3350, 200, _IB_NDR, 132,
              "NVIDIA H800 SXM5: the H100 SXM's compute and HBM3 (989 TFLOP/s bf16 dense, 67 fp32, 3.35 TB/s) "
              "with NVLink cut to 400 GB/s (200 each way); one 400 Gb/s NIC per GPU (DeepSeek-V3's H800 "
              "cluster, arXiv 2412.19437 §3.2.2: IB 50 GB/s per GPU against NVLink's 160 GB/s achieved)",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
+             links=_NVLINK_IB, fp8=1978.9, attention=ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H100_SXM),
         _acc("h200", 989.4, 989.4, 66.9, 143771 / 1024, 4800, 450, _IB_NDR, 132,
              "NVIDIA H200 Tensor Core GPU datasheet (SXM): H100 SXM compute (989 TFLOP/s bf16 dense, "
              "67 fp32), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s (450 each way); one 400 Gb/s NIC per GPU; "
              "fp8 as H100 SXM, 1,979 dense",
-             links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H200),
+             links=_NVLINK_IB, fp8=1978.9, attention=ATTN_HOPPER, watts=700, clock=_clk.CLOCK_H200),
         _acc("h100-96gb", 989.4, 989.4, 66.9, 94, 2410, 450, _IB_NDR, 132,
              "H100 SXM5 with six HBM2e stacks, 96 GB (94 GiB usable) at 2.41 TB/s (Ujeniya et al., arXiv "
              "2604.11391, its power-capped H100s); the H100 SXM's 132 SMs, peaks and NVLink; one 400 Gb/s NIC "
-             "per GPU", links=_NVLINK_IB, fp8=1978.9, attention=_ATTN_HOPPER, watts=500, rated=700,
+             "per GPU", links=_NVLINK_IB, fp8=1978.9, attention=ATTN_HOPPER, watts=500, rated=700,
              clock=_clk.CLOCK_H100_96GB),
         _acc("b200", 2250, 2250, 75, 183359 / 1024, 8000, 900, _IB_NDR, 148,
              "NVIDIA HGX B200 datasheet (per GPU): 4.5 PFLOP/s bf16 with sparsity = 2.25 dense, 75 fp32, "
              "180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s (900 each way); DGX B200: 400 Gb/s per GPU; 9 PFLOP/s "
              "fp8 with sparsity = 4.5 dense",
-             links=_NVLINK_IB, fp8=4500, watts=1000,
+             links=_NVLINK_IB, fp8=4500, watts=1000, attention=ATTN_BLACKWELL, ramp=RAMP_BLACKWELL,
              clock=_clk.CLOCK_B200),
         _acc("l4", 121, 121, 30.3, 23034 / 1024, 300, 32, 100 * Gbit / 8, 58,
              "NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOP/s bf16 with sparsity = 121 dense, 30.3 fp32, "

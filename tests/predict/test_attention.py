@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from microbatch.hardware import get_accelerator
-from microbatch.model import ModelShape
+from microbatch.model import ModelShape, get_model
 from microbatch.predict.attention import (
     FA2_CURVES,
     FLASH_SEQ_HALF,
@@ -177,10 +177,46 @@ def test_named_kernel_classes_give_their_published_ceilings_where_read():
     ):
         with pytest.raises(ConfigError, match=rf"only on .*{where}.* not on {bad}"):
             attention_ceiling(kernel, bad, 0.4)
-    with pytest.raises(ConfigError, match=r"only on h100-sxm.*a100-80gb, not on b200"):
-        attention_ceiling("fa2", "b200", None)
+    with pytest.raises(ConfigError, match=r"only on h100-sxm.*h200, not on b200"):
+        attention_ceiling("fa3", "b200", None)
     with pytest.raises(ConfigError, match="not known"):
         attention_ceiling("fa4", "h100-sxm", 0.417)
+
+
+def test_blackwell_runs_cudnns_curve_at_its_own_ramp():
+    """The B200 row: SDPA on cuDNN (0.597 of 2,250 at a 4.4x longer ramp), cudnn the same, fa2 its own (0.177,
+    2.4x); the planner's attention core reads the curves at keys/k (by hand against flash_attention_times_s), so a
+    4k layer on a B200 runs at 0.70 of its plateau, where the H100 curves would be at 0.91, and the forward lands
+    within 10.5% of the benchmark's bars."""
+    from microbatch.hardware_attention import ATTN_BLACKWELL, BLACKWELL_FA2, RAMP_BLACKWELL
+    from microbatch.predict.attention import flash_attention_times_s, kernel_figures
+    from microbatch.predict.attention_core import attention_core_s
+    from microbatch.predict.gemm import DEFAULT_EFFICIENCY
+
+    b200 = get_accelerator("b200")
+    assert (b200.attention_fraction, b200.attention_ramp) == (ATTN_BLACKWELL, RAMP_BLACKWELL) == (0.597, 4.4)
+    assert (
+        kernel_figures("sdpa", "b200", 0.597, 4.4)
+        == kernel_figures("cudnn", "b200", 0.597, 4.4)
+        == (0.597, 4.4)
+    )
+    assert kernel_figures("fa2", "b200", 0.597, 4.4) == BLACKWELL_FA2 == (0.177, 2.4)
+    assert kernel_figures("fa2", "h100-sxm", 0.417, 1.0)[1] == 1.0
+    shape = get_model("llama-3-8b").with_seq(4096)
+    rows = 4096.0
+    f, b = attention_core_s(shape, rows, 4096, 1, 1, True, b200, "bf16", DEFAULT_EFFICIENCY)
+    qk = shape.heads * shape.head_dim
+    full = 2.0 * rows * 4096 * 2 * qk
+    want = flash_attention_times_s(full, 4096 / 4.4, b200.flops("bf16"), 0.597, head_dim=128)
+    assert (f, b) == pytest.approx(want)
+    assert flash_shape_factor(4096 / 4.4) == pytest.approx(0.697, abs=0.005)
+    assert flash_shape_factor(4096) == pytest.approx(0.910, abs=0.005)
+    # the cuDNN bars themselves: forward 856 TFLOP/s at 4k (the causal half of the FLOPs counted), 1,419 at 32k
+    for keys, bar in ((4096, 856), (32768, 1419)):
+        fwd, _ = attention_core_s(
+            shape.with_seq(keys), float(keys), keys, 1, 1, True, b200, "bf16", DEFAULT_EFFICIENCY
+        )
+        assert 2.0 * keys * keys * 2 * qk / 2 / fwd / 1e12 == pytest.approx(bar, rel=0.105)
 
 
 BARS = json.loads((Path(__file__).resolve().parents[1] / "data" / "attention_bars.json").read_text())

@@ -245,17 +245,17 @@ def _accelerators(
     named with ``--no-flash-attention`` is refused (the classes are flash kernels)."""
     from microbatch.errors import ConfigError
     from microbatch.hardware import parse_gpus, parse_overrides
-    from microbatch.predict.attention import attention_ceiling
+    from microbatch.predict.attention import kernel_figures
 
     if flash is False and attention_kernel != "sdpa":
         raise ConfigError(
             f"--attention-kernel {attention_kernel} names a flash kernel, and --no-flash-attention runs the scores "
             "through memory; drop one of the two"
         )
-    gpus = [
-        g.with_overrides(attention_fraction=attention_ceiling(attention_kernel, g.name, g.attention_fraction))
-        for g in parse_gpus(gpu)
-    ]
+    gpus = []
+    for g in parse_gpus(gpu):
+        ceiling, ramp = kernel_figures(attention_kernel, g.name, g.attention_fraction, g.attention_ramp)
+        gpus.append(g.with_overrides(attention_fraction=ceiling, attention_ramp=ramp))
     if gpu_set:  # after the kernel class: --gpu-set overrides any figure
         overrides = parse_overrides(gpu_set)
         gpus = [g.with_overrides(**overrides) for g in gpus]

@@ -42,6 +42,7 @@ __all__ = [
     "EFFICIENT_AMPERE_CEILING",
     "ATTENTION_KERNELS",
     "attention_ceiling",
+    "kernel_figures",
     "causal_flash_flops",
     "flash_backward_flops",
     "flash_shape_factor",
@@ -128,31 +129,45 @@ cutlass kernel, causal, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`)."""
 
 
 def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:
-    """The causal flash ceiling f∞ of attention kernel class ``kernel`` on ``accelerator``.
+    """The causal flash ceiling f∞ of attention kernel class ``kernel`` on ``accelerator``: the first of
+    :func:`kernel_figures`."""
+    return kernel_figures(kernel, accelerator, row_ceiling)[0]
 
-    ``sdpa`` keeps the row's own ceiling ``row_ceiling``; ``fa2``, ``cudnn`` and ``fa3`` are the FlashAttention-3
-    paper's H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a share of their
-    peak; on the Ampere rows (:data:`microbatch.hardware.AMPERE`) ``fa2`` is the row's own (FlashAttention-2's A100
-    figures), ``triton`` :data:`TRITON_AMPERE_CEILING` and ``efficient`` :data:`EFFICIENT_AMPERE_CEILING`. Elsewhere no such figure was read, and the error says how
-    to give one.
+
+def kernel_figures(
+    kernel: str, accelerator: str, row_ceiling: float | None, row_ramp: float = 1.0
+) -> tuple[float | None, float]:
+    """(ceiling f∞, ramp k) of attention kernel class ``kernel`` on ``accelerator``.
+
+    ``sdpa`` keeps the row's own (``row_ceiling``, ``row_ramp``); ``fa2``, ``cudnn`` and ``fa3`` are the
+    FlashAttention-3 paper's H100 SXM5 figures, carried to the Hopper rows (:data:`microbatch.hardware.HOPPER`) as a
+    share of their peak; on the Ampere rows (:data:`microbatch.hardware.AMPERE`) ``fa2`` is the row's own
+    (FlashAttention-2's A100 figures), ``triton`` :data:`TRITON_AMPERE_CEILING` and ``efficient``
+    :data:`EFFICIENT_AMPERE_CEILING`; on the Blackwell rows ``cudnn`` is the row's own (cudnn-frontend's B200
+    benchmark) and ``fa2`` :data:`microbatch.hardware_attention.BLACKWELL_FA2` with its own ramp. Elsewhere no such
+    figure was read, and the error says how to give one.
     """
     from microbatch.errors import ConfigError
-    from microbatch.hardware import AMPERE, HOPPER
+    from microbatch.hardware_attention import AMPERE, BLACKWELL, BLACKWELL_FA2, HOPPER
 
     if kernel not in ATTENTION_KERNELS:
         raise ConfigError(
             f"attention_kernel {kernel!r} is not known; use one of {', '.join(ATTENTION_KERNELS)}",
             params=("attention_kernel",),
         )
+    row = (row_ceiling, row_ramp)
+    families: tuple[tuple[tuple[str, ...], dict[str, tuple[float | None, float]]], ...] = (
+        (HOPPER, {"fa2": (FA2_HOPPER_CEILING, 1.0), "cudnn": (CUDNN_HOPPER_CEILING, 1.0),
+                  "fa3": (FA3_HOPPER_CEILING, 1.0)}),
+        (AMPERE, {"fa2": row, "triton": (TRITON_AMPERE_CEILING, 1.0), "efficient": (EFFICIENT_AMPERE_CEILING, 1.0)}),
+        (BLACKWELL, {"cudnn": row, "fa2": BLACKWELL_FA2}),
+    )  # fmt: skip
     if kernel == "sdpa":
-        return row_ceiling
-    hopper = {"fa2": FA2_HOPPER_CEILING, "cudnn": CUDNN_HOPPER_CEILING, "fa3": FA3_HOPPER_CEILING}
-    ampere = {"fa2": row_ceiling, "triton": TRITON_AMPERE_CEILING, "efficient": EFFICIENT_AMPERE_CEILING}
-    if accelerator in HOPPER and kernel in hopper:
-        return hopper[kernel]
-    if accelerator in AMPERE and kernel in ampere:
-        return ampere[kernel]
-    where = (HOPPER if kernel in hopper else ()) + (AMPERE if kernel in ampere else ())
+        return row
+    for rows, kernels in families:
+        if accelerator in rows and kernel in kernels:
+            return kernels[kernel]
+    where = [r for rows, kernels in families if kernel in kernels for r in rows]
     raise ConfigError(
         f"attention_kernel {kernel} has a published ceiling only on {', '.join(where)}, not on {accelerator}; "
         "use attention_kernel sdpa, or give the kernel's share of the peak as the accelerator's attention_fraction",

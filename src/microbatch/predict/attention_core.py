@@ -122,9 +122,10 @@ def attention_core_s(
         if (
             flash and acc.attention_fraction
         ):  # the kernel's own curves: one causal kernel, or the ring's c steps
-            f, b = ring_steps_s(
-                flops * keys / s, keys, c, acc.flops(dtype), acc.attention_fraction, shape.head_dim
-            )
+            f, b = ring_steps_s(  # the curves read at keys/k: the row's kernel ramps k times more slowly
+                flops * keys / s, keys / acc.attention_ramp, c, acc.flops(dtype), acc.attention_fraction,
+                shape.head_dim,
+            )  # fmt: skip
         else:
             rate = acc.flops(dtype) * efficiency.gemm(rows)
             f, b = flops * keys / s / rate, 2 * flops * keys / s / rate

@@ -144,7 +144,8 @@ def _attention_fraction(
         return None
     peak = acc.sustained_flops(result.dtype)
     ceilings = [
-        burst * a.flops_per_s / peak / flash_shape_factor(a.seq, a.head_dim) for a in result.attention
+        burst * a.flops_per_s / peak / flash_shape_factor(a.seq / acc.attention_ramp, a.head_dim)
+        for a in result.attention
     ]
     f = _clamp("attention ceiling", statistics.median(ceilings), notes)
     seqs = ", ".join(str(a.seq) for a in result.attention)
