@@ -17,6 +17,7 @@ from microbatch.hardware import Accelerator
 from microbatch.predict.measured_gemm import MeasuredGemms
 
 __all__ = [
+    "COMPILED_NORM_MEMORY",
     "DEFAULT_EFFICIENCY",
     "RooflineEfficiency",
     "gemm_flops",
@@ -87,6 +88,12 @@ class RooflineEfficiency:
     H200 run: copy 0.78, add 0.83 of the bandwidth), and rotary embeddings as one fused kernel. False: eager
     kernels at ``norm_memory``, ``activation_memory``, ``softmax_memory`` and ``dropout_memory``."""
 
+    fused_norm_memory: float | None = None
+    """The norms' fraction of bandwidth, forward and backward together, when ``fused_elementwise``: None for
+    ``memory`` (hand-written fused kernels: cuDNN's norms on an H200 reach 0.745 of the bandwidth over a forward
+    and its backward, cudnn-frontend's norm benchmark, ``bench/bench_norms.py``), or :data:`COMPILED_NORM_MEMORY`
+    for ``torch.compile``'s, whose backward reductions run at about half that."""
+
     softmax_memory: float = 0.356
     """Fraction of memory bandwidth an eager softmax reaches on a GPU: 0.356, measured by
     ``bench/gpu_microbench.py`` on an H200 (``bench/results/h200-2026-11-30b/run1/microbench.json``,
@@ -124,9 +131,11 @@ class RooflineEfficiency:
             )
         for name in (
             "gemm_max", "memory", "network", "norm_memory", "activation_memory", "optimizer_memory",
-            "softmax_memory", "dropout_memory",
+            "softmax_memory", "dropout_memory", "fused_norm_memory",
         ):  # fmt: skip
             v = getattr(self, name)
+            if v is None and name == "fused_norm_memory":
+                continue
             if not (0 < v <= 1):
                 raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
         if self.tile_rows < 0 or self.tile_cols < 0:
@@ -141,8 +150,10 @@ class RooflineEfficiency:
 
     def elementwise_fractions(self, gpu: bool) -> tuple[float, float]:
         """(norm, activation) fractions of bandwidth: ``memory`` when fused or off a GPU, else the eager ones."""
-        if self.fused_elementwise or not gpu:
+        if not gpu:
             return self.memory, self.memory
+        if self.fused_elementwise:
+            return self.fused_norm_memory or self.memory, self.memory
         return self.norm_memory, self.activation_memory
 
     def score_fractions(self, gpu: bool) -> tuple[float, float]:
@@ -163,6 +174,13 @@ class RooflineEfficiency:
         """Fraction of peak FLOP/s a GEMM with ``rows`` rows reaches when compute-bound."""
         return self.gemm_max * rows / (rows + self.half_rows)
 
+
+COMPILED_NORM_MEMORY = 0.445
+"""The fraction of bandwidth a ``torch.compile``-generated RMSNorm/LayerNorm reaches over its forward and backward
+on an H200: the median over the 11 model widths of NVIDIA/cudnn-frontend's norm benchmark
+(``benchmark/norms/results/h200/``, torch_compile backend: forward 0.55–0.87 of 4.8 TB/s, backward 0.34–0.47, its
+weight-gradient reductions), 5 passes (2 + 3) over the two times (``tests/data/norm_bars.json``,
+``bench/bench_norms.py``). ``plan --compile`` runs the norms at it; carried to other GPUs as a fraction."""
 
 DEFAULT_EFFICIENCY = RooflineEfficiency()
 
