@@ -13,9 +13,10 @@ Run: .venv/bin/python bench/bench_attention_ceilings.py [--json]
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+
+from _table_cli import run_table
 
 from microbatch.hardware import get_accelerator
 from microbatch.predict.attention import flash_fwd_bwd_factor, flash_rate_fraction, kernel_figures
@@ -59,14 +60,8 @@ def rows() -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    table = rows()
-    if args.json:
-        print(json.dumps(table, indent=1))
-        return
+def render(table: list[dict]) -> None:
+    """The rows as text."""
     header = None
     for r in table:
         seqs = tuple(p["seq"] for p in r["pairs"])
@@ -89,4 +84,4 @@ def _k(s: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_table(__doc__, rows, render)

@@ -14,10 +14,11 @@ Run: .venv/bin/python bench/bench_norms.py [--json]
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
+
+from _table_cli import run_table
 
 from microbatch.hardware import get_accelerator
 from microbatch.predict.gemm import COMPILED_NORM_MEMORY, DEFAULT_EFFICIENCY
@@ -59,14 +60,8 @@ def rows() -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    table = rows()
-    if args.json:
-        print(json.dumps(table, indent=1))
-        return
+def render(table: list[dict]) -> None:
+    """The rows as text."""
     print(
         f"{'backend':14} {'planner mode':13} {'models':>6}  measured fwd+bwd (median, range)  planner  error"
     )
@@ -77,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_table(__doc__, rows, render)
