@@ -4,12 +4,14 @@ distributed Adam, Megatron's precision-aware optimizer, DeepSeek-V3), each again
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
+from microbatch.predict.gemm import DEFAULT_EFFICIENCY
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.plan import make_plan
 from microbatch.predict.plan_config import PlanConfig
@@ -87,8 +89,8 @@ def _plan_cfg(**kw):
 def test_plan_memory_and_update_follow_the_state_bytes():
     """The same plan with NeMo 340B's state (2 + 2 + 4 B) against ZeRO's (2 + 2 + 12 B): the optimizer bytes a third,
     the rest of memory the same, and the update — a stream of the state the GPU owns — half as long (8 B of 16)."""
-    full = make_plan(_plan_cfg()).candidates[0]
-    lean = make_plan(_plan_cfg(moments_dtype="bf16", master_weights="none")).candidates[0]
+    full = make_plan(_plan_cfg(grad_clip=False)).candidates[0]  # the update alone (the clip reads only gradients)
+    lean = make_plan(_plan_cfg(moments_dtype="bf16", master_weights="none", grad_clip=False)).candidates[0]
     assert lean.memory["optimizer"] == pytest.approx(full.memory["optimizer"] / 3)
     for key in ("weights", "gradients", "activations"):
         assert lean.memory[key] == full.memory[key]
@@ -124,3 +126,34 @@ def test_cli_states_it_and_exports_refuse_it(capsys):
         with pytest.raises(ConfigError, match=f"{fmt} has no optimizer state of bf16 moments"):
             export_plan(plan, fmt)
     export_plan(make_plan(_plan_cfg()).to_dict(), "deepspeed")  # the default state exports
+
+
+@pytest.mark.parametrize(("zero", "d"), [(0, 8), (1, 8), (1, 1)])
+def test_gradient_clip_adds_three_passes_over_the_updated_gradients(zero, d):
+    """The global-norm clip: a norm pass and a scaling read and write over the gradients the rank updates — all of
+    them under plain data parallelism, the shard (n/d) under ZeRO ≥ 1 — at the streaming rate, by hand."""
+    from microbatch.predict.dp_comm import CLIP_PASSES
+
+    cfg = _plan_cfg(data_parallel=d, global_batch=8 * d, zero=(zero,), grad_dtype="fp32")
+    on = make_plan(cfg).candidates[0]
+    off = make_plan(replace(cfg, grad_clip=False)).candidates[0]
+    params = on.total_params  # one stage: every parameter on this GPU
+    owned = params / d if zero else params
+    want = CLIP_PASSES * 4 * owned / (H100.memory_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory)
+    assert CLIP_PASSES == 3.0
+    assert on.time["optimizer_s"] - off.time["optimizer_s"] == pytest.approx(want, rel=1e-9)
+    assert on.step_time_s - off.step_time_s == pytest.approx(want, rel=1e-6)
+    assert on.memory == off.memory
+
+
+def test_cli_grad_clip_flag(capsys):
+    from microbatch.cli import main
+
+    args = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "-b", "1", "--json"]
+    steps = []
+    for flag in ("--grad-clip", "--no-grad-clip"):
+        assert main([*args, flag]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["grad_clip"] is (flag == "--grad-clip")
+        steps.append(out["candidates"][0]["time"]["optimizer_s"])
+    assert steps[0] > steps[1] > 0

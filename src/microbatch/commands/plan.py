@@ -153,6 +153,11 @@ __all__ = ["cmd"]
     "power_limit_w=500 also lowers the clock GEMMs hold (f ∝ (P − P0)^(1/3)) unless sustained_clock_fraction is given.",
 )
 @click.option(
+    "--grad-clip/--no-grad-clip", "grad_clip", default=True, show_default=True,
+    help="Gradients clipped by their global norm each step (Megatron, torch's clip_grad_norm_, DeepSpeed, the "
+    "HF Trainer do by default): three passes over the gradients the rank updates.",
+)  # fmt: skip
+@click.option(
     "--dp-overlap/--no-dp-overlap", "dp_overlap", default=True, show_default=True,
     help="Gradient all-reduce behind the last backward (PyTorch DDP) or after it (Megatron-LM's local DDP).",
 )  # fmt: skip
@@ -168,7 +173,7 @@ def cmd(
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, flash: bool | None, dropout: bool | None, compiled: bool,
     parallel_block: bool, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
-    memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], dp_overlap: bool, choose: str, all_rows: bool,
+    memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Enumerate b_m, schedule, v, recompute and ZeRO; recommend the knee (or the fastest) that fits.
@@ -213,6 +218,7 @@ def cmd(
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,
         dp_overlap=dp_overlap,
+        grad_clip=grad_clip,
         async_tp=async_tp,
         ep_overlap=ep_overlap,
         parallel_block=parallel_block,

@@ -16,7 +16,7 @@ from microbatch.predict.collectives import (
 from microbatch.predict.plan_context import Context, StageTimes
 from microbatch.predict.roofline import allgather_time_s, allreduce_time_s, reduce_scatter_time_s
 
-__all__ = ["data_parallel_comm", "overlap_sigma"]
+__all__ = ["CLIP_PASSES", "clip_s", "data_parallel_comm", "overlap_sigma"]
 
 
 def overlap_sigma(ctx: Context) -> float:
@@ -25,7 +25,8 @@ def overlap_sigma(ctx: Context) -> float:
 
 
 def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
-    """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds) for
+    """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds, with the
+    gradient clip when ``cfg.grad_clip``: :func:`clip_s`) for
     ``n`` parameters on the GPU that holds the most. ZeRO shards over ``cfg.zero_group`` ranks; under hybrid
     sharding the ``cfg.replicas`` copies of each shard also all-reduce its gradients (:func:`_replica_s`),
     right after each reduce-scatter, behind the same backward."""
@@ -68,7 +69,24 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
     owned = n / zg if z >= 1 else n
     rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
+    if cfg.grad_clip:
+        opt += clip_s(owned * gb, cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
     return dp, zero_s, opt
+
+
+CLIP_PASSES = 3.0
+"""Passes over the gradients a global-norm clip makes: one read for the norm (``torch._foreach_norm``; Megatron's
+``multi_tensor_l2norm``) and a read and a write to scale them (``torch._foreach_mul_``, every step in torch's
+``clip_grad_norm_``, which multiplies by the clamped coefficient; ``multi_tensor_scale`` in Megatron, only when the
+norm exceeds the limit: counted always, an upper bound there)."""
+
+
+def clip_s(grad_bytes: float, rate: float) -> float:
+    """Seconds of clipping ``grad_bytes`` of gradients by their global norm at ``rate`` bytes/s (a streaming rate):
+    :data:`CLIP_PASSES` × bytes / rate. The norm's one-scalar all-reduce (microseconds) is left out. The gradients
+    clipped are those the rank updates: its shard under ZeRO ≥ 1 (Megatron's distributed optimizer and DeepSpeed
+    clip the shard's norm and all-reduce it), all of them under plain data parallelism."""
+    return CLIP_PASSES * grad_bytes / rate
 
 
 def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, float, int]:

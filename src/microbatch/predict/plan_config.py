@@ -100,6 +100,10 @@ class PlanConfig:
     PyTorch DDP's bucketed all-reduce does (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3); False:
     after the backward, exposed whole, as Megatron-LM's own DDP did (``DDP_impl='local'``: ``train_step``
     calls ``allreduce_gradients()`` after ``forward_backward_func``; the runs of Narayanan et al. 2021)."""
+    grad_clip: bool = True
+    """Gradients clipped by their global norm before the update (Megatron's ``clip_grad`` 1.0, torch's
+    ``clip_grad_norm_``, DeepSpeed's ``gradient_clipping``, the Hugging Face Trainer's ``max_grad_norm``):
+    :func:`microbatch.predict.dp_comm.clip_s` adds its passes to the update."""
     choose: str = "knee"
     """``knee``: among the candidates that fit, the one with the least peak memory whose predicted
     tokens/s reach (1 − tolerance)·(1 + margin) of the fastest (the rule ``tune`` applies to a measured
@@ -342,6 +346,7 @@ class PlanConfig:
             "memory_budget_bytes": self.memory_budget_bytes,
             "num_gpus": self.num_gpus,
             "dp_overlap": self.dp_overlap,
+            "grad_clip": self.grad_clip,
             "choose": self.choose,
             "tolerance": self.tolerance,
             "margin": self.margin,
