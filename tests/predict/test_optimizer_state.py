@@ -53,6 +53,8 @@ H100 = get_accelerator("h100-sxm")
         ("bf16-mixed", "half", "sgd", "bf16", "fp32", (2, 2, 6)),  # one momentum buffer in bf16
         ("fp16-mixed", "half", "adamw", "fp32", "none", (2, 2, 8)),
         ("fp32", "half", "adamw", "bf16", "fp32", (4, 4, 4)),  # no master copy, two bf16 moments
+        ("bf16-mixed", "half", "lion", "fp32", "fp32", (2, 2, 8)),  # Lion: fp32 master and one momentum
+        ("bf16-mixed", "half", "lion", "bf16", "remainder", (2, 2, 4)),
     ],
 )
 def test_bytes_per_param_by_hand(precision, grad, optimizer, moments, master, want):

@@ -33,7 +33,10 @@ def precision_options(f: F) -> F:
             show_default=True,
             help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron).",
         ),
-        click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True),
+        click.option(
+            "--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True,
+            help="adamw keeps two moments; sgd (with momentum) and lion one.",
+        ),  # fmt: skip
         click.option(
             "--moments-dtype", type=click.Choice(list(MOMENT_DTYPES)), default="fp32", show_default=True,
             help="The optimizer's moments: bf16 halves them (DeepSeek-V3; Megatron --exp-avg-dtype bf16; "

@@ -42,8 +42,10 @@ MOMENT_DTYPES = ("fp32", "bf16")
 MASTER_WEIGHTS = ("fp32", "remainder", "none")
 """Mixed precision's master weights: an fp32 copy (4 B), the 16 bits of it the bf16 weights lack (2 B; apex and
 Megatron ``store_param_remainders``), or none (the half weights updated in place)."""
-OPTIMIZERS = ("adamw", "sgd")
-"""Optimizers with a state-size rule (Adam/AdamW: two moments; SGD with momentum: one buffer)."""
+OPTIMIZERS = ("adamw", "sgd", "lion")
+"""Optimizers with a state-size rule (Adam/AdamW: two moments; SGD with momentum and Lion: one buffer — Lion keeps
+only its momentum, Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2; llm-foundry's
+``DecoupledLionW``)."""
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages: none, optimizer state, + gradients, + weights sharded over the data-parallel replicas."""
 
@@ -58,7 +60,7 @@ def bytes_per_param(
     """(weights, gradients, optimizer state) bytes per parameter before any sharding.
 
     Mixed precision keeps 2-byte weights, 2- or 4-byte gradients and fp32 master weights (4) plus
-    the optimizer's fp32 buffers (Adam: 8; SGD momentum: 4) — ZeRO §3.1 (16 B with Adam) and
+    the optimizer's fp32 buffers (Adam: 8; SGD momentum or Lion: 4) — ZeRO §3.1 (16 B with Adam) and
     Megatron (18 B with fp32 gradients). ``moments="bf16"`` halves the buffers; ``master`` keeps the master
     copy as 4 (fp32), 2 (``remainder``) or 0 (``none``) bytes. fp32 keeps 4 + 4 + buffers (no master copy).
     Ignores 8-bit optimizers and fp32 gradient buffers kept next to half ones.
@@ -71,7 +73,7 @@ def bytes_per_param(
         )
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
-    buffers = (2 if optimizer == "adamw" else 1) * (4 if moments == "fp32" else 2)
+    buffers = (2 if optimizer == "adamw" else 1) * (4 if moments == "fp32" else 2)  # Lion and SGD: one buffer
     w = prec.weight_bytes
     if not prec.master_copy:
         return w, w, buffers
