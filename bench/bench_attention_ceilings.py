@@ -1,9 +1,9 @@
 """Attention ceilings against the kernel benchmarks they come from (issue 28 item 1).
 
 Each series of ``tests/data/attention_bars.json`` (the flash-attention repository's FA2 release figures for the
-A100 and H100, the FlashAttention-3 paper's cuDNN and FA3 bars) beside what the planner's attention terms give
-for it: the kernel class's ceiling on that accelerator (:func:`microbatch.predict.attention.attention_ceiling`)
-× its peak × the shared curves (:func:`~microbatch.predict.attention.flash_rate_fraction` for a forward,
+A100 and H100, the FlashAttention-3 paper's cuDNN and FA3 bars, cudnn-frontend's H200 and B200 training benchmarks)
+beside what the planner's attention terms give for it: the kernel class's ceiling and ramp on that accelerator
+(:func:`microbatch.predict.attention.kernel_figures`) × its peak × the shared curves read at s/ramp (:func:`~microbatch.predict.attention.flash_rate_fraction` for a forward,
 :func:`~microbatch.predict.attention.flash_fwd_bwd_factor` for a forward + backward). "fitted" marks the series a
 ceiling was fitted to; the others were not fitted to anything here. At the bars' own clock: no sustained-clock
 factor (the roofline applies the row's own, :mod:`microbatch.hardware_clocks`).

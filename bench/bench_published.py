@@ -280,7 +280,7 @@ def moe_bridge_rows(data: dict) -> list[dict]:
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", expert_parallel=e,
             ep_overlap=r.get("ep_overlap", False), **r.get("optimizer_state", {}),
             micro_batches=(r["micro_batch"],), zero=(1,), flash_attention=True, precision=r["precision"],
-            fp8_recipe=r["fp8_recipe"] or "tensorwise", schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
+            fp8_recipe=MEGATRON_FP8_RECIPES[r["fp8_recipe"] or "tensorwise"], schedules=("interleaved-1f1b",) if v > 1 else ("1f1b",),
             virtuals=(v,) if v > 1 else None, memory_headroom=0.0, choose="fastest", efficiency=FUSED,
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)
@@ -357,11 +357,18 @@ def nemo_long_rows(data: dict) -> list[dict]:
         measured = model_flops_per_step(shape, r["global_batch"], s) / (r["tflops_per_gpu"] * 1e12 * n)
         out.append({
             "source": "NeMo 24.03 long sequence", "gpu": gpu.name, "seq": s, "model": f"{shape.name} c{c}",
-            "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": 1, "assumed": how,
+            "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": 1,
+            "assumed": how + ", bf16 gradient buffer assumed",
             "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
             "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip
     return out
+
+
+MEGATRON_FP8_RECIPES = {"tensorwise": "te-current", "delayed": "te-delayed"}
+"""The planner's recipe for Megatron's ``fp8_recipe`` names: Megatron's ``tensorwise`` is Transformer Engine's
+current scaling (``Float8CurrentScaling``, what Megatron-Bridge's tables call FP8-CS), ``delayed`` TE's delayed
+scaling — not torchao's recipes of the same names."""
 
 
 def nemo_shape(name: str, seq: int, tp: int, table: dict) -> ModelShape:
@@ -383,7 +390,8 @@ NEMO_FP8_GRAD_SYNC = "bf16"
 """The gradient buffer of NeMo's FP8 table runs: bf16, as the launcher's one FP8 training config sets it
 (``gpt3/175b_fp8.yaml`` at 24.07: ``grad_sync_dtype: bf16``; the per-model configs are BF16, ``fp8: False``, so
 the tables' FP8 runs are not them) and as Megatron-Bridge's performance configs later do (``grad_reduce_in_fp32 =
-False``); apex's own default (= ``dtype``, fp32) would put GPT3-20B's 64-GPU row, which ran, at 96 GiB."""
+False``); apex's own default (= ``dtype``, fp32) would put GPT3-20B's 64-GPU row, which ran, at 93.5 GiB. Assumed, not
+stated by the per-model configs: each NeMo row's ``assumed`` says so."""
 
 
 def nemo_optimizer_state(
@@ -424,7 +432,8 @@ def nemo_2407_rows(data: dict) -> list[dict]:
         measured = r["global_batch"] * s / (r["tokens_per_s_per_gpu"] * n)
         out.append({
             "source": "NeMo 24.07", "gpu": gpu.name, "seq": s, "model": shape.name, "gpus": n, "t": t, "p": p,
-            "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"], "assumed": how,
+            "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
+            "assumed": how + ", bf16 gradient buffer assumed",
             "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
             "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip

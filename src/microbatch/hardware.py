@@ -12,8 +12,8 @@ whitepapers), B200 148 (two 74-SM dies, NVIDIA Blackwell technical brief), MI300
 
 Capacities are the marketed size read as binary units (an "80 GB" H100 reports 79.6 GiB total to
 ``torch.cuda.mem_get_info``), or the usable size where it was read (the H100 96 GB's 94 GiB): the planner keeps
-a headroom free. The flash-attention ceiling (``attention_fraction``) is set where kernel evidence was read or
-measured (the Hopper and A100 rows).
+a headroom free. The flash-attention ceiling (``attention_fraction``, with its ``attention_ramp``) is set where
+kernel evidence was read or measured (the Hopper, A100 and B200 rows: :mod:`microbatch.hardware_attention`).
 
 Clocks (issue 28): the roofline's compute rate is the peak × ``sustained_clock_fraction``
 (:meth:`Accelerator.sustained_flops`), the clock a long dense GEMM holds at the power limit over the clock the
@@ -117,7 +117,8 @@ class Accelerator:
     FLOP count (the rule before issue 28). Each row names its evidence."""
     attention_ramp: float = 1.0
     """How many times longer than the FA2 H100 curves' the row's flash kernel takes to reach its ceiling (the curves
-    read at s/k); 1 but on Blackwell (:data:`~microbatch.hardware_attention.RAMP_BLACKWELL`)."""
+    read at s/k); 1 but on Blackwell (:data:`~microbatch.hardware_attention.RAMP_BLACKWELL`). Fitted on causal d-128
+    kernels; the unmasked ring steps, sliding windows and other head dimensions take it as an assumption."""
     sustained_clock_fraction: float = 1.0
     """The compute rate a training step's sustained load holds over the rate the row's kernel terms stand for
     (the roofline runs at ``peak × this``, :meth:`sustained_flops`): on the A100 rows the clock a long GEMM holds
@@ -154,9 +155,10 @@ class Accelerator:
                 f"{self.name} attention_fraction must be in (0, 1], got {v!r}; give the share of the bf16 "
                 "peak a causal flash-attention kernel reaches (or leave it unset)"
             )
-        check_positive(
-            f"{self.name} attention_ramp", self.attention_ramp, fix="give 1 for the FA2 H100 curves' ramp"
-        )
+        r = self.attention_ramp
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0:
+            raise ConfigError(f"{self.name} attention_ramp must be a positive number, got {r!r}; give 1 for the FA2 "
+                              "H100 curves' ramp, more for a kernel that reaches its ceiling later")  # fmt: skip
         v = self.sustained_clock_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= _clk.MAX_CLOCK_FRACTION):
             raise ConfigError(

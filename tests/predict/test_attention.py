@@ -184,32 +184,29 @@ def test_named_kernel_classes_give_their_published_ceilings_where_read():
 
 
 def test_blackwell_runs_cudnns_curve_at_its_own_ramp():
-    """The B200 row: SDPA on cuDNN (0.597 of 2,250 at a 4.4x longer ramp), cudnn the same, fa2 its own (0.177,
-    2.4x); the planner's attention core reads the curves at keys/k (by hand against flash_attention_times_s), so a
-    4k layer on a B200 runs at 0.70 of its plateau, where the H100 curves would be at 0.91, and the forward lands
-    within 10.5% of the benchmark's bars."""
+    """The B200 row: SDPA on cuDNN (0.636 of 2,250 at a 7.4x longer ramp), cudnn the same, fa2 its own (0.182,
+    3.1x); the planner's attention core reads the curves at keys/k (by hand against flash_attention_times_s), so a
+    4k layer on a B200 runs at 0.57 of its plateau, where the H100 curves would be at 0.91, and the forward lands
+    within 10.5% of the benchmark's bars from 4k."""
     from microbatch.hardware_attention import ATTN_BLACKWELL, BLACKWELL_FA2, RAMP_BLACKWELL
     from microbatch.predict.attention import flash_attention_times_s, kernel_figures
     from microbatch.predict.attention_core import attention_core_s
     from microbatch.predict.gemm import DEFAULT_EFFICIENCY
 
     b200 = get_accelerator("b200")
-    assert (b200.attention_fraction, b200.attention_ramp) == (ATTN_BLACKWELL, RAMP_BLACKWELL) == (0.597, 4.4)
-    assert (
-        kernel_figures("sdpa", "b200", 0.597, 4.4)
-        == kernel_figures("cudnn", "b200", 0.597, 4.4)
-        == (0.597, 4.4)
-    )
-    assert kernel_figures("fa2", "b200", 0.597, 4.4) == BLACKWELL_FA2 == (0.177, 2.4)
+    assert (b200.attention_fraction, b200.attention_ramp) == (ATTN_BLACKWELL, RAMP_BLACKWELL) == (0.636, 7.4)
+    row = (b200.attention_fraction, b200.attention_ramp)
+    assert kernel_figures("sdpa", "b200", *row) == kernel_figures("cudnn", "b200", *row) == row
+    assert kernel_figures("fa2", "b200", *row) == BLACKWELL_FA2 == (0.182, 3.1)
     assert kernel_figures("fa2", "h100-sxm", 0.417, 1.0)[1] == 1.0
     shape = get_model("llama-3-8b").with_seq(4096)
     rows = 4096.0
     f, b = attention_core_s(shape, rows, 4096, 1, 1, True, b200, "bf16", DEFAULT_EFFICIENCY)
     qk = shape.heads * shape.head_dim
     full = 2.0 * rows * 4096 * 2 * qk
-    want = flash_attention_times_s(full, 4096 / 4.4, b200.flops("bf16"), 0.597, head_dim=128)
+    want = flash_attention_times_s(full, 4096 / 7.4, b200.flops("bf16"), 0.636, head_dim=128)
     assert (f, b) == pytest.approx(want)
-    assert flash_shape_factor(4096 / 4.4) == pytest.approx(0.697, abs=0.005)
+    assert flash_shape_factor(4096 / 7.4) == pytest.approx(0.578, abs=0.005)
     assert flash_shape_factor(4096) == pytest.approx(0.910, abs=0.005)
     # the cuDNN bars themselves: forward 856 TFLOP/s at 4k (the causal half of the FLOPs counted), 1,419 at 32k
     for keys, bar in ((4096, 856), (32768, 1419)):
@@ -217,6 +214,29 @@ def test_blackwell_runs_cudnns_curve_at_its_own_ramp():
             shape.with_seq(keys), float(keys), keys, 1, 1, True, b200, "bf16", DEFAULT_EFFICIENCY
         )
         assert 2.0 * keys * keys * 2 * qk / 2 / fwd / 1e12 == pytest.approx(bar, rel=0.105)
+
+
+def test_b200_through_the_cli_kernel_ramp_and_gpu_set(capsys):
+    """``--attention-kernel fa2`` on a B200 sets fa2's ceiling and its own ramp (and the row's source says so);
+    ``--gpu-set attention_ramp=`` still overrides the ramp; a shorter ramp makes the step faster."""
+    from microbatch.cli import main
+
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "b200", "-B", "64", "-d", "8", "-b", "1", "--json"]
+    outs = []
+    for extra in (
+        [],
+        ["--attention-kernel", "fa2"],
+        ["--attention-kernel", "fa2", "--gpu-set", "attention_ramp=1"],
+    ):
+        assert main([*args, *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    gpus = [o["gpu"] for o in outs]
+    assert (gpus[0]["attention_fraction"], gpus[0]["attention_ramp"]) == (0.636, 7.4)
+    assert (gpus[1]["attention_fraction"], gpus[1]["attention_ramp"]) == (0.182, 3.1)
+    assert gpus[2]["attention_ramp"] == 1
+    assert "fa2" in gpus[1]["source"] and "0.182" in gpus[1]["source"]
+    steps = [o["recommended"]["step_time_s"] for o in outs]
+    assert steps[1] > steps[0] and steps[2] < steps[1]
 
 
 BARS = json.loads((Path(__file__).resolve().parents[1] / "data" / "attention_bars.json").read_text())

@@ -248,3 +248,31 @@ def test_plan_and_memory_hold_te_fp8_activations_alike():
         assert est.stages[0].activations_bytes == pytest.approx(cand.memory["activations"], rel=1e-9)
         acts[recipe] = cand.memory["activations"]
     assert acts["te-delayed"] < acts["tensorwise"]
+
+
+def test_te_fp8_inputs_under_sequence_parallelism_without_flash_and_in_moe_and_mla_blocks():
+    """The FP8 casts split as their bf16 tensors do: with t = 4 and SP the QKV and MLP inputs 1 B of sbh/4, the output
+    projection's copy 1 B of sbh/4 and nothing beside it without flash (the unfused attention keeps P and V, not O);
+    a MoE block keeps its router's bf16 norm output and an MLA block its bf16 latent input (Megatron-core norms both
+    standalone)."""
+    from microbatch.model import ModelShape
+    from microbatch.predict.activations import layer_activation_terms
+
+    gpt = ModelShape(name="g", layers=2, hidden=1024, heads=16, vocab=1000, seq=2048, dropout=True)
+    s, b, t = 2048, 1, 4
+    kw = dict(seq=s, tensor_parallel=t, sequence_parallel=True)
+    bf16 = layer_activation_terms(gpt, b, flash_attention=False, **kw)
+    fp8 = layer_activation_terms(gpt, b, flash_attention=False, fp8_inputs=True, **kw)
+    sbh = s * b * 1024
+    assert fp8["attention_input"] == fp8["mlp_input"] == sbh / t == bf16["attention_input"] / 2
+    # no O kept beside the projection's cast without flash
+    assert fp8["attention_output"] == sbh / t == bf16["attention_output"] / 2
+    assert fp8["mlp_hidden"] == 3 * s * b * 4096 / t  # fc1 output in bf16 (2) + the activation's cast (1)
+    assert fp8["attention_scores"] == bf16["attention_scores"]
+    moe, mla = get_model("deepseek-v3"), get_model("deepseek-v3")
+    assert moe.moe is not None and mla.mla is not None
+    base = layer_activation_terms(moe, 1, seq=4096, flash_attention=True)
+    cast = layer_activation_terms(moe, 1, seq=4096, flash_attention=True, fp8_inputs=True)
+    assert cast["mlp_input"] == base["mlp_input"] and cast["attention_input"] == base["attention_input"]
+    # O in bf16 and the projection's 1-byte copy
+    assert cast["attention_output"] == base["attention_output"] * 1.5

@@ -312,3 +312,47 @@ def test_kernels_timed_in_bursts_are_slowed_to_the_sustained_rate(tmp_path: Path
 
     ours = layer_forward(SHAPE, 1, a.accelerator, flash_attention=True).attention_s
     assert ours == pytest.approx(layer_forward(SHAPE, 1, H100, flash_attention=True).attention_s, rel=1e-12)
+
+
+def test_calibration_keeps_a_named_attention_kernel_and_the_compiled_norms(
+    h100_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A microbenchmark measures PyTorch's SDPA: with ``--attention-kernel cudnn`` the rows keep cuDNN's ceiling
+    (0.570), with the default sdpa they take the measured one; ``--compile`` keeps torch.compile's norm rate through
+    the calibration (its step longer than ``--fused-kernels``' by the norms alone)."""
+    from microbatch.predict.attention import CUDNN_HOPPER_CEILING
+
+    sdpa = _plan("--calibration", str(h100_file), capsys=capsys)
+    named = _plan("--calibration", str(h100_file), "--attention-kernel", "cudnn", capsys=capsys)
+    assert named["gpu"]["attention_fraction"] == CUDNN_HOPPER_CEILING
+    assert sdpa["gpu"]["attention_fraction"] != CUDNN_HOPPER_CEILING
+    compiled = _plan("--calibration", str(h100_file), "--compile", capsys=capsys)
+    fused = _plan("--calibration", str(h100_file), "--fused-kernels", capsys=capsys)
+    assert compiled["recommended"]["step_time_s"] > fused["recommended"]["step_time_s"]
+    assert main(["plan", "--model", "gpt2", "--gpu", "h100", "-B", "8", "--compile", "--fused-kernels"]) == 2
+    assert "describe different code" in capsys.readouterr().err
+
+
+def test_a_b200_calibration_inverts_only_the_lengths_its_curve_was_fitted_from(tmp_path: Path) -> None:
+    """The B200 row's ramped curve holds from 2k keys: a microbenchmark's causal SDPA timed at 1k, 2k, 4k and 8k at
+    cuDNN's own forward bars (255, 479, 856, 1,171 TFLOP/s, cudnn-frontend's B200 benchmark) gives a ceiling within
+    10% of the row's, and the 1k timing, where the curve is 43% fast, is left out (its inversion alone would be
+    30% low)."""
+    from microbatch.microbench_record import AttentionTiming
+    from microbatch.predict.attention import flash_shape_factor
+
+    b200 = get_accelerator("b200")
+    bars = ((1024, 254.5e12), (2048, 478.9e12), (4096, 855.7e12), (8192, 1171.3e12))
+    timings = tuple(AttentionTiming(seq=s, heads=128, head_dim=128, batch=1, seconds=1.0, flops_per_s=r)
+                    for s, r in bars)  # fmt: skip
+    burst = b200.sustained_clock_fraction  # the synthetic run's rates stand at the row's clock
+    result = replace(synthetic(), accelerator="b200", device_name="NVIDIA B200", attention=timings)
+    p = tmp_path / "b200.json"
+    p.write_text(result.to_json())
+    a = apply_calibration(p, shape=SHAPE, precision="bf16-mixed", gpu=b200)
+    assert a.accelerator is not None
+    f = a.accelerator.attention_fraction
+    assert f == pytest.approx(b200.attention_fraction, rel=0.10)
+    assert "s = 2048, 4096, 8192" in a.sources["attention_fraction"]
+    one_k = 254.5e12 / (b200.flops("bf16") * burst) / flash_shape_factor(1024 / b200.attention_ramp)
+    assert one_k < 0.75 * b200.attention_fraction

@@ -94,12 +94,12 @@ def test_norm_rates_against_cudnn_frontends_h200_norm_benchmark(monkeypatch):
 
 
 def test_compiled_plans_run_norms_at_the_compiled_rate(capsys):
-    """``plan --compile`` runs the norms at COMPILED_NORM_MEMORY, Megatron's fused kernels (efficiency fused, no
-    norm rate) at the streaming rate: the compiled step is the longer, by about the norms' extra time."""
+    """``plan --compile`` runs the norms at COMPILED_NORM_MEMORY, ``--fused-kernels`` (Megatron's and TE's: efficiency
+    fused, no norm rate) at the streaming rate: by hand for one layer's norms, and through the CLI the compiled step
+    lies between the fused one and the eager one."""
     from dataclasses import replace
 
     from microbatch.hardware import get_accelerator
-    from microbatch.model import get_model
     from microbatch.predict.gemm import COMPILED_NORM_MEMORY, DEFAULT_EFFICIENCY
     from microbatch.predict.memory_ops import elementwise_forward_s
 
@@ -120,8 +120,10 @@ def test_compiled_plans_run_norms_at_the_compiled_rate(capsys):
 
     args = ["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "8", "-d", "8", "-b", "1", "--json"]
     steps = []
-    for extra in ([], ["--compile"]):
+    for extra in ([], ["--fused-kernels"], ["--compile"]):
         assert main([*args, *extra]) == 0
-        out = json.loads(capsys.readouterr().out)
-        steps.append(out["recommended"]["step_time_s"])
-    assert get_model("llama-3-8b").layers == 32 and steps[1] < steps[0]  # compiled still beats eager
+        steps.append(json.loads(capsys.readouterr().out)["recommended"]["step_time_s"])
+    eager, fused_step, compiled_step = steps
+    assert (
+        fused_step < compiled_step < eager
+    )  # the compiled norms cost more than the fused, the rest as fused

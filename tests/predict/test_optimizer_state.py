@@ -33,7 +33,7 @@ H100 = get_accelerator("h100-sxm")
             "fp32",
             "remainder",
             (2, 4, 10),
-        ),  # apex DistributedFusedAdam's default
+        ),  # NeMo's distributed Adam (apex, store_param_remainders) with fp32 grad_sync
         (
             "bf16-mixed",
             "half",
@@ -91,7 +91,9 @@ def _plan_cfg(**kw):
 def test_plan_memory_and_update_follow_the_state_bytes():
     """The same plan with NeMo 340B's state (2 + 2 + 4 B) against ZeRO's (2 + 2 + 12 B): the optimizer bytes a third,
     the rest of memory the same, and the update — a stream of the state the GPU owns — half as long (8 B of 16)."""
-    full = make_plan(_plan_cfg(grad_clip=False)).candidates[0]  # the update alone (the clip reads only gradients)
+    full = make_plan(_plan_cfg(grad_clip=False)).candidates[
+        0
+    ]  # the update alone (the clip reads only gradients)
     lean = make_plan(_plan_cfg(moments_dtype="bf16", master_weights="none", grad_clip=False)).candidates[0]
     assert lean.memory["optimizer"] == pytest.approx(full.memory["optimizer"] / 3)
     for key in ("weights", "gradients", "activations"):
@@ -159,3 +161,36 @@ def test_cli_grad_clip_flag(capsys):
         assert out["grad_clip"] is (flag == "--grad-clip")
         steps.append(out["candidates"][0]["time"]["optimizer_s"])
     assert steps[0] > steps[1] > 0
+
+
+def test_a_candidate_carries_its_state_to_the_export_and_memory_refuses_bad_state(capsys):
+    """Exporting the recommended Candidate itself (or its dict) refuses bf16 moments as the plan's JSON does; the
+    ``memory`` command refuses a remainder under fp16 with its flags named."""
+    from microbatch.cli import main
+
+    cand = make_plan(_plan_cfg(moments_dtype="bf16", grad_clip=False)).candidates[0]
+    assert (cand.moments_dtype, cand.master_weights, cand.grad_clip) == ("bf16", "fp32", False)
+    for given in (cand, cand.to_dict()):
+        with pytest.raises(ConfigError, match="deepspeed has no optimizer state of bf16 moments"):
+            export_plan(given, "deepspeed")
+    args = ["memory", "--model", "llama-2-7b", "--micro-batch", "1", "--precision", "fp16-mixed"]
+    assert main([*args, "--master-weights", "remainder"]) == 2
+    assert "--master-weights remainder completes bf16 weights" in capsys.readouterr().err
+
+
+def test_the_update_and_clip_of_experts_run_on_their_expert_data_parallel_shard():
+    """Under ZeRO-1 with EP 8 over d = 8, a GPU holds 1/8 of the routed experts, and their state is sharded over
+    d/EP = 1 rank: it updates (and clips) all of its experts and 1/8 of the dense parameters, by hand."""
+    from microbatch.predict.dp_comm import CLIP_PASSES
+    from microbatch.predict.experts import expert_params
+
+    shape = get_model("mixtral-8x7b").with_seq(1024)
+    cfg = PlanConfig(shape=shape, gpu=H100, global_batch=8, data_parallel=8, expert_parallel=8, micro_batches=(1,),
+                     zero=(1,), recompute=("full",), schedules=("1f1b",))  # fmt: skip
+    on = make_plan(cfg).candidates[0]
+    off = make_plan(replace(cfg, grad_clip=False)).candidates[0]
+    experts = expert_params(shape, 0, shape.layers) / 8  # this GPU's 1/EP of the routed experts
+    dense = on.total_params - expert_params(shape, 0, shape.layers)
+    owned = dense / 8 + experts / 1
+    want = CLIP_PASSES * 2 * owned / (H100.memory_bandwidth_bytes_per_s * DEFAULT_EFFICIENCY.memory)
+    assert on.time["optimizer_s"] - off.time["optimizer_s"] == pytest.approx(want, rel=1e-6)

@@ -304,7 +304,7 @@ def test_nemo_2407_rows_transcribed_and_predicted():
     config's settings and TE's delayed scaling. Today mean |error| 5.2% (flat rule 26.6%); the Nemotron-340B row
     (+17%, exposed TP8 communication per its config) is the only one past 10%. Every row fits, as it ran: the
     optimizer state is NeMo's distributed Adam's (the 340B row's bf16 state, 2 + 2 + 4/d B per parameter; with
-    ZeRO's 16 B it would need 89.8 GiB)."""
+    ZeRO's 16 B it would need 84 GiB)."""
     bench = _bench()
     from microbatch.predict.roofline import model_flops_per_step
 

@@ -236,7 +236,8 @@ def test_lightning_refuses_tensor_parallelism_and_builds_a_ddp_trainer(flat_plan
     d["recommended"].update(tensor_parallel=1, zero=0)
     ex = export_plan(d, "lightning", gpus_per_node=1)
     assert ex.config["trainer"] == {"accumulate_grad_batches": 8, "precision": "bf16-mixed", "devices": 1,
-                                    "num_nodes": 2, "strategy": "ddp"}  # fmt: skip
+                                    "num_nodes": 2, "strategy": "ddp", "gradient_clip_val": 1.0,
+                                    "gradient_clip_algorithm": "norm"}  # fmt: skip
     kw = dict(ex.config["trainer"], num_nodes=1, devices=2, precision="32-true")  # what runs on this CPU
     trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **kw)
     assert trainer.accumulate_grad_batches == 8 and trainer.num_devices == 2
@@ -308,3 +309,26 @@ def test_torchtitan_export_of_an_uneven_split_says_so_rather_than_writing_an_eve
     ex = export_plan(d, "torchtitan")
     assert "pipeline_parallel_layers_per_stage" not in ex.config["parallelism"]
     assert any("pipeline_parallel_layers_per_stage" in n for n in ex.notes)
+
+
+def test_exports_write_the_gradient_clip_the_plan_priced():
+    """The plan prices the global-norm clip (default) or not (``grad_clip`` False); each export writes it, so the run
+    does what was priced: DeepSpeed's gradient_clipping (0 was its default), the Trainer's max_grad_norm (1.0 its
+    default), Lightning's gradient_clip_val (none its default) and torchtitan's max_norm (1.0 its default)."""
+    from microbatch.hardware import get_accelerator
+    from microbatch.model import get_model
+    from microbatch.predict.plan import make_plan
+    from microbatch.predict.plan_config import PlanConfig
+
+    base = dict(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=16, data_parallel=2,
+                micro_batches=(2,), zero=(0,), schedules=("1f1b",))  # fmt: skip
+    for clip, want in ((True, 1.0), (False, 0.0)):
+        plan = make_plan(PlanConfig(**base, grad_clip=clip)).to_dict()
+        assert export_plan(plan, "deepspeed").config["gradient_clipping"] == want
+        assert export_plan(plan, "hf").config["max_grad_norm"] == want
+        assert export_plan(plan, "torchtitan").config["training"]["max_norm"] == want
+        trainer = export_plan(plan, "lightning", gpus_per_node=2).config["trainer"]
+        assert trainer.get("gradient_clip_val") == (want or None)
+    # a tune's knee says nothing of the clip: the user's loop decides
+    tuned = {"micro_batch": 2, "grad_accum": 4, "data_parallel": 2, "global_batch": 16}
+    assert "gradient_clipping" not in export_plan(tuned, "deepspeed").config

@@ -232,7 +232,8 @@ def moe_options(f: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Choice(list(FP8_RECIPES)),
             default=None,
             help="With --precision fp8: torchao's one scale per tensor or per row, or Transformer Engine's delayed "
-            "or current scaling (weights cast once a step).  [default: tensorwise]",
+            "or current scaling (weights cast once a step, the linear layers' saved inputs kept in FP8).  "
+            "[default: tensorwise]",
         ),  # fmt: skip
         click.option(
             "--shard-degree",

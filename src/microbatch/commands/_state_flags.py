@@ -39,13 +39,14 @@ def precision_options(f: F) -> F:
         ),  # fmt: skip
         click.option(
             "--moments-dtype", type=click.Choice(list(MOMENT_DTYPES)), default="fp32", show_default=True,
-            help="The optimizer's moments: bf16 halves them (DeepSeek-V3; Megatron --exp-avg-dtype bf16; "
-            "NeMo optim.dtype bf16).",
+            help="The optimizer's moments: bf16 halves them (DeepSeek-V3; Megatron's precision-aware optimizer "
+            "--exp-avg-dtype bf16; NeMo optim.dtype bf16).",
         ),
         click.option(
             "--master-weights", type=click.Choice(list(MASTER_WEIGHTS)), default="fp32", show_default=True,
             help="Mixed precision's master copy: fp32 (4 B), remainder (2 B: the fp32 bits under bf16 weights, "
-            "NeMo's distributed Adam, Megatron --store-param-remainders) or none (bf16 weights updated in place).",
+            "NeMo's distributed Adam; Megatron's precision-aware optimizer under bf16, non-FP8 or delayed-scaling runs) or "
+            "none (bf16 weights updated in place).",
         ),
     ]  # fmt: skip
     for opt in reversed(opts):

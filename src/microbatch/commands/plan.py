@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -28,6 +29,7 @@ from microbatch.predict.state import PIPELINE_GRAD_REDUCE
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
     from microbatch.predict.apply_calibration import AppliedCalibration
+    from microbatch.predict.gemm import RooflineEfficiency
     from microbatch.predict.plan import Plan, PlanConfig
 
 __all__ = ["cmd"]
@@ -98,8 +100,13 @@ __all__ = ["cmd"]
 )
 @click.option(
     "--compile", "compiled", is_flag=True,
-    help="Norms, activations and the optimizer compiled (torch.compile) or fused, not eager: elementwise kernels at "
-    "the streaming rate, the norms at compiled code's measured 0.445 of the bandwidth (its backward's reductions).",
+    help="torch.compile: activations, softmax, dropout and the optimizer at the streaming rate, the norms at compiled "
+    "code's measured 0.445 of the bandwidth (its backward's reductions), not eager.",
+)  # fmt: skip
+@click.option(
+    "--fused-kernels", "fused_kernels", is_flag=True,
+    help="Hand-written fused kernels (Megatron's, Transformer Engine's, apex's: norms, bias-activation, softmax, "
+    "Adam): all at the streaming rate, not eager.",
 )  # fmt: skip
 @click.option(
     "--parallel-block", "parallel_block", is_flag=True,
@@ -133,8 +140,10 @@ __all__ = ["cmd"]
     "fused attention, Transformer Engine's on Hopper: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton "
     "flash kernel, llm-foundry's attn_impl triton: 0.296 of an A100's), efficient (SDPA's memory-efficient backend, "
     "causal, where flash cannot run: 0.347 of an A100's; an explicit mask, as padded Hugging Face batches pass, "
-    "costs about twice that and is not modelled). fa2 on Hopper and A100 "
-    "rows, cudnn/fa3 on Hopper rows, triton/efficient on A100 rows only; --gpu-set attention_fraction=F overrides.",
+    "costs about twice that and is not modelled). On a B200 sdpa and cudnn are cuDNN's 0.636 at a 7.4x longer ramp "
+    "(torch picks cuDNN there from NGC 25.09 or pip 2.11; older builds run fa2: 0.182 at 3.1x). fa2 on Hopper, A100 "
+    "and B200 rows, cudnn on Hopper and B200, fa3 on Hopper, triton/efficient on A100 rows only; --gpu-set "
+    "attention_fraction=F (and attention_ramp=K) overrides.",
 )  # fmt: skip
 @click.option(
     "--layers-per-stage",
@@ -171,7 +180,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, flash: bool | None, dropout: bool | None, compiled: bool,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
     parallel_block: bool, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
@@ -183,17 +192,15 @@ def cmd(
     Compare accelerators: --gpu a100-40gb,a100-80gb,h100-sxm
     Mixture of experts: --model deepseek-v3 --gpu h100-80gb -B 4096 -d 128 -p 16 -e 64
     """
-    from dataclasses import replace
-
     from microbatch.commands._common import parse_split, parse_zero
     from microbatch.hardware import DEFAULT_HEADROOM
-    from microbatch.predict.gemm import COMPILED_NORM_MEMORY, DEFAULT_EFFICIENCY
     from microbatch.predict.plan import PlanConfig
 
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
+    efficiency = _elementwise(compiled, fused_kernels)
     gpus = _accelerators(gpu, attention_kernel, flash, gpu_set)
     cfg = PlanConfig(
         shape=shape,
@@ -225,14 +232,10 @@ def cmd(
         cp_comm=cp_comm,
         zero3_impl=zero3_impl,
         pipeline_grad_reduce=pipeline_grad_reduce,
-        efficiency=replace(
-            DEFAULT_EFFICIENCY,
-            fused_elementwise=compiled,
-            fused_norm_memory=COMPILED_NORM_MEMORY if compiled else None,
-        ),
+        efficiency=efficiency,
         **expert_layout,
     )
-    plans, applied = _plans(cfg, gpus, calibration)
+    plans, applied = _plans(cfg, gpus, calibration, named_kernel=attention_kernel != "sdpa")
     out, render = _answer(plans, applied, all_rows)
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
@@ -247,6 +250,24 @@ def cmd(
     if why is not None:
         click.echo(f"error: {why}", err=True)
         raise click.exceptions.Exit(2)
+
+
+def _elementwise(compiled: bool, fused_kernels: bool) -> RooflineEfficiency:
+    """The default efficiency with ``--compile`` (torch.compile: the norms at its measured rate) or
+    ``--fused-kernels`` (hand-written: the streaming rate); both at once refused."""
+    from microbatch.errors import ConfigError
+    from microbatch.predict.gemm import COMPILED_NORM_MEMORY, DEFAULT_EFFICIENCY
+
+    if compiled and fused_kernels:
+        raise ConfigError(
+            "--compile (torch.compile's generated kernels) and --fused-kernels (hand-written ones) describe different "
+            "code; give the one the run uses"
+        )
+    return replace(
+        DEFAULT_EFFICIENCY,
+        fused_elementwise=compiled or fused_kernels,
+        fused_norm_memory=COMPILED_NORM_MEMORY if compiled else None,
+    )
 
 
 def _accelerators(
@@ -266,7 +287,13 @@ def _accelerators(
     gpus = []
     for g in parse_gpus(gpu):
         ceiling, ramp = kernel_figures(attention_kernel, g.name, g.attention_fraction, g.attention_ramp)
-        gpus.append(g.with_overrides(attention_fraction=ceiling, attention_ramp=ramp))
+        g = g.with_overrides(attention_fraction=ceiling, attention_ramp=ramp)
+        if attention_kernel != "sdpa":  # the row's source names the figures it now runs at
+            g = replace(
+                g,
+                source=f"{g.source}; --attention-kernel {attention_kernel}: ceiling {ceiling} at ramp {ramp}",
+            )
+        gpus.append(g)
     if gpu_set:  # after the kernel class: --gpu-set overrides any figure
         overrides = parse_overrides(gpu_set)
         gpus = [g.with_overrides(**overrides) for g in gpus]
@@ -274,9 +301,11 @@ def _accelerators(
 
 
 def _plans(
-    cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None
+    cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None, named_kernel: bool = False
 ) -> tuple[list[Plan], list[AppliedCalibration]]:
-    """One plan per accelerator, each with ``calibration`` applied when one is given."""
+    """One plan per accelerator, each with ``calibration`` applied when one is given. With ``named_kernel`` (an
+    ``--attention-kernel`` other than sdpa) the rows keep that kernel's attention figures: a calibration measures
+    PyTorch's SDPA, not the kernel named."""
     from microbatch.predict.plan import compare_gpus
 
     shape, precision = cfg.shape, cfg.precision
@@ -284,8 +313,6 @@ def _plans(
     tensor_parallel, stages = cfg.tensor_parallel, cfg.pipeline_parallel
     applied: list[AppliedCalibration] = []
     if calibration:
-        from dataclasses import replace
-
         from microbatch.batch import check_data_parallel
         from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration
         from microbatch.predict.plan import make_plan
@@ -305,7 +332,7 @@ def _plans(
             make_plan(
                 replace(
                     cfg,
-                    gpu=a.accelerator or g,
+                    gpu=_kernel_kept(a.accelerator, g) if named_kernel else a.accelerator or g,
                     memory_calibration=a.memory,
                     efficiency=replace(
                         a.efficiency,
@@ -319,6 +346,15 @@ def _plans(
     else:
         plans = compare_gpus(cfg, gpus)
     return plans, applied
+
+
+def _kernel_kept(calibrated: Accelerator | None, named: Accelerator) -> Accelerator:
+    """``calibrated`` (or ``named`` when there is none) at ``named``'s attention ceiling and ramp."""
+    if calibrated is None:
+        return named
+    return calibrated.with_overrides(
+        attention_fraction=named.attention_fraction, attention_ramp=named.attention_ramp
+    )
 
 
 def _answer(

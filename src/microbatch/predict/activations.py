@@ -75,7 +75,8 @@ def layer_activation_terms(
     DeepSeek's latent attention keeps Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split
     by t, and its two latents (d_c' + d_c + d_h^R per token) whole.
     With ``fp8_inputs`` (Transformer Engine's FP8) the linear layers keep 1-byte casts of their inputs
-    (:func:`_fp8_saved_inputs`; a GPT block 29 sbh, not 34); the routed experts' terms are not changed.
+    (:func:`_fp8_saved_inputs`; a GPT block with flash and no recompute 29 sbh, not 34); the routed experts' terms
+    are not changed.
     Per-op selective recompute (``op``) keeps :func:`microbatch.predict.recompute.op_saved_terms`.
     Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
     recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
@@ -138,8 +139,15 @@ def _fp8_saved_inputs(
     (:func:`layer_activation_terms`'s ``fp8_inputs``; :func:`microbatch.precision.saves_fp8_inputs`): the QKV and
     first MLP inputs sbh; the output projection's input 1 B per element beside the e-byte output a fused (flash)
     attention that is not recomputed keeps for its own backward (``keeps_output``: e + 1); the MLP's second linear
-    input 1 B of its f while the activation's input stays e bytes (2sbf → 3sbf, gated 6sbf → 5sbf)."""
-    terms["attention_input"] = terms["mlp_input"] = tokens * shape.hidden / sp
+    input 1 B of its f while the activation's input stays e bytes (4sbf → 3sbf at e = 2, gated 6sbf → 5sbf).
+    Megatron-core's MoE and MLA blocks norm standalone (``gpt_layer_specs``): the router saves the MoE block's norm
+    output in bf16 and MLA's two down-projections each keep a 1-byte cast of theirs, so those inputs keep e bytes."""
+    if (
+        shape.mla is None
+    ):  # MLA's standalone norm feeds two down-projections, each keeping its cast: e bytes kept
+        terms["attention_input"] = tokens * shape.hidden / sp
+    if shape.moe is None:  # a MoE block's router keeps the standalone norm's bf16 output
+        terms["mlp_input"] = tokens * shape.hidden / sp
     o = terms["attention_output"] / e  # elements of the output projection's input
     terms["attention_output"] = o * (1 + (e if keeps_output else 0))
     if "mlp_hidden" in terms:

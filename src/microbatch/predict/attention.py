@@ -22,8 +22,8 @@ each a pure function:
 What it ignores: head dimensions outside 64–128 (taken at the nearer end: no FA2 causal figure for
 d = 256 was read), the causal backward (not published: its curve is composed from the causal forward's
 and the non-causal backward's, see :data:`FA2_CURVES`), the SDPA backend a framework picks (cuDNN or FA3
-on Hopper reach more than the FA2-class kernel the ceilings describe: :data:`CUDNN_HOPPER_CEILING`,
-:data:`FA3_HOPPER_CEILING`).
+on Hopper reach more than the FA2-class kernel the Hopper row describes: :data:`CUDNN_HOPPER_CEILING`,
+:data:`FA3_HOPPER_CEILING`; the B200 row is cuDNN's, at its own ramp: ``Accelerator.attention_ramp``).
 Pure Python: no torch.
 """
 
@@ -125,7 +125,8 @@ scaled_dot_product_attention as measured, or FA2's own figures on Ampere, SDPA's
 (:data:`FA2_HOPPER_CEILING`; the row's on Ampere), ``cudnn`` (cuDNN's fused attention, Transformer Engine's on Hopper:
 :data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3, :data:`FA3_HOPPER_CEILING`), ``triton`` (the Triton flash
 kernel, Ampere only: :data:`TRITON_AMPERE_CEILING`), ``efficient`` (SDPA's memory-efficient backend, xformers'
-cutlass kernel, causal, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`)."""
+cutlass kernel, causal, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`). On the B200 row ``sdpa`` and ``cudnn`` are
+cuDNN's and ``fa2`` SDPA's flash backend (:mod:`microbatch.hardware_attention`), each at its own ramp."""
 
 
 def attention_ceiling(kernel: str, accelerator: str, row_ceiling: float | None) -> float | None:
@@ -170,7 +171,8 @@ def kernel_figures(
     where = [r for rows, kernels in families if kernel in kernels for r in rows]
     raise ConfigError(
         f"attention_kernel {kernel} has a published ceiling only on {', '.join(where)}, not on {accelerator}; "
-        "use attention_kernel sdpa, or give the kernel's share of the peak as the accelerator's attention_fraction",
+        "use attention_kernel sdpa, or give the kernel's share of the peak as the accelerator's attention_fraction "
+        "(and its ramp over the H100 curves' as attention_ramp)",
         params=("attention_kernel",),
     )
 

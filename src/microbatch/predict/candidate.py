@@ -126,6 +126,12 @@ class Candidate:
     """The model's parameters, every expert counted."""
     active_params: int = 0
     """The parameters one token uses (K routed experts per MoE block); = total for a dense model."""
+    moments_dtype: str = "fp32"
+    """The optimizer's moments (``PlanConfig.moments_dtype``): an export refuses what its config cannot set."""
+    master_weights: str = "fp32"
+    """The master copy (``PlanConfig.master_weights``)."""
+    grad_clip: bool = True
+    """Whether the step priced a global-norm gradient clip (``PlanConfig.grad_clip``); exports write it."""
 
     @property
     def bubble_pct(self) -> float:
@@ -164,6 +170,9 @@ class Candidate:
             "shard_degree": self.shard_degree,
             "total_params": self.total_params,
             "active_params": self.active_params,
+            "moments_dtype": self.moments_dtype,
+            "master_weights": self.master_weights,
+            "grad_clip": self.grad_clip,
         }
 
     @classmethod
@@ -383,7 +392,8 @@ def evaluate(
             tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel, simulated=False,
             expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel, cp_comm=cfg.cp_comm,
             shard_degree=cfg.shard_degree,
-            total_params=ctx.total_params, active_params=ctx.active_params,
+            total_params=ctx.total_params, active_params=ctx.active_params, moments_dtype=cfg.moments_dtype,
+            master_weights=cfg.master_weights, grad_clip=cfg.grad_clip,
         )  # fmt: skip
     return _fast_candidate(
         {

@@ -66,7 +66,7 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             zero_s += fsdp_edges_s(ag, rs, units, m)
             zero_s += 2 * m * _copy_out_s(ctx, n)  # each gather (forward, backward) copied out (FSDP2)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
-    owned = n / zg if z >= 1 else n
+    owned = _owned(ctx, n, z)
     rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     if cfg.grad_clip:
@@ -78,7 +78,9 @@ CLIP_PASSES = 3.0
 """Passes over the gradients a global-norm clip makes: one read for the norm (``torch._foreach_norm``; Megatron's
 ``multi_tensor_l2norm``) and a read and a write to scale them (``torch._foreach_mul_``, every step in torch's
 ``clip_grad_norm_``, which multiplies by the clamped coefficient; ``multi_tensor_scale`` in Megatron, only when the
-norm exceeds the limit: counted always, an upper bound there)."""
+norm exceeds the limit: counted always, an upper bound there). apex's ``DistributedFusedAdam`` (NeMo) folds the scale
+into its Adam kernel (one pass, the norm's), and Megatron's distributed optimizer takes the norm over fp32 copies of
+half gradients: both are priced at these three passes of the gradient type, within a pass either way."""
 
 
 def clip_s(grad_bytes: float, rate: float) -> float:
@@ -87,6 +89,18 @@ def clip_s(grad_bytes: float, rate: float) -> float:
     clipped are those the rank updates: its shard under ZeRO ≥ 1 (Megatron's distributed optimizer and DeepSpeed
     clip the shard's norm and all-reduce it), all of them under plain data parallelism."""
     return CLIP_PASSES * grad_bytes / rate
+
+
+def _owned(ctx: Context, n: float, z: int) -> float:
+    """The parameters whose update (and clip) this GPU runs: all ``n`` without ZeRO; under ZeRO ≥ 1 the dense ones'
+    1/zero_group share and the routed experts' 1/(zero_group/EP) (their state sharded over the expert-data-parallel
+    ranks only, as :func:`microbatch.predict.candidate._state` holds it), the experts those of the stage holding the
+    most."""
+    if z < 1:
+        return n
+    zg, ep = ctx.cfg.zero_group, ctx.cfg.expert_parallel
+    x = min(n, max(ctx.expert_params.values(), default=0.0)) if ep > 1 else 0.0
+    return (n - x) / zg + x / max(1, zg // ep)
 
 
 def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, float, int]:

@@ -85,7 +85,8 @@ class RooflineEfficiency:
     fused_elementwise: bool = False
     """Norms, activation functions, softmax and dropout run fused or compiled (Megatron-LM's fused LayerNorm,
     bias-GELU and scale-mask-softmax kernels, ``torch.compile``): at ``memory``, the streaming rate (the same
-    H200 run: copy 0.78, add 0.83 of the bandwidth), and rotary embeddings as one fused kernel. False: eager
+    H200 run: copy 0.78, add 0.83 of the bandwidth), the norms at ``fused_norm_memory`` when it is set
+    (torch.compile's), and rotary embeddings as one fused kernel. False: eager
     kernels at ``norm_memory``, ``activation_memory``, ``softmax_memory`` and ``dropout_memory``."""
 
     fused_norm_memory: float | None = None
@@ -136,6 +137,8 @@ class RooflineEfficiency:
             v = getattr(self, name)
             if v is None and name == "fused_norm_memory":
                 continue
+            if isinstance(v, bool):
+                raise ConfigError(f"efficiency {name} must be a number, got {v!r}")
             if not (0 < v <= 1):
                 raise ConfigError(f"efficiency {name} must be in (0, 1], got {v!r}")
         if self.tile_rows < 0 or self.tile_cols < 0:
@@ -178,9 +181,10 @@ class RooflineEfficiency:
 COMPILED_NORM_MEMORY = 0.445
 """The fraction of bandwidth a ``torch.compile``-generated RMSNorm/LayerNorm reaches over its forward and backward
 on an H200: the median over the 11 model widths of NVIDIA/cudnn-frontend's norm benchmark
-(``benchmark/norms/results/h200/``, torch_compile backend: forward 0.55–0.87 of 4.8 TB/s, backward 0.34–0.47, its
+(``benchmark/norms/results/h200/``, torch_compile backend: forward 0.53–0.87 of 4.8 TB/s, backward 0.34–0.47, its
 weight-gradient reductions), 5 passes (2 + 3) over the two times (``tests/data/norm_bars.json``,
-``bench/bench_norms.py``). ``plan --compile`` runs the norms at it; carried to other GPUs as a fraction."""
+``bench/bench_norms.py``). ``plan --compile`` runs the norms at it, forward and backward alike (the totals right; a
+recomputed forward is charged about 1.7× its own, 0.745); carried to other GPUs as a fraction."""
 
 DEFAULT_EFFICIENCY = RooflineEfficiency()
 

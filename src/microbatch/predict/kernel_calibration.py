@@ -6,7 +6,7 @@ accelerator sets, for plans on that accelerator:
 - **GEMMs**: at each measured shape the ratio measured / analytic time
   (:mod:`microbatch.predict.measured_gemm`), read between the shapes; ``RooflineEfficiency.gemm_measured``.
 - **Attention**: the flash ceiling f∞ (``Accelerator.attention_fraction``) from the measured causal SDPA
-  rate f(s, d) at each key length s: f∞ = f(s, d) / φ(s, d) (inverting
+  rate f(s, d) at each key length s: f∞ = f(s, d) / φ(s/k, d), k the row's ``attention_ramp`` (inverting
   :func:`~microbatch.predict.attention.flash_rate_fraction`: φ is
   :func:`~microbatch.predict.attention.flash_shape_factor`, causal forward), the median over the measured s.
 - **Streaming**: ``memory`` = the median fraction of the bandwidth of copy and add; on a GPU
@@ -38,6 +38,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import ACCELERATORS, HOPPER, Accelerator, cpu_accelerator
+from microbatch.hardware_attention import RAMP_FIT_FROM
 from microbatch.hardware_clocks import (
     HOPPER_BURST_TO_SUSTAINED,
     MAX_CLOCK_FRACTION,
@@ -143,12 +144,16 @@ def _attention_fraction(
     if not result.attention:
         return None
     peak = acc.sustained_flops(result.dtype)
+    # a row on its own ramp (the B200's) was fitted from RAMP_FIT_FROM keys: shorter timings are left out
+    timed = [
+        a for a in result.attention if acc.attention_ramp == 1 or a.seq >= RAMP_FIT_FROM
+    ] or result.attention
     ceilings = [
         burst * a.flops_per_s / peak / flash_shape_factor(a.seq / acc.attention_ramp, a.head_dim)
-        for a in result.attention
+        for a in timed
     ]
     f = _clamp("attention ceiling", statistics.median(ceilings), notes)
-    seqs = ", ".join(str(a.seq) for a in result.attention)
+    seqs = ", ".join(str(a.seq) for a in timed)
     sources["attention_fraction"] = f"measured: causal SDPA at s = {seqs} (ceiling {f:.3f})"
     return f
 

@@ -14,7 +14,7 @@ Frameworks that keep less are named too: **bf16 moments** (``moments="bf16"``: D
 ``DistributedFusedAdam(dtype=bf16)``, NeMo's ``optim.dtype``), and the fp32 master kept as its **16-bit
 remainder** under the bf16 weights (``master="remainder"``: apex ``store_param_remainders``, which NeMo's
 distributed Adam turns on for bf16 models with fp32 state; Megatron-Core ``store_param_remainders`` with the
-precision-aware optimizer, TE ≥ 2.1) or **none** (the optimizer updates the bf16 weights themselves: apex with
+precision-aware optimizer, TE ≥ 2.1, bf16 and no FP8 recipe or a delayed one) or **none** (the optimizer updates the bf16 weights themselves: apex with
 ``dtype`` equal to the model's, ``store_params=False``). NeMo's distributed Adam at its defaults is thus 2 + 4
 (its gradient buffer in ``grad_sync_dtype``, = ``dtype`` = fp32) + 2 + 8 = 16 B; NeMo's Nemotron-4 340B
 config (``dtype: bf16``, ``grad_sync_dtype: bf16``) 2 + 2 + 0 + 4 = 8 B.
@@ -98,13 +98,13 @@ def _check_state_dtypes(precision: str, master_copy: bool, moments: str, master:
     if master != "fp32" and not master_copy:
         raise ConfigError(
             f"master_weights {master} with precision {precision}: fp32 training keeps no master copy; drop "
-            "master_weights or train in bf16-mixed",
+            "master_weights or give precision bf16-mixed",
             params=("master_weights", "precision"),
         )
     if master == "remainder" and precision == "fp16-mixed":
         raise ConfigError(
             "master_weights remainder completes bf16 weights to fp32 (the low 16 bits); fp16 weights share no "
-            "bits with fp32: use master_weights fp32 or none with fp16-mixed, or bf16-mixed",
+            "bits with fp32: use master_weights fp32 or none with fp16-mixed, or precision bf16-mixed",
             params=("master_weights", "precision"),
         )
 

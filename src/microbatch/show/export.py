@@ -46,7 +46,15 @@ from typing import Any
 
 from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
-from microbatch.show.export_common import Json, accelerator_key, check_names, precision_of, schedule_spec
+from microbatch.show.export_common import (
+    Json,
+    accelerator_key,
+    check_names,
+    clip_norm,
+    deepspeed_moe_note,
+    precision_of,
+    schedule_spec,
+)
 from microbatch.show.export_torchtitan import TORCHTITAN_HEADER, torchtitan_config
 from microbatch.show.toml_text import toml_text
 
@@ -136,7 +144,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
-                    "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights"):  # fmt: skip
+                    "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
@@ -181,6 +189,8 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
         "gradient_accumulation_steps": c["grad_accum"],
         "zero_optimization": {"stage": c.get("zero", 0)},
     }
+    if (clip := clip_norm(c)) is not None:  # DeepSpeed's default was 0 (off) before its 2026 releases
+        cfg["gradient_clipping"] = clip
     prec = precision_of(c)
     if prec == "bf16-mixed":
         cfg["bf16"] = {"enabled": True}
@@ -214,7 +224,7 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             "deepspeed.checkpointing.checkpoint (activation checkpointing is set in model code)"
         )
     if (ep := c.get("expert_parallel", 1)) > 1:
-        notes.append(_deepspeed_moe_note(ep, c.get("capacity_factor"), t))
+        notes.append(deepspeed_moe_note(ep, c.get("capacity_factor"), t))
     return cfg, notes
 
 
@@ -230,27 +240,6 @@ def _check_deepspeed_grad_dtype(c: Json, prec: str) -> None:
         )
 
 
-def _deepspeed_moe_note(ep: int, capacity_factor: float | None, t: int) -> str:
-    """The note on DeepSpeed's MoE layer, whose defaults (capacity_factor=1.0, drop_tokens=True,
-    enable_expert_tensor_parallelism=False) are not the plan's: the arguments that make them so."""
-    args = [
-        f"ep_size={ep}",
-        "drop_tokens=False" if capacity_factor is None else f"capacity_factor={capacity_factor}",
-    ]
-    if t > 1:
-        args.append("enable_expert_tensor_parallelism=True")
-    why = (
-        "routes dropless" if capacity_factor is None else f"caps each expert at {capacity_factor}× its share"
-    )
-    if t > 1:
-        why += f" and splits each expert over the t = {t} tensor-parallel ranks"
-    return (
-        f"expert parallelism {ep}: build the MoE layers with deepspeed.moe.layer.MoE({', '.join(args)}, ...) in "
-        f"model code (the plan {why}; its defaults, capacity_factor=1.0 with drop_tokens=True and no expert tensor "
-        "parallelism, are not)"
-    )
-
-
 def _hf(c: Json) -> tuple[Json, list[str]]:
     prec = precision_of(c)
     cfg = {
@@ -261,6 +250,8 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
         # 4.x and 5.x read it; activation_checkpointing exists only from 5.23, where this name warns
         "gradient_checkpointing": c.get("recompute", "none") != "none",
     }
+    if (clip := clip_norm(c)) is not None:  # the Trainer clips at 1.0 unless told
+        cfg["max_grad_norm"] = clip
     notes = [f"run on d = {c['data_parallel']} processes (torchrun --nproc_per_node ...); the Trainer multiplies "
              "per_device_train_batch_size by the world size",
              "gradient_checkpointing is read by transformers 4.x and 5.x; from 5.23 it is a deprecated alias of "
@@ -295,6 +286,8 @@ def _lightning(c: Json) -> tuple[Json, list[str]]:
     d, z = c["data_parallel"], c.get("zero", 0)
     _check_lightning(c)
     trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _LIGHTNING_PRECISION[prec]}
+    if clip_norm(c):  # Lightning clips only when gradient_clip_val is given
+        trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"] = clip_norm(c), "norm"
     per_node = int(c.get("gpus_per_node") or min(d, GPUS_PER_NODE))
     if d % per_node:
         raise ConfigError(
@@ -361,11 +354,17 @@ def _lacks(c: Json, fmt: str) -> list[str]:
             "all-gather or ring context parallelism"
             + (" (its Ulysses lives in Megatron-DeepSpeed, not in its config)" if fmt == "deepspeed" else "")
         )
-    if c.get("moments_dtype", "fp32") != "fp32" or c.get("master_weights", "fp32") != "fp32":
-        lacks.append(  # none of the four configs sets them: Megatron's precision-aware optimizer and NeMo's do
-            f"optimizer state of {c.get('moments_dtype', 'fp32')} moments and {c.get('master_weights', 'fp32')} "
-            "master weights (Megatron's precision-aware optimizer and NeMo's optim.dtype set them)"
+    state = [
+        f"{v} {what}"
+        for v, what in (
+            (c.get("moments_dtype", "fp32"), "moments"),
+            (c.get("master_weights", "fp32"), "master weights"),
         )
+        if v != "fp32"
+    ]
+    if state:  # none of the four configs sets them: Megatron's precision-aware optimizer and NeMo's do
+        lacks.append(f"optimizer state of {' and '.join(state)} (Megatron's precision-aware optimizer and NeMo's "
+                     "optim.dtype set them; moments_dtype and master_weights fp32 export)")  # fmt: skip
     hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
     if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":
         lacks.append(f"hybrid sharding over groups of {c['shard_degree']} set here")

@@ -12,10 +12,31 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.schedules.registry import ScheduleSpec, get_spec
 
-__all__ = ["Json", "accelerator_key", "check_names", "precision_of", "schedule_spec"]
+__all__ = [
+    "CLIP_NORM",
+    "Json",
+    "accelerator_key",
+    "check_names",
+    "clip_norm",
+    "precision_of",
+    "schedule_spec",
+]
 
 Json = dict[str, Any]
 """A JSON object: a plan, a candidate, a configuration."""
+
+
+CLIP_NORM = 1.0
+"""The global-norm threshold an export writes when the plan clips: the common one (Megatron's ``--clip-grad``, the
+Hugging Face Trainer's ``max_grad_norm`` and torchtitan's ``max_norm`` defaults); the plan prices the clip's passes,
+not its threshold."""
+
+
+def clip_norm(c: Json) -> float | None:
+    """The clip threshold to write: :data:`CLIP_NORM` when the plan clips (``grad_clip``), 0 (off) when it does not,
+    None when the candidate does not say (a tune result: the user's loop decides)."""
+    clip = c.get("grad_clip")
+    return None if clip is None else (CLIP_NORM if clip else 0.0)
 
 
 def precision_of(c: Json) -> str:
@@ -63,3 +84,24 @@ def check_names(c: Json, what: str) -> None:
         raise ConfigError(
             f"the {what}'s schedule {c['schedule']!r} is not one of {', '.join(schedule_names())}; plan again"
         )
+
+
+def deepspeed_moe_note(ep: int, capacity_factor: float | None, t: int) -> str:
+    """The note on DeepSpeed's MoE layer, whose defaults (capacity_factor=1.0, drop_tokens=True,
+    enable_expert_tensor_parallelism=False) are not the plan's: the arguments that make them so."""
+    args = [
+        f"ep_size={ep}",
+        "drop_tokens=False" if capacity_factor is None else f"capacity_factor={capacity_factor}",
+    ]
+    if t > 1:
+        args.append("enable_expert_tensor_parallelism=True")
+    why = (
+        "routes dropless" if capacity_factor is None else f"caps each expert at {capacity_factor}× its share"
+    )
+    if t > 1:
+        why += f" and splits each expert over the t = {t} tensor-parallel ranks"
+    return (
+        f"expert parallelism {ep}: build the MoE layers with deepspeed.moe.layer.MoE({', '.join(args)}, ...) in "
+        f"model code (the plan {why}; its defaults, capacity_factor=1.0 with drop_tokens=True and no expert tensor "
+        "parallelism, are not)"
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 from microbatch.errors import ConfigError
 from microbatch.predict.state import zero_groups
 from microbatch.schedules.registry import DEFAULT_SCHEDULE, get_spec, schedule_names, torch_spec
-from microbatch.show.export_common import Json, precision_of, schedule_spec
+from microbatch.show.export_common import Json, clip_norm, precision_of, schedule_spec
 
 __all__ = ["TORCHTITAN_HEADER", "torchtitan_config"]
 
@@ -48,6 +48,8 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
     _check_torchtitan(c)
     b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
     training: Json = {"global_batch_size": B}
+    if (clip := clip_norm(c)) is not None:  # torchtitan clips at 1.0 unless told
+        training["max_norm"] = clip
     shard = zero_groups(d, 1, c.get("shard_degree"))[0]  # refuses a degree that does not divide d
     parallelism: Json = {
         "data_parallel_replicate_degree": d if z == 0 else d // shard,
