@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from microbatch.hardware import get_accelerator  # noqa: E402
 from microbatch.model import ModelShape, get_model  # noqa: E402
 from microbatch.moe import Experts  # noqa: E402
-from microbatch.predict.attention import CUDNN_HOPPER_CEILING  # noqa: E402
+from microbatch.predict.attention import CUDNN_919_HOPPER, CUDNN_HOPPER_CEILING  # noqa: E402
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY  # noqa: E402
 from microbatch.predict.plan import PlanConfig, make_plan  # noqa: E402
 from microbatch.predict.roofline import model_flops_per_step  # noqa: E402
@@ -167,8 +167,9 @@ def bridge_rows(data: dict) -> list[dict]:
     # the recipes overlap tensor-parallel communication with the GEMMs (Megatron-Bridge
     # recipes/llama/llama3.py: CommOverlapConfig(tp_comm_overlap=True) with Transformer Engine userbuffers;
     # scripts/performance/configs/llama/llama3_llm_pretrain.py sets the H100 userbuffers config): async_tp
-    # Transformer Engine's cuDNN fused attention on Hopper (TE prefers FusedAttention there): cuDNN's measured curve
-    gpu = get_accelerator(sec["gpu"], attention_fraction=CUDNN_HOPPER_CEILING)
+    # Transformer Engine's cuDNN fused attention on Hopper (TE prefers FusedAttention there), as the 25.11 and 26.02
+    # containers' cuDNN (9.15 on) runs it: cuDNN 9.19's measured curve (BRIDGE_CUDNN)
+    gpu = get_accelerator(sec["gpu"], attention_fraction=BRIDGE_CUDNN[0], attention_ramp=BRIDGE_CUDNN[1])
     table405 = data["llama3_2024_table4"]["shape"]
     out = []
     for r in sec["rows"]:
@@ -266,7 +267,7 @@ def moe_bridge_rows(data: dict) -> list[dict]:
         s, n, t, p, c, v, e = r["seq"], r["gpus"], r["tp"], r["pp"], r["cp"], r["vp"], r["ep"]
         hopper = r["system"].startswith("h100")
         gpu = (
-            get_accelerator(r["system"], attention_fraction=CUDNN_HOPPER_CEILING)
+            get_accelerator(r["system"], attention_fraction=BRIDGE_CUDNN[0], attention_ramp=BRIDGE_CUDNN[1])
             if hopper
             else get_accelerator(r["system"])
         )
@@ -364,6 +365,11 @@ def nemo_long_rows(data: dict) -> list[dict]:
         })  # fmt: skip
     return out
 
+
+BRIDGE_CUDNN = CUDNN_919_HOPPER
+"""The Megatron-Bridge rows' attention on Hopper: cuDNN as of 9.19 (``--attention-kernel cudnn``), the nearest measured
+version to their containers' (NGC 25.09–26.02 ship cuDNN 9.13–9.19); the 2024 rows (NeMo 24.03/24.07, the
+Megatron-LM README's Megatron-Core r0.8.0) keep the mid-2024 kernel's (``cudnn-2024``)."""
 
 MEGATRON_FP8_RECIPES = {"tensorwise": "te-current", "delayed": "te-delayed"}
 """The planner's recipe for Megatron's ``fp8_recipe`` names: Megatron's ``tensorwise`` is Transformer Engine's
@@ -554,7 +560,8 @@ def main() -> None:
         "recipe assumed (no precision column); nothing fitted"
     )
     print(
-        "TE rows (Megatron-Bridge, Megatron-LM README, NeMo): cuDNN attention (TE prefers it on Hopper), FP8 as TE casts"
+        "TE rows (Megatron-Bridge, Megatron-LM README, NeMo): cuDNN attention (TE prefers it on Hopper: cuDNN 9.19's curve"
+        " for the Bridge rows' 2025-26 containers, mid-2024's for the NeMo and README rows), FP8 as TE casts"
         " (te-current for Bridge's FP8-CS, te-delayed for NeMo). NeMo 24.07 rows: each model's launcher config at the"
         " 24.07 tag (dropout, SP, TP overlap, recompute, optim.dtype), ZeRO-1 as NeMo's distributed Adam keeps it (bf16"
         " gradient buffer, fp32 master as 16-bit remainders, or none under a bf16 state); DeepSeek-V3 with its recipe's"

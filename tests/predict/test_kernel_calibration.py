@@ -317,15 +317,15 @@ def test_kernels_timed_in_bursts_are_slowed_to_the_sustained_rate(tmp_path: Path
 def test_calibration_keeps_a_named_attention_kernel_and_the_compiled_norms(
     h100_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A microbenchmark measures PyTorch's SDPA: with ``--attention-kernel cudnn`` the rows keep cuDNN's ceiling
-    (0.570), with the default sdpa they take the measured one; ``--compile`` keeps torch.compile's norm rate through
+    """A microbenchmark measures PyTorch's SDPA: with ``--attention-kernel cudnn`` the rows keep cuDNN 9.19's ceiling
+    and ramp (0.716 at 2.3), with the default sdpa they take the measured one; ``--compile`` keeps torch.compile's norm rate through
     the calibration (its step longer than ``--fused-kernels``' by the norms alone)."""
-    from microbatch.predict.attention import CUDNN_HOPPER_CEILING
+    from microbatch.predict.attention import CUDNN_919_HOPPER
 
     sdpa = _plan("--calibration", str(h100_file), capsys=capsys)
     named = _plan("--calibration", str(h100_file), "--attention-kernel", "cudnn", capsys=capsys)
-    assert named["gpu"]["attention_fraction"] == CUDNN_HOPPER_CEILING
-    assert sdpa["gpu"]["attention_fraction"] != CUDNN_HOPPER_CEILING
+    assert (named["gpu"]["attention_fraction"], named["gpu"]["attention_ramp"]) == CUDNN_919_HOPPER
+    assert sdpa["gpu"]["attention_fraction"] != CUDNN_919_HOPPER[0] and sdpa["gpu"]["attention_ramp"] == 1
     compiled = _plan("--calibration", str(h100_file), "--compile", capsys=capsys)
     fused = _plan("--calibration", str(h100_file), "--fused-kernels", capsys=capsys)
     assert compiled["recommended"]["step_time_s"] > fused["recommended"]["step_time_s"]

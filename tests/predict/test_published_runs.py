@@ -131,7 +131,8 @@ def test_megatron_bridge_dense_rows_as_their_recipes_run_them():
     fused kernels and, for the 405B, vp 8 over stages of 15, 16 x 6, 15 layers: every row within 15%, mean
     within 12%. Today +12.4%, +10.3%, +10.3% and the 405B rows −6.7%, −3.8%, mean 8.7% (the GEMMs beside the
     overlapped TP collectives slowed by σ as beside any other; +12.4, +7.6, +7.6, −10.2, −7.7 without), with TE's attention
-    at cuDNN's measured curve (CUDNN_HOPPER_CEILING; TE prefers FusedAttention on Hopper+) and TE's current
+    at cuDNN's measured curve (TE prefers FusedAttention on Hopper+; since this session cuDNN 9.19's, CUDNN_919_HOPPER,
+    which moved the rows to +8.6%, +8.2%, −7.4%, +8.2%, −4.6%, mean 7.4%) and TE's current
     scaling (te-current: casts fused with their transposes, FP8 weights cast once a step); +16.1%, +11.6%,
     +11.8%, −2.1%, +1.6% with torchao's per-GEMM casts; +13.7%, +10.3%, +10.5%, −2.6%, +1.0% at FA3's
     attention, the class assumed before; at the Hopper rows'

@@ -137,12 +137,13 @@ __all__ = ["cmd"]
     help="Flash kernel class: sdpa (PyTorch's, as the accelerator row measured it; on an A100 FA2's own figures, "
     "0.694), fa2 (the flash-attn 2 package, and PyTorch's SDPA of 2024, whose flash backend it is: 0.354 of an "
     "H100's peak; on an A100 the same as sdpa), cudnn (cuDNN's "
-    "fused attention, Transformer Engine's on Hopper: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton "
+    "fused attention, Transformer Engine's on Hopper, as of cuDNN 9.19: 0.716 at a 2.3x longer ramp), cudnn-2024 (the "
+    "same in 2024's containers: 0.570), fa3 (FlashAttention-3: 0.625), triton (the Triton "
     "flash kernel, llm-foundry's attn_impl triton: 0.296 of an A100's), efficient (SDPA's memory-efficient backend, "
     "causal, where flash cannot run: 0.347 of an A100's; an explicit mask, as padded Hugging Face batches pass, "
     "costs about twice that and is not modelled). On a B200 sdpa and cudnn are cuDNN's 0.636 at a 7.4x longer ramp "
     "(torch picks cuDNN there from NGC 25.09 or pip 2.11; older builds run fa2: 0.182 at 3.1x). fa2 on Hopper, A100 "
-    "and B200 rows, cudnn on Hopper and B200, fa3 on Hopper, triton/efficient on A100 rows only; --gpu-set "
+    "and B200 rows, cudnn on Hopper and B200, cudnn-2024 and fa3 on Hopper, triton/efficient on A100 rows only; --gpu-set "
     "attention_fraction=F (and attention_ramp=K) overrides.",
 )  # fmt: skip
 @click.option(

@@ -37,6 +37,7 @@ __all__ = [
     "FLASH_BACKWARD_RATIO",
     "FA3_HOPPER_CEILING",
     "CUDNN_HOPPER_CEILING",
+    "CUDNN_919_HOPPER",
     "FA2_HOPPER_CEILING",
     "TRITON_AMPERE_CEILING",
     "EFFICIENT_AMPERE_CEILING",
@@ -92,7 +93,18 @@ forward in FlashAttention-3's Figure 5 (315, 410, 484, 518, 529, 539 TFLOP/s for
 ``assets/flash3_fp16_fwd.png``) fitted to R·s/(s + 404): R = 564 TFLOP/s, 0.570 of 989.4, every point within 2.7%.
 Its backward keeps the FA2 curves' ratio to the forward (Figure 6(b), not causal: cuDNN 305, 408, 465, 499, 518,
 516 against its forward's 497, 574, 617, 609, 600, 595, 0.87 at 16k as FA2's 322/370 and FA3's 561/648), so
-:func:`flash_shape_factor` carries. Measured with a mid-2024 cuDNN; a container's own version may differ."""
+:func:`flash_shape_factor` carries. Measured with a mid-2024 cuDNN (``--attention-kernel cudnn-2024``: the NeMo and
+Megatron-Core containers of 2024); cuDNN 9.19's is :data:`CUDNN_919_HOPPER`."""
+
+CUDNN_919_HOPPER = (0.716, 2.3)
+"""(ceiling, ramp) of cuDNN's fused attention on Hopper as of cuDNN 9.19 (``--attention-kernel cudnn``; the FA3-paper
+figures of mid-2024 are ``cudnn-2024``, :data:`CUDNN_HOPPER_CEILING`): NVIDIA/cudnn-frontend's H200 training
+benchmark (``benchmark/sdpa_benchmark_training/results/h200_919_only_cudnn/llama3.1_20260227_034703.csv`` at
+3929da2; cuDNN 9.19.1, bf16, batch 1, 64 query and 8 K/V heads of 128, causal: forward 484, 591, 644, 673, 688 and
+backward 370, 474, 541, 579, 581 TFLOP/s at s = 2k … 32k), forward + backward fitted minimax to
+:func:`flash_fwd_bwd_factor` at s/2.3: 0.716 of 989.4, within 1.7% at every length (the forward within 2.4%, the
+backward within 2.2%). 26% above the mid-2024 kernel's plateau: containers from 2025 on (Megatron-Bridge's) run
+it."""
 
 FA2_HOPPER_CEILING = 350.0 / 989.4
 """Ceiling of the FlashAttention-2 kernel itself (the ``flash-attn`` 2 package) on Hopper: the plateau R = 350
@@ -119,10 +131,11 @@ curve is 8-28% over its d-64 bars from 2k. Not modelled: an explicit attention m
 pass), under which the kernel computes the whole s×s matrix and reads the mask — about twice this time and more.
 No Hopper figure was read: refused there."""
 
-ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "fa3", "triton", "efficient")
+ATTENTION_KERNELS = ("sdpa", "fa2", "cudnn", "cudnn-2024", "fa3", "triton", "efficient")
 """Attention kernel classes a plan can name: ``sdpa`` (the accelerator row's ceiling: PyTorch's
 scaled_dot_product_attention as measured, or FA2's own figures on Ampere, SDPA's flash backend there), ``fa2``
-(:data:`FA2_HOPPER_CEILING`; the row's on Ampere), ``cudnn`` (cuDNN's fused attention, Transformer Engine's on Hopper:
+(:data:`FA2_HOPPER_CEILING`; the row's on Ampere), ``cudnn`` (cuDNN's fused attention, Transformer Engine's on Hopper,
+as of cuDNN 9.19: :data:`CUDNN_919_HOPPER`), ``cudnn-2024`` (the same in mid-2024 containers:
 :data:`CUDNN_HOPPER_CEILING`), ``fa3`` (FlashAttention-3, :data:`FA3_HOPPER_CEILING`), ``triton`` (the Triton flash
 kernel, Ampere only: :data:`TRITON_AMPERE_CEILING`), ``efficient`` (SDPA's memory-efficient backend, xformers'
 cutlass kernel, causal, Ampere only: :data:`EFFICIENT_AMPERE_CEILING`). On the B200 row ``sdpa`` and ``cudnn`` are
@@ -158,8 +171,8 @@ def kernel_figures(
         )
     row = (row_ceiling, row_ramp)
     families: tuple[tuple[tuple[str, ...], dict[str, tuple[float | None, float]]], ...] = (
-        (HOPPER, {"fa2": (FA2_HOPPER_CEILING, 1.0), "cudnn": (CUDNN_HOPPER_CEILING, 1.0),
-                  "fa3": (FA3_HOPPER_CEILING, 1.0)}),
+        (HOPPER, {"fa2": (FA2_HOPPER_CEILING, 1.0), "cudnn": CUDNN_919_HOPPER,
+                  "cudnn-2024": (CUDNN_HOPPER_CEILING, 1.0), "fa3": (FA3_HOPPER_CEILING, 1.0)}),
         (AMPERE, {"fa2": row, "triton": (TRITON_AMPERE_CEILING, 1.0), "efficient": (EFFICIENT_AMPERE_CEILING, 1.0)}),
         (BLACKWELL, {"cudnn": row, "fa2": BLACKWELL_FA2}),
     )  # fmt: skip
