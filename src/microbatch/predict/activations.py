@@ -142,9 +142,8 @@ def _fp8_saved_inputs(
     input 1 B of its f while the activation's input stays e bytes (4sbf → 3sbf at e = 2, gated 6sbf → 5sbf).
     Megatron-core's MoE and MLA blocks norm standalone (``gpt_layer_specs``): the router saves the MoE block's norm
     output in bf16 and MLA's two down-projections each keep a 1-byte cast of theirs, so those inputs keep e bytes."""
-    if (
-        shape.mla is None
-    ):  # MLA's standalone norm feeds two down-projections, each keeping its cast: e bytes kept
+    # MLA's standalone norm feeds two down-projections, each keeping its own cast: e bytes kept there
+    if shape.mla is None:
         terms["attention_input"] = tokens * shape.hidden / sp
     if shape.moe is None:  # a MoE block's router keeps the standalone norm's bf16 output
         terms["mlp_input"] = tokens * shape.hidden / sp
