@@ -20,6 +20,7 @@ from _table_cli import run_table
 
 from microbatch.hardware import get_accelerator
 from microbatch.predict.attention import flash_fwd_bwd_factor, flash_rate_fraction, kernel_figures
+from microbatch.predict.attention_core import window_span
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "attention_bars.json"
 
@@ -31,10 +32,11 @@ def predicted_tflops(series: dict, seq: int) -> float:
     ceiling, ramp = kernel_figures(series["kernel"], acc.name, acc.attention_fraction, acc.attention_ramp)
     assert ceiling is not None
     d, causal, direction = series["head_dim"], series["causal"], series["direction"]
+    keys = window_span(seq, series.get("window")) / ramp  # a sliding window: the curve at its causal length σ
     shape = (
-        flash_fwd_bwd_factor(seq / ramp, d, causal)
+        flash_fwd_bwd_factor(keys, d, causal)
         if direction == "fwd_bwd"
-        else flash_rate_fraction(seq / ramp, 1.0, d, causal, backward=direction == "bwd")
+        else flash_rate_fraction(keys, 1.0, d, causal, backward=direction == "bwd")
     )
     return acc.flops("bf16") / 1e12 * ceiling * shape
 

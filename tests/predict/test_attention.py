@@ -350,3 +350,23 @@ def test_plan_on_an_a100_runs_triton_slower_than_sdpa_and_refuses_cudnn(capsys):
     assert (
         "--attention-kernel triton names a flash kernel, and --no-flash-attention" in capsys.readouterr().err
     )
+
+
+def test_cudnn_919_misses_where_its_benchmark_leaves_the_curves(monkeypatch) -> None:
+    """Two unfitted checks of cuDNN 9.19's curve (cudnn-frontend's H200 shapes), whose misses are recorded, not
+    fitted: DeepSeek-V3's q/k 192 wide forward lands within 7%, but its backward runs slower than the d-128 curve
+    the planner takes for d >= 128 (7-21% fast); GPT-OSS's d-64 heads under a 1,024-key window run 17-19% slower
+    over forward + backward than the d-64 curve read at the window's causal length says."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    from bench_attention_ceilings import predicted_tflops
+
+    checks = [
+        x for x in BARS["series"] if x["gpu"] == "h200" and x["kernel"] == "cudnn" and x["head_dim"] != 128
+    ]
+    by = {(x["head_dim"], x["direction"]): x for x in checks}
+    assert len(by) == 6
+    err = {k: [predicted_tflops(x, s) / bar - 1 for s, bar in zip(x["seq"], x["tflops"], strict=True)]
+           for k, x in by.items()}  # fmt: skip
+    assert all(abs(e) < 0.07 for e in err[(192, "fwd")])
+    assert all(0.05 < e < 0.22 for e in err[(192, "bwd")])
+    assert all(0.15 < e < 0.23 for e in err[(64, "fwd_bwd")])
