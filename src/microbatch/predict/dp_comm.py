@@ -66,7 +66,7 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             zero_s += fsdp_edges_s(ag, rs, units, m)
             zero_s += 2 * m * _copy_out_s(ctx, n)  # each gather (forward, backward) copied out (FSDP2)
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
-    owned = _owned(ctx, n, z)
+    owned = n if z < 1 else (n / zg if cfg.expert_parallel == 1 else _owned_with_experts(ctx, n))
     rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
     opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     if cfg.grad_clip:
@@ -91,15 +91,13 @@ def clip_s(grad_bytes: float, rate: float) -> float:
     return CLIP_PASSES * grad_bytes / rate
 
 
-def _owned(ctx: Context, n: float, z: int) -> float:
-    """The parameters whose update (and clip) this GPU runs: all ``n`` without ZeRO; under ZeRO ≥ 1 the dense ones'
+def _owned_with_experts(ctx: Context, n: float) -> float:
+    """Under ZeRO ≥ 1 with expert parallelism, the parameters whose update (and clip) this GPU runs: the dense ones'
     1/zero_group share and the routed experts' 1/(zero_group/EP) (their state sharded over the expert-data-parallel
     ranks only, as :func:`microbatch.predict.candidate._state` holds it), the experts those of the stage holding the
-    most."""
-    if z < 1:
-        return n
+    most. (Without EP: n/zero_group; without ZeRO: all n.)"""
     zg, ep = ctx.cfg.zero_group, ctx.cfg.expert_parallel
-    x = min(n, max(ctx.expert_params.values(), default=0.0)) if ep > 1 else 0.0
+    x = min(n, max(ctx.expert_params.values(), default=0.0))
     return (n - x) / zg + x / max(1, zg // ep)
 
 
