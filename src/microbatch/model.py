@@ -13,20 +13,14 @@ the demo run for real on the CPU (``microbatch.measure.gpt`` builds them in PyTo
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int
-from microbatch.hf_attention import own_head_size, sliding_window_of
-from microbatch.moe import (
-    Experts,
-    LatentAttention,
-    experts_from_hf,
-    latent_attention_from_hf,
-    with_expert_flags,
-)
+from microbatch.hf_config import from_hf_config
+from microbatch.moe import Experts, LatentAttention, with_expert_flags
 from microbatch.shape import ModelShape
 
 __all__ = [
@@ -179,208 +173,6 @@ def get_model(name: str, *, seq: int | None = None) -> ModelShape:
 
 # -- Hugging Face config.json ---------------------------------------------------------------
 # Key names per field, in the order they are tried: the generic PretrainedConfig names first,
-# then GPT-2's (n_layer, n_embd, ...), then older families' (GPT-J/NeoX, OPT, BLOOM).
-_HF_KEYS: dict[str, tuple[str, ...]] = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
-    "heads": ("num_attention_heads", "n_head", "n_heads"),
-    "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
-    "head_size": ("head_dim",),
-    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
-    "vocab": ("vocab_size",),
-    "seq": ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", "n_ctx"),
-}
-# Families whose blocks are Llama-like: RMSNorm, rotary positions, gated (SwiGLU) MLP, no biases.
-_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
-
-
-def _hf_lookup(raw: dict[str, Any], field: str) -> Any:
-    for key in _HF_KEYS[field]:
-        if raw.get(key) is not None:
-            return raw[key]
-    return None
-
-
-_HF_REQUIRED = ("layers", "hidden", "heads", "vocab")
-"""Fields a config.json must state itself (transformers' family defaults are not taken for them)."""
-
-
-def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
-    """Refuse, naming the file and the key, a size field of the config that is not a whole number >= 1
-    (a string, a fraction, a negative, a boolean), an encoder (:func:`_check_decoder_only`), or a
-    required field (:data:`_HF_REQUIRED`) that is missing: checked on the file's JSON, before
-    transformers is imported."""
-    where = f"hf_config {str(file)!r}"
-    for field, keys in _HF_KEYS.items():
-        for key in keys:
-            v = raw.get(key)
-            if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                continue
-            if isinstance(v, str) and v.strip().isdigit():
-                fix = f'write it as a JSON number: "{key}": {int(v)}'
-            else:
-                fix = f"give {key} the model's {field} as a whole number >= 1"
-            raise ConfigError(
-                f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}", params=_HF
-            )
-    _check_decoder_only(raw, file)  # an encoder's keys differ: say what it is, not what it lacks
-    missing = [f for f in _HF_REQUIRED if all(raw.get(k) is None for k in _HF_KEYS[f])]
-    if missing:
-        raise ConfigError(
-            f"{where} lacks {', '.join(missing)} (looked for "
-            + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
-            + f'); add {"them" if len(missing) > 1 else "it"} to the file (e.g. "{_HF_KEYS[missing[0]][0]}": ...), '
-            "or give the shape alone (its layers, hidden, heads, vocab and seq) without hf_config",
-            params=_HF,
-        )
-
-
-def _read_hf_dict(path: Path) -> dict[str, Any]:
-    """The config as a dict: through transformers' AutoConfig where installed, plain JSON otherwise.
-
-    AutoConfig fills in the family's defaults for keys a config.json omits (GPT-2's n_inner=None,
-    tie_word_embeddings=True); plain JSON reads only what the file says.
-    """
-    import importlib.util
-
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(
-            f"hf_config {str(path)!r} is not a file or a folder holding config.json; "
-            "give the path of a Hugging Face config.json",
-            params=_HF,
-        )
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(
-            f"hf_config {str(file)!r} is not readable JSON ({e}); give a config.json", params=_HF
-        ) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"hf_config {str(file)!r} holds {type(raw).__name__}, not a JSON object", params=_HF
-        )
-    _check_hf_fields(raw, file)  # before transformers is imported (seconds): the file's own numbers
-    if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
-        try:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(str(file))
-        except Exception:  # an unknown model_type or a transformers quirk: fall back to the JSON
-            return raw
-        merged = dict(raw)
-        for keys in _HF_KEYS.values():
-            for key in keys:
-                value = getattr(cfg, key, None)
-                if value is not None and merged.get(keys[0]) is None:
-                    merged[keys[0]] = value
-                    break
-        merged["tie_word_embeddings"] = getattr(cfg, "tie_word_embeddings", raw.get("tie_word_embeddings"))
-        return merged
-    return raw
-
-
-# Families that are not one stack of causal decoder layers: encoders (masked LM) and encoder-decoders.
-_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-             "camembert", "mpnet", "ernie", "modernbert"}  # fmt: skip
-_ENCODER_DECODERS = {"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5",
-                     "led", "prophetnet", "blenderbot", "m2m_100", "nllb-moe", "switch_transformers"}  # fmt: skip
-
-
-def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
-    """ConfigError for an encoder or encoder-decoder config: the formulas and probes are decoder-only."""
-    model_type = str(raw.get("model_type", "")).lower()
-    if raw.get("is_encoder_decoder") or model_type in _ENCODER_DECODERS:
-        kind = "an encoder-decoder"
-    elif model_type in _ENCODERS:
-        kind = "an encoder (masked language model)"
-    else:
-        return
-    raise ConfigError(
-        f"hf_config {str(path)!r} is {kind} model ({model_type or 'unknown type'}); microbatch supports "
-        "decoder-only causal language models (gpt2, llama, mistral, qwen2, gemma, phi3, ...): its memory "
-        "formulas count one stack of causal decoder layers and its probes build AutoModelForCausalLM; "
-        "give a decoder-only config, or the shape of a comparable decoder",
-        params=_HF,
-    )
-
-
-def from_hf_config(path: str | Path, *, seq: int | None = None, name: str | None = None) -> ModelShape:
-    """A :class:`ModelShape` from a Hugging Face ``config.json`` (a file or the folder holding it).
-
-    Reads layers, hidden, heads, kv heads, ffn hidden, vocab and max positions; the family
-    (``model_type``) decides the block details (Llama-like: RMSNorm, rotary, SwiGLU, no biases;
-    otherwise GPT-2-like). Experts (Mixtral, Qwen-MoE, DeepSeek) and DeepSeek's latent attention are
-    read by :func:`microbatch.moe.experts_from_hf` and :func:`microbatch.moe.latent_attention_from_hf`.
-    A ``head_dim`` that differs from hidden/heads (Qwen3, Gemma, GPT-OSS) is kept as ``head_size``, under
-    DeepSeek's latent attention its own head widths rule; the sliding window and the layers using it are read
-    by :func:`microbatch.hf_attention.sliding_window_of`. Ignores per-family oddities (Qwen2's q/k/v
-    biases on an otherwise bias-free block), which change parameter counts slightly.
-    """
-    path = Path(path)
-    raw = _read_hf_dict(path)
-    _check_decoder_only(raw, path)
-    vals = {f: _hf_lookup(raw, f) for f in _HF_KEYS}
-    missing = [f for f in ("layers", "hidden", "heads", "vocab") if vals[f] is None]
-    if missing:
-        raise ConfigError(
-            f"hf_config {str(path)!r} lacks {', '.join(missing)} (looked for "
-            + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
-            + "); give the shape itself instead",
-            params=_HF,
-        )
-    model_type = str(raw.get("model_type", "")).lower()
-    llama_like = model_type in _LLAMA_LIKE or (
-        model_type not in ("gpt2",) and str(raw.get("hidden_act", "")).lower() in ("silu", "swiglu")
-    )
-    tied = raw.get("tie_word_embeddings")
-    positions = vals["seq"]
-    fields = dict(
-        name=name or raw.get("_name_or_path") or model_type or path.stem,
-        layers=vals["layers"],
-        hidden=vals["hidden"],
-        heads=vals["heads"],
-        head_size=own_head_size(vals["head_size"], vals["hidden"], vals["heads"]),
-        kv_heads=vals["kv_heads"],
-        ffn_hidden=vals["ffn_hidden"],
-        vocab=vals["vocab"],
-        seq=seq or positions or 2048,
-    )
-    if llama_like:
-        fields.update(
-            gated_mlp=True,
-            bias=bool(raw.get("attention_bias", False) or raw.get("mlp_bias", False)),
-            norm="rmsnorm",
-            learned_positions=False,
-            tied_embeddings=bool(tied) if tied is not None else False,
-            dropout=bool(raw.get("attention_dropout", 0.0)),
-        )
-    else:
-        fields.update(
-            max_positions=positions,
-            # GPT-2's config default is tied (PretrainedConfig.tie_word_embeddings=True).
-            tied_embeddings=bool(tied) if tied is not None else True,
-        )
-    for f in ("layers", "hidden", "heads", "vocab"):
-        if not isinstance(fields[f], int) or isinstance(fields[f], bool):
-            raise ConfigError(
-                f"hf_config {str(path)!r}: {f} is {fields[f]!r}, not a whole number", params=_HF
-            )
-    source = f"hf_config {str(path)!r}"
-    fields.update(
-        moe=experts_from_hf(raw, vals["ffn_hidden"], source), mla=latent_attention_from_hf(raw, source)
-    )
-    if fields["mla"] is not None:  # transformers' DeepSeek configs set head_dim to the rotary slice
-        fields["head_size"] = None
-    if isinstance(vals["layers"], int):
-        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, vals["layers"], positions)
-    try:
-        return ModelShape(**fields)
-    except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
-        raise ConfigError(f"{source}: {e}", params=_HF) from None
-
-
-_HF = ("hf_config",)
 _SHAPE_PARAMS = ("hf_config", "layers", "hidden", "heads", "vocab", "seq")
 """The parameters a message that asks for a model shape names (the CLI writes them as flags)."""
 _EXPERT_FLAGS = ("experts", "top_k", "expert_ffn_hidden", "shared_experts")
@@ -453,17 +245,21 @@ def resolve_model(
     given = {k: v for k, v in flags.items() if v is not None}
     for k, v in given.items():
         check_positive_int(k, v, fix="sizes are whole numbers >= 1")
-    shape = _resolve_dense(model, hf_config, given)
+    experts_given = {k: v for k, v in expert_flags.items() if v is not None}
+    shape = _resolve_dense(model, hf_config, given, experts_given)
     moe = with_expert_flags(shape.moe, shape.ffn, expert_flags)
     return shape if moe is shape.moe else replace(shape, moe=moe)
 
 
-def _resolve_dense(model: str | None, hf_config: str | Path | None, given: dict[str, int]) -> ModelShape:
-    """The shape of ``model``, ``hf_config`` or the sizes, with the sizes given applied."""
+def _resolve_dense(
+    model: str | None, hf_config: str | Path | None, given: dict[str, int], experts_given: Mapping[str, int]
+) -> ModelShape:
+    """The shape of ``model``, ``hf_config`` or the sizes, with the sizes given applied (a config may lack an expert
+    size the user gives: ``experts_given`` fills it before :func:`~microbatch.moe.with_expert_flags` applies it)."""
     if model is not None:
         base = get_model(model)
     elif hf_config is not None:
-        base = from_hf_config(hf_config)
+        base = from_hf_config(hf_config, given={**given, **experts_given})
     elif not given:
         raise ConfigError(
             "no model given; give a registry name (" + ", ".join(PRESETS) + "), hf_config (a config.json), "

@@ -19,6 +19,7 @@ Hugging Face ``config.json`` keys of Mixtral, Qwen2/Qwen3-MoE and DeepSeek-V2/V3
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -150,7 +151,10 @@ class LatentAttention:
 
 # -- Hugging Face config.json keys ------------------------------------------------------------------------
 _EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_top_k", "moe_topk", "moe_k", "top_k")
+"""K's spellings: Mixtral/DeepSeek/Qwen, ``moe_topk`` (Aria, LongCat-Flash), ``moe_k`` (ERNIE 4.5)."""
+_EXPERT_FFN_KEYS = ("moe_intermediate_size", "expert_ffn_hidden_size")
+"""F's spellings: ``moe_intermediate_size``, ``expert_ffn_hidden_size`` (LongCat-Flash)."""
 
 
 def _first(raw: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -172,26 +176,31 @@ def _whole(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
     return value
 
 
-def experts_from_hf(raw: dict[str, Any], ffn_hidden: int | None, source: str) -> Experts | None:
+def experts_from_hf(
+    raw: dict[str, Any], ffn_hidden: int | None, source: str, given: Mapping[str, int] | None = None
+) -> Experts | None:
     """The :class:`Experts` of a config dict, or None for a dense model (no expert count, or 0/1 experts).
 
     Keys: E from ``num_local_experts`` (Mixtral), ``n_routed_experts`` (DeepSeek), ``num_experts``
     (Qwen-MoE); K from ``num_experts_per_tok``; F from ``moe_intermediate_size`` or, as in
     Mixtral, ``intermediate_size``; S from ``n_shared_experts`` (DeepSeek, width F) or one shared
     expert of ``shared_expert_intermediate_size`` (Qwen2-MoE); dense first blocks from
-    ``first_k_dense_replace``. Ignores ``moe_layer_freq`` / ``decoder_sparse_step`` other than 1.
+    ``first_k_dense_replace``. Ignores ``moe_layer_freq`` / ``decoder_sparse_step`` other than 1. K or F the file
+    lacks (DeepSeek-V2's transformers default leaves K None) comes from ``given`` (``top_k``, ``expert_ffn_hidden``:
+    the flags the user gives, which override the file's anyway), else a ConfigError names the flag.
     """
+    given = given or {}
     e = _first(raw, _EXPERT_KEYS)
     if e is None or e in (0, 1):
         return None
     e = _whole(raw, "experts", e, source)
-    k = _first(raw, _TOPK_KEYS)
+    k = _first(raw, _TOPK_KEYS) or given.get("top_k")
     if k is None:
         raise ConfigError(
             f"{source} has {e} experts but no num_experts_per_tok; give top_k (Mixtral 2, DeepSeek-V3 8)",
             params=(*_HF, "top_k"),
         )
-    f = raw.get("moe_intermediate_size") or ffn_hidden
+    f = _first(raw, _EXPERT_FFN_KEYS) or given.get("expert_ffn_hidden") or ffn_hidden
     if f is None:
         raise ConfigError(
             f"{source} has experts but no moe_intermediate_size; give expert_ffn_hidden",

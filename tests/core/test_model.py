@@ -237,3 +237,110 @@ def test_expert_flags_and_round_trip():
     back = ModelShape(**{k: v for k, v in asdict(ds).items()})  # a shape read back from JSON dicts
     assert back == ds and back.param_count() == ds.param_count()
     assert ds.to_dict()["active_param_count"] == ds.active_param_count()
+
+
+# -- heterogeneous configs: sizes set per layer (transformers 5's per_layer_config) ---------------------------------
+GEMMA4_CFG = {
+    "model_type": "gemma4_text", "num_hidden_layers": 30, "hidden_size": 2304, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 262144,
+    "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh",
+    "per_layer_config": {"05": {"head_dim": 512}, "11": {"head_dim": 512}, "17": {"head_dim": 512}},
+}  # fmt: skip
+
+
+def test_per_layer_sizes_are_refused_with_the_values_and_the_fix(tmp_path):
+    # transformers refuses the global read of a per-layer key (not an AttributeError): this crashed before
+    with pytest.raises(ConfigError) as e:
+        from_hf_config(_write(tmp_path, GEMMA4_CFG))
+    msg = str(e.value)
+    assert "head_size per layer" in msg and "512 in layer 05" in msg and "256 in the other 27" in msg
+    assert "the largest, 512" in msg and "hf_config" in e.value.params and "head_size" in e.value.params
+
+
+def test_a_per_layer_size_the_user_gives_prices_every_layer_at_it(tmp_path):
+    path = _write(tmp_path, GEMMA4_CFG)
+    wide = resolve_model(hf_config=path, head_size=512)
+    narrow = resolve_model(hf_config=path, head_size=256)
+    assert wide.head_size == 512 and narrow.head_size == 256
+    # the q/k/v/o projections grow with the head width: 30 layers x 2·h·(a + kv)·Δd more parameters
+    assert wide.param_count() - narrow.param_count() == 30 * 2 * 2304 * (8 + 4) * 256
+
+
+def test_per_layer_values_equal_to_the_configs_own_are_not_heterogeneous(tmp_path):
+    from microbatch.hf_config import per_layer_sizes
+
+    same = {**GEMMA4_CFG, "per_layer_config": {"05": {"head_dim": 256}, "06": "not a mapping"}}
+    assert per_layer_sizes(same) == {}
+    assert from_hf_config(_write(tmp_path, same)).head_size == 256
+    two = {**GEMMA4_CFG, "per_layer_config": {"02": {"num_attention_heads": 16, "num_key_value_heads": 8}}}
+    assert per_layer_sizes(two) == {"heads": {"02": 16}, "kv_heads": {"02": 8}}
+    with pytest.raises(ConfigError, match="heads per layer .* kv_heads also vary per layer"):
+        from_hf_config(_write(tmp_path, two))
+
+
+def test_cli_refuses_a_per_layer_config_in_one_line_and_takes_the_flag(tmp_path, capsys):
+    path = str(_write(tmp_path, GEMMA4_CFG))
+    args = ["plan", "--hf-config", path, "--gpu", "h100-sxm", "-B", "8", "--seq", "1024"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--head-size per layer" in err and "Traceback" not in err
+    assert main([*args, "--head-size", "512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_shape"]["head_size"] == 512
+
+
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        ({"layer_types": ["linear_attention", "linear_attention", "full_attention"]}, "layer_types names linear_attention"),
+        ({"layers_block_type": ["mamba", "attention"]}, "layers_block_type names mamba"),
+        ({"mamba_d_state": 128, "mamba_expand": 2}, "it sets mamba_d_state, mamba_expand"),
+        ({"block_types": ["recurrent", "recurrent", "attention"], "lru_width": 2560}, "block_types names recurrent"),
+        ({"conv_L_cache": 3}, "it sets conv_L_cache"),
+    ],
+)
+def test_hybrid_models_are_refused_with_what_is_not_attention(tmp_path, extra, says):
+    # Mamba, linear-attention, recurrent or convolution layers: the formulas price attention decoder layers only
+    cfg = {**LLAMA_CFG, "model_type": "some_hybrid", "num_hidden_layers": 3, **extra}
+    with pytest.raises(ConfigError, match="hybrid model") as e:
+        from_hf_config(_write(tmp_path, cfg))
+    assert says in str(e.value) and "give the shape of its attention layers" in str(e.value)
+
+
+def test_attention_layer_kinds_are_not_hybrid(tmp_path):
+    kinds = ["sliding_attention", "full_attention", "chunked_attention"]
+    cfg = {**LLAMA_CFG, "num_hidden_layers": 3, "layer_types": kinds, "sliding_window": 512}
+    assert from_hf_config(_write(tmp_path, cfg)).param_count() > 0
+
+
+def test_gemma_families_are_built_as_llama_is(tmp_path):
+    # Gemma 3/4 and VaultGemma spell their GeGLU activation hidden_activation: read as GPT-2 blocks they lost the
+    # gate (-9.5% and -20% of the parameters transformers builds); the counts below are transformers 5.25's on meta
+    gemma3 = {"model_type": "gemma3_text", "num_hidden_layers": 26, "hidden_size": 2304, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 262208,
+              "max_position_embeddings": 131072, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+    shape = from_hf_config(_write(tmp_path, gemma3))
+    assert shape.gated_mlp and shape.norm == "rmsnorm" and not shape.learned_positions and not shape.bias
+    # transformers' count (2,628,658,432) adds Gemma's q/k norms (2 x 256) and its two extra sandwich norms
+    # (2 x 2,304) per layer, which the shape leaves out: within 0.005%
+    assert shape.param_count() == 2_628_658_432 - 26 * (2 * 256 + 2 * 2304)
+
+
+def test_a_missing_top_k_is_taken_from_the_flag_the_error_names(tmp_path, capsys):
+    # DeepSeek-V2 as transformers writes its default leaves num_experts_per_tok None: the error said "give top_k",
+    # and giving it failed the same way (the file was read before the flag applied)
+    cfg = {**DEEPSEEK_V3_CFG, "num_experts_per_tok": None, "n_routed_experts": 64}
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ConfigError, match="no num_experts_per_tok; give top_k"):
+        resolve_model(hf_config=path)
+    shape = resolve_model(hf_config=path, top_k=6)
+    assert shape.moe.top_k == 6 and shape.moe.experts == 64
+    assert main(["memory", "--hf-config", str(path), "--top-k", "6", "-b", "1", "--seq", "512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_shape"]["moe"]["top_k"] == 6
+
+
+@pytest.mark.parametrize("key", ["moe_topk", "moe_k"])
+def test_top_k_spellings_of_other_families(tmp_path, key):
+    # Aria and LongCat-Flash write moe_topk, ERNIE 4.5 moe_k
+    cfg = {**MIXTRAL_CFG, key: 3}
+    del cfg["num_experts_per_tok"]
+    assert from_hf_config(_write(tmp_path, cfg)).moe.top_k == 3

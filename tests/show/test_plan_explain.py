@@ -19,3 +19,22 @@ def test_two_lints_are_separate_clauses_ending_the_check():
     text = explain(plan)
     assert "Check: " + "; ".join(lints) + "." in text
     assert "buried ZeRO" not in text
+
+
+def test_the_neighbouring_micro_batches_are_read_as_the_recommendation_runs():
+    # the knee (ZeRO 3 at b_m = 2) beside b_m = 1, whose fastest is ZeRO 1 with more memory: the sentence compared
+    # the two and read "would save -2.8 GiB"; it compares b_m = 1 under ZeRO 3, which does save memory
+    import re
+
+    plan = make_plan(PlanConfig(shape=get_model("llama-3-8b", seq=2048), gpu=get_accelerator("h100-sxm"),
+                                global_batch=64, data_parallel=8))  # fmt: skip
+    c = plan.recommended
+    assert c is not None and c.micro_batch == 2 and c.zero == 3
+    best_1 = next(x for x in plan.candidates if x.micro_batch == 1)
+    assert best_1.zero != c.zero and best_1.peak_memory_bytes > c.peak_memory_bytes  # the case that read wrong
+    like_1 = next(x for x in plan.candidates if x.micro_batch == 1 and (x.zero, x.recompute) == (c.zero, c.recompute))
+    text = explain(plan)
+    saved = re.search(r"Smaller b_m = 1 would save ([0-9.]+) GiB", text)
+    assert saved and "save -" not in text
+    assert abs(float(saved.group(1)) - (c.peak_memory_bytes - like_1.peak_memory_bytes) / 2**30) < 0.06
+    assert f"its step takes {like_1.step_time_s:.3g} s" in text

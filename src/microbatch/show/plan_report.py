@@ -4,7 +4,7 @@ recommendation in words. Plain data in, strings out (the library never prints; t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from microbatch.errors import ConfigError
@@ -14,19 +14,10 @@ from microbatch.predict.candidate import Candidate
 from microbatch.predict.experts import rows_per_expert
 from microbatch.predict.plan import Plan
 from microbatch.predict.plan_advice import (
-    Advice,
-    BubbleNotBuried,
-    FarPastKnee,
-    GlobalBatchChanged,
-    HoldsEveryMicrobatch,
-    Lint,
-    TooFewMicrobatches,
-    ZeroWithPipeline,
     advice_from_dict,
     lint_from_dict,
 )
-from microbatch.schedules.registry import get_spec
-from microbatch.units import format_bytes
+from microbatch.show.plan_words import Words, advice_lines, gib, lint_sentence, say
 
 __all__ = [
     "TABLE_COLUMNS",
@@ -43,21 +34,6 @@ __all__ = [
     "text_table",
     "Words",
 ]
-
-Words = Mapping[str, str] | None
-"""How the reader names the planner's settings: parameter → its name in the caller's words (a command
-passes its flags, ``{"zero": "--zero", "choose": "--choose"}``); a setting not in it keeps its parameter
-name (``PlanConfig.zero``, ``PlanConfig.choose``)."""
-
-
-def _say(param: str, words: Words) -> str:
-    return (words or {}).get(param, param)
-
-
-def _gib(n: float) -> str:
-    """Bytes in GiB with one decimal (``"57.0 GiB"``), so that a column reads in one unit."""
-    return format_bytes(n, digits=1, unit="GiB")
-
 
 TABLE_COLUMNS = (
     "b_m",
@@ -84,7 +60,7 @@ def _row(c: Candidate) -> list[str]:
         c.recompute,
         str(c.zero),
         f"{100 * c.bubble_fraction:.1f}%",
-        _gib(c.peak_memory_bytes),
+        gib(c.peak_memory_bytes),
         f"{c.step_time_s:.3g} s",
         f"{c.tokens_per_s:,.0f}",
         f"{100 * c.mfu:.1f}%",
@@ -136,12 +112,12 @@ def comparison_rows(plans: list[Plan]) -> list[list[str]]:
             small = min(pl.candidates, key=lambda x: x.peak_memory_bytes, default=None)
             peak = "nothing fits"
             if small is not None and small.fits_device is True:  # inside the device, not its headroom
-                peak = f"tight: {_gib(small.peak_memory_bytes)}"
-            rows.append([g.name, _gib(g.memory_bytes), "-", "-", "-", "-", "-", peak, "-", "-", "-", "-"])
+                peak = f"tight: {gib(small.peak_memory_bytes)}"
+            rows.append([g.name, gib(g.memory_bytes), "-", "-", "-", "-", "-", peak, "-", "-", "-", "-"])
             continue
         rows.append([
-            g.name, _gib(g.memory_bytes), str(c.micro_batch), str(c.microbatches), c.schedule, c.recompute,
-            str(c.zero), _gib(c.peak_memory_bytes), f"{c.step_time_s:.3g} s", f"{c.tokens_per_s:,.0f}",
+            g.name, gib(g.memory_bytes), str(c.micro_batch), str(c.microbatches), c.schedule, c.recompute,
+            str(c.zero), gib(c.peak_memory_bytes), f"{c.step_time_s:.3g} s", f"{c.tokens_per_s:,.0f}",
             f"{c.tokens_per_s / pl.config.num_gpus:,.0f}", f"{100 * c.mfu:.1f}%",
         ])  # fmt: skip
     return rows
@@ -217,8 +193,8 @@ def _explain(
         f"{c.schedule if p > 1 else 'no pipeline'}"
         + (f", v = {c.virtual}" if c.virtual > 1 else "")
         + f", recompute {c.recompute}, ZeRO {c.zero}): {c.step_time_s:.3g} s per step, "
-        f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {_gib(c.peak_memory_bytes)} of "
-        f"{_gib(memory_budget_bytes)} usable."
+        f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {gib(c.peak_memory_bytes)} of "
+        f"{gib(memory_budget_bytes)} usable."
     ]
     best_at: dict[int, Candidate] = {}
     for x in candidates:
@@ -226,12 +202,18 @@ def _explain(
     smaller = [x for b, x in sorted(best_at.items()) if b < c.micro_batch]
     larger = [x for b, x in sorted(best_at.items()) if b > c.micro_batch]
     if smaller:
-        s = smaller[-1]
+        s = _like(candidates, smaller[-1], c)
+        saved = c.peak_memory_bytes - s.peak_memory_bytes
         if not s.fits:
-            why = f"does not fit ({_gib(s.peak_memory_bytes)})"
+            why = f"does not fit ({gib(s.peak_memory_bytes)})"
         elif p == 1:
             why = (
-                f"would save {_gib(c.peak_memory_bytes - s.peak_memory_bytes)} but its GEMMs reach "
+                (
+                    f"would save {gib(saved)}"
+                    if saved > 0
+                    else f"would take {gib(-saved)} more (ZeRO {s.zero})"
+                )
+                + " but its GEMMs reach "
                 f"{100 * s.gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) and its step takes "
                 f"{s.step_time_s:.3g} s"
             )
@@ -243,25 +225,39 @@ def _explain(
             )
         parts.append(f"Smaller b_m = {s.micro_batch} {why}.")
     if larger:
-        g = larger[0]
+        g = _like(candidates, larger[0], c)
         if not g.fits:
-            why = f"does not fit: {_gib(g.peak_memory_bytes)} > {_gib(memory_budget_bytes)}"
+            why = f"does not fit: {gib(g.peak_memory_bytes)} > {gib(memory_budget_bytes)}"
         else:
             why = (
                 f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak but leave "
                 f"{100 * g.bubble_fraction:.1f}% of the pipeline idle" if p > 1 else
-                f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak for {_gib(g.peak_memory_bytes)}"
+                f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak for {gib(g.peak_memory_bytes)}"
             )  # fmt: skip
             why += f"; its step takes {g.step_time_s:.3g} s"
         parts.append(f"Larger b_m = {g.micro_batch} {why}.")
     if moe is not None:
         parts.append(_moe_knee(c, *moe))
-    choice = _choice_line(fastest, knee, choose, tolerance, margin, _say("choose", words))
+    choice = _choice_line(fastest, knee, choose, tolerance, margin, say("choose", words))
     if choice:
         parts.append(choice)
     if lints:
         parts.append("Check: " + "; ".join(lints) + ".")  # each lint a clause; they ran together with " "
     return " ".join(parts)
+
+
+def _like(candidates: Sequence[Candidate], best: Candidate, c: Candidate) -> Candidate:
+    """The candidate at ``best``'s b_m run as ``c`` is (schedule, v, recompute, ZeRO), to compare like with like;
+    ``best`` (that b_m's first listed) where none is."""
+    same = (c.schedule, c.virtual, c.recompute, c.zero)
+    return next(
+        (
+            x
+            for x in candidates
+            if x.micro_batch == best.micro_batch and (x.schedule, x.virtual, x.recompute, x.zero) == same
+        ),
+        best,
+    )
 
 
 def _moe_knee(c: Candidate, moe: Experts, seq: int, ep: int, capacity: float | None) -> str:
@@ -290,7 +286,7 @@ def _label(c: Candidate) -> str:
         f"b_m = {c.micro_batch}, recompute {c.recompute}, ZeRO {c.zero}"
         + (f", {c.schedule}" if c.pipeline_parallel > 1 else "")
         + (f" v = {c.virtual}" if c.virtual > 1 else "")
-        + f" ({c.tokens_per_s:,.0f} tokens/s, {_gib(c.peak_memory_bytes)})"
+        + f" ({c.tokens_per_s:,.0f} tokens/s, {gib(c.peak_memory_bytes)})"
     )
 
 
@@ -314,7 +310,7 @@ def _choice_line(
         return f"It is both the fastest that fits and the knee ({rule})."
     gain = 100 * (fastest.tokens_per_s / knee.tokens_per_s - 1)
     more = fastest.peak_memory_bytes - knee.peak_memory_bytes
-    why = f"the fastest is {gain:.1f}% faster for {_gib(more)} more memory per GPU"
+    why = f"the fastest is {gain:.1f}% faster for {gib(more)} more memory per GPU"
     if choose == "knee":
         return f"Fastest: {_label(fastest)}; {why}; the knee is {rule} ({choose_word} fastest takes the fastest)."
     return f"Knee: {_label(knee)}; {why}; chosen the fastest ({choose_word} knee takes the knee: {rule})."
@@ -350,7 +346,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
         f"{f', EP = {cfg.expert_parallel}' if cfg.expert_parallel > 1 else ''}"
         f"{f', HSDP {cfg.replicas} × {cfg.shard_degree}' if cfg.replicas > 1 else ''}"
         f", s = {cfg.seq_len}; {plan.evaluated} candidates, "
-        f"{sum(c.fits for c in plan.candidates)} fit in {_gib(cfg.memory_budget_bytes)}"
+        f"{sum(c.fits for c in plan.candidates)} fit in {gib(cfg.memory_budget_bytes)}"
     )
     title = (
         "best candidates"
@@ -359,7 +355,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
     )
     rows = plan_table_rows(plan, per_micro_batch=not all_rows, limit=20)
     if any(r[-1] == "tight" for r in rows[1:]):
-        title += f"; tight = inside the device's {_gib(cfg.gpu.memory_bytes)}, not its headroom"
+        title += f"; tight = inside the device's {gib(cfg.gpu.memory_bytes)}, not its headroom"
     parts = [head, "", title, text_table(rows), "", explain(plan, words=words)]
     # With no recommendation the explanation is the advice's headline: list only the rest.
     advice = plan_advice(plan)[1:] if plan.recommended is None else plan_advice(plan)
@@ -369,113 +365,6 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
 
 
 # -- the planner's pitfalls and advice in words ---------------------------------------------------------
-def _name(schedule: str) -> str:
-    spec = get_spec(schedule)
-    return spec.label or spec.name
-
-
-def lint_sentence(lint: Lint, *, words: Words = None) -> str:
-    """One pitfall (:func:`microbatch.predict.plan.lint`) as a sentence with its numbers and its fix
-    (``words``: :data:`Words`)."""
-    if isinstance(lint, GlobalBatchChanged):
-        b, g, d = lint.micro_batch, lint.grad_accum, lint.data_parallel
-        return (
-            f"global batch changed: b_m {b} × g {g} × d {d} = {b * g * d} != B_global {lint.global_batch}; hold "
-            "B_global fixed unless you mean to retune"
-        )
-    if isinstance(lint, TooFewMicrobatches):
-        head = f"m = {lint.microbatches} < p = {lint.stages}: some stages never overlap; bubble {lint.bubble_pct:.0f}%; "
-        if lint.per_replica is not None and lint.per_replica < lint.stages:
-            return head + (
-                f"B_global / d = {lint.per_replica} per replica gives m <= {lint.per_replica} at any b_m; raise "
-                f"B_global to d·p = {lint.data_parallel * lint.stages} or more, or use p <= {lint.per_replica}"
-            )
-        return head + f"use b_m <= {lint.max_micro_batch} so that m >= p"
-    if isinstance(lint, BubbleNotBuried):
-        hint = ""
-        if lint.better_micro_batch is not None:
-            hint = (
-                f"; b_m = {lint.better_micro_batch} gives m = {lint.better_microbatches} at bubble "
-                f"{lint.better_bubble_pct:.0f}%"
-            )
-        return f"m = {lint.microbatches} < 4p = {4 * lint.stages}: the bubble ({lint.bubble_pct:.0f}%) is not buried{hint}"
-    if isinstance(lint, HoldsEveryMicrobatch):
-        lighter = _name(lint.lighter)
-        tail = (
-            f" ({lighter}: {_gib(lint.lighter_peak_bytes)} at the same bubble)"
-            if lint.lighter_peak_bytes is not None
-            else ""
-        )
-        return (
-            f"{_name(lint.schedule)} holds all m = {lint.microbatches} micro-batches' activations on each stage: "
-            f"{_gib(lint.activations_bytes)}; {lighter} holds at most p = {lint.stages}{tail}"
-        )
-    if isinstance(lint, ZeroWithPipeline):
-        alt = lint.alternative
-        tail = (
-            f" (the best of those here: ZeRO {alt.zero}, {alt.schedule}, {_gib(alt.peak_memory_bytes)}, "
-            f"{100 * alt.tokens_per_s / lint.tokens_per_s:.0f}% of this throughput)"
-            if alt
-            else " (none fits at this b_m)"
-        )
-        how = (
-            "FSDP without no_sync (Llama 3's), where the stage keeps its weights whole through the step and "
-            "reduce-scatters each micro-batch's gradients behind its backward, keeping a shard (ZeRO 2's memory)"
-            if lint.each
-            else "torchtitan (FSDP with pipeline parallelism), where the stage keeps its weights and gradients "
-            "whole through the step (ZeRO 1's memory) and reduce-scatters them once after the last backward, exposed"
-        )
-        return (
-            f"ZeRO {lint.zero} with p = {lint.stages} pipeline stages runs in {how}; DeepSpeed's pipeline engine "
-            "takes ZeRO 0 or 1 and Megatron-LM shards only the optimizer: "
-            f"for those, plan with {_say('zero', words)} 1{' (without the per-micro-batch reduction)' if lint.each else ''}"
-            f"{tail}"
-        )
-    assert isinstance(lint, FarPastKnee)
-    return (
-        f"b_m = {lint.micro_batch} is far past the kernel-efficiency knee: b_m = {lint.knee} reaches "
-        f"{100 * lint.knee_efficiency:.0f}% of peak (vs {100 * lint.efficiency:.0f}%) and "
-        f"{100 * lint.knee_tokens_per_s / lint.tokens_per_s:.0f}% of the throughput with "
-        f"{_gib(lint.saved_bytes)} less activation memory"
-    )
-
-
-_SETTINGS = {
-    "pipeline_parallel": "pipeline-parallel {}",
-    "tensor_parallel": "tensor-parallel {} with sequence parallel",
-    "data_parallel": "data-parallel {} with ZeRO-3 (ZeRO 1's memory under a pipeline)",
-}
-"""How each layout change of the advice reads."""
-
-
-def advice_lines(advice: Advice) -> list[str]:
-    """When nothing fits (:func:`microbatch.predict.plan.what_would_fit`): the headline with the smallest
-    peak, then one line per layout change tried."""
-    best = advice.smallest
-    out = [
-        f"nothing fits in {_gib(advice.budget_bytes)} ({_gib(advice.memory_bytes)} × (1 − headroom "
-        f"{advice.headroom:g})); the smallest peak is {_gib(best.peak_memory_bytes)} at b_m = {best.micro_batch}, "
-        f"{best.schedule}, recompute {best.recompute}, ZeRO {best.zero} (weights {_gib(best.memory['weights'])}, "
-        f"optimizer {_gib(best.memory['optimizer'])}, activations {_gib(best.memory['activations'])})"
-    ]
-    if best.peak_memory_bytes <= advice.memory_bytes:  # tight: inside the device, not its headroom
-        out[0] += (
-            f"; that is inside the device's {_gib(advice.memory_bytes)} — it may run with nothing else on the "
-            "GPU (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation); "
-            "a memory headroom of 0 plans with it"
-        )
-    for a in advice.alternatives:
-        label, c = _SETTINGS[a.setting].format(a.value), a.best
-        if a.fits:
-            out.append(
-                f"{label} would fit: {_gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}, recompute "
-                f"{c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s"
-            )
-        else:
-            out.append(f"{label}: still {_gib(c.peak_memory_bytes)} at best")
-    return out
-
-
 def plan_lints(plan: Plan, *, words: Words = None) -> list[str]:
     """The plan's pitfalls in words (``words``: :data:`Words`)."""
     return [lint_sentence(x, words=words) for x in plan.lints]

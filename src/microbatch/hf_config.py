@@ -1,0 +1,327 @@
+"""Model shapes from Hugging Face ``config.json`` files: the keys each family spells its sizes with, the checks made
+on the file before transformers is imported, and the refusals (encoders, encoder-decoders, sizes set per layer).
+:func:`microbatch.model.resolve_model` calls :func:`from_hf_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from microbatch.errors import ConfigError
+from microbatch.hf_attention import own_head_size, sliding_window_of
+from microbatch.moe import experts_from_hf, latent_attention_from_hf
+from microbatch.shape import ModelShape
+
+__all__ = ["from_hf_config", "per_layer_sizes"]
+
+_HF = ("hf_config",)
+
+# then GPT-2's (n_layer, n_embd, ...), then older families' (GPT-J/NeoX, OPT, BLOOM).
+_HF_KEYS: dict[str, tuple[str, ...]] = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "heads": ("num_attention_heads", "n_head", "n_heads"),
+    "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
+    "head_size": ("head_dim",),
+    "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
+    "vocab": ("vocab_size",),
+    "seq": ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", "n_ctx"),
+}
+# Families whose blocks are Llama-like: RMSNorm, rotary positions, gated (SwiGLU) MLP, no biases.
+_GATED_FAMILIES = ("gemma", "vaultgemma")
+"""Family prefixes built as Llama is (gated MLP, RMSNorm, rotary, no biases) though their activation is GELU (Gemma's
+GeGLU, spelt ``hidden_activation``: gemma3_text, gemma4_text, vaultgemma). RecurrentGemma is refused as a hybrid first."""
+_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
+
+
+def _hf_lookup(raw: dict[str, Any], field: str) -> Any:
+    for key in _HF_KEYS[field]:
+        if raw.get(key) is not None:
+            return raw[key]
+    return None
+
+
+_HF_REQUIRED = ("layers", "hidden", "heads", "vocab")
+"""Fields a config.json must state itself (transformers' family defaults are not taken for them)."""
+
+
+def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
+    """Refuse, naming the file and the key, a size field of the config that is not a whole number >= 1
+    (a string, a fraction, a negative, a boolean), an encoder (:func:`_check_decoder_only`), or a
+    required field (:data:`_HF_REQUIRED`) that is missing: checked on the file's JSON, before
+    transformers is imported."""
+    where = f"hf_config {str(file)!r}"
+    for field, keys in _HF_KEYS.items():
+        for key in keys:
+            v = raw.get(key)
+            if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                continue
+            if isinstance(v, str) and v.strip().isdigit():
+                fix = f'write it as a JSON number: "{key}": {int(v)}'
+            else:
+                fix = f"give {key} the model's {field} as a whole number >= 1"
+            raise ConfigError(
+                f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}", params=_HF
+            )
+    _check_decoder_only(raw, file)  # an encoder's keys differ: say what it is, not what it lacks
+    missing = [f for f in _HF_REQUIRED if all(raw.get(k) is None for k in _HF_KEYS[f])]
+    if missing:
+        raise ConfigError(
+            f"{where} lacks {', '.join(missing)} (looked for "
+            + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
+            + f'); add {"them" if len(missing) > 1 else "it"} to the file (e.g. "{_HF_KEYS[missing[0]][0]}": ...), '
+            "or give the shape alone (its layers, hidden, heads, vocab and seq) without hf_config",
+            params=_HF,
+        )
+
+
+def _read_hf_dict(path: Path) -> dict[str, Any]:
+    """The config as a dict: through transformers' AutoConfig where installed, plain JSON otherwise.
+
+    AutoConfig fills in the family's defaults for keys a config.json omits (GPT-2's n_inner=None,
+    tie_word_embeddings=True); plain JSON reads only what the file says.
+    """
+    import importlib.util
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(
+            f"hf_config {str(path)!r} is not a file or a folder holding config.json; "
+            "give the path of a Hugging Face config.json",
+            params=_HF,
+        )
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"hf_config {str(file)!r} is not readable JSON ({e}); give a config.json", params=_HF
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"hf_config {str(file)!r} holds {type(raw).__name__}, not a JSON object", params=_HF
+        )
+    _check_hf_fields(raw, file)  # before transformers is imported (seconds): the file's own numbers
+    if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
+        try:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(str(file))
+        except Exception:  # an unknown model_type or a transformers quirk: fall back to the JSON
+            return raw
+        merged = dict(raw)
+        for keys in _HF_KEYS.values():
+            for key in keys:
+                value = _config_value(cfg, key)
+                if value is not None and merged.get(keys[0]) is None:
+                    merged[keys[0]] = value
+                    break
+        merged["tie_word_embeddings"] = getattr(cfg, "tie_word_embeddings", raw.get("tie_word_embeddings"))
+        return merged
+    return raw
+
+
+def _config_value(cfg: Any, key: str) -> Any:
+    """``cfg.key``, or None where transformers will not say: a missing key, or one a heterogeneous config sets per
+    layer (transformers 5's ``per_layer_config``, which refuses the global read; :func:`per_layer_sizes` reads those
+    from the file)."""
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError (not an AttributeError)
+        return None
+
+
+def per_layer_sizes(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The size fields a heterogeneous config sets per layer, field -> {layer: value} for the layers whose value
+    differs from the config's own (transformers 5's ``per_layer_config``: Gemma 4's full-attention layers at
+    ``head_dim`` 512 beside the sliding layers' 256). Empty for a config of identical layers."""
+    per_layer = raw.get("per_layer_config")
+    if not isinstance(per_layer, dict):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for layer, overrides in per_layer.items():
+        if not isinstance(overrides, dict):
+            continue
+        for field, keys in _HF_KEYS.items():
+            for key in keys:
+                if key in overrides and overrides[key] != raw.get(key):
+                    out.setdefault(field, {})[str(layer)] = overrides[key]
+    return out
+
+
+def _check_identical_layers(raw: dict[str, Any], path: Path, given: Collection[str]) -> None:
+    """ConfigError when the config sets a size per layer (:func:`per_layer_sizes`) that the caller does not give
+    itself: the formulas price identical layers, so the user picks the value, the largest bounding from above."""
+    varying = {f: v for f, v in per_layer_sizes(raw).items() if f not in given}
+    if not varying:
+        return
+    field, layers = next(iter(varying.items()))
+    own = _hf_lookup(raw, field)
+    total = _hf_lookup(raw, "layers")
+    shown = ", ".join(f"{v!r} in layer {k}" for k, v in list(layers.items())[:6]) + (
+        ", ..." if len(layers) > 6 else ""
+    )
+    others = f"the other {total - len(layers)}" if isinstance(total, int) else "the others"
+    values = [v for v in (*layers.values(), own) if isinstance(v, int) and not isinstance(v, bool)]
+    bound = f" (the largest, {max(values)}, bounds memory and time from above)" if values else ""
+    also = [f for f in varying if f != field]
+    raise ConfigError(
+        f"hf_config {str(path)!r} sets {field} per layer ({shown}; {own!r} in {others}); microbatch prices "
+        f"identical layers: give {field} to price every layer at one value{bound}"
+        + (f"; {', '.join(also)} also vary per layer" if also else ""),
+        params=(*_HF, *varying),
+    )
+
+
+# Families that are not one stack of causal decoder layers: encoders (masked LM) and encoder-decoders.
+_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+             "camembert", "mpnet", "ernie", "modernbert"}  # fmt: skip
+_ENCODER_DECODERS = {"t5", "mt5", "umt5", "bart", "mbart", "pegasus", "marian", "whisper", "longt5",
+                     "led", "prophetnet", "blenderbot", "m2m_100", "nllb-moe", "switch_transformers"}  # fmt: skip
+
+
+_ATTENTION_LAYERS = {
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "attention",
+    "mlp",
+    "moe",
+    "dense",
+}
+"""Layer kinds a ``layer_types``-style list may name that are still attention decoder layers (or their MLP halves)."""
+_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types")
+_STATE_SPACE_KEYS = ("mamba", "ssm_state", "lru_width", "recurrent", "conv_l_cache")
+"""Key fragments only state-space, recurrent or convolution layers have (Mamba's ``mamba_d_state``, ``ssm_state_size``,
+Griffin's ``lru_width``, a looped model's ``n_recurrent_layers``, LFM2's short convolutions' ``conv_L_cache``)."""
+
+
+def _non_attention_layers(raw: dict[str, Any]) -> str | None:
+    """What in the config is not an attention decoder layer (Mamba, linear attention, recurrent, convolution
+    blocks: Jamba, Zamba, Bamba, Falcon-H1, Qwen3-Next, RecurrentGemma, LFM2), in words; None for a transformer."""
+    for key in _LAYER_LISTS:
+        kinds = raw.get(key)
+        if isinstance(kinds, list):
+            other = sorted({str(k) for k in kinds} - _ATTENTION_LAYERS)
+            if other:
+                return f"{key} names {', '.join(other)} layers"
+    keys = sorted(k for k in raw if any(f in k.lower() for f in _STATE_SPACE_KEYS))
+    return f"it sets {', '.join(keys[:3])}" if keys else None
+
+
+def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
+    """ConfigError for an encoder or encoder-decoder config, or one with state-space, linear-attention or recurrent
+    layers (:func:`_non_attention_layers`): the formulas and probes are for stacks of attention decoder layers."""
+    model_type = str(raw.get("model_type", "")).lower()
+    if raw.get("is_encoder_decoder") or model_type in _ENCODER_DECODERS:
+        kind = "an encoder-decoder"
+    elif model_type in _ENCODERS:
+        kind = "an encoder (masked language model)"
+    elif (other := _non_attention_layers(raw)) is not None:
+        raise ConfigError(
+            f"hf_config {str(path)!r} is a hybrid model ({model_type or 'unknown type'}: {other}); microbatch "
+            "prices stacks of attention decoder layers, whose FLOPs, activations and KV caches its formulas count, "
+            "not state-space, linear-attention or recurrent layers; give the shape of its attention layers alone "
+            "(layers, hidden, heads, vocab, seq) for an estimate of those",
+            params=_HF,
+        )
+    else:
+        return
+    raise ConfigError(
+        f"hf_config {str(path)!r} is {kind} model ({model_type or 'unknown type'}); microbatch supports "
+        "decoder-only causal language models (gpt2, llama, mistral, qwen2, gemma, phi3, ...): its memory "
+        "formulas count one stack of causal decoder layers and its probes build AutoModelForCausalLM; "
+        "give a decoder-only config, or the shape of a comparable decoder",
+        params=_HF,
+    )
+
+
+def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[str, Any]:
+    """The block's build by family: Llama-like (gated MLP, RMSNorm, rotary, no biases unless the config says, untied
+    unless it says) for :data:`_LLAMA_LIKE`, :data:`_GATED_FAMILIES` and any SiLU/SwiGLU model but GPT-2; otherwise
+    GPT-2's (learned positions up to ``positions``, tied by GPT-2's config default)."""
+    tied = raw.get("tie_word_embeddings")
+    llama_like = (
+        model_type in _LLAMA_LIKE
+        or model_type.startswith(_GATED_FAMILIES)
+        or (model_type not in ("gpt2",) and str(raw.get("hidden_act", "")).lower() in ("silu", "swiglu"))
+    )
+    if not llama_like:  # GPT-2's config default is tied (PretrainedConfig.tie_word_embeddings=True)
+        return {"max_positions": positions, "tied_embeddings": bool(tied) if tied is not None else True}
+    return {
+        "gated_mlp": True,
+        "bias": bool(raw.get("attention_bias", False) or raw.get("mlp_bias", False)),
+        "norm": "rmsnorm",
+        "learned_positions": False,
+        "tied_embeddings": bool(tied) if tied is not None else False,
+        "dropout": bool(raw.get("attention_dropout", 0.0)),
+    }
+
+
+def from_hf_config(
+    path: str | Path,
+    *,
+    seq: int | None = None,
+    name: str | None = None,
+    given: Mapping[str, int] | None = None,
+) -> ModelShape:
+    """A :class:`ModelShape` from a Hugging Face ``config.json`` (a file or the folder holding it).
+
+    Reads layers, hidden, heads, kv heads, ffn hidden, vocab and max positions; the family
+    (``model_type``) decides the block details (Llama-like: RMSNorm, rotary, SwiGLU, no biases;
+    otherwise GPT-2-like). Experts (Mixtral, Qwen-MoE, DeepSeek) and DeepSeek's latent attention are
+    read by :func:`microbatch.moe.experts_from_hf` and :func:`microbatch.moe.latent_attention_from_hf`.
+    A ``head_dim`` that differs from hidden/heads (Qwen3, Gemma, GPT-OSS) is kept as ``head_size``, under
+    DeepSeek's latent attention its own head widths rule; the sliding window and the layers using it are read
+    by :func:`microbatch.hf_attention.sliding_window_of`. ``given``: the sizes the caller gives itself (it overrides
+    them after): a size set per layer (:func:`per_layer_sizes`) is refused unless given, an expert size the file
+    lacks (``top_k``, ``expert_ffn_hidden``) is taken from there. Ignores per-family oddities (Qwen2's q/k/v
+    biases on an otherwise bias-free block), which change parameter counts slightly.
+    """
+    path = Path(path)
+    raw = _read_hf_dict(path)
+    _check_decoder_only(raw, path)
+    given = given or {}
+    _check_identical_layers(raw, path, given)
+    vals = {f: _hf_lookup(raw, f) for f in _HF_KEYS}
+    missing = [f for f in ("layers", "hidden", "heads", "vocab") if vals[f] is None]
+    if missing:
+        raise ConfigError(
+            f"hf_config {str(path)!r} lacks {', '.join(missing)} (looked for "
+            + "; ".join(f"{f}: {'/'.join(_HF_KEYS[f])}" for f in missing)
+            + "); give the shape itself instead",
+            params=_HF,
+        )
+    model_type = str(raw.get("model_type", "")).lower()
+    positions = vals["seq"]
+    fields = dict(
+        name=name or raw.get("_name_or_path") or model_type or path.stem,
+        layers=vals["layers"],
+        hidden=vals["hidden"],
+        heads=vals["heads"],
+        head_size=own_head_size(vals["head_size"], vals["hidden"], vals["heads"]),
+        kv_heads=vals["kv_heads"],
+        ffn_hidden=vals["ffn_hidden"],
+        vocab=vals["vocab"],
+        seq=seq or positions or 2048,
+    )
+    fields.update(_block_fields(raw, model_type, positions))
+    for f in ("layers", "hidden", "heads", "vocab"):
+        if not isinstance(fields[f], int) or isinstance(fields[f], bool):
+            raise ConfigError(
+                f"hf_config {str(path)!r}: {f} is {fields[f]!r}, not a whole number", params=_HF
+            )
+    source = f"hf_config {str(path)!r}"
+    fields.update(
+        moe=experts_from_hf(raw, vals["ffn_hidden"], source, given), mla=latent_attention_from_hf(raw, source)
+    )
+    if fields["mla"] is not None:  # transformers' DeepSeek configs set head_dim to the rotary slice
+        fields["head_size"] = None
+    if isinstance(vals["layers"], int):
+        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, vals["layers"], positions)
+    try:
+        return ModelShape(**fields)
+    except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
+        raise ConfigError(f"{source}: {e}", params=_HF) from None
