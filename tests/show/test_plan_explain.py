@@ -31,10 +31,33 @@ def test_the_neighbouring_micro_batches_are_read_as_the_recommendation_runs():
     c = plan.recommended
     assert c is not None and c.micro_batch == 2 and c.zero == 3
     best_1 = next(x for x in plan.candidates if x.micro_batch == 1)
-    assert best_1.zero != c.zero and best_1.peak_memory_bytes > c.peak_memory_bytes  # the case that read wrong
-    like_1 = next(x for x in plan.candidates if x.micro_batch == 1 and (x.zero, x.recompute) == (c.zero, c.recompute))
+    assert (
+        best_1.zero != c.zero and best_1.peak_memory_bytes > c.peak_memory_bytes
+    )  # the case that read wrong
+    like_1 = next(
+        x for x in plan.candidates if x.micro_batch == 1 and (x.zero, x.recompute) == (c.zero, c.recompute)
+    )
     text = explain(plan)
     saved = re.search(r"Smaller b_m = 1 would save ([0-9.]+) GiB", text)
     assert saved and "save -" not in text
     assert abs(float(saved.group(1)) - (c.peak_memory_bytes - like_1.peak_memory_bytes) / 2**30) < 0.06
     assert f"its step takes {like_1.step_time_s:.3g} s" in text
+
+
+def test_a_neighbour_that_fits_only_otherwise_is_read_as_it_fits():
+    # b_m = 2 under the knee's recompute none does not fit, under full recompute it does: the sentence says the
+    # latter (what b_m = 2 would cost), not "does not fit"
+    cfg = PlanConfig(shape=get_model("llama-3-8b", seq=8192), gpu=get_accelerator("h100-sxm"), global_batch=1024,
+                     data_parallel=16, pipeline_parallel=4)  # fmt: skip
+    plan = make_plan(cfg)
+    c = plan.recommended
+    assert c is not None and c.micro_batch == 1 and c.recompute == "none"
+    same = [
+        x
+        for x in plan.candidates
+        if x.micro_batch == 2 and (x.recompute, x.zero, x.schedule) == ("none", 1, "1f1b")
+    ]
+    assert same and not same[0].fits
+    best_2 = next(x for x in plan.candidates if x.micro_batch == 2)
+    assert best_2.fits
+    assert f"Larger b_m = 2 would run GEMMs at {100 * best_2.gemm_efficiency:.0f}% of peak" in explain(plan)

@@ -247,17 +247,16 @@ def _explain(
 
 
 def _like(candidates: Sequence[Candidate], best: Candidate, c: Candidate) -> Candidate:
-    """The candidate at ``best``'s b_m run as ``c`` is (schedule, v, recompute, ZeRO), to compare like with like;
-    ``best`` (that b_m's first listed) where none is."""
+    """The candidate at ``best``'s b_m run as ``c`` is (schedule, v, recompute, ZeRO), to compare like with like, where
+    it fits; else ``best`` (that b_m's first listed: whether anything there fits, and at what cost)."""
     same = (c.schedule, c.virtual, c.recompute, c.zero)
-    return next(
-        (
-            x
-            for x in candidates
-            if x.micro_batch == best.micro_batch and (x.schedule, x.virtual, x.recompute, x.zero) == same
-        ),
-        best,
+    like = (
+        x
+        for x in candidates
+        if x.micro_batch == best.micro_batch and (x.schedule, x.virtual, x.recompute, x.zero) == same
     )
+    found = next(like, None)
+    return found if found is not None and found.fits else best
 
 
 def _moe_knee(c: Candidate, moe: Experts, seq: int, ep: int, capacity: float | None) -> str:
