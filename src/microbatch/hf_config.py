@@ -198,13 +198,24 @@ _STATE_SPACE_KEYS = ("mamba", "ssm_state", "lru_width", "recurrent", "conv_l_cac
 Griffin's ``lru_width``, a looped model's ``n_recurrent_layers``, LFM2's short convolutions' ``conv_L_cache``)."""
 
 
+_NOT_ATTENTION = ("linear", "mamba", "ssm", "recurrent", "conv", "rwkv", "lstm", "hybrid", "delta")
+"""Fragments of layer kinds that are not softmax attention (linear attention, Mamba, recurrent, convolution, hybrid
+blocks, gated DeltaNet). Other ``*attention`` kinds (DeepSeek-V3.2's ``indexed_attention``, window or compressed sparse
+attention) are attention layers, priced as dense attention (an upper bound)."""
+
+
+def _not_attention(kind: str) -> bool:
+    k = kind.lower()
+    return any(f in k for f in _NOT_ATTENTION) or "attention" not in k
+
+
 def _non_attention_layers(raw: dict[str, Any]) -> str | None:
     """What in the config is not an attention decoder layer (Mamba, linear attention, recurrent, convolution
     blocks: Jamba, Zamba, Bamba, Falcon-H1, Qwen3-Next, RecurrentGemma, LFM2), in words; None for a transformer."""
     for key in _LAYER_LISTS:
         kinds = raw.get(key)
         if isinstance(kinds, list):
-            other = sorted({str(k) for k in kinds} - _ATTENTION_LAYERS)
+            other = sorted(k for k in {str(k) for k in kinds} - _ATTENTION_LAYERS if _not_attention(k))
             if other:
                 return f"{key} names {', '.join(other)} layers"
     keys = sorted(k for k in raw if any(f in k.lower() for f in _STATE_SPACE_KEYS))
@@ -318,7 +329,10 @@ def from_hf_config(
         moe=experts_from_hf(raw, vals["ffn_hidden"], source, given), mla=latent_attention_from_hf(raw, source)
     )
     if fields["mla"] is not None:  # transformers' DeepSeek configs set head_dim to the rotary slice
-        fields["head_size"] = None
+        # hidden/heads then, or, where heads do not divide hidden (GLM-4.7-Flash: 20 on 2,048), a query head's width
+        h, a = fields["hidden"], fields["heads"]
+        whole = isinstance(h, int) and isinstance(a, int) and a > 0 and h % a == 0
+        fields["head_size"] = None if whole else fields["mla"].qk_head_dim
     if isinstance(vals["layers"], int):
         fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, vals["layers"], positions)
     try:

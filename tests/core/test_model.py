@@ -291,10 +291,16 @@ def test_cli_refuses_a_per_layer_config_in_one_line_and_takes_the_flag(tmp_path,
 @pytest.mark.parametrize(
     "extra,says",
     [
-        ({"layer_types": ["linear_attention", "linear_attention", "full_attention"]}, "layer_types names linear_attention"),
+        (
+            {"layer_types": ["linear_attention", "linear_attention", "full_attention"]},
+            "layer_types names linear_attention",
+        ),
         ({"layers_block_type": ["mamba", "attention"]}, "layers_block_type names mamba"),
         ({"mamba_d_state": 128, "mamba_expand": 2}, "it sets mamba_d_state, mamba_expand"),
-        ({"block_types": ["recurrent", "recurrent", "attention"], "lru_width": 2560}, "block_types names recurrent"),
+        (
+            {"block_types": ["recurrent", "recurrent", "attention"], "lru_width": 2560},
+            "block_types names recurrent",
+        ),
         ({"conv_L_cache": 3}, "it sets conv_L_cache"),
     ],
 )
@@ -334,7 +340,9 @@ def test_a_missing_top_k_is_taken_from_the_flag_the_error_names(tmp_path, capsys
         resolve_model(hf_config=path)
     shape = resolve_model(hf_config=path, top_k=6)
     assert shape.moe.top_k == 6 and shape.moe.experts == 64
-    assert main(["memory", "--hf-config", str(path), "--top-k", "6", "-b", "1", "--seq", "512", "--json"]) == 0
+    assert (
+        main(["memory", "--hf-config", str(path), "--top-k", "6", "-b", "1", "--seq", "512", "--json"]) == 0
+    )
     assert json.loads(capsys.readouterr().out)["model_shape"]["moe"]["top_k"] == 6
 
 
@@ -344,3 +352,19 @@ def test_top_k_spellings_of_other_families(tmp_path, key):
     cfg = {**MIXTRAL_CFG, key: 3}
     del cfg["num_experts_per_tok"]
     assert from_hf_config(_write(tmp_path, cfg)).moe.top_k == 3
+
+
+def test_sparse_attention_kinds_are_attention_not_hybrid(tmp_path):
+    # DeepSeek-V3.2's indexed_attention layers are softmax attention (priced dense, an upper bound)
+    cfg = {**DEEPSEEK_V3_CFG, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+           "layer_types": ["indexed_attention"] * 4}  # fmt: skip
+    assert from_hf_config(_write(tmp_path, cfg)).mla is not None
+
+
+def test_latent_attention_whose_heads_do_not_divide_hidden(tmp_path):
+    # GLM-4.7-Flash: 20 latent-attention heads on a 2,048 residual; each query head is 192 + 64 wide
+    cfg = {**DEEPSEEK_V3_CFG, "hidden_size": 2048, "num_attention_heads": 20, "num_key_value_heads": 20,
+           "q_lora_rank": 768, "qk_nope_head_dim": 192, "v_head_dim": 256}  # fmt: skip
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert shape.head_size == 256 and shape.mla.qk_head_dim == 256
+    assert from_hf_config(_write(tmp_path, DEEPSEEK_V3_CFG)).head_size is None  # 128 heads divide 7,168
