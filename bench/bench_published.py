@@ -2,7 +2,8 @@
 
 Reads ``tests/data/published_runs.json`` (Narayanan et al. 2021 Table 1; Korthikanti et al. 2022 Table 5, full
 recompute and sequence parallelism + selective recompute; Megatron-Bridge's DGX-H100 FP8 dense Llama rows; the
-Llama 3 report's Table 4; Megatron-Bridge's DGX-H100 and DGX-B200 mixture-of-experts rows, issue 29);
+Llama 3 report's Table 4; Megatron-Bridge's DGX-H100 and DGX-B200 mixture-of-experts rows, issue 29; DeepSpeed's
+Azure post's ZeRO-3 175B row);
 for each fully or partly specified row it builds the planner's configuration (model, accelerator,
 B_global, t, p, d = GPUs/(t·p)), predicts the step time
 with the default (uncalibrated) roofline efficiencies, and prints the error against the measured
@@ -199,6 +200,35 @@ def bridge_rows(data: dict) -> list[dict]:
             "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": r["micro_batch"],
             "assumed": note + how, "measured_step_s": measured, "predicted_step_s": pred,
             "error_pct": 100 * (pred / measured - 1), "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
+        })  # fmt: skip
+    return out
+
+
+def deepspeed_azure_rows(data: dict) -> list[dict]:
+    """DeepSpeed's Azure post (2022): GPT-3 175B on 256 A100 80 GB under ZeRO-3 data parallelism alone, fp16, full
+    recompute, b_m 32 at s 512 (its stated peak); step = the post's FLOPs (Eq. 3) / (TFLOPs/GPU · GPUs). DeepSpeed's
+    ZeRO-3 computes from its gathered buffers (``zero3_impl`` deepspeed); nothing fitted."""
+    sec = data["deepspeed_azure_2022"]
+    gpu = get_accelerator(sec["gpu"])
+    V = sec["vocab"]
+    out = []
+    for r in sec["rows"]:
+        L, h, a, s, n, b = r["layers"], r["hidden"], r["heads"], r["seq"], r["gpus"], r["micro_batch"]
+        d, B = n // (r["tp"] * r["pp"]), n * b
+        shape = ModelShape(name=r["model"], layers=L, hidden=h, heads=a, vocab=V, seq=s)
+        cfg = PlanConfig(
+            shape=shape, gpu=gpu, global_batch=B, data_parallel=d, tensor_parallel=r["tp"],
+            pipeline_parallel=r["pp"], micro_batches=(b,), zero=(r["zero"],), zero3_impl="deepspeed",
+            recompute=("full",), precision=sec["precision"], flash_attention=False, memory_headroom=0.0,
+            choose="fastest", efficiency=FUSED,
+        )  # fmt: skip
+        pred, fits, how, flat = _fastest(cfg)
+        measured = eq3_hardware_flops(B, s, L, h, V) / (r["tflops_per_gpu"] * 1e12 * n)
+        out.append({
+            "source": "DeepSpeed Azure 2022", "gpu": gpu.name, "seq": s, "model": shape.name, "gpus": n,
+            "t": r["tp"], "p": r["pp"], "d": d, "global_batch": B, "micro_batch": b, "assumed": how,
+            "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
+            "fits": fits, "flat_error_pct": 100 * (flat / measured - 1),
         })  # fmt: skip
     return out
 
@@ -487,7 +517,8 @@ def main() -> None:
     readme = megatron_readme_rows(data)
     longseq = nemo_long_rows(data)
     nemo = nemo_2407_rows(data)
-    rows = base + bridge_rows(data) + nemo + readme + llama3_rows(data) + longseq + moe
+    zero3 = deepspeed_azure_rows(data)
+    rows = base + bridge_rows(data) + nemo + readme + llama3_rows(data) + longseq + zero3 + moe
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -509,6 +540,7 @@ def main() -> None:
         ("Megatron-LM README", readme),
         ("NeMo 24.07", nemo),
         ("NeMo long sequence", longseq),
+        ("DeepSpeed ZeRO-3", zero3),
         ("MoE rows (i. 29)", moe),
     ):
         errs = [abs(r["error_pct"]) for r in part]
@@ -567,6 +599,10 @@ def main() -> None:
         " gradient buffer, fp32 master as 16-bit remainders, or none under a bf16 state); DeepSeek-V3 with its recipe's"
         " bf16 moments; NeMo 24.03 long-sequence rows: b_m 1, ZeRO-1, TP"
         " collectives exposed, Megatron's p2p ring, the planner's fastest recompute"
+    )
+    print(
+        "DeepSpeed Azure row (2022): ZeRO-3 (DeepSpeed's, from its gathered buffers) data parallelism alone, fp16,"
+        " full recompute, no flash attention, Megatron-DeepSpeed's fused kernels and GPT defaults (the post's recipe)"
     )
     for k in ("nemo_dgx_h100_bf16",):
         print(f"{k}: {data[k]['_status']}")
