@@ -19,6 +19,7 @@ Core: no torch, no layer above.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,13 @@ RESULT_NUMBERS = ("throughput", "tolerance", "reference_throughput", "bound_marg
 
 
 def _json_number(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    """Null or a finite JSON number (Python's json reads the non-standard NaN and Infinity literals: refused)."""
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+
+
+NON_NEGATIVE = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "step_time_s", "micro_step_s",
+                "tokens_per_s", "samples_per_s")  # fmt: skip
+"""Point fields that cannot be negative (a rate, bytes, seconds)."""
 
 
 def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
@@ -170,7 +177,10 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
             )
         for key in POINT_NUMBERS:
             if not _json_number(pt.get(key)):
-                raise ConfigError(f"{where}: {key} {short_repr(pt[key])} is not a number; {fix}")
+                what = "is not finite" if isinstance(pt[key], float) else "is not a number"
+                raise ConfigError(f"{where}: {key} {short_repr(pt[key])} {what}; {fix}")
+            if key in NON_NEGATIVE and (pt.get(key) or 0) < 0:
+                raise ConfigError(f"{where}: {key} {short_repr(pt[key])} is negative; {fix}")
         try:
             if (
                 not _json_number(pt.get("micro_batch"))
@@ -181,6 +191,12 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
                 )
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}; {fix}") from None
+    sizes = [pt["micro_batch"] for pt in points]
+    twice = sorted({b for b in sizes if sizes.count(b) > 1})
+    if twice:
+        raise ConfigError(
+            f"{source}: micro_batch {', '.join(map(str, twice))} measured more than once; keep one point each; {fix}"
+        )
     knee = item.get("micro_batch")
     if knee is not None:
         try:
@@ -188,6 +204,10 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
                 raise ConfigError(f"micro_batch {short_repr(knee)} must be a whole number >= 1")
         except ConfigError as e:
             raise ConfigError(f"{source}: the knee's {e}; {fix}") from None
+        if points and knee not in sizes:
+            raise ConfigError(
+                f"{source}: the knee micro_batch {knee} is not among the points measured ({', '.join(map(str, sorted(sizes)))}); {fix}"
+            )
 
 
 def result_points(data: Any, *, source: str) -> list[Any]:

@@ -74,6 +74,12 @@ def tune_result(**over):
         ({"points": "x"}, r"points is a str, not a list"),
         ({"reference_throughput": "x"}, r"reference_throughput 'x' is not a number"),
         ({"micro_batch": 2.5}, r"the knee's micro_batch 2\.5 must be a whole number"),
+        # a fuzzing helper's findings: NaN (json reads the literal), negative, twice measured, a knee not measured
+        ({"points": [{"micro_batch": 4, "throughput": float("nan")}]}, r"point 1: throughput nan is not finite"),
+        ({"points": [{"micro_batch": 4, "throughput": -5}]}, r"point 1: throughput -5 is negative"),
+        ({"points": [{"micro_batch": 4, "throughput": 5}, {"micro_batch": 4, "throughput": 6}]},
+         r"micro_batch 4 measured more than once"),
+        ({"micro_batch": 999}, r"the knee micro_batch 999 is not among the points measured \(1, 2, 4, 8\)"),
     ],
 )
 def test_report_refuses_a_tune_whose_numbers_are_strings(tmp_path, capsys, bad, pattern):

@@ -378,3 +378,11 @@ def test_the_answers_give_the_prediction_made_before_the_run(tmp_path):
     assert "measured bubble 50.0%, predicted before the run 78.5%" in answers and "23.6" not in answers
     text = build_report([_pipeline_result()], tmp_path / "b.html", png=False).html_path.read_text()
     assert "measured bubble 50.0%, no prediction before the run" in text
+
+
+def test_names_from_the_results_are_escaped_everywhere(tmp_path):
+    # a model named like markup landed raw in the answers list (its section heading escaped it)
+    res = {**_tune_result(), "model": "<script>alert(1)</script>", "mode": "train<b>"}
+    text = build_report([res], tmp_path / "r.html").html_path.read_text()
+    assert "<script" not in text and "train<b>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; train&lt;b&gt;: b_m = <b>" in text

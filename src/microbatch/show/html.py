@@ -259,7 +259,7 @@ def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
     for kind, r in items:
         if kind in ("tune", "recommend") and r.get("micro_batch") is not None:
             g = f", g = {r['grad_accum']}" if r.get("grad_accum") is not None else ""
-            what = f"{_name(r.get('model'))} {r.get('mode', '')}".strip() or kind
+            what = _esc(f"{_name(r.get('model'))} {r.get('mode', '')}".strip() or kind)
             measured = len([p for p in r.get("points") or [] if not p.get("oom")])
             stopped = (
                 f"; <b>interrupted</b>: chosen from the {measured} points measured before it stopped"

@@ -8,6 +8,7 @@ its HTML, and, where it draws, the :class:`~microbatch.show.figures.Figure` obje
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
     figs: list[Figure] = []
     points = t.get("points") or []
     if points:
-        mode = t.get("mode", "train")
+        mode = re.sub(r"[^A-Za-z0-9_-]", "_", str(t.get("mode", "train")))  # an id and a file name
         figs = [
             render_figure(
                 throughput_figure(t), f"throughput-{mode}-{idx}", "Throughput and the knee", png_dir
