@@ -8,7 +8,8 @@ are peers that do not import each other, so the record they share lives here, be
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from microbatch.errors import ConfigError
@@ -173,9 +174,16 @@ class MicrobenchResult:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MicrobenchResult:
-        """The result :meth:`to_dict` wrote (an envelope's ``result`` or the bare object)."""
+    def from_dict(cls, d: dict[str, Any], *, label: str = "microbenchmark result") -> MicrobenchResult:
+        """The result :meth:`to_dict` wrote (an envelope's ``result`` or the bare object), every number checked
+        (:func:`_check_numbers`); ``label`` (the file) names the place in the error."""
         d = d.get("result", d) if isinstance(d.get("result"), dict) else d
+        for key, value in d.items():  # each timing's numbers, before anything divides by them
+            if key in ("gemms", "attention", "stream", "collectives") and isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, dict):
+                        _check_numbers(item, _ITEM_TYPES[key], f"{label}: {key}[{i}]")
+        _check_numbers(d, MicrobenchResult, label)
         try:
             if d.get("kind") != KIND:
                 raise ValueError(f"kind is {d.get('kind')!r}, not {KIND!r}")
@@ -193,7 +201,7 @@ class MicrobenchResult:
             )
         except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(
-                f"not a microbenchmark result ({type(e).__name__}: {e}); give the file bench-gpu wrote"
+                f"{label} is not a microbenchmark result ({type(e).__name__}: {e}); give the file bench-gpu wrote"
             ) from None
 
     @classmethod
@@ -203,3 +211,48 @@ class MicrobenchResult:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as e:
             raise ConfigError(f"microbenchmark result is not JSON ({e.msg} at line {e.lineno})") from None
+
+
+_ITEM_TYPES: dict[str, type] = {
+    "gemms": GemmTiming, "attention": AttentionTiming, "stream": StreamTiming, "collectives": CollectiveTiming,
+}  # fmt: skip
+_MAY_BE_ZERO = {
+    "seq",
+    "soak_s",
+    "seconds_total",
+    "fraction_of_peak",
+    "fraction_of_bandwidth",
+    "fraction_of_link",
+}
+"""Numeric fields that may be 0 (a file with no layer GEMMs has seq 0; bursts have soak 0); the others measure a
+size, a time, a rate, a clock or a power, and are > 0."""
+_SIGNED = {"overlap_slowdown"}
+"""A measured slowdown: a GEMM beside an all-reduce may time a little faster than alone (noise), not -100% or less."""
+
+
+def _check_numbers(d: dict[str, Any], cls: type, where: str) -> None:
+    """ConfigError for a numeric field of ``cls`` in ``d`` that is not a finite JSON number of its kind (a string,
+    a boolean, NaN or Infinity, a fraction for a count) or out of its range (> 0; >= 0 for :data:`_MAY_BE_ZERO`;
+    > -1 for :data:`_SIGNED`), naming the field: kernel terms divide by these."""
+    for f in fields(cls):
+        kind = str(f.type)
+        if f.name not in d or d[f.name] is None or not kind.startswith(("int", "float")):
+            continue
+        v, whole = d[f.name], kind.startswith("int")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if ok and whole and not float(v).is_integer():
+            ok = False
+        if not ok:
+            what = "a whole number" if whole else "a finite number"
+            raise ConfigError(
+                f"{where}: {f.name} is {v!r}, not {what}; give the file bench-gpu wrote, or fix the field"
+            )
+        zero = (
+            _MAY_BE_ZERO if cls is MicrobenchResult else _MAY_BE_ZERO - {"seq"}
+        )  # a timing's seq is a length
+        low, rule = (-1.0, "> -1") if f.name in _SIGNED else (0.0, ">= 0") if f.name in zero else (0.0, "> 0")
+        if v < low or (v == low and rule != ">= 0"):
+            raise ConfigError(
+                f"{where}: {f.name} is {v!r}; it must be {rule}; "
+                "give the file bench-gpu wrote, or fix the field"
+            )

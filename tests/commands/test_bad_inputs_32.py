@@ -75,10 +75,15 @@ def tune_result(**over):
         ({"reference_throughput": "x"}, r"reference_throughput 'x' is not a number"),
         ({"micro_batch": 2.5}, r"the knee's micro_batch 2\.5 must be a whole number"),
         # a fuzzing helper's findings: NaN (json reads the literal), negative, twice measured, a knee not measured
-        ({"points": [{"micro_batch": 4, "throughput": float("nan")}]}, r"point 1: throughput nan is not finite"),
+        (
+            {"points": [{"micro_batch": 4, "throughput": float("nan")}]},
+            r"point 1: throughput nan is not finite",
+        ),
         ({"points": [{"micro_batch": 4, "throughput": -5}]}, r"point 1: throughput -5 is negative"),
-        ({"points": [{"micro_batch": 4, "throughput": 5}, {"micro_batch": 4, "throughput": 6}]},
-         r"micro_batch 4 measured more than once"),
+        (
+            {"points": [{"micro_batch": 4, "throughput": 5}, {"micro_batch": 4, "throughput": 6}]},
+            r"micro_batch 4 measured more than once",
+        ),
         ({"micro_batch": 999}, r"the knee micro_batch 999 is not among the points measured \(1, 4, 8\)"),
     ],
 )

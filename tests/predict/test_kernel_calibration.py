@@ -356,3 +356,42 @@ def test_a_b200_calibration_inverts_only_the_lengths_its_curve_was_fitted_from(t
     assert "s = 2048, 4096, 8192" in a.sources["attention_fraction"]
     one_k = 254.5e12 / (b200.flops("bf16") * burst) / flash_shape_factor(1024 / b200.attention_ramp)
     assert one_k < 0.75 * b200.attention_fraction
+
+
+@pytest.mark.parametrize(
+    "where,key,value,says",
+    [
+        ("gemms", "seconds", "2e-4", r"gemms\[0\]: seconds is '2e-4', not a finite number"),
+        ("gemms", "seconds", float("nan"), r"gemms\[0\]: seconds is nan, not a finite number"),
+        ("gemms", "seconds", -2e-4, r"gemms\[0\]: seconds is -0\.0002; it must be > 0"),
+        ("gemms", "rows", 0, r"gemms\[0\]: rows is 0; it must be > 0"),
+        ("gemms", "rows", 4096.5, r"gemms\[0\]: rows is 4096\.5, not a whole number"),
+        ("attention", "seq", 0, r"attention\[0\]: seq is 0; it must be > 0"),
+        ("stream", "bytes_per_s", "1e12", r"stream\[0\]: bytes_per_s is '1e12', not a finite number"),
+        (None, "launch_s_per_kernel", "5e-6", r": launch_s_per_kernel is '5e-6', not a finite number"),
+        (None, "power_limit_w", -700, r": power_limit_w is -700; it must be > 0"),
+        (None, "overlap_slowdown", float("nan"), r": overlap_slowdown is nan, not a finite number"),
+        (None, "overlap_slowdown", -1.5, r": overlap_slowdown is -1\.5; it must be > -1"),
+        (
+            None,
+            "burst_square_flops_per_s",
+            -1e15,
+            r": burst_square_flops_per_s is -1000000000000000\.0; it must be > 0",
+        ),
+    ],
+)
+def test_a_microbenchmark_file_with_a_bad_number_is_refused_naming_the_file_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str | None, key: str, value: object, says: str
+) -> None:
+    # a fuzzing helper's findings: each of these reached kernel_calibration raw (tracebacks, or NaN and negative
+    # timings used in the plan); json writes NaN as its non-standard literal, which Python reads back
+    d = synthetic(collective=True).to_dict()
+    (d[where][0] if where else d)[key] = value
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    args = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "--calibration", str(p)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith(f"error: {p}") and __import__("re").search(says, err[0]), err[0]
+    assert "give the file bench-gpu wrote" in err[0]

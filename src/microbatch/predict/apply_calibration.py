@@ -265,7 +265,11 @@ def apply_calibration(
                 "step-time prediction on an accelerator; give it to plan, or give a tune result for memory"
             )
         return apply_microbench(
-            MicrobenchResult.from_dict(inner), shape=shape, precision=precision, gpu=gpu, label=label
+            MicrobenchResult.from_dict(inner, label=label),
+            shape=shape,
+            precision=precision,
+            gpu=gpu,
+            label=label,
         )
     cal, warns = load_calibration(source, shape=shape, precision=precision, gpu=gpu, strict=strict)
     eff = DEFAULT_EFFICIENCY
