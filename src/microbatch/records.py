@@ -302,6 +302,7 @@ def read_measurements(
     precision: str | None = None,
     device: str | None = None,
     checkpointing: bool | None = None,
+    label: str | None = None,
 ) -> Measurements:
     """Measured points and their provenance from a path or an already-loaded JSON value.
 
@@ -310,9 +311,10 @@ def read_measurements(
     provenance must come from the keyword arguments). ``shape`` is used when the file names no
     model the registry knows, and its sequence length when the file gives none. Keyword values
     fill in what the file lacks; they never override it. ``memory_key`` chooses the memory
-    figure (``peak_memory_bytes``, or ``peak_allocated_bytes`` for CUDA's tensors only).
+    figure (``peak_memory_bytes``, or ``peak_allocated_bytes`` for CUDA's tensors only). ``label`` names an
+    already-loaded value's file in errors.
     """
-    label = str(source) if isinstance(source, (str, Path)) else "calibration data"
+    label = label or (str(source) if isinstance(source, (str, Path)) else "calibration data")
     data = load_json(source, what="calibration file", fix="give a tune's result.json")
     rows = result_points(data, source=label)
     if not isinstance(data, dict):

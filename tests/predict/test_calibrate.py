@@ -269,6 +269,45 @@ def test_saved_calibration_round_trip(tmp_path):
         Calibration.from_dict({"kind": "calibration"})
 
 
+@pytest.mark.parametrize(
+    "edit,says",
+    [
+        # a fuzzing helper's findings: a string scale reached the plan's arithmetic (a traceback); the rest were used
+        (lambda d: d["memory"].update(activation_scale="1.3"), r"activation_scale is '1\.3', not a number"),
+        (lambda d: d.update(seq=-5), r"cal\.json: seq is -5; it must be a whole number >= 1"),
+        (lambda d: d.update(precision="fp64"), r"precision is 'fp64'; it must be one of"),
+        (lambda d: d.update(peak_flops=-1), r"peak_flops is -1; it must be a number >= 0"),
+        (
+            lambda d: d["memory"].update(fixed_bytes=1e300),
+            r"memory\.fixed_bytes is 1e\+300; it must be at most 1 PiB",
+        ),
+        (lambda d: d.update(memory=None), r"memory is None; it must be an object"),
+        (lambda d: d.pop("memory"), r"cal\.json is not a calibration \(it has no 'memory'\)"),
+    ],
+)
+def test_a_saved_calibration_with_a_bad_field_is_refused_naming_the_file_and_field(tmp_path, edit, says):
+    import re
+
+    cal, _ = load_calibration(synthetic(), shape=SHAPE, precision=PREC, gpu=ACC)
+    d = json.loads(json.dumps(cal.to_dict()))
+    edit(d)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as e:
+        load_calibration(str(path), shape=SHAPE, precision=PREC, gpu=ACC)
+    assert re.search(says, str(e.value)) and str(path) in str(e.value), str(e.value)
+
+
+def test_measured_points_loaded_for_a_plan_name_their_file(tmp_path):
+    # plan --calibration passed the loaded value on, and its errors read "calibration data: point 2: ..."
+    d = synthetic()
+    d["points"][1]["peak_memory_bytes"] = float("nan")
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=rf"^{path}: point 2: peak_memory_bytes nan"):
+        load_calibration(str(path), shape=SHAPE, precision=PREC, gpu=ACC)
+
+
 def test_efficiency_only_on_the_gpu_it_was_measured_on():
     cal, warns = load_calibration(synthetic(), shape=SHAPE, precision=PREC, gpu=ACC)
     mem, eff, notes = calibrated_inputs(cal, ACC)

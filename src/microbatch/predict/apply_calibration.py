@@ -63,10 +63,10 @@ def load_calibration(
     data = load_json(source, what="calibration file", fix="give a tune's result.json")
     warns: list[str] = []
     if isinstance(data, dict) and data.get("kind") == "calibration":
-        cal = Calibration.from_dict(data)
+        cal = Calibration.from_dict(data, label=label)
         cshape = cal.model_shape()
     else:
-        meas = read_measurements(data, shape=shape)
+        meas = read_measurements(data, shape=shape, label=label)
         meas = replace(meas, source=label)
         cshape = meas.shape
         acc = None

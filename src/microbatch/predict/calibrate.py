@@ -82,6 +82,7 @@ from microbatch.precision import get_precision
 from microbatch.predict.latency import latency_bound
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
+from microbatch.predict.saved_calibration import check_saved
 from microbatch.predict.steptime import predict_step_time_s
 from microbatch.records import MeasuredPoint, Measurements, read_measurements
 from microbatch.units import format_bytes
@@ -433,8 +434,9 @@ class Calibration:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        """A calibration from :meth:`to_dict` output."""
+    def from_dict(cls, d: dict[str, Any], *, label: str = "calibration") -> Calibration:
+        """A calibration from :meth:`to_dict` output, checked (:func:`check_saved`); ``label`` names the file."""
+        check_saved(d, label)
         try:
             eff = d.get("efficiency")
             return cls(
@@ -457,10 +459,10 @@ class Calibration:
                 details=dict(d.get("details", {})),
                 notes=tuple(d.get("notes", ())),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(
-                f"not a calibration ({type(e).__name__}: {e}); give a tune result or a saved calibration"
-            ) from None
+        except (KeyError, TypeError, ValueError, ConfigError) as e:
+            why = f"it has no {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
+            fix = "give a tune result or the calibration plan --json saved"
+            raise ConfigError(f"{label} is not a calibration ({why}); {fix}") from None
 
 
 def calibrate(

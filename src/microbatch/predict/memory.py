@@ -82,8 +82,13 @@ class MemoryCalibration:
     """Added to every stage (CUDA context, allocator cache, communication buffers)."""
 
     def __post_init__(self) -> None:
-        check_non_negative("activation_scale", self.activation_scale)
-        check_non_negative("fixed_bytes", self.fixed_bytes)
+        for name in ("activation_scale", "fixed_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float)
+            ):  # "1.3" passed float() and stayed a str
+                raise ConfigError(f"{name} is {value!r}, not a number; give it as a number >= 0")
+            check_non_negative(name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
