@@ -461,7 +461,7 @@ class Calibration:
             )
         except (KeyError, TypeError, ValueError, ConfigError) as e:
             why = f"it has no {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
-            fix = "give a tune result or the calibration plan --json saved"
+            fix = "give a tune result or the calibration a plan saved"
             raise ConfigError(f"{label} is not a calibration ({why}); {fix}") from None
 
 

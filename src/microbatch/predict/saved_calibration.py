@@ -17,7 +17,7 @@ def check_saved(d: dict[str, Any], label: str) -> None:
     each measured b_m whole numbers >= 1, the precision one the tool measures, ``fixed_bytes`` under 1 PiB."""
     from microbatch.precision import MEASURABLE
 
-    fix = "give a tune result, or the calibration plan --json saved, unedited"
+    fix = "give a tune result, or the calibration a plan saved, unedited"
 
     def bad(field: str, value: Any, rule: str) -> ConfigError:
         return ConfigError(f"{label}: {field} is {value!r}; it must be {rule}; {fix}")
