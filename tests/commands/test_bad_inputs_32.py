@@ -223,8 +223,15 @@ def test_export_never_writes_over_its_input(tmp_path, capsys, plan_file):
 
 def test_export_replaces_only_its_own_files_without_force(tmp_path, capsys, plan_file):
     mine = write(tmp_path / "ds.json", '{"train_batch_size": 7}')
-    check_refused(["export", "--plan", plan_file, "--format", "deepspeed", "-o", mine], capsys,
-            r"--output .*ds\.json exists and is not a file microbatch wrote", r"give --force to replace it")  # fmt: skip
+    # a bare JSON config carries no mark: one with other keys is refused as possibly the user's (under --json the
+    # file would hold the envelope, and the envelope's own rule speaks)
+    for extra, says in (([], r"is not a deepspeed config with the keys this export writes"),
+                        (["--json"], r"exists and is not a file microbatch wrote")):  # fmt: skip
+        assert main(["export", "--plan", plan_file, "--format", "deepspeed", "-o", mine, *extra]) == 2
+        captured = capsys.readouterr()
+        text = json.loads(captured.out)["error"] if extra else captured.err
+        assert re.search(r"--output .*ds\.json " if not extra else "", text) and re.search(says, text), text
+        assert "give --force to replace it" in text
     assert json.loads(Path(mine).read_text()) == {"train_batch_size": 7}
     assert main(["export", "--plan", plan_file, "--format", "deepspeed", "-o", mine, "--force"]) == 0
     assert json.loads(Path(mine).read_text())["train_micro_batch_size_per_gpu"] >= 1

@@ -125,6 +125,27 @@ def test_zb_h1_idle_per_stage_matches_table_2(p, m, tf, ti, tw):
         assert idle == pytest.approx(zb_idle_time("1f1b", p, tf, ti, tw), abs=1e-9)
 
 
+@pytest.mark.parametrize("tf,ti,tw", [(1, 1, 3), (1, 1, 1.5), (0.01, 1, 1), (1, 0.5, 0.8)])
+def test_zb_h1_closed_form_is_not_taken_where_its_rule_fails(capsys, tf, ti, tw):
+    # a fuzzing helper's finding: bubble printed the line (p−1)(T_F + T_I − T_W) at T_W > T_F or T_I: −8.1% and
+    # an idle of −3 beside a simulated 7.0% in the same JSON; the rule (Qi et al. 2024, Table 2) is now checked
+    from microbatch.cli import main
+    from microbatch.schedules.closed_forms import ZB_H1_IDLE
+
+    assert not ZB_H1_IDLE.holds(tf, ti, tw)
+    sim = simulate(generate("zb-h1", 4, 8), forward_time=tf, input_time=ti, weight_time=tw)
+    assert main(["bubble", "-p", "4", "-m", "8", "-s", "zb-h1", "--forward-time", str(tf), "--input-time", str(ti),
+                 "--weight-time", str(tw), "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_fraction"] == pytest.approx(sim.bubble_fraction) and out["bubble_fraction"] > 0
+    assert out["idle_time_per_stage"] == pytest.approx(max(sim.idle)) and out["idle_time_per_stage"] > 0
+    assert main(["simulate", "-p", "4", "-m", "8", "-s", "zb-h1", "--forward-time", str(tf), "--input-time", str(ti),
+                 "--weight-time", str(tw)]) == 0  # fmt: skip
+    assert (
+        "does not hold at these times (it needs m >= p, T_W <= T_F and T_W <= T_I" in capsys.readouterr().out
+    )
+
+
 @pytest.mark.parametrize("p,m", ZB_SIZES)
 def test_zb_h1_idles_a_third_of_1f1b_with_equal_times(p, m):
     zb = simulate(generate("zb-h1", p, m), forward_time=1, input_time=1, weight_time=1)

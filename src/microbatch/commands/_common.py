@@ -263,12 +263,17 @@ def moe_split(moe_spec: Mapping[str, Any], precision: str) -> tuple[dict[str, An
         raise ConfigError(f"--fp8-recipe {moe_spec['fp8_recipe']} scales FP8 GEMMs, and --precision {precision} "
                           "runs none; give --precision fp8 with it, or drop --fp8-recipe")  # fmt: skip
     shape = {k: moe_spec.get(k) for k in MOE_FLAGS[:4]}
+
+    def given(key: str) -> Any:  # 0 is refused by the configs' checks (it read as 1 through ``or``)
+        value = moe_spec.get(key)
+        return 1 if value is None else value
+
     return shape, {
-        "expert_parallel": moe_spec.get("expert_parallel") or 1,
+        "expert_parallel": given("expert_parallel"),
         "capacity_factor": moe_spec.get("capacity_factor"),
-        "context_parallel": moe_spec.get("context_parallel") or 1,
+        "context_parallel": given("context_parallel"),
         "fp8_recipe": moe_spec.get("fp8_recipe") or "tensorwise",
-        "recompute_every": moe_spec.get("recompute_every") or 1,
+        "recompute_every": given("recompute_every"),
         "shard_degree": moe_spec.get("shard_degree"),
     }
 

@@ -62,9 +62,10 @@ def cmd(
         raise ConfigError(
             "give exactly one of --plan (a `plan --json` file) or --tune (a tune's result.json)"
         )
+    bare_json = output is not None and fmt != "torchtitan" and not as_json  # a config with no room for a mark
     if output:  # before the work; a missing folder is made; never the input, never a file not ours
         inputs = [("--plan", plan_path), ("--tune", tune_path)]
-        check_output_file(output, "--output", inputs=inputs, force=force)
+        check_output_file(output, "--output", inputs=inputs, force=force or bare_json)  # bare JSON: below
     if plan_path is not None:
         data = load_json(plan_path, what="--plan", fix="give the file `microbatch plan --json` wrote")
         _check_kind(data, "--plan", plan_path)
@@ -79,6 +80,8 @@ def cmd(
         )
         _check_kind(data, "--tune", str(tune_path))
         ex = export_tune(data, fmt, gpus_per_node=gpus_per_node)
+    if bare_json and not force:
+        _check_replaces_an_export(str(output), ex.config, fmt)
     notes = [cli_text(n, ("gpus_per_node",), "export") for n in ex.notes]  # the library names its keyword
     payload = {"format": ex.format, "config": ex.config, "notes": notes}
     if output and as_json:  # the file holds the envelope (a result `report` reads); stdout the same
@@ -123,4 +126,29 @@ def _check_kind(data: Any, flag: str, path: str) -> None:
     raise ConfigError(
         f"{flag} {path} holds a {kind} result (written by `microbatch {kind}`); export reads a plan "
         "(--plan, from `microbatch plan --json`) or a tune (--tune, from `microbatch tune --out DIR`)"
+    )
+
+
+def _check_replaces_an_export(output: str, config: dict[str, Any], fmt: str) -> None:
+    """A JSON config (DeepSpeed, HF, Lightning) has no room for the mark that says microbatch wrote it: an existing
+    file is taken as an earlier export when it is a JSON object with the same top-level keys as this one (re-exporting
+    after re-planning), else refused without ``--force``, saying so. Checked after the export is computed
+    (milliseconds), so the comparison can be made."""
+    import json
+    from pathlib import Path
+
+    from microbatch.errors import ConfigError
+
+    path = Path(output)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    if isinstance(old, dict) and set(old) == set(config):
+        return
+    raise ConfigError(
+        f"--output {output} exists and is not a {fmt} config with the keys this export writes (a JSON config carries "
+        "no mark of who wrote it): it may be yours and would be lost; give --force to replace it, or another name"
     )

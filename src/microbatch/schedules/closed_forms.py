@@ -143,6 +143,17 @@ DUALPIPEV_CLOSED_FORM_RULE = "T_W <= T_I"
 """When :func:`dualpipev_idle_time` is exact (per-chunk times; equal chunks, no communication)."""
 
 
+ZB_H1_CLOSED_FORM_RULE = "T_W <= T_F and T_W <= T_I"
+"""When :func:`zb_idle_time`'s ZB-H1 line is exact (Qi et al. 2024, Table 2's condition)."""
+
+
+def zb_h1_closed_form_holds(forward_time: float, input_time: float, weight_time: float) -> bool:
+    """True where ZB-H1's (p−1)(T_F + T_I − T_W) is its idle time: T_W no longer than T_F or T_I (Qi et al. 2024,
+    Table 2). Outside it the line falls (it goes negative at T_W > T_F + T_I) where the schedule still waits; the
+    commands simulate instead."""
+    return weight_time <= forward_time and weight_time <= input_time
+
+
 def dualpipev_closed_form_holds(forward_time: float, input_time: float, weight_time: float) -> bool:
     """True when :func:`dualpipev_idle_time` equals the event simulation of torch's DualPipeV: T_W <= T_I
     (the weight gradient no longer than the input gradient; any T_F). Outside, the closed form is a
@@ -225,6 +236,8 @@ def _zb_h1_idle(stages: int, forward_time: float, input_time: float, weight_time
 
 ZB_H1_IDLE = IdleClosedForm(
     idle_time=_zb_h1_idle,
+    exact_when=zb_h1_closed_form_holds,
+    rule=ZB_H1_CLOSED_FORM_RULE,
     method="closed form: Qi et al. 2024 (Zero Bubble PP), Table 2",
     valid_when="m >= p, T_W <= T_F and T_W <= T_I (Qi et al. 2024, Table 2)",
     source="Qi et al. 2024, Table 2",

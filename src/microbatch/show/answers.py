@@ -74,6 +74,11 @@ def render_simulate(
         lines.append(
             f"  closed form      idle per stage {format_number(cf['idle_time_per_stage'])}{unit}  "
             + f"({idle_source})"
+            + (
+                f"; does not hold at these times (it needs {cf.get('valid_when')})"
+                if cf.get("exact") is False
+                else ""
+            )
         )
     lines += [f"  note: {n}" for n in result["notes"]]
     lines += ["", render_stats_table(result["stage_stats"], time_unit=time_unit)]

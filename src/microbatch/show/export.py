@@ -46,6 +46,7 @@ from typing import Any
 
 from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
+from microbatch.fields import short_repr
 from microbatch.show.export_common import (
     Json,
     accelerator_key,
@@ -139,6 +140,11 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         if rec is None:
             raise ConfigError(
                 "the plan has no recommendation (nothing fits); follow its advice and plan again before exporting"
+            )
+        if not isinstance(rec, dict):
+            raise ConfigError(
+                f"the plan's recommended is {short_repr(rec)}, not a candidate (an object with micro_batch, schedule, "
+                "...); give the plan's JSON as plan wrote it"
             )
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",

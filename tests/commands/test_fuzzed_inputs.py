@@ -1,0 +1,74 @@
+"""Inputs a fuzzing helper found mishandled (session of 2026-12-05): each refused in one line (exit 2, the JSON
+envelope under --json), or answered rightly, where it gave a traceback, wrong numbers or a false message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.cli import main
+
+
+def refused(args: list[str], capsys: pytest.CaptureFixture[str], pattern: str) -> str:
+    import re
+
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0] and re.search(pattern, err[0]), err
+    assert main([*args, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["kind"] == "bad_input"
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (["-e", "0"], "--expert-parallel must be a whole number >= 1, got 0"),
+        (["-c", "0"], "--context-parallel must be a whole number >= 1, got 0"),
+        (
+            ["--recompute", "full", "--recompute-every", "0"],
+            "--recompute-every must be a whole number >= 1, got 0",
+        ),
+    ],
+)
+def test_zero_is_refused_where_it_read_as_one(capsys, flags, says):
+    # `value or 1` turned 0 into 1 before the configs' checks (-1 was refused)
+    refused(
+        ["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "-B", "64", "-p", "4", *flags], capsys, says
+    )
+
+
+@pytest.mark.parametrize("rec", [[1], "x", 5])
+def test_export_of_a_plan_whose_recommendation_is_not_a_candidate(tmp_path, capsys, rec):
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-d", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    plan["recommended"] = rec
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    refused(
+        ["export", "--plan", str(path), "--format", "deepspeed"],
+        capsys,
+        "the plan's recommended is .*, not a candidate",
+    )
+
+
+def test_export_replaces_its_own_json_config_and_refuses_another(tmp_path, capsys):
+    # a JSON config has no room for the 'written by microbatch' mark: re-exporting was refused as "not a file
+    # microbatch wrote", which was false
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-d", "8", "--json"]) == 0
+    plan = tmp_path / "plan.json"
+    plan.write_text(capsys.readouterr().out)
+    out = tmp_path / "ds.json"
+    args = ["export", "--plan", str(plan), "--format", "deepspeed", "-o", str(out)]
+    assert main(args) == 0 and main(args) == 0  # the second replaces the first
+    capsys.readouterr()
+    written = json.loads(out.read_text())
+    assert written["train_micro_batch_size_per_gpu"] >= 1
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"train_batch_size": 8, "my_own": True}))
+    err = refused(["export", "--plan", str(plan), "--format", "deepspeed", "-o", str(mine)][:-2] + ["-o", str(mine)],
+                  capsys, "is not a deepspeed config with the keys this export writes")  # fmt: skip
+    assert "give --force" in err and json.loads(mine.read_text())["my_own"] is True
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", str(mine), "--force"]) == 0
+    assert "my_own" not in json.loads(mine.read_text())
