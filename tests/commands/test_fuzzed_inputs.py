@@ -72,3 +72,41 @@ def test_export_replaces_its_own_json_config_and_refuses_another(tmp_path, capsy
     assert "give --force" in err and json.loads(mine.read_text())["my_own"] is True
     assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", str(mine), "--force"]) == 0
     assert "my_own" not in json.loads(mine.read_text())
+
+
+@pytest.mark.parametrize(
+    "csv,says",
+    [
+        # an unquoted thousands separator read 1,000 as 1 (csv put the 000 aside): a 1000x wrong curve, no word
+        (
+            "micro_batch,throughput\n1,1,000\n4,3,200\n8,5,000\n",
+            r"line 2 has 3 cells, the header 2; write numbers",
+        ),
+        ("micro_batch,throughput\n1,1000\n4,3200,99\n8,5000\n", r"line 3 has 3 cells"),
+        # the last of two same-named columns was used
+        (
+            "micro_batch,throughput,micro_batch\n1,1000,2\n4,3200,8\n",
+            r"names column\(s\) micro_batch more than once",
+        ),
+        ("micro_batch;throughput\n1;1000\n", r"separates its columns with ';'"),
+    ],
+)
+def test_recommend_refuses_a_csv_whose_cells_do_not_line_up(tmp_path, capsys, csv, says):
+    path = tmp_path / "m.csv"
+    path.write_text(csv)
+    refused(["recommend", "-m", str(path)], capsys, says)
+
+
+def test_recommend_bound_on_rates_too_small_to_invert(tmp_path, capsys):
+    # b/T overflowed at T ~ 1e-320: a NaN line was taken as the bound ("nan%") and moved the knee from 4 to 8
+    pts = [{"micro_batch": b, "throughput": t} for b, t in ((1, 1.0), (2, 2.0), (4, 3.0), (8, 3.1))]
+    tiny = [{**p, "throughput": p["throughput"] * 1e-320} for p in pts]
+    knees = []
+    for i, points in enumerate((pts, tiny)):
+        path = tmp_path / f"m{i}.json"
+        path.write_text(json.dumps(points))
+        assert main(["recommend", "-m", str(path), "--reference", "bound", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert "nan" not in json.dumps(out).lower()
+        knees.append(out["micro_batch"])
+    assert knees == [4, 4]

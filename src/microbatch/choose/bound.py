@@ -88,11 +88,13 @@ def throughput_bound(
         return None
     bs = [float(p.micro_batch) for p in curve]
     us = [p.micro_batch / p.measured_throughput for p in curve]
+    if not all(math.isfinite(u) for u in us):  # rates so small b/T overflows (1e-320): no line to fit
+        return None
     a, c = fit_line(bs, us)
-    if c <= 0:
+    if not (math.isfinite(a) and math.isfinite(c)) or c <= 0:
         return None
     worst = max(abs(a + c * b - u) / u for b, u in zip(bs, us, strict=True))
-    if worst > slack:
+    if not math.isfinite(worst) or worst > slack:
         return None
     b_mean = sum(bs) / len(bs)
     rss = sum((a + c * b - u) ** 2 for b, u in zip(bs, us, strict=True))

@@ -57,14 +57,24 @@ def read_rows(path: str) -> list[Any]:
     cols = [c.strip() for c in (reader.fieldnames or [])]
     missing = [c for c in ("micro_batch", "throughput") if c not in cols]
     if missing:
+        semi = len(cols) == 1 and ";" in cols[0]
         raise ConfigError(
             f"{path}: CSV is missing column(s) {', '.join(missing)}; columns found: {', '.join(cols) or 'none'}; "
             "need micro_batch, throughput[, peak_memory_bytes, oom, step_time_s]"
+            + ("; the file separates its columns with ';': write them with ','" if semi else "")
         )
-    return [
-        {(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()}
-        for row in reader
-    ]
+    twice = sorted({c for c in cols if cols.count(c) > 1})
+    if twice:
+        raise ConfigError(f"{path}: CSV names column(s) {', '.join(twice)} more than once; keep one of each")
+    rows = []
+    for i, row in enumerate(reader, start=2):  # line 1 is the header
+        if None in row:  # more cells than the header: csv puts the rest under None (an unquoted 1,000)
+            raise ConfigError(
+                f"{path}: line {i} has {len(cols) + len(row[None])} cells, the header {len(cols)}; write numbers "
+                'without thousands separators (1000, not 1,000) or quote them ("1,000")'
+            )
+        rows.append({(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()})
+    return rows
 
 
 @click.command("recommend")
