@@ -110,3 +110,19 @@ def test_recommend_bound_on_rates_too_small_to_invert(tmp_path, capsys):
         assert "nan" not in json.dumps(out).lower()
         knees.append(out["micro_batch"])
     assert knees == [4, 4]
+
+
+def test_recommend_does_not_send_the_user_past_an_out_of_memory(tmp_path, capsys):
+    # every b_m above the knee ran out of memory, and the note still said "a larger b_m may be faster"
+    path = tmp_path / "m.csv"
+    path.write_text("micro_batch,throughput,oom\n1,1000,\n4,3200,TRUE\n8,,yes\n")
+    assert main(["recommend", "-m", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "a larger b_m may be faster" not in out and "the larger b_m ran out of memory" in out
+    path.write_text(
+        "micro_batch,throughput\n1,1000\n2,1900\n"
+    )  # not flattened, nothing ran out: the note stays
+    assert main(["recommend", "-m", str(path)]) == 0
+    assert "a larger b_m may be faster" in capsys.readouterr().out
+    assert main(["recommend", "-m", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["out_of_memory_above"] is False

@@ -144,6 +144,8 @@ class Recommendation:
     """d: data-parallel replicas."""
     flattened: bool = False
     """The curve was measured past its flattening (the last doubling gained < τ, or fell)."""
+    out_of_memory_above: bool = False
+    """A b_m larger than every measured one ran out of memory: no larger b_m is within reach."""
     reference: str = "measured"
     """What rule ``fraction`` measured against: ``measured`` or ``bound`` (``docs/knee.md``)."""
     bound: ThroughputBound | None = None
@@ -202,6 +204,7 @@ class Recommendation:
             global_batch=self.global_batch,
             data_parallel=self.data_parallel,
             flattened=self.flattened,
+            out_of_memory_above=self.out_of_memory_above,
             rule=self.rule,
             tolerance=self.tolerance,
             reference=self.reference,
@@ -355,6 +358,7 @@ def recommend(
         global_batch=choice.global_batch,
         data_parallel=data_parallel,
         flattened=flattened(measured, choice.tolerance),
+        out_of_memory_above=any(p.oom and p.micro_batch > max(q.micro_batch for q in measured) for p in pts),
         reference=reference,
         bound=bound,
         margin=margin,

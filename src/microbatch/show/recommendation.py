@@ -149,10 +149,16 @@ def render_recommendation(
         reasons.setdefault(item["why"], []).append(str(item["micro_batch"]))
     for why, sizes in reasons.items():
         lines.append(f"left out: b_m {', '.join(sizes)} ({why})")
+    oom_above = d.get("out_of_memory_above")
     if not d.get("flattened", True) and not str(d.get("stop_reason", "")).startswith("knee settled"):
-        # a settled knee is bounded: no larger b_m can move it, flattened or not
+        # a settled knee is bounded: no larger b_m can move it, flattened or not; nor can one that ran out of memory
         lines.append(
-            "note: the curve had not flattened at the largest b_m measured; a larger b_m may be faster"
+            "note: the curve had not flattened at the largest b_m measured; "
+            + (
+                "the larger b_m ran out of memory, so none is within reach"
+                if oom_above
+                else "a larger b_m may be faster"
+            )
         )
     return "\n".join(lines)
 
