@@ -320,8 +320,7 @@ def recommend(
     cands, left_out = _candidates(measured, choice, data_parallel)
     against_bound = reference == "bound" and choice.rule == "fraction"
     bound = throughput_bound(cands) if against_bound else None
-    contradicted = _contradicts(cands, bound)
-    if contradicted is not None:
+    if (contradicted := _contradicts(cands, bound)) is not None:
         bound = None  # a projection never overrides a measurement
     margin = choice_margin(bound) if against_bound else 0.0
     knee = find_knee(
