@@ -21,8 +21,9 @@ def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
     """
     if v is None or v == "":
         return None
+    named = "" if what == "value" else f"{what} "
     if isinstance(v, bool):
-        raise ConfigError(f"{v!r} is not a number")
+        raise ConfigError(f"{named}{v!r} is not a number; write the number itself")
     try:
         f = float(v)
     except OverflowError:  # an int past the largest float (~1.8e308)
@@ -30,7 +31,8 @@ def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:
             f"{what} {short_repr(v)} is past the largest float (~1.8e308); check the file"
         ) from None
     except (TypeError, ValueError):
-        raise ConfigError(f"{short_repr(v)} is not a number") from None
+        hint = "; write numbers without thousands separators" if isinstance(v, str) and "," in v else ""
+        raise ConfigError(f"{named}{short_repr(v)} is not a number{hint}") from None
     if whole and math.isfinite(f) and max(abs(f), abs(v) if isinstance(v, int) else 0) > MAX_EXACT_WHOLE:
         raise ConfigError(
             f"{what} {short_repr(v)} is over 2^53 = {MAX_EXACT_WHOLE:,}, past which a number is not held exactly (it "

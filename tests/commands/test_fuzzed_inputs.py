@@ -126,3 +126,20 @@ def test_recommend_does_not_send_the_user_past_an_out_of_memory(tmp_path, capsys
     assert "a larger b_m may be faster" in capsys.readouterr().out
     assert main(["recommend", "-m", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["out_of_memory_above"] is False
+
+
+@pytest.mark.parametrize(
+    "points,says",
+    [
+        ([{"micro_batch": 1, "throughput": "abc"}], r"row 1: throughput 'abc' is not a number"),
+        ([{"micro_batch": True, "throughput": 5}], r"row 1: micro_batch True is not a number"),
+        (
+            [{"micro_batch": 1, "throughput": "1,000"}],
+            r"throughput '1,000' is not a number; write numbers without",
+        ),
+    ],
+)
+def test_a_cell_that_is_not_a_number_is_named_by_its_field(tmp_path, capsys, points, says):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(points))
+    refused(["recommend", "-m", str(path)], capsys, says)
