@@ -16,7 +16,7 @@ from microbatch.batch import divisors
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.moe import Experts, LatentAttention, as_experts, as_latent_attention
 
-__all__ = ["ModelShape"]
+__all__ = ["ModelShape", "check_tensor_parallel"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,3 +233,25 @@ class ModelShape:
         d["param_count"] = self.param_count()
         d["active_param_count"] = self.active_param_count()
         return d
+
+
+def check_tensor_parallel(shape: ModelShape, t: int) -> None:
+    """ConfigError unless ``t`` tensor ranks can split ``shape``'s attention: t divides the query heads (whole heads per
+    rank) and t and the kv heads divide one or the other (kv heads split or replicated); the values offered pass both
+    rules, so none fails next (Megatron's and torchtitan's rules)."""
+    if shape.heads % t == 0 and not (shape.kv % t and t % shape.kv):
+        return
+    ok = [
+        d
+        for d in range(1, min(shape.heads, 64) + 1)
+        if shape.heads % d == 0 and not (shape.kv % d and d % shape.kv)
+    ]
+    use = f"use tensor-parallel among {', '.join(map(str, ok))}"
+    if shape.heads % t:
+        raise ConfigError(
+            f"tensor-parallel {t} does not divide heads {shape.heads}; each rank needs whole heads; {use}"
+        )
+    raise ConfigError(
+        f"tensor-parallel {t} and kv heads {shape.kv} neither divide the other; kv heads are split or replicated "
+        f"across tensor ranks; {use}"
+    )

@@ -143,3 +143,23 @@ def test_a_cell_that_is_not_a_number_is_named_by_its_field(tmp_path, capsys, poi
     path = tmp_path / "m.json"
     path.write_text(json.dumps(points))
     refused(["recommend", "-m", str(path)], capsys, says)
+
+
+@pytest.mark.parametrize(
+    "heads,kv,t", [(12, 4, 5), (12, 4, 6), (12, 4, 8), (32, 8, 3), (40, 8, 16), (96, 8, 12)]
+)
+def test_every_tensor_parallel_offered_passes_both_head_rules(heads, kv, t):
+    # 3 and 6 were offered for 12 heads and 4 kv heads, and failed the kv rule next
+    import re
+
+    from microbatch.errors import ConfigError
+    from microbatch.model import from_flags
+    from microbatch.shape import check_tensor_parallel
+
+    shape = from_flags(layers=2, hidden=heads * 64, heads=heads, kv_heads=kv, vocab=100, seq=128)
+    with pytest.raises(ConfigError) as e:
+        check_tensor_parallel(shape, t)
+    offered = [int(x) for x in re.search(r"among ([0-9, ]+)$", str(e.value)).group(1).split(", ")]
+    assert offered and t not in offered
+    for good in offered:
+        check_tensor_parallel(shape, good)

@@ -41,6 +41,7 @@ from microbatch.predict.state import (
     zero_groups,
 )
 from microbatch.schedules import registry
+from microbatch.shape import check_tensor_parallel
 
 __all__ = [
     "MemoryCalibration",
@@ -213,17 +214,7 @@ class MemoryConfig:
     def validate_for(self, shape: ModelShape) -> None:
         """The rules that need the model: t divides heads (and kv heads), p ≤ layers, p·v divides layers."""
         t, p, v = self.tensor_parallel, self.pipeline_parallel, self.virtual
-        if shape.heads % t:
-            ok = [d for d in range(1, shape.heads + 1) if shape.heads % d == 0 and d <= 64]
-            raise ConfigError(
-                f"tensor-parallel {t} does not divide heads {shape.heads}; each rank needs whole heads; "
-                f"use tensor-parallel among {', '.join(map(str, ok))}"
-            )
-        if shape.kv % t and t % shape.kv:
-            raise ConfigError(
-                f"tensor-parallel {t} and kv heads {shape.kv} neither divide the other; kv heads are split or "
-                f"replicated across tensor ranks; use a tensor-parallel that divides or is a multiple of {shape.kv}"
-            )
+        check_tensor_parallel(shape, t)
         if p > shape.layers:
             raise ConfigError(
                 f"pipeline-parallel {p} > layers {shape.layers}; every stage needs at least one layer; "
