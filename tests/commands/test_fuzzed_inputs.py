@@ -163,3 +163,50 @@ def test_every_tensor_parallel_offered_passes_both_head_rules(heads, kv, t):
     assert offered and t not in offered
     for good in offered:
         check_tensor_parallel(shape, good)
+
+
+PLAN7B = ["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "-B", "64", "-p", "4"]
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        # a v the named schedule does not run: dropped without a word (1f1b, zb-h1, dualpipev 4) or refused
+        # quoting interleaving's rule (dualpipev 3)
+        (
+            ["--schedule", "dualpipev", "-v", "3"],
+            r"virtual 3 is run by none of --schedule dualpipev \(dualpipev holds 2",
+        ),
+        (["--schedule", "dualpipev", "-v", "4"], r"virtual 4 is run by none of --schedule dualpipev"),
+        (["--schedule", "1f1b", "-v", "2"], r"1f1b holds 1 stage per rank\); use virtual 1"),
+        (["--schedule", "zb-h1", "-v", "2"], r"zb-h1 holds 1 stage per rank"),
+        # the split given is the obstacle, not p (the p offered included the one given)
+        (
+            ["--layers-per-stage", "4,12,12,4", "--schedule", "dualpipev"],
+            r"takes no --layers-per-stage; drop",
+        ),
+        # the message counted m at b_m 1 and asked for a global batch already given
+        (
+            ["-b", "16", "--schedule", "dualpipev"],
+            r"m = B/\(d·b_m\) = 4 micro-batches \(b_m 16\).*at least 128 or give a smaller --micro-batch",
+        ),
+    ],
+)
+def test_plan_names_the_schedule_rule_that_fails(capsys, flags, says):
+    refused([*PLAN7B, *flags], capsys, says)
+
+
+def test_plan_runs_the_v_its_schedules_take(capsys):
+    for flags in (["--schedule", "dualpipev", "-v", "2"], ["--schedule", "interleaved-1f1b", "-v", "2"]):
+        assert main([*PLAN7B, *flags, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["recommended"]["virtual"] == 2
+
+
+def test_a_v_one_of_several_named_schedules_runs_is_taken():
+    from microbatch.hardware import get_accelerator
+    from microbatch.model import get_model
+    from microbatch.predict.plan import PlanConfig, make_plan
+
+    cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=get_accelerator("a100-80gb"), global_batch=64,
+                     pipeline_parallel=4, schedules=("1f1b", "interleaved-1f1b"), virtuals=(2,))  # fmt: skip
+    assert {c.virtual for c in make_plan(cfg).candidates} == {1, 2}  # -v is "only this v for interleaving"

@@ -206,6 +206,12 @@ def make_plan(cfg: PlanConfig) -> Plan:
         v = (only.stages_per_rank if only is not None else None) or 1  # a fixed v > 1: a V schedule
         if v > 1 and (L % (v * p) or cfg.layers_per_stage is not None):
             assert only is not None
+            if cfg.layers_per_stage is not None and L % (v * p) == 0:  # the split given is the only obstacle
+                raise ConfigError(
+                    f"{only.name} places {v} equal chunks of the layers on each rank and takes no layers_per_stage; "
+                    "drop layers_per_stage, or use another schedule",
+                    params=("layers_per_stage", "schedules"),
+                )
             ok = [x for x in range(1, L // v + 1) if L % (v * x) == 0]
             raise ConfigError(
                 f"{only.name} needs an even split of layers {L} into {v} × stages {p} = {v * p} chunks "
@@ -222,13 +228,15 @@ def make_plan(cfg: PlanConfig) -> Plan:
                 "layers_per_stage, or add schedule 1f1b",
                 params=("pipeline_parallel", "schedules"),
             )
+        b = min(cfg.micro_batches) if cfg.micro_batches else 1  # m = B/(d·b_m) at the smallest b_m allowed
         raise ConfigError(
-            f"no schedule in {names} can serve p = {p} with at most "
-            f"m = B/(d·b_m) = {per} micro-batches (1F1B and ZB-H1 need m >= p, DualPipeV "
-            "m >= 2p); "
-            f"raise the global batch to at least "
-            f"{v * p * cfg.data_parallel} or use schedules gpipe",
-            params=("schedules",),
+            f"no schedule in {names} can serve p = {p} with at most m = B/(d·b_m) = {per // b} micro-batches"
+            + (f" (b_m {b})" if b > 1 else "")
+            + f" (1F1B and ZB-H1 need m >= p, DualPipeV m >= 2p); raise the global batch to at least "
+            f"{v * p * cfg.data_parallel * b}"
+            + (" or give a smaller micro_batch" if b > 1 else "")
+            + " or use schedules gpipe",
+            params=("schedules", "global_batch") + (("micro_batch",) if b > 1 else ()),
         )
     cands.sort(key=_sort_key)
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)

@@ -193,6 +193,7 @@ class PlanConfig:
             check_micro_batch(B, b, d)
         self.state_bytes_per_param()  # validates the precision and the four state settings
         L, p = self.shape.layers, self.pipeline_parallel
+        self._check_virtuals_fit_schedules()
         for v in self.virtuals or ():
             check_positive_int("virtual", v)
             if self.layers_per_stage is not None:  # uneven stages: each chunk needs a layer
@@ -236,6 +237,28 @@ class PlanConfig:
     def state_bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer) bytes per parameter before sharding (:mod:`microbatch.predict.state`)."""
         return config_bytes_per_param(self)
+
+    def _check_virtuals_fit_schedules(self) -> None:
+        """With named schedules, each v given must be one some schedule runs: a free v (interleaved), or the v a V
+        schedule fixes (DualPipeV: 2); 1F1B, GPipe and ZB-H1 hold one stage per rank. A v no schedule runs was
+        dropped without a word, or refused quoting interleaving's rule for DualPipeV."""
+        from microbatch.schedules.registry import get_spec
+
+        if not self.schedules or not self.virtuals:
+            return
+        fixed = {name: get_spec(name).stages_per_rank for name in self.schedules}
+        for v in self.virtuals:
+            if any(k is None or k == v for k in fixed.values()):
+                continue
+            holds = "; ".join(
+                f"{name} holds {k} stage{'s' if k != 1 else ''} per rank" for name, k in fixed.items()
+            )
+            runs = sorted({k for k in fixed.values() if k is not None})
+            raise ConfigError(
+                f"virtual {v} is run by none of schedules {', '.join(self.schedules)} ({holds}); use virtual "
+                f"{' or '.join(map(str, runs))} with them, or schedules interleaved-1f1b for a v of your choice",
+                params=("virtuals", "schedules"),
+            )
 
     def _check_issue29_layout(self) -> None:
         """Expert and context parallelism, FP8, every-K recompute and async TP: their rules."""
