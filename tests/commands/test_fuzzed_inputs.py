@@ -210,3 +210,23 @@ def test_a_v_one_of_several_named_schedules_runs_is_taken():
     cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=get_accelerator("a100-80gb"), global_batch=64,
                      pipeline_parallel=4, schedules=("1f1b", "interleaved-1f1b"), virtuals=(2,))  # fmt: skip
     assert {c.virtual for c in make_plan(cfg).candidates} == {1, 2}  # -v is "only this v for interleaving"
+
+
+def test_what_would_fit_is_what_that_plan_then_recommends(capsys):
+    # the hints came from a pass without simulation taking the fastest: 33.6 GiB and 69,745 tokens/s for -p 8,
+    # a row the -p 8 plan never showed
+    import re
+
+    args = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64"]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    hint = re.search(
+        r"pipeline-parallel 8 would fit: ([0-9.]+) GiB at b_m = (\d+), (\S+), .*?([0-9,]+) tokens/s", err
+    )
+    assert hint, err
+    assert main([*args, "-p", "8", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommended"]
+    assert float(hint.group(1)) == pytest.approx(rec["peak_memory_bytes"] / 2**30, abs=0.05)
+    assert int(hint.group(2)) == rec["micro_batch"] and hint.group(3) == rec["schedule"]
+    assert int(hint.group(4).replace(",", "")) == pytest.approx(rec["tokens_per_s"], abs=1)

@@ -440,16 +440,14 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
                 tries.append(("data_parallel", d2, {"data_parallel": d2, "zero": (3,)}))
     alternatives = []
     for setting, value, change in tries:
-        try:
-            alt = replace(cfg, simulate_top=0, **change)
-            cands = _enumerate(alt)
-        except ConfigError:
+        try:  # planned as the plan with that change would be, so its recommendation is the one it then shows
+            alt = make_plan(replace(cfg, **change))
+        except ConfigError:  # no schedule serves this layout at this batch: nothing to say of it
             continue
-        if not cands:  # no schedule serves this layout at this batch: nothing to say of it
-            continue
-        fit = [c for c in cands if c.fits]
-        best = min(fit, key=lambda c: c.step_time_s) if fit else min(cands, key=lambda c: c.peak_memory_bytes)
-        alternatives.append(Alternative(setting=setting, value=value, best=best, fits=bool(fit)))
+        best = alt.recommended or min(alt.candidates, key=lambda c: c.peak_memory_bytes)
+        alternatives.append(
+            Alternative(setting=setting, value=value, best=best, fits=alt.recommended is not None)
+        )
     return Advice(
         budget_bytes=cfg.memory_budget_bytes, memory_bytes=cfg.gpu.memory_bytes, headroom=cfg.memory_headroom,
         smallest=min(plan.candidates, key=lambda c: c.peak_memory_bytes), alternatives=tuple(alternatives),

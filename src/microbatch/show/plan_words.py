@@ -134,8 +134,13 @@ def advice_lines(advice: Advice) -> list[str]:
         label, c = _SETTINGS[a.setting].format(a.value), a.best
         if a.fits:
             out.append(
-                f"{label} would fit: {gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}, recompute "
-                f"{c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s"
+                f"{label} would fit: {gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}"
+                + (
+                    f", {c.schedule}" + (f" v {c.virtual}" if c.virtual > 1 else "")
+                    if a.setting == "pipeline_parallel"
+                    else ""
+                )
+                + f", recompute {c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s (its recommendation)"
             )
         else:
             out.append(f"{label}: still {gib(c.peak_memory_bytes)} at best")
