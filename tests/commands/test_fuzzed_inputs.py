@@ -230,3 +230,21 @@ def test_what_would_fit_is_what_that_plan_then_recommends(capsys):
     assert float(hint.group(1)) == pytest.approx(rec["peak_memory_bytes"] / 2**30, abs=0.05)
     assert int(hint.group(2)) == rec["micro_batch"] and hint.group(3) == rec["schedule"]
     assert int(hint.group(4).replace(",", "")) == pytest.approx(rec["tokens_per_s"], abs=1)
+
+
+def test_torchtitan_export_writes_an_uneven_split_as_module_lists(tmp_path, capsys):
+    # the split was dropped, with a note saying it "was not read from the input" (it was in the plan file)
+    import tomllib
+
+    assert main(["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-p", "4",
+                 "--layers-per-stage", "7,9,9,7", "--json"]) == 0  # fmt: skip
+    plan = tmp_path / "plan.json"
+    plan.write_text(capsys.readouterr().out)
+    assert main(["export", "--plan", str(plan), "--format", "torchtitan"]) == 0
+    cfg = tomllib.loads(capsys.readouterr().out)
+    parts = cfg["parallelism"]["module_fqns_per_model_part"]
+    layers = [[m for m in part if m.startswith("layers.")] for part in parts]
+    assert [len(x) for x in layers] == [7, 9, 9, 7]
+    assert [m for x in layers for m in x] == [f"layers.{i}" for i in range(32)]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    assert "pipeline_parallel_layers_per_stage" not in cfg["parallelism"]

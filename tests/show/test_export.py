@@ -308,7 +308,10 @@ def test_torchtitan_export_of_an_uneven_split_says_so_rather_than_writing_an_eve
     assert d["layers_per_stage"] == [2, 4, 4, 2]
     ex = export_plan(d, "torchtitan")
     assert "pipeline_parallel_layers_per_stage" not in ex.config["parallelism"]
-    assert any("pipeline_parallel_layers_per_stage" in n for n in ex.notes)
+    # written as torchtitan's per-stage module lists (its one count per stage cannot say 2, 4, 4, 2)
+    parts = ex.config["parallelism"]["module_fqns_per_model_part"]
+    assert [sum(m.startswith("layers.") for m in part) for part in parts] == [2, 4, 4, 2]
+    assert any("module_fqns_per_model_part" in n and "[2, 4, 4, 2]" in n for n in ex.notes)
 
 
 def test_exports_write_the_gradient_clip_the_plan_priced():

@@ -159,6 +159,8 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
             cand.setdefault(
                 "layers", data["model_shape"].get("layers")
             )  # an even split: torchtitan's per stage
+        elif data.get("layers_per_stage") is not None:
+            cand.setdefault("layers_per_stage", data["layers_per_stage"])  # uneven: torchtitan's module lists
     else:
         cand = dict(data)
     missing = [k for k in _NEEDED if k not in cand]

@@ -209,11 +209,29 @@ def _torchtitan_stages(c: Json, parallelism: Json, p: int) -> list[str]:
     """torchtitan's layers per (virtual) stage for the plan's even split: L/(p·v), with its first and last
     stages not shortened (its default takes a layer off each for the embedding and the output layer, which
     would not be the split the plan timed, and with v > 1 would set another number of stages per rank)."""
-    v, layers = c.get("virtual", 1) or 1, c.get("layers")
-    if not isinstance(layers, int) or layers % (p * v):
+    v, layers, split = c.get("virtual", 1) or 1, c.get("layers"), c.get("layers_per_stage")
+    if (
+        isinstance(split, list)
+        and len(split) == p
+        and v == 1
+        and all(isinstance(n, int) and n > 0 for n in split)
+    ):
+        # an uneven split (the planner's layers_per_stage): each stage's modules by name, the embedding on the
+        # first and the final norm and output on the last, as torchtitan's own split places them
+        first = [sum(split[:i]) for i in range(p)]
+        parts = [[f"layers.{j}" for j in range(a, a + n)] for a, n in zip(first, split, strict=True)]
+        parts[0].insert(0, "tok_embeddings")
+        parts[-1] += ["norm", "output"]
+        parallelism["module_fqns_per_model_part"] = parts
         return [
-            f"set parallelism.pipeline_parallel_layers_per_stage so each of the {p} ranks holds {v} stage(s) "
-            "(the plan's split was not read from the input)"
+            f"the plan's uneven split {split} written as parallelism.module_fqns_per_model_part, in the module names "
+            "of torchtitan's Llama models (tok_embeddings, layers.N, norm, output): rename them for another model"
+        ]
+    if not isinstance(layers, int) or layers % (p * v):
+        what = f"the plan's split {split} over {v} stages per rank" if split else "the plan's split"
+        return [
+            f"{what} is not written (torchtitan's pipeline_parallel_layers_per_stage holds one count for every "
+            f"stage): set parallelism.module_fqns_per_model_part so each of the {p} ranks holds {v} stage(s)"
         ]
     parallelism["pipeline_parallel_layers_per_stage"] = layers // (p * v)
     parallelism["pipeline_parallel_first_stage_less_layers"] = 0
