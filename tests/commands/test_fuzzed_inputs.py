@@ -248,3 +248,14 @@ def test_torchtitan_export_writes_an_uneven_split_as_module_lists(tmp_path, caps
     assert [m for x in layers for m in x] == [f"layers.{i}" for i in range(32)]
     assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
     assert "pipeline_parallel_layers_per_stage" not in cfg["parallelism"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "lightning"])
+def test_a_pipeline_plan_is_refused_by_trainers_that_run_none(tmp_path, capsys, fmt):
+    # exported with exit 0 and a note: one process per rank holding the whole 7B model (117 GiB on an 80 GB GPU)
+    assert main(["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "-B", "64", "-p", "4", "--json"]) == 0
+    plan = tmp_path / "plan.json"
+    plan.write_text(capsys.readouterr().out)
+    refused(["export", "--plan", str(plan), "--format", fmt], capsys,
+            r"runs no pipeline parallelism: each process would hold the whole model .* p = 4 stages")  # fmt: skip
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed"]) == 0  # the framework that runs it

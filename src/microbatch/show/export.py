@@ -53,6 +53,7 @@ from microbatch.show.export_common import (
     check_names,
     clip_norm,
     deepspeed_moe_note,
+    no_pipeline,
     precision_of,
     schedule_spec,
 )
@@ -264,10 +265,10 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
              "per_device_train_batch_size by the world size",
              "gradient_checkpointing is read by transformers 4.x and 5.x; from 5.23 it is a deprecated alias of "
              "activation_checkpointing (a FutureWarning)"]  # fmt: skip
-    if c.get("pipeline_parallel", 1) > 1 or c.get("tensor_parallel", 1) > 1:
-        notes.append(
-            "the Hugging Face Trainer runs no pipeline or tensor parallelism; use DeepSpeed or torchtitan"
-        )
+    if (p := c.get("pipeline_parallel", 1)) > 1:
+        raise no_pipeline("the Hugging Face Trainer", p, "DeepSpeed or torchtitan")
+    if c.get("tensor_parallel", 1) > 1:
+        notes.append("the Hugging Face Trainer runs no tensor parallelism; use DeepSpeed or torchtitan")
     if c.get("recompute") in ("selective", "op"):
         notes.append(f"gradient_checkpointing recomputes every whole layer (full), not {c.get('recompute')}")
     if (every := c.get("recompute_every", 1)) > 1 and c.get("recompute") == "full":
@@ -308,8 +309,6 @@ def _lightning(c: Json) -> tuple[Json, list[str]]:
              + ("" if c.get("gpus_per_node") else ", assumed: gpus_per_node to change") + ")"]  # fmt: skip
     if d > 1:
         trainer["strategy"] = _LIGHTNING_STRATEGY[z]
-    if c.get("pipeline_parallel", 1) > 1:
-        notes.append("Lightning's Trainer runs no pipeline parallelism; use torchtitan or DeepSpeed")
     if c.get("recompute", "none") != "none":
         notes.append(f"recompute {c['recompute']}: enable activation checkpointing in the LightningModule")
     return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
@@ -320,7 +319,9 @@ def _check_lightning(c: Json) -> None:
     batch t× the plan's) and for FP8 under the FSDP or DeepSpeed strategy (their precision plugins refuse
     ``transformer-engine``)."""
     b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
-    z, t = c.get("zero", 0), c.get("tensor_parallel", 1)
+    z, t, p = c.get("zero", 0), c.get("tensor_parallel", 1), c.get("pipeline_parallel", 1)
+    if p > 1:
+        raise no_pipeline("Lightning's Trainer", p, "torchtitan or DeepSpeed")
     if t > 1:
         raise ConfigError(
             f"Lightning's Trainer has no tensor-parallel keyword: devices for all d × t = {d * t} ranks would run "

@@ -15,6 +15,7 @@ from microbatch.schedules.registry import ScheduleSpec, get_spec
 __all__ = [
     "CLIP_NORM",
     "Json",
+    "no_pipeline",
     "accelerator_key",
     "check_names",
     "clip_norm",
@@ -104,4 +105,15 @@ def deepspeed_moe_note(ep: int, capacity_factor: float | None, t: int) -> str:
         f"expert parallelism {ep}: build the MoE layers with deepspeed.moe.layer.MoE({', '.join(args)}, ...) in "
         f"model code (the plan {why}; its defaults, capacity_factor=1.0 with drop_tokens=True and no expert tensor "
         "parallelism, are not)"
+    )
+
+
+def no_pipeline(trainer: str, p: int, instead: str) -> ConfigError:
+    """The refusal of a pipeline plan by a trainer that runs none (a note let it through: each process would hold the
+    whole model whose stages the plan checked for memory)."""
+    return ConfigError(
+        f"{trainer} runs no pipeline parallelism: each process would hold the whole model the plan splits over "
+        f"p = {p} stages, which the memory checked per stage does not cover; export this plan to {instead}, or plan "
+        "again with pipeline_parallel 1",
+        params=("pipeline_parallel",),
     )
