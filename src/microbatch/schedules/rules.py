@@ -142,7 +142,8 @@ def check_dualpipev(p: int, m: int, v: int) -> None:
     if m < 2 * p:
         raise ScheduleError(
             f"microbatches = {m} < 2·stages = {2 * p}: torch's ScheduleDualPipeV needs at least as many "
-            f"micro-batches as stages (2 per rank); use microbatches {2 * p} or more, or schedule zbv",
+            f"micro-batches as stages (2 per rank); use microbatches {2 * p} or more, or schedule zbv where it is offered "
+            "(bubble and simulate run it; memory and plan price no zbv)",
             params=("microbatches", "schedule"),  # not stages: "2·stages" and "as stages" are p, not the flag
         )
 
