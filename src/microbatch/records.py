@@ -337,6 +337,14 @@ def read_measurements(
     if clocks and clocks != ["wall"]:
         notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
     points, oom = _points(rows, label, ckpt, memory_key, time_key)
+    other = [
+        r for r in rows if isinstance(r, dict) and "checkpointing" in r and bool(r["checkpointing"]) != ckpt
+    ]
+    if not points and other:  # dropped without a word, then "measure 3 more" (which would not help)
+        raise ConfigError(
+            f"{label}: its {len(other)} point(s) were measured with checkpointing {'off' if ckpt else 'on'}, and the file "
+            f"says checkpointing {'on' if ckpt else 'off'}; make the file's checkpointing match its points"
+        )
     return Measurements(
         shape=fshape,
         model=model,

@@ -687,3 +687,14 @@ def test_latency_floor_is_detected_on_a_synthetic_curve_and_a_real_ramp_is_kept(
     # on a CPU (no asynchronous launch) the floor test does not apply
     cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=1e10, memory_bytes=8e9)
     assert latency_bound(SHAPE, _pts(bound, (1, 2, 4, 8)), cpu, precision=PREC) == ""
+
+
+def test_points_measured_under_the_other_checkpointing_are_said_to_be(tmp_path):
+    # the file said checkpointing on, its points off: they were dropped and the error asked for 3 more points
+    d = synthetic()
+    for p in d["points"]:
+        p["checkpointing"] = False
+    d["checkpointing"] = "on"
+    with pytest.raises(ConfigError, match=r"its 5 point\(s\) were measured with checkpointing off, and the file says "
+                                          r"checkpointing on; make the file's checkpointing match"):  # fmt: skip
+        read_measurements(d, shape=SHAPE)
