@@ -126,7 +126,11 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
                 raise ConfigError(f"{p}: {e}") from None
             check_fields(kind, item, source=str(p))
             if kind == "plan" and isinstance(item.get("plans"), list):
-                out += [(classify(sub), sub) for sub in item["plans"]]
+                for j, sub in enumerate(item["plans"]):
+                    try:
+                        out.append((classify(sub), sub))
+                    except ConfigError as e:  # say which file and which of its plans
+                        raise ConfigError(f"{p}: plans[{j}]: {e}") from None
             else:
                 out.append((kind, item))
     if not out:

@@ -51,7 +51,11 @@ def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
             value = float(num)
         except ValueError:
             value = float("nan")
-    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
+    if unit in _UNITS and math.isfinite(value) and value <= 0:
+        raise ConfigError(
+            f"{name} {text!r} is not above zero; give a positive size, e.g. 12GiB, 500MB or 2e9"
+        )
+    if unit not in _UNITS or not math.isfinite(value):
         raise ConfigError(
             f"{name} {text!r} is not a size; give a positive number with a unit, e.g. 12GiB, 500MB or 2e9"
         )

@@ -50,7 +50,7 @@ PLAN = ["plan", "--model", "gpt2", "-B", "64", "-d", "2", "-p", "2"]
 
 
 def test_plan_and_export(capsys, tmp_path):
-    d = run_json([*PLAN, "--gpu", "a100-80gb"], capsys)
+    d = run_json([*PLAN[:-2], "--gpu", "a100-80gb"], capsys)  # no pipeline: the Trainer runs none
     rec = d["recommended"]
     assert d["global_batch"] == 64 and rec["micro_batch"] * rec["grad_accum"] * 2 == 64
     assert d["model"] == "gpt2" and d["model_shape"]["name"] == "gpt2" and d["gpu"]["name"] == "a100-80gb"
@@ -181,7 +181,7 @@ def test_report_reads_every_command(capsys, tmp_path):
     plan = tmp_path / "plan1.json"
     plan.write_text(json.dumps(run_json([*PLAN, "--gpu", "a100-80gb"], capsys)))
     files.append(str(tmp_path / "export.json"))
-    assert main(["export", "--plan", str(plan), "--format", "hf", "--json", "-o", files[-1]]) == 0
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed", "--json", "-o", files[-1]]) == 0
     assert json.loads(capsys.readouterr().out)["output"] == files[-1]
     first = tmp_path / "first.html"
     files.append(str(tmp_path / "report.json"))
@@ -195,7 +195,7 @@ def test_report_reads_every_command(capsys, tmp_path):
     assert "<td>grad_accum</td><td>16</td>" in html  # batch
     assert "<td>bubble_fraction</td><td>0.4286</td>" in html  # bubble: 3/7
     assert "<td>model</td><td>gpt2</td>" in html and "<h3>stages</h3>" in html  # memory
-    assert "per_device_train_batch_size" in html  # export
+    assert "train_micro_batch_size_per_gpu" in html  # export
     assert str(first) in html  # report
 
 
