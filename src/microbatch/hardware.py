@@ -41,7 +41,7 @@ from microbatch.hardware_attention import (
     HOPPER,
     RAMP_BLACKWELL,
 )
-from microbatch.hardware_names import device_key, name_key
+from microbatch.hardware_names import device_key, name_key, parse_overrides
 from microbatch.units import GIB
 
 __all__ = [
@@ -421,25 +421,6 @@ def parse_gpus(text: str) -> list[Accelerator]:
         )
     accs = [get_accelerator(n) for n in names]
     return list({a.name: a for a in accs}.values())  # one column per accelerator, however often named
-
-
-def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
-    """``KEY=VALUE`` strings (``--gpu-set inter_node_bytes_per_s=25e9``) as overrides for :func:`get_accelerator`."""
-    out: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(
-                f"gpu_set {item!r} must be KEY=VALUE, for example inter_node_bytes_per_s=25e9",
-                params=("gpu_set",),
-            )
-        try:
-            out[key.strip()] = (
-                int(value) if key.strip() in ("gpus_per_node", "compute_units") else float(value)
-            )
-        except ValueError:
-            raise ConfigError(f"gpu_set {item!r}: {value!r} is not a number", params=("gpu_set",)) from None
-    return out
 
 
 def from_device_name(device_name: str, total_memory_bytes: float | None = None) -> Accelerator | None:

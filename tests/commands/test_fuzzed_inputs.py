@@ -259,3 +259,20 @@ def test_a_pipeline_plan_is_refused_by_trainers_that_run_none(tmp_path, capsys, 
     refused(["export", "--plan", str(plan), "--format", fmt], capsys,
             r"runs no pipeline parallelism: each process would hold the whole model .* p = 4 stages")  # fmt: skip
     assert main(["export", "--plan", str(plan), "--format", "deepspeed"]) == 0  # the framework that runs it
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["plan", "--model", "gpt2", "--gpu", "h100-sxm", "-B", "8", "--gpu-set", "gpus_per_node=1.5"],
+         r"'gpus_per_node=1\.5': '1\.5' is not a whole number"),
+        (["plan", "--model", "gpt2", "--gpu", "h100-sxm", "-B", "8", "--gpu-set", "name=foo"],
+         r"name is not a figure to override; known: "),
+        (["memory", "--model", "gpt2", "-b", "1", "--gpu", ""], r"--gpu '' names no accelerator; memory checks one"),
+        (["memory", "--model", "gpt2", "-b", "1", "--gpu", "a100-80gb,h100-sxm"],
+         r"names more than one accelerator; memory checks one .* plan --gpu a,b"),
+    ],
+)  # fmt: skip
+def test_accelerator_inputs_are_refused_for_what_is_wrong_with_them(capsys, args, says):
+    # '1.5' and 'foo' were "not a number"; memory ignored an empty --gpu and called two known names unknown
+    refused(args, capsys, says)

@@ -110,10 +110,16 @@ def cmd(
         **expert_layout,
     )
     acc = None
-    if gpu:
+    if gpu is not None:
+        from microbatch.errors import ConfigError
         from microbatch.hardware import get_accelerator
         from microbatch.precision import check_gemm_dtype
 
+        if not gpu.strip() or "," in gpu:  # '' was ignored; a list named "unknown accelerator" two known ones
+            raise ConfigError(
+                f"--gpu {gpu!r} names {'no' if not gpu.strip() else 'more than one'} accelerator; memory checks one "
+                "(a100-80gb, h100-sxm, ...): give one name, or compare several with plan --gpu a,b"
+            )
         acc = get_accelerator(gpu)
         check_gemm_dtype(precision, acc.name, acc.peak_flops)
     applied = None
