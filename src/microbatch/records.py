@@ -409,6 +409,12 @@ def model_differences(a: ModelShape, b: ModelShape) -> list[str]:
     return [f for f in GEOMETRY if getattr(a, f) != getattr(b, f)]
 
 
+_WRAP = (
+    ' (a bare list of points has nowhere to say it: write {"points": [...], "model": ..., "seq": ..., "precision": '
+    '..., "device": ...}, as tune writes its result.json)'
+)
+
+
 def _precision_and_device(
     data: dict[str, Any], precision: str | None, device: str | None, memory_key: str, label: str
 ) -> tuple[str, str]:
@@ -416,13 +422,17 @@ def _precision_and_device(
     prec = data.get("precision") or precision
     if prec is None:
         raise ConfigError(
-            f"{label}: no 'precision'; say which (fp32, bf16-mixed) the points were measured in"
+            f"{label}: no 'precision'; say which (fp32, bf16-mixed) the points were measured in: add "
+            '"precision": ... to the file' + _WRAP
         )
     if prec not in PRECISIONS:
         raise ConfigError(f"{label}: precision {prec!r} is not known; use {', '.join(PRECISIONS)}")
     dev = str(data.get("device") or device or "")
     if not dev:
-        raise ConfigError(f"{label}: no 'device'; say where (cpu, cuda) the points were measured")
+        raise ConfigError(
+            f"{label}: no 'device'; say where (cpu, cuda) the points were measured: add \"device\": ..."
+            + _WRAP
+        )
     if memory_key == "peak_allocated_bytes" and not dev.startswith("cuda"):
         raise ConfigError(
             f"{label}: measured on {dev}, which has no allocator count of tensors (peak_allocated_bytes is "
