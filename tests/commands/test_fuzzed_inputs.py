@@ -276,3 +276,13 @@ def test_a_pipeline_plan_is_refused_by_trainers_that_run_none(tmp_path, capsys, 
 def test_accelerator_inputs_are_refused_for_what_is_wrong_with_them(capsys, args, says):
     # '1.5' and 'foo' were "not a number"; memory ignored an empty --gpu and called two known names unknown
     refused(args, capsys, says)
+
+
+def test_expert_parallel_offers_name_the_data_parallel_they_need(capsys):
+    # at d = 1 the only EP offered was 1: the ones that divide the 8 experts need a data-parallel they divide
+    err = refused(
+        ["memory", "--model", "mixtral-8x7b", "-b", "1", "-e", "3"],
+        capsys,
+        r"use --expert-parallel among \[1\]",
+    )
+    assert "at data-parallel 1 (2, 4, 8 with a data-parallel they divide)" in err

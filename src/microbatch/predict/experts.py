@@ -40,11 +40,14 @@ def check_expert_layout(shape: ModelShape, expert_parallel: int, data_parallel: 
     e = shape.moe.experts
     if e % expert_parallel:
         ok = [x for x in range(1, e + 1) if e % x == 0 and data_parallel % x == 0]
+        wider = [x for x in range(2, e + 1) if e % x == 0 and x not in ok]
         raise ConfigError(
             f"expert_parallel {expert_parallel} does not divide experts {e}; every GPU holds E/EP whole "
-            f"experts; use expert_parallel among {ok}",
-            params=("expert_parallel",),
-        )
+            f"experts; use expert_parallel among {ok}"
+            + (f" at data-parallel {data_parallel} ({', '.join(map(str, wider))} with a data-parallel they divide)"
+               if wider else ""),
+            params=("expert_parallel", "data_parallel"),
+        )  # fmt: skip
     if data_parallel % expert_parallel:
         ok = [x for x in range(1, data_parallel + 1) if data_parallel % x == 0 and e % x == 0]
         raise ConfigError(
