@@ -26,6 +26,7 @@ loads only on first use of ``microbatch.run.accumulate``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ from microbatch.run.accumulate.oom import (
 from microbatch.run.accumulate.retry import StepState, warn_norm_layers
 from microbatch.run.accumulate.scaling import (
     CountFn,
+    NoItems,
     check_callables,
     check_empty_losses,
     check_loss,
@@ -419,9 +421,14 @@ def _backward_each(
     try:
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last and not manual):
-                loss_sum, n = check_loss(loss_fn(model, mb), i)
-                # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__).
-                (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
+                empty = isinstance(mb, NoItems)  # count_fn found no items: run for terms not per item
+                loss_sum, n = check_loss(loss_fn(model, mb.batch if empty else mb), i)
+                if empty and not math.isfinite(
+                    to_float(loss_sum)
+                ):  # 0/0 of a masked mean: the sum over none is 0
+                    loss_sum = torch.zeros_like(loss_sum.detach())
+                else:  # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__)
+                    (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
             losses.append(loss_sum.detach())
             counts.append(n)
             del loss_sum

@@ -36,6 +36,7 @@ __all__ = [
     "total_of",
     "to_float",
     "with_items",
+    "NoItems",
 ]
 
 CountFn = Callable[[Batch], "int | float | torch.Tensor"]
@@ -289,17 +290,29 @@ def check_empty_losses(
         )
 
 
-def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[Batch], float]:
-    """One process: the micro-batches ``count_fn`` finds items in, and the total. One left out has none: its
-    summed loss is 0 by definition, though a loss written as a masked mean × n would make it NaN (0/0) and
-    poison every gradient. Not under DDP or FSDP, whose ranks must run the same forwards and backwards."""
+class NoItems:
+    """A micro-batch ``count_fn`` finds no items in (one process, :func:`with_items`). It still runs: a loss may hold
+    terms that are not per item (a z-loss, an auxiliary loss over every row), which the step's gradient includes
+    with or without ``count_fn``; its summed loss is taken as 0 only where it is not finite (a masked mean × n is
+    0/0 there and would poison every gradient; the sum over no items is 0)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+
+
+def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[Any], float]:
+    """One process: the micro-batches, those ``count_fn`` finds no items in marked :class:`NoItems`, and the total.
+    (They were left out, and with them a loss's terms that are not per item: a gradient other than the one without
+    ``count_fn``.) Not under DDP or FSDP, whose ranks must run the same forwards and backwards, and refuse an empty
+    micro-batch's non-finite loss (:func:`check_empty_losses`)."""
     values = [as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches]
     counts = _floats(values)
     total = float(sum(counts))
     if not math.isfinite(total):
         raise ConfigError(f"count_fn gave a total of {total!r} items; counts must be finite and >= 0")
-    kept = [mb for mb, n in zip(micro_batches, counts, strict=True) if n > 0]
-    return (kept or list(micro_batches[:1])), total
+    return [mb if n > 0 else NoItems(mb) for mb, n in zip(micro_batches, counts, strict=True)], total
 
 
 def _floats(values: Sequence[Any]) -> list[float]:
