@@ -422,10 +422,12 @@ def _backward_each(
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last and not manual):
                 empty = isinstance(mb, NoItems)  # count_fn found no items: run for terms not per item
-                loss_sum, n = check_loss(loss_fn(model, mb.batch if empty else mb), i)
+                loss_sum, n = check_loss(
+                    loss_fn(model, mb.batch if empty else mb), i, params if i == 0 else None
+                )
                 if empty and not math.isfinite(
                     to_float(loss_sum)
-                ):  # 0/0 of a masked mean: the sum over none is 0
+                ):  # a masked mean's 0/0: the sum over none is 0
                     loss_sum = torch.zeros_like(loss_sum.detach())
                 else:  # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__)
                     (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]

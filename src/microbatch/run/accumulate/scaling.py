@@ -37,6 +37,7 @@ __all__ = [
     "to_float",
     "with_items",
     "NoItems",
+    "check_params_in_model",
 ]
 
 CountFn = Callable[[Batch], "int | float | torch.Tensor"]
@@ -233,8 +234,12 @@ def check_callables(model: Any, loss_fn: Any, count_fn: Any) -> None:
             )
 
 
-def check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.Tensor]:
-    """``(loss_sum, n_items)`` of ``loss_fn``'s return for micro-batch ``index``; ConfigError for anything else."""
+def check_loss(
+    out: Any, index: int, params: Sequence[Any] | None = None
+) -> tuple[torch.Tensor, int | float | torch.Tensor]:
+    """``(loss_sum, n_items)`` of ``loss_fn``'s return for micro-batch ``index``; ConfigError for anything else, and
+    (given the model's ``params``: the step's first micro-batch) for a loss on parameters the model lacks
+    (:func:`check_params_in_model`)."""
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise ConfigError(
             f"loss_fn returned {type(out).__name__} for micro-batch {index}; it must return (loss_sum, n_items): "
@@ -255,7 +260,44 @@ def check_loss(out: Any, index: int) -> tuple[torch.Tensor, int | float | torch.
             f"loss_fn's loss for micro-batch {index} does not require grad; compute it from the model's output "
             "with autograd enabled (not under torch.no_grad())"
         )
+    if params is not None:
+        check_params_in_model(loss_sum, params)
     return loss_sum, as_number("loss_fn's n_items", n)
+
+
+def check_params_in_model(loss: torch.Tensor, params: Sequence[Any]) -> None:
+    """ConfigError, before any backward, when ``loss`` depends on a trainable ``nn.Parameter`` that is not among
+    ``params`` (the model's): the call scales, restores and (under DDP) reduces the model's gradients only, so such a
+    parameter (a loss module's learnable temperature passed beside the model) would gain the gradient of the summed
+    loss, B times the mean's, and keep a failed attempt's part after an out-of-memory split. Walks the loss's autograd
+    graph once (the caller: the step's first micro-batch)."""
+    if any(type(p).__name__ == "DTensor" for p in params):
+        return  # FSDP2 or DTensor TP: the graph's leaves are the gathered copies FSDP2 swaps in, not these
+    mine = {id(p) for p in params}
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    outside: list[torch.Tensor] = []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that gets a .grad
+        if (
+            isinstance(var, torch.nn.Parameter)
+            and id(var) not in mine
+            and type(var).__name__ != "FlatParameter"
+        ):
+            outside.append(var)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if outside:
+        shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")
+        raise ConfigError(
+            f"loss_fn's loss depends on {len(outside)} trainable parameter(s) that are not the model's (shapes "
+            f"{shapes}): only the model's gradients are normalised to the batch mean and restored on an error, so "
+            "theirs would be wrong; make them part of the model (a submodule holding the loss's parameters), or "
+            "pass a module that holds both"
+        )
 
 
 def check_empty_losses(
