@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "MicrobatchError",
     "ConfigError",
     "ScheduleError",
+    "NoChoiceError",
     "MeasurementError",
     "OutOfMemoryError",
     "ProbeTimeoutError",
@@ -54,6 +56,18 @@ class ConfigError(MicrobatchError, ValueError):
     the command line replaces each by its flag. Name only words that mean the parameter wherever
     they occur in the message.
     """
+
+
+class NoChoiceError(ConfigError):
+    """Points were measured, but none meets the choice's limits (a latency or memory budget): the measured points
+    ride along (``points``, as each ``to_dict`` writes it) so that the caller keeps them, not loses them with the
+    choice."""
+
+    def __init__(
+        self, *args: object, points: Sequence[dict[str, Any]] = (), params: Sequence[str] = ()
+    ) -> None:
+        super().__init__(*args, params=params)
+        self.points = list(points)
 
 
 class ScheduleError(ConfigError):

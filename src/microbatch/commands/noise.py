@@ -81,7 +81,10 @@ def _check_memory(shape: Any, global_batch: int, micro_batch: int) -> None:
 @click.option(
     "--decay", type=float, default=1.0, show_default=True, help="EMA weight of the past; 1 = plain mean."
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the weights and the data.")
+@click.option(
+    "--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+    help="Seed of the weights and the data, 0 to 2^32 − 1.",
+)  # fmt: skip
 @json_option
 def cmd(
     model_spec: dict[str, Any],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -26,7 +27,7 @@ from microbatch.commands._common import (
     progress,
 )
 from microbatch.commands._flags import cli_text
-from microbatch.errors import ProbeTimeoutError
+from microbatch.errors import NoChoiceError, ProbeTimeoutError
 from microbatch.hardware import usable_cores
 from microbatch.precision import MEASURABLE
 
@@ -253,9 +254,12 @@ def cmd(
     target = _target(model_spec)
     out_dir = check_out_dir(out) if out else None  # before any probe: a result is never lost to a bad path
 
-    result = _measure(
-        target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
-    )
+    try:
+        result = _measure(
+            target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
+        )
+    except NoChoiceError as e:  # measured, but no point meets a limit: keep the points, then say so
+        raise _kept(e, out_dir, bool(search.use_cache)) from None
     d = result.to_dict()
     if d.get("stop_reason"):  # a probe past its time limit names the limit and the fix: as flags here
         d["stop_reason"] = cli_text(d["stop_reason"], ProbeTimeoutError.PARAMS, "tune")
@@ -279,6 +283,21 @@ def cmd(
             + "; the choice above uses them"
         )
         raise click.exceptions.Exit(130)
+
+
+def _kept(e: NoChoiceError, out_dir: Path | None, cached: bool) -> NoChoiceError:
+    """The refusal of a choice no measured point meets, its points written to ``out_dir``/result.json (no knee in
+    it) and the message saying where they are."""
+    where = []
+    if out_dir is not None:
+        path, _ = keep_result(
+            out_dir / "result.json", {"points": e.points, "micro_batch": None, "error": str(e)}
+        )
+        where.append(str(path))
+    if cached:
+        where.append("the cache (a rerun without the limit reuses them)")
+    kept = f"; the {len(e.points)} measured point(s) are kept in {' and '.join(where)}" if where else ""
+    return NoChoiceError(f"{e}{kept}", points=e.points, params=e.params)
 
 
 def _configs(
