@@ -41,7 +41,7 @@ from microbatch.hardware_attention import (
     HOPPER,
     RAMP_BLACKWELL,
 )
-from microbatch.hardware_names import device_key, name_key, parse_overrides
+from microbatch.hardware_names import device_key, name_key
 from microbatch.units import GIB
 
 __all__ = [
@@ -50,7 +50,6 @@ __all__ = [
     "get_accelerator",
     "accelerator_names",
     "parse_gpus",
-    "parse_overrides",
     "from_device_name",
     "match_accelerator",
     "cpu_accelerator",

@@ -2,8 +2,7 @@
 
 Pure string rules naming a row of :data:`microbatch.hardware.ACCELERATORS` (whose ``from_device_name`` and
 ``match_accelerator`` wrap these with the table). An A100 is told apart by its memory (40 or 80 GB); an H100 with HBM2e only by a name that
-says so (a 94 GiB H100 may also be the HBM3 part of a GH200, which has another bandwidth). Also the reading of
-``KEY=VALUE`` overrides of a row's figures (:func:`parse_overrides`, re-exported by :mod:`microbatch.hardware`).
+says so (a 94 GiB H100 may also be the HBM3 part of a GH200, which has another bandwidth).
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Container
 
-from microbatch.errors import ConfigError
 from microbatch.units import GIB
 
-__all__ = ["device_key", "name_key", "parse_overrides"]
+__all__ = ["device_key", "name_key"]
 
 # Substrings of torch.cuda.get_device_name() -> registry key, most specific first.
 _DEVICE_NAMES = (
@@ -74,27 +72,3 @@ def name_key(name: str, known: Container[str]) -> str | None:
         if re.search(pattern, n):
             return key
     return None
-
-
-def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
-    """``KEY=VALUE`` strings (``--gpu-set inter_node_bytes_per_s=25e9``) as overrides for :func:`get_accelerator`."""
-    from microbatch.hardware import _NOT_FIGURES, ACCELERATORS  # the table imports this module
-
-    out: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(
-                f"gpu_set {item!r} must be KEY=VALUE, for example inter_node_bytes_per_s=25e9",
-                params=("gpu_set",),
-            )
-        k, whole = key.strip(), key.strip() in ("gpus_per_node", "compute_units")
-        try:
-            out[k] = int(value) if whole else float(value)
-        except ValueError:
-            if k in _NOT_FIGURES:  # "name=foo" is no figure at all: its refusal names the figures
-                ACCELERATORS["h100-sxm"].with_overrides(**{k: value})
-            raise ConfigError(
-                f"gpu_set {item!r}: {value!r} is not a {'whole ' * whole}number", params=("gpu_set",)
-            ) from None
-    return out

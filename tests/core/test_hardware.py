@@ -11,9 +11,9 @@ from microbatch.hardware import (
     from_device_name,
     get_accelerator,
     parse_gpus,
-    parse_overrides,
 )
 from microbatch.hardware_clocks import HOPPER_BURST_TO_SUSTAINED, power_limited_clock
+from microbatch.hardware_overrides import parse_overrides
 from microbatch.units import GIB
 
 
@@ -66,7 +66,7 @@ def test_parse_gpus():
 
 
 def test_overrides_from_strings_and_device_names():
-    from microbatch.hardware import from_device_name, parse_overrides
+    from microbatch.hardware import from_device_name
 
     assert parse_overrides(["inter_node_bytes_per_s=25e9", "gpus_per_node=4"]) == {
         "inter_node_bytes_per_s": 25e9,

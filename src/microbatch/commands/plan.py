@@ -277,7 +277,8 @@ def _accelerators(
     """The ``--gpu`` rows at ``--attention-kernel``'s ceiling, then ``--gpu-set`` over any figure; a kernel class
     named with ``--no-flash-attention`` is refused (the classes are flash kernels)."""
     from microbatch.errors import ConfigError
-    from microbatch.hardware import parse_gpus, parse_overrides
+    from microbatch.hardware import parse_gpus
+    from microbatch.hardware_overrides import parse_overrides
     from microbatch.predict.attention import kernel_figures
 
     if flash is False and attention_kernel != "sdpa":
