@@ -35,3 +35,28 @@ def test_demo_runs_every_step_and_writes_the_report(tmp_path, capsys, monkeypatc
     assert html.count("<svg") >= 6
     assert "Predicted against measured" in html and "Configs to paste" in html
     assert len(list((out / "report-figures").glob("*.png"))) >= 6
+
+
+def test_an_interrupted_tune_stops_the_demo_with_what_it_measured(tmp_path, capsys, monkeypatch):
+    # Ctrl-C cut the tune's search short, and the demo went on to plan, simulate, run and report, exit 0,
+    # showing the cut curve as a finished result
+    import microbatch.choose.tune as tune
+
+    real = tune.tune_model
+
+    def interrupted(*args, **kwargs):
+        from dataclasses import replace
+
+        kwargs["search"] = replace(kwargs["search"], max_micro_batch=2)
+        return replace(real(*args, **kwargs), interrupted=True)
+
+    monkeypatch.setattr(tune, "tune_model", interrupted)
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert (
+        "interrupted during tune (train): kept its points" in err and "the steps after it did not run" in err
+    )
+    assert (out / "tune-train.json").is_file() and (out / "report.html").is_file()
+    assert not (out / "tune-decode.json").exists() and not (out / "plan.json").exists()

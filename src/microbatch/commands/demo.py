@@ -76,6 +76,8 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     t_start = time.perf_counter()
 
     _tune_both(out, model_name, quick, quiet, results, summary)
+    if summary.get("interrupted"):  # Ctrl-C ends the tune's search early; the demo stops there too
+        _stop(out, quiet, results, summary, as_json)
     _plan_llama(out, quiet, results, summary)
     _simulate_gpipe_and_1f1b(out, quiet, results, summary)
     _run_small_pipeline(out, model_name, quiet, results, summary)
@@ -95,6 +97,24 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
             f"total {summary['seconds']} s)"
         ),
     )
+
+
+def _stop(
+    out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any], as_json: bool
+) -> None:
+    """Interrupted: the report of what was measured (each result is already saved), the summary, exit 130."""
+    from microbatch.show.html import build_report
+
+    rep = build_report(results, out / "report.html", title="microbatch demo (interrupted)")
+    summary["report"] = str(rep.html_path)
+    emit(summary, as_json, lambda: f"\nreport of what was measured: {rep.html_path.resolve()}")
+    if not quiet:
+        click.echo(
+            f"interrupted during {summary['interrupted']}: kept its points and the results before it in {out}/; "
+            "the steps after it did not run",
+            err=True,
+        )
+    raise click.exceptions.Exit(130)
 
 
 def _check_model_fits(model_name: str) -> None:
@@ -171,6 +191,9 @@ def _tune_both(
             f"fastest that fits b_m = {ff.get('micro_batch')}; probed "
             f"{[p['micro_batch'] for p in d['points']]}",
         )
+        if res.interrupted:
+            summary["interrupted"] = f"tune ({mode})"
+            return
 
 
 def _plan_llama(out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any]) -> None:
