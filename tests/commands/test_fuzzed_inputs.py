@@ -305,3 +305,17 @@ def test_tune_keeps_the_points_no_limit_is_met_by(tmp_path, capsys):
         main(["recommend", "-m", str(out / "result.json"), "--json"]) == 0
     )  # the points choose without the limit
     assert json.loads(capsys.readouterr().out)["micro_batch"] in (1, 2)
+
+
+def test_bench_gpu_on_the_cpu_times_several_threads_by_the_wall_clock(capsys):
+    # the thread clock counts the calling thread only: --threads 8 on 2 cores read 0.716 TFLOP/s against 0.097
+    import time
+
+    from microbatch.hardware import usable_cores
+    from microbatch.measure.microbench_config import cpu_clock
+
+    assert cpu_clock(1) is time.thread_time and cpu_clock(2) is time.perf_counter
+    n = usable_cores()
+    refused(["bench-gpu", "--quick", "--threads", str(n + 1)], capsys,
+            rf"--threads {n + 1} is more than the {n} core\(s\) this process may use")  # fmt: skip
+    refused(["bench-gpu", "--quick", "--budget-s", "inf"], capsys, r"--budget-s inf must be a finite number")

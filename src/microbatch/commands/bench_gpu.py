@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -70,8 +71,8 @@ def cmd(
     GeLU, LayerNorm), the per-kernel launch floor, and all-reduce/all-gather when a torch.distributed
     process group is initialised (else skipped, and said); under torchrun the command joins one
     and also times a GEMM beside an all-reduce (how much overlapped communication slows
-    computation), rank 0 printing and writing. CUDA events after warm-up on a GPU; the
-    thread's CPU clock at --threads on a CPU. Each figure is a median; the whole run stays inside
+    computation), rank 0 printing and writing. CUDA events after warm-up on a GPU; on a CPU the
+    thread's CPU clock at --threads 1, the wall clock at more. Each figure is a median; the whole run stays inside
     --budget-s. Default model: gpt2 on CUDA, tiny on the CPU.
 
     Then plan with the measured terms in place of the analytic ones, on the accelerator it ran on:
@@ -96,8 +97,15 @@ def cmd(
     for flag, value in (("--repeats", repeats), ("--threads", threads)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be >= 1")
-    if not budget_s > 0:
-        raise ConfigError(f"--budget-s {budget_s} must be > 0 seconds; e.g. --budget-s 20")
+    if not (budget_s > 0 and math.isfinite(budget_s)):
+        raise ConfigError(f"--budget-s {budget_s} must be a finite number > 0 of seconds; e.g. --budget-s 20")
+    from microbatch.hardware import usable_cores
+
+    if not device.startswith("cuda") and threads > (cores := usable_cores()):
+        raise ConfigError(
+            f"--threads {threads} is more than the {cores} core(s) this process may use: the threads would share "
+            f"them and time each other's waits; give --threads {cores} or fewer (1 is steadiest)"
+        )
     cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
                            repeats=repeats, budget_s=budget_s, threads=threads, soak_s=soak_s)  # fmt: skip
     _check_fits(cfg)

@@ -35,7 +35,7 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.measure.board import BoardReading, clock_under_load, read_board
-from microbatch.measure.microbench_config import Bench, MicrobenchConfig, frac, peak, settled_rate
+from microbatch.measure.microbench_config import Bench, MicrobenchConfig, cpu_clock, frac, peak, settled_rate
 from microbatch.measure.microbench_shapes import attention_seqs, grid_gemm_shapes, layer_gemm_shapes
 from microbatch.microbench_record import (
     AttentionTiming,
@@ -245,9 +245,10 @@ def _overlap_slowdown(b: Bench, dtype: Any, dist: Any, allreduce_s: float | None
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
-            t0 = time.thread_time()
+            clock = cpu_clock(b.cfg.threads)
+            t0 = clock()
             torch.matmul(x, w)
-            times.append(time.thread_time() - t0)
+            times.append(clock() - t0)
             work.wait()
     return statistics.median(times) / alone - 1.0
 
@@ -393,7 +394,10 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     return MicrobenchResult(
         device="cuda" if cuda else "cpu", device_name=name, accelerator=acc.name if acc else None,
         torch_version=str(torch.__version__), dtype=cfg.resolved_dtype,
-        timer="CUDA events" if cuda else f"thread CPU clock (time.thread_time), {cfg.threads} torch thread(s)",
+        timer="CUDA events" if cuda else (
+            "thread CPU clock (time.thread_time), 1 torch thread" if cfg.threads == 1
+            else f"wall clock (time.perf_counter), {cfg.threads} torch threads"
+        ),
         model=cfg.shape.name, seq=cfg.shape.seq, micro_batches=tuple(cfg.micro_batches), gemms=tuple(gemms),
         attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
         overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),

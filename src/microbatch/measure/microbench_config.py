@@ -54,7 +54,8 @@ class MicrobenchConfig:
     budget_s: float = 20.0
     """Wall seconds for the whole benchmark; items past it are skipped and named."""
     threads: int = 1
-    """torch threads on the CPU (the thread clock counts the calling thread only, so 1 measures all work)."""
+    """torch threads on the CPU: at 1 the calling thread's CPU clock times the kernels (it counts that thread only),
+    at more the wall clock (:func:`cpu_clock`)."""
     extra_gemms: tuple[tuple[str, int, int, int], ...] = ()
     """More GEMMs (label, rows, k, n) to time after the grid (``bench/gpu_microbench.py``: the development
     set's layer shapes, a square GEMM, a row ramp)."""
@@ -183,10 +184,18 @@ class Bench:
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
             else:
-                t0 = time.thread_time()
+                clock = cpu_clock(self.cfg.threads)
+                t0 = clock()
                 fn()
-                times.append(time.thread_time() - t0)
+                times.append(clock() - t0)
         return statistics.median(times)
+
+
+def cpu_clock(threads: int) -> Any:
+    """The CPU's timer at ``threads`` torch threads: the calling thread's CPU clock at one (steady where other
+    work shares the cores), else the wall clock (the thread clock misses the other threads' work: 8 threads on 2
+    cores read 7x too fast)."""
+    return time.thread_time if threads == 1 else time.perf_counter
 
 
 def peak(acc: Accelerator | None, dtype: str) -> float | None:
