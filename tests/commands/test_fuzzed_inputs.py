@@ -319,3 +319,19 @@ def test_bench_gpu_on_the_cpu_times_several_threads_by_the_wall_clock(capsys):
     refused(["bench-gpu", "--quick", "--threads", str(n + 1)], capsys,
             rf"--threads {n + 1} is more than the {n} core\(s\) this process may use")  # fmt: skip
     refused(["bench-gpu", "--quick", "--budget-s", "inf"], capsys, r"--budget-s inf must be a finite number")
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (
+            ["tune", "--model", "tiny", "--out", ""],
+            r"--out '' names no folder",
+        ),  # wrote nothing, said nothing
+        (["demo", "--quick", "--out", ""], r"--out '' names no folder"),  # wrote into the working folder
+        (["simulate", "-p", "2", "-m", "2", "-s", "gpipe", "--svg", ""], r"--svg '' names no file"),
+        (["bench-gpu", "--quick", "--out", ""], r"--out '' names no file"),
+    ],
+)
+def test_an_empty_output_name_is_refused(capsys, args, says):
+    refused(args, capsys, says)

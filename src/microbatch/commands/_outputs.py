@@ -74,6 +74,8 @@ def check_out_dir(
 
     from microbatch.errors import ConfigError
 
+    if not str(path).strip():  # Path('') is the working folder: a demo's files landed there
+        raise ConfigError(f"{flag} '' names no folder; give a folder name, e.g. {flag} run1")
     p = Path(path)
     blocker = _file_in_the_way(p)
     if blocker is not None:
@@ -159,8 +161,10 @@ def check_output_file(
 
     from microbatch.errors import ConfigError
 
-    if not path:
+    if path is None:
         return
+    if not str(path).strip():  # an empty name was skipped: nothing written, nothing said
+        raise ConfigError(f"{flag} '' names no file; give a file name")
     ext = os.path.splitext(path)[1].lower()
     if suffixes and ext and ext not in suffixes:
         raise ConfigError(

@@ -63,7 +63,9 @@ def cmd(
             "give exactly one of --plan (a `plan --json` file) or --tune (a tune's result.json)"
         )
     bare_json = output is not None and fmt != "torchtitan" and not as_json  # a config with no room for a mark
-    if output:  # before the work; a missing folder is made; never the input, never a file not ours
+    if (
+        output is not None
+    ):  # before the work; a missing folder is made; never the input, never a file not ours
         inputs = [("--plan", plan_path), ("--tune", tune_path)]
         check_output_file(output, "--output", inputs=inputs, force=force or bare_json)  # bare JSON: below
     if plan_path is not None:

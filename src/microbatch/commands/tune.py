@@ -252,7 +252,9 @@ def cmd(
     probe, search, choice, timing_line = _configs(model_spec, choice_spec, repeats, clock, flags)
     check_walk(search, choice, FLAG_NAMES)  # tune_model checks it too, naming its keywords
     target = _target(model_spec)
-    out_dir = check_out_dir(out) if out else None  # before any probe: a result is never lost to a bad path
+    out_dir = (
+        check_out_dir(out) if out is not None else None
+    )  # before any probe: a result is never lost to a bad path
 
     try:
         result = _measure(
