@@ -698,3 +698,13 @@ def test_points_measured_under_the_other_checkpointing_are_said_to_be(tmp_path):
     with pytest.raises(ConfigError, match=r"its 5 point\(s\) were measured with checkpointing off, and the file says "
                                           r"checkpointing on; make the file's checkpointing match"):  # fmt: skip
         read_measurements(d, shape=SHAPE)
+
+
+def test_cpu_points_are_not_validated_against_a_gpu(tmp_path):
+    # validate --gpu h100-sxm on a CPU tune printed step-time "errors" of -78% to -97% and "NOT met", no word why
+    d = synthetic(device="cpu", device_name="AMD EPYC (2 cpus)")
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=r"was measured on 'AMD EPYC \(2 cpus\)', not a GPU: its step times cannot "
+                                          r"validate a prediction for h100-sxm"):  # fmt: skip
+        validate_result(str(path), gpu="h100-sxm")

@@ -263,6 +263,13 @@ def validation_accelerator(
     with either figure given replacing the measured one),
     raised by :func:`~microbatch.predict.calibrate.cover_measurements` where a point is faster than it allows.
     """
+    if gpu and not meas.is_cuda:  # a GPU's predicted step against a CPU's measured one: errors of -80 to -97%
+        raise ConfigError(
+            f"{meas.source} was measured on {meas.device_name or meas.device!r}, not a GPU: its step times cannot "
+            f"validate a prediction for {gpu}; drop gpu (this CPU's peak and bandwidth are used), or validate a tune "
+            f"run on a {gpu}",
+            params=("gpu",),
+        )
     if gpu:
         acc = get_accelerator(gpu)
     elif meas.is_cuda:
