@@ -15,6 +15,24 @@ from microbatch.show.answers import render_microbench
 __all__ = ["cmd"]
 
 
+def _check_counts(device: str, repeats: int, threads: int, budget_s: float) -> None:
+    """--repeats and --threads >= 1, the threads no more than this process's cores on a CPU (they would time each
+    other's waits), --budget-s a finite number of seconds > 0."""
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import usable_cores
+
+    for flag, value in (("--repeats", repeats), ("--threads", threads)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    if not (budget_s > 0 and math.isfinite(budget_s)):
+        raise ConfigError(f"--budget-s {budget_s} must be a finite number > 0 of seconds; e.g. --budget-s 20")
+    if not device.startswith("cuda") and threads > (cores := usable_cores()):
+        raise ConfigError(
+            f"--threads {threads} is more than the {cores} core(s) this process may use: the threads would share "
+            f"them and time each other's waits; give --threads {cores} or fewer (1 is steadiest)"
+        )
+
+
 def _parse_bms(text: str) -> tuple[int, ...]:
     from microbatch.errors import ConfigError
 
@@ -84,7 +102,6 @@ def cmd(
 
     Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
     """
-    from microbatch.errors import ConfigError
     from microbatch.measure.microbench import MicrobenchConfig, join_launched_group, run_microbench
 
     if device is None:
@@ -94,18 +111,7 @@ def cmd(
     default_model = "gpt2" if device.startswith("cuda") else "tiny"
     shape = resolve_model(model_spec, default=default_model)
     bms = _parse_bms(micro_batches) if micro_batches else ((1, 4) if quick else (1, 2, 4, 8))
-    for flag, value in (("--repeats", repeats), ("--threads", threads)):
-        if value < 1:
-            raise ConfigError(f"{flag} {value} must be >= 1")
-    if not (budget_s > 0 and math.isfinite(budget_s)):
-        raise ConfigError(f"--budget-s {budget_s} must be a finite number > 0 of seconds; e.g. --budget-s 20")
-    from microbatch.hardware import usable_cores
-
-    if not device.startswith("cuda") and threads > (cores := usable_cores()):
-        raise ConfigError(
-            f"--threads {threads} is more than the {cores} core(s) this process may use: the threads would share "
-            f"them and time each other's waits; give --threads {cores} or fewer (1 is steadiest)"
-        )
+    _check_counts(device, repeats, threads, budget_s)
     cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
                            repeats=repeats, budget_s=budget_s, threads=threads, soak_s=soak_s)  # fmt: skip
     _check_fits(cfg)
