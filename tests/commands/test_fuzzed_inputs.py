@@ -335,3 +335,23 @@ def test_bench_gpu_on_the_cpu_times_several_threads_by_the_wall_clock(capsys):
 )
 def test_an_empty_output_name_is_refused(capsys, args, says):
     refused(args, capsys, says)
+
+
+@pytest.mark.parametrize("bms", ["", "1,,2", "1,1"])
+def test_bench_gpu_micro_batches_are_distinct_sizes(capsys, bms):
+    # '' ran the default, '1,,2' dropped the empty item, '1,1' timed every GEMM twice
+    refused(
+        ["bench-gpu", "--quick", "--micro-batches", bms],
+        capsys,
+        "is not a list of distinct positive integers",
+    )
+
+
+def test_a_float_micro_batch_size_is_said_to_be_one():
+    import torch
+
+    from microbatch.errors import ConfigError
+    from microbatch.run.accumulate.microbatches import split
+
+    with pytest.raises(ConfigError, match=r"got 4\.0 \(a float: give an int\)"):
+        split(torch.zeros(4, 2), 4.0)

@@ -36,13 +36,14 @@ def _check_counts(device: str, repeats: int, threads: int, budget_s: float) -> N
 def _parse_bms(text: str) -> tuple[int, ...]:
     from microbatch.errors import ConfigError
 
+    items = [x.strip() for x in text.split(",")]
     try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
+        out = tuple(int(x) for x in items)  # an empty item ('', '1,,2') is not a size: refused, not dropped
     except ValueError:
         out = ()
-    if not out or any(b < 1 for b in out):
+    if not out or any(b < 1 for b in out) or len(set(out)) < len(out):
         raise ConfigError(
-            f"--micro-batches {text!r} is not a list of positive integers; e.g. --micro-batches 1,2,4"
+            f"--micro-batches {text!r} is not a list of distinct positive integers; e.g. --micro-batches 1,2,4"
         )
     return out
 
@@ -110,7 +111,7 @@ def cmd(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     default_model = "gpt2" if device.startswith("cuda") else "tiny"
     shape = resolve_model(model_spec, default=default_model)
-    bms = _parse_bms(micro_batches) if micro_batches else ((1, 4) if quick else (1, 2, 4, 8))
+    bms = _parse_bms(micro_batches) if micro_batches is not None else ((1, 4) if quick else (1, 2, 4, 8))
     _check_counts(device, repeats, threads, budget_s)
     cfg = MicrobenchConfig(shape=shape, micro_batches=bms, device=device, dtype=dtype, quick=quick,
                            repeats=repeats, budget_s=budget_s, threads=threads, soak_s=soak_s)  # fmt: skip

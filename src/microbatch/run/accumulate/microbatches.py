@@ -107,8 +107,13 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
     """
     size = whole_number(micro_batch_size)
     if size is None or size < 1:
+        kind = (
+            f" (a {type(micro_batch_size).__name__}: give an int)"
+            if isinstance(micro_batch_size, float)
+            else ""
+        )
         raise ConfigError(
-            f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}; give the rows per "
+            f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}{kind}; give the rows per "
             "forward/backward (b_m)"
         )
     rows = batch_rows(batch)
