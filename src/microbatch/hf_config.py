@@ -266,7 +266,8 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
         "bias": bool(raw.get("attention_bias", False) or raw.get("mlp_bias", False)),
         "norm": "rmsnorm",
         "learned_positions": False,
-        "tied_embeddings": bool(tied) if tied is not None else False,
+        # Gemma's config.json omits it (transformers' Gemma default: tied); Llama's default: untied
+        "tied_embeddings": bool(tied) if tied is not None else model_type.startswith(_GATED_FAMILIES),
         "dropout": bool(raw.get("attention_dropout", 0.0)),
     }
 

@@ -196,7 +196,10 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}; {fix}") from None
     sizes = [pt["micro_batch"] for pt in points]
-    twice = sorted({b for b in sizes if sizes.count(b) > 1})
+    # once per b_m and checkpointing (tune --checkpointing auto measures a b_m again with it on after an
+    # out-of-memory without), out-of-memory points aside
+    runs = [(pt["micro_batch"], bool(pt.get("checkpointing"))) for pt in points if not pt.get("oom")]
+    twice = sorted({b for b, c in runs if runs.count((b, c)) > 1})
     if twice:
         raise ConfigError(
             f"{source}: micro_batch {', '.join(map(str, twice))} measured more than once; keep one point each; {fix}"

@@ -457,3 +457,13 @@ def test_report_figures_folder_keeps_the_users_files(tmp_path, capsys):
     check_refused(["report", res, "--out", str(html)], capsys, r"r-figures, which holds files microbatch did not write "
             r"\(throughput\.png\)", r"give --force")  # fmt: skip
     assert main(["report", res, "--out", str(html), "--no-png"]) == 0  # no figure written there: no refusal
+
+
+def test_report_reads_a_tune_that_measured_a_b_m_again_with_checkpointing(tmp_path, capsys):
+    # tune --checkpointing auto writes b_m 8 twice: out of memory without checkpointing, then measured with it; the
+    # twice-measured check refused that ordinary output (a reviewer's finding)
+    pts = [{"micro_batch": 4, "throughput": 3200, "checkpointing": False, "peak_memory_bytes": 4e6},
+           {"micro_batch": 8, "oom": True, "checkpointing": False},
+           {"micro_batch": 8, "throughput": 4000, "checkpointing": True, "peak_memory_bytes": 5e6}]  # fmt: skip
+    f = write(tmp_path / "r.json", tune_result(points=pts, micro_batch=8))
+    assert main(["report", f, "--out", str(tmp_path / "r.html"), "--no-png"]) == 0, capsys.readouterr().err

@@ -355,3 +355,37 @@ def test_a_float_micro_batch_size_is_said_to_be_one():
 
     with pytest.raises(ConfigError, match=r"got 4\.0 \(a float: give an int\)"):
         split(torch.zeros(4, 2), 4.0)
+
+
+def test_export_keeps_a_hand_written_config_with_the_same_top_level_keys(tmp_path, capsys):
+    # same top-level keys, and an offload setting of the user's nested inside: not an earlier export (a reviewer)
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-d", "8", "--json"]) == 0
+    plan = tmp_path / "plan.json"
+    plan.write_text(capsys.readouterr().out)
+    out = tmp_path / "ds.json"
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", str(out)]) == 0
+    mine = json.loads(out.read_text())
+    mine["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    out.write_text(json.dumps(mine))
+    assert main(["export", "--plan", str(plan), "--format", "deepspeed", "-o", str(out)]) == 2
+    assert "not a deepspeed config with the keys this export writes" in capsys.readouterr().err
+    assert json.loads(out.read_text())["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+
+
+def test_recommend_reads_a_csv_with_trailing_commas(tmp_path, capsys):
+    # spreadsheets write them; the extra-cells check took them for an unquoted thousands separator (a reviewer)
+    path = tmp_path / "m.csv"
+    path.write_text("micro_batch,throughput,\n1,100,\n2,180,\n4,200,\n")
+    assert main(["recommend", "-m", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["micro_batch"] in (2, 4)
+
+
+def test_tune_wraps_only_the_no_point_meets_refusal():
+    # the driver made every refusal of the choice "none meets a limit" (with "0 measured point(s) are kept")
+    from microbatch.choose.curve import CurvePoint
+    from microbatch.choose.knee import recommend
+    from microbatch.errors import ConfigError, NoChoiceError
+
+    with pytest.raises(ConfigError) as e:
+        recommend([CurvePoint(micro_batch=1, oom=True)])
+    assert not isinstance(e.value, NoChoiceError)

@@ -368,3 +368,18 @@ def test_latent_attention_whose_heads_do_not_divide_hidden(tmp_path):
     shape = from_hf_config(_write(tmp_path, cfg))
     assert shape.head_size == 256 and shape.mla.qk_head_dim == 256
     assert from_hf_config(_write(tmp_path, DEEPSEEK_V3_CFG)).head_size is None  # 128 heads divide 7,168
+
+
+def test_gemma_configs_without_transformers_are_tied_as_transformers_builds_them(tmp_path, monkeypatch):
+    # Gemma's config.json omits tie_word_embeddings (its default: tied); without transformers the plain-JSON path
+    # took Llama's default (untied): +604M parameters, 23% (a reviewer's finding)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "transformers" else real(n, *a)
+    )
+    cfg = {"model_type": "gemma3_text", "num_hidden_layers": 26, "hidden_size": 2304, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 262208}  # fmt: skip
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert shape.tied_embeddings and shape.param_count() == 2_628_658_432 - 26 * (2 * 256 + 2 * 2304)

@@ -31,7 +31,7 @@ from microbatch.choose.config import (
 from microbatch.choose.curve import CurvePoint, gain_per_doubling, measured_curve
 from microbatch.choose.memory_fit import MemoryFit, fit_memory, max_fitting_micro_batch
 from microbatch.choose.noise import NOISE_Z, indistinguishable
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, NoChoiceError
 from microbatch.hardware import DEFAULT_HEADROOM
 from microbatch.records import number, true_or_false
 
@@ -267,8 +267,8 @@ def _candidates(
             f"b_m × d = b_m × {data_parallel} does not divide global batch {choice.global_batch}",
         )
         why.append(f"b_m x d = b_m x {data_parallel} divides global batch {choice.global_batch}")
-    if not cands:
-        raise ConfigError(
+    if not cands:  # NoChoiceError: a tune keeps its measured points with it
+        raise NoChoiceError(
             f"no measured micro-batch meets {' and '.join(why)}; measured: "
             + ", ".join(str(p.micro_batch) for p in measured)
             + "; relax the limit or measure other sizes"

@@ -131,10 +131,21 @@ def _check_kind(data: Any, flag: str, path: str) -> None:
     )
 
 
+def _key_paths(d: dict[str, Any], prefix: str = "") -> set[str]:
+    """Every key of a nested JSON object as a dotted path: a config's shape, its values aside."""
+    out: set[str] = set()
+    for k, v in d.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _key_paths(v, f"{prefix}{k}.")
+    return out
+
+
 def _check_replaces_an_export(output: str, config: dict[str, Any], fmt: str) -> None:
     """A JSON config (DeepSpeed, HF, Lightning) has no room for the mark that says microbatch wrote it: an existing
-    file is taken as an earlier export when it is a JSON object with the same top-level keys as this one (re-exporting
-    after re-planning), else refused without ``--force``, saying so. Checked after the export is computed
+    file is taken as an earlier export when it is a JSON object with the same keys as this one, nested ones included
+    (re-exporting after re-planning; a hand-written config adds offload or overlap settings), else refused without
+    ``--force``, saying so. Checked after the export is computed
     (milliseconds), so the comparison can be made."""
     import json
     from pathlib import Path
@@ -148,7 +159,7 @@ def _check_replaces_an_export(output: str, config: dict[str, Any], fmt: str) -> 
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         old = None
-    if isinstance(old, dict) and set(old) == set(config):
+    if isinstance(old, dict) and _key_paths(old) == _key_paths(config):
         return
     raise ConfigError(
         f"--output {output} exists and is not a {fmt} config with the keys this export writes (a JSON config carries "

@@ -68,6 +68,8 @@ def read_rows(path: str) -> list[Any]:
         raise ConfigError(f"{path}: CSV names column(s) {', '.join(twice)} more than once; keep one of each")
     rows = []
     for i, row in enumerate(reader, start=2):  # line 1 is the header
+        if None in row and all(not str(x).strip() for x in row[None]):  # trailing commas: empty cells
+            del row[None]
         if None in row:  # more cells than the header: csv puts the rest under None (an unquoted 1,000)
             raise ConfigError(
                 f"{path}: line {i} has {len(cols) + len(row[None])} cells, the header {len(cols)}; write numbers "

@@ -194,9 +194,10 @@ def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
     return out
 
 
-def make_plan(cfg: PlanConfig) -> Plan:
+def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
     """Enumerate, predict, simulate the leaders, and recommend the knee (or, with ``choose="fastest"``,
-    the fastest candidate) among those that fit."""
+    the fastest candidate) among those that fit; when nothing fits and ``advise``, what would
+    (:func:`what_would_fit`, whose own plans do not advise: no recursion)."""
     ctx = make_context(cfg)
     cands = _enumerate(cfg, ctx)
     if not cands:
@@ -256,7 +257,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
             knee = knee_candidate(cands, cfg.tolerance, cfg.margin)
     rec = knee if cfg.choose == "knee" else fastest
     plan = Plan(config=cfg, candidates=tuple(cands), recommended=rec, fastest=fastest, knee=knee)
-    advice = what_would_fit(cfg, plan) if rec is None else None
+    advice = what_would_fit(cfg, plan) if rec is None and advise else None
     return replace(plan, lints=tuple(lint(plan)), advice=advice)
 
 
@@ -441,7 +442,7 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
     alternatives = []
     for setting, value, change in tries:
         try:  # planned as the plan with that change would be, so its recommendation is the one it then shows
-            alt = make_plan(replace(cfg, **change))
+            alt = make_plan(replace(cfg, **change), advise=False)
         except ConfigError:  # no schedule serves this layout at this batch: nothing to say of it
             continue
         best = alt.recommended or min(alt.candidates, key=lambda c: c.peak_memory_bytes)

@@ -193,9 +193,8 @@ class PlanConfig:
             check_micro_batch(B, b, d)
         self.state_bytes_per_param()  # validates the precision and the four state settings
         L, p = self.shape.layers, self.pipeline_parallel
-        self._check_virtuals_fit_schedules()
+        self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
         for v in self.virtuals or ():
-            check_positive_int("virtual", v)
             if self.layers_per_stage is not None:  # uneven stages: each chunk needs a layer
                 if self.layers_per_stage and v > min(self.layers_per_stage):
                     raise ConfigError(
@@ -244,6 +243,8 @@ class PlanConfig:
         dropped without a word, or refused quoting interleaving's rule for DualPipeV."""
         from microbatch.schedules.registry import get_spec
 
+        for v in self.virtuals or ():
+            check_positive_int("virtual", v)
         if not self.schedules or not self.virtuals:
             return
         fixed = {name: get_spec(name).stages_per_rank for name in self.schedules}

@@ -147,3 +147,42 @@ def test_with_count_fn_an_empty_micro_batch_still_runs_its_terms_not_per_item(lo
     assert isinstance(make_model(), nn.Module) and len(grads) >= 3
     for g in grads[1:]:
         assert torch.allclose(g, grads[0], rtol=1e-5, atol=1e-7), (g - grads[0]).abs().max()
+
+
+def where_mean_times_n(model, mb):
+    """A guarded masked mean: torch.where's forward is 0 with no valid label, its backward 0/0 = NaN."""
+    logits = model(mb["input_ids"])[:, :-1]
+    target = mb["labels"][:, 1:]
+    n = (target != -100).sum()
+    mean = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=-100, reduction="mean")
+    return torch.where(n > 0, mean * n, torch.zeros_like(mean)), n
+
+
+def test_an_empty_micro_batch_whose_backward_is_not_finite_adds_nothing():
+    # a reviewer's finding: running empty micro-batches (for a z-loss's rows) let this loss's NaN backward into
+    # every .grad; its gradient is now added only where finite, as the 0 a sum over no items is
+    from microbatch.run.accumulate import accumulate
+
+    batch = make_batch(rows=4)
+    batch["labels"][:2] = -100
+    ref = make_model()
+    accumulate(ref, batch, masked_sum, micro_batch_size=4)
+    model = make_model()
+    accumulate(model, batch, where_mean_times_n, micro_batch_size=1, count_fn=_labelled)
+    g = flat_grad(model)
+    assert torch.isfinite(g).all() and torch.allclose(g, flat_grad(ref), rtol=1e-5, atol=1e-7)
+
+
+def test_the_parameter_check_walks_the_graph_once_per_model_and_loss(monkeypatch):
+    import microbatch.run.accumulate.scaling as scaling
+    from microbatch.run.accumulate import accumulate
+
+    walks = []
+    real = scaling.check_params_in_model
+    monkeypatch.setattr(scaling, "check_params_in_model", lambda *a: walks.append(1) or real(*a))
+    model, batch = make_model(), make_batch(rows=4)
+    for _ in range(3):
+        accumulate(model, batch, masked_sum, micro_batch_size=2)
+    assert len(walks) == 1  # then once more for another loss function
+    accumulate(model, batch, with_z_loss, micro_batch_size=2)
+    assert len(walks) == 2

@@ -22,7 +22,7 @@ from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.confirm import confirm_knee
 from microbatch.choose.tune.probing import Prober, device_name
 from microbatch.choose.tune.search import OnPoint, SearchLog, curve_point, search
-from microbatch.errors import ConfigError, NoChoiceError
+from microbatch.errors import NoChoiceError
 from microbatch.measure.probes import Measurement
 
 __all__ = ["NOTHING_MEASURED", "Setup", "run_search"]
@@ -87,7 +87,7 @@ def run_search(
     points = _search_and_confirm(cache.measuring(prober), prober, search_config, choice, log, on_point, cache)
     try:
         rec = recommend([curve_point(p) for p in points], choice)
-    except ConfigError as e:  # measured, but none meets a limit: the points go with the error, not lost
+    except NoChoiceError as e:  # measured, but none meets a limit: the points go with the error, not lost
         raise NoChoiceError(str(e), points=[p.to_dict() for p in points], params=e.params) from None
     methods = {p.memory_method for p in points if p.memory_method}
     return TuneResult(

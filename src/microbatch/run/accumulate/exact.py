@@ -26,7 +26,6 @@ loads only on first use of ``microbatch.run.accumulate``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +49,7 @@ from microbatch.run.accumulate.retry import StepState, warn_norm_layers
 from microbatch.run.accumulate.scaling import (
     CountFn,
     NoItems,
+    backward_empty,
     check_callables,
     check_empty_losses,
     check_loss,
@@ -59,6 +59,7 @@ from microbatch.run.accumulate.scaling import (
     is_ddp,
     loss_scale,
     model_device,
+    params_once,
     sync_unless_last,
     to_float,
     total_of,
@@ -422,19 +423,17 @@ def _backward_each(
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last and not manual):
                 empty = isinstance(mb, NoItems)  # count_fn found no items: run for terms not per item
-                loss_sum, n = check_loss(
-                    loss_fn(model, mb.batch if empty else mb), i, params if i == 0 else None
-                )
-                if empty and not math.isfinite(
-                    to_float(loss_sum)
-                ):  # a masked mean's 0/0: the sum over none is 0
+                once = params_once(model, loss_fn, params) if i == 0 else (None, None)
+                loss_sum, n = check_loss(loss_fn(model, mb.batch if empty else mb), i, *once)
+                # no items: its gradient added where finite (a masked mean's 0/0 is the 0 of no items)
+                if empty and not backward_empty(loss_sum, scale, params):
                     loss_sum = torch.zeros_like(loss_sum.detach())
-                else:  # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__)
+                elif not empty:  # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__)
                     (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
             losses.append(loss_sum.detach())
             counts.append(n)
             del loss_sum
-            if noise is not None and i == 0 and last > 0:
+            if noise is not None and small is None and i < last and not empty:  # the first with items
                 n_small = to_float(n)
                 if n_small > 0:
                     small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)

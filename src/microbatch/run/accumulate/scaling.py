@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -235,11 +236,11 @@ def check_callables(model: Any, loss_fn: Any, count_fn: Any) -> None:
 
 
 def check_loss(
-    out: Any, index: int, params: Sequence[Any] | None = None
+    out: Any, index: int, params: Sequence[Any] | None = None, checked: Callable[[], None] | None = None
 ) -> tuple[torch.Tensor, int | float | torch.Tensor]:
     """``(loss_sum, n_items)`` of ``loss_fn``'s return for micro-batch ``index``; ConfigError for anything else, and
     (given the model's ``params``: the step's first micro-batch) for a loss on parameters the model lacks
-    (:func:`check_params_in_model`)."""
+    (:func:`check_params_in_model`; ``checked`` is called once it passes, :func:`params_once`)."""
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise ConfigError(
             f"loss_fn returned {type(out).__name__} for micro-batch {index}; it must return (loss_sum, n_items): "
@@ -262,7 +263,38 @@ def check_loss(
         )
     if params is not None:
         check_params_in_model(loss_sum, params)
+        if checked is not None:
+            checked()
     return loss_sum, as_number("loss_fn's n_items", n)
+
+
+_PARAMS_CHECKED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+"""The loss functions each model's parameter check passed for (by id): the walk runs once, not every step."""
+
+
+def params_once(model: Any, loss_fn: Any, params: Sequence[Any]) -> tuple[Sequence[Any] | None, Any]:
+    """``(params, mark)`` for :func:`check_loss` the first time ``loss_fn`` runs on ``model`` (``mark`` records the
+    check passed), ``(None, None)`` after: :func:`check_params_in_model` walks the whole graph, once is enough."""
+    try:
+        done = _PARAMS_CHECKED.setdefault(model, set())
+    except TypeError:  # not weakly referable: checked every step
+        return params, None
+    return (None, None) if id(loss_fn) in done else (params, lambda: done.add(id(loss_fn)))
+
+
+def backward_empty(loss: torch.Tensor, scale: float, params: Sequence[Any]) -> bool:
+    """Add the gradient of a micro-batch with no items (:class:`NoItems`) where it is finite, and say whether it was:
+    its terms that are not per item (a z-loss) count, a masked mean's 0/0 (a NaN loss, or a finite ``torch.where``
+    whose backward is 0/0) is the 0 a sum over no items is. One read of the device, on these micro-batches only."""
+    if not math.isfinite(to_float(loss)):
+        return False
+    grads = torch.autograd.grad(loss * scale, list(params), allow_unused=True)
+    used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    if used and not bool(torch.stack([g.isfinite().all() for _, g in used]).all()):
+        return False
+    for p, g in used:
+        p.grad = g if p.grad is None else p.grad.add_(g)
+    return True
 
 
 def check_params_in_model(loss: torch.Tensor, params: Sequence[Any]) -> None:
@@ -274,14 +306,14 @@ def check_params_in_model(loss: torch.Tensor, params: Sequence[Any]) -> None:
     if any(type(p).__name__ == "DTensor" for p in params):
         return  # FSDP2 or DTensor TP: the graph's leaves are the gathered copies FSDP2 swaps in, not these
     mine = {id(p) for p in params}
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # the nodes held, so that no id is reused by a wrapper made later in the walk
     stack = [loss.grad_fn]
     outside: list[torch.Tensor] = []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that gets a .grad
         if (
             isinstance(var, torch.nn.Parameter)
