@@ -82,7 +82,8 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
     """The config as a dict: through transformers' AutoConfig where installed, plain JSON otherwise.
 
     AutoConfig fills in the family's defaults for keys a config.json omits (GPT-2's n_inner=None,
-    tie_word_embeddings=True); plain JSON reads only what the file says.
+    tie_word_embeddings=True); plain JSON reads only what the file says. A multimodal config (no layer count of its
+    own, a ``text_config``) is read as its language model's config.
     """
     import importlib.util
 
@@ -103,12 +104,24 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"hf_config {str(file)!r} holds {type(raw).__name__}, not a JSON object", params=_HF
         )
+    text = raw.get("text_config")
+    inner = isinstance(text, dict) and all(raw.get(k) is None for k in _HF_KEYS["layers"])
+    if inner and isinstance(
+        text, dict
+    ):  # a multimodal config (Gemma 3, Llama 4, Mistral 3): its language model
+        raw = {**text, "model_type": text.get("model_type") or raw.get("model_type"),
+               "_name_or_path": raw.get("_name_or_path")}  # fmt: skip
     _check_hf_fields(raw, file)  # before transformers is imported (seconds): the file's own numbers
     if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
         try:
             from transformers import AutoConfig
 
-            cfg = AutoConfig.from_pretrained(str(file))
+            known = {k: v for k, v in raw.items() if k != "model_type"}
+            cfg = (
+                AutoConfig.for_model(raw["model_type"], **known)
+                if inner
+                else AutoConfig.from_pretrained(str(file))
+            )
         except Exception:  # an unknown model_type or a transformers quirk: fall back to the JSON
             return raw
         merged = dict(raw)

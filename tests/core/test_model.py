@@ -383,3 +383,14 @@ def test_gemma_configs_without_transformers_are_tied_as_transformers_builds_them
            "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216, "vocab_size": 262208}  # fmt: skip
     shape = from_hf_config(_write(tmp_path, cfg))
     assert shape.tied_embeddings and shape.param_count() == 2_628_658_432 - 26 * (2 * 256 + 2 * 2304)
+
+
+def test_a_multimodal_config_is_read_as_its_language_model(tmp_path):
+    # Gemma 3, Llama 4, Mistral 3 keep the decoder's sizes under text_config: refused as "lacks layers, hidden, ..."
+    cfg = {"model_type": "mistral3", "_name_or_path": "x", "vision_config": {"hidden_size": 1024},
+           "text_config": {**LLAMA_CFG, "model_type": "mistral"}}  # fmt: skip
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert shape.param_count() == 6_738_415_616 and shape.gated_mlp and shape.layers == 32
+    # a config with its own sizes keeps them, text_config or not
+    own = {**LLAMA_CFG, "text_config": {**LLAMA_CFG, "num_hidden_layers": 2}}
+    assert from_hf_config(_write(tmp_path, own)).layers == 32
