@@ -11,7 +11,13 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 
-__all__ = ["MAX_EXACT_WHOLE", "number", "short_repr", "positive", "flag", "true_or_false"]
+__all__ = ["MAX_EXACT_WHOLE", "is_finite_number", "number", "short_repr", "positive", "flag", "true_or_false"]
+
+
+def is_finite_number(v: Any) -> bool:
+    """Whether ``v`` is a JSON number as read: an int or float, not a bool, finite (Python's json reads the
+    non-standard NaN and Infinity literals). No strings: a file's number is checked as written."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def number(v: Any, *, what: str = "value", whole: bool = False) -> float | None:

@@ -8,11 +8,11 @@ are peers that do not import each other, so the record they share lives here, be
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.fields import is_finite_number
 
 __all__ = [
     "KIND",
@@ -239,7 +239,7 @@ def _check_numbers(d: dict[str, Any], cls: type, where: str) -> None:
         if f.name not in d or d[f.name] is None or not kind.startswith(("int", "float")):
             continue
         v, whole = d[f.name], kind.startswith("int")
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = is_finite_number(v)
         if ok and whole and not float(v).is_integer():
             ok = False
         if not ok:

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from microbatch.errors import ConfigError
+from microbatch.fields import is_finite_number
 
 __all__ = ["check_saved"]
 
@@ -22,8 +23,7 @@ def check_saved(d: dict[str, Any], label: str) -> None:
     def bad(field: str, value: Any, rule: str) -> ConfigError:
         return ConfigError(f"{label}: {field} is {value!r}; it must be {rule}; {fix}")
 
-    def finite(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    finite = is_finite_number
 
     mem = d.get("memory")
     if "memory" in d and not isinstance(mem, dict):
