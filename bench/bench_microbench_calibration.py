@@ -41,7 +41,7 @@ def main() -> None:
     from microbatch.measure.cpu import measure_cpu
     from microbatch.measure.microbench import MicrobenchConfig, run_microbench
     from microbatch.microbench_record import MicrobenchResult
-    from microbatch.model import get_model
+    from microbatch.model import ModelShape, get_model
     from microbatch.predict.apply_calibration import apply_microbench
     from microbatch.predict.steptime import predict_step_time_s
 
@@ -63,6 +63,9 @@ def main() -> None:
     points = {
         p["micro_batch"]: p["step_time_s"] for p in tune.get("result", tune)["points"] if p.get("step_time_s")
     }
+    # predicted for the model tune measured: the shape its result records (the built-in GPT: no dropout)
+    measured = tune.get("result", tune)["model_shape"]
+    shape = ModelShape(**{k: v for k, v in measured.items() if k in ModelShape.__dataclass_fields__})
     gpu = ACCELERATORS.get(mb.accelerator or "") if cuda else None
     plain_acc = gpu if cuda else measure_cpu(threads=1)  # uncalibrated: the table's GPU, or a quick CPU peak
     applied = apply_microbench(mb, shape=shape, precision=precision, gpu=gpu)

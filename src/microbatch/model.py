@@ -32,6 +32,8 @@ __all__ = [
     "from_flags",
     "resolve_model",
     "check_seq",
+    "GEOMETRY",
+    "model_differences",
 ]
 
 
@@ -293,3 +295,15 @@ def check_seq(shape: ModelShape, seq: int) -> None:
             f"use seq {shape.max_positions} or less (or a model with rotary positions)",
             params=("seq",),
         )
+
+
+GEOMETRY = (
+    "layers", "hidden", "heads", "head_dim", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
+    "learned_positions", "moe", "mla", "sliding_window", "sliding_layers",
+)  # fmt: skip
+"""Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
+
+
+def model_differences(a: ModelShape, b: ModelShape) -> list[str]:
+    """The :data:`GEOMETRY` fields where two shapes differ (none: the same model)."""
+    return [f for f in GEOMETRY if getattr(a, f) != getattr(b, f)]

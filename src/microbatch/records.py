@@ -343,10 +343,8 @@ def read_measurements(
     clocks = sorted({str(r["clock"]) for r in rows if isinstance(r, dict) and r.get("clock")})
     if clocks and clocks != ["wall"]:
         notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
-    points, oom = _points(rows, label, ckpt, memory_key, time_key)
-    other = [
-        r for r in rows if isinstance(r, dict) and "checkpointing" in r and bool(r["checkpointing"]) != ckpt
-    ]
+    points, oom = _points(rows, label, ckpt, (memory_key, time_key), fshape)
+    other = [r for r in rows if isinstance(r, dict) and bool(r.get("checkpointing", ckpt)) != ckpt]
     if not points and other:  # dropped without a word, then "measure 3 more" (which would not help)
         raise ConfigError(
             f"{label}: its {len(other)} point(s) were measured with checkpointing {'off' if ckpt else 'on'}, and the file "
@@ -398,18 +396,6 @@ def _model_of(
             notes.append(f"the file's model {model!r} is not in the registry; assumed it is {shape.name}")
         model = model or shape.name
     return fshape, model
-
-
-GEOMETRY = (
-    "layers", "hidden", "heads", "head_dim", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
-    "learned_positions", "moe", "mla", "sliding_window", "sliding_layers",
-)  # fmt: skip
-"""Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
-
-
-def model_differences(a: ModelShape, b: ModelShape) -> list[str]:
-    """The :data:`GEOMETRY` fields where two shapes differ (none: the same model)."""
-    return [f for f in GEOMETRY if getattr(a, f) != getattr(b, f)]
 
 
 _WRAP = (
@@ -464,9 +450,13 @@ def _checkpointing(
 
 
 def _points(
-    rows: list[Any], label: str, ckpt: bool, memory_key: str, time_key: str
+    rows: list[Any], label: str, ckpt: bool, keys: tuple[str, str], shape: ModelShape
 ) -> tuple[dict[int, MeasuredPoint], list[int]]:
-    """The measured points by b_m (those with checkpointing as ``ckpt``), and the b_m that ran out of memory."""
+    """The measured points by b_m (those with checkpointing as ``ckpt``), and the b_m that ran out of memory;
+    ``keys`` = (memory key, time key). A point's memory holds at least its micro-batch's hidden state, b_m·s·h
+    elements of at least a byte each (the embedding's output): a file whose seq or model says more measured
+    something else."""
+    memory_key, time_key = keys
     points: dict[int, MeasuredPoint] = {}
     oom: list[int] = []
     for i, r in enumerate(rows):
@@ -495,6 +485,12 @@ def _points(
             raise ConfigError(
                 f"{where} micro_batch {int(b)} is measured twice; keep one point per micro_batch (the median of "
                 "repeats, as tune writes)"
+            )
+        if mem is not None and mem < (least := int(b) * shape.seq * shape.hidden):
+            raise ConfigError(
+                f"{where} {memory_key} {mem:.4g} bytes is less than micro_batch {int(b)}'s hidden state at the file's "
+                f"seq {shape.seq} and hidden {shape.hidden} (b_m·s·h = {least:.4g} elements); give the seq and model "
+                "the points were measured at"
             )
         points[int(b)] = MeasuredPoint(micro_batch=int(b), peak_memory_bytes=mem, step_time_s=t)
     return points, oom

@@ -9,6 +9,8 @@ import sys
 import pytest
 from _cli import run, run_json
 
+from microbatch.model import get_model
+
 SEED = [
     {"micro_batch": 1, "throughput": 1000},
     {"micro_batch": 4, "throughput": 3200},
@@ -158,6 +160,8 @@ def test_tune_json_tiny_child_process(tmp_path, monkeypatch, capsys):
     assert saved["points"] == pts and saved["torch_version"] == d["torch_version"]
     # what validate needs to check the model it is given and to time the CPU as the probes ran
     assert saved["model_shape"]["hidden"] == 64 and saved["model_shape"]["seq"] == 32 and "threads" in saved
+    # the built-in GPT applies no dropout: the shape measured says so (tiny's registry entry trains with it)
+    assert saved["model_shape"]["dropout"] is False and get_model("tiny").dropout is True
     # recommend reads it back and agrees, given the same choice settings (tune's reference is the bound;
     # recommend's default, the best measured, may choose a smaller b_m on the same points)
     again = ["recommend", "-m", str(tmp_path / "out" / "result.json"), "--reference", d["reference"],

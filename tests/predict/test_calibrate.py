@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -241,6 +242,21 @@ def test_read_rejects_bad_input():
         read_measurements(d)
 
 
+def test_a_file_whose_seq_its_measured_memory_could_not_hold_is_refused():
+    """A tune file edited to s = 1e12 was read as measured there: its calibration collapsed to 0 (clamped).
+    Every point holds at least its micro-batch's hidden state, b_m·s·h elements of a byte or more."""
+    d = synthetic(seq=10**12)
+    least = 1 * 10**12 * SHAPE.hidden
+    assert d["points"][0]["peak_memory_bytes"] < least
+    with pytest.raises(
+        ConfigError, match=r"point 1: peak_memory_bytes .* less than micro_batch 1's hidden state"
+    ) as e:
+        read_measurements(d)
+    assert f"{least:.4g}" in str(e.value) and "seq 1000000000000" in str(e.value)
+    # at the seq it was measured at (gpt2's 1,024) the same points are read
+    assert read_measurements(synthetic()).seq == SHAPE.seq == 1024
+
+
 def test_model_mismatch_is_an_error_naming_both():
     llama = get_model("llama-3.2-1b")
     with pytest.raises(ConfigError, match=r"model gpt2 but the plan is for llama-3.2-1b"):
@@ -422,6 +438,27 @@ def test_validate_cli_bad_input_exit_2(tmp_path, capsys):
     path.write_text(json.dumps(synthetic(device_name="Tesla T4")))
     assert main(["validate", "--calibration", str(path)]) == 2
     assert "give --gpu NAME" in capsys.readouterr().err
+
+
+def test_validate_prints_far_off_errors_in_powers_of_ten_not_hundreds_of_digits(tmp_path, capsys):
+    from microbatch.units import format_signed_pct
+
+    assert [format_signed_pct(x) for x in (3.44, -99.96, 99_999.9)] == ["+3.4%", "-100.0%", "+99999.9%"]
+    assert [format_signed_pct(x) for x in (2.96e299, -1e5, float("inf"))] == [
+        "+2.96e+299%",
+        "-1e+05%",
+        "+inf%",
+    ]
+    d = synthetic((1, 2, 4, 8))
+    for p in d["points"]:
+        p["step_time_s"] = 1e-301  # an edited file: a step 1e-301 s long
+    path = tmp_path / "fast.json"
+    path.write_text(json.dumps(d))
+    assert main(["validate", "--calibration", str(path)]) == 0
+    text = capsys.readouterr().out
+    # was 300-digit percentages in every step column and in the summary
+    assert max(len(run) for run in re.findall(r"\d+", text)) < 12
+    assert "step time +" in text and "e+301%" in text
 
 
 def test_validate_cli_cpu_given_peak(tmp_path, capsys):

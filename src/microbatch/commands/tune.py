@@ -102,16 +102,22 @@ def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": resolve_model(model_spec, default="small")}
 
 
-def _measured_shape(target: dict[str, Any], seq: int | None) -> Any:
-    """The shape of the model a tune measured: its registry entry, the shape given, or its config's."""
+def _measured_shape(target: dict[str, Any], seq: int | None, backend: str) -> Any:
+    """The shape of the model a tune measured: its registry entry, the shape given, or its config's; the built-in
+    GPT (``backend`` builtin, :mod:`microbatch.measure.gpt`) applies no dropout, so its shape says none (a
+    calibration or validation from the file then prices the model that ran)."""
+    from dataclasses import replace
+
     from microbatch.model import ModelShape, from_hf_config, get_model
 
     model = target.get("model")
+    if model is None:
+        return from_hf_config(target["hf_config"], seq=seq)
     if isinstance(model, ModelShape):
-        return model.with_seq(seq) if seq else model
-    if model is not None:
-        return get_model(str(model), seq=seq)
-    return from_hf_config(target["hf_config"], seq=seq)
+        shape = model.with_seq(seq) if seq else model
+    else:
+        shape = get_model(str(model), seq=seq)
+    return replace(shape, dropout=False) if backend == "builtin" else shape
 
 
 def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig | None:
@@ -269,7 +275,7 @@ def cmd(
         d["timing_choice"] = timing_line
     # the probes' torch threads (None: torch's own), which validate times the CPU with, and the shape measured
     d["threads"] = probe.threads
-    d["model_shape"] = _measured_shape(target, probe.seq).to_dict()
+    d["model_shape"] = _measured_shape(target, probe.seq, probe.backend).to_dict()
     kept = None
     if out_dir is not None:
         path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints

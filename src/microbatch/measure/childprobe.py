@@ -36,7 +36,9 @@ __all__ = ["ChildProber", "WORKER_ENV"]
 WORKER_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 """glibc settings in the child: few malloc arenas (each reserves 64 MiB of address space) and a
 fixed mmap threshold, so large tensors are mapped and unmapped one by one and the address space
-tracks the resident memory (RLIMIT_AS then acts as a limit on real memory)."""
+tracks the resident memory (RLIMIT_AS then acts as a limit on real memory). The peak is read there; the timed
+repeats run on glibc's steady heap (:func:`microbatch.measure.device.steady_timing`), as a training process
+holds it: mapping each tensor afresh every step is not the user's cost."""
 
 
 class ChildProber:

@@ -25,11 +25,11 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from microbatch.measure.hostmem import malloc_trim, peak_rss_bytes, reset_peak_rss
+from microbatch.measure.hostmem import malloc_trim, peak_rss_bytes, reset_peak_rss, steady_heap, tracking_heap
 from microbatch.measure.timing import cuda_timer, process_timer, wall_timer
 
 if TYPE_CHECKING:
@@ -47,7 +47,10 @@ __all__ = [
     "agree_any",
     "gc_frozen",
     "exit_past_teardown",
+    "steady_timing",
 ]
+
+_T = TypeVar("_T")
 
 _frozen_depth = [0]
 """How many :func:`gc_frozen` blocks are open in this process."""
@@ -188,6 +191,17 @@ class Device:
         elif not reset_peak_rss():
             self.method = "ru_maxrss"
 
+    @property
+    def tracks_heap(self) -> bool:
+        """Whether this CPU process fixed glibc's heap to track memory (the probe child): its timed repeats then
+        run inside :meth:`steady_heap`, after the step whose peak is read."""
+        return not self.cuda and tracking_heap() is not None
+
+    def steady_heap(self) -> AbstractContextManager[bool]:
+        """Where the timed repeats run: glibc's steady heap in the probe child
+        (:func:`~microbatch.measure.hostmem.steady_heap`); no change on a GPU or elsewhere."""
+        return nullcontext(False) if self.cuda else steady_heap()
+
     def peak(self) -> tuple[int, int | None]:
         """(peak compared with the budget, peak allocated or None)."""
         if self.cuda:
@@ -226,3 +240,30 @@ def exit_past_teardown(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def steady_timing(
+    dev: Device, memory_phase: Callable[[], Any], timed: Callable[[], _T], *, retry: bool = True
+) -> tuple[_T, tuple[int, int | None] | None]:
+    """``timed()``, and the peak memory where it is read before it (else None: read after, over the timing).
+
+    In the probe child (``Device.tracks_heap``), whose heap maps each large tensor afresh to track memory,
+    ``memory_phase()`` runs untimed on that heap and sets the peak; ``timed()`` then runs on glibc's steady heap
+    (:meth:`Device.steady_heap`), as the user's process runs (mapping and faulting in each tensor every step
+    made the tiny model's CPU micro-step 1.7× and gpt2's optimizer step 1.8× longer). If that heap's slack
+    does not fit under the memory limit, ``timed()`` runs again on the tracking heap (``retry``; else the
+    out-of-memory error is raised).
+    """
+    if not dev.tracks_heap:
+        return timed(), None
+    memory_phase()
+    peak = dev.peak()
+    try:
+        with dev.steady_heap():
+            return timed(), peak
+    except oom_types():
+        if not retry:
+            raise
+        # leaving this clause releases the failed attempt's frames, and their tensors
+    dev.free()
+    return timed(), peak

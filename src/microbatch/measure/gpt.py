@@ -3,7 +3,9 @@
 ``build_model(shape)`` returns a :class:`GPT` whose parameter count equals
 ``shape.param_count()`` exactly (GPT-2 124,439,808 with tied embeddings). It supports what the
 registry describes: LayerNorm or RMSNorm, a GELU or SwiGLU (gated) MLP, grouped-query attention,
-learned or rotary positions, tied or separate output embeddings, with or without biases.
+learned or rotary positions, tied or separate output embeddings, with or without biases. It applies no
+dropout whatever the shape's ``dropout`` says (a step is then a function of its batch alone, as the exactness
+tests of accumulation need): ``tune`` records the shape it measured with dropout off.
 
 The module is split for pipelining: ``embed`` (tokens ``(b, s)`` → hidden ``(b, s, h)``),
 ``layers`` (an ``nn.ModuleList`` of blocks, each hidden → hidden, each usable alone: rotary

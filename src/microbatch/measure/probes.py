@@ -32,7 +32,15 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from microbatch.errors import ConfigError
-from microbatch.measure.device import Device, agree_any, distributed, oom_types, reduce_max, short_error
+from microbatch.measure.device import (
+    Device,
+    agree_any,
+    distributed,
+    oom_types,
+    reduce_max,
+    short_error,
+    steady_timing,
+)
 from microbatch.measure.hf import HFDecoder
 from microbatch.measure.timing import TimingConfig, spread, time_until_stable
 from microbatch.precision import get_precision
@@ -239,6 +247,32 @@ class TrainProbe:
         self.dev.free()
         self.ready = True
 
+    def _timed(self, batch: Any) -> tuple[list[float], float]:
+        """Seconds of the timed micro-steps, and of one optimizer step after them."""
+        times = time_until_stable(
+            lambda: self._micro(batch),
+            self.timing,
+            timer=self.dev.timer,
+            agree=agree_any if distributed() is not None else None,
+        )
+        t0 = self.dev.now()
+        self.optimizer.step()
+        self.dev.sync()
+        return times, self.dev.now() - t0
+
+    def _time_steps(self, batch: Any) -> tuple[list[float], float, tuple[int, int | None] | None]:
+        """:meth:`_timed`, and the peak memory where it is read before the timing (:func:`~microbatch.measure.device.steady_timing`): in
+        the probe child, two untimed micro-steps (the second adds into the gradients the first left, as the
+        timed repeats do: its transient is the peak where a gradient is large) and an optimizer step."""
+
+        def memory_phase() -> None:
+            self._micro(batch)
+            self._micro(batch)
+            self.optimizer.step()
+
+        (times, t_opt), peak = steady_timing(self.dev, memory_phase, lambda: self._timed(batch))
+        return times, t_opt, peak
+
     def measure(self, micro_batch: int) -> Measurement:
         """Time and peak memory of micro-steps at ``micro_batch``; OOM recorded, not raised."""
         ooms = oom_types()
@@ -250,6 +284,7 @@ class TrainProbe:
         times: list[float] = []
         err: str | None = None  # the text only: a kept exception would keep its frames' tensors alive
         t_opt = float("nan")
+        read: tuple[int, int | None] | None = None
         try:
             held["batch"] = self.make_batch(micro_batch)
             self.dev.sync()
@@ -258,23 +293,14 @@ class TrainProbe:
         failed = agree_any(err is not None)
         if not failed:
             try:
-                times = time_until_stable(
-                    lambda: self._micro(held["batch"]),
-                    self.timing,
-                    timer=self.dev.timer,
-                    agree=agree_any if distributed() is not None else None,
-                )
-                t0 = self.dev.now()
-                self.optimizer.step()
-                self.dev.sync()
-                t_opt = self.dev.now() - t0
+                times, t_opt, read = self._time_steps(held["batch"])
             except ooms as e:
                 err = short_error(e)
             failed = agree_any(err is not None)
         tokens = _tokens_in(held["batch"]) if "batch" in held else None
         self.optimizer.zero_grad(set_to_none=True)
         held.clear()
-        peak, alloc = self.dev.peak()
+        peak, alloc = read or self.dev.peak()
         self.dev.free()
         if failed:
             return Measurement(
@@ -363,6 +389,7 @@ class DecodeProbe:
         state: dict[str, Any] = {}
         err = None
         times: list[float] = []
+        read: tuple[int, int | None] | None = None
         t_prefill = float("nan")
         try:
             prompt = torch.randint(0, self.vocab, (micro_batch, prompt_len), generator=self._gen).to(
@@ -379,16 +406,23 @@ class DecodeProbe:
                     logits, state["cache"] = self.decoder.decode_step(state["tok"], state["cache"])
                     state["tok"] = logits.argmax(-1)
 
-                times = time_until_stable(
-                    step,
-                    self.timing,
-                    timer=self.dev.timer,
-                    agree=agree_any if distributed() is not None else None,
+                # the peak is the prefill's (its activations over the whole prompt, the cache filled): read
+                # before the timed steps, which have no positions left in the cache for a second try
+                times, read = steady_timing(
+                    self.dev,
+                    lambda: None,
+                    lambda: time_until_stable(
+                        step,
+                        self.timing,
+                        timer=self.dev.timer,
+                        agree=agree_any if distributed() is not None else None,
+                    ),
+                    retry=False,
                 )
         except ooms as e:
             err = short_error(e)
         state.clear()
-        peak, alloc = self.dev.peak()
+        peak, alloc = read or self.dev.peak()
         self.dev.free()
         failed = agree_any(err is not None)
         if failed:

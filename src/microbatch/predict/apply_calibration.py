@@ -19,7 +19,7 @@ from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
 from microbatch.microbench_record import KIND as MICROBENCH
 from microbatch.microbench_record import MicrobenchResult
-from microbatch.model import ModelShape
+from microbatch.model import ModelShape, model_differences
 from microbatch.precision import get_precision
 from microbatch.predict.activations import check_recompute
 from microbatch.predict.calibrate import Calibration, calibrate, clock_basis
@@ -27,7 +27,7 @@ from microbatch.predict.kernel_calibration import kernel_terms, measured_cpu_acc
 from microbatch.predict.memory import MemoryCalibration
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import check_zero
-from microbatch.records import load_json, model_differences, read_measurements
+from microbatch.records import load_json, read_measurements
 from microbatch.units import format_bytes
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_positive, check_positive_int, whole_number
 from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator
-from microbatch.model import ModelShape
+from microbatch.model import ModelShape, model_differences
 from microbatch.predict.calibrate import (
     MIN_POINTS,
     Calibration,
@@ -33,7 +33,7 @@ from microbatch.predict.calibrate import (
 )
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY
 from microbatch.predict.steptime import predict_step_time_s
-from microbatch.records import Measurements, load_json, model_differences, read_measurements
+from microbatch.records import Measurements, load_json, read_measurements
 from microbatch.units import MIB
 
 __all__ = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from microbatch.units import format_bytes
+from microbatch.units import format_bytes, format_signed_pct
 
 __all__ = ["validation_summary", "with_summary", "render_validation"]
 
@@ -21,7 +21,7 @@ def validation_summary(d: Mapping[str, Any]) -> str:
     e = d["errors"]
 
     def f(x: float | None) -> str:
-        return "n/a" if x is None else f"{100 * x:+.1f}%"
+        return "n/a" if x is None else format_signed_pct(100 * x)
 
     return (
         f"{d['model']} s={d['seq']} {d['precision']} on "
@@ -49,28 +49,37 @@ def with_summary(d: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_PCT = "pct"
+"""A column of signed percentages (:func:`~microbatch.units.format_signed_pct`, without its sign of percent)."""
+
 _COLUMNS = (
     ("micro_batch", "b_m", "{}"),
     ("fit", "fit", "{}"),
     ("mem_MiB", "mem MiB", "{:,.1f}"),
     ("mem_uncal_MiB", "uncal", "{:,.1f}"),
-    ("mem_uncal_err_%", "err%", "{:+.1f}"),
+    ("mem_uncal_err_%", "err%", _PCT),
     ("mem_cal_MiB", "cal", "{:,.1f}"),
-    ("mem_cal_err_%", "err%", "{:+.1f}"),
-    ("mem_loo_err_%", "loo%", "{:+.1f}"),
+    ("mem_cal_err_%", "err%", _PCT),
+    ("mem_loo_err_%", "loo%", _PCT),
     ("step_ms", "step ms", "{:,.2f}"),
     ("step_uncal_ms", "uncal", "{:,.2f}"),
-    ("step_uncal_err_%", "err%", "{:+.1f}"),
+    ("step_uncal_err_%", "err%", _PCT),
     ("step_cal_ms", "cal", "{:,.2f}"),
-    ("step_cal_err_%", "err%", "{:+.1f}"),
-    ("step_loo_err_%", "loo%", "{:+.1f}"),
+    ("step_cal_err_%", "err%", _PCT),
+    ("step_loo_err_%", "loo%", _PCT),
 )
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "—"
+    return format_signed_pct(value)[:-1] if fmt == _PCT else fmt.format(value)
 
 
 def render_validation(d: Mapping[str, Any]) -> str:
     """The ``validate --json`` object as text: a table, the summary, the calibration, the warnings."""
     head = [h for _, h, _ in _COLUMNS]
-    body = [[("—" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in _COLUMNS] for r in d["rows"]]
+    body = [[_cell(r.get(k), fmt) for k, _, fmt in _COLUMNS] for r in d["rows"]]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     lines = [
         f"{d['model']} s={d['seq']} {d['precision']}, checkpointing {'on' if d['checkpointing'] else 'off'}, "
