@@ -133,6 +133,10 @@ class MicrobenchResult:
     """All-reduce and all-gather when a process group was initialised."""
     launch_s_per_kernel: float | None = None
     """Wall seconds per tiny eager kernel (the host's launch floor)."""
+    layer_host_s_per_kernel: float | None = None
+    """Seconds per kernel the planner counts of a small eager layer of the model's kind run forward and backward
+    (:func:`microbatch.measure.microbench._layer_host_s`): the host's time per kernel as a real layer pays it;
+    None when not measured (files written before the field)."""
     overlap_slowdown: float | None = None
     """How much longer a GEMM took while an all-reduce ran beside it than alone (0.2 = 20% longer), when a
     process group of 2+ ranks was initialised; None when not measured."""

@@ -21,6 +21,12 @@ def test_demo_runs_every_step_and_writes_the_report(tmp_path, capsys, monkeypatc
         d = json.loads((out / f"tune-{mode}.json").read_text())
         assert t["micro_batch"] <= d["fastest_fitting"]["micro_batch"]
         assert 0.85 - 1e-9 <= t["fraction_of_best"] <= 1.0  # the default tolerance, 15%
+        # as tune's own file: the probes' one thread (validate times this CPU at it) and the shape measured
+        assert (
+            d["threads"] == 1 and d["model_shape"]["name"] == "small" and d["model_shape"]["dropout"] is False
+        )
+    v = json.loads((out / "validate.json").read_text())
+    assert "(1 thread)" in v["accelerator"]["source"]  # was torch's 2: the uncalibrated step 2x too fast
     # Simulated: the same bubble, 1F1B holds min(m, p − i), GPipe m.
     assert summary["simulate_gpipe"]["bubble_fraction"] == pytest.approx(3 / 11)
     assert summary["simulate_1f1b"]["peak_in_flight"] == [4, 3, 2, 1]

@@ -25,7 +25,7 @@ def test_measure_cpu_times_a_matmul_and_a_copy_and_restores_the_threads():
     assert acc.flops("bf16") == acc.flops("fp16") == peak
     # a 2-core VM's fp32 matmul: more than 10 MFLOP/s, less than 100 TFLOP/s; a copy between 10 MB/s and 10 TB/s
     assert 1e7 < peak < 1e14 and 1e7 < acc.memory_bandwidth_bytes_per_s < 1e13
-    assert acc.source.startswith("measured here: 256x256 fp32 matmul") and "(1 threads)" in acc.source
+    assert acc.source.startswith("measured here: 256x256 fp32 matmul") and "(1 thread)" in acc.source
 
 
 def test_usable_cores_is_this_process_affinity():  # stays in hardware (os only, no timing): see issue 31

@@ -113,6 +113,28 @@ def test_attention_streaming_network_and_launch_are_the_measured_ones(tmp_path: 
     assert a.calibration.details["from"] == "microbench"
 
 
+def test_the_launch_cost_is_a_real_layers_per_kernel_host_time_where_measured(tmp_path: Path) -> None:
+    """A file with the layer figure sets the launch cost from it (a GPU's floor, a CPU's added dispatch); a file
+    written before it, from the bare add; the CPU takes it too (it had no launch term before)."""
+    p = tmp_path / "mb.json"
+    p.write_text(replace(synthetic(), layer_host_s_per_kernel=1.4e-5).to_json())
+    a = apply_calibration(p, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+    assert a.efficiency.launch_s_per_kernel == 1.4e-5
+    assert (
+        a.sources["launch_s_per_kernel"]
+        == "measured: 14.00 µs per kernel of an eager layer's forward and backward"
+    )
+    p.write_text(synthetic().to_json())  # no layer figure: the bare add's 5 µs
+    a = apply_calibration(p, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+    assert a.efficiency.launch_s_per_kernel == 5e-6 and "per eager kernel" in a.sources["launch_s_per_kernel"]
+    cpu = replace(synthetic(), device="cpu", device_name="cpu", accelerator=None, dtype="fp32",
+                  layer_host_s_per_kernel=1.2e-5)  # fmt: skip
+    from microbatch.predict.kernel_calibration import kernel_terms, measured_cpu_accelerator
+
+    terms = kernel_terms(cpu, measured_cpu_accelerator(cpu))
+    assert terms.efficiency.launch_s_per_kernel == 1.2e-5
+
+
 def test_another_accelerator_gets_the_analytic_terms_and_says_so(h100_file: Path) -> None:
     a100 = get_accelerator("a100-80gb")
     a = apply_calibration(h100_file, shape=SHAPE, precision="bf16-mixed", gpu=a100)
@@ -197,12 +219,12 @@ def test_the_cpu_microbenchmark_sets_this_cpus_terms(cpu_bench: MicrobenchResult
 def test_tiny_step_predicted_from_a_cpu_microbenchmark_against_a_measured_step(
     cpu_bench: MicrobenchResult,
 ) -> None:
-    """The error is measured, not hidden: on the 2-core VM the prediction was 50-70% short at b_m 1-8 over
-    six runs (a busier machine, a larger error). The profiler shows where: the loss's log-softmax forward
-    and backward (about 27% of tiny's step: the model charges it as streaming at 12 B per logit, 20x too
-    fast for this CPU's exp) and gradient zeroing and copies (fill_, copy_: about 20%), which the step-time
-    model has no term for. The bound, -85% < error < 0, is that with margin; the target lives in the bench
-    (bench/bench_microbench_calibration.py, BENCHMARKS.md)."""
+    """The error is measured, not hidden. It was 50-70% short at b_m 1-8 on the 2-core VM: tune's probe child
+    mapped and faulted in every tensor each step (the steps it timed were 1.4-1.7x a user's), and the planner
+    had no CPU dispatch term. With the repeats timed on the steady heap and each counted kernel's host time
+    (a real layer's, measured) added, it is within 3% under the test suite's load and -9 to -14% on the idle VM
+    (BENCHMARKS.md). The bound, |error| < 35%, is that with margin for a busy machine; it fails the old 50-70%;
+    the target lives in the bench (bench/bench_microbench_calibration.py)."""
     tiny = get_model("tiny")
     cmd = [sys.executable, "-m", "microbatch", "tune", "--model", "tiny", "--start", "1", "--max-micro-batch", "8",
            "--patience", "99", "--threads", "1", "--clock", "process", "--no-cache", "--json"]  # fmt: skip
@@ -217,7 +239,7 @@ def test_tiny_step_predicted_from_a_cpu_microbenchmark_against_a_measured_step(
         for b, t in points.items()
     }
     assert len(errors) >= 3
-    assert all(-0.85 < e < 0 for e in errors.values()), errors
+    assert all(abs(e) < 0.35 for e in errors.values()), errors
     # more work takes more predicted time, as it takes more measured time
     bms = sorted(errors)
     preds = [

@@ -331,6 +331,35 @@ def test_launch_floor_by_hand():
     )
 
 
+def test_a_cpu_adds_each_counted_kernels_dispatch_to_its_compute():
+    """A CPU runs an operator where it is dispatched: the host's time adds (a GPU's is a floor under the device's).
+    With measured GEMM times (each timed call carried its own dispatch) the GEMMs' launches are not added again."""
+    from microbatch.hardware import cpu_accelerator
+    from microbatch.predict.launch import layer_gemm_kernels, layer_kernels
+    from microbatch.predict.measured_gemm import MeasuredGemms
+
+    cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=2e10, source="test")
+    tiny = get_model("tiny")
+    n, gemms = layer_kernels(tiny, flash=True, tensor_parallel=1, fused=False), layer_gemm_kernels(tiny)
+    assert (n, gemms) == (12, 4)  # 4 GEMMs, flash, 2 norms, 2 adds, GELU, 2 dropouts
+    off = RooflineEfficiency(launch_s_per_kernel=0.0)
+    for rows in (1, 64):  # added whatever the compute: at 1 sequence and at 64
+        base = layer_forward(tiny, rows, cpu, efficiency=off)
+        lt = layer_forward(tiny, rows, cpu, efficiency=replace(off, launch_s_per_kernel=1e-5))
+        assert lt.compute_s - base.compute_s == pytest.approx(n * 1e-5)
+        f0, i0, w0 = layer_pass_times(base, "none")
+        f, i, w = layer_pass_times(lt, "none")
+        assert (f - f0, i + w - i0 - w0) == (pytest.approx(n * 1e-5), pytest.approx(2 * n * 1e-5))
+    measured = replace(off, launch_s_per_kernel=1e-5, gemm_measured=MeasuredGemms(points=()))
+    plain = replace(off, gemm_measured=MeasuredGemms(points=()))
+    lt, base = layer_forward(tiny, 4, cpu, efficiency=measured), layer_forward(tiny, 4, cpu, efficiency=plain)
+    assert lt.compute_s - base.compute_s == pytest.approx((n - gemms) * 1e-5)
+    # a GPU keeps the floor: a device-bound pass is not lengthened
+    h100 = get_accelerator("h100-sxm")
+    big = layer_forward(tiny, 64, h100, efficiency=replace(off, launch_s_per_kernel=1e-9))
+    assert big.compute_s == pytest.approx(layer_forward(tiny, 64, h100, efficiency=off).compute_s)
+
+
 def test_rows_below_one_tile_are_charged_once_by_the_ramp():
     """Fewer rows than a tile: the measured ramp rows/(rows + 140) owns the loss, tile quantisation does not."""
     from microbatch.predict.roofline import k_efficiency

@@ -159,6 +159,7 @@ def _tune_both(
     from microbatch.choose.config import ChoiceConfig
     from microbatch.choose.tune import tune_model
     from microbatch.choose.tune.config import ProbeConfig, SearchConfig
+    from microbatch.commands.tune import with_provenance
     from microbatch.measure.timing import TimingConfig
 
     # One thread and the probe's own CPU time: steady numbers on a small or shared machine
@@ -170,13 +171,10 @@ def _tune_both(
         t0 = _step(
             quiet, f"tune {model_name} ({mode}) on the CPU: doubling b_m, each probe in a child process"
         )
-        res = tune_model(
-            model_name,
-            probe=ProbeConfig(mode=mode, device="cpu", threads=1, timing=timing),
-            search=search,
-            choice=choice,
-        )
-        d = res.to_dict()
+        probe = ProbeConfig(mode=mode, device="cpu", threads=1, timing=timing)
+        res = tune_model(model_name, probe=probe, search=search, choice=choice)
+        # as tune's file: validate then times this CPU at the probes' one thread
+        d = with_provenance(res.to_dict(), {"model": model_name}, probe)
         _save(out, f"tune-{mode}.json", d)
         results.append(d)
         summary[f"tune_{mode}"] = _pick(

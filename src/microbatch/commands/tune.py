@@ -102,6 +102,15 @@ def _target(model_spec: Mapping[str, Any]) -> dict[str, Any]:
     return {"model": resolve_model(model_spec, default="small")}
 
 
+def with_provenance(d: dict[str, Any], target: dict[str, Any], probe: Any) -> dict[str, Any]:
+    """``d`` (a tune result's dict) with what a file of it needs besides: the probes' torch threads (None: torch's
+    own), which ``validate`` times the CPU with, and the shape measured (``model_shape``). ``probe`` is the
+    :class:`~microbatch.choose.tune.config.ProbeConfig` it ran with; ``target`` its model or HF config."""
+    d["threads"] = probe.threads
+    d["model_shape"] = _measured_shape(target, probe.seq, probe.backend).to_dict()
+    return d
+
+
 def _measured_shape(target: dict[str, Any], seq: int | None, backend: str) -> Any:
     """The shape of the model a tune measured: its registry entry, the shape given, or its config's; the built-in
     GPT (``backend`` builtin, :mod:`microbatch.measure.gpt`) applies no dropout, so its shape says none (a
@@ -273,9 +282,7 @@ def cmd(
         d["stop_reason"] = cli_text(d["stop_reason"], ProbeTimeoutError.PARAMS, "tune")
     if timing_line:
         d["timing_choice"] = timing_line
-    # the probes' torch threads (None: torch's own), which validate times the CPU with, and the shape measured
-    d["threads"] = probe.threads
-    d["model_shape"] = _measured_shape(target, probe.seq, probe.backend).to_dict()
+    with_provenance(d, target, probe)
     kept = None
     if out_dir is not None:
         path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints

@@ -52,12 +52,13 @@ def _measure_cpu(torch: Any, time: ModuleType, n: int, repeats: int) -> Accelera
         y.copy_(x)
         best_c = min(best_c, time.perf_counter() - t0)
     bw = 2.0 * x.numel() * 4 / best_c
+    threads = torch.get_num_threads()
     return cpu_accelerator(
         flops_per_s=flops,
         bytes_per_s=bw,
         source=(
             f"measured here: {n}x{n} fp32 matmul {flops / 1e9:.1f} GFLOP/s, 64 MiB copy "
-            f"{bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)"
+            f"{bw / 1e9:.1f} GB/s ({threads} thread{'' if threads == 1 else 's'})"
         ),
     )
 

@@ -7,7 +7,7 @@ Times, on the current device, what the step-time model (:mod:`microbatch.predict
 - causal attention (``torch.nn.functional.scaled_dot_product_attention``, forward) at a few sequence
   lengths with the model's heads and head dimension, b·s held at the tokens of the largest b_m;
 - streaming kernels (copy, add, GeLU, LayerNorm, softmax, dropout) over a large tensor, and one AdamW step;
-- the host's floor per eager kernel launch;
+- the host's floor per eager kernel launch, bare and as a real layer's forward and backward pays it per kernel;
 - on an NVIDIA GPU, the board's power limit and the SM clock it holds under a long square GEMM, read from the
   driver while the GEMM runs (:mod:`microbatch.measure.board`);
 - all-reduce and all-gather over the initialised ``torch.distributed`` process group (skipped, and
@@ -171,6 +171,47 @@ def _launch_s(b: Bench) -> float | None:
     if b.cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / 2000
+
+
+LAYER_PROBE_WIDTH = 64
+"""The eager layer whose forward and backward :func:`_layer_host_s` times: the model's kind (norm, MLP, positions,
+biases, grouped K/V) at 64 wide, 2 heads, 8 tokens: its device work is microseconds, its time the host's."""
+
+
+def _layer_host_s(b: Bench, dtype: Any) -> float | None:
+    """Seconds per kernel the planner counts (:func:`microbatch.predict.launch.layer_kernels`: the forward's, and
+    twice that for the backward) of one eager layer of the model's kind run forward and backward
+    (:data:`LAYER_PROBE_WIDTH`; under autocast to ``dtype`` with fp32 weights where ``dtype`` is half, as ``tune``'s
+    mixed precision runs): Python, the dispatcher, autograd and autocast's casts together, what a small model or
+    micro-batch waits on. The layer has no dropout (the built-in block applies none) and no experts."""
+    from contextlib import nullcontext
+    from dataclasses import replace
+
+    from microbatch.layer_kernels import layer_kernels
+    from microbatch.measure.gpt import Block
+
+    torch, s = b.torch, b.cfg.shape
+    if b.left_s() <= 0:
+        b.skipped.append("layer launch floor")
+        return None
+    w = LAYER_PROBE_WIDTH
+    small = replace(s, hidden=w, heads=2, seq=8, layers=1, kv_heads=min(s.kv, 2) if s.kv_heads else None,
+                    head_size=None, ffn_hidden=(2 if s.gated_mlp else 4) * w, dropout=False, moe=None, mla=None,
+                    sliding_window=None, sliding_layers=None)  # fmt: skip
+    block = Block(small).to(b.cfg.device)
+    x = torch.randn(1, small.seq, small.hidden, device=b.cfg.device, requires_grad=True)
+    half = dtype != torch.float32
+    device_type = "cuda" if b.cuda else "cpu"
+
+    def step() -> None:
+        with torch.enable_grad():  # the benchmark runs under no_grad
+            with torch.autocast(device_type, dtype=dtype) if half else nullcontext():
+                y = block(x)
+            y.float().sum().backward()
+
+    t = b.time_s(step, share_s=0.02 * b.cfg.budget_s)
+    n = layer_kernels(small, flash=True, tensor_parallel=1, fused=False)
+    return t / (3 * n) if t else None
 
 
 def _collectives(b: Bench, dtype: Any, out: list[CollectiveTiming], notes: list[str]) -> float | None:
@@ -362,6 +403,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     coll: list[CollectiveTiming] = []
     notes: list[str] = []
     launch: float | None = None
+    layer_host: float | None = None
     overlap: float | None = None
     square = _Square()
     complete = True
@@ -374,6 +416,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
             _attention(b, dtype, attn)
             _stream(b, dtype, stream)
             launch = _launch_s(b)
+            layer_host = _layer_host_s(b, dtype)
             _gemms(b, grid_gemm_shapes(cfg.quick) + list(cfg.extra_gemms), dtype, gemms)
             overlap = _collectives(b, dtype, coll, notes)
     except KeyboardInterrupt:
@@ -400,7 +443,7 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
         ),
         model=cfg.shape.name, seq=cfg.shape.seq, micro_batches=tuple(cfg.micro_batches), gemms=tuple(gemms),
         attention=tuple(attn), stream=tuple(stream), collectives=tuple(coll), launch_s_per_kernel=launch,
-        overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
+        layer_host_s_per_kernel=layer_host, overlap_slowdown=overlap, seconds_total=time.perf_counter() - b.t_start, complete=complete, notes=tuple(notes),
         power_limit_w=board.power_limit_w if board else None, sm_clock_mhz=board.sm_clock_mhz if board else None,
         max_sm_clock_mhz=board.max_sm_clock_mhz if board else None, soak_s=0.0 if b.unsoaked else cfg.resolved_soak_s,
         burst_square_flops_per_s=square.burst, sustained_square_flops_per_s=square.sustained,

@@ -13,7 +13,9 @@ accelerator sets, for plans on that accelerator:
   ``norm_memory`` = LayerNorm's, ``activation_memory`` = GeLU's; on the CPU (where the planner charges
   every memory-bound kernel at ``memory``) the median of copy, add, GeLU and LayerNorm; on a GPU
   ``optimizer_memory`` = one AdamW step's (28 B per parameter).
-- **Launch floor**: ``launch_s_per_kernel`` = the measured seconds per tiny eager kernel.
+- **Launch floor**: ``launch_s_per_kernel`` = the measured host seconds per counted kernel of a small eager layer's
+  forward and backward (``layer_host_s_per_kernel``), else per tiny eager kernel (files without it): a GPU's floor
+  under each pass, a CPU's dispatch added to its compute (:func:`microbatch.predict.roofline.layer_forward`).
 - **Clock**: the planned accelerator keeps its own ``sustained_clock_fraction``, so the terms a file did not
   measure stay the row's; the measured terms are taken against the accelerator at the power limit the
   measurement ran at, so a plan at another ``power_limit_w`` scales them by the clock law
@@ -183,7 +185,13 @@ def kernel_terms(
         return KernelTerms(accelerator=acc, efficiency=base, sources=sources, notes=(note,))
     notes: list[str] = []
     values = _stream_terms(result, acc, sources, notes)
-    if result.launch_s_per_kernel is not None and acc.compute_units:
+    if result.layer_host_s_per_kernel is not None:
+        values["launch_s_per_kernel"] = result.layer_host_s_per_kernel
+        sources["launch_s_per_kernel"] = (
+            f"measured: {result.layer_host_s_per_kernel * 1e6:.2f} µs per kernel of an eager layer's forward and "
+            "backward"
+        )
+    elif result.launch_s_per_kernel is not None:
         values["launch_s_per_kernel"] = result.launch_s_per_kernel
         sources["launch_s_per_kernel"] = (
             f"measured: {result.launch_s_per_kernel * 1e6:.2f} µs per eager kernel"

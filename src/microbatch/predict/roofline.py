@@ -222,13 +222,15 @@ def _launch_floor(
     device_s: float,
     backward_s: float,
 ) -> tuple[float, float, float]:
-    """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a GPU waiting on the host, the layer laid
-    out as ``layout`` = (flash attention, t, expert parallelism: E/EP local experts a GPU, ring steps).
+    """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a device waiting on the host, the layer
+    laid out as ``layout`` = (flash attention, t, expert parallelism: E/EP local experts a GPU, ring steps).
 
-    The host's issue time against all the device does in the pass, exposed communication included: a layer
-    takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. Zeros
-    off a GPU or without a launch cost."""
-    if not acc.compute_units or not efficiency.launch_s_per_kernel:
+    A GPU: the host's issue time against all the device does in the pass, exposed communication included: a layer
+    takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. A CPU runs
+    each operator where it is dispatched, so the host's time adds to the compute: all the counted kernels' (those
+    but the GEMMs when the GEMMs' times were measured, ``gemm_measured``: each timed call carried its own
+    dispatch), no weight-gradient share. Zeros without a launch cost."""
+    if not efficiency.launch_s_per_kernel:
         return 0.0, 0.0, 0.0
     launch = efficiency.launch_s_per_kernel
     flash, t, ep, steps = layout
@@ -237,6 +239,9 @@ def _launch_floor(
     n = layer_kernels(
         shape, flash=flash, tensor_parallel=t, fused=fused, local_experts=local, ring_steps=steps
     )
+    if not acc.compute_units:
+        n -= layer_gemm_kernels(shape, local) if efficiency.gemm_measured is not None else 0
+        return n * launch, 2 * n * launch, 0.0
     return (
         launch_gap_s(n, launch, device_s),
         launch_gap_s(2 * n, launch, backward_s),

@@ -211,6 +211,11 @@ def render_microbench(d: dict[str, Any]) -> str:
         lines.append(f"a GEMM beside an all-reduce: {d['overlap_slowdown']:+.1%} against alone")
     if d["launch_s_per_kernel"] is not None:
         lines.append(f"launch floor: {d['launch_s_per_kernel'] * 1e6:.2f} µs per eager kernel")
+    if d.get("layer_host_s_per_kernel") is not None:
+        lines.append(
+            f"host time of an eager layer: {d['layer_host_s_per_kernel'] * 1e6:.2f} µs per counted kernel "
+            "(forward and backward, the planner's launch cost)"
+        )
     if d.get("sm_clock_mhz") is not None or d.get("power_limit_w") is not None:
         clock, top, watts = d.get("sm_clock_mhz"), d.get("max_sm_clock_mhz"), d.get("power_limit_w")
         lines.append(
