@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from microbatch.model import ModelShape
 
-__all__ = ["layer_gemm_kernels", "layer_kernels", "moe_kernels"]
+__all__ = ["head_kernels", "layer_gemm_kernels", "layer_kernels", "moe_kernels"]
 
 
 def layer_kernels(
@@ -67,3 +67,11 @@ def layer_gemm_kernels(shape: ModelShape, local_experts: int | None = None) -> i
         return 2 + mats
     local = local_experts or shape.moe.experts
     return 2 + 1 + mats * (local + (1 if shape.moe.shared_experts else 0))
+
+
+def head_kernels(shape: ModelShape) -> int:
+    """Kernels of a forward outside its layers: the token embedding's lookup (with learned positions, the position
+    embedding's and their add: 3), the final norm, the output layer's GEMM, and the loss's log-softmax and negative
+    log-likelihood (PyTorch's ``cross_entropy``: two kernels). Charged with the output layer
+    (:func:`microbatch.predict.roofline.logits_forward`), on the last stage of a pipeline."""
+    return (3 if shape.learned_positions else 1) + 1 + 1 + 2

@@ -92,7 +92,7 @@ def format_number(x: float) -> str:
 
 def format_signed_pct(pct: float) -> str:
     """A signed percentage (``pct`` in percent): ``"+3.4%"``; from ±100,000% on in powers of ten (``"+2.96e+299%"``,
-    not 300 digits), as is the non-finite (``"+inf%"``, ``"nan%"``)."""
+    not 300 digits), as is the non-finite (``"+inf%"``, ``"+nan%"``)."""
     if math.isfinite(pct) and abs(pct) < 1e5:
         return f"{pct:+.1f}%"
     return f"{pct:+.3g}%"

@@ -360,6 +360,33 @@ def test_a_cpu_adds_each_counted_kernels_dispatch_to_its_compute():
     assert big.compute_s == pytest.approx(layer_forward(tiny, 64, h100, efficiency=off).compute_s)
 
 
+def test_the_output_layer_and_loss_pay_their_launches_as_a_layer_does():
+    """Embedding lookups (3 with learned positions, 1 with rotary), the final norm, the output GEMM, log-softmax and
+    NLL: added on a CPU (less the GEMM's where GEMM times were measured), a floor on a GPU."""
+    from microbatch.hardware import cpu_accelerator
+    from microbatch.predict.launch import head_kernels
+    from microbatch.predict.measured_gemm import MeasuredGemms
+    from microbatch.predict.roofline import logits_forward
+
+    tiny, llama = get_model("tiny"), get_model("llama-2-7b")
+    assert (head_kernels(tiny), head_kernels(llama)) == (3 + 1 + 1 + 2, 1 + 1 + 1 + 2)
+    cpu = cpu_accelerator(flops_per_s=1e11, bytes_per_s=2e10, source="test")
+    off = RooflineEfficiency(launch_s_per_kernel=0.0)
+    on = replace(off, launch_s_per_kernel=1e-5)
+    base = logits_forward(tiny, 2, cpu, efficiency=off)[0]
+    assert logits_forward(tiny, 2, cpu, efficiency=on)[0] - base == pytest.approx(7e-5)
+    measured = MeasuredGemms(points=())
+    base = logits_forward(tiny, 2, cpu, efficiency=replace(off, gemm_measured=measured))[0]
+    got = logits_forward(tiny, 2, cpu, efficiency=replace(on, gemm_measured=measured))[0]
+    assert got - base == pytest.approx(6e-5)
+    h100 = get_accelerator("h100-sxm")
+    assert logits_forward(tiny, 1, h100, seq=8, efficiency=on)[0] == pytest.approx(
+        7e-5
+    )  # host-bound: the floor
+    big = logits_forward(llama, 8, h100, efficiency=on)[0]  # device-bound: unchanged
+    assert big == pytest.approx(logits_forward(llama, 8, h100, efficiency=off)[0]) and big > 5e-5
+
+
 def test_rows_below_one_tile_are_charged_once_by_the_ramp():
     """Fewer rows than a tile: the measured ramp rows/(rows + 140) owns the loss, tile quantisation does not."""
     from microbatch.predict.roofline import k_efficiency

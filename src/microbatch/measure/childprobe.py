@@ -25,7 +25,13 @@ from typing import IO, Any
 
 from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
 from microbatch.measure.device import oom_types, short_error
-from microbatch.measure.hostmem import current_rss_bytes, peak_rss_bytes, reset_peak_rss, virtual_bytes
+from microbatch.measure.hostmem import (
+    current_rss_bytes,
+    mark_probe_child,
+    peak_rss_bytes,
+    reset_peak_rss,
+    virtual_bytes,
+)
 from microbatch.measure.probes import Measurement, Probe, static_bytes
 from microbatch.measure.spec import ProbeSpec, build_probe
 from microbatch.units import format_bytes
@@ -249,6 +255,7 @@ def _worker() -> int:
     """The child's loop: one JSON request per line on stdin, one JSON reply per line on stdout."""
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the protocol stream
+    mark_probe_child()  # its heap tracks memory (WORKER_ENV); the timed repeats run on the steady heap
     probe: Probe | None = None
     limited = False
 

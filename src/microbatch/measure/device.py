@@ -29,7 +29,14 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from microbatch.measure.hostmem import malloc_trim, peak_rss_bytes, reset_peak_rss, steady_heap, tracking_heap
+from microbatch.measure.hostmem import (
+    malloc_trim,
+    peak_rss_bytes,
+    replug,
+    reset_peak_rss,
+    steady_heap,
+    tracking_heap,
+)
 from microbatch.measure.timing import cuda_timer, process_timer, wall_timer
 
 if TYPE_CHECKING:
@@ -225,6 +232,7 @@ class Device:
             torch.cuda.empty_cache()
         else:
             malloc_trim()
+            replug()  # the probe child: large tensors mapped afresh after what the heap freed
 
 
 def exit_past_teardown(code: int = 0) -> NoReturn:
@@ -243,7 +251,7 @@ def exit_past_teardown(code: int = 0) -> NoReturn:
 
 
 def steady_timing(
-    dev: Device, memory_phase: Callable[[], Any], timed: Callable[[], _T], *, retry: bool = True
+    dev: Device, memory_phase: Callable[[], Any], timed: Callable[[], _T]
 ) -> tuple[_T, tuple[int, int | None] | None]:
     """``timed()``, and the peak memory where it is read before it (else None: read after, over the timing).
 
@@ -251,19 +259,20 @@ def steady_timing(
     ``memory_phase()`` runs untimed on that heap and sets the peak; ``timed()`` then runs on glibc's steady heap
     (:meth:`Device.steady_heap`), as the user's process runs (mapping and faulting in each tensor every step
     made the tiny model's CPU micro-step 1.7× and gpt2's optimizer step 1.8× longer). If that heap's slack
-    does not fit under the memory limit, ``timed()`` runs again on the tracking heap (``retry``; else the
-    out-of-memory error is raised).
+    does not fit under the memory limit (an allocation refused: the CPU allocator's ``RuntimeError`` there,
+    :func:`is_out_of_memory`), ``timed()`` runs again on the tracking heap, where the memory phase fitted.
     """
     if not dev.tracks_heap:
         return timed(), None
     memory_phase()
     peak = dev.peak()
+    ooms = oom_types()  # resolved before: nothing lazy may run at the limit
     try:
         with dev.steady_heap():
             return timed(), peak
-    except oom_types():
-        if not retry:
+    except Exception as e:  # noqa: BLE001 - out of memory by meaning (a CPU allocation is a RuntimeError)
+        if not (isinstance(e, ooms) or (type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e))):
             raise
         # leaving this clause releases the failed attempt's frames, and their tensors
-    dev.free()
+    dev.free()  # and holds the heap's freed chunks, so the retry maps afresh
     return timed(), peak

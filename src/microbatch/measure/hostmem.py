@@ -17,6 +17,7 @@ timed repeats glibc's steady state and puts the tracking settings back after.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import resource
 from collections.abc import Iterator
@@ -25,8 +26,10 @@ from typing import Any
 
 __all__ = [
     "STEADY_MMAP_THRESHOLD",
+    "mark_probe_child",
     "tracking_heap",
     "steady_heap",
+    "replug",
     "available_host_bytes",
     "reset_peak_rss",
     "peak_rss_bytes",
@@ -112,13 +115,23 @@ STEADY_MMAP_THRESHOLD = 32 * 1024 * 1024
 tensors each step serves those up to this size from its heap, whose trim threshold glibc keeps at twice it."""
 
 
-def tracking_heap() -> tuple[int, int] | None:
-    """(mmap threshold, trim threshold) this process fixed through glibc's environment
-    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``: the probe child's), or None where it fixed none."""
+_PROBE_CHILD: list[tuple[int, int]] = []
+"""The tracking thresholds of the probe child, once :func:`mark_probe_child` has run there (empty elsewhere)."""
+
+
+def mark_probe_child() -> None:
+    """Say that this process is the probe child, which fixed glibc's heap to track memory through its environment
+    (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``: :data:`~microbatch.measure.childprobe.WORKER_ENV`).
+    Called by the child's worker alone: a user's process that exports the same variables keeps its own heap."""
     mmap, trim = os.environ.get("MALLOC_MMAP_THRESHOLD_"), os.environ.get("MALLOC_TRIM_THRESHOLD_")
-    if not (mmap and mmap.isdigit()):
-        return None
-    return int(mmap), int(trim) if trim and trim.isdigit() else 2 * int(mmap)
+    if mmap and mmap.isdigit():
+        _PROBE_CHILD[:] = [(int(mmap), int(trim) if trim and trim.isdigit() else 2 * int(mmap))]
+
+
+def tracking_heap() -> tuple[int, int] | None:
+    """(mmap threshold, trim threshold) of the probe child's tracking heap (:func:`mark_probe_child`), where
+    glibc's calls :func:`steady_heap` needs are there (glibc >= 2.33); None elsewhere."""
+    return _PROBE_CHILD[0] if _PROBE_CHILD and _libc() is not None else None
 
 
 class _MallInfo2(ctypes.Structure):
@@ -146,24 +159,21 @@ _PLUGS: list[int] = []
 afresh as in a new process (:func:`_plug_heap`)."""
 
 
-def _mapped_bytes(libc: Any) -> int:
-    """Bytes glibc holds in mmapped chunks now (``mallinfo2().hblkhd``)."""
-    return int(libc.mallinfo2().hblkhd)
-
-
 def _plug_heap(libc: Any, threshold: int) -> None:
-    """Hold every free heap chunk of at least ``threshold`` bytes the steady heap left: glibc serves a request
-    from a free chunk that fits before it maps one, so without this the tensors of a later probe would land
-    in the heap's freed middle, whose pages stay resident after they are freed: a peak inflated by the
-    fragmentation of the timed repeats (+3% on gpt2 at b_m 2). Each request is halved once it is mapped
-    (no free chunk that large remains); the held chunks are not touched, so not resident."""
+    """Hold every free heap chunk of at least ``threshold`` bytes: glibc serves a request from a free chunk that
+    fits before it maps one, so without this a later probe's tensors would land in the heap's freed middle, whose
+    pages stay resident after they are freed: a peak inflated by the timed repeats' fragmentation (+88 MiB on
+    gpt2 at b_m 2). A request is halved once glibc maps it, grows its heap for it, or refuses it (no free chunk
+    that large is left); the held chunks are not touched, so not resident."""
     size = STEADY_MMAP_THRESHOLD
     while size >= threshold:
-        before = _mapped_bytes(libc)
+        before = libc.mallinfo2()
         ptr = libc.malloc(ctypes.c_size_t(size))
         if not ptr:
-            return
-        if _mapped_bytes(libc) > before:  # mapped: no free chunk of this size is left in the heap
+            size //= 2
+            continue
+        after = libc.mallinfo2()
+        if after.hblkhd > before.hblkhd or after.arena > before.arena:  # not a free chunk of the heap
             libc.free(ctypes.c_void_p(ptr))
             size //= 2
         else:
@@ -176,37 +186,73 @@ def _unplug_heap(libc: Any) -> None:
         libc.free(ctypes.c_void_p(_PLUGS.pop()))
 
 
+def replug() -> None:
+    """In the probe child, after freeing what a probe held: the freed heap returned (``malloc_trim``) and its
+    large free chunks held (:func:`_plug_heap`), so the next tensors are mapped afresh; nothing elsewhere."""
+    fixed, libc = tracking_heap(), _libc()
+    if fixed is not None and not _DEPTH[0]:
+        libc.malloc_trim(0)
+        _plug_heap(libc, fixed[0])
+
+
+_DEPTH = [0]
+"""How many :func:`steady_heap` blocks this process is inside (an inner one changes nothing)."""
+
+_REAL_LIMIT: list[int] = []
+"""The real-memory budget the soft ``RLIMIT_AS`` stands for: the limit less the address space mapped but not
+resident, read at the first :func:`steady_heap` (the child set the limit so)."""
+
+
+def _rebind_limit() -> None:
+    """Set the soft ``RLIMIT_AS`` to the real-memory budget plus what is mapped now but not resident, so the limit
+    keeps binding on real memory whatever the heap keeps mapped: a function of the state, not of history."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return
+    unresident = max(0, virtual_bytes() - current_rss_bytes())
+    if not _REAL_LIMIT:
+        _REAL_LIMIT.append(soft - unresident)
+        return
+    want = _REAL_LIMIT[0] + unresident
+    resource.setrlimit(
+        resource.RLIMIT_AS, (want if hard == resource.RLIM_INFINITY else min(hard, want), hard)
+    )
+
+
 @contextmanager
 def steady_heap() -> Iterator[bool]:
     """Inside: glibc's mmap and trim thresholds as a training process reaches them
-    (:data:`STEADY_MMAP_THRESHOLD`), where this process fixed them (:func:`tracking_heap`); yields whether
-    it switched. After: the fixed thresholds again, the freed heap returned (``malloc_trim``) and its large
-    free chunks held (:func:`_plug_heap`), and the soft ``RLIMIT_AS`` moved by the address space the heap
-    keeps mapped without holding it resident, so the limit keeps binding on real memory (see
-    :mod:`microbatch.measure.childprobe`)."""
+    (:data:`STEADY_MMAP_THRESHOLD`), in the probe child (:func:`tracking_heap`); yields whether it runs on them.
+    After: the tracking thresholds again, the freed heap returned and its large free chunks held
+    (:func:`replug`), and the soft ``RLIMIT_AS`` at the real-memory budget plus what the heap keeps mapped without
+    holding it resident (:func:`_rebind_limit`). Entered again inside, it changes nothing."""
     fixed = tracking_heap()
-    libc = _libc()
-    if fixed is None or libc is None:
+    if fixed is None:
         yield False
         return
-    _unplug_heap(libc)
-    size_before, rss_before = virtual_bytes(), current_rss_bytes()
+    if _DEPTH[0]:
+        yield True
+        return
+    libc = _libc()
+    _rebind_limit()  # the first time: reads the budget the limit stands for
+    _DEPTH[0] += 1
     libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
     libc.mallopt(M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
+    _unplug_heap(libc)  # at the steady trim threshold: freeing them trims nothing
     try:
         yield True
     finally:
+        _DEPTH[0] -= 1
         libc.mallopt(M_MMAP_THRESHOLD, fixed[0])
         libc.mallopt(M_TRIM_THRESHOLD, fixed[1])
-        libc.malloc_trim(0)
-        _plug_heap(libc, fixed[0])
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        kept = (virtual_bytes() - size_before) - (current_rss_bytes() - rss_before)
-        if soft != resource.RLIM_INFINITY and kept > 0:
-            soft = soft + kept if hard == resource.RLIM_INFINITY else min(hard, soft + kept)
-            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        try:
+            replug()
+            _rebind_limit()
+        except MemoryError:  # at the limit: the next probe's free() does the bookkeeping
+            pass
 
 
+@functools.cache
 def _libc() -> Any:
     """glibc through ctypes with the calls :func:`steady_heap` needs (``mallopt``, ``mallinfo2``: glibc >= 2.33),
     or None where they are not there."""

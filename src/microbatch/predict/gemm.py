@@ -111,8 +111,11 @@ class RooflineEfficiency:
     1.26 TB/s of 4.8 counting 16 bytes read and 12 written per parameter). Used unless
     ``fused_elementwise`` (Megatron's and apex's fused Adam: the streaming rate ``memory``)."""
     launch_s_per_kernel: float = 6.58e-6
-    """Host seconds per eager kernel launch on a GPU (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`,
-    measured on an H200 host): a layer's pass takes at least its kernels × this. 0 disables the floor."""
+    """Host seconds per counted eager kernel (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`, a bare launch
+    measured on an H200 host; a ``bench-gpu`` file sets a real layer's per-kernel host time): on a GPU a layer's pass
+    takes at least its kernels × this, on a CPU it is added to the pass (dispatch is synchronous there; the H200
+    host's figure is taken as an assumption where no file measured this CPU: here 2.5 µs a bare add, 16 µs a
+    counted kernel of a real layer). 0 disables the term."""
 
     overlap_slowdown: float = 0.189
     """How much longer a GPU's computation takes while an NCCL collective runs beside it (data-parallel

@@ -21,12 +21,20 @@ the forward's: an input- and a weight-gradient kernel per GEMM, one or two per e
 
 from __future__ import annotations
 
-from microbatch.layer_kernels import layer_gemm_kernels, layer_kernels, moe_kernels
+from microbatch.layer_kernels import head_kernels, layer_gemm_kernels, layer_kernels, moe_kernels
 
-__all__ = ["LAUNCH_S_PER_KERNEL", "layer_gemm_kernels", "layer_kernels", "moe_kernels", "launch_gap_s"]
+__all__ = [
+    "LAUNCH_S_PER_KERNEL",
+    "head_kernels",
+    "layer_gemm_kernels",
+    "layer_kernels",
+    "moe_kernels",
+    "launch_gap_s",
+]
 
 LAUNCH_S_PER_KERNEL = 6.58e-6
-"""Host seconds per eager kernel launch: measured on an H200 host (see the module docstring)."""
+"""Host seconds per eager kernel launch: measured on an H200 host (see the module docstring); the default on a CPU
+too, as an assumption, where no ``bench-gpu`` file measured it there."""
 
 
 def launch_gap_s(kernels: int, launch_s: float, device_s: float) -> float:

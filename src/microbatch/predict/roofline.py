@@ -60,7 +60,7 @@ from microbatch.predict.gemm import (
     row_efficiency,
     wave_efficiency,
 )
-from microbatch.predict.launch import launch_gap_s, layer_gemm_kernels, layer_kernels
+from microbatch.predict.launch import head_kernels, launch_gap_s, layer_gemm_kernels, layer_kernels
 from microbatch.predict.layer_time import LayerTime
 from microbatch.predict.memory_ops import (
     PERMUTE_PASSES,
@@ -146,8 +146,8 @@ def layer_forward(
     Linear layers: :func:`_layer_gemms` (with ``fp8_recipe`` at the FP8 rate, their casts in the elementwise
     traffic; a mixture-of-experts MLP at ``moe_layout`` = (EP, expert load), None meaning (1, 1.0)).
     Attention core: :func:`~microbatch.predict.attention_core.attention_core_s` (flash on its own curve, or the scores through memory).
-    Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary, the host's
-    launch floor). With context parallelism c each GPU holds rows = b_m·s/c tokens' worth of work; by ``cp_comm``
+    Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary), and the host's
+    launches: a floor on a GPU, added on a CPU (:func:`_launch_floor`). With context parallelism c each GPU holds rows = b_m·s/c tokens' worth of work; by ``cp_comm``
     (:mod:`microbatch.predict.context`, c ranks t apart) it gathers the K/V of the others (one all-gather or a
     ring), overlapped with its attention, or (Ulysses) trades tokens for heads in all-to-alls, exposed: the
     exposed rest, with the ring's per-step merges, is ``cp_comm_s``
@@ -437,7 +437,9 @@ def logits_forward(
 
     GEMM rows×h×V/t, then 3 passes of the fp32 logits (4·rows·V/t bytes): written (at the streaming rate),
     read by the softmax and read again by the loss's backward preparation (2 passes at the softmax rate of
-    ``efficiency.score_fractions``: an eager softmax's measured rate on a GPU unless fused).
+    ``efficiency.score_fractions``: an eager softmax's measured rate on a GPU unless fused). The embedding's,
+    final norm's, output GEMM's and loss's launches (:func:`~microbatch.layer_kernels.head_kernels`) are a floor
+    under it on a GPU and added to it on a CPU, as a layer's are.
     """
     acc = acc.at_sustained_clock()  # as layer_forward
     s = seq or shape.seq
@@ -447,7 +449,12 @@ def logits_forward(
     softmax = efficiency.score_fractions(bool(acc.compute_units))[0]
     passes = 1 / efficiency.memory + 2 / softmax
     loss = 4 * rows * shape.vocab / t * passes / acc.memory_bandwidth_bytes_per_s
-    return gemm + loss, gemm_flops(rows, shape.hidden, shape.vocab / t)
+    flops = gemm_flops(rows, shape.hidden, shape.vocab / t)
+    n = head_kernels(shape)  # the host's launches, as a layer's (:func:`_launch_floor`)
+    if not acc.compute_units:  # a CPU: added; the output GEMM's own is in its time where that was measured
+        n -= 1 if efficiency.gemm_measured is not None else 0
+        return gemm + loss + n * efficiency.launch_s_per_kernel, flops
+    return max(gemm + loss, n * efficiency.launch_s_per_kernel), flops
 
 
 # -- FLOPs per step -------------------------------------------------------------------------------------

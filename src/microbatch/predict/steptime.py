@@ -14,9 +14,10 @@ and of the output layer and loss (:func:`~microbatch.predict.roofline.logits_for
 
 A single device (no pipeline) runs T = F + I + W = L·(forward + I + W) [+ L·forward with full
 recompute] + 3·logits per micro-step: the planner (:mod:`microbatch.predict.candidate`) and the
-calibration (:mod:`microbatch.predict.calibrate`) both use this rule. The host's launch floor is in
-the layer's elementwise parts (:func:`~microbatch.predict.roofline.layer_forward`); the embedding lookup
-is ignored.
+calibration (:mod:`microbatch.predict.calibrate`) both use this rule. The host's launches (a GPU's floor, a
+CPU's added dispatch) are in the layer's elementwise parts (:func:`~microbatch.predict.roofline.layer_forward`)
+and in the logits (the embedding's, final norm's, output GEMM's and loss's kernels,
+:func:`~microbatch.predict.roofline.logits_forward`); the embedding lookup's memory traffic is ignored.
 """
 
 from __future__ import annotations
