@@ -216,3 +216,30 @@ def test_help_mentions_longest_sequence_and_no_torch_import():
     assert out.returncode == 0 and "LONGEST sequence" in out.stdout
     code = "import sys, microbatch.cli, microbatch.choose.knee; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_shape_a_tune_file_records_says_the_dropout_that_ran() -> None:
+    """The built-in GPT runs none; the Hugging Face GPT-2 layout (learned positions) runs the shape's, as GPT-2's 0.1
+    or off; its Llama layout (rotary) has no residual dropout and runs none."""
+    from dataclasses import replace
+
+    pytest.importorskip("transformers")
+    from microbatch.choose.tune.config import ProbeConfig
+    from microbatch.commands.tune import with_provenance
+    from microbatch.measure.hf import hf_config_from_shape
+
+    def recorded(model: str, backend: str) -> bool:
+        d = with_provenance({}, {"model": model}, ProbeConfig(backend=backend, threads=1))
+        assert d["threads"] == 1
+        return bool(d["model_shape"]["dropout"])
+
+    assert get_model("tiny").dropout and not get_model("llama-2-7b").dropout
+    assert [recorded("tiny", "builtin"), recorded("tiny", "hf"), recorded("llama-2-7b", "hf")] == [
+        False,
+        True,
+        False,
+    ]
+    tiny = get_model("tiny")
+    assert hf_config_from_shape(tiny).resid_pdrop == hf_config_from_shape(tiny).attn_pdrop == 0.1
+    off = hf_config_from_shape(replace(tiny, dropout=False))
+    assert (off.resid_pdrop, off.embd_pdrop, off.attn_pdrop) == (0.0, 0.0, 0.0)

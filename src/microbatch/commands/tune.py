@@ -113,8 +113,9 @@ def with_provenance(d: dict[str, Any], target: dict[str, Any], probe: Any) -> di
 
 def _measured_shape(target: dict[str, Any], seq: int | None, backend: str) -> Any:
     """The shape of the model a tune measured: its registry entry, the shape given, or its config's; the built-in
-    GPT (``backend`` builtin, :mod:`microbatch.measure.gpt`) applies no dropout, so its shape says none (a
-    calibration or validation from the file then prices the model that ran)."""
+    GPT (``backend`` builtin, :mod:`microbatch.measure.gpt`) applies no dropout, nor does the Llama layout
+    ``backend`` hf builds for a shape with rotary positions (:func:`~microbatch.measure.hf.hf_config_from_shape`),
+    so their shape says none (a calibration or validation from the file then prices the model that ran)."""
     from dataclasses import replace
 
     from microbatch.model import ModelShape, from_hf_config, get_model
@@ -126,7 +127,8 @@ def _measured_shape(target: dict[str, Any], seq: int | None, backend: str) -> An
         shape = model.with_seq(seq) if seq else model
     else:
         shape = get_model(str(model), seq=seq)
-    return replace(shape, dropout=False) if backend == "builtin" else shape
+    ran = shape.dropout and (backend == "hf" and shape.learned_positions)
+    return replace(shape, dropout=ran) if ran != shape.dropout else shape
 
 
 def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig | None:

@@ -37,7 +37,9 @@ def require_transformers(what: str = "a Hugging Face model", *, params: tuple[st
 
 
 def hf_config_from_shape(shape: ModelShape) -> Any:
-    """A transformers config of a registry shape (GPT-2 layout for learned positions, Llama otherwise)."""
+    """A transformers config of a registry shape (GPT-2 layout for learned positions, Llama otherwise). The GPT-2
+    layout trains with the shape's dropout (GPT-2's 0.1 on the embeddings, residuals and attention, or none); the
+    Llama layout has no residual dropout and runs none."""
     require_transformers("backend hf", params=("backend",))
     if shape.learned_positions:
         from transformers import GPT2Config
@@ -50,7 +52,11 @@ def hf_config_from_shape(shape: ModelShape) -> Any:
                 params=("backend", "hf_config"),
             )
 
+        p = 0.1 if shape.dropout else 0.0  # GPT2Config's own default, or off
         return GPT2Config(
+            resid_pdrop=p,
+            embd_pdrop=p,
+            attn_pdrop=p,
             n_layer=shape.layers,
             n_embd=shape.hidden,
             n_head=shape.heads,
