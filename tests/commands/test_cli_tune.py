@@ -152,6 +152,11 @@ def test_tune_json_tiny_child_process(tmp_path, monkeypatch, capsys):
     pts = d["points"]
     assert [p["micro_batch"] for p in pts] == [1, 2, 4][: len(pts)]
     assert all(not p["oom"] and p["peak_memory_bytes"] > 0 for p in pts)
+    # the probe child timed each on glibc's steady heap, as a training process runs (where glibc has the calls)
+    from microbatch.measure.hostmem import _libc
+
+    assert {p["timed_heap"] for p in pts} == ({"steady"} if _libc() is not None else {None})
+    assert not any("mapped afresh" in n for n in d["notes"])
     assert d["micro_batch"] in [p["micro_batch"] for p in pts]
     assert d["grad_accum"] == 16 // d["micro_batch"]
     assert d["memory_budget_bytes"] == 2 * 2**30 and d["oom_events"] == 0

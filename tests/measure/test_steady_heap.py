@@ -164,12 +164,13 @@ def test_probe_child_peak_is_read_on_the_tracking_heap_and_the_repeats_timed_on_
             t = torch.ones(32 << 20)
             del t
             return 7
-        value, peak = steady_timing(dev, memory_phase, timed)
-        print(json.dumps({"tracks": dev.tracks_heap, "seen": seen, "value": value, "rise": peak[0] - base}))
+        value, peak, heap = steady_timing(dev, memory_phase, timed)
+        print(json.dumps({"tracks": dev.tracks_heap, "seen": seen, "value": value, "rise": peak[0] - base,
+                          "heap": heap}))
     """)
     assert got["tracks"] is True
     assert got["seen"] == [["memory", True], ["timed", False]]
-    assert got["value"] == 7
+    assert got["value"] == 7 and got["heap"] == "steady"
     assert 64 << 20 <= got["rise"] < 128 << 20  # the memory phase's 64 MiB, not the timing's 128
 
 
@@ -188,15 +189,16 @@ def test_a_real_allocation_refused_on_the_steady_heap_times_again_on_the_trackin
             if len(calls) == 1:
                 torch.ones(1 << 30)  # 4 GiB past a 512 MiB limit
             return 8
-        value, _ = steady_timing(dev, lambda: None, timed)
+        value, _, heap = steady_timing(dev, lambda: None, timed)
         other = []
         try:
             steady_timing(dev, lambda: None, lambda: other.append(1) or int("x"))
         except ValueError as e:
             other.append(str(e)[:20])
-        print(json.dumps({"value": value, "calls": calls, "other": other}))
+        print(json.dumps({"value": value, "calls": calls, "other": other, "heap": heap}))
     """)
     assert got["value"] == 8 and got["calls"] == [False, True]  # steady heap, then the tracking heap
+    assert got["heap"] == "tracking"  # and the point says so (tune notes it)
     assert got["other"] == [1, "invalid literal for "]  # anything else is raised, not retried
 
 
@@ -206,9 +208,36 @@ def test_in_process_probe_reads_its_peak_over_the_timing_as_before() -> None:
         from microbatch.measure.device import Device
         from microbatch.measure.device import steady_timing
         seen = []
-        value, peak = steady_timing(Device("cpu"), lambda: seen.append("memory"), lambda: 3)
-        print(json.dumps({"seen": seen, "value": value, "peak": peak}))
+        value, peak, heap = steady_timing(Device("cpu"), lambda: seen.append("memory"), lambda: 3)
+        print(json.dumps({"seen": seen, "value": value, "peak": peak, "heap": heap}))
         """,
         env={},
     )
-    assert got == {"seen": [], "value": 3, "peak": None}
+    assert got == {"seen": [], "value": 3, "peak": None, "heap": None}
+
+
+def test_tune_notes_the_points_timed_on_the_tracking_heap_and_only_those() -> None:
+    from dataclasses import replace
+
+    from microbatch.choose.config import ChoiceConfig
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.result import TuneResult
+    from microbatch.choose.tune.entry import _with_heap_note
+    from microbatch.choose.tune.search import curve_point
+    from microbatch.measure.probes import Measurement
+
+    heaps = {1: "steady", 2: "steady", 4: "tracking", 8: "tracking"}
+    pts = [Measurement(micro_batch=b, throughput=100.0 * b, step_time_s=0.01, peak_memory_bytes=10**8 + b,
+                       timed_heap=h) for b, h in heaps.items()]  # fmt: skip
+    rec = recommend([curve_point(p) for p in pts], ChoiceConfig(reference="measured"))
+    result = TuneResult(points=pts, recommendation=rec, model="tiny", seq=64, mode="train", device="cpu",
+                        device_name="cpu", precision="fp32", checkpointing="off", torch_version="x",
+                        memory_budget_bytes=None, memory_method="vmhwm", stop_reason="flat", skipped=[],
+                        interrupted=False, oom_events=0, probes=4, cached=0, wall_time_s=1.0)  # fmt: skip
+    noted = _with_heap_note(result)
+    assert len(noted.notes) == 1 and noted.notes[0].startswith(
+        "b_m 4, 8 timed with each tensor mapped afresh"
+    )
+    steady = replace(result, points=[replace(p, timed_heap="steady") for p in pts])
+    assert _with_heap_note(steady).notes == ()
+    assert noted.to_dict()["points"][2]["timed_heap"] == "tracking"  # in the file, point by point

@@ -252,8 +252,9 @@ def exit_past_teardown(code: int = 0) -> NoReturn:
 
 def steady_timing(
     dev: Device, memory_phase: Callable[[], Any], timed: Callable[[], _T]
-) -> tuple[_T, tuple[int, int | None] | None]:
-    """``timed()``, and the peak memory where it is read before it (else None: read after, over the timing).
+) -> tuple[_T, tuple[int, int | None] | None, str | None]:
+    """``timed()``, the peak memory where it is read before it (else None: read after, over the timing), and the
+    heap it was timed on (``steady``, ``tracking``; None outside the probe child).
 
     In the probe child (``Device.tracks_heap``), whose heap maps each large tensor afresh to track memory,
     ``memory_phase()`` runs untimed on that heap and sets the peak; ``timed()`` then runs on glibc's steady heap
@@ -263,16 +264,16 @@ def steady_timing(
     :func:`is_out_of_memory`), ``timed()`` runs again on the tracking heap, where the memory phase fitted.
     """
     if not dev.tracks_heap:
-        return timed(), None
+        return timed(), None, None
     memory_phase()
     peak = dev.peak()
     ooms = oom_types()  # resolved before: nothing lazy may run at the limit
     try:
-        with dev.steady_heap():
-            return timed(), peak
+        with dev.steady_heap() as steady:
+            return timed(), peak, "steady" if steady else "tracking"
     except Exception as e:  # noqa: BLE001 - out of memory by meaning (a CPU allocation is a RuntimeError)
         if not (isinstance(e, ooms) or (type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e))):
             raise
         # leaving this clause releases the failed attempt's frames, and their tensors
     dev.free()  # and holds the heap's freed chunks, so the retry maps afresh
-    return timed(), peak
+    return timed(), peak, "tracking"

@@ -105,6 +105,10 @@ class Measurement:
     """How time was measured (``cuda-events``, ``wall``, ``process``)."""
     error: str | None = None
     """The exception that ended the probe (type and first line), when it did not finish."""
+    timed_heap: str | None = None
+    """The CPU probe child's heap its repeats were timed on: ``steady`` (as a training process holds it) or
+    ``tracking`` (its steady heap did not fit under the memory limit: each tensor mapped afresh, 1.4-1.7x a
+    training process's step on the models measured); None elsewhere (and where glibc lacks ``mallinfo2``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,7 +264,7 @@ class TrainProbe:
         self.dev.sync()
         return times, self.dev.now() - t0
 
-    def _time_steps(self, batch: Any) -> tuple[list[float], float, tuple[int, int | None] | None]:
+    def _time_steps(self, batch: Any) -> tuple[list[float], float, tuple[int, int | None] | None, str | None]:
         """:meth:`_timed`, and the peak memory where it is read before the timing (:func:`~microbatch.measure.device.steady_timing`): in
         the probe child, two untimed micro-steps (the second adds into the gradients the first left, as the
         timed repeats do: its transient is the peak where a gradient is large) and an optimizer step."""
@@ -270,8 +274,8 @@ class TrainProbe:
             self._micro(batch)
             self.optimizer.step()
 
-        (times, t_opt), peak = steady_timing(self.dev, memory_phase, lambda: self._timed(batch))
-        return times, t_opt, peak
+        (times, t_opt), peak, heap = steady_timing(self.dev, memory_phase, lambda: self._timed(batch))
+        return times, t_opt, peak, heap
 
     def measure(self, micro_batch: int) -> Measurement:
         """Time and peak memory of micro-steps at ``micro_batch``; OOM recorded, not raised."""
@@ -285,6 +289,7 @@ class TrainProbe:
         err: str | None = None  # the text only: a kept exception would keep its frames' tensors alive
         t_opt = float("nan")
         read: tuple[int, int | None] | None = None
+        heap: str | None = None
         try:
             held["batch"] = self.make_batch(micro_batch)
             self.dev.sync()
@@ -293,7 +298,7 @@ class TrainProbe:
         failed = agree_any(err is not None)
         if not failed:
             try:
-                times, t_opt, read = self._time_steps(held["batch"])
+                times, t_opt, read, heap = self._time_steps(held["batch"])
             except ooms as e:
                 err = short_error(e)
             failed = agree_any(err is not None)
@@ -334,6 +339,7 @@ class TrainProbe:
             checkpointing=self.checkpointing,
             memory_method=self.dev.method,
             clock=self.dev.clock,
+            timed_heap=heap,
         )
 
 

@@ -216,9 +216,23 @@ def tune_model(
         "new_tokens": probe_config.new_tokens,
     }
     setup = Setup(model_label=label, fingerprint_fields=fp, budget_source=budget_source, t_start=t_start)
-    result = run_search(prober, probe_config, search_config, choice, setup, on_point)
+    result = _with_heap_note(run_search(prober, probe_config, search_config, choice, setup, on_point))
     _say_cached(result)
     return result
+
+
+def _with_heap_note(result: TuneResult) -> TuneResult:
+    """``result`` with a note naming the points the probe child timed on its tracking heap (its steady heap did
+    not fit under the memory limit): what that means for their times."""
+    slow = [p.micro_batch for p in result.points if p.timed_heap == "tracking"]
+    if not slow:
+        return result
+    note = (
+        f"b_m {', '.join(map(str, slow))} timed with each tensor mapped afresh (the steady heap did not fit under the "
+        "memory limit): their steps may read up to 1.7x a training process's; a larger memory budget times them as "
+        "it runs"
+    )
+    return replace(result, notes=(*result.notes, note))
 
 
 def tune(
