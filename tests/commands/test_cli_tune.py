@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -248,3 +249,26 @@ def test_the_shape_a_tune_file_records_says_the_dropout_that_ran() -> None:
     assert hf_config_from_shape(tiny).resid_pdrop == hf_config_from_shape(tiny).attn_pdrop == 0.1
     off = hf_config_from_shape(replace(tiny, dropout=False))
     assert (off.resid_pdrop, off.embd_pdrop, off.attn_pdrop) == (0.0, 0.0, 0.0)
+
+
+def test_tune_without_a_terminal_says_what_runs_while_a_probe_says_nothing(tmp_path, monkeypatch, capsys):
+    """A long first probe (the child, the model, a set-up step) was silence in a log: a line comes every
+    HEARTBEAT_S seconds without news (here 0.2 s, so each probe of this run outlasts it); a refusal, before any
+    work, stays one line."""
+    import microbatch.commands._heartbeat as hb
+
+    monkeypatch.setattr(hb, "HEARTBEAT_S", 0.2)
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = run(
+        ["tune", "--model", "tiny", "--seq", "32", "--max-micro-batch", "2", "--no-cache"], capsys
+    )
+    assert code == 0, err
+    lines = err.splitlines()
+    first = [
+        i for i, s in enumerate(lines) if s.startswith("tune: probing b_m = 1 (the first probe also starts")
+    ]
+    point = [i for i, s in enumerate(lines) if s.startswith("tune: b_m = 1:")]
+    assert first and point and first[0] < point[0]  # said before the first point arrived
+    assert re.search(r"\[\d+ s\]$", lines[first[0]])
+    code, _, err = run(["tune", "--model", "no-such-model"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "tune: probing" not in err

@@ -368,13 +368,21 @@ def _measure(
     live_display: bool,
 ) -> TuneResult:
     """Run the search with progress on stderr: a live display, or one line per probe."""
-    from microbatch.choose.tune import tune_model
+    from contextlib import nullcontext
 
-    live = None
+    from microbatch.choose.tune import tune_model
+    from microbatch.commands._heartbeat import Heartbeat
+
+    live, beat = None, None
     if live_display:
         live, on_point = _progress(search.start)
-    else:
-        on_point = _lines()
+    else:  # one line per probe, and one while a long probe says nothing (no terminal: a spinner has nowhere)
+        beat = Heartbeat(
+            f"tune: probing b_m = {search.start} (the first probe also starts the probe process, builds the model "
+            "and runs one set-up step)",
+            "tune: probing the next b_m",
+        )
+        on_point = _lines(beat.news)
     if timing_line:
         on_point = _first_say(timing_line, on_point)  # once work starts: a refusal stays one line
     import warnings
@@ -387,14 +395,15 @@ def _measure(
         warnings.simplefilter(
             "ignore", CachedAnswer
         )  # the answer's text says it (show.recommendation.cache_line)
-        result = tune_model(
-            target.get("model"),
-            hf_config=target.get("hf_config"),
-            probe=probe,
-            search=search,
-            choice=choice,
-            on_point=on_point,
-        )
+        with beat or nullcontext():
+            result = tune_model(
+                target.get("model"),
+                hf_config=target.get("hf_config"),
+                probe=probe,
+                search=search,
+                choice=choice,
+                on_point=on_point,
+            )
     finally:
         if live is not None:
             live.stop()
@@ -414,8 +423,9 @@ def _first_say(line: str, on_point: OnPoint) -> OnPoint:
     return wrapped
 
 
-def _lines() -> OnPoint:
-    """``on_point`` printing one line per point on stderr (no spinner: for pipes, logs and CI)."""
+def _lines(news: Any = None) -> OnPoint:
+    """``on_point`` printing one line per point on stderr (no spinner: for pipes, logs and CI); ``news()``
+    (a :class:`~microbatch.commands._heartbeat.Heartbeat`'s) is called with each."""
     import time
 
     from microbatch.measure.probes import Measurement
@@ -423,6 +433,8 @@ def _lines() -> OnPoint:
     t0 = time.perf_counter()
 
     def on_point(m: Measurement, cached: bool) -> None:
+        if news is not None:
+            news()
         what = "out of memory" if m.oom else f"{m.throughput:,.0f} tok/s"
         progress(
             f"tune: b_m = {m.micro_batch}: {what}{' (cached)' if cached else ''} [{time.perf_counter() - t0:.1f} s]"
