@@ -8,7 +8,7 @@ calls :func:`microbatch.choose.tune.tune_model` with them and renders the result
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -423,7 +423,7 @@ def _first_say(line: str, on_point: OnPoint) -> OnPoint:
     return wrapped
 
 
-def _lines(news: Any = None) -> OnPoint:
+def _lines(news: Callable[[], None] | None = None) -> OnPoint:
     """``on_point`` printing one line per point on stderr (no spinner: for pipes, logs and CI); ``news()``
     (a :class:`~microbatch.commands._heartbeat.Heartbeat`'s) is called with each."""
     import time

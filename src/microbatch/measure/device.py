@@ -25,7 +25,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -201,13 +201,9 @@ class Device:
     @property
     def tracks_heap(self) -> bool:
         """Whether this CPU process fixed glibc's heap to track memory (the probe child): its timed repeats then
-        run inside :meth:`steady_heap`, after the step whose peak is read."""
+        run on glibc's steady heap (:func:`~microbatch.measure.hostmem.steady_heap`), after the step whose peak is
+        read."""
         return not self.cuda and tracking_heap() is not None
-
-    def steady_heap(self) -> AbstractContextManager[bool]:
-        """Where the timed repeats run: glibc's steady heap in the probe child
-        (:func:`~microbatch.measure.hostmem.steady_heap`); no change on a GPU or elsewhere."""
-        return nullcontext(False) if self.cuda else steady_heap()
 
     def peak(self) -> tuple[int, int | None]:
         """(peak compared with the budget, peak allocated or None)."""
@@ -258,7 +254,7 @@ def steady_timing(
 
     In the probe child (``Device.tracks_heap``), whose heap maps each large tensor afresh to track memory,
     ``memory_phase()`` runs untimed on that heap and sets the peak; ``timed()`` then runs on glibc's steady heap
-    (:meth:`Device.steady_heap`), as the user's process runs (mapping and faulting in each tensor every step
+    (:func:`~microbatch.measure.hostmem.steady_heap`), as the user's process runs (mapping and faulting in each tensor every step
     made the tiny model's CPU micro-step 1.7× and gpt2's optimizer step 1.8× longer). If that heap's slack
     does not fit under the memory limit (an allocation refused: the CPU allocator's ``RuntimeError`` there,
     :func:`is_out_of_memory`), ``timed()`` runs again on the tracking heap, where the memory phase fitted.
@@ -269,7 +265,7 @@ def steady_timing(
     peak = dev.peak()
     ooms = oom_types()  # resolved before: nothing lazy may run at the limit
     try:
-        with dev.steady_heap() as steady:
+        with steady_heap() as steady:
             return timed(), peak, "steady" if steady else "tracking"
     except Exception as e:  # noqa: BLE001 - out of memory by meaning (a CPU allocation is a RuntimeError)
         if not (isinstance(e, ooms) or (type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e))):

@@ -84,12 +84,8 @@ def virtual_bytes() -> int:
 def malloc_trim() -> bool:
     """Return freed heap memory to the system (glibc ``malloc_trim(0)``), so that the resident set
     after a probe is not inflated by what an earlier, larger probe freed. False where unavailable."""
-    try:
-        import ctypes
-
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None and hasattr(libc, "malloc_trim") else False
 
 
 def available_host_bytes() -> int | None:
@@ -187,12 +183,11 @@ def _unplug_heap(libc: Any) -> None:
 
 
 def replug() -> None:
-    """In the probe child, after freeing what a probe held: the freed heap returned (``malloc_trim``) and its
+    """In the probe child, after freeing what a probe held and returning it (:func:`malloc_trim`): the heap's
     large free chunks held (:func:`_plug_heap`), so the next tensors are mapped afresh; nothing elsewhere."""
-    fixed, libc = tracking_heap(), _libc()
+    fixed = tracking_heap()
     if fixed is not None and not _DEPTH[0]:
-        libc.malloc_trim(0)
-        _plug_heap(libc, fixed[0])
+        _plug_heap(_libc(), fixed[0])
 
 
 _DEPTH = [0]
@@ -246,6 +241,7 @@ def steady_heap() -> Iterator[bool]:
         libc.mallopt(M_MMAP_THRESHOLD, fixed[0])
         libc.mallopt(M_TRIM_THRESHOLD, fixed[1])
         try:
+            malloc_trim()
             replug()
             _rebind_limit()
         except MemoryError:  # at the limit: the next probe's free() does the bookkeeping
@@ -253,12 +249,20 @@ def steady_heap() -> Iterator[bool]:
 
 
 @functools.cache
-def _libc() -> Any:
-    """glibc through ctypes with the calls :func:`steady_heap` needs (``mallopt``, ``mallinfo2``: glibc >= 2.33),
-    or None where they are not there."""
+def _glibc() -> Any:
+    """glibc through ctypes (loaded once), or None where there is none."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
+        return None
+
+
+@functools.cache
+def _libc() -> Any:
+    """glibc with the calls :func:`steady_heap` needs (``mallopt``, ``mallinfo2``: glibc >= 2.33), or None where
+    they are not there."""
+    libc = _glibc()
+    if libc is None:
         return None
     if not all(hasattr(libc, f) for f in ("mallopt", "mallinfo2", "malloc_trim")):
         return None

@@ -30,6 +30,7 @@ __all__ = [
     "layer_kernels",
     "moe_kernels",
     "launch_gap_s",
+    "host_time_s",
 ]
 
 LAUNCH_S_PER_KERNEL = 6.58e-6
@@ -40,3 +41,14 @@ too, as an assumption, where no ``bench-gpu`` file measured it there."""
 def launch_gap_s(kernels: int, launch_s: float, device_s: float) -> float:
     """max(0, kernels × launch − device time): the host's issue time the device's work does not hide."""
     return max(0.0, kernels * launch_s - device_s)
+
+
+def host_time_s(
+    kernels: int, gemms: int, launch_s: float, device_s: float, *, cpu: bool, gemms_measured: bool
+) -> float:
+    """The host's launch time a pass adds to its device time ``device_s``: on a GPU what the device's work does not
+    hide (:func:`launch_gap_s`); on a CPU, which runs each operator where it is dispatched, all of it, less the
+    ``gemms`` launches where the GEMMs' times were measured (each timed call carried its own dispatch)."""
+    if cpu:
+        return (kernels - (gemms if gemms_measured else 0)) * launch_s
+    return launch_gap_s(kernels, launch_s, device_s)

@@ -60,7 +60,7 @@ from microbatch.predict.gemm import (
     row_efficiency,
     wave_efficiency,
 )
-from microbatch.predict.launch import head_kernels, launch_gap_s, layer_gemm_kernels, layer_kernels
+from microbatch.predict.launch import head_kernels, host_time_s, layer_gemm_kernels, layer_kernels
 from microbatch.predict.layer_time import LayerTime
 from microbatch.predict.memory_ops import (
     PERMUTE_PASSES,
@@ -239,13 +239,12 @@ def _launch_floor(
     n = layer_kernels(
         shape, flash=flash, tensor_parallel=t, fused=fused, local_experts=local, ring_steps=steps
     )
-    if not acc.compute_units:
-        n -= layer_gemm_kernels(shape, local) if efficiency.gemm_measured is not None else 0
-        return n * launch, 2 * n * launch, 0.0
+    g = layer_gemm_kernels(shape, local)
+    cpu, measured = not acc.compute_units, efficiency.gemm_measured is not None
     return (
-        launch_gap_s(n, launch, device_s),
-        launch_gap_s(2 * n, launch, backward_s),
-        layer_gemm_kernels(shape, local) * launch,
+        host_time_s(n, g, launch, device_s, cpu=cpu, gemms_measured=measured),
+        host_time_s(2 * n, 2 * g, launch, backward_s, cpu=cpu, gemms_measured=measured),
+        0.0 if cpu else g * launch,
     )
 
 
@@ -450,11 +449,11 @@ def logits_forward(
     passes = 1 / efficiency.memory + 2 / softmax
     loss = 4 * rows * shape.vocab / t * passes / acc.memory_bandwidth_bytes_per_s
     flops = gemm_flops(rows, shape.hidden, shape.vocab / t)
-    n = head_kernels(shape)  # the host's launches, as a layer's (:func:`_launch_floor`)
-    if not acc.compute_units:  # a CPU: added; the output GEMM's own is in its time where that was measured
-        n -= 1 if efficiency.gemm_measured is not None else 0
-        return gemm + loss + n * efficiency.launch_s_per_kernel, flops
-    return max(gemm + loss, n * efficiency.launch_s_per_kernel), flops
+    host = host_time_s(  # the host's launches, as a layer's (:func:`_launch_floor`); one is the output GEMM's
+        head_kernels(shape), 1, efficiency.launch_s_per_kernel, gemm + loss, cpu=not acc.compute_units,
+        gemms_measured=efficiency.gemm_measured is not None,
+    )  # fmt: skip
+    return gemm + loss + host, flops
 
 
 # -- FLOPs per step -------------------------------------------------------------------------------------
