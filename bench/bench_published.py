@@ -368,12 +368,26 @@ def llama3_rows(data: dict, cp_comm: str = "allgather") -> list[dict]:
     return out
 
 
-def nemo_long_rows(data: dict) -> list[dict]:
-    """NeMo 24.03's long-sequence table (LLAMA2-7B FP8 on DGX-H100, 4K to 1M tokens with context parallelism):
-    step = model FLOPs (NeMo's full-attention count) / (TFLOP/s per GPU · GPUs); TE's cuDNN attention, the p2p
-    ring, b_m 1, ZeRO-1, TP collectives exposed, the planner's fastest recompute (``_not_published``)."""
-    sec = data["nemo_long_sequence_2024"]
-    gpu = get_accelerator(sec["gpu"], attention_fraction=CUDNN_HOPPER_CEILING)
+LONG_SEQUENCE_TABLES = {
+    "nemo_long_sequence_2024": ("NeMo 24.03 long sequence", "apex"),
+    "nemo_long_sequence_b200_2025": ("NeMo 25.04 long sequence", "mcore"),
+}
+"""NeMo's long-sequence tables: (the rows' source label, their optimizer state's settings). NeMo 24.03 ran apex's
+distributed Adam (:func:`nemo_optimizer_state`); NeMo 25.04 (NeMo 2.0) Megatron-core's distributed optimizer, fp32
+master and moments, the gradient buffer in bf16 (``grad_reduce_in_fp32`` False in its performance recipe)."""
+
+
+def nemo_long_rows(data: dict, table: str = "nemo_long_sequence_2024") -> list[dict]:
+    """A NeMo long-sequence table (:data:`LONG_SEQUENCE_TABLES`: LLAMA2-7B FP8 on DGX-H100 with NeMo 24.03, LLAMA3-8B
+    FP8 on DGX-B200 with NeMo 25.04; 4K to 1M tokens with context parallelism): step = model FLOPs (NeMo's
+    full-attention count of the time) / (TFLOP/s per GPU · GPUs); TE's cuDNN attention (on Hopper the mid-2024
+    kernel's, on the B200 its row's), the p2p ring, b_m 1, ZeRO-1, TP collectives exposed, the planner's fastest
+    recompute (``_not_published``)."""
+    sec = data[table]
+    label, optimizer = LONG_SEQUENCE_TABLES[table]
+    state = nemo_optimizer_state() if optimizer == "apex" else {"grad_dtype": "half"}
+    hopper = {"attention_fraction": CUDNN_HOPPER_CEILING} if sec["gpu"].startswith("h100") else {}
+    gpu = get_accelerator(sec["gpu"], **hopper)
     out = []
     for r in sec["rows"]:
         s, n, t, p, d, c = r["seq_k"] * 1024, r["gpus"], r["tp"], r["pp"], r["dp"], r["cp"]
@@ -382,12 +396,12 @@ def nemo_long_rows(data: dict) -> list[dict]:
             shape=shape, gpu=gpu, global_batch=r["global_batch"], data_parallel=d, pipeline_parallel=p,
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", micro_batches=(1,),
             zero=(1,), flash_attention=True, precision=sec["precision"], fp8_recipe=sec["fp8_recipe"],
-            schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED, **nemo_optimizer_state(),
+            schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED, **state,
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)
         measured = model_flops_per_step(shape, r["global_batch"], s) / (r["tflops_per_gpu"] * 1e12 * n)
         out.append({
-            "source": "NeMo 24.03 long sequence", "gpu": gpu.name, "seq": s, "model": f"{shape.name} c{c}",
+            "source": label, "gpu": gpu.name, "seq": s, "model": f"{shape.name} c{c}",
             "gpus": n, "t": t, "p": p, "d": d, "global_batch": r["global_batch"], "micro_batch": 1,
             "assumed": how + ", bf16 gradient buffer assumed",
             "measured_step_s": measured, "predicted_step_s": pred, "error_pct": 100 * (pred / measured - 1),
@@ -515,7 +529,7 @@ def main() -> None:
     base = narayanan_rows(data) + korthikanti_rows(data)
     moe = moe_bridge_rows(data)
     readme = megatron_readme_rows(data)
-    longseq = nemo_long_rows(data)
+    longseq = nemo_long_rows(data) + nemo_long_rows(data, "nemo_long_sequence_b200_2025")
     nemo = nemo_2407_rows(data)
     zero3 = deepspeed_azure_rows(data)
     rows = base + bridge_rows(data) + nemo + readme + llama3_rows(data) + longseq + zero3 + moe
@@ -597,8 +611,9 @@ def main() -> None:
         " (te-current for Bridge's FP8-CS, te-delayed for NeMo). NeMo 24.07 rows: each model's launcher config at the"
         " 24.07 tag (dropout, SP, TP overlap, recompute, optim.dtype), ZeRO-1 as NeMo's distributed Adam keeps it (bf16"
         " gradient buffer, fp32 master as 16-bit remainders, or none under a bf16 state); DeepSeek-V3 with its recipe's"
-        " bf16 moments; NeMo 24.03 long-sequence rows: b_m 1, ZeRO-1, TP"
-        " collectives exposed, Megatron's p2p ring, the planner's fastest recompute"
+        " bf16 moments; NeMo long-sequence rows (24.03 on H100, 25.04 on B200): b_m 1, ZeRO-1, TP"
+        " collectives exposed, Megatron's p2p ring, the planner's fastest recompute; on the B200 TE's cuDNN at the"
+        " row's curve (cuDNN 9.13's figures: the 25.04 container's is older), Megatron-core's optimizer"
     )
     print(
         "DeepSpeed Azure row (2022): ZeRO-3 (DeepSpeed's, from its gathered buffers) data parallelism alone, fp16,"
