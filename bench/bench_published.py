@@ -410,6 +410,40 @@ def nemo_long_rows(data: dict, table: str = "nemo_long_sequence_2024") -> list[d
     return out
 
 
+def cudnn_llama_rows(data: dict) -> list[dict]:
+    """cudnn-frontend's Llama-3.2-1B training benchmark (Hugging Face's eager model on one H200 and one B200, SDPA on
+    cuDNN, the model in bf16, SGD): the measured step is the published time per iteration. Predicted at the clock the
+    benchmark locked (the row's ``sustained_clock_fraction`` = locked / the peak's clock), with PyTorch's eager kernels
+    (no fusion), cuDNN's attention figures (on the H200 cuDNN 9.19's, the nearest measured to the run's 9.9; on the
+    B200 the row's, cuDNN 9.13's), bf16 weights and gradients without a master copy, no gradient clipping."""
+    from microbatch.predict.attention import kernel_figures
+
+    sec = data["cudnn_frontend_llama32_1b_2025"]
+    out = []
+    for r in sec["rows"]:
+        row = get_accelerator(r["gpu"])
+        ceiling, ramp = kernel_figures("cudnn", row.name, row.attention_fraction, row.attention_ramp)
+        clock = sec["clock_mhz"][r["gpu"]] / sec["peak_clock_mhz"][r["gpu"]]
+        gpu = row.with_overrides(
+            attention_fraction=ceiling, attention_ramp=ramp, sustained_clock_fraction=clock
+        )
+        b, s = r["batch"], r["seq"]
+        cfg = PlanConfig(
+            shape=get_model(sec["model"]).with_seq(s), gpu=gpu, global_batch=b, micro_batches=(b,), recompute=("none",),
+            master_weights="none", optimizer="sgd", grad_clip=False, flash_attention=True, memory_headroom=0.0,
+            choose="fastest",
+        )  # fmt: skip
+        pred, fits, how, flat = _fastest(cfg)
+        out.append({
+            "source": "cudnn-frontend Llama-3.2-1B", "gpu": gpu.name, "seq": s, "model": f"llama-3.2-1b {r['gpu']}",
+            "gpus": 1, "t": 1, "p": 1, "d": 1, "global_batch": b, "micro_batch": b,
+            "assumed": how + f", clock locked at {sec['clock_mhz'][r['gpu']]} MHz", "measured_step_s": r["step_s"],
+            "predicted_step_s": pred, "error_pct": 100 * (pred / r["step_s"] - 1), "fits": fits,
+            "flat_error_pct": 100 * (flat / r["step_s"] - 1),
+        })  # fmt: skip
+    return out
+
+
 BRIDGE_CUDNN = CUDNN_919_HOPPER
 """The Megatron-Bridge rows' attention on Hopper: cuDNN as of 9.19 (``--attention-kernel cudnn``), the nearest measured
 version to their containers' (NGC 25.09–26.02 ship cuDNN 9.13–9.19); the 2024 rows (NeMo 24.03/24.07, the
@@ -532,7 +566,8 @@ def main() -> None:
     longseq = nemo_long_rows(data) + nemo_long_rows(data, "nemo_long_sequence_b200_2025")
     nemo = nemo_2407_rows(data)
     zero3 = deepspeed_azure_rows(data)
-    rows = base + bridge_rows(data) + nemo + readme + llama3_rows(data) + longseq + zero3 + moe
+    eager = cudnn_llama_rows(data)
+    rows = base + bridge_rows(data) + nemo + readme + llama3_rows(data) + longseq + zero3 + eager + moe
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -555,6 +590,7 @@ def main() -> None:
         ("NeMo 24.07", nemo),
         ("NeMo long sequence", longseq),
         ("DeepSpeed ZeRO-3", zero3),
+        ("HF eager, 1 GPU", eager),
         ("MoE rows (i. 29)", moe),
     ):
         errs = [abs(r["error_pct"]) for r in part]
