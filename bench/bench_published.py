@@ -415,7 +415,8 @@ def cudnn_llama_rows(data: dict) -> list[dict]:
     cuDNN, the model in bf16, SGD): the measured step is the published time per iteration. Predicted at the clock the
     benchmark locked (the row's ``sustained_clock_fraction`` = locked / the peak's clock), with PyTorch's eager kernels
     (no fusion), cuDNN's attention figures (on the H200 cuDNN 9.19's, the nearest measured to the run's 9.9; on the
-    B200 the row's, cuDNN 9.13's), bf16 weights and gradients without a master copy, no gradient clipping."""
+    B200 the row's, cuDNN 9.13's), bf16 weights and gradients without a master copy, SGD without momentum, no gradient
+    clipping."""
     from microbatch.predict.attention import kernel_figures
 
     sec = data["cudnn_frontend_llama32_1b_2025"]
@@ -430,7 +431,7 @@ def cudnn_llama_rows(data: dict) -> list[dict]:
         b, s = r["batch"], r["seq"]
         cfg = PlanConfig(
             shape=get_model(sec["model"]).with_seq(s), gpu=gpu, global_batch=b, micro_batches=(b,), recompute=("none",),
-            master_weights="none", optimizer="sgd", grad_clip=False, flash_attention=True, memory_headroom=0.0,
+            master_weights="none", optimizer="sgd-plain", grad_clip=False, flash_attention=True, memory_headroom=0.0,
             choose="fastest",
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)

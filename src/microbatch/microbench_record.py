@@ -15,6 +15,7 @@ from microbatch.errors import ConfigError
 from microbatch.fields import is_finite_number
 
 __all__ = [
+    "ADAMW_RECORDED_BYTES",
     "KIND",
     "GemmTiming",
     "AttentionTiming",
@@ -22,6 +23,11 @@ __all__ = [
     "CollectiveTiming",
     "MicrobenchResult",
 ]
+
+ADAMW_RECORDED_BYTES = 28
+"""Bytes per parameter the ``adamw`` stream row counts (its ``nbytes``): the parameter, gradient and two moments read
+(16 B, fp32) and the parameter and moments written (12 B) — what the step must move, not what its unfused kernels
+move (:data:`microbatch.predict.state.EAGER_PASSES`: 80 B in fp32)."""
 
 KIND = "microbench"
 """The ``kind`` field that tells a microbenchmark file from a tune result or a saved calibration."""

@@ -417,3 +417,21 @@ def test_a_microbenchmark_file_with_a_bad_number_is_refused_naming_the_file_and_
     assert len(err) == 1 and "Traceback" not in err[0]
     assert err[0].startswith(f"error: {p}") and __import__("re").search(says, err[0]), err[0]
     assert "give the file bench-gpu wrote" in err[0]
+
+
+def test_a_measured_adamw_step_sets_the_unfused_optimizers_rate_by_the_bytes_its_kernels_move() -> None:
+    """A bench-gpu file's ``adamw`` row counts 28 B per parameter; its unfused kernels move 80 (EAGER_PASSES), so the
+    optimizer's streaming rate is the row's fraction × 80/28: the H200 run's 1.26 TB/s of 4.8 is 0.751."""
+    base = synthetic()
+    row = StreamTiming(
+        kernel="adamw", nbytes=28, seconds=1.0, bytes_per_s=0.2 * H100.memory_bandwidth_bytes_per_s
+    )
+    result = replace(base, stream=(*base.stream, row))
+    a = apply_microbench(result, shape=SHAPE, precision="bf16-mixed", gpu=H100)
+    assert a.efficiency.optimizer_memory == pytest.approx(0.2 * 80 / 28)
+    assert apply_microbench(
+        base, shape=SHAPE, precision="bf16-mixed", gpu=H100
+    ).efficiency.optimizer_memory == (DEFAULT_EFFICIENCY.optimizer_memory)
+    assert 1262122602346.131 / 4.8e12 * 80 / 28 == pytest.approx(
+        DEFAULT_EFFICIENCY.optimizer_memory, abs=5e-4
+    )

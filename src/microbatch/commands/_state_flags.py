@@ -35,7 +35,8 @@ def precision_options(f: F) -> F:
         ),
         click.option(
             "--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True,
-            help="adamw keeps two moments; sgd (with momentum) and lion one.",
+            help="adamw keeps two moments; sgd (with momentum) and lion one; sgd-plain (torch.optim.SGD's default, "
+            "momentum 0) none. Unfused, each is timed by the passes its kernels make.",
         ),  # fmt: skip
         click.option(
             "--moments-dtype", type=click.Choice(list(MOMENT_DTYPES)), default="fp32", show_default=True,

@@ -38,6 +38,7 @@ from microbatch.measure.board import BoardReading, clock_under_load, read_board
 from microbatch.measure.microbench_config import Bench, MicrobenchConfig, cpu_clock, frac, peak, settled_rate
 from microbatch.measure.microbench_shapes import attention_seqs, grid_gemm_shapes, layer_gemm_shapes
 from microbatch.microbench_record import (
+    ADAMW_RECORDED_BYTES,
     AttentionTiming,
     CollectiveTiming,
     GemmTiming,
@@ -117,7 +118,7 @@ def _stream(b: Bench, dtype: Any, out: list[StreamTiming]) -> None:
         ("layernorm", lambda: ln(xl, (width,)), 2 * n_el * e),
         ("softmax", lambda: torch.softmax(xl, dim=-1), 2 * n_el * e),
         ("dropout", lambda: torch.nn.functional.dropout(x, 0.1, training=True), 3 * n_el * e),
-        ("adamw", _adamw_step(torch, dev, n_el // 4), 28 * (n_el // 4)),
+        ("adamw", _adamw_step(torch, dev, n_el // 4), ADAMW_RECORDED_BYTES * (n_el // 4)),
     )
     for i, (name, fn, nbytes) in enumerate(kernels):
         s = b.time_s(fn, 0.5 * b.left_s() / (len(kernels) - i))

@@ -65,10 +65,13 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
             # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
             zero_s += fsdp_edges_s(ag, rs, units, m)
             zero_s += 2 * m * _copy_out_s(ctx, n)  # each gather (forward, backward) copied out (FSDP2)
-    # the update streams weights, gradients and optimizer state of the parameters this GPU owns, in and out
+    # the update streams weights, gradients and optimizer state of the parameters this GPU owns: in and out once
+    # (fused, or a CPU), or as many passes as the optimizer's unfused kernels make (EAGER_PASSES) on a GPU
     owned = n if z < 1 else (n / zg if cfg.expert_parallel == 1 else _owned_with_experts(ctx, n))
-    rate = cfg.efficiency.optimizer_fraction(bool(cfg.gpu.compute_units))  # eager AdamW measured at 0.26
-    opt = 2 * (wb + gb + ob) * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
+    gpu = bool(cfg.gpu.compute_units)
+    rate = cfg.efficiency.optimizer_fraction(gpu)
+    moved = ctx.eager_update_bpp if gpu and not cfg.efficiency.fused_elementwise else 2 * (wb + gb + ob)
+    opt = moved * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     if cfg.grad_clip:
         opt += clip_s(owned * gb, cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
     return dp, zero_s, opt

@@ -105,11 +105,13 @@ class RooflineEfficiency:
     """The same for an eager dropout: 0.585, the same run's ``torch.nn.functional.dropout`` over the same scores
     (3.37 TB/s counting 3 element passes; 2.81 TB/s counting what it moves, read x, write y, a 1-byte mask:
     2.5 passes at 2 bytes, the count :func:`microbatch.predict.roofline.score_passes` uses)."""
-    optimizer_memory: float = 0.26
-    """Fraction of memory bandwidth an unfused optimizer update reaches on a GPU: 0.26, measured by
-    ``bench/gpu_microbench.py`` on an H200 (``torch.optim.AdamW`` default, fp32, 268M parameters in 5.96 ms:
-    1.26 TB/s of 4.8 counting 16 bytes read and 12 written per parameter). Used unless
-    ``fused_elementwise`` (Megatron's and apex's fused Adam: the streaming rate ``memory``)."""
+    optimizer_memory: float = 0.751
+    """Fraction of memory bandwidth an unfused optimizer's kernels stream at on a GPU: 0.751, measured by
+    ``bench/gpu_microbench.py`` on an H200 (``bench/results/h200-2026-11-30b/run1/microbench.json``:
+    ``torch.optim.AdamW`` default, foreach, fp32, 268M parameters in 5.96 ms: 3.61 TB/s of 4.8 counting the 80 bytes
+    per parameter its kernels read and write, :data:`microbatch.predict.state.EAGER_PASSES`; 1.26 TB/s counting the
+    28 the step must move). Each optimizer's passes at this rate; unless ``fused_elementwise`` (Megatron's and apex's
+    fused Adam: read and write once, at the streaming rate ``memory``)."""
     launch_s_per_kernel: float = 6.58e-6
     """Host seconds per counted eager kernel (:data:`microbatch.predict.launch.LAUNCH_S_PER_KERNEL`, a bare launch
     measured on an H200 host; a ``bench-gpu`` file sets a real layer's per-kernel host time): on a GPU a layer's pass

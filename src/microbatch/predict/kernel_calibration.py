@@ -12,7 +12,8 @@ accelerator sets, for plans on that accelerator:
 - **Streaming**: ``memory`` = the median fraction of the bandwidth of copy and add; on a GPU
   ``norm_memory`` = LayerNorm's, ``activation_memory`` = GeLU's; on the CPU (where the planner charges
   every memory-bound kernel at ``memory``) the median of copy, add, GeLU and LayerNorm; on a GPU
-  ``optimizer_memory`` = one AdamW step's (28 B per parameter).
+  ``optimizer_memory`` = one AdamW step's, counting the 80 B per parameter its unfused kernels move
+  (:data:`~microbatch.predict.state.EAGER_PASSES`; the file's row counts 28).
 - **Launch floor**: ``launch_s_per_kernel`` = the measured host seconds per counted kernel of a small eager layer's
   forward and backward (``layer_host_s_per_kernel``), else per tiny eager kernel (files without it): a GPU's floor
   under each pass, a CPU's dispatch added to its compute (:func:`microbatch.predict.roofline.layer_forward`).
@@ -47,10 +48,11 @@ from microbatch.hardware_clocks import (
     MIN_POWER_SHARE,
     power_limited_clock,
 )
-from microbatch.microbench_record import MicrobenchResult
+from microbatch.microbench_record import ADAMW_RECORDED_BYTES, MicrobenchResult
 from microbatch.predict.attention import flash_shape_factor
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
 from microbatch.predict.measured_gemm import MeasuredGemms
+from microbatch.predict.state import eager_update_bytes
 
 __all__ = ["KernelTerms", "measured_cpu_accelerator", "kernel_terms", "measured_on"]
 
@@ -123,6 +125,8 @@ def _stream_terms(
     result: MicrobenchResult, acc: Accelerator, sources: dict[str, str], notes: list[str]
 ) -> dict[str, Any]:
     frac = {s.kernel: s.bytes_per_s / acc.memory_bandwidth_bytes_per_s for s in result.stream}
+    if "adamw" in frac:  # the rate of the unfused kernels: the bytes they move, not the 28 the step must
+        frac["adamw"] *= eager_update_bytes("adamw", 4, 4, 4) / ADAMW_RECORDED_BYTES
     out: dict[str, float] = {}
     gpu = bool(acc.compute_units)
     kernels = [k for k in (("copy", "add") if gpu else ("copy", "add", "gelu", "layernorm")) if k in frac]

@@ -123,7 +123,7 @@ class MemoryConfig:
     grad_dtype: str = "half"
     """Gradient type under mixed precision: half (16 B/param with Adam) or fp32 (18 B/param)."""
     optimizer: str = "adamw"
-    """adamw, sgd or lion (:data:`microbatch.predict.state.OPTIMIZERS`)."""
+    """adamw, sgd, sgd-plain or lion (:data:`microbatch.predict.state.OPTIMIZERS`)."""
     moments_dtype: str = "fp32"
     """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
     master_weights: str = "fp32"

@@ -5,7 +5,7 @@ norms, residual adds, the activation function and dropout (:func:`elementwise_fo
 :func:`elementwise_backward_ratio`) and rotary embeddings (:func:`rotary_forward_s`). The rates are
 ``RooflineEfficiency``'s: eager kernels at the fractions ``bench/gpu_microbench.py`` measured on an H200
 (LayerNorm 0.44, GELU 0.48, softmax 0.356, dropout 0.585 of the bandwidth), fused or compiled ones at the
-streaming rate (copy 0.78, add 0.83; compiled norms at ``COMPILED_NORM_MEMORY``); the optimizer's (0.26) is read by the step-time rule and the loss's
+streaming rate (copy 0.78, add 0.83; compiled norms at ``COMPILED_NORM_MEMORY``); the optimizer's (0.751 over its kernels' passes, :data:`microbatch.predict.state.EAGER_PASSES`) is read by the step-time rule and the loss's
 softmax over the vocabulary by :func:`microbatch.predict.roofline.logits_forward`.
 :mod:`microbatch.predict.roofline` builds a layer from these and re-exports them. Pure Python: no torch.
 """

@@ -80,7 +80,7 @@ class PlanConfig:
     grad_dtype: str = "half"
     """Gradients under mixed precision: half (16 B/param) or fp32 (18 B/param)."""
     optimizer: str = "adamw"
-    """adamw, sgd or lion (:data:`microbatch.predict.state.OPTIMIZERS`)."""
+    """adamw, sgd, sgd-plain or lion (:data:`microbatch.predict.state.OPTIMIZERS`)."""
     moments_dtype: str = "fp32"
     """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
     master_weights: str = "fp32"

@@ -29,6 +29,7 @@ from microbatch.predict.roofline import (
     scatter_gather_send_s,
 )
 from microbatch.predict.stages import split_layers, stage_params
+from microbatch.predict.state import config_eager_update_bytes
 from microbatch.schedules.closed_forms import PipelineTime
 
 __all__ = [
@@ -94,6 +95,8 @@ class Context:
     """Bytes per activation element (the compute dtype's)."""
     state_bpp: tuple[int, int, int]
     """Weight, gradient and optimizer-state bytes per parameter."""
+    eager_update_bpp: float = 0.0
+    """Bytes an unfused optimizer step moves per parameter (:func:`microbatch.predict.state.eager_update_bytes`)."""
     total_params: int = 0
     """The model's parameters (every expert)."""
     active_params: int = 0
@@ -197,6 +200,7 @@ def make_context(cfg: PlanConfig) -> Context:
         dtype=prec.compute_dtype,
         e=prec.weight_bytes,  # activations are kept in the compute dtype
         state_bpp=cfg.state_bytes_per_param(),
+        eager_update_bpp=config_eager_update_bytes(cfg),
         tokens_per_step=cfg.global_batch * cfg.seq_len,
         num_gpus=cfg.num_gpus,
         peak_flops=cfg.gpu.flops(prec.gemm_dtype or prec.compute_dtype),

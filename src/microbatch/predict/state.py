@@ -19,7 +19,7 @@ precision-aware optimizer, TE ≥ 2.1, bf16 and no FP8 recipe or a delayed one) 
 (its gradient buffer in ``grad_sync_dtype``, = ``dtype`` = fp32) + 2 + 8 = 16 B; NeMo's Nemotron-4 340B
 config (``dtype: bf16``, ``grad_sync_dtype: bf16``) 2 + 2 + 0 + 4 = 8 B.
 
-SGD keeps one momentum buffer instead of two moments. ZeRO stage 1 shards the optimizer state
+SGD keeps one momentum buffer instead of two moments (``sgd-plain``, torch's default momentum 0, none). ZeRO stage 1 shards the optimizer state
 over the d data-parallel replicas (Megatron's *distributed optimizer* is this), stage 2 also the
 gradients, stage 3 also the weights. The precisions are :data:`microbatch.precision.PRECISIONS`.
 """
@@ -32,7 +32,7 @@ from microbatch.errors import ConfigError
 from microbatch.precision import get_precision
 
 __all__ = [
-    "GRAD_DTYPES", "MASTER_WEIGHTS", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "EAGER_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -42,10 +42,45 @@ MOMENT_DTYPES = ("fp32", "bf16")
 MASTER_WEIGHTS = ("fp32", "remainder", "none")
 """Mixed precision's master weights: an fp32 copy (4 B), the 16 bits of it the bf16 weights lack (2 B; apex and
 Megatron ``store_param_remainders``), or none (the half weights updated in place)."""
-OPTIMIZERS = ("adamw", "sgd", "lion")
+OPTIMIZERS = ("adamw", "sgd", "sgd-plain", "lion")
 """Optimizers with a state-size rule (Adam/AdamW: two moments; SGD with momentum and Lion: one buffer — Lion keeps
 only its momentum, Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2; llm-foundry's
-``DecoupledLionW``)."""
+``DecoupledLionW``; ``sgd-plain``: ``torch.optim.SGD`` at its default momentum 0, no state)."""
+_BUFFERS = {"adamw": 2, "sgd": 1, "sgd-plain": 0, "lion": 1}
+
+EAGER_PASSES: dict[str, tuple[int, int, int, int]] = {
+    "adamw": (4, 2, 8, 6),
+    "sgd": (2, 1, 5, 0),
+    "sgd-plain": (2, 1, 0, 0),
+    "lion": (4, 2, 3, 4),
+}
+"""Element passes of one unfused optimizer step over each parameter: (the updated copy, the gradient, the state
+buffers, the temporaries), each pass one read or one write of one element, counted from the code that runs:
+
+- ``adamw``: torch's ``_multi_tensor_adam`` (``torch/optim/adam.py``, torch 2.x, decoupled decay, the default
+  ``foreach`` path): ``_foreach_mul_`` of the weights by 1 − lr·wd (2 passes), ``_foreach_lerp_`` of the first
+  moment towards the gradient (m 2, g 1), ``_foreach_mul_`` of the second moment (v 2), ``_foreach_addcmul_`` of g²
+  into it (v 2, g 1), ``_foreach_sqrt`` into a temporary (v 1, t 1), ``_foreach_div_`` and ``_foreach_add_`` on it
+  (t 4), ``_foreach_addcdiv_`` into the weights (p 2, m 1, t 1): 4, 2, 3 + 5, 6.
+- ``sgd``: ``_multi_tensor_sgd`` (``torch/optim/sgd.py``) with momentum: ``_foreach_mul_`` of the buffer (2),
+  ``_foreach_add_`` of the gradient into it (buffer 2, g 1), ``_foreach_add_`` of it into the weights (p 2,
+  buffer 1). ``sgd-plain``: the last with the gradient (p 2, g 1).
+- ``lion``: llm-foundry's ``DecoupledLionW.lionw`` (per tensor): the decay ``mul_`` (p 2), ``exp_avg.lerp(grad)``
+  into a temporary (m 1, g 1, t 1), its ``sign_`` (t 2), ``p.add_`` of it (p 2, t 1), ``exp_avg.lerp_(grad)``
+  (m 2, g 1).
+
+A fused optimizer (apex's, Megatron's, ``fused=True``) reads and writes each once instead; the unfused rate
+``RooflineEfficiency.optimizer_memory`` is measured on an AdamW step and these counts carry it to the others."""
+
+
+def eager_update_bytes(optimizer: str, updated: float, grad: float, state: float) -> float:
+    """Bytes one unfused optimizer step moves per parameter: :data:`EAGER_PASSES` × each tensor's bytes per element
+    (``updated``: the copy the step writes, the fp32 master under mixed precision; ``grad``; ``state``: one buffer
+    element, temporaries alike). An fp32 AdamW step: 4·4 + 2·4 + (8 + 6)·4 = 80 B."""
+    p, g, s, t = EAGER_PASSES[optimizer]
+    return p * updated + g * grad + (s + t) * state
+
+
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages: none, optimizer state, + gradients, + weights sharded over the data-parallel replicas."""
 
@@ -73,7 +108,9 @@ def bytes_per_param(
         )
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
-    buffers = (2 if optimizer == "adamw" else 1) * (4 if moments == "fp32" else 2)  # Lion and SGD: one buffer
+    buffers = _BUFFERS[optimizer] * (
+        4 if moments == "fp32" else 2
+    )  # Lion and SGD: one buffer, plain SGD none
     w = prec.weight_bytes
     if not prec.master_copy:
         return w, w, buffers
@@ -127,6 +164,15 @@ def config_bytes_per_param(cfg: _StateSettings) -> tuple[int, int, int]:
     return bytes_per_param(
         cfg.precision, cfg.grad_dtype, cfg.optimizer, cfg.moments_dtype, cfg.master_weights
     )
+
+
+def config_eager_update_bytes(cfg: _StateSettings) -> float:
+    """:func:`eager_update_bytes` of a config: the step writes the fp32 master (or the weights and their remainder,
+    4 B together) under mixed precision with a master copy, else the weights themselves; each buffer element is
+    ``moments_dtype``'s bytes."""
+    w, g, _ = config_bytes_per_param(cfg)
+    master = get_precision(cfg.precision).master_copy and cfg.master_weights != "none"
+    return eager_update_bytes(cfg.optimizer, 4 if master else w, g, 4 if cfg.moments_dtype == "fp32" else 2)
 
 
 def model_state_bytes(
