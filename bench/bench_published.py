@@ -431,7 +431,8 @@ def cudnn_llama_rows(data: dict) -> list[dict]:
         b, s = r["batch"], r["seq"]
         cfg = PlanConfig(
             shape=get_model(sec["model"]).with_seq(s), gpu=gpu, global_batch=b, micro_batches=(b,), recompute=("none",),
-            master_weights="none", optimizer="sgd-plain", grad_clip=False, flash_attention=True, memory_headroom=0.0,
+            master_weights="none", optimizer="sgd-plain", loss_dtype="half", grad_clip=False, flash_attention=True,
+            memory_headroom=0.0,
             choose="fastest",
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)

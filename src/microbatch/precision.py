@@ -27,8 +27,33 @@ from microbatch.errors import ConfigError
 __all__ = [
     "check_gemm_dtype",
     "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
-    "get_fp8_recipe", "saves_fp8_inputs", "weight_cache_bytes",
+    "get_fp8_recipe", "saves_fp8_inputs", "weight_cache_bytes", "LOSS_DTYPES", "loss_bytes",
 ]  # fmt: skip
+
+LOSS_DTYPES = {"fp32": 4, "half": 2}
+"""Bytes per logit the loss reads and writes. ``fp32``: the logits upcast before the softmax — Megatron's default
+(its vocabulary-parallel cross-entropy runs in fp32 unless ``--fp16-lm-cross-entropy``), torchtitan's loss
+(``pred.float()``), Hugging Face's ``ForCausalLMLoss`` (``logits.float()``), and any loss under autocast, which runs
+``log_softmax`` and ``nll_loss`` in fp32. ``half``: the model's half logits taken as they are — Megatron's
+``--fp16-lm-cross-entropy``, or a loop without autocast whose model is in bf16 (cudnn-frontend's Llama benchmark)."""
+
+
+def loss_bytes(loss_dtype: str, precision: str = "bf16-mixed") -> int:
+    """Bytes per logit of ``loss_dtype`` (:data:`LOSS_DTYPES`); ConfigError for an unknown one, or ``half`` under fp32
+    training (its logits are fp32: no half copy exists to take the loss over)."""
+    if loss_dtype not in LOSS_DTYPES:
+        raise ConfigError(
+            f"loss_dtype {loss_dtype!r} is not known; use fp32 (the logits upcast for the loss: Megatron's, "
+            "torchtitan's, Hugging Face's and autocast's default) or half (Megatron's fp16_lm_cross_entropy)",
+            params=("loss_dtype",),
+        )
+    if loss_dtype == "half" and get_precision(precision).compute_dtype == "fp32":
+        raise ConfigError(
+            f"loss_dtype half with precision {precision}: fp32 training's logits are fp32; use loss_dtype fp32 or a "
+            "half precision (bf16-mixed, fp16-mixed)",
+            params=("loss_dtype", "precision"),
+        )
+    return LOSS_DTYPES[loss_dtype]
 
 
 @dataclass(frozen=True, kw_only=True)

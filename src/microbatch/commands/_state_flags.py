@@ -1,5 +1,6 @@
 """The flags that size a training step's state per parameter: precision, gradient type, optimizer, its moments and
-its master weights (:mod:`microbatch.predict.state`), shared by ``plan`` and ``memory``."""
+its master weights (:mod:`microbatch.predict.state`), and the logits the loss keeps, shared by ``plan`` and
+``memory``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from microbatch.precision import PRECISIONS
+from microbatch.precision import LOSS_DTYPES, PRECISIONS
 from microbatch.predict.state import GRAD_DTYPES, MASTER_WEIGHTS, MOMENT_DTYPES, OPTIMIZERS
 
 __all__ = ["precision_options"]
@@ -18,7 +19,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def precision_options(f: F) -> F:
     """``--precision``, ``--grad-dtype``, ``--optimizer``, ``--moments-dtype`` and ``--master-weights``: the bytes of
-    training state per parameter (:mod:`microbatch.predict.state`)."""
+    training state per parameter (:mod:`microbatch.predict.state`); ``--loss-dtype``: the logits' bytes."""
     opts = [
         click.option(
             "--precision",
@@ -48,6 +49,11 @@ def precision_options(f: F) -> F:
             help="Mixed precision's master copy: fp32 (4 B), remainder (2 B: the fp32 bits under bf16 weights, "
             "NeMo's distributed Adam; Megatron's precision-aware optimizer under bf16, non-FP8 or delayed-scaling runs) or "
             "none (bf16 weights updated in place).",
+        ),
+        click.option(
+            "--loss-dtype", type=click.Choice(list(LOSS_DTYPES)), default="fp32", show_default=True,
+            help="The logits the loss reads and keeps: fp32 (upcast: Megatron's, torchtitan's, Hugging Face's and "
+            "autocast's default) or half (Megatron's --fp16-lm-cross-entropy; a bf16 model's loss without autocast).",
         ),
     ]  # fmt: skip
     for opt in reversed(opts):

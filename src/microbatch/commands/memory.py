@@ -74,7 +74,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, zero: str, data_parallel: int, layers_per_stage: str | None,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, zero: str, data_parallel: int, layers_per_stage: str | None,
     pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
@@ -104,6 +104,7 @@ def cmd(
         optimizer=optimizer,
         moments_dtype=moments_dtype,
         master_weights=master_weights,
+        loss_dtype=loss_dtype,
         recompute=recompute,
         flash_attention=flash,
         pipeline_grad_reduce=pipeline_grad_reduce,

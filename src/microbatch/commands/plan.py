@@ -181,7 +181,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
     parallel_block: bool, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
@@ -222,6 +222,7 @@ def cmd(
         optimizer=optimizer,
         moments_dtype=moments_dtype,
         master_weights=master_weights,
+        loss_dtype=loss_dtype,
         flash_attention=flash,
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,

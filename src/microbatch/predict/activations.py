@@ -201,8 +201,10 @@ def output_activation_bytes(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     dtype_bytes: int = 2,
+    logits_bytes: int = 4,
 ) -> float:
-    """Final norm input and output-projection input (2 × e·sbh) plus fp32 logits 4·s·b·V/t.
+    """Final norm input and output-projection input (2 × e·sbh) plus the logits the loss keeps, 4·s·b·V/t in fp32
+    (``logits_bytes``: 2 when the loss takes the half logits, :data:`microbatch.precision.LOSS_DTYPES`).
 
     Korthikanti et al. 2022 §4.3 ("4sbh/t·(1 + v/h)" with SP and 2-byte activations); the logits
     are vocabulary-parallel, so split by t. Ignores the logits' gradient, a transient of the same size.
@@ -211,5 +213,5 @@ def output_activation_bytes(
     sp = tensor_parallel if sequence_parallel else 1
     return (
         2 * dtype_bytes * s * micro_batch * shape.hidden / sp
-        + 4 * s * micro_batch * shape.vocab / tensor_parallel
+        + logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
     )

@@ -20,7 +20,13 @@ from typing import Any
 
 from microbatch.errors import ConfigError, check_non_negative, check_positive_int
 from microbatch.model import ModelShape, check_seq
-from microbatch.precision import get_fp8_recipe, get_precision, saves_fp8_inputs, weight_cache_bytes
+from microbatch.precision import (
+    get_fp8_recipe,
+    get_precision,
+    loss_bytes,
+    saves_fp8_inputs,
+    weight_cache_bytes,
+)
 from microbatch.predict.activations import (
     check_recompute,
     embedding_activation_bytes,
@@ -44,15 +50,9 @@ from microbatch.schedules import registry
 from microbatch.shape import check_tensor_parallel
 
 __all__ = [
-    "MemoryCalibration",
-    "MemoryConfig",
-    "StageMemory",
-    "MemoryEstimate",
-    "split_layers",
-    "in_flight_layers",
-    "stage_params",
-    "estimate_memory",
-]
+    "MemoryCalibration", "MemoryConfig", "StageMemory", "MemoryEstimate", "split_layers", "in_flight_layers",
+    "stage_params", "estimate_memory",
+]  # fmt: skip
 
 
 # -- pipeline stages ------------------------------------------------------------------------------------
@@ -128,6 +128,8 @@ class MemoryConfig:
     """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
     master_weights: str = "fp32"
     """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
+    loss_dtype: str = "fp32"
+    """The logits the loss keeps: fp32 (upcast) or half (:data:`microbatch.precision.LOSS_DTYPES`)."""
     recompute: str = "none"
     """Activation recomputation: none, selective, full."""
     flash_attention: bool | None = None
@@ -178,6 +180,7 @@ class MemoryConfig:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
         self.state_bytes_per_param()  # validates the precision and the four state settings
+        loss_bytes(self.loss_dtype, self.precision)
         check_recompute(self.recompute)
         if self.schedule not in registry.schedule_names(in_flight=True):
             raise ConfigError(
@@ -351,6 +354,7 @@ class MemoryEstimate:
                 "optimizer": cfg.optimizer,
                 "moments_dtype": cfg.moments_dtype,
                 "master_weights": cfg.master_weights,
+                "loss_dtype": cfg.loss_dtype,
                 "recompute": cfg.recompute,
                 "recompute_every": cfg.recompute_every,
                 "expert_parallel": cfg.expert_parallel,
@@ -449,9 +453,7 @@ def estimate_memory(
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
     ep = config.expert_parallel
-    d = zero_groups(config.data_parallel, c, config.shard_degree)[
-        0
-    ]  # state shards over d·c (or HSDP's group)
+    d = zero_groups(config.data_parallel, c, config.shard_degree)[0]  # state shards over d·c (or HSDP's)
     for i, n_layers in enumerate(split):
         params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
         held = in_flight_microbatches(config.schedule, i, p, m, v)
@@ -463,8 +465,9 @@ def estimate_memory(
             terms["embedding"] = emb * held
         if i == last:
             out = output_activation_bytes(
-                shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, dtype_bytes=e
-            )
+                shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, dtype_bytes=e,
+                logits_bytes=loss_bytes(config.loss_dtype, config.precision),
+            )  # fmt: skip
             terms["output"] = out * held
         if working:
             terms["recompute_working"] = working

@@ -13,7 +13,7 @@ from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_data_parallel, check_
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape, check_seq
-from microbatch.precision import check_gemm_dtype, get_fp8_recipe, get_precision
+from microbatch.precision import check_gemm_dtype, get_fp8_recipe, get_precision, loss_bytes
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import check_context_exchange, check_context_layout, check_ulysses_heads
@@ -85,6 +85,8 @@ class PlanConfig:
     """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
     master_weights: str = "fp32"
     """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
+    loss_dtype: str = "fp32"
+    """The logits the loss reads and keeps: fp32 (upcast) or half (:data:`microbatch.precision.LOSS_DTYPES`)."""
     flash_attention: bool | None = None
     """Flash attention; None means the model's setting."""
     memory_headroom: float = DEFAULT_HEADROOM
@@ -192,6 +194,7 @@ class PlanConfig:
             check_positive_int("micro_batches", b)
             check_micro_batch(B, b, d)
         self.state_bytes_per_param()  # validates the precision and the four state settings
+        loss_bytes(self.loss_dtype, self.precision)
         L, p = self.shape.layers, self.pipeline_parallel
         self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
         for v in self.virtuals or ():
@@ -366,6 +369,7 @@ class PlanConfig:
             "optimizer": self.optimizer,
             "moments_dtype": self.moments_dtype,
             "master_weights": self.master_weights,
+            "loss_dtype": self.loss_dtype,
             "memory_headroom": self.memory_headroom,
             "memory_budget_bytes": self.memory_budget_bytes,
             "num_gpus": self.num_gpus,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from microbatch.precision import get_precision, saves_fp8_inputs, weight_cache_bytes
+from microbatch.precision import LOSS_DTYPES, get_precision, saves_fp8_inputs, weight_cache_bytes
 from microbatch.predict.activations import (
     embedding_activation_bytes,
     layer_activation_bytes,
@@ -230,8 +230,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
         )  # fmt: skip
         logit_s, _ = logits_forward(
             cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
-            dtype=ctx.dtype,
-            efficiency=cfg.efficiency,
+            dtype=ctx.dtype, efficiency=cfg.efficiency, logits_bytes=LOSS_DTYPES[cfg.loss_dtype],
         )  # fmt: skip
         t, p = cfg.tensor_parallel, cfg.pipeline_parallel
         p2p = 0.0
@@ -267,7 +266,9 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
             working = recompute_working(none, per_layer)
             per_layer = every_kth(per_layer, none, cfg.recompute_every if rc == "full" else 1)
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
-        out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, **ctx.act_kw)
+        out = output_activation_bytes(
+            cfg.shape, b, dtype_bytes=ctx.e, logits_bytes=LOSS_DTYPES[cfg.loss_dtype], **ctx.act_kw
+        )
         a2a = 0.0
         if cfg.expert_parallel > 1:
             s_local = cfg.seq_len // cfg.context_parallel

@@ -431,10 +431,12 @@ def logits_forward(
     tensor_parallel: int = 1,
     dtype: str = "bf16",
     efficiency: RooflineEfficiency = DEFAULT_EFFICIENCY,
+    logits_bytes: int = 4,
 ) -> tuple[float, float]:
     """(seconds, FLOPs) of the output layer and cross-entropy at rows = b_m·s on one of t GPUs.
 
-    GEMM rows×h×V/t, then 3 passes of the fp32 logits (4·rows·V/t bytes): written (at the streaming rate),
+    GEMM rows×h×V/t, then 3 passes of the logits in the loss's dtype (``logits_bytes``·rows·V/t bytes: 4, fp32,
+    unless the loss takes the half logits, :data:`microbatch.precision.LOSS_DTYPES`): written (at the streaming rate),
     read by the softmax and read again by the loss's backward preparation (2 passes at the softmax rate of
     ``efficiency.score_fractions``: an eager softmax's measured rate on a GPU unless fused). The embedding's,
     final norm's, output GEMM's and loss's launches (:func:`~microbatch.layer_kernels.head_kernels`) are a floor
@@ -447,7 +449,7 @@ def logits_forward(
     gemm = gemm_time_s(rows, shape.hidden, shape.vocab / t, acc, dtype=dtype, efficiency=efficiency)
     softmax = efficiency.score_fractions(bool(acc.compute_units))[0]
     passes = 1 / efficiency.memory + 2 / softmax
-    loss = 4 * rows * shape.vocab / t * passes / acc.memory_bandwidth_bytes_per_s
+    loss = logits_bytes * rows * shape.vocab / t * passes / acc.memory_bandwidth_bytes_per_s
     flops = gemm_flops(rows, shape.hidden, shape.vocab / t)
     host = host_time_s(  # the host's launches, as a layer's (:func:`_launch_floor`); one is the output GEMM's
         head_kernels(shape), 1, efficiency.launch_s_per_kernel, gemm + loss, cpu=not acc.compute_units,
