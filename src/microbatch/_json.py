@@ -5,9 +5,37 @@ from __future__ import annotations
 import json
 import math
 import operator
+import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["finite", "dumps"]
+from microbatch.errors import ConfigError
+
+__all__ = ["finite", "dumps", "json_kind", "load_json", "loads"]
+
+
+def json_kind(value: Any) -> str:
+    """A loaded JSON value as a message names it: ``a JSON number (42)``, ``a JSON null (null)``."""
+    kind = (
+        "null" if value is None else "boolean" if isinstance(value, bool)
+        else "number" if isinstance(value, (int, float)) else "string" if isinstance(value, str)
+        else "array" if isinstance(value, list) else "object" if isinstance(value, dict) else "value"
+    )  # fmt: skip
+    return f"a JSON {kind} ({json.dumps(value, default=str)[:40]})"
+
+
+def loads(text: str | bytes) -> Any:
+    """:func:`json.loads`, with a document nested past what the parser can follow raised as the
+    :class:`json.JSONDecodeError` every reader of a user's file already turns into its message (the parser recurses
+    once per level: a file of 100,000 ``[`` otherwise escapes as a RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        limit = sys.getrecursionlimit()
+        raise json.JSONDecodeError(
+            f"nested deeper than the {limit} levels the reader follows", doc, 0
+        ) from None
 
 
 def finite(obj: Any) -> Any:
@@ -32,3 +60,34 @@ def finite(obj: Any) -> Any:
 def dumps(obj: Any) -> str:
     """JSON text of ``obj`` with non-finite floats as null (valid JSON for every parser)."""
     return json.dumps(finite(obj), indent=2, allow_nan=False)
+
+
+def load_json(
+    source: str | Path | dict[str, Any] | list[Any],
+    *,
+    what: str = "result file",
+    fix: str = "give files a command wrote (its JSON output, or the result.json of its output folder)",
+) -> Any:
+    """The JSON value at ``source`` (a directory means its ``result.json``), or ``source`` itself when
+    it is already a dict or list. Raises :class:`ConfigError` naming ``what``, the path and ``fix``."""
+    if isinstance(source, (dict, list)):
+        return source
+    if str(source) == "":
+        raise ConfigError(f"{what} is an empty path; {fix}")
+    if not isinstance(source, (str, Path)):  # a value read from a file that held a number, a string, null
+        raise ConfigError(f"{what} holds {json_kind(source)}, not an object; {fix}")
+    path = Path(source)
+    if path.is_dir():
+        path = path / "result.json"
+    if not path.is_file():
+        why = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"{what} {str(path)!r} {why}; {fix}")
+    try:
+        value = loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} {str(path)!r} is not JSON ({e.msg} at line {e.lineno}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {str(path)!r} is not readable ({e}); {fix}") from None
+    if not isinstance(value, (dict, list)):
+        raise ConfigError(f"{what} {str(path)!r} holds {json_kind(value)}, not an object; {fix}")
+    return value

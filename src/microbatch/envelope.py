@@ -9,12 +9,12 @@ call this module.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from microbatch import __version__
+from microbatch._json import loads
 
 __all__ = ["ENVELOPE_KEYS", "ERROR_KINDS", "MARK", "envelope", "error_envelope", "is_ours", "mark_line"]
 
@@ -82,7 +82,7 @@ def is_ours(path: str | Path) -> bool:
             return True
         if not head.lstrip().startswith(b"{") or size > _ENVELOPE_READ_BYTES:
             return False
-        data = json.loads(p.read_bytes())
+        data = loads(p.read_bytes())
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and all(isinstance(data.get(k), str) for k in ENVELOPE_KEYS)

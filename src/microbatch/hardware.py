@@ -141,6 +141,16 @@ class Accelerator:
             "inter_node_bytes_per_s",
         ):
             check_positive(f"{self.name} {f}", getattr(self, f), fix="give the device's figure")
+        rates = {f: getattr(self, f) for f in ("memory_bandwidth_bytes_per_s", "intra_node_bytes_per_s",
+                                              "inter_node_bytes_per_s")}  # fmt: skip
+        rates |= {f"peak_flops[{k}]": v for k, v in self.peak_flops.items() if isinstance(v, (int, float))}
+        for (
+            f,
+            v,
+        ) in rates.items():  # a step's time divides by them: below 1 a second it runs past float's range
+            if isinstance(v, (int, float)) and 0 < v < 1:
+                raise ConfigError(f"{self.name} {f} is {v:g} per second; no device runs below 1: give it in bytes "
+                                  "(FLOP) per second, e.g. 2.0e12")  # fmt: skip
         for f in ("intra_node_achievable", "inter_node_achievable"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not (0 < v <= 1):

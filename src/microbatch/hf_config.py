@@ -10,6 +10,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from microbatch._json import loads
 from microbatch.errors import ConfigError
 from microbatch.hf_attention import own_head_size, sliding_window_of
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
@@ -95,7 +96,7 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
             params=_HF,
         )
     try:
-        raw = json.loads(file.read_text())
+        raw = loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(
             f"hf_config {str(file)!r} is not readable JSON ({e}); give a config.json", params=_HF

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from microbatch._json import loads
 from microbatch.errors import ConfigError
 from microbatch.fields import is_finite_number
 
@@ -218,7 +219,7 @@ class MicrobenchResult:
     def from_json(cls, text: str) -> MicrobenchResult:
         """:meth:`from_dict` of JSON text."""
         try:
-            return cls.from_dict(json.loads(text))
+            return cls.from_dict(loads(text))
         except json.JSONDecodeError as e:
             raise ConfigError(f"microbenchmark result is not JSON ({e.msg} at line {e.lineno})") from None
 

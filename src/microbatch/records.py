@@ -18,13 +18,13 @@ Core: no torch, no layer above.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from microbatch._json import load_json
 from microbatch.errors import ConfigError, whole_number
 from microbatch.fields import MAX_EXACT_WHOLE, flag, number, positive, short_repr, true_or_false
 from microbatch.model import ModelShape, get_model
@@ -52,30 +52,6 @@ GUESSED_KINDS = ("tune", "plan", "pipeline", "simulate", "validate")
 
 
 # -- JSON ----------------------------------------------------------------------------------------
-def load_json(
-    source: str | Path | dict[str, Any] | list[Any],
-    *,
-    what: str = "result file",
-    fix: str = "give files a command wrote (its JSON output, or the result.json of its output folder)",
-) -> Any:
-    """The JSON value at ``source`` (a directory means its ``result.json``), or ``source`` itself when
-    it is already a dict or list. Raises :class:`ConfigError` naming ``what``, the path and ``fix``."""
-    if isinstance(source, (dict, list)):
-        return source
-    path = Path(source)
-    if path.is_dir():
-        path = path / "result.json"
-    if not path.is_file():
-        why = "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"{what} {str(path)!r} {why}; {fix}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not JSON ({e.msg} at line {e.lineno}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what} {str(path)!r} is not readable ({e}); {fix}") from None
-
-
 def classify(result: Any) -> str:
     """Which command wrote ``result``: the envelope's ``command`` field (any command), or, for a
     file written before the envelope existed, one of :data:`GUESSED_KINDS` recognised by its keys."""
@@ -163,7 +139,10 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
     and each point's ``micro_batch`` whole numbers >= 1 (at most :data:`MAX_EXACT_WHOLE`), the fields of
     :data:`POINT_NUMBERS` and :data:`RESULT_NUMBERS` JSON numbers or null. ConfigError naming the file,
     the point and the field: a hand-edited or foreign file is refused with the place to fix, before
-    anything is drawn. Other kinds are not checked here."""
+    anything is drawn. Any kind's error envelope (a refused or failed run's ``--json``) is refused, quoting it."""
+    if isinstance(item.get("error"), str) and "kind" in item:
+        raise ConfigError(f"{source} records a failed `microbatch {kind}` ({item['error'][:160]}); give the output "
+                          "of a run that succeeded")  # fmt: skip
     if kind not in ("tune", "recommend"):
         return
     fix = "fix the file, or give the result.json a tune wrote"
@@ -414,7 +393,7 @@ def _precision_and_device(
             f"{label}: no 'precision'; say which (fp32, bf16-mixed) the points were measured in: add "
             '"precision": ... to the file' + _WRAP
         )
-    if prec not in PRECISIONS:
+    if not isinstance(prec, str) or prec not in PRECISIONS:
         raise ConfigError(f"{label}: precision {prec!r} is not known; use {', '.join(PRECISIONS)}")
     dev = str(data.get("device") or device or "")
     if not dev:

@@ -16,7 +16,13 @@ from microbatch.batch import divisors
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.moe import Experts, LatentAttention, as_experts, as_latent_attention
 
-__all__ = ["ModelShape", "check_tensor_parallel"]
+__all__ = ["MAX_LAYERS", "MAX_WIDTH", "ModelShape", "check_tensor_parallel"]
+
+MAX_LAYERS = 100_000
+"""The most layers a shape may have: 500× today's deepest (Llama 3.1 405B's 126, GPT-3's 96); past it a typo."""
+MAX_WIDTH = 2**30
+"""The most a width, head count, vocabulary or sequence may be (1.07·10^9): 10^4× today's widest hidden size and
+100× the longest context trained; the divisor searches over a shape stay milliseconds under it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +85,12 @@ class ModelShape:
             )
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
             check_positive_int(f, getattr(self, f))
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "head_size", "vocab", "seq"):
+            v, cap = getattr(self, f), MAX_LAYERS if f == "layers" else MAX_WIDTH
+            if isinstance(v, int) and v > cap:  # the searches over a shape's divisors would run for hours
+                raise ConfigError(f"{f} {v:,} is past {cap:,}, beyond any model this tool plans (the deepest stack "
+                                  "~200, the widest are ~10^5 wide, the longest contexts ~10^7 tokens); check it",
+                                  params=(f,))  # fmt: skip
         if self.kv_heads is not None:
             check_positive_int("kv_heads", self.kv_heads)
             if self.heads % self.kv_heads:

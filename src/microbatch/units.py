@@ -59,6 +59,8 @@ def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
         raise ConfigError(
             f"{name} {text!r} is not a size; give a positive number with a unit, e.g. 12GiB, 500MB or 2e9"
         )
+    if value * _UNITS[unit] < 1:
+        raise ConfigError(f"{name} {text!r} is less than one byte; give a size, e.g. 12GiB, 500MB or 2e9")
     return int(value * _UNITS[unit])
 
 

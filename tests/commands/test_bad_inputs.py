@@ -334,7 +334,9 @@ def test_19_report_names_the_file_and_checks_out_first(tmp_path, capsys):
     Path(plan).write_text(capsys.readouterr().out)
     null = write(tmp_path, "null.json", "null")
     check_refused(
-        ["report", null, "--out", str(tmp_path / "r.html")], capsys, r"null\.json: a result must be"
+        ["report", null, "--out", str(tmp_path / "r.html")],
+        capsys,
+        r"null\.json' holds a JSON null \(null\), not an object",
     )
     empty = write(tmp_path, "list.json", "[]")
     check_refused(

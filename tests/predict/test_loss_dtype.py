@@ -41,7 +41,9 @@ def test_plan_and_memory_follow_the_loss_dtype() -> None:
     half = make_plan(PlanConfig(**base, loss_dtype="half")).fastest
     assert fp32 is not None and half is not None
     assert half.step_time_s < fp32.step_time_s
-    assert fp32.memory["activations"] - half.memory["activations"] == pytest.approx(2 * 12 * 1024 * SHAPE.vocab)
+    assert fp32.memory["activations"] - half.memory["activations"] == pytest.approx(
+        2 * 12 * 1024 * SHAPE.vocab
+    )
     mem = {k: estimate_memory(SHAPE, MemoryConfig(micro_batch=4, loss_dtype=k)) for k in LOSS_DTYPES}
     assert mem["fp32"].stages[-1].activation_terms["output"] - mem["half"].stages[-1].activation_terms[
         "output"
@@ -60,7 +62,10 @@ def test_a_loss_dtype_that_cannot_be_is_refused(loss: str, precision: str, words
 
 
 def test_the_cli_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["memory", "--model", "llama-3.2-1b", "-b", "1", "--precision", "fp32", "--loss-dtype", "half"]) == 2
+    assert (
+        main(["memory", "--model", "llama-3.2-1b", "-b", "1", "--precision", "fp32", "--loss-dtype", "half"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "--loss-dtype half with --precision fp32" in err
     assert main(["memory", "--model", "llama-3.2-1b", "-b", "1", "--loss-dtype", "half", "--json"]) == 0

@@ -147,16 +147,16 @@ def _check_replaces_an_export(output: str, config: dict[str, Any], fmt: str) -> 
     (re-exporting after re-planning; a hand-written config adds offload or overlap settings), else refused without
     ``--force``, saying so. Checked after the export is computed
     (milliseconds), so the comparison can be made."""
-    import json
     from pathlib import Path
 
+    from microbatch._json import loads
     from microbatch.errors import ConfigError
 
     path = Path(output)
     if not path.is_file() or path.stat().st_size == 0:
         return
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
+        old = loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         old = None
     if isinstance(old, dict) and _key_paths(old) == _key_paths(config):

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from microbatch._json import loads
 from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option, progress
 from microbatch.errors import ConfigError
 
@@ -49,7 +50,7 @@ def read_rows(path: str) -> list[Any]:
         )
     if text.lstrip().startswith(("[", "{")) or p.suffix.lower() == ".json":
         try:
-            data = json.loads(text)
+            data = loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
         return result_points(data, source=path)

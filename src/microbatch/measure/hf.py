@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from microbatch._json import loads
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
 
@@ -97,7 +98,7 @@ def load_hf_config(path: str) -> Any:
             f"hf_config {path!r}: no such file; give a Hugging Face config.json or its folder", params=_HF
         )
     try:
-        data = json.loads(p.read_text())
+        data = loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(
             f"hf_config {path!r} is not valid JSON ({e.msg}); give a Hugging Face config.json", params=_HF

@@ -277,23 +277,20 @@ def check_simulable(
     """Raise :class:`ConfigError` before building a schedule over :data:`MAX_SIMULATED_ACTIONS`; ``closed_form``:
     the caller's words for the bubble without a schedule (a command passes its own)."""
     n = count_actions(name, stages, microbatches, virtual)
-    if n > MAX_SIMULATED_ACTIONS:
-        per = n // (stages * virtual * microbatches)
-        most = MAX_SIMULATED_ACTIONS // (stages * virtual * per)
-        if most < 1:  # p·v alone is too many: fewer micro-batches cannot help
-            most_p = MAX_SIMULATED_ACTIONS // (virtual * microbatches * per)
-            raise ConfigError(
-                f"stages = {stages}: {name} with p·v = {stages * virtual} and m = {microbatches} has {n:,} actions, "
-                f"over the simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use stages "
-                f"{most_p:,} or fewer (the bubble of a larger p is its closed form: {closed_form})",
-                params=("stages",),
-            )
-        raise ConfigError(
-            f"microbatches = {microbatches}: {name} with p·v = {stages * virtual} has {n:,} actions, over the "
-            f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use microbatches {most:,} "
-            f"or fewer (the bubble of a larger m is its closed form: {closed_form})",
-            params=("microbatches",),
-        )
+    if n <= MAX_SIMULATED_ACTIONS:
+        return
+    counts = (("microbatches", "m", microbatches), ("virtual", "v", virtual), ("stages", "p", stages))
+    fits = [
+        c for c in counts if MAX_SIMULATED_ACTIONS // (n // c[2]) >= 1 and (c[0] != "virtual" or c[2] > 1)
+    ]
+    key, letter, value = (fits or [counts[-1]])[0]  # the first that alone brings it under: m, v (when > 1), p
+    most = MAX_SIMULATED_ACTIONS // (n // value)
+    raise ConfigError(
+        f"{key} = {value}: {name} with p·v = {stages * virtual} and m = {microbatches} has {n:,} actions, over the "
+        f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use {key} {max(1, most):,} or fewer "
+        f"(the bubble of a larger {letter} is its closed form: {closed_form})",
+        params=(key,),
+    )
 
 
 def generate(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:

@@ -112,7 +112,11 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         )
     if "plans" in data:
         plans = data["plans"]
-        names = [p.get("gpu", {}).get("name") for p in plans]
+        if not isinstance(plans, list) or not plans or not all(isinstance(p, dict) for p in plans):
+            raise ConfigError(
+                f"the comparison's plans is {short_repr(plans)}, not a list of plans; plan again"
+            )
+        names = [p.get("gpu", {}).get("name") if isinstance(p.get("gpu"), dict) else None for p in plans]
         want = accelerator_key(gpu)
         if gpu is None:
             raise ConfigError(
@@ -120,7 +124,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
                 f"needs gpu to pick the one to export, e.g. gpu {names[0]}",
                 params=("gpu",),
             )
-        chosen = [p for p in plans if accelerator_key(p.get("gpu", {}).get("name")) == want]
+        chosen = [p for p, name in zip(plans, names, strict=True) if accelerator_key(name) == want]
         if not chosen:
             raise ConfigError(
                 f"the comparison has no plan for gpu {gpu!r}; it has {', '.join(map(str, names))}"

@@ -66,11 +66,28 @@ def accelerator_key(name: object) -> object:
         return name
 
 
+_LAYOUT_COUNTS = ("pipeline_parallel", "tensor_parallel", "expert_parallel", "context_parallel", "virtual",
+                  "microbatches", "shard_degree", "recompute_every")  # fmt: skip
+"""The candidate's counts an export writes: each a whole number >= 1 when present (null: unset)."""
+
+
 def check_names(c: Json, what: str) -> None:
-    """ConfigError for a recompute, schedule or precision the tool does not know (a hand-edited plan): the
-    config would carry the word as it is (torchtitan's ``mode = "bogus"``)."""
+    """ConfigError for a recompute, schedule or precision the tool does not know, a layout count that is not a whole
+    number >= 1, a ZeRO stage outside 0-3 or a flag that is not true or false (a hand-edited plan): the config would
+    carry it as it is (torchtitan's ``mode = "bogus"``, DeepSpeed's ``"stage": "9"``, a world size of 0)."""
     from microbatch.precision import PRECISIONS
     from microbatch.predict.activations import RECOMPUTE_CHOICES
+
+    for key in _LAYOUT_COUNTS:
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"the {what}'s {key} must be a whole number >= 1, got {v!r}; plan again")
+    z = c.get("zero", 0)
+    if isinstance(z, bool) or z not in (0, 1, 2, 3):
+        raise ConfigError(f"the {what}'s zero must be a ZeRO stage 0, 1, 2 or 3, got {z!r}; plan again")
+    for key in ("sequence_parallel", "async_tp", "grad_clip"):
+        if c.get(key) is not None and not isinstance(c[key], bool):
+            raise ConfigError(f"the {what}'s {key} must be true or false, got {c[key]!r}; plan again")
 
     rc = c.get("recompute", "none")
     if rc not in RECOMPUTE_CHOICES:

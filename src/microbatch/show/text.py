@@ -99,6 +99,10 @@ def render_timeline_text(
     durations = [r[1] - r[0] for rank in rows for r in rank if r[1] > r[0]]
     longest = max((len(f"{r[2]}{r[3]}") for rank in rows for r in rank), default=2)
     d_min = min(durations) if durations else span
+    if not (
+        math.isfinite((longest + 1) / d_min) and math.isfinite(width / span)
+    ):  # subnormal times: no scale
+        return f"(timeline too short to draw: {span:.3g}{' ' + time_unit if time_unit else ''} long)"
     want = (longest + 1) / d_min  # columns per time unit to show every label
     scale = want if span * want <= width and not fill_width else width / span
     ncols = max(1, math.ceil(span * scale - 1e-9))

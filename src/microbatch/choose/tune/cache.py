@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from microbatch._json import dumps
+from microbatch._json import dumps, loads
 from microbatch.measure.probes import Measurement
 
 __all__ = [
@@ -63,7 +63,7 @@ def load_points(key: str, stamps: Stamps | None = None) -> Points:
     measured goes into ``stamps`` if given (points saved before stamps existed: the file's time)."""
     path = cache_dir() / f"tune-{key}.json"
     try:
-        data = json.loads(path.read_text())
+        data = loads(path.read_text())
         points = {
             (int(d["micro_batch"]), bool(d.get("checkpointing"))): Measurement.from_dict(d)
             for d in data["points"]

@@ -14,7 +14,6 @@ seq=128, tolerance=0.05)``). The configs are built once, here, and passed down w
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, MutableMapping
@@ -22,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from microbatch._json import loads
 from microbatch.batch import grad_accum_for
 from microbatch.choose.config import ChoiceConfig, apply_options, check_options_used
 from microbatch.choose.result import TuneResult
@@ -100,7 +100,7 @@ def _model_fingerprint(shape: Any, hf_config: str | None, backend: str) -> dict[
             "backend": backend,
         }
     path = Path(str(hf_config))
-    return {"hf_config": json.loads((path if path.is_file() else path / "config.json").read_text())}
+    return {"hf_config": loads((path if path.is_file() else path / "config.json").read_text())}
 
 
 def _preflight(
