@@ -16,6 +16,7 @@ from microbatch.errors import ConfigError
 
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
+    "B200_BURST_TO_SUSTAINED",
     "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "HOPPER_BURST_TO_SUSTAINED", "power_limited_clock",
 ]  # fmt: skip
 
@@ -104,9 +105,18 @@ CLOCK_NVL = (HOPPER_BURST_TO_SUSTAINED, (
     "clock: 835.5 = 132 SMs x 4,096 x 1,545 MHz, below the 1,785 MHz maximum (fp32's 60 is at ~1,775); dense = "
     f"the sparse figure halved; TDP 350-400 W, 400 taken; {_BURST}, the Hopper kernel terms carried to this card "
     "(at its lower power it may lose more)"))
-CLOCK_B200 = (1.0, (
+B200_BURST_TO_SUSTAINED = 1237 / ((1425 + 1450) / 2)
+"""The rate a dense kernel holds on a B200 under sustained load over its rate in a burst: 0.861, read on the part
+itself: FlashAttention-4 back to back on a B200 ran at 1,425-1,450 TFLOP/s for its first 20 calls of ~0.8 ms and
+held 1,237 from the 70th, the SM clock falling from 1,965 to ~1,580 MHz (github.com/flashinfer-ai/flashinfer PR
+2899). The B200 row's kernel terms are burst figures: its attention is cudnn-frontend's B200 benchmark, whose script
+inserts delays between calls to keep the GPU from throttling (its README), and its GEMM terms are the H200 fit's
+burst-measured fractions carried over."""
+CLOCK_B200 = (B200_BURST_TO_SUSTAINED, (
     "clock: 2,250 = 148 SMs x 8,192 x ~1,860 MHz, the 'tensor clock' hmc-tech.com lists (boost 1,980; 8,192 per "
-    f"SM inferred from the peak); TDP 1,000 W (HGX B200); {_NONE}"))
+    "SM inferred from the peak); TDP 1,000 W (HGX B200); sustained: 0.861 of the burst rate its kernel terms were "
+    "measured at (B200_BURST_TO_SUSTAINED: FlashAttention-4 back to back on a B200 held 1,237 TFLOP/s of the "
+    "1,425-1,450 its first calls ran at, flashinfer PR 2899)"))
 CLOCK_H100_96GB = (HOPPER_BURST_TO_SUSTAINED * power_limited_clock(500, 700, 700), (
     "clock: 1,830 MHz as the H100 SXM; TDP 700 W (the top of the power sweep arXiv 2604.11391 ran on these "
     "boards), run at 500 W: 0.863 of the clock held at 700 W by power_limited_clock (f ∝ (P - P0)^(1/3), P0 = "

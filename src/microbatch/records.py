@@ -274,9 +274,13 @@ def _shape_of(model: Any, seq: int | None, source: str) -> tuple[ModelShape | No
     if isinstance(model, str) and model:
         name = model[3:] if model.startswith("hf:") else model
         try:
-            return get_model(name, seq=seq), model
+            shape = get_model(name)
         except ConfigError:
             return None, model
+        try:  # a registry model at a sequence no model runs is the file's error, not an unknown name
+            return (get_model(name, seq=seq) if seq else shape), model
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
     return None, str(model or "")
 
 

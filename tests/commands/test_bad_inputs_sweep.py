@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_bad_inputs import check_refused, write
 
 from microbatch.cli import main
-from tests.commands.test_bad_inputs import check_refused, write
 
 DEEP = "[" * 100_000
 """A JSON document nested past what the parser follows (it recursed into a RecursionError)."""

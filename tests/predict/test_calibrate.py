@@ -243,16 +243,19 @@ def test_read_rejects_bad_input():
 
 
 def test_a_file_whose_seq_its_measured_memory_could_not_hold_is_refused():
-    """A tune file edited to s = 1e12 was read as measured there: its calibration collapsed to 0 (clamped).
-    Every point holds at least its micro-batch's hidden state, b_m·s·h elements of a byte or more."""
-    d = synthetic(seq=10**12)
-    least = 1 * 10**12 * SHAPE.hidden
+    """A tune file edited to s = 1e9 was read as measured there: its calibration collapsed to 0 (clamped).
+    Every point holds at least its micro-batch's hidden state, b_m·s·h elements of a byte or more; past any model's
+    context (2^30) the file's sequence is refused as such."""
+    with pytest.raises(ConfigError, match=r"seq 1,000,000,000,000 is past 1,073,741,824"):
+        read_measurements(synthetic(seq=10**12))
+    d = synthetic(seq=10**9)
+    least = 1 * 10**9 * SHAPE.hidden
     assert d["points"][0]["peak_memory_bytes"] < least
     with pytest.raises(
         ConfigError, match=r"point 1: peak_memory_bytes .* less than micro_batch 1's hidden state"
     ) as e:
         read_measurements(d)
-    assert f"{least:.4g}" in str(e.value) and "seq 1000000000000" in str(e.value)
+    assert f"{least:.4g}" in str(e.value) and "seq 1000000000" in str(e.value)
     # at the seq it was measured at (gpt2's 1,024) the same points are read
     assert read_measurements(synthetic()).seq == SHAPE.seq == 1024
 

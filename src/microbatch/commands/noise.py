@@ -161,7 +161,9 @@ def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: i
                 else f"raise --global-batch to {2 * micro_batch} or more"
             )
         )
-    check_micro_batch(global_batch, micro_batch)  # every small batch of b_m: the estimator's |G_b|² is of one size
+    check_micro_batch(
+        global_batch, micro_batch
+    )  # every small batch of b_m: the estimator's |G_b|² is of one size
     shape = resolve_model(model_spec, default="tiny")
     if shape.param_count() > MAX_PARAMS:
         raise ConfigError(

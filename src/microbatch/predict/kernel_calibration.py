@@ -23,7 +23,8 @@ accelerator sets, for plans on that accelerator:
   (:func:`~microbatch.hardware_clocks.power_limited_clock`). Kernels timed after a soak
   (``MicrobenchResult.soak_s`` > 0) carry the clock a sustained load holds; kernels timed in bursts (a file
   without a soak) are slowed by the square GEMM's sustained over burst rate measured with them, or, where the
-  file has none, by the Hopper rows' cited :data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` (other
+  file has none, by the Hopper rows' cited :data:`~microbatch.hardware_clocks.HOPPER_BURST_TO_SUSTAINED` (the B200's
+  :data:`~microbatch.hardware_clocks.B200_BURST_TO_SUSTAINED`; other
   GPUs: 1). :attr:`KernelTerms.clock_scale` is the product: measured times are divided by it.
 - **Collectives**: ``network`` = the measured all-reduce bus bandwidth over the link's achievable figure
   (``intra_node_bytes_per_s × intra_node_achievable``), when the file has one; ``overlap_slowdown`` = the
@@ -41,8 +42,9 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import ACCELERATORS, HOPPER, Accelerator, cpu_accelerator
-from microbatch.hardware_attention import RAMP_FIT_FROM
+from microbatch.hardware_attention import BLACKWELL, RAMP_FIT_FROM
 from microbatch.hardware_clocks import (
+    B200_BURST_TO_SUSTAINED,
     HOPPER_BURST_TO_SUSTAINED,
     MAX_CLOCK_FRACTION,
     MIN_POWER_SHARE,
@@ -274,12 +276,13 @@ def _burst_factor(acc: Accelerator, result: MicrobenchResult, sources: dict[str,
         if ratio is not None
         else ""
     )
-    if acc.name in HOPPER:
+    cited = {**dict.fromkeys(HOPPER, ("Hopper rows'", HOPPER_BURST_TO_SUSTAINED)),
+             **dict.fromkeys(BLACKWELL, ("B200 row's", B200_BURST_TO_SUSTAINED))}.get(acc.name)  # fmt: skip
+    if cited is not None:
         sources["clock"] = (
-            f"kernels timed in bursts (no soak in the file): x {HOPPER_BURST_TO_SUSTAINED:.3f}, the Hopper rows' "
-            f"cited sustained rate{odd}"
+            f"kernels timed in bursts (no soak in the file): x {cited[1]:.3f}, the {cited[0]} cited sustained rate{odd}"
         )
-        return HOPPER_BURST_TO_SUSTAINED
+        return cited[1]
     if odd:
         sources["clock"] = f"kernels timed in bursts{odd}"
     return 1.0
