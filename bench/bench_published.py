@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from microbatch.hardware import get_accelerator  # noqa: E402
+from microbatch.hardware_clocks import RATE_PER_CLOCK  # noqa: E402
 from microbatch.model import ModelShape, get_model  # noqa: E402
 from microbatch.moe import Experts  # noqa: E402
 from microbatch.predict.attention import CUDNN_919_HOPPER, CUDNN_HOPPER_CEILING  # noqa: E402
@@ -413,9 +414,10 @@ def nemo_long_rows(data: dict, table: str = "nemo_long_sequence_2024") -> list[d
 def cudnn_llama_rows(data: dict) -> list[dict]:
     """cudnn-frontend's Llama-3.2-1B training benchmark (Hugging Face's eager model on one H200 and one B200, SDPA on
     cuDNN, the model in bf16, SGD): the measured step is the published time per iteration. Predicted at the clock the
-    benchmark locked (the row's ``sustained_clock_fraction`` = locked / the peak's clock), with PyTorch's eager kernels
-    (no fusion), cuDNN's attention figures (on the H200 cuDNN 9.19's, the nearest measured to the run's 9.9; on the
-    B200 the row's, cuDNN 9.13's), bf16 weights and gradients without a master copy, SGD without momentum, no gradient
+    benchmark locked (the row's ``sustained_clock_fraction``: the locked clock's share of the burst clock the kernel
+    terms were measured at, the rate following :data:`~microbatch.hardware_clocks.RATE_PER_CLOCK` of its fall), with
+    PyTorch's eager kernels (no fusion), cuDNN's attention figures (on the H200 cuDNN 9.19's, measured after the run's
+    9.9 where ``cudnn-2024`` was measured before it: BENCHMARKS.md gives both; on the B200 the row's, cuDNN 9.13's), bf16 weights and gradients without a master copy, SGD without momentum, no gradient
     clipping."""
     from microbatch.predict.attention import kernel_figures
 
@@ -424,7 +426,8 @@ def cudnn_llama_rows(data: dict) -> list[dict]:
     for r in sec["rows"]:
         row = get_accelerator(r["gpu"])
         ceiling, ramp = kernel_figures("cudnn", row.name, row.attention_fraction, row.attention_ramp)
-        clock = sec["clock_mhz"][r["gpu"]] / sec["peak_clock_mhz"][r["gpu"]]
+        # the locked clock against the burst clock the kernel terms stand at, the rate following 0.75 of its fall
+        clock = 1 - RATE_PER_CLOCK * (1 - sec["clock_mhz"][r["gpu"]] / sec["burst_clock_mhz"][r["gpu"]])
         gpu = row.with_overrides(
             attention_fraction=ceiling, attention_ramp=ramp, sustained_clock_fraction=clock
         )

@@ -16,7 +16,7 @@ from microbatch.errors import ConfigError
 
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
-    "B200_BURST_TO_SUSTAINED",
+    "B200_BURST_TO_SUSTAINED", "RATE_PER_CLOCK",
     "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "HOPPER_BURST_TO_SUSTAINED", "power_limited_clock",
 ]  # fmt: skip
 
@@ -36,7 +36,11 @@ Limit: 100.00 W" and "Max Power Limit: 400.00 W" (github.com/NVIDIA/DCGM issue 1
 refuses the limit, and the clock law below would run towards 0."""
 
 
-HOPPER_BURST_TO_SUSTAINED = 1 - (14.7 / 19.6) * (1 - 1575 / 1980)
+RATE_PER_CLOCK = 14.7 / 19.6
+"""How much of a clock's relative fall a dense kernel's rate follows: 0.75 (FlashAttention-4 on a B200 lost 14.7% of
+its rate when its SM clock fell 19.6%, flashinfer PR 2899: the memory-bound share does not slow with the SMs)."""
+
+HOPPER_BURST_TO_SUSTAINED = 1 - RATE_PER_CLOCK * (1 - 1575 / 1980)
 """The rate a dense kernel holds under a training step's sustained load over the rate it ran at in a short burst,
 on a 700 W Hopper part: 0.847. Why the Hopper rows need it: their kernel terms (the GEMM shape terms of
 :class:`~microbatch.predict.gemm.RooflineEfficiency`, the causal attention ceiling) were measured on an H200 by

@@ -139,8 +139,10 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
     and each point's ``micro_batch`` whole numbers >= 1 (at most :data:`MAX_EXACT_WHOLE`), the fields of
     :data:`POINT_NUMBERS` and :data:`RESULT_NUMBERS` JSON numbers or null. ConfigError naming the file,
     the point and the field: a hand-edited or foreign file is refused with the place to fix, before
-    anything is drawn. Any kind's error envelope (a refused or failed run's ``--json``) is refused, quoting it."""
-    if isinstance(item.get("error"), str) and "kind" in item:
+    anything is drawn. Any kind's bare error envelope (a refused or failed run's ``--json``: the command, version, error
+    and kind, nothing computed) is refused, quoting it; a result that carries an error beside what it computed (a
+    plan in which nothing fits) is read."""
+    if isinstance(item.get("error"), str) and set(item) <= {"command", "version", "error", "kind", "params"}:
         raise ConfigError(f"{source} records a failed `microbatch {kind}` ({item['error'][:160]}); give the output "
                           "of a run that succeeded")  # fmt: skip
     if kind not in ("tune", "recommend"):

@@ -61,6 +61,10 @@ def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
         )
     if value * _UNITS[unit] < 1:
         raise ConfigError(f"{name} {text!r} is less than one byte; give a size, e.g. 12GiB, 500MB or 2e9")
+    if not math.isfinite(value * _UNITS[unit]):
+        raise ConfigError(
+            f"{name} {text!r} is past any number of bytes; give a size, e.g. 12GiB, 500MB or 2e9"
+        )
     return int(value * _UNITS[unit])
 
 

@@ -101,10 +101,6 @@ def test_a_comparison_without_plans_and_an_error_envelope_are_refused(tmp_path, 
         check_refused(args, capsys, r"records a failed `microbatch plan` \(unknown accelerator 'nosuch'")
 
 
-def test_noise_refuses_a_micro_batch_that_does_not_divide_the_batch(capsys):
-    check_refused(["noise", "-B", "32", "-b", "5"], capsys, r"micro-batch 5 does not divide")
-
-
 def test_simulate_names_the_count_that_overflows(capsys):
     check_refused(["simulate", "-p", "4", "-m", "8", "-s", "interleaved", "-v", "1000000"], capsys,
                   r"^error: --virtual = 1000000: .* use --virtual 15,625 or fewer")  # fmt: skip
@@ -113,3 +109,28 @@ def test_simulate_names_the_count_that_overflows(capsys):
 def test_a_memory_budget_under_a_byte_says_so(tmp_path, capsys):
     f = write(tmp_path, "m.csv", "micro_batch,throughput,peak_memory_bytes\n1,10,100\n2,18,200\n4,30,400\n")
     check_refused(["recommend", "-m", f, "--memory-budget", "0.5"], capsys, r"'0\.5' is less than one byte")
+
+
+def test_a_plan_in_which_nothing_fits_is_still_reported_and_named_by_export(tmp_path, capsys):
+    """It carries an error beside what it computed: the report reads it, export says nothing fits."""
+    assert main(["plan", "--model", "llama-2-70b", "--gpu", "l4", "-B", "8", "--json"]) == 2
+    nofit = write(tmp_path, "nofit.json", capsys.readouterr().out)
+    assert main(["report", nofit, "--out", str(tmp_path / "r.html")]) == 0
+    capsys.readouterr()
+    check_refused(
+        ["export", "--plan", nofit, "--format", "deepspeed"], capsys, r"the plan has no recommendation"
+    )
+
+
+def test_export_notes_an_optimizer_and_a_loss_no_config_sets(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--optimizer", "sgd-plain",
+                 "--loss-dtype", "half", "--json"]) == 0  # fmt: skip
+    f = write(tmp_path, "p.json", capsys.readouterr().out)
+    assert main(["export", "--plan", f, "--format", "hf", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("sgd-plain optimizer" in n for n in notes) and any("half logits" in n for n in notes)
+
+
+def test_a_memory_budget_past_any_number_of_bytes_is_refused(tmp_path, capsys):
+    f = write(tmp_path, "m.csv", "micro_batch,throughput,peak_memory_bytes\n1,10,100\n2,18,200\n")
+    check_refused(["recommend", "-m", f, "--memory-budget", "1e300t"], capsys, r"is past any number of bytes")

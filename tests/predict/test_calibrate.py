@@ -748,3 +748,25 @@ def test_cpu_points_are_not_validated_against_a_gpu(tmp_path):
     with pytest.raises(ConfigError, match=r"was measured on 'AMD EPYC \(2 cpus\)', not a GPU: its step times cannot "
                                           r"validate a prediction for h100-sxm"):  # fmt: skip
         validate_result(str(path), gpu="h100-sxm")
+
+
+def test_a_calibration_saved_before_the_optimizers_passes_keeps_its_meaning():
+    """A saved calibration's ``optimizer_memory`` was a rate over the 28 B an AdamW step must move; the planner now
+    multiplies a rate over the 80 B its unfused kernels move. A file without the mark is carried over (× 80/28), so
+    a plan from it prices the update as it did; a file with the mark is read as it is."""
+    from microbatch.predict.saved_calibration import EAGER_OPTIMIZER_FIELD, clock_basis
+
+    cal = calibrate(read_measurements(synthetic()), ACC)
+    saved = cal.to_dict()
+    assert saved[EAGER_OPTIMIZER_FIELD] is True
+    assert Calibration.from_dict(saved).efficiency == cal.efficiency
+    old = {k: v for k, v in saved.items() if k != EAGER_OPTIMIZER_FIELD}
+    old["efficiency"] = {**saved["efficiency"], "optimizer_memory": 0.26}
+    again = Calibration.from_dict(old).efficiency
+    assert again is not None and again.optimizer_memory == pytest.approx(0.26 * 80 / 28)
+    old["efficiency"]["optimizer_memory"] = 0.5  # carried past the bandwidth: at most 1
+    assert Calibration.from_dict(old).efficiency.optimizer_memory == 1.0  # type: ignore[union-attr]
+    # a file written before the clock field was fitted when every row had 1: the B200's too, now 0.861
+    assert clock_basis("b200", legacy=True) == pytest.approx(1.0)
+    assert clock_basis("h200", legacy=True) == pytest.approx(1.0)
+    assert clock_basis("b200") == pytest.approx(0.861, abs=5e-4)

@@ -145,7 +145,6 @@ def cmd(
 
 def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: int, steps: int) -> ModelShape:
     """The model's shape, with every setting checked before torch is imported."""
-    from microbatch.batch import check_micro_batch
     from microbatch.errors import ConfigError, check_positive_int
 
     check_positive_int("--global-batch", global_batch)
@@ -161,9 +160,6 @@ def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: i
                 else f"raise --global-batch to {2 * micro_batch} or more"
             )
         )
-    check_micro_batch(
-        global_batch, micro_batch
-    )  # every small batch of b_m: the estimator's |G_b|² is of one size
     shape = resolve_model(model_spec, default="tiny")
     if shape.param_count() > MAX_PARAMS:
         raise ConfigError(

@@ -75,14 +75,19 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.fit import fit_line
-from microbatch.hardware import ACCELERATORS, HOPPER, Accelerator
-from microbatch.hardware_clocks import HOPPER_BURST_TO_SUSTAINED, MAX_CLOCK_FRACTION
+from microbatch.hardware import Accelerator
+from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
 from microbatch.model import ModelShape
 from microbatch.precision import get_precision
 from microbatch.predict.latency import latency_bound
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
-from microbatch.predict.saved_calibration import check_saved
+from microbatch.predict.saved_calibration import (
+    EAGER_OPTIMIZER_FIELD,
+    check_saved,
+    clock_basis,
+    saved_efficiency,
+)
 from microbatch.predict.steptime import predict_step_time_s
 from microbatch.records import MeasuredPoint, Measurements, read_measurements
 from microbatch.units import format_bytes
@@ -339,18 +344,6 @@ def fit_efficiency(
     return eff, details, notes
 
 
-def clock_basis(acc: Accelerator | str, *, legacy: bool = False) -> float:
-    """The clock an efficiency fitted against ``acc`` is relative to: its row's default ``sustained_clock_fraction``,
-    not ``acc``'s own (a power limit or clock given for the measured board describes that board); ``acc``'s own off
-    the table (a CPU), 1 for a name. ``legacy``: the row's before the Hopper rows took HOPPER_BURST_TO_SUSTAINED,
-    the basis of a file written without the field: 1, but the H100 96 GB's at 500 W (``power_limited_clock``).
-    """
-    name = acc if isinstance(acc, str) else acc.name
-    row = ACCELERATORS.get(name) or (None if isinstance(acc, str) else acc)
-    f = row.sustained_clock_fraction if row else 1.0
-    return f / HOPPER_BURST_TO_SUSTAINED if legacy and name in HOPPER else f
-
-
 # -- the calibration value ---------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
@@ -416,6 +409,7 @@ class Calibration:
             "kind": "calibration",
             "memory": asdict(self.memory),
             "efficiency": asdict(self.efficiency) if self.efficiency else None,
+            EAGER_OPTIMIZER_FIELD: True,
             "accelerator": self.accelerator,
             "peak_flops": self.peak_flops,
             "sustained_clock_fraction": self.sustained_clock_fraction,
@@ -438,7 +432,7 @@ class Calibration:
         """A calibration from :meth:`to_dict` output, checked (:func:`check_saved`); ``label`` names the file."""
         check_saved(d, label)
         try:
-            eff = d.get("efficiency")
+            eff = saved_efficiency(d)
             return cls(
                 memory=MemoryCalibration(**d["memory"]),
                 efficiency=RooflineEfficiency(**eff) if eff else None,

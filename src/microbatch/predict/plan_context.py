@@ -95,7 +95,7 @@ class Context:
     """Bytes per activation element (the compute dtype's)."""
     state_bpp: tuple[int, int, int]
     """Weight, gradient and optimizer-state bytes per parameter."""
-    eager_update_bpp: float = 0.0
+    eager_update_bpp: float
     """Bytes an unfused optimizer step moves per parameter (:func:`microbatch.predict.state.eager_update_bytes`)."""
     total_params: int = 0
     """The model's parameters (every expert)."""

@@ -9,7 +9,45 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.fields import is_finite_number
 
-__all__ = ["check_saved"]
+__all__ = ["check_saved", "clock_basis", "saved_efficiency", "EAGER_OPTIMIZER_FIELD"]
+
+EAGER_OPTIMIZER_FIELD = "optimizer_over_passes"
+"""A saved calibration's mark that its ``optimizer_memory`` is a rate over the unfused kernels' passes
+(:data:`microbatch.predict.state.EAGER_PASSES`); a file without it (saved before 2026-12-05) holds a rate over the
+28 B an AdamW step must move."""
+
+
+def clock_basis(acc: Any, *, legacy: bool = False) -> float:
+    """The clock an efficiency fitted against ``acc`` (an Accelerator or a row's name) is relative to: its row's
+    default ``sustained_clock_fraction``, not ``acc``'s own (a power limit or clock given for the measured board
+    describes that board); ``acc``'s own off the table (a CPU), 1 for a name. ``legacy``: the row's before the Hopper
+    rows took HOPPER_BURST_TO_SUSTAINED and the B200 B200_BURST_TO_SUSTAINED, the basis of a file written without the
+    field: 1, but the H100 96 GB's at 500 W (``power_limited_clock``)."""
+    from microbatch.hardware import ACCELERATORS, HOPPER
+    from microbatch.hardware_attention import BLACKWELL
+    from microbatch.hardware_clocks import B200_BURST_TO_SUSTAINED, HOPPER_BURST_TO_SUSTAINED
+
+    name = acc if isinstance(acc, str) else acc.name
+    row = ACCELERATORS.get(name) or (None if isinstance(acc, str) else acc)
+    f = row.sustained_clock_fraction if row else 1.0
+    if legacy and name in HOPPER:
+        return float(f / HOPPER_BURST_TO_SUSTAINED)
+    return float(f / B200_BURST_TO_SUSTAINED) if legacy and name in BLACKWELL else float(f)
+
+
+def saved_efficiency(d: dict[str, Any]) -> dict[str, Any] | None:
+    """A saved calibration's efficiency fields as :class:`~microbatch.predict.gemm.RooflineEfficiency` takes them: a file
+    without :data:`EAGER_OPTIMIZER_FIELD` has its ``optimizer_memory`` carried from the 28 B an AdamW step must move to
+    the 80 its unfused kernels move (× 80/28, at most 1), the rate the planner now multiplies by each optimizer's
+    passes."""
+    from microbatch.microbench_record import ADAMW_RECORDED_BYTES
+    from microbatch.predict.state import eager_update_bytes
+
+    eff = d.get("efficiency")
+    if not eff or d.get(EAGER_OPTIMIZER_FIELD) or "optimizer_memory" not in eff:
+        return eff
+    scale = eager_update_bytes("adamw", 4, 4, 4) / ADAMW_RECORDED_BYTES
+    return {**eff, "optimizer_memory": min(1.0, float(eff["optimizer_memory"]) * scale)}
 
 
 def check_saved(d: dict[str, Any], label: str) -> None:

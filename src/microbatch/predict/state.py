@@ -167,12 +167,14 @@ def config_bytes_per_param(cfg: _StateSettings) -> tuple[int, int, int]:
 
 
 def config_eager_update_bytes(cfg: _StateSettings) -> float:
-    """:func:`eager_update_bytes` of a config: the step writes the fp32 master (or the weights and their remainder,
-    4 B together) under mixed precision with a master copy, else the weights themselves; each buffer element is
-    ``moments_dtype``'s bytes."""
+    """:func:`eager_update_bytes` of a config: under mixed precision with a master copy an unfused optimizer is
+    torch's, stepping fp32 parameters with fp32 gradients (autocast keeps the parameters in fp32; FSDP's mixed
+    precision steps its fp32 shards with gradients cast to them): 4 B each; else the weights and gradients as they
+    are held. Each buffer element is ``moments_dtype``'s bytes. The default bf16-mixed AdamW: 80 B."""
     w, g, _ = config_bytes_per_param(cfg)
     master = get_precision(cfg.precision).master_copy and cfg.master_weights != "none"
-    return eager_update_bytes(cfg.optimizer, 4 if master else w, g, 4 if cfg.moments_dtype == "fp32" else 2)
+    state = 4 if cfg.moments_dtype == "fp32" else 2
+    return eager_update_bytes(cfg.optimizer, 4 if master else w, 4 if master else g, state)
 
 
 def model_state_bytes(

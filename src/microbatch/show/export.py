@@ -50,6 +50,7 @@ from microbatch.fields import short_repr
 from microbatch.show.export_common import (
     Json,
     accelerator_key,
+    assumed_notes,
     check_names,
     clip_norm,
     deepspeed_moe_note,
@@ -155,7 +156,8 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
-                    "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip"):  # fmt: skip
+                    "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip",
+                    "loss_dtype", "optimizer"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
@@ -428,7 +430,7 @@ def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan
     check_names(cand, what)
     _check_supported(cand, fmt)
     cfg, more = _BUILDERS[fmt](cand)
-    return Export(format=fmt, config=cfg, notes=tuple(more) + notes)
+    return Export(format=fmt, config=cfg, notes=tuple(more) + notes + assumed_notes(cand))
 
 
 def export_plan(

@@ -13,6 +13,7 @@ from microbatch.errors import ConfigError
 from microbatch.schedules.registry import ScheduleSpec, get_spec
 
 __all__ = [
+    "assumed_notes",
     "CLIP_NORM",
     "Json",
     "no_pipeline",
@@ -102,6 +103,24 @@ def check_names(c: Json, what: str) -> None:
         raise ConfigError(
             f"the {what}'s schedule {c['schedule']!r} is not one of {', '.join(schedule_names())}; plan again"
         )
+
+
+def assumed_notes(c: Json) -> tuple[str, ...]:
+    """What the plan priced that no exported config sets: an optimizer other than AdamW (the Hugging Face Trainer's
+    ``optim`` and torchtitan's ``[optimizer] name`` default to it; DeepSpeed and Lightning take yours) and a loss over
+    half logits (the Trainer's and torchtitan's losses upcast them)."""
+    notes = []
+    if c.get("optimizer", "adamw") != "adamw":
+        notes.append(
+            f"the plan priced the {c['optimizer']} optimizer's state and update; the config does not choose "
+            "an optimizer: build that one in your code (the Trainer's optim, torchtitan's [optimizer] name)"
+        )
+    if c.get("loss_dtype", "fp32") != "fp32":
+        notes.append(
+            "the plan priced the loss over half logits (Megatron's fp16_lm_cross_entropy); the Trainer's "
+            "and torchtitan's losses upcast them to fp32: 2 B a logit more in memory and time than planned"
+        )
+    return tuple(notes)
 
 
 def deepspeed_moe_note(ep: int, capacity_factor: float | None, t: int) -> str:
