@@ -13,10 +13,11 @@ of the H100 96 GB row, which such clusters run at 500 W of its 700 (:data:`CLOCK
 from __future__ import annotations
 
 from microbatch.errors import ConfigError
+from microbatch.hardware_attention import BLACKWELL, HOPPER
 
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
-    "B200_BURST_TO_SUSTAINED", "RATE_PER_CLOCK",
+    "B200_BURST_TO_SUSTAINED", "RATE_PER_CLOCK", "cited_burst_to_sustained",
     "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "HOPPER_BURST_TO_SUSTAINED", "power_limited_clock",
 ]  # fmt: skip
 
@@ -127,3 +128,11 @@ CLOCK_H100_96GB = (HOPPER_BURST_TO_SUSTAINED * power_limited_clock(500, 700, 700
     f"140 W), a model, not a reading, on top of the SXM's {_BURST}; override power_limit_w with 700 for the full "
     "limit"))
 # fmt: on
+
+
+def cited_burst_to_sustained(name: str) -> tuple[str, float] | None:
+    """(whose figure, the factor) of the cited sustained over burst rate for accelerator row ``name``: the Hopper
+    rows' :data:`HOPPER_BURST_TO_SUSTAINED`, the B200's :data:`B200_BURST_TO_SUSTAINED`; None where none was read."""
+    if name in HOPPER:
+        return "Hopper rows'", HOPPER_BURST_TO_SUSTAINED
+    return ("B200 row's", B200_BURST_TO_SUSTAINED) if name in BLACKWELL else None

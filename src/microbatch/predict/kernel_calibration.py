@@ -41,20 +41,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.hardware import ACCELERATORS, HOPPER, Accelerator, cpu_accelerator
-from microbatch.hardware_attention import BLACKWELL, RAMP_FIT_FROM
+from microbatch.hardware import ACCELERATORS, Accelerator, cpu_accelerator
+from microbatch.hardware_attention import RAMP_FIT_FROM
 from microbatch.hardware_clocks import (
-    B200_BURST_TO_SUSTAINED,
-    HOPPER_BURST_TO_SUSTAINED,
     MAX_CLOCK_FRACTION,
     MIN_POWER_SHARE,
+    cited_burst_to_sustained,
     power_limited_clock,
 )
-from microbatch.microbench_record import ADAMW_RECORDED_BYTES, MicrobenchResult
+from microbatch.microbench_record import MicrobenchResult
 from microbatch.predict.attention import flash_shape_factor
 from microbatch.predict.gemm import DEFAULT_EFFICIENCY, RooflineEfficiency, gemm_time_s
 from microbatch.predict.measured_gemm import MeasuredGemms
-from microbatch.predict.state import eager_update_bytes
+from microbatch.predict.state import RECORDED_TO_PASSES
 
 __all__ = ["KernelTerms", "measured_cpu_accelerator", "kernel_terms", "measured_on"]
 
@@ -128,7 +127,7 @@ def _stream_terms(
 ) -> dict[str, Any]:
     frac = {s.kernel: s.bytes_per_s / acc.memory_bandwidth_bytes_per_s for s in result.stream}
     if "adamw" in frac:  # the rate of the unfused kernels: the bytes they move, not the 28 the step must
-        frac["adamw"] *= eager_update_bytes("adamw", 4, 4, 4) / ADAMW_RECORDED_BYTES
+        frac["adamw"] *= RECORDED_TO_PASSES
     out: dict[str, float] = {}
     gpu = bool(acc.compute_units)
     kernels = [k for k in (("copy", "add") if gpu else ("copy", "add", "gelu", "layernorm")) if k in frac]
@@ -276,8 +275,7 @@ def _burst_factor(acc: Accelerator, result: MicrobenchResult, sources: dict[str,
         if ratio is not None
         else ""
     )
-    cited = {**dict.fromkeys(HOPPER, ("Hopper rows'", HOPPER_BURST_TO_SUSTAINED)),
-             **dict.fromkeys(BLACKWELL, ("B200 row's", B200_BURST_TO_SUSTAINED))}.get(acc.name)  # fmt: skip
+    cited = cited_burst_to_sustained(acc.name)
     if cited is not None:
         sources["clock"] = (
             f"kernels timed in bursts (no soak in the file): x {cited[1]:.3f}, the {cited[0]} cited sustained rate{odd}"

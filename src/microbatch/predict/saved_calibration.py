@@ -23,16 +23,14 @@ def clock_basis(acc: Any, *, legacy: bool = False) -> float:
     describes that board); ``acc``'s own off the table (a CPU), 1 for a name. ``legacy``: the row's before the Hopper
     rows took HOPPER_BURST_TO_SUSTAINED and the B200 B200_BURST_TO_SUSTAINED, the basis of a file written without the
     field: 1, but the H100 96 GB's at 500 W (``power_limited_clock``)."""
-    from microbatch.hardware import ACCELERATORS, HOPPER
-    from microbatch.hardware_attention import BLACKWELL
-    from microbatch.hardware_clocks import B200_BURST_TO_SUSTAINED, HOPPER_BURST_TO_SUSTAINED
+    from microbatch.hardware import ACCELERATORS
+    from microbatch.hardware_clocks import cited_burst_to_sustained
 
     name = acc if isinstance(acc, str) else acc.name
     row = ACCELERATORS.get(name) or (None if isinstance(acc, str) else acc)
     f = row.sustained_clock_fraction if row else 1.0
-    if legacy and name in HOPPER:
-        return float(f / HOPPER_BURST_TO_SUSTAINED)
-    return float(f / B200_BURST_TO_SUSTAINED) if legacy and name in BLACKWELL else float(f)
+    cited = cited_burst_to_sustained(name) if legacy else None
+    return float(f / cited[1]) if cited else float(f)
 
 
 def saved_efficiency(d: dict[str, Any]) -> dict[str, Any] | None:
@@ -40,14 +38,12 @@ def saved_efficiency(d: dict[str, Any]) -> dict[str, Any] | None:
     without :data:`EAGER_OPTIMIZER_FIELD` has its ``optimizer_memory`` carried from the 28 B an AdamW step must move to
     the 80 its unfused kernels move (× 80/28, at most 1), the rate the planner now multiplies by each optimizer's
     passes."""
-    from microbatch.microbench_record import ADAMW_RECORDED_BYTES
-    from microbatch.predict.state import eager_update_bytes
+    from microbatch.predict.state import RECORDED_TO_PASSES
 
     eff = d.get("efficiency")
     if not eff or d.get(EAGER_OPTIMIZER_FIELD) or "optimizer_memory" not in eff:
         return eff
-    scale = eager_update_bytes("adamw", 4, 4, 4) / ADAMW_RECORDED_BYTES
-    return {**eff, "optimizer_memory": min(1.0, float(eff["optimizer_memory"]) * scale)}
+    return {**eff, "optimizer_memory": min(1.0, float(eff["optimizer_memory"]) * RECORDED_TO_PASSES)}
 
 
 def check_saved(d: dict[str, Any], label: str) -> None:

@@ -29,10 +29,11 @@ from __future__ import annotations
 from typing import Protocol
 
 from microbatch.errors import ConfigError
+from microbatch.microbench_record import ADAMW_RECORDED_BYTES
 from microbatch.precision import get_precision
 
 __all__ = [
-    "EAGER_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "EAGER_PASSES", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -79,6 +80,11 @@ def eager_update_bytes(optimizer: str, updated: float, grad: float, state: float
     element, temporaries alike). An fp32 AdamW step: 4·4 + 2·4 + (8 + 6)·4 = 80 B."""
     p, g, s, t = EAGER_PASSES[optimizer]
     return p * updated + g * grad + (s + t) * state
+
+
+RECORDED_TO_PASSES = eager_update_bytes("adamw", 4, 4, 4) / ADAMW_RECORDED_BYTES
+"""80/28: a rate counted over the 28 B a bench-gpu ``adamw`` row records (and a calibration saved before the passes
+kept) carried to the 80 B an fp32 AdamW step's unfused kernels move."""
 
 
 ZERO_STAGES = (0, 1, 2, 3)
