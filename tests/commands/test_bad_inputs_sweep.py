@@ -134,3 +134,44 @@ def test_export_notes_an_optimizer_and_a_loss_no_config_sets(tmp_path, capsys):
 def test_a_memory_budget_past_any_number_of_bytes_is_refused(tmp_path, capsys):
     f = write(tmp_path, "m.csv", "micro_batch,throughput,peak_memory_bytes\n1,10,100\n2,18,200\n")
     check_refused(["recommend", "-m", f, "--memory-budget", "1e300t"], capsys, r"is past any number of bytes")
+
+
+# Options that changed nothing beside the flag that gives them meaning (refused now, as --fp8-recipe without fp8 is)
+PLAN = ["plan", "--model", "gpt2", "--gpu", "h100-sxm", "-B", "64"]
+
+
+@pytest.mark.parametrize("cmd", [[*PLAN, "--capacity-factor", "1.25"], ["memory", "--model", "gpt2", "-b", "2",
+                                                                       "--capacity-factor", "1.25"]])  # fmt: skip
+def test_a_capacity_factor_on_a_dense_model_is_refused(capsys, cmd):
+    check_refused(cmd, capsys, r"--capacity-factor 1\.25 pads the routed experts' buffers, and gpt2 is dense")
+
+
+def test_a_capacity_factor_on_a_moe_model_is_taken(capsys):
+    args = ["memory", "--model", "gpt2", "-b", "2", "--experts", "8", "--top-k", "2", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--capacity-factor", "2"]) == 0
+    padded = json.loads(capsys.readouterr().out)
+    assert padded["memory"]["activations"] > plain["memory"]["activations"]  # the expert buffers padded 2×
+
+
+def test_a_context_exchange_without_context_parallelism_is_refused(capsys):
+    check_refused([*PLAN, "--cp-comm", "ulysses"], capsys,
+                  r"--cp-comm ulysses is how context-parallel ranks exchange .* and --context-parallel is 1")  # fmt: skip
+    assert main([*PLAN, "-c", "2", "--cp-comm", "ring", "--json"]) == 0  # with -c it is taken
+
+
+@pytest.mark.parametrize("cmd", [[*PLAN, "--recompute", "full"], ["memory", "--model", "gpt2", "-b", "2",
+                                                                 "--recompute", "full"]])  # fmt: skip
+def test_recompute_every_past_the_layers_is_refused(capsys, cmd):
+    check_refused([*cmd, "--recompute-every", "13"], capsys,
+                  r"--recompute-every 13 is more than the model's 12 layers: no layer would be recomputed")  # fmt: skip
+    assert main([*cmd, "--recompute-every", "12", "--json"]) == 0  # layer 12 recomputed: taken
+    capsys.readouterr()
+
+
+def test_a_chart_that_cannot_be_written_gives_an_error_with_the_result(capsys):
+    assert main(["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--svg", "/dev/full", "--json"]) == 1
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["kind"] == "failure" and "could not write --svg /dev/full" in obj["error"]
+    assert obj["makespan"] > 0 and obj["closed_form"]["bubble_ratio"] == pytest.approx(3 / 8)

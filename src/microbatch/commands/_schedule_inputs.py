@@ -68,6 +68,13 @@ def diagram_rows_note(stages: int) -> str | None:
     )
 
 
+def user_gave(param: str) -> bool:
+    """Whether the user set option ``param`` (click's parameter source: the command line or the environment), as
+    against its default."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(param) not in (ParameterSource.DEFAULT, None)
+
+
 def given_virtual(virtual: int | None) -> int | None:
     """``--virtual`` as the user gave it: None when it was left at its default (click's parameter source),
     so the schedule's own default applies (:func:`microbatch.schedules.virtual.virtual_in_effect`)."""

@@ -18,7 +18,7 @@ from microbatch.commands._common import (
     resolve_model,
     stages_option,
 )
-from microbatch.commands._schedule_inputs import ScheduleChoice
+from microbatch.commands._schedule_inputs import ScheduleChoice, user_gave
 from microbatch.commands._state_flags import precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
@@ -198,6 +198,14 @@ def cmd(
     from microbatch.predict.plan import PlanConfig
 
     expert_shape, expert_layout = moe_split(moe_spec, precision)
+    if user_gave("cp_comm") and expert_layout["context_parallel"] == 1:
+        from microbatch.errors import ConfigError
+
+        raise ConfigError(
+            f"cp_comm {cp_comm} is how context-parallel ranks exchange keys and values, and context_parallel is 1 "
+            "(no exchange: it would change nothing); give context_parallel 2 or more with it, or drop cp_comm",
+            params=("cp_comm", "context_parallel"),
+        )
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)

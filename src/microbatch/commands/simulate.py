@@ -131,6 +131,8 @@ def cmd(
     title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
     # a chart that cannot be written (checked above, so rare): the numbers are still printed
     failed = _write_charts(rows, sim.makespan, title, time_unit, svg_path, png_path, result, notes)
+    if failed:  # exit 1 below: the envelope says why, with what was computed kept in it
+        result["error"], result["kind"] = next(n for n in notes if n.startswith("could not write")), "failure"
     emit(
         result,
         as_json,
@@ -146,7 +148,8 @@ def cmd(
         ),
     )
     if failed:
-        raise SystemExit(1)
+        click.echo(f"error: {result['error']}", err=True)
+        raise click.exceptions.Exit(1)
 
 
 def _note_flags(

@@ -26,9 +26,18 @@ __all__ = [
 ]
 
 
-def check_expert_layout(shape: ModelShape, expert_parallel: int, data_parallel: int) -> None:
-    """ConfigError unless EP divides E and the data-parallel size d (EP lives inside the d replicas)."""
+def check_expert_layout(
+    shape: ModelShape, expert_parallel: int, data_parallel: int, capacity_factor: float | None = None
+) -> None:
+    """ConfigError unless EP divides E and the data-parallel size d (EP lives inside the d replicas), and
+    unless a capacity factor comes with routed experts (on a dense model it would change nothing)."""
     check_positive_int("expert_parallel", expert_parallel)
+    if capacity_factor is not None and shape.moe is None:
+        raise ConfigError(
+            f"capacity_factor {capacity_factor:g} pads the routed experts' buffers, and {shape.name} is dense "
+            "(no experts); give experts E and top_k K, a MoE model (mixtral-8x7b, deepseek-v3), or drop capacity_factor",
+            params=("capacity_factor", "experts", "top_k"),
+        )
     if expert_parallel == 1:
         return
     if shape.moe is None:

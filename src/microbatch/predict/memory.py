@@ -35,7 +35,7 @@ from microbatch.predict.activations import (
 )
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
-from microbatch.predict.recompute import every_kth, recompute_working
+from microbatch.predict.recompute import check_every_kth, every_kth, recompute_working
 from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import (
     check_hybrid,
@@ -218,6 +218,7 @@ class MemoryConfig:
         """The rules that need the model: t divides heads (and kv heads), p ≤ layers, p·v divides layers."""
         t, p, v = self.tensor_parallel, self.pipeline_parallel, self.virtual
         check_tensor_parallel(shape, t)
+        check_every_kth(self.recompute_every, shape.layers)
         if p > shape.layers:
             raise ConfigError(
                 f"pipeline-parallel {p} > layers {shape.layers}; every stage needs at least one layer; "
@@ -244,7 +245,9 @@ class MemoryConfig:
                 f"interleaved 1F1B needs layers {shape.layers} divisible by stages {p} × virtual {v} = {p * v}; "
                 f"use virtual among {ok or 'none (no v > 1 fits)'}"
             )
-        check_expert_layout(shape, self.expert_parallel, self.data_parallel * self.context_parallel)
+        check_expert_layout(
+            shape, self.expert_parallel, self.data_parallel * self.context_parallel, self.capacity_factor
+        )
         flash = shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq or shape.seq, self.context_parallel, flash)
 

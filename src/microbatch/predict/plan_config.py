@@ -19,6 +19,7 @@ from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import check_context_exchange, check_context_layout, check_ulysses_heads
 from microbatch.predict.experts import check_expert_layout, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
+from microbatch.predict.recompute import check_every_kth
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import (
     ZERO_STAGES,
@@ -274,6 +275,7 @@ class PlanConfig:
                 f"recompute_every {self.recompute_every} applies to full recomputation; give recompute full or auto",
                 params=("recompute_every", "recompute"),
             )
+        check_every_kth(self.recompute_every, self.shape.layers)
         if self.async_tp and not self.sequence_parallel:
             raise ConfigError(
                 "async_tp overlaps the sequence-parallel all-gathers and reduce-scatters with the "
@@ -282,7 +284,7 @@ class PlanConfig:
             )
         if get_precision(self.precision).gemm_dtype is not None:
             check_gemm_dtype(self.precision, self.gpu.name, self.gpu.peak_flops)
-        check_expert_layout(self.shape, self.expert_parallel, self.shard_group)
+        check_expert_layout(self.shape, self.expert_parallel, self.shard_group, self.capacity_factor)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
         if check_context_exchange(self.cp_comm) == "ulysses":

@@ -15,9 +15,12 @@ stage's layers (the remainder of L_stage/K ignored).
 
 from __future__ import annotations
 
+from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
 
-__all__ = ["matmul_widths", "op_saved_terms", "op_recompute_gemm_share", "every_kth", "recompute_working"]
+__all__ = [
+    "matmul_widths", "op_saved_terms", "op_recompute_gemm_share", "every_kth", "check_every_kth", "recompute_working",
+]  # fmt: skip
 
 
 def matmul_widths(shape: ModelShape) -> list[tuple[int, int, bool]]:
@@ -61,6 +64,18 @@ def op_recompute_gemm_share(shape: ModelShape) -> float:
 def every_kth(full_bytes: float, none_bytes: float, every: int) -> float:
     """Mean bytes per layer when one layer in K is fully recomputed: (full + (K − 1)·none) / K."""
     return (full_bytes + (every - 1) * none_bytes) / every
+
+
+def check_every_kth(every: int, layers: int) -> None:
+    """ConfigError when one layer in ``every`` is more than the model's ``layers``: torchtitan recomputes layers
+    K, 2K, … of a stage, so no layer of the model would be recomputed, where the average of :func:`every_kth` would
+    still count 1/K of one."""
+    if every > layers:
+        raise ConfigError(
+            f"recompute_every {every} is more than the model's {layers} layers: no layer would be recomputed; "
+            f"give recompute_every between 1 and {layers}, or recompute none",
+            params=("recompute_every", "recompute"),
+        )
 
 
 def recompute_working(none_bytes: float, kept_bytes: float) -> float:
