@@ -18,7 +18,7 @@ from microbatch.commands._common import (
     resolve_model,
     stages_option,
 )
-from microbatch.commands._schedule_inputs import ScheduleChoice, user_gave
+from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.commands._state_flags import precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
@@ -198,14 +198,7 @@ def cmd(
     from microbatch.predict.plan import PlanConfig
 
     expert_shape, expert_layout = moe_split(moe_spec, precision)
-    if user_gave("cp_comm") and expert_layout["context_parallel"] == 1:
-        from microbatch.errors import ConfigError
-
-        raise ConfigError(
-            f"cp_comm {cp_comm} is how context-parallel ranks exchange keys and values, and context_parallel is 1 "
-            "(no exchange: it would change nothing); give context_parallel 2 or more with it, or drop cp_comm",
-            params=("cp_comm", "context_parallel"),
-        )
+    _check_cp_comm(cp_comm, expert_layout["context_parallel"])
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
@@ -260,6 +253,23 @@ def cmd(
     if why is not None:
         click.echo(f"error: {why}", err=True)
         raise click.exceptions.Exit(2)
+
+
+def _check_cp_comm(cp_comm: str, context_parallel: int) -> None:
+    """A ConfigError when ``--cp-comm`` was given (click's parameter source: not its default) with no context
+    parallelism: it would change nothing, so it is refused, as ``--fp8-recipe`` without FP8 is."""
+    from click.core import ParameterSource
+
+    from microbatch.errors import ConfigError
+
+    ctx = click.get_current_context(silent=True)
+    given = ctx is not None and ctx.get_parameter_source("cp_comm") not in (ParameterSource.DEFAULT, None)
+    if given and context_parallel == 1:
+        raise ConfigError(
+            f"cp_comm {cp_comm} is how context-parallel ranks exchange keys and values, and context_parallel is 1 "
+            "(no exchange: it would change nothing); give context_parallel 2 or more with it, or drop cp_comm",
+            params=("cp_comm", "context_parallel"),
+        )
 
 
 def _elementwise(compiled: bool, fused_kernels: bool) -> RooflineEfficiency:

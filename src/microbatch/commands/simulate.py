@@ -118,21 +118,15 @@ def cmd(
     schedule = generate(spec.name, stages, microbatches, virtual)
     times = resolve_times(spec, schedule, **given, stage_times=stage_times)
     sim = simulate(schedule, comm_time=comm_time, **times)
-    result = _result(sim, spec.name, times, notes)
+    result = _result(sim, spec.name, times, notes, with_intervals)
     uniform = not stage_times and comm_time == 0
     closed = _closed_form(spec, stages, microbatches, virtual, times) if uniform else None
     if closed is not None:
         result["closed_form"] = closed
-    if with_intervals:
-        result["intervals"] = [[[a, e, str(act)] for a, e, act in rank] for rank in sim.intervals]
-        result["activations"] = [[[t, n] for t, n in rank] for rank in sim.activation_timeline()]
-        result["activations_unit"] = "activation chunks: one micro-batch's activations of one virtual stage"
     rows = sim.timeline_rows()
     title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
     # a chart that cannot be written (checked above, so rare): the numbers are still printed
     failed = _write_charts(rows, sim.makespan, title, time_unit, svg_path, png_path, result, notes)
-    if failed:  # exit 1 below: the envelope says why, with what was computed kept in it
-        result["error"], result["kind"] = next(n for n in notes if n.startswith("could not write")), "failure"
     emit(
         result,
         as_json,
@@ -172,8 +166,11 @@ def _note_flags(
         notes.append("--intervals adds every op's (start, end) to the --json output only; add --json")
 
 
-def _result(sim: SimResult, schedule_name: str, times: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """The simulation's summary with the times it ran on and what its numbers are."""
+def _result(
+    sim: SimResult, schedule_name: str, times: dict[str, Any], notes: list[str], with_intervals: bool
+) -> dict[str, Any]:
+    """The simulation's summary with the times it ran on and what its numbers are (and, ``with_intervals``, each
+    rank's intervals and activation timeline)."""
     result = sim.to_dict()
     result["schedule"] = schedule_name
     result["times"] = {k.removesuffix("_time"): v for k, v in times.items() if v is not None}
@@ -181,6 +178,10 @@ def _result(sim: SimResult, schedule_name: str, times: dict[str, Any], notes: li
     result["ratio_is"] = "idle / ideal busy time (Megatron)"
     result["peak_in_flight_unit"] = "micro-batches of one rank's layers"
     result["notes"] = notes
+    if with_intervals:
+        result["intervals"] = [[[a, e, str(act)] for a, e, act in rank] for rank in sim.intervals]
+        result["activations"] = [[[t, n] for t, n in rank] for rank in sim.activation_timeline()]
+        result["activations_unit"] = "activation chunks: one micro-batch's activations of one virtual stage"
     return result
 
 
@@ -256,7 +257,9 @@ def _write_charts(
     result: dict[str, Any],
     notes: list[str],
 ) -> bool:
-    """Write the SVG and PNG asked for, noting each in ``result``; True when one could not be written."""
+    """Write the SVG and PNG asked for, noting each in ``result``; True when one could not be written, and then
+    ``result`` carries the first failure as its ``error`` (kind ``failure``: the command exits 1 with what it
+    computed kept in the envelope)."""
     failed = False
     if svg_path:
         from microbatch.show.text import save_timeline_svg
@@ -276,4 +279,6 @@ def _write_charts(
         except OSError as e:
             notes.append(f"could not write --png {png_path} ({e.strerror or e}); the result is printed here")
             failed = True
+    if failed:
+        result["error"], result["kind"] = next(n for n in notes if n.startswith("could not write")), "failure"
     return failed
