@@ -4,6 +4,7 @@ each is now one line on stderr naming the value, the rule and the fix, with exit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from test_bad_inputs import check_refused, write
@@ -175,3 +176,15 @@ def test_a_chart_that_cannot_be_written_gives_an_error_with_the_result(capsys):
     obj = json.loads(capsys.readouterr().out)
     assert obj["kind"] == "failure" and "could not write --svg /dev/full" in obj["error"]
     assert obj["makespan"] > 0 and obj["closed_form"]["bubble_ratio"] == pytest.approx(3 / 8)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_pipeline_chart_that_cannot_be_written_keeps_the_run_and_names_the_failure(capsys):
+    args = ["pipeline", "-p", "2", "-m", "2", "--steps", "1", "--no-predict", "--svg", "/dev/full", "--json"]
+    assert main(args) == 1
+    cap = capsys.readouterr()
+    obj = json.loads(cap.out)
+    assert obj["kind"] == "failure" and obj["error"].startswith("could not write --svg /dev/full")
+    assert obj["measured"]["step_time_s"] > 0  # the run's result is kept beside the error
+    assert f"error: {obj['error']}" in cap.err

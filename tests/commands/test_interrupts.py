@@ -133,7 +133,11 @@ def test_pipeline_interrupted_in_the_run_exits_130_with_the_steps_every_rank_fin
     assert rc == 130, err
     r = json.loads(out)
     assert r["command"] == "pipeline" and r["interrupted"] is True and r["steps_asked"] == 2000
-    n = r["steps"]
+    n = r["steps"]  # the envelope says why it exits 130, the kept result beside it
+    assert (
+        r["kind"] == "interrupted"
+        and r["error"] == f"interrupted: kept the {n} step(s) of 2000 every rank finished"
+    )
     assert 1 <= n < 2000 and r["measured_steps"] == max(1, n - 1)
     m = r["measured"]
     assert len(m["bubble_steps"]) == r["measured_steps"] and 0.0 < m["bubble_fraction"] < 1.0

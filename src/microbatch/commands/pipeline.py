@@ -17,6 +17,7 @@ from microbatch.commands._common import (
     stages_option,
     width_option,
 )
+from microbatch.envelope import ERROR_KINDS
 from microbatch.measure.device import exit_past_teardown
 from microbatch.schedules.registry import schedule_names
 
@@ -179,13 +180,12 @@ def cmd(
           -m microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b
     Example: microbatch pipeline --stages 2 --microbatches 8 --schedule 1f1b --check-gradients
     """
-    from microbatch.commands._common import check_output_file, use_color
+    from microbatch.commands._common import check_output_file
     from microbatch.commands._schedule_inputs import given_virtual, virtual_note
     from microbatch.run.pipeline.config import PipelineConfig
     from microbatch.run.pipeline.launch import under_torchrun
     from microbatch.schedules.registry import get_spec
     from microbatch.schedules.virtual import virtual_in_effect
-    from microbatch.show.pipeline_report import render
 
     spec = get_spec(schedule)  # the schedule asked (zb-h1 keeps its rule and name; torch's class runs it)
     virtual, note = virtual_in_effect(spec, given_virtual(virtual))  # a V holds exactly two per rank
@@ -222,9 +222,7 @@ def cmd(
     )
     # a file that cannot be written after the run: the result is kept, printed and saved beside
     failed = not _write_outputs(report, title, trace, svg_path, png_path)
-    emit(
-        report.to_json(), as_json, lambda: render(report, width, color=use_color(), no_predict="--no-predict")
-    )
+    _emit(report, failed, as_json, width)
     _end(report, external, failed)
 
 
@@ -263,21 +261,47 @@ def _end(report: PipelineReport, external: bool, failed: bool) -> None:
     output could not be written."""
     if external:
         exit_past_teardown()
+    ended = _failure(report, failed)
+    if ended is None:
+        return
+    from microbatch.commands._common import progress
+
+    code, why = ended
+    progress(why if code == 130 else f"error: {why}")
+    raise click.exceptions.Exit(code)
+
+
+def _emit(report: PipelineReport, failed: bool, as_json: bool, width: int) -> None:
+    """Print the report; where the command will exit non-zero (:func:`_failure`) the JSON keeps the whole result
+    with ``error`` and ``kind`` beside it."""
+    from microbatch.commands._common import use_color
+    from microbatch.show.pipeline_report import render
+
+    out = report.to_json()
+    ended = _failure(report, failed)
+    if ended is not None:
+        out["error"], out["kind"] = ended[1], ERROR_KINDS[ended[0]]
+    emit(out, as_json, lambda: render(report, width, color=use_color(), no_predict="--no-predict"))
+
+
+def _failure(report: PipelineReport, failed: bool) -> tuple[int, str] | None:
+    """(exit status, why) when the command ends non-zero: 130 after an interrupted run, 1 after a failed gradient
+    check or when an output could not be written (``failed``; the first such note); None when it succeeded."""
     if report.interrupted:
-        from microbatch.commands._common import progress
-
-        progress(f"interrupted: kept the {report.steps} step(s) of {report.steps_asked} every rank finished")
-        raise click.exceptions.Exit(130)
-    if report.gradients_match is False:  # a failed check: the whole result is printed above
-        from microbatch.commands._common import progress
-
-        progress(
-            f"error: the gradients do not match the unsplit model (largest relative error "
+        return (
+            130,
+            f"interrupted: kept the {report.steps} step(s) of {report.steps_asked} every rank finished",
+        )
+    if report.gradients_match is False:  # a failed check: the whole result is printed
+        return 1, (
+            f"the gradients do not match the unsplit model (largest relative error "
             f"{report.max_grad_rel_error:.2e}, tolerance {report.grad_tolerance:.0e})"
         )
-        raise SystemExit(1)
     if failed:
-        raise SystemExit(1)
+        return 1, next(
+            (n for n in report.notes if n.startswith("could not write")), "an output could not be written"
+        )
+    return None
 
 
 def _write_outputs(
