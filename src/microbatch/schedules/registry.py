@@ -180,6 +180,9 @@ def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
 
 
 def _lookup(name: str) -> ScheduleSpec | None:
+    exact = SCHEDULES.get(name) if isinstance(name, str) else None
+    if exact is not None:  # a registered name as given (the planner's every call): no normalising scan
+        return exact
     key = _norm(str(name))
     spec = next((s for n, s in SCHEDULES.items() if _norm(n) == key), None)
     if spec is not None:
