@@ -23,7 +23,7 @@ _HF = ("hf_config",)
 # then GPT-2's (n_layer, n_embd, ...), then older families' (GPT-J/NeoX, OPT, BLOOM).
 _HF_KEYS: dict[str, tuple[str, ...]] = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
-    "hidden": ("hidden_size", "n_embd", "d_model", "dim"),
+    "hidden": ("hidden_size", "n_embd", "n_embed", "d_model", "dim"),
     "heads": ("num_attention_heads", "n_head", "n_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
     "head_size": ("head_dim",),
@@ -36,6 +36,67 @@ _GATED_FAMILIES = ("gemma", "vaultgemma")
 """Family prefixes built as Llama is (gated MLP, RMSNorm, rotary, no biases) though their activation is GELU (Gemma's
 GeGLU, spelt ``hidden_activation``: gemma3_text, gemma4_text, vaultgemma). RecurrentGemma is refused as a hybrid first."""
 _LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
+
+_NO_POSITION_TABLE = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "codegen", "persimmon", "stablelm")
+"""GPT-2-built families (LayerNorm, GELU MLP of 4h or their own width) with rotary or ALiBi positions, not a learned
+table: GPT-NeoX, GPT-J, CodeGen, Persimmon, StableLM and Phi (rotary), BLOOM (ALiBi), Falcon (rotary or ALiBi). MPT
+says it itself (``learned_pos_emb``)."""
+
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "emb_pdrop",
+                 "dropout", "activation_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob")  # fmt: skip
+"""The keys families spell a dropout probability with (MPT's ``attn_pdrop`` sits in its ``attn_config``)."""
+
+_PARALLEL_KEYS = {"gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
+"""Families whose parallel attention + MLP block is a setting (transformers' default: on for both); GPT-J, CodeGen
+and Phi always run it (:data:`_ALWAYS_PARALLEL`)."""
+_ALWAYS_PARALLEL = ("gptj", "codegen", "phi")
+
+_UNTIED_BY_DEFAULT = ("gpt_neox", "gptj", "phi", "codegen")
+"""Families whose transformers config defaults ``tie_word_embeddings`` to False (GPT-2's, BLOOM's, OPT's, Falcon's and
+MPT's tie): the default a config.json read without transformers takes."""
+
+_BLOCK_KEYS = ("no_bias", "bias", "learned_pos_emb", "expansion_ratio")
+"""MPT's and Falcon's block settings, read by :func:`_gpt2_built`."""
+
+_DEFAULT_DROPOUT_OFF = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "mpt", "codegen")
+"""Families whose transformers config defaults every dropout probability to 0 (GPT-2's and OPT's default to 0.1):
+the default where a config.json states none."""
+
+
+def _dropout_of(raw: dict[str, Any], model_type: str) -> bool:
+    """Whether training runs dropout: any probability the config states above 0, or the family's default when it
+    states none (:data:`_DEFAULT_DROPOUT_OFF`; otherwise GPT-2's 0.1: on)."""
+    attn = raw.get("attn_config")
+    found = [raw.get(k) for k in _DROPOUT_KEYS] + [attn.get("attn_pdrop") if isinstance(attn, dict) else None]
+    probs = [p for p in found if isinstance(p, int | float) and not isinstance(p, bool)]
+    if probs:
+        return any(p > 0 for p in probs)
+    return model_type not in _DEFAULT_DROPOUT_OFF
+
+
+def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any) -> dict[str, Any]:
+    """The block fields of a family built as GPT-2 is (LayerNorm, a GELU MLP): its positions (a learned table or
+    not: :data:`_NO_POSITION_TABLE`, MPT's ``learned_pos_emb``), biases (MPT's ``no_bias``, Falcon's ``bias``), the
+    parallel block (:data:`_PARALLEL_KEYS`), dropout (:func:`_dropout_of`), MPT's ``expansion_ratio`` as its MLP
+    width, and tied embeddings by the config (GPT-2's default: tied)."""
+    table = not model_type.startswith(_NO_POSITION_TABLE)
+    if model_type == "mpt":
+        table = bool(raw.get("learned_pos_emb", True))
+    bias = not raw.get("no_bias", False) if model_type == "mpt" else bool(raw.get("bias", True))
+    key = _PARALLEL_KEYS.get(model_type)
+    parallel = model_type.startswith(_ALWAYS_PARALLEL) or (key is not None and bool(raw.get(key, True)))
+    fields: dict[str, Any] = {
+        "max_positions": positions if table else None,
+        "learned_positions": table,
+        "tied_embeddings": bool(tied) if tied is not None else not model_type.startswith(_UNTIED_BY_DEFAULT),
+        "bias": bias,
+        "parallel_block": parallel,
+        "dropout": _dropout_of(raw, model_type),
+    }
+    ratio = raw.get("expansion_ratio")
+    if model_type == "mpt" and _hf_lookup(raw, "ffn_hidden") is None and isinstance(ratio, int | float):
+        fields["ffn_hidden"] = int(ratio * _hf_lookup(raw, "hidden"))
+    return fields
 
 
 def _hf_lookup(raw: dict[str, Any], field: str) -> Any:
@@ -133,6 +194,14 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
                     merged[keys[0]] = value
                     break
         merged["tie_word_embeddings"] = getattr(cfg, "tie_word_embeddings", raw.get("tie_word_embeddings"))
+        for key in (
+            *_DROPOUT_KEYS,
+            *_PARALLEL_KEYS.values(),
+            *_BLOCK_KEYS,
+        ):  # the family's defaults the file omits
+            value = _config_value(cfg, key)
+            if key not in raw and isinstance(value, bool | int | float):
+                merged[key] = value
         return merged
     return raw
 
@@ -274,7 +343,7 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
         or (model_type not in ("gpt2",) and str(raw.get("hidden_act", "")).lower() in ("silu", "swiglu"))
     )
     if not llama_like:  # GPT-2's config default is tied (PretrainedConfig.tie_word_embeddings=True)
-        return {"max_positions": positions, "tied_embeddings": bool(tied) if tied is not None else True}
+        return _gpt2_built(raw, model_type, positions, tied)
     return {
         "gated_mlp": True,
         "bias": bool(raw.get("attention_bias", False) or raw.get("mlp_bias", False)),
@@ -282,7 +351,7 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
         "learned_positions": False,
         # Gemma's config.json omits it (transformers' Gemma default: tied); Llama's default: untied
         "tied_embeddings": bool(tied) if tied is not None else model_type.startswith(_GATED_FAMILIES),
-        "dropout": bool(raw.get("attention_dropout", 0.0)),
+        "dropout": _dropout_of(raw, model_type) if any(k in raw for k in _DROPOUT_KEYS) else False,
     }
 
 

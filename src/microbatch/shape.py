@@ -71,6 +71,11 @@ class ModelShape:
     dropout: bool = True
     """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
     Llama-family training runs without dropout."""
+    parallel_block: bool = False
+    """Attention and MLP read the same input and their outputs are added to it together, x + attn(norm₁(x)) +
+    mlp(norm₂(x)) (GPT-J, GPT-NeoX's ``use_parallel_residual``, Falcon's ``parallel_attn``, Phi, PaLM): under tensor
+    parallelism one all-reduce per layer and pass where the sequential block needs two (``plan --parallel-block``
+    sets it for any model)."""
     moe: Experts | None = None
     """Mixture-of-experts MLPs (E, K, F, S, dense first layers); None means every MLP is dense."""
     mla: LatentAttention | None = None

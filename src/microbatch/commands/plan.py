@@ -110,7 +110,8 @@ __all__ = ["cmd"]
 )  # fmt: skip
 @click.option(
     "--parallel-block", "parallel_block", is_flag=True,
-    help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass.",
+    help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass "
+    "(on by itself for a --hf-config that says so: use_parallel_residual, parallel_attn, GPT-J, Phi).",
 )  # fmt: skip
 @click.option(
     "--zero3-impl", "zero3_impl", type=click.Choice(list(ZERO3_IMPLS)), default="fsdp2",

@@ -168,16 +168,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """A pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); with the shape's ``parallel_block``
+    both read x: x + attn(norm₁(x)) + mlp(norm₂(x)) (GPT-NeoX's parallel residual)."""
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.norm1, self.attn = _norm(shape), Attention(shape)
         self.norm2, self.mlp = _norm(shape), MLP(shape)
+        self.parallel = shape.parallel_block
 
     def forward(
         self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, start: int = 0
     ) -> torch.Tensor:
+        if self.parallel:
+            both: torch.Tensor = x + self.attn(self.norm1(x), cache, layer, start) + self.mlp(self.norm2(x))
+            return both
         x = x + self.attn(self.norm1(x), cache, layer, start)
         out: torch.Tensor = x + self.mlp(self.norm2(x))
         return out

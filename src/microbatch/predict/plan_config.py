@@ -148,7 +148,8 @@ class PlanConfig:
     ``torch.distributed.pipelining`` (the plan's check line says DeepSpeed and Megatron take ZeRO ≤ 1 there)."""
     parallel_block: bool = False
     """Attention and MLP side by side on one input (GPT-J, GPT-NeoX ``use_parallel_residual``, PaLM): one
-    tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two."""
+    tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two. Also on where
+    the shape's own ``parallel_block`` is (a Hugging Face config that says so)."""
     expert_imbalance: float = 1.0
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
     pipeline_grad_reduce: str = "last"
@@ -360,7 +361,7 @@ class PlanConfig:
             "pipeline_grad_reduce": self.pipeline_grad_reduce,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
-            "parallel_block": self.parallel_block,
+            "parallel_block": self.parallel_block or self.shape.parallel_block,
             "ep_overlap": self.ep_overlap,
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,
