@@ -14,7 +14,7 @@ from _helpers import AllocationLimit  # noqa: E402
 from microbatch.integrations.hf import split_on_oom  # noqa: E402
 
 
-def _trainer(tmp_path, max_steps=2, padded=False, loss_kwargs=True):
+def _trainer(tmp_path, max_steps=2, padded=False, loss_kwargs=True, cls=None):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         n_layer=1,
@@ -37,7 +37,7 @@ def _trainer(tmp_path, max_steps=2, padded=False, loss_kwargs=True):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
         gradient_accumulation_steps=2, max_steps=max_steps, use_cpu=True, report_to="none", logging_strategy="no",
         save_strategy="no", dataloader_num_workers=0, learning_rate=1e-2)  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer = (cls or transformers.Trainer)(model=model, args=args, train_dataset=data)
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(data)  # rows 0-3 first
     if not loss_kwargs:  # the model's loss is its own per-token mean; the Trainer divides it by GA
         trainer.model_accepts_loss_kwargs = False
@@ -136,3 +136,49 @@ def test_a_per_token_mean_without_num_items_is_weighted_by_its_items(tmp_path):
     assert len(runs["default"][2]) == 1 and "count_fn=lambda inputs" in runs["default"][2][0]
     loss, trainer, _ = runs["unshifted"]
     assert loss == loss and not same_weights(ref, trainer, tol=1e-8)  # one label per row too many
+
+
+class MeanLossTrainer(transformers.Trainer):
+    """A loss of the user's own: the piece's per-token mean, num_items_in_batch ignored (loss_is_scaled_for_ga left
+    None, so transformers takes it as normalised and does not divide it by the accumulation steps)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(input_ids=inputs["input_ids"])
+        logits, labels = out.logits[:, :-1], inputs["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return (loss, out) if return_outputs else loss
+
+
+def _split_run(tmp_path, count_fn=None, declared=None):
+    trainer = _trainer(tmp_path, padded=True, cls=MeanLossTrainer)
+    if declared is not None:
+        trainer.loss_is_scaled_for_ga = declared
+    ctrl = split_on_oom(trainer, count_fn=count_fn)
+    with AllocationLimit(6 * 16 * 96 * 8), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = trainer.train().training_loss
+    assert ctrl.splits == 1 and trainer.state.global_step == 2
+    return loss, trainer, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def test_a_custom_per_batch_mean_with_count_fn_splits_to_the_unsplit_trainers_step(tmp_path):
+    """A user's compute_loss returning its batch's mean, with count_fn saying over what: the pieces' means weighted
+    by their items and the step scaled as the Trainer scales the unsplit one (it took the per-piece means as shares,
+    so a split step's gradient was the number of pieces times too large)."""
+    ref = _trainer(tmp_path, padded=True, cls=MeanLossTrainer)
+    ref_loss = ref.train().training_loss
+    loss, trainer, warned = _split_run(tmp_path, count_fn=shifted)
+    assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss) and same_weights(ref, trainer) and warned == []
+    # declared a per-batch mean (transformers' own advice for such a loss): divided by the accumulation steps, as
+    # the unsplit Trainer divides it then
+    ref = _trainer(tmp_path, padded=True, cls=MeanLossTrainer)
+    ref.loss_is_scaled_for_ga = False
+    ref_loss = ref.train().training_loss
+    loss, trainer, warned = _split_run(tmp_path, count_fn=shifted, declared=False)
+    assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss) and same_weights(ref, trainer) and warned == []
+
+
+def test_a_custom_loss_without_count_fn_is_taken_as_normalised_and_a_split_says_so(tmp_path):
+    _, _, warned = _split_run(tmp_path)
+    assert len(warned) == 1 and "MeanLossTrainer" in warned[0]
+    assert "trainer.loss_is_scaled_for_ga = False" in warned[0] and "count_fn" in warned[0]

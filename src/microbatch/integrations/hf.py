@@ -279,15 +279,12 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
         if callable(getattr(trainer.optimizer, "train", None)):
             trainer.optimizer.train()
         inputs = trainer._prepare_inputs(inputs)
-        scaled = trainer.loss_is_scaled_for_ga if getattr(trainer, "loss_is_scaled_for_ga", None) is not None else (
-            (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
-            or getattr(trainer, "compute_loss_func", None) is not None
-        )  # fmt: skip  # the test transformers 5.x's training_step makes (no such attributes before 4.46)
+        scaled, divided, assumed = _loss_is_scaled(trainer, num_items_in_batch)
         rows = batch_rows(inputs)
         # compute_loss takes num_items_in_batch from 4.46 on (the Trainer passes None before)
         items = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
-        ga = 1.0 if scaled else float(getattr(trainer, "current_gradient_accumulation_steps", None)
-                                      or trainer.args.gradient_accumulation_steps)  # fmt: skip  # < 4.50: args
+        ga = float(getattr(trainer, "current_gradient_accumulation_steps", None)
+                   or trainer.args.gradient_accumulation_steps) if divided else 1.0  # fmt: skip  # < 4.50: args
 
         count, exact = (batch_rows, True) if scaled else _items_of(trainer, inputs)
         if not float(count(inputs)) > 0:
@@ -305,7 +302,20 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
 
         ctrl = trainer.microbatch_controller
         loss = accumulate(model, inputs, loss_fn, count_fn=count, controller=ctrl)
-        if not exact and ctrl.micro_batch_size < rows and not warned:
+        if assumed and ctrl.micro_batch_size < rows and not warned:
+            warned.append(True)
+            import warnings
+
+            warnings.warn(
+                f"split_on_oom split a step of {type(trainer).__name__}, whose own compute_loss is taken as normalised "
+                "by num_items_in_batch (transformers' rule while loss_is_scaled_for_ga is None): the pieces' losses "
+                "are added; if it returns a per-batch mean the split step's gradient is the pieces' count times too "
+                "large: set trainer.loss_is_scaled_for_ga = False, or give split_on_oom(trainer, count_fn=...) with "
+                "what the mean averages over",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        elif not exact and ctrl.micro_batch_size < rows and not warned:
             warned.append(True)
             import warnings
 
@@ -320,6 +330,39 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
         return loss
 
     return training_step
+
+
+def _loss_is_scaled(trainer: Any, num_items_in_batch: Any) -> tuple[bool, bool, bool]:
+    """``(shares, divided, assumed)``: whether the Trainer's loss is each piece's share of the step (normalised by
+    ``num_items_in_batch``: the pieces' losses add up) rather than a per-piece mean (weighted by its items); whether
+    the step divides it by the gradient-accumulation steps, as the unsplit ``training_step`` would; and whether the
+    first is only assumed.
+
+    The Trainer's ``loss_is_scaled_for_ga`` when set decides both (transformers 5.x: a subclass computing its own
+    loss says so). Otherwise the Trainer divides by the accumulation steps unless transformers' rule holds — the model
+    takes loss kwargs and the Trainer passes ``num_items_in_batch``, or a ``compute_loss_func`` is given — and the
+    split does as the Trainer does, so a split step's gradient is the unsplit step's; the pieces are shares by that
+    rule too, except under a ``compute_loss`` of the user's own (a subclass overriding it) with ``count_fn`` given: a
+    mean over those items, as ``count_fn`` declares. A custom ``compute_loss`` without ``count_fn`` is taken by the
+    rule, ``assumed`` (a split step warns once: a per-batch mean taken as a share is counted once per piece)."""
+    given = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if given is not None:
+        return bool(given), not given, False
+    rule = bool(
+        (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+        or getattr(trainer, "compute_loss_func", None) is not None
+    )  # the test transformers 5.x's training_step makes (no such attributes before 4.46)
+    custom = _own_compute_loss(trainer)
+    if custom and getattr(trainer, "microbatch_count_fn", None) is not None:
+        return False, not rule, False
+    return rule, not rule, rule and custom
+
+
+def _own_compute_loss(trainer: Any) -> bool:
+    """Whether ``trainer``'s class overrides ``transformers.Trainer.compute_loss`` (a loss of the user's own)."""
+    from transformers import Trainer
+
+    return getattr(type(trainer), "compute_loss", None) is not Trainer.compute_loss
 
 
 def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
