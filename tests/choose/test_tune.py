@@ -236,6 +236,31 @@ def test_user_model_api_with_global_batch(tmp_path, monkeypatch):
     assert d["model"] == "GPT"
 
 
+def test_a_model_whose_step_needs_two_rows_is_tuned_from_start_2(tmp_path, monkeypatch):
+    """BatchNorm in training refuses one row: the set-up step ran at 1 row whatever ``start`` said (a user-loop
+    sweep's finding); it runs at ``start`` now, and at 1 the user's error carries where it came from."""
+    import torch
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1))
+    x, y = torch.randn(64, 8), torch.randn(64)
+    asked = []
+
+    def make_batch(b):
+        asked.append(b)
+        return x[:b], y[:b]
+
+    def mse(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]).squeeze(-1), batch[1])
+
+    r = tune(model, make_batch, loss_fn=mse, max_micro_batch=8, timing=FAST, global_batch=16, start=2)
+    assert min(asked) == 2 and r.recommendation.knee.micro_batch >= 2
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel") as err:
+        tune(model, make_batch, loss_fn=mse, max_micro_batch=8, timing=FAST, global_batch=16, use_cache=False)
+    assert any("tune's set-up step at micro-batch 1" in n and "start=2" in n for n in err.value.__notes__)
+
+
 def test_user_model_compiled(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     import importlib.util

@@ -464,15 +464,28 @@ def static_bytes(probe: Probe) -> int:
 class InProcessProber:
     """Probes in this process (CUDA, where OOM is an exception, or a user's own model): what tune calls."""
 
-    def __init__(self, probe: Probe) -> None:
+    def __init__(self, probe: Probe, *, setup_size: int = 1) -> None:
         self.probe = probe
         """The probe run for each micro-batch size."""
         self.peak_before_bytes: int | None = None
         """Peak memory before the first probe: not measured in process (None)."""
+        self.setup_size = setup_size
+        """Rows of the set-up step (the search's first micro-batch: a model whose step needs two rows, BatchNorm in
+        training or an in-batch contrastive loss, is tuned from ``start`` 2)."""
 
     def start(self) -> None:
-        if not getattr(self.probe, "ready", True):
-            self.probe.setup(1)
+        if getattr(self.probe, "ready", True):
+            return
+        try:
+            self.probe.setup(self.setup_size)
+        except Exception as e:  # the user's own error, its traceback kept: say where it came from
+            if not isinstance(e, oom_types()):
+                e.add_note(
+                    f"microbatch: raised by tune's set-up step at micro-batch {self.setup_size} (one forward, backward "
+                    "and optimizer step, so the optimizer's state exists before the probes); a model whose training "
+                    "step needs more rows (BatchNorm, an in-batch contrastive loss) is tuned from start=2 or more"
+                )
+            raise
 
     def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
         self.probe.set_checkpointing(checkpointing)

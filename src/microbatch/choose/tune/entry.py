@@ -308,7 +308,8 @@ def tune(
     with leave_no_trace(model, optimizer), gc_frozen(), torch_threads(threads):  # restored bitwise
         if search_config.use_cache:  # the key only: may draw from the generators (restored)
             fp["batch"] = batch_structures(make_batch, search_config)
-        result = run_search(InProcessProber(step), probe_config, search_config, choice, setup, on_point)
+        prober = InProcessProber(step, setup_size=search_config.start)
+        result = run_search(prober, probe_config, search_config, choice, setup, on_point)
     notes = _first_loss_notes(step.first_loss)
     result = replace(result, timing_choice=timing_choice, notes=notes)
     _say_cached(result)
