@@ -88,10 +88,10 @@ def test_grow_after_counts_optimizer_steps_not_accumulation_calls(tmp_path):
     ctrl = split_on_oom(trainer, grow_after=2)
     with AllocationLimit(6 * 16 * 96 * 8):  # 8 rows never fit: every growth back to 8 is split again
         trainer.train()
-    # optimizer steps 0 and 1 run at 4 (two calls each); the window closes before step 2, which grows
-    # back to 8 and is redone at 4. Counting calls would have grown after step 0 and split 3 times.
+    # optimizer step 0 splits (not clean), steps 1 and 2 run clean at 4 (two calls each); the window closes before
+    # step 3, which grows back to 8 and is redone at 4. Counting calls would have grown after step 1 and split 3 times.
     events = [(e.kind, e.step, e.old, e.new) for e in ctrl.history]
-    assert events == [("split", 0, 8, 4), ("grow", 2, 4, 8), ("split", 2, 8, 4)]
+    assert events == [("split", 0, 8, 4), ("grow", 3, 4, 8), ("split", 3, 8, 4)]
     assert (ctrl.steps, ctrl.calls, ctrl.splits, ctrl.grows) == (4, 8, 2, 1)
     assert "2 clean optimizer steps at 4" in ctrl.history[1].reason
     for (name, a), b in zip(ref.model.named_parameters(), trainer.model.parameters(), strict=True):

@@ -119,6 +119,7 @@ class MicroBatchController:
         self.history: list[ResizeEvent] = []
         """The latest resize events, oldest first."""
         self._changed_at = 0  # self.steps when the size last changed
+        self._split_last = False  # the last change was a split: the step it happened in is not clean
 
     @property
     def steps(self) -> int:
@@ -127,8 +128,10 @@ class MicroBatchController:
 
     @property
     def clean_steps(self) -> int:
-        """Steps completed at the current size since the last change (the step of a split counts, once done)."""
-        return max(0, self.steps - self._changed_at)
+        """Steps completed without out-of-memory since the size last changed: after a growth, the steps from the one it
+        began on; after a split, the steps after the one that split (redone at the smaller size, it ran out of memory
+        first: not clean)."""
+        return max(0, self.steps - self._changed_at - int(self._split_last))
 
     @property
     def step_unit(self) -> str:
@@ -159,7 +162,7 @@ class MicroBatchController:
         step = self.steps
         self.micro_batch_size = new
         self.splits += 1
-        self._changed_at = step
+        self._changed_at, self._split_last = step, True
         self._record(ResizeEvent(step=step, old=old, new=new, kind="split", reason=reason))
         log.warning(
             "%s: out of memory at micro-batch %d, redoing the step at %d (%s)", self.where(), old, new, reason
@@ -186,7 +189,7 @@ class MicroBatchController:
         step = self.steps
         self.micro_batch_size = new
         self.grows += 1
-        self._changed_at = step
+        self._changed_at, self._split_last = step, False
         self._record(ResizeEvent(step=step, old=size, new=new, kind="grow", reason=reason))
         log.info("step %d: %s, growing the micro-batch to %d", step, reason, new)
 
