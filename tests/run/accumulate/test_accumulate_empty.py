@@ -186,3 +186,35 @@ def test_the_parameter_check_walks_the_graph_once_per_model_and_loss(monkeypatch
     assert len(walks) == 1  # then once more for another loss function
     accumulate(model, batch, with_z_loss, micro_batch_size=2)
     assert len(walks) == 2
+
+
+def _sum_and_count(model, mb, sign=1):
+    logits = model(mb["input_ids"])[:, :-1]
+    target = mb["labels"][:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), ignore_index=-100, reduction="sum")
+    return loss, sign * (target != -100).sum()  # a tensor count, as (labels != -100).sum() gives
+
+
+@pytest.mark.parametrize("where", ["loss_fn", "count_fn"])
+def test_a_negative_tensor_count_is_refused_as_a_negative_number_is(where):
+    """A count that is a tensor was summed unchecked (a Python number was refused): a negative one in one
+    micro-batch gave a wrong mean silently (a user-loop sweep's finding). Refused, naming the micro-batch, with the
+    gradients put back."""
+    model = make_model()
+    before = set_pre_grads(model)
+    pieces = _pieces()[:1] + [{k: v[:2] for k, v in make_batch(rows=4).items()}]
+
+    def loss_fn(m, mb):
+        return _sum_and_count(m, mb, sign=-1 if (where == "loss_fn" and mb is pieces[1]) else 1)
+
+    def count_fn(mb):
+        return (-1 if mb is pieces[1] else 1) * (mb["labels"][:, 1:] != -100).sum()
+
+    kwargs = {"count_fn": count_fn} if where == "count_fn" else {}
+    name = "loss_fn's n_items" if where == "loss_fn" else r"count_fn\(micro_batch\)"
+    with pytest.raises(
+        ConfigError, match=name + r" must be a finite number >= 0, got -\d+ \(a tensor\) for micro-batch 1"
+    ):
+        accumulate_micro_batches(model, pieces, loss_fn, **kwargs)
+    after = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

@@ -53,6 +53,7 @@ from microbatch.run.accumulate.scaling import (
     check_callables,
     check_empty_losses,
     check_loss,
+    checked_counts,
     count_items,
     grad_sq_norm,
     group_and_world,
@@ -348,6 +349,9 @@ def _run(
 
         # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
         # carries the agreement (microbatch.run.accumulate.agree) with on_oom="split".
+        checked_counts(
+            "loss_fn's n_items", counts
+        )  # tensors read back once: a negative count named, not summed
         loss_total, n_total = total_of(losses), total_of(counts)
         if world > 1:
             loss_global, n_global, redo = ag.all_reduce_sums(

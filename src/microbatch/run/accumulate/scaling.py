@@ -34,6 +34,7 @@ __all__ = [
     "group_and_world",
     "model_device",
     "as_number",
+    "checked_counts",
     "total_of",
     "to_float",
     "with_items",
@@ -156,7 +157,9 @@ def count_items(micro_batches: Sequence[Batch], count_fn: CountFn, *, model: Any
     Under DDP this makes one small ``all_reduce`` (every rank must call it). Returns a float
     (item counts may be weights); raise nothing for a zero total — :func:`loss_scale` does.
     """
-    total = total_of([as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches])
+    values = [as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches]
+    checked_counts("count_fn(micro_batch)", values)
+    total = total_of(values)
     group, world = group_and_world(model)
     if world > 1:
         t = torch.as_tensor(total, dtype=torch.float64, device=model_device(model)).reshape(1).clone()
@@ -382,11 +385,25 @@ def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[
     ``count_fn``.) Not under DDP or FSDP, whose ranks must run the same forwards and backwards, and refuse an empty
     micro-batch's non-finite loss (:func:`check_empty_losses`)."""
     values = [as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches]
-    counts = _floats(values)
+    counts = checked_counts("count_fn(micro_batch)", values)
     total = float(sum(counts))
     if not math.isfinite(total):
         raise ConfigError(f"count_fn gave a total of {total!r} items; counts must be finite and >= 0")
     return [mb if n > 0 else NoItems(mb) for mb, n in zip(micro_batches, counts, strict=True)], total
+
+
+def checked_counts(name: str, values: Sequence[Any]) -> list[float]:
+    """``values`` (item counts: numbers, 1-element tensors) as floats, each finite and >= 0, else a ConfigError naming
+    the micro-batch: :func:`as_number` checks a number as it comes and leaves a tensor on its device (no wait per
+    micro-batch); the tensors are read back here in one transfer, before their total is used."""
+    counts = _floats(values)
+    for i, n in enumerate(counts):
+        if not (math.isfinite(n) and n >= 0):
+            raise ConfigError(
+                f"{name} must be a finite number >= 0, got {n:g} (a tensor) for micro-batch {i}; count the valid "
+                "items, e.g. (labels != -100).sum()"
+            )
+    return counts
 
 
 def _floats(values: Sequence[Any]) -> list[float]:
