@@ -1,7 +1,9 @@
 """Splitting a batch into micro-batches: by rows (:func:`split`) or by a token budget (:func:`split_by_tokens`).
 
 A batch is a tensor, a tuple/list of tensors or a mapping of name -> tensor, nested as a collate function
-makes them, with the rows in dim 0, and lists of plain values with one per row (the texts of the rows);
+makes them, with the rows in dim 0, and lists of plain values with one per row (the texts of the rows), and,
+inside the batch, lists of mappings with one record per row (torchvision's detection targets: a dict of boxes and
+labels per image, each with its own number of boxes);
 micro-batches are views (no copy). :func:`batch_rows` checks that every tensor agrees on
 the number of rows. Used by :mod:`microbatch.run.accumulate` and by loops written by hand.
 
@@ -30,10 +32,15 @@ def _holds_tensors(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(_holds_tensors(v) for v in value)
 
 
-def _per_row(value: Any) -> bool:
+def _per_row(value: Any, nested: bool = True) -> bool:
     """A list or tuple with no tensor or mapping inside: one value per row (a string, a number, a row's own list
-    of choices), sliced with the rows."""
-    return isinstance(value, (tuple, list)) and not _holds_tensors(value)
+    of choices), sliced with the rows; or, inside the batch (``nested``), a list of mappings: one record per row
+    (torchvision's detection targets, whose tensors hold each image's own boxes, not rows). A list of tensors stays
+    parallel fields, and so does the whole batch as a list (``default_collate`` of (dict, dict) samples)."""
+    if not isinstance(value, (tuple, list)):
+        return False
+    records = nested and isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+    return records or not _holds_tensors(value)
 
 
 def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:
@@ -47,7 +54,7 @@ def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:
     if isinstance(batch, Mapping):
         items = [(f"{name}[{k!r}]", v) for k, v in batch.items()]
     elif isinstance(batch, (tuple, list)):
-        if batch and _per_row(batch) and name != "batch":
+        if batch and _per_row(batch, nested=name != "batch"):
             return [(name, batch)]
         items = [(f"{name}[{i}]", v) for i, v in enumerate(batch)]
     elif name == "batch":
@@ -79,20 +86,27 @@ def batch_rows(batch: Batch) -> int:
 
 
 def take_rows(
-    batch: Batch, start: int, stop: int, width: int | None = None, full_width: int | None = None
+    batch: Batch,
+    start: int,
+    stop: int,
+    width: int | None = None,
+    full_width: int | None = None,
+    *,
+    top: bool = True,
 ) -> Batch:
     """Rows ``start:stop`` of every tensor (views) and per-row list, through nested containers; optionally cut
-    dim 1 of the tensors from ``full_width`` to ``width``."""
+    dim 1 of the tensors from ``full_width`` to ``width``. ``top``: ``batch`` is the whole batch (a list of mappings
+    there is fields, inside it one record per row: :func:`_per_row`)."""
     if isinstance(batch, torch.Tensor):
         t = batch[start:stop]
         if width is not None and t.dim() >= 2 and t.shape[1] == full_width:
             t = t[:, :width]
         return t
     if isinstance(batch, Mapping):
-        return {k: take_rows(v, start, stop, width, full_width) for k, v in batch.items()}
-    if _per_row(batch):
+        return {k: take_rows(v, start, stop, width, full_width, top=False) for k, v in batch.items()}
+    if _per_row(batch, nested=not top):
         return batch[start:stop]
-    parts = [take_rows(v, start, stop, width, full_width) for v in batch]
+    parts = [take_rows(v, start, stop, width, full_width, top=False) for v in batch]
     if isinstance(batch, tuple):
         make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
         return make(parts) if callable(make) else type(batch)(parts)
