@@ -63,6 +63,7 @@ from microbatch.run.accumulate.scaling import (
     params_once,
     sync_unless_last,
     to_float,
+    to_mean,
     total_of,
     with_items,
 )
@@ -365,7 +366,7 @@ def _run(
         else:
             loss_global, n_global = to_float(loss_total), to_float(n_total)
         check_empty_losses(model, losses, counts, loss_global, world)  # raises into the restore below
-        _to_mean(params, count_fn, counted, n_global, average)
+        to_mean(params, count_fn, counted, n_global, average)
         if noise is not None:
             _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, model_device(model))
     except BaseException:
@@ -446,29 +447,6 @@ def _backward_each(
             raise
         return losses, counts, small, short_error(e)  # the text only: the frames hold the failed tensors
     return losses, counts, small, None
-
-
-def _to_mean(
-    params: list[Any], count_fn: CountFn | None, counted: float | None, n_global: float, average: int
-) -> None:
-    """Without ``count_fn``, rescale ∇Σloss_sum to the mean over ``n_global`` items; with it, check that
-    the items counted before match those the losses reported."""
-    if count_fn is None:
-        if not n_global > 0:
-            raise ConfigError(
-                f"the whole batch has {n_global:g} valid items; the mean loss needs at least one (check the "
-                "labels: are they all -100?)"
-            )
-        # The gradients hold ∇Σloss_sum (averaged over ranks by DDP): rescale to the mean.
-        rescale = average / n_global
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(rescale)
-    elif counted is not None and abs(n_global - counted) > 1e-9 * max(1.0, counted):
-        raise ConfigError(
-            f"count_fn counted {counted:g} items but loss_fn reported {n_global:g}; they must count the "
-            "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
-        )
 
 
 def _noise_update(

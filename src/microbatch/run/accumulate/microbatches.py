@@ -39,7 +39,9 @@ def _per_row(value: Any, nested: bool = True) -> bool:
     parallel fields, and so does the whole batch as a list (``default_collate`` of (dict, dict) samples)."""
     if not isinstance(value, (tuple, list)):
         return False
-    records = nested and isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+    records = (
+        nested and isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+    )
     return records or not _holds_tensors(value)
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "model_device",
     "as_number",
     "checked_counts",
+    "to_mean",
     "total_of",
     "to_float",
     "with_items",
@@ -417,3 +418,26 @@ def _floats(values: Sequence[Any]) -> list[float]:
     except RuntimeError:  # on several devices: one read each
         read = iter([to_float(t) for t in tensors])
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def to_mean(
+    params: list[Any], count_fn: CountFn | None, counted: float | None, n_global: float, average: int
+) -> None:
+    """Without ``count_fn``, rescale ∇Σloss_sum to the mean over ``n_global`` items; with it, check that
+    the items counted before match those the losses reported."""
+    if count_fn is None:
+        if not n_global > 0:
+            raise ConfigError(
+                f"the whole batch has {n_global:g} valid items; the mean loss needs at least one (check the "
+                "labels: are they all -100?)"
+            )
+        # The gradients hold ∇Σloss_sum (averaged over ranks by DDP): rescale to the mean.
+        rescale = average / n_global
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(rescale)
+    elif counted is not None and abs(n_global - counted) > 1e-9 * max(1.0, counted):
+        raise ConfigError(
+            f"count_fn counted {counted:g} items but loss_fn reported {n_global:g}; they must count the "
+            "same valid items (e.g. both (labels != -100).sum(), after the same shift)"
+        )
