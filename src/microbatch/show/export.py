@@ -13,7 +13,7 @@ changes the optimisation).
   both read (``activation_checkpointing`` exists only from 5.23, where the old name warns).
 - **Lightning**: ``Trainer`` keyword arguments (``accumulate_grad_batches`` = g, ``precision`` in
   Lightning's words: ``16-mixed``, ``32-true``) and the DataLoader's ``batch_size`` = b_m, in two sections.
-- **torchtitan** ≤ 0.2.x TOML (:mod:`microbatch.show.export_torchtitan`): ``training.local_batch_size``
+- **torchtitan** 0.2.x (0.2.0–0.2.2) TOML (:mod:`microbatch.show.export_torchtitan`): ``training.local_batch_size``
   (b_m, or b_m·m with pipelining, which torchtitan splits into micro-batches of
   ``parallelism.pipeline_parallel_microbatch_size``), ``training.global_batch_size`` = B,
   ``parallelism.pipeline_parallel_schedule``.
@@ -58,6 +58,7 @@ from microbatch.show.export_common import (
     precision_of,
     schedule_spec,
 )
+from microbatch.show.export_lightning import GPUS_PER_NODE, lightning_config
 from microbatch.show.export_torchtitan import TORCHTITAN_HEADER, torchtitan_config
 from microbatch.show.toml_text import toml_text
 
@@ -77,9 +78,6 @@ FORMATS = ("deepspeed", "hf", "lightning", "torchtitan")
 
 
 _NEEDED = ("micro_batch", "grad_accum", "global_batch", "data_parallel")
-
-GPUS_PER_NODE = 8
-"""Default accelerators per node for Lightning's ``devices``/``num_nodes`` (an HGX/DGX node holds 8)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +155,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
                     "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip",
-                    "loss_dtype", "optimizer"):  # fmt: skip
+                    "loss_dtype", "optimizer", "ep_overlap"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
@@ -226,10 +224,12 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             f"{d * t} ranks as data-parallel and refuses train_batch_size {c['global_batch']} != "
             f"{c['micro_batch']} × {c['grad_accum']} × {d * t}"
         )
-    if p > 1:
+    if p > 1:  # without a topology PipelineModule counts the t ranks as data-parallel (dp = world / p)
+        build = (f"PipelineModule(layers, topology=PipeModelDataParallelTopology(num_pp={p}, num_mp={t}, num_dp={d}))"
+                 if t > 1 else f"PipelineModule(num_stages={p})")  # fmt: skip
         notes.append(
             f"pipeline engine: gradient_accumulation_steps = m = {c['grad_accum']} micro-batches per flush; "
-            f"build PipelineModule(num_stages={p}); DeepSpeed's engine runs its own 1F1B-like schedule"
+            f"build {build}; DeepSpeed's engine runs its own 1F1B-like schedule"
             + (f", not {c.get('schedule')}" if not _deepspeed_native(c.get("schedule")) else "")
         )
     if c.get("recompute", "none") != "none":
@@ -239,6 +239,13 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             "deepspeed.checkpointing.checkpoint (activation checkpointing is set in model code)"
         )
     if (ep := c.get("expert_parallel", 1)) > 1:
+        if c.get("zero", 0) == 3:
+            raise ConfigError(
+                f"DeepSpeed's MoE layers (deepspeed.moe.layer.MoE, for expert_parallel {ep}) refuse ZeRO stage 3 "
+                '("Native DeepSpeed MoE is not supported with ZeRO Stage 3"); plan again with zero 1 or 2, or export '
+                "this plan to torchtitan",
+                params=("zero",),
+            )
         notes.append(deepspeed_moe_note(ep, c.get("capacity_factor"), t))
     return cfg, notes
 
@@ -262,19 +269,29 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
         "gradient_accumulation_steps": c["grad_accum"],
         "bf16": prec == "bf16-mixed",
         "fp16": prec == "fp16-mixed",
-        # 4.x and 5.x read it; activation_checkpointing exists only from 5.23, where this name warns
-        "gradient_checkpointing": c.get("recompute", "none") != "none",
     }
+    if (
+        c.get("recompute", "none") != "none"
+    ):  # 4.x and 5.x read it; from 5.23 an alias that warns (written when on)
+        cfg["gradient_checkpointing"] = True
     if (clip := clip_norm(c)) is not None:  # the Trainer clips at 1.0 unless told
         cfg["max_grad_norm"] = clip
     notes = [f"run on d = {c['data_parallel']} processes (torchrun --nproc_per_node ...); the Trainer multiplies "
-             "per_device_train_batch_size by the world size",
-             "gradient_checkpointing is read by transformers 4.x and 5.x; from 5.23 it is a deprecated alias of "
-             "activation_checkpointing (a FutureWarning)"]  # fmt: skip
+             "per_device_train_batch_size by the world size"]  # fmt: skip
+    if "gradient_checkpointing" in cfg:
+        notes.append("gradient_checkpointing is read by transformers 4.x and 5.x; from 5.23 it is a deprecated alias "
+                     "of activation_checkpointing (a FutureWarning)")  # fmt: skip
     if (p := c.get("pipeline_parallel", 1)) > 1:
         raise no_pipeline("the Hugging Face Trainer", p, "DeepSpeed or torchtitan")
-    if c.get("tensor_parallel", 1) > 1:
-        notes.append("the Hugging Face Trainer runs no tensor parallelism; use DeepSpeed or torchtitan")
+    if (
+        t := c.get("tensor_parallel", 1)
+    ) > 1:  # each of the d processes would hold the whole model, not 1/t of it
+        raise ConfigError(
+            f"the Hugging Face Trainer's keyword arguments hold no tensor parallelism (transformers 5 takes it as an "
+            f"accelerate ParallelismConfig object), and the plan's memory holds only with the model split over "
+            f"t = {t}; export this plan to DeepSpeed or torchtitan, or plan again with tensor_parallel 1",
+            params=("tensor_parallel",),
+        )
     if c.get("recompute") in ("selective", "op"):
         notes.append(f"gradient_checkpointing recomputes every whole layer (full), not {c.get('recompute')}")
     if (every := c.get("recompute_every", 1)) > 1 and c.get("recompute") == "full":
@@ -286,64 +303,6 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
     if c.get("zero", 0) > 0:
         notes.append(f"ZeRO {c['zero']}: pass deepspeed=<the DeepSpeed JSON of this plan> or use FSDP")
     return cfg, notes
-
-
-_LIGHTNING_PRECISION = {"bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "fp32": "32-true",
-                        "fp8": "transformer-engine"}  # fmt: skip
-"""The plan's precision → Lightning's ``Trainer(precision=...)``; FP8 is Transformer Engine's plugin (tensorwise)."""
-
-_LIGHTNING_STRATEGY = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}
-"""ZeRO stage → Lightning's registered strategy name (with d > 1)."""
-
-
-def _lightning(c: Json) -> tuple[Json, list[str]]:
-    prec = precision_of(c)
-    d, z = c["data_parallel"], c.get("zero", 0)
-    _check_lightning(c)
-    trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _LIGHTNING_PRECISION[prec]}
-    if clip_norm(c):  # Lightning clips only when gradient_clip_val is given
-        trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"] = clip_norm(c), "norm"
-    per_node = int(c.get("gpus_per_node") or min(d, GPUS_PER_NODE))
-    if d % per_node:
-        raise ConfigError(
-            f"{d} processes (d = {d}) do not fill nodes of {per_node} accelerators; give gpus_per_node dividing {d}",
-            params=("gpus_per_node",),
-        )
-    trainer["devices"], trainer["num_nodes"] = per_node, d // per_node
-    notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {per_node} × {d // per_node} "
-             f"= {d} processes ({per_node} accelerators per node"
-             + ("" if c.get("gpus_per_node") else ", assumed: gpus_per_node to change") + ")"]  # fmt: skip
-    if d > 1:
-        trainer["strategy"] = _LIGHTNING_STRATEGY[z]
-    if c.get("recompute", "none") != "none":
-        notes.append(f"recompute {c['recompute']}: enable activation checkpointing in the LightningModule")
-    return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
-
-
-def _check_lightning(c: Json) -> None:
-    """ConfigError for tensor parallelism (no Trainer keyword: its DDP over d·t ranks would make the global
-    batch t× the plan's) and for FP8 under the FSDP or DeepSpeed strategy (their precision plugins refuse
-    ``transformer-engine``)."""
-    b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
-    z, t, p = c.get("zero", 0), c.get("tensor_parallel", 1), c.get("pipeline_parallel", 1)
-    if p > 1:
-        raise no_pipeline("Lightning's Trainer", p, "torchtitan or DeepSpeed")
-    if t > 1:
-        raise ConfigError(
-            f"Lightning's Trainer has no tensor-parallel keyword: devices for all d × t = {d * t} ranks would run "
-            f"DDP over them, and the global batch would be {b} × {g} × {d * t} = {B * t}, not {B}; export this "
-            "plan to torchtitan, or write lightning.pytorch.strategies.ModelParallelStrategy("
-            f"data_parallel_size={d}, tensor_parallel_size={t}) by hand with the model's configure_model() "
-            f"(accumulate_grad_batches={g}, DataLoader batch_size={b}), or plan again with tensor_parallel 1",
-            params=("tensor_parallel",),
-        )
-    if precision_of(c) == "fp8" and d > 1 and z >= 1:
-        raise ConfigError(
-            f"Lightning's FP8 (precision 'transformer-engine') runs under DDP or on one device: its "
-            f"{_LIGHTNING_STRATEGY[z]} strategy, for ZeRO {z}, refuses it; plan again with zero 0, or export this "
-            "plan to torchtitan (float8 linears under FSDP)",
-            params=("zero",),
-        )
 
 
 def _deepspeed_native(name: str | None) -> bool:
@@ -420,7 +379,12 @@ def _check_supported(c: Json, fmt: str) -> None:
         raise ConfigError(f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it")
 
 
-_BUILDERS = {"deepspeed": _deepspeed, "hf": _hf, "lightning": _lightning, "torchtitan": torchtitan_config}
+_BUILDERS = {
+    "deepspeed": _deepspeed,
+    "hf": _hf,
+    "lightning": lightning_config,
+    "torchtitan": torchtitan_config,
+}
 
 
 def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan") -> Export:

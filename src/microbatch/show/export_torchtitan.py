@@ -1,6 +1,7 @@
 """The torchtitan export: a plan as torchtitan's TOML tables (:mod:`microbatch.show.export` writes them).
 
-For torchtitan ≤ 0.2.x, the last releases that read a TOML job config (0.3 reads none and renamed the keys).
+For torchtitan 0.2.x (0.2.0–0.2.2), the releases that read this TOML job config: 0.3 reads none (its configs are
+Python), and 0.1 spells FP8 and the pipeline's and experts' keys otherwise (it drops unknown keys silently).
 ``training.local_batch_size`` (b_m, or b_m·m with pipelining, which torchtitan splits into micro-batches of
 ``parallelism.pipeline_parallel_microbatch_size``), ``training.global_batch_size`` = B,
 ``training.mixed_precision_param`` (float32 for an fp32 plan; torchtitan has no fp16),
@@ -21,10 +22,13 @@ from microbatch.show.export_common import Json, clip_norm, precision_of, schedul
 
 __all__ = ["TORCHTITAN_HEADER", "torchtitan_config"]
 
-TORCHTITAN_VERSIONS = "torchtitan ≤ 0.2.x (TOML job config)"
-"""The torchtitan releases the TOML is for: 0.3.0 reads no TOML (``--job.config_file`` is gone) and renamed keys."""
+TORCHTITAN_VERSIONS = "torchtitan 0.2.x (0.2.0–0.2.2, TOML job config)"
+"""The torchtitan releases the TOML is for: 0.3.0 reads no TOML (its configs come from a Python registry), and 0.1.0
+registers FP8 as ``float8`` and has no keys for the first and last stages' layers or for expert parallelism."""
 
-TORCHTITAN_HEADER = f"# microbatch export for {TORCHTITAN_VERSIONS}; torchtitan 0.3 reads no TOML"
+TORCHTITAN_HEADER = (
+    f"# microbatch export for {TORCHTITAN_VERSIONS}; torchtitan 0.3 reads no TOML, 0.1 other keys"
+)
 """The comment line the TOML text starts with."""
 
 
@@ -48,8 +52,15 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
     _check_torchtitan(c)
     b, g, B = c["micro_batch"], c["grad_accum"], c["global_batch"]
     training: Json = {"global_batch_size": B}
+    notes = [
+        f"written for {TORCHTITAN_VERSIONS}: torchtitan 0.3 reads no TOML (Python configs), 0.1 other keys"
+    ]
     if (clip := clip_norm(c)) is not None:  # torchtitan clips at 1.0 unless told
-        training["max_norm"] = clip
+        training["max_norm"] = clip or float("inf")  # it always clips: a limit of 0 would zero every gradient
+        if not clip:
+            notes.append(
+                "no clipping: max_norm = inf (torchtitan clips every step; at 0 it zeroes the gradients)"
+            )
     shard = zero_groups(d, 1, c.get("shard_degree"))[0]  # refuses a degree that does not divide d
     parallelism: Json = {
         "data_parallel_replicate_degree": d if z == 0 else d // shard,
@@ -57,7 +68,6 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         "tensor_parallel_degree": t,
         "pipeline_parallel_degree": p,
     }
-    notes = [f"written for {TORCHTITAN_VERSIONS}: torchtitan 0.3 reads no TOML and renamed these keys"]
     if p > 1:
         # one flush per step: the local batch is the m micro-batches of one flush
         training["local_batch_size"] = b * g
@@ -123,6 +133,14 @@ def _check_torchtitan(c: Json) -> None:
             f"parallel = {sharded} here, with ZeRO {z}), which expert_parallel {ep} does not divide; plan again with "
             "zero 3 (torchtitan's FSDP)",
             params=("zero", "expert_parallel"),
+        )
+    seq = c.get("seq")
+    if isinstance(seq, int) and seq % (2 * t * cp):
+        raise ConfigError(
+            f"torchtitan asserts seq_len divisible by 2·t·c = {2 * t * cp} (sequence parallelism splits it over t, "
+            f"load-balanced context parallelism into 2c chunks: parallel_dims.seq_len_divisor), and {seq} is not; "
+            f"plan again with seq a multiple of {2 * t * cp}",
+            params=("seq",),
         )
     if precision_of(c) == "fp16-mixed":
         raise ConfigError(
@@ -256,6 +274,16 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
             )
         par["context_parallel_degree"] = cp  # torch's all-to-all rotater is the ring of sends
         par["context_parallel_rotate_method"] = "allgather" if exchange == "allgather" else "alltoall"
+        if c.get("zero", 0) == 0:
+            notes.append(
+                f"torchtitan shards the weights over the context-parallel ranks (its FSDP mesh is data-shard × cp = "
+                f"{cp}) where the plan priced ZeRO 0: less memory than planned, and FSDP's gathers"
+            )
+    if c.get("ep_overlap") and c.get("pipeline_parallel", 1) > 1 and c.get("schedule") != "dualpipev":
+        notes.append(
+            "the plan hid the expert all-to-alls behind other micro-batches' work (ep_overlap); torchtitan overlaps "
+            "them only under DualPipeV (pipeline_parallel_expert_parallel_overlap): here they run exposed"
+        )
     if c.get("async_tp"):
         par["enable_async_tensor_parallel"] = True
         cfg.setdefault("compile", {})["enable"] = True
