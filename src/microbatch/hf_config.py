@@ -63,15 +63,15 @@ _DEFAULT_DROPOUT_OFF = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "mpt", "co
 the default where a config.json states none."""
 
 
-def _dropout_of(raw: dict[str, Any], model_type: str) -> bool:
-    """Whether training runs dropout: any probability the config states above 0, or the family's default when it
-    states none (:data:`_DEFAULT_DROPOUT_OFF`; otherwise GPT-2's 0.1: on)."""
+def _dropout_of(raw: dict[str, Any], model_type: str, default: bool | None = None) -> bool:
+    """Whether training runs dropout: any probability the config states above 0, or, when it states none (absent or
+    null), ``default`` or the family's (:data:`_DEFAULT_DROPOUT_OFF`; otherwise GPT-2's 0.1: on)."""
     attn = raw.get("attn_config")
     found = [raw.get(k) for k in _DROPOUT_KEYS] + [attn.get("attn_pdrop") if isinstance(attn, dict) else None]
     probs = [p for p in found if isinstance(p, int | float) and not isinstance(p, bool)]
     if probs:
         return any(p > 0 for p in probs)
-    return model_type not in _DEFAULT_DROPOUT_OFF
+    return model_type not in _DEFAULT_DROPOUT_OFF if default is None else default
 
 
 def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any) -> dict[str, Any]:
@@ -82,7 +82,12 @@ def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any)
     table = not model_type.startswith(_NO_POSITION_TABLE)
     if model_type == "mpt":
         table = bool(raw.get("learned_pos_emb", True))
-    bias = not raw.get("no_bias", False) if model_type == "mpt" else bool(raw.get("bias", True))
+    # MPT's no_bias (default False), Falcon's bias (FalconConfig's default: False), others biased
+    bias = (
+        not raw.get("no_bias", False)
+        if model_type == "mpt"
+        else bool(raw.get("bias", model_type != "falcon"))
+    )
     key = _PARALLEL_KEYS.get(model_type)
     parallel = model_type.startswith(_ALWAYS_PARALLEL) or (key is not None and bool(raw.get(key, True)))
     fields: dict[str, Any] = {
@@ -351,7 +356,7 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
         "learned_positions": False,
         # Gemma's config.json omits it (transformers' Gemma default: tied); Llama's default: untied
         "tied_embeddings": bool(tied) if tied is not None else model_type.startswith(_GATED_FAMILIES),
-        "dropout": _dropout_of(raw, model_type) if any(k in raw for k in _DROPOUT_KEYS) else False,
+        "dropout": _dropout_of(raw, model_type, default=False),  # Llama's families train without it
     }
 
 

@@ -259,13 +259,10 @@ def cmd(
 def _check_cp_comm(cp_comm: str, context_parallel: int) -> None:
     """A ConfigError when ``--cp-comm`` was given (click's parameter source: not its default) with no context
     parallelism: it would change nothing, so it is refused, as ``--fp8-recipe`` without FP8 is."""
-    from click.core import ParameterSource
-
+    from microbatch.commands._schedule_inputs import user_gave
     from microbatch.errors import ConfigError
 
-    ctx = click.get_current_context(silent=True)
-    given = ctx is not None and ctx.get_parameter_source("cp_comm") not in (ParameterSource.DEFAULT, None)
-    if given and context_parallel == 1:
+    if user_gave("cp_comm") and context_parallel == 1:
         raise ConfigError(
             f"cp_comm {cp_comm} is how context-parallel ranks exchange keys and values, and context_parallel is 1 "
             "(no exchange: it would change nothing); give context_parallel 2 or more with it, or drop cp_comm",

@@ -221,7 +221,8 @@ def split_on_oom(
     Replaces ``training_step`` on this instance (not the class) with a step that splits the rows the
     Trainer hands it into micro-batches of the controller's size and runs them through
     :func:`~microbatch.run.accumulate.accumulate` over the Trainer's own ``compute_loss`` (under
-    ``compute_loss_context_manager``), with the Trainer's scaling kept: when the loss is normalised by
+    ``compute_loss_context_manager``), with the Trainer's scaling kept (:func:`_loss_is_scaled`; a ``compute_loss``
+    of the user's own is measured once: :func:`_normalised_by_items`): when the loss is normalised by
     ``num_items_in_batch`` (the model takes loss kwargs, or ``compute_loss_func``) each piece's loss
     is already its share of the step and the pieces add up; otherwise (a model that takes no loss
     kwargs, transformers before 4.46) the loss is the model's mean over the piece, and each piece's
@@ -279,7 +280,7 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
         if callable(getattr(trainer.optimizer, "train", None)):
             trainer.optimizer.train()
         inputs = trainer._prepare_inputs(inputs)
-        scaled, divided, assumed = _loss_is_scaled(trainer, num_items_in_batch)
+        scaled, divided, assumed = _loss_is_scaled(trainer, num_items_in_batch, model, inputs)
         rows = batch_rows(inputs)
         # compute_loss takes num_items_in_batch from 4.46 on (the Trainer passes None before)
         items = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
@@ -332,7 +333,9 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
     return training_step
 
 
-def _loss_is_scaled(trainer: Any, num_items_in_batch: Any) -> tuple[bool, bool, bool]:
+def _loss_is_scaled(
+    trainer: Any, num_items_in_batch: Any, model: Any, inputs: Any
+) -> tuple[bool, bool, bool]:
     """``(shares, divided, assumed)``: whether the Trainer's loss is each piece's share of the step (normalised by
     ``num_items_in_batch``: the pieces' losses add up) rather than a per-piece mean (weighted by its items); whether
     the step divides it by the gradient-accumulation steps, as the unsplit ``training_step`` would; and whether the
@@ -342,9 +345,11 @@ def _loss_is_scaled(trainer: Any, num_items_in_batch: Any) -> tuple[bool, bool, 
     loss says so). Otherwise the Trainer divides by the accumulation steps unless transformers' rule holds — the model
     takes loss kwargs and the Trainer passes ``num_items_in_batch``, or a ``compute_loss_func`` is given — and the
     split does as the Trainer does, so a split step's gradient is the unsplit step's; the pieces are shares by that
-    rule too, except under a ``compute_loss`` of the user's own (a subclass overriding it) with ``count_fn`` given: a
-    mean over those items, as ``count_fn`` declares. A custom ``compute_loss`` without ``count_fn`` is taken by the
-    rule, ``assumed`` (a split step warns once: a per-batch mean taken as a share is counted once per piece)."""
+    rule too, except under a ``compute_loss`` of the user's own (a subclass overriding it), which is measured once
+    (:func:`_normalised_by_items`): a share where its loss halves when ``num_items_in_batch`` doubles (a wrapper of
+    ``super()``, TRL's), a per-piece mean where it does not move (weighted by ``count_fn``'s items, or the labels'). Where
+    the measurement cannot tell, ``count_fn`` given declares a mean; without it the rule is taken, ``assumed`` (a
+    split step warns once: a per-batch mean taken as a share is counted once per piece)."""
     given = getattr(trainer, "loss_is_scaled_for_ga", None)
     if given is not None:
         return bool(given), not given, False
@@ -353,9 +358,42 @@ def _loss_is_scaled(trainer: Any, num_items_in_batch: Any) -> tuple[bool, bool, 
         or getattr(trainer, "compute_loss_func", None) is not None
     )  # the test transformers 5.x's training_step makes (no such attributes before 4.46)
     custom = _own_compute_loss(trainer)
-    if custom and getattr(trainer, "microbatch_count_fn", None) is not None:
+    if not custom:
+        return rule, not rule, False
+    if num_items_in_batch is not None:
+        if not hasattr(trainer, "_microbatch_normalised"):  # measured once per Trainer
+            trainer._microbatch_normalised = _normalised_by_items(trainer, model, inputs, num_items_in_batch)
+        if trainer._microbatch_normalised is not None:
+            return bool(trainer._microbatch_normalised), not rule, False
+    if getattr(trainer, "microbatch_count_fn", None) is not None:
         return False, not rule, False
-    return rule, not rule, rule and custom
+    return rule, not rule, rule
+
+
+def _normalised_by_items(trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any) -> bool | None:
+    """Whether the Trainer's own ``compute_loss`` divides by ``num_items_in_batch``: run twice without gradients on
+    one row, the same random numbers each time (dropout), at N and 2N items. True where the loss halves (a share of
+    the step), False where it does not move (a mean of its own), None where it is neither; a row whose loss is not
+    finite or 0 (no labels) tells nothing: the next is tried (the first 8 rows). Two one-row forwards a row tried, once
+    per Trainer; a ``compute_loss`` that logs as it goes (TRL's token counts) logs them too."""
+    import math
+
+    import torch
+
+    from microbatch.run.accumulate.microbatches import split
+
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    for piece in split(inputs, 1)[:8]:
+        losses = []
+        for times in (1, 2):
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda), trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(model, piece, num_items_in_batch=num_items_in_batch * times)
+            losses.append(float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float("nan"))
+        a, b = losses
+        if math.isfinite(a) and math.isfinite(b) and b != 0:
+            ratio = a / b
+            return True if abs(ratio - 2.0) < 0.01 else False if abs(ratio - 1.0) < 0.01 else None
+    return None
 
 
 def _own_compute_loss(trainer: Any) -> bool:

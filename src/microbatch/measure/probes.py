@@ -480,10 +480,15 @@ class InProcessProber:
             self.probe.setup(self.setup_size)
         except Exception as e:  # the user's own error, its traceback kept: say where it came from
             if not isinstance(e, oom_types()):
+                hint = (
+                    "; a model whose training step needs more rows (BatchNorm, an in-batch contrastive loss) is tuned "
+                    "from start=2 or more"
+                    if self.setup_size == 1
+                    else ""
+                )
                 e.add_note(
                     f"microbatch: raised by tune's set-up step at micro-batch {self.setup_size} (one forward, backward "
-                    "and optimizer step, so the optimizer's state exists before the probes); a model whose training "
-                    "step needs more rows (BatchNorm, an in-batch contrastive loss) is tuned from start=2 or more"
+                    f"and optimizer step, so the optimizer's state exists before the probes){hint}"
                 )
             raise
 

@@ -218,7 +218,7 @@ class MemoryConfig:
         """The rules that need the model: t divides heads (and kv heads), p ≤ layers, p·v divides layers."""
         t, p, v = self.tensor_parallel, self.pipeline_parallel, self.virtual
         check_tensor_parallel(shape, t)
-        check_every_kth(self.recompute_every, shape.layers)
+        check_every_kth(self.recompute_every, shape.layers, self.pipeline_parallel, self.layers_per_stage)
         if p > shape.layers:
             raise ConfigError(
                 f"pipeline-parallel {p} > layers {shape.layers}; every stage needs at least one layer; "

@@ -276,7 +276,9 @@ class PlanConfig:
                 f"recompute_every {self.recompute_every} applies to full recomputation; give recompute full or auto",
                 params=("recompute_every", "recompute"),
             )
-        check_every_kth(self.recompute_every, self.shape.layers)
+        check_every_kth(
+            self.recompute_every, self.shape.layers, self.pipeline_parallel, self.layers_per_stage
+        )
         if self.async_tp and not self.sequence_parallel:
             raise ConfigError(
                 "async_tp overlaps the sequence-parallel all-gathers and reduce-scatters with the "

@@ -66,14 +66,21 @@ def every_kth(full_bytes: float, none_bytes: float, every: int) -> float:
     return (full_bytes + (every - 1) * none_bytes) / every
 
 
-def check_every_kth(every: int, layers: int) -> None:
-    """ConfigError when one layer in ``every`` is more than the model's ``layers``: torchtitan recomputes layers
-    K, 2K, … of a stage, so no layer of the model would be recomputed, where the average of :func:`every_kth` would
-    still count 1/K of one."""
-    if every > layers:
+def check_every_kth(
+    every: int, layers: int, stages: int = 1, layers_per_stage: tuple[int, ...] | None = None
+) -> None:
+    """ConfigError when one layer in ``every`` is more than the largest pipeline stage's layers (``layers_per_stage``,
+    or the even split of ``layers`` over ``stages``: the remainder's stage): torchtitan recomputes layers K, 2K, …
+    of each stage's model part, so no layer would be recomputed, where the average of :func:`every_kth` would still
+    count 1/K of one."""
+    most = max(layers_per_stage) if layers_per_stage else -(-layers // max(1, stages))
+    if every > most:
+        where = (
+            f"the model's {layers} layers" if most == layers else f"the {most} layers of the largest stage"
+        )
         raise ConfigError(
-            f"recompute_every {every} is more than the model's {layers} layers: no layer would be recomputed; "
-            f"give recompute_every between 1 and {layers}, or recompute none",
+            f"recompute_every {every} is more than {where} (every K-th layer of a stage is recomputed): no layer "
+            f"would be recomputed; give recompute_every between 1 and {most}, or recompute none",
             params=("recompute_every", "recompute"),
         )
 

@@ -280,7 +280,9 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
                 f"{cp}) where the plan priced ZeRO 0: less memory than planned, and FSDP's gathers"
             )
     spec = schedule_spec(c.get("schedule"))  # one that overlaps a forward with a backward: DualPipeV
-    if c.get("ep_overlap") and c.get("pipeline_parallel", 1) > 1 and (spec is None or spec.overlapped is None):
+    if c.get("ep_overlap") and (
+        c.get("pipeline_parallel", 1) == 1 or spec is None or spec.overlapped is None
+    ):
         notes.append(
             "the plan hid the expert all-to-alls behind other micro-batches' work (ep_overlap); torchtitan overlaps "
             "them only under DualPipeV (pipeline_parallel_expert_parallel_overlap): here they run exposed"

@@ -294,30 +294,40 @@ def test_per_row_lists_of_lists_split_by_rows_not_inside():
     assert [p["choices"] for p in parts] == [[["a", "b"]], [["c", "d"]]]
 
 
-def test_a_list_of_per_row_records_splits_with_the_rows_whatever_their_tensors_hold():
-    """torchvision's detection batch: images and a list of one target dict per image. When every image held as many
-    boxes as the batch has images, the dicts were read as fields of rows: each micro-batch got every target, each cut
-    to its rows (a user-loop sweep's finding); with other box counts the batch was refused. One record per row now;
-    the whole batch as a list of dicts stays fields (default_collate of (dict, dict) samples)."""
+def test_per_row_records_split_with_the_rows_where_they_do_not_hold_the_rows():
+    """torchvision's detection batch: images and one target dict per image, each with its own number of boxes (a list,
+    or the tuple its collate makes): was refused, split by records now. default_collate of samples holding a list of
+    dicts (two views a sample) gives dicts that hold the rows: fields, as before. Where both readings agree (every
+    image with as many boxes as the batch has images) it stays fields, with a warning (a user-loop sweep's finding:
+    read silently then)."""
+    import warnings
+
     from microbatch.run.accumulate import batch_rows, split
 
     images = torch.randn(4, 3, 5, 5)
-    for boxes in (
-        [4, 4, 4, 4],
-        [1, 3, 0, 2],
-    ):  # as many boxes as images (was misread), and the usual mixed counts
-        targets = [
+    boxes = [1, 3, 0, 2]
+    for wrap in (list, tuple):
+        targets = wrap(
             {"boxes": torch.full((n, 4), float(i)), "labels": torch.full((n,), i)}
             for i, n in enumerate(boxes)
-        ]
+        )
         parts = split((images, targets), 2)
         assert [[int(t["labels"].numel()) for t in p[1]] for p in parts] == [boxes[:2], boxes[2:]]
+        assert [type(p[1]) for p in parts] == [wrap, wrap]
         assert all(torch.equal(p[0], images[2 * k : 2 * k + 2]) for k, p in enumerate(parts))
-        assert [[int(t["boxes"][0, 0]) for t in p[1] if len(t["boxes"])] for p in parts] == [
-            [i for i in (0, 1) if boxes[i]],
-            [i for i in (2, 3) if boxes[i]],
-        ]  # each record its own image's (the boxes hold the image's index)
-    fields = [{"x": torch.zeros(6, 2)}, {"y": torch.ones(6)}]  # the whole batch: two fields of 6 rows
+    views = {"x": torch.zeros(4, 2), "views": [{"v": torch.arange(4.0)}, {"v": -torch.arange(4.0)}]}
+    assert batch_rows(views) == 4
+    two = split(views, 2)  # fields: each view's rows
+    assert [p["views"][1]["v"].tolist() for p in two] == [[-0.0, -1.0], [-2.0, -3.0]]
+    square = (
+        images,
+        [{"boxes": torch.zeros(4, 4)} for _ in range(4)],
+    )  # 4 images of 4 boxes: both readings agree
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert batch_rows(square) == 4
+    assert any("holds 4 dicts, as many as the batch's rows" in str(w.message) for w in caught)
+    fields = [{"x": torch.zeros(6, 2)}, {"y": torch.ones(6)}]  # the whole batch as a list of dicts: fields
     assert batch_rows(fields) == 6 and [p[1]["y"].shape[0] for p in split(fields, 4)] == [4, 2]
 
 

@@ -172,7 +172,7 @@ class MicroBatchController:
         """Before a call runs: grow if ``grow_after`` steps completed cleanly (with a ``step_counter``, the
         optimizer steps complete between calls, so this is where the window closes)."""
         if self.steps < self._changed_at:  # the counter went back (a new fit reusing the controller)
-            self._changed_at = self.steps
+            self._changed_at, self._split_last = self.steps, False
         self._maybe_grow()
 
     def record_step(self) -> None:

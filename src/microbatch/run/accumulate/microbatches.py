@@ -2,8 +2,9 @@
 
 A batch is a tensor, a tuple/list of tensors or a mapping of name -> tensor, nested as a collate function
 makes them, with the rows in dim 0, and lists of plain values with one per row (the texts of the rows), and,
-inside the batch, lists of mappings with one record per row (torchvision's detection targets: a dict of boxes and
-labels per image, each with its own number of boxes);
+inside the batch, lists or tuples of mappings with one record per row where their tensors do not hold the rows
+(torchvision's detection targets: a dict of boxes and labels per image, each with its own number of boxes; where
+they do, they are fields, as ``default_collate`` makes them: :func:`_layout`);
 micro-batches are views (no copy). :func:`batch_rows` checks that every tensor agrees on
 the number of rows. Used by :mod:`microbatch.run.accumulate` and by loops written by hand.
 
@@ -32,20 +33,21 @@ def _holds_tensors(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(_holds_tensors(v) for v in value)
 
 
-def _per_row(value: Any, nested: bool = True) -> bool:
+def _records(value: Any) -> bool:
+    """A list or tuple of two or more mappings: fields (``default_collate`` of samples holding such a list) or one
+    record per row (torchvision's detection targets), as :func:`_layout` decides."""
+    return isinstance(value, (tuple, list)) and len(value) > 1 and all(isinstance(v, Mapping) for v in value)
+
+
+def _per_row(value: Any, records: bool = False) -> bool:
     """A list or tuple with no tensor or mapping inside: one value per row (a string, a number, a row's own list
-    of choices), sliced with the rows; or, inside the batch (``nested``), a list of mappings: one record per row
-    (torchvision's detection targets, whose tensors hold each image's own boxes, not rows). A list of tensors stays
-    parallel fields, and so does the whole batch as a list (``default_collate`` of (dict, dict) samples)."""
+    of choices), sliced with the rows; with ``records``, also a list or tuple of mappings (:func:`_records`)."""
     if not isinstance(value, (tuple, list)):
         return False
-    records = (
-        nested and isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
-    )
-    return records or not _holds_tensors(value)
+    return (records and _records(value)) or not _holds_tensors(value)
 
 
-def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:
+def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tuple[str, Any]]:
     """(name, tensor or per-row list) for every leaf of ``batch``, through nested tuples, lists and mappings
     (``default_collate`` of ``(dict, tensor)`` samples gives ``[dict, tensor]``); ConfigError for any other
     structure."""
@@ -56,7 +58,7 @@ def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:
     if isinstance(batch, Mapping):
         items = [(f"{name}[{k!r}]", v) for k, v in batch.items()]
     elif isinstance(batch, (tuple, list)):
-        if batch and _per_row(batch, nested=name != "batch"):
+        if batch and _per_row(batch, records and name != "batch"):
             return [(name, batch)]
         items = [(f"{name}[{i}]", v) for i, v in enumerate(batch)]
     elif name == "batch":
@@ -71,20 +73,66 @@ def _leaves(batch: Batch, name: str = "batch") -> list[tuple[str, Any]]:
         )
     if not items:
         raise ConfigError(f"{name} is empty (no tensors); give at least one tensor with the rows in dim 0")
-    return [leaf for n, v in items for leaf in _leaves(v, n)]
+    return [leaf for n, v in items for leaf in _leaves(v, n, records)]
+
+
+def _sizes(batch: Batch, records: bool) -> dict[str, int]:
+    return {
+        n: (t.shape[0] if isinstance(t, torch.Tensor) else len(t)) for n, t in _leaves(batch, records=records)
+    }
+
+
+def _layout(batch: Batch) -> tuple[int, bool]:
+    """(rows, records): the rows of ``batch`` (dim 0), after checking that every tensor and per-row list agrees, and
+    whether its lists of mappings are one record per row. They are fields (each mapping's tensors hold the rows) where
+    that agrees; one record per row where only that agrees (torchvision's detection targets: each image's own number
+    of boxes); where both agree (as many rows as records, and each record's tensors as long), fields, with a warning."""
+    sizes = _sizes(batch, records=False)
+    if len(set(sizes.values())) <= 1:
+        rows = next(iter(sizes.values()))
+        _warn_if_ambiguous(batch, rows)
+        return rows, False
+    per_row = _sizes(batch, records=True)
+    if len(set(per_row.values())) <= 1 and per_row != sizes:
+        return next(iter(per_row.values())), True
+    shown = ", ".join(f"{n} has {s}" for n, s in sizes.items())
+    raise ConfigError(
+        f"tensors of the batch have different first dimensions ({shown}); every tensor needs the same "
+        "number of rows in dim 0 (a list of dicts with one per row, torchvision's targets, is split with the rows)"
+    )
+
+
+def _warn_if_ambiguous(batch: Batch, rows: int, name: str = "batch") -> None:
+    """A warning for a list or tuple of ``rows`` mappings inside the batch whose tensors also all hold ``rows``: read
+    as fields, though it may be one record per row (each image with as many boxes as the batch has images)."""
+    items = (
+        batch.items()
+        if isinstance(batch, Mapping)
+        else enumerate(batch)
+        if isinstance(batch, (tuple, list))
+        else ()
+    )
+    for key, value in items:
+        where = f"{name}[{key!r}]"
+        if _records(value) and len(value) == rows:
+            import warnings
+
+            warnings.warn(
+                f"{where} holds {rows} dicts, as many as the batch's rows, and each dict's tensors hold {rows} rows "
+                "too: split as fields (each dict's tensors cut by rows); if they are one record per row "
+                "(torchvision's detection targets), give rows whose records differ in length, or split the "
+                "records yourself in loss_fn",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        if isinstance(value, (Mapping, tuple, list)):
+            _warn_if_ambiguous(value, rows, where)
 
 
 def batch_rows(batch: Batch) -> int:
     """Rows (dim 0) of ``batch``, after checking that every tensor (and per-row list) in it has the same number."""
-    items = _leaves(batch)
-    sizes = {name: (t.shape[0] if isinstance(t, torch.Tensor) else len(t)) for name, t in items}
-    if len(set(sizes.values())) > 1:
-        shown = ", ".join(f"{n} has {s}" for n, s in sizes.items())
-        raise ConfigError(
-            f"tensors of the batch have different first dimensions ({shown}); every tensor needs the same "
-            "number of rows in dim 0"
-        )
-    return next(iter(sizes.values()))
+    return _layout(batch)[0]
 
 
 def take_rows(
@@ -94,21 +142,23 @@ def take_rows(
     width: int | None = None,
     full_width: int | None = None,
     *,
+    records: bool = False,
     top: bool = True,
 ) -> Batch:
     """Rows ``start:stop`` of every tensor (views) and per-row list, through nested containers; optionally cut
-    dim 1 of the tensors from ``full_width`` to ``width``. ``top``: ``batch`` is the whole batch (a list of mappings
-    there is fields, inside it one record per row: :func:`_per_row`)."""
+    dim 1 of the tensors from ``full_width`` to ``width``. ``records``: the batch's lists of mappings are one record
+    per row (:func:`_layout`); ``top``: ``batch`` is the whole batch (never a list of records)."""
+    inner = {"records": records, "top": False}
     if isinstance(batch, torch.Tensor):
         t = batch[start:stop]
         if width is not None and t.dim() >= 2 and t.shape[1] == full_width:
             t = t[:, :width]
         return t
     if isinstance(batch, Mapping):
-        return {k: take_rows(v, start, stop, width, full_width, top=False) for k, v in batch.items()}
-    if _per_row(batch, nested=not top):
+        return {k: take_rows(v, start, stop, width, full_width, **inner) for k, v in batch.items()}
+    if _per_row(batch, records and not top):
         return batch[start:stop]
-    parts = [take_rows(v, start, stop, width, full_width, top=False) for v in batch]
+    parts = [take_rows(v, start, stop, width, full_width, **inner) for v in batch]
     if isinstance(batch, tuple):
         make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
         return make(parts) if callable(make) else type(batch)(parts)
@@ -132,10 +182,10 @@ def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
             f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}{kind}; give the rows per "
             "forward/backward (b_m)"
         )
-    rows = batch_rows(batch)
+    rows, records = _layout(batch)
     if rows == 0:
         raise ConfigError("batch has 0 rows; give at least one row")
-    return [take_rows(batch, i, min(i + size, rows)) for i in range(0, rows, size)]
+    return [take_rows(batch, i, min(i + size, rows), records=records) for i in range(0, rows, size)]
 
 
 def split_by_tokens(
@@ -156,7 +206,7 @@ def split_by_tokens(
     own is an error.
     """
     check_positive_int("max_tokens", max_tokens, fix="give the padded tokens one forward/backward may hold")
-    rows = batch_rows(batch)
+    rows, records = _layout(batch)
     if rows == 0:
         raise ConfigError("batch has 0 rows; give at least one row")
     lens = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
@@ -164,7 +214,9 @@ def split_by_tokens(
         raise ConfigError(
             f"lengths has {len(lens)} entries but the batch has {rows} rows; give one length per row"
         )
-    widths = {t.shape[1] for _, t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() >= 2}
+    widths = {
+        t.shape[1] for _, t in _leaves(batch, records=records) if isinstance(t, torch.Tensor) and t.dim() >= 2
+    }
     width = max(widths) if widths else 1
     if any(n < 0 or n > width for n in lens):
         bad = next(n for n in lens if n < 0 or n > width)
@@ -181,8 +233,12 @@ def split_by_tokens(
         new_longest = max(longest, n)
         cost = (i + 1 - start) * (max(new_longest, 1) if trim_padding else width)
         if cost > max_tokens:
-            out.append(take_rows(batch, start, i, max(longest, 1) if trim_padding else None, width))
+            out.append(
+                take_rows(batch, start, i, max(longest, 1) if trim_padding else None, width, records=records)
+            )
             start, new_longest = i, n
         longest = new_longest
-    out.append(take_rows(batch, start, rows, max(longest, 1) if trim_padding else None, width))
+    out.append(
+        take_rows(batch, start, rows, max(longest, 1) if trim_padding else None, width, records=records)
+    )
     return out
