@@ -99,7 +99,7 @@ def test_a_stated_dropout_probability_decides_and_gpt2_keeps_its_default(tmp_pat
     assert _read(tmp_path, {**llama, "attention_dropout": 0.1}, True, monkeypatch).dropout
 
 
-def test_the_parallel_block_halves_the_plans_tensor_parallel_all_reduces(tmp_path):
+def test_the_shapes_parallel_block_is_the_plans_unless_the_flag_says_otherwise(tmp_path):
     from dataclasses import replace
 
     from microbatch.hardware import get_accelerator
@@ -109,7 +109,7 @@ def test_the_parallel_block_halves_the_plans_tensor_parallel_all_reduces(tmp_pat
     p.write_text(json.dumps(NEOX))
     neox = from_hf_config(p)
 
-    def step(shape, flag=False):
+    def step(shape, flag=None):
         cfg = PlanConfig(shape=shape, gpu=get_accelerator("a100-80gb"), global_batch=64, data_parallel=8,
                          tensor_parallel=2, micro_batches=(2,), recompute=("full",), zero=(1,), choose="fastest",
                          parallel_block=flag)  # fmt: skip
@@ -120,3 +120,4 @@ def test_the_parallel_block_halves_the_plans_tensor_parallel_all_reduces(tmp_pat
         step(sequential, flag=True), rel=1e-12
     )  # the shape's block, as the flag's
     assert step(neox) < step(sequential)  # one all-reduce per layer and pass, not two
+    assert step(neox, flag=False) == pytest.approx(step(sequential), rel=1e-12)  # --sequential-block overrides it

@@ -257,18 +257,17 @@ def _runs_as_note(name: str) -> list[str]:
 
 
 def _end(report: PipelineReport, external: bool, failed: bool) -> None:
-    """End a torchrun rank; exit 130 after an interrupted run, 1 after a failed gradient check or when an
-    output could not be written."""
-    if external:
-        exit_past_teardown()
-    ended = _failure(report, failed)
-    if ended is None:
-        return
+    """Exit 130 after an interrupted run, 1 after a failed gradient check or when an output could not be written
+    (a torchrun rank too, past the interpreter's teardown: the status its JSON's ``kind`` says)."""
     from microbatch.commands._common import progress
 
-    code, why = ended
-    progress(why if code == 130 else f"error: {why}")
-    raise click.exceptions.Exit(code)
+    ended = _failure(report, failed)
+    if ended is not None:
+        progress(ended[1] if ended[0] == 130 else f"error: {ended[1]}")
+    if external:
+        exit_past_teardown(0 if ended is None else ended[0])
+    if ended is not None:
+        raise click.exceptions.Exit(ended[0])
 
 
 def _emit(report: PipelineReport, failed: bool, as_json: bool, width: int) -> None:

@@ -109,9 +109,9 @@ __all__ = ["cmd"]
     "Adam): all at the streaming rate, not eager.",
 )  # fmt: skip
 @click.option(
-    "--parallel-block", "parallel_block", is_flag=True,
-    help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass "
-    "(on by itself for a --hf-config that says so: use_parallel_residual, parallel_attn, GPT-J, Phi).",
+    "--parallel-block/--sequential-block", "parallel_block", default=None,
+    help="Attention and MLP in parallel (GPT-J, GPT-NeoX, PaLM): one TP all-reduce per layer and pass; default: the "
+    "model's (on for a --hf-config that says so: use_parallel_residual, parallel_attn, GPT-J, Phi).",
 )  # fmt: skip
 @click.option(
     "--zero3-impl", "zero3_impl", type=click.Choice(list(ZERO3_IMPLS)), default="fsdp2",
@@ -183,7 +183,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
-    parallel_block: bool, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
+    parallel_block: bool | None, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip

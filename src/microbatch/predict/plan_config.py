@@ -146,10 +146,10 @@ class PlanConfig:
     (:func:`~microbatch.predict.collectives.fsdp2_copy_out_s`); ``fsdp1``, ``deepspeed`` and ``megatron``
     (Megatron-core's FSDP) compute from the gathered buffer. Also ZeRO-2 under a pipeline, which is FSDP under
     ``torch.distributed.pipelining`` (the plan's check line says DeepSpeed and Megatron take ZeRO ≤ 1 there)."""
-    parallel_block: bool = False
+    parallel_block: bool | None = None
     """Attention and MLP side by side on one input (GPT-J, GPT-NeoX ``use_parallel_residual``, PaLM): one
-    tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two. Also on where
-    the shape's own ``parallel_block`` is (a Hugging Face config that says so)."""
+    tensor-parallel all-reduce (and one sequence-parallel gather) per layer and pass instead of two. None: the shape's
+    own ``parallel_block`` (a Hugging Face config that says so); True or False overrides it (:attr:`block_parallel`)."""
     expert_imbalance: float = 1.0
     """Dropless MoE: the most loaded GPU's routed rows over the balanced share (1: even, the assumption)."""
     pipeline_grad_reduce: str = "last"
@@ -329,6 +329,11 @@ class PlanConfig:
         return expert_load(self.capacity_factor, self.expert_imbalance)
 
     @property
+    def block_parallel(self) -> bool:
+        """The parallel block in effect: ``parallel_block`` when given, else the shape's."""
+        return self.shape.parallel_block if self.parallel_block is None else self.parallel_block
+
+    @property
     def seq_len(self) -> int:
         """Sequence length in effect."""
         return self.seq or self.shape.seq
@@ -363,7 +368,7 @@ class PlanConfig:
             "pipeline_grad_reduce": self.pipeline_grad_reduce,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,
-            "parallel_block": self.parallel_block or self.shape.parallel_block,
+            "parallel_block": self.block_parallel,
             "ep_overlap": self.ep_overlap,
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,

@@ -226,7 +226,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
             dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
             context_parallel=cfg.context_parallel,
             fp8_recipe=cfg.fp8_recipe if get_precision(cfg.precision).gemm_dtype == "fp8" else None,
-            async_tp=cfg.async_tp, parallel_block=cfg.parallel_block or cfg.shape.parallel_block, cp_comm=cfg.cp_comm,
+            async_tp=cfg.async_tp, parallel_block=cfg.block_parallel, cp_comm=cfg.cp_comm,
         )  # fmt: skip
         logit_s, _ = logits_forward(
             cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
