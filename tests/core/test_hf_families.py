@@ -120,4 +120,6 @@ def test_the_shapes_parallel_block_is_the_plans_unless_the_flag_says_otherwise(t
         step(sequential, flag=True), rel=1e-12
     )  # the shape's block, as the flag's
     assert step(neox) < step(sequential)  # one all-reduce per layer and pass, not two
-    assert step(neox, flag=False) == pytest.approx(step(sequential), rel=1e-12)  # --sequential-block overrides it
+    assert step(neox, flag=False) == pytest.approx(
+        step(sequential), rel=1e-12
+    )  # --sequential-block overrides it

@@ -56,6 +56,44 @@ def one_layer():
     return torch.nn.Linear(8, 8)
 
 
+class _WithOutside(torch.nn.Module):
+    """embed, layers and head, and a final norm the model's own forward would apply: outside the chain run."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.embed, self.layers, self.head = (
+            nn.Embedding(64, 8),
+            nn.ModuleList([nn.Linear(8, 8)]),
+            nn.Linear(8, 64),
+        )
+        self.norm = nn.LayerNorm(8)
+
+
+def outside_norm():
+    return _WithOutside()
+
+
+def prints_when_built():  # as training scripts log a model's size
+    print("built a model of", sum(p.numel() for p in stack().parameters()), "parameters")
+    return stack()
+
+
+class _PositionsFirst(torch.nn.Module):
+    """A position table registered before the token table, in the first layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.tok = torch.nn.Embedding(16, 8), torch.nn.Embedding(64, 8)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+def positions_first():
+    return torch.nn.Sequential(_PositionsFirst(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 64))
+
+
 def no_embedding():
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 64))
 
@@ -110,7 +148,15 @@ def real_only_stack():
             r"model factory os:system failed when called with no arguments \(TypeError: .*\); a model "
             r"factory takes no arguments and returns a torch\.nn\.Module",
         ),
-        ("os:getcwd", r"model factory os:getcwd returned a str \('.*'\), not a torch\.nn\.Module"),
+        (
+            "os:getcwd",
+            r"model factory os:getcwd returned an object of type str \('.*'\), not a torch\.nn\.Module",
+        ),
+        (
+            f"{HERE}:outside_norm",
+            r"parameters norm\.weight, norm\.bias are in none of the layers the pipeline runs .* "
+            r"move them into a layer",
+        ),
         (
             "nosuchmod_xyz:fn",
             r"module 'nosuchmod_xyz' cannot be imported \(ModuleNotFoundError: .*\); install it or put its "
@@ -127,6 +173,21 @@ def real_only_stack():
 def test_a_bad_model_factory_is_refused_naming_it(model, pattern):
     with pytest.raises(ConfigError, match=pattern):
         check_splittable(resolve(PipelineConfig(model=model)))
+
+
+def test_a_factory_that_prints_leaves_stdout_to_the_result_and_the_token_table_is_found(capsys):
+    """What a factory prints went to stdout before the JSON (three times: the launcher builds it to check it); the
+    vocabulary was read from the first nn.Embedding registered, a position table here (a pipeline sweep's findings)."""
+    from microbatch.run.pipeline.split import inspect_factory
+
+    assert inspect_factory(f"{HERE}:prints_when_built").units == 3
+    fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:prints_when_built", global_batch=16)),
+                   available=24 * GIB, flops_per_s=1e9)  # fmt: skip
+    out = capsys.readouterr()
+    assert out.out == "" and "built a model of" in out.err
+    assert inspect_factory(f"{HERE}:positions_first").vocab == 64
+    fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:positions_first", global_batch=16)),
+                   available=24 * GIB, flops_per_s=1e9)  # fmt: skip  # logits of 64: the token table's
 
 
 def test_a_good_factory_is_built_on_the_meta_device_and_counted():
@@ -150,7 +211,7 @@ def test_cli_refuses_a_bad_factory_in_one_line_before_any_process(capsys, no_pro
     t0 = time.monotonic()
     assert main(["pipeline", "-p", "2", "--model", "os:getcwd", *predict]) == 2
     err = capsys.readouterr().err
-    assert re.fullmatch(r"error: model factory os:getcwd returned a str .*\n", err), err
+    assert re.fullmatch(r"error: model factory os:getcwd returned an object of type str .*\n", err), err
     assert no_process == []
     assert time.monotonic() - t0 < 8  # ~0.1 s of work (before: 19 s, then an AttributeError in a rank)
 

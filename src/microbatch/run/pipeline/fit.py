@@ -185,7 +185,7 @@ def check_factory_forward(cfg: PipelineConfig) -> None:
 def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
     import torch
 
-    from microbatch.run.pipeline.split import model_units, working_folder_first
+    from microbatch.run.pipeline.split import model_units, token_embedding, working_folder_first
 
     def build(meta: bool) -> Any:
         with torch.random.fork_rng(devices=[]), working_folder_first():
@@ -198,7 +198,7 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
         model, device = build(meta=True), "meta"
     except Exception:  # noqa: BLE001 - it cannot build there: build it for real, as the ranks do
         model, device = build(meta=False), "cpu"
-    emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))  # inspect_factory checked
+    emb = token_embedding(model)  # inspect_factory checked there is one
     units = model_units(model)
     x: Any = torch.zeros((batch, seq), dtype=torch.long, device=device)
     with torch.no_grad():

@@ -31,7 +31,9 @@ by :mod:`microbatch.run.pipeline.launch` (``microbatch pipeline``) or by ``torch
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ from microbatch.run.pipeline.split import (
     load_factory,
     model_units,
     split_units,
+    token_embedding,
     unit_param_counts,
     unit_times_s,
 )
@@ -68,7 +71,7 @@ def build_full_model(run: ResolvedRun) -> tuple[Any, int, int]:
     dtype = getattr(torch, cfg.dtype)
     if shape is None:
         factory = load_factory(cfg.model)  # checked in the launching process first (inspect_factory)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(sys.stderr):  # stdout: the result
             torch.manual_seed(cfg.seed)
             model = factory()
         if not isinstance(model, torch.nn.Module):  # it returned a module in the launcher's check
@@ -77,7 +80,7 @@ def build_full_model(run: ResolvedRun) -> tuple[Any, int, int]:
                 "a factory must build the same model wherever it is called"
             )
         model = model.to(dtype)
-        vocab = next(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        vocab = token_embedding(model).num_embeddings
         return model, vocab, cfg.seq or FACTORY_SEQ
     from microbatch.measure.gpt import build_model
 

@@ -48,13 +48,15 @@ def _one_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def working_folder_first() -> Iterator[None]:
     """The working folder first on ``sys.path`` inside the block, as the ranks have it (they run
-    ``python -c``): a factory's module, and what the factory imports when called, resolve as there."""
+    ``python -c``): a factory's module, and what the factory imports when called, resolve as there. What the
+    factory's module or the factory prints goes to stderr: stdout is the command's result (one JSON object)."""
     import sys
 
     here = os.getcwd()
     sys.path.insert(0, here)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.path.remove(here)  # the first occurrence: the one put in above
 
@@ -153,8 +155,9 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
                 f"{_BUILT_IN}"
             ) from None
     if not isinstance(model, nn.Module):
+        shown = " ".join(reprlib.repr(model).split())  # one line: a module's repr spans several
         raise ConfigError(
-            f"model factory {spec} returned a {type(model).__name__} ({reprlib.repr(model)}), not a "
+            f"model factory {spec} returned an object of type {type(model).__name__} ({shown}), not a "
             "torch.nn.Module; it must return the model: an nn.Sequential of layers, or a module with .embed, "
             f".layers and .head; or give {_BUILT_IN}"
         )
@@ -162,7 +165,8 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
         units = model_units(model)
     except ConfigError as e:
         raise ConfigError(f"model factory {spec}: {e}") from None
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    _check_outside(spec, model, units)
+    emb = token_embedding(model)
     if emb is None:
         raise ConfigError(
             f"model factory {spec} returned a {type(model).__name__} without an nn.Embedding; the pipeline "
@@ -171,6 +175,41 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
         )
     params = sum(p.numel() for p in model.parameters())
     return FactoryModel(spec=spec, params=params, units=len(units), vocab=int(emb.num_embeddings), meta=meta)
+
+
+def token_embedding(model: Any) -> Any:
+    """The table the token ids index: among the ``nn.Embedding`` s of the model's first unit (:func:`model_units`),
+    else of the whole model, the one as wide as the last ``nn.Linear``'s outputs (the logits), else the first (a
+    position table may be registered before the token table); None without one."""
+    from torch import nn
+
+    try:
+        units = model_units(model)
+    except ConfigError:
+        units = []
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    vocab = linears[-1].out_features if linears else None
+    for scope in (units[0] if units else None, model):
+        if isinstance(scope, nn.Module):
+            tables = [m for m in scope.modules() if isinstance(m, nn.Embedding)]
+            if tables:
+                return next((t for t in tables if t.num_embeddings == vocab), tables[0])
+    return None
+
+
+def _check_outside(spec: str, model: Any, units: Sequence[Any]) -> None:
+    """ConfigError when some of ``model``'s parameters lie in none of its ``units``: the pipeline runs the chain of
+    units, not the model's own ``forward``, so a position table added there or a final norm outside ``head`` would
+    never run nor train (the gradient check then fails with no reason given)."""
+    inside = {id(p) for u in units if hasattr(u, "parameters") for p in u.parameters()}
+    outside = [name for name, p in model.named_parameters() if id(p) not in inside]
+    if outside:
+        shown = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
+        raise ConfigError(
+            f"model factory {spec}: parameters {shown} are in none of the layers the pipeline runs (embed, the "
+            "layers and head, or the nn.Sequential's children; the model's own forward is not run), so they would "
+            "never run nor train; move them into a layer (a position table into embed, a final norm into head)"
+        )
 
 
 def model_units(model: Any) -> list[Any]:
