@@ -211,7 +211,9 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
                 raise ConfigError(
                     f"{where} fails on {got}, a tensor of shape {tuple(x.shape)} ({_one_line(e)}); each layer "
                     "must take the previous layer's output (the first the token ids (b, s)): make consecutive "
-                    "layers' sizes match"
+                    f"layers' sizes match, or, where a layer holds a table of positions (rotary, learned), give seq "
+                    f"no longer than that table (seq is {seq} here)",
+                    params=("seq",),
                 ) from None
             if not isinstance(y, torch.Tensor):
                 raise ConfigError(
