@@ -303,34 +303,36 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
 
         ctrl = trainer.microbatch_controller
         loss = accumulate(model, inputs, loss_fn, count_fn=count, controller=ctrl)
-        if assumed and ctrl.micro_batch_size < rows and not warned:
-            warned.append(True)
+        why = _split_warning(trainer, assumed, exact)
+        if why and ctrl.micro_batch_size < rows and not warned:  # once per wrapper
             import warnings
 
-            warnings.warn(
-                f"split_on_oom split a step of {type(trainer).__name__}, whose own compute_loss is taken as normalised "
-                "by num_items_in_batch (transformers' rule while loss_is_scaled_for_ga is None): the pieces' losses "
-                "are added; if it returns a per-batch mean the split step's gradient is the pieces' count times too "
-                "large: set trainer.loss_is_scaled_for_ga = False, or give split_on_oom(trainer, count_fn=...) with "
-                "what the mean averages over",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        elif not exact and ctrl.micro_batch_size < rows and not warned:
             warned.append(True)
-            import warnings
-
-            warnings.warn(
-                "split_on_oom split a step whose loss is the model's per-token mean (not normalised by "
-                "num_items_in_batch); the pieces are weighted by their labels[..., 1:] != -100 (the shift of a "
-                "causal LM), exact only if the loss averages over those; say what it averages over: "
-                "split_on_oom(trainer, count_fn=lambda inputs: (inputs['labels'][..., 1:] != -100).sum())",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warnings.warn(why, RuntimeWarning, stacklevel=2)
         return loss
 
     return training_step
+
+
+def _split_warning(trainer: Any, assumed: bool, exact: bool) -> str:
+    """What a split step warns of: a custom loss only assumed normalised (:func:`_loss_is_scaled`), or per-piece means
+    weighted by a guessed count (:func:`_items_of`); "" when neither."""
+    if assumed:
+        return (
+            f"split_on_oom split a step of {type(trainer).__name__}, whose own compute_loss is taken as normalised "
+            "by num_items_in_batch (transformers' rule while loss_is_scaled_for_ga is None): the pieces' losses "
+            "are added; if it returns a per-batch mean the split step's gradient is the pieces' count times too "
+            "large: set trainer.loss_is_scaled_for_ga = False, or give split_on_oom(trainer, count_fn=...) with "
+            "what the mean averages over"
+        )
+    if not exact:
+        return (
+            "split_on_oom split a step whose loss is the model's per-token mean (not normalised by "
+            "num_items_in_batch); the pieces are weighted by their labels[..., 1:] != -100 (the shift of a "
+            "causal LM), exact only if the loss averages over those; say what it averages over: "
+            "split_on_oom(trainer, count_fn=lambda inputs: (inputs['labels'][..., 1:] != -100).sum())"
+        )
+    return ""
 
 
 def _loss_is_scaled(
