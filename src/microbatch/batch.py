@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 
 __all__ = [
     "BatchConfig",
@@ -27,6 +27,8 @@ __all__ = [
     "per_replica",
     "check_data_parallel",
     "check_micro_batch",
+    "check_batch_quantity",
+    "MAX_BATCH",
     "divisors",
     "nearest_multiples",
     "next_micro_batch",
@@ -39,6 +41,13 @@ throughput is within 15% of the best (``docs/knee.md`` gives the rule and why 0.
 (``microbatch.choose.config.DEFAULT_TOLERANCE``) and the planner's
 (``microbatch.predict.plan_config.PLAN_TOLERANCE``) are this value; it lives here, in the core, because
 predict/ sits below choose/."""
+
+MAX_BATCH = 10**9
+"""Most sequences any batch quantity takes (B_global, b_m, g, d), in the library and on the command line. The choosers
+enumerate the divisors of B / d (time grows with √B): ``plan`` took 0.7 s at B = 735,134,400 (1,344 divisors) and
+4.4 s at B = 963,761,198,400 (6,720), and ``plan``/``batch`` at B = 10^20 never answered (2 cores, 2026-12-03;
+``solve(global_batch=10**18 + 1)`` ran for minutes, 2026-12-06). The largest published global batches are tens of
+thousands of sequences (65,536 for BERT with LAMB, You et al. 2020), four orders of magnitude below."""
 
 _FIXES = {
     "global_batch": "give the sequences per optimizer step, e.g. global_batch 512",
@@ -63,8 +72,9 @@ class BatchConfig:
     """d: data-parallel replicas."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         for name, fix in _FIXES.items():
-            check_positive_int(name, getattr(self, name), fix=fix)
+            check_batch_quantity(name, getattr(self, name), fix=fix)
         if global_batch_of(self.micro_batch, self.grad_accum, self.data_parallel) != self.global_batch:
             raise ConfigError(
                 f"global batch {self.global_batch} != micro-batch {self.micro_batch} × grad-accum "
@@ -136,6 +146,19 @@ def check_micro_batch(global_batch: int, micro_batch: int, data_parallel: int = 
             f"B_global = b_m × g × d must hold; use a micro-batch among {divisors(per)}"
         )
     return grad_accum_for(B, b, d)
+
+
+def check_batch_quantity(name: str, value: object, *, fix: str = "") -> int:
+    """``value`` as an int if it is a whole number from 1 to :data:`MAX_BATCH`, else a :class:`ConfigError` naming
+    it (a global batch, micro-batch, accumulation count or data-parallel size)."""
+    v = check_positive_int(name, value, fix=fix)
+    if v > MAX_BATCH:
+        raise ConfigError(
+            f"{name} {v:,} is over the limit of {MAX_BATCH:,} sequences (the choices enumerate divisors, so time "
+            f"grows with the batch; published global batches are below 100,000); give {MAX_BATCH:,} or less",
+            params=(name,),
+        )
+    return v
 
 
 def divisors(n: int) -> list[int]:
@@ -215,7 +238,7 @@ def solve(
     }
     for name, v in given.items():
         if v is not None:
-            check_positive_int(name, v, fix=_FIXES[name])
+            given[name] = check_batch_quantity(name, v, fix=_FIXES[name])
     missing = [k for k, v in given.items() if v is None]
     if len(missing) >= 2 and "data_parallel" in missing:
         given["data_parallel"] = 1
@@ -231,7 +254,14 @@ def solve(
         return BatchConfig(**values)
     want = missing[0]
     if want == "global_batch":
-        values[want] = values["micro_batch"] * values["grad_accum"] * values["data_parallel"]
+        b, g, d = values["micro_batch"], values["grad_accum"], values["data_parallel"]
+        if b * g * d > MAX_BATCH:
+            raise ConfigError(
+                f"B_global = b_m × g × d = {b:,} × {g:,} × {d:,} = {b * g * d:,} is over the limit of {MAX_BATCH:,} "
+                "sequences a global batch has; give smaller micro_batch, grad_accum or data_parallel",
+                params=("micro_batch", "grad_accum", "data_parallel"),
+            )
+        values[want] = b * g * d
         return BatchConfig(**values)
     B = values["global_batch"]
     names = {"micro_batch": "micro-batch", "grad_accum": "grad-accum", "data_parallel": "data-parallel"}

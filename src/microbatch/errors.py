@@ -29,6 +29,9 @@ __all__ = [
     "PipelineError",
     "check_positive_int",
     "whole_number",
+    "plain_numbers",
+    "as_tuple",
+    "check_instance",
     "check_non_negative",
     "check_positive",
 ]
@@ -109,6 +112,69 @@ def whole_number(value: object) -> int | None:
         return None
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain(value: object) -> object:
+    """``value`` as Python's own number when it is a number of another kind (NumPy's, a 0-d tensor); tuples
+    element by element; anything else unchanged."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is tuple:
+        items = tuple(_plain(v) for v in value)  # type: ignore[attr-defined]
+        return items if any(a is not b for a, b in zip(items, value, strict=True)) else value  # type: ignore[call-overload]
+    dtype = str(getattr(value, "dtype", ""))
+    if getattr(value, "shape", None) not in ((), None) or not dtype:
+        return value  # not a scalar of NumPy's or torch's
+    if "bool" in dtype:
+        return bool(value)
+    index = whole_number(value)
+    if index is not None:
+        return index
+    if "float" in dtype:
+        return float(value)  # type: ignore[arg-type]
+    return value
+
+
+def plain_numbers(obj: object) -> None:
+    """Replace, in the frozen dataclass ``obj``, every field holding a NumPy or torch scalar (or a tuple of them)
+    with Python's own ``int``, ``float`` or ``bool``: the checks that follow then see plain numbers (size caps
+    test ``int``), and the object's ``to_dict`` writes JSON. Called first in each config's ``__post_init__``."""
+    for name, value in vars(obj).items():
+        if type(value) in _PLAIN:
+            continue
+        plain = _plain(value)
+        if plain is not value:
+            object.__setattr__(obj, name, plain)
+
+
+def as_tuple(name: str, value: object) -> tuple[Any, ...] | None:
+    """A config's field of choices as a tuple: None stays None (every choice), one value (a name, a number)
+    becomes a tuple of it — ``schedules="1f1b"`` is ``("1f1b",)``, not five one-letter names — and a list or
+    another iterable its tuple; anything else a :class:`ConfigError`."""
+    if value is None or isinstance(value, tuple):
+        return value
+    if isinstance(value, str | bytes) or whole_number(value) is not None or isinstance(value, float):
+        return (value,)
+    try:
+        return tuple(value)  # type: ignore[arg-type]  # any iterable; a TypeError otherwise
+    except TypeError:
+        raise ConfigError(
+            f"{name} must be a tuple of choices (or one choice), got {value!r}", params=_param(name)
+        ) from None
+
+
+def check_instance(name: str, value: object, kind: type, fix: str) -> None:
+    """ConfigError unless ``value`` is a ``kind`` (a name or a dict where a config object belongs failed deep inside,
+    naming an attribute the caller never wrote): the message names the parameter, the value and ``fix``."""
+    if not isinstance(value, kind):
+        article = "an" if kind.__name__[:1] in "AEIOU" else "a"
+        raise ConfigError(
+            f"{name} must be {article} {kind.__name__}, got {value!r}; {fix}", params=_param(name)
+        )
+
+
 def check_positive_int(name: str, value: object, *, fix: str = "") -> int:
     """Return ``value`` as an int if it is a whole number >= 1 (:func:`whole_number`), else raise
     :class:`ConfigError`."""
@@ -133,6 +199,8 @@ def _check_number(name: str, value: float, *, strict: bool, fix: str) -> float:
     import math
 
     try:
+        if isinstance(value, bool | str | bytes):  # True is not 1 byte, "80e9" not a figure: say so here
+            raise TypeError
         v = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} must be a number, got {value!r}", params=_param(name)) from None

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch import hardware_clocks as _clk
-from microbatch.errors import ConfigError, check_positive, check_positive_int
+from microbatch.errors import ConfigError, check_positive, check_positive_int, plain_numbers, whole_number
 from microbatch.hardware_attention import (
     AMPERE,
     ATTENTION_SOURCES,
@@ -134,6 +134,7 @@ class Accelerator:
     """Where the figures come from."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         for f in (
             "memory_bytes",
             "memory_bandwidth_bytes_per_s",
@@ -192,7 +193,7 @@ class Accelerator:
         if self.compute_units is not None:
             check_positive_int(f"{self.name} compute_units", self.compute_units,
                                fix="give the SMs (NVIDIA) or compute units (AMD) the GEMM tiles run on")  # fmt: skip
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+        if whole_number(self.gpus_per_node) is None or self.gpus_per_node < 1:
             raise ConfigError(
                 f"{self.name} gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}"
             )

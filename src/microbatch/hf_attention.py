@@ -54,6 +54,8 @@ def sliding_window_of(
     if model_type == "gemma2":
         return window, (layers + 1) // 2
     pattern = raw.get("sliding_window_pattern")
+    if pattern is None and model_type.startswith("gemma3"):
+        pattern = 6  # transformers' Gemma3TextConfig default: five local layers to one global
     if isinstance(pattern, int) and pattern > 1:
         return window, layers - layers // pattern
     return window, None

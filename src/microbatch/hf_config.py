@@ -37,9 +37,20 @@ _GATED_FAMILIES = ("gemma", "vaultgemma")
 GeGLU, spelt ``hidden_activation``: gemma3_text, gemma4_text, vaultgemma). RecurrentGemma is refused as a hybrid first."""
 _LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
 
-_NO_POSITION_TABLE = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "codegen", "persimmon", "stablelm")
+_NO_POSITION_TABLE = (
+    "gpt_neox",
+    "gptj",
+    "bloom",
+    "falcon",
+    "phi",
+    "codegen",
+    "persimmon",
+    "stablelm",
+    "starcoder2",
+)
 """GPT-2-built families (LayerNorm, GELU MLP of 4h or their own width) with rotary or ALiBi positions, not a learned
-table: GPT-NeoX, GPT-J, CodeGen, Persimmon, StableLM and Phi (rotary), BLOOM (ALiBi), Falcon (rotary or ALiBi). MPT
+table: GPT-NeoX, GPT-J, CodeGen, Persimmon, StableLM, StarCoder2 and Phi (rotary), BLOOM (ALiBi), Falcon (rotary or
+ALiBi). MPT
 says it itself (``learned_pos_emb``)."""
 
 _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "emb_pdrop",
@@ -50,6 +61,10 @@ _PARALLEL_KEYS = {"gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"
 """Families whose parallel attention + MLP block is a setting (transformers' default: on for both); GPT-J, CodeGen
 and Phi always run it (:data:`_ALWAYS_PARALLEL`)."""
 _ALWAYS_PARALLEL = ("gptj", "codegen", "phi")
+
+_PARALLEL_LLAMA_LIKE = ("cohere",)
+"""Llama-like families whose block runs attention and the MLP side by side on one norm's output (Cohere's Command-R
+and Command-R7B: transformers' ``CohereDecoderLayer`` adds both to the residual)."""
 
 _UNTIED_BY_DEFAULT = ("gpt_neox", "gptj", "phi", "codegen")
 """Families whose transformers config defaults ``tie_word_embeddings`` to False (GPT-2's, BLOOM's, OPT's, Falcon's and
@@ -187,7 +202,9 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
             cfg = (
                 AutoConfig.for_model(raw["model_type"], **known)
                 if inner
-                else AutoConfig.from_pretrained(str(file))
+                else AutoConfig.from_pretrained(
+                    str(file), trust_remote_code=False
+                )  # never asks on a terminal
             )
         except Exception:  # an unknown model_type or a transformers quirk: fall back to the JSON
             return raw
@@ -207,6 +224,11 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
             value = _config_value(cfg, key)
             if key not in raw and isinstance(value, bool | int | float):
                 merged[key] = value
+        types = getattr(
+            cfg, "layer_types", None
+        )  # the sliding layers transformers derives (Gemma 3's pattern of 6)
+        if "layer_types" not in raw and isinstance(types, list | tuple):
+            merged["layer_types"] = list(types)
         return merged
     return raw
 
@@ -357,6 +379,7 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
         # Gemma's config.json omits it (transformers' Gemma default: tied); Llama's default: untied
         "tied_embeddings": bool(tied) if tied is not None else model_type.startswith(_GATED_FAMILIES),
         "dropout": _dropout_of(raw, model_type, default=False),  # Llama's families train without it
+        "parallel_block": model_type.startswith(_PARALLEL_LLAMA_LIKE),
     }
 
 
@@ -403,7 +426,8 @@ def from_hf_config(
         heads=vals["heads"],
         head_size=own_head_size(vals["head_size"], vals["hidden"], vals["heads"]),
         kv_heads=vals["kv_heads"],
-        ffn_hidden=vals["ffn_hidden"],
+        ffn_hidden=raw.get("intermediate_size_mlp")
+        or vals["ffn_hidden"],  # Llama 4's dense blocks: their own width
         vocab=vals["vocab"],
         seq=seq or positions or 2048,
     )

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 
 __all__ = [
     "Experts",
@@ -51,9 +51,14 @@ class Experts:
     """Inner width of one shared expert; None means F (DeepSeek); Qwen2-MoE gives its own."""
     dense_layers: int = 0
     """The first blocks that keep a dense MLP of the model's ``ffn_hidden`` (DeepSeek-V3: 3)."""
+    moe_every: int = 1
+    """Every k-th block has the MoE MLP, the others a dense one of ``ffn_hidden``: blocks i (from ``dense_layers`` on)
+    with i % k == k − 1, as Llama 4's ``interleave_moe_layer_step`` (Maverick: 2) and Qwen2-MoE's
+    ``decoder_sparse_step`` place them (transformers' modelling code); 1: every block."""
 
     def __post_init__(self) -> None:
-        for f in ("experts", "top_k", "expert_ffn_hidden"):
+        plain_numbers(self)
+        for f in ("experts", "top_k", "expert_ffn_hidden", "moe_every"):
             check_positive_int(f, getattr(self, f))
         if self.shared_experts < 0 or self.dense_layers < 0:
             raise ConfigError(
@@ -118,6 +123,7 @@ class LatentAttention:
     """The value (and attention output) width per head."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             check_positive_int(f, getattr(self, f))
         if self.q_lora_rank is not None:
@@ -176,6 +182,11 @@ def _whole(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
     return value
 
 
+_ONE_SHARED = ("llama4",)
+"""Families whose MoE MLP always adds one shared expert of the routed experts' width, unnamed in the config (Llama 4:
+transformers' ``Llama4TextMoe`` builds ``shared_expert`` from ``intermediate_size``)."""
+
+
 def experts_from_hf(
     raw: dict[str, Any], ffn_hidden: int | None, source: str, given: Mapping[str, int] | None = None
 ) -> Experts | None:
@@ -185,7 +196,10 @@ def experts_from_hf(
     (Qwen-MoE); K from ``num_experts_per_tok``; F from ``moe_intermediate_size`` or, as in
     Mixtral, ``intermediate_size``; S from ``n_shared_experts`` (DeepSeek, width F) or one shared
     expert of ``shared_expert_intermediate_size`` (Qwen2-MoE); dense first blocks from
-    ``first_k_dense_replace``. Ignores ``moe_layer_freq`` / ``decoder_sparse_step`` other than 1. K or F the file
+    ``first_k_dense_replace``; every k-th block MoE from ``interleave_moe_layer_step`` (Llama 4) or
+    ``decoder_sparse_step`` (Qwen2-MoE), the others dense at ``intermediate_size_mlp`` where the config has it (Llama 4);
+    Llama 4's one shared expert (:data:`_ONE_SHARED`). Ignores DeepSeek-V2's ``moe_layer_freq`` (1 in every
+    published config). K or F the file
     lacks (DeepSeek-V2's transformers default leaves K None) comes from ``given`` (``top_k``, ``expert_ffn_hidden``:
     the flags the user gives, which override the file's anyway), else a ConfigError names the flag.
     """
@@ -210,6 +224,9 @@ def experts_from_hf(
     shared_width = None
     if not shared and raw.get("shared_expert_intermediate_size"):
         shared, shared_width = 1, _whole(raw, "shared_expert_intermediate_size", raw["shared_expert_intermediate_size"], source)  # fmt: skip
+    if not shared and str(raw.get("model_type", "")).startswith(_ONE_SHARED):
+        shared = 1  # Llama 4's shared expert, as wide as a routed one (Llama4TextMoe.shared_expert)
+    every = raw.get("interleave_moe_layer_step") or raw.get("decoder_sparse_step") or 1
     return Experts(
         experts=e,
         top_k=_whole(raw, "num_experts_per_tok", k, source),
@@ -217,6 +234,7 @@ def experts_from_hf(
         shared_experts=_whole(raw, "n_shared_experts", shared, source),
         shared_ffn_hidden=shared_width,
         dense_layers=_whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source),
+        moe_every=_whole(raw, "interleave_moe_layer_step", every, source),
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from microbatch.batch import divisors
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 from microbatch.moe import Experts, LatentAttention, as_experts, as_latent_attention
 
 __all__ = ["MAX_LAYERS", "MAX_WIDTH", "ModelShape", "check_tensor_parallel"]
@@ -82,6 +82,7 @@ class ModelShape:
     """DeepSeek's multi-head latent attention in place of (grouped-query) attention; None means none."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         object.__setattr__(self, "moe", as_experts(self.moe))  # a shape read back from JSON
         object.__setattr__(self, "mla", as_latent_attention(self.mla))
         if self.moe is not None and self.moe.dense_layers > self.layers:
@@ -90,7 +91,17 @@ class ModelShape:
             )
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
             check_positive_int(f, getattr(self, f))
-        for f in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "head_size", "vocab", "seq"):
+        for f in (
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "ffn_hidden",
+            "head_size",
+            "vocab",
+            "seq",
+            "max_positions",
+        ):
             v, cap = getattr(self, f), MAX_LAYERS if f == "layers" else MAX_WIDTH
             if isinstance(v, int) and v > cap:  # the searches over a shape's divisors would run for hours
                 raise ConfigError(f"{f} {v:,} is past {cap:,}, beyond any model this tool plans (the deepest stack "
@@ -106,6 +117,9 @@ class ModelShape:
                 )
         if self.ffn_hidden is not None:
             check_positive_int("ffn_hidden", self.ffn_hidden)
+        if self.max_positions is not None:
+            check_positive_int("max_positions", self.max_positions,
+                               fix="give the learned position table's rows, or None for seq's")  # fmt: skip
         if self.sliding_window is not None or self.sliding_layers is not None:
             self._check_window()
         if self.head_size is not None:
@@ -201,15 +215,25 @@ class ModelShape:
         return 2 * h * f + ((f + h) if self.bias else 0)
 
     def is_moe_layer(self, index: int) -> bool:
-        """Block ``index`` (0-based) has a mixture-of-experts MLP."""
-        return self.moe is not None and index >= self.moe.dense_layers
+        """Block ``index`` (0-based) has a mixture-of-experts MLP: past the dense first blocks, every
+        ``moe_every``-th (:class:`~microbatch.moe.Experts`)."""
+        moe = self.moe
+        return moe is not None and index >= moe.dense_layers and index % moe.moe_every == moe.moe_every - 1
+
+    def moe_layer_count(self, first: int, count: int) -> int:
+        """How many of blocks ``first`` … ``first + count − 1`` have a mixture-of-experts MLP."""
+        if self.moe is None:
+            return 0
+        if self.moe.moe_every == 1:
+            return max(0, first + count - max(first, self.moe.dense_layers))
+        return sum(1 for i in range(first, first + count) if self.is_moe_layer(i))
 
     def layer_params(self, index: int | None = None, *, active: bool = False) -> int:
         """One transformer block: attention, MLP (dense or MoE) and two norms. ``index`` None means
         the largest block (a MoE block when there are experts); ``active`` counts the parameters one
-        token uses (K routed experts, not E)."""
-        idx = self.layers - 1 if index is None else index
-        if self.moe is None or not self.is_moe_layer(idx):
+        token uses (K routed experts, not E); -1 a dense block."""
+        moe = self.moe is not None if index is None else index >= 0 and self.is_moe_layer(index)
+        if self.moe is None or not moe:
             mlp = self.mlp_params()
         else:
             mats = 3 if self.gated_mlp else 2
@@ -221,10 +245,8 @@ class ModelShape:
         """Blocks ``first`` … ``first + count − 1`` together (dense first layers counted as dense)."""
         if self.moe is None:
             return count * self.layer_params()
-        dense = max(0, min(first + count, self.moe.dense_layers) - first)
-        return dense * self.layer_params(0, active=active) + (count - dense) * self.layer_params(
-            active=active
-        )
+        moe = self.moe_layer_count(first, count)
+        return (count - moe) * self.layer_params(-1, active=active) + moe * self.layer_params(active=active)
 
     def embedding_params(self) -> int:
         """Token embedding plus learned positions (if any)."""

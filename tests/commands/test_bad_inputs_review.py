@@ -55,7 +55,8 @@ def test_a_curve_of_zero_throughput_has_no_knee(tmp_path, capsys):
 
 def test_batch_product_over_the_bound_b_has(capsys):
     check_refused(["batch", "-b", "1000000", "-g", "1000000", "-d", "1000000"], capsys,
-                  r"= 1,000,000,000,000,000,000 is over the limit of 1,000,000,000", r"give smaller -b, -g or -d")  # fmt: skip
+                  r"= 1,000,000,000,000,000,000 is over the limit of 1,000,000,000",
+                  r"give smaller --micro-batch, --grad-accum or --data-parallel")  # fmt: skip
 
 
 def test_memory_refuses_what_plan_refuses(capsys):

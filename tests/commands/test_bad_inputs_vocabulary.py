@@ -13,6 +13,7 @@ from test_bad_inputs_32 import check_refused
 import microbatch
 from microbatch.commands._flags import cli_message, cli_text, flag_for
 from microbatch.errors import ConfigError, check_positive_int
+from microbatch.hardware import get_accelerator
 from microbatch.model import get_model, resolve_model
 
 FLAG = re.compile(r"(?<![\w-])--[a-z]")
@@ -30,7 +31,11 @@ def test_expert_parallel_on_a_dense_model():
     e = _api_error(
         lambda: microbatch.plan(
             microbatch.PlanConfig(
-                shape=get_model("gpt2"), gpu="h100-sxm", global_batch=64, data_parallel=2, expert_parallel=2
+                shape=get_model("gpt2"),
+                gpu=get_accelerator("h100-sxm"),
+                global_batch=64,
+                data_parallel=2,
+                expert_parallel=2,
             )
         )  # fmt: skip
     )

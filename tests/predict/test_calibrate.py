@@ -292,7 +292,10 @@ def test_saved_calibration_round_trip(tmp_path):
     "edit,says",
     [
         # a fuzzing helper's findings: a string scale reached the plan's arithmetic (a traceback); the rest were used
-        (lambda d: d["memory"].update(activation_scale="1.3"), r"activation_scale is '1\.3', not a number"),
+        (
+            lambda d: d["memory"].update(activation_scale="1.3"),
+            r"activation_scale must be a number, got '1\.3'",
+        ),
         (lambda d: d.update(seq=-5), r"cal\.json: seq is -5; it must be a whole number >= 1"),
         (lambda d: d.update(precision="fp64"), r"precision is 'fp64'; it must be one of"),
         (lambda d: d.update(peak_flops=-1), r"peak_flops is -1; it must be a number >= 0"),

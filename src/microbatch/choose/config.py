@@ -18,8 +18,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from microbatch.batch import DEFAULT_KNEE_TOLERANCE
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_batch_quantity
+from microbatch.errors import ConfigError, plain_numbers
 from microbatch.hardware import DEFAULT_HEADROOM
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ class ChoiceConfig:
     ``tune``."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_choice("knee rule", self.rule, RULES)
         _fraction(
             "tolerance", self.tolerance, f"{DEFAULT_TOLERANCE} for {100 * DEFAULT_TOLERANCE:g}% of the best"
@@ -111,9 +112,9 @@ class ChoiceConfig:
         if self.max_latency_ms is not None and _number("max_latency_ms", self.max_latency_ms) <= 0:
             raise ConfigError(f"max_latency_ms {self.max_latency_ms!r} must be > 0, e.g. 50")
         if self.global_batch is not None:
-            check_positive_int("global_batch", self.global_batch, fix="e.g. global_batch 512")
+            check_batch_quantity("global_batch", self.global_batch, fix="e.g. global_batch 512")
         if self.data_parallel is not None:
-            check_positive_int("data_parallel", self.data_parallel, fix="e.g. data_parallel 8")
+            check_batch_quantity("data_parallel", self.data_parallel, fix="e.g. data_parallel 8")
 
     def resolve(self, *, reference: str, data_parallel: int = 1) -> ChoiceConfig:
         """This config with the caller's defaults in the fields left None."""

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 
 __all__ = ["CurvePoint", "gain_per_doubling", "measured_curve"]
 
@@ -35,19 +35,22 @@ class CurvePoint:
     :mod:`microbatch.choose.noise`)."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_positive_int("micro_batch", self.micro_batch, fix="micro-batch sizes are whole numbers >= 1")
-        if self.throughput is not None:
-            t = self.throughput
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        for name in ("throughput", "peak_memory_bytes", "step_time_s", "throughput_se"):
+            v = getattr(self, name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0
+            ):
                 raise ConfigError(
-                    f"throughput {t!r} at micro_batch {self.micro_batch} must be a finite number >= 0"
+                    f"{name} {v!r} at micro_batch {self.micro_batch} must be a finite number >= 0 (or None: not "
+                    "measured)",
+                    params=(name,),
                 )
-        if self.peak_memory_bytes is not None:
-            m = self.peak_memory_bytes
-            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
-                raise ConfigError(
-                    f"peak_memory_bytes {m!r} at micro_batch {self.micro_batch} must be a finite number >= 0"
-                )
+        if not isinstance(self.oom, bool):  # "no" or 1 is no answer: a point dropped as out of memory
+            raise ConfigError(
+                f"oom {self.oom!r} at micro_batch {self.micro_batch} must be True or False", params=("oom",)
+            )
         if not self.oom and self.throughput is None:
             raise ConfigError(
                 f"point micro_batch {self.micro_batch} has no throughput and is not marked oom; "

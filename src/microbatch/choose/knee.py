@@ -31,7 +31,7 @@ from microbatch.choose.config import (
 from microbatch.choose.curve import CurvePoint, gain_per_doubling, measured_curve
 from microbatch.choose.memory_fit import MemoryFit, fit_memory, max_fitting_micro_batch
 from microbatch.choose.noise import NOISE_Z, indistinguishable
-from microbatch.errors import ConfigError, NoChoiceError
+from microbatch.errors import ConfigError, NoChoiceError, check_instance
 from microbatch.hardware import DEFAULT_HEADROOM
 from microbatch.records import number, true_or_false
 
@@ -43,6 +43,7 @@ __all__ = [
     "find_knee",
     "flattened",
     "recommend",
+    "recommend_measured",
     "points_from_records",
 ]
 
@@ -301,8 +302,49 @@ def recommend(
     (``docs/knee.md``).
     """
     options = dict(options)
+    if choice is not None:
+        check_instance(
+            "choice", choice, ChoiceConfig, "or give its fields as keywords: recommend(points, tolerance=0.1)"
+        )
     choice = apply_options(choice or ChoiceConfig(), options)
     check_options_used(options, "recommend", ChoiceConfig)
+    pts = _curve_points(points)
+    seen: dict[int, int] = {}
+    for i, p in enumerate(pts):
+        if p.ok and p.micro_batch in seen:
+            raise ConfigError(
+                f"micro_batch {p.micro_batch} is measured twice (points {seen[p.micro_batch] + 1} and {i + 1}); "
+                "repeats are refused, not averaged: give one point per micro_batch (for example the median of "
+                "your repeated runs)",
+                params=("points",),
+            )
+        if p.ok:
+            seen[p.micro_batch] = i
+    return recommend_measured(pts, choice)
+
+
+def _curve_points(points: object) -> list[CurvePoint]:
+    """``points`` as a list of :class:`CurvePoint`, or a ConfigError naming what was given instead (a dict is a
+    point written as a mapping: ``CurvePoint(**d)``)."""
+    try:
+        pts: list[object] = list(points)  # type: ignore[call-overload]
+    except TypeError:
+        raise ConfigError(
+            f"points must be a list of CurvePoint, got {points!r}", params=("points",)
+        ) from None
+    for i, p in enumerate(pts):
+        if not isinstance(p, CurvePoint):
+            raise ConfigError(
+                f"point {i + 1} is {p!r}, not a CurvePoint; build each as CurvePoint(micro_batch=..., "
+                "throughput=...)" + (" (CurvePoint(**d) for a dict)" if isinstance(p, dict) else ""),
+                params=("points",),
+            )
+    return [p for p in pts if isinstance(p, CurvePoint)]
+
+
+def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Recommendation:
+    """:func:`recommend` of ``tune``'s own points, which may hold a b_m twice (measured with checkpointing off,
+    then on, or re-measured): the last of each b_m is taken (:func:`~microbatch.choose.curve.measured_curve`)."""
     reference = choice.reference or "measured"
     data_parallel = choice.data_parallel or 1
     pts = list(points)

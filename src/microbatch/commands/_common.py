@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from microbatch._json import dumps
+from microbatch.batch import MAX_BATCH
 from microbatch.commands._outputs import (
     check_out_dir,
     check_output_file,
@@ -63,13 +64,6 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
-
-MAX_BATCH = 10**9
-"""Most sequences any batch flag takes (B_global, b_m, g, d). The choosers enumerate the divisors of
-B / d (time grows with √B): ``plan`` took 0.7 s at B = 735,134,400 (1,344 divisors) and 4.4 s at
-B = 963,761,198,400 (6,720), and ``plan``/``batch`` at B = 10^20 never answered (2 cores, 2026-12-03).
-The largest published global batches are tens of thousands of sequences (65,536 for BERT with LAMB,
-You et al. 2020), four orders of magnitude below."""
 
 
 def check_batch_bound(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from microbatch.commands._common import MAX_BATCH, check_batch_bound, emit, json_option
+from microbatch.commands._common import check_batch_bound, emit, json_option
 
 __all__ = ["cmd"]
 
@@ -66,11 +66,6 @@ def cmd(
     cfg = solve(
         global_batch=global_batch, micro_batch=micro_batch, grad_accum=grad_accum, data_parallel=data_parallel
     )
-    if cfg.global_batch > MAX_BATCH:  # b_m × g × d past the bound -B itself has
-        raise ConfigError(
-            f"B_global = b_m × g × d = {cfg.micro_batch:,} × {cfg.grad_accum:,} × {cfg.data_parallel:,} = "
-            f"{cfg.global_batch:,} is over the limit of {MAX_BATCH:,} sequences -B has; give smaller -b, -g or -d"
-        )
 
     def render() -> str:
         return (

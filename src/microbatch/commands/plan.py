@@ -247,13 +247,25 @@ def cmd(
     from microbatch.show.plan_report import plan_advice
 
     nothing_fits = all(pl.recommended is None for pl in plans)
-    why = (plan_advice(plans[0]) or ["nothing fits"])[0] if nothing_fits else None
+    why = (
+        (plan_advice(plans[0]) or ["nothing fits"])[0] + _seq_hint(model_spec, cfg.seq_len)
+        if nothing_fits
+        else None
+    )
     if why is not None:  # one JSON object: the plan (what was computed is kept) with the error in it
         out = {**out, "error": why, "kind": "bad_input"}
     emit(out, as_json, render)
     if why is not None:
         click.echo(f"error: {why}", err=True)
         raise click.exceptions.Exit(2)
+
+
+def _seq_hint(model_spec: dict[str, Any], seq: int) -> str:
+    """Where nothing fits a Hugging Face config planned at its longest sequence (no ``--seq``: its
+    ``max_position_embeddings``, 131,072 for Llama 3.2 1B), a clause saying so and naming ``--seq``."""
+    if model_spec.get("hf_config") is None or model_spec.get("seq") is not None:
+        return ""
+    return f"; planned at s = {seq:,}, the config's longest sequence (no --seq): give --seq with your data's length"
 
 
 def _check_cp_comm(cp_comm: str, context_parallel: int) -> None:

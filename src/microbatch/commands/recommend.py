@@ -97,14 +97,14 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     The knee is the smallest b_m within the tolerance of the best throughput (rule fraction),
     among the points that fit --memory-budget and --max-latency-ms.
     """
-    from microbatch.choose.knee import points_from_records, recommend
+    from microbatch.choose.knee import points_from_records, recommend_measured
     from microbatch.show.recommendation import render_recommendation
 
     with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
         choice = choice_config(choice_spec)
     rows = read_rows(measurements)
     points = points_from_records(rows, source=measurements)
-    d = recommend(points, choice).to_dict()
+    d = recommend_measured(points, choice).to_dict()
     if choice.memory_budget_bytes is not None and not any(p.peak_memory_bytes for p in points if not p.oom):
         note = (
             "--memory-budget had nothing to act on: no point gives peak_memory_bytes, so every measured b_m was "

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 from microbatch.hardware import Accelerator
 from microbatch.model import ModelShape
 
@@ -65,6 +65,7 @@ class MicrobenchConfig:
     CPU (whose thread clock counts work, not a clock). 0 times bursts, as the H200 table was."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         if not self.micro_batches:
             raise ConfigError("micro_batches is empty; give at least one b_m, e.g. (1, 2, 4)")
         for b in self.micro_batches:

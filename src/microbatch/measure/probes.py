@@ -1,14 +1,13 @@
 """Measure one training micro-step or one decode step at a given micro-batch size b_m, in steady state.
 
-**Training** (:class:`TrainProbe`). The probe first runs one full step (forward, backward,
-optimizer step), so the optimizer's state is allocated before anything is measured. A probe then
-builds one batch of b_m sequences and repeats forward + backward on it, accumulating gradients
-as gradient accumulation does; finally it times one optimizer step. The time per micro-step is
+**Training** (:class:`TrainProbe`). One full step first (forward, backward, optimizer step) allocates the
+optimizer's state. A probe then builds one batch of b_m sequences (``make_batch`` must grow with b:
+:mod:`.batch_check`) and repeats forward + backward on it, accumulating gradients; then it times one optimizer step:
 
     t_step(b) = t_micro(b) + t_opt / g      (g = B_global / (b_m·d) when a global batch is given)
 
-With no global batch the optimizer step is left out of the throughput (its cost per sample,
-t_opt·d / B_global, does not depend on b_m once B_global is fixed) and reported alone.
+With no global batch the optimizer step is left out of the throughput (its cost per sample, t_opt·d / B_global,
+does not depend on b_m once B_global is fixed) and reported alone.
 
 **Decoding** (:class:`DecodeProbe`). The probe prefills a prompt of ``seq − new_tokens`` tokens
 once into a key/value cache sized for ``seq`` positions (so the cache is counted at its largest),
@@ -32,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from microbatch.errors import ConfigError
+from microbatch.measure.batch_check import GrowingBatches
 from microbatch.measure.device import (
     Device,
     agree_any,
@@ -203,7 +203,7 @@ class TrainProbe:
         import torch
 
         get_precision(precision, measurable=True)
-        self.model, self.make_batch = model, make_batch
+        self.model, self.make_batch = model, GrowingBatches(make_batch)  # refuses a batch that does not grow
         self.loss_fn: Callable[[Any, Any], Any] = loss_fn or default_loss
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(params, lr=1e-4)

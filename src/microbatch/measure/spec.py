@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from microbatch.batch import grad_accum_for
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, plain_numbers
 from microbatch.measure.hf import hf_config_from_shape, hf_model, load_hf_config
 from microbatch.measure.probes import DecodeProbe, Measurement, Probe, TrainProbe
 from microbatch.measure.timing import TimingConfig
@@ -67,6 +67,7 @@ class ProbeSpec:
     steadier timings on a CPU shared with other jobs."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         if sum(x is not None for x in (self.model, self.hf_config, self.shape)) != 1:
             raise ConfigError("give exactly one of model or hf_config", params=("model", "hf_config"))
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 1:

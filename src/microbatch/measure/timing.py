@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, check_non_negative, check_positive, plain_numbers, whole_number
 
 __all__ = [
     "CLOCKS",
@@ -57,6 +57,15 @@ class TimingConfig:
     it is the time the work would take alone). CUDA always uses events."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
+        for name in ("warmup", "min_repeats", "max_repeats"):
+            if whole_number(getattr(self, name)) is None:
+                raise ConfigError(
+                    f"timing {name} must be a whole number of calls, got {getattr(self, name)!r}",
+                    params=(name,),
+                )
+        check_positive("max_time_s", self.max_time_s, fix="e.g. max_time_s 5")
+        check_non_negative("rel_tol", self.rel_tol, fix="e.g. rel_tol 0.03")
         if self.warmup < 0 or self.min_repeats < 1 or self.max_repeats < self.min_repeats:
             raise ConfigError(
                 f"timing warmup={self.warmup}, min_repeats={self.min_repeats}, max_repeats={self.max_repeats}: "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
 from microbatch.microbench_record import KIND as MICROBENCH
@@ -117,6 +117,7 @@ class PlannedLayout:
     """Planned recompute mode; None means not fixed (every mode is searched)."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         if self.seq is not None:
             check_positive_int("seq", self.seq)
         for b in self.micro_batches:

@@ -73,7 +73,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, plain_numbers
 from microbatch.fit import fit_line
 from microbatch.hardware import Accelerator
 from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
@@ -384,6 +384,7 @@ class Calibration:
     """Clamps and assumptions of the fit."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         if not 0 < self.sustained_clock_fraction <= MAX_CLOCK_FRACTION:
             raise ConfigError(
                 f"calibration sustained_clock_fraction {self.sustained_clock_fraction!r} is not in (0, "

@@ -104,7 +104,7 @@ def expert_params(shape: ModelShape, first: int, count: int) -> int:
     moe = shape.moe
     if moe is None:
         return 0
-    moe_blocks = sum(1 for i in range(first, first + count) if shape.is_moe_layer(i))
+    moe_blocks = shape.moe_layer_count(first, count)
     return moe_blocks * moe.routed_params(shape.hidden, 3 if shape.gated_mlp else 2)
 
 

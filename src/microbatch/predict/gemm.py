@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, plain_numbers
 from microbatch.hardware import Accelerator
 from microbatch.predict.measured_gemm import MeasuredGemms
 
@@ -131,6 +131,7 @@ class RooflineEfficiency:
     there. None: analytic only."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         if self.launch_s_per_kernel < 0:
             raise ConfigError(
                 f"efficiency launch_s_per_kernel must be >= 0, got {self.launch_s_per_kernel!r}"

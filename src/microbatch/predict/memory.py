@@ -18,7 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from microbatch.errors import ConfigError, check_non_negative, check_positive_int
+from microbatch.errors import (
+    ConfigError,
+    check_instance,
+    check_non_negative,
+    check_positive_int,
+    plain_numbers,
+)
 from microbatch.model import ModelShape, check_seq
 from microbatch.precision import (
     get_fp8_recipe,
@@ -66,12 +72,6 @@ def in_flight_layers(
     return registry.in_flight_layers(schedule, stage, stages, microbatches, virtual, stage_layers)
 
 
-def in_flight_microbatches(schedule: str, stage: int, stages: int, microbatches: int, virtual: int) -> int:
-    """Micro-batches whose forward has started on ``stage`` but whose backward has not finished:
-    :func:`microbatch.schedules.registry.in_flight_microbatches`."""
-    return registry.in_flight_microbatches(schedule, stage, stages, microbatches, virtual)
-
-
 # -- configuration and estimate ----------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class MemoryCalibration:
@@ -83,13 +83,9 @@ class MemoryCalibration:
     """Added to every stage (CUDA context, allocator cache, communication buffers)."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         for name in ("activation_scale", "fixed_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(
-                value, (int, float)
-            ):  # "1.3" passed float() and stayed a str
-                raise ConfigError(f"{name} is {value!r}, not a number; give it as a number >= 0")
-            check_non_negative(name, value)
+            check_non_negative(name, getattr(self, name))  # a bool or a str ("1.3") is refused too
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +153,7 @@ class MemoryConfig:
     after each (a shard kept): :func:`microbatch.predict.state.resident_zero`."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_positive_int("micro_batch", self.micro_batch, fix="b_m counts whole sequences")
         check_pipeline_grad_reduce(self.pipeline_grad_reduce, self.pipeline_parallel, (self.zero,))
         check_positive_int("expert_parallel", self.expert_parallel)
@@ -431,7 +428,10 @@ def estimate_memory(
     (:func:`~microbatch.predict.state.resident_zero`). Assumes all peaks coincide (they nearly
     do: activations peak at the end of the warm-up, while the state is resident throughout).
     """
+    check_instance("shape", shape, ModelShape, "estimate_memory(shape, config): a ModelShape first")
+    check_instance("config", config, MemoryConfig, "estimate_memory(shape, config): a MemoryConfig second")
     cal = calibration or MemoryCalibration()
+    check_instance("calibration", cal, MemoryCalibration, "build MemoryCalibration(...) or leave it out")
     shape = _at_seq(shape, config.seq)
     config.validate_for(shape)
     p, t, m, v = config.pipeline_parallel, config.tensor_parallel, config.m, config.virtual
@@ -459,7 +459,7 @@ def estimate_memory(
     d = zero_groups(config.data_parallel, c, config.shard_degree)[0]  # state shards over d·c (or HSDP's)
     for i, n_layers in enumerate(split):
         params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
-        held = in_flight_microbatches(config.schedule, i, p, m, v)
+        held = registry.in_flight_microbatches(config.schedule, i, p, m, v)
         terms = {"layers": per_layer * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
             emb = embedding_activation_bytes(

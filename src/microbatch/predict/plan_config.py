@@ -9,8 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_data_parallel, check_micro_batch
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.batch import (
+    DEFAULT_KNEE_TOLERANCE,
+    check_batch_quantity,
+    check_data_parallel,
+    check_micro_batch,
+)
+from microbatch.errors import (
+    ConfigError,
+    as_tuple,
+    check_instance,
+    check_positive_int,
+    plain_numbers,
+    whole_number,
+)
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape, check_seq
 from microbatch.precision import check_gemm_dtype, get_fp8_recipe, get_precision, loss_bytes
@@ -37,6 +49,15 @@ CHOICES = ("knee", "fastest")
 PLAN_TOLERANCE = DEFAULT_KNEE_TOLERANCE
 """τ of the planner's knee: the one knee tolerance, 15% of the best, as ``tune``'s default
 (:data:`microbatch.batch.DEFAULT_KNEE_TOLERANCE`; the rule and why 0.15 are in ``docs/knee.md``)."""
+SHAPE_FIX = (
+    "take a preset with microbatch.model.get_model('llama-3-8b'), read a Hugging Face config.json with "
+    "microbatch.hf_config.from_hf_config(path), or build ModelShape(layers=..., hidden=..., heads=..., vocab=..., seq=...)"
+)
+"""The fix named where a model shape is expected and something else was given."""
+GPU_FIX = "take a known one with microbatch.hardware.get_accelerator('h100-sxm') or build Accelerator(...) with its figures"
+"""The fix named where an accelerator is expected and something else was given."""
+_CHOICES = ("schedules", "virtuals", "recompute", "zero", "micro_batches", "layers_per_stage")
+"""The fields that list choices (tuples; one value given alone is a tuple of it: :func:`~microbatch.errors.as_tuple`)."""
 PLAN_MARGIN = 0.05
 """μ of the planner's knee: the knee must reach (1 − τ)·(1 + μ) of the best, the margin ``tune``
 asks when its reference is an estimate it has no fitted error for
@@ -158,14 +179,20 @@ class PlanConfig:
     3): :func:`microbatch.predict.state.resident_zero`."""
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel"):
-            check_positive_int(name.replace("_", "-"), getattr(self, name))
-        B, d = self.global_batch, self.data_parallel
-        check_data_parallel(B, d)
+        for name in _CHOICES:
+            object.__setattr__(self, name, as_tuple(name, getattr(self, name)))
+        plain_numbers(self)
+        self._check_types()
+        for name in ("global_batch", "data_parallel"):
+            check_batch_quantity(name, getattr(self, name))
+        for name in ("pipeline_parallel", "tensor_parallel"):
+            check_positive_int(name, getattr(self, name))
+        check_data_parallel(self.global_batch, self.data_parallel)
         if not (0 <= self.memory_headroom < 1):
             raise ConfigError(
-                f"memory headroom {self.memory_headroom!r} must be in [0, 1); it is the share of memory kept "
-                "free, for example 0.1"
+                f"memory_headroom {self.memory_headroom!r} must be in [0, 1); it is the share of memory kept "
+                "free, for example 0.1",
+                params=("memory_headroom",),
             )
         if self.seq is not None:
             check_positive_int("seq", self.seq)
@@ -179,6 +206,40 @@ class PlanConfig:
                 "sequence_parallel needs tensor_parallel > 1; give tensor_parallel or drop sequence_parallel",
                 params=("sequence_parallel", "tensor_parallel"),
             )
+        self._check_choices()
+        self.state_bytes_per_param()  # validates the precision and the four state settings
+        loss_bytes(self.loss_dtype, self.precision)
+        self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
+        self._check_virtuals_split_layers()
+        if self.choose not in CHOICES:
+            raise ConfigError(f"choose {self.choose!r} is not known; use one of {', '.join(CHOICES)}")
+        for name in ("tolerance", "margin"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1):
+                raise ConfigError(f"{name} {v!r} must be a fraction in [0, 1), for example 0.15")
+        if (1 - self.tolerance) * (1 + self.margin) > 1:
+            raise ConfigError(
+                f"tolerance {self.tolerance:g} with margin {self.margin:g} asks the knee to beat the fastest "
+                f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
+            )
+        self._check_issue29_layout()
+        if whole_number(self.simulate_top) is None or self.simulate_top < 0:
+            raise ConfigError(
+                f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}",
+                params=("simulate_top",),
+            )
+        # the rules that need the model (t | heads, p <= layers, uneven split)
+        MemoryConfig(
+            micro_batch=1,
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            sequence_parallel=self.sequence_parallel,
+            layers_per_stage=self.layers_per_stage,
+        ).validate_for(self.shape)
+
+    def _check_choices(self) -> None:
+        """ConfigError for a schedule, recompute or ZeRO choice not known, or a micro-batch that does not divide
+        B/d."""
         for s in self.schedules or ():
             if s not in schedule_names(in_flight=True):
                 raise ConfigError(
@@ -194,11 +255,11 @@ class PlanConfig:
                 raise ConfigError(f"ZeRO stage {z!r} is not known; use auto or 0, 1, 2, 3")
         for b in self.micro_batches or ():
             check_positive_int("micro_batches", b)
-            check_micro_batch(B, b, d)
-        self.state_bytes_per_param()  # validates the precision and the four state settings
-        loss_bytes(self.loss_dtype, self.precision)
+            check_micro_batch(self.global_batch, b, self.data_parallel)
+
+    def _check_virtuals_split_layers(self) -> None:
+        """ConfigError for a v that leaves a chunk without a layer (uneven stages) or does not divide L/p."""
         L, p = self.shape.layers, self.pipeline_parallel
-        self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
         for v in self.virtuals or ():
             if self.layers_per_stage is not None:  # uneven stages: each chunk needs a layer
                 if self.layers_per_stage and v > min(self.layers_per_stage):
@@ -215,28 +276,17 @@ class PlanConfig:
                     f"use virtual among {ok or 'none (no v > 1 fits; drop virtuals)'}",
                     params=("virtuals",),
                 )
-        if self.choose not in CHOICES:
-            raise ConfigError(f"choose {self.choose!r} is not known; use one of {', '.join(CHOICES)}")
-        for name in ("tolerance", "margin"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < 1):
-                raise ConfigError(f"{name} {v!r} must be a fraction in [0, 1), for example 0.15")
-        if (1 - self.tolerance) * (1 + self.margin) > 1:
+
+    def _check_types(self) -> None:
+        """ConfigError unless the model is a ModelShape and the accelerator an Accelerator (a name or a dict failed
+        deep in the search), and the headroom is a number."""
+        check_instance("shape", self.shape, ModelShape, SHAPE_FIX)
+        check_instance("gpu", self.gpu, Accelerator, GPU_FIX)
+        if isinstance(self.memory_headroom, bool) or not isinstance(self.memory_headroom, int | float):
             raise ConfigError(
-                f"tolerance {self.tolerance:g} with margin {self.margin:g} asks the knee to beat the fastest "
-                f"((1 − τ)·(1 + μ) = {(1 - self.tolerance) * (1 + self.margin):.3f} > 1); lower the margin"
+                f"memory_headroom must be a number in [0, 1), got {self.memory_headroom!r}; e.g. 0.1 keeps 10% free",
+                params=("memory_headroom",),
             )
-        self._check_issue29_layout()
-        if not isinstance(self.simulate_top, int) or self.simulate_top < 0:
-            raise ConfigError(f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}")
-        # the rules that need the model (t | heads, p <= layers, uneven split)
-        MemoryConfig(
-            micro_batch=1,
-            tensor_parallel=self.tensor_parallel,
-            pipeline_parallel=self.pipeline_parallel,
-            sequence_parallel=self.sequence_parallel,
-            layers_per_stage=self.layers_per_stage,
-        ).validate_for(self.shape)
 
     def state_bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer) bytes per parameter before sharding (:mod:`microbatch.predict.state`)."""

@@ -156,8 +156,7 @@ def make_context(cfg: PlanConfig) -> Context:
         # Within a run of like stages (as many layers, as many of them dense) the in-flight count falls with
         # i, so the peak is at the first stage of each run or at the last stage (output layer); a model whose
         # first layers keep a dense MLP (DeepSeek-V3's 3) starts a new run where its MoE layers begin
-        dense = shape.moe.dense_layers if shape.moe is not None else 0
-        kind = [(split[i], max(0, min(dense, firsts[i] + split[i]) - firsts[i])) for i in range(p)]
+        kind = [(split[i], shape.moe_layer_count(firsts[i], split[i])) for i in range(p)]
         probe = sorted({0, p - 1} | {i for i in range(1, p) if kind[i] != kind[i - 1]})
     else:
         probe = list(range(p))

@@ -35,6 +35,20 @@ __all__ = [
 ]
 
 
+def _check_norms(g_small_sq: float, g_big_sq: float) -> None:
+    """ConfigError unless both squared gradient norms are finite and >= 0 (a square is never negative)."""
+    for name, v in (("g_small_sq", g_small_sq), ("g_big_sq", g_big_sq)):
+        try:
+            x = float("nan") if isinstance(v, bool | str) else float(v)
+        except (TypeError, ValueError):
+            x = float("nan")
+        if not math.isfinite(x) or x < 0:
+            raise ConfigError(
+                f"{name} {v!r} must be a finite number >= 0: it is a squared gradient norm, |G|²",
+                params=(name,),
+            )
+
+
 def _check_sizes(b_small: float, b_big: float) -> None:
     if not (b_small > 0 and b_big > b_small and math.isfinite(b_big)):
         raise ConfigError(
@@ -51,6 +65,7 @@ def g_sq_estimate(*, b_small: float, g_small_sq: float, b_big: float, g_big_sq: 
     when B counts tokens). Can be negative for one step: smooth before use.
     """
     _check_sizes(b_small, b_big)
+    _check_norms(g_small_sq, g_big_sq)
     return (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
 
 
@@ -61,6 +76,7 @@ def trace_sigma_estimate(*, b_small: float, g_small_sq: float, b_big: float, g_b
     :func:`g_sq_estimate`.
     """
     _check_sizes(b_small, b_big)
+    _check_norms(g_small_sq, g_big_sq)
     return (g_small_sq - g_big_sq) / (1.0 / b_small - 1.0 / b_big)
 
 
@@ -111,6 +127,8 @@ class GradientNoiseScale:
 
     def __init__(self, *, decay: float = 0.95) -> None:
         try:
+            if isinstance(decay, bool | str):
+                raise TypeError
             d = float(decay)
         except (TypeError, ValueError):
             raise ConfigError(f"decay must be a number in [0, 1], got {decay!r}") from None

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from microbatch.errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.errors import ConfigError, ScheduleError, check_positive_int, plain_numbers, whole_number
 
 __all__ = ["KINDS", "PLACEMENTS", "Action", "Schedule", "check_placement", "stage_to_rank"]
 
@@ -84,6 +84,36 @@ def check_placement(placement: str) -> None:
         raise ConfigError(f"placement {placement!r} is unknown; use one of {', '.join(PLACEMENTS)}")
 
 
+def _as_action(a: object) -> Action:
+    """``a`` as an :class:`Action`: one already, a ``(stage, kind, microbatch)`` tuple, or its text ``"2F0"``."""
+    if isinstance(a, Action):
+        return a
+    if isinstance(a, str):
+        return Action.parse(a)
+    if isinstance(a, tuple | list) and len(a) == 3:
+        stage, kind, mb = a
+        if kind in KINDS and (s := whole_number(stage)) is not None and (m := whole_number(mb)) is not None:
+            return Action(s, kind, m)
+    raise ConfigError(
+        f"action {a!r} is not an Action; give Action(stage, kind, microbatch), a (stage, kind, microbatch) tuple "
+        f"with kind one of {', '.join(KINDS)}, or its text, e.g. '2F0'",
+        params=("actions",),
+    )
+
+
+def _as_actions(actions: object) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the actions as :class:`Action` values (:func:`_as_action`); ``actions`` itself when they are."""
+    try:
+        if type(actions) is tuple and all(type(a) is Action for rank in actions for a in rank):
+            return actions
+        return tuple(tuple(_as_action(a) for a in rank) for rank in actions)  # type: ignore[attr-defined]
+    except TypeError:
+        raise ConfigError(
+            "actions must hold one sequence of actions per rank, e.g. ((Action(0, 'F', 0), Action(0, 'B', 0)),)",
+            params=("actions",),
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """A pipeline schedule as a value: what each rank runs, in order."""
@@ -106,10 +136,12 @@ class Schedule:
     sent only after both (torch's ``_add_send_recv`` places the sends after the whole step)."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_positive_int("stages", self.stages, fix="a pipeline needs at least one rank")
         check_positive_int("microbatches", self.microbatches, fix="use at least one micro-batch")
         check_positive_int("virtual", self.virtual, fix="use 1 for one stage per rank")
         check_placement(self.placement)
+        object.__setattr__(self, "actions", _as_actions(self.actions))
         if len(self.actions) != self.stages:
             raise ScheduleError(
                 f"schedule {self.name!r} has action lists for {len(self.actions)} ranks but stages = "

@@ -41,12 +41,16 @@ __all__ = [
 ]
 
 
-def non_negative_time(name: str, value: float) -> float:
+def non_negative_time(name: str, value: object) -> float:
     """``value`` as a float; :class:`ConfigError` naming ``name`` unless it is a finite number >= 0."""
     try:
-        v = float(value)
+        if isinstance(value, bool | str | bytes):  # True is no duration, "1.0" a string of one: say so
+            raise TypeError
+        v = float(value)  # type: ignore[arg-type]  # a number, or a TypeError below
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        raise ConfigError(
+            f"{name} must be a number, got {value!r}", params=(name,) if name.isidentifier() else ()
+        ) from None
     if not math.isfinite(v) or v < 0:
         raise ConfigError(
             f"{name} = {value!r}: a time must be a finite number >= 0; give a measured or estimated duration"

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from microbatch.errors import ConfigError, ScheduleError, check_positive_int
+from microbatch.errors import ConfigError, ScheduleError, check_positive_int, plain_numbers
 from microbatch.schedules.action import Action, Schedule, check_placement, stage_to_rank
 from microbatch.schedules.closed_forms import (
     DUALPIPEV_IDLE,
@@ -150,6 +150,7 @@ class ScheduleSpec:
         return self.stages_per_rank not in (1, None)
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_placement(self.placement)
         for alias in (self.name, *self.aliases):
             if alias != alias.strip().lower() or not alias:

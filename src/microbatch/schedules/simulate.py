@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -149,12 +150,14 @@ class SimResult:
         }
 
 
-def _per_stage(name: str, value: Time, num_stages: int) -> list[float]:
+def _per_stage(name: str, value: object, num_stages: int) -> list[float]:
     """``value`` as one float per virtual stage."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, str | bytes | bool):
+        non_negative_time(name, value)  # refuses it, naming it
+    if isinstance(value, numbers.Real):  # NumPy's numbers too
         return [non_negative_time(name, value)] * num_stages
     try:
-        items = list(value)  # type: ignore[arg-type]
+        items = list(value)  # type: ignore[call-overload]  # a sequence, or a TypeError below
     except TypeError:
         raise ConfigError(f"{name} must be a number or one number per virtual stage, got {value!r}") from None
     if len(items) != num_stages:

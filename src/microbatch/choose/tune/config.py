@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from microbatch.choose.config import check_choice
-from microbatch.errors import ConfigError, check_positive, check_positive_int
+from microbatch.errors import ConfigError, check_positive, check_positive_int, plain_numbers
 from microbatch.hardware import usable_cores
 from microbatch.measure.spec import BACKENDS, MODES
 from microbatch.measure.timing import TimingConfig
@@ -57,6 +57,7 @@ class SearchConfig:
     ``tune`` under ``torch.distributed``."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_positive_int("start", self.start, fix="the first micro-batch probed, e.g. start 1")
         if self.max_micro_batch is not None:
             check_positive_int(
@@ -112,6 +113,7 @@ class ProbeConfig:
     step, which cannot be stopped safely: not bounded."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         check_choice("mode", self.mode, MODES)
         if self.seq is not None:
             check_positive_int("seq", self.seq, fix="give the longest sequence the data holds, e.g. seq 1024")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.confirm_rules import comparison_group, median_measurement, with_pooled_noise
-from microbatch.choose.knee import recommend
+from microbatch.choose.knee import recommend_measured
 from microbatch.choose.tune.search import SearchLog, curve_point
 from microbatch.errors import ConfigError, ProbeTimeoutError
 from microbatch.measure.probes import Measurement
@@ -206,7 +206,7 @@ def confirm_knee(
     try:
         while True:
             try:
-                rec = recommend([curve_point(p) for p in pts], choice)
+                rec = recommend_measured([curve_point(p) for p in pts], choice)
             except ConfigError:
                 return pts  # nothing to choose from: the caller's recommend says why
             index = {p.micro_batch: i for i, p in enumerate(pts) if not p.oom and p.throughput}

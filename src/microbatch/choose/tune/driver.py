@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from microbatch.choose.config import ChoiceConfig
-from microbatch.choose.knee import recommend
+from microbatch.choose.knee import recommend_measured
 from microbatch.choose.result import CacheUse, TuneResult
 from microbatch.choose.tune.cache import cache_dir, cache_key, load_points, save_points, versions
 from microbatch.choose.tune.config import ProbeConfig, SearchConfig
@@ -86,7 +86,7 @@ def run_search(
     log = SearchLog()
     points = _search_and_confirm(cache.measuring(prober), prober, search_config, choice, log, on_point, cache)
     try:
-        rec = recommend([curve_point(p) for p in points], choice)
+        rec = recommend_measured([curve_point(p) for p in points], choice)
     except NoChoiceError as e:  # measured, but none meets a limit: the points go with the error, not lost
         raise NoChoiceError(str(e), points=[p.to_dict() for p in points], params=e.params) from None
     methods = {p.memory_method for p in points if p.memory_method}

@@ -48,7 +48,7 @@ from microbatch.choose.tune.user_step import (
     in_process_timing,
     torch_threads,
 )
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, check_instance
 from microbatch.measure.snapshot import gc_frozen, leave_no_trace
 
 __all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
@@ -64,6 +64,10 @@ def configs_from_options(
     """The three configs given (or the defaults), with the keyword ``options`` put in: a ConfigError
     for a bad value, a TypeError naming an option no config takes (``what`` names the caller)."""
     options = dict(options)
+    for name, given, kind in (("probe", probe, ProbeConfig), ("search", search_config, SearchConfig),
+                              ("choice", choice, ChoiceConfig)):  # fmt: skip
+        if given is not None:
+            check_instance(name, given, kind, f"build {kind.__name__}(...) or give its fields as keywords")
     p = apply_options(probe or ProbeConfig(), options)
     s = apply_options(search_config or SearchConfig(), options)
     c = apply_options(choice or ChoiceConfig(), options)
@@ -333,12 +337,27 @@ def _check_cuda_device(device: str) -> None:
         )
 
 
+def _torch_device(value: Any) -> Any:
+    """``torch.device(value)``, or a ConfigError naming the value (torch's RuntimeError named no parameter)."""
+    import torch
+
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(
+            f"device {value!r} is not a torch device; use cpu, cuda or cuda:N", params=("device",)
+        ) from None
+
+
 def _user_device(model: Any, probe_config: ProbeConfig) -> Any:
     """The torch device to probe on: the one given, else the model's parameters', else the CPU."""
     import torch
 
     if probe_config.device is not None:
-        return torch.device(probe_config.device)
+        device = _torch_device(probe_config.device)
+        if device.type == "cuda":
+            _check_cuda_device(str(device))
+        return device
     params = list(model.parameters())
     return params[0].device if params else torch.device("cpu")
 
@@ -355,7 +374,7 @@ def _tune_configs(
 
     options = dict(options)
     if options.get("device") is not None:
-        options["device"] = str(torch.device(options["device"]))
+        options["device"] = str(_torch_device(options["device"]))
     probe_config, search_config, choice = configs_from_options("tune", probe, search, choice, options)
     if probe_config.mode != "train":
         raise ConfigError(

@@ -18,11 +18,12 @@ from microbatch.batch import next_micro_batch, per_replica
 from microbatch.choose.bound import BOUND_MIN_POINTS, choice_margin, throughput_bound
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
-from microbatch.choose.knee import knee_fraction, recommend
+from microbatch.choose.knee import knee_fraction, recommend_measured
 from microbatch.choose.memory_fit import fit_memory
 from microbatch.choose.noise import relative_se
 from microbatch.choose.tune.config import SearchConfig
 from microbatch.errors import ConfigError, ProbeTimeoutError
+from microbatch.measure.batch_check import BatchDidNotGrow
 from microbatch.measure.probes import Measurement
 
 __all__ = ["SETTLE_SHARE", "SearchLog", "StopSearch", "curve_point", "search", "Measure", "OnPoint"]
@@ -123,6 +124,10 @@ class _Walk:
             try:
                 m, cached = self.measure(b, self.ckpt), False
             except ProbeTimeoutError as e:  # a larger b_m takes longer still: the walk ends below it
+                raise StopSearch(str(e), params=e.params) from None
+            except BatchDidNotGrow as e:  # the data ran out past the points measured (else nothing stands)
+                if not e.grown:
+                    raise
                 raise StopSearch(str(e), params=e.params) from None
             self.log.seconds[key] = self.log.clock() - t0
             self.log.probes += 1
@@ -228,7 +233,7 @@ class _Walk:
             return
         c = self.choice
         try:
-            knee = recommend(
+            knee = recommend_measured(
                 ok,
                 ChoiceConfig(
                     rule=c.rule,

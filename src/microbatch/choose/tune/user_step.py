@@ -24,7 +24,17 @@ class NonFiniteLoss(UserWarning):
 def check_trainable(model: Any, optimizer: Any) -> None:
     """ConfigError for a model the probes cannot train: parameters on the meta device (no data), or no
     trainable parameter and no optimizer (torch's own message, 'optimizer got an empty parameter
-    list', names neither the model nor the fix)."""
+    list', names neither the model nor the fix), or a model that is no torch module."""
+    if not callable(getattr(model, "named_parameters", None)):
+        raise ConfigError(
+            f"tune() measures a torch model's training step: model must be an nn.Module, got {model!r}"
+            + (
+                f"; for a built-in model by name use microbatch.choose.tune.tune_model({model!r})"
+                if isinstance(model, str)
+                else ""
+            ),
+            params=("model",),
+        )
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
         more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""

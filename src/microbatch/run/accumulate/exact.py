@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from microbatch.errors import ConfigError, check_positive_int
+from microbatch.errors import ConfigError, check_instance, check_positive_int
 from microbatch.run.accumulate import agree as ag
 from microbatch.run.accumulate.agree import (
     check_can_agree as _check_can_agree,  # the name bench/bench_oom.py imports
@@ -138,6 +138,10 @@ def accumulate(
     the first micro-batch's gradient and the whole batch's, with no extra backward.
     """
     check_callables(model, loss_fn, count_fn)
+    if noise is not None:
+        check_instance(
+            "noise", noise, GradientNoiseScale, "pass noise=GradientNoiseScale(decay=0.95) or leave it out"
+        )
     on_oom = _resolve_on_oom(micro_batch_size, on_oom, controller)
     warn_norm_layers(
         model, controller.micro_batch_size if controller else micro_batch_size or 1, batch_rows(batch)

@@ -7,11 +7,11 @@ the model, the numerics and the deadline; :func:`config_from_dict` reads it back
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from microbatch.errors import ConfigError, check_positive_int, whole_number
+from microbatch.batch import check_batch_quantity
+from microbatch.errors import ConfigError, check_positive, check_positive_int, plain_numbers, whole_number
 from microbatch.schedules.registry import MAX_STAGES, check_servable, get_spec, torch_spec
 
 if TYPE_CHECKING:
@@ -33,6 +33,17 @@ launcher's deadline of a local run (:func:`microbatch.run.pipeline.launch.run_pi
 FACTORY_SEQ = 16
 """Tokens per sequence of a ``module:function`` model when ``seq`` is not given (what
 :func:`microbatch.run.pipeline.rank.build_full_model` uses)."""
+
+
+_DEFAULT_TIMEOUT_S = 120.0
+""":attr:`PipelineConfig.timeout_s`'s default, named by the error of a bad one."""
+
+
+def _number(name: str, value: object) -> float:
+    """``value`` if it is a real number (not a bool, not a string of one), else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {value!r}", params=(name,))
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,10 +86,11 @@ class PipelineConfig:
     """Seed of the weights (same on every rank) and of the synthetic token batches."""
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
-    timeout_s: float = 120.0
+    timeout_s: float = _DEFAULT_TIMEOUT_S
     """Collective timeout of the process group and the launcher's deadline for the whole run."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         object.__setattr__(self, "schedule", get_spec(self.schedule).name)
         runner = torch_spec(self.schedule)  # refuses a schedule torch has no class for
         check_positive_int("microbatches", self.microbatches, fix="give microbatches 1 or more")
@@ -86,11 +98,11 @@ class PipelineConfig:
         check_positive_int("steps", self.steps, fix="give steps 1 or more")
         if whole_number(self.stages) is None or self.stages < 2:
             raise ConfigError(
-                f"stages {self.stages} is not a pipeline; pipelining needs p >= 2; give stages 2",
+                f"stages {self.stages!r} is not a pipeline; pipelining needs p >= 2 (a whole number); give stages 2",
                 params=("stages",),
             )
         if self.global_batch is not None:
-            check_positive_int(
+            check_batch_quantity(
                 "global_batch",
                 self.global_batch,
                 fix=f"give global_batch a multiple of m = {self.microbatches} sequences, or leave it out "
@@ -114,11 +126,14 @@ class PipelineConfig:
             raise ConfigError(f"balance {self.balance!r} is not known; use 'params' or 'time'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
-        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+        check_positive(
+            "timeout_s", _number("timeout_s", self.timeout_s),
+            fix=f"give timeout_s {_DEFAULT_TIMEOUT_S:g} (the default) or more for a long run",
+        )  # fmt: skip
+        check_positive("lr", _number("lr", self.lr), fix="give Adam's learning rate, e.g. lr 1e-3")
+        if whole_number(self.seed) is None:
             raise ConfigError(
-                f"timeout_s {self.timeout_s!r} must be a positive, finite number of seconds; give timeout_s "
-                "300 (the default) or more for a long run",
-                params=("timeout_s",),
+                f"seed must be a whole number, got {self.seed!r}; e.g. seed 0", params=("seed",)
             )
         if ":" not in self.model and self.stages <= MAX_STAGES:  # a built-in model: layers before m's rule
             shape = builtin_shape(self.model, self.seq)

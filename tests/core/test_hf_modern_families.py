@@ -1,0 +1,105 @@
+"""Hugging Face configs of families the HF sweep of 2026-12-06 found misread, each against the model transformers
+builds from the same file (on the meta device: shapes, no memory): Llama 4 (every other block MoE, a shared expert,
+its dense blocks at ``intermediate_size_mlp``), StarCoder2 (rotary: no position table), Cohere (the parallel block),
+Gemma 3 (five sliding layers to one global when the file says nothing), and a config with ``auto_map`` that must not
+ask on a terminal whether to run its code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.hf_config import from_hf_config
+from microbatch.moe import Experts
+from microbatch.shape import ModelShape
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+LLAMA4 = {"model_type": "llama4_text", "hidden_act": "silu", "num_hidden_layers": 4, "hidden_size": 512,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256,
+          "intermediate_size_mlp": 1024, "num_local_experts": 16, "num_experts_per_tok": 1, "vocab_size": 1000,
+          "max_position_embeddings": 4096, "tie_word_embeddings": False}  # fmt: skip
+STARCODER2 = {"model_type": "starcoder2", "hidden_act": "gelu_pytorch_tanh", "num_hidden_layers": 2,
+              "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 1024,
+              "vocab_size": 1000, "max_position_embeddings": 4096, "use_bias": True}  # fmt: skip
+COHERE = {"model_type": "cohere", "hidden_act": "silu", "num_hidden_layers": 2, "hidden_size": 256,
+          "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 704, "vocab_size": 1000,
+          "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
+GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 62, "hidden_size": 5376, "num_attention_heads": 32,
+          "num_key_value_heads": 16, "head_dim": 128, "intermediate_size": 21504, "vocab_size": 262208,
+          "max_position_embeddings": 131072, "sliding_window": 1024}  # fmt: skip
+
+
+def _write(tmp_path, cfg, name="config.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def _real_params(cfg: dict) -> int:
+    config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_llama4_counts_its_shared_expert_and_its_dense_blocks_as_transformers_builds_them(tmp_path, step):
+    cfg = {**LLAMA4, "interleave_moe_layer_step": step}
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert shape.moe is not None and (shape.moe.moe_every, shape.moe.shared_experts) == (step, 1)
+    assert [shape.is_moe_layer(i) for i in range(4)] == (
+        [True] * 4 if step == 1 else [False, True, False, True]
+    )
+    assert shape.ffn_hidden == 1024 and shape.moe.expert_ffn_hidden == 256
+    assert shape.param_count() == _real_params(cfg)
+
+
+def test_starcoder2_is_rotary_without_a_position_table_and_takes_a_longer_seq(tmp_path):
+    shape = from_hf_config(_write(tmp_path, STARCODER2))
+    assert not shape.learned_positions and shape.param_count() == _real_params(STARCODER2)
+    assert (
+        from_hf_config(_write(tmp_path, STARCODER2), seq=32768).seq == 32768
+    )  # was refused past 4,096 positions
+
+
+def test_cohere_runs_the_parallel_block(tmp_path):
+    assert from_hf_config(_write(tmp_path, COHERE)).parallel_block is True
+    assert from_hf_config(_write(tmp_path, {**COHERE, "model_type": "llama"})).parallel_block is False
+
+
+def test_gemma3_without_a_pattern_slides_five_layers_in_six_as_transformers_does(tmp_path):
+    shape = from_hf_config(_write(tmp_path, GEMMA3))
+    real = transformers.AutoConfig.for_model(**GEMMA3).layer_types
+    assert shape.sliding_layers == sum(t == "sliding_attention" for t in real) == 52  # 62 − ⌊62/6⌋
+
+
+def test_a_config_with_auto_map_is_read_without_asking_to_run_its_code(tmp_path, monkeypatch):
+    asked = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("trust_remote_code"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy)
+    cfg = {**COHERE, "model_type": "llama", "auto_map": {"AutoConfig": "configuration_x.XConfig"}}
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert asked == [False] and shape.layers == 2  # None made transformers ask on a terminal (15 s, then no)
+
+
+def test_interleaved_experts_split_params_by_block():
+    moe = Experts(experts=4, top_k=1, expert_ffn_hidden=64, shared_experts=1, moe_every=2, dense_layers=0)
+    shape = ModelShape(name="x", layers=5, hidden=32, heads=4, vocab=100, seq=16, gated_mlp=True, bias=False, moe=moe,
+                       ffn_hidden=128)  # fmt: skip
+    assert [shape.is_moe_layer(i) for i in range(5)] == [False, True, False, True, False]
+    assert shape.moe_layer_count(0, 5) == 2 and shape.moe_layer_count(1, 2) == 1
+    dense, sparse = shape.layer_params(0), shape.layer_params(1)
+    assert (
+        dense - sparse == 3 * 32 * 128 - (4 + 1) * 3 * 32 * 64 - 32 * 4
+    )  # MLP 3hF against 5 experts + router
+    assert shape.layers_params(0, 5) == 3 * dense + 2 * sparse
+    with pytest.raises(Exception, match="moe_every"):
+        Experts(experts=4, top_k=1, expert_ffn_hidden=64, moe_every=0)
