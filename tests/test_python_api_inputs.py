@@ -256,9 +256,9 @@ def _linear_tune(make_batch, **kw):
 
 def test_tune_refuses_a_batch_that_does_not_grow_with_b():
     x, y = torch.randn(256, 16), torch.randn(256, 1)
-    e = refused(
-        _linear_tune, lambda b: (x[:4], y[:4]), max_micro_batch=64, match=r"make_batch\(2\) returned 68"
-    )
+    shapes = r"\[\(4, 16\), \(4, 1\)\]"
+    e = refused(_linear_tune, lambda b: (x[:4], y[:4]), max_micro_batch=64,
+                match=rf"make_batch\(2\) returned tensors of shapes {shapes}, no larger than make_batch\(1\)'s")  # fmt: skip
     assert e.params == ("make_batch",)
 
 
@@ -267,4 +267,44 @@ def test_tune_stops_where_the_data_runs_out_and_keeps_the_points_before():
     r = _linear_tune(lambda b: (x[:b], y[:b]), max_micro_batch=256, patience=99)  # no stop on a flat curve
     measured = sorted(p.micro_batch for p in r.points if not p.oom)
     assert measured[-1] == 32 and r.recommendation.knee.micro_batch <= 32
-    assert "make_batch(64) returned" in r.stop_reason
+    assert "make_batch(64) returned tensors of shapes [(32, 16), (32, 1)], no larger than" in r.stop_reason
+
+
+def test_the_row_check_takes_padded_random_rows_sequence_first_and_packed_layouts():
+    from microbatch.measure.batch_check import GrowingBatches
+
+    gen = torch.Generator().manual_seed(0)
+
+    def padded(b):  # b rows drawn at random, padded to the longest: the padded width moves, the rows do not
+        return torch.zeros(b, int(torch.randint(16, 512, (1,), generator=gen)))
+
+    for make in (padded, lambda b: torch.zeros(32, b, 8), lambda b: torch.zeros(1, 32 * b)):
+        check = GrowingBatches(make)
+        for b in (1, 2, 4, 8, 16, 32, 64, 32, 64):  # the knee's re-measurements ask again
+            assert tuple(check(b).shape) == tuple(make(b).shape) or make is padded
+
+
+def test_the_review_of_the_conversions():
+    from dataclasses import replace
+
+    from microbatch.errors import check_positive, whole_number
+    from microbatch.moe import Experts
+    from microbatch.schedules.action import Schedule
+
+    assert (
+        whole_number(torch.tensor([8])) is None and whole_number(np.array(8)) == 8
+    )  # a 1-element array is no count
+    refused(mb.BatchConfig, global_batch=torch.tensor([8]), micro_batch=4, grad_accum=2, match="global_batch")
+    gpu = replace(H100, peak_flops={**H100.peak_flops, "bf16": np.float32(9e14)})
+    assert type(gpu.peak_flops["bf16"]) is float and json.dumps(gpu.to_dict())  # values of a dict field too
+    refused(as_tuple, "zero", {0: "a"}, match="zero must be a tuple of choices")
+    assert as_tuple("zero", {3, 1, 2}) == (1, 2, 3) and as_tuple("micro_batches", np.array([2, 4])) == (2, 4)
+    refused(check_positive, "memory_bytes", np.True_, match="memory_bytes must be a number")
+    s = Schedule(name="hand", stages=1, microbatches=1, actions=(("0F0", "0B0"),))
+    for t in (np.array(1.0), torch.tensor(1.0)):
+        assert mb.simulate(s, forward_time=t, backward_time=2.0).makespan == pytest.approx(3.0)
+    refused(Schedule, name="hand", stages=1, microbatches=1, actions=["0F0"], match="the string '0F0'")
+    moe = Experts(experts=4, top_k=1, expert_ffn_hidden=8, moe_every=8)
+    refused(
+        mb.ModelShape, name="x", layers=4, hidden=32, heads=4, vocab=100, seq=16, moe=moe, match="moe_every"
+    )

@@ -30,6 +30,7 @@ __all__ = [
     "check_positive_int",
     "whole_number",
     "plain_numbers",
+    "plain_number",
     "as_tuple",
     "check_instance",
     "check_non_negative",
@@ -103,8 +104,11 @@ class PipelineError(MicrobatchError):
 
 def whole_number(value: object) -> int | None:
     """``value`` as an int when it is an integer of any kind (``int``, NumPy's, a 0-d integer tensor: whatever
-    has ``__index__``), else None; a bool is not a number here."""
+    has ``__index__``), else None; a bool is not a number here, nor a one-element array (torch indexes with
+    ``tensor([8])``: a count it is not)."""
     if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):  # a bool is not a count
+        return None
+    if getattr(value, "shape", ()) != ():
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]  # anything with __index__
@@ -112,21 +116,26 @@ def whole_number(value: object) -> int | None:
         return None
 
 
-_PLAIN = (int, float, str, bool, type(None))
+_PLAIN = frozenset((int, float, str, bool, type(None)))
 
 
-def _plain(value: object) -> object:
+def plain_number(value: object) -> object:
     """``value`` as Python's own number when it is a number of another kind (NumPy's, a 0-d tensor); tuples
-    element by element; anything else unchanged."""
+    element by element and dicts value by value; anything else unchanged."""
     kind = type(value)
     if kind in _PLAIN:
         return value
-    if kind is tuple:
-        items = tuple(_plain(v) for v in value)  # type: ignore[attr-defined]
-        return items if any(a is not b for a, b in zip(items, value, strict=True)) else value  # type: ignore[call-overload]
+    if kind is tuple or kind is dict:
+        old = list(value.values() if kind is dict else value)  # type: ignore[attr-defined, arg-type]
+        new = [plain_number(v) for v in old]
+        if all(a is b for a, b in zip(new, old, strict=True)):
+            return value
+        return dict(zip(value, new, strict=True)) if kind is dict else tuple(new)  # type: ignore[call-overload]
     dtype = str(getattr(value, "dtype", ""))
-    if getattr(value, "shape", None) not in ((), None) or not dtype:
-        return value  # not a scalar of NumPy's or torch's
+    if getattr(value, "shape", None) != () or not dtype:
+        return (
+            value  # not a scalar of NumPy's or torch's (a model, an array, a tensor of more than one number)
+        )
     if "bool" in dtype:
         return bool(value)
     index = whole_number(value)
@@ -137,14 +146,15 @@ def _plain(value: object) -> object:
     return value
 
 
-def plain_numbers(obj: object) -> None:
+def plain_numbers(obj: object, skip: tuple[str, ...] = ()) -> None:
     """Replace, in the frozen dataclass ``obj``, every field holding a NumPy or torch scalar (or a tuple of them)
     with Python's own ``int``, ``float`` or ``bool``: the checks that follow then see plain numbers (size caps
-    test ``int``), and the object's ``to_dict`` writes JSON. Called first in each config's ``__post_init__``."""
+    test ``int``), and the object's ``to_dict`` writes JSON. Called first in each config's ``__post_init__``;
+    ``skip``: fields it need not walk (a schedule's thousands of actions, checked on their own)."""
     for name, value in vars(obj).items():
-        if type(value) in _PLAIN:
+        if type(value) in _PLAIN or name in skip:
             continue
-        plain = _plain(value)
+        plain = plain_number(value)
         if plain is not value:
             object.__setattr__(obj, name, plain)
 
@@ -157,12 +167,18 @@ def as_tuple(name: str, value: object) -> tuple[Any, ...] | None:
         return value
     if isinstance(value, str | bytes) or whole_number(value) is not None or isinstance(value, float):
         return (value,)
-    try:
-        return tuple(value)  # type: ignore[arg-type]  # any iterable; a TypeError otherwise
-    except TypeError:
-        raise ConfigError(
-            f"{name} must be a tuple of choices (or one choice), got {value!r}", params=_param(name)
-        ) from None
+    if isinstance(value, list | range):
+        return tuple(value)
+    if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+        return tuple(value.tolist())  # type: ignore[attr-defined]  # a NumPy array or a tensor of choices
+    if isinstance(value, set | frozenset):
+        return tuple(
+            sorted(value, key=repr)
+        )  # one order whatever the hash seed: ties between choices stay put
+    raise ConfigError(
+        f"{name} must be a tuple of choices (or one choice), got {value!r}; give e.g. {name}=(a, b) or {name}=a",
+        params=_param(name),
+    )
 
 
 def check_instance(name: str, value: object, kind: type, fix: str) -> None:
@@ -199,11 +215,12 @@ def _check_number(name: str, value: float, *, strict: bool, fix: str) -> float:
     import math
 
     try:
-        if isinstance(value, bool | str | bytes):  # True is not 1 byte, "80e9" not a figure: say so here
-            raise TypeError
+        if isinstance(value, bool | str | bytes) or "bool" in str(getattr(value, "dtype", "")):
+            raise TypeError  # True is not 1 byte (nor NumPy's True), "80e9" not a figure: say so here
         v = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number, got {value!r}", params=_param(name)) from None
+        tail = f"; {fix}" if fix else "; give it as a number"
+        raise ConfigError(f"{name} must be a number, got {value!r}{tail}", params=_param(name)) from None
     if not math.isfinite(v) or v < 0 or (strict and v == 0):
         tail = f"; {fix}" if fix else ""
         raise ConfigError(

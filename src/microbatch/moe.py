@@ -58,8 +58,11 @@ class Experts:
 
     def __post_init__(self) -> None:
         plain_numbers(self)
-        for f in ("experts", "top_k", "expert_ffn_hidden", "moe_every"):
+        for f in ("experts", "top_k", "expert_ffn_hidden"):
             check_positive_int(f, getattr(self, f))
+        check_positive_int(
+            "moe_every", self.moe_every, fix="give 1 for a MoE MLP in every block, k for every k-th"
+        )
         if self.shared_experts < 0 or self.dense_layers < 0:
             raise ConfigError(
                 f"shared experts {self.shared_experts} and dense layers {self.dense_layers} must be >= 0; "
@@ -226,7 +229,8 @@ def experts_from_hf(
         shared, shared_width = 1, _whole(raw, "shared_expert_intermediate_size", raw["shared_expert_intermediate_size"], source)  # fmt: skip
     if not shared and str(raw.get("model_type", "")).startswith(_ONE_SHARED):
         shared = 1  # Llama 4's shared expert, as wide as a routed one (Llama4TextMoe.shared_expert)
-    every = raw.get("interleave_moe_layer_step") or raw.get("decoder_sparse_step") or 1
+    step_key = next((k for k in ("interleave_moe_layer_step", "decoder_sparse_step") if raw.get(k)), None)
+    every = raw[step_key] if step_key else 1
     return Experts(
         experts=e,
         top_k=_whole(raw, "num_experts_per_tok", k, source),
@@ -234,7 +238,7 @@ def experts_from_hf(
         shared_experts=_whole(raw, "n_shared_experts", shared, source),
         shared_ffn_hidden=shared_width,
         dense_layers=_whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source),
-        moe_every=_whole(raw, "interleave_moe_layer_step", every, source),
+        moe_every=_whole(raw, step_key or "interleave_moe_layer_step", every, source),
     )
 
 

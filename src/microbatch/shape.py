@@ -89,6 +89,12 @@ class ModelShape:
             raise ConfigError(
                 f"dense layers {self.moe.dense_layers} > layers {self.layers}; use at most {self.layers}"
             )
+        if self.moe is not None and isinstance(self.layers, int) and not self.moe_layer_count(0, self.layers):
+            raise ConfigError(
+                f"no block of {self.layers} has the experts (dense_layers {self.moe.dense_layers}, moe_every "
+                f"{self.moe.moe_every}): a dense model; drop the experts or give moe_every <= layers",
+                params=("moe_every",),
+            )
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
             check_positive_int(f, getattr(self, f))
         for f in (

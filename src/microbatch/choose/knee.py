@@ -304,7 +304,10 @@ def recommend(
     options = dict(options)
     if choice is not None:
         check_instance(
-            "choice", choice, ChoiceConfig, "or give its fields as keywords: recommend(points, tolerance=0.1)"
+            "choice",
+            choice,
+            ChoiceConfig,
+            "build ChoiceConfig(...) or give its fields as keywords: recommend(points, tolerance=0.1)",
         )
     choice = apply_options(choice or ChoiceConfig(), options)
     check_options_used(options, "recommend", ChoiceConfig)

@@ -1,13 +1,18 @@
-"""A user's ``make_batch(b)`` checked to grow with b: a batch that does not grow measures a wrong curve.
+"""A user's ``make_batch(b)`` checked to grow with b: a batch that does not measures a wrong curve.
 
 ``tune(model, make_batch)`` times ``make_batch(b)`` for each micro-batch b it probes and credits the step with b
-sequences. A ``make_batch`` that returns the same rows whatever b (``X[:4]``, or ``X[:b]`` past the end of a
-256-row tensor) gave a throughput curve rising as b / step time with nothing measured behind it: the knee at the
-largest b, without a word (the Python-API sweep of 2026-12-06). :class:`GrowingBatches` wraps ``make_batch`` and
-counts the elements of every tensor in each batch it returns (through tuples, lists and mappings, as collate
-functions nest them); a larger b whose batch holds no more elements than a smaller b's is refused, naming both.
-Elements, not dim 0: a batch laid out sequence-first ((s, b, e), ``nn.Transformer``'s default) grows in dim 1, and
-a padded text batch may pad to another length, but more rows never hold fewer elements in practice.
+sequences. A ``make_batch`` that returns the same rows whatever b (``X[:4]``), or stops growing once the data runs out
+(``X[:b]`` past the last of 256 rows), gave a throughput curve rising as b / step time with nothing measured behind it:
+the knee at the largest b, without a word (the Python-API sweep of 2026-12-06). :class:`GrowingBatches` wraps
+``make_batch`` and reads the shapes of the tensors in each batch (through tuples, lists and mappings, as collate
+functions nest them): a batch for a larger b must be larger than a smaller b's in some dimension — whichever holds
+the rows in the user's layout (batch-first ``(b, s)``, sequence-first ``(s, b, e)``, one packed row ``(1, b·s)``),
+and whatever the padding of rows drawn at random does to the others. Where it is not, it is refused; where batches
+grew before (two b or more seen), the data ran out and the search ends there, keeping the points before (``grown``).
+
+Not caught: a batch that grows but holds fewer than b rows (``X[:8]`` of 6 rows after ``X[:4]``): that point's
+throughput is overstated by b / rows (the rows are the user's layout's to know). Under torch.distributed the check
+is not made: a rank refusing alone would leave the others waiting in the probe's next collective.
 """
 
 from __future__ import annotations
@@ -17,59 +22,61 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 
-__all__ = ["BatchDidNotGrow", "GrowingBatches", "batch_elements"]
+__all__ = ["BatchDidNotGrow", "GrowingBatches", "batch_shapes"]
 
 
 class BatchDidNotGrow(ConfigError):
-    """``make_batch(b)`` returned no more than a smaller b's batch. ``grown``: the batches of the smaller b's grew
-    (two or more sizes seen, each larger than the last): the data ran out past them and the points measured so far
-    stand (the search ends there); False: no batch was seen to grow, and no point can be trusted."""
+    """``make_batch(b)`` returned a batch no larger than a smaller b's. ``grown``: the batches of two or more smaller
+    b grew (the data ran out past them; the points measured so far stand and the search ends there); False: no
+    batch was seen to grow, and no point can be trusted."""
 
     def __init__(self, message: str, *, grown: bool) -> None:
         super().__init__(message, params=("make_batch",))
         self.grown = grown
 
 
-def batch_elements(batch: Any) -> int:
-    """Elements of every tensor in ``batch`` (nested tuples, lists and mappings; anything else counts 0)."""
-    if hasattr(batch, "numel") and hasattr(batch, "shape"):
-        return int(batch.numel())
+def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shape of every tensor in ``batch`` (nested tuples, lists and mappings; anything else has none)."""
+    if hasattr(batch, "shape") and hasattr(batch, "numel"):
+        return [tuple(int(n) for n in batch.shape)]
     if isinstance(batch, Mapping):
-        return sum(batch_elements(v) for v in batch.values())
+        return [s for v in batch.values() for s in batch_shapes(v)]
     if isinstance(batch, tuple | list):
-        return sum(batch_elements(v) for v in batch)
-    return 0
+        return [s for v in batch for s in batch_shapes(v)]
+    return []
+
+
+def _grew(big: list[tuple[int, ...]], small: list[tuple[int, ...]]) -> bool:
+    """Whether some tensor of ``big`` is larger than its counterpart in ``small`` in some dimension (True where the
+    two are not laid out alike: nothing to compare)."""
+    if len(big) != len(small) or any(len(a) != len(b) for a, b in zip(big, small, strict=True)):
+        return True
+    return any(x > y for a, b in zip(big, small, strict=True) for x, y in zip(a, b, strict=True))
 
 
 class GrowingBatches:
-    """``make_batch`` itself, with each batch's size checked against those of the other b it was called with."""
+    """``make_batch`` itself, each batch checked to be larger than a smaller b's (the module's rule)."""
 
     def __init__(self, make_batch: Callable[[int], Any]) -> None:
         self.make_batch = make_batch
-        self.sizes: dict[int, int] = {}
-        """Elements of the batch made for each micro-batch b (tensors only; 0 where the batch holds none)."""
+        self.shapes: dict[int, list[tuple[int, ...]]] = {}
+        """The tensor shapes of the batch made for each micro-batch b."""
 
     def __call__(self, micro_batch: int) -> Any:
         batch = self.make_batch(micro_batch)
-        n = batch_elements(batch)
-        if n:
-            self._check(micro_batch, n)
-            self.sizes[micro_batch] = n
+        from microbatch.measure.device import distributed
+
+        shapes = batch_shapes(batch)
+        if shapes and distributed() is None:
+            for other, seen in sorted(self.shapes.items()):
+                if other < micro_batch and not _grew(shapes, seen):
+                    raise BatchDidNotGrow(
+                        f"make_batch({micro_batch}) returned tensors of shapes {shapes}, no larger than "
+                        f"make_batch({other})'s {seen}: tune credits each step with b sequences, so a batch that does "
+                        "not grow with b measures a curve that is not there; make_batch(b) must return b rows (a "
+                        "slice past the end of the data, X[:b] with fewer rows than b, returns fewer: repeat or draw "
+                        "rows instead)",
+                        grown=sum(c < micro_batch for c in self.shapes) >= 2,
+                    )
+            self.shapes.setdefault(micro_batch, shapes)
         return batch
-
-    def _check(self, b: int, n: int) -> None:
-        for other, m in self.sizes.items():
-            small, big = sorted(((b, n), (other, m)))
-            if small[0] < big[0] and big[1] <= small[1]:
-                raise BatchDidNotGrow(
-                    f"make_batch({big[0]}) returned {big[1]:,} elements, no more than make_batch({small[0]})'s "
-                    f"{small[1]:,}: tune credits each step with b sequences, so a batch that does not grow with b "
-                    "measures a curve that is not there; make_batch(b) must return b rows (a slice past the end "
-                    "of the data, X[:b] with fewer rows than b, returns fewer: repeat or draw rows instead)",
-                    grown=self._grown(below=big[0]),
-                )
-
-    def _grown(self, below: int) -> bool:
-        """Whether the batches made for two or more b under ``below`` grew with b."""
-        seen = [self.sizes[b] for b in sorted(self.sizes) if b < below]
-        return len(seen) >= 2 and all(x < y for x, y in zip(seen, seen[1:], strict=False))

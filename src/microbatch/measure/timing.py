@@ -61,7 +61,8 @@ class TimingConfig:
         for name in ("warmup", "min_repeats", "max_repeats"):
             if whole_number(getattr(self, name)) is None:
                 raise ConfigError(
-                    f"timing {name} must be a whole number of calls, got {getattr(self, name)!r}",
+                    f"timing {name} must be a whole number of calls, got {getattr(self, name)!r}; e.g. warmup 2, "
+                    "min_repeats 3, max_repeats 20",
                     params=(name,),
                 )
         check_positive("max_time_s", self.max_time_s, fix="e.g. max_time_s 5")

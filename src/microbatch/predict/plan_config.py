@@ -225,7 +225,7 @@ class PlanConfig:
         self._check_issue29_layout()
         if whole_number(self.simulate_top) is None or self.simulate_top < 0:
             raise ConfigError(
-                f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}",
+                f"simulate_top must be a whole number >= 0, got {self.simulate_top!r}; e.g. 3 (0: simulate none)",
                 params=("simulate_top",),
             )
         # the rules that need the model (t | heads, p <= layers, uneven split)

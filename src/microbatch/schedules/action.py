@@ -106,6 +106,13 @@ def _as_actions(actions: object) -> tuple[tuple[Action, ...], ...]:
     try:
         if type(actions) is tuple and all(type(a) is Action for rank in actions for a in rank):
             return actions
+        for rank in actions:  # type: ignore[attr-defined]
+            if isinstance(rank, str):
+                raise ConfigError(
+                    f"each rank's actions must be a sequence of actions, got the string {rank!r}; give e.g. "
+                    "(('0F0', '0B0'),) for one rank",
+                    params=("actions",),
+                )
         return tuple(tuple(_as_action(a) for a in rank) for rank in actions)  # type: ignore[attr-defined]
     except TypeError:
         raise ConfigError(
@@ -136,7 +143,7 @@ class Schedule:
     sent only after both (torch's ``_add_send_recv`` places the sends after the whole step)."""
 
     def __post_init__(self) -> None:
-        plain_numbers(self)
+        plain_numbers(self, skip=("actions", "overlapped"))  # the actions: _as_actions, below
         check_positive_int("stages", self.stages, fix="a pipeline needs at least one rank")
         check_positive_int("microbatches", self.microbatches, fix="use at least one micro-batch")
         check_positive_int("virtual", self.virtual, fix="use 1 for one stage per rank")

@@ -49,7 +49,8 @@ def non_negative_time(name: str, value: object) -> float:
         v = float(value)  # type: ignore[arg-type]  # a number, or a TypeError below
     except (TypeError, ValueError):
         raise ConfigError(
-            f"{name} must be a number, got {value!r}", params=(name,) if name.isidentifier() else ()
+            f"{name} must be a number, got {value!r}; give a duration in seconds, e.g. 1.5",
+            params=(name,) if name.isidentifier() else (),
         ) from None
     if not math.isfinite(v) or v < 0:
         raise ConfigError(

@@ -21,7 +21,7 @@ from itertools import accumulate
 from operator import add
 from typing import Any, ParamSpec, TypeVar
 
-from microbatch.errors import ConfigError, ScheduleError
+from microbatch.errors import ConfigError, ScheduleError, plain_number
 from microbatch.schedules.action import Action, Schedule
 from microbatch.schedules.closed_forms import (
     DUALPIPEV_CLOSED_FORM_RULE,
@@ -152,6 +152,7 @@ class SimResult:
 
 def _per_stage(name: str, value: object, num_stages: int) -> list[float]:
     """``value`` as one float per virtual stage."""
+    value = plain_number(value)  # NumPy's and torch's 0-d numbers as Python's
     if isinstance(value, str | bytes | bool):
         non_negative_time(name, value)  # refuses it, naming it
     if isinstance(value, numbers.Real):  # NumPy's numbers too

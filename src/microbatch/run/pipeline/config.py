@@ -39,10 +39,13 @@ _DEFAULT_TIMEOUT_S = 120.0
 """:attr:`PipelineConfig.timeout_s`'s default, named by the error of a bad one."""
 
 
-def _number(name: str, value: object) -> float:
-    """``value`` if it is a real number (not a bool, not a string of one), else a ConfigError naming ``name``."""
+def _number(name: str, value: object, example: str) -> float:
+    """``value`` if it is a real number (not a bool, not a string of one), else a ConfigError naming ``name`` and
+    ``example``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name} must be a number, got {value!r}", params=(name,))
+        raise ConfigError(
+            f"{name} must be a number, got {value!r}; give e.g. {name} {example}", params=(name,)
+        )
     return value
 
 
@@ -127,10 +130,10 @@ class PipelineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
         check_positive(
-            "timeout_s", _number("timeout_s", self.timeout_s),
+            "timeout_s", _number("timeout_s", self.timeout_s, "120"),
             fix=f"give timeout_s {_DEFAULT_TIMEOUT_S:g} (the default) or more for a long run",
         )  # fmt: skip
-        check_positive("lr", _number("lr", self.lr), fix="give Adam's learning rate, e.g. lr 1e-3")
+        check_positive("lr", _number("lr", self.lr, "1e-3"), fix="give Adam's learning rate, e.g. lr 1e-3")
         if whole_number(self.seed) is None:
             raise ConfigError(
                 f"seed must be a whole number, got {self.seed!r}; e.g. seed 0", params=("seed",)
