@@ -198,6 +198,7 @@ def _two_rank_worker(rank: int, init: str, out: str) -> None:
     )  # past the barrier with the result written: skip gloo's teardown (see test_measure's DDP worker)
 
 
+@pytest.mark.serial  # two ranks on two cores and a time budget: alone, not beside another test worker
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_measure_collectives_and_the_gemm_slowdown_beside_an_all_reduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Issue 28 item 5: with a process group the benchmark times the collectives and a GEMM beside an
