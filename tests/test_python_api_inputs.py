@@ -23,6 +23,12 @@ torch = pytest.importorskip("torch")
 GPT2, H100 = get_model("gpt2"), get_accelerator("h100-sxm")
 
 
+def named(fn, *args, match: str, **kwargs) -> bool:
+    """``fn`` refused (:func:`refused`) with a message that names a parameter the command line can rewrite."""
+    e = refused(fn, *args, match=match, **kwargs)
+    return bool(e.params)
+
+
 def refused(fn, *args, match: str, **kwargs) -> ConfigError:
     with pytest.raises(ConfigError, match=match) as e:
         fn(*args, **kwargs)
@@ -58,7 +64,7 @@ def test_plain_numbers_leaves_other_values_alone():
 
 
 def test_a_numpy_width_past_the_cap_is_refused_not_overflowed():
-    refused(
+    assert named(
         mb.ModelShape, name="x", layers=2, hidden=np.int64(2**40), heads=4, vocab=100, seq=32, match="hidden"
     )
 
@@ -97,46 +103,46 @@ def test_a_global_batch_past_any_run_is_refused_at_once_not_after_a_divisor_sear
 
 
 def test_a_name_where_a_config_object_belongs_is_refused_with_the_function_that_makes_one():
-    refused(
+    assert named(
         mb.PlanConfig, shape="gpt2", gpu=H100, global_batch=8, match=r"shape must be a ModelShape.*get_model"
     )
-    refused(
+    assert named(
         mb.PlanConfig,
         shape=GPT2,
         gpu="h100",
         global_batch=8,
         match=r"gpu must be an Accelerator.*get_accelerator",
     )
-    refused(
+    assert named(
         mb.PlanConfig, shape=GPT2, gpu=H100, global_batch=8, memory_headroom="0.1", match="memory_headroom"
     )
     cfg = mb.MemoryConfig(micro_batch=2)
-    refused(mb.estimate_memory, "gpt2", cfg, match="shape must be a ModelShape")
-    refused(mb.estimate_memory, cfg, GPT2, match="shape must be a ModelShape")
-    refused(
+    assert named(mb.estimate_memory, "gpt2", cfg, match="shape must be a ModelShape")
+    assert named(mb.estimate_memory, cfg, GPT2, match="shape must be a ModelShape")
+    assert named(
         mb.estimate_memory, GPT2, cfg, {"fixed_bytes": 1}, match="calibration must be a MemoryCalibration"
     )
     pts = [mb.CurvePoint(micro_batch=1, throughput=1.0)]
-    refused(mb.recommend, pts, {"tolerance": 0.1}, match="choice must be a ChoiceConfig")
-    refused(mb.recommend, [{"micro_batch": 1, "throughput": 1.0}], match=r"CurvePoint\(\*\*d\)")
-    refused(mb.recommend, None, match="points must be a list of CurvePoint")
+    assert named(mb.recommend, pts, {"tolerance": 0.1}, match="choice must be a ChoiceConfig")
+    assert named(mb.recommend, [{"micro_batch": 1, "throughput": 1.0}], match=r"CurvePoint\(\*\*d\)")
+    assert named(mb.recommend, None, match="points must be a list of CurvePoint")
 
 
 def test_tune_refuses_a_name_a_dict_config_and_a_gpu_this_machine_lacks():
     model = torch.nn.Linear(4, 1)
     batch = lambda b: torch.randn(b, 4)  # noqa: E731
-    refused(mb.tune, "gpt2", batch, match=r"model must be an nn.Module.*tune_model\('gpt2'\)")
-    refused(mb.tune, model, batch, probe={"threads": 1}, match="probe must be a ProbeConfig")
-    refused(mb.tune, model, batch, device="cuda:x", match="'cuda:x' is not a torch device")
+    assert named(mb.tune, "gpt2", batch, match=r"model must be an nn.Module.*tune_model\('gpt2'\)")
+    assert named(mb.tune, model, batch, probe={"threads": 1}, match="probe must be a ProbeConfig")
+    assert named(mb.tune, model, batch, device="cuda:x", match="'cuda:x' is not a torch device")
     if not torch.cuda.is_available():
-        refused(mb.tune, model, batch, device="cuda", match="no CUDA GPU is available")
+        assert named(mb.tune, model, batch, device="cuda", match="no CUDA GPU is available")
 
 
 def test_accumulate_refuses_a_number_for_noise():
     model = torch.nn.Linear(4, 1)
     x = torch.randn(8, 4)
     loss = lambda m, b: (m(b).sum(), b.shape[0])  # noqa: E731
-    refused(
+    assert named(
         mb.accumulate,
         model,
         x,
@@ -155,12 +161,13 @@ def test_accumulate_refuses_a_number_for_noise():
 def test_accelerator_refuses_a_bool_or_a_string_for_a_figure(field, value):
     from dataclasses import replace
 
-    refused(replace, H100, **{field: value}, match=field)
+    e = refused(replace, H100, **{field: value}, match=field)
+    assert repr(value) in str(e) and "h100-sxm" in str(e)  # the value and the accelerator it was given for
 
 
 @pytest.mark.parametrize("value", [2.5, True, 0, -4, "8"])
 def test_max_positions_is_checked_like_the_other_sizes(value):
-    refused(mb.ModelShape, name="x", layers=2, hidden=64, heads=4, vocab=100, seq=32, max_positions=value,
+    assert named(mb.ModelShape, name="x", layers=2, hidden=64, heads=4, vocab=100, seq=32, max_positions=value,
             match="max_positions")  # fmt: skip
 
 
@@ -169,7 +176,7 @@ def test_max_positions_is_checked_like_the_other_sizes(value):
     [("step_time_s", math.nan), ("step_time_s", -5.0), ("throughput_se", "x"), ("oom", "no"), ("oom", 1)],
 )
 def test_curve_point_checks_every_field(field, value):
-    refused(mb.CurvePoint, micro_batch=2, throughput=1.0, **{field: value}, match=field)
+    assert named(mb.CurvePoint, micro_batch=2, throughput=1.0, **{field: value}, match=field)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +190,7 @@ def test_curve_point_checks_every_field(field, value):
     ],
 )
 def test_timing_config_refuses_counts_that_are_not_whole(kwargs, match):
-    refused(mb.TimingConfig, **kwargs, match=match)
+    assert named(mb.TimingConfig, **kwargs, match=match)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +207,7 @@ def test_timing_config_refuses_counts_that_are_not_whole(kwargs, match):
     ],
 )
 def test_pipeline_config_refuses_before_any_rank_starts(kwargs, match):
-    refused(mb.PipelineConfig, **kwargs, match=match)
+    assert named(mb.PipelineConfig, **kwargs, match=match)
 
 
 def test_noise_scale_refuses_a_negative_squared_norm_and_a_string_decay():
