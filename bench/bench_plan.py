@@ -6,8 +6,10 @@ pipeline depth p dividing 2240/t (p <= 105; uneven splits allowed), d = 2240/(tÂ
 every b_m dividing B/d, every schedule that can serve (p, m, v) (gpipe, 1f1b, zb-h1,
 interleaved-1f1b with every v > 1 such that pÂ·v divides 105; dualpipev needs 2p to divide the layers,
 which 105 never allows), recompute none/selective/full,
-ZeRO 0-3. A candidate counts once it has its per-stage peak memory, fits/does not fit, step
-time, tokens/s and MFU (closed forms; no simulation, as in calculon's search).
+ZeRO 0-3. A candidate counts once it has its per-stage peak memory, fits/does not fit and step
+time (closed forms; no simulation, as in calculon's search); its tokens/s and MFU, a division each of the
+step time, are written with the full ``Candidate`` only for each new best (``search_layouts``; ``plan``
+builds every candidate: ``_enumerate``, timed on the same space and printed as "every candidate built").
 
 **Against calculon, on the same space** (``--calculon DIR``, a checkout of calculon-ai/calculon; none of
 its code is in this project). calculon's own 530B example searches its own space (8,112
@@ -78,6 +80,7 @@ def main() -> None:
         # on a shared machine the wall clock counts the time other jobs hold the cores; the process's own
         # CPU time does not (both best of the repeats), and the load average says how shared it was
         ("per CPU second (process time)", f"{evaluated / min(cpu):,.0f}"),
+        ("every candidate built (per CPU s)", f"{every_candidate_rate(shape, gpu, args):,.0f}"),
         ("load average (1 min)", f"{load:.2f} on {os.cpu_count()} cores"),
         ("calculon", "its own 530B example searches another space: no ratio (see --calculon)"),
     ]
@@ -93,6 +96,31 @@ def main() -> None:
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
     same_space(args.calculon, args.repeat)
+
+
+def every_candidate_rate(shape: object, gpu: object, args: argparse.Namespace) -> float:
+    """Candidates per CPU second on the same space when each is built whole (``plan``'s ``_enumerate``: memory
+    breakdown, times, tokens/s, MFU), best of the repeats."""
+    from microbatch.batch import divisors
+    from microbatch.errors import ConfigError
+    from microbatch.predict.plan import PlanConfig, _enumerate, make_context
+
+    best = 0.0
+    for _ in range(args.repeat):
+        c0, n = time.process_time(), 0
+        for t in (1, 2, 4, 8):
+            like = None
+            for p in (x for x in divisors(args.gpus // t) if x <= shape.layers):  # type: ignore[attr-defined]
+                d = args.gpus // (t * p)
+                try:
+                    cfg = PlanConfig(shape=shape, gpu=gpu, global_batch=args.global_batch, data_parallel=d,
+                                     pipeline_parallel=p, tensor_parallel=t, simulate_top=0)  # fmt: skip
+                except ConfigError:
+                    continue
+                like = make_context(cfg, like)
+                n += len(_enumerate(cfg, like))
+        best = max(best, n / (time.process_time() - c0))
+    return best
 
 
 # -- the same list for both tools -----------------------------------------------------------------------

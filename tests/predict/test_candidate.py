@@ -21,10 +21,11 @@ from microbatch.predict.candidate import (
     _stage_times,
     _v_stage_times,
     evaluate,
+    evaluate_zeros,
     layer_costs,
     make_context,
 )
-from microbatch.predict.plan import PlanConfig, _schedule_options, make_plan
+from microbatch.predict.plan import PlanConfig, _enumerate, _schedule_options, make_plan, search_layouts
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.steptime import pipeline_stage_times
 
@@ -219,3 +220,56 @@ def test_communication_cache_keeps_v_apart():
     fresh = evaluate(make_context(cfg), 1, 4, "1f1b", 1, "none", 0, flops)
     assert after.to_dict()["time"] == fresh.to_dict()["time"]
     assert inter.to_dict()["time"]["dp_comm_s"] != fresh.to_dict()["time"]["dp_comm_s"]
+
+
+def test_the_zero_stages_of_one_screen_equal_each_evaluated_alone():
+    """evaluate_zeros shares the stage times, pipeline time and activations over the ZeRO stages: each of its
+    candidates equals the one evaluated alone in a fresh context."""
+    cfg = PlanConfig(gpu=A100, simulate_top=0, **CONFIGS[0])
+    mf = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
+    for b, m, sched, v, rc, _ in _keys(cfg)[::4]:
+        got = evaluate_zeros(make_context(cfg), b, m, sched, v, rc, (3, 0, 2, 1), mf)
+        assert [c.zero for c in got] == [3, 0, 2, 1]
+        assert got == [evaluate(make_context(cfg), b, m, sched, v, rc, z, mf) for z in (3, 0, 2, 1)]
+
+
+def test_a_context_like_another_of_the_layout_search_shares_only_what_reads_neither_p_nor_d():
+    """make_context(cfg, like): the per-b_m forward and activation caches are shared where the configurations
+    differ in p and d alone (a layout search's neighbours), and each candidate still equals a fresh context's;
+    another t (or a layer split) shares nothing."""
+    base = dict(shape=get_model("llama-2-7b"), gpu=A100, global_batch=64, simulate_top=0)
+    first = make_context(PlanConfig(**base, pipeline_parallel=2, data_parallel=4))
+    mf = model_flops_per_step(base["shape"], 64, 4096)
+    for b in (1, 2):
+        layer_costs(first, b)
+    nxt_cfg = PlanConfig(**base, pipeline_parallel=4, data_parallel=2)
+    nxt = make_context(nxt_cfg, first)
+    assert nxt.forward_cache is first.forward_cache and nxt.act_cache is first.act_cache
+    for key in _keys(nxt_cfg)[::5]:
+        assert evaluate(nxt, *key, mf) == evaluate(make_context(nxt_cfg), *key, mf), key
+    other_t = make_context(PlanConfig(**base, pipeline_parallel=2, data_parallel=2, tensor_parallel=2), first)
+    split = make_context(
+        PlanConfig(**base, pipeline_parallel=2, data_parallel=4, layers_per_stage=(15, 17)), first
+    )
+    assert other_t.forward_cache is not first.forward_cache and not other_t.forward_cache
+    assert split.act_cache is not first.act_cache
+
+
+def test_the_layout_search_finds_the_best_of_every_layouts_candidates():
+    """search_layouts builds a Candidate for each new best only: its best, and its counts, are those of
+    every layout's whole enumeration."""
+    shape, n, B = get_model("gpt2"), 16, 64
+    every = []
+    for t in (1, 2, 4):
+        for p in (x for x in range(1, 13) if (n // t) % x == 0):
+            d = n // (t * p)
+            if B % d:
+                continue
+            every += _enumerate(PlanConfig(shape=shape, gpu=A100, global_batch=B, data_parallel=d,
+                                           pipeline_parallel=p, tensor_parallel=t, simulate_top=0))  # fmt: skip
+    fits = [c for c in every if c.fits]
+    best, evaluated, feasible = search_layouts(
+        shape, A100, global_batch=B, num_gpus=n, tensor_parallel=(1, 2, 4)
+    )
+    assert (evaluated, feasible) == (len(every), len(fits)) and len(fits) > 100
+    assert best == min(fits, key=lambda c: c.step_time_s)

@@ -38,20 +38,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microbatch.errors import ConfigError
-from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
-from microbatch.predict.plan_context import (
-    Context,
-    InFlight,
-    LayerCosts,
-    StageTimes,
-    activations,
-    layer_costs,
-    make_context,
-)
-from microbatch.predict.state import resident_zero
-from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
-from microbatch.schedules.action import stage_to_rank
-from microbatch.schedules.registry import get_spec, in_flight_chunks
+from microbatch.predict.plan_context import Context, LayerCosts, layer_costs, make_context
+from microbatch.predict.screen import Screened, ZeroRow, _stage_times, _v_stage_times, screen
+from microbatch.schedules.registry import get_spec
 
 __all__ = ["Candidate", "Context", "LayerCosts", "evaluate", "layer_costs", "make_context", "with_simulation"]
 
@@ -187,238 +176,66 @@ class Candidate:
             ) from None
 
 
-def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
-    """The schedule's in-flight rule on the probed stages, from the one registry
-    (:func:`microbatch.schedules.registry.in_flight_chunks`): chunks / v layer-micro-batches per stage
-    layer and min(m, ⌈chunks / v⌉) micro-batches; cached per (schedule, m, v)."""
-    key = (sched, m, v)
-    hit = ctx.flight_cache.get(key)
-    if hit is None:
-        p = ctx.cfg.pipeline_parallel
-        placement = get_spec(sched).placement
-        v_placement = p > 1 and placement == "v"
-        head = stage_to_rank(p * v - 1, p, placement) if p > 1 else 0  # rank of the output layer
-        rows = []
-        for i in ctx.probe:
-            chunks = in_flight_chunks(sched, i, p, m, v)
-            rows.append((ctx.split[i], chunks / v, min(m, -(-chunks // v)), i == 0, i == head))
-        hit = InFlight(v_placement=v_placement, rows=tuple(rows))
-        ctx.flight_cache[key] = hit
-    return hit
-
-
-def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, float, float], ...], float]:
-    """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes."""
-    z = resident_zero(
-        z, ctx.cfg.pipeline_parallel, ctx.cfg.pipeline_grad_reduce
-    )  # under a pipeline: 1 (or 2)
-    key = (z, v_placement)
-    hit = ctx.state_cache.get(key)
-    if hit is None:
-        cfg = ctx.cfg
-        d = cfg.zero_group  # d·c (the context-parallel ranks replicate the state too), or HSDP's shard group
-        wb, gb, ob = ctx.state_bpp
-        params = ctx.params_v if v_placement else ctx.params
-        de = (
-            d // cfg.expert_parallel
-        )  # the routed experts' state is sharded over the expert-data-parallel d/EP
-        rows = []
-        for i in ctx.probe:
-            x = ctx.expert_params[i]
-            n = params[i] - x
-            rows.append(
-                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1) + ctx.fp8_cache.get(i, 0.0),
-                 n * gb / (d if z >= 2 else 1) + x * gb / (de if z >= 2 else 1),
-                 n * ob / (d if z >= 1 else 1) + x * ob / (de if z >= 1 else 1))
-            )  # fmt: skip
-        other = cfg.memory_calibration.fixed_bytes
-        if z >= 3 and d > 1:
-            other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
-        hit = (tuple(rows), other)
-        ctx.state_cache[key] = hit
-    return hit
-
-
-def _memory(
-    ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int, flight: InFlight | None = None
-) -> tuple[float, int, tuple[float, float, float, float, float]]:
-    """(peak bytes, stage, breakdown) over the probed stages; ``flight`` is :func:`_flight`'s answer when
-    the caller has it."""
-    per_layer, working, emb, out, a2a = activations(ctx, b, rc)
-    scale = ctx.cfg.memory_calibration.activation_scale
-    if flight is None:
-        flight = _flight(ctx, sched, m, v)
-    states, other = _state(ctx, z, flight.v_placement)
-    other += a2a
-    best = -1.0
-    at = 0
-    parts = (0.0, 0.0, 0.0, 0.0, 0.0)
-    for j, (n_layers, layers_mb, held, first, head) in enumerate(flight.rows):
-        weights, grads, opt = states[j]
-        acts = per_layer * n_layers * layers_mb + working
-        if first:
-            acts += emb * held
-        if head:
-            acts += out * held
-        acts *= scale
-        total = weights + grads + opt + acts + other
-        if total > best:
-            best, at, parts = total, ctx.probe[j], (weights, grads, opt, acts, other)
-    return best, at, parts
-
-
-def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
-    """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, and the bottleneck stage; with
-    ``v`` chunks per rank (interleaved 1F1B) a micro-batch crosses v chunk boundaries on each rank: v sends."""
-    hit = ctx.time_cache.get((b, rc, v))
-    if hit is not None:
-        return hit
-    costs = layer_costs(ctx, b)
-    split = ctx.split
-    p = len(split)
-    # the step-time rule on each distinct stage (an even split has two or three: the others, and the last
-    # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
-    runs = ctx.split_runs
-    kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
-    layer = overlap_expert_comm(costs.layer, overlap_sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
-    fu, iu, wu = pipeline_stage_times(
-        layer,
-        costs.logits_s,
-        split=kinds,
-        p2p_s=costs.p2p_s,
-        recompute=rc,
-        recompute_every=ctx.cfg.recompute_every,
-        virtual=v,
-    )
-    tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
-    at = {n: j for j, n in enumerate(kinds[:-1])}
-    f: list[float] = []
-    i_: list[float] = []
-    w: list[float] = []
-    T: list[float] = []
-    for n, count in runs:
-        j = at[n]
-        f += [fu[j]] * count
-        i_ += [iu[j]] * count
-        w += [wu[j]] * count
-        T += [tu[j]] * count
-    f.append(fu[-1])
-    i_.append(iu[-1])
-    w.append(wu[-1])
-    T.append(tu[-1])
-    k = max(range(p), key=T.__getitem__)
-    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
-    ctx.time_cache[(b, rc, v)] = hit
-    return hit
-
-
-def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
-    """A V placement's (DualPipeV's) times: ``f``, ``i``, ``w`` per virtual stage (2p chunks, rank r holding
-    stages r and 2p−1−r with half its layers each, the output layer and loss on stage 2p−1, a pipeline send
-    on every chunk); ``k`` and the ``*k`` sums are the bottleneck rank's (both its chunks)."""
-    hit = ctx.vtime_cache.get((b, rc))
-    if hit is not None:
-        return hit
-    costs = layer_costs(ctx, b)
-    p = ctx.cfg.pipeline_parallel
-    chunks = tuple(
-        ctx.split[s] // 2 if s < p else ctx.split[2 * p - 1 - s] - ctx.split[2 * p - 1 - s] // 2
-        for s in range(2 * p)
-    )
-    f, i_, w = pipeline_stage_times(
-        overlap_expert_comm(
-            costs.layer, overlap_sigma(ctx)
-        ),  # DualPipeV pairs one micro-batch's forward with another's backward
-        costs.logits_s,
-        split=chunks,
-        p2p_s=costs.p2p_s,
-        recompute=rc,
-        recompute_every=ctx.cfg.recompute_every,
-    )
-    rf = [f[r] + f[2 * p - 1 - r] for r in range(p)]
-    ri = [i_[r] + i_[2 * p - 1 - r] for r in range(p)]
-    rw = [w[r] + w[2 * p - 1 - r] for r in range(p)]
-    T = [a + b_ + c for a, b_, c in zip(rf, ri, rw, strict=True)]
-    k = max(range(p), key=T.__getitem__)
-    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=rf[k], ik=ri[k], wk=rw[k])
-    ctx.vtime_cache[(b, rc)] = hit
-    return hit
-
-
-def _pipeline_time(ctx: Context, sched: str, m: int, v: int, tm: StageTimes) -> tuple[float, float]:
-    """(seconds of compute + bubble, bubble fraction): the schedule's step-time closed form from the
-    registry (:attr:`microbatch.schedules.registry.ScheduleSpec.step_time`; module docstring)."""
-    p = ctx.cfg.pipeline_parallel
-    if p == 1:
-        return m * tm.Tk, 0.0
-    step_time = ctx.step_time_cache.get(sched)
-    if step_time is None:
-        step_time = ctx.step_time_cache[sched] = get_spec(sched).step_time
-        if step_time is None:
-            raise ConfigError(
-                f"schedule {sched!r} has no step-time closed form; the planner cannot screen it"
-            )
-    return step_time(p, m, v, tm)
-
-
 def evaluate(
     ctx: Context, b: int, m: int, sched: str, v: int, rc: str, z: int, model_flops: float
 ) -> Candidate:
     """Predict one candidate: b_m = ``b``, ``m`` micro-batches, schedule ``sched`` with ``v`` chunks per rank,
     recompute ``rc``, ZeRO ``z``; ``model_flops`` per step for the MFU."""
-    cfg = ctx.cfg
-    p = cfg.pipeline_parallel
-    flight = _flight(ctx, sched, m, v)
-    peak, stage, (wt, gr, op, ac, ot) = _memory(ctx, b, m, sched, v, rc, z, flight)
-    v_placement = flight.v_placement
-    tm = (
-        _v_stage_times(ctx, b, rc)
-        if v_placement
-        else _stage_times(ctx, b, rc, v)  # v = 1 but for an interleaved schedule (its check)
-    )
-    pipe, bubble = _pipeline_time(ctx, sched, m, v, tm)
-    key = (b, m, rc, z, v, v_placement)  # the stage times (v sends per chunk) feed the overlap
-    comm = ctx.comm_cache.get(key)
-    if comm is None:
-        n = ctx.max_params_v if v_placement else ctx.max_params
-        comm = ctx.comm_cache[key] = data_parallel_comm(ctx, m, z, tm, n)
-    dp, zero_s, opt = comm
-    # FP8 weights cast once a step (TE): each stage's first forward, one after another along the fill: all L layers
-    cast = cfg.shape.layers * layer_costs(ctx, b).layer.weight_cast_s
-    step = pipe + dp + zero_s + opt + cast
-    if not ctx.fixed:  # the fields every candidate of this plan shares, built once
-        ctx.fixed.update(
-            global_batch=cfg.global_batch, data_parallel=cfg.data_parallel, pipeline_parallel=p,
-            tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel, simulated=False,
-            expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel, cp_comm=cfg.cp_comm,
-            shard_degree=cfg.shard_degree,
-            total_params=ctx.total_params, active_params=ctx.active_params, moments_dtype=cfg.moments_dtype,
-            master_weights=cfg.master_weights, grad_clip=cfg.grad_clip,
-        )  # fmt: skip
+    return evaluate_zeros(ctx, b, m, sched, v, rc, (z,), model_flops)[0]
+
+
+def evaluate_zeros(
+    ctx: Context, b: int, m: int, sched: str, v: int, rc: str, zs: tuple[int, ...], model_flops: float
+) -> list[Candidate]:
+    """:func:`evaluate` for each ZeRO stage of ``zs``, sharing what they share (:func:`~microbatch.predict.screen.
+    screen`): the planner's inner loop."""
+    head, rows = screen(ctx, b, m, sched, v, rc, zs)
+    return [to_candidate(ctx, head, row, model_flops) for row in rows]
+
+
+def to_candidate(ctx: Context, head: Screened, row: ZeroRow, model_flops: float) -> Candidate:
+    """The :class:`Candidate` of one screened row (:func:`~microbatch.predict.screen.screen`), with its tokens/s
+    and MFU (``model_flops`` per step)."""
+    step = row.step_s
+    wt, gr, op, ac, ot = row.parts
     return _fast_candidate(
         {
-            "micro_batch": b,
-            "microbatches": m,
-            "grad_accum": m,
-            "schedule": sched,
-            "virtual": v,
-            "recompute": rc,
-            "zero": z,
-            "bubble_fraction": bubble,
-            "peak_memory_bytes": peak,
+            "micro_batch": head.b,
+            "microbatches": head.m,
+            "grad_accum": head.m,
+            "schedule": head.sched,
+            "virtual": head.v,
+            "recompute": head.rc,
+            "zero": row.z,
+            "bubble_fraction": head.bubble,
+            "peak_memory_bytes": row.peak,
             "memory": {"weights": wt, "gradients": gr, "optimizer": op, "activations": ac, "other": ot},
             "step_time_s": step,
             "tokens_per_s": ctx.tokens_per_step / step,
             "mfu": model_flops / (step * ctx.num_gpus * ctx.peak_flops),
-            "fits": peak <= ctx.budget,
-            "fits_device": peak <= ctx.cfg.gpu.memory_bytes,
-            "peak_stage": stage,
-            "gemm_efficiency": layer_costs(ctx, b).gemm_efficiency,
-            "time": {"pipeline_s": pipe, "bubble_s": pipe * bubble, "dp_comm_s": dp, "zero_comm_s": zero_s,
-                     "optimizer_s": opt, "fp8_weight_cast_s": cast},
+            "fits": row.peak <= ctx.budget,
+            "fits_device": row.peak <= ctx.cfg.gpu.memory_bytes,
+            "peak_stage": row.stage,
+            "gemm_efficiency": head.gemm_efficiency,
+            "time": {"pipeline_s": head.pipe, "bubble_s": head.pipe * head.bubble, "dp_comm_s": row.dp,
+                     "zero_comm_s": row.zero_s, "optimizer_s": row.opt, "fp8_weight_cast_s": head.cast},
         },
-        ctx.fixed,
+        ctx.fixed or _fixed_fields(ctx),
     )  # fmt: skip
+
+
+def _fixed_fields(ctx: Context) -> dict[str, Any]:
+    """The candidate fields every candidate of this plan shares, built once into ``ctx.fixed``."""
+    cfg = ctx.cfg
+    ctx.fixed.update(
+        global_batch=cfg.global_batch, data_parallel=cfg.data_parallel, pipeline_parallel=cfg.pipeline_parallel,
+        tensor_parallel=cfg.tensor_parallel, sequence_parallel=cfg.sequence_parallel, simulated=False,
+        expert_parallel=cfg.expert_parallel, context_parallel=cfg.context_parallel, cp_comm=cfg.cp_comm,
+        shard_degree=cfg.shard_degree,
+        total_params=ctx.total_params, active_params=ctx.active_params, moments_dtype=cfg.moments_dtype,
+        master_weights=cfg.master_weights, grad_clip=cfg.grad_clip,
+    )  # fmt: skip
+    return ctx.fixed
 
 
 def _fast_candidate(fields: dict[str, Any], fixed: dict[str, Any] | None = None) -> Candidate:

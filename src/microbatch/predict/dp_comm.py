@@ -6,6 +6,8 @@ placement).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from microbatch.predict.collectives import (
     fsdp2_copy_out_s,
     fsdp_edges_s,
@@ -29,42 +31,96 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
     gradient clip when ``cfg.grad_clip``: :func:`clip_s`) for
     ``n`` parameters on the GPU that holds the most. ZeRO shards over ``cfg.zero_group`` ranks; under hybrid
     sharding the ``cfg.replicas`` copies of each shard also all-reduce its gradients (:func:`_replica_s`),
-    right after each reduce-scatter, behind the same backward."""
+    right after each reduce-scatter, behind the same backward. The collectives' own times (:func:`_collectives`)
+    are the same for every candidate with this ZeRO stage, ``n`` and bottleneck stage: cached in the context;
+    what each exposes depends on the candidate's compute."""
+    cfg = ctx.cfg
+    key = (z, n, ctx.split[tm.k])
+    c = ctx.collective_cache.get(key)
+    if c is None:
+        c = ctx.collective_cache[key] = _collectives(ctx, z, tm, n)
+    back = tm.ik + tm.wk
+    sigma = c.sigma  # computation runs this much slower beside the NCCL kernels it overlaps
+    dp = zero_s = 0.0
+    if c.kind == "allreduce":
+        # ZeRO 0: gradients all-reduced once per step, behind the last micro-batch's backward (or after it)
+        dp = overlap_exposed_s(c.reduce, back, sigma) if cfg.dp_overlap else c.reduce
+    elif c.kind == "zero1":
+        # reduce-scattered once per step like that; ZeRO-1 then all-gathers the updated half weights (not hidden)
+        dp = overlap_exposed_s(c.reduce, back, sigma) if cfg.dp_overlap else c.reduce
+        dp += c.gather
+    elif c.kind == "pipeline":
+        # ZeRO-2/3 under a pipeline (resident_zero): FSDP as torch's pipelining runs it, or reducing every
+        # micro-batch's gradients (pipeline_grad_reduce "each")
+        zero_s = _fsdp_under_pipeline(c, tm, m if cfg.pipeline_grad_reduce == "each" else 0)
+    elif c.kind == "zero2":
+        # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
+        zero_s = m * overlap_exposed_s(c.reduce, back, sigma)
+        dp = c.gather
+    elif c.kind == "zero3":
+        # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
+        # reduce-scattered (and all-reduced across replicas), every micro-step; prefetch hides what compute covers
+        ag, rs = c.gather, c.reduce
+        zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
+        # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
+        zero_s += fsdp_edges_s(ag, rs, c.units, m)
+        zero_s += 2 * m * c.copy_out  # each gather (forward, backward) copied out (FSDP2)
+    return dp, zero_s, c.update
+
+
+class Collectives(NamedTuple):
+    """One ZeRO stage's collectives on ``n`` parameters, before any overlap (:func:`_collectives`)."""
+
+    kind: str
+    """``none`` (one replica), ``allreduce`` (ZeRO 0), ``zero1``, ``zero2``, ``zero3``, or ``pipeline`` (ZeRO-2/3
+    under a pipeline, :func:`_fsdp_under_pipeline`)."""
+    reduce: float
+    """Seconds of the gradient reduction: the all-reduce (ZeRO 0), the reduce-scatter with the replicas' all-reduce
+    (ZeRO-1/2, ZeRO-3's per unit), the stage's reduce-scatter alone under a pipeline."""
+    gather: float
+    """Seconds of the weights' all-gather (ZeRO ≥ 1)."""
+    units: int
+    """FSDP's units (the bottleneck stage's layers)."""
+    copy_out: float
+    """One gather copied out (FSDP2), else 0."""
+    replica: float
+    """Under a pipeline: the replicas' all-reduce, per unit (:func:`_replica_s`)."""
+    update: float
+    """The optimizer update's seconds (and the clip's)."""
+    sigma: float
+    """:func:`overlap_sigma`."""
+
+
+def _collectives(ctx: Context, z: int, tm: StageTimes, n: float) -> Collectives:
+    """The collectives of ZeRO ``z`` over ``n`` parameters (those of the bottleneck stage ``tm.k``: FSDP's units)."""
     cfg = ctx.cfg
     d = cfg.shard_group  # gradients reduced over d·c
     zg, bw_zero = cfg.zero_group, ctx.bw_zero  # ZeRO's shard group: d·c, or shard_degree·c (HSDP)
-    wb, gb, ob = ctx.state_bpp
-    back = tm.ik + tm.wk
-    sigma = overlap_sigma(ctx)  # computation runs this much slower beside the NCCL kernels it overlaps
-    dp = zero_s = 0.0
+    wb, gb, _ = ctx.state_bpp
+    kind, reduce, gather, units, copy, replica = "none", 0.0, 0.0, 0, 0.0, 0.0
     if d > 1:
-        # ZeRO 0: gradients all-reduced once per step, behind the last micro-batch's backward (or after it)
         if z == 0:
-            reduce = allreduce_time_s(n * gb, d, ctx.bw_dp)
-            dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
-        elif z == 1:
-            # reduce-scattered once per step like that; ZeRO-1 then all-gathers the updated half weights (not hidden)
+            kind, reduce = "allreduce", allreduce_time_s(n * gb, d, ctx.bw_dp)
+        elif z == 1 or (z == 2 and cfg.pipeline_parallel == 1):
+            kind = "zero1" if z == 1 else "zero2"
             reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
-            dp = overlap_exposed_s(reduce, back, sigma) if cfg.dp_overlap else reduce
-            dp += allgather_time_s(n * wb, zg, bw_zero)
-        elif cfg.pipeline_parallel > 1:
-            # ZeRO-2/3 under a pipeline (resident_zero): FSDP as torch's pipelining runs it, or reducing every
-            # micro-batch's gradients (pipeline_grad_reduce "each")
-            zero_s = _fsdp_under_pipeline(ctx, tm, n, sigma, m if cfg.pipeline_grad_reduce == "each" else 0)
-        elif z == 2:
-            # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
-            rs = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
-            zero_s = m * overlap_exposed_s(rs, back, sigma)
-            dp = allgather_time_s(n * wb, zg, bw_zero)
+            gather = allgather_time_s(n * wb, zg, bw_zero)
         else:
-            # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
-            # reduce-scattered (and all-reduced across replicas), every micro-step; prefetch hides what compute covers
-            ag, rs, units = _unit_collectives(ctx, tm, n)
-            rs += _replica_s(ctx, tm, n)
-            zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
-            # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
-            zero_s += fsdp_edges_s(ag, rs, units, m)
-            zero_s += 2 * m * _copy_out_s(ctx, n)  # each gather (forward, backward) copied out (FSDP2)
+            kind = "pipeline" if cfg.pipeline_parallel > 1 else "zero3"
+            gather, reduce, units = _unit_collectives(ctx, tm, n)
+            copy = _copy_out_s(ctx, n)
+            if kind == "pipeline":
+                replica = _replica_s(ctx, tm, n)
+            else:
+                reduce += _replica_s(ctx, tm, n)
+    return Collectives(kind, reduce, gather, units, copy, replica, _update_s(ctx, z, n), overlap_sigma(ctx))
+
+
+def _update_s(ctx: Context, z: int, n: float) -> float:
+    """The optimizer update of the parameters this GPU owns, with the gradient clip when ``cfg.grad_clip``."""
+    cfg = ctx.cfg
+    wb, gb, ob = ctx.state_bpp
+    zg = cfg.zero_group
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns: in and out once
     # (fused, or a CPU), or as many passes as the optimizer's unfused kernels make (EAGER_PASSES) on a GPU
     owned = n if z < 1 else (n / zg if cfg.expert_parallel == 1 else _owned_with_experts(ctx, n))
@@ -74,7 +130,7 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
     opt = moved * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
     if cfg.grad_clip:
         opt += clip_s(owned * gb, cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
-    return dp, zero_s, opt
+    return opt
 
 
 CLIP_PASSES = 3.0
@@ -140,18 +196,18 @@ def _copy_out_s(ctx: Context, n: float) -> float:
     return fsdp2_copy_out_s(n * ctx.state_bpp[0], rate)
 
 
-def _fsdp_under_pipeline(ctx: Context, tm: StageTimes, n: float, sigma: float, each: int = 0) -> float:
+def _fsdp_under_pipeline(c: Collectives, tm: StageTimes, each: int = 0) -> float:
     """Exposed seconds per step of ZeRO-2/3 under a pipeline, as FSDP runs in ``torch.distributed.pipelining``
     (:func:`microbatch.predict.state.resident_zero`): the weights gathered once, unit by unit behind the
     first micro-batch's forward (its first unit exposed; FSDP2 copies them out once), and the accumulated
-    gradients reduce-scattered once after the last backward with nothing left to hide behind: whole; ``sigma``
+    gradients reduce-scattered once after the last backward with nothing left to hide behind: whole; ``c.sigma``
     the slowdown of the computation beside the gather (:func:`overlap_sigma`). With ``each`` = m (gradients
     reduced after every micro-batch, a shard kept) the m reduce-scatters each hide behind their micro-batch's
     backward, as ZeRO-2 without a pipeline, and the last micro-batch's last unit (1/units of one) is exposed,
     as FSDP's last reduce-scatter is (:func:`~microbatch.predict.collectives.fsdp_edges_s`)."""
-    ag, rs, units = _unit_collectives(ctx, tm, n)
-    gather = overlap_exposed_s(ag, tm.fk, sigma) + ag / max(1, units) + _copy_out_s(ctx, n)
+    ag, rs, units = c.gather, c.reduce, c.units
+    gather = overlap_exposed_s(ag, tm.fk, c.sigma) + ag / max(1, units) + c.copy_out
     if each:  # m reduce-scatters behind their backwards; the last micro-batch's last unit has none after it
-        rs += _replica_s(ctx, tm, n)
-        return gather + each * overlap_exposed_s(rs, tm.ik + tm.wk, sigma) + rs / max(1, units)
-    return gather + rs + _replica_s(ctx, tm, n)
+        rs += c.replica
+        return gather + each * overlap_exposed_s(rs, tm.ik + tm.wk, c.sigma) + rs / max(1, units)
+    return gather + rs + c.replica

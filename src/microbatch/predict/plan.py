@@ -16,7 +16,7 @@ give the pitfalls and, when nothing fits, what would. The library never prints:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -28,9 +28,9 @@ from microbatch.predict.activations import RECOMPUTE_MODES
 from microbatch.predict.candidate import (
     Candidate,
     Context,
-    evaluate,
     layer_costs,
     make_context,
+    to_candidate,
     with_simulation,
 )
 from microbatch.predict.plan_advice import (
@@ -48,11 +48,11 @@ from microbatch.predict.plan_advice import (
 )
 from microbatch.predict.plan_config import CHOICES, PLAN_MARGIN, PLAN_TOLERANCE, PlanConfig
 from microbatch.predict.roofline import model_flops_per_step
+from microbatch.predict.screen import Screened, ZeroRow, screen
 from microbatch.predict.state import ZERO_STAGES
 from microbatch.schedules.closed_forms import bubble_fraction
 from microbatch.schedules.registry import (
     DEFAULT_SCHEDULE,
-    check_servable,
     get_spec,
     schedule_names,
 )
@@ -144,12 +144,15 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
     names = cfg.schedules or schedule_names(in_flight=True)
     out = []
     for name in names:
-        form = get_spec(name).idle_closed_form
+        spec = get_spec(name)
+        form = spec.idle_closed_form
         if form is not None and not form.holds_at(p, m):
             continue  # ZB-H1 at m < p: one round, which only an event simulation times (ms a candidate): simulate it
         for v in _split_virtuals(cfg, name):
             try:
-                check_servable(name, p, m, v)
+                spec.check(
+                    p, m, v
+                )  # check_servable's schedule rule: p, m and v are the config's, checked there
             except ScheduleError:
                 continue
             out.append((name, v))
@@ -180,18 +183,21 @@ def _sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
 
 def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
     ctx = ctx or make_context(cfg)
+    model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
+    return [to_candidate(ctx, head, row, model_flops) for head, rows in _screens(cfg, ctx) for row in rows]
+
+
+def _screens(cfg: PlanConfig, ctx: Context) -> Iterator[tuple[Screened, list[ZeroRow]]]:
+    """Every (b_m, schedule, v, recompute) of ``cfg`` screened (:func:`~microbatch.predict.screen.screen`), a row
+    per ZeRO stage."""
     bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
     zs = cfg.zero or (ZERO_STAGES if cfg.zero_group > 1 else (0,))  # nothing to shard over: ZeRO 0
-    model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
-    out = []
     for b in bms:
         m = grad_accum_for(cfg.global_batch, b, cfg.data_parallel)  # m = g: one flush per step
         for sched, v in _schedule_options(cfg, m):
             for rc in rcs:
-                for z in zs:
-                    out.append(evaluate(ctx, b, m, sched, v, rc, z, model_flops))
-    return out
+                yield screen(ctx, b, m, sched, v, rc, zs)
 
 
 def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
@@ -304,12 +310,16 @@ def search_layouts(
     """Search t, p, d with t·p·d = num_gpus as well: (best fitting candidate, evaluated, feasible).
 
     Layouts that break a rule (t not dividing heads, p > layers, d not dividing B) are skipped.
-    Only the screening closed forms run (no simulation), as in calculon's search.
+    Only the screening closed forms run (no simulation), as in calculon's search: each candidate's per-stage peak
+    memory, whether it fits and its step time (:func:`~microbatch.predict.screen.screen`); a :class:`Candidate`
+    (with its tokens/s and MFU, a division each) is built for each new best only.
     """
-    best, evaluated, feasible = None, 0, 0
+    best: Candidate | None = None
+    evaluated = feasible = 0
     for t in tensor_parallel:
         if num_gpus % t or shape.heads % t:
             continue
+        like = None  # the last context at this t: its per-b_m layer and activation caches serve every p and d
         for p in divisors(num_gpus // t):
             if p > shape.layers:
                 break
@@ -323,12 +333,15 @@ def search_layouts(
                 )  # fmt: skip
             except ConfigError:
                 continue
-            for c in _enumerate(cfg):
-                evaluated += 1
-                if c.fits:
-                    feasible += 1
-                    if best is None or c.step_time_s < best.step_time_s:
-                        best = c
+            like = ctx = make_context(cfg, like)
+            for head, rows in _screens(cfg, ctx):
+                evaluated += len(rows)
+                for row in rows:
+                    if row.peak <= ctx.budget:
+                        feasible += 1
+                        if best is None or row.step_s < best.step_time_s:
+                            flops = model_flops_per_step(shape, global_batch, cfg.seq)
+                            best = to_candidate(ctx, head, row, flops)
     return best, evaluated, feasible
 
 

@@ -132,6 +132,9 @@ class Context:
     fixed: dict[str, Any] = field(default_factory=dict)
     """The candidate fields every candidate of this plan shares (filled by the first evaluation)."""
     layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
+    forward_cache: dict[int, tuple[LayerTime, float]] = field(default_factory=dict)
+    """Per b_m: one layer's forward and the output layer's (:func:`layer_forward`, :func:`logits_forward`), which
+    read neither p nor d: shared by the contexts of one layout search (:func:`make_context`'s ``like``)."""
     act_cache: dict[tuple[int, str], Activations] = field(default_factory=dict)
     time_cache: dict[tuple[int, str, int], StageTimes] = field(default_factory=dict)
     vtime_cache: dict[tuple[int, str], StageTimes] = field(default_factory=dict)
@@ -141,13 +144,18 @@ class Context:
     state_cache: dict[tuple[int, bool], tuple[tuple[tuple[float, float, float], ...], float]] = field(
         default_factory=dict
     )
-    comm_cache: dict[tuple[int, int, str, int, int, bool], tuple[float, float, float]] = field(
-        default_factory=dict
-    )
+    collective_cache: dict[tuple[int, float, int], Any] = field(default_factory=dict)
+    """Per (ZeRO stage, parameters, FSDP units): :class:`microbatch.predict.dp_comm.Collectives`."""
 
 
-def make_context(cfg: PlanConfig) -> Context:
-    """The caches for planning ``cfg``."""
+_LAYOUT_FIELDS = frozenset({"pipeline_parallel", "data_parallel"})
+"""The fields a layout search varies that neither a layer's forward and output layer nor the activations read."""
+
+
+def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
+    """The caches for planning ``cfg``. ``like``: another plan's context; where its configuration differs from
+    ``cfg`` in p and d alone (:func:`~microbatch.predict.plan.search_layouts`' neighbours), the per-b_m forward
+    and activation caches are shared with it, not recomputed (each plan's own p2p, memory and times are not)."""
     p, t = cfg.pipeline_parallel, cfg.tensor_parallel
     split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
     shape, ep = cfg.shape, cfg.expert_parallel
@@ -183,7 +191,7 @@ def make_context(cfg: PlanConfig) -> Context:
         else:
             runs.append([n, 1])
     d, net, c = cfg.shard_group, cfg.efficiency.network, cfg.context_parallel
-    return Context(
+    ctx = Context(
         cfg=cfg,
         split=split,
         probe=tuple(probe),
@@ -212,6 +220,16 @@ def make_context(cfg: PlanConfig) -> Context:
         # ranks apart (Megatron's order: tensor, context, data, then pipeline)
         bw_pp=pipeline_hop_bandwidth(cfg.gpu, p, t * cfg.context_parallel * d) * net,
     )
+    if like is not None and _same_but_layout(like.cfg, cfg):
+        ctx.forward_cache, ctx.act_cache = like.forward_cache, like.act_cache
+    return ctx
+
+
+def _same_but_layout(a: PlanConfig, b: PlanConfig) -> bool:
+    """``a`` and ``b`` equal in every field but p and d (:data:`_LAYOUT_FIELDS`), neither with a layer split."""
+    if a.layers_per_stage is not None or b.layers_per_stage is not None:
+        return False
+    return all(getattr(a, f) == getattr(b, f) for f in a.__dataclass_fields__ if f not in _LAYOUT_FIELDS)
 
 
 def layer_costs(ctx: Context, b: int) -> LayerCosts:
@@ -219,18 +237,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
     hit = ctx.layer_cache.get(b)
     if hit is None:
         cfg = ctx.cfg
-        lt = layer_forward(
-            cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
-            sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
-            dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
-            context_parallel=cfg.context_parallel,
-            fp8_recipe=cfg.fp8_recipe if get_precision(cfg.precision).gemm_dtype == "fp8" else None,
-            async_tp=cfg.async_tp, parallel_block=cfg.block_parallel, cp_comm=cfg.cp_comm,
-        )  # fmt: skip
-        logit_s, _ = logits_forward(
-            cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
-            dtype=ctx.dtype, efficiency=cfg.efficiency, logits_bytes=LOSS_DTYPES[cfg.loss_dtype],
-        )  # fmt: skip
+        lt, logit_s = ctx.forward_cache.get(b) or _forward(ctx, b)
         t, p = cfg.tensor_parallel, cfg.pipeline_parallel
         p2p = 0.0
         if p > 1:
@@ -242,6 +249,25 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
         hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
         ctx.layer_cache[b] = hit
     return hit
+
+
+def _forward(ctx: Context, b: int) -> tuple[LayerTime, float]:
+    """One layer's forward and the output layer's at b_m = ``b``, into ``ctx.forward_cache``."""
+    cfg = ctx.cfg
+    lt = layer_forward(
+        cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
+        sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
+        dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
+        context_parallel=cfg.context_parallel,
+        fp8_recipe=cfg.fp8_recipe if get_precision(cfg.precision).gemm_dtype == "fp8" else None,
+        async_tp=cfg.async_tp, parallel_block=cfg.block_parallel, cp_comm=cfg.cp_comm,
+    )  # fmt: skip
+    logit_s, _ = logits_forward(
+        cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
+        dtype=ctx.dtype, efficiency=cfg.efficiency, logits_bytes=LOSS_DTYPES[cfg.loss_dtype],
+    )  # fmt: skip
+    ctx.forward_cache[b] = (lt, logit_s)
+    return lt, logit_s
 
 
 def activations(ctx: Context, b: int, rc: str) -> Activations:

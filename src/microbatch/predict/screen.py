@@ -1,0 +1,276 @@
+"""The planner's closed-form screening of one candidate's memory and time (:func:`screen`).
+
+Per-stage peak memory: each probed stage's weights, gradients and optimizer state under the ZeRO stage
+(:func:`_state`) plus its activations under the schedule's in-flight rule (:func:`_flight`,
+:func:`_stage_activations`); step time: each stage's F, I and W from the one step-time rule
+(:mod:`microbatch.predict.steptime`, :func:`_stage_times`), the schedule's closed form for compute and
+bubble (:func:`_pipeline_time`; the forms are listed in :mod:`microbatch.predict.candidate`), and the
+data-parallel communication (:mod:`microbatch.predict.dp_comm`). What a (b_m, m, schedule, v, recompute)
+fixes is computed once for all its ZeRO stages; the :class:`~microbatch.predict.plan_context.Context`
+caches what does not depend on the candidate. :mod:`microbatch.predict.candidate` makes a
+:class:`~microbatch.predict.candidate.Candidate` of each row; a layout search
+(:func:`~microbatch.predict.plan.search_layouts`) reads the rows and builds one only for a new best.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from microbatch.errors import ConfigError
+from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
+from microbatch.predict.plan_context import (
+    Context,
+    InFlight,
+    StageTimes,
+    activations,
+    layer_costs,
+)
+from microbatch.predict.state import resident_zero
+from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
+from microbatch.schedules.action import stage_to_rank
+from microbatch.schedules.registry import get_spec, in_flight_chunks
+
+__all__ = ["Screened", "ZeroRow", "screen"]
+
+
+class Screened(NamedTuple):
+    """What one (b_m, m, schedule, v, recompute) fixes for all its ZeRO stages."""
+
+    b: int
+    m: int
+    sched: str
+    v: int
+    rc: str
+    pipe: float
+    """Seconds of compute and bubble of one flush (the schedule's closed form)."""
+    bubble: float
+    """The closed form's bubble fraction."""
+    cast: float
+    """FP8 weights cast once a step (Transformer Engine), else 0."""
+    gemm_efficiency: float
+    """Achieved fraction of peak FLOP/s of one layer's forward."""
+
+
+class ZeroRow(NamedTuple):
+    """One ZeRO stage's memory and time on top of a :class:`Screened`."""
+
+    z: int
+    peak: float
+    """Peak bytes over the probed stages."""
+    stage: int
+    """The stage at the peak."""
+    parts: tuple[float, float, float, float, float]
+    """Its weights, gradients, optimizer state, activations and other bytes."""
+    dp: float
+    """Exposed data-parallel seconds."""
+    zero_s: float
+    """Exposed ZeRO-2/3 seconds per step."""
+    opt: float
+    """The optimizer update's seconds."""
+    step_s: float
+    """The step: pipe + dp + zero_s + opt + cast."""
+
+
+def screen(
+    ctx: Context, b: int, m: int, sched: str, v: int, rc: str, zs: tuple[int, ...]
+) -> tuple[Screened, list[ZeroRow]]:
+    """Memory and step time of b_m = ``b``, ``m`` micro-batches, schedule ``sched`` with ``v`` chunks per rank
+    and recompute ``rc``, under each ZeRO stage of ``zs``: what they share once, then a row per stage."""
+    cfg = ctx.cfg
+    flight = _flight(ctx, sched, m, v)
+    v_placement = flight.v_placement
+    tm = (
+        _v_stage_times(ctx, b, rc)
+        if v_placement
+        else _stage_times(ctx, b, rc, v)  # v = 1 but for an interleaved schedule (its check)
+    )
+    pipe, bubble = _pipeline_time(ctx, sched, m, v, tm)
+    costs = layer_costs(ctx, b)
+    # FP8 weights cast once a step (TE): each stage's first forward, one after another along the fill: all L layers
+    cast = cfg.shape.layers * costs.layer.weight_cast_s
+    acts = _stage_activations(ctx, b, rc, flight)
+    a2a = activations(ctx, b, rc).a2a
+    n = ctx.max_params_v if v_placement else ctx.max_params
+    rows = []
+    for z in zs:
+        peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a)
+        dp, zero_s, opt = data_parallel_comm(ctx, m, z, tm, n)
+        rows.append(ZeroRow(z, peak, stage, parts, dp, zero_s, opt, pipe + dp + zero_s + opt + cast))
+    return Screened(b, m, sched, v, rc, pipe, bubble, cast, costs.gemm_efficiency), rows
+
+
+def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
+    """The schedule's in-flight rule on the probed stages, from the one registry
+    (:func:`microbatch.schedules.registry.in_flight_chunks`): chunks / v layer-micro-batches per stage
+    layer and min(m, ⌈chunks / v⌉) micro-batches; cached per (schedule, m, v)."""
+    key = (sched, m, v)
+    hit = ctx.flight_cache.get(key)
+    if hit is None:
+        p = ctx.cfg.pipeline_parallel
+        placement = get_spec(sched).placement
+        v_placement = p > 1 and placement == "v"
+        head = stage_to_rank(p * v - 1, p, placement) if p > 1 else 0  # rank of the output layer
+        rows = []
+        for i in ctx.probe:
+            chunks = in_flight_chunks(sched, i, p, m, v)
+            rows.append((ctx.split[i], chunks / v, min(m, -(-chunks // v)), i == 0, i == head))
+        hit = InFlight(v_placement=v_placement, rows=tuple(rows))
+        ctx.flight_cache[key] = hit
+    return hit
+
+
+def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes (cached
+    per ZeRO stage asked, the one it keeps resident under a pipeline computed on a miss)."""
+    key = (z, v_placement)
+    hit = ctx.state_cache.get(key)
+    if hit is None:
+        cfg = ctx.cfg
+        z = resident_zero(z, cfg.pipeline_parallel, cfg.pipeline_grad_reduce)  # under a pipeline: 1 (or 2)
+        d = cfg.zero_group  # d·c (the context-parallel ranks replicate the state too), or HSDP's shard group
+        wb, gb, ob = ctx.state_bpp
+        params = ctx.params_v if v_placement else ctx.params
+        de = (
+            d // cfg.expert_parallel
+        )  # the routed experts' state is sharded over the expert-data-parallel d/EP
+        rows = []
+        for i in ctx.probe:
+            x = ctx.expert_params[i]
+            n = params[i] - x
+            rows.append(
+                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1) + ctx.fp8_cache.get(i, 0.0),
+                 n * gb / (d if z >= 2 else 1) + x * gb / (de if z >= 2 else 1),
+                 n * ob / (d if z >= 1 else 1) + x * ob / (de if z >= 1 else 1))
+            )  # fmt: skip
+        other = cfg.memory_calibration.fixed_bytes
+        if z >= 3 and d > 1:
+            other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
+        hit = (tuple(rows), other)
+        ctx.state_cache[key] = hit
+    return hit
+
+
+def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight) -> tuple[float, ...]:
+    """Activation bytes of each probed stage at b_m = ``b`` under recompute ``rc`` and the schedule's in-flight
+    rule ``flight`` (:func:`_flight`), with the memory calibration's scale."""
+    per_layer, working, emb, out, _ = activations(ctx, b, rc)
+    scale = ctx.cfg.memory_calibration.activation_scale
+    rows = []
+    for n_layers, layers_mb, held, first, head in flight.rows:
+        acts = per_layer * n_layers * layers_mb + working
+        if first:
+            acts += emb * held
+        if head:
+            acts += out * held
+        rows.append(acts * scale)
+    return tuple(rows)
+
+
+def _peak(
+    ctx: Context, z: int, v_placement: bool, acts: tuple[float, ...], a2a: float
+) -> tuple[float, int, tuple[float, float, float, float, float]]:
+    """(peak bytes, stage, breakdown) over the probed stages under ZeRO ``z``, their activations ``acts``
+    (:func:`_stage_activations`) and expert parallelism's all-to-all buffers ``a2a``."""
+    states, other = _state(ctx, z, v_placement)
+    other += a2a
+    best = -1.0
+    at = 0
+    parts = (0.0, 0.0, 0.0, 0.0, 0.0)
+    for j, (weights, grads, opt) in enumerate(states):
+        total = weights + grads + opt + acts[j] + other
+        if total > best:
+            best, at, parts = total, ctx.probe[j], (weights, grads, opt, acts[j], other)
+    return best, at, parts
+
+
+def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
+    """Per-stage (forward, input-grad, weight-grad) seconds per micro-batch, and the bottleneck stage; with
+    ``v`` chunks per rank (interleaved 1F1B) a micro-batch crosses v chunk boundaries on each rank: v sends."""
+    hit = ctx.time_cache.get((b, rc, v))
+    if hit is not None:
+        return hit
+    costs = layer_costs(ctx, b)
+    split = ctx.split
+    # the step-time rule on each distinct stage (an even split has two or three: the others, and the last
+    # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
+    runs = ctx.split_runs
+    kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
+    layer = overlap_expert_comm(costs.layer, overlap_sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
+    fu, iu, wu = pipeline_stage_times(
+        layer,
+        costs.logits_s,
+        split=kinds,
+        p2p_s=costs.p2p_s,
+        recompute=rc,
+        recompute_every=ctx.cfg.recompute_every,
+        virtual=v,
+    )
+    tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
+    at = {n: j for j, n in enumerate(kinds[:-1])}
+    f: list[float] = []
+    i_: list[float] = []
+    w: list[float] = []
+    T: list[float] = []
+    for n, count in runs:
+        j = at[n]
+        f += [fu[j]] * count
+        i_ += [iu[j]] * count
+        w += [wu[j]] * count
+        T += [tu[j]] * count
+    f.append(fu[-1])
+    i_.append(iu[-1])
+    w.append(wu[-1])
+    T.append(tu[-1])
+    k = T.index(max(T))  # the first of the slowest
+    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
+    ctx.time_cache[(b, rc, v)] = hit
+    return hit
+
+
+def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
+    """A V placement's (DualPipeV's) times: ``f``, ``i``, ``w`` per virtual stage (2p chunks, rank r holding
+    stages r and 2p−1−r with half its layers each, the output layer and loss on stage 2p−1, a pipeline send
+    on every chunk); ``k`` and the ``*k`` sums are the bottleneck rank's (both its chunks)."""
+    hit = ctx.vtime_cache.get((b, rc))
+    if hit is not None:
+        return hit
+    costs = layer_costs(ctx, b)
+    p = ctx.cfg.pipeline_parallel
+    chunks = tuple(
+        ctx.split[s] // 2 if s < p else ctx.split[2 * p - 1 - s] - ctx.split[2 * p - 1 - s] // 2
+        for s in range(2 * p)
+    )
+    f, i_, w = pipeline_stage_times(
+        overlap_expert_comm(
+            costs.layer, overlap_sigma(ctx)
+        ),  # DualPipeV pairs one micro-batch's forward with another's backward
+        costs.logits_s,
+        split=chunks,
+        p2p_s=costs.p2p_s,
+        recompute=rc,
+        recompute_every=ctx.cfg.recompute_every,
+    )
+    rf = [f[r] + f[2 * p - 1 - r] for r in range(p)]
+    ri = [i_[r] + i_[2 * p - 1 - r] for r in range(p)]
+    rw = [w[r] + w[2 * p - 1 - r] for r in range(p)]
+    T = [a + b_ + c for a, b_, c in zip(rf, ri, rw, strict=True)]
+    k = max(range(p), key=T.__getitem__)
+    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=rf[k], ik=ri[k], wk=rw[k])
+    ctx.vtime_cache[(b, rc)] = hit
+    return hit
+
+
+def _pipeline_time(ctx: Context, sched: str, m: int, v: int, tm: StageTimes) -> tuple[float, float]:
+    """(seconds of compute + bubble, bubble fraction): the schedule's step-time closed form from the
+    registry (:attr:`microbatch.schedules.registry.ScheduleSpec.step_time`; module docstring)."""
+    p = ctx.cfg.pipeline_parallel
+    if p == 1:
+        return m * tm.Tk, 0.0
+    step_time = ctx.step_time_cache.get(sched)
+    if step_time is None:
+        step_time = ctx.step_time_cache[sched] = get_spec(sched).step_time
+        if step_time is None:
+            raise ConfigError(
+                f"schedule {sched!r} has no step-time closed form; the planner cannot screen it"
+            )
+    return step_time(p, m, v, tm)
