@@ -219,11 +219,14 @@ def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_
     h = units[2](units[1](x.detach().requires_grad_()))
     assert time.thread_time() - c0 < 0.02  # stages 1 and 2 spin no forward
     inp = x.detach().requires_grad_()
-    c0 = time.thread_time()
-    y = units[2](units[1](inp))
-    (g,) = torch.autograd.grad(y.sum(), [inp], retain_graph=True)  # input gradient: stage 2's I
-    took = time.thread_time() - c0
-    assert 0.01 <= took < 0.01 + 0.02 and g.shape == inp.shape
+    tries = []
+    for _ in range(3):  # the least of three: a first call's set-up (autograd, allocator) on a loaded machine is not
+        c0 = time.thread_time()  # the spin (once 21 ms over it beside another pytest worker)
+        y = units[2](units[1](inp))
+        (g,) = torch.autograd.grad(y.sum(), [inp], retain_graph=True)  # input gradient: stage 2's I
+        tries.append(time.thread_time() - c0)
+    # stage 2's I (10 ms) and not its W (25 ms more): the input gradient does not run the weight's spin
+    assert 0.01 <= min(tries) < 0.01 + 0.025 and g.shape == inp.shape
     c0 = time.thread_time()
     torch.autograd.grad(y.sum(), list(units[2].parameters())[:1])  # stage 2's own weight: its W
     assert time.thread_time() - c0 >= 0.025
