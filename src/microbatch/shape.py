@@ -201,6 +201,11 @@ class ModelShape:
         check_positive_int("seq", seq, fix="give the longest sequence the data holds")
         return replace(self, seq=seq)
 
+    def dense_block(self) -> ModelShape:
+        """The shape whose block is this model's dense block: a mixture-of-experts model's dense MLP (its ``ffn``, as
+        :meth:`layer_params` counts a dense block), no experts; this shape itself when it has none."""
+        return self if self.moe is None else replace(self, moe=None)
+
     # -- parameter counts (exact for the GPT-2 and Llama families) -----------------------
     def norm_params(self) -> int:
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden

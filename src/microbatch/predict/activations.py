@@ -11,10 +11,12 @@ selective recompute) drops the ``5·a·s²·b`` term. How many micro-batches a s
 
 from __future__ import annotations
 
+from typing import Any
+
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
 from microbatch.predict.experts import moe_activation_terms
-from microbatch.predict.recompute import op_saved_terms
+from microbatch.predict.recompute import every_kth, op_saved_terms, recompute_working
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -24,6 +26,8 @@ __all__ = [
     "layer_activation_bytes",
     "embedding_activation_bytes",
     "output_activation_bytes",
+    "block_activation_bytes",
+    "stage_block_bytes",
 ]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -215,3 +219,29 @@ def output_activation_bytes(
         2 * dtype_bytes * s * micro_batch * shape.hidden / sp
         + logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
     )
+
+
+def block_activation_bytes(
+    shape: ModelShape, micro_batch: int, *, recompute: str = "none", recompute_every: int = 1, **kw: Any
+) -> tuple[float, float]:
+    """(bytes one block keeps per micro-batch under ``recompute``, the working set of the block being recomputed)
+    of ``shape``'s block: :func:`layer_activation_bytes`, and under full or per-op recompute
+    :func:`~microbatch.predict.recompute.recompute_working` (what the recomputed block re-materialises beyond what it
+    keeps) and :func:`~microbatch.predict.recompute.every_kth` (one block in ``recompute_every`` recomputed); the
+    other keywords are :func:`layer_activation_bytes`'."""
+    per_layer = layer_activation_bytes(shape, micro_batch, recompute=recompute, **kw)
+    working = 0.0
+    if recompute in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
+        none = layer_activation_bytes(shape, micro_batch, recompute="none", **kw)
+        working = recompute_working(none, per_layer)
+        per_layer = every_kth(per_layer, none, recompute_every if recompute == "full" else 1)
+    return per_layer, working
+
+
+def stage_block_bytes(per_layer: float, dense_per_layer: float | None, layers: int, moe_layers: int) -> float:
+    """One micro-batch's activations over a stage's ``layers`` blocks: ``layers`` × ``per_layer``, or, for a
+    mixture-of-experts model with dense blocks too, its ``moe_layers`` MoE blocks at ``per_layer`` and the others at
+    ``dense_per_layer`` (a dense block keeps no router, permutation or expert buffers)."""
+    if dense_per_layer is None:
+        return per_layer * layers
+    return moe_layers * per_layer + (layers - moe_layers) * dense_per_layer

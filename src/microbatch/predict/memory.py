@@ -34,14 +34,15 @@ from microbatch.precision import (
     weight_cache_bytes,
 )
 from microbatch.predict.activations import (
+    block_activation_bytes,
     check_recompute,
     embedding_activation_bytes,
-    layer_activation_bytes,
     output_activation_bytes,
+    stage_block_bytes,
 )
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
-from microbatch.predict.recompute import check_every_kth, every_kth, recompute_working
+from microbatch.predict.recompute import check_every_kth
 from microbatch.predict.stages import split_layers, stage_params
 from microbatch.predict.state import (
     check_hybrid,
@@ -53,23 +54,13 @@ from microbatch.predict.state import (
     zero_groups,
 )
 from microbatch.schedules import registry
+from microbatch.schedules.registry import in_flight_layers  # the schedules' in-flight rule, one registry
 from microbatch.shape import check_tensor_parallel
 
 __all__ = [
     "MemoryCalibration", "MemoryConfig", "StageMemory", "MemoryEstimate", "split_layers", "in_flight_layers",
     "stage_params", "estimate_memory",
 ]  # fmt: skip
-
-
-# -- pipeline stages ------------------------------------------------------------------------------------
-def in_flight_layers(
-    schedule: str, stage: int, stages: int, microbatches: int, virtual: int, stage_layers: int
-) -> float:
-    """Layer-micro-batches of activations stage ``stage`` holds at its peak: the schedule's in-flight
-    rule (GPipe m; 1F1B min(m, p − i); ZB-H1 min(m, p); interleaved 1F1B its warm-up count in
-    chunks of L_stage/v layers), read from the one registry: see
-    :func:`microbatch.schedules.registry.in_flight_layers` and :mod:`microbatch.schedules.rules`."""
-    return registry.in_flight_layers(schedule, stage, stages, microbatches, virtual, stage_layers)
 
 
 # -- configuration and estimate ----------------------------------------------------------------------------
@@ -415,6 +406,21 @@ def _at_seq(shape: ModelShape, seq: int | None) -> ModelShape:
     return shape.with_seq(seq)
 
 
+def _blocks(shape: ModelShape, config: MemoryConfig, seq: int, e: int) -> tuple[float, float, float | None]:
+    """(bytes a block keeps, the recompute working set, a dense block's bytes where a MoE model has dense blocks too)
+    at ``seq`` tokens a GPU (:func:`~microbatch.predict.activations.block_activation_bytes`)."""
+    kw: dict[str, Any] = dict(
+        seq=seq, tensor_parallel=config.tensor_parallel, sequence_parallel=config.sequence_parallel,
+        recompute=config.recompute, flash_attention=config.flash_attention, dtype_bytes=e,
+        expert_load=config.expert_load, fp8_inputs=saves_fp8_inputs(config.precision, config.fp8_recipe),
+        recompute_every=config.recompute_every,
+    )  # fmt: skip
+    per_layer, working = block_activation_bytes(shape, config.micro_batch, **kw)
+    blended = shape.moe is not None and shape.moe_layer_count(0, shape.layers) < shape.layers
+    dense = block_activation_bytes(shape.dense_block(), config.micro_batch, **kw)[0] if blended else None
+    return per_layer, working, dense
+
+
 def estimate_memory(
     shape: ModelShape, config: MemoryConfig, calibration: MemoryCalibration | None = None
 ) -> MemoryEstimate:
@@ -438,20 +444,9 @@ def estimate_memory(
     split = split_layers(shape.layers, p, config.layers_per_stage)
     e = get_precision(config.precision).weight_bytes  # activations are kept in the compute dtype
     c = config.context_parallel  # each GPU holds s/c tokens of every sequence
-    seq, sp, fa = (config.seq or shape.seq) // c, config.sequence_parallel, config.flash_attention
-    load, f8 = config.expert_load, saves_fp8_inputs(config.precision, config.fp8_recipe)
-    per_layer = layer_activation_bytes(
-        shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute=config.recompute,
-        flash_attention=fa, dtype_bytes=e, expert_load=load, fp8_inputs=f8,
-    )  # fmt: skip
-    working = 0.0
-    if config.recompute in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
-        none = layer_activation_bytes(
-            shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp, recompute="none",
-            flash_attention=fa, dtype_bytes=e, expert_load=load, fp8_inputs=f8,
-        )  # fmt: skip
-        working = recompute_working(none, per_layer)
-        per_layer = every_kth(per_layer, none, config.recompute_every if config.recompute == "full" else 1)
+    seq, sp = (config.seq or shape.seq) // c, config.sequence_parallel
+    load = config.expert_load
+    per_layer, working, dense = _blocks(shape, config, seq, e)  # the largest block's working set
     w_bytes = config.state_bytes_per_param()[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
@@ -460,7 +455,11 @@ def estimate_memory(
     for i, n_layers in enumerate(split):
         params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
         held = registry.in_flight_microbatches(config.schedule, i, p, m, v)
-        terms = {"layers": per_layer * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
+        k = shape.moe_layer_count(
+            sum(split[:i]), n_layers
+        )  # a stage's dense blocks keep a dense block's bytes
+        per = per_layer if dense is None else stage_block_bytes(per_layer, dense, n_layers, k) / n_layers
+        terms = {"layers": per * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
             emb = embedding_activation_bytes(
                 shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp

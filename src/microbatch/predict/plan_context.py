@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from microbatch.model import ModelShape
 from microbatch.precision import LOSS_DTYPES, get_precision, saves_fp8_inputs, weight_cache_bytes
 from microbatch.predict.activations import (
+    block_activation_bytes,
     embedding_activation_bytes,
-    layer_activation_bytes,
     output_activation_bytes,
 )
 from microbatch.predict.collectives import pipeline_hop_bandwidth
 from microbatch.predict.experts import dispatch_bytes, expert_params
 from microbatch.predict.plan_config import PlanConfig
-from microbatch.predict.recompute import every_kth, recompute_working
 from microbatch.predict.roofline import (
     LayerTime,
     group_bandwidth,
@@ -55,6 +55,8 @@ class LayerCosts(NamedTuple):
     """One pipeline send of a micro-batch's activations (0 without a pipeline)."""
     gemm_efficiency: float
     """Achieved fraction of peak FLOP/s of one layer's forward."""
+    dense: LayerTime | None = None
+    """A mixture-of-experts model with dense blocks too: its dense block's forward (``layer`` is its MoE block's)."""
 
 
 class Activations(NamedTuple):
@@ -71,6 +73,8 @@ class Activations(NamedTuple):
     """The output layer's and the loss's (the stage holding the head)."""
     a2a: float = 0.0
     """Expert parallelism: the all-to-all send and receive buffers of the layer in flight (other bytes)."""
+    dense_per_layer: float | None = None
+    """A mixture-of-experts model with dense blocks too (:attr:`Context.moe_split`): a dense block's ``per_layer``."""
 
 
 @dataclass
@@ -117,8 +121,15 @@ class Context:
     dtype's): the MFU's denominator, so an fp8 plan's MFU is a share of the fp8 peak and never passes 1."""
     budget: float = 0.0
     """Bytes a candidate may use (:attr:`PlanConfig.memory_budget_bytes`)."""
-    split_runs: tuple[tuple[int, int], ...] = ()
-    """The stages before the last as runs of equal layer counts: (layers, stages)."""
+    split_runs: tuple[tuple[tuple[int, int], int], ...] = ()
+    """The stages before the last as runs of like stages: ((layers, MoE blocks), stages); MoE blocks 0 unless
+    :attr:`moe_split`."""
+    moe_split: tuple[int, ...] | None = None
+    """A mixture-of-experts model with dense blocks too (DeepSeek-V3's first three, Llama 4's every other): the MoE
+    blocks of each stage, each block timed at its kind (:func:`~microbatch.predict.steptime.pipeline_stage_times`);
+    None for a dense model and one whose every block has the experts."""
+    moe_layers: int = 0
+    """The model's MoE blocks (all L but where :attr:`moe_split` is given)."""
     bw_dp: float = 0.0
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_zero: float = 0.0
@@ -132,7 +143,7 @@ class Context:
     fixed: dict[str, Any] = field(default_factory=dict)
     """The candidate fields every candidate of this plan shares (filled by the first evaluation)."""
     layer_cache: dict[int, LayerCosts] = field(default_factory=dict)
-    forward_cache: dict[int, tuple[LayerTime, float]] = field(default_factory=dict)
+    forward_cache: dict[int, tuple[LayerTime, float, LayerTime | None]] = field(default_factory=dict)
     """Per b_m: one layer's forward and the output layer's (:func:`layer_forward`, :func:`logits_forward`), which
     read neither p nor d: shared by the contexts of one layout search (:func:`make_context`'s ``like``)."""
     act_cache: dict[tuple[int, str], Activations] = field(default_factory=dict)
@@ -184,12 +195,16 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         for i in probe
     }
     prec = get_precision(cfg.precision)
-    runs: list[list[int]] = []
-    for n in split[:-1]:
-        if runs and runs[-1][0] == n:
+    moe_layers = shape.moe_layer_count(0, shape.layers) if shape.moe is not None else 0
+    blended = shape.moe is not None and moe_layers < shape.layers
+    moe_split = tuple(shape.moe_layer_count(firsts[i], split[i]) for i in range(p)) if blended else None
+    runs: list[list[Any]] = []
+    for i, n in enumerate(split[:-1]):
+        key = (n, moe_split[i] if moe_split else 0)
+        if runs and runs[-1][0] == key:
             runs[-1][1] += 1
         else:
-            runs.append([n, 1])
+            runs.append([key, 1])
     d, net, c = cfg.shard_group, cfg.efficiency.network, cfg.context_parallel
     ctx = Context(
         cfg=cfg,
@@ -212,7 +227,9 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         num_gpus=cfg.num_gpus,
         peak_flops=cfg.gpu.flops(prec.gemm_dtype or prec.compute_dtype),
         budget=cfg.memory_budget_bytes,
-        split_runs=tuple((n, c) for n, c in runs),
+        split_runs=tuple((key, c) for key, c in runs),
+        moe_split=moe_split,
+        moe_layers=moe_layers,
         bw_dp=group_bandwidth(cfg.gpu, d, t) * net,
         bw_zero=group_bandwidth(cfg.gpu, cfg.zero_group, t) * net,
         bw_rep=group_bandwidth(cfg.gpu, cfg.replicas, t * cfg.zero_group) * net if cfg.replicas > 1 else 0.0,
@@ -237,7 +254,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
     hit = ctx.layer_cache.get(b)
     if hit is None:
         cfg = ctx.cfg
-        lt, logit_s = ctx.forward_cache.get(b) or _forward(ctx, b)
+        lt, logit_s, dense = ctx.forward_cache.get(b) or _forward(ctx, b)
         t, p = cfg.tensor_parallel, cfg.pipeline_parallel
         p2p = 0.0
         if p > 1:
@@ -246,28 +263,34 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
             bw_tp = group_bandwidth(cfg.gpu, t, 1) * cfg.efficiency.network
             p2p = scatter_gather_send_s(nbytes, t, ctx.bw_pp, bw_tp, cfg.sequence_parallel)
         flops_rate = lt.flops / lt.compute_s / cfg.gpu.flops(ctx.dtype) if lt.compute_s else 0.0
-        hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate)
+        hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate, dense=dense)
         ctx.layer_cache[b] = hit
     return hit
 
 
-def _forward(ctx: Context, b: int) -> tuple[LayerTime, float]:
-    """One layer's forward and the output layer's at b_m = ``b``, into ``ctx.forward_cache``."""
+def _forward(ctx: Context, b: int) -> tuple[LayerTime, float, LayerTime | None]:
+    """One layer's forward (and a dense block's, where :attr:`Context.moe_split`) and the output layer's at b_m =
+    ``b``, into ``ctx.forward_cache``."""
     cfg = ctx.cfg
-    lt = layer_forward(
-        cfg.shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
-        sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
-        dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
-        context_parallel=cfg.context_parallel,
-        fp8_recipe=cfg.fp8_recipe if get_precision(cfg.precision).gemm_dtype == "fp8" else None,
-        async_tp=cfg.async_tp, parallel_block=cfg.block_parallel, cp_comm=cfg.cp_comm,
-    )  # fmt: skip
+
+    def block(shape: ModelShape) -> LayerTime:
+        return layer_forward(
+            shape, b, cfg.gpu, seq=cfg.seq, tensor_parallel=cfg.tensor_parallel,
+            sequence_parallel=cfg.sequence_parallel, flash_attention=cfg.flash_attention,
+            dtype=ctx.dtype, efficiency=cfg.efficiency, moe_layout=(cfg.expert_parallel, cfg.expert_load),
+            context_parallel=cfg.context_parallel,
+            fp8_recipe=cfg.fp8_recipe if get_precision(cfg.precision).gemm_dtype == "fp8" else None,
+            async_tp=cfg.async_tp, parallel_block=cfg.block_parallel, cp_comm=cfg.cp_comm,
+        )  # fmt: skip
+
+    lt = block(cfg.shape)
+    dense = block(cfg.shape.dense_block()) if ctx.moe_split is not None else None
     logit_s, _ = logits_forward(
         cfg.shape, b, cfg.gpu, seq=cfg.seq_len // cfg.context_parallel, tensor_parallel=cfg.tensor_parallel,
         dtype=ctx.dtype, efficiency=cfg.efficiency, logits_bytes=LOSS_DTYPES[cfg.loss_dtype],
     )  # fmt: skip
-    ctx.forward_cache[b] = (lt, logit_s)
-    return lt, logit_s
+    ctx.forward_cache[b] = (lt, logit_s, dense)
+    return lt, logit_s, dense
 
 
 def activations(ctx: Context, b: int, rc: str) -> Activations:
@@ -277,19 +300,14 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
     hit = ctx.act_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
-        f8 = saves_fp8_inputs(cfg.precision, cfg.fp8_recipe)
-        per_layer = layer_activation_bytes(
-            cfg.shape, b, recompute=rc, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-            expert_load=cfg.expert_load, fp8_inputs=f8, **ctx.act_kw,
+        kw = dict(
+            recompute=rc, recompute_every=cfg.recompute_every, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
+            expert_load=cfg.expert_load, fp8_inputs=saves_fp8_inputs(cfg.precision, cfg.fp8_recipe), **ctx.act_kw,
         )  # fmt: skip
-        working = 0.0
-        if rc in ("full", "op"):  # the layer being recomputed re-materialises what it did not keep
-            none = layer_activation_bytes(
-                cfg.shape, b, recompute="none", flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-                expert_load=cfg.expert_load, fp8_inputs=f8, **ctx.act_kw,
-            )  # fmt: skip
-            working = recompute_working(none, per_layer)
-            per_layer = every_kth(per_layer, none, cfg.recompute_every if rc == "full" else 1)
+        per_layer, working = block_activation_bytes(cfg.shape, b, **kw)  # the largest block's working set
+        dense = (
+            block_activation_bytes(cfg.shape.dense_block(), b, **kw)[0] if ctx.moe_split is not None else None
+        )
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
         out = output_activation_bytes(
             cfg.shape, b, dtype_bytes=ctx.e, logits_bytes=LOSS_DTYPES[cfg.loss_dtype], **ctx.act_kw
@@ -298,7 +316,9 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
         if cfg.expert_parallel > 1:
             s_local = cfg.seq_len // cfg.context_parallel
             a2a = 2 * dispatch_bytes(cfg.shape, b, s_local, dtype_bytes=ctx.e, load=cfg.expert_load)
-        hit = Activations(per_layer=per_layer, working=working, embedding=emb, output=out, a2a=a2a)
+        hit = Activations(
+            per_layer=per_layer, working=working, embedding=emb, output=out, a2a=a2a, dense_per_layer=dense
+        )
         ctx.act_cache[key] = hit
     return hit
 

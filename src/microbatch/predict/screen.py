@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from microbatch.errors import ConfigError
+from microbatch.predict.activations import stage_block_bytes
 from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
 from microbatch.predict.plan_context import (
     Context,
@@ -87,7 +88,12 @@ def screen(
     pipe, bubble = _pipeline_time(ctx, sched, m, v, tm)
     costs = layer_costs(ctx, b)
     # FP8 weights cast once a step (TE): each stage's first forward, one after another along the fill: all L layers
-    cast = cfg.shape.layers * costs.layer.weight_cast_s
+    cast = (
+        cfg.shape.layers * costs.layer.weight_cast_s
+        if costs.dense is None
+        else ctx.moe_layers * costs.layer.weight_cast_s
+        + (cfg.shape.layers - ctx.moe_layers) * costs.dense.weight_cast_s
+    )
     acts = _stage_activations(ctx, b, rc, flight)
     a2a = activations(ctx, b, rc).a2a
     n = ctx.max_params_v if v_placement else ctx.max_params
@@ -153,11 +159,12 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
 def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight) -> tuple[float, ...]:
     """Activation bytes of each probed stage at b_m = ``b`` under recompute ``rc`` and the schedule's in-flight
     rule ``flight`` (:func:`_flight`), with the memory calibration's scale."""
-    per_layer, working, emb, out, _ = activations(ctx, b, rc)
+    per_layer, working, emb, out, _, dense = activations(ctx, b, rc)
     scale = ctx.cfg.memory_calibration.activation_scale
     rows = []
-    for n_layers, layers_mb, held, first, head in flight.rows:
-        acts = per_layer * n_layers * layers_mb + working
+    for j, (n_layers, layers_mb, held, first, head) in enumerate(flight.rows):
+        k = ctx.moe_split[ctx.probe[j]] if ctx.moe_split is not None else n_layers  # the stage's MoE blocks
+        acts = stage_block_bytes(per_layer, dense, n_layers, k) * layers_mb + working
         if first:
             acts += emb * held
         if head:
@@ -194,19 +201,23 @@ def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
     # the step-time rule on each distinct stage (an even split has two or three: the others, and the last
     # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
     runs = ctx.split_runs
-    kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
+    kinds = tuple(dict.fromkeys(key for key, _ in runs)) + (
+        (split[-1], ctx.moe_split[-1] if ctx.moe_split else 0),
+    )
     layer = overlap_expert_comm(costs.layer, overlap_sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
     fu, iu, wu = pipeline_stage_times(
         layer,
         costs.logits_s,
-        split=kinds,
+        split=tuple(n for n, _ in kinds),
         p2p_s=costs.p2p_s,
         recompute=rc,
         recompute_every=ctx.cfg.recompute_every,
         virtual=v,
+        dense=costs.dense,
+        moe_split=tuple(k for _, k in kinds) if costs.dense is not None else None,
     )
     tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
-    at = {n: j for j, n in enumerate(kinds[:-1])}
+    at = {key: j for j, key in enumerate(kinds[:-1])}
     f: list[float] = []
     i_: list[float] = []
     w: list[float] = []
@@ -240,6 +251,10 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
         ctx.split[s] // 2 if s < p else ctx.split[2 * p - 1 - s] - ctx.split[2 * p - 1 - s] // 2
         for s in range(2 * p)
     )
+    moe_split = None
+    if costs.dense is not None:  # virtual stage s holds the layers after those of stages 0 … s − 1
+        shape = ctx.cfg.shape
+        moe_split = tuple(shape.moe_layer_count(sum(chunks[:s]), chunks[s]) for s in range(2 * p))
     f, i_, w = pipeline_stage_times(
         overlap_expert_comm(
             costs.layer, overlap_sigma(ctx)
@@ -249,6 +264,8 @@ def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:
         p2p_s=costs.p2p_s,
         recompute=rc,
         recompute_every=ctx.cfg.recompute_every,
+        dense=costs.dense,
+        moe_split=moe_split,
     )
     rf = [f[r] + f[2 * p - 1 - r] for r in range(p)]
     ri = [i_[r] + i_[2 * p - 1 - r] for r in range(p)]

@@ -37,7 +37,8 @@ from microbatch.predict.roofline import (
 )
 
 __all__ = [
-    "StageTime", "layer_pass_times", "stage_time", "pipeline_stage_times", "predict_step_time_s", "overlap_expert_comm",
+    "StageTime", "layer_pass_times", "stage_time", "pipeline_stage_times", "predict_step_time_s",
+    "overlap_expert_comm",
 ]  # fmt: skip
 
 
@@ -114,15 +115,19 @@ def stage_time(
     last: bool,
     p2p_s: float = 0.0,
     recompute: str = "none",
+    dense: LayerTime | None = None,
+    moe_layers: int | None = None,
 ) -> StageTime:
     """F, I and W of a stage of ``layers`` layers (plus the output layer and loss when ``last``).
 
     The output layer's backward ≈ 2 × its forward: one for I, one for W. The pipeline send
-    ``p2p_s`` (activations forward, gradients back) is on F and I.
+    ``p2p_s`` (activations forward, gradients back) is on F and I. ``dense``, ``moe_layers``: a mixture-of-experts
+    model with dense blocks too, ``lt`` its MoE block (:func:`pipeline_stage_times`).
     """
     f, i, w = pipeline_stage_times(
-        lt, logits_s, split=(layers,), p2p_s=p2p_s, recompute=recompute, last_has_logits=last
-    )
+        lt, logits_s, split=(layers,), p2p_s=p2p_s, recompute=recompute, last_has_logits=last, dense=dense,
+        moe_split=None if moe_layers is None else (moe_layers,),
+    )  # fmt: skip
     return StageTime(forward_s=f[0], input_grad_s=i[0], weight_grad_s=w[0])
 
 
@@ -136,17 +141,32 @@ def pipeline_stage_times(
     last_has_logits: bool = True,
     virtual: int = 1,
     recompute_every: int = 1,
+    dense: LayerTime | None = None,
+    moe_split: tuple[int, ...] | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """(F, I, W) of every stage of a pipeline whose stages hold ``split`` layers: :func:`stage_time`
     for each, the output layer and loss on the last. The planner's hot loop: one pass, lists out.
 
     ``virtual`` = v chunks per rank (interleaved 1F1B): a micro-batch crosses v chunk boundaries on
     each rank, so F and I carry v sends of ``p2p_s`` (Narayanan et al. 2021 §2.2.2: interleaving
-    multiplies the pipeline communication by v)."""
+    multiplies the pipeline communication by v).
+
+    A mixture-of-experts model whose blocks are not all MoE blocks (DeepSeek-V3's three dense first blocks, Llama 4's
+    dense block between two MoE blocks): ``lt`` is its MoE block, ``dense`` its dense block (the model's dense MLP
+    width, no router, permutation or all-to-all) and ``moe_split`` the MoE blocks of each stage; a stage's time is
+    its blocks' times, each at its own kind."""
     f, i, w = layer_pass_times(lt, recompute, recompute_every)
     last = len(split) - 1
     sends = p2p_s * max(1, virtual)
     fs, is_, ws = [], [], []
+    if dense is not None and moe_split is not None:
+        df, di, dw = layer_pass_times(dense, recompute, recompute_every)
+        for s, (n, k) in enumerate(zip(split, moe_split, strict=True)):
+            extra = logits_s if s == last and last_has_logits else 0.0
+            fs.append(k * f + (n - k) * df + extra + sends)
+            is_.append(k * i + (n - k) * di + extra + sends)
+            ws.append(k * w + (n - k) * dw + extra)
+        return fs, is_, ws
     for s, n in enumerate(split):
         extra = logits_s if s == last and last_has_logits else 0.0
         fs.append(n * f + extra + sends)
@@ -180,5 +200,14 @@ def predict_step_time_s(
     lt = layer_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency, fp8_recipe=recipe)
     logits_s, _ = logits_forward(shape, micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency)
     recompute = "full" if checkpointing else "none"
-    step = stage_time(lt, logits_s, layers=shape.layers, last=True, recompute=recompute).total_s
-    return step + shape.layers * lt.weight_cast_s
+    L, moe = shape.layers, shape.moe_layer_count(0, shape.layers)
+    if shape.moe is None or moe == L:
+        step = stage_time(lt, logits_s, layers=L, last=True, recompute=recompute).total_s
+        return step + L * lt.weight_cast_s
+    dense = layer_forward(
+        shape.dense_block(), micro_batch, acc, seq=s, dtype=dtype, efficiency=efficiency, fp8_recipe=recipe
+    )
+    step = stage_time(
+        lt, logits_s, layers=L, last=True, recompute=recompute, dense=dense, moe_layers=moe
+    ).total_s
+    return step + moe * lt.weight_cast_s + (L - moe) * dense.weight_cast_s

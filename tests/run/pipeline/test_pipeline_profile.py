@@ -219,9 +219,11 @@ def test_the_loaded_calibration_model_has_a_stage_per_unit_spinning_for_its_cpu_
     h = units[2](units[1](x.detach().requires_grad_()))
     assert time.thread_time() - c0 < 0.02  # stages 1 and 2 spin no forward
     inp = x.detach().requires_grad_()
+    # the least of three: a first call's set-up (autograd, allocator) on a loaded machine is not the spin (once
+    # 21 ms over it beside another pytest worker)
     tries = []
-    for _ in range(3):  # the least of three: a first call's set-up (autograd, allocator) on a loaded machine is not
-        c0 = time.thread_time()  # the spin (once 21 ms over it beside another pytest worker)
+    for _ in range(3):
+        c0 = time.thread_time()
         y = units[2](units[1](inp))
         (g,) = torch.autograd.grad(y.sum(), [inp], retain_graph=True)  # input gradient: stage 2's I
         tries.append(time.thread_time() - c0)

@@ -1,0 +1,130 @@
+"""A mixture-of-experts model whose blocks are not all MoE blocks (DeepSeek-V3's three dense first blocks, Llama 4's
+dense block between two MoE blocks) is timed block by block: each dense block at the dense MLP's cost (no router,
+permutation or all-to-all), each MoE block at its own; before, every block was timed as a MoE block."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.candidate import _stage_times, _v_stage_times, layer_costs, make_context
+from microbatch.predict.plan import PlanConfig
+from microbatch.predict.roofline import layer_forward, logits_forward
+from microbatch.predict.steptime import (
+    layer_pass_times,
+    pipeline_stage_times,
+    predict_step_time_s,
+    stage_time,
+)
+
+H100 = get_accelerator("h100-sxm")
+MIXTRAL = get_model("mixtral-8x7b")
+EVERY_OTHER = replace(MIXTRAL, moe=replace(MIXTRAL.moe, moe_every=2))  # Llama 4's interleave step 2
+
+
+def test_a_stage_is_its_moe_blocks_at_the_moe_time_and_its_dense_blocks_at_the_dense_time():
+    moe = layer_forward(MIXTRAL, 2, H100, seq=4096, moe_layout=(4, 1.0))
+    dense = layer_forward(MIXTRAL.dense_block(), 2, H100, seq=4096)
+    assert dense.total_s < moe.total_s and dense.ep_comm_s == 0 < moe.ep_comm_s
+    f, i, w = pipeline_stage_times(moe, 0.01, split=(5, 4, 3), p2p_s=0.002, dense=dense, moe_split=(2, 4, 0))
+    fm, im, wm = layer_pass_times(moe)
+    fd, id_, wd = layer_pass_times(dense)
+    assert f == pytest.approx([2 * fm + 3 * fd + 0.002, 4 * fm + 0.002, 3 * fd + 0.01 + 0.002])
+    assert i == pytest.approx([2 * im + 3 * id_ + 0.002, 4 * im + 0.002, 3 * id_ + 0.01 + 0.002])
+    assert w == pytest.approx([2 * wm + 3 * wd, 4 * wm, 3 * wd + 0.01])
+    # every block a MoE block: the rule as it was
+    assert pipeline_stage_times(moe, 0.01, split=(5,), dense=dense, moe_split=(5,)) == pipeline_stage_times(
+        moe, 0.01, split=(5,)
+    )
+
+
+def test_one_device_step_counts_each_block_at_its_kind():
+    shape = get_model("deepseek-v3")
+    assert shape.moe_layer_count(0, shape.layers) == shape.layers - 3
+    lt = layer_forward(shape, 1, H100, seq=4096)
+    dense = layer_forward(shape.dense_block(), 1, H100, seq=4096)
+    logits, _ = logits_forward(shape, 1, H100, seq=4096)
+    by_hand = 58 * sum(layer_pass_times(lt)) + 3 * sum(layer_pass_times(dense)) + 3 * logits
+    assert predict_step_time_s(shape, 1, H100, seq=4096) == pytest.approx(by_hand)
+    all_moe = stage_time(lt, logits, layers=61, last=True).total_s
+    assert predict_step_time_s(shape, 1, H100, seq=4096) < all_moe  # the dense blocks cost less here
+    # a model whose every block has the experts: unchanged
+    assert predict_step_time_s(MIXTRAL, 1, H100, seq=4096) == pytest.approx(
+        stage_time(
+            layer_forward(MIXTRAL, 1, H100, seq=4096),
+            logits_forward(MIXTRAL, 1, H100, seq=4096)[0],
+            layers=32,
+            last=True,
+        ).total_s  # fmt: skip
+    )
+
+
+def test_the_planner_times_each_stage_by_its_own_blocks():
+    """Llama 4's pattern (every other block MoE) on p = 4 and DeepSeek-V3's (three dense first blocks) on p = 8:
+    each stage's F, I, W are its MoE blocks' and its dense blocks' (moe_layer_count), the bottleneck the stage
+    with the most MoE time."""
+    for shape, p in ((EVERY_OTHER, 4), (get_model("deepseek-v3"), 8)):
+        cfg = PlanConfig(
+            shape=shape, gpu=H100, global_batch=64, pipeline_parallel=p, expert_parallel=1, seq=4096
+        )
+        ctx = make_context(cfg)
+        costs = layer_costs(ctx, 1)
+        assert costs.dense is not None and ctx.moe_split is not None
+        firsts = [sum(ctx.split[:s]) for s in range(p)]
+        ks = tuple(shape.moe_layer_count(firsts[s], ctx.split[s]) for s in range(p))
+        assert ctx.moe_split == ks and ctx.moe_layers == sum(ks) < shape.layers
+        fm, im, wm = layer_pass_times(costs.layer)
+        fd, id_, wd = layer_pass_times(costs.dense)
+        tm = _stage_times(ctx, 1, "none")
+        for s, (n, k) in enumerate(zip(ctx.split, ks, strict=True)):
+            head = costs.logits_s if s == p - 1 else 0.0
+            assert tm.f[s] == pytest.approx(k * fm + (n - k) * fd + head + costs.p2p_s)
+            assert tm.w[s] == pytest.approx(k * wm + (n - k) * wd + head)
+        T = [a + b + c for a, b, c in zip(tm.f, tm.i, tm.w, strict=True)]
+        assert tm.k == T.index(max(T))
+    # a dense model and an all-MoE model keep one kind of block
+    for shape in (get_model("llama-2-7b"), MIXTRAL):
+        ctx = make_context(PlanConfig(shape=shape, gpu=H100, global_batch=64, pipeline_parallel=4))
+        assert ctx.moe_split is None and layer_costs(ctx, 1).dense is None
+
+
+def test_dualpipev_chunks_count_their_own_moe_blocks():
+    cfg = PlanConfig(shape=EVERY_OTHER, gpu=H100, global_batch=64, pipeline_parallel=4, seq=4096)
+    ctx = make_context(cfg)
+    costs = layer_costs(ctx, 1)
+    tm = _v_stage_times(ctx, 1, "none")
+    fm, fd = layer_pass_times(costs.layer)[0], layer_pass_times(costs.dense)[0]
+    # 32 layers in 8 chunks of 4, chunk s holding layers 4s … 4s + 3: blocks 1 and 3 of each have the experts
+    assert tm.f[:7] == pytest.approx([2 * fm + 2 * fd + costs.p2p_s] * 7)
+    assert tm.f[7] == pytest.approx(2 * fm + 2 * fd + costs.p2p_s + costs.logits_s)
+
+
+def test_a_stages_activations_are_its_blocks_each_at_its_kind_in_the_memory_model_and_the_planner():
+    """A dense block keeps no router, permutation or expert buffers: a stage of k MoE and n − k dense blocks keeps
+    k MoE blocks' activations and n − k dense blocks' (the largest block's recompute working set), in
+    estimate_memory and in the planner's screening alike."""
+    from microbatch.predict.activations import block_activation_bytes
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.predict.plan import make_plan
+
+    shape = EVERY_OTHER.with_seq(2048)
+    moe, _ = block_activation_bytes(shape, 2, seq=2048)
+    dense, _ = block_activation_bytes(shape.dense_block(), 2, seq=2048)
+    assert dense < 0.7 * moe  # Mixtral's block: the routed copies and expert buffers
+    est = estimate_memory(shape, MemoryConfig(micro_batch=2, pipeline_parallel=4, microbatches=8))
+    for st in est.stages:  # 8 blocks a stage, 4 of them MoE; 1F1B holds p − i micro-batches
+        assert st.activation_terms["layers"] == pytest.approx((4 * moe + 4 * dense) * (4 - st.stage))
+    all_moe = estimate_memory(get_model("mixtral-8x7b").with_seq(2048),
+                              MemoryConfig(micro_batch=2, pipeline_parallel=4, microbatches=8))  # fmt: skip
+    assert all_moe.stages[1].activation_terms["layers"] == pytest.approx(8 * moe * 3)
+    plan = make_plan(PlanConfig(shape=shape, gpu=H100, global_batch=64, pipeline_parallel=4, data_parallel=2,
+                                simulate_top=0))  # fmt: skip
+    for c in plan.candidates[::5]:
+        got = estimate_memory(shape, MemoryConfig(
+            micro_batch=c.micro_batch, pipeline_parallel=4, virtual=c.virtual, microbatches=c.microbatches,
+            schedule=c.schedule, data_parallel=2, zero=c.zero, recompute=c.recompute,
+        ))  # fmt: skip
+        assert c.peak_memory_bytes == pytest.approx(got.peak_bytes, rel=1e-9), c
