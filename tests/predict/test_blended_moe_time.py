@@ -23,6 +23,9 @@ from microbatch.predict.steptime import (
 H100 = get_accelerator("h100-sxm")
 MIXTRAL = get_model("mixtral-8x7b")
 EVERY_OTHER = replace(MIXTRAL, moe=replace(MIXTRAL.moe, moe_every=2))  # Llama 4's interleave step 2
+DENSE_FIRST = replace(
+    MIXTRAL, layers=12, moe=replace(MIXTRAL.moe, dense_layers=3)
+)  # DeepSeek-V3's pattern, short
 
 
 def test_a_stage_is_its_moe_blocks_at_the_moe_time_and_its_dense_blocks_at_the_dense_time():
@@ -39,6 +42,9 @@ def test_a_stage_is_its_moe_blocks_at_the_moe_time_and_its_dense_blocks_at_the_d
     assert pipeline_stage_times(moe, 0.01, split=(5,), dense=dense, moe_split=(5,)) == pipeline_stage_times(
         moe, 0.01, split=(5,)
     )
+    with pytest.raises(ValueError, match="together") as e:  # one without the other: refused, not ignored
+        pipeline_stage_times(moe, 0.01, split=(5,), dense=dense)
+    assert "moe_split" in str(e.value)
 
 
 def test_one_device_step_counts_each_block_at_its_kind():
@@ -92,39 +98,90 @@ def test_the_planner_times_each_stage_by_its_own_blocks():
 
 
 def test_dualpipev_chunks_count_their_own_moe_blocks():
-    cfg = PlanConfig(shape=EVERY_OTHER, gpu=H100, global_batch=64, pipeline_parallel=4, seq=4096)
+    """12 blocks, the first three dense, p = 3 under DualPipeV: six chunks of two blocks in order, chunk s on rank s
+    (s < 3) or 5 − s, so the chunks hold 0, 1, 2, 2, 2, 2 MoE blocks (chunk 0 on rank 0, chunk 1 on rank 1)."""
+    cfg = PlanConfig(shape=DENSE_FIRST, gpu=H100, global_batch=64, pipeline_parallel=3, seq=4096)
     ctx = make_context(cfg)
     costs = layer_costs(ctx, 1)
     tm = _v_stage_times(ctx, 1, "none")
-    fm, fd = layer_pass_times(costs.layer)[0], layer_pass_times(costs.dense)[0]
-    # 32 layers in 8 chunks of 4, chunk s holding layers 4s … 4s + 3: blocks 1 and 3 of each have the experts
-    assert tm.f[:7] == pytest.approx([2 * fm + 2 * fd + costs.p2p_s] * 7)
-    assert tm.f[7] == pytest.approx(2 * fm + 2 * fd + costs.p2p_s + costs.logits_s)
+    (fm, im, wm), (fd, id_, wd) = layer_pass_times(costs.layer), layer_pass_times(costs.dense)
+    moe = [0, 1, 2, 2, 2, 2]
+    head = [0.0] * 5 + [costs.logits_s]
+    assert tm.f == pytest.approx(
+        [k * fm + (2 - k) * fd + costs.p2p_s + h for k, h in zip(moe, head, strict=True)]
+    )
+    assert tm.i == pytest.approx(
+        [k * im + (2 - k) * id_ + costs.p2p_s + h for k, h in zip(moe, head, strict=True)]
+    )
+    assert tm.w == pytest.approx([k * wm + (2 - k) * wd + h for k, h in zip(moe, head, strict=True)])
+    # rank r holds chunks r and 5 − r: rank 0 the dense chunk 0 and the head's chunk 5, rank 2 chunks 2 and 3
+    T = [tm.f[r] + tm.f[5 - r] + tm.i[r] + tm.i[5 - r] + tm.w[r] + tm.w[5 - r] for r in range(3)]
+    assert tm.k == max(range(3), key=T.__getitem__) and tm.Tk == pytest.approx(max(T))
+
+
+def test_interleaving_places_the_dense_blocks_as_the_loop_placement_does():
+    """p = 2, v = 3 over 12 blocks (three dense first): six chunks of two, chunk s on rank s mod 2, so rank 0 holds
+    chunks 0, 2, 4 (blocks 0-1, 4-5, 8-9: 4 MoE) and rank 1 chunks 1, 3, 5 (blocks 2-3, 6-7, 10-11: 5 MoE); without
+    interleaving rank 0 holds blocks 0-5 (3 MoE) and rank 1 blocks 6-11 (6 MoE)."""
+    from microbatch.predict.stages import rank_moe_blocks
+
+    assert rank_moe_blocks(DENSE_FIRST, (6, 6), 3) == (4, 5)
+    assert rank_moe_blocks(DENSE_FIRST, (6, 6)) == (3, 6)
+    assert rank_moe_blocks(DENSE_FIRST, (4, 4, 4), 2, "v") == (2, 3, 4)
+    cfg = PlanConfig(shape=DENSE_FIRST, gpu=H100, global_batch=64, pipeline_parallel=2, seq=4096)
+    ctx = make_context(cfg)
+    costs = layer_costs(ctx, 1)
+    (fm, im, wm), (fd, id_, wd) = layer_pass_times(costs.layer), layer_pass_times(costs.dense)
+    for v, moe in ((1, (3, 6)), (3, (4, 5))):
+        tm = _stage_times(ctx, 1, "none", v)
+        for r, k in enumerate(moe):
+            head = costs.logits_s if r == 1 else 0.0
+            assert tm.f[r] == pytest.approx(k * fm + (6 - k) * fd + head + v * costs.p2p_s)
+            assert tm.i[r] == pytest.approx(k * im + (6 - k) * id_ + head + v * costs.p2p_s)
+            assert tm.w[r] == pytest.approx(k * wm + (6 - k) * wd + head)
 
 
 def test_a_stages_activations_are_its_blocks_each_at_its_kind_in_the_memory_model_and_the_planner():
-    """A dense block keeps no router, permutation or expert buffers: a stage of k MoE and n − k dense blocks keeps
-    k MoE blocks' activations and n − k dense blocks' (the largest block's recompute working set), in
-    estimate_memory and in the planner's screening alike."""
-    from microbatch.predict.activations import block_activation_bytes
+    """A dense block keeps no router, permutation or expert buffers: a rank of k MoE and n − k dense blocks keeps
+    k MoE blocks' activations and n − k dense blocks' (the placement's blocks: consecutive, interleaved chunks, or a
+    V), in estimate_memory and in the planner's screening alike."""
+    from microbatch.predict.activations import layer_activation_bytes
     from microbatch.predict.memory import MemoryConfig, estimate_memory
     from microbatch.predict.plan import make_plan
 
-    shape = EVERY_OTHER.with_seq(2048)
-    moe, _ = block_activation_bytes(shape, 2, seq=2048)
-    dense, _ = block_activation_bytes(shape.dense_block(), 2, seq=2048)
+    shape = DENSE_FIRST.with_seq(2048)
+    moe = layer_activation_bytes(shape, 2, seq=2048)
+    dense = layer_activation_bytes(replace(shape, moe=None), 2, seq=2048)
     assert dense < 0.7 * moe  # Mixtral's block: the routed copies and expert buffers
-    est = estimate_memory(shape, MemoryConfig(micro_batch=2, pipeline_parallel=4, microbatches=8))
-    for st in est.stages:  # 8 blocks a stage, 4 of them MoE; 1F1B holds p − i micro-batches
-        assert st.activation_terms["layers"] == pytest.approx((4 * moe + 4 * dense) * (4 - st.stage))
-    all_moe = estimate_memory(get_model("mixtral-8x7b").with_seq(2048),
-                              MemoryConfig(micro_batch=2, pipeline_parallel=4, microbatches=8))  # fmt: skip
-    assert all_moe.stages[1].activation_terms["layers"] == pytest.approx(8 * moe * 3)
-    plan = make_plan(PlanConfig(shape=shape, gpu=H100, global_batch=64, pipeline_parallel=4, data_parallel=2,
-                                simulate_top=0))  # fmt: skip
-    for c in plan.candidates[::5]:
-        got = estimate_memory(shape, MemoryConfig(
-            micro_batch=c.micro_batch, pipeline_parallel=4, virtual=c.virtual, microbatches=c.microbatches,
-            schedule=c.schedule, data_parallel=2, zero=c.zero, recompute=c.recompute,
-        ))  # fmt: skip
-        assert c.peak_memory_bytes == pytest.approx(got.peak_bytes, rel=1e-9), c
+    cases = (  # schedule, p, v, MoE blocks per rank, layer-micro-batches per rank layer at m = 8
+        ("1f1b", 2, 1, (3, 6), (2, 1)),  # 1F1B holds p − i micro-batches
+        ("gpipe", 2, 1, (3, 6), (8, 8)),
+        ("interleaved-1f1b", 2, 3, (4, 5), None),
+        ("dualpipev", 3, 2, (2, 3, 4), None),
+    )
+    for sched, p, v, ks, held in cases:
+        cfg = MemoryConfig(micro_batch=2, pipeline_parallel=p, microbatches=8, schedule=sched, virtual=v)
+        est = estimate_memory(shape, cfg)
+        for st in est.stages:
+            n, k = st.layers, ks[st.stage]
+            mean = (k * moe + (n - k) * dense) / n
+            if held is not None:
+                assert st.activation_terms["layers"] == pytest.approx(mean * n * held[st.stage]), (
+                    sched,
+                    st.stage,
+                )
+            else:  # the schedule's layer-micro-batches, at the rank's own mix of blocks
+                assert st.activation_terms["layers"] / mean == pytest.approx(
+                    estimate_memory(shape.dense_block(), cfg).stages[st.stage].activation_terms[
+                        "layers"] / dense
+                )  # fmt: skip
+    for p in (2, 3):
+        plan = make_plan(PlanConfig(shape=shape, gpu=H100, global_batch=48, pipeline_parallel=p, data_parallel=2,
+                                    simulate_top=0))  # fmt: skip
+        assert {c.schedule for c in plan.candidates} >= {"1f1b", "interleaved-1f1b"}
+        for c in plan.candidates[::3]:
+            got = estimate_memory(shape, MemoryConfig(
+                micro_batch=c.micro_batch, pipeline_parallel=p, virtual=c.virtual, microbatches=c.microbatches,
+                schedule=c.schedule, data_parallel=2, zero=c.zero, recompute=c.recompute,
+            ))  # fmt: skip
+            assert c.peak_memory_bytes == pytest.approx(got.peak_bytes, rel=1e-9), c

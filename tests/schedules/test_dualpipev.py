@@ -149,7 +149,8 @@ def test_memory_model_reads_dualpipev_two_chunks_per_rank_and_the_head_on_rank_0
     """predict/memory with DualPipeV: 2p + 1 chunks of half a rank's layers in flight on every rank,
     and rank 0 holds both the embedding and the output layer (the V comes back to it)."""
     from microbatch.model import get_model
-    from microbatch.predict.memory import MemoryConfig, estimate_memory, layer_activation_bytes
+    from microbatch.predict.activations import layer_activation_bytes
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
 
     shape = get_model("gpt2")
     p, m = 3, 8

@@ -32,10 +32,10 @@ def predicted_bytes(shape: Any, global_batch: int, micro_batch: int) -> dict[str
     one micro-batch at fp32 with plain attention (Korthikanti et al. 2022 per layer, plus the logits,
     :mod:`microbatch.predict.activations`).
     """
-    from microbatch.predict.activations import layer_activation_bytes, output_activation_bytes
+    from microbatch.predict.activations import blocks_activation_bytes, output_activation_bytes
 
-    acts = shape.layers * layer_activation_bytes(
-        shape, micro_batch, dtype_bytes=4, flash_attention=False
+    acts = blocks_activation_bytes(
+        shape, micro_batch, 0, shape.layers, dtype_bytes=4, flash_attention=False
     ) + output_activation_bytes(shape, micro_batch, dtype_bytes=4)
     return {
         "model_state": 12.0 * shape.param_count(),

@@ -28,6 +28,7 @@ __all__ = [
     "output_activation_bytes",
     "block_activation_bytes",
     "stage_block_bytes",
+    "blocks_activation_bytes",
 ]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -245,3 +246,12 @@ def stage_block_bytes(per_layer: float, dense_per_layer: float | None, layers: i
     if dense_per_layer is None:
         return per_layer * layers
     return moe_layers * per_layer + (layers - moe_layers) * dense_per_layer
+
+
+def blocks_activation_bytes(shape: ModelShape, micro_batch: int, first: int, count: int, **kw: Any) -> float:
+    """:func:`layer_activation_bytes` summed over blocks ``first`` … ``first + count − 1``, each at its kind (a
+    mixture-of-experts model's dense blocks at its dense block's bytes: :func:`stage_block_bytes`)."""
+    per = layer_activation_bytes(shape, micro_batch, **kw)
+    moe = shape.moe_layer_count(first, count) if shape.moe is not None else count
+    dense = layer_activation_bytes(shape.dense_block(), micro_batch, **kw) if moe < count else None
+    return stage_block_bytes(per, dense, count, moe)

@@ -6,7 +6,7 @@ placement).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from microbatch.predict.collectives import (
     fsdp2_copy_out_s,
@@ -71,7 +71,7 @@ def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -
 class Collectives(NamedTuple):
     """One ZeRO stage's collectives on ``n`` parameters, before any overlap (:func:`_collectives`)."""
 
-    kind: str
+    kind: Literal["none", "allreduce", "zero1", "zero2", "zero3", "pipeline"]
     """``none`` (one replica), ``allreduce`` (ZeRO 0), ``zero1``, ``zero2``, ``zero3``, or ``pipeline`` (ZeRO-2/3
     under a pipeline, :func:`_fsdp_under_pipeline`)."""
     reduce: float
@@ -97,7 +97,8 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float) -> Collectives:
     d = cfg.shard_group  # gradients reduced over d·c
     zg, bw_zero = cfg.zero_group, ctx.bw_zero  # ZeRO's shard group: d·c, or shard_degree·c (HSDP)
     wb, gb, _ = ctx.state_bpp
-    kind, reduce, gather, units, copy, replica = "none", 0.0, 0.0, 0, 0.0, 0.0
+    kind: Literal["none", "allreduce", "zero1", "zero2", "zero3", "pipeline"] = "none"
+    reduce, gather, units, copy, replica = 0.0, 0.0, 0, 0.0, 0.0
     if d > 1:
         if z == 0:
             kind, reduce = "allreduce", allreduce_time_s(n * gb, d, ctx.bw_dp)

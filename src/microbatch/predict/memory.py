@@ -43,7 +43,7 @@ from microbatch.predict.activations import (
 from microbatch.predict.context import check_context_layout
 from microbatch.predict.experts import check_expert_layout, dispatch_bytes, expert_load, expert_params
 from microbatch.predict.recompute import check_every_kth
-from microbatch.predict.stages import split_layers, stage_params
+from microbatch.predict.stages import rank_moe_blocks, split_layers, stage_params
 from microbatch.predict.state import (
     check_hybrid,
     check_pipeline_grad_reduce,
@@ -447,6 +447,8 @@ def estimate_memory(
     seq, sp = (config.seq or shape.seq) // c, config.sequence_parallel
     load = config.expert_load
     per_layer, working, dense = _blocks(shape, config, seq, e)  # the largest block's working set
+    place = registry.get_spec(config.schedule).placement if p > 1 else "loop"  # where the dense blocks are
+    ks = rank_moe_blocks(shape, split, v, place) if dense is not None else None
     w_bytes = config.state_bytes_per_param()[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
@@ -455,10 +457,7 @@ def estimate_memory(
     for i, n_layers in enumerate(split):
         params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
         held = registry.in_flight_microbatches(config.schedule, i, p, m, v)
-        k = shape.moe_layer_count(
-            sum(split[:i]), n_layers
-        )  # a stage's dense blocks keep a dense block's bytes
-        per = per_layer if dense is None else stage_block_bytes(per_layer, dense, n_layers, k) / n_layers
+        per = per_layer if ks is None else stage_block_bytes(per_layer, dense, n_layers, ks[i]) / n_layers
         terms = {"layers": per * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
             emb = embedding_activation_bytes(

@@ -28,7 +28,7 @@ from microbatch.predict.roofline import (
     logits_forward,
     scatter_gather_send_s,
 )
-from microbatch.predict.stages import split_layers, stage_params
+from microbatch.predict.stages import rank_moe_blocks, split_layers, stage_params
 from microbatch.predict.state import config_eager_update_bytes
 from microbatch.schedules.closed_forms import PipelineTime
 
@@ -41,6 +41,7 @@ __all__ = [
     "activations",
     "layer_costs",
     "make_context",
+    "moe_blocks",
 ]
 
 
@@ -121,15 +122,16 @@ class Context:
     dtype's): the MFU's denominator, so an fp8 plan's MFU is a share of the fp8 peak and never passes 1."""
     budget: float = 0.0
     """Bytes a candidate may use (:attr:`PlanConfig.memory_budget_bytes`)."""
-    split_runs: tuple[tuple[tuple[int, int], int], ...] = ()
-    """The stages before the last as runs of like stages: ((layers, MoE blocks), stages); MoE blocks 0 unless
-    :attr:`moe_split`."""
+    split_runs: tuple[tuple[int, int], ...] = ()
+    """The stages before the last as runs of equal layer counts: (layers, stages)."""
     moe_split: tuple[int, ...] | None = None
     """A mixture-of-experts model with dense blocks too (DeepSeek-V3's first three, Llama 4's every other): the MoE
-    blocks of each stage, each block timed at its kind (:func:`~microbatch.predict.steptime.pipeline_stage_times`);
-    None for a dense model and one whose every block has the experts."""
+    blocks of each rank holding consecutive blocks, each block timed and held at its kind
+    (:func:`~microbatch.predict.steptime.pipeline_stage_times`, :func:`moe_blocks` for chunked placements); None for
+    a dense model and one whose every block has the experts. Every stage is probed then."""
     moe_layers: int = 0
     """The model's MoE blocks (all L but where :attr:`moe_split` is given)."""
+    moe_blocks_cache: dict[tuple[int, bool], tuple[int, ...]] = field(default_factory=dict)
     bw_dp: float = 0.0
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_zero: float = 0.0
@@ -177,6 +179,10 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         # first layers keep a dense MLP (DeepSeek-V3's 3) starts a new run where its MoE layers begin
         kind = [(split[i], shape.moe_layer_count(firsts[i], split[i])) for i in range(p)]
         probe = sorted({0, p - 1} | {i for i in range(1, p) if kind[i] != kind[i - 1]})
+        if shape.moe is not None and shape.moe_layer_count(0, shape.layers) < shape.layers:
+            probe = list(
+                range(p)
+            )  # chunked placements move the dense blocks to other ranks (rank_moe_blocks)
     else:
         probe = list(range(p))
     # parameters of the probed stages only: every stage of a run of like stages holds as many as the
@@ -197,14 +203,13 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
     prec = get_precision(cfg.precision)
     moe_layers = shape.moe_layer_count(0, shape.layers) if shape.moe is not None else 0
     blended = shape.moe is not None and moe_layers < shape.layers
-    moe_split = tuple(shape.moe_layer_count(firsts[i], split[i]) for i in range(p)) if blended else None
-    runs: list[list[Any]] = []
-    for i, n in enumerate(split[:-1]):
-        key = (n, moe_split[i] if moe_split else 0)
-        if runs and runs[-1][0] == key:
+    moe_split = rank_moe_blocks(shape, split) if blended else None
+    runs: list[list[int]] = []
+    for n in split[:-1]:
+        if runs and runs[-1][0] == n:
             runs[-1][1] += 1
         else:
-            runs.append([key, 1])
+            runs.append([n, 1])
     d, net, c = cfg.shard_group, cfg.efficiency.network, cfg.context_parallel
     ctx = Context(
         cfg=cfg,
@@ -227,7 +232,7 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         num_gpus=cfg.num_gpus,
         peak_flops=cfg.gpu.flops(prec.gemm_dtype or prec.compute_dtype),
         budget=cfg.memory_budget_bytes,
-        split_runs=tuple((key, c) for key, c in runs),
+        split_runs=tuple((n, c) for n, c in runs),
         moe_split=moe_split,
         moe_layers=moe_layers,
         bw_dp=group_bandwidth(cfg.gpu, d, t) * net,
@@ -354,3 +359,15 @@ class StageTimes(NamedTuple):
     """Its I."""
     wk: float
     """Its W."""
+
+
+def moe_blocks(ctx: Context, v: int, v_placement: bool) -> tuple[int, ...]:
+    """The MoE blocks of each rank with ``v`` chunks a rank in the loop or (``v_placement``) the V placement
+    (:func:`~microbatch.predict.stages.rank_moe_blocks`; cached); :attr:`Context.moe_split` must be set."""
+    key = (v, v_placement)
+    hit = ctx.moe_blocks_cache.get(key)
+    if hit is None:
+        hit = ctx.moe_blocks_cache[key] = rank_moe_blocks(
+            ctx.cfg.shape, ctx.split, v, "v" if v_placement else "loop"
+        )
+    return hit

@@ -22,10 +22,13 @@ from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
 from microbatch.predict.plan_context import (
     Context,
     InFlight,
+    LayerCosts,
     StageTimes,
     activations,
     layer_costs,
+    moe_blocks,
 )
+from microbatch.predict.roofline import LayerTime
 from microbatch.predict.state import resident_zero
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
@@ -94,7 +97,7 @@ def screen(
         else ctx.moe_layers * costs.layer.weight_cast_s
         + (cfg.shape.layers - ctx.moe_layers) * costs.dense.weight_cast_s
     )
-    acts = _stage_activations(ctx, b, rc, flight)
+    acts = _stage_activations(ctx, b, rc, flight, v)
     a2a = activations(ctx, b, rc).a2a
     n = ctx.max_params_v if v_placement else ctx.max_params
     rows = []
@@ -156,14 +159,15 @@ def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, 
     return hit
 
 
-def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight) -> tuple[float, ...]:
+def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight, v: int) -> tuple[float, ...]:
     """Activation bytes of each probed stage at b_m = ``b`` under recompute ``rc`` and the schedule's in-flight
     rule ``flight`` (:func:`_flight`), with the memory calibration's scale."""
     per_layer, working, emb, out, _, dense = activations(ctx, b, rc)
     scale = ctx.cfg.memory_calibration.activation_scale
+    ks = moe_blocks(ctx, v, flight.v_placement) if dense is not None else None  # each rank's MoE blocks
     rows = []
     for j, (n_layers, layers_mb, held, first, head) in enumerate(flight.rows):
-        k = ctx.moe_split[ctx.probe[j]] if ctx.moe_split is not None else n_layers  # the stage's MoE blocks
+        k = ks[ctx.probe[j]] if ks is not None else n_layers
         acts = stage_block_bytes(per_layer, dense, n_layers, k) * layers_mb + working
         if first:
             acts += emb * held
@@ -198,26 +202,41 @@ def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
         return hit
     costs = layer_costs(ctx, b)
     split = ctx.split
-    # the step-time rule on each distinct stage (an even split has two or three: the others, and the last
-    # with the output layer), then spread over the stages by runs: the numbers of every stage, p times cheaper
-    runs = ctx.split_runs
-    kinds = tuple(dict.fromkeys(key for key, _ in runs)) + (
-        (split[-1], ctx.moe_split[-1] if ctx.moe_split else 0),
-    )
     layer = overlap_expert_comm(costs.layer, overlap_sigma(ctx)) if ctx.cfg.ep_overlap else costs.layer
+    if (
+        costs.dense is not None
+    ):  # a MoE model with dense blocks: every stage by its own blocks, chunks as placed
+        f, i_, w = pipeline_stage_times(
+            layer, costs.logits_s, split=split, p2p_s=costs.p2p_s, recompute=rc,
+            recompute_every=ctx.cfg.recompute_every, virtual=v, dense=costs.dense, moe_split=moe_blocks(ctx, v, False),
+        )  # fmt: skip
+        T = [a + b_ + c for a, b_, c in zip(f, i_, w, strict=True)]
+    else:
+        f, i_, w, T = _spread(ctx, layer, costs, rc, v)
+    k = T.index(max(T))  # the first of the slowest
+    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
+    ctx.time_cache[(b, rc, v)] = hit
+    return hit
+
+
+def _spread(
+    ctx: Context, layer: LayerTime, costs: LayerCosts, rc: str, v: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """F, I, W and their sum of every stage: the step-time rule on each distinct stage (an even split has two or
+    three: the others, and the last with the output layer), then spread over the stages by runs (p times cheaper)."""
+    split, runs = ctx.split, ctx.split_runs
+    kinds = tuple(dict.fromkeys(n for n, _ in runs)) + (split[-1],)
     fu, iu, wu = pipeline_stage_times(
         layer,
         costs.logits_s,
-        split=tuple(n for n, _ in kinds),
+        split=kinds,
         p2p_s=costs.p2p_s,
         recompute=rc,
         recompute_every=ctx.cfg.recompute_every,
         virtual=v,
-        dense=costs.dense,
-        moe_split=tuple(k for _, k in kinds) if costs.dense is not None else None,
     )
     tu = [a + b_ + c for a, b_, c in zip(fu, iu, wu, strict=True)]
-    at = {key: j for j, key in enumerate(kinds[:-1])}
+    at = {n: j for j, n in enumerate(kinds[:-1])}
     f: list[float] = []
     i_: list[float] = []
     w: list[float] = []
@@ -232,10 +251,7 @@ def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
     i_.append(iu[-1])
     w.append(wu[-1])
     T.append(tu[-1])
-    k = T.index(max(T))  # the first of the slowest
-    hit = StageTimes(f=f, i=i_, w=w, k=k, Tk=T[k], sumT=sum(T), fk=f[k], ik=i_[k], wk=w[k])
-    ctx.time_cache[(b, rc, v)] = hit
-    return hit
+    return f, i_, w, T
 
 
 def _v_stage_times(ctx: Context, b: int, rc: str) -> StageTimes:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.model import ModelShape
+from microbatch.schedules.action import stage_to_rank
 
-__all__ = ["split_layers", "stage_params"]
+__all__ = ["rank_moe_blocks", "split_layers", "stage_params"]
 
 
 def split_layers(
@@ -62,3 +63,30 @@ def stage_params(
         if shape.tied_embeddings and stages > 1:
             n += shape.vocab * shape.hidden
     return n / tensor_parallel
+
+
+def rank_moe_blocks(
+    shape: ModelShape, split: tuple[int, ...], virtual: int = 1, placement: str = "loop"
+) -> tuple[int, ...]:
+    """Mixture-of-experts blocks each rank holds, for a model whose blocks are not all MoE blocks (its dense blocks
+    cost less time and memory). One chunk a rank (``virtual`` 1, loop placement): ranks hold consecutive blocks,
+    ``split[r]`` of them. With v chunks a rank, the layers split into p·v chunks in order, virtual stage s on rank
+    :func:`~microbatch.schedules.action.stage_to_rank` (``loop``: s mod p, Megatron's and torch's interleaving;
+    ``v``: DualPipeV's zigzag, rank r holding stages r and 2p − 1 − r, each half of ``split[r]``); a loop
+    placement over an uneven ``split`` (a rank's layers spread over its chunks) is counted as consecutive blocks."""
+    p = len(split)
+    firsts = [sum(split[:r]) for r in range(p)]
+    if virtual == 1 and placement == "loop" or placement == "loop" and len(set(split)) > 1:
+        return tuple(shape.moe_layer_count(firsts[r], split[r]) for r in range(p))
+    if placement == "v":
+        chunks = [
+            split[s] // 2 if s < p else split[2 * p - 1 - s] - split[2 * p - 1 - s] // 2 for s in range(2 * p)
+        ]
+    else:
+        chunks = [split[0] // virtual] * (p * virtual)
+    counts = [0] * p
+    first = 0
+    for s, n in enumerate(chunks):
+        counts[stage_to_rank(s, p, placement)] += shape.moe_layer_count(first, n)
+        first += n
+    return tuple(counts)

@@ -155,6 +155,8 @@ def pipeline_stage_times(
     dense block between two MoE blocks): ``lt`` is its MoE block, ``dense`` its dense block (the model's dense MLP
     width, no router, permutation or all-to-all) and ``moe_split`` the MoE blocks of each stage; a stage's time is
     its blocks' times, each at its own kind."""
+    if (dense is None) != (moe_split is None):
+        raise ValueError("give dense and moe_split together (a MoE model with dense blocks) or neither")
     f, i, w = layer_pass_times(lt, recompute, recompute_every)
     last = len(split) - 1
     sends = p2p_s * max(1, virtual)

@@ -286,6 +286,10 @@ class StageTimesLike(Protocol):
         """Weight gradient per stage (idem)."""
 
     @property
+    def k(self) -> int:
+        """The bottleneck rank."""
+
+    @property
     def Tk(self) -> float:  # noqa: N802 - the planner's name
         """The bottleneck rank's F + I + W."""
 
@@ -346,8 +350,10 @@ def zb_h1_step_time(
 def dualpipev_step_time(
     stages: int, microbatches: int, virtual: int, times: StageTimesLike
 ) -> tuple[float, float]:
-    """DualPipeV: m·T_k plus :func:`dualpipev_idle_time` on the per-chunk times of stage 0's chunk
-    (layers only; the head is on stage 2p − 1)."""
-    idle = dualpipev_idle_time(stages, times.f[0], times.i[0], times.w[0])
+    """DualPipeV: m·T_k plus :func:`dualpipev_idle_time` on the per-chunk times of the bottleneck rank k's first
+    chunk, virtual stage k (layers only; the head is on stage 2p − 1): every chunk's where the chunks are equal, and
+    the slowest rank's where a MoE model's dense blocks make some chunks lighter."""
+    k = times.k
+    idle = dualpipev_idle_time(stages, times.f[k], times.i[k], times.w[k])
     total = microbatches * times.Tk + idle
     return total, idle / total

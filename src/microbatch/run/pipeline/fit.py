@@ -90,8 +90,8 @@ def _seq(cfg: PipelineConfig, shape: Any) -> int:
 def _activation_bytes(run: ResolvedRun, shape: Any, seq: int) -> float:
     """Activations the ranks hold together at their peaks (the module's docstring)."""
     from microbatch.predict.activations import (
+        blocks_activation_bytes,
         embedding_activation_bytes,
-        layer_activation_bytes,
         output_activation_bytes,
     )
 
@@ -103,7 +103,7 @@ def _activation_bytes(run: ResolvedRun, shape: Any, seq: int) -> float:
         chunks = p * v
     e, b = _DTYPE_BYTES[cfg.dtype], cfg.micro_batch
     one = (
-        shape.layers * layer_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
+        blocks_activation_bytes(shape, b, 0, shape.layers, seq=seq, dtype_bytes=e)
         + embedding_activation_bytes(shape, b, seq=seq)
         + output_activation_bytes(shape, b, seq=seq, dtype_bytes=e)
     )  # one micro-batch through the whole model
