@@ -132,12 +132,14 @@ class Plan:
 
 
 # -- search ---------------------------------------------------------------------------------------------
-def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
+def _schedule_options(
+    cfg: PlanConfig, m: int, virtuals: dict[str, list[int]] | None = None
+) -> list[tuple[str, int]]:
     """(schedule, v) pairs that can serve (p, m, v) under torch's rules, v from the registry
     (:func:`microbatch.schedules.virtual.virtual_options`: interleaved 1F1B with every v that divides the
     layers evenly — on an uneven ``layers_per_stage``, every v that leaves each chunk a layer, a rank's work
     spread evenly over its chunks — DualPipeV with v = 2 when 2p divides the layers); a V schedule only on
-    an even split."""
+    an even split. ``virtuals``: a cache of :func:`_split_virtuals` per schedule (they do not depend on m)."""
     p = cfg.pipeline_parallel
     if p == 1:
         return [(DEFAULT_SCHEDULE, 1)]
@@ -148,7 +150,12 @@ def _schedule_options(cfg: PlanConfig, m: int) -> list[tuple[str, int]]:
         form = spec.idle_closed_form
         if form is not None and not form.holds_at(p, m):
             continue  # ZB-H1 at m < p: one round, which only an event simulation times (ms a candidate): simulate it
-        for v in _split_virtuals(cfg, name):
+        vs = virtuals.get(name) if virtuals is not None else None
+        if vs is None:
+            vs = _split_virtuals(cfg, name)
+            if virtuals is not None:
+                virtuals[name] = vs
+        for v in vs:
             try:
                 spec.check(
                     p, m, v
@@ -193,9 +200,10 @@ def _screens(cfg: PlanConfig, ctx: Context) -> Iterator[tuple[Screened, list[Zer
     bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
     zs = cfg.zero or (ZERO_STAGES if cfg.zero_group > 1 else (0,))  # nothing to shard over: ZeRO 0
+    virtuals: dict[str, list[int]] = {}
     for b in bms:
         m = grad_accum_for(cfg.global_batch, b, cfg.data_parallel)  # m = g: one flush per step
-        for sched, v in _schedule_options(cfg, m):
+        for sched, v in _schedule_options(cfg, m, virtuals):
             for rc in rcs:
                 yield screen(ctx, b, m, sched, v, rc, zs)
 

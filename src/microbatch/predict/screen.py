@@ -116,12 +116,16 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
     hit = ctx.flight_cache.get(key)
     if hit is None:
         p = ctx.cfg.pipeline_parallel
-        placement = get_spec(sched).placement
+        spec = get_spec(sched)
+        placement = spec.placement
         v_placement = p > 1 and placement == "v"
         head = stage_to_rank(p * v - 1, p, placement) if p > 1 else 0  # rank of the output layer
+        rule = spec.in_flight
         rows = []
         for i in ctx.probe:
-            chunks = in_flight_chunks(sched, i, p, m, v)
+            chunks = (
+                rule(i, p, m, v) if rule is not None else in_flight_chunks(sched, i, p, m, v)
+            )  # (its error)
             rows.append((ctx.split[i], chunks / v, min(m, -(-chunks // v)), i == 0, i == head))
         hit = InFlight(v_placement=v_placement, rows=tuple(rows))
         ctx.flight_cache[key] = hit
@@ -167,8 +171,10 @@ def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight, v: int) 
     ks = moe_blocks(ctx, v, flight.v_placement) if dense is not None else None  # each rank's MoE blocks
     rows = []
     for j, (n_layers, layers_mb, held, first, head) in enumerate(flight.rows):
-        k = ks[ctx.probe[j]] if ks is not None else n_layers
-        acts = stage_block_bytes(per_layer, dense, n_layers, k) * layers_mb + working
+        if ks is None:
+            acts = per_layer * n_layers * layers_mb + working
+        else:
+            acts = stage_block_bytes(per_layer, dense, n_layers, ks[ctx.probe[j]]) * layers_mb + working
         if first:
             acts += emb * held
         if head:
@@ -184,14 +190,13 @@ def _peak(
     (:func:`_stage_activations`) and expert parallelism's all-to-all buffers ``a2a``."""
     states, other = _state(ctx, z, v_placement)
     other += a2a
-    best = -1.0
-    at = 0
-    parts = (0.0, 0.0, 0.0, 0.0, 0.0)
+    best, at = -1.0, 0
     for j, (weights, grads, opt) in enumerate(states):
         total = weights + grads + opt + acts[j] + other
-        if total > best:
-            best, at, parts = total, ctx.probe[j], (weights, grads, opt, acts[j], other)
-    return best, at, parts
+        if total > best:  # the first of the largest
+            best, at = total, j
+    weights, grads, opt = states[at]
+    return best, ctx.probe[at], (weights, grads, opt, acts[at], other)
 
 
 def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
