@@ -128,6 +128,19 @@ def test_interleaving_places_the_dense_blocks_as_the_loop_placement_does():
     assert rank_moe_blocks(DENSE_FIRST, (6, 6), 3) == (4, 5)
     assert rank_moe_blocks(DENSE_FIRST, (6, 6)) == (3, 6)
     assert rank_moe_blocks(DENSE_FIRST, (4, 4, 4), 2, "v") == (2, 3, 4)
+    # v = 4 over 6 layers a rank: chunks of 2, 2, 1, 1; virtual stages 0…7 hold blocks 0-1, 2-3, 4-5, 6-7, 8, 9,
+    # 10, 11 and alternate ranks: rank 0 blocks 0, 1, 4, 5, 8, 10 (4 MoE), rank 1 blocks 2, 3, 6, 7, 9, 11 (5 MoE)
+    assert rank_moe_blocks(DENSE_FIRST, (6, 6), 4) == (4, 5)
+    # an uneven split: rank 0's 5 layers in chunks of 3 and 2, rank 1's 7 in 4 and 3; in order of the virtual stages
+    # rank 0 holds blocks 0-2 and 7-8 (2 MoE), rank 1 blocks 3-6 and 9-11 (7 MoE)
+    assert rank_moe_blocks(DENSE_FIRST, (5, 7), 2) == (2, 7)
+    for shape in (DENSE_FIRST, EVERY_OTHER, get_model("deepseek-v3")):  # every block placed once
+        L = shape.layers
+        for p in (2, 3, 4, 5):
+            split = (L // p,) * (p - 1) + (L - L // p * (p - 1),)  # the last holds the rest
+            for v in range(1, min(split) + 1):
+                got = rank_moe_blocks(shape, split, v)
+                assert sum(got) == shape.moe_layer_count(0, L), (shape.name, split, v)
     cfg = PlanConfig(shape=DENSE_FIRST, gpu=H100, global_batch=64, pipeline_parallel=2, seq=4096)
     ctx = make_context(cfg)
     costs = layer_costs(ctx, 1)

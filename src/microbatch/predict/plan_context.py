@@ -132,6 +132,7 @@ class Context:
     moe_layers: int = 0
     """The model's MoE blocks (all L but where :attr:`moe_split` is given)."""
     moe_blocks_cache: dict[tuple[int, bool], tuple[int, ...]] = field(default_factory=dict)
+    """Per (v, V placement): :func:`moe_blocks`."""
     bw_dp: float = 0.0
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_zero: float = 0.0
@@ -173,16 +174,14 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
     split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
     shape, ep = cfg.shape, cfg.expert_parallel
     firsts = [sum(split[:i]) for i in range(p)]
-    if cfg.layers_per_stage is None:
+    moe_layers = shape.moe_layer_count(0, shape.layers) if shape.moe is not None else 0
+    blended = shape.moe is not None and moe_layers < shape.layers
+    if cfg.layers_per_stage is None and not blended:
         # Within a run of like stages (as many layers, as many of them dense) the in-flight count falls with
-        # i, so the peak is at the first stage of each run or at the last stage (output layer); a model whose
-        # first layers keep a dense MLP (DeepSeek-V3's 3) starts a new run where its MoE layers begin
+        # i, so the peak is at the first stage of each run or at the last stage (output layer); a MoE model with
+        # dense blocks too has them where the schedule's placement puts them (rank_moe_blocks): every stage
         kind = [(split[i], shape.moe_layer_count(firsts[i], split[i])) for i in range(p)]
         probe = sorted({0, p - 1} | {i for i in range(1, p) if kind[i] != kind[i - 1]})
-        if shape.moe is not None and shape.moe_layer_count(0, shape.layers) < shape.layers:
-            probe = list(
-                range(p)
-            )  # chunked placements move the dense blocks to other ranks (rank_moe_blocks)
     else:
         probe = list(range(p))
     # parameters of the probed stages only: every stage of a run of like stages holds as many as the
@@ -201,8 +200,6 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         for i in probe
     }
     prec = get_precision(cfg.precision)
-    moe_layers = shape.moe_layer_count(0, shape.layers) if shape.moe is not None else 0
-    blended = shape.moe is not None and moe_layers < shape.layers
     moe_split = rank_moe_blocks(shape, split) if blended else None
     runs: list[list[int]] = []
     for n in split[:-1]:

@@ -69,24 +69,24 @@ def rank_moe_blocks(
     shape: ModelShape, split: tuple[int, ...], virtual: int = 1, placement: str = "loop"
 ) -> tuple[int, ...]:
     """Mixture-of-experts blocks each rank holds, for a model whose blocks are not all MoE blocks (its dense blocks
-    cost less time and memory). One chunk a rank (``virtual`` 1, loop placement): ranks hold consecutive blocks,
-    ``split[r]`` of them. With v chunks a rank, the layers split into p·v chunks in order, virtual stage s on rank
+    cost less time and memory). The layers run in order through the p·v virtual stages; virtual stage s is on rank
     :func:`~microbatch.schedules.action.stage_to_rank` (``loop``: s mod p, Megatron's and torch's interleaving;
-    ``v``: DualPipeV's zigzag, rank r holding stages r and 2p − 1 − r, each half of ``split[r]``); a loop
-    placement over an uneven ``split`` (a rank's layers spread over its chunks) is counted as consecutive blocks."""
+    ``v``: DualPipeV's zigzag, rank r holding stages r and 2p − 1 − r, v = 2). Under the loop placement rank r's
+    ``split[r]`` layers are spread over its v chunks (chunk c holds ⌊n/v⌋, one more for the first n mod v), virtual
+    stage c·p + r being its chunk c; one chunk a rank is consecutive blocks. Under the V placement rank r's first
+    chunk holds ⌊n/2⌋ layers, its second the rest."""
     p = len(split)
-    firsts = [sum(split[:r]) for r in range(p)]
-    if virtual == 1 and placement == "loop" or placement == "loop" and len(set(split)) > 1:
-        return tuple(shape.moe_layer_count(firsts[r], split[r]) for r in range(p))
     if placement == "v":
         chunks = [
             split[s] // 2 if s < p else split[2 * p - 1 - s] - split[2 * p - 1 - s] // 2 for s in range(2 * p)
         ]
+        virtual = 2
     else:
-        chunks = [split[0] // virtual] * (p * virtual)
+        chunks = [split[s % p] // virtual + (s // p < split[s % p] % virtual) for s in range(p * virtual)]
     counts = [0] * p
     first = 0
     for s, n in enumerate(chunks):
         counts[stage_to_rank(s, p, placement)] += shape.moe_layer_count(first, n)
         first += n
+    assert first == sum(split), (split, virtual, placement)  # every layer placed once
     return tuple(counts)
