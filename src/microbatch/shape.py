@@ -256,8 +256,14 @@ class ModelShape:
         """Blocks ``first`` … ``first + count − 1`` together (dense first layers counted as dense)."""
         if self.moe is None:
             return count * self.layer_params()
-        moe = self.moe_layer_count(first, count)
-        return (count - moe) * self.layer_params(-1, active=active) + moe * self.layer_params(active=active)
+        return self.blocks_params(count, self.moe_layer_count(first, count), active=active)
+
+    def blocks_params(self, count: int, moe_blocks: int, *, active: bool = False) -> int:
+        """``count`` blocks of which ``moe_blocks`` have the experts (a rank's, wherever its placement puts them)."""
+        if self.moe is None:
+            return count * self.layer_params()
+        dense = (count - moe_blocks) * self.layer_params(-1, active=active)
+        return dense + moe_blocks * self.layer_params(active=active)
 
     def embedding_params(self) -> int:
         """Token embedding plus learned positions (if any)."""

@@ -198,3 +198,37 @@ def test_a_stages_activations_are_its_blocks_each_at_its_kind_in_the_memory_mode
                 schedule=c.schedule, data_parallel=2, zero=c.zero, recompute=c.recompute,
             ))  # fmt: skip
             assert c.peak_memory_bytes == pytest.approx(got.peak_bytes, rel=1e-9), c
+
+
+def test_a_ranks_weights_and_state_are_its_placed_blocks():
+    """DualPipeV at p = 3 over the 12-block, 3-dense model puts 2, 3, 4 MoE blocks on ranks 0, 1, 2 (consecutive
+    blocks would be 1, 4, 4): each rank's parameters, and so its weights and optimizer state, count those blocks, in
+    estimate_memory and in the planner alike."""
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.predict.plan_context import param_tables
+
+    shape = DENSE_FIRST.with_seq(2048)
+    moe_block, dense_block = shape.layer_params(), shape.layer_params(-1)
+    assert moe_block > 6 * dense_block  # eight experts against one MLP
+    est = estimate_memory(
+        shape,
+        MemoryConfig(micro_batch=1, pipeline_parallel=3, microbatches=6, schedule="dualpipev", virtual=2),
+    )
+    emb, head = shape.embedding_params(), shape.output_params()
+    for st, k, extra in zip(
+        est.stages, (2, 3, 4), (emb + head, 0, 0), strict=True
+    ):  # V: embedding and head on 0
+        assert st.params == pytest.approx(k * moe_block + (4 - k) * dense_block + extra)
+    loop = estimate_memory(
+        shape, MemoryConfig(micro_batch=1, pipeline_parallel=3, microbatches=6, schedule="1f1b")
+    )
+    assert [s.params for s in loop.stages] == pytest.approx(
+        [1 * moe_block + 3 * dense_block + emb, 4 * moe_block, 4 * moe_block + head]
+    )
+    ctx = make_context(PlanConfig(shape=shape, gpu=H100, global_batch=48, pipeline_parallel=3, seq=2048))
+    v_tables = param_tables(ctx, 2, True)
+    assert [v_tables.params_v[i] for i in range(3)] == pytest.approx([s.params for s in est.stages])
+    assert [param_tables(ctx, 1, False).params[i] for i in range(3)] == pytest.approx(
+        [s.params for s in loop.stages]
+    )
+    assert v_tables.max_experts == pytest.approx(4 * shape.moe.routed_params(shape.hidden, 3))

@@ -26,19 +26,22 @@ def overlap_sigma(ctx: Context) -> float:
     return ctx.cfg.efficiency.overlap_fraction(bool(ctx.cfg.gpu.compute_units))
 
 
-def data_parallel_comm(ctx: Context, m: int, z: int, tm: StageTimes, n: float) -> tuple[float, float, float]:
+def data_parallel_comm(
+    ctx: Context, m: int, z: int, tm: StageTimes, n: float, experts: float | None = None
+) -> tuple[float, float, float]:
     """(exposed data-parallel seconds, exposed ZeRO-2/3 per-step seconds, optimizer update seconds, with the
     gradient clip when ``cfg.grad_clip``: :func:`clip_s`) for
     ``n`` parameters on the GPU that holds the most. ZeRO shards over ``cfg.zero_group`` ranks; under hybrid
     sharding the ``cfg.replicas`` copies of each shard also all-reduce its gradients (:func:`_replica_s`),
     right after each reduce-scatter, behind the same backward. The collectives' own times (:func:`_collectives`)
     are the same for every candidate with this ZeRO stage, ``n`` and bottleneck stage: cached in the context;
-    what each exposes depends on the candidate's compute."""
+    what each exposes depends on the candidate's compute. ``experts``: the most routed-expert parameters on one GPU
+    (default: over the context's stages, :attr:`~microbatch.predict.plan_context.Context.expert_params`)."""
     cfg = ctx.cfg
-    key = (z, n, ctx.split[tm.k])
+    key = (z, n, ctx.split[tm.k], experts)
     c = ctx.collective_cache.get(key)
     if c is None:
-        c = ctx.collective_cache[key] = _collectives(ctx, z, tm, n)
+        c = ctx.collective_cache[key] = _collectives(ctx, z, tm, n, experts)
     back = tm.ik + tm.wk
     sigma = c.sigma  # computation runs this much slower beside the NCCL kernels it overlaps
     dp = zero_s = 0.0
@@ -91,7 +94,7 @@ class Collectives(NamedTuple):
     """:func:`overlap_sigma`."""
 
 
-def _collectives(ctx: Context, z: int, tm: StageTimes, n: float) -> Collectives:
+def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float | None = None) -> Collectives:
     """The collectives of ZeRO ``z`` over ``n`` parameters (those of the bottleneck stage ``tm.k``: FSDP's units)."""
     cfg = ctx.cfg
     d = cfg.shard_group  # gradients reduced over d·c
@@ -114,17 +117,19 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float) -> Collectives:
                 replica = _replica_s(ctx, tm, n)
             else:
                 reduce += _replica_s(ctx, tm, n)
-    return Collectives(kind, reduce, gather, units, copy, replica, _update_s(ctx, z, n), overlap_sigma(ctx))
+    return Collectives(
+        kind, reduce, gather, units, copy, replica, _update_s(ctx, z, n, experts), overlap_sigma(ctx)
+    )
 
 
-def _update_s(ctx: Context, z: int, n: float) -> float:
+def _update_s(ctx: Context, z: int, n: float, experts: float | None = None) -> float:
     """The optimizer update of the parameters this GPU owns, with the gradient clip when ``cfg.grad_clip``."""
     cfg = ctx.cfg
     wb, gb, ob = ctx.state_bpp
     zg = cfg.zero_group
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns: in and out once
     # (fused, or a CPU), or as many passes as the optimizer's unfused kernels make (EAGER_PASSES) on a GPU
-    owned = n if z < 1 else (n / zg if cfg.expert_parallel == 1 else _owned_with_experts(ctx, n))
+    owned = n if z < 1 else (n / zg if cfg.expert_parallel == 1 else _owned_with_experts(ctx, n, experts))
     gpu = bool(cfg.gpu.compute_units)
     rate = cfg.efficiency.optimizer_fraction(gpu)
     moved = ctx.eager_update_bpp if gpu and not cfg.efficiency.fused_elementwise else 2 * (wb + gb + ob)
@@ -151,13 +156,14 @@ def clip_s(grad_bytes: float, rate: float) -> float:
     return CLIP_PASSES * grad_bytes / rate
 
 
-def _owned_with_experts(ctx: Context, n: float) -> float:
+def _owned_with_experts(ctx: Context, n: float, experts: float | None = None) -> float:
     """Under ZeRO ≥ 1 with expert parallelism, the parameters whose update (and clip) this GPU runs: the dense ones'
     1/zero_group share and the routed experts' 1/(zero_group/EP) (their state sharded over the expert-data-parallel
     ranks only, as :func:`microbatch.predict.candidate._state` holds it), the experts those of the stage holding the
     most. (Without EP: n/zero_group; without ZeRO: all n.)"""
     zg, ep = ctx.cfg.zero_group, ctx.cfg.expert_parallel
-    x = min(n, max(ctx.expert_params.values(), default=0.0))
+    most = max(ctx.expert_params.values(), default=0.0) if experts is None else experts
+    x = min(n, most)
     return (n - x) / zg + x / max(1, zg // ep)
 
 

@@ -98,13 +98,15 @@ def routed_rows(moe: Experts, micro_batch: int, seq: int, load: float = 1.0) -> 
     return micro_batch * seq * moe.top_k * load
 
 
-def expert_params(shape: ModelShape, first: int, count: int) -> int:
-    """Routed-expert parameters of blocks ``first`` … ``first + count − 1`` (the part EP shards):
+def expert_params(shape: ModelShape, first: int, count: int, moe_blocks: int | None = None) -> int:
+    """Routed-expert parameters of blocks ``first`` … ``first + count − 1`` (the part EP shards), or of
+    ``moe_blocks`` MoE blocks wherever they are (a rank's under a chunked placement):
     E · matrices · h · F per MoE block. The router and the shared experts are replicated like dense weights."""
     moe = shape.moe
     if moe is None:
         return 0
-    moe_blocks = shape.moe_layer_count(first, count)
+    if moe_blocks is None:
+        moe_blocks = shape.moe_layer_count(first, count)
     return moe_blocks * moe.routed_params(shape.hidden, 3 if shape.gated_mlp else 2)
 
 

@@ -366,26 +366,24 @@ class MemoryEstimate:
 
 
 def _stage_state(
-    shape: ModelShape, config: MemoryConfig, i: int, n_layers: int, first: int, last: int
+    shape: ModelShape, config: MemoryConfig, i: int, n_layers: int, last: int, k: int
 ) -> tuple[float, dict[str, float]]:
-    """(parameters this GPU of stage ``i`` holds, its model-state bytes by term): the stage's layers (from
-    layer ``first``), the embedding on rank 0 and the output layer on rank ``last`` (rank 0 again under a
-    V placement), over t; routed experts sharded over EP and their state over d·c/EP, the rest's over d·c."""
+    """(parameters this GPU of stage ``i`` holds, its model-state bytes by term): the stage's ``n_layers`` blocks,
+    ``k`` of them MoE blocks (:func:`rank_moe_blocks`: where the placement puts them), the embedding on rank 0 and the
+    output layer on rank ``last`` (rank 0 again under a V placement), over t; routed experts sharded over EP and
+    their state over d·c/EP, the rest's over d·c (d·c, or HSDP's group)."""
     p, t, ep = config.pipeline_parallel, config.tensor_parallel, config.expert_parallel
-    d = zero_groups(config.data_parallel, config.context_parallel, config.shard_degree)[
-        0
-    ]  # d·c, or HSDP's group
-    params = stage_params(shape, i, p, n_layers, t, first)
+    d = zero_groups(config.data_parallel, config.context_parallel, config.shard_degree)[0]
+    params = stage_params(shape, i, p, n_layers, t, moe_blocks=k)
+    blocks = shape.blocks_params(n_layers, k)
     if last != p - 1:  # a V placement (dualpipev): the output layer comes back to rank 0
         head = shape.output_params() if i == last else 0
-        params = (shape.layers_params(first, n_layers) + shape.embedding_params() * (i == 0) + head) / t
-    experts = expert_params(shape, first, n_layers) / t  # sharded over EP, its state over d/EP
+        params = (blocks + shape.embedding_params() * (i == 0) + head) / t
+    experts = expert_params(shape, 0, n_layers, k) / t  # sharded over EP, its state over d/EP
     params += experts / ep - experts
     kw = dict(precision=config.precision, grad_dtype=config.grad_dtype, optimizer=config.optimizer,
               moments=config.moments_dtype, master=config.master_weights)  # fmt: skip
-    z = resident_zero(
-        config.zero, p, config.pipeline_grad_reduce
-    )  # under a pipeline: ZeRO-1's (or -2's) state
+    z = resident_zero(config.zero, p, config.pipeline_grad_reduce)  # under a pipeline: ZeRO-1's (or -2's)
     state = model_state_bytes(params - experts / ep, zero=z, data_parallel=d, **kw)
     if experts:
         est = model_state_bytes(experts / ep, zero=z, data_parallel=d // ep, **kw)
@@ -393,7 +391,7 @@ def _stage_state(
     # Transformer Engine's FP8 weights and transposes, cached whole over the step (not sharded by ZeRO)
     cache = weight_cache_bytes(config.precision, config.fp8_recipe)
     if cache:
-        state["weights"] += cache * (shape.layers_params(first, n_layers) / t - experts + experts / ep)
+        state["weights"] += cache * (blocks / t - experts + experts / ep)
     return params, state
 
 
@@ -448,16 +446,16 @@ def estimate_memory(
     load = config.expert_load
     per_layer, working, dense = _blocks(shape, config, seq, e)  # the largest block's working set
     place = registry.get_spec(config.schedule).placement if p > 1 else "loop"  # where the dense blocks are
-    ks = rank_moe_blocks(shape, split, v, place) if dense is not None else None
+    ks = rank_moe_blocks(shape, split, v, place)  # each rank's MoE blocks
     w_bytes = config.state_bytes_per_param()[0]
     stages: list[StageMemory] = []
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
     ep = config.expert_parallel
     d = zero_groups(config.data_parallel, c, config.shard_degree)[0]  # state shards over d·c (or HSDP's)
     for i, n_layers in enumerate(split):
-        params, state = _stage_state(shape, config, i, n_layers, sum(split[:i]), last)
+        params, state = _stage_state(shape, config, i, n_layers, last, ks[i])
         held = registry.in_flight_microbatches(config.schedule, i, p, m, v)
-        per = per_layer if ks is None else stage_block_bytes(per_layer, dense, n_layers, ks[i]) / n_layers
+        per = per_layer if dense is None else stage_block_bytes(per_layer, dense, n_layers, ks[i]) / n_layers
         terms = {"layers": per * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
             emb = embedding_activation_bytes(

@@ -42,6 +42,8 @@ __all__ = [
     "layer_costs",
     "make_context",
     "moe_blocks",
+    "param_tables",
+    "ParamTables",
 ]
 
 
@@ -132,6 +134,8 @@ class Context:
     moe_layers: int = 0
     """The model's MoE blocks (all L but where :attr:`moe_split` is given)."""
     moe_blocks_cache: dict[tuple[int, bool], tuple[int, ...]] = field(default_factory=dict)
+    param_cache: dict[tuple[int, bool], Any] = field(default_factory=dict)
+    """Per (v, V placement): :class:`ParamTables` (:func:`param_tables`)."""
     """Per (v, V placement): :func:`moe_blocks`."""
     bw_dp: float = 0.0
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
@@ -155,11 +159,11 @@ class Context:
     flight_cache: dict[tuple[str, int, int], InFlight] = field(default_factory=dict)
     step_time_cache: dict[str, PipelineTime | None] = field(default_factory=dict)
     """Each schedule's step-time closed form (:attr:`~microbatch.schedules.registry.ScheduleSpec.step_time`)."""
-    state_cache: dict[tuple[int, bool], tuple[tuple[tuple[float, float, float], ...], float]] = field(
+    state_cache: dict[tuple[int, bool, int], tuple[tuple[tuple[float, float, float], ...], float]] = field(
         default_factory=dict
     )
-    collective_cache: dict[tuple[int, float, int], Any] = field(default_factory=dict)
-    """Per (ZeRO stage, parameters, FSDP units): :class:`microbatch.predict.dp_comm.Collectives`."""
+    collective_cache: dict[tuple[int, float, int, float | None], Any] = field(default_factory=dict)
+    """Per (ZeRO stage, parameters, FSDP units, expert parameters): :class:`microbatch.predict.dp_comm.Collectives`."""
 
 
 _LAYOUT_FIELDS = frozenset({"pipeline_parallel", "data_parallel"})
@@ -172,7 +176,7 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
     and activation caches are shared with it, not recomputed (each plan's own p2p, memory and times are not)."""
     p, t = cfg.pipeline_parallel, cfg.tensor_parallel
     split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
-    shape, ep = cfg.shape, cfg.expert_parallel
+    shape = cfg.shape
     firsts = [sum(split[:i]) for i in range(p)]
     moe_layers = shape.moe_layer_count(0, shape.layers) if shape.moe is not None else 0
     blended = shape.moe is not None and moe_layers < shape.layers
@@ -184,21 +188,7 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         probe = sorted({0, p - 1} | {i for i in range(1, p) if kind[i] != kind[i - 1]})
     else:
         probe = list(range(p))
-    # parameters of the probed stages only: every stage of a run of like stages holds as many as the
-    # run's first (the embedding is on stage 0, the output layer on p − 1, both probed), so the maximum
-    # over the probed stages is the maximum over all
-    experts = {i: expert_params(shape, firsts[i], split[i]) / t for i in probe}  # 1/EP of them per GPU
-    params = {i: stage_params(shape, i, p, split[i], t, firsts[i]) - experts[i] * (1 - 1 / ep) for i in probe}
-    cache = weight_cache_bytes(cfg.precision, cfg.fp8_recipe)  # TE's cached FP8 weights, per layer parameter
-    fp8_cache = {
-        i: cache * (shape.layers_params(firsts[i], split[i]) / t - experts[i] * (1 - 1 / ep)) for i in probe
-    }
-    emb, head = shape.embedding_params(), shape.output_params()
-    params_v = {  # as estimate_memory writes it for a V placement (the output layer on rank 0)
-        i: (shape.layers_params(firsts[i], split[i]) + emb * (i == 0) + (head if i == 0 else 0)) / t
-        - experts[i] * (1 - 1 / ep)
-        for i in probe
-    }
+    experts, params, fp8_cache, params_v = _param_tables(cfg, split, probe)
     prec = get_precision(cfg.precision)
     moe_split = rank_moe_blocks(shape, split) if blended else None
     runs: list[list[int]] = []
@@ -213,7 +203,7 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
         split=split,
         probe=tuple(probe),
         params=params,
-        expert_params={i: n / ep for i, n in experts.items()},
+        expert_params=experts,
         total_params=shape.param_count(),
         active_params=shape.active_param_count(),
         max_params=max(params.values()),
@@ -366,5 +356,71 @@ def moe_blocks(ctx: Context, v: int, v_placement: bool) -> tuple[int, ...]:
     if hit is None:
         hit = ctx.moe_blocks_cache[key] = rank_moe_blocks(
             ctx.cfg.shape, ctx.split, v, "v" if v_placement else "loop"
+        )
+    return hit
+
+
+def _param_tables(
+    cfg: PlanConfig,
+    split: tuple[int, ...],
+    probe: list[int] | tuple[int, ...],
+    ks: tuple[int, ...] | None = None,
+) -> tuple[dict[int, float], dict[int, float], dict[int, float], dict[int, float]]:
+    """(routed-expert parameters per GPU, parameters per GPU, TE's cached FP8 weight bytes, parameters per GPU under
+    a V placement) of each probed stage: its blocks consecutive, or ``ks[i]`` of its blocks MoE blocks wherever the
+    placement puts them (:func:`moe_blocks`). Only the probed stages: every stage of a run of like stages holds as
+    many as the run's first (the embedding is on stage 0, the output layer on p − 1, both probed)."""
+    shape, t, ep, p = cfg.shape, cfg.tensor_parallel, cfg.expert_parallel, cfg.pipeline_parallel
+    firsts = [sum(split[:i]) for i in range(p)]
+
+    def k(i: int) -> int | None:
+        return None if ks is None else ks[i]
+
+    def blocks(i: int) -> int:
+        return (
+            shape.layers_params(firsts[i], split[i]) if ks is None else shape.blocks_params(split[i], ks[i])
+        )
+
+    experts = {i: expert_params(shape, firsts[i], split[i], k(i)) / t for i in probe}  # 1/EP of them per GPU
+    params = {
+        i: stage_params(shape, i, p, split[i], t, firsts[i], k(i)) - experts[i] * (1 - 1 / ep) for i in probe
+    }
+    cache = weight_cache_bytes(cfg.precision, cfg.fp8_recipe)  # TE's cached FP8 weights, per layer parameter
+    fp8_cache = {i: cache * (blocks(i) / t - experts[i] * (1 - 1 / ep)) for i in probe}
+    emb, head = shape.embedding_params(), shape.output_params()
+    params_v = {  # as estimate_memory writes it for a V placement (the output layer on rank 0)
+        i: (blocks(i) + emb * (i == 0) + (head if i == 0 else 0)) / t - experts[i] * (1 - 1 / ep)
+        for i in probe
+    }
+    return {i: n / ep for i, n in experts.items()}, params, fp8_cache, params_v
+
+
+class ParamTables(NamedTuple):
+    """A placement's parameters per GPU of each probed stage (:func:`param_tables`)."""
+
+    expert_params: dict[int, float]
+    params: dict[int, float]
+    fp8_cache: dict[int, float]
+    params_v: dict[int, float]
+    max_params: float
+    max_params_v: float
+    max_experts: float
+    """The most routed-expert parameters on one GPU over the probed stages."""
+
+
+def param_tables(ctx: Context, v: int, v_placement: bool) -> ParamTables:
+    """The parameters per GPU of each probed stage with ``v`` chunks a rank in the loop or (``v_placement``) the V
+    placement: the context's own (consecutive blocks) but for a MoE model with dense blocks under a chunked placement,
+    whose ranks hold the MoE blocks :func:`moe_blocks` counts (cached)."""
+    key = (v, v_placement) if ctx.moe_split is not None and (v > 1 or v_placement) else (1, False)
+    hit = ctx.param_cache.get(key)
+    if hit is None:
+        if key == (1, False):
+            tables = (ctx.expert_params, ctx.params, ctx.fp8_cache, ctx.params_v)
+        else:
+            tables = _param_tables(ctx.cfg, ctx.split, ctx.probe, moe_blocks(ctx, v, v_placement))
+        most = max(tables[0].values(), default=0.0)
+        hit = ctx.param_cache[key] = ParamTables(
+            *tables, max(tables[1].values()), max(tables[3].values()), most
         )
     return hit

@@ -27,6 +27,7 @@ from microbatch.predict.plan_context import (
     activations,
     layer_costs,
     moe_blocks,
+    param_tables,
 )
 from microbatch.predict.roofline import LayerTime
 from microbatch.predict.state import resident_zero
@@ -99,11 +100,12 @@ def screen(
     )
     acts = _stage_activations(ctx, b, rc, flight, v)
     a2a = activations(ctx, b, rc).a2a
-    n = ctx.max_params_v if v_placement else ctx.max_params
+    tables = param_tables(ctx, v, v_placement)
+    n = tables.max_params_v if v_placement else tables.max_params
     rows = []
     for z in zs:
-        peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a)
-        dp, zero_s, opt = data_parallel_comm(ctx, m, z, tm, n)
+        peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a, v)
+        dp, zero_s, opt = data_parallel_comm(ctx, m, z, tm, n, tables.max_experts)
         rows.append(ZeroRow(z, peak, stage, parts, dp, zero_s, opt, pipe + dp + zero_s + opt + cast))
     return Screened(b, m, sched, v, rc, pipe, bubble, cast, costs.gemm_efficiency), rows
 
@@ -132,26 +134,30 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
     return hit
 
 
-def _state(ctx: Context, z: int, v_placement: bool) -> tuple[tuple[tuple[float, float, float], ...], float]:
+def _state(
+    ctx: Context, z: int, v_placement: bool, v: int = 1
+) -> tuple[tuple[tuple[float, float, float], ...], float]:
     """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes (cached
-    per ZeRO stage asked, the one it keeps resident under a pipeline computed on a miss)."""
-    key = (z, v_placement)
+    per ZeRO stage asked, the one it keeps resident under a pipeline computed on a miss); a MoE model with dense
+    blocks holds its placement's blocks (:func:`~microbatch.predict.plan_context.param_tables`, ``v`` chunks a rank)."""
+    key = (z, v_placement, v if ctx.moe_split is not None else 1)
     hit = ctx.state_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
+        tables = param_tables(ctx, v, v_placement)
         z = resident_zero(z, cfg.pipeline_parallel, cfg.pipeline_grad_reduce)  # under a pipeline: 1 (or 2)
         d = cfg.zero_group  # d·c (the context-parallel ranks replicate the state too), or HSDP's shard group
         wb, gb, ob = ctx.state_bpp
-        params = ctx.params_v if v_placement else ctx.params
+        params = tables.params_v if v_placement else tables.params
         de = (
             d // cfg.expert_parallel
         )  # the routed experts' state is sharded over the expert-data-parallel d/EP
         rows = []
         for i in ctx.probe:
-            x = ctx.expert_params[i]
+            x = tables.expert_params[i]
             n = params[i] - x
             rows.append(
-                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1) + ctx.fp8_cache.get(i, 0.0),
+                (n * wb / (d if z >= 3 else 1) + x * wb / (de if z >= 3 else 1) + tables.fp8_cache.get(i, 0.0),
                  n * gb / (d if z >= 2 else 1) + x * gb / (de if z >= 2 else 1),
                  n * ob / (d if z >= 1 else 1) + x * ob / (de if z >= 1 else 1))
             )  # fmt: skip
@@ -184,11 +190,11 @@ def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight, v: int) 
 
 
 def _peak(
-    ctx: Context, z: int, v_placement: bool, acts: tuple[float, ...], a2a: float
+    ctx: Context, z: int, v_placement: bool, acts: tuple[float, ...], a2a: float, v: int = 1
 ) -> tuple[float, int, tuple[float, float, float, float, float]]:
     """(peak bytes, stage, breakdown) over the probed stages under ZeRO ``z``, their activations ``acts``
     (:func:`_stage_activations`) and expert parallelism's all-to-all buffers ``a2a``."""
-    states, other = _state(ctx, z, v_placement)
+    states, other = _state(ctx, z, v_placement, v)
     other += a2a
     best, at = -1.0, 0
     for j, (weights, grads, opt) in enumerate(states):

@@ -44,7 +44,13 @@ def split_layers(
 
 
 def stage_params(
-    shape: ModelShape, stage: int, stages: int, stage_layers: int, tensor_parallel: int = 1, first: int = -1
+    shape: ModelShape,
+    stage: int,
+    stages: int,
+    stage_layers: int,
+    tensor_parallel: int = 1,
+    first: int = -1,
+    moe_blocks: int | None = None,
 ) -> float:
     """Parameters one GPU of stage ``stage`` holds: its layers, plus embedding (first) and output (last).
 
@@ -53,9 +59,13 @@ def stage_params(
     the embedding matrix (synchronised by an all-reduce). Everything is divided by t; the few
     parameters tensor parallelism replicates (norms, row-parallel biases) are ignored. ``first`` is the
     stage's first layer (−1: an even split, stage × stage_layers): a MoE model's dense first blocks count
-    as dense. Every expert is counted; :func:`expert_params` gives the part expert parallelism shards.
+    as dense; ``moe_blocks``: how many of its blocks have the experts, where the placement decides
+    (:func:`rank_moe_blocks`). Every expert is counted; :func:`expert_params` gives the part expert parallelism shards.
     """
-    n = shape.layers_params(stage * stage_layers if first < 0 else first, stage_layers)
+    if moe_blocks is not None:
+        n = shape.blocks_params(stage_layers, moe_blocks)
+    else:
+        n = shape.layers_params(stage * stage_layers if first < 0 else first, stage_layers)
     if stage == 0:
         n += shape.embedding_params()
     if stage == stages - 1:
