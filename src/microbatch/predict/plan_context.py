@@ -134,9 +134,9 @@ class Context:
     moe_layers: int = 0
     """The model's MoE blocks (all L but where :attr:`moe_split` is given)."""
     moe_blocks_cache: dict[tuple[int, bool], tuple[int, ...]] = field(default_factory=dict)
+    """Per (v, V placement): :func:`moe_blocks`."""
     param_cache: dict[tuple[int, bool], Any] = field(default_factory=dict)
     """Per (v, V placement): :class:`ParamTables` (:func:`param_tables`)."""
-    """Per (v, V placement): :func:`moe_blocks`."""
     bw_dp: float = 0.0
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_zero: float = 0.0
