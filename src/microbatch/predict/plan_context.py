@@ -231,6 +231,7 @@ def make_context(cfg: PlanConfig, like: Context | None = None) -> Context:
     )
     if like is not None and _same_but_layout(like.cfg, cfg):
         ctx.forward_cache, ctx.act_cache = like.forward_cache, like.act_cache
+    param_tables(ctx, 1, False)  # the consecutive blocks' tables, read directly by the planner's hot loop
     return ctx
 
 

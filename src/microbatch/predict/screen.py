@@ -100,7 +100,7 @@ def screen(
     )
     acts = _stage_activations(ctx, b, rc, flight, v)
     a2a = activations(ctx, b, rc).a2a
-    tables = param_tables(ctx, v, v_placement)
+    tables = ctx.param_cache[1, False] if ctx.moe_split is None else param_tables(ctx, v, v_placement)
     n = tables.max_params_v if v_placement else tables.max_params
     rows = []
     for z in zs:
@@ -140,7 +140,11 @@ def _state(
     """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes (cached
     per ZeRO stage asked, the one it keeps resident under a pipeline computed on a miss); a MoE model with dense
     blocks holds its placement's blocks (:func:`~microbatch.predict.plan_context.param_tables`, ``v`` chunks a rank)."""
-    key = (z, v_placement, v if ctx.moe_split is not None else 1)
+    key = (
+        z,
+        v_placement,
+        v,
+    )  # v matters only for a MoE model with dense blocks; a few entries more for the others
     hit = ctx.state_cache.get(key)
     if hit is None:
         cfg = ctx.cfg
