@@ -146,3 +146,60 @@ def plan_json(args: list[str], capsys) -> dict:
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     return out["result"] if "result" in out else out
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name (state, parent, group, session, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The pipeline ranks a launcher started: its descendants that lead a session of their own (a rank
+    calls ``setsid``, as a new interpreter or forked from the fork server; the fork server and
+    multiprocessing's resource tracker do not)."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parents[int(d)] = int(_stat(int(d))[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [launcher]
+    while frontier:
+        kids = [p for p, pp in parents.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    out = []
+    for p in found:
+        try:
+            if int(_stat(p)[3]) == p:
+                out.append(p)
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
+def refuse_processes(monkeypatch) -> list:
+    """Make any process start fail the test (returned: what tried): a new interpreter
+    (``subprocess.Popen``: the profile, the calibrations, ranks on the cold path) or a rank forked from
+    the fork server (:func:`microbatch.run.pipeline.warm.start_warm`)."""
+    from microbatch.run.pipeline import warm
+
+    started: list = []
+
+    def refuse(*args, **kwargs):
+        started.append(args)
+        raise AssertionError(f"a process was started: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(warm, "start_warm", refuse)
+    return started

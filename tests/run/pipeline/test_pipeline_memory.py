@@ -196,15 +196,13 @@ def test_a_model_too_large_for_the_host_is_refused_with_the_numbers():
 
 
 def test_cli_refuses_llama_before_starting_any_process(capsys, monkeypatch):
-    import subprocess
     import time
+
+    from _helpers import refuse_processes
 
     from microbatch.cli import main
 
-    def refuse(*args, **kwargs):  # "before any process" checked as such, not only by the clock
-        raise AssertionError(f"a process was started: {args[:1]}")
-
-    monkeypatch.setattr(subprocess, "Popen", refuse)
+    refuse_processes(monkeypatch)  # "before any process" checked as such, not only by the clock
     from microbatch.run.pipeline.fit import available_host_bytes
 
     avail = available_host_bytes()

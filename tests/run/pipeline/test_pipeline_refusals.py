@@ -21,6 +21,7 @@ from microbatch.run.pipeline import fit
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.launch import check_splittable, run_pipeline
 from microbatch.run.pipeline.resolved import resolve
+from microbatch.run.pipeline.warm import COLD_ENV
 
 torch = pytest.importorskip("torch")
 
@@ -29,15 +30,10 @@ torch = pytest.importorskip("torch")
 def no_process(monkeypatch):
     """Any process started fails the test: "before any process" checked as such, not by the clock
     (a wall-clock bound moves with the machine's load). The profile, the calibrations and the ranks
-    all start theirs through subprocess.Popen."""
-    started: list = []
+    start theirs through subprocess.Popen, the ranks on the CPU are forked from the fork server."""
+    from _helpers import refuse_processes  # here: the ranks import this module as a factory
 
-    def refuse(*args, **kwargs):
-        started.append(args)
-        raise AssertionError(f"a process was started: {args[:1]}")
-
-    monkeypatch.setattr(subprocess, "Popen", refuse)
-    return started
+    return refuse_processes(monkeypatch)
 
 
 GIB = 1024**3
@@ -271,7 +267,7 @@ def test_a_timeout_the_ranks_cannot_start_in_is_refused_before_they_start(
     def no_process(*a, **k):
         raise AssertionError("a process was started before the timeout was checked")
 
-    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+    monkeypatch.setattr(launch, "_start_ranks", no_process)  # forked or started, a rank starts here
     assert main(["pipeline", "--timeout", timeout]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: " + pattern + r".*\n", err), err
@@ -384,6 +380,7 @@ def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
 
     monkeypatch.setattr(pipeline_config, "STARTUP_S", 1.0)  # the one allowance, read by cfg.deadline()
     monkeypatch.setattr(fit, "MIN_TIMEOUT_S", 0.1)  # a short run, for the deadline
+    monkeypatch.setenv(COLD_ENV, "1")  # ranks as new interpreters, so that they can be replaced by sleepers
     monkeypatch.setattr(launch.subprocess, "Popen", lambda args, **kw: real(sleeper, **kw))
     with pytest.raises(
         PipelineError,
@@ -392,33 +389,11 @@ def test_the_deadline_message_names_the_start_up_allowance(monkeypatch):
         run_pipeline(PipelineConfig(timeout_s=0.5))
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc")
 def test_sigterm_stops_every_rank():
+    from _helpers import alive, rank_pids  # here: the ranks import this module as a factory
+
     env = {**os.environ, "MICROBATCH_PIPELINE_FAULT": "1:hang", "OMP_NUM_THREADS": "1"}
     cli = subprocess.Popen(
         [sys.executable, "-m", "microbatch", "pipeline", "-p", "2", "-m", "2", "--steps", "2",
@@ -430,19 +405,19 @@ def test_sigterm_stops_every_rank():
         t_end = time.monotonic() + 60
         while len(workers) < 2 and cli.poll() is None and time.monotonic() < t_end:
             time.sleep(0.1)
-            workers = _children(cli.pid)
+            workers = rank_pids(cli.pid)
         assert len(workers) == 2, f"ranks not started (exit {cli.poll()})"
         time.sleep(1.0)
         cli.send_signal(signal.SIGTERM)
         rc = cli.wait(timeout=30)
         t_end = time.monotonic() + 10
-        while any(map(_alive, workers)) and time.monotonic() < t_end:
+        while any(map(alive, workers)) and time.monotonic() < t_end:
             time.sleep(0.1)
-        assert [w for w in workers if _alive(w)] == [], "ranks survived SIGTERM"
+        assert [w for w in workers if alive(w)] == [], "ranks survived SIGTERM"
         assert rc == 130 and "interrupted" in (cli.stderr.read() if cli.stderr else "")
     finally:
         for w in workers:  # only the ranks this test started
-            if _alive(w):
+            if alive(w):
                 os.kill(w, signal.SIGKILL)
         if cli.poll() is None:
             cli.kill()
@@ -501,7 +476,7 @@ def test_a_seed_torch_cannot_hold_is_refused_before_the_ranks_start(capsys, monk
     def no_process(*a, **k):
         raise AssertionError("a process was started before the seed was checked")
 
-    monkeypatch.setattr(launch.subprocess, "Popen", no_process)
+    monkeypatch.setattr(launch, "_start_ranks", no_process)  # forked or started, a rank starts here
     assert main(["pipeline", "--seed", seed, "--no-predict"]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(

@@ -38,10 +38,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def no_process(monkeypatch):
     """Any process started fails the test: refused before any rank, calibration or profile starts."""
 
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"a process was started: {args[:1]}")
+    from _helpers import refuse_processes  # here: the ranks import this module as a factory
 
-    monkeypatch.setattr(subprocess, "Popen", refuse)
+    refuse_processes(monkeypatch)
 
 
 def dropout_stack():
@@ -199,26 +198,12 @@ def test_a_host_peak_over_the_prediction_shows_as_error():
 # -- B. the ranks end with a launcher killed by SIGKILL -------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(x) for x in f.read().split()]
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.timeout(150)
 def test_the_ranks_end_when_the_launcher_is_killed():
     """Before: both ranks were re-parented to PID 1 and ran every step of a long run."""
+    from _helpers import alive, rank_pids  # here: the ranks import this module as a factory
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "microbatch", "pipeline", "--no-predict", "-p", "2", "-m", "4", "--steps", "2000",
          "--timeout", "600"],
@@ -231,14 +216,14 @@ def test_the_ranks_end_when_the_launcher_is_killed():
         for line in proc.stderr:  # the first finished step: the ranks are running
             if line.startswith("pipeline:   step ") or time.monotonic() > end:
                 break
-        ranks = _children(proc.pid)
-        assert len(ranks) == 2 and all(_alive(r) for r in ranks), ranks
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2 and all(alive(r) for r in ranks), ranks
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 5
-        while any(_alive(r) for r in ranks) and time.monotonic() < deadline:
+        while any(alive(r) for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(r) for r in ranks), "ranks outlived their launcher"
+        assert not any(alive(r) for r in ranks), "ranks outlived their launcher"
     finally:
         for pid in [proc.pid, *ranks]:
             try:

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
+from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
 from microbatch.run.pipeline.progress import (
     PipelineInterrupted,
@@ -46,6 +47,7 @@ from microbatch.run.pipeline.report import PipelineReport
 from microbatch.run.pipeline.resolved import ResolvedRun, resolve
 from microbatch.run.pipeline.signals import LAUNCHER_PID_ENV, Terminated, exit_with_parent, raise_on_sigterm
 from microbatch.run.pipeline.summary import summarize
+from microbatch.run.pipeline.warm import RankHandle
 
 __all__ = [
     "STARTUP_S",
@@ -104,11 +106,12 @@ def _init_group(cfg: PipelineConfig) -> tuple[int, int, Any]:
     return rank, world, device
 
 
-def _worker_main() -> None:
-    """Entry point of a worker started by :func:`run_pipeline`: ``CONFIG_JSON RESULT_JSON``."""
+def _worker_main(argv: list[str] | None = None) -> None:
+    """Entry point of a worker started by :func:`run_pipeline`: ``CONFIG_JSON RESULT_JSON`` (``argv``, or
+    the command line's)."""
     import traceback
 
-    cfg_path, result_path = sys.argv[1], sys.argv[2]
+    cfg_path, result_path = (argv or sys.argv[1:])[:2]
     rank = os.environ.get("RANK", "?")
     exit_with_parent(int(os.environ.get(LAUNCHER_PID_ENV) or 0))  # a killed launcher takes its ranks along
     try:
@@ -175,7 +178,7 @@ def _is_victim(reason: str) -> bool:
     )  # a gloo timeout: it waited on a peer that stopped
 
 
-def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+def _kill_all(procs: list[RankHandle]) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -295,7 +298,7 @@ def _launch_once(
     :class:`Terminated` (a ``KeyboardInterrupt``) here, and every rank is killed before it propagates.
     """
     cfg = run.cfg
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[RankHandle] = []
     errs: list[str] = []
     restore = raise_on_sigterm()
     try:
@@ -318,10 +321,12 @@ def _start_ranks(
     cfg_path: str,
     result_path: str,
     port: int,
-    procs: list[subprocess.Popen[bytes]],
+    procs: list[RankHandle],
     errs: list[str],
 ) -> None:
-    """Start one process per rank (in ``procs``, as each starts), its stderr in ``tmp`` (``errs``)."""
+    """Start one process per rank (in ``procs``, as each starts), its stderr in ``tmp`` (``errs``): forked
+    from the warm fork server on the CPU (:mod:`microbatch.run.pipeline.warm`), else a new interpreter."""
+    forked = warm.warm_ranks(cfg.backend)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "from microbatch.run.pipeline.launch import _worker_main; _worker_main()"
     for r in range(cfg.stages):
@@ -342,6 +347,9 @@ def _start_ranks(
         err = os.path.join(tmp, f"rank{r}.err")
         errs.append(err)
         with open(err, "w") as ef:
+            if forked:
+                procs.append(warm.start_warm(_worker_main, [cfg_path, result_path], env, err))
+                continue
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", code, cfg_path, result_path],
@@ -357,7 +365,7 @@ def _wait_for_ranks(
     run: ResolvedRun,
     tmp: str,
     port: int,
-    procs: list[subprocess.Popen[bytes]],
+    procs: list[RankHandle],
     errs: list[str],
     deadline_s: float,
     deadline_why: str,
@@ -399,7 +407,7 @@ def _rank_failure(
     run: ResolvedRun,
     tmp: str,
     port: int,
-    procs: list[subprocess.Popen[bytes]],
+    procs: list[RankHandle],
     errs: list[str],
     bad: list[int],
 ) -> Exception:

@@ -1,0 +1,119 @@
+"""Ranks forked from the fork server (:mod:`microbatch.run.pipeline.warm`) are the ranks a new
+interpreter made: the same losses and gradients, the launcher's environment and working folder, their
+own process; the launcher's script is not run again in them; a killed one reads as killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.launch import run_pipeline
+from microbatch.run.pipeline.warm import COLD_ENV, start_warm, warm_ranks
+
+FACTORY = '''
+import os
+import sys
+
+
+def build():
+    """A small stack that says, in a file per process, who started it and what it was given."""
+    import torch.nn as nn
+
+    with open(os.path.join(os.environ["MB_WARM_OUT"], f"{os.getpid()}.txt"), "w") as f:
+        f.write(f"{os.getppid()} {os.environ.get('MB_WARM_MARK', '-')} {sys.path[0]!r}")
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 50))
+'''
+
+
+def _run(tmp_path, monkeypatch, mark: str):
+    out = tmp_path / mark
+    out.mkdir()
+    monkeypatch.setenv("MB_WARM_OUT", str(out))
+    monkeypatch.setenv("MB_WARM_MARK", mark)  # set after the fork server may have started: still seen
+    rep = run_pipeline(
+        PipelineConfig(
+            model="mb_warm_factory:build", schedule="1f1b", stages=2, microbatches=2, steps=2, seed=7,
+            check_gradients=True, timeout_s=60,
+        ),
+        deadline_s=150,
+    )  # fmt: skip
+    seen = {}
+    for f in out.iterdir():
+        ppid, got_mark, first = f.read_text().split(" ", 2)
+        seen[int(f.stem)] = (int(ppid), got_mark, first)
+    return rep, seen
+
+
+@pytest.mark.timeout(300)
+def test_forked_ranks_match_new_interpreters_and_see_the_launchers_environment(tmp_path, monkeypatch):
+    (tmp_path / "mb_warm_factory.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)  # the factory is found in the working folder, as `python -c` finds it
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delenv(COLD_ENV, raising=False)
+    assert warm_ranks("gloo") and not warm_ranks("nccl") and not warm_ranks("gloo", {COLD_ENV: "1"})
+    warm, warm_seen = _run(tmp_path, monkeypatch, "warm")
+    monkeypatch.setenv(COLD_ENV, "1")
+    cold, cold_seen = _run(tmp_path, monkeypatch, "cold")
+
+    me = os.getpid()
+    ranks = lambda seen: {p: v for p, v in seen.items() if p != me}  # noqa: E731 (the launcher's check builds it too)
+    warm_ranks_seen, cold_ranks_seen = ranks(warm_seen), ranks(cold_seen)
+    assert len(warm_ranks_seen) == 2 and len(cold_ranks_seen) == 2
+    assert {v[0] for v in cold_ranks_seen.values()} == {me}  # new interpreters: the launcher's children
+    forked_from = {v[0] for v in warm_ranks_seen.values()}
+    assert len(forked_from) == 1 and me not in forked_from  # forked by one other process: the fork server
+    assert {v[1] for v in warm_ranks_seen.values()} == {"warm"}  # the environment at the launch
+    assert {v[2] for v in warm_ranks_seen.values()} == {"''"}  # the working folder first, as `python -c`
+    assert warm.gradients_match and cold.gradients_match
+    assert warm.losses == cold.losses  # the same numbers, to the bit
+
+
+@pytest.mark.timeout(200)
+def test_a_script_that_runs_the_pipeline_at_its_top_level_runs_it_once(tmp_path):
+    """multiprocessing's fork server runs the parent's main module again in each child: a script without
+    ``if __name__ == "__main__"`` would start the ranks again inside every rank (and there fail)."""
+    script = tmp_path / "train_pp.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from microbatch.run.pipeline.config import PipelineConfig
+            from microbatch.run.pipeline.launch import run_pipeline
+
+            print("SCRIPT RAN", flush=True)
+            rep = run_pipeline(PipelineConfig(stages=2, microbatches=2, steps=1, timeout_s=60))
+            print("STEPS", rep.steps, flush=True)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != COLD_ENV}
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("SCRIPT RAN") == 1 and "STEPS 1" in r.stdout, r.stdout
+
+
+def sleep_for(args: list[str]) -> None:
+    """A rank's main that sleeps ``args[0]`` seconds."""
+    time.sleep(float(args[0]))
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_rank_reads_as_a_process_does(tmp_path):
+    err = tmp_path / "rank.err"
+    err.write_text("")
+    rank = start_warm(sleep_for, ["60"], dict(os.environ), str(err))
+    assert rank.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        rank.wait(timeout=0.2)
+    os.killpg(rank.pid, signal.SIGKILL)  # its own session: the launcher kills its group
+    assert rank.wait(timeout=30) == -signal.SIGKILL and rank.poll() == -signal.SIGKILL
+    done = start_warm(sleep_for, ["0"], dict(os.environ), str(err))
+    assert done.wait(timeout=60) == 0
