@@ -102,11 +102,18 @@ def screen(
     a2a = activations(ctx, b, rc).a2a
     tables = ctx.param_cache[1, False] if ctx.moe_split is None else param_tables(ctx, v, v_placement)
     n = tables.max_params_v if v_placement else tables.max_params
-    rows = []
+    rows: list[ZeroRow] = []
+    seen: dict[int, ZeroRow] = {}
+    piped = cfg.pipeline_parallel > 1
     for z in zs:
+        same = seen.get(2 if piped and z == 3 else -1)
+        if same is not None:  # under a pipeline ZeRO-3 holds and communicates as ZeRO-2 (resident_zero; "pipeline")
+            rows.append(same._replace(z=z))
+            continue
         peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a, v)
         dp, zero_s, opt = data_parallel_comm(ctx, m, z, tm, n, tables.max_experts)
-        rows.append(ZeroRow(z, peak, stage, parts, dp, zero_s, opt, pipe + dp + zero_s + opt + cast))
+        row = seen[z] = ZeroRow(z, peak, stage, parts, dp, zero_s, opt, pipe + dp + zero_s + opt + cast)
+        rows.append(row)
     return Screened(b, m, sched, v, rc, pipe, bubble, cast, costs.gemm_efficiency), rows
 
 
