@@ -231,15 +231,70 @@ def experts_from_hf(
         shared = 1  # Llama 4's shared expert, as wide as a routed one (Llama4TextMoe.shared_expert)
     step_key = next((k for k in ("interleave_moe_layer_step", "decoder_sparse_step") if raw.get(k)), None)
     every = raw[step_key] if step_key else 1
+    dense = _whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source)
+    dense = _listed_layers(
+        raw, dense, _whole(raw, step_key or "interleave_moe_layer_step", every, source), source
+    )
     return Experts(
         experts=e,
         top_k=_whole(raw, "num_experts_per_tok", k, source),
         expert_ffn_hidden=_whole(raw, "moe_intermediate_size", f, source),
         shared_experts=_whole(raw, "n_shared_experts", shared, source),
         shared_ffn_hidden=shared_width,
-        dense_layers=_whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source),
+        dense_layers=dense,
         moe_every=_whole(raw, step_key or "interleave_moe_layer_step", every, source),
     )
+
+
+def _listed_layers(raw: dict[str, Any], dense: int, every: int, source: str) -> int:
+    """The dense first blocks, with the config's own lists of blocks read: Qwen2/3-MoE's ``mlp_only_layers``
+    (blocks kept dense whatever ``decoder_sparse_step`` says) and Llama 4's ``moe_layers`` (the MoE blocks;
+    transformers fills it from ``interleave_moe_layer_step`` when the file has none). A list the placement
+    rule (``dense`` first blocks dense, then every ``every``-th block MoE) gives is taken; so is
+    ``mlp_only_layers`` = the first j blocks with ``every`` 1 (j dense first blocks); any other list is
+    refused, naming it, rather than priced at the rule's blocks."""
+    n = raw.get("num_hidden_layers")
+    if not isinstance(n, int) or n <= 0:
+        return dense
+    rule = {i for i in range(dense, n) if i % every == every - 1}
+    only = raw.get("mlp_only_layers") or []
+    listed = raw.get("moe_layers")
+    if only:
+        if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+            raise ConfigError(
+                f"{source}: mlp_only_layers {only!r} must be a list of block indices", params=_HF
+            )
+        prefix = sorted(set(only)) == list(range(len(set(only))))
+        if every == 1 and dense == 0 and prefix:
+            return len(set(only))  # the first j blocks dense: DeepSeek's first_k_dense_replace
+        rule -= set(only)
+        listed = sorted(rule) if listed is None else listed
+    if listed is None:
+        return dense
+    if not isinstance(listed, list) or not all(isinstance(i, int) for i in listed):
+        raise ConfigError(f"{source}: moe_layers {listed!r} must be a list of block indices", params=_HF)
+    if set(listed) == {i for i in range(dense, n) if i % every == every - 1}:
+        return dense
+    key = "mlp_only_layers" if only else "moe_layers"
+    shown = sorted(set(listed))
+    raise ConfigError(
+        f"{source}: its {key} make blocks {_ranges(shown)} (of {n}) the MoE blocks; microbatch places MoE blocks "
+        f"as the first k blocks dense, then every k-th block (first_k_dense_replace, interleave_moe_layer_step or "
+        f"decoder_sparse_step) and cannot price this list; give a config whose MoE blocks follow that rule "
+        f"(the nearest: first_k_dense_replace {n - len(shown)}, every block after it MoE)",
+        params=_HF,
+    )
+
+
+def _ranges(blocks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out: list[str] = []
+    for i in blocks:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def latent_attention_from_hf(raw: dict[str, Any], source: str) -> LatentAttention | None:
