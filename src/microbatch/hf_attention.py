@@ -9,13 +9,17 @@ sliding window (read by :func:`microbatch.model.from_hf_config`).
   else Gemma 2's every other layer (its modelling code: layers 0, 2, 4, … slide) and Gemma 3's
   ``sliding_window_pattern`` (every k-th layer global, the others local); else every layer (Mistral 7B v0.1,
   Phi-3). A window no shorter than the positions the model holds changes nothing and is dropped.
+- Llama 4's chunked attention (:func:`chunked_attention_of`, ``ModelShape.local_attention`` "chunked"):
+  ``attention_chunk_size`` on the ``layer_types`` entries "chunked_attention" where the config has them (transformers
+  writes them), else on the layers ``no_rope_layers`` marks 1 (those with rotary positions), else on all but every
+  ``no_rope_layer_interval``-th (default 4: three in four), as transformers' Llama4TextConfig derives them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["own_head_size", "sliding_window_of"]
+__all__ = ["chunked_attention_of", "own_head_size", "sliding_window_of"]
 
 
 def own_head_size(head_dim: Any, hidden: Any, heads: Any) -> int | None:
@@ -29,6 +33,30 @@ def own_head_size(head_dim: Any, hidden: Any, heads: Any) -> int | None:
     ):
         return None
     return int(head_dim)
+
+
+def chunked_attention_of(raw: dict[str, Any], layers: int) -> tuple[int | None, int | None]:
+    """(chunk, layers that attend inside their chunk) of a Llama 4 config (module docstring); (None, None) for none."""
+    llama4 = str(raw.get("model_type", "")).startswith("llama4")
+    if "attention_chunk_size" in raw:
+        chunk = raw["attention_chunk_size"]  # null: no chunked layer (transformers writes them all full)
+    else:
+        chunk = 8192 if llama4 else None  # transformers' Llama4TextConfig default
+    types = raw.get("layer_types")
+    if chunk is None or (not llama4 and not (isinstance(types, list) and "chunked_attention" in types)):
+        return None, None
+    if isinstance(types, list) and types:
+        count = sum(1 for x in types if x == "chunked_attention")
+    else:
+        marks = raw.get("no_rope_layers")
+        if isinstance(marks, list) and marks:
+            count = sum(1 for x in marks if x)
+        else:
+            every = raw.get("no_rope_layer_interval") or 4
+            count = layers - layers // every if isinstance(every, int) and every > 0 else layers
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1 or not count:
+        return None, None
+    return chunk, count
 
 
 def sliding_window_of(

@@ -12,7 +12,7 @@ from typing import Any
 
 from microbatch._json import loads
 from microbatch.errors import ConfigError
-from microbatch.hf_attention import own_head_size, sliding_window_of
+from microbatch.hf_attention import chunked_attention_of, own_head_size, sliding_window_of
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
 from microbatch.shape import ModelShape
 
@@ -448,6 +448,10 @@ def from_hf_config(
         fields["head_size"] = None if whole else fields["mla"].qk_head_dim
     if isinstance(vals["layers"], int):
         fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, vals["layers"], positions)
+        if fields["sliding_window"] is None:  # Llama 4: a chunk of its own for three layers in four
+            chunk, count = chunked_attention_of(raw, vals["layers"])
+            if chunk is not None:
+                fields.update(sliding_window=chunk, sliding_layers=count, local_attention="chunked")
     try:
         return ModelShape(**fields)
     except ConfigError as e:  # a rule between fields (heads divide hidden): name the file

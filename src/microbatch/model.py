@@ -299,7 +299,7 @@ def check_seq(shape: ModelShape, seq: int) -> None:
 
 GEOMETRY = (
     "layers", "hidden", "heads", "head_dim", "kv", "ffn", "vocab", "gated_mlp", "tied_embeddings", "bias", "norm",
-    "learned_positions", "moe", "mla", "sliding_window", "sliding_layers",
+    "learned_positions", "moe", "mla", "sliding_window", "sliding_layers", "local_attention",
 )  # fmt: skip
 """Fields that make two shapes the same model (name, seq, positions and training flags aside)."""
 

@@ -68,6 +68,10 @@ class ModelShape:
     every layer, GPT-OSS 128 and Gemma 2 4,096 on every other one, Gemma 3 1,024 on five of six); None: none."""
     sliding_layers: int | None = None
     """How many of the layers attend through ``sliding_window``; None means all of them when it is given."""
+    local_attention: str = "sliding"
+    """How a local layer's ``sliding_window`` keys are chosen: ``sliding`` (the w up to the query) or ``chunked``
+    (the query's own w-token chunk, causal inside it: Llama 4's ``attention_chunk_size`` 8,192 on three layers in
+    four)."""
     dropout: bool = True
     """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
     Llama-family training runs without dropout."""
@@ -128,6 +132,12 @@ class ModelShape:
                                fix="give the learned position table's rows, or None for seq's")  # fmt: skip
         if self.sliding_window is not None or self.sliding_layers is not None:
             self._check_window()
+        if self.local_attention not in ("sliding", "chunked"):
+            raise ConfigError(
+                f"local_attention {self.local_attention!r} is not known; use 'sliding' (a window up to the query) "
+                "or 'chunked' (the query's own chunk of sliding_window tokens)",
+                params=("local_attention",),
+            )
         if self.head_size is not None:
             check_positive_int("head_size", self.head_size, fix="give the width of one attention head")
         elif self.hidden % self.heads:

@@ -20,20 +20,31 @@ from microbatch.predict.experts import attention_widths
 from microbatch.predict.gemm import RooflineEfficiency
 from microbatch.predict.memory_ops import score_pass_split
 
-__all__ = ["ring_steps_s", "attention_core_s", "attention_span", "window_span"]
+__all__ = ["ring_steps_s", "attention_core_s", "attention_span", "local_span", "window_span"]
 
 
-def window_span(seq: float, window: int | None) -> float:
+def window_span(seq: float, window: int | None, chunked: bool = False) -> float:
     """σ: the length of a full causal layer with the (query, key) pairs of a causal ``window`` over ``seq`` tokens.
 
     Pairs: Σᵢ min(i, w) = s·w − w(w − 1)/2 for w ≤ s, against s(s + 1)/2 with no window; so σ = s × their ratio
     = (2·s·w − w² + w)/(s + 1), and σ = s for w ≥ s (or no window). Counting in the full-matrix convention the
-    FLOPs use (2·rows·s·width, Narayanan et al. 2021 Eq. 3), a window scales them by σ/s.
+    FLOPs use (2·rows·s·width, Narayanan et al. 2021 Eq. 3), a window scales them by σ/s. ``chunked`` (Llama 4's
+    chunked attention: a query sees the keys of its own w-token chunk up to itself): s = q·w + r tokens hold
+    q·w(w + 1)/2 + r(r + 1)/2 pairs, σ = 2 × that / (s + 1), about w + 1 for s ≫ w — each chunk a causal
+    sequence of its own (transformers' ``chunked_attention`` mask: position // w equal, key ≤ query).
     """
     if window is None or window >= seq:
         return float(seq)
     w = float(window)
+    if chunked:
+        q, r = divmod(float(seq), w)
+        return (q * w * (w + 1.0) + r * (r + 1.0)) / (seq + 1.0)
     return (2.0 * seq * w - w * w + w) / (seq + 1.0)
+
+
+def local_span(shape: ModelShape, seq: float) -> float:
+    """σ of ``shape``'s local layers at ``seq`` (:func:`window_span`, sliding or chunked)."""
+    return window_span(seq, shape.sliding_window, shape.local_attention == "chunked")
 
 
 def attention_span(shape: ModelShape, seq: float) -> float:
@@ -42,7 +53,7 @@ def attention_span(shape: ModelShape, seq: float) -> float:
     share = shape.sliding_share
     if not share:
         return float(seq)
-    return (1.0 - share) * seq + share * window_span(seq, shape.sliding_window)
+    return (1.0 - share) * seq + share * local_span(shape, seq)
 
 
 def ring_steps_s(
@@ -114,7 +125,7 @@ def attention_core_s(
         share, span = 0.0, float(s)
     else:
         share = shape.sliding_share if c == 1 else 0.0
-        span = window_span(s, shape.sliding_window) if share else float(s)
+        span = local_span(shape, s) if share else float(s)
     fwd_s = bwd_s = 0.0
     for part, keys in ((1.0 - share, float(s)), (share, span)):
         if part <= 0:

@@ -107,7 +107,9 @@ def screen(
     piped = cfg.pipeline_parallel > 1
     for z in zs:
         same = seen.get(2 if piped and z == 3 else -1)
-        if same is not None:  # under a pipeline ZeRO-3 holds and communicates as ZeRO-2 (resident_zero; "pipeline")
+        if (
+            same is not None
+        ):  # under a pipeline ZeRO-3 holds and communicates as ZeRO-2 (resident_zero; "pipeline")
             rows.append(same._replace(z=z))
             continue
         peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a, v)
