@@ -261,13 +261,11 @@ def test_a_timeout_the_ranks_cannot_start_in_is_refused_before_they_start(
     capsys, monkeypatch, timeout, pattern
 ):
     """Issue 32: --timeout 0.001 started the ranks and died on a socket timeout."""
-    import microbatch.run.pipeline.launch as launch
+    from _helpers import refuse_processes  # here: the ranks import this module as a factory
+
     from microbatch.cli import main
 
-    def no_process(*a, **k):
-        raise AssertionError("a process was started before the timeout was checked")
-
-    monkeypatch.setattr(launch, "_start_ranks", no_process)  # forked or started, a rank starts here
+    refuse_processes(monkeypatch)  # the profile, the calibrations, the ranks: none before the timeout's check
     assert main(["pipeline", "--timeout", timeout]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: " + pattern + r".*\n", err), err
@@ -470,13 +468,11 @@ def test_a_reloaded_factory_module_is_inspected_again(tmp_path, monkeypatch):
 @pytest.mark.parametrize("seed", ["100000000000000000000", "-1"])
 def test_a_seed_torch_cannot_hold_is_refused_before_the_ranks_start(capsys, monkeypatch, seed):
     """Issue 32: --seed 10^20 started the ranks, which died on 'Overflow when unpacking long long'."""
-    import microbatch.run.pipeline.launch as launch
+    from _helpers import refuse_processes  # here: the ranks import this module as a factory
+
     from microbatch.cli import main
 
-    def no_process(*a, **k):
-        raise AssertionError("a process was started before the seed was checked")
-
-    monkeypatch.setattr(launch, "_start_ranks", no_process)  # forked or started, a rank starts here
+    refuse_processes(monkeypatch)  # none before the seed's check
     assert main(["pipeline", "--seed", seed, "--no-predict"]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(

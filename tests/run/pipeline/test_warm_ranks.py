@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,8 +58,10 @@ def test_forked_ranks_match_new_interpreters_and_see_the_launchers_environment(t
     monkeypatch.chdir(tmp_path)  # the factory is found in the working folder, as `python -c` finds it
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delenv(COLD_ENV, raising=False)
+    monkeypatch.setenv("MB_WARM_OUT", str(tmp_path))
+    start_warm(sleep_for, ["0"], dict(os.environ), str(tmp_path / "first.err")).wait(timeout=120)  # server up
     assert warm_ranks("gloo") and not warm_ranks("nccl") and not warm_ranks("gloo", {COLD_ENV: "1"})
-    warm, warm_seen = _run(tmp_path, monkeypatch, "warm")
+    warm, warm_seen = _run(tmp_path, monkeypatch, "warm")  # its mark set after the server started
     monkeypatch.setenv(COLD_ENV, "1")
     cold, cold_seen = _run(tmp_path, monkeypatch, "cold")
 
@@ -69,7 +72,9 @@ def test_forked_ranks_match_new_interpreters_and_see_the_launchers_environment(t
     assert {v[0] for v in cold_ranks_seen.values()} == {me}  # new interpreters: the launcher's children
     forked_from = {v[0] for v in warm_ranks_seen.values()}
     assert len(forked_from) == 1 and me not in forked_from  # forked by one other process: the fork server
-    assert {v[1] for v in warm_ranks_seen.values()} == {"warm"}  # the environment at the launch
+    assert {v[1] for v in warm_ranks_seen.values()} == {
+        "warm"
+    }  # the environment at the launch, not the server's
     assert {v[2] for v in warm_ranks_seen.values()} == {"''"}  # the working folder first, as `python -c`
     assert warm.gradients_match and cold.gradients_match
     assert warm.losses == cold.losses  # the same numbers, to the bit
@@ -113,7 +118,71 @@ def test_a_forked_rank_reads_as_a_process_does(tmp_path):
     assert rank.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         rank.wait(timeout=0.2)
-    os.killpg(rank.pid, signal.SIGKILL)  # its own session: the launcher kills its group
+    from microbatch.run.pipeline.launch import _kill_all
+
+    _kill_all([rank])  # as the launcher kills it: its group (its own session), or itself before setsid
     assert rank.wait(timeout=30) == -signal.SIGKILL and rank.poll() == -signal.SIGKILL
     done = start_warm(sleep_for, ["0"], dict(os.environ), str(err))
     assert done.wait(timeout=60) == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_launchers_own_multiprocessing_is_left_as_it_was(tmp_path, monkeypatch):
+    """A forked rank must not fix the launcher's start method (``set_start_method("spawn")`` failed after a
+    run), nor be joined at its exit (a rank left alive held the launcher's exit until it ended)."""
+    import multiprocessing
+
+    from _helpers import alive  # here: the ranks import this module for sleep_for
+
+    code = textwrap.dedent(
+        f"""
+        import multiprocessing, os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from microbatch.run.pipeline.warm import start_warm
+        from test_warm_ranks import sleep_for
+
+        assert multiprocessing.get_start_method(allow_none=True) is None
+        rank = start_warm(sleep_for, ["0"], dict(os.environ), {str(tmp_path / "a.err")!r})
+        assert rank.wait(timeout=60) == 0
+        assert multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("spawn")  # raised "context has already been set"
+        left = start_warm(sleep_for, ["30"], dict(os.environ), {str(tmp_path / "b.err")!r})
+        assert multiprocessing.active_children() == []
+        print("PID", left.pid, flush=True)
+        """
+    )
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    left = int(r.stdout.split("PID ")[1])
+    assert took < 25, took  # not held by the 30 s rank still running at exit
+    deadline = time.monotonic() + 15  # the server exits with its launcher, and the rank with the server
+    while alive(left) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(left)
+    assert multiprocessing.get_start_method(allow_none=True) in (None, "fork", "forkserver", "spawn")
+
+
+def _warm_in_daemon(q) -> None:
+    q.put(warm_ranks("gloo"))
+
+
+def test_the_cold_path_where_a_fork_cannot_serve(monkeypatch):
+    import multiprocessing
+
+    from microbatch.run.pipeline import warm
+
+    monkeypatch.delenv(COLD_ENV, raising=False)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_warm_in_daemon, args=(q,), daemon=True)
+    p.start()
+    assert q.get(timeout=30) is False  # a daemonic worker may not start children
+    p.join(timeout=30)
+    monkeypatch.setattr(warm, "_owner", os.getpid())
+    monkeypatch.setattr(warm, "_server_env", warm._start_up_env(os.environ))
+    assert warm_ranks("gloo")
+    assert not warm_ranks("gloo", {**os.environ, "OMP_NUM_THREADS": "7"})  # read once by the server's torch
+    monkeypatch.setattr(warm, "_owner", os.getpid() + 1)  # a fork of the process that started the server
+    assert not warm_ranks("gloo")

@@ -111,7 +111,7 @@ def _worker_main(argv: list[str] | None = None) -> None:
     the command line's)."""
     import traceback
 
-    cfg_path, result_path = (argv or sys.argv[1:])[:2]
+    cfg_path, result_path = (sys.argv[1:] if argv is None else argv)[:2]
     rank = os.environ.get("RANK", "?")
     exit_with_parent(int(os.environ.get(LAUNCHER_PID_ENV) or 0))  # a killed launcher takes its ranks along
     try:
@@ -431,6 +431,8 @@ def _rank_failure(
             why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
     else:
         why = f"exit status {rc}"
+    if rc == 255 and isinstance(procs[r], warm.RankProcess) and not warm.server_alive():
+        why += " (the fork server that started the ranks died: killed with the launcher's process group?)"
     tail = _tail(errs[r])
     if rc < 0 and "error" not in tail.lower() and "traceback" not in tail.lower():
         tail = "no Python error on its stderr before it"  # not the last warning it printed, which is not why

@@ -1,18 +1,26 @@
-"""Ranks forked from a parent that has imported torch already (gloo on the CPU).
+"""Ranks forked from a parent that has imported torch already (gloo on the CPU, Linux).
 
 A rank started as a new Python pays ``import torch.distributed.pipelining`` before its first op: 5.2 s of
 CPU on the 2-core dev VM (``/usr/bin/time python -c "import torch.distributed.pipelining"``; 2.7 s of it
 torch itself, the rest DTensor and dynamo, which the package imports), and ``pipeline --predict`` starts
 the ranks three times (two calibrations and the run): on a p = 4 run that is 62 s of CPU before any
-stage runs, more than the run itself on a small model. So on the CPU the launcher keeps one warm parent,
-Python's *fork server* (:mod:`multiprocessing`, started once per launcher process, its imports done
-once), and each rank is a fork of it: a process of its own, as before (its own session, its stderr to
-the rank's file, its stdout to /dev/null, the launcher's environment and working folder, ``''`` first
-on its path as ``python -c`` puts it), with the imports already made.
+stage runs, more than the run itself on a small model. So on the CPU the launcher keeps one warm parent, a
+fork server of its own (:class:`multiprocessing.forkserver.ForkServer`, not the process-wide one a user
+may have set up: started once per launcher process, torch imported once), and each rank is a fork of it:
+a process of its own, as before (its own session, its stderr to the rank's file, its stdout to
+/dev/null, the launcher's environment, working folder and ``sys.path`` with ``''`` first as ``python -c``
+puts it, ``sys.argv`` as the worker's), with the imports already made. It imports microbatch from the
+launcher's path after the fork (the server's own path is its start-up environment's), the launcher's
+main module is not run again in it (multiprocessing's spawn would), the launcher's start method is left
+as it was, and numpy's global generator is seeded afresh as a new interpreter's is.
 
-Left on the old path, a new interpreter per rank: ``nccl`` (a CUDA context must not be forked; the fork
-server never touches CUDA, but a GPU run is not measured here) and ``MICROBATCH_COLD_RANKS=1`` (a user's
-escape hatch, and the tests' check that both paths agree).
+Left on the old path, a new interpreter per rank (:func:`warm_ranks`): ``nccl`` (a CUDA context must not be
+forked; the server never touches CUDA, but no GPU run has been measured this way), platforms other than
+Linux, a launcher that is itself a daemonic multiprocessing worker or a fork of the process that started
+the server, an environment that differs from the server's in what torch and the native libraries read once
+at start-up (``OMP_*``, ``MKL_*``, ``LD_*``, ``MALLOC_*``, ``PYTHON*``, ``TORCH_LOGS``, ``TORCH_DISTRIBUTED_DEBUG``:
+the server cannot take them back), and ``MICROBATCH_COLD_RANKS=1`` (a user's escape hatch, and the tests' check that both paths
+agree).
 
 :class:`RankProcess` has the part of :class:`subprocess.Popen`'s interface the launcher uses (``pid``,
 ``poll``, ``kill``, ``wait``), so the watching, killing and error reporting of
@@ -21,25 +29,33 @@ escape hatch, and the tests' check that both paths agree).
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
-__all__ = ["COLD_ENV", "PRELOAD", "RankHandle", "RankProcess", "start_warm", "warm_ranks"]
+__all__ = ["COLD_ENV", "PRELOAD", "RankHandle", "RankProcess", "server_alive", "start_warm", "warm_ranks"]
 
 COLD_ENV = "MICROBATCH_COLD_RANKS"
 """Set to ``1`` to start every rank as a new interpreter (the path before the fork server)."""
 
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed.pipelining",
-    "microbatch.run.pipeline.rank",
-    "microbatch.run.pipeline.launch",
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining")
+"""What the fork server imports once: torch and its pipelining package (microbatch is imported in each rank,
+from the launcher's ``sys.path``, 0.2 s)."""
+
+_START_UP_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "PYTHON")
+"""Prefixes of the environment variables read once, when the server's native libraries load or Python starts."""
+
+_TORCH_START_UP = (
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_LOGS",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_CPP_LOG_LEVEL",
 )
-"""What the fork server imports once: torch, its pipelining package, and the rank's own code."""
+"""torch's variables read when it is imported (``torch/distributed/__init__.py``, its logging); not the ones torch
+sets itself as it runs (``TORCHINDUCTOR_CACHE_DIR``, set in the launcher by its first compile-related import)."""
 
 
 class RankHandle(Protocol):
@@ -54,16 +70,49 @@ class RankHandle(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
-def warm_ranks(backend: str, env: dict[str, str] | None = None) -> bool:
-    """True when the ranks of a run on ``backend`` are forked from the warm parent: gloo, on a platform
-    with ``fork`` (not Windows), and not turned off with ``MICROBATCH_COLD_RANKS=1``."""
+def _start_up_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_START_UP_ENV) or k in _TORCH_START_UP}
+
+
+_server: Any = None
+"""This process's fork server (created on first use); its owner and start-up environment below."""
+_owner: int | None = None
+_server_env: dict[str, str] | None = None
+
+
+def warm_ranks(backend: str, env: Mapping[str, str] | None = None) -> bool:
+    """True when the ranks of a run on ``backend`` are forked from the warm server (module docstring)."""
     seen = os.environ if env is None else env
-    return backend == "gloo" and _FORKABLE and seen.get(COLD_ENV, "") not in ("1", "true", "yes")
+    if backend != "gloo" or not _FORKABLE or seen.get(COLD_ENV, "") in ("1", "true", "yes"):
+        return False
+    import multiprocessing
+
+    if multiprocessing.current_process().daemon:  # a daemonic worker may not have children of its own
+        return False
+    if _owner is not None and (_owner != os.getpid() or _server_env != _start_up_env(seen)):
+        return False  # a fork of the owner (the server is not its child), or start-up settings changed
+    try:
+        os.getcwd()
+    except OSError:  # the working folder was removed: the ranks cannot start in it
+        return False
+    return True
+
+
+def server_alive() -> bool:
+    """Whether this process's fork server is running (False before it started or after it died)."""
+    pid = getattr(_server, "_forkserver_pid", None)
+    if pid is None or _owner != os.getpid():
+        return False
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
 
 
 class RankProcess:
     """A rank forked by the fork server, seen through :class:`subprocess.Popen`'s ``pid``, ``poll()``,
-    ``kill()`` and ``wait(timeout)`` (its exit status: negative for the signal that killed it)."""
+    ``kill()`` and ``wait(timeout)`` (its exit status: negative for the signal that killed it; 255 when the
+    server that reports it died first)."""
 
     def __init__(self, process: Any) -> None:
         self._process = process
@@ -89,54 +138,92 @@ def start_warm(
     main: Callable[[list[str]], None], args: list[str], env: dict[str, str], err_path: str
 ) -> RankProcess:
     """Fork one rank from the fork server: it runs ``main(args)`` with ``env`` as its whole environment,
-    its stderr appended to ``err_path`` and its stdout to /dev/null, in a session of its own."""
+    its stderr appended to ``err_path`` and its stdout to /dev/null, in a session of its own. The first call
+    starts the server and waits until it has imported torch (a child that does nothing), so that an interrupt
+    then leaves no rank behind."""
     import multiprocessing
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))  # before it first starts
-    process = _RankStart(target=_rank_entry, args=(main, args, env, err_path, os.getcwd(), os.getpid()))
+    _ready()
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    process = _RankStart(
+        target=_rank_entry,
+        args=(main, args, env, err_path, os.getpid(), _server._forkserver_pid, torch_file),
+    )
     process.start()
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]  # exit joins none
     return RankProcess(process)
 
 
-def _without_main(prepare: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
-    """multiprocessing's preparation data for a child (``prepare``), less the launcher's main module: a
-    rank runs the launcher's code, not its script (a script that calls ``run_pipeline`` at its top level,
-    with no ``if __name__ == "__main__"``, would run again in every rank, and there refuse to start)."""
+def _ready() -> None:
+    """Start this process's fork server once, and wait until it has made its imports."""
+    global _server, _owner, _server_env
+    if _owner == os.getpid() and server_alive():
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
 
-    def rank_preparation(name: str) -> dict[str, Any]:
-        data = prepare(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
+    before = cast("str | None", multiprocessing.get_start_method(allow_none=True))  # None: not yet chosen
+    _server = forkserver.ForkServer()
+    _server.set_forkserver_preload(list(PRELOAD))
+    _owner, _server_env = os.getpid(), _start_up_env(os.environ)
+    try:
+        _server.ensure_running()
+    finally:
+        if before is None:  # ensure_running reads the start method, which fixes the launcher's default
+            multiprocessing.set_start_method(None, force=True)
+    probe = _RankStart(target=_nothing)
+    probe.start()
+    probe.join()
 
-    return rank_preparation
+
+def _nothing() -> None:
+    """A child that only proves the server ready."""
 
 
-try:  # the fork server's process classes (not on Windows, where nothing is forked)
+try:  # the fork server's process classes (Linux only: fork after importing torch is untested elsewhere)
     from multiprocessing import context as _mp_context
+    from multiprocessing import forkserver as _forkserver
     from multiprocessing import popen_forkserver as _popen_forkserver
-    from multiprocessing import spawn as _spawn
+    from multiprocessing import process as _mp_process
+    from multiprocessing import reduction as _reduction
+    from multiprocessing import util as _mp_util
 
     class _Popen(_popen_forkserver.Popen):
-        """The fork server's start of one child, its preparation data :func:`_without_main` (the start
-        reads ``spawn.get_preparation_data``, replaced for its duration)."""
+        """One child of this module's server (``_server``) with its own preparation data: the launcher's path,
+        argv, folder and key, not its main module (multiprocessing would run the launcher's script again in
+        the rank) nor its start method (the rank's default stays the platform's)."""
 
         def _launch(self, process_obj: Any) -> None:
-            real = _spawn.get_preparation_data
-            _spawn.get_preparation_data = _without_main(real)  # type: ignore[assignment]
+            prep = {
+                "name": process_obj.name,
+                "authkey": bytes(_mp_process.current_process().authkey),
+                "sys_path": list(sys.path),
+                "sys_argv": ["-c", *(process_obj._args[1] if process_obj._target is _rank_entry else [])],
+                "dir": os.getcwd(),
+                "orig_dir": _mp_process.ORIGINAL_DIR,  # type: ignore[attr-defined]
+            }
+            buf = io.BytesIO()
+            _mp_context.set_spawning_popen(self)
             try:
-                super()._launch(process_obj)  # type: ignore[misc]
+                _reduction.dump(prep, buf)
+                _reduction.dump(process_obj, buf)
             finally:
-                _spawn.get_preparation_data = real
+                _mp_context.set_spawning_popen(None)
+            self.sentinel, w = _server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+            parent_w = os.dup(w)  # the child's sentinel of this process, as multiprocessing keeps it
+            self.finalizer = _mp_util.Finalize(self, _mp_util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = _forkserver.read_signed(self.sentinel)
 
     class _RankStart(_mp_context.ForkServerProcess):
-        """A process of the fork server started by :class:`_Popen`."""
+        """A process of this module's fork server, started by :class:`_Popen`."""
 
         @staticmethod
         def _Popen(process_obj: Any) -> Any:
             return _Popen(process_obj)
 
-    _FORKABLE = hasattr(os, "fork")
+    _FORKABLE = sys.platform.startswith("linux")
 except ImportError:  # pragma: no cover - warm_ranks() is False there
     _FORKABLE = False
 
@@ -146,8 +233,9 @@ def _rank_entry(
     args: list[str],
     env: dict[str, str],
     err_path: str,
-    cwd: str,
     launcher: int,
+    server: int,
+    torch_file: str | None,
 ) -> None:
     """In the forked rank: become what ``python -c`` started by the launcher was, then run ``main``."""
     os.setsid()  # its own session: a Ctrl-C at the terminal reaches the launcher, which stops the ranks
@@ -157,15 +245,26 @@ def _rank_entry(
     fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(fd, 1)
     os.close(fd)
-    from microbatch.run.pipeline.signals import LAUNCHER_PID_ENV
+    from microbatch.run.pipeline.signals import LAUNCHER_PID_ENV, exit_with_parent
 
+    exit_with_parent(server)  # SIGTERM when the server exits (as the launcher does): never an orphan
     env = dict(env)
-    env[LAUNCHER_PID_ENV] = str(os.getppid())  # the fork server: it exits when the launcher does
+    env[LAUNCHER_PID_ENV] = str(server)  # the worker's own guard watches the same parent
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(cwd)
     if sys.path[:1] != [""]:
         sys.path.insert(0, "")  # the working folder first, as for ``python -c``
+    if "numpy" in sys.modules:  # seeded once in the server: each rank its own, as a new interpreter's
+        sys.modules["numpy"].random.seed()
+    torch = sys.modules.get("torch")  # None where the server's preload failed: imported by the rank
+    if torch is not None and torch_file is not None and torch.__file__ != torch_file:
+        print(
+            f"the fork server imported torch from {torch.__file__}, the launcher from {torch_file}; "
+            f"run with {COLD_ENV}=1 to start the ranks as new interpreters",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
     _release_server(launcher)
     main(args)
 
