@@ -110,7 +110,7 @@ def screen(
         if (
             same is not None
         ):  # under a pipeline ZeRO-3 holds and communicates as ZeRO-2 (resident_zero; "pipeline")
-            rows.append(same._replace(z=z))
+            rows.append(ZeroRow(z, *same[1:]))
             continue
         peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a, v)
         dp, zero_s, opt = data_parallel_comm(ctx, m, z, tm, n, tables.max_experts)
