@@ -46,11 +46,11 @@ def chunked_attention_of(raw: dict[str, Any], layers: int) -> tuple[int | None, 
     if chunk is None or (not llama4 and not (isinstance(types, list) and "chunked_attention" in types)):
         return None, None
     if isinstance(types, list) and types:
-        count = sum(1 for x in types if x == "chunked_attention")
+        count = sum(1 for x in types[:layers] if x == "chunked_attention")  # one entry a block; no more
     else:
         marks = raw.get("no_rope_layers")
         if isinstance(marks, list) and marks:
-            count = sum(1 for x in marks if x)
+            count = sum(1 for x in marks[:layers] if x)
         else:
             every = raw.get("no_rope_layer_interval") or 4
             count = layers - layers // every if isinstance(every, int) and every > 0 else layers

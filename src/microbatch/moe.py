@@ -232,9 +232,11 @@ def experts_from_hf(
     step_key = next((k for k in ("interleave_moe_layer_step", "decoder_sparse_step") if raw.get(k)), None)
     every = raw[step_key] if step_key else 1
     dense = _whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source)
-    dense = _listed_layers(
-        raw, dense, _whole(raw, step_key or "interleave_moe_layer_step", every, source), source
-    )
+    every = _whole(raw, step_key or "interleave_moe_layer_step", every, source)
+    placed = _listed_layers(raw, dense, every, source)
+    if placed is None:  # its lists leave every block dense, as transformers builds it
+        return None
+    dense, every = placed
     return Experts(
         experts=e,
         top_k=_whole(raw, "num_experts_per_tok", k, source),
@@ -242,46 +244,46 @@ def experts_from_hf(
         shared_experts=_whole(raw, "n_shared_experts", shared, source),
         shared_ffn_hidden=shared_width,
         dense_layers=dense,
-        moe_every=_whole(raw, step_key or "interleave_moe_layer_step", every, source),
+        moe_every=every,
     )
 
 
-def _listed_layers(raw: dict[str, Any], dense: int, every: int, source: str) -> int:
-    """The dense first blocks, with the config's own lists of blocks read: Qwen2/3-MoE's ``mlp_only_layers``
-    (blocks kept dense whatever ``decoder_sparse_step`` says) and Llama 4's ``moe_layers`` (the MoE blocks;
-    transformers fills it from ``interleave_moe_layer_step`` when the file has none). A list the placement
-    rule (``dense`` first blocks dense, then every ``every``-th block MoE) gives is taken; so is
-    ``mlp_only_layers`` = the first j blocks with ``every`` 1 (j dense first blocks); any other list is
-    refused, naming it, rather than priced at the rule's blocks."""
+def _listed_layers(raw: dict[str, Any], dense: int, every: int, source: str) -> tuple[int, int] | None:
+    """(dense first blocks, every k-th block MoE) with the config's own lists of blocks read, as transformers
+    builds the model: Llama 4's ``moe_layers`` are the MoE blocks (``layer_idx in moe_layers``; transformers fills
+    it from ``interleave_moe_layer_step`` when the file has none), Qwen2/3-MoE's blocks are MoE unless in
+    ``mlp_only_layers`` and where ``(layer_idx + 1) % decoder_sparse_step == 0``; indices outside the blocks
+    are ignored, as there. The blocks they make are placed by the rule (the first ``dense`` blocks dense, then
+    blocks i with i % k = k − 1 MoE), the config's step tried first; None where they leave no MoE block (a
+    dense model); a set no rule gives is refused, naming it, rather than priced at other blocks."""
     n = raw.get("num_hidden_layers")
-    if not isinstance(n, int) or n <= 0:
-        return dense
-    rule = {i for i in range(dense, n) if i % every == every - 1}
-    only = raw.get("mlp_only_layers") or []
-    listed = raw.get("moe_layers")
-    if only:
-        if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
-            raise ConfigError(
-                f"{source}: mlp_only_layers {only!r} must be a list of block indices", params=_HF
-            )
-        prefix = sorted(set(only)) == list(range(len(set(only))))
-        if every == 1 and dense == 0 and prefix:
-            return len(set(only))  # the first j blocks dense: DeepSeek's first_k_dense_replace
-        rule -= set(only)
-        listed = sorted(rule) if listed is None else listed
-    if listed is None:
-        return dense
-    if not isinstance(listed, list) or not all(isinstance(i, int) for i in listed):
-        raise ConfigError(f"{source}: moe_layers {listed!r} must be a list of block indices", params=_HF)
-    if set(listed) == {i for i in range(dense, n) if i % every == every - 1}:
-        return dense
-    key = "mlp_only_layers" if only else "moe_layers"
-    shown = sorted(set(listed))
+    only, listed = raw.get("mlp_only_layers") or [], raw.get("moe_layers")
+    if not isinstance(n, int) or n <= 0 or (not only and listed is None):
+        return dense, every
+    for key, value in (("mlp_only_layers", only), ("moe_layers", listed)):
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        ):
+            raise ConfigError(f"{source}: {key} {value!r} must be a list of block indices", params=_HF)
+    if listed is not None:
+        key, target = "moe_layers", {i for i in listed if 0 <= i < n}
+    else:
+        key, target = "mlp_only_layers", {i for i in range(n) if i not in set(only) and (i + 1) % every == 0}
+    if not target:
+        return None
+    first = min(target)
+    for k in (every, *range(1, n + 1)):
+        rule = [i for i in range(n) if i % k == k - 1]
+        below = [i for i in rule if i < first]
+        d = below[-1] + 1 if below else 0
+        if {i for i in rule if i >= d} == target:
+            return d, k
+    shown = sorted(target)
     raise ConfigError(
         f"{source}: its {key} make blocks {_ranges(shown)} (of {n}) the MoE blocks; microbatch places MoE blocks "
         f"as the first k blocks dense, then every k-th block (first_k_dense_replace, interleave_moe_layer_step or "
-        f"decoder_sparse_step) and cannot price this list; give a config whose MoE blocks follow that rule "
-        f"(the nearest: first_k_dense_replace {n - len(shown)}, every block after it MoE)",
+        f"decoder_sparse_step) and cannot price this set; give a config whose MoE blocks follow that rule "
+        f"(the same count: first_k_dense_replace {n - len(shown)}, every block after it MoE)",
         params=_HF,
     )
 

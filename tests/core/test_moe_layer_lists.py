@@ -82,3 +82,45 @@ def test_a_list_the_rule_cannot_place_is_refused_naming_its_blocks(tmp_path, cfg
         named = [int(x) for part in str(e.value).split("make blocks ")[1].split(" (of")[0].split(", ")
                  for x in (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))]  # fmt: skip
         assert [i in named for i in range(6)] == moe
+
+
+QWEN8 = {**QWEN2_MOE, "num_hidden_layers": 8}
+LLAMA4_8 = {**LLAMA4, "num_hidden_layers": 8}
+
+
+@pytest.mark.parametrize(
+    ("cfg", "placed"),
+    [
+        ({**QWEN8, "mlp_only_layers": [0, 100]}, (1, 1)),  # indices past the blocks are ignored, as there
+        ({**QWEN8, "mlp_only_layers": [-1, 0]}, (1, 1)),
+        ({**QWEN8, "decoder_sparse_step": 2, "mlp_only_layers": [1]}, (2, 2)),  # blocks 3, 5, 7
+        ({**QWEN8, "decoder_sparse_step": 2, "mlp_only_layers": [0, 1]}, (2, 2)),
+        (
+            {**QWEN8, "first_k_dense_replace": 2, "mlp_only_layers": [0, 1, 2]},
+            (3, 1),
+        ),  # Qwen ignores that key
+        ({**LLAMA4_8, "moe_layers": [3, 5, 7]}, (2, 2)),
+        (
+            {
+                **{k: v for k, v in LLAMA4_8.items() if k != "interleave_moe_layer_step"},
+                "moe_layers": [1, 3, 5, 7],
+            },
+            (0, 2),
+        ),
+        ({**LLAMA4_8, "moe_layers": [1, 3, 5, 7, 9, -1]}, (0, 2)),
+    ],
+)
+def test_lists_the_rule_can_place_are_placed_as_transformers_builds_them(tmp_path, cfg, placed):
+    shape = _shape(tmp_path, cfg)
+    _, moe = _real(cfg)
+    assert shape.moe is not None and (shape.moe.dense_layers, shape.moe.moe_every) == placed
+    assert [shape.is_moe_layer(i) for i in range(8)] == moe
+
+
+@pytest.mark.parametrize(
+    "cfg", [{**LLAMA4_8, "moe_layers": []}, {**QWEN8, "mlp_only_layers": list(range(8))}]
+)
+def test_lists_that_leave_no_moe_block_make_a_dense_model(tmp_path, cfg):
+    shape = _shape(tmp_path, cfg)
+    _, moe = _real(cfg)
+    assert moe == [False] * 8 and shape.moe is None

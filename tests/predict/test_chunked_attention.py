@@ -94,3 +94,9 @@ def test_the_llama4_rule_without_transformers_layer_types():
     assert chunked_attention_of(
         {"model_type": "x", "attention_chunk_size": 4096, "layer_types": types}, 4
     ) == (4096, 3)
+
+
+def test_lists_longer_than_the_blocks_count_the_blocks_only():
+    from microbatch.hf_attention import chunked_attention_of
+
+    assert chunked_attention_of({"model_type": "llama4_text", "no_rope_layers": [1] * 10}, 8) == (8192, 8)

@@ -31,7 +31,9 @@ def window_span(seq: float, window: int | None, chunked: bool = False) -> float:
     FLOPs use (2·rows·s·width, Narayanan et al. 2021 Eq. 3), a window scales them by σ/s. ``chunked`` (Llama 4's
     chunked attention: a query sees the keys of its own w-token chunk up to itself): s = q·w + r tokens hold
     q·w(w + 1)/2 + r(r + 1)/2 pairs, σ = 2 × that / (s + 1), about w + 1 for s ≫ w — each chunk a causal
-    sequence of its own (transformers' ``chunked_attention`` mask: position // w equal, key ≤ query).
+    sequence of its own (transformers' ``chunked_attention`` mask: position // w equal, key ≤ query). Both
+    assume a kernel that skips the blocks outside the window or chunk (FlashAttention-2's ``window_size``;
+    FlexAttention's block mask, as torchtitan runs Llama 4); SDPA with a boolean mask computes every block.
     """
     if window is None or window >= seq:
         return float(seq)

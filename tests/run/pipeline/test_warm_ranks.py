@@ -168,21 +168,57 @@ def _warm_in_daemon(q) -> None:
     q.put(warm_ranks("gloo"))
 
 
-def test_the_cold_path_where_a_fork_cannot_serve(monkeypatch):
+def test_the_cold_path_where_a_fork_cannot_serve(monkeypatch, tmp_path):
     import multiprocessing
 
     from microbatch.run.pipeline import warm
 
     monkeypatch.delenv(COLD_ENV, raising=False)
+    start_warm(sleep_for, ["0"], dict(os.environ), str(tmp_path / "a.err")).wait(timeout=120)  # a server up
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_warm_in_daemon, args=(q,), daemon=True)
     p.start()
     assert q.get(timeout=30) is False  # a daemonic worker may not start children
     p.join(timeout=30)
+    # the fork dropped the server it inherited without touching the launcher's (it removed its socket once)
+    assert start_warm(sleep_for, ["0"], dict(os.environ), str(tmp_path / "b.err")).wait(timeout=60) == 0
     monkeypatch.setattr(warm, "_owner", os.getpid())
     monkeypatch.setattr(warm, "_server_env", warm._start_up_env(os.environ))
     assert warm_ranks("gloo")
     assert not warm_ranks("gloo", {**os.environ, "OMP_NUM_THREADS": "7"})  # read once by the server's torch
     monkeypatch.setattr(warm, "_owner", os.getpid() + 1)  # a fork of the process that started the server
     assert not warm_ranks("gloo")
+
+
+def record_start_method(args: list[str]) -> None:
+    """A rank's main that writes its multiprocessing start method (None: not chosen) to ``args[0]``."""
+    import multiprocessing
+
+    Path(args[0]).write_text(str(multiprocessing.get_start_method(allow_none=True)))
+
+
+def test_a_rank_keeps_the_platforms_start_method(tmp_path):
+    """multiprocessing forced 'forkserver' on a child of a fork server: a rank's own workers would have
+    started through CPython's process-wide server, not as a new interpreter's rank forks them."""
+    out = tmp_path / "method.txt"
+    rank = start_warm(record_start_method, [str(out)], dict(os.environ), str(tmp_path / "m.err"))
+    assert rank.wait(timeout=60) == 0
+    assert out.read_text() == "None"
+
+
+@pytest.mark.timeout(300)
+def test_a_fork_server_that_cannot_serve_leaves_the_run_to_new_interpreters(tmp_path, monkeypatch, capfd):
+    from microbatch.run.pipeline import warm
+
+    (tmp_path / "mb_dies_on_import.py").write_text("import os\nos._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.delenv(COLD_ENV, raising=False)
+    monkeypatch.setattr(warm, "PRELOAD", ("mb_dies_on_import", *warm.PRELOAD))  # the server dies importing
+    for name in ("_server", "_owner", "_server_env"):
+        monkeypatch.setattr(warm, name, None)  # a server of this test's own; the worker's is put back after
+    monkeypatch.setattr(warm, "_broken", "")
+    rep = run_pipeline(PipelineConfig(stages=2, microbatches=2, steps=2, timeout_s=60), deadline_s=150)
+    assert rep.measured_steps >= 1 and len(rep.losses) == 2  # the run ran, on new interpreters
+    assert warm._broken and not warm_ranks("gloo")  # and the next launches go there too
+    assert "the fork server could not start a rank" in capfd.readouterr().err

@@ -348,8 +348,14 @@ def _start_ranks(
         errs.append(err)
         with open(err, "w") as ef:
             if forked:
-                procs.append(warm.start_warm(_worker_main, [cfg_path, result_path], env, err))
-                continue
+                try:
+                    procs.append(warm.start_warm(_worker_main, [cfg_path, result_path], env, err))
+                    continue
+                except warm.WarmStartError as e:  # this rank and the next as new interpreters; said once
+                    forked = False
+                    print(
+                        f"pipeline: {e}; starting the ranks as new interpreters", file=sys.stderr, flush=True
+                    )
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", code, cfg_path, result_path],

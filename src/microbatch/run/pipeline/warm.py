@@ -33,10 +33,21 @@ import io
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, cast
 
-__all__ = ["COLD_ENV", "PRELOAD", "RankHandle", "RankProcess", "server_alive", "start_warm", "warm_ranks"]
+__all__ = [
+    "COLD_ENV",
+    "PRELOAD",
+    "READY_S",
+    "RankHandle",
+    "RankProcess",
+    "WarmStartError",
+    "server_alive",
+    "start_warm",
+    "warm_ranks",
+]
 
 COLD_ENV = "MICROBATCH_COLD_RANKS"
 """Set to ``1`` to start every rank as a new interpreter (the path before the fork server)."""
@@ -78,12 +89,22 @@ _server: Any = None
 """This process's fork server (created on first use); its owner and start-up environment below."""
 _owner: int | None = None
 _server_env: dict[str, str] | None = None
+_broken = ""
+"""Why the fork server could not serve (it died while importing, or did not answer): the cold path from then on."""
+_lock = threading.Lock()
+
+READY_S = 120.0
+"""How long the launcher waits for the fork server to import torch and fork a child (5 s idle on the dev VM)."""
+
+
+class WarmStartError(Exception):
+    """The fork server could not start a rank: the launcher starts this launch's ranks as new interpreters."""
 
 
 def warm_ranks(backend: str, env: Mapping[str, str] | None = None) -> bool:
     """True when the ranks of a run on ``backend`` are forked from the warm server (module docstring)."""
     seen = os.environ if env is None else env
-    if backend != "gloo" or not _FORKABLE or seen.get(COLD_ENV, "") in ("1", "true", "yes"):
+    if backend != "gloo" or not _FORKABLE or _broken or seen.get(COLD_ENV, "") in ("1", "true", "yes"):
         return False
     import multiprocessing
 
@@ -99,14 +120,38 @@ def warm_ranks(backend: str, env: Mapping[str, str] | None = None) -> bool:
 
 
 def server_alive() -> bool:
-    """Whether this process's fork server is running (False before it started or after it died)."""
+    """Whether this process's fork server is running (False before it started or after it died; a dead one is
+    forgotten: its pipe closed and its socket removed, so that the next launch starts a new one)."""
     pid = getattr(_server, "_forkserver_pid", None)
     if pid is None or _owner != os.getpid():
         return False
     try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):
+            return True
     except ChildProcessError:
-        return False
+        pass
+    _forget()
+    return False
+
+
+def _forget(unlink: bool = True) -> None:
+    """Drop this process's fork server: close its "a client lives" pipe (it exits if it still runs) and, where
+    ``unlink``, remove its socket file (not from a fork of the launcher: the file is the launcher's too)."""
+    global _server, _owner, _server_env
+    server, _server, _owner, _server_env = _server, None, None, None
+    if server is None:
+        return
+    fd, address = getattr(server, "_forkserver_alive_fd", None), getattr(server, "_forkserver_address", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if unlink and isinstance(address, str) and not address.startswith("\0"):
+        try:
+            os.unlink(address)
+        except OSError:
+            pass
 
 
 class RankProcess:
@@ -140,40 +185,80 @@ def start_warm(
     """Fork one rank from the fork server: it runs ``main(args)`` with ``env`` as its whole environment,
     its stderr appended to ``err_path`` and its stdout to /dev/null, in a session of its own. The first call
     starts the server and waits until it has imported torch (a child that does nothing), so that an interrupt
-    then leaves no rank behind."""
+    then leaves no rank behind. Raises :class:`WarmStartError` where the server cannot serve (and
+    :func:`warm_ranks` is False from then on)."""
     import multiprocessing
 
-    _ready()
-    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
-    process = _RankStart(
-        target=_rank_entry,
-        args=(main, args, env, err_path, os.getpid(), _server._forkserver_pid, torch_file),
-    )
-    process.start()
+    global _broken
+    try:
+        with _lock:
+            _ready()
+        torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+        process = _RankStart(
+            target=_rank_entry,
+            args=(main, args, env, err_path, os.getpid(), _server._forkserver_pid, torch_file),
+        )
+        process.start()
+    except (EOFError, OSError, TimeoutError) as e:
+        _broken = f"{type(e).__name__}: {e}"
+        _kill_server()
+        raise WarmStartError(f"the fork server could not start a rank ({_broken})") from e
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]  # exit joins none
     return RankProcess(process)
 
 
 def _ready() -> None:
-    """Start this process's fork server once, and wait until it has made its imports."""
+    """Start this process's fork server once, and wait until it has made its imports (at most ``READY_S``).
+    It starts with ``OMP_NUM_THREADS=1`` where the launcher sets none, as the cold path gives gloo ranks: its
+    native libraries single-threaded, so no thread but the main one is alive when it forks."""
     global _server, _owner, _server_env
     if _owner == os.getpid() and server_alive():
         return
     import multiprocessing
     from multiprocessing import forkserver
 
+    _forget(
+        unlink=_owner == os.getpid()
+    )  # a dead one of ours; not a socket a forked-from launcher still uses
     before = cast("str | None", multiprocessing.get_start_method(allow_none=True))  # None: not yet chosen
     _server = forkserver.ForkServer()
     _server.set_forkserver_preload(list(PRELOAD))
     _owner, _server_env = os.getpid(), _start_up_env(os.environ)
+    added = "OMP_NUM_THREADS" not in os.environ
+    if added:
+        os.environ["OMP_NUM_THREADS"] = "1"
     try:
         _server.ensure_running()
     finally:
+        if added:
+            os.environ.pop("OMP_NUM_THREADS", None)
         if before is None:  # ensure_running reads the start method, which fixes the launcher's default
             multiprocessing.set_start_method(None, force=True)
     probe = _RankStart(target=_nothing)
     probe.start()
-    probe.join()
+    probe.join(READY_S)
+    if probe.exitcode != 0:
+        raise TimeoutError(
+            f"its first child ended with {probe.exitcode} (None: still running after {READY_S:.0f} s)"
+        )
+
+
+def _kill_server() -> None:
+    """Kill a fork server that failed, and forget it."""
+    pid = getattr(_server, "_forkserver_pid", None)
+    if pid is not None and _owner == os.getpid():
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (OSError, ChildProcessError):
+            pass
+    _forget()
+
+
+def _after_fork_in_child() -> None:
+    """A fork of the launcher (not a rank: those are the server's) does not hold the server alive."""
+    if _owner is not None and _owner != os.getpid():
+        _forget(unlink=False)
 
 
 def _nothing() -> None:
@@ -214,16 +299,24 @@ try:  # the fork server's process classes (Linux only: fork after importing torc
             self.finalizer = _mp_util.Finalize(self, _mp_util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
             with open(w, "wb", closefd=True) as f:
                 f.write(buf.getbuffer())
+            from multiprocessing.connection import wait
+
+            if not wait([self.sentinel], READY_S):  # the server forks once its imports are made
+                raise TimeoutError(f"no child forked in {READY_S:.0f} s")
             self.pid = _forkserver.read_signed(self.sentinel)
 
     class _RankStart(_mp_context.ForkServerProcess):
-        """A process of this module's fork server, started by :class:`_Popen`."""
+        """A process of this module's fork server, started by :class:`_Popen`; its start method is not forced
+        on the child (the rank's default stays the platform's, as in a new interpreter)."""
+
+        _start_method = None  # type: ignore[assignment]
 
         @staticmethod
         def _Popen(process_obj: Any) -> Any:
             return _Popen(process_obj)
 
     _FORKABLE = sys.platform.startswith("linux")
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 except ImportError:  # pragma: no cover - warm_ranks() is False there
     _FORKABLE = False
 
