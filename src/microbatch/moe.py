@@ -268,11 +268,19 @@ def _listed_layers(raw: dict[str, Any], dense: int, every: int, source: str) -> 
     if listed is not None:
         key, target = "moe_layers", {i for i in listed if 0 <= i < n}
     else:
-        key, target = "mlp_only_layers", {i for i in range(n) if i not in set(only) and (i + 1) % every == 0}
+        dense_only = set(only)
+        key, target = "mlp_only_layers", {i for i in range(n) if i not in dense_only and (i + 1) % every == 0}
     if not target:
         return None
-    first = min(target)
-    for k in (every, *range(1, n + 1)):
+    ordered = sorted(target)
+    first = ordered[0]
+    # consecutive MoE blocks of a rule are k apart; a lone one (i % k = k − 1) has k dividing i + 1
+    steps = (
+        (ordered[1] - first,)
+        if len(ordered) > 1
+        else tuple(k for k in range(1, first + 2) if (first + 1) % k == 0)
+    )
+    for k in (every, *steps):
         rule = [i for i in range(n) if i % k == k - 1]
         below = [i for i in rule if i < first]
         d = below[-1] + 1 if below else 0

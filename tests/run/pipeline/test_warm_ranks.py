@@ -222,3 +222,43 @@ def test_a_fork_server_that_cannot_serve_leaves_the_run_to_new_interpreters(tmp_
     assert rep.measured_steps >= 1 and len(rep.losses) == 2  # the run ran, on new interpreters
     assert warm._broken and not warm_ranks("gloo")  # and the next launches go there too
     assert "the fork server could not start a rank" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_a_start_failing_after_the_first_rank_starts_every_rank_again_cold(monkeypatch, capfd):
+    """The ranks forked before the failure die with the server the launcher kills: they were left waiting
+    beside new interpreters for a rank 0 that was gone (exit 255)."""
+    from microbatch.run.pipeline import warm
+
+    real, calls = warm.start_warm, []
+
+    def second_fails(*a, **k):
+        calls.append(a)
+        if len(calls) == 2:
+            warm._kill_server()  # as start_warm does on a failure: rank 0 dies with it
+            monkeypatch.setattr(warm, "_broken", "the test's second start")
+            raise warm.WarmStartError("the fork server could not start a rank (the test's)")
+        return real(*a, **k)
+
+    monkeypatch.delenv(COLD_ENV, raising=False)
+    monkeypatch.setattr(warm, "start_warm", second_fails)
+    rep = run_pipeline(PipelineConfig(stages=2, microbatches=2, steps=2, timeout_s=60), deadline_s=150)
+    assert len(calls) == 2 and len(rep.losses) == 2
+    assert "starting the ranks as new interpreters" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_server_is_not_restarted_behind_the_launchers_back(monkeypatch, tmp_path):
+    from microbatch.run.pipeline import warm
+
+    monkeypatch.setattr(warm, "_broken", "")
+    assert start_warm(sleep_for, ["0"], dict(os.environ), str(tmp_path / "a.err")).wait(timeout=120) == 0
+    pid = warm._server._forkserver_pid
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    monkeypatch.setattr(
+        warm, "server_alive", lambda: True
+    )  # the race: alive at the check, dead at the connect
+    with pytest.raises(warm.WarmStartError, match="the fork server died"):
+        start_warm(sleep_for, ["0"], dict(os.environ), str(tmp_path / "b.err"))
+    assert warm._broken and not warm_ranks("gloo")

@@ -1,20 +1,16 @@
 """Start pipeline ranks, watch them, and return their report.
 
-:func:`run_pipeline` starts p worker processes on this machine (gloo on the CPU, a free port
-found by binding port 0, ``torch.set_num_threads(1)`` per worker), waits for them under a
-deadline and raises :class:`~microbatch.errors.PipelineError` naming the rank and the last
-lines of its error output as soon as any rank fails, killing the others: never a hang. Ctrl-C and
-SIGTERM kill every rank too, then raise :class:`~microbatch.run.pipeline.progress.PipelineInterrupted`
-with the report of the steps every rank finished (each rank logs its finished steps to a file of its
-own as it goes). Each phase (ranks started, steps finished, summary) is announced to a progress
-function, if the caller installed one (:mod:`microbatch.run.pipeline.progress`).
-:func:`run_external` is the same rank code under an outside launcher (``torchrun`` on one or
-several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT``).
-
-What one rank does is :func:`microbatch.run.pipeline.rank.run_rank`; rank 0's gathered
-measurements become the report (measured and predicted bubble, in-flight counts, memory,
-timeline) in :func:`microbatch.run.pipeline.summary.summarize`. Drawing it is
+:func:`run_pipeline` starts p worker processes on this machine (gloo on the CPU, forked from a warm fork server:
+:mod:`microbatch.run.pipeline.warm`; a free port found by binding port 0, ``torch.set_num_threads(1)`` per worker),
+waits for them under a deadline and raises :class:`~microbatch.errors.PipelineError` naming the rank and the last
+lines of its error output as soon as any rank fails, killing the others: never a hang. Ctrl-C and SIGTERM kill every
+rank too, then raise :class:`~microbatch.run.pipeline.progress.PipelineInterrupted` with the report of the steps
+every rank finished (each rank logs its finished steps to a file of its own as it goes). Each phase (ranks started,
+steps finished, summary) is announced to a progress function, if the caller installed one
+(:mod:`microbatch.run.pipeline.progress`). :func:`run_external` is the same rank code under an outside launcher
+(``torchrun`` on one or several machines; it reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``). What one rank does is :func:`microbatch.run.pipeline.rank.run_rank`; rank 0's gathered
+measurements become the report in :func:`microbatch.run.pipeline.summary.summarize`; drawing it is
 :mod:`microbatch.show.pipeline_report`'s job.
 """
 
@@ -171,11 +167,8 @@ def _tail(path: str, lines: int = 6) -> str:
 
 def _is_victim(reason: str) -> bool:
     """True when a rank's error only says that a peer went away (the cause is elsewhere)."""
-    r = reason.lower()
-    return any(
-        x in r
-        for x in ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting")
-    )  # a gloo timeout: it waited on a peer that stopped
+    peer_gone = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out waiting")
+    return any(x in reason.lower() for x in peer_gone)  # a gloo timeout: it waited on a peer that stopped
 
 
 def _kill_all(procs: list[RankHandle]) -> None:
@@ -351,11 +344,16 @@ def _start_ranks(
                 try:
                     procs.append(warm.start_warm(_worker_main, [cfg_path, result_path], env, err))
                     continue
-                except warm.WarmStartError as e:  # this rank and the next as new interpreters; said once
-                    forked = False
+                except (
+                    warm.WarmStartError
+                ) as e:  # every rank as a new interpreter (the forked ones die with it)
                     print(
                         f"pipeline: {e}; starting the ranks as new interpreters", file=sys.stderr, flush=True
                     )
+                    _kill_all(procs)
+                    procs.clear()
+                    errs.clear()
+                    return _start_ranks(cfg, tmp, cfg_path, result_path, port, procs, errs)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", code, cfg_path, result_path],

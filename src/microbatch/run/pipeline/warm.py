@@ -199,7 +199,7 @@ def start_warm(
             args=(main, args, env, err_path, os.getpid(), _server._forkserver_pid, torch_file),
         )
         process.start()
-    except (EOFError, OSError, TimeoutError) as e:
+    except (EOFError, OSError) as e:  # OSError: TimeoutError too
         _broken = f"{type(e).__name__}: {e}"
         _kill_server()
         raise WarmStartError(f"the fork server could not start a rank ({_broken})") from e
@@ -215,19 +215,16 @@ def _ready() -> None:
     if _owner == os.getpid() and server_alive():
         return
     import multiprocessing
-    from multiprocessing import forkserver
 
-    _forget(
-        unlink=_owner == os.getpid()
-    )  # a dead one of ours; not a socket a forked-from launcher still uses
+    _forget(unlink=_owner == os.getpid())  # not the socket of a launcher this process was forked from
     before = cast("str | None", multiprocessing.get_start_method(allow_none=True))  # None: not yet chosen
-    _server = forkserver.ForkServer()
+    _server = _Server()
     _server.set_forkserver_preload(list(PRELOAD))
     _owner, _server_env = os.getpid(), _start_up_env(os.environ)
     added = "OMP_NUM_THREADS" not in os.environ
-    if added:
-        os.environ["OMP_NUM_THREADS"] = "1"
     try:
+        if added:
+            os.environ["OMP_NUM_THREADS"] = "1"
         _server.ensure_running()
     finally:
         if added:
@@ -237,10 +234,10 @@ def _ready() -> None:
     probe = _RankStart(target=_nothing)
     probe.start()
     probe.join(READY_S)
+    if probe.exitcode is None:
+        raise TimeoutError(f"its first child was still running after {READY_S:.0f} s")
     if probe.exitcode != 0:
-        raise TimeoutError(
-            f"its first child ended with {probe.exitcode} (None: still running after {READY_S:.0f} s)"
-        )
+        raise OSError(f"its first child ended with exit status {probe.exitcode}")
 
 
 def _kill_server() -> None:
@@ -256,7 +253,10 @@ def _kill_server() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A fork of the launcher (not a rank: those are the server's) does not hold the server alive."""
+    """A fork of the launcher (not a rank: those are the server's) does not hold the server alive, and starts
+    with its lock free (a thread of the launcher may have held it at the fork)."""
+    global _lock
+    _lock = threading.Lock()
     if _owner is not None and _owner != os.getpid():
         _forget(unlink=False)
 
@@ -304,6 +304,24 @@ try:  # the fork server's process classes (Linux only: fork after importing torc
             if not wait([self.sentinel], READY_S):  # the server forks once its imports are made
                 raise TimeoutError(f"no child forked in {READY_S:.0f} s")
             self.pid = _forkserver.read_signed(self.sentinel)
+
+    class _Server(_forkserver.ForkServer):
+        """A fork server that is not restarted behind the launcher's back: multiprocessing's ``ensure_running``
+        (called on every connect) starts a new one where the old died, without this module's settings, and the
+        rank built for the old one's pid then exits on its death guard; here its death is an ``EOFError``, which
+        :func:`start_warm` turns into the cold path."""
+
+        def ensure_running(self) -> None:
+            pid = getattr(self, "_forkserver_pid", None)
+            if pid is not None:
+                try:
+                    gone = os.waitpid(pid, os.WNOHANG)[0] != 0
+                except ChildProcessError:
+                    gone = True
+                if gone:
+                    self._forkserver_pid = None
+                    raise EOFError("the fork server died")
+            super().ensure_running()
 
     class _RankStart(_mp_context.ForkServerProcess):
         """A process of this module's fork server, started by :class:`_Popen`; its start method is not forced
