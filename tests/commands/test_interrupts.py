@@ -158,3 +158,36 @@ def test_pipeline_interrupted_in_a_calibration_says_where_and_exits_130():
     assert re.search(r"interrupted during the calibration run: no step of the run was measured", err), err
     assert json.loads(out) == {**json.loads(out), "kind": "interrupted"}
     assert "Traceback" not in err
+
+
+def _fork_server_of(pid: int) -> int | None:
+    """The fork server among ``pid``'s children (its command line names multiprocessing's forkserver)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == pid and b"multiprocessing.forkserver" in cmdline:
+                return int(d)
+    return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the fork server in /proc")
+def test_pipeline_interrupted_while_its_fork_server_imports_torch_prints_no_traceback():
+    """A Ctrl-C reaches the launcher's whole process group, the fork server too, which printed a
+    KeyboardInterrupt traceback from inside torch's import (it ignores SIGINT only once its imports are made)."""
+    cmd = Command("pipeline", "--model", "tiny", "-p", "2", "-m", "2", "--steps", "3", "--json")
+    cmd.wait_for(lambda line: line.startswith("pipeline: calibration run of torch's runtime"), timeout_s=120)
+    end = time.monotonic() + 60
+    while _fork_server_of(cmd.proc.pid) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _fork_server_of(cmd.proc.pid) is not None, "no fork server started"
+    time.sleep(0.5)  # inside its imports (about 5 s of torch on the dev VM)
+    rc, out, err = cmd.interrupt()
+    assert rc == 130, err
+    assert json.loads(out)["kind"] == "interrupted"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -222,11 +223,17 @@ def _ready() -> None:
     _server.set_forkserver_preload(list(PRELOAD))
     _owner, _server_env = os.getpid(), _start_up_env(os.environ)
     added = "OMP_NUM_THREADS" not in os.environ
+    # SIGINT ignored across the exec, so a terminal's Ctrl-C during its imports does not print a traceback
+    # from it (it is in the launcher's process group; it ignores SIGINT itself once its imports are made)
+    main = threading.current_thread() is threading.main_thread()
+    sigint = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         if added:
             os.environ["OMP_NUM_THREADS"] = "1"
         _server.ensure_running()
     finally:
+        if main:
+            signal.signal(signal.SIGINT, sigint)
         if added:
             os.environ.pop("OMP_NUM_THREADS", None)
         if before is None:  # ensure_running reads the start method, which fixes the launcher's default
@@ -245,7 +252,7 @@ def _kill_server() -> None:
     pid = getattr(_server, "_forkserver_pid", None)
     if pid is not None and _owner == os.getpid():
         try:
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         except (OSError, ChildProcessError):
             pass
@@ -350,6 +357,7 @@ def _rank_entry(
 ) -> None:
     """In the forked rank: become what ``python -c`` started by the launcher was, then run ``main``."""
     os.setsid()  # its own session: a Ctrl-C at the terminal reaches the launcher, which stops the ranks
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter's (the server ignores it)
     fd = os.open(err_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
