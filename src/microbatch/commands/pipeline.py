@@ -433,6 +433,8 @@ class _Lines:
         if e.phase in self.LABELS:
             self.phase = e.phase
             self.say(self.LABELS[e.phase])
+        elif e.phase == "server":
+            self.say("starting the ranks' fork server (torch imported once, for every rank of every launch)")
         elif e.phase == "start":
             self.started = True
             what = "the run: " if self.phase == "run" else ""

@@ -262,3 +262,25 @@ def test_a_dead_server_is_not_restarted_behind_the_launchers_back(monkeypatch, t
     with pytest.raises(warm.WarmStartError, match="the fork server died"):
         start_warm(sleep_for, ["0"], dict(os.environ), str(tmp_path / "b.err"))
     assert warm._broken and not warm_ranks("gloo")
+
+
+@pytest.mark.timeout(300)
+def test_the_first_launch_says_it_starts_the_fork_server(monkeypatch):
+    """Seconds of torch's import before the first rank: said as a phase of its own (the progress was silent)."""
+    from microbatch.run.pipeline import warm
+    from microbatch.run.pipeline.progress import progress_to
+
+    monkeypatch.delenv(COLD_ENV, raising=False)
+    for name in ("_server", "_owner", "_server_env"):
+        monkeypatch.setattr(warm, name, None)  # a server of this test's own
+    monkeypatch.setattr(warm, "_broken", "")
+    phases: list[str] = []
+    try:
+        with progress_to(lambda e: phases.append(e.phase)):
+            run_pipeline(PipelineConfig(stages=2, microbatches=2, steps=1, timeout_s=60), deadline_s=150)
+            first = list(phases)
+            phases.clear()
+            run_pipeline(PipelineConfig(stages=2, microbatches=2, steps=1, timeout_s=60), deadline_s=150)
+    finally:
+        warm._kill_server()  # before the worker's own server is put back
+    assert first.index("server") < first.index("start") and "server" not in phases and "start" in phases

@@ -320,6 +320,8 @@ def _start_ranks(
     """Start one process per rank (in ``procs``, as each starts), its stderr in ``tmp`` (``errs``): forked
     from the warm fork server on the CPU (:mod:`microbatch.run.pipeline.warm`), else a new interpreter."""
     forked = warm.warm_ranks(cfg.backend)
+    if forked and not warm.server_alive():
+        announce("server")  # seconds of torch's import before the first rank (once per launcher process)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "from microbatch.run.pipeline.launch import _worker_main; _worker_main()"
     for r in range(cfg.stages):

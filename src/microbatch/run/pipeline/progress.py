@@ -42,11 +42,11 @@ __all__ = [
     "step_log_path",
 ]
 
-PHASES = ("check", "calibrate", "profile", "calibrate_loaded", "run", "start", "step", "summarise")
+PHASES = ("check", "calibrate", "profile", "calibrate_loaded", "run", "server", "start", "step", "summarise")
 """The moments announced, in the order a run with a prediction passes them: the checks, the bare
 calibration run, the one-process profile of the stages, the loaded calibration run, the run itself;
-``start``, ``step`` and ``summarise`` belong to whichever run of ranks is going on (a calibration's or
-the real one's)."""
+``server`` (the ranks' fork server starting: torch imported once, the first launch only), ``start``, ``step``
+and ``summarise`` belong to whichever run of ranks is going on (a calibration's or the real one's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
