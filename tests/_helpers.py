@@ -154,6 +154,19 @@ def _stat(pid: int) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if int(_stat(int(d))[1]) == pid:
+                    out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
 def rank_pids(launcher: int) -> list[int]:
     """The pipeline ranks a launcher started: its descendants that lead a session of their own (a rank
     calls ``setsid``, as a new interpreter or forked from the fork server; the fork server and

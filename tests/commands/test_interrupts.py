@@ -162,17 +162,15 @@ def test_pipeline_interrupted_in_a_calibration_says_where_and_exits_130():
 
 def _fork_server_of(pid: int) -> int | None:
     """The fork server among ``pid``'s children (its command line names multiprocessing's forkserver)."""
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except (OSError, IndexError, ValueError):
-                continue
-            if parent == pid and b"multiprocessing.forkserver" in cmdline:
-                return int(d)
+    from _helpers import children_of
+
+    for child in children_of(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"multiprocessing.forkserver" in f.read():
+                    return child
+        except OSError:
+            continue
     return None
 
 

@@ -126,13 +126,18 @@ def server_alive() -> bool:
     pid = getattr(_server, "_forkserver_pid", None)
     if pid is None or _owner != os.getpid():
         return False
-    try:
-        if os.waitpid(pid, os.WNOHANG) == (0, 0):
-            return True
-    except ChildProcessError:
-        pass
+    if not _exited(pid):
+        return True
     _forget()
     return False
+
+
+def _exited(pid: int) -> bool:
+    """Whether this process's child ``pid`` has ended (reaped here if it had; True if it is not ours to wait for)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
 
 
 def _forget(unlink: bool = True) -> None:
@@ -320,14 +325,9 @@ try:  # the fork server's process classes (Linux only: fork after importing torc
 
         def ensure_running(self) -> None:
             pid = getattr(self, "_forkserver_pid", None)
-            if pid is not None:
-                try:
-                    gone = os.waitpid(pid, os.WNOHANG)[0] != 0
-                except ChildProcessError:
-                    gone = True
-                if gone:
-                    self._forkserver_pid = None
-                    raise EOFError("the fork server died")
+            if pid is not None and _exited(pid):
+                self._forkserver_pid = None
+                raise EOFError("the fork server died")
             super().ensure_running()
 
     class _RankStart(_mp_context.ForkServerProcess):
