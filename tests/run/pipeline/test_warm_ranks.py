@@ -296,3 +296,34 @@ def test_the_first_launch_says_it_starts_the_fork_server(monkeypatch):
     finally:
         warm._kill_server()  # before the worker's own server is put back
     assert first.index("server") < first.index("start") and "server" not in phases and "start" in phases
+
+
+def test_a_cold_switch_that_is_not_one_is_refused_before_any_process(monkeypatch, capsys):
+    """MICROBATCH_COLD_RANKS reads 1/true/yes/on (any case) as new interpreters and 0/false/no/off or unset as forked;
+    any other value is refused with its name, at the check before the run (with nccl too), not taken as 'forked'."""
+    from _helpers import refuse_processes
+
+    from microbatch.cli import main
+    from microbatch.errors import ConfigError
+
+    for value, cold in (
+        ("1", True),
+        ("TRUE", True),
+        (" yes ", True),
+        ("on", True),
+        ("0", False),
+        ("off", False),
+    ):
+        assert warm_ranks("gloo", {COLD_ENV: value}) is (not cold and warm_ranks("gloo", {}))
+    with pytest.raises(ConfigError, match=r"MICROBATCH_COLD_RANKS='maybe' is not a switch; set it to 1"):
+        warm_ranks("gloo", {COLD_ENV: "maybe"})
+    started = refuse_processes(monkeypatch)
+    monkeypatch.setenv(COLD_ENV, "maybe")
+    assert main(["pipeline", "-p", "2", "-m", "2", "--steps", "1", "--no-predict"]) == 2
+    assert "MICROBATCH_COLD_RANKS='maybe' is not a switch" in capsys.readouterr().err and not started
+    from microbatch.run.pipeline import fit
+
+    with pytest.raises(
+        ConfigError, match="is not a switch"
+    ):  # nccl's check reads it too (its ranks start cold)
+        fit.process_bytes("nccl")

@@ -120,10 +120,9 @@ def rank_params(run: ResolvedRun, shape: Any) -> list[int] | None:
 
 
 def largest_param(shape: Any, params: int) -> int:
-    """Elements of the model's largest parameter tensor: of the built-in GPT (:mod:`microbatch.measure.gpt`) the
-    token table or the head (V·h), the fused q/k/v projection, the output projection or the MLP's up (gated: both
-    halves in one) or down matrix; of a factory, ``params`` (not known per tensor before the ranks build it: an
-    upper bound)."""
+    """Elements of the model's largest parameter tensor: of the built-in GPT (:mod:`microbatch.measure.gpt`) the token
+    table or head (V·h), the fused q/k/v, the output projection or the MLP's up (gated: both halves) or down matrix;
+    of a factory, ``params`` (its tensors are not known before the ranks build it: an upper bound)."""
     if shape is None:
         return params
     h, f, kvd = shape.hidden, shape.ffn, shape.kv * shape.head_dim
@@ -142,9 +141,10 @@ def process_bytes(backend: str) -> int:
     """Resident bytes of one rank before its model: :data:`FORKED_PROCESS_BYTES` where its ranks will be forked
     from the warm server (:func:`microbatch.run.pipeline.warm.warm_ranks`), :data:`GLOO_PROCESS_BYTES` for new
     CPU interpreters, :data:`PROCESS_BYTES` under nccl."""
+    forked = warm.warm_ranks(backend)  # refuses a bad MICROBATCH_COLD_RANKS before any process starts
     if backend != "gloo":
         return PROCESS_BYTES
-    return FORKED_PROCESS_BYTES if warm.warm_ranks(backend) else GLOO_PROCESS_BYTES
+    return FORKED_PROCESS_BYTES if forked else GLOO_PROCESS_BYTES
 
 
 def _seq(cfg: PipelineConfig, shape: Any) -> int:

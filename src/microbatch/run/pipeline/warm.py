@@ -45,13 +45,27 @@ __all__ = [
     "RankHandle",
     "RankProcess",
     "WarmStartError",
+    "cold_asked",
     "server_alive",
     "start_warm",
     "warm_ranks",
 ]
 
 COLD_ENV = "MICROBATCH_COLD_RANKS"
-"""Set to ``1`` to start every rank as a new interpreter (the path before the fork server)."""
+"""Set to ``1`` to start every rank as a new interpreter (the path before the fork server); ``0`` or unset: forked
+where the run allows it. Any other value is refused (:func:`cold_asked`)."""
+
+_COLD = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+    "": False,
+}
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining")
 """What the fork server imports once: torch and its pipelining package (microbatch is imported in each rank,
@@ -105,7 +119,7 @@ class WarmStartError(Exception):
 def warm_ranks(backend: str, env: Mapping[str, str] | None = None) -> bool:
     """True when the ranks of a run on ``backend`` are forked from the warm server (module docstring)."""
     seen = os.environ if env is None else env
-    if backend != "gloo" or not _FORKABLE or _broken or seen.get(COLD_ENV, "") in ("1", "true", "yes"):
+    if cold_asked(seen) or backend != "gloo" or not _FORKABLE or _broken:
         return False
     import multiprocessing
 
@@ -118,6 +132,20 @@ def warm_ranks(backend: str, env: Mapping[str, str] | None = None) -> bool:
     except OSError:  # the working folder was removed: the ranks cannot start in it
         return False
     return True
+
+
+def cold_asked(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` asks for new interpreters (:data:`COLD_ENV`); a ConfigError naming the value otherwise."""
+    value = env.get(COLD_ENV, "")
+    asked = _COLD.get(value.strip().lower())
+    if asked is None:
+        from microbatch.errors import ConfigError
+
+        raise ConfigError(
+            f"{COLD_ENV}={value!r} is not a switch; set it to 1 to start each pipeline rank as a new interpreter, "
+            "or to 0 (or unset it) to fork the CPU ranks from the warm fork server"
+        )
+    return asked
 
 
 def server_alive() -> bool:
