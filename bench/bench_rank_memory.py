@@ -1,4 +1,4 @@
-"""What one pipeline rank holds on the host before its model: the constants of ``run/pipeline/fit.py``.
+"""What one pipeline rank holds on the host before its model: the constants of ``run/pipeline/host_terms.py``.
 
     .venv/bin/python bench/bench_rank_memory.py [--repeat 3] [--model tiny] [--stages 2]
 
@@ -7,8 +7,8 @@ forked from the warm fork server (the CPU default) and as new interpreters (``MI
 prints, per rank, its peak resident set read by the run from ``/proc`` (VmHWM) less the prediction's terms
 that are not the process itself (the model, its gradients and Adam's moments, the batch, the activations, the
 receive buffers: ``fit.predicted_host_bytes``, shared over the ranks): the bytes of the interpreter and the
-libraries a rank touches. ``fit.PROCESS_BYTES`` (new interpreters) and ``fit.FORKED_PROCESS_BYTES`` (forked
-ranks) are these figures for the built-in ``tiny`` model, whose own terms are a few MB, so the rest is the
+libraries a rank touches. ``GLOO_PROCESS_BYTES`` (new interpreters) and ``FORKED_PROCESS_BYTES`` (forked ranks) of
+``run/pipeline/host_terms.py`` are these figures for the built-in ``tiny`` model, whose own terms are a few MB, so the rest is the
 process. A larger model reads more per rank (the allocator's arenas the model terms do not count).
 """
 

@@ -349,7 +349,7 @@ def test_each_rank_holds_the_parameters_its_stages_build(model, stages, schedule
     model the ranks build, split as they split it: the tied token table is held by the first and last stages'
     ranks — twice over two ranks, once where DualPipeV's V gives rank 0 both ends."""
     from microbatch.measure.gpt import build_model
-    from microbatch.run.pipeline.fit import largest_param, rank_params
+    from microbatch.run.pipeline.host_terms import largest_param, rank_params
     from microbatch.run.pipeline.split import model_units, split_units
 
     run_ = resolve(
@@ -374,7 +374,7 @@ def test_the_host_prediction_counts_each_ranks_parameters_and_the_cpu_adam_step(
     resident bytes, a new interpreter's with MICROBATCH_COLD_RANKS=1, nccl's upper bound (host terms only)."""
     import os
 
-    from microbatch.run.pipeline import fit
+    from microbatch.run.pipeline import host_terms, warm
 
     shape_run = resolve(PipelineConfig(model="small", stages=2, microbatches=4))
     shape = shape_run.shape
@@ -383,18 +383,20 @@ def test_the_host_prediction_counts_each_ranks_parameters_and_the_cpu_adam_step(
     table = shape.vocab * shape.hidden
     assert pred["gradients_and_adam"] == 3 * 4 * (params + table)
     assert pred["step_temporaries"] == 2 * 2 * 4 * table  # the token table is small's largest tensor
-    cold = os.environ.get("MICROBATCH_COLD_RANKS") in ("1", "true", "yes")
-    want = fit.GLOO_PROCESS_BYTES if cold else fit.FORKED_PROCESS_BYTES
+    cold = warm.cold_asked(os.environ)
+    want = host_terms.GLOO_PROCESS_BYTES if cold else host_terms.FORKED_PROCESS_BYTES
     assert pred["processes"] == 2 * want
     nccl = predicted_host_bytes(
         resolve(PipelineConfig(model="small", stages=2, backend="nccl")), params, shape
     )
-    assert nccl["processes"] == 2 * fit.PROCESS_BYTES
+    assert nccl["processes"] == 2 * host_terms.PROCESS_BYTES
     assert nccl["gradients_and_adam"] == nccl["step_temporaries"] == 0  # on the GPUs
     factory = predicted_host_bytes(shape_run, params)  # no shape: the split is not known before the ranks
     assert (
         factory["gradients_and_adam"] == 3 * 4 * params and factory["step_temporaries"] == 2 * 2 * 4 * params
     )
+    read = predicted_host_bytes(shape_run, params, largest=1000)  # the inspection's largest tensor
+    assert read["step_temporaries"] == 2 * 2 * 4 * 1000
 
 
 @pytest.mark.timeout(200)

@@ -197,6 +197,8 @@ def test_a_good_factory_is_built_on_the_meta_device_and_counted():
         check_splittable(resolve(PipelineConfig(model=f"{HERE}:stack", stages=4)))
     pred = fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:stack")), available=24 * GIB, flops_per_s=1e9)
     assert pred["model_copies"] == 2 * 4 * info.params
+    # the CPU Adam step's temporaries: 2 × its largest tensor (the 64 × 8 table and head) a rank, not 2 × the model
+    assert info.largest == 512 and pred["step_temporaries"] == 2 * 2 * 4 * 512
 
 
 @pytest.mark.timeout(60)

@@ -80,7 +80,7 @@ def test_forked_ranks_match_new_interpreters_and_see_the_launchers_environment(t
     for rep in (
         warm,
         cold,
-    ):  # each start's own resident bytes a process (fit.process_bytes): -35% / -20% at 400 MiB
+    ):  # each start's own resident bytes a process (host_terms.process_bytes): -35% / -20% at 400 MiB
         assert rep.host_memory is not None and abs(rep.host_memory.error_pct) <= 10, rep.host_memory
     assert warm.losses == cold.losses  # the same numbers, to the bit
 
@@ -321,9 +321,9 @@ def test_a_cold_switch_that_is_not_one_is_refused_before_any_process(monkeypatch
     monkeypatch.setenv(COLD_ENV, "maybe")
     assert main(["pipeline", "-p", "2", "-m", "2", "--steps", "1", "--no-predict"]) == 2
     assert "MICROBATCH_COLD_RANKS='maybe' is not a switch" in capsys.readouterr().err and not started
-    from microbatch.run.pipeline import fit
+    from microbatch.run.pipeline import host_terms
 
     with pytest.raises(
         ConfigError, match="is not a switch"
     ):  # nccl's check reads it too (its ranks start cold)
-        fit.process_bytes("nccl")
+        host_terms.process_bytes("nccl")

@@ -15,8 +15,8 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.hardware import usable_cores
 from microbatch.measure.hostmem import available_host_bytes
-from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
+from microbatch.run.pipeline.host_terms import ADAM_TEMPORARIES, largest_param, process_bytes, rank_params
 from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.units import format_bytes, format_count
 
@@ -25,10 +25,6 @@ __all__ = [
     "MAX_SEED",
     "MAX_TIMEOUT_S",
     "MIN_TIMEOUT_S",
-    "FORKED_PROCESS_BYTES",
-    "GLOO_PROCESS_BYTES",
-    "PROCESS_BYTES",
-    "process_bytes",
     "check_factory_forward",
     "check_seed",
     "check_timeout",
@@ -41,19 +37,6 @@ __all__ = [
     "min_run_s",
     "predicted_host_bytes",
 ]
-
-PROCESS_BYTES = 400 * 1024**2
-"""Resident bytes of one worker before the model under nccl: Python, torch's libraries and the CUDA runtime's host
-share (0.2–0.4 GB measured on CPU builds, :mod:`microbatch.measure.hostmem`; the upper end, not measured on a
-GPU host here)."""
-
-GLOO_PROCESS_BYTES = 320 * 1024**2
-"""Resident bytes of one CPU (gloo) rank started as a new interpreter, before its model: its VmHWM less the model's
-terms, 310.3–313.8 MiB over 10 ranks of ``tiny`` (``bench/bench_rank_memory.py``, dev VM), rounded up to 8 MiB."""
-
-FORKED_PROCESS_BYTES = 264 * 1024**2
-"""The same for a rank forked from the warm fork server (:mod:`microbatch.run.pipeline.warm`, its imports already
-resident): 256.7–261.1 MiB over 10 ranks (same bench), rounded up to 8 MiB."""
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TOKEN_BYTES = 8  # torch.randint's int64 token ids
@@ -72,11 +55,14 @@ _LABELS = {
 }
 
 
-def predicted_host_bytes(run: ResolvedRun, params: int, shape: Any = None) -> dict[str, float]:
+def predicted_host_bytes(
+    run: ResolvedRun, params: int, shape: Any = None, largest: int = 0
+) -> dict[str, float]:
     """Bytes the p local ranks hold together on the host for a model of ``params`` parameters, by
     term (see the module's docstring) and ``total``. ``shape``: the built-in model's
     :class:`~microbatch.model.ModelShape` (activations and receive buffers are counted only with it);
-    the sequence length is ``cfg.seq``, else the shape's, else a factory model's :data:`FACTORY_SEQ`."""
+    the sequence length is ``cfg.seq``, else the shape's, else a factory model's :data:`FACTORY_SEQ`; ``largest``: a
+    factory's largest parameter tensor (:func:`largest_param`)."""
     cfg = run.cfg
     e = _DTYPE_BYTES[cfg.dtype]
     p = cfg.stages
@@ -86,7 +72,9 @@ def predicted_host_bytes(run: ResolvedRun, params: int, shape: Any = None) -> di
     out = {
         "model_copies": float(p * params * e),
         "gradients_and_adam": float(3 * sum(held) * e) if host else 0.0,
-        "step_temporaries": float(p * _ADAM_TEMPORARIES * largest_param(shape, params) * e) if host else 0.0,
+        "step_temporaries": float(p * ADAM_TEMPORARIES * largest_param(shape, largest or params) * e)
+        if host
+        else 0.0,
         "reference_model": float(2 * p * params * e) if cfg.check_gradients and host else 0.0,
         "batch": float(p * _BATCH_ARRAYS * cfg.batch * (seq + 1) * _TOKEN_BYTES),
         "activations": _activation_bytes(run, shape, seq) if host and shape is not None else 0.0,
@@ -95,56 +83,6 @@ def predicted_host_bytes(run: ResolvedRun, params: int, shape: Any = None) -> di
     }
     out["total"] = sum(out.values())
     return out
-
-
-def rank_params(run: ResolvedRun, shape: Any) -> list[int] | None:
-    """Distinct parameters each rank holds, where the split is known before the ranks build the model (a built-in
-    model split by parameters, :attr:`ResolvedRun.split`): its stages' units
-    (:func:`~microbatch.run.pipeline.split.shape_unit_params`), a weight tied between the embedding and the head
-    counted on each rank that holds one of them (each keeps its own gradient and Adam moments of it, all-reduced
-    between them) and once on a rank holding both. None otherwise."""
-    if shape is None or run.split is None:
-        return None
-    from microbatch.run.pipeline.split import shape_unit_params
-
-    units = shape_unit_params(shape)
-    starts = [sum(run.split[:s]) for s in range(len(run.split) + 1)]
-    held = []
-    for r in range(run.cfg.stages):
-        mine = [u for s in run.stages_of(r) for u in range(starts[s], starts[s + 1])]
-        n = sum(units[u] for u in mine)
-        if shape.tied_embeddings and 0 in mine and len(units) - 1 in mine:
-            n -= shape.vocab * shape.hidden  # the tied table once on the rank holding both ends
-        held.append(n)
-    return held
-
-
-def largest_param(shape: Any, params: int) -> int:
-    """Elements of the model's largest parameter tensor: of the built-in GPT (:mod:`microbatch.measure.gpt`) the token
-    table or head (V·h), the fused q/k/v, the output projection or the MLP's up (gated: both halves) or down matrix;
-    of a factory, ``params`` (its tensors are not known before the ranks build it: an upper bound)."""
-    if shape is None:
-        return params
-    h, f, kvd = shape.hidden, shape.ffn, shape.kv * shape.head_dim
-    up = (2 if shape.gated_mlp else 1) * f
-    return int(max(shape.vocab * h, h * (shape.q_width + 2 * kvd), shape.q_width * h, h * up))
-
-
-_ADAM_TEMPORARIES = 2
-"""Parameter-sized tensors torch's Adam allocates at once on the CPU: foreach kernels are CUDA's
-(``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``), so the CPU runs ``_single_tensor_adam``
-(torch/optim/adam.py), one parameter at a time, whose ``(exp_avg_sq.sqrt() / bias_correction2_sqrt)`` holds the
-square root and the quotient together: 2 × the largest parameter at the step's peak on each rank."""
-
-
-def process_bytes(backend: str) -> int:
-    """Resident bytes of one rank before its model: :data:`FORKED_PROCESS_BYTES` where its ranks will be forked
-    from the warm server (:func:`microbatch.run.pipeline.warm.warm_ranks`), :data:`GLOO_PROCESS_BYTES` for new
-    CPU interpreters, :data:`PROCESS_BYTES` under nccl."""
-    forked = warm.warm_ranks(backend)  # refuses a bad MICROBATCH_COLD_RANKS before any process starts
-    if backend != "gloo":
-        return PROCESS_BYTES
-    return FORKED_PROCESS_BYTES if forked else GLOO_PROCESS_BYTES
 
 
 def _seq(cfg: PipelineConfig, shape: Any) -> int:
@@ -322,12 +260,11 @@ def check_fits(
     if shape is None:
         from microbatch.run.pipeline.split import inspect_factory
 
-        params = inspect_factory(cfg.model).params
-        what = f"model factory {cfg.model}"
+        info = inspect_factory(cfg.model)
+        params, largest, what = info.params, info.largest, f"model factory {cfg.model}"
     else:
-        params = shape.param_count()
-        what = f"model {cfg.model}"
-    pred = predicted_host_bytes(run, params, shape)
+        params, largest, what = shape.param_count(), 0, f"model {cfg.model}"
+    pred = predicted_host_bytes(run, params, shape, largest)
     avail = available_host_bytes() if available is None else available
     # a factory under nccl may build straight on its GPU: its host share is not known, so not refused
     unknown_host = ":" in cfg.model and cfg.backend != "gloo"

@@ -116,6 +116,8 @@ class FactoryModel:
     """Vocabulary: ``num_embeddings`` of the model's first ``nn.Embedding`` (token ids are drawn below it)."""
     meta: bool
     """True when it was built on the meta device (no memory, no weights initialised)."""
+    largest: int = 0
+    """Elements of its largest parameter tensor (the host check's optimizer temporaries on the CPU)."""
 
 
 def inspect_factory(spec: str) -> FactoryModel:
@@ -174,7 +176,10 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
             "first layer an nn.Embedding"
         )
     params = sum(p.numel() for p in model.parameters())
-    return FactoryModel(spec=spec, params=params, units=len(units), vocab=int(emb.num_embeddings), meta=meta)
+    largest = max((p.numel() for p in model.parameters()), default=0)
+    return FactoryModel(
+        spec=spec, params=params, units=len(units), vocab=int(emb.num_embeddings), meta=meta, largest=largest
+    )
 
 
 def token_embedding(model: Any) -> Any:
