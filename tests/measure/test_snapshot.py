@@ -210,3 +210,42 @@ def test_a_probe_that_changes_the_param_groups_gets_them_put_back():
     assert after["groups"][0]["lr"] == 1e-2 and after["groups"][0]["betas"] == before["groups"][0]["betas"]
     assert float(after["groups"][0]["weight_decay"]) == pytest.approx(0.05)
     assert [list(g["params"]) for g in opt.param_groups] == params
+
+
+def test_a_parameter_the_optimizer_steps_beside_the_model_is_put_back():
+    """A user-loop helper's finding: tune restored the model's parameters only, so a loss temperature the same
+    optimizer steps moved for good (1.0 -> 0.708) while its Adam state went back: the two out of step."""
+    model, _ = _model_and_optimizer()
+    temp = torch.nn.Parameter(torch.ones(()))
+    temp.grad = torch.full((), 0.25)
+    opt = torch.optim.AdamW([*model.parameters(), temp], lr=0.1)
+
+    def loss(m, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(m(x).squeeze(-1) * temp, y)
+
+    tune(model, _batches(), loss_fn=loss, optimizer=opt, timing=FAST, max_micro_batch=4, use_cache=False,
+         memory_budget_bytes=2**40)  # fmt: skip
+    assert temp.item() == 1.0 and temp.grad.item() == 0.25 and temp not in opt.state
+
+
+def test_a_cpu_allocation_failure_is_an_out_of_memory_point_not_an_error():
+    """A user-loop helper's finding: in-process tune on the CPU caught torch's OutOfMemoryError and MemoryError
+    only, so the CPU allocator's RuntimeError ended the search and lost its points."""
+    from microbatch.measure.device import CPU_ALLOC_FAILURE
+
+    model, opt = _model_and_optimizer()
+    before = _state(model, opt)
+
+    def make_batch(b):
+        if b >= 4:
+            raise RuntimeError(
+                f"[enforce fail at alloc_cpu.cpp:127] {CPU_ALLOC_FAILURE}: you tried to allocate 1 GB"
+            )
+        return torch.randn(b + 1, 8), torch.randn(b + 1)
+
+    result = _tune(model, opt, make_batch)
+    assert [(p.micro_batch, p.oom) for p in result.points] == [(1, False), (2, False), (4, True)]
+    _assert_same(before, _state(model, opt))
+    with pytest.raises(RuntimeError, match="not memory"):  # any other RuntimeError still propagates
+        _tune(model, opt, _batches(fail_at=4, exc=lambda m: RuntimeError("not memory")))

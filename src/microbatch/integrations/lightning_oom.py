@@ -92,7 +92,8 @@ class SplitOnOOM(CallbackBase):
     ) -> None:
         if controller is not None and not isinstance(controller, MicroBatchController):
             raise ConfigError(
-                f"controller must be a MicroBatchController or None, got {type(controller).__name__}"
+                f"controller must be a MicroBatchController or None, got {type(controller).__name__}; make one "
+                "with microbatch.MicroBatchController(initial=b_m), or leave it out"
             )
         if controller is not None and grow_after is not None:
             raise ConfigError(

@@ -110,9 +110,10 @@ CPU_ALLOC_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 """The words of torch's CPU allocator when an allocation fails (``c10/core/impl/alloc_cpu.cpp``)."""
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """True for torch's out-of-memory types and ``MemoryError``, and for the CPU allocator's ``RuntimeError``."""
-    if isinstance(e, oom_types()):
+def is_out_of_memory(e: BaseException, ooms: tuple[type[BaseException], ...] | None = None) -> bool:
+    """True for torch's out-of-memory types and ``MemoryError``, and for the CPU allocator's ``RuntimeError``.
+    ``ooms``: :func:`oom_types` resolved before (nothing lazy may allocate at the limit)."""
+    if isinstance(e, oom_types() if ooms is None else ooms):
         return True
     return type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e)
 
@@ -268,7 +269,7 @@ def steady_timing(
         with steady_heap() as steady:
             return timed(), peak, "steady" if steady else "tracking"
     except Exception as e:  # noqa: BLE001 - out of memory by meaning (a CPU allocation is a RuntimeError)
-        if not (isinstance(e, ooms) or (type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e))):
+        if not is_out_of_memory(e, ooms):
             raise
         # leaving this clause releases the failed attempt's frames, and their tensors
     dev.free()  # and holds the heap's freed chunks, so the retry maps afresh

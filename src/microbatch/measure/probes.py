@@ -36,6 +36,7 @@ from microbatch.measure.device import (
     Device,
     agree_any,
     distributed,
+    is_out_of_memory,
     oom_types,
     reduce_max,
     short_error,
@@ -293,13 +294,17 @@ class TrainProbe:
         try:
             held["batch"] = self.make_batch(micro_batch)
             self.dev.sync()
-        except ooms as e:
+        except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
+            if not is_out_of_memory(e, ooms):
+                raise
             err = short_error(e)
         failed = agree_any(err is not None)
         if not failed:
             try:
                 times, t_opt, read, heap = self._time_steps(held["batch"])
-            except ooms as e:
+            except Exception as e:  # noqa: BLE001 - as above
+                if not is_out_of_memory(e, ooms):
+                    raise
                 err = short_error(e)
             failed = agree_any(err is not None)
         tokens = _tokens_in(held["batch"]) if "batch" in held else None
@@ -419,7 +424,9 @@ class DecodeProbe:
                     timer=self.dev.timer,
                     agree=agree_any if distributed() is not None else None,
                 )
-        except ooms as e:
+        except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
+            if not is_out_of_memory(e, ooms):
+                raise
             err = short_error(e)
         state.clear()
         peak, alloc = self.dev.peak()

@@ -7,9 +7,10 @@ and restores it after — on return, on out-of-memory, on any exception and on `
 
 What is kept, and restored bitwise (``torch.equal``):
 
-- every parameter and buffer of the model (copied back in place, so the optimizer's references
-  to the parameters stay valid);
-- every parameter's ``.grad`` (None stays None);
+- every parameter and buffer of the model, and every parameter the optimizer steps beside it (a loss
+  module's learnable temperature, a head held apart) — copied back in place, so the optimizer's
+  references to the parameters stay valid;
+- every such parameter's ``.grad`` (None stays None);
 - the optimizer's per-parameter state (Adam's moments and step; the tensors go back to the
   device and dtype they had) and its ``param_groups`` settings (lr, betas, ...);
 - the random number generators: torch's CPU generator, every CUDA device's generator (when CUDA
@@ -103,13 +104,14 @@ class StateSnapshot:
         import torch
 
         snap = cls(model=model, optimizer=optimizer)
+        params = _stepped(model, optimizer)
         with torch.no_grad():
             seen: set[int] = set()
-            for t in [*model.parameters(), *model.buffers()]:
+            for t in [*params, *model.buffers()]:
                 if id(t) not in seen:
                     seen.add(id(t))
                     snap.tensors.append((t, _host(t)))
-            for p in model.parameters():
+            for p in params:
                 g = p.grad
                 snap.grads.append((p, None if g is None else _host(g), None if g is None else g.device))
             if optimizer is not None:
@@ -176,6 +178,18 @@ class StateSnapshot:
             m.training = flag
         restore_flags(self.flags)
         restore_rng(self.rng)
+
+
+def _stepped(model: Any, optimizer: Any) -> list[Any]:
+    """The model's parameters, then those the optimizer steps that the model does not hold, each once."""
+    params = list(model.parameters())
+    seen = {id(p) for p in params}
+    for grp in [] if optimizer is None else optimizer.param_groups:
+        for p in grp["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
 
 
 def save_flags(model: Any) -> list[tuple[Any, str, Any]]:

@@ -218,3 +218,35 @@ def test_a_negative_tensor_count_is_refused_as_a_negative_number_is(where):
         accumulate_micro_batches(model, pieces, loss_fn, **kwargs)
     after = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_an_empty_micro_batch_on_a_sparse_embedding_adds_its_finite_gradient():
+    """A user-loop helper's finding: with count_fn, a micro-batch with no valid label on Embedding(sparse=True) ran
+    into torch's NotImplementedError (no sparse isfinite); its rows are checked as a sparse gradient's values."""
+    import torch.nn as nn
+
+    from microbatch.run.accumulate import accumulate
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(20, 6, sparse=True), nn.Linear(6, 20)).double()
+
+    ids = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[2:] = -100  # the second micro-batch of 2 rows has no valid label
+
+    def loss_fn(model, mb):
+        x, y = mb
+        loss = F.cross_entropy(model(x).reshape(-1, 20), y.reshape(-1), ignore_index=-100, reduction="sum")
+        return loss, (
+            y != -100
+        ).sum()  # the embedding's gradient sparse (rows of ids), 0 rows' worth when empty
+
+    got, ref = build(), build()
+    accumulate(got, (ids, labels), loss_fn, micro_batch_size=2, count_fn=lambda mb: (mb[1] != -100).sum())
+    loss, n = loss_fn(ref, (ids, labels))
+    (loss / n).backward()
+    for a, b in zip(got.parameters(), ref.parameters(), strict=True):
+        a_dense = a.grad.to_dense() if a.grad.is_sparse else a.grad
+        b_dense = b.grad.to_dense() if b.grad.is_sparse else b.grad
+        assert torch.allclose(a_dense, b_dense, rtol=1e-10, atol=1e-12)

@@ -59,3 +59,73 @@ def test_the_same_parameter_inside_the_model_gets_the_exact_gradient():
     loss = F.cross_entropy(backbone(x) / temp.log_t.exp(), y)  # the mean over the whole batch, by hand
     (ref,) = torch.autograd.grad(loss, [temp.log_t])
     assert torch.allclose(got, ref, rtol=1e-12)
+
+
+def test_a_new_loss_function_at_a_dead_ones_address_is_checked_again():
+    """A user-loop helper's finding: the check ran once per id(loss_fn), and a fresh lambda each step (as the README's
+    recipe writes it) reuses the dead one's id: a later loss on a parameter outside the model went unchecked, its
+    gradient the sum's (8× here). Loss functions are now held weakly; a bound method by its object and function."""
+    torch.manual_seed(0)
+    model, temp = nn.Linear(5, 3).double(), Temperature()
+    x, y = _data()
+
+    def plain():
+        return lambda m, mb: (F.cross_entropy(m(mb[0]), mb[1], reduction="sum"), len(mb[1]))
+
+    def tempered():
+        return lambda m, mb: (
+            F.cross_entropy(m(mb[0]) / temp.log_t.exp(), mb[1], reduction="sum"),
+            len(mb[1]),
+        )
+
+    first = plain()
+    accumulate(model, (x, y), first, micro_batch_size=4)
+    address = id(first)
+    del first
+    for _ in range(100):  # CPython hands a freed function's memory to the next one of its size
+        candidate = tempered()
+        if id(candidate) == address:
+            break
+    else:
+        pytest.skip("no new function landed at the freed one's address on this interpreter")
+    with pytest.raises(ConfigError, match=r"not the model's"):
+        accumulate(model, (x, y), candidate, micro_batch_size=4)
+    assert temp.log_t.grad is None
+
+
+def test_a_bound_method_is_checked_once_per_object():
+    class Loss:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def __call__(self, m, mb):  # not used: the bound method below is what accumulate gets
+            raise AssertionError
+
+        def run(self, m, mb):
+            return F.cross_entropy(m(mb[0]) / self.scale(), mb[1], reduction="sum"), len(mb[1])
+
+    model, temp = nn.Linear(5, 3).double(), Temperature()
+    x, y = _data()
+    fixed = Loss(lambda: torch.tensor(2.0, dtype=torch.float64))
+    for _ in range(2):
+        accumulate(model, (x, y), fixed.run, micro_batch_size=4)  # a new method object at each access
+    learned = Loss(lambda: temp.log_t.exp())  # the same function on another object: checked again
+    with pytest.raises(ConfigError, match=r"not the model's"):
+        accumulate(model, (x, y), learned.run, micro_batch_size=4)
+
+
+def test_numpy_counts_are_taken_as_python_numbers():
+    """A user-loop helper's finding: n_items as np.int64 (a NumPy mask's sum) was refused, np.float64 taken; any
+    real number is now taken as its Python value, and a string still refused with the fix."""
+    np = pytest.importorskip("numpy")
+    x, y = _data()
+    grads = []
+    for count in (lambda n: n, np.int64, np.float32):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3).double()
+        accumulate(model, (x, y), lambda m, mb, c=count: (F.cross_entropy(m(mb[0]), mb[1], reduction="sum"),
+                                                          c(len(mb[1]))), micro_batch_size=5)  # fmt: skip
+        grads.append(model.weight.grad)
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+    with pytest.raises(ConfigError, match=r"got str '5'; return an int"):
+        accumulate(nn.Linear(5, 3).double(), (x, y), lambda m, mb: (m(mb[0]).sum(), "5"), micro_batch_size=5)

@@ -173,7 +173,10 @@ def _resolve_on_oom(
                 "the size (MicroBatchController(initial=...))"
             )
         if not isinstance(controller, MicroBatchController):
-            raise ConfigError(f"controller must be a MicroBatchController, got {type(controller).__name__}")
+            raise ConfigError(
+                f"controller must be a MicroBatchController, got {type(controller).__name__}; make one with "
+                "microbatch.MicroBatchController(initial=b_m), or give micro_batch_size=b_m instead"
+            )
         if on_oom not in (None, "split"):
             raise ConfigError(f"on_oom={on_oom!r} with a controller; a controller splits on out-of-memory")
         on_oom = "split"

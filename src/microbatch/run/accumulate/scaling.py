@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -122,11 +123,17 @@ def as_number(name: str, value: Any) -> int | float | torch.Tensor:
                 "valid items, e.g. (labels != -100).sum()"
             )
         return value.detach().reshape(())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number or a 1-element tensor, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-    return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(
+            f"{name} must be a number or a 1-element tensor, got {type(value).__name__} {value!r}; return an int "
+            "(len(rows)), a float or a tensor such as (labels != -100).sum()"
+        )
+    count: int | float = (
+        int(value) if isinstance(value, numbers.Integral) else float(value)
+    )  # NumPy's as Python's
+    if not math.isfinite(count) or count < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0, got {count!r}")
+    return count
 
 
 def total_of(values: Sequence[Any]) -> Any:
@@ -272,18 +279,24 @@ def check_loss(
     return loss_sum, as_number("loss_fn's n_items", n)
 
 
-_PARAMS_CHECKED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
-"""The loss functions each model's parameter check passed for (by id): the walk runs once, not every step."""
+_PARAMS_CHECKED: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, set[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per model, the loss functions its parameter check passed for, held weakly — a function, or a bound method's
+object with its function's id (the method object is made anew at each attribute access) — so that a new function
+reusing a dead one's id is checked again: the walk runs once per loss function, not every step."""
 
 
 def params_once(model: Any, loss_fn: Any, params: Sequence[Any]) -> tuple[Sequence[Any] | None, Any]:
     """``(params, mark)`` for :func:`check_loss` the first time ``loss_fn`` runs on ``model`` (``mark`` records the
     check passed), ``(None, None)`` after: :func:`check_params_in_model` walks the whole graph, once is enough."""
+    owner, func = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", None)
+    holder, token = (owner, id(func)) if owner is not None and func is not None else (loss_fn, 0)
     try:
-        done = _PARAMS_CHECKED.setdefault(model, set())
-    except TypeError:  # not weakly referable: checked every step
+        done = _PARAMS_CHECKED.setdefault(model, weakref.WeakKeyDictionary()).setdefault(holder, set())
+    except TypeError:  # the model or the loss function not weakly referable: checked every step
         return params, None
-    return (None, None) if id(loss_fn) in done else (params, lambda: done.add(id(loss_fn)))
+    return (None, None) if token in done else (params, lambda: done.add(token))
 
 
 def backward_empty(loss: torch.Tensor, scale: float, params: Sequence[Any]) -> bool:
@@ -294,7 +307,8 @@ def backward_empty(loss: torch.Tensor, scale: float, params: Sequence[Any]) -> b
         return False
     grads = torch.autograd.grad(loss * scale, list(params), allow_unused=True)
     used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-    if used and not bool(torch.stack([g.isfinite().all() for _, g in used]).all()):
+    values = [g.coalesce().values() if g.is_sparse else g for _, g in used]  # a sparse embedding's rows
+    if used and not bool(torch.stack([v.isfinite().all() for v in values]).all()):
         return False
     for p, g in used:
         p.grad = g if p.grad is None else p.grad.add_(g)
