@@ -249,3 +249,14 @@ def test_a_cpu_allocation_failure_is_an_out_of_memory_point_not_an_error():
     _assert_same(before, _state(model, opt))
     with pytest.raises(RuntimeError, match="not memory"):  # any other RuntimeError still propagates
         _tune(model, opt, _batches(fail_at=4, exc=lambda m: RuntimeError("not memory")))
+
+
+def test_a_schedulers_mark_on_the_optimizer_is_put_back():
+    """torch's LRScheduler marks the optimizer once it steps (``_opt_called``) and warns of a scheduler step before
+    any optimizer step only while the mark is absent: tune's probe steps set it, and it stayed (a helper's finding)."""
+    model, opt = _model_and_optimizer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # a fresh optimizer: no step taken yet
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    assert "_opt_called" not in opt.__dict__
+    _tune(model, opt, _batches())
+    assert "_opt_called" not in opt.__dict__

@@ -15,7 +15,8 @@ What is kept, and restored bitwise (``torch.equal``):
   device and dtype they had) and its ``param_groups`` settings (lr, betas, ...);
 - the random number generators: torch's CPU generator, every CUDA device's generator (when CUDA
   is initialised), Python's ``random`` and NumPy's global generator (when NumPy is imported);
-- ``training`` of every sub-module;
+- ``training`` of every sub-module, and the mark a learning-rate scheduler reads on the optimizer
+  (``_opt_called``: torch warns of a ``scheduler.step()`` before any ``optimizer.step()`` only without it);
 - the activation checkpointing switches of every sub-module (:data:`CHECKPOINTING_ATTRS`): a tune
   with ``checkpointing="on"`` or ``"auto"``, or an integration that turns the framework's setting on
   to probe, leaves the model as it found it — the flags back to their values and attributes that
@@ -127,6 +128,10 @@ class StateSnapshot:
                 ]
         snap.training = [(m, m.training) for m in model.modules()]
         snap.flags = save_flags(model)
+        if (
+            optimizer is not None
+        ):  # an LRScheduler's "the optimizer has stepped" mark (torch/optim/lr_scheduler.py)
+            snap.flags.append((optimizer, "_opt_called", optimizer.__dict__.get("_opt_called", _ABSENT)))
         snap.rng = save_rng()
         return snap
 
