@@ -11,7 +11,16 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 
-__all__ = ["MAX_EXACT_WHOLE", "is_finite_number", "number", "short_repr", "positive", "flag", "true_or_false"]
+__all__ = [
+    "MAX_EXACT_WHOLE",
+    "is_finite_number",
+    "number",
+    "short_repr",
+    "positive",
+    "flag",
+    "true_or_false",
+    "whole_key",
+]
 
 
 def is_finite_number(v: Any) -> bool:
@@ -63,6 +72,24 @@ def short_repr(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and len(text) > 20:
         return f"{float(v):.3g}" if abs(v) < 10**308 else f"a {len(text.lstrip('-'))}-digit number"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def whole_key(source: str, key: str, v: Any, *, minimum: int = 1, params: tuple[str, ...] = ()) -> int:
+    """A config file's count ``key`` as written: a JSON whole number from ``minimum`` to :data:`MAX_EXACT_WHOLE`.
+
+    Raises :class:`ConfigError` "``source``: ``key`` is ``v``, not a whole number in minimum..2^53" and the fix (a
+    quoted number: write it as a JSON number)."""
+    if isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= MAX_EXACT_WHOLE:
+        return v
+    if isinstance(v, str) and v.strip().isdigit():
+        fix = f'write it as a JSON number: "{key}": {int(v)}'
+    elif isinstance(v, int) and not isinstance(v, bool) and v > MAX_EXACT_WHOLE:
+        fix = "no real model is that large: check the file"
+    else:
+        fix = f"give {key} as a whole number >= {minimum}, or take the key out for the family's default"
+    raise ConfigError(
+        f"{source}: {key} is {short_repr(v)}, not a whole number in {minimum}..2^53; {fix}", params=params
+    )
 
 
 def positive(v: Any, *, where: str) -> float | None:

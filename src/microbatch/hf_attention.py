@@ -19,7 +19,39 @@ from __future__ import annotations
 
 from typing import Any
 
+from microbatch.errors import ConfigError
+from microbatch.fields import whole_key
+
 __all__ = ["chunked_attention_of", "own_head_size", "sliding_window_of"]
+
+_HF = ("hf_config",)
+
+
+def _optional_whole(raw: dict[str, Any], key: str, source: str, minimum: int = 1) -> int | None:
+    """The file's ``key``: None where absent or null, else a whole number from ``minimum`` (a ConfigError naming it)."""
+    v = raw.get(key)
+    return None if v is None else whole_key(source, key, v, minimum=minimum, params=_HF)
+
+
+def _layer_list(
+    raw: dict[str, Any], key: str, layers: int, source: str, kinds: tuple[type, ...]
+) -> list[Any] | None:
+    """The file's per-layer list ``key`` (None where absent or empty): entries of ``kinds``, at least one a layer (the
+    first ``layers`` read, as transformers builds one block per entry), else a ConfigError naming it."""
+    v = raw.get(key)
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, kinds) for x in v):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ConfigError(
+            f"{source}: {key} must be a list of {names}, one a layer; got {v!r:.120}", params=_HF
+        )
+    if len(v) < layers:
+        raise ConfigError(
+            f"{source}: {key} has {len(v)} entries for its {layers} layers (num_hidden_layers); give one a layer",
+            params=_HF,
+        )
+    return v[:layers]
 
 
 def own_head_size(head_dim: Any, hidden: Any, heads: Any) -> int | None:
@@ -35,55 +67,68 @@ def own_head_size(head_dim: Any, hidden: Any, heads: Any) -> int | None:
     return int(head_dim)
 
 
-def chunked_attention_of(raw: dict[str, Any], layers: int) -> tuple[int | None, int | None]:
-    """(chunk, layers that attend inside their chunk) of a Llama 4 config (module docstring); (None, None) for none."""
+def chunked_attention_of(
+    raw: dict[str, Any], layers: int, source: str = "hf_config"
+) -> tuple[int | None, int | None]:
+    """(chunk, layers that attend inside their chunk) of a Llama 4 config (module docstring); (None, None) for none.
+    A key of the wrong kind (a chunk that is not a whole number >= 1, a list that is not one entry a layer) is
+    refused, naming it, rather than read as full attention."""
     llama4 = str(raw.get("model_type", "")).startswith("llama4")
-    if "attention_chunk_size" in raw:
-        chunk = raw["attention_chunk_size"]  # null: no chunked layer (transformers writes them all full)
+    if "attention_chunk_size" in raw:  # null: no chunked layer (transformers writes them all full)
+        chunk = _optional_whole(raw, "attention_chunk_size", source)
     else:
         chunk = 8192 if llama4 else None  # transformers' Llama4TextConfig default
-    types = raw.get("layer_types")
-    if chunk is None or (not llama4 and not (isinstance(types, list) and "chunked_attention" in types)):
+    types = _layer_list(raw, "layer_types", layers, source, (str,))
+    if chunk is None or (not llama4 and not (types and "chunked_attention" in types)):
         return None, None
-    if isinstance(types, list) and types:
-        count = sum(1 for x in types[:layers] if x == "chunked_attention")  # one entry a block; no more
+    if types:
+        count = sum(1 for x in types if x == "chunked_attention")
     else:
-        marks = raw.get("no_rope_layers")
-        if isinstance(marks, list) and marks:
-            count = sum(1 for x in marks[:layers] if x)
+        marks = _layer_list(
+            raw, "no_rope_layers", layers, source, (int,)
+        )  # 1: rotary, chunked (bools are ints)
+        if marks:
+            count = sum(1 for x in marks if x)
         else:
-            every = raw.get("no_rope_layer_interval") or 4
-            count = layers - layers // every if isinstance(every, int) and every > 0 else layers
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1 or not count:
-        return None, None
-    return chunk, count
+            every = _optional_whole(raw, "no_rope_layer_interval", source) or 4
+            count = layers - layers // every
+    return (chunk, count) if count else (None, None)
 
 
 def sliding_window_of(
-    raw: dict[str, Any], layers: int, positions: int | None
+    raw: dict[str, Any], layers: int, positions: int | None, source: str = "hf_config"
 ) -> tuple[int | None, int | None]:
-    """(window, layers that use it) from a config (module docstring); (None, None) for full attention."""
-    window = raw.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+    """(window, layers that use it) from a config (module docstring); (None, None) for full attention. A key of the
+    wrong kind (a window that is not a whole number, a switch that is not true or false, a list that is not one entry
+    a layer) is refused, naming it, rather than read as another layout."""
+    window = _optional_whole(raw, "sliding_window", source, minimum=0)  # null or 0: none
+    if not window or (positions is not None and window >= positions):
         return None, None
-    if positions is not None and window >= positions:
-        return None, None
-    types = raw.get("layer_types")
-    if isinstance(types, list) and types:
+    types = _layer_list(raw, "layer_types", layers, source, (str,))
+    if types:
         count = sum(1 for x in types if x == "sliding_attention")
         return (window, count) if count else (None, None)
-    if raw.get("use_sliding_window") is False:
+    use = raw.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        raise ConfigError(
+            f"{source}: use_sliding_window is {use!r}; write true or false (JSON, unquoted)", params=_HF
+        )
+    if use is False:
         return None, None
-    top = raw.get("max_window_layers")  # Qwen2: layers from this index on slide (its modelling code)
-    if isinstance(top, int) and not isinstance(top, bool) and raw.get("use_sliding_window"):
+    top = _optional_whole(
+        raw, "max_window_layers", source, minimum=0
+    )  # Qwen2: layers from this index on slide
+    if top is not None and use:
         count = max(0, layers - top)
         return (window, count) if count else (None, None)
     model_type = str(raw.get("model_type", "")).lower()
     if model_type == "gemma2":
         return window, (layers + 1) // 2
-    pattern = raw.get("sliding_window_pattern")
+    pattern = _optional_whole(raw, "sliding_window_pattern", source)  # every k-th layer global
     if pattern is None and model_type.startswith("gemma3"):
         pattern = 6  # transformers' Gemma3TextConfig default: five local layers to one global
-    if isinstance(pattern, int) and pattern > 1:
+    if pattern == 1:  # every layer global
+        return None, None
+    if pattern is not None:
         return window, layers - layers // pattern
     return window, None

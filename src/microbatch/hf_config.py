@@ -12,6 +12,7 @@ from typing import Any
 
 from microbatch._json import loads
 from microbatch.errors import ConfigError
+from microbatch.fields import whole_key
 from microbatch.hf_attention import chunked_attention_of, own_head_size, sliding_window_of
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
 from microbatch.shape import ModelShape
@@ -324,6 +325,8 @@ def _non_attention_layers(raw: dict[str, Any]) -> str | None:
     blocks: Jamba, Zamba, Bamba, Falcon-H1, Qwen3-Next, RecurrentGemma, LFM2), in words; None for a transformer."""
     for key in _LAYER_LISTS:
         kinds = raw.get(key)
+        if isinstance(kinds, list) and not all(isinstance(k, str) for k in kinds):
+            continue  # not a list of names: its reader refuses it as such (hf_attention)
         if isinstance(kinds, list):
             other = sorted(k for k in {str(k) for k in kinds} - _ATTENTION_LAYERS if _not_attention(k))
             if other:
@@ -383,6 +386,14 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
     }
 
 
+def _dense_width(raw: dict[str, Any], path: Path) -> int | None:
+    """Llama 4's ``intermediate_size_mlp`` (its dense blocks' width), checked as the file's other sizes are."""
+    v = raw.get("intermediate_size_mlp")
+    return (
+        None if v is None else whole_key(f"hf_config {str(path)!r}", "intermediate_size_mlp", v, params=_HF)
+    )
+
+
 def from_hf_config(
     path: str | Path,
     *,
@@ -426,8 +437,7 @@ def from_hf_config(
         heads=vals["heads"],
         head_size=own_head_size(vals["head_size"], vals["hidden"], vals["heads"]),
         kv_heads=vals["kv_heads"],
-        ffn_hidden=raw.get("intermediate_size_mlp")
-        or vals["ffn_hidden"],  # Llama 4's dense blocks: their own width
+        ffn_hidden=_dense_width(raw, path) or vals["ffn_hidden"],  # Llama 4's dense blocks: their own width
         vocab=vals["vocab"],
         seq=seq or positions or 2048,
     )
@@ -447,9 +457,11 @@ def from_hf_config(
         whole = isinstance(h, int) and isinstance(a, int) and a > 0 and h % a == 0
         fields["head_size"] = None if whole else fields["mla"].qk_head_dim
     if isinstance(vals["layers"], int):
-        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, vals["layers"], positions)
+        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(
+            raw, vals["layers"], positions, source
+        )
         if fields["sliding_window"] is None:  # Llama 4: a chunk of its own for three layers in four
-            chunk, count = chunked_attention_of(raw, vals["layers"])
+            chunk, count = chunked_attention_of(raw, vals["layers"], source)
             if chunk is not None:
                 fields.update(sliding_window=chunk, sliding_layers=count, local_attention="chunked")
     try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from microbatch.errors import ConfigError, check_positive_int, plain_numbers
+from microbatch.fields import whole_key
 
 __all__ = [
     "Experts",
@@ -177,12 +178,9 @@ _HF = ("hf_config",)
 """The parameter a config file's ``source`` names (``hf_config '/path'``)."""
 
 
-def _whole(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"{source}: {key} is {value!r}, not a whole number >= 0; fix the config", params=_HF
-        )
-    return value
+def _whole(raw: dict[str, Any], key: str, value: Any, source: str, minimum: int = 0) -> int:
+    """The file's ``key`` as a whole number from ``minimum`` to 2^53 (:func:`microbatch.fields.whole_key`)."""
+    return whole_key(source, key, value, minimum=minimum, params=_HF)
 
 
 _ONE_SHARED = ("llama4",)
@@ -207,17 +205,27 @@ def experts_from_hf(
     the flags the user gives, which override the file's anyway), else a ConfigError names the flag.
     """
     given = given or {}
-    e = _first(raw, _EXPERT_KEYS)
-    if e is None or e in (0, 1):
+    e_key = next((key for key in _EXPERT_KEYS if raw.get(key) is not None), None)
+    e = None if e_key is None else raw[e_key]
+    if e is None or (e in (0, 1) and not isinstance(e, bool)):
         return None
-    e = _whole(raw, "experts", e, source)
-    k = _first(raw, _TOPK_KEYS) or given.get("top_k")
+    e = _whole(raw, e_key or "num_experts", e, source, minimum=2)
+    k_key = next((key for key in _TOPK_KEYS if raw.get(key) is not None), None)
+    k = raw[k_key] if k_key else given.get("top_k")
     if k is None:
         raise ConfigError(
             f"{source} has {e} experts but no num_experts_per_tok; give top_k (Mixtral 2, DeepSeek-V3 8)",
             params=(*_HF, "top_k"),
         )
-    f = _first(raw, _EXPERT_FFN_KEYS) or given.get("expert_ffn_hidden") or ffn_hidden
+    k = _whole(raw, k_key or "num_experts_per_tok", k, source, minimum=1)
+    if k > e:
+        raise ConfigError(
+            f"{source}: {k_key or 'top_k'} {k} routes each token to more experts than the {e} of {e_key}; a token goes "
+            "to at most every expert: fix the file",
+            params=_HF,
+        )
+    f_key = next((key for key in _EXPERT_FFN_KEYS if raw.get(key) is not None), None)
+    f = raw[f_key] if f_key else given.get("expert_ffn_hidden") or ffn_hidden
     if f is None:
         raise ConfigError(
             f"{source} has experts but no moe_intermediate_size; give expert_ffn_hidden",
@@ -226,21 +234,25 @@ def experts_from_hf(
     shared = raw.get("n_shared_experts") or 0
     shared_width = None
     if not shared and raw.get("shared_expert_intermediate_size"):
-        shared, shared_width = 1, _whole(raw, "shared_expert_intermediate_size", raw["shared_expert_intermediate_size"], source)  # fmt: skip
+        shared, shared_width = 1, _whole(raw, "shared_expert_intermediate_size", raw["shared_expert_intermediate_size"], source, 1)  # fmt: skip
     if not shared and str(raw.get("model_type", "")).startswith(_ONE_SHARED):
         shared = 1  # Llama 4's shared expert, as wide as a routed one (Llama4TextMoe.shared_expert)
-    step_key = next((k for k in ("interleave_moe_layer_step", "decoder_sparse_step") if raw.get(k)), None)
+    step_key = next(
+        (key for key in ("interleave_moe_layer_step", "decoder_sparse_step") if raw.get(key) is not None),
+        None,
+    )
     every = raw[step_key] if step_key else 1
     dense = _whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source)
-    every = _whole(raw, step_key or "interleave_moe_layer_step", every, source)
+    # transformers divides by the step (Qwen2-MoE) or steps a range by it (Llama 4): 0 builds no model
+    every = _whole(raw, step_key or "interleave_moe_layer_step", every, source, minimum=1)
     placed = _listed_layers(raw, dense, every, source)
     if placed is None:  # its lists leave every block dense, as transformers builds it
         return None
     dense, every = placed
     return Experts(
         experts=e,
-        top_k=_whole(raw, "num_experts_per_tok", k, source),
-        expert_ffn_hidden=_whole(raw, "moe_intermediate_size", f, source),
+        top_k=k,
+        expert_ffn_hidden=_whole(raw, f_key or "moe_intermediate_size", f, source, minimum=1),
         shared_experts=_whole(raw, "n_shared_experts", shared, source),
         shared_ffn_hidden=shared_width,
         dense_layers=dense,
