@@ -260,7 +260,7 @@ def _measurer(
     timing: TimingConfig,
 ) -> Callable[[int, bool], Measurement]:  # fmt: skip
     """measure(b, checkpointing): one probing call of ``function`` at b_m = b."""
-    from microbatch.measure.device import Device, agree_any, is_out_of_memory, reduce_max, short_error
+    from microbatch.measure.device import Device, agree_any, oom_text, reduce_max
 
     device = Device(dev)
     checked: list[bool] = []
@@ -276,9 +276,7 @@ def _measurer(
         except ProbeDone:
             pass
         except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
-            if not is_out_of_memory(e):
-                raise
-            err = short_error(e)
+            err = oom_text(e)
         if not checked:  # the function has made its Accelerator (and the process group) by now
             _check_world(world)
             checked.append(True)

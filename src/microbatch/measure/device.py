@@ -46,6 +46,7 @@ __all__ = [
     "Device",
     "CPU_ALLOC_FAILURE",
     "is_out_of_memory",
+    "oom_text",
     "oom_types",
     "torch_oom_types",
     "short_error",
@@ -116,6 +117,13 @@ def is_out_of_memory(e: BaseException, ooms: tuple[type[BaseException], ...] | N
     if isinstance(e, oom_types() if ooms is None else ooms):
         return True
     return type(e) is RuntimeError and CPU_ALLOC_FAILURE in str(e)
+
+
+def oom_text(e: BaseException, ooms: tuple[type[BaseException], ...] | None = None) -> str:
+    """:func:`short_error` of an out-of-memory ``e`` (:func:`is_out_of_memory`); anything else raised again."""
+    if not is_out_of_memory(e, ooms):
+        raise e
+    return short_error(e)
 
 
 def short_error(e: BaseException) -> str:

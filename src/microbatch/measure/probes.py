@@ -36,10 +36,9 @@ from microbatch.measure.device import (
     Device,
     agree_any,
     distributed,
-    is_out_of_memory,
+    oom_text,
     oom_types,
     reduce_max,
-    short_error,
     steady_timing,
 )
 from microbatch.measure.hf import HFDecoder
@@ -295,17 +294,13 @@ class TrainProbe:
             held["batch"] = self.make_batch(micro_batch)
             self.dev.sync()
         except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
-            if not is_out_of_memory(e, ooms):
-                raise
-            err = short_error(e)
+            err = oom_text(e, ooms)
         failed = agree_any(err is not None)
         if not failed:
             try:
                 times, t_opt, read, heap = self._time_steps(held["batch"])
             except Exception as e:  # noqa: BLE001 - as above
-                if not is_out_of_memory(e, ooms):
-                    raise
-                err = short_error(e)
+                err = oom_text(e, ooms)
             failed = agree_any(err is not None)
         tokens = _tokens_in(held["batch"]) if "batch" in held else None
         self.optimizer.zero_grad(set_to_none=True)
@@ -425,9 +420,7 @@ class DecodeProbe:
                     agree=agree_any if distributed() is not None else None,
                 )
         except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
-            if not is_out_of_memory(e, ooms):
-                raise
-            err = short_error(e)
+            err = oom_text(e, ooms)
         state.clear()
         peak, alloc = self.dev.peak()
         self.dev.free()
