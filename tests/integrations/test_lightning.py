@@ -68,8 +68,8 @@ class Before(L.Callback):
         self.training = [m.training for m in module.modules()]
 
 
-def _trainer(*callbacks, devices=1, **kw):
-    return L.Trainer(accelerator="cpu", devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
+def _trainer(*callbacks, devices=1, max_steps=2, **kw):
+    return L.Trainer(accelerator="cpu", devices=devices, max_steps=max_steps, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                      callbacks=list(callbacks), **kw)  # fmt: skip
 
@@ -232,3 +232,57 @@ def test_the_search_never_asks_the_loader_for_more_than_the_data_holds():
     probed = [p.micro_batch for p in knee.result.points]
     assert max(probed) <= 12 and 32 % knee.micro_batch == 0
     assert set(asked) <= set(probed) | {knee.micro_batch, 12 % knee.micro_batch}  # every batch as labelled
+
+
+class Scheduled(Tiny):
+    """A one-cycle schedule over the steps Lightning estimates (its docs' pattern), sized at configure_optimizers."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.total = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=self.total)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_schedule_over_the_estimated_steps_is_built_for_the_knee():
+    """An integration helper's finding: the strategy builds the optimizers before on_fit_start, so a schedule
+    sized from estimated_stepping_batches covered the pre-tune batch's steps (64 against the 8 that ran): the
+    training was not a by-hand run's. configure_optimizers now runs again at the chosen b_m and g."""
+    module = Scheduled()
+    knee = KneeBatchSize(B, timing=FAST, max_micro_batch=8, use_cache=False)
+    _trainer(knee, max_steps=-1, max_epochs=1, limit_train_batches=64).fit(module)
+    b, g = knee.micro_batch, knee.grad_accum
+    assert module.total == 64 // g  # the optimizer steps of one epoch of 64 batches of b_m, g at a time
+    assert module.trainer.global_step == module.total and b * g == B
+
+
+class NoIndex(Tiny):
+    def training_step(self, batch):  # Lightning 2 passes batch_idx only where the hook takes it
+        return torch.nn.functional.mse_loss(self.net(batch[0]).squeeze(-1), batch[1])
+
+
+class TwoLoaders(Tiny):
+    def training_step(self, batch, i):
+        return sum(torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y) for x, y in batch.values())
+
+    def train_dataloader(self):
+        return {name: DataLoader(self.data, batch_size=self.batch_size) for name in ("a", "b")}
+
+
+def test_a_step_without_batch_idx_is_probed_and_other_layouts_refused_before_any_probe():
+    """An integration helper's findings: training_step(self, batch) raised TypeError in the probe (it was always
+    called with an index); a GradientAccumulationScheduler (it changes g, so B, by epoch) was not seen; two train
+    loaders had the first loader's batch passed to a step that takes both."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    knee = KneeBatchSize(B, timing=FAST, max_micro_batch=8, use_cache=False)
+    _trainer(knee).fit(NoIndex())
+    assert knee.micro_batch * knee.grad_accum == B
+    with pytest.raises(ConfigError, match=r"GradientAccumulationScheduler changes g by epoch"):
+        _trainer(KneeBatchSize(B, timing=FAST, use_cache=False), GradientAccumulationScheduler({1: 4})).fit(
+            Tiny()
+        )
+    module = TwoLoaders()
+    with pytest.raises(ConfigError, match=r"train_dataloader\(\) returns 2 dataloaders"):
+        _trainer(KneeBatchSize(B, timing=FAST, use_cache=False)).fit(module)
+    assert module.batch_size == 2

@@ -56,7 +56,25 @@ def _train_loader(trainer: Any) -> Any:
         raise ConfigError(
             "the LightningModule has no train dataloader (or limit_train_batches=0): nothing to probe"
         )
+    if len(combined.flattened) > 1:  # a dict or list of loaders: training_step takes their batches together
+        raise ConfigError(
+            f"train_dataloader() returns {len(combined.flattened)} dataloaders (a dict, list or CombinedLoader): "
+            "KneeBatchSize probes the step on one loader's batches; return one DataLoader, or call microbatch.tune() "
+            "with a make_batch that builds your combined batch"
+        )
     return combined.flattened[0]
+
+
+def _rebuild_optimizers(trainer: Any) -> None:
+    """``configure_optimizers`` again at the chosen b_m and g, as a run set by hand calls it: a schedule sized from
+    ``trainer.estimated_stepping_batches`` (OneCycleLR's ``total_steps``) was built for the batch before the tune
+    (the strategy built the optimizers before ``on_fit_start``; the tune restored their state, so nothing is lost)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    strategy = trainer.strategy
+    strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    _optimizers_to_device(strategy.optimizers, strategy.root_device)
 
 
 def _drop_dataloaders(trainer: Any) -> None:
@@ -144,6 +162,14 @@ class KneeBatchSize(_Base):
                 f"BatchSizeFinder looks); add self.{self.batch_arg_name} and use it in train_dataloader(), "
                 "or pass batch_arg_name=<your attribute>"
             )
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise ConfigError(
+                "KneeBatchSize sets accumulate_grad_batches = g so that b_m × g × world = global_batch; a "
+                "GradientAccumulationScheduler changes g by epoch, and the global batch with it; remove one of the "
+                "two (to grow the global batch by epoch, tune each phase's global_batch apart)"
+            )
         if not pl_module.automatic_optimization:
             raise ConfigError(
                 "KneeBatchSize probes automatic optimization only (the module sets automatic_optimization = "
@@ -173,8 +199,13 @@ class KneeBatchSize(_Base):
             _check_loader(loader, b, self.batch_arg_name)
             return strategy.batch_to_device(next(iter(loader)))
 
+        from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+        # as Lightning's loop calls it: batch_idx only where the hook takes it (Lightning 2 lets it go)
+        index = (0,) if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2) else ()
+
         def loss_fn(model: Any, batch: Any) -> Any:
-            return loss_of(strategy.training_step(batch, 0), "KneeBatchSize")
+            return loss_of(strategy.training_step(batch, *index), "KneeBatchSize")
 
         first = _train_loader(trainer)  # checked before any probe, at the user's own batch size
         _check_loader(first, original, self.batch_arg_name)
@@ -208,6 +239,10 @@ class KneeBatchSize(_Base):
         lightning_setattr(pl_module, self.batch_arg_name, b)
         trainer.accumulate_grad_batches = g
         _drop_dataloaders(trainer)
+        _rebuild_optimizers(trainer)
+        _drop_dataloaders(
+            trainer
+        )  # estimated_stepping_batches may have loaded them: the fit loop builds its own
         self.result, self.micro_batch, self.grad_accum = result, b, g
         from lightning.pytorch.utilities import rank_zero_info
 
