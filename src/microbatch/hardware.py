@@ -74,6 +74,11 @@ GB = 1e9
 Gbit = 1e9 / 8
 """Bytes per second in one Gbit/s (network links)."""
 
+MAX_ATTENTION_RAMP = 100.0
+"""The largest ``attention_ramp`` accepted: the flash curves reach half their ceiling at s₀ = 404 keys (FA2's causal
+forward, :data:`~microbatch.predict.attention.FLASH_SEQ_HALF`) times the ramp; the slowest kernel read ramps 2.3×
+(cuDNN 9.19's), and 100× puts the half-way point at 40k keys, past any kernel benchmarked."""
+
 DTYPES = ("bf16", "fp16", "fp32")
 """Data types with a peak FLOP/s entry (fp32 is the non-tensor-core SIMT rate)."""
 OPTIONAL_DTYPES = ("fp8",)
@@ -166,13 +171,14 @@ class Accelerator:
                 "peak a causal flash-attention kernel reaches (or leave it unset)"
             )
         r = self.attention_ramp
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0:
-            raise ConfigError(f"{self.name} attention_ramp must be a positive number, got {r!r}; give 1 for the FA2 "
-                              "H100 curves' ramp, more for a kernel that reaches its ceiling later")  # fmt: skip
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= MAX_ATTENTION_RAMP:
+            raise ConfigError(f"{self.name} attention_ramp must be in (0, {MAX_ATTENTION_RAMP:g}], got {r!r}; give 1 "
+                              "for the FA2 H100 curves' ramp, more for a kernel that reaches its ceiling later")  # fmt: skip
         v = self.sustained_clock_fraction
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= _clk.MAX_CLOCK_FRACTION):
+        lo, hi = _clk.MIN_CLOCK_FRACTION, _clk.MAX_CLOCK_FRACTION
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
             raise ConfigError(
-                f"{self.name} sustained_clock_fraction must be in (0, {_clk.MAX_CLOCK_FRACTION:g}], got {v!r}; give the rate a "
+                f"{self.name} sustained_clock_fraction must be in [{lo:g}, {hi:g}], got {v!r}; give the rate a "
                 "long dense GEMM sustains over the rate the table's kernel terms stand for (1: that rate; the Hopper "
                 "rows take 0.847, their burst-measured terms at a training step's clock)"
             )

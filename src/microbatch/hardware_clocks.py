@@ -18,12 +18,17 @@ from microbatch.hardware_attention import BLACKWELL, HOPPER
 __all__ = [
     "CLOCK_A100", "CLOCK_H100_SXM", "CLOCK_H200", "CLOCK_PCIE", "CLOCK_NVL", "CLOCK_B200", "CLOCK_H100_96GB",
     "B200_BURST_TO_SUSTAINED", "RATE_PER_CLOCK", "cited_burst_to_sustained",
-    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "HOPPER_BURST_TO_SUSTAINED", "power_limited_clock",
+    "FIXED_POWER_SHARE", "MIN_POWER_SHARE", "MAX_CLOCK_FRACTION", "MIN_CLOCK_FRACTION", "HOPPER_BURST_TO_SUSTAINED", "power_limited_clock",
 ]  # fmt: skip
 
 MAX_CLOCK_FRACTION = 1.25
 """The largest ``sustained_clock_fraction`` accepted: a part may hold more than its datasheet's clock, and a
 calibration's clock may be scaled up to another limit, but not past this."""
+
+MIN_CLOCK_FRACTION = 0.1
+"""The smallest ``sustained_clock_fraction`` accepted: the deepest power cap read (a GB300 at 500 W of 1,400 W,
+:func:`power_limited_clock`'s citation) held 0.28 of its rate, and the lowest limit a board accepts gives 0.40 by
+that law; a tenth is past any board that trains (a smaller value was read as a rate of ~1e-286 FLOP/s)."""
 
 FIXED_POWER_SHARE = 0.2
 """Share of a board's rated power that does not move with its SMs' clock (memory, leakage, the board): an H100

@@ -188,7 +188,7 @@ def test_sustained_flops_and_at_sustained_clock():
 def test_sustained_clock_fraction_and_power_limit_are_validated():
     a100 = get_accelerator("a100-80gb")
     for bad in (0, -0.5, 1.3, float("nan"), True, "fast"):
-        with pytest.raises(ConfigError, match=r"sustained_clock_fraction must be in \(0, 1.25\]"):
+        with pytest.raises(ConfigError, match=r"sustained_clock_fraction must be in \[0\.1, 1\.25\]"):
             a100.with_overrides(sustained_clock_fraction=bad)
     with pytest.raises(ConfigError, match=r"power_limit_w must be a finite number > 0"):
         a100.with_overrides(power_limit_w=0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import click
@@ -84,9 +85,20 @@ def _read_typed(kind: str, result: dict[str, Any]) -> tuple[str, dict[str, Any]]
     an earlier one's) goes through :class:`~microbatch.run.pipeline.report.PipelineReport`."""
     if kind != "pipeline":
         return kind, result
+    from microbatch.errors import ConfigError
     from microbatch.run.pipeline.report import PipelineReport
 
-    return kind, {**result, **PipelineReport.from_json(result).to_json()}
+    try:
+        return kind, {**result, **PipelineReport.from_json(result).to_json()}
+    except TypeError as e:  # the report's fields missing: name them, not the constructor
+        missing = sorted(set(re.findall(r"'(\w+)'", str(e))) - set(result)) if "missing" in str(e) else []
+        if not missing:
+            raise
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ConfigError(
+            f"a pipeline result without {shown}: not a pipeline's JSON as it wrote it; give the JSON `microbatch "
+            "pipeline --json` wrote, unedited"
+        ) from None
 
 
 def _unreadable(results: tuple[str, ...], error: Exception) -> Exception:

@@ -38,6 +38,17 @@ def check_expert_layout(
             "(no experts); give experts E and top_k K, a MoE model (mixtral-8x7b, deepseek-v3), or drop capacity_factor",
             params=("capacity_factor", "experts", "top_k"),
         )
+    if capacity_factor is not None and shape.moe is not None:
+        most = (
+            shape.moe.experts / shape.moe.top_k
+        )  # a buffer of c × b·s·K/E copies holds every token at c = E/K
+        if not (isinstance(capacity_factor, (int, float)) and 0 < capacity_factor <= most):
+            raise ConfigError(
+                f"capacity_factor {capacity_factor!r} is outside (0, E/K = {shape.moe.experts}/{shape.moe.top_k} = "
+                f"{most:g}]: past E/K an expert's buffer already holds every token of the micro-batch; give for "
+                "example 1.25 (GShard, Switch), or none for dropless",
+                params=("capacity_factor",),
+            )
     if expert_parallel == 1:
         return
     if shape.moe is None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from microbatch.batch import global_batch_of
 from microbatch.errors import ConfigError
-from microbatch.fields import short_repr
+from microbatch.fields import MAX_EXACT_WHOLE, short_repr
 from microbatch.show.export_common import (
     Json,
     accelerator_key,
@@ -170,16 +170,28 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         cand = dict(data)
     missing = [k for k in _NEEDED if k not in cand]
     if missing:
-        raise ConfigError(f"the plan lacks {', '.join(missing)}; give a plan's JSON output or a Candidate")
+        raise ConfigError(
+            f"the plan lacks {', '.join(missing)}; give the JSON the plan command writes (its JSON output), or one "
+            "candidate object from its candidates"
+        )
     return cand
 
 
 def _check_identity(c: Json, what: str = "plan") -> None:
     """B_global = b_m × g × d, in whole numbers, in the words of ``what`` was given (a plan, a tune result)."""
     b, g, d, B = c["micro_batch"], c["grad_accum"], c["data_parallel"], c["global_batch"]
-    for name, v in (("micro_batch", b), ("grad_accum", g), ("data_parallel", d), ("global_batch", B)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"the {what}'s {name} must be a whole number >= 1, got {v!r}")
+    sizes = [("micro_batch", b), ("grad_accum", g), ("data_parallel", d), ("global_batch", B)]
+    sizes += [
+        (k, c[k])
+        for k in ("pipeline_parallel", "tensor_parallel", "context_parallel", "expert_parallel")
+        if k in c
+    ]
+    for name, v in sizes:
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_EXACT_WHOLE:
+            raise ConfigError(
+                f"the {what}'s {name} must be a whole number in 1..2^53, got {short_repr(v)}; give the {what} as "
+                "microbatch wrote it"
+            )
     if global_batch_of(b, g, d) != B:
         again = "plan again" if what == "plan" else "tune again"
         raise ConfigError(

@@ -27,6 +27,7 @@ from typing import Any
 from microbatch import __version__, records
 from microbatch.envelope import MARK
 from microbatch.errors import ConfigError
+from microbatch.fields import short_repr
 from microbatch.show.figures import FIGURE_SIZE_PX, Figure
 from microbatch.show.html_parts import CSS
 from microbatch.show.html_parts import bytes_column as _bytes_column
@@ -71,9 +72,23 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
     return out
 
 
-_NEEDED = {"tune": ("micro_batch", "points"), "recommend": ("micro_batch",)}
+_NEEDED = {
+    "tune": ("micro_batch", "points"),
+    "recommend": ("micro_batch",),
+    "simulate": ("schedule", "stages", "microbatches", "bubble_fraction"),
+    "validate": ("rows",),
+}
 """The fields without which a kind of result has no answer to report: the knee and (a tune) the measured
-points. Other fields missing read ``—`` where they would be shown."""
+points; a simulation's schedule and bubble; a validation's rows. Other fields missing read ``—`` where they would
+be shown."""
+
+_OBJECT_LISTS = {
+    "tune": ("points",),
+    "plan": ("candidates",),
+    "simulate": ("stage_stats",),
+    "validate": ("rows",),
+}
+"""Fields that hold a list of objects (one a point, candidate, stage or row), where present."""
 
 
 def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
@@ -82,12 +97,23 @@ def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
     written. A report of such a file would say ``b_m = None``; tune never writes one (a search that
     measured nothing is refused), so the file was cut short, edited, or written by something else."""
     missing = [k for k in _NEEDED.get(kind, ()) if res.get(k) is None or res.get(k) == []]
+    whole = f"give the whole JSON a microbatch {kind} wrote (its JSON output, or the result.json of its output folder)"
     if missing:
         what = {"micro_batch": "no knee (micro_batch)", "points": "no measured points (points)"}
         raise ConfigError(
-            f"{source}: a {kind} result with {' and '.join(what[k] for k in missing)}: missing, null or "
-            f"empty, so there is nothing to report; give the whole JSON a microbatch {kind} wrote (its JSON output, or the "
-            "result.json of its output folder)"
+            f"{source}: a {kind} result with {' and '.join(what.get(k, f'no {k}') for k in missing)}: missing, null "
+            f"or empty, so there is nothing to report; {whole}"
+        )
+    for key in _OBJECT_LISTS.get(kind, ()):
+        v = res.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+            raise ConfigError(
+                f"{source}: the {kind} result's {key} is {short_repr(v)}, not a list of objects; {whole}"
+            )
+    rec = res.get("recommended") if kind == "plan" else None
+    if rec is not None and not isinstance(rec, dict):
+        raise ConfigError(
+            f"{source}: the plan's recommended is {short_repr(rec)}, not a candidate object; {whole}"
         )
 
 

@@ -131,7 +131,8 @@ class PipelineConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use float32, bfloat16 or float16")
         check_positive(
             "timeout_s", _number("timeout_s", self.timeout_s, "120"),
-            fix=f"give timeout_s {_DEFAULT_TIMEOUT_S:g} (the default) or more for a long run",
+            fix="give timeout_s 10 s or more (the command's default is 300, the library's "
+            f"{_DEFAULT_TIMEOUT_S:g}), and a long run's whole length",
         )  # fmt: skip
         check_positive("lr", _number("lr", self.lr, "1e-3"), fix="give Adam's learning rate, e.g. lr 1e-3")
         if whole_number(self.seed) is None:

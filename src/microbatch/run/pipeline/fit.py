@@ -142,7 +142,7 @@ def check_timeout(cfg: PipelineConfig) -> None:
         raise ConfigError(
             f"timeout_s {t:g} is too short for the ranks to start: it is the process group's timeout, and "
             f"every rank imports torch and connects within it; give timeout_s {MIN_TIMEOUT_S:g} or more "
-            "(default 300)",
+            "(the command's default is 300, the library's 120)",
             params=("timeout_s",),
         )
     if t > MAX_TIMEOUT_S:
