@@ -202,7 +202,10 @@ def test_timing_config_refuses_counts_that_are_not_whole(kwargs, match):
         ({"seed": 2.5}, "seed must be a whole number"),
         ({"timeout_s": True}, "timeout_s must be a number"),
         ({"timeout_s": "60"}, "timeout_s must be a number"),
-        ({"timeout_s": 0}, r"give timeout_s 120 \(the default\)"),
+        (
+            {"timeout_s": 0},
+            r"give timeout_s 10 s or more \(the command's default is 300, the library's 120\)",
+        ),
         ({"stages": "2"}, "stages '2' is not a pipeline"),
     ],
 )

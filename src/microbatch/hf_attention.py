@@ -7,7 +7,8 @@ sliding window (read by :func:`microbatch.model.from_hf_config`).
   others: the "sliding_attention" entries); else none where ``use_sliding_window`` is false (Qwen2's default), the
   layers from ``max_window_layers`` on where it is true (Qwen2);
   else Gemma 2's every other layer (its modelling code: layers 0, 2, 4, … slide) and Gemma 3's
-  ``sliding_window_pattern`` (every k-th layer global, the others local); else every layer (Mistral 7B v0.1,
+  ``sliding_window_pattern`` (every k-th layer global, the others local; EXAONE 4 writes it as letters, "LLLG":
+  L local, G global, repeated over the layers); else every layer (Mistral 7B v0.1,
   Phi-3). A window no shorter than the positions the model holds changes nothing and is dropped.
 - Llama 4's chunked attention (:func:`chunked_attention_of`, ``ModelShape.local_attention`` "chunked"):
   ``attention_chunk_size`` on the ``layer_types`` entries "chunked_attention" where the config has them (transformers
@@ -124,6 +125,12 @@ def sliding_window_of(
     model_type = str(raw.get("model_type", "")).lower()
     if model_type == "gemma2":
         return window, (layers + 1) // 2
+    letters = raw.get("sliding_window_pattern")
+    if (
+        isinstance(letters, str) and letters and set(letters) <= {"L", "G"}
+    ):  # EXAONE 4: "LLLG", L local, G global
+        count = sum(1 for i in range(layers) if letters[i % len(letters)] == "L")
+        return (window, count) if count else (None, None)
     pattern = _optional_whole(raw, "sliding_window_pattern", source)  # every k-th layer global
     if pattern is None and model_type.startswith("gemma3"):
         pattern = 6  # transformers' Gemma3TextConfig default: five local layers to one global

@@ -325,7 +325,7 @@ def _non_attention_layers(raw: dict[str, Any]) -> str | None:
     blocks: Jamba, Zamba, Bamba, Falcon-H1, Qwen3-Next, RecurrentGemma, LFM2), in words; None for a transformer."""
     for key in _LAYER_LISTS:
         kinds = raw.get(key)
-        if isinstance(kinds, list) and not all(isinstance(k, str) for k in kinds):
+        if key == "layer_types" and isinstance(kinds, list) and not all(isinstance(k, str) for k in kinds):
             continue  # not a list of names: its reader refuses it as such (hf_attention)
         if isinstance(kinds, list):
             other = sorted(k for k in {str(k) for k in kinds} - _ATTENTION_LAYERS if _not_attention(k))

@@ -95,3 +95,26 @@ def test_the_same_files_with_good_keys_read_as_transformers_builds_them(tmp_path
     assert _read(tmp_path, GEMMA3, sliding_window_pattern=1, layer_types=_DROP).sliding_window is None
     long = ["sliding_attention"] * 40  # a longer list is read for the file's layers
     assert _read(tmp_path, QWEN2, layer_types=long).sliding_layers == 32
+
+
+def test_a_hybrids_block_list_with_an_odd_entry_is_still_a_hybrid(tmp_path):
+    """A review's finding: the check that skips layer_types lists of non-names (refused by their reader) skipped
+    Mamba's layers_block_type and Griffin's block_types too, which nothing else reads: priced as a plain decoder."""
+    for key, kinds in (
+        ("layers_block_type", ["mamba", "mamba", "hybrid", None]),
+        ("block_types", ["recurrent", 1]),
+    ):
+        with pytest.raises(ConfigError, match=r"is a hybrid model"):
+            _read(tmp_path, QWEN2, **{key: kinds})
+
+
+def test_exaone_writes_its_pattern_in_letters(tmp_path):
+    """EXAONE 4: sliding_window_pattern "LLLG" (L local, G global) over the layers, without layer_types (vLLM's and
+    sglang's fixtures); it was read as every layer sliding, then refused as not a number."""
+    exaone = dict(QWEN2, model_type="exaone4", sliding_window_pattern="LLLG")
+    for key in ("use_sliding_window", "max_window_layers"):
+        exaone.pop(key)
+    shape = _read(tmp_path, exaone)
+    assert (shape.sliding_window, shape.sliding_layers) == (4096, 24)  # 3 of every 4 of 32 layers
+    with pytest.raises(ConfigError, match="sliding_window_pattern"):
+        _read(tmp_path, exaone, sliding_window_pattern="LLXG")

@@ -283,6 +283,13 @@ def test_a_step_without_batch_idx_is_probed_and_other_layouts_refused_before_any
             Tiny()
         )
     module = TwoLoaders()
-    with pytest.raises(ConfigError, match=r"train_dataloader\(\) returns 2 dataloaders"):
+    with pytest.raises(ConfigError, match=r"train_dataloader\(\) returns 2 dataloader\(s\) in a dict"):
         _trainer(KneeBatchSize(B, timing=FAST, use_cache=False)).fit(module)
     assert module.batch_size == 2
+    module.train_dataloader = lambda: {
+        "a": DataLoader(module.data, batch_size=module.batch_size)
+    }  # one, in a dict
+    with pytest.raises(
+        ConfigError, match=r"returns 1 dataloader\(s\) in a dict"
+    ):  # the step takes {"a": batch}
+        _trainer(KneeBatchSize(B, timing=FAST, use_cache=False)).fit(module)

@@ -46,7 +46,7 @@ def cmd(
     from microbatch.commands._common import check_output_file
     from microbatch.show.html import build_report, load_results
 
-    loaded = load_results(results)  # a bad input refused before the output's folder is made
+    load_results(results)  # a bad input refused before the output's folder is made
     inputs = [("RESULTS", r) for r in results]  # never written over, nor a file not ours without --force
     check_output_file(out_path, "--out", (".html", ".htm"), inputs=inputs, force=force)
     if not no_png:  # the PNGs go in <name>-figures/ beside it: nothing there that is not ours is replaced
@@ -55,7 +55,10 @@ def cmd(
 
     try:
         rep = build_report(
-            [_read_typed(kind, r) for kind, r in loaded], out_path, title=title, png=not no_png
+            [_read_typed(kind, r, src) for src in results for kind, r in load_results([src])],
+            out_path,
+            title=title,
+            png=not no_png,
         )
     except MicrobatchError:
         raise  # the library's own refusal says what is wrong (a ConfigError is a ValueError too)
@@ -80,7 +83,7 @@ def cmd(
     )
 
 
-def _read_typed(kind: str, result: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _read_typed(kind: str, result: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
     """A result as its typed report reads it, where it has one: a pipeline result (this version's or
     an earlier one's) goes through :class:`~microbatch.run.pipeline.report.PipelineReport`."""
     if kind != "pipeline":
@@ -96,8 +99,8 @@ def _read_typed(kind: str, result: dict[str, Any]) -> tuple[str, dict[str, Any]]
             raise
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ConfigError(
-            f"a pipeline result without {shown}: not a pipeline's JSON as it wrote it; give the JSON `microbatch "
-            "pipeline --json` wrote, unedited"
+            f"{source}: a pipeline result without {shown}: not a pipeline's JSON as it wrote it; give the JSON "
+            "`microbatch pipeline --json` wrote, unedited"
         ) from None
 
 

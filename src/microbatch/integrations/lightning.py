@@ -56,9 +56,14 @@ def _train_loader(trainer: Any) -> Any:
         raise ConfigError(
             "the LightningModule has no train dataloader (or limit_train_batches=0): nothing to probe"
         )
-    if len(combined.flattened) > 1:  # a dict or list of loaders: training_step takes their batches together
+    from torch.utils.data import DataLoader
+
+    if not isinstance(
+        combined.iterables, DataLoader
+    ):  # a dict or list of loaders: the step takes them together
         raise ConfigError(
-            f"train_dataloader() returns {len(combined.flattened)} dataloaders (a dict, list or CombinedLoader): "
+            f"train_dataloader() returns {len(combined.flattened)} dataloader(s) in a {type(combined.iterables).__name__} "
+            "(a dict, list or CombinedLoader), not one DataLoader: "
             "KneeBatchSize probes the step on one loader's batches; return one DataLoader, or call microbatch.tune() "
             "with a make_batch that builds your combined batch"
         )

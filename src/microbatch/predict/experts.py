@@ -39,13 +39,13 @@ def check_expert_layout(
             params=("capacity_factor", "experts", "top_k"),
         )
     if capacity_factor is not None and shape.moe is not None:
-        most = (
-            shape.moe.experts / shape.moe.top_k
-        )  # a buffer of c × b·s·K/E copies holds every token at c = E/K
+        # a buffer of c × b·s·K/E copies holds every token at c = E/K and every copy of the micro-batch at c = E:
+        # padded implementations (GShard, DeepSpeed) take more than E/K, wastefully; past E nothing is left to pad for
+        most = shape.moe.experts
         if not (isinstance(capacity_factor, (int, float)) and 0 < capacity_factor <= most):
             raise ConfigError(
-                f"capacity_factor {capacity_factor!r} is outside (0, E/K = {shape.moe.experts}/{shape.moe.top_k} = "
-                f"{most:g}]: past E/K an expert's buffer already holds every token of the micro-batch; give for "
+                f"capacity_factor {capacity_factor!r} is outside (0, E = {most}]: at E an expert's buffer holds "
+                f"every routed copy of the micro-batch (at E/K = {most / shape.moe.top_k:g}, every token); give for "
                 "example 1.25 (GShard, Switch), or none for dropless",
                 params=("capacity_factor",),
             )

@@ -129,3 +129,42 @@ def test_numpy_counts_are_taken_as_python_numbers():
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
     with pytest.raises(ConfigError, match=r"got str '5'; return an int"):
         accumulate(nn.Linear(5, 3).double(), (x, y), lambda m, mb: (m(mb[0]).sum(), "5"), micro_batch_size=5)
+
+
+def test_loss_functions_that_cannot_be_hashed_or_weakly_held_are_checked_once():
+    """A review's finding: keyed by the loss function itself, an unhashable one (a dataclass instance, a bound method
+    of one) or one without __weakref__ (__slots__) was walked every step; each is now walked once, by id with a
+    reference that keeps the id meaning it."""
+    import dataclasses
+
+    from microbatch.run.accumulate import scaling
+
+    @dataclasses.dataclass
+    class Callable_:
+        scale: float = 1.0
+
+        def __call__(self, m, mb):
+            return F.cross_entropy(m(mb[0]) * self.scale, mb[1], reduction="sum"), len(mb[1])
+
+        def method(self, m, mb):
+            return self(m, mb)
+
+    class Slotted:
+        __slots__ = ("scale",)
+
+        def __init__(self):
+            self.scale = 1.0
+
+        def method(self, m, mb):
+            return F.cross_entropy(m(mb[0]) * self.scale, mb[1], reduction="sum"), len(mb[1])
+
+    model = nn.Linear(5, 3).double()
+    dc, slotted = Callable_(), Slotted()
+    for fn in (dc, dc.method, slotted.method):
+        params, mark = scaling.params_once(model, fn, list(model.parameters()))
+        assert params is not None and mark is not None  # the first call walks
+        mark()
+        again = getattr(fn, "__func__", None) and getattr(
+            fn.__self__, fn.__func__.__name__
+        )  # a new method object
+        assert scaling.params_once(model, again or fn, list(model.parameters())) == (None, None)

@@ -357,7 +357,7 @@ def test_a_run_whose_compute_passes_the_deadline_is_refused():
         ({"global_batch": 0}, r"global_batch .* got 0; give global_batch a multiple of m = 4"),
         (
             {"timeout_s": 0.0},
-            r"timeout_s must be a finite number > 0, got 0\.0; give timeout_s 120 \(the default\)",
+            r"timeout_s must be a finite number > 0, got 0\.0; give timeout_s 10 s or more \(the command's default is 300",
         ),
         ({"timeout_s": float("nan")}, r"timeout_s must be a finite number > 0, got nan; give timeout_s"),
     ],

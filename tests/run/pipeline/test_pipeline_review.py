@@ -176,7 +176,8 @@ def test_host_memory_is_measured_against_the_prediction_made_before_the_run():
     run = resolve(cfg)
     from microbatch.run.pipeline.split import inspect_factory
 
-    predicted = fit.predicted_host_bytes(run, inspect_factory(cfg.model).params)
+    info = inspect_factory(cfg.model)
+    predicted = fit.predicted_host_bytes(run, info.params, largest=info.largest)
     assert host["predicted_bytes"] == pytest.approx(predicted["total"])
     assert host["error_pct"] == pytest.approx(100 * (sum(peaks) - predicted["total"]) / predicted["total"])
     assert any("host memory: the ranks' peak resident memory (VmHWM)" in n for n in out["notes"])

@@ -279,12 +279,12 @@ def check_loss(
     return loss_sum, as_number("loss_fn's n_items", n)
 
 
-_PARAMS_CHECKED: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, set[int]]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per model, the loss functions its parameter check passed for, held weakly — a function, or a bound method's
-object with its function's id (the method object is made anew at each attribute access) — so that a new function
-reusing a dead one's id is checked again: the walk runs once per loss function, not every step."""
+_PARAMS_CHECKED: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, set[int]]]] = weakref.WeakKeyDictionary()
+"""Per model, the loss functions its parameter check passed for, by id with a reference that says the id still
+names them — a function, or a bound method's object with its function's id (the method object is made anew at each
+attribute access): weak where the object allows it (a new lambda at a dead one's address is checked again), else
+strong (a class with ``__slots__`` and no ``__weakref__``). Unhashable callables (a dataclass's instances) are held
+too: the walk runs once per loss function, not every step."""
 
 
 def params_once(model: Any, loss_fn: Any, params: Sequence[Any]) -> tuple[Sequence[Any] | None, Any]:
@@ -293,10 +293,25 @@ def params_once(model: Any, loss_fn: Any, params: Sequence[Any]) -> tuple[Sequen
     owner, func = getattr(loss_fn, "__self__", None), getattr(loss_fn, "__func__", None)
     holder, token = (owner, id(func)) if owner is not None and func is not None else (loss_fn, 0)
     try:
-        done = _PARAMS_CHECKED.setdefault(model, weakref.WeakKeyDictionary()).setdefault(holder, set())
-    except TypeError:  # the model or the loss function not weakly referable: checked every step
+        table = _PARAMS_CHECKED.setdefault(model, {})
+    except TypeError:  # the model not weakly referable: checked every step
         return params, None
+    entry = table.get(id(holder))
+    if entry is None or _held(entry[0]) is not holder:  # new, or a dead one's address reused
+        for key in [k for k, (ref, _) in table.items() if _held(ref) is None]:
+            del table[key]  # the dead ones (a lambda a step) go as the next one comes
+        try:
+            ref: Any = weakref.ref(holder)
+        except TypeError:
+            ref = holder
+        entry = table[id(holder)] = (ref, set())
+    done = entry[1]
     return (None, None) if token in done else (params, lambda: done.add(token))
+
+
+def _held(ref: Any) -> Any:
+    """The object an entry of :data:`_PARAMS_CHECKED` holds (None once a weakly held one died)."""
+    return ref() if isinstance(ref, weakref.ref) else ref
 
 
 def backward_empty(loss: torch.Tensor, scale: float, params: Sequence[Any]) -> bool:

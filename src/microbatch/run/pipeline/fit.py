@@ -16,7 +16,13 @@ from microbatch.errors import ConfigError
 from microbatch.hardware import usable_cores
 from microbatch.measure.hostmem import available_host_bytes
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
-from microbatch.run.pipeline.host_terms import ADAM_TEMPORARIES, largest_param, process_bytes, rank_params
+from microbatch.run.pipeline.host_terms import (
+    ADAM_TEMPORARIES,
+    largest_param,
+    process_bytes,
+    rank_largest,
+    rank_params,
+)
 from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.units import format_bytes, format_count
 
@@ -69,12 +75,11 @@ def predicted_host_bytes(
     host = cfg.backend == "gloo"  # with nccl, gradients, optimizer and activations live on the GPUs
     seq = _seq(cfg, shape)
     held = rank_params(run, shape) or [params]  # unknown split: the model once over the ranks, as before
+    biggest = rank_largest(run, shape) or [largest_param(shape, largest or params)] * p
     out = {
         "model_copies": float(p * params * e),
         "gradients_and_adam": float(3 * sum(held) * e) if host else 0.0,
-        "step_temporaries": float(p * ADAM_TEMPORARIES * largest_param(shape, largest or params) * e)
-        if host
-        else 0.0,
+        "step_temporaries": float(ADAM_TEMPORARIES * sum(biggest) * e) if host else 0.0,
         "reference_model": float(2 * p * params * e) if cfg.check_gradients and host else 0.0,
         "batch": float(p * _BATCH_ARRAYS * cfg.batch * (seq + 1) * _TOKEN_BYTES),
         "activations": _activation_bytes(run, shape, seq) if host and shape is not None else 0.0,

@@ -18,6 +18,7 @@ __all__ = [
     "PROCESS_BYTES",
     "largest_param",
     "process_bytes",
+    "rank_largest",
     "rank_params",
 ]
 
@@ -26,13 +27,18 @@ PROCESS_BYTES = 400 * 1024**2
 share (0.2–0.4 GB measured on CPU builds, :mod:`microbatch.measure.hostmem`; the upper end, not measured on a
 GPU host here)."""
 
-GLOO_PROCESS_BYTES = 320 * 1024**2
+GLOO_PROCESS_BYTES = 392 * 1024**2
 """Resident bytes of one CPU (gloo) rank started as a new interpreter, before its model: its VmHWM less the model's
-terms, 310.3–313.8 MiB over 10 ranks of ``tiny`` (``bench/bench_rank_memory.py``, dev VM), rounded up to 8 MiB."""
+terms (``bench/bench_rank_memory.py``), 382.9–384.8 MiB on a fresh install, rounded up to 8 MiB. About 211 MiB of it
+is the interpreter's and torch's own (anonymous) memory; the rest is the shared libraries' pages mapped in, which
+the kernel maps more of when the files are in the page cache (fault-around): 79 MiB of torch's files for a venv
+installed days before, 136 MiB for one just installed, so the same rank reads 310–314 MiB there. The upper end is
+taken: a check that refuses a run must not count on the cache being cold."""
 
-FORKED_PROCESS_BYTES = 264 * 1024**2
+FORKED_PROCESS_BYTES = 328 * 1024**2
 """The same for a rank forked from the warm fork server (:mod:`microbatch.run.pipeline.warm`, its imports already
-resident): 256.7–261.1 MiB over 10 ranks (same bench), rounded up to 8 MiB."""
+resident): 325.8–326.0 MiB on a fresh install, 256.7–261.1 with the older venv's libraries partly out of the cache
+(same bench), rounded up to 8 MiB from the upper end."""
 
 
 def rank_params(run: ResolvedRun, shape: Any) -> list[int] | None:
@@ -41,15 +47,14 @@ def rank_params(run: ResolvedRun, shape: Any) -> list[int] | None:
     (:func:`~microbatch.run.pipeline.split.shape_unit_params`), a weight tied between the embedding and the head
     counted on each rank that holds one of them (each keeps its own gradient and Adam moments of it, all-reduced
     between them) and once on a rank holding both. None otherwise."""
-    if shape is None or run.split is None:
+    ranks = _rank_units(run, shape)
+    if ranks is None:
         return None
     from microbatch.run.pipeline.split import shape_unit_params
 
     units = shape_unit_params(shape)
-    starts = [sum(run.split[:s]) for s in range(len(run.split) + 1)]
     held = []
-    for r in range(run.cfg.stages):
-        mine = [u for s in run.stages_of(r) for u in range(starts[s], starts[s + 1])]
+    for mine in ranks:
         n = sum(units[u] for u in mine)
         if shape.tied_embeddings and 0 in mine and len(units) - 1 in mine:
             n -= shape.vocab * shape.hidden  # the tied table once on the rank holding both ends
@@ -57,15 +62,39 @@ def rank_params(run: ResolvedRun, shape: Any) -> list[int] | None:
     return held
 
 
-def largest_param(shape: Any, params: int) -> int:
+def rank_largest(run: ResolvedRun, shape: Any) -> list[int] | None:
+    """Each rank's largest parameter tensor (:func:`largest_param` of the units it holds: the token table or head on
+    the end ranks, a block's largest matrix on the others), where the split is known; None otherwise."""
+    ranks = _rank_units(run, shape)
+    if ranks is None:
+        return None
+    table = shape.vocab * shape.hidden
+    block = largest_param(shape, 0, blocks_only=True)
+    last = shape.layers + 1  # units: the embedding, the blocks, the head
+    return [max(table if u in (0, last) else block for u in mine) for mine in ranks]
+
+
+def _rank_units(run: ResolvedRun, shape: Any) -> list[list[int]] | None:
+    """The units (embedding, blocks, head) each rank holds, where the split is known before the ranks build it."""
+    if shape is None or run.split is None:
+        return None
+    starts = [sum(run.split[:s]) for s in range(len(run.split) + 1)]
+    return [
+        [u for s in run.stages_of(r) for u in range(starts[s], starts[s + 1])] for r in range(run.cfg.stages)
+    ]
+
+
+def largest_param(shape: Any, params: int, *, blocks_only: bool = False) -> int:
     """Elements of the model's largest parameter tensor: of the built-in GPT (:mod:`microbatch.measure.gpt`) the token
-    table or head (V·h), the fused q/k/v, the output projection or the MLP's up (gated: both halves) or down matrix;
-    of a factory, ``params``: its largest tensor as the launcher's inspection read it, or its whole count."""
+    table or head (V·h), the fused q/k/v, the output projection or the MLP's up (gated: both halves) or down matrix
+    (``blocks_only``: a block's); of a factory, ``params``: its largest tensor as the launcher's inspection read it,
+    or its whole count."""
     if shape is None:
         return params
     h, f, kvd = shape.hidden, shape.ffn, shape.kv * shape.head_dim
     up = (2 if shape.gated_mlp else 1) * f
-    return int(max(shape.vocab * h, h * (shape.q_width + 2 * kvd), shape.q_width * h, h * up))
+    block = max(h * (shape.q_width + 2 * kvd), shape.q_width * h, h * up)
+    return int(block if blocks_only else max(shape.vocab * h, block))
 
 
 ADAM_TEMPORARIES = 2
