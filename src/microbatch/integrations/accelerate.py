@@ -70,7 +70,8 @@ class StepProbe:
         each ``step()``."""
 
     def step(self, tokens: int | None = None) -> None:
-        """Mark the end of one micro-step; raises :class:`ProbeDone` when enough are timed."""
+        """Mark the end of one micro-step; raises :class:`ProbeDone` when enough are timed. ``tokens`` is accepted
+        and not used: the throughput is counted in rows (b_m a micro-step), as the knee is chosen."""
         if self._sync is not None:
             self._sync()
         self.stamps.append(self._clock())
