@@ -46,7 +46,10 @@ def cmd(
     from microbatch.commands._common import check_output_file
     from microbatch.show.html import build_report, load_results
 
-    load_results(results)  # a bad input refused before the output's folder is made
+    # each file read once, with its path (a bad input refused before the output's folder is made)
+    loaded = [(src, kind, r) for src in results for kind, r in load_results([src])]
+    if not loaded:
+        load_results(results)  # its refusal: no results given
     inputs = [("RESULTS", r) for r in results]  # never written over, nor a file not ours without --force
     check_output_file(out_path, "--out", (".html", ".htm"), inputs=inputs, force=force)
     if not no_png:  # the PNGs go in <name>-figures/ beside it: nothing there that is not ours is replaced
@@ -55,7 +58,7 @@ def cmd(
 
     try:
         rep = build_report(
-            [_read_typed(kind, r, src) for src in results for kind, r in load_results([src])],
+            [_read_typed(kind, r, src) for src, kind, r in loaded],
             out_path,
             title=title,
             png=not no_png,
