@@ -20,7 +20,8 @@ demo: venv
 
 # Two workers (one a core on CI's 2-core machine; at most 4 elsewhere), a test file to a worker: the files'
 # shared runs stay shared, and the multi-process tests leave one core idle less often (16 min -> 11 min here).
-# The tests marked serial compare timings taken at two moments: they run alone, after.
+# The tests marked serial compare timings taken at two moments, or run ranks on both cores against a time bound:
+# they run alone, after.
 test: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile -m "not serial"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m serial

@@ -94,6 +94,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.serial  # two ranks tuning on two cores: beside the other workers' busy loops it outran 200 s once (CI)
 @pytest.mark.timeout(240)
 def test_ddp_tune_under_two_torchrun_agents(tmp_path):
     script = tmp_path / "ddp_tune.py"
