@@ -113,7 +113,11 @@ def screen(
             rows.append(ZeroRow(z, *same[1:]))
             continue
         peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a, v)
-        dp, zero_s, opt = data_parallel_comm(ctx, m, z, tm, n, tables.max_experts)
+        key = (b, rc, v, v_placement, z)
+        comm = ctx.dp_cache.get(key)
+        if comm is None:  # the schedules of one placement and v share the stage times, so these seconds
+            comm = ctx.dp_cache[key] = data_parallel_comm(ctx, m, z, tm, n, tables.max_experts)
+        dp, zero_s, opt = comm
         row = seen[z] = ZeroRow(z, peak, stage, parts, dp, zero_s, opt, pipe + dp + zero_s + opt + cast)
         rows.append(row)
     return Screened(b, m, sched, v, rc, pipe, bubble, cast, costs.gemm_efficiency), rows
@@ -145,8 +149,8 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
 
 def _state(
     ctx: Context, z: int, v_placement: bool, v: int = 1
-) -> tuple[tuple[tuple[float, float, float], ...], float]:
-    """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, and the other bytes (cached
+) -> tuple[tuple[tuple[float, float, float], ...], tuple[float, ...], float]:
+    """(weights, gradients, optimizer bytes) of each probed stage under ZeRO ``z``, their sum, and the other bytes (cached
     per ZeRO stage asked, the one it keeps resident under a pipeline computed on a miss); a MoE model with dense
     blocks holds its placement's blocks (:func:`~microbatch.predict.plan_context.param_tables`, ``v`` chunks a rank)."""
     key = (
@@ -177,7 +181,7 @@ def _state(
         other = cfg.memory_calibration.fixed_bytes
         if z >= 3 and d > 1:
             other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
-        hit = (tuple(rows), other)
+        hit = (tuple(rows), tuple(w + g + o for w, g, o in rows), other)
         ctx.state_cache[key] = hit
     return hit
 
@@ -207,15 +211,15 @@ def _peak(
 ) -> tuple[float, int, tuple[float, float, float, float, float]]:
     """(peak bytes, stage, breakdown) over the probed stages under ZeRO ``z``, their activations ``acts``
     (:func:`_stage_activations`) and expert parallelism's all-to-all buffers ``a2a``."""
-    states, other = _state(ctx, z, v_placement, v)
+    states, held, other = _state(ctx, z, v_placement, v)
     other += a2a
     best, at = -1.0, 0
-    for j, (weights, grads, opt) in enumerate(states):
-        total = weights + grads + opt + acts[j] + other
+    for j, state in enumerate(held):
+        total = state + acts[j]
         if total > best:  # the first of the largest
             best, at = total, j
     weights, grads, opt = states[at]
-    return best, ctx.probe[at], (weights, grads, opt, acts[at], other)
+    return best + other, ctx.probe[at], (weights, grads, opt, acts[at], other)
 
 
 def _stage_times(ctx: Context, b: int, rc: str, v: int = 1) -> StageTimes:
