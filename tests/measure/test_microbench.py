@@ -337,3 +337,27 @@ def test_items_past_the_soaks_share_are_said_and_the_file_counts_as_burst_timed(
         MicrobenchConfig(shape=TINY, micro_batches=(1,), quick=True, budget_s=20, soak_s=0.01)
     )
     assert ok.soak_s == 0.01 and not any("without the" in n for n in ok.notes)
+
+
+def test_a_kernel_whose_fewest_calls_outlast_the_budget_is_skipped_and_a_long_one_warms_up_once() -> None:
+    """bench-gpu's help example on a loaded CPU: a 7B layer's qkv GEMM ran 11.8 s a call, judged by one call (12 s
+    of 20 left) and run four times (three warm-ups and a repeat): 53 s of a 20 s budget. The skip counts the fewest
+    calls timing makes (one warm-up, one timed), and the warm-up stops after one call once the share is spent."""
+    from microbatch.measure.microbench_config import Bench
+
+    b = Bench(cfg=MicrobenchConfig(shape=TINY, budget_s=10.0, warmup=3), torch=torch, cuda=False, acc=None)
+    b.warm_rate = 1e9
+    assert b.min_calls == 2
+    assert not b.past_budget(4e9, "GEMM four seconds")  # 2 × 4 s of the 10 s left: runs
+    assert b.past_budget(6e9, "GEMM six seconds")  # one 6 s call fits, two do not: skipped, and said so
+    assert "GEMM six seconds (predicted 6 s a call, 2 calls at the least" in b.skipped[-1]
+    calls: list[float] = []
+    b.time_s(lambda: calls.append(time.sleep(0.02) or time.perf_counter()), share_s=0.01)
+    assert len(calls) == 2  # one warm-up (the share spent after it), one timed repeat
+    calls.clear()
+    b.time_s(
+        lambda: calls.append(time.perf_counter()), share_s=None
+    )  # a collective: every call, whatever the clock
+    assert len(calls) == 3 + 10
+    none = Bench(cfg=MicrobenchConfig(shape=TINY, budget_s=10.0, warmup=0), torch=torch, cuda=False, acc=None)
+    assert none.min_calls == 1

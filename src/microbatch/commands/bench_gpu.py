@@ -91,8 +91,10 @@ def cmd(
     process group is initialised (else skipped, and said); under torchrun the command joins one
     and also times a GEMM beside an all-reduce (how much overlapped communication slows
     computation), rank 0 printing and writing. CUDA events after warm-up on a GPU; on a CPU the
-    thread's CPU clock at --threads 1, the wall clock at more. Each figure is a median; the whole run stays inside
-    --budget-s. Default model: gpt2 on CUDA, tiny on the CPU.
+    thread's CPU clock at --threads 1, the wall clock at more. Each figure is a median. --budget-s bounds the
+    run: a kernel whose fewest calls (a warm-up and one timed) are predicted past the seconds left is skipped
+    and named; one slower than predicted can overrun by its own calls (a 7B layer's GEMM on a loaded CPU: 26 s
+    of 20). Default model: gpt2 on CUDA, tiny on the CPU.
 
     Then plan with the measured terms in place of the analytic ones, on the accelerator it ran on:
 

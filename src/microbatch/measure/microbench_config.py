@@ -128,13 +128,23 @@ class Bench:
     """Seconds the soaks took so far."""
 
     def past_budget(self, flops: float, what: str) -> bool:
-        """Whether one call of ``flops`` at :attr:`warm_rate` would outlast the budget left (its warm-up call
-        alone would): then it is skipped and said, not run (a 70B layer's CPU GEMM ran 54 s of a 5 s budget)."""
+        """Whether the fewest calls :meth:`time_s` makes of a kernel of ``flops`` (:attr:`min_calls`) would outlast
+        the budget left at :attr:`warm_rate`: then it is skipped and said, not run (a 70B layer's CPU GEMM ran 54 s
+        of a 5 s budget; a 7B layer's, 11.8 s a call on a loaded CPU, four calls where one was judged: 53 s of 20)."""
         t = flops / self.warm_rate if self.warm_rate else 0.0
-        if t > self.left_s():
-            self.skipped.append(f"{what} (predicted {t:.3g} s, past the {self.left_s():.3g} s left)")
+        left = self.left_s()
+        if self.min_calls * t > left:
+            self.skipped.append(
+                f"{what} (predicted {t:.3g} s a call, {self.min_calls} calls at the least, past the {left:.3g} s left)"
+            )
             return True
         return False
+
+    @property
+    def min_calls(self) -> int:
+        """The fewest calls :meth:`time_s` makes of a kernel under a share of the budget: one warm-up (when any is
+        asked; the others are left out once the share is spent) and one timed."""
+        return min(self.cfg.warmup, 1) + 1
 
     def left_s(self) -> float:
         return self.cfg.budget_s - (time.perf_counter() - self.t_start)
@@ -163,9 +173,10 @@ class Bench:
         return n
 
     def time_s(self, fn: Callable[[], Any], share_s: float | None, soak: bool = False) -> float | None:
-        """Median seconds of ``fn`` after warm-up, repeating until ``repeats`` or ``share_s``; None past the
-        budget. ``share_s`` None: exactly ``warmup`` + ``repeats`` calls whatever the clock says (a collective:
-        every rank must make the same calls). ``soak``: :meth:`soak` first (a compute-bound kernel)."""
+        """Median seconds of ``fn`` after warm-up, repeating until ``repeats`` or ``share_s`` (the warm-up too stops
+        after its first call once the share is spent); None past the budget. ``share_s`` None: exactly ``warmup`` +
+        ``repeats`` calls whatever the clock says (a collective: every rank must make the same calls). ``soak``:
+        :meth:`soak` first (a compute-bound kernel)."""
         if share_s is not None and self.left_s() <= 0:
             return None
         if soak:
@@ -173,6 +184,8 @@ class Bench:
         torch, t_end = self.torch, time.perf_counter() + max(share_s or 0.0, 0.0)
         for _ in range(self.cfg.warmup):
             fn()
+            if share_s is not None and time.perf_counter() >= t_end:
+                break  # a long kernel (seconds on a CPU): one warm-up call is enough, the share is spent
         if self.cuda:
             torch.cuda.synchronize()
         times: list[float] = []
