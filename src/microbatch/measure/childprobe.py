@@ -32,7 +32,8 @@ from microbatch.measure.hostmem import (
     reset_peak_rss,
     virtual_bytes,
 )
-from microbatch.measure.probes import Measurement, Probe, static_bytes
+from microbatch.measure.inprocess import Probe, static_bytes
+from microbatch.measure.probes import Measurement
 from microbatch.measure.spec import ProbeSpec, build_probe
 from microbatch.units import format_bytes
 

@@ -52,11 +52,8 @@ __all__ = [
     "Measurement",
     "TrainProbe",
     "DecodeProbe",
-    "Probe",
-    "InProcessProber",
     "default_loss",
     "set_checkpointing",
-    "static_bytes",
 ]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -384,45 +381,56 @@ class DecodeProbe:
     def setup(self, micro_batch: int = 1) -> None:
         self.measure(micro_batch)
 
-    def measure(self, micro_batch: int) -> Measurement:
-        """Per-token latency and peak memory of decoding ``micro_batch`` sequences; OOM recorded."""
+    def _decode(self, micro_batch: int, steps: int | None) -> tuple[list[float], float]:
+        """(decode step seconds, prefill seconds): prefill a prompt of ``seq − new_tokens`` tokens, then ``steps``
+        untimed decode steps (the memory phase: every step the timing can take, the cache at its largest) or, with
+        None, decode steps timed until stable."""
         import torch
 
+        prompt_len = self.seq - self.new_tokens
+        prompt = torch.randint(0, self.vocab, (micro_batch, prompt_len), generator=self._gen).to(
+            self.dev.device
+        )
+        state: dict[str, Any] = {}
+        with _autocast(self.dev.device, self.precision), torch.no_grad():
+            t0 = self.dev.now()
+            logits, state["cache"] = self.decoder.prefill(prompt, capacity=self.seq)
+            self.dev.sync()
+            t_prefill = self.dev.now() - t0
+            state["tok"] = logits.argmax(-1)
+
+            def step() -> None:
+                logits, state["cache"] = self.decoder.decode_step(state["tok"], state["cache"])
+                state["tok"] = logits.argmax(-1)
+
+            if steps is not None:
+                for _ in range(steps):
+                    step()
+                self.dev.sync()
+                return [], t_prefill
+            agree = agree_any if distributed() is not None else None
+            return time_until_stable(step, self.timing, timer=self.dev.timer, agree=agree), t_prefill
+
+    def measure(self, micro_batch: int) -> Measurement:
+        """Per-token latency and peak memory of decoding ``micro_batch`` sequences; OOM recorded. In the probe
+        child the peak is read over an untimed decode of every step (on the heap that tracks it) and the steps are
+        timed on the steady heap, as a user's process runs (:func:`~microbatch.measure.device.steady_timing`:
+        timed on the tracking heap, a Hugging Face model's decode ran 1.5-1.7x slower, the built-in GPT's 1.1x)."""
         ooms = oom_types()
         self.dev.free()
         self.dev.reset_peak()
-        prompt_len = self.seq - self.new_tokens
-        state: dict[str, Any] = {}
-        err = None
+        err, heap, read = None, None, None
         times: list[float] = []
         t_prefill = float("nan")
         try:
-            prompt = torch.randint(0, self.vocab, (micro_batch, prompt_len), generator=self._gen).to(
-                self.dev.device
+            (times, t_prefill), read, heap = steady_timing(
+                self.dev,
+                lambda: self._decode(micro_batch, self.new_tokens),
+                lambda: self._decode(micro_batch, None),
             )
-            with _autocast(self.dev.device, self.precision), torch.no_grad():
-                t0 = self.dev.now()
-                logits, state["cache"] = self.decoder.prefill(prompt, capacity=self.seq)
-                self.dev.sync()
-                t_prefill = self.dev.now() - t0
-                state["tok"] = logits.argmax(-1)
-
-                def step() -> None:
-                    logits, state["cache"] = self.decoder.decode_step(state["tok"], state["cache"])
-                    state["tok"] = logits.argmax(-1)
-
-                # timed on the tracking heap, as it tracks: a Hugging Face cache grows each step, so the peak
-                # is over the steps (and the steps are a few small tensors: 2-7% on gpt2's)
-                times = time_until_stable(
-                    step,
-                    self.timing,
-                    timer=self.dev.timer,
-                    agree=agree_any if distributed() is not None else None,
-                )
         except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
             err = oom_text(e, ooms)
-        state.clear()
-        peak, alloc = self.dev.peak()
+        peak, alloc = read or self.dev.peak()
         self.dev.free()
         failed = agree_any(err is not None)
         if failed:
@@ -448,53 +456,5 @@ class DecodeProbe:
             peak_allocated_bytes=alloc,
             memory_method=self.dev.method,
             clock=self.dev.clock,
+            timed_heap=heap,
         )
-
-
-Probe = TrainProbe | DecodeProbe
-"""A probe in this process: what :func:`microbatch.measure.spec.build_probe` returns."""
-
-
-def static_bytes(probe: Probe) -> int:
-    """Bytes a training probe holds before any activation: weights + gradients + Adam's two moments."""
-    n = sum(p.numel() * p.element_size() for p in probe.model.parameters())
-    return int(n) * (4 if isinstance(probe, TrainProbe) else 1)
-
-
-class InProcessProber:
-    """Probes in this process (CUDA, where OOM is an exception, or a user's own model): what tune calls."""
-
-    def __init__(self, probe: Probe, *, setup_size: int = 1) -> None:
-        self.probe = probe
-        """The probe run for each micro-batch size."""
-        self.peak_before_bytes: int | None = None
-        """Peak memory before the first probe: not measured in process (None)."""
-        self.setup_size = setup_size
-        """Rows of the set-up step (the search's first micro-batch: a model whose step needs two rows, BatchNorm in
-        training or an in-batch contrastive loss, is tuned from ``start`` 2)."""
-
-    def start(self) -> None:
-        if getattr(self.probe, "ready", True):
-            return
-        try:
-            self.probe.setup(self.setup_size)
-        except Exception as e:  # the user's own error, its traceback kept: say where it came from
-            if not isinstance(e, oom_types()):
-                hint = (
-                    "; a model whose training step needs more rows (BatchNorm, an in-batch contrastive loss) is tuned "
-                    "from start=2 or more"
-                    if self.setup_size == 1
-                    else ""
-                )
-                e.add_note(
-                    f"microbatch: raised by tune's set-up step at micro-batch {self.setup_size} (one forward, backward "
-                    f"and optimizer step, so the optimizer's state exists before the probes){hint}"
-                )
-            raise
-
-    def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
-        self.probe.set_checkpointing(checkpointing)
-        return self.probe.measure(micro_batch)
-
-    def close(self) -> None:
-        pass

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from microbatch.batch import grad_accum_for
 from microbatch.errors import ConfigError, plain_numbers
 from microbatch.measure.hf import hf_config_from_shape, hf_model, load_hf_config
-from microbatch.measure.probes import DecodeProbe, Measurement, Probe, TrainProbe
+from microbatch.measure.inprocess import Probe
+from microbatch.measure.probes import DecodeProbe, Measurement, TrainProbe
 from microbatch.measure.timing import TimingConfig
 from microbatch.model import ModelShape, get_model
 from microbatch.precision import get_precision

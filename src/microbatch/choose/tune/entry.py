@@ -279,7 +279,8 @@ def tune(
     ``max_micro_batch``. ``reference``: as in :func:`tune_model`.
     """
 
-    from microbatch.measure.probes import InProcessProber, TrainProbe
+    from microbatch.measure.inprocess import InProcessProber
+    from microbatch.measure.probes import TrainProbe
 
     t_start = time.perf_counter()
     probe_config, search_config, choice = _tune_configs(probe, search, choice, options)

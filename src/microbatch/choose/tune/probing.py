@@ -23,7 +23,7 @@ from microbatch.measure.timing import TimingConfig
 from microbatch.units import format_bytes
 
 if TYPE_CHECKING:
-    from microbatch.measure.probes import Probe
+    from microbatch.measure.inprocess import Probe
     from microbatch.measure.spec import ProbeSpec
 
 __all__ = [
@@ -117,7 +117,8 @@ def cpu_default_limit() -> int | None:
 
 def check_cuda_budget(probe: Probe, budget: int | None, device: str) -> None:
     """ConfigError when the budget is below the model's static memory on a CUDA device."""
-    from microbatch.measure.probes import TrainProbe, static_bytes
+    from microbatch.measure.inprocess import static_bytes
+    from microbatch.measure.probes import TrainProbe
 
     if budget is None:
         return
@@ -156,7 +157,7 @@ def open_prober(spec: ProbeSpec, probe: ProbeConfig, budget: int | None) -> Prob
     started child process under the budget as a hard limit (it fails early on a budget below
     the static memory, or when b_m = 1 is out of memory)."""
     from microbatch.measure.childprobe import ChildProber
-    from microbatch.measure.probes import InProcessProber
+    from microbatch.measure.inprocess import InProcessProber
     from microbatch.measure.spec import build_probe
 
     if probe.in_process:
