@@ -96,6 +96,24 @@ def test_decode_matches_full_forward(shape):
         m.decode_step(t[:, 0], cache)
 
 
+@pytest.mark.parametrize("shape", [get_model("tiny"), LLAMA_TINY], ids=["gpt", "llama"])
+def test_under_bf16_autocast_the_cache_holds_bf16_as_the_projections_give_it(shape):
+    """``--precision bf16-mixed`` decodes under autocast with fp32 weights: the cache held K and V at the weights'
+    fp32, twice Hugging Face's bf16 cache and twice the bytes a bf16 decode holds; it holds autocast's dtype now, and
+    the decode still follows the (bf16) full forward."""
+    m = build_model(shape).eval()
+    t = torch.randint(0, shape.vocab, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        full = m(t)
+        logits, cache = m.prefill(t[:, :10], capacity=16)
+        for i in range(10, 16):
+            logits, cache = m.decode_step(t[:, i], cache)
+    assert {k.dtype for k in cache.keys + cache.values} == {torch.bfloat16}
+    assert cache.nbytes() == 2 * shape.layers * 2 * shape.kv * 16 * shape.head_dim * 2
+    torch.testing.assert_close(logits.float(), full[:, 15].float(), atol=0.1, rtol=0.05)
+    assert m.new_cache(1, 4).keys[0].dtype == torch.float32  # outside autocast: the weights' dtype
+
+
 def test_checkpointing_same_gradients():
     shape = get_model("tiny")
     t = torch.randint(0, shape.vocab, (2, 32))

@@ -256,11 +256,15 @@ class GPT(nn.Module):
 
     # -- decoding with a key/value cache ----------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty cache for ``batch`` sequences of up to ``capacity`` positions."""
+        """An empty cache for ``batch`` sequences of up to ``capacity`` positions, in the dtype the projections give
+        K and V: autocast's where it is on for the weights' device (bf16 under ``bf16-mixed``, as Hugging Face's
+        cache holds them; the weights' fp32 held it at twice the bytes), else the weights'."""
         w = self.embed.tok.weight
+        kind = w.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
         dims = (batch, self.shape.kv, capacity, self.shape.head_dim)
-        keys = [torch.zeros(dims, dtype=w.dtype, device=w.device) for _ in self.layers]
-        values = [torch.zeros(dims, dtype=w.dtype, device=w.device) for _ in self.layers]
+        keys = [torch.zeros(dims, dtype=dtype, device=w.device) for _ in self.layers]
+        values = [torch.zeros(dims, dtype=dtype, device=w.device) for _ in self.layers]
         return KVCache(keys=keys, values=values, length=0)
 
     @torch.no_grad()
