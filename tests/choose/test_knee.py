@@ -157,10 +157,17 @@ def test_latency_limit():
 def test_all_oom_says_so():
     with pytest.raises(
         ConfigError,
-        match=r"micro-batch 1 is already out of memory; .*with checkpointing on, a shorter seq or",
+        match=r"micro-batch 1 is already out of memory; .*with checkpointing on \(training: .*\), a shorter seq or",
     ) as err:
         recommend([CurvePoint(micro_batch=1, oom=True), CurvePoint(micro_batch=2, oom=True)])
     assert "--" not in str(err.value) and err.value.params == ("checkpointing", "seq")
+    # a search that started past 1 (decode's --start 1024): a smaller start first, the only advice decoding can take
+    # besides the sequence and the budget
+    with pytest.raises(
+        ConfigError, match=r"micro-batch 1024 is already out of memory; .* with a smaller start"
+    ) as e:
+        recommend([CurvePoint(micro_batch=1024, oom=True)])
+    assert e.value.params == ("start", "checkpointing", "seq")
 
 
 @pytest.mark.parametrize(

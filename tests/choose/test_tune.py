@@ -195,6 +195,19 @@ def test_tune_model_in_process_tiny(tmp_path, monkeypatch):
     assert saved["points"][0]["micro_batch"] == 1 and saved["model"] == "tiny"
 
 
+def test_decode_refuses_checkpointing_on_and_names_what_binds_the_sequence(tmp_path, monkeypatch):
+    """Checkpointing recomputes in a backward pass, which decoding has not: 'on' was accepted and dropped without a
+    word (and an all-OOM decode then advised it); the shortest sequence names the new tokens, and the repeats only
+    where they bind."""
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="decoding has none") as err:
+        tune_model("tiny", seq=48, mode="decode", checkpointing="on", in_process=True, use_cache=False)
+    assert err.value.params == ("checkpointing", "mode")
+    with pytest.raises(ConfigError, match=r"^decoding 32 new tokens after a prompt needs seq > 32, got seq 30; "
+                                          r"give a longer seq$"):  # fmt: skip
+        tune_model("tiny", seq=30, mode="decode", in_process=True, use_cache=False)
+
+
 def test_tune_model_decode_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     r = tune_model(

@@ -355,10 +355,12 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
     if not measured:
         if pts and all(p.oom for p in pts):
             smallest = min(p.micro_batch for p in pts)
+            start = "a smaller start (the smallest b_m probed), " if smallest > 1 else ""
             raise ConfigError(
-                f"micro-batch {smallest} is already out of memory; measure again (`microbatch tune`) with "
-                "checkpointing on, a shorter seq or a larger memory budget",
-                params=("checkpointing", "seq"),
+                f"micro-batch {smallest} is already out of memory; measure again (`microbatch tune`) with {start}"
+                "checkpointing on (training: decoding has no backward to recompute), a shorter seq or a larger "
+                "memory budget",
+                params=("start", "checkpointing", "seq") if start else ("checkpointing", "seq"),
             )
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
     _check_some_throughput(measured)

@@ -361,11 +361,14 @@ class DecodeProbe:
         self.decoder: Any = model if hasattr(model, "decode_step") else HFDecoder(model)
         self.vocab, self.seq = vocab, seq
         # steps needed: warm-up + at most max_repeats
-        self.new_tokens = max(new_tokens, timing.warmup + timing.max_repeats)
+        steps = timing.warmup + timing.max_repeats
+        self.new_tokens = max(new_tokens, steps)
         if self.new_tokens >= seq:
+            why = f" (the timing's warm-up {timing.warmup} + most repeats {timing.max_repeats})"
             raise ConfigError(
-                f"decoding {self.new_tokens} tokens needs seq > {self.new_tokens}, got seq {seq}; "
-                "give a longer seq or fewer repeats",
+                f"decoding {self.new_tokens} new tokens after a prompt{why if steps > new_tokens else ''} needs "
+                f"seq > {self.new_tokens}, got seq {seq}; give a longer seq"
+                + (" or fewer repeats" if steps > new_tokens else ""),
                 params=("seq",),
             )
         if device is None:

@@ -174,6 +174,12 @@ def tune_model(
     probe_config, search_config, choice = configs_from_options("tune_model", probe, search, choice, options)
     choice = choice.resolve(reference="bound")
     shape, target, label = _describe(model, hf_config, probe_config.backend)
+    if probe_config.mode == "decode" and search_config.checkpointing == "on":
+        raise ConfigError(
+            "checkpointing 'on' recomputes activations in the backward pass, and decoding has none; "
+            "leave checkpointing at auto or off when mode is decode",
+            params=("checkpointing", "mode"),
+        )
     if probe_config.mode == "decode" and search_config.checkpointing != "off":
         search_config = replace(search_config, checkpointing="off")  # no backward pass: nothing to recompute
     seq = probe_config.seq
