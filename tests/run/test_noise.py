@@ -142,6 +142,20 @@ def test_one_step_estimate_is_far_noisier_than_the_smoothed_one():
 # -- the hook inside accumulate -------------------------------------------------------------------
 
 
+def test_a_step_of_one_micro_batch_is_counted_skipped_and_said_once():
+    """One micro-batch gives one batch size: the hook learned nothing and said nothing (``estimate`` stayed None, and
+    the README's ``hook.estimate.b_simple`` raised AttributeError). It counts the step as skipped and warns once."""
+    model, w_star, _, g = regression_problem(1.0)
+    hook = GradientNoiseScale()
+    batches = make_batches(w_star, 1.0, g, 3, rows=8)
+    with pytest.warns(UserWarning, match="B_simple needs two") as caught:
+        for batch in batches:
+            accumulate(model, batch, reg_loss, micro_batch_size=8, noise=hook)
+    assert len(caught) == 1 and hook.skipped == 3 and hook.steps == 0 and hook.estimate is None
+    accumulate(model, next(make_batches(w_star, 1.0, g, 1, rows=8)), reg_loss, micro_batch_size=4, noise=hook)
+    assert hook.steps == 1 and hook.skipped == 3 and hook.estimate is not None  # two batch sizes: counted
+
+
 @pytest.mark.parametrize("with_count", [False, True])
 @pytest.mark.parametrize("pre_existing", [False, True])
 def test_hook_uses_first_micro_batch_and_whole_batch(with_count, pre_existing):
@@ -171,13 +185,6 @@ def test_hook_uses_first_micro_batch_and_whole_batch(with_count, pre_existing):
     )
     assert hook.estimate.g_sq == pytest.approx(expect.g_sq, rel=1e-10)
     assert hook.estimate.trace_sigma == pytest.approx(expect.trace_sigma, rel=1e-10)
-
-
-def test_hook_skips_a_step_with_one_micro_batch():
-    model, w_star, _, g = regression_problem(1.0)
-    hook = GradientNoiseScale()
-    accumulate(model, next(make_batches(w_star, 1.0, g, 1, rows=8)), reg_loss, micro_batch_size=8, noise=hook)
-    assert hook.steps == 0 and hook.estimate is None
 
 
 def test_measure_needs_two_micro_batches():

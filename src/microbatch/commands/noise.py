@@ -155,7 +155,7 @@ def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: i
             f"micro-batch {micro_batch} is not smaller than global batch {global_batch}; the noise scale needs "
             "two batch sizes: "
             + (
-                f"use --micro-batch at most {global_batch // 2}"
+                f"use --micro-batch at most {global_batch - 1}"
                 if global_batch >= 2
                 else f"raise --global-batch to {2 * micro_batch} or more"
             )

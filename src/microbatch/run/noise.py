@@ -21,6 +21,7 @@ loop over batches is :func:`microbatch.run.noise_measure.measure_noise_scale`.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -142,6 +143,9 @@ class GradientNoiseScale:
         self._trace = 0.0
         self._last: tuple[float, float] | None = None
         self.steps = 0
+        self.skipped = 0
+        """Steps fed no estimate: one micro-batch (or none with items before the last) on every rank, so only one
+        batch size was seen (:meth:`skip`)."""
 
     def add_estimates(self, *, g_sq: float, trace_sigma: float) -> NoiseEstimate:
         """Add one step's unbiased estimates of |G|² and tr(Σ); return the smoothed estimate."""
@@ -153,6 +157,19 @@ class GradientNoiseScale:
         self._last = (g_sq, trace_sigma)
         self.steps += 1
         return self._smoothed(self._last)
+
+    def skip(self) -> None:
+        """Count a step that saw one batch size only, and warn on the first: B_simple needs two (a micro-batch and
+        the whole batch), so a batch split into one micro-batch adds nothing and :attr:`estimate` stays as it was
+        (None before any usable step)."""
+        self.skipped += 1
+        if self.skipped == 1:
+            warnings.warn(
+                "GradientNoiseScale: a step with one micro-batch (or no items before the last) gives one batch size, "
+                "and B_simple needs two: it was skipped (hook.skipped counts them); give a micro_batch_size of at "
+                "most half the batch",
+                stacklevel=3,
+            )
 
     def update(self, *, b_small: float, g_small_sq: float, b_big: float, g_big_sq: float) -> NoiseEstimate:
         """Add one step from the squared gradient norms at two batch sizes (in items).

@@ -486,3 +486,5 @@ def _noise_update(
             est = [est[0] / est[2], est[1] / est[2], 1.0]
     if est[2] > 0:
         noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
+    else:
+        noise.skip()
