@@ -130,6 +130,24 @@ def test_recommend_does_not_send_the_user_past_an_out_of_memory(tmp_path, capsys
     assert json.loads(capsys.readouterr().out)["out_of_memory_above"] is False
 
 
+def test_recommend_under_a_latency_limit_bounds_only_what_the_limit_leaves_in(tmp_path, capsys):
+    """Fitted on the b_m under --max-latency-ms, the bound read "no b_m past 8 runs faster than T" beside measured
+    b_m 16 and 32 that did, and the note "a larger b_m may be faster" beside them: both now say the limits."""
+    path = tmp_path / "lat.csv"
+    rows = ((1, 1000), (2, 1900), (4, 3500), (8, 6000), (16, 9000), (32, 12000))
+    path.write_text("micro_batch,throughput,step_time_s\n" + "".join(f"{b},{t},{b / t}\n" for b, t in rows))
+    assert main(["recommend", "-m", str(path), "--reference", "bound", "--max-latency-ms", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "bound: no b_m past 8 within the limits runs faster than" in out
+    assert (
+        "a larger b_m may be faster" not in out
+        and "the larger b_m measured (16, 32) are past the limits" in out
+    )
+    assert main(["recommend", "-m", str(path), "--reference", "bound"]) == 0  # no limit: the plain statement
+    out = capsys.readouterr().out
+    assert "bound: no b_m past 32 runs faster than" in out
+
+
 @pytest.mark.parametrize(
     "points,says",
     [

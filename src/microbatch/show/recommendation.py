@@ -59,8 +59,11 @@ def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
         on = bound["fitted_on"]
         ref = d.get("reference_throughput")
         below = ref is not None and ref > bound["throughput"] * (1 + 1e-12)  # the best measured beat it
+        # fitted on the b_m the limits leave in: one measured past them and left out (latency, budget) may beat it
+        limited = any(item["micro_batch"] > on[-1] for item in d.get("left_out") or [])
         return [
-            f"bound: no b_m past {on[-1]} runs faster than {bound['throughput']:,.1f} {unit} "
+            f"bound: no b_m past {on[-1]}{' within the limits' if limited else ''} runs faster than "
+            f"{bound['throughput']:,.1f} {unit} "
             f"(1 / the slope of step time against b_m, fitted on {', '.join(str(b) for b in on)}: "
             f"affine within {100 * bound['max_residual']:.1f}%)"
             + (f"; the best measured, {ref:,.1f} {unit}, is above it and is the reference" if below else "")
@@ -150,6 +153,9 @@ def render_recommendation(
     for why, sizes in reasons.items():
         lines.append(f"left out: b_m {', '.join(sizes)} ({why})")
     oom_above = d.get("out_of_memory_above")
+    larger_left = [
+        str(i["micro_batch"]) for i in left if i["micro_batch"] > d["fastest_fitting"]["micro_batch"]
+    ]
     if not d.get("flattened", True) and not str(d.get("stop_reason", "")).startswith("knee settled"):
         # a settled knee is bounded: no larger b_m can move it, flattened or not; nor can one that ran out of memory
         lines.append(
@@ -157,6 +163,8 @@ def render_recommendation(
             + (
                 "the larger b_m ran out of memory, so none is within reach"
                 if oom_above
+                else f"the larger b_m measured ({', '.join(larger_left)}) are past the limits"
+                if larger_left
                 else "a larger b_m may be faster"
             )
         )
