@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -90,13 +91,15 @@ def _wants_json(args: Sequence[str]) -> bool:
     return "--json" in (args[: args.index("--")] if "--" in args else args)
 
 
-def _fail(message: str, code: int, args: Sequence[str]) -> int:
-    """Say why on stderr (already done by the caller) and, with --json, as an object on stdout."""
+def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()) -> int:
+    """Say why on stderr (already done by the caller) and, with --json, as an object on stdout; ``kept``: the
+    points measured before a choice none of them met (:class:`~microbatch.errors.NoChoiceError`), as ``points``."""
     if _wants_json(args):
         from microbatch._json import dumps
         from microbatch.envelope import error_envelope
 
-        click.echo(dumps(error_envelope(message, code, _command_of(args))))
+        body = error_envelope(message, code, _command_of(args))
+        click.echo(dumps({**body, "points": list(kept)} if kept else body))
     return code
 
 
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         message = cli_message(e, _command_of(args))
         click.echo(f"error: {message}", err=True)
-        return _fail(message, 2, args)
+        return _fail(message, 2, args, getattr(e, "points", ()))
     except MicrobatchError as e:  # a run that failed; its message may name parameters too
         from microbatch.commands._flags import cli_message
 

@@ -83,6 +83,18 @@ def test_never_probes_a_size_predicted_not_to_fit():
     assert log.oom_events == 0
 
 
+def test_a_step_over_the_latency_limit_stops_the_doubling():
+    """A doubled b_m does twice the work a step: once one is over max_latency_ms every larger one is, and the walk
+    probed them all the same (and re-measured them). Step times here, b / T: 1, 1.11, 1.33, then 2 ms at 8."""
+    rising = {1: 1000.0, 2: 1800.0, 4: 3000.0, 8: 4000.0, 16: 2000.0, 32: 2000.0}
+    log = SearchLog()
+    pts = search(
+        synthetic(rising), SearchConfig(max_micro_batch=32), ChoiceConfig(max_latency_ms=1.5), log=log
+    )
+    assert bs(pts) == [1, 2, 4, 8]  # 8 the first over 1.5 ms: 16 and 32 never probed
+    assert "over max_latency_ms 1.5; a larger one is slower" in log.stop_reason
+
+
 def test_oom_stops_and_is_recorded():
     rising = {b: 1000.0 * b for b in (1, 2, 4, 8, 16, 32)}
     log = SearchLog()

@@ -272,3 +272,21 @@ def test_tune_without_a_terminal_says_what_runs_while_a_probe_says_nothing(tmp_p
     assert re.search(r"\[\d+ s\]$", lines[first[0]])
     code, _, err = run(["tune", "--model", "no-such-model"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "tune: probing" not in err
+
+
+def test_tune_whose_points_all_miss_the_latency_limit_shows_and_returns_them(capsys):
+    """Measured, but no b_m meets --max-latency-ms: the points were lost unless --out or the cache held them (the
+    JSON error had none, the text no table) and the budget was a raw byte count; the walk stops at the first step
+    over the limit (a larger one is slower)."""
+    from microbatch.cli import main
+
+    args = ["tune", "--model", "tiny", "--seq", "32", "--max-micro-batch", "4", "--max-latency-ms", "1e-6",
+            "--no-cache", "--repeats", "3"]  # fmt: skip
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"^\s+1\s+[\d,.]+\s+[\d.]+\s", out, re.M)  # the measured point's row
+    assert re.search(r"peak memory <= [\d.]+ [KMGT]iB and step time <= 1e-06 ms; measured: 1;", err)
+    assert main([*args, "--json"]) == 2
+    d = json.loads(capsys.readouterr().out)
+    assert d["kind"] == "bad_input" and [p["micro_batch"] for p in d["points"]] == [1]
+    assert d["points"][0]["step_time_s"] > 0

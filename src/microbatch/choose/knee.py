@@ -34,6 +34,7 @@ from microbatch.choose.noise import NOISE_Z, indistinguishable
 from microbatch.errors import ConfigError, NoChoiceError, check_instance
 from microbatch.hardware import DEFAULT_HEADROOM
 from microbatch.records import number, true_or_false
+from microbatch.units import format_bytes
 
 __all__ = [
     "check_reference",
@@ -242,7 +243,7 @@ def _candidates(
         cands = keep(
             lambda p: p.peak_memory_bytes is None or p.peak_memory_bytes <= budget, "over the memory budget"
         )
-        why.append(f"peak memory <= {budget} bytes")
+        why.append(f"peak memory <= {format_bytes(budget)}")
     if choice.max_latency_ms is not None:
         if any(p.step_time_s is None for p in cands):
             raise ConfigError(

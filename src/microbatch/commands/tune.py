@@ -277,11 +277,17 @@ def cmd(
         result = _measure(
             target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
         )
-    except NoChoiceError as e:  # measured, but no point meets a limit: keep the points, then say so
+    except (
+        NoChoiceError
+    ) as e:  # measured, but no point meets a limit: keep the points, show them, then say so
+        if not as_json:  # (with --json the error object carries them)
+            from microbatch.show.recommendation import render_curve
+
+            click.echo("\n".join(render_curve({}, e.points)))
         raise _kept(e, out_dir, bool(search.use_cache)) from None
     d = result.to_dict()
     if d.get("stop_reason"):  # a probe past its time limit names the limit and the fix: as flags here
-        d["stop_reason"] = cli_text(d["stop_reason"], ProbeTimeoutError.PARAMS, "tune")
+        d["stop_reason"] = cli_text(d["stop_reason"], (*ProbeTimeoutError.PARAMS, "max_latency_ms"), "tune")
     if timing_line:
         d["timing_choice"] = timing_line
     with_provenance(d, target, probe)

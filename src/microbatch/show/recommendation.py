@@ -17,13 +17,15 @@ __all__ = ["render_curve", "render_recommendation", "render_tune", "use_line"]
 
 
 def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per measured b_m (throughput, step time, peak), the knee and the fastest marked."""
+    """One line per measured b_m (throughput, step time, peak), the knee and the fastest marked (none when ``d`` has
+    no choice: the points of a refused one)."""
     lines = [f"{'b_m':>6} {'throughput':>14} {'step ms':>9} {'peak memory':>12}  "]
+    knee, fastest = d.get("micro_batch"), (d.get("fastest_fitting") or {}).get("micro_batch")
     for p in sorted(points, key=lambda p: p["micro_batch"]):
         mark = []
-        if p["micro_batch"] == d["micro_batch"]:
+        if p["micro_batch"] == knee:
             mark.append("knee")
-        if p["micro_batch"] == d["fastest_fitting"]["micro_batch"]:
+        if p["micro_batch"] == fastest:
             mark.append("fastest")
         if p.get("oom"):
             lines.append(f"{p['micro_batch']:>6} {'out of memory':>14}")

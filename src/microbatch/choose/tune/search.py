@@ -210,6 +210,14 @@ class _Walk:
                     continue
                 self.log.stop_reason = f"micro-batch {b} ran out of memory"
                 return
+            limit = self.choice.max_latency_ms
+            if limit is not None and m.step_time_s is not None and m.step_time_s * 1e3 > limit:
+                # a doubled b_m does twice the work a step: slower still, so over the limit too
+                self.log.stop_reason = (
+                    f"micro-batch {b}'s step, {m.step_time_s * 1e3:.3g} ms, is over max_latency_ms {limit:g}; "
+                    "a larger one is slower"
+                )
+                return
             why = self.settled()
             if why:
                 self.log.stop_reason = why
