@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Exit 0 on success, 2 on bad input, 1 on any other failure, 130 when interrupted. With
     ``--json`` a failure also prints ``{"command", "version", "error", "kind"}`` on stdout, ``kind``
-    being ``bad_input``, ``failure`` or ``interrupted``.
+    being ``bad_input``, ``failure`` or ``interrupted``, and ``points`` where a tune measured points
+    none of which meets a limit (:class:`~microbatch.errors.NoChoiceError`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -99,6 +99,20 @@ def test_each_setting_that_changes_a_measurement_is_in_the_key(tmp_path, monkeyp
     assert r.cached == 0 and said == []
 
 
+def test_a_new_probe_revision_measures_again(tmp_path, monkeypatch):
+    """Points cached before the probes changed how they measure (decoding timed on the steady heap, the built-in
+    cache's dtype under autocast) came back at the same version: the probes' revision is in the key."""
+    from microbatch.choose.tune import cache
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model = Net()
+    _tune(model, _batches(8))
+    assert cache.versions()["probes"] == str(cache.PROBE_REVISION)
+    monkeypatch.setattr(cache, "PROBE_REVISION", cache.PROBE_REVISION + 1)
+    r, said = _tune(model, _batches(8))
+    assert r.cached == 0 and said == []
+
+
 def test_key_parts_are_what_they_claim():
     assert batch_structure({"input_ids": torch.zeros(2, 8, dtype=torch.long), "n": 3}) == {
         "input_ids": ["tensor", [2, 8], "torch.int64", "cpu"],

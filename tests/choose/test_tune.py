@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -92,7 +93,22 @@ def test_a_step_over_the_latency_limit_stops_the_doubling():
         synthetic(rising), SearchConfig(max_micro_batch=32), ChoiceConfig(max_latency_ms=1.5), log=log
     )
     assert bs(pts) == [1, 2, 4, 8]  # 8 the first over 1.5 ms: 16 and 32 never probed
-    assert "over max_latency_ms 1.5; a larger one is slower" in log.stop_reason
+    assert "over max_latency_ms 1.5 by more than its noise; a larger one is no faster" in log.stop_reason
+    # a reading over the limit within its noise (8's 2 ms with a wide spread: the band's lower edge under 1.5 ms)
+    # does not end the walk; 16's 8 ms, clear of it, does
+    plain = synthetic(rising)
+
+    def noisy(b: int, ckpt: bool) -> Measurement:
+        m = plain(b, ckpt)
+        return dataclasses.replace(m, spread=0.5, repeats=4) if b == 8 else m
+
+    assert bs(search(noisy, SearchConfig(max_micro_batch=32), ChoiceConfig(max_latency_ms=1.5))) == [
+        1,
+        2,
+        4,
+        8,
+        16,
+    ]
 
 
 def test_oom_stops_and_is_recorded():

@@ -66,6 +66,18 @@ def test_shared_caches_give_each_candidate_what_a_fresh_context_gives(kw):
         assert got == evaluate(make_context(cfg), *key, mf), key
 
 
+def test_one_b_m_at_two_m_on_one_context_gives_what_fresh_contexts_give():
+    """``evaluate`` takes m free of b_m (the planner's search ties them): the data-parallel seconds a context caches
+    (ZeRO-2/3 reduce and gather every micro-step: m times) must not be shared by two m of one b_m."""
+    cfg = PlanConfig(gpu=A100, simulate_top=0, **CONFIGS[3])  # d 4, no pipeline: ZeRO-3 every micro-step
+    mf = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
+    shared = make_context(cfg)
+    for z in (2, 3):
+        got = [evaluate(shared, 2, m, "1f1b", 1, "full", z, mf) for m in (2, 4)]
+        assert got == [evaluate(make_context(cfg), 2, m, "1f1b", 1, "full", z, mf) for m in (2, 4)]
+        assert got[1].time["zero_comm_s"] > got[0].time["zero_comm_s"]  # twice the micro-steps, more exposed ZeRO seconds
+
+
 @pytest.mark.parametrize("kw", CONFIGS[:3], ids=["gpt2-p3-d2", "gpt2-uneven", "7b-p5-t2"])
 def test_stage_times_equal_the_step_time_rule_on_every_stage(kw):
     """The rule is run once per distinct stage and spread: the lists equal the rule on the full split

@@ -184,8 +184,9 @@ class Bench:
         torch, t_end = self.torch, time.perf_counter() + max(share_s or 0.0, 0.0)
         for _ in range(self.cfg.warmup):
             fn()
-            if share_s is not None and time.perf_counter() >= t_end:
+            if share_s is not None and not self.cuda and time.perf_counter() >= t_end:
                 break  # a long kernel (seconds on a CPU): one warm-up call is enough, the share is spent
+                # (on CUDA the calls return at launch: the clock says nothing of them until a sync)
         if self.cuda:
             torch.cuda.synchronize()
         times: list[float] = []

@@ -412,7 +412,13 @@ class DecodeProbe:
                 self.dev.sync()
                 return [], t_prefill
             agree = agree_any if distributed() is not None else None
-            return time_until_stable(step, self.timing, timer=self.dev.timer, agree=agree), t_prefill
+            times = time_until_stable(step, self.timing, timer=self.dev.timer, agree=agree)
+            for _ in range(
+                self.new_tokens - self.timing.warmup - len(times)
+            ):  # the cache to its largest, as the
+                step()  # memory phase leaves it: where no phase ran first (CUDA) the peak is read after these
+            self.dev.sync()
+            return times, t_prefill
 
     def measure(self, micro_batch: int) -> Measurement:
         """Per-token latency and peak memory of decoding ``micro_batch`` sequences; OOM recorded. In the probe

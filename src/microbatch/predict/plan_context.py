@@ -164,10 +164,12 @@ class Context:
     ] = field(default_factory=dict)
     collective_cache: dict[tuple[int, float, int, float | None], Any] = field(default_factory=dict)
     """Per (ZeRO stage, parameters, FSDP units, expert parameters): :class:`microbatch.predict.dp_comm.Collectives`."""
-    dp_cache: dict[tuple[int, str, int, bool, int], tuple[float, float, float]] = field(default_factory=dict)
-    """Per (b_m, recompute, v, V placement, ZeRO stage): :func:`microbatch.predict.dp_comm.data_parallel_comm`'s
-    seconds, which read the candidate's stage times and nothing of its schedule (m follows from b_m): the schedules
-    that share a placement and v share them."""
+    dp_cache: dict[tuple[int, int, str, int, bool, int], tuple[float, float, float]] = field(
+        default_factory=dict
+    )
+    """Per (b_m, m, recompute, v, V placement, ZeRO stage): :func:`microbatch.predict.dp_comm.data_parallel_comm`'s
+    seconds, which read the candidate's stage times and nothing of its schedule: the schedules that share a
+    placement and v share them."""
 
 
 _LAYOUT_FIELDS = frozenset({"pipeline_parallel", "data_parallel"})

@@ -113,7 +113,7 @@ def screen(
             rows.append(ZeroRow(z, *same[1:]))
             continue
         peak, stage, parts = _peak(ctx, z, v_placement, acts, a2a, v)
-        key = (b, rc, v, v_placement, z)
+        key = (b, m, rc, v, v_placement, z)
         comm = ctx.dp_cache.get(key)
         if comm is None:  # the schedules of one placement and v share the stage times, so these seconds
             comm = ctx.dp_cache[key] = data_parallel_comm(ctx, m, z, tm, n, tables.max_experts)

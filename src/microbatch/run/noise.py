@@ -158,17 +158,18 @@ class GradientNoiseScale:
         self.steps += 1
         return self._smoothed(self._last)
 
-    def skip(self) -> None:
-        """Count a step that saw one batch size only, and warn on the first: B_simple needs two (a micro-batch and
-        the whole batch), so a batch split into one micro-batch adds nothing and :attr:`estimate` stays as it was
-        (None before any usable step)."""
+    def skip(self, *, warn: bool = True) -> None:
+        """Count a step that saw one batch size only, and on the first warn (``warn``: under DDP rank 0 alone;
+        Python shows a warning once per place in a process): B_simple needs two (a micro-batch and the whole
+        batch), so a batch split into one micro-batch adds nothing and :attr:`estimate` stays as it was (None before
+        any usable step)."""
         self.skipped += 1
-        if self.skipped == 1:
+        if self.skipped == 1 and warn:
             warnings.warn(
                 "GradientNoiseScale: a step with one micro-batch (or no items before the last) gives one batch size, "
-                "and B_simple needs two: it was skipped (hook.skipped counts them); give a micro_batch_size of at "
-                "most half the batch",
-                stacklevel=3,
+                "and B_simple needs two: it was skipped (hook.skipped counts them); give a micro_batch_size smaller "
+                "than the batch",
+                stacklevel=4,
             )
 
     def update(self, *, b_small: float, g_small_sq: float, b_big: float, g_big_sq: float) -> NoiseEstimate:

@@ -150,8 +150,14 @@ def optimizer_identity(optimizer: Any) -> dict[str, Any] | None:
     }
 
 
+PROBE_REVISION = 2
+"""How the probes measure, counted up when a change would make a cached point differ from a new one at the same
+version: 2 (2026-12-06) decoding timed on the steady heap and the built-in GPT's KV cache in autocast's dtype."""
+
+
 def versions() -> dict[str, str]:
-    """The torch, Python and microbatch versions (a new release may time differently)."""
+    """The torch, Python and microbatch versions (a new release may time differently) and the probes' revision
+    (:data:`PROBE_REVISION`: a change of how they measure within one version)."""
     import torch
 
     from microbatch import __version__
@@ -160,6 +166,7 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "microbatch": __version__,
+        "probes": str(PROBE_REVISION),
     }
 
 

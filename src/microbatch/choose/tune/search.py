@@ -2,8 +2,8 @@
 
 :func:`search` doubles b_m (along the divisors of B_global / d when B_global is given), never
 probes a b_m the memory fit predicts past the budget, and stops when the knee is settled against
-the bound, the curve flattens ``patience`` times, memory runs out, ``max_micro_batch`` is reached
-or Ctrl-C comes; ``refine`` probes once between the knee and the point below. The strategy and
+the bound, the curve flattens ``patience`` times, memory runs out, a step is over ``max_latency_ms``
+beyond its noise, ``max_micro_batch`` is reached or Ctrl-C comes; ``refine`` probes once between the knee and the point below. The strategy and
 why each stop rule: ``docs/search.md``. Settings: :class:`~microbatch.choose.tune.config.SearchConfig`
 and :class:`~microbatch.choose.config.ChoiceConfig`.
 """
@@ -20,7 +20,7 @@ from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
 from microbatch.choose.knee import knee_fraction, recommend_measured
 from microbatch.choose.memory_fit import fit_memory
-from microbatch.choose.noise import relative_se
+from microbatch.choose.noise import NOISE_Z, relative_se
 from microbatch.choose.tune.config import SearchConfig
 from microbatch.errors import ConfigError, ProbeTimeoutError
 from microbatch.measure.batch_check import BatchDidNotGrow
@@ -188,6 +188,15 @@ class _Walk:
             )
         return flat, None
 
+    def over_latency(self, m: Measurement) -> bool:
+        """Whether ``m``'s step is over ``max_latency_ms`` by more than its noise: the lower edge of its band,
+        step · (1 − :data:`~microbatch.choose.noise.NOISE_Z` · its relative standard error), past the limit (one
+        noisy reading a hair over, where the step is flat in b_m, does not end the walk)."""
+        limit, step = self.choice.max_latency_ms, m.step_time_s
+        if limit is None or step is None:
+            return False
+        return step * 1e3 * (1.0 - NOISE_Z * relative_se(m.spread, m.repeats)) > limit
+
     def walk(self) -> None:
         """Double b_m until a stop rule fires (the log says which)."""
         cap, auto = self.config.max_micro_batch, self.config.checkpointing == "auto"
@@ -210,12 +219,12 @@ class _Walk:
                     continue
                 self.log.stop_reason = f"micro-batch {b} ran out of memory"
                 return
-            limit = self.choice.max_latency_ms
-            if limit is not None and m.step_time_s is not None and m.step_time_s * 1e3 > limit:
-                # a doubled b_m does twice the work a step: slower still, so over the limit too
+            if self.over_latency(m):
+                # a doubled b_m does the work of two: its step is no shorter (decoding's per-token latency as flat
+                # as memory-bound steps run is at worst equal), so it is over the limit too
                 self.log.stop_reason = (
-                    f"micro-batch {b}'s step, {m.step_time_s * 1e3:.3g} ms, is over max_latency_ms {limit:g}; "
-                    "a larger one is slower"
+                    f"micro-batch {b}'s step, {(m.step_time_s or 0.0) * 1e3:.3g} ms, is over max_latency_ms "
+                    f"{self.choice.max_latency_ms:g} by more than its noise; a larger one is no faster"
                 )
                 return
             why = self.settled()

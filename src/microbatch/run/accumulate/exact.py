@@ -486,5 +486,5 @@ def _noise_update(
             est = [est[0] / est[2], est[1] / est[2], 1.0]
     if est[2] > 0:
         noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
-    else:
-        noise.skip()
+    else:  # every rank counts it; rank 0 says so
+        noise.skip(warn=world <= 1 or torch.distributed.get_rank(group) == 0)
