@@ -144,6 +144,20 @@ def _preflight(
         check_host_budget(choice.memory_budget_bytes, probe)
 
 
+def _walk_for_mode(mode: str, search: SearchConfig) -> SearchConfig:
+    """The search as ``mode`` can run it: decoding has no backward pass, so nothing to recompute (checkpointing
+    off; 'on' asked for is refused, not dropped without a word)."""
+    if mode != "decode" or search.checkpointing == "off":
+        return search
+    if search.checkpointing == "on":
+        raise ConfigError(
+            "checkpointing 'on' recomputes activations in the backward pass, and decoding has none; "
+            "leave checkpointing at auto or off when mode is decode",
+            params=("checkpointing", "mode"),
+        )
+    return replace(search, checkpointing="off")
+
+
 def tune_model(
     model: Any = None,
     *,
@@ -174,14 +188,7 @@ def tune_model(
     probe_config, search_config, choice = configs_from_options("tune_model", probe, search, choice, options)
     choice = choice.resolve(reference="bound")
     shape, target, label = _describe(model, hf_config, probe_config.backend)
-    if probe_config.mode == "decode" and search_config.checkpointing == "on":
-        raise ConfigError(
-            "checkpointing 'on' recomputes activations in the backward pass, and decoding has none; "
-            "leave checkpointing at auto or off when mode is decode",
-            params=("checkpointing", "mode"),
-        )
-    if probe_config.mode == "decode" and search_config.checkpointing != "off":
-        search_config = replace(search_config, checkpointing="off")  # no backward pass: nothing to recompute
+    search_config = _walk_for_mode(probe_config.mode, search_config)
     seq = probe_config.seq
     if seq is None:
         if shape is None:
