@@ -75,7 +75,9 @@ def test_one_b_m_at_two_m_on_one_context_gives_what_fresh_contexts_give():
     for z in (2, 3):
         got = [evaluate(shared, 2, m, "1f1b", 1, "full", z, mf) for m in (2, 4)]
         assert got == [evaluate(make_context(cfg), 2, m, "1f1b", 1, "full", z, mf) for m in (2, 4)]
-        assert got[1].time["zero_comm_s"] > got[0].time["zero_comm_s"]  # twice the micro-steps, more exposed ZeRO seconds
+        assert (
+            got[1].time["zero_comm_s"] > got[0].time["zero_comm_s"]
+        )  # twice the micro-steps, more exposed ZeRO seconds
 
 
 @pytest.mark.parametrize("kw", CONFIGS[:3], ids=["gpt2-p3-d2", "gpt2-uneven", "7b-p5-t2"])
