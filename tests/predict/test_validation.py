@@ -4,6 +4,7 @@ movement stated (issue 18 item 14)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -116,10 +117,43 @@ def test_predict_returns_values_and_show_writes_the_summary():
 def test_the_spread_is_of_the_measurements_not_of_a_raised_peak():
     """A review found 'gave 67.5–134.4 GFLOP/s (99% apart)' where the three matmuls gave 67.2–69.4: the first
     entry was the peak cover_measurements had doubled to cover the points, not a measurement."""
-    out = validation.validate_result(_cpu_result(), measure=_machine([5.0, 5.0, 5.0]))  # far too slow: raised
-    assert out["accelerator"]["peak_flops"]["fp32"] > 5e9  # the points needed a higher peak
+    out = validation.validate_result(_cpu_result(), measure=_machine([10.0, 10.0, 10.0]))
+    assert (
+        out["accelerator"]["peak_flops"]["fp32"] == 10e9
+    )  # the peak reported is the one measured, never raised
     moved = out["accelerator"]["remeasured"]
-    assert moved["peak_flops"] == pytest.approx([5e9, 5e9, 5e9]) and moved["peak_spread"] == 0.0
+    assert moved["peak_flops"] == pytest.approx([10e9, 10e9, 10e9]) and moved["peak_spread"] == 0.0
+    # far too slow for the points (0.5 GB/s: the memory roofline binds, a raised peak cannot cover it): refused,
+    # not raised 1,024x in silence
+    with pytest.raises(
+        ConfigError, match=r"ran faster than 16x this CPU's roofline for small allows at 5 GFLOP/s"
+    ):
+        validation.validate_result(_cpu_result(), measure=_machine([5.0, 5.0, 5.0]))
+
+
+def test_the_uncalibrated_step_keeps_the_given_peak_and_the_predicted_point_moves_no_fit():
+    """A helper's finding: the peak was doubled until every point, the predicted ones too, sat under the roofline,
+    and the uncalibrated column was read at that raised peak: a given 5 GFLOP/s printed +11.9% where the roofline at
+    5 is +327%, and the held-out b_m leaked into its own prediction. Now the uncalibrated step is at the peak given;
+    the calibrated one equals a fit on the smallest points alone."""
+    from microbatch.predict.calibrate import calibrate, cover_measurements
+    from microbatch.predict.steptime import predict_step_time_s
+    from microbatch.records import read_measurements
+
+    meas = read_measurements(_cpu_result())
+    acc = cpu_accelerator(flops_per_s=4e9, bytes_per_s=100e9)
+    kw = dict(seq=meas.seq, precision=meas.precision, checkpointing=meas.checkpointing)
+    last = validation.validate(meas, acc).points[-1]
+    assert last["step_uncal"] == pytest.approx(
+        predict_step_time_s(meas.shape, last["micro_batch"], acc, **kw)
+    )
+    small = replace(meas, points=tuple(p for p in meas.points if p.micro_batch in (1, 2, 4)))
+    fit_acc, raised = cover_measurements(acc, small)
+    assert raised  # the fit needed the peak raised: the predicted b_m 8 did not choose how far
+    cal = calibrate(meas, fit_acc, micro_batches=[1, 2, 4])
+    assert last["step_cal"] == pytest.approx(
+        predict_step_time_s(meas.shape, last["micro_batch"], fit_acc, efficiency=cal.efficiency, **kw)
+    )
 
 
 def test_the_cpu_is_timed_with_the_threads_the_probes_ran_with():

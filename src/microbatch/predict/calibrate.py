@@ -147,7 +147,7 @@ def cover_measurements(
         k += 1
     if not k:
         return acc, ""
-    note = f"a measured point was faster than the roofline at the measured peak: peak raised ×{2**k}"
+    note = f"a measured point was faster than the roofline at this peak: peak raised ×{2**k}"
     return replace(acc, source=f"{acc.source}; {note}"), note
 
 
