@@ -124,6 +124,19 @@ def test_validate(capsys, tmp_path):
     assert d["accelerator"]["name"] == "a100-80gb"
 
 
+def test_memory_on_a_gpu_from_a_cpu_tune_says_what_its_fixed_bytes_are(capsys, tmp_path):
+    """`memory --gpu h100-sxm --calibration <a CPU tune>` added the CPU process's resident memory as fixed bytes and
+    said "fits" without a word; `plan` says what those bytes stand for on a GPU, and `memory` now says it too."""
+    f = _calibration(tmp_path)
+    d = json.loads(f.read_text())
+    f.write_text(json.dumps({**d, "device": "cpu", "device_name": "AMD EPYC (2 cpus)"}))
+    args = ["memory", "--model", "gpt2", "--seq", "1024", "-b", "4", "--calibration", str(f)]
+    on_gpu = run_json([*args, "--gpu", "h100-sxm"], capsys)
+    assert any("a CPU process's resident memory" in n for n in on_gpu["calibration_notes"])
+    here = run_json(args, capsys)  # no GPU named: nothing to say about a CUDA context
+    assert not any("CUDA context" in n for n in here["calibration_notes"])
+
+
 def test_tune_out_file_has_the_envelope_and_feeds_recommend(capsys, tmp_path, monkeypatch):
     """The one probing command, at tiny sizes: stdout and the --out file carry the same envelope."""
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))

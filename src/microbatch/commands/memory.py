@@ -125,13 +125,16 @@ def cmd(
         check_gemm_dtype(precision, acc.name, acc.peak_flops)
     applied = None
     if calibration:
-        from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration
+        from dataclasses import replace
+
+        from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration, fixed_bytes_notes
 
         layout = PlannedLayout(
             micro_batches=(micro_batch,), tensor_parallel=tensor_parallel, pipeline_parallel=stages,
             data_parallel=data_parallel, zero=cfg.zero, recompute=recompute,
         )  # fmt: skip
         applied = apply_calibration(calibration, shape=shape, precision=precision, layout=layout)
+        applied = replace(applied, notes=applied.notes + tuple(fixed_bytes_notes(applied.calibration, acc)))
     est = estimate_memory(shape, cfg, applied.memory if applied else None)
     out = est.to_dict()
     out["total_params"] = shape.param_count()

@@ -38,6 +38,7 @@ __all__ = [
     "calibrated_inputs",
     "calibrated_accelerator",
     "apply_calibration",
+    "fixed_bytes_notes",
     "apply_microbench",
 ]
 
@@ -170,12 +171,18 @@ def calibration_notes(
             f"no kernel efficiency for {gpu.name} in this calibration (measured on {cal.device_name or cal.device}): "
             "default efficiency used; memory corrections applied"
         )
-    if gpu is not None and not cal.device.startswith("cuda"):
-        out.append(
-            f"the fixed bytes ({format_bytes(cal.memory.fixed_bytes, unit='GiB')}) were measured as a CPU process's resident "
-            "memory (Python and torch included); on a GPU they stand for the CUDA context only roughly"
-        )
-    return out
+    return out + fixed_bytes_notes(cal, gpu)
+
+
+def fixed_bytes_notes(cal: Calibration, gpu: Accelerator | None) -> list[str]:
+    """What the calibration's fixed bytes stand for on ``gpu``: a CPU process's resident memory, measured on the
+    CPU, is the CUDA context only roughly (``plan`` and ``memory`` say it the same way)."""
+    if gpu is None or cal.device.startswith("cuda"):
+        return []
+    return [
+        f"the fixed bytes ({format_bytes(cal.memory.fixed_bytes, unit='GiB')}) were measured as a CPU process's resident "
+        "memory (Python and torch included); on a GPU they stand for the CUDA context only roughly"
+    ]
 
 
 def calibrated_inputs(
