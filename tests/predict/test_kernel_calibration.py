@@ -141,6 +141,11 @@ def test_another_accelerator_gets_the_analytic_terms_and_says_so(h100_file: Path
     assert a.efficiency == DEFAULT_EFFICIENCY and a.accelerator == a100
     assert any("NOT applied" in n for n in a.notes)
     assert all(v.startswith("analytic") for v in a.sources.values())
+    # in another dtype too: nothing applied, so no word of "applied to the other dtype" beside "NOT applied"
+    other = apply_calibration(h100_file, shape=SHAPE, precision="fp32", gpu=a100)
+    assert any("NOT applied" in n for n in other.notes) and not any("other dtype" in n for n in other.notes)
+    same = apply_calibration(h100_file, shape=SHAPE, precision="fp32", gpu=get_accelerator("h100-sxm"))
+    assert any("applied to the other dtype" in n for n in same.notes)  # applied there: the extrapolation said
 
 
 def _plan(*extra: str, capsys: pytest.CaptureFixture[str]) -> dict:
