@@ -137,6 +137,22 @@ def test_memory_on_a_gpu_from_a_cpu_tune_says_what_its_fixed_bytes_are(capsys, t
     assert not any("CUDA context" in n for n in here["calibration_notes"])
 
 
+def test_a_calibration_tuned_without_dropout_says_so_on_a_plan_with_it(capsys, tmp_path):
+    """tune prices the built-in models without dropout; `memory --model gpt2` plans with it (the registry's): the
+    scale was applied to terms 2-3% larger without a word."""
+    from dataclasses import replace
+
+    from microbatch.model import get_model
+
+    f = _calibration(tmp_path)
+    shape = replace(get_model("gpt2", seq=1024), dropout=False)
+    f.write_text(json.dumps({**json.loads(f.read_text()), "model_shape": shape.to_dict()}))
+    notes = run_json(
+        ["memory", "--model", "gpt2", "--seq", "1024", "-b", "4", "--calibration", str(f)], capsys
+    )["calibration_notes"]
+    assert any("measured without dropout, the plan is with" in n for n in notes)
+
+
 def test_tune_out_file_has_the_envelope_and_feeds_recommend(capsys, tmp_path, monkeypatch):
     """The one probing command, at tiny sizes: stdout and the --out file carry the same envelope."""
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))

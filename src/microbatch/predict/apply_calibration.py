@@ -90,6 +90,13 @@ def load_calibration(
         if strict:
             raise ConfigError(msg)
         warns.append(msg + "; used anyway")
+    if bool(cshape.dropout) != bool(shape.dropout):  # not geometry, but the terms the scale multiplies move
+        warns.append(
+            f"calibration {label} was measured {'with' if cshape.dropout else 'without'} dropout, the plan is "
+            f"{'with' if shape.dropout else 'without'}: the activation scale is applied to the terms "
+            f"{'with' if shape.dropout else 'without'} its masks; plan with dropout "
+            f"{'on' if cshape.dropout else 'off'} to match it"
+        )
     if cal.precision != precision:
         warns.append(
             f"calibration {label} was measured in {cal.precision} but the plan is in {precision}: the activation "
