@@ -139,6 +139,11 @@ def test_recommend_under_a_latency_limit_bounds_only_what_the_limit_leaves_in(tm
     assert main(["recommend", "-m", str(path), "--reference", "bound", "--max-latency-ms", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "bound: no b_m past 8 within the limits runs faster than" in out
+    # 6,000/s is 28% of the line's 21,135: the knee falls back to the best measured, and the line says so
+    assert (
+        "of it (two standard errors of that fit): no measured b_m reached it, so the knee is the best measured"
+        in out
+    )
     assert (
         "a larger b_m may be faster" not in out
         and "the larger b_m measured (16, 32) are past the limits" in out

@@ -52,7 +52,13 @@ def _margin_text(d: Mapping[str, Any], why: str, of: str = "it") -> str:
     if line is None or mu is None:
         return ""
     tau = float(d["tolerance"])
-    return f"; the knee had to reach (1 − {tau:g})·(1 + {100 * mu:.1f}%) = {100 * line:.1f}% of {of} ({why})"
+    reached = d.get("fraction_of_reference")
+    short = (
+        ": no measured b_m reached it, so the knee is the best measured"
+        if reached is not None and reached < line * (1 - 1e-9)
+        else ""
+    )
+    return f"; the knee had to reach (1 − {tau:g})·(1 + {100 * mu:.1f}%) = {100 * line:.1f}% of {of} ({why}){short}"
 
 
 def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
