@@ -335,6 +335,18 @@ def test_tune_keeps_the_points_no_limit_is_met_by(tmp_path, capsys):
         main(["recommend", "-m", str(out / "result.json"), "--json"]) == 0
     )  # the points choose without the limit
     assert json.loads(capsys.readouterr().out)["micro_batch"] == 1
+    # report and export of the kept file say what it is (they read "no knee ... give the whole JSON a tune wrote",
+    # and "the tune chose b_m = None without a global batch")
+    refused(
+        ["report", str(out), "--out", str(tmp_path / "r.html")],
+        capsys,
+        r"the points of a tune that chose nothing \(no measured micro-batch meets .*\); choose from them",
+    )
+    refused(
+        ["export", "--tune", str(out), "--format", "hf"],
+        capsys,
+        r"the tune chose no b_m \(no measured micro-batch",
+    )
 
 
 def test_bench_gpu_on_the_cpu_times_several_threads_by_the_wall_clock(capsys):

@@ -429,6 +429,11 @@ def candidate_from_tune(result: object) -> Json:
             "a tune result must be the JSON object a tune wrote (its result.json, or TuneResult.to_dict())"
         )
     b, g, big_b = data.get("micro_batch"), data.get("grad_accum"), data.get("global_batch")
+    if b is None:  # the points a tune kept when none met its limits: no choice to export
+        raise ConfigError(
+            f"the tune chose no b_m ({data.get('error') or 'no knee in the file'}); nothing to export: tune again "
+            "with another limit"
+        )
     if big_b is None or g is None:
         raise ConfigError(
             f"the tune chose b_m = {b} without a global batch, so g is unknown and an export would set "

@@ -98,6 +98,11 @@ def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
     measured nothing is refused), so the file was cut short, edited, or written by something else."""
     missing = [k for k in _NEEDED.get(kind, ()) if res.get(k) is None or res.get(k) == []]
     whole = f"give the whole JSON a microbatch {kind} wrote (its JSON output, or the result.json of its output folder)"
+    if missing == ["micro_batch"] and res.get("error"):  # the points a tune kept when none met its limits
+        raise ConfigError(
+            f"{source}: the points of a tune that chose nothing ({res['error']}); choose from them with "
+            "microbatch recommend on this file (without the limit), or tune again with another limit"
+        )
     if missing:
         what = {"micro_batch": "no knee (micro_batch)", "points": "no measured points (points)"}
         raise ConfigError(
