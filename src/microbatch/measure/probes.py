@@ -413,10 +413,10 @@ class DecodeProbe:
                 return [], t_prefill
             agree = agree_any if distributed() is not None else None
             times = time_until_stable(step, self.timing, timer=self.dev.timer, agree=agree)
-            for _ in range(
-                self.new_tokens - self.timing.warmup - len(times)
-            ):  # the cache to its largest, as the
-                step()  # memory phase leaves it: where no phase ran first (CUDA) the peak is read after these
+            # the cache to its largest, as the memory phase leaves it: where no phase ran first (CUDA), the peak is
+            # read after these steps
+            for _ in range(self.new_tokens - self.timing.warmup - len(times)):
+                step()
             self.dev.sync()
             return times, t_prefill
 

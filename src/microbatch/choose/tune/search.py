@@ -3,9 +3,9 @@
 :func:`search` doubles b_m (along the divisors of B_global / d when B_global is given), never
 probes a b_m the memory fit predicts past the budget, and stops when the knee is settled against
 the bound, the curve flattens ``patience`` times, memory runs out, a step is over ``max_latency_ms``
-beyond its noise, ``max_micro_batch`` is reached or Ctrl-C comes; ``refine`` probes once between the knee and the point below. The strategy and
-why each stop rule: ``docs/search.md``. Settings: :class:`~microbatch.choose.tune.config.SearchConfig`
-and :class:`~microbatch.choose.config.ChoiceConfig`.
+beyond its noise, ``max_micro_batch`` is reached or Ctrl-C comes; ``refine`` probes once between
+the knee and the point below. The strategy and why each stop rule: ``docs/search.md``. Settings:
+:class:`~microbatch.choose.tune.config.SearchConfig` and :class:`~microbatch.choose.config.ChoiceConfig`.
 """
 
 from __future__ import annotations
