@@ -317,7 +317,9 @@ def apply_microbench(
     terms = kernel_terms(result, acc)
     warns: list[str] = []
     dtype = get_precision(precision).compute_dtype
-    if dtype != result.dtype and measured_on(result) == acc.name:  # elsewhere nothing is applied (kernel_terms)
+    if (
+        dtype != result.dtype and measured_on(result) == acc.name
+    ):  # elsewhere nothing is applied (kernel_terms)
         warns.append(
             f"{label} was measured in {result.dtype} but the plan computes in {dtype}: the measured ratios and "
             "fractions are applied to the other dtype (an extrapolation)"
