@@ -160,7 +160,8 @@ class _Walk:
         first, last = bound.fitted_on[0], bound.fitted_on[-1]
         return (
             f"knee settled: no micro-batch past {last} can beat {bound.throughput:,.1f}/s (the step-time "
-            f"line fitted from {first} to {last}), and {knee.micro_batch} is within {100 * tau:g}% of it"
+            f"line fitted from {first} to {last} as the search stopped), and {knee.micro_batch} is within "
+            f"{100 * tau:g}% of it"
         )
 
     def predicted_not_to_fit(self, b: int) -> bool:
