@@ -151,6 +151,13 @@ def test_a_calibration_tuned_without_dropout_says_so_on_a_plan_with_it(capsys, t
         ["memory", "--model", "gpt2", "--seq", "1024", "-b", "4", "--calibration", str(f)], capsys
     )["calibration_notes"]
     assert any("measured without dropout, the plan is with" in n for n in notes)
+    # a file that does not record the shape it measured (the Python API's to_dict): its dropout is not known, so
+    # nothing is said of it (the registry's dropout would be a guess)
+    f.write_text(json.dumps({k: v for k, v in json.loads(f.read_text()).items() if k != "model_shape"}))
+    notes = run_json(
+        ["memory", "--model", "gpt2", "--seq", "1024", "-b", "4", "--calibration", str(f)], capsys
+    )["calibration_notes"]
+    assert not any("dropout" in n for n in notes)
 
 
 def test_tune_out_file_has_the_envelope_and_feeds_recommend(capsys, tmp_path, monkeypatch):

@@ -90,12 +90,13 @@ def load_calibration(
         if strict:
             raise ConfigError(msg)
         warns.append(msg + "; used anyway")
-    if bool(cshape.dropout) != bool(shape.dropout):  # not geometry, but the terms the scale multiplies move
+    recorded = isinstance(data, dict) and (data.get("kind") == "calibration" or "model_shape" in data)
+    if recorded and bool(cshape.dropout) != bool(shape.dropout):  # not geometry, but the scaled terms move
+        # (a file without the shape measured names only its model: the registry's dropout is a guess there)
         warns.append(
             f"calibration {label} was measured {'with' if cshape.dropout else 'without'} dropout, the plan is "
             f"{'with' if shape.dropout else 'without'}: the activation scale is applied to the terms "
-            f"{'with' if shape.dropout else 'without'} its masks; plan with dropout "
-            f"{'on' if cshape.dropout else 'off'} to match it"
+            f"{'with' if shape.dropout else 'without'} its masks (plan's dropout setting can match it)"
         )
     if cal.precision != precision:
         warns.append(
@@ -184,7 +185,9 @@ def calibration_notes(
 def fixed_bytes_notes(cal: Calibration, gpu: Accelerator | None) -> list[str]:
     """What the calibration's fixed bytes stand for on ``gpu``: a CPU process's resident memory, measured on the
     CPU, is the CUDA context only roughly (``plan`` and ``memory`` say it the same way)."""
-    if gpu is None or cal.device.startswith("cuda"):
+    if (
+        gpu is None or cal.device.startswith("cuda") or cal.device == "gpu"
+    ):  # a GPU's, as records.is_cuda reads
         return []
     return [
         f"the fixed bytes ({format_bytes(cal.memory.fixed_bytes, unit='GiB')}) were measured as a CPU process's resident "

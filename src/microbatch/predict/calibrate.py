@@ -51,8 +51,9 @@ restored by :func:`~microbatch.predict.apply_calibration.calibrated_accelerator`
 a quick measured fp32 matmul peak and copy bandwidth (:func:`~microbatch.measure.cpu.measure_cpu`),
 or from figures given (:func:`~microbatch.hardware.cpu_accelerator`); where the measurements are
 faster than that peak allows (a busy machine understates it), :func:`cover_measurements` doubles
-it until the efficiency fit needs no clamp, and says so. The uncalibrated CPU prediction (80% of
-that peak, no runtime in the memory) is far off; the calibrated one absorbs both the choice of
+it for a fit until the fit needs no clamp, and says so (``validate`` raises it for each fit from that
+fit's own points and keeps the given, recorded or measured peak for the uncalibrated prediction,
+which is far off on a CPU: no runtime in the memory); the calibrated one absorbs both the choice of
 peak and the runtime.
 
 Reading the measured points is :func:`microbatch.records.read_measurements`; the step-time rule
@@ -123,7 +124,8 @@ def cover_measurements(
 
     For a CPU's nominal accelerator only: a matmul timed on a busy machine can understate the peak,
     and an efficiency cannot exceed 1. Returns (accelerator, note; "" when unchanged). The
-    calibrated efficiency is relative to the peak, so the choice changes only the uncalibrated figure.
+    calibrated efficiency is relative to the peak it was fitted at, so a calibrated prediction is read at that
+    raised peak; an uncalibrated one keeps the peak it was given.
     """
     dt = get_precision(meas.precision).compute_dtype
     seq, prec, ckpt = meas.seq, meas.precision, meas.checkpointing

@@ -268,11 +268,13 @@ def _fit(meas: Measurements, acc: Accelerator, bs: tuple[int, ...]) -> tuple[Acc
         dt = get_precision(meas.precision).compute_dtype
         if fit_acc.flops(dt) > MAX_PEAK_RAISE * acc.flops(dt):
             raise ConfigError(
-                f"{meas.source}: b_m {', '.join(map(str, bs))} ran faster than {MAX_PEAK_RAISE}x this CPU's roofline for "
+                f"{meas.source}: b_m {', '.join(map(str, bs))} ran faster than this CPU's roofline for "
                 f"{meas.shape.name} allows at {acc.flops(dt) / 1e9:.3g} GFLOP/s and "
-                f"{acc.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s: measured on another machine or for another model; "
-                "validate on the machine and with the model the points are of, or give that machine's "
-                "cpu_peak_gflops and cpu_bandwidth_gbs",
+                f"{acc.memory_bandwidth_bytes_per_s / 1e9:.3g} GB/s, even at {MAX_PEAK_RAISE}x that peak (where the "
+                "memory-bound terms alone are slower than the points, no peak covers them: the bandwidth was read "
+                "low): measured on another machine or for another model, or the figures read low; validate on the "
+                "machine and with the model the points are of, or give that machine's cpu_peak_gflops and "
+                "cpu_bandwidth_gbs",
                 params=("cpu_peak_gflops", "cpu_bandwidth_gbs"),
             )
     return fit_acc, calibrate(meas, fit_acc, micro_batches=list(bs)), raised

@@ -94,8 +94,9 @@ _OBJECT_LISTS = {
 def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
     """Refuse a ``tune`` or ``recommend`` result missing a field of :data:`_NEEDED` (null, or, for
     ``points``, an empty list): ConfigError naming ``source``, the fields and the fix, before anything is
-    written. A report of such a file would say ``b_m = None``; tune never writes one (a search that
-    measured nothing is refused), so the file was cut short, edited, or written by something else."""
+    written. A report of such a file would say ``b_m = None``; tune writes one only with the points it kept when
+    none met its limits (``micro_batch`` null beside an ``error``: said so); otherwise the file was cut short,
+    edited, or written by something else."""
     missing = [k for k in _NEEDED.get(kind, ()) if res.get(k) is None or res.get(k) == []]
     whole = f"give the whole JSON a microbatch {kind} wrote (its JSON output, or the result.json of its output folder)"
     if missing == ["micro_batch"] and res.get("error"):  # the points a tune kept when none met its limits

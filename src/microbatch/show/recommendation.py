@@ -53,8 +53,9 @@ def _margin_text(d: Mapping[str, Any], why: str, of: str = "it") -> str:
         return ""
     tau = float(d["tolerance"])
     reached = d.get("fraction_of_reference")
+    within = " within the limits" if d.get("left_out") else ""
     short = (
-        ": no measured b_m reached it, so the knee is the best measured"
+        f": no measured b_m reached it, so the knee is the best measured{within}"
         if reached is not None and reached < line * (1 - 1e-9)
         else ""
     )
