@@ -32,6 +32,7 @@ from microbatch.precision import PRECISIONS
 
 __all__ = [
     "GUESSED_KINDS",
+    "on_gpu",
     "load_json",
     "classify",
     "load_results",
@@ -261,7 +262,12 @@ class Measurements:
     @property
     def is_cuda(self) -> bool:
         """Measured on a GPU."""
-        return self.device.startswith("cuda") or self.device == "gpu"
+        return on_gpu(self.device)
+
+
+def on_gpu(device: str) -> bool:
+    """Whether a result file's ``device`` is a GPU's (``cuda``, ``cuda:1``, or ``gpu``)."""
+    return device.startswith("cuda") or device == "gpu"
 
 
 def _shape_of(model: Any, seq: int | None, source: str) -> tuple[ModelShape | None, str]:

@@ -277,10 +277,10 @@ def cmd(
         result = _measure(
             target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
         )
-    except (
-        NoChoiceError
-    ) as e:  # measured, but no point meets a limit: keep the points, show them, then say so
-        if not as_json:  # (with --json the error object carries them)
+    except NoChoiceError as e:
+        # measured, but no point meets a limit: keep the points, show them (with --json the error carries them),
+        # then say so
+        if not as_json:
             from microbatch.show.recommendation import render_curve
 
             click.echo("\n".join(render_curve({}, e.points)))

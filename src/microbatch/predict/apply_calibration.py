@@ -27,7 +27,7 @@ from microbatch.predict.kernel_calibration import kernel_terms, measured_cpu_acc
 from microbatch.predict.memory import MemoryCalibration
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.state import check_zero
-from microbatch.records import load_json, read_measurements
+from microbatch.records import load_json, on_gpu, read_measurements
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -185,9 +185,7 @@ def calibration_notes(
 def fixed_bytes_notes(cal: Calibration, gpu: Accelerator | None) -> list[str]:
     """What the calibration's fixed bytes stand for on ``gpu``: a CPU process's resident memory, measured on the
     CPU, is the CUDA context only roughly (``plan`` and ``memory`` say it the same way)."""
-    if (
-        gpu is None or cal.device.startswith("cuda") or cal.device == "gpu"
-    ):  # a GPU's, as records.is_cuda reads
+    if gpu is None or on_gpu(cal.device):
         return []
     return [
         f"the fixed bytes ({format_bytes(cal.memory.fixed_bytes, unit='GiB')}) were measured as a CPU process's resident "
@@ -320,9 +318,8 @@ def apply_microbench(
     terms = kernel_terms(result, acc)
     warns: list[str] = []
     dtype = get_precision(precision).compute_dtype
-    if (
-        dtype != result.dtype and measured_on(result) == acc.name
-    ):  # elsewhere nothing is applied (kernel_terms)
+    # in another dtype than measured, said where the terms are applied (elsewhere kernel_terms applies none)
+    if dtype != result.dtype and measured_on(result) == acc.name:
         warns.append(
             f"{label} was measured in {result.dtype} but the plan computes in {dtype}: the measured ratios and "
             "fractions are applied to the other dtype (an extrapolation)"
