@@ -27,7 +27,8 @@ from microbatch.errors import ConfigError
 __all__ = [
     "check_gemm_dtype",
     "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
-    "get_fp8_recipe", "saves_fp8_inputs", "weight_cache_bytes", "LOSS_DTYPES", "loss_bytes",
+    "get_fp8_recipe", "saves_fp8_inputs", "weight_cache_bytes", "LOSS_DTYPES", "loss_bytes", "LOSS_KERNELS",
+    "check_loss_kernel",
 ]  # fmt: skip
 
 LOSS_DTYPES = {"fp32": 4, "half": 2}
@@ -54,6 +55,27 @@ def loss_bytes(loss_dtype: str, precision: str = "bf16-mixed") -> int:
             params=("loss_dtype", "precision"),
         )
     return LOSS_DTYPES[loss_dtype]
+
+
+LOSS_KERNELS = {
+    "fused": "the loss works in place (Megatron's vocabulary-parallel cross-entropy): the kept logits are its "
+    "only copy",
+    "eager": "PyTorch's F.cross_entropy (Hugging Face's ForCausalLMLoss, plain loops, torchtitan without a "
+    "compiled loss): its backward holds two more copies of the kept logits at the step's peak",
+}
+"""How the cross-entropy over the vocabulary runs, which sets the memory its backward adds at the step's peak
+(:func:`microbatch.predict.activations.loss_backward_bytes`)."""
+
+
+def check_loss_kernel(loss_kernel: str) -> str:
+    """``loss_kernel`` when :data:`LOSS_KERNELS` knows it, else ConfigError naming the choices."""
+    if loss_kernel not in LOSS_KERNELS:
+        raise ConfigError(
+            f"loss_kernel {loss_kernel!r} is not known; use "
+            + "; or ".join(f"{k} ({why})" for k, why in LOSS_KERNELS.items()),
+            params=("loss_kernel",),
+        )
+    return loss_kernel
 
 
 @dataclass(frozen=True, kw_only=True)

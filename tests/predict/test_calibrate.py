@@ -94,10 +94,15 @@ def test_fit_line_exact_and_weighted():
 
 
 def test_analytic_memory_line_matches_estimate():
+    # the line of a measured loop: its loss is PyTorch's eager cross-entropy (tune's probes compute it so)
     static, a = analytic_memory_line(SHAPE, precision=PREC)
     for b in (1, 3, 16):
-        est = estimate_memory(SHAPE, MemoryConfig(micro_batch=b, precision=PREC))
+        est = estimate_memory(SHAPE, MemoryConfig(micro_batch=b, precision=PREC, loss_kernel="eager"))
         assert est.peak_bytes == pytest.approx(static + a * b)
+    fused, a_fused = analytic_memory_line(SHAPE, precision=PREC, loss_kernel="fused")
+    assert fused == static and a - a_fused == pytest.approx(
+        2 * 4 * SHAPE.seq * SHAPE.vocab
+    )  # two fp32 copies
     assert static == pytest.approx(16 * SHAPE.param_count())  # 2 + 2 + 12 B/param (ZeRO §3.1)
 
 
@@ -395,10 +400,12 @@ def test_apply_calibration_for_plan_and_memory(tmp_path):
     text = "\n".join(calibration_lines(app))
     assert "activations × 1.300" in text and "+ 0.75 GiB fixed" in text and "0.45 of peak" in text
     assert text.count("note: ") == len(app.notes)
-    # the planner takes both corrections through its public config
+    # the planner takes both corrections through its public config, and the loss the calibration measured
+    assert app.calibration.loss_kernel == "eager"
     base = dict(
-        shape=SHAPE, gpu=ACC, global_batch=16, micro_batches=(16,), recompute=("none",), precision=PREC
-    )
+        shape=SHAPE, gpu=ACC, global_batch=16, micro_batches=(16,), recompute=("none",), precision=PREC,
+        loss_kernel=app.calibration.loss_kernel,
+    )  # fmt: skip
     plain = make_plan(PlanConfig(**base)).candidates[0]
     cal = make_plan(PlanConfig(**base, memory_calibration=app.memory, efficiency=app.efficiency)).candidates[
         0

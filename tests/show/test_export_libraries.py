@@ -40,7 +40,7 @@ def test_deepspeed_pipeline_with_tensor_parallelism_names_the_topology():
     engine's batch check then fails (deepspeed/runtime/pipe/module.py, pipe/engine.py)."""
     notes = " ".join(export_plan(_plan(pipeline_parallel=2, tensor_parallel=2, zero=(1,)), "deepspeed").notes)
     assert "topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)" in notes
-    assert "PipelineModule(num_stages=2)" in " ".join(
+    assert "PipelineModule(num_stages=2, partition_method=" in " ".join(
         export_plan(_plan(pipeline_parallel=2, zero=(1,)), "deepspeed").notes
     )
 

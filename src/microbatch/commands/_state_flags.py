@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from microbatch.precision import LOSS_DTYPES, PRECISIONS
+from microbatch.precision import LOSS_DTYPES, LOSS_KERNELS, PRECISIONS
 from microbatch.predict.state import GRAD_DTYPES, MASTER_WEIGHTS, MOMENT_DTYPES, OPTIMIZERS
 
 __all__ = ["precision_options"]
@@ -19,7 +19,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def precision_options(f: F) -> F:
     """``--precision``, ``--grad-dtype``, ``--optimizer``, ``--moments-dtype`` and ``--master-weights``: the bytes of
-    training state per parameter (:mod:`microbatch.predict.state`); ``--loss-dtype``: the logits' bytes."""
+    training state per parameter (:mod:`microbatch.predict.state`); ``--loss-dtype``: the logits' bytes;
+    ``--loss-kernel``: the copies of them the loss's backward adds."""
     opts = [
         click.option(
             "--precision",
@@ -54,6 +55,13 @@ def precision_options(f: F) -> F:
             "--loss-dtype", type=click.Choice(list(LOSS_DTYPES)), default="fp32", show_default=True,
             help="The logits the loss reads and keeps: fp32 (upcast: Megatron's, torchtitan's, Hugging Face's and "
             "autocast's default) or half (Megatron's --fp16-lm-cross-entropy; a bf16 model's loss without autocast).",
+        ),
+        click.option(
+            "--loss-kernel", type=click.Choice(list(LOSS_KERNELS)), default=None,
+            help="How the cross-entropy runs: fused (in place: Megatron's vocabulary-parallel loss) or eager "
+            "(PyTorch's F.cross_entropy: the Hugging Face Trainer, Lightning and plain loops), whose backward holds "
+            "two more copies of the logits at the peak (2·4 B·s·b_m·V/t). Default: a --calibration's (tune measures "
+            "an eager loss), else fused.",
         ),
     ]  # fmt: skip
     for opt in reversed(opts):

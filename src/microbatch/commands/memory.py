@@ -74,7 +74,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, zero: str, data_parallel: int, layers_per_stage: str | None,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, zero: str, data_parallel: int, layers_per_stage: str | None,
     pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
@@ -105,6 +105,7 @@ def cmd(
         moments_dtype=moments_dtype,
         master_weights=master_weights,
         loss_dtype=loss_dtype,
+        loss_kernel=loss_kernel or "fused",
         recompute=recompute,
         flash_attention=flash,
         pipeline_grad_reduce=pipeline_grad_reduce,
@@ -135,6 +136,7 @@ def cmd(
         )  # fmt: skip
         applied = apply_calibration(calibration, shape=shape, precision=precision, layout=layout)
         applied = replace(applied, notes=applied.notes + tuple(fixed_bytes_notes(applied.calibration, acc)))
+        cfg = replace(cfg, loss_kernel=loss_kernel or applied.calibration.loss_kernel)  # the loop it measured
     est = estimate_memory(shape, cfg, applied.memory if applied else None)
     out = est.to_dict()
     out["total_params"] = shape.param_count()

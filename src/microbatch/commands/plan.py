@@ -182,7 +182,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
     parallel_block: bool | None, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
@@ -225,6 +225,7 @@ def cmd(
         moments_dtype=moments_dtype,
         master_weights=master_weights,
         loss_dtype=loss_dtype,
+        loss_kernel=loss_kernel or "fused",
         flash_attention=flash,
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,
@@ -239,7 +240,7 @@ def cmd(
         efficiency=efficiency,
         **expert_layout,
     )
-    plans, applied = _plans(cfg, gpus, calibration, named_kernel=attention_kernel != "sdpa")
+    plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
@@ -332,11 +333,13 @@ def _accelerators(
 
 
 def _plans(
-    cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None, named_kernel: bool = False
-) -> tuple[list[Plan], list[AppliedCalibration]]:
+    cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None, named_kernel: bool = False,
+    loss_kernel: str | None = None,
+) -> tuple[list[Plan], list[AppliedCalibration]]:  # fmt: skip
     """One plan per accelerator, each with ``calibration`` applied when one is given. With ``named_kernel`` (an
     ``--attention-kernel`` other than sdpa) the rows keep that kernel's attention figures: a calibration measures
-    PyTorch's SDPA, not the kernel named."""
+    PyTorch's SDPA, not the kernel named. A calibrated plan prices ``loss_kernel``, or when None the loss the
+    calibration measured."""
     from microbatch.predict.plan import compare_gpus
 
     shape, precision = cfg.shape, cfg.precision
@@ -365,6 +368,7 @@ def _plans(
                     cfg,
                     gpu=_kernel_kept(a.accelerator, g) if named_kernel else a.accelerator or g,
                     memory_calibration=a.memory,
+                    loss_kernel=loss_kernel or a.calibration.loss_kernel,
                     efficiency=replace(
                         a.efficiency,
                         fused_elementwise=cfg.efficiency.fused_elementwise,

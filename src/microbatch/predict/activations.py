@@ -26,6 +26,7 @@ __all__ = [
     "layer_activation_bytes",
     "embedding_activation_bytes",
     "output_activation_bytes",
+    "loss_backward_bytes",
     "block_activation_bytes",
     "stage_block_bytes",
     "blocks_activation_bytes",
@@ -220,6 +221,33 @@ def output_activation_bytes(
         2 * dtype_bytes * s * micro_batch * shape.hidden / sp
         + logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
     )
+
+
+def loss_backward_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    *,
+    seq: int | None = None,
+    tensor_parallel: int = 1,
+    logits_bytes: int = 4,
+    loss_kernel: str = "fused",
+) -> float:
+    """Bytes the cross-entropy's backward adds over the kept logits, at the step's peak: 2·``logits_bytes``·s·b·V/t
+    for PyTorch's eager loss, 0 for a fused one (:data:`microbatch.precision.LOSS_KERNELS`).
+
+    Eager ``F.cross_entropy`` is ``log_softmax`` then ``nll_loss``: the forward keeps the log-probabilities (the
+    logits :func:`output_activation_bytes` counts); the backward's ``nll_loss_backward`` writes a dense gradient
+    of them, and ``_log_softmax_backward_data`` a new gradient of its input while both are alive (ATen's
+    ``SoftMax.cpp``, out-of-place kernels): three copies of the logits at once, two beyond the kept one.
+    Measured on the CPU by a dispatch-level tracker of every tensor's storage (``tests/predict/
+    test_loss_kernel.py``): 4,096 rows × V 8,000, fp32: 125 MiB kept, 250 MiB more in the backward. Megatron's
+    ``_VocabParallelCrossEntropy`` keeps the softmax and writes its gradient in place (0 more). The loss backward
+    runs before the stage's first layer recomputes, so the larger of this and the recompute working set counts.
+    """
+    if loss_kernel != "eager":
+        return 0.0
+    s = seq or shape.seq
+    return 2.0 * logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
 
 
 def block_activation_bytes(

@@ -79,9 +79,17 @@ from microbatch.fit import fit_line
 from microbatch.hardware import Accelerator
 from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
 from microbatch.model import ModelShape
-from microbatch.precision import get_precision
+from microbatch.precision import check_loss_kernel, get_precision
 from microbatch.predict.latency import latency_bound
-from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
+from microbatch.predict.memory import MemoryCalibration
+from microbatch.predict.memory_fit import (
+    MEASURED_LOSS_KERNEL,
+    MIN_POINTS,
+    analytic_memory_line,
+    fit_memory_calibration,
+    need_points,
+    predict_memory_bytes,
+)
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.saved_calibration import (
     EAGER_OPTIMIZER_FIELD,
@@ -91,10 +99,10 @@ from microbatch.predict.saved_calibration import (
 )
 from microbatch.predict.steptime import predict_step_time_s
 from microbatch.records import MeasuredPoint, Measurements, read_measurements
-from microbatch.units import format_bytes
 
 __all__ = [
     "MIN_POINTS",
+    "MEASURED_LOSS_KERNEL",
     "MeasuredPoint",
     "Measurements",
     "Calibration",
@@ -110,9 +118,6 @@ __all__ = [
     "clock_basis",
     "calibrate",
 ]
-
-MIN_POINTS = 2
-"""Distinct b_m (not out of memory) a fit needs: two parameters per fit (a line)."""
 
 
 # -- accelerators --------------------------------------------------------------------------------
@@ -151,93 +156,6 @@ def cover_measurements(
         return acc, ""
     note = f"a measured point was faster than the roofline at this peak: peak raised ×{2**k}"
     return replace(acc, source=f"{acc.source}; {note}"), note
-
-
-def _memory_config(b: int, seq: int, precision: str, checkpointing: bool) -> MemoryConfig:
-    return MemoryConfig(
-        micro_batch=b,
-        seq=seq,
-        precision=precision,
-        optimizer="adamw",
-        recompute="full" if checkpointing else "none",
-    )
-
-
-def predict_memory_bytes(
-    shape: ModelShape,
-    micro_batch: int,
-    *,
-    seq: int | None = None,
-    precision: str = "bf16-mixed",
-    checkpointing: bool = False,
-    calibration: MemoryCalibration | None = None,
-) -> float:
-    """Peak bytes of one device training ``shape`` at b_m with AdamW, no parallelism (:func:`estimate_memory`)."""
-    cfg = _memory_config(micro_batch, seq or shape.seq, precision, checkpointing)
-    return estimate_memory(shape, cfg, calibration).peak_bytes
-
-
-def analytic_memory_line(
-    shape: ModelShape, *, seq: int | None = None, precision: str = "bf16-mixed", checkpointing: bool = False
-) -> tuple[float, float]:
-    """(S, a): the analytic peak is S + a·b_m — model state S and activation bytes a per sequence.
-
-    Exact: every activation term of :mod:`microbatch.predict.memory` is proportional to b_m.
-    """
-    est = estimate_memory(shape, _memory_config(1, seq or shape.seq, precision, checkpointing))
-    st = est.peak_stage
-    return st.state_bytes, st.activations_bytes
-
-
-# -- fits ------------------------------------------------------------------------------------------
-def need_points(kind: str, have: Sequence[int], source: str, need: int = MIN_POINTS) -> None:
-    """Raise :class:`ConfigError` unless ``have`` holds ``need`` b_m, saying how many more to measure."""
-    if len(have) < need:
-        more = need - len(have)
-        raise ConfigError(
-            f"{source}: fitting {kind} needs at least {need} measured b_m (not out of memory, with {kind} "
-            f"measured); it has {len(have)} ({', '.join(map(str, have)) or 'none'}): measure {more} more "
-            f"(e.g. a tune probes b_m 1, 2, 4, ...)"
-        )
-
-
-def fit_memory_calibration(
-    shape: ModelShape,
-    points: Sequence[MeasuredPoint],
-    *,
-    seq: int | None = None,
-    precision: str = "bf16-mixed",
-    checkpointing: bool = False,
-    source: str = "calibration",
-) -> tuple[MemoryCalibration, dict[str, float], list[str]]:
-    """(calibration, fit details, notes): activation_scale = β/a, fixed_bytes = α − S (module docstring)."""
-    pts = [(p.micro_batch, p.peak_memory_bytes) for p in points if p.peak_memory_bytes is not None]
-    need_points("peak memory", [b for b, _ in pts], source)
-    alpha, beta = fit_line([b for b, _ in pts], [m for _, m in pts])
-    static, per_sample = analytic_memory_line(
-        shape, seq=seq, precision=precision, checkpointing=checkpointing
-    )
-    notes = []
-    if beta <= 0:
-        raise ConfigError(
-            f"{source}: measured peak memory does not grow with b_m (slope {beta:.3g} bytes per sequence over "
-            f"b_m {', '.join(str(b) for b, _ in pts)}); measure larger b_m, where activations dominate"
-        )
-    fixed = alpha - static
-    if fixed < 0:
-        notes.append(
-            f"fitted fixed bytes {format_bytes(fixed, digits=0, unit='MiB')} < 0 (the analytic model state "
-            f"{format_bytes(static, unit='GiB')} "
-            "exceeds the measured intercept); clamped to 0"
-        )
-    details = {
-        "measured_intercept_bytes": alpha,
-        "measured_slope_bytes_per_sample": beta,
-        "analytic_static_bytes": static,
-        "analytic_activation_bytes_per_sample": per_sample,
-        "fixed_bytes_fitted": fixed,
-    }
-    return MemoryCalibration(activation_scale=beta / per_sample, fixed_bytes=max(0.0, fixed)), details, notes
 
 
 def point_efficiency(
@@ -384,9 +302,13 @@ class Calibration:
     """Fit details: measured line, analytic line, per-point efficiencies."""
     notes: tuple[str, ...] = ()
     """Clamps and assumptions of the fit."""
+    loss_kernel: str = "fused"
+    """The loss the memory scale was fitted with (:data:`MEASURED_LOSS_KERNEL` for a fit; files saved before the
+    field, fused), and the one a calibrated plan prices unless told another."""
 
     def __post_init__(self) -> None:
         plain_numbers(self)
+        check_loss_kernel(self.loss_kernel)
         if not 0 < self.sustained_clock_fraction <= MAX_CLOCK_FRACTION:
             raise ConfigError(
                 f"calibration sustained_clock_fraction {self.sustained_clock_fraction!r} is not in (0, "
@@ -428,6 +350,7 @@ class Calibration:
             "memory_key": self.memory_key,
             "details": self.details,
             "notes": list(self.notes),
+            "loss_kernel": self.loss_kernel,
         }
 
     @classmethod
@@ -455,6 +378,7 @@ class Calibration:
                 memory_key=d.get("memory_key", "peak_memory_bytes"),
                 details=dict(d.get("details", {})),
                 notes=tuple(d.get("notes", ())),
+                loss_kernel=d.get("loss_kernel", "fused"),  # saved before the field: fitted on the fused line
             )
         except (KeyError, TypeError, ValueError, ConfigError) as e:
             why = f"it has no {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
@@ -494,4 +418,5 @@ def calibrate(
         memory_key=meas.memory_key,
         details={**mdet, **edet},
         notes=tuple(meas.notes) + tuple(notes),
+        loss_kernel=MEASURED_LOSS_KERNEL,
     )

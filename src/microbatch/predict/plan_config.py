@@ -25,7 +25,13 @@ from microbatch.errors import (
 )
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape, check_seq
-from microbatch.precision import check_gemm_dtype, get_fp8_recipe, get_precision, loss_bytes
+from microbatch.precision import (
+    check_gemm_dtype,
+    check_loss_kernel,
+    get_fp8_recipe,
+    get_precision,
+    loss_bytes,
+)
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import check_context_exchange, check_context_layout, check_ulysses_heads
@@ -109,6 +115,9 @@ class PlanConfig:
     """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
     loss_dtype: str = "fp32"
     """The logits the loss reads and keeps: fp32 (upcast) or half (:data:`microbatch.precision.LOSS_DTYPES`)."""
+    loss_kernel: str = "fused"
+    """fused (in place) or eager (PyTorch's F.cross_entropy: two more copies of the logits in its backward):
+    :data:`microbatch.precision.LOSS_KERNELS`."""
     flash_attention: bool | None = None
     """Flash attention; None means the model's setting."""
     memory_headroom: float = DEFAULT_HEADROOM
@@ -209,6 +218,7 @@ class PlanConfig:
         self._check_choices()
         self.state_bytes_per_param()  # validates the precision and the four state settings
         loss_bytes(self.loss_dtype, self.precision)
+        check_loss_kernel(self.loss_kernel)
         self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
         self._check_virtuals_split_layers()
         if self.choose not in CHOICES:
@@ -393,6 +403,12 @@ class PlanConfig:
         """Bytes a candidate may use: capacity × (1 − headroom)."""
         return self.gpu.memory_bytes * (1 - self.memory_headroom)
 
+    @property
+    def elementwise(self) -> str:
+        """The elementwise kernels priced: ``compiled`` (torch.compile), ``fused`` (hand-written) or ``eager``."""
+        eff = self.efficiency
+        return "eager" if not eff.fused_elementwise else "compiled" if eff.fused_norm_memory else "fused"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the model, the accelerator, the layout and the memory budget."""
         return {
@@ -430,6 +446,8 @@ class PlanConfig:
             "moments_dtype": self.moments_dtype,
             "master_weights": self.master_weights,
             "loss_dtype": self.loss_dtype,
+            "loss_kernel": self.loss_kernel,
+            "elementwise": self.elementwise,
             "memory_headroom": self.memory_headroom,
             "memory_budget_bytes": self.memory_budget_bytes,
             "num_gpus": self.num_gpus,

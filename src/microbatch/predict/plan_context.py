@@ -16,6 +16,7 @@ from microbatch.precision import LOSS_DTYPES, get_precision, saves_fp8_inputs, w
 from microbatch.predict.activations import (
     block_activation_bytes,
     embedding_activation_bytes,
+    loss_backward_bytes,
     output_activation_bytes,
 )
 from microbatch.predict.collectives import pipeline_hop_bandwidth
@@ -78,6 +79,9 @@ class Activations(NamedTuple):
     """Expert parallelism: the all-to-all send and receive buffers of the layer in flight (other bytes)."""
     dense_per_layer: float | None = None
     """A mixture-of-experts model with dense blocks too (:attr:`Context.moe_split`): a dense block's ``per_layer``."""
+    loss_backward: float = 0.0
+    """An eager loss's backward: two more copies of the logits on the stage holding the head
+    (:func:`~microbatch.predict.activations.loss_backward_bytes`); with ``working`` the larger counts there."""
 
 
 @dataclass
@@ -308,16 +312,20 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
             block_activation_bytes(cfg.shape.dense_block(), b, **kw)[0] if ctx.moe_split is not None else None
         )
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
-        out = output_activation_bytes(
-            cfg.shape, b, dtype_bytes=ctx.e, logits_bytes=LOSS_DTYPES[cfg.loss_dtype], **ctx.act_kw
-        )
+        lb = LOSS_DTYPES[cfg.loss_dtype]
+        out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, logits_bytes=lb, **ctx.act_kw)
+        loss_tr = loss_backward_bytes(
+            cfg.shape, b, seq=ctx.act_kw["seq"], tensor_parallel=cfg.tensor_parallel, logits_bytes=lb,
+            loss_kernel=cfg.loss_kernel,
+        )  # fmt: skip
         a2a = 0.0
         if cfg.expert_parallel > 1:
             s_local = cfg.seq_len // cfg.context_parallel
             a2a = 2 * dispatch_bytes(cfg.shape, b, s_local, dtype_bytes=ctx.e, load=cfg.expert_load)
         hit = Activations(
-            per_layer=per_layer, working=working, embedding=emb, output=out, a2a=a2a, dense_per_layer=dense
-        )
+            per_layer=per_layer, working=working, embedding=emb, output=out, a2a=a2a, dense_per_layer=dense,
+            loss_backward=loss_tr,
+        )  # fmt: skip
         ctx.act_cache[key] = hit
     return hit
 

@@ -189,7 +189,7 @@ def _state(
 def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight, v: int) -> tuple[float, ...]:
     """Activation bytes of each probed stage at b_m = ``b`` under recompute ``rc`` and the schedule's in-flight
     rule ``flight`` (:func:`_flight`), with the memory calibration's scale."""
-    per_layer, working, emb, out, _, dense = activations(ctx, b, rc)
+    per_layer, working, emb, out, _, dense, loss_tr = activations(ctx, b, rc)
     scale = ctx.cfg.memory_calibration.activation_scale
     ks = moe_blocks(ctx, v, flight.v_placement) if dense is not None else None  # each rank's MoE blocks
     rows = []
@@ -200,8 +200,10 @@ def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight, v: int) 
             acts = stage_block_bytes(per_layer, dense, n_layers, ks[ctx.probe[j]]) * layers_mb + working
         if first:
             acts += emb * held
-        if head:
-            acts += out * held
+        if (
+            head
+        ):  # the loss's backward and the recompute come at different moments: the larger transient counts
+            acts += out * held + max(0.0, loss_tr - working)
         rows.append(acts * scale)
     return tuple(rows)
 

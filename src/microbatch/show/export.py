@@ -155,7 +155,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype",
                     "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip",
-                    "loss_dtype", "optimizer", "ep_overlap"):  # fmt: skip
+                    "loss_dtype", "loss_kernel", "optimizer", "ep_overlap", "elementwise"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
@@ -237,13 +237,20 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
             f"{c['micro_batch']} × {c['grad_accum']} × {d * t}"
         )
     if p > 1:  # without a topology PipelineModule counts the t ranks as data-parallel (dp = world / p)
-        build = (f"PipelineModule(layers, topology=PipeModelDataParallelTopology(num_pp={p}, num_mp={t}, num_dp={d}))"
-                 if t > 1 else f"PipelineModule(num_stages={p})")  # fmt: skip
+        # DeepSpeed's default partition_method='parameters' balances parameters, not the plan's blocks per stage
+        how = "partition_method='type:<YourBlock>'"
+        build = (f"PipelineModule(layers, topology=PipeModelDataParallelTopology(num_pp={p}, num_mp={t}, num_dp={d}), "
+                 f"{how})" if t > 1 else f"PipelineModule(num_stages={p}, {how})")  # fmt: skip
         notes.append(
             f"pipeline engine: gradient_accumulation_steps = m = {c['grad_accum']} micro-batches per flush; "
             f"build {build}; DeepSpeed's engine runs its own 1F1B-like schedule"
             + (f", not {c.get('schedule')}" if not _deepspeed_native(c.get("schedule")) else "")
         )
+        if c.get("layers_per_stage"):
+            notes.append(
+                f"the plan's uneven split {c['layers_per_stage']} has no partition_method (DeepSpeed splits by "
+                "parameters, uniformly or by a layer type): override PipelineModule._partition_layers to set it"
+            )
     if c.get("recompute", "none") != "none":
         every = c.get("recompute_every", 1)
         notes.append(
@@ -259,6 +266,10 @@ def _deepspeed(c: Json) -> tuple[Json, list[str]]:
                 params=("zero",),
             )
         notes.append(deepspeed_moe_note(ep, c.get("capacity_factor"), t))
+    for key, what in (("async_tp", "tensor-parallel collectives overlapped with their GEMMs (async TP)"),
+                      ("ep_overlap", "expert all-to-alls hidden behind other micro-batches' work")):  # fmt: skip
+        if c.get(key):
+            notes.append(f"the plan priced {what}; DeepSpeed's config has no such setting: they run exposed")
     return cfg, notes
 
 
@@ -314,6 +325,8 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
         )
     if c.get("zero", 0) > 0:
         notes.append(f"ZeRO {c['zero']}: pass deepspeed=<the DeepSpeed JSON of this plan> or use FSDP")
+    if c.get("elementwise") == "compiled":  # the plan priced torch.compile's fused elementwise kernels
+        cfg["torch_compile"] = True
     return cfg, notes
 
 
@@ -406,7 +419,7 @@ def _export(cand: Json, fmt: str, notes: tuple[str, ...] = (), what: str = "plan
     check_names(cand, what)
     _check_supported(cand, fmt)
     cfg, more = _BUILDERS[fmt](cand)
-    return Export(format=fmt, config=cfg, notes=tuple(more) + notes + assumed_notes(cand))
+    return Export(format=fmt, config=cfg, notes=tuple(more) + notes + assumed_notes(cand, fmt))
 
 
 def export_plan(
@@ -446,6 +459,7 @@ def candidate_from_tune(result: object) -> Json:
         "micro_batch": b, "grad_accum": g, "global_batch": big_b,
         "data_parallel": data.get("data_parallel") or 1, "precision": data.get("precision", "fp32"),
         "recompute": "full" if ckpt else "none",
+        "loss_kernel": "eager",  # measured with its loop's own loss (tune's probes: PyTorch's eager one)
     }  # fmt: skip
     if data.get("seq"):
         cand["seq"] = data["seq"]

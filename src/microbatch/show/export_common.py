@@ -105,10 +105,11 @@ def check_names(c: Json, what: str) -> None:
         )
 
 
-def assumed_notes(c: Json) -> tuple[str, ...]:
+def assumed_notes(c: Json, fmt: str = "") -> tuple[str, ...]:
     """What the plan priced that no exported config sets: an optimizer other than AdamW (the Hugging Face Trainer's
-    ``optim`` and torchtitan's ``[optimizer] name`` default to it; DeepSpeed and Lightning take yours) and a loss over
-    half logits (the Trainer's and torchtitan's losses upcast them)."""
+    ``optim`` and torchtitan's ``[optimizer] name`` default to it; DeepSpeed and Lightning take yours), a loss over
+    half logits (the Trainer's and torchtitan's losses upcast them), and for the Trainer and Lightning (format
+    ``fmt``) a fused loss where theirs is PyTorch's eager cross-entropy (:data:`microbatch.precision.LOSS_KERNELS`)."""
     notes = []
     if c.get("optimizer", "adamw") != "adamw":
         notes.append(
@@ -119,6 +120,27 @@ def assumed_notes(c: Json) -> tuple[str, ...]:
         notes.append(
             "the plan priced the loss over half logits (Megatron's fp16_lm_cross_entropy); the Trainer's "
             "and torchtitan's losses upcast them to fp32: 2 B a logit more in memory and time than planned"
+        )
+    kernels = {
+        "compiled": "torch.compile's generated",
+        "fused": "hand-written fused (Megatron's, TE's, apex's)",
+    }
+    written = {"hf": "compiled", "torchtitan": "compiled"}  # the formats whose config turns compile on
+    if c.get("elementwise") in kernels and written.get(fmt) != c["elementwise"]:
+        notes.append(
+            f"the plan priced {kernels[c['elementwise']]} elementwise kernels (norms, activations, softmax); the "
+            "config does not choose kernels: "
+            + (
+                "torch.compile the model in your code"
+                if c["elementwise"] == "compiled"
+                else "build the model with them"
+            )
+        )
+    if fmt in ("hf", "lightning") and c.get("loss_kernel", "fused") != "eager":
+        who = "the Trainer's loss (ForCausalLMLoss)" if fmt == "hf" else "a LightningModule's F.cross_entropy"
+        notes.append(
+            f"the plan priced a fused, in-place loss; {who} is PyTorch's eager cross-entropy, whose backward "
+            "holds two more copies of the logits at the peak: plan with loss_kernel eager to price them"
         )
     return tuple(notes)
 

@@ -51,7 +51,35 @@ def lightning_config(c: Json) -> tuple[Json, list[str]]:
             )
     if c.get("recompute", "none") != "none":
         notes.append(f"recompute {c['recompute']}: enable activation checkpointing in the LightningModule")
-    return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes
+    return {"trainer": trainer, "dataloader": {"batch_size": c["micro_batch"]}}, notes + _lightning_notes(
+        c, trainer
+    )
+
+
+def _lightning_notes(c: Json, trainer: Json) -> list[str]:
+    """What Lightning's strategies and FP8 plugin run otherwise than the plan priced, and the code that matches it
+    (lightning 2.6: ``strategies/fsdp.py``, ``connectors/accelerator_connector.py``, ``plugins/precision``)."""
+    notes = []
+    if trainer.get("strategy") == "fsdp":  # registered with no auto_wrap_policy: one unit, gathered whole
+        notes.append(
+            "strategy 'fsdp' shards the whole model as one unit (no auto_wrap_policy), gathering every weight at "
+            "once; pass strategy=FSDPStrategy(auto_wrap_policy={YourBlock}) with your transformer block class (or "
+            "wrap in configure_model) so one block is gathered at a time, as planned"
+        )
+    if precision_of(c) == "fp8":  # Lightning's export takes only fp32 master weights
+        notes.append(
+            "precision 'transformer-engine' casts the weights to bf16 (TransformerEnginePrecision(weights_dtype="
+            "torch.bfloat16)): no fp32 master copy, where the plan priced one (4 B a parameter less than planned, "
+            "and the optimizer updates bf16 weights)"
+        )
+    if c.get("grad_dtype") == "fp32" and trainer.get("strategy", "ddp") != "ddp":
+        notes.append(
+            "the plan priced fp32 gradients (grad_dtype fp32); Lightning's DeepSpeed and FSDP strategies keep and "
+            "reduce them in the model's dtype unless told: DeepSpeedStrategy(config={'data_types': "
+            "{'grad_accum_dtype': 'fp32'}, ...}) or FSDPStrategy(mixed_precision=MixedPrecision(reduce_dtype="
+            "torch.float32))"
+        )
+    return notes
 
 
 def _check_lightning(c: Json) -> None:

@@ -150,6 +150,16 @@ def _check_torchtitan(c: Json) -> None:
         )
     if p > 1:
         _check_stages_per_rank(str(c.get("schedule", DEFAULT_SCHEDULE)), int(c.get("virtual", 1) or 1))
+    spec = schedule_spec(c.get("schedule"))  # DualPipeV: a forward overlapped with a backward
+    overlapped = spec is not None and spec.overlapped is not None
+    if p > 1 and ep > 1 and overlapped and c.get("recompute", "none") != "none":
+        raise ConfigError(
+            "torchtitan refuses DualPipeV with expert parallelism and activation checkpointing together (from 0.2.1 "
+            "get_dual_pipe_v_flag raises NotImplementedError while pipeline_parallel_expert_parallel_overlap, its "
+            f"default, is on), here recompute {c.get('recompute')} with expert_parallel {ep}; plan again with recompute "
+            "none or another schedule",
+            params=("recompute", "schedule"),
+        )
 
 
 def _check_stages_per_rank(name: str, v: int) -> None:
@@ -296,6 +306,8 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
         cfg["quantize.linear.float8"] = {"recipe_name": c.get("fp8_recipe", "tensorwise")}
         cfg.setdefault("compile", {})["enable"] = True
         notes.append("float8 linears need torch.compile to fuse the casts (compile.enable = true, written)")
+    if c.get("elementwise") == "compiled":  # the plan priced torch.compile's fused elementwise kernels
+        cfg.setdefault("compile", {})["enable"] = True
     ac = cfg["activation_checkpoint"]
     if ac["mode"] == "op":
         ac.update(mode="selective", selective_ac_option="op")

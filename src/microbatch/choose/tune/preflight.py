@@ -138,9 +138,12 @@ def check_smallest_fits(
     if budget is None:
         return
     from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.predict.memory_fit import MEASURED_LOSS_KERNEL
 
     rc = "none" if checkpointing == "off" else "full"
-    cfg = MemoryConfig(micro_batch=start, seq=seq, precision=precision, recompute=rc)
+    cfg = MemoryConfig(
+        micro_batch=start, seq=seq, precision=precision, recompute=rc, loss_kernel=MEASURED_LOSS_KERNEL
+    )
     peak = estimate_memory(shape.with_seq(seq), cfg).peak_bytes
     if peak > SMALLEST_FIT_MARGIN * budget:
         raise ConfigError(
