@@ -157,22 +157,23 @@ class Accelerator:
             if isinstance(v, (int, float)) and 0 < v < 1:
                 raise ConfigError(f"{self.name} {f} is {v:g} per second; no device runs below 1: give it in bytes "
                                   "(FLOP) per second, e.g. 2.0e12")  # fmt: skip
+        lo = _clk.MIN_FIGURE_FRACTION
         for f in ("intra_node_achievable", "inter_node_achievable"):
             v = getattr(self, f)
-            if not isinstance(v, (int, float)) or not (0 < v <= 1):
+            if not isinstance(v, (int, float)) or not (lo <= v <= 1):
                 raise ConfigError(
-                    f"{self.name} {f} must be in (0, 1], got {v!r}; give the measured bus bandwidth "
+                    f"{self.name} {f} must be in [{lo:g}, 1], got {v!r}; give the measured bus bandwidth "
                     "over the link's figure (1 when unknown)"
                 )
         v = self.attention_fraction
-        if v is not None and (not isinstance(v, (int, float)) or not (0 < v <= 1)):
+        if v is not None and (not isinstance(v, (int, float)) or not (lo <= v <= 1)):
             raise ConfigError(
-                f"{self.name} attention_fraction must be in (0, 1], got {v!r}; give the share of the bf16 "
+                f"{self.name} attention_fraction must be in [{lo:g}, 1], got {v!r}; give the share of the bf16 "
                 "peak a causal flash-attention kernel reaches (or leave it unset)"
             )
         r = self.attention_ramp
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= MAX_ATTENTION_RAMP:
-            raise ConfigError(f"{self.name} attention_ramp must be in (0, {MAX_ATTENTION_RAMP:g}], got {r!r}; give 1 "
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not lo <= r <= MAX_ATTENTION_RAMP:
+            raise ConfigError(f"{self.name} attention_ramp must be in [{lo:g}, {MAX_ATTENTION_RAMP:g}], got {r!r}; give 1 "
                               "for the FA2 H100 curves' ramp, more for a kernel that reaches its ceiling later")  # fmt: skip
         v = self.sustained_clock_fraction
         lo, hi = _clk.MIN_CLOCK_FRACTION, _clk.MAX_CLOCK_FRACTION
@@ -191,11 +192,11 @@ class Accelerator:
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")
-            check_positive(
-                f"{self.name} peak_flops[{dt}]",
-                self.peak_flops[dt],
-                fix="give the device's dense peak FLOP/s",
-            )
+        for dt, peak in self.peak_flops.items():  # fp8's too, where given: a GEMM's time divides by it
+            if peak is not None:
+                check_positive(
+                    f"{self.name} peak_flops[{dt}]", peak, fix="give the device's dense peak FLOP/s"
+                )
         if self.compute_units is not None:
             check_positive_int(f"{self.name} compute_units", self.compute_units,
                                fix="give the SMs (NVIDIA) or compute units (AMD) the GEMM tiles run on")  # fmt: skip

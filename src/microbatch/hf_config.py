@@ -442,6 +442,7 @@ def from_hf_config(
         seq=seq or positions or 2048,
     )
     fields.update(_block_fields(raw, model_type, positions))
+    fields.update({k: v for k, v in given.items() if k in fields})  # the sizes given win before the rules run
     for f in ("layers", "hidden", "heads", "vocab"):
         if not isinstance(fields[f], int) or isinstance(fields[f], bool):
             raise ConfigError(
@@ -451,20 +452,24 @@ def from_hf_config(
     fields.update(
         moe=experts_from_hf(raw, vals["ffn_hidden"], source, given), mla=latent_attention_from_hf(raw, source)
     )
-    if fields["mla"] is not None:  # transformers' DeepSeek configs set head_dim to the rotary slice
+    if (
+        fields["mla"] is not None and "head_size" not in given
+    ):  # DeepSeek's configs: head_dim the rotary slice
         # hidden/heads then, or, where heads do not divide hidden (GLM-4.7-Flash: 20 on 2,048), a query head's width
         h, a = fields["hidden"], fields["heads"]
         whole = isinstance(h, int) and isinstance(a, int) and a > 0 and h % a == 0
         fields["head_size"] = None if whole else fields["mla"].qk_head_dim
-    if isinstance(vals["layers"], int):
-        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(
-            raw, vals["layers"], positions, source
-        )
+    if isinstance(layers := fields["layers"], int):  # the count given, if any: the windowed share is of it
+        fields["sliding_window"], fields["sliding_layers"] = sliding_window_of(raw, layers, positions, source)
         if fields["sliding_window"] is None:  # Llama 4: a chunk of its own for three layers in four
-            chunk, count = chunked_attention_of(raw, vals["layers"], source)
+            chunk, count = chunked_attention_of(raw, layers, source)
             if chunk is not None:
                 fields.update(sliding_window=chunk, sliding_layers=count, local_attention="chunked")
     try:
         return ModelShape(**fields)
-    except ConfigError as e:  # a rule between fields (heads divide hidden): name the file
-        raise ConfigError(f"{source}: {e}", params=_HF) from None
+    except (
+        ConfigError
+    ) as e:  # a rule between fields (heads divide hidden): name the file, and the sizes given
+        mine = tuple(k for k in getattr(e, "params", ()) if k in given)  # a flag in the rule: it names itself
+        with_given = f" with {', '.join(f'{k} {given[k]}' for k in mine)} given" if mine else ""
+        raise ConfigError(f"{source}{with_given}: {e}", params=(*_HF, *mine)) from None

@@ -329,7 +329,12 @@ def latent_attention_from_hf(raw: dict[str, Any], source: str) -> LatentAttentio
         if raw.get(k) is not None
     }
     q = raw.get("q_lora_rank")
-    return LatentAttention(q_lora_rank=None if q is None else _whole(raw, "q_lora_rank", q, source), **dims)
+    try:
+        return LatentAttention(
+            q_lora_rank=None if q is None else _whole(raw, "q_lora_rank", q, source), **dims
+        )
+    except ConfigError as e:  # a key of the file, not a flag: name the file (its params are the file's)
+        raise ConfigError(f"{source}: {e}", params=("hf_config",)) from None
 
 
 def as_experts(value: Experts | dict[str, Any] | None) -> Experts | None:

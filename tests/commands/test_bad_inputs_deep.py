@@ -37,7 +37,7 @@ def test_a_capacity_factor_past_every_token_is_refused(capsys, value):
     [
         (
             "attention_ramp=1e308",
-            r"attention_ramp must be in \(0, 100\]",
+            r"attention_ramp must be in \[0.001, 100\]",
         ),  # was 5.5e306 s a step, recommended
         (
             "sustained_clock_fraction=1e-300",

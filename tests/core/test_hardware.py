@@ -94,9 +94,9 @@ def test_achievable_link_fractions_are_cited_and_checked():
     assert get_accelerator("l4").intra_node_achievable == 1.0  # no figure for PCIe: line rate
     doc = Accelerator.__doc__ or ""
     assert "Accelerator" in repr(a100) and doc
-    with pytest.raises(ConfigError, match=r"intra_node_achievable must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"intra_node_achievable must be in \[0.001, 1\]"):
         a100.with_overrides(intra_node_achievable=1.5)
-    with pytest.raises(ConfigError, match=r"inter_node_achievable must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"inter_node_achievable must be in \[0.001, 1\]"):
         a100.with_overrides(inter_node_achievable=0)
 
 
@@ -125,7 +125,7 @@ def test_issue28_rows_and_the_flash_ceiling():
     assert (
         get_accelerator("h100-sxm", **parse_overrides(["attention_fraction=0.5"])).attention_fraction == 0.5
     )
-    with pytest.raises(ConfigError, match=r"attention_fraction must be in \(0, 1\], got 1.5"):
+    with pytest.raises(ConfigError, match=r"attention_fraction must be in \[0.001, 1\], got 1.5"):
         sxm.with_overrides(attention_fraction=1.5)
 
 

@@ -91,13 +91,13 @@ def test_no_shard_degree_is_the_whole_group_and_zero0_ignores_it():
     a = make_plan(_cfg(shard_degree=None)).candidates[0]
     b = make_plan(_cfg(shard_degree=64)).candidates[0]
     assert a.step_time_s == b.step_time_s and a.peak_memory_bytes == b.peak_memory_bytes
-    # ZeRO 0 is plain DDP over all d ranks whatever the groups: among ZeRO 0-3 (auto) its candidates are the same
-    plain = make_plan(_cfg(zero=(0,), shard_degree=None, global_batch=4096)).candidates[0]
-    mixed = [
-        c for c in make_plan(_cfg(zero=None, shard_degree=8, global_batch=4096)).candidates if c.zero == 0
-    ]
-    same = next(c for c in mixed if (c.micro_batch, c.recompute) == (plain.micro_batch, plain.recompute))
-    assert same.to_dict()["time"]["dp_comm_s"] == pytest.approx(plain.to_dict()["time"]["dp_comm_s"])
+    # a shard degree asks for sharding: auto ZeRO searches the sharded stages only (ZeRO 0, plain DDP over all d
+    # ranks, ignores the groups: a plan recommending it under "HSDP 8 x 8" contradicted its own header)
+    assert {c.zero for c in make_plan(_cfg(zero=None, shard_degree=8, global_batch=4096)).candidates} <= {
+        1,
+        2,
+        3,
+    }
     # asked for alone, ZeRO 0 with a shard degree shards nothing: refused, naming both
     with pytest.raises(
         ConfigError, match=r"shard_degree 8 shards the training state .* zero 0 shards nothing"

@@ -208,3 +208,18 @@ def test_the_hugging_face_export_names_the_eager_loss_a_fused_plan_left_out() ->
     ).to_dict()  # fmt: skip
     assert not any("loss_kernel" in n for n in export_plan(eager, "hf").notes)
     assert not any("loss_kernel" in n for n in export_plan(plan, "deepspeed").notes)
+
+
+def test_torchtitan_without_compile_runs_an_eager_loss_and_the_texts_name_the_kernel(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from microbatch.predict.gemm import COMPILED_NORM_MEMORY, DEFAULT_EFFICIENCY
+
+    base = dict(shape=SHAPE, gpu=H200, global_batch=16, data_parallel=2, micro_batches=(4,), zero=(3,))
+    eager_loop = make_plan(PlanConfig(**base)).to_dict()
+    assert any("torchtitan's loss without compile" in n for n in export_plan(eager_loop, "torchtitan").notes)
+    compiled = replace(DEFAULT_EFFICIENCY, fused_elementwise=True, fused_norm_memory=COMPILED_NORM_MEMORY)
+    titan = export_plan(make_plan(PlanConfig(**base, efficiency=compiled)).to_dict(), "torchtitan")
+    assert not any("loss_kernel" in n for n in titan.notes)  # its loss compiled with the model
+    assert main(["memory", "--model", "llama-3.2-1b", "-b", "1", "--loss-kernel", "eager"]) == 0
+    assert "eager loss" in capsys.readouterr().out

@@ -392,7 +392,7 @@ def choice_config(choice_spec: Mapping[str, Any]) -> ChoiceConfig:
 
 def parse_split(text: str | None) -> tuple[int, ...] | None:
     """``--layers-per-stage 5,6,6,5`` as a tuple; None when not given."""
-    if not text:
+    if text is None:
         return None
     try:
         return tuple(int(x) for x in text.split(","))

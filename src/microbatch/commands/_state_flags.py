@@ -60,7 +60,8 @@ def precision_options(f: F) -> F:
             "--loss-kernel", type=click.Choice(list(LOSS_KERNELS)), default=None,
             help="How the cross-entropy runs: fused (in place: Megatron's vocabulary-parallel loss) or eager "
             "(PyTorch's F.cross_entropy: the Hugging Face Trainer, Lightning and plain loops), whose backward holds "
-            "two more copies of the logits at the peak (2·4 B·s·b_m·V/t). Default: a --calibration's (tune measures "
+            "two more copies of the logits at the peak (2 × the logits' bytes: 2·4 B·s·b_m·V/t in fp32). Default: a "
+            "--calibration's (tune measures "
             "an eager loss), else fused.",
         ),
     ]  # fmt: skip

@@ -52,10 +52,13 @@ def cmd(
     Example: microbatch batch --global-batch 512 --micro-batch 8 --data-parallel 4
     prints g = 16. With pipelining, g = m × k (m micro-batches per flush, k flushes).
     """
-    from microbatch.batch import solve
+    from microbatch.batch import check_batch_quantity, solve
     from microbatch.errors import ConfigError
 
     given = (global_batch, micro_batch, grad_accum, data_parallel)
+    for name, v in zip(("global_batch", "micro_batch", "grad_accum", "data_parallel"), given, strict=True):
+        if v is not None:  # each in range before the identity between them
+            check_batch_quantity(name, v)
     if all(v is not None for v in given):
         b, m, g, d = (int(v) for v in given)  # type: ignore[arg-type]  # all given: checked just above
         if m * g * d != b:

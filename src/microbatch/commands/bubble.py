@@ -33,12 +33,23 @@ __all__ = ["cmd"]
 @microbatches_option
 @click.option("--schedule", "-s", "schedule_name", default="gpipe", show_default=True, help=SCHEDULE_HELP)
 @virtual_option
-@click.option("--forward-time", type=float, default=None, help="Zero-bubble only: T_F (default 1).")
 @click.option(
-    "--input-time", type=float, default=None, help="Zero-bubble only: T_I, input-gradient time (default 1)."
+    "--forward-time",
+    type=float,
+    default=None,
+    help="Split-backward schedules only (zb-h1, zbv, zb-interleaved, dualpipev): T_F (default 1).",
 )
 @click.option(
-    "--weight-time", type=float, default=None, help="Zero-bubble only: T_W, weight-gradient time (default 1)."
+    "--input-time",
+    type=float,
+    default=None,
+    help="Split-backward schedules only: T_I, input-gradient time (default 1).",
+)
+@click.option(
+    "--weight-time",
+    type=float,
+    default=None,
+    help="Split-backward schedules only: T_W, weight-gradient time (default 1).",
 )
 @width_option
 @click.option("--no-diagram", is_flag=True, help="Print the numbers only.")

@@ -63,6 +63,16 @@ def cmd(
             "give exactly one of --plan (a `plan --json` file) or --tune (a tune's result.json)"
         )
     bare_json = output is not None and fmt != "torchtitan" and not as_json  # a config with no room for a mark
+    want = ".toml" if fmt == "torchtitan" and not as_json else ".json"  # what the file will hold
+    wrong = {".toml", ".json"} - {
+        want
+    }  # another suffix (or none) is the user's choice; the other format's is not
+    if output is not None and any(str(output).lower().endswith(w) for w in wrong):
+        raise ConfigError(
+            f"--output {output} would hold {'TOML' if want == '.toml' else 'JSON'} ({fmt}"
+            + (", --json: the envelope" if as_json else "")
+            + f"); name it with {want}"
+        )
     if (
         output is not None
     ):  # before the work; a missing folder is made; never the input, never a file not ours

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -23,6 +23,9 @@ from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.commands._state_flags import precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.state import PIPELINE_GRAD_REDUCE
+
+if TYPE_CHECKING:
+    from microbatch.hardware import Accelerator
 from microbatch.show.answers import render_memory
 
 __all__ = ["cmd"]
@@ -42,7 +45,11 @@ __all__ = ["cmd"]
 @click.option("--tensor-parallel", "-t", "tensor_parallel", type=int, default=1, show_default=True, help="t.")
 @stages_option(required=False, default=1)
 @click.option(
-    "--virtual", "-v", type=int, default=1, show_default=True, help="v: chunks per rank (interleaved)."
+    "--virtual",
+    "-v",
+    type=int,
+    default=None,
+    help="v: chunks per rank (interleaved; default 1, or the schedule's own: 2 for dualpipev).",
 )
 @click.option("--microbatches", "-m", type=int, help="m per flush (default 4p).")
 @click.option(
@@ -72,7 +79,7 @@ __all__ = ["cmd"]
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
 def cmd(
-    model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int,
+    model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int | None,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
     precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, zero: str, data_parallel: int, layers_per_stage: str | None,
     pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
@@ -86,6 +93,7 @@ def cmd(
     from microbatch.predict.memory import MemoryConfig, estimate_memory
     from microbatch.schedules.registry import default_schedule
 
+    virtual = _chunks_per_rank(virtual, schedule, stages)
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
     cfg = MemoryConfig(
@@ -144,7 +152,26 @@ def cmd(
     if applied:
         out.update(applied.to_dict())
     if acc is not None:
-        out["gpu"] = acc.name
-        out["gpu_memory_bytes"] = acc.memory_bytes
-        out["fits"] = est.peak_bytes <= acc.memory_bytes
+        out.update(_fit_fields(est.peak_bytes, acc))
     emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))
+
+
+def _fit_fields(peak: float, acc: Accelerator) -> dict[str, Any]:
+    """Whether ``peak`` fits ``acc`` as plan judges it, peak <= capacity × (1 − headroom), and the device itself."""
+    from microbatch.hardware import DEFAULT_HEADROOM
+
+    budget = acc.memory_bytes * (1 - DEFAULT_HEADROOM)
+    return {
+        "gpu": acc.name, "gpu_memory_bytes": acc.memory_bytes, "memory_headroom": DEFAULT_HEADROOM,
+        "memory_budget_bytes": budget, "fits": peak <= budget, "fits_device": peak <= acc.memory_bytes,
+    }  # fmt: skip
+
+
+def _chunks_per_rank(virtual: int | None, schedule: str | None, stages: int) -> int:
+    """``--virtual``, else the schedule's own chunks per rank under a pipeline (a V schedule's 2: bubble reads it
+    so), else 1."""
+    if virtual is not None:
+        return virtual
+    from microbatch.schedules.registry import get_spec
+
+    return (get_spec(schedule).stages_per_rank if schedule and stages > 1 else None) or 1

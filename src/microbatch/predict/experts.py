@@ -26,11 +26,26 @@ __all__ = [
 ]
 
 
+def ep_group_words(data_parallel: int, context_parallel: int = 1, shard_degree: int | None = None) -> str:
+    """The ranks expert parallelism is carved from, in words: the data-parallel (× context-parallel) group, or hybrid
+    sharding's shard group; the count :func:`check_expert_layout` is given."""
+    d = data_parallel if shard_degree is None else shard_degree
+    what = "data-parallel" if shard_degree is None else "shard-group"
+    return (
+        f"{what} {d}"
+        if context_parallel == 1
+        else f"{what} × context-parallel {d} × {context_parallel} = {d * context_parallel}"
+    )
+
+
 def check_expert_layout(
-    shape: ModelShape, expert_parallel: int, data_parallel: int, capacity_factor: float | None = None
-) -> None:
+    shape: ModelShape, expert_parallel: int, data_parallel: int, capacity_factor: float | None = None,
+    group: str | None = None,
+) -> None:  # fmt: skip
     """ConfigError unless EP divides E and the data-parallel size d (EP lives inside the d replicas), and
-    unless a capacity factor comes with routed experts (on a dense model it would change nothing)."""
+    unless a capacity factor comes with routed experts (on a dense model it would change nothing). ``group``: the
+    ranks ``data_parallel`` counts, in words (:func:`ep_group_words`)."""
+    group = group or f"data-parallel {data_parallel}"
     check_positive_int("expert_parallel", expert_parallel)
     if capacity_factor is not None and shape.moe is None:
         raise ConfigError(
@@ -64,14 +79,14 @@ def check_expert_layout(
         raise ConfigError(
             f"expert_parallel {expert_parallel} does not divide experts {e}; every GPU holds E/EP whole "
             f"experts; use expert_parallel among {ok}"
-            + (f" at data-parallel {data_parallel} ({', '.join(map(str, wider))} with a data-parallel they divide)"
+            + (f" at {group} ({', '.join(map(str, wider))} with a data-parallel they divide)"
                if wider else ""),
             params=("expert_parallel", "data_parallel"),
         )  # fmt: skip
     if data_parallel % expert_parallel:
         ok = [x for x in range(1, data_parallel + 1) if data_parallel % x == 0 and e % x == 0]
         raise ConfigError(
-            f"expert_parallel {expert_parallel} does not divide data-parallel {data_parallel}; the experts are "
+            f"expert_parallel {expert_parallel} does not divide {group}; the experts are "
             f"spread over ranks of the data-parallel group (Megatron's layout); use expert_parallel among {ok}",
             params=("expert_parallel",),
         )

@@ -21,9 +21,9 @@ from microbatch.predict.activations import (
     check_recompute,
 )
 from microbatch.predict.context import check_context_layout
-from microbatch.predict.experts import check_expert_layout, expert_load
+from microbatch.predict.experts import check_expert_layout, ep_group_words, expert_load
 from microbatch.predict.recompute import check_every_kth
-from microbatch.predict.stages import split_layers
+from microbatch.predict.stages import check_unpipelined, split_layers
 from microbatch.predict.state import (
     check_hybrid,
     check_pipeline_grad_reduce,
@@ -157,6 +157,12 @@ class MemoryConfig:
                 "use schedule interleaved-1f1b or virtual 1",
                 params=("virtual", "schedule"),
             )
+        check_unpipelined(
+            self.pipeline_parallel,
+            (self.schedule,),
+            (self.virtual,),
+            ("schedule", "virtual", "pipeline_parallel"),
+        )
         if self.pipeline_parallel > 1:  # the schedule's own (p, m, v) rule, as bubble and simulate apply it
             registry.check_servable(self.schedule, self.pipeline_parallel, self.m, self.virtual)
         if self.sequence_parallel and self.tensor_parallel == 1:
@@ -210,8 +216,7 @@ class MemoryConfig:
                 f"interleaved 1F1B needs layers {shape.layers} divisible by stages {p} × virtual {v} = {p * v}; "
                 f"use virtual among {ok or 'none (no v > 1 fits)'}"
             )
-        check_expert_layout(
-            shape, self.expert_parallel, self.data_parallel * self.context_parallel, self.capacity_factor
-        )
+        d, c = self.data_parallel, self.context_parallel
+        check_expert_layout(shape, self.expert_parallel, d * c, self.capacity_factor, ep_group_words(d, c))
         flash = shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq or shape.seq, self.context_parallel, flash)

@@ -200,6 +200,8 @@ def _screens(cfg: PlanConfig, ctx: Context) -> Iterator[tuple[Screened, list[Zer
     bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
     zs = cfg.zero or (ZERO_STAGES if cfg.zero_group > 1 else (0,))  # nothing to shard over: ZeRO 0
+    if cfg.zero is None and cfg.shard_degree is not None:  # hybrid sharding asked for: a sharded stage
+        zs = tuple(z for z in zs if z >= 1) or zs
     virtuals: dict[str, list[int]] = {}
     for b in bms:
         m = grad_accum_for(cfg.global_batch, b, cfg.data_parallel)  # m = g: one flush per step
@@ -227,10 +229,15 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
                     "drop layers_per_stage, or use another schedule",
                     params=("layers_per_stage", "schedules"),
                 )
-            ok = [x for x in range(1, L // v + 1) if L % (v * x) == 0]
+            ok = [x for x in range(2, L // v + 1) if L % (v * x) == 0]  # p = 1 has no pipeline to schedule
+            use = (
+                f"use pipeline_parallel among {ok}, or"
+                if ok
+                else f"no pipeline_parallel splits {L} layers so; use"
+            )
             raise ConfigError(
                 f"{only.name} needs an even split of layers {L} into {v} × stages {p} = {v * p} chunks "
-                f"({_count(v)} per rank, no layers_per_stage); use pipeline_parallel among {ok}, or another schedule",
+                f"({_count(v)} per rank, no layers_per_stage); {use} another schedule",
                 params=("layers_per_stage", "pipeline_parallel"),
             )
         names = list(cfg.schedules or schedule_names(in_flight=True))

@@ -35,10 +35,11 @@ from microbatch.precision import (
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import check_context_exchange, check_context_layout, check_ulysses_heads
-from microbatch.predict.experts import check_expert_layout, expert_load
+from microbatch.predict.experts import check_expert_layout, ep_group_words, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.recompute import check_every_kth
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
+from microbatch.predict.stages import check_unpipelined
 from microbatch.predict.state import (
     ZERO_STAGES,
     check_hybrid,
@@ -266,6 +267,23 @@ class PlanConfig:
         for b in self.micro_batches or ():
             check_positive_int("micro_batches", b)
             check_micro_batch(self.global_batch, b, self.data_parallel)
+        self._check_no_op_choices()
+
+    def _check_no_op_choices(self) -> None:
+        """ConfigError for a choice that cannot apply, rather than a plan that ignores it: a pipeline schedule other
+        than 1F1B's label or a v > 1 without pipeline stages, expert overlap on a dense model."""
+        check_unpipelined(
+            self.pipeline_parallel,
+            self.schedules or (),
+            self.virtuals or (),
+            ("schedules", "virtuals", "pipeline_parallel"),
+        )
+        if self.ep_overlap and self.shape.moe is None:
+            raise ConfigError(
+                f"ep_overlap hides the expert all-to-alls, and {self.shape.name} is dense (no expert layers); give "
+                "experts E and top_k K, a MoE model, or drop ep_overlap",
+                params=("ep_overlap", "experts", "top_k"),
+            )
 
     def _check_virtuals_split_layers(self) -> None:
         """ConfigError for a v that leaves a chunk without a layer (uneven stages) or does not divide L/p."""
@@ -347,7 +365,8 @@ class PlanConfig:
             )
         if get_precision(self.precision).gemm_dtype is not None:
             check_gemm_dtype(self.precision, self.gpu.name, self.gpu.peak_flops)
-        check_expert_layout(self.shape, self.expert_parallel, self.shard_group, self.capacity_factor)
+        words = ep_group_words(self.data_parallel, self.context_parallel, self.shard_degree)
+        check_expert_layout(self.shape, self.expert_parallel, self.shard_group, self.capacity_factor, words)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
         check_context_layout(self.seq_len, self.context_parallel, flash)
         if check_context_exchange(self.cp_comm) == "ulysses":

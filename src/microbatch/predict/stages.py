@@ -6,11 +6,33 @@ planner (:mod:`microbatch.predict.plan_context`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from microbatch.errors import ConfigError, check_positive_int
 from microbatch.model import ModelShape
 from microbatch.schedules.action import stage_to_rank
+from microbatch.schedules.registry import DEFAULT_SCHEDULE
 
-__all__ = ["rank_moe_blocks", "split_layers", "stage_params"]
+__all__ = ["check_unpipelined", "rank_moe_blocks", "split_layers", "stage_params"]
+
+
+def check_unpipelined(
+    stages: int, schedules: Sequence[str], virtuals: Sequence[int], params: tuple[str, str, str]
+) -> None:
+    """ConfigError for a schedule other than the one a run without stages is labelled with, or a v > 1, when there is
+    no pipeline (``stages`` 1): nothing for them to shape, so a plan or a memory estimate would ignore them (or
+    count micro-batches in flight that no pipeline holds). ``params``: the schedule's, v's and p's parameter names."""
+    if stages != 1:
+        return
+    odd = [f"schedule {s}" for s in schedules if s != DEFAULT_SCHEDULE] + [
+        f"virtual {v}" for v in virtuals if v > 1
+    ]
+    if odd:
+        raise ConfigError(
+            f"{' and '.join(odd)} {'needs' if len(odd) == 1 else 'need'} pipeline stages, and pipeline_parallel is 1 "
+            "(no pipeline: nothing for it to shape); give pipeline_parallel > 1, or drop it",
+            params=params,
+        )
 
 
 def split_layers(

@@ -114,6 +114,12 @@ def bytes_per_param(
         )
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
+    if not _BUFFERS[optimizer] and moments != "fp32":  # a setting of buffers the optimizer does not keep
+        raise ConfigError(
+            f"moments_dtype {moments} sets the optimizer's buffers, and {optimizer} keeps none; drop moments_dtype, or "
+            f"use an optimizer with moments ({', '.join(k for k, n in _BUFFERS.items() if n)})",
+            params=("moments_dtype", "optimizer"),
+        )
     buffers = _BUFFERS[optimizer] * (
         4 if moments == "fp32" else 2
     )  # Lion and SGD: one buffer, plain SGD none

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from microbatch.precision import get_precision, weight_cache_bytes
 from microbatch.show.text import bubble_lines, pct, render_stats_table, render_timeline_text
 from microbatch.units import format_bytes, format_number
 
@@ -123,7 +124,6 @@ def render_memory(
     applied: AppliedCalibration | None,
 ) -> str:
     """``memory``'s text: the setting, one row per stage, the peak and whether it fits."""
-    from microbatch.hardware import DEFAULT_HEADROOM
 
     w, g, o = cfg.state_bytes_per_param()
     moe = shape.moe
@@ -136,8 +136,11 @@ def render_memory(
         f"{shape.name}: {params}; b_m={cfg.micro_batch} s={cfg.seq or shape.seq} "
         f"t={cfg.tensor_parallel}{' +SP' if cfg.sequence_parallel else ''} p={cfg.pipeline_parallel} "
         f"{f'c={cfg.context_parallel} ' if cfg.context_parallel > 1 else ''}"
-        f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}; {cfg.precision} "
-        f"({w}+{g}+{o} = {w + g + o} B/param), ZeRO {cfg.zero} over d={cfg.data_parallel}"
+        f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}"
+        f"{f' (one layer in {cfg.recompute_every})' if cfg.recompute == 'full' and cfg.recompute_every > 1 else ''}; "
+        f"{_precision_words(cfg)} "
+        f"({w}+{g}+{o} = {w + g + o} B/param{_cache_words(cfg)}), {cfg.loss_kernel} loss, ZeRO {cfg.zero} over "
+        f"d={cfg.data_parallel}"
         + (
             f" in groups of {cfg.shard_degree} (hybrid: {cfg.data_parallel // cfg.shard_degree} replicas)"
             if cfg.shard_degree is not None and cfg.zero >= 1 and cfg.shard_degree < cfg.data_parallel
@@ -168,13 +171,36 @@ def render_memory(
     ]
     if acc is not None:
         verdict = "fits" if out["fits"] else "does NOT fit"
+        budget, whole = (
+            format_bytes(out["memory_budget_bytes"], unit="GiB"),
+            format_bytes(acc.memory_bytes, unit="GiB"),
+        )
         lines.append(
-            f"{verdict} in {acc.name} ({format_bytes(acc.memory_bytes, digits=0, unit='GiB')}; keep "
-            f"~{100 * DEFAULT_HEADROOM:.0f}% headroom)"
+            f"{verdict} in {budget} of {acc.name} ({whole} × (1 − headroom {out['memory_headroom']:g}), as plan keeps)"
+            + (
+                "; it fits the whole device, with less than the headroom free"
+                if out["fits_device"] and not out["fits"]
+                else ""
+            )
         )
     if applied:
         lines += [""] + calibration_lines(applied)
     return "\n".join(lines)
+
+
+def _precision_words(cfg: MemoryConfig) -> str:
+    """The precision, with its FP8 recipe where the GEMMs are FP8."""
+    return (
+        f"{cfg.precision} {cfg.fp8_recipe}"
+        if get_precision(cfg.precision).gemm_dtype == "fp8"
+        else cfg.precision
+    )
+
+
+def _cache_words(cfg: MemoryConfig) -> str:
+    """`` + n B a layer parameter of FP8 weights cached`` where the recipe keeps them (Transformer Engine's), else ``""``."""
+    n = weight_cache_bytes(cfg.precision, cfg.fp8_recipe)
+    return f" + {n} B a layer parameter of cached FP8 weights" if n else ""
 
 
 def render_microbench(d: dict[str, Any]) -> str:
@@ -248,7 +274,8 @@ def calibration_lines(applied: AppliedCalibration) -> list[str]:
     head = (
         f"calibrated from {c.model} s={c.seq} {c.precision} on {c.device_name or c.device} (b_m "
         f"{', '.join(map(str, c.micro_batches))}): activations × {m.activation_scale:.3f}, "
-        f"+ {format_bytes(m.fixed_bytes, unit='GiB')} fixed"
+        f"+ {format_bytes(m.fixed_bytes, unit='GiB')} fixed, fitted with {c.loss_kernel} loss (priced so unless "
+        "told another)"
     )
     if applied.efficiency is c.efficiency and c.efficiency is not None:
         e = c.efficiency

@@ -136,8 +136,13 @@ def assumed_notes(c: Json, fmt: str = "") -> tuple[str, ...]:
                 else "build the model with them"
             )
         )
-    if fmt in ("hf", "lightning") and c.get("loss_kernel", "fused") != "eager":
-        who = "the Trainer's loss (ForCausalLMLoss)" if fmt == "hf" else "a LightningModule's F.cross_entropy"
+    # torchtitan compiles its loss with the model where compile is on (the export turns it on for these)
+    compiled = c.get("elementwise") == "compiled" or precision_of(c) == "fp8" or bool(c.get("async_tp"))
+    eager = {"hf": "the Trainer's loss (ForCausalLMLoss)", "lightning": "a LightningModule's F.cross_entropy"}
+    if not compiled:
+        eager["torchtitan"] = "torchtitan's loss without compile"
+    if fmt in eager and c.get("loss_kernel", "fused") != "eager":
+        who = eager[fmt]
         notes.append(
             f"the plan priced a fused, in-place loss; {who} is PyTorch's eager cross-entropy, whose backward "
             "holds two more copies of the logits at the peak: plan with loss_kernel eager to price them"

@@ -69,8 +69,8 @@ def _lightning_notes(c: Json, trainer: Json) -> list[str]:
     if precision_of(c) == "fp8":  # Lightning's export takes only fp32 master weights
         notes.append(
             "precision 'transformer-engine' casts the weights to bf16 (TransformerEnginePrecision(weights_dtype="
-            "torch.bfloat16)): no fp32 master copy, where the plan priced one (4 B a parameter less than planned, "
-            "and the optimizer updates bf16 weights)"
+            "torch.bfloat16)) before the optimizer is built: no fp32 master copy and the optimizer's buffers in bf16, "
+            "where the plan priced fp32 ones (with AdamW 8 B a parameter less than planned; the updates in bf16)"
         )
     if c.get("grad_dtype") == "fp32" and trainer.get("strategy", "ddp") != "ddp":
         notes.append(

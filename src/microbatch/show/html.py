@@ -79,7 +79,8 @@ _NEEDED = {
     "validate": ("rows",),
 }
 """The fields without which a kind of result has no answer to report: the knee and (a tune) the measured
-points; a simulation's schedule and bubble; a validation's rows. Other fields missing read ``—`` where they would
+points; a simulation's schedule and bubble; a validation's rows. A plan with none of candidates, plans or
+recommended is refused too (:func:`check_result`). Other fields missing read ``—`` where they would
 be shown."""
 
 _OBJECT_LISTS = {
@@ -98,6 +99,8 @@ def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
     none met its limits (``micro_batch`` null beside an ``error``: said so); otherwise the file was cut short,
     edited, or written by something else."""
     missing = [k for k in _NEEDED.get(kind, ()) if res.get(k) is None or res.get(k) == []]
+    if kind == "plan" and not any(res.get(k) for k in ("candidates", "plans", "recommended")):
+        missing = ["candidates"]  # a hollow plan: no row, no comparison, no choice to draw
     whole = f"give the whole JSON a microbatch {kind} wrote (its JSON output, or the result.json of its output folder)"
     if missing == ["micro_batch"] and res.get("error"):  # the points a tune kept when none met its limits
         raise ConfigError(
@@ -185,10 +188,16 @@ def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
 
 
 def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[str]:
-    """The best candidate at each b_m (fitting first, then the fastest), in b_m order, the recommended
-    one highlighted; with a line saying so when candidates were left out."""
+    """The best candidate at each b_m as the plan ranks them (fitting first, the fastest first; of those that do not
+    fit, the smallest peak first: :func:`microbatch.predict.plan._sort_key`), in b_m order, the recommended one
+    highlighted; with a line saying so when candidates were left out."""
     parts: list[str] = []
-    ranked = sorted(cands, key=lambda c: (not c.get("fits", True), c.get("step_time_s") or 1e300))
+
+    def rank(c: dict[str, Any]) -> tuple[bool, float]:
+        fits = c.get("fits", True)
+        return (not fits, (c.get("step_time_s") if fits else c.get("peak_memory_bytes")) or 1e300)
+
+    ranked = sorted(cands, key=rank)
     per_b: dict[Any, dict[str, Any]] = {}
     for c in ranked:
         per_b.setdefault(c.get("micro_batch"), c)
@@ -196,7 +205,8 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
     if len(per_b) < len(cands):
         parts.append(
             f"<p>The best of {len(cands)} candidates at each micro-batch b_m (those that fit first, then the "
-            "fastest); the recommended one is highlighted, above its b_m's fastest where they differ.</p>"
+            "fastest; where none fits, the smallest peak); the recommended one is highlighted, above its b_m's "
+            "fastest where they differ.</p>"
         )
 
     def is_rec(c: dict[str, Any]) -> bool:

@@ -223,7 +223,7 @@ def _explain(
                 f"but its GEMMs reach {100 * s.gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) "
                 f"and its step takes {s.step_time_s:.3g} s"
             )
-        parts.append(f"Smaller b_m = {s.micro_batch} {why}.")
+        parts.append(f"Smaller b_m = {s.micro_batch}{_run_as(s, smaller[-1], p)} {why}.")
     if larger:
         g = _like(candidates, larger[0], c)
         if not g.fits:
@@ -235,7 +235,7 @@ def _explain(
                 f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak for {gib(g.peak_memory_bytes)}"
             )  # fmt: skip
             why += f"; its step takes {g.step_time_s:.3g} s"
-        parts.append(f"Larger b_m = {g.micro_batch} {why}.")
+        parts.append(f"Larger b_m = {g.micro_batch}{_run_as(g, larger[0], p)} {why}.")
     if moe is not None:
         parts.append(_moe_knee(c, *moe))
     choice = _choice_line(fastest, knee, choose, tolerance, margin, say("choose", words))
@@ -257,6 +257,15 @@ def _like(candidates: Sequence[Candidate], best: Candidate, c: Candidate) -> Can
     )
     found = next(like, None)
     return found if found is not None and found.fits else best
+
+
+def _run_as(x: Candidate, row: Candidate, p: int) -> str:
+    """`` run as the recommendation (…)`` when the compared candidate ``x`` is not the table's row ``row`` for its
+    b_m (:func:`_like` compares like with like), else ``""``: the words then say which row they describe."""
+    if x is row:
+        return ""
+    how = ([x.schedule] if p > 1 else []) + ([f"v = {x.virtual}"] if x.virtual > 1 else [])
+    return f" run as the recommendation ({', '.join([*how, f'recompute {x.recompute}', f'ZeRO {x.zero}'])})"
 
 
 def _moe_knee(c: Candidate, moe: Experts, seq: int, ep: int, capacity: float | None) -> str:

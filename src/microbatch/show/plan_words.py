@@ -121,7 +121,8 @@ def advice_lines(advice: Advice) -> list[str]:
     out = [
         f"nothing fits in {gib(advice.budget_bytes)} ({gib(advice.memory_bytes)} × (1 − headroom "
         f"{advice.headroom:g})); the smallest peak is {gib(best.peak_memory_bytes)} at b_m = {best.micro_batch}, "
-        f"{best.schedule}, recompute {best.recompute}, ZeRO {best.zero} (weights {gib(best.memory['weights'])}, "
+        f"{best.schedule if best.pipeline_parallel > 1 else 'no pipeline'}, recompute {best.recompute}, ZeRO "
+        f"{best.zero} (weights {gib(best.memory['weights'])}, "
         f"optimizer {gib(best.memory['optimizer'])}, activations {gib(best.memory['activations'])})"
     ]
     if best.peak_memory_bytes <= advice.memory_bytes:  # tight: inside the device, not its headroom
@@ -132,6 +133,8 @@ def advice_lines(advice: Advice) -> list[str]:
         )
     for a in advice.alternatives:
         label, c = _SETTINGS[a.setting].format(a.value), a.best
+        if best.pipeline_parallel == 1:  # ZeRO 1's memory is a pipeline's rule: no pipeline here
+            label = label.replace(" (ZeRO 1's memory under a pipeline)", "")
         if a.fits:
             out.append(
                 f"{label} would fit: {gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}"
