@@ -12,11 +12,6 @@ from microbatch.errors import (
     plain_numbers,
 )
 from microbatch.model import ModelShape
-from microbatch.precision import (
-    check_loss_kernel,
-    get_fp8_recipe,
-    loss_bytes,
-)
 from microbatch.predict.activations import (
     check_recompute,
 )
@@ -25,10 +20,10 @@ from microbatch.predict.experts import check_expert_layout, ep_group_words, expe
 from microbatch.predict.recompute import check_every_kth
 from microbatch.predict.stages import check_unpipelined, split_layers
 from microbatch.predict.state import (
+    StateSettings,
     check_hybrid,
     check_pipeline_grad_reduce,
     check_zero,
-    config_bytes_per_param,
     zero_groups,
 )
 from microbatch.schedules import registry
@@ -53,7 +48,7 @@ class MemoryCalibration:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryConfig:
+class MemoryConfig(StateSettings):
     """How one model is trained: what the memory of each pipeline stage depends on."""
 
     micro_batch: int
@@ -78,21 +73,6 @@ class MemoryConfig:
     """d: data-parallel replicas (ZeRO shards over them, or over groups of ``shard_degree``)."""
     zero: int = 0
     """ZeRO stage 0–3 (1 = Megatron's distributed optimizer)."""
-    precision: str = "bf16-mixed"
-    """bf16-mixed, fp16-mixed or fp32."""
-    grad_dtype: str = "half"
-    """Gradient type under mixed precision: half (16 B/param with Adam) or fp32 (18 B/param)."""
-    optimizer: str = "adamw"
-    """adamw, sgd, sgd-plain or lion (:data:`microbatch.predict.state.OPTIMIZERS`)."""
-    moments_dtype: str = "fp32"
-    """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
-    master_weights: str = "fp32"
-    """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
-    loss_dtype: str = "fp32"
-    """The logits the loss keeps: fp32 (upcast) or half (:data:`microbatch.precision.LOSS_DTYPES`)."""
-    loss_kernel: str = "fused"
-    """How the loss runs: fused (in place) or eager (PyTorch's F.cross_entropy, two more copies of the logits in
-    its backward): :data:`microbatch.precision.LOSS_KERNELS`."""
     recompute: str = "none"
     """Activation recomputation: none, selective, full."""
     flash_attention: bool | None = None
@@ -102,10 +82,6 @@ class MemoryConfig:
     divides d·c and E; :mod:`microbatch.predict.experts`)."""
     recompute_every: int = 1
     """With ``recompute="full"``: K, full recompute of one layer in K (the others keep everything)."""
-    fp8_recipe: str = "tensorwise"
-    """With ``precision="fp8"``: the scaling recipe. Transformer Engine's (``te-delayed``, ``te-current``) cache the
-    FP8 weights and transposes and save the linear layers' inputs in FP8; torchao's keep the weights and the saved
-    activations in bf16 (:mod:`microbatch.precision`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (ring attention, :mod:`microbatch.predict.context`); 2c divides s."""
     shard_degree: int | None = None
@@ -132,7 +108,6 @@ class MemoryConfig:
                 "full with it, or drop recompute_every",
                 params=("recompute_every", "recompute"),
             )
-        get_fp8_recipe(self.fp8_recipe)
         expert_load(self.capacity_factor, self.expert_imbalance)  # validates both
         if self.seq is not None:
             check_positive_int("seq", self.seq)
@@ -143,9 +118,7 @@ class MemoryConfig:
         if self.microbatches is not None:
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
-        self.state_bytes_per_param()  # validates the precision and the four state settings
-        loss_bytes(self.loss_dtype, self.precision)
-        check_loss_kernel(self.loss_kernel)
+        self.check_settings()  # the precision, the four state settings, the loss's dtype and kernel, the FP8 recipe
         check_recompute(self.recompute)
         if self.schedule not in registry.schedule_names(in_flight=True):
             raise ConfigError(
@@ -180,10 +153,6 @@ class MemoryConfig:
     def expert_load(self) -> float:
         """Routed rows over the balanced share: the capacity factor, or the imbalance when dropless."""
         return expert_load(self.capacity_factor, self.expert_imbalance)
-
-    def state_bytes_per_param(self) -> tuple[int, int, int]:
-        """(weights, gradients, optimizer) bytes per parameter before sharding (:mod:`microbatch.predict.state`)."""
-        return config_bytes_per_param(self)
 
     def validate_for(self, shape: ModelShape) -> None:
         """The rules that need the model: t divides heads (and kv heads), p ≤ layers, p·v divides layers."""

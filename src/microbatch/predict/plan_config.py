@@ -27,10 +27,7 @@ from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape, check_seq
 from microbatch.precision import (
     check_gemm_dtype,
-    check_loss_kernel,
-    get_fp8_recipe,
     get_precision,
-    loss_bytes,
 )
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
@@ -42,9 +39,9 @@ from microbatch.predict.roofline import DEFAULT_EFFICIENCY, RooflineEfficiency
 from microbatch.predict.stages import check_unpipelined
 from microbatch.predict.state import (
     ZERO_STAGES,
+    StateSettings,
     check_hybrid,
     check_pipeline_grad_reduce,
-    config_bytes_per_param,
     zero_groups,
 )
 from microbatch.schedules.registry import schedule_names
@@ -73,7 +70,7 @@ a test holds the two equal."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanConfig:
+class PlanConfig(StateSettings):
     """What to plan: a model on an accelerator, a layout, and the choices to search."""
 
     shape: ModelShape
@@ -104,21 +101,6 @@ class PlanConfig:
     """b_m values; None means every divisor of B/d."""
     layers_per_stage: tuple[int, ...] | None = None
     """An uneven split of layers over stages; None means even."""
-    precision: str = "bf16-mixed"
-    """bf16-mixed, fp16-mixed or fp32."""
-    grad_dtype: str = "half"
-    """Gradients under mixed precision: half (16 B/param) or fp32 (18 B/param)."""
-    optimizer: str = "adamw"
-    """adamw, sgd, sgd-plain or lion (:data:`microbatch.predict.state.OPTIMIZERS`)."""
-    moments_dtype: str = "fp32"
-    """The optimizer's moment buffers: fp32 or bf16 (:data:`microbatch.predict.state.MOMENT_DTYPES`)."""
-    master_weights: str = "fp32"
-    """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`microbatch.predict.state.MASTER_WEIGHTS`)."""
-    loss_dtype: str = "fp32"
-    """The logits the loss reads and keeps: fp32 (upcast) or half (:data:`microbatch.precision.LOSS_DTYPES`)."""
-    loss_kernel: str = "fused"
-    """fused (in place) or eager (PyTorch's F.cross_entropy: two more copies of the logits in its backward):
-    :data:`microbatch.precision.LOSS_KERNELS`."""
     flash_attention: bool | None = None
     """Flash attention; None means the model's setting."""
     memory_headroom: float = DEFAULT_HEADROOM
@@ -158,8 +140,6 @@ class PlanConfig:
     ``--overlap-moe-expert-parallel-comm``); DualPipeV always overlaps it (DeepSeek-V3 §3.2.1)."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with their GEMMs (torchtitan's async TP; needs sequence parallel)."""
-    fp8_recipe: str = "tensorwise"
-    """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`)."""
     context_parallel: int = 1
     """c: GPUs each sequence is split over (exchanged by ``cp_comm``, :mod:`microbatch.predict.context`); the GPUs are
     d·p·t·c and the gradient reduction spans the d·c ranks, as ZeRO does unless ``shard_degree``."""
@@ -217,9 +197,7 @@ class PlanConfig:
                 params=("sequence_parallel", "tensor_parallel"),
             )
         self._check_choices()
-        self.state_bytes_per_param()  # validates the precision and the four state settings
-        loss_bytes(self.loss_dtype, self.precision)
-        check_loss_kernel(self.loss_kernel)
+        self.check_settings()  # the precision, the four state settings, the loss's dtype and kernel, the FP8 recipe
         self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
         self._check_virtuals_split_layers()
         if self.choose not in CHOICES:
@@ -316,10 +294,6 @@ class PlanConfig:
                 params=("memory_headroom",),
             )
 
-    def state_bytes_per_param(self) -> tuple[int, int, int]:
-        """(weights, gradients, optimizer) bytes per parameter before sharding (:mod:`microbatch.predict.state`)."""
-        return config_bytes_per_param(self)
-
     def _check_virtuals_fit_schedules(self) -> None:
         """With named schedules, each v given must be one some schedule runs: a free v (interleaved), or the v a V
         schedule fixes (DualPipeV: 2); 1F1B, GPipe and ZB-H1 hold one stage per rank. A v no schedule runs was
@@ -347,7 +321,6 @@ class PlanConfig:
     def _check_issue29_layout(self) -> None:
         """Expert and context parallelism, FP8, every-K recompute and async TP: their rules."""
         check_positive_int("context_parallel", self.context_parallel)
-        get_fp8_recipe(self.fp8_recipe)  # validates it
         check_positive_int("recompute_every", self.recompute_every)
         if self.recompute_every > 1 and self.recompute is not None and "full" not in self.recompute:
             raise ConfigError(
@@ -458,14 +431,7 @@ class PlanConfig:
             "capacity_factor": self.capacity_factor,
             "expert_imbalance": self.expert_imbalance,
             "seq": self.seq_len,
-            "precision": self.precision,
-            "fp8_recipe": self.fp8_recipe if self.precision == "fp8" else None,
-            "grad_dtype": self.grad_dtype,
-            "optimizer": self.optimizer,
-            "moments_dtype": self.moments_dtype,
-            "master_weights": self.master_weights,
-            "loss_dtype": self.loss_dtype,
-            "loss_kernel": self.loss_kernel,
+            **self.settings_dict(),
             "elementwise": self.elementwise,
             "memory_headroom": self.memory_headroom,
             "memory_budget_bytes": self.memory_budget_bytes,

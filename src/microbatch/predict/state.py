@@ -26,14 +26,14 @@ gradients, stage 3 also the weights. The precisions are :data:`microbatch.precis
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass, fields
 
 from microbatch.errors import ConfigError
 from microbatch.microbench_record import ADAMW_RECORDED_BYTES
-from microbatch.precision import get_precision
+from microbatch.precision import check_loss_kernel, get_fp8_recipe, get_precision, loss_bytes
 
 __all__ = [
-    "EAGER_PASSES", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "EAGER_PASSES", "StateSettings", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -158,27 +158,59 @@ def _check_state_dtypes(precision: str, master_copy: bool, moments: str, master:
         )
 
 
-class _StateSettings(Protocol):
-    @property
-    def precision(self) -> str: ...
-    @property
-    def grad_dtype(self) -> str: ...
-    @property
-    def optimizer(self) -> str: ...
-    @property
-    def moments_dtype(self) -> str: ...
-    @property
-    def master_weights(self) -> str: ...
+@dataclass(frozen=True, kw_only=True)
+class StateSettings:
+    """How a step keeps its training state and computes its loss: the fields
+    :class:`~microbatch.predict.memory_config.MemoryConfig` and :class:`~microbatch.predict.plan_config.PlanConfig`
+    share (each checks them in its own ``__post_init__``)."""
+
+    precision: str = "bf16-mixed"
+    """bf16-mixed, fp16-mixed, fp32 or fp8 (:data:`microbatch.precision.PRECISIONS`)."""
+    grad_dtype: str = "half"
+    """Gradients under mixed precision: half (16 B/param with Adam) or fp32 (18 B/param)."""
+    optimizer: str = "adamw"
+    """adamw, sgd, sgd-plain or lion (:data:`OPTIMIZERS`)."""
+    moments_dtype: str = "fp32"
+    """The optimizer's moment buffers: fp32 or bf16 (:data:`MOMENT_DTYPES`)."""
+    master_weights: str = "fp32"
+    """Mixed precision's master copy: fp32, remainder (2 B) or none (:data:`MASTER_WEIGHTS`)."""
+    loss_dtype: str = "fp32"
+    """The logits the loss reads and keeps: fp32 (upcast) or half (:data:`microbatch.precision.LOSS_DTYPES`)."""
+    loss_kernel: str = "fused"
+    """fused (in place) or eager (PyTorch's F.cross_entropy: two more copies of the logits in its backward):
+    :data:`microbatch.precision.LOSS_KERNELS`."""
+    fp8_recipe: str = "tensorwise"
+    """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`). Transformer Engine's
+    (``te-delayed``, ``te-current``) cache the FP8 weights and transposes and save the linear layers' inputs in FP8;
+    torchao's keep the weights and the saved activations in bf16."""
+
+    def settings_dict(self) -> dict[str, str | None]:
+        """These settings, JSON-ready, in the order declared (the recipe None unless the precision is fp8)."""
+        out: dict[str, str | None] = {f.name: getattr(self, f.name) for f in fields(StateSettings)}
+        out["fp8_recipe"] = self.fp8_recipe if self.precision == "fp8" else None
+        return out
+
+    def check_settings(self) -> None:
+        """ConfigError for a setting not known or one the others rule out (the precision and the four state settings:
+        :func:`bytes_per_param`; the loss's dtype and kernel; the FP8 recipe)."""
+        self.state_bytes_per_param()
+        loss_bytes(self.loss_dtype, self.precision)
+        check_loss_kernel(self.loss_kernel)
+        get_fp8_recipe(self.fp8_recipe)
+
+    def state_bytes_per_param(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer) bytes per parameter before sharding (:func:`bytes_per_param`)."""
+        return config_bytes_per_param(self)
 
 
-def config_bytes_per_param(cfg: _StateSettings) -> tuple[int, int, int]:
+def config_bytes_per_param(cfg: StateSettings) -> tuple[int, int, int]:
     """:func:`bytes_per_param` of a config's precision, gradient type, optimizer, moments and master weights."""
     return bytes_per_param(
         cfg.precision, cfg.grad_dtype, cfg.optimizer, cfg.moments_dtype, cfg.master_weights
     )
 
 
-def config_eager_update_bytes(cfg: _StateSettings) -> float:
+def config_eager_update_bytes(cfg: StateSettings) -> float:
     """:func:`eager_update_bytes` of a config: under mixed precision with a master copy an unfused optimizer is
     torch's, stepping fp32 parameters with fp32 gradients (autocast keeps the parameters in fp32; FSDP's mixed
     precision steps its fp32 shards with gradients cast to them): 4 B each; else the weights and gradients as they
