@@ -230,3 +230,43 @@ def test_flags_resize_a_windowed_config_and_name_themselves(
     )
     rc, _, err = _run(capsys, "memory", "--hf-config", str(gpt2), "-b", "1", "--heads", "7")
     assert rc == 2 and "with --heads 7 given: --heads 7 do not divide hidden 768" in err
+
+
+def test_nothing_fits_on_several_accelerators_names_each(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, "plan", "--model", "llama-3-8b", "--gpu", "a100-40gb,h100", "-B", "16", "-d", "8",
+                      "--zero", "3", "-b", "2", "--recompute", "none", "--seq", "8192")  # fmt: skip
+    assert rc == 2 and "no accelerator fits: on a100-40gb, nothing fits in 36.0 GiB" in err
+    assert "on h100-sxm, nothing fits in 71.7 GiB" in err
+
+
+def test_the_context_parallel_offered_meets_both_ulysses_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    """gpt2 at s 1,024 with 12 heads: 2c divides s for c in 2, 4, 8, 16, ...; c divides the heads for 2, 3, 4, 6, 12:
+    both offers are the c that meet both rules."""
+    for c in ("3", "8"):
+        rc, _, err = _run(capsys, "plan", "--model", "gpt2", "--gpu", "h100", "-B", "64", "-d", "2", "-c", c,
+                          "--cp-comm", "ulysses")  # fmt: skip
+        assert rc == 2 and "--context-parallel among [2, 4]" in err
+
+
+def test_a_simulation_without_a_timeline_says_why_it_has_no_diagram() -> None:
+    from microbatch.show.html_sections import simulate_section
+
+    res = {
+        "schedule": "1f1b",
+        "stages": 4,
+        "microbatches": 8,
+        "bubble_fraction": 0.27,
+        "peak_in_flight": [4, 3, 2, 1],
+    }
+    html, figs = simulate_section(res, None, 0)
+    assert not figs and "No bubble diagram" in html and "intervals" in html
+
+
+def test_the_plan_header_names_the_settings_its_table_leaves_unsaid(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out, _ = _run(capsys, *PLAN, "--precision", "fp8", "--fp8-recipe", "rowwise", "--recompute", "full",
+                     "--recompute-every", "4", "--loss-kernel", "eager")  # fmt: skip
+    assert "s = 8192, fp8 rowwise, full recompute of 1 layer in 4, eager loss;" in out.splitlines()[0]
+    _, plain, _ = _run(capsys, *PLAN)
+    assert "s = 8192;" in plain.splitlines()[0]

@@ -245,14 +245,9 @@ def cmd(
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
         out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
-    from microbatch.show.plan_report import plan_advice
 
     nothing_fits = all(pl.recommended is None for pl in plans)
-    why = (
-        (plan_advice(plans[0]) or ["nothing fits"])[0] + _seq_hint(model_spec, cfg.seq_len)
-        if nothing_fits
-        else None
-    )
+    why = _nothing_fits(plans) + _seq_hint(model_spec, cfg.seq_len) if nothing_fits else None
     if why is not None:  # one JSON object: the plan (what was computed is kept) with the error in it
         out = {**out, "error": why, "kind": "bad_input"}
     emit(out, as_json, render)
@@ -330,6 +325,16 @@ def _accelerators(
         overrides = parse_overrides(gpu_set)
         gpus = [g.with_overrides(**overrides) for g in gpus]
     return gpus
+
+
+def _nothing_fits(plans: list[Plan]) -> str:
+    """The refusal when no accelerator fits: the one plan's headline, or each accelerator's, named."""
+    from microbatch.show.plan_report import plan_advice
+
+    heads = [(pl.config.gpu.name, (plan_advice(pl) or ["nothing fits"])[0]) for pl in plans]
+    if len(heads) == 1:
+        return heads[0][1]
+    return "no accelerator fits: " + "; ".join(f"on {name}, {head}" for name, head in heads)
 
 
 def _plans(

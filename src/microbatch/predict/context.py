@@ -36,6 +36,7 @@ parallelism lives inside d·c. Attention runs as flash kernels (ring attention i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from microbatch.errors import ConfigError, check_positive_int
@@ -62,6 +63,7 @@ __all__ = [
     "CpLayout",
     "cp_exchange_s",
     "check_ulysses_heads",
+    "ulysses_divides",
     "attention_key_split",
 ]
 
@@ -70,14 +72,17 @@ CP_EXCHANGES = ("allgather", "ring", "ulysses")
 (Megatron's p2p), or all-to-alls of the heads (DeepSpeed Ulysses, Megatron's a2a)."""
 
 
-def check_context_layout(seq: int, context_parallel: int, flash_attention: bool) -> None:
+def check_context_layout(
+    seq: int, context_parallel: int, flash_attention: bool, also: Callable[[int], bool] | None = None
+) -> None:
     """ConfigError unless 2c divides s (causal load balance: Megatron's and torch's chunking, under every exchange)
-    and attention is flash (the kernel of ring attention's steps, and the one Ulysses runs as its frameworks do)."""
+    and attention is flash (the kernel of ring attention's steps, and the one Ulysses runs as its frameworks do).
+    ``also``: another rule a c must meet (Ulysses' heads, :func:`ulysses_divides`), so that the c offered meet it."""
     c = check_positive_int("context_parallel", context_parallel)
     if c == 1:
         return
     if seq % (2 * c):
-        ok = [x for x in range(2, 65) if seq % (2 * x) == 0]
+        ok = [x for x in range(2, 65) if seq % (2 * x) == 0 and (also is None or also(x))]
         nearest = (seq // (2 * c)) * 2 * c or 2 * c
         fix = (
             f"use context_parallel among {ok[:12]} or another seq"
@@ -153,15 +158,24 @@ def ulysses_bytes(shape: ModelShape, micro_batch: int, seq: int, context_paralle
     return dtype_bytes * micro_batch * seq / c * widths / tensor_parallel
 
 
-def check_ulysses_heads(shape: ModelShape, tensor_parallel: int, context_parallel: int) -> None:
+def ulysses_divides(shape: ModelShape, tensor_parallel: int, context_parallel: int) -> bool:
+    """Whether t·c divides the query heads and the K/V heads (:func:`check_ulysses_heads`' rule)."""
+    n = tensor_parallel * context_parallel
+    kv = shape.heads if shape.mla is not None else shape.kv
+    return shape.heads % n == 0 and kv % n == 0
+
+
+def check_ulysses_heads(
+    shape: ModelShape, tensor_parallel: int, context_parallel: int, seq: int | None = None
+) -> None:
     """ConfigError unless t·c divides the query heads and the K/V heads: under Ulysses each GPU attends with whole
     heads, a/(t·c) of them over the full sequence (DeepSpeed's ``DistributedAttention`` and Transformer Engine's
-    a2a both assert it)."""
+    a2a both assert it). ``seq``: the c offered also split it into 2c chunks (:func:`check_context_layout`)."""
     t, c = tensor_parallel, context_parallel
     kv = shape.heads if shape.mla is not None else shape.kv
-    if c <= 1 or (shape.heads % (t * c) == 0 and kv % (t * c) == 0):
+    if c <= 1 or ulysses_divides(shape, t, c):
         return
-    ok = [x for x in range(2, 65) if shape.heads % (t * x) == 0 and kv % (t * x) == 0]
+    ok = [x for x in range(2, 65) if ulysses_divides(shape, t, x) and (seq is None or seq % (2 * x) == 0)]
     fewer_t = [x for x in range(1, t) if shape.heads % (x * c) == 0 and kv % (x * c) == 0]
     fix = (
         f"use context_parallel among {ok[:8]}"

@@ -31,7 +31,12 @@ from microbatch.precision import (
 )
 from microbatch.predict.activations import RECOMPUTE_CHOICES
 from microbatch.predict.collectives import ZERO3_IMPLS
-from microbatch.predict.context import check_context_exchange, check_context_layout, check_ulysses_heads
+from microbatch.predict.context import (
+    check_context_exchange,
+    check_context_layout,
+    check_ulysses_heads,
+    ulysses_divides,
+)
 from microbatch.predict.experts import check_expert_layout, ep_group_words, expert_load
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig
 from microbatch.predict.recompute import check_every_kth
@@ -341,9 +346,13 @@ class PlanConfig(StateSettings):
         words = ep_group_words(self.data_parallel, self.context_parallel, self.shard_degree)
         check_expert_layout(self.shape, self.expert_parallel, self.shard_group, self.capacity_factor, words)
         flash = self.shape.flash_attention if self.flash_attention is None else self.flash_attention
-        check_context_layout(self.seq_len, self.context_parallel, flash)
-        if check_context_exchange(self.cp_comm) == "ulysses":
-            check_ulysses_heads(self.shape, self.tensor_parallel, self.context_parallel)
+        ulysses = check_context_exchange(self.cp_comm) == "ulysses"
+        heads = (lambda c: ulysses_divides(self.shape, self.tensor_parallel, c)) if ulysses else None
+        check_context_layout(
+            self.seq_len, self.context_parallel, flash, also=heads
+        )  # the c offered meet both
+        if ulysses:
+            check_ulysses_heads(self.shape, self.tensor_parallel, self.context_parallel, seq=self.seq_len)
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
         check_hybrid(self.shard_degree, self.expert_parallel, tuple(self.zero or ()))
         if self.zero3_impl not in ZERO3_IMPLS:

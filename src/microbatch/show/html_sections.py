@@ -285,6 +285,11 @@ def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
             )
         )
         parts.append(figure_html(figs[0]))
+    else:  # simulate writes its intervals only when asked: say why no diagram is drawn
+        parts.append(
+            "<p>No bubble diagram: this result holds no timeline (simulate writes one when asked for its intervals; "
+            "run it again so to draw one here).</p>"
+        )
     return "".join(parts), figs
 
 

@@ -12,7 +12,7 @@ from microbatch.hardware import Accelerator
 from microbatch.moe import Experts, as_experts
 from microbatch.predict.candidate import Candidate
 from microbatch.predict.experts import rows_per_expert
-from microbatch.predict.plan import Plan
+from microbatch.predict.plan import Plan, PlanConfig
 from microbatch.predict.plan_advice import (
     advice_from_dict,
     lint_from_dict,
@@ -342,6 +342,18 @@ def _clock_note(gpu: Accelerator) -> str:
     return f" ({', '.join(x for x in (limit, clock) if x)})" if limit or clock else ""
 
 
+def _settings_note(cfg: PlanConfig) -> str:
+    """``, fp8 te-current, recompute full of 1 layer in 4, eager loss`` for the settings that are not the defaults the
+    table's columns leave unsaid, else ``""``."""
+    said = [f"{cfg.precision} {cfg.fp8_recipe}" if cfg.precision == "fp8" else cfg.precision]
+    said = [] if said == ["bf16-mixed"] else said
+    if cfg.recompute_every > 1:
+        said.append(f"full recompute of 1 layer in {cfg.recompute_every}")
+    if cfg.loss_kernel != "fused":
+        said.append(f"{cfg.loss_kernel} loss")
+    return "".join(f", {x}" for x in said)
+
+
 def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> str:
     """The plan as text: header, trade-off table, recommendation in words, pitfalls (``words``:
     :data:`Words`)."""
@@ -353,7 +365,7 @@ def render_plan(plan: Plan, *, all_rows: bool = False, words: Words = None) -> s
         f"{f', c = {cfg.context_parallel} ({cfg.cp_comm})' if cfg.context_parallel > 1 else ''}"
         f"{f', EP = {cfg.expert_parallel}' if cfg.expert_parallel > 1 else ''}"
         f"{f', HSDP {cfg.replicas} × {cfg.shard_degree}' if cfg.replicas > 1 else ''}"
-        f", s = {cfg.seq_len}; {plan.evaluated} candidates, "
+        f", s = {cfg.seq_len}{_settings_note(cfg)}; {plan.evaluated} candidates, "
         f"{sum(c.fits for c in plan.candidates)} fit in {gib(cfg.memory_budget_bytes)}"
     )
     title = (
