@@ -18,7 +18,6 @@ Core: no torch, no layer above.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from microbatch.errors import ConfigError, whole_number
 from microbatch.fields import MAX_EXACT_WHOLE, flag, number, positive, short_repr, true_or_false
 from microbatch.model import ModelShape, get_model
 from microbatch.precision import PRECISIONS
+from microbatch.records_fields import check_fields
 
 __all__ = [
     "GUESSED_KINDS",
@@ -113,90 +113,6 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
     if not out:
         raise ConfigError("no results given; pass one or more JSON files from tune, plan or pipeline")
     return out
-
-
-# -- field checks ----------------------------------------------------------------------------------
-POINT_NUMBERS = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "step_time_s", "micro_step_s",
-                 "tokens_per_s", "samples_per_s")  # fmt: skip
-"""Fields of a measured point (``tune``, ``recommend``) that are numbers or null."""
-
-RESULT_NUMBERS = ("throughput", "tolerance", "reference_throughput", "bound_margin", "memory_budget_bytes",
-                  "global_batch", "grad_accum", "data_parallel", "max_fitting_micro_batch", "seq")  # fmt: skip
-"""Top-level fields of a ``tune`` or ``recommend`` result that are numbers or null."""
-
-
-def _json_number(v: Any) -> bool:
-    """Null or a finite JSON number (Python's json reads the non-standard NaN and Infinity literals: refused)."""
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-
-
-NON_NEGATIVE = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "step_time_s", "micro_step_s",
-                "tokens_per_s", "samples_per_s")  # fmt: skip
-"""Point fields that cannot be negative (a rate, bytes, seconds)."""
-
-
-def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
-    """Refuse a ``tune`` or ``recommend`` result whose numbers are not numbers: its knee (``micro_batch``)
-    and each point's ``micro_batch`` whole numbers >= 1 (at most :data:`MAX_EXACT_WHOLE`), the fields of
-    :data:`POINT_NUMBERS` and :data:`RESULT_NUMBERS` JSON numbers or null. ConfigError naming the file,
-    the point and the field: a hand-edited or foreign file is refused with the place to fix, before
-    anything is drawn. Any kind's bare error envelope (a refused or failed run's ``--json``: the command, version, error
-    and kind, nothing computed) is refused, quoting it; a result that carries an error beside what it computed (a
-    plan in which nothing fits) is read."""
-    if isinstance(item.get("error"), str) and set(item) <= {"command", "version", "error", "kind", "params"}:
-        raise ConfigError(f"{source} records a failed `microbatch {kind}` ({item['error'][:160]}); give the output "
-                          "of a run that succeeded")  # fmt: skip
-    if kind not in ("tune", "recommend"):
-        return
-    fix = "fix the file, or give the result.json a tune wrote"
-    for key in RESULT_NUMBERS:
-        if not _json_number(item.get(key)):
-            raise ConfigError(f"{source}: {key} {short_repr(item[key])} is not a number; {fix}")
-    points = item.get("points", [])
-    if not isinstance(points, list):
-        raise ConfigError(f"{source}: points is a {type(points).__name__}, not a list of points; {fix}")
-    for i, pt in enumerate(points):
-        where = f"{source}: point {i + 1}"
-        if not isinstance(pt, dict):
-            raise ConfigError(
-                f"{where} is {short_repr(pt)}, not an object with micro_batch, throughput, ...; {fix}"
-            )
-        for key in POINT_NUMBERS:
-            if not _json_number(pt.get(key)):
-                what = "is not finite" if isinstance(pt[key], float) else "is not a number"
-                raise ConfigError(f"{where}: {key} {short_repr(pt[key])} {what}; {fix}")
-            if key in NON_NEGATIVE and (pt.get(key) or 0) < 0:
-                raise ConfigError(f"{where}: {key} {short_repr(pt[key])} is negative; {fix}")
-        try:
-            if (
-                not _json_number(pt.get("micro_batch"))
-                or (number(pt.get("micro_batch"), what="micro_batch", whole=True) or 0) < 1
-            ):
-                raise ConfigError(
-                    f"micro_batch {short_repr(pt.get('micro_batch'))} must be a whole number >= 1"
-                )
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}; {fix}") from None
-    sizes = [pt["micro_batch"] for pt in points]
-    # once per b_m and checkpointing (tune --checkpointing auto measures a b_m again with it on after an
-    # out-of-memory without), out-of-memory points aside
-    runs = [(pt["micro_batch"], bool(pt.get("checkpointing"))) for pt in points if not pt.get("oom")]
-    twice = sorted({b for b, c in runs if runs.count((b, c)) > 1})
-    if twice:
-        raise ConfigError(
-            f"{source}: micro_batch {', '.join(map(str, twice))} measured more than once; keep one point each; {fix}"
-        )
-    knee = item.get("micro_batch")
-    if knee is not None:
-        try:
-            if not _json_number(knee) or (number(knee, what="micro_batch", whole=True) or 0) < 1:
-                raise ConfigError(f"micro_batch {short_repr(knee)} must be a whole number >= 1")
-        except ConfigError as e:
-            raise ConfigError(f"{source}: the knee's {e}; {fix}") from None
-        if points and knee not in sizes:
-            raise ConfigError(
-                f"{source}: the knee micro_batch {knee} is not among the points measured ({', '.join(map(str, sorted(sizes)))}); {fix}"
-            )
 
 
 def result_points(data: Any, *, source: str) -> list[Any]:
@@ -335,6 +251,7 @@ def read_measurements(
     if clocks and clocks != ["wall"]:
         notes.append(f"step times measured with clock {', '.join(clocks)} (process = the probe's CPU time)")
     points, oom = _points(rows, label, ckpt, (memory_key, time_key), fshape)
+    notes += _partial_notes(points, rows, memory_key, time_key)
     other = [r for r in rows if isinstance(r, dict) and bool(r.get("checkpointing", ckpt)) != ckpt]
     if not points and other:  # dropped without a word, then "measure 3 more" (which would not help)
         raise ConfigError(
@@ -357,6 +274,26 @@ def read_measurements(
     )
 
 
+def _partial_notes(
+    points: dict[int, MeasuredPoint], rows: list[Any], memory_key: str, time_key: str
+) -> list[str]:
+    """Notes naming the points a fit leaves out because they lack the figure the others give (a step time taken as
+    ``step_time_s`` where the rest give ``micro_step_s``, or no memory)."""
+    notes = []
+    no_mem = sorted(b for b, p in points.items() if p.peak_memory_bytes is None)
+    no_time = sorted(b for b, p in points.items() if p.step_time_s is None)
+    if no_mem and len(no_mem) < len(points):
+        notes.append(f"b_m {', '.join(map(str, no_mem))} give no {memory_key}: left out of the memory fit")
+    if no_time and len(no_time) < len(points):
+        other = " (they give step_time_s, the optimizer step included)" if time_key == "micro_step_s" and any(
+            isinstance(r, dict) and r.get("micro_batch") in no_time and r.get("step_time_s") for r in rows
+        ) else ""  # fmt: skip
+        notes.append(
+            f"b_m {', '.join(map(str, no_time))} give no {time_key}{other}: left out of the step-time fit"
+        )
+    return notes
+
+
 def _model_of(
     data: dict[str, Any], shape: ModelShape | None, label: str, notes: list[str]
 ) -> tuple[ModelShape, str]:
@@ -374,7 +311,10 @@ def _model_of(
         data.get("model_shape") or data.get("model"), seq or (shape.seq if shape else None), label
     )
     if seq is None and fshape is not None:
-        notes.append(f"the file gives no seq: the points are taken as measured at {model}'s s = {fshape.seq}")
+        notes.append(
+            f"the file gives no seq: the points are taken as measured at s = {fshape.seq} (the seq given, else "
+            f"{model}'s)"
+        )
     if fshape is None:
         if shape is None:
             raise ConfigError(

@@ -270,3 +270,16 @@ def test_the_plan_header_names_the_settings_its_table_leaves_unsaid(
     assert "s = 8192, fp8 rowwise, full recompute of 1 layer in 4, eager loss;" in out.splitlines()[0]
     _, plain, _ = _run(capsys, *PLAN)
     assert "s = 8192;" in plain.splitlines()[0]
+
+
+def test_interleaved_at_one_stage_per_rank_holds_what_its_order_holds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """torch's ScheduleInterleaved1F1B with v = 1 warms up 2(p − 1 − r) forwards: bubble, memory and simulate agree."""
+    rc, out, _ = _run(capsys, "bubble", "-p", "4", "-m", "8", "-s", "interleaved", "--json")
+    rc2, sim, _ = _run(capsys, "simulate", "-p", "4", "-m", "8", "-s", "interleaved-1f1b", "--json")
+    assert rc == rc2 == 0
+    assert json.loads(out)["peak_in_flight"] == json.loads(sim)["peak_in_flight"] == [7, 5, 3, 1]
+    rc, mem, _ = _run(capsys, "memory", "--model", "gpt2", "-b", "1", "-p", "4", "-m", "8", "--schedule",
+                      "interleaved-1f1b", "--json")  # fmt: skip
+    assert rc == 0 and [s["in_flight"] for s in json.loads(mem)["stages"]] == [7, 5, 3, 1]

@@ -135,4 +135,4 @@ def test_the_default_virtual_is_the_registry_entrys():
     assert virtual_in_effect(get_spec("interleaved-1f1b"), 3) == (3, None)  # given, it stands
     v, note = virtual_in_effect(get_spec("interleaved-1f1b"), None)
     assert v == 1 and note is not None
-    assert "is 1F1B; give virtual 2 or more" in note and "--" not in note
+    assert "has 1F1B's bubble" in note and "give virtual 2 or" in note and "--" not in note

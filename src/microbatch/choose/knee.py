@@ -14,7 +14,7 @@ which no larger point gains τ per doubling. The derivation, and why τ = 0.15, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +31,9 @@ from microbatch.choose.config import (
 from microbatch.choose.curve import CurvePoint, gain_per_doubling, measured_curve
 from microbatch.choose.memory_fit import MemoryFit, fit_memory, max_fitting_micro_batch
 from microbatch.choose.noise import NOISE_Z, indistinguishable
+from microbatch.choose.rows import points_from_records
 from microbatch.errors import ConfigError, NoChoiceError, check_instance
 from microbatch.hardware import DEFAULT_HEADROOM
-from microbatch.records import number, true_or_false
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -239,9 +239,16 @@ def _candidates(
         return [p for p in cands if ok(p)]
 
     budget = choice.memory_budget_bytes
-    if budget is not None:
+    if budget is not None:  # a point without a measured peak is judged by the line through those with one
+        most = max_fitting_micro_batch(fit_memory(measured), budget, memory_headroom=choice.memory_headroom)
+
+        def fits(p: CurvePoint) -> bool:
+            if p.peak_memory_bytes is None:
+                return most is None or p.micro_batch <= most
+            return p.peak_memory_bytes <= budget
+
         cands = keep(
-            lambda p: p.peak_memory_bytes is None or p.peak_memory_bytes <= budget, "over the memory budget"
+            fits, "over the memory budget (measured, or by the memory fit where no peak was measured)"
         )
         why.append(f"peak memory <= {format_bytes(budget)}")
     if choice.max_latency_ms is not None:
@@ -431,61 +438,3 @@ def _contradicts(cands: Sequence[CurvePoint], bound: ThroughputBound | None) -> 
         )
     ]
     return max(beyond, key=lambda p: p.measured_throughput).micro_batch if beyond else None
-
-
-def points_from_records(
-    records: Iterable[dict[str, Any]], *, source: str = "measurements"
-) -> list[CurvePoint]:
-    """CurvePoints from dicts with ``micro_batch``, ``throughput``, optional ``peak_memory_bytes``,
-    ``oom`` and ``step_time_s`` (extra keys are ignored; numbers may be strings, as in CSV). The
-    field checks are :mod:`microbatch.records`'. Raises ConfigError naming the bad row."""
-    records = list(records)
-    out = []
-    for i, r in enumerate(records):
-        if not isinstance(r, dict):
-            raise ConfigError(
-                f"{source}: row {i + 1} is {type(r).__name__}, not an object with micro_batch and throughput"
-            )
-        if "micro_batch" not in r:
-            raise ConfigError(
-                f"{source}: row {i + 1} has no 'micro_batch'; each row needs micro_batch and throughput"
-            )
-        oom = true_or_false(r.get("oom", False), where=f"{source}: row {i + 1}: oom")
-        if "throughput" not in r and not oom:
-            raise ConfigError(
-                f"{source}: row {i + 1} has no 'throughput'; each row needs micro_batch and throughput"
-            )
-        try:
-            b = number(r["micro_batch"], what="micro_batch", whole=True)
-            peak = number(r.get("peak_memory_bytes"), what="peak_memory_bytes")
-            if peak is not None and peak < 0:
-                raise ConfigError(f"peak_memory_bytes {peak!r} must be >= 0")
-            step = number(r.get("step_time_s"), what="step_time_s")
-            if step is not None and step <= 0:
-                raise ConfigError(
-                    f"step_time_s {step!r} must be > 0 (seconds per optimizer step); check the file"
-                )
-            out.append(
-                CurvePoint(
-                    micro_batch=None if b is None else int(b),  # type: ignore[arg-type]  # CurvePoint rejects None
-                    throughput=None if oom else number(r.get("throughput"), what="throughput"),
-                    peak_memory_bytes=None if peak is None else int(round(peak)),
-                    oom=oom,
-                    step_time_s=step,
-                )
-            )
-        except ConfigError as e:
-            raise ConfigError(f"{source}: row {i + 1}: {e}") from None
-    if not out:
-        raise ConfigError(f"{source}: no rows; give a list of {{micro_batch, throughput}} points")
-    rows: dict[tuple[int, object], list[int]] = {}
-    for i, r in enumerate(records):
-        rows.setdefault((out[i].micro_batch, r.get("checkpointing", False)), []).append(i + 1)
-    repeated = {k: v for k, v in rows.items() if len(v) > 1}
-    if repeated:
-        (b, _), where = next(iter(repeated.items()))
-        raise ConfigError(
-            f"{source}: micro_batch {b} appears {len(where)} times (rows {', '.join(map(str, where))}); repeats are "
-            "refused, not averaged: give one row per micro_batch (for example the median of your repeated runs)"
-        )
-    return out

@@ -66,4 +66,7 @@ def max_fitting_micro_batch(
     if fit is None or budget_bytes is None or fit.slope_bytes_per_sample <= 0:
         return None
     usable = budget_bytes * (1.0 - memory_headroom) - fit.intercept_bytes
-    return max(0, math.floor(usable / fit.slope_bytes_per_sample + 1e-9))
+    most = usable / fit.slope_bytes_per_sample + 1e-9
+    if not math.isfinite(most):  # figures past float's range (a budget of 1e308 bytes): nothing to say
+        return None
+    return max(0, math.floor(most))

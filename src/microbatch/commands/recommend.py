@@ -97,7 +97,8 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     The knee is the smallest b_m within the tolerance of the best throughput (rule fraction),
     among the points that fit --memory-budget and --max-latency-ms.
     """
-    from microbatch.choose.knee import points_from_records, recommend_measured
+    from microbatch.choose.knee import recommend_measured
+    from microbatch.choose.rows import checkpointed, points_from_records
     from microbatch.show.recommendation import render_recommendation
 
     with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
@@ -105,6 +106,22 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     rows = read_rows(measurements)
     points = points_from_records(rows, source=measurements)
     d = recommend_measured(points, choice).to_dict()
+    ckpt = checkpointed(rows, points, source=measurements)
+    named = {
+        "the knee": d.get("micro_batch"),
+        "the fastest that fits": (d.get("fastest_fitting") or {}).get("micro_batch"),
+    }
+    for b in sorted(
+        {b for b in named.values() if b in ckpt}
+    ):  # tune measured it again so after running out of memory
+        what = " and ".join(k for k, v in named.items() if v == b)
+        note = f"{what}, b_m = {b}, was measured with activation checkpointing on: run it with checkpointing"
+        d["notes"] = [*d.get("notes", []), note]
+        progress(f"note: {note}")
+    if choice_spec.get("memory_headroom") is not None and choice.memory_budget_bytes is None:
+        note = "--memory-headroom had nothing to act on: it is kept free of a --memory-budget, and none was given"
+        d["notes"] = [*d.get("notes", []), note]
+        progress(f"note: {note}")
     if choice.memory_budget_bytes is not None and not any(p.peak_memory_bytes for p in points if not p.oom):
         note = (
             "--memory-budget had nothing to act on: no point gives peak_memory_bytes, so every measured b_m was "

@@ -112,6 +112,7 @@ def cmd(
         spec, stages, microbatches, virtual, given, comm_time, stage_times, svg_path, png_path, force
     )
     _note_flags(spec, given, with_intervals and not as_json, notes)
+    _note_explicit_entries(spec, given, stage_times, notes)
     too_tall = diagram_rows_note(stages)
     if too_tall and not no_diagram:
         notes.append(too_tall)
@@ -164,6 +165,26 @@ def _note_flags(
         )
     if intervals_without_json:
         notes.append("--intervals adds every op's (start, end) to the --json output only; add --json")
+
+
+def _note_explicit_entries(
+    spec: ScheduleSpec, given: dict[str, float | None], stage_times: str | None, notes: list[str]
+) -> None:
+    """Note what ``--stage-times``' explicit entries (F:B, F:I:W) set in place of the time flags, and a split
+    backward given to a schedule that runs a full one."""
+    if not stage_times:
+        return
+    entries = parse_stage_times(stage_times)
+    explicit = [i for i, e in enumerate(entries) if len(e) > 1]
+    flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+    if explicit and flags:
+        which = "every entry" if len(explicit) == len(entries) else f"entries {', '.join(map(str, explicit))}"
+        notes.append(
+            f"--stage-times gives {which} its own times: {', '.join(flags)} scale only the factor entries"
+            + ("" if len(explicit) < len(entries) else " (none here: they set nothing)")
+        )
+    if not spec.split_backward and any(len(e) == 3 for e in entries):
+        notes.append(f"{spec.name} runs a full backward: an F:I:W entry's I + W is used as its B")
 
 
 def _result(

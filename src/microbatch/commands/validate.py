@@ -102,6 +102,19 @@ def cmd(
     from microbatch.show.validation import with_summary
 
     result = with_summary(result)
+    cpu = [f for f, v in (("--cpu-peak-gflops", cpu_peak_gflops), ("--cpu-bandwidth-gbs", cpu_bandwidth_gbs),
+                          ("--cpu-threads", cpu_threads)) if v is not None]  # fmt: skip
+    if cpu and str(result.get("device", "")).startswith("cuda"):  # a GPU's points: this CPU's figures unused
+        result["warnings"] = [
+            *result["warnings"],
+            f"{', '.join(cpu)} not used: the points were measured on a GPU",
+        ]
+    if (seq := model_spec.get("seq")) is not None and seq != result.get("seq"):  # the file's length stands
+        result["warnings"] = [
+            *result["warnings"],
+            f"--seq {seq} not taken: the file says its points were measured at s = {result.get('seq')} (shape flags "
+            "fill in what the file lacks, never what it says)",
+        ]
     result["warnings"] = [
         cli_text(w, ("cpu_peak_gflops", "cpu_bandwidth_gbs"), "validate") for w in result["warnings"]
     ]

@@ -12,7 +12,7 @@ from microbatch.errors import ConfigError
 from microbatch.fit import fit_line
 from microbatch.model import ModelShape
 from microbatch.predict.memory import MemoryCalibration, MemoryConfig, estimate_memory
-from microbatch.records import MeasuredPoint
+from microbatch.records import MeasuredPoint, Measurements
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "predict_memory_bytes",
     "analytic_memory_line",
     "need_points",
+    "check_figures",
     "fit_memory_calibration",
 ]
 
@@ -78,6 +79,20 @@ def need_points(kind: str, have: Sequence[int], source: str, need: int = MIN_POI
             f"measured); it has {len(have)} ({', '.join(map(str, have)) or 'none'}): measure {more} more "
             f"(e.g. a tune probes b_m 1, 2, 4, ...)"
         )
+
+
+def check_figures(meas: Measurements) -> None:
+    """ConfigError when none of ``meas``' points gives its memory or its time figure: measuring more (what
+    :func:`need_points` would advise) would not help, the figure is missing."""
+    for key, got in ((meas.memory_key, [p.peak_memory_bytes for p in meas.points]),
+                     (meas.time_key, [p.step_time_s for p in meas.points])):  # fmt: skip
+        if meas.points and all(v is None for v in got):
+            other = "; or memory_key 'peak_memory_bytes'" if key == "peak_allocated_bytes" else ""
+            raise ConfigError(
+                f"{meas.source}: none of its {len(meas.points)} measured points gives {key}, which validate fits; "
+                f"give the points that figure (a tune writes it){other}",
+                params=("memory_key",) if other else (),
+            )
 
 
 def fit_memory_calibration(

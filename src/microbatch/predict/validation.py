@@ -32,6 +32,7 @@ from microbatch.predict.calibrate import (
     need_points,
     predict_memory_bytes,
 )
+from microbatch.predict.memory_fit import check_figures
 from microbatch.predict.roofline import DEFAULT_EFFICIENCY
 from microbatch.predict.steptime import predict_step_time_s
 from microbatch.records import Measurements, load_json, read_measurements
@@ -184,6 +185,7 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     """
     pts = [p for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None]
     have = [p.micro_batch for p in pts]
+    check_figures(meas)
     need_points("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
     _check_fit_on(fit_on)
     k = min(fit_on, len(pts) - 1)

@@ -84,10 +84,11 @@ def trace_sigma_estimate(*, b_small: float, g_small_sq: float, b_big: float, g_b
 def b_simple(*, trace_sigma: float, g_sq: float) -> float:
     """The simple noise scale ``B_simple = tr(Σ) / |G|²`` (McCandlish et al. 2018, §2.2).
 
-    In the units of the items the loss averages over. ``inf`` when |G|² ≤ 0 (the gradient is
-    not yet resolved above the noise: smooth over more steps).
+    In the units of the items the loss averages over. ``inf`` when |G|² ≤ 0 or tr(Σ) < 0 (the gradient, or the
+    noise, is not yet resolved above the estimators' own scatter: both are unbiased differences that can fall below
+    zero; smooth over more steps); 0 when tr(Σ) is exactly 0 (no noise: any batch estimates the gradient).
     """
-    if not g_sq > 0:
+    if not (g_sq > 0 and trace_sigma >= 0):
         return math.inf
     return trace_sigma / g_sq
 

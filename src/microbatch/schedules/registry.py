@@ -124,8 +124,8 @@ class ScheduleSpec:
     """Stages (model chunks) each rank holds: 1; 2 for a V placement; None when v is free (the
     interleaved schedules: any v that splits the layers evenly)."""
     v1_equivalent: str | None = None
-    """The schedule this one is with one stage per rank (interleaved-1f1b: 1f1b), said when v
-    defaults to 1."""
+    """The schedule whose bubble this one has with one stage per rank (interleaved-1f1b: 1f1b; torch's order still
+    warms up more), said when v defaults to 1."""
     lighter_equivalent: str | None = None
     """A schedule with the same bubble that holds fewer activations (GPipe: 1F1B), named by the
     planner's lint."""

@@ -185,10 +185,10 @@ def interleaved_in_flight(i: int, p: int, m: int, v: int) -> int:
     torch's ScheduleInterleaved1F1B (and Megatron-core) warm up with (v − 1)·n + 2(p − 1 − i)
     forwards, n = m // max(1, m // p) micro-batches per round (n = p when p divides m), capped at
     m·v chunks; on rank 0 this is p·v·(1 + (p−1)/(p·v)) chunks (Korthikanti et al. 2022 sec 4.2.3,
-    see :func:`interleaved_in_flight_factor`). With v = 1 it is 1F1B's min(m, p − i).
+    see :func:`interleaved_in_flight_factor`). With v = 1 torch's order still warms up 2(p − 1 − i) forwards
+    (:func:`~microbatch.schedules.generators.interleaved_order`): 2(p − 1 − i) + 1, not 1F1B's p − i, though its
+    bubble is 1F1B's.
     """
-    if v == 1:
-        return one_f_one_b_in_flight(i, p, m, v)
     _, per_round = interleaved_rounds(p, m)
     return min(m * v, (v - 1) * per_round + 2 * (p - 1 - i) + 1)
 

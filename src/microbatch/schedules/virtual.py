@@ -16,7 +16,7 @@ def virtual_in_effect(spec: ScheduleSpec, virtual: int | None) -> tuple[int, str
 
     Given, it stands. Not given: a V placement's stages per rank (zbv, dualpipev: exactly two), else 1,
     with a note when the schedule interleaves only at v >= 2 (``v1_equivalent``: with one stage per
-    rank interleaved 1F1B is plain 1F1B). The note names the parameter ``virtual``.
+    rank interleaved 1F1B has plain 1F1B's bubble, not its memory). The note names the parameter ``virtual``.
     """
     if virtual is not None:
         return virtual, None
@@ -24,8 +24,9 @@ def virtual_in_effect(spec: ScheduleSpec, virtual: int | None) -> tuple[int, str
         return spec.stages_per_rank, None
     if spec.v1_equivalent is not None:
         return 1, (
-            f"v = 1 (the default): {spec.name} with one stage per rank is {spec.v1_equivalent.upper()}; give "
-            "virtual 2 or more to interleave"
+            f"v = 1 (the default): {spec.name} with one stage per rank has {spec.v1_equivalent.upper()}'s bubble "
+            "but warms up 2(p − 1 − rank) forwards (torch's order), so it holds more in flight; give virtual 2 or "
+            f"more to interleave, or schedule {spec.v1_equivalent}"
         )
     return 1, None
 

@@ -302,5 +302,9 @@ def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
             "b_m is the physical one)",
         ]
     else:
-        lines.append(f"  B_simple: |G|² not resolved above the noise (≤ 0); run more {steps}")
+        what = "|G|²" if not r["g_sq"] > 0 else "tr(Σ)"
+        sign = "≤ 0" if what == "|G|²" else "< 0"
+        lines.append(
+            f"  B_simple: {what} not resolved above its estimator's scatter ({sign}); run more {steps}"
+        )
     return "\n".join(lines)
