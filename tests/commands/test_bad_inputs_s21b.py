@@ -52,7 +52,8 @@ def test_a_knee_measured_with_checkpointing_says_so(
     rc, out, _ = _run(capsys, "recommend", "-m", f, "--json")
     d = json.loads(out)
     assert rc == 0 and d["micro_batch"] == 8
-    assert any("b_m = 8, was measured with activation checkpointing on" in n for n in d["notes"])
+    assert any("the knee and the fastest that fits, b_m = 8, were measured with activation checkpointing on" in n
+               for n in d["notes"])  # fmt: skip
 
 
 def test_a_point_without_a_measured_peak_is_judged_by_the_memory_fit(
@@ -160,3 +161,26 @@ def test_simulate_says_what_explicit_stage_times_replace(capsys: pytest.CaptureF
         capsys, "simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--stage-times", "1:2:3,1,1,1", "--json"
     )
     assert rc == 0 and any("an F:I:W entry's I + W is used as its B" in n for n in json.loads(out)["notes"])
+
+
+def test_unmeasured_peaks_follow_the_measured_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A b_m without a measured peak is kept where the measured rule would keep it (the same point measured at the
+    fit's value) and dropped above a smaller b_m measured over the budget, whatever the fit's slope."""
+    head = "micro_batch,throughput,peak_memory_bytes\n1,10,10e9\n2,18,20e9\n4,30,40e9\n"
+    unmeasured = _csv(tmp_path, "a.csv", head + "8,40,\n")
+    measured = _csv(tmp_path, "b.csv", head + "8,40,80e9\n")
+    for f in (unmeasured, measured):
+        rc, out, _ = _run(capsys, "recommend", "-m", f, "--memory-budget", "85e9", "--json")
+        assert rc == 0 and json.loads(out)["micro_batch"] == 8
+    falling = _csv(
+        tmp_path,
+        "c.csv",
+        "micro_batch,throughput,peak_memory_bytes\n1,10,10e9\n2,11,90e9\n4,12,88e9\n8,40,\n",
+    )
+    rc, out, _ = _run(capsys, "recommend", "-m", falling, "--memory-budget", "85e9", "--json")
+    assert rc == 0 and json.loads(out)["micro_batch"] == 1  # 8 is above 2 and 4, measured over
+    both = _csv(tmp_path, "d.csv", "micro_batch,throughput,oom\n1,10,false\n2,,true\n2,18,false\n")
+    rc, _, err = _run(capsys, "recommend", "-m", both)
+    assert rc == 2 and "micro_batch 2 both ran out of memory and ran" in err

@@ -122,7 +122,9 @@ def test_in_flight_counts_per_schedule():
     assert in_flight_layers("interleaved-1f1b", 0, 8, 32, 3, 12) == pytest.approx(
         12 * 8 * interleaved_in_flight_factor(8, 3)
     )
-    assert interleaved_in_flight_factor(8, 1) == 1.0
+    assert (
+        interleaved_in_flight_factor(8, 1) == 2 - 1 / 8
+    )  # torch's order at one stage per rank: 2(p − 1) + 1
 
 
 @pytest.mark.parametrize(

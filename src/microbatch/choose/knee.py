@@ -239,17 +239,29 @@ def _candidates(
         return [p for p in cands if ok(p)]
 
     budget = choice.memory_budget_bytes
-    if budget is not None:  # a point without a measured peak is judged by the line through those with one
-        most = max_fitting_micro_batch(fit_memory(measured), budget, memory_headroom=choice.memory_headroom)
+    if (
+        budget is not None
+    ):  # a point without a measured peak: by a smaller b_m measured over, or the rising fit
+        fit = fit_memory(measured)
+        over = [
+            p.micro_batch
+            for p in measured
+            if p.peak_memory_bytes is not None and p.peak_memory_bytes > budget
+        ]
 
         def fits(p: CurvePoint) -> bool:
-            if p.peak_memory_bytes is None:
-                return most is None or p.micro_batch <= most
-            return p.peak_memory_bytes <= budget
+            if p.peak_memory_bytes is not None:
+                return p.peak_memory_bytes <= budget
+            if any(b <= p.micro_batch for b in over):  # memory does not fall as b_m grows
+                return False
+            if fit is None or fit.slope_bytes_per_sample <= 0:  # no line to read it from
+                return True
+            return fit.intercept_bytes + fit.slope_bytes_per_sample * p.micro_batch <= budget
 
-        cands = keep(
-            fits, "over the memory budget (measured, or by the memory fit where no peak was measured)"
+        reason = (
+            "over the memory budget (measured; without a measured peak, by a smaller b_m over it or the fit)"
         )
+        cands = keep(fits, reason)
         why.append(f"peak memory <= {format_bytes(budget)}")
     if choice.max_latency_ms is not None:
         if any(p.step_time_s is None for p in cands):

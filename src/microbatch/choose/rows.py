@@ -75,6 +75,7 @@ def points_from_records(
             raise ConfigError(f"{source}: row {i + 1}: {e}") from None
     if not out:
         raise ConfigError(f"{source}: no rows; give a list of {{micro_batch, throughput}} points")
+    _check_oom_and_run(records, out, source)
     rows: dict[int, list[int]] = {}  # the rows that ran (an out-of-memory one may precede a checkpointed one)
     for i, pt in enumerate(out):
         if not pt.oom:
@@ -92,3 +93,18 @@ def points_from_records(
             "are refused, not averaged: give one row per micro_batch (for example the median of your repeated runs)"
         )
     return out
+
+
+def _check_oom_and_run(records: Sequence[Any], points: Sequence[CurvePoint], source: str) -> None:
+    """ConfigError for a b_m that both ran out of memory and ran with the same checkpointing: the two contradict each
+    other (tune writes an out-of-memory row without checkpointing, then one with it)."""
+    seen: dict[tuple[int, bool], list[tuple[int, bool]]] = {}
+    for i, (r, p) in enumerate(zip(records, points, strict=True)):
+        ckpt = true_or_false(r.get("checkpointing", False), where=f"{source}: row {i + 1}")
+        seen.setdefault((p.micro_batch, ckpt), []).append((i + 1, p.oom))
+    for (b, ckpt), rows in seen.items():
+        if len({oom for _, oom in rows}) > 1:
+            raise ConfigError(
+                f"{source}: micro_batch {b} both ran out of memory and ran (rows {', '.join(str(i) for i, _ in rows)}), "
+                f"with checkpointing {'on' if ckpt else 'off'} in both; keep the row of the run you trust"
+            )

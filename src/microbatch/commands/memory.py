@@ -93,6 +93,7 @@ def cmd(
     from microbatch.predict.memory import MemoryConfig, estimate_memory
     from microbatch.schedules.registry import default_schedule
 
+    v_note = _v1_note(virtual, schedule, stages)
     virtual = _chunks_per_rank(virtual, schedule, stages)
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
@@ -153,6 +154,8 @@ def cmd(
         out.update(applied.to_dict())
     if acc is not None:
         out.update(_fit_fields(est.peak_bytes, acc))
+    if v_note:
+        out["notes"] = [v_note]
     emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))
 
 
@@ -165,6 +168,18 @@ def _fit_fields(peak: float, acc: Accelerator) -> dict[str, Any]:
         "gpu": acc.name, "gpu_memory_bytes": acc.memory_bytes, "memory_headroom": DEFAULT_HEADROOM,
         "memory_budget_bytes": budget, "fits": peak <= budget, "fits_device": peak <= acc.memory_bytes,
     }  # fmt: skip
+
+
+def _v1_note(virtual: int | None, schedule: str | None, stages: int) -> str | None:
+    """The note when an interleaving schedule runs at the default v = 1 (its bubble is 1F1B's, not its memory)."""
+    if virtual is not None or not schedule or stages == 1:
+        return None
+    from microbatch.commands._flags import cli_text
+    from microbatch.schedules.registry import get_spec
+    from microbatch.schedules.virtual import virtual_in_effect
+
+    note = virtual_in_effect(get_spec(schedule), None)[1]
+    return cli_text(note, ("virtual",), "memory") if note else None
 
 
 def _chunks_per_rank(virtual: int | None, schedule: str | None, stages: int) -> int:

@@ -115,7 +115,10 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
         {b for b in named.values() if b in ckpt}
     ):  # tune measured it again so after running out of memory
         what = " and ".join(k for k, v in named.items() if v == b)
-        note = f"{what}, b_m = {b}, was measured with activation checkpointing on: run it with checkpointing"
+        was = "were" if " and " in what else "was"
+        note = (
+            f"{what}, b_m = {b}, {was} measured with activation checkpointing on: run it with checkpointing"
+        )
         d["notes"] = [*d.get("notes", []), note]
         progress(f"note: {note}")
     if choice_spec.get("memory_headroom") is not None and choice.memory_budget_bytes is None:

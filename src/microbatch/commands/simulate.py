@@ -178,10 +178,14 @@ def _note_explicit_entries(
     explicit = [i for i, e in enumerate(entries) if len(e) > 1]
     flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
     if explicit and flags:
-        which = "every entry" if len(explicit) == len(entries) else f"entries {', '.join(map(str, explicit))}"
+        which = (
+            "every entry"
+            if len(explicit) == len(entries)
+            else f"entr{'y' if len(explicit) == 1 else 'ies'} " + (", ".join(map(str, explicit)))
+        )
         notes.append(
-            f"--stage-times gives {which} its own times: {', '.join(flags)} scale only the factor entries"
-            + ("" if len(explicit) < len(entries) else " (none here: they set nothing)")
+            f"--stage-times gives {which} its own times: {', '.join(flags)} set{'s' if len(flags) == 1 else ''} only "
+            "the factor entries" + ("" if len(explicit) < len(entries) else " (none here: they set nothing)")
         )
     if not spec.split_backward and any(len(e) == 3 for e in entries):
         notes.append(f"{spec.name} runs a full backward: an F:I:W entry's I + W is used as its B")

@@ -79,6 +79,7 @@ def cmd(
     from microbatch.hardware import usable_cores
     from microbatch.measure.cpu import measure_cpu
     from microbatch.predict.validation import validate_result
+    from microbatch.records import on_gpu
 
     cores = usable_cores()
     if cpu_threads is not None and cpu_threads > cores:  # before the CPU is measured (seconds)
@@ -104,7 +105,7 @@ def cmd(
     result = with_summary(result)
     cpu = [f for f, v in (("--cpu-peak-gflops", cpu_peak_gflops), ("--cpu-bandwidth-gbs", cpu_bandwidth_gbs),
                           ("--cpu-threads", cpu_threads)) if v is not None]  # fmt: skip
-    if cpu and str(result.get("device", "")).startswith("cuda"):  # a GPU's points: this CPU's figures unused
+    if cpu and on_gpu(str(result.get("device", ""))):  # a GPU's points: this CPU's figures unused
         result["warnings"] = [
             *result["warnings"],
             f"{', '.join(cpu)} not used: the points were measured on a GPU",

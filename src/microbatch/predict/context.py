@@ -82,17 +82,19 @@ def check_context_layout(
     if c == 1:
         return
     if seq % (2 * c):
-        ok = [x for x in range(2, 65) if seq % (2 * x) == 0 and (also is None or also(x))]
+        splits = [x for x in range(2, 65) if seq % (2 * x) == 0]
+        ok = [x for x in splits if also is None or also(x)]
         nearest = (seq // (2 * c)) * 2 * c or 2 * c
-        fix = (
-            f"use context_parallel among {ok[:12]} or another seq"
-            if ok
-            else f"use seq {nearest} (no context_parallel from 2 to 64 splits {seq})"
-        )
+        if ok:
+            fix = f"use context_parallel among {ok[:12]} or another seq"
+        elif splits:  # each rule has its c, none both
+            fix = "no context_parallel from 2 to 64 meets the exchange's rule too at this seq; use another cp_comm or seq"
+        else:
+            fix = f"use seq {nearest} (no context_parallel from 2 to 64 splits {seq})"
         raise ConfigError(
             f"context_parallel {c} needs seq {seq} divisible by 2 × {c} = {2 * c} (each rank holds two "
             f"of 2c chunks, for causal load balance, as Megatron and torch split it whatever the exchange); {fix}",
-            params=("context_parallel", "seq"),
+            params=("context_parallel", "seq", "cp_comm"),
         )
     if not flash_attention:
         raise ConfigError(

@@ -194,13 +194,12 @@ def interleaved_in_flight(i: int, p: int, m: int, v: int) -> int:
 
 
 def interleaved_in_flight_factor(stages: int, virtual: int) -> float:
-    """First-rank activation factor of interleaved 1F1B: 1 + (p−1)/(p·v) (v = 1 gives 1).
+    """First-rank activation factor of interleaved 1F1B: 1 + (p−1)/(p·v) (v = 1 gives 2 − 1/p: torch's order warms
+    up 2(p − 1) forwards at one stage per rank, :func:`interleaved_in_flight`).
 
     Korthikanti et al. 2022, sec 4.2.3: the first stage holds p micro-batches of its layers
     times this factor, i.e. p + (p−1)/v micro-batches of a rank's layers (when p divides m).
     """
     check_positive_int("stages", stages)
     check_positive_int("virtual", virtual)
-    if virtual == 1:
-        return 1.0
     return 1 + (stages - 1) / (stages * virtual)

@@ -36,7 +36,8 @@ def virtual_options(
 ) -> list[int]:
     """The chunks per rank v the planner tries for schedule ``name``: its fixed
     :attr:`ScheduleSpec.stages_per_rank`; for a free v, the ``requested`` ones, else every v > 1 with
-    p·v dividing the layers (v = 1 of an interleaved schedule is its :attr:`ScheduleSpec.v1_equivalent`) —
+    p·v dividing the layers (v = 1 of an interleaved schedule has its :attr:`ScheduleSpec.v1_equivalent`'s bubble with
+    more in flight: never the better candidate) —
     or, on stages of uneven layers ``split``, every v > 1 that leaves each chunk a layer (v ≤ min(split))."""
     fixed = get_spec(name).stages_per_rank
     if fixed is not None:

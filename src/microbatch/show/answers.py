@@ -185,6 +185,7 @@ def render_memory(
         )
     if applied:
         lines += [""] + calibration_lines(applied)
+    lines += [f"note: {n}" for n in out.get("notes", [])]
     return "\n".join(lines)
 
 

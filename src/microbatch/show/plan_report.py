@@ -347,8 +347,11 @@ def _settings_note(cfg: PlanConfig) -> str:
     table's columns leave unsaid, else ``""``."""
     said = [f"{cfg.precision} {cfg.fp8_recipe}" if cfg.precision == "fp8" else cfg.precision]
     said = [] if said == ["bf16-mixed"] else said
-    if cfg.recompute_every > 1:
-        said.append(f"full recompute of 1 layer in {cfg.recompute_every}")
+    if cfg.recompute_every > 1:  # it applies where a row recomputes fully
+        said.append(
+            f"full recompute of 1 layer in {cfg.recompute_every}"
+            + ("" if cfg.recompute == ("full",) else " where full")
+        )
     if cfg.loss_kernel != "fused":
         said.append(f"{cfg.loss_kernel} loss")
     return "".join(f", {x}" for x in said)
