@@ -315,7 +315,8 @@ def recommend(
     fields may also be given as keywords (``recommend(points, tolerance=0.05)``), which override
     it. ``reference`` defaults to ``measured`` here, ``data_parallel`` to 1.
 
-    Candidates: measured without OOM; peak ≤ budget when both are known; step time ≤ the
+    Candidates: measured without OOM; peak ≤ budget when both are known (a point without a measured peak is out
+    when a smaller b_m was measured over the budget, or when the rising memory fit puts it over); step time ≤ the
     latency limit; b_m·d divides B_global when B_global is given. The memory fit uses every
     measured point (including those over the budget: they are the most informative).
     With ``reference="bound"`` (rule ``fraction``) the bound is taken from the candidates' tail
