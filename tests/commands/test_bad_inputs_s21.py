@@ -270,6 +270,8 @@ def test_the_plan_header_names_the_settings_its_table_leaves_unsaid(
     assert "s = 8192, fp8 rowwise, full recompute of 1 layer in 4, eager loss;" in out.splitlines()[0]
     _, plain, _ = _run(capsys, *PLAN)
     assert "s = 8192;" in plain.splitlines()[0]
+    _, state, _ = _run(capsys, *PLAN, "--optimizer", "lion", "--moments-dtype", "bf16")
+    assert "s = 8192, optimizer lion, moments_dtype bf16;" in state.splitlines()[0]
 
 
 def test_interleaved_at_one_stage_per_rank_holds_what_its_order_holds(

@@ -184,3 +184,16 @@ def test_unmeasured_peaks_follow_the_measured_ones(
     both = _csv(tmp_path, "d.csv", "micro_batch,throughput,oom\n1,10,false\n2,,true\n2,18,false\n")
     rc, _, err = _run(capsys, "recommend", "-m", both)
     assert rc == 2 and "micro_batch 2 both ran out of memory and ran" in err
+
+
+def test_one_cpu_figure_given_replaces_its_recorded_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file recording this CPU's peak and bandwidth: a peak given replaces the recorded peak (it was ignored)."""
+    d = json.loads(RECORDED.read_text())
+    d.update(device="cpu", device_name="Some CPU", accelerator={"name": "cpu", "peak_flops": 1e15,
+                                                              "memory_bandwidth_bytes_per_s": 5e12})  # fmt: skip
+    f = tmp_path / "cpu.json"
+    f.write_text(json.dumps(d))
+    _, _, err = _run(capsys, "validate", "--calibration", str(f), "--cpu-peak-gflops", "50")
+    assert "at 50 GFLOP/s and 5e+03 GB/s" in err  # the given peak, the recorded bandwidth

@@ -325,16 +325,14 @@ def validation_accelerator(
             bytes_per_s=cpu_bandwidth_gbs * 1e9,
             source=f"given: {cpu_peak_gflops:g} GFLOP/s, {cpu_bandwidth_gbs:g} GB/s",
         )
-    elif recorded is not None:
-        acc = recorded
-    else:
-        if measure is None:
-            raise ConfigError(
-                "this CPU's peak and bandwidth are neither given nor recorded with the measurements; give "
-                "cpu_peak_gflops and cpu_bandwidth_gbs, or a measure function (microbatch.measure.cpu.measure_cpu)",
-                params=("cpu_peak_gflops", "cpu_bandwidth_gbs"),
-            )
-        acc = measure(threads=cpu_threads)
+    elif recorded is None and measure is None:
+        raise ConfigError(
+            "this CPU's peak and bandwidth are neither given nor recorded with the measurements; give "
+            "cpu_peak_gflops and cpu_bandwidth_gbs, or a measure function (microbatch.measure.cpu.measure_cpu)",
+            params=("cpu_peak_gflops", "cpu_bandwidth_gbs"),
+        )
+    else:  # the recorded figures, else measured now; one figure given replaces its own
+        acc = recorded if recorded is not None else measure(threads=cpu_threads)  # type: ignore[misc]
         if cpu_peak_gflops is not None or cpu_bandwidth_gbs is not None:
             acc = cpu_accelerator(
                 flops_per_s=(cpu_peak_gflops * 1e9) if cpu_peak_gflops is not None else acc.flops("fp32"),

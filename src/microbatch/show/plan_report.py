@@ -17,6 +17,7 @@ from microbatch.predict.plan_advice import (
     advice_from_dict,
     lint_from_dict,
 )
+from microbatch.predict.state import StateSettings
 from microbatch.show.plan_words import Words, advice_lines, gib, lint_sentence, say
 
 __all__ = [
@@ -343,8 +344,9 @@ def _clock_note(gpu: Accelerator) -> str:
 
 
 def _settings_note(cfg: PlanConfig) -> str:
-    """``, fp8 te-current, recompute full of 1 layer in 4, eager loss`` for the settings that are not the defaults the
-    table's columns leave unsaid, else ``""``."""
+    """``, fp8 te-current, full recompute of 1 layer in 4, eager loss, optimizer lion`` for the settings away from their
+    defaults that the table's columns leave unsaid (the precision, every-K recompute, the loss, the training state's
+    settings by their names), else ``""``."""
     said = [f"{cfg.precision} {cfg.fp8_recipe}" if cfg.precision == "fp8" else cfg.precision]
     said = [] if said == ["bf16-mixed"] else said
     if cfg.recompute_every > 1:  # it applies where a row recomputes fully
@@ -354,6 +356,9 @@ def _settings_note(cfg: PlanConfig) -> str:
         )
     if cfg.loss_kernel != "fused":
         said.append(f"{cfg.loss_kernel} loss")
+    plain = StateSettings()  # the state settings away from their defaults, by their names
+    said += [f"{k} {getattr(cfg, k)}" for k in ("optimizer", "grad_dtype", "moments_dtype", "master_weights",
+                                                   "loss_dtype") if getattr(cfg, k) != getattr(plain, k)]  # fmt: skip
     return "".join(f", {x}" for x in said)
 
 
