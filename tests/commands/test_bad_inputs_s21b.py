@@ -197,3 +197,13 @@ def test_one_cpu_figure_given_replaces_its_recorded_one(
     f.write_text(json.dumps(d))
     _, _, err = _run(capsys, "validate", "--calibration", str(f), "--cpu-peak-gflops", "50")
     assert "at 50 GFLOP/s and 5e+03 GB/s" in err  # the given peak, the recorded bandwidth
+
+
+def test_the_json_says_the_unit_and_the_reference_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, _ = _run(capsys, "simulate", "-p", "2", "-m", "4", "-s", "1f1b", "--time-unit", "ms", "--json")
+    assert rc == 0 and json.loads(out)["time_unit"] == "ms"
+    f = _csv(tmp_path, "g.csv", "micro_batch,throughput\n1,100\n2,150\n4,170\n8,175\n")
+    rc, out, _ = _run(capsys, "recommend", "-m", f, "--rule", "gain", "--reference", "bound", "--json")
+    assert rc == 0 and json.loads(out)["reference"] == "measured"  # rule gain reads no reference line

@@ -426,7 +426,7 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         data_parallel=data_parallel,
         flattened=flattened(measured, choice.tolerance),
         out_of_memory_above=any(p.oom and p.micro_batch > max(q.micro_batch for q in measured) for p in pts),
-        reference=reference,
+        reference=reference if choice.rule == "fraction" else "measured",  # rule gain reads no reference line
         bound=bound,
         margin=margin,
         left_out=tuple(left_out),

@@ -120,6 +120,8 @@ def cmd(
     times = resolve_times(spec, schedule, **given, stage_times=stage_times)
     sim = simulate(schedule, comm_time=comm_time, **times)
     result = _result(sim, spec.name, times, notes, with_intervals)
+    if time_unit:  # what one unit of the times is (the report's diagram reads it)
+        result["time_unit"] = time_unit
     uniform = not stage_times and comm_time == 0
     closed = _closed_form(spec, stages, microbatches, virtual, times) if uniform else None
     if closed is not None:
