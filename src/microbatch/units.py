@@ -34,6 +34,11 @@ _UNITS = {
 }
 
 
+MAX_BYTES = 2**60
+"""The largest size :func:`parse_bytes` takes: 1 EiB, ~7,000× the 141 GB of the largest GPU in the table (H200) and
+past any host's memory; a larger one is a typo, and its arithmetic runs past float's range (1e308 bytes)."""
+
+
 def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
     """Bytes in ``"12GiB"``, ``"500MB"``, ``"1.5g"`` (binary for the one-letter forms) or a plain number.
 
@@ -66,11 +71,6 @@ def parse_bytes(text: str | int | float, *, name: str = "memory budget") -> int:
             f"{name} {text!r} is past any device's memory (more than 1 EiB); give a size, e.g. 12GiB, 500MB or 2e9"
         )
     return int(value * _UNITS[unit])
-
-
-MAX_BYTES = 2**60
-"""The largest size :func:`parse_bytes` takes: 1 EiB, ~7,000× the 141 GB of the largest GPU in the table (H200) and
-past any host's memory; a larger one is a typo, and its arithmetic runs past float's range (1e308 bytes)."""
 
 
 def format_bytes(n: float | None, *, digits: int = 2, unit: str | None = None) -> str:
