@@ -202,11 +202,15 @@ class SplitOnOOM(CallbackBase):
         def loss_fn(_: Any, mb: Any) -> tuple[Any, float]:
             nonlocal dict_out
             w = share(mb)
-            if w == 0.0:  # no items: nothing to learn from it (a mean over none would be nan)
-                return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True), 0.0
-            extra.clear()  # a failed piece's outputs go before the next forward, not after it
+            if w > 0.0:
+                extra.clear()  # a failed piece's outputs go before the next forward, not after it
+            # a piece with no items still runs, as the unsplit step ran its rows: its dropout draws keep the random
+            # stream where the unsplit step leaves it, and a loss's terms that are not per item count under "sum"
             out = original(mb, *rest, **kwargs)
             loss = loss_of(out, "SplitOnOOM", " for a piece of the batch")
+            if w == 0.0 and (mean or not bool(torch.isfinite(loss.detach()).all())):
+                # weighted by no items (or a mean over none, nan): it adds nothing to the gradient
+                return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True), 0.0
             if isinstance(out, Mapping):
                 dict_out = True
                 # detached, as Lightning keeps a step's extra outputs: no piece's graph outlives its backward

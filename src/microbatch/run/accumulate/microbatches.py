@@ -39,10 +39,17 @@ def _records(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) > 1 and all(isinstance(v, Mapping) for v in value)
 
 
+def _array(value: Any) -> bool:
+    """An array that is not a tensor (a NumPy array, anything with a shape and ``__array__``): rows of data, never
+    one row's value; :func:`_leaves` refuses it with the conversion to make."""
+    return hasattr(value, "__array__") and hasattr(value, "shape") and not isinstance(value, torch.Tensor)
+
+
 def _per_row(value: Any, records: bool = False) -> bool:
     """A list or tuple with no tensor or mapping inside: one value per row (a string, a number, a row's own list
-    of choices), sliced with the rows; with ``records``, also a list or tuple of mappings (:func:`_records`)."""
-    if not isinstance(value, (tuple, list)):
+    of choices), sliced with the rows; with ``records``, also a list or tuple of mappings (:func:`_records`). Not
+    one that holds an array (``(x_np, y_np)`` is two arrays of rows, not two rows)."""
+    if not isinstance(value, (tuple, list)) or any(_array(v) for v in value):
         return False
     return (records and _records(value)) or not _holds_tensors(value)
 
@@ -65,6 +72,11 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
         raise ConfigError(
             f"batch of type {type(batch).__name__} is not supported; a batch is a tensor, a tuple/list of "
             "tensors or a dict of tensors (nested as a collate function makes them), all with the rows in dim 0"
+        )
+    elif _array(batch):
+        raise ConfigError(
+            f"{name} is a {type(batch).__name__}, not a tensor; convert it with torch.as_tensor (torch.from_numpy for "
+            "a NumPy array) before the step: every entry of the batch is a tensor with the rows in dim 0"
         )
     else:
         raise ConfigError(
