@@ -31,6 +31,7 @@ __all__ = [
     "MAX_BATCH",
     "divisors",
     "nearest_multiples",
+    "first_micro_batch",
     "next_micro_batch",
     "LADDER_MIN_RATIO",
 ]
@@ -179,6 +180,15 @@ LADDER_MIN_RATIO = 1.5
 """The least step of the search's ladder of divisors (:func:`next_micro_batch`) but its last: two
 probes closer than 1.5× measure a gain per doubling with the probes' noise multiplied by
 1/log2(ratio) (×1.7 at 1.5×, ×2.8 at 9/7 = 1.29×)."""
+
+
+def first_micro_batch(start: int, per_replica: int | None = None) -> int:
+    """The first b_m the doubling search probes: ``start``, or with the per-replica batch B/d given the smallest
+    divisor of it from ``start`` up (a b_m that divides no exact B_global is never chosen: probing it is time
+    lost); ``start`` itself when none is (past B/d: the walk's check refuses it)."""
+    if per_replica is None:
+        return start
+    return min((d for d in divisors(per_replica) if d >= start), default=start)
 
 
 def next_micro_batch(b: int, per_replica: int | None = None) -> int | None:

@@ -16,7 +16,16 @@ from typing import Any
 from microbatch import __version__
 from microbatch._json import loads
 
-__all__ = ["ENVELOPE_KEYS", "ERROR_KINDS", "MARK", "envelope", "error_envelope", "is_ours", "mark_line"]
+__all__ = [
+    "ENVELOPE_KEYS",
+    "ERROR_KINDS",
+    "MARK",
+    "envelope",
+    "envelope_command",
+    "error_envelope",
+    "is_ours",
+    "mark_line",
+]
 
 ENVELOPE_KEYS = ("command", "version")
 """The keys every JSON object of the command line starts with."""
@@ -64,6 +73,20 @@ def mark_line(command: str, comment: str = "#") -> str:
     ``comment="<!--"`` an XML/HTML comment."""
     text = f"{MARK} {command} {__version__}" if command else f"{MARK} {__version__}"
     return f"<!-- {text} -->" if comment == "<!--" else f"{comment} {text}"
+
+
+def envelope_command(path: str | Path) -> str | None:
+    """The ``command`` of the JSON envelope in the file at ``path``, or None (no envelope, unreadable, too large to
+    be one of ours)."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > _ENVELOPE_READ_BYTES:
+            return None
+        data = loads(p.read_bytes())
+    except (OSError, ValueError):
+        return None
+    command = data.get("command") if isinstance(data, dict) else None
+    return command if isinstance(command, str) else None
 
 
 def is_ours(path: str | Path) -> bool:

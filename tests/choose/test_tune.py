@@ -640,18 +640,18 @@ def test_with_a_global_batch_the_search_probes_only_b_m_it_could_choose():
 
 def test_the_preflight_walk_is_the_search_ladder():
     """The sizes the check before work expects are those the search probes: with B/d = 6 and
-    start 4 the walk is 4, 6 (6 divides: accepted; doubling would have probed 4, 8 and refused)."""
+    start 4 the walk starts at the divisor 6 (4 divides no exact B; doubling would have probed 4, 8 and refused)."""
     from microbatch.choose.tune.preflight import check_walk, walk_sizes
 
-    assert walk_sizes(SearchConfig(start=4, max_micro_batch=8), 6) == [4, 6]
+    assert walk_sizes(SearchConfig(start=4, max_micro_batch=8), 6) == [6]
     assert walk_sizes(SearchConfig(start=1, max_micro_batch=1024), 96) == [1, 2, 4, 8, 16, 32, 48, 96]
     assert walk_sizes(SearchConfig(start=3, max_micro_batch=100)) == [3, 6, 12, 24, 48, 96]
     check_walk(SearchConfig(start=4, max_micro_batch=8), ChoiceConfig(global_batch=6))
     calls = []
     pts = search(synthetic({4: 400.0, 6: 500.0}, calls=calls), SearchConfig(start=4, max_micro_batch=8),
                  ChoiceConfig(global_batch=6))  # fmt: skip
-    assert bs(pts) == [4, 6] == [b for b, _ in calls]
-    with pytest.raises(ConfigError, match=r"none of the probed b_m \(4\) divides"):
+    assert bs(pts) == [6] == [b for b, _ in calls]  # 4 divides no exact B: never probed
+    with pytest.raises(ConfigError, match=r"no divisor of 6 \(1, 2, 3, 6\) lies from start=4 to max_micro_batch=5"):
         check_walk(SearchConfig(start=4, max_micro_batch=5), ChoiceConfig(global_batch=6))
 
 

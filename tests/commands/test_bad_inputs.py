@@ -163,7 +163,7 @@ def test_7_transformers_missing(tmp_path, capsys, monkeypatch):
         (["--threads", "0"], [r"--threads must be a whole number >= 1, got 0"]),
         (["--start", "16", "--max-micro-batch", "4"], [r"--start 16 is above --max-micro-batch 4", r"use --start 4"]),
         (["-B", "7", "-d", "2"], [r"--global-batch 7 is not divisible by --data-parallel 2", r"e\.g\. 6 or 8"]),
-        (["-B", "6", "--start", "4", "--max-micro-batch", "5"], [r"leaves 6 samples per replica", r"b_m \(4\)",
+        (["-B", "6", "--start", "4", "--max-micro-batch", "5"], [r"leaves 6 samples per replica", r"no divisor of 6 \(1, 2, 3, 6\) lies from --start 4 to --max-micro-batch 5",
                                                                   r"a --start that divides 6"]),
         (["-B", "6", "--start", "8"], [r"leaves 6 samples per replica", r"use --start 1"]),
         (["--max-latency-ms", "-5"], [r"--max-latency-ms -5\.0 must be > 0"]),

@@ -33,6 +33,9 @@ class CurvePoint:
     throughput_se: float | None = None
     """Standard error of ``throughput`` relative to it (None or 0: not known;
     :mod:`microbatch.choose.noise`)."""
+    checkpointing: bool = False
+    """Measured with activation checkpointing on (``tune --checkpointing auto`` turns it on where a b_m does
+    not fit without it): its memory and speed are those of that mode, and so is the b_m's advice."""
 
     def __post_init__(self) -> None:
         plain_numbers(self)
@@ -47,10 +50,12 @@ class CurvePoint:
                     "measured)",
                     params=(name,),
                 )
-        if not isinstance(self.oom, bool):  # "no" or 1 is no answer: a point dropped as out of memory
-            raise ConfigError(
-                f"oom {self.oom!r} at micro_batch {self.micro_batch} must be True or False", params=("oom",)
-            )
+        for name in ("oom", "checkpointing"):  # "no" or 1 is no answer: a point dropped as out of memory
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"{name} {getattr(self, name)!r} at micro_batch {self.micro_batch} must be True or False",
+                    params=(name,),
+                )
         if not self.oom and self.throughput is None:
             raise ConfigError(
                 f"point micro_batch {self.micro_batch} has no throughput and is not marked oom; "

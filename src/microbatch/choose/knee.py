@@ -103,11 +103,12 @@ def find_knee(
 
 
 def flattened(points: Sequence[CurvePoint], tolerance: float) -> bool:
-    """The curve has flattened or fallen: the last doubling gained less than τ."""
+    """The curve has flattened or fallen: the largest b_m gains less than τ per doubling over the fastest below it
+    (the rule ``tune``'s search stops on, so the two never disagree)."""
     curve = measured_curve(points)
     if len(curve) < 2:
         return False
-    a, b = curve[-2], curve[-1]
+    a, b = max(curve[:-1], key=lambda p: p.measured_throughput), curve[-1]
     t_a = a.measured_throughput
     return t_a > 0 and gain_per_doubling(a.micro_batch, t_a, b.micro_batch, b.measured_throughput) < tolerance
 
@@ -193,6 +194,7 @@ class Recommendation:
             else None,
             "peak_memory_bytes": p.peak_memory_bytes,
             "step_time_s": p.step_time_s,
+            "checkpointing": p.checkpointing,
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -43,14 +43,18 @@ class MemoryFit:
 
 
 def fit_memory(points: Sequence[CurvePoint], *, largest: int = 3) -> MemoryFit | None:
-    """Least-squares line through the ``largest`` biggest b_m with a known peak (None if < 2).
+    """Least-squares line through the ``largest`` biggest b_m with a known peak (None if < 2), among the points
+    measured as the largest was, with activation checkpointing or without (a line through both modes is neither's).
 
     k = Σ(b−b̄)(M−M̄) / Σ(b−b̄)², M_0 = M̄ − k·b̄.
     """
-    known = sorted(
-        {p.micro_batch: p for p in points if p.ok and p.peak_memory_bytes is not None}.values(),
-        key=lambda p: p.micro_batch,
-    )[-largest:]
+    peaks = {
+        p.micro_batch: p for p in points if p.ok and p.peak_memory_bytes is not None
+    }  # the last of each b_m
+    mode = peaks[max(peaks)].checkpointing if peaks else False
+    known = sorted((p for p in peaks.values() if p.checkpointing == mode), key=lambda p: p.micro_batch)[
+        -largest:
+    ]
     if len(known) < 2:
         return None
     m0, k = fit_line([float(p.micro_batch) for p in known], [float(p.peak_memory_bytes or 0) for p in known])

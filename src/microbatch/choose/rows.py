@@ -15,17 +15,9 @@ from microbatch.units import MAX_BYTES
 __all__ = ["checkpointed", "points_from_records"]
 
 
-def checkpointed(records: Sequence[Any], points: Sequence[CurvePoint], *, source: str) -> set[int]:
-    """The b_m whose point that ran (not out of memory) was measured with activation checkpointing on (``records``:
-    the rows :func:`points_from_records` read into ``points``, in order)."""
-    out = set()
-    for i, (r, p) in enumerate(zip(records, points, strict=True)):
-        on = isinstance(r, dict) and true_or_false(
-            r.get("checkpointing", False), where=f"{source}: row {i + 1}"
-        )
-        if on and not p.oom:
-            out.add(p.micro_batch)
-    return out
+def checkpointed(points: Sequence[CurvePoint]) -> set[int]:
+    """The b_m whose point that ran (not out of memory) was measured with activation checkpointing on."""
+    return {p.micro_batch for p in points if p.checkpointing and not p.oom}
 
 
 def points_from_records(
@@ -69,6 +61,7 @@ def points_from_records(
                     peak_memory_bytes=None if peak is None else int(round(peak)),
                     oom=oom,
                     step_time_s=step,
+                    checkpointing=true_or_false(r.get("checkpointing", False), where="checkpointing"),
                 )
             )
         except ConfigError as e:

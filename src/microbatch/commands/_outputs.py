@@ -77,6 +77,13 @@ def check_out_dir(
     if not str(path).strip():  # Path('') is the working folder: a demo's files landed there
         raise ConfigError(f"{flag} '' names no folder; give a folder name, e.g. {flag} run1")
     p = Path(path)
+    suffix = p.suffix.lower()
+    if not p.is_dir() and suffix in {".json", ".csv", ".html", ".htm", ".png", ".svg", ".txt"}:
+        # a file's name where a folder is asked for: it would become a folder named like a file
+        raise ConfigError(
+            f"{flag} {str(path)!r} names a {suffix} file, and {flag} is a folder ({', '.join(files)} written in "
+            f"it); give a folder, e.g. {flag} {str(p.with_suffix('')) or 'run1'}"
+        )
     blocker = _file_in_the_way(p)
     if blocker is not None:
         raise ConfigError(
@@ -197,6 +204,25 @@ def check_output_file(
             f"{flag} {path}: the folder {base} cannot be written ({e.strerror or e}); write elsewhere"
         ) from None
     _check_not_theirs(Path(path), f"{flag} {path}", force)
+    _check_not_another_commands(Path(path), f"{flag} {path}", force)
+
+
+def _check_not_another_commands(path: Path, what: str, force: bool | None) -> None:
+    """Refuse, without ``--force``, to replace a result another command wrote (a ``tune`` result under a
+    ``bench-gpu --out``): it is microbatch's, but it is not this command's to lose."""
+    from microbatch.envelope import envelope_command
+    from microbatch.errors import ConfigError
+
+    ctx = click.get_current_context(silent=True)
+    if force or ctx is None or not ctx.command.name or not path.is_file():
+        return
+    other = envelope_command(path)
+    if other is None or other == ctx.command.name:
+        return
+    fix = "give --force to replace it, or another name" if force is not None else "give another name"
+    raise ConfigError(
+        f"{what} holds a `{other}` result, which this `{ctx.command.name}` run would replace; {fix}"
+    )
 
 
 force_option = click.option(

@@ -106,7 +106,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     rows = read_rows(measurements)
     points = points_from_records(rows, source=measurements)
     d = recommend_measured(points, choice).to_dict()
-    ckpt = checkpointed(rows, points, source=measurements)
+    ckpt = checkpointed(points)
     named = {
         "the knee": d.get("micro_batch"),
         "the fastest that fits": (d.get("fastest_fitting") or {}).get("micro_batch"),
@@ -139,6 +139,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
             "peak_memory_bytes": p.peak_memory_bytes,
             "oom": p.oom,
             "step_time_s": p.step_time_s,
+            "checkpointing": p.checkpointing,
         }
         for p in points
     ]

@@ -29,6 +29,7 @@ from microbatch.measure.hostmem import (
     current_rss_bytes,
     mark_probe_child,
     peak_rss_bytes,
+    rebind_limit,
     reset_peak_rss,
     virtual_bytes,
 )
@@ -317,6 +318,7 @@ def _setup(msg: dict[str, Any]) -> tuple[Probe, bool, dict[str, Any]]:
     if limit is not None:
         room = limit - current_rss_bytes()
         resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
+        rebind_limit()  # reads the real-memory budget the limit stands for: ``limit``
         limited = True
     caught: tuple[type[BaseException], ...] = (RuntimeError, *ooms)
     try:
@@ -325,6 +327,10 @@ def _setup(msg: dict[str, Any]) -> tuple[Probe, bool, dict[str, Any]]:
         if not (limited and isinstance(e, RuntimeError)) and not isinstance(e, ooms):
             raise
         return probe, limited, {"oom": True, "error": short_error(e)}
+    if (
+        limited
+    ):  # the first step mapped what it does not touch (thread stacks, arenas): the limit counts from here
+        rebind_limit()
     return probe, limited, {"static_bytes": need, "rss_after_setup": current_rss_bytes()}
 
 

@@ -21,7 +21,14 @@ from microbatch.model import ModelShape
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["require_transformers", "hf_config_from_shape", "load_hf_config", "hf_model", "HFDecoder"]
+__all__ = [
+    "require_transformers",
+    "hf_config_from_shape",
+    "load_hf_config",
+    "check_hf_buildable",
+    "hf_model",
+    "HFDecoder",
+]
 
 
 def require_transformers(what: str = "a Hugging Face model", *, params: tuple[str, ...] = ()) -> None:
@@ -112,8 +119,45 @@ def load_hf_config(path: str) -> Any:
 
     try:
         return AutoConfig.for_model(**data)
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"hf_config {path!r}: transformers cannot read it ({e})", params=_HF) from None
+    except Exception as e:  # ValueError, KeyError, huggingface_hub's strict-field errors: the file's fault
+        raise ConfigError(
+            f"hf_config {path!r}: transformers cannot read it ({_short(e)}); fix that field in the file",
+            params=_HF,
+        ) from None
+
+
+HF_ERROR_CHARS = 300
+"""The most of a transformers error a message quotes: an unknown model_type lists every one it knows (12 kB)."""
+
+
+def _short(e: BaseException) -> str:
+    """``e`` on one line (a strict-field error names the field on its first line and the rule on the next), cut
+    at :data:`HF_ERROR_CHARS`."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= HF_ERROR_CHARS else text[: HF_ERROR_CHARS - 1] + "…"
+
+
+def check_hf_buildable(path: str) -> None:
+    """ConfigError unless transformers reads ``path`` and builds its causal LM: on the meta device (no memory, no
+    weights), in this process, before any probe starts (a field of the wrong type or an unknown activation
+    otherwise fails in the child, seconds in). An error of the meta device itself (a model whose init reads a
+    tensor's value) is left for the probe to meet."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(path)
+    auto: Any = AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            auto.from_config(config)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
+        raise ConfigError(
+            f"hf_config {path!r}: transformers cannot build its model ({_short(e)}); check the file's fields "
+            "against the model family's config (types, activation names, sizes)",
+            params=_HF,
+        ) from None
+    except Exception:  # noqa: BLE001 - the meta device's own limits: the probe builds it for real
+        return
 
 
 def hf_model(config: Any, dtype: torch.dtype, device: torch.device, seed: int) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "tracking_heap",
     "steady_heap",
     "replug",
+    "rebind_limit",
     "available_host_bytes",
     "reset_peak_rss",
     "peak_rss_bytes",
@@ -188,6 +189,7 @@ def replug() -> None:
     fixed = tracking_heap()
     if fixed is not None and not _DEPTH[0]:
         _plug_heap(_libc(), fixed[0])
+        rebind_limit()  # the held chunks are mapped, not resident: the limit keeps binding on real memory
 
 
 _DEPTH = [0]
@@ -198,9 +200,10 @@ _REAL_LIMIT: list[int] = []
 resident, read at the first :func:`steady_heap` (the child set the limit so)."""
 
 
-def _rebind_limit() -> None:
+def rebind_limit() -> None:
     """Set the soft ``RLIMIT_AS`` to the real-memory budget plus what is mapped now but not resident, so the limit
-    keeps binding on real memory whatever the heap keeps mapped: a function of the state, not of history."""
+    keeps binding on real memory whatever the heap keeps mapped: a function of the state, not of history. The
+    first call after the child sets the limit reads the budget it stands for."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft == resource.RLIM_INFINITY:
         return
@@ -220,7 +223,7 @@ def steady_heap() -> Iterator[bool]:
     (:data:`STEADY_MMAP_THRESHOLD`), in the probe child (:func:`tracking_heap`); yields whether it runs on them.
     After: the tracking thresholds again, the freed heap returned and its large free chunks held
     (:func:`replug`), and the soft ``RLIMIT_AS`` at the real-memory budget plus what the heap keeps mapped without
-    holding it resident (:func:`_rebind_limit`). Entered again inside, it changes nothing."""
+    holding it resident (:func:`rebind_limit`). Entered again inside, it changes nothing."""
     fixed = tracking_heap()
     if fixed is None:
         yield False
@@ -229,7 +232,7 @@ def steady_heap() -> Iterator[bool]:
         yield True
         return
     libc = _libc()
-    _rebind_limit()  # the first time: reads the budget the limit stands for
+    rebind_limit()  # the first time: reads the budget the limit stands for
     _DEPTH[0] += 1
     libc.mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
     libc.mallopt(M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
@@ -243,7 +246,7 @@ def steady_heap() -> Iterator[bool]:
         try:
             malloc_trim()
             replug()
-            _rebind_limit()
+            rebind_limit()
         except MemoryError:  # at the limit: the next probe's free() does the bookkeeping
             pass
 

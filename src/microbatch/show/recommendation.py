@@ -18,7 +18,7 @@ __all__ = ["render_curve", "render_recommendation", "render_tune", "use_line"]
 
 def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per measured b_m (throughput, step time, peak), the knee and the fastest marked (none when ``d`` has
-    no choice: the points of a refused one)."""
+    no choice: the points of a refused one), and the points measured with activation checkpointing on."""
     lines = [f"{'b_m':>6} {'throughput':>14} {'step ms':>9} {'peak memory':>12}  "]
     knee, fastest = d.get("micro_batch"), (d.get("fastest_fitting") or {}).get("micro_batch")
     for p in sorted(points, key=lambda p: p["micro_batch"]):
@@ -27,6 +27,8 @@ def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> l
             mark.append("knee")
         if p["micro_batch"] == fastest:
             mark.append("fastest")
+        if p.get("checkpointing") is True:
+            mark.append("checkpointed")
         if p.get("oom"):
             lines.append(f"{p['micro_batch']:>6} {'out of memory':>14}")
             continue
@@ -184,9 +186,10 @@ def use_line(d: Mapping[str, Any]) -> str:
     """The answer in one plain line: ``use b_m = 4, g = 64 (b_m x g x d = 4 x 64 x 1 = 256)``; without a
     global batch g is left to the caller: ``use b_m = 4 (g = B_global / (b_m x d): no global batch given)``."""
     b_m, g, dp = d["micro_batch"], d.get("grad_accum"), d.get("data_parallel") or 1
+    ckpt = " with activation checkpointing on (as it was measured)" if d.get("checkpointing") is True else ""
     if g is None or d.get("global_batch") is None:
-        return f"use b_m = {b_m} (g = B_global / (b_m x d): no global batch given)"
-    return f"use b_m = {b_m}, g = {g} (b_m x g x d = {b_m} x {g} x {dp} = {b_m * g * dp})"
+        return f"use b_m = {b_m}{ckpt} (g = B_global / (b_m x d): no global batch given)"
+    return f"use b_m = {b_m}, g = {g}{ckpt} (b_m x g x d = {b_m} x {g} x {dp} = {b_m * g * dp})"
 
 
 def cache_line(cache: Mapping[str, Any], again: str = "use_cache=False") -> str:

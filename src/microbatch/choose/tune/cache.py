@@ -79,9 +79,10 @@ def load_points(key: str, stamps: Stamps | None = None) -> Points:
         return {}
 
 
-def save_points(key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None) -> None:
+def save_points(key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None) -> str | None:
     """Save ``points`` under ``key`` (atomically: written aside, then renamed), each with when it
-    was measured (``stamps``; now for a point without one)."""
+    was measured (``stamps``; now for a point without one). A cache that cannot be written is not an error: the
+    reason is returned (None when saved), for the run's notes."""
     d = cache_dir()
     now = time.time()
     rows = [dict(m.to_dict(), measured_at=(stamps or {}).get(k, now)) for k, m in points.items()]
@@ -90,8 +91,9 @@ def save_points(key: str, fields: dict[str, Any], points: Points, stamps: Stamps
         tmp = d / f"tune-{key}.json.tmp"
         tmp.write_text(dumps({"key": fields, "points": rows}))
         tmp.replace(d / f"tune-{key}.json")
-    except OSError:
-        pass  # a cache that cannot be written is not an error
+    except OSError as e:
+        return f"{d}: {e.strerror or e}"
+    return None
 
 
 class CachedAnswer(UserWarning):

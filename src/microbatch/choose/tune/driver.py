@@ -114,6 +114,7 @@ def run_search(
         static_bytes=getattr(prober, "static_bytes", None),
         fingerprint=cache.key,
         cache=cache.use(points),
+        notes=cache.notes(),
     )
 
 
@@ -127,6 +128,20 @@ class _PointCache:
         self.stamps: dict[tuple[int, bool], float] = {}
         self.known = load_points(self.key, self.stamps) if self.enabled else {}
         self.from_cache = set(self.known)  # what was measured before this run
+        self.unsaved: str | None = None  # why the cache could not be written, the first time
+
+    def save(self) -> None:
+        why = save_points(self.key, self.fields, self.known, self.stamps)
+        self.unsaved = self.unsaved or why
+
+    def notes(self) -> tuple[str, ...]:
+        """A note when the points could not be cached (a repeated tune measures them again)."""
+        if self.unsaved is None:
+            return ()
+        return (
+            f"the points were not cached ({self.unsaved}): a repeated tune measures them again; set "
+            "MICROBATCH_CACHE_DIR to a folder you can write",
+        )
 
     def measuring(self, prober: Prober) -> Callable[[int, bool], Measurement]:
         """``measure(b, checkpointing)`` with ``prober``, each point saved as it comes."""
@@ -138,7 +153,7 @@ class _PointCache:
             if self.enabled:
                 self.known[(b, ckpt)] = m
                 self.stamps[(b, ckpt)] = time.time()
-                save_points(self.key, self.fields, self.known, self.stamps)
+                self.save()
             return m
 
         return measure
@@ -147,7 +162,7 @@ class _PointCache:
         """Save ``points`` over those known (a repeated tune reads the confirmed, median, points)."""
         if self.enabled:
             self.known.update({(p.micro_batch, p.checkpointing): p for p in points})
-            save_points(self.key, self.fields, self.known, self.stamps)
+            self.save()
 
     def use(self, points: list[Measurement]) -> CacheUse | None:
         """How many of ``points`` came from the cache (None when none did)."""

@@ -123,13 +123,14 @@ def _preflight(
         check_walk,
     )
     from microbatch.choose.tune.probing import check_host_budget
-    from microbatch.measure.hf import require_transformers
+    from microbatch.measure.hf import check_hf_buildable, require_transformers
     from microbatch.model import check_seq, from_hf_config
 
     check_walk(search_config, choice, KEYWORD_NAMES)
     described = shape if shape is not None else from_hf_config(str(hf_config), seq=probe.seq)
     if hf_config is not None:
         require_transformers("hf_config", params=("hf_config",))
+        check_hf_buildable(str(hf_config))
     elif probe.backend == "hf":
         require_transformers("backend hf", params=("backend",))
     check_seq(described, probe.seq or described.seq)
@@ -329,7 +330,7 @@ def tune(
         prober = InProcessProber(step, setup_size=search_config.start)
         result = run_search(prober, probe_config, search_config, choice, setup, on_point)
     notes = _first_loss_notes(step.first_loss)
-    result = replace(result, timing_choice=timing_choice, notes=notes)
+    result = replace(result, timing_choice=timing_choice, notes=(*result.notes, *notes))
     _say_cached(result)
     return result
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from microbatch.batch import nearest_multiples, next_micro_batch, per_replica
+from microbatch.batch import divisors, first_micro_batch, nearest_multiples, next_micro_batch, per_replica
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.tune.config import SearchConfig
 from microbatch.errors import ConfigError
@@ -39,7 +39,7 @@ def walk_sizes(search: SearchConfig, per_replica: int | None = None) -> list[int
     or the divisors of ``per_replica`` = B_global / d when given) up to ``max_micro_batch`` (the
     first 64 with no cap)."""
     sizes: list[int] = []
-    b: int | None = search.start
+    b: int | None = first_micro_batch(search.start, per_replica)
     cap = search.max_micro_batch
     while b is not None and (b <= cap if cap is not None else len(sizes) < 64):
         sizes.append(b)
@@ -85,10 +85,16 @@ def check_walk(search: SearchConfig, choice: ChoiceConfig, names: Mapping[str, s
             if search.start > per
             else f"use a {names['start']} that divides {per} (e.g. 1), or raise {names['max']}"
         )
+        probed = (
+            f"which none of the probed b_m ({', '.join(map(str, sizes[:6]))}{', ...' if len(sizes) > 6 else ''}) "
+            "divides"
+            if sizes
+            else f"and no divisor of {per} ({', '.join(map(str, divisors(per)[:8]))}) lies from "
+            f"{given('start', search.start)} to {given('max', cap)}"
+        )
         raise ConfigError(
             f"{given('B', choice.global_batch)} with {given('d', d)} leaves {per} samples per replica, "
-            f"which none of the probed b_m ({', '.join(map(str, sizes[:6]))}{', ...' if len(sizes) > 6 else ''}) "
-            f"divides (B = b_m × g × d needs a whole g); {fix}"
+            f"{probed} (B = b_m × g × d needs a whole g); {fix}"
         )
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from microbatch.batch import next_micro_batch, per_replica
+from microbatch.batch import first_micro_batch, next_micro_batch, per_replica
 from microbatch.choose.bound import BOUND_MIN_POINTS, choice_margin, throughput_bound
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.curve import CurvePoint, gain_per_doubling
@@ -63,6 +63,7 @@ def curve_point(m: Measurement) -> CurvePoint:
         oom=m.oom,
         step_time_s=m.step_time_s,
         throughput_se=se,
+        checkpointing=m.checkpointing,
     )
 
 
@@ -201,7 +202,7 @@ class _Walk:
     def walk(self) -> None:
         """Double b_m until a stop rule fires (the log says which)."""
         cap, auto = self.config.max_micro_batch, self.config.checkpointing == "auto"
-        b, flat = self.config.start, 0
+        b, flat = first_micro_batch(self.config.start, self.per_replica), 0
         while True:
             if cap is not None and b > cap:
                 self.log.stop_reason = f"reached the largest micro-batch allowed ({cap})"
