@@ -134,8 +134,13 @@ class Bench:
         t = flops / self.warm_rate if self.warm_rate else 0.0
         left = self.left_s()
         if self.min_calls * t > left:
+            budget = (
+                f"past the {left:.3g} s left"
+                if left > 0
+                else f"the budget already spent ({-left:.3g} s over)"
+            )
             self.skipped.append(
-                f"{what} (predicted {t:.3g} s a call, {self.min_calls} calls at the least, past the {left:.3g} s left)"
+                f"{what} (predicted {t:.3g} s a call, {self.min_calls} calls at the least, {budget})"
             )
             return True
         return False
