@@ -651,7 +651,9 @@ def test_the_preflight_walk_is_the_search_ladder():
     pts = search(synthetic({4: 400.0, 6: 500.0}, calls=calls), SearchConfig(start=4, max_micro_batch=8),
                  ChoiceConfig(global_batch=6))  # fmt: skip
     assert bs(pts) == [6] == [b for b, _ in calls]  # 4 divides no exact B: never probed
-    with pytest.raises(ConfigError, match=r"no divisor of 6 \(1, 2, 3, 6\) lies from start=4 to max_micro_batch=5"):
+    with pytest.raises(
+        ConfigError, match=r"no divisor of 6 \(1, 2, 3, 6\) lies from start=4 to max_micro_batch=5"
+    ):
         check_walk(SearchConfig(start=4, max_micro_batch=5), ChoiceConfig(global_batch=6))
 
 

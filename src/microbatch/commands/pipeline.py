@@ -213,8 +213,9 @@ def cmd(
     report = replace(_run(cfg, external, predict_first), notes=notes)
     _note_uncalibrated(report, cfg)
     if report.interrupted:
+        why = "the deadline passed" if report.stop_reason else "Ctrl-C or SIGTERM"
         notes.append(
-            f"interrupted (Ctrl-C or SIGTERM) after {report.steps} of {report.steps_asked} steps: the figures are "
+            f"interrupted ({why}) after {report.steps} of {report.steps_asked} steps: the figures are "
             "those of the steps every rank finished"
         )
     title = f"measured {report.schedule}: p = {stages}, m = {microbatches}" + (
@@ -286,6 +287,11 @@ def _emit(report: PipelineReport, failed: bool, as_json: bool, width: int) -> No
 def _failure(report: PipelineReport, failed: bool) -> tuple[int, str] | None:
     """(exit status, why) when the command ends non-zero: 130 after an interrupted run, 1 after a failed gradient
     check or when an output could not be written (``failed``; the first such note); None when it succeeded."""
+    if report.interrupted and report.stop_reason:  # the deadline: a failure, the steps kept
+        return (
+            1,
+            f"{report.stop_reason}; kept the {report.steps} step(s) of {report.steps_asked} every rank finished",
+        )
     if report.interrupted:
         return (
             130,
@@ -367,7 +373,7 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
     marked ``interrupted`` (``steps_asked``: the steps asked for); one before any such step says where
     it came and is raised again (exit 130)."""
     from microbatch.run.pipeline.launch import run_resolved
-    from microbatch.run.pipeline.progress import PipelineInterrupted, announce, progress_to
+    from microbatch.run.pipeline.progress import PipelineDeadline, PipelineInterrupted, announce, progress_to
     from microbatch.run.pipeline.signals import raise_on_sigterm
 
     lines = _Lines()
@@ -387,6 +393,8 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
             if lines.phase != "run" or e.report is None:
                 raise KeyboardInterrupt(lines.interrupted(e, run.cfg.steps)) from None
             report = replace(e.report, interrupted=True, steps_asked=e.asked)
+        except PipelineDeadline as e:  # a failure, with the steps every rank finished
+            report = replace(e.report, interrupted=True, steps_asked=e.asked, stop_reason=str(e))
         except KeyboardInterrupt:
             raise KeyboardInterrupt(lines.interrupted(None, run.cfg.steps)) from None
         finally:

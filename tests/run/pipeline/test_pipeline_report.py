@@ -40,7 +40,9 @@ def test_the_json_form_keeps_outputs_and_interruption_and_leaves_out_what_is_abs
 
     rep = PipelineReport.from_json(_old())
     plain = replace(rep, before_run=None).to_json()
-    assert "before_run" not in plain and "interrupted" not in plain and "steps_asked" not in plain
+    # before_run stays, null: one schema with or without a prediction
+    assert plain["before_run"] is None and "interrupted" not in plain and "steps_asked" not in plain
+    assert "stop_reason" not in plain
     cut = replace(rep, interrupted=True, steps_asked=9, outputs={"trace": "t.json"}).to_json()
     assert (cut["interrupted"], cut["steps_asked"], cut["trace"]) == (True, 9, "t.json")
     again = PipelineReport.from_json(cut)

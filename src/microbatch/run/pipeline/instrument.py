@@ -195,9 +195,23 @@ def _saved_bytes_hooks(
             rec.live.track(held, param_ptrs)
             if rec.leaking:
                 rec.leak.setdefault(key, []).append(held)
-        return held
+        return held, t._version  # the alias shares the version counter: unpack checks it as autograd would
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack_checked)
+
+
+def _unpack_checked(packed: tuple[Any, int]) -> Any:
+    """The saved tensor, after autograd's own check (which hooks that return the tensor turn off): a tensor
+    modified in place after it was saved gives a wrong gradient, so a RuntimeError as torch words it."""
+    held, version = packed
+    if held._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{held.type()} {list(held.shape)}] is at version {held._version}; expected version {version} instead "
+            "(the stage's forward changes a tensor in place after an operation saved it for its backward: "
+            "make that operation out of place)"
+        )
+    return held
 
 
 def _leak_requested(rank: int) -> bool:

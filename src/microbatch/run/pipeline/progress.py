@@ -27,11 +27,14 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from microbatch.errors import PipelineError
+
 if TYPE_CHECKING:
     from microbatch.run.pipeline.report import PipelineReport
 
 __all__ = [
     "PHASES",
+    "PipelineDeadline",
     "PipelineInterrupted",
     "Progress",
     "StepCounter",
@@ -169,6 +172,18 @@ def read_partial(paths: list[str], head: dict[str, Any]) -> dict[str, Any] | Non
     for r in ranks:
         r["steps"] = r["steps"][:n]
     return {**head, "ranks": ranks}
+
+
+class PipelineDeadline(PipelineError):
+    """The run passed its deadline; every rank has been killed, and the steps every rank finished are kept:
+    ``report`` (:func:`microbatch.run.pipeline.summary.summarize` of them), ``steps`` and ``asked`` as in
+    :class:`PipelineInterrupted`. A :class:`~microbatch.errors.PipelineError` (the run failed), with its result."""
+
+    def __init__(
+        self, message: str, report: PipelineReport, steps: int, asked: int, params: tuple[str, ...]
+    ) -> None:
+        super().__init__(message, params=params)
+        self.report, self.steps, self.asked = report, steps, asked
 
 
 class PipelineInterrupted(KeyboardInterrupt):

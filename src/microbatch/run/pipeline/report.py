@@ -309,9 +309,11 @@ class PipelineReport:
     step_intervals: list[StepIntervals]
     predicted_timeline: list[PredictedOp]
     interrupted: bool = False
-    """Stopped by Ctrl-C or SIGTERM: the figures are those of the steps every rank finished."""
+    """Stopped by Ctrl-C, SIGTERM or the deadline: the figures are those of the steps every rank finished."""
     steps_asked: int | None = None
     """Steps asked for (an interrupted run)."""
+    stop_reason: str | None = field(default=None, metadata=OMIT_IF_NONE)
+    """Why a run stopped that no one interrupted: the deadline passed (None after Ctrl-C or SIGTERM)."""
     before_run: BeforeRun | None = None
     torch_class: str | None = field(default=None, metadata=OMIT_IF_NONE)
     """The ``torch.distributed.pipelining`` class that ran ``schedule`` (zb-h1:
@@ -338,7 +340,9 @@ class PipelineReport:
             if f.name == "outputs":
                 out.update(value)
                 continue
-            if (f.name == "before_run" or f.metadata.get("omit_if_none")) and value is None:
+            if (
+                f.metadata.get("omit_if_none") and value is None
+            ):  # before_run stays: null without a prediction
                 continue
             out[f.name] = _json_value(value)
         return out

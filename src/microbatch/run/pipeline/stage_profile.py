@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from microbatch.errors import MicrobatchError, PipelineError
 from microbatch.run.pipeline.resolved import ResolvedRun
 
 __all__ = ["profile_stages", "stage_saved_bytes"]
@@ -39,7 +41,51 @@ def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
+@contextmanager
+def _in_launcher(run: ResolvedRun, what: str) -> Iterator[None]:
+    """The user's model run in the launcher's own process, bounded as the ranks are: past the run's deadline
+    (``timeout_s`` plus the start-up allowance, :meth:`~microbatch.run.pipeline.config.PipelineConfig.deadline`)
+    a :class:`~microbatch.errors.PipelineError` (SIGALRM in the main thread: a forward stuck in Python ends, one
+    stuck in a native call when it returns), and an error of the model one line, not a traceback."""
+    import signal
+    import threading
+
+    from microbatch.measure.device import short_error
+
+    seconds, _ = run.cfg.deadline()
+    armed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+
+    def expire(signum: int, frame: Any) -> None:
+        raise PipelineError(
+            f"{what} passed its deadline of {seconds:.0f} s (timeout_s {run.cfg.timeout_s:g} s + start-up): the "
+            "model's forward or backward did not return; check it for a hang, or raise timeout_s"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expire) if armed else None
+    if armed:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except (MicrobatchError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's model raised it
+        raise PipelineError(
+            f"{what} failed ({short_error(e)}): the model's forward or backward raised it on one process, before "
+            "any rank started; fix the model (predict=False runs it on the ranks without this step)"
+        ) from e
+    finally:
+        if armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
 def profile_stages(run: ResolvedRun, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
+    """:func:`_profile_stages` bounded by the run's deadline, the model's errors in one line (:func:`_in_launcher`)."""
+    with _in_launcher(run, "profiling the stages on one process"):
+        return _profile_stages(run, repeats, idle_s)
+
+
+def _profile_stages(run: ResolvedRun, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
     """Per virtual stage: ``F``, ``B``, ``I`` and ``W`` seconds of one micro-batch (median of
     ``repeats``), measured in this process with one thread on the split the ranks use, and the
     same in thread-CPU seconds (``cpuF`` … ``cpuW``).
@@ -185,6 +231,14 @@ def _one_stage_ops(
 
 
 def stage_saved_bytes(
+    run: ResolvedRun, sizes: list[int] | None = None, device: str = "cpu"
+) -> dict[int, dict[str, float]]:
+    """:func:`_stage_saved_bytes` bounded by the run's deadline, the model's errors in one line."""
+    with _in_launcher(run, "measuring the stages' saved bytes on one process"):
+        return _stage_saved_bytes(run, sizes, device)
+
+
+def _stage_saved_bytes(
     run: ResolvedRun, sizes: list[int] | None = None, device: str = "cpu"
 ) -> dict[int, dict[str, float]]:
     """Per virtual stage, the bytes autograd saves in its forward (the last stage with its loss) for
