@@ -378,12 +378,14 @@ distributed Adam (:func:`nemo_optimizer_state`); NeMo 25.04 (NeMo 2.0) Megatron-
 master and moments, the gradient buffer in bf16 (``grad_reduce_in_fp32`` False in its performance recipe)."""
 
 
-def nemo_long_rows(data: dict, table: str = "nemo_long_sequence_2024") -> list[dict]:
+def nemo_long_rows(
+    data: dict, table: str = "nemo_long_sequence_2024", recompute: str | None = None
+) -> list[dict]:
     """A NeMo long-sequence table (:data:`LONG_SEQUENCE_TABLES`: LLAMA2-7B FP8 on DGX-H100 with NeMo 24.03, LLAMA3-8B
     FP8 on DGX-B200 with NeMo 25.04; 4K to 1M tokens with context parallelism): step = model FLOPs (NeMo's
     full-attention count of the time) / (TFLOP/s per GPU · GPUs); TE's cuDNN attention (on Hopper the mid-2024
     kernel's, on the B200 its row's), the p2p ring, b_m 1, ZeRO-1, TP collectives exposed, the planner's fastest
-    recompute (``_not_published``)."""
+    recompute (``_not_published``); ``recompute``: that one instead (``--long-recompute``: what-if, not a fit)."""
     sec = data[table]
     label, optimizer = LONG_SEQUENCE_TABLES[table]
     state = nemo_optimizer_state() if optimizer == "apex" else {"grad_dtype": "half"}
@@ -398,6 +400,7 @@ def nemo_long_rows(data: dict, table: str = "nemo_long_sequence_2024") -> list[d
             tensor_parallel=t, sequence_parallel=t > 1, context_parallel=c, cp_comm="ring", micro_batches=(1,),
             zero=(1,), flash_attention=True, precision=sec["precision"], fp8_recipe=sec["fp8_recipe"],
             schedules=("1f1b",), memory_headroom=0.0, choose="fastest", efficiency=FUSED, **state,
+            **({"recompute": (recompute,)} if recompute else {}),
         )  # fmt: skip
         pred, fits, how, flat = _fastest(cfg)
         measured = model_flops_per_step(shape, r["global_batch"], s) / (r["tflops_per_gpu"] * 1e12 * n)
@@ -563,12 +566,18 @@ def print_breakdown(rows: list[dict], worst: int = 5) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--long-recompute", choices=("none", "selective", "full"), default=None,
+        help="what-if: the NeMo long-sequence rows at this recompute instead of the planner's fastest (not published)",
+    )  # fmt: skip
     args = ap.parse_args()
     data = json.loads(DATA.read_text())
     base = narayanan_rows(data) + korthikanti_rows(data)
     moe = moe_bridge_rows(data)
     readme = megatron_readme_rows(data)
-    longseq = nemo_long_rows(data) + nemo_long_rows(data, "nemo_long_sequence_b200_2025")
+    longseq = nemo_long_rows(data, recompute=args.long_recompute) + nemo_long_rows(
+        data, "nemo_long_sequence_b200_2025", recompute=args.long_recompute
+    )
     nemo = nemo_2407_rows(data)
     zero3 = deepspeed_azure_rows(data)
     eager = cudnn_llama_rows(data)

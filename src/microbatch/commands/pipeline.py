@@ -285,18 +285,12 @@ def _emit(report: PipelineReport, failed: bool, as_json: bool, width: int) -> No
 
 
 def _failure(report: PipelineReport, failed: bool) -> tuple[int, str] | None:
-    """(exit status, why) when the command ends non-zero: 130 after an interrupted run, 1 after a failed gradient
-    check or when an output could not be written (``failed``; the first such note); None when it succeeded."""
-    if report.interrupted and report.stop_reason:  # the deadline: a failure, the steps kept
-        return (
-            1,
-            f"{report.stop_reason}; kept the {report.steps} step(s) of {report.steps_asked} every rank finished",
-        )
+    """(exit status, why) when the command ends non-zero: 130 after an interrupted run, 1 after a run past its
+    deadline (its steps kept), a failed gradient check or an output that could not be written (``failed``; the
+    first such note); None when it succeeded."""
     if report.interrupted:
-        return (
-            130,
-            f"interrupted: kept the {report.steps} step(s) of {report.steps_asked} every rank finished",
-        )
+        kept = f"kept the {report.steps} step(s) of {report.steps_asked} every rank finished"
+        return (1, f"{report.stop_reason}; {kept}") if report.stop_reason else (130, f"interrupted: {kept}")
     if report.gradients_match is False:  # a failed check: the whole result is printed
         return 1, (
             f"the gradients do not match the unsplit model (largest relative error "

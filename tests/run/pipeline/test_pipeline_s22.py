@@ -15,7 +15,8 @@ import pytest
 from microbatch.errors import PipelineError
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.instrument import _saved_bytes_hooks
-from microbatch.run.pipeline.launch import _second_interrupt_ignored, run_pipeline
+from microbatch.run.pipeline.kept import second_interrupt_ignored
+from microbatch.run.pipeline.launch import run_pipeline
 from microbatch.run.pipeline.progress import PipelineDeadline
 from microbatch.run.pipeline.stage_profile import _in_launcher
 
@@ -60,7 +61,7 @@ def test_the_launchers_own_run_of_the_model_has_the_deadline_and_one_line_errors
 
 
 def test_a_second_interrupt_while_summarising_is_ignored():
-    with _second_interrupt_ignored():
+    with second_interrupt_ignored():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)  # a KeyboardInterrupt would land here
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -25,20 +25,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from microbatch.errors import ConfigError, PipelineError
 from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
+from microbatch.run.pipeline.kept import kept_steps, with_host
 from microbatch.run.pipeline.progress import (
     PipelineDeadline,
-    PipelineInterrupted,
     StepCounter,
     StepLog,
     announce,
-    read_partial,
     step_log_path,
 )
 from microbatch.run.pipeline.report import PipelineReport
@@ -232,76 +230,19 @@ def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> Pipeli
                     "with --master-port"
                 ) from None
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: every rank is dead; keep the steps they finished
-            raise _interrupted(run, tmp, host) from e
+            raise kept_steps(run, tmp, host) from e
         except _DeadlinePassed as e:  # every rank killed: the steps they finished are kept, as after Ctrl-C
-            kept = _interrupted(run, tmp, host, keep_logs=True)  # the error names them
+            kept = kept_steps(run, tmp, host, keep_logs=True)  # the error names them
             if kept.report is None:
                 raise PipelineError(str(e), params=e.params) from None
             raise PipelineDeadline(str(e), kept.report, kept.steps, kept.asked, e.params) from None
     shutil.rmtree(tmp, ignore_errors=True)
     announce("summarise")
-    return _with_host(summarize(raw, run), host)
-
-
-def _with_host(report: PipelineReport, predicted: dict[str, float]) -> PipelineReport:
-    """``report`` with its ranks' host peak set against the host memory predicted before the run."""
-    from dataclasses import replace
-
-    from microbatch.run.pipeline.memory import host_memory
-
-    return replace(report, host_memory=host_memory(report, predicted))
-
-
-def _interrupted(
-    run: ResolvedRun, tmp: str, host: dict[str, float], keep_logs: bool = False
-) -> PipelineInterrupted:
-    """The report of the steps every rank finished before an interrupt (from the ranks' step logs in
-    ``tmp``, which is then removed unless ``keep_logs``), as a :class:`PipelineInterrupted` to raise."""
-    import torch
-
-    cfg = run.cfg
-    head = {"config": cfg.to_dict(), "torch_version": torch.__version__, "device": _device_name(cfg)}
-    raw = read_partial([step_log_path(tmp, r) for r in range(cfg.stages)], head)
-    if raw is None:
-        if not keep_logs:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return PipelineInterrupted(None, 0, cfg.steps, "no step was finished by every rank")
-    steps = len(raw["ranks"][0]["steps"])
-    try:
-        with _second_interrupt_ignored():  # a second Ctrl-C while summarising lost every step kept
-            report = summarize(raw, run)
-    except Exception as e:  # the interrupt still ends the run: say why nothing is shown
-        return PipelineInterrupted(
-            None, steps, cfg.steps, f"the {steps} step(s) kept could not be summarised: {e}"
-        )
-    if not keep_logs:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return PipelineInterrupted(_with_host(report, host), steps, cfg.steps)
-
-
-@contextmanager
-def _second_interrupt_ignored() -> Iterator[None]:
-    """SIGINT ignored inside (the main thread only): the summary of the steps kept after an interrupt takes
-    seconds, and a second Ctrl-C there ended the command with none of them."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return with_host(summarize(raw, run), host)
 
 
 class _DeadlinePassed(PipelineError):
     """The ranks ran past the deadline and were killed (:func:`run_resolved` keeps the steps they finished)."""
-
-
-def _device_name(cfg: PipelineConfig) -> str:
-    """The device rank 0 ran on, as the worker names it (``cpu``, ``cuda:0``)."""
-    return "cuda:0" if cfg.backend == "nccl" else "cpu"
 
 
 class _PortTaken(Exception):
