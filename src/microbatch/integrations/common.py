@@ -15,7 +15,7 @@ from typing import Any
 
 from microbatch.batch import grad_accum_for, nearest_multiples, per_replica
 from microbatch.choose.result import TuneResult
-from microbatch.errors import ConfigError, MicrobatchError
+from microbatch.errors import ConfigError, MicrobatchError, whole_number
 
 __all__ = [
     "check_global_batch",
@@ -41,8 +41,10 @@ def nearest_global_batches(global_batch: int, world: int) -> tuple[int, int]:
 
 def check_global_batch(global_batch: object, world: int, *, name: str = "global_batch") -> int:
     """``global_batch`` as an int, or a ConfigError: it must be a whole number divisible by the world size."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+    whole = whole_number(global_batch)  # NumPy's and torch's integers too
+    if whole is None or whole < 1:
         raise ConfigError(f"{name} {global_batch!r} must be a whole number >= 1, e.g. {name}=256")
+    global_batch = whole
     if per_replica(global_batch, world) is None:
         below, above = nearest_global_batches(global_batch, world)
         raise ConfigError(

@@ -192,6 +192,12 @@ def _trainer_logger() -> Any:
 
 def _check_split(trainer: Any) -> None:
     """ConfigError for the setups where the Trainer's own backward does what :func:`accumulate` cannot."""
+    if not hasattr(trainer, "args") or not callable(getattr(trainer, "training_step", None)):
+        raise ConfigError(
+            f"split_on_oom takes a transformers Trainer (its args and training_step), got {trainer!r}; "
+            "e.g. split_on_oom(Trainer(model=..., args=..., train_dataset=...))",
+            params=("trainer",),
+        )
     args = trainer.args
     refusals = [
         (int(getattr(args, "world_size", 1)) > 1,

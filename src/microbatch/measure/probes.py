@@ -231,6 +231,11 @@ class TrainProbe:
                     else ""
                 )
             )
+        if getattr(loss, "dim", lambda: 0)() != 0:
+            raise ConfigError(
+                f"tune's loss_fn(model, batch) must return one number (a 0-dim tensor), got a tensor of shape "
+                f"{tuple(loss.shape)} (reduction='none'?); reduce it: loss.mean() or loss.sum()"
+            )
         loss.backward()
         return loss
 

@@ -98,7 +98,11 @@ def expert_load(capacity_factor: float | None, imbalance: float = 1.0) -> float:
     Dropless (``capacity_factor`` None): ``imbalance`` (1 = perfectly balanced, the stated assumption).
     With a capacity factor c: the buffers are padded to c × the balanced share (GShard §2.2), so c.
     """
-    check_positive("expert imbalance", imbalance)
+    if check_positive("expert_imbalance", imbalance) < 1:
+        raise ConfigError(
+            f"expert_imbalance {imbalance!r} must be >= 1: the most loaded GPU's rows over the balanced share "
+            "(1 = even load); give 1 for balanced experts"
+        )
     if capacity_factor is None:
         return imbalance
     return check_positive(

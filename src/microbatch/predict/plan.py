@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from microbatch.batch import check_data_parallel, divisors, global_batch_of, grad_accum_for, per_replica
-from microbatch.errors import ConfigError, ScheduleError
+from microbatch.errors import ConfigError, ScheduleError, check_instance
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
 from microbatch.predict.activations import RECOMPUTE_MODES
@@ -214,6 +214,7 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
     """Enumerate, predict, simulate the leaders, and recommend the knee (or, with ``choose="fastest"``,
     the fastest candidate) among those that fit; when nothing fits and ``advise``, what would
     (:func:`what_would_fit`, whose own plans do not advise: no recursion)."""
+    check_instance("cfg", cfg, PlanConfig, "build a PlanConfig(shape=..., gpu=..., global_batch=...)")
     ctx = make_context(cfg)
     cands = _enumerate(cfg, ctx)
     if not cands:

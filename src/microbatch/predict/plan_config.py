@@ -293,6 +293,14 @@ class PlanConfig(StateSettings):
         deep in the search), and the headroom is a number."""
         check_instance("shape", self.shape, ModelShape, SHAPE_FIX)
         check_instance("gpu", self.gpu, Accelerator, GPU_FIX)
+        check_instance(
+            "efficiency", self.efficiency, RooflineEfficiency,
+            "build one (RooflineEfficiency(gemm_max=0.7)) or leave it out for the defaults",
+        )  # fmt: skip
+        check_instance(
+            "memory_calibration", self.memory_calibration, MemoryCalibration,
+            "build one (MemoryCalibration(activation_scale=1.1)) or leave it out for none",
+        )  # fmt: skip
         if isinstance(self.memory_headroom, bool) or not isinstance(self.memory_headroom, int | float):
             raise ConfigError(
                 f"memory_headroom must be a number in [0, 1), got {self.memory_headroom!r}; e.g. 0.1 keeps 10% free",

@@ -207,6 +207,11 @@ def simulate(
     :func:`microbatch.schedules.validate.validate` for a full check), and
     :class:`~microbatch.errors.ConfigError` if the times overflow (a makespan past the largest float).
     """
+    if not hasattr(schedule, "num_virtual_stages"):
+        raise ConfigError(
+            f"schedule must be a Schedule (its ranks' orders), got {schedule!r}; build one by name with p, m and v: "
+            "microbatch.schedules.registry.generate('1f1b', 4, 8)"
+        )
     nst = schedule.num_virtual_stages
     comm = non_negative_time("comm_time", comm_time)
     dur_by_kind = _durations_by_kind(

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,11 @@ from microbatch.choose.tune.search import OnPoint
 from microbatch.choose.tune.user_step import (
     NonFiniteLoss,
     batch_structures,
+    check_step_args,
     check_trainable,
     in_process_timing,
     torch_threads,
+    training_grad_mode,
 )
 from microbatch.errors import ConfigError, check_instance
 from microbatch.measure.snapshot import gc_frozen, leave_no_trace
@@ -294,29 +297,15 @@ def tune(
     """
 
     from microbatch.measure.inprocess import InProcessProber
-    from microbatch.measure.probes import TrainProbe
 
     t_start = time.perf_counter()
     probe_config, search_config, choice = _tune_configs(probe, search, choice, options)
     check_trainable(model, optimizer)
+    check_step_args(make_batch, optimizer, loss_fn, on_point)
     device = _user_device(model, probe_config)
     timing, threads, timing_choice = in_process_timing(probe_config, device.type)
     probe_config = replace(probe_config, device=device.type, timing=timing, in_process=True, threads=threads)
-    global_batch, data_parallel = choice.global_batch, choice.data_parallel or 1
-
-    def g_for(b: int) -> int | None:
-        return None if global_batch is None else max(1, grad_accum_for(global_batch, b, data_parallel))
-
-    step = TrainProbe(
-        model,
-        make_batch,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        device=device,
-        precision=probe_config.precision,
-        timing=timing,
-        grad_accum_for=g_for,
-    )
+    step = _train_probe(model, make_batch, loss_fn, optimizer, device, probe_config, choice)
     choice, budget_source = resolve_budget(choice, replace(probe_config, device=str(device)))
     if device.type == "cuda":
         check_cuda_budget(step, choice.memory_budget_bytes, str(device))
@@ -324,11 +313,17 @@ def tune(
     setup = Setup(
         model_label=class_name(inner), fingerprint_fields=fp, budget_source=budget_source, t_start=t_start
     )
-    with leave_no_trace(model, optimizer), gc_frozen(), torch_threads(threads):  # restored bitwise
-        if search_config.use_cache:  # the key only: may draw from the generators (restored)
-            fp["batch"] = batch_structures(make_batch, search_config)
-        prober = InProcessProber(step, setup_size=search_config.start)
-        result = run_search(prober, probe_config, search_config, choice, setup, on_point)
+    # under the caller's no_grad or inference_mode too: training steps, their state put back as it was
+    with (
+        _batch_statistics_need_rows(search_config.start),
+        training_grad_mode(),
+        leave_no_trace(model, optimizer),
+    ):
+        with gc_frozen(), torch_threads(threads):
+            if search_config.use_cache:  # the key only: may draw from the generators (restored)
+                fp["batch"] = batch_structures(make_batch, search_config)
+            prober = InProcessProber(step, setup_size=search_config.start)
+            result = run_search(prober, probe_config, search_config, choice, setup, on_point)
     notes = _first_loss_notes(step.first_loss)
     result = replace(result, timing_choice=timing_choice, notes=(*result.notes, *notes))
     _say_cached(result)
@@ -388,6 +383,16 @@ def _tune_configs(
     import torch
 
     options = dict(options)
+    for key, why in (
+        ("seq", "the batches make_batch returns set the sequence length"),
+        ("in_process", "it probes the user's model in this process, always"),
+    ):
+        if key in options and not (key == "in_process" and options[key] is True):
+            raise ConfigError(
+                f"tune() takes no {key} ({options[key]!r}): {why}; leave it out (microbatch.choose.tune.tune_model "
+                f"takes {key} for a built-in model)",
+                params=(key,),
+            )
     if options.get("device") is not None:
         options["device"] = str(_torch_device(options["device"]))
     probe_config, search_config, choice = configs_from_options("tune", probe, search, choice, options)
@@ -428,6 +433,45 @@ def _in_process_fingerprint(
         "optimizer": optimizer_identity(optimizer),
     }
     return inner, fp
+
+
+def _train_probe(
+    model: Any,
+    make_batch: Any,
+    loss_fn: Any,
+    optimizer: Any,
+    device: Any,
+    probe: ProbeConfig,
+    choice: ChoiceConfig,
+) -> Any:
+    """The user's step as a probe: g micro-batches a step where a global batch is given (B / (b·d))."""
+    from microbatch.measure.probes import TrainProbe
+
+    global_batch, data_parallel = choice.global_batch, choice.data_parallel or 1
+
+    def g_for(b: int) -> int | None:
+        return None if global_batch is None else max(1, grad_accum_for(global_batch, b, data_parallel))
+
+    return TrainProbe(
+        model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device, precision=probe.precision,
+        timing=probe.timing, grad_accum_for=g_for,
+    )  # fmt: skip
+
+
+@contextmanager
+def _batch_statistics_need_rows(start: int) -> Iterator[None]:
+    """torch's refusal of a one-row BatchNorm in training (raised from the user's forward at b_m = 1) as the
+    ConfigError naming the setting to change."""
+    try:
+        yield
+    except ValueError as e:
+        if "more than 1 value per channel" not in str(e):
+            raise
+        raise ConfigError(
+            f"the model normalises by batch statistics (BatchNorm in training mode) and torch refuses it on "
+            f"{start} row(s) ({e}); start the walk at 2 rows or more: start=2",
+            params=("start",),
+        ) from None
 
 
 def _first_loss_notes(first_loss: float | None) -> tuple[str, ...]:

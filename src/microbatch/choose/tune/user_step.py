@@ -14,7 +14,10 @@ from microbatch.choose.tune.probing import cpu_timing_rule, default_timing
 from microbatch.errors import ConfigError
 from microbatch.measure.timing import TimingConfig
 
-__all__ = ["NonFiniteLoss", "batch_structures", "check_trainable", "in_process_timing", "torch_threads"]
+__all__ = [
+    "NonFiniteLoss", "batch_structures", "check_step_args", "check_trainable", "in_process_timing", "torch_threads",
+    "training_grad_mode",
+]  # fmt: skip
 
 
 class NonFiniteLoss(UserWarning):
@@ -49,6 +52,42 @@ def check_trainable(model: Any, optimizer: Any) -> None:
             "training step to tune; unfreeze the parameters to train (p.requires_grad_(True)), or pass the "
             "optimizer you train with"
         )
+
+
+def check_step_args(make_batch: Any, optimizer: Any, loss_fn: Any, on_point: Any) -> None:
+    """ConfigError for :func:`microbatch.tune`'s step arguments that cannot be what they are for, before any
+    probe: ``make_batch`` a function of b, ``optimizer`` an optimizer instance (its ``param_groups`` and
+    ``step``: a class, or a name, is not one), ``loss_fn`` and ``on_point`` functions where given."""
+    if not callable(make_batch):
+        raise ConfigError(
+            f"make_batch must be a function of b returning one micro-batch of b samples, got "
+            f"{type(make_batch).__name__}; e.g. make_batch=lambda b: tokens[:b]",
+            params=("make_batch",),
+        )
+    if optimizer is not None and (
+        isinstance(optimizer, type)
+        or not hasattr(optimizer, "param_groups")
+        or not callable(getattr(optimizer, "step", None))
+    ):
+        what = f"the class {optimizer.__name__}" if isinstance(optimizer, type) else repr(optimizer)
+        raise ConfigError(
+            f"optimizer must be the optimizer instance you train with (its param_groups and step()), got {what}; "
+            "e.g. optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4), or leave it out for AdamW",
+            params=("optimizer",),
+        )
+    for name, fn in (("loss_fn", loss_fn), ("on_point", on_point)):
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{name} must be a function or None, got {type(fn).__name__}", params=(name,))
+
+
+@contextmanager
+def training_grad_mode() -> Iterator[None]:
+    """Autograd on and inference mode off for the block: the probes are training steps, and the snapshot put back
+    after them must not come back as inference tensors (an optimizer whose state did could not step again)."""
+    import torch
+
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 def in_process_timing(probe: ProbeConfig, device_type: str) -> tuple[TimingConfig, int | None, str]:

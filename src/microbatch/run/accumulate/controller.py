@@ -96,6 +96,13 @@ class MicroBatchController:
         if grow_after is not None:
             check_positive_int("grow_after", grow_after, fix="give the clean steps before growing, or None")
         check_positive_int("max_history", max_history, fix="give how many resize events to keep")
+        if step_counter is not None and not callable(step_counter):
+            raise ConfigError(
+                f"step_counter must be a function returning the optimizer steps done (or None), got {step_counter!r}"
+            )
+        initial, knee = int(initial), None if knee is None else int(knee)  # NumPy's too: summary() is JSON
+        grow_after = None if grow_after is None else int(grow_after)
+        max_history = int(max_history)
         self.initial = initial
         """The size given at the start."""
         self.knee = initial if knee is None else knee
