@@ -83,9 +83,12 @@ def load_json(
         why = "is not a regular file" if path.exists() else "does not exist"
         raise ConfigError(f"{what} {str(path)!r} {why}; {fix}")
     try:
-        value = loads(path.read_text())
+        value = loads(
+            path.read_text(encoding="utf-8-sig")
+        )  # an editor's or PowerShell's byte-order mark is no error
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{what} {str(path)!r} is not JSON ({e.msg} at line {e.lineno}); {fix}") from None
+        msg = e.msg.removesuffix(" at")  # "Unterminated string starting at" already ends so
+        raise ConfigError(f"{what} {str(path)!r} is not JSON ({msg} at line {e.lineno}); {fix}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{what} {str(path)!r} is not readable ({e}); {fix}") from None
     if not isinstance(value, (dict, list)):

@@ -221,7 +221,9 @@ class MicrobenchResult:
         try:
             return cls.from_dict(loads(text))
         except json.JSONDecodeError as e:
-            raise ConfigError(f"microbenchmark result is not JSON ({e.msg} at line {e.lineno})") from None
+            raise ConfigError(
+                f"microbenchmark result is not JSON ({e.msg.removesuffix(' at')} at line {e.lineno})"
+            ) from None
 
 
 _ITEM_TYPES: dict[str, type] = {

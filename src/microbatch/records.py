@@ -103,13 +103,14 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
                 raise ConfigError(f"{p}: {e}") from None
             check_fields(kind, item, source=str(p))
             if kind == "plan" and isinstance(item.get("plans"), list):
-                for j, sub in enumerate(item["plans"]):
+                for j, sub in enumerate(
+                    item["plans"]
+                ):  # each checked; kept together: the report compares them
                     try:
-                        out.append((classify(sub), sub))
+                        classify(sub)
                     except ConfigError as e:  # say which file and which of its plans
                         raise ConfigError(f"{p}: plans[{j}]: {e}") from None
-            else:
-                out.append((kind, item))
+            out.append((kind, item))
     if not out:
         raise ConfigError("no results given; pass one or more JSON files from tune, plan or pipeline")
     return out
@@ -120,6 +121,12 @@ def result_points(data: Any, *, source: str) -> list[Any]:
     itself when it is a bare list of points."""
     if isinstance(data, list):
         return data
+    command = data.get("command") if isinstance(data, dict) else None
+    if command not in (None, "tune", "recommend", "demo") and isinstance(data.get("points"), list):
+        raise ConfigError(
+            f"{source} holds a {command} result (written by `microbatch {command}`), whose points are not "
+            "measurements to choose from; give a tune's result.json or a list of measured points"
+        )
     if isinstance(data, dict) and isinstance(data.get("points"), list):
         return list(data["points"])
     raise ConfigError(

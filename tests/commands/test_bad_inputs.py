@@ -270,9 +270,9 @@ def test_13_report_accepts_plan(tmp_path, capsys):
     html = tmp_path / "r.html"
     assert main(["report", cmp_path, "--out", str(html), "--no-png", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["sections"] == ["plan", "plan"]
+    assert d["sections"] == ["plan"]  # one result: the comparison, then each accelerator's plan
     text = html.read_text()
-    assert "a100-80gb, p = 4" in text and "h100-sxm, p = 4" in text
+    assert "a100-80gb, p = 4" in text and "h100-sxm, p = 4" in text and "compared across accelerators" in text
 
 
 # 16. a settled knee does not also say the curve had not flattened

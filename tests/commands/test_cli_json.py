@@ -191,15 +191,17 @@ def _results(capsys, tmp_path, commands):
 
 
 def test_report_reads_results_by_command_multi_gpu_plan_included(capsys, tmp_path):
-    """report recognises each result by its command field; a multi-GPU plan shows each accelerator."""
+    """report recognises each result by its command field; a multi-GPU plan shows its comparison and each
+    accelerator's plan (one section: the command line's report reached the comparison only when given an object)."""
     files = _results(capsys, tmp_path, ["simulate", "plan", "validate"])
     out = tmp_path / "r.html"
     rep = run_json(["report", *files, "--out", str(out), "--no-png"], capsys)
     assert rep["html"] == str(out) and rep["figures"] == []
-    assert rep["sections"] == ["plan", "plan", "simulate", "validate"]
+    assert rep["sections"] == ["plan", "simulate", "validate"]
     html = out.read_text()
     assert "on h100-sxm" in html and "on a100-80gb" in html  # both accelerators' plans
-    assert "id='fig-bubble-sim-2'" in html  # the simulated bubble chart, from --intervals
+    assert "Plans compared across accelerators" in html
+    assert "id='fig-bubble-sim-1'" in html  # the simulated bubble chart, from --intervals (the second result)
     assert "time (forward = 1)" in html  # its time axis says its unit
     # given as an object (the library's call), the comparison keeps its table too
     from microbatch.show.html import build_report

@@ -24,14 +24,19 @@ def test_classify_reads_the_command_before_the_keys():
         classify({"foo": 1})
 
 
-def test_load_results_splits_a_multi_gpu_plan(tmp_path, capsys):
+def test_load_results_keeps_a_multi_gpu_plan_whole(tmp_path, capsys):
     args = ["plan", "--model", "gpt2", "--gpu", "a100-40gb,h100-sxm", "-B", "64", "-p", "2", "--json"]
     assert main(args) == 0
     path = tmp_path / "plans.json"
     path.write_text(capsys.readouterr().out)
-    got = load_results([path])
-    assert [k for k, _ in got] == ["plan", "plan"]
-    assert [r["gpu"]["name"] for _, r in got] == ["a100-40gb", "h100-sxm"]
+    got = load_results([path])  # one result: the report compares its plans, then shows each
+    assert [k for k, _ in got] == ["plan"]
+    assert [r["gpu"]["name"] for r in got[0][1]["plans"]] == ["a100-40gb", "h100-sxm"]
+    bad = json.loads(path.read_text())
+    bad["plans"][1] = {"gpu": 1}  # each plan still checked, and named
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match=r"plans\[1\]"):
+        load_results([path])
 
 
 def test_load_json_names_the_file_and_the_fix(tmp_path):

@@ -52,7 +52,9 @@ def read_rows(path: str) -> list[Any]:
         try:
             data = loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+            raise ConfigError(
+                f"{path}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}); fix the file"
+            ) from None
         return result_points(data, source=path)
     reader = csv.DictReader(io.StringIO(text))
     cols = [c.strip() for c in (reader.fieldnames or [])]
@@ -67,6 +69,7 @@ def read_rows(path: str) -> list[Any]:
     twice = sorted({c for c in cols if cols.count(c) > 1})
     if twice:
         raise ConfigError(f"{path}: CSV names column(s) {', '.join(twice)} more than once; keep one of each")
+    _say_unread_columns(path, cols)
     rows = []
     for i, row in enumerate(reader, start=2):  # line 1 is the header
         if None in row and all(not str(x).strip() for x in row[None]):  # trailing commas: empty cells
@@ -78,6 +81,22 @@ def read_rows(path: str) -> list[Any]:
             )
         rows.append({(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()})
     return rows
+
+
+CSV_COLUMNS = ("micro_batch", "throughput", "peak_memory_bytes", "oom", "step_time_s", "checkpointing")
+"""The columns a CSV of measurements may hold; any other is not read."""
+
+
+def _say_unread_columns(path: str, cols: list[str]) -> None:
+    """A note naming the CSV's columns that are not read (a ``peak_memory`` column was dropped without a word, and
+    with it every peak), with the known column each is nearest."""
+    import difflib
+
+    for col in (c for c in cols if c and c not in CSV_COLUMNS):
+        near = difflib.get_close_matches(col, CSV_COLUMNS, n=1, cutoff=0.6)
+        progress(
+            f"note: {path}: column {col!r} is not read" + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
 
 
 @click.command("recommend")

@@ -143,9 +143,15 @@ def _check_figures_folder(out_path: str, force: bool) -> None:
 
     out = Path(out_path)
     folder = out.with_name(out.stem + "-figures")
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"--out {out_path}: the figures go in {folder}, which is a file, not a folder; move it, give --no-png, "
+            "or another --out"
+        )
     if force or not folder.is_dir():
         return
-    theirs = sorted(p.name for p in folder.iterdir() if p.is_file() and not is_ours(p))
+    # only a PNG can be replaced: the figures are PNGs
+    theirs = sorted(p.name for p in folder.glob("*.png") if p.is_file() and not is_ours(p))
     if theirs:
         raise ConfigError(
             f"--out {out_path}: the figures go in {folder}, which holds files microbatch did not write "

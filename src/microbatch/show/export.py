@@ -378,9 +378,8 @@ def _lacks(c: Json, fmt: str) -> list[str]:
         and c.get("pipeline_parallel", 1) > 1
         and c.get("zero", 0) >= 2
     )
-    if (
-        each and fmt != "deepspeed"
-    ):  # DeepSpeed takes no ZeRO >= 2 with a pipeline at all (its builder refuses)
+    # DeepSpeed takes no ZeRO >= 2 with a pipeline at all (its builder refuses)
+    if each and fmt != "deepspeed":
         lacks.append(
             "gradient reduce-scatters after each micro-batch under pipelining (torch's stage reduces once)"
         )
@@ -442,6 +441,11 @@ def candidate_from_tune(result: object) -> Json:
             "a tune result must be the JSON object a tune wrote (its result.json, or TuneResult.to_dict())"
         )
     b, g, big_b = data.get("micro_batch"), data.get("grad_accum"), data.get("global_batch")
+    if data.get("mode", "train") != "train":  # a KV-cache decoding knee says nothing of a training step
+        raise ConfigError(
+            f"the tune measured in mode {data.get('mode')!r}: its knee is batched decoding's, not a training step's; "
+            "export a tune in mode 'train' (or a plan)"
+        )
     if b is None:  # the points a tune kept when none met its limits: no choice to export
         raise ConfigError(
             f"the tune chose no b_m ({data.get('error') or 'no knee in the file'}); nothing to export: tune again "
@@ -475,7 +479,9 @@ def export_tune(result: object, fmt: str, *, gpus_per_node: int | None = None) -
     where = data.get("device_name") or data.get("device") or "the tune's machine"
     note = (f"b_m = {cand['micro_batch']} is the knee measured on {where} for {data.get('model')}; on another "
             "accelerator or model, tune there")  # fmt: skip
-    return _export(cand, fmt, (note,), what="tune result")
+    cut = f"the tune was interrupted ({data.get('stop_reason') or 'Ctrl-C'}): its knee is that of the points measured"
+    cut += " before; tune again to the end before training on it"  # fmt: skip
+    return _export(cand, fmt, (note, cut) if data.get("interrupted") else (note,), what="tune result")
 
 
 def export_result(

@@ -305,7 +305,9 @@ def tune(
     device = _user_device(model, probe_config)
     timing, threads, timing_choice = in_process_timing(probe_config, device.type)
     probe_config = replace(probe_config, device=device.type, timing=timing, in_process=True, threads=threads)
-    step = _train_probe(model, make_batch, loss_fn, optimizer, device, probe_config, choice)
+    step = _train_probe(
+        model, make_batch, (loss_fn, optimizer), device, (probe_config.precision, timing), choice
+    )
     choice, budget_source = resolve_budget(choice, replace(probe_config, device=str(device)))
     if device.type == "cuda":
         check_cuda_budget(step, choice.memory_budget_bytes, str(device))
@@ -438,10 +440,9 @@ def _in_process_fingerprint(
 def _train_probe(
     model: Any,
     make_batch: Any,
-    loss_fn: Any,
-    optimizer: Any,
+    step: tuple[Any, Any],
     device: Any,
-    probe: ProbeConfig,
+    how: tuple[str, Any],
     choice: ChoiceConfig,
 ) -> Any:
     """The user's step as a probe: g micro-batches a step where a global batch is given (B / (b·d))."""
@@ -452,9 +453,10 @@ def _train_probe(
     def g_for(b: int) -> int | None:
         return None if global_batch is None else max(1, grad_accum_for(global_batch, b, data_parallel))
 
+    (loss_fn, optimizer), (precision, timing) = step, how
     return TrainProbe(
-        model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device, precision=probe.precision,
-        timing=probe.timing, grad_accum_for=g_for,
+        model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device, precision=precision,
+        timing=timing, grad_accum_for=g_for,
     )  # fmt: skip
 
 
