@@ -80,3 +80,14 @@ def test_a_csv_column_recommend_does_not_read_is_named(tmp_path, capsys):
     f.write_text("micro_batch,throughput,peak_memory\n1,100,1000\n2,180,2000\n4,300,4000\n")
     code, _, err = run(["recommend", "-m", str(f)], capsys)
     assert code == 0 and "column 'peak_memory' is not read (did you mean 'peak_memory_bytes'?)" in err
+
+
+def test_validate_seq_alone_keeps_the_files_model(capsys):
+    """--seq names no model: the file's stands, and the note says --seq was not taken (it was refused as a model
+    lacking --layers, --hidden, --heads and --vocab)."""
+    from pathlib import Path
+
+    f = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200-2026-11-30" / "ours_gpt2.json"
+    code, out, err = run(["validate", "--calibration", str(f), "--seq", "128"], capsys)
+    assert code == 0, err
+    assert "--seq 128 not taken: the file says its points were measured at s = 1024" in out + err
