@@ -187,8 +187,9 @@ class Accelerator:
             if getattr(self, f) is not None:
                 check_positive(f"{self.name} {f}", getattr(self, f), fix="give the board's power in watts")
         if self.power_limit_w and self.rated_power_w and self.power_limit_w > self.rated_power_w:
-            raise ConfigError(f"{self.name} power_limit_w {self.power_limit_w:g} W is above its rated "
-                              f"{self.rated_power_w:g} W; a board's limit is at most its rating")  # fmt: skip
+            raise ConfigError(f"{self.name} power_limit_w {self.power_limit_w:g} W is above its rated_power_w "
+                              f"{self.rated_power_w:g} W; a board's limit is at most its rating: give rated_power_w "
+                              f"{self.power_limit_w:g} or more, or power_limit_w {self.rated_power_w:g} or less")  # fmt: skip
         for dt in DTYPES:
             if dt not in self.peak_flops:
                 raise ConfigError(f"{self.name} lacks a peak FLOP/s for {dt}; give peak_flops[{dt!r}]")

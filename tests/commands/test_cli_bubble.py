@@ -219,6 +219,15 @@ BAD = [
         r"pyproject.toml is a file, not a folder",
     ),
     (
+        ["simulate", "-p", "2", "-m", "2", "-s", "1f1b", "--svg", "out", "--png", "./out"],
+        r"name one file: the PNG would replace",
+    ),
+    (
+        # zbv builds max(m, 2p − 1) micro-batches: p, not m, is what to lower; and it has no closed form
+        ["bubble", "-p", "1000", "-m", "1", "-s", "zbv", "--no-diagram"],
+        r"--stages = 1000: zbv .* 11,994,000 actions.*use --stages 288 or fewer \(zbv has no closed form here",
+    ),
+    (
         ["simulate", "-p", "4", "-m", "1000000000", "-s", "1f1b"],
         r"8,000,000,000 actions, over the simulation limit of 1,000,000",
     ),

@@ -73,7 +73,10 @@ def test_overriding_the_power_limit_rescales_the_clock_and_an_explicit_fraction_
     assert get_accelerator("a100-80gb", power_limit_w=300).sustained_clock_fraction == pytest.approx(
         (220 / 320) ** (1 / 3)
     )
-    with pytest.raises(ConfigError, match=r"power_limit_w 750 W is above its rated 700 W"):
+    with pytest.raises(
+        ConfigError,
+        match=r"power_limit_w 750 W is above its rated_power_w 700 W; .*give rated_power_w 750 or more, or power_limit_w 700 or less",
+    ):
         get_accelerator("h100-sxm", power_limit_w=750)
     # every row has its rating now: the L4's 72 W and the MI300X's 750 W boards follow the same law
     assert (ACCELERATORS["l4"].rated_power_w, ACCELERATORS["mi300x"].rated_power_w) == (72, 750)
@@ -89,7 +92,7 @@ def test_a_new_rating_describes_another_board_and_is_checked_first():
     both = row.with_overrides(rated_power_w=500, power_limit_w=500)
     assert (both.power_limit_w, both.rated_power_w) == (500, 500)
     assert both.sustained_clock_fraction == row.sustained_clock_fraction  # not rescaled
-    with pytest.raises(ConfigError, match=r"power_limit_w 500 W is above its rated 300 W"):
+    with pytest.raises(ConfigError, match=r"power_limit_w 500 W is above its rated_power_w 300 W"):
         row.with_overrides(rated_power_w=300)
     for bad in (float("nan"), float("inf"), -1.0):
         with pytest.raises(ConfigError, match=r"rated_power_w must be a finite number > 0"):

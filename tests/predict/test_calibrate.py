@@ -364,6 +364,10 @@ def test_calibration_scales_analytic_terms_at_another_seq():
     assert "s = 1024" in text and "s = 512" in text and "4× the largest probe" in text
     assert "t = 2" in text and "selective" in text
     assert calibration_notes(cal, PlannedLayout(seq=1024, micro_batches=(8,))) == []
+    # the ZeRO stage planned, or that several are searched (a plan without --zero); not "ZeRO 0" for both
+    (fixed,) = calibration_notes(cal, PlannedLayout(micro_batches=(8,), data_parallel=8, zero=3))
+    (searched,) = calibration_notes(cal, PlannedLayout(micro_batches=(8,), data_parallel=8, zero=None))
+    assert "d = 8, ZeRO 3:" in fixed and "d = 8, each ZeRO stage searched:" in searched
 
 
 def test_cover_measurements_raises_a_too_low_cpu_peak():

@@ -165,7 +165,14 @@ def test_zero_2_or_3_with_pipeline_stages_names_the_frameworks_and_the_flag():
     zero_lint = next(x for x in lint(z3, z3.candidates[0]) if "torchtitan" in lint_sentence(x))
     assert lint_sentence(zero_lint, words={"zero": "--zero"}) == msgs[0].replace(
         "with zero 1", "with --zero 1"
-    )
+    ).replace("here: zero left", "here: --zero left")
+    # ZeRO 1 was not searched (zero fixed to 3): not "none fits", which would say it was tried
+    assert "(not planned here: zero left ZeRO 0 and 1 out)" in msgs[0] and "none fits" not in msgs[0]
+    both = make_plan(replace(base, zero=(1, 3)))
+    (said,) = [
+        x for x in _words(lint(both, next(c for c in both.candidates if c.zero == 3))) if "torchtitan" in x
+    ]
+    assert "the best of those here: ZeRO 1" in said
     z1 = make_plan(replace(base, zero=(1,)))
     assert not any("torchtitan" in x for x in _words(lint(z1, z1.candidates[0])))
     flat = make_plan(replace(base, zero=(3,), pipeline_parallel=1, schedules=None))
@@ -443,7 +450,8 @@ def test_plan_dualpipev_candidates_and_their_memory_by_hand():
     """gpt2 (12 layers, tied embeddings), p = 3, B = 48: DualPipeV is offered with v = 2 for every b_m
     with m >= 2p = 6 (b_m <= 8); rank 0 holds 4 layers in two chunks, the embedding and the output layer
     (no second copy of the tied embedding: the V brings the head back to rank 0) and 2p + 1 = 7 chunks
-    of 2 layers in flight, with p + 1 = 4 micro-batches of embedding and output activations."""
+    of 2 layers in flight; stage 0 holds 2p = 6 micro-batches of embedding activations (rank 0's warm-up) and
+    stage 2p − 1 one of output activations (its backward follows its forward), counted on the order below."""
     from microbatch.predict.activations import (
         embedding_activation_bytes,
         layer_activation_bytes,
@@ -461,8 +469,8 @@ def test_plan_dualpipev_candidates_and_their_memory_by_hand():
     assert c.memory["optimizer"] == 12 * n0  # fp32 master + two Adam moments
     acts = (
         layer_activation_bytes(shape, 2, dtype_bytes=2) * 4 * 7 / 2
-        + embedding_activation_bytes(shape, 2) * 4
-        + output_activation_bytes(shape, 2, dtype_bytes=2) * 4
+        + embedding_activation_bytes(shape, 2) * 6
+        + output_activation_bytes(shape, 2, dtype_bytes=2) * 1
     )
     assert c.memory["activations"] == pytest.approx(acts, rel=1e-12)
     assert c.peak_memory_bytes == pytest.approx(16 * n0 + acts, rel=1e-12)
@@ -499,9 +507,11 @@ def test_plan_dualpipev_step_time_is_its_closed_form_and_the_leaders_are_simulat
 
 def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
     """gpt2, p = 6, B = 24: at b_m 2 (m = 12 = 2p) DualPipeV, simulated, is about 7% faster than the best
-    other schedule (1F1B at b_m 2, idle 45%) and is the fastest that fits; the knee (least memory within τ)
-    is not DualPipeV, which holds more. Its rules: m >= 2p (B = 11 leaves m <= 11 < 12), 2p | layers
-    (p = 4: 12 % 8), an even split; and it must fit."""
+    other schedule (1F1B at b_m 2, idle 45%) and is the fastest that fits, holding more than 1F1B at the same b_m
+    (2p + 1 chunks of a rank's layers on rank 0); with full recompute it is also the knee (least memory within τ):
+    its rank 0 keeps one micro-batch of gpt2's large logits (stage 2p − 1 runs each backward right after its forward),
+    1F1B's last rank one too, beside its layers' working set. Its rules: m >= 2p (B = 11 leaves m <= 11 < 12),
+    2p | layers (p = 4: 12 % 8), an even split; and it must fit."""
     fast = make_plan(_cfg(global_batch=24, pipeline_parallel=6, choose="fastest"))
     rec = fast.recommended
     assert rec is not None and rec.schedule == "dualpipev" and rec.simulated and rec.micro_batch == 2
@@ -512,8 +522,12 @@ def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
     assert any("is not buried" in x for x in _words(lint(fast, one))) and not any(
         "is not buried" in x for x in plan_lints(fast)
     )
-    assert fast.knee is not None and fast.knee.schedule != "dualpipev"  # more memory: not the knee
-    assert make_plan(_cfg(global_batch=24, pipeline_parallel=6)).recommended.schedule != "dualpipev"
+    assert rec.peak_memory_bytes > one.peak_memory_bytes  # 2p + 1 chunks against 1F1B's p
+    knee = fast.knee
+    assert knee is not None and (knee.schedule, knee.micro_batch, knee.recompute) == ("dualpipev", 2, "full")
+    within = [c for c in fast.candidates if c.fits and c.tokens_per_s >= knee.tokens_per_s]
+    assert knee.peak_memory_bytes <= min(c.peak_memory_bytes for c in within)
+    assert make_plan(_cfg(global_batch=24, pipeline_parallel=6)).recommended == knee
     # too little memory for it: the fastest that fits is another schedule
     tight = make_plan(_cfg(global_batch=24, pipeline_parallel=6, choose="fastest",
                            memory_headroom=1 - 0.95 * rec.peak_memory_bytes / A100.memory_bytes))  # fmt: skip

@@ -16,7 +16,7 @@ from microbatch.predict.candidate import _stage_times, evaluate, make_context
 from microbatch.predict.memory import MemoryConfig, estimate_memory
 from microbatch.predict.plan import PlanConfig, make_plan
 from microbatch.predict.roofline import model_flops_per_step
-from microbatch.schedules.registry import in_flight_chunks
+from microbatch.schedules.in_flight import in_flight_chunks
 from microbatch.schedules.virtual import virtual_options
 
 H100 = get_accelerator("h100-sxm")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from microbatch.errors import ScheduleError
-from microbatch.schedules.registry import check_servable, generate, get_spec, in_flight_chunks
+from microbatch.schedules.in_flight import in_flight_chunks
+from microbatch.schedules.registry import check_servable, generate, get_spec
 from microbatch.schedules.simulate import simulate
 from microbatch.schedules.validate import validate
 

@@ -372,7 +372,7 @@ def test_a_name_cannot_shadow_another_schedule():
 
 
 def test_a_schedule_without_in_flight_rule_says_so():
-    from microbatch.schedules.registry import in_flight_chunks
+    from microbatch.schedules.in_flight import in_flight_chunks
 
     with pytest.raises(ConfigError, match=r"'zbv' has no in-flight rule; use one of gpipe, 1f1b"):
         in_flight_chunks("zbv", 0, 2, 4, 2)
@@ -388,7 +388,7 @@ def test_a_schedule_without_in_flight_rule_says_so():
 def test_the_in_flight_rule_is_what_the_simulator_counts(name, p, m, v):
     """The one in-flight rule (chunks per rank) equals the event simulation's peak, for every
     (p, m, v) the schedule serves."""
-    from microbatch.schedules.registry import in_flight_chunks, in_flight_microbatches
+    from microbatch.schedules.in_flight import in_flight_chunks, in_flight_microbatches
     from microbatch.schedules.simulate import simulate
 
     if name != "interleaved-1f1b":

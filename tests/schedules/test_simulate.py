@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from microbatch.errors import ConfigError, ScheduleError
 from microbatch.schedules.action import Action, Schedule
-from microbatch.schedules.registry import generate, in_flight_formula
+from microbatch.schedules.in_flight import in_flight_formula
+from microbatch.schedules.registry import generate
 from microbatch.schedules.rules import interleaved_in_flight_factor
 from microbatch.schedules.simulate import (
     bubble_fraction,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from microbatch.hardware import get_accelerator
 from microbatch.model import get_model
 from microbatch.predict.plan import make_plan
@@ -92,13 +94,27 @@ def test_a_plan_read_back_without_the_field_says_no_not_tight():
 
 def test_a_comparison_row_says_tight_when_the_smallest_fits_the_device():
     from microbatch.predict.plan import compare_gpus
-    from microbatch.show.plan_report import comparison_rows
+    from microbatch.show.plan_report import comparison_records, comparison_rows
 
     peak = _peak()
     tight_gpu = A100.with_overrides(memory_bytes=peak / 0.95)
     plans = compare_gpus(_cfg(A100), [A100, tight_gpu])
-    rows = comparison_rows(plans)
+    records = comparison_records(plans)
+    rows = comparison_rows(records)
     assert rows[1][7] != "nothing fits" and not rows[1][7].startswith("tight")  # the 80 GB A100 fits
     assert rows[2][7].startswith("tight: ")
+    # the JSON's records are numbers: the fitting one the recommendation's, the tight one its smallest peak
+    fit, tight = records
+    assert fit["fits"] and fit["peak_memory_bytes"] == plans[0].recommended.peak_memory_bytes
+    assert fit["tokens_per_s_per_gpu"] * plans[0].config.num_gpus == pytest.approx(fit["tokens_per_s"])
+    assert (
+        not tight["fits"]
+        and tight["step_time_s"] is None
+        and tight["tight_peak_bytes"] == pytest.approx(peak)
+    )
     small = A100.with_overrides(memory_bytes=peak / 1.05)
-    assert comparison_rows(compare_gpus(_cfg(A100), [small]))[1][7] == "nothing fits"
+    none = comparison_records(compare_gpus(_cfg(A100), [small]))
+    assert comparison_rows(none)[1][7] == "nothing fits" and none[0]["tight_peak_bytes"] is None
+    # a record written as the table's strings (plan --json before it gave numbers) reads back as it is
+    old = dict(zip(rows[0], rows[1], strict=True))
+    assert comparison_rows([old])[1] == rows[1]

@@ -12,7 +12,7 @@ import click
 from microbatch.precision import LOSS_DTYPES, LOSS_KERNELS, PRECISIONS
 from microbatch.predict.state import GRAD_DTYPES, MASTER_WEIGHTS, MOMENT_DTYPES, OPTIMIZERS
 
-__all__ = ["precision_options"]
+__all__ = ["dropout_option", "precision_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,3 +68,10 @@ def precision_options(f: F) -> F:
     for opt in reversed(opts):
         f = opt(f)
     return f
+
+
+dropout_option = click.option(
+    "--dropout/--no-dropout", "dropout", default=None, help="Training with dropout (default: the model's)."
+)
+"""``--dropout/--no-dropout``: the model's dropout on or off (its masks are kept activations, its kernels streamed),
+shared by ``plan`` and ``memory`` so the two answer for the same step."""

@@ -139,7 +139,6 @@ def _what_to_run(
     only for a diagram, or where no closed form exists, and never past the simulation limit (stated
     up front)."""
     from microbatch.commands._schedule_inputs import diagram_rows_note
-    from microbatch.commands._texts import CLOSED_FORM
     from microbatch.schedules.registry import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
@@ -160,7 +159,7 @@ def _what_to_run(
     too_big = count_actions(spec.name, stages, microbatches, virtual) > MAX_SIMULATED_ACTIONS
     too_tall = diagram_rows_note(stages)
     if not closed:
-        check_simulable(spec.name, stages, microbatches, virtual, closed_form=CLOSED_FORM)
+        check_simulable(spec.name, stages, microbatches, virtual, closed_form="")  # none holds here
     elif too_big and not no_diagram:
         notes.append(
             f"no diagram: {count_actions(spec.name, stages, microbatches, virtual):,} actions is over the "
@@ -266,7 +265,8 @@ def _full_backward_bubble(
 
 def _peak_in_flight(shape: _Shape, sim: SimResult | None, closed: bool) -> tuple[Any, SimResult | None]:
     """Peak in-flight micro-batches per rank: the registry's rule, else simulated (and the simulation)."""
-    from microbatch.schedules.registry import generate, in_flight_formula
+    from microbatch.schedules.in_flight import in_flight_formula
+    from microbatch.schedules.registry import generate
     from microbatch.schedules.simulate import simulate
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -20,7 +21,7 @@ from microbatch.commands._common import (
     zero_choice,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._state_flags import precision_options
+from microbatch.commands._state_flags import dropout_option, precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.state import PIPELINE_GRAD_REDUCE
 
@@ -63,6 +64,7 @@ __all__ = ["cmd"]
     "--recompute", type=click.Choice(["none", "selective", "full", "op"]), default="none", show_default=True
 )
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
+@dropout_option
 @precision_options
 @click.option("--zero", type=zero_choice(), default="0", show_default=True, help="ZeRO stage; dist-opt = 1.")
 @click.option("--data-parallel", "-d", "data_parallel", type=int, default=1, show_default=True, help="d.")
@@ -81,7 +83,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int | None,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, zero: str, data_parallel: int, layers_per_stage: str | None,
+    dropout: bool | None, precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, zero: str, data_parallel: int, layers_per_stage: str | None,
     pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
@@ -97,6 +99,8 @@ def cmd(
     virtual = _chunks_per_rank(virtual, schedule, stages)
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
+    if dropout is not None:
+        shape = replace(shape, dropout=dropout)
     cfg = MemoryConfig(
         micro_batch=micro_batch,
         tensor_parallel=tensor_parallel,
@@ -135,8 +139,6 @@ def cmd(
         check_gemm_dtype(precision, acc.name, acc.peak_flops)
     applied = None
     if calibration:
-        from dataclasses import replace
-
         from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration, fixed_bytes_notes
 
         layout = PlannedLayout(

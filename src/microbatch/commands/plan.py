@@ -19,7 +19,7 @@ from microbatch.commands._common import (
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._state_flags import precision_options
+from microbatch.commands._state_flags import dropout_option, precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
 from microbatch.predict.collectives import ZERO3_IMPLS
@@ -95,9 +95,7 @@ __all__ = ["cmd"]
 )
 @precision_options
 @click.option("--flash-attention/--no-flash-attention", "flash", default=None, help="Default: the model's.")
-@click.option(
-    "--dropout/--no-dropout", "dropout", default=None, help="Training with dropout (default: the model's)."
-)
+@dropout_option
 @click.option(
     "--compile", "compiled", is_flag=True,
     help="torch.compile: activations, softmax, dropout and the optimizer at the streaming rate, the norms at compiled "
@@ -200,6 +198,7 @@ def cmd(
 
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     _check_cp_comm(cp_comm, expert_layout["context_parallel"])
+    _check_zero3_impl(zero3_impl, zero)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
@@ -242,6 +241,8 @@ def cmd(
     )
     plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
+    if gpu_set and len(gpus) > 1:  # one override for several accelerators: say it, it may be meant for one
+        out["notes"], render = _shared_override(gpu_set, gpus, render)
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
         out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
@@ -254,6 +255,17 @@ def cmd(
     if why is not None:
         click.echo(f"error: {why}", err=True)
         raise click.exceptions.Exit(2)
+
+
+def _shared_override(
+    gpu_set: tuple[str, ...], gpus: list[Accelerator], render: Callable[[], str]
+) -> tuple[list[str], Callable[[], str]]:
+    """The note that ``--gpu-set`` changed every accelerator compared, and ``render`` with it on a line after."""
+    note = (
+        f"--gpu-set {' '.join(gpu_set)} applied to each accelerator compared ({', '.join(g.name for g in gpus)}); "
+        "to change one, plan it alone with --gpu NAME --gpu-set KEY=VALUE"
+    )
+    return [note], lambda: f"{render()}\nnote: {note}"
 
 
 def _seq_hint(model_spec: dict[str, Any], seq: int) -> str:
@@ -275,6 +287,20 @@ def _check_cp_comm(cp_comm: str, context_parallel: int) -> None:
             f"cp_comm {cp_comm} is how context-parallel ranks exchange keys and values, and context_parallel is 1 "
             "(no exchange: it would change nothing); give context_parallel 2 or more with it, or drop cp_comm",
             params=("cp_comm", "context_parallel"),
+        )
+
+
+def _check_zero3_impl(zero3_impl: str, zero: str) -> None:
+    """A ConfigError when ``--zero3-impl`` was given with ``--zero`` fixed below 3: it would change nothing."""
+    from microbatch.commands._common import parse_zero
+    from microbatch.commands._schedule_inputs import user_gave
+    from microbatch.errors import ConfigError
+
+    if user_gave("zero3_impl") and zero != "auto" and parse_zero(zero) < 3:
+        raise ConfigError(
+            f"zero3_impl {zero3_impl} says who runs ZeRO 3, and zero is {zero} (nothing gathered per layer: it would "
+            "change nothing); give zero 3 (or auto) with it, or drop zero3_impl",
+            params=("zero3_impl", "zero"),
         )
 
 
@@ -362,6 +388,7 @@ def _plans(
             tensor_parallel=tensor_parallel,
             pipeline_parallel=stages,
             data_parallel=data_parallel,
+            zero=cfg.zero[0] if cfg.zero is not None and len(cfg.zero) == 1 else None,
         )
         applied = [
             apply_calibration(calibration, shape=shape, precision=precision, gpu=g, layout=layout)
@@ -403,7 +430,14 @@ def _answer(
     """The JSON answer and its text: one plan, or the plans side by side."""
     from microbatch.commands._flags import flag_for
     from microbatch.show.answers import calibration_lines
-    from microbatch.show.plan_report import comparison_rows, explain, plan_dict, render_plan, text_table
+    from microbatch.show.plan_report import (
+        comparison_records,
+        comparison_rows,
+        explain,
+        plan_dict,
+        render_plan,
+        text_table,
+    )
 
     cal_lines = list(dict.fromkeys(line for a in applied for line in calibration_lines(a)))
     words = {p: flag_for(p, "plan") for p in ("zero", "choose")}  # the settings a sentence names
@@ -415,12 +449,13 @@ def _answer(
                 "\n" + x for x in cal_lines
             )
     else:
-        rows = comparison_rows(plans)
+        records = comparison_records(plans)
+        rows = comparison_rows(records)
         out = {
             "plans": [
                 {**plan_dict(pl, words=words), "explanation": explain(pl, words=words)} for pl in plans
             ],
-            "comparison": [dict(zip(rows[0], r, strict=True)) for r in rows[1:]],
+            "comparison": records,
         }
 
         def render() -> str:

@@ -226,6 +226,7 @@ def _check_before_work(
 ) -> None:
     """Everything that can be checked before the work: sizes, times, output paths."""
     from microbatch.commands._common import check_output_file
+    from microbatch.commands._outputs import same_file
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
     from microbatch.commands._texts import CLOSED_FORM
     from microbatch.errors import ConfigError
@@ -238,6 +239,11 @@ def _check_before_work(
         parse_stage_times(stage_times)  # its syntax and values, before the schedule is built
     check_output_file(svg_path, "--svg", (".svg",), force=force)
     check_output_file(png_path, "--png", (".png",), force=force)
+    if svg_path and png_path and same_file(svg_path, png_path):
+        raise ConfigError(
+            f"--svg {svg_path} and --png {png_path} name one file: the PNG would replace the SVG; give each its own "
+            "name, e.g. --svg timeline.svg --png timeline.png"
+        )
     if (svg_path or png_path) and diagram_rows_note(stages):  # a chart of one row per rank
         raise ConfigError(
             f"--{'svg' if svg_path else 'png'}: p = {stages:,} ranks is over the chart limit of {MAX_DIAGRAM_RANKS:,} "

@@ -120,8 +120,8 @@ class PlannedLayout:
     """p."""
     data_parallel: int = 1
     """d."""
-    zero: int = 0
-    """ZeRO stage."""
+    zero: int | None = 0
+    """ZeRO stage; None means not fixed (the plan searches several)."""
     recompute: str | None = None
     """Planned recompute mode; None means not fixed (every mode is searched)."""
 
@@ -133,7 +133,8 @@ class PlannedLayout:
             check_positive_int("micro-batch", b)
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel"):
             check_positive_int(name.replace("_", "-"), getattr(self, name))
-        check_zero(self.zero)
+        if self.zero is not None:
+            check_zero(self.zero)
         if self.recompute is not None:
             check_recompute(self.recompute)
 
@@ -159,9 +160,10 @@ def calibration_notes(
             f"({bms[-1] / max(cal.micro_batches):.0f}× the largest probe)"
         )
     if tensor_parallel > 1 or pipeline_parallel > 1 or data_parallel > 1 or zero:
+        stage = f"ZeRO {zero}" if zero is not None else "each ZeRO stage searched"
         out.append(
             f"calibrated on one device; planned with t = {tensor_parallel}, p = {pipeline_parallel}, d = "
-            f"{data_parallel}, ZeRO {zero}: the scale multiplies the analytic activation terms of this layout and "
+            f"{data_parallel}, {stage}: the scale multiplies the analytic activation terms of this layout and "
             "the fixed bytes are added per stage; communication is not calibrated"
         )
     ckpt_mode = "full" if cal.checkpointing else "none"

@@ -44,7 +44,7 @@ from microbatch.predict.state import (
     zero_groups,
 )
 from microbatch.schedules import registry
-from microbatch.schedules.registry import in_flight_layers  # the schedules' in-flight rule, one registry
+from microbatch.schedules.in_flight import end_stages_in_flight, in_flight_layers, in_flight_microbatches
 
 __all__ = [
     "MemoryCalibration", "MemoryConfig", "StageMemory", "MemoryEstimate", "split_layers", "in_flight_layers",
@@ -154,19 +154,22 @@ def estimate_memory(
     last = registry.stage_ranks(config.schedule, p, v)[-1] if p > 1 else 0  # rank of the output layer
     ep = config.expert_parallel
     d = zero_groups(config.data_parallel, c, config.shard_degree)[0]  # state shards over d·c (or HSDP's)
+    ends = end_stages_in_flight(
+        config.schedule, p, m, v
+    )  # micro-batches on the first and the last virtual stage
     for i, n_layers in enumerate(split):
         params, state = _stage_state(shape, config, i, n_layers, last, ks[i])
-        held = registry.in_flight_microbatches(config.schedule, i, p, m, v)
+        held = in_flight_microbatches(config.schedule, i, p, m, v)
         per = per_layer if dense is None else stage_block_bytes(per_layer, dense, n_layers, ks[i]) / n_layers
         terms = {"layers": per * in_flight_layers(config.schedule, i, p, m, v, n_layers)}
         if i == 0:
             emb = embedding_activation_bytes(
                 shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp
             )
-            terms["embedding"] = emb * held
+            terms["embedding"] = emb * ends[0]
         out, loss_tr = _head_bytes(shape, config, seq, e) if i == last else (0.0, 0.0)
         if i == last:
-            terms["output"] = out * held
+            terms["output"] = out * ends[1]
         if max(working, loss_tr):  # the two transients come at different moments: the larger counts
             terms["loss_backward" if loss_tr > working else "recompute_working"] = max(working, loss_tr)
         terms = {k: val * cal.activation_scale for k, val in terms.items()}

@@ -368,6 +368,18 @@ def _knee_micro_batch(ctx: Context, bms: list[int]) -> int:
     return min(b for b, r in rates.items() if r >= (1 - KNEE_TOLERANCE) * top)
 
 
+def _zero_with_pipeline(plan: Plan, c: Candidate) -> ZeroWithPipeline:
+    """ZeRO 2/3 with pipeline stages: FSDP with PP in torchtitan; DeepSpeed's PipelineEngine asserts ZeRO <= 1 and
+    Megatron-LM shards only the optimizer state (its distributed optimizer). The best ZeRO <= 1 alternative at the same
+    b_m, and whether ZeRO 0 or 1 was searched at all (not left out by the config's ZeRO stages)."""
+    low = [x for x in plan.candidates if x.fits and x.zero <= 1 and x.micro_batch == c.micro_batch]
+    best = max(low, key=lambda x: x.tokens_per_s) if low else None
+    return ZeroWithPipeline(
+        zero=c.zero, stages=plan.config.pipeline_parallel, alternative=best, tokens_per_s=c.tokens_per_s,
+        each=plan.config.pipeline_grad_reduce == "each", planned_low=any(x.zero <= 1 for x in plan.candidates),
+    )  # fmt: skip
+
+
 def lint(plan: Plan, candidate: Candidate | None = None) -> list[Lint]:
     """Seed 002's pitfalls, checked on ``candidate`` (default: the recommendation, else the best row);
     :func:`microbatch.show.plan_report.lint_sentence` writes each."""
@@ -422,14 +434,7 @@ def lint(plan: Plan, candidate: Candidate | None = None) -> list[Lint]:
             )
         )  # fmt: skip
     if p > 1 and c.zero >= 2:
-        # ZeRO 2/3 with pipeline stages: FSDP with PP in torchtitan; DeepSpeed's PipelineEngine asserts
-        # ZeRO <= 1 and Megatron-LM shards only the optimizer state (its distributed optimizer)
-        low = [x for x in plan.candidates if x.fits and x.zero <= 1 and x.micro_batch == c.micro_batch]
-        best = max(low, key=lambda x: x.tokens_per_s) if low else None
-        each = cfg.pipeline_grad_reduce == "each"
-        out.append(
-            ZeroWithPipeline(zero=c.zero, stages=p, alternative=best, tokens_per_s=c.tokens_per_s, each=each)
-        )
+        out.append(_zero_with_pipeline(plan, c))
     ctx = make_context(cfg)
     bms = sorted({x.micro_batch for x in plan.candidates})
     if len(bms) > 1:

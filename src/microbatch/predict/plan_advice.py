@@ -93,6 +93,8 @@ class ZeroWithPipeline:
     """This candidate's tokens/s (the alternative's is its own)."""
     each: bool = False
     """Gradients reduce-scattered after every micro-batch (``pipeline_grad_reduce="each"``), not once."""
+    planned_low: bool = True
+    """Whether the plan searched ZeRO <= 1 at all (False when its ZeRO stages were given without them)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -335,9 +335,9 @@ class InFlight(NamedTuple):
 
     v_placement: bool
     """The schedule places its chunks in a V (DualPipeV): the output layer on rank 0, :attr:`Context.params_v`."""
-    rows: tuple[tuple[int, float, int, bool, bool], ...]
-    """Per probed stage: (layers, layer-micro-batches per stage layer in flight, micro-batches in flight,
-    holds the embedding, holds the output layer)."""
+    rows: tuple[tuple[int, float, int, int], ...]
+    """Per probed stage: (layers, layer-micro-batches per stage layer in flight, micro-batches of the embedding it
+    holds, micro-batches of the output layer it holds: 0 where it holds none)."""
 
 
 class StageTimes(NamedTuple):

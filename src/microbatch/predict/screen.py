@@ -33,7 +33,8 @@ from microbatch.predict.roofline import LayerTime
 from microbatch.predict.state import resident_zero
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
-from microbatch.schedules.registry import get_spec, in_flight_chunks
+from microbatch.schedules.in_flight import end_stages_in_flight, in_flight_chunks
+from microbatch.schedules.registry import get_spec
 
 __all__ = ["Screened", "ZeroRow", "screen"]
 
@@ -125,8 +126,9 @@ def screen(
 
 def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
     """The schedule's in-flight rule on the probed stages, from the one registry
-    (:func:`microbatch.schedules.registry.in_flight_chunks`): chunks / v layer-micro-batches per stage
-    layer and min(m, ⌈chunks / v⌉) micro-batches; cached per (schedule, m, v)."""
+    (:func:`microbatch.schedules.in_flight.in_flight_chunks`): chunks / v layer-micro-batches per stage
+    layer, and the micro-batches of the embedding's and the output layer's stages
+    (:func:`~microbatch.schedules.in_flight.end_stages_in_flight`); cached per (schedule, m, v)."""
     key = (sched, m, v)
     hit = ctx.flight_cache.get(key)
     if hit is None:
@@ -136,12 +138,13 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
         v_placement = p > 1 and placement == "v"
         head = stage_to_rank(p * v - 1, p, placement) if p > 1 else 0  # rank of the output layer
         rule = spec.in_flight
+        ends = end_stages_in_flight(sched, p, m, v)  # micro-batches on the first and the last virtual stage
         rows = []
         for i in ctx.probe:
             chunks = (
                 rule(i, p, m, v) if rule is not None else in_flight_chunks(sched, i, p, m, v)
             )  # (its error)
-            rows.append((ctx.split[i], chunks / v, min(m, -(-chunks // v)), i == 0, i == head))
+            rows.append((ctx.split[i], chunks / v, ends[0] if i == 0 else 0, ends[1] if i == head else 0))
         hit = InFlight(v_placement=v_placement, rows=tuple(rows))
         ctx.flight_cache[key] = hit
     return hit
@@ -193,17 +196,16 @@ def _stage_activations(ctx: Context, b: int, rc: str, flight: InFlight, v: int) 
     scale = ctx.cfg.memory_calibration.activation_scale
     ks = moe_blocks(ctx, v, flight.v_placement) if dense is not None else None  # each rank's MoE blocks
     rows = []
-    for j, (n_layers, layers_mb, held, first, head) in enumerate(flight.rows):
+    for j, (n_layers, layers_mb, first, head) in enumerate(flight.rows):
         if ks is None:
             acts = per_layer * n_layers * layers_mb + working
         else:
             acts = stage_block_bytes(per_layer, dense, n_layers, ks[ctx.probe[j]]) * layers_mb + working
-        if first:
-            acts += emb * held
+        acts += emb * first  # micro-batches on the first virtual stage (0 elsewhere)
         if (
             head
         ):  # the loss's backward and the recompute come at different moments: the larger transient counts
-            acts += out * held + max(0.0, loss_tr - working)
+            acts += out * head + max(0.0, loss_tr - working)
         rows.append(acts * scale)
     return tuple(rows)
 

@@ -197,6 +197,13 @@ class StateSettings:
         loss_bytes(self.loss_dtype, self.precision)
         check_loss_kernel(self.loss_kernel)
         get_fp8_recipe(self.fp8_recipe)
+        if self.master_weights == "remainder" and self.precision == "fp8" and self.fp8_recipe != "te-delayed":
+            raise ConfigError(
+                f"master_weights remainder with precision fp8 and fp8_recipe {self.fp8_recipe}: the remainder is "
+                "Megatron-core's precision-aware optimizer (store_param_remainders), which keeps it only without "
+                "FP8 or with delayed scaling; use fp8_recipe te-delayed, or master_weights fp32",
+                params=("master_weights", "fp8_recipe", "precision"),
+            )
 
     def state_bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer) bytes per parameter before sharding (:func:`bytes_per_param`)."""

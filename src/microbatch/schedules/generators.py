@@ -21,6 +21,7 @@ __all__ = [
     "zb_h1_order",
     "zb_interleaved_order",
     "zbv_order",
+    "zbv_planned",
 ]
 
 
@@ -116,6 +117,11 @@ def zb_h1_order(p: int, m: int, v: int) -> list[list[Action]]:
     return out
 
 
+def zbv_planned(p: int, m: int) -> int:
+    """Micro-batches torch's ScheduleZBVZeroBubble plans: max(m, 2p − 1) (it drops those >= m)."""
+    return max(m, 2 * p - 1)
+
+
 def zbv_order(p: int, m: int, v: int) -> list[list[Action]]:
     """ZB-V (Qi et al. 2024, sec 6), the order of torch's ScheduleZBVZeroBubble.
 
@@ -126,7 +132,7 @@ def zbv_order(p: int, m: int, v: int) -> list[list[Action]]:
     F, I, W of chunk 1, until both chunks have run n forwards. Cool-down: r pairs (I chunk 0,
     I chunk 1), p−r pairs (I, W) of chunk 0, then the W passes still owed, chunk 1 first.
     """
-    n = max(m, 2 * p - 1)
+    n = zbv_planned(p, m)
     out: list[list[Action]] = []
     for r in range(p):
         down, up = r, 2 * p - 1 - r

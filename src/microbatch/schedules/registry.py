@@ -13,7 +13,6 @@ every ``--schedule`` option read this one table; nothing else lists schedules.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,20 +35,27 @@ from microbatch.schedules.generators import (
     zb_h1_order,
     zb_interleaved_order,
     zbv_order,
+    zbv_planned,
 )
 from microbatch.schedules.rules import (
     Check,
+    EndsRule,
     InFlightRule,
     check_1f1b,
     check_dualpipev,
     check_gpipe,
     check_zb_h1,
     check_zbv,
+    dualpipev_ends,
     dualpipev_in_flight,
+    gpipe_ends,
     gpipe_in_flight,
+    interleaved_ends,
     interleaved_in_flight,
     need_whole_rounds,
+    one_f_one_b_ends,
     one_f_one_b_in_flight,
+    zb_h1_ends,
     zb_h1_in_flight,
 )
 from microbatch.schedules.simulate import zb_h1_flush_time
@@ -67,10 +73,6 @@ __all__ = [
     "default_schedule",
     "generate",
     "get_spec",
-    "in_flight_chunks",
-    "in_flight_formula",
-    "in_flight_layers",
-    "in_flight_microbatches",
     "rank_stages",
     "register_schedule",
     "schedule_names",
@@ -105,6 +107,9 @@ class ScheduleSpec:
     """``(rank, p, m, v) -> activation chunks`` the rank holds at its peak; None when only the
     simulator knows (see :mod:`microbatch.schedules.rules`). The memory model serves exactly the
     schedules that have one."""
+    ends: EndsRule | None = None
+    """``(p, m, v) -> (micro-batches on the first virtual stage, on the last)`` at their peaks (the embedding's and the
+    output layer's activations); None: the ranks' own in-flight micro-batches (an upper bound)."""
     run_as: str | None = None
     """Name of the registered schedule whose torch class runs this one, when it has no class of its
     own (zb-h1 runs as zb-interleaved: torch's ScheduleInterleavedZeroBubble with one stage per
@@ -134,6 +139,8 @@ class ScheduleSpec:
     m < 4p then fires only when the bubble is over 1F1B's at m = 4p."""
     deepspeed_native: bool = False
     """True when DeepSpeed's pipeline engine runs this schedule (its 1F1B-like TrainSchedule)."""
+    planned_microbatches: Callable[[int, int], int] | None = None
+    """``(p, m) -> micro-batches the generator builds`` when more than m (it drops the rest); None: m."""
     overlapped: Callable[[Sequence[Sequence[Action]]], tuple[frozenset[int], ...]] | None = None
     """Per-rank positions of forwards that torch runs with the next action as one overlapped step
     (:attr:`microbatch.schedules.action.Schedule.overlapped`), from the generated actions; None: none."""
@@ -269,10 +276,22 @@ took 7.2 s, about 3.6 µs per action, and 1.08 GB peak RSS (2 cores, load 3.9), 
 
 
 def count_actions(name: str, stages: int, microbatches: int, virtual: int = 1) -> int:
-    """Actions the schedule holds, without building it: p·v·m × (2 for F, B; 3 for F, I, W — an
-    upper bound for DualPipeV, which splits only some backwards)."""
-    per = 3 if get_spec(name).split_backward else 2
-    return stages * virtual * microbatches * per
+    """Actions built for the schedule, without building it: p·v·n × (2 for F, B; 3 for F, I, W — an
+    upper bound for DualPipeV, which splits only some backwards), n the micro-batches its generator plans
+    (:attr:`ScheduleSpec.planned_microbatches`: zbv's max(m, 2p − 1), whose extra ones it drops), else m."""
+    spec = get_spec(name)
+    per = 3 if spec.split_backward else 2
+    n = spec.planned_microbatches(stages, microbatches) if spec.planned_microbatches else microbatches
+    return stages * virtual * n * per
+
+
+def _most_under(count: Callable[[int], int], value: int) -> int:
+    """The largest x <= ``value`` with count(x) within :data:`MAX_SIMULATED_ACTIONS` (count grows with x); 0: none."""
+    lo, hi = 0, value
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(mid) <= MAX_SIMULATED_ACTIONS else (lo, mid - 1)
+    return lo
 
 
 def check_simulable(
@@ -283,16 +302,28 @@ def check_simulable(
     n = count_actions(name, stages, microbatches, virtual)
     if n <= MAX_SIMULATED_ACTIONS:
         return
-    counts = (("microbatches", "m", microbatches), ("virtual", "v", virtual), ("stages", "p", stages))
+    spec = get_spec(name)
+    counts: tuple[tuple[str, str, int, Callable[[int], int]], ...] = (
+        ("microbatches", "m", microbatches, lambda x: count_actions(name, stages, x, virtual)),
+        ("virtual", "v", virtual, lambda x: count_actions(name, stages, microbatches, x)),
+        ("stages", "p", stages, lambda x: count_actions(name, x, microbatches, virtual)),
+    )
+    # the first that alone brings it under: m, v (when > 1), p
     fits = [
-        c for c in counts if MAX_SIMULATED_ACTIONS // (n // c[2]) >= 1 and (c[0] != "virtual" or c[2] > 1)
+        (c, most)
+        for c in counts
+        if (most := _most_under(c[3], c[2])) >= 1 and (c[0] != "virtual" or c[2] > 1)
     ]
-    key, letter, value = (fits or [counts[-1]])[0]  # the first that alone brings it under: m, v (when > 1), p
-    most = MAX_SIMULATED_ACTIONS // (n // value)
+    (key, letter, value, _), most = fits[0] if fits else (counts[-1], 1)
+    has_closed = spec.fill_drain_bubble or spec.idle_closed_form is not None
+    tail = (
+        f" (the bubble of a larger {letter} is its closed form: {closed_form})"
+        if closed_form and has_closed
+        else f" ({name} has no closed form here: its bubble is known by simulating it)"
+    )
     raise ConfigError(
         f"{key} = {value}: {name} with p·v = {stages * virtual} and m = {microbatches} has {n:,} actions, over the "
-        f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use {key} {max(1, most):,} or fewer "
-        f"(the bubble of a larger {letter} is its closed form: {closed_form})",
+        f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use {key} {most:,} or fewer{tail}",
         params=(key,),
     )
 
@@ -340,57 +371,6 @@ def rank_stages(name: str, stages: int, virtual: int, rank: int) -> list[int]:
     return [s for s, r in enumerate(stage_ranks(name, stages, virtual)) if r == rank]
 
 
-# -- the in-flight rule, read from the spec --------------------------------------------------
-
-
-def in_flight_chunks(name: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> int:
-    """Activation chunks (one micro-batch × one virtual stage, L/v layers) rank ``stage`` holds at
-    its peak under schedule ``name``: the spec's in-flight rule (:mod:`microbatch.schedules.rules`).
-
-    Raises :class:`ConfigError` for a schedule without a rule (the simulator counts those).
-    """
-    spec = get_spec(name)
-    if spec.in_flight is None:
-        raise ConfigError(
-            f"schedule {name!r} has no in-flight rule; use one of {', '.join(schedule_names(in_flight=True))}, "
-            "or simulate it (microbatch simulate) to count what each rank holds"
-        )
-    return spec.in_flight(stage, stages, microbatches, virtual)
-
-
-def in_flight_microbatches(name: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> int:
-    """Micro-batches with activations held on rank ``stage`` at its peak: min(m, ⌈chunks / v⌉).
-
-    GPipe m; 1F1B min(m, p − i); ZB-H1 min(m, p); interleaved 1F1B its warm-up count in chunks of
-    L/v layers, rounded up to whole micro-batches (see :mod:`microbatch.schedules.rules`).
-    """
-    chunks = in_flight_chunks(name, stage, stages, microbatches, virtual)
-    return min(microbatches, math.ceil(chunks / virtual))
-
-
-def in_flight_layers(
-    name: str, stage: int, stages: int, microbatches: int, virtual: int, stage_layers: float
-) -> float:
-    """Layer-micro-batches of activations rank ``stage`` holds at its peak: chunks × L_stage / v.
-
-    On the first rank of interleaved 1F1B this is L_stage·p·(1 + (p−1)/(p·v)) when p divides m
-    (Korthikanti et al. 2022 sec 4.2.3).
-    """
-    chunks = in_flight_chunks(name, stage, stages, microbatches, virtual)
-    return chunks * stage_layers / virtual
-
-
-def in_flight_formula(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[float]:
-    """Peak in flight per rank, rank 0 first, in micro-batches of a rank's layers (chunks / v): the
-    unit of :attr:`microbatch.schedules.simulate.SimResult.peak_in_flight`. GPipe [m, …];
-    1F1B [min(m, p − i)]. Seed 002; Korthikanti et al. 2022 sec 4.2.3."""
-    check_positive_int("stages", stages)
-    check_positive_int("microbatches", microbatches)
-    check_positive_int("virtual", virtual)
-    chunks = [in_flight_chunks(name, i, stages, microbatches, virtual) for i in range(stages)]
-    return [c if virtual == 1 else c / virtual for c in chunks]
-
-
 # -- the built-in schedules ------------------------------------------------------------------
 
 register_schedule(
@@ -402,6 +382,7 @@ register_schedule(
         label="GPipe",
         torch_name="ScheduleGPipe",
         in_flight=gpipe_in_flight,
+        ends=gpipe_ends,
         fill_drain_bubble=True,
         fill_drain_any_m=True,
         step_time=fill_drain_step_time,
@@ -417,6 +398,7 @@ register_schedule(
         label="1F1B",
         torch_name="Schedule1F1B",
         in_flight=one_f_one_b_in_flight,
+        ends=one_f_one_b_ends,
         fill_drain_bubble=True,
         step_time=fill_drain_step_time,
         deepspeed_native=True,
@@ -431,6 +413,7 @@ register_schedule(
         torch_name="ScheduleInterleaved1F1B",
         aliases=("interleaved",),
         in_flight=interleaved_in_flight,
+        ends=interleaved_ends,
         fill_drain_bubble=True,
         fill_drain_any_m=True,
         step_time=fill_drain_step_time,
@@ -446,6 +429,7 @@ register_schedule(
         split_backward=True,
         description="Zero-bubble H1: backward split into I and W; idle (p−1)(T_F+T_I−T_W).",
         in_flight=zb_h1_in_flight,
+        ends=zb_h1_ends,
         run_as="zb-interleaved",
         idle_closed_form=ZB_H1_IDLE,
         step_time=zb_h1_flush_time,
@@ -461,6 +445,7 @@ register_schedule(
         description="Zero-bubble V: two stages per rank in a V, backward split into I and W (torch's order).",
         torch_name="ScheduleZBVZeroBubble",
         aliases=("zb-v",),
+        planned_microbatches=zbv_planned,
         stages_per_rank=2,
     )
 )
@@ -487,6 +472,7 @@ register_schedule(
         torch_name="ScheduleDualPipeV",
         aliases=("dualpipe-v", "dual-pipe-v"),
         in_flight=dualpipev_in_flight,
+        ends=dualpipev_ends,
         overlapped=dualpipev_overlapped,
         idle_closed_form=DUALPIPEV_IDLE,
         step_time=dualpipev_step_time,

@@ -21,19 +21,25 @@ from microbatch.schedules.generators import interleaved_rounds
 
 __all__ = [
     "Check",
+    "EndsRule",
     "InFlightRule",
     "check_1f1b",
     "check_dualpipev",
     "check_gpipe",
     "check_zb_h1",
     "check_zbv",
+    "dualpipev_ends",
     "dualpipev_in_flight",
+    "gpipe_ends",
     "gpipe_in_flight",
+    "interleaved_ends",
     "interleaved_in_flight",
     "interleaved_in_flight_factor",
     "need_single_stage",
     "need_whole_rounds",
+    "one_f_one_b_ends",
     "one_f_one_b_in_flight",
+    "zb_h1_ends",
     "zb_h1_in_flight",
     "ZB_H1_TORCH_CLASS",
 ]
@@ -42,6 +48,10 @@ Check = Callable[[int, int, int], None]
 """``(stages, microbatches, virtual) -> None``; raises :class:`ScheduleError` for a size it cannot serve."""
 InFlightRule = Callable[[int, int, int, int], int]
 """``(rank, stages, microbatches, virtual) -> activation chunks held at the peak``."""
+EndsRule = Callable[[int, int, int], tuple[int, int]]
+"""``(stages, microbatches, virtual) -> (micro-batches the first virtual stage holds, micro-batches the last holds)``
+at their peaks: the embedding's and the output layer's activations live on one virtual stage each, not on every
+chunk of their ranks (``in_flight / v`` over-counts the last stage of interleaved 1F1B and DualPipeV up to 2p + 1×)."""
 
 
 # -- servability -----------------------------------------------------------------------------
@@ -203,3 +213,40 @@ def interleaved_in_flight_factor(stages: int, virtual: int) -> float:
     check_positive_int("stages", stages)
     check_positive_int("virtual", virtual)
     return 1 + (stages - 1) / (stages * virtual)
+
+
+# -- the end stages: the embedding's and the output layer's micro-batches ---------------------
+
+
+def gpipe_ends(p: int, m: int, v: int) -> tuple[int, int]:
+    """GPipe: every micro-batch on the first and on the last stage, (m, m)."""
+    return m, m
+
+
+def one_f_one_b_ends(p: int, m: int, v: int) -> tuple[int, int]:
+    """1F1B: rank 0's warm-up, min(m, p), on the first stage; one on the last, whose backward follows its forward."""
+    return min(m, p), 1
+
+
+def zb_h1_ends(p: int, m: int, v: int) -> tuple[int, int]:
+    """ZB-H1: min(m, p) on both: the last rank runs each I right after its F but defers its W, which reads the
+    output layer's input gradient (the logits' gradient), held until then (counted as the logits)."""
+    return min(m, p), min(m, p)
+
+
+def dualpipev_ends(p: int, m: int, v: int) -> tuple[int, int]:
+    """DualPipeV: min(m, 2p) on stage 0 (rank 0 warms up 2p forwards on it), one on stage 2p − 1 (the same rank runs
+    its I right after its F; counted on the generated order, tested)."""
+    return min(m, 2 * p), 1
+
+
+def interleaved_ends(p: int, m: int, v: int) -> tuple[int, int]:
+    """Interleaved 1F1B (torch's order, n micro-batches a round): stage 0's forwards run before rank 0's first stage-0
+    backward, which comes after its w = :func:`interleaved_in_flight` (0) warm-up chunks and the (v − 1)·n backwards
+    of its later stages (each after one more forward): of those K = w + (v − 1)·n forwards, stage 0 runs n of each
+    v·n, min(m, ⌊K/(v·n)⌋·n + min(n, K mod v·n)). One on the last stage, whose backward follows its forward.
+    Counted on the generated order for p ≤ 8, m < 50, v ≤ 4 (tested)."""
+    _, n = interleaved_rounds(p, m)
+    k = min(m * v, interleaved_in_flight(0, p, m, v) + (v - 1) * n)
+    full, rest = divmod(k, v * n)
+    return min(m, full * n + min(n, rest)), 1

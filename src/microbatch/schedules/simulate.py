@@ -6,7 +6,7 @@ dependency-driven, so linear in the number of actions. Times are in the caller's
 one per virtual stage; ``peak_in_flight`` counts micro-batches of a whole rank's layers. The rules
 (overlapped forwards, what "in flight" means, the units) are in ``docs/simulate.md``; the bubble's
 closed forms are :mod:`microbatch.schedules.closed_forms` (re-exported here), the in-flight ones the
-registry's rules (:func:`microbatch.schedules.registry.in_flight_formula`).
+registry's rules (:func:`microbatch.schedules.in_flight.in_flight_formula`).
 """
 
 from __future__ import annotations

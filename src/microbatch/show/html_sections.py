@@ -162,13 +162,13 @@ def exports_section(plan: dict[str, Any]) -> str:
 
 def comparison_section(res: dict[str, Any]) -> str:
     """The table of a multi-accelerator ``plan`` (``plan --gpu a,b``): one row per accelerator."""
-    rows = res.get("comparison") or []
-    if not rows:
+    from microbatch.show.plan_report import comparison_rows
+
+    records = [r for r in res.get("comparison") or [] if isinstance(r, dict)]
+    if not records:
         return ""
-    headers = list(rows[0])
-    return "<h2>Plans compared across accelerators</h2>" + table(
-        headers, [[r.get(h, "—") for h in headers] for r in rows]
-    )
+    headers, *rows = comparison_rows(records)
+    return "<h2>Plans compared across accelerators</h2>" + table(headers, rows)
 
 
 def _uses_seconds(timeline: Any) -> bool:

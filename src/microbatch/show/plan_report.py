@@ -102,24 +102,52 @@ def plan_table_rows(plan: Plan, *, per_micro_batch: bool = True, limit: int = 12
     return rows
 
 
-def comparison_rows(plans: list[Plan]) -> list[list[str]]:
-    """One row per accelerator: its recommendation (header first)."""
-    rows = [["gpu", "memory", "b_m", "m", "schedule", "recompute", "ZeRO", "peak", "step", "tokens/s",
-             "tokens/s/GPU", "MFU"]]  # fmt: skip
+COMPARISON_HEADERS = ("gpu", "memory", "b_m", "m", "schedule", "recompute", "ZeRO", "peak", "step", "tokens/s",
+                      "tokens/s/GPU", "MFU")  # fmt: skip
+"""The columns of the accelerators compared, as the text and the HTML tables head them."""
+
+
+def comparison_records(plans: list[Plan]) -> list[dict[str, Any]]:
+    """One record per accelerator, its recommendation in numbers (``plan --json``'s ``comparison``): None where
+    nothing fits, and then ``tight_peak_bytes``, the smallest candidate's peak when it fits the device but not the
+    headroom (else None)."""
+    out: list[dict[str, Any]] = []
     for pl in plans:
-        c = pl.recommended
-        g = pl.config.gpu
+        c, g = pl.recommended, pl.config.gpu
+        rec: dict[str, Any] = {"gpu": g.name, "memory_bytes": g.memory_bytes, "fits": c is not None}
         if c is None:
             small = min(pl.candidates, key=lambda x: x.peak_memory_bytes, default=None)
-            peak = "nothing fits"
-            if small is not None and small.fits_device is True:  # inside the device, not its headroom
-                peak = f"tight: {gib(small.peak_memory_bytes)}"
-            rows.append([g.name, gib(g.memory_bytes), "-", "-", "-", "-", "-", peak, "-", "-", "-", "-"])
+            tight = small is not None and small.fits_device is True  # inside the device, not its headroom
+            rec["tight_peak_bytes"] = small.peak_memory_bytes if tight and small is not None else None
+        values = (
+            (c.micro_batch, c.microbatches, c.schedule, c.recompute, c.zero, c.peak_memory_bytes, c.step_time_s,
+             c.tokens_per_s, c.tokens_per_s / pl.config.num_gpus, c.mfu)
+            if c is not None else (None,) * 10
+        )  # fmt: skip
+        keys = ("micro_batch", "microbatches", "schedule", "recompute", "zero", "peak_memory_bytes", "step_time_s",
+                "tokens_per_s", "tokens_per_s_per_gpu", "mfu")  # fmt: skip
+        out.append({**rec, **dict(zip(keys, values, strict=True))})
+    return out
+
+
+def comparison_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """The table of :func:`comparison_records` (header first); a record written before they were numbers (its
+    values already the table's strings, keyed by the headers) is shown as it is."""
+    rows = [list(COMPARISON_HEADERS)]
+    for r in records:
+        if "memory_bytes" not in r:  # an older plan --json: display strings keyed by the headers
+            rows.append([str(r.get(h, "—")) for h in COMPARISON_HEADERS])
+            continue
+        head = [str(r.get("gpu")), gib(r["memory_bytes"])]
+        if not r.get("fits"):
+            tight = r.get("tight_peak_bytes")
+            peak = f"tight: {gib(tight)}" if tight is not None else "nothing fits"
+            rows.append([*head, "-", "-", "-", "-", "-", peak, "-", "-", "-", "-"])
             continue
         rows.append([
-            g.name, gib(g.memory_bytes), str(c.micro_batch), str(c.microbatches), c.schedule, c.recompute,
-            str(c.zero), gib(c.peak_memory_bytes), f"{c.step_time_s:.3g} s", f"{c.tokens_per_s:,.0f}",
-            f"{c.tokens_per_s / pl.config.num_gpus:,.0f}", f"{100 * c.mfu:.1f}%",
+            *head, str(r["micro_batch"]), str(r["microbatches"]), str(r["schedule"]), str(r["recompute"]),
+            str(r["zero"]), gib(r["peak_memory_bytes"]), f"{r['step_time_s']:.3g} s", f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['mfu']:.1f}%",
         ])  # fmt: skip
     return rows
 

@@ -83,6 +83,8 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
             f"{100 * alt.tokens_per_s / lint.tokens_per_s:.0f}% of this throughput)"
             if alt
             else " (none fits at this b_m)"
+            if lint.planned_low
+            else f" (not planned here: {say('zero', words)} left ZeRO 0 and 1 out)"
         )
         how = (
             "FSDP without no_sync (Llama 3's), where the stage keeps its weights whole through the step and "

@@ -11,7 +11,7 @@
   error, as well as a late free), the part
   torch's split backward keeps between I and W (measured on one micro-batch before the steps), and
   the received stage inputs torch's runtime keeps. On GPipe and 1F1B with equal stages this is the
-  registry's in-flight rule (:func:`microbatch.schedules.registry.in_flight_chunks`, the rule
+  registry's in-flight rule (:func:`microbatch.schedules.in_flight.in_flight_chunks`, the rule
   :mod:`microbatch.predict.memory` reads) × bytes per micro-batch.
 - **predicted, uncalibrated**: :func:`microbatch.predict.memory.estimate_memory`'s activation bytes
   for the rank's transformer blocks (Korthikanti et al. 2022's per-layer formula, fp32), the same
@@ -79,7 +79,7 @@ def _calibrated(
       count).
 
     On GPipe and 1F1B with equal stages this is the registry's in-flight rule × bytes per micro-batch
-    (:func:`microbatch.schedules.registry.in_flight_chunks`); it differs where a rank's stages differ
+    (:func:`microbatch.schedules.in_flight.in_flight_chunks`); it differs where a rank's stages differ
     in size (interleaved, DualPipeV: the embedding-only stage) and where I frees part of a stage
     (zero-bubble schedules: the last stage's loss and output softmax go at I, not at W)."""
     mine = run.stages_of(rank)
