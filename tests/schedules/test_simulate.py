@@ -394,7 +394,7 @@ def test_times_that_overflow_are_refused(kw):
 
 
 def test_too_many_stages_for_the_simulation_names_the_stages():
-    from microbatch.schedules.registry import check_simulable
+    from microbatch.schedules.limits import check_simulable
 
     with pytest.raises(
         ConfigError,

@@ -139,7 +139,7 @@ def _what_to_run(
     only for a diagram, or where no closed form exists, and never past the simulation limit (stated
     up front)."""
     from microbatch.commands._schedule_inputs import diagram_rows_note
-    from microbatch.schedules.registry import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
+    from microbatch.schedules.limits import MAX_SIMULATED_ACTIONS, check_simulable, count_actions
 
     spec, stages, microbatches, virtual = shape.spec, shape.stages, shape.microbatches, shape.virtual
     tf, ti, tw = times

@@ -230,7 +230,8 @@ def _check_before_work(
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
     from microbatch.commands._texts import CLOSED_FORM
     from microbatch.errors import ConfigError
-    from microbatch.schedules.registry import check_servable, check_simulable
+    from microbatch.schedules.limits import check_simulable
+    from microbatch.schedules.registry import check_servable
 
     check_servable(spec.name, stages, microbatches, virtual)
     check_simulable(spec.name, stages, microbatches, virtual, closed_form=CLOSED_FORM)

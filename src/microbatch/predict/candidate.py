@@ -253,7 +253,7 @@ def _fast_candidate(fields: dict[str, Any], fixed: dict[str, Any] | None = None)
 
 PLAN_SIMULATED_ACTIONS = 200_000
 """The largest schedule (actions over all ranks) the planner simulates for a candidate it keeps: about 0.7 s at the
-simulator's measured 3.6 µs an action (:data:`~microbatch.schedules.registry.MAX_SIMULATED_ACTIONS`), a few of them
+simulator's measured 3.6 µs an action (:data:`~microbatch.schedules.limits.MAX_SIMULATED_ACTIONS`), a few of them
 a plan. Past it (m > 8,000 micro-batches at p = 8) the bubble the simulation refines is under 0.1% of the step, and
 the candidate keeps its analytic time (a plan of B = 10⁶ at p = 8 ran for minutes and gigabytes before)."""
 
@@ -265,7 +265,8 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
     p = cfg.pipeline_parallel
     if p == 1:
         return c
-    from microbatch.schedules.registry import count_actions, generate
+    from microbatch.schedules.limits import count_actions
+    from microbatch.schedules.registry import generate
     from microbatch.schedules.simulate import simulate
 
     if count_actions(c.schedule, p, c.microbatches, c.virtual) > PLAN_SIMULATED_ACTIONS:

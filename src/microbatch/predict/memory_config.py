@@ -27,6 +27,7 @@ from microbatch.predict.state import (
     zero_groups,
 )
 from microbatch.schedules import registry
+from microbatch.schedules.in_flight import served_spec
 from microbatch.shape import check_tensor_parallel
 
 __all__ = ["MemoryCalibration", "MemoryConfig"]
@@ -66,7 +67,8 @@ class MemoryConfig(StateSettings):
     microbatches: int | None = None
     """m: micro-batches per pipeline flush; None means 4p (seed 002's rule of thumb m >= 4p)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1."""
+    """Pipeline schedule: a registry name or alias with an in-flight rule (gpipe, 1f1b, interleaved-1f1b, zb-h1,
+    dualpipev, and any registered with one: :func:`microbatch.schedules.in_flight.served_spec`)."""
     layers_per_stage: tuple[int, ...] | None = None
     """An uneven split of the layers over the stages; None means even (remainder to the last stages)."""
     data_parallel: int = 1
@@ -120,10 +122,7 @@ class MemoryConfig(StateSettings):
         check_zero(self.zero)
         self.check_settings()  # the precision, the four state settings, the loss's dtype and kernel, the FP8 recipe
         check_recompute(self.recompute)
-        if self.schedule not in registry.schedule_names(in_flight=True):
-            raise ConfigError(
-                f"schedule {self.schedule!r} is not known; use one of {', '.join(registry.schedule_names(in_flight=True))}"
-            )
+        object.__setattr__(self, "schedule", served_spec(self.schedule).name)  # an alias read as its name
         if self.virtual > 1 and registry.get_spec(self.schedule).stages_per_rank == 1:
             raise ConfigError(
                 f"virtual {self.virtual} needs interleaved 1F1B, not schedule {self.schedule}; "

@@ -143,7 +143,7 @@ def _schedule_options(
     p = cfg.pipeline_parallel
     if p == 1:
         return [(DEFAULT_SCHEDULE, 1)]
-    names = cfg.schedules or schedule_names(in_flight=True)
+    names = cfg.schedules or schedule_names(planned=True)
     out = []
     for name in names:
         spec = get_spec(name)
@@ -241,7 +241,7 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
                 f"({_count(v)} per rank, no layers_per_stage); {use} another schedule",
                 params=("layers_per_stage", "pipeline_parallel"),
             )
-        names = list(cfg.schedules or schedule_names(in_flight=True))
+        names = list(cfg.schedules or schedule_names(planned=True))
         if not any(_split_virtuals(cfg, name) for name in names):
             ok = [x for x in range(2, L + 1) if any(L % (x * w) == 0 for w in range(2, L // x + 1))]
             among = f"use pipeline_parallel among {ok[:12]}, " if ok else ""

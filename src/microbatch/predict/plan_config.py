@@ -49,7 +49,7 @@ from microbatch.predict.state import (
     check_pipeline_grad_reduce,
     zero_groups,
 )
-from microbatch.schedules.registry import schedule_names
+from microbatch.schedules.in_flight import served_spec
 
 __all__ = ["PlanConfig", "CHOICES", "PLAN_TOLERANCE", "PLAN_MARGIN"]
 
@@ -234,11 +234,10 @@ class PlanConfig(StateSettings):
     def _check_choices(self) -> None:
         """ConfigError for a schedule, recompute or ZeRO choice not known, or a micro-batch that does not divide
         B/d."""
-        for s in self.schedules or ():
-            if s not in schedule_names(in_flight=True):
-                raise ConfigError(
-                    f"schedule {s!r} is not known; use auto or one of {', '.join(schedule_names(in_flight=True))}"
-                )
+        if self.schedules is not None:  # each one the planner serves, aliases read as their names
+            object.__setattr__(
+                self, "schedules", tuple(served_spec(s, planned=True).name for s in self.schedules)
+            )
         for r in self.recompute or ():
             if r not in RECOMPUTE_CHOICES:
                 raise ConfigError(

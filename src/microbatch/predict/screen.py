@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from microbatch.errors import ConfigError
 from microbatch.predict.activations import stage_block_bytes
 from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
 from microbatch.predict.plan_context import (
@@ -33,8 +32,10 @@ from microbatch.predict.roofline import LayerTime
 from microbatch.predict.state import resident_zero
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
-from microbatch.schedules.in_flight import end_stages_in_flight, in_flight_chunks
-from microbatch.schedules.registry import get_spec
+from microbatch.schedules.closed_forms import PipelineTime
+from microbatch.schedules.in_flight import end_stages_in_flight, in_flight_chunks, served_spec
+from microbatch.schedules.registry import get_spec, is_builtin
+from microbatch.schedules.spec_checks import check_count, check_step_time
 
 __all__ = ["Screened", "ZeroRow", "screen"]
 
@@ -141,9 +142,11 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
         ends = end_stages_in_flight(sched, p, m, v)  # micro-batches on the first and the last virtual stage
         rows = []
         for i in ctx.probe:
-            chunks = (
-                rule(i, p, m, v) if rule is not None else in_flight_chunks(sched, i, p, m, v)
-            )  # (its error)
+            chunks = (  # the rule's answer, checked (a registered rule's too), or in_flight_chunks' error
+                check_count(sched, "in_flight", rule(i, p, m, v), m * v)
+                if rule is not None
+                else in_flight_chunks(sched, i, p, m, v)
+            )
             rows.append((ctx.split[i], chunks / v, ends[0] if i == 0 else 0, ends[1] if i == head else 0))
         hit = InFlight(v_placement=v_placement, rows=tuple(rows))
         ctx.flight_cache[key] = hit
@@ -333,9 +336,14 @@ def _pipeline_time(ctx: Context, sched: str, m: int, v: int, tm: StageTimes) -> 
         return m * tm.Tk, 0.0
     step_time = ctx.step_time_cache.get(sched)
     if step_time is None:
-        step_time = ctx.step_time_cache[sched] = get_spec(sched).step_time
-        if step_time is None:
-            raise ConfigError(
-                f"schedule {sched!r} has no step-time closed form; the planner cannot screen it"
-            )
+        step_time = ctx.step_time_cache[sched] = _step_time_rule(sched)
     return step_time(p, m, v, tm)
+
+
+def _step_time_rule(sched: str) -> PipelineTime:
+    """The schedule's step-time closed form; a registered one's answers checked (:func:`check_step_time`)."""
+    rule = served_spec(sched, planned=True).step_time
+    assert rule is not None  # served_spec refuses a spec without one
+    if is_builtin(sched):
+        return rule
+    return lambda p, m, v, tm: check_step_time(sched, rule(p, m, v, tm))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from microbatch.errors import ConfigError, check_positive_int
-from microbatch.schedules.registry import get_spec, schedule_names, stage_ranks
+from microbatch.schedules.registry import ScheduleSpec, get_spec, schedule_names, stage_ranks
+from microbatch.schedules.spec_checks import check_count
 
 __all__ = [
     "end_stages_in_flight",
@@ -16,6 +17,7 @@ __all__ = [
     "in_flight_formula",
     "in_flight_layers",
     "in_flight_microbatches",
+    "served_spec",
 ]
 
 
@@ -31,7 +33,8 @@ def in_flight_chunks(name: str, stage: int, stages: int, microbatches: int, virt
             f"schedule {name!r} has no in-flight rule; use one of {', '.join(schedule_names(in_flight=True))}, "
             "or simulate it (microbatch simulate) to count what each rank holds"
         )
-    return spec.in_flight(stage, stages, microbatches, virtual)
+    answer = spec.in_flight(stage, stages, microbatches, virtual)
+    return check_count(spec.name, "in_flight", answer, microbatches * virtual)
 
 
 def in_flight_microbatches(name: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> int:
@@ -49,7 +52,11 @@ def end_stages_in_flight(name: str, stages: int, microbatches: int, virtual: int
     spec's :attr:`~ScheduleSpec.ends` rule, else the in-flight micro-batches of the ranks that hold them."""
     spec = get_spec(name)
     if spec.ends is not None:
-        return spec.ends(stages, microbatches, virtual)
+        answer = spec.ends(stages, microbatches, virtual)
+        pair = answer if isinstance(answer, tuple) and len(answer) == 2 else (answer, answer)
+        return check_count(spec.name, "ends", pair[0], microbatches), check_count(
+            spec.name, "ends", pair[1], microbatches
+        )
     ranks = stage_ranks(name, stages, virtual)
     return tuple(in_flight_microbatches(name, r, stages, microbatches, virtual) for r in (0, ranks[-1]))  # type: ignore[return-value]
 
@@ -75,3 +82,31 @@ def in_flight_formula(name: str, stages: int, microbatches: int, virtual: int = 
     check_positive_int("virtual", virtual)
     chunks = [in_flight_chunks(name, i, stages, microbatches, virtual) for i in range(stages)]
     return [c if virtual == 1 else c / virtual for c in chunks]
+
+
+def served_spec(name: str, *, planned: bool = False) -> ScheduleSpec:
+    """The spec ``name`` (or one of its aliases, in any case) names, if the memory model serves it (an in-flight
+    rule) and, ``planned``, the planner too (a step-time closed form); else a ConfigError saying what its spec lacks.
+    Configs keep the returned ``.name``: ``interleaved`` and ``1F1B`` are read as the registry names them."""
+    served = schedule_names(planned=True) if planned else schedule_names(in_flight=True)
+    try:
+        spec = get_spec(name)
+    except ConfigError:
+        raise ConfigError(
+            f"schedule {name!r} is not known; use {'auto or ' if planned else ''}one of {', '.join(served)}",
+            params=("schedule",),
+        ) from None
+    if spec.in_flight is None:
+        raise ConfigError(
+            f"schedule {spec.name!r} has no in-flight rule, so its memory is not modelled (the simulator serves it); "
+            f"give its ScheduleSpec in_flight=(rank, p, m, v) -> chunks held, or use one of {', '.join(served)}",
+            params=("schedule",),
+        )
+    if planned and spec.step_time is None:
+        raise ConfigError(
+            f"schedule {spec.name!r} has no step-time closed form, so the planner cannot price it; give its "
+            f"ScheduleSpec step_time=(p, m, v, stage times) -> (seconds, bubble fraction), or use one of "
+            f"{', '.join(served)}",
+            params=("schedule",),
+        )
+    return spec

@@ -59,19 +59,19 @@ from microbatch.schedules.rules import (
     zb_h1_in_flight,
 )
 from microbatch.schedules.simulate import zb_h1_flush_time
+from microbatch.schedules.spec_checks import check_spec_fields
+from microbatch.schedules.validate import validate
 
 __all__ = [
     "DEFAULT_SCHEDULE",
     "INTERLEAVED_SCHEDULE",
-    "MAX_SIMULATED_ACTIONS",
     "MAX_STAGES",
     "SCHEDULES",
     "ScheduleSpec",
     "check_servable",
-    "check_simulable",
-    "count_actions",
     "default_schedule",
     "generate",
+    "is_builtin",
     "get_spec",
     "rank_stages",
     "register_schedule",
@@ -157,6 +157,7 @@ class ScheduleSpec:
         return self.stages_per_rank not in (1, None)
 
     def __post_init__(self) -> None:
+        check_spec_fields(self)
         plain_numbers(self)
         check_placement(self.placement)
         for alias in (self.name, *self.aliases):
@@ -171,11 +172,22 @@ SCHEDULES: dict[str, ScheduleSpec] = {}
 """The open registry of schedules: name -> :class:`ScheduleSpec`, in registration order."""
 
 
-def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
-    """Add (or replace) a schedule in :data:`SCHEDULES`; returns ``spec``.
+def register_schedule(spec: ScheduleSpec, *, replace: bool = False) -> ScheduleSpec:
+    """Add a schedule to :data:`SCHEDULES` (or, with ``replace``, put it in place of the one of its name); returns
+    ``spec``. It serves this process: the pipeline runner's ranks are new processes and run built-ins only.
 
-    Raises :class:`ConfigError` when one of its names or aliases already names another schedule.
+    Raises :class:`ConfigError` when one of its names or aliases already names another schedule, or its name is
+    registered and ``replace`` is not given.
     """
+    if not isinstance(spec, ScheduleSpec):
+        raise ConfigError(
+            f"register_schedule takes a ScheduleSpec, not {spec!r}; build ScheduleSpec(name=..., ...)"
+        )
+    if spec.name in SCHEDULES and not replace:
+        raise ConfigError(
+            f"schedule {spec.name!r} is registered already; give it another name, or register_schedule(spec, "
+            "replace=True) to put it in place of that one"
+        )
     for alias in (spec.name, *spec.aliases):
         other = _lookup(alias)
         if other is not None and other.name != spec.name:
@@ -214,16 +226,18 @@ def get_spec(name: str) -> ScheduleSpec:
     return spec
 
 
-def schedule_names(*, in_flight: bool = False, torch: bool = False, aliases: bool = False) -> tuple[str, ...]:
+def schedule_names(
+    *, in_flight: bool = False, torch: bool = False, aliases: bool = False, planned: bool = False
+) -> tuple[str, ...]:
     """Registered names in registration order, for ``--schedule`` choices and messages.
 
-    ``in_flight``: only schedules with an in-flight rule (those the memory model and the planner
-    serve); ``torch``: only schedules ``torch.distributed.pipelining`` can run (see
-    :func:`torch_spec`); ``aliases``: each name followed by its aliases.
+    ``in_flight``: only schedules with an in-flight rule (those the memory model serves); ``planned``: with a
+    step-time closed form too (those the planner serves); ``torch``: only schedules ``torch.distributed.pipelining``
+    can run (see :func:`torch_spec`); ``aliases``: each name followed by its aliases.
     """
     out: list[str] = []
     for spec in SCHEDULES.values():
-        if in_flight and spec.in_flight is None:
+        if (in_flight or planned) and spec.in_flight is None or planned and spec.step_time is None:
             continue
         if torch and spec.torch_name is None and spec.run_as is None:
             continue
@@ -268,72 +282,12 @@ def check_servable(name: str, stages: int, microbatches: int, virtual: int = 1) 
     get_spec(name).check(stages, microbatches, virtual)
 
 
-MAX_SIMULATED_ACTIONS = 1_000_000
-"""Largest schedule, in actions over all ranks, that is built and simulated (the ``bubble`` diagram,
-``simulate``). Measured: generating and simulating 1F1B at p = 4, m = 250,000 (2,000,000 actions)
-took 7.2 s, about 3.6 µs per action, and 1.08 GB peak RSS (2 cores, load 3.9), so this limit is about
-4 s and 0.5 GB. Closed forms need no schedule and have no limit."""
-
-
-def count_actions(name: str, stages: int, microbatches: int, virtual: int = 1) -> int:
-    """Actions built for the schedule, without building it: p·v·n × (2 for F, B; 3 for F, I, W — an
-    upper bound for DualPipeV, which splits only some backwards), n the micro-batches its generator plans
-    (:attr:`ScheduleSpec.planned_microbatches`: zbv's max(m, 2p − 1), whose extra ones it drops), else m."""
-    spec = get_spec(name)
-    per = 3 if spec.split_backward else 2
-    n = spec.planned_microbatches(stages, microbatches) if spec.planned_microbatches else microbatches
-    return stages * virtual * n * per
-
-
-def _most_under(count: Callable[[int], int], value: int) -> int:
-    """The largest x <= ``value`` with count(x) within :data:`MAX_SIMULATED_ACTIONS` (count grows with x); 0: none."""
-    lo, hi = 0, value
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if count(mid) <= MAX_SIMULATED_ACTIONS else (lo, mid - 1)
-    return lo
-
-
-def check_simulable(
-    name: str, stages: int, microbatches: int, virtual: int = 1, *, closed_form: str = "bubble_fraction"
-) -> None:
-    """Raise :class:`ConfigError` before building a schedule over :data:`MAX_SIMULATED_ACTIONS`; ``closed_form``:
-    the caller's words for the bubble without a schedule (a command passes its own)."""
-    n = count_actions(name, stages, microbatches, virtual)
-    if n <= MAX_SIMULATED_ACTIONS:
-        return
-    spec = get_spec(name)
-    counts: tuple[tuple[str, str, int, Callable[[int], int]], ...] = (
-        ("microbatches", "m", microbatches, lambda x: count_actions(name, stages, x, virtual)),
-        ("virtual", "v", virtual, lambda x: count_actions(name, stages, microbatches, x)),
-        ("stages", "p", stages, lambda x: count_actions(name, x, microbatches, virtual)),
-    )
-    # the first that alone brings it under: m, v (when > 1), p
-    fits = [
-        (c, most)
-        for c in counts
-        if (most := _most_under(c[3], c[2])) >= 1 and (c[0] != "virtual" or c[2] > 1)
-    ]
-    (key, letter, value, _), most = fits[0] if fits else (counts[-1], 1)
-    has_closed = spec.fill_drain_bubble or spec.idle_closed_form is not None
-    tail = (
-        f" (the bubble of a larger {letter} is its closed form: {closed_form})"
-        if closed_form and has_closed
-        else f" ({name} has no closed form here: its bubble is known by simulating it)"
-    )
-    raise ConfigError(
-        f"{key} = {value}: {name} with p·v = {stages * virtual} and m = {microbatches} has {n:,} actions, over the "
-        f"simulation limit of {MAX_SIMULATED_ACTIONS:,} (about 4 s and 0.5 GB); use {key} {most:,} or fewer{tail}",
-        params=(key,),
-    )
-
-
 def generate(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """Build the named schedule for p = ``stages`` ranks, m micro-batches, v stages per rank."""
     spec = get_spec(name)
     check_servable(spec.name, stages, microbatches, virtual)
     per_rank = spec.generate(stages, microbatches, virtual)
-    return Schedule(
+    built = Schedule(
         name=spec.name,
         stages=stages,
         microbatches=microbatches,
@@ -342,6 +296,17 @@ def generate(name: str, stages: int, microbatches: int, virtual: int = 1) -> Sch
         actions=tuple(tuple(r) for r in per_rank),
         overlapped=spec.overlapped(per_rank) if spec.overlapped is not None else (),
     )
+    if not is_builtin(
+        spec.name
+    ):  # a registered generator's order is checked once: complete, every dependency met
+        validate(built)
+    return built
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is one of the schedules this module registers, as registered (not replaced)."""
+    spec = _lookup(name)
+    return spec is not None and _BUILTIN.get(spec.name) is spec
 
 
 def torch_spec(name: str) -> ScheduleSpec:
@@ -480,3 +445,6 @@ register_schedule(
         bubble_flat_in_m=True,
     )
 )
+
+_BUILTIN: dict[str, ScheduleSpec] = dict(SCHEDULES)
+"""The schedules registered above, as they are: the ones the pipeline runner's ranks see."""

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from microbatch.batch import check_batch_quantity
 from microbatch.errors import ConfigError, check_positive, check_positive_int, plain_numbers, whole_number
-from microbatch.schedules.registry import MAX_STAGES, check_servable, get_spec, torch_spec
+from microbatch.schedules.registry import (
+    MAX_STAGES,
+    check_servable,
+    get_spec,
+    is_builtin,
+    schedule_names,
+    torch_spec,
+)
 
 if TYPE_CHECKING:
     from microbatch.model import ModelShape
@@ -95,6 +102,12 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         plain_numbers(self)
         object.__setattr__(self, "schedule", get_spec(self.schedule).name)
+        if not is_builtin(self.schedule):  # each rank imports microbatch afresh: it knows the built-ins only
+            raise ConfigError(
+                f"schedule {self.schedule!r} is registered in this process only; the pipeline's ranks are new processes "
+                f"that import microbatch afresh and do not see it; run one of {', '.join(schedule_names(torch=True))}",
+                params=("schedule",),
+            )
         runner = torch_spec(self.schedule)  # refuses a schedule torch has no class for
         check_positive_int("microbatches", self.microbatches, fix="give microbatches 1 or more")
         check_positive_int("virtual", self.virtual, fix="give virtual 1 or more stages per rank")
