@@ -111,7 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     being ``bad_input``, ``failure`` or ``interrupted``, and ``points`` where a tune measured points
     none of which meets a limit (:class:`~microbatch.errors.NoChoiceError`).
     """
+    from microbatch.run.pipeline.signals import raise_on_sigterm
+
     args = list(sys.argv[1:] if argv is None else argv)
+    restore = (
+        raise_on_sigterm()
+    )  # SIGTERM (timeout, a job scheduler) stops a command as Ctrl-C does: kept, 130
+    try:
+        return _main(args)
+    finally:
+        restore()
+
+
+def _main(args: list[str]) -> int:
+    """:func:`main` on ``args``, its errors turned into exit codes and one line each."""
     try:
         code = group.main(args=args, prog_name="microbatch", standalone_mode=False)
         if isinstance(code, int):  # click returns an Exit's code here (tune's 130 after Ctrl-C)

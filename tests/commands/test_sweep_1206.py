@@ -77,3 +77,35 @@ def test_several_gpus_give_numbers_and_say_where_an_override_went(capsys: pytest
     rc, out, _ = _run(capsys, "plan", "--model", "llama-3-8b", "--gpu", "a100-80gb", "-B", "64", "-d", "4",
                       "--gpu-set", "bf16=500e12", "--json")  # fmt: skip
     assert rc == 0 and "notes" not in json.loads(out)  # one accelerator: the override is plainly its own
+
+
+def test_sigterm_stops_any_command_as_ctrl_c_does(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job scheduler's or timeout's SIGTERM: the command's interrupt path runs (what it measured kept), exit 130 and
+    one line; it killed the process with nothing said before (noise, bench-gpu, tune lost their points)."""
+    import os
+    import signal
+    import time
+
+    import click
+
+    from microbatch.cli import LazyGroup
+
+    @click.command("sigterm-probe")
+    def probe() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises at once; never reached
+        raise AssertionError("SIGTERM did not interrupt")
+
+    def guard(signum: int, frame: object) -> None:  # without the command's own handler SIGTERM comes here
+        raise AssertionError("SIGTERM reached the caller's handler: the command did not take it")
+
+    outer = signal.signal(signal.SIGTERM, guard)
+    monkeypatch.setattr(LazyGroup, "get_command", lambda self, ctx, name: probe)  # any name runs the probe
+    try:
+        rc, out, err = _run(capsys, "batch")
+        assert signal.getsignal(signal.SIGTERM) is guard  # the caller's handler put back after the command
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+    assert rc == 130 and err.strip() == "interrupted: signal SIGTERM"

@@ -105,7 +105,8 @@ def cmd(
 
     Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
     """
-    from microbatch.measure.microbench import MicrobenchConfig, join_launched_group, run_microbench
+    from microbatch.interrupts import first_interrupt_only
+    from microbatch.measure.microbench import MicrobenchConfig, join_launched_group
 
     if device is None:
         import torch
@@ -122,6 +123,22 @@ def cmd(
     device, rank, owned = join_launched_group(device)  # under torchrun: one process group, this rank's GPU
     cfg = replace(cfg, device=device)
     progress(f"bench-gpu: {shape.name} on {device}, up to {budget_s:g} s")
+    with first_interrupt_only():  # a second Ctrl-C must not lose what the first one kept
+        code = _measure_and_keep(cfg, owned, rank, device, out, as_json)
+    if owned and not device.startswith("cuda"):
+        # gloo's process group aborted the process in its teardown after everything was written (2 of 8
+        # two-rank runs with destroy_process_group, 2 of 35 without): leave without running it
+        from microbatch.measure.device import exit_past_teardown
+
+        exit_past_teardown(code)
+    if code:
+        raise click.exceptions.Exit(code)
+
+
+def _measure_and_keep(cfg: Any, owned: bool, rank: int, device: str, out: str | None, as_json: bool) -> int:
+    """Run the microbenchmark, and on rank 0 write (``out``) and print what it measured; 130 when interrupted."""
+    from microbatch.measure.microbench import run_microbench
+
     try:
         result = run_microbench(cfg)
         if owned:  # every rank done before any tears the group down (gloo aborts a rank still reading)
@@ -142,14 +159,7 @@ def cmd(
         emit(d, as_json, lambda: render_microbench(d))
         if code:
             progress("interrupted: kept what was measured" + (f" in {out}" if out else ""))
-    if owned and not device.startswith("cuda"):
-        # gloo's process group aborted the process in its teardown after everything was written (2 of 8
-        # two-rank runs with destroy_process_group, 2 of 35 without): leave without running it
-        from microbatch.measure.device import exit_past_teardown
-
-        exit_past_teardown(code)
-    if code:
-        raise click.exceptions.Exit(code)
+    return code
 
 
 def _check_fits(cfg: Any) -> None:

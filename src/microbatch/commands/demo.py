@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from microbatch.commands._common import check_out_dir, emit, json_option, write_result
+from microbatch.commands._common import check_out_dir, emit, json_option
+from microbatch.commands._outputs import keep_result
+from microbatch.interrupts import first_interrupt_only
 from microbatch.units import GIB
 
 __all__ = ["cmd"]
@@ -30,8 +33,13 @@ def _done(quiet: bool, t0: float, text: str) -> None:
 
 
 def _save(out: Path, name: str, obj: dict[str, Any]) -> Path:
-    """Write ``obj`` as ``<command> --json`` prints it (the envelope): ``tune-train.json`` → tune."""
-    return write_result(out / name, obj, command=name.removesuffix(".json").split("-")[0])
+    """Write ``obj`` as ``<command> --json`` prints it (the envelope): ``tune-train.json`` → tune; where --out cannot
+    be written now (the disk filled, the folder was locked) it is kept beside (a temporary file) and said, and the
+    demo goes on: a late write error lost the minutes measured before it."""
+    path, why = keep_result(out / name, obj, command=name.removesuffix(".json").split("-")[0])
+    if why:
+        click.echo(f"note: {why}", err=True)
+    return path
 
 
 DEMO_FILES = ("tune-train.json", "tune-decode.json", "plan.json", "simulate-gpipe.json", "simulate-1f1b.json",
@@ -75,17 +83,24 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     summary: dict[str, Any] = {"out": str(out)}
     t_start = time.perf_counter()
 
-    _tune_both(out, model_name, quick, quiet, results, summary)
-    if summary.get("interrupted"):  # Ctrl-C ends the tune's search early; the demo stops there too
-        _stop(out, quiet, results, summary, as_json)
-    _plan_llama(out, quiet, results, summary)
-    _simulate_gpipe_and_1f1b(out, quiet, results, summary)
-    _run_small_pipeline(out, model_name, quiet, results, summary)
-    _validate_training(out, quiet, results, summary)
-
-    # 6. Show: one self-contained HTML report.
-    t0 = _step(quiet, "write the report")
-    rep = build_report(results, out / "report.html", title="microbatch demo")
+    phases: tuple[tuple[str, Callable[[], None]], ...] = (
+        ("tune", lambda: _tune_both(out, model_name, quick, quiet, results, summary)),
+        ("plan", lambda: _plan_llama(out, quiet, results, summary)),
+        ("simulate", lambda: _simulate_gpipe_and_1f1b(out, quiet, results, summary)),
+        ("pipeline", lambda: _run_small_pipeline(out, model_name, quiet, results, summary)),
+        ("validate", lambda: _validate_training(out, quiet, results, summary)),
+    )
+    with first_interrupt_only():  # a second Ctrl-C must not lose the report of what the first one kept
+        for phase, run in phases:
+            try:
+                run()
+            except KeyboardInterrupt:  # a later phase stopped: the report and summary of those before it
+                summary["interrupted"] = phase
+            if summary.get("interrupted"):  # Ctrl-C ends the tune's search early; the demo stops there too
+                _stop(out, quiet, results, summary, as_json)
+        # 6. Show: one self-contained HTML report.
+        t0 = _step(quiet, "write the report")
+        rep = build_report(results, out / "report.html", title="microbatch demo")
     summary["report"] = str(rep.html_path)
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     _done(quiet, t0, f"{len(rep.png_paths)} figures")
@@ -110,8 +125,9 @@ def _stop(
     emit(summary, as_json, lambda: f"\nreport of what was measured: {rep.html_path.resolve()}")
     if not quiet:
         click.echo(
-            f"interrupted during {summary['interrupted']}: kept its points and the results before it in {out}/; "
-            "the steps after it did not run",
+            f"interrupted during {summary['interrupted']}: kept "
+            f"{'its points and ' if str(summary['interrupted']).startswith('tune') else ''}the results before it in "
+            f"{out}/; the steps after it did not run",
             err=True,
         )
     raise click.exceptions.Exit(130)

@@ -1,15 +1,13 @@
 """What a pipeline run stopped before its last step keeps: the report of the steps every rank finished, read from
 the ranks' step logs (:func:`kept_steps`, after Ctrl-C, SIGTERM or the deadline), summarised with a second Ctrl-C
-ignored (:func:`second_interrupt_ignored`), and the ranks' host peak set against the prediction
+ignored (:func:`microbatch.interrupts.second_interrupt_ignored`), and the ranks' host peak set against the prediction
 (:func:`with_host`). Split from :mod:`microbatch.run.pipeline.launch`, which raises what these return."""
 
 from __future__ import annotations
 
 import shutil
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 
+from microbatch.interrupts import second_interrupt_ignored
 from microbatch.run.pipeline.config import PipelineConfig
 from microbatch.run.pipeline.progress import PipelineInterrupted, read_partial, step_log_path
 from microbatch.run.pipeline.report import PipelineReport
@@ -58,19 +56,3 @@ def kept_steps(
     if not keep_logs:
         shutil.rmtree(tmp, ignore_errors=True)
     return PipelineInterrupted(with_host(report, host), steps, cfg.steps)
-
-
-@contextmanager
-def second_interrupt_ignored() -> Iterator[None]:
-    """SIGINT ignored inside (the main thread only): the summary of the steps kept after an interrupt takes
-    seconds, and a second Ctrl-C there ended the command with none of them."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
