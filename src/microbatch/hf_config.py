@@ -25,7 +25,7 @@ _HF = ("hf_config",)
 _HF_KEYS: dict[str, tuple[str, ...]] = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
     "hidden": ("hidden_size", "n_embd", "n_embed", "d_model", "dim"),
-    "heads": ("num_attention_heads", "n_head", "n_heads"),
+    "heads": ("num_attention_heads", "n_head", "n_heads", "num_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads", "num_kv_heads"),
     "head_size": ("head_dim",),
     "ffn_hidden": ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
@@ -382,7 +382,9 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
         # Gemma's config.json omits it (transformers' Gemma default: tied); Llama's default: untied
         "tied_embeddings": bool(tied) if tied is not None else model_type.startswith(_GATED_FAMILIES),
         "dropout": _dropout_of(raw, model_type, default=False),  # Llama's families train without it
-        "parallel_block": model_type.startswith(_PARALLEL_LLAMA_LIKE),
+        # Cohere always; StableLM where it says so (transformers' StableLmDecoderLayer: use_parallel_residual)
+        "parallel_block": model_type.startswith(_PARALLEL_LLAMA_LIKE)
+        or bool(raw.get("use_parallel_residual")),
     }
 
 

@@ -103,3 +103,26 @@ def test_interleaved_experts_split_params_by_block():
     assert shape.layers_params(0, 5) == 3 * dense + 2 * sparse
     with pytest.raises(Exception, match="moe_every"):
         Experts(experts=4, top_k=1, expert_ffn_hidden=64, moe_every=0)
+
+
+STABLELM = {"model_type": "stablelm", "hidden_act": "silu", "num_hidden_layers": 2, "hidden_size": 256,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 704, "vocab_size": 1000,
+            "max_position_embeddings": 4096}  # fmt: skip
+GPT_NEO = {"model_type": "gpt_neo", "num_layers": 2, "hidden_size": 256, "num_heads": 8, "vocab_size": 1000,
+           "max_position_embeddings": 2048, "attention_types": [[["global", "local"], 1]], "window_size": 256}  # fmt: skip
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_stablelm_runs_the_parallel_block_where_its_config_says(tmp_path, parallel):
+    """StableLM 2 12B sets use_parallel_residual (transformers' StableLmDecoderLayer then adds attention and the MLP,
+    each on the input norm's output, to one residual); it was read as a sequential block (2 TP all-reduces a layer)."""
+    cfg = {**STABLELM, "use_parallel_residual": parallel}
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert shape.parallel_block is parallel
+    assert shape.param_count() == pytest.approx(_real_params(cfg), rel=2e-3)  # its LayerNorm biases aside
+
+
+def test_gpt_neo_names_its_heads_num_heads(tmp_path):
+    """GPT-Neo's config spells the heads num_heads: it was refused as lacking heads."""
+    shape = from_hf_config(_write(tmp_path, GPT_NEO))
+    assert shape.heads == 8 and shape.param_count() == pytest.approx(_real_params(GPT_NEO), rel=2e-3)
