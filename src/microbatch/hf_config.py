@@ -194,6 +194,8 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
     ):  # a multimodal config (Gemma 3, Llama 4, Mistral 3): its language model
         raw = {**text, "model_type": text.get("model_type") or raw.get("model_type"),
                "_name_or_path": raw.get("_name_or_path")}  # fmt: skip
+    legacy = str(raw.get("model_type", "")).lower() in _FALCON_LEGACY
+    raw = _as_falcon(raw) if legacy else raw
     _check_hf_fields(raw, file)  # before transformers is imported (seconds): the file's own numbers
     if raw.get("model_type") and importlib.util.find_spec("transformers") is not None:
         try:
@@ -202,7 +204,7 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
             known = {k: v for k, v in raw.items() if k != "model_type"}
             cfg = (
                 AutoConfig.for_model(raw["model_type"], **known)
-                if inner
+                if inner or legacy
                 else AutoConfig.from_pretrained(
                     str(file), trust_remote_code=False
                 )  # never asks on a terminal
@@ -232,6 +234,22 @@ def _read_hf_dict(path: Path) -> dict[str, Any]:
             merged["layer_types"] = list(types)
         return merged
     return raw
+
+
+_FALCON_LEGACY = {"refinedwebmodel": False, "refinedweb": True}
+"""Falcon's first model types (tiiuae's Falcon-7B and Falcon-40B files, kept by many fine-tunes), which transformers no
+longer reads, and whether each is the new decoder architecture (40B's: grouped K/V heads, two norms)."""
+
+
+def _as_falcon(raw: dict[str, Any]) -> dict[str, Any]:
+    """A legacy Falcon file in transformers' ``falcon`` keys: ``n_head``, ``n_layer`` and ``n_head_kv`` renamed, the
+    architecture its type names (``RefinedWeb``: the new decoder), the rest (``multi_query``, ``parallel_attn``,
+    ``bias``, ``alibi``) as they are."""
+    names = {"n_head": "num_attention_heads", "n_layer": "num_hidden_layers", "n_head_kv": "num_kv_heads"}
+    out = {names.get(k, k): v for k, v in raw.items()}
+    out["new_decoder_architecture"] = _FALCON_LEGACY[str(raw["model_type"]).lower()]
+    out["model_type"] = "falcon"
+    return out
 
 
 def _config_value(cfg: Any, key: str) -> Any:

@@ -126,3 +126,23 @@ def test_gpt_neo_names_its_heads_num_heads(tmp_path):
     """GPT-Neo's config spells the heads num_heads: it was refused as lacking heads."""
     shape = from_hf_config(_write(tmp_path, GPT_NEO))
     assert shape.heads == 8 and shape.param_count() == pytest.approx(_real_params(GPT_NEO), rel=2e-3)
+
+
+@pytest.mark.parametrize(("legacy", "new"), [
+    ({"model_type": "RefinedWebModel", "n_head": 8, "n_layer": 2, "hidden_size": 256, "multi_query": True,
+      "parallel_attn": True, "bias": False, "vocab_size": 1000, "alibi": False},
+     {"model_type": "falcon", "num_attention_heads": 8, "num_hidden_layers": 2, "hidden_size": 256,
+      "multi_query": True, "parallel_attn": True, "bias": False, "vocab_size": 1000, "alibi": False}),
+    ({"model_type": "RefinedWeb", "n_head": 8, "n_head_kv": 2, "n_layer": 2, "hidden_size": 256,
+      "parallel_attn": True, "bias": False, "vocab_size": 1000, "alibi": False},
+     {"model_type": "falcon", "num_attention_heads": 8, "num_kv_heads": 2, "num_hidden_layers": 2,
+      "hidden_size": 256, "parallel_attn": True, "bias": False, "vocab_size": 1000, "alibi": False,
+      "new_decoder_architecture": True}),
+])  # fmt: skip
+def test_falcons_first_model_types_are_read_as_falcon(tmp_path, legacy, new):
+    """tiiuae's first Falcon files (RefinedWebModel: 7B, RefinedWeb: 40B), which transformers no longer reads, were
+    read by GPT-2's rules: multi-head K/V, a sequential block, a position table (+19% parameters)."""
+    old = from_hf_config(_write(tmp_path, legacy, "old.json"))
+    assert old == from_hf_config(_write(tmp_path, new, "new.json"))
+    assert old.parallel_block and not old.learned_positions  # within the 7B block's one shared norm:
+    assert old.param_count() == pytest.approx(_real_params(new), rel=1e-3)
