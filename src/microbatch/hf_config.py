@@ -92,12 +92,15 @@ def _dropout_of(raw: dict[str, Any], model_type: str, default: bool | None = Non
 
 def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any) -> dict[str, Any]:
     """The block fields of a family built as GPT-2 is (LayerNorm, a GELU MLP): its positions (a learned table or
-    not: :data:`_NO_POSITION_TABLE`, MPT's ``learned_pos_emb``), biases (MPT's ``no_bias``, Falcon's ``bias``), the
+    not: :data:`_NO_POSITION_TABLE`; MPT's where its ``learned_pos_emb`` says so without ALiBi), biases (MPT's ``no_bias``, Falcon's ``bias``), the
     parallel block (:data:`_PARALLEL_KEYS`), dropout (:func:`_dropout_of`), MPT's ``expansion_ratio`` as its MLP
     width, and tied embeddings by the config (GPT-2's default: tied)."""
     table = not model_type.startswith(_NO_POSITION_TABLE)
-    if model_type == "mpt":
-        table = bool(raw.get("learned_pos_emb", True))
+    if (
+        model_type == "mpt"
+    ):  # with ALiBi no table (transformers' MptModel has none, whatever learned_pos_emb says)
+        attn = raw.get("attn_config") if isinstance(raw.get("attn_config"), dict) else {}
+        table = bool(raw.get("learned_pos_emb", True)) and not attn.get("alibi", False)
     # MPT's no_bias (default False), Falcon's bias (FalconConfig's default: False), others biased
     bias = (
         not raw.get("no_bias", False)

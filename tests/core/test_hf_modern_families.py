@@ -146,3 +146,15 @@ def test_falcons_first_model_types_are_read_as_falcon(tmp_path, legacy, new):
     assert old == from_hf_config(_write(tmp_path, new, "new.json"))
     assert old.parallel_block and not old.learned_positions  # within the 7B block's one shared norm:
     assert old.param_count() == pytest.approx(_real_params(new), rel=1e-3)
+
+
+def test_mpt_has_a_position_table_only_where_its_config_asks(tmp_path):
+    """transformers' MptConfig (ALiBi, learned_pos_emb true by default) builds no position table; it was counted
+    (+0.13% on MPT-7B, +0.2% on 30B). Without ALiBi, learned_pos_emb gets its table."""
+    cfg = transformers.MptConfig(d_model=256, n_heads=8, n_layers=2, expansion_ratio=4, max_seq_len=512,
+                                 vocab_size=1000, no_bias=True).to_dict()  # fmt: skip
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert not shape.learned_positions and shape.param_count() == pytest.approx(_real_params(cfg), rel=1e-3)
+    no_alibi = {**cfg, "learned_pos_emb": True, "attn_config": {**cfg["attn_config"], "alibi": False}}
+    with_table = from_hf_config(_write(tmp_path, no_alibi, "table.json"))
+    assert with_table.learned_positions and with_table.param_count() - shape.param_count() == 512 * 256
