@@ -99,8 +99,9 @@ def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any)
     if (
         model_type == "mpt"
     ):  # with ALiBi no table (transformers' MptModel has none, whatever learned_pos_emb says)
-        attn = raw.get("attn_config") if isinstance(raw.get("attn_config"), dict) else {}
-        table = bool(raw.get("learned_pos_emb", True)) and not attn.get("alibi", False)
+        attn = raw.get("attn_config")
+        alibi = isinstance(attn, dict) and bool(attn.get("alibi", False))
+        table = bool(raw.get("learned_pos_emb", True)) and not alibi
     # MPT's no_bias (default False), Falcon's bias (FalconConfig's default: False), others biased
     bias = (
         not raw.get("no_bias", False)
