@@ -36,6 +36,10 @@ def test_demo_runs_every_step_and_writes_the_report(tmp_path, capsys, monkeypatc
     # Run: the real pipeline's gradients equal the unsplit model's.
     assert summary["pipeline"]["gradients_match"] is True
     assert summary["pipeline"]["max_grad_rel_error"] <= 1e-5
+    # measured against the prediction made before the ranks started (not the replay of its own op times)
+    run = json.loads((out / "pipeline.json").read_text())
+    assert summary["pipeline"]["predicted_bubble_fraction"] == run["before_run"]["bubble_fraction"]
+    assert summary["pipeline"]["replayed_bubble_fraction"] == run["predicted"]["bubble_fraction"]
     # Shown: one HTML file with the figures inline, PNGs beside it.
     html = (out / "report.html").read_text()
     assert html.count("<svg") >= 6
