@@ -79,6 +79,12 @@ class Figure:
     """The x-axis label of the first axes, with its unit (``time (ms)``)."""
 
 
+def literal(text: str) -> str:
+    """``text`` drawn as written: its dollar signs escaped, so that matplotlib reads no TeX in a model's name or path
+    (``hf_$x$`` was drawn as maths; a ``$\\frac{`` in one stopped the report)."""
+    return text.replace("$", r"\$")
+
+
 def new_figure(size_in: tuple[float, float] = FIGURE_SIZE_IN, dpi: int = FIGURE_DPI) -> MplFigure:
     """An empty matplotlib figure on the Agg canvas (no pyplot, no global state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -190,7 +196,7 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
     ax.set_ylabel(f"throughput ({unit})")
     model = tune.get("model", "")
     name = model.get("name", "") if isinstance(model, dict) else model
-    ax.set_title(f"Throughput against micro-batch — {name} {tune.get('mode', '')}".strip())
+    ax.set_title(literal(f"Throughput against micro-batch — {name} {tune.get('mode', '')}".strip()))
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -284,9 +290,9 @@ def timeline_figure(
     ax.set_yticks(range(len(rows)), [f"{rank_label} {r}" for r in range(len(rows))])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, span)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    ax.set_xlabel(literal(f"time ({time_unit})" if time_unit else "time"))
     if title:
-        ax.set_title(title)
+        ax.set_title(literal(title))
     from matplotlib.patches import Patch
 
     ax.legend(

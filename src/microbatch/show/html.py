@@ -170,7 +170,13 @@ def _plan_dimensions(plan: dict[str, Any]) -> str:
 def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
     """The plan's reasons, explanation, lints and warnings, each as a list."""
     parts: list[str] = []
-    for key in ("reasons", "explanation", "lints", "warnings"):
+    for key in (
+        "reasons",
+        "explanation",
+        "lints",
+        "warnings",
+        "advice",
+    ):  # advice: what would fit, where none does
         val = plan.get(key) or rec.get(key)
         if key == "explanation" and not val:  # Plan.to_dict is data only: the words are show's
             try:
@@ -187,6 +193,10 @@ def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
     return parts
 
 
+TABLE_ROWS = 20
+"""The most b_m a plan's table shows (a global batch with many divisors gives a hundred)."""
+
+
 def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[str]:
     """The best candidate at each b_m as the plan ranks them (fitting first, the fastest first; of those that do not
     fit, the smallest peak first: :func:`microbatch.predict.plan._sort_key`), in b_m order, the recommended one
@@ -201,12 +211,18 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
     per_b: dict[Any, dict[str, Any]] = {}
     for c in ranked:
         per_b.setdefault(c.get("micro_batch"), c)
-    shown = sorted(per_b.values(), key=lambda c: c.get("micro_batch") or 0)[:20]
+    every = sorted(per_b.values(), key=lambda c: c.get("micro_batch") or 0)
+    shown = every[:TABLE_ROWS]
     if len(per_b) < len(cands):
+        mark = " is highlighted, above its b_m's fastest where they differ" if rec else ": none fits"
         parts.append(
             f"<p>The best of {len(cands)} candidates at each micro-batch b_m (those that fit first, then the "
-            "fastest; where none fits, the smallest peak); the recommended one is highlighted, above its b_m's "
-            "fastest where they differ.</p>"
+            f"fastest; where none fits, the smallest peak); the recommended one{mark}.</p>"
+        )
+    if len(every) > len(shown):
+        parts.append(
+            f"<p>The {len(shown)} smallest of {len(every)} b_m are shown (b_m {every[len(shown)].get('micro_batch')} "
+            "and larger left out; the plan's JSON has them all).</p>"
         )
 
     def is_rec(c: dict[str, Any]) -> bool:

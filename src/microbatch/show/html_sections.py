@@ -62,9 +62,9 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
     place on the page, so two curves never share a file), and the table of points; a result without
     points (``recommend``), the table of its choice."""
     if kind == "tune":
-        head = (
-            f"Measured: {esc(name_of(t.get('model')))} — {esc(t.get('mode', 'train'))} "
-            f"on {esc(t.get('device', ''))}"
+        where = t.get("device_name") or t.get("device", "")
+        head = f"Measured: {esc(name_of(t.get('model')))} — {esc(t.get('mode', 'train'))} on {esc(where)}" + (
+            f" ({esc(t['device'])})" if t.get("device_name") and t.get("device") else ""
         )
     else:
         head = "Recommended from measurements"
@@ -94,7 +94,7 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
             _points_table(
                 [[what, p.get("micro_batch"), num(p.get("throughput"))] for what, p in chosen],
                 [p for _, p in chosen],
-                first=("", "b_m", "throughput"),
+                first=("", "b_m", "throughput (tokens/s)"),
             )
         )
     return "".join(parts), figs
@@ -105,12 +105,12 @@ def _knee_answer(t: dict[str, Any]) -> str:
     ff = t.get("fastest_fitting") or {}
     bounded = t.get("throughput_bound") and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
     return (
-        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} "
+        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} tokens/s "
         f"({pct(t.get('fraction_of_best'))} of best, peak {mem(t.get('peak_memory_bytes'))}). "
-        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))}, "
+        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))} tokens/s, "
         f"peak {mem(ff.get('peak_memory_bytes'))}. Rule: {esc(t.get('rule') or '—')}, tolerance {num(t.get('tolerance'), '{:g}')}"
         + (
-            f", against the bound {num(t.get('reference_throughput'))} on any larger b_m "
+            f", against the bound {num(t.get('reference_throughput'))} tokens/s on any larger b_m "
             f"({pct(t.get('fraction_of_reference'))} of it)."
             if bounded
             else "."
@@ -136,7 +136,9 @@ def _stopped(t: dict[str, Any]) -> str:
 
 
 def _points_table(
-    rows: list[list[Any]], pts: list[dict[str, Any]], first: tuple[str, ...] = ("b_m", "throughput")
+    rows: list[list[Any]],
+    pts: list[dict[str, Any]],
+    first: tuple[str, ...] = ("b_m", "throughput (tokens/s)"),
 ) -> str:
     """``rows`` with each point's step time and peak memory, in one unit per column chosen by the
     magnitude of the column (ms under a second, MiB under a GiB), so distinct values read distinct."""
@@ -200,9 +202,16 @@ def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     measured (± its standard error over steps), the in-flight counts, the gradient check, and the
     measured and predicted bubble charts on one time scale."""
     meas, pred = res.get("measured", {}), res.get("predicted", {})
+    stopped = " — interrupted" if res.get("interrupted") else ""
     parts = [
         f"<h2>Pipeline run: {esc(res.get('schedule'))}, p = {esc(res.get('stages'))}, "
-        f"m = {esc(res.get('microbatches'))}</h2>"
+        f"m = {esc(res.get('microbatches'))}{stopped}</h2>",
+        f"<p>{esc(name_of(res.get('model')))} on {esc(res.get('device') or 'an unnamed device')}, "
+        f"{esc(res.get('measured_steps', res.get('steps')))} measured steps"
+        + (f" of {esc(res.get('steps_asked'))} asked" if res.get("steps_asked") else "")
+        + (f", torch {esc(res.get('torch_version'))}" if res.get("torch_version") else "")
+        + (f"; stopped: {esc(res.get('stop_reason') or res.get('error'))}" if stopped else "")
+        + ".</p>",
     ]
     before = res.get("before_run") or {}
     replay = pred.get("with_comm") or pred
@@ -271,7 +280,13 @@ def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     tl = res.get("timeline") or res.get("intervals")
     if tl:
         forward = (res.get("times") or {}).get("forward")
-        unit = res.get("time_unit") or (f"forward = {forward:g}" if forward else "")
+        # one forward time, or a stage's each (--stage-times): the unit is then the first stage's forward
+        staged = isinstance(forward, list)
+        first = forward[0] if staged and forward else forward
+        name = "stage 0's forward" if staged else "forward"
+        unit = res.get("time_unit") or (
+            f"{name} = {first:g}" if isinstance(first, int | float) and first else ""
+        )
         rows = _zeroed(normalize_rows(tl), 1.0)
         span = max((r[1] for rank in rows for r in rank), default=1.0)
         figs.append(
