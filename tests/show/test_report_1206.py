@@ -44,9 +44,17 @@ def test_a_plan_where_nothing_fits_shows_its_advice_and_a_long_plan_says_its_cut
     assert nofit["recommended"] is None and nofit["advice"]
     html = build_report([nofit], tmp_path / "n.html", png=False).html_path.read_text()
     assert "would fit" in html and "the recommended one is highlighted" not in html
+    assert "plan llama-2-7b on l4: <b>nothing fits</b>" in html  # in the answers at the top
     many = _json(capsys, "plan", "--model", "gpt2", "--gpu", "h100-sxm", "-B", "55440")
     html = build_report([many], tmp_path / "m.html", png=False).html_path.read_text()
     assert "The 20 smallest of 120 b_m are shown (b_m 28 and larger left out" in html
+
+
+def test_validate_shows_its_warnings() -> None:
+    from microbatch.show.html_sections import validate_section
+
+    res = {"rows": [{"micro_batch": 1, "mem_MiB": 10.0}], "warnings": ["this CPU's peak was measured now"]}
+    assert "<li>this CPU&#x27;s peak was measured now</li>" in validate_section(res)
 
 
 def test_an_interrupted_pipeline_and_the_tunes_device_are_said(tmp_path: Path) -> None:

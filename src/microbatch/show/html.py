@@ -329,6 +329,10 @@ def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
                 f"{_pct(r.get('fraction_of_best'))} of the best measured throughput, peak "
                 f"{_mem(r.get('peak_memory_bytes'))}{stopped})"
             )
+        elif kind == "plan" and "recommended" in r and not r.get("recommended"):
+            lines.append(
+                f"plan {_esc(_name(r.get('model')))} on {_esc(_name(r.get('gpu')))}: <b>nothing fits</b>"
+            )
         elif kind == "plan" and r.get("recommended"):
             rec = r["recommended"]
             lines.append(

@@ -315,10 +315,12 @@ def validate_section(res: dict[str, Any]) -> str:
         return ""
     keys = list(rows[0].keys())
     body = [[(num(r[h], "{:.3g}") if isinstance(r[h], float) else r[h]) for h in keys] for r in rows]
+    warned = [w for w in (res.get("warnings") or []) + (res.get("notes") or []) if isinstance(w, str)]
     return (
         "<h2>Predicted against measured</h2>"
         + table([human_header(k) for k in keys], body)
         + (f"<p>{esc(res.get('summary'))}</p>" if res.get("summary") else "")
+        + ("<ul>" + "".join(f"<li>{esc(w)}</li>" for w in dict.fromkeys(warned)) + "</ul>" if warned else "")
     )
 
 
