@@ -140,8 +140,11 @@ def test_bad_config_is_refused(kw: dict, pattern: str) -> None:
 def test_command_json_and_out_file(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "mb.json"
     assert main(["bench-gpu", "--quick", "--json", "--out", str(out)]) == 0
-    printed = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    printed = json.loads(said.out)  # one JSON document on stdout, the progress on stderr
     assert printed["command"] == "bench-gpu" and printed["kind"] == "microbench"
+    phases = [line for line in said.err.splitlines() if line.startswith("bench-gpu: ")]
+    assert "bench-gpu: attention" in phases and phases[-1] == "bench-gpu: collectives"  # it was silent 15 s
     assert MicrobenchResult.from_json(out.read_text()).gemms  # the file plan --calibration reads
     assert main(["bench-gpu", "--quick", "--out", str(out)]) == 0  # ours: replaced
     # a file that is not ours is refused before anything is measured

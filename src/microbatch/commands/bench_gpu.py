@@ -140,7 +140,9 @@ def _measure_and_keep(cfg: Any, owned: bool, rank: int, device: str, out: str | 
     from microbatch.measure.microbench import run_microbench
 
     try:
-        result = run_microbench(cfg)
+        result = run_microbench(
+            cfg, on_phase=lambda what: progress(f"bench-gpu: {what}") if rank == 0 else None
+        )
         if owned:  # every rank done before any tears the group down (gloo aborts a rank still reading)
             import torch.distributed
 

@@ -386,9 +386,12 @@ def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator |
     return cuda, name, ACCELERATORS[key] if key else None
 
 
-def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
-    """Measure the kernels (module docstring) and return the typed result; Ctrl-C returns what was measured."""
+def run_microbench(cfg: MicrobenchConfig, on_phase: Callable[[str], None] | None = None) -> MicrobenchResult:
+    """Measure the kernels (module docstring) and return the typed result; Ctrl-C returns what was measured.
+    ``on_phase``: told the name of each group of kernels as it starts (a command's progress line)."""
     import torch
+
+    say = on_phase or (lambda _: None)
 
     cuda, name, acc = _device(cfg, torch)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.resolved_dtype]
@@ -411,14 +414,20 @@ def run_microbench(cfg: MicrobenchConfig) -> MicrobenchResult:
     layer = [g for bm in cfg.micro_batches for g in layer_gemm_shapes(cfg.shape, bm * cfg.shape.seq)]
     try:
         with torch.no_grad():
+            say("settle and the square GEMM")
             _settle(b, dtype)
             square = _board(b, dtype, notes)
+            say(f"the layer GEMMs of {cfg.shape.name} at b_m {', '.join(map(str, cfg.micro_batches))}")
             _gemms(b, layer, dtype, gemms)
+            say("attention")
             _attention(b, dtype, attn)
+            say("streaming kernels and the launch floor")
             _stream(b, dtype, stream)
             launch = _launch_s(b)
             layer_host = _layer_host_s(b, dtype)
+            say("the GEMM grid")
             _gemms(b, grid_gemm_shapes(cfg.quick) + list(cfg.extra_gemms), dtype, gemms)
+            say("collectives")
             overlap = _collectives(b, dtype, coll, notes)
     except KeyboardInterrupt:
         complete = False
