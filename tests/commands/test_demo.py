@@ -14,7 +14,11 @@ def test_demo_runs_every_step_and_writes_the_report(tmp_path, capsys, monkeypatc
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    summary = json.loads(
+        said.out
+    )  # stdout one JSON document; the progress on stderr (it was silent with --json)
+    assert said.err.count("▶ ") >= 6
     # Measured: the knee is never past the fastest point that fits.
     for mode in ("train", "decode"):
         t = summary[f"tune_{mode}"]

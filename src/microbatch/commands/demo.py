@@ -75,7 +75,7 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     """
     from microbatch.show.html import build_report
 
-    quiet = as_json
+    quiet = False  # progress on stderr with --json too (stdout holds the one JSON document): it was silent 30-60 s
     _check_model_fits(model_name)  # an unknown or too large model fails here, before any work
     # made and written to before any work (no result lost at the end); no file of the user's in it replaced
     out = check_out_dir(out_dir, files=DEMO_FILES)
