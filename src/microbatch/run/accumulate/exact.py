@@ -38,6 +38,7 @@ from microbatch.run.accumulate.agree import (
 )
 from microbatch.run.accumulate.controller import MicroBatchController
 from microbatch.run.accumulate.microbatches import Batch, batch_rows, split, split_by_tokens
+from microbatch.run.accumulate.noise_step import NoiseStep, noise_update
 from microbatch.run.accumulate.oom import (
     free_memory,
     is_out_of_memory,
@@ -58,6 +59,7 @@ from microbatch.run.accumulate.scaling import (
     grad_sq_norm,
     group_and_world,
     is_ddp,
+    is_fsdp,
     loss_scale,
     model_device,
     params_once,
@@ -67,7 +69,7 @@ from microbatch.run.accumulate.scaling import (
     total_of,
     with_items,
 )
-from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
+from microbatch.run.noise import GradientNoiseScale
 
 __all__ = [
     "accumulate",
@@ -142,6 +144,13 @@ def accumulate(
         check_instance(
             "noise", noise, GradientNoiseScale, "pass noise=GradientNoiseScale(decay=0.95) or leave it out"
         )
+        if "FullyShardedDataParallel" in {c.__name__ for c in type(model).__mro__}:
+            raise ConfigError(
+                "noise with FSDP's older wrapper (FullyShardedDataParallel): its gradients are each rank's flat shard, "
+                "whose norm is not the gradient's; measure the noise scale under fully_shard (FSDP2) or DDP, or leave "
+                "noise out",
+                params=("noise",),
+            )
     on_oom = _resolve_on_oom(micro_batch_size, on_oom, controller)
     warn_norm_layers(
         model, controller.micro_batch_size if controller else micro_batch_size or 1, batch_rows(batch)
@@ -375,7 +384,10 @@ def _run(
         check_empty_losses(model, losses, counts, loss_global, world)  # raises into the restore below
         to_mean(params, count_fn, counted, n_global, average)
         if noise is not None:
-            _noise_update(noise, small, n_global, grad_sq_norm(params), group, world, model_device(model))
+            step = NoiseStep(
+                small, n_global, grad_sq_norm(params), group, world, first_reduced=is_fsdp(model)
+            )
+            noise_update(noise, step, model_device(model))
     except BaseException:
         restore()
         raise
@@ -454,37 +466,3 @@ def _backward_each(
             raise
         return losses, counts, small, short_error(e)  # the text only: the frames hold the failed tensors
     return losses, counts, small, None
-
-
-def _noise_update(
-    noise: GradientNoiseScale,
-    small: tuple[float, float] | None,
-    n_big: float,
-    g_big_sq: float,
-    group: Any,
-    world: int,
-    device: torch.device,
-) -> None:
-    """Feed this step's unbiased |G|² and tr(Σ) estimates (averaged over ranks) to ``noise``.
-
-    ``small`` is ``(items, |g_small|²)`` of this rank's first micro-batch, or None when it has none
-    usable (one micro-batch, or zero items in it). Under DDP every rank joins one small all_reduce.
-    """
-    est = [0.0, 0.0, 0.0]
-    if small is not None and n_big > small[0]:
-        n_small, g_small_sq = small
-        est = [
-            g_sq_estimate(b_small=n_small, g_small_sq=g_small_sq, b_big=n_big, g_big_sq=g_big_sq),
-            trace_sigma_estimate(b_small=n_small, g_small_sq=g_small_sq, b_big=n_big, g_big_sq=g_big_sq),
-            1.0,
-        ]
-    if world > 1:
-        t = torch.tensor(est, dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t, group=group)
-        est = [float(x) for x in t]
-        if est[2] > 0:
-            est = [est[0] / est[2], est[1] / est[2], 1.0]
-    if est[2] > 0:
-        noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
-    else:  # every rank counts it; rank 0 says so
-        noise.skip(warn=world <= 1 or torch.distributed.get_rank(group) == 0)

@@ -31,6 +31,7 @@ __all__ = [
     "loss_scale",
     "sync_unless_last",
     "is_ddp",
+    "is_fsdp",
     "grad_sq_norm",
     "group_and_world",
     "model_device",
@@ -54,6 +55,12 @@ def is_ddp(model: Any) -> bool:
 
 _FSDP = {"FSDPModule", "FullyShardedDataParallel"}
 """The class names FSDP2's ``fully_shard`` and the older wrapper give a module (checked by name: no import)."""
+
+
+def is_fsdp(model: Any) -> bool:
+    """True when ``model`` is sharded by FSDP (``fully_shard`` or the older wrapper): it reduces every backward's
+    gradients across the ranks, the first micro-batch's too."""
+    return bool(_FSDP & {c.__name__ for c in type(model).__mro__})
 
 
 def _distributed() -> bool:

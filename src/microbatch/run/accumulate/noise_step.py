@@ -1,0 +1,73 @@
+"""One optimizer step's gradient-noise estimates fed to a :class:`~microbatch.run.noise.GradientNoiseScale`: the
+first micro-batch's gradient as the small batch, the whole step's as the big one (McCandlish et al. 2018, App. A).
+Split from :mod:`microbatch.run.accumulate.exact`, which measures the two norms.
+
+Under DDP the first micro-batch's gradient is this rank's alone (``no_sync``): B_small is its items. FSDP reduces
+every backward's gradients, the first micro-batch's too, averaging them over the d ranks: that gradient is the mean
+over the items of every rank's first micro-batch, so B_small is their sum; labelled with one rank's count, |G|² came
+out 84 times too high and tr(Σ) 59% too low on two ranks (a read-only audit, 2026-12-06).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
+
+__all__ = ["NoiseStep", "noise_update"]
+
+
+@dataclass(frozen=True)
+class NoiseStep:
+    """What one step measured for the noise scale."""
+
+    small: tuple[float, float] | None
+    """``(items, |g_small|²)`` of this rank's first micro-batch, the gradient divided by its items; None when it has
+    none usable (one micro-batch, or zero items in it)."""
+    n_big: float
+    """The step's items over every rank."""
+    g_big_sq: float
+    """|g|² of the step's mean gradient (over every rank)."""
+    group: Any
+    """The process group the gradients are averaged over (None alone)."""
+    world: int
+    """Its size."""
+    first_reduced: bool = False
+    """The first micro-batch's gradient was already averaged over the ranks (FSDP)."""
+
+
+def noise_update(noise: GradientNoiseScale, step: NoiseStep, device: torch.device) -> None:
+    """Feed this step's unbiased |G|² and tr(Σ) estimates (averaged over ranks) to ``noise``; every rank of a group
+    joins the same all_reduce calls."""
+    small = _pooled(step, device) if step.first_reduced and step.world > 1 else step.small
+    est = [0.0, 0.0, 0.0]
+    if small is not None and step.n_big > small[0]:
+        kw = dict(b_small=small[0], g_small_sq=small[1], b_big=step.n_big, g_big_sq=step.g_big_sq)
+        est = [g_sq_estimate(**kw), trace_sigma_estimate(**kw), 1.0]
+    if step.world > 1:
+        t = torch.tensor(est, dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, group=step.group)
+        est = [float(x) for x in t]
+        if est[2] > 0:
+            est = [est[0] / est[2], est[1] / est[2], 1.0]
+    if est[2] > 0:
+        noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
+    else:  # every rank counts it; rank 0 says so
+        noise.skip(warn=step.world <= 1 or torch.distributed.get_rank(step.group) == 0)
+
+
+def _pooled(step: NoiseStep, device: torch.device) -> tuple[float, float] | None:
+    """Under FSDP: (items of every rank's first micro-batch, |g_small|² of their mean). The reduced gradient is
+    (1/d)·Σ_r S_r (S_r: rank r's sum of per-item gradients, scaled), which each rank divided by its own n_r: the mean
+    over the N = Σ n_r items is that times d·n_r/N. None on every rank when one rank had no usable first micro-batch
+    (its gradient then holds another micro-batch's items)."""
+    n_r, sq = step.small if step.small is not None else (0.0, 0.0)
+    t = torch.tensor([n_r, 1.0 if step.small is not None else 0.0], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, group=step.group)
+    total, ranks = float(t[0]), int(round(float(t[1])))
+    if ranks < step.world or total <= 0:
+        return None
+    return total, sq * (step.world * n_r / total) ** 2
