@@ -209,6 +209,8 @@ def _result(
 ) -> dict[str, Any]:
     """The command's result: ``setting`` (model, seq, B, b_m), the smoothed and per-step estimates;
     with ``steps_asked`` an interrupted run's (``final`` None when no step finished)."""
+    from microbatch.run.noise import b_simple_rel_se
+
     tokens_per_seq = setting["seq"] - 1
     b_tokens = final.b_simple if final is not None else math.nan
     b_seqs = b_tokens / tokens_per_seq if math.isfinite(b_tokens) else math.inf
@@ -223,6 +225,8 @@ def _result(
         "b_simple_tokens": b_tokens if final is not None else None,
         "b_simple_sequences": b_seqs if final is not None else None,
         "per_step": [{"g_sq": h.last_g_sq, "trace_sigma": h.last_trace_sigma} for h in history],
+        # the scatter of B_simple over the steps (delta method on the ratio of the means)
+        "b_simple_rel_se": b_simple_rel_se([(h.last_g_sq, h.last_trace_sigma) for h in history]),
         "source": "McCandlish et al. 2018, arXiv:1812.06162, sec. 2.2 and appendix A.1",
     }
     if steps_asked is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "g_sq_estimate",
     "trace_sigma_estimate",
     "b_simple",
+    "b_simple_rel_se",
     "NoiseEstimate",
     "GradientNoiseScale",
 ]
@@ -91,6 +93,24 @@ def b_simple(*, trace_sigma: float, g_sq: float) -> float:
     if not (g_sq > 0 and trace_sigma >= 0):
         return math.inf
     return trace_sigma / g_sq
+
+
+def b_simple_rel_se(per_step: Sequence[tuple[float, float]]) -> float | None:
+    """The relative standard error of B_simple = mean(tr(Σ))/mean(|G|²) over ``per_step`` (|G|², tr(Σ)) pairs, by the
+    delta method on a ratio of means: var(ln B) ≈ var(T̄)/T̄² + var(Ḡ)/Ḡ² − 2·cov(T̄, Ḡ)/(T̄·Ḡ), each var and cov of a
+    mean the sample one over n. None with fewer than two steps or a mean not above 0 (no B_simple to err about). Of
+    the plain mean (decay 1); an exponential average weights recent steps more and scatters a little more."""
+    n = len(per_step)
+    if n < 2:
+        return None
+    gs, ts = [p[0] for p in per_step], [p[1] for p in per_step]
+    mg, mt = sum(gs) / n, sum(ts) / n
+    if not (mg > 0 and mt > 0):
+        return None
+    var_g = sum((g - mg) ** 2 for g in gs) / (n - 1) / n
+    var_t = sum((t - mt) ** 2 for t in ts) / (n - 1) / n
+    cov = sum((g - mg) * (t - mt) for g, t in zip(gs, ts, strict=True)) / (n - 1) / n
+    return math.sqrt(max(0.0, var_t / mt**2 + var_g / mg**2 - 2 * cov / (mt * mg)))
 
 
 @dataclass(frozen=True, kw_only=True)

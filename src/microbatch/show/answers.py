@@ -284,6 +284,11 @@ def calibration_lines(applied: AppliedCalibration) -> list[str]:
     return [head] + [f"note: {n}" for n in applied.notes]
 
 
+def _scatter(rel_se: float | None, steps: int) -> str:
+    """`` (± x% standard error over n steps)``, or nothing where no error was computed."""
+    return "" if rel_se is None else f" (± {100 * rel_se:.0f}% standard error over {steps} steps)"
+
+
 def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
     """``noise``'s text, from its result dict; ``steps`` names the setting for more steps, in the caller's words."""
     lines = [
@@ -298,7 +303,8 @@ def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
     b_tokens, b_seqs = r["b_simple_tokens"], r["b_simple_sequences"]
     if math.isfinite(b_tokens):
         lines += [
-            f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}",
+            f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}"
+            + _scatter(r.get("b_simple_rel_se"), r["steps"]),
             f"  suggestion: B_global near {max(1, round(b_seqs))} sequences (the statistical choice; "
             "b_m is the physical one)",
         ]
