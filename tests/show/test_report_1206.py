@@ -50,6 +50,17 @@ def test_a_plan_where_nothing_fits_shows_its_advice_and_a_long_plan_says_its_cut
     assert "The 20 smallest of 120 b_m are shown (b_m 28 and larger left out" in html
 
 
+def test_a_comparison_of_accelerators_has_a_line_per_plan_in_the_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    multi = _json(capsys, "plan", "--model", "llama-2-7b", "--gpu", "a100-80gb,l4", "-B", "64", "-p", "4")
+    html = build_report([multi], tmp_path / "c.html", png=False).html_path.read_text()
+    assert (
+        "plan llama-2-7b on a100-80gb: b_m = <b>" in html
+        and "plan llama-2-7b on l4: <b>nothing fits</b>" in html
+    )
+
+
 def test_validate_shows_its_warnings() -> None:
     from microbatch.show.html_sections import validate_section
 

@@ -311,6 +311,20 @@ def _section(kind: str, res: dict[str, Any], png_dir: Path | None, idx: int) -> 
     return summary_section(kind, res), []
 
 
+def _plan_answer(plan: dict[str, Any]) -> str:
+    """A plan's line in the answers: its recommendation, that nothing fits, or nothing for a file without either."""
+    where = f"plan {_esc(_name(plan.get('model')))} on {_esc(_name(plan.get('gpu')))}"
+    rec = plan.get("recommended")
+    if "recommended" in plan and not rec:
+        return f"{where}: <b>nothing fits</b>"
+    if not isinstance(rec, dict):
+        return ""
+    return (
+        f"{where}: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, m = {_esc(rec.get('microbatches'))}, "
+        f"{_esc(rec.get('schedule'))}, bubble {_pct(rec.get('bubble_fraction'))}, peak {_mem(rec.get('peak_memory_bytes'))}"
+    )
+
+
 def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """The summary at the top: one line per result with its answer."""
     lines = []
@@ -329,17 +343,10 @@ def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
                 f"{_pct(r.get('fraction_of_best'))} of the best measured throughput, peak "
                 f"{_mem(r.get('peak_memory_bytes'))}{stopped})"
             )
-        elif kind == "plan" and "recommended" in r and not r.get("recommended"):
-            lines.append(
-                f"plan {_esc(_name(r.get('model')))} on {_esc(_name(r.get('gpu')))}: <b>nothing fits</b>"
-            )
-        elif kind == "plan" and r.get("recommended"):
-            rec = r["recommended"]
-            lines.append(
-                f"plan {_esc(_name(r.get('model')))} on {_esc(_name(r.get('gpu')))}: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, "
-                f"m = {_esc(rec.get('microbatches'))}, {_esc(rec.get('schedule'))}, bubble {_pct(rec.get('bubble_fraction'))}, "
-                f"peak {_mem(rec.get('peak_memory_bytes'))}"
-            )
+        elif kind == "plan":  # one plan, or each accelerator's of a comparison
+            many = r.get("plans")
+            plans: list[Any] = many if isinstance(many, list) else [r]
+            lines += [line for pl in plans if isinstance(pl, dict) and (line := _plan_answer(pl))]
         elif kind == "pipeline" and isinstance(r.get("measured"), dict):
             # the prediction made before the run (the replay of the measured op times is a check, in its section)
             before = (r.get("before_run") or {}).get("bubble_fraction")
