@@ -29,10 +29,7 @@ def in_flight_chunks(name: str, stage: int, stages: int, microbatches: int, virt
     """
     spec = get_spec(name)
     if spec.in_flight is None:
-        raise ConfigError(
-            f"schedule {name!r} has no in-flight rule; use one of {', '.join(schedule_names(in_flight=True))}, "
-            "or simulate it (microbatch simulate) to count what each rank holds"
-        )
+        raise _no_rule(spec.name)
     answer = spec.in_flight(stage, stages, microbatches, virtual)
     return check_count(spec.name, "in_flight", answer, microbatches * virtual)
 
@@ -57,8 +54,11 @@ def end_stages_in_flight(name: str, stages: int, microbatches: int, virtual: int
         return check_count(spec.name, "ends", pair[0], microbatches), check_count(
             spec.name, "ends", pair[1], microbatches
         )
-    ranks = stage_ranks(name, stages, virtual)
-    return tuple(in_flight_microbatches(name, r, stages, microbatches, virtual) for r in (0, ranks[-1]))  # type: ignore[return-value]
+    last = stage_ranks(name, stages, virtual)[-1]
+    return (
+        in_flight_microbatches(name, 0, stages, microbatches, virtual),
+        in_flight_microbatches(name, last, stages, microbatches, virtual),
+    )
 
 
 def in_flight_layers(
@@ -84,6 +84,15 @@ def in_flight_formula(name: str, stages: int, microbatches: int, virtual: int = 
     return [c if virtual == 1 else c / virtual for c in chunks]
 
 
+def _no_rule(name: str) -> ConfigError:
+    """The error of a schedule the memory model cannot serve: it has no in-flight rule (the simulator counts it)."""
+    return ConfigError(
+        f"schedule {name!r} has no in-flight rule; use one of {', '.join(schedule_names(in_flight=True))}, or give its "
+        "ScheduleSpec in_flight=(rank, p, m, v) -> chunks held (microbatch simulate counts what each rank holds)",
+        params=("schedule",),
+    )
+
+
 def served_spec(name: str, *, planned: bool = False) -> ScheduleSpec:
     """The spec ``name`` (or one of its aliases, in any case) names, if the memory model serves it (an in-flight
     rule) and, ``planned``, the planner too (a step-time closed form); else a ConfigError saying what its spec lacks.
@@ -97,11 +106,7 @@ def served_spec(name: str, *, planned: bool = False) -> ScheduleSpec:
             params=("schedule",),
         ) from None
     if spec.in_flight is None:
-        raise ConfigError(
-            f"schedule {spec.name!r} has no in-flight rule, so its memory is not modelled (the simulator serves it); "
-            f"give its ScheduleSpec in_flight=(rank, p, m, v) -> chunks held, or use one of {', '.join(served)}",
-            params=("schedule",),
-        )
+        raise _no_rule(spec.name)
     if planned and spec.step_time is None:
         raise ConfigError(
             f"schedule {spec.name!r} has no step-time closed form, so the planner cannot price it; give its "
