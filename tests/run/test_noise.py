@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from microbatch.errors import ConfigError
-from microbatch.run.accumulate import accumulate, grad_sq_norm, split
+from microbatch.run.accumulate import accumulate, batch_rows, grad_sq_norm, split
 from microbatch.run.noise import GradientNoiseScale, b_simple, g_sq_estimate, trace_sigma_estimate
 from microbatch.run.noise_measure import NoiseInterrupted, measure_noise_scale
 
@@ -158,18 +158,32 @@ def test_a_step_of_one_micro_batch_is_counted_skipped_and_said_once():
 
 @pytest.mark.parametrize("with_count", [False, True])
 @pytest.mark.parametrize("pre_existing", [False, True])
-def test_hook_uses_first_micro_batch_and_whole_batch(with_count, pre_existing):
+def test_hook_averages_every_micro_batch_against_the_whole_batch(with_count, pre_existing):
+    """Each micro-batch (6, 6, 6 and 2 rows of 20) pairs with the whole batch; the step's estimate is the mean of the
+    four pairs' unbiased estimates (it used the first micro-batch alone: the other three were measured and lost)."""
     model, w_star, _, g = regression_problem(1.0)
     batch = next(make_batches(w_star, 1.0, g, 1, rows=20))
-    # reference: the two gradients computed separately
+    # reference: every gradient computed separately, by hand
     mbs = split(batch, 6)
     grads = []
-    for part in (mbs[0], batch):
+    for part in (*mbs, batch):
         model.zero_grad(set_to_none=True)
         loss_sum, n = reg_loss(model, part)
         (loss_sum / n).backward()
         grads.append(grad_sq_norm(model.parameters()))
-    expect = GradientNoiseScale().update(b_small=6, g_small_sq=grads[0], b_big=20, g_big_sq=grads[1])
+    pairs = [
+        dict(b_small=batch_rows(mb), g_small_sq=sq, b_big=20, g_big_sq=grads[-1])
+        for mb, sq in zip(mbs, grads, strict=False)
+    ]
+    assert [p["b_small"] for p in pairs] == [6, 6, 6, 2]
+    expect = GradientNoiseScale(decay=1.0)
+    expect.add_estimates(
+        g_sq=sum(g_sq_estimate(**p) for p in pairs) / 4,
+        trace_sigma=sum(trace_sigma_estimate(**p) for p in pairs) / 4,
+    )
+    first = GradientNoiseScale().update(**pairs[0])
+    assert abs(first.trace_sigma / expect.estimate.trace_sigma - 1) > 1e-3  # the first alone differs
+    expect = expect.estimate
 
     model.zero_grad(set_to_none=True)
     if pre_existing:
@@ -320,3 +334,74 @@ def test_b_simple_standard_error_by_hand_and_against_its_own_scatter():
     spread = (sum((r - m) ** 2 for r in ratios) / (len(ratios) - 1)) ** 0.5 / m
     predicted = sum(b_simple_rel_se(steps(20)) or 0.0 for _ in range(400)) / 400
     assert predicted == pytest.approx(spread, rel=0.10)
+
+
+# -- each micro-batch's gradient read by hooks (microbatch.run.accumulate.grad_hooks) -----------------------------
+
+
+class TiedThroughCheckpoint(nn.Module):
+    """A weight used inside a reentrant checkpoint and outside it: its gradient reaches the leaf in two pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.a = nn.Parameter(torch.randn(4, 4, generator=g, dtype=torch.float64))
+        self.w = nn.Parameter(torch.randn(4, 4, generator=g, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(t @ self.w), x @ self.a, use_reentrant=True)
+        return h @ self.w.T
+
+
+def tied_loss(model, mb):
+    x, y = mb
+    return (model(x) - y).pow(2).sum(), x.shape[0]
+
+
+def test_hooks_read_each_micro_batchs_own_gradient_and_refuse_one_in_pieces():
+    from microbatch.run.accumulate.grad_hooks import MicroBatchNorms
+
+    model, w_star, _, g = regression_problem(1.0)
+    x, y = next(make_batches(w_star, 1.0, g, 1, rows=8))
+    params = list(model.parameters())
+    model.zero_grad(set_to_none=True)
+    with MicroBatchNorms(params) as norms:
+        reg_loss(model, (x[:3], y[:3]))[0].backward()
+        first = norms.take()
+        reg_loss(model, (x[3:], y[3:]))[0].backward()
+        second = norms.take()
+        assert norms.take() == 0.0  # nothing since
+    model.zero_grad(set_to_none=True)
+    reg_loss(model, (x[3:], y[3:]))[0].backward()  # the second micro-batch's gradient alone
+    assert second == pytest.approx(grad_sq_norm(params), rel=1e-12) and first != pytest.approx(second)
+    assert all(not p._backward_hooks for p in params)  # removed on exit
+
+    tied = TiedThroughCheckpoint()
+    with MicroBatchNorms(list(tied.parameters())) as norms:
+        tied_loss(tied, (torch.randn(2, 4, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64)))[
+            0
+        ].backward()
+        assert norms.take() is None  # w's hook ran twice: Σ|piece|² is not |Σ pieces|²
+
+
+def test_a_gradient_in_pieces_falls_back_to_the_first_micro_batch():
+    """Where the hooks cannot read a micro-batch, the step uses the first micro-batch's .grad, as before the hooks."""
+    g = torch.Generator().manual_seed(5)
+    x, y = (
+        torch.randn(12, 4, generator=g, dtype=torch.float64),
+        torch.randn(12, 4, generator=g, dtype=torch.float64),
+    )
+    sq = []
+    for part in ((x[:4], y[:4]), (x, y)):
+        model = TiedThroughCheckpoint()
+        loss_sum, n = tied_loss(model, part)
+        (loss_sum / n).backward()
+        sq.append(grad_sq_norm(model.parameters()))
+    expect = GradientNoiseScale().update(b_small=4, g_small_sq=sq[0], b_big=12, g_big_sq=sq[1])
+    hook = GradientNoiseScale()
+    accumulate(TiedThroughCheckpoint(), (x, y), tied_loss, micro_batch_size=4, noise=hook)
+    assert hook.steps == 1
+    assert hook.estimate.g_sq == pytest.approx(expect.g_sq, rel=1e-10)
+    assert hook.estimate.trace_sigma == pytest.approx(expect.trace_sigma, rel=1e-10)

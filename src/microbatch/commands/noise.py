@@ -103,8 +103,8 @@ def cmd(
     For your model and data use the Python hook:
         hook = microbatch.run.noise.GradientNoiseScale()
         microbatch.accumulate(model, batch, loss_fn, micro_batch_size=b, noise=hook)
-    Each step compares the first micro-batch's gradient with the whole batch's (no extra
-    backward); |G|² and tr(Σ) are smoothed separately, then divided.
+    Each step compares every micro-batch's gradient with the whole batch's (read in the same
+    backward, no copy); |G|² and tr(Σ) are smoothed separately, then divided.
     Example: microbatch noise --model tiny --seq 32 --global-batch 32 --micro-batch 4 --steps 10
     (default model: tiny; any registry name, --hf-config or shape flags work, up to 500M parameters).
     """

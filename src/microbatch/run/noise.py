@@ -140,7 +140,7 @@ class NoiseEstimate:
 class GradientNoiseScale:
     """The hook: feed it each step's two gradient norms, read the smoothed B_simple.
 
-    Pass it as ``noise=`` to :func:`microbatch.run.accumulate.accumulate` (it then uses the first micro-batch and
+    Pass it as ``noise=`` to :func:`microbatch.run.accumulate.accumulate` (it then pairs each micro-batch with
     the whole batch, at no extra backward), or call :meth:`update` from a loop written by hand.
     Smoothing is an exponential moving average with bias correction, ``decay`` weighting the past
     (``decay=1`` is the plain mean over all steps, best for a fixed model; McCandlish et al. smooth

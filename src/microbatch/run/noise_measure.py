@@ -2,7 +2,7 @@
 
 It joins the two rooms below it without making them import each other: the arithmetic of
 :mod:`microbatch.run.noise` (estimators and smoothing, no torch) and the gradients of
-:mod:`microbatch.run.accumulate` (its ``noise=`` hook takes the first micro-batch's gradient
+:mod:`microbatch.run.accumulate` (its ``noise=`` hook takes every micro-batch's gradient
 norm and the whole batch's in the same backward passes).
 """
 

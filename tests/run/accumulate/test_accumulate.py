@@ -29,6 +29,7 @@ from microbatch.run.accumulate import (
     split_by_tokens,
     sync_unless_last,
 )
+from microbatch.run.noise import g_sq_estimate, trace_sigma_estimate
 
 V, H, S, ROWS = 13, 8, 9, 10
 
@@ -473,10 +474,11 @@ for i, mb in enumerate(mbs):
     with sync_unless_last(model, i == len(mbs) - 1):
         (loss_fn(model, mb)[0] * scale).backward()
 results["helpers"] = (torch.cat([p.grad.reshape(-1) for p in model.module.parameters()]), None)
-model = torch.nn.parallel.DistributedDataParallel(make_model())
-hook = GradientNoiseScale()
-accumulate(model, shard, loss_fn, micro_batch_size=2, count_fn=count_fn, noise=hook)
-results["noise"] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
+for size in (2, 6):  # three and two micro-batches, and one per rank (a step DDP reduces in its only backward)
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    hook = GradientNoiseScale(decay=1.0)
+    accumulate(model, shard, loss_fn, micro_batch_size=size, count_fn=count_fn, noise=hook)
+    results[("noise", size)] = (hook.estimate.g_sq, hook.estimate.trace_sigma)
 """
     + WORKER_END
 )
@@ -494,7 +496,34 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
             assert rel(g, ref) < 1e-10, (key, r)
             if loss is not None:
                 assert abs(loss - ref_loss) < 1e-12 * abs(ref_loss)
-    assert res[0]["noise"] == res[1]["noise"]  # averaged over ranks
+    for size in (2, 6):
+        assert res[0][("noise", size)] == res[1][("noise", size)]  # averaged over ranks
+        assert res[0][("noise", size)] == pytest.approx(
+            ddp_noise_by_hand(make_batch(rows=10), size), rel=1e-9
+        )
+
+
+def ddp_noise_by_hand(batch, size: int) -> tuple[float, float]:
+    """(|G|², tr(Σ)) as the two-rank worker's step should estimate them: on each rank (rows 0-5 and 6-9) every
+    micro-batch's own mean gradient against the whole batch's (both ranks' tokens), the pairs' estimates averaged on
+    the rank, then over the ranks (McCandlish et al. 2018, App. A; each device's gradient against the reduced one)."""
+    big, n_big = flat_grad_sq(batch), float(count_fn(batch))
+    per_rank = []
+    for rows in (slice(0, 6), slice(6, 10)):
+        pairs = [
+            dict(b_small=float(count_fn(mb)), g_small_sq=flat_grad_sq(mb), b_big=n_big, g_big_sq=big)
+            for mb in split({k: v[rows] for k, v in batch.items()}, size)
+        ]
+        per_rank.append(
+            [sum(f(**p) for p in pairs) / len(pairs) for f in (g_sq_estimate, trace_sigma_estimate)]
+        )
+    return tuple(sum(r[i] for r in per_rank) / 2 for i in range(2))
+
+
+def flat_grad_sq(batch) -> float:
+    """|∇ mean loss|² of a fresh model on ``batch``."""
+    g, _ = full_batch_grad(batch)
+    return float(g.pow(2).sum())
 
 
 # -- the README example: a Hugging Face causal LM ------------------------------------------------

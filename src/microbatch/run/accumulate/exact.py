@@ -37,6 +37,7 @@ from microbatch.run.accumulate.agree import (
     check_can_agree as _check_can_agree,  # the name bench/bench_oom.py imports
 )
 from microbatch.run.accumulate.controller import MicroBatchController
+from microbatch.run.accumulate.grad_hooks import MicroBatchNorms
 from microbatch.run.accumulate.microbatches import Batch, batch_rows, split, split_by_tokens
 from microbatch.run.accumulate.noise_step import NoiseStep, noise_update
 from microbatch.run.accumulate.oom import (
@@ -136,8 +137,8 @@ def accumulate(
     then all-reduced after the last backward instead of during it, and a parameter no rank has a
     gradient for keeps ``.grad = None``, as under DDP's own reduction (:mod:`microbatch.run.accumulate.agree`).
 
-    ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) measures the gradient noise scale from
-    the first micro-batch's gradient and the whole batch's, with no extra backward.
+    ``noise`` (a :class:`microbatch.run.noise.GradientNoiseScale`) pairs each micro-batch's gradient (this rank's,
+    read as autograd passes it: :mod:`~microbatch.run.accumulate.grad_hooks`) with the whole batch's, no extra backward.
     """
     check_callables(model, loss_fn, count_fn)
     if noise is not None:
@@ -359,10 +360,10 @@ def _run(
 
     try:
         todo = micro_batches if copy_failed is None else []
-        losses, counts, small, reason = _backward_each(model, todo, loss_fn, params, scale, manual, noise)
+        losses, counts, smalls, reason = _backward_each(model, todo, loss_fn, params, scale, manual, noise)
         if reason is not None:
             restore()
-            losses, counts, small = [], [], None
+            losses, counts, smalls = [], [], []
 
         # Global sums of the loss and the items: the step's one all_reduce under DDP, which also
         # carries the agreement (microbatch.run.accumulate.agree) with on_oom="split".
@@ -385,7 +386,7 @@ def _run(
         to_mean(params, count_fn, counted, n_global, average)
         if noise is not None:
             step = NoiseStep(
-                small, n_global, grad_sq_norm(params), group, world, first_reduced=is_fsdp(model)
+                tuple(smalls), n_global, grad_sq_norm(params), group, world, first_reduced=is_fsdp(model)
             )
             noise_update(noise, step, model_device(model))
     except BaseException:
@@ -435,13 +436,14 @@ def _backward_each(
     scale: float,
     manual: bool,
     noise: GradientNoiseScale | None,
-) -> tuple[list[torch.Tensor], list[Any], tuple[float, float] | None, str | None]:
-    """Forward and backward of each micro-batch: the detached loss sums, the item counts, ``(items,
-    |g_small|²)`` of the first (for ``noise``), and the reason of an out-of-memory caught under
-    ``manual`` agreement (anything else propagates)."""
+) -> tuple[list[torch.Tensor], list[Any], list[tuple[float, float]], str | None]:
+    """Forward and backward of each micro-batch: the detached loss sums, the item counts, ``(items, |g|²)`` of
+    the micro-batches' own mean gradients (for ``noise``: :func:`_noise_smalls`), and the reason of an
+    out-of-memory caught under ``manual`` agreement (anything else propagates)."""
     losses: list[torch.Tensor] = []
     counts: list[Any] = []
-    small: tuple[float, float] | None = None  # (items, |g_small|²) of the first micro-batch, for noise
+    smalls: list[tuple[float, float]] = []  # (items, |g|²) of each micro-batch's mean gradient, for noise
+    hooks = MicroBatchNorms(params) if noise is not None and not is_fsdp(model) else None
     last = len(micro_batches) - 1
     try:
         for i, mb in enumerate(micro_batches):
@@ -457,12 +459,34 @@ def _backward_each(
             losses.append(loss_sum.detach())
             counts.append(n)
             del loss_sum
-            if noise is not None and small is None and i < last and not empty:  # the first with items
-                n_small = to_float(n)
-                if n_small > 0:
-                    small = (n_small, grad_sq_norm(params) / (scale * n_small) ** 2)
+            if noise is not None:
+                smalls += _noise_smalls(hooks, params, empty, to_float(n), scale, i == 0 and last > 0)
     except Exception as e:
         if not (manual and is_out_of_memory(e)):
             raise
-        return losses, counts, small, short_error(e)  # the text only: the frames hold the failed tensors
-    return losses, counts, small, None
+        return losses, counts, smalls, short_error(e)  # the text only: the frames hold the failed tensors
+    finally:
+        if hooks is not None:
+            hooks.close()
+    return losses, counts, smalls, None
+
+
+def _noise_smalls(
+    hooks: MicroBatchNorms | None, params: list[Any], empty: bool, items: float, scale: float, first: bool
+) -> list[tuple[float, float]]:  # fmt: skip
+    """``[(items, |g|²)]`` of the micro-batch just run, its gradient divided by its items, or ``[]``.
+
+    ``hooks`` (:class:`~microbatch.run.accumulate.grad_hooks.MicroBatchNorms`) read every micro-batch's own
+    gradient as autograd passes it (this rank's under DDP, the last micro-batch's and a lone one's too). Where they
+    are None (FSDP, whose every backward reduces over the ranks: :mod:`~microbatch.run.accumulate.noise_step`) or
+    could not read this one (a parameter's gradient in pieces), ``.grad`` after the step's first micro-batch holds its
+    gradient alone (the older gradients were set aside), unless it is also the last (synchronised under DDP):
+    ``first`` says it is the first and not the last."""
+    reading = hooks.take() if hooks is not None else None
+    if empty or items <= 0:
+        return []
+    if reading is None:
+        if not first:
+            return []
+        reading = grad_sq_norm(params)
+    return [(items, reading / (scale * items) ** 2)]
