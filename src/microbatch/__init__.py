@@ -17,7 +17,7 @@ that need them, and the public functions and types below load their module on fi
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -57,6 +57,38 @@ _LAZY = {
 }
 # The public name when it differs from the name in its module.
 _RENAMED = {"plan": "make_plan"}
+
+if TYPE_CHECKING:  # the same names, for type checkers (py.typed): __getattr__ below returns Any
+    from microbatch.batch import BatchConfig as BatchConfig
+    from microbatch.batch import solve as solve
+    from microbatch.choose.config import ChoiceConfig as ChoiceConfig
+    from microbatch.choose.curve import CurvePoint as CurvePoint
+    from microbatch.choose.knee import Recommendation as Recommendation
+    from microbatch.choose.knee import recommend as recommend
+    from microbatch.choose.result import TuneResult as TuneResult
+    from microbatch.choose.tune.config import ProbeConfig as ProbeConfig
+    from microbatch.choose.tune.config import SearchConfig as SearchConfig
+    from microbatch.choose.tune.entry import tune as tune
+    from microbatch.hardware import Accelerator as Accelerator
+    from microbatch.measure.probes import Measurement as Measurement
+    from microbatch.measure.timing import TimingConfig as TimingConfig
+    from microbatch.predict.memory import estimate_memory as estimate_memory
+    from microbatch.predict.memory_config import MemoryCalibration as MemoryCalibration
+    from microbatch.predict.memory_config import MemoryConfig as MemoryConfig
+    from microbatch.predict.memory_estimate import MemoryEstimate as MemoryEstimate
+    from microbatch.predict.plan import Plan as Plan
+    from microbatch.predict.plan import make_plan as plan  # noqa: F401 (public as plan; __all__ is built from _LAZY)
+    from microbatch.predict.plan_config import PlanConfig as PlanConfig
+    from microbatch.run.accumulate.controller import MicroBatchController as MicroBatchController
+    from microbatch.run.accumulate.exact import accumulate as accumulate
+    from microbatch.run.noise import GradientNoiseScale as GradientNoiseScale
+    from microbatch.run.pipeline.config import PipelineConfig as PipelineConfig
+    from microbatch.run.pipeline.launch import run_pipeline as run_pipeline
+    from microbatch.run.pipeline.report import PipelineReport as PipelineReport
+    from microbatch.schedules.action import Schedule as Schedule
+    from microbatch.schedules.simulate import SimResult as SimResult
+    from microbatch.schedules.simulate import simulate as simulate
+    from microbatch.shape import ModelShape as ModelShape
 
 __all__ = ["__version__", *_LAZY]
 

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import IO, Any
 
+from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
 from microbatch.measure.device import oom_types, short_error
 from microbatch.measure.hostmem import (
@@ -73,9 +73,7 @@ class ChildProber:
     def start(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
-        env = dict(os.environ, **WORKER_ENV)
-        src = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = with_package_on_path(dict(os.environ, **WORKER_ENV))
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "microbatch.measure.childprobe", "--worker"],

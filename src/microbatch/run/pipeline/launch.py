@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, PipelineError
 from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
@@ -295,10 +296,9 @@ def _start_ranks(
     forked = warm.warm_ranks(cfg.backend)
     if forked and not warm.server_alive():
         announce("server")  # seconds of torch's import before the first rank (once per launcher process)
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = "from microbatch.run.pipeline.launch import _worker_main; _worker_main()"
     for r in range(cfg.stages):
-        env = dict(os.environ)
+        env = with_package_on_path(os.environ)
         env.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -308,7 +308,6 @@ def _start_ranks(
             LOCAL_WORLD_SIZE=str(cfg.stages),
             MICROBATCH_WORKER="1",
             **{LAUNCHER_PID_ENV: str(os.getpid())},
-            PYTHONPATH=os.pathsep.join(x for x in (src, env.get("PYTHONPATH", "")) if x),
         )
         if cfg.backend == "gloo":
             env.setdefault("OMP_NUM_THREADS", "1")
