@@ -296,7 +296,9 @@ def test_type_checkers_see_every_lazy_export_from_its_module():
 
     tree = ast.parse((ROOT / "src" / "microbatch" / "__init__.py").read_text())
     block = next(
-        n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"
+        n
+        for n in tree.body
+        if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING"
     )
     seen = {
         (alias.asname or alias.name): (node.module, alias.name)
@@ -305,6 +307,7 @@ def test_type_checkers_see_every_lazy_export_from_its_module():
         for alias in node.names
     }
     want = {
-        name: (f"microbatch.{mod}", microbatch._RENAMED.get(name, name)) for name, mod in microbatch._LAZY.items()
+        name: (f"microbatch.{mod}", microbatch._RENAMED.get(name, name))
+        for name, mod in microbatch._LAZY.items()
     }
     assert seen == want

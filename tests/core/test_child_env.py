@@ -27,7 +27,9 @@ def test_a_child_sees_the_standard_librarys_json_accelerator_not_the_packages_mo
         "print(json.decoder.c_scanstring is not None, importlib.util.find_spec('errors') is None, microbatch.__file__)"
     )
     env = with_package_on_path({k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60
+    )
     c_scanner, no_errors_module, where = out.stdout.split()
     assert (c_scanner, no_errors_module) == ("True", "True"), out
     assert Path(where).resolve() == Path(microbatch.__file__).resolve()
