@@ -772,6 +772,27 @@ def test_a_probe_past_its_time_limit_ends_the_walk_below_it():
     assert "probe_timeout_s" in e.value.params  # the command line writes it as --probe-timeout
 
 
+def test_a_probe_that_crashes_ends_the_walk_below_it_and_keeps_the_points():
+    """A probe whose process died (a segfault at b_m 8) or whose model raised there: the walk keeps the points
+    below it, the crash its stop reason (it was exit 1 and the points measured were lost); with nothing measured
+    it stays a MeasurementError (not bad input)."""
+    from microbatch.errors import MeasurementError
+
+    inner = synthetic({b: 100.0 * b for b in (1, 2, 4, 8, 16)})
+    crash = "the probe process at micro-batch 8 died (killed by signal SIGSEGV)"
+
+    def measure(b, ckpt):
+        if b >= 8:
+            raise MeasurementError(crash)
+        return inner(b, ckpt)
+
+    log = SearchLog()
+    pts = search(measure, choice=MEASURED, log=log)
+    assert bs(pts) == [1, 2, 4] and log.stop_reason.startswith(crash + "; the points below it stand")
+    with pytest.raises(MeasurementError, match="SIGSEGV"):
+        search(measure, SearchConfig(start=8), MEASURED)
+
+
 def test_the_probe_time_limit_is_checked():
     from microbatch.choose.tune.config import ProbeConfig
 

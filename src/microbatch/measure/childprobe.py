@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
+from microbatch.measure.deaths import death_is_oom, death_text
 from microbatch.measure.device import oom_types, short_error
 from microbatch.measure.hostmem import (
     current_rss_bytes,
@@ -93,12 +94,11 @@ class ChildProber:
         if reply is None:
             rc = self.proc.returncode if self.proc else None
             self.close()
-            if rc is not None and rc < 0 and self.limit_bytes is not None:
+            tail = self._stderr_tail()
+            if self.limit_bytes is not None and death_is_oom(rc, tail):
                 reply = {"oom": True}
             else:
-                raise MeasurementError(
-                    f"the probe process died during setup (exit {rc}): {self._stderr_tail()}"
-                )
+                raise MeasurementError(f"the probe process died during setup ({death_text(rc)}): {tail}")
         if reply.get("config_error"):
             self.close()
             raise ConfigError(reply["config_error"], params=tuple(reply.get("params", ())))
@@ -166,15 +166,19 @@ class ChildProber:
         if reply is None:  # the child died: killed for memory (SIGKILL) or aborted by a failed allocation
             rc = self.proc.returncode if self.proc else None
             self.close()
-            if rc is not None and rc < 0:
+            tail = self._stderr_tail()
+            if death_is_oom(rc, tail):
                 return Measurement(
                     micro_batch=micro_batch,
                     oom=True,
                     checkpointing=checkpointing,
-                    error=f"probe process killed by signal {-rc}",
+                    error=f"probe process {death_text(rc)}",
                     memory_method="vmhwm",
                 )
-            raise MeasurementError(f"the probe process died (exit {rc}): {self._stderr_tail()}")
+            raise MeasurementError(
+                f"the probe process at micro-batch {micro_batch} died ({death_text(rc)}), with no sign of running "
+                f"out of memory, so it is not counted as one: {tail or 'nothing on its stderr'}"
+            )
         if reply.get("error"):
             raise MeasurementError(f"probe at micro-batch {micro_batch} failed: {reply['error']}")
         m = Measurement.from_dict(reply["measurement"])

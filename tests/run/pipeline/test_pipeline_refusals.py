@@ -106,6 +106,17 @@ def not_chaining():  # the second layer expects 16 features, the first gives 8
     return nn.Sequential(nn.Embedding(64, 8), nn.Linear(16, 8), nn.Linear(8, 64))
 
 
+class _Hangs(torch.nn.Module):
+    def forward(self, x):
+        while True:
+            time.sleep(0.05)
+
+
+def hangs():  # its middle layer never returns
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), _Hangs(), nn.Linear(8, 64))
+
+
 def returns_a_tuple():  # nn.GRU returns (output, hidden)
     nn = torch.nn
     return nn.Sequential(nn.Embedding(64, 8), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 64))
@@ -503,3 +514,71 @@ def test_sigterm_before_the_ranks_run_is_an_interrupt_too():
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
     assert "interrupted" in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_leftover_torchrun_variables_say_so_and_fail_in_one_line():
+    """RANK and WORLD_SIZE left in a shell (by torchrun or SLURM) put ``pipeline`` into outside-launch mode: it waited
+    the whole --timeout without a word, then printed a 49-line traceback (``DistStoreError``). Now a line says why
+    it waits, and the failure is one ``error:`` line naming the address and the fix."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    cmd = [sys.executable, "-m", "microbatch", "pipeline", "--stages", "2", "--steps", "1", "--no-predict"]
+    out = subprocess.run([*cmd, "--timeout", "3"], env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 1, out
+    assert f"joins the process group at 127.0.0.1:{port}" in out.stderr
+    assert f"error: rank 0 of 2 could not join the process group at 127.0.0.1:{port}" in out.stderr
+    assert "unset RANK and WORLD_SIZE" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_layer_check_before_the_ranks_is_bounded_by_the_deadline(monkeypatch):
+    """The check that the factory's layers chain ran the user's forward with no deadline: a layer that hangs held
+    the launcher past --timeout + 60 s (a helper's run, still hung at 60 s with --timeout 10) while every later
+    phase stops at the deadline."""
+    monkeypatch.setattr(PipelineConfig, "deadline", lambda self, given_s=None: (2.0, ""))
+    run = resolve(PipelineConfig(model=f"{HERE}:hangs", global_batch=16))
+    t0 = time.monotonic()
+    with pytest.raises(
+        PipelineError, match=r"checking the model's layers on one micro-batch passed its deadline"
+    ):
+        fit.check_fits(run, available=24 * GIB, flops_per_s=1e9)
+    assert time.monotonic() - t0 < 20
+
+
+def test_the_scheduler_probes_busy_loops_ignore_ctrl_c_and_none_outlives_an_interrupt(monkeypatch):
+    """A Ctrl-C while the launcher timed the scheduler's slice printed a KeyboardInterrupt traceback from each of its
+    busy loops (they share the launcher's process group), some after the 'interrupted:' line, and left them running."""
+    from microbatch.run.pipeline import calibrate
+
+    loop = subprocess.Popen(
+        [sys.executable, "-c", calibrate._SPIN, "1.0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.5)  # the interpreter is up and spinning
+    loop.send_signal(signal.SIGINT)
+    out, err = loop.communicate(timeout=30)
+    assert loop.returncode == 0 and "Traceback" not in err and out.strip().startswith("[")
+
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(*a, **kw):
+        started.append(real(*a, **kw))
+        return started[-1]
+
+    def interrupted(self, *a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(real, "communicate", interrupted)
+    monkeypatch.setattr(calibrate.subprocess, "Popen", popen)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.scheduler_slice_s(2, seconds=5.0)
+    assert len(started) == 3 and all(p.poll() is not None for p in started)

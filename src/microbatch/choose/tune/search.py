@@ -22,7 +22,7 @@ from microbatch.choose.knee import knee_fraction, recommend_measured
 from microbatch.choose.memory_fit import fit_memory
 from microbatch.choose.noise import NOISE_Z, relative_se
 from microbatch.choose.tune.config import SearchConfig
-from microbatch.errors import ConfigError, ProbeTimeoutError
+from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
 from microbatch.measure.batch_check import BatchDidNotGrow
 from microbatch.measure.probes import Measurement
 
@@ -126,6 +126,10 @@ class _Walk:
                 m, cached = self.measure(b, self.ckpt), False
             except ProbeTimeoutError as e:  # a larger b_m takes longer still: the walk ends below it
                 raise StopSearch(str(e), params=e.params) from None
+            except MeasurementError as e:  # its process crashed, or the model raised at this size
+                if not self.points:
+                    raise
+                raise StopSearch(f"{e}; the points below it stand", params=()) from None
             except BatchDidNotGrow as e:  # the data ran out past the points measured (else nothing stands)
                 if not e.grown:
                     raise

@@ -148,7 +148,8 @@ SLICE_S = 0.004
 at a time, median of 190 runs)."""
 
 _SPIN = """
-import json, sys, time
+import json, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the launcher's to handle: no traceback from here
 end = time.perf_counter() + float(sys.argv[1])
 last = start = time.perf_counter()
 runs = []
@@ -166,15 +167,24 @@ def scheduler_slice_s(cores: int, seconds: float = 0.3) -> float | None:
     """How long the kernel lets a busy thread run before it hands the core to another that waits:
     ``cores + 1`` busy loops for ``seconds``, each noting the runs between its pauses (> 50 µs
     without the CPU); the median run. None when no loop was ever paused."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _SPIN, str(seconds)], stdout=subprocess.PIPE, text=True)
-        for _ in range(cores + 1)
-    ]
+    procs: list[subprocess.Popen[str]] = []
     runs: list[float] = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=30 + 10 * seconds)
-        if proc.returncode == 0 and out.strip():
-            runs.extend(json.loads(out))
+    try:
+        for _ in range(cores + 1):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _SPIN, str(seconds)], stdout=subprocess.PIPE, text=True
+                )
+            )
+        for proc in procs:
+            out, _ = proc.communicate(timeout=30 + 10 * seconds)
+            if proc.returncode == 0 and out.strip():
+                runs.extend(json.loads(out))
+    finally:  # interrupted: none left spinning (they ignore SIGINT)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return float(statistics.median(runs)) if runs else None
 
 

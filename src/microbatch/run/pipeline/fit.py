@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, MicrobatchError
 from microbatch.hardware import usable_cores
 from microbatch.measure.hostmem import available_host_bytes
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
@@ -215,6 +215,8 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
             got = "the token ids" if i == 0 else f"layer {i - 1}'s output"
             try:
                 y = unit(x)
+            except MicrobatchError:  # the deadline's (in_launcher), not the layer's fault
+                raise
             except Exception as e:  # noqa: BLE001 - the user's layer: any failure is named
                 raise ConfigError(
                     f"{where} fails on {got}, a tensor of shape {tuple(x.shape)} ({_one_line(e)}); each layer "
@@ -260,7 +262,10 @@ def check_fits(
     cfg = run.cfg
     check_timeout(cfg)
     check_seed(cfg)
-    check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
+    from microbatch.run.pipeline.stage_profile import in_launcher
+
+    with in_launcher(run, "checking the model's layers on one micro-batch"):  # bounded as the ranks are
+        check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
     shape = run.shape
     if shape is None:
         from microbatch.run.pipeline.split import inspect_factory

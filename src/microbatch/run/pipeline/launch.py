@@ -30,6 +30,7 @@ from typing import Any
 
 from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, PipelineError
+from microbatch.measure.deaths import death_text, explains_crash
 from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
 from microbatch.run.pipeline.kept import kept_steps, with_host
@@ -403,17 +404,14 @@ def _rank_failure(
         )
     r = causes[0] if causes else bad[0]
     rc = procs[r].poll() or 0  # bad ranks have exited: poll() is their status
-    if rc < 0:
-        why = f"killed by signal {signal.Signals(-rc).name}"
-        if -rc == signal.SIGKILL:
-            why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
-    else:
-        why = f"exit status {rc}"
+    why = death_text(rc)
+    if -rc == signal.SIGKILL:
+        why += " (out of host memory? the kernel's OOM killer sends SIGKILL)"
     if rc == 255 and isinstance(procs[r], warm.RankProcess) and not warm.server_alive():
         why += " (the fork server that started the ranks died: killed with the launcher's process group?)"
     tail = _tail(errs[r])
-    if rc < 0 and "error" not in tail.lower() and "traceback" not in tail.lower():
-        tail = "no Python error on its stderr before it"  # not the last warning it printed, which is not why
+    if rc < 0 and not explains_crash(tail):
+        tail = "no error on its stderr before it"  # not the last warning it printed, which is not why
     why += f": {tail}" if tail else ""
     _kill_all(procs)
     if "address already in use" in tail.lower() or "eaddrinuse" in tail.lower():
@@ -450,11 +448,38 @@ def check_splittable(run: ResolvedRun) -> None:
     )
 
 
+def _join_external(cfg: PipelineConfig) -> tuple[int, int, Any]:
+    """:func:`_init_group` under an outside launcher, said on stderr first (RANK and WORLD_SIZE left in a shell by
+    torchrun or SLURM put the command in this mode, and it then waited the whole ``--timeout`` in silence), its
+    failure a :class:`PipelineError` naming the address, the port and the fix (it was a raw traceback)."""
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    if env.get("RANK") == "0" or "TORCHELASTIC_RUN_ID" not in env:  # under torchrun, rank 0 says it for all
+        print(
+            f"pipeline: RANK={env.get('RANK')} and WORLD_SIZE={env.get('WORLD_SIZE')} are set: this process joins the "
+            f"process group at {where} as one rank of an outside launch (torchrun), waiting up to {cfg.timeout_s:g} s "
+            "for the others",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        return _init_group(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # the store's timeout, a refused connection, a bad address
+        raise PipelineError(
+            f"rank {env.get('RANK')} of {env.get('WORLD_SIZE')} could not join the process group at {where} "
+            f"({_reason(e)}); RANK, WORLD_SIZE and MASTER_ADDR/MASTER_PORT in the environment make this run one "
+            "rank of an outside launch: start the other ranks (with torchrun), or unset RANK and "
+            "WORLD_SIZE to run every rank here"
+        ) from e
+
+
 def run_external(run: ResolvedRun) -> PipelineReport | None:
     """Run this process as one rank under ``torchrun``; return the report on rank 0, else None."""
     from microbatch.run.pipeline.rank import run_rank
 
-    rank, world, device = _init_group(run.cfg)
+    rank, world, device = _join_external(run.cfg)
     import torch.distributed as dist
 
     try:

@@ -17,7 +17,7 @@ from typing import Any
 from microbatch.errors import MicrobatchError, PipelineError
 from microbatch.run.pipeline.resolved import ResolvedRun
 
-__all__ = ["profile_stages", "stage_saved_bytes"]
+__all__ = ["in_launcher", "profile_stages", "stage_saved_bytes"]
 
 
 def _torch_split_backward() -> tuple[Any, Any] | None:
@@ -42,7 +42,7 @@ def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
 
 
 @contextmanager
-def _in_launcher(run: ResolvedRun, what: str) -> Iterator[None]:
+def in_launcher(run: ResolvedRun, what: str) -> Iterator[None]:
     """The user's model run in the launcher's own process, bounded as the ranks are: past the run's deadline
     (``timeout_s`` plus the start-up allowance, :meth:`~microbatch.run.pipeline.config.PipelineConfig.deadline`)
     a :class:`~microbatch.errors.PipelineError` (SIGALRM in the main thread: a forward stuck in Python ends, one
@@ -80,8 +80,8 @@ def _in_launcher(run: ResolvedRun, what: str) -> Iterator[None]:
 
 
 def profile_stages(run: ResolvedRun, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
-    """:func:`_profile_stages` bounded by the run's deadline, the model's errors in one line (:func:`_in_launcher`)."""
-    with _in_launcher(run, "profiling the stages on one process"):
+    """:func:`_profile_stages` bounded by the run's deadline, the model's errors in one line (:func:`in_launcher`)."""
+    with in_launcher(run, "profiling the stages on one process"):
         return _profile_stages(run, repeats, idle_s)
 
 
@@ -234,7 +234,7 @@ def stage_saved_bytes(
     run: ResolvedRun, sizes: list[int] | None = None, device: str = "cpu"
 ) -> dict[int, dict[str, float]]:
     """:func:`_stage_saved_bytes` bounded by the run's deadline, the model's errors in one line."""
-    with _in_launcher(run, "measuring the stages' saved bytes on one process"):
+    with in_launcher(run, "measuring the stages' saved bytes on one process"):
         return _stage_saved_bytes(run, sizes, device)
 
 

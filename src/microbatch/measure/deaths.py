@@ -1,0 +1,60 @@
+"""How a child process died, in words (:func:`death_text`), and whether that death says it ran out of memory
+(:func:`death_is_oom`): a ``tune`` probe's child and a pipeline rank read the same way."""
+
+from __future__ import annotations
+
+import signal
+
+__all__ = ["ALLOCATION_FAILURE_MARKERS", "CRASH_MARKERS", "death_text", "death_is_oom", "explains_crash"]
+
+ALLOCATION_FAILURE_MARKERS = (
+    "bad_alloc", "cannot allocate memory", "can't allocate", "out of memory", "allocation failed",
+    "failed to allocate", "memoryerror",
+)  # fmt: skip
+"""Words on a dead child's stderr that say an allocation failed (C++'s ``std::bad_alloc`` through ``terminate``, the
+C library's ``ENOMEM`` text, torch's and OpenBLAS's allocators, Python's ``MemoryError``)."""
+
+CRASH_MARKERS = (
+    "error",
+    "traceback",
+    "terminate called",
+    "what():",
+    "fatal",
+    "exception",
+    "enforce",
+    "abort",
+)
+"""Words that make the end of a dead child's stderr the account of its death (a Python traceback, C++'s
+``terminate called after throwing ... what():``, gloo's ``EnforceNotMet``, ``Fatal Python error``), not the last
+warning it happened to print."""
+
+
+def death_text(returncode: int | None) -> str:
+    """``killed by signal SIGSEGV``, ``exit status 1``: a child's end as ``Popen.returncode`` gives it."""
+    if returncode is None:
+        return "no exit status"
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
+def death_is_oom(returncode: int | None, stderr_tail: str) -> bool:
+    """Whether a child's death counts as running out of memory: SIGKILL (what the kernel's OOM killer sends), or
+    another signal with an allocation failure on its stderr (under ``RLIMIT_AS`` a native allocation that fails may
+    abort the process rather than raise). A segfault or an abort with nothing of the kind is a crash, not a size
+    that does not fit: counted as out of memory it was cached and the search stopped below it."""
+    if returncode is None or returncode >= 0:
+        return False
+    if -returncode == signal.SIGKILL:
+        return True
+    low = stderr_tail.lower()
+    return any(m in low for m in ALLOCATION_FAILURE_MARKERS)
+
+
+def explains_crash(stderr_tail: str) -> bool:
+    """Whether the end of a dead child's stderr accounts for its death (:data:`CRASH_MARKERS`)."""
+    low = stderr_tail.lower()
+    return any(m in low for m in CRASH_MARKERS)

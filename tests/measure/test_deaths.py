@@ -1,0 +1,72 @@
+"""A dead child's end in words, and which deaths count as out of memory (microbatch.measure.deaths)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+
+from microbatch.errors import MeasurementError
+from microbatch.measure.childprobe import ChildProber
+from microbatch.measure.deaths import death_is_oom, death_text, explains_crash
+from microbatch.measure.spec import ProbeSpec
+from microbatch.measure.timing import TimingConfig
+
+GLOO_ABORT = (
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+    "gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. Received data size doesn't match expected size."
+)
+
+
+def test_death_text_names_the_signal_or_the_status():
+    assert death_text(-int(signal.SIGSEGV)) == "killed by signal SIGSEGV"
+    assert death_text(-int(signal.SIGKILL)) == "killed by signal SIGKILL"
+    assert death_text(3) == "exit status 3" and death_text(None) == "no exit status"
+    assert death_text(-200) == "killed by signal 200"
+
+
+def test_only_sigkill_or_an_allocation_failure_counts_as_out_of_memory():
+    assert death_is_oom(-int(signal.SIGKILL), "")
+    assert not death_is_oom(-int(signal.SIGSEGV), "")  # a crash: it was cached as a size that does not fit
+    assert not death_is_oom(-int(signal.SIGABRT), GLOO_ABORT)
+    assert not death_is_oom(-int(signal.SIGTERM), "")  # stopped from outside
+    assert death_is_oom(
+        -int(signal.SIGABRT), "terminate called after throwing an instance of 'std::bad_alloc'"
+    )
+    assert not death_is_oom(1, "MemoryError")  # a status, not a signal: the child answers its own errors
+    assert explains_crash(GLOO_ABORT) and not explains_crash("UserWarning: TypedStorage is deprecated")
+
+
+def _killed_mid_probe(sig: signal.Signals, micro_batch: int = 4):
+    """The probe's child killed by ``sig`` half a second into timing ``micro_batch`` (seconds at s = 4,096 on a
+    small CPU); what ``measure`` then returned or raised."""
+    timing = TimingConfig(warmup=1, min_repeats=2, max_repeats=3, max_time_s=1.0, rel_tol=0.5)
+    prober = ChildProber(ProbeSpec(model="tiny", seq=4096, threads=1, timing=timing), timeout_s=120)
+    try:
+        prober.start()
+        assert prober.proc is not None
+        timer = threading.Timer(0.5, os.kill, (prober.proc.pid, sig))
+        timer.start()
+        try:
+            return prober.measure(micro_batch)
+        except MeasurementError as e:
+            return e
+        finally:
+            timer.join()
+    finally:
+        prober.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe's child is Linux's")
+@pytest.mark.timeout(240)
+def test_a_probe_child_that_crashes_is_an_error_and_one_killed_is_out_of_memory():
+    """``tune`` took any death of its probe's child by a signal for out of memory: a segfault at b_m 4 stopped the
+    search there, 'out of memory' cached, beside a peak of 312 MiB under a 17.75 GiB budget (a helper's run)."""
+    crashed = _killed_mid_probe(signal.SIGSEGV)
+    assert isinstance(crashed, MeasurementError)
+    assert "micro-batch 4 died (killed by signal SIGSEGV)" in str(crashed) and "not counted" in str(crashed)
+    killed = _killed_mid_probe(signal.SIGKILL)
+    assert killed.oom and killed.error == "probe process killed by signal SIGKILL"
