@@ -582,3 +582,23 @@ def test_the_scheduler_probes_busy_loops_ignore_ctrl_c_and_none_outlives_an_inte
     with pytest.raises(KeyboardInterrupt):
         calibrate.scheduler_slice_s(2, seconds=5.0)
     assert len(started) == 3 and all(p.poll() is not None for p in started)
+
+
+class _Raises(torch.nn.Module):
+    def forward(self, x):
+        raise ValueError("this layer refuses odd batches")
+
+
+def raises_its_own():  # a layer whose forward raises an error of its own
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), _Raises(), nn.Linear(8, 64))
+
+
+def test_a_layer_that_raises_its_own_error_is_not_called_a_size_mismatch():
+    """The check's advice was "make consecutive layers' sizes match" whatever the layer raised."""
+    with pytest.raises(
+        ConfigError, match=r"ValueError: this layer refuses odd batches\); the layer raised it itself"
+    ) as e:
+        fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:raises_its_own", global_batch=16)), available=24 * GIB,
+                       flops_per_s=1e9)  # fmt: skip
+    assert "sizes match" not in str(e.value)

@@ -218,11 +218,16 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
             except MicrobatchError:  # the deadline's (in_launcher), not the layer's fault
                 raise
             except Exception as e:  # noqa: BLE001 - the user's layer: any failure is named
+                fix = (
+                    "each layer must take the previous layer's output (the first the token ids (b, s)): make "
+                    "consecutive layers' sizes match, or, where a layer holds a table of positions (rotary, "
+                    f"learned), give seq no longer than that table (seq is {seq} here)"
+                    if _about_sizes(e)
+                    else "the layer raised it itself, not a mismatch of sizes: fix the layer (its forward runs once "
+                    "here, on one micro-batch, before any rank starts)"
+                )
                 raise ConfigError(
-                    f"{where} fails on {got}, a tensor of shape {tuple(x.shape)} ({_one_line(e)}); each layer "
-                    "must take the previous layer's output (the first the token ids (b, s)): make consecutive "
-                    f"layers' sizes match, or, where a layer holds a table of positions (rotary, learned), give seq "
-                    f"no longer than that table (seq is {seq} here)",
+                    f"{where} fails on {got}, a tensor of shape {tuple(x.shape)} ({_one_line(e)}); {fix}",
                     params=("seq",),
                 ) from None
             if not isinstance(y, torch.Tensor):
@@ -238,6 +243,13 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
             f"loss needs logits ({batch}, {seq}, {vocab}), one score per token of the vocabulary "
             f"(nn.Embedding's {vocab}): end the model with a layer such as nn.Linear(hidden, {vocab})"
         )
+
+
+def _about_sizes(e: BaseException) -> bool:
+    """Whether ``e`` reads as torch's complaint about a tensor that does not fit the layer: torch raises a
+    ``RuntimeError`` for a matmul's shapes or a view's size and an ``IndexError`` for an embedding index past its table;
+    a ``ValueError``, ``TypeError``, ``AssertionError`` or a class of the user's is the layer's own."""
+    return type(e) in (RuntimeError, IndexError)
 
 
 def _one_line(e: BaseException) -> str:
