@@ -128,6 +128,26 @@ def test_point_efficiency_inverts_the_roofline():
     assert point_efficiency(SHAPE, 4, 0.5 * t1, ACC, precision=PREC) == 1.0
 
 
+def test_point_efficiency_bisects_each_point_once_across_fits(monkeypatch):
+    """validate's leave-one-out fits asked each point's 80-step bisection again in every fit: 100 points took 83 s
+    (quadratic). The answer is kept by the arguments; another accelerator or time is another bisection."""
+    from microbatch.predict import calibrate as cal_module
+
+    calls = []
+    real = cal_module._point_efficiency
+    monkeypatch.setattr(cal_module, "_point_efficiency", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(cal_module, "_POINT_EFFICIENCIES", {})
+    meas = read_measurements(synthetic())
+    for _ in range(3):
+        calibrate(meas, ACC)
+    assert len(calls) == len(BMS)  # one bisection a point, not one a point a fit
+    t = predict_step_time_s(SHAPE, 4, ACC, precision=PREC)
+    first = point_efficiency(SHAPE, 4, t, ACC, precision=PREC)
+    assert point_efficiency(SHAPE, 4, t, get_accelerator("h100-sxm"), precision=PREC) != first
+    assert point_efficiency(SHAPE, 4, 2 * t, ACC, precision=PREC) != first
+    assert len(calls) == len(BMS) + 3
+
+
 def test_efficiency_clamps_are_noted():
     # efficiency that falls with rows (time superlinear in b_m): no ramp, half_rows = 0
     falling = [

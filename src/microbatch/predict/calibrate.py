@@ -172,8 +172,33 @@ def point_efficiency(
     """The GEMM efficiency e in (0, 1] at which the roofline equals the measured micro-step time.
 
     Bisection on log e (the roofline time falls monotonically as e grows); 1.0 when even the full
-    peak is slower than measured (the accelerator's peak is too low for this measurement).
+    peak is slower than measured (the accelerator's peak is too low for this measurement). A pure function of its
+    arguments, kept (:data:`_POINT_EFFICIENCIES`): ``validate`` fits on every leave-one-out subset, which asked for
+    each point's 80 roofline evaluations again in every fit (100 points 83 s, quadratic; a helper's run).
     """
+    key = (shape, micro_batch, step_time_s, repr(acc), seq, precision, checkpointing, memory_efficiency)
+    kept = _POINT_EFFICIENCIES.get(key)
+    if kept is None:
+        if len(_POINT_EFFICIENCIES) >= _POINT_EFFICIENCIES_MAX:
+            _POINT_EFFICIENCIES.clear()
+        kept = _POINT_EFFICIENCIES[key] = _point_efficiency(
+            shape, micro_batch, step_time_s, acc, seq, precision, checkpointing, memory_efficiency
+        )
+    return kept
+
+
+_POINT_EFFICIENCIES: dict[tuple[Any, ...], float] = {}
+""":func:`point_efficiency`'s answers, by its arguments (the accelerator by its ``repr``: a dataclass with dicts)."""
+
+_POINT_EFFICIENCIES_MAX = 4096
+"""Answers kept before the table starts again (each a float and its key)."""
+
+
+def _point_efficiency(
+    shape: ModelShape, micro_batch: int, step_time_s: float, acc: Accelerator, seq: int | None, precision: str,
+    checkpointing: bool, memory_efficiency: float,
+) -> float:  # fmt: skip
+    """:func:`point_efficiency`'s bisection."""
 
     def t(e: float) -> float:
         eff = replace(DEFAULT_EFFICIENCY, gemm_max=e, memory=memory_efficiency, half_rows=0.0)
