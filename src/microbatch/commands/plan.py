@@ -239,7 +239,15 @@ def cmd(
         efficiency=efficiency,
         **expert_layout,
     )
-    plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
+    from microbatch.commands._heartbeat import Heartbeat
+
+    which = "the candidates" if len(gpus) == 1 else f"the candidates of {len(gpus)} accelerators"
+    with Heartbeat(  # a search of many b_m, stages or accelerators takes seconds: said, not silent
+        f"plan: searching {which}",
+        "plan: still searching",
+        every_s=PLAN_HEARTBEAT_S,
+    ):
+        plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
     if gpu_set and len(gpus) > 1:  # one override for several accelerators: say it, it may be meant for one
         out["notes"], render = _shared_override(gpu_set, gpus, render)
@@ -361,6 +369,10 @@ def _nothing_fits(plans: list[Plan]) -> str:
     if len(heads) == 1:
         return heads[0][1]
     return "no accelerator fits: " + "; ".join(f"on {name}, {head}" for name, head in heads)
+
+
+PLAN_HEARTBEAT_S = 5.0
+"""Seconds of search before ``plan`` says it is still at it (most plans answer in under a second)."""
 
 
 def _plans(

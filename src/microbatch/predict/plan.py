@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from microbatch.batch import check_data_parallel, divisors, global_batch_of, grad_accum_for, per_replica
+from microbatch.batch import check_data_parallel, divisors, grad_accum_for, per_replica
 from microbatch.errors import ConfigError, ScheduleError, check_instance
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
 from microbatch.model import ModelShape
@@ -28,7 +28,6 @@ from microbatch.predict.activations import RECOMPUTE_MODES
 from microbatch.predict.candidate import (
     Candidate,
     Context,
-    layer_costs,
     make_context,
     to_candidate,
     with_simulation,
@@ -36,21 +35,15 @@ from microbatch.predict.candidate import (
 from microbatch.predict.plan_advice import (
     Advice,
     Alternative,
-    BubbleNotBuried,
-    FarPastKnee,
-    GlobalBatchChanged,
-    HoldsEveryMicrobatch,
     Lint,
-    TooFewMicrobatches,
-    ZeroWithPipeline,
     advice_to_dict,
     lint_to_dict,
 )
 from microbatch.predict.plan_config import CHOICES, PLAN_MARGIN, PLAN_TOLERANCE, PlanConfig
+from microbatch.predict.plan_lints import KNEE_TOLERANCE, lint
 from microbatch.predict.roofline import model_flops_per_step
 from microbatch.predict.screen import Screened, ZeroRow, screen
 from microbatch.predict.state import ZERO_STAGES
-from microbatch.schedules.closed_forms import bubble_fraction
 from microbatch.schedules.registry import (
     DEFAULT_SCHEDULE,
     get_spec,
@@ -72,13 +65,11 @@ __all__ = [
     "PLAN_TOLERANCE",
     "PLAN_MARGIN",
     "knee_candidate",
+    "MAX_PLAN_BYTES",
+    "plan_bytes",
+    "candidate_count",
+    "check_plan_size",
 ]
-
-KNEE_TOLERANCE = 0.1
-"""A b_m whose kernel throughput is within 10% of the best is at the knee (DESIGN: "the smallest b_m
-whose throughput is within a tolerance of the best")."""
-_KNEE_FACTOR = 4
-"""Lint b_m at least this many times the knee ("far past the knee")."""
 
 
 def _count(n: int) -> str:
@@ -188,24 +179,88 @@ def _sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
     return (not c.fits, primary, _RECOMPUTE_RANK[c.recompute], c.zero, c.peak_memory_bytes)
 
 
-def _enumerate(cfg: PlanConfig, ctx: Context | None = None) -> list[Candidate]:
+def _enumerate(cfg: PlanConfig, ctx: Context | None = None, table: Table | None = None) -> list[Candidate]:
     ctx = ctx or make_context(cfg)
     model_flops = model_flops_per_step(cfg.shape, cfg.global_batch, cfg.seq)
-    return [to_candidate(ctx, head, row, model_flops) for head, rows in _screens(cfg, ctx) for row in rows]
+    return [
+        to_candidate(ctx, head, row, model_flops) for head, rows in _screens(cfg, ctx, table) for row in rows
+    ]
 
 
-def _screens(cfg: PlanConfig, ctx: Context) -> Iterator[tuple[Screened, list[ZeroRow]]]:
-    """Every (b_m, schedule, v, recompute) of ``cfg`` screened (:func:`~microbatch.predict.screen.screen`), a row
-    per ZeRO stage."""
+def _axes(cfg: PlanConfig) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+    """The b_m, recompute modes and ZeRO stages the plan searches."""
     bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
     zs = cfg.zero or (ZERO_STAGES if cfg.zero_group > 1 else (0,))  # nothing to shard over: ZeRO 0
     if cfg.zero is None and cfg.shard_degree is not None:  # hybrid sharding asked for: a sharded stage
         zs = tuple(z for z in zs if z >= 1) or zs
+    return tuple(bms), tuple(rcs), tuple(zs)
+
+
+PLAN_BYTES_PER_CANDIDATE = 3_400
+"""Memory a plan holds per candidate: 344,433 candidates at p = 2 peaked at 1.17 GB (a helper's run of ``plan`` on a
+small CPU, 2026-12-06), ~0.1 ms each."""
+
+PLAN_BYTES_PER_STAGE = 42
+"""And per candidate per pipeline stage (the per-stage times a candidate keeps): 23,685 candidates at p = 5,000
+peaked at 5.08 GB in 65 s (measured here, ``/usr/bin/time``), 0.55 µs each."""
+
+MAX_PLAN_BYTES = 2**30
+"""The most working memory one plan may take (:func:`plan_bytes`): about 1 GiB, some 30 s on a small CPU."""
+
+Table = list[tuple[int, int, list[tuple[str, int]]]]
+"""(b_m, m, the (schedule, v) pairs that serve it) for each b_m a plan searches."""
+
+
+def _table(cfg: PlanConfig) -> Table:
     virtuals: dict[str, list[int]] = {}
-    for b in bms:
+    out = []
+    for b in _axes(cfg)[0]:
         m = grad_accum_for(cfg.global_batch, b, cfg.data_parallel)  # m = g: one flush per step
-        for sched, v in _schedule_options(cfg, m, virtuals):
+        out.append((b, m, _schedule_options(cfg, m, virtuals)))
+    return out
+
+
+def candidate_count(cfg: PlanConfig, table: Table | None = None) -> int:
+    """How many candidates :func:`make_plan` would build: Σ over b_m of the (schedule, v) pairs that serve it, times
+    the recompute modes and the ZeRO stages (the pairs, not the candidates: what the search would visit anyway)."""
+    _, rcs, zs = _axes(cfg)
+    return sum(len(opts) for _, _, opts in (table or _table(cfg))) * len(rcs) * len(zs)
+
+
+def plan_bytes(candidates: int, stages: int) -> float:
+    """Working memory of a plan of ``candidates`` at p = ``stages``: candidates × (:data:`PLAN_BYTES_PER_CANDIDATE` +
+    p × :data:`PLAN_BYTES_PER_STAGE`)."""
+    return candidates * (PLAN_BYTES_PER_CANDIDATE + stages * PLAN_BYTES_PER_STAGE)
+
+
+def check_plan_size(cfg: PlanConfig, table: Table | None = None) -> int:
+    """:func:`candidate_count`, or a ConfigError where their :func:`plan_bytes` pass :data:`MAX_PLAN_BYTES`, naming
+    the axes and how to narrow them, before any candidate is built."""
+    n = candidate_count(cfg, table)
+    p = cfg.pipeline_parallel
+    if plan_bytes(n, p) > MAX_PLAN_BYTES:
+        bms, rcs, zs = _axes(cfg)
+        most = int(MAX_PLAN_BYTES // (PLAN_BYTES_PER_CANDIDATE + p * PLAN_BYTES_PER_STAGE))
+        raise ConfigError(
+            f"this plan would search {n:,} candidates ({len(bms):,} sizes of b_m, each with its pipeline schedule "
+            f"and v choices, × {len(rcs)} modes of activation recomputation × {len(zs)} ZeRO stages) of {p:,} "
+            f"stages each: about {plan_bytes(n, p) / 2**30:.1f} GiB of working memory, over the limit of "
+            f"{MAX_PLAN_BYTES / 2**30:.0f} GiB ({most:,} candidates at this p); narrow it: give micro_batches "
+            "(the b_m to plan), one recompute, one zero stage, fewer schedules or virtuals",
+            params=("micro_batches", "recompute", "zero", "schedules", "virtuals"),
+        )
+    return n
+
+
+def _screens(
+    cfg: PlanConfig, ctx: Context, table: Table | None = None
+) -> Iterator[tuple[Screened, list[ZeroRow]]]:
+    """Every (b_m, schedule, v, recompute) of ``cfg`` screened (:func:`~microbatch.predict.screen.screen`), a row
+    per ZeRO stage."""
+    _, rcs, zs = _axes(cfg)
+    for b, m, options in table or _table(cfg):
+        for sched, v in options:
             for rc in rcs:
                 yield screen(ctx, b, m, sched, v, rc, zs)
 
@@ -215,8 +270,10 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
     the fastest candidate) among those that fit; when nothing fits and ``advise``, what would
     (:func:`what_would_fit`, whose own plans do not advise: no recursion)."""
     check_instance("cfg", cfg, PlanConfig, "build a PlanConfig(shape=..., gpu=..., global_batch=...)")
+    table = _table(cfg)
+    check_plan_size(cfg, table)
     ctx = make_context(cfg)
-    cands = _enumerate(cfg, ctx)
+    cands = _enumerate(cfg, ctx, table)
     if not cands:
         p, per = cfg.pipeline_parallel, check_data_parallel(cfg.global_batch, cfg.data_parallel)
         L = cfg.shape.layers
@@ -359,100 +416,6 @@ def search_layouts(
                             flops = model_flops_per_step(shape, global_batch, cfg.seq)
                             best = to_candidate(ctx, head, row, flops)
     return best, evaluated, feasible
-
-
-# -- advice and pitfalls ----------------------------------------------------------------------------------
-def _knee_micro_batch(ctx: Context, bms: list[int]) -> int:
-    rates = {b: layer_costs(ctx, b).gemm_efficiency for b in bms}
-    top = max(rates.values())
-    return min(b for b, r in rates.items() if r >= (1 - KNEE_TOLERANCE) * top)
-
-
-def _zero_with_pipeline(plan: Plan, c: Candidate) -> ZeroWithPipeline:
-    """ZeRO 2/3 with pipeline stages: FSDP with PP in torchtitan; DeepSpeed's PipelineEngine asserts ZeRO <= 1 and
-    Megatron-LM shards only the optimizer state (its distributed optimizer). The best ZeRO <= 1 alternative at the same
-    b_m, and whether ZeRO 0 or 1 was searched at all (not left out by the config's ZeRO stages)."""
-    low = [x for x in plan.candidates if x.fits and x.zero <= 1 and x.micro_batch == c.micro_batch]
-    best = max(low, key=lambda x: x.tokens_per_s) if low else None
-    return ZeroWithPipeline(
-        zero=c.zero, stages=plan.config.pipeline_parallel, alternative=best, tokens_per_s=c.tokens_per_s,
-        each=plan.config.pipeline_grad_reduce == "each", planned_low=any(x.zero <= 1 for x in plan.candidates),
-    )  # fmt: skip
-
-
-def lint(plan: Plan, candidate: Candidate | None = None) -> list[Lint]:
-    """Seed 002's pitfalls, checked on ``candidate`` (default: the recommendation, else the best row);
-    :func:`microbatch.show.plan_report.lint_sentence` writes each."""
-    cfg = plan.config
-    c = candidate or plan.recommended or (plan.candidates[0] if plan.candidates else None)
-    if c is None:
-        return []
-    out: list[Lint] = []
-    p, d, B = cfg.pipeline_parallel, cfg.data_parallel, cfg.global_batch
-    if global_batch_of(c.micro_batch, c.grad_accum, d) != B:
-        out.append(
-            GlobalBatchChanged(
-                micro_batch=c.micro_batch, grad_accum=c.grad_accum, data_parallel=d, global_batch=B
-            )
-        )
-    spec = get_spec(c.schedule)
-    if p > 1 and c.microbatches < p:
-        out.append(
-            TooFewMicrobatches(
-                microbatches=c.microbatches,
-                stages=p,
-                bubble_pct=c.bubble_pct,
-                max_micro_batch=max(1, B // (d * p)),
-                per_replica=B // d,
-                data_parallel=d,
-            )
-        )
-    elif (
-        p > 1
-        and c.microbatches < 4 * p
-        # a schedule whose idle does not grow as m shrinks (DualPipeV, m >= 2p): lint it only when it
-        # idles more than 1F1B would at m = 4p
-        and (not spec.bubble_flat_in_m or c.bubble_fraction > bubble_fraction(p, 4 * p))
-    ):
-        better = [b for b in divisors(check_data_parallel(B, d)) if grad_accum_for(B, b, d) >= 4 * p]
-        found = BubbleNotBuried(microbatches=c.microbatches, stages=p, bubble_pct=c.bubble_pct)
-        if better:
-            m4 = grad_accum_for(B, max(better), d)
-            found = replace(found, better_micro_batch=max(better), better_microbatches=m4,
-                            better_bubble_pct=100 * (p - 1) / (m4 + p - 1))  # fmt: skip
-        out.append(found)
-    if spec.lighter_equivalent is not None and p > 1 and c.microbatches > p:
-        alt = next(
-            (x for x in plan.candidates if x.schedule == spec.lighter_equivalent and x.micro_batch == c.micro_batch
-             and x.recompute == c.recompute and x.zero == c.zero),
-            None,
-        )  # fmt: skip
-        out.append(
-            HoldsEveryMicrobatch(
-                schedule=c.schedule, lighter=spec.lighter_equivalent, microbatches=c.microbatches, stages=p,
-                activations_bytes=c.memory["activations"], lighter_peak_bytes=alt.peak_memory_bytes if alt else None,
-            )
-        )  # fmt: skip
-    if p > 1 and c.zero >= 2:
-        out.append(_zero_with_pipeline(plan, c))
-    ctx = make_context(cfg)
-    bms = sorted({x.micro_batch for x in plan.candidates})
-    if len(bms) > 1:
-        knee = _knee_micro_batch(ctx, bms)
-        at_knee = next((x for x in plan.candidates if x.micro_batch == knee and x.fits), None)
-        if (
-            c.micro_batch >= _KNEE_FACTOR * knee
-            and at_knee is not None
-            and at_knee.tokens_per_s >= (1 - KNEE_TOLERANCE) * c.tokens_per_s
-        ):
-            out.append(
-                FarPastKnee(
-                    micro_batch=c.micro_batch, knee=knee, knee_efficiency=layer_costs(ctx, knee).gemm_efficiency,
-                    efficiency=c.gemm_efficiency, knee_tokens_per_s=at_knee.tokens_per_s, tokens_per_s=c.tokens_per_s,
-                    saved_bytes=c.memory["activations"] - at_knee.memory["activations"],
-                )
-            )  # fmt: skip
-    return out
 
 
 def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:

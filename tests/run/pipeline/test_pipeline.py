@@ -416,7 +416,7 @@ def test_measured_bubble_falls_as_m_grows():
         ),
         ("1:shape", r"rank 1 .*failed .*mat1 and mat2 shapes cannot be multiplied"),
         ("0:oom", r"rank 0 .*failed .*out of memory"),
-        ("1:kill", r"rank 1 .*killed by signal SIGKILL .*: no Python error on its stderr before it"),
+        ("1:kill", r"rank 1 .*killed by signal SIGKILL .*: no error on its stderr before it"),
     ],
 )
 def test_a_failing_rank_stops_every_rank_with_its_reason(monkeypatch, fault, pattern):

@@ -18,7 +18,7 @@ from microbatch.run.pipeline.instrument import _saved_bytes_hooks
 from microbatch.run.pipeline.kept import second_interrupt_ignored
 from microbatch.run.pipeline.launch import run_pipeline
 from microbatch.run.pipeline.progress import PipelineDeadline
-from microbatch.run.pipeline.stage_profile import _in_launcher
+from microbatch.run.pipeline.stage_profile import in_launcher
 
 torch = pytest.importorskip("torch")
 
@@ -49,14 +49,14 @@ def _fake_run(deadline_s: float) -> SimpleNamespace:
 def test_the_launchers_own_run_of_the_model_has_the_deadline_and_one_line_errors():
     t0 = time.monotonic()
     with pytest.raises(PipelineError, match=r"profiling passed its deadline of 1 s"):
-        with _in_launcher(_fake_run(1.0), "profiling"):  # type: ignore[arg-type]
+        with in_launcher(_fake_run(1.0), "profiling"):  # type: ignore[arg-type]
             time.sleep(30)
     assert time.monotonic() - t0 < 10
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the timer and handler put back
     with pytest.raises(
         PipelineError, match=r"profiling failed \(ValueError: bad layer\): the model's forward"
     ):
-        with _in_launcher(_fake_run(30.0), "profiling"):  # type: ignore[arg-type]
+        with in_launcher(_fake_run(30.0), "profiling"):  # type: ignore[arg-type]
             raise ValueError("bad layer")
 
 
