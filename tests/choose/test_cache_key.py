@@ -163,3 +163,89 @@ def test_a_nan_loss_is_said(tmp_path, monkeypatch):
     assert all(torch.isfinite(p).all() for p in model.parameters())  # put back as it was
     ok = tune(model, _batches(8), max_micro_batch=2, timing=FAST, use_cache=False)
     assert ok.notes == ()
+
+
+@pytest.mark.parametrize("change", ["frozen", "omp_threads", "affinity"])
+def test_what_the_module_and_the_process_hold_is_in_the_key(tmp_path, monkeypatch, change):
+    """A helper's runs answered from the cache: the model with its first layer frozen (19% faster in truth), and the
+    same tune under OMP_NUM_THREADS=2 or on one core of two (taskset)."""
+    from microbatch.choose.tune import cache
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    model, make = Net(), _batches(8)
+    _tune(model, make)
+    if change == "frozen":
+        model.emb.weight.requires_grad_(False)
+    elif change == "omp_threads":
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    else:
+        monkeypatch.setattr("microbatch.hardware.usable_cores", lambda: 1)
+    r, said = _tune(model, make)
+    assert r.cached == 0 and said == [], change
+    assert cache.host_identity()["cores"] >= 1
+
+
+def test_an_out_of_memory_point_holds_only_under_a_budget_no_larger(tmp_path, monkeypatch):
+    """An out-of-memory at 400 MiB came back '(cached)' at 2 GiB, and the run then said to raise the budget it had
+    just raised. A point the limit shaped (out of memory, or timed on the tracking heap) holds under a budget no
+    larger than the one it met; one the limit did not touch holds under any."""
+    from microbatch.choose.tune.cache import holds_under, load_points, save_points
+    from microbatch.measure.probes import Measurement
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    oom = Measurement(micro_batch=256, oom=True)
+    tracked = Measurement(micro_batch=128, throughput=10.0, timed_heap="tracking")
+    fine = Measurement(micro_batch=64, throughput=20.0, timed_heap="steady")
+    points = {(256, False): oom, (128, False): tracked, (64, False): fine}
+    save_points("k", {}, points, budgets={k: 400 * 2**20 for k in points})
+    assert set(load_points("k", budget_bytes=2 * 2**30)) == {(64, False)}  # a larger budget measures again
+    assert set(load_points("k", budget_bytes=300 * 2**20)) == set(points)  # a smaller one: they still hold
+    assert set(load_points("k", budget_bytes=None)) == {(64, False)}  # no limit at all
+    assert not holds_under({"oom": True}, 1.0)  # saved before budgets were: measured again
+
+
+@pytest.mark.parametrize(
+    "row",
+    [{"micro_batch": 1}, {"micro_batch": 1, "throughput": "fast"}, {"micro_batch": "2", "throughput": 3.0},
+     {"micro_batch": 0, "throughput": 3.0}, {"micro_batch": 1, "throughput": float("nan")},
+     {"micro_batch": 1, "throughput": 3.0, "oom": "no"}, {"micro_batch": 1, "throughput": -3.0}, [1, 2]],
+)  # fmt: skip
+def test_a_point_of_the_wrong_shape_is_left_out_not_a_crash_later(tmp_path, monkeypatch, row):
+    """A cache file that parses but holds ``{"micro_batch": 1}`` or ``"throughput": "fast"`` ended every later run
+    with that key in a traceback (rc 1) until the file was deleted."""
+    import json
+
+    from microbatch.choose.tune.cache import load_points, well_formed
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    good = {"micro_batch": 4, "throughput": 5.0, "step_time_s": 0.1}
+    (tmp_path / "tune-k.json").write_text(json.dumps({"key": {}, "points": [row, good]}))
+    assert not well_formed(row) and well_formed(good)
+    assert list(load_points("k")) == [(4, False)]
+
+
+def test_two_tunes_saving_at_once_write_files_of_their_own(tmp_path, monkeypatch):
+    """Both wrote one ``tune-<key>.json.tmp``: one's rename found the file gone, or moved the other's half-written
+    file into place (a helper's race of two processes: ~300 failed saves and ~110 unreadable reads each)."""
+    import threading
+
+    from microbatch.choose.tune.cache import load_points, save_points
+    from microbatch.measure.probes import Measurement
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    failures: list[str] = []
+
+    def saver(n: int) -> None:
+        pts = {(b, False): Measurement(micro_batch=b, throughput=float(n + b)) for b in range(1, 200)}
+        for _ in range(40):
+            why = save_points("k", {"n": n}, pts)
+            if why is not None:
+                failures.append(why)
+
+    threads = [threading.Thread(target=saver, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == [] and len(load_points("k")) == 199
+    assert [p.name for p in tmp_path.iterdir()] == ["tune-k.json"]  # no file of a save left behind

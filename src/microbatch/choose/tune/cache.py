@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,6 +39,9 @@ __all__ = [
     "optimizer_identity",
     "save_points",
     "versions",
+    "host_identity",
+    "holds_under",
+    "well_formed",
 ]
 
 Points = dict[tuple[int, bool], Measurement]
@@ -58,40 +63,90 @@ Stamps = dict[tuple[int, bool], float]
 """When each point was measured (seconds since the epoch), by (b_m, checkpointing)."""
 
 
-def load_points(key: str, stamps: Stamps | None = None) -> Points:
-    """The points saved under ``key`` (none when the file is missing or unreadable); when each was
-    measured goes into ``stamps`` if given (points saved before stamps existed: the file's time)."""
+def load_points(key: str, stamps: Stamps | None = None, budget_bytes: float | None = None) -> Points:
+    """The points saved under ``key`` that still hold under the memory budget ``budget_bytes``
+    (:func:`holds_under`), each well formed (:func:`well_formed`; none when the file is missing or unreadable);
+    when each was measured goes into ``stamps`` if given (points saved before stamps existed: the file's time)."""
     path = cache_dir() / f"tune-{key}.json"
     try:
         data = loads(path.read_text())
+        rows = [d for d in data["points"] if well_formed(d) and holds_under(d, budget_bytes)]
         points = {
-            (int(d["micro_batch"]), bool(d.get("checkpointing"))): Measurement.from_dict(d)
-            for d in data["points"]
+            (int(d["micro_batch"]), bool(d.get("checkpointing"))): Measurement.from_dict(d) for d in rows
         }
         if stamps is not None:
             saved = path.stat().st_mtime
-            for d in data["points"]:
+            for d in rows:
                 at = d.get("measured_at")
                 key_ = (int(d["micro_batch"]), bool(d.get("checkpointing")))
                 stamps[key_] = float(at) if isinstance(at, (int, float)) else saved
         return points
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
-def save_points(key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None) -> str | None:
-    """Save ``points`` under ``key`` (atomically: written aside, then renamed), each with when it
-    was measured (``stamps``; now for a point without one). A cache that cannot be written is not an error: the
-    reason is returned (None when saved), for the run's notes."""
+def holds_under(row: Mapping[str, Any], budget_bytes: float | None) -> bool:
+    """Whether a saved point still holds under the memory budget ``budget_bytes`` (None: no limit). A point the limit
+    shaped (out of memory, or timed on the tracking heap because its steady heap did not fit) holds only under a
+    budget no larger than the one it met (``budget_bytes`` saved with it): an out-of-memory at 400 MiB was reused at
+    2 GiB, where the size fits (a helper's run). A point the limit did not touch holds under any budget (one over a
+    smaller budget is left out by its peak)."""
+    if not (row.get("oom") or row.get("timed_heap") == "tracking"):
+        return True
+    then = row.get("budget_bytes")
+    return budget_bytes is not None and isinstance(then, (int, float)) and then >= budget_bytes
+
+
+def well_formed(row: Any) -> bool:
+    """Whether a saved point has the types a measurement has: a whole ``micro_batch`` of at least 1, booleans where
+    flags are, finite numbers (or nothing) where figures are, and a positive throughput unless it ran out of memory.
+    A file that parses but holds anything else (edited, or written by another tool) is not used: a point with
+    ``"throughput": "fast"`` ended every later run in a traceback."""
+    if not isinstance(row, Mapping):
+        return False
+    b = row.get("micro_batch")
+    if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+        return False
+    if any(not isinstance(row.get(k, False), bool) for k in ("oom", "checkpointing")):
+        return False
+    for k in _FIGURES:
+        v = row.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            return False
+    t = row.get("throughput")
+    return bool(row.get("oom")) or (isinstance(t, (int, float)) and t > 0)
+
+
+_FIGURES = (
+    "throughput", "samples_per_s", "tokens_per_s", "step_time_s", "micro_step_s", "optimizer_step_s", "prefill_s",
+    "spread", "throughput_se", "peak_memory_bytes", "peak_allocated_bytes", "repeats",
+)  # fmt: skip
+
+
+def save_points(
+    key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None,
+    budgets: dict[tuple[int, bool], float | None] | None = None,
+) -> str | None:  # fmt: skip
+    """Save ``points`` under ``key`` (atomically: written to a file of this process's own, then renamed over), each
+    with when it was measured (``stamps``; now for a point without one) and the memory budget it met (``budgets``,
+    :func:`holds_under`). A cache that cannot be written is not an error: the reason is returned (None when saved),
+    for the run's notes."""
     d = cache_dir()
     now = time.time()
-    rows = [dict(m.to_dict(), measured_at=(stamps or {}).get(k, now)) for k, m in points.items()]
+    rows = [
+        dict(m.to_dict(), measured_at=(stamps or {}).get(k, now), budget_bytes=(budgets or {}).get(k))
+        for k, m in points.items()
+    ]
+    tmp: str | None = None
     try:
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"tune-{key}.json.tmp"
-        tmp.write_text(dumps({"key": fields, "points": rows}))
-        tmp.replace(d / f"tune-{key}.json")
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f"tune-{key}.", suffix=".tmp")  # two tunes never share one
+        with os.fdopen(fd, "w") as f:
+            f.write(dumps({"key": fields, "points": rows}))
+        os.replace(tmp, d / f"tune-{key}.json")
     except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         return f"{d}: {e.strerror or e}"
     return None
 
@@ -152,9 +207,10 @@ def optimizer_identity(optimizer: Any) -> dict[str, Any] | None:
     }
 
 
-PROBE_REVISION = 2
+PROBE_REVISION = 3
 """How the probes measure, counted up when a change would make a cached point differ from a new one at the same
-version: 2 (2026-12-06) decoding timed on the steady heap and the built-in GPT's KV cache in autocast's dtype."""
+version: 2 (2026-12-06) decoding timed on the steady heap and the built-in GPT's KV cache in autocast's dtype; 3
+(2026-12-07) a probe's child that crashed is an error, no longer an out-of-memory point."""
 
 
 def versions() -> dict[str, str]:
@@ -164,12 +220,29 @@ def versions() -> dict[str, str]:
 
     from microbatch import __version__
 
-    return {
+    out = {
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "microbatch": __version__,
         "probes": str(PROBE_REVISION),
     }
+    transformers = sys.modules.get("transformers")  # its models' kernels and defaults (loaded only if in use)
+    if transformers is not None:
+        out["transformers"] = str(getattr(transformers, "__version__", "?"))
+    return out
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA")
+"""Environment variables that change how a CPU probe computes (its threads, its kernels), in the key."""
+
+
+def host_identity() -> dict[str, Any]:
+    """What of this process's setting changes a CPU measurement and the device's name does not say: the cores it may
+    use (its affinity, not the machine's count: ``taskset -c 0`` ran a run's points again as cached) and
+    :data:`THREAD_ENV`."""
+    from microbatch.hardware import usable_cores
+
+    return {"cores": usable_cores(), "env": {k: os.environ[k] for k in THREAD_ENV if k in os.environ}}
 
 
 def class_name(model: Any) -> str:
@@ -180,9 +253,20 @@ def class_name(model: Any) -> str:
 
 
 def module_fingerprint(model: Any) -> str:
-    """A hash of a module's structure: its class, repr and parameter shapes and dtypes."""
+    """A hash of a module's structure: its class, repr, parameter shapes, dtypes and which are trained
+    (``requires_grad``: freezing half the layers ran as cached, 19% slower in truth), and a Hugging Face model's
+    config, attention implementation and gradient checkpointing (neither is in its repr)."""
     h = hashlib.sha256(type(model).__name__.encode())
     h.update(repr(model).encode())
     for name, p in model.named_parameters():
-        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}{p.requires_grad}".encode())
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if callable(to_json):
+        try:
+            h.update(str(to_json()).encode())
+        except Exception:  # noqa: BLE001 - a config that does not serialise: its class stands for it
+            h.update(type(config).__name__.encode())
+        h.update(str(getattr(config, "_attn_implementation", None)).encode())
+    h.update(str(getattr(model, "is_gradient_checkpointing", None)).encode())
     return h.hexdigest()[:16]

@@ -17,7 +17,14 @@ from typing import Any
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.knee import recommend_measured
 from microbatch.choose.result import CacheUse, TuneResult
-from microbatch.choose.tune.cache import cache_dir, cache_key, load_points, save_points, versions
+from microbatch.choose.tune.cache import (
+    cache_dir,
+    cache_key,
+    host_identity,
+    load_points,
+    save_points,
+    versions,
+)
 from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.confirm import confirm_knee
 from microbatch.choose.tune.probing import Prober, device_name
@@ -80,9 +87,10 @@ def run_search(
             global_batch=choice.global_batch,
             data_parallel=choice.data_parallel,
             versions=vers,
+            host=host_identity() if device == "cpu" else None,
         )
     )
-    cache = _PointCache(fields, bool(search_config.use_cache))
+    cache = _PointCache(fields, bool(search_config.use_cache), choice.memory_budget_bytes)
     log = SearchLog()
     points = _search_and_confirm(cache.measuring(prober), prober, search_config, choice, log, on_point, cache)
     try:
@@ -122,16 +130,21 @@ class _PointCache:
     """The points known for one cache key: read before the search, written after each probe (none,
     and no key, for a run that cannot be keyed: ``fields`` None)."""
 
-    def __init__(self, fields: dict[str, Any] | None, enabled: bool) -> None:
+    def __init__(
+        self, fields: dict[str, Any] | None, enabled: bool, budget_bytes: float | None = None
+    ) -> None:
         self.key = "" if fields is None else cache_key(fields)
         self.fields, self.enabled = fields or {}, enabled and fields is not None
+        self.budget = budget_bytes  # the limit this run's points meet (cache.holds_under)
         self.stamps: dict[tuple[int, bool], float] = {}
-        self.known = load_points(self.key, self.stamps) if self.enabled else {}
+        self.known = load_points(self.key, self.stamps, budget_bytes) if self.enabled else {}
+        # a point read back holds under this budget (holds_under): saved again with it, the smaller claim
+        self.budgets: dict[tuple[int, bool], float | None] = {k: budget_bytes for k in self.known}
         self.from_cache = set(self.known)  # what was measured before this run
         self.unsaved: str | None = None  # why the cache could not be written, the first time
 
     def save(self) -> None:
-        why = save_points(self.key, self.fields, self.known, self.stamps)
+        why = save_points(self.key, self.fields, self.known, self.stamps, self.budgets)
         self.unsaved = self.unsaved or why
 
     def notes(self) -> tuple[str, ...]:
@@ -153,6 +166,7 @@ class _PointCache:
             if self.enabled:
                 self.known[(b, ckpt)] = m
                 self.stamps[(b, ckpt)] = time.time()
+                self.budgets[(b, ckpt)] = self.budget
                 self.save()
             return m
 
@@ -162,6 +176,7 @@ class _PointCache:
         """Save ``points`` over those known (a repeated tune reads the confirmed, median, points)."""
         if self.enabled:
             self.known.update({(p.micro_batch, p.checkpointing): p for p in points})
+            self.budgets.update({(p.micro_batch, p.checkpointing): self.budget for p in points})
             self.save()
 
     def use(self, points: list[Measurement]) -> CacheUse | None:
