@@ -109,8 +109,9 @@ def cmd(
         "weight_time": weight_time,
     }
     _check_before_work(
-        spec, stages, microbatches, virtual, given, comm_time, stage_times, svg_path, png_path, force
-    )
+        spec, stages, microbatches, virtual, given, comm_time, stage_times, svg_path, png_path, force,
+        with_intervals and as_json,
+    )  # fmt: skip
     _note_flags(spec, given, with_intervals and not as_json, notes)
     _note_explicit_entries(spec, given, stage_times, notes)
     too_tall = diagram_rows_note(stages)
@@ -223,15 +224,17 @@ def _check_before_work(
     svg_path: str | None,
     png_path: str | None,
     force: bool,
+    with_intervals: bool = False,
 ) -> None:
-    """Everything that can be checked before the work: sizes, times, output paths."""
+    """Everything that can be checked before the work: sizes, times, output paths, what is drawn or listed."""
     from microbatch.commands._common import check_output_file
     from microbatch.commands._outputs import same_file
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
     from microbatch.commands._texts import CLOSED_FORM
     from microbatch.errors import ConfigError
-    from microbatch.schedules.limits import check_simulable
+    from microbatch.schedules.limits import check_simulable, count_actions
     from microbatch.schedules.registry import check_servable
+    from microbatch.show.timeline import MAX_CHART_ACTIONS
 
     check_servable(spec.name, stages, microbatches, virtual)
     check_simulable(spec.name, stages, microbatches, virtual, closed_form=CLOSED_FORM)
@@ -249,6 +252,17 @@ def _check_before_work(
         raise ConfigError(
             f"--{'svg' if svg_path else 'png'}: p = {stages:,} ranks is over the chart limit of {MAX_DIAGRAM_RANKS:,} "
             "rows (one per rank; at p = 2,000 a PNG took 46 s); draw a smaller p, or leave the chart out"
+        )
+    drawn = [
+        flag for flag, on in (("--svg", svg_path), ("--png", png_path), ("--intervals", with_intervals)) if on
+    ]
+    ops = count_actions(spec.name, stages, microbatches, virtual)
+    if drawn and ops > MAX_CHART_ACTIONS:
+        raise ConfigError(
+            f"{' and '.join(drawn)}: this schedule has {ops:,} ops, over the limit of {MAX_CHART_ACTIONS:,} a chart "
+            "or the op list is made of (at 1,000,000 ops an SVG was 144 MB, the --intervals JSON 115 MB); draw "
+            "a smaller m or p to see the shape (the bubble fraction is the same form), or leave them out: the "
+            "numbers are simulated whole"
         )
 
 

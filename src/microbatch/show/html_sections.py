@@ -34,7 +34,7 @@ from microbatch.show.html_parts import (
     table,
 )
 from microbatch.show.pipeline_report import shared_span_ms
-from microbatch.show.timeline import Row, normalize_rows
+from microbatch.show.timeline import MAX_CHART_ACTIONS, Row, normalize_rows
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -278,6 +278,15 @@ def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     ]
     figs: list[Figure] = []
     tl = res.get("timeline") or res.get("intervals")
+    ops = (
+        sum(len(rank) for rank in tl) if isinstance(tl, list) and all(isinstance(r, list) for r in tl) else 0
+    )
+    if ops > MAX_CHART_ACTIONS:  # a report of a 1,000,000-op file took 99 s and made a 217 MB page
+        parts.append(
+            f"<p>Its {ops:,} ops are not drawn (over {MAX_CHART_ACTIONS:,}); simulate a smaller m or p to see "
+            "the shape.</p>"
+        )
+        tl = None
     if tl:
         forward = (res.get("times") or {}).get("forward")
         # one forward time, or a stage's each (--stage-times): the unit is then the first stage's forward

@@ -16,10 +16,17 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+MAX_CHART_ACTIONS = 100_000
+"""Most ops (boxes) an SVG or PNG chart, or ``--intervals``, is made of: at p = 4, m = 125,000 (1,000,000 ops) the SVG
+was 144 MB and took 10 s and 1.1 GB, a PNG 22-37 s, ``--json --intervals`` 115 MB on stdout, and a ``report`` of that
+file 99 s and a 217 MB page (a helper's runs, 2 cores); a tenth of that draws in about a second. The numbers need no
+chart: the simulation itself goes to :data:`~microbatch.schedules.limits.MAX_SIMULATED_ACTIONS`."""
+
 _ACTION_TEXT = re.compile(r"\d*([A-Za-z])(\d+)")
 """An action as text: stage, kind letter, micro-batch (``"2F0"``)."""
 
 __all__ = [
+    "MAX_CHART_ACTIONS",
     "Row",
     "KIND_NAMES",
     "KIND_COLORS",
