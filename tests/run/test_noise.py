@@ -405,3 +405,14 @@ def test_a_gradient_in_pieces_falls_back_to_the_first_micro_batch():
     assert hook.steps == 1
     assert hook.estimate.g_sq == pytest.approx(expect.g_sq, rel=1e-10)
     assert hook.estimate.trace_sigma == pytest.approx(expect.trace_sigma, rel=1e-10)
+
+
+def test_cli_says_a_long_step_is_running(monkeypatch, capsys):
+    """One line a step: a step of many micro-batches (-B 1000 -b 1: 29 s on a small CPU) said nothing until it
+    ended; now a line every HEARTBEAT_S while it runs."""
+    from microbatch.cli import main
+    from microbatch.commands import _heartbeat
+
+    monkeypatch.setattr(_heartbeat, "HEARTBEAT_S", 0.05)
+    assert main(["noise", "--model", "tiny", "--seq", "16", "-B", "48", "-b", "1", "--steps", "1"]) == 0
+    assert "noise: measuring step 1/1 (48 micro-batches of 1) [" in capsys.readouterr().err

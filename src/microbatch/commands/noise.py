@@ -119,21 +119,31 @@ def cmd(
     batches, loss_fn = _random_tokens(shape, global_batch, steps, seed)
     t0 = time.perf_counter()
 
+    from microbatch.commands._heartbeat import Heartbeat
+
+    g = -(-global_batch // micro_batch)  # micro-batches a step
+    beat = Heartbeat(  # a step of many micro-batches runs minutes: said while it runs, not only when it ends
+        f"noise: measuring step 1/{steps} ({g:,} micro-batches of {micro_batch})",
+        f"noise: measuring the next step ({g:,} micro-batches)",
+    )
+
     def on_step(est: NoiseEstimate) -> None:  # one line per step on stderr, a terminal or not
+        beat.news()
         b = f"{est.b_simple:,.0f} tokens" if math.isfinite(est.b_simple) else "not resolved yet"
         progress(f"noise: step {est.steps}/{steps} measured, B_simple {b} [{time.perf_counter() - t0:.1f} s]")
 
     setting = {"model": shape.name, "seq": s, "global_batch": global_batch, "micro_batch": micro_batch}
     try:
-        final, history = measure_noise_scale(
-            model,
-            batches,
-            loss_fn,
-            micro_batch_size=micro_batch,
-            count_fn=lambda tokens: tokens.shape[0] * (s - 1),
-            decay=decay,
-            on_step=on_step,
-        )
+        with beat:
+            final, history = measure_noise_scale(
+                model,
+                batches,
+                loss_fn,
+                micro_batch_size=micro_batch,
+                count_fn=lambda tokens: tokens.shape[0] * (s - 1),
+                decay=decay,
+                on_step=on_step,
+            )
     except NoiseInterrupted as e:  # Ctrl-C: the steps measured are kept and printed, exit 130
         result = _result(setting, decay, e.final, e.history, steps_asked=steps)
         emit(result, as_json, lambda: render_noise(result, steps="--steps"))
