@@ -239,15 +239,7 @@ def cmd(
         efficiency=efficiency,
         **expert_layout,
     )
-    from microbatch.commands._heartbeat import Heartbeat
-
-    which = "the candidates" if len(gpus) == 1 else f"the candidates of {len(gpus)} accelerators"
-    with Heartbeat(  # a search of many b_m, stages or accelerators takes seconds: said, not silent
-        f"plan: searching {which}",
-        "plan: still searching",
-        every_s=PLAN_HEARTBEAT_S,
-    ):
-        plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
+    plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
     if gpu_set and len(gpus) > 1:  # one override for several accelerators: say it, it may be meant for one
         out["notes"], render = _shared_override(gpu_set, gpus, render)
@@ -376,6 +368,19 @@ PLAN_HEARTBEAT_S = 5.0
 
 
 def _plans(
+    cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None, named_kernel: bool = False,
+    loss_kernel: str | None = None,
+) -> tuple[list[Plan], list[AppliedCalibration]]:  # fmt: skip
+    """:func:`_planned`, said on stderr every :data:`PLAN_HEARTBEAT_S` of search (a search of many b_m, stages or
+    accelerators takes seconds)."""
+    from microbatch.commands._heartbeat import Heartbeat
+
+    which = "the candidates" if len(gpus) == 1 else f"the candidates of {len(gpus)} accelerators"
+    with Heartbeat(f"plan: searching {which}", "plan: still searching", every_s=PLAN_HEARTBEAT_S):
+        return _planned(cfg, gpus, calibration, named_kernel, loss_kernel)
+
+
+def _planned(
     cfg: PlanConfig, gpus: list[Accelerator], calibration: str | None, named_kernel: bool = False,
     loss_kernel: str | None = None,
 ) -> tuple[list[Plan], list[AppliedCalibration]]:  # fmt: skip

@@ -108,10 +108,8 @@ def cmd(
         "input_time": input_time,
         "weight_time": weight_time,
     }
-    _check_before_work(
-        spec, stages, microbatches, virtual, given, comm_time, stage_times, svg_path, png_path, force,
-        with_intervals and as_json,
-    )  # fmt: skip
+    drawn = (svg_path, png_path, with_intervals and as_json)
+    _check_before_work(spec, stages, microbatches, virtual, given, comm_time, stage_times, drawn, force)
     _note_flags(spec, given, with_intervals and not as_json, notes)
     _note_explicit_entries(spec, given, stage_times, notes)
     too_tall = diagram_rows_note(stages)
@@ -221,12 +219,12 @@ def _check_before_work(
     given: dict[str, float | None],
     comm_time: float,
     stage_times: str | None,
-    svg_path: str | None,
-    png_path: str | None,
+    drawn: tuple[str | None, str | None, bool],
     force: bool,
-    with_intervals: bool = False,
 ) -> None:
-    """Everything that can be checked before the work: sizes, times, output paths, what is drawn or listed."""
+    """Everything that can be checked before the work: sizes, times, output paths, what is drawn or listed
+    (``drawn``: the SVG's path, the PNG's, whether every op is listed)."""
+    svg_path, png_path, with_intervals = drawn
     from microbatch.commands._common import check_output_file
     from microbatch.commands._outputs import same_file
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
@@ -253,13 +251,13 @@ def _check_before_work(
             f"--{'svg' if svg_path else 'png'}: p = {stages:,} ranks is over the chart limit of {MAX_DIAGRAM_RANKS:,} "
             "rows (one per rank; at p = 2,000 a PNG took 46 s); draw a smaller p, or leave the chart out"
         )
-    drawn = [
+    flags = [
         flag for flag, on in (("--svg", svg_path), ("--png", png_path), ("--intervals", with_intervals)) if on
     ]
     ops = count_actions(spec.name, stages, microbatches, virtual)
-    if drawn and ops > MAX_CHART_ACTIONS:
+    if flags and ops > MAX_CHART_ACTIONS:
         raise ConfigError(
-            f"{' and '.join(drawn)}: this schedule has {ops:,} ops, over the limit of {MAX_CHART_ACTIONS:,} a chart "
+            f"{' and '.join(flags)}: this schedule has {ops:,} ops, over the limit of {MAX_CHART_ACTIONS:,} a chart "
             "or the op list is made of (at 1,000,000 ops an SVG was 144 MB, the --intervals JSON 115 MB); draw "
             "a smaller m or p to see the shape (the bubble fraction is the same form), or leave them out: the "
             "numbers are simulated whole"
