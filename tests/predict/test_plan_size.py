@@ -79,3 +79,26 @@ def test_plan_says_it_is_searching_when_it_takes_seconds(monkeypatch, capsys):
     assert main(["plan", "--model", "gpt2", "--gpu", "a100-80gb,h100-sxm", "-B", "16", "--json"]) == 0
     err = capsys.readouterr().err
     assert "plan: searching the candidates of 2 accelerators [" in err
+
+
+def test_the_zero_rows_of_one_schedule_share_one_simulation(monkeypatch):
+    """An uneven split simulates every candidate (up to 50): the ZeRO stages of one (b_m, schedule, v, recompute)
+    have the same stage times, so one simulation serves them all, and the plan is the same."""
+    from microbatch.predict import candidate as candidate_module
+
+    cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=H100, global_batch=64, data_parallel=4, pipeline_parallel=4,
+                     layers_per_stage=(7, 8, 8, 9), micro_batches=(1, 2), recompute=("none", "full"))  # fmt: skip
+    plain = plan_module.make_plan(cfg)
+    calls = []
+    real = candidate_module._simulated
+    monkeypatch.setattr(candidate_module, "_simulated", lambda ctx, c: calls.append(c) or real(ctx, c))
+    shared = plan_module.make_plan(cfg)
+    keys = {
+        (c.schedule, c.microbatches, c.virtual, c.micro_batch, c.recompute)
+        for c in shared.candidates
+        if c.simulated
+    }
+    assert len(calls) == len(keys) < sum(c.simulated for c in shared.candidates)
+    assert [(c.step_time_s, c.zero) for c in shared.candidates] == [
+        (c.step_time_s, c.zero) for c in plain.candidates
+    ]

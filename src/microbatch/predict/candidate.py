@@ -266,13 +266,32 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
     if p == 1:
         return c
     from microbatch.schedules.limits import count_actions
-    from microbatch.schedules.registry import generate
-    from microbatch.schedules.simulate import simulate
 
     if count_actions(c.schedule, p, c.microbatches, c.virtual) > PLAN_SIMULATED_ACTIONS:
         return c
+    key = (c.schedule, c.microbatches, c.virtual, c.micro_batch, c.recompute)
+    hit = ctx.sim_cache.get(key)
+    if hit is None:  # the ZeRO rows of one (b_m, schedule, v, recompute) share it: simulated once
+        hit = ctx.sim_cache[key] = _simulated(ctx, c)
+    pipe, fraction = hit
+    step = pipe + sum(c.time[k] for k in ("dp_comm_s", "zero_comm_s", "optimizer_s", "fp8_weight_cast_s"))
+    time = dict(c.time, pipeline_s=pipe, bubble_s=pipe * fraction, simulated_idle=fraction)
+    return replace(
+        c,
+        step_time_s=step,
+        tokens_per_s=cfg.global_batch * cfg.seq_len / step,
+        mfu=model_flops / (step * cfg.num_gpus * ctx.peak_flops),
+        time=time,
+        simulated=True,
+    )
 
-    v = c.virtual
+
+def _simulated(ctx: Context, c: Candidate) -> tuple[float, float]:
+    """(makespan, bubble fraction) of ``c``'s schedule simulated on its per-stage times."""
+    from microbatch.schedules.registry import generate
+    from microbatch.schedules.simulate import simulate
+
+    p, v = ctx.cfg.pipeline_parallel, c.virtual
     if p > 1 and get_spec(c.schedule).placement == "v":  # per virtual stage already (DualPipeV)
         tm = _v_stage_times(ctx, c.micro_batch, c.recompute)
         f, i_, w = tm.f, tm.i, tm.w
@@ -288,16 +307,4 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
         res = simulate(sched, forward_time=f, input_time=i_, weight_time=w)
     else:
         res = simulate(sched, forward_time=f, backward_time=[a + b for a, b in zip(i_, w, strict=True)])
-    pipe = res.makespan
-    step = pipe + sum(c.time[k] for k in ("dp_comm_s", "zero_comm_s", "optimizer_s", "fp8_weight_cast_s"))
-    time = dict(
-        c.time, pipeline_s=pipe, bubble_s=pipe * res.bubble_fraction, simulated_idle=res.bubble_fraction
-    )
-    return replace(
-        c,
-        step_time_s=step,
-        tokens_per_s=cfg.global_batch * cfg.seq_len / step,
-        mfu=model_flops / (step * cfg.num_gpus * ctx.peak_flops),
-        time=time,
-        simulated=True,
-    )
+    return res.makespan, res.bubble_fraction

@@ -141,6 +141,9 @@ class Context:
     """Per (v, V placement): :func:`moe_blocks`."""
     param_cache: dict[tuple[int, bool], Any] = field(default_factory=dict)
     """Per (v, V placement): :class:`ParamTables` (:func:`param_tables`)."""
+    sim_cache: dict[tuple[str, int, int, int, str], tuple[float, float]] = field(default_factory=dict)
+    """Per (schedule, m, v, b_m, recompute): the simulated pipeline's (makespan, bubble fraction), which its stage
+    times fix and the ZeRO stage does not (:func:`~microbatch.predict.candidate.with_simulation`)."""
     bw_dp: float = 0.0
     """Achieved bytes/s of the data-parallel group (link bandwidth × network efficiency)."""
     bw_zero: float = 0.0
