@@ -249,3 +249,25 @@ def test_two_tunes_saving_at_once_write_files_of_their_own(tmp_path, monkeypatch
         t.join()
     assert failures == [] and len(load_points("k")) == 199
     assert [p.name for p in tmp_path.iterdir()] == ["tune-k.json"]  # no file of a save left behind
+
+
+def test_a_hugging_face_models_attention_and_checkpointing_are_in_its_fingerprint():
+    """Its repr shows neither: a GPT-2 with sdpa, with eager attention and with checkpointing on had one hash. Read
+    without transformers' warning on the renamed attribute (a test that turns warnings into errors failed on it)."""
+    transformers = pytest.importorskip("transformers")
+    from microbatch.choose.tune.cache import module_fingerprint
+
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = module_fingerprint(model)
+        model.config._attn_implementation = "eager"
+        eager = module_fingerprint(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the enabling call's own deprecation warning, in transformers 5
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len({first, eager, module_fingerprint(model)}) == 3

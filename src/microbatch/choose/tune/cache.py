@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -268,5 +269,10 @@ def module_fingerprint(model: Any) -> str:
         except Exception:  # noqa: BLE001 - a config that does not serialise: its class stands for it
             h.update(type(config).__name__.encode())
         h.update(str(getattr(config, "_attn_implementation", None)).encode())
-    h.update(str(getattr(model, "is_gradient_checkpointing", None)).encode())
+    with warnings.catch_warnings():  # transformers renamed it (is_activation_checkpointing) and warns on the old name
+        warnings.simplefilter("ignore")
+        ckpt = getattr(model, "is_activation_checkpointing", None)
+        if ckpt is None:
+            ckpt = getattr(model, "is_gradient_checkpointing", None)
+    h.update(str(ckpt).encode())
     return h.hexdigest()[:16]
