@@ -257,7 +257,9 @@ def test_a_hugging_face_models_attention_and_checkpointing_are_in_its_fingerprin
     transformers = pytest.importorskip("transformers")
     from microbatch.choose.tune.cache import module_fingerprint
 
-    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -266,7 +268,9 @@ def test_a_hugging_face_models_attention_and_checkpointing_are_in_its_fingerprin
         eager = module_fingerprint(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the enabling call's own deprecation warning, in transformers 5
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
         enable()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

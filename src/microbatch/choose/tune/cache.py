@@ -269,7 +269,9 @@ def module_fingerprint(model: Any) -> str:
         except Exception:  # noqa: BLE001 - a config that does not serialise: its class stands for it
             h.update(type(config).__name__.encode())
         h.update(str(getattr(config, "_attn_implementation", None)).encode())
-    with warnings.catch_warnings():  # transformers renamed it (is_activation_checkpointing) and warns on the old name
+    with (
+        warnings.catch_warnings()
+    ):  # transformers renamed it (is_activation_checkpointing) and warns on the old name
         warnings.simplefilter("ignore")
         ckpt = getattr(model, "is_activation_checkpointing", None)
         if ckpt is None:
