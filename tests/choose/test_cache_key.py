@@ -189,7 +189,7 @@ def test_an_out_of_memory_point_holds_only_under_a_budget_no_larger(tmp_path, mo
     """An out-of-memory at 400 MiB came back '(cached)' at 2 GiB, and the run then said to raise the budget it had
     just raised. A point the limit shaped (out of memory, or timed on the tracking heap) holds under a budget no
     larger than the one it met; one the limit did not touch holds under any."""
-    from microbatch.choose.tune.cache import holds_under, load_points, save_points
+    from microbatch.choose.tune.cache import _umask, holds_under, load_points, save_points
     from microbatch.measure.probes import Measurement
 
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
@@ -202,6 +202,15 @@ def test_an_out_of_memory_point_holds_only_under_a_budget_no_larger(tmp_path, mo
     assert set(load_points("k", budget_bytes=300 * 2**20)) == set(points)  # a smaller one: they still hold
     assert set(load_points("k", budget_bytes=None)) == {(64, False)}  # no limit at all
     assert not holds_under({"oom": True}, 1.0)  # saved before budgets were: measured again
+    assert holds_under({"oom": True, "budget_bytes": None}, None) and holds_under(
+        {"oom": True, "budget_bytes": None}, 1.0
+    )
+    # read back under a smaller budget and saved again, a point keeps the budget it met, not the smaller one
+    budgets: dict = {}
+    kept = load_points("k", budget_bytes=300 * 2**20, budgets=budgets)
+    save_points("k", {}, kept, budgets=budgets)
+    assert set(load_points("k", budget_bytes=400 * 2**20)) == set(points)
+    assert (tmp_path / "tune-k.json").stat().st_mode & 0o777 == 0o666 & ~_umask()  # mkstemp's 0600 widened
 
 
 @pytest.mark.parametrize(

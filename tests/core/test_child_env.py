@@ -33,3 +33,13 @@ def test_a_child_sees_the_standard_librarys_json_accelerator_not_the_packages_mo
     c_scanner, no_errors_module, where = out.stdout.split()
     assert (c_scanner, no_errors_module) == ("True", "True"), out
     assert Path(where).resolve() == Path(microbatch.__file__).resolve()
+
+
+def test_an_installed_package_leaves_the_path_as_it_is(monkeypatch):
+    """Installed, the package's folder is a site-packages folder the child searches anyway; put first, it came before
+    the standard library (a ``fractions.py`` there shadowed the standard one in every probe: a helper's run)."""
+    from microbatch import child_env
+
+    monkeypatch.setattr(child_env, "_site_folders", lambda: {package_root()})
+    assert with_package_on_path({"PYTHONPATH": "/a"}) == {"PYTHONPATH": "/a"}
+    assert "PYTHONPATH" not in with_package_on_path({})

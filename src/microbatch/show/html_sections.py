@@ -278,9 +278,8 @@ def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     ]
     figs: list[Figure] = []
     tl = res.get("timeline") or res.get("intervals")
-    ops = (
-        sum(len(rank) for rank in tl) if isinstance(tl, list) and all(isinstance(r, list) for r in tl) else 0
-    )
+    drawn = normalize_rows(tl) if tl else []  # whatever form the file holds them in
+    ops = sum(len(rank) for rank in drawn)
     if ops > MAX_CHART_ACTIONS:  # a report of a 1,000,000-op file took 99 s and made a 217 MB page
         parts.append(
             f"<p>Its {ops:,} ops are not drawn (over {MAX_CHART_ACTIONS:,}); simulate a smaller m or p to see "
@@ -296,7 +295,7 @@ def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
         unit = res.get("time_unit") or (
             f"{name} = {first:g}" if isinstance(first, int | float) and first else ""
         )
-        rows = _zeroed(normalize_rows(tl), 1.0)
+        rows = _zeroed(drawn, 1.0)
         span = max((r[1] for rank in rows for r in rank), default=1.0)
         figs.append(
             _bubble(

@@ -541,14 +541,31 @@ def test_the_layer_check_before_the_ranks_is_bounded_by_the_deadline(monkeypatch
     """The check that the factory's layers chain ran the user's forward with no deadline: a layer that hangs held
     the launcher past --timeout + 60 s (a helper's run, still hung at 60 s with --timeout 10) while every later
     phase stops at the deadline."""
-    monkeypatch.setattr(PipelineConfig, "deadline", lambda self, given_s=None: (2.0, ""))
     run = resolve(PipelineConfig(model=f"{HERE}:hangs", global_batch=16))
     t0 = time.monotonic()
     with pytest.raises(
-        PipelineError, match=r"checking the model's layers on one micro-batch passed its deadline"
+        PipelineError, match=r"checking the model's layers on one micro-batch passed its deadline of 2 s"
     ):
-        fit.check_fits(run, available=24 * GIB, flops_per_s=1e9)
+        fit.check_fits(
+            run, available=24 * GIB, flops_per_s=1e9, deadline_s=2.0
+        )  # the caller's deadline, passed on
     assert time.monotonic() - t0 < 20
+
+
+def test_the_layer_check_leaves_a_timer_the_caller_had_running():
+    """The check's guard set the process's real-time timer to 0 on its way out: a caller's (pytest-timeout's signal
+    method) 500 s read (0.0, 0.0) afterwards."""
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: fired.append(a))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 500.0)
+        fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:stack", global_batch=16)), available=24 * GIB,
+                       flops_per_s=1e9)  # fmt: skip
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 400 < left <= 500 and fired == []
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_the_scheduler_probes_busy_loops_ignore_ctrl_c_and_none_outlives_an_interrupt(monkeypatch):
@@ -597,7 +614,7 @@ def raises_its_own():  # a layer whose forward raises an error of its own
 def test_a_layer_that_raises_its_own_error_is_not_called_a_size_mismatch():
     """The check's advice was "make consecutive layers' sizes match" whatever the layer raised."""
     with pytest.raises(
-        ConfigError, match=r"ValueError: this layer refuses odd batches\); the layer raised it itself"
+        ConfigError, match=r"ValueError: this layer refuses odd batches\); if it is not a mismatch of sizes"
     ) as e:
         fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:raises_its_own", global_batch=16)), available=24 * GIB,
                        flops_per_s=1e9)  # fmt: skip

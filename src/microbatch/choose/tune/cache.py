@@ -14,6 +14,7 @@ keeps when it was measured (``measured_at``) so that an answer served from the c
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -64,10 +65,14 @@ Stamps = dict[tuple[int, bool], float]
 """When each point was measured (seconds since the epoch), by (b_m, checkpointing)."""
 
 
-def load_points(key: str, stamps: Stamps | None = None, budget_bytes: float | None = None) -> Points:
+def load_points(
+    key: str, stamps: Stamps | None = None, budget_bytes: float | None = None,
+    budgets: dict[tuple[int, bool], float | None] | None = None,
+) -> Points:  # fmt: skip
     """The points saved under ``key`` that still hold under the memory budget ``budget_bytes``
     (:func:`holds_under`), each well formed (:func:`well_formed`; none when the file is missing or unreadable);
-    when each was measured goes into ``stamps`` if given (points saved before stamps existed: the file's time)."""
+    when each was measured goes into ``stamps`` if given (points saved before stamps existed: the file's time), and
+    the budget each met into ``budgets``, to be saved again as it was."""
     path = cache_dir() / f"tune-{key}.json"
     try:
         data = loads(path.read_text())
@@ -81,6 +86,10 @@ def load_points(key: str, stamps: Stamps | None = None, budget_bytes: float | No
                 at = d.get("measured_at")
                 key_ = (int(d["micro_batch"]), bool(d.get("checkpointing")))
                 stamps[key_] = float(at) if isinstance(at, (int, float)) else saved
+        if budgets is not None:
+            budgets.update(
+                {(int(d["micro_batch"]), bool(d.get("checkpointing"))): d.get("budget_bytes") for d in rows}
+            )
         return points
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
@@ -94,7 +103,11 @@ def holds_under(row: Mapping[str, Any], budget_bytes: float | None) -> bool:
     smaller budget is left out by its peak)."""
     if not (row.get("oom") or row.get("timed_heap") == "tracking"):
         return True
-    then = row.get("budget_bytes")
+    if "budget_bytes" not in row:  # saved before budgets were: measured again
+        return False
+    then = row["budget_bytes"]
+    if then is None:  # met with no limit: it holds under none, and under any
+        return True
     return budget_bytes is not None and isinstance(then, (int, float)) and then >= budget_bytes
 
 
@@ -142,6 +155,7 @@ def save_points(
     try:
         d.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f"tune-{key}.", suffix=".tmp")  # two tunes never share one
+        os.fchmod(fd, 0o666 & ~_umask())  # as a file written plainly would be (mkstemp's is 0600)
         with os.fdopen(fd, "w") as f:
             f.write(dumps({"key": fields, "points": rows}))
         os.replace(tmp, d / f"tune-{key}.json")
@@ -150,6 +164,13 @@ def save_points(
             Path(tmp).unlink(missing_ok=True)
         return f"{d}: {e.strerror or e}"
     return None
+
+
+def _umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class CachedAnswer(UserWarning):
@@ -227,9 +248,10 @@ def versions() -> dict[str, str]:
         "microbatch": __version__,
         "probes": str(PROBE_REVISION),
     }
-    transformers = sys.modules.get("transformers")  # its models' kernels and defaults (loaded only if in use)
-    if transformers is not None:
-        out["transformers"] = str(getattr(transformers, "__version__", "?"))
+    try:  # its models' kernels and defaults, whether or not this process imported it yet
+        out["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
     return out
 
 

@@ -137,9 +137,8 @@ class _PointCache:
         self.fields, self.enabled = fields or {}, enabled and fields is not None
         self.budget = budget_bytes  # the limit this run's points meet (cache.holds_under)
         self.stamps: dict[tuple[int, bool], float] = {}
-        self.known = load_points(self.key, self.stamps, budget_bytes) if self.enabled else {}
-        # a point read back holds under this budget (holds_under): saved again with it, the smaller claim
-        self.budgets: dict[tuple[int, bool], float | None] = {k: budget_bytes for k in self.known}
+        self.budgets: dict[tuple[int, bool], float | None] = {}  # the budget each met: saved again as it was
+        self.known = load_points(self.key, self.stamps, budget_bytes, self.budgets) if self.enabled else {}
         self.from_cache = set(self.known)  # what was measured before this run
         self.unsaved: str | None = None  # why the cache could not be written, the first time
 
@@ -175,8 +174,11 @@ class _PointCache:
     def keep(self, points: list[Measurement]) -> None:
         """Save ``points`` over those known (a repeated tune reads the confirmed, median, points)."""
         if self.enabled:
+            for p in points:
+                k = (p.micro_batch, p.checkpointing)
+                if k not in self.from_cache:  # a point read back keeps the budget it met
+                    self.budgets[k] = self.budget
             self.known.update({(p.micro_batch, p.checkpointing): p for p in points})
-            self.budgets.update({(p.micro_batch, p.checkpointing): self.budget for p in points})
             self.save()
 
     def use(self, points: list[Measurement]) -> CacheUse | None:

@@ -127,7 +127,7 @@ class _Walk:
             except ProbeTimeoutError as e:  # a larger b_m takes longer still: the walk ends below it
                 raise StopSearch(str(e), params=e.params) from None
             except MeasurementError as e:  # its process crashed, or the model raised at this size
-                if not self.points:
+                if not any(not p.oom for p in self.points):  # no measured point stands below it
                     raise
                 raise StopSearch(f"{e}; the points below it stand", params=()) from None
             except BatchDidNotGrow as e:  # the data ran out past the points measured (else nothing stands)

@@ -26,6 +26,7 @@ loads only on first use of ``microbatch.run.accumulate``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,9 +38,9 @@ from microbatch.run.accumulate.agree import (
     check_can_agree as _check_can_agree,  # the name bench/bench_oom.py imports
 )
 from microbatch.run.accumulate.controller import MicroBatchController
-from microbatch.run.accumulate.grad_hooks import MicroBatchNorms
+from microbatch.run.accumulate.grad_hooks import MicroBatchNorms, Reading
 from microbatch.run.accumulate.microbatches import Batch, batch_rows, split, split_by_tokens
-from microbatch.run.accumulate.noise_step import NoiseStep, noise_update
+from microbatch.run.accumulate.noise_step import NoiseStep, noise_reading, noise_smalls, noise_update
 from microbatch.run.accumulate.oom import (
     free_memory,
     is_out_of_memory,
@@ -442,7 +443,7 @@ def _backward_each(
     out-of-memory caught under ``manual`` agreement (anything else propagates)."""
     losses: list[torch.Tensor] = []
     counts: list[Any] = []
-    smalls: list[tuple[float, float]] = []  # (items, |g|²) of each micro-batch's mean gradient, for noise
+    readings: list[tuple[Any, Reading | None]] = []  # (items, Σ|g|²) of each micro-batch, for noise
     hooks = MicroBatchNorms(params) if noise is not None and not is_fsdp(model) else None
     last = len(micro_batches) - 1
     try:
@@ -455,38 +456,18 @@ def _backward_each(
                 if empty and not backward_empty(loss_sum, scale, params):
                     loss_sum = torch.zeros_like(loss_sum.detach())
                 elif not empty:  # Tensor.backward carries no annotations in torch's stubs (it dispatches __torch_function__)
-                    (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
+                    with hooks.arming() if hooks is not None else contextlib.nullcontext():
+                        (loss_sum * scale if scale != 1.0 else loss_sum).backward()  # type: ignore[no-untyped-call]
             losses.append(loss_sum.detach())
             counts.append(n)
             del loss_sum
-            if noise is not None:
-                smalls += _noise_smalls(hooks, params, empty, to_float(n), scale, i == 0 and last > 0)
+            if noise is not None and not empty:
+                readings.append((n, noise_reading(hooks, params, i == 0 and last > 0)))
     except Exception as e:
         if not (manual and is_out_of_memory(e)):
             raise
-        return losses, counts, smalls, short_error(e)  # the text only: the frames hold the failed tensors
+        return losses, counts, [], short_error(e)  # the text only: the frames hold the failed tensors
     finally:
         if hooks is not None:
             hooks.close()
-    return losses, counts, smalls, None
-
-
-def _noise_smalls(
-    hooks: MicroBatchNorms | None, params: list[Any], empty: bool, items: float, scale: float, first: bool
-) -> list[tuple[float, float]]:  # fmt: skip
-    """``[(items, |g|²)]`` of the micro-batch just run, its gradient divided by its items, or ``[]``.
-
-    ``hooks`` (:class:`~microbatch.run.accumulate.grad_hooks.MicroBatchNorms`) read every micro-batch's own
-    gradient as autograd passes it (this rank's under DDP, the last micro-batch's and a lone one's too). Where they
-    are None (FSDP, whose every backward reduces over the ranks: :mod:`~microbatch.run.accumulate.noise_step`) or
-    could not read this one (a parameter's gradient in pieces), ``.grad`` after the step's first micro-batch holds its
-    gradient alone (the older gradients were set aside), unless it is also the last (synchronised under DDP):
-    ``first`` says it is the first and not the last."""
-    reading = hooks.take() if hooks is not None else None
-    if empty or items <= 0:
-        return []
-    if reading is None:
-        if not first:
-            return []
-        reading = grad_sq_norm(params)
-    return [(items, reading / (scale * items) ** 2)]
+    return losses, counts, noise_smalls(readings, scale), None

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from microbatch.run.accumulate.grad_hooks import MicroBatchNorms, Reading, settled
+from microbatch.run.accumulate.scaling import grad_sq_norm, to_float
 from microbatch.run.noise import GradientNoiseScale, g_sq_estimate, trace_sigma_estimate
 
-__all__ = ["NoiseStep", "noise_update"]
+__all__ = ["NoiseStep", "noise_reading", "noise_smalls", "noise_update"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,29 @@ def _pooled(step: NoiseStep, device: torch.device) -> tuple[float, float] | None
     if ranks < step.world or total <= 0:
         return None
     return total, sq * (step.world * n_r / total) ** 2
+
+
+def noise_reading(hooks: MicroBatchNorms | None, params: list[Any], first: bool) -> Reading | None:
+    """Σ |g|² of the micro-batch just run, still on its devices, or None.
+
+    ``hooks`` (:class:`~microbatch.run.accumulate.grad_hooks.MicroBatchNorms`) read every micro-batch's own
+    gradient as autograd passes it (this rank's under DDP, the last micro-batch's and a lone one's too). Where they
+    are None (FSDP, whose every backward reduces over the ranks: :mod:`~microbatch.run.accumulate.noise_step`) or
+    could not read this one (a parameter's gradient in pieces), ``.grad`` after the step's first micro-batch holds its
+    gradient alone (the older gradients were set aside), unless it is also the last (synchronised under DDP):
+    ``first`` says it is the first and not the last."""
+    reading = hooks.take() if hooks is not None else None
+    if reading is None and first:
+        return grad_sq_norm(params)
+    return reading
+
+
+def noise_smalls(readings: list[tuple[Any, Reading | None]], scale: float) -> list[tuple[float, float]]:
+    """``(items, |g|²)`` of each micro-batch's mean gradient (its Σ|g|² over (scale · items)²), read back once the
+    step's backwards are all queued; those with no reading or no items left out."""
+    out = []
+    for n, reading in readings:
+        items = to_float(n)
+        if reading is not None and items > 0:
+            out.append((items, settled(reading) / (scale * items) ** 2))
+    return out

@@ -222,9 +222,10 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
                     "each layer must take the previous layer's output (the first the token ids (b, s)): make "
                     "consecutive layers' sizes match, or, where a layer holds a table of positions (rotary, "
                     f"learned), give seq no longer than that table (seq is {seq} here)"
-                    if _about_sizes(e)
-                    else "the layer raised it itself, not a mismatch of sizes: fix the layer (its forward runs once "
-                    "here, on one micro-batch, before any rank starts)"
+                    if type(e)
+                    in (RuntimeError, IndexError, AssertionError)  # torch's words for sizes that differ
+                    else "if it is not a mismatch of sizes (the previous layer's output feeds it), fix the layer: "
+                    "its forward runs once here, on one micro-batch, before any rank starts"
                 )
                 raise ConfigError(
                     f"{where} fails on {got}, a tensor of shape {tuple(x.shape)} ({_one_line(e)}); {fix}",
@@ -243,13 +244,6 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
             f"loss needs logits ({batch}, {seq}, {vocab}), one score per token of the vocabulary "
             f"(nn.Embedding's {vocab}): end the model with a layer such as nn.Linear(hidden, {vocab})"
         )
-
-
-def _about_sizes(e: BaseException) -> bool:
-    """Whether ``e`` reads as torch's complaint about a tensor that does not fit the layer: torch raises a
-    ``RuntimeError`` for a matmul's shapes or a view's size and an ``IndexError`` for an embedding index past its table;
-    a ``ValueError``, ``TypeError``, ``AssertionError`` or a class of the user's is the layer's own."""
-    return type(e) in (RuntimeError, IndexError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -276,7 +270,7 @@ def check_fits(
     check_seed(cfg)
     from microbatch.run.pipeline.stage_profile import in_launcher
 
-    with in_launcher(run, "checking the model's layers on one micro-batch"):  # bounded as the ranks are
+    with in_launcher(run, "checking the model's layers on one micro-batch", deadline_s, "fix the model"):
         check_factory_forward(cfg)  # the model's layers chain, on one micro-batch: before any process
     shape = run.shape
     if shape is None:

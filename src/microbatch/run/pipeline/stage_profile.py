@@ -42,18 +42,26 @@ def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
 
 
 @contextmanager
-def in_launcher(run: ResolvedRun, what: str) -> Iterator[None]:
+def in_launcher(
+    run: ResolvedRun, what: str, deadline_s: float | None = None,
+    fix: str = "fix the model (predict=False runs it on the ranks without this step)",
+) -> Iterator[None]:  # fmt: skip
     """The user's model run in the launcher's own process, bounded as the ranks are: past the run's deadline
-    (``timeout_s`` plus the start-up allowance, :meth:`~microbatch.run.pipeline.config.PipelineConfig.deadline`)
-    a :class:`~microbatch.errors.PipelineError` (SIGALRM in the main thread: a forward stuck in Python ends, one
-    stuck in a native call when it returns), and an error of the model one line, not a traceback."""
+    (``deadline_s``, or ``timeout_s`` plus the start-up allowance,
+    :meth:`~microbatch.run.pipeline.config.PipelineConfig.deadline`) a :class:`~microbatch.errors.PipelineError`
+    (SIGALRM in the main thread: a forward stuck in Python ends, one stuck in a native call when it returns), and an
+    error of the model one line, not a traceback, with ``fix``. A timer the caller had running (a test runner's) is
+    set again afterwards with what is left of it."""
     import signal
     import threading
+    import time
 
     from microbatch.measure.device import short_error
 
-    seconds, _ = run.cfg.deadline()
+    seconds, _ = run.cfg.deadline(deadline_s)
     armed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    outer = signal.getitimer(signal.ITIMER_REAL) if armed else (0.0, 0.0)
+    t0 = time.monotonic()
 
     def expire(signum: int, frame: Any) -> None:
         raise PipelineError(
@@ -71,12 +79,14 @@ def in_launcher(run: ResolvedRun, what: str) -> Iterator[None]:
     except Exception as e:  # noqa: BLE001 - the user's model raised it
         raise PipelineError(
             f"{what} failed ({short_error(e)}): the model's forward or backward raised it on one process, before "
-            "any rank started; fix the model (predict=False runs it on the ranks without this step)"
+            f"any rank started; {fix}"
         ) from e
     finally:
         if armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            if outer[0] > 0:  # the caller's timer, less the time spent here (at least a tick: it still fires)
+                signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer[0] - (time.monotonic() - t0)), outer[1])
 
 
 def profile_stages(run: ResolvedRun, repeats: int = 7, idle_s: float = 0.0) -> dict[int, dict[str, float]]:
