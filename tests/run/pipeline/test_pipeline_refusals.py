@@ -619,3 +619,21 @@ def test_a_layer_that_raises_its_own_error_is_not_called_a_size_mismatch():
         fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:raises_its_own", global_batch=16)), available=24 * GIB,
                        flops_per_s=1e9)  # fmt: skip
     assert "sizes match" not in str(e.value)
+
+
+def test_three_taken_ports_leave_no_folder_behind(monkeypatch):
+    """The rendezvous port taken three times: the error was clear, but the run's temporary folder stayed behind,
+    unnamed (a helper's runs)."""
+    from microbatch.run.pipeline import launch
+
+    made = []
+    real = launch.tempfile.mkdtemp
+    monkeypatch.setattr(launch.tempfile, "mkdtemp", lambda **kw: made.append(real(**kw)) or made[-1])
+
+    def taken(*a, **kw):
+        raise launch._PortTaken()
+
+    monkeypatch.setattr(launch, "_launch_once", taken)
+    with pytest.raises(PipelineError, match="three free ports were taken"):
+        launch.run_resolved(resolve(PipelineConfig(stages=2, steps=1)))
+    assert len(made) == 1 and not os.path.exists(made[0])

@@ -227,6 +227,9 @@ def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> Pipeli
             break
         except _PortTaken:
             if attempt == 2:
+                shutil.rmtree(
+                    tmp, ignore_errors=True
+                )  # no rank ran: its logs say nothing (the error names none)
                 raise PipelineError(
                     "three free ports were taken before the ranks could bind them; retry, or run under torchrun "
                     "with --master-port"
