@@ -43,16 +43,22 @@ def test_the_measuring_hooks_keep_autograds_in_place_check():
 
 
 def _fake_run(deadline_s: float) -> SimpleNamespace:
-    return SimpleNamespace(cfg=SimpleNamespace(timeout_s=deadline_s, deadline=lambda: (deadline_s, "")))
+    return SimpleNamespace(
+        cfg=SimpleNamespace(timeout_s=deadline_s, deadline=lambda given_s=None: (given_s or deadline_s, ""))
+    )
 
 
 def test_the_launchers_own_run_of_the_model_has_the_deadline_and_one_line_errors():
+    before = signal.getitimer(signal.ITIMER_REAL)[0]  # a test runner's timer, where it uses one
     t0 = time.monotonic()
     with pytest.raises(PipelineError, match=r"profiling passed its deadline of 1 s"):
         with in_launcher(_fake_run(1.0), "profiling"):  # type: ignore[arg-type]
             time.sleep(30)
     assert time.monotonic() - t0 < 10
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the timer and handler put back
+    after = signal.getitimer(signal.ITIMER_REAL)[
+        0
+    ]  # the timer and handler put back, with what was left of it
+    assert after == 0.0 if before == 0.0 else 0.0 < after <= before
     with pytest.raises(
         PipelineError, match=r"profiling failed \(ValueError: bad layer\): the model's forward"
     ):
