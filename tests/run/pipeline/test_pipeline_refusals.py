@@ -117,6 +117,23 @@ def hangs():  # its middle layer never returns
     return nn.Sequential(nn.Embedding(64, 8), _Hangs(), nn.Linear(8, 64))
 
 
+class _Routes(torch.nn.Module):
+    """A layer whose forward needs its data (a MoE router's nonzero), which the meta device cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        chosen = (x.sum(-1) > 0).nonzero()
+        return self.lin(x) + 0 * chosen.numel()
+
+
+def routes():
+    nn = torch.nn
+    return nn.Sequential(nn.Embedding(64, 8), _Routes(), nn.Linear(8, 64))
+
+
 def returns_a_tuple():  # nn.GRU returns (output, hidden)
     nn = torch.nn
     return nn.Sequential(nn.Embedding(64, 8), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 64))
@@ -637,3 +654,10 @@ def test_three_taken_ports_leave_no_folder_behind(monkeypatch):
     with pytest.raises(PipelineError, match="three free ports were taken"):
         launch.run_resolved(resolve(PipelineConfig(stages=2, steps=1)))
     assert len(made) == 1 and not os.path.exists(made[0])
+
+
+def test_a_layer_that_needs_its_data_is_not_refused_by_the_check_on_the_meta_device():
+    """A router's ``nonzero`` (or ``.item()``) cannot run on the meta device the check builds the model on: such a
+    factory was refused with "make consecutive layers' sizes match" though it runs on the ranks."""
+    fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:routes", global_batch=16)), available=24 * GIB,
+                   flops_per_s=1e9)  # fmt: skip

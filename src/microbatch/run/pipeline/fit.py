@@ -218,6 +218,8 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
             except MicrobatchError:  # the deadline's (in_launcher), not the layer's fault
                 raise
             except Exception as e:  # noqa: BLE001 - the user's layer: any failure is named
+                if device == "meta" and (isinstance(e, NotImplementedError) or "meta" in str(e).lower()):
+                    return  # it needs data (nonzero, .item(): a MoE router): only the ranks can run it; not a fault
                 fix = (
                     "each layer must take the previous layer's output (the first the token ids (b, s)): make "
                     "consecutive layers' sizes match, or, where a layer holds a table of positions (rotary, "
