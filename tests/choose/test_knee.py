@@ -440,7 +440,16 @@ def test_choice_config_and_keywords_give_the_same_choice():
         ("rule", "elbow", r"knee rule 'elbow' is not known; use one of fraction, gain"),
         ("tolerance", 1.0, r"tolerance 1.0 must be a number in \[0, 1\), e.g. 0.15"),
         ("reference", "projected", r"reference 'projected' is not known; use one of measured, bound"),
-        ("memory_budget_bytes", 0, r"memory budget 0 must be a whole number of bytes > 0, e.g. 12GiB"),
+        (
+            "memory_budget_bytes",
+            0,
+            r"memory_budget_bytes 0 is not above zero; give a positive size, e.g. 12GiB",
+        ),
+        (
+            "memory_budget_bytes",
+            "12 apples",
+            r"memory_budget_bytes '12 apples' is not a size; give a positive number",
+        ),
         ("memory_headroom", -0.1, r"memory_headroom -0.1 must be a number in \[0, 1\)"),
         ("max_latency_ms", 0, r"max_latency_ms 0 must be > 0"),
         ("global_batch", 0, r"global_batch must be a whole number >= 1, got 0; e.g. global_batch 512$"),

@@ -243,7 +243,7 @@ def test_11_recommend_refuses_repeats(tmp_path, capsys):
     check_refused(
         ["recommend", "-m", path],
         capsys,
-        r"micro_batch 8 appears 2 times \(rows 2, 3\)",
+        r"micro_batch 8 appears 2 times \(lines 3, 4\)",  # as an editor numbers the file's lines
         r"refused, not averaged",
     )
 

@@ -40,7 +40,7 @@ def test_a_micro_batch_measured_with_and_without_checkpointing_is_refused(
         "micro_batch,throughput,checkpointing\n1,100,false\n2,300,true\n2,120,False\n4,150,false\n",
     )
     rc, _, err = _run(capsys, "recommend", "-m", f)
-    assert rc == 2 and "micro_batch 2 appears 2 times (rows 2, 3) (with checkpointing on and off" in err
+    assert rc == 2 and "micro_batch 2 appears 2 times (lines 3, 4) (with checkpointing on and off" in err
 
 
 def test_a_knee_measured_with_checkpointing_says_so(

@@ -86,9 +86,12 @@ def throughput_bound(
     curve = [p for p in measured_curve(points) if p.measured_throughput > 0][-window:]
     if len(curve) < BOUND_MIN_POINTS:
         return None
+    # fitted in units of the largest rate (u·T_max), so that the squares neither overflow nor vanish at any scale
+    # of the unit (1e-250 or 1e200 per second): the residuals and the relative error do not depend on it
+    scale = max(p.measured_throughput for p in curve)
     bs = [float(p.micro_batch) for p in curve]
-    us = [p.micro_batch / p.measured_throughput for p in curve]
-    if not all(math.isfinite(u) for u in us):  # rates so small b/T overflows (1e-320): no line to fit
+    us = [p.micro_batch / (p.measured_throughput / scale) for p in curve]
+    if not all(math.isfinite(u) for u in us):  # rates spread so far that b/T overflows: no line to fit
         return None
     a, c = fit_line(bs, us)
     if not (math.isfinite(a) and math.isfinite(c)) or c <= 0:
@@ -100,11 +103,11 @@ def throughput_bound(
     rss = sum((a + c * b - u) ** 2 for b, u in zip(bs, us, strict=True))
     se_c = math.sqrt(rss / (len(bs) - 2) / sum((b - b_mean) ** 2 for b in bs))
     # u(b') ≥ u_n + c·(b' − b_n) for b' > b_n; its intercept decides between 1/c and T(b_n)
-    top = 1.0 / c if us[-1] - c * bs[-1] >= 0 else curve[-1].measured_throughput
+    top = scale / c if us[-1] - c * bs[-1] >= 0 else curve[-1].measured_throughput
     return ThroughputBound(
         throughput=top,
-        slope=c,
-        intercept=a,
+        slope=c / scale,
+        intercept=a / scale,
         max_residual=worst,
         relative_error=se_c / c,
         fitted_on=tuple(p.micro_batch for p in curve),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from microbatch.batch import DEFAULT_KNEE_TOLERANCE, check_batch_quantity
 from microbatch.errors import ConfigError, plain_numbers
 from microbatch.hardware import DEFAULT_HEADROOM
+from microbatch.units import parse_bytes
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -80,8 +81,9 @@ class ChoiceConfig:
     and ``tune`` (they stop early, so they must answer for what they did not measure),
     ``measured`` for ``recommend`` (a curve given whole is taken as the truth)."""
     memory_budget_bytes: int | None = None
-    """Memory per device the choice must fit (None: no limit; ``tune`` then uses the device's
-    total memory on CUDA, 80% of the available memory on the CPU)."""
+    """Memory per device the choice must fit, in bytes (a float such as 1.2e10, or a size's text such as
+    ``"12GiB"``, is read as :func:`microbatch.units.parse_bytes` reads it); None: no limit (``tune`` then uses the
+    device's total memory on CUDA, 80% of the available memory on the CPU)."""
     memory_headroom: float = DEFAULT_HEADROOM
     """ε, in [0, 1): share of the budget kept free when predicting the largest fitting b_m."""
     max_latency_ms: float | None = None
@@ -100,13 +102,9 @@ class ChoiceConfig:
         )
         if self.reference is not None:
             check_choice("reference", self.reference, REFERENCES)
-        if self.memory_budget_bytes is not None and (
-            isinstance(self.memory_budget_bytes, bool)
-            or not isinstance(self.memory_budget_bytes, int)
-            or self.memory_budget_bytes <= 0
-        ):
-            raise ConfigError(
-                f"memory budget {self.memory_budget_bytes!r} must be a whole number of bytes > 0, e.g. 12GiB"
+        if self.memory_budget_bytes is not None:  # bytes, a whole float (1.2e10) or a size's text ("12GiB")
+            object.__setattr__(
+                self, "memory_budget_bytes", parse_bytes(self.memory_budget_bytes, name="memory_budget_bytes")
             )
         _fraction("memory_headroom", self.memory_headroom, "0.1 to keep 10% of the budget free")
         if self.max_latency_ms is not None and _number("max_latency_ms", self.max_latency_ms) <= 0:

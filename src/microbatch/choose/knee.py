@@ -57,7 +57,8 @@ def knee_fraction(
     margin: float = 0.0,
 ) -> CurvePoint:
     """Smallest b_i with T_i ≥ (1 − τ)·(1 + μ)·max(max T, T̂) (rule ``fraction``; T̂ = ``bound``,
-    if given; μ = ``margin``); the fastest point when none reaches it."""
+    if given; μ = ``margin``); the fastest point when none reaches it. A b_m given twice: the last counts
+    (:func:`~microbatch.choose.curve.measured_curve`); :func:`find_knee` refuses it."""
     curve = measured_curve(points)
     top = max(p.measured_throughput for p in curve)
     ref = max(top, bound or 0.0)
@@ -67,7 +68,8 @@ def knee_fraction(
 
 
 def knee_gain(points: Sequence[CurvePoint], tolerance: float) -> CurvePoint:
-    """Smallest b_i with max_{j>i} (T_j/T_i)^(1/log2(b_j/b_i)) − 1 < τ (rule ``gain``)."""
+    """Smallest b_i with max_{j>i} (T_j/T_i)^(1/log2(b_j/b_i)) − 1 < τ (rule ``gain``); a b_m given twice: the last
+    counts, as in :func:`knee_fraction`."""
     curve = measured_curve(points)
     for i, p in enumerate(curve):
         later = curve[i + 1 :]
@@ -93,10 +95,13 @@ def find_knee(
 ) -> CurvePoint:
     """The knee of ``points`` by ``rule`` (``fraction`` or ``gain``) at tolerance τ; ``bound``
     (T̂, rule ``fraction`` only) raises the reference above the best measured, and ``margin`` μ
-    raises the line a point must clear to (1 − τ)·(1 + μ)·reference."""
+    raises the line a point must clear to (1 − τ)·(1 + μ)·reference. One point per b_m, and some throughput above
+    0 (ConfigError otherwise, as :func:`recommend`)."""
     ChoiceConfig(rule=rule, tolerance=tolerance)  # checks both
-    if not measured_curve(points):
+    if not (measured := measured_curve(points)):
         raise ConfigError("no measured point without out-of-memory to choose from; measure at least one b_m")
+    _check_one_per_micro_batch(points)
+    _check_some_throughput(measured)
     if rule == "fraction":
         return knee_fraction(points, tolerance, bound=bound, margin=margin)
     return knee_gain(points, tolerance)
@@ -335,8 +340,14 @@ def recommend(
     choice = apply_options(choice or ChoiceConfig(), options)
     check_options_used(options, "recommend", ChoiceConfig)
     pts = _curve_points(points)
+    _check_one_per_micro_batch(pts)
+    return recommend_measured(pts, choice)
+
+
+def _check_one_per_micro_batch(points: Sequence[CurvePoint]) -> None:
+    """ConfigError for a b_m measured twice: which of the two counts would decide the knee by their order."""
     seen: dict[int, int] = {}
-    for i, p in enumerate(pts):
+    for i, p in enumerate(points):
         if p.ok and p.micro_batch in seen:
             raise ConfigError(
                 f"micro_batch {p.micro_batch} is measured twice (points {seen[p.micro_batch] + 1} and {i + 1}); "
@@ -346,7 +357,6 @@ def recommend(
             )
         if p.ok:
             seen[p.micro_batch] = i
-    return recommend_measured(pts, choice)
 
 
 def _curve_points(points: object) -> list[CurvePoint]:

@@ -117,8 +117,8 @@ def indistinguishable(
     Every point's standard error is at least the curve's :func:`residual_scatter` (the noise between
     probes). b belongs when |T_b − T_k| ≤ z·√(se_b² + se_k²) (the same throughput at the noise), when b < k
     could pass the line (T_b + z·√(se_b² + se_L²) ≥ line: the noise could make it the knee), or when
-    k could fail the line (T_k − z·√(se_k² + se_L²) < line) and b > k is at most the first point
-    above k that passes it surely. With no noise recorded (every se 0) only points of the knee's
+    k could fail the line (T_k − z·√(se_k² + se_L²) < line) and b > k, itself able to pass
+    it, is at most the first point above k that passes it surely (one that surely fails is never chosen). With no noise recorded (every se 0) only points of the knee's
     exact throughput belong.
     """
     floor = residual_scatter(candidates)
@@ -133,15 +133,17 @@ def indistinguishable(
     def could_fail(p: CurvePoint) -> bool:
         return p.measured_throughput - z * math.hypot(_se(p), reference_se) < line
 
+    def could_pass(p: CurvePoint) -> bool:
+        return p.measured_throughput + z * math.hypot(_se(p), reference_se) >= line
+
     members = {knee.micro_batch}
     for p in pts:
         same = abs(p.measured_throughput - t_k) <= z * math.hypot(_se(p), se_k)
-        could_pass = p.measured_throughput + z * math.hypot(_se(p), reference_se) >= line
-        if same or (p.micro_batch < knee.micro_batch and could_pass):
+        if same or (p.micro_batch < knee.micro_batch and could_pass(p)):
             members.add(p.micro_batch)
     if could_fail(knee):
         for p in pts:
-            if p.micro_batch > knee.micro_batch:
+            if p.micro_batch > knee.micro_batch and could_pass(p):
                 members.add(p.micro_batch)
                 if not could_fail(p):
                     break  # the first that passes surely: no larger b_m could be chosen

@@ -14,7 +14,7 @@ from microbatch._json import loads
 from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option, progress
 from microbatch.errors import ConfigError
 
-__all__ = ["cmd", "read_rows"]
+__all__ = ["cmd", "read_rows", "read_rows_and_lines"]
 
 
 def read_rows(path: str) -> list[Any]:
@@ -23,6 +23,12 @@ def read_rows(path: str) -> list[Any]:
     JSON goes through :func:`microbatch.records.result_points`, the one reader of result files;
     each row is then checked by :func:`microbatch.choose.knee.points_from_records`.
     """
+    return read_rows_and_lines(path)[0]
+
+
+def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
+    """:func:`read_rows` and, for a CSV, each row's line in the file (None for JSON): messages name the line an
+    editor shows."""
     from microbatch.records import result_points
 
     if not path.strip():
@@ -55,7 +61,14 @@ def read_rows(path: str) -> list[Any]:
             raise ConfigError(
                 f"{path}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}); fix the file"
             ) from None
-        return result_points(data, source=path)
+        rows = result_points(data, source=path)
+        if isinstance(
+            data, list
+        ):  # a list written by hand: a key near a column's name was meant as that column
+            _say_unread_columns(
+                path, sorted({k for r in rows if isinstance(r, dict) for k in r}), near_only=True
+            )
+        return rows, None
     reader = csv.DictReader(io.StringIO(text))
     cols = [c.strip() for c in (reader.fieldnames or [])]
     missing = [c for c in ("micro_batch", "throughput") if c not in cols]
@@ -70,33 +83,75 @@ def read_rows(path: str) -> list[Any]:
     if twice:
         raise ConfigError(f"{path}: CSV names column(s) {', '.join(twice)} more than once; keep one of each")
     _say_unread_columns(path, cols)
-    rows = []
-    for i, row in enumerate(reader, start=2):  # line 1 is the header
+    rows, lines = [], []
+    for row in reader:
         if None in row and all(not str(x).strip() for x in row[None]):  # trailing commas: empty cells
             del row[None]
         if None in row:  # more cells than the header: csv puts the rest under None (an unquoted 1,000)
             raise ConfigError(
-                f"{path}: line {i} has {len(cols) + len(row[None])} cells, the header {len(cols)}; write numbers "
+                f"{path}: line {reader.line_num} has {len(cols) + len(row[None])} cells, the header {len(cols)}; write numbers "
                 'without thousands separators (1000, not 1,000) or quote them ("1,000")'
             )
         rows.append({(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()})
-    return rows
+        lines.append(reader.line_num)  # the row's last line: its only one unless a quoted cell spans lines
+    return rows, lines
+
+
+def _note(d: dict[str, Any], note: str) -> None:
+    """``note`` added to the result's notes and said on stderr."""
+    d["notes"] = [*d.get("notes", []), note]
+    progress(f"note: {note}")
+
+
+PEAK_FLOOR_BYTES = 1 << 20
+"""Below 1 MiB no measured peak is likely in bytes (a PyTorch process's allocator holds more for the smallest model):
+peaks all under it, with a budget, are likely GiB or MiB read as bytes."""
+
+
+def _unused_settings(choice_spec: dict[str, Any], choice: Any, points: list[Any]) -> list[str]:
+    """Notes for settings that had nothing to act on, or that acted on a column likely in other units."""
+    notes = []
+    budget = choice.memory_budget_bytes
+    if choice_spec.get("memory_headroom") is not None and budget is None:
+        notes.append(
+            "--memory-headroom had nothing to act on: it is kept free of a --memory-budget, and none was given"
+        )
+    peaks = [p.peak_memory_bytes for p in points if not p.oom and p.peak_memory_bytes]
+    if budget is not None and not peaks:
+        notes.append(
+            "--memory-budget had nothing to act on: no point gives peak_memory_bytes, so every measured b_m was "
+            "taken as fitting; add a peak_memory_bytes column to filter by memory"
+        )
+    elif budget is not None and max(peaks) < PEAK_FLOOR_BYTES:
+        notes.append(
+            f"every peak_memory_bytes is under 1 MiB (the largest {max(peaks):,} B) and was compared with the budget "
+            "as bytes; if the column holds GiB or MiB, convert it to bytes (GiB × 1073741824)"
+        )
+    if choice.reference == "bound" and choice.rule != "fraction":
+        notes.append(
+            "--reference bound had nothing to act on: the bound raises the reference of rule fraction only"
+        )
+    return notes
 
 
 CSV_COLUMNS = ("micro_batch", "throughput", "peak_memory_bytes", "oom", "step_time_s", "checkpointing")
 """The columns a CSV of measurements may hold; any other is not read."""
 
 
-def _say_unread_columns(path: str, cols: list[str]) -> None:
+def _say_unread_columns(path: str, cols: list[str], *, near_only: bool = False) -> None:
     """A note naming the CSV's columns that are not read (a ``peak_memory`` column was dropped without a word, and
-    with it every peak), with the known column each is nearest."""
+    with it every peak), with the known column each is nearest; ``near_only``: only those near one (a JSON list's
+    keys, which may carry anything else)."""
     import difflib
 
     for col in (c for c in cols if c and c not in CSV_COLUMNS):
         near = difflib.get_close_matches(col, CSV_COLUMNS, n=1, cutoff=0.6)
-        progress(
-            f"note: {path}: column {col!r} is not read" + (f" (did you mean {near[0]!r}?)" if near else "")
-        )
+        if near or not near_only:
+            what = "key" if near_only else "column"
+            progress(
+                f"note: {path}: {what} {col!r} is not read"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+            )
 
 
 @click.command("recommend")
@@ -122,8 +177,8 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
 
     with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
         choice = choice_config(choice_spec)
-    rows = read_rows(measurements)
-    points = points_from_records(rows, source=measurements)
+    rows, lines = read_rows_and_lines(measurements)
+    points = points_from_records(rows, source=measurements, lines=lines)
     d = recommend_measured(points, choice).to_dict()
     ckpt = checkpointed(points)
     named = {
@@ -135,22 +190,12 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     ):  # tune measured it again so after running out of memory
         what = " and ".join(k for k, v in named.items() if v == b)
         was = "were" if " and " in what else "was"
-        note = (
-            f"{what}, b_m = {b}, {was} measured with activation checkpointing on: run it with checkpointing"
+        _note(
+            d,
+            f"{what}, b_m = {b}, {was} measured with activation checkpointing on: run it with checkpointing",
         )
-        d["notes"] = [*d.get("notes", []), note]
-        progress(f"note: {note}")
-    if choice_spec.get("memory_headroom") is not None and choice.memory_budget_bytes is None:
-        note = "--memory-headroom had nothing to act on: it is kept free of a --memory-budget, and none was given"
-        d["notes"] = [*d.get("notes", []), note]
-        progress(f"note: {note}")
-    if choice.memory_budget_bytes is not None and not any(p.peak_memory_bytes for p in points if not p.oom):
-        note = (
-            "--memory-budget had nothing to act on: no point gives peak_memory_bytes, so every measured b_m was "
-            "taken as fitting; add a peak_memory_bytes column to filter by memory"
-        )
-        d["notes"] = [*d.get("notes", []), note]
-        progress(f"note: {note}")
+    for note in _unused_settings(choice_spec, choice, points):
+        _note(d, note)
     pts = [
         {
             "micro_batch": p.micro_batch,
