@@ -9,7 +9,14 @@ from typing import Any
 from microbatch.errors import ConfigError
 from microbatch.fields import number, short_repr
 
-__all__ = ["POINT_NUMBERS", "RESULT_NUMBERS", "NON_NEGATIVE", "check_fields", "json_number"]
+__all__ = [
+    "POINT_NUMBERS",
+    "RESULT_NUMBERS",
+    "NON_NEGATIVE",
+    "check_fields",
+    "json_number",
+    "throughput_unit",
+]
 
 
 POINT_NUMBERS = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "step_time_s", "micro_step_s",
@@ -19,6 +26,18 @@ POINT_NUMBERS = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "ste
 RESULT_NUMBERS = ("throughput", "tolerance", "reference_throughput", "bound_margin", "memory_budget_bytes",
                   "global_batch", "grad_accum", "data_parallel", "max_fitting_micro_batch", "seq")  # fmt: skip
 """Top-level fields of a ``tune`` or ``recommend`` result that are numbers or null."""
+
+
+def throughput_unit(result: Any) -> str:
+    """The unit of a result's ``throughput``: ``tokens/s`` where its points counted tokens (a batch of token ids, or
+    decoding), ``samples/s`` for a ``tune`` whose batches held none (images, features), ``per s`` for measurements made
+    elsewhere (``recommend``: the file's own unit)."""
+    points = [p for p in result.get("points") or [] if isinstance(p, dict) and not p.get("oom")]
+    if any(p.get("tokens_per_s") is not None for p in points) or result.get("mode") == "decode":
+        return "tokens/s"
+    if result.get("command") == "recommend" or "mode" not in result:
+        return "per s"
+    return "samples/s" if points else "tokens/s"
 
 
 def json_number(v: Any) -> bool:

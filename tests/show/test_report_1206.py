@@ -77,6 +77,6 @@ def test_an_interrupted_pipeline_and_the_tunes_device_are_said(tmp_path: Path) -
     tune = {"command": "tune", "model": "tiny", "mode": "train", "device": "cuda", "device_name": "NVIDIA H100",
             "micro_batch": 2, "throughput": 100.0, "peak_memory_bytes": 1e9,
             "points": [{"micro_batch": b, "throughput": 50.0 * b, "peak_memory_bytes": 5e8 * b, "step_time_s": 0.1,
-                        "oom": False} for b in (1, 2)]}  # fmt: skip
+                        "oom": False, "tokens_per_s": 50.0 * b} for b in (1, 2)]}  # fmt: skip
     html = build_report([tune], tmp_path / "t.html", png=False).html_path.read_text()
     assert "Measured: tiny — train on NVIDIA H100 (cuda)" in html and "at 100 tokens/s" in html

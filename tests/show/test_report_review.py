@@ -187,7 +187,8 @@ def test_a_recommend_result_gets_a_table_of_its_knee(tmp_path):
     rec = {k: v for k, v in _tune().items() if k not in ("points", "model", "mode", "device", "stop_reason")}
     rec.update(command="recommend", step_time_s=0.32e-3)
     html = build_report([rec], tmp_path / "r.html", png=False).html_path.read_text()
-    assert "<th></th><th>b_m</th><th>throughput (tokens/s)</th><th>step (ms)</th><th>peak memory</th>" in html
+    # measurements made elsewhere: the file's own unit, not said
+    assert "<th></th><th>b_m</th><th>throughput (per s)</th><th>step (ms)</th><th>peak memory</th>" in html
     assert "<tr><td>knee</td><td>2</td><td>400,000</td><td>0.32</td><td>232.48 MiB</td></tr>" in html
     assert (
         "<tr><td>fastest that fits</td><td>4</td><td>691,892</td><td>—</td><td>242.13 MiB</td></tr>" in html

@@ -10,8 +10,10 @@ the rows in the user's layout (batch-first ``(b, s)``, sequence-first ``(s, b, e
 and whatever the padding of rows drawn at random does to the others. Where it is not, it is refused; where batches
 grew before (two b or more seen), the data ran out and the search ends there, keeping the points before (``grown``).
 
-Not caught: a batch that grows but holds fewer than b rows (``X[:8]`` of 6 rows after ``X[:4]``): that point's
-throughput is overstated by b / rows (the rows are the user's layout's to know). Under torch.distributed the check
+A batch that grows but holds fewer than b rows (``X[:8]`` of 6 rows after ``X[:4]``) is caught where the layout
+shows its rows: every tensor of every smaller b's batch led with b (batch-first), and this one's do not all lead
+with b (:func:`_rows_first`); in another layout (sequence-first, packed) it is not caught, and that point's
+throughput is overstated by b / rows. Under torch.distributed the check
 is not made: a rank refusing alone would leave the others waiting in the probe's next collective.
 """
 
@@ -46,6 +48,11 @@ def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
     return []
 
 
+def _rows_first(shapes: list[tuple[int, ...]], micro_batch: int) -> bool:
+    """Whether every tensor of a batch leads with ``micro_batch`` rows (the batch-first layout)."""
+    return all(len(s) > 0 and s[0] == micro_batch for s in shapes)
+
+
 def _grew(big: list[tuple[int, ...]], small: list[tuple[int, ...]]) -> bool:
     """Whether some tensor of ``big`` is larger than its counterpart in ``small`` in some dimension (True where the
     two are not laid out alike: nothing to compare)."""
@@ -68,6 +75,16 @@ class GrowingBatches:
 
         shapes = batch_shapes(batch)
         if shapes and distributed() is None:
+            seen_rows_first = [b for b, s in self.shapes.items() if b < micro_batch and _rows_first(s, b)]
+            if seen_rows_first and len(seen_rows_first) == sum(b < micro_batch for b in self.shapes):
+                if not _rows_first(shapes, micro_batch):
+                    raise BatchDidNotGrow(
+                        f"make_batch({micro_batch}) returned tensors of shapes {shapes}, not {micro_batch} rows, where "
+                        f"each smaller b's led with b rows ({', '.join(map(str, sorted(seen_rows_first)))}): the data "
+                        f"ran out (a slice past the end, X[:b] of fewer than b rows), and tune credits each step with "
+                        f"b sequences; make_batch(b) must return b rows (repeat or draw rows instead)",
+                        grown=len(seen_rows_first) >= 2,
+                    )
             for other, seen in sorted(self.shapes.items()):
                 if other < micro_batch and not _grew(shapes, seen):
                     raise BatchDidNotGrow(

@@ -3,6 +3,7 @@ out-of-memory is an exception (CUDA, or a user's own model). Split from :mod:`mi
 
 from __future__ import annotations
 
+from microbatch.errors import ConfigError
 from microbatch.measure.device import oom_types
 from microbatch.measure.probes import DecodeProbe, Measurement, TrainProbe
 
@@ -41,6 +42,7 @@ class InProcessProber:
                     "; a model whose training step needs more rows (BatchNorm, an in-batch contrastive loss) is tuned "
                     "from start=2 or more"
                     if self.setup_size == 1
+                    and not isinstance(e, ConfigError)  # our own message names its fix
                     else ""
                 )
                 e.add_note(

@@ -136,13 +136,19 @@ def default_loss(model: Any, batch: Any) -> torch.Tensor:
     from microbatch.measure.gpt import next_token_loss
 
     out = model(**batch) if isinstance(batch, dict) else model(batch)
-    loss = getattr(out, "loss", None)
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)  # a plain dict's key too
     if isinstance(loss, torch.Tensor):
         return loss
     if isinstance(out, torch.Tensor) and out.dim() == 0:
         return out
     logits = getattr(out, "logits", out)
-    if isinstance(batch, torch.Tensor) and isinstance(logits, torch.Tensor) and logits.dim() == 3:
+    ids = _token_ids(batch)
+    if (
+        ids is not None
+        and isinstance(logits, torch.Tensor)
+        and logits.dim() == 3
+        and logits.shape[:2] == ids.shape
+    ):
         return next_token_loss(logits, batch)
     if isinstance(out, torch.Tensor):
         return out.float().mean()
@@ -151,14 +157,25 @@ def default_loss(model: Any, batch: Any) -> torch.Tensor:
     )
 
 
-def _tokens_in(batch: Any) -> int | None:
-    """Tokens in a batch of token ids ``(b, s)`` or a dict holding ``input_ids``; None otherwise."""
+def _token_ids(batch: Any) -> Any:
+    """``batch`` when it is a ``(b, s)`` tensor of token ids (integers), else None: an image's or a sequence of
+    features' float tensor holds no tokens (its channels or steps are not a vocabulary's)."""
     import torch
 
-    t = batch.get("input_ids") if isinstance(batch, dict) else batch
-    if isinstance(t, torch.Tensor) and t.dim() >= 2:
-        return int(t.shape[0] * t.shape[1])
+    if (
+        isinstance(batch, torch.Tensor)
+        and batch.dim() == 2
+        and not (batch.is_floating_point() or batch.is_complex())
+    ):
+        return batch if batch.dtype != torch.bool else None
     return None
+
+
+def _tokens_in(batch: Any) -> int | None:
+    """Tokens in a batch of token ids ``(b, s)`` or a dict holding them as ``input_ids``; None otherwise (throughput
+    is then in samples per second)."""
+    ids = _token_ids(batch.get("input_ids") if isinstance(batch, dict) else batch)
+    return None if ids is None else int(ids.shape[0] * ids.shape[1])
 
 
 def set_checkpointing(model: Any, on: bool) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from microbatch.records_fields import throughput_unit
 from microbatch.show.timeline import (
     COLORS,
     KIND_COLORS,
@@ -192,7 +193,7 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
         ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)  # throughput from zero: the plateau's height reads true
     ax.set_xlabel("micro-batch b_m")
-    unit = "tokens/s" if tune.get("mode", "train") else "items/s"
+    unit = throughput_unit(tune)
     ax.set_ylabel(f"throughput ({unit})")
     model = tune.get("model", "")
     name = model.get("name", "") if isinstance(model, dict) else model

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from microbatch.records_fields import throughput_unit
 from microbatch.show import export
 from microbatch.show.figures import (
     FIGURE_DPI,
@@ -70,7 +71,8 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
         head = "Recommended from measurements"
     if t.get("interrupted"):
         head += " — interrupted"
-    parts = [f"<h2>{head}</h2>", _knee_answer(t), _stopped(t)]
+    unit = throughput_unit(t)
+    parts = [f"<h2>{head}</h2>", _knee_answer(t, unit), _stopped(t)]
     figs: list[Figure] = []
     points = t.get("points") or []
     if points:
@@ -85,7 +87,9 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
         pts = sorted(points, key=lambda p: p["micro_batch"])
         parts.append(
             _points_table(
-                [[p["micro_batch"], "OOM" if p.get("oom") else num(p.get("throughput"))] for p in pts], pts
+                [[p["micro_batch"], "OOM" if p.get("oom") else num(p.get("throughput"))] for p in pts],
+                pts,
+                first=("b_m", f"throughput ({unit})"),
             )
         )
     else:
@@ -94,23 +98,23 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
             _points_table(
                 [[what, p.get("micro_batch"), num(p.get("throughput"))] for what, p in chosen],
                 [p for _, p in chosen],
-                first=("", "b_m", "throughput (tokens/s)"),
+                first=("", "b_m", f"throughput ({unit})"),
             )
         )
     return "".join(parts), figs
 
 
-def _knee_answer(t: dict[str, Any]) -> str:
+def _knee_answer(t: dict[str, Any], unit: str) -> str:
     """The knee, the fastest that fits, the rule, and g where a global batch was given."""
     ff = t.get("fastest_fitting") or {}
     bounded = t.get("throughput_bound") and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
     return (
-        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} tokens/s "
+        f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} {unit} "
         f"({pct(t.get('fraction_of_best'))} of best, peak {mem(t.get('peak_memory_bytes'))}). "
-        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))} tokens/s, "
+        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))} {unit}, "
         f"peak {mem(ff.get('peak_memory_bytes'))}. Rule: {esc(t.get('rule') or '—')}, tolerance {num(t.get('tolerance'), '{:g}')}"
         + (
-            f", against the bound {num(t.get('reference_throughput'))} tokens/s on any larger b_m "
+            f", against the bound {num(t.get('reference_throughput'))} {unit} on any larger b_m "
             f"({pct(t.get('fraction_of_reference'))} of it)."
             if bounded
             else "."
@@ -138,7 +142,7 @@ def _stopped(t: dict[str, Any]) -> str:
 def _points_table(
     rows: list[list[Any]],
     pts: list[dict[str, Any]],
-    first: tuple[str, ...] = ("b_m", "throughput (tokens/s)"),
+    first: tuple[str, ...],
 ) -> str:
     """``rows`` with each point's step time and peak memory, in one unit per column chosen by the
     magnitude of the column (ms under a second, MiB under a GiB), so distinct values read distinct."""

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from microbatch.choose.bound import BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
+from microbatch.records_fields import throughput_unit
 from microbatch.units import format_bytes
 
 __all__ = ["render_curve", "render_recommendation", "render_tune", "use_line"]
@@ -206,12 +207,15 @@ def cache_line(cache: Mapping[str, Any], again: str = "use_cache=False") -> str:
     )
 
 
-def render_tune(d: Mapping[str, Any], unit: str = "tokens/s", *, again: str = "use_cache=False") -> str:
+def render_tune(d: Mapping[str, Any], unit: str | None = None, *, again: str = "use_cache=False") -> str:
     """Human text of a tune result dict: what was tuned, the curve and the choice, how it stopped,
     and last the answer in one plain line (:func:`use_line`), where a terminal leaves the eye.
+    ``unit``: the throughput's, by default what the points counted (:func:`~microbatch.records_fields.throughput_unit`);
     ``again``: how to measure cached points again, in the caller's words (:func:`cache_line`)."""
     head = (
-        f"tune {d['model']} ({d['mode']}, seq {d['seq']}, {d['precision']}, {d['device_name']}, "
+        f"tune {d['model']} ({d['mode']}, "
+        + (f"seq {d['seq']}, " if d.get("seq") is not None else "")
+        + f"{d['precision']}, {d['device_name']}, "
         f"torch {d['torch_version']})"
     )
     tail = [
@@ -234,4 +238,6 @@ def render_tune(d: Mapping[str, Any], unit: str = "tokens/s", *, again: str = "u
     if d.get("interrupted"):
         tail.append("interrupted: the choice uses the points measured so far")
     tail += ["", use_line(d)]
-    return "\n".join([head, "", render_recommendation(d, d["points"], unit=unit), *tail])
+    return "\n".join(
+        [head, "", render_recommendation(d, d["points"], unit=unit or throughput_unit(d)), *tail]
+    )

@@ -14,10 +14,8 @@ seq=128, tolerance=0.05)``). The configs are built once, here, and passed down w
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator, MutableMapping
-from contextlib import contextmanager
+from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,12 +42,14 @@ from microbatch.choose.tune.probing import (
 from microbatch.choose.tune.search import OnPoint
 from microbatch.choose.tune.user_step import (
     NonFiniteLoss,
+    batch_statistics_need_rows,
     batch_structures,
     check_step_args,
     check_trainable,
     in_process_timing,
     torch_threads,
     training_grad_mode,
+    user_step_notes,
 )
 from microbatch.errors import ConfigError, check_instance
 from microbatch.measure.snapshot import gc_frozen, leave_no_trace
@@ -317,7 +317,7 @@ def tune(
     )
     # under the caller's no_grad or inference_mode too: training steps, their state put back as it was
     with (
-        _batch_statistics_need_rows(search_config.start),
+        batch_statistics_need_rows(search_config.start),
         training_grad_mode(),
         leave_no_trace(model, optimizer),
     ):
@@ -326,7 +326,7 @@ def tune(
                 fp["batch"] = batch_structures(make_batch, search_config)
             prober = InProcessProber(step, setup_size=search_config.start)
             result = run_search(prober, probe_config, search_config, choice, setup, on_point)
-    notes = _first_loss_notes(step.first_loss)
+    notes = user_step_notes(model, step.first_loss)
     result = replace(result, timing_choice=timing_choice, notes=(*result.notes, *notes))
     _say_cached(result)
     return result
@@ -458,36 +458,6 @@ def _train_probe(
         model, make_batch, loss_fn=loss_fn, optimizer=optimizer, device=device, precision=precision,
         timing=timing, grad_accum_for=g_for,
     )  # fmt: skip
-
-
-@contextmanager
-def _batch_statistics_need_rows(start: int) -> Iterator[None]:
-    """torch's refusal of a one-row BatchNorm in training (raised from the user's forward at b_m = 1) as the
-    ConfigError naming the setting to change."""
-    try:
-        yield
-    except ValueError as e:
-        if "more than 1 value per channel" not in str(e):
-            raise
-        raise ConfigError(
-            f"the model normalises by batch statistics (BatchNorm in training mode) and torch refuses it on "
-            f"{start} row(s) ({e}); start the walk at 2 rows or more: start=2",
-            params=("start",),
-        ) from None
-
-
-def _first_loss_notes(first_loss: float | None) -> tuple[str, ...]:
-    """A note (and a :class:`NonFiniteLoss` warning) when the first probing step's loss is NaN or infinite."""
-    if first_loss is None or math.isfinite(first_loss):
-        return ()
-    notes = (
-        f"the loss of the first probing step was {first_loss}: the timings hold, but this step does "
-        "not train (check the data, the loss function and the learning rate)",
-    )
-    import warnings
-
-    warnings.warn(f"microbatch.tune: {notes[0]}", NonFiniteLoss, stacklevel=3)
-    return notes
 
 
 def _say_cached(result: TuneResult) -> None:

@@ -4,6 +4,8 @@ threads for the probes (put back after), and the structure of the batches for th
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,11 +14,12 @@ from microbatch.choose.tune.cache import batch_structure
 from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.probing import cpu_timing_rule, default_timing
 from microbatch.errors import ConfigError
+from microbatch.measure.norm_layers import tune_note
 from microbatch.measure.timing import TimingConfig
 
 __all__ = [
-    "NonFiniteLoss", "batch_structures", "check_step_args", "check_trainable", "in_process_timing", "torch_threads",
-    "training_grad_mode",
+    "NonFiniteLoss", "batch_structures", "batch_statistics_need_rows", "check_step_args", "check_trainable",
+    "in_process_timing", "torch_threads", "training_grad_mode", "user_step_notes",
 ]  # fmt: skip
 
 
@@ -36,6 +39,16 @@ def check_trainable(model: Any, optimizer: Any) -> None:
                 if isinstance(model, str)
                 else ""
             ),
+            params=("model",),
+        )
+    from torch.nn.parameter import UninitializedParameter
+
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
+    if lazy:
+        more = f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""
+        raise ConfigError(
+            f"parameter {lazy[0]!r}{more} of {type(model).__name__} is not initialised yet (a lazy module: its shape "
+            "comes from its first input): run one forward on a batch first, model(make_batch(1)), then tune",
             params=("model",),
         )
     meta = [name for name, p in model.named_parameters() if p.is_meta]
@@ -139,3 +152,36 @@ def batch_structures(make_batch: Callable[[int], Any], search: SearchConfig) -> 
         out.append(batch_structure(batch))
         del batch
     return out
+
+
+@contextmanager
+def batch_statistics_need_rows(start: int) -> Iterator[None]:
+    """torch's refusal of a one-row BatchNorm in training (raised from the user's forward at b_m = 1) as the
+    ConfigError naming the setting to change."""
+    try:
+        yield
+    except ValueError as e:
+        if "more than 1 value per channel" not in str(e):
+            raise
+        raise ConfigError(
+            f"the model normalises by batch statistics (BatchNorm in training mode) and torch refuses it on "
+            f"{start} row(s) ({e}); start the walk at 2 rows or more: start=2",
+            params=("start",),
+        ) from None
+
+
+def user_step_notes(model: Any, first_loss: float | None) -> tuple[str, ...]:
+    """The result's notes on the user's step, each also warned (the integrations print the answer, not the notes): the
+    first probing step's loss NaN or infinite (:class:`NonFiniteLoss`), and layers that make b_m change the training
+    (BatchNorm, :func:`~microbatch.measure.norm_layers.tune_note`)."""
+    notes = []
+    if first_loss is not None and not math.isfinite(first_loss):
+        notes.append(
+            f"the loss of the first probing step was {first_loss}: the timings hold, but this step does "
+            "not train (check the data, the loss function and the learning rate)"
+        )
+        warnings.warn(f"microbatch.tune: {notes[-1]}", NonFiniteLoss, stacklevel=3)
+    if (norms := tune_note(model)) is not None:
+        notes.append(norms)
+        warnings.warn(f"microbatch.tune: {norms}", UserWarning, stacklevel=3)
+    return tuple(notes)

@@ -159,9 +159,7 @@ def accumulate(
     )
     if on_oom == "raise":
         assert micro_batch_size is not None
-        return accumulate_micro_batches(
-            model, split(batch, micro_batch_size), loss_fn, count_fn=count_fn, noise=noise
-        )
+        return _accumulate_list(model, split(batch, micro_batch_size), loss_fn, count_fn, noise, "raise")
     if controller is None:
         assert micro_batch_size is not None
         controller = MicroBatchController(micro_batch_size, one_call=True)  # this call only
@@ -287,12 +285,27 @@ def accumulate_micro_batches(
     call: the caller chose the micro-batches (a token budget, say), so give the next call smaller ones
     (``split_by_tokens(..., max_tokens // 2)``) if splits recur. Under DDP the ranks agree on a split in
     the step's one ``all_reduce``, each halving its own micro-batches, and stop together when every
-    rank is down to one row.
+    rank is down to one row. Layers that normalise by the rows they see together (BatchNorm) are warned of, as by
+    :func:`accumulate`.
     """
     check_callables(model, loss_fn, count_fn)
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ConfigError("no micro-batches to accumulate; give at least one")
+    sizes = [batch_rows(mb) for mb in micro_batches]
+    warn_norm_layers(model, max(sizes), sum(sizes))
+    return _accumulate_list(model, micro_batches, loss_fn, count_fn, noise, on_oom)
+
+
+def _accumulate_list(
+    model: Any,
+    micro_batches: list[Batch],
+    loss_fn: LossFn,
+    count_fn: CountFn | None,
+    noise: GradientNoiseScale | None,
+    on_oom: str | None,
+) -> torch.Tensor:
+    """:func:`accumulate_micro_batches` once its arguments are checked and its warning given."""
     on_oom = on_oom or "raise"
     if on_oom not in ON_OOM:
         raise ConfigError(f"on_oom must be one of {', '.join(map(repr, ON_OOM))}, got {on_oom!r}")

@@ -275,6 +275,11 @@ def check_loss(
             "scalar: the SUM of the per-item losses (e.g. cross_entropy(..., reduction='sum'))"
         )
     if not loss_sum.requires_grad:
+        if params is not None and not any(p.requires_grad for p in params):
+            raise ConfigError(
+                "the model has no parameter that requires grad (every one frozen): there is no gradient to "
+                "accumulate; unfreeze the parameters to train (p.requires_grad_(True))"
+            )
         raise ConfigError(
             f"loss_fn's loss for micro-batch {index} does not require grad; compute it from the model's output "
             "with autograd enabled (not under torch.no_grad())"

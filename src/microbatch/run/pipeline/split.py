@@ -175,6 +175,12 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
             "feeds token ids (b, s) and draws them below the first nn.Embedding's num_embeddings; make the "
             "first layer an nn.Embedding"
         )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"model factory {spec} returned a {type(model).__name__} with no parameter that requires grad (every one "
+            "frozen): a pipeline's training step has no gradient to compute; unfreeze the parameters to train "
+            "(p.requires_grad_(True)) in the factory"
+        )
     params = sum(p.numel() for p in model.parameters())
     largest = max((p.numel() for p in model.parameters()), default=0)
     return FactoryModel(
