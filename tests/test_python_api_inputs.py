@@ -277,7 +277,10 @@ def test_tune_stops_where_the_data_runs_out_and_keeps_the_points_before():
     r = _linear_tune(lambda b: (x[:b], y[:b]), max_micro_batch=256, patience=99)  # no stop on a flat curve
     measured = sorted(p.micro_batch for p in r.points if not p.oom)
     assert measured[-1] == 32 and r.recommendation.knee.micro_batch <= 32
-    assert "make_batch(64) returned tensors of shapes [(32, 16), (32, 1)], no larger than" in r.stop_reason
+    assert (
+        "make_batch(64) returned tensors of shapes [(32, 16), (32, 1)], not 64 rows, where each smaller b's led with b"
+        in r.stop_reason
+    )
 
 
 def test_the_row_check_takes_padded_random_rows_sequence_first_and_packed_layouts():

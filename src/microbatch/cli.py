@@ -99,8 +99,38 @@ def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()
         from microbatch.envelope import error_envelope
 
         body = error_envelope(message, code, _command_of(args))
-        click.echo(dumps({**body, "points": list(kept)} if kept else body))
+        try:
+            click.echo(dumps({**body, "points": list(kept)} if kept else body))
+        except OSError as e:  # stdout full or gone (the cause of this failure, perhaps): said once, on stderr
+            _stdout_gone()
+            if not isinstance(e, BrokenPipeError):  # a reader that left wants no more words
+                click.echo(
+                    f"error: could not write the JSON error envelope to stdout: {e.strerror or e}", err=True
+                )
     return code
+
+
+def _stdout_gone() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush does not fail again."""
+    import os
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):  # no stdout at all: nothing to flush
+        pass
+
+
+def _tolerant_streams() -> None:
+    """stdout and stderr replace what their encoding cannot hold (−, ×, τ under latin-1 or cp1252) instead of
+    failing a finished command on its last print."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if stream is not None and encoding not in ("utf8", "utf8sig") and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="replace")
+            except (OSError, ValueError):  # a stream that cannot be reconfigured keeps its ways
+                pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from microbatch.run.pipeline.signals import raise_on_sigterm
 
     args = list(sys.argv[1:] if argv is None else argv)
+    _tolerant_streams()
     restore = (
         raise_on_sigterm()
     )  # SIGTERM (timeout, a job scheduler) stops a command as Ctrl-C does: kept, 130
@@ -144,6 +175,9 @@ def _main(args: list[str]) -> int:
             return _fail(e.format_message(), 2, args)
         where = e.ctx.command_path if e.ctx is not None else "microbatch"
         message = f"{e.format_message().rstrip('.')}; see '{where} --help'"
+        command = _command_of(args)
+        if where == "microbatch" and command and "--json" in args[: args.index(command)]:
+            message = f"--json goes after the command: microbatch {command} ... --json"
         click.echo(f"error: {message}", err=True)
         return _fail(message, 2, args)
     except click.ClickException as e:

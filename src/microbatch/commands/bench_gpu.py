@@ -155,12 +155,22 @@ def _measure_and_keep(cfg: Any, owned: bool, rank: int, device: str, out: str | 
     code = 0 if result.complete else 130
     if rank == 0:  # rank 0 speaks and writes for the group
         d = result.to_dict()
+        if code:
+            d["interrupted"] = True  # as tune, noise and pipeline say it
+        where = out
         if out:
             path, why = keep_result(out, d)
             progress(why or f"wrote {path}")
+            if (
+                why
+            ):  # in the result too, and a failure's exit (a script's plan --calibration would read nothing)
+                d.update(kept_in=str(path), notes=[*d.get("notes", []), why])
+                where = str(path)
         emit(d, as_json, lambda: render_microbench(d))
-        if code:
-            progress("interrupted: kept what was measured" + (f" in {out}" if out else ""))
+        if not result.complete:
+            progress("interrupted: kept what was measured" + (f" in {where}" if where else ""))
+        elif "kept_in" in d:
+            code = 1
     return code
 
 

@@ -29,7 +29,11 @@ __all__ = ["cmd"]
     "--gpus-per-node", type=click.IntRange(min=1), help="Lightning: accelerators per node (default: up to 8)."
 )
 @click.option(
-    "--output", "-o", type=click.Path(dir_okay=False), help="Write the config here instead of stdout."
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    help="Write the config here instead of stdout; with --json the file holds the JSON envelope (the config under "
+    "'config', for report), not the config a framework reads.",
 )
 @force_option
 @json_option

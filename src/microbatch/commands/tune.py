@@ -275,7 +275,12 @@ def cmd(
 
     try:
         result = _measure(
-            target, probe, search, choice, timing_line, live_display=sys.stderr.isatty() and not as_json
+            target,
+            probe,
+            search,
+            choice,
+            timing_line,
+            live_display=sys.stderr is not None and sys.stderr.isatty() and not as_json,
         )
     except NoChoiceError as e:
         # measured, but no point meets a limit: keep the points, show them (with --json the error carries them),
@@ -291,12 +296,10 @@ def cmd(
     if timing_line:
         d["timing_choice"] = timing_line
     with_provenance(d, target, probe)
-    kept = None
-    if out_dir is not None:
-        path, why = keep_result(out_dir / "result.json", d)  # the file is what --json prints
-        kept = str(path)
-        progress(why or f"wrote {path}")
+    kept = _write_out(out_dir, d)
     emit(d, as_json, lambda: render_tune(d, again="--no-cache"))
+    if "kept_in" in d and not result.interrupted:
+        raise click.exceptions.Exit(1)
     if result.interrupted:
         n = sum(1 for p in result.points if not p.oom)
         progress(
@@ -306,6 +309,19 @@ def cmd(
             + "; the choice above uses them"
         )
         raise click.exceptions.Exit(130)
+
+
+def _write_out(out_dir: Path | None, d: dict[str, Any]) -> str | None:
+    """Write the result to ``out_dir``/result.json (what --json prints) and return where it is; where it could not be
+    written, kept elsewhere and said in the result too (``kept_in``: the command then exits 1, a script's next step
+    would read a missing file)."""
+    if out_dir is None:
+        return None
+    path, why = keep_result(out_dir / "result.json", d)
+    progress(why or f"wrote {path}")
+    if why:
+        d.update(kept_in=str(path), notes=[*d.get("notes", []), why])
+    return str(path)
 
 
 def _kept(e: NoChoiceError, out_dir: Path | None, cached: bool) -> NoChoiceError:

@@ -386,7 +386,12 @@ def _rank_entry(
     """In the forked rank: become what ``python -c`` started by the launcher was, then run ``main``."""
     os.setsid()  # its own session: a Ctrl-C at the terminal reaches the launcher, which stops the ranks
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter's (the server ignores it)
-    fd = os.open(err_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(err_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except (
+        FileNotFoundError
+    ):  # the launcher was stopped and removed its folder as this rank started: nothing to run
+        os._exit(1)
     os.dup2(fd, 2)
     os.close(fd)
     fd = os.open(os.devnull, os.O_WRONLY)
