@@ -176,7 +176,8 @@ def _main(args: list[str]) -> int:
         where = e.ctx.command_path if e.ctx is not None else "microbatch"
         message = f"{e.format_message().rstrip('.')}; see '{where} --help'"
         command = _command_of(args)
-        if where == "microbatch" and command and "--json" in args[: args.index(command)]:
+        said_json = "'--json'" in e.format_message()  # click's complaint is about --json itself
+        if where == "microbatch" and command and said_json and "--json" in args[: args.index(command)]:
             message = f"--json goes after the command: microbatch {command} ... --json"
         click.echo(f"error: {message}", err=True)
         return _fail(message, 2, args)
@@ -198,6 +199,12 @@ def _main(args: list[str]) -> int:
     except OSError as e:  # the file system said no (full, read-only, gone): its words, no traceback
         import errno
 
+        from microbatch.commands._common import StdoutFailed
+
+        if isinstance(e, StdoutFailed):  # the answer itself could not be printed: no envelope after it either
+            _stdout_gone()
+            click.echo(f"error: could not write to stdout: {e.strerror or e}", err=True)
+            return 1
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         full = e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
         advice = "; free space or choose another path, and run again" if full else ""

@@ -108,3 +108,29 @@ def test_recommend_names_csv_lines_and_notes_settings_with_nothing_to_act_on(tmp
     rc, _, err = run(capsys, "recommend", "-m", str(js))
     assert rc == 0 and "key 'peak_memory_gib' is not read (did you mean 'peak_memory_bytes'?)" in err
     assert "run_id" not in err  # a JSON list may carry anything else: only a near miss is named
+
+
+def test_a_rate_that_vanishes_beside_the_largest_gives_no_bound_and_no_error():
+    rows = [(1, 1e-320), (2, 1e5), (4, 2e5), (8, 3e5), (16, 3.5e5)]  # 1e-320 / 3.5e5 underflows to 0
+    assert throughput_bound(pts(rows)) is None
+    assert recommend(pts(rows), reference="bound").knee.micro_batch == 16
+
+
+def test_limits_that_leave_only_zero_rates_say_so():
+    points = [
+        CurvePoint(micro_batch=1, throughput=0.0, peak_memory_bytes=10),
+        CurvePoint(micro_batch=2, throughput=50.0, peak_memory_bytes=100),
+    ]
+    with pytest.raises(
+        ConfigError, match=r"every b_m that meets the limits \(b_m 1\) measured a throughput of 0"
+    ):
+        recommend(points, memory_budget_bytes=50)
+
+
+def test_a_list_of_tunes_own_points_gets_no_did_you_mean(tmp_path, capsys):
+    row = {"micro_batch": 1, "throughput": 5.0, "peak_memory_bytes": 10, "micro_step_s": 0.1,
+           "peak_allocated_bytes": 9, "throughput_se": 0.01}  # fmt: skip
+    f = tmp_path / "points.json"
+    f.write_text(json.dumps([row, {**row, "micro_batch": 2, "throughput": 9.0}]))
+    rc, _, err = run(capsys, "recommend", "-m", str(f))
+    assert rc == 0 and "did you mean" not in err

@@ -165,3 +165,25 @@ def test_data_that_runs_out_in_a_batch_first_layout_ends_the_search():
     )  # (s, b, f): rows are not first, not judged
     for b in (1, 2, 4, 8):
         seq_first(b)
+
+
+def test_a_callers_own_split_in_any_layout_is_accumulated_as_before():
+    lin = nn.Linear(3, 1)
+
+    def loss(model, mb):
+        return model(mb["x"].mean(0)).sum(), mb["y"].numel()  # (s, b, f) features, (b,) targets
+
+    pieces = [{"x": torch.randn(5, 2, 3), "y": torch.randn(2), "t": torch.tensor(0.5)} for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of, and no refusal of the layout
+        assert torch.isfinite(accumulate_micro_batches(lin, pieces, loss))
+
+
+def test_data_that_runs_out_at_the_second_size_from_start_2_is_caught():
+    x = torch.randn(6, 3)
+    grow = GrowingBatches(lambda b: x[:b])
+    grow(4)
+    with pytest.raises(
+        BatchDidNotGrow, match=r"make_batch\(8\) returned tensors of shapes \[\(6, 3\)\], not 8 rows"
+    ):
+        grow(8)

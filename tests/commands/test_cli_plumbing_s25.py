@@ -89,3 +89,17 @@ def test_a_result_file_not_written_is_a_failure_naming_where_it_was_kept():
         assert kept.is_file() and any("could not write /dev/full" in n for n in d["notes"])
     finally:
         kept.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_an_answer_that_stdout_cannot_take_is_said_once_as_stdout():
+    with open("/dev/full", "w") as full:
+        r = run(["bubble", "-p", "4", "-m", "8", "--json"], stdout=full)
+    assert (
+        r.returncode == 1 and r.stderr.strip() == "error: could not write to stdout: No space left on device"
+    )
+
+
+def test_the_json_hint_only_replaces_a_complaint_about_json(capsys):
+    assert main(["--foo", "--json", "bubble", "-p", "4", "-m", "8"]) == 2
+    assert "No such option '--foo'" in capsys.readouterr().err

@@ -90,8 +90,13 @@ def throughput_bound(
     # of the unit (1e-250 or 1e200 per second): the residuals and the relative error do not depend on it
     scale = max(p.measured_throughput for p in curve)
     bs = [float(p.micro_batch) for p in curve]
-    us = [p.micro_batch / (p.measured_throughput / scale) for p in curve]
-    if not all(math.isfinite(u) for u in us):  # rates spread so far that b/T overflows: no line to fit
+    rates = [p.measured_throughput / scale for p in curve]
+    if not all(
+        r > 0 for r in rates
+    ):  # rates spread so far that T/T_max underflows (1e-320 beside 1e5): no line
+        return None
+    us = [b / r for b, r in zip(bs, rates, strict=True)]
+    if not all(math.isfinite(u) for u in us):  # b/T overflows: no line to fit
         return None
     a, c = fit_line(bs, us)
     if not (math.isfinite(a) and math.isfinite(c)) or c <= 0:

@@ -398,6 +398,12 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
     _check_some_throughput(measured)
     cands, left_out = _candidates(measured, choice, data_parallel)
+    if not any(p.measured_throughput > 0 for p in cands):
+        raise ConfigError(
+            f"every b_m that meets the limits (b_m {', '.join(str(p.micro_batch) for p in cands)}) measured a "
+            "throughput of 0, and no knee is a share of nothing; relax the memory budget, the latency limit or "
+            "B_global, or measure again"
+        )
     against_bound = reference == "bound" and choice.rule == "fraction"
     bound = throughput_bound(cands) if against_bound else None
     if (contradicted := _contradicts(cands, bound)) is not None:

@@ -93,13 +93,21 @@ def stages_option(required: bool = True, default: int | None = None) -> Callable
     )
 
 
+class StdoutFailed(OSError):
+    """Printing the answer on stdout failed (a full disk behind a redirection): said as that, not as a path."""
+
+
 def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
     """Print ``obj`` in the envelope (:func:`microbatch.envelope.envelope`: the running
-    command's name and the version first) as JSON when asked, else the human rendering."""
-    if as_json:
-        click.echo(dumps(envelope(obj, command_name())))
-    else:
-        click.echo(render())
+    command's name and the version first) as JSON when asked, else the human rendering; :class:`StdoutFailed` where
+    stdout cannot take it (a reader that left, EPIPE, is click's to handle: it exits 1 without a word)."""
+    text = dumps(envelope(obj, command_name())) if as_json else render()
+    try:
+        click.echo(text)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise StdoutFailed(e.errno, e.strerror) from e
 
 
 class flags_for:  # noqa: N801 - used as a context manager, named like one

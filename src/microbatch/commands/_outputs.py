@@ -243,6 +243,17 @@ def keep_beside(obj: Any, command: str | None = None) -> Path:
     return write_result(other, obj, command=name)
 
 
+def write_out(path: str | Path, d: dict[str, Any]) -> str:
+    """Write the result ``d`` to ``path`` (:func:`keep_result`), say where on stderr, and return where it is; where it
+    could not be written there, ``d`` gets ``kept_in`` and a note (the command then exits 1: a script's next step
+    would read a missing file)."""
+    where, why = keep_result(path, d)
+    click.echo(why or f"wrote {where}", err=True)
+    if why:
+        d.update(kept_in=str(where), notes=[*d.get("notes", []), why])
+    return str(where)
+
+
 def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple[Path, str | None]:
     """:func:`write_result` to ``path``; if that fails now (the folder vanished, the disk filled),
     :func:`keep_beside` it and return that path with a line saying why (else None)."""

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from microbatch.commands._common import emit, json_option, model_options, progress, resolve_model
-from microbatch.commands._outputs import check_output_file, force_option, keep_result
+from microbatch.commands._outputs import check_output_file, force_option, write_out
 from microbatch.show.answers import render_microbench
 
 __all__ = ["cmd"]
@@ -157,15 +157,7 @@ def _measure_and_keep(cfg: Any, owned: bool, rank: int, device: str, out: str | 
         d = result.to_dict()
         if code:
             d["interrupted"] = True  # as tune, noise and pipeline say it
-        where = out
-        if out:
-            path, why = keep_result(out, d)
-            progress(why or f"wrote {path}")
-            if (
-                why
-            ):  # in the result too, and a failure's exit (a script's plan --calibration would read nothing)
-                d.update(kept_in=str(path), notes=[*d.get("notes", []), why])
-                where = str(path)
+        where = write_out(out, d) if out else None  # kept_in where it could not be written: exit 1 below
         emit(d, as_json, lambda: render_microbench(d))
         if not result.complete:
             progress("interrupted: kept what was measured" + (f" in {where}" if where else ""))

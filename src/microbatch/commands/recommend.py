@@ -146,6 +146,10 @@ def _say_unread_columns(path: str, cols: list[str], *, near_only: bool = False) 
 
     for col in (c for c in cols if c and c not in CSV_COLUMNS):
         near = difflib.get_close_matches(col, CSV_COLUMNS, n=1, cutoff=0.6)
+        if near_only and (
+            not near or near[0] in cols
+        ):  # a tune's own fields beside the column: nothing meant
+            continue
         if near or not near_only:
             what = "key" if near_only else "column"
             progress(

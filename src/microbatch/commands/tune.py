@@ -27,6 +27,7 @@ from microbatch.commands._common import (
     progress,
 )
 from microbatch.commands._flags import cli_text
+from microbatch.commands._outputs import write_out
 from microbatch.errors import NoChoiceError, ProbeTimeoutError
 from microbatch.hardware import usable_cores
 from microbatch.precision import MEASURABLE
@@ -296,7 +297,7 @@ def cmd(
     if timing_line:
         d["timing_choice"] = timing_line
     with_provenance(d, target, probe)
-    kept = _write_out(out_dir, d)
+    kept = write_out(out_dir / "result.json", d) if out_dir is not None else None  # what --json prints
     emit(d, as_json, lambda: render_tune(d, again="--no-cache"))
     if "kept_in" in d and not result.interrupted:
         raise click.exceptions.Exit(1)
@@ -309,19 +310,6 @@ def cmd(
             + "; the choice above uses them"
         )
         raise click.exceptions.Exit(130)
-
-
-def _write_out(out_dir: Path | None, d: dict[str, Any]) -> str | None:
-    """Write the result to ``out_dir``/result.json (what --json prints) and return where it is; where it could not be
-    written, kept elsewhere and said in the result too (``kept_in``: the command then exits 1, a script's next step
-    would read a missing file)."""
-    if out_dir is None:
-        return None
-    path, why = keep_result(out_dir / "result.json", d)
-    progress(why or f"wrote {path}")
-    if why:
-        d.update(kept_in=str(path), notes=[*d.get("notes", []), why])
-    return str(path)
 
 
 def _kept(e: NoChoiceError, out_dir: Path | None, cached: bool) -> NoChoiceError:

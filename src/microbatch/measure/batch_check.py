@@ -11,8 +11,8 @@ and whatever the padding of rows drawn at random does to the others. Where it is
 grew before (two b or more seen), the data ran out and the search ends there, keeping the points before (``grown``).
 
 A batch that grows but holds fewer than b rows (``X[:8]`` of 6 rows after ``X[:4]``) is caught where the layout
-shows its rows: every tensor of every smaller b's batch (two b or more) led with b (batch-first), and this one's do
-not all lead with b (:func:`_rows_first`); in another layout (sequence-first, packed) it is not caught, and that point's
+shows its rows: every tensor of every smaller b's batch (one b >= 2 among them) led with b (batch-first), and this
+one's do not all lead with b (:func:`_rows_first`); in another layout (sequence-first, packed) it is not caught, and that point's
 throughput is overstated by b / rows. Under torch.distributed the check
 is not made: a rank refusing alone would leave the others waiting in the probe's next collective.
 """
@@ -76,10 +76,9 @@ class GrowingBatches:
         shapes = batch_shapes(batch)
         if shapes and distributed() is None:
             seen_rows_first = [b for b, s in self.shapes.items() if b < micro_batch and _rows_first(s, b)]
-            # two sizes at least: a packed (1, b·s) batch leads with 1 row at b = 1 too
-            if len(seen_rows_first) >= 2 and len(seen_rows_first) == sum(
-                b < micro_batch for b in self.shapes
-            ):
+            # a b >= 2 among them: a packed (1, b·s) batch leads with 1 row at b = 1 too
+            smaller = sum(b < micro_batch for b in self.shapes)
+            if max(seen_rows_first, default=1) >= 2 and len(seen_rows_first) == smaller:
                 if not _rows_first(shapes, micro_batch):
                     raise BatchDidNotGrow(
                         f"make_batch({micro_batch}) returned tensors of shapes {shapes}, not {micro_batch} rows, where "
