@@ -109,7 +109,7 @@ def test_simulated_leaders_agree_with_closed_form_for_balanced_stages():
     closed = {c.micro_batch: c for c in make_plan(cfg).candidates}
     sim = make_plan(replace(cfg, simulate_top=3))
     leaders = [c for c in sim.candidates if c.simulated]
-    assert len(leaders) in (3, 4)  # the three fastest, and the knee when it is not among them
+    assert len(leaders) >= 3  # the three fastest, the knee, and the contenders whose floor could beat them
     for c in leaders:
         assert c.step_time_s == pytest.approx(closed[c.micro_batch].step_time_s, rel=0.02)
 
@@ -506,17 +506,17 @@ def test_plan_dualpipev_step_time_is_its_closed_form_and_the_leaders_are_simulat
 
 
 def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
-    """gpt2, p = 6, B = 24: at b_m 2 (m = 12 = 2p) DualPipeV, simulated, is about 7% faster than the best
-    other schedule (1F1B at b_m 2, idle 45%) and is the fastest that fits, holding more than 1F1B at the same b_m
-    (2p + 1 chunks of a rank's layers on rank 0); with full recompute it is also the knee (least memory within τ):
-    its rank 0 keeps one micro-batch of gpt2's large logits (stage 2p − 1 runs each backward right after its forward),
-    1F1B's last rank one too, beside its layers' working set. Its rules: m >= 2p (B = 11 leaves m <= 11 < 12),
+    """gpt2, p = 6, B = 24: at b_m 2 (m = 12 = 2p) DualPipeV, simulated, is faster than every other schedule
+    simulated (ZB-H1 at b_m 2 by 1.4%: its closed form, 7% slower, overstated its bubble) and is the fastest that fits, holding more than 1F1B at the same b_m
+    (2p + 1 chunks of a rank's layers on rank 0). The knee (least memory within τ) is interleaved 1F1B at b_m 1,
+    v 2, simulated (1.23 GiB, within the line), not DualPipeV with full recompute (1.29 GiB): its rank 0 keeps one
+    micro-batch of gpt2's large logits (stage 2p − 1 runs each backward right after its forward). Its rules: m >= 2p (B = 11 leaves m <= 11 < 12),
     2p | layers (p = 4: 12 % 8), an even split; and it must fit."""
     fast = make_plan(_cfg(global_batch=24, pipeline_parallel=6, choose="fastest"))
     rec = fast.recommended
     assert rec is not None and rec.schedule == "dualpipev" and rec.simulated and rec.micro_batch == 2
     others = [c for c in fast.candidates if c.fits and c.schedule != "dualpipev"]
-    assert rec.step_time_s < 0.97 * min(c.step_time_s for c in others if c.simulated)
+    assert rec.step_time_s < 0.99 * min(c.step_time_s for c in others if c.simulated)
     # m = 12 < 4p: 1F1B's bubble is not buried there, DualPipeV's (a few per cent) is
     one = next(c for c in others if (c.schedule, c.micro_batch) == ("1f1b", 2))
     assert any("is not buried" in x for x in _words(lint(fast, one))) and not any(
@@ -524,7 +524,12 @@ def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
     )
     assert rec.peak_memory_bytes > one.peak_memory_bytes  # 2p + 1 chunks against 1F1B's p
     knee = fast.knee
-    assert knee is not None and (knee.schedule, knee.micro_batch, knee.recompute) == ("dualpipev", 2, "full")
+    assert knee is not None and (knee.schedule, knee.micro_batch, knee.virtual) == ("interleaved-1f1b", 1, 2)
+    assert knee.simulated  # settled against the line by the simulator, not its closed form
+    dualpipev_full = next(
+        c for c in fast.candidates if (c.schedule, c.micro_batch, c.recompute) == ("dualpipev", 2, "full")
+    )
+    assert knee.peak_memory_bytes < dualpipev_full.peak_memory_bytes
     within = [c for c in fast.candidates if c.fits and c.tokens_per_s >= knee.tokens_per_s]
     assert knee.peak_memory_bytes <= min(c.peak_memory_bytes for c in within)
     assert make_plan(_cfg(global_batch=24, pipeline_parallel=6)).recommended == knee

@@ -26,6 +26,8 @@ class LayerTime:
     """Two tensor-parallel all-reduces (or all-gather + reduce-scatter with SP)."""
     flops: float
     """Model FLOPs of this forward on this GPU."""
+    gemm_flops: float = 0.0
+    """Of them, the linear layers' (2·rows·weights/t): what ``gemm_s`` computes, for the GEMMs' share of peak."""
     attention_backward_s: float | None = None
     """Backward of the attention core (None: 2 × ``attention_s``)."""
     elementwise_backward_s: float | None = None

@@ -16,7 +16,7 @@ give the pitfalls and, when nothing fits, what would. The library never prints:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -39,6 +39,8 @@ from microbatch.predict.plan_advice import (
     advice_to_dict,
     lint_to_dict,
 )
+from microbatch.predict.plan_choice import contenders_simulated, knee_candidate
+from microbatch.predict.plan_choice import sort_key as _sort_key
 from microbatch.predict.plan_config import CHOICES, PLAN_MARGIN, PLAN_TOLERANCE, PlanConfig
 from microbatch.predict.plan_lints import KNEE_TOLERANCE, lint
 from microbatch.predict.roofline import model_flops_per_step
@@ -168,15 +170,6 @@ def _split_virtuals(cfg: PlanConfig, name: str) -> list[int]:
         v for v in virtual_options(name, L, p, cfg.virtuals or (), split)
         if v == 1 or not (L % (p * v) if split is None else v > min(split))
     ]  # fmt: skip
-
-
-_RECOMPUTE_RANK = {"none": 0, "selective": 1, "op": 2, "full": 3}
-
-
-def _sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
-    """Fitting first, fastest first; ties (to 6 digits) go to less recompute, lower ZeRO, less memory."""
-    primary = float(f"{c.step_time_s:.6g}") if c.fits else c.peak_memory_bytes
-    return (not c.fits, primary, _RECOMPUTE_RANK[c.recompute], c.zero, c.peak_memory_bytes)
 
 
 def _enumerate(cfg: PlanConfig, ctx: Context | None = None, table: Table | None = None) -> list[Candidate]:
@@ -324,6 +317,8 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
     n_sim = len(cands) if uneven and len(cands) <= 50 else cfg.simulate_top
     lead = [with_simulation(ctx, c, model_flops) if c.fits else c for c in cands[:n_sim]]
     cands = sorted(lead + cands[n_sim:], key=_sort_key)
+    if cfg.simulate_top > 0:
+        cands = contenders_simulated(ctx, cands, model_flops)
     fastest = cands[0] if cands[0].fits else None
     knee = None
     if fastest is not None:
@@ -338,32 +333,6 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
     plan = Plan(config=cfg, candidates=tuple(cands), recommended=rec, fastest=fastest, knee=knee)
     advice = what_would_fit(cfg, plan) if rec is None and advise else None
     return replace(plan, lints=tuple(lint(plan)), advice=advice)
-
-
-def knee_candidate(
-    candidates: Sequence[Candidate], tolerance: float = PLAN_TOLERANCE, margin: float = PLAN_MARGIN
-) -> Candidate:
-    """The knee among the candidates that fit: the least peak memory among those whose tokens/s reach
-    (1 − τ)·(1 + μ) of the fastest's — ``tune``'s rule ``fraction`` with a predicted reference
-    (``docs/knee.md``), over memory instead of b_m. Ties go to the faster, then less recompute, lower ZeRO.
-
-    Raises ``ValueError`` when nothing fits.
-    """
-    fits = [c for c in candidates if c.fits]
-    if not fits:
-        raise ValueError("no candidate fits: there is no knee to choose")
-    best = max(c.tokens_per_s for c in fits)
-    line = (1.0 - tolerance) * (1.0 + margin) * best
-    within = [c for c in fits if c.tokens_per_s >= line]
-    return min(
-        within,
-        key=lambda c: (
-            float(f"{c.peak_memory_bytes:.6g}"),
-            -c.tokens_per_s,
-            _RECOMPUTE_RANK[c.recompute],
-            c.zero,
-        ),
-    )
 
 
 def compare_gpus(cfg: PlanConfig, gpus: list[Accelerator]) -> list[Plan]:

@@ -194,6 +194,7 @@ def layer_forward(
         elementwise_s=elementwise,
         tp_comm_s=tp_comm,
         flops=layer_forward_flops(shape, rows, s, t),
+        gemm_flops=2.0 * rows * gemm_weights(shape) / t,
         ep_comm_s=a2a,
         backward_gap_s=backward_gap,
         weight_host_s=weight_host,

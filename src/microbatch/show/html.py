@@ -199,7 +199,7 @@ TABLE_ROWS = 20
 
 def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[str]:
     """The best candidate at each b_m as the plan ranks them (fitting first, the fastest first; of those that do not
-    fit, the smallest peak first: :func:`microbatch.predict.plan._sort_key`), in b_m order, the recommended one
+    fit, the smallest peak first: :func:`microbatch.predict.plan_choice.sort_key`), in b_m order, the recommended one
     highlighted; with a line saying so when candidates were left out."""
     parts: list[str] = []
 
