@@ -43,3 +43,26 @@ def test_the_gemms_share_of_peak_stays_under_peak_at_long_sequences():
                             pipeline_parallel=2))  # fmt: skip
     rates = [c.gemm_efficiency for c in plan.candidates]
     assert 0.5 < min(rates) and max(rates) <= 0.8  # RooflineEfficiency.gemm_max, not 1.07
+
+
+def test_under_fp8_the_gemms_share_is_of_fp8s_peak():
+    fp8 = make_plan(config(shape=get_model("llama-2-7b").with_seq(4096), gpu=get_accelerator("h100-sxm"),
+                           global_batch=256, data_parallel=8, pipeline_parallel=4, precision="fp8"))  # fmt: skip
+    assert 0.3 < max(c.gemm_efficiency for c in fp8.candidates) <= 0.8  # 1.09 over the bf16 peak
+
+
+def test_a_simulation_the_cache_holds_spends_no_budget():
+    from microbatch.predict.candidate import make_context
+    from microbatch.predict.plan_choice import _simulate
+
+    plan = make_plan(config(simulate_top=0))
+    ctx = make_context(plan.config)
+    c = next(c for c in plan.candidates if c.fits and c.schedule == "zb-h1")
+    sibling = next(x for x in plan.candidates if x is not c and (x.schedule, x.micro_batch, x.recompute, x.virtual)
+                   == (c.schedule, c.micro_batch, c.recompute, c.virtual))  # fmt: skip  # another ZeRO row
+    budget = [10**9]
+    first = _simulate(ctx, c, 1.0, budget)
+    spent = 10**9 - budget[0]
+    assert first.simulated and spent > 0
+    again = _simulate(ctx, sibling, 1.0, budget)
+    assert again.simulated and 10**9 - budget[0] == spent  # the ZeRO row's simulation came from the cache

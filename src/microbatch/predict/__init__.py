@@ -4,7 +4,7 @@
   (bytes one layer keeps per micro-batch) → ``memory`` (per pipeline stage, with the in-flight rule);
 - ``roofline`` (a layer's forward time, collectives) → ``steptime`` (the one step-time rule);
 - ``plan_config`` (what to plan) → ``candidate`` (one candidate's memory and time) → ``plan``
-  (enumerate, simulate the leaders, recommend, lint, advise);
+  (enumerate, simulate the leaders and the contenders, recommend, lint, advise);
 - ``calibrate`` (fit corrections to measured points) → ``apply_calibration`` (use them in a plan)
   and ``validation`` (the planner's error, stated).
 

@@ -42,7 +42,16 @@ from microbatch.predict.plan_context import Context, LayerCosts, layer_costs, ma
 from microbatch.predict.screen import Screened, ZeroRow, _stage_times, _v_stage_times, screen
 from microbatch.schedules.registry import get_spec
 
-__all__ = ["Candidate", "Context", "LayerCosts", "evaluate", "layer_costs", "make_context", "with_simulation"]
+__all__ = [
+    "Candidate",
+    "Context",
+    "LayerCosts",
+    "evaluate",
+    "layer_costs",
+    "make_context",
+    "simulation_key",
+    "with_simulation",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,7 +278,7 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
 
     if count_actions(c.schedule, p, c.microbatches, c.virtual) > PLAN_SIMULATED_ACTIONS:
         return c
-    key = (c.schedule, c.microbatches, c.virtual, c.micro_batch, c.recompute)
+    key = simulation_key(c)
     hit = ctx.sim_cache.get(key)
     if hit is None:  # the ZeRO rows of one (b_m, schedule, v, recompute) share it: simulated once
         hit = ctx.sim_cache[key] = _simulated(ctx, c)
@@ -284,6 +293,11 @@ def with_simulation(ctx: Context, c: Candidate, model_flops: float) -> Candidate
         time=time,
         simulated=True,
     )
+
+
+def simulation_key(c: Candidate) -> tuple[str, int, int, int, str]:
+    """What a candidate's simulation depends on (its ZeRO rows share it): the key of ``Context.sim_cache``."""
+    return (c.schedule, c.microbatches, c.virtual, c.micro_batch, c.recompute)
 
 
 def _simulated(ctx: Context, c: Candidate) -> tuple[float, float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from microbatch.predict.candidate import Candidate, Context, with_simulation
+from microbatch.predict.candidate import Candidate, Context, simulation_key, with_simulation
 from microbatch.predict.plan_config import PLAN_MARGIN, PLAN_TOLERANCE
 
 __all__ = ["PLAN_CONTENDER_ACTIONS", "contenders_simulated", "knee_candidate", "sort_key"]
@@ -34,43 +34,51 @@ def _lower_bound_s(c: Candidate) -> float:
     return c.step_time_s - float(c.time.get("bubble_s", 0.0))
 
 
-def _contends(c: Candidate, best_s: float, line_s: float, knee_bytes: float) -> bool:
-    """Whether ``c``, simulated, could be the fastest (its floor under ``best_s``), or the knee: under the line's time
-    ``line_s`` with less memory than the knee's ``knee_bytes`` where its closed form is over the line."""
-    floor = _lower_bound_s(c)
-    below_knee = c.peak_memory_bytes < knee_bytes and c.step_time_s > line_s
-    return floor < best_s or (below_knee and floor <= line_s)
-
-
 def contenders_simulated(ctx: Context, cands: list[Candidate], model_flops: float) -> list[Candidate]:
-    """``cands`` with every fitting contender simulated: one whose floor (:func:`_lower_bound_s`) is under the fastest
-    step found, or under the knee's line where it holds less memory than the knee. The closed forms of interleaved
-    1F1B, ZB-H1 and DualPipeV overstate their bubble (a grid of 323 plans: the same candidate up to 3.3% faster
-    simulated), so a candidate outside the simulated leaders was ranked on them, and a narrower search found a
-    faster one than the full search's fastest. Within :data:`PLAN_CONTENDER_ACTIONS`."""
-    from microbatch.schedules.limits import count_actions
-
-    cfg, spent, tried = ctx.cfg, 0, set()
+    """``cands`` with every fitting contender simulated, re-sorted once. The closed forms of interleaved 1F1B, ZB-H1
+    and DualPipeV overstate their bubble (a grid of 323 plans: the same candidate up to 3.3% faster simulated), so a
+    candidate outside the simulated leaders was ranked on them, and a narrower search found a faster one than the whole
+    search's fastest. Two passes: (1) in order of their floors (:func:`_lower_bound_s`), each candidate whose floor is
+    under the fastest step found so far, which settles the fastest (no floor left under it can beat it); (2) with the
+    knee's line now fixed, in order of memory, each one under the knee's memory whose floor is under the line but whose
+    closed form is over it, until one reaches the line (the least memory that does: the knee). Simulations the cache
+    holds (a sibling ZeRO row's) are free; the others spend :data:`PLAN_CONTENDER_ACTIONS`."""
+    cfg = ctx.cfg
     if cfg.pipeline_parallel == 1 or not cands[0].fits:
         return cands
-    while spent < PLAN_CONTENDER_ACTIONS:
-        fits = [c for c in cands if c.fits]
-        best, knee = fits[0].step_time_s, knee_candidate(fits, cfg.tolerance, cfg.margin)
-        line_s = best / ((1.0 - cfg.tolerance) * (1.0 + cfg.margin))
-        todo = [
-            c for c in fits
-            if not c.simulated and id(c) not in tried and _contends(c, best, line_s, knee.peak_memory_bytes)
-        ]  # fmt: skip
-        if not todo:
+    done: dict[int, Candidate] = {}  # id of a candidate -> it simulated
+    budget = [PLAN_CONTENDER_ACTIONS]
+    fits = [c for c in cands if c.fits]
+    best = min(c.step_time_s for c in fits)
+    for c in sorted((c for c in fits if not c.simulated), key=_lower_bound_s):
+        if _lower_bound_s(c) >= best or budget[0] <= 0:
             break
-        c = min(todo, key=_lower_bound_s)
-        tried.add(id(c))
-        spent += count_actions(c.schedule, cfg.pipeline_parallel, c.microbatches, c.virtual)
-        sim = with_simulation(ctx, c, model_flops)
-        if sim is not c:
-            tried.add(id(sim))
-            cands = sorted([sim if x is c else x for x in cands], key=sort_key)
-    return cands
+        sim = done[id(c)] = _simulate(ctx, c, model_flops, budget)
+        best = min(best, sim.step_time_s)
+    fits = [done.get(id(c), c) for c in fits]
+    knee = knee_candidate(fits, cfg.tolerance, cfg.margin)
+    line_s = best / ((1.0 - cfg.tolerance) * (1.0 + cfg.margin))
+    below = [c for c in fits if not c.simulated and c.peak_memory_bytes < knee.peak_memory_bytes]
+    for c in sorted(below, key=lambda c: c.peak_memory_bytes):
+        if budget[0] <= 0:
+            break
+        if c.step_time_s > line_s >= _lower_bound_s(c):
+            sim = done[id(c)] = _simulate(ctx, c, model_flops, budget)
+            if sim.step_time_s <= line_s:
+                break  # the least memory within the line: no later one can be the knee
+    return sorted((done.get(id(c), c) for c in cands), key=sort_key)
+
+
+def _simulate(ctx: Context, c: Candidate, model_flops: float, budget: list[int]) -> Candidate:
+    """``c`` simulated (:func:`~microbatch.predict.candidate.with_simulation`), its actions taken from ``budget`` where
+    the simulation ran (not the cache's, not one past the simulator's limit)."""
+    from microbatch.schedules.limits import count_actions
+
+    cached = simulation_key(c) in ctx.sim_cache
+    sim = with_simulation(ctx, c, model_flops)
+    if sim.simulated and not cached:
+        budget[0] -= count_actions(c.schedule, ctx.cfg.pipeline_parallel, c.microbatches, c.virtual)
+    return sim
 
 
 def knee_candidate(

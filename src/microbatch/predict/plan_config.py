@@ -115,7 +115,9 @@ class PlanConfig(StateSettings):
     memory_calibration: MemoryCalibration = field(default_factory=MemoryCalibration)
     """Memory corrections (calibratable)."""
     simulate_top: int = 3
-    """How many leading candidates to replay with the event simulator."""
+    """How many leading candidates to replay with the event simulator; past 0, every other contender for the fastest
+    or the knee is replayed too (:func:`microbatch.predict.plan_choice.contenders_simulated`); 0: closed forms only
+    (the knee is still replayed under a pipeline)."""
     dp_overlap: bool = True
     """ZeRO 0/1: the data-parallel gradient reduction runs behind the last micro-batch's backward, as
     PyTorch DDP's bucketed all-reduce does (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3); False:

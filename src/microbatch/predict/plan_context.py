@@ -270,7 +270,7 @@ def layer_costs(ctx: Context, b: int) -> LayerCosts:
             p2p = scatter_gather_send_s(nbytes, t, ctx.bw_pp, bw_tp, cfg.sequence_parallel)
         # the linear layers' FLOPs over their own time: the attention core is counted whole (s x s) in the model's
         # FLOPs but run causal, and a share of peak over both passed 100% at long sequences (107% at s 65,536)
-        flops_rate = lt.gemm_flops / lt.gemm_s / cfg.gpu.flops(ctx.dtype) if lt.gemm_s else 0.0
+        flops_rate = lt.gemm_flops / lt.gemm_s / ctx.peak_flops if lt.gemm_s else 0.0  # FP8's peak under FP8
         hit = LayerCosts(layer=lt, logits_s=logit_s, p2p_s=p2p, gemm_efficiency=flops_rate, dense=dense)
         ctx.layer_cache[b] = hit
     return hit
