@@ -103,3 +103,21 @@ def test_an_answer_that_stdout_cannot_take_is_said_once_as_stdout():
 def test_the_json_hint_only_replaces_a_complaint_about_json(capsys):
     assert main(["--foo", "--json", "bubble", "-p", "4", "-m", "8"]) == 2
     assert "No such option '--foo'" in capsys.readouterr().err
+
+
+def test_a_closed_stdout_is_a_failure_not_a_silent_success():
+    r = run(["bubble", "-p", "4", "-m", "8"], shell_tail=">&-")
+    assert r.returncode == 1 and "could not write to stdout: stdout is closed" in r.stderr
+
+
+def test_exports_notes_and_refusals_name_the_plans_flags(tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    base = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-d", "8"]
+    assert main([*base, "--json"]) == 0
+    plan.write_text(capsys.readouterr().out)
+    assert main(["export", "--plan", str(plan), "--format", "hf"]) == 0
+    assert "plan with --loss-kernel eager to price them" in capsys.readouterr().err
+    assert main([*base, "--moments-dtype", "bf16", "--json"]) == 0
+    plan.write_text(capsys.readouterr().out)
+    assert main(["export", "--plan", str(plan), "--format", "hf"]) == 2
+    assert "--moments-dtype and --master-weights fp32 export" in capsys.readouterr().err

@@ -87,9 +87,14 @@ def test_torchtitan_refuses_zb_h1_with_one_stage_per_rank():
     assert plan["recommended"]["schedule"] == "zb-h1" and plan["recommended"]["virtual"] == 1
     with pytest.raises(ConfigError, match=r"InterleavedZeroBubble.*at least 2 stages per rank") as err:
         export_plan(plan, "torchtitan")
-    fix = str(err.value).split("plan again with schedule ")[1]
+    fix = str(err.value).split("plan again with schedules ")[1]
     assert fix.split(", ") == ["gpipe", "1f1b", "interleaved-1f1b with virtual 2 or more", "dualpipev"]
-    assert err.value.params == ("virtual",)
+    assert err.value.params == ("virtual", "schedules")  # the command line writes both as the plan's flags
+    from microbatch.commands._flags import cli_message
+
+    assert "plan again with --schedule gpipe, 1f1b, interleaved-1f1b with --virtual 2" in cli_message(
+        err.value, "export"
+    )
     inter = _plan(
         pipeline_parallel=2, schedules=("interleaved-1f1b",), virtuals=(2,), zero=(1,), global_batch=128
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +103,8 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
     command's name and the version first) as JSON when asked, else the human rendering; :class:`StdoutFailed` where
     stdout cannot take it (a reader that left, EPIPE, is click's to handle: it exits 1 without a word)."""
     text = dumps(envelope(obj, command_name())) if as_json else render()
+    if sys.stdout is None:  # closed by the caller (>&-): click would drop the answer without a word
+        raise StdoutFailed(errno.EBADF, "stdout is closed")
     try:
         click.echo(text)
     except BrokenPipeError:

@@ -400,7 +400,10 @@ def _check_supported(c: Json, fmt: str) -> None:
     if lacks:
         others = [f for f in FORMATS if f != fmt and _exports(c, f)]
         to = f"export this plan to {' or '.join(others)}, or " if others else ""
-        raise ConfigError(f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it")
+        raise ConfigError(
+            f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it",
+            params=("moments_dtype", "master_weights"),  # the plan's flags, where a lack names them
+        )
 
 
 _BUILDERS = {

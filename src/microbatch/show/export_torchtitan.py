@@ -183,10 +183,10 @@ def _check_stages_per_rank(name: str, v: int) -> None:
             continue
         ok.append(f"{other} with virtual 2 or more" if spec.stages_per_rank is None else other)
     raise ConfigError(
-        f"torchtitan runs schedule {name} as torch's {runner.torch_name}, a multi-stage schedule, and refuses it "
+        f"torchtitan runs {name} as torch's {runner.torch_name}, a multi-stage schedule, and refuses it "
         f'with {v} stage per rank ("Multi-stage schedule requires at least 2 stages per rank"); plan again with '
-        f"schedule {', '.join(ok)}",
-        params=("virtual",),
+        f"schedules {', '.join(ok)}",
+        params=("virtual", "schedules"),
     )
 
 

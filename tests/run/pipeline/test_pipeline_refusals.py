@@ -284,7 +284,8 @@ def test_cli_refuses_a_factory_that_does_not_chain_in_one_line(capsys, no_proces
     [
         ("0.001", r"--timeout 0\.001 is too short for the ranks to start.*give --timeout 10 or more"),
         ("9.9", r"--timeout 9\.9 is too short"),
-        ("1e300", r"--timeout 1e\+300 is over the limit of 1e\+06 s .*give --timeout 1e\+06 or less"),
+        ("1e300", r"--timeout 1e\+300 is over the limit of 1,000,000 s .*give --timeout 1000000 or less"),
+        ("1000001", r"--timeout 1000001 is over the limit of 1,000,000 s"),  # the value typed, not 1e+06
     ],
 )
 def test_a_timeout_the_ranks_cannot_start_in_is_refused_before_they_start(

@@ -152,8 +152,8 @@ def check_timeout(cfg: PipelineConfig) -> None:
         )
     if t > MAX_TIMEOUT_S:
         raise ConfigError(
-            f"timeout_s {t:g} is over the limit of {MAX_TIMEOUT_S:g} s (11.6 days) that torch's process group "
-            f"can hold; give timeout_s {MAX_TIMEOUT_S:g} or less",
+            f"timeout_s {t:.15g} is over the limit of {MAX_TIMEOUT_S:,.0f} s (11.6 days) that torch's process group "
+            f"can hold; give timeout_s {MAX_TIMEOUT_S:.0f} or less",
             params=("timeout_s",),
         )
 
