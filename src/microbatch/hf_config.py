@@ -14,6 +14,19 @@ from microbatch._json import loads
 from microbatch.errors import ConfigError
 from microbatch.fields import whole_key
 from microbatch.hf_attention import chunked_attention_of, own_head_size, sliding_window_of
+from microbatch.hf_families import (
+    _ALWAYS_PARALLEL,
+    _BLOCK_KEYS,
+    _DEFAULT_DROPOUT_OFF,
+    _DROPOUT_KEYS,
+    _GATED_FAMILIES,
+    _LLAMA_LIKE,
+    _NO_POSITION_TABLE,
+    _PARALLEL_KEYS,
+    _PARALLEL_LLAMA_LIKE,
+    _ROTARY_KEYS,
+    _UNTIED_BY_DEFAULT,
+)
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
 from microbatch.shape import ModelShape
 
@@ -32,53 +45,9 @@ _HF_KEYS: dict[str, tuple[str, ...]] = {
     "vocab": ("vocab_size",),
     "seq": ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len", "n_ctx"),
 }
+
+
 # Families whose blocks are Llama-like: RMSNorm, rotary positions, gated (SwiGLU) MLP, no biases.
-_GATED_FAMILIES = ("gemma", "vaultgemma")
-"""Family prefixes built as Llama is (gated MLP, RMSNorm, rotary, no biases) though their activation is GELU (Gemma's
-GeGLU, spelt ``hidden_activation``: gemma3_text, gemma4_text, vaultgemma). RecurrentGemma is refused as a hybrid first."""
-_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
-
-_NO_POSITION_TABLE = (
-    "gpt_neox",
-    "gptj",
-    "bloom",
-    "falcon",
-    "phi",
-    "codegen",
-    "persimmon",
-    "stablelm",
-    "starcoder2",
-)
-"""GPT-2-built families (LayerNorm, GELU MLP of 4h or their own width) with rotary or ALiBi positions, not a learned
-table: GPT-NeoX, GPT-J, CodeGen, Persimmon, StableLM, StarCoder2 and Phi (rotary), BLOOM (ALiBi), Falcon (rotary or
-ALiBi). MPT
-says it itself (``learned_pos_emb``)."""
-
-_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "emb_pdrop",
-                 "dropout", "activation_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob")  # fmt: skip
-"""The keys families spell a dropout probability with (MPT's ``attn_pdrop`` sits in its ``attn_config``)."""
-
-_PARALLEL_KEYS = {"gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
-"""Families whose parallel attention + MLP block is a setting (transformers' default: on for both); GPT-J, CodeGen
-and Phi always run it (:data:`_ALWAYS_PARALLEL`)."""
-_ALWAYS_PARALLEL = ("gptj", "codegen", "phi")
-
-_PARALLEL_LLAMA_LIKE = ("cohere",)
-"""Llama-like families whose block runs attention and the MLP side by side on one norm's output (Cohere's Command-R
-and Command-R7B: transformers' ``CohereDecoderLayer`` adds both to the residual)."""
-
-_UNTIED_BY_DEFAULT = ("gpt_neox", "gptj", "phi", "codegen")
-"""Families whose transformers config defaults ``tie_word_embeddings`` to False (GPT-2's, BLOOM's, OPT's, Falcon's and
-MPT's tie): the default a config.json read without transformers takes."""
-
-_BLOCK_KEYS = ("no_bias", "bias", "learned_pos_emb", "expansion_ratio")
-"""MPT's and Falcon's block settings, read by :func:`_gpt2_built`."""
-
-_DEFAULT_DROPOUT_OFF = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "mpt", "codegen")
-"""Families whose transformers config defaults every dropout probability to 0 (GPT-2's and OPT's default to 0.1):
-the default where a config.json states none."""
-
-
 def _dropout_of(raw: dict[str, Any], model_type: str, default: bool | None = None) -> bool:
     """Whether training runs dropout: any probability the config states above 0, or, when it states none (absent or
     null), ``default`` or the family's (:data:`_DEFAULT_DROPOUT_OFF`; otherwise GPT-2's 0.1: on)."""
@@ -95,7 +64,9 @@ def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any)
     not: :data:`_NO_POSITION_TABLE`; MPT's where its ``learned_pos_emb`` says so without ALiBi), biases (MPT's ``no_bias``, Falcon's ``bias``), the
     parallel block (:data:`_PARALLEL_KEYS`), dropout (:func:`_dropout_of`), MPT's ``expansion_ratio`` as its MLP
     width, and tied embeddings by the config (GPT-2's default: tied)."""
-    table = not model_type.startswith(_NO_POSITION_TABLE)
+    # rotary where the file sets it (Nemotron, BitNet, Apertus: GPT-2-built by their activation, no position table)
+    rotary = any(raw.get(k) is not None for k in _ROTARY_KEYS)
+    table = not (model_type.startswith(_NO_POSITION_TABLE) or rotary)
     if (
         model_type == "mpt"
     ):  # with ALiBi no table (transformers' MptModel has none, whatever learned_pos_emb says)
@@ -108,6 +79,8 @@ def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any)
         if model_type == "mpt"
         else bool(raw.get("bias", model_type != "falcon"))
     )
+    if model_type != "mpt" and "bias" not in raw and ("attention_bias" in raw or "mlp_bias" in raw):
+        bias = bool(raw.get("attention_bias") or raw.get("mlp_bias"))  # as the Llama-built families spell it
     key = _PARALLEL_KEYS.get(model_type)
     parallel = model_type.startswith(_ALWAYS_PARALLEL) or (key is not None and bool(raw.get(key, True)))
     fields: dict[str, Any] = {

@@ -197,7 +197,8 @@ def experts_from_hf(
     (Qwen-MoE); K from ``num_experts_per_tok``; F from ``moe_intermediate_size`` or, as in
     Mixtral, ``intermediate_size``; S from ``n_shared_experts`` (DeepSeek, width F) or one shared
     expert of ``shared_expert_intermediate_size`` (Qwen2-MoE); dense first blocks from
-    ``first_k_dense_replace``; every k-th block MoE from ``interleave_moe_layer_step`` (Llama 4) or
+    ``first_k_dense_replace`` (AFMoE's ``num_dense_layers``; transformers 5's ``mlp_layer_types``, "dense"/"sparse"
+    per block, any kind but "dense" an MoE block (DeepSeek-V4's "hash_moe"); shared experts also as ``num_shared_experts`` or ``moe_num_shared_experts``); every k-th block MoE from ``interleave_moe_layer_step`` (Llama 4) or
     ``decoder_sparse_step`` (Qwen2-MoE), the others dense at ``intermediate_size_mlp`` where the config has it (Llama 4);
     Llama 4's one shared expert (:data:`_ONE_SHARED`). Ignores DeepSeek-V2's ``moe_layer_freq`` (1 in every
     published config). K or F the file
@@ -231,7 +232,11 @@ def experts_from_hf(
             f"{source} has experts but no moe_intermediate_size; give expert_ffn_hidden",
             params=(*_HF, "expert_ffn_hidden"),
         )
-    shared = raw.get("n_shared_experts") or 0
+    shared_key = next(  # DeepSeek's spelling, then EXAONE-MoE's / AFMoE's / HunYuan's, then Aria's
+        (k for k in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts") if raw.get(k)),
+        "n_shared_experts",
+    )
+    shared = raw.get(shared_key) or 0
     shared_width = None
     if not shared and raw.get("shared_expert_intermediate_size"):
         shared, shared_width = 1, _whole(raw, "shared_expert_intermediate_size", raw["shared_expert_intermediate_size"], source, 1)  # fmt: skip
@@ -242,7 +247,10 @@ def experts_from_hf(
         None,
     )
     every = raw[step_key] if step_key else 1
-    dense = _whole(raw, "first_k_dense_replace", raw.get("first_k_dense_replace") or 0, source)
+    dense_key = (
+        "num_dense_layers" if raw.get("num_dense_layers") is not None else "first_k_dense_replace"
+    )  # AFMoE's
+    dense = _whole(raw, dense_key, raw.get(dense_key) or 0, source)
     # transformers divides by the step (Qwen2-MoE) or steps a range by it (Llama 4): 0 builds no model
     every = _whole(raw, step_key or "interleave_moe_layer_step", every, source, minimum=1)
     placed = _listed_layers(raw, dense, every, source)
@@ -253,7 +261,7 @@ def experts_from_hf(
         experts=e,
         top_k=k,
         expert_ffn_hidden=_whole(raw, f_key or "moe_intermediate_size", f, source, minimum=1),
-        shared_experts=_whole(raw, "n_shared_experts", shared, source),
+        shared_experts=_whole(raw, shared_key, shared, source),
         shared_ffn_hidden=shared_width,
         dense_layers=dense,
         moe_every=every,
@@ -270,6 +278,16 @@ def _listed_layers(raw: dict[str, Any], dense: int, every: int, source: str) -> 
     dense model); a set no rule gives is refused, naming it, rather than priced at other blocks."""
     n = raw.get("num_hidden_layers")
     only, listed = raw.get("mlp_only_layers") or [], raw.get("moe_layers")
+    kinds = raw.get(
+        "mlp_layer_types"
+    )  # transformers 5's kind of each block: "dense", or "sparse"/"moe"/"hash_moe"
+    if isinstance(kinds, list) and isinstance(n, int) and listed is None:
+        if not all(isinstance(k, str) for k in kinds):
+            raise ConfigError(
+                f"{source}: mlp_layer_types {kinds!r} must name each block's kind ('dense', 'sparse', ...)",
+                params=_HF,
+            )
+        listed = [i for i, k in enumerate(kinds) if k != "dense"]  # every kind but dense routes to experts
     if not isinstance(n, int) or n <= 0 or (not only and listed is None):
         return dense, every
     for key, value in (("mlp_only_layers", only), ("moe_layers", listed)):

@@ -396,14 +396,11 @@ def _exports(c: Json, fmt: str) -> bool:
 
 def _check_supported(c: Json, fmt: str) -> None:
     """ConfigError naming what ``fmt`` lacks for this candidate's layout, and the formats that take it."""
-    lacks = _lacks(c, fmt)
-    if lacks:
+    if lacks := _lacks(c, fmt):  # params: the plan's flags, where a lack names them
         others = [f for f in FORMATS if f != fmt and _exports(c, f)]
         to = f"export this plan to {' or '.join(others)}, or " if others else ""
-        raise ConfigError(
-            f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it",
-            params=("moments_dtype", "master_weights"),  # the plan's flags, where a lack names them
-        )
+        raise ConfigError(f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it",
+                          params=("moments_dtype", "master_weights"))  # fmt: skip
 
 
 _BUILDERS = {

@@ -1,0 +1,68 @@
+"""The family tables :mod:`microbatch.hf_config` reads a config.json by: which families are built as Llama is, which
+as GPT-2 is with rotary or ALiBi positions, the keys that spell dropout, rotary positions and parallel blocks, and the
+families' defaults. Split from it (a module each: the tables here, the reading there)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "_GATED_FAMILIES",
+    "_LLAMA_LIKE",
+    "_NO_POSITION_TABLE",
+    "_ROTARY_KEYS",
+    "_DROPOUT_KEYS",
+    "_PARALLEL_KEYS",
+    "_ALWAYS_PARALLEL",
+    "_PARALLEL_LLAMA_LIKE",
+    "_UNTIED_BY_DEFAULT",
+    "_BLOCK_KEYS",
+    "_DEFAULT_DROPOUT_OFF",
+]
+
+_GATED_FAMILIES = ("gemma", "vaultgemma", "bitnet")
+"""Family prefixes built as Llama is (gated MLP, RMSNorm, rotary, no biases) though their activation is not SiLU (Gemma's
+GeGLU, spelt ``hidden_activation``: gemma3_text, gemma4_text, vaultgemma; BitNet's gated relu²). RecurrentGemma is refused as a hybrid first."""
+_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
+
+_NO_POSITION_TABLE = (
+    "gpt_neox",
+    "gptj",
+    "bloom",
+    "falcon",
+    "phi",
+    "codegen",
+    "persimmon",
+    "stablelm",
+    "starcoder2",
+)
+"""GPT-2-built families (LayerNorm, GELU MLP of 4h or their own width) with rotary or ALiBi positions, not a learned
+table: GPT-NeoX, GPT-J, CodeGen, Persimmon, StableLM, StarCoder2 and Phi (rotary), BLOOM (ALiBi), Falcon (rotary or
+ALiBi). MPT
+says it itself (``learned_pos_emb``)."""
+
+_ROTARY_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_emb_base", "partial_rotary_factor")
+"""Keys only a config with rotary positions carries (transformers 4's and 5's spellings): such a model has no
+learned position table, whatever block it is built as."""
+
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "emb_pdrop",
+                 "dropout", "activation_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob")  # fmt: skip
+"""The keys families spell a dropout probability with (MPT's ``attn_pdrop`` sits in its ``attn_config``)."""
+
+_PARALLEL_KEYS = {"gpt_neox": "use_parallel_residual", "falcon": "parallel_attn"}
+"""Families whose parallel attention + MLP block is a setting (transformers' default: on for both); GPT-J, CodeGen
+and Phi always run it (:data:`_ALWAYS_PARALLEL`)."""
+_ALWAYS_PARALLEL = ("gptj", "codegen", "phi")
+
+_PARALLEL_LLAMA_LIKE = ("cohere",)
+"""Llama-like families whose block runs attention and the MLP side by side on one norm's output (Cohere's Command-R
+and Command-R7B: transformers' ``CohereDecoderLayer`` adds both to the residual)."""
+
+_UNTIED_BY_DEFAULT = ("gpt_neox", "gptj", "phi", "codegen")
+"""Families whose transformers config defaults ``tie_word_embeddings`` to False (GPT-2's, BLOOM's, OPT's, Falcon's and
+MPT's tie): the default a config.json read without transformers takes."""
+
+_BLOCK_KEYS = ("no_bias", "bias", "learned_pos_emb", "expansion_ratio")
+"""MPT's and Falcon's block settings, read by :func:`_gpt2_built`."""
+
+_DEFAULT_DROPOUT_OFF = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "mpt", "codegen")
+"""Families whose transformers config defaults every dropout probability to 0 (GPT-2's and OPT's default to 0.1):
+the default where a config.json states none."""
