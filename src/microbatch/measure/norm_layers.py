@@ -104,9 +104,10 @@ def norm_layers_warning(model: Any, micro_rows: int | None, batch_rows: int | No
         )
     if spectral:
         fixes.append("put the spectral norms in eval mode for all micro-batches but the first")
+    exact = "not exact" if micro_rows is not None else "accumulating g micro-batches is not the whole batch"
     return (
         "; ".join(parts)
-        + ": the accumulated gradient depends on the micro-batch size (not exact); "
+        + f": the accumulated gradient depends on the micro-batch size ({exact}); "
         + "; ".join(fixes)
         + "; or use micro-batches of the whole batch"
     )
@@ -125,7 +126,4 @@ def tune_note(model: Any) -> str | None:
     text = norm_layers_warning(model, None, None)
     if text is None:
         return None
-    return "b_m changes this model's training, not only its speed: " + text.replace(
-        "micro-batch size (not exact)",
-        "micro-batch size (accumulating g micro-batches is not the whole batch)",
-    )
+    return "b_m changes this model's training, not only its speed: " + text
