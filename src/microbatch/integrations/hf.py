@@ -352,12 +352,15 @@ def _loss_is_scaled(
     The Trainer's ``loss_is_scaled_for_ga`` when set decides both (transformers 5.x: a subclass computing its own
     loss says so). Otherwise the Trainer divides by the accumulation steps unless transformers' rule holds — the model
     takes loss kwargs and the Trainer passes ``num_items_in_batch``, or a ``compute_loss_func`` is given — and the
-    split does as the Trainer does, so a split step's gradient is the unsplit step's; the pieces are shares by that
-    rule too, except under a ``compute_loss`` of the user's own (a subclass overriding it), which is measured once
-    (:func:`_normalised_by_items`): a share where its loss halves when ``num_items_in_batch`` doubles (a wrapper of
-    ``super()``, TRL's), a per-piece mean where it does not move (weighted by ``count_fn``'s items, or the labels'). Where
-    the measurement cannot tell, ``count_fn`` given declares a mean; without it the rule is taken, ``assumed`` (a
-    split step warns once: a per-batch mean taken as a share is counted once per piece)."""
+    split does as the Trainer does, so a split step's gradient is the unsplit step's. Where the rule says shares, or
+    under a ``compute_loss`` of the user's own (a subclass overriding it), the loss is measured once
+    (:func:`_normalised_by_items`): a share where it halves when ``num_items_in_batch`` doubles (a causal LM's
+    ``loss_function``, a wrapper of ``super()``, TRL's), a per-piece mean where it does not move (weighted by
+    ``count_fn``'s items, or the labels'): transformers takes every model whose ``forward`` has ``**kwargs`` as taking
+    the loss kwargs, yet BERT's and RoBERTa's heads, T5 and a hundred more average with their own
+    ``CrossEntropyLoss`` (added as shares, two pieces gave twice the gradient). Where the measurement cannot tell,
+    ``count_fn`` given declares a mean; without it the rule is taken, ``assumed`` under a ``compute_loss`` of the user's
+    own (a split step warns once: a per-batch mean taken as a share is counted once per piece)."""
     given = getattr(trainer, "loss_is_scaled_for_ga", None)
     if given is not None:
         return bool(given), not given, False
@@ -366,8 +369,8 @@ def _loss_is_scaled(
         or getattr(trainer, "compute_loss_func", None) is not None
     )  # the test transformers 5.x's training_step makes (no such attributes before 4.46)
     custom = _own_compute_loss(trainer)
-    if not custom:
-        return rule, not rule, False
+    if not custom and not rule:
+        return False, True, False  # the model's own mean per piece, divided by the accumulation steps
     if num_items_in_batch is not None:
         if not hasattr(trainer, "_microbatch_normalised"):  # measured once per Trainer
             trainer._microbatch_normalised = _normalised_by_items(trainer, model, inputs, num_items_in_batch)
@@ -375,7 +378,7 @@ def _loss_is_scaled(
             return bool(trainer._microbatch_normalised), not rule, False
     if getattr(trainer, "microbatch_count_fn", None) is not None:
         return False, not rule, False
-    return rule, not rule, rule
+    return rule, not rule, rule and custom
 
 
 def _normalised_by_items(trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any) -> bool | None:
@@ -415,9 +418,10 @@ def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
     """``(count, known)``: what the Trainer's unscaled loss averages over per piece, and whether that is known.
 
     ``shift_labels`` (given by the collator), or the Trainer's own ``_loss_shifts_labels`` (5.x; True for a
-    ``loss_type`` that maps to ``ForCausalLMLoss``), or an encoder-decoder (labels aligned, unshifted): known.
-    Otherwise per-token labels of a decoder-only model are counted after the shift every Hugging Face
-    causal LM makes (``labels[..., 1:]``), unknown for a custom loss: a split step warns once.
+    ``loss_type`` that maps to ``ForCausalLMLoss``) or a ``…ForCausalLM`` class (the shift), or an encoder-decoder or
+    a ``…ForTokenClassification`` head (labels aligned, unshifted): known. Otherwise per-token labels are counted
+    after the shift every Hugging Face causal LM makes (``labels[..., 1:]``), unknown for a custom loss: a split
+    step warns once.
     """
     import torch
 
@@ -431,10 +435,15 @@ def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
     labels = inputs.get("labels") if hasattr(inputs, "get") else None
     if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
         return batch_rows, True  # one label per row (or none): a mean over rows
-    if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
+    head = type(
+        getattr(trainer.model, "module", trainer.model)
+    ).__name__  # DDP's wrapper: the model's own class
+    if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False) or head.endswith(
+        "ForTokenClassification"
+    ):
         return (lambda mb: mb["labels"].ne(-100).sum()), True
     return (lambda mb: mb["labels"][..., 1:].ne(-100).sum()), bool(
-        getattr(trainer, "_loss_shifts_labels", False)
+        getattr(trainer, "_loss_shifts_labels", False) or head.endswith("ForCausalLM")
     )
 
 

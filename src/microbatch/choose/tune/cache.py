@@ -229,11 +229,13 @@ def optimizer_identity(optimizer: Any) -> dict[str, Any] | None:
     }
 
 
-PROBE_REVISION = 4
+PROBE_REVISION = 5
 """How the probes measure, counted up when a change would make a cached point differ from a new one at the same
 version: 2 (2026-12-06) decoding timed on the steady heap and the built-in GPT's KV cache in autocast's dtype; 3
 (2026-12-07) a probe's child that crashed is an error, no longer an out-of-memory point; 4 (2026-12-07) tokens are
-counted only in a batch of token ids (an image's channels were counted as its tokens)."""
+counted only in a batch of token ids (an image's channels were counted as its tokens); 5 (2026-12-07) a padded
+batch's tokens are its attention mask's ones (its padding was counted), a tokenizer's ``BatchEncoding`` read as a
+dict."""
 
 
 def versions() -> dict[str, str]:

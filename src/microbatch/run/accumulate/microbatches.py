@@ -4,8 +4,9 @@ A batch is a tensor, a tuple/list of tensors or a mapping of name -> tensor, nes
 makes them, with the rows in dim 0, and lists of plain values with one per row (the texts of the rows), and,
 inside the batch, lists or tuples of mappings with one record per row where their tensors do not hold the rows
 (torchvision's detection targets: a dict of boxes and labels per image, each with its own number of boxes; where
-they do, they are fields, as ``default_collate`` makes them: :func:`_layout`);
-micro-batches are views (no copy). :func:`batch_rows` checks that every tensor agrees on
+they do, they are fields, as ``default_collate`` makes them: :func:`_layout`), and, in a mapping, flags that are not
+rows (a bool or None: CLIP's collator's ``return_loss=True``), carried whole to every micro-batch;
+micro-batches are views (no copy; a token split's cut sequences are copied contiguous). :func:`batch_rows` checks that every tensor agrees on
 the number of rows. Used by :mod:`microbatch.run.accumulate` and by loops written by hand.
 
 torch is imported at module level; ``import microbatch`` stays light because this module loads
@@ -31,6 +32,12 @@ def _holds_tensors(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, Mapping)):
         return True
     return isinstance(value, (tuple, list)) and any(_holds_tensors(v) for v in value)
+
+
+def _flag(value: Any) -> bool:
+    """A mapping's value that holds no rows and goes whole to every micro-batch: a bool or None (``return_loss=True``,
+    ``past_key_values=None``). A number or a string is not taken so: it may count the batch (an item count)."""
+    return value is None or isinstance(value, bool)
 
 
 def _records(value: Any) -> bool:
@@ -63,7 +70,7 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
             raise ConfigError(f"{name} is a 0-dim tensor; every entry needs the rows in dim 0")
         return [(name, batch)]
     if isinstance(batch, Mapping):
-        items = [(f"{name}[{k!r}]", v) for k, v in batch.items()]
+        items = [(f"{name}[{k!r}]", v) for k, v in batch.items() if not _flag(v)]
     elif isinstance(batch, (tuple, list)):
         if batch and _per_row(batch, records and name != "batch"):
             return [(name, batch)]
@@ -81,7 +88,8 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
     else:
         raise ConfigError(
             f"{name} is a {type(batch).__name__}, not a tensor; every entry of the batch must be a tensor "
-            "with the rows in dim 0 or a list with one value per row (keep other values in loss_fn's closure)"
+            "with the rows in dim 0, a list with one value per row, or in a dict a flag (a bool or None); keep "
+            "other values in loss_fn's closure"
         )
     if not items:
         raise ConfigError(f"{name} is empty (no tensors); give at least one tensor with the rows in dim 0")
@@ -163,11 +171,16 @@ def take_rows(
     inner = {"records": records, "top": False}
     if isinstance(batch, torch.Tensor):
         t = batch[start:stop]
-        if width is not None and t.dim() >= 2 and t.shape[1] == full_width:
-            t = t[:, :width]
+        if width is not None and t.dim() >= 2 and t.shape[1] == full_width and _padding_after(t, width):
+            t = t[
+                :, :width
+            ].contiguous()  # a view of several rows would not be contiguous: Hugging Face's .view()
         return t
     if isinstance(batch, Mapping):
-        return {k: take_rows(v, start, stop, width, full_width, **inner) for k, v in batch.items()}
+        return {
+            k: v if _flag(v) else take_rows(v, start, stop, width, full_width, **inner)
+            for k, v in batch.items()
+        }
     if _per_row(batch, records and not top):
         return batch[start:stop]
     parts = [take_rows(v, start, stop, width, full_width, **inner) for v in batch]
@@ -175,6 +188,24 @@ def take_rows(
         make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
         return make(parts) if callable(make) else type(batch)(parts)
     return parts
+
+
+def _padding_after(t: torch.Tensor, width: int) -> bool:
+    """Whether ``t``'s columns from ``width`` on hold padding only: each row's tail repeats its first padded position
+    (a pad id, -100, a mask's 0, a pad embedding), so the cut loses nothing. An encoder-decoder's labels longer than
+    the inputs the lengths describe are not padding there, and are not cut."""
+    tail = t[:, width:]
+    return tail.numel() == 0 or bool((tail == tail[:, :1]).all())
+
+
+def _padded_width(batch: Batch, records: bool) -> int:
+    """The padded width of a token split: the widest dim 1 of the batch's integer or bool tensors of two or more dims
+    (ids, masks, labels), else of any such tensor; a row's features (a float ``(b, 16)`` beside ``(b, 8)`` ids, a
+    spectrogram's mel bins) are not tokens."""
+    tensors = [t for _, t in _leaves(batch, records=records) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    tokens = [t.shape[1] for t in tensors if not (t.is_floating_point() or t.is_complex())]
+    widths = tokens or [t.shape[1] for t in tensors]
+    return max(widths) if widths else 1
 
 
 def split(batch: Batch, micro_batch_size: int) -> list[Batch]:
@@ -212,7 +243,8 @@ def split_by_tokens(
     For variable-length data. ``lengths[i]`` is the number of real tokens of row ``i`` (for example
     ``attention_mask.sum(1)``). A micro-batch of ``r`` rows whose longest row has ``l`` tokens costs
     ``r × l`` tokens when ``trim_padding`` is true (every tensor of two or more dims whose dim 1 is
-    the batch's padded width is cut to ``l``: right padding assumed, as in training), ``r × width``
+    the batch's padded width, :func:`_padded_width`, is cut to ``l`` where the cut holds only padding,
+    :func:`_padding_after`: right padding assumed, as in training; the cut tensors copied contiguous), ``r × width``
     otherwise. Rows keep their order (sort the batch by length first to waste less padding); the
     micro-batch gradient sum does not depend on the grouping. A row longer than ``max_tokens`` on its
     own is an error.
@@ -226,10 +258,7 @@ def split_by_tokens(
         raise ConfigError(
             f"lengths has {len(lens)} entries but the batch has {rows} rows; give one length per row"
         )
-    widths = {
-        t.shape[1] for _, t in _leaves(batch, records=records) if isinstance(t, torch.Tensor) and t.dim() >= 2
-    }
-    width = max(widths) if widths else 1
+    width = _padded_width(batch, records)
     if any(n < 0 or n > width for n in lens):
         bad = next(n for n in lens if n < 0 or n > width)
         raise ConfigError(f"a row length of {bad} is outside 0..{width} (the padded width); check lengths")
