@@ -422,9 +422,13 @@ def get_accelerator(name: str, **overrides: object) -> Accelerator:
     """
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     key = _ALIASES.get(key, key)
+    key = key if key in ACCELERATORS else name_key(name, ACCELERATORS) or key  # as nvidia-smi prints it
     if key not in ACCELERATORS:
         raise ConfigError(
-            f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)} (aliases: {', '.join(_ALIASES)})"
+            f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)} (aliases: {', '.join(_ALIASES)}); for "
+            "another card plan the nearest row with the card's own figures (plan's gpu_set, e.g. "
+            "memory_bytes=48GiB bf16=362e12)",
+            params=("gpu_set",),
         )
     acc = ACCELERATORS[key]
     return acc.with_overrides(**overrides) if overrides else acc
@@ -461,10 +465,7 @@ def usable_cores() -> int:
     """The CPU cores this process may run on: its affinity mask (Linux), else the machine's count."""
     import os
 
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # -- the CPU ---------------------------------------------------------------------------------------

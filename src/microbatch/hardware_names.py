@@ -27,6 +27,10 @@ _DEVICE_NAMES = (
     ("mi300x", "mi300x"),
 )
 
+_NOT_A_ROW = re.compile(r"gh200|\bl40")
+"""Names that hold a row's needle but are another part: a GH200 (an H100-class die with 96 GB of HBM3 or 144 GB of
+HBM3e, neither the H200's nor the HBM2e H100's bandwidth) and an L40 or L40S (Ada workstation parts, not the L4)."""
+
 
 def device_key(device_name: str, total_memory_bytes: float | None = None) -> str | None:
     """The table key of a device name as torch reports it; None if unknown.
@@ -34,6 +38,8 @@ def device_key(device_name: str, total_memory_bytes: float | None = None) -> str
     An A100 is told apart by its memory (40 or 80 GB); an H100 with HBM2e by its name only.
     """
     low = device_name.lower()
+    if _NOT_A_ROW.search(low):
+        return None
     for needle, key in _DEVICE_NAMES:
         if needle in low:
             if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GIB:
@@ -56,6 +62,8 @@ def name_key(name: str, known: Container[str]) -> str | None:
         return None
     if n in known:
         return n
+    if _NOT_A_ROW.search(n):
+        return None
     for key, pattern in (
         ("h200", r"h200"),
         ("h100-pcie", r"h100.*pcie"),

@@ -30,7 +30,7 @@ from microbatch.hf_families import (
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
 from microbatch.shape import ModelShape
 
-__all__ = ["from_hf_config", "per_layer_sizes"]
+__all__ = ["config_facts", "from_hf_config", "per_layer_sizes"]
 
 _HF = ("hf_config",)
 
@@ -136,6 +136,13 @@ def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
             "or give the shape alone (its layers, hidden, heads, vocab and seq) without hf_config",
             params=_HF,
         )
+
+
+def config_facts(path: str | Path) -> tuple[str, Any]:
+    """(``model_type``, longest context) of a config file as :func:`from_hf_config` reads it ("" and None where it
+    gives none): what an answer built from it took from the file rather than from the user."""
+    raw = _read_hf_dict(Path(path))
+    return str(raw.get("model_type") or ""), _hf_lookup(raw, "seq")
 
 
 def _read_hf_dict(path: Path) -> dict[str, Any]:

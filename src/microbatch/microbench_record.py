@@ -18,6 +18,7 @@ from microbatch.fields import is_finite_number
 __all__ = [
     "ADAMW_RECORDED_BYTES",
     "KIND",
+    "is_microbench",
     "GemmTiming",
     "AttentionTiming",
     "StreamTiming",
@@ -31,7 +32,13 @@ ADAMW_RECORDED_BYTES = 28
 move (:data:`microbatch.predict.state.EAGER_PASSES`: 80 B in fp32)."""
 
 KIND = "microbench"
-"""The ``kind`` field that tells a microbenchmark file from a tune result or a saved calibration."""
+"""The ``record`` field that tells a microbenchmark file from a tune result or a saved calibration."""
+
+
+def is_microbench(d: Any) -> bool:
+    """Whether ``d`` is a bench-gpu record: ``"record": "microbench"``, or ``"kind"`` as files before 2026-12-07
+    named it."""
+    return isinstance(d, dict) and d.get("record", d.get("kind")) == KIND
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,8 +184,9 @@ class MicrobenchResult:
     """What was skipped and why."""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, with ``"kind": "microbench"``."""
-        return {"kind": KIND, **asdict(self)}
+        """JSON-ready, with ``"record": "microbench"`` (``kind``, as files before 2026-12-07 wrote it, is the envelope's
+        key for a failure: a script reading ``kind`` took every result for an error)."""
+        return {"record": KIND, **asdict(self)}
 
     def to_json(self) -> str:
         """:meth:`to_dict` as JSON text."""
@@ -196,8 +204,8 @@ class MicrobenchResult:
                         _check_numbers(item, _ITEM_TYPES[key], f"{label}: {key}[{i}]")
         _check_numbers(d, MicrobenchResult, label)
         try:
-            if d.get("kind") != KIND:
-                raise ValueError(f"kind is {d.get('kind')!r}, not {KIND!r}")
+            if not is_microbench(d):
+                raise ValueError(f"record is {d.get('record', d.get('kind'))!r}, not {KIND!r}")
             rows = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}  # the envelope's keys aside
             return cls(
                 **{

@@ -157,6 +157,18 @@ def model_names() -> list[str]:
     return list(PRESETS)
 
 
+def nearest_models(name: str) -> list[str]:
+    """Registry names close to ``name``, read as the Hugging Face hub writes one: ``meta-llama/Llama-2-7b-hf`` is
+    ``llama-2-7b``, ``mistralai/Mistral-7B-v0.1`` ``mistral-7b`` (the organisation, a ``-hf`` and a version suffix
+    dropped); the closest one, if any."""
+    import difflib
+    import re
+
+    key = name.strip().lower().rsplit("/", 1)[-1].replace("_", "-")
+    key = re.sub(r"(-hf|-v\d+(\.\d+)*|-base|-instruct|-chat)+$", "", key)
+    return difflib.get_close_matches(key, list(PRESETS) + list(ALIASES), n=1, cutoff=0.75)
+
+
 def get_model(name: str, *, seq: int | None = None) -> ModelShape:
     """The registry's shape called ``name`` (case-insensitive), optionally at another sequence length."""
     key = name.strip().lower()
@@ -164,8 +176,11 @@ def get_model(name: str, *, seq: int | None = None) -> ModelShape:
     if key not in PRESETS:  # llama_2_7b as llama-2-7b, as accelerator names are read
         key = ALIASES.get(key.replace("_", "-"), key.replace("_", "-"))
     if key not in PRESETS:
+        near = nearest_models(name)
         raise ConfigError(
-            f"unknown model {name!r}; known models: {', '.join(PRESETS)} "
+            f"unknown model {name!r}"
+            + (f" (did you mean {' or '.join(near)}?)" if near else "")
+            + f"; known models: {', '.join(PRESETS)} "
             "(or give hf_config, a config.json, or the shape: layers, hidden, heads, vocab and seq)",
             params=_SHAPE_PARAMS,
         )

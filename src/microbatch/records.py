@@ -325,8 +325,8 @@ def _model_of(
     if fshape is None:
         if shape is None:
             raise ConfigError(
-                f"{label}: model {model or '(none)'!r} is not in the registry; give shape, the model it "
-                "was measured with",
+                (f"{label}: model {model!r} is not in the registry" if model else f"{label} names no model")
+                + "; give shape, the model it was measured with",
                 params=("shape",),
             )
         fshape = shape.with_seq(seq) if seq else shape

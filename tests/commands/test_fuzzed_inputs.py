@@ -250,7 +250,8 @@ def test_what_would_fit_is_what_that_plan_then_recommends(capsys):
     captured = capsys.readouterr()
     err = captured.out + captured.err
     hint = re.search(
-        r"pipeline-parallel 8 would fit: ([0-9.]+) GiB at b_m = (\d+), (\S+), .*?([0-9,]+) tokens/s", err
+        r"pipeline-parallel 8 \(8 GPUs, not 1\) would fit: ([0-9.]+) GiB at b_m = (\d+), (\S+), .*?([0-9,]+) tokens/s",
+        err,
     )
     assert hint, err
     assert main([*args, "-p", "8", "--json"]) == 0

@@ -43,7 +43,12 @@ def test_a_demo_stopped_after_its_tune_reports_what_ran(
     rc = main(["demo", "--quick", "--model", "tiny", "--out", str(tmp_path / "d"), "--json"])
     out, err = capsys.readouterr()
     d = json.loads(out)
-    assert rc == 130 and d["interrupted"] == "simulate" and d["tune_train"] == {"micro_batch": 4}
+    assert (
+        rc == 130
+        and d["interrupted"] is True
+        and d["interrupted_in"] == "simulate"
+        and d["tune_train"] == {"micro_batch": 4}
+    )
     assert "plan" in d and (tmp_path / "d" / "plan.json").is_file() and Path(d["report"]).is_file()
     assert not (tmp_path / "d" / "pipeline.json").exists()  # the phases after it did not run
 

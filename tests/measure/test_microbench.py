@@ -114,6 +114,10 @@ def test_json_round_trips(quick: MicrobenchResult) -> None:
     assert MicrobenchResult.from_dict({"command": "bench-gpu", "version": "x", **quick.to_dict()}) == quick
     with pytest.raises(ConfigError, match="not a microbenchmark result"):
         MicrobenchResult.from_dict({"kind": "calibration"})
+    written = quick.to_dict()  # "record", not the envelope's failure key "kind"
+    assert written["record"] == "microbench" and "kind" not in written
+    legacy = {"kind": written.pop("record"), **written}  # a file written before 2026-12-07
+    assert MicrobenchResult.from_dict(legacy) == quick
 
 
 def test_a_tiny_budget_skips_items_and_names_them() -> None:
@@ -142,7 +146,7 @@ def test_command_json_and_out_file(tmp_path, capsys) -> None:  # type: ignore[no
     assert main(["bench-gpu", "--quick", "--json", "--out", str(out)]) == 0
     said = capsys.readouterr()
     printed = json.loads(said.out)  # one JSON document on stdout, the progress on stderr
-    assert printed["command"] == "bench-gpu" and printed["kind"] == "microbench"
+    assert printed["command"] == "bench-gpu" and printed["record"] == "microbench" and "kind" not in printed
     phases = [line for line in said.err.splitlines() if line.startswith("bench-gpu: ")]
     assert "bench-gpu: attention" in phases and phases[-1] == "bench-gpu: collectives"  # it was silent 15 s
     assert MicrobenchResult.from_json(out.read_text()).gemms  # the file plan --calibration reads

@@ -103,6 +103,8 @@ def _rate(raw: Any) -> float | None:
         ):
             raise
         raise ConfigError(f"{e}: a throughput is a measured rate (> 0), {OOM_FIX}") from None
+    if rate is not None and rate < 0:  # the curve point's rule (>= 0) is not a row's: a rate measured is > 0
+        raise ConfigError(f"throughput {raw!r} is below 0: a measured rate is > 0; check the column's sign")
     if rate == 0:
         raise ConfigError(
             f"throughput {raw!r} is no measured rate (a b_m that ran gives one > 0), {OOM_FIX}; a b_m that did "

@@ -95,7 +95,7 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
             try:
                 run()
             except KeyboardInterrupt:  # a later phase stopped: the report and summary of those before it
-                summary["interrupted"] = phase
+                summary.update(interrupted=True, interrupted_in=phase)
             if summary.get("interrupted"):  # Ctrl-C ends the tune's search early; the demo stops there too
                 _stop(out, quiet, results, summary, as_json)
         # 6. Show: one self-contained HTML report.
@@ -125,8 +125,8 @@ def _stop(
     emit(summary, as_json, lambda: f"\nreport of what was measured: {rep.html_path.resolve()}")
     if not quiet:
         click.echo(
-            f"interrupted during {summary['interrupted']}: kept "
-            f"{'its points and ' if str(summary['interrupted']).startswith('tune') else ''}the results before it in "
+            f"interrupted during {summary['interrupted_in']}: kept "
+            f"{'its points and ' if str(summary['interrupted_in']).startswith('tune') else ''}the results before it in "
             f"{out}/; the steps after it did not run",
             err=True,
         )
@@ -206,7 +206,7 @@ def _tune_both(
             f"{[p['micro_batch'] for p in d['points']]}",
         )
         if res.interrupted:
-            summary["interrupted"] = f"tune ({mode})"
+            summary.update(interrupted=True, interrupted_in=f"tune ({mode})")
             return
 
 

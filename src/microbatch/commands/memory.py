@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from microbatch.commands._answer_notes import hf_config_notes
 from microbatch.commands._common import (
     check_batch_bound,
     emit,
@@ -156,8 +157,9 @@ def cmd(
         out.update(applied.to_dict())
     if acc is not None:
         out.update(_fit_fields(est.peak_bytes, acc))
-    if v_note:
-        out["notes"] = [v_note]
+    notes = ([v_note] if v_note else []) + hf_config_notes(model_spec, shape)
+    if notes:
+        out["notes"] = notes
     emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))
 
 

@@ -170,6 +170,14 @@ def _checked_shape(model_spec: dict[str, Any], global_batch: int, micro_batch: i
                 else f"raise --global-batch to {2 * micro_batch} or more"
             )
         )
+    if global_batch % micro_batch:
+        divisors = [d for d in range(1, global_batch) if global_batch % d == 0]
+        raise ConfigError(
+            f"micro-batch {micro_batch} does not divide global batch {global_batch} (the last would hold "
+            f"{global_batch % micro_batch}, and the small batch's size is what the estimate divides by); use "
+            f"--micro-batch {', '.join(map(str, divisors[-6:]))}"
+            + (" or another divisor" if len(divisors) > 6 else "")
+        )
     shape = resolve_model(model_spec, default="tiny")
     if shape.param_count() > MAX_PARAMS:
         raise ConfigError(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from microbatch.commands._answer_notes import hf_config_notes, rebalance_notes, shared_override, with_notes
 from microbatch.commands._common import (
     check_batch_bound,
     emit,
@@ -241,8 +242,9 @@ def cmd(
     )
     plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
-    if gpu_set and len(gpus) > 1:  # one override for several accelerators: say it, it may be meant for one
-        out["notes"], render = _shared_override(gpu_set, gpus, render)
+    render = answer_notes(
+        plans, out, render, shared_override(gpu_set, gpus) + hf_config_notes(model_spec, shape)
+    )
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
         out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
@@ -255,17 +257,6 @@ def cmd(
     if why is not None:
         click.echo(f"error: {why}", err=True)
         raise click.exceptions.Exit(2)
-
-
-def _shared_override(
-    gpu_set: tuple[str, ...], gpus: list[Accelerator], render: Callable[[], str]
-) -> tuple[list[str], Callable[[], str]]:
-    """The note that ``--gpu-set`` changed every accelerator compared, and ``render`` with it on a line after."""
-    note = (
-        f"--gpu-set {' '.join(gpu_set)} applied to each accelerator compared ({', '.join(g.name for g in gpus)}); "
-        "to change one, plan it alone with --gpu NAME --gpu-set KEY=VALUE"
-    )
-    return [note], lambda: f"{render()}\nnote: {note}"
 
 
 def _seq_hint(model_spec: dict[str, Any], seq: int) -> str:
@@ -481,3 +472,14 @@ def _answer(
             return "\n".join(parts)
 
     return out, render
+
+
+def answer_notes(
+    plans: list[Plan], out: dict[str, Any], render: Callable[[], str], notes: list[str]
+) -> Callable[[], str]:
+    """``render`` with the rebalance lines and ``notes`` after it; ``notes`` and each ``rebalance`` in ``out``."""
+    render = rebalance_notes(plans, out, render)
+    if notes:
+        out["notes"] = notes
+        render = with_notes(render, notes)
+    return render

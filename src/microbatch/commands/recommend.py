@@ -13,6 +13,7 @@ import click
 from microbatch._json import loads
 from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option, progress
 from microbatch.errors import ConfigError
+from microbatch.units import format_bytes
 
 __all__ = ["cmd", "read_rows", "read_rows_and_lines"]
 
@@ -97,6 +98,44 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     return rows, lines
 
 
+TUNE_SETTINGS = ("memory_budget", "memory_headroom", "max_latency_ms", "rule", "tolerance", "reference",
+                 "global_batch", "data_parallel")  # fmt: skip
+"""The choice's settings a tune result records, read back where no flag gives them."""
+
+
+def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``choice_spec`` with what a tune result file records in place of the settings no flag gave (a flag given
+    wins), and the note that says which were read; unchanged, with no note, for any other file. ``recommend`` on
+    tune's own result then chooses as tune chose (it took the defaults: reference measured, no B, no budget)."""
+    from microbatch.commands._schedule_inputs import user_gave
+
+    p = Path(path) / "result.json" if Path(path).is_dir() else Path(path)
+    try:
+        data = loads(p.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return choice_spec, None  # read_rows_and_lines says what is wrong with it
+    if not isinstance(data, dict) or data.get("command") != "tune":
+        return choice_spec, None
+    recorded = {k: data.get("memory_budget_bytes" if k == "memory_budget" else k) for k in TUNE_SETTINGS}
+    taken = {k: v for k, v in recorded.items() if v is not None and not user_gave(k)}
+    if not taken:
+        return choice_spec, None
+    shown = {"memory_budget": lambda v: format_bytes(float(v)), "memory_headroom": lambda v: f"{float(v):g}"}
+    from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig
+
+    usual = {  # the settings every choice starts from: said only where the tune's differ
+        "rule": "fraction", "data_parallel": 1, "tolerance": DEFAULT_TOLERANCE,
+        "memory_headroom": ChoiceConfig.memory_headroom,
+    }  # fmt: skip
+    words = ", ".join(
+        f"--{k.replace('_', '-')} {shown.get(k, str)(v)}" for k, v in taken.items() if usual.get(k) != v
+    )
+    return {
+        **choice_spec,
+        **taken,
+    }, f"settings of the tune that wrote {path}: {words} (a flag given overrides)"
+
+
 def _note(d: dict[str, Any], note: str) -> None:
     """``note`` added to the result's notes and said on stderr."""
     d["notes"] = [*d.get("notes", []), note]
@@ -179,9 +218,10 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     from microbatch.choose.rows import checkpointed, points_from_records
     from microbatch.show.recommendation import render_recommendation
 
+    rows, lines = read_rows_and_lines(measurements)
+    choice_spec, read_back = tune_settings(measurements, choice_spec)
     with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
         choice = choice_config(choice_spec)
-    rows, lines = read_rows_and_lines(measurements)
     points = points_from_records(rows, source=measurements, lines=lines)
     d = recommend_measured(points, choice).to_dict()
     ckpt = checkpointed(points)
@@ -198,7 +238,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
             d,
             f"{what}, b_m = {b}, {was} measured with activation checkpointing on: run it with checkpointing",
         )
-    for note in _unused_settings(choice_spec, choice, points):
+    for note in ([read_back] if read_back else []) + _unused_settings(choice_spec, choice, points):
         _note(d, note)
     pts = [
         {

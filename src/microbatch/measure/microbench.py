@@ -380,7 +380,10 @@ def _board(b: Bench, dtype: Any, notes: list[str]) -> _Square:
 def _device(cfg: MicrobenchConfig, torch: Any) -> tuple[bool, str, Accelerator | None]:
     cuda = cfg.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
-        raise ConfigError(f"device {cfg.device} was asked for but torch sees no CUDA device; use device cpu")
+        raise ConfigError(
+            f"device {cfg.device} was asked for but torch sees no CUDA GPU; use device cpu",
+            params=("device",),
+        )
     name = torch.cuda.get_device_name(torch.device(cfg.device)) if cuda else "cpu"
     key = match_accelerator(name) if cuda else None
     return cuda, name, ACCELERATORS[key] if key else None

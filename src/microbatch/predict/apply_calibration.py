@@ -17,8 +17,7 @@ from typing import Any
 from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 from microbatch.hardware import ACCELERATORS, Accelerator, match_accelerator
 from microbatch.hardware_clocks import MAX_CLOCK_FRACTION
-from microbatch.microbench_record import KIND as MICROBENCH
-from microbatch.microbench_record import MicrobenchResult
+from microbatch.microbench_record import MicrobenchResult, is_microbench
 from microbatch.model import ModelShape, model_differences
 from microbatch.precision import get_precision
 from microbatch.predict.activations import check_recompute
@@ -275,7 +274,7 @@ def apply_calibration(
     length defaults to the model's)."""
     data = load_json(source, what="calibration file", fix="give a tune result or a bench-gpu result")
     inner = data.get("result", data) if isinstance(data, dict) else data
-    if isinstance(inner, dict) and inner.get("kind") == MICROBENCH:
+    if is_microbench(inner):
         label = str(source) if isinstance(source, (str, Path)) else "microbenchmark"
         if gpu is None:
             raise ConfigError(

@@ -388,8 +388,10 @@ def search_layouts(
 
 
 def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
-    """When nothing fits: the smallest peak found, and what changes (p, t with sequence parallelism, d with
-    ZeRO-3) would fit; :func:`microbatch.show.plan_report.advice_lines` writes it."""
+    """When nothing fits: the smallest peak found, and what changes (p, t with sequence parallelism up to a node's
+    GPUs, d with ZeRO-3) would fit; a change that does not fit is kept only where it lowers the smallest peak (a
+    pipeline without ZeRO-3 may hold more than ZeRO-3 over d did); :func:`microbatch.show.plan_report.advice_lines`
+    writes it."""
     plan = plan or make_plan(cfg)
     tries: list[
         tuple[Literal["pipeline_parallel", "tensor_parallel", "data_parallel"], int, dict[str, Any]]
@@ -398,7 +400,7 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
     for p2 in (2 * cfg.pipeline_parallel, 4 * cfg.pipeline_parallel, 8 * cfg.pipeline_parallel):
         if p2 <= L:
             tries.append(("pipeline_parallel", p2, {"pipeline_parallel": p2, "layers_per_stage": None}))
-    for t2 in (2 * cfg.tensor_parallel, 4 * cfg.tensor_parallel):
+    for t2 in (2 * cfg.tensor_parallel, 4 * cfg.tensor_parallel, 8 * cfg.tensor_parallel):
         if heads % t2 == 0 and t2 <= cfg.gpu.gpus_per_node:
             tries.append(("tensor_parallel", t2, {"tensor_parallel": t2, "sequence_parallel": True}))
     if cfg.data_parallel == 1:
@@ -406,16 +408,19 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
             if per_replica(cfg.global_batch, d2) is not None:
                 tries.append(("data_parallel", d2, {"data_parallel": d2, "zero": (3,)}))
     alternatives = []
+    smallest = min(plan.candidates, key=lambda c: c.peak_memory_bytes)
     for setting, value, change in tries:
         try:  # planned as the plan with that change would be, so its recommendation is the one it then shows
             alt = make_plan(replace(cfg, **change), advise=False)
         except ConfigError:  # no schedule serves this layout at this batch: nothing to say of it
             continue
         best = alt.recommended or min(alt.candidates, key=lambda c: c.peak_memory_bytes)
+        if alt.recommended is None and best.peak_memory_bytes >= smallest.peak_memory_bytes:
+            continue  # no nearer to fitting than the plan itself: not advice
         alternatives.append(
             Alternative(setting=setting, value=value, best=best, fits=alt.recommended is not None)
         )
     return Advice(
         budget_bytes=cfg.memory_budget_bytes, memory_bytes=cfg.gpu.memory_bytes, headroom=cfg.memory_headroom,
-        smallest=min(plan.candidates, key=lambda c: c.peak_memory_bytes), alternatives=tuple(alternatives),
+        smallest=smallest, alternatives=tuple(alternatives),
     )  # fmt: skip

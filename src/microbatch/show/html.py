@@ -197,6 +197,11 @@ TABLE_ROWS = 20
 """The most b_m a plan's table shows (a global batch with many divisors gives a hundred)."""
 
 
+def _idle(c: dict[str, Any]) -> str:
+    """A candidate's simulated idle share, "-" where it was not simulated."""
+    return _pct((c.get("time") or {}).get("simulated_idle")) if c.get("simulated") else "-"
+
+
 def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[str]:
     """The best candidate at each b_m as the plan ranks them (fitting first, the fastest first; of those that do not
     fit, the smallest peak first: :func:`microbatch.predict.plan_choice.sort_key`), in b_m order, the recommended one
@@ -247,6 +252,7 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
             c.get("recompute"),
             c.get("zero"),
             _pct(c.get("bubble_fraction")),
+            _idle(c),
             peak,
             fit_label(c.get("fits"), c.get("fits_device")),
             step,
@@ -255,26 +261,8 @@ def _candidates_table(cands: list[dict[str, Any]], rec: dict[str, Any]) -> list[
         ]
         for c, peak, step in zip(shown, peaks, steps, strict=True)
     ]
-    parts.append(
-        _table(
-            [
-                "b_m",
-                "m",
-                "schedule",
-                "v",
-                "recompute",
-                "ZeRO",
-                "bubble",
-                "peak memory",
-                "fits",
-                f"step ({unit})",
-                "tokens/s",
-                "MFU",
-            ],
-            rows,
-            hi,
-        )
-    )
+    heads = ["b_m", "m", "schedule", "v", "recompute", "ZeRO", "bubble", "idle", "peak memory", "fits"]
+    parts.append(_table([*heads, f"step ({unit})", "tokens/s", "MFU"], rows, hi))
     return parts
 
 

@@ -36,7 +36,7 @@ __all__ = [
     "Words",
 ]
 
-TABLE_COLUMNS = (
+TABLE_COLUMNS = (  # bubble: the schedule's closed form, balanced stages; idle: the simulated step's, imbalance in it
     "b_m",
     "m",
     "schedule",
@@ -44,6 +44,7 @@ TABLE_COLUMNS = (
     "recompute",
     "ZeRO",
     "bubble",
+    "idle",
     "peak",
     "step",
     "tokens/s",
@@ -61,6 +62,7 @@ def _row(c: Candidate) -> list[str]:
         c.recompute,
         str(c.zero),
         f"{100 * c.bubble_fraction:.1f}%",
+        f"{100 * c.time['simulated_idle']:.1f}%" if c.simulated and "simulated_idle" in c.time else "-",
         gib(c.peak_memory_bytes),
         f"{c.step_time_s:.3g} s",
         f"{c.tokens_per_s:,.0f}",

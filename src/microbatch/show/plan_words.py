@@ -4,6 +4,7 @@ setting, bytes in GiB). Split from :mod:`microbatch.show.plan_report`, which re-
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from microbatch.predict.plan_advice import (
     Advice,
@@ -17,6 +18,9 @@ from microbatch.predict.plan_advice import (
 )
 from microbatch.schedules.registry import get_spec
 from microbatch.units import format_bytes
+
+if TYPE_CHECKING:
+    from microbatch.predict.candidate import Candidate
 
 __all__ = ["Words", "advice_lines", "gib", "lint_sentence", "say"]
 
@@ -116,6 +120,11 @@ _SETTINGS = {
 """How each layout change of the advice reads."""
 
 
+def _gpus(c: Candidate) -> int:
+    """GPUs a candidate's layout takes: t · p · d · c."""
+    return c.tensor_parallel * c.pipeline_parallel * c.data_parallel * c.context_parallel
+
+
 def advice_lines(advice: Advice) -> list[str]:
     """When nothing fits (:func:`microbatch.predict.plan.what_would_fit`): the headline with the smallest
     peak, then one line per layout change tried."""
@@ -133,8 +142,11 @@ def advice_lines(advice: Advice) -> list[str]:
             "GPU (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation); "
             "a memory headroom of 0 plans with it"
         )
+    gpus = _gpus(best)
     for a in advice.alternatives:
         label, c = _SETTINGS[a.setting].format(a.value), a.best
+        if _gpus(c) != gpus:  # the other sizes held: the change takes more GPUs
+            label += f" ({_gpus(c):,} GPUs, not {gpus:,})"
         if best.pipeline_parallel == 1:  # ZeRO 1's memory is a pipeline's rule: no pipeline here
             label = label.replace(" (ZeRO 1's memory under a pipeline)", "")
         if a.fits:

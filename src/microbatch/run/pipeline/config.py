@@ -203,7 +203,9 @@ def builtin_shape(model: str, seq: int | None) -> ModelShape:
         return get_model(model, seq=seq)
     except ConfigError:
         pass
-    file = model.endswith(".json") or "/" in model or "\\" in model
+    from pathlib import Path
+
+    file = Path(model).is_file()
     raise ConfigError(
         f"model {model!r} is "
         + ("a file, not a preset or a factory" if file else "neither a built-in preset nor module:function")
