@@ -125,7 +125,9 @@ def test_fsdp_edges_by_hand_and_exposed_whatever_the_compute():
     """Issue 28: ZeRO-3's first gather per micro-step and last reduce-scatter per step are never hidden."""
     from microbatch.predict.collectives import allgather_time_s, fsdp_edges_s, reduce_scatter_time_s
 
-    assert fsdp_edges_s(0.8, 0.4, units=4, microsteps=3) == pytest.approx(3 * 0.2 + 0.1)
+    assert fsdp_edges_s(0.8, 0.4, units=4, microsteps=3) == pytest.approx(
+        3 * (0.2 + 0.1)
+    )  # each backward waits
     assert fsdp_edges_s(0.8, 0.4, units=0, microsteps=1) == pytest.approx(1.2)
     # a long sequence on 8 GPUs: compute hides the whole gather and reduce-scatter, the edges stay
     from microbatch.predict.dp_comm import data_parallel_comm as _comm
@@ -138,19 +140,25 @@ def test_fsdp_edges_by_hand_and_exposed_whatever_the_compute():
     alpha = 12 * (8.4e-6 + 7 * 3.4e-6)  # one gather (reduce-scatter) per layer, 7 NVLink ring steps each
     ag = allgather_time_s(n * wb, 8, ctx.bw_dp) + alpha
     rs = reduce_scatter_time_s(n * gb, 8, ctx.bw_dp) + alpha
-    assert ag < tm.fk and ag + rs < tm.ik + tm.wk  # all of it hidden by the old rule
+    rs32 = reduce_scatter_time_s(n * 4, 8, ctx.bw_dp) + alpha  # FSDP2 as torchtitan runs it: reduced in fp32
+    assert ag < tm.fk and ag + rs32 < tm.ik + tm.wk  # all of it hidden by the old rule
     dp, zero_s, _ = _comm(ctx, 4, 3, tm, n)
     # hidden, but the compute beside each collective runs σ = 0.189 slower: σ·comm/(1 + σ) each
-    slowed = 0.189 / 1.189 * (ag + (ag + rs))
-    # FSDP2 (the default) copies each gather out on the compute stream: read + write of n·wb, twice a micro-step
-    copy = 2 * n * wb / (A100.memory_bandwidth_bytes_per_s * 0.8)
-    edges = 4 * ag / 12 + rs / 12  # gpt2: 12 layers on the one stage
-    assert zero_s == pytest.approx(4 * slowed + edges + 2 * 4 * copy)
+    slowed = 0.189 / 1.189 * (ag + (ag + rs32))
+    # FSDP2 (the default) copies each gather out on the compute stream: read + write of n·wb, twice a micro-step;
+    # and each reduction's gradients in: read n·wb, write n·4
+    rate = A100.memory_bandwidth_bytes_per_s * 0.8
+    copy, copy_in = 2 * n * wb / rate, n * (wb + 4) / rate
+    edges = (
+        4 * (ag + rs32) / 12
+    )  # gpt2: 12 layers on the one stage; each micro-step's backward waits on its last
+    assert zero_s == pytest.approx(4 * slowed + edges + 4 * (2 * copy + copy_in))
     assert ctx.split == (12,)
     free = make_context(
         replace(cfg, zero3_impl="fsdp1", efficiency=replace(cfg.efficiency, overlap_slowdown=0.0))
     )
-    assert _comm(free, 4, 3, tm, n)[1] == pytest.approx(edges)  # σ = 0 and no copy-out: the edges alone
+    edges16 = 4 * (ag + rs) / 12  # FSDP1 reduces the 16-bit gradients it holds
+    assert _comm(free, 4, 3, tm, n)[1] == pytest.approx(edges16)  # σ = 0 and no copies: the edges alone
 
 
 def test_interleaved_rank_sends_v_times_per_micro_batch():

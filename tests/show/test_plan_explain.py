@@ -26,20 +26,21 @@ def test_the_neighbouring_micro_batches_are_read_as_the_recommendation_runs():
     # the two and read "would save -2.8 GiB"; it compares b_m = 1 under ZeRO 3, which does save memory
     import re
 
-    plan = make_plan(PlanConfig(shape=get_model("llama-3-8b", seq=2048), gpu=get_accelerator("h100-sxm"),
+    # (2026-12-07: FSDP2's copy-in and fp32 reduction made ZeRO 3 dearer; the case is now b_m = 4 beside 2 on A100s)
+    plan = make_plan(PlanConfig(shape=get_model("llama-3-8b", seq=1024), gpu=get_accelerator("a100-80gb"),
                                 global_batch=64, data_parallel=8))  # fmt: skip
     c = plan.recommended
-    assert c is not None and c.micro_batch == 2 and c.zero == 3
-    best_1 = next(x for x in plan.candidates if x.micro_batch == 1)
+    assert c is not None and c.micro_batch == 4 and c.zero == 3
+    best_1 = next(x for x in plan.candidates if x.micro_batch == 2)
     assert (
         best_1.zero != c.zero and best_1.peak_memory_bytes > c.peak_memory_bytes
     )  # the case that read wrong
     like_1 = next(
-        x for x in plan.candidates if x.micro_batch == 1 and (x.zero, x.recompute) == (c.zero, c.recompute)
+        x for x in plan.candidates if x.micro_batch == 2 and (x.zero, x.recompute) == (c.zero, c.recompute)
     )
     text = explain(plan)
     saved = re.search(
-        r"Smaller b_m = 1 run as the recommendation \(recompute \w+, ZeRO 3\) would save ([0-9.]+) GiB", text
+        r"Smaller b_m = 2 run as the recommendation \(recompute \w+, ZeRO 3\) would save ([0-9.]+) GiB", text
     )
     assert saved and "save -" not in text
     assert abs(float(saved.group(1)) - (c.peak_memory_bytes - like_1.peak_memory_bytes) / 2**30) < 0.06

@@ -25,7 +25,7 @@ from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.context import CP_EXCHANGES
-from microbatch.predict.state import PIPELINE_GRAD_REDUCE
+from microbatch.predict.state import PIPELINE_GRAD_REDUCE, REDUCE_DTYPES
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
@@ -120,6 +120,11 @@ __all__ = ["cmd"]
     "is FSDP under torch's pipelining whatever this says (DeepSpeed and Megatron take ZeRO <= 1 there).",
 )  # fmt: skip
 @click.option(
+    "--reduce-dtype", "reduce_dtype", type=click.Choice(list(REDUCE_DTYPES)), default="auto", show_default=True,
+    help="What ZeRO-3's reduce-scatter moves: auto is fp32 under fsdp2 (torchtitan's mixed_precision_reduce, and "
+    "under a pipeline) and the gradients' own dtype otherwise; half for FSDP2 with reduce_dtype=bf16.",
+)  # fmt: skip
+@click.option(
     "--pp-grad-reduce", "pipeline_grad_reduce", type=click.Choice(list(PIPELINE_GRAD_REDUCE)), default="last",
     show_default=True, help=PP_GRAD_REDUCE_HELP,
 )  # fmt: skip
@@ -182,7 +187,7 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
     precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
-    parallel_block: bool | None, zero3_impl: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
+    parallel_block: bool | None, zero3_impl: str, reduce_dtype: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
 ) -> None:  # fmt: skip
@@ -236,6 +241,7 @@ def cmd(
         parallel_block=parallel_block,
         cp_comm=cp_comm,
         zero3_impl=zero3_impl,
+        reduce_dtype=reduce_dtype,
         pipeline_grad_reduce=pipeline_grad_reduce,
         efficiency=efficiency,
         **expert_layout,

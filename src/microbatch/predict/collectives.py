@@ -29,6 +29,7 @@ __all__ = [
     "alltoall_time_s",
     "fsdp_edges_s",
     "ZERO3_IMPLS",
+    "fsdp2_copy_in_s",
     "fsdp2_copy_out_s",
     "ring_latency_s",
     "overlap_exposed_s",
@@ -214,19 +215,21 @@ def alltoall_time_s(nbytes: float, ranks: int, ranks_in_node: int, bw_intra: flo
 
 
 def fsdp_edges_s(allgather_s: float, reduce_scatter_s: float, units: int, microsteps: int) -> float:
-    """ZeRO-3/FSDP communication no prefetch can hide: m · AG/u + RS/u seconds per optimizer step.
+    """ZeRO-3/FSDP communication no prefetch can hide: m · (AG + RS)/u seconds per optimizer step.
 
     FSDP gathers and reduce-scatters one wrapped unit (a transformer block) at a time and prefetches
     the next unit's gather behind the current unit's compute (PyTorch FSDP's forward/backward prefetch,
     Zhao et al. 2023, arXiv 2304.11277 §3.3-3.4; DeepSpeed ZeRO-3's prefetch bucket likewise). The
     first unit's gather of each micro-step's forward has nothing before it to run behind, and the last
-    unit's reduce-scatter of the step's last backward has nothing after it: of the whole-stage all-gather
-    ``allgather_s`` and reduce-scatter ``reduce_scatter_s`` spread over ``units`` units, one unit's
-    gather per micro-step and one unit's reduce-scatter per step stay exposed whatever the compute.
-    Ignores the slowdown of GEMMs that share the SMs with NCCL kernels and the latency of each call.
+    unit's reduce-scatter of each micro-step's backward has nothing after it: FSDP2's backward ends every
+    micro-step by making the compute stream wait on the reduce-scatters (``is_last_backward`` is True unless the
+    loop sets it: ``_fsdp_state.py``'s final callback, ``FSDPParamGroup.finalize_backward``), as FSDP1's root
+    callback and DeepSpeed's epilogue do. Of the whole-stage all-gather ``allgather_s`` and reduce-scatter
+    ``reduce_scatter_s`` spread over ``units`` units, one unit's gather and one unit's reduce-scatter per
+    micro-step stay exposed whatever the compute. Ignores the latency of each call.
     """
     u = max(1, units)
-    return microsteps * allgather_s / u + reduce_scatter_s / u
+    return microsteps * (allgather_s + reduce_scatter_s) / u
 
 
 ZERO3_IMPLS = ("fsdp2", "fsdp1", "deepspeed", "megatron")
@@ -245,6 +248,15 @@ def fsdp2_copy_out_s(unit_bytes: float, bytes_per_s: float) -> float:
     buckets compute from the gathered buffer itself (no copy). ``bytes_per_s``: the streaming copy rate (bandwidth × the measured copy fraction).
     """
     return 2.0 * unit_bytes / bytes_per_s
+
+
+def fsdp2_copy_in_s(grad_bytes: float, reduce_bytes: float, bytes_per_s: float) -> float:
+    """Seconds FSDP2 spends copying one unit's unsharded gradients into its reduce-scatter buffer, on the compute
+    stream: ``foreach_reduce`` allocates the buffer in the reduce dtype and runs ``foreach_reduce_scatter_copy_in``
+    on the current stream before the reduce-scatter stream waits on it (torch/distributed/fsdp/_fully_shard/
+    _fsdp_collectives.py): a read of ``grad_bytes`` (the gradients in the parameters' dtype) and a write of
+    ``reduce_bytes`` (fp32 under torchtitan's ``mixed_precision_reduce``), in line with the backward."""
+    return (grad_bytes + reduce_bytes) / bytes_per_s
 
 
 def ring_latency_s(ranks: int, nodes: int, *, allreduce: bool = False) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 from microbatch.predict.collectives import (
+    fsdp2_copy_in_s,
     fsdp2_copy_out_s,
     fsdp_edges_s,
     overlap_exposed_s,
@@ -67,7 +68,7 @@ def data_parallel_comm(
         zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
         # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
         zero_s += fsdp_edges_s(ag, rs, c.units, m)
-        zero_s += 2 * m * c.copy_out  # each gather (forward, backward) copied out (FSDP2)
+        zero_s += m * (2 * c.copy_out + c.copy_in)  # each gather copied out, each reduction copied in (FSDP2)
     return dp, zero_s, c.update
 
 
@@ -86,6 +87,8 @@ class Collectives(NamedTuple):
     """FSDP's units (the bottleneck stage's layers)."""
     copy_out: float
     """One gather copied out (FSDP2), else 0."""
+    copy_in: float
+    """One reduction's gradients copied into its reduce-scatter buffer (FSDP2), else 0."""
     replica: float
     """Under a pipeline: the replicas' all-reduce, per unit (:func:`_replica_s`)."""
     update: float
@@ -101,7 +104,7 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
     zg, bw_zero = cfg.zero_group, ctx.bw_zero  # ZeRO's shard group: d·c, or shard_degree·c (HSDP)
     wb, gb, _ = ctx.state_bpp
     kind: Literal["none", "allreduce", "zero1", "zero2", "zero3", "pipeline"] = "none"
-    reduce, gather, units, copy, replica = 0.0, 0.0, 0, 0.0, 0.0
+    reduce, gather, units, copy, copy_in, replica = 0.0, 0.0, 0, 0.0, 0.0, 0.0
     if d > 1:
         if z == 0:
             kind, reduce = "allreduce", allreduce_time_s(n * gb, d, ctx.bw_dp)
@@ -112,13 +115,13 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
         else:
             kind = "pipeline" if cfg.pipeline_parallel > 1 else "zero3"
             gather, reduce, units = _unit_collectives(ctx, tm, n)
-            copy = _copy_out_s(ctx, n)
+            copy, copy_in = _copy_out_s(ctx, n), _copy_in_s(ctx, n)
             if kind == "pipeline":
                 replica = _replica_s(ctx, tm, n)
             else:
                 reduce += _replica_s(ctx, tm, n)
     return Collectives(
-        kind, reduce, gather, units, copy, replica, _update_s(ctx, z, n, experts), overlap_sigma(ctx)
+        kind, reduce, gather, units, copy, copy_in, replica, _update_s(ctx, z, n, experts), overlap_sigma(ctx)
     )
 
 
@@ -172,10 +175,10 @@ def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, fl
     gather and one reduce-scatter per unit (a layer), each with its ring latency (NCCL's model)."""
     cfg = ctx.cfg
     d, units = cfg.zero_group, ctx.split[tm.k]
-    wb, gb, _ = ctx.state_bpp
+    wb = ctx.state_bpp[0]
     alpha = units * ring_latency_s(d, -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel)))
     ag = allgather_time_s(n * wb, d, ctx.bw_zero) + alpha
-    rs = reduce_scatter_time_s(n * gb, d, ctx.bw_zero) + alpha
+    rs = reduce_scatter_time_s(n * cfg.reduce_bytes, d, ctx.bw_zero) + alpha  # in the reduce dtype
     return ag, rs, units
 
 
@@ -191,16 +194,30 @@ def _replica_s(ctx: Context, tm: StageTimes, n: float, per_unit: bool = True) ->
     units = ctx.split[tm.k] if per_unit else 1
     stride = cfg.tensor_parallel * cfg.zero_group  # replicas sit a whole shard group apart
     alpha = units * ring_latency_s(r, -(-r // ranks_per_node(cfg.gpu, r, stride)), allreduce=True)
-    return allreduce_time_s(n * ctx.state_bpp[1] / cfg.zero_group, r, ctx.bw_rep) + alpha
+    per_grad = (
+        cfg.reduce_bytes if per_unit else ctx.state_bpp[1]
+    )  # FSDP's shards in its reduce dtype; ZeRO-1/2's
+    return allreduce_time_s(n * per_grad / cfg.zero_group, r, ctx.bw_rep) + alpha
 
 
 def _copy_out_s(ctx: Context, n: float) -> float:
     """One gather of ``n`` parameters copied out on the compute stream under FSDP2, else 0."""
     cfg = ctx.cfg
-    if cfg.zero3_impl != "fsdp2":
+    if cfg.sharding_impl != "fsdp2":
         return 0.0
     rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
     return fsdp2_copy_out_s(n * ctx.state_bpp[0], rate)
+
+
+def _copy_in_s(ctx: Context, n: float) -> float:
+    """One reduction of ``n`` parameters' gradients copied into FSDP2's reduce-scatter buffer on the compute stream
+    (:func:`~microbatch.predict.collectives.fsdp2_copy_in_s`: read in the weights' dtype, written in the reduce
+    dtype), else 0."""
+    cfg = ctx.cfg
+    if cfg.sharding_impl != "fsdp2":
+        return 0.0
+    rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
+    return fsdp2_copy_in_s(n * ctx.state_bpp[0], n * cfg.reduce_bytes, rate)
 
 
 def _fsdp_under_pipeline(c: Collectives, tm: StageTimes, each: int = 0) -> float:
@@ -216,5 +233,7 @@ def _fsdp_under_pipeline(c: Collectives, tm: StageTimes, each: int = 0) -> float
     gather = overlap_exposed_s(ag, tm.fk, c.sigma) + ag / max(1, units) + c.copy_out
     if each:  # m reduce-scatters behind their backwards; the last micro-batch's last unit has none after it
         rs += c.replica
-        return gather + each * overlap_exposed_s(rs, tm.ik + tm.wk, c.sigma) + rs / max(1, units)
-    return gather + rs + c.replica
+        return (
+            gather + each * (overlap_exposed_s(rs, tm.ik + tm.wk, c.sigma) + c.copy_in) + rs / max(1, units)
+        )
+    return gather + rs + c.replica + c.copy_in

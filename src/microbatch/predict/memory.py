@@ -41,6 +41,7 @@ from microbatch.predict.stages import rank_moe_blocks, split_layers, stage_param
 from microbatch.predict.state import (
     model_state_bytes,
     resident_zero,
+    zero3_buffer_bytes,
     zero_groups,
 )
 from microbatch.schedules import registry
@@ -175,7 +176,7 @@ def estimate_memory(
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
         other = cal.fixed_bytes
         if resident_zero(config.zero, p, config.pipeline_grad_reduce) >= 3 and d > 1:
-            other += 2 * shape.layer_params() / t * w_bytes
+            other += zero3_buffer_bytes(shape.layer_params() / t, w_bytes, config.zero3_reduce_bytes())
         if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
             other += 2 * dispatch_bytes(shape, config.micro_batch, seq, dtype_bytes=e, load=load)
         stages.append(

@@ -24,6 +24,7 @@ from microbatch.predict.state import (
     check_hybrid,
     check_pipeline_grad_reduce,
     check_zero,
+    reduce_bytes,
     zero_groups,
 )
 from microbatch.schedules import registry
@@ -96,6 +97,16 @@ class MemoryConfig(StateSettings):
     pipeline_grad_reduce: str = "last"
     """ZeRO-2/3 under a pipeline: gradients reduce-scattered after the last micro-batch (whole until then) or
     after each (a shard kept): :func:`microbatch.predict.state.resident_zero`."""
+    zero3_impl: str = "fsdp2"
+    """Who runs ZeRO-3, as the plan's (:attr:`microbatch.predict.plan_config.PlanConfig.zero3_impl`)."""
+    reduce_dtype: str = "auto"
+    """What its reduce-scatter moves, as the plan's: :meth:`zero3_reduce_bytes`."""
+
+    def zero3_reduce_bytes(self) -> int:
+        """Bytes per gradient element ZeRO-3 reduces in (:func:`microbatch.predict.state.reduce_bytes`; FSDP2 under a
+        pipeline whatever ``zero3_impl`` says)."""
+        impl = "fsdp2" if self.pipeline_parallel > 1 else self.zero3_impl
+        return reduce_bytes(self.reduce_dtype, impl, self.state_bytes_per_param()[1])
 
     def __post_init__(self) -> None:
         plain_numbers(self)

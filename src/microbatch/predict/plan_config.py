@@ -47,6 +47,7 @@ from microbatch.predict.state import (
     StateSettings,
     check_hybrid,
     check_pipeline_grad_reduce,
+    reduce_bytes,
     zero_groups,
 )
 from microbatch.schedules.in_flight import served_spec
@@ -158,6 +159,9 @@ class PlanConfig(StateSettings):
     """How the c ranks exchange K/V (:data:`microbatch.predict.context.CP_EXCHANGES`): ``allgather``, torch's
     ``context_parallel`` and torchtitan's default and Llama 3's; ``ring``, Megatron's ``--cp-comm-type p2p``;
     ``ulysses``, all-to-alls of the heads (DeepSpeed Ulysses, Megatron's ``a2a``)."""
+    reduce_dtype: str = "auto"
+    """What ZeRO-3's reduce-scatter moves (:data:`microbatch.predict.state.REDUCE_DTYPES`): ``auto`` fp32 under
+    ``fsdp2`` (torchtitan's ``mixed_precision_reduce``), the gradients' own dtype otherwise; :attr:`reduce_bytes`."""
     zero3_impl: str = "fsdp2"
     """Who runs ZeRO-3 (:data:`microbatch.predict.collectives.ZERO3_IMPLS`): ``fsdp2`` (PyTorch's
     ``fully_shard``, torchtitan's) copies each gathered layer out on the compute stream
@@ -364,6 +368,7 @@ class PlanConfig(StateSettings):
             check_ulysses_heads(self.shape, self.tensor_parallel, self.context_parallel, seq=self.seq_len)
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
         check_hybrid(self.shard_degree, self.expert_parallel, tuple(self.zero or ()))
+        self.reduce_bytes  # noqa: B018 - validates reduce_dtype
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(
                 f"zero3_impl {self.zero3_impl!r} is not known; use one of {', '.join(ZERO3_IMPLS)}",
@@ -397,6 +402,17 @@ class PlanConfig(StateSettings):
     def expert_load(self) -> float:
         """Routed rows over the balanced share: the capacity factor, or the imbalance when dropless."""
         return expert_load(self.capacity_factor, self.expert_imbalance)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per gradient element ZeRO-3's reduce-scatter moves (:func:`microbatch.predict.state.reduce_bytes`)."""
+        return reduce_bytes(self.reduce_dtype, self.sharding_impl, self.state_bytes_per_param()[1])
+
+    @property
+    def sharding_impl(self) -> str:
+        """Who runs ZeRO-3 in effect: ``zero3_impl``, or FSDP2 under a pipeline (ZeRO-2/3 with p > 1 is FSDP under
+        ``torch.distributed.pipelining`` whatever ``zero3_impl`` says)."""
+        return "fsdp2" if self.pipeline_parallel > 1 else self.zero3_impl
 
     @property
     def block_parallel(self) -> bool:
@@ -441,6 +457,7 @@ class PlanConfig(StateSettings):
             "cp_comm": self.cp_comm,
             "shard_degree": self.shard_degree,
             "zero3_impl": self.zero3_impl,
+            "reduce_dtype": self.reduce_dtype,
             "pipeline_grad_reduce": self.pipeline_grad_reduce,
             "recompute_every": self.recompute_every,
             "async_tp": self.async_tp,

@@ -29,7 +29,7 @@ from microbatch.predict.plan_context import (
     param_tables,
 )
 from microbatch.predict.roofline import LayerTime
-from microbatch.predict.state import resident_zero
+from microbatch.predict.state import resident_zero, zero3_buffer_bytes
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
 from microbatch.schedules.closed_forms import PipelineTime
@@ -186,7 +186,7 @@ def _state(
             )  # fmt: skip
         other = cfg.memory_calibration.fixed_bytes
         if z >= 3 and d > 1:
-            other += 2 * cfg.shape.layer_params() / cfg.tensor_parallel * wb
+            other += zero3_buffer_bytes(cfg.shape.layer_params() / cfg.tensor_parallel, wb, cfg.reduce_bytes)
         hit = (tuple(rows), tuple(w + g + o for w, g, o in rows), other)
         ctx.state_cache[key] = hit
     return hit

@@ -360,3 +360,34 @@ def check_hybrid(shard_degree: int | None, expert_parallel: int, zeros: tuple[in
             "state is not modelled; drop one of them",
             params=("shard_degree", "expert_parallel"),
         )
+
+
+REDUCE_DTYPES = ("auto", "fp32", "half")
+"""The dtype ZeRO-3's gradient reduce-scatter (and HSDP's all-reduce of its shards) moves: ``fp32``, ``half`` (the
+16-bit gradients as they are), or ``auto``: fp32 under FSDP2 with a 16-bit compute dtype, as torchtitan runs it
+(``apply_fsdp`` passes ``MixedPrecisionPolicy(reduce_dtype=mixed_precision_reduce)``, whose default is
+``"float32"``; FSDP2 then allocates its reduce-scatter input in that dtype, ``foreach_reduce``), else the stored
+gradients' own dtype (FSDP1's ``MixedPrecision``, DeepSpeed and Megatron reduce what they hold)."""
+
+
+def reduce_bytes(reduce_dtype: str, zero3_impl: str, grad_bytes: int) -> int:
+    """Bytes per gradient element the ZeRO-3 reduction moves (:data:`REDUCE_DTYPES`); ``grad_bytes``: the stored
+    gradients' (:func:`bytes_per_param`'s second)."""
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(
+            f"reduce_dtype {reduce_dtype!r} is not known; use one of {', '.join(REDUCE_DTYPES)}",
+            params=("reduce_dtype",),
+        )
+    if reduce_dtype == "fp32" or (reduce_dtype == "auto" and zero3_impl == "fsdp2"):
+        return 4
+    return min(grad_bytes, 2) if reduce_dtype == "half" else grad_bytes
+
+
+def zero3_buffer_bytes(unit_params: float, weight_bytes: int, reduce_bytes_: int) -> float:
+    """Bytes ZeRO-3 holds beside its shards while a unit (a layer, ``unit_params`` of it on this GPU) runs its
+    backward, as FSDP2 runs it (torch/distributed/fsdp/_fully_shard): the unit gathered and the next one prefetched
+    (2 × ``weight_bytes``), the unit's unsharded gradients in the weights' dtype (``weight_bytes``), and the previous
+    unit's reduce-scatter input in the reduce dtype (``reduce_bytes_``), held until this unit's post-backward frees it
+    (``reduce_scatter_max_input_buffers`` 1, ``_fsdp_param_group.py``). The embedding's and the output's larger units
+    are not counted apart (a 128K vocabulary's output is two Llama-3-8B layers)."""
+    return unit_params * (3 * weight_bytes + reduce_bytes_)

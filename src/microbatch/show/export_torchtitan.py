@@ -197,6 +197,10 @@ def _torchtitan_precision(c: Json, training: Json, parallelism: Json) -> list[st
     if prec == "fp32":
         training["mixed_precision_param"] = "float32"
         return []
+    if (
+        c.get("reduce_dtype") == "half"
+    ):  # the plan's reduce-scatter in 16 bits: torchtitan's default is float32
+        training["mixed_precision_reduce"] = "bfloat16"
     no_fsdp = parallelism["data_parallel_shard_degree"] == 1 and c.get("context_parallel", 1) == 1
     if no_fsdp and (parallelism["tensor_parallel_degree"] > 1 or parallelism["pipeline_parallel_degree"] > 1):
         return [
