@@ -154,9 +154,21 @@ def main(argv: list[str] | None = None) -> int:
         restore()
 
 
+def _repeats(args: list[str]) -> None:
+    """:func:`~microbatch.commands._repeats.check_repeated_options` on the named command's words, before it runs."""
+    from microbatch.commands._repeats import check_repeated_options
+
+    name = _command_of(args)
+    if name is not None:
+        command = group.get_command(click.Context(group), name)
+        if command is not None:
+            check_repeated_options(command, args[args.index(name) + 1 :])
+
+
 def _main(args: list[str]) -> int:
     """:func:`main` on ``args``, its errors turned into exit codes and one line each."""
     try:
+        _repeats(args)
         code = group.main(args=args, prog_name="microbatch", standalone_mode=False)
         if isinstance(code, int):  # click returns an Exit's code here (tune's 130 after Ctrl-C)
             return code

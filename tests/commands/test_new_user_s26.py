@@ -130,3 +130,17 @@ def test_a_bare_list_of_points_names_no_model(tmp_path, capsys):
     f.write_text(json.dumps([{"micro_batch": 1, "throughput": 1000}, {"micro_batch": 4, "throughput": 3200}]))
     code, _, err = run(["validate", "--calibration", str(f)], capsys)
     assert code == 2 and "names no model" in err and "(none)" not in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["bubble", "-p", "4", "-m", "8", "--stages", "2"], ["bubble", "-p4", "-m", "8", "--stages=2"],
+     ["plan", "--model", "gpt2", "--gpu", "a100", "-B", "8", "--global-batch", "16"]],
+)  # fmt: skip
+def test_one_option_given_two_values_is_refused(args, capsys):
+    code, _, err = run(args, capsys)
+    assert code == 2 and "both set" in err and "give it once" in err
+
+
+def test_one_option_given_twice_alike_runs(capsys):
+    assert run(["bubble", "-p", "4", "-m", "8", "--stages", "4"], capsys)[0] == 0
