@@ -144,3 +144,9 @@ def test_one_option_given_two_values_is_refused(args, capsys):
 
 def test_one_option_given_twice_alike_runs(capsys):
     assert run(["bubble", "-p", "4", "-m", "8", "--stages", "4"], capsys)[0] == 0
+
+
+def test_reduce_dtype_with_a_zero_stage_it_cannot_change_is_refused(capsys):
+    code, _, err = run(["plan", "--model", "gpt2", "--gpu", "a100", "-B", "16", "-d", "8", "--zero", "1",
+                        "--reduce-dtype", "half"], capsys)  # fmt: skip
+    assert code == 2 and "would change nothing" in err and "--reduce-dtype" in err

@@ -314,6 +314,40 @@ def test_torchtitan_export_of_an_uneven_split_says_so_rather_than_writing_an_eve
     assert any("module_fqns_per_model_part" in n and "[2, 4, 4, 2]" in n for n in ex.notes)
 
 
+def test_torchtitan_export_of_an_uneven_interleaved_split_writes_every_virtual_stage():
+    """Under interleaving the uneven split was only noted, and torchtitan then ran 2 stages per rank of its own split
+    where the plan timed v: now each of the p·v stages is written, as the planner places them (stage s on rank
+    s mod p, rank r's layers spread over its v chunks)."""
+    from microbatch.predict.stages import virtual_stage_layers
+
+    cfg = PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=128, data_parallel=2,
+                     pipeline_parallel=2, layers_per_stage=(5, 7), schedules=("interleaved-1f1b",), virtuals=(2,),
+                     micro_batches=(2,), zero=(1,))  # fmt: skip
+    d = make_plan(cfg).to_dict()
+    assert d["recommended"]["virtual"] == 2
+    parts = export_plan(d, "torchtitan").config["parallelism"]["module_fqns_per_model_part"]
+    sizes = [sum(m.startswith("layers.") for m in part) for part in parts]
+    assert sizes == [3, 4, 2, 3] == list(virtual_stage_layers((5, 7), 2, "loop"))
+    assert sum(sizes[0::2]) == 5 and sum(sizes[1::2]) == 7  # rank r holds stages r, r + p: its own layers
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    assert [m for part in parts for m in part if m.startswith("layers.")] == [
+        f"layers.{i}" for i in range(12)
+    ]
+
+
+def test_torchtitan_refuses_a_16_bit_reduction():
+    from microbatch.errors import ConfigError
+
+    cfg = PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=16, data_parallel=8,
+                     zero=(3,), reduce_dtype="half", micro_batches=(2,))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"float32 only .*Literal\['float32'\]"):
+        export_plan(make_plan(cfg).to_dict(), "torchtitan")
+    fp32 = export_plan(
+        make_plan(PlanConfig(**{**cfg.__dict__, "reduce_dtype": "auto"})).to_dict(), "torchtitan"
+    )
+    assert "mixed_precision_reduce" not in fp32.config["training"]  # torchtitan's own default, float32
+
+
 def test_exports_write_the_gradient_clip_the_plan_priced():
     """The plan prices the global-norm clip (default) or not (``grad_clip`` False); each export writes it, so the run
     does what was priced: DeepSpeed's gradient_clipping (0 was its default), the Trainer's max_grad_norm (1.0 its

@@ -293,6 +293,12 @@ def _check_zero3_impl(zero3_impl: str, zero: str) -> None:
     from microbatch.commands._schedule_inputs import user_gave
     from microbatch.errors import ConfigError
 
+    if user_gave("reduce_dtype") and zero != "auto" and parse_zero(zero) < 2:
+        raise ConfigError(
+            f"reduce_dtype is what FSDP's reduce-scatter moves (ZeRO 3, or ZeRO 2 under a pipeline), and zero is {zero} "
+            "(it would change nothing); give zero 3 (or auto) with it, or drop reduce_dtype",
+            params=("reduce_dtype", "zero"),
+        )
     if user_gave("zero3_impl") and zero != "auto" and parse_zero(zero) < 3:
         raise ConfigError(
             f"zero3_impl {zero3_impl} says who runs ZeRO 3, and zero is {zero} (nothing gathered per layer: it would "

@@ -13,7 +13,7 @@ from microbatch.model import ModelShape
 from microbatch.schedules.action import stage_to_rank
 from microbatch.schedules.registry import DEFAULT_SCHEDULE
 
-__all__ = ["check_unpipelined", "rank_moe_blocks", "split_layers", "stage_params"]
+__all__ = ["check_unpipelined", "rank_moe_blocks", "split_layers", "stage_params", "virtual_stage_layers"]
 
 
 def check_unpipelined(
@@ -97,6 +97,21 @@ def stage_params(
     return n / tensor_parallel
 
 
+def virtual_stage_layers(
+    split: tuple[int, ...], virtual: int = 1, placement: str = "loop"
+) -> tuple[int, ...]:
+    """Layers of each virtual stage s = 0 … p·v − 1, in the model's order, for the ranks' ``split``: under the ``loop``
+    placement (virtual stage s on rank s mod p) rank r's ``split[r]`` layers spread over its v chunks, chunk c (stage
+    c·p + r) holding ⌊n/v⌋ and one more for the first n mod v; under DualPipeV's ``v`` placement (rank r holds stages
+    r and 2p − 1 − r, v = 2) rank r's first chunk ⌊n/2⌋, its second the rest."""
+    p = len(split)
+    if placement == "v":
+        return tuple(
+            split[s] // 2 if s < p else split[2 * p - 1 - s] - split[2 * p - 1 - s] // 2 for s in range(2 * p)
+        )
+    return tuple(split[s % p] // virtual + (s // p < split[s % p] % virtual) for s in range(p * virtual))
+
+
 def rank_moe_blocks(
     shape: ModelShape, split: tuple[int, ...], virtual: int = 1, placement: str = "loop"
 ) -> tuple[int, ...]:
@@ -108,13 +123,8 @@ def rank_moe_blocks(
     stage c·p + r being its chunk c; one chunk a rank is consecutive blocks. Under the V placement rank r's first
     chunk holds ⌊n/2⌋ layers, its second the rest."""
     p = len(split)
-    if placement == "v":
-        chunks = [
-            split[s] // 2 if s < p else split[2 * p - 1 - s] - split[2 * p - 1 - s] // 2 for s in range(2 * p)
-        ]
-        virtual = 2
-    else:
-        chunks = [split[s % p] // virtual + (s // p < split[s % p] % virtual) for s in range(p * virtual)]
+    chunks = virtual_stage_layers(split, virtual, placement)
+    virtual = len(chunks) // p
     counts = [0] * p
     first = 0
     for s, n in enumerate(chunks):

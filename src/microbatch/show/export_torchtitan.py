@@ -16,6 +16,7 @@ from :mod:`microbatch.show.export`; the helpers both use are in :mod:`microbatch
 from __future__ import annotations
 
 from microbatch.errors import ConfigError
+from microbatch.predict.stages import virtual_stage_layers
 from microbatch.predict.state import zero_groups
 from microbatch.schedules.registry import DEFAULT_SCHEDULE, get_spec, schedule_names, torch_spec
 from microbatch.show.export_common import Json, clip_norm, precision_of, schedule_spec
@@ -198,9 +199,14 @@ def _torchtitan_precision(c: Json, training: Json, parallelism: Json) -> list[st
         training["mixed_precision_param"] = "float32"
         return []
     if (
-        c.get("reduce_dtype") == "half"
-    ):  # the plan's reduce-scatter in 16 bits: torchtitan's default is float32
-        training["mixed_precision_reduce"] = "bfloat16"
+        c.get("reduce_dtype") == "half" and c.get("zero", 0) >= 2
+    ):  # torchtitan reduces in float32, nothing else
+        raise ConfigError(
+            "the plan reduce-scatters its gradients in 16 bits, and torchtitan 0.2.x reduces in float32 only "
+            "(training.mixed_precision_reduce is Literal['float32']); plan with reduce_dtype auto (fp32), or change "
+            "torchtitan's MixedPrecisionPolicy(reduce_dtype=...) in code",
+            params=("reduce_dtype",),
+        )
     no_fsdp = parallelism["data_parallel_shard_degree"] == 1 and c.get("context_parallel", 1) == 1
     if no_fsdp and (parallelism["tensor_parallel_degree"] > 1 or parallelism["pipeline_parallel_degree"] > 1):
         return [
@@ -242,22 +248,22 @@ def _torchtitan_stages(c: Json, parallelism: Json, p: int) -> list[str]:
     stages not shortened (its default takes a layer off each for the embedding and the output layer, which
     would not be the split the plan timed, and with v > 1 would set another number of stages per rank)."""
     v, layers, split = c.get("virtual", 1) or 1, c.get("layers"), c.get("layers_per_stage")
-    if (
-        isinstance(split, list)
-        and len(split) == p
-        and v == 1
-        and all(isinstance(n, int) and n > 0 for n in split)
-    ):
-        # an uneven split (the planner's layers_per_stage): each stage's modules by name, the embedding on the
-        # first and the final norm and output on the last, as torchtitan's own split places them
-        first = [sum(split[:i]) for i in range(p)]
-        parts = [[f"layers.{j}" for j in range(a, a + n)] for a, n in zip(first, split, strict=True)]
+    if isinstance(split, list) and len(split) == p and all(isinstance(n, int) and n > 0 for n in split):
+        # an uneven split (the planner's layers_per_stage): each virtual stage's modules by name, in the model's
+        # order as the planner places them (stage s on rank s mod p; DualPipeV's V), the embedding on the first
+        # and the final norm and output on the last, as torchtitan's own split places them
+        spec = schedule_spec(c.get("schedule"))
+        chunks = virtual_stage_layers(tuple(split), v, spec.placement if spec is not None else "loop")
+        first = [sum(chunks[:i]) for i in range(len(chunks))]
+        parts = [[f"layers.{j}" for j in range(a, a + n)] for a, n in zip(first, chunks, strict=True)]
         parts[0].insert(0, "tok_embeddings")
         parts[-1] += ["norm", "output"]
         parallelism["module_fqns_per_model_part"] = parts
         return [
-            f"the plan's uneven split {split} written as parallelism.module_fqns_per_model_part, in the module names "
-            "of torchtitan's Llama models (tok_embeddings, layers.N, norm, output): rename them for another model"
+            f"the plan's uneven split {split}"
+            + (f" ({v} stages per rank: {list(chunks)} layers per stage)" if v > 1 else "")
+            + " written as parallelism.module_fqns_per_model_part, in the module names of torchtitan's Llama models "
+            "(tok_embeddings, layers.N, norm, output): rename them for another model"
         ]
     if not isinstance(layers, int) or layers % (p * v):
         what = f"the plan's split {split} over {v} stages per rank" if split else "the plan's split"
