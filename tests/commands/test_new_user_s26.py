@@ -150,3 +150,29 @@ def test_reduce_dtype_with_a_zero_stage_it_cannot_change_is_refused(capsys):
     code, _, err = run(["plan", "--model", "gpt2", "--gpu", "a100", "-B", "16", "-d", "8", "--zero", "1",
                         "--reduce-dtype", "half"], capsys)  # fmt: skip
     assert code == 2 and "would change nothing" in err and "--reduce-dtype" in err
+    code, _, err = run(["plan", "--model", "gpt2", "--gpu", "a100", "-B", "16", "-d", "8", "--zero", "2",
+                        "--reduce-dtype", "half"], capsys)  # fmt: skip
+    assert code == 2 and "would change nothing" in err  # ZeRO 2 without a pipeline: DeepSpeed's buckets
+    assert (
+        run(
+            [
+                "plan",
+                "--model",
+                "gpt2",
+                "--gpu",
+                "a100",
+                "-B",
+                "16",
+                "-d",
+                "2",
+                "-p",
+                "2",
+                "--zero",
+                "2",
+                "--reduce-dtype",
+                "half",
+            ],
+            capsys,
+        )[0]
+        == 0
+    )  # FSDP under the pipeline: it acts

@@ -204,7 +204,7 @@ def cmd(
 
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     _check_cp_comm(cp_comm, expert_layout["context_parallel"])
-    _check_zero3_impl(zero3_impl, zero)
+    _check_zero3_impl(zero3_impl, zero, stages)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
@@ -287,13 +287,13 @@ def _check_cp_comm(cp_comm: str, context_parallel: int) -> None:
         )
 
 
-def _check_zero3_impl(zero3_impl: str, zero: str) -> None:
+def _check_zero3_impl(zero3_impl: str, zero: str, stages: int = 1) -> None:
     """A ConfigError when ``--zero3-impl`` was given with ``--zero`` fixed below 3: it would change nothing."""
     from microbatch.commands._common import parse_zero
     from microbatch.commands._schedule_inputs import user_gave
     from microbatch.errors import ConfigError
 
-    if user_gave("reduce_dtype") and zero != "auto" and parse_zero(zero) < 2:
+    if user_gave("reduce_dtype") and zero != "auto" and parse_zero(zero) < (2 if stages > 1 else 3):
         raise ConfigError(
             f"reduce_dtype is what FSDP's reduce-scatter moves (ZeRO 3, or ZeRO 2 under a pipeline), and zero is {zero} "
             "(it would change nothing); give zero 3 (or auto) with it, or drop reduce_dtype",
