@@ -176,3 +176,16 @@ def test_reduce_dtype_with_a_zero_stage_it_cannot_change_is_refused(capsys):
         )[0]
         == 0
     )  # FSDP under the pipeline: it acts
+
+
+def test_recommend_says_nothing_of_settings_it_did_not_read_or_the_user_did_not_give(tmp_path, capsys):
+    _tune_result(tmp_path / "result.json")
+    given = run_json(["recommend", "--measurements", str(tmp_path), "-B", "8"], capsys)
+    assert not any(
+        "settings of the tune" in n for n in given.get("notes", [])
+    )  # no empty "settings ...: " note
+    data = json.loads((tmp_path / "result.json").read_text())
+    data.update(reference="bound", rule="gain", memory_headroom=0.2)  # a tune run with --rule gain
+    (tmp_path / "result.json").write_text(json.dumps(data))
+    notes = run_json(["recommend", "--measurements", str(tmp_path)], capsys)["notes"]
+    assert not any("had nothing to act on" in n for n in notes)  # the file's own, not flags the user gave

@@ -110,3 +110,24 @@ def test_a_collators_flag_goes_whole_to_every_piece(tmp_path):
     assert all(p["return_loss"] is True for p in split_by_tokens(batch, 4, lengths=[2] * 6))
     with pytest.raises(Exception, match="flag"):  # a number may count the batch: still refused, the fix named
         batch_rows({"input_ids": torch.zeros(2, 2), "num_items": 7})
+
+
+def test_the_loss_path_is_read_from_the_source_with_no_forward():
+    """Read, not measured, for a stock Trainer: the same verdict on every rank, no forwards that ranks would run in
+    different numbers under FSDP. A masked LM's labels are counted unshifted."""
+    from microbatch.integrations.hf import _forward_normalises, _items_of
+
+    assert _forward_normalises(_model("bert")) is False and _forward_normalises(_model("t5")) is False
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32)
+    )
+    assert _forward_normalises(gpt2) is True
+
+    class Stub:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                                     num_attention_heads=4, intermediate_size=64))  # fmt: skip
+        microbatch_count_fn = None
+
+    labels = torch.tensor([[5, -100, 7, -100], [-100, 3, -100, -100]])
+    count, known = _items_of(Stub(), {"input_ids": labels.clamp(min=0), "labels": labels})
+    assert known and int(count({"labels": labels})) == 3  # column 0 counted: labels[..., 1:] would give 2

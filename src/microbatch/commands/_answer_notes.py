@@ -81,8 +81,11 @@ def rebalance_notes(plans: list[Plan], out: dict[str, Any], render: Callable[[],
         lines.append(
             f"note: {pl.config.gpu.name + ': ' if len(plans) > 1 else ''}the recommended layout idles "
             f"{100 * c.time['simulated_idle']:.1f}% of its step (the schedule alone {100 * c.bubble_fraction:.1f}%): "
-            f"its end stages also hold the embedding and the output layer; --layers-per-stage {split} runs the same "
-            f"settings in {new.step_time_s:.3g} s ({100 * (new.step_time_s / c.step_time_s - 1):+.1f}%, idle "
+            f"its end stages also hold the embedding and the output layer; --layers-per-stage {split} runs its "
+            f"settings (-b {c.micro_batch} --schedule {c.schedule}"
+            + (f" -v {c.virtual}" if c.virtual > 1 else "")
+            + f" --recompute {c.recompute} --zero {c.zero}) in {new.step_time_s:.3g} s "
+            f"({100 * (new.step_time_s / c.step_time_s - 1):+.1f}%, idle "
             f"{100 * new.time.get('simulated_idle', 0.0):.1f}%, peak {new.peak_memory_bytes / 2**30:.1f} GiB)"
         )
     return render if not lines else (lambda: render() + "".join("\n" + x for x in lines))

@@ -124,16 +124,14 @@ def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any
     from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig
 
     usual = {  # the settings every choice starts from: said only where the tune's differ
-        "rule": "fraction", "data_parallel": 1, "tolerance": DEFAULT_TOLERANCE,
+        "rule": "fraction", "data_parallel": 1, "tolerance": DEFAULT_TOLERANCE, "reference": "measured",
         "memory_headroom": ChoiceConfig.memory_headroom,
     }  # fmt: skip
     words = ", ".join(
         f"--{k.replace('_', '-')} {shown.get(k, str)(v)}" for k, v in taken.items() if usual.get(k) != v
     )
-    return {
-        **choice_spec,
-        **taken,
-    }, f"settings of the tune that wrote {path}: {words} (a flag given overrides)"
+    note = f"settings of the tune that wrote {path}: {words} (a flag given overrides)" if words else None
+    return {**choice_spec, **taken}, note
 
 
 def _note(d: dict[str, Any], note: str) -> None:
@@ -166,7 +164,9 @@ def _unused_settings(choice_spec: dict[str, Any], choice: Any, points: list[Any]
             f"every peak_memory_bytes is under 1 MiB (the largest {max(peaks):,} B) and was compared with the budget "
             "as bytes; if the column holds GiB or MiB, convert it to bytes (GiB × 1073741824)"
         )
-    if choice.reference == "bound" and choice.rule != "fraction":
+    if (
+        choice_spec.get("reference") == "bound" and choice.rule != "fraction"
+    ):  # given, not read from a tune's file
         notes.append(
             "--reference bound had nothing to act on: the bound raises the reference of rule fraction only"
         )
@@ -219,7 +219,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     from microbatch.show.recommendation import render_recommendation
 
     rows, lines = read_rows_and_lines(measurements)
-    choice_spec, read_back = tune_settings(measurements, choice_spec)
+    given, (choice_spec, read_back) = choice_spec, tune_settings(measurements, choice_spec)
     with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
         choice = choice_config(choice_spec)
     points = points_from_records(rows, source=measurements, lines=lines)
@@ -238,7 +238,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
             d,
             f"{what}, b_m = {b}, {was} measured with activation checkpointing on: run it with checkpointing",
         )
-    for note in ([read_back] if read_back else []) + _unused_settings(choice_spec, choice, points):
+    for note in ([read_back] if read_back else []) + _unused_settings(given, choice, points):
         _note(d, note)
     pts = [
         {

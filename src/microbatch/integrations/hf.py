@@ -372,8 +372,12 @@ def _loss_is_scaled(
     if not custom and not rule:
         return False, True, False  # the model's own mean per piece, divided by the accumulation steps
     if num_items_in_batch is not None:
-        if not hasattr(trainer, "_microbatch_normalised"):  # measured once per Trainer
-            trainer._microbatch_normalised = _normalised_by_items(trainer, model, inputs, num_items_in_batch)
+        if not hasattr(trainer, "_microbatch_normalised"):  # read or measured once per Trainer
+            trainer._microbatch_normalised = (
+                _normalised_by_items(trainer, model, inputs, num_items_in_batch)
+                if custom
+                else _forward_normalises(trainer.model)
+            )
         if trainer._microbatch_normalised is not None:
             return bool(trainer._microbatch_normalised), not rule, False
     if getattr(trainer, "microbatch_count_fn", None) is not None:
@@ -405,6 +409,23 @@ def _normalised_by_items(trainer: Any, model: Any, inputs: Any, num_items_in_bat
             ratio = a / b
             return True if abs(ratio - 2.0) < 0.01 else False if abs(ratio - 1.0) < 0.01 else None
     return None
+
+
+def _forward_normalises(model: Any) -> bool | None:
+    """Whether a Hugging Face model's own ``forward`` hands its loss to ``self.loss_function`` (transformers' loss
+    functions divide by ``num_items_in_batch`` when given: a share), read from its source, the same on every rank with
+    no forward run (a measurement's forwards would differ between ranks under FSDP); False where it computes a loss of
+    its own (BERT's and RoBERTa's heads, T5: ``CrossEntropyLoss()``, a mean); None where the source cannot be read."""
+    import inspect
+
+    forward = getattr(type(getattr(model, "module", model)), "forward", None)
+    try:
+        source = inspect.getsource(forward) if forward is not None else ""
+    except (OSError, TypeError):
+        return None
+    if "self.loss_function(" in source:
+        return True
+    return False if "loss" in source else None
 
 
 def _own_compute_loss(trainer: Any) -> bool:
@@ -439,7 +460,7 @@ def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
         getattr(trainer.model, "module", trainer.model)
     ).__name__  # DDP's wrapper: the model's own class
     if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False) or head.endswith(
-        "ForTokenClassification"
+        ("ForTokenClassification", "ForMaskedLM")
     ):
         return (lambda mb: mb["labels"].ne(-100).sum()), True
     return (lambda mb: mb["labels"][..., 1:].ne(-100).sum()), bool(

@@ -23,7 +23,11 @@ IMBALANCE_WORTH = 0.03
 simulator's own one-action granularity on a plan's stages."""
 
 MAX_MOVES = 16
-"""At most this many one-layer moves (each one narrowed plan, ~10 ms): bounds the search on deep models."""
+"""At most this many one-layer moves: bounds the search on deep models."""
+
+REBALANCE_ACTIONS = 200_000
+"""The schedule actions the whole search may simulate (each narrowed plan simulates its candidate once): a plan of
+many micro-batches (gpt2-xl at p 12, B 12,288: 24,576 actions, ~40 ms a narrowed plan) stops after 8 of them."""
 
 
 @dataclass(frozen=True)
@@ -47,33 +51,56 @@ def _planned(cfg: PlanConfig, split: tuple[int, ...]) -> Candidate | None:
     return min(plan.candidates, key=lambda c: c.step_time_s) if plan.candidates else None
 
 
+def _moves(split: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Splits one layer away from ``split``: off the last stage (the output layer's) or the first (the embedding's),
+    onto a middle stage holding the fewest layers (the ends carry the extra work; with two stages, the other end)."""
+    p = len(split)
+    middle = list(range(1, p - 1)) or [0, p - 1]
+    out = []
+    for end in (p - 1, 0):
+        if split[end] <= 1:
+            continue
+        rest = [i for i in middle if i != end]
+        fewest = min(split[i] for i in rest)
+        for to in (i for i in rest if split[i] == fewest):
+            moved = list(split)
+            moved[end] -= 1
+            moved[to] += 1
+            out.append(tuple(moved))
+            break  # one target per end: the middle stages with the fewest layers are alike
+    return out
+
+
 def balanced_split(cfg: PlanConfig, c: Candidate) -> Rebalance | None:
     """A split of the layers over the stages that runs ``c``'s settings (b_m, schedule, v, recompute, ZeRO) in less
     simulated time and still fits, or None: no pipeline, ``c`` not simulated, its idle within
-    :data:`IMBALANCE_WORTH` of its closed-form bubble, or no move helps."""
+    :data:`IMBALANCE_WORTH` of its closed-form bubble, no move helps, or the search's actions
+    (:data:`REBALANCE_ACTIONS`) run out before one does."""
+    from microbatch.schedules.limits import count_actions
+
     p = cfg.pipeline_parallel
     idle = c.time.get("simulated_idle")
     if p < 2 or not c.simulated or idle is None or idle - c.bubble_fraction < IMBALANCE_WORTH:
         return None
-    narrow = replace(
-        cfg, micro_batches=(c.micro_batch,), schedules=(c.schedule,), virtuals=(c.virtual,),
-        recompute=(c.recompute,), zero=(c.zero,), choose="fastest",
-    )  # fmt: skip
-    split = split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
-    best, best_split = c, split
+    try:
+        narrow = replace(
+            cfg, micro_batches=(c.micro_batch,), schedules=(c.schedule,), recompute=(c.recompute,), zero=(c.zero,),
+            virtuals=(c.virtual,) if c.virtual > 1 else None, choose="fastest",
+        )  # fmt: skip
+    except ConfigError:  # a setting the narrowed plan would read otherwise: no search
+        return None
+    cost = count_actions(c.schedule, p, c.microbatches, c.virtual)
+    budget = REBALANCE_ACTIONS
+    best, best_split = c, split_layers(cfg.shape.layers, p, cfg.layers_per_stage)
     for _ in range(MAX_MOVES):
         tried = []
-        for end in (p - 1, 0):  # the output's stage first: the larger extra
-            rest = [i for i in range(p) if i != end]
-            to = min(rest, key=lambda i: (best_split[i], abs(i - end) < 1))
-            if best_split[end] <= 1:
-                continue
-            moved = list(best_split)
-            moved[end] -= 1
-            moved[to] += 1
-            got = _planned(narrow, tuple(moved))
+        for moved in _moves(best_split):
+            if budget < cost:
+                break
+            budget -= cost
+            got = _planned(narrow, moved)
             if got is not None and got.fits and got.step_time_s < best.step_time_s:
-                tried.append((got.step_time_s, tuple(moved), got))
+                tried.append((got.step_time_s, moved, got))
         if not tried:
             break
         _, best_split, best = min(tried, key=lambda t: t[0])

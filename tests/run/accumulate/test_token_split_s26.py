@@ -54,3 +54,28 @@ def test_the_padded_width_is_the_token_tensors_not_a_rows_features():
     pieces = split_by_tokens(features, 6, lengths=[3, 2])
     assert [tuple(p["input_features"].shape) for p in pieces] == [(2, 80, 30)]  # its mel bins were cut to 3
     assert pieces[0]["labels"].shape == (2, 3)
+
+
+def test_a_label_one_column_past_the_inputs_is_kept():
+    """An encoder-decoder's labels one token longer than the inputs' longest row: a one-column tail 'repeats its
+    first position' trivially; padded as the lengths say it is not (row 0's EOS there), so it is not cut."""
+    mask = torch.tensor([[1] * 7 + [0], [1, 1, 1, 0, 0, 0, 0, 0]])
+    labels = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 2], [11, 12, 2] + [-100] * 5])
+    batch = {"input_ids": mask * 9, "attention_mask": mask, "labels": labels}
+    (piece,) = split_by_tokens(batch, 16, lengths=mask.sum(1))
+    assert piece["input_ids"].shape == (2, 7) and piece["labels"].shape == (2, 8)  # the EOS kept
+
+
+def test_left_padded_ids_are_refused_rather_than_cut_apart_from_their_mask():
+    import pytest
+
+    from microbatch.errors import ConfigError
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 4, 5, 6, 7], [3, 4, 5, 6, 7]])
+    with pytest.raises(ConfigError, match="left-padded rows.*trim_padding=False"):
+        split_by_tokens({"input_ids": ids, "attention_mask": mask}, 8, lengths=mask.sum(1))
+    pieces = split_by_tokens(
+        {"input_ids": ids, "attention_mask": mask}, 10, lengths=mask.sum(1), trim_padding=False
+    )
+    assert all(p["input_ids"].shape[1] == p["attention_mask"].shape[1] == 5 for p in pieces)

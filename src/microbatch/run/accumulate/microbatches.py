@@ -160,42 +160,64 @@ def take_rows(
     start: int,
     stop: int,
     width: int | None = None,
-    full_width: int | None = None,
+    cut: frozenset[int] = frozenset(),
     *,
     records: bool = False,
     top: bool = True,
 ) -> Batch:
-    """Rows ``start:stop`` of every tensor (views) and per-row list, through nested containers; optionally cut
-    dim 1 of the tensors from ``full_width`` to ``width``. ``records``: the batch's lists of mappings are one record
-    per row (:func:`_layout`); ``top``: ``batch`` is the whole batch (never a list of records)."""
+    """Rows ``start:stop`` of every tensor (views) and per-row list, through nested containers; the tensors in
+    ``cut`` (by ``id``: :func:`_cut`) also cut to ``width`` columns in dim 1. ``records``: the batch's lists of
+    mappings are one record per row (:func:`_layout`); ``top``: ``batch`` is the whole batch (never a list of
+    records)."""
     inner = {"records": records, "top": False}
     if isinstance(batch, torch.Tensor):
         t = batch[start:stop]
-        if width is not None and t.dim() >= 2 and t.shape[1] == full_width and _padding_after(t, width):
+        if width is not None and id(batch) in cut:
             t = t[
                 :, :width
             ].contiguous()  # a view of several rows would not be contiguous: Hugging Face's .view()
         return t
     if isinstance(batch, Mapping):
         return {
-            k: v if _flag(v) else take_rows(v, start, stop, width, full_width, **inner)
-            for k, v in batch.items()
+            k: v if _flag(v) else take_rows(v, start, stop, width, cut, **inner) for k, v in batch.items()
         }
     if _per_row(batch, records and not top):
         return batch[start:stop]
-    parts = [take_rows(v, start, stop, width, full_width, **inner) for v in batch]
+    parts = [take_rows(v, start, stop, width, cut, **inner) for v in batch]
     if isinstance(batch, tuple):
         make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
         return make(parts) if callable(make) else type(batch)(parts)
     return parts
 
 
-def _padding_after(t: torch.Tensor, width: int) -> bool:
-    """Whether ``t``'s columns from ``width`` on hold padding only: each row's tail repeats its first padded position
-    (a pad id, -100, a mask's 0, a pad embedding), so the cut loses nothing. An encoder-decoder's labels longer than
-    the inputs the lengths describe are not padding there, and are not cut."""
-    tail = t[:, width:]
-    return tail.numel() == 0 or bool((tail == tail[:, :1]).all())
+def _padded_by_lengths(t: torch.Tensor, lens: Sequence[int]) -> bool:
+    """Whether ``t`` is padded as ``lens`` say: in every row shorter than its width, each position from the row's
+    length on holds one value, the same in every row (a pad id, -100, a mask's 0, a pad embedding), so a cut at a
+    micro-batch's longest row loses nothing. An encoder-decoder's labels longer than the inputs the lengths describe,
+    or left-padded ids, are not padded so, and are not cut."""
+    pads = [t[i, n:] for i, n in enumerate(lens) if n < t.shape[1]]
+    if not pads:
+        return True  # no row shorter than the width: nothing will be cut
+    pad = pads[0][:1]  # the first padded position of the first padded row: the pad value (or vector)
+    return all(bool((tail == pad).all()) for tail in pads)
+
+
+def _cut(batch: Batch, records: bool, lens: Sequence[int], width: int) -> frozenset[int]:
+    """The tensors (by ``id``) a token split cuts: two or more dims, ``width`` wide, padded as ``lens`` say
+    (:func:`_padded_by_lengths`). ConfigError where the batch's ``input_ids`` are not while another tensor is (its
+    mask's tail all ones: left padding), which would cut the two to different widths."""
+    leaves = [
+        (n, t) for n, t in _leaves(batch, records=records) if isinstance(t, torch.Tensor) and t.dim() >= 2
+    ]
+    padded = {n: _padded_by_lengths(t, lens) for n, t in leaves if t.shape[1] == width}
+    ids = [n for n in padded if n.endswith("['input_ids']")]
+    if any(not padded[n] for n in ids) and any(padded.values()):
+        raise ConfigError(
+            f"{ids[0]}'s columns past each row's length are not padding (left-padded rows?), while another tensor's "
+            "are: cutting would leave them at different widths; pass trim_padding=False for left padding, or give "
+            "lengths that match the right-padded rows"
+        )
+    return frozenset(id(t) for n, t in leaves if padded.get(n))
 
 
 def _padded_width(batch: Batch, records: bool) -> int:
@@ -243,8 +265,8 @@ def split_by_tokens(
     For variable-length data. ``lengths[i]`` is the number of real tokens of row ``i`` (for example
     ``attention_mask.sum(1)``). A micro-batch of ``r`` rows whose longest row has ``l`` tokens costs
     ``r × l`` tokens when ``trim_padding`` is true (every tensor of two or more dims whose dim 1 is
-    the batch's padded width, :func:`_padded_width`, is cut to ``l`` where the cut holds only padding,
-    :func:`_padding_after`: right padding assumed, as in training; the cut tensors copied contiguous), ``r × width``
+    the batch's padded width, :func:`_padded_width`, is cut to ``l`` where it is padded as the lengths say,
+    :func:`_cut`: right padding assumed, as in training; the cut tensors copied contiguous), ``r × width``
     otherwise. Rows keep their order (sort the batch by length first to waste less padding); the
     micro-batch gradient sum does not depend on the grouping. A row longer than ``max_tokens`` on its
     own is an error.
@@ -262,6 +284,7 @@ def split_by_tokens(
     if any(n < 0 or n > width for n in lens):
         bad = next(n for n in lens if n < 0 or n > width)
         raise ConfigError(f"a row length of {bad} is outside 0..{width} (the padded width); check lengths")
+    cut = _cut(batch, records, lens, width) if trim_padding else frozenset()
     out: list[Batch] = []
     start, longest = 0, 0
     for i, n in enumerate(lens):
@@ -275,11 +298,9 @@ def split_by_tokens(
         cost = (i + 1 - start) * (max(new_longest, 1) if trim_padding else width)
         if cost > max_tokens:
             out.append(
-                take_rows(batch, start, i, max(longest, 1) if trim_padding else None, width, records=records)
+                take_rows(batch, start, i, max(longest, 1) if trim_padding else None, cut, records=records)
             )
             start, new_longest = i, n
         longest = new_longest
-    out.append(
-        take_rows(batch, start, rows, max(longest, 1) if trim_padding else None, width, records=records)
-    )
+    out.append(take_rows(batch, start, rows, max(longest, 1) if trim_padding else None, cut, records=records))
     return out
