@@ -70,3 +70,28 @@ def test_zero3_holds_a_units_gradients_and_the_last_reduce_scatter_input_beside_
     assert other() == pytest.approx(layer * 10)  # FSDP2 reducing in fp32
     assert other(reduce_dtype="half") == pytest.approx(layer * 8)
     assert other(zero3_impl="fsdp1") == pytest.approx(layer * 8)  # FSDP1 reduces the bf16 it holds
+
+
+@pytest.mark.parametrize("flags", [[], ["--zero3-impl", "deepspeed"], ["--reduce-dtype", "half"]])
+def test_memory_and_plan_agree_on_zero3_for_every_implementation(flags, capsys):
+    import json
+
+    from microbatch.cli import main
+
+    common = [
+        "--model",
+        "llama-3-8b",
+        "--seq",
+        "8192",
+        "-d",
+        "8",
+        "--zero",
+        "3",
+        "--recompute",
+        "none",
+        *flags,
+    ]
+    assert main(["memory", *common, "-b", "1", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["peak_memory_bytes"]
+    assert main(["plan", *common, "--gpu", "h100", "-B", "8", "-b", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["peak_memory_bytes"] == pytest.approx(memory)

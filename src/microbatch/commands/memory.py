@@ -24,7 +24,8 @@ from microbatch.commands._common import (
 from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.commands._state_flags import dropout_option, precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
-from microbatch.predict.state import PIPELINE_GRAD_REDUCE
+from microbatch.predict.collectives import ZERO3_IMPLS
+from microbatch.predict.state import PIPELINE_GRAD_REDUCE, REDUCE_DTYPES
 
 if TYPE_CHECKING:
     from microbatch.hardware import Accelerator
@@ -78,6 +79,14 @@ __all__ = ["cmd"]
     "--pp-grad-reduce", "pipeline_grad_reduce", type=click.Choice(list(PIPELINE_GRAD_REDUCE)), default="last",
     show_default=True, help=PP_GRAD_REDUCE_HELP,
 )  # fmt: skip
+@click.option(
+    "--zero3-impl", "zero3_impl", type=click.Choice(list(ZERO3_IMPLS)), default="fsdp2", show_default=True,
+    help="Who runs ZeRO-3, as plan's: its reduce dtype follows (--reduce-dtype auto).",
+)  # fmt: skip
+@click.option(
+    "--reduce-dtype", "reduce_dtype", type=click.Choice(list(REDUCE_DTYPES)), default="auto", show_default=True,
+    help="What ZeRO-3's reduce-scatter moves, as plan's: its input buffer is held beside the gathered layers.",
+)  # fmt: skip
 @click.option("--gpu", help="Also say whether the peak fits this accelerator (e.g. a100-80gb).")
 @click.option("--calibration", type=click.Path(dir_okay=True), help=CALIBRATION_HELP)
 @json_option
@@ -85,7 +94,8 @@ def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int | None,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
     dropout: bool | None, precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, zero: str, data_parallel: int, layers_per_stage: str | None,
-    pipeline_grad_reduce: str, gpu: str | None, calibration: str | None, as_json: bool,
+    pipeline_grad_reduce: str, zero3_impl: str, reduce_dtype: str, gpu: str | None, calibration: str | None,
+    as_json: bool,
 ) -> None:  # fmt: skip
     """Predict the peak memory of every pipeline stage.
 
@@ -123,6 +133,8 @@ def cmd(
         recompute=recompute,
         flash_attention=flash,
         pipeline_grad_reduce=pipeline_grad_reduce,
+        zero3_impl=zero3_impl,
+        reduce_dtype=reduce_dtype,
         **expert_layout,
     )
     acc = None
