@@ -165,6 +165,11 @@ def _repeats(args: list[str]) -> None:
             check_repeated_options(command, args[args.index(name) + 1 :])
 
 
+def _interrupted(why: str) -> str:
+    """The line an interrupt ends with: ``interrupted``, with the library's words after it unless they say it."""
+    return why if why.startswith("interrupted") else f"interrupted: {why}" if why else "interrupted"
+
+
 def _main(args: list[str]) -> int:
     """:func:`main` on ``args``, its errors turned into exit codes and one line each."""
     try:
@@ -174,9 +179,7 @@ def _main(args: list[str]) -> int:
             return code
     except click.exceptions.Abort as e:  # click turns a KeyboardInterrupt into Abort: keep its message
         cause = e.__cause__ or e.__context__
-        said = (
-            f"interrupted: {cause}" if isinstance(cause, KeyboardInterrupt) and str(cause) else "interrupted"
-        )
+        said = _interrupted(str(cause)) if isinstance(cause, KeyboardInterrupt) else "interrupted"
         click.echo(said, err=True)
         return _fail(said, 130, args)
     except click.exceptions.Exit as e:
@@ -224,7 +227,7 @@ def _main(args: list[str]) -> int:
         click.echo(f"error: {message}", err=True)
         return _fail(message, 1, args)
     except KeyboardInterrupt as e:
-        said = f"interrupted: {e}" if str(e) else "interrupted"  # what the library kept, or that nothing was
+        said = _interrupted(str(e))  # what the library kept, or that nothing was
         click.echo(said, err=True)
         return _fail(said, 130, args)
     return 0

@@ -189,3 +189,13 @@ def test_recommend_says_nothing_of_settings_it_did_not_read_or_the_user_did_not_
     (tmp_path / "result.json").write_text(json.dumps(data))
     notes = run_json(["recommend", "--measurements", str(tmp_path)], capsys)["notes"]
     assert not any("had nothing to act on" in n for n in notes)  # the file's own, not flags the user gave
+
+
+def test_an_interrupt_says_interrupted_once():
+    from microbatch.choose.tune import NOTHING_MEASURED
+    from microbatch.cli import _interrupted
+
+    assert (
+        _interrupted(NOTHING_MEASURED) == NOTHING_MEASURED
+    )  # was "interrupted: interrupted before any point ..."
+    assert _interrupted("kept 3 points") == "interrupted: kept 3 points" and _interrupted("") == "interrupted"
