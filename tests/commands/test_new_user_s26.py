@@ -199,3 +199,9 @@ def test_an_interrupt_says_interrupted_once():
         _interrupted(NOTHING_MEASURED) == NOTHING_MEASURED
     )  # was "interrupted: interrupted before any point ..."
     assert _interrupted("kept 3 points") == "interrupted: kept 3 points" and _interrupted("") == "interrupted"
+
+
+def test_a_hundred_ranks_in_flight_fit_one_line(capsys):
+    code, out, _ = run(["bubble", "-p", "100", "-m", "100", "--no-diagram"], capsys)
+    line = next(x for x in out.splitlines() if "peak in flight" in x)
+    assert code == 0 and "(84 ranks)" in line and len(line) < 160

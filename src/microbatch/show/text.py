@@ -329,9 +329,18 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+IN_FLIGHT_SHOWN = 16
+"""The most ranks whose in-flight counts one line shows: the first and last eight of more (the JSON has them all)."""
+
+
 def in_flight_text(values: Sequence[float]) -> str:
-    """Peak in-flight counts, rank 0 first, as short numbers."""
-    return " ".join(format_number(round(v, 3)) for v in values)
+    """Peak in-flight counts, rank 0 first, as short numbers; past :data:`IN_FLIGHT_SHOWN` ranks the first and last
+    eight, the rest counted."""
+    words = [format_number(round(v, 3)) for v in values]
+    if len(words) <= IN_FLIGHT_SHOWN:
+        return " ".join(words)
+    half = IN_FLIGHT_SHOWN // 2
+    return " ".join([*words[:half], f"… ({len(words) - 2 * half:,} ranks) …", *words[-half:]])
 
 
 def bubble_lines(fraction: float, ratio: float, peak_in_flight: Sequence[float]) -> list[str]:
