@@ -205,3 +205,53 @@ def test_a_hundred_ranks_in_flight_fit_one_line(capsys):
     code, out, _ = run(["bubble", "-p", "100", "-m", "100", "--no-diagram"], capsys)
     line = next(x for x in out.splitlines() if "peak in flight" in x)
     assert code == 0 and "(84 ranks)" in line and len(line) < 160
+
+
+def test_memory_refuses_zero3_flags_where_they_change_nothing_and_records_them(capsys):
+    code, _, err = run(["memory", "--model", "llama-2-7b", "-b", "1", "-d", "8", "--zero", "1", "--reduce-dtype", "half"],
+                       capsys)  # fmt: skip
+    assert code == 2 and "the memory would not change" in err
+    code, _, err = run(["memory", "--model", "llama-2-7b", "-b", "1", "-d", "8", "--zero", "3", "-p", "2",
+                        "--zero3-impl", "deepspeed"], capsys)  # fmt: skip
+    assert code == 2 and "ZeRO-1's memory" in err
+    d = run_json(["memory", "--model", "llama-2-7b", "-b", "1", "-d", "8", "--zero", "3", "--reduce-dtype", "half"],
+                 capsys)  # fmt: skip
+    assert d["config"]["reduce_dtype"] == "half" and d["config"]["zero3_impl"] == "fsdp2"
+
+
+def test_recommend_names_the_file_for_a_bad_value_it_read(tmp_path, capsys):
+    _tune_result(tmp_path / "result.json")
+    data = json.loads((tmp_path / "result.json").read_text())
+    data.update(global_batch=64, data_parallel=2)
+    (tmp_path / "result.json").write_text(json.dumps(data))
+    code, _, err = run(["recommend", "--measurements", str(tmp_path), "-d", "3"], capsys)
+    assert code == 2 and "settings of the tune that wrote" in err and "--global-batch 64" in err
+    data.update(memory_budget_bytes="4GiB x", memory_headroom="0.1x")  # no traceback for what a file says
+    (tmp_path / "result.json").write_text(json.dumps(data))
+    code, _, err = run(["recommend", "--measurements", str(tmp_path)], capsys)
+    assert code == 2 and "Traceback" not in err
+
+
+def test_export_says_when_the_plan_priced_another_zero3_runner(capsys, tmp_path):
+    plan = tmp_path / "p.json"
+    d = run_json(["plan", "--model", "gpt2", "--gpu", "a100", "-B", "16", "-d", "8", "--zero", "3"], capsys)
+    plan.write_text(json.dumps(d))
+    code, _, err = run(["export", "--plan", str(plan), "--format", "deepspeed"], capsys)
+    assert code == 0 and "priced ZeRO-3 as fsdp2" in err and "--zero3-impl deepspeed" in err
+    code, _, err = run(["export", "--plan", str(plan), "--format", "torchtitan"], capsys)
+    assert code == 0 and "priced ZeRO-3" not in err  # torchtitan runs FSDP2
+
+
+def test_repeated_options_compare_values_and_on_off_pairs(capsys):
+    assert (
+        run(["bubble", "-p", "4", "-p", "04", "-m", "8", "--no-diagram"], capsys)[0] == 0
+    )  # one value, two words
+    code, _, err = run(["plan", "--model", "gpt2", "--gpu", "a100", "-B", "16", "--flash-attention",
+                        "--no-flash-attention"], capsys)  # fmt: skip
+    assert code == 2 and "--flash-attention and --no-flash-attention both set one option" in err
+    code, out, _ = run(["bubble", "-p", "4", "-p", "2", "--help"], capsys)
+    assert code == 0 and "Usage" in out  # the help answers
+    d = run_json(["simulate", "-p", "17", "-m", "17", "-s", "1f1b"], capsys)
+    assert (
+        len(d["peak_in_flight"]) == 17
+    )  # the JSON keeps every rank; the text shows 17 (four or more hidden only)

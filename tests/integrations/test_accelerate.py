@@ -283,3 +283,30 @@ def test_the_choice_is_printed_once_in_accelerates_own_way(capsys):
     g = B // b
     assert out.count("microbatch: use b_m") == 1
     assert f"microbatch: use b_m = {b}, g = {g} (b_m x g x world = {b} x {g} x 1 = {B})" in out
+
+
+def test_a_point_costs_its_share_of_the_optimizer_step():
+    """The median gap between probe.step() calls left the optimizer step out once g >= 3 (it falls in one gap in g):
+    b_m 8 at g 4 read 1,291/s where it ran 727/s, and was chosen. Each whole window of g gaps holds it once."""
+    from microbatch.integrations.accelerate import with_optimizer_s
+
+    gaps = [1.0, 1.0, 1.0, 5.0] * 3  # micro-steps of 1 s, an optimizer step of 4 s once in 4
+    assert with_optimizer_s(gaps, 4) == pytest.approx(2.0)  # 1 + 4/4; the median gap said 1.0
+    assert with_optimizer_s(gaps[1:] + gaps[:1], 4) == pytest.approx(2.0)  # wherever the windows start
+    assert with_optimizer_s([3.0, 1.0] * 5, 2) == pytest.approx(
+        2.0
+    )  # g = 2: the median of a 50/50 mixture was not
+    assert with_optimizer_s([2.0, 2.0, 9.0], 1) == 2.0 and with_optimizer_s([1.0, 1.0], 4) == 1.0
+
+
+def test_the_probe_times_a_whole_accumulation_window_before_it_stops():
+    t = TimingConfig(warmup=1, min_repeats=2, max_repeats=2, max_time_s=1e9, clock="process")
+    probe = StepProbe(8, t, window=5)
+    calls = 0
+    with pytest.raises(ProbeDone):
+        for _ in range(100):
+            calls += 1
+            probe.step()
+    assert (
+        len(probe.gaps_s) == 5 and calls == 7
+    )  # a warm-up step, then 5 gaps; max_repeats 2 alone stopped at 2 gaps, before any optimizer step

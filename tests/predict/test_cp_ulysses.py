@@ -166,7 +166,7 @@ def test_cli_and_export(capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["cp_comm"] == out["candidates"][0]["cp_comm"] == "ulysses"
-    assert main([*args[:-3], "-c", "8", "-d", "2", "--cp-comm", "ulysses"]) == 2
+    assert main([*args[:9], "-t", "2", "-c", "8", "-d", "2", "--cp-comm", "ulysses"]) == 2  # each option once
     err = capsys.readouterr().err
     assert "--cp-comm ulysses splits the heads over --tensor-parallel × --context-parallel = 2 × 8" in err
     plan = make_plan(_cfg(cp_comm="ulysses")).to_dict()

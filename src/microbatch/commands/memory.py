@@ -108,6 +108,7 @@ def cmd(
 
     v_note = _v1_note(virtual, schedule, stages)
     virtual = _chunks_per_rank(virtual, schedule, stages)
+    _check_zero3_flags(zero, stages)
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
@@ -137,19 +138,7 @@ def cmd(
         reduce_dtype=reduce_dtype,
         **expert_layout,
     )
-    acc = None
-    if gpu is not None:
-        from microbatch.errors import ConfigError
-        from microbatch.hardware import get_accelerator
-        from microbatch.precision import check_gemm_dtype
-
-        if not gpu.strip() or "," in gpu:  # '' was ignored; a list named "unknown accelerator" two known ones
-            raise ConfigError(
-                f"--gpu {gpu!r} names {'no' if not gpu.strip() else 'more than one'} accelerator; memory checks one "
-                "(a100-80gb, h100-sxm, ...): give one name, or compare several with plan --gpu a,b"
-            )
-        acc = get_accelerator(gpu)
-        check_gemm_dtype(precision, acc.name, acc.peak_flops)
+    acc = _one_gpu(gpu, precision) if gpu is not None else None
     applied = None
     if calibration:
         from microbatch.predict.apply_calibration import PlannedLayout, apply_calibration, fixed_bytes_notes
@@ -173,6 +162,41 @@ def cmd(
     if notes:
         out["notes"] = notes
     emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))
+
+
+def _one_gpu(gpu: str, precision: str) -> Accelerator:
+    """The one accelerator ``--gpu`` names, its GEMM dtype checked for ``precision``."""
+    from microbatch.errors import ConfigError
+    from microbatch.hardware import get_accelerator
+    from microbatch.precision import check_gemm_dtype
+
+    if not gpu.strip() or "," in gpu:  # '' was ignored; a list named "unknown accelerator" two known ones
+        raise ConfigError(
+            f"--gpu {gpu!r} names {'no' if not gpu.strip() else 'more than one'} accelerator; memory checks one "
+            "(a100-80gb, h100-sxm, ...): give one name, or compare several with plan --gpu a,b"
+        )
+    acc = get_accelerator(gpu)
+    check_gemm_dtype(precision, acc.name, acc.peak_flops)
+    return acc
+
+
+def _check_zero3_flags(zero: str, stages: int) -> None:
+    """A ConfigError for --zero3-impl or --reduce-dtype given where the memory has no ZeRO-3 buffers (ZeRO below 3, or
+    a pipeline, which keeps ZeRO-1's memory): they would change nothing, as plan says of them."""
+    from microbatch.commands._common import parse_zero
+    from microbatch.commands._schedule_inputs import user_gave
+    from microbatch.errors import ConfigError
+
+    given = [f for f in ("zero3_impl", "reduce_dtype") if user_gave(f)]
+    if given and (parse_zero(zero) < 3 or stages > 1):
+        why = (
+            f"zero is {zero}" if parse_zero(zero) < 3 else f"pipeline_parallel is {stages} (ZeRO-1's memory)"
+        )
+        raise ConfigError(
+            f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} ZeRO-3's buffers, and {why}: the memory would not change; give zero 3 "
+            "without a pipeline, or drop " + " and ".join(given),
+            params=(*given, "zero", "pipeline_parallel"),
+        )
 
 
 def _fit_fields(peak: float, acc: Accelerator) -> dict[str, Any]:

@@ -103,6 +103,16 @@ TUNE_SETTINGS = ("memory_budget", "memory_headroom", "max_latency_ms", "rule", "
 """The choice's settings a tune result records, read back where no flag gives them."""
 
 
+def _size(v: Any) -> str:
+    """A budget as a flag takes it back (``4GiB``: no space), or as the file wrote it when it is no number."""
+    return format_bytes(float(v)).replace(" ", "") if isinstance(v, int | float) else str(v)
+
+
+def _word(v: Any) -> str:
+    """A setting as a flag takes it (a number at its shortest)."""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """``choice_spec`` with what a tune result file records in place of the settings no flag gave (a flag given
     wins), and the note that says which were read; unchanged, with no note, for any other file. ``recommend`` on
@@ -120,7 +130,6 @@ def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any
     taken = {k: v for k, v in recorded.items() if v is not None and not user_gave(k)}
     if not taken:
         return choice_spec, None
-    shown = {"memory_budget": lambda v: format_bytes(float(v)), "memory_headroom": lambda v: f"{float(v):g}"}
     from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig
 
     usual = {  # the settings every choice starts from: said only where the tune's differ
@@ -128,10 +137,27 @@ def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any
         "memory_headroom": ChoiceConfig.memory_headroom,
     }  # fmt: skip
     words = ", ".join(
-        f"--{k.replace('_', '-')} {shown.get(k, str)(v)}" for k, v in taken.items() if usual.get(k) != v
+        f"--{k.replace('_', '-')} {_size(v) if k == 'memory_budget' else _word(v)}"
+        for k, v in taken.items()
+        if usual.get(k) != v
     )
     note = f"settings of the tune that wrote {path}: {words} (a flag given overrides)" if words else None
     return {**choice_spec, **taken}, note
+
+
+class _said_where:  # noqa: N801 - a context manager, named like one
+    """A ConfigError raised again with ``read_back`` (the note naming the tune file's settings) after it: a value the
+    user did not type says where it came from; nothing when ``read_back`` is None."""
+
+    def __init__(self, read_back: str | None) -> None:
+        self.read_back = read_back
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if self.read_back is not None and isinstance(exc, ConfigError):
+            raise ConfigError(f"{exc} ({self.read_back})", params=exc.params) from None
 
 
 def _note(d: dict[str, Any], note: str) -> None:
@@ -220,10 +246,12 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
 
     rows, lines = read_rows_and_lines(measurements)
     given, (choice_spec, read_back) = choice_spec, tune_settings(measurements, choice_spec)
-    with flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch", "data_parallel"):
+    with _said_where(read_back), flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch",
+                                            "data_parallel"):  # fmt: skip
         choice = choice_config(choice_spec)
     points = points_from_records(rows, source=measurements, lines=lines)
-    d = recommend_measured(points, choice).to_dict()
+    with _said_where(read_back):
+        d = recommend_measured(points, choice).to_dict()
     ckpt = checkpointed(points)
     named = {
         "the knee": d.get("micro_batch"),

@@ -292,6 +292,8 @@ def cmd(
             click.echo("\n".join(render_curve({}, e.points)))
         raise _kept(e, out_dir, bool(search.use_cache)) from None
     d = result.to_dict()
+    if choice.max_latency_ms is not None:  # recommend reads it back to choose as tune chose
+        d["max_latency_ms"] = choice.max_latency_ms
     if d.get("stop_reason"):  # a probe past its time limit names the limit and the fix: as flags here
         d["stop_reason"] = cli_text(d["stop_reason"], (*ProbeTimeoutError.PARAMS, "max_latency_ms"), "tune")
     if timing_line:

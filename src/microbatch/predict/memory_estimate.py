@@ -122,6 +122,8 @@ class MemoryEstimate:
                 "capacity_factor": cfg.capacity_factor,
                 "expert_imbalance": cfg.expert_imbalance,
                 "pipeline_grad_reduce": cfg.pipeline_grad_reduce,
+                "zero3_impl": cfg.zero3_impl,
+                "reduce_dtype": cfg.reduce_dtype,
                 "flash_attention": self.shape.flash_attention
                 if cfg.flash_attention is None
                 else cfg.flash_attention,

@@ -153,7 +153,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
         cand = dict(rec)
         for key in ("global_batch", "data_parallel", "pipeline_parallel", "tensor_parallel", "sequence_parallel",
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
-                    "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype", "reduce_dtype",
+                    "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype", "reduce_dtype", "zero3_impl",
                     "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip",
                     "loss_dtype", "loss_kernel", "optimizer", "ep_overlap", "elementwise"):  # fmt: skip
             if key in data:

@@ -147,7 +147,24 @@ def assumed_notes(c: Json, fmt: str = "") -> tuple[str, ...]:
             f"the plan priced a fused, in-place loss; {who} is PyTorch's eager cross-entropy, whose backward "
             "holds two more copies of the logits at the peak: plan with loss_kernel eager to price them"
         )
-    return tuple(notes)
+    return tuple(notes + _zero3_runner_notes(c, fmt))
+
+
+ZERO3_RUNNERS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "lightning": "fsdp1", "hf": "fsdp1"}
+"""Who runs ZeRO-3 in each format's config: DeepSpeed's own; torchtitan's FSDP2 (``fully_shard``); Lightning's
+``fsdp`` strategy and the Trainer's ``fsdp`` (FullyShardedDataParallel through Accelerate, version 1 by default)."""
+
+
+def _zero3_runner_notes(c: Json, fmt: str) -> list[str]:
+    """A note where the plan priced ZeRO-3 as another runner than the format's (:data:`ZERO3_RUNNERS`): FSDP2 copies
+    each gathered layer and each reduction on the compute stream and (auto) reduces in fp32; the others do not."""
+    runner, priced = ZERO3_RUNNERS.get(fmt), c.get("zero3_impl", "fsdp2")
+    if runner is None or c.get("zero", 0) < 3 or c.get("pipeline_parallel", 1) > 1 or priced == runner:
+        return []
+    return [
+        f"the plan priced ZeRO-3 as {priced} runs it, and this config runs {runner}: plan with zero3_impl {runner} "
+        "for its copies and its reduce dtype"
+    ]
 
 
 def deepspeed_moe_note(ep: int, capacity_factor: float | None, t: int) -> str:

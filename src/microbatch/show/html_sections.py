@@ -272,13 +272,21 @@ def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     return "".join(parts), figs
 
 
+def _in_flight(values: Any) -> str:
+    """Per-rank in-flight counts as the terminal writes them (at most 16 ranks shown), or as given if not a list."""
+    from microbatch.show.text import in_flight_text
+
+    ok = isinstance(values, list) and all(isinstance(v, int | float) for v in values)
+    return in_flight_text(values) if ok else str(values)
+
+
 def simulate_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Section:
     """A simulated schedule: the bubble fraction, in-flight counts and its bubble chart."""
     parts = [
         f"<h2>Simulated: {esc(res.get('schedule'))}, p = {esc(res.get('stages'))}, "
         f"m = {esc(res.get('microbatches'))}</h2>",
         f"<p>Bubble fraction {pct(res.get('bubble_fraction'))} (idle over total stage time); "
-        f"peak in flight per rank {esc(res.get('peak_in_flight'))}.</p>",
+        f"peak in flight per rank, rank 0 first: {esc(_in_flight(res.get('peak_in_flight')))}.</p>",
     ]
     figs: list[Figure] = []
     tl = res.get("timeline") or res.get("intervals")

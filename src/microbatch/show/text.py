@@ -337,7 +337,7 @@ def in_flight_text(values: Sequence[float]) -> str:
     """Peak in-flight counts, rank 0 first, as short numbers; past :data:`IN_FLIGHT_SHOWN` ranks the first and last
     eight, the rest counted."""
     words = [format_number(round(v, 3)) for v in values]
-    if len(words) <= IN_FLIGHT_SHOWN:
+    if len(words) <= IN_FLIGHT_SHOWN + 3:  # hiding fewer than four would take more room than it saves
         return " ".join(words)
     half = IN_FLIGHT_SHOWN // 2
     return " ".join([*words[:half], f"… ({len(words) - 2 * half:,} ranks) …", *words[-half:]])
