@@ -119,3 +119,15 @@ def test_the_search_stays_within_its_simulated_actions():
         plan_balance._planned = real
     cost = count_actions(c.schedule, 12, c.microbatches, c.virtual)
     assert 0 < len(calls) * cost <= plan_balance.REBALANCE_ACTIONS
+
+
+def test_the_explanation_quotes_the_simulated_idle_or_says_closed_form():
+    from microbatch.show.plan_report import explain, idle_share
+
+    plan = make_plan(_cfg())
+    c = plan.recommended
+    assert c.simulated and idle_share(c) == c.time["simulated_idle"] > c.bubble_fraction
+    larger = next(x for x in plan.candidates if x.micro_batch == 2)
+    text = explain(plan)
+    if not larger.simulated:  # its closed form, said as such beside the recommendation's simulated 20.9%
+        assert "of the pipeline idle (closed form)" in text

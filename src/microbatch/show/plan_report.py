@@ -53,6 +53,19 @@ TABLE_COLUMNS = (  # bubble: the schedule's closed form, balanced stages; idle: 
 )
 
 
+def idle_share(c: Candidate) -> float:
+    """The idle share a sentence quotes: the simulated step's (stage imbalance in it) where ``c`` was simulated, else
+    the schedule's closed form."""
+    return (
+        float(c.time["simulated_idle"]) if c.simulated and "simulated_idle" in c.time else c.bubble_fraction
+    )
+
+
+def _form(c: Candidate) -> str:
+    """`` (closed form)`` where :func:`idle_share` is the schedule's closed form, not a simulated step's."""
+    return "" if c.simulated and "simulated_idle" in c.time else " (closed form)"
+
+
 def _row(c: Candidate) -> list[str]:
     return [
         str(c.micro_batch),
@@ -250,7 +263,8 @@ def _explain(
             )
         else:
             why = (
-                f"would cut the bubble to {100 * s.bubble_fraction:.1f}% (from {100 * c.bubble_fraction:.1f}%) "
+                f"would cut the idle share to {100 * idle_share(s):.1f}%{_form(s)} (from {100 * idle_share(c):.1f}%"
+                f"{_form(c)}) "
                 f"but its GEMMs reach {100 * s.gemm_efficiency:.0f}% of peak (vs {100 * c.gemm_efficiency:.0f}%) "
                 f"and its step takes {s.step_time_s:.3g} s"
             )
@@ -262,7 +276,7 @@ def _explain(
         else:
             why = (
                 f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak but leave "
-                f"{100 * g.bubble_fraction:.1f}% of the pipeline idle" if p > 1 else
+                f"{100 * idle_share(g):.1f}% of the pipeline idle{_form(g)}" if p > 1 else
                 f"would run GEMMs at {100 * g.gemm_efficiency:.0f}% of peak for {gib(g.peak_memory_bytes)}"
             )  # fmt: skip
             why += f"; its step takes {g.step_time_s:.3g} s"
