@@ -129,5 +129,5 @@ def test_the_explanation_quotes_the_simulated_idle_or_says_closed_form():
     assert c.simulated and idle_share(c) == c.time["simulated_idle"] > c.bubble_fraction
     larger = next(x for x in plan.candidates if x.micro_batch == 2)
     text = explain(plan)
-    if not larger.simulated:  # its closed form, said as such beside the recommendation's simulated 20.9%
-        assert "of the pipeline idle (closed form)" in text
+    assert not larger.simulated  # its closed form, said as such beside the recommendation's simulated 20.9%
+    assert "of the pipeline idle (closed form)" in text
