@@ -124,7 +124,12 @@ def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any
         data = loads(p.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return choice_spec, None  # read_rows_and_lines says what is wrong with it
-    if not isinstance(data, dict) or data.get("command") != "tune":
+    from microbatch.records import classify
+
+    try:  # a tune result by its envelope, or by its keys where it has none (the Python API's, older files)
+        if not isinstance(data, dict) or classify(data) != "tune":
+            return choice_spec, None
+    except ConfigError:
         return choice_spec, None
     recorded = {k: data.get("memory_budget_bytes" if k == "memory_budget" else k) for k in TUNE_SETTINGS}
     taken = {k: v for k, v in recorded.items() if v is not None and not user_gave(k)}

@@ -141,6 +141,11 @@ def render_memory(
         f"{_precision_words(cfg)} "
         f"({w}+{g}+{o} = {w + g + o} B/param{_cache_words(cfg)}), {cfg.loss_kernel} loss, ZeRO {cfg.zero} over "
         f"d={cfg.data_parallel}"
+        + "".join(
+            f" ({k} {getattr(cfg, k)})"
+            for k, usual in (("zero3_impl", "fsdp2"), ("reduce_dtype", "auto"))
+            if getattr(cfg, k) != usual
+        )  # fmt: skip
         + (
             f" in groups of {cfg.shard_degree} (hybrid: {cfg.data_parallel // cfg.shard_degree} replicas)"
             if cfg.shard_degree is not None and cfg.zero >= 1 and cfg.shard_degree < cfg.data_parallel

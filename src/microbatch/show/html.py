@@ -176,8 +176,13 @@ def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
         "lints",
         "warnings",
         "advice",
-    ):  # advice: what would fit, where none does
-        val = plan.get(key) or rec.get(key)
+        "notes",
+        "calibration_notes",
+        "rebalance",
+    ):
+        val = plan.get(key) or rec.get(key)  # advice: what would fit, where none does
+        if key == "rebalance" and isinstance(val, dict):  # the uneven split the text's note names
+            val = _rebalance_words(val)
         if key == "explanation" and not val:  # Plan.to_dict is data only: the words are show's
             try:
                 val = explain_result(plan)
@@ -191,6 +196,18 @@ def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
                 + "</ul>"
             )
     return parts
+
+
+def _rebalance_words(rb: dict[str, Any]) -> str:
+    """The plan's ``rebalance`` in words, as the text's note says it."""
+    split = ",".join(str(n) for n in rb.get("layers_per_stage") or [])
+    was, now = rb.get("was_step_time_s"), rb.get("step_time_s")
+    if not split or not isinstance(was, int | float) or not isinstance(now, int | float) or was <= 0:
+        return ""
+    return (
+        f"The recommended layout idles {_pct(rb.get('was_simulated_idle'))} of its step; --layers-per-stage {split} "
+        f"runs its settings in {now:.3g} s ({100 * (now / was - 1):+.1f}%, idle {_pct(rb.get('simulated_idle'))})."
+    )
 
 
 TABLE_ROWS = 20

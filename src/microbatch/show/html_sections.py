@@ -334,7 +334,7 @@ def validate_section(res: dict[str, Any]) -> str:
     if not rows:
         return ""
     keys = list(rows[0].keys())
-    body = [[(num(r[h], "{:.3g}") if isinstance(r[h], float) else r[h]) for h in keys] for r in rows]
+    body = [[(num(r[h], "{:,.1f}") if isinstance(r[h], float) else r[h]) for h in keys] for r in rows]
     warned = [w for w in (res.get("warnings") or []) + (res.get("notes") or []) if isinstance(w, str)]
     return (
         "<h2>Predicted against measured</h2>"
@@ -360,6 +360,16 @@ _MAX_ROWS = 50
 
 
 def _cell(key: str, v: Any) -> str:
+    """One value of a generic table: bytes in binary units (a key ending ``_bytes``, or a breakdown under ``memory``),
+    floats short, flat lists joined, nested ones as JSON, nothing as a dash."""
+    if v is None:
+        return "—"
+    if key == "memory" and isinstance(v, dict):
+        return ", ".join(f"{k} {_cell(k + '_bytes', x)}" for k, x in v.items())
+    if isinstance(v, (list, tuple)) and any(isinstance(x, (dict, list)) for x in v):
+        import json
+
+        return json.dumps(v)
     if key.endswith("_bytes") and isinstance(v, (int, float)) and not isinstance(v, bool):
         return format_bytes(v)
     if isinstance(v, float):

@@ -403,6 +403,8 @@ def _settings_note(cfg: PlanConfig) -> str:
     plain = StateSettings()  # the state settings away from their defaults, by their names
     said += [f"{k} {getattr(cfg, k)}" for k in ("optimizer", "grad_dtype", "moments_dtype", "master_weights",
                                                    "loss_dtype") if getattr(cfg, k) != getattr(plain, k)]  # fmt: skip
+    said += [f"{k} {getattr(cfg, k)}" for k, usual in (("zero3_impl", "fsdp2"), ("reduce_dtype", "auto"))
+             if getattr(cfg, k) != usual]  # fmt: skip
     return "".join(f", {x}" for x in said)
 
 
