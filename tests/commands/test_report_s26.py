@@ -45,3 +45,12 @@ def test_recommend_reads_a_tune_result_with_no_envelope(tmp_path, capsys):
     assert d["micro_batch"] == 4 and any(
         "--global-batch 8" in n for n in d["notes"]
     )  # the Python API's to_dict
+
+
+def test_a_tunes_left_out_points_reach_the_report(tmp_path, capsys):
+    from microbatch.show.html_sections import _knee_answer
+
+    t = {"micro_batch": 4, "throughput": 10.0, "fastest_fitting": {"micro_batch": 4},
+         "left_out": [{"micro_batch": 8, "why": "step time over 0.36 ms"}, {"micro_batch": 16, "why": "step time over 0.36 ms"}]}  # fmt: skip
+    assert "Left out: b_m 8, 16 (step time over 0.36 ms)." in _knee_answer(t, "tokens/s")
+    assert "Left out" not in _knee_answer({**t, "left_out": []}, "tokens/s")
