@@ -19,6 +19,7 @@ __all__ = [
     "rows_per_expert",
     "routed_rows",
     "expert_params",
+    "zero3_unit_params",
     "moe_activation_terms",
     "dispatch_bytes",
     "attention_widths",
@@ -216,3 +217,11 @@ def gemm_weights(shape: ModelShape) -> int:
         attn = shape.mla.params(h, shape.heads)
     mlp = mats * h * shape.ffn if shape.moe is None else shape.moe.active_moe_params(h, mats)
     return attn + mlp
+
+
+def zero3_unit_params(shape: ModelShape, tensor_parallel: int = 1, expert_parallel: int = 1) -> float:
+    """Parameters one GPU gathers for ZeRO-3's unit, the largest block: its dense part over the t ranks, its routed
+    experts over t · EP (each GPU holds and gathers only its own experts; a whole layer's were counted, 11.6 GiB too
+    much per GPU for Mixtral at EP 8)."""
+    routed = expert_params(shape, 0, 1, moe_blocks=1) if shape.moe is not None else 0
+    return (shape.layer_params() - routed) / tensor_parallel + routed / (tensor_parallel * expert_parallel)

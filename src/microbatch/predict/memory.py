@@ -34,7 +34,7 @@ from microbatch.predict.activations import (
     output_activation_bytes,
     stage_block_bytes,
 )
-from microbatch.predict.experts import dispatch_bytes, expert_params
+from microbatch.predict.experts import dispatch_bytes, expert_params, zero3_unit_params
 from microbatch.predict.memory_config import MemoryCalibration, MemoryConfig
 from microbatch.predict.memory_estimate import MemoryEstimate, StageMemory
 from microbatch.predict.stages import rank_moe_blocks, split_layers, stage_params
@@ -176,7 +176,7 @@ def estimate_memory(
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
         other = cal.fixed_bytes
         if resident_zero(config.zero, p, config.pipeline_grad_reduce) >= 3 and d > 1:
-            other += zero3_buffer_bytes(shape.layer_params() / t, w_bytes, config.zero3_reduce_bytes())
+            other += zero3_buffer_bytes(zero3_unit_params(shape, t, ep), w_bytes, config.zero3_reduce_bytes())
         if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
             other += 2 * dispatch_bytes(shape, config.micro_batch, seq, dtype_bytes=e, load=load)
         stages.append(

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from microbatch.predict.activations import stage_block_bytes
 from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
+from microbatch.predict.experts import zero3_unit_params
 from microbatch.predict.plan_context import (
     Context,
     InFlight,
@@ -186,7 +187,8 @@ def _state(
             )  # fmt: skip
         other = cfg.memory_calibration.fixed_bytes
         if z >= 3 and d > 1:
-            other += zero3_buffer_bytes(cfg.shape.layer_params() / cfg.tensor_parallel, wb, cfg.reduce_bytes)
+            unit = zero3_unit_params(cfg.shape, cfg.tensor_parallel, cfg.expert_parallel)
+            other += zero3_buffer_bytes(unit, wb, cfg.reduce_bytes)
         hit = (tuple(rows), tuple(w + g + o for w, g, o in rows), other)
         ctx.state_cache[key] = hit
     return hit
