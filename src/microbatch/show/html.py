@@ -205,8 +205,8 @@ def _rebalance_words(rb: dict[str, Any]) -> str:
     if not split or not isinstance(was, int | float) or not isinstance(now, int | float) or was <= 0:
         return ""
     return (
-        f"The recommended layout idles {_pct(rb.get('was_simulated_idle'))} of its step; --layers-per-stage {split} "
-        f"runs its settings in {now:.3g} s ({100 * (now / was - 1):+.1f}%, idle {_pct(rb.get('simulated_idle'))})."
+        f"The recommended layout idles {_pct(rb.get('was_simulated_idle'))} of its step; {split} layers per stage "
+        f"run its settings in {now:.3g} s ({100 * (now / was - 1):+.1f}%, idle {_pct(rb.get('simulated_idle'))})."
     )
 
 
