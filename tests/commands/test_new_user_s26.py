@@ -255,3 +255,12 @@ def test_repeated_options_compare_values_and_on_off_pairs(capsys):
     assert (
         len(d["peak_in_flight"]) == 17
     )  # the JSON keeps every rank; the text shows 17 (four or more hidden only)
+
+
+def test_a_schedule_and_its_alias_are_one_value(capsys):
+    assert run(["bubble", "-p", "4", "-m", "8", "-s", "gpipe", "-s", "GPipe", "--no-diagram"], capsys)[0] == 0
+    code, _, _ = run(["bubble", "-p", "4", "-m", "8", "-v", "2", "-s", "interleaved", "-s", "interleaved-1f1b",
+                      "--no-diagram"], capsys)  # fmt: skip
+    assert code == 0
+    code, _, err = run(["bubble", "-p", "4", "-m", "8", "-s", "gpipe", "-s", "1f1b", "--no-diagram"], capsys)
+    assert code == 2 and "both set one option" in err

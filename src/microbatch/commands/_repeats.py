@@ -33,9 +33,18 @@ def _spellings(
 
 
 def _same(option: click.Option, a: str, b: str) -> bool:
-    """Whether two words give ``option`` one value: equal as written, or as its type converts them."""
+    """Whether two words give ``option`` one value: equal as written, as its type converts them, or, for a schedule,
+    as one schedule by its name or an alias (``interleaved``, ``interleaved-1f1b``, ``GPipe``)."""
     if a == b:
         return True
+    if "schedule" in (option.name or ""):
+        from microbatch.schedules.registry import get_spec
+
+        try:
+            if get_spec(a) is get_spec(b):
+                return True
+        except ConfigError:  # an unknown name: the command itself says so
+            pass
     try:
         return bool(option.type.convert(a, option, None) == option.type.convert(b, option, None))
     except (click.BadParameter, ValueError, TypeError):
