@@ -27,6 +27,12 @@ def read_rows(path: str) -> list[Any]:
     return read_rows_and_lines(path)[0]
 
 
+def _file_of(path: str) -> Path:
+    """``path``, or its ``result.json`` where it is a tune's folder (as --calibration and export take it)."""
+    p = Path(path)
+    return p / "result.json" if p.is_dir() and (p / "result.json").is_file() else p
+
+
 def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     """:func:`read_rows` and, for a CSV, each row's line in the file (None for JSON): messages name the line an
     editor shows."""
@@ -34,9 +40,7 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
 
     if not path.strip():
         raise ConfigError("--measurements '' names no file; give a JSON or CSV file of points")
-    p = Path(path)
-    if p.is_dir() and (p / "result.json").is_file():  # a tune's folder, as --calibration and export take it
-        p = p / "result.json"
+    p = _file_of(path)
     if p.is_dir():
         raise ConfigError(
             f"--measurements {path!r} is a folder; give a JSON or CSV file of points (tune --out writes result.json in its folder)"
@@ -119,7 +123,7 @@ def tune_settings(path: str, choice_spec: dict[str, Any]) -> tuple[dict[str, Any
     tune's own result then chooses as tune chose (it took the defaults: reference measured, no B, no budget)."""
     from microbatch.commands._schedule_inputs import user_gave
 
-    p = Path(path) / "result.json" if Path(path).is_dir() else Path(path)
+    p = _file_of(path)
     try:
         data = loads(p.read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
