@@ -38,6 +38,7 @@ __all__ = [
     "is_out_of_memory",
     "free_memory",
     "one_row_error",
+    "set_aside",
     "set_aside_error",
     "short_error",
 ]
@@ -83,3 +84,31 @@ def set_aside_error(reason: str, *, ranks: tuple[int, int] | None = None) -> Out
         "micro-batch's size, so the step is not split: nothing ran and the gradients are as they were; free "
         "memory (call optimizer.zero_grad(set_to_none=True) before accumulating, or keep fewer tensors alive)"
     )
+
+
+def set_aside(device: Any, params: list[Any], manual: bool) -> tuple[list[Any], str | None]:
+    """Set the old gradients aside: keep a copy, zero in place; ``(copies, None)``, or ``([], reason)``
+    when the copy ran out of memory (on ``device``) under ``manual`` agreement (raised otherwise).
+
+    Zeroing in place keeps the tensors' identity, which DDP's gradient-as-bucket-view relies on; the
+    call then accumulates only its own gradient. The copy is the step's first allocation: out of
+    memory here is not the micro-batch's fault (no split), and with agreement this rank still joins
+    the all_reduce, so no other rank waits for it.
+    """
+    copy_failed: str | None = None
+    saved: list[Any] = []
+    try:
+        saved = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is kept; anything else propagates
+        if not is_out_of_memory(e):
+            raise
+        copy_failed = short_error(e)  # the text only; nothing was changed yet
+    if copy_failed is not None:
+        free_memory(device)
+        if not manual:
+            raise set_aside_error(copy_failed)
+    else:
+        for p, s in zip(params, saved, strict=True):
+            if s is not None:
+                p.grad.zero_()
+    return saved, copy_failed

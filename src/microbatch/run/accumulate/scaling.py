@@ -462,10 +462,15 @@ def _floats(values: Sequence[Any]) -> list[float]:
 
 
 def to_mean(
-    params: list[Any], count_fn: CountFn | None, counted: float | None, n_global: float, average: int
+    params: list[Any],
+    count_fn: CountFn | None,
+    counted: float | None,
+    n_global: float,
+    average: int,
+    applied: float = 1.0,
 ) -> None:
-    """Without ``count_fn``, rescale ∇Σloss_sum to the mean over ``n_global`` items; with it, check that
-    the items counted before match those the losses reported."""
+    """Without ``count_fn``, rescale ∇Σloss_sum (the sums multiplied by ``applied`` before their backward) to the
+    mean over ``n_global`` items; with it, check that the items counted before match those the losses reported."""
     if count_fn is None:
         if not n_global > 0:
             raise ConfigError(
@@ -473,7 +478,7 @@ def to_mean(
                 "labels: are they all -100?)"
             )
         # The gradients hold ∇Σloss_sum (averaged over ranks by DDP): rescale to the mean.
-        rescale = average / n_global
+        rescale = average / (n_global * applied)
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(rescale)
