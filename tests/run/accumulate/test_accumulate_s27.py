@@ -95,3 +95,71 @@ def test_an_optimizer_step_inside_loss_fn_is_refused_and_the_gradients_put_back(
     assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), old, strict=True))
     # a loss_fn that only reads the weights passes
     accumulate(m, (x, y), lambda mm, mb: (((mm(mb[0]) - mb[1]) ** 2).sum(), len(mb[0])), micro_batch_size=4)
+
+
+def _mse(m, mb):
+    return ((m(mb[0]) - mb[1]) ** 2).sum(), len(mb[0])
+
+
+def test_a_list_of_samples_not_collated_is_told_to_collate_in_a_short_message():
+    m = nn.Linear(4, 1)
+    samples = [{"x": torch.randn(4), "y": torch.randn(1)} for _ in range(256)]
+    with pytest.raises(ConfigError, match=r"list of 256 samples \(dicts.*default_collate") as e:
+        accumulate(m, samples, lambda mm, mb: (mm(mb["x"]).sum(), 1), micro_batch_size=32)
+    assert len(str(e.value)) < 400  # it listed every sample's tensor: 11,744 characters
+    # a collated batch whose tensors disagree still names them, six at most
+    bad = {f"t{i}": torch.zeros(2 + i, 1) for i in range(9)}
+    with pytest.raises(ConfigError, match=r"t5'\] has 7 and 3 more\)"):
+        accumulate(m, bad, lambda mm, mb: (mm(mb["t0"]).sum(), 1), micro_batch_size=2)
+
+
+def test_a_dataclass_batch_is_told_how_to_become_a_dict():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Pair:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    x, y = _data(8)
+    with pytest.raises(ConfigError, match=r"type Pair is not supported.*dataclasses\.asdict\(batch\)"):
+        accumulate(_model(), Pair(x, y), lambda mm, mb: _mse(mm, (mb.x, mb.y)), micro_batch_size=4)
+
+
+def test_none_in_a_tuple_goes_whole_to_every_micro_batch_and_the_gradient_is_exact():
+    x, y = _data(8, torch.float64)
+    seen = []
+
+    def loss_fn(mm, mb):
+        seen.append(mb[2])
+        return _mse(mm, mb[:2])
+
+    ref, m = _model(torch.float64), _model(torch.float64)
+    (((ref(x) - y) ** 2).sum() / 8).backward()
+    accumulate(m, (x, y, None), loss_fn, micro_batch_size=3)
+    assert seen == [None, None, None]
+    assert all(
+        torch.allclose(p.grad, q.grad, rtol=1e-12)
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True)
+    )
+
+
+def test_a_loss_fn_returning_its_pair_swapped_is_told_the_order():
+    x, y = _data(8)
+    with pytest.raises(ConfigError, match=r"is a int.*look swapped.*\(loss_sum, n_items\) in that order"):
+        accumulate(
+            _model(),
+            (x, y),
+            lambda mm, mb: (len(mb[0]), ((mm(mb[0]) - mb[1]) ** 2).sum()),
+            micro_batch_size=4,
+        )
+
+
+def test_a_loss_on_a_second_models_parameters_names_freezing_it():
+    x, y = _data(8)
+    g, d = _model(), nn.Linear(1, 1)
+    with pytest.raises(ConfigError, match=r"not the model's.*requires_grad_\(False\)"):
+        accumulate(g, (x, y), lambda mm, mb: (d(mm(mb[0])).sum(), len(mb[0])), micro_batch_size=4)
+    d.requires_grad_(False)
+    accumulate(g, (x, y), lambda mm, mb: (d(mm(mb[0])).sum(), len(mb[0])), micro_batch_size=4)
+    assert all(p.grad is None for p in d.parameters()) and all(p.grad is not None for p in g.parameters())

@@ -35,8 +35,9 @@ def _holds_tensors(value: Any) -> bool:
 
 
 def _flag(value: Any) -> bool:
-    """A mapping's value that holds no rows and goes whole to every micro-batch: a bool or None (``return_loss=True``,
-    ``past_key_values=None``). A number or a string is not taken so: it may count the batch (an item count)."""
+    """A value that holds no rows and goes whole to every micro-batch, in a mapping or in place in a tuple or list: a
+    bool or None (``return_loss=True``, ``past_key_values=None``, a collate's ``(x, y, None)`` for a mask it did not
+    make). A number or a string is not taken so: it may count the batch (an item count)."""
     return value is None or isinstance(value, bool)
 
 
@@ -67,18 +68,22 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
     structure."""
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
-            raise ConfigError(f"{name} is a 0-dim tensor; every entry needs the rows in dim 0")
+            raise ConfigError(
+                f"{name} is a 0-dim tensor; every entry needs the rows in dim 0: a value with no rows (a scale, a "
+                "count of the whole batch) belongs in loss_fn's closure, not in the batch that is split"
+            )
         return [(name, batch)]
     if isinstance(batch, Mapping):
         items = [(f"{name}[{k!r}]", v) for k, v in batch.items() if not _flag(v)]
     elif isinstance(batch, (tuple, list)):
         if batch and _per_row(batch, records and name != "batch"):
             return [(name, batch)]
-        items = [(f"{name}[{i}]", v) for i, v in enumerate(batch)]
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(batch) if not _flag(v)]
     elif name == "batch":
         raise ConfigError(
             f"batch of type {type(batch).__name__} is not supported; a batch is a tensor, a tuple/list of "
-            "tensors or a dict of tensors (nested as a collate function makes them), all with the rows in dim 0"
+            "tensors or a dict of tensors (nested as a collate function makes them), all with the rows in dim 0: "
+            + _as_dict_fix(batch)
         )
     elif _array(batch):
         raise ConfigError(
@@ -115,11 +120,45 @@ def _layout(batch: Batch) -> tuple[int, bool]:
     per_row = _sizes(batch, records=True)
     if len(set(per_row.values())) <= 1 and per_row != sizes:
         return next(iter(per_row.values())), True
-    shown = ", ".join(f"{n} has {s}" for n, s in sizes.items())
+    if _samples(batch):
+        raise ConfigError(
+            f"batch is a {type(batch).__name__} of {len(batch)} samples ({type(batch[0]).__name__}s whose tensors hold "
+            "one sample each), not collated; collate them first (torch.utils.data.default_collate(samples), what a "
+            "DataLoader does) so that each tensor holds the rows in dim 0"
+        )
+    shown = ", ".join(f"{n} has {s}" for n, s in list(sizes.items())[:6])
+    more = f" and {len(sizes) - 6} more" if len(sizes) > 6 else ""
     raise ConfigError(
-        f"tensors of the batch have different first dimensions ({shown}); every tensor needs the same "
+        f"tensors of the batch have different first dimensions ({shown}{more}); every tensor needs the same "
         "number of rows in dim 0 (a list of dicts with one per row, torchvision's targets, is split with the rows)"
     )
+
+
+def _samples(batch: Batch) -> bool:
+    """A list or tuple of more than two samples alike (mappings, or tuples, of tensors of one shape each): a batch a
+    collate function has not made."""
+    if (
+        not isinstance(batch, (tuple, list))
+        or len(batch) <= 2
+        or not isinstance(batch[0], (Mapping, tuple, list))
+    ):
+        return False
+
+    def shapes(sample: Any) -> Any:
+        values = sample.values() if isinstance(sample, Mapping) else sample
+        return tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values)
+
+    first = shapes(batch[0])
+    return all(type(s) is type(batch[0]) and shapes(s) == first for s in batch)
+
+
+def _as_dict_fix(batch: Any) -> str:
+    """The conversion that makes ``batch`` a dict: a dataclass's fields, an object's attributes."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(batch):
+        return "pass dataclasses.asdict(batch) (or {f.name: getattr(batch, f.name) ...}) and read the dict in loss_fn"
+    return "pass its tensors as a dict (vars(batch) for an object of attributes) and read the dict in loss_fn"
 
 
 def _warn_if_ambiguous(batch: Batch, rows: int, name: str = "batch") -> None:
@@ -183,7 +222,7 @@ def take_rows(
         }
     if _per_row(batch, records and not top):
         return batch[start:stop]
-    parts = [take_rows(v, start, stop, width, cut, **inner) for v in batch]
+    parts = [v if _flag(v) else take_rows(v, start, stop, width, cut, **inner) for v in batch]
     if isinstance(batch, tuple):
         make = getattr(type(batch), "_make", None)  # a namedtuple (default_collate keeps them) takes fields
         return make(parts) if callable(make) else type(batch)(parts)

@@ -266,8 +266,10 @@ def check_loss(
         )
     loss_sum, n = out
     if not isinstance(loss_sum, torch.Tensor):
+        swapped = " (the two look swapped)" if isinstance(n, torch.Tensor) else ""
         raise ConfigError(
-            f"loss_fn's loss_sum is a {type(loss_sum).__name__}, not a tensor (micro-batch {index})"
+            f"loss_fn's loss_sum is a {type(loss_sum).__name__}, not a tensor (micro-batch {index}){swapped}; return "
+            "(loss_sum, n_items) in that order: the summed loss tensor first, then the count of its items"
         )
     if loss_sum.dim() != 0:
         raise ConfigError(
@@ -372,8 +374,9 @@ def check_params_in_model(loss: torch.Tensor, params: Sequence[Any]) -> None:
         raise ConfigError(
             f"loss_fn's loss depends on {len(outside)} trainable parameter(s) that are not the model's (shapes "
             f"{shapes}): only the model's gradients are normalised to the batch mean and restored on an error, so "
-            "theirs would be wrong; make them part of the model (a submodule holding the loss's parameters), or "
-            "pass a module that holds both"
+            "theirs would be wrong; make them part of the model (a submodule holding the loss's parameters), "
+            "pass a module that holds both, or, if they are not trained by this step (a GAN's discriminator in the "
+            "generator's step), freeze them for it (discriminator.requires_grad_(False), and True again after)"
         )
 
 
