@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.nn.parameter import is_lazy
 
 from microbatch.errors import ConfigError, check_instance, check_positive_int
 from microbatch.run.accumulate import agree as ag
@@ -49,7 +48,7 @@ from microbatch.run.accumulate.oom import (
     set_aside,
     short_error,
 )
-from microbatch.run.accumulate.retry import StepState, warn_norm_layers
+from microbatch.run.accumulate.retry import StepState, check_weights_kept, warn_norm_layers, weight_versions
 from microbatch.run.accumulate.scaling import (
     CountFn,
     NoItems,
@@ -441,7 +440,7 @@ def _backward_each(
     ConfigError when ``loss_fn`` changed the parameters (an ``optimizer.step()`` inside it): version counters, read
     before and after (not under FSDP, whose unsharding writes them, nor for a lazy module's, set by its first
     forward)."""
-    versions = None if is_fsdp(model) else [-1 if is_lazy(p) else p._version for p in params]
+    versions = None if is_fsdp(model) else weight_versions(params)
     losses: list[torch.Tensor] = []
     counts: list[Any] = []
     readings: list[tuple[Any, Reading | None]] = []  # (items, Σ|g|²) of each micro-batch, for noise
@@ -474,7 +473,7 @@ def _backward_each(
     finally:
         if hooks is not None:
             hooks.close()
-    _check_weights_kept(params, versions)
+    check_weights_kept(params, versions)
     applied = 1.0 if scale is None else to_float(scale)
     return losses, counts, noise_smalls(readings, applied), None, applied
 
@@ -485,18 +484,3 @@ def _first_scale(loss_sum: torch.Tensor, n: Any) -> Any:
     if isinstance(n, torch.Tensor):
         return 1 / n.detach().clamp(min=1).to(torch.promote_types(loss_sum.dtype, torch.float32))
     return 1.0 / max(1.0, float(n))
-
-
-def _check_weights_kept(params: list[Any], versions: list[int] | None) -> None:
-    """ConfigError when a parameter changed in place during the micro-batches (``versions``: their counters before)."""
-    moved = (
-        0
-        if versions is None
-        else sum(v >= 0 and p._version != v for p, v in zip(params, versions, strict=True))
-    )
-    if moved:
-        raise ConfigError(
-            f"loss_fn changed {moved} of the model's {len(params)} trainable parameters in place (an "
-            "optimizer.step() or an in-place update inside it?): a step inside the accumulation acts on part of the "
-            "gradient; return (loss_sum, n_items) from loss_fn and step the optimizer after accumulate returns"
-        )

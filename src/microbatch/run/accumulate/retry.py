@@ -21,9 +21,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from microbatch.errors import ConfigError
 from microbatch.measure.norm_layers import norm_layers, norm_layers_warning, spectral_norms, warn_norm_layers
 
-__all__ = ["StepState", "norm_layers", "spectral_norms", "norm_layers_warning", "warn_norm_layers"]
+__all__ = [
+    "StepState",
+    "check_weights_kept",
+    "weight_versions",
+    "norm_layers",
+    "spectral_norms",
+    "norm_layers_warning",
+    "warn_norm_layers",
+]
 
 
 def _initialised(tensor: Any) -> bool:
@@ -74,3 +83,26 @@ class StepState:
             for m in self._lazy:
                 if _initialised(m.running_mean):
                     m.reset_running_stats()
+
+
+def weight_versions(params: list[Any]) -> list[int]:
+    """The parameters' version counters (bumped by every in-place write), -1 for a lazy module's not yet made (its
+    first forward writes it), for :func:`check_weights_kept`."""
+    from torch.nn.parameter import is_lazy
+
+    return [-1 if is_lazy(p) else p._version for p in params]
+
+
+def check_weights_kept(params: list[Any], versions: list[int] | None) -> None:
+    """ConfigError when a parameter changed in place during the micro-batches (``versions``: their counters before)."""
+    moved = (
+        0
+        if versions is None
+        else sum(v >= 0 and p._version != v for p, v in zip(params, versions, strict=True))
+    )
+    if moved:
+        raise ConfigError(
+            f"loss_fn changed {moved} of the model's {len(params)} trainable parameters in place (an "
+            "optimizer.step() or an in-place update inside it?): a step inside the accumulation acts on part of the "
+            "gradient; return (loss_sum, n_items) from loss_fn and step the optimizer after accumulate returns"
+        )
