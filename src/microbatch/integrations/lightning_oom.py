@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from microbatch.errors import ConfigError
+from microbatch.integrations.lightning_logged import LoggedState, piece_logging
 from microbatch.run.accumulate.controller import MicroBatchController
 
 __all__ = ["SplitOnOOM", "CallbackBase", "loss_of"]
@@ -199,14 +200,22 @@ class SplitOnOOM(CallbackBase):
         def share(mb: Any) -> float:
             return float(count(mb)) / total
 
+        logged, splits = LoggedState.take(trainer, module), self.controller.splits
+
         def loss_fn(_: Any, mb: Any) -> tuple[Any, float]:
-            nonlocal dict_out
+            nonlocal dict_out, splits
+            if (
+                self.controller is not None and self.controller.splits != splits
+            ):  # a redo: the failed attempt's
+                splits = self.controller.splits  # logs and metric updates go (lightning_logged)
+                logged.restore()
             w = share(mb)
             if w > 0.0:
                 extra.clear()  # a failed piece's outputs go before the next forward, not after it
             # a piece with no items still runs, as the unsplit step ran its rows: its dropout draws keep the random
             # stream where the unsplit step leaves it, and a loss's terms that are not per item count under "sum"
-            out = original(mb, *rest, **kwargs)
+            with piece_logging(trainer, mb):
+                out = original(mb, *rest, **kwargs)
             loss = loss_of(out, "SplitOnOOM", " for a piece of the batch")
             if w == 0.0 and (mean or not bool(torch.isfinite(loss.detach()).all())):
                 # weighted by no items (or a mean over none, nan): it adds nothing to the gradient
@@ -224,25 +233,34 @@ class SplitOnOOM(CallbackBase):
         try:
             value = accumulate(module, batch, loss_fn, count_fn=share, controller=self.controller)
             grads: list[Any] = [p.grad for p in params]
+        except BaseException:
+            logged.restore()  # a step given up logs nothing, as the gradient it leaves
+            raise
         finally:
             for p, g in zip(params, before, strict=True):
                 p.grad = g
         if self.count_fn is None and mean and self.controller.micro_batch_size < rows and not self._warned:
-            if _per_token_labels(batch):
-                self._warned = True
-                import warnings
-
-                warnings.warn(
-                    "SplitOnOOM split a step whose batch has per-token labels, weighting each piece by its rows "
-                    "(no count_fn); a loss that is a mean over tokens then gets another gradient than the unsplit "
-                    "step's; say what it averages over, e.g. SplitOnOOM(count_fn=lambda batch: "
-                    "(batch['labels'] != -100).sum()), or labels[..., 1:] for a causal LM that shifts them",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            self._warned = _warn_per_token_labels(batch)
         leaf = value.detach().clone().requires_grad_(True)
         leaf.register_hook(_GradientAdder(params, grads))  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         return {"loss": leaf, **extra} if dict_out else leaf
+
+
+def _warn_per_token_labels(batch: Any) -> bool:
+    """Warn, and say so, when a split step's batch has per-token labels (:func:`_per_token_labels`) and no count_fn."""
+    if not _per_token_labels(batch):
+        return False
+    import warnings
+
+    warnings.warn(
+        "SplitOnOOM split a step whose batch has per-token labels, weighting each piece by its rows "
+        "(no count_fn); a loss that is a mean over tokens then gets another gradient than the unsplit "
+        "step's; say what it averages over, e.g. SplitOnOOM(count_fn=lambda batch: "
+        "(batch['labels'] != -100).sum()), or labels[..., 1:] for a causal LM that shifts them",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return True
 
 
 def _per_token_labels(batch: Any) -> bool:
