@@ -27,7 +27,7 @@ calibration's clock may be scaled up to another limit, but not past this."""
 
 MIN_FIGURE_FRACTION = 0.001
 """The smallest share of a rating accepted for a link's achievable fraction, the attention ceiling and the attention
-ramp: the lowest figure any table here holds is 0.36 (the H200's GeLU of its bandwidth), and a thousandth is past
+ramp: the lowest figure any table here holds is 0.36 (the H200's eager softmax of its bandwidth), and a thousandth is past
 any kernel or link that trains; a denormal one (1e-320) overflowed a step's time to a division by zero."""
 MIN_CLOCK_FRACTION = 0.1
 """The smallest ``sustained_clock_fraction`` accepted: the deepest power cap read (a GB300 at 500 W of 1,400 W,

@@ -45,7 +45,9 @@ NVIDIA/nccl src/graph/tuning.cc at commit 01afd20)."""
 NCCL_RING_NVLINK_HOP_S = 3.4e-6
 """Latency of one ring step inside a node over NVLink, Simple protocol (``hwLat`` NVLink ring/Simple, 3.4 µs, same file)."""
 NCCL_RING_NET_HOP_S = 9.6e-6
-"""Latency of one ring step between nodes, Simple protocol (``hwLat`` NET ring/Simple, 9.6 µs, same file)."""
+"""Latency of one ring step between nodes, Simple protocol (``hwLat`` NET ring/Simple, 9.6 µs, same file at that
+commit; later NCCL releases list 14 µs there: the cited commit's figure is the one used, and what a run's NCCL
+version pays is not known to the planner)."""
 
 
 OVERLAP_COMPUTE_SLOWDOWN = 0.189

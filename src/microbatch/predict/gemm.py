@@ -66,7 +66,15 @@ class RooflineEfficiency:
     R = 140 at RMS error 8.4% (16.4% without k₀, 18.0% without R, 21.8% with neither: the row-parallel
     projections with k = h/t reach 0.45–0.70 of peak where the others reach 0.65–0.80); k₀ = 625 is
     625 × 2·128·128 / (989.4 TFLOP/s / 132 SMs) = 2.73 µs. As a time it carries to other GPUs: on an
-    A100 (2.89 TFLOP/s per SM) k₀ = 241. 0 disables the term."""
+    A100 (2.89 TFLOP/s per SM) k₀ = 241. 0 disables the term.
+
+    Not one fit with ``gemm_max``: k₀ and R come from the fit with the ceiling free, which put it at 0.88; the
+    planner keeps the guide's 0.8 (cited). Against the H200's own 41 GEMMs the shipped three give RMS 12.5% (the
+    model slower than measured: 0.73 of peak for the square 8,192 GEMM it measured at 0.777); refitted at 0.8,
+    k₀ = 425 and R = 110 give 9.8%. Not taken: that refit moves the development bench to 3.0% mean / 7.4% max on
+    the issue-17 rows (2.9% / 6.8%) and the H100 rows further too fast (Megatron-LM README −4.0% → −6.3% mean
+    signed), a sign that the 0.8 stands in for costs of a real step no isolated GEMM pays (BENCHMARKS.md, "The
+    GEMM constants, one fit or not")."""
     ramp_rows: float = 140.0
     """Rows at which a GPU GEMM reaches half its large-GEMM efficiency (:func:`row_efficiency`):
     R = 140 from the same H200 fit as ``tile_overhead_s`` (its row ramp at k 4,096, n 16,384: 0.35 of
