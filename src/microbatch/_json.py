@@ -11,7 +11,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 
-__all__ = ["finite", "dumps", "json_kind", "load_json", "loads"]
+__all__ = ["MAX_INPUT_BYTES", "check_size", "finite", "dumps", "json_kind", "load_json", "loads"]
 
 
 def json_kind(value: Any) -> str:
@@ -82,6 +82,7 @@ def load_json(
     if not path.is_file():
         why = "is not a regular file" if path.exists() else "does not exist"
         raise ConfigError(f"{what} {str(path)!r} {why}; {fix}")
+    check_size(path, what)
     try:
         value = loads(
             path.read_text(encoding="utf-8-sig")
@@ -94,3 +95,19 @@ def load_json(
     if not isinstance(value, (dict, list)):
         raise ConfigError(f"{what} {str(path)!r} holds {json_kind(value)}, not an object; {fix}")
     return value
+
+
+MAX_INPUT_BYTES = 256 * 1024**2
+"""The largest file read as a result or measurements: 256 MiB, past any this tool writes (a tune result is
+kilobytes; 2.1 million measured points, 100 MB of JSON, took 47 s and 2.2 GB to read) and short of a checkpoint or
+a disk image named by mistake, which was read whole until the process ran out of memory."""
+
+
+def check_size(path: Path, what: str) -> None:
+    """ConfigError when ``path`` is larger than :data:`MAX_INPUT_BYTES`, before it is read."""
+    size = path.stat().st_size
+    if size > MAX_INPUT_BYTES:
+        raise ConfigError(
+            f"{what} {str(path)!r} is {size / 1024**2:,.0f} MiB, past the {MAX_INPUT_BYTES // 1024**2} MiB a result "
+            "or measurement file may be (they are kilobytes); is it the file you meant?"
+        )

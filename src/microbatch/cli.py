@@ -104,9 +104,7 @@ def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()
         except OSError as e:  # stdout full or gone (the cause of this failure, perhaps): said once, on stderr
             _stdout_gone()
             if not isinstance(e, BrokenPipeError):  # a reader that left wants no more words
-                click.echo(
-                    f"error: could not write the JSON error envelope to stdout: {e.strerror or e}", err=True
-                )
+                _say(f"error: could not write the JSON error envelope to stdout: {e.strerror or e}")
     return code
 
 
@@ -148,10 +146,41 @@ def main(argv: list[str] | None = None) -> int:
     restore = (
         raise_on_sigterm()
     )  # SIGTERM (timeout, a job scheduler) stops a command as Ctrl-C does: kept, 130
+    stderr = sys.stderr
+    if stderr is not None and not isinstance(stderr, _SilentOnFailure):
+        sys.stderr = _SilentOnFailure(stderr)
     try:
         return _main(args)
     finally:
+        sys.stderr = stderr
         restore()
+
+
+class _SilentOnFailure:
+    """stderr, its writes dropped once one fails (a full disk behind ``2>log``, ``2>/dev/full``): progress, notes and
+    warnings cost their lines, not the command's work nor its answer on stdout (a tune lost its result and its
+    envelope, exit 1). Everything else is the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self._failed = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._failed:
+            try:
+                return int(self._stream.write(text))
+            except OSError:
+                self._failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._failed:
+            try:
+                self._stream.flush()
+            except OSError:
+                self._failed = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _repeats(args: list[str]) -> None:
@@ -180,13 +209,13 @@ def _main(args: list[str]) -> int:
     except click.exceptions.Abort as e:  # click turns a KeyboardInterrupt into Abort: keep its message
         cause = e.__cause__ or e.__context__
         said = _interrupted(str(cause)) if isinstance(cause, KeyboardInterrupt) else "interrupted"
-        click.echo(said, err=True)
+        _say(said)
         return _fail(said, 130, args)
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.UsageError as e:  # one line: click's message names the value and the rule; the fix is --help
         if type(e).__name__ == "NoArgsIsHelpError":  # `microbatch` alone: the help itself
-            e.show()
+            _quietly(e.show)
             return _fail(e.format_message(), 2, args)
         where = e.ctx.command_path if e.ctx is not None else "microbatch"
         message = f"{e.format_message().rstrip('.')}; see '{where} --help'"
@@ -194,22 +223,22 @@ def _main(args: list[str]) -> int:
         said_json = "'--json'" in e.format_message()  # click's complaint is about --json itself
         if where == "microbatch" and command and said_json and "--json" in args[: args.index(command)]:
             message = f"--json goes after the command: microbatch {command} ... --json"
-        click.echo(f"error: {message}", err=True)
+        _say(f"error: {message}")
         return _fail(message, 2, args)
     except click.ClickException as e:
-        e.show()
+        _quietly(e.show)
         return _fail(e.format_message(), e.exit_code, args)
     except ConfigError as e:  # the library names parameters; the user typed flags
         from microbatch.commands._flags import cli_message
 
         message = cli_message(e, _command_of(args))
-        click.echo(f"error: {message}", err=True)
+        _say(f"error: {message}")
         return _fail(message, 2, args, getattr(e, "points", ()))
     except MicrobatchError as e:  # a run that failed; its message may name parameters too
         from microbatch.commands._flags import cli_message
 
         message = cli_message(e, _command_of(args))
-        click.echo(f"error: {message}", err=True)
+        _say(f"error: {message}")
         return _fail(message, 1, args)
     except OSError as e:  # the file system said no (full, read-only, gone): its words, no traceback
         import errno
@@ -218,19 +247,42 @@ def _main(args: list[str]) -> int:
 
         if isinstance(e, StdoutFailed):  # the answer itself could not be printed: no envelope after it either
             _stdout_gone()
-            click.echo(f"error: could not write to stdout: {e.strerror or e}", err=True)
+            _say(f"error: could not write to stdout: {e.strerror or e}")
             return 1
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         full = e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
-        advice = "; free space or choose another path, and run again" if full else ""
+        path_refused = e.errno in (errno.ENAMETOOLONG, errno.EACCES, errno.EPERM) and bool(where)
+        advice = (
+            "; free space or choose another path, and run again"
+            if full
+            else "; give a shorter path, or one this user may read and write"
+            if path_refused
+            else ""
+        )
         message = f"could not use{where}: {e.strerror or e}{advice}"
-        click.echo(f"error: {message}", err=True)
-        return _fail(message, 1, args)
+        _say(f"error: {message}")
+        return _fail(message, 2 if path_refused else 1, args)
     except KeyboardInterrupt as e:
         said = _interrupted(str(e))  # what the library kept, or that nothing was
-        click.echo(said, err=True)
+        _say(said)
         return _fail(said, 130, args)
+    except MemoryError:  # this process's own memory (an input file far too large): one line, not a traceback
+        message = "this process ran out of memory (an input file too large to read? a measurement file is kilobytes)"
+        _say(f"error: {message}")
+        return _fail(message, 1, args)
     return 0
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr, if stderr takes it: a full disk behind ``2>log`` must not cost the answer on stdout."""
+    _quietly(lambda: click.echo(line, err=True))
+
+
+def _quietly(write: Any) -> None:
+    try:
+        write()
+    except (OSError, ValueError):  # stderr full, gone or closed: the envelope on stdout still says it
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -95,9 +95,16 @@ def test_a_result_file_not_written_is_a_failure_naming_where_it_was_kept():
 def test_an_answer_that_stdout_cannot_take_is_said_once_as_stdout():
     with open("/dev/full", "w") as full:
         r = run(["bubble", "-p", "4", "-m", "8", "--json"], stdout=full)
-    assert (
-        r.returncode == 1 and r.stderr.strip() == "error: could not write to stdout: No space left on device"
+    said = r.stderr.strip()
+    assert r.returncode == 1 and said.count("\n") == 0  # once, one line
+    assert said.startswith(
+        "error: could not write to stdout: No space left on device; the answer was kept in "
     )
+    kept = Path(said.rsplit(" ", 1)[1])
+    try:
+        assert json.loads(kept.read_text())["command"] == "bubble"  # the answer, not lost
+    finally:
+        kept.unlink(missing_ok=True)
 
 
 def test_the_json_hint_only_replaces_a_complaint_about_json(capsys):

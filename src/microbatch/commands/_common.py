@@ -19,6 +19,7 @@ from microbatch.commands._outputs import (
     force_option,
     keep_beside,
     keep_result,
+    kept_text,
     same_file,
     write_result,
 )
@@ -110,7 +111,7 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
     except BrokenPipeError:
         raise
     except OSError as e:
-        raise StdoutFailed(e.errno, e.strerror) from e
+        raise StdoutFailed(e.errno, f"{e.strerror}{kept_text(text, as_json)}") from e
 
 
 class flags_for:  # noqa: N801 - used as a context manager, named like one
@@ -134,8 +135,12 @@ class flags_for:  # noqa: N801 - used as a context manager, named like one
 
 
 def progress(text: str) -> None:
-    """One line of progress on stderr (a terminal or not: scripted and CI runs are not silent)."""
-    click.echo(text, err=True)
+    """One line of progress on stderr (a terminal or not: scripted and CI runs are not silent); a stderr that cannot
+    take it (a full disk behind ``2>log``) costs the line, not the work."""
+    try:
+        click.echo(text, err=True)
+    except (OSError, ValueError):
+        pass
 
 
 def option_group(

@@ -3,6 +3,7 @@ a file of the user's replaced without ``--force``) and written so that a compute
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,14 +47,43 @@ def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path
 
 
 def write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path."""
+    """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path.
+
+    A regular file (or a new one) is written whole or not at all: to a temporary file beside it, then renamed over
+    it (through a symbolic link, beside its target), so a write cut short (a full disk, ``ulimit -f``) leaves the
+    earlier file as it was, and a reader never sees half of one; anything else (``/dev/full``, a pipe) is written
+    in place."""
+    import tempfile
+
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
-        Path(path).write_text(text, encoding="utf-8")
+        real = Path(os.path.realpath(path))
+        if real.exists() and not real.is_file():
+            real.write_text(text, encoding="utf-8")
+            return
+        fd, part = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            if real.exists():
+                os.chmod(part, real.stat().st_mode & 0o7777)
+            else:
+                os.chmod(part, 0o666 & ~_umask())
+            os.replace(part, real)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
+            raise
     except OSError as e:
         if e.filename is None:
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_out_dir(
@@ -100,6 +130,11 @@ def check_out_dir(
             f"run: give {flag} a folder you can write to"
         ) from None
     for name in files:
+        if (p / name).is_dir():  # found only when written, after the work
+            raise ConfigError(
+                f"{flag} {str(path)!r}: {name} is a folder there, where the command writes that file; move it, "
+                f"or give {flag} another folder"
+            )
         _check_not_theirs(p / name, f"{flag} {str(path)!r}: {name}", force)
     return p
 
@@ -249,8 +284,8 @@ def write_out(path: str | Path, d: dict[str, Any]) -> str:
     would read a missing file)."""
     where, why = keep_result(path, d)
     click.echo(why or f"wrote {where}", err=True)
-    if why:
-        d.update(kept_in=str(where), notes=[*d.get("notes", []), why])
+    if why:  # kept_in null: neither there nor in the temporary folder (the answer printed is all there is)
+        d.update(kept_in=str(where) if where != Path(path) else None, notes=[*d.get("notes", []), why])
     return str(where)
 
 
@@ -260,5 +295,27 @@ def keep_result(path: str | Path, obj: Any, command: str | None = None) -> tuple
     try:
         return write_result(path, obj, command), None
     except OSError as e:
-        kept = keep_beside(obj, command)
+        try:
+            kept = keep_beside(obj, command)
+        except OSError as again:  # the temporary folder full too: the result is only what is printed
+            return Path(path), (
+                f"could not write {path} ({e.strerror or e}) nor keep it in the temporary folder "
+                f"({again.strerror or again}); the result is only what is printed"
+            )
         return kept, f"could not write {path} ({e.strerror or e}); the result was kept in {kept}"
+
+
+def kept_text(text: str, as_json: bool) -> str:
+    """The answer stdout could not take, written to a new file in the temporary folder: "; the answer was kept in
+    PATH", or "" where that fails too (a run's result is not lost to a full disk behind ``> result.json``)."""
+    import tempfile
+
+    try:
+        fd, path = tempfile.mkstemp(
+            prefix=f"microbatch-{command_name()}-", suffix=".json" if as_json else ".txt"
+        )
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError:
+        return ""
+    return f"; the answer was kept in {path}"

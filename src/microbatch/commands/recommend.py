@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from microbatch._json import loads
+from microbatch._json import check_size, loads
 from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option, progress
 from microbatch.errors import ConfigError
 from microbatch.units import format_bytes
@@ -48,6 +48,7 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     if not p.is_file():
         why = "is not a regular file" if p.exists() else "does not exist"
         raise ConfigError(f"--measurements {path!r} {why}; give a JSON or CSV file of points")
+    check_size(p, "--measurements")
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheets write one) is not a column
     except (OSError, UnicodeDecodeError) as e:

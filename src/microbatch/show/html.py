@@ -409,8 +409,13 @@ def build_report(
         + "".join(body)
         + "</body></html>"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(doc, encoding="utf-8")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(doc, encoding="utf-8")
+    except OSError as e:  # a full disk: say which file (the results it was built from are where they were)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(out)) from e
+        raise
     pngs = [f.png_path for f in figs if f.png_path]
     if png_dir is not None:
         _drop_stale_pngs(png_dir, pngs)

@@ -106,8 +106,8 @@ def predict_resolved(run: ResolvedRun) -> BeforeRun:
         loaded_steps,
         needs_loaded_calibration,
     )
+    from microbatch.run.pipeline.chain_check import check_splittable
     from microbatch.run.pipeline.fit import check_fits
-    from microbatch.run.pipeline.launch import check_splittable
     from microbatch.run.pipeline.progress import announce
 
     cfg = run.cfg

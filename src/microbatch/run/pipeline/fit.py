@@ -193,6 +193,7 @@ def check_factory_forward(cfg: PipelineConfig) -> None:
 def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
     import torch
 
+    from microbatch.run.pipeline.chain_check import check_forward_is_chain, check_position_tables
     from microbatch.run.pipeline.split import model_units, token_embedding, working_folder_first
 
     def build(meta: bool) -> Any:
@@ -204,11 +205,15 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
 
     try:
         model, device = build(meta=True), "meta"
+    except MicrobatchError:  # the deadline (in_launcher), not a factory that cannot build on meta
+        raise
     except Exception:  # noqa: BLE001 - it cannot build there: build it for real, as the ranks do
         model, device = build(meta=False), "cpu"
     emb = token_embedding(model)  # inspect_factory checked there is one
     units = model_units(model)
     x: Any = torch.zeros((batch, seq), dtype=torch.long, device=device)
+    tokens = x
+    check_position_tables(spec, units, seq, emb)
     with torch.no_grad():
         for i, unit in enumerate(units):
             where = f"model factory {spec}: layer {i} ({type(unit).__name__})"
@@ -246,6 +251,7 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
             f"loss needs logits ({batch}, {seq}, {vocab}), one score per token of the vocabulary "
             f"(nn.Embedding's {vocab}): end the model with a layer such as nn.Linear(hidden, {vocab})"
         )
+    check_forward_is_chain(spec, model, units, tokens)
 
 
 def _one_line(e: BaseException) -> str:

@@ -32,6 +32,7 @@ from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, PipelineError
 from microbatch.measure.deaths import death_text, explains_crash
 from microbatch.run.pipeline import warm
+from microbatch.run.pipeline.chain_check import check_splittable
 from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
 from microbatch.run.pipeline.kept import kept_steps, with_host
 from microbatch.run.pipeline.progress import (
@@ -422,32 +423,6 @@ def _rank_failure(
     return PipelineError(
         f"rank {r} (stages {run.stages_of(r)}) failed ({why}); every rank was stopped; "
         f"full logs: {os.path.join(tmp, 'rank*.err')}"
-    )
-
-
-def check_splittable(run: ResolvedRun) -> None:
-    """Refuse, before any process starts, a model the ranks could not build or split.
-
-    A ``module:function`` model is imported and built here
-    (:func:`microbatch.run.pipeline.split.inspect_factory`): a module that cannot be imported, a name
-    that cannot be called, a call that fails or returns something other than a stack of layers with a
-    token embedding is a :class:`ConfigError` naming the factory. Any model needs at least p·v layers
-    (units: for a built-in model the embedding, every block, the head); a built-in model with learned
-    positions takes at most its position table's length as ``seq``."""
-    from microbatch.run.pipeline.config import check_enough_layers
-
-    cfg, shape = run.cfg, run.shape
-    if shape is None:
-        from microbatch.run.pipeline.split import inspect_factory
-
-        units = inspect_factory(cfg.model).units
-        check_enough_layers(cfg, units, f"model factory {cfg.model} returns")
-        return
-    from microbatch.model import check_seq
-
-    check_seq(shape, shape.seq)  # a model with learned positions takes at most its table's length
-    check_enough_layers(
-        cfg, shape.layers + 2, f"model {cfg.model} has", f"(embedding, {shape.layers} blocks, head)"
     )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, MicrobatchError
 
 if TYPE_CHECKING:
     from microbatch.shape import ModelShape
@@ -147,9 +147,15 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
     try:
         with torch.device("meta"):
             model, meta = build(), True
+    except (
+        MicrobatchError
+    ):  # the launcher's deadline (in_launcher): not the factory's failure to build on meta
+        raise
     except Exception:  # cannot build on the meta device: build it for real, as the ranks do
         try:
             model, meta = build(), False
+        except MicrobatchError:
+            raise
         except Exception as e:
             raise ConfigError(
                 f"model factory {spec} failed when called with no arguments ({_one_line(e)}); a model "

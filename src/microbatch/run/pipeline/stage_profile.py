@@ -66,7 +66,7 @@ def in_launcher(
     def expire(signum: int, frame: Any) -> None:
         raise PipelineError(
             f"{what} passed its deadline of {seconds:.0f} s (timeout_s {run.cfg.timeout_s:g} s + start-up): the "
-            "model's forward or backward did not return; check it for a hang, or raise timeout_s"
+            "model's code (its factory, forward or backward) did not return; check it for a hang, or raise timeout_s"
         )
 
     previous = signal.signal(signal.SIGALRM, expire) if armed else None

@@ -1,0 +1,164 @@
+"""A factory's model as the pipeline runs it: its own forward must be the chain of its layers (a skip connection or a
+scaled embedding was trained away, exit 0), a seq past a learned position table is refused naming seq, and a factory
+that blocks ends at the launcher's deadline (it was called again for real after the deadline's error and hung)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from microbatch.errors import ConfigError, PipelineError
+from microbatch.run.pipeline import config as pipeline_config
+from microbatch.run.pipeline import fit
+from microbatch.run.pipeline.config import PipelineConfig
+from microbatch.run.pipeline.launch import check_splittable
+from microbatch.run.pipeline.resolved import resolve
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+HERE = "test_pipeline_chain_s27"
+GIB = 1024**3
+
+
+class Chain(nn.Module):
+    """embed, layers, head; ``mode`` says what forward does besides chaining them."""
+
+    def __init__(self, mode: str = "chain", positions: int = 0):
+        super().__init__()
+        self.mode = mode
+        self.embed = nn.Embedding(64, 8) if not positions else _Positions(positions)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.head = nn.Linear(8, 64)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if self.mode == "scaled":
+            h = h * math.sqrt(8)
+        skip = h
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if self.mode == "skip" and i == 1:
+                h = h + skip
+        if self.mode == "reordered":
+            h = self.layers[0](h)
+        out = self.head(h)
+        return {"logits": out} if self.mode == "dict" else out
+
+
+class _Positions(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(64, 8), nn.Embedding(n, 8)
+
+    def forward(self, x):
+        return self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+
+
+def chained():
+    return Chain()
+
+
+def chained_dict():
+    return Chain("dict")
+
+
+def skip():
+    return Chain("skip")
+
+
+def scaled():
+    return Chain("scaled")
+
+
+def reordered():
+    return Chain("reordered")
+
+
+def positions_32():
+    return Chain(positions=32)
+
+
+def blocks():
+    time.sleep(20)
+    return Chain()
+
+
+def _check(model: str, seq: int = 16) -> None:
+    fit.check_fits(resolve(PipelineConfig(model=f"{HERE}:{model}", global_batch=16, seq=seq)),
+                   available=24 * GIB, flops_per_s=1e9)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, said",
+    [
+        ("skip", r"forward gives layer 3 \(Linear\) something other than layer 2's output"),
+        ("scaled", r"forward gives layer 1 \(Linear\) something other than layer 0's output"),
+        ("reordered", r"calls its layers in the order \[0, 1, 2, 3, 1, 4\]"),
+    ],
+)
+def test_a_forward_that_is_not_the_chain_of_its_layers_is_refused(model, said):
+    with pytest.raises(ConfigError, match=said + r".*not forward, so it would train another model"):
+        _check(model)
+
+
+def test_a_forward_that_chains_its_layers_passes_whatever_it_returns_them_in():
+    _check("chained")
+    _check("chained_dict")
+
+
+def test_a_seq_past_a_learned_position_table_is_refused_naming_seq():
+    _check("positions_32", seq=32)
+    with pytest.raises(
+        ConfigError, match=r"seq 40 is longer than the first layer's position table \(32 positions"
+    ):
+        _check("positions_32", seq=40)
+
+
+@pytest.mark.timeout(60)
+def test_a_factory_that_blocks_ends_at_the_launchers_deadline(monkeypatch):
+    monkeypatch.setattr(pipeline_config, "STARTUP_S", 0.0)
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match=r"calling the model factory .*blocks passed its deadline of 2 s"):
+        check_splittable(resolve(PipelineConfig(model=f"{HERE}:blocks", timeout_s=2)))
+    assert time.monotonic() - t0 < 10  # the factory sleeps 20 s, and was called a second time for real
+
+
+class _Masked(nn.Module):
+    def forward(self, x, mask=None, index=0):
+        return x if mask is None else x * mask
+
+
+class MaskedChain(Chain):
+    def __init__(self, mask: bool):
+        super().__init__()
+        self.layers.append(_Masked())
+        self.with_mask = mask
+
+    def forward(self, x):
+        h = self.embed(x)
+        for i, layer in enumerate(self.layers):
+            masks = isinstance(layer, _Masked) and self.with_mask
+            h = (
+                layer(h, torch.ones_like(h), index=i)
+                if masks
+                else layer(h, index=i)
+                if isinstance(layer, _Masked)
+                else layer(h)
+            )
+        return self.head(h)
+
+
+def masked():
+    return MaskedChain(True)
+
+
+def indexed():
+    return MaskedChain(False)
+
+
+def test_a_layer_given_a_second_tensor_is_refused_and_a_layer_index_is_not():
+    with pytest.raises(ConfigError, match=r"gives layer 4 \(_Masked\) a second tensor \(a mask, positions\)"):
+        _check("masked")
+    _check("indexed")
