@@ -162,3 +162,11 @@ def test_a_layer_given_a_second_tensor_is_refused_and_a_layer_index_is_not():
     with pytest.raises(ConfigError, match=r"gives layer 4 \(_Masked\) a second tensor \(a mask, positions\)"):
         _check("masked")
     _check("indexed")
+
+
+def test_a_batch_statistic_norm_is_named_as_a_cause_a_gradient_check_cannot_match():
+    from microbatch.run.pipeline.split import dropout_modules
+
+    stage = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.1))
+    assert dropout_modules(stage, "stage 0") == ["stage 0 2", "stage 0 1 (BatchNorm1d: batch statistics)"]
+    assert dropout_modules(stage.eval(), "stage 0") == []  # running statistics, no dropout: nothing to say

@@ -362,13 +362,20 @@ def unit_times_s(units: Sequence[Any], tokens: Any, repeats: int = 3) -> list[fl
 
 
 def dropout_modules(module: Any, where: str = "") -> list[str]:
-    """Names of ``module``'s dropout layers that drop anything in training mode (``nn.Dropout`` and its
-    kin with p > 0): their random masks differ between the pipelined run and the unsplit reference of the
-    gradient check, so its gradients cannot match."""
+    """Names of ``module``'s layers whose output in training mode the gradient check cannot reproduce: dropout that
+    drops anything (``nn.Dropout`` and its kin with p > 0: other random masks than the unsplit reference's) and
+    batch-statistic norms (BatchNorm in training mode, named with "batch statistics": each micro-batch normalised by
+    its own rows, the reference by the whole batch's). Either makes the gradients differ."""
     import torch
 
-    return [
+    drops = [
         f"{where} {name or type(m).__name__}".strip()
         for name, m in module.named_modules()
         if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and float(m.p) > 0
     ]
+    norms = [
+        f"{where} {name or type(m).__name__} ({type(m).__name__}: batch statistics)".strip()
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+    return drops + norms

@@ -349,9 +349,10 @@ def figure_notes(report: PipelineReport) -> list[str]:
     if report.gradients_match is False and report.dropout_modules:
         shown = ", ".join(report.dropout_modules[:4]) + (" ..." if len(report.dropout_modules) > 4 else "")
         add(
-            f"the model has dropout in training mode ({shown}): its masks differ between the pipelined run "
-            "and the unsplit reference, the likely cause of the mismatch; check gradients on a model without "
-            "dropout (p = 0) or in eval mode"
+            f"the model has dropout or batch-statistic norms in training mode ({shown}): dropout's masks differ "
+            "between the pipelined run and the unsplit reference, and a BatchNorm normalises each micro-batch by its "
+            "own rows, the likely cause of the mismatch; check gradients on a model without dropout (p = 0) and "
+            "with its norms in eval mode"
         )
     m = report.measured
     b = report.before_run
