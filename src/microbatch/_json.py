@@ -90,7 +90,12 @@ def load_json(
     except json.JSONDecodeError as e:
         msg = e.msg.removesuffix(" at")  # "Unterminated string starting at" already ends so
         raise ConfigError(f"{what} {str(path)!r} is not JSON ({msg} at line {e.lineno}); {fix}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # UTF-16 (PowerShell's > writes it), Latin-1: say the encoding wanted
+        raise ConfigError(
+            f"{what} {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 (PowerShell: "
+            f"Out-File -Encoding utf8); {fix}"
+        ) from None
+    except OSError as e:
         raise ConfigError(f"{what} {str(path)!r} is not readable ({e}); {fix}") from None
     if not isinstance(value, (dict, list)):
         raise ConfigError(f"{what} {str(path)!r} holds {json_kind(value)}, not an object; {fix}")

@@ -127,3 +127,16 @@ def test_a_path_the_system_refuses_is_bad_input_with_a_fix(capsys, tmp_path):
         assert code == 2 and "Permission denied; give a shorter path, or one this user may read" in err
     finally:
         locked.chmod(0o755)
+
+
+def test_a_utf16_input_is_told_to_be_utf8_and_a_fifo_in_the_cache_is_passed_by(capsys, tmp_path, monkeypatch):
+    f = tmp_path / "points.json"
+    f.write_text('[{"micro_batch": 1, "throughput": 10}]', encoding="utf-16")
+    for args in (["recommend", "--measurements", str(f)], ["validate", "--calibration", str(f)]):
+        code, _, err = run(args, capsys)
+        assert code == 2 and "is not UTF-8 text" in err and "save it as UTF-8" in err, err
+    from microbatch.choose.tune import cache
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    os.mkfifo(tmp_path / "tune-abc.json")  # read, it waited for a writer forever
+    assert cache.load_points("abc") == {}

@@ -51,7 +51,11 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     check_size(p, "--measurements")
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheets write one) is not a column
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"--measurements {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 JSON or CSV"
+        ) from None
+    except OSError as e:
         raise ConfigError(
             f"--measurements {path!r} cannot be read ({e}); give a JSON or CSV text file"
         ) from None

@@ -75,6 +75,10 @@ def load_points(
     the budget each met into ``budgets``, to be saved again as it was."""
     path = cache_dir() / f"tune-{key}.json"
     try:
+        if (
+            not path.is_file()
+        ):  # missing, or a FIFO or device under the entry's name: reading one waited forever
+            return {}
         data = loads(path.read_text())
         rows = [d for d in data["points"] if well_formed(d) and holds_under(d, budget_bytes)]
         points = {
