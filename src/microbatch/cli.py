@@ -179,6 +179,38 @@ class _SilentOnFailure:
             except OSError:
                 self._failed = True
 
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    @property
+    def buffer(self) -> Any:
+        """The bytes under it, as silent (click writes through them where the stream's encoding is ASCII)."""
+        import io
+
+        owner, raw = self, self._stream.buffer
+
+        class Silent(io.BufferedIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, data: Any) -> int:
+                if not owner._failed:
+                    try:
+                        return int(raw.write(data))
+                    except OSError:
+                        owner._failed = True
+                return len(data)
+
+            def flush(self) -> None:
+                if not owner._failed:
+                    try:
+                        raw.flush()
+                    except OSError:
+                        owner._failed = True
+
+        return Silent()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 

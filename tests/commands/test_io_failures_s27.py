@@ -140,3 +140,28 @@ def test_a_utf16_input_is_told_to_be_utf8_and_a_fifo_in_the_cache_is_passed_by(c
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
     os.mkfifo(tmp_path / "tune-abc.json")  # read, it waited for a writer forever
     assert cache.load_points("abc") == {}
+
+
+def test_a_full_stderr_in_ascii_is_silent_too():
+    # click writes through the stream's bytes where its encoding is ASCII: those writes were not guarded
+    import io
+
+    import click
+
+    from microbatch.cli import _SilentOnFailure
+
+    class FullRaw(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    for encoding in ("utf-8", "ascii"):
+        stream = _SilentOnFailure(io.TextIOWrapper(io.BufferedWriter(FullRaw()), encoding=encoding))
+        old = sys.stderr
+        sys.stderr = stream
+        try:
+            click.echo("note: a line × ≥", err=True)  # raised ENOSPC under ascii
+        finally:
+            sys.stderr = old

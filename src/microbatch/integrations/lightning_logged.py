@@ -35,11 +35,19 @@ def _results(trainer: Any) -> Any:
 
 
 def _states(metric: Any) -> dict[str, Any]:
-    """A torchmetrics ``Metric``'s (or Lightning's ``_ResultMetric``'s) states, copied: tensors cloned, lists copied."""
-    out = {}
+    """A torchmetrics ``Metric``'s (or Lightning's ``_ResultMetric``'s) states: tensors cloned (a metric's states are
+    scalars or small), a list state as the list and its length (updates append: put back by cutting it there, not
+    by a copy per step, which grew with the epoch)."""
+    out: dict[str, Any] = {}
     for name in getattr(metric, "_defaults", {}):
         value = getattr(metric, name)
-        out[name] = value.clone() if hasattr(value, "clone") else list(value)
+        out[name] = (
+            value.clone()
+            if hasattr(value, "clone")
+            else (value, len(value))
+            if isinstance(value, list)
+            else value
+        )
     for name in ("_update_count", "_computed"):
         if hasattr(metric, name):
             out[name] = getattr(metric, name)
@@ -74,11 +82,10 @@ class LoggedState:
 
 def _put(metric: Any, states: dict[str, Any]) -> None:
     for name, value in states.items():
-        setattr(
-            metric,
-            name,
-            value.clone() if hasattr(value, "clone") else list(value) if isinstance(value, list) else value,
-        )
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], list):
+            del value[0][value[1] :]
+            value = value[0]
+        setattr(metric, name, value.clone() if hasattr(value, "clone") else value)
 
 
 def _is_metric(module: Any) -> bool:

@@ -89,12 +89,40 @@ def test_an_optimizer_step_inside_loss_fn_is_refused_and_the_gradients_put_back(
         return ((mm(mb[0]) - mb[1]) ** 2).sum(), len(mb[0])
 
     with pytest.raises(
-        ConfigError, match=r"changed 4 of the model's 4 trainable parameters.*after accumulate"
+        ConfigError, match=r"changed all 4 of the model's trainable parameters.*after accumulate"
     ):
         accumulate(m, (x, y), loss_fn, micro_batch_size=4)
     assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), old, strict=True))
     # a loss_fn that only reads the weights passes
     accumulate(m, (x, y), lambda mm, mb: (((mm(mb[0]) - mb[1]) ** 2).sum(), len(mb[0])), micro_batch_size=4)
+
+
+def test_a_forward_that_renormalises_its_own_weights_is_not_taken_for_a_step():
+    # nn.Embedding(max_norm=...) renormalises the rows it looks up, in place, at every forward
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 1))
+    ids, y = torch.randint(0, 10, (8,)), torch.randn(8, 1)
+    accumulate(m, (ids, y), lambda mm, mb: (((mm(mb[0]) - mb[1]) ** 2).sum(), len(mb[0])), micro_batch_size=4)
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_the_first_count_s_factor_is_undone_exactly():
+    # the first micro-batch holds 3 valid items (a factor of 1/3 on every sum), the others 4 and 1
+    x, y = _data(12, torch.float64)
+    valid = torch.tensor([1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
+
+    def loss_fn(m, mb):
+        return (((m(mb[0]) - mb[1]) ** 2).sum(1) * mb[2]).sum(), mb[2].sum()
+
+    ref = _model(torch.float64)
+    (((ref(x) - y) ** 2).sum(1)[valid]).mean().backward()
+    for n_of in (lambda keep: keep.sum(), lambda keep: int(keep.sum())):  # a tensor count, then a Python one
+        m = _model(torch.float64)
+        accumulate(
+            m, (x, y, valid), lambda mm, mb, n_of=n_of: (loss_fn(mm, mb)[0], n_of(mb[2])), micro_batch_size=4
+        )
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
 
 
 def _mse(m, mb):

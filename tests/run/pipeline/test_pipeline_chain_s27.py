@@ -4,6 +4,7 @@ that blocks ends at the launcher's deadline (it was called again for real after 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -60,6 +61,66 @@ def chained():
     return Chain()
 
 
+class _TokenTypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.types = nn.Embedding(64, 8), nn.Embedding(2, 8)
+
+    def forward(self, x):
+        return self.tok(x) + self.types(torch.zeros_like(x))
+
+
+def token_types():
+    model = Chain()
+    model.embed = _TokenTypes()
+    return model
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: object
+    scores: object
+
+
+class Written(Chain):
+    """Legitimate ways of writing the chain: the ids viewed, the units called by keyword, a tuple or a dataclass
+    returned, the logits cast to another dtype."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x, targets=None):
+        x = x.view(-1, x.shape[-1])
+        h = self.embed(input=x) if self.how == "keyword" else self.embed(x)
+        for layer in self.layers:
+            h = layer(input=h) if self.how == "keyword" else layer(h)
+        logits = self.head(h)
+        if self.how == "tuple":
+            return logits, None
+        if self.how == "dataclass":
+            return _Out(loss=None, scores=logits)
+        if self.how == "cast":
+            return logits.to(torch.float64)
+        return logits
+
+
+def written_keyword():
+    return Written("keyword")
+
+
+def written_tuple():
+    return Written("tuple")
+
+
+def written_dataclass():
+    return Written("dataclass")
+
+
+def written_cast():
+    return Written("cast")
+
+
 def chained_dict():
     return Chain("dict")
 
@@ -76,8 +137,8 @@ def reordered():
     return Chain("reordered")
 
 
-def positions_32():
-    return Chain(positions=32)
+def positions_64():
+    return Chain(positions=64)
 
 
 def blocks():
@@ -106,14 +167,17 @@ def test_a_forward_that_is_not_the_chain_of_its_layers_is_refused(model, said):
 def test_a_forward_that_chains_its_layers_passes_whatever_it_returns_them_in():
     _check("chained")
     _check("chained_dict")
+    for how in ("keyword", "tuple", "dataclass", "cast"):  # each refused by the first version of the check
+        _check(f"written_{how}")
 
 
 def test_a_seq_past_a_learned_position_table_is_refused_naming_seq():
-    _check("positions_32", seq=32)
+    _check("positions_64", seq=64)
     with pytest.raises(
-        ConfigError, match=r"seq 40 is longer than the first layer's position table \(32 positions"
+        ConfigError, match=r"seq 80 is longer than the first layer's position table \(64 positions"
     ):
-        _check("positions_32", seq=40)
+        _check("positions_64", seq=80)
+    _check("token_types", seq=16)  # a 2-row token-type table beside the token table is no position table
 
 
 @pytest.mark.timeout(60)

@@ -94,15 +94,14 @@ def weight_versions(params: list[Any]) -> list[int]:
 
 
 def check_weights_kept(params: list[Any], versions: list[int] | None) -> None:
-    """ConfigError when a parameter changed in place during the micro-batches (``versions``: their counters before)."""
-    moved = (
-        0
-        if versions is None
-        else sum(v >= 0 and p._version != v for p, v in zip(params, versions, strict=True))
-    )
-    if moved:
+    """ConfigError when every tracked parameter (two or more) changed in place during the micro-batches
+    (``versions``: their counters before), as an ``optimizer.step()`` inside ``loss_fn`` changes them. Some of them
+    moving is a forward's own: ``nn.Embedding(max_norm=...)`` renormalises its rows in place at each call."""
+    tracked = [] if versions is None else [(p, v) for p, v in zip(params, versions, strict=True) if v >= 0]
+    moved = sum(p._version != v for p, v in tracked)
+    if len(tracked) >= 2 and moved == len(tracked):
         raise ConfigError(
-            f"loss_fn changed {moved} of the model's {len(params)} trainable parameters in place (an "
+            f"loss_fn changed all {moved} of the model's trainable parameters in place (an "
             "optimizer.step() or an in-place update inside it?): a step inside the accumulation acts on part of the "
             "gradient; return (loss_sum, n_items) from loss_fn and step the optimizer after accumulate returns"
         )

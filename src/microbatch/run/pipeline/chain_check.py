@@ -32,24 +32,24 @@ def _runs_forward(model: Any) -> bool:
 
 def check_forward_is_chain(spec: str, model: Any, units: list[Any], tokens: Any) -> None:
     """ConfigError when ``model(tokens)`` is not ``units`` chained on ``tokens`` (module docstring). A ``forward`` that
-    cannot run here (it needs other arguments, data on the meta device) is not judged: the ranks never call it."""
+    cannot run here (it needs other arguments, data on the meta device) is not judged: the ranks never call it.
+
+    Judged: the units called once each, in turn; each given the previous one's output (the first the token ids, or a
+    view of them: ``input_ids.view(-1, s)``), positionally or by keyword, and no other tensor (a mask, positions: a
+    layer index or None is no tensor); the last one's output somewhere in what ``forward`` returns (a tuple, a dict, a
+    dataclass or ``ModelOutput``), or that output cast to another dtype (``head(h).float()``)."""
     import torch
 
     if not _runs_forward(model):
         return
-    calls: list[tuple[int, Any, Any]] = []  # (unit, its first input, its output), in the order called
-
-    extra: list[
-        int
-    ] = []  # units given another tensor (a mask, positions): the ranks give them only the first
+    calls: list[
+        tuple[int, Any, Any, int]
+    ] = []  # (unit, its input, its output, other tensors given), in order
 
     def hook(i: int) -> Any:
         def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-            calls.append((i, args[0] if args else None, out))
-            if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
-                extra.append(
-                    i
-                )  # a tensor (a mask, positions) the ranks would not pass; a layer index or None is
+            given = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            calls.append((i, given[0] if given else None, out, max(0, len(given) - 1)))
 
         return record
 
@@ -62,29 +62,48 @@ def check_forward_is_chain(spec: str, model: Any, units: list[Any], tokens: Any)
     finally:
         for h in handles:
             h.remove()
-    order = [i for i, _, _ in calls]
+    order = [c[0] for c in calls]
     if order != list(range(len(units))):
         _refuse(
             spec, f"calls its layers in the order {order[:12]}, not once each in turn (0 to {len(units) - 1})"
         )
-    if extra:
-        _refuse(
-            spec,
-            f"gives layer {extra[0]} ({type(units[extra[0]]).__name__}) a second tensor (a mask, positions)",
-        )
-    fed = [tokens] + [o for _, _, o in calls[:-1]]
-    for (i, given, _), expected in zip(calls, fed, strict=True):
-        if given is not expected:
+    for i, given, _, others in calls:
+        if others:
+            _refuse(spec, f"gives layer {i} ({type(units[i]).__name__}) a second tensor (a mask, positions)")
+        expected = tokens if i == 0 else calls[i - 1][2]
+        fed = given is expected or (
+            i == 0 and isinstance(given, torch.Tensor) and given.numel() == tokens.numel()
+        )  # the ids reshaped
+        if not fed:
             what = "the token ids" if i == 0 else f"layer {i - 1}'s output"
             _refuse(spec, f"gives layer {i} ({type(units[i]).__name__}) something other than {what}")
-    last = calls[-1][2]
+    if not _holds(out, calls[-1][2]):
+        _refuse(spec, f"returns something other than its last layer's ({type(units[-1]).__name__}) output")
+
+
+def _holds(out: Any, last: Any, depth: int = 0) -> bool:
+    """Whether ``out`` is ``last``, a cast of it to another dtype (same shape), or holds one in a tuple, list, dict,
+    dataclass or ``ModelOutput`` (two levels down)."""
+    import dataclasses
     from collections.abc import Mapping
 
-    returned = out[0] if isinstance(out, (tuple, list)) and out else getattr(out, "logits", out)
+    import torch
+
+    if out is last:
+        return True
+    if isinstance(out, torch.Tensor) and isinstance(last, torch.Tensor):
+        return out.shape == last.shape and out.dtype != last.dtype
+    if depth >= 2:
+        return False
     if isinstance(out, Mapping):
-        returned = out.get("logits")
-    if returned is not last:
-        _refuse(spec, f"returns something other than its last layer's ({type(units[-1]).__name__}) output")
+        values: list[Any] = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        values = list(out)
+    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
+        values = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    else:
+        return False
+    return any(_holds(v, last, depth + 1) for v in values)
 
 
 def _refuse(spec: str, what: str) -> None:
@@ -95,13 +114,19 @@ def _refuse(spec: str, what: str) -> None:
     )
 
 
+POSITION_TABLE_MIN = 64
+"""The fewest rows an ``nn.Embedding`` beside the token table must have to be taken for a position table: a model's
+context is longer (GPT-2's 1,024, BERT's 512); a token-type, segment or language table is a handful (BERT's 2)."""
+
+
 def check_position_tables(spec: str, units: list[Any], seq: int, token_table: Any) -> None:
     """ConfigError when the first unit holds an ``nn.Embedding`` other than the token table with fewer rows than
-    ``seq``: a learned position table, which ``seq`` positions would index past."""
+    ``seq`` and at least :data:`POSITION_TABLE_MIN`: a learned position table, which ``seq`` positions would index
+    past."""
     from torch import nn
 
     tables = [m for m in units[0].modules() if isinstance(m, nn.Embedding) and m is not token_table]
-    short = [t for t in tables if t.num_embeddings < seq]
+    short = [t for t in tables if POSITION_TABLE_MIN <= t.num_embeddings < seq]
     if short:
         n = short[0].num_embeddings
         raise ConfigError(

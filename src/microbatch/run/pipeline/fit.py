@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from microbatch.errors import ConfigError, MicrobatchError
+from microbatch.errors import ConfigError, MicrobatchError, PipelineError
 from microbatch.hardware import usable_cores
 from microbatch.measure.hostmem import available_host_bytes
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
@@ -205,7 +205,7 @@ def _forward_once(spec: str, factory: Any, batch: int, seq: int) -> None:
 
     try:
         model, device = build(meta=True), "meta"
-    except MicrobatchError:  # the deadline (in_launcher), not a factory that cannot build on meta
+    except PipelineError:  # the deadline (in_launcher), not a factory that cannot build on meta
         raise
     except Exception:  # noqa: BLE001 - it cannot build there: build it for real, as the ranks do
         model, device = build(meta=False), "cpu"

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from microbatch.errors import ConfigError, MicrobatchError
+from microbatch.errors import ConfigError, PipelineError
 
 if TYPE_CHECKING:
     from microbatch.shape import ModelShape
@@ -147,14 +147,12 @@ def _inspect(spec: str, factory: Callable[[], Any]) -> FactoryModel:
     try:
         with torch.device("meta"):
             model, meta = build(), True
-    except (
-        MicrobatchError
-    ):  # the launcher's deadline (in_launcher): not the factory's failure to build on meta
+    except PipelineError:  # the launcher's deadline (in_launcher): not the factory's failure to build on meta
         raise
     except Exception:  # cannot build on the meta device: build it for real, as the ranks do
         try:
             model, meta = build(), False
-        except MicrobatchError:
+        except PipelineError:
             raise
         except Exception as e:
             raise ConfigError(
