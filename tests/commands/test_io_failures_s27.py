@@ -165,3 +165,18 @@ def test_a_full_stderr_in_ascii_is_silent_too():
             click.echo("note: a line × ≥", err=True)  # raised ENOSPC under ascii
         finally:
             sys.stderr = old
+
+
+def test_what_is_not_the_users_own_file_is_written_in_place(tmp_path):
+    # /dev/stdout appended to a log keeps the log's lines; a hard-linked file stays one file under both names
+    log = tmp_path / "log.txt"
+    log.write_text("earlier line\n")
+    script = "from microbatch.commands._outputs import write_text; write_text('/dev/stdout', 'the answer\\n')"
+    with open(log, "a") as f:
+        subprocess.run([sys.executable, "-c", script], stdout=f, check=True, timeout=60)
+    assert log.read_text() == "earlier line\nthe answer\n"  # was: the answer alone (or nothing)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text("old")
+    os.link(a, b)
+    _outputs.write_text(a, "new")
+    assert b.read_text() == "new" and a.stat().st_ino == b.stat().st_ino
