@@ -110,8 +110,8 @@ class Accelerator:
     issue 212, S. Jeaugey, 2024); the same NCCL protocol on A100 NVLink3 gives 246 of 300 GB/s."""
     inter_node_achievable: float = 1.0
     """Fraction of ``inter_node_bytes_per_s`` a collective or send reaches. InfiniBand: 0.96, from NVIDIA
-    (github.com/NVIDIA/nccl-tests issue 267: "CX-7 NICs at NDR rate (400Gbps) should achieve up to
-    48-49GB/s per NIC", 48 of 50 GB/s); the same fraction is taken for HDR (24 of 25 GB/s)."""
+    (github.com/NVIDIA/nccl-tests issue 267: "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per
+    NIC", 48 of 50 GB/s); HDR's 24 of 25 as A100 users measured: 96 of 100 GB/s peak on 4 NICs (issue 119)."""
     compute_units: int | None = None
     """Streaming multiprocessors (NVIDIA) or compute units (AMD): GEMM tiles run in waves of this many."""
     attention_fraction: float | None = None
