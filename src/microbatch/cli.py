@@ -164,20 +164,21 @@ class _SilentOnFailure:
     def __init__(self, stream: Any) -> None:
         self._stream, self._failed = stream, False
 
-    def write(self, text: str) -> int:
+    def attempt(self, call: Any, *args: Any) -> Any:
+        """``call(*args)`` unless a write failed before; None where it fails (and every later one is dropped)."""
         if not self._failed:
             try:
-                return int(self._stream.write(text))
+                return call(*args)
             except OSError:
                 self._failed = True
-        return len(text)
+        return None
+
+    def write(self, text: str) -> int:
+        done = self.attempt(self._stream.write, text)
+        return len(text) if done is None else int(done)
 
     def flush(self) -> None:
-        if not self._failed:
-            try:
-                self._stream.flush()
-            except OSError:
-                self._failed = True
+        self.attempt(self._stream.flush)
 
     def writelines(self, lines: Any) -> None:
         for line in lines:
@@ -195,19 +196,11 @@ class _SilentOnFailure:
                 return True
 
             def write(self, data: Any) -> int:
-                if not owner._failed:
-                    try:
-                        return int(raw.write(data))
-                    except OSError:
-                        owner._failed = True
-                return len(data)
+                done = owner.attempt(raw.write, data)
+                return len(data) if done is None else int(done)
 
             def flush(self) -> None:
-                if not owner._failed:
-                    try:
-                        raw.flush()
-                    except OSError:
-                        owner._failed = True
+                owner.attempt(raw.flush)
 
         return Silent()
 
