@@ -437,7 +437,7 @@ def _backward_each(
     factor for all (a tensor where n is one: no read of the device), undone by :func:`to_mean`. A backward of the
     sum itself puts n times a mean's gradient through the activations, past half precision's range under a
     ``GradScaler`` (fp16: 7 of 20 steps skipped at 512 items, against none for the mean loop it replaces). A
-    ConfigError when ``loss_fn`` changed the parameters (an ``optimizer.step()`` inside it): version counters, read
+    ConfigError when ``loss_fn`` changed every parameter (an ``optimizer.step()`` inside it): version counters, read
     before and after (not under FSDP, whose unsharding writes them, nor for a lazy module's, set by its first
     forward)."""
     versions = None if is_fsdp(model) else weight_versions(params)
