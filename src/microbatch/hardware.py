@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from microbatch import hardware_clocks as _clk
+from microbatch.cpu_quota import usable_cores as usable_cores  # re-exported: callers import it from here
 from microbatch.errors import ConfigError, check_positive, check_positive_int, plain_numbers, whole_number
 from microbatch.hardware_attention import (
     AMPERE,
@@ -459,13 +460,6 @@ def match_accelerator(name: str) -> str | None:
     """The registry name of a device name such as ``NVIDIA H200``; None if unknown (from the name alone,
     :func:`~microbatch.hardware_names.name_key`)."""
     return name_key(name, ACCELERATORS)
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on: its affinity mask (Linux), else the machine's count."""
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 # -- the CPU ---------------------------------------------------------------------------------------

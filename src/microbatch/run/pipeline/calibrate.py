@@ -193,8 +193,12 @@ def machine_load(samples: int = 50, every_s: float = 0.02) -> dict[str, float] |
     (``/proc/loadavg``'s running count, ``samples`` readings ``every_s`` apart, less this reader)
     and the scheduler's time slice (:func:`scheduler_slice_s`); None where the kernel does not say
     (not Linux)."""
+    from microbatch.hardware import usable_cores
+
     try:
-        cores = len(os.sched_getaffinity(0))
+        cores = (
+            len(os.sched_getaffinity(0)) and usable_cores()
+        )  # the affinity (Linux), at most a container's quota
         running = []
         for _ in range(samples):
             with open("/proc/loadavg") as f:
