@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from microbatch.errors import ConfigError
-from microbatch.hardware import _NOT_FIGURES, ACCELERATORS
+from dataclasses import replace
 
-__all__ = ["parse_overrides"]
+from microbatch.errors import ConfigError
+from microbatch.hardware import _NOT_FIGURES, ACCELERATORS, Accelerator
+
+__all__ = ["mig_slice", "parse_overrides"]
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
@@ -53,3 +55,25 @@ def _memory_bytes(item: str, value: str) -> int:
             params=("gpu_set",),
         )
     return n
+
+
+def mig_slice(acc: Accelerator, compute_units: int | None, memory_bytes: float | None) -> Accelerator:
+    """``acc`` as a Multi-Instance GPU slice of it runs (``NVIDIA H100 80GB HBM3 MIG 3g.40gb``: torch names the whole
+    GPU's row and reports the slice's SMs and memory): the peaks scaled by its share of the row's SMs, the memory
+    bandwidth by its share of the memory. NVIDIA's MIG User Guide ("Terminology"): a GPU SM slice is "roughly one
+    seventh of the total number of SMs", a memory slice "roughly one eighth of the total GPU memory resources,
+    including both capacity and bandwidth". ``acc`` itself where the device holds all of the row's SMs."""
+    if not compute_units or not acc.compute_units or compute_units >= acc.compute_units:
+        return acc
+    sms = compute_units / acc.compute_units
+    whole = ACCELERATORS.get(
+        acc.name, acc
+    ).memory_bytes  # the row's, not the slice's (from_device_name sets that)
+    memory = min(1.0, memory_bytes / whole) if memory_bytes and whole else sms
+    sliced = acc.with_overrides(
+        **{dtype: peak * sms for dtype, peak in acc.peak_flops.items()},
+        compute_units=compute_units,
+        memory_bandwidth_bytes_per_s=acc.memory_bandwidth_bytes_per_s * memory,
+    )
+    note = f"; a MIG slice here: {compute_units} of its {acc.compute_units} SMs, {memory:.0%} of its memory bandwidth"
+    return replace(sliced, source=acc.source + note)

@@ -69,5 +69,8 @@ def detect_local() -> Accelerator | None:
 
     if not torch.cuda.is_available():
         return None
+    from microbatch.hardware_overrides import mig_slice
+
     props = torch.cuda.get_device_properties(0)
-    return from_device_name(props.name, props.total_memory)
+    acc = from_device_name(props.name, props.total_memory)
+    return None if acc is None else mig_slice(acc, props.multi_processor_count, props.total_memory)
