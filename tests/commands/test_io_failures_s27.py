@@ -158,13 +158,20 @@ def test_a_full_stderr_in_ascii_is_silent_too():
             raise OSError(errno.ENOSPC, "No space left on device")
 
     for encoding in ("utf-8", "ascii"):
-        stream = _SilentOnFailure(io.TextIOWrapper(io.BufferedWriter(FullRaw()), encoding=encoding))
+        bare = io.TextIOWrapper(io.BufferedWriter(FullRaw()), encoding=encoding)
         old = sys.stderr
-        sys.stderr = stream
+        sys.stderr = bare
         try:
+            with pytest.raises(OSError):  # the stream itself: the failure the wrapper must absorb
+                click.echo("note: a line × ≥", err=True)
+                sys.stderr.flush()
+            stream = _SilentOnFailure(io.TextIOWrapper(io.BufferedWriter(FullRaw()), encoding=encoding))
+            sys.stderr = stream
             click.echo("note: a line × ≥", err=True)  # raised ENOSPC under ascii
+            sys.stderr.flush()
         finally:
             sys.stderr = old
+        assert stream._failed, encoding  # the failure was met, and dropped
 
 
 def test_what_is_not_the_users_own_file_is_written_in_place(tmp_path):

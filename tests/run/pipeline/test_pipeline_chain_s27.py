@@ -165,10 +165,27 @@ def test_a_forward_that_is_not_the_chain_of_its_layers_is_refused(model, said):
 
 
 def test_a_forward_that_chains_its_layers_passes_whatever_it_returns_them_in():
-    _check("chained")
-    _check("chained_dict")
+    from microbatch.run.pipeline.chain_check import check_forward_is_chain
+    from microbatch.run.pipeline.split import model_units
+
+    tokens = torch.zeros((2, 16), dtype=torch.long)
+    judged = []
+
+    def judge(model) -> bool:
+        ran = []
+        model.register_forward_hook(lambda *a: ran.append(1))
+        try:
+            check_forward_is_chain("test", model, model_units(model), tokens)
+        except ConfigError:
+            return False
+        judged.append(len(ran))
+        return True
+
+    assert not judge(skip())  # the check is live: a forward that is not the chain is refused
+    assert judge(chained()) and judge(chained_dict())
     for how in ("keyword", "tuple", "dataclass", "cast"):  # each refused by the first version of the check
-        _check(f"written_{how}")
+        assert judge(Written(how)), how
+    assert judged == [1] * 6  # each forward was run once and judged, not skipped
 
 
 def test_a_seq_past_a_learned_position_table_is_refused_naming_seq():
