@@ -254,6 +254,32 @@ def test_interleaved_rule_is_torchs():
     assert err.value.params == ("microbatches", "stages")
 
 
+@pytest.mark.parametrize("schedule, v", [("interleaved-1f1b", 2), ("zb-interleaved", 2), ("zb-h1", 1)])
+def test_whole_rounds_suggestions_are_accepted(schedule, v):
+    """The m a refusal suggests is one torch takes: the rounds move with m (23 over 4 ranks is 5 rounds, the
+    next multiple of 5, 25, is 6 rounds and refused), so both suggestions are searched (a review found the upper
+    one refused in 477 (p, m) pairs per schedule for p <= 12)."""
+    import re
+
+    with pytest.raises(ScheduleError, match=r"use microbatches 20 or 24$"):
+        check_servable(schedule, 4, 23, v)
+    refused = 0
+    for p in range(2, 9):
+        for m in range(p + 1, 6 * p):
+            try:
+                check_servable(schedule, p, m, v)
+            except ScheduleError as e:
+                refused += 1
+                lo, hi = map(int, re.search(r"use microbatches (\d+) or (\d+)$", str(e)).groups())
+                assert lo < m < hi
+                check_servable(schedule, p, lo, v)  # raises if the suggestion is refused in turn
+                check_servable(schedule, p, hi, v)
+                for between in range(lo + 1, hi):  # nothing nearer was left out
+                    with pytest.raises(ScheduleError):
+                        check_servable(schedule, p, between, v)
+    assert refused > 50
+
+
 def test_single_stage_schedules_refuse_virtual():
     for name in ["gpipe", "1f1b", "zb-h1"]:
         with pytest.raises(

@@ -93,13 +93,30 @@ def check_1f1b(p: int, m: int, v: int) -> None:
         )
 
 
+def fills_rounds(p: int, m: int) -> bool:
+    """Whether m fills torch's max(1, m // p) rounds of an interleaved schedule over p ranks."""
+    return m % interleaved_rounds(p, m)[0] == 0
+
+
+def whole_rounds_near(p: int, m: int) -> tuple[int, int]:
+    """(the largest m' < m, the smallest m' > m) that fill their own rounds (:func:`fills_rounds`).
+
+    The rounds move with m' (m = 23 over p = 4 is 5 rounds, 25 is 6), so the next multiple of m's own round
+    count can be refused in turn (25 is not a multiple of 6): each side is searched, not computed. A multiple
+    k·p is k rounds of p and fills them, so each search ends within p steps.
+    """
+    lo = next(k for k in range(m - 1, 0, -1) if fills_rounds(p, k))
+    hi = next(k for k in range(m + 1, m + p + 1) if fills_rounds(p, k))
+    return lo, hi
+
+
 def need_whole_rounds(torch_name: str) -> Check:
     """torch's interleaved schedules split m into max(1, m // p) rounds and need m to fill them."""
 
     def check(p: int, m: int, v: int) -> None:
         rounds, _ = interleaved_rounds(p, m)
         if m % rounds:
-            lo, hi = (m // rounds) * rounds, (m // rounds + 1) * rounds
+            lo, hi = whole_rounds_near(p, m)
             raise ScheduleError(
                 f"microbatches = {m} with stages = {p}: torch's {torch_name} needs m to be a "
                 f"multiple of its number of rounds max(1, m // p) = {rounds}; use microbatches {lo} or {hi}",
