@@ -112,12 +112,61 @@ def test_zero3_buffers_under_expert_parallelism_hold_the_gpus_own_experts():
         return estimate_memory(shape, cfg).stages[0]
 
     s, dispatch = (
-        peak(3, data_parallel=8, expert_parallel=8),
-        peak(0, data_parallel=8, expert_parallel=8).other_bytes,
+        peak(3, data_parallel=16, expert_parallel=8),
+        peak(0, data_parallel=16, expert_parallel=8).other_bytes,
+    )  # the experts' state shards over d/EP = 2: each GPU gathers its own experts
+    assert s.other_bytes - dispatch == pytest.approx(
+        zero3_buffer_bytes(zero3_unit_params(shape, 1, 8, 16), 2, 4)
     )
-    assert s.other_bytes - dispatch == pytest.approx(zero3_buffer_bytes(zero3_unit_params(shape, 1, 8), 2, 4))
     assert s.other_bytes < 3 * 2**30  # it read 13.6 GiB
     assert (
         peak(3, data_parallel=2, expert_parallel=2).peak_bytes
         < peak(0, data_parallel=2, expert_parallel=2).peak_bytes
     )
+
+
+def test_zero3_gathers_no_experts_where_expert_parallelism_spans_the_data_parallel_ranks():
+    """EP = d leaves each expert on one rank (its state's group d/EP is one), so ZeRO-3 gathers none of them: the unit
+    is the dense part alone, and ZeRO-3 sits below ZeRO-1 (a sweep found Mixtral 8x7B at d = EP = 2, t = 4 priced
+    89.5 GiB under ZeRO-3 against 88.5 under ZeRO-1: the gather buffer held experts nobody gathers)."""
+    from microbatch.predict.experts import expert_params, zero3_unit_params
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+
+    shape = get_model("mixtral-8x7b").with_seq(4096)
+    routed = expert_params(shape, 0, 1, moe_blocks=1)
+    dense = (shape.layer_params() - routed) / 4
+    assert zero3_unit_params(shape, 4, 2, 2) == pytest.approx(dense)
+    assert zero3_unit_params(shape, 4, 2, 4) == pytest.approx(dense + routed / 8)  # d/EP = 2: gathered
+    assert zero3_unit_params(shape, 4, 2, 4) > 2 * zero3_unit_params(shape, 4, 2, 2)
+
+    def peak(zero):
+        cfg = MemoryConfig(
+            micro_batch=1, recompute="full", zero=zero, data_parallel=2, expert_parallel=2, tensor_parallel=4,
+            sequence_parallel=True,
+        )  # fmt: skip
+        return estimate_memory(shape, cfg).peak_bytes
+
+    assert peak(3) < peak(2) < peak(1)
+    gpu = get_accelerator("h200")
+    plans = {
+        z: make_plan(
+            PlanConfig(
+                shape=shape,
+                gpu=gpu,
+                global_batch=8,
+                data_parallel=2,
+                expert_parallel=2,
+                tensor_parallel=4,
+                sequence_parallel=True,
+                micro_batches=(1,),
+                recompute=("full",),
+                zero=(z,),
+                schedules=("1f1b",),
+            )  # fmt: skip
+        )
+        .candidates[0]
+        .peak_memory_bytes
+        for z in (1, 3)
+    }
+    assert plans[3] < plans[1]
+    assert plans[3] == pytest.approx(peak(3), rel=0.02)  # the planner's screen and the memory model agree

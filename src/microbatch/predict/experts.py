@@ -219,9 +219,15 @@ def gemm_weights(shape: ModelShape) -> int:
     return attn + mlp
 
 
-def zero3_unit_params(shape: ModelShape, tensor_parallel: int = 1, expert_parallel: int = 1) -> float:
+def zero3_unit_params(
+    shape: ModelShape, tensor_parallel: int = 1, expert_parallel: int = 1, zero_group: int | None = None
+) -> float:
     """Parameters one GPU gathers for ZeRO-3's unit, the largest block: its dense part over the t ranks, its routed
     experts over t · EP (each GPU holds and gathers only its own experts; a whole layer's were counted, 11.6 GiB too
-    much per GPU for Mixtral at EP 8)."""
+    much per GPU for Mixtral at EP 8). The routed experts' state shards over the expert-data-parallel group, the
+    ``zero_group`` (d·c, or HSDP's) over EP: where that is one rank (EP = d) they are not sharded, so nothing of
+    them is gathered and the unit is its dense part alone (ZeRO-3 was priced above ZeRO-1 there: Mixtral 8x7B on
+    d = EP = 2, t = 4, 89.5 GiB against 88.5). ``zero_group`` None: taken as sharded."""
     routed = expert_params(shape, 0, 1, moe_blocks=1) if shape.moe is not None else 0
-    return (shape.layer_params() - routed) / tensor_parallel + routed / (tensor_parallel * expert_parallel)
+    gathered = routed if zero_group is None or zero_group // max(1, expert_parallel) > 1 else 0
+    return (shape.layer_params() - routed) / tensor_parallel + gathered / (tensor_parallel * expert_parallel)

@@ -176,7 +176,8 @@ def estimate_memory(
         terms = {k: val * cal.activation_scale for k, val in terms.items()}
         other = cal.fixed_bytes
         if resident_zero(config.zero, p, config.pipeline_grad_reduce) >= 3 and d > 1:
-            other += zero3_buffer_bytes(zero3_unit_params(shape, t, ep), w_bytes, config.zero3_reduce_bytes())
+            unit = zero3_unit_params(shape, t, ep, d)
+            other += zero3_buffer_bytes(unit, w_bytes, config.zero3_reduce_bytes())
         if ep > 1:  # the all-to-all send and receive buffers of the layer in flight
             other += 2 * dispatch_bytes(shape, config.micro_batch, seq, dtype_bytes=e, load=load)
         stages.append(

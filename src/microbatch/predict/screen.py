@@ -187,7 +187,7 @@ def _state(
             )  # fmt: skip
         other = cfg.memory_calibration.fixed_bytes
         if z >= 3 and d > 1:
-            unit = zero3_unit_params(cfg.shape, cfg.tensor_parallel, cfg.expert_parallel)
+            unit = zero3_unit_params(cfg.shape, cfg.tensor_parallel, cfg.expert_parallel, d)
             other += zero3_buffer_bytes(unit, wb, cfg.reduce_bytes)
         hit = (tuple(rows), tuple(w + g + o for w, g, o in rows), other)
         ctx.state_cache[key] = hit
