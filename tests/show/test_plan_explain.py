@@ -64,3 +64,19 @@ def test_a_neighbour_that_fits_only_otherwise_is_read_as_it_fits():
     best_2 = next(x for x in plan.candidates if x.micro_batch == 2)
     assert best_2.fits
     assert f"Larger b_m = 2 would run GEMMs at {100 * best_2.gemm_efficiency:.0f}% of peak" in explain(plan)
+
+
+def test_an_mfu_over_one_says_why():
+    """MFU counts attention's whole s×s matrix (Narayanan Eq. 3, PaLM) where a causal kernel runs half, so a long
+    sequence's MFU passes 100%; the sentence says so there and only there."""
+    import json
+
+    from microbatch.show.plan_report import explain_result
+
+    plan = make_plan(PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("h100-sxm"), global_batch=8))
+    result = json.loads(json.dumps(plan.to_dict()))
+    plain = explain_result(result)
+    assert "MFU" in plain and "whole s×s matrix" not in plain
+    result["recommended"]["mfu"] = 1.02
+    said = explain_result(result)
+    assert "MFU 102.0% (its model FLOPs count attention's whole s×s matrix" in said

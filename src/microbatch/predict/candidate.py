@@ -86,7 +86,11 @@ class Candidate:
     tokens_per_s: float
     """B_global · s / step time."""
     mfu: float
-    """Model FLOPs utilisation: model FLOPs per step / (step time · GPUs · peak)."""
+    """Model FLOPs utilisation: model FLOPs per step / (step time · GPUs · peak). The model FLOPs count attention's
+    whole s×s matrix (:func:`~microbatch.predict.roofline.model_flops_per_step`: Narayanan et al. 2021 Eq. 3, PaLM's
+    6N + 12·L·H·Q·T), where a causal flash kernel runs half of it, so at long sequences the MFU passes the attention
+    kernel's share of the peak and can pass 1 (Llama-3-8B at 262,144 tokens on one A100: 1.02); the FLOPs the GPU
+    ran are ``time``'s terms, not this figure."""
     fits: bool
     """Peak ≤ capacity × (1 − headroom)."""
     fits_device: bool | None = None

@@ -125,7 +125,8 @@ class Context:
     """d·p·t."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one GPU in the dtype its GEMMs run in (fp8's under ``--precision fp8``, else the compute
-    dtype's): the MFU's denominator, so an fp8 plan's MFU is a share of the fp8 peak and never passes 1."""
+    dtype's): the MFU's denominator, so an fp8 plan's MFU is a share of the fp8 peak (its model FLOPs count the
+    whole attention matrix, which a causal kernel halves: :attr:`~microbatch.predict.candidate.Candidate.mfu`)."""
     budget: float = 0.0
     """Bytes a candidate may use (:attr:`PlanConfig.memory_budget_bytes`)."""
     split_runs: tuple[tuple[int, int], ...] = ()

@@ -61,6 +61,12 @@ def idle_share(c: Candidate) -> float:
     )
 
 
+_MFU_PAST_ONE = (
+    " (its model FLOPs count attention's whole s×s matrix, as MFU does; a causal kernel runs half)"
+)
+"""Said beside an MFU over 100% (a long sequence: :attr:`microbatch.predict.candidate.Candidate.mfu`)."""
+
+
 def _form(c: Candidate) -> str:
     """`` (closed form)`` where :func:`idle_share` is the schedule's closed form, not a simulated step's."""
     return "" if c.simulated and "simulated_idle" in c.time else " (closed form)"
@@ -237,8 +243,8 @@ def _explain(
         f"{c.schedule if p > 1 else 'no pipeline'}"
         + (f", v = {c.virtual}" if c.virtual > 1 else "")
         + f", recompute {c.recompute}, ZeRO {c.zero}): {c.step_time_s:.3g} s per step, "
-        f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%, peak {gib(c.peak_memory_bytes)} of "
-        f"{gib(memory_budget_bytes)} usable."
+        f"{c.tokens_per_s:,.0f} tokens/s, MFU {100 * c.mfu:.1f}%{_MFU_PAST_ONE if c.mfu > 1 else ''}, "
+        f"peak {gib(c.peak_memory_bytes)} of {gib(memory_budget_bytes)} usable."
     ]
     best_at: dict[int, Candidate] = {}
     for x in candidates:
