@@ -121,9 +121,13 @@ def test_the_search_stays_within_its_simulated_actions():
     assert 0 < len(calls) * cost <= plan_balance.REBALANCE_ACTIONS
 
 
-def test_the_explanation_quotes_the_simulated_idle_or_says_closed_form():
+def test_the_explanation_quotes_the_simulated_idle_or_says_closed_form(monkeypatch):
+    from microbatch.predict import plan_choice
     from microbatch.show.plan_report import explain, idle_share
 
+    monkeypatch.setattr(
+        plan_choice, "PLAN_ROW_ACTIONS", 0
+    )  # the rows' own budget spent: a neighbour keeps its form
     plan = make_plan(_cfg())
     c = plan.recommended
     assert c.simulated and idle_share(c) == c.time["simulated_idle"] > c.bubble_fraction
