@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["first_interrupt_only", "second_interrupt_ignored"]
+__all__ = ["first_interrupt_only", "imported_keeping_interrupts", "second_interrupt_ignored"]
 
 
 @contextmanager
@@ -24,6 +24,31 @@ def second_interrupt_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def imported_keeping_interrupts(name: str) -> Any:
+    """``importlib.import_module(name)``, a Ctrl-C during it raised once the import is done (the main thread only).
+
+    torch's C start-up imports numpy and clears any error that import raised, a KeyboardInterrupt included: a Ctrl-C
+    landing there was lost, and ``tune`` measured every point and exited 0 (a review, 5 times). Here the signal
+    only marks the interrupt while the import runs, and the interrupt is raised after it."""
+    import importlib
+    import sys
+
+    if name in sys.modules or threading.current_thread() is not threading.main_thread():
+        return importlib.import_module(name)
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN or previous is None:
+        return importlib.import_module(name)
+    hits: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        module = importlib.import_module(name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hits:
+        raise KeyboardInterrupt
+    return module
 
 
 @contextmanager

@@ -244,10 +244,12 @@ dict."""
 
 def versions() -> dict[str, str]:
     """The torch, Python and microbatch versions (a new release may time differently) and the probes' revision
-    (:data:`PROBE_REVISION`: a change of how they measure within one version)."""
-    import torch
-
+    (:data:`PROBE_REVISION`: a change of how they measure within one version). torch is imported keeping a Ctrl-C
+    (:func:`~microbatch.interrupts.imported_keeping_interrupts`): its start-up swallowed one."""
     from microbatch import __version__
+    from microbatch.interrupts import imported_keeping_interrupts
+
+    torch = imported_keeping_interrupts("torch")
 
     out = {
         "torch": torch.__version__,
