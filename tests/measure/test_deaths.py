@@ -62,11 +62,40 @@ def _killed_mid_probe(sig: signal.Signals, micro_batch: int = 4):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe's child is Linux's")
 @pytest.mark.timeout(240)
-def test_a_probe_child_that_crashes_is_an_error_and_one_killed_is_out_of_memory():
+def test_a_probe_child_that_crashes_is_an_error_and_one_killed_is_out_of_memory(monkeypatch):
     """``tune`` took any death of its probe's child by a signal for out of memory: a segfault at b_m 4 stopped the
-    search there, 'out of memory' cached, beside a peak of 312 MiB under a 17.75 GiB budget (a helper's run)."""
+    search there, 'out of memory' cached, beside a peak of 312 MiB under a 17.75 GiB budget (a helper's run). A
+    SIGKILL is out of memory where the kernel's OOM-kill count moved meanwhile (faked here: the count read before
+    the probe, then one more), and an error where it stood still (this test's own ``kill``)."""
+    from microbatch.measure import childprobe
+
     crashed = _killed_mid_probe(signal.SIGSEGV)
     assert isinstance(crashed, MeasurementError)
     assert "micro-batch 4 died (killed by signal SIGSEGV)" in str(crashed) and "not counted" in str(crashed)
+    if childprobe.oom_kills() is not None:  # a kernel that counts: our own kill is not the OOM killer's
+        killed_by_us = _killed_mid_probe(signal.SIGKILL)
+        assert isinstance(killed_by_us, MeasurementError)
+        assert "micro-batch 4 died (killed by signal SIGKILL)" in str(killed_by_us)
+    counts = iter(range(100, 200))
+    monkeypatch.setattr(childprobe, "oom_kills", lambda: next(counts))  # each read one more: the killer ran
     killed = _killed_mid_probe(signal.SIGKILL)
     assert killed.oom and killed.error == "probe process killed by signal SIGKILL"
+
+
+def test_a_sigkill_the_oom_killer_did_not_send_is_not_out_of_memory(tmp_path):
+    """``kill -9`` of a probe child was cached as an out-of-memory point and every later tune stopped below it (a
+    review: b_m 4 kept out for good). The kernel counts its OOM kills (/proc/vmstat ``oom_kill``): a SIGKILL while
+    that count stood still came from someone else."""
+    from microbatch.measure.deaths import oom_kills
+
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 123\noom_kill 7\nworkingset_refault 0\n")
+    assert oom_kills(str(vmstat)) == 7
+    assert oom_kills(str(tmp_path / "missing")) is None
+    (tmp_path / "old").write_text("nr_free_pages 123\n")  # a kernel before 4.13: no count
+    assert oom_kills(str(tmp_path / "old")) is None
+    kill = -signal.SIGKILL
+    assert not death_is_oom(kill, "", 7, 7)  # nobody was OOM-killed meanwhile
+    assert death_is_oom(kill, "", 7, 8)  # the OOM killer ran
+    assert death_is_oom(kill, "", None, 8) and death_is_oom(kill, "")  # no count to read: as before
+    assert death_is_oom(-signal.SIGABRT, "std::bad_alloc", 7, 7)  # a failed allocation says so itself

@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
-from microbatch.measure.deaths import death_is_oom, death_text
+from microbatch.measure.deaths import death_is_oom, death_text, oom_kills
 from microbatch.measure.device import oom_types, short_error
 from microbatch.measure.hostmem import (
     current_rss_bytes,
@@ -76,6 +76,7 @@ class ChildProber:
             return
         env = with_package_on_path(dict(os.environ, **WORKER_ENV))
         self._stderr = tempfile.TemporaryFile()
+        kills = oom_kills()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "microbatch.measure.childprobe", "--worker"],
             stdin=subprocess.PIPE,
@@ -95,7 +96,7 @@ class ChildProber:
             rc = self.proc.returncode if self.proc else None
             self.close()
             tail = self._stderr_tail()
-            if self.limit_bytes is not None and death_is_oom(rc, tail):
+            if self.limit_bytes is not None and death_is_oom(rc, tail, kills, oom_kills()):
                 reply = {"oom": True}
             else:
                 raise MeasurementError(f"the probe process died during setup ({death_text(rc)}): {tail}")
@@ -158,6 +159,7 @@ class ChildProber:
 
     def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
         self.start()
+        kills = oom_kills()
         try:
             reply = self._ask({"op": "probe", "micro_batch": micro_batch, "checkpointing": checkpointing})
         except KeyboardInterrupt:
@@ -167,7 +169,7 @@ class ChildProber:
             rc = self.proc.returncode if self.proc else None
             self.close()
             tail = self._stderr_tail()
-            if death_is_oom(rc, tail):
+            if death_is_oom(rc, tail, kills, oom_kills()):
                 return Measurement(
                     micro_batch=micro_batch,
                     oom=True,

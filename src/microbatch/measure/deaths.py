@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["ALLOCATION_FAILURE_MARKERS", "CRASH_MARKERS", "death_text", "death_is_oom", "explains_crash"]
+__all__ = [
+    "ALLOCATION_FAILURE_MARKERS", "CRASH_MARKERS", "death_text", "death_is_oom", "explains_crash", "oom_kills",
+]  # fmt: skip
 
 ALLOCATION_FAILURE_MARKERS = (
     "bad_alloc", "cannot allocate memory", "can't allocate", "out of memory", "allocation failed",
@@ -41,15 +43,40 @@ def death_text(returncode: int | None) -> str:
         return f"killed by signal {-returncode}"
 
 
-def death_is_oom(returncode: int | None, stderr_tail: str) -> bool:
+VMSTAT = "/proc/vmstat"
+"""The kernel's event counters; its ``oom_kill`` line counts every process the OOM killer has killed (Linux 4.13 on,
+``mm/oom_kill.c``: a cgroup's kills included), on the whole machine."""
+
+
+def oom_kills(path: str = VMSTAT) -> int | None:
+    """The kernel's count of OOM kills (:data:`VMSTAT`'s ``oom_kill``), None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def death_is_oom(
+    returncode: int | None,
+    stderr_tail: str,
+    oom_kills_before: int | None = None,
+    oom_kills_after: int | None = None,
+) -> bool:
     """Whether a child's death counts as running out of memory: SIGKILL (what the kernel's OOM killer sends), or
     another signal with an allocation failure on its stderr (under ``RLIMIT_AS`` a native allocation that fails may
     abort the process rather than raise). A segfault or an abort with nothing of the kind is a crash, not a size
-    that does not fit: counted as out of memory it was cached and the search stopped below it."""
+    that does not fit: counted as out of memory it was cached and the search stopped below it. A SIGKILL while the
+    kernel's OOM-kill count (:func:`oom_kills`, read before the child's work and after its death) did not move came
+    from someone else (``kill -9``, a job scheduler): not out of memory. Counted as one, it was cached, and every
+    later tune stopped below that size (a review: b_m 4 kept out for good, where an unkilled run chose it)."""
     if returncode is None or returncode >= 0:
         return False
     if -returncode == signal.SIGKILL:
-        return True
+        return oom_kills_before is None or oom_kills_after is None or oom_kills_after > oom_kills_before
     low = stderr_tail.lower()
     return any(m in low for m in ALLOCATION_FAILURE_MARKERS)
 
