@@ -189,7 +189,9 @@ def test_an_out_of_memory_point_holds_only_under_a_budget_no_larger(tmp_path, mo
     """An out-of-memory at 400 MiB came back '(cached)' at 2 GiB, and the run then said to raise the budget it had
     just raised. A point the limit shaped (out of memory, or timed on the tracking heap) holds under a budget no
     larger than the one it met; one the limit did not touch holds under any."""
-    from microbatch.choose.tune.cache import _umask, holds_under, load_points, save_points
+    import os
+
+    from microbatch.choose.tune.cache import holds_under, load_points, save_points
     from microbatch.measure.probes import Measurement
 
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
@@ -210,14 +212,20 @@ def test_an_out_of_memory_point_holds_only_under_a_budget_no_larger(tmp_path, mo
     kept = load_points("k", budget_bytes=300 * 2**20, budgets=budgets)
     save_points("k", {}, kept, budgets=budgets)
     assert set(load_points("k", budget_bytes=400 * 2**20)) == set(points)
-    assert (tmp_path / "tune-k.json").stat().st_mode & 0o777 == 0o666 & ~_umask()  # mkstemp's 0600 widened
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "tune-k.json").stat().st_mode & 0o777 == 0o666 & ~umask  # as a file written plainly
 
 
 @pytest.mark.parametrize(
     "row",
     [{"micro_batch": 1}, {"micro_batch": 1, "throughput": "fast"}, {"micro_batch": "2", "throughput": 3.0},
      {"micro_batch": 0, "throughput": 3.0}, {"micro_batch": 1, "throughput": float("nan")},
-     {"micro_batch": 1, "throughput": 3.0, "oom": "no"}, {"micro_batch": 1, "throughput": -3.0}, [1, 2]],
+     {"micro_batch": 1, "throughput": 3.0, "oom": "no"}, {"micro_batch": 1, "throughput": -3.0}, [1, 2],
+     {"micro_batch": 1, "throughput": 3.0, "memory_method": 5},
+     {"micro_batch": 1, "throughput": 3.0, "memory_method": ["vmhwm"]},
+     {"micro_batch": 1, "throughput": 3.0, "peak_memory_bytes": -5},
+     {"micro_batch": 1, "throughput": 3.0, "step_time_s": -0.01}, {"micro_batch": 1, "throughput": 3.0, "error": 0}],
 )  # fmt: skip
 def test_a_point_of_the_wrong_shape_is_left_out_not_a_crash_later(tmp_path, monkeypatch, row):
     """A cache file that parses but holds ``{"micro_batch": 1}`` or ``"throughput": "fast"`` ended every later run
@@ -257,7 +265,7 @@ def test_two_tunes_saving_at_once_write_files_of_their_own(tmp_path, monkeypatch
     for t in threads:
         t.join()
     assert failures == [] and len(load_points("k")) == 199
-    assert [p.name for p in tmp_path.iterdir()] == ["tune-k.json"]  # no file of a save left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tune.lock", "tune-k.json"]  # no save's file left
 
 
 def test_a_hugging_face_models_attention_and_checkpointing_are_in_its_fingerprint():
@@ -284,3 +292,80 @@ def test_a_hugging_face_models_attention_and_checkpointing_are_in_its_fingerprin
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len({first, eager, module_fingerprint(model)}) == 3
+
+
+def test_two_tunes_sharing_the_cache_keep_each_others_points(tmp_path, monkeypatch):
+    """Each save replaced the file with its own process's points: one tune's b_m 1 and 2 were lost when another saved
+    4 and 8 (a review, 3 of 3), and a third tune measured them again. A save now keeps the points others saved since it
+    read the file (its own win where both measured one); the file says whether the last saver re-measured its knee."""
+    import json
+
+    from microbatch.choose.tune.cache import load_points, save_points
+    from microbatch.measure.probes import Measurement
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+
+    def pts(*bs, rate=1.0):
+        return {(b, False): Measurement(micro_batch=b, throughput=rate * b) for b in bs}
+
+    assert save_points("k", {}, pts(1, 2), confirmed=False) is None  # the first tune, mid-walk
+    assert save_points("k", {}, pts(2, 4, 8, rate=3.0)) is None  # the second, which had read nothing
+    got = load_points("k", meta=(meta := {}))
+    assert sorted(got) == [(1, False), (2, False), (4, False), (8, False)]
+    assert got[1, False].throughput == 1.0 and got[2, False].throughput == 6.0  # b_m 2: the last saver's
+    assert meta == {"confirmed": True}
+    save_points("k", {}, pts(16), confirmed=False)
+    load_points("k", meta=meta)
+    assert meta == {"confirmed": False} and len(load_points("k")) == 5
+    (tmp_path / "tune-k.json").write_text(
+        json.dumps({"key": {}, "points": []})
+    )  # a file from before the flag
+    load_points("k", meta=meta)
+    assert meta == {"confirmed": True}
+
+
+READER = """import json, sys
+bad = 0
+for _ in range(600):
+    try:
+        json.loads(open(sys.argv[1]).read())
+    except ValueError:
+        bad += 1
+print(600, bad)
+"""
+
+
+def test_a_tune_results_save_is_whole_to_a_reader_beside_it(tmp_path):
+    """``TuneResult.save`` wrote ``result.json`` in place: a ``recommend`` reading beside a loop of saves found it empty
+    26 times in 28 (a review). It writes through :func:`microbatch.files.write_text` now: a reader sees the earlier
+    file or the new one, whole."""
+    import subprocess
+    import sys
+
+    from microbatch.choose.config import ChoiceConfig
+    from microbatch.choose.knee import recommend
+    from microbatch.choose.result import TuneResult
+    from microbatch.choose.tune.search import curve_point
+    from microbatch.measure.probes import Measurement
+
+    pts = [Measurement(micro_batch=b, throughput=t, step_time_s=b / t, peak_memory_bytes=10**9 + b)
+           for b, t in {1: 100.0, 2: 190.0, 4: 330.0, 8: 360.0}.items()]  # fmt: skip
+    rec = recommend([curve_point(p) for p in pts], ChoiceConfig(reference="measured"))
+    result = TuneResult(points=pts * 400, recommendation=rec, model="m", seq=8, mode="train", device="cpu",
+                        device_name="cpu", precision="fp32", checkpointing="off", torch_version="x",
+                        memory_budget_bytes=None, memory_method="vmhwm", stop_reason="flat", skipped=[],
+                        interrupted=False, oom_events=0, probes=4, cached=0, wall_time_s=1.0)  # fmt: skip
+    path = result.save(tmp_path)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        while reader.poll() is None:
+            result.save(tmp_path)
+        out, err = reader.communicate(timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    reads, bad = map(int, out.split())
+    assert reads == 600 and bad == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no part file left

@@ -114,3 +114,38 @@ def test_ctrl_c_while_confirming_keeps_every_point(tmp_path, monkeypatch, close_
     assert "interrupted" in result.stop_reason
     saved = json.loads(next(tmp_path.glob("tune-*.json")).read_text())
     assert sorted(p["micro_batch"] for p in saved["points"]) == sorted(searched)  # kept on disk too
+
+
+def test_a_rerun_after_an_interrupted_confirmation_says_the_knee_was_not_re_measured(tmp_path, monkeypatch):
+    """A Ctrl-C while the knee was being re-measured left its single measurements in the cache, and a rerun served all
+    of them from there with 0 probes and said nothing (a review: the noisy answer stuck in 2 of 6). The cache now says
+    whether its knee was re-measured, and such a rerun says it was not; after a whole run it says nothing."""
+    from microbatch.choose.tune.driver import Setup, run_search
+
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    setup = Setup(
+        model_label="m", fingerprint_fields={"t": 1}, budget_source="given", t_start=time.perf_counter()
+    )
+
+    def run(prober):
+        return run_search(prober, ProbeConfig(device="cpu", seq=8), SearchConfig(max_micro_batch=16, use_cache=True),
+                          ChoiceConfig(reference="measured", global_batch=16, data_parallel=1), setup, None)  # fmt: skip
+
+    def saved():
+        return json.loads(next(tmp_path.glob("tune-*.json")).read_text())
+
+    first = run(_Prober(interrupt_at=6))  # 1, 2, 4, 8, 16 searched; the first re-measurement is the Ctrl-C
+    assert first.interrupted and "while confirming the knee" in first.stop_reason
+    assert saved()["confirmed"] is False
+    again = run(_Prober(interrupt_at=0))
+    assert again.probes == 0 and again.cached == 5
+    assert (
+        "the knee was not re-measured: the run that measured these points ended before it did"
+        in again.stop_reason
+    )
+    for path in tmp_path.glob("tune-*.json"):
+        path.unlink()
+    whole = run(_Prober(interrupt_at=0))
+    assert not whole.interrupted and whole.probes > 5 and saved()["confirmed"] is True
+    cached = run(_Prober(interrupt_at=0))
+    assert cached.probes == 0 and "not re-measured: the run" not in cached.stop_reason

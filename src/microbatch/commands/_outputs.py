@@ -3,7 +3,6 @@ a file of the user's replaced without ``--force``) and written so that a compute
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +12,7 @@ import click
 
 from microbatch._json import dumps
 from microbatch.envelope import envelope
+from microbatch.files import write_text
 
 __all__ = [
     "write_text",
@@ -44,52 +44,6 @@ def write_result(path: str | Path, obj: Any, command: str | None = None) -> Path
     p.parent.mkdir(parents=True, exist_ok=True)
     write_text(p, dumps(envelope(obj, command or command_name())) + "\n")
     return p
-
-
-def write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path.
-
-    A file of its own (new, or regular with one link, in a folder this user may write) is written whole or not at
-    all: to a temporary file beside it, then renamed over it (through a symbolic link, beside its target), so a write
-    cut short (a full disk, ``ulimit -f``) leaves the earlier file as it was and a reader never sees half of one.
-    Anything else is written in place, as asked: ``/dev/stdout`` (a pipe, or a log opened for appending), a device,
-    a hard-linked file (its other names keep seeing it), a file in a folder only it may be written in."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
-        real = _replaceable(Path(path))
-        if real is None:  # /dev/stdout appended, not truncated: `>> log` keeps the log's earlier lines
-            with open(path, "a" if str(path).startswith(("/dev/", "/proc/")) else "w", encoding="utf-8") as f:
-                f.write(text)
-            return
-        part = real.parent / f".{real.name}.{os.getpid()}.{os.urandom(4).hex()}.part"
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to a new file
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            if real.exists():
-                os.chmod(part, real.stat().st_mode & 0o7777)
-            os.replace(part, real)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(part)
-            raise
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
-
-
-def _replaceable(path: Path) -> Path | None:
-    """The file to replace whole for ``path`` (:func:`write_text`): its real path when it is new or a regular file
-    with one link, outside ``/dev`` and ``/proc``, in a folder this user may write; else None (written in place)."""
-    real = Path(os.path.realpath(path))
-    if str(real).startswith(("/dev/", "/proc/")) or str(path).startswith(("/dev/", "/proc/")):
-        return None
-    if not real.parent.is_dir() or not os.access(real.parent, os.W_OK):
-        return None
-    if real.exists() and (not real.is_file() or real.stat().st_nlink > 1):
-        return None
-    return real
 
 
 def check_out_dir(

@@ -19,14 +19,15 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from microbatch._json import dumps, loads
+from microbatch.files import write_text
 from microbatch.measure.probes import Measurement
 
 __all__ = [
@@ -67,12 +68,13 @@ Stamps = dict[tuple[int, bool], float]
 
 def load_points(
     key: str, stamps: Stamps | None = None, budget_bytes: float | None = None,
-    budgets: dict[tuple[int, bool], float | None] | None = None,
+    budgets: dict[tuple[int, bool], float | None] | None = None, meta: dict[str, Any] | None = None,
 ) -> Points:  # fmt: skip
     """The points saved under ``key`` that still hold under the memory budget ``budget_bytes``
     (:func:`holds_under`), each well formed (:func:`well_formed`; none when the file is missing or unreadable);
     when each was measured goes into ``stamps`` if given (points saved before stamps existed: the file's time), and
-    the budget each met into ``budgets``, to be saved again as it was."""
+    the budget each met into ``budgets``, to be saved again as it was. ``meta`` gets ``confirmed``: whether the run
+    that saved them last re-measured its knee (:func:`save_points`; a file from before the flag: True)."""
     path = cache_dir() / f"tune-{key}.json"
     try:
         if (
@@ -81,6 +83,8 @@ def load_points(
             return {}
         data = loads(path.read_text())
         rows = [d for d in data["points"] if well_formed(d) and holds_under(d, budget_bytes)]
+        if meta is not None:
+            meta["confirmed"] = data.get("confirmed") is not False
         points = {
             (int(d["micro_batch"]), bool(d.get("checkpointing"))): Measurement.from_dict(d) for d in rows
         }
@@ -117,9 +121,10 @@ def holds_under(row: Mapping[str, Any], budget_bytes: float | None) -> bool:
 
 def well_formed(row: Any) -> bool:
     """Whether a saved point has the types a measurement has: a whole ``micro_batch`` of at least 1, booleans where
-    flags are, finite numbers (or nothing) where figures are, and a positive throughput unless it ran out of memory.
-    A file that parses but holds anything else (edited, or written by another tool) is not used: a point with
-    ``"throughput": "fast"`` ended every later run in a traceback."""
+    flags are, finite numbers of at least 0 (or nothing) where figures are, text (or nothing) where words are, and a
+    positive throughput unless it ran out of memory. A file that parses but holds anything else (edited, or written
+    by another tool) is not used: a point with ``"throughput": "fast"`` ended every later run in a traceback, one with
+    ``"memory_method": 5`` too, and a ``"peak_memory_bytes": -5`` in a refusal naming a flag tune does not have."""
     if not isinstance(row, Mapping):
         return False
     b = row.get("micro_batch")
@@ -129,11 +134,18 @@ def well_formed(row: Any) -> bool:
         return False
     for k in _FIGURES:
         v = row.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        if v is not None and (
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+        ):
             return False
+    if any(row.get(k) is not None and not isinstance(row.get(k), str) for k in _WORDS):
+        return False
     t = row.get("throughput")
     return bool(row.get("oom")) or (isinstance(t, (int, float)) and t > 0)
 
+
+_WORDS = ("memory_method", "clock", "error", "timed_heap")
+"""A point's text fields (``Measurement``'s strings)."""
 
 _FIGURES = (
     "throughput", "samples_per_s", "tokens_per_s", "step_time_s", "micro_step_s", "optimizer_step_s", "prefill_s",
@@ -143,38 +155,68 @@ _FIGURES = (
 
 def save_points(
     key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None,
-    budgets: dict[tuple[int, bool], float | None] | None = None,
+    budgets: dict[tuple[int, bool], float | None] | None = None, confirmed: bool = True,
 ) -> str | None:  # fmt: skip
     """Save ``points`` under ``key`` (atomically: written to a file of this process's own, then renamed over), each
     with when it was measured (``stamps``; now for a point without one) and the memory budget it met (``budgets``,
-    :func:`holds_under`). A cache that cannot be written is not an error: the reason is returned (None when saved),
-    for the run's notes."""
+    :func:`holds_under`), beside the points other processes saved under the same key since this one read it
+    (:func:`_merged`: two tunes sharing the cache each wrote only its own, and the first one's were lost), and
+    ``confirmed``: whether this run has re-measured its knee (False until it has: a later run served every point
+    from the cache says the knee was not). A cache that cannot be written is not an error: the reason is returned
+    (None when saved), for the run's notes."""
     d = cache_dir()
     now = time.time()
     rows = [
         dict(m.to_dict(), measured_at=(stamps or {}).get(k, now), budget_bytes=(budgets or {}).get(k))
         for k, m in points.items()
     ]
-    tmp: str | None = None
     try:
         d.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f"tune-{key}.", suffix=".tmp")  # two tunes never share one
-        os.fchmod(fd, 0o666 & ~_umask())  # as a file written plainly would be (mkstemp's is 0600)
-        with os.fdopen(fd, "w") as f:
-            f.write(dumps({"key": fields, "points": rows}))
-        os.replace(tmp, d / f"tune-{key}.json")
+        with _locked(d / LOCK_NAME):  # the read of the others' points and the rename, one process at a time
+            rows = _merged(d / f"tune-{key}.json", rows)
+            write_text(d / f"tune-{key}.json", dumps({"key": fields, "points": rows, "confirmed": confirmed}))
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         return f"{d}: {e.strerror or e}"
     return None
 
 
-def _umask() -> int:
-    """This process's umask (read by setting it and setting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+LOCK_NAME = ".tune.lock"
+"""The cache folder's one lock file (empty): a save holds it from reading the others' points to its rename."""
+
+
+def _merged(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` and the well-formed points of the file at ``path`` that ``rows`` do not measure again (another
+    process's, or this one's left out under its budget: :func:`holds_under` reads each on load), as they were saved;
+    ``rows`` alone where the file is missing or unreadable."""
+    ours = {(r["micro_batch"], bool(r.get("checkpointing"))) for r in rows}
+    try:
+        old = loads(path.read_text())["points"] if path.is_file() else []
+        theirs = [
+            r for r in old if well_formed(r) and (r["micro_batch"], bool(r.get("checkpointing"))) not in ours
+        ]
+    except (OSError, ValueError, KeyError, TypeError):
+        return rows
+    return sorted(theirs + rows, key=lambda r: (bool(r.get("checkpointing")), r["micro_batch"]))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created) while inside; nothing where the file system refuses one."""
+    try:
+        import fcntl
+
+        handle = open(path, "a")  # noqa: SIM115 - held for the block, closed in finally
+    except (OSError, ImportError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 class CachedAnswer(UserWarning):

@@ -138,12 +138,16 @@ class _PointCache:
         self.budget = budget_bytes  # the limit this run's points meet (cache.holds_under)
         self.stamps: dict[tuple[int, bool], float] = {}
         self.budgets: dict[tuple[int, bool], float | None] = {}  # the budget each met: saved again as it was
-        self.known = load_points(self.key, self.stamps, budget_bytes, self.budgets) if self.enabled else {}
+        meta: dict[str, Any] = {}
+        self.known = (
+            load_points(self.key, self.stamps, budget_bytes, self.budgets, meta) if self.enabled else {}
+        )
+        self.confirmed = bool(meta.get("confirmed", True))  # the run that saved them re-measured its knee
         self.from_cache = set(self.known)  # what was measured before this run
         self.unsaved: str | None = None  # why the cache could not be written, the first time
 
     def save(self) -> None:
-        why = save_points(self.key, self.fields, self.known, self.stamps, self.budgets)
+        why = save_points(self.key, self.fields, self.known, self.stamps, self.budgets, self.confirmed)
         self.unsaved = self.unsaved or why
 
     def notes(self) -> tuple[str, ...]:
@@ -163,6 +167,7 @@ class _PointCache:
             m = prober.measure(b, checkpointing=ckpt)
             self.from_cache.discard((b, ckpt))
             if self.enabled:
+                self.confirmed = False  # a new point: its knee is not re-measured yet
                 self.known[(b, ckpt)] = m
                 self.stamps[(b, ckpt)] = time.time()
                 self.budgets[(b, ckpt)] = self.budget
@@ -171,14 +176,16 @@ class _PointCache:
 
         return measure
 
-    def keep(self, points: list[Measurement]) -> None:
-        """Save ``points`` over those known (a repeated tune reads the confirmed, median, points)."""
+    def keep(self, points: list[Measurement], confirmed: bool = True) -> None:
+        """Save ``points`` over those known (a repeated tune reads the confirmed, median, points); ``confirmed``:
+        whether the knee's re-measurement ran to its end (an interrupt inside it keeps the points, not the flag)."""
         if self.enabled:
             for p in points:
                 k = (p.micro_batch, p.checkpointing)
                 if k not in self.from_cache:  # a point read back keeps the budget it met
                     self.budgets[k] = self.budget
             self.known.update({(p.micro_batch, p.checkpointing): p for p in points})
+            self.confirmed = confirmed
             self.save()
 
     def use(self, points: list[Measurement]) -> CacheUse | None:
@@ -224,7 +231,13 @@ def _search_and_confirm(
             points = search(measure, search_config, choice, known=cache.known, on_point=on_point, log=log)
             if log.probes and not log.interrupted:  # a flat curve's knee, measured again (cached: kept)
                 points = confirm_knee(measure, points, choice, log, on_point=on_point, agree=_agree())
-                cache.keep(points)
+                cache.keep(points, confirmed=not log.interrupted)
+            elif not log.interrupted and not cache.confirmed and points:
+                log.stop_reason += (
+                    "; the knee was not re-measured: the run that measured these points ended before it did "
+                    "(interrupted, or stopped by an error) and they all came from the cache; measure again with "
+                    "use_cache off to re-measure it"
+                )
         finally:
             prober.close()
     except KeyboardInterrupt:  # one that landed outside the search's and the confirmation's own handling
