@@ -364,6 +364,22 @@ def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
     )
 
 
+def default_activation(model_type: str) -> str:
+    """transformers' default ``hidden_act`` for ``model_type``'s config class (what it builds when a config.json says
+    none: OLMoE's, DeepSeek-V3's, PhiMoE's ``silu``); "" where transformers is not installed or has no such family."""
+    import inspect
+
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+    except Exception:  # noqa: BLE001 - not installed, an unknown family, or a transformers that fails to import
+        return ""
+    param = inspect.signature(cls.__init__).parameters.get("hidden_act")
+    value = param.default if param is not None else getattr(cls, "hidden_act", "")
+    return value if isinstance(value, str) else ""
+
+
 def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[str, Any]:
     """The block's build by family: Llama-like (gated MLP, RMSNorm, rotary, no biases unless the config says, untied
     unless it says) for :data:`_LLAMA_LIKE`, :data:`_GATED_FAMILIES` and any SiLU/SwiGLU model but GPT-2; otherwise
@@ -372,7 +388,10 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
     llama_like = (
         model_type in _LLAMA_LIKE
         or model_type.startswith(_GATED_FAMILIES)
-        or (model_type not in ("gpt2",) and str(raw.get("hidden_act", "")).lower() in ("silu", "swiglu"))
+        or (
+            model_type not in ("gpt2",)
+            and str(raw.get("hidden_act") or default_activation(model_type)).lower() in ("silu", "swiglu")
+        )
     )
     if not llama_like:  # GPT-2's config default is tied (PretrainedConfig.tie_word_embeddings=True)
         return _gpt2_built(raw, model_type, positions, tied)

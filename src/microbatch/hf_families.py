@@ -21,7 +21,13 @@ __all__ = [
 _GATED_FAMILIES = ("gemma", "vaultgemma", "bitnet")
 """Family prefixes built as Llama is (gated MLP, RMSNorm, rotary, no biases) though their activation is not SiLU (Gemma's
 GeGLU, spelt ``hidden_activation``: gemma3_text, gemma4_text, vaultgemma; BitNet's gated relu²). RecurrentGemma is refused as a hybrid first."""
-_LLAMA_LIKE = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "phi3", "granite"}
+_LLAMA_LIKE = {
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "olmo2", "phi3",
+    "granite",
+}  # fmt: skip
+"""Families built as Llama is, whether or not their config.json spells ``hidden_act`` (Qwen2-MoE's and Qwen3-MoE's
+often do not: read as GPT-2 blocks, 23-32% of the parameters went missing, a review). Others whose file omits it take
+transformers' own default for the family (:func:`microbatch.hf_config.default_activation`)."""
 
 _NO_POSITION_TABLE = (
     "gpt_neox",

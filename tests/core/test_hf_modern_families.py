@@ -158,3 +158,31 @@ def test_mpt_has_a_position_table_only_where_its_config_asks(tmp_path):
     no_alibi = {**cfg, "learned_pos_emb": True, "attn_config": {**cfg["attn_config"], "alibi": False}}
     with_table = from_hf_config(_write(tmp_path, no_alibi, "table.json"))
     assert with_table.learned_positions and with_table.param_count() - shape.param_count() == 512 * 256
+
+
+MOE_NO_ACT = {
+    "qwen2_moe": {"model_type": "qwen2_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+                  "num_key_value_heads": 2, "intermediate_size": 512, "moe_intermediate_size": 128,
+                  "shared_expert_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+                  "vocab_size": 2000, "max_position_embeddings": 512},
+    "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+                  "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 128,
+                  "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 2000, "max_position_embeddings": 512},
+    "olmoe": {"model_type": "olmoe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+              "vocab_size": 2000, "max_position_embeddings": 512},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(MOE_NO_ACT))
+def test_a_config_without_hidden_act_is_built_as_its_family_is(tmp_path, family):
+    """Qwen2-MoE and Qwen3-MoE files often omit ``hidden_act`` (transformers' default: silu) and were read as GPT-2
+    blocks (LayerNorm, biases, a plain 4h MLP): 23-32% of the parameters went missing (a review; Qwen3-30B-A3B's
+    shape 20.9B for 30.5B). Both are Llama-built now; another family (OLMoE) takes transformers' default."""
+    cfg = MOE_NO_ACT[family]
+    shape = from_hf_config(_write(tmp_path, cfg))
+    assert shape.gated_mlp and shape.norm == "rmsnorm"
+    real = _real_params(cfg)
+    assert shape.param_count() == pytest.approx(
+        real, rel=0.002
+    )  # Qwen2-MoE's q/k/v biases and shared gate: 0.05%
