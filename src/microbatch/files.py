@@ -4,23 +4,30 @@ cache write through it, so a reader never sees half of one and a write cut short
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
 __all__ = ["write_text"]
 
 
-def write_text(path: str | Path, text: str) -> None:
+def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> None:
     """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path.
 
     A file of its own (new, or regular with one link, in a folder this user may write) is written whole or not at
     all: to a temporary file beside it, then renamed over it (through a symbolic link, beside its target), so a write
     cut short (a full disk, ``ulimit -f``) leaves the earlier file as it was and a reader never sees half of one.
     Anything else is written in place, as asked: ``/dev/stdout`` (a pipe, or a log opened for appending), a device,
-    a hard-linked file (its other names keep seeing it), a file in a folder only it may be written in."""
+    a hard-linked file (its other names keep seeing it), a file in a folder only it may be written in.
+    ``always_whole`` (a file of the tool's own, as the tune cache's): never in place — a hard link is broken, and a
+    path that is not a regular file (a FIFO, which an in-place write waits on forever) raises ``OSError`` (EEXIST)."""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
         real = _replaceable(Path(path))
+        if always_whole and real is None:
+            real = Path(os.path.realpath(path))
+            if real.exists() and not real.is_file():
+                raise OSError(errno.EEXIST, "not a regular file: remove it", str(path))
         if real is None:  # /dev/stdout appended, not truncated: `>> log` keeps the log's earlier lines
             with open(path, "a" if str(path).startswith(("/dev/", "/proc/")) else "w", encoding="utf-8") as f:
                 f.write(text)

@@ -31,14 +31,15 @@ def imported_keeping_interrupts(name: str) -> Any:
 
     torch's C start-up imports numpy and clears any error that import raised, a KeyboardInterrupt included: a Ctrl-C
     landing there was lost, and ``tune`` measured every point and exited 0 (a review, 5 times). Here the signal
-    only marks the interrupt while the import runs, and the interrupt is raised after it."""
+    only marks the interrupt while the import runs, and after it the handler that was there gets it: Python's own
+    raises KeyboardInterrupt, another callable is called, SIG_DFL ends the process as the signal would have."""
     import importlib
     import sys
 
     if name in sys.modules or threading.current_thread() is not threading.main_thread():
         return importlib.import_module(name)
     previous = signal.getsignal(signal.SIGINT)
-    if previous is signal.SIG_IGN or previous is None:
+    if previous is signal.SIG_IGN or previous is None:  # ignored, or a handler Python did not install
         return importlib.import_module(name)
     hits: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
@@ -47,7 +48,12 @@ def imported_keeping_interrupts(name: str) -> Any:
     finally:
         signal.signal(signal.SIGINT, previous)
     if hits:
-        raise KeyboardInterrupt
+        if previous is signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+        elif callable(previous) and previous is not signal.default_int_handler:
+            previous(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt
     return module
 
 

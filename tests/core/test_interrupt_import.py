@@ -37,3 +37,18 @@ def test_without_an_interrupt_the_module_comes_back(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "quiet_start_up", raising=False)
     assert imported_keeping_interrupts("quiet_start_up").VALUE == 7
     assert imported_keeping_interrupts("json") is sys.modules["json"]  # imported already: no handler swapped
+
+
+def test_the_handler_that_was_there_gets_the_interrupt(tmp_path, monkeypatch):
+    """A program's own SIGINT handler (one that sets a flag) is called after the import, not replaced by an
+    exception (a review)."""
+    (tmp_path / "swallowing_again.py").write_text(SWALLOWS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "swallowing_again", raising=False)
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        module = imported_keeping_interrupts("swallowing_again")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert module.LOADED and seen == [signal.SIGINT]

@@ -62,6 +62,9 @@ def contenders_simulated(ctx: Context, cands: list[Candidate], model_flops: floa
         sim = done[id(c)] = _simulate(ctx, c, model_flops, budget)
         best = min(best, sim.step_time_s)
     fits = _rows_settled(ctx, [done.get(id(c), c) for c in fits], model_flops, done)
+    best = min(
+        c.step_time_s for c in fits
+    )  # a row may have found a faster one where the first pass's budget ended
     knee = knee_candidate(fits, cfg.tolerance, cfg.margin)
     line_s = best / ((1.0 - cfg.tolerance) * (1.0 + cfg.margin))
     below = [c for c in fits if not c.simulated and c.peak_memory_bytes < knee.peak_memory_bytes]

@@ -13,6 +13,7 @@ keeps when it was measured (``measured_at``) so that an answer served from the c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -21,7 +22,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,8 @@ def load_points(
     """The points saved under ``key`` that still hold under the memory budget ``budget_bytes``
     (:func:`holds_under`), each well formed (:func:`well_formed`; none when the file is missing or unreadable);
     when each was measured goes into ``stamps`` if given (points saved before stamps existed: the file's time), and
-    the budget each met into ``budgets``, to be saved again as it was. ``meta`` gets ``confirmed``: whether the run
-    that saved them last re-measured its knee (:func:`save_points`; a file from before the flag: True)."""
+    the budget each met into ``budgets``, to be saved again as it was. ``meta`` gets ``unconfirmed``: the points
+    saved by a run that had not finished re-measuring its knee (:func:`save_points`; none in a file from before)."""
     path = cache_dir() / f"tune-{key}.json"
     try:
         if (
@@ -84,7 +85,11 @@ def load_points(
         data = loads(path.read_text())
         rows = [d for d in data["points"] if well_formed(d) and holds_under(d, budget_bytes)]
         if meta is not None:
-            meta["confirmed"] = data.get("confirmed") is not False
+            meta["unconfirmed"] = {
+                (int(d["micro_batch"]), bool(d.get("checkpointing")))
+                for d in rows
+                if d.get("confirmed") is False
+            }
         points = {
             (int(d["micro_batch"]), bool(d.get("checkpointing"))): Measurement.from_dict(d) for d in rows
         }
@@ -155,26 +160,33 @@ _FIGURES = (
 
 def save_points(
     key: str, fields: dict[str, Any], points: Points, stamps: Stamps | None = None,
-    budgets: dict[tuple[int, bool], float | None] | None = None, confirmed: bool = True,
+    budgets: dict[tuple[int, bool], float | None] | None = None,
+    unconfirmed: Collection[tuple[int, bool]] = (),
 ) -> str | None:  # fmt: skip
     """Save ``points`` under ``key`` (atomically: written to a file of this process's own, then renamed over), each
     with when it was measured (``stamps``; now for a point without one) and the memory budget it met (``budgets``,
-    :func:`holds_under`), beside the points other processes saved under the same key since this one read it
-    (:func:`_merged`: two tunes sharing the cache each wrote only its own, and the first one's were lost), and
-    ``confirmed``: whether this run has re-measured its knee (False until it has: a later run served every point
-    from the cache says the knee was not). A cache that cannot be written is not an error: the reason is returned
-    (None when saved), for the run's notes."""
+    :func:`holds_under`), beside the points other processes saved under the same key (:func:`_merged`: two tunes
+    sharing the cache each wrote only its own, and the first one's were lost), each marked ``confirmed`` False where
+    it is in ``unconfirmed`` (saved by a run that has not finished re-measuring its knee: a later run served such a
+    knee from the cache says it was not). Never written in place (:func:`microbatch.files.write_text`'s
+    ``always_whole``: a FIFO under the entry's name is refused, not waited on). A cache that cannot be written is not
+    an error: the reason is returned (None when saved), for the run's notes."""
     d = cache_dir()
     now = time.time()
     rows = [
-        dict(m.to_dict(), measured_at=(stamps or {}).get(k, now), budget_bytes=(budgets or {}).get(k))
+        dict(
+            m.to_dict(),
+            measured_at=(stamps or {}).get(k, now),
+            budget_bytes=(budgets or {}).get(k),
+            confirmed=k not in unconfirmed,
+        )
         for k, m in points.items()
     ]
     try:
         d.mkdir(parents=True, exist_ok=True)
         with _locked(d / LOCK_NAME):  # the read of the others' points and the rename, one process at a time
             rows = _merged(d / f"tune-{key}.json", rows)
-            write_text(d / f"tune-{key}.json", dumps({"key": fields, "points": rows, "confirmed": confirmed}))
+            write_text(d / f"tune-{key}.json", dumps({"key": fields, "points": rows}), always_whole=True)
     except OSError as e:
         return f"{d}: {e.strerror or e}"
     return None
@@ -185,18 +197,27 @@ LOCK_NAME = ".tune.lock"
 
 
 def _merged(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` and the well-formed points of the file at ``path`` that ``rows`` do not measure again (another
-    process's, or this one's left out under its budget: :func:`holds_under` reads each on load), as they were saved;
-    ``rows`` alone where the file is missing or unreadable."""
-    ours = {(r["micro_batch"], bool(r.get("checkpointing"))) for r in rows}
+    """``rows`` and the well-formed points of the file at ``path`` (another process's, or this one's left out under
+    its budget: :func:`holds_under` reads each on load), as they were saved; where both hold a point, the one measured
+    later (``measured_at``; a tie: ``rows``'), so a copy this process read does not overwrite a point another process
+    measured again since. ``rows`` alone where the file is missing or unreadable."""
+
+    def key(r: Mapping[str, Any]) -> tuple[int, bool]:
+        return r["micro_batch"], bool(r.get("checkpointing"))
+
+    def when(r: Mapping[str, Any]) -> float:
+        at = r.get("measured_at")
+        return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else 0.0
+
     try:
         old = loads(path.read_text())["points"] if path.is_file() else []
-        theirs = [
-            r for r in old if well_formed(r) and (r["micro_batch"], bool(r.get("checkpointing"))) not in ours
-        ]
+        merged = {key(r): r for r in old if well_formed(r)}
     except (OSError, ValueError, KeyError, TypeError):
         return rows
-    return sorted(theirs + rows, key=lambda r: (bool(r.get("checkpointing")), r["micro_batch"]))
+    for r in rows:
+        if key(r) not in merged or when(r) >= when(merged[key(r)]):
+            merged[key(r)] = r
+    return [merged[k] for k in sorted(merged, key=lambda k: (k[1], k[0]))]
 
 
 @contextmanager
@@ -205,18 +226,16 @@ def _locked(path: Path) -> Iterator[None]:
     try:
         import fcntl
 
-        handle = open(path, "a")  # noqa: SIM115 - held for the block, closed in finally
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's lock file still locks
     except (OSError, ImportError):
         yield
         return
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        handle.close()  # releases the lock
+        os.close(fd)  # releases the lock
 
 
 class CachedAnswer(UserWarning):

@@ -142,12 +142,14 @@ class _PointCache:
         self.known = (
             load_points(self.key, self.stamps, budget_bytes, self.budgets, meta) if self.enabled else {}
         )
-        self.confirmed = bool(meta.get("confirmed", True))  # the run that saved them re-measured its knee
+        self.unconfirmed: set[tuple[int, bool]] = set(
+            meta.get("unconfirmed", ())
+        )  # saved before a knee's check
         self.from_cache = set(self.known)  # what was measured before this run
         self.unsaved: str | None = None  # why the cache could not be written, the first time
 
     def save(self) -> None:
-        why = save_points(self.key, self.fields, self.known, self.stamps, self.budgets, self.confirmed)
+        why = save_points(self.key, self.fields, self.known, self.stamps, self.budgets, self.unconfirmed)
         self.unsaved = self.unsaved or why
 
     def notes(self) -> tuple[str, ...]:
@@ -167,7 +169,7 @@ class _PointCache:
             m = prober.measure(b, checkpointing=ckpt)
             self.from_cache.discard((b, ckpt))
             if self.enabled:
-                self.confirmed = False  # a new point: its knee is not re-measured yet
+                self.unconfirmed.add((b, ckpt))  # a new point: the knee is not re-measured on it yet
                 self.known[(b, ckpt)] = m
                 self.stamps[(b, ckpt)] = time.time()
                 self.budgets[(b, ckpt)] = self.budget
@@ -185,7 +187,8 @@ class _PointCache:
                 if k not in self.from_cache:  # a point read back keeps the budget it met
                     self.budgets[k] = self.budget
             self.known.update({(p.micro_batch, p.checkpointing): p for p in points})
-            self.confirmed = confirmed
+            if confirmed:  # the curve the knee was re-measured on
+                self.unconfirmed -= {(p.micro_batch, p.checkpointing) for p in points}
             self.save()
 
     def use(self, points: list[Measurement]) -> CacheUse | None:
@@ -232,11 +235,13 @@ def _search_and_confirm(
             if log.probes and not log.interrupted:  # a flat curve's knee, measured again (cached: kept)
                 points = confirm_knee(measure, points, choice, log, on_point=on_point, agree=_agree())
                 cache.keep(points, confirmed=not log.interrupted)
-            elif not log.interrupted and not cache.confirmed and points:
+            elif not log.interrupted and cache.unconfirmed & {
+                (p.micro_batch, p.checkpointing) for p in points
+            }:
                 log.stop_reason += (
                     "; the knee was not re-measured: the run that measured these points ended before it did "
-                    "(interrupted, or stopped by an error) and they all came from the cache; measure again with "
-                    "use_cache off to re-measure it"
+                    f"(interrupted, or stopped by an error) and they all came from the cache; remove "
+                    f"{cache_dir() / f'tune-{cache.key}.json'} to measure them again"
                 )
         finally:
             prober.close()

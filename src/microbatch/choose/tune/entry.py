@@ -222,6 +222,9 @@ def tune_model(
         threads=probe_config.threads,
     )
     if device.startswith("cuda"):
+        from microbatch.interrupts import imported_keeping_interrupts
+
+        imported_keeping_interrupts("torch")  # the first import of torch on this path: a Ctrl-C in it is kept
         _check_cuda_device(device)
     choice, budget_source = resolve_budget(choice, probe_config)
     _preflight(shape, hf_config, probe_config, search_config, choice, budget_source)
