@@ -222,9 +222,6 @@ def tune_model(
         threads=probe_config.threads,
     )
     if device.startswith("cuda"):
-        from microbatch.interrupts import imported_keeping_interrupts
-
-        imported_keeping_interrupts("torch")  # the first import of torch on this path: a Ctrl-C in it is kept
         _check_cuda_device(device)
     choice, budget_source = resolve_budget(choice, probe_config)
     _preflight(shape, hf_config, probe_config, search_config, choice, budget_source)
@@ -336,8 +333,11 @@ def tune(
 
 
 def _check_cuda_device(device: str) -> None:
-    """Refuse a CUDA device this machine does not have."""
-    import torch
+    """Refuse a CUDA device this machine does not have. torch is first imported here on this path: a Ctrl-C in its
+    start-up is kept (:func:`~microbatch.interrupts.imported_keeping_interrupts`)."""
+    from microbatch.interrupts import imported_keeping_interrupts
+
+    torch = imported_keeping_interrupts("torch")
 
     if not torch.cuda.is_available():
         raise ConfigError(
