@@ -55,16 +55,9 @@ def contenders_simulated(ctx: Context, cands: list[Candidate], model_flops: floa
     done: dict[int, Candidate] = {}  # id of a candidate -> it simulated
     budget = [PLAN_CONTENDER_ACTIONS]
     fits = [c for c in cands if c.fits]
-    best = min(c.step_time_s for c in fits)
-    for c in sorted((c for c in fits if not c.simulated), key=_lower_bound_s):
-        if _lower_bound_s(c) >= best or budget[0] <= 0:
-            break
-        sim = done[id(c)] = _simulate(ctx, c, model_flops, budget)
-        best = min(best, sim.step_time_s)
+    _settle_fastest(ctx, fits, model_flops, done, budget)
     fits = _rows_settled(ctx, [done.get(id(c), c) for c in fits], model_flops, done)
-    best = min(
-        c.step_time_s for c in fits
-    )  # a row may have found a faster one where the first pass's budget ended
+    best = min(c.step_time_s for c in fits)  # with the rows': one may be faster where the first budget ended
     knee = knee_candidate(fits, cfg.tolerance, cfg.margin)
     line_s = best / ((1.0 - cfg.tolerance) * (1.0 + cfg.margin))
     below = [c for c in fits if not c.simulated and c.peak_memory_bytes < knee.peak_memory_bytes]
@@ -91,13 +84,22 @@ def _rows_settled(
     for c in fits:
         rows.setdefault(c.micro_batch, []).append(c)
     for group in rows.values():
-        best = min(c.step_time_s for c in group)
-        for c in sorted((c for c in group if not c.simulated), key=_lower_bound_s):
-            if _lower_bound_s(c) >= best or budget[0] <= 0:
-                break
-            sim = done[id(c)] = _simulate(ctx, c, model_flops, budget)
-            best = min(best, sim.step_time_s)
+        _settle_fastest(ctx, group, model_flops, done, budget)
     return [done.get(id(c), c) for c in fits]
+
+
+def _settle_fastest(
+    ctx: Context, group: list[Candidate], model_flops: float, done: dict[int, Candidate], budget: list[int]
+) -> None:
+    """Simulate, in order of their floors (:func:`_lower_bound_s`), each of ``group`` whose floor is under the fastest
+    step found so far (the closed forms only overstate, so the least of them bounds the true fastest from above),
+    until none is or ``budget`` is spent: no floor left under the fastest can beat it. ``done`` records each."""
+    best = min(c.step_time_s for c in group)
+    for c in sorted((c for c in group if not c.simulated), key=_lower_bound_s):
+        if _lower_bound_s(c) >= best or budget[0] <= 0:
+            break
+        sim = done[id(c)] = _simulate(ctx, c, model_flops, budget)
+        best = min(best, sim.step_time_s)
 
 
 def _simulate(ctx: Context, c: Candidate, model_flops: float, budget: list[int]) -> Candidate:
