@@ -239,7 +239,7 @@ def confirm_knee(
             )
     except KeyboardInterrupt:
         log.interrupted = True
-        log.stop_reason += "; interrupted (Ctrl-C) while confirming the knee: the points measured are kept"
+        log.stop_reason += "; interrupted (Ctrl-C or SIGTERM) while confirming the knee: the points are kept"
         return pts
     except ProbeTimeoutError as e:  # a re-measurement past the probe time limit: the search's points stand
         log.stop_reason += f"; the knee's re-measurement stopped: {e}"

@@ -249,7 +249,7 @@ def _search_and_confirm(
         log.interrupted = True
         log.stop_reason += (
             "; " if log.stop_reason else ""
-        ) + "interrupted (Ctrl-C): the points measured are kept"
+        ) + "interrupted (Ctrl-C or SIGTERM): the points measured are kept"
     if log.interrupted and not any(not p.oom for p in points):
         raise KeyboardInterrupt(NOTHING_MEASURED)
     return points

@@ -311,7 +311,7 @@ def search(
             walk.refine()
     except KeyboardInterrupt:
         walk.log.interrupted = True
-        walk.log.stop_reason = "interrupted (Ctrl-C); the points measured so far are kept"
+        walk.log.stop_reason = "interrupted (Ctrl-C or SIGTERM); the points measured so far are kept"
     except StopSearch as stop:
         if not any(p.throughput for p in walk.points if not p.oom):
             raise ConfigError(str(stop), params=stop.params) from None  # nothing measured: nothing to choose
