@@ -5,6 +5,7 @@ that blocks ends at the launcher's deadline (it was called again for real after 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -57,8 +58,7 @@ class _Positions(nn.Module):
         return self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
 
 
-def chained():
-    return Chain()
+chained = Chain
 
 
 class _TokenTypes(nn.Module):
@@ -105,40 +105,15 @@ class Written(Chain):
         return logits
 
 
-def written_keyword():
-    return Written("keyword")
-
-
-def written_tuple():
-    return Written("tuple")
-
-
-def written_dataclass():
-    return Written("dataclass")
-
-
-def written_cast():
-    return Written("cast")
-
-
-def chained_dict():
-    return Chain("dict")
-
-
-def skip():
-    return Chain("skip")
-
-
-def scaled():
-    return Chain("scaled")
-
-
-def reordered():
-    return Chain("reordered")
-
-
-def positions_64():
-    return Chain(positions=64)
+written_keyword = functools.partial(Written, "keyword")
+written_tuple = functools.partial(Written, "tuple")
+written_dataclass = functools.partial(Written, "dataclass")
+written_cast = functools.partial(Written, "cast")
+chained_dict = functools.partial(Chain, "dict")
+skip = functools.partial(Chain, "skip")
+scaled = functools.partial(Chain, "scaled")
+reordered = functools.partial(Chain, "reordered")
+positions_64 = functools.partial(Chain, positions=64)
 
 
 def blocks():
