@@ -6,12 +6,14 @@ placement).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 from microbatch.predict.collectives import (
     fsdp2_copy_in_s,
     fsdp2_copy_out_s,
     fsdp_edges_s,
+    group_bandwidth,
     overlap_exposed_s,
     ranks_per_node,
     ring_latency_s,
@@ -105,17 +107,20 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
     wb, gb, _ = ctx.state_bpp
     kind: Literal["none", "allreduce", "zero1", "zero2", "zero3", "pipeline"] = "none"
     reduce, gather, units, copy, copy_in, replica = 0.0, 0.0, 0, 0.0, 0.0, 0.0
+    x = _routed_here(ctx, n, experts)
     if d > 1:
         if z == 0:
-            kind, reduce = "allreduce", allreduce_time_s(n * gb, d, ctx.bw_dp)
+            kind, reduce = "allreduce", _split_s(ctx, allreduce_time_s, n * gb, x * gb, d, ctx.bw_dp)
         elif z == 1 or (z == 2 and cfg.pipeline_parallel == 1):
             kind = "zero1" if z == 1 else "zero2"
-            reduce = reduce_scatter_time_s(n * gb, zg, bw_zero) + _replica_s(ctx, tm, n, per_unit=False)
-            gather = allgather_time_s(n * wb, zg, bw_zero)
+            reduce = _split_s(ctx, reduce_scatter_time_s, n * gb, x * gb, zg, bw_zero)
+            reduce += _replica_s(ctx, tm, n, per_unit=False)
+            gather = _split_s(ctx, allgather_time_s, n * wb, x * wb, zg, bw_zero)
         else:
             kind = "pipeline" if cfg.pipeline_parallel > 1 else "zero3"
-            gather, reduce, units = _unit_collectives(ctx, tm, n)
-            copy, copy_in = _copy_out_s(ctx, n), _copy_in_s(ctx, n)
+            gather, reduce, units = _unit_collectives(ctx, tm, n, x)
+            sharded = n - x * (zg // max(1, cfg.expert_parallel) <= 1)  # experts on one rank are not gathered
+            copy, copy_in = _copy_out_s(ctx, sharded), _copy_in_s(ctx, sharded)
             if kind == "pipeline":
                 replica = _replica_s(ctx, tm, n)
             else:
@@ -165,21 +170,55 @@ def _owned_with_experts(ctx: Context, n: float, experts: float | None = None) ->
     ranks only, as :func:`microbatch.predict.candidate._state` holds it), the experts those of the stage holding the
     most. (Without EP: n/zero_group; without ZeRO: all n.)"""
     zg, ep = ctx.cfg.zero_group, ctx.cfg.expert_parallel
-    most = max(ctx.expert_params.values(), default=0.0) if experts is None else experts
-    x = min(n, most)
+    x = _routed_here(ctx, n, experts)
     return (n - x) / zg + x / max(1, zg // ep)
 
 
-def _unit_collectives(ctx: Context, tm: StageTimes, n: float) -> tuple[float, float, int]:
-    """(all-gather seconds, reduce-scatter seconds, units) of FSDP over the stage's ``n`` parameters: one
-    gather and one reduce-scatter per unit (a layer), each with its ring latency (NCCL's model)."""
+def _routed_here(ctx: Context, n: float, experts: float | None = None) -> float:
+    """Of the ``n`` parameters on the GPU, the routed experts' (``experts``, default the most of any stage's,
+    :attr:`~microbatch.predict.plan_context.Context.expert_params`), when expert parallelism splits them off: 0
+    without EP, where every parameter shares one data-parallel group."""
+    if ctx.cfg.expert_parallel <= 1:
+        return 0.0
+    return min(n, max(ctx.expert_params.values(), default=0.0) if experts is None else experts)
+
+
+Collective = Callable[[float, int, float], float]
+
+
+def _split_s(ctx: Context, fn: Collective, nbytes: float, routed: float, group: int, bw: float) -> float:
+    """Seconds of the collective ``fn`` over a data-parallel ``group`` (at ``bw``) of ``nbytes``, ``routed`` of
+    them the routed experts' gradients or weights: those ride the expert-data-parallel group instead, ``group`` / EP
+    ranks t·EP apart (Megatron Core's expert ranks: expert-tensor, expert, then data; DeepSpeed-MoE's
+    ``expert_data_parallel_group``), at that group's own bandwidth — none where it is one rank (EP = d)."""
     cfg = ctx.cfg
-    d, units = cfg.zero_group, ctx.split[tm.k]
+    ep = max(1, cfg.expert_parallel)
+    dense = fn(nbytes - routed, group, bw)
+    if routed <= 0 or group // ep <= 1:
+        return dense
+    de = group // ep
+    bw_e = group_bandwidth(cfg.gpu, de, cfg.tensor_parallel * ep) * cfg.efficiency.network
+    return dense + fn(routed, de, bw_e)
+
+
+def _unit_collectives(ctx: Context, tm: StageTimes, n: float, x: float = 0.0) -> tuple[float, float, int]:
+    """(all-gather seconds, reduce-scatter seconds, units) of FSDP over the stage's ``n`` parameters (``x`` of them
+    routed experts, gathered over their own group: :func:`_split_s`): one gather and one reduce-scatter per unit
+    (a layer) and group, each with its ring latency (NCCL's model)."""
+    cfg = ctx.cfg
+    d, units, t = cfg.zero_group, ctx.split[tm.k], cfg.tensor_parallel
     wb = ctx.state_bpp[0]
-    alpha = units * ring_latency_s(d, -(-d // ranks_per_node(cfg.gpu, d, cfg.tensor_parallel)))
-    ag = allgather_time_s(n * wb, d, ctx.bw_zero) + alpha
-    rs = reduce_scatter_time_s(n * cfg.reduce_bytes, d, ctx.bw_zero) + alpha  # in the reduce dtype
-    return ag, rs, units
+    alpha = units * ring_latency_s(d, -(-d // ranks_per_node(cfg.gpu, d, t)))
+    de = d // max(1, cfg.expert_parallel)
+    if x > 0 and de > 1:  # the experts' own gather and reduce-scatter, t·EP apart
+        stride = t * cfg.expert_parallel
+        alpha += units * ring_latency_s(de, -(-de // ranks_per_node(cfg.gpu, de, stride)))
+    ag = _split_s(ctx, allgather_time_s, n * wb, x * wb, d, ctx.bw_zero) + alpha
+    rs = (
+        _split_s(ctx, reduce_scatter_time_s, n * cfg.reduce_bytes, x * cfg.reduce_bytes, d, ctx.bw_zero)
+        + alpha
+    )
+    return ag, rs, units  # the reduce-scatter in the reduce dtype
 
 
 def _replica_s(ctx: Context, tm: StageTimes, n: float, per_unit: bool = True) -> float:
