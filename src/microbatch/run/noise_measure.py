@@ -13,7 +13,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.run.accumulate.exact import LossFn, accumulate
-from microbatch.run.accumulate.microbatches import Batch, batch_rows
+from microbatch.run.accumulate.microbatches import Batch
 from microbatch.run.accumulate.scaling import CountFn
 from microbatch.run.noise import GradientNoiseScale, NoiseEstimate
 
@@ -47,7 +47,9 @@ def measure_noise_scale(
     Gradients are cleared (set to None) before each step; ``step_fn`` (e.g. ``optimizer.step``)
     runs after each, if given, then ``on_step`` with the estimate so far (a progress display).
     Returns the final smoothed estimate and the one after every step.
-    Each batch needs at least two micro-batches. A Ctrl-C raises :class:`NoiseInterrupted` holding
+    A batch of one micro-batch (a loader's short last batch) and a step whose gradients are not finite (inf or NaN)
+    give no estimate: each is skipped with a warning (``GradientNoiseScale.skip``) and the steps measured are kept.
+    A Ctrl-C raises :class:`NoiseInterrupted` holding
     the estimates of the steps whose two gradient norms were taken (a step cut short before its whole
     batch's norm counts for nothing; ``accumulate`` restores its gradients).
     """
@@ -63,8 +65,27 @@ def measure_noise_scale(
                 on_step(estimate)
         raise NoiseInterrupted(history[-1] if history else None, list(history)) from e
     if not history:
-        raise ConfigError("no step gave a noise estimate; give at least one batch with two micro-batches")
+        raise ConfigError(_nothing_measured(hook, micro_batch_size))
     return history[-1], history
+
+
+def _nothing_measured(hook: GradientNoiseScale, micro_batch_size: int) -> str:
+    """Why no step gave an estimate, by what was skipped."""
+    if hook.nonfinite:
+        return (
+            f"no step gave a noise estimate: {hook.nonfinite} step(s) had gradients that are not finite (inf or NaN; "
+            "check the loss for NaN, or the loss scale under fp16) and "
+            f"{hook.skipped - hook.nonfinite} had one micro-batch"
+        )
+    if hook.skipped:
+        return (
+            f"no step gave a noise estimate: all {hook.skipped} batch(es) held at most micro_batch_size "
+            f"{micro_batch_size} rows, one micro-batch, and the noise scale needs two batch sizes: give batches "
+            "larger than the micro-batch, or a smaller micro_batch_size"
+        )
+    return (
+        "no step gave a noise estimate: batches gave no batch; give at least one batch with two micro-batches"
+    )
 
 
 def _measure(
@@ -81,12 +102,6 @@ def _measure(
     ``after`` is (``step_fn``, ``on_step``)."""
     step_fn, on_step = after
     for batch in batches:
-        rows = batch_rows(batch)
-        if rows <= micro_batch_size:
-            raise ConfigError(
-                f"a batch of {rows} rows with micro-batch {micro_batch_size} is one micro-batch; the noise "
-                "scale needs two batch sizes: use a micro-batch smaller than the global batch"
-            )
         for p in model.parameters():
             p.grad = None
         accumulate(model, batch, loss_fn, micro_batch_size=micro_batch_size, count_fn=count_fn, noise=hook)

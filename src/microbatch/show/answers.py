@@ -306,7 +306,13 @@ def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
         return "\n".join([*lines, "  nothing measured: interrupted before the first step finished"])
     lines += [f"  |G|²   (smoothed)  = {r['g_sq']:.4g}", f"  tr(Σ)  (smoothed)  = {r['trace_sigma']:.4g}"]
     b_tokens, b_seqs = r["b_simple_tokens"], r["b_simple_sequences"]
-    if math.isfinite(b_tokens):
+    if math.isfinite(b_tokens) and r.get("g_sq_resolved") is False:
+        lines.append(
+            f"  B_simple ≥ about {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences: |G|² is within two standard errors "
+            f"of 0 over {r['steps']} steps, so the ratio is a lower bound at best and no B_global is suggested; run "
+            f"more {steps}"
+        )
+    elif math.isfinite(b_tokens):
         lines += [
             f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}"
             + _scatter(r.get("b_simple_rel_se"), r["steps"]),

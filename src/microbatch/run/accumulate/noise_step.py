@@ -15,6 +15,7 @@ out 84 times too high and tr(Σ) 59% too low on two ranks (a read-only audit, 20
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,22 +56,26 @@ def noise_update(noise: GradientNoiseScale, step: NoiseStep, device: torch.devic
     else:
         smalls = step.smalls
     est = [0.0, 0.0, 0.0]  # sums over the pairs, and their count
-    for n_small, sq in smalls:
+    # an inf or NaN norm (an fp16 overflow its GradScaler skips, a NaN loss) gives no estimate: the step is counted
+    # as skipped on every rank (the big norm is the same on all; a small one leaves its rank's pairs out)
+    finite = math.isfinite(step.g_big_sq) and all(math.isfinite(sq) for _, sq in smalls)
+    for n_small, sq in smalls if finite else ():
         if step.n_big > n_small:
             kw = dict(b_small=n_small, g_small_sq=sq, b_big=step.n_big, g_big_sq=step.g_big_sq)
             est = [est[0] + g_sq_estimate(**kw), est[1] + trace_sigma_estimate(**kw), est[2] + 1.0]
     if est[2] > 0:
         est = [est[0] / est[2], est[1] / est[2], 1.0]  # this rank's mean: each rank weighs the same
     if step.world > 1:
-        t = torch.tensor(est, dtype=torch.float64, device=device)
+        t = torch.tensor([*est, 0.0 if finite else 1.0], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(t, group=step.group)
-        est = [float(x) for x in t]
+        est = [float(x) for x in t[:3]]
+        finite = float(t[3]) == 0  # no rank saw an inf or NaN
         if est[2] > 0:
             est = [est[0] / est[2], est[1] / est[2], 1.0]
-    if est[2] > 0:
+    if est[2] > 0 and finite:
         noise.add_estimates(g_sq=est[0], trace_sigma=est[1])
     else:  # every rank counts it; rank 0 says so
-        noise.skip(warn=step.world <= 1 or torch.distributed.get_rank(step.group) == 0)
+        noise.skip(warn=step.world <= 1 or torch.distributed.get_rank(step.group) == 0, nonfinite=not finite)
 
 
 def _pooled(step: NoiseStep, device: torch.device) -> tuple[float, float] | None:

@@ -1,0 +1,102 @@
+"""The noise hook inside the loops people train in (a read-only audit, 2026-12-07): an fp16 overflow step that a
+GradScaler skips, a loader's short last batch, and a |G|² not yet resolved from its own scatter."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from microbatch.run.accumulate import accumulate
+from microbatch.run.noise import GradientNoiseScale, g_sq_resolved
+from microbatch.run.noise_measure import measure_noise_scale
+from microbatch.show.answers import render_noise
+from tests.run.test_noise import make_batches, reg_loss, regression_problem
+
+
+def _poisoned(batches, bad_step: int, value: float):
+    for i, (x, y) in enumerate(batches):
+        if i == bad_step:
+            y = y.clone()
+            y[0] = value  # the loss, and every gradient after it, is inf or NaN this step
+        yield x, y
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_a_step_whose_gradients_are_not_finite_is_skipped_and_the_loop_goes_on(value):
+    model, w_star, _, g = regression_problem(1.0)
+    hook = GradientNoiseScale(decay=1.0)
+    ran = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in _poisoned(make_batches(w_star, 1.0, g, 5, rows=16), 2, value):
+            for p in model.parameters():
+                p.grad = None
+            accumulate(model, batch, reg_loss, micro_batch_size=4, noise=hook)  # raised before the fix
+            ran += 1
+    assert ran == 5 and hook.steps == 4 and hook.skipped == 1 and hook.nonfinite == 1
+    assert math.isfinite(hook.estimate.g_sq) and math.isfinite(hook.estimate.trace_sigma)
+    assert sum("not finite" in str(w.message) for w in caught) == 1
+
+
+def test_the_skipped_step_leaves_the_estimate_of_the_others():
+    """The four finite steps give exactly what they give without the poisoned one between them."""
+    model, w_star, _, g = regression_problem(1.0, seed=3)
+    batches = list(make_batches(w_star, 1.0, g, 5, rows=16))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, _ = measure_noise_scale(model, _poisoned(batches, 2, math.nan), reg_loss, micro_batch_size=4)
+    model.load_state_dict(state)
+    clean, _ = measure_noise_scale(model, batches[:2] + batches[3:], reg_loss, micro_batch_size=4)
+    assert got.steps == clean.steps == 4
+    assert got.b_simple == pytest.approx(clean.b_simple, rel=1e-12)
+
+
+def test_nan_everywhere_says_the_gradients_were_not_finite():
+    model, w_star, _, g = regression_problem(1.0)
+    bad = ((x, torch.full_like(y, math.nan)) for x, y in make_batches(w_star, 1.0, g, 3, rows=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(Exception, match=r"3 step\(s\) had gradients that are not finite .* NaN"):
+            measure_noise_scale(model, bad, reg_loss, micro_batch_size=4)
+
+
+def test_a_loaders_short_last_batch_is_skipped_and_the_steps_before_it_kept():
+    model, w_star, _, g = regression_problem(1.0, seed=1)
+    full = list(make_batches(w_star, 1.0, g, 6, rows=16))
+    tail = (full[-1][0][:3], full[-1][1][:3])  # 3 rows with micro-batch 4: one micro-batch
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        final, history = measure_noise_scale(model, [*full[:5], tail], reg_loss, micro_batch_size=4)
+    assert len(history) == 5 and any("one micro-batch" in str(w.message) for w in caught)
+    model.load_state_dict(state)
+    alone, _ = measure_noise_scale(model, full[:5], reg_loss, micro_batch_size=4)
+    assert final.b_simple == pytest.approx(alone.b_simple, rel=1e-12)
+
+
+def test_g_sq_resolved_by_its_standard_error():
+    assert g_sq_resolved([(1.0, 5.0)]) is None
+    assert g_sq_resolved([(1.0, 5.0), (1.2, 5.0), (0.8, 5.0)]) is True  # mean 1, se 0.115
+    # 1.0, -0.6, 0.2: mean 0.2, sd 0.8, se 0.8/√3 = 0.46 > 0.1
+    assert g_sq_resolved([(1.0, 5.0), (-0.6, 5.0), (0.2, 5.0)]) is False
+    assert g_sq_resolved([(0.0, 1.0), (2.0, 1.0)]) is False  # mean 1, sd √2, se 1: exactly at 1 < 2 se
+    assert g_sq_resolved([(0.5, 1.0), (1.5, 1.0)]) is False  # mean 1, se 0.5: on the line, not above it
+    assert g_sq_resolved([(0.6, 1.0), (1.4, 1.0)]) is True  # mean 1, se 0.4
+
+
+def _result(resolved):
+    return {"model": "tiny", "seq": 33, "global_batch": 8, "micro_batch": 2, "steps": 40, "g_sq": 1e-4,
+            "trace_sigma": 5.0, "b_simple_tokens": 50_000.0, "b_simple_sequences": 50_000.0 / 32,
+            "tokens_per_sequence": 32, "b_simple_rel_se": 0.46, "g_sq_resolved": resolved}  # fmt: skip
+
+
+def test_an_unresolved_gradient_gives_a_lower_bound_and_no_suggestion():
+    text = render_noise(_result(False))
+    assert "lower bound" in text and "suggestion" not in text and "50,000 tokens" in text
+    assert "run more steps" in text
+    resolved = render_noise(_result(True))
+    assert "suggestion: B_global near 1562 sequences" in resolved and "lower bound" not in resolved
