@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "noise": ("noise", "Measure the gradient noise scale: a suggestion for B_global."),
     "pipeline": ("pipeline", "Run pipeline-parallel training and compare the bubble with the prediction."),
     "report": ("report", "Build one self-contained HTML report from saved results."),
-    "demo": ("demo", "The whole story on a built-in model on the CPU, in a few minutes."),
+    "demo": ("demo", "The whole story on a built-in model on the CPU, in about a minute."),
     "bench-gpu": (
         "bench_gpu",
         "Time GEMMs, attention, streaming and collectives here, for plan --calibration.",

@@ -169,6 +169,13 @@ def nearest_models(name: str) -> list[str]:
     return difflib.get_close_matches(key, list(PRESETS) + list(ALIASES), n=1, cutoff=0.75)
 
 
+SHAPE_FIX = (
+    "take a preset with microbatch.model.get_model('llama-3-8b'), read a Hugging Face config.json with "
+    "microbatch.hf_config.from_hf_config(path), or build ModelShape(layers=..., hidden=..., heads=..., vocab=..., seq=...)"
+)
+"""The fix named where a model shape is expected and something else was given."""
+
+
 def get_model(name: str, *, seq: int | None = None) -> ModelShape:
     """The registry's shape called ``name`` (case-insensitive), optionally at another sequence length."""
     key = name.strip().lower()

@@ -285,7 +285,7 @@ def test_cli_plan_compare_and_errors(capsys):
     # with --json: one object, the plan kept with the error in it, exit 2
     assert main(["plan", "--model", "llama-2-7b", "--gpu", "l4", "-B", "64", "-p", "4", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)  # fails on a second object ("Extra data")
-    assert out["kind"] == "bad_input" and out["error"].startswith("nothing fits")
+    assert out["kind"] == "does_not_fit" and out["error"].startswith("nothing fits")
     assert out["recommended"] is None and len(out["candidates"]) > 0
 
 

@@ -1,4 +1,4 @@
-"""``microbatch demo``: the whole story on the CPU in a few minutes, ending in the HTML report."""
+"""``microbatch demo``: the whole story on the CPU in about a minute, ending in the HTML report."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ DEMO_FILES = ("tune-train.json", "tune-decode.json", "plan.json", "simulate-gpip
 def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     """Tune a built-in small GPT for training and decoding, plan a 4-stage pipeline for
     Llama-3-8B on H100s, simulate GPipe against 1F1B, run a real 2-stage pipeline,
-    and write one HTML report. Runs on the CPU in a few minutes on 2 cores.
+    and write one HTML report. Runs on the CPU in about a minute on 2 cores (57-75 s as the load varies).
 
     Every result is also saved as JSON in --out, so `microbatch report` can rebuild the
     report and scripts can read the numbers.

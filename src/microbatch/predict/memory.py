@@ -20,7 +20,7 @@ from typing import Any
 from microbatch.errors import (
     check_instance,
 )
-from microbatch.model import ModelShape, check_seq
+from microbatch.model import SHAPE_FIX, ModelShape, check_seq
 from microbatch.precision import (
     get_precision,
     loss_bytes,
@@ -135,7 +135,9 @@ def estimate_memory(
     (:func:`~microbatch.predict.state.resident_zero`). Assumes all peaks coincide (they nearly
     do: activations peak at the end of the warm-up, while the state is resident throughout).
     """
-    check_instance("shape", shape, ModelShape, "estimate_memory(shape, config): a ModelShape first")
+    check_instance(
+        "shape", shape, ModelShape, f"estimate_memory(shape, config): a ModelShape first; {SHAPE_FIX}"
+    )
     check_instance("config", config, MemoryConfig, "estimate_memory(shape, config): a MemoryConfig second")
     cal = calibration or MemoryCalibration()
     check_instance("calibration", cal, MemoryCalibration, "build MemoryCalibration(...) or leave it out")

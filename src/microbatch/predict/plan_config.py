@@ -24,7 +24,7 @@ from microbatch.errors import (
     whole_number,
 )
 from microbatch.hardware import DEFAULT_HEADROOM, Accelerator
-from microbatch.model import ModelShape, check_seq
+from microbatch.model import SHAPE_FIX, ModelShape, check_seq
 from microbatch.precision import (
     check_gemm_dtype,
     get_precision,
@@ -59,11 +59,6 @@ CHOICES = ("knee", "fastest")
 PLAN_TOLERANCE = DEFAULT_KNEE_TOLERANCE
 """τ of the planner's knee: the one knee tolerance, 15% of the best, as ``tune``'s default
 (:data:`microbatch.batch.DEFAULT_KNEE_TOLERANCE`; the rule and why 0.15 are in ``docs/knee.md``)."""
-SHAPE_FIX = (
-    "take a preset with microbatch.model.get_model('llama-3-8b'), read a Hugging Face config.json with "
-    "microbatch.hf_config.from_hf_config(path), or build ModelShape(layers=..., hidden=..., heads=..., vocab=..., seq=...)"
-)
-"""The fix named where a model shape is expected and something else was given."""
 GPU_FIX = "take a known one with microbatch.hardware.get_accelerator('h100-sxm') or build Accelerator(...) with its figures"
 """The fix named where an accelerator is expected and something else was given."""
 _CHOICES = ("schedules", "virtuals", "recompute", "zero", "micro_batches", "layers_per_stage")
