@@ -139,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     being ``bad_input``, ``failure`` or ``interrupted``, and ``points`` where a tune measured points
     none of which meets a limit (:class:`~microbatch.errors.NoChoiceError`).
     """
+    from microbatch.interrupts import interrupts_kept_in_first_import
     from microbatch.run.pipeline.signals import raise_on_sigterm
 
+    interrupts_kept_in_first_import(
+        "torch"
+    )  # wherever a command first imports it: its start-up swallows a Ctrl-C
     args = list(sys.argv[1:] if argv is None else argv)
     _tolerant_streams()
     restore = (

@@ -52,3 +52,38 @@ def test_the_handler_that_was_there_gets_the_interrupt(tmp_path, monkeypatch):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert module.LOADED and seen == [signal.SIGINT]
+
+
+def test_the_first_import_anywhere_keeps_the_interrupt(tmp_path, monkeypatch):
+    """The finder the command line installs: a plain ``import`` of the named module, from any code, raises the
+    Ctrl-C its start-up swallowed once it is done (validate's torch import lost one: exit 0, a review); the module
+    keeps its own loader; a second import passes."""
+    from microbatch.interrupts import _FirstImportFinder, interrupts_kept_in_first_import
+
+    (tmp_path / "swallowing_anywhere.py").write_text(SWALLOWS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "swallowing_anywhere", raising=False)
+    before = list(sys.meta_path)
+    monkeypatch.setattr(sys, "meta_path", [f for f in before if not isinstance(f, _FirstImportFinder)])
+    (tmp_path / "quiet_anywhere.py").write_text("VALUE = 3\n")
+    monkeypatch.delitem(sys.modules, "quiet_anywhere", raising=False)
+    interrupts_kept_in_first_import("swallowing_anywhere", "quiet_anywhere")
+    interrupts_kept_in_first_import("swallowing_anywhere")  # once per process
+    assert sum(isinstance(f, _FirstImportFinder) for f in sys.meta_path) == 1
+    with pytest.raises(KeyboardInterrupt):
+        import swallowing_anywhere  # noqa: F401
+    monkeypatch.delitem(sys.modules, "swallowing_anywhere", raising=False)
+    import quiet_anywhere  # through the finder: run under the held signals, its own loader kept
+
+    assert quiet_anywhere.VALUE == 3 and type(quiet_anywhere.__loader__).__name__ == "SourceFileLoader"
+
+
+def test_the_command_line_installs_it_before_torch_is_imported():
+    import subprocess
+
+    code = (
+        "import sys; from microbatch.cli import main; main(['batch', '-B', '8', '-b', '2']); "
+        "print('torch' in sys.modules, [type(f).__name__ for f in sys.meta_path][0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "False _FirstImportFinder"

@@ -174,7 +174,8 @@ def check_output_file(
             f"use a name ending in {suffixes[0]}"
             + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
         )
-    if os.path.isdir(path):
+    landing = landing_path(path)
+    if landing.is_dir():
         example = os.path.join(path, "out" + (suffixes[0] if suffixes else ".json"))
         raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. {example}")
     for in_flag, in_path in inputs:
@@ -198,8 +199,15 @@ def check_output_file(
         raise ConfigError(
             f"{flag} {path}: the folder {base} cannot be written ({e.strerror or e}); write elsewhere"
         ) from None
-    _check_not_theirs(Path(path), f"{flag} {path}", force)
-    _check_not_another_commands(Path(path), f"{flag} {path}", force)
+    _check_not_theirs(landing, f"{flag} {path}", force)
+    _check_not_another_commands(landing, f"{flag} {path}", force)
+
+
+def landing_path(path: str | Path) -> Path:
+    """The file a write to ``path`` lands on once its missing folders are made: symbolic links resolved as far as the
+    path exists, ``..`` after a folder not yet made taken off with it (``new/../mine.cfg`` is ``mine.cfg``, which the
+    path as given does not reach while ``new`` is missing: a review replaced a user's file through it)."""
+    return Path(os.path.realpath(path))
 
 
 def _check_not_another_commands(path: Path, what: str, force: bool | None) -> None:

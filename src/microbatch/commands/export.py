@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from microbatch.commands._common import check_output_file, emit, force_option, json_option, write_result
-from microbatch.commands._outputs import write_text
+from microbatch.commands._outputs import landing_path, write_text
 
 __all__ = ["cmd"]
 
@@ -162,12 +162,11 @@ def _check_replaces_an_export(output: str, config: dict[str, Any], fmt: str) -> 
     (re-exporting after re-planning; a hand-written config adds offload or overlap settings), else refused without
     ``--force``, saying so. Checked after the export is computed
     (milliseconds), so the comparison can be made."""
-    from pathlib import Path
 
     from microbatch._json import loads
     from microbatch.errors import ConfigError
 
-    path = Path(output)
+    path = landing_path(output)
     if not path.is_file() or path.stat().st_size == 0:
         return
     try:

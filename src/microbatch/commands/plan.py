@@ -257,9 +257,7 @@ def cmd(
 
     nothing_fits = all(pl.recommended is None for pl in plans)
     why = _nothing_fits(plans) + _seq_hint(model_spec, cfg.seq_len) if nothing_fits else None
-    if (
-        why is not None
-    ):  # one object: the plan kept, the error in it, a kind of its own (a script tells it from a typo)
+    if why is not None:  # one object: the plan kept, the error in it, a kind of its own (not a typo's)
         out = {**out, "error": why, "kind": "does_not_fit"}
     emit(out, as_json, render)
     if why is not None:

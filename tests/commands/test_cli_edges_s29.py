@@ -1,0 +1,49 @@
+"""Edges a fuzzer and a Ctrl-C driver found in the command line (a read-only review, 2026-12-07)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.commands._cli import run
+
+
+@pytest.fixture
+def plan_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"], capsys)
+    assert code == 0
+    (tmp_path / "plan.json").write_text(out, encoding="utf-8")
+    (tmp_path / "t").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("mine.cfg", ["export", "--plan", "plan.json", "--format", "deepspeed", "-o"]),
+        ("mine.svg", ["simulate", "-p", "2", "-m", "2", "-s", "1f1b", "--svg"]),
+        ("mine.html", ["report", "plan.json", "--no-png", "--out"]),
+    ],
+)
+def test_a_users_file_reached_through_a_folder_not_yet_made_is_not_replaced(plan_json, capsys, name, args):
+    mine = plan_json / "t" / name
+    mine.write_text("precious\n", encoding="utf-8")
+    code, _, err = run([*args, f"t/new/../{name}"], capsys)
+    assert code == 2 and "it may be yours" in err
+    assert mine.read_text(encoding="utf-8") == "precious\n"
+    assert not (plan_json / "t" / "new").exists()  # refused before anything was made
+
+
+def test_a_folder_reached_through_a_folder_not_yet_made_is_named_a_folder(plan_json, capsys):
+    (plan_json / "t" / "d.svg").mkdir()
+    code, _, err = run(["simulate", "-p", "2", "-m", "2", "-s", "1f1b", "--svg", "t/new/../d.svg"], capsys)
+    assert code == 2 and "is a folder" in err
+
+
+def test_an_earlier_export_through_such_a_path_is_still_replaced(plan_json, capsys):
+    args = ["export", "--plan", "plan.json", "--format", "deepspeed", "-o"]
+    assert run([*args, "t/out.json"], capsys)[0] == 0
+    assert run([*args, "t/new/../out.json"], capsys)[0] == 0
+    assert json.loads((plan_json / "t" / "out.json").read_text(encoding="utf-8"))["train_batch_size"] == 64
