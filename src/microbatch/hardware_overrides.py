@@ -33,7 +33,35 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
             raise ConfigError(
                 f"gpu_set {item!r}: {value!r} is not a {'whole ' * whole}number", params=("gpu_set",)
             ) from None
+        _check_rate(item, k, out[k])
     return out
+
+
+RATE_RANGES = {"flops": (1e9, 1e17, "FLOP/s", "989e12"), "bytes": (1e6, 1e14, "bytes/s", "3.35e12")}
+"""The figures ``--gpu-set`` takes for a peak (``bf16=``, ``fp8=``...) and a bandwidth (``*_bytes_per_s=``), as
+given (before the sustained clock scales them): 1 GFLOP/s to 100 PFLOP/s, twenty times the fastest row's (B200 fp8,
+4.5 PFLOP/s dense); 1 MB/s to 100 TB/s, twelve times the fastest memory's (B200's 8 TB/s). Plausibility bounds that
+refuse a slip of units (bf16=1e30 planned at an MFU of 3e-16), not fits."""
+
+
+def _check_rate(item: str, key: str, value: float) -> None:
+    """ConfigError when a peak or bandwidth override lies outside :data:`RATE_RANGES`, naming the value given."""
+    kind = (
+        "bytes"
+        if key.endswith("_bytes_per_s")
+        else "flops"
+        if key in ("bf16", "fp16", "fp32", "fp8")
+        else None
+    )
+    if kind is None:
+        return
+    lo, hi, unit, example = RATE_RANGES[kind]
+    if not lo <= value <= hi:  # NaN fails too
+        raise ConfigError(
+            f"gpu_set {item!r}: {value:g} {unit} is outside [{lo:g}, {hi:g}] {unit}; give the figure in {unit}, "
+            f"e.g. {key}={example}",
+            params=("gpu_set",),
+        )
 
 
 MIN_DEVICE_BYTES = 2**30
@@ -49,9 +77,13 @@ def _memory_bytes(item: str, value: str) -> int:
     except ConfigError as e:
         raise ConfigError(str(e), params=("gpu_set",)) from None
     if n < MIN_DEVICE_BYTES:
+        bare = (
+            value.strip().replace("_", "").replace(".", "", 1).isdigit()
+        )  # a number without its unit: add one
+        example = f"{value.strip()}GiB" if bare else "80GiB"
         raise ConfigError(
             f"gpu_set {item!r} is {n:,} bytes, under 1 GiB: no accelerator that trains; give a size with its unit, "
-            f"e.g. memory_bytes={value.strip()}GiB",
+            f"e.g. memory_bytes={example}",
             params=("gpu_set",),
         )
     return n

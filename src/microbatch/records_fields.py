@@ -50,6 +50,22 @@ NON_NEGATIVE = ("throughput", "peak_memory_bytes", "peak_allocated_bytes", "step
 """Point fields that cannot be negative (a rate, bytes, seconds)."""
 
 
+SETTINGS = ("global_batch", "seq", "data_parallel", "pipeline_parallel", "tensor_parallel")
+"""A result's settings that are whole numbers >= 1 where present (null: not given); a hand-edited ``"global_batch":
+-64`` was drawn into a report as it was (a fuzzer's run)."""
+
+
+def _check_settings(item: dict[str, Any], source: str) -> None:
+    """ConfigError when a field of :data:`SETTINGS` is there and not a whole number >= 1."""
+    for key in SETTINGS:
+        v = item.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(
+                f"{source}: {key} {short_repr(v)} must be a whole number >= 1; fix the file, or give the result a "
+                "command wrote"
+            )
+
+
 def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
     """Refuse a ``tune`` or ``recommend`` result whose numbers are not numbers: its knee (``micro_batch``)
     and each point's ``micro_batch`` whole numbers >= 1 (at most :data:`MAX_EXACT_WHOLE`), the fields of
@@ -61,6 +77,9 @@ def check_fields(kind: str, item: dict[str, Any], *, source: str) -> None:
     if isinstance(item.get("error"), str) and set(item) <= {"command", "version", "error", "kind", "params"}:
         raise ConfigError(f"{source} records a failed `microbatch {kind}` ({item['error'][:160]}); give the output "
                           "of a run that succeeded")  # fmt: skip
+    if kind in ("tune", "recommend", "plan"):
+        for sub in [item, *(s for s in item.get("plans") or () if isinstance(s, dict))]:
+            _check_settings(sub, source)
     if kind not in ("tune", "recommend"):
         return
     fix = "fix the file, or give the result.json a tune wrote"

@@ -320,7 +320,7 @@ def test_19_click_usage_errors_are_one_line_with_the_fix(capsys):
         (["-d", "100000"], [r"use global batch 100000, or a data-parallel among"]),  # not "100000 or 100000"
         (
             ["--gpu-set", "bf16=0"],
-            [r"peak_flops\[bf16\] must be a finite number > 0, got 0\.0; give the device"],
+            [r"'bf16=0': 0 FLOP/s is outside \[1e\+09, 1e\+17\] FLOP/s; give the figure in FLOP/s"],
         ),
     ],
 )

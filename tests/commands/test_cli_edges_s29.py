@@ -47,3 +47,38 @@ def test_an_earlier_export_through_such_a_path_is_still_replaced(plan_json, caps
     assert run([*args, "t/out.json"], capsys)[0] == 0
     assert run([*args, "t/new/../out.json"], capsys)[0] == 0
     assert json.loads((plan_json / "t" / "out.json").read_text(encoding="utf-8"))["train_batch_size"] == 64
+
+
+@pytest.mark.parametrize("command", [["bubble", "-m", "4"], ["simulate", "-m", "4", "-s", "1f1b"]])
+def test_a_missing_stages_is_said_missing(command, capsys):
+    code, _, err = run(command, capsys)
+    assert code == 2 and "Missing option '--stages'" in err and "None" not in err
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        ("memory_bytes=1KiB", "e.g. memory_bytes=80GiB"),  # said 1KiBGiB
+        ("memory_bytes=80", "e.g. memory_bytes=80GiB"),
+        ("bf16=1", "'bf16=1': 1 FLOP/s is outside"),  # said 0.846591, the clock-scaled figure
+        ("bf16=1e30", "1e+30 FLOP/s is outside"),  # planned at an MFU of 3e-16
+        ("inter_node_bytes_per_s=3", "3 bytes/s is outside"),
+    ],
+)
+def test_gpu_set_figures_are_refused_as_given_with_a_usable_example(item, words, capsys):
+    code, _, err = run(["plan", "--model", "gpt2", "--gpu", "h100", "-B", "64", "--gpu-set", item], capsys)
+    assert code == 2 and words in err and "GiBGiB" not in err
+
+
+def test_gpu_set_takes_the_figures_of_real_parts(capsys):
+    code, out, _ = run(["plan", "--model", "gpt2", "--gpu", "h100", "-B", "64", "--gpu-set", "fp8=4.5e15",
+                        "--gpu-set", "memory_bandwidth_bytes_per_s=8e12", "--json"], capsys)  # fmt: skip
+    assert code == 0 and json.loads(out)["recommended"] is not None
+
+
+def test_a_report_refuses_a_hand_edited_negative_setting(plan_json, capsys):
+    d = json.loads((plan_json / "plan.json").read_text(encoding="utf-8"))
+    (plan_json / "bad.json").write_text(json.dumps({**d, "global_batch": -64}), encoding="utf-8")
+    code, _, err = run(["report", "bad.json", "--no-png", "--out", "r.html"], capsys)
+    assert code == 2 and "global_batch -64 must be a whole number >= 1" in err
+    assert not (plan_json / "r.html").exists()

@@ -82,7 +82,10 @@ def check_batch_bound(ctx: click.Context, param: click.Parameter, value: int | N
 
 
 def stages_option(required: bool = True, default: int | None = None) -> Callable[[F], F]:
-    """``--stages`` with ``--pipeline-parallel`` as another name (every command accepts both)."""
+    """``--stages`` with ``--pipeline-parallel`` as another name (every command accepts both). No ``default`` given:
+    none is passed to click, whose 8.2 takes an explicit ``default=None`` as a value and let a missing required
+    ``--stages`` through to a check that said "got None" (a fuzzer's run)."""
+    given: dict[str, Any] = {} if default is None else {"default": default}
     return click.option(
         "--stages",
         "--pipeline-parallel",
@@ -90,8 +93,8 @@ def stages_option(required: bool = True, default: int | None = None) -> Callable
         "stages",
         type=int,
         required=required and default is None,
-        default=default,
         help="Pipeline stages p (ranks). --pipeline-parallel is the same option.",
+        **given,
     )
 
 

@@ -303,6 +303,15 @@ def _fit(meas: Measurements, acc: Accelerator, bs: tuple[int, ...]) -> tuple[Acc
     return fit_acc, calibrate(meas, fit_acc, micro_batches=list(bs)), raised
 
 
+CPU_PEAK_GFLOPS_RANGE = (0.01, 1e6, "GFLOP/s", 200)
+"""The CPU peaks ``validate`` takes, in GFLOP/s: 10 MFLOP/s (below any CPU torch runs on) to 1 PFLOP/s, ten times a
+56-core Sapphire Rapids' AMX bf16 peak (1,024 FLOP/cycle/core × 2 GHz × 56 ≈ 115 TFLOP/s, Intel's AMX figure). A
+figure given in FLOP/s (2e12) lands far above it, and was taken as 2·10²¹ FLOP/s (a fuzzer's run: -83% "errors")."""
+CPU_BANDWIDTH_GBS_RANGE = (0.01, 1e5, "GB/s", 50)
+"""The CPU memory bandwidths taken, in GB/s: 10 MB/s to 100 TB/s, a hundred times a Xeon Max's HBM (about 1 TB/s,
+Intel's figure) — a plausibility bound that catches a figure in bytes per second, not a fit."""
+
+
 def validation_accelerator(
     meas: Measurements,
     *,
@@ -322,6 +331,20 @@ def validation_accelerator(
     with either figure given replacing the measured one),
     as it is: a fit raises the peak for itself where its points are faster than it allows (:func:`_fit`).
     """
+    if gpu is not None and not str(gpu).strip():  # '' was read as no GPU named
+        raise ConfigError(
+            "gpu '' names no accelerator; give a name (e.g. h100-sxm), or leave it out", params=("gpu",)
+        )
+    for figure, value, (lo, hi, unit, example) in (
+        ("cpu_peak_gflops", cpu_peak_gflops, CPU_PEAK_GFLOPS_RANGE),
+        ("cpu_bandwidth_gbs", cpu_bandwidth_gbs, CPU_BANDWIDTH_GBS_RANGE),
+    ):
+        if value is not None and not (lo <= value <= hi):  # NaN fails both
+            raise ConfigError(
+                f"{figure} {value:g} is outside [{lo:g}, {hi:g}] {unit}: the figure is in {unit} (e.g. {example}), "
+                "not in units per second; give this CPU's figure, or leave it out to measure it",
+                params=(figure,),
+            )
     if gpu and not meas.is_cuda:  # a GPU's predicted step against a CPU's measured one: errors of -80 to -97%
         raise ConfigError(
             f"{meas.source} was measured on {meas.device_name or meas.device!r}, not a GPU: its step times cannot "
