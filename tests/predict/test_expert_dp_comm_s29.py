@@ -77,3 +77,54 @@ def test_fsdp_gathers_experts_per_unit_on_their_own_ring_and_not_at_all_where_ep
             ag += allgather_time_s(x * wb, de, _edp_bw(cfg, de)) + alpha_e
         c = _collectives(ctx, 3, tm, n)
         assert c.kind == "zero3" and c.gather == pytest.approx(ag)
+
+
+def test_under_a_pipeline_each_stage_reduces_its_own_parameters_and_experts():
+    """The slowest stage's reduction and update set the step: each probed stage priced with its own dense
+    parameters and experts, not the most parameters of one stage beside the most experts of another (DeepSeek-V3,
+    p 4: the embedding's stage has 3 dense blocks, the last 16 MoE layers; the mixed pair read 127.96 ms)."""
+    from microbatch.predict.dp_comm import data_parallel_comm
+    from microbatch.predict.plan import make_plan
+
+    cfg = PlanConfig(shape=get_model("deepseek-v3").with_seq(4096), gpu=H100, global_batch=512, data_parallel=64,
+                     expert_parallel=64, pipeline_parallel=4, zero=(1,), micro_batches=(1,), recompute=("full",),
+                     schedules=("1f1b",), choose="fastest")  # fmt: skip
+    c = make_plan(cfg).candidates[0]
+    ctx = make_context(cfg)
+    tm = _stage_times(ctx, 1, "full")
+    m = 512 // 64
+    per = {i: data_parallel_comm(ctx, m, 1, tm, ctx.params[i], ctx.expert_params[i]) for i in ctx.probe}
+    mixed = data_parallel_comm(ctx, m, 1, tm, max(ctx.params.values()), max(ctx.expert_params.values()))
+    slowest = max(per.values(), key=sum)
+    assert sum(mixed) > sum(slowest) * 1.001  # the mixed pair is no stage's
+    got = (c.time["dp_comm_s"], c.time["zero_comm_s"], c.time["optimizer_s"])
+    assert got == pytest.approx(slowest, rel=1e-9)
+
+
+@pytest.mark.parametrize("ep_overlap", [False, True])
+def test_the_hosts_launches_run_beside_the_all_to_all_and_faster_gemms_never_slow_a_step(ep_overlap):
+    """A pass takes max(host, device + exposed all-to-all): the launch gap was max(0, host − device) with the whole
+    all-to-all added on top, and an overlap that hid part of it shortened a host-bound pass (Qwen3-30B-A3B, d 8,
+    EP 2, t 8: twice the FLOP/s gave a step 1.8% slower, a review)."""
+    from dataclasses import replace
+
+    from microbatch.predict.dp_comm import overlap_sigma
+    from microbatch.predict.plan import make_plan
+    from microbatch.predict.plan_context import layer_costs
+    from microbatch.predict.steptime import layer_pass_times, overlap_expert_comm
+
+    steps = []
+    for f in (1.0, 2.0):
+        acc = replace(H100, peak_flops={k: v * f for k, v in H100.peak_flops.items()})
+        cfg = PlanConfig(shape=get_model("qwen3-30b-a3b").with_seq(8192), gpu=acc, global_batch=32, data_parallel=8,
+                         expert_parallel=2, tensor_parallel=8, zero=(1,), micro_batches=(1,), recompute=("none",),
+                         ep_overlap=ep_overlap, choose="fastest")  # fmt: skip
+        steps.append(make_plan(cfg).candidates[0].step_time_s)
+        ctx = make_context(cfg)
+        lt = layer_costs(ctx, 1).layer
+        slack_f, slack_b = lt.host_slack_s
+        device_f = lt.total_s - max(0.0, slack_f - lt.ep_comm_s) - lt.ep_comm_s  # the forward's device work
+        lo = overlap_expert_comm(lt, overlap_sigma(ctx)) if ep_overlap else lt
+        forward = layer_pass_times(lo, "none")[0]
+        assert forward == pytest.approx(max(device_f + slack_f, device_f + lo.ep_comm_s), rel=1e-9)
+    assert steps[1] < steps[0]

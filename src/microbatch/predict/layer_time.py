@@ -55,6 +55,12 @@ class LayerTime:
     weight_host_s: float = 0.0
     """The host's launch time of the weight-gradient GEMMs alone (one per forward GEMM): a split backward's
     W pass cannot run faster than its launches (:func:`microbatch.predict.steptime.layer_pass_times`)."""
+    host_slack_s: tuple[float, float] | None = None
+    """On a GPU, (forward, backward): the host's issue time less the device's work but the all-to-all (negative where
+    the device is the slower). A pass takes max(host, device + exposed all-to-all), so its launch gap is max(0, slack
+    − exposed all-to-all): where an overlap hides some of the all-to-all the gap grows back
+    (:func:`microbatch.predict.steptime.overlap_expert_comm`). None on a CPU (the host's time adds there) or
+    without a launch cost."""
 
     @property
     def backward_memory_s(self) -> float:

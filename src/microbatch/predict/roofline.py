@@ -160,10 +160,8 @@ def layer_forward(
     input, outputs summed) one all-reduce per pass, half the tensor-parallel traffic.
     """
     acc = acc.at_sustained_clock()  # kernels run at the clock held under the power limit (issue 28)
-    s = seq or shape.seq
-    t, c = tensor_parallel, context_parallel
+    s, t, c, e = seq or shape.seq, tensor_parallel, context_parallel, 4 if dtype == "fp32" else 2
     rows = micro_batch * s / c
-    e = 4 if dtype == "fp32" else 2
     g = _Linears(acc, dtype, efficiency, fp8_recipe)
     layout = moe_layout or (1, 1.0)
     gemm, a2a, width_moe = _layer_gemms(shape, micro_batch, s, c, t, acc, layout, g, sequence_parallel)
@@ -182,8 +180,9 @@ def layer_forward(
         tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
     device = gemm + attention + elementwise + tp_comm + cp_f
     back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
-    gaps = _launch_floor(shape, acc, efficiency, (flash, t, layout[0], split), device, back)
-    forward_gap, backward_gap, weight_host = gaps
+    forward_gap, backward_gap, weight_host, slack = _launch_floor(
+        shape, acc, efficiency, (flash, t, layout[0], split), (device, back), a2a
+    )
     elementwise, elementwise_bwd = elementwise + forward_gap, elementwise_bwd + backward_gap
     return LayerTime(
         op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
@@ -198,6 +197,7 @@ def layer_forward(
         ep_comm_s=a2a,
         backward_gap_s=backward_gap,
         weight_host_s=weight_host,
+        host_slack_s=slack,
         attention_backward_s=attention_bwd,
         elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
@@ -220,11 +220,13 @@ def _launch_floor(
     acc: Accelerator,
     efficiency: RooflineEfficiency,
     layout: tuple[bool, int, int, int],
-    device_s: float,
-    backward_s: float,
-) -> tuple[float, float, float]:
-    """(forward gap, backward gap, the weight-gradient GEMMs' launches) of a device waiting on the host, the layer
-    laid out as ``layout`` = (flash attention, t, expert parallelism: E/EP local experts a GPU, ring steps).
+    passes: tuple[float, float],
+    a2a: float = 0.0,
+) -> tuple[float, float, float, tuple[float, float] | None]:
+    """(forward gap, backward gap, the weight-gradient GEMMs' launches, :attr:`LayerTime.host_slack_s`) of a device
+    waiting on the host, the layer laid out as ``layout`` = (flash attention, t, expert parallelism: E/EP local
+    experts a GPU, ring steps), its ``passes`` = (forward, backward) device seconds but the all-to-all ``a2a``,
+    which is the device's too: the host issues kernels while it runs, max(host, device + all-to-all).
 
     A GPU: the host's issue time against all the device does in the pass, exposed communication included: a layer
     takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. A CPU runs
@@ -232,7 +234,7 @@ def _launch_floor(
     but the GEMMs when the GEMMs' times were measured, ``gemm_measured``: each timed call carried its own
     dispatch), no weight-gradient share. Zeros without a launch cost."""
     if not efficiency.launch_s_per_kernel:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, None
     launch = efficiency.launch_s_per_kernel
     flash, t, ep, steps = layout
     local = shape.moe.experts // ep if shape.moe else None
@@ -242,10 +244,12 @@ def _launch_floor(
     )
     g = layer_gemm_kernels(shape, local)
     cpu, measured = not acc.compute_units, efficiency.gemm_measured is not None
+    device_s, backward_s = passes
     return (
-        host_time_s(n, g, launch, device_s, cpu=cpu, gemms_measured=measured),
-        host_time_s(2 * n, 2 * g, launch, backward_s, cpu=cpu, gemms_measured=measured),
+        host_time_s(n, g, launch, device_s + a2a, cpu=cpu, gemms_measured=measured),
+        host_time_s(2 * n, 2 * g, launch, backward_s + a2a, cpu=cpu, gemms_measured=measured),
         0.0 if cpu else g * launch,
+        None if cpu else (n * launch - device_s, 2 * n * launch - backward_s),
     )
 
 

@@ -104,7 +104,23 @@ def overlap_expert_comm(lt: LayerTime, slowdown: float = 0.0) -> LayerTime:
     """
     if not lt.ep_comm_s:
         return lt
-    return replace(lt, ep_comm_s=overlap_exposed_s(lt.ep_comm_s, lt.compute_s, slowdown))
+    exposed = overlap_exposed_s(lt.ep_comm_s, lt.compute_s, slowdown)
+    if lt.host_slack_s is None:
+        return replace(lt, ep_comm_s=exposed)
+    # a host-bound pass gains nothing from hiding the all-to-all: its launch gap grows back by what was hidden,
+    # max(0, slack − exposed), so a pass stays max(host, device + exposed) (faster GEMMs never lengthen it)
+    slack_f, slack_b = lt.host_slack_s
+    grow_f = max(0.0, slack_f - exposed) - max(0.0, slack_f - lt.ep_comm_s)
+    gap_b = max(0.0, slack_b - exposed)
+    grow_b = gap_b - lt.backward_gap_s
+    back = 2 * lt.elementwise_s if lt.elementwise_backward_s is None else lt.elementwise_backward_s
+    return replace(
+        lt,
+        ep_comm_s=exposed,
+        elementwise_s=lt.elementwise_s + grow_f,
+        elementwise_backward_s=back + grow_b,
+        backward_gap_s=gap_b,
+    )
 
 
 def stage_time(
