@@ -37,11 +37,18 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-RATE_RANGES = {"flops": (1e9, 1e17, "FLOP/s", "989e12"), "bytes": (1e6, 1e14, "bytes/s", "3.35e12")}
+RATE_RANGES = {"flops": (1e9, 1e17, "FLOP/s"), "bytes": (1e6, 1e14, "bytes/s")}
 """The figures ``--gpu-set`` takes for a peak (``bf16=``, ``fp8=``...) and a bandwidth (``*_bytes_per_s=``), as
 given (before the sustained clock scales them): 1 GFLOP/s to 100 PFLOP/s, twenty times the fastest row's (B200 fp8,
 4.5 PFLOP/s dense); 1 MB/s to 100 TB/s, twelve times the fastest memory's (B200's 8 TB/s). Plausibility bounds that
 refuse a slip of units (bf16=1e30 planned at an MFU of 3e-16), not fits."""
+
+RATE_EXAMPLES = {
+    "bf16": "989e12", "fp16": "989e12", "fp32": "67e12", "fp8": "1979e12", "memory_bandwidth_bytes_per_s": "3.35e12",
+    "intra_node_bytes_per_s": "450e9", "inter_node_bytes_per_s": "50e9",
+}  # fmt: skip
+"""The example each refusal names: the H100 SXM row's own figure for that setting (dense peaks; NVLink 4 at 450 GB/s a
+direction; one 400 Gb/s NIC a GPU), so the fix shows the unit and the size together."""
 
 
 def _check_rate(item: str, key: str, value: float) -> None:
@@ -55,11 +62,11 @@ def _check_rate(item: str, key: str, value: float) -> None:
     )
     if kind is None:
         return
-    lo, hi, unit, example = RATE_RANGES[kind]
+    lo, hi, unit = RATE_RANGES[kind]
     if not lo <= value <= hi:  # NaN fails too
         raise ConfigError(
             f"gpu_set {item!r}: {value:g} {unit} is outside [{lo:g}, {hi:g}] {unit}; give the figure in {unit}, "
-            f"e.g. {key}={example}",
+            f"e.g. {key}={RATE_EXAMPLES.get(key, '1e12')} (the H100 SXM's)",
             params=("gpu_set",),
         )
 
@@ -77,10 +84,8 @@ def _memory_bytes(item: str, value: str) -> int:
     except ConfigError as e:
         raise ConfigError(str(e), params=("gpu_set",)) from None
     if n < MIN_DEVICE_BYTES:
-        bare = (
-            value.strip().replace("_", "").replace(".", "", 1).isdigit()
-        )  # a number without its unit: add one
-        example = f"{value.strip()}GiB" if bare else "80GiB"
+        bare = value.strip().replace("_", "").replace(".", "", 1).isdigit()  # a number without its unit
+        example = f"{value.strip()}GiB" if bare and 1 <= float(value) <= 4096 else "80GiB"
         raise ConfigError(
             f"gpu_set {item!r} is {n:,} bytes, under 1 GiB: no accelerator that trains; give a size with its unit, "
             f"e.g. memory_bytes={example}",

@@ -51,34 +51,53 @@ _HELD = (signal.SIGINT, signal.SIGTERM)
 one (:func:`microbatch.run.pipeline.signals.raise_on_sigterm`)."""
 
 
+def _deliver(signum: int, was: Any) -> None:
+    """Hand ``signum`` to the handler ``was`` that was there: SIG_DFL ends the process as the signal would have,
+    a program's callable is called, Python's own SIGINT handler raises KeyboardInterrupt."""
+    if was is signal.SIG_DFL:
+        signal.raise_signal(signum)
+    elif callable(was) and was is not signal.default_int_handler:
+        was(signum, None)
+    else:
+        raise KeyboardInterrupt
+
+
 @contextmanager
-def _signals_held() -> Iterator[None]:
-    """Inside (the main thread only), :data:`_HELD` signals are marked, not acted on; after, each handler that was
-    there gets its signal: Python's own SIGINT handler raises KeyboardInterrupt, another callable is called, SIG_DFL
-    ends the process as the signal would have. A signal ignored, or with a handler Python did not install, is left
-    alone."""
+def _signals_held(pending: list[tuple[int, Any]] | None = None) -> Iterator[None]:
+    """Inside (the main thread only), the first of :data:`_HELD` signals is marked, not acted on; a second acts at
+    once (a hung import is stopped by a second Ctrl-C). After the block, even one that raised, the marked signal goes
+    to the handler that was there (:func:`_deliver`) — or, with ``pending``, is put there for the caller to deliver.
+    A signal ignored, or with a handler Python did not install, is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     hits: list[int] = []
     previous: dict[signal.Signals, Any] = {}
+
+    def restore() -> None:
+        for s, was in previous.items():
+            signal.signal(s, was)
+
+    def hold(signum: int, frame: Any) -> None:
+        hits.append(signum)
+        if len(hits) > 1:  # the second: now
+            restore()
+            _deliver(signum, previous[signal.Signals(signum)])
+
     for s in _HELD:
         was = signal.getsignal(s)
         if was is not signal.SIG_IGN and was is not None:
-            previous[s] = signal.signal(s, lambda signum, frame: hits.append(signum))
+            previous[s] = signal.signal(s, hold)
     try:
         yield
     finally:
-        for s, was in previous.items():
-            signal.signal(s, was)
-    for hit in dict.fromkeys(hits):
-        was = previous[signal.Signals(hit)]
-        if was is signal.SIG_DFL:
-            signal.raise_signal(hit)
-        elif callable(was) and was is not signal.default_int_handler:
-            was(hit, None)
-        else:
-            raise KeyboardInterrupt
+        restore()
+        if len(hits) == 1:
+            held = (hits[0], previous[signal.Signals(hits[0])])
+            if pending is None:
+                _deliver(*held)
+            else:
+                pending.append(held)
 
 
 class _HeldLoader:
@@ -92,9 +111,56 @@ class _HeldLoader:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
+        import sys
+
+        names = _finder_names()
+        names.discard(module.__name__)  # its first import is under way: the finder steps aside for it
         module.__spec__.loader = module.__loader__ = self.inner
-        with _signals_held():
-            self.inner.exec_module(module)
+        pending: list[tuple[int, Any]] = []
+        try:
+            with _signals_held(pending):
+                self.inner.exec_module(module)
+        except BaseException:
+            if (
+                pending
+            ):  # the import failed anyway: the signal now, not lost under an ImportError someone catches
+                _deliver(*pending[0])
+            raise
+        if not pending:
+            return
+        if (
+            sys.getprofile() is not None
+        ):  # a profiler runs: deliver here (the import machinery drops the module)
+            _deliver(*pending[0])
+            return
+        sys.setprofile(_deliver_after_import(module.__name__, pending[0]))
+
+    def __getattr__(
+        self, name: str
+    ) -> Any:  # get_filename, is_package, get_resource_reader...: the loader's own
+        return getattr(self.inner, name)
+
+
+def _deliver_after_import(name: str, held: tuple[int, Any]) -> Any:
+    """A profile function that delivers ``held`` when the import system's ``_find_and_load`` of ``name`` returns:
+    the module is in ``sys.modules`` then, whole. Raised inside ``exec_module``, the import machinery took the module
+    out of ``sys.modules`` while its C extension stayed loaded, and torch could not be imported again in that process
+    ("Only a single TORCH_LIBRARY can be used", a review). Also at the first return outside the import machinery,
+    should the import run by another path."""
+    here = __file__
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event != "return":
+            return
+        code = frame.f_code
+        done = code.co_name == "_find_and_load" and frame.f_locals.get("name") == name
+        if done or not (code.co_filename.startswith("<frozen importlib") or code.co_filename == here):
+            import sys
+
+            sys.setprofile(None)
+            _deliver(*held)
+
+    return hook
 
 
 class _FirstImportFinder:
@@ -107,11 +173,19 @@ class _FirstImportFinder:
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in self.names:  # nothing imported before this test: every import passes here
             return None
-        self.names.discard(fullname)
+        # a name is taken off only when its module runs (:class:`_HeldLoader`): a find_spec("torch") check before
+        # the import (transformers makes one) used it up, and the import after it was not held (a review)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _HeldLoader(spec.loader)  # type: ignore[assignment]  # a Loader in all but its base
         return spec
+
+
+def _finder_names() -> set[str]:
+    """The names the installed :class:`_FirstImportFinder` still holds (an empty set where none is installed)."""
+    import sys
+
+    return next((f.names for f in sys.meta_path if isinstance(f, _FirstImportFinder)), set())
 
 
 def interrupts_kept_in_first_import(*names: str) -> None:

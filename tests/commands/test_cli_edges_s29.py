@@ -62,7 +62,12 @@ def test_a_missing_stages_is_said_missing(command, capsys):
         ("memory_bytes=80", "e.g. memory_bytes=80GiB"),
         ("bf16=1", "'bf16=1': 1 FLOP/s is outside"),  # said 0.846591, the clock-scaled figure
         ("bf16=1e30", "1e+30 FLOP/s is outside"),  # planned at an MFU of 3e-16
-        ("inter_node_bytes_per_s=3", "3 bytes/s is outside"),
+        (
+            "inter_node_bytes_per_s=25",
+            "25 bytes/s is outside [1e+06, 1e+14] bytes/s; give the figure in bytes/s, "
+            "e.g. inter_node_bytes_per_s=50e9",
+        ),
+        ("fp32=67", "e.g. fp32=67e12"),
     ],
 )
 def test_gpu_set_figures_are_refused_as_given_with_a_usable_example(item, words, capsys):

@@ -57,23 +57,26 @@ def _pieces(quoted: list[str]) -> list[list[str]]:
 
 
 def matches(quoted: list[str], actual: list[str]) -> str | None:
-    """None when ``quoted`` (with ``...`` elisions) is found in ``actual`` in order, the first piece at the start;
-    else the first quoted line not found there."""
+    """None when ``quoted`` (with ``...`` elisions) is found in ``actual`` in order, the first piece at the start and,
+    unless the quote ends in ``...``, the last at the end; else the first quoted line not found there (or what the
+    command prints past the quote's end)."""
+    actual = list(actual)
+    while actual and not actual[-1]:
+        actual.pop()
+    pieces = _pieces(quoted)
     at = 0
-    for k, piece in enumerate(_pieces(quoted)):
+    for k, piece in enumerate(pieces):
         if not piece:
             continue
         n = len(piece)
-        found = (
-            [0]
-            if k == 0 and actual[:n] == piece
-            else [s for s in range(at, len(actual) - n + 1) if actual[s : s + n] == piece]
-        )
-        if k == 0 and found != [0]:
+        found = [s for s in range(at, len(actual) - n + 1) if actual[s : s + n] == piece]
+        if k == 0 and (not found or found[0] != 0):
             return next((q for q, a in zip(piece, actual + [""] * n, strict=False) if q != a), piece[0])
         if not found:
             return next((q for q in piece if q not in actual[at:]), piece[0])
         at = found[0] + n
+        if k == len(pieces) - 1 and found[-1] + n < len(actual):  # the quote's last line is the output's last
+            return f"(the quote ends before the output does: {actual[found[-1] + n]!r} follows)"
     return None
 
 
@@ -92,8 +95,13 @@ def test_the_transcripts_are_found():
     assert matches(["B = 8", "...", "end"], ["B = 8", "a", "b", "end"]) is None
     assert matches(["B = 8", "...", "end"], ["B = 9", "end"]) == "B = 8"
     assert (
-        matches(["a", "...", "c"], ["a", "c", "b"]) is None and matches(["a", "...", "d"], ["a", "c"]) == "d"
+        matches(["a", "...", "c"], ["a", "b", "c", ""]) is None
+        and matches(["a", "...", "d"], ["a", "c"]) == "d"
     )
+    assert matches(["a", "...", "c"], ["a", "c", "b"]).startswith(
+        "(the quote ends before"
+    )  # a line the quote lacks
+    assert matches(["a", "b", "..."], ["a", "b", "c"]) is None  # an open end
     assert len(BLOCKS) >= 6, "README.md lost its command transcripts (or the fences changed)"
 
 
@@ -109,6 +117,12 @@ def test_the_readme_shows_what_the_command_prints(line, steps, tmp_path, monkeyp
             k = args.index(">")
             args, target = args[:k], args[k + 1]
         code, out, err = run(args, capsys)
+        assert code == (2 if any(q.startswith("error:") for q in quoted) else 0), (
+            line,
+            cmd,
+            code,
+            err[-500:],
+        )
         if target is not None:
             (tmp_path / target).write_text(out, encoding="utf-8")
         actual = [x.rstrip() for x in (out + err).splitlines()]

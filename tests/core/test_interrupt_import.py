@@ -87,3 +87,61 @@ def test_the_command_line_installs_it_before_torch_is_imported():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == "False _FirstImportFinder"
+
+
+def _fresh_finder(monkeypatch, tmp_path, **modules):
+    from microbatch.interrupts import _FirstImportFinder, interrupts_kept_in_first_import
+
+    for name, text in modules.items():
+        (tmp_path / f"{name}.py").write_text(text)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, _FirstImportFinder)])
+    interrupts_kept_in_first_import(*modules)
+
+
+def test_a_find_spec_check_before_the_import_does_not_use_the_hold_up(tmp_path, monkeypatch):
+    """transformers checks importlib.util.find_spec("torch") before importing it: that lookup took the name off the
+    finder, and the import after it was not held (a review)."""
+    import importlib.util
+
+    _fresh_finder(monkeypatch, tmp_path, swallowing_probed=SWALLOWS)
+    assert (
+        importlib.util.find_spec("swallowing_probed").loader.get_filename("swallowing_probed").endswith(".py")
+    )
+    with pytest.raises(KeyboardInterrupt):
+        import swallowing_probed  # noqa: F401
+
+
+def test_the_interrupted_module_stays_imported_whole(tmp_path, monkeypatch):
+    """Raised inside the loader, the import machinery took the module out of sys.modules (torch's C extension stayed
+    loaded, and torch could not be imported again in that process); delivered once the import returns, it stays."""
+    _fresh_finder(monkeypatch, tmp_path, swallowing_kept=SWALLOWS)
+    with pytest.raises(KeyboardInterrupt):
+        import swallowing_kept  # noqa: F401
+    assert sys.modules["swallowing_kept"].LOADED and sys.getprofile() is None
+    import swallowing_kept  # noqa: F401, F811  (from sys.modules: no second run)
+
+
+SLOW_TWICE = """import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: acted on at once
+time.sleep(0.05)
+REACHED = True
+"""
+
+FAILING = """import os, signal, time
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(0.05)
+raise ImportError("optional backend missing")
+"""
+
+
+def test_a_second_signal_acts_at_once_and_one_held_over_a_failed_import_is_not_lost(tmp_path, monkeypatch):
+    _fresh_finder(monkeypatch, tmp_path, slow_twice=SLOW_TWICE, failing_opt=FAILING)
+    with pytest.raises(KeyboardInterrupt):
+        import slow_twice  # noqa: F401
+    assert "slow_twice" not in sys.modules  # stopped inside its body: REACHED never ran
+    with pytest.raises(KeyboardInterrupt):  # not the ImportError a caller of an optional import would catch
+        import failing_opt  # noqa: F401

@@ -78,6 +78,29 @@ def test_a_loaders_short_last_batch_is_skipped_and_the_steps_before_it_kept():
     assert final.b_simple == pytest.approx(alone.b_simple, rel=1e-12)
 
 
+def test_the_lower_bound_by_hand_and_below_the_truth_where_the_ratio_is_not():
+    from microbatch.run.noise import b_simple_lower
+
+    # |G|² 1.0, -0.6, 0.2 (mean 0.2, se 0.8/√3), tr(Σ) 5: 5 / (0.2 + 2 · 0.4619) = 4.452
+    assert b_simple_lower([(1.0, 5.0), (-0.6, 5.0), (0.2, 5.0)]) == pytest.approx(
+        5 / (0.2 + 2 * 0.8 / 3**0.5)
+    )
+    assert b_simple_lower([(1.0, 5.0)]) is None and b_simple_lower([(1.0, -1.0), (2.0, -1.0)]) is None
+    import random
+
+    rng = random.Random(0)
+    shown = point_above = bound_above = 0
+    for _ in range(4000):  # true |G|² 0.5, tr(Σ) 100: B 200; 8 steps of sd 1
+        per = [(rng.gauss(0.5, 1.0), 100.0) for _ in range(8)]
+        mean = sum(g for g, _ in per) / 8
+        if mean <= 0 or g_sq_resolved(per) is not False:
+            continue
+        shown += 1
+        point_above += 100.0 / mean > 200
+        bound_above += b_simple_lower(per) > 200
+    assert shown > 500 and point_above / shown > 0.5 and bound_above / shown < 0.03
+
+
 def test_g_sq_resolved_by_its_standard_error():
     assert g_sq_resolved([(1.0, 5.0)]) is None
     assert g_sq_resolved([(1.0, 5.0), (1.2, 5.0), (0.8, 5.0)]) is True  # mean 1, se 0.115
@@ -91,12 +114,14 @@ def test_g_sq_resolved_by_its_standard_error():
 def _result(resolved):
     return {"model": "tiny", "seq": 33, "global_batch": 8, "micro_batch": 2, "steps": 40, "g_sq": 1e-4,
             "trace_sigma": 5.0, "b_simple_tokens": 50_000.0, "b_simple_sequences": 50_000.0 / 32,
-            "tokens_per_sequence": 32, "b_simple_rel_se": 0.46, "g_sq_resolved": resolved}  # fmt: skip
+            "tokens_per_sequence": 32, "b_simple_rel_se": 0.46, "g_sq_resolved": resolved,
+            "b_simple_lower_tokens": 8_000.0}  # fmt: skip
 
 
 def test_an_unresolved_gradient_gives_a_lower_bound_and_no_suggestion():
     text = render_noise(_result(False))
-    assert "lower bound" in text and "suggestion" not in text and "50,000 tokens" in text
+    assert "B_simple ≥ 8,000 tokens = 250.0 sequences" in text and "suggestion" not in text
+    assert "(50,000 tokens) is no estimate" in text
     assert "run more steps" in text
     resolved = render_noise(_result(True))
-    assert "suggestion: B_global near 1562 sequences" in resolved and "lower bound" not in resolved
+    assert "suggestion: B_global near 1562 sequences" in resolved and "≥" not in resolved

@@ -227,7 +227,7 @@ def _result(
 ) -> dict[str, Any]:
     """The command's result: ``setting`` (model, seq, B, b_m), the smoothed and per-step estimates;
     with ``steps_asked`` an interrupted run's (``final`` None when no step finished)."""
-    from microbatch.run.noise import b_simple_rel_se, g_sq_resolved
+    from microbatch.run.noise import b_simple_lower, b_simple_rel_se, g_sq_resolved
 
     tokens_per_seq = setting["seq"] - 1
     b_tokens = final.b_simple if final is not None else math.nan
@@ -247,6 +247,7 @@ def _result(
         "b_simple_rel_se": b_simple_rel_se([(h.last_g_sq, h.last_trace_sigma) for h in history]),
         # |G|² two standard errors above 0 (None under two steps): else B_simple is a lower bound at best
         "g_sq_resolved": g_sq_resolved([(h.last_g_sq, h.last_trace_sigma) for h in history]),
+        "b_simple_lower_tokens": b_simple_lower([(h.last_g_sq, h.last_trace_sigma) for h in history]),
         "source": "McCandlish et al. 2018, arXiv:1812.06162, sec. 2.2 and appendix A.1",
     }
     if steps_asked is not None:

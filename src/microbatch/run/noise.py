@@ -34,6 +34,7 @@ __all__ = [
     "b_simple",
     "b_simple_rel_se",
     "g_sq_resolved",
+    "b_simple_lower",
     "NoiseEstimate",
     "GradientNoiseScale",
 ]
@@ -126,13 +127,32 @@ def g_sq_resolved(per_step: Sequence[tuple[float, float]]) -> bool | None:
     """Whether the mean |G|² over ``per_step`` (|G|², tr(Σ)) pairs stands :data:`RESOLVED_STANDARD_ERRORS` standard
     errors of the mean above 0; None with fewer than two steps (no scatter to judge by). When it does not, B_simple
     is at best a lower bound: the true gradient is not yet seen through the noise."""
+    stats = _g_sq_mean_se(per_step)
+    return None if stats is None else stats[0] > RESOLVED_STANDARD_ERRORS * stats[1]
+
+
+def _g_sq_mean_se(per_step: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """(mean, standard error of the mean) of the |G|² estimates of ``per_step``; None under two steps."""
     n = len(per_step)
     if n < 2:
         return None
     gs = [p[0] for p in per_step]
     mg = sum(gs) / n
-    se = math.sqrt(sum((g - mg) ** 2 for g in gs) / (n - 1) / n)
-    return mg > RESOLVED_STANDARD_ERRORS * se
+    return mg, math.sqrt(sum((g - mg) ** 2 for g in gs) / (n - 1) / n)
+
+
+def b_simple_lower(per_step: Sequence[tuple[float, float]]) -> float | None:
+    """A lower bound on B_simple from ``per_step`` (|G|², tr(Σ)) pairs: mean tr(Σ) over |G|² at its mean plus
+    :data:`RESOLVED_STANDARD_ERRORS` standard errors — what to say where |G|² is not resolved (:func:`g_sq_resolved`).
+    The point estimate is no bound there: over Monte Carlo runs with a true B of 200 (8 steps), the ratio of the means
+    lay above it in 68% of the unresolved runs, this bound in 1.1% (a review, 2026-12-07). None under two steps or
+    where mean tr(Σ) is not above 0. Of the plain means (decay 1)."""
+    stats = _g_sq_mean_se(per_step)
+    if stats is None:
+        return None
+    mt = sum(p[1] for p in per_step) / len(per_step)
+    top = stats[0] + RESOLVED_STANDARD_ERRORS * stats[1]
+    return mt / top if mt > 0 and top > 0 else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -307,10 +307,16 @@ def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
     lines += [f"  |G|²   (smoothed)  = {r['g_sq']:.4g}", f"  tr(Σ)  (smoothed)  = {r['trace_sigma']:.4g}"]
     b_tokens, b_seqs = r["b_simple_tokens"], r["b_simple_sequences"]
     if math.isfinite(b_tokens) and r.get("g_sq_resolved") is False:
+        low = r.get("b_simple_lower_tokens")
+        bound = (
+            f"B_simple ≥ {low:,.0f} tokens = {low / r['tokens_per_sequence']:,.1f} sequences (mean tr(Σ) over |G|² "
+            "at its mean plus two standard errors)"
+            if low
+            else "B_simple not bounded"
+        )
         lines.append(
-            f"  B_simple ≥ about {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences: |G|² is within two standard errors "
-            f"of 0 over {r['steps']} steps, so the ratio is a lower bound at best and no B_global is suggested; run "
-            f"more {steps}"
+            f"  {bound}: |G|² is within two standard errors of 0 over {r['steps']} steps, so the ratio of the means "
+            f"({b_tokens:,.0f} tokens) is no estimate and no B_global is suggested; run more {steps}"
         )
     elif math.isfinite(b_tokens):
         lines += [
