@@ -99,3 +99,30 @@ def test_a_sigkill_the_oom_killer_did_not_send_is_not_out_of_memory(tmp_path):
     assert death_is_oom(kill, "", 7, 8)  # the OOM killer ran
     assert death_is_oom(kill, "", None, 8) and death_is_oom(kill, "")  # no count to read: as before
     assert death_is_oom(-signal.SIGABRT, "std::bad_alloc", 7, 7)  # a failed allocation says so itself
+
+
+def test_a_sigkill_under_memory_pressure_names_a_user_space_killer(tmp_path, monkeypatch):
+    """systemd-oomd and earlyoom kill with SIGKILL from user space, which the kernel's OOM-kill count never sees: the
+    death stays an error (not cached as out of memory), but where tasks stalled on memory while the probe ran
+    (/proc/pressure/memory) the message says so and what to do."""
+    from microbatch.measure import childprobe
+    from microbatch.measure.deaths import memory_stall_s, pressure_note
+
+    psi = tmp_path / "memory"
+    psi.write_text(
+        "some avg10=41.00 avg60=12.00 avg300=3.00 total=2500000\nfull avg10=0.00 avg60=0.00 total=10\n"
+    )
+    assert memory_stall_s(str(psi)) == pytest.approx(2.5)
+    assert memory_stall_s(str(tmp_path / "missing")) is None
+    kill = -signal.SIGKILL
+    assert "systemd-oomd, earlyoom" in pressure_note(kill, 1.0, 2.5) and "1.5 s" in pressure_note(
+        kill, 1.0, 2.5
+    )
+    assert pressure_note(kill, 1.0, 1.05) == ""  # a stall of 50 ms: no pressure to speak of
+    assert pressure_note(-signal.SIGSEGV, 1.0, 9.0) == "" and pressure_note(kill, None, 9.0) == ""
+    if childprobe.oom_kills() is None:
+        pytest.skip("this kernel does not count OOM kills: a SIGKILL reads as out of memory here")
+    stalls = iter([10.0, 12.0] * 10)
+    monkeypatch.setattr(childprobe, "memory_stall_s", lambda: next(stalls))  # 2 s of stalls during the probe
+    killed = _killed_mid_probe(signal.SIGKILL)
+    assert isinstance(killed, MeasurementError) and "stalled 2.0 s waiting for memory" in str(killed)

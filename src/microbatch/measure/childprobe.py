@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from microbatch.child_env import with_package_on_path
 from microbatch.errors import ConfigError, MeasurementError, ProbeTimeoutError
-from microbatch.measure.deaths import death_is_oom, death_text, oom_kills
+from microbatch.measure.deaths import death_is_oom, death_text, memory_stall_s, oom_kills, pressure_note
 from microbatch.measure.device import oom_types, short_error
 from microbatch.measure.hostmem import (
     current_rss_bytes,
@@ -159,7 +159,7 @@ class ChildProber:
 
     def measure(self, micro_batch: int, *, checkpointing: bool = False) -> Measurement:
         self.start()
-        kills = oom_kills()
+        kills, stalled = oom_kills(), memory_stall_s()
         try:
             reply = self._ask({"op": "probe", "micro_batch": micro_batch, "checkpointing": checkpointing})
         except KeyboardInterrupt:
@@ -180,6 +180,7 @@ class ChildProber:
             raise MeasurementError(
                 f"the probe process at micro-batch {micro_batch} died ({death_text(rc)}), with no sign of running "
                 f"out of memory, so it is not counted as one: {tail or 'nothing on its stderr'}"
+                + pressure_note(rc, stalled, memory_stall_s())
             )
         if reply.get("error"):
             raise MeasurementError(f"probe at micro-batch {micro_batch} failed: {reply['error']}")

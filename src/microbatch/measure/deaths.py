@@ -6,7 +6,8 @@ from __future__ import annotations
 import signal
 
 __all__ = [
-    "ALLOCATION_FAILURE_MARKERS", "CRASH_MARKERS", "death_text", "death_is_oom", "explains_crash", "oom_kills",
+    "ALLOCATION_FAILURE_MARKERS", "CRASH_MARKERS", "death_text", "death_is_oom", "explains_crash", "memory_stall_s",
+    "oom_kills", "pressure_note",
 ]  # fmt: skip
 
 ALLOCATION_FAILURE_MARKERS = (
@@ -58,6 +59,46 @@ def oom_kills(path: str = VMSTAT) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+PSI_MEMORY = "/proc/pressure/memory"
+"""Linux's pressure-stall information for memory (4.20 on, ``Documentation/accounting/psi.rst``): its ``some`` line's
+``total`` is the microseconds during which some task stalled waiting for memory, on the whole machine."""
+
+STALL_NOTE_S = 0.1
+"""Memory stalls (PSI ``some`` total) during a probe that make a SIGKILL's note name a user-space OOM killer: 100 ms,
+a tenth of a second in which tasks waited on reclaim — none on an idle machine (0 µs on this VM at rest), and far
+past the noise of a probe that fits."""
+
+
+def memory_stall_s(path: str = PSI_MEMORY) -> float | None:
+    """Seconds some task has stalled on memory since boot (:data:`PSI_MEMORY`), None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1]) / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def pressure_note(returncode: int | None, stall_before: float | None, stall_after: float | None) -> str:
+    """For a SIGKILL that is not counted as out of memory (:func:`death_is_oom`): a sentence saying the machine was
+    short of memory while the child ran, where PSI stalls grew by :data:`STALL_NOTE_S` or more — systemd-oomd (on by
+    default in Ubuntu 22.04 and Fedora 34 on) and earlyoom kill with SIGKILL from user space, which the kernel's
+    OOM-kill count does not see. Empty otherwise: the death is still not taken as out of memory (a guess cached
+    would stop every later run below that size), but the user learns where to look."""
+    if returncode != -signal.SIGKILL or stall_before is None or stall_after is None:
+        return ""
+    stalled = stall_after - stall_before
+    if stalled < STALL_NOTE_S:
+        return ""
+    return (
+        f"; tasks stalled {stalled:.1f} s waiting for memory while it ran (/proc/pressure/memory): a user-space "
+        "out-of-memory killer (systemd-oomd, earlyoom) may have ended it — if so, give a memory budget below this "
+        "size"
+    )
 
 
 def death_is_oom(
