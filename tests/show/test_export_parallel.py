@@ -102,3 +102,16 @@ def test_targets_refuse_te_recipes_and_per_micro_batch_reduction_they_cannot_run
     assert export_plan(
         _plan(**{**each, "pipeline_grad_reduce": "last"}), "torchtitan"
     ).config  # the same, once
+
+
+def test_torchtitan_names_the_receive_buffers_torch_keeps_per_micro_batch():
+    """torch.distributed.pipelining allocates one receive buffer per micro-batch for every stage fed by another and
+    holds them through the step (measured by `microbatch pipeline`, to the byte); the plan prices Megatron's, which
+    frees each input after its backward: the export says how much more, b_m·s·h·e/t each (SP shards them)."""
+    plan = _plan(global_batch=128, expert_parallel=8)  # m = 128 / 8 = 16; s 4096, h 4096, bf16, t 2 with SP
+    notes = [n for n in export_plan(plan, "torchtitan").notes if "receive buffer" in n]
+    each = 1 * 4096 * 4096 * 2 / 2
+    assert len(notes) == 1 and f"16 × {each / 2**20:,.1f} MiB" in notes[0]
+    assert f"{16 * each / 2**30:,.2f} GiB on each rank but the first" in notes[0]
+    unpiped = _plan(pipeline_parallel=1, expert_parallel=8, tensor_parallel=4)
+    assert not [n for n in export_plan(unpiped, "torchtitan").notes if "receive buffer" in n]

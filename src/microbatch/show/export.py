@@ -1,8 +1,7 @@
 """A plan as a training framework's configuration: DeepSpeed, Hugging Face, Lightning, torchtitan.
 
-Every format keeps B_global = b_m × g × d: the exporter checks the identity before writing and
-refuses a plan that breaks it (seed 002's first pitfall: changing b_m without g silently
-changes the optimisation).
+Every format keeps B_global = b_m × g × d: the exporter checks the identity before writing and refuses a plan that
+breaks it (seed 002's first pitfall: changing b_m without g silently changes the optimisation).
 
 - **DeepSpeed** JSON: ``train_batch_size`` = B, ``train_micro_batch_size_per_gpu`` = b_m,
   ``gradient_accumulation_steps`` = g — which DeepSpeed's pipeline engine takes as m, the
@@ -158,12 +157,13 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
                     "loss_dtype", "loss_kernel", "optimizer", "ep_overlap", "elementwise"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
-        if cand.get("flash_attention") is None and isinstance(data.get("model_shape"), dict):
-            cand["flash_attention"] = data["model_shape"].get("flash_attention")  # the model's own setting
-        if isinstance(data.get("model_shape"), dict) and data.get("layers_per_stage") is None:
-            cand.setdefault(
-                "layers", data["model_shape"].get("layers")
-            )  # an even split: torchtitan's per stage
+        shape = data.get("model_shape") if isinstance(data.get("model_shape"), dict) else None
+        if cand.get("flash_attention") is None and shape is not None:
+            cand["flash_attention"] = shape.get("flash_attention")  # the model's own setting
+        if shape is not None:  # torchtitan's receive buffers; an even split: its layers per stage
+            cand.setdefault("hidden", shape.get("hidden"))
+        if shape is not None and data.get("layers_per_stage") is None:
+            cand.setdefault("layers", shape.get("layers"))
         elif data.get("layers_per_stage") is not None:
             cand.setdefault("layers_per_stage", data["layers_per_stage"])  # uneven: torchtitan's module lists
     else:

@@ -75,7 +75,7 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         parallelism["pipeline_parallel_microbatch_size"] = b
         name = c.get("schedule", DEFAULT_SCHEDULE)
         parallelism["pipeline_parallel_schedule"] = _torchtitan_schedule(name)
-        notes += _torchtitan_stages(c, parallelism, p)
+        notes += _torchtitan_stages(c, parallelism, p) + _receive_buffers(c, g)
         spec = schedule_spec(c.get("schedule"))
         if spec is not None and spec.run_as is not None:
             notes.append(
@@ -105,6 +105,27 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
     checkpoint, more = _torchtitan_recompute(c)
     cfg = {"training": training, "parallelism": parallelism, "activation_checkpoint": checkpoint}
     return cfg, notes + more + _torchtitan_new(c, cfg)
+
+
+def _receive_buffers(c: Json, m: int) -> list[str]:
+    """torch.distributed.pipelining allocates a receive buffer for every micro-batch of a flush on each stage fed by
+    another (``_prepare_forward_infra``; ``microbatch pipeline`` measures them held through the step: m inputs a fed
+    stage, to the byte on every schedule), where Megatron frees each input after its backward, as the plan prices it.
+    The note gives their bytes: m × b_m·s·h·e (/ t under sequence parallelism)."""
+    h, s, b = c.get("hidden"), c.get("seq"), c["micro_batch"]
+    if not isinstance(h, int) or not isinstance(s, int):
+        return []
+    e = 4 if precision_of(c) == "fp32" else 2
+    t = c.get("tensor_parallel", 1) if c.get("sequence_parallel") else 1
+    c_ = c.get("context_parallel", 1) or 1
+    each = b * (s // c_) * h * e / t
+    v = c.get("virtual", 1) or 1  # every stage but the first is fed: v a rank, v − 1 on the first rank
+    first = f"; {(v - 1) * m * each / 2**30:,.2f} GiB on the first" if v > 1 else " but the first"
+    return [
+        f"torch's pipelining keeps a receive buffer for each of the {m} micro-batches of every stage fed by another "
+        f"({m} × {each / 2**20:,.1f} MiB): {v * m * each / 2**30:,.2f} GiB on each rank{first}, beyond the plan's "
+        "peak, which frees each input after its backward as Megatron does"
+    ]
 
 
 def _check_torchtitan(c: Json) -> None:
