@@ -224,6 +224,20 @@ def _repeats(args: list[str]) -> None:
             check_repeated_options(command, args[args.index(name) + 1 :])
 
 
+def _check_working_folder() -> None:
+    """ConfigError when the working folder was removed after the shell entered it: torch's own libraries then fail
+    to load (oneMKL's "FATAL ERROR", exit 2 with no envelope) and relative paths lead nowhere (a review)."""
+    import os
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise ConfigError(
+            "the working folder no longer exists (it was removed after this shell entered it); cd into a folder "
+            "that exists and run again"
+        ) from None
+
+
 def _interrupted(why: str) -> str:
     """The line an interrupt ends with: ``interrupted``, with the library's words after it unless they say it."""
     return why if why.startswith("interrupted") else f"interrupted: {why}" if why else "interrupted"
@@ -232,6 +246,7 @@ def _interrupted(why: str) -> str:
 def _main(args: list[str]) -> int:
     """:func:`main` on ``args``, its errors turned into exit codes and one line each."""
     try:
+        _check_working_folder()
         _repeats(args)
         code = group.main(args=args, prog_name="microbatch", standalone_mode=False)
         if isinstance(code, int):  # click returns an Exit's code here (tune's 130 after Ctrl-C)

@@ -32,7 +32,8 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
             with open(path, "a" if str(path).startswith(("/dev/", "/proc/")) else "w", encoding="utf-8") as f:
                 f.write(text)
             return
-        part = real.parent / f".{real.name}.{os.getpid()}.{os.urandom(4).hex()}.part"
+        # the name kept short: a legal 250-byte name plus the suffix ran past 255 bytes (ENAMETOOLONG, a review)
+        part = real.parent / f".{real.name[:100]}.{os.getpid()}.{os.urandom(4).hex()}.part"
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to a new file
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:

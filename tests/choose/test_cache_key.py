@@ -414,3 +414,28 @@ def test_a_tune_results_save_is_whole_to_a_reader_beside_it(tmp_path):
     reads, bad = map(int, out.split())
     assert reads == 600 and bad == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no part file left
+
+
+def test_the_cache_folder_without_a_home(monkeypatch, tmp_path):
+    """No HOME and no passwd entry (``docker run --user 12345``): Path.home() raised and tune ended in a traceback;
+    ``HOME=`` put the cache at the root's ``/.cache``; XDG_CACHE_HOME was not read (a review)."""
+    import tempfile
+    from pathlib import Path
+
+    from microbatch.choose.tune import cache
+
+    monkeypatch.delenv("MICROBATCH_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir() == tmp_path / "xdg" / "microbatch"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/not/taken")
+    monkeypatch.setenv("HOME", "")
+    assert cache.cache_dir().parent == Path(tempfile.gettempdir())
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setenv("HOME", "/x")
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert cache.cache_dir().name.startswith("microbatch-cache-")
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache.cache_dir() == tmp_path / "mine"

@@ -87,3 +87,52 @@ def test_a_report_refuses_a_hand_edited_negative_setting(plan_json, capsys):
     code, _, err = run(["report", "bad.json", "--no-png", "--out", "r.html"], capsys)
     assert code == 2 and "global_batch -64 must be a whole number >= 1" in err
     assert not (plan_json / "r.html").exists()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["noise", "--model", "tiny", "-B", "8", "-b", "2", "--steps", "2", "--json"],
+        ["pipeline", "--model", "tiny", "--stages", "2", "--microbatches", "4", "--steps", "2", "--json"],
+    ],
+    ids=["noise", "pipeline"],
+)
+def test_a_closed_stdout_keeps_the_answer_in_a_file(args, tmp_path):
+    """``>&-``: the answer was lost (noise, tune: "stdout is closed" and nothing kept), or a pipeline rank crashed
+    flushing a stdout that is None and the run's measurements were lost (a review)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "microbatch", *args], stderr=subprocess.PIPE, text=True, timeout=220,
+                       cwd=tmp_path, preexec_fn=lambda: os.close(1),
+                       env={**os.environ, "MICROBATCH_CACHE_DIR": str(tmp_path / "c")})  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    kept = re.search(r"stdout is closed; the answer was kept in (\S+\.json)", r.stderr)
+    assert kept is not None, r.stderr[-2000:]
+    with open(kept[1], encoding="utf-8") as f:
+        d = json.load(f)
+    os.unlink(kept[1])
+    assert d["command"] == args[0] and "error" not in d
+
+
+def test_a_removed_working_folder_is_said_before_anything_runs(tmp_path):
+    import subprocess
+    import sys
+
+    script = f'mkdir gone && cd gone && rmdir ../gone && exec "{sys.executable}" -m microbatch batch -B 8 -b 2 --json'
+    r = subprocess.run(["sh", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "the working folder no longer exists" in json.loads(r.stdout)["error"], (
+        r.stderr
+    )
+
+
+def test_a_legal_250_byte_file_name_is_written(plan_json, capsys):
+    """The atomic writer's temporary name added ~20 bytes to the user's: a legal 250-byte name ran past 255
+    (ENAMETOOLONG on a path the user never gave; bench-gpu lost its file after the whole benchmark, a review)."""
+    name = "a" * 245 + ".json"
+    code, _, err = run(["export", "--plan", "plan.json", "--format", "deepspeed", "-o", name], capsys)
+    assert code == 0, err
+    assert json.loads((plan_json / name).read_text(encoding="utf-8"))["train_batch_size"] == 64

@@ -108,7 +108,7 @@ def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
     stdout cannot take it (a reader that left, EPIPE, is click's to handle: it exits 1 without a word)."""
     text = dumps(envelope(obj, command_name())) if as_json else render()
     if sys.stdout is None:  # closed by the caller (>&-): click would drop the answer without a word
-        raise StdoutFailed(errno.EBADF, "stdout is closed")
+        raise StdoutFailed(errno.EBADF, f"stdout is closed{kept_text(text, as_json)}")
     try:
         click.echo(text)
     except BrokenPipeError:

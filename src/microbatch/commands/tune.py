@@ -253,7 +253,7 @@ def cmd(
     sequence, so tune at that length. On the CPU each probe runs in a child process under a
     hard memory limit (--memory-budget, or 80% of the available memory), so an out-of-memory
     ends only the child. Results are cached ($MICROBATCH_CACHE_DIR, default
-    ~/.cache/microbatch); Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
+    $XDG_CACHE_HOME/microbatch or ~/.cache/microbatch); Ctrl-C keeps what was measured (printed, and in --out), then exits 130.
     Every setting, the output folder and the model's static memory are checked before the
     first probe; progress goes to stderr, one line per probe.
 

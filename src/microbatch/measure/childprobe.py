@@ -322,7 +322,13 @@ def _setup(msg: dict[str, Any]) -> tuple[Probe, bool, dict[str, Any]]:
     limited = False
     if limit is not None:
         room = limit - current_rss_bytes()
-        resource.setrlimit(resource.RLIMIT_AS, (virtual_bytes() + room, resource.RLIM_INFINITY))
+        # the hard limit stays as it was: raising it is refused (``ulimit -v`` set one, even 100 GB, and every tune
+        # ended in "not allowed to raise maximum limit", a review); one below the budget binds first, as it would
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        want = virtual_bytes() + room
+        resource.setrlimit(
+            resource.RLIMIT_AS, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard)
+        )
         rebind_limit()  # reads the real-memory budget the limit stands for: ``limit``
         limited = True
     caught: tuple[type[BaseException], ...] = (RuntimeError, *ooms)

@@ -1,6 +1,6 @@
 """The tune cache: measured points saved as JSON, keyed by everything that changes a measurement.
 
-Points are saved under ``$MICROBATCH_CACHE_DIR`` (default ``~/.cache/microbatch``) after every
+Points are saved under ``$MICROBATCH_CACHE_DIR`` (default ``$XDG_CACHE_HOME/microbatch`` or ``~/.cache/microbatch``) after every
 probe: a repeated ``tune`` reuses them and an interrupted one keeps them. The key
 (:func:`cache_key` of the fields :mod:`microbatch.choose.tune` gathers) holds the model's structure,
 what the step is fed (:func:`batch_structure` of ``make_batch(b)`` for two b), the loss function
@@ -53,9 +53,26 @@ Points = dict[tuple[int, bool], Measurement]
 
 
 def cache_dir() -> Path:
-    """``$MICROBATCH_CACHE_DIR`` or ``~/.cache/microbatch``."""
+    """``$MICROBATCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/microbatch`` (the freedesktop base-directory rule: an
+    absolute path), else ``~/.cache/microbatch``; where no home can be found (``docker run --user 12345``: no
+    ``HOME``, no passwd entry: ``Path.home()`` raised and tune ended in a traceback, a review) or it is not an
+    absolute path (``HOME=``: the cache went to the working folder's ``.cache``), a folder of this user's in the
+    temporary folder."""
     env = os.environ.get("MICROBATCH_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "microbatch"
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "microbatch"
+    try:
+        home = Path.home() if os.environ.get("HOME", "x") else Path()  # HOME= is read as "/" by expanduser
+    except (RuntimeError, KeyError):
+        home = Path()
+    if not home.is_absolute():
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / f"microbatch-cache-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    return home / ".cache" / "microbatch"
 
 
 def cache_key(fields: dict[str, Any]) -> str:

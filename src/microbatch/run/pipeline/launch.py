@@ -133,7 +133,8 @@ def _worker_main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         print(f"\nRANK {rank} ERROR: {_reason(e)}", file=sys.stderr, flush=True)
         os._exit(1)
-    sys.stdout.flush()
+    if sys.stdout is not None:  # closed by the caller (>&-): a rank has nothing to flush (it crashed here)
+        sys.stdout.flush()
     os._exit(0)
 
 
