@@ -282,3 +282,66 @@ def steady_timing(
         # leaving this clause releases the failed attempt's frames, and their tensors
     dev.free()  # and holds the heap's freed chunks, so the retry maps afresh
     return timed(), peak, "tracking"
+
+
+LAUNCH_JOIN_TIMEOUT_S = 300.0
+"""How long a process started with ``WORLD_SIZE`` > 1 in its environment waits for the other ranks (as ``pipeline``'s
+default ``--timeout``): a shell that kept torchrun's or SLURM's variables made ``bench-gpu`` wait in torch's store
+for its 30 minutes, deaf to Ctrl-C (a review: killed with SIGKILL after 15 minutes)."""
+
+
+def launch_env(env: Any = None) -> tuple[int, int, str] | None:
+    """(rank, world size, "MASTER_ADDR:MASTER_PORT") of an outside launch (torchrun) read from ``env`` (the process's
+    own by default), None where ``WORLD_SIZE`` is unset or 1; ConfigError naming the variable, its value and the fix
+    where they cannot describe one (torch raised a traceback, or waited, on ``WORLD_SIZE=8`` alone, ``RANK=abc``,
+    ``MASTER_PORT=99999``, ``RANK=5 WORLD_SIZE=2``)."""
+    import os
+
+    from microbatch.errors import ConfigError
+
+    env = os.environ if env is None else env
+    fix = "launch it with torchrun, or unset WORLD_SIZE and RANK to run alone"
+    raw = env.get("WORLD_SIZE", "1").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not a whole number >= 1; {fix}")
+    world = int(raw)
+    if world == 1:
+        return None
+    values = {}
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if not env.get(name, "").strip():
+            raise ConfigError(f"WORLD_SIZE={world} is set but {name} is not: no launch to join; {fix}")
+        values[name] = env[name].strip()
+    rank, port = values["RANK"], values["MASTER_PORT"]
+    if not rank.isdigit() or int(rank) >= world:
+        raise ConfigError(f"RANK={rank!r} must be a whole number below WORLD_SIZE={world}; {fix}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"MASTER_PORT={port!r} must be a port number from 1 to 65535; {fix}")
+    return int(rank), world, f"{values['MASTER_ADDR']}:{port}"
+
+
+def init_group_interruptibly(backend: str, timeout_s: float = LAUNCH_JOIN_TIMEOUT_S) -> None:
+    """``torch.distributed.init_process_group(backend)`` from the environment, waiting at most ``timeout_s`` for the
+    other ranks, run in a helper thread so that Ctrl-C and SIGTERM reach this one (torch's store retries in C++,
+    where no Python signal handler runs). Its error is raised here; a wait that ends by the timeout as
+    ``TimeoutError``."""
+    import datetime
+    import threading
+
+    import torch.distributed
+
+    done: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            done.append(None)
+        except BaseException as e:  # handed to the caller's thread
+            done.append(e)
+
+    worker = threading.Thread(target=join, name="microbatch-join", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)  # short waits: a KeyboardInterrupt lands between them
+    if done and done[0] is not None:
+        raise done[0]

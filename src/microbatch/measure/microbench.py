@@ -301,20 +301,39 @@ def join_launched_group(device: str) -> tuple[str, int, bool]:
     collectives and the GEMM beside an all-reduce are measured. Returns (device, rank, whether this call
     initialised the group: the caller destroys it then)."""
     import os
+    import sys
 
-    from microbatch.measure.device import distributed
+    from microbatch.errors import MeasurementError
+    from microbatch.measure.device import (
+        LAUNCH_JOIN_TIMEOUT_S,
+        distributed,
+        init_group_interruptibly,
+        launch_env,
+    )
 
     dist = distributed()
     if dist is not None:
         return device, dist.get_rank(), False
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    launch = launch_env()  # ConfigError where the variables cannot describe a launch, before any wait
+    if launch is None:
         return device, 0, False
+    rank, world, where = launch
     import torch.distributed
 
     cuda = device.startswith("cuda")
     if cuda:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}"
+    if rank == 0:
+        print(f"bench-gpu: WORLD_SIZE={world} is set: joining the process group at {where} as rank {rank}, waiting up "
+              f"to {LAUNCH_JOIN_TIMEOUT_S:g} s for the others", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        init_group_interruptibly("nccl" if cuda else "gloo")
+    except Exception as e:  # the store's timeout, a refused connection, an address that does not resolve
+        raise MeasurementError(
+            f"rank {rank} of {world} could not join the process group at {where} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}); start the other ranks with torchrun, "
+            "or unset WORLD_SIZE and RANK to measure this process alone"
+        ) from None
     return device, torch.distributed.get_rank(), True
 
 
