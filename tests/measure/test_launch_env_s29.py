@@ -57,3 +57,21 @@ def test_waiting_for_ranks_that_never_come_stops_on_a_signal(tmp_path, sig):
         os.killpg(p.pid, signal.SIGKILL)
         pytest.fail("still waiting 30 s after the signal")
     assert p.returncode == 130 and '"kind": "interrupted"' in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals as Linux sends them")
+@pytest.mark.timeout(120)
+def test_pipeline_waiting_as_one_rank_of_an_outside_launch_stops_on_ctrl_c(tmp_path):
+    env = {**os.environ, **GOOD, "MASTER_PORT": "29731", "MICROBATCH_CACHE_DIR": str(tmp_path)}
+    args = ["pipeline", "--model", "tiny", "--stages", "2", "--microbatches", "4", "--steps", "2", "--json"]
+    p = subprocess.Popen([sys.executable, "-m", "microbatch", *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    time.sleep(8)
+    assert p.poll() is None
+    os.kill(p.pid, signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("still waiting 30 s after Ctrl-C")
+    assert p.returncode == 130, err[-1000:]

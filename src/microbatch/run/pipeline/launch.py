@@ -79,8 +79,10 @@ def under_torchrun(env: Mapping[str, str] | None = None) -> bool:
 # -- the worker -------------------------------------------------------------------------
 
 
-def _init_group(cfg: PipelineConfig) -> tuple[int, int, Any]:
-    """Join the process group the environment describes; (rank, world size, device)."""
+def _init_group(cfg: PipelineConfig, interruptible: bool = False) -> tuple[int, int, Any]:
+    """Join the process group the environment describes; (rank, world size, device). ``interruptible`` (an outside
+    launch, a user at the terminal): the wait runs beside this thread, which Ctrl-C and SIGTERM reach
+    (:func:`~microbatch.measure.device.init_group_interruptibly`; in torch's store they were ignored)."""
     import datetime
 
     import torch
@@ -99,9 +101,14 @@ def _init_group(cfg: PipelineConfig) -> tuple[int, int, Any]:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    dist.init_process_group(
-        cfg.backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
-    )
+    if interruptible:
+        from microbatch.measure.device import init_group_interruptibly
+
+        init_group_interruptibly(cfg.backend, cfg.timeout_s)
+    else:
+        dist.init_process_group(
+            cfg.backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout_s)
+        )
     return rank, world, device
 
 
@@ -431,7 +438,10 @@ def _join_external(cfg: PipelineConfig) -> tuple[int, int, Any]:
     """:func:`_init_group` under an outside launcher, said on stderr first (RANK and WORLD_SIZE left in a shell by
     torchrun or SLURM put the command in this mode, and it then waited the whole ``--timeout`` in silence), its
     failure a :class:`PipelineError` naming the address, the port and the fix (it was a raw traceback)."""
+    from microbatch.measure.device import launch_env
+
     env = os.environ
+    launch_env()  # variables that describe no launch (RANK past WORLD_SIZE, a bad port): refused before any wait
     where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
     if env.get("RANK") == "0" or "TORCHELASTIC_RUN_ID" not in env:  # under torchrun, rank 0 says it for all
         print(
@@ -442,7 +452,7 @@ def _join_external(cfg: PipelineConfig) -> tuple[int, int, Any]:
             flush=True,
         )
     try:
-        return _init_group(cfg)
+        return _init_group(cfg, interruptible=True)
     except ConfigError:
         raise
     except Exception as e:  # the store's timeout, a refused connection, a bad address
