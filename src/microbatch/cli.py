@@ -119,14 +119,30 @@ def _stdout_gone() -> None:
         pass
 
 
+_PLAIN = {"−": "-", "–": "-", "—": "-", "×": "x", "·": ".", "≥": ">=", "≤": "<=", "≈": "~", "…": "...", "²": "^2",
+          "Σ": "S", "τ": "tau", "σ": "sigma", "µ": "u", "→": "->", "±": "+/-", "√": "sqrt"}  # fmt: skip
+"""What the command line's typography becomes on a stream whose encoding lacks it: a minus read as "?" under latin-1
+(``(p?1)/(v×m+p?1)``, a review)."""
+
+
+def _plain(e: UnicodeError) -> tuple[str, int]:
+    """A codec error handler: each character :data:`_PLAIN` knows in plain letters, any other as "?"."""
+    if not isinstance(e, UnicodeEncodeError):
+        raise e
+    return "".join(_PLAIN.get(ch, "?") for ch in e.object[e.start : e.end]), e.end
+
+
 def _tolerant_streams() -> None:
-    """stdout and stderr replace what their encoding cannot hold (−, ×, τ under latin-1 or cp1252) instead of
-    failing a finished command on its last print."""
+    """stdout and stderr write what their encoding cannot hold (−, ×, τ under latin-1 or cp1252) in plain letters
+    (:func:`_plain`) instead of failing a finished command on its last print."""
+    import codecs
+
+    codecs.register_error("microbatch-plain", _plain)
     for stream in (sys.stdout, sys.stderr):
         encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
         if stream is not None and encoding not in ("utf8", "utf8sig") and hasattr(stream, "reconfigure"):
             try:
-                stream.reconfigure(errors="replace")
+                stream.reconfigure(errors="microbatch-plain")
             except (OSError, ValueError):  # a stream that cannot be reconfigured keeps its ways
                 pass
 

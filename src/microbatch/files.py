@@ -33,7 +33,8 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
                 f.write(text)
             return
         # the name kept short: a legal 250-byte name plus the suffix ran past 255 bytes (ENAMETOOLONG, a review)
-        part = real.parent / f".{real.name[:100]}.{os.getpid()}.{os.urandom(4).hex()}.part"
+        short = real.name.encode()[:100].decode("utf-8", "ignore")  # bytes count there: 63 emoji are 252
+        part = real.parent / f".{short}.{os.getpid()}.{os.urandom(4).hex()}.part"
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to a new file
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:

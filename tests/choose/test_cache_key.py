@@ -439,3 +439,23 @@ def test_the_cache_folder_without_a_home(monkeypatch, tmp_path):
     assert cache.cache_dir().name.startswith("microbatch-cache-")
     monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path / "mine"))
     assert cache.cache_dir() == tmp_path / "mine"
+
+
+def test_the_temporary_cache_folder_is_this_users_own(monkeypatch, tmp_path):
+    """Its name is predictable: a folder another user made there first (or one anyone may write in) would let them
+    plant points or refuse the writes; a private one is made instead (a review)."""
+    import os
+    import stat
+    import tempfile
+
+    from microbatch.choose.tune import cache
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cache, "_PRIVATE", [])
+    mine = cache._private_temp_cache()
+    assert (
+        mine == tmp_path / f"microbatch-cache-{os.getuid()}" and stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+    )
+    os.chmod(mine, 0o777)  # as another user's planted folder would be, writable by all
+    other = cache._private_temp_cache()
+    assert other != mine and other.parent == tmp_path and stat.S_IMODE(os.stat(other).st_mode) == 0o700

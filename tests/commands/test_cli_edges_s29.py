@@ -136,3 +136,22 @@ def test_a_legal_250_byte_file_name_is_written(plan_json, capsys):
     code, _, err = run(["export", "--plan", "plan.json", "--format", "deepspeed", "-o", name], capsys)
     assert code == 0, err
     assert json.loads((plan_json / name).read_text(encoding="utf-8"))["train_batch_size"] == 64
+
+
+def test_a_latin1_stream_gets_plain_letters_not_question_marks(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    args = ["bubble", "-p", "4", "-m", "8", "-s", "interleaved", "--virtual", "2"]
+    r = subprocess.run([sys.executable, "-m", "microbatch", *args], capture_output=True, timeout=60, cwd=tmp_path,
+                       env={**os.environ, "PYTHONIOENCODING": "latin-1"})  # fmt: skip
+    assert r.returncode == 0 and b"(p-1)/(v" in r.stdout and b"?1)" not in r.stdout  # was (p?1)/(v\xd7m+p?1)
+
+
+def test_a_long_name_in_multibyte_letters_is_written(tmp_path):
+    from microbatch.files import write_text
+
+    name = "😀" * 63  # 63 characters, 252 bytes: the temporary name was cut by characters
+    write_text(tmp_path / name, "x")
+    assert (tmp_path / name).read_text(encoding="utf-8") == "x"

@@ -75,3 +75,8 @@ def test_pipeline_waiting_as_one_rank_of_an_outside_launch_stops_on_ctrl_c(tmp_p
         os.killpg(p.pid, signal.SIGKILL)
         pytest.fail("still waiting 30 s after Ctrl-C")
     assert p.returncode == 130, err[-1000:]
+
+
+def test_a_digit_int_cannot_read_is_refused_too():
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE='²'"):  # isdigit says yes, int says no
+        launch_env({"WORLD_SIZE": "²"})

@@ -302,7 +302,7 @@ def launch_env(env: Any = None) -> tuple[int, int, str] | None:
     env = os.environ if env is None else env
     fix = "launch it with torchrun, or unset WORLD_SIZE and RANK to run alone"
     raw = env.get("WORLD_SIZE", "1").strip()
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:  # "²" is a digit to isdigit, not to int
         raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not a whole number >= 1; {fix}")
     world = int(raw)
     if world == 1:
@@ -313,9 +313,9 @@ def launch_env(env: Any = None) -> tuple[int, int, str] | None:
             raise ConfigError(f"WORLD_SIZE={world} is set but {name} is not: no launch to join; {fix}")
         values[name] = env[name].strip()
     rank, port = values["RANK"], values["MASTER_PORT"]
-    if not rank.isdigit() or int(rank) >= world:
+    if not (rank.isascii() and rank.isdigit()) or int(rank) >= world:
         raise ConfigError(f"RANK={rank!r} must be a whole number below WORLD_SIZE={world}; {fix}")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ConfigError(f"MASTER_PORT={port!r} must be a port number from 1 to 65535; {fix}")
     return int(rank), world, f"{values['MASTER_ADDR']}:{port}"
 
@@ -331,9 +331,15 @@ def init_group_interruptibly(backend: str, timeout_s: float = LAUNCH_JOIN_TIMEOU
     import torch.distributed
 
     done: list[BaseException | None] = []
+    # the caller's CUDA device, which is per thread: NCCL's group is made for the device the caller set
+    cuda = (
+        torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    )
 
     def join() -> None:
         try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
             torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
             done.append(None)
         except BaseException as e:  # handed to the caller's thread

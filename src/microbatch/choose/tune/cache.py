@@ -69,10 +69,41 @@ def cache_dir() -> Path:
     except (RuntimeError, KeyError):
         home = Path()
     if not home.is_absolute():
-        import tempfile
-
-        return Path(tempfile.gettempdir()) / f"microbatch-cache-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        return _private_temp_cache()
     return home / ".cache" / "microbatch"
+
+
+_PRIVATE: list[Path] = []
+"""This process's own cache folder, where the shared temporary folder's could not be trusted."""
+
+
+def _private_temp_cache() -> Path:
+    """``<tmp>/microbatch-cache-<uid>``, made 0700, where it is this user's own folder and no one else may write in
+    it; else a fresh private folder for this process (another user could have made the predictable one first, to
+    plant points or to refuse the writes: a review)."""
+    import stat
+    import tempfile
+
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = Path(tempfile.gettempdir()) / f"microbatch-cache-{uid}"
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        folder = Path()
+    try:
+        st = os.lstat(folder)
+        ours = (
+            stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022 and folder.is_absolute()
+        )
+    except OSError:
+        ours = False
+    if ours:
+        return folder
+    if not _PRIVATE:
+        _PRIVATE.append(Path(tempfile.mkdtemp(prefix="microbatch-cache-")))
+    return _PRIVATE[0]
 
 
 def cache_key(fields: dict[str, Any]) -> str:

@@ -300,9 +300,9 @@ def _paired_ops(run: ResolvedRun) -> dict[tuple[str, int, int], tuple[str, int, 
         return {}
     try:
         order = run.torch_order()
-    except ConfigError:
+        acts = [[Action.parse(a) for a in order[r]] for r in range(run.cfg.stages)]
+    except ConfigError:  # an order this torch gives that cannot be read: no pairing, the plain hand-offs
         return {}
-    acts = [[Action.parse(a) for a in order[r]] for r in range(run.cfg.stages)]
     pairs = {}
     for rank, positions in enumerate(spec.overlapped(acts)):
         for k in positions:
