@@ -53,20 +53,14 @@ direction; one 400 Gb/s NIC a GPU), so the fix shows the unit and the size toget
 
 def _check_rate(item: str, key: str, value: float) -> None:
     """ConfigError when a peak or bandwidth override lies outside :data:`RATE_RANGES`, naming the value given."""
-    kind = (
-        "bytes"
-        if key.endswith("_bytes_per_s")
-        else "flops"
-        if key in ("bf16", "fp16", "fp32", "fp8")
-        else None
-    )
-    if kind is None:
+    if key not in RATE_EXAMPLES:  # not a peak or a bandwidth: checked by the row itself
         return
+    kind = "bytes" if key.endswith("_bytes_per_s") else "flops"
     lo, hi, unit = RATE_RANGES[kind]
     if not lo <= value <= hi:  # NaN fails too
         raise ConfigError(
             f"gpu_set {item!r}: {value:g} {unit} is outside [{lo:g}, {hi:g}] {unit}; give the figure in {unit}, "
-            f"e.g. {key}={RATE_EXAMPLES.get(key, '1e12')} (the H100 SXM's)",
+            f"e.g. {key}={RATE_EXAMPLES[key]} (the H100 SXM's)",
             params=("gpu_set",),
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +37,6 @@ def imported_keeping_interrupts(name: str) -> Any:
     landing there was lost, and ``tune`` measured every point and exited 0 (a review, 5 times). Here the signal
     only marks the interrupt while the import runs, and after it the handler that was there gets it: Python's own
     raises KeyboardInterrupt, another callable is called, SIG_DFL ends the process as the signal would have."""
-    import importlib
-    import sys
 
     if name in sys.modules:
         return importlib.import_module(name)
@@ -111,7 +110,6 @@ class _HeldLoader:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        import sys
 
         names = _finder_names()
         names.discard(module.__name__)  # its first import is under way: the finder steps aside for it
@@ -155,8 +153,6 @@ def _deliver_after_import(name: str, held: tuple[int, Any]) -> Any:
         code = frame.f_code
         done = code.co_name == "_find_and_load" and frame.f_locals.get("name") == name
         if done or not (code.co_filename.startswith("<frozen importlib") or code.co_filename == here):
-            import sys
-
             sys.setprofile(None)
             _deliver(*held)
 
@@ -183,7 +179,6 @@ class _FirstImportFinder:
 
 def _finder_names() -> set[str]:
     """The names the installed :class:`_FirstImportFinder` still holds (an empty set where none is installed)."""
-    import sys
 
     return next((f.names for f in sys.meta_path if isinstance(f, _FirstImportFinder)), set())
 
@@ -194,7 +189,6 @@ def interrupts_kept_in_first_import(*names: str) -> None:
     The command line's start installs it: a review's Ctrl-C 0.28 s into ``validate`` (torch imported to measure the
     CPU) was lost, the run exiting 0, or ended in a traceback (exit 1). Once per process; modules imported already
     are passed by."""
-    import sys
 
     wanted = tuple(n for n in (names or ("torch",)) if n not in sys.modules)
     if wanted and not any(isinstance(f, _FirstImportFinder) for f in sys.meta_path):

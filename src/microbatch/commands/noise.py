@@ -229,6 +229,7 @@ def _result(
     with ``steps_asked`` an interrupted run's (``final`` None when no step finished)."""
     from microbatch.run.noise import b_simple_lower, b_simple_rel_se, g_sq_resolved
 
+    pairs = [(h.last_g_sq, h.last_trace_sigma) for h in history]  # each step's (|G|², tr(Σ))
     tokens_per_seq = setting["seq"] - 1
     b_tokens = final.b_simple if final is not None else math.nan
     b_seqs = b_tokens / tokens_per_seq if math.isfinite(b_tokens) else math.inf
@@ -242,12 +243,12 @@ def _result(
         "trace_sigma": final.trace_sigma if final is not None else None,
         "b_simple_tokens": b_tokens if final is not None else None,
         "b_simple_sequences": b_seqs if final is not None else None,
-        "per_step": [{"g_sq": h.last_g_sq, "trace_sigma": h.last_trace_sigma} for h in history],
+        "per_step": [{"g_sq": g, "trace_sigma": t} for g, t in pairs],
         # the scatter of B_simple over the steps (delta method on the ratio of the means)
-        "b_simple_rel_se": b_simple_rel_se([(h.last_g_sq, h.last_trace_sigma) for h in history]),
+        "b_simple_rel_se": b_simple_rel_se(pairs),
         # |G|² two standard errors above 0 (None under two steps): else B_simple is a lower bound at best
-        "g_sq_resolved": g_sq_resolved([(h.last_g_sq, h.last_trace_sigma) for h in history]),
-        "b_simple_lower_tokens": b_simple_lower([(h.last_g_sq, h.last_trace_sigma) for h in history]),
+        "g_sq_resolved": g_sq_resolved(pairs),
+        "b_simple_lower_tokens": b_simple_lower(pairs),
         "source": "McCandlish et al. 2018, arXiv:1812.06162, sec. 2.2 and appendix A.1",
     }
     if steps_asked is not None:
