@@ -23,6 +23,11 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
     path that is not a regular file (a FIFO, which an in-place write waits on forever) raises ``OSError`` (EEXIST)."""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
+        target = Path(
+            os.path.realpath(path)
+        )  # a symbolic link into a folder not made yet: made too, as a path's
+        if not str(target).startswith(("/dev/", "/proc/")):
+            target.parent.mkdir(parents=True, exist_ok=True)
         real = _replaceable(Path(path))
         if always_whole and real is None:
             real = Path(os.path.realpath(path))

@@ -184,7 +184,9 @@ def check_output_file(
                 f"{flag} {path} is the input {in_flag} {in_path}: writing it would replace what is read; "
                 f"give {flag} another file"
             )
-    folder = Path(os.path.abspath(path)).parent
+    folder = (
+        landing.parent
+    )  # where the write lands: a symbolic link's target folder, made at the write if missing
     blocker = _file_in_the_way(folder)
     if blocker is not None:
         raise ConfigError(

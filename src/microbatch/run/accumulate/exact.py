@@ -38,6 +38,7 @@ from microbatch.run.accumulate.agree import (
     check_can_agree as _check_can_agree,  # the name bench/bench_oom.py imports
 )
 from microbatch.run.accumulate.controller import MicroBatchController
+from microbatch.run.accumulate.empty import NoItems, backward_empty, check_empty_losses, with_items
 from microbatch.run.accumulate.grad_hooks import MicroBatchNorms, Reading
 from microbatch.run.accumulate.microbatches import Batch, batch_rows, split, split_by_tokens
 from microbatch.run.accumulate.noise_step import NoiseStep, noise_reading, noise_smalls, noise_update
@@ -51,10 +52,7 @@ from microbatch.run.accumulate.oom import (
 from microbatch.run.accumulate.retry import StepState, check_weights_kept, warn_norm_layers, weight_versions
 from microbatch.run.accumulate.scaling import (
     CountFn,
-    NoItems,
-    backward_empty,
     check_callables,
-    check_empty_losses,
     check_loss,
     checked_counts,
     count_items,
@@ -69,7 +67,6 @@ from microbatch.run.accumulate.scaling import (
     to_float,
     to_mean,
     total_of,
-    with_items,
 )
 from microbatch.run.noise import GradientNoiseScale
 

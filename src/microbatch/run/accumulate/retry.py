@@ -11,14 +11,21 @@ the spectral norms' power-iteration vectors (``torch.nn.utils.parametrizations.s
 and the older ``torch.nn.utils.spectral_norm``'s ``<name>_u``/``<name>_v``) before the first attempt and puts
 them back before each redo; on the CPU the redone step's masks are then those of a clean run at the smaller
 size (the CPU generator fills b rows twice as it fills 2b once), and on a GPU the step is as reproducible as a
-clean run. Other buffers a forward rewrites (an exponential moving average kept by a custom module) are not
-taken: name them in a bug report.
+clean run.
+
+Any other buffer a forward rewrites (a quantisation observer's min/max, an exponential moving average, a MoCo
+queue, a step counter) is taken too: in a model's first step every other buffer, where they hold at most
+:data:`FIRST_STEP_BYTES` together; after it, those whose version counter (or whose tensor, where a forward
+assigns a new one) has moved between two steps' starts (once seen moving, always). One the step did not take and the failed attempt changed (a
+first step's buffers over the cap) cannot be put back: a warning names it.
 
 :func:`~microbatch.measure.norm_layers.norm_layers_warning` (re-exported here) says what no redo can change.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 from microbatch.errors import ConfigError
@@ -35,6 +42,18 @@ __all__ = [
 ]
 
 
+FIRST_STEP_BYTES = 64 * 2**20
+"""The most bytes of other buffers a model's first step copies (before any step has shown which a forward
+rewrites): copies held beside the activations of a step that may be near the device's memory. A MoCo queue of
+65,536 keys × 128 fp32 values is 32 MiB; a causal mask of 2,048² bytes 4 MiB; rotary tables well under 1 MiB."""
+
+_SEEN: weakref.WeakKeyDictionary[Any, tuple[dict[tuple[int, str], tuple[int, int]], set[tuple[int, str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each model's other buffers at its last step's start, (module id, name) -> (tensor id, version counter), and those
+seen moving between two steps' starts."""
+
+
 def _initialised(tensor: Any) -> bool:
     from torch.nn.parameter import UninitializedBuffer
 
@@ -46,12 +65,20 @@ class StepState:
     :meth:`restore` before a redo."""
 
     def __init__(
-        self, cpu_rng: Any, cuda_rng: list[Any] | None, buffers: list[tuple[Any, Any]], lazy: list[Any]
+        self,
+        cpu_rng: Any,
+        cuda_rng: list[Any] | None,
+        buffers: list[tuple[Any, Any]],
+        lazy: list[Any],
+        others: tuple[list[tuple[Any, str, Any, Any]], list[tuple[Any, str, Any, int]]] = ([], []),
     ) -> None:
         self._cpu_rng = cpu_rng
         self._cuda_rng = cuda_rng
         self._buffers = buffers
         self._lazy = lazy
+        self._others, self._unkept = (
+            others  # (module, name, tensor, copy) taken; (module, name, tensor, version) not
+        )
 
     @classmethod
     def take(cls, model: Any) -> StepState:
@@ -69,7 +96,8 @@ class StepState:
         # a lazy norm not initialised yet: its first forward creates the statistics, a redo starts them anew
         lazy = [m for m in norms if not _initialised(m.running_mean)]
         vectors = [b for _, pair in spectral_norms(model) for b in pair]
-        return cls(torch.get_rng_state(), cuda, [(b, b.detach().clone()) for b in running + vectors], lazy)
+        taken = [(b, b.detach().clone()) for b in running + vectors]
+        return cls(torch.get_rng_state(), cuda, taken, lazy, _other_buffers(model, {id(b) for b, _ in taken}))
 
     def restore(self) -> None:
         import torch
@@ -83,6 +111,49 @@ class StepState:
             for m in self._lazy:
                 if _initialised(m.running_mean):
                     m.reset_running_stats()
+            for module, name, live, saved in self._others:
+                if module._buffers.get(name) is live:
+                    live.copy_(saved)
+                else:  # the forward assigned a new tensor: the one the step started with goes back
+                    module._buffers[name] = saved
+        moved = [n for m, n, live, v in self._unkept if m._buffers.get(n) is not live or live._version != v]
+        if moved:
+            warnings.warn(
+                f"the attempt that ran out of memory changed the buffer(s) {', '.join(moved[:5])}, which a model's "
+                f"first step does not copy beyond {FIRST_STEP_BYTES // 2**20} MiB of buffers: the redo updates them "
+                "again (counted twice); later steps copy the buffers a forward changes",
+                stacklevel=4,
+            )
+
+
+def _other_buffers(
+    model: Any, taken: set[int]
+) -> tuple[list[tuple[Any, str, Any, Any]], list[tuple[Any, str, Any, int]]]:
+    """The model's buffers other than ``taken`` (ids), split into those copied now (module, name, tensor, copy) and
+    those only watched (module, name, tensor, version): see the module's docstring; remembers this step's versions."""
+    found, seen = [], set(taken)
+    for module in model.modules() if hasattr(model, "modules") else []:
+        for name, b in module._buffers.items():
+            if _initialised(b) and id(b) not in seen:
+                seen.add(id(b))
+                found.append((module, name, b))
+    now = {(id(m), name): (id(b), b._version) for m, name, b in found}
+    try:
+        last, moving = _SEEN.get(model, (None, set()))
+        if last is not None:
+            moving |= {key for key, seen in now.items() if last.get(key) != seen}
+        _SEEN[model] = (now, moving)
+    except TypeError:  # not weakly referable: every step is a first step
+        last, moving = None, set()
+    if last is None:
+        small = sum(b.numel() * b.element_size() for _, _, b in found) <= FIRST_STEP_BYTES
+        copy = found if small else []
+    else:
+        copy = [(m, name, b) for m, name, b in found if (id(m), name) in moving]
+    chosen = {id(b) for _, _, b in copy}
+    kept = [(m, name, b, b.detach().clone()) for m, name, b in copy]
+    watched = [(m, name, b, b._version) for m, name, b in found if id(b) not in chosen]
+    return kept, watched
 
 
 def weight_versions(params: list[Any]) -> list[int]:

@@ -24,7 +24,6 @@ from microbatch.run.accumulate.microbatches import Batch
 
 __all__ = [
     "check_callables",
-    "check_empty_losses",
     "check_loss",
     "CountFn",
     "count_items",
@@ -40,8 +39,6 @@ __all__ = [
     "to_mean",
     "total_of",
     "to_float",
-    "with_items",
-    "NoItems",
     "check_params_in_model",
 ]
 
@@ -328,22 +325,6 @@ def _held(ref: Any) -> Any:
     return ref() if isinstance(ref, weakref.ref) else ref
 
 
-def backward_empty(loss: torch.Tensor, scale: float, params: Sequence[Any]) -> bool:
-    """Add the gradient of a micro-batch with no items (:class:`NoItems`) where it is finite, and say whether it was:
-    its terms that are not per item (a z-loss) count, a masked mean's 0/0 (a NaN loss, or a finite ``torch.where``
-    whose backward is 0/0) is the 0 a sum over no items is. One read of the device, on these micro-batches only."""
-    if not math.isfinite(to_float(loss)):
-        return False
-    grads = torch.autograd.grad(loss * scale, list(params), allow_unused=True)
-    used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-    values = [g.coalesce().values() if g.is_sparse else g for _, g in used]  # a sparse embedding's rows
-    if used and not bool(torch.stack([v.isfinite().all() for v in values]).all()):
-        return False
-    for p, g in used:
-        p.grad = g if p.grad is None else p.grad.add_(g)
-    return True
-
-
 def check_params_in_model(loss: torch.Tensor, params: Sequence[Any]) -> None:
     """ConfigError, before any backward, when ``loss`` depends on a trainable ``nn.Parameter`` that is not among
     ``params`` (the model's): the call scales, restores and (under DDP) reduces the model's gradients only, so such a
@@ -378,63 +359,6 @@ def check_params_in_model(loss: torch.Tensor, params: Sequence[Any]) -> None:
             "pass a module that holds both, or, if they are not trained by this step (a GAN's discriminator in the "
             "generator's step), freeze them for it (discriminator.requires_grad_(False), and True again after)"
         )
-
-
-def check_empty_losses(
-    model: Any, losses: Sequence[Any], counts: Sequence[Any], loss_total: float, world: int
-) -> None:
-    """ConfigError, on every rank, when the step's summed loss ``loss_total`` is not finite only because micro-batches
-    with 0 items returned a non-finite summed loss (a masked mean × n is 0/0 = NaN there and poisons every
-    gradient; under DDP or FSDP such micro-batches still run, as every rank runs the same forwards). Looked at
-    only when the total is not finite, which every rank sees alike; where a micro-batch with items is not finite
-    either (fp16 overflow, divergence: a correct masked sum is then NaN on an empty one too, inf × 0) the step
-    passes through as before, for a GradScaler to skip."""
-    if math.isfinite(loss_total):
-        return
-    bad = [(i, to_float(n) == 0) for i, (loss, n) in enumerate(zip(losses, counts, strict=True))
-           if not math.isfinite(to_float(loss))]  # fmt: skip
-    empty = [i for i, none in bad if none]
-    flags = [
-        float(len(empty)),
-        float(len(bad) - len(empty)),
-    ]  # empty and non-finite; with items and non-finite
-    if world > 1:  # the ranks agree (one all_reduce, on this path only), so none waits for another
-        flag = torch.tensor(flags, device=model_device(model))
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group_and_world(model)[0])
-        flags = [float(x) for x in flag.tolist()]
-    if flags[0] and not flags[1]:
-        where = f"micro-batch {empty[0]} of this rank" if empty else "a micro-batch of another rank"
-        raise ConfigError(
-            f"loss_fn returned a summed loss of {to_float(losses[empty[0]]) if empty else 'nan'} for {where}, "
-            "which has 0 items, so the step's gradient is not finite; the summed loss over no items must be 0: "
-            "return the SUM of the per-item losses (e.g. cross_entropy(..., reduction='sum', ignore_index=-100)), "
-            "not a masked mean times the count. The gradients are as they were before the call"
-        )
-
-
-class NoItems:
-    """A micro-batch ``count_fn`` finds no items in (one process, :func:`with_items`). It still runs: a loss may hold
-    terms that are not per item (a z-loss, an auxiliary loss over every row), which the step's gradient includes
-    with or without ``count_fn``; its summed loss is taken as 0 only where it is not finite (a masked mean × n is
-    0/0 there and would poison every gradient; the sum over no items is 0)."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch: Batch) -> None:
-        self.batch = batch
-
-
-def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[Any], float]:
-    """One process: the micro-batches, those ``count_fn`` finds no items in marked :class:`NoItems`, and the total.
-    (They were left out, and with them a loss's terms that are not per item: a gradient other than the one without
-    ``count_fn``.) Not under DDP or FSDP, whose ranks must run the same forwards and backwards, and refuse an empty
-    micro-batch's non-finite loss (:func:`check_empty_losses`)."""
-    values = [as_number("count_fn(micro_batch)", count_fn(mb)) for mb in micro_batches]
-    counts = checked_counts("count_fn(micro_batch)", values)
-    total = float(sum(counts))
-    if not math.isfinite(total):
-        raise ConfigError(f"count_fn gave a total of {total!r} items; counts must be finite and >= 0")
-    return [mb if n > 0 else NoItems(mb) for mb, n in zip(micro_batches, counts, strict=True)], total
 
 
 def checked_counts(name: str, values: Sequence[Any]) -> list[float]:

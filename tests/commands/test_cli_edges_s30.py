@@ -1,0 +1,38 @@
+"""Output paths through a symbolic link whose target's folder is missing or is a file (2026-12-07, 14:40 UTC on)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.commands._cli import run
+
+EXPORT = ["export", "--plan", "plan.json", "--format", "deepspeed", "-o"]
+
+
+@pytest.fixture
+def plan_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"], capsys)
+    assert code == 0
+    (tmp_path / "plan.json").write_text(out, encoding="utf-8")
+    return tmp_path
+
+
+def test_a_link_into_a_folder_not_yet_made_is_written_through(plan_json, capsys):
+    os.symlink("missing/dir/x.json", plan_json / "link.json")
+    code, _, err = run([*EXPORT, "link.json"], capsys)
+    assert code == 0, err
+    written = json.loads((plan_json / "missing" / "dir" / "x.json").read_text(encoding="utf-8"))
+    assert written["train_batch_size"] == 64
+    assert os.path.islink(plan_json / "link.json")  # the link kept, its target written
+
+
+def test_a_link_whose_target_folder_is_a_file_is_refused_before_the_work(plan_json, capsys):
+    (plan_json / "afile").write_text("mine\n", encoding="utf-8")
+    os.symlink("afile/x.json", plan_json / "link.json")
+    code, _, err = run([*EXPORT, "link.json"], capsys)
+    assert code == 2 and "afile is a file, not a folder" in err
+    assert (plan_json / "afile").read_text(encoding="utf-8") == "mine\n"

@@ -1,0 +1,142 @@
+"""A redo after out-of-memory puts back every buffer a forward rewrote, and a micro-batch without items runs under
+reentrant checkpointing (a read-only review, 2026-12-07 14:40 UTC on). References are computed without the library:
+one clean pass at the size the redo ends at, or the whole batch at once, in float64."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from microbatch.run.accumulate import accumulate, retry
+
+
+class Ema(torch.nn.Module):
+    """A forward that keeps an exponential moving average of its input's mean in a buffer and uses it."""
+
+    def __init__(self, width: int, *, reassign: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(width, dtype=torch.float64))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.reassign = reassign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        new = 0.5 * self.avg + 0.5 * x.detach().mean(0)
+        if self.reassign:
+            self.avg = new  # a new tensor, as a module assigning its buffer does
+        else:
+            self.avg.copy_(new)
+        self.seen += 1
+        return x - self.avg
+
+
+class Gate(torch.nn.Module):
+    """Out of memory (raised as CUDA's allocator does) for a micro-batch of more than ``limit`` rows: after the
+    buffers above it were updated."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None and x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"Tried to allocate {x.shape[0]} rows")
+        return x
+
+
+def model_with(limit: int | None, *, reassign: bool = False) -> torch.nn.Sequential:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 6), Ema(6, reassign=reassign), Gate(limit), torch.nn.Linear(6, 3)
+    ).double()
+
+
+def loss_fn(model, mb):
+    x, y = mb
+    return F.cross_entropy(model(x), y, reduction="sum"), y.shape[0]
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 5, generator=g, dtype=torch.float64) * 3, torch.randint(0, 3, (8,), generator=g)
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def steps(
+    model, micro: int, seeds=(1, 2), on_oom: str | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for seed in seeds:
+        model.zero_grad(set_to_none=True)
+        accumulate(model, batch(seed), loss_fn, micro_batch_size=micro, on_oom=on_oom)
+        out.append((grads(model).clone(), model[1].avg.clone()))
+    return out
+
+
+@pytest.mark.parametrize("reassign", [False, True])
+def test_a_redo_puts_back_a_buffer_the_forward_rewrote(reassign):
+    clean = steps(model_with(None, reassign=reassign), 2)  # a clean run at the size the redo ends at
+    model = model_with(2, reassign=reassign)  # 8 and 4 rows run out of memory: two failed attempts a step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn of: every buffer was taken
+        split = steps(model, 8, on_oom="split")
+    for (g, avg), (g0, avg0) in zip(split, clean, strict=True):
+        assert torch.equal(avg, avg0)  # updated by the redo's forwards only, not also by the failed attempts'
+        assert torch.allclose(g, g0, rtol=0, atol=1e-15)
+    assert (
+        int(model[1].seen) == 8
+    )  # four micro-batches a step, two steps: the failed attempts' counts put back
+
+
+def test_over_the_first_steps_cap_the_buffer_is_named_then_taken_from_the_next_step(monkeypatch):
+    monkeypatch.setattr(retry, "FIRST_STEP_BYTES", 0)  # no buffer copied before a step has shown which move
+    clean = steps(model_with(None), 2)
+    model = model_with(2)
+    with pytest.warns(UserWarning, match=r"changed the buffer\(s\) avg, seen.*counted twice"):
+        first = steps(model, 8, seeds=(1,), on_oom="split")[0]
+    assert not torch.equal(first[1], clean[0][1])  # counted twice, as the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = steps(model, 8, seeds=(2,), on_oom="split")[0]
+    clean_after_the_same_first = model_with(None)
+    clean_after_the_same_first[1].avg.copy_(first[1])
+    clean_after_the_same_first[1].seen.fill_(int(model[1].seen) - 4)
+    g0, avg0 = steps(clean_after_the_same_first, 2, seeds=(2,))[0]
+    assert torch.equal(second[1], avg0) and torch.allclose(second[0], g0, rtol=0, atol=1e-15)
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.a, self.mid, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(
+        self, x: torch.Tensor
+    ) -> torch.Tensor:  # the checkpointed block's input requires grad, as in an LM
+        return self.b(checkpoint(lambda t: torch.tanh(self.mid(t)), self.a(x), use_reentrant=True))
+
+
+def test_a_micro_batch_without_items_runs_under_reentrant_checkpointing():
+    model = Checkpointed().double()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,), generator=g)
+    y[2:4] = -100  # the second micro-batch of two rows has no item
+
+    def masked(m, mb):
+        xx, yy = mb
+        return F.cross_entropy(m(xx), yy, ignore_index=-100, reduction="sum"), (yy != -100).sum()
+
+    loss, n = masked(model, (x, y))
+    (loss / n).backward()
+    ref = grads(model).clone()
+    model.zero_grad(set_to_none=True)
+    accumulate(model, (x, y), masked, micro_batch_size=2, count_fn=lambda mb: (mb[1] != -100).sum())
+    assert torch.allclose(grads(model), ref, rtol=0, atol=1e-15)
