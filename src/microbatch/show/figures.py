@@ -11,6 +11,7 @@ Colours come from the one table in :mod:`microbatch.show.timeline`.
 from __future__ import annotations
 
 import io
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -73,11 +74,26 @@ class Figure:
     svg: str
     """The SVG element, without the XML prolog, to sit inline in HTML."""
     png_path: Path | None = None
-    """The PNG copy, when one was written."""
+    """Where the PNG copy goes, when one is asked for (written by :meth:`write_png`, once the page is)."""
+    png_data: bytes = b""
+    """The PNG copy's bytes, held until the report is written: a report that fails later leaves no figure."""
     x_limits: tuple[float, float] | None = None
     """The x-axis range of the first axes as drawn (for checking that charts share one scale)."""
     x_label: str = ""
     """The x-axis label of the first axes, with its unit (``time (ms)``)."""
+
+    def write_png(self) -> None:
+        """Write the PNG copy to :attr:`png_path` (its folder made), whole or not at all."""
+        if self.png_path is None:
+            return
+        self.png_path.parent.mkdir(parents=True, exist_ok=True)
+        part = self.png_path.with_name(f".{self.png_path.name}.{os.getpid()}.part")
+        try:
+            part.write_bytes(self.png_data)
+            os.replace(part, self.png_path)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
 
 
 def literal(text: str) -> str:
@@ -97,7 +113,8 @@ def new_figure(size_in: tuple[float, float] = FIGURE_SIZE_IN, dpi: int = FIGURE_
 
 
 def render_figure(fig: MplFigure, name: str, title: str, png_dir: Path | None) -> Figure:
-    """``fig`` as inline SVG text, and as ``png_dir/<name>.png`` when ``png_dir`` is given."""
+    """``fig`` as inline SVG text, and as PNG bytes for ``png_dir/<name>.png`` when ``png_dir`` is given (written by
+    :meth:`Figure.write_png`)."""
     import matplotlib
 
     buf = io.StringIO()
@@ -105,19 +122,26 @@ def render_figure(fig: MplFigure, name: str, title: str, png_dir: Path | None) -
         fig.savefig(buf, format="svg", metadata={"Date": None})
     svg = buf.getvalue()
     svg = prefix_svg_ids(svg[svg.find("<svg") :], name)  # no XML prolog: the SVG sits inline
-    png_path = None
+    png_path, png = None, io.BytesIO()
     if png_dir is not None:
-        png_dir.mkdir(parents=True, exist_ok=True)
         png_path = png_dir / f"{name}.png"
         from microbatch import __version__
         from microbatch.envelope import MARK
 
         # the mark tells a later report that the file is ours to replace (microbatch.envelope.is_ours)
-        fig.savefig(png_path, format="png", dpi=fig.dpi, metadata={"Software": f"{MARK} {__version__}"})
+        fig.savefig(png, format="png", dpi=fig.dpi, metadata={"Software": f"{MARK} {__version__}"})
     axes = fig.get_axes()
     xlim = (float(axes[0].get_xlim()[0]), float(axes[0].get_xlim()[1])) if axes else None
     xlabel = axes[0].get_xlabel() if axes else ""
-    return Figure(name=name, title=title, svg=svg, png_path=png_path, x_limits=xlim, x_label=xlabel)
+    return Figure(
+        name=name,
+        title=title,
+        svg=svg,
+        png_path=png_path,
+        png_data=png.getvalue(),
+        x_limits=xlim,
+        x_label=xlabel,
+    )
 
 
 _SVG_ID = re.compile(r"""(\bid=["']|url\(#|href=["']#)([^"')]+)""")
@@ -151,8 +175,14 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
     xs = [p["micro_batch"] for p in pts]
     ys = [p["throughput"] for p in pts]
     ax.plot(xs, ys, "o-", color=COLORS["measured"], label="measured")
+    left = {i.get("micro_batch") for i in tune.get("left_out") or [] if isinstance(i, dict)}
+    if left & set(xs):  # measured, but past a limit the choice kept (a latency, the memory budget)
+        out = [p for p in pts if p["micro_batch"] in left]
+        ax.plot([p["micro_batch"] for p in out], [p["throughput"] for p in out], "o", ms=11, mfc="none",
+                color=COLORS["unknown"], label="left out (past a limit)")  # fmt: skip
+    chosen_from = [p["throughput"] for p in pts if p["micro_batch"] not in left] or ys
     if ys:
-        best = max(ys)
+        best = max(chosen_from)
         tol = float(tune.get("tolerance") or 0.0)
         rule = tune.get("rule", "")
         ref = max(best, float(tune.get("reference_throughput") or 0.0))
@@ -161,13 +191,14 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
         if tol > 0 and rule == "fraction":
             mu = float(tune.get("bound_margin") or 0.0)
             what = ("the bound" if ref > best else "best") + (f", {mu:.1%} margin" if mu >= 0.0005 else "")
-            ax.axhspan(
-                ref * (1 - tol) * (1 + mu),
-                ref,
-                color=COLORS["measured"],
-                alpha=0.12,
-                label=f"within {tol:.0%} of {what}",
-            )
+            line = ref * (1 - tol) * (1 + mu)
+            if line < ref:
+                ax.axhspan(
+                    line, ref, color=COLORS["measured"], alpha=0.12, label=f"within {tol:.0%} of {what}"
+                )
+            else:  # the margin lifts the line over the reference: no b_m can reach it (the text says so too)
+                ax.axhline(line, color=COLORS["measured"], ls=":", lw=1,
+                           label=f"line {line:,.0f} ({tol:.0%} below {what}): over it, none reaches it")  # fmt: skip
         elif tol > 0:
             ax.axhspan(
                 best * (1 - tol), best, color=COLORS["measured"], alpha=0.12, label=f"best − {tol:.0%}"

@@ -28,8 +28,9 @@ from microbatch import __version__, records
 from microbatch.envelope import MARK
 from microbatch.errors import ConfigError
 from microbatch.fields import short_repr
+from microbatch.files import write_text
 from microbatch.show.figures import FIGURE_SIZE_PX, Figure
-from microbatch.show.html_parts import CSS
+from microbatch.show.html_parts import CSS, SOURCE
 from microbatch.show.html_parts import bytes_column as _bytes_column
 from microbatch.show.html_parts import esc as _esc
 from microbatch.show.html_parts import mem as _mem
@@ -66,7 +67,7 @@ def load_results(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
     for p in paths:
         for kind, res in records.load_results([p]):
             check_result(kind, res, source=str(p))
-            out.append((kind, res))
+            out.append((kind, {**res, SOURCE: str(p)}))
     if not out:
         return records.load_results([])  # its refusal: no results given
     return out
@@ -395,6 +396,10 @@ def build_report(
     body: list[str] = []
     for i, (kind, res) in enumerate(sorted(items, key=lambda kr: _ORDER.get(kr[0], 9))):
         html_text, drawn = _section(kind, res, png_dir, i)
+        if res.get(
+            SOURCE
+        ):  # which file each section is drawn from: results of other models or machines read apart
+            html_text = html_text.replace("</h2>", f"</h2><p class='source'>from {_esc(res[SOURCE])}</p>", 1)
         body.append(html_text)
         figs += drawn
         sections.append(kind)
@@ -409,13 +414,11 @@ def build_report(
         + "".join(body)
         + "</body></html>"
     )
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(doc, encoding="utf-8")
-    except OSError as e:  # a full disk: say which file (the results it was built from are where they were)
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror, str(out)) from e
-        raise
+    write_text(
+        out, doc
+    )  # whole or not at all; a full disk named (the results it was built from are where they were)
+    for f in figs:  # only now: a report that failed earlier left no figure, nor replaced a good report's
+        f.write_png()
     pngs = [f.png_path for f in figs if f.png_path]
     if png_dir is not None:
         _drop_stale_pngs(png_dir, pngs)

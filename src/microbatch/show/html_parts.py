@@ -39,6 +39,10 @@ svg{max-width:100%;height:auto} .wide{overflow-x:auto;max-width:100%}
 """The page's style sheet (inline: the report needs no other file)."""
 
 
+SOURCE = "_report_source"
+"""The key the report's loader adds to each result: the file it was read from, shown under its section's title."""
+
+
 def esc(x: Any) -> str:
     """``x`` as text, escaped for HTML."""
     return html.escape(str(x))

@@ -24,6 +24,7 @@ from microbatch.show.figures import (
     timeline_figure,
 )
 from microbatch.show.html_parts import (
+    SOURCE,
     bytes_column,
     esc,
     figure_html,
@@ -35,7 +36,9 @@ from microbatch.show.html_parts import (
     table,
 )
 from microbatch.show.pipeline_report import shared_span_ms
+from microbatch.show.recommendation import detail_lines
 from microbatch.show.timeline import MAX_CHART_ACTIONS, Row, normalize_rows
+from microbatch.show.validation import validation_cell
 from microbatch.units import format_bytes
 
 __all__ = [
@@ -72,7 +75,7 @@ def tune_section(t: dict[str, Any], png_dir: Path | None, kind: str = "tune", id
     if t.get("interrupted"):
         head += " — interrupted"
     unit = throughput_unit(t)
-    parts = [f"<h2>{head}</h2>", _knee_answer(t, unit), _stopped(t)]
+    parts = [f"<h2>{head}</h2>", _knee_answer(t, unit), _details(t, unit), _stopped(t)]
     figs: list[Figure] = []
     points = t.get("points") or []
     if points:
@@ -123,6 +126,20 @@ def _knee_answer(t: dict[str, Any], unit: str) -> str:
         + _left_out(t)
         + "</p>"
     )
+
+
+def _details(t: dict[str, Any], unit: str) -> str:
+    """What qualifies the knee, as the text says it (:func:`~microbatch.show.recommendation.detail_lines`: a curve
+    not flattened, a bound no b_m reached, b_m the noise cannot tell apart, the largest predicted to fit) and the
+    result's notes; "" when there is nothing, or the result lacks the choice's fields (a hand-made file)."""
+    try:
+        lines = detail_lines(t, unit, left_out=False) if "fastest_fitting" in t else []
+    except (KeyError, TypeError):
+        lines = []
+    lines += [f"note: {n}" for n in t.get("notes") or []]
+    if not lines:
+        return ""
+    return "<ul class='details'>" + "".join(f"<li>{esc(line)}</li>" for line in lines) + "</ul>"
 
 
 def _left_out(t: dict[str, Any]) -> str:
@@ -345,7 +362,7 @@ def validate_section(res: dict[str, Any]) -> str:
     if not rows:
         return ""
     keys = list(rows[0].keys())
-    body = [[(num(r[h], "{:,.1f}") if isinstance(r[h], float) else r[h]) for h in keys] for r in rows]
+    body = [[validation_cell(h, r[h]) for h in keys] for r in rows]  # the text table's digits
     warned = [w for w in (res.get("warnings") or []) + (res.get("notes") or []) if isinstance(w, str)]
     return (
         "<h2>Predicted against measured</h2>"
@@ -366,7 +383,7 @@ def human_header(key: str) -> str:
     return " ".join(words).replace("micro- ", "micro-").replace("micro-batch", "b_m")
 
 
-_SKIP = {"command", "version"}
+_SKIP = {"command", "version", SOURCE}
 _MAX_ROWS = 50
 
 

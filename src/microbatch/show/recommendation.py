@@ -14,7 +14,7 @@ from microbatch.choose.bound import BOUND_MIN_POINTS, BOUND_SLACK, BOUND_WINDOW
 from microbatch.records_fields import throughput_unit
 from microbatch.units import format_bytes
 
-__all__ = ["render_curve", "render_recommendation", "render_tune", "use_line"]
+__all__ = ["detail_lines", "render_curve", "render_recommendation", "render_tune", "use_line"]
 
 
 def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -138,7 +138,14 @@ def render_recommendation(
         + (f", g = {f['grad_accum']}" if f.get("grad_accum") is not None else "")
         + f"  — {f['throughput']:,.1f} {unit}, peak {format_bytes(f['peak_memory_bytes'])}"
     )
-    lines += _noise_lines(d)
+    return "\n".join(lines + detail_lines(d, unit))
+
+
+def detail_lines(d: Mapping[str, Any], unit: str, *, left_out: bool = True) -> list[str]:
+    """What qualifies the knee, in the text's words (the HTML report shows the same): b_m the noise cannot tell
+    apart, the bound and its line, the memory fit, the largest b_m predicted to fit, the b_m left out (unless
+    ``left_out`` is False) and a curve that had not flattened."""
+    lines = _noise_lines(d)
     lines += _bound_lines(d, unit)
     fit = d.get("memory_fit")
     if fit:
@@ -162,7 +169,7 @@ def render_recommendation(
     reasons: dict[str, list[str]] = {}
     for item in left:
         reasons.setdefault(item["why"], []).append(str(item["micro_batch"]))
-    for why, sizes in reasons.items():
+    for why, sizes in reasons.items() if left_out else ():
         lines.append(f"left out: b_m {', '.join(sizes)} ({why})")
     oom_above = d.get("out_of_memory_above")
     larger_left = [
@@ -180,7 +187,7 @@ def render_recommendation(
                 else "a larger b_m may be faster"
             )
         )
-    return "\n".join(lines)
+    return lines
 
 
 def use_line(d: Mapping[str, Any]) -> str:

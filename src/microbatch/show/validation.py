@@ -11,7 +11,7 @@ from typing import Any
 
 from microbatch.units import format_bytes, format_signed_pct
 
-__all__ = ["validation_summary", "with_summary", "render_validation"]
+__all__ = ["validation_cell", "validation_summary", "with_summary", "render_validation"]
 
 
 def validation_summary(d: Mapping[str, Any]) -> str:
@@ -75,6 +75,13 @@ def _cell(value: Any, fmt: str) -> str:
     if value is None:
         return "—"
     return format_signed_pct(value)[:-1] if fmt == _PCT else fmt.format(value)
+
+
+def validation_cell(key: str, value: Any) -> str:
+    """One value of a validation row as the text table shows it (its column's digits: the HTML report's too); a
+    column the table does not know, a float to one decimal."""
+    fmt = next((f for k, _, f in _COLUMNS if k == key), "{:,.1f}" if isinstance(value, float) else "{}")
+    return _cell(value, fmt)
 
 
 def render_validation(d: Mapping[str, Any]) -> str:

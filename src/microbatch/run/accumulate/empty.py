@@ -21,7 +21,7 @@ from microbatch.run.accumulate.scaling import (
     to_float,
 )
 
-__all__ = ["NoItems", "backward_empty", "check_empty_losses", "with_items"]
+__all__ = ["Filler", "NoItems", "backward_empty", "check_empty_losses", "same_count", "with_items"]
 
 
 def backward_empty(loss: torch.Tensor, scale: float, params: Sequence[Any]) -> bool:
@@ -131,3 +131,34 @@ def with_items(micro_batches: Sequence[Batch], count_fn: CountFn) -> tuple[list[
     if not math.isfinite(total):
         raise ConfigError(f"count_fn gave a total of {total!r} items; counts must be finite and >= 0")
     return [mb if n > 0 else NoItems(mb) for mb, n in zip(micro_batches, counts, strict=True)], total
+
+
+class Filler:
+    """A micro-batch run under FSDP only because another rank runs more (:func:`same_count`): a forward and a backward
+    of this rank's last micro-batch with its loss times 0, so that FSDP's all-gathers and reduce-scatters (one set a
+    forward and a backward, on every rank) stay in step; it adds nothing to the gradient, the loss or the items."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+
+
+def same_count(model: Any, micro_batches: list[Any]) -> list[Any]:
+    """Under FSDP on several ranks, ``micro_batches`` followed by :class:`Filler` ones up to the most any rank runs
+    (one ``all_reduce`` of this rank's count and its negative, MAX): every forward and backward there is a
+    collective, and a rank that ran fewer would leave the others waiting in an all-gather. ConfigError on every rank
+    where one has none (no micro-batch to run a filler of)."""
+    group, world = group_and_world(model)
+    mine = len(micro_batches)
+    both = torch.tensor([float(mine), -float(mine)], device=model_device(model))
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+    most, fewest = int(both[0]), int(-both[1])
+    if fewest == 0 and most > 0:
+        raise ConfigError(
+            f"under FSDP every rank runs the same number of forwards and backwards (each is a collective), but a rank "
+            f"of the {world} has no micro-batch this step (this one has {mine}, the most {most}); give every rank at "
+            "least one row (a DistributedSampler pads the ranks to the same number of rows, unless drop_last=True "
+            "and a short last batch)"
+        )
+    return [*micro_batches, *(Filler(micro_batches[-1]) for _ in range(most - mine))]

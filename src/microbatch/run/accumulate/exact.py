@@ -38,7 +38,14 @@ from microbatch.run.accumulate.agree import (
     check_can_agree as _check_can_agree,  # the name bench/bench_oom.py imports
 )
 from microbatch.run.accumulate.controller import MicroBatchController
-from microbatch.run.accumulate.empty import NoItems, backward_empty, check_empty_losses, with_items
+from microbatch.run.accumulate.empty import (
+    Filler,
+    NoItems,
+    backward_empty,
+    check_empty_losses,
+    same_count,
+    with_items,
+)
 from microbatch.run.accumulate.grad_hooks import MicroBatchNorms, Reading
 from microbatch.run.accumulate.microbatches import Batch, batch_rows, split, split_by_tokens
 from microbatch.run.accumulate.noise_step import NoiseStep, noise_reading, noise_smalls, noise_update
@@ -438,6 +445,10 @@ def _backward_each(
     before and after (not under FSDP, whose unsharding writes them, nor for a lazy module's, set by its first
     forward)."""
     versions = None if is_fsdp(model) else weight_versions(params)
+    if (
+        versions is None and group_and_world(model)[1] > 1
+    ):  # FSDP: as many forwards and backwards as every rank
+        micro_batches = same_count(model, micro_batches)
     losses: list[torch.Tensor] = []
     counts: list[Any] = []
     readings: list[tuple[Any, Reading | None]] = []  # (items, Σ|g|²) of each micro-batch, for noise
@@ -446,6 +457,11 @@ def _backward_each(
     try:
         for i, mb in enumerate(micro_batches):
             with sync_unless_last(model, i == last and not manual):
+                if isinstance(
+                    mb, Filler
+                ):  # FSDP's collectives kept in step with a rank that runs more; adds 0
+                    (check_loss(loss_fn(model, mb.batch), i)[0] * 0.0).backward()  # type: ignore[no-untyped-call]
+                    continue
                 empty = isinstance(mb, NoItems)  # count_fn found no items: run for terms not per item
                 once = params_once(model, loss_fn, params) if i == 0 else (None, None)
                 loss_sum, n = check_loss(loss_fn(model, mb.batch if empty else mb), i, *once)

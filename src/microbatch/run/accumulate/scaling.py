@@ -241,7 +241,9 @@ def check_callables(model: Any, loss_fn: Any, count_fn: Any) -> None:
             raise ConfigError(
                 "accumulate was called inside DDP's no_sync(): it syncs the step itself, once, and a gradient left "
                 "from a call under no_sync is never all-reduced (the ranks drift apart); call accumulate once per "
-                "optimizer step with the whole batch, outside no_sync (or accumulate_micro_batches with its pieces)"
+                "optimizer step with the whole batch, outside no_sync (or accumulate_micro_batches with its pieces); "
+                "inside Accelerate's accelerator.accumulate(model), which enters no_sync on several processes, give "
+                "Accelerator(gradient_accumulation_steps=1) and let accumulate split the batch"
             )
         if getattr(model, "static_graph", False):
             raise ConfigError(

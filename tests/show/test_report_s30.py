@@ -1,0 +1,88 @@
+"""The report says what the text says of a knee, draws the line where the choice drew it, writes nothing when it
+fails and names each section's file (a read-only review, 2026-12-07 14:40 UTC on). The two tune results in
+tests/data were measured by `microbatch tune --mode decode` on the tiny and a 16-layer model on a 2-core CPU."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from microbatch.cli import main
+from microbatch.show.figures import throughput_figure
+from microbatch.show.html import build_report, load_results
+from microbatch.show.html_sections import validate_section
+from microbatch.show.recommendation import render_tune
+
+DATA = Path(__file__).parent.parent / "data"
+UNFLATTENED = DATA / "tune_decode_unflattened.json"  # knee 16, margin 23.1%: the line above the bound
+LATENCY = DATA / "tune_decode_latency.json"  # b_m 8 left out past 5 ms, the knee 4
+
+
+def _labels(fig) -> dict[str, object]:
+    ax = fig.get_axes()[0]
+    return {
+        a.get_label(): a
+        for a in [*ax.patches, *ax.lines, *ax.collections]
+        if not a.get_label().startswith("_")
+    }
+
+
+def test_the_report_says_what_the_text_says_of_an_unfinished_knee(tmp_path: Path) -> None:
+    t = json.loads(UNFLATTENED.read_text(encoding="utf-8"))
+    text = render_tune(t)
+    html = build_report(load_results([UNFLATTENED]), tmp_path / "r.html", png=False).html_path.read_text()
+    for words in ("had not flattened", "no measured b_m reached it", "largest b_m predicted to fit"):
+        assert words in text and words in html, words
+    assert f"<p class='source'>from {UNFLATTENED}</p>" in html
+
+
+def test_a_line_over_the_bound_is_drawn_as_a_line_not_a_band_above_it() -> None:
+    t = json.loads(UNFLATTENED.read_text(encoding="utf-8"))
+    line = t["reference_throughput"] * (1 - t["tolerance"]) * (1 + t["bound_margin"])
+    assert line > t["reference_throughput"]  # the case: (1 − 0.15)(1 + 23.1%) = 104.6% of it
+    labels = _labels(throughput_figure(t))
+    assert not [k for k in labels if k.startswith("within")]
+    drawn = next(a for k, a in labels.items() if "none reaches it" in k)
+    assert drawn.get_ydata()[0] == pytest.approx(line)
+
+
+def test_the_band_is_taken_from_the_points_the_choice_kept() -> None:
+    t = json.loads(LATENCY.read_text(encoding="utf-8"))
+    kept = max(p["throughput"] for p in t["points"] if p["micro_batch"] != 8)
+    assert (
+        max(p["throughput"] for p in t["points"]) > 1.3 * kept
+    )  # the left-out b_m 8 is the fastest measured
+    labels = _labels(throughput_figure(t))
+    band = next(a for k, a in labels.items() if k.startswith("within"))
+    assert band.get_y() + band.get_height() == pytest.approx(kept)
+    assert labels["left out (past a limit)"].get_xdata()[0] == 8
+
+
+def test_a_report_that_fails_writes_no_figure_and_keeps_an_earlier_reports(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "rep" / "report.html"
+    assert main(["report", str(LATENCY), "--out", str(out)]) == 0
+    figures = sorted((tmp_path / "rep" / "report-figures").glob("*.png"))
+    assert figures
+    before = {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in figures}
+    html = out.read_text(encoding="utf-8")
+    bad = tmp_path / "bad.json"
+    capsys.readouterr()
+    main(["simulate", "-p", "2", "-m", "4", "-s", "1f1b", "--json"])
+    sim = json.loads(capsys.readouterr().out)
+    sim["bubble_fraction"] = "27%"  # a hand edit the report cannot draw
+    bad.write_text(json.dumps(sim), encoding="utf-8")
+    assert main(["report", str(UNFLATTENED), str(bad), "--out", str(out)]) == 2
+    assert out.read_text(encoding="utf-8") == html
+    assert {f: hashlib.sha256(f.read_bytes()).hexdigest() for f in figures} == before
+    fresh = tmp_path / "new" / "fresh.html"
+    assert main(["report", str(UNFLATTENED), str(bad), "--out", str(fresh)]) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_validate_table_has_the_texts_digits() -> None:
+    rows = [{"micro_batch": 1, "step_ms": 1.551, "step_uncal_ms": 1.548, "step_uncal_err_%": -0.2}]
+    html = validate_section({"rows": rows})
+    assert ">1.55<" in html and ">-0.2<" in html and ">1.6<" not in html
