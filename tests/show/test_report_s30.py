@@ -86,3 +86,9 @@ def test_the_validate_table_has_the_texts_digits() -> None:
     rows = [{"micro_batch": 1, "step_ms": 1.551, "step_uncal_ms": 1.548, "step_uncal_err_%": -0.2}]
     html = validate_section({"rows": rows})
     assert ">1.55<" in html and ">-0.2<" in html and ">1.6<" not in html
+
+
+def test_recommend_on_a_decode_tune_says_tokens_per_second(capsys) -> None:
+    assert main(["recommend", "--measurements", str(LATENCY), "--max-latency-ms", "5"]) == 0
+    knee = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("knee"))
+    assert "tokens/s" in knee and "per s" not in knee.replace("tokens/s", "")

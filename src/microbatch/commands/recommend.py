@@ -293,4 +293,17 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
         }
         for p in points
     ]
-    emit(d, as_json, lambda: render_recommendation(d, pts, unit="per s"))
+    emit(d, as_json, lambda: render_recommendation(d, pts, unit=_unit_of(measurements)))
+
+
+def _unit_of(path: str) -> str:
+    """The throughput's unit: a tune result's own (tokens/s for decoding or token batches, samples/s), else the
+    file's, unknown here ("per s")."""
+    from microbatch.records import classify
+    from microbatch.records_fields import throughput_unit
+
+    try:
+        data = loads(_file_of(path).read_text(encoding="utf-8-sig"))
+        return throughput_unit(data) if isinstance(data, dict) and classify(data) == "tune" else "per s"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ConfigError):
+        return "per s"

@@ -115,12 +115,20 @@ def time_until_stable(
             return times
 
 
+STALLED = 2.0
+"""A median over this many times the fastest repeat is not taken as stable: interference only lengthens a step,
+and two stalled repeats of three make a median that agrees with itself. A review saw decode steps on two shared
+cores read 100-700x their time in two of three repeats and be accepted (median of 3 = median of the first 2); the
+jitter a step has without a stall is a few percent (``rel_tol``), far under 2x."""
+
+
 def enough_repeats(times: list[float], timing: TimingConfig, elapsed_s: float) -> bool:
     """Whether the timed repeats ``times`` (after the warm-up), taken over ``elapsed_s`` seconds,
     are enough: ``max_repeats`` reached, or at least ``min_repeats`` and either ``max_time_s``
     spent or the median stable (the median of all and that of all but the last differ by less
-    than ``rel_tol``). The one stop rule of every probe (:func:`time_until_stable`, and the
-    Accelerate decorator's step probe, which times the user's own loop)."""
+    than ``rel_tol``) and not stalled (at most :data:`STALLED` times the fastest repeat). The one stop
+    rule of every probe (:func:`time_until_stable`, and the Accelerate decorator's step probe, which times
+    the user's own loop)."""
     n = len(times)
     if n >= timing.max_repeats:
         return True
@@ -131,7 +139,8 @@ def enough_repeats(times: list[float], timing: TimingConfig, elapsed_s: float) -
     if n < 2:
         return False
     m_all, m_prev = statistics.median(times), statistics.median(times[:-1])
-    return m_all > 0 and abs(m_all - m_prev) / m_all < timing.rel_tol
+    stalled = m_all > STALLED * min(times)
+    return m_all > 0 and abs(m_all - m_prev) / m_all < timing.rel_tol and not stalled
 
 
 def wall_timer(fn: Callable[[], Any]) -> float:

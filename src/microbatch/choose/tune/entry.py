@@ -148,6 +148,24 @@ def _preflight(
         check_host_budget(choice.memory_budget_bytes, probe)
 
 
+def _resolved_probe(probe: ProbeConfig, shape: Any) -> tuple[ProbeConfig, str]:
+    """``probe`` with its sequence (the shape's where not given), device (the CPU), timing and threads set, and the
+    line saying how the timing was chosen: on a CPU the command line's rule (one thread and the process clock on a
+    small one: torch's threads on the wall clock read sub-millisecond decode steps 100-700x slow when another
+    process took a core, a review found), CUDA events on a GPU."""
+    seq = probe.seq
+    if seq is None:
+        if shape is None:
+            raise ConfigError(_SEQ_REQUIRED, params=("seq", "hf_config"))
+        seq = shape.seq
+    device = probe.device or "cpu"
+    cuda = device.startswith("cuda")
+    timing, threads, timing_choice = in_process_timing(probe, "cuda" if cuda else "cpu")
+    in_process = cuda if probe.in_process is None else probe.in_process
+    resolved = replace(probe, seq=seq, device=device, timing=timing, threads=threads, in_process=in_process)
+    return resolved, "" if cuda else timing_choice
+
+
 def _walk_for_mode(mode: str, search: SearchConfig) -> SearchConfig:
     """The search as ``mode`` can run it: decoding has no backward pass, so nothing to recompute (checkpointing
     off; 'on' asked for is refused, not dropped without a word)."""
@@ -193,19 +211,9 @@ def tune_model(
     choice = choice.resolve(reference="bound")
     shape, target, label = _describe(model, hf_config, probe_config.backend)
     search_config = _walk_for_mode(probe_config.mode, search_config)
-    seq = probe_config.seq
-    if seq is None:
-        if shape is None:
-            raise ConfigError(_SEQ_REQUIRED, params=("seq", "hf_config"))
-        seq = shape.seq
-    device = probe_config.device or "cpu"
-    probe_config = replace(
-        probe_config,
-        seq=seq,
-        device=device,
-        timing=probe_config.timing or default_timing(device),
-        in_process=device.startswith("cuda") if probe_config.in_process is None else probe_config.in_process,
-    )
+    probe_config, timing_choice = _resolved_probe(probe_config, shape)
+    seq, device = probe_config.seq, probe_config.device
+    assert seq is not None and device is not None
     if search_config.use_cache is None:
         search_config = replace(search_config, use_cache=True)
     spec = ProbeSpec(
@@ -239,7 +247,7 @@ def tune_model(
     setup = Setup(model_label=label, fingerprint_fields=fp, budget_source=budget_source, t_start=t_start)
     result = _with_heap_note(run_search(prober, probe_config, search_config, choice, setup, on_point))
     _say_cached(result)
-    return result
+    return replace(result, timing_choice=timing_choice) if timing_choice else result
 
 
 def _with_heap_note(result: TuneResult) -> TuneResult:
