@@ -140,3 +140,48 @@ def test_a_micro_batch_without_items_runs_under_reentrant_checkpointing():
     model.zero_grad(set_to_none=True)
     accumulate(model, (x, y), masked, micro_batch_size=2, count_fn=lambda mb: (mb[1] != -100).sum())
     assert torch.allclose(grads(model), ref, rtol=0, atol=1e-15)
+
+
+class Detector(torch.nn.Module):
+    """Takes a list of images of their own sizes, as torchvision's detection models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.conv, self.head = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 1)
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([self.head(self.conv(im[None]).mean((2, 3))) for im in images]).squeeze(1)
+
+
+def detection_loss(model, mb):
+    images, targets = mb
+    goal = torch.stack([t["labels"].double().mean() for t in targets])
+    return ((model(images) - goal) ** 2).sum(), len(images)
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_a_detection_batch_splits_by_image(rows):
+    g = torch.Generator().manual_seed(rows)
+    images = [torch.randn(3, 8 + i, 9, generator=g, dtype=torch.float64) for i in range(rows)]
+    targets = [{"boxes": torch.rand(i + 1, 4, generator=g), "labels": torch.randint(0, 5, (i + 1,), generator=g)}
+               for i in range(rows)]  # fmt: skip
+    model = Detector().double()
+    loss, n = detection_loss(model, (images, targets))
+    (loss / n).backward()
+    ref = grads(model).clone()
+    model.zero_grad(set_to_none=True)
+    accumulate(model, (images, targets), detection_loss, micro_batch_size=2)
+    assert torch.allclose(grads(model), ref, rtol=0, atol=1e-14)
+
+
+def test_sparse_and_nested_tensors_in_a_batch_are_refused_with_the_fix():
+    from microbatch.errors import ConfigError
+    from microbatch.run.accumulate import split
+
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [0, 1, 0]]), torch.ones(3), (4, 3))
+    with pytest.raises(ConfigError, match=r"batch\[1\] is a sparse_coo \(sparse\) tensor.*to_dense"):
+        split((torch.zeros(4, 2), sparse), 2)
+    jagged = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(3, 3)], layout=torch.jagged)
+    with pytest.raises(ConfigError, match=r"batch\[1\] is a nested \(jagged\) tensor.*to_padded_tensor"):
+        split((torch.zeros(2, 2), jagged), 1)

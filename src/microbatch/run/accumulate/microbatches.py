@@ -47,6 +47,17 @@ def _records(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) > 1 and all(isinstance(v, Mapping) for v in value)
 
 
+def _tensor_records(value: Any) -> bool:
+    """A list or tuple (inside the batch) of two or more tensors: fields, each with the rows in dim 0, or one tensor per
+    row (torchvision's detection images, each (3, H_i, W_i)), as :func:`_layout` decides: as fields where that
+    agrees."""
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) > 1
+        and all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in value)
+    )
+
+
 def _array(value: Any) -> bool:
     """An array that is not a tensor (a NumPy array, anything with a shape and ``__array__``): rows of data, never
     one row's value; :func:`_leaves` refuses it with the conversion to make."""
@@ -55,11 +66,12 @@ def _array(value: Any) -> bool:
 
 def _per_row(value: Any, records: bool = False) -> bool:
     """A list or tuple with no tensor or mapping inside: one value per row (a string, a number, a row's own list
-    of choices), sliced with the rows; with ``records``, also a list or tuple of mappings (:func:`_records`). Not
-    one that holds an array (``(x_np, y_np)`` is two arrays of rows, not two rows)."""
+    of choices), sliced with the rows; with ``records``, also a list or tuple of mappings or of tensors, one a row
+    (:func:`_records`, :func:`_tensor_records`). Not one that holds an array (``(x_np, y_np)`` is two arrays of rows,
+    not two rows)."""
     if not isinstance(value, (tuple, list)) or any(_array(v) for v in value):
         return False
-    return (records and _records(value)) or not _holds_tensors(value)
+    return (records and (_records(value) or _tensor_records(value))) or not _holds_tensors(value)
 
 
 def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tuple[str, Any]]:
@@ -71,6 +83,20 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
             raise ConfigError(
                 f"{name} is a 0-dim tensor; every entry needs the rows in dim 0: a value with no rows (a scale, a "
                 "count of the whole batch) belongs in loss_fn's closure, not in the batch that is split"
+            )
+        if batch.is_nested or batch.layout != torch.strided:  # torch cannot slice their rows as views
+            kind = (
+                "nested (jagged)"
+                if batch.is_nested
+                else f"{str(batch.layout).removeprefix('torch.')} (sparse)"
+            )
+            fix = (
+                "pad it (t.to_padded_tensor(0)) or give a list with one tensor per row"
+                if batch.is_nested
+                else "make it dense (t.to_dense()) before the step, or build it inside loss_fn from dense rows"
+            )
+            raise ConfigError(
+                f"{name} is a {kind} tensor, whose rows cannot be cut into micro-batches; {fix}"
             )
         return [(name, batch)]
     if isinstance(batch, Mapping):
