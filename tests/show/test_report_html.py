@@ -246,7 +246,9 @@ def test_other_commands_are_tables_of_their_fields(tmp_path):
     text = rep.html_path.read_text()
     assert rep.sections == ["batch", "memory"] and rep.png_paths == []
     assert "<td>grad_accum</td><td>16</td>" in text
-    assert "<td>peak_memory_bytes</td><td>3.00 GiB</td>" in text and "<td>model</td><td>gpt2</td>" in text
+    assert (
+        "<td>peak_memory</td><td>3.00 GiB</td>" in text
+    )  # in GiB, no longer bytes and "<td>model</td><td>gpt2</td>" in text
     assert "<h3>stages</h3>" in text and "<td>2.00 GiB</td>" in text
     assert "<td>command</td>" not in text  # the envelope is not a result field
 

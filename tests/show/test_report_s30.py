@@ -92,3 +92,57 @@ def test_recommend_on_a_decode_tune_says_tokens_per_second(capsys) -> None:
     assert main(["recommend", "--measurements", str(LATENCY), "--max-latency-ms", "5"]) == 0
     knee = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("knee"))
     assert "tokens/s" in knee and "per s" not in knee.replace("tokens/s", "")
+
+
+def test_a_memory_result_shows_its_bytes_in_binary_units_under_names_without_bytes(
+    tmp_path: Path, capsys
+) -> None:
+    assert (
+        main(["memory", "--model", "megatron-22b", "--micro-batch", "4", "--tensor-parallel", "8", "--json"])
+        == 0
+    )
+    res = json.loads(capsys.readouterr().out)
+    layers = res["stages"][0]["activation_terms"]["layers"]
+    html = build_report([("memory", res)], tmp_path / "m.html", png=False).html_path.read_text()
+    assert f"layers {layers / 2**30:.2f} GiB" in html and f"{layers:.4g}" not in html
+    assert "<th>peak_memory</th>" in html and "peak_memory_bytes" not in html
+
+
+def test_a_pipeline_section_shows_each_ranks_memory_and_the_step_times(tmp_path: Path) -> None:
+    source = DATA / "pipeline_result_v0_1f1b.json"
+    res = json.loads(source.read_text(encoding="utf-8"))
+    html = build_report(load_results([source]), tmp_path / "p.html", png=False).html_path.read_text()
+    for rank in res["memory"]:
+        row = (
+            f"<td>{rank['rank']}</td><td>{rank['measured_peak_bytes'] / 2**10:.2f} KiB</td>"
+            f"<td>{rank['predicted_bytes'] / 2**10:.2f} KiB</td><td>{rank['error_pct']:+.1f}%</td>"
+        )
+        assert row in html, row
+    assert "<td>step time (ms)</td>" in html
+    assert f"hand-offs not drawn: bubble {100 * res['predicted']['bubble_fraction']:.1f}%" in html
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value"),
+    [("simulate", ("bubble_fraction",), "27%"), ("tune", ("fraction_of_best",), "1.0"),
+     ("pipeline", ("measured", "bubble_fraction"), "0.3")],
+)  # fmt: skip
+def test_text_in_a_number_field_is_refused_naming_the_field(
+    tmp_path: Path, capsys, kind, path, value
+) -> None:
+    sources = {"simulate": None, "tune": LATENCY, "pipeline": DATA / "pipeline_result_v0_1f1b.json"}
+    if sources[kind] is None:
+        main(["simulate", "-p", "2", "-m", "4", "-s", "1f1b", "--json"])
+        res = json.loads(capsys.readouterr().out)
+    else:
+        res = json.loads(sources[kind].read_text(encoding="utf-8"))
+    node = res
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(res), encoding="utf-8")
+    assert main(["report", str(bad), "--out", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert f"{kind}.{'.'.join(path)} is '{value}', where the {kind} result holds a number" in err
+    assert not (tmp_path / "r.html").exists()

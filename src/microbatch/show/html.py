@@ -125,6 +125,30 @@ def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
         raise ConfigError(
             f"{source}: the plan's recommended is {short_repr(rec)}, not a candidate object; {whole}"
         )
+    for where, v in _text_in_numbers(res, kind):
+        raise ConfigError(
+            f"{source}: {where} is {short_repr(v)}, where the {kind} result holds a number; {whole}"
+        )
+
+
+_NUMBER_KEYS = ("_bytes", "_s", "_ms", "_fraction", "_se", "_pct", "_of_best", "_of_reference", "throughput",
+                "tokens_per_s", "micro_batch", "mfu", "tolerance", "_margin")  # fmt: skip
+"""How the results' number fields end (``peak_memory_bytes``, ``step_time_s``, ``bubble_fraction``, ...): a text
+there (``"27%"``, a hand edit) is refused naming the field, before the drawing fails on it."""
+
+
+def _text_in_numbers(res: Any, path: str, depth: int = 0) -> Iterable[tuple[str, Any]]:
+    """(``path.key``, value) for every text value under a number field of ``res``, through dicts and lists of dicts
+    three levels down."""
+    if depth > 3:
+        return
+    items = res.items() if isinstance(res, dict) else enumerate(res) if isinstance(res, list) else ()
+    for k, v in items:
+        where = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}"
+        if isinstance(v, str) and isinstance(k, str) and k.endswith(_NUMBER_KEYS):
+            yield where, v
+        elif isinstance(v, (dict, list)):
+            yield from _text_in_numbers(v, where, depth + 1)
 
 
 def _plan_section(plan: dict[str, Any]) -> str:

@@ -229,6 +229,33 @@ def _bubble(
     return render_figure(fig, name, title, png_dir)
 
 
+def _pipeline_memory(res: dict[str, Any]) -> str:
+    """Each rank's peak activation memory measured against the prediction (calibrated on the run's own kept bytes,
+    and the uncalibrated one), as the text report shows it, and the host's memory where the run read it."""
+    ranks = [r for r in res.get("memory") or [] if isinstance(r, dict)]
+    if not ranks:
+        return ""
+    rows = [
+        [r.get("rank"), mem(r.get("measured_peak_bytes")), mem(r.get("predicted_bytes")),
+         signed_pct(r.get("error_pct")), mem(r.get("uncalibrated_bytes")), signed_pct(r.get("uncalibrated_error_pct"))]
+        for r in ranks
+    ]  # fmt: skip
+    host = res.get("host_memory") or {}
+    line = (
+        f"<p>Host memory: measured {mem(host.get('measured_bytes'))}, predicted {mem(host.get('predicted_bytes'))} "
+        f"({signed_pct(host.get('error_pct'))}).</p>"
+        if host.get("measured_bytes") is not None
+        else ""
+    )
+    headers = ["rank", "activations measured", "predicted", "error", "uncalibrated", "error"]
+    return "<h3>Activation memory by rank</h3>" + table(headers, rows) + line
+
+
+def signed_pct(v: Any) -> str:
+    """A percentage already in percent, signed (``-3.6%``); a dash for none."""
+    return f"{v:+.1f}%" if isinstance(v, (int, float)) and not isinstance(v, bool) else "—"
+
+
 def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Section:
     """A pipeline run: the bubble predicted before the run, replayed with the run's op times and
     measured (± its standard error over steps), the in-flight counts, the gradient check, and the
@@ -262,12 +289,17 @@ def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
                 s.get("counted_in_flight", s.get("peak_in_flight")),
             ]
         )
+    steps = [before.get("step_time_s"), replay.get("step_time_s"), meas.get("step_time_s")]
+    if any(isinstance(s, (int, float)) for s in steps):
+        unit, shown = seconds_column(steps)
+        rows.insert(1, [f"step time ({unit})", *shown])
     parts.append(table(["", "before the run", "replay (measured op times)", "measured"], rows))
     if se is not None:
         parts.append(
             f"<p>Measured: the mean over {esc(len(meas.get('bubble_steps') or []))} steps after the first, "
             "± its standard error.</p>"
         )
+    parts.append(_pipeline_memory(res))
     if res.get("gradients_match") is not None:
         parts.append(
             f"<p>Gradients match the unsplit model: <b>{esc(res.get('gradients_match'))}</b> "
@@ -284,7 +316,12 @@ def pipeline_section(res: dict[str, Any], png_dir: Path | None, idx: int) -> Sec
     # one time axis for both charts, as the terminal report draws them: 0 to the latest end over
     # both timelines (shared_span_ms), in ms when the result gives seconds
     span = shared_span_ms(*(rws for _, rws, _ in timelines)) or 1.0
-    titles = {"measured": "measured (last step)", "predicted": "predicted (replay of the measured op times)"}
+    without = pred.get("bubble_fraction")
+    titles = {
+        "measured": "measured (last step)",
+        "predicted": "predicted (replay of the measured op times, the hand-offs not drawn"
+        + (f": bubble {pct(without)})" if isinstance(without, (int, float)) else ")"),
+    }
     figs = [
         _bubble(
             rws,
@@ -362,7 +399,7 @@ def validate_section(res: dict[str, Any]) -> str:
     if not rows:
         return ""
     keys = list(rows[0].keys())
-    body = [[validation_cell(h, r[h]) for h in keys] for r in rows]  # the text table's digits
+    body = [[validation_cell(h, r.get(h)) for h in keys] for r in rows]  # the text table's digits
     warned = [w for w in (res.get("warnings") or []) + (res.get("notes") or []) if isinstance(w, str)]
     return (
         "<h2>Predicted against measured</h2>"
@@ -392,7 +429,7 @@ def _cell(key: str, v: Any) -> str:
     floats short, flat lists joined, nested ones as JSON, nothing as a dash."""
     if v is None:
         return "—"
-    if key == "memory" and isinstance(v, dict):
+    if key in _BYTE_MAPS and isinstance(v, dict):
         return ", ".join(f"{k} {_cell(k + '_bytes', x)}" for k, x in v.items())
     if isinstance(v, (list, tuple)) and any(isinstance(x, (dict, list)) for x in v):
         import json
@@ -409,17 +446,28 @@ def _cell(key: str, v: Any) -> str:
     return str(v)
 
 
+_BYTE_MAPS = ("memory", "activation_terms")
+"""The keys whose mapping holds bytes by part (``memory``'s weights, gradients ...; the activations' terms)."""
+
+
+def _header(key: str) -> str:
+    """A generic table's column or field name, the JSON's key less a ``_bytes`` its values no longer are in:
+    ``peak_memory_bytes`` (shown in GiB or MiB) is ``peak_memory``."""
+    return key.removesuffix("_bytes")
+
+
 def summary_section(kind: str, res: dict[str, Any]) -> str:
     """Any other command's result: its fields as a table (bytes in binary units), and each list of
     records (per-stage memory, per-rank statistics) as a table of its own."""
-    fields = [[k, _cell(k, v)] for k, v in res.items() if k not in _SKIP and not _is_records(v)]
+    fields = [[_header(k), _cell(k, v)] for k, v in res.items() if k not in _SKIP and not _is_records(v)]
     parts = [f"<h2>{esc(kind)}</h2>", table(["field", "value"], fields)]
     for k, v in res.items():
         if k in _SKIP or not _is_records(v):
             continue
         headers = list(dict.fromkeys(h for r in v[:_MAX_ROWS] for h in r))
         parts.append(f"<h3>{esc(k)}</h3>")
-        parts.append(table(headers, [[_cell(h, r.get(h, "—")) for h in headers] for r in v[:_MAX_ROWS]]))
+        rows = [[_cell(h, r.get(h, "—")) for h in headers] for r in v[:_MAX_ROWS]]
+        parts.append(table([_header(h) for h in headers], rows))
     return "".join(parts)
 
 
