@@ -26,6 +26,7 @@ from microbatch.hf_families import (
     _PARALLEL_LLAMA_LIKE,
     _ROTARY_KEYS,
     _UNTIED_BY_DEFAULT,
+    mpt_block_fields,
 )
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
 from microbatch.shape import ModelShape
@@ -94,7 +95,7 @@ def _gpt2_built(raw: dict[str, Any], model_type: str, positions: Any, tied: Any)
     ratio = raw.get("expansion_ratio")
     if model_type == "mpt" and _hf_lookup(raw, "ffn_hidden") is None and isinstance(ratio, int | float):
         fields["ffn_hidden"] = int(ratio * _hf_lookup(raw, "hidden"))
-    return fields
+    return {**fields, **mpt_block_fields(raw)} if model_type == "mpt" else fields
 
 
 def _hf_lookup(raw: dict[str, Any], field: str) -> Any:

@@ -4,6 +4,8 @@ families' defaults. Split from it (a module each: the tables here, the reading t
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "_GATED_FAMILIES",
     "_LLAMA_LIKE",
@@ -16,6 +18,7 @@ __all__ = [
     "_UNTIED_BY_DEFAULT",
     "_BLOCK_KEYS",
     "_DEFAULT_DROPOUT_OFF",
+    "mpt_block_fields",
 ]
 
 _GATED_FAMILIES = ("gemma", "vaultgemma", "bitnet")
@@ -72,3 +75,27 @@ _BLOCK_KEYS = ("no_bias", "bias", "learned_pos_emb", "expansion_ratio")
 _DEFAULT_DROPOUT_OFF = ("gpt_neox", "gptj", "bloom", "falcon", "phi", "mpt", "codegen")
 """Families whose transformers config defaults every dropout probability to 0 (GPT-2's and OPT's default to 0.1):
 the default where a config.json states none."""
+
+
+def mpt_block_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """What an MPT config.json says in its ``attn_config`` and ``ffn_config`` (llm-foundry's ``MPTConfig``,
+    llmfoundry/models/mpt/configuration_mpt.py; a review found them dropped): grouped-query attention
+    (``kv_n_heads``), rotary positions in place of the learned table (``rope``), the gated MLP (``ffn_type``
+    ``mptglu``) and its width (``ffn_hidden_size``, else ``expansion_ratio`` × hidden as :mod:`microbatch.hf_config`
+    reads it), and an RMSNorm (``norm_type``). Only what the file states. Not ``attn_impl``: the Hub's MPT files say ``torch`` (inference's
+    default), where training runs flash (llm-foundry's yamls); ``flash_attention=False`` states an eager run."""
+    attn, ffn = ({} if not isinstance(v := raw.get(k), dict) else v for k in ("attn_config", "ffn_config"))
+    out: dict[str, Any] = {}
+    kv = attn.get("kv_n_heads")
+    if isinstance(kv, int) and not isinstance(kv, bool) and kv != raw.get("n_heads"):
+        out["kv_heads"] = kv
+    if attn.get("rope") is True:
+        out.update(learned_positions=False, max_positions=None)
+    if ffn.get("ffn_type") == "mptglu":
+        out["gated_mlp"] = True
+    if str(raw.get("norm_type", "")).endswith("rmsnorm"):  # rmsnorm, low_precision_rmsnorm
+        out["norm"] = "rmsnorm"
+    width = ffn.get("ffn_hidden_size")
+    if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+        out["ffn_hidden"] = width
+    return out

@@ -29,6 +29,7 @@ __all__ = [
     "alltoall_time_s",
     "fsdp_edges_s",
     "ZERO3_IMPLS",
+    "fsdp2_accumulate_s",
     "fsdp2_copy_in_s",
     "fsdp2_copy_out_s",
     "ring_latency_s",
@@ -250,6 +251,17 @@ def fsdp2_copy_out_s(unit_bytes: float, bytes_per_s: float) -> float:
     buckets compute from the gathered buffer itself (no copy). ``bytes_per_s``: the streaming copy rate (bandwidth × the measured copy fraction).
     """
     return 2.0 * unit_bytes / bytes_per_s
+
+
+def fsdp2_accumulate_s(params: float, held_bytes: int, grad_bytes: int, bytes_per_s: float) -> float:
+    """Seconds of one micro-batch's gradient accumulation under FSDP2 with gradient sync off (a pipeline stage that
+    reduces after its last micro-batch): each unit's post-backward adds the new gradient (``grad_bytes`` each, the
+    compute dtype) into the accumulated one (``held_bytes``, the reduce dtype), read and written on the compute
+    stream: ``params`` × (2·held + grad) bytes at ``bytes_per_s`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+    ``accumulate_unsharded_grad_if_needed``: ``unsharded_accumulated_grad += unsharded_param.grad``; in the compute
+    dtype, autograd's own in-place add, the same three passes). 10 B a parameter for bf16 into fp32; the first
+    micro-batch's upcast (6 B) is priced as the others."""
+    return params * (2 * held_bytes + grad_bytes) / bytes_per_s
 
 
 def fsdp2_copy_in_s(grad_bytes: float, reduce_bytes: float, bytes_per_s: float) -> float:

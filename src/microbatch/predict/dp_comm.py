@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 from microbatch.predict.collectives import (
+    fsdp2_accumulate_s,
     fsdp2_copy_in_s,
     fsdp2_copy_out_s,
     fsdp_edges_s,
@@ -20,6 +21,7 @@ from microbatch.predict.collectives import (
 )
 from microbatch.predict.plan_context import Context, StageTimes
 from microbatch.predict.roofline import allgather_time_s, allreduce_time_s, reduce_scatter_time_s
+from microbatch.predict.state import held_grad_bytes
 
 __all__ = ["CLIP_PASSES", "clip_s", "data_parallel_comm", "overlap_sigma"]
 
@@ -58,7 +60,8 @@ def data_parallel_comm(
     elif c.kind == "pipeline":
         # ZeRO-2/3 under a pipeline (resident_zero): FSDP as torch's pipelining runs it, or reducing every
         # micro-batch's gradients (pipeline_grad_reduce "each")
-        zero_s = _fsdp_under_pipeline(c, tm, m if cfg.pipeline_grad_reduce == "each" else 0)
+        each = cfg.pipeline_grad_reduce == "each"
+        zero_s = _fsdp_under_pipeline(c, tm, m if each else 0) + (0.0 if each else m * c.accumulate)
     elif c.kind == "zero2":
         # gradients reduce-scattered every micro-step (only a shard is kept), hidden behind its backward
         zero_s = m * overlap_exposed_s(c.reduce, back, sigma)
@@ -93,6 +96,9 @@ class Collectives(NamedTuple):
     """One reduction's gradients copied into its reduce-scatter buffer (FSDP2), else 0."""
     replica: float
     """Under a pipeline: the replicas' all-reduce, per unit (:func:`_replica_s`)."""
+    accumulate: float
+    """Under a pipeline reducing after the last micro-batch: one micro-batch's accumulation of the stage's gradients
+    (:func:`~microbatch.predict.collectives.fsdp2_accumulate_s`), else 0."""
     update: float
     """The optimizer update's seconds (and the clip's)."""
     sigma: float
@@ -106,7 +112,7 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
     zg, bw_zero = cfg.zero_group, ctx.bw_zero  # ZeRO's shard group: d·c, or shard_degree·c (HSDP)
     wb, gb, _ = ctx.state_bpp
     kind: Literal["none", "allreduce", "zero1", "zero2", "zero3", "pipeline"] = "none"
-    reduce, gather, units, copy, copy_in, replica = 0.0, 0.0, 0, 0.0, 0.0, 0.0
+    reduce, gather, units, copy, copy_in, replica, accumulate = 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0
     x = _routed_here(ctx, n, experts)
     if d > 1:
         if z == 0:
@@ -123,10 +129,12 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
             copy, copy_in = _copy_out_s(ctx, sharded), _copy_in_s(ctx, sharded)
             if kind == "pipeline":
                 replica = _replica_s(ctx, tm, n)
+                accumulate = _accumulate_s(ctx, n)
             else:
                 reduce += _replica_s(ctx, tm, n)
+    update = _update_s(ctx, z, n, experts)
     return Collectives(
-        kind, reduce, gather, units, copy, copy_in, replica, _update_s(ctx, z, n, experts), overlap_sigma(ctx)
+        kind, reduce, gather, units, copy, copy_in, replica, accumulate, update, overlap_sigma(ctx)
     )
 
 
@@ -257,6 +265,16 @@ def _copy_in_s(ctx: Context, n: float) -> float:
         return 0.0
     rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
     return fsdp2_copy_in_s(n * ctx.state_bpp[0], n * cfg.reduce_bytes, rate)
+
+
+def _accumulate_s(ctx: Context, n: float) -> float:
+    """One micro-batch's accumulation of ``n`` parameters' gradients under a pipeline's FSDP2, in the dtype
+    :func:`~microbatch.predict.state.held_grad_bytes` says (its reduce dtype)."""
+    cfg = ctx.cfg
+    stored = ctx.state_bpp[1]
+    held = held_grad_bytes(3, cfg.pipeline_parallel, cfg.pipeline_grad_reduce, stored, cfg.reduce_bytes)
+    rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
+    return fsdp2_accumulate_s(n, held, ctx.state_bpp[0], rate)
 
 
 def _fsdp_under_pipeline(c: Collectives, tm: StageTimes, each: int = 0) -> float:

@@ -39,6 +39,7 @@ from microbatch.predict.memory_config import MemoryCalibration, MemoryConfig
 from microbatch.predict.memory_estimate import MemoryEstimate, StageMemory
 from microbatch.predict.stages import rank_moe_blocks, split_layers, stage_params
 from microbatch.predict.state import (
+    held_grad_bytes,
     model_state_bytes,
     resident_zero,
     zero3_buffer_bytes,
@@ -77,6 +78,9 @@ def _stage_state(
     if experts:
         est = model_state_bytes(experts / ep, zero=z, data_parallel=d // ep, **kw)
         state = {k: state[k] + est[k] for k in state}
+    stored = config.state_bytes_per_param()[1]  # FSDP2 under a pipeline accumulates in its reduce dtype
+    held = held_grad_bytes(config.zero, p, config.pipeline_grad_reduce, stored, config.zero3_reduce_bytes())
+    state["gradients"] *= held / stored
     # Transformer Engine's FP8 weights and transposes, cached whole over the step (not sharded by ZeRO)
     cache = weight_cache_bytes(config.precision, config.fp8_recipe)
     if cache:

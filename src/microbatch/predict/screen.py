@@ -31,7 +31,7 @@ from microbatch.predict.plan_context import (
     param_tables,
 )
 from microbatch.predict.roofline import LayerTime
-from microbatch.predict.state import resident_zero, zero3_buffer_bytes
+from microbatch.predict.state import held_grad_bytes, resident_zero, zero3_buffer_bytes
 from microbatch.predict.steptime import overlap_expert_comm, pipeline_stage_times
 from microbatch.schedules.action import stage_to_rank
 from microbatch.schedules.closed_forms import PipelineTime
@@ -184,9 +184,10 @@ def _state(
     if hit is None:
         cfg = ctx.cfg
         tables = param_tables(ctx, v, v_placement)
+        wb, gb, ob = ctx.state_bpp
+        gb = held_grad_bytes(z, cfg.pipeline_parallel, cfg.pipeline_grad_reduce, gb, cfg.reduce_bytes)
         z = resident_zero(z, cfg.pipeline_parallel, cfg.pipeline_grad_reduce)  # under a pipeline: 1 (or 2)
         d = cfg.zero_group  # d·c (the context-parallel ranks replicate the state too), or HSDP's shard group
-        wb, gb, ob = ctx.state_bpp
         params = tables.params_v if v_placement else tables.params
         de = (
             d // cfg.expert_parallel

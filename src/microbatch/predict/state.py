@@ -33,7 +33,7 @@ from microbatch.microbench_record import ADAMW_RECORDED_BYTES
 from microbatch.precision import check_loss_kernel, get_fp8_recipe, get_precision, loss_bytes
 
 __all__ = [
-    "EAGER_PASSES", "StateSettings", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "EAGER_PASSES", "StateSettings", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "held_grad_bytes", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
 GRAD_DTYPES = ("half", "fp32")
@@ -318,6 +318,20 @@ def resident_zero(zero: int, pipeline_parallel: int, grad_reduce: str = "last") 
     if pipeline_parallel > 1 and zero >= 2:
         return 2 if grad_reduce == "each" else 1
     return zero
+
+
+def held_grad_bytes(zero: int, pipeline_parallel: int, grad_reduce: str, stored: int, reduce: int) -> int:
+    """Bytes per parameter of the gradients a stage holds through the step, ``stored`` (the gradients' own) but under
+    a pipeline with ZeRO-2/3 reducing after the ``last`` micro-batch: FSDP2 then accumulates each unit's unsharded
+    gradient in its reduce dtype (``reduce``), not the compute dtype — with gradient sync off, its post-backward
+    upcasts the first backward's bf16 gradient to ``reduce_dtype`` and adds each later one to it
+    (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``to_accumulated_grad_if_needed``,
+    ``accumulate_unsharded_grad_if_needed``; called from ``_fsdp_param_group.py`` ``post_backward`` when
+    ``reduce_grads`` is False): 4 B under torchtitan's fp32 ``mixed_precision_reduce``. A pipeline of one micro-batch
+    syncs its only backward (the gradients sharded at once) but is priced the same."""
+    if zero >= 2 and pipeline_parallel > 1 and grad_reduce == "last":
+        return max(stored, reduce)
+    return stored
 
 
 def zero_groups(
