@@ -71,3 +71,23 @@ def test_each_micro_batch_accumulates_the_stage_s_gradients_at_the_streaming_rat
     assert m == 16 and added == pytest.approx(m * n * (2 * 4 + 2) / rate, rel=1e-6)
     # a shard reduced each micro-batch (Llama 3's FSDP): no whole gradient accumulated, nothing added
     assert each.time["zero_comm_s"] == each_without.time["zero_comm_s"]
+
+
+def test_nothing_fits_without_sequence_parallelism_and_the_advice_says_it_would():
+    from dataclasses import replace
+
+    from microbatch.predict.plan import what_would_fit
+
+    cfg = PlanConfig(
+        shape=SHAPE.with_seq(8192), gpu=get_accelerator("a100-80gb"), global_batch=64, data_parallel=8,
+        tensor_parallel=8, micro_batches=(8,), zero=(3,), recompute=("full",),
+    )  # fmt: skip
+    assert make_plan(cfg).recommended is None
+    advice = what_would_fit(cfg)
+    first = advice.alternatives[0]
+    with_sp = make_plan(replace(cfg, sequence_parallel=True)).recommended
+    assert first.setting == "sequence_parallel" and first.value == 8 and first.fits and with_sp is not None
+    assert first.best.peak_memory_bytes == with_sp.peak_memory_bytes < cfg.memory_budget_bytes
+    # with sequence parallelism given, nothing to say of it
+    sp = replace(cfg, sequence_parallel=True)
+    assert all(a.setting != "sequence_parallel" for a in what_would_fit(sp).alternatives)

@@ -388,15 +388,18 @@ def search_layouts(
 
 
 def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
-    """When nothing fits: the smallest peak found, and what changes (p, t with sequence parallelism up to a node's
-    GPUs, d with ZeRO-3) would fit; a change that does not fit is kept only where it lowers the smallest peak (a
+    """When nothing fits: the smallest peak found, and what changes (sequence parallelism at the plan's t > 1, p, t
+    with sequence parallelism up to a node's GPUs, d with ZeRO-3) would fit; a change that does not fit is kept only where it lowers the smallest peak (a
     pipeline without ZeRO-3 may hold more than ZeRO-3 over d did); :func:`microbatch.show.plan_report.advice_lines`
     writes it."""
     plan = plan or make_plan(cfg)
-    tries: list[
-        tuple[Literal["pipeline_parallel", "tensor_parallel", "data_parallel"], int, dict[str, Any]]
-    ] = []
+    Setting = Literal["sequence_parallel", "pipeline_parallel", "tensor_parallel", "data_parallel"]
+    tries: list[tuple[Setting, int, dict[str, Any]]] = []
     L, heads = cfg.shape.layers, cfg.shape.heads
+    if (
+        cfg.tensor_parallel > 1 and not cfg.sequence_parallel
+    ):  # the same GPUs: what TP runs with in the frameworks
+        tries.append(("sequence_parallel", cfg.tensor_parallel, {"sequence_parallel": True}))
     for p2 in (2 * cfg.pipeline_parallel, 4 * cfg.pipeline_parallel, 8 * cfg.pipeline_parallel):
         if p2 <= L:
             tries.append(("pipeline_parallel", p2, {"pipeline_parallel": p2, "layers_per_stage": None}))

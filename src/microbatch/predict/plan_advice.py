@@ -128,8 +128,9 @@ Lint = (
 class Alternative:
     """A layout change tried when nothing fits, and the best it gives."""
 
-    setting: Literal["pipeline_parallel", "tensor_parallel", "data_parallel"]
-    """What changes: p, t (with sequence parallelism) or d (with ZeRO-3)."""
+    setting: Literal["sequence_parallel", "pipeline_parallel", "tensor_parallel", "data_parallel"]
+    """What changes: sequence parallelism at the plan's t (Megatron-Core's, NeMo's and torchtitan's with t > 1), p, t
+    (with sequence parallelism) or d (with ZeRO-3)."""
     value: int
     best: Candidate
     """The fastest candidate that fits, or (when none does) the one with the least peak."""

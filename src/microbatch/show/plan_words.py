@@ -113,6 +113,7 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
 
 
 _SETTINGS = {
+    "sequence_parallel": "sequence parallel (at tensor-parallel {})",
     "pipeline_parallel": "pipeline-parallel {}",
     "tensor_parallel": "tensor-parallel {} with sequence parallel",
     "data_parallel": "data-parallel {} with ZeRO-3 (ZeRO 1's memory under a pipeline)",
