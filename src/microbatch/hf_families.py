@@ -86,7 +86,7 @@ def mpt_block_fields(raw: dict[str, Any]) -> dict[str, Any]:
     default), where training runs flash (llm-foundry's yamls); ``flash_attention=False`` states an eager run."""
     attn, ffn = ({} if not isinstance(v := raw.get(k), dict) else v for k in ("attn_config", "ffn_config"))
     out: dict[str, Any] = {}
-    kv = attn.get("kv_n_heads")
+    kv = attn.get("kv_n_heads", 1 if attn.get("attn_type") == "multiquery_attention" else None)
     if isinstance(kv, int) and not isinstance(kv, bool) and kv != raw.get("n_heads"):
         out["kv_heads"] = kv
     if attn.get("rope") is True:

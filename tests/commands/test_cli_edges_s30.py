@@ -36,3 +36,27 @@ def test_a_link_whose_target_folder_is_a_file_is_refused_before_the_work(plan_js
     code, _, err = run([*EXPORT, "link.json"], capsys)
     assert code == 2 and "afile is a file, not a folder" in err
     assert (plan_json / "afile").read_text(encoding="utf-8") == "mine\n"
+
+
+def test_memory_takes_the_reduce_dtype_under_a_pipeline_where_fsdp2_holds_the_gradients_in_it(capsys):
+    base = ["memory", "--model", "mixtral-8x7b", "-b", "1", "-p", "4", "-m", "8", "-d", "8", "-e", "8", "--zero", "3",
+            "--schedule", "1f1b", "--json"]  # fmt: skip
+    code, out, _ = run(base, capsys)
+    auto = json.loads(out)["memory"]["gradients"]
+    code_half, out_half, _ = run([*base, "--reduce-dtype", "half"], capsys)
+    assert code == code_half == 0
+    assert json.loads(out_half)["memory"]["gradients"] == pytest.approx(auto / 2)  # bf16 held, not fp32
+    code, _, err = run([*base, "--reduce-dtype", "half", "--pp-grad-reduce", "each"], capsys)
+    assert code == 2 and "the memory would not change" in err  # a shard reduced each micro-batch: no change
+
+
+def test_a_figure_written_to_dev_stdout_goes_down_the_pipe():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "microbatch", "simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--svg", "/dev/stdout"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "<svg" in proc.stdout  # /dev/stdout resolves to /proc/<pid>/fd/pipe:[…]: not a folder to probe

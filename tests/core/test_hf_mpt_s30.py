@@ -26,6 +26,7 @@ def test_grouped_query_attention_and_rotary_positions(tmp_path):
     # k and v each 4,096 × 1,024 in place of 4,096 × 4,096, in every layer
     assert base.param_count() - gqa.param_count() == L * 2 * H * (H - 1024)
     assert gqa.param_count() == 5_843_984_384  # llm-foundry's own count of this model
+    assert shape(tmp_path, attn_config={"attn_type": "multiquery_attention"}).kv_heads == 1  # one K/V head
 
 
 def test_the_gated_mlp_at_its_own_width(tmp_path):

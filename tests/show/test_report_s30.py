@@ -146,3 +146,31 @@ def test_text_in_a_number_field_is_refused_naming_the_field(
     err = capsys.readouterr().err
     assert f"{kind}.{'.'.join(path)} is '{value}', where the {kind} result holds a number" in err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_plan_calibrated_from_a_kernel_benchmark_is_drawn(tmp_path: Path, capsys) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "predict"))
+    from test_kernel_calibration import synthetic
+
+    bench = tmp_path / "h100.json"
+    bench.write_text(synthetic().to_json(), encoding="utf-8")
+    args = [
+        "plan",
+        "--model",
+        "llama-2-7b",
+        "--gpu",
+        "h100-sxm",
+        "-B",
+        "64",
+        "-d",
+        "8",
+        "--calibration",
+        str(bench),
+    ]
+    assert main([*args, "--json"]) == 0
+    plan = tmp_path / "plan.json"
+    plan.write_text(capsys.readouterr().out, encoding="utf-8")
+    assert "term_sources" in plan.read_text(encoding="utf-8")  # words under names like attention_fraction
+    assert main(["report", str(plan), "--out", str(tmp_path / "r.html"), "--no-png"]) == 0

@@ -174,6 +174,10 @@ def check_output_file(
             f"use a name ending in {suffixes[0]}"
             + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
         )
+    if str(path).startswith(
+        ("/dev/", "/proc/")
+    ):  # a stream (/dev/stdout into a pipe, <(...)): written in place
+        return
     landing = landing_path(path)
     if landing.is_dir():
         example = os.path.join(path, "out" + (suffixes[0] if suffixes else ".json"))

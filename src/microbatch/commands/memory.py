@@ -108,7 +108,7 @@ def cmd(
 
     v_note = _v1_note(virtual, schedule, stages)
     virtual = _chunks_per_rank(virtual, schedule, stages)
-    _check_zero3_flags(zero, stages)
+    _check_zero3_flags(zero, stages, pipeline_grad_reduce)
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
@@ -180,14 +180,20 @@ def _one_gpu(gpu: str, precision: str) -> Accelerator:
     return acc
 
 
-def _check_zero3_flags(zero: str, stages: int) -> None:
-    """A ConfigError for --zero3-impl or --reduce-dtype given where the memory has no ZeRO-3 buffers (ZeRO below 3, or
-    a pipeline, which keeps ZeRO-1's memory): they would change nothing, as plan says of them."""
+def _check_zero3_flags(zero: str, stages: int, grad_reduce: str = "last") -> None:
+    """A ConfigError for --zero3-impl or --reduce-dtype given where they change no memory: ZeRO below 3, or a pipeline,
+    which keeps ZeRO-1's memory — but for the reduce dtype under a pipeline with ZeRO 2/3 reducing after the last
+    micro-batch, in which FSDP2 holds the gradients (:func:`microbatch.predict.state.held_grad_bytes`)."""
     from microbatch.commands._common import parse_zero
     from microbatch.commands._schedule_inputs import user_gave
     from microbatch.errors import ConfigError
 
-    given = [f for f in ("zero3_impl", "reduce_dtype") if user_gave(f)]
+    holds = (
+        stages > 1 and parse_zero(zero) >= 2 and grad_reduce == "last"
+    )  # gradients held in the reduce dtype
+    given = [
+        f for f in ("zero3_impl", "reduce_dtype") if user_gave(f) and not (f == "reduce_dtype" and holds)
+    ]
     if given and (parse_zero(zero) < 3 or stages > 1):
         why = (
             f"zero is {zero}" if parse_zero(zero) < 3 else f"pipeline_parallel is {stages} (ZeRO-1's memory)"

@@ -137,18 +137,22 @@ _NUMBER_KEYS = ("_bytes", "_s", "_ms", "_fraction", "_se", "_pct", "_of_best", "
 there (``"27%"``, a hand edit) is refused naming the field, before the drawing fails on it."""
 
 
-def _text_in_numbers(res: Any, path: str, depth: int = 0) -> Iterable[tuple[str, Any]]:
-    """(``path.key``, value) for every text value under a number field of ``res``, through dicts and lists of dicts
-    three levels down."""
-    if depth > 3:
-        return
+_DRAWN = ("measured", "predicted", "with_comm", "before_run", "recommended", "fastest", "knee", "fastest_fitting",
+          "candidates", "points", "stage_stats", "rows", "stages", "memory", "time")  # fmt: skip
+"""The parts of a result the report draws numbers from, looked into for text in a number field; others (a
+calibration's ``term_sources``, notes, sources) hold words under any name."""
+
+
+def _text_in_numbers(res: Any, path: str) -> Iterable[tuple[str, Any]]:
+    """(``path.key``, value) for every text value under a number field of ``res`` or of the parts it draws
+    (:data:`_DRAWN`: dicts, and lists of dicts)."""
     items = res.items() if isinstance(res, dict) else enumerate(res) if isinstance(res, list) else ()
     for k, v in items:
         where = f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}"
         if isinstance(v, str) and isinstance(k, str) and k.endswith(_NUMBER_KEYS):
             yield where, v
-        elif isinstance(v, (dict, list)):
-            yield from _text_in_numbers(v, where, depth + 1)
+        elif isinstance(v, (dict, list)) and (isinstance(k, int) or k in _DRAWN):
+            yield from _text_in_numbers(v, where)
 
 
 def _plan_section(plan: dict[str, Any]) -> str:

@@ -185,3 +185,76 @@ def test_sparse_and_nested_tensors_in_a_batch_are_refused_with_the_fix():
     jagged = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(3, 3)], layout=torch.jagged)
     with pytest.raises(ConfigError, match=r"batch\[1\] is a nested \(jagged\) tensor.*to_padded_tensor"):
         split((torch.zeros(2, 2), jagged), 1)
+
+
+def test_a_redo_puts_back_per_channel_observers_resized_in_place():
+    import copy
+
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(
+        torch.nn.Linear(5, 6), torch.nn.ReLU(), Gate(None), torch.nn.Linear(6, 3)
+    ).train()
+    base.qconfig = get_default_qat_qconfig("x86")  # per-channel weight observers: min/max start empty
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notes
+        base = prepare_qat(base)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    clean, failing = copy.deepcopy(base), copy.deepcopy(base)
+    failing[2].limit = 2  # out of memory above 2 rows: 4 fails part-way, then 2
+    accumulate(clean, (x, y), loss_fn, micro_batch_size=2)
+    accumulate(failing, (x, y), loss_fn, micro_batch_size=4, on_oom="split")
+    for a, b in zip(clean.parameters(), failing.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    for (name, a), (_, b) in zip(clean.named_buffers(), failing.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+
+
+class Rotary(torch.nn.Module):
+    """A cache rebuilt for a longer input, as Hugging Face's dynamic rotary embedding does: a new tensor and a plain
+    attribute with its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(4, dtype=torch.float64), persistent=False)
+        self.cached = 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > self.cached:
+            self.table = torch.linspace(1, 2, x.shape[1], dtype=torch.float64)
+            self.cached = x.shape[1]
+        return x * self.table[: x.shape[1]]
+
+
+def test_a_redo_puts_back_a_rebuilt_cache_with_the_attribute_beside_it():
+    def make(limit):
+        torch.manual_seed(2)
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 6), Rotary(), Gate(limit), torch.nn.Linear(6, 3)
+        ).double()
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    clean, failing = make(None), make(2)
+    accumulate(clean, (x, y), loss_fn, micro_batch_size=2)
+    accumulate(failing, (x, y), loss_fn, micro_batch_size=8, on_oom="split")
+    assert failing[1].cached == clean[1].cached == 6 and torch.equal(failing[1].table, clean[1].table)
+    assert torch.equal(grads(failing), grads(clean))
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_a_tuple_of_fields_beside_records_still_splits_by_rows(rows):
+    from microbatch.run.accumulate import split
+
+    x, mask = torch.randn(rows, 5), torch.ones(rows, 5)
+    targets = [
+        {"boxes": torch.rand(2 * i + 3, 4)} for i in range(rows)
+    ]  # records: their own numbers of boxes
+    parts = split({"inputs": (x, mask), "targets": targets}, 1)
+    assert len(parts) == rows
+    for i, part in enumerate(parts):
+        assert torch.equal(part["inputs"][0], x[i : i + 1]) and torch.equal(
+            part["inputs"][1], mask[i : i + 1]
+        )
+        assert part["targets"][0]["boxes"].shape[0] == 2 * i + 3

@@ -48,14 +48,14 @@ def _records(value: Any) -> bool:
 
 
 def _tensor_records(value: Any) -> bool:
-    """A list or tuple (inside the batch) of two or more tensors: fields, each with the rows in dim 0, or one tensor per
-    row (torchvision's detection images, each (3, H_i, W_i)), as :func:`_layout` decides: as fields where that
-    agrees."""
-    return (
-        isinstance(value, (tuple, list))
-        and len(value) > 1
-        and all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in value)
-    )
+    """A list or tuple (inside the batch) of two or more tensors of one rank whose shapes differ: one tensor per row
+    (torchvision's detection images, each (3, H_i, W_i)) where :func:`_layout` finds the fields disagree; tensors of
+    one shape (``(ids, mask)``) or of different ranks stay fields, each with the rows in dim 0."""
+    if not (isinstance(value, (tuple, list)) and len(value) > 1):
+        return False
+    if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in value):
+        return False
+    return len({v.dim() for v in value}) == 1 and len({tuple(v.shape) for v in value}) > 1
 
 
 def _array(value: Any) -> bool:

@@ -79,6 +79,8 @@ class StepState:
         self._others, self._unkept = (
             others  # (module, name, tensor, copy) taken; (module, name, tensor, version) not
         )
+        owners = {id(m): m for m, *_ in self._others}
+        self._plain = [(m, _plain_attributes(m)) for m in owners.values()]
 
     @classmethod
     def take(cls, model: Any) -> StepState:
@@ -112,10 +114,16 @@ class StepState:
                 if _initialised(m.running_mean):
                     m.reset_running_stats()
             for module, name, live, saved in self._others:
-                if module._buffers.get(name) is live:
-                    live.copy_(saved)
-                else:  # the forward assigned a new tensor: the one the step started with goes back
+                if (
+                    module._buffers.get(name) is not live
+                ):  # the forward assigned a new tensor: the old goes back
                     module._buffers[name] = saved
+                elif live.shape == saved.shape and live.dtype == saved.dtype:
+                    live.copy_(saved)
+                else:  # resized in place (a per-channel observer's min/max start empty)
+                    live.set_(saved)
+            for module, plain in self._plain:  # and what the module keeps beside them (a cache's length)
+                module.__dict__.update(plain)
         moved = [n for m, n, live, v in self._unkept if m._buffers.get(n) is not live or live._version != v]
         if moved:
             warnings.warn(
@@ -124,6 +132,13 @@ class StepState:
                 "again (counted twice); later steps copy the buffers a forward changes",
                 stacklevel=4,
             )
+
+
+def _plain_attributes(module: Any) -> dict[str, Any]:
+    """The module's own attributes that are plain values (numbers, strings, None): what a forward may change beside
+    a buffer it rewrites (Hugging Face's dynamic rotary embedding grows ``inv_freq`` and sets ``max_seq_len_cached``;
+    a redo that found the length but the old frequencies would not rebuild them)."""
+    return {k: v for k, v in vars(module).items() if v is None or isinstance(v, (bool, int, float, str))}
 
 
 def _other_buffers(
