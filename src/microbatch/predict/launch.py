@@ -21,6 +21,8 @@ the forward's: an input- and a weight-gradient kernel per GEMM, one or two per e
 
 from __future__ import annotations
 
+from typing import Any
+
 from microbatch.layer_kernels import head_kernels, layer_gemm_kernels, layer_kernels, moe_kernels
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "moe_kernels",
     "launch_gap_s",
     "host_time_s",
+    "launch_floor",
 ]
 
 LAUNCH_S_PER_KERNEL = 6.58e-6
@@ -52,3 +55,48 @@ def host_time_s(
     if cpu:
         return (kernels - (gemms if gemms_measured else 0)) * launch_s
     return launch_gap_s(kernels, launch_s, device_s)
+
+
+def launch_floor(
+    shape: Any,
+    acc: Any,
+    efficiency: Any,
+    layout: tuple[bool, int, int, int],
+    passes: tuple[float, float, float],
+    a2a: float = 0.0,
+    rerun_share: float = 0.0,
+) -> tuple[float, float, float, tuple[float, float] | None, float]:
+    """(forward gap, backward gap, the weight-gradient GEMMs' launches, :attr:`LayerTime.host_slack_s`, the per-op
+    recompute's gap) of a device waiting on the host, the layer laid out as ``layout`` = (flash attention, t, expert
+    parallelism: E/EP local experts a GPU, ring steps), its ``passes`` = (forward, backward, per-op recompute) device
+    seconds but the all-to-all ``a2a``, which is the device's too: the host issues kernels while it runs,
+    max(host, device + all-to-all). The per-op recompute reruns the forward's other kernels and ``rerun_share`` of
+    its GEMMs' (the even-numbered matmuls, :func:`~microbatch.predict.recompute.op_recompute_gemm_share`): its own
+    launches against its own device time, so a faster device never lengthens it (a sweep found the forward's gap
+    carried into it: 86.3 → 89.2 ms with four times the FLOP/s).
+
+    A GPU: the host's issue time against all the device does in the pass, exposed communication included: a layer
+    takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. A CPU runs
+    each operator where it is dispatched, so the host's time adds to the compute: all the counted kernels' (those
+    but the GEMMs when the GEMMs' times were measured, ``gemm_measured``: each timed call carried its own
+    dispatch), no weight-gradient share. Zeros without a launch cost."""
+    if not efficiency.launch_s_per_kernel:
+        return 0.0, 0.0, 0.0, None, 0.0
+    launch = efficiency.launch_s_per_kernel
+    flash, t, ep, steps = layout
+    local = shape.moe.experts // ep if shape.moe else None
+    fused = efficiency.fused_elementwise
+    n = layer_kernels(
+        shape, flash=flash, tensor_parallel=t, fused=fused, local_experts=local, ring_steps=steps
+    )
+    g = layer_gemm_kernels(shape, local)
+    cpu, measured = not acc.compute_units, efficiency.gemm_measured is not None
+    device_s, backward_s, rerun_s = passes
+    g_rerun = round(rerun_share * g)
+    return (
+        host_time_s(n, g, launch, device_s + a2a, cpu=cpu, gemms_measured=measured),
+        host_time_s(2 * n, 2 * g, launch, backward_s + a2a, cpu=cpu, gemms_measured=measured),
+        0.0 if cpu else g * launch,
+        None if cpu else (n * launch - device_s, 2 * n * launch - backward_s),
+        host_time_s(n - g + g_rerun, g_rerun, launch, rerun_s, cpu=cpu, gemms_measured=measured),
+    )

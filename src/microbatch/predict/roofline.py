@@ -60,7 +60,7 @@ from microbatch.predict.gemm import (
     row_efficiency,
     wave_efficiency,
 )
-from microbatch.predict.launch import head_kernels, host_time_s, layer_gemm_kernels, layer_kernels
+from microbatch.predict.launch import head_kernels, host_time_s, launch_floor
 from microbatch.predict.layer_time import LayerTime
 from microbatch.predict.memory_ops import (
     PERMUTE_PASSES,
@@ -147,7 +147,7 @@ def layer_forward(
     traffic; a mixture-of-experts MLP at ``moe_layout`` = (EP, expert load), None meaning (1, 1.0)).
     Attention core: :func:`~microbatch.predict.attention_core.attention_core_s` (flash on its own curve, or the scores through memory).
     Elementwise: :func:`_elementwise_s` (norms, residual adds, activation, dropout, rotary), and the host's
-    launches: a floor on a GPU, added on a CPU (:func:`_launch_floor`). With context parallelism c each GPU holds rows = b_m·s/c tokens' worth of work; by ``cp_comm``
+    launches: a floor on a GPU, added on a CPU (:func:`~microbatch.predict.launch.launch_floor`). With context parallelism c each GPU holds rows = b_m·s/c tokens' worth of work; by ``cp_comm``
     (:mod:`microbatch.predict.context`, c ranks t apart) it gathers the K/V of the others (one all-gather or a
     ring), overlapped with its attention, or (Ulysses) trades tokens for heads in all-to-alls, exposed: the
     exposed rest, with the ring's per-step merges, is ``cp_comm_s``
@@ -178,14 +178,7 @@ def layer_forward(
                                efficiency.memory, (attention, attention_bwd), sigma)  # fmt: skip
     if async_tp:
         tp_comm, regather = _async_tp_exposed(tp_comm, regather, gemm, sigma)
-    device = gemm + attention + elementwise + tp_comm + cp_f
-    back = 2 * gemm + attention_bwd + elementwise_bwd + tp_comm + regather + cp_b
-    forward_gap, backward_gap, weight_host, slack = _launch_floor(
-        shape, acc, efficiency, (flash, t, layout[0], split), (device, back), a2a
-    )
-    elementwise, elementwise_bwd = elementwise + forward_gap, elementwise_bwd + backward_gap
-    return LayerTime(
-        op_recompute_s=op_recompute_gemm_share(shape) * gemm + elementwise,
+    device = LayerTime(
         cp_comm_s=cp_f,
         cp_comm_backward_s=cp_b,
         gemm_s=gemm,
@@ -195,14 +188,34 @@ def layer_forward(
         flops=layer_forward_flops(shape, rows, s, t),
         gemm_flops=2.0 * rows * gemm_weights(shape) / t,
         ep_comm_s=a2a,
-        backward_gap_s=backward_gap,
-        weight_host_s=weight_host,
-        host_slack_s=slack,
         attention_backward_s=attention_bwd,
         elementwise_backward_s=elementwise_bwd,
         sp_regather_s=regather,
         weight_cast_s=g.weight_cast_bytes / (acc.memory_bandwidth_bytes_per_s * efficiency.memory),
     )
+    return _with_launches(device, shape, acc, efficiency, (flash, t, layout[0], split))
+
+
+def _with_launches(lt: LayerTime, shape: ModelShape, acc: Accelerator, efficiency: RooflineEfficiency,
+                   layout: tuple[bool, int, int, int]) -> LayerTime:  # fmt: skip
+    """``lt`` (the device's times) with the host's launches (:func:`~microbatch.predict.launch.launch_floor`): the
+    forward's and the backward's gaps carried by their elementwise parts, the per-op recompute at max(its launches,
+    its device time), the weight-gradient GEMMs' launches and the slack of each pass."""
+    assert (
+        lt.attention_backward_s is not None and lt.elementwise_backward_s is not None
+    )  # layer_forward sets both
+    share = op_recompute_gemm_share(shape)
+    forward = lt.gemm_s + lt.attention_s + lt.elementwise_s + lt.tp_comm_s + lt.cp_comm_s
+    back = (2 * lt.gemm_s + lt.attention_backward_s + lt.elementwise_backward_s + lt.tp_comm_s + lt.sp_regather_s
+            + lt.cp_comm_backward_s)  # fmt: skip
+    rerun = share * lt.gemm_s + lt.elementwise_s  # the per-op recompute's device time
+    forward_gap, backward_gap, weight_host, slack, rerun_gap = launch_floor(
+        shape, acc, efficiency, layout, (forward, back, rerun), lt.ep_comm_s, share
+    )
+    return replace(
+        lt, elementwise_s=lt.elementwise_s + forward_gap, elementwise_backward_s=lt.elementwise_backward_s + backward_gap,
+        op_recompute_s=rerun + rerun_gap, backward_gap_s=backward_gap, weight_host_s=weight_host, host_slack_s=slack,
+    )  # fmt: skip
 
 
 def _async_tp_exposed(tp_comm: float, regather: float, gemm: float, sigma: float) -> tuple[float, float]:
@@ -213,44 +226,6 @@ def _async_tp_exposed(tp_comm: float, regather: float, gemm: float, sigma: float
     ``comm_overlap.py``, qkv_dgrad / fc1_dgrad = BulkOverlapCfg)."""
     regather = overlap_exposed_s(regather, 2 * gemm - min(tp_comm, gemm), sigma)
     return overlap_exposed_s(tp_comm, gemm, sigma), regather
-
-
-def _launch_floor(
-    shape: ModelShape,
-    acc: Accelerator,
-    efficiency: RooflineEfficiency,
-    layout: tuple[bool, int, int, int],
-    passes: tuple[float, float],
-    a2a: float = 0.0,
-) -> tuple[float, float, float, tuple[float, float] | None]:
-    """(forward gap, backward gap, the weight-gradient GEMMs' launches, :attr:`LayerTime.host_slack_s`) of a device
-    waiting on the host, the layer laid out as ``layout`` = (flash attention, t, expert parallelism: E/EP local
-    experts a GPU, ring steps), its ``passes`` = (forward, backward) device seconds but the all-to-all ``a2a``,
-    which is the device's too: the host issues kernels while it runs, max(host, device + all-to-all).
-
-    A GPU: the host's issue time against all the device does in the pass, exposed communication included: a layer
-    takes max(host, device + exposed comm), so a faster device never makes a host-bound layer slower. A CPU runs
-    each operator where it is dispatched, so the host's time adds to the compute: all the counted kernels' (those
-    but the GEMMs when the GEMMs' times were measured, ``gemm_measured``: each timed call carried its own
-    dispatch), no weight-gradient share. Zeros without a launch cost."""
-    if not efficiency.launch_s_per_kernel:
-        return 0.0, 0.0, 0.0, None
-    launch = efficiency.launch_s_per_kernel
-    flash, t, ep, steps = layout
-    local = shape.moe.experts // ep if shape.moe else None
-    fused = efficiency.fused_elementwise
-    n = layer_kernels(
-        shape, flash=flash, tensor_parallel=t, fused=fused, local_experts=local, ring_steps=steps
-    )
-    g = layer_gemm_kernels(shape, local)
-    cpu, measured = not acc.compute_units, efficiency.gemm_measured is not None
-    device_s, backward_s = passes
-    return (
-        host_time_s(n, g, launch, device_s + a2a, cpu=cpu, gemms_measured=measured),
-        host_time_s(2 * n, 2 * g, launch, backward_s + a2a, cpu=cpu, gemms_measured=measured),
-        0.0 if cpu else g * launch,
-        None if cpu else (n * launch - device_s, 2 * n * launch - backward_s),
-    )
 
 
 def _layer_gemms(
@@ -456,7 +431,7 @@ def logits_forward(
     passes = 1 / efficiency.memory + 2 / softmax
     loss = logits_bytes * rows * shape.vocab / t * passes / acc.memory_bandwidth_bytes_per_s
     flops = gemm_flops(rows, shape.hidden, shape.vocab / t)
-    host = host_time_s(  # the host's launches, as a layer's (:func:`_launch_floor`); one is the output GEMM's
+    host = host_time_s(  # the host's launches, as a layer's (:func:`~microbatch.predict.launch.launch_floor`); one is the output GEMM's
         head_kernels(shape), 1, efficiency.launch_s_per_kernel, gemm + loss, cpu=not acc.compute_units,
         gemms_measured=efficiency.gemm_measured is not None,
     )  # fmt: skip
