@@ -12,15 +12,6 @@ from tests.commands._cli import run
 EXPORT = ["export", "--plan", "plan.json", "--format", "deepspeed", "-o"]
 
 
-@pytest.fixture
-def plan_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    code, out, _ = run(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "--json"], capsys)
-    assert code == 0
-    (tmp_path / "plan.json").write_text(out, encoding="utf-8")
-    return tmp_path
-
-
 def test_a_link_into_a_folder_not_yet_made_is_written_through(plan_json, capsys):
     os.symlink("missing/dir/x.json", plan_json / "link.json")
     code, _, err = run([*EXPORT, "link.json"], capsys)
