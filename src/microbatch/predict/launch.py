@@ -70,7 +70,7 @@ def launch_floor(
     recompute's gap) of a device waiting on the host, the layer laid out as ``layout`` = (flash attention, t, expert
     parallelism: E/EP local experts a GPU, ring steps), its ``passes`` = (forward, backward, per-op recompute) device
     seconds but the all-to-all ``a2a``, which is the device's too: the host issues kernels while it runs,
-    max(host, device + all-to-all). The per-op recompute reruns the forward's other kernels and ``rerun_share`` of
+    max(host, device + all-to-all). The per-op recompute reruns the forward's elementwise kernels and ``rerun_share`` of
     its GEMMs' (the even-numbered matmuls, :func:`~microbatch.predict.recompute.op_recompute_gemm_share`): its own
     launches against its own device time, so a faster device never lengthens it (a sweep found the forward's gap
     carried into it: 86.3 → 89.2 ms with four times the FLOP/s).
@@ -93,10 +93,13 @@ def launch_floor(
     cpu, measured = not acc.compute_units, efficiency.gemm_measured is not None
     device_s, backward_s, rerun_s = passes
     g_rerun = round(rerun_share * g)
+    # what the per-op recompute does not rerun: the attention kernels and the ring's steps (their outputs saved, as
+    # torchtitan's op list saves SDPA's) and the tensor-parallel collectives (the reduce-scatter saved too)
+    kept = (1 + 3 * (max(1, steps) - 1) if flash else 4) + (2 if t > 1 else 0)
     return (
         host_time_s(n, g, launch, device_s + a2a, cpu=cpu, gemms_measured=measured),
         host_time_s(2 * n, 2 * g, launch, backward_s + a2a, cpu=cpu, gemms_measured=measured),
         0.0 if cpu else g * launch,
         None if cpu else (n * launch - device_s, 2 * n * launch - backward_s),
-        host_time_s(n - g + g_rerun, g_rerun, launch, rerun_s, cpu=cpu, gemms_measured=measured),
+        host_time_s(n - g - kept + g_rerun, g_rerun, launch, rerun_s, cpu=cpu, gemms_measured=measured),
     )

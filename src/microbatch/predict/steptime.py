@@ -22,6 +22,7 @@ and in the logits (the embedding's, final norm's, output GEMM's and loss's kerne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from microbatch.hardware import Accelerator
@@ -78,16 +79,15 @@ def layer_pass_times(lt: LayerTime, recompute: str = "none", every: int = 1) -> 
         plain, full = layer_pass_times(lt, "none"), layer_pass_times(lt, "full")
         return forward, (plain[1] * (every - 1) + full[1]) / every, plain[2]  # W as every pass has it
     inputs = lt.gemm_s + lt.backward_memory_s + lt.tp_comm_s + lt.ep_comm_s + lt.cp_comm_backward_s
-    gap = (
-        lt.backward_gap_s
-    )  # the backward's launch gap I carries, sized against a device time with the re-gather
     if lt.weight_host_s > weight and lt.backward_gap_s:  # a host-bound W pass: its launches, not its GEMMs
         moved = min(lt.weight_host_s - weight, lt.backward_gap_s)  # of the gap the backward carries (in I)
-        weight, inputs, gap = weight + moved, inputs - moved, gap - moved
+        weight, inputs = weight + moved, inputs - moved
     if recompute == "full":
-        # no re-gather (the rerun forward gathers), but the host's launches it hid stay: I + W never shrinks with a
-        # faster re-gather (a sweep: 112.68 → 112.92 ms with four times the NVLink bandwidth)
-        inputs += forward + min(lt.sp_regather_s, gap)
+        # no re-gather (the rerun forward gathers): the backward is max(H, D − R) where its gap was sized on
+        # max(H, D); with s = H − D that adds max(0, s + R) − max(0, s) back to D − R + gap (a sweep: 112.68 → 112.92
+        # ms with four times the NVLink bandwidth when the re-gather was simply dropped)
+        s = -math.inf if lt.host_slack_s is None else lt.host_slack_s[1] - lt.ep_comm_s
+        inputs += forward + max(0.0, s + lt.sp_regather_s) - max(0.0, s)
     else:
         inputs += lt.sp_regather_s
         if recompute == "selective":

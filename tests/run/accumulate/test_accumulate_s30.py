@@ -258,3 +258,46 @@ def test_a_tuple_of_fields_beside_records_still_splits_by_rows(rows):
             part["inputs"][1], mask[i : i + 1]
         )
         assert part["targets"][0]["boxes"].shape[0] == 2 * i + 3
+
+
+def test_images_of_one_size_split_by_image_and_the_ambiguous_case_is_said():
+    from microbatch.run.accumulate import split
+
+    def batch(n):
+        images = [torch.randn(3, 32, 32) for _ in range(n)]
+        return images, [{"boxes": torch.rand(i + 1, 4)} for i in range(n)]
+
+    parts = split(batch(4), 2)  # images of 3 rows each cannot be fields of a 4-row batch: one a row
+    assert [len(p[0]) for p in parts] == [2, 2] and all(im.shape == (3, 32, 32) for p in parts for im in p[0])
+    with pytest.warns(RuntimeWarning, match="list of 3 tensors, as many as its rows, each with 3 rows"):
+        split(batch(3), 2)  # 3 images of 3 channels beside 3 targets: either reading fits, fields taken
+
+
+class Resized(torch.nn.Module):
+    """A statistic that follows its input's width: resized in place, or (``assign``) a new tensor, then updated in
+    place."""
+
+    def __init__(self, assign: bool) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.tensor([1.0, 2.0]))
+        self.assign = assign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stat.shape != x.shape[1:]:
+            if self.assign:
+                self.stat = torch.zeros(x.shape[1:])
+            else:
+                self.stat.resize_(x.shape[1:]).zero_()
+        self.stat.mul_(0.5).add_(x.mean(0))
+        return x
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_second_redo_finds_the_buffers_as_the_step_started(assign):
+    module = Resized(assign)
+    state = retry.StepState.take(module)
+    module(torch.ones(4, 3))  # the first attempt changes the buffer's shape, then fails
+    state.restore()
+    module(torch.full((2, 2), 100.0))  # the redo writes in place at the saved shape, then fails too
+    state.restore()
+    assert module.stat.tolist() == [1.0, 2.0]

@@ -48,14 +48,13 @@ def _records(value: Any) -> bool:
 
 
 def _tensor_records(value: Any) -> bool:
-    """A list or tuple (inside the batch) of two or more tensors of one rank whose shapes differ: one tensor per row
-    (torchvision's detection images, each (3, H_i, W_i)) where :func:`_layout` finds the fields disagree; tensors of
-    one shape (``(ids, mask)``) or of different ranks stay fields, each with the rows in dim 0."""
-    if not (isinstance(value, (tuple, list)) and len(value) > 1):
-        return False
-    if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in value):
-        return False
-    return len({v.dim() for v in value}) == 1 and len({tuple(v.shape) for v in value}) > 1
+    """A list or tuple (inside the batch) of two or more tensors: fields, each with the rows in dim 0, or one tensor per
+    row (torchvision's detection images, each (3, H_i, W_i)), the last reading :func:`_layout` tries."""
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) > 1
+        and all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in value)
+    )
 
 
 def _array(value: Any) -> bool:
@@ -64,17 +63,19 @@ def _array(value: Any) -> bool:
     return hasattr(value, "__array__") and hasattr(value, "shape") and not isinstance(value, torch.Tensor)
 
 
-def _per_row(value: Any, records: bool = False) -> bool:
+def _per_row(value: Any, records: int = 0) -> bool:
     """A list or tuple with no tensor or mapping inside: one value per row (a string, a number, a row's own list
-    of choices), sliced with the rows; with ``records``, also a list or tuple of mappings or of tensors, one a row
-    (:func:`_records`, :func:`_tensor_records`). Not one that holds an array (``(x_np, y_np)`` is two arrays of rows,
+    of choices), sliced with the rows; with ``records`` 1, also a list or tuple of mappings, one a row (:func:`_records`),
+    with 2 of mappings or of tensors (:func:`_tensor_records`). Not one that holds an array (``(x_np, y_np)`` is two arrays of rows,
     not two rows)."""
     if not isinstance(value, (tuple, list)) or any(_array(v) for v in value):
         return False
-    return (records and (_records(value) or _tensor_records(value))) or not _holds_tensors(value)
+    if (records >= 1 and _records(value)) or (records >= 2 and _tensor_records(value)):
+        return True
+    return not _holds_tensors(value)
 
 
-def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tuple[str, Any]]:
+def _leaves(batch: Batch, name: str = "batch", records: int = 0) -> list[tuple[str, Any]]:
     """(name, tensor or per-row list) for every leaf of ``batch``, through nested tuples, lists and mappings
     (``default_collate`` of ``(dict, tensor)`` samples gives ``[dict, tensor]``); ConfigError for any other
     structure."""
@@ -102,7 +103,7 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
     if isinstance(batch, Mapping):
         items = [(f"{name}[{k!r}]", v) for k, v in batch.items() if not _flag(v)]
     elif isinstance(batch, (tuple, list)):
-        if batch and _per_row(batch, records and name != "batch"):
+        if batch and _per_row(batch, records if name != "batch" else 0):
             return [(name, batch)]
         items = [(f"{name}[{i}]", v) for i, v in enumerate(batch) if not _flag(v)]
     elif name == "batch":
@@ -127,25 +128,44 @@ def _leaves(batch: Batch, name: str = "batch", records: bool = False) -> list[tu
     return [leaf for n, v in items for leaf in _leaves(v, n, records)]
 
 
-def _sizes(batch: Batch, records: bool) -> dict[str, int]:
+def _sizes(batch: Batch, records: int) -> dict[str, int]:
     return {
         n: (t.shape[0] if isinstance(t, torch.Tensor) else len(t)) for n, t in _leaves(batch, records=records)
     }
 
 
-def _layout(batch: Batch) -> tuple[int, bool]:
+def _layout(batch: Batch) -> tuple[int, int]:
     """(rows, records): the rows of ``batch`` (dim 0), after checking that every tensor and per-row list agrees, and
-    whether its lists of mappings are one record per row. They are fields (each mapping's tensors hold the rows) where
-    that agrees; one record per row where only that agrees (torchvision's detection targets: each image's own number
-    of boxes); where both agree (as many rows as records, and each record's tensors as long), fields, with a warning."""
-    sizes = _sizes(batch, records=False)
+    how its lists are read (0: fields; 1: lists of mappings one record a row; 2: lists of tensors one a row too). They
+    are fields (each mapping's and tensor's rows in dim 0) where that agrees; one record per row where only that agrees
+    (torchvision's detection targets: each image's own number of boxes), lists of tensors kept as fields where the
+    records alone agree (``(ids, mask)`` beside the targets), one tensor a row only where nothing else does
+    (torchvision's images beside their targets); where fields agree too (as many rows as records, and each record's
+    tensors as long), fields, with a warning."""
+    sizes = _sizes(batch, records=0)
     if len(set(sizes.values())) <= 1:
         rows = next(iter(sizes.values()))
         _warn_if_ambiguous(batch, rows)
-        return rows, False
-    per_row = _sizes(batch, records=True)
-    if len(set(per_row.values())) <= 1 and per_row != sizes:
-        return next(iter(per_row.values())), True
+        return rows, 0
+    found = {}
+    for level in (1, 2):  # lists of mappings one a row; then lists of tensors too (torchvision's images)
+        per_row = _sizes(batch, records=level)
+        if len(set(per_row.values())) <= 1 and per_row != sizes:
+            found[level] = next(iter(per_row.values()))
+    if 2 in found and (1 not in found or _uneven_tensors(batch)):  # images of their own sizes: one a row
+        return found[2], 2
+    if 1 in found:
+        if 2 in found:  # a list of as many tensors as rows, each of as many rows: either reading fits
+            import warnings
+
+            warnings.warn(
+                f"the batch holds a list of {found[1]} tensors, as many as its rows, each with {found[1]} rows: split as "
+                "fields (each tensor cut by rows); if they are one a row (torchvision's images), stack them "
+                "(torch.stack) into one tensor of rows, or split the batch yourself",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return found[1], 1
     if _samples(batch):
         raise ConfigError(
             f"batch is a {type(batch).__name__} of {len(batch)} samples ({type(batch[0]).__name__}s whose tensors hold "
@@ -158,6 +178,20 @@ def _layout(batch: Batch) -> tuple[int, bool]:
         f"tensors of the batch have different first dimensions ({shown}{more}); every tensor needs the same "
         "number of rows in dim 0 (a list of dicts with one per row, torchvision's targets, is split with the rows)"
     )
+
+
+def _uneven_tensors(batch: Batch) -> bool:
+    """Whether a list or tuple inside ``batch`` holds two or more tensors of one rank and different shapes (images of
+    their own sizes): read one a row where both readings agree with the records."""
+    values = (
+        batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    )
+    for v in values:
+        if _tensor_records(v) and len({t.dim() for t in v}) == 1 and len({tuple(t.shape) for t in v}) > 1:
+            return True
+        if isinstance(v, (Mapping, tuple, list)) and _uneven_tensors(v):
+            return True
+    return False
 
 
 def _samples(batch: Batch) -> bool:
@@ -227,14 +261,14 @@ def take_rows(
     width: int | None = None,
     cut: frozenset[int] = frozenset(),
     *,
-    records: bool = False,
+    records: int = 0,
     top: bool = True,
 ) -> Batch:
     """Rows ``start:stop`` of every tensor (views) and per-row list, through nested containers; the tensors in
-    ``cut`` (by ``id``: :func:`_cut`) also cut to ``width`` columns in dim 1. ``records``: the batch's lists of
-    mappings are one record per row (:func:`_layout`); ``top``: ``batch`` is the whole batch (never a list of
+    ``cut`` (by ``id``: :func:`_cut`) also cut to ``width`` columns in dim 1. ``records``: how the batch's lists are
+    read (:func:`_layout`); ``top``: ``batch`` is the whole batch (never a list of
     records)."""
-    inner = {"records": records, "top": False}
+    inner: dict[str, Any] = {"records": records, "top": False}
     if isinstance(batch, torch.Tensor):
         t = batch[start:stop]
         if width is not None and id(batch) in cut:
@@ -246,7 +280,7 @@ def take_rows(
         return {
             k: v if _flag(v) else take_rows(v, start, stop, width, cut, **inner) for k, v in batch.items()
         }
-    if _per_row(batch, records and not top):
+    if _per_row(batch, 0 if top else records):
         return batch[start:stop]
     parts = [v if _flag(v) else take_rows(v, start, stop, width, cut, **inner) for v in batch]
     if isinstance(batch, tuple):
@@ -267,7 +301,7 @@ def _padded_by_lengths(t: torch.Tensor, lens: Sequence[int]) -> bool:
     return all(bool((tail == pad).all()) for tail in pads)
 
 
-def _cut(batch: Batch, records: bool, lens: Sequence[int], width: int) -> frozenset[int]:
+def _cut(batch: Batch, records: int, lens: Sequence[int], width: int) -> frozenset[int]:
     """The tensors (by ``id``) a token split cuts: two or more dims, ``width`` wide, padded as ``lens`` say
     (:func:`_padded_by_lengths`). ConfigError where the batch's ``input_ids`` are not while another tensor is (its
     mask's tail all ones: left padding), which would cut the two to different widths."""
@@ -285,7 +319,7 @@ def _cut(batch: Batch, records: bool, lens: Sequence[int], width: int) -> frozen
     return frozenset(id(t) for n, t in leaves if padded.get(n))
 
 
-def _padded_width(batch: Batch, records: bool) -> int:
+def _padded_width(batch: Batch, records: int) -> int:
     """The padded width of a token split: the widest dim 1 of the batch's integer or bool tensors of two or more dims
     (ids, masks, labels), else of any such tensor; a row's features (a float ``(b, 16)`` beside ``(b, 8)`` ids, a
     spectrogram's mel bins) are not tokens."""

@@ -114,14 +114,16 @@ class StepState:
                 if _initialised(m.running_mean):
                     m.reset_running_stats()
             for module, name, live, saved in self._others:
+                # a copy of the copy goes back, never the copy itself: a redo that writes the buffer in place would
+                # write into it, and a second restore would put back the failed redo's values
                 if (
                     module._buffers.get(name) is not live
                 ):  # the forward assigned a new tensor: the old goes back
-                    module._buffers[name] = saved
+                    module._buffers[name] = saved.clone()
                 elif live.shape == saved.shape and live.dtype == saved.dtype:
                     live.copy_(saved)
                 else:  # resized in place (a per-channel observer's min/max start empty)
-                    live.set_(saved)
+                    live.set_(saved.clone())
             for module, plain in self._plain:  # and what the module keeps beside them (a cache's length)
                 module.__dict__.update(plain)
         moved = [n for m, n, live, v in self._unkept if m._buffers.get(n) is not live or live._version != v]
