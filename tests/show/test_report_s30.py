@@ -174,3 +174,20 @@ def test_a_plan_calibrated_from_a_kernel_benchmark_is_drawn(tmp_path: Path, caps
     plan.write_text(capsys.readouterr().out, encoding="utf-8")
     assert "term_sources" in plan.read_text(encoding="utf-8")  # words under names like attention_fraction
     assert main(["report", str(plan), "--out", str(tmp_path / "r.html"), "--no-png"]) == 0
+
+
+def test_a_python_plans_advice_reads_as_sentences_in_the_report(tmp_path: Path) -> None:
+    from microbatch.hardware import get_accelerator
+    from microbatch.model import get_model
+    from microbatch.predict.plan import make_plan
+    from microbatch.predict.plan_config import PlanConfig
+
+    cfg = PlanConfig(
+        shape=get_model("llama-3-70b").with_seq(8192), gpu=get_accelerator("a100-80gb"), global_batch=64,
+        data_parallel=8, tensor_parallel=8, micro_batches=(8,), zero=(3,), recompute=("full",),
+    )  # fmt: skip
+    data = make_plan(cfg).to_dict()  # the advice as data, not sentences
+    assert isinstance(data["advice"], dict)
+    html = build_report([("plan", data)], tmp_path / "p.html", png=False).html_path.read_text()
+    assert "sequence parallel (at tensor-parallel 8) would fit" in html
+    assert "budget_bytes" not in html

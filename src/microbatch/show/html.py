@@ -48,7 +48,7 @@ from microbatch.show.html_sections import (
     validate_section,
 )
 from microbatch.show.html_sections import exports_section as _exports_section
-from microbatch.show.plan_report import explain_result, fit_label
+from microbatch.show.plan_report import advice_words, explain_result, fit_label, lint_words
 
 __all__ = ["classify", "load_results", "check_result", "build_report", "FIGURE_SIZE_PX", "Report"]
 
@@ -212,6 +212,10 @@ def _plan_notes(plan: dict[str, Any], rec: dict[str, Any]) -> list[str]:
         val = plan.get(key) or rec.get(key)  # advice: what would fit, where none does
         if key == "rebalance" and isinstance(val, dict):  # the uneven split the text's note names
             val = _rebalance_words(val)
+        if key == "advice" and isinstance(val, dict):  # Plan.to_dict's data: the same sentences as the text
+            val = advice_words(val)
+        if key == "lints" and isinstance(val, list) and any(isinstance(x, dict) for x in val):
+            val = lint_words(val)
         if key == "explanation" and not val:  # Plan.to_dict is data only: the words are show's
             try:
                 val = explain_result(plan)

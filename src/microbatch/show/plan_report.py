@@ -23,6 +23,8 @@ from microbatch.show.plan_words import Words, advice_lines, gib, lint_sentence, 
 __all__ = [
     "TABLE_COLUMNS",
     "advice_lines",
+    "advice_words",
+    "lint_words",
     "comparison_rows",
     "explain",
     "explain_result",
@@ -200,11 +202,8 @@ def explain_result(result: dict[str, Any], *, words: Words = None) -> str:
             [Candidate.from_dict(c) for c in result.get("candidates", [])],
             pipeline_parallel=int(result.get("pipeline_parallel", 1)),
             memory_budget_bytes=float(result["memory_budget_bytes"]),
-            lints=[
-                x if isinstance(x, str) else lint_sentence(lint_from_dict(x), words=words)
-                for x in result.get("lints", [])
-            ],
-            advice=_advice_words(result.get("advice")),
+            lints=lint_words(result.get("lints"), words=words),
+            advice=advice_words(result.get("advice")),
             fastest=Candidate.from_dict(fast) if fast else None,
             knee=Candidate.from_dict(result["knee"]) if result.get("knee") else None,
             choose=str(result.get("choose", "fastest")),
@@ -455,11 +454,16 @@ def plan_advice(plan: Plan) -> list[str]:
     return advice_lines(plan.advice) if plan.advice is not None else []
 
 
-def _advice_words(advice: object) -> list[str]:
+def advice_words(advice: object) -> list[str]:
     """The advice of a plan read back: sentences as written (``plan --json``), or data (:meth:`Plan.to_dict`)."""
     if isinstance(advice, dict):
         return advice_lines(advice_from_dict(advice))
     return [str(a) for a in advice or []]  # type: ignore[attr-defined]
+
+
+def lint_words(lints: object, *, words: Words = None) -> list[str]:
+    """The lints of a plan read back: sentences as written (``plan --json``), or data (:meth:`Plan.to_dict`)."""
+    return [x if isinstance(x, str) else lint_sentence(lint_from_dict(x), words=words) for x in lints or []]  # type: ignore[attr-defined]
 
 
 def plan_dict(plan: Plan, *, words: Words = None) -> dict[str, Any]:
