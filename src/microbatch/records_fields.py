@@ -31,7 +31,9 @@ RESULT_NUMBERS = ("throughput", "tolerance", "reference_throughput", "bound_marg
 def throughput_unit(result: Any) -> str:
     """The unit of a result's ``throughput``: ``tokens/s`` where its points counted tokens (a batch of token ids, or
     decoding), ``samples/s`` for a ``tune`` whose batches held none (images, features), ``per s`` for measurements made
-    elsewhere (``recommend``: the file's own unit)."""
+    elsewhere (``recommend``: the file's own unit, or the tune's it read, as its result says in ``throughput_unit``)."""
+    if isinstance(result.get("throughput_unit"), str) and result["throughput_unit"]:
+        return str(result["throughput_unit"])
     points = [p for p in result.get("points") or [] if isinstance(p, dict) and not p.get("oom")]
     if any(p.get("tokens_per_s") is not None for p in points) or result.get("mode") == "decode":
         return "tokens/s"

@@ -51,3 +51,19 @@ def test_a_figure_written_to_dev_stdout_goes_down_the_pipe():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "<svg" in proc.stdout  # /dev/stdout resolves to /proc/<pid>/fd/pipe:[…]: not a folder to probe
+
+
+def test_plan_and_memory_agree_on_what_changes_nothing_under_a_pipeline(capsys):
+    code, _, err = run(["plan", "--model", "gpt2", "--gpu", "a100-80gb", "-B", "64", "-d", "4", "-p", "2", "--zero", "3",
+                        "--zero3-impl", "fsdp1"], capsys)  # fmt: skip
+    assert code == 2 and "under a pipeline ZeRO 2/3 is FSDP2" in err
+    code, _, err = run(["memory", "--model", "gpt2", "-b", "2", "-d", "4", "-p", "2", "--zero", "2",
+                        "--pp-grad-reduce", "each", "--reduce-dtype", "half"], capsys)  # fmt: skip
+    assert code == 2 and "with --pp-grad-reduce each" in err and "give --zero 3 without a pipeline" not in err
+
+
+def test_the_advice_under_a_pipeline_tries_zero_1_for_more_data_parallel_ranks(capsys):
+    code, out, _ = run(["plan", "--model", "llama-2-70b", "--gpu", "a100-80gb", "-B", "64", "-t", "8", "--recompute",
+                        "none", "--zero", "0", "-p", "2", "--memory-headroom", "0.33"], capsys)  # fmt: skip
+    line = next(x for x in out.splitlines() if x.startswith("- data-parallel 8"))
+    assert "with ZeRO-1" in line and "would fit" in line  # ZeRO-3 there holds its gradients whole in fp32

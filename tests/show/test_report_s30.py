@@ -191,3 +191,17 @@ def test_a_python_plans_advice_reads_as_sentences_in_the_report(tmp_path: Path) 
     html = build_report([("plan", data)], tmp_path / "p.html", png=False).html_path.read_text()
     assert "sequence parallel (at tensor-parallel 8) would fit" in html
     assert "budget_bytes" not in html
+
+
+def test_a_recommend_result_keeps_its_unit_in_the_report(tmp_path: Path, capsys) -> None:
+    assert main(["recommend", "--measurements", str(LATENCY), "--max-latency-ms", "5", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["throughput_unit"] == "tokens/s"
+    html = build_report([("recommend", res)], tmp_path / "r.html", png=False).html_path.read_text()
+    assert "tokens/s" in html and " per s" not in html
+
+
+def test_simulate_refuses_a_figure_on_stdout_beside_its_json(capsys) -> None:
+    assert main(["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--svg", "/dev/stdout", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)  # the refusal itself is one JSON document
+    assert "would share stdout" in out["error"]

@@ -293,3 +293,21 @@ def kept_text(text: str, as_json: bool) -> str:
     except OSError:
         return ""
     return f"; the answer was kept in {path}"
+
+
+def check_not_stdout_with_json(path: str | None, flag: str, as_json: bool, example: str) -> None:
+    """Refuse, before any work, an output file that is this process's stdout while ``--json`` prints there too: the
+    two documents would share one stream and neither would parse (``simulate --svg /dev/stdout --json``)."""
+    from microbatch.errors import ConfigError
+
+    if not (path and as_json) or not str(path).startswith(("/dev/", "/proc/")):
+        return
+    try:
+        same = os.path.samefile(path, "/dev/stdout")
+    except OSError:
+        same = os.path.realpath(path) == os.path.realpath("/dev/stdout")
+    if same:
+        raise ConfigError(
+            f"{flag} {path} with --json: the file and the JSON would share stdout, and neither would parse; write "
+            f"it to a file (e.g. {flag} {example}) or drop --json"
+        )

@@ -12,7 +12,7 @@ import click
 from microbatch.precision import LOSS_DTYPES, LOSS_KERNELS, PRECISIONS
 from microbatch.predict.state import GRAD_DTYPES, MASTER_WEIGHTS, MOMENT_DTYPES, OPTIMIZERS
 
-__all__ = ["dropout_option", "precision_options"]
+__all__ = ["check_zero3_flags", "dropout_option", "precision_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,3 +75,30 @@ dropout_option = click.option(
 )
 """``--dropout/--no-dropout``: the model's dropout on or off (its masks are kept activations, its kernels streamed),
 shared by ``plan`` and ``memory`` so the two answer for the same step."""
+
+
+def check_zero3_flags(zero3_impl: str, zero: str, stages: int = 1) -> None:
+    """``plan``'s: a ConfigError when ``--reduce-dtype`` or ``--zero3-impl`` was given where it would change nothing
+    (``--zero`` below what they shape, or ``--zero3-impl`` under a pipeline: FSDP2 whatever it says)."""
+    from microbatch.commands._common import parse_zero
+    from microbatch.commands._schedule_inputs import user_gave
+    from microbatch.errors import ConfigError
+
+    if user_gave("reduce_dtype") and zero != "auto" and parse_zero(zero) < (2 if stages > 1 else 3):
+        raise ConfigError(
+            f"reduce_dtype is what FSDP's reduce-scatter moves (ZeRO 3, or ZeRO 2 under a pipeline), and zero is {zero} "
+            "(it would change nothing); give zero 3 (or auto) with it, or drop reduce_dtype",
+            params=("reduce_dtype", "zero"),
+        )
+    if user_gave("zero3_impl") and stages > 1:  # as memory says it
+        raise ConfigError(
+            f"zero3_impl {zero3_impl} says who runs ZeRO 3, and pipeline_parallel is {stages}: under a pipeline ZeRO "
+            "2/3 is FSDP2 under torch's pipelining whatever it says (it would change nothing); drop zero3_impl",
+            params=("zero3_impl", "pipeline_parallel"),
+        )
+    if user_gave("zero3_impl") and zero != "auto" and parse_zero(zero) < 3:
+        raise ConfigError(
+            f"zero3_impl {zero3_impl} says who runs ZeRO 3, and zero is {zero} (nothing gathered per layer: it would "
+            "change nothing); give zero 3 (or auto) with it, or drop zero3_impl",
+            params=("zero3_impl", "zero"),
+        )

@@ -191,12 +191,21 @@ def _check_zero3_flags(zero: str, stages: int, grad_reduce: str = "last") -> Non
     holds = (
         stages > 1 and parse_zero(zero) >= 2 and grad_reduce == "last"
     )  # gradients held in the reduce dtype
+    if user_gave("reduce_dtype") and stages > 1 and parse_zero(zero) >= 2 and grad_reduce == "each":
+        raise ConfigError(
+            "reduce_dtype with pipeline_grad_reduce each: the gradients are reduce-scattered after every micro-batch "
+            "and a shard kept in their own dtype, so the memory would not change (plan prices the reduce-scatter's "
+            "time by it); drop reduce_dtype here, or give pipeline_grad_reduce last",
+            params=("reduce_dtype", "pipeline_grad_reduce"),
+        )
     given = [
         f for f in ("zero3_impl", "reduce_dtype") if user_gave(f) and not (f == "reduce_dtype" and holds)
     ]
     if given and (parse_zero(zero) < 3 or stages > 1):
         why = (
-            f"zero is {zero}" if parse_zero(zero) < 3 else f"pipeline_parallel is {stages} (ZeRO-1's memory)"
+            f"zero is {zero}"
+            if parse_zero(zero) < 3
+            else f"pipeline_parallel is {stages} (FSDP2 whatever it says)"
         )
         raise ConfigError(
             f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} ZeRO-3's buffers, and {why}: the memory would not change; give zero 3 "

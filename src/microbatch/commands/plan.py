@@ -20,7 +20,7 @@ from microbatch.commands._common import (
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._state_flags import dropout_option, precision_options
+from microbatch.commands._state_flags import check_zero3_flags, dropout_option, precision_options
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
 from microbatch.predict.collectives import ZERO3_IMPLS
@@ -204,7 +204,7 @@ def cmd(
 
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     _check_cp_comm(cp_comm, expert_layout["context_parallel"])
-    _check_zero3_impl(zero3_impl, zero, stages)
+    check_zero3_flags(zero3_impl, zero, stages)
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
@@ -284,26 +284,6 @@ def _check_cp_comm(cp_comm: str, context_parallel: int) -> None:
             f"cp_comm {cp_comm} is how context-parallel ranks exchange keys and values, and context_parallel is 1 "
             "(no exchange: it would change nothing); give context_parallel 2 or more with it, or drop cp_comm",
             params=("cp_comm", "context_parallel"),
-        )
-
-
-def _check_zero3_impl(zero3_impl: str, zero: str, stages: int = 1) -> None:
-    """A ConfigError when ``--zero3-impl`` was given with ``--zero`` fixed below 3: it would change nothing."""
-    from microbatch.commands._common import parse_zero
-    from microbatch.commands._schedule_inputs import user_gave
-    from microbatch.errors import ConfigError
-
-    if user_gave("reduce_dtype") and zero != "auto" and parse_zero(zero) < (2 if stages > 1 else 3):
-        raise ConfigError(
-            f"reduce_dtype is what FSDP's reduce-scatter moves (ZeRO 3, or ZeRO 2 under a pipeline), and zero is {zero} "
-            "(it would change nothing); give zero 3 (or auto) with it, or drop reduce_dtype",
-            params=("reduce_dtype", "zero"),
-        )
-    if user_gave("zero3_impl") and zero != "auto" and parse_zero(zero) < 3:
-        raise ConfigError(
-            f"zero3_impl {zero3_impl} says who runs ZeRO 3, and zero is {zero} (nothing gathered per layer: it would "
-            "change nothing); give zero 3 (or auto) with it, or drop zero3_impl",
-            params=("zero3_impl", "zero"),
         )
 
 

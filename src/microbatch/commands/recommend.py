@@ -293,7 +293,8 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
         }
         for p in points
     ]
-    emit(d, as_json, lambda: render_recommendation(d, pts, unit=_unit_of(measurements)))
+    d["throughput_unit"] = unit = _unit_of(measurements)  # the report reads it back
+    emit(d, as_json, lambda: render_recommendation(d, pts, unit=unit))
 
 
 def _unit_of(path: str) -> str:

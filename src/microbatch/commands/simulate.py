@@ -108,7 +108,7 @@ def cmd(
         "input_time": input_time,
         "weight_time": weight_time,
     }
-    drawn = (svg_path, png_path, with_intervals and as_json)
+    drawn = (svg_path, png_path, with_intervals and as_json, as_json)
     _check_before_work(spec, stages, microbatches, virtual, given, comm_time, stage_times, drawn, force)
     _note_flags(spec, given, with_intervals and not as_json, notes)
     _note_explicit_entries(spec, given, stage_times, notes)
@@ -219,14 +219,17 @@ def _check_before_work(
     given: dict[str, float | None],
     comm_time: float,
     stage_times: str | None,
-    drawn: tuple[str | None, str | None, bool],
+    drawn: tuple[str | None, str | None, bool, bool],
     force: bool,
 ) -> None:
     """Everything that can be checked before the work: sizes, times, output paths, what is drawn or listed
-    (``drawn``: the SVG's path, the PNG's, whether every op is listed)."""
-    svg_path, png_path, with_intervals = drawn
+    (``drawn``: the SVG's path, the PNG's, whether every op is listed, whether --json prints on stdout)."""
+    svg_path, png_path, with_intervals, as_json = drawn
     from microbatch.commands._common import check_output_file
-    from microbatch.commands._outputs import same_file
+    from microbatch.commands._outputs import check_not_stdout_with_json, same_file
+
+    check_not_stdout_with_json(svg_path, "--svg", as_json, "bubble.svg")
+    check_not_stdout_with_json(png_path, "--png", as_json, "bubble.png")
     from microbatch.commands._schedule_inputs import MAX_DIAGRAM_RANKS, check_times, diagram_rows_note
     from microbatch.commands._texts import CLOSED_FORM
     from microbatch.errors import ConfigError

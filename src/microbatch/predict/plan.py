@@ -409,7 +409,10 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
     if cfg.data_parallel == 1:
         for d2 in (8, 64):
             if per_replica(cfg.global_batch, d2) is not None:
-                tries.append(("data_parallel", d2, {"data_parallel": d2, "zero": (3,)}))
+                # ZeRO-3 shards the most without a pipeline; under one (FSDP2 holding its gradients whole in fp32)
+                # ZeRO-1's distributed optimizer holds less
+                zero = (1,) if cfg.pipeline_parallel > 1 else (3,)
+                tries.append(("data_parallel", d2, {"data_parallel": d2, "zero": zero}))
     alternatives = []
     smallest = min(plan.candidates, key=lambda c: c.peak_memory_bytes)
     for setting, value, change in tries:

@@ -130,7 +130,7 @@ class Alternative:
 
     setting: Literal["sequence_parallel", "pipeline_parallel", "tensor_parallel", "data_parallel"]
     """What changes: sequence parallelism at the plan's t (Megatron-Core's, NeMo's and torchtitan's with t > 1), p, t
-    (with sequence parallelism) or d (with ZeRO-3)."""
+    (with sequence parallelism) or d (with ZeRO-3; ZeRO-1 under a pipeline, where FSDP2 holds its gradients whole)."""
     value: int
     best: Candidate
     """The fastest candidate that fits, or (when none does) the one with the least peak."""

@@ -131,14 +131,15 @@ def check_result(kind: str, res: dict[str, Any], *, source: str) -> None:
         )
 
 
-_NUMBER_KEYS = ("_bytes", "_s", "_ms", "_fraction", "_se", "_pct", "_of_best", "_of_reference", "throughput",
-                "tokens_per_s", "micro_batch", "mfu", "tolerance", "_margin")  # fmt: skip
+_NUMBER_KEYS = ("_bytes", "_s", "_ms", "_fraction", "_se", "_pct", "%", "_MiB", "_of_best", "_of_reference",
+                "throughput", "tokens_per_s", "micro_batch", "mfu", "tolerance", "_margin", "headroom")  # fmt: skip
 """How the results' number fields end (``peak_memory_bytes``, ``step_time_s``, ``bubble_fraction``, ...): a text
 there (``"27%"``, a hand edit) is refused naming the field, before the drawing fails on it."""
 
 
 _DRAWN = ("measured", "predicted", "with_comm", "before_run", "recommended", "fastest", "knee", "fastest_fitting",
-          "candidates", "points", "stage_stats", "rows", "stages", "memory", "time")  # fmt: skip
+          "candidates", "points", "stage_stats", "rows", "stages", "memory", "time", "timeline", "predicted_timeline",
+          "memory_fit", "plans")  # fmt: skip
 """The parts of a result the report draws numbers from, looked into for text in a number field; others (a
 calibration's ``term_sources``, notes, sources) hold words under any name."""
 

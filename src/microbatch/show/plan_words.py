@@ -116,7 +116,7 @@ _SETTINGS = {
     "sequence_parallel": "sequence parallel (at tensor-parallel {})",
     "pipeline_parallel": "pipeline-parallel {}",
     "tensor_parallel": "tensor-parallel {} with sequence parallel",
-    "data_parallel": "data-parallel {} with ZeRO-3 (ZeRO 1's memory under a pipeline)",
+    "data_parallel": "data-parallel {} with ZeRO",
 }
 """How each layout change of the advice reads."""
 
@@ -146,10 +146,10 @@ def advice_lines(advice: Advice) -> list[str]:
     gpus = _gpus(best)
     for a in advice.alternatives:
         label, c = _SETTINGS[a.setting].format(a.value), a.best
+        if a.setting == "data_parallel":  # the stage it tried: 3 alone, or 1 under a pipeline
+            label += f"-{c.zero}"
         if _gpus(c) != gpus:  # the other sizes held: the change takes more GPUs
             label += f" ({_gpus(c):,} GPUs, not {gpus:,})"
-        if best.pipeline_parallel == 1:  # ZeRO 1's memory is a pipeline's rule: no pipeline here
-            label = label.replace(" (ZeRO 1's memory under a pipeline)", "")
         if a.fits:
             out.append(
                 f"{label} would fit: {gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}"
