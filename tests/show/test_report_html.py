@@ -363,7 +363,7 @@ def test_the_plan_section_names_the_moe_and_fp8_dimensions(tmp_path):
     rep = build_report(load_results([str(plan)]), str(tmp_path / "r.html"), png=False)
     html = rep.html_path.read_text()
     assert (
-        "46.70B parameters, 12.88B active per token; expert parallel EP = 8; precision fp8 (tensorwise scaling)"
+        "46.70 B parameters, 12.88 B active per token; expert parallel EP = 8; precision fp8 (tensorwise scaling)"
         in html
     )
 

@@ -205,3 +205,14 @@ def test_simulate_refuses_a_figure_on_stdout_beside_its_json(capsys) -> None:
     assert main(["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--svg", "/dev/stdout", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)  # the refusal itself is one JSON document
     assert "would share stdout" in out["error"]
+
+
+def test_parameter_counts_read_as_counts(tmp_path: Path, capsys) -> None:
+    assert (
+        main(["memory", "--model", "megatron-22b", "--micro-batch", "4", "--tensor-parallel", "8", "--json"])
+        == 0
+    )
+    res = json.loads(capsys.readouterr().out)
+    html = build_report([("memory", res)], tmp_path / "m.html", png=False).html_path.read_text()
+    params = res["stages"][0]["params"]
+    assert f"<td>{params / 1e9:.2f} B</td>" in html and f"{params:.4g}" not in html

@@ -49,6 +49,7 @@ from microbatch.show.html_sections import (
 )
 from microbatch.show.html_sections import exports_section as _exports_section
 from microbatch.show.plan_report import advice_words, explain_result, fit_label, lint_words
+from microbatch.units import format_count
 
 __all__ = ["classify", "load_results", "check_result", "build_report", "FIGURE_SIZE_PX", "Report"]
 
@@ -185,8 +186,8 @@ def _plan_dimensions(plan: dict[str, Any]) -> str:
     bits = []
     total, active = plan.get("total_params"), plan.get("active_params")
     if isinstance(total, int):
-        bits.append(f"{total / 1e9:,.2f}B parameters" + (
-            f", {active / 1e9:,.2f}B active per token" if isinstance(active, int) and active != total else ""
+        bits.append(f"{format_count(total)} parameters" + (
+            f", {format_count(active)} active per token" if isinstance(active, int) and active != total else ""
         ))  # fmt: skip
     for key, name in (("expert_parallel", "expert parallel EP"), ("context_parallel", "context parallel c")):
         if (plan.get(key) or 1) > 1:

@@ -39,7 +39,7 @@ from microbatch.show.pipeline_report import shared_span_ms
 from microbatch.show.recommendation import detail_lines
 from microbatch.show.timeline import MAX_CHART_ACTIONS, Row, normalize_rows
 from microbatch.show.validation import validation_cell
-from microbatch.units import format_bytes
+from microbatch.units import format_bytes, format_count
 
 __all__ = [
     "human_header",
@@ -437,6 +437,12 @@ def _cell(key: str, v: Any) -> str:
         return json.dumps(v)
     if key.endswith("_bytes") and isinstance(v, (int, float)) and not isinstance(v, bool):
         return format_bytes(v)
+    if (
+        key in ("params", "total_params", "active_params")
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+    ):
+        return format_count(int(v))  # 81.9 M, not 8.191e+07
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)) and all(not isinstance(x, (dict, list)) for x in v):
