@@ -67,3 +67,17 @@ def test_the_advice_under_a_pipeline_tries_zero_1_for_more_data_parallel_ranks(c
                         "none", "--zero", "0", "-p", "2", "--memory-headroom", "0.33"], capsys)  # fmt: skip
     line = next(x for x in out.splitlines() if x.startswith("- data-parallel 8"))
     assert "with ZeRO-1" in line and "would fit" in line  # ZeRO-3 there holds its gradients whole in fp32
+
+
+def test_decoding_takes_its_new_tokens_and_says_what_it_measured(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MICROBATCH_CACHE_DIR", str(tmp_path))
+    code, _, err = run(["tune", "--model", "tiny", "--new-tokens", "8"], capsys)
+    assert code == 2 and "--mode is train; give --mode decode" in err
+    base = ["tune", "--model", "tiny", "--mode", "decode", "--seq", "24", "--max-micro-batch", "2", "--no-cache",
+            "--repeats", "3", "--json"]  # fmt: skip
+    code, out, err = run([*base, "--new-tokens", "12"], capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert (res["new_tokens"], res["prompt_tokens"], res["seq"]) == (12, 12, 24)
+    code, _, err = run([*base, "--new-tokens", "24"], capsys)  # no prompt left
+    assert code == 2 and "needs --seq > 24" in err

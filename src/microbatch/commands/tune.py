@@ -26,6 +26,7 @@ from microbatch.commands._common import (
     model_options,
     progress,
 )
+from microbatch.commands._decode_flags import new_tokens_flag, with_decode_workload
 from microbatch.commands._flags import cli_text
 from microbatch.commands._outputs import write_out
 from microbatch.errors import NoChoiceError, ProbeTimeoutError
@@ -227,6 +228,13 @@ def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig
     "ends with the points below it.",
 )
 @click.option(
+    "--new-tokens",
+    type=int,
+    default=None,
+    help="With --mode decode: tokens decoded after the prefill (the prompt is --seq minus them; default 32, and at "
+    "least the warm-up and repeats).",
+)
+@click.option(
     "--use-cache/--no-cache",
     default=True,
     show_default=True,
@@ -291,7 +299,7 @@ def cmd(
 
             click.echo("\n".join(render_curve({}, e.points)))
         raise _kept(e, out_dir, bool(search.use_cache)) from None
-    d = result.to_dict()
+    d = with_decode_workload(result.to_dict(), probe)
     if choice.max_latency_ms is not None:  # recommend reads it back to choose as tune chose
         d["max_latency_ms"] = choice.max_latency_ms
     if d.get("stop_reason"):  # a probe past its time limit names the limit and the fix: as flags here
@@ -346,7 +354,7 @@ def _configs(
         threads, clock, timing_line = cpu_timing_defaults(threads, clock)
     elif clock is None:
         clock = "wall"
-    with flags_for("threads", "seq", "start", "probe_timeout_s", "max_micro_batch", "patience", "max_latency_ms", "tolerance",
+    with flags_for("threads", "seq", "start", "probe_timeout_s", "new_tokens", "max_micro_batch", "patience", "max_latency_ms", "tolerance",
                    "memory_headroom", "global_batch", "data_parallel", "device"):  # fmt: skip
         probe = ProbeConfig(
             mode=flags["mode"],
@@ -357,6 +365,7 @@ def _configs(
             timing=_timing(device, repeats, clock),
             threads=threads,
             probe_timeout_s=flags["probe_timeout_s"],
+            new_tokens=new_tokens_flag(flags["new_tokens"], flags["mode"]),
         )
         search = SearchConfig(
             start=flags["start"],

@@ -102,7 +102,8 @@ class ProbeConfig:
     threads: int | None = None
     """torch threads in the probe's child process (None: torch's; 1 is steadier on a shared CPU)."""
     new_tokens: int = 32
-    """Decoding: tokens decoded after the prefill."""
+    """Decoding: tokens decoded after the prefill, at least the timing's warm-up and most repeats (the probe decodes
+    that many: 2 with the CPU's timing decodes 11); the prompt is ``seq`` less them."""
     in_process: bool | None = None
     """Probe in this process (True) or in a child process under a hard memory limit (False).
     None: in this process on CUDA (OOM is caught by type), in a child on the CPU (an
