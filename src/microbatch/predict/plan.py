@@ -396,9 +396,7 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
     Setting = Literal["sequence_parallel", "pipeline_parallel", "tensor_parallel", "data_parallel"]
     tries: list[tuple[Setting, int, dict[str, Any]]] = []
     L, heads = cfg.shape.layers, cfg.shape.heads
-    if (
-        cfg.tensor_parallel > 1 and not cfg.sequence_parallel
-    ):  # the same GPUs: what TP runs with in the frameworks
+    if cfg.tensor_parallel > 1 and not cfg.sequence_parallel:  # the same GPUs: TP as the frameworks run it
         tries.append(("sequence_parallel", cfg.tensor_parallel, {"sequence_parallel": True}))
     for p2 in (2 * cfg.pipeline_parallel, 4 * cfg.pipeline_parallel, 8 * cfg.pipeline_parallel):
         if p2 <= L:

@@ -9,21 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import WORKER_END, two_rank_results
+from _helpers import WORKER_END, WORKER_START, two_rank_results
 from torch import nn
 
 WORKER = (
-    """
-import sys
-sys.path.insert(0, {tests!r})
-import torch
-import torch.distributed as dist
+    WORKER_START
+    + """
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from microbatch.run.accumulate import accumulate, accumulate_micro_batches, split
-
-rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
 
 def make():
     torch.manual_seed(0)
