@@ -288,5 +288,7 @@ def test_tune_whose_points_all_miss_the_latency_limit_shows_and_returns_them(cap
     assert re.search(r"peak memory <= [\d.]+ [KMGT]iB and step time <= 1e-06 ms; measured: 1;", err)
     assert main([*args, "--json"]) == 2
     d = json.loads(capsys.readouterr().out)
-    assert d["kind"] == "bad_input" and [p["micro_batch"] for p in d["points"]] == [1]
+    assert d["kind"] == "bad_input" and [p["micro_batch"] for p in d.get("points", ())] == [1], (
+        d
+    )  # d: what it said
     assert d["points"][0]["step_time_s"] > 0

@@ -218,8 +218,15 @@ def test_deepspeed_accumulates_in_fp32_when_the_plan_does_and_asks_for_mpu_with_
     """The plan's grad_dtype fp32 (18 B/param) is DeepSpeed's data_types.grad_accum_dtype; DeepSpeed's engine
     refuses it for a bf16 model without ZeRO ("unsupported mix"); with t > 1 and no pipeline its batch check
     counts all d·t ranks unless mpu= is given."""
-    cfg = export_plan(_plan(grad_dtype="fp32", zero=(1,)), "deepspeed").config
+    cfg = export_plan(_plan(grad_dtype="fp32", zero=(2,)), "deepspeed").config
     assert cfg["data_types"] == {"grad_accum_dtype": "fp32"} and cfg["bf16"] == {"enabled": True}
+    # bf16 accumulating in fp32 at ZeRO 1 is DeepSpeed's bf16 optimizer: bf16 gradients beside the fp32 ones
+    both = export_plan(_plan(grad_dtype="bf16+fp32", zero=(1,)), "deepspeed").config
+    assert both["data_types"] == {"grad_accum_dtype": "fp32"} and both["zero_optimization"] == {"stage": 1}
+    with pytest.raises(
+        ConfigError, match=r"bf16 optimizer.*20 B/param, the plan priced 18.*grad_dtype bf16\+fp32"
+    ):
+        export_plan(_plan(grad_dtype="fp32", zero=(1,)), "deepspeed")
     assert "data_types" not in export_plan(_plan(zero=(1,)), "deepspeed").config  # half: the model's dtype
     with pytest.raises(ConfigError, match=r"only under ZeRO 1, 2 or 3.*plan again with zero 1") as err:
         export_plan(_plan(grad_dtype="fp32", zero=(0,)), "deepspeed")

@@ -33,7 +33,9 @@ def precision_options(f: F) -> F:
             type=click.Choice(list(GRAD_DTYPES)),
             default="half",
             show_default=True,
-            help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron).",
+            help="half: 16 B/param with Adam (ZeRO paper); fp32: 18 B/param (Megatron); bf16+fp32: 20 B/param, "
+            "bf16 gradients beside an fp32 buffer each micro-batch's are added into (DeepSpeed's bf16 optimizer: "
+            "bf16 with grad_accum_dtype fp32 at ZeRO 1; its all-reduce in fp32, after the backward).",
         ),
         click.option(
             "--optimizer", type=click.Choice(list(OPTIMIZERS)), default="adamw", show_default=True,

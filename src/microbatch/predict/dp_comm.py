@@ -21,7 +21,7 @@ from microbatch.predict.collectives import (
 )
 from microbatch.predict.plan_context import Context, StageTimes
 from microbatch.predict.roofline import allgather_time_s, allreduce_time_s, reduce_scatter_time_s
-from microbatch.predict.state import held_grad_bytes
+from microbatch.predict.state import bf16_fp32_accumulate_bytes, held_grad_bytes, reduced_grad_bytes
 
 __all__ = ["CLIP_PASSES", "clip_s", "data_parallel_comm", "overlap_sigma"]
 
@@ -54,9 +54,10 @@ def data_parallel_comm(
         # ZeRO 0: gradients all-reduced once per step, behind the last micro-batch's backward (or after it)
         dp = overlap_exposed_s(c.reduce, back, sigma) if cfg.dp_overlap else c.reduce
     elif c.kind == "zero1":
-        # reduce-scattered once per step like that; ZeRO-1 then all-gathers the updated half weights (not hidden)
-        dp = overlap_exposed_s(c.reduce, back, sigma) if cfg.dp_overlap else c.reduce
-        dp += c.gather
+        # reduce-scattered once per step like that; ZeRO-1 then all-gathers the updated half weights (not hidden).
+        # DeepSpeed's bf16 optimizer all-reduces its fp32 buffer after the backward has returned: exposed whole
+        hidden = cfg.dp_overlap and cfg.grad_dtype != "bf16+fp32"
+        dp = (overlap_exposed_s(c.reduce, back, sigma) if hidden else c.reduce) + c.gather
     elif c.kind == "pipeline":
         # ZeRO-2/3 under a pipeline (resident_zero): FSDP as torch's pipelining runs it, or reducing every
         # micro-batch's gradients (pipeline_grad_reduce "each")
@@ -74,6 +75,10 @@ def data_parallel_comm(
         # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
         zero_s += fsdp_edges_s(ag, rs, c.units, m)
         zero_s += m * (2 * c.copy_out + c.copy_in)  # each gather copied out, each reduction copied in (FSDP2)
+    if (
+        c.kind != "pipeline"
+    ):  # bf16+fp32's accumulation, every micro-batch (FSDP2's under a pipeline is above)
+        dp += m * c.accumulate
     return dp, zero_s, c.update
 
 
@@ -98,7 +103,8 @@ class Collectives(NamedTuple):
     """Under a pipeline: the replicas' all-reduce, per unit (:func:`_replica_s`)."""
     accumulate: float
     """Under a pipeline reducing after the last micro-batch: one micro-batch's accumulation of the stage's gradients
-    (:func:`~microbatch.predict.collectives.fsdp2_accumulate_s`), else 0."""
+    (:func:`~microbatch.predict.collectives.fsdp2_accumulate_s`); with ``bf16+fp32`` gradients their add into the fp32
+    buffer (:func:`_bf16_fp32_accumulate_s`); else 0."""
     update: float
     """The optimizer update's seconds (and the clip's)."""
     sigma: float
@@ -111,15 +117,18 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
     d = cfg.shard_group  # gradients reduced over d·c
     zg, bw_zero = cfg.zero_group, ctx.bw_zero  # ZeRO's shard group: d·c, or shard_degree·c (HSDP)
     wb, gb, _ = ctx.state_bpp
+    gr = reduced_grad_bytes(cfg.grad_dtype, gb)  # bf16+fp32 reduces its fp32 buffer
     kind: Literal["none", "allreduce", "zero1", "zero2", "zero3", "pipeline"] = "none"
     reduce, gather, units, copy, copy_in, replica, accumulate = 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0
     x = _routed_here(ctx, n, experts)
     if d > 1:
         if z == 0:
-            kind, reduce = "allreduce", _split_s(ctx, allreduce_time_s, n * gb, x * gb, d, ctx.bw_dp)
+            kind, reduce = "allreduce", _split_s(ctx, allreduce_time_s, n * gr, x * gr, d, ctx.bw_dp)
         elif z == 1 or (z == 2 and cfg.pipeline_parallel == 1):
             kind = "zero1" if z == 1 else "zero2"
-            reduce = _split_s(ctx, reduce_scatter_time_s, n * gb, x * gb, zg, bw_zero)
+            # DeepSpeed's bf16 optimizer all-reduces the whole fp32 buffer (ZeRO-1's reduce-scatter elsewhere)
+            fn = allreduce_time_s if cfg.grad_dtype == "bf16+fp32" else reduce_scatter_time_s
+            reduce = _split_s(ctx, fn, n * gr, x * gr, zg, bw_zero)
             reduce += _replica_s(ctx, tm, n, per_unit=False)
             gather = _split_s(ctx, allgather_time_s, n * wb, x * wb, zg, bw_zero)
         else:
@@ -132,6 +141,8 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
                 accumulate = _accumulate_s(ctx, n)
             else:
                 reduce += _replica_s(ctx, tm, n)
+    if cfg.grad_dtype == "bf16+fp32":
+        accumulate = _bf16_fp32_accumulate_s(ctx, n)
     update = _update_s(ctx, z, n, experts)
     return Collectives(
         kind, reduce, gather, units, copy, copy_in, replica, accumulate, update, overlap_sigma(ctx)
@@ -142,6 +153,7 @@ def _update_s(ctx: Context, z: int, n: float, experts: float | None = None) -> f
     """The optimizer update of the parameters this GPU owns, with the gradient clip when ``cfg.grad_clip``."""
     cfg = ctx.cfg
     wb, gb, ob = ctx.state_bpp
+    gb = reduced_grad_bytes(cfg.grad_dtype, gb)  # bf16+fp32 steps with its fp32 buffer's partition
     zg = cfg.zero_group
     # the update streams weights, gradients and optimizer state of the parameters this GPU owns: in and out once
     # (fused, or a CPU), or as many passes as the optimizer's unfused kernels make (EAGER_PASSES) on a GPU
@@ -150,8 +162,14 @@ def _update_s(ctx: Context, z: int, n: float, experts: float | None = None) -> f
     rate = cfg.efficiency.optimizer_fraction(gpu)
     moved = ctx.eager_update_bpp if gpu and not cfg.efficiency.fused_elementwise else 2 * (wb + gb + ob)
     opt = moved * owned / (cfg.gpu.memory_bandwidth_bytes_per_s * rate)
-    if cfg.grad_clip:
-        opt += clip_s(owned * gb, cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory)
+    stream = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
+    if cfg.grad_dtype == "bf16+fp32":
+        # BF16_Optimizer.step takes the norm over every parameter's fp32 gradient, not the partition's
+        # (get_grads_for_norm), clips them all when clipping, and clear_hp_grads zeroes the whole buffer after
+        passes = (CLIP_PASSES if cfg.grad_clip else 1) + 1
+        opt += passes * n * gb / stream
+    elif cfg.grad_clip:
+        opt += clip_s(owned * gb, stream)
     return opt
 
 
@@ -275,6 +293,14 @@ def _accumulate_s(ctx: Context, n: float) -> float:
     held = held_grad_bytes(3, cfg.pipeline_parallel, cfg.pipeline_grad_reduce, stored, cfg.reduce_bytes)
     rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
     return fsdp2_accumulate_s(n, held, ctx.state_bpp[0], rate)
+
+
+def _bf16_fp32_accumulate_s(ctx: Context, n: float) -> float:
+    """One micro-batch's accumulation of ``n`` parameters' ``bf16+fp32`` gradients at the streaming rate
+    (:func:`~microbatch.predict.state.bf16_fp32_accumulate_bytes`)."""
+    cfg = ctx.cfg
+    rate = cfg.gpu.memory_bandwidth_bytes_per_s * cfg.efficiency.memory
+    return n * bf16_fp32_accumulate_bytes(cfg.grad_dtype, ctx.state_bpp[0]) / rate
 
 
 def _fsdp_under_pipeline(c: Collectives, tm: StageTimes, each: int = 0) -> float:

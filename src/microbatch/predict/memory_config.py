@@ -21,6 +21,7 @@ from microbatch.predict.recompute import check_every_kth
 from microbatch.predict.stages import check_unpipelined, split_layers
 from microbatch.predict.state import (
     StateSettings,
+    check_bf16_fp32_zero,
     check_hybrid,
     check_pipeline_grad_reduce,
     check_zero,
@@ -132,6 +133,11 @@ class MemoryConfig(StateSettings):
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
         self.check_settings()  # the precision, the four state settings, the loss's dtype and kernel, the FP8 recipe
+        check_bf16_fp32_zero(
+            self.grad_dtype,
+            (self.zero,),
+            zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)[0],
+        )
         check_recompute(self.recompute)
         object.__setattr__(self, "schedule", served_spec(self.schedule).name)  # an alias read as its name
         if self.virtual > 1 and registry.get_spec(self.schedule).stages_per_rank == 1:

@@ -185,6 +185,8 @@ def _axes(cfg: PlanConfig) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int,
     bms = cfg.micro_batches or tuple(divisors(check_data_parallel(cfg.global_batch, cfg.data_parallel)))
     rcs = cfg.recompute or RECOMPUTE_MODES
     zs = cfg.zero or (ZERO_STAGES if cfg.zero_group > 1 else (0,))  # nothing to shard over: ZeRO 0
+    if cfg.zero is None and cfg.grad_dtype == "bf16+fp32":  # DeepSpeed's bf16 optimizer: ZeRO-1 as it runs
+        zs = (1,) if cfg.zero_group > 1 else (0,)
     if cfg.zero is None and cfg.shard_degree is not None:  # hybrid sharding asked for: a sharded stage
         zs = tuple(z for z in zs if z >= 1) or zs
     return tuple(bms), tuple(rcs), tuple(zs)

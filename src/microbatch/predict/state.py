@@ -33,11 +33,13 @@ from microbatch.microbench_record import ADAMW_RECORDED_BYTES
 from microbatch.precision import check_loss_kernel, get_fp8_recipe, get_precision, loss_bytes
 
 __all__ = [
-    "EAGER_PASSES", "StateSettings", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "held_grad_bytes", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
+    "EAGER_PASSES", "StateSettings", "bf16_fp32_accumulate_bytes", "check_bf16_fp32_grads", "check_bf16_fp32_zero", "reduced_grad_bytes", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "held_grad_bytes", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
 ]  # fmt: skip
 
-GRAD_DTYPES = ("half", "fp32")
-"""Gradient buffer type under mixed precision: ``half`` (ZeRO paper, 16 B/param) or ``fp32`` (Megatron, 18)."""
+GRAD_DTYPES = ("half", "fp32", "bf16+fp32")
+"""Gradient buffer type under mixed precision: ``half`` (ZeRO paper, 16 B/param), ``fp32`` (Megatron, 18), or
+``bf16+fp32``: bf16 gradients from the backward and an fp32 buffer beside them that each micro-batch's are added
+into (DeepSpeed's ``BF16_Optimizer``, 20 B/param: :func:`bf16_fp32_accumulate_bytes`)."""
 MOMENT_DTYPES = ("fp32", "bf16")
 """The optimizer's moment buffers: fp32 (4 B each) or bf16 (2 B each; DeepSeek-V3, Megatron ``exp_avg_dtype``)."""
 MASTER_WEIGHTS = ("fp32", "remainder", "none")
@@ -104,14 +106,17 @@ def bytes_per_param(
     the optimizer's fp32 buffers (Adam: 8; SGD momentum or Lion: 4) — ZeRO §3.1 (16 B with Adam) and
     Megatron (18 B with fp32 gradients). ``moments="bf16"`` halves the buffers; ``master`` keeps the master
     copy as 4 (fp32), 2 (``remainder``) or 0 (``none``) bytes. fp32 keeps 4 + 4 + buffers (no master copy).
-    Ignores 8-bit optimizers and fp32 gradient buffers kept next to half ones.
+    ``grad_dtype="bf16+fp32"`` keeps both: 2 + 4 B of gradients (:func:`check_bf16_fp32_grads`). Ignores 8-bit
+    optimizers.
     """
     prec = get_precision(precision)
     _check_state_dtypes(prec.name, prec.master_copy, moments, master)
     if grad_dtype not in GRAD_DTYPES:
         raise ConfigError(
-            f"grad dtype {grad_dtype!r} is not known; use 'half' (16 B/param, ZeRO) or 'fp32' (18 B/param, Megatron)"
+            f"grad dtype {grad_dtype!r} is not known; use 'half' (16 B/param, ZeRO), 'fp32' (18 B/param, Megatron) "
+            "or 'bf16+fp32' (20 B/param, DeepSpeed's bf16 optimizer)"
         )
+    check_bf16_fp32_grads(grad_dtype, prec.name, moments, master)
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer {optimizer!r} is not known; use one of {', '.join(OPTIMIZERS)}")
     if not _BUFFERS[optimizer] and moments != "fp32":  # a setting of buffers the optimizer does not keep
@@ -126,7 +131,62 @@ def bytes_per_param(
     w = prec.weight_bytes
     if not prec.master_copy:
         return w, w, buffers
-    return w, (w if grad_dtype == "half" else 4), {"fp32": 4, "remainder": 2, "none": 0}[master] + buffers
+    grads = {"half": w, "fp32": 4, "bf16+fp32": w + 4}[grad_dtype]
+    return w, grads, {"fp32": 4, "remainder": 2, "none": 0}[master] + buffers
+
+
+def check_bf16_fp32_grads(
+    grad_dtype: str, precision: str, moments: str = "fp32", master: str = "fp32"
+) -> None:
+    """ConfigError for ``bf16+fp32`` gradients outside what DeepSpeed's ``BF16_Optimizer`` runs
+    (``deepspeed/runtime/bf16_optimizer.py``): it asserts bf16 is enabled, keeps an fp32 master partition
+    (``fp32_groups_flat_partition``) and steps the wrapped optimizer on it (fp32 moments)."""
+    if grad_dtype != "bf16+fp32":
+        return
+    if precision != "bf16-mixed" or moments != "fp32" or master != "fp32":
+        raise ConfigError(
+            f"grad_dtype bf16+fp32 is DeepSpeed's bf16 optimizer, which runs bf16 weights with an fp32 master copy "
+            f"and fp32 moments; here precision {precision}, moments_dtype {moments}, master_weights {master}: use "
+            "precision bf16-mixed with fp32 moments and master weights, or grad_dtype half or fp32",
+            params=("grad_dtype", "precision", "moments_dtype", "master_weights"),
+        )
+
+
+def check_bf16_fp32_zero(grad_dtype: str, zeros: tuple[int, ...], zero_group: int) -> None:
+    """ConfigError for ``bf16+fp32`` gradients under a ZeRO stage DeepSpeed does not run them at: its engine picks
+    ``BF16_Optimizer`` for a bf16 model accumulating in fp32 at ZeRO 0 or 1 only (``_do_optimizer_sanity_check``:
+    stage 1 with ``grad_accum_dtype`` fp32; stage 0, where fp32 is bf16's default accumulation), and the optimizer
+    partitions its fp32 master and moments over the data-parallel ranks whatever the stage: ZeRO 1 as priced here
+    (ZeRO 0 only where there is one data-parallel rank)."""
+    if grad_dtype != "bf16+fp32":
+        return
+    bad = [z for z in zeros if z >= 2 or (z == 0 and zero_group > 1)]
+    if bad:
+        raise ConfigError(
+            f"grad_dtype bf16+fp32 (DeepSpeed's bf16 optimizer) with ZeRO {bad[0]}: DeepSpeed runs it at ZeRO 0 or 1 "
+            f"and shards its fp32 master and moments over the {zero_group} data-parallel ranks either way (ZeRO-1 "
+            "as it runs); use zero 1 (or auto), or grad_dtype half or fp32 for ZeRO 2 and 3",
+            params=("grad_dtype", "zero"),
+        )
+
+
+def reduced_grad_bytes(grad_dtype: str, grad_bytes: int) -> int:
+    """Bytes per parameter of the gradients a reduction moves and an optimizer step reads: the gradients' own
+    (``grad_bytes``), but the fp32 buffer's 4 under ``bf16+fp32`` (DeepSpeed all-reduces
+    ``get_grads_for_reduction()``, the fp32 flat buffers, and steps with their partition)."""
+    return 4 if grad_dtype == "bf16+fp32" else grad_bytes
+
+
+def bf16_fp32_accumulate_bytes(grad_dtype: str, weight_bytes: int) -> int:
+    """Bytes per parameter one micro-batch moves accumulating ``bf16+fp32`` gradients, 5w + 16 = 26 (0 for the other
+    gradient types, whose accumulation autograd or a fused wgrad GEMM does within the backward), from DeepSpeed's
+    ``BF16_Optimizer`` (``deepspeed/runtime/bf16_optimizer.py``) and its engines: the bf16 gradients zeroed before
+    each backward (``clear_lp_grads``: write w), autograd's ``AccumulateGrad`` adding the backward's gradient into
+    that existing one in place (read 2w, write w), then ``_update_hp_grad``'s
+    ``hp_grad.add_(lp.grad.to(hp_grad.dtype))``: the cast (read w, write 4) and the add (read 4 + 4, write 4)."""
+    if grad_dtype != "bf16+fp32":
+        return 0
+    return 5 * weight_bytes + 16
 
 
 def _check_state_dtypes(precision: str, master_copy: bool, moments: str, master: str) -> None:
@@ -167,7 +227,8 @@ class StateSettings:
     precision: str = "bf16-mixed"
     """bf16-mixed, fp16-mixed, fp32 or fp8 (:data:`microbatch.precision.PRECISIONS`)."""
     grad_dtype: str = "half"
-    """Gradients under mixed precision: half (16 B/param with Adam) or fp32 (18 B/param)."""
+    """Gradients under mixed precision: half (16 B/param with Adam), fp32 (18 B/param) or bf16+fp32 (20: both,
+    DeepSpeed's bf16 optimizer)."""
     optimizer: str = "adamw"
     """adamw, sgd, sgd-plain or lion (:data:`OPTIMIZERS`)."""
     moments_dtype: str = "fp32"

@@ -52,11 +52,10 @@ from microbatch.show.export_common import (
     assumed_notes,
     check_names,
     clip_norm,
-    deepspeed_moe_note,
     no_pipeline,
     precision_of,
-    schedule_spec,
 )
+from microbatch.show.export_deepspeed import deepspeed_config
 from microbatch.show.export_lightning import GPUS_PER_NODE, lightning_config
 from microbatch.show.export_torchtitan import TORCHTITAN_HEADER, torchtitan_config
 from microbatch.show.toml_text import toml_text
@@ -200,91 +199,6 @@ def _check_identity(c: Json, what: str = "plan") -> None:
         )
 
 
-def _deepspeed(c: Json) -> tuple[Json, list[str]]:
-    p, t, d = c.get("pipeline_parallel", 1), c.get("tensor_parallel", 1), c["data_parallel"]
-    if p > 1 and c.get("zero", 0) >= 2:
-        raise ConfigError(
-            f"DeepSpeed's pipeline engine refuses ZeRO stage {c['zero']} (it supports stage 0 or 1 with "
-            f"pipeline parallelism, here p = {p}); plan again with zero 1 (or 0), or export to torchtitan",
-            params=("zero",),
-        )
-    cfg: Json = {
-        "train_batch_size": c["global_batch"],
-        "train_micro_batch_size_per_gpu": c["micro_batch"],
-        "gradient_accumulation_steps": c["grad_accum"],
-        "zero_optimization": {"stage": c.get("zero", 0)},
-    }
-    if (clip := clip_norm(c)) is not None:  # DeepSpeed's default was 0 (off) before its 2026 releases
-        cfg["gradient_clipping"] = clip
-    prec = precision_of(c)
-    if prec == "bf16-mixed":
-        cfg["bf16"] = {"enabled": True}
-    elif prec == "fp16-mixed":
-        cfg["fp16"] = {"enabled": True}
-    if c.get("grad_dtype") == "fp32":  # the plan's 18 B/param: gradients accumulated in fp32
-        _check_deepspeed_grad_dtype(c, prec)
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    notes = [
-        f"DeepSpeed checks train_batch_size = micro × accumulation × data-parallel world size "
-        f"({c['micro_batch']} × {c['grad_accum']} × {d}); launch with d = {d} "
-        f"data-parallel ranks (world size {d * p * t})"
-    ]
-    if t > 1 and p == 1:
-        notes.append(
-            f"tensor parallelism t = {t} without a pipeline: pass mpu= (your model-parallel unit, whose "
-            f"get_data_parallel_world_size() is {d}) to deepspeed.initialize; without it DeepSpeed takes all "
-            f"{d * t} ranks as data-parallel and refuses train_batch_size {c['global_batch']} != "
-            f"{c['micro_batch']} × {c['grad_accum']} × {d * t}"
-        )
-    if p > 1:  # without a topology PipelineModule counts the t ranks as data-parallel (dp = world / p)
-        # DeepSpeed's default partition_method='parameters' balances parameters, not the plan's blocks per stage
-        how = "partition_method='type:<YourBlock>'"
-        build = (f"PipelineModule(layers, topology=PipeModelDataParallelTopology(num_pp={p}, num_mp={t}, num_dp={d}), "
-                 f"{how})" if t > 1 else f"PipelineModule(num_stages={p}, {how})")  # fmt: skip
-        notes.append(
-            f"pipeline engine: gradient_accumulation_steps = m = {c['grad_accum']} micro-batches per flush; "
-            f"build {build}; DeepSpeed's engine runs its own 1F1B-like schedule"
-            + (f", not {c.get('schedule')}" if not _deepspeed_native(c.get("schedule")) else "")
-        )
-        if c.get("layers_per_stage"):
-            notes.append(
-                f"the plan's uneven split {c['layers_per_stage']} has no partition_method (DeepSpeed splits by "
-                "parameters, uniformly or by a layer type): override PipelineModule._partition_layers to set it"
-            )
-    if c.get("recompute", "none") != "none":
-        every = c.get("recompute_every", 1)
-        notes.append(
-            f"recompute {c['recompute']}{f' of every {every}th layer' if every > 1 else ''}: wrap the layers with "
-            "deepspeed.checkpointing.checkpoint (activation checkpointing is set in model code)"
-        )
-    if (ep := c.get("expert_parallel", 1)) > 1:
-        if c.get("zero", 0) == 3:
-            raise ConfigError(
-                f"DeepSpeed's MoE layers (deepspeed.moe.layer.MoE, for expert_parallel {ep}) refuse ZeRO stage 3 "
-                '("Native DeepSpeed MoE is not supported with ZeRO Stage 3"); plan again with zero 1 or 2, or export '
-                "this plan to torchtitan",
-                params=("zero",),
-            )
-        notes.append(deepspeed_moe_note(ep, c.get("capacity_factor"), t))
-    for key, what in (("async_tp", "tensor-parallel collectives overlapped with their GEMMs (async TP)"),
-                      ("ep_overlap", "expert all-to-alls hidden behind other micro-batches' work")):  # fmt: skip
-        if c.get(key):
-            notes.append(f"the plan priced {what}; DeepSpeed's config has no such setting: they run exposed")
-    return cfg, notes
-
-
-def _check_deepspeed_grad_dtype(c: Json, prec: str) -> None:
-    """ConfigError for fp32 gradient accumulation of a bf16 or fp16 model without ZeRO: DeepSpeed's engine
-    accumulates in fp32 there only under ZeRO 1–3 (``_do_optimizer_sanity_check``: "unsupported mix")."""
-    if prec in ("bf16-mixed", "fp16-mixed") and c.get("zero", 0) == 0:
-        raise ConfigError(
-            f"DeepSpeed accumulates fp32 gradients (grad_dtype fp32) of a {prec} model only under ZeRO 1, 2 or 3: "
-            'with ZeRO 0 its engine raises "unsupported mix of model_dtype and grad_accum_dtype"; plan again with '
-            "zero 1 (or grad_dtype half)",
-            params=("zero", "grad_dtype"),
-        )
-
-
 def _hf(c: Json) -> tuple[Json, list[str]]:
     prec = precision_of(c)
     cfg = {
@@ -330,12 +244,6 @@ def _hf(c: Json) -> tuple[Json, list[str]]:
     return cfg, notes
 
 
-def _deepspeed_native(name: str | None) -> bool:
-    """True when there is no schedule (no pipeline) or DeepSpeed's pipeline engine runs it itself."""
-    spec = schedule_spec(name)
-    return name is None or (spec is not None and spec.deepspeed_native)
-
-
 def _lacks(c: Json, fmt: str) -> list[str]:
     """What ``fmt`` lacks for this candidate's layout (see the module docstring)."""
     lacks: list[str] = []
@@ -364,6 +272,10 @@ def _lacks(c: Json, fmt: str) -> list[str]:
     if state:  # none of the four configs sets them: Megatron's precision-aware optimizer and NeMo's do
         lacks.append(f"optimizer state of {' and '.join(state)} (Megatron's precision-aware optimizer and NeMo's "
                      "optim.dtype set them; moments_dtype and master_weights fp32 export)")  # fmt: skip
+    if c.get("grad_dtype") == "bf16+fp32" and fmt == "torchtitan":
+        lacks.append(
+            "DeepSpeed's bf16 optimizer (grad_dtype bf16+fp32: bf16 gradients beside an fp32 buffer)"
+        )
     hybrid = c.get("shard_degree") and c["shard_degree"] < c.get("data_parallel", 1)
     if hybrid and c.get("zero", 0) >= 1 and fmt != "torchtitan":
         lacks.append(f"hybrid sharding over groups of {c['shard_degree']} set here")
@@ -404,7 +316,7 @@ def _check_supported(c: Json, fmt: str) -> None:
 
 
 _BUILDERS = {
-    "deepspeed": _deepspeed,
+    "deepspeed": deepspeed_config,
     "hf": _hf,
     "lightning": lightning_config,
     "torchtitan": torchtitan_config,

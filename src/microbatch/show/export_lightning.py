@@ -72,9 +72,9 @@ def _lightning_notes(c: Json, trainer: Json) -> list[str]:
             "torch.bfloat16)) before the optimizer is built: no fp32 master copy and the optimizer's buffers in bf16, "
             "where the plan priced fp32 ones (with AdamW 8 B a parameter less than planned; the updates in bf16)"
         )
-    if c.get("grad_dtype") == "fp32" and trainer.get("strategy", "ddp") != "ddp":
+    if c.get("grad_dtype") in ("fp32", "bf16+fp32") and trainer.get("strategy", "ddp") != "ddp":
         notes.append(
-            "the plan priced fp32 gradients (grad_dtype fp32); Lightning's DeepSpeed and FSDP strategies keep and "
+            f"the plan priced fp32 gradients (grad_dtype {c['grad_dtype']}); Lightning's DeepSpeed and FSDP strategies keep and "
             "reduce them in the model's dtype unless told: DeepSpeedStrategy(config={'data_types': "
             "{'grad_accum_dtype': 'fp32'}, ...}) or FSDPStrategy(mixed_precision=MixedPrecision(reduce_dtype="
             "torch.float32))"

@@ -16,7 +16,7 @@ from :mod:`microbatch.show.export`; the helpers both use are in :mod:`microbatch
 from __future__ import annotations
 
 from microbatch.errors import ConfigError
-from microbatch.predict.stages import virtual_stage_layers
+from microbatch.predict.stages import split_layers, virtual_stage_layers
 from microbatch.predict.state import zero_groups
 from microbatch.schedules.registry import DEFAULT_SCHEDULE, get_spec, schedule_names, torch_spec
 from microbatch.show.export_common import Json, clip_norm, precision_of, schedule_spec
@@ -269,6 +269,8 @@ def _torchtitan_stages(c: Json, parallelism: Json, p: int) -> list[str]:
     stages not shortened (its default takes a layer off each for the embedding and the output layer, which
     would not be the split the plan timed, and with v > 1 would set another number of stages per rank)."""
     v, layers, split = c.get("virtual", 1) or 1, c.get("layers"), c.get("layers_per_stage")
+    if not isinstance(split, list) and isinstance(layers, int) and layers % (p * v) and layers >= p:
+        split = list(split_layers(layers, p))  # the plan's even split: the remainder on the last stages
     if isinstance(split, list) and len(split) == p and all(isinstance(n, int) and n > 0 for n in split):
         # an uneven split (the planner's layers_per_stage): each virtual stage's modules by name, in the model's
         # order as the planner places them (stage s on rank s mod p; DualPipeV's V), the embedding on the first
@@ -281,7 +283,7 @@ def _torchtitan_stages(c: Json, parallelism: Json, p: int) -> list[str]:
         parts[-1] += ["norm", "output"]
         parallelism["module_fqns_per_model_part"] = parts
         return [
-            f"the plan's uneven split {split}"
+            f"the plan's split {split}"
             + (f" ({v} stages per rank: {list(chunks)} layers per stage)" if v > 1 else "")
             + " written as parallelism.module_fqns_per_model_part, in the module names of torchtitan's Llama models "
             "(tok_embeddings, layers.N, norm, output): rename them for another model"

@@ -1,0 +1,44 @@
+"""A pipeline whose layers do not split evenly: the plan puts the extra layers on the last stages (the first holds
+the most micro-batches in flight); DeepSpeed's partitions (``partition_uniform``/``partition_balanced``) put them on
+the first, and torchtitan's default split takes a layer off its first and last stages. The exports say so, and the
+torchtitan one writes the plan's split by module name (a helper's review, 2026-12-07: the DeepSpeed split of a
+llama-2-7b at p = 5 on a 40 GB A100 peaks past the card by the planner's own memory)."""
+
+from __future__ import annotations
+
+import re
+
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.plan import make_plan
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.show.export import export_plan
+
+
+def _plan(p: int, **kw):
+    cfg = PlanConfig(shape=get_model("llama-2-7b"), gpu=get_accelerator("a100-80gb"), global_batch=40, data_parallel=1,
+                     pipeline_parallel=p, micro_batches=(1,), zero=(0,), **kw)  # fmt: skip
+    plan = make_plan(cfg).to_dict()
+    assert plan["recommended"] is not None
+    return plan
+
+
+def test_deepspeed_is_told_the_plan_s_split_when_layers_do_not_divide():
+    notes = " ".join(export_plan(_plan(5), "deepspeed").notes)
+    assert "first stages ([7, 7, 6, 6, 6])" in notes and "the plan timed [6, 6, 6, 7, 7]" in notes
+    assert "_partition_layers" in notes
+    assert "do not split evenly" not in " ".join(export_plan(_plan(4), "deepspeed").notes)  # 32 = 4 × 8
+
+
+def test_torchtitan_gets_the_plan_s_split_by_module_name():
+    exp = export_plan(_plan(5), "torchtitan")
+    parts = exp.config["parallelism"]["module_fqns_per_model_part"]
+    layers = [
+        int(m.group(1)) for part in parts for name in part if (m := re.fullmatch(r"layers\.(\d+)", name))
+    ]
+    assert layers == list(range(32))  # every layer once, in order
+    assert [len([n for n in part if n.startswith("layers.")]) for part in parts] == [6, 6, 6, 7, 7]
+    assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
+    assert "pipeline_parallel_layers_per_stage" not in exp.config["parallelism"]
+    even = export_plan(_plan(4), "torchtitan").config["parallelism"]  # 32 = 4 × 8: one count for every stage
+    assert even["pipeline_parallel_layers_per_stage"] == 8 and "module_fqns_per_model_part" not in even
