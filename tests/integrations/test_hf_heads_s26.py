@@ -90,7 +90,7 @@ def test_a_head_that_averages_its_own_loss_splits_to_the_same_update(tmp_path, k
 
 
 def test_token_labels_are_counted_unshifted_for_a_token_classifier(tmp_path):
-    from microbatch.integrations.hf import _items_of
+    from microbatch.integrations.hf_loss import items_of as _items_of
 
     trainer = _trainer(tmp_path, "roberta")
     batch = {k: torch.stack([d[k] for d in _data("roberta")]) for k in ("input_ids", "labels")}
@@ -115,7 +115,8 @@ def test_a_collators_flag_goes_whole_to_every_piece(tmp_path):
 def test_the_loss_path_is_read_from_the_source_with_no_forward():
     """Read, not measured, for a stock Trainer: the same verdict on every rank, no forwards that ranks would run in
     different numbers under FSDP. A masked LM's labels are counted unshifted."""
-    from microbatch.integrations.hf import _forward_normalises, _items_of
+    from microbatch.integrations.hf_loss import forward_normalises as _forward_normalises
+    from microbatch.integrations.hf_loss import items_of as _items_of
 
     assert _forward_normalises(_model("bert")) is False and _forward_normalises(_model("t5")) is False
     gpt2 = transformers.GPT2LMHeadModel(

@@ -25,6 +25,7 @@ from microbatch.integrations.common import (
     options_with_cap,
     quiet_cache,
 )
+from microbatch.integrations.hf_loss import items_of, loss_is_scaled, mean_taken_as_share
 from microbatch.measure.snapshot import restore_flags, save_flags
 from microbatch.run.accumulate.controller import MicroBatchController
 
@@ -148,6 +149,15 @@ def tune_trainer(
             trainer.optimizer = None  # train() builds its own, as it would have
     b, g = choice_of(result, global_batch, world)
     _set_choice(trainer, result, b, g, world)
+    if g > 1 and mean_taken_as_share(trainer):
+        trainer.model_accepts_loss_kwargs = False  # the Trainer then divides each micro-batch's mean by g
+        emit_lines(
+            [f"microbatch: {type(trainer.model).__name__}'s forward averages its own loss (it does not pass "
+             "num_items_in_batch to it), which transformers takes as normalised and would not divide by the "
+             f"{g} accumulation steps (a gradient {g}× the unaccumulated step's): set "
+             "trainer.model_accepts_loss_kwargs = False, so each micro-batch's mean is divided by g"],
+            int(getattr(trainer.args, "process_index", 0)), say=_trainer_logger().warning,
+        )  # fmt: skip
     if on_oom == "split":
         split_on_oom(trainer, knee=b, grow_after=grow_after)
     return result
@@ -227,8 +237,8 @@ def split_on_oom(
     Replaces ``training_step`` on this instance (not the class) with a step that splits the rows the
     Trainer hands it into micro-batches of the controller's size and runs them through
     :func:`~microbatch.run.accumulate.accumulate` over the Trainer's own ``compute_loss`` (under
-    ``compute_loss_context_manager``), with the Trainer's scaling kept (:func:`_loss_is_scaled`; a ``compute_loss``
-    of the user's own is measured once: :func:`_normalised_by_items`): when the loss is normalised by
+    ``compute_loss_context_manager``), with the Trainer's scaling kept (:func:`~microbatch.integrations.hf_loss.loss_is_scaled`; a ``compute_loss``
+    of the user's own is measured once: :func:`~microbatch.integrations.hf_loss._normalised_by_items`): when the loss is normalised by
     ``num_items_in_batch`` (the model takes loss kwargs, or ``compute_loss_func``) each piece's loss
     is already its share of the step and the pieces add up; otherwise (a model that takes no loss
     kwargs, transformers before 4.46) the loss is the model's mean over the piece, and each piece's
@@ -286,14 +296,14 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
         if callable(getattr(trainer.optimizer, "train", None)):
             trainer.optimizer.train()
         inputs = trainer._prepare_inputs(inputs)
-        scaled, divided, assumed = _loss_is_scaled(trainer, num_items_in_batch, model, inputs)
+        scaled, divided, assumed = loss_is_scaled(trainer, num_items_in_batch, model, inputs)
         rows = batch_rows(inputs)
         # compute_loss takes num_items_in_batch from 4.46 on (the Trainer passes None before)
         items = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
         ga = float(getattr(trainer, "current_gradient_accumulation_steps", None)
                    or trainer.args.gradient_accumulation_steps) if divided else 1.0  # fmt: skip  # < 4.50: args
 
-        count, exact = (batch_rows, True) if scaled else _items_of(trainer, inputs)
+        count, exact = (batch_rows, True) if scaled else items_of(trainer, inputs)
         if not float(count(inputs)) > 0:
             count = batch_rows  # no items at all: every piece's mean is nan, as the unsplit step's
         like = next(iter(model.parameters()))
@@ -321,8 +331,8 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
 
 
 def _split_warning(trainer: Any, assumed: bool, exact: bool) -> str:
-    """What a split step warns of: a custom loss only assumed normalised (:func:`_loss_is_scaled`), or per-piece means
-    weighted by a guessed count (:func:`_items_of`); "" when neither."""
+    """What a split step warns of: a custom loss only assumed normalised (:func:`~microbatch.integrations.hf_loss.loss_is_scaled`), or per-piece means
+    weighted by a guessed count (:func:`~microbatch.integrations.hf_loss.items_of`); "" when neither."""
     if assumed:
         return (
             f"split_on_oom split a step of {type(trainer).__name__}, whose own compute_loss is taken as normalised "
@@ -339,133 +349,6 @@ def _split_warning(trainer: Any, assumed: bool, exact: bool) -> str:
             "split_on_oom(trainer, count_fn=lambda inputs: (inputs['labels'][..., 1:] != -100).sum())"
         )
     return ""
-
-
-def _loss_is_scaled(
-    trainer: Any, num_items_in_batch: Any, model: Any, inputs: Any
-) -> tuple[bool, bool, bool]:
-    """``(shares, divided, assumed)``: whether the Trainer's loss is each piece's share of the step (normalised by
-    ``num_items_in_batch``: the pieces' losses add up) rather than a per-piece mean (weighted by its items); whether
-    the step divides it by the gradient-accumulation steps, as the unsplit ``training_step`` would; and whether the
-    first is only assumed.
-
-    The Trainer's ``loss_is_scaled_for_ga`` when set decides both (transformers 5.x: a subclass computing its own
-    loss says so). Otherwise the Trainer divides by the accumulation steps unless transformers' rule holds — the model
-    takes loss kwargs and the Trainer passes ``num_items_in_batch``, or a ``compute_loss_func`` is given — and the
-    split does as the Trainer does, so a split step's gradient is the unsplit step's. Where the rule says shares, or
-    under a ``compute_loss`` of the user's own (a subclass overriding it), the loss is measured once
-    (:func:`_normalised_by_items`): a share where it halves when ``num_items_in_batch`` doubles (a causal LM's
-    ``loss_function``, a wrapper of ``super()``, TRL's), a per-piece mean where it does not move (weighted by
-    ``count_fn``'s items, or the labels'): transformers takes every model whose ``forward`` has ``**kwargs`` as taking
-    the loss kwargs, yet BERT's and RoBERTa's heads, T5 and a hundred more average with their own
-    ``CrossEntropyLoss`` (added as shares, two pieces gave twice the gradient). Where the measurement cannot tell,
-    ``count_fn`` given declares a mean; without it the rule is taken, ``assumed`` under a ``compute_loss`` of the user's
-    own (a split step warns once: a per-batch mean taken as a share is counted once per piece)."""
-    given = getattr(trainer, "loss_is_scaled_for_ga", None)
-    if given is not None:
-        return bool(given), not given, False
-    rule = bool(
-        (getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
-        or getattr(trainer, "compute_loss_func", None) is not None
-    )  # the test transformers 5.x's training_step makes (no such attributes before 4.46)
-    custom = _own_compute_loss(trainer)
-    if not custom and not rule:
-        return False, True, False  # the model's own mean per piece, divided by the accumulation steps
-    if num_items_in_batch is not None:
-        if not hasattr(trainer, "_microbatch_normalised"):  # read or measured once per Trainer
-            trainer._microbatch_normalised = (
-                _normalised_by_items(trainer, model, inputs, num_items_in_batch)
-                if custom
-                else _forward_normalises(trainer.model)
-            )
-        if trainer._microbatch_normalised is not None:
-            return bool(trainer._microbatch_normalised), not rule, False
-    if getattr(trainer, "microbatch_count_fn", None) is not None:
-        return False, not rule, False
-    return rule, not rule, rule and custom
-
-
-def _normalised_by_items(trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any) -> bool | None:
-    """Whether the Trainer's own ``compute_loss`` divides by ``num_items_in_batch``: run twice without gradients on
-    one row, the same random numbers each time (dropout), at N and 2N items. True where the loss halves (a share of
-    the step), False where it does not move (a mean of its own), None where it is neither; a row whose loss is not
-    finite or 0 (no labels) tells nothing: the next is tried (the first 8 rows). Two one-row forwards a row tried, once
-    per Trainer; a ``compute_loss`` that logs as it goes (TRL's token counts) logs them too."""
-    import math
-
-    import torch
-
-    from microbatch.run.accumulate.microbatches import split
-
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    for piece in split(inputs, 1)[:8]:
-        losses = []
-        for times in (1, 2):
-            with torch.no_grad(), torch.random.fork_rng(devices=cuda), trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(model, piece, num_items_in_batch=num_items_in_batch * times)
-            losses.append(float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float("nan"))
-        a, b = losses
-        if math.isfinite(a) and math.isfinite(b) and b != 0:
-            ratio = a / b
-            return True if abs(ratio - 2.0) < 0.01 else False if abs(ratio - 1.0) < 0.01 else None
-    return None
-
-
-def _forward_normalises(model: Any) -> bool | None:
-    """Whether a Hugging Face model's own ``forward`` hands its loss to ``self.loss_function`` (transformers' loss
-    functions divide by ``num_items_in_batch`` when given: a share), read from its source, the same on every rank with
-    no forward run (a measurement's forwards would differ between ranks under FSDP); False where it computes a loss of
-    its own (BERT's and RoBERTa's heads, T5: ``CrossEntropyLoss()``, a mean); None where the source cannot be read."""
-    import inspect
-
-    forward = getattr(type(getattr(model, "module", model)), "forward", None)
-    try:
-        source = inspect.getsource(forward) if forward is not None else ""
-    except (OSError, TypeError):
-        return None
-    if "self.loss_function(" in source:
-        return True
-    return False if "loss" in source else None
-
-
-def _own_compute_loss(trainer: Any) -> bool:
-    """Whether ``trainer``'s class overrides ``transformers.Trainer.compute_loss`` (a loss of the user's own)."""
-    from transformers import Trainer
-
-    return getattr(type(trainer), "compute_loss", None) is not Trainer.compute_loss
-
-
-def _items_of(trainer: Any, inputs: Any) -> tuple[Any, bool]:
-    """``(count, known)``: what the Trainer's unscaled loss averages over per piece, and whether that is known.
-
-    ``shift_labels`` (given by the collator), or the Trainer's own ``_loss_shifts_labels`` (5.x; True for a
-    ``loss_type`` that maps to ``ForCausalLMLoss``) or a ``…ForCausalLM`` class (the shift), or an encoder-decoder or
-    a ``…ForTokenClassification`` head (labels aligned, unshifted): known. Otherwise per-token labels are counted
-    after the shift every Hugging Face causal LM makes (``labels[..., 1:]``), unknown for a custom loss: a split
-    step warns once.
-    """
-    import torch
-
-    from microbatch.run.accumulate.microbatches import batch_rows
-
-    user = getattr(trainer, "microbatch_count_fn", None)
-    if user is not None:
-        return user, True
-    if "shift_labels" in inputs:
-        return (lambda mb: mb["shift_labels"].ne(-100).sum()), True
-    labels = inputs.get("labels") if hasattr(inputs, "get") else None
-    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
-        return batch_rows, True  # one label per row (or none): a mean over rows
-    head = type(
-        getattr(trainer.model, "module", trainer.model)
-    ).__name__  # DDP's wrapper: the model's own class
-    if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False) or head.endswith(
-        ("ForTokenClassification", "ForMaskedLM")
-    ):
-        return (lambda mb: mb["labels"].ne(-100).sum()), True
-    return (lambda mb: mb["labels"][..., 1:].ne(-100).sum()), bool(
-        getattr(trainer, "_loss_shifts_labels", False) or head.endswith("ForCausalLM")
-    )
 
 
 def _collator(trainer: Any) -> Any:
