@@ -6,9 +6,29 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import stat
 from pathlib import Path
 
-__all__ = ["write_text"]
+__all__ = ["is_stream", "write_text"]
+
+_DESCRIPTOR = re.compile(r"/dev/(stdout|stderr)|/dev/fd/\d+|/proc/(self|\d+)/fd/\d+")
+"""Names of an open file descriptor: whatever the shell connected it to (a pipe, a terminal, a log opened with
+``>>``) is written in place."""
+
+
+def is_stream(path: str | Path) -> bool:
+    """Whether ``path`` is written in place, as a stream: a name of an open descriptor (:data:`_DESCRIPTOR`), or an
+    existing file that is neither a regular file nor a folder (a character device as ``/dev/null`` or a terminal, a
+    FIFO, ``<(...)``, a socket). A regular file is not, wherever it lies (``/dev/shm`` is a folder of them), nor a
+    path that does not exist yet."""
+    if _DESCRIPTOR.fullmatch(str(path)):
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> None:
@@ -26,7 +46,7 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
         target = Path(
             os.path.realpath(path)
         )  # a symbolic link into a folder not made yet: made too, as a path's
-        if not str(target).startswith(("/dev/", "/proc/")):
+        if not is_stream(path):
             target.parent.mkdir(parents=True, exist_ok=True)
         real = _replaceable(Path(path))
         if always_whole and real is None:
@@ -34,7 +54,7 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
             if real.exists() and not real.is_file():
                 raise OSError(errno.EEXIST, "not a regular file: remove it", str(path))
         if real is None:  # /dev/stdout appended, not truncated: `>> log` keeps the log's earlier lines
-            with open(path, "a" if str(path).startswith(("/dev/", "/proc/")) else "w", encoding="utf-8") as f:
+            with open(path, "a" if is_stream(path) else "w", encoding="utf-8") as f:
                 f.write(text)
             return
         # the name kept short: a legal 250-byte name plus the suffix ran past 255 bytes (ENAMETOOLONG, a review)
@@ -59,9 +79,9 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
 
 def _replaceable(path: Path) -> Path | None:
     """The file to replace whole for ``path`` (:func:`write_text`): its real path when it is new or a regular file
-    with one link, outside ``/dev`` and ``/proc``, in a folder this user may write; else None (written in place)."""
+    with one link, not a stream (:func:`is_stream`), in a folder this user may write; else None (written in place)."""
     real = Path(os.path.realpath(path))
-    if str(real).startswith(("/dev/", "/proc/")) or str(path).startswith(("/dev/", "/proc/")):
+    if is_stream(path) or str(real).startswith("/proc/"):
         return None
     if not real.parent.is_dir() or not os.access(real.parent, os.W_OK):
         return None

@@ -12,7 +12,7 @@ import click
 
 from microbatch._json import dumps
 from microbatch.envelope import envelope
-from microbatch.files import write_text
+from microbatch.files import is_stream, write_text
 
 __all__ = [
     "write_text",
@@ -174,9 +174,7 @@ def check_output_file(
             f"use a name ending in {suffixes[0]}"
             + (f", or --{ext[1:]} for that format" if ext in (".svg", ".png") else "")
         )
-    if str(path).startswith(
-        ("/dev/", "/proc/")
-    ):  # a stream (/dev/stdout into a pipe, <(...)): written in place
+    if is_stream(path):  # /dev/stdout into a pipe, /dev/null, <(...): written in place
         return
     landing = landing_path(path)
     if landing.is_dir():
