@@ -129,7 +129,8 @@ def test_recommend_to_dict_fields_and_grad_accum():
     assert d["fastest_fitting"]["micro_batch"] == 16 and d["fastest_fitting"]["grad_accum"] == 4
     assert d["fastest_fitting"]["fraction_of_best"] == 1.0
     assert d["memory_fit"]["slope_bytes_per_sample"] == pytest.approx(1000)
-    assert d["max_fitting_micro_batch"] == math.floor((2_000_000 * 0.9 - 1_000_000) / 1000)
+    # the fit says 800 would fit, but 32 ran out of memory: below it
+    assert math.floor((2_000_000 * 0.9 - 1_000_000) / 1000) == 800 and d["max_fitting_micro_batch"] == 31
     assert d["rule"] == "fraction" and d["tolerance"] == 0.15
     json.dumps(d)
 

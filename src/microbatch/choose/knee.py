@@ -233,10 +233,12 @@ class Recommendation:
 
 
 def _candidates(
-    measured: list[CurvePoint], choice: ChoiceConfig, data_parallel: int
+    measured: list[CurvePoint], choice: ChoiceConfig, data_parallel: int, ooms: Sequence[CurvePoint] = ()
 ) -> tuple[list[CurvePoint], list[tuple[int, str]]]:
     """The measured points that fit the budget, the latency limit and B_global (ConfigError if none),
-    and the b_m left out with why."""
+    and the b_m left out with why. ``ooms``: the points that ran out of memory; a larger b_m measured in the same
+    checkpointing mode is left out too (memory does not fall as b_m grows: it fitted by chance, or on a run that
+    had more free; a ``tune --refine`` halfway probe, a re-measurement)."""
     cands = measured
     why = []
     left: list[tuple[int, str]] = []
@@ -245,30 +247,21 @@ def _candidates(
         left.extend((p.micro_batch, reason) for p in cands if not ok(p))
         return [p for p in cands if ok(p)]
 
+    for ckpt in sorted({p.checkpointing for p in ooms}):
+        first = min(p.micro_batch for p in ooms if p.checkpointing == ckpt)
+        mode = " with checkpointing" if ckpt else ""
+        cands = keep(
+            _not_above(first, ckpt),
+            f"above b_m {first}, which ran out of memory{mode} (memory does not fall as b_m grows)",
+        )
+        why.append(f"b_m <= {first}{mode} (out of memory there)")
+
     budget = choice.memory_budget_bytes
-    if (
-        budget is not None
-    ):  # a point without a measured peak: by a smaller b_m measured over, or the rising fit
-        fit = fit_memory(measured)
-        over = [
-            p.micro_batch
-            for p in measured
-            if p.peak_memory_bytes is not None and p.peak_memory_bytes > budget
-        ]
-
-        def fits(p: CurvePoint) -> bool:
-            if p.peak_memory_bytes is not None:
-                return p.peak_memory_bytes <= budget
-            if any(b <= p.micro_batch for b in over):  # memory does not fall as b_m grows
-                return False
-            if fit is None or fit.slope_bytes_per_sample <= 0:  # no line to read it from
-                return True
-            return fit.intercept_bytes + fit.slope_bytes_per_sample * p.micro_batch <= budget
-
+    if budget is not None:
         reason = (
             "over the memory budget (measured; without a measured peak, by a smaller b_m over it or the fit)"
         )
-        cands = keep(fits, reason)
+        cands = keep(_fits(measured, budget), reason)
         why.append(f"peak memory <= {format_bytes(budget)}")
     if choice.max_latency_ms is not None:
         if any(p.step_time_s is None for p in cands):
@@ -302,6 +295,31 @@ def _candidates(
             + "; relax the limit or measure other sizes"
         )
     return cands, left
+
+
+def _not_above(first: int, ckpt: bool) -> Callable[[CurvePoint], bool]:
+    """Whether a point is not above ``first`` (a b_m that ran out of memory) in ``first``'s checkpointing mode."""
+    return lambda p: p.checkpointing != ckpt or p.micro_batch <= first
+
+
+def _fits(measured: list[CurvePoint], budget: int) -> Callable[[CurvePoint], bool]:
+    """Whether a point fits ``budget``: its measured peak, or without one, not at or above a b_m measured over it
+    (memory does not fall as b_m grows) and under the rising fit's line."""
+    fit = fit_memory(measured)
+    over = [
+        p.micro_batch for p in measured if p.peak_memory_bytes is not None and p.peak_memory_bytes > budget
+    ]
+
+    def fits(p: CurvePoint) -> bool:
+        if p.peak_memory_bytes is not None:
+            return p.peak_memory_bytes <= budget
+        if any(b <= p.micro_batch for b in over):
+            return False
+        if fit is None or fit.slope_bytes_per_sample <= 0:  # no line to read it from
+            return True
+        return fit.intercept_bytes + fit.slope_bytes_per_sample * p.micro_batch <= budget
+
+    return fits
 
 
 def _check_some_throughput(measured: list[CurvePoint]) -> None:
@@ -397,7 +415,7 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
             )
         raise ConfigError("no measured point to choose from; give at least one point with a throughput")
     _check_some_throughput(measured)
-    cands, left_out = _candidates(measured, choice, data_parallel)
+    cands, left_out = _candidates(measured, choice, data_parallel, [p for p in pts if p.oom])
     if not any(p.measured_throughput > 0 for p in cands):
         raise ConfigError(
             f"every b_m that meets the limits (b_m {', '.join(str(p.micro_batch) for p in cands)}) measured a "
@@ -435,8 +453,9 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         rule=choice.rule,
         tolerance=float(choice.tolerance),
         memory_fit=fit,
-        max_fitting_micro_batch=max_fitting_micro_batch(
-            fit, choice.memory_budget_bytes, memory_headroom=choice.memory_headroom
+        max_fitting_micro_batch=_below_oom(
+            max_fitting_micro_batch(fit, choice.memory_budget_bytes, memory_headroom=choice.memory_headroom),
+            pts,
         ),
         memory_budget_bytes=choice.memory_budget_bytes,
         memory_headroom=choice.memory_headroom,
@@ -451,6 +470,15 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         indistinguishable=same,
         bound_contradicted=contradicted,
     )
+
+
+def _below_oom(largest: int | None, pts: Sequence[CurvePoint]) -> int | None:
+    """The fit's largest b_m that fits, below the smallest b_m that ran out of memory without checkpointing (the
+    mode the fit's points are read in when any is)."""
+    ooms = [p.micro_batch for p in pts if p.oom and not p.checkpointing]
+    if largest is None or not ooms:
+        return largest
+    return min(largest, min(ooms) - 1)
 
 
 def _contradicts(cands: Sequence[CurvePoint], bound: ThroughputBound | None) -> int | None:

@@ -125,6 +125,25 @@ def _remeasure(
     return again, spent
 
 
+def _take(
+    pts: list[Measurement], again: dict[int, list[Measurement]], confirmed: set[int], groups: list[list[float]],
+    log: SearchLog,
+) -> None:  # fmt: skip
+    """Put each re-measured point's median in ``pts`` (its throughputs in ``groups``), or, where any of its runs ran
+    out of memory, that run: out of memory once is out of memory (it had fitted by chance, or with more free)."""
+    for i, ms in again.items():
+        confirmed.add(i)
+        oom = next((m for m in ms if m.oom), None)
+        if oom is not None:
+            pts[i] = oom
+            log.stop_reason += (
+                f"; b_m {oom.micro_batch} ran out of memory when re-measured: taken as out of memory"
+            )
+            continue
+        pts[i] = median_measurement(ms)
+        groups.append([m.throughput for m in ms if not m.oom and m.throughput])
+
+
 def _moved(log: SearchLog, first: int | None, knee: int) -> None:
     if first is not None and knee != first:
         log.stop_reason += f"; the knee moved from {first} to {knee} on the re-measured points"
@@ -182,8 +201,9 @@ def confirm_knee(
     ``measure(b, checkpointing)`` probes one point (the search's own); ``choice`` is the one the
     answer is chosen with; ``log`` counts the extra probes and says what was confirmed. Returns a
     new list: the re-measured points' entries replaced by their median measurement.
-    A Ctrl-C keeps what was measured (``log.interrupted``); a re-measurement that runs out of
-    memory is left out of the median. ``budget`` (≥ 0): the share of the search's probe time (the
+    A Ctrl-C keeps what was measured (``log.interrupted``); a point that runs out of memory on any
+    re-measurement is taken as out of memory (and so every larger b_m in its checkpointing mode, by
+    :func:`~microbatch.choose.knee.recommend_measured`). ``budget`` (≥ 0): the share of the search's probe time (the
     sum of ``log.seconds``) the re-measurements may take; a knee whose re-measurements, estimated
     from those points' own probe times (a cached point: the longest probe), would overrun what is
     left is not re-measured. A search that measured nothing (all from the cache) confirms nothing.
@@ -228,10 +248,7 @@ def confirm_knee(
                 return pts
             again, took = _remeasure(measure, pts, todo, rounds, log, on_point)
             money.spent += took
-            for i, ms in again.items():
-                pts[i] = median_measurement(ms)
-                confirmed.add(i)
-                groups.append([m.throughput for m in ms if not m.oom and m.throughput])
+            _take(pts, again, confirmed, groups, log)
             pts = with_pooled_noise(pts, confirmed, groups, rounds)
             log.stop_reason += (
                 f"; knee {knee} checked: {', '.join(str(pts[i].micro_batch) for i in todo)} re-measured "

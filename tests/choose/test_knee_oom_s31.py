@@ -1,0 +1,54 @@
+"""An out-of-memory point caps what is chosen (a helper's review, 2026-12-07): a larger b_m that was measured (a
+``tune --refine`` halfway probe, a file of measurements) was chosen past it, and a knee that ran out of memory when
+re-measured was kept (the OOM runs were left out of the median)."""
+
+from __future__ import annotations
+
+import pytest
+
+from microbatch.choose.config import ChoiceConfig
+from microbatch.choose.curve import CurvePoint
+from microbatch.choose.knee import recommend, recommend_measured
+from microbatch.choose.tune.confirm import confirm_knee
+from microbatch.choose.tune.search import SearchLog, curve_point
+from microbatch.errors import ConfigError
+from microbatch.measure.probes import Measurement
+
+
+def test_a_b_m_above_one_that_ran_out_of_memory_is_left_out():
+    pts = [CurvePoint(micro_batch=b, throughput=t, peak_memory_bytes=b * 10**9)
+           for b, t in ((1, 100), (2, 180), (4, 300))]  # fmt: skip
+    pts += [CurvePoint(micro_batch=8, oom=True), CurvePoint(micro_batch=16, throughput=400)]
+    r = recommend(pts, memory_budget_bytes=40 * 2**30)
+    assert r.knee.micro_batch == 4 and r.fastest.micro_batch == 4  # was 16
+    assert (16, "above b_m 8, which ran out of memory (memory does not fall as b_m grows)") in r.left_out
+    assert r.max_fitting_micro_batch == 7  # the fit alone said 36
+    # in another checkpointing mode the larger b_m stands: it recomputes instead of keeping activations
+    ckpt = [*pts[:4], CurvePoint(micro_batch=16, throughput=400, checkpointing=True)]
+    assert recommend(ckpt).knee.micro_batch == 16
+    with pytest.raises(ConfigError, match="b_m <= 1 .out of memory there"):
+        recommend([CurvePoint(micro_batch=1, oom=True), CurvePoint(micro_batch=2, throughput=5)])
+
+
+def test_a_knee_that_runs_out_of_memory_when_re_measured_is_out_of_memory():
+    speeds = {1: 300, 2: 550, 4: 800, 8: 900, 16: 1000}
+    pts = [Measurement(micro_batch=b, throughput=t, repeats=3, spread=0.01, peak_memory_bytes=b * 10**9)
+           for b, t in speeds.items()]  # fmt: skip
+    pts.append(Measurement(micro_batch=32, oom=True))
+    log = SearchLog()
+    log.seconds = {(b, False): 0.1 for b in speeds}
+
+    def measure(b, ckpt):
+        if b == 8:
+            return Measurement(micro_batch=8, oom=True, error="CUDA out of memory")
+        return Measurement(
+            micro_batch=b, throughput=speeds[b], repeats=3, spread=0.01, peak_memory_bytes=b * 10**9
+        )
+
+    choice = ChoiceConfig(reference="measured")
+    assert recommend_measured([curve_point(p) for p in pts], choice).knee.micro_batch == 8  # before
+    out = confirm_knee(measure, pts, choice, log)
+    eight = next(p for p in out if p.micro_batch == 8)
+    assert eight.oom and "b_m 8 ran out of memory when re-measured" in log.stop_reason
+    r = recommend_measured([curve_point(p) for p in out], choice)
+    assert r.knee.micro_batch == 4 and r.fastest.micro_batch == 4  # 16 is above 8: left out too
