@@ -304,7 +304,7 @@ def _failure(report: PipelineReport, failed: bool) -> tuple[int, str] | None:
     if report.gradients_match is False:  # a failed check: the whole result is printed
         return 1, (
             f"the gradients do not match the unsplit model (largest relative error "
-            f"{report.max_grad_rel_error:.2e}, tolerance {report.grad_tolerance:.0e})"
+            f"{report.max_grad_rel_error:.2e}, tolerance {report.grad_tolerance:.1e})"
         )
     if failed:
         return 1, next(

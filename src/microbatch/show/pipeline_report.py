@@ -114,7 +114,7 @@ def render(
         lines += [
             "",
             f"  gradients {verdict} the unsplit model: largest relative error "
-            f"{report.max_grad_rel_error:.2e} (tolerance {report.grad_tolerance:.0e})",
+            f"{report.max_grad_rel_error:.2e} (tolerance {report.grad_tolerance:.1e})",
         ]
     if report.outputs.get("trace"):
         lines.append(

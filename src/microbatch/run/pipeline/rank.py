@@ -39,9 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from microbatch.errors import ConfigError, PipelineError, ScheduleError
+from microbatch.errors import ConfigError, ScheduleError
 from microbatch.measure.hostmem import peak_rss_bytes, reset_peak_rss
 from microbatch.run.pipeline.config import FACTORY_SEQ, PipelineConfig
+from microbatch.run.pipeline.grad_check import grad_error
 from microbatch.run.pipeline.instrument import (
     StageRecorder,
     instrument_stage,
@@ -182,7 +183,7 @@ def run_rank(
     opt = torch.optim.Adam(params, lr=cfg.lr)
 
     steps_out: list[dict[str, Any]] = []
-    grad_err: float | None = None
+    grad_err: tuple[float, float] | None = None
     for step in range(cfg.steps):
         inputs, targets = make_batch(cfg, vocab, seq, step)
         inputs, targets = inputs.to(device), targets.to(device)
@@ -191,7 +192,14 @@ def run_rank(
         times = _timed_step(cfg, sched, rec, rank, mine, inputs, targets, device)
         shared.all_reduce_gradients(rank, device)
         if cfg.check_gradients and step == 0:
-            grad_err = _grad_error(run, mine, modules, inputs, targets, total_tokens, device)
+            grad_err = grad_error(
+                lambda: build_full_model(run)[0],
+                run.cfg.dtype,
+                mine,
+                modules,
+                (inputs, targets, total_tokens),
+                device,
+            )
         opt.step()
         steps_out.append(_step_record(rank, mine, rec, times, device))
         if on_step is not None:
@@ -427,7 +435,7 @@ def _rank_info(
     mine: list[int],
     sizes: list[int],
     kept: dict[int, Any],
-    grad_err: float | None,
+    grad_err: tuple[float, float] | None,
     sched: Any,
     modules: list[Any],
 ) -> dict[str, Any]:
@@ -438,7 +446,8 @@ def _rank_info(
         "stages": mine,
         "layers_per_stage": sizes,
         "kept_after_input_grad": {str(s): f for s, f in kept.items()},
-        "max_grad_rel_error": grad_err,
+        "max_grad_rel_error": None if grad_err is None else grad_err[0],
+        "unsplit_grad_rel_error": None if grad_err is None else grad_err[1],
         "dropout_modules": [name for s in mine for name in dropout_modules(modules[s], f"stage {s}")],
         "torch_order": {
             str(k): [str(a) for a in v if a is not None] for k, v in _pipeline_order(sched).items()
@@ -460,40 +469,3 @@ def _pipeline_order(sched: Any) -> dict[Any, Any]:
     """torch's planned order of a schedule object (empty for single-stage classes without one)."""
     order = getattr(sched, "pipeline_order", None)
     return order if isinstance(order, dict) else {}
-
-
-def _grad_error(
-    run: ResolvedRun,
-    mine: list[int],
-    modules: list[Any],
-    inputs: Any,
-    targets: Any,
-    total_tokens: int,
-    device: Any,
-) -> float:
-    """Largest ‖g_pipe − g_ref‖ / ‖g_ref‖ over this rank's parameters, against the unsplit model."""
-    import torch.nn.functional as F
-
-    ref, _, _ = build_full_model(run)
-    ref.to(device)
-    logits = ref(inputs)
-    loss: Any = (
-        F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum") / total_tokens
-    )
-    loss.backward()
-    ref_units = model_units(ref)
-    sizes = [len(m) for m in modules]
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    worst = 0.0
-    for s in mine:
-        for j in range(sizes[s]):
-            mine_unit, ref_unit = modules[s][j], ref_units[starts[s] + j]
-            for (n, p), (_, q) in zip(mine_unit.named_parameters(), ref_unit.named_parameters(), strict=True):
-                if q.grad is None:
-                    continue
-                if p.grad is None:
-                    raise PipelineError(f"parameter {n} of stage {s} got no gradient from the pipeline")
-                ref_norm = q.grad.double().norm().item()
-                diff = (p.grad.double() - q.grad.double()).norm().item()
-                worst = max(worst, diff / ref_norm if ref_norm > 0 else diff)
-    return worst

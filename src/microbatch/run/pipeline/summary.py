@@ -37,10 +37,32 @@ from microbatch.run.pipeline.resolved import ResolvedRun
 from microbatch.schedules.action import Action, Schedule
 from microbatch.schedules.simulate import SimResult, simulate
 
-__all__ = ["GRAD_TOLERANCE", "figure_notes", "measured_comm_s", "predict", "summarize", "timeline_rows"]
+__all__ = [
+    "GRAD_TOLERANCE",
+    "UNSPLIT_TIMES",
+    "grad_tolerance",
+    "figure_notes",
+    "measured_comm_s",
+    "predict",
+    "summarize",
+    "timeline_rows",
+]
 
 GRAD_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
-"""Largest relative gradient error accepted as a match, by parameter dtype (fp32: the issue's 1e-5)."""
+"""Largest relative gradient error accepted as a match, by parameter dtype (fp32: the issue's 1e-5), against the
+unsplit model's float32 gradients; in bf16 and fp16 at least :data:`UNSPLIT_TIMES` × the unsplit step's own error in
+that dtype (:func:`grad_tolerance`)."""
+
+UNSPLIT_TIMES = 2.0
+"""The pipeline adds m micro-batches' gradients in the parameters' dtype, a rounding each, where the unsplit step
+rounds its sum once; twice that step's own error against float32 bounds what the dtype alone explains (a helper's
+runs, 2026-12-07: bf16 at m = 4 the pipeline 0.017, the unsplit step 0.029; m = 8 and B = 16 grew both)."""
+
+
+def grad_tolerance(dtype: str, unsplit_error: float | None) -> float:
+    """The relative gradient error accepted in ``dtype``: :data:`GRAD_TOLERANCE`, or :data:`UNSPLIT_TIMES` × the
+    unsplit step's own error in that dtype where larger."""
+    return max(GRAD_TOLERANCE[dtype], UNSPLIT_TIMES * (unsplit_error or 0.0))
 
 
 def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
@@ -93,7 +115,8 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     comm = measured_comm_s(run, [[r["steps"][k]["intervals"] for r in ranks] for k in use])
     pred_comm = predict(run, mean_times, executed, comm_s=comm)
     max_err = max((e for r in ranks if (e := r["max_grad_rel_error"]) is not None), default=None)
-    tol = GRAD_TOLERANCE[cfg.dtype]
+    own = max((e for r in ranks if (e := r.get("unsplit_grad_rel_error")) is not None), default=None)
+    tol = grad_tolerance(cfg.dtype, own)
     return PipelineReport(
         schedule=cfg.schedule,
         stages=cfg.stages,
