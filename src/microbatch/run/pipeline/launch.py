@@ -34,7 +34,7 @@ from microbatch.measure.deaths import death_text, explains_crash
 from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.chain_check import check_splittable
 from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
-from microbatch.run.pipeline.kept import kept_steps, with_host
+from microbatch.run.pipeline.kept import kept_steps, second_interrupt_ignored, with_host
 from microbatch.run.pipeline.progress import (
     PipelineDeadline,
     StepCounter,
@@ -252,7 +252,10 @@ def run_resolved(run: ResolvedRun, *, deadline_s: float | None = None) -> Pipeli
             raise PipelineDeadline(str(e), kept.report, kept.steps, kept.asked, e.params) from None
     shutil.rmtree(tmp, ignore_errors=True)
     announce("summarise")
-    return with_host(summarize(raw, run), host)
+    with (
+        second_interrupt_ignored()
+    ):  # every step is measured: a Ctrl-C now would lose them all for seconds' work
+        return with_host(summarize(raw, run), host)
 
 
 class _DeadlinePassed(PipelineError):
@@ -483,4 +486,7 @@ def run_external(run: ResolvedRun) -> PipelineReport | None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return summarize(raw, run) if raw is not None else None
+    if raw is None:
+        return None
+    with second_interrupt_ignored():  # the steps are measured: kept whole
+        return summarize(raw, run)
