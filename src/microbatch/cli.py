@@ -94,7 +94,11 @@ def _wants_json(args: Sequence[str]) -> bool:
 def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()) -> int:
     """Say why on stderr (already done by the caller) and, with --json, as an object on stdout; ``kept``: the
     points measured before a choice none of them met (:class:`~microbatch.errors.NoChoiceError`), as ``points``."""
-    if _wants_json(args):
+    from microbatch.commands._answer import ANSWER_STARTED
+
+    if (
+        _wants_json(args) and not ANSWER_STARTED
+    ):  # after part of the answer, another object would parse as neither
         from microbatch._json import dumps
         from microbatch.envelope import error_envelope
 
@@ -163,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch"
     )  # wherever a command first imports it: its start-up swallows a Ctrl-C
     args = list(sys.argv[1:] if argv is None else argv)
+    from microbatch.commands._answer import ANSWER_STARTED
+
+    ANSWER_STARTED.clear()  # this command's answer: none written yet (main runs many times in one process)
     _tolerant_streams()
     restore = (
         raise_on_sigterm()
@@ -304,7 +311,7 @@ def _main(args: list[str]) -> int:
     except OSError as e:  # the file system said no (full, read-only, gone): its words, no traceback
         import errno
 
-        from microbatch.commands._common import StdoutFailed
+        from microbatch.commands._answer import StdoutFailed
 
         if isinstance(e, StdoutFailed):  # the answer itself could not be printed: no envelope after it either
             _stdout_gone()

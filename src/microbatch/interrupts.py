@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
-    "first_interrupt_only", "imported_keeping_interrupts", "interrupts_kept_in_first_import", "second_interrupt_ignored",
+    "first_interrupt_only", "held_interrupt", "imported_keeping_interrupts", "interrupts_kept_in_first_import", "second_interrupt_ignored",
 ]  # fmt: skip
 
 
@@ -28,6 +28,15 @@ def second_interrupt_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def held_interrupt() -> Iterator[None]:
+    """Inside (the main thread only), a first Ctrl-C or SIGTERM is held and dropped when the block ends: what the
+    block finishes (the answer being written) is what was asked for; a second acts at once (:func:`_signals_held`:
+    a reader that never reads the answer's pipe cannot hold the command forever)."""
+    with _signals_held(pending=[]):
+        yield
 
 
 def imported_keeping_interrupts(name: str) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -10,8 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from microbatch._json import dumps
 from microbatch.batch import MAX_BATCH
+from microbatch.commands._answer import emit
 from microbatch.commands._outputs import (
     check_out_dir,
     check_output_file,
@@ -19,11 +18,9 @@ from microbatch.commands._outputs import (
     force_option,
     keep_beside,
     keep_result,
-    kept_text,
     same_file,
     write_result,
 )
-from microbatch.envelope import envelope
 from microbatch.errors import ConfigError
 from microbatch.precision import FP8_RECIPES
 from microbatch.schedules.registry import schedule_names
@@ -96,25 +93,6 @@ def stages_option(required: bool = True, default: int | None = None) -> Callable
         help="Pipeline stages p (ranks). --pipeline-parallel is the same option.",
         **given,
     )
-
-
-class StdoutFailed(OSError):
-    """Printing the answer on stdout failed (a full disk behind a redirection): said as that, not as a path."""
-
-
-def emit(obj: Any, as_json: bool, render: Callable[[], str]) -> None:
-    """Print ``obj`` in the envelope (:func:`microbatch.envelope.envelope`: the running
-    command's name and the version first) as JSON when asked, else the human rendering; :class:`StdoutFailed` where
-    stdout cannot take it (a reader that left, EPIPE, is click's to handle: it exits 1 without a word)."""
-    text = dumps(envelope(obj, command_name())) if as_json else render()
-    if sys.stdout is None:  # closed by the caller (>&-): click would drop the answer without a word
-        raise StdoutFailed(errno.EBADF, f"stdout is closed{kept_text(text, as_json)}")
-    try:
-        click.echo(text)
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        raise StdoutFailed(e.errno, f"{e.strerror}{kept_text(text, as_json)}") from e
 
 
 class flags_for:  # noqa: N801 - used as a context manager, named like one
