@@ -26,6 +26,7 @@ from microbatch.hf_families import (
     _PARALLEL_LLAMA_LIKE,
     _ROTARY_KEYS,
     _UNTIED_BY_DEFAULT,
+    check_pad_token,
     mpt_block_fields,
 )
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
@@ -110,10 +111,9 @@ _HF_REQUIRED = ("layers", "hidden", "heads", "vocab")
 
 
 def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
-    """Refuse, naming the file and the key, a size field of the config that is not a whole number >= 1
-    (a string, a fraction, a negative, a boolean), an encoder (:func:`_check_decoder_only`), or a
-    required field (:data:`_HF_REQUIRED`) that is missing: checked on the file's JSON, before
-    transformers is imported."""
+    """Refuse, naming the file and the key, a size field of the config that is not a whole number >= 1 (a string, a
+    fraction, a negative, a boolean), an encoder (:func:`_check_decoder_only`), a pad token past the vocabulary, or a
+    required field (:data:`_HF_REQUIRED`) that is missing: checked on the file's JSON, before transformers loads."""
     where = f"hf_config {str(file)!r}"
     for field, keys in _HF_KEYS.items():
         for key in keys:
@@ -128,6 +128,7 @@ def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
                 f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}", params=_HF
             )
     _check_decoder_only(raw, file)  # an encoder's keys differ: say what it is, not what it lacks
+    check_pad_token(raw.get("pad_token_id"), _hf_lookup(raw, "vocab"), where, _HF)
     missing = [f for f in _HF_REQUIRED if all(raw.get(k) is None for k in _HF_KEYS[f])]
     if missing:
         raise ConfigError(

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from microbatch.errors import ConfigError
+
 __all__ = [
+    "check_pad_token",
     "_GATED_FAMILIES",
     "_LLAMA_LIKE",
     "_NO_POSITION_TABLE",
@@ -99,3 +102,14 @@ def mpt_block_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(width, int) and not isinstance(width, bool) and width > 0:
         out["ffn_hidden"] = width
     return out
+
+
+def check_pad_token(pad: Any, vocab: Any, where: str, params: tuple[str, ...]) -> None:
+    """ConfigError for a ``pad_token_id`` at or past the vocabulary (Phi-3's 32000 left over after the vocabulary was
+    shrunk): transformers' embedding asserts ``padding_idx < num_embeddings``, and the probe failed in its setup."""
+    if isinstance(vocab, int) and isinstance(pad, int) and not isinstance(pad, bool) and pad >= vocab:
+        raise ConfigError(
+            f"{where}: pad_token_id {pad} is not below the vocabulary of {vocab} (transformers' embedding asserts "
+            f'padding_idx < num_embeddings); give "pad_token_id": 0 (or any id below {vocab}), or a larger vocab_size',
+            params=params,
+        )

@@ -188,7 +188,13 @@ def get_model(name: str, *, seq: int | None = None) -> ModelShape:
             f"unknown model {name!r}"
             + (f" (did you mean {' or '.join(near)}?)" if near else "")
             + f"; known models: {', '.join(PRESETS)} "
-            "(or give hf_config, a config.json, or the shape: layers, hidden, heads, vocab and seq)",
+            "(or give hf_config, a config.json, or the shape: layers, hidden, heads, vocab and seq)"
+            + (
+                "; a module:function factory is read by pipeline alone: measure your own nn.Module from Python, "
+                "microbatch.tune(model, make_batch, ...)"
+                if ":" in name or name.endswith(".py")
+                else ""
+            ),
             params=_SHAPE_PARAMS,
         )
     shape = PRESETS[key]

@@ -94,13 +94,20 @@ def render_simulate(
     return "\n".join(lines)
 
 
+def _table_unit(est: MemoryEstimate) -> str:
+    """The unit of the memory table: the peak's (GiB for a model of any size; MiB, KiB for the small CPU models
+    whose every column read 0.00G)."""
+    return format_bytes(est.peak_bytes).split()[-1]
+
+
 def _stage_rows(est: MemoryEstimate) -> list[str]:
-    """One row per stage (bytes in GiB), the peak stage marked."""
+    """One row per stage (bytes in :func:`_table_unit`), the peak stage marked."""
     lines: list[str] = []
     peak = est.peak_stage.stage
+    unit = _table_unit(est)
 
     def col(n: float, width: int = 9) -> str:
-        return format_bytes(n, unit="GiB").replace(" GiB", "G").rjust(width)
+        return format_bytes(n, unit=unit).replace(f" {unit}", unit[0] if unit != "B" else " B").rjust(width)
 
     for st in est.stages:
         mark = " <- peak" if st.stage == peak else ""
@@ -167,12 +174,11 @@ def render_memory(
     ]
     peak = est.peak_stage.stage
     lines += _stage_rows(est)
-    terms = ", ".join(
-        f"{k} {format_bytes(v, unit='GiB')}" for k, v in est.peak_stage.activation_terms.items()
-    )
+    unit = _table_unit(est)
+    terms = ", ".join(f"{k} {format_bytes(v, unit=unit)}" for k, v in est.peak_stage.activation_terms.items())
     lines += [
         "",
-        f"peak {format_bytes(est.peak_bytes, unit='GiB')} on stage {peak} (activations: {terms})",
+        f"peak {format_bytes(est.peak_bytes, unit=unit)} on stage {peak} (activations: {terms})",
     ]
     if acc is not None:
         verdict = "fits" if out["fits"] else "does NOT fit"

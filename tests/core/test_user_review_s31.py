@@ -1,6 +1,7 @@
-"""Which outputs are streams, written in place (a helper's review, 2026-12-07): every path under /dev or /proc was,
+"""A new user's review (a helper, 2026-12-07). Which outputs are streams, written in place: every path under /dev or /proc was,
 so a user's file in /dev/shm (a tmpfs folder of regular files) was appended to without --force and a result written
-twice there stopped parsing; a /proc path that cannot be written passed the checks made before the work."""
+twice there stopped parsing; a /proc path that cannot be written passed the checks made before the work. A factory given where a registry name
+is read, a pad token past the vocabulary, and the memory table of a small model (every column 0.00G)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,33 @@ def test_a_proc_path_is_refused_before_the_work(capsys):
     )
     err = capsys.readouterr().err
     assert "cannot be written" in err and "makespan" not in err
+
+
+def test_a_factory_given_where_a_registry_name_is_read_is_pointed_to_the_python_api(capsys):
+    assert main(["memory", "--model", "mymodel:build", "-b", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "unknown model 'mymodel:build'" in err
+        and "read by pipeline alone" in err
+        and "microbatch.tune(" in err
+    )
+    assert main(["memory", "--model", "llama-3-8", "-b", "1"]) == 2
+    assert "pipeline alone" not in capsys.readouterr().err  # a misspelt name is not told about factories
+
+
+def test_a_pad_token_past_the_vocabulary_is_refused_before_transformers(tmp_path, capsys):
+    cfg = tmp_path / "phi3.json"
+    cfg.write_text(json.dumps({"model_type": "phi3", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "intermediate_size": 128, "pad_token_id": 32000}))  # fmt: skip
+    assert main(["memory", "--hf-config", str(cfg), "-b", "1", "--seq", "64"]) == 2
+    assert "pad_token_id 32000 is not below the vocabulary of 4096" in capsys.readouterr().err
+    cfg.write_text(cfg.read_text().replace("32000", "0"))
+    assert main(["memory", "--hf-config", str(cfg), "-b", "1", "--seq", "64"]) == 0
+
+
+def test_the_memory_table_reads_in_the_peak_s_unit(capsys):
+    assert main(["memory", "--model", "tiny", "-b", "4", "--seq", "64", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "0.00G" not in out and "MiB on stage 0" in out
+    row = next(line for line in out.splitlines() if line.rstrip().endswith("<- peak"))
+    assert all(cell.endswith("M") for cell in row.split()[3:9])
