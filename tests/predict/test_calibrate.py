@@ -516,7 +516,7 @@ def test_validate_cli_cpu_given_peak(tmp_path, capsys):
 
 def test_validate_result_is_what_the_cli_prints(tmp_path, capsys):
     """``validate_result(tune_result)`` (the demo's call) returns exactly ``validate --json``'s object."""
-    from microbatch.commands._common import dumps
+    from microbatch._json import dumps
     from microbatch.show.validation import with_summary
 
     d = synthetic()

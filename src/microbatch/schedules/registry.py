@@ -23,7 +23,6 @@ from microbatch.schedules.closed_forms import (
     ZB_H1_IDLE,
     IdleClosedForm,
     PipelineTime,
-    dualpipev_step_time,
     fill_drain_step_time,
 )
 from microbatch.schedules.generators import (
@@ -58,7 +57,7 @@ from microbatch.schedules.rules import (
     zb_h1_ends,
     zb_h1_in_flight,
 )
-from microbatch.schedules.simulate import zb_h1_flush_time
+from microbatch.schedules.simulate import dualpipev_flush_time, zb_h1_flush_time
 from microbatch.schedules.spec_checks import check_spec_fields
 from microbatch.schedules.validate import validate
 
@@ -440,7 +439,7 @@ register_schedule(
         ends=dualpipev_ends,
         overlapped=dualpipev_overlapped,
         idle_closed_form=DUALPIPEV_IDLE,
-        step_time=dualpipev_step_time,
+        step_time=dualpipev_flush_time,
         stages_per_rank=2,
         bubble_flat_in_m=True,
     )

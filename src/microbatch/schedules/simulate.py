@@ -31,7 +31,9 @@ from microbatch.schedules.closed_forms import (
     bubble_ratio,
     dualpipev_closed_form_holds,
     dualpipev_idle_time,
+    dualpipev_step_time,
     non_negative_time,
+    zb_h1_closed_form_holds,
     zb_h1_step_time,
     zb_idle_time,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "ZB_IDLE_SCHEDULES",
     "SimResult",
     "Time",
+    "dualpipev_flush_time",
     "bubble_fraction",
     "bubble_ratio",
     "dualpipev_closed_form_holds",
@@ -447,22 +450,41 @@ def zb_h1_flush_time(
     stages: int, microbatches: int, virtual: int, times: StageTimesLike
 ) -> tuple[float, float]:
     """ZB-H1's step-time form for the planner (:data:`~microbatch.schedules.closed_forms.PipelineTime`):
-    the closed form :func:`~microbatch.schedules.closed_forms.zb_h1_step_time` at m >= p; at m < p,
-    where torch runs one round and Table 2's form does not hold, the event simulation of that order
-    (:func:`~microbatch.schedules.generators.zb_interleaved_order` at v = 1) on the per-stage times:
-    3·m·p actions, fewer than 3p²."""
-    if microbatches >= stages:
+    the closed form :func:`~microbatch.schedules.closed_forms.zb_h1_step_time` at m >= p where T_W <= T_F and
+    T_W <= T_I on the bottleneck rank (Table 2's conditions); elsewhere the event simulation of torch's order
+    (:func:`~microbatch.schedules.generators.zb_interleaved_order` at v = 1) on the per-stage times: at m < p
+    (one round, 3·m·p actions) and where a longer W makes the closed form only a lower bound (a helper's review,
+    2026-12-07: 64 against the simulation's 71 at p = 8, m = 16, F = I = 1, W = 2)."""
+    k = times.k
+    if microbatches >= stages and zb_h1_closed_form_holds(times.f[k], times.i[k], times.w[k]):
         return zb_h1_step_time(stages, microbatches, virtual, times)
     from microbatch.schedules.generators import zb_interleaved_order
 
     order = zb_interleaved_order(stages, microbatches, 1)
-    sched = Schedule(
-        name="zb-h1",
-        stages=stages,
-        microbatches=microbatches,
-        virtual=1,
-        placement="loop",
-        actions=tuple(tuple(r) for r in order),
-    )
+    return _simulated(Schedule(name="zb-h1", stages=stages, microbatches=microbatches, virtual=1,
+                               placement="loop", actions=tuple(tuple(r) for r in order)), times)  # fmt: skip
+
+
+def dualpipev_flush_time(
+    stages: int, microbatches: int, virtual: int, times: StageTimesLike
+) -> tuple[float, float]:
+    """DualPipeV's step-time form for the planner: the closed form
+    :func:`~microbatch.schedules.closed_forms.dualpipev_step_time` where it is exact (T_W <= T_I on the bottleneck
+    rank's chunk, :func:`~microbatch.schedules.closed_forms.dualpipev_closed_form_holds`), else — where it is only a
+    lower bound (a helper's review, 2026-12-07: 135 against the simulation's 142 at p = 8, m = 16, F = I = 1,
+    W = 2) — the event simulation of torch's order on the per-stage times."""
+    k = times.k
+    if dualpipev_closed_form_holds(times.f[k], times.i[k], times.w[k]):
+        return dualpipev_step_time(stages, microbatches, virtual, times)
+    from microbatch.schedules.generators import dualpipev_order, dualpipev_overlapped
+
+    order = dualpipev_order(stages, microbatches, virtual)
+    return _simulated(Schedule(name="dualpipev", stages=stages, microbatches=microbatches, virtual=virtual,
+                               placement="v", actions=tuple(tuple(r) for r in order),
+                               overlapped=dualpipev_overlapped(order)), times)  # fmt: skip
+
+
+def _simulated(sched: Schedule, times: StageTimesLike) -> tuple[float, float]:
+    """(makespan, bubble fraction) of ``sched`` simulated on the per-stage F, I and W times."""
     sim = simulate(sched, forward_time=list(times.f), input_time=list(times.i), weight_time=list(times.w))
     return sim.makespan, sim.bubble_fraction
