@@ -24,7 +24,7 @@ from microbatch.integrations.common import (
     quiet_cache,
 )
 from microbatch.integrations.lightning_oom import CallbackBase as _Base
-from microbatch.integrations.lightning_oom import SplitOnOOM, loss_of
+from microbatch.integrations.lightning_oom import SplitOnOOM, _per_token_labels, loss_of
 from microbatch.measure.snapshot import restore_rng, save_rng
 
 __all__ = ["KneeBatchSize", "SplitOnOOM", "SUPPORTED_STRATEGIES"]
@@ -214,6 +214,7 @@ class KneeBatchSize(_Base):
 
         first = _train_loader(trainer)  # checked before any probe, at the user's own batch size
         _check_loader(first, original, self.batch_arg_name)
+        per_token = _per_token_labels(next(iter(first)))
         # the rebuilt loader shards the dataset over the ranks (DistributedSampler under DDP)
         options = options_with_cap(
             self.options, self.global_batch, world, data=first.dataset, data_shards=world
@@ -242,6 +243,8 @@ class KneeBatchSize(_Base):
                 else:
                     setattr(pl_module, name, value)
         lightning_setattr(pl_module, self.batch_arg_name, b)
+        if per_token and g > int(trainer.accumulate_grad_batches):
+            _warn_mean_of_means(g)
         trainer.accumulate_grad_batches = g
         _drop_dataloaders(trainer)
         _rebuild_optimizers(trainer)
@@ -274,3 +277,18 @@ def _check_loader(loader: Any, b: object, attr: str) -> None:
             f"{attr} = {b}: it does not follow the attribute (a fixed batch_sampler, or batch_size=None); build "
             f"the DataLoader with batch_size=self.{attr}"
         )
+
+
+def _warn_mean_of_means(g: int) -> None:
+    """Warn that ``g`` accumulated micro-batches make a per-token mean loss a mean of micro-batch means."""
+    import warnings
+
+    warnings.warn(
+        f"KneeBatchSize set accumulate_grad_batches = {g} on a batch with per-token labels: Lightning averages the "
+        f"{g} micro-batches' losses, so a loss that is a mean over tokens becomes a mean of {g} micro-batch means, "
+        "another gradient than the unaccumulated step's where their token counts differ; divide the loss's sum by "
+        "the step's token count, or keep the batch whole and split it only on out-of-memory with "
+        "SplitOnOOM(count_fn=lambda batch: (batch['labels'] != -100).sum())",
+        RuntimeWarning,
+        stacklevel=3,
+    )

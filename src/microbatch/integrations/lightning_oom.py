@@ -180,12 +180,7 @@ class SplitOnOOM(CallbackBase):
             )
         batch, rest = args[0], args[1:]
         rows = batch_rows(batch)  # ConfigError for a batch it cannot split, before any forward
-        count = self.count_fn or batch_rows
-        total = float(count(batch))
-        if not total > 0:
-            raise ConfigError(
-                f"count_fn gave {total:g} items for the whole batch; the loss is a mean over at least one item"
-            )
+        count, total = _counted(self.count_fn, batch, rows)
         if self.controller is None:
             self.controller = MicroBatchController(
                 rows, grow_after=self.grow_after, step_counter=lambda: int(trainer.global_step)
@@ -246,6 +241,19 @@ class SplitOnOOM(CallbackBase):
         return {"loss": leaf, **extra} if dict_out else leaf
 
 
+def _counted(count_fn: Any, batch: Any, rows: int) -> tuple[Any, float]:
+    """(the count the pieces are weighted by, the batch's): ``count_fn``'s, or the rows without one or where it finds
+    no items at all (a batch of prompts, every label masked: the unsplit step's mean over none is what the loss makes
+    it, and the pieces add up to it by rows)."""
+    from microbatch.run.accumulate.microbatches import batch_rows
+
+    if count_fn is not None:
+        total = float(count_fn(batch))
+        if total > 0:
+            return count_fn, total
+    return batch_rows, float(rows)
+
+
 def _warn_per_token_labels(batch: Any) -> bool:
     """Warn, and say so, when a split step's batch has per-token labels (:func:`_per_token_labels`) and no count_fn."""
     if not _per_token_labels(batch):
@@ -264,10 +272,22 @@ def _warn_per_token_labels(batch: Any) -> bool:
 
 
 def _per_token_labels(batch: Any) -> bool:
-    """Whether ``batch`` carries labels per token: a mapping whose ``labels`` has a sequence dimension (the
-    Hugging Face convention), whose mean loss is over tokens rather than rows."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    return getattr(labels, "ndim", 0) >= 2
+    """Whether ``batch`` carries labels per token, whose mean loss is over tokens rather than rows: a mapping whose
+    ``labels`` has a sequence dimension (the Hugging Face convention), or a tuple or list (Lightning's ``(x, y)``)
+    holding an integer tensor with a sequence dimension and the ignored label -100 in it (labels, not inputs)."""
+    import torch
+
+    if isinstance(batch, Mapping):
+        return getattr(batch.get("labels"), "ndim", 0) >= 2
+    if isinstance(batch, (tuple, list)):
+        return any(
+            isinstance(t, torch.Tensor)
+            and t.ndim >= 2
+            and not t.is_floating_point()
+            and bool((t == -100).any())
+            for t in batch
+        )
+    return False
 
 
 def _detached(value: Any) -> Any:
