@@ -28,7 +28,9 @@ def lightning_config(c: Json) -> tuple[Json, list[str]]:
     trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _LIGHTNING_PRECISION[prec]}
     if clip_norm(c):  # Lightning clips only when gradient_clip_val is given
         trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"] = clip_norm(c), "norm"
-    per_node = int(c.get("gpus_per_node") or min(d, GPUS_PER_NODE))
+    per_node = min(
+        d, int(c.get("gpus_per_node") or GPUS_PER_NODE)
+    )  # d processes on one node of more: devices=d
     if d % per_node:
         raise ConfigError(
             f"{d} processes (d = {d}) do not fill nodes of {per_node} accelerators; give gpus_per_node dividing {d}",

@@ -42,3 +42,10 @@ def test_torchtitan_gets_the_plan_s_split_by_module_name():
     assert "pipeline_parallel_layers_per_stage" not in exp.config["parallelism"]
     even = export_plan(_plan(4), "torchtitan").config["parallelism"]  # 32 = 4 × 8: one count for every stage
     assert even["pipeline_parallel_layers_per_stage"] == 8 and "module_fqns_per_model_part" not in even
+
+
+def test_lightning_takes_fewer_processes_than_a_node_holds():
+    plan = make_plan(PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=60,
+                                data_parallel=5, micro_batches=(2,))).to_dict()  # fmt: skip
+    trainer = export_plan(plan, "lightning", gpus_per_node=8).config["trainer"]  # was refused: "do not fill"
+    assert (trainer["devices"], trainer["num_nodes"]) == (5, 1)
