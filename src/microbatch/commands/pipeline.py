@@ -14,6 +14,7 @@ from microbatch.commands._common import (
     emit,
     force_option,
     json_option,
+    progress,
     stages_option,
     width_option,
 )
@@ -392,6 +393,7 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
                 from microbatch.run.pipeline.before_run import predict_resolved
 
                 before = predict_resolved(run)
+                _say_past_deadline(run.cfg, before.step_time_s)
             announce("run")
             report = run_resolved(run)
         except PipelineInterrupted as e:
@@ -405,6 +407,21 @@ def _run_local(run: ResolvedRun, predict_first: bool) -> PipelineReport:
         finally:
             restore()
     return report if before is None else replace(report, before_run=before)
+
+
+def _say_past_deadline(cfg: Any, step_s: float) -> None:
+    """Say, before the ranks start, when the prediction just made puts the steps past the deadline: the run goes ahead
+    (the prediction may be wrong, and the steps finished by then are kept), but nobody waits the deadline out unwarned.
+    The check made before any work refuses only what compute alone cannot finish (a bound, not a prediction)."""
+    deadline, _ = cfg.deadline()
+    total = step_s * cfg.steps
+    if total > deadline:
+        progress(
+            f"pipeline: the prediction puts {cfg.steps} steps at {total:.3g} s ({step_s * 1e3:.3g} ms each), past "
+            f"the {deadline:.0f} s deadline (--timeout {cfg.timeout_s:g} + start-up): the ranks will be stopped there "
+            f"and the steps finished kept; lower --steps to about {max(1, int(deadline / step_s * 0.8))} or raise "
+            "--timeout"
+        )
 
 
 def _marked_trace(trace: dict[str, Any]) -> dict[str, Any]:

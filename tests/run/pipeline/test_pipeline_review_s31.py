@@ -1,4 +1,4 @@
-"""A Ctrl-C while a finished run is summarised (a helper's review, 2026-12-07): every rank had finished every step,
+"""A review of pipeline (a helper, 2026-12-07). A Ctrl-C while a finished run is summarised: every rank had finished every step,
 and the interrupt threw them all away ("none of the run's 20 step(s) was measured"). Summarising takes seconds;
 the steps are kept whole. A real run: two ranks, a tiny model, bounded."""
 
@@ -31,3 +31,18 @@ def test_an_interrupt_while_summarising_keeps_every_step(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert sent and code == 0, out.get("error")
     assert out["steps"] == 3 and "measured" in out and "kind" not in out
+
+
+def test_a_prediction_past_the_deadline_is_said_before_the_ranks_start(capsys):
+    """The check before any work refuses only what compute alone cannot finish; the prediction made before the run
+    (13 ms a step where compute alone was 1.7 ms) is said when it puts the steps past the deadline."""
+    from microbatch.commands.pipeline import _say_past_deadline
+    from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
+
+    cfg = PipelineConfig(stages=2, microbatches=4, steps=10000, timeout_s=10)
+    _say_past_deadline(cfg, 0.0097)
+    err = capsys.readouterr().err
+    assert f"puts 10000 steps at 97 s (9.7 ms each), past the {10 + STARTUP_S:.0f} s deadline" in err
+    assert "lower --steps to about" in err
+    _say_past_deadline(cfg, 0.001)  # 10 s: inside it
+    assert capsys.readouterr().err == ""
