@@ -26,6 +26,10 @@ def test_a_b_m_above_one_that_ran_out_of_memory_is_left_out():
     # in another checkpointing mode the larger b_m stands: it recomputes instead of keeping activations
     ckpt = [*pts[:4], CurvePoint(micro_batch=16, throughput=400, checkpointing=True)]
     assert recommend(ckpt).knee.micro_batch == 16
+    # an OOM beside a success at the same b_m (a transient one, retried) caps nothing
+    again = [CurvePoint(micro_batch=8, oom=True), CurvePoint(micro_batch=8, throughput=350), pts[4]]
+    r = recommend([*pts[:3], *again])
+    assert r.fastest.micro_batch == 16 and not r.left_out
     with pytest.raises(ConfigError, match="b_m <= 1 .out of memory there"):
         recommend([CurvePoint(micro_batch=1, oom=True), CurvePoint(micro_batch=2, throughput=5)])
 
