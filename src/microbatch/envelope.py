@@ -38,11 +38,15 @@ def envelope(result: Any, command: str) -> dict[str, Any]:
     """``{"command": command, "version": microbatch.__version__, **result}``.
 
     A result that is not a mapping goes under ``"result"``; a result's own ``command`` or
-    ``version`` (one read back from a file) gives way to this command's.
+    ``version`` (one read back from a file) gives way to this command's. A result kept after an interrupt
+    (``"interrupted": true``: tune, noise, bench-gpu, demo, pipeline) carries ``"kind": "interrupted"`` as an error
+    object of exit 130 does, so a script testing ``kind`` reads both alike.
     """
     body = dict(result) if isinstance(result, Mapping) else {"result": result}
     for key in ENVELOPE_KEYS:
         body.pop(key, None)
+    if body.get("interrupted") is True:
+        body.setdefault("kind", ERROR_KINDS[130])
     return {"command": command, "version": __version__, **body}
 
 

@@ -86,3 +86,11 @@ def test_the_memory_table_reads_in_the_peak_s_unit(capsys):
     assert "0.00G" not in out and "MiB on stage 0" in out
     row = next(line for line in out.splitlines() if line.rstrip().endswith("<- peak"))
     assert all(cell.endswith("M") for cell in row.split()[3:9])
+
+
+def test_a_result_kept_after_an_interrupt_says_its_kind():
+    from microbatch.envelope import envelope
+
+    assert envelope({"points": [1], "interrupted": True}, "tune")["kind"] == "interrupted"
+    assert "kind" not in envelope({"points": [1], "interrupted": False}, "tune")
+    assert envelope({"interrupted": True, "kind": "failure"}, "pipeline")["kind"] == "failure"  # its own kept
