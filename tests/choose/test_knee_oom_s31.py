@@ -56,3 +56,20 @@ def test_a_knee_that_runs_out_of_memory_when_re_measured_is_out_of_memory():
     assert eight.oom and "b_m 8 ran out of memory when re-measured" in log.stop_reason
     r = recommend_measured([curve_point(p) for p in out], choice)
     assert r.knee.micro_batch == 4 and r.fastest.micro_batch == 4  # 16 is above 8: left out too
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.07, 3.0, 1e-3])
+def test_an_exact_tie_is_met_at_every_scale(scale):
+    """On the line in decimal: met whatever the float rounding (80 of 100 at τ 0.2 gave 1, 5.6 of 7 gave 2)."""
+    pts = [
+        CurvePoint(micro_batch=1, throughput=80 * scale),
+        CurvePoint(micro_batch=2, throughput=100 * scale),
+    ]
+    assert recommend(pts, tolerance=0.2).knee.micro_batch == 1
+    gain = [
+        CurvePoint(micro_batch=1, throughput=100 * scale),
+        CurvePoint(micro_batch=2, throughput=115 * scale),
+    ]
+    assert (
+        recommend(gain, rule="gain", tolerance=0.15).knee.micro_batch == 1
+    )  # 15.0% per doubling: flat enough
