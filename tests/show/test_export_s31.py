@@ -49,3 +49,16 @@ def test_lightning_takes_fewer_processes_than_a_node_holds():
                                 data_parallel=5, micro_batches=(2,))).to_dict()  # fmt: skip
     trainer = export_plan(plan, "lightning", gpus_per_node=8).config["trainer"]  # was refused: "do not fill"
     assert (trainer["devices"], trainer["num_nodes"]) == (5, 1)
+
+
+def test_torchtitan_0_2_0_s_expert_by_context_rule_is_said(tmp_path, capsys):
+    from microbatch.cli import main
+
+    plan = tmp_path / "plan.json"
+    args = ["plan", "--model", "llama-2-7b", "--experts", "8", "--top-k", "2", "--gpu", "h100-80gb", "-B", "64",
+            "-d", "4", "-c", "4", "--zero", "3", "--seq", "8192", "--json"]  # fmt: skip
+    for ep, said in (("2", True), ("4", False)):  # 2 % 4 != 0: 0.2.0 asserts; 4 % 4 == 0
+        assert main([*args, "-e", ep]) == 0
+        plan.write_text(capsys.readouterr().out)
+        assert main(["export", "--plan", str(plan), "--format", "torchtitan"]) == 0
+        assert ("torchtitan 0.2.0 refuses expert_parallel" in capsys.readouterr().err) is said

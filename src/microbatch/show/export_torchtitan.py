@@ -56,6 +56,12 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
     notes = [
         f"written for {TORCHTITAN_VERSIONS}: torchtitan 0.3 reads no TOML (Python configs), 0.1 other keys"
     ]
+    ep, cp = c.get("expert_parallel", 1), c.get("context_parallel", 1)
+    if ep > 1 and cp > 1 and ep % cp:  # 0.2.0's ParallelDims: assert ep % cp == 0 (0.2.1 dropped it)
+        notes.append(
+            f"torchtitan 0.2.0 refuses expert_parallel {ep} beside context_parallel {cp} (its ParallelDims asserts "
+            "ep % cp == 0); 0.2.1 and 0.2.2 take it: run one of those"
+        )
     if (clip := clip_norm(c)) is not None:  # torchtitan clips at 1.0 unless told
         training["max_norm"] = clip or float("inf")  # it always clips: a limit of 0 would zero every gradient
         if not clip:
