@@ -6,6 +6,7 @@ llama-2-7b at p = 5 on a 40 GB A100 peaks past the card by the planner's own mem
 
 from __future__ import annotations
 
+import json
 import re
 
 from microbatch.hardware import get_accelerator
@@ -62,3 +63,44 @@ def test_torchtitan_0_2_0_s_expert_by_context_rule_is_said(tmp_path, capsys):
         plan.write_text(capsys.readouterr().out)
         assert main(["export", "--plan", str(plan), "--format", "torchtitan"]) == 0
         assert ("torchtitan 0.2.0 refuses expert_parallel" in capsys.readouterr().err) is said
+
+
+def test_torchtitan_runs_fp8_experts_through_its_grouped_gemm_converter(tmp_path, capsys):
+    """torchtitan's GroupedExperts are parameters, not nn.Linear: the linear converter left them in bf16 where the
+    plan priced FP8 (a helper's review, 2026-12-07)."""
+    from microbatch.cli import main
+
+    plan = tmp_path / "plan.json"
+    base = [
+        "plan",
+        "--model",
+        "gpt2",
+        "--gpu",
+        "h100-80gb",
+        "-B",
+        "64",
+        "--zero",
+        "3",
+        "--precision",
+        "fp8",
+        "--json",
+    ]
+    moe = ["--experts", "8", "--top-k", "2", "-e", "4"]
+    for extra, grouped in (
+        (["-d", "8", *moe], True),
+        (["-d", "4", "-p", "2", *moe], False),
+        (["-d", "8"], None),
+    ):
+        assert main([*base, *extra]) == 0
+        plan.write_text(capsys.readouterr().out)
+        assert main(["export", "--plan", str(plan), "--format", "torchtitan", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        converters = out["config"]["model"]["converters"]
+        notes = " ".join(out["notes"])
+        assert ("quantize.grouped_mm.float8" in converters) is bool(grouped)
+        if grouped:
+            assert out["config"]["quantize.grouped_mm.float8"] == {"fqns": ["experts"]}
+        if grouped is False:
+            assert "its experts run in bf16" in notes
+        if grouped is None:  # a dense model: no word of experts
+            assert "experts" not in notes

@@ -161,6 +161,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
             cand["flash_attention"] = shape.get("flash_attention")  # the model's own setting
         if shape is not None:  # torchtitan's receive buffers; an even split: its layers per stage
             cand.setdefault("hidden", shape.get("hidden"))
+            cand.setdefault("moe", shape.get("moe") is not None)  # routed experts: torchtitan's grouped FP8
         if shape is not None and data.get("layers_per_stage") is None:
             cand.setdefault("layers", shape.get("layers"))
         elif data.get("layers_per_stage") is not None:

@@ -134,6 +134,29 @@ def _receive_buffers(c: Json, m: int) -> list[str]:
     ]
 
 
+def _float8_experts(c: Json, cfg: Json) -> str:
+    """torchtitan's routed experts are ``GroupedExperts`` parameters, not ``nn.Linear``: the float8 linear converter
+    leaves them in bf16 and its grouped-GEMM converter (``quantize.grouped_mm.float8``, ``fqns``) runs them in FP8,
+    refused beside pipeline or context parallelism (``components/quantization/float8.py``); written where it runs,
+    said where it cannot. The linear converter also takes the router's gate and the output projection, which the
+    plan prices in the compute dtype."""
+    also = (
+        "; torchtitan's float8 linear converter also converts the router's gate and the output projection, priced "
+        "in bf16 here: list them in quantize.linear.float8.filter_fqns to keep them so"
+    )
+    if c.get("pipeline_parallel", 1) > 1 or c.get("context_parallel", 1) > 1:
+        return (
+            "the plan priced the routed experts' GEMMs in FP8; torchtitan's grouped-GEMM float8 converter refuses "
+            "pipeline and context parallelism, so here its experts run in bf16 (slower than planned)" + also
+        )
+    cfg["model"]["converters"].append("quantize.grouped_mm.float8")
+    cfg["quantize.grouped_mm.float8"] = {"fqns": ["experts"]}
+    return (
+        "the routed experts (GroupedExperts, not nn.Linear) in FP8 through quantize.grouped_mm.float8, written"
+        + also
+    )
+
+
 def _check_torchtitan(c: Json) -> None:
     """ConfigError for a layout torchtitan 0.2 refuses or would run otherwise than the plan (module docstring)."""
     p, t, d, z = (
@@ -345,6 +368,8 @@ def _torchtitan_new(c: Json, cfg: Json) -> list[str]:
         cfg["quantize.linear.float8"] = {"recipe_name": c.get("fp8_recipe", "tensorwise")}
         cfg.setdefault("compile", {})["enable"] = True
         notes.append("float8 linears need torch.compile to fuse the casts (compile.enable = true, written)")
+        if c.get("moe"):
+            notes.append(_float8_experts(c, cfg))
     if c.get("elementwise") == "compiled":  # the plan priced torch.compile's fused elementwise kernels
         cfg.setdefault("compile", {})["enable"] = True
     ac = cfg["activation_checkpoint"]
