@@ -241,7 +241,11 @@ def test_lightning_refuses_tensor_parallelism_and_builds_a_ddp_trainer(flat_plan
     kw = dict(ex.config["trainer"], num_nodes=1, devices=2, precision="32-true")  # what runs on this CPU
     trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, **kw)
     assert trainer.accumulate_grad_batches == 8 and trainer.num_devices == 2
-    with pytest.raises(ConfigError, match=r"2 processes .* do not fill nodes of 3"):
+    # fewer processes than a node holds: one node, devices = d (was refused: "do not fill nodes of 3")
+    assert export_plan(d, "lightning", gpus_per_node=3).config["trainer"]["devices"] == 2
+    d["data_parallel"] = 4  # 4 processes on nodes of 3: not whole nodes
+    d["recommended"].update(data_parallel=4, grad_accum=4)
+    with pytest.raises(ConfigError, match=r"4 processes .* do not fill nodes of 3"):
         export_plan(d, "lightning", gpus_per_node=3)
 
 
