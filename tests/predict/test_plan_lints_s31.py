@@ -1,0 +1,59 @@
+"""The bubble lint (a helper's advice sweep, 2026-12-07): it quoted 1F1B's bubble (p−1)/(m+p−1) for the b_m it
+suggested whatever the schedule, and fired on interleaved, zero-bubble and DualPipeV steps that already idled less
+than 1F1B would at m = 4p — an interleaved 6% told to take a b_m "at 11%", which ran slower. It now fires only past
+1F1B's 4p bubble, and suggests the plan's own candidate on the same schedule (its bubble, one the rules serve)."""
+
+from __future__ import annotations
+
+from microbatch.hardware import get_accelerator
+from microbatch.model import get_model
+from microbatch.predict.plan import make_plan
+from microbatch.predict.plan_advice import BubbleNotBuried
+from microbatch.predict.plan_config import PlanConfig
+from microbatch.schedules.closed_forms import bubble_fraction
+
+H100 = get_accelerator("h100-80gb")
+
+
+def _plan(**kw):
+    base = dict(shape=get_model("llama-2-7b"), gpu=H100, zero=(1,))
+    return make_plan(PlanConfig(**{**base, **kw}))
+
+
+def _bubble_lints(plan):
+    return [x for x in plan.lints if isinstance(x, BubbleNotBuried)]
+
+
+def test_a_bubble_under_1f1b_s_at_4p_is_not_linted():
+    plan = _plan(
+        global_batch=8, pipeline_parallel=2, tensor_parallel=2, micro_batches=(2,), recompute=("full",)
+    )
+    rec = plan.recommended
+    assert (
+        rec is not None and rec.schedule == "interleaved-1f1b" and rec.microbatches < 4 * 2
+    )  # linted before
+    assert rec.bubble_fraction < bubble_fraction(2, 8) and not _bubble_lints(plan)
+
+
+def test_the_suggestion_is_the_plan_s_own_candidate_on_the_same_schedule():
+    from types import SimpleNamespace
+
+    from microbatch.predict.plan_lints import lint
+
+    plan = _plan(global_batch=32, pipeline_parallel=4, schedules=("zb-h1",), micro_batches=(1, 2, 4, 8))
+    big = max((c for c in plan.candidates if c.fits), key=lambda c: c.micro_batch)  # m = 4 at b_m 8: linted
+    assert big.microbatches < 16 and big.bubble_fraction > bubble_fraction(4, 16)
+    (found,) = [x for x in lint(SimpleNamespace(config=plan.config, candidates=plan.candidates, recommended=big))
+                if isinstance(x, BubbleNotBuried)]  # fmt: skip
+    alt = next(c for c in plan.candidates if c.micro_batch == found.better_micro_batch and c.schedule == "zb-h1"
+               and c.recompute == big.recompute and c.zero == big.zero)  # fmt: skip
+    assert found.better_microbatches >= 16 and alt.fits
+    assert found.better_bubble_pct == alt.bubble_pct < big.bubble_pct  # zb-h1's own, not 1F1B's formula
+    assert found.better_bubble_pct != 100 * bubble_fraction(4, found.better_microbatches)
+
+
+def test_a_pinned_1f1b_micro_batch_still_gets_the_closed_form_suggestion():
+    plan = _plan(global_batch=16, pipeline_parallel=4, schedules=("1f1b",), micro_batches=(2,))
+    (lint,) = _bubble_lints(plan)
+    assert (lint.better_micro_batch, lint.better_microbatches) == (1, 16)
+    assert lint.better_bubble_pct == 100 * bubble_fraction(4, 16)
