@@ -32,3 +32,20 @@ def test_a_correct_low_precision_run_matches(dtype, capsys):
     err, tol = out["max_grad_rel_error"], out["grad_tolerance"]
     assert 0 < err <= tol  # not 0: the pipeline's gradients are the dtype's, the reference float32's
     assert err > GRAD_TOLERANCE["float32"]  # the low precision shows: the check does compare with float32
+
+
+@pytest.mark.timeout(240)
+def test_a_model_with_dropout_still_fails_the_check_in_bf16():
+    """The two unsplit references draw the same masks (one seed), so the bf16 one's own error is its rounding, not
+    another mask (0.5–0.9, which widened the tolerance past the pipeline's 0.51 mismatch: a helper's review)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_pipeline_review import _cli
+
+    r = _cli("pipeline", "-p", "2", "-m", "2", "--model", "test_pipeline_review:dropout_stack", "--dtype",
+             "bfloat16", "--check-gradients", "--no-predict", "--steps", "1", "--timeout", "60", "--json")  # fmt: skip
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and out["gradients_match"] is False
+    assert out["grad_tolerance"] == GRAD_TOLERANCE["bfloat16"] < out["max_grad_rel_error"]
