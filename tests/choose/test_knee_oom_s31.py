@@ -73,3 +73,41 @@ def test_an_exact_tie_is_met_at_every_scale(scale):
     assert (
         recommend(gain, rule="gain", tolerance=0.15).knee.micro_batch == 1
     )  # 15.0% per doubling: flat enough
+
+
+def test_an_oom_without_checkpointing_does_not_cap_the_checkpointing_fit():
+    """tune's automatic checkpointing: out of memory at 8 without it, then 8, 16, 32 with it; the memory fit reads
+    the checkpointing points (the largest's mode), which that out-of-memory does not bound (it said 7, not 104)."""
+    pts = [
+        CurvePoint(micro_batch=b, throughput=100 * b**0.5, peak_memory_bytes=(4 + b) * 2**30)
+        for b in (1, 2, 4)
+    ]
+    pts.append(CurvePoint(micro_batch=8, oom=True))
+    pts += [CurvePoint(micro_batch=b, throughput=90 * b**0.5, peak_memory_bytes=(2 + b * 0.3) * 2**30, checkpointing=True)
+            for b in (8, 16, 32)]  # fmt: skip
+    r = recommend(pts, memory_budget_bytes=40 * 2**30)
+    assert r.max_fitting_micro_batch is not None and r.max_fitting_micro_batch > 32
+
+
+def test_a_point_left_out_above_an_oom_is_not_re_measured():
+    speeds = {1: 300, 2: 550, 4: 800, 8: 900, 16: 1000}
+    pts = [Measurement(micro_batch=b, throughput=t, repeats=3, spread=0.01, peak_memory_bytes=b * 10**9)
+           for b, t in speeds.items()]  # fmt: skip
+    log = SearchLog()
+    log.seconds = {(b, False): 0.1 for b in speeds}
+    calls: list[int] = []
+
+    def measure(b, ckpt):
+        calls.append(b)
+        if b == 8:
+            return Measurement(micro_batch=8, oom=True)
+        return Measurement(
+            micro_batch=b, throughput=speeds[b], repeats=3, spread=0.01, peak_memory_bytes=b * 10**9
+        )
+
+    confirm_knee(measure, pts, ChoiceConfig(reference="measured"), log)
+    after = calls[calls.index(8) + 1 :] if 8 in calls else calls
+    rounds_after_oom = [b for b in after if b == 16]
+    assert 8 in calls and "knee 4 checked" in log.stop_reason
+    assert not any("16 re-measured" in part for part in log.stop_reason.split(";") if "knee 4" in part)
+    assert len(rounds_after_oom) <= 2  # the round that was under way when 8 ran out, no more

@@ -127,3 +127,12 @@ def test_other_frameworks_are_told():
     assert export_plan(one, "deepspeed").config["zero_optimization"] == {
         "stage": 1
     }  # its engine's stage for it
+
+
+def test_hybrid_sharding_is_refused():
+    """DeepSpeed's bf16 optimizer partitions over every data-parallel rank: a shard degree below d is not it."""
+    with pytest.raises(ConfigError, match="not over shard groups") as err:
+        row(grad_dtype="bf16+fp32", shard_degree=4)
+    assert err.value.params == ("grad_dtype", "shard_degree")
+    with pytest.raises(ConfigError, match="not over shard groups"):
+        MemoryConfig(micro_batch=1, data_parallel=8, zero=1, shard_degree=4, grad_dtype="bf16+fp32")

@@ -379,6 +379,7 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         max_fitting_micro_batch=below_oom(
             max_fitting_micro_batch(fit, choice.memory_budget_bytes, memory_headroom=choice.memory_headroom),
             ooms,
+            measured,
         ),
         memory_budget_bytes=choice.memory_budget_bytes,
         memory_headroom=choice.memory_headroom,

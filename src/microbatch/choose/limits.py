@@ -106,10 +106,15 @@ def _fits(measured: list[CurvePoint], budget: int) -> Callable[[CurvePoint], boo
     return fits
 
 
-def below_oom(largest: int | None, ooms: Sequence[CurvePoint]) -> int | None:
-    """The fit's largest b_m that fits, below the smallest b_m that ran out of memory without checkpointing (the
-    mode the fit's points are read in when any is), ``ooms`` those not measured too at their b_m and mode."""
-    sizes = [p.micro_batch for p in ooms if not p.checkpointing]
+def below_oom(
+    largest: int | None, ooms: Sequence[CurvePoint], measured: Sequence[CurvePoint] = ()
+) -> int | None:
+    """The fit's largest b_m that fits, below the smallest b_m that ran out of memory in the mode the fit reads (the
+    largest measured b_m's, as :func:`~microbatch.choose.memory_fit.fit_memory` takes it: after tune's automatic
+    checkpointing, the checkpointing points, which an out-of-memory without it does not cap); ``ooms`` those not
+    measured too at their b_m and mode."""
+    mode = max(measured, key=lambda p: p.micro_batch).checkpointing if measured else False
+    sizes = [p.micro_batch for p in ooms if p.checkpointing == mode]
     if largest is None or not sizes:
         return largest
     return min(largest, min(sizes) - 1)

@@ -133,11 +133,8 @@ class MemoryConfig(StateSettings):
             check_positive_int("microbatches", self.microbatches)
         check_zero(self.zero)
         self.check_settings()  # the precision, the four state settings, the loss's dtype and kernel, the FP8 recipe
-        check_bf16_fp32_zero(
-            self.grad_dtype,
-            (self.zero,),
-            zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)[0],
-        )
+        group, replicas = zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)
+        check_bf16_fp32_zero(self.grad_dtype, (self.zero,), group, replicas > 1)
         check_recompute(self.recompute)
         object.__setattr__(self, "schedule", served_spec(self.schedule).name)  # an alias read as its name
         if self.virtual > 1 and registry.get_spec(self.schedule).stages_per_rank == 1:

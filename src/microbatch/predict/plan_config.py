@@ -364,7 +364,7 @@ class PlanConfig(StateSettings):
             check_ulysses_heads(self.shape, self.tensor_parallel, self.context_parallel, seq=self.seq_len)
         zero_groups(self.data_parallel, self.context_parallel, self.shard_degree)  # validates shard_degree
         check_hybrid(self.shard_degree, self.expert_parallel, tuple(self.zero or ()))
-        check_bf16_fp32_zero(self.grad_dtype, tuple(self.zero or ()), self.zero_group)
+        check_bf16_fp32_zero(self.grad_dtype, tuple(self.zero or ()), self.zero_group, self.replicas > 1)
         self.reduce_bytes  # noqa: B018 - validates reduce_dtype
         if self.zero3_impl not in ZERO3_IMPLS:
             raise ConfigError(

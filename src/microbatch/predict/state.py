@@ -152,20 +152,29 @@ def check_bf16_fp32_grads(
         )
 
 
-def check_bf16_fp32_zero(grad_dtype: str, zeros: tuple[int, ...], zero_group: int) -> None:
+def check_bf16_fp32_zero(
+    grad_dtype: str, zeros: tuple[int, ...], zero_group: int, hybrid: bool = False
+) -> None:
     """ConfigError for ``bf16+fp32`` gradients under a ZeRO stage DeepSpeed does not run them at: its engine picks
     ``BF16_Optimizer`` for a bf16 model accumulating in fp32 at ZeRO 0 or 1 only (``_do_optimizer_sanity_check``:
     stage 1 with ``grad_accum_dtype`` fp32; stage 0, where fp32 is bf16's default accumulation), and the optimizer
     partitions its fp32 master and moments over the data-parallel ranks whatever the stage: ZeRO 1 as priced here
-    (ZeRO 0 only where there is one data-parallel rank)."""
+    (ZeRO 0 only where there is one data-parallel rank), over every data-parallel rank (``hybrid``, a shard degree
+    below d, is refused: DeepSpeed's optimizer partitions over the whole data-parallel group)."""
     if grad_dtype != "bf16+fp32":
         return
+    if hybrid:
+        raise ConfigError(
+            "grad_dtype bf16+fp32 (DeepSpeed's bf16 optimizer) partitions its fp32 master and moments over every "
+            "data-parallel rank, not over shard groups; drop shard_degree, or use grad_dtype half or fp32",
+            params=("grad_dtype", "shard_degree"),
+        )
     bad = [z for z in zeros if z >= 2 or (z == 0 and zero_group > 1)]
     if bad:
         raise ConfigError(
             f"grad_dtype bf16+fp32 (DeepSpeed's bf16 optimizer) with ZeRO {bad[0]}: DeepSpeed runs it at ZeRO 0 or 1 "
             f"and shards its fp32 master and moments over the {zero_group} data-parallel ranks either way (ZeRO-1 "
-            "as it runs); use zero 1 (or auto), or grad_dtype half or fp32 for ZeRO 2 and 3",
+            "as it runs); use zero 1, or grad_dtype half or fp32 for ZeRO 2 and 3",
             params=("grad_dtype", "zero"),
         )
 

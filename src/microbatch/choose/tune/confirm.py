@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from microbatch.choose.config import ChoiceConfig
 from microbatch.choose.confirm_rules import comparison_group, median_measurement, with_pooled_noise
-from microbatch.choose.knee import recommend_measured
+from microbatch.choose.knee import Recommendation, recommend_measured
 from microbatch.choose.tune.search import SearchLog, curve_point
 from microbatch.errors import ConfigError, ProbeTimeoutError
 from microbatch.measure.probes import Measurement
@@ -123,6 +123,17 @@ def _remeasure(
             log.oom_events += int(m.oom)
             again[i].append(m)
     return again, spent
+
+
+def _choosable(pts: list[Measurement], rec: Recommendation) -> dict[int, int]:
+    """b_m -> index into ``pts`` of the points the choice may take: measured, and not left out by ``rec`` (past a
+    limit, or above an out-of-memory: never chosen, so never re-measured)."""
+    left = {b for b, _ in rec.left_out}
+    return {
+        p.micro_batch: i
+        for i, p in enumerate(pts)
+        if not p.oom and p.throughput and p.micro_batch not in left
+    }
 
 
 def _take(
@@ -229,7 +240,7 @@ def confirm_knee(
                 rec = recommend_measured([curve_point(p) for p in pts], choice)
             except ConfigError:
                 return pts  # nothing to choose from: the caller's recommend says why
-            index = {p.micro_batch: i for i, p in enumerate(pts) if not p.oom and p.throughput}
+            index = _choosable(pts, rec)
             knee = rec.knee.micro_batch
             first = knee if first is None else first
             group = comparison_group(rec, index)
