@@ -17,12 +17,27 @@ _DESCRIPTOR = re.compile(r"/dev/(stdout|stderr)|/dev/fd/\d+|/proc/(self|\d+)/fd/
 ``>>``) is written in place."""
 
 
+def _link_steps(path: str) -> list[str]:
+    """``path`` and each path its symbolic links lead through (at most 16), before the kernel's own names resolve
+    them further (/dev/stdout to a file the shell opened): a link to /dev/stdout names stdout."""
+    steps = [path]
+    for _ in range(16):
+        try:
+            target = os.readlink(steps[-1])
+        except OSError:
+            break
+        steps.append(os.path.normpath(os.path.join(os.path.dirname(steps[-1]), target)))
+    return steps
+
+
 def is_stream(path: str | Path) -> bool:
     """Whether ``path`` is written in place, as a stream: a name of an open descriptor (:data:`_DESCRIPTOR`), or an
     existing file that is neither a regular file nor a folder (a character device as ``/dev/null`` or a terminal, a
     FIFO, ``<(...)``, a socket). A regular file is not, wherever it lies (``/dev/shm`` is a folder of them), nor a
     path that does not exist yet."""
-    if _DESCRIPTOR.fullmatch(str(path)):
+    if any(
+        _DESCRIPTOR.fullmatch(step) for step in _link_steps(str(path))
+    ):  # a link to /dev/stdout is one too
         return True
     try:
         mode = os.stat(path).st_mode

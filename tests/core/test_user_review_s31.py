@@ -94,3 +94,11 @@ def test_a_result_kept_after_an_interrupt_says_its_kind():
     assert envelope({"points": [1], "interrupted": True}, "tune")["kind"] == "interrupted"
     assert "kind" not in envelope({"points": [1], "interrupted": False}, "tune")
     assert envelope({"interrupted": True, "kind": "failure"}, "pipeline")["kind"] == "failure"  # its own kept
+
+
+def test_a_link_to_stdout_is_stdout(tmp_path, capsys):
+    link = tmp_path / "link.svg"
+    link.symlink_to("/dev/stdout")
+    assert is_stream(link)
+    assert main(["simulate", "-p", "2", "-m", "4", "-s", "1f1b", "--svg", str(link), "--json"]) == 2
+    assert "would share stdout" in capsys.readouterr().err

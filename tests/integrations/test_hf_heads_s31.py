@@ -125,3 +125,26 @@ def test_tune_trainer_leaves_a_causal_lm_as_transformers_runs_it(tmp_path):
         {"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in data])  # fmt: skip
     tune_trainer(trainer, max_micro_batch=8, timing=FAST, use_cache=False)
     assert trainer.model_accepts_loss_kwargs is True  # its loss is a share of num_items_in_batch: untouched
+
+
+def test_a_wrapped_head_is_read_through_its_wrappers():
+    """PEFT's forward holds no loss and torch.compile's is its own: read through them, a generic head was unknown and
+    its split pieces added as shares (4x the gradient under LoRA: a helper's review)."""
+    from microbatch.integrations.hf_loss import unwrapped
+
+    head = _llama("cls")
+
+    class Peft(torch.nn.Module):  # what peft's PeftModel offers
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, *a, **k):
+            return self.base(*a, **k)
+
+    compiled = torch.compile(head)  # not run: the wrapper alone
+    for wrapped in (Peft(head), compiled, Peft(compiled)):
+        assert unwrapped(wrapped) is head and _forward_normalises(wrapped) is False

@@ -54,6 +54,10 @@ def _write_answer(text: str) -> None:
     try:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):
+        fd = -1
+    if (
+        fd < 0 or sys.platform == "win32"
+    ):  # a test's capture; Windows' console wants its own stream (encoding, CRLF)
         click.echo(text)
         return
     stream.flush()

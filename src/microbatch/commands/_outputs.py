@@ -298,7 +298,7 @@ def check_not_stdout_with_json(path: str | None, flag: str, as_json: bool, examp
     two documents would share one stream and neither would parse (``simulate --svg /dev/stdout --json``)."""
     from microbatch.errors import ConfigError
 
-    if not (path and as_json) or not str(path).startswith(("/dev/", "/proc/")):
+    if not (path and as_json) or not is_stream(path):  # a link to /dev/stdout is one too
         return
     try:
         same = os.path.samefile(path, "/dev/stdout")

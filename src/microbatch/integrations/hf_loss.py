@@ -105,6 +105,20 @@ def _normalised_by_items(trainer: Any, model: Any, inputs: Any, num_items_in_bat
     return None
 
 
+def unwrapped(model: Any) -> Any:
+    """The model a wrapper runs: DDP's and FSDP1's ``.module``, ``torch.compile``'s ``._orig_mod``, PEFT's base model
+    (``get_base_model()``; transformers unwraps it too, ``unwrap_peft_model``), as deep as they nest. A PEFT model's
+    own forward holds no loss: read through it, a generic head was taken as unknown and its pieces added as shares."""
+    for _ in range(8):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        if inner is None or inner is model:
+            return model
+        model = inner
+    return model
+
+
 def forward_normalises(model: Any) -> bool | None:
     """Whether a Hugging Face model's own ``forward`` hands its loss to ``self.loss_function`` (transformers' loss
     functions divide by ``num_items_in_batch`` when given: a share), read from its source, the same on every rank with
@@ -112,7 +126,7 @@ def forward_normalises(model: Any) -> bool | None:
     its own (BERT's and RoBERTa's heads, T5: ``CrossEntropyLoss()``, a mean); None where the source cannot be read."""
     import inspect
 
-    forward = getattr(type(getattr(model, "module", model)), "forward", None)
+    forward = getattr(type(unwrapped(model)), "forward", None)
     try:
         source = inspect.getsource(forward) if forward is not None else ""
     except (OSError, TypeError):

@@ -288,7 +288,7 @@ def _warn_mean_of_means(g: int) -> None:
         f"{g} micro-batches' losses, so a loss that is a mean over tokens becomes a mean of {g} micro-batch means, "
         "another gradient than the unaccumulated step's where their token counts differ; divide the loss's sum by "
         "the step's token count, or keep the batch whole and split it only on out-of-memory with "
-        "SplitOnOOM(count_fn=lambda batch: (batch['labels'] != -100).sum())",
+        "SplitOnOOM(count_fn=lambda batch: (batch['labels'] != -100).sum()) (batch[1] for an (x, y) batch)",
         RuntimeWarning,
         stacklevel=3,
     )

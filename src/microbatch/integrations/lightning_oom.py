@@ -264,7 +264,7 @@ def _warn_per_token_labels(batch: Any) -> bool:
         "SplitOnOOM split a step whose batch has per-token labels, weighting each piece by its rows "
         "(no count_fn); a loss that is a mean over tokens then gets another gradient than the unsplit "
         "step's; say what it averages over, e.g. SplitOnOOM(count_fn=lambda batch: "
-        "(batch['labels'] != -100).sum()), or labels[..., 1:] for a causal LM that shifts them",
+        "(batch['labels'] != -100).sum()) (batch[1] for an (x, y) batch), or labels[..., 1:] for a causal LM that shifts them",
         RuntimeWarning,
         stacklevel=4,
     )
