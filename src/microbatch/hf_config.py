@@ -128,7 +128,7 @@ def _check_hf_fields(raw: dict[str, Any], file: Path) -> None:
                 f"{where}: {key} ({field}) is {v!r}, not a whole number >= 1; {fix}", params=_HF
             )
     _check_decoder_only(raw, file)  # an encoder's keys differ: say what it is, not what it lacks
-    check_pad_token(raw.get("pad_token_id"), _hf_lookup(raw, "vocab"), where, _HF)
+    check_pad_token(raw, _hf_lookup(raw, "vocab"), where, _HF)
     missing = [f for f in _HF_REQUIRED if all(raw.get(k) is None for k in _HF_KEYS[f])]
     if missing:
         raise ConfigError(

@@ -104,9 +104,14 @@ def mpt_block_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_pad_token(pad: Any, vocab: Any, where: str, params: tuple[str, ...]) -> None:
+def check_pad_token(raw: dict[str, Any], vocab: Any, where: str, params: tuple[str, ...]) -> None:
     """ConfigError for a ``pad_token_id`` at or past the vocabulary (Phi-3's 32000 left over after the vocabulary was
-    shrunk): transformers' embedding asserts ``padding_idx < num_embeddings``, and the probe failed in its setup."""
+    shrunk) in a family whose embedding takes it as ``padding_idx`` (the Llama-like ones, :data:`_LLAMA_LIKE`):
+    transformers' embedding asserts ``padding_idx < num_embeddings``, and the probe failed in its setup. GPT-2's and
+    GPT-NeoX's embeddings take none: their configs build whatever the pad token says."""
+    pad = raw.get("pad_token_id")
+    if str(raw.get("model_type", "")) not in _LLAMA_LIKE:
+        return
     if isinstance(vocab, int) and isinstance(pad, int) and not isinstance(pad, bool) and pad >= vocab:
         raise ConfigError(
             f"{where}: pad_token_id {pad} is not below the vocabulary of {vocab} (transformers' embedding asserts "

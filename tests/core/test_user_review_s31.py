@@ -102,3 +102,12 @@ def test_a_link_to_stdout_is_stdout(tmp_path, capsys):
     assert is_stream(link)
     assert main(["simulate", "-p", "2", "-m", "4", "-s", "1f1b", "--svg", str(link), "--json"]) == 2
     assert "would share stdout" in capsys.readouterr().err
+
+
+def test_a_family_without_a_padding_index_takes_any_pad_token(tmp_path, capsys):
+    cfg = tmp_path / "neox.json"
+    cfg.write_text(json.dumps({"model_type": "gpt_neox", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "intermediate_size": 128, "pad_token_id": 512}))  # fmt: skip
+    assert (
+        main(["memory", "--hf-config", str(cfg), "-b", "1", "--seq", "64"]) == 0
+    )  # its embedding has no padding_idx
