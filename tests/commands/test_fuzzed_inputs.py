@@ -214,7 +214,7 @@ PLAN7B = ["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb", "-B", "64", "-p
         # the message counted m at b_m 1 and asked for a global batch already given
         (
             ["-b", "16", "--schedule", "dualpipev"],
-            r"m = B/\(d·b_m\) = 4 micro-batches \(b_m 16\).*at least 128 or give a smaller --micro-batch",
+            r"m = B/\(d·b_m\) = 4 micro-batches \(b_m 16\).*raise the global batch to 128 \(m = 8\) or give a smaller --micro-batch",
         ),
     ],
 )

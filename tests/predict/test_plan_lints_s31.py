@@ -57,3 +57,18 @@ def test_a_pinned_1f1b_micro_batch_still_gets_the_closed_form_suggestion():
     (lint,) = _bubble_lints(plan)
     assert (lint.better_micro_batch, lint.better_microbatches) == (1, 16)
     assert lint.better_bubble_pct == 100 * bubble_fraction(4, 16)
+
+
+def test_the_global_batch_asked_for_is_one_the_schedule_serves():
+    """Interleaved 1F1B at B = 7, p = 2, v = 2 was told "raise the global batch to at least 2" (v·p·d·b_m with
+    v = 1): the round rule wants m = 8 (whole rounds of p), and gpipe takes no v = 2."""
+    import pytest
+
+    from microbatch.errors import ConfigError
+    from microbatch.schedules.registry import get_spec
+
+    with pytest.raises(ConfigError, match=r"raise the global batch to 8 \(m = 8\)") as err:
+        make_plan(PlanConfig(shape=get_model("gpt2"), gpu=H100, global_batch=7, pipeline_parallel=2,
+                             schedules=("interleaved-1f1b",), virtuals=(2,), micro_batches=(1,)))  # fmt: skip
+    assert "gpipe" not in str(err.value)
+    get_spec("interleaved-1f1b").check(2, 8, 2)  # the m asked for is served

@@ -159,6 +159,13 @@ def _schedule_options(
     return out
 
 
+def _servable_m(cfg: PlanConfig, m: int) -> int | None:
+    """The smallest m' > ``m`` some schedule of ``cfg`` serves at p (:func:`_schedule_options`: torch's rules, the
+    whole rounds of the interleaved and zero-bubble schedules included), within 64p; None past that."""
+    p = cfg.pipeline_parallel
+    return next((k for k in range(m + 1, m + 64 * p + 1) if _schedule_options(cfg, k)), None)
+
+
 def _split_virtuals(cfg: PlanConfig, name: str) -> list[int]:
     """The v of schedule ``name`` that split the layers over the stages, whatever m is: every v of the registry
     (:func:`~microbatch.schedules.virtual.virtual_options`) that divides the layers evenly into p·v chunks, or,
@@ -304,13 +311,15 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
                 params=("pipeline_parallel", "schedules"),
             )
         b = min(cfg.micro_batches) if cfg.micro_batches else 1  # m = B/(d·b_m) at the smallest b_m allowed
+        m = _servable_m(cfg, per // b)
         raise ConfigError(
             f"no schedule in {names} can serve p = {p} with at most m = B/(d·b_m) = {per // b} micro-batches"
             + (f" (b_m {b})" if b > 1 else "")
-            + f" (1F1B and ZB-H1 need m >= p, DualPipeV m >= 2p); raise the global batch to at least "
-            f"{v * p * cfg.data_parallel * b}"
+            + " (1F1B and ZB-H1 need m >= p, DualPipeV m >= 2p, the interleaved and zero-bubble ones whole "
+            "rounds of p)"
+            + (f"; raise the global batch to {m * cfg.data_parallel * b} (m = {m})" if m is not None else "")
             + (" or give a smaller micro_batch" if b > 1 else "")
-            + " or use schedules gpipe",
+            + ("" if max(cfg.virtuals or (1,)) > 1 else " or use schedules gpipe"),
             params=("schedules", "global_batch") + (("micro_batch",) if b > 1 else ()),
         )
     cands.sort(key=_sort_key)
