@@ -104,3 +104,13 @@ def test_torchtitan_runs_fp8_experts_through_its_grouped_gemm_converter(tmp_path
             assert "its experts run in bf16" in notes
         if grouped is None:  # a dense model: no word of experts
             assert "experts" not in notes
+
+
+def test_lightning_s_deepspeed_stage_1_is_told_of_the_bf16_optimizer():
+    plan = make_plan(PlanConfig(shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=64,
+                                data_parallel=4, micro_batches=(2,), zero=(1,), grad_dtype="fp32")).to_dict()  # fmt: skip
+    exp = export_plan(plan, "lightning", gpus_per_node=8)
+    assert exp.config["trainer"]["strategy"] == "deepspeed_stage_1"
+    notes = " ".join(exp.notes)
+    assert "runs its bf16 optimizer" in notes and "grad_dtype bf16+fp32" in notes
+    assert "(4 of the node's 8 accelerators)" in notes

@@ -28,9 +28,8 @@ def lightning_config(c: Json) -> tuple[Json, list[str]]:
     trainer: Json = {"accumulate_grad_batches": c["grad_accum"], "precision": _LIGHTNING_PRECISION[prec]}
     if clip_norm(c):  # Lightning clips only when gradient_clip_val is given
         trainer["gradient_clip_val"], trainer["gradient_clip_algorithm"] = clip_norm(c), "norm"
-    per_node = min(
-        d, int(c.get("gpus_per_node") or GPUS_PER_NODE)
-    )  # d processes on one node of more: devices=d
+    node = int(c.get("gpus_per_node") or GPUS_PER_NODE)
+    per_node = min(d, node)  # d processes on one node of more: devices = d
     if d % per_node:
         raise ConfigError(
             f"{d} processes (d = {d}) do not fill nodes of {per_node} accelerators; give gpus_per_node dividing {d}",
@@ -38,8 +37,9 @@ def lightning_config(c: Json) -> tuple[Json, list[str]]:
         )
     trainer["devices"], trainer["num_nodes"] = per_node, d // per_node
     notes = [f"DataLoader(batch_size={c['micro_batch']}); devices × num_nodes = {per_node} × {d // per_node} "
-             f"= {d} processes ({per_node} accelerators per node"
-             + ("" if c.get("gpus_per_node") else ", assumed: gpus_per_node to change") + ")"]  # fmt: skip
+             f"= {d} processes ({per_node} " + (f"of the node's {node} accelerators" if per_node < node else
+             "accelerators per node") + ("" if c.get("gpus_per_node") else ", assumed: gpus_per_node to change")
+             + ")"]  # fmt: skip
     if d > 1:
         trainer["strategy"] = _LIGHTNING_STRATEGY[z]
         if (
@@ -74,7 +74,17 @@ def _lightning_notes(c: Json, trainer: Json) -> list[str]:
             "torch.bfloat16)) before the optimizer is built: no fp32 master copy and the optimizer's buffers in bf16, "
             "where the plan priced fp32 ones (with AdamW 8 B a parameter less than planned; the updates in bf16)"
         )
-    if c.get("grad_dtype") in ("fp32", "bf16+fp32") and trainer.get("strategy", "ddp") != "ddp":
+    if (
+        c.get("grad_dtype") == "fp32"
+        and precision_of(c) == "bf16-mixed"
+        and trainer.get("strategy") == "deepspeed_stage_1"
+    ):
+        notes.append(  # DeepSpeed runs bf16 with fp32 accumulation at ZeRO 1 as its bf16 optimizer (20 B/param)
+            "the plan priced fp32 gradients alone (18 B/param); DeepSpeed at stage 1 accumulating a bf16 model in fp32 "
+            "runs its bf16 optimizer, which keeps the bf16 gradients beside them (20 B/param): plan with grad_dtype "
+            "bf16+fp32 for that, or keep DeepSpeed's default bf16 accumulation (grad_dtype half)"
+        )
+    elif c.get("grad_dtype") in ("fp32", "bf16+fp32") and trainer.get("strategy", "ddp") != "ddp":
         notes.append(
             f"the plan priced fp32 gradients (grad_dtype {c['grad_dtype']}); Lightning's DeepSpeed and FSDP strategies keep and "
             "reduce them in the model's dtype unless told: DeepSpeedStrategy(config={'data_types': "
