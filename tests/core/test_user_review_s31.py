@@ -111,3 +111,11 @@ def test_a_family_without_a_padding_index_takes_any_pad_token(tmp_path, capsys):
     assert (
         main(["memory", "--hf-config", str(cfg), "-b", "1", "--seq", "64"]) == 0
     )  # its embedding has no padding_idx
+
+
+def test_memory_on_a_gpu_it_does_not_fit_exits_2_as_plan_does(capsys):
+    """`memory ... --gpu X && launch` went ahead: "does NOT fit" exited 0 (a new user's review)."""
+    assert main(["memory", "--model", "llama-2-70b", "-b", "1", "--gpu", "l4", "--json"]) == 2
+    d = json.loads(capsys.readouterr().out)
+    assert d["kind"] == "does_not_fit" and d["fits"] is False and "does not fit" in d["error"]
+    assert main(["memory", "--model", "gpt2", "-b", "1", "--gpu", "h100-80gb"]) == 0

@@ -72,3 +72,18 @@ def test_the_global_batch_asked_for_is_one_the_schedule_serves():
                              schedules=("interleaved-1f1b",), virtuals=(2,), micro_batches=(1,)))  # fmt: skip
     assert "gpipe" not in str(err.value)
     get_spec("interleaved-1f1b").check(2, 8, 2)  # the m asked for is served
+
+
+def test_a_pinned_choice_is_left_to_the_planner_before_more_gpus_are_asked_for():
+    """ZeRO 0 pinned on 8 A100-40GB for Llama 3 8B: ZeRO 3 on the same 8 fits (24 GiB); the advice asked for 32-64 GPUs
+    (a helper's sweep of the advice)."""
+    from microbatch.predict.plan import what_would_fit
+
+    cfg = PlanConfig(shape=get_model("llama-3-8b"), gpu=get_accelerator("a100-40gb"), global_batch=8, data_parallel=8,
+                     zero=(0,))  # fmt: skip
+    advice = what_would_fit(cfg)
+    first = advice.alternatives[0]
+    assert first.setting == "zero" and first.fits and first.best.zero >= 1
+    assert (
+        first.best.data_parallel * first.best.tensor_parallel * first.best.pipeline_parallel == 8
+    )  # same GPUs

@@ -161,7 +161,15 @@ def cmd(
     notes = ([v_note] if v_note else []) + hf_config_notes(model_spec, shape)
     if notes:
         out["notes"] = notes
+    why = None
+    if acc is not None and not out["fits"]:  # as plan: the estimate kept, exit 2, a kind of its own
+        why = (f"the peak {est.peak_bytes / 2**30:.2f} GiB does not fit {out['memory_budget_bytes'] / 2**30:.2f} GiB "
+               f"of {acc.name}; shard more (--zero, -t, -p), recompute (--recompute full) or lower -b")  # fmt: skip
+        out = {**out, "error": why, "kind": "does_not_fit"}
     emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))
+    if why is not None:
+        click.echo(f"error: {why}", err=True)
+        raise click.exceptions.Exit(2)
 
 
 def _one_gpu(gpu: str, precision: str) -> Accelerator:

@@ -404,8 +404,19 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
     pipeline without ZeRO-3 may hold more than ZeRO-3 over d did); :func:`microbatch.show.plan_report.advice_lines`
     writes it."""
     plan = plan or make_plan(cfg)
-    Setting = Literal["sequence_parallel", "pipeline_parallel", "tensor_parallel", "data_parallel"]
+    Setting = Literal[
+        "zero", "recompute", "schedules", "micro_batches", "sequence_parallel", "pipeline_parallel",
+        "tensor_parallel", "data_parallel",
+    ]  # fmt: skip
     tries: list[tuple[Setting, int, dict[str, Any]]] = []
+    # a choice the user pinned, left to the planner on the same GPUs (ZeRO 0 where ZeRO 3 fits on 8: a helper's
+    # sweep of the advice found 2-8x the GPUs asked for instead)
+    pins: tuple[tuple[Setting, object, dict[str, Any]], ...] = (
+        ("zero", cfg.zero, {"zero": None}), ("recompute", cfg.recompute, {"recompute": None}),
+        ("schedules", cfg.schedules, {"schedules": None, "virtuals": None}),
+        ("micro_batches", cfg.micro_batches, {"micro_batches": None}),
+    )  # fmt: skip
+    tries += [(setting, 0, change) for setting, pinned, change in pins if pinned]
     L, heads = cfg.shape.layers, cfg.shape.heads
     if cfg.tensor_parallel > 1 and not cfg.sequence_parallel:  # the same GPUs: TP as the frameworks run it
         tries.append(("sequence_parallel", cfg.tensor_parallel, {"sequence_parallel": True}))

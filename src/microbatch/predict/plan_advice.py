@@ -128,8 +128,12 @@ Lint = (
 class Alternative:
     """A layout change tried when nothing fits, and the best it gives."""
 
-    setting: Literal["sequence_parallel", "pipeline_parallel", "tensor_parallel", "data_parallel"]
-    """What changes: sequence parallelism at the plan's t (Megatron-Core's, NeMo's and torchtitan's with t > 1), p, t
+    setting: Literal[
+        "zero", "recompute", "schedules", "micro_batches", "sequence_parallel", "pipeline_parallel",
+        "tensor_parallel", "data_parallel",
+    ]  # fmt: skip
+    """What changes: a choice the user pinned left to the planner on the same GPUs (ZeRO, recompute, the schedule, b_m;
+    ``value`` 0), sequence parallelism at the plan's t (Megatron-Core's, NeMo's and torchtitan's with t > 1), p, t
     (with sequence parallelism) or d (with ZeRO-3; ZeRO-1 under a pipeline, where FSDP2 holds its gradients whole)."""
     value: int
     best: Candidate

@@ -113,6 +113,10 @@ def lint_sentence(lint: Lint, *, words: Words = None) -> str:
 
 
 _SETTINGS = {
+    "zero": "ZeRO as the planner chooses it",
+    "recompute": "recompute as the planner chooses it",
+    "schedules": "the schedule the planner chooses",
+    "micro_batches": "b_m as the planner chooses it",
     "sequence_parallel": "sequence parallel (at tensor-parallel {})",
     "pipeline_parallel": "pipeline-parallel {}",
     "tensor_parallel": "tensor-parallel {} with sequence parallel",
@@ -155,7 +159,7 @@ def advice_lines(advice: Advice) -> list[str]:
                 f"{label} would fit: {gib(c.peak_memory_bytes)} at b_m = {c.micro_batch}"
                 + (
                     f", {c.schedule}" + (f" v {c.virtual}" if c.virtual > 1 else "")
-                    if a.setting == "pipeline_parallel"
+                    if a.setting in ("pipeline_parallel", "schedules")
                     else ""
                 )
                 + f", recompute {c.recompute}, ZeRO {c.zero}, {c.tokens_per_s:,.0f} tokens/s (its recommendation)"
