@@ -4,6 +4,7 @@ GradScaler skips, a loader's short last batch, and a |G|² not yet resolved from
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 
 import pytest
@@ -103,18 +104,23 @@ def test_the_lower_bound_by_hand_and_below_the_truth_where_the_ratio_is_not():
 
 def test_g_sq_resolved_by_its_standard_error():
     assert g_sq_resolved([(1.0, 5.0)]) is None
-    assert g_sq_resolved([(1.0, 5.0), (1.2, 5.0), (0.8, 5.0)]) is True  # mean 1, se 0.115
-    # 1.0, -0.6, 0.2: mean 0.2, sd 0.8, se 0.8/√3 = 0.46 > 0.1
-    assert g_sq_resolved([(1.0, 5.0), (-0.6, 5.0), (0.2, 5.0)]) is False
-    assert g_sq_resolved([(0.0, 1.0), (2.0, 1.0)]) is False  # mean 1, sd √2, se 1: exactly at 1 < 2 se
-    assert g_sq_resolved([(0.5, 1.0), (1.5, 1.0)]) is False  # mean 1, se 0.5: on the line, not above it
-    assert g_sq_resolved([(0.6, 1.0), (1.4, 1.0)]) is True  # mean 1, se 0.4
+    assert (
+        g_sq_resolved([(1.0, 5.0), (1.2, 5.0), (0.8, 5.0)]) is None
+    )  # under 5 steps: too few to judge (s31)
+    five = [(1.0, 5.0), (1.2, 5.0), (0.8, 5.0), (1.1, 5.0), (0.9, 5.0)]  # mean 1, sd 0.158, se 0.071
+    assert g_sq_resolved(five) is True  # 1 > t(0.977, 4) 2.87 × 0.071
+    # mean 0.2, sd 0.76, se 0.34: 0.2 < 2.87 × 0.34
+    assert g_sq_resolved([(1.0, 5.0), (-0.6, 5.0), (0.2, 5.0), (0.6, 5.0), (-0.2, 5.0)]) is False
+    # mean 1, sd 0.9, se 0.40: above 2 normal standard errors (0.80), below t's 2.87 (1.16): not resolved
+    wide = [(0.0, 1.0), (2.0, 1.0), (1.0, 1.0), (0.2, 1.0), (1.8, 1.0)]
+    assert statistics.stdev(g for g, _ in wide) / 5**0.5 == pytest.approx(0.4, abs=0.01)
+    assert g_sq_resolved(wide) is False
 
 
 def _result(resolved):
     return {"model": "tiny", "seq": 33, "global_batch": 8, "micro_batch": 2, "steps": 40, "g_sq": 1e-4,
             "trace_sigma": 5.0, "b_simple_tokens": 50_000.0, "b_simple_sequences": 50_000.0 / 32,
-            "tokens_per_sequence": 32, "b_simple_rel_se": 0.46, "g_sq_resolved": resolved,
+            "tokens_per_sequence": 32, "b_simple_rel_se": 0.2, "g_sq_resolved": resolved,
             "b_simple_lower_tokens": 8_000.0}  # fmt: skip
 
 

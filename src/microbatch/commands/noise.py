@@ -245,10 +245,10 @@ def _result(
         "b_simple_sequences": b_seqs if final is not None else None,
         "per_step": [{"g_sq": g, "trace_sigma": t} for g, t in pairs],
         # the scatter of B_simple over the steps (delta method on the ratio of the means)
-        "b_simple_rel_se": b_simple_rel_se(pairs),
-        # |G|² two standard errors above 0 (None under two steps): else B_simple is a lower bound at best
-        "g_sq_resolved": g_sq_resolved(pairs),
-        "b_simple_lower_tokens": b_simple_lower(pairs),
+        "b_simple_rel_se": b_simple_rel_se(pairs, decay),
+        # |G|² t's two-sided-97.7% standard errors above 0 (None under MIN_STEPS): else a lower bound at best
+        "g_sq_resolved": g_sq_resolved(pairs, decay),
+        "b_simple_lower_tokens": b_simple_lower(pairs, decay),
         "source": "McCandlish et al. 2018, arXiv:1812.06162, sec. 2.2 and appendix A.1",
     }
     if steps_asked is not None:

@@ -97,61 +97,109 @@ def b_simple(*, trace_sigma: float, g_sq: float) -> float:
     return trace_sigma / g_sq
 
 
-def b_simple_rel_se(per_step: Sequence[tuple[float, float]]) -> float | None:
-    """The relative standard error of B_simple = mean(tr(Σ))/mean(|G|²) over ``per_step`` (|G|², tr(Σ)) pairs, by the
-    delta method on a ratio of means: var(ln B) ≈ var(T̄)/T̄² + var(Ḡ)/Ḡ² − 2·cov(T̄, Ḡ)/(T̄·Ḡ), each var and cov of a
-    mean the sample one over n. None with fewer than two steps or a mean not above 0 (no B_simple to err about). Of
-    the plain mean (decay 1); an exponential average weights recent steps more and scatters a little more."""
+def _weights(n: int, decay: float) -> tuple[list[float], float]:
+    """The weights of an exponential average with bias correction over n steps, the last weighing 1 (decay^(n−1−i)),
+    and Σw²/(Σw)²: the variance of the weighted mean of n independent draws over the draws' own (1/n at decay 1, 1 at
+    decay 0: the last step alone)."""
+    w = [decay ** (n - 1 - i) for i in range(n)]
+    return w, sum(x * x for x in w) / sum(w) ** 2
+
+
+def b_simple_rel_se(per_step: Sequence[tuple[float, float]], decay: float = 1.0) -> float | None:
+    """The relative standard error of B_simple = T̄/Ḡ over ``per_step`` (|G|², tr(Σ)) pairs, T̄ and Ḡ their averages
+    with ``decay`` (:func:`_weights`: the smoothed estimate the command prints; 1, the plain means), by the delta method
+    on a ratio of means: var(ln B) ≈ var(T̄)/T̄² + var(Ḡ)/Ḡ² − 2·cov(T̄, Ḡ)/(T̄·Ḡ), each var and cov of an average the
+    steps' sample one × Σw²/(Σw)² (the weights are fixed: the command measures at one set of weights, its steps
+    independent draws). None with fewer than two steps or an average not above 0 (no B_simple to err about)."""
     n = len(per_step)
     if n < 2:
         return None
     gs, ts = [p[0] for p in per_step], [p[1] for p in per_step]
-    mg, mt = sum(gs) / n, sum(ts) / n
+    w, share = _weights(n, decay)
+    mg, mt = (sum(x * v for x, v in zip(w, gs, strict=True)) / sum(w),
+              sum(x * v for x, v in zip(w, ts, strict=True)) / sum(w))  # fmt: skip
     if not (mg > 0 and mt > 0):
         return None
-    var_g = sum((g - mg) ** 2 for g in gs) / (n - 1) / n
-    var_t = sum((t - mt) ** 2 for t in ts) / (n - 1) / n
-    cov = sum((g - mg) * (t - mt) for g, t in zip(gs, ts, strict=True)) / (n - 1) / n
+    pg, pt = sum(gs) / n, sum(ts) / n  # the steps' scatter, about their plain means
+    var_g = sum((g - pg) ** 2 for g in gs) / (n - 1) * share
+    var_t = sum((t - pt) ** 2 for t in ts) / (n - 1) * share
+    cov = sum((g - pg) * (t - pt) for g, t in zip(gs, ts, strict=True)) / (n - 1) * share
     return math.sqrt(max(0.0, var_t / mt**2 + var_g / mg**2 - 2 * cov / (mt * mg)))
 
 
 RESOLVED_STANDARD_ERRORS = 2.0
 """How many standard errors of its mean the |G|² estimate must stand above 0 for B_simple to be read as a value
-(:func:`g_sq_resolved`): two, a one-sided 97.7% bound under a normal mean. Below it B_simple = tr(Σ)/|G|² divides by
+(:func:`g_sq_resolved`): two, a one-sided 97.7% bound under a normal mean — as Student's t with the steps' n − 1
+degrees of freedom (:func:`resolved_errors`), the scatter being estimated from those steps. Below it B_simple = tr(Σ)/|G|² divides by
 a denominator its own scatter could put at zero, and the first-order error of :func:`b_simple_rel_se` no longer
 holds: a dead-ReLU net whose exact B_simple is 12,766 read 126 (± 46%), 828 (± 101%) and 1,862 (± 208%) after 50
 to 400 steps (a read-only audit, 2026-12-07)."""
 
 
-def g_sq_resolved(per_step: Sequence[tuple[float, float]]) -> bool | None:
-    """Whether the mean |G|² over ``per_step`` (|G|², tr(Σ)) pairs stands :data:`RESOLVED_STANDARD_ERRORS` standard
-    errors of the mean above 0; None with fewer than two steps (no scatter to judge by). When it does not, B_simple
-    is at best a lower bound: the true gradient is not yet seen through the noise."""
-    stats = _g_sq_mean_se(per_step)
-    return None if stats is None else stats[0] > RESOLVED_STANDARD_ERRORS * stats[1]
+MIN_STEPS = 5
+"""Steps below which no B_simple is judged resolved nor a B_global suggested: with 2, 3 and 5 steps a true B of ∞
+read as resolved in 11.5%, 5.0% and 4.0% of runs at two normal standard errors (a helper's 400 runs, 2026-12-07);
+with t's quantile (:func:`resolved_errors`) from 5 on."""
 
 
-def _g_sq_mean_se(per_step: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
-    """(mean, standard error of the mean) of the |G|² estimates of ``per_step``; None under two steps."""
+MAX_SUGGEST_SE = 0.3
+"""The relative standard error of B_simple past which no B_global is suggested: the delta method's first order fails
+there (a helper's runs, 2026-12-07: a true B of 1,011 read 142–210 in the runs just resolved, at ± 30–48%; none of the
+five covered it)."""
+
+
+def resolved_errors(n: int) -> float:
+    """Student's t quantile at :data:`RESOLVED_STANDARD_ERRORS`' one-sided level (z = 2: 97.7%) with n − 1 degrees of
+    freedom, by the Cornish–Fisher expansion (Abramowitz & Stegun 26.7.5, four terms: within 1% from 4 degrees of
+    freedom, 2.87 at 4, 2.23 at 19); inf under :data:`MIN_STEPS` steps."""
+    if n < MIN_STEPS:
+        return math.inf
+    z, v = RESOLVED_STANDARD_ERRORS, n - 1
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / v + g2 / v**2 + g3 / v**3 + g4 / v**4
+
+
+def g_sq_resolved(per_step: Sequence[tuple[float, float]], decay: float = 1.0) -> bool | None:
+    """Whether the average |G|² over ``per_step`` (|G|², tr(Σ)) pairs (with ``decay``, as printed) stands
+    :func:`resolved_errors` standard errors above 0; None with fewer than :data:`MIN_STEPS` steps (too little scatter
+    to judge by). When it does not, B_simple is at best a lower bound: the true gradient is not yet seen through the
+    noise."""
+    stats = _g_sq_mean_se(per_step, decay)
+    if stats is None or len(per_step) < MIN_STEPS:
+        return None
+    return stats[0] > resolved_errors(len(per_step)) * stats[1]
+
+
+def _g_sq_mean_se(per_step: Sequence[tuple[float, float]], decay: float = 1.0) -> tuple[float, float] | None:
+    """(average, its standard error) of the |G|² estimates of ``per_step`` with ``decay``; None under two steps."""
     n = len(per_step)
     if n < 2:
         return None
     gs = [p[0] for p in per_step]
-    mg = sum(gs) / n
-    return mg, math.sqrt(sum((g - mg) ** 2 for g in gs) / (n - 1) / n)
+    w, share = _weights(n, decay)
+    plain = sum(gs) / n
+    return sum(x * g for x, g in zip(w, gs, strict=True)) / sum(w), math.sqrt(
+        sum((g - plain) ** 2 for g in gs) / (n - 1) * share
+    )
 
 
-def b_simple_lower(per_step: Sequence[tuple[float, float]]) -> float | None:
+def b_simple_lower(per_step: Sequence[tuple[float, float]], decay: float = 1.0) -> float | None:
     """A lower bound on B_simple from ``per_step`` (|G|², tr(Σ)) pairs: mean tr(Σ) over |G|² at its mean plus
     :data:`RESOLVED_STANDARD_ERRORS` standard errors — what to say where |G|² is not resolved (:func:`g_sq_resolved`).
     The point estimate is no bound there: over Monte Carlo runs with a true B of 200 (8 steps), the ratio of the means
     lay above it in 68% of the unresolved runs, this bound in 1.1% (a review, 2026-12-07). None under two steps or
-    where mean tr(Σ) is not above 0. Of the plain means (decay 1)."""
-    stats = _g_sq_mean_se(per_step)
+    where mean tr(Σ) is not above 0. Of the averages with ``decay`` (as printed), t's quantile from :data:`MIN_STEPS`
+    steps (two standard errors below: no bound is claimed, :func:`g_sq_resolved` is None there)."""
+    stats = _g_sq_mean_se(per_step, decay)
     if stats is None:
         return None
-    mt = sum(p[1] for p in per_step) / len(per_step)
-    top = stats[0] + RESOLVED_STANDARD_ERRORS * stats[1]
+    w, _ = _weights(len(per_step), decay)
+    mt = sum(x * p[1] for x, p in zip(w, per_step, strict=True)) / sum(w)
+    k = resolved_errors(len(per_step))
+    top = stats[0] + (k if math.isfinite(k) else RESOLVED_STANDARD_ERRORS) * stats[1]
     return mt / top if mt > 0 and top > 0 else None
 
 

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from microbatch.precision import get_precision, weight_cache_bytes
+from microbatch.run.noise import MAX_SUGGEST_SE, MIN_STEPS
 from microbatch.show.text import bubble_lines, pct, render_stats_table, render_timeline_text
 from microbatch.units import format_bytes, format_number
 
@@ -325,12 +326,19 @@ def render_noise(r: dict[str, Any], *, steps: str = "steps") -> str:
             f"({b_tokens:,.0f} tokens) is no estimate and no B_global is suggested; run more {steps}"
         )
     elif math.isfinite(b_tokens):
-        lines += [
+        lines.append(
             f"  B_simple = tr(Σ)/|G|² = {b_tokens:,.0f} tokens = {b_seqs:,.1f} sequences of {r['tokens_per_sequence']}"
-            + _scatter(r.get("b_simple_rel_se"), r["steps"]),
+            + _scatter(r.get("b_simple_rel_se"), r["steps"])
+        )
+        lines.append(
             f"  suggestion: B_global near {max(1, round(b_seqs))} sequences (the statistical choice; "
-            "b_m is the physical one)",
-        ]
+            "b_m is the physical one)"
+            if r.get("g_sq_resolved") is True and (r.get("b_simple_rel_se") or 0.0) <= MAX_SUGGEST_SE
+            else f"  no B_global suggested: {r['steps']} steps are too few to tell |G|² from its scatter "
+            f"({MIN_STEPS} or more); run more {steps}"
+            if r.get("g_sq_resolved") is None
+            else f"  no B_global suggested: its standard error is past {MAX_SUGGEST_SE:.0%}; run more {steps}"
+        )
     else:
         what = "|G|²" if not r["g_sq"] > 0 else "tr(Σ)"
         sign = "≤ 0" if what == "|G|²" else "< 0"
