@@ -72,10 +72,16 @@ def load_calibration(
         acc = None
         if meas.is_cuda and gpu is not None:
             measured_on = match_accelerator(meas.device_name)
-            if measured_on is None or measured_on == gpu.name:
+            if measured_on == gpu.name or (measured_on is None and not meas.device_name):
                 acc = gpu
                 if measured_on is None:
                     warns.append(f"{label} does not name its GPU; assumed it was measured on {gpu.name}")
+            elif measured_on is None:  # named, but not a GPU of the table: its times say nothing of this one
+                warns.append(
+                    f"{label} was measured on {meas.device_name}, which is not in the accelerator table: its step "
+                    f"times are not fitted against {gpu.name} (its memory terms are used); time that GPU's kernels "
+                    "with bench-gpu, or tune on the plan's GPU"
+                )
             else:
                 acc = ACCELERATORS[measured_on]
         cal = calibrate(meas, acc)

@@ -1,0 +1,26 @@
+"""Calibration files (a helper's review, 2026-12-07). A tune result from a GPU not in the accelerator table (a V100,
+4x slower in the file) was fitted as if measured on the planned H100: the step 3.6x slower, and the note said the file
+named no GPU. The data: a forged tune result (the planner's own predictions scaled 4x, device_name a V100)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from microbatch.cli import main
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "tune_unknown_gpu.json"
+PLAN = ["plan", "--model", "gpt2", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "--micro-batch", "8", "--zero", "1",
+        "--recompute", "none", "--json"]  # fmt: skip
+
+
+def test_a_gpu_outside_the_table_is_not_taken_for_the_planned_one(capsys):
+    assert json.loads(DATA.read_text())["device_name"].startswith("Tesla V100")
+    assert main(PLAN) == 0
+    bare = json.loads(capsys.readouterr().out)["recommended"]["step_time_s"]
+    assert main([*PLAN, "--calibration", str(DATA)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"]["step_time_s"] == bare  # its 4x slower times not fitted against the H100
+    said = " ".join(out.get("calibration_notes", []))
+    assert "measured on Tesla V100-SXM2-16GB, which is not in the accelerator table" in said
+    assert "does not name its GPU" not in said
