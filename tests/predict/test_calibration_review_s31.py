@@ -24,3 +24,14 @@ def test_a_gpu_outside_the_table_is_not_taken_for_the_planned_one(capsys):
     said = " ".join(out.get("calibration_notes", []))
     assert "measured on Tesla V100-SXM2-16GB, which is not in the accelerator table" in said
     assert "does not name its GPU" not in said
+
+
+def test_a_kernel_file_of_another_model_says_it_extrapolates(capsys):
+    """bench-gpu times gpt2's layer GEMMs by default on a GPU; applied to a llama-2-7b plan at s = 4096 it said
+    nothing (a forged H100 record, the test suite's synthetic rates)."""
+    bench = DATA.parent / "microbench_forged_h100_gpt2.json"
+    args = ["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "--micro-batch", "4",
+            "--zero", "1", "--recompute", "full", "--calibration", str(bench), "--json"]  # fmt: skip
+    assert main(args) == 0
+    said = " ".join(json.loads(capsys.readouterr().out).get("calibration_notes", []))
+    assert "timed the layer GEMMs of model gpt2 at s = 1024, the plan is llama-2-7b at s = 4096" in said

@@ -331,6 +331,14 @@ def apply_microbench(
             f"{label} was measured in {result.dtype} but the plan computes in {dtype}: the measured ratios and "
             "fractions are applied to the other dtype (an extrapolation)"
         )
+    other = [f"model {result.model}" if result.model and result.model != shape.name else "",
+             f"s = {result.seq}" if result.seq and result.seq != shape.seq else ""]  # fmt: skip
+    if any(other) and measured_on(result) == acc.name:  # bench-gpu times gpt2 by default on a GPU
+        warns.append(
+            f"{label} timed the layer GEMMs of {' at '.join(x for x in other if x)}, the plan is {shape.name} at "
+            f"s = {shape.seq}: its shapes read the nearest measured ratios of the grid (an extrapolation); "
+            f"bench-gpu of model {shape.name} times the plan's own"
+        )
     table = terms.efficiency.gemm_measured
     cal = Calibration(
         memory=MemoryCalibration(), efficiency=replace(terms.efficiency, gemm_measured=None),
