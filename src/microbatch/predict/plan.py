@@ -416,10 +416,11 @@ def what_would_fit(cfg: PlanConfig, plan: Plan | None = None) -> Advice:
         ("schedules", cfg.schedules, {"schedules": None, "virtuals": None}),
         ("micro_batches", cfg.micro_batches, {"micro_batches": None}),
     )  # fmt: skip
-    tries += [(setting, 0, change) for setting, pinned, change in pins if pinned]
     L, heads = cfg.shape.layers, cfg.shape.heads
     if cfg.tensor_parallel > 1 and not cfg.sequence_parallel:  # the same GPUs: TP as the frameworks run it
         tries.append(("sequence_parallel", cfg.tensor_parallel, {"sequence_parallel": True}))
+    # then each pinned choice left to the planner, on the same GPUs; then more GPUs
+    tries += [(setting, 0, change) for setting, pinned, change in pins if pinned]
     for p2 in (2 * cfg.pipeline_parallel, 4 * cfg.pipeline_parallel, 8 * cfg.pipeline_parallel):
         if p2 <= L:
             tries.append(("pipeline_parallel", p2, {"pipeline_parallel": p2, "layers_per_stage": None}))

@@ -81,8 +81,9 @@ def _lightning_notes(c: Json, trainer: Json) -> list[str]:
     ):
         notes.append(  # DeepSpeed runs bf16 with fp32 accumulation at ZeRO 1 as its bf16 optimizer (20 B/param)
             "the plan priced fp32 gradients alone (18 B/param); DeepSpeed at stage 1 accumulating a bf16 model in fp32 "
-            "runs its bf16 optimizer, which keeps the bf16 gradients beside them (20 B/param): plan with grad_dtype "
-            "bf16+fp32 for that, or keep DeepSpeed's default bf16 accumulation (grad_dtype half)"
+            "(DeepSpeedStrategy(config={'data_types': {'grad_accum_dtype': 'fp32'}, ...})) runs its bf16 optimizer, "
+            "which keeps the bf16 gradients beside them (20 B/param): plan with grad_dtype bf16+fp32 for that, or "
+            "keep DeepSpeed's default bf16 accumulation (grad_dtype half)"
         )
     elif c.get("grad_dtype") in ("fp32", "bf16+fp32") and trainer.get("strategy", "ddp") != "ddp":
         notes.append(
