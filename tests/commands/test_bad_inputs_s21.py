@@ -65,8 +65,9 @@ def test_memory_fits_by_the_headroom_plan_keeps(capsys: pytest.CaptureFixture[st
             "--recompute-every", "8", "--gpu", "h100")  # fmt: skip
     rc, out, _ = _run(capsys, *args, "--json")
     d = json.loads(out)
-    assert rc == 0 and d["memory_budget_bytes"] < d["peak_memory_bytes"] <= d["gpu_memory_bytes"]
-    assert d["fits"] is False and d["fits_device"] is True
+    # exit 2 (does_not_fit) as plan when nothing fits its headroom (s31: it exited 0, and `memory && launch` went on)
+    assert rc == 2 and d["memory_budget_bytes"] < d["peak_memory_bytes"] <= d["gpu_memory_bytes"]
+    assert d["fits"] is False and d["fits_device"] is True and d["kind"] == "does_not_fit"
     _, text, _ = _run(capsys, *args)
     assert "does NOT fit in 71.68 GiB" in text and "fits the whole device" in text
     assert "recompute full (one layer in 8)" in text

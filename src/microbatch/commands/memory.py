@@ -161,10 +161,8 @@ def cmd(
     notes = ([v_note] if v_note else []) + hf_config_notes(model_spec, shape)
     if notes:
         out["notes"] = notes
-    why = None
-    if acc is not None and not out["fits"]:  # as plan: the estimate kept, exit 2, a kind of its own
-        why = (f"the peak {est.peak_bytes / 2**30:.2f} GiB does not fit {out['memory_budget_bytes'] / 2**30:.2f} GiB "
-               f"of {acc.name}; shard more (--zero, -t, -p), recompute (--recompute full) or lower -b")  # fmt: skip
+    why = _does_not_fit(out, acc) if acc is not None and not out["fits"] else None
+    if why is not None:  # as plan: the estimate kept, exit 2, a kind of its own
         out = {**out, "error": why, "kind": "does_not_fit"}
     emit(out, as_json, lambda: render_memory(shape, cfg, est, out, acc, applied))
     if why is not None:
@@ -253,3 +251,17 @@ def _chunks_per_rank(virtual: int | None, schedule: str | None, stages: int) -> 
     from microbatch.schedules.registry import get_spec
 
     return (get_spec(schedule).stages_per_rank if schedule and stages > 1 else None) or 1
+
+
+def _does_not_fit(out: dict[str, Any], acc: Accelerator) -> str:
+    """Why a peak does not fit ``acc`` as plan keeps it (its headroom), and whether it fits the device itself."""
+    return (
+        f"the peak {out['peak_memory_bytes'] / 2**30:.2f} GiB does not fit {out['memory_budget_bytes'] / 2**30:.2f} "
+        f"GiB of {acc.name} (capacity × (1 − headroom {out['memory_headroom']:g}), as plan keeps)"
+        + (
+            "; it is inside the device itself: plan --memory-headroom 0 runs with it"
+            if out["fits_device"]
+            else ""
+        )
+        + "; shard more (--zero, -t, -p), recompute (--recompute full) or lower -b"
+    )
