@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Exit 0 on success, 2 on bad input, 1 on any other failure, 130 when interrupted. With
     ``--json`` a failure also prints ``{"command", "version", "error", "kind"}`` on stdout, ``kind``
-    being ``bad_input``, ``failure`` or ``interrupted`` (``does_not_fit`` from a plan in which nothing fits, exit
-    2, the plan kept in the object), and ``points`` where a tune measured points
+    being ``bad_input``, ``failure`` or ``interrupted`` (``does_not_fit`` from a plan in which nothing fits and a
+    ``memory --gpu`` whose peak does not, exit 2, the answer kept in the object), and ``points`` where a tune measured points
     none of which meets a limit (:class:`~microbatch.errors.NoChoiceError`).
     """
     from microbatch.interrupts import interrupts_kept_in_first_import
