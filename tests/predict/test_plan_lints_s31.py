@@ -87,3 +87,17 @@ def test_a_pinned_choice_is_left_to_the_planner_before_more_gpus_are_asked_for()
     assert (
         first.best.data_parallel * first.best.tensor_parallel * first.best.pipeline_parallel == 8
     )  # same GPUs
+
+
+def test_the_p_offered_for_dualpipev_serve_the_micro_batches():
+    """80 layers over 2 × 16 chunks do not split; the p offered were [2, 4, 5, 8, 10, 20, 40], and p = 40 was refused
+    in turn (m = 8 < 2p): only those DualPipeV serves at m = 1024 / (16 · 8) = 8 are offered."""
+    import pytest
+
+    from microbatch.errors import ConfigError
+
+    cfg = PlanConfig(shape=get_model("llama-3-70b"), gpu=get_accelerator("a100-40gb"), global_batch=1024,
+                     data_parallel=16, pipeline_parallel=16, zero=(1,), recompute=("full",), schedules=("dualpipev",),
+                     micro_batches=(8,))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"use pipeline_parallel among \[2, 4\], or"):
+        make_plan(cfg)

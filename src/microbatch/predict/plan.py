@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from microbatch.batch import check_data_parallel, divisors, grad_accum_for, per_replica
 from microbatch.errors import ConfigError, ScheduleError, check_instance
@@ -159,6 +159,35 @@ def _schedule_options(
     return out
 
 
+def _refuse_v_split(cfg: PlanConfig, only: Any, v: int, per: int) -> NoReturn:
+    """ConfigError for a V schedule (v chunks a rank, an even split) that cannot split the layers over the stages,
+    naming the p it would split them for and serve at the replica's micro-batches."""
+    p, L = cfg.pipeline_parallel, cfg.shape.layers
+    if cfg.layers_per_stage is not None and L % (v * p) == 0:  # the split given is the only obstacle
+        raise ConfigError(
+            f"{only.name} places {v} equal chunks of the layers on each rank and takes no layers_per_stage; "
+            "drop layers_per_stage, or use another schedule",
+            params=("layers_per_stage", "schedules"),
+        )
+    most = per // (min(cfg.micro_batches) if cfg.micro_batches else 1)  # the most micro-batches a replica has
+    ok = [x for x in range(2, L // v + 1) if L % (v * x) == 0 and _serves(only, x, most, v)]  # p = 1: none
+    use = f"use pipeline_parallel among {ok}, or" if ok else f"no pipeline_parallel splits {L} layers so; use"
+    raise ConfigError(
+        f"{only.name} needs an even split of layers {L} into {v} × stages {p} = {v * p} chunks "
+        f"({_count(v)} per rank, no layers_per_stage); {use} another schedule",
+        params=("layers_per_stage", "pipeline_parallel"),
+    )
+
+
+def _serves(spec: Any, p: int, m: int, v: int) -> bool:
+    """Whether the schedule ``spec`` serves (p, m, v) by its own rule (DualPipeV: m >= 2p)."""
+    try:
+        spec.check(p, m, v)
+    except ScheduleError:
+        return False
+    return True
+
+
 def _servable_m(cfg: PlanConfig, m: int) -> int | None:
     """The smallest m' > ``m`` some schedule of ``cfg`` serves at p (:func:`_schedule_options`: torch's rules, the
     whole rounds of the interleaved and zero-bubble schedules included), within 64p; None past that."""
@@ -283,23 +312,7 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
         v = (only.stages_per_rank if only is not None else None) or 1  # a fixed v > 1: a V schedule
         if v > 1 and (L % (v * p) or cfg.layers_per_stage is not None):
             assert only is not None
-            if cfg.layers_per_stage is not None and L % (v * p) == 0:  # the split given is the only obstacle
-                raise ConfigError(
-                    f"{only.name} places {v} equal chunks of the layers on each rank and takes no layers_per_stage; "
-                    "drop layers_per_stage, or use another schedule",
-                    params=("layers_per_stage", "schedules"),
-                )
-            ok = [x for x in range(2, L // v + 1) if L % (v * x) == 0]  # p = 1 has no pipeline to schedule
-            use = (
-                f"use pipeline_parallel among {ok}, or"
-                if ok
-                else f"no pipeline_parallel splits {L} layers so; use"
-            )
-            raise ConfigError(
-                f"{only.name} needs an even split of layers {L} into {v} × stages {p} = {v * p} chunks "
-                f"({_count(v)} per rank, no layers_per_stage); {use} another schedule",
-                params=("layers_per_stage", "pipeline_parallel"),
-            )
+            _refuse_v_split(cfg, only, v, per)
         names = list(cfg.schedules or schedule_names(planned=True))
         if not any(_split_virtuals(cfg, name) for name in names):
             ok = [x for x in range(2, L + 1) if any(L % (x * w) == 0 for w in range(2, L // x + 1))]
