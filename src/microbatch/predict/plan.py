@@ -148,14 +148,8 @@ def _schedule_options(
             vs = _split_virtuals(cfg, name)
             if virtuals is not None:
                 virtuals[name] = vs
-        for v in vs:
-            try:
-                spec.check(
-                    p, m, v
-                )  # check_servable's schedule rule: p, m and v are the config's, checked there
-            except ScheduleError:
-                continue
-            out.append((name, v))
+        # check_servable's schedule rule: p, m and v are the config's, checked there
+        out += [(name, v) for v in vs if _serves(spec, p, m, v)]
     return out
 
 
