@@ -121,7 +121,7 @@ def _llama(name: str, seq: int, table: dict | None = None) -> ModelShape:
     t = table
     return ModelShape(
         name=t["name"], layers=t["layers"], hidden=t["hidden"], heads=t["heads"], kv_heads=t["kv"],
-        ffn_hidden=t["ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=False, norm="rmsnorm",
+        ffn_hidden=t["ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=False, norm="rmsnorm", activation="silu",
         learned_positions=False, dropout=False,
     )  # fmt: skip
 
@@ -282,7 +282,7 @@ def moe_shape(name: str, seq: int, table: dict) -> ModelShape:
     t = table
     return ModelShape(
         name=name, layers=t["layers"], hidden=t["hidden"], heads=t["heads"], head_size=t.get("head_size"), kv_heads=t["kv"],
-        ffn_hidden=t["expert_ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=t["bias"], norm="rmsnorm",
+        ffn_hidden=t["expert_ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=t["bias"], norm="rmsnorm", activation="silu",
         learned_positions=False, dropout=False, sliding_window=t.get("sliding_window"),
         sliding_layers=t.get("sliding_layers"),
         moe=Experts(experts=t["experts"], top_k=t["top_k"], expert_ffn_hidden=t["expert_ffn"],

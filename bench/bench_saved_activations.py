@@ -11,6 +11,12 @@ so the CPU's is the GPU's), and prints both beside
 kernels). A measurement: the counts come from the tensors the run kept, not from the model's arithmetic.
 
     .venv/bin/python bench/bench_saved_activations.py [--json]
+    .venv/bin/python bench/bench_saved_activations.py --ops   # the eager terms' constants
+
+``--ops`` measures the constants of :mod:`microbatch.predict.eager_memory`: the tensors each of transformers'
+activations (``ACT2FN``) saves besides its output, in units of its input (``EAGER_ACTIVATION_SAVES``), and the bytes an
+element transformers' ``LlamaRMSNorm`` keeps (``RMSNORM_EAGER_EXTRA``: what it keeps, plus its output, less a fused
+norm's input and output), in bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def _llama():
     x = torch.randn(B, S, 512, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = LlamaRotaryEmbedding(cfg)(x, torch.arange(S).unsqueeze(0))
     shape = ModelShape(name="hf-llama-512", layers=1, hidden=512, heads=8, kv_heads=2, ffn_hidden=1408, vocab=1000,
-                       seq=S, gated_mlp=True, bias=False)  # fmt: skip
+                       seq=S, gated_mlp=True, bias=False, activation="silu")  # fmt: skip
     return layer, x, {"position_embeddings": (cos, sin), "attention_mask": None}, shape
 
 
@@ -77,11 +83,60 @@ def _gpt2():
     return layer, x, {}, shape
 
 
+def _kept(fn, x: torch.Tensor, params: set[int]) -> tuple[float, torch.Tensor]:
+    """(bytes of the storages ``fn`` saves other than its output's, its output)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    out = y.untyped_storage().data_ptr()
+    return float(sum(v for p, v in seen.items() if p != out)), y
+
+
+def ops() -> dict:
+    """The eager terms' constants, measured (``--ops``)."""
+    import warnings
+
+    from transformers.activations import ACT2FN
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    warnings.filterwarnings("ignore")
+    out: dict = {"activation_saves": {}, "rmsnorm_extra_bytes": {}}
+    for dt in (torch.bfloat16, torch.float32):
+        x = torch.randn(64, 1024, dtype=dt, requires_grad=True)
+        for name in sorted(ACT2FN):
+            try:
+                saved, _ = _kept(ACT2FN[name], x, set())
+            except Exception:  # noqa: BLE001 - an activation that needs its own parameters' dtype (prelu in bf16)
+                continue
+            out["activation_saves"].setdefault(name, {})[str(dt)] = saved / (x.numel() * x.element_size())
+        norm = LlamaRMSNorm(1024).to(dt)
+        params = {p.untyped_storage().data_ptr() for p in norm.parameters()}
+        saved, y = _kept(norm, x, params)
+        e = x.element_size()  # what it keeps and its output, less a fused norm's input and output
+        out["rmsnorm_extra_bytes"][str(dt)] = (
+            saved / x.numel()
+            + (e if y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() else 0)
+            - 2 * e
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ops", action="store_true", help="the eager terms' constants (activations, RMSNorm)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.ops:
+        print(json.dumps(ops(), indent=1))
+        return
     rows = []
     for name, build in (("hf llama layer", _llama), ("hf gpt2 block", _gpt2)):
         layer, x, kw, shape = build()

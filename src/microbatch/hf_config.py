@@ -26,7 +26,9 @@ from microbatch.hf_families import (
     _PARALLEL_LLAMA_LIKE,
     _ROTARY_KEYS,
     _UNTIED_BY_DEFAULT,
+    activation_of,
     check_pad_token,
+    default_activation,
     mpt_block_fields,
 )
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
@@ -366,22 +368,6 @@ def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
     )
 
 
-def default_activation(model_type: str) -> str:
-    """transformers' default ``hidden_act`` for ``model_type``'s config class (what it builds when a config.json says
-    none: OLMoE's, DeepSeek-V3's, PhiMoE's ``silu``); "" where transformers is not installed or has no such family."""
-    import inspect
-
-    try:
-        from transformers import CONFIG_MAPPING
-
-        cls = CONFIG_MAPPING[model_type]
-    except Exception:  # noqa: BLE001 - not installed, an unknown family, or a transformers that fails to import
-        return ""
-    param = inspect.signature(cls.__init__).parameters.get("hidden_act")
-    value = param.default if param is not None else getattr(cls, "hidden_act", "")
-    return value if isinstance(value, str) else ""
-
-
 def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[str, Any]:
     """The block's build by family: Llama-like (gated MLP, RMSNorm, rotary, no biases unless the config says, untied
     unless it says) for :data:`_LLAMA_LIKE`, :data:`_GATED_FAMILIES` and any SiLU/SwiGLU model but GPT-2; otherwise
@@ -466,7 +452,7 @@ def from_hf_config(
         vocab=vals["vocab"],
         seq=seq or positions or 2048,
     )
-    fields.update(_block_fields(raw, model_type, positions))
+    fields.update(_block_fields(raw, model_type, positions), activation=activation_of(raw, model_type))
     fields.update({k: v for k, v in given.items() if k in fields})  # the sizes given win before the rules run
     for f in ("layers", "hidden", "heads", "vocab"):
         if not isinstance(fields[f], int) or isinstance(fields[f], bool):

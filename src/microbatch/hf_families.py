@@ -9,7 +9,9 @@ from typing import Any
 from microbatch.errors import ConfigError
 
 __all__ = [
+    "activation_of",
     "check_pad_token",
+    "default_activation",
     "_GATED_FAMILIES",
     "_LLAMA_LIKE",
     "_NO_POSITION_TABLE",
@@ -33,7 +35,7 @@ _LLAMA_LIKE = {
 }  # fmt: skip
 """Families built as Llama is, whether or not their config.json spells ``hidden_act`` (Qwen2-MoE's and Qwen3-MoE's
 often do not: read as GPT-2 blocks, 23-32% of the parameters went missing, a review). Others whose file omits it take
-transformers' own default for the family (:func:`microbatch.hf_config.default_activation`)."""
+transformers' own default for the family (:func:`default_activation`)."""
 
 _NO_POSITION_TABLE = (
     "gpt_neox",
@@ -102,6 +104,37 @@ def mpt_block_fields(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(width, int) and not isinstance(width, bool) and width > 0:
         out["ffn_hidden"] = width
     return out
+
+
+_ACTIVATION_KEYS = ("hidden_act", "activation_function", "hidden_activation")
+"""The keys a config.json spells its MLP's activation by (Llama's, GPT-2's, Gemma 3's)."""
+
+
+def activation_of(raw: dict[str, Any], model_type: str) -> str:
+    """The MLP's activation a config builds, as transformers names it (``ACT2FN``): the file's
+    (:data:`_ACTIVATION_KEYS`), else its config class's default (GPT-2's ``gelu_new``), else ``gelu``; only what an
+    eager layer keeps reads it (:mod:`microbatch.predict.eager_memory`)."""
+    for key in _ACTIVATION_KEYS:
+        if isinstance(raw.get(key), str) and raw[key]:
+            return str(raw[key]).lower()
+    return next((d.lower() for k in _ACTIVATION_KEYS if (d := default_activation(model_type, k))), "gelu")
+
+
+def default_activation(model_type: str, key: str = "hidden_act") -> str:
+    """transformers' default ``key`` (``hidden_act``) for ``model_type``'s config class (what it builds when a
+    config.json says none: OLMoE's, DeepSeek-V3's, PhiMoE's ``silu``); "" where transformers is not installed or has
+    no such family."""
+    import inspect
+
+    try:
+        from transformers import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[model_type]
+    except Exception:  # noqa: BLE001 - not installed, an unknown family, or a transformers that fails to import
+        return ""
+    param = inspect.signature(cls.__init__).parameters.get(key)
+    value = param.default if param is not None else getattr(cls, key, "")
+    return value if isinstance(value, str) else ""
 
 
 def check_pad_token(raw: dict[str, Any], vocab: Any, where: str, params: tuple[str, ...]) -> None:

@@ -48,6 +48,7 @@ def _gpt2(name: str, layers: int, hidden: int, heads: int) -> ModelShape:
         seq=1024,
         max_positions=1024,
         tied_embeddings=True,
+        activation="gelu_new",
     )
 
 
@@ -77,6 +78,7 @@ def _llama(
         learned_positions=False,
         tied_embeddings=tied,
         dropout=False,
+        activation="silu",
     )
 
 

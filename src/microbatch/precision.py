@@ -28,7 +28,7 @@ __all__ = [
     "check_gemm_dtype",
     "Precision", "PRECISIONS", "MEASURABLE", "get_precision", "check_precision", "Fp8Recipe", "FP8_RECIPES",
     "get_fp8_recipe", "saves_fp8_inputs", "weight_cache_bytes", "LOSS_DTYPES", "loss_bytes", "LOSS_KERNELS",
-    "check_loss_kernel",
+    "check_loss_kernel", "LAYER_KERNELS", "check_layer_kernels",
 ]  # fmt: skip
 
 LOSS_DTYPES = {"fp32": 4, "half": 2}
@@ -76,6 +76,26 @@ def check_loss_kernel(loss_kernel: str) -> str:
             params=("loss_kernel",),
         )
     return loss_kernel
+
+
+LAYER_KERNELS = {
+    "fused": "fused or compiled layers (Megatron's, Transformer Engine's, torch.compile's): Korthikanti et al.'s "
+    "count",
+    "eager": "Hugging Face transformers' layers run op by op: RMSNorm's fp32 copy and the activation as written keep "
+    "more (GPT-2's block 1.75x, Llama's 1.47x the fused count)",
+}
+"""What a layer keeps for its backward (:mod:`microbatch.predict.eager_memory`)."""
+
+
+def check_layer_kernels(layer_kernels: str) -> str:
+    """``layer_kernels`` when :data:`LAYER_KERNELS` knows it, else ConfigError naming the choices."""
+    if layer_kernels not in LAYER_KERNELS:
+        raise ConfigError(
+            f"layer_kernels {layer_kernels!r} is not known; use "
+            + "; or ".join(f"{k} ({why})" for k, why in LAYER_KERNELS.items()),
+            params=("layer_kernels",),
+        )
+    return layer_kernels
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -177,6 +177,10 @@ class Recommendation:
     indistinguishable: tuple[int, ...] = ()
     """b_m the measurements cannot separate from the knee at their noise (the knee included;
     :func:`microbatch.choose.noise.indistinguishable`). Empty for rule ``gain``."""
+    noise_from: str = "repeats"
+    """Where the noise ``indistinguishable`` reads came from: ``repeats`` (the points' standard errors, with the
+    curve's scatter as their floor) or ``scatter`` (no point has repeats: the curve's scatter about its line alone,
+    :func:`microbatch.choose.noise.residual_scatter`, which a bend of the curve inflates)."""
     bound_contradicted: int | None = None
     """A measured b_m faster than the bound T̂ beyond its noise: the bound was dropped (a projection
     never overrides a measurement) and the reference is the measured best."""
@@ -236,6 +240,7 @@ class Recommendation:
             left_out=[{"micro_batch": b, "why": why} for b, why in self.left_out],
             bound_margin=self.margin,
             indistinguishable=list(self.indistinguishable),
+            noise_from=self.noise_from,
             bound_contradicted=self.bound_contradicted,
         )
         return d
@@ -392,6 +397,7 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         margin=margin,
         left_out=tuple(left_out),
         indistinguishable=same,
+        noise_from="repeats" if any(p.throughput_se for p in cands) else "scatter",
         bound_contradicted=contradicted,
     )
 

@@ -15,10 +15,13 @@ if TYPE_CHECKING:
 __all__ = ["hf_config_notes", "rebalance_notes", "shared_override", "with_notes"]
 
 
-def hf_config_notes(spec: Mapping[str, Any], shape: ModelShape) -> list[str]:
+def hf_config_notes(
+    spec: Mapping[str, Any], shape: ModelShape, layers_priced: str | None = None
+) -> list[str]:
     """What a ``--hf-config`` answer took from outside the user's words: a sequence length the file gave (its longest
-    context, rarely what one trains at: 131,072 for Qwen2.5-7B) or none gave, and the GPT-2 block built for a file
-    with no ``model_type``; [] without ``--hf-config``."""
+    context, rarely what one trains at: 131,072 for Qwen2.5-7B) or none gave, the GPT-2 block built for a file
+    with no ``model_type``, and, where ``layers_priced`` is ``fused`` (no calibration), that transformers' own eager
+    layers keep more; [] without ``--hf-config``."""
     from microbatch.hf_config import config_facts
 
     path = spec.get("hf_config")
@@ -41,6 +44,12 @@ def hf_config_notes(spec: Mapping[str, Any], shape: ModelShape) -> list[str]:
         notes.append(
             f"{path} has no model_type: built as GPT-2 blocks (LayerNorm, a GeLU MLP of ffn_hidden, learned positions, "
             'tied embeddings, biases); add "model_type": "llama" (or its family) for RMSNorm, rotary and SwiGLU'
+        )
+    if layers_priced == "fused":
+        notes.append(
+            "activations priced as fused layers keep them; transformers runs this model's layers op by op, which "
+            "keep more (measured: a Llama layer 1.47x, GPT-2's 1.75x): give --layer-kernels eager to price that, "
+            "or measure with tune and plan with --calibration"
         )
     return notes
 

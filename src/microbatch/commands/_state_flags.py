@@ -9,10 +9,16 @@ from typing import Any, TypeVar
 
 import click
 
-from microbatch.precision import LOSS_DTYPES, LOSS_KERNELS, PRECISIONS
+from microbatch.precision import LAYER_KERNELS, LOSS_DTYPES, LOSS_KERNELS, PRECISIONS
 from microbatch.predict.state import GRAD_DTYPES, MASTER_WEIGHTS, MOMENT_DTYPES, OPTIMIZERS
 
-__all__ = ["check_zero3_flags", "dropout_option", "precision_options"]
+__all__ = [
+    "check_layer_kernels_flag",
+    "check_zero3_flags",
+    "dropout_option",
+    "precision_options",
+    "state_settings",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,6 +72,14 @@ def precision_options(f: F) -> F:
             "--calibration's (tune measures "
             "an eager loss), else fused.",
         ),
+        click.option(
+            "--layer-kernels", type=click.Choice(list(LAYER_KERNELS)), default="fused", show_default=True,
+            help="What a layer keeps for its backward: fused (Megatron's, Transformer Engine's or torch.compile'd "
+            "layers: Korthikanti et al.'s count) or eager (Hugging Face transformers' layers run op by op: RMSNorm's "
+            "fp32 copy, 4 B an element, and an activation written out, GPT-2's gelu_new 3 tensors of the MLP's "
+            "width: measured, 1.47x the count on a Llama layer, 1.75x on GPT-2's). Not with --calibration: "
+            "its activation line measured your layers.",
+        ),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)
@@ -77,6 +91,33 @@ dropout_option = click.option(
 )
 """``--dropout/--no-dropout``: the model's dropout on or off (its masks are kept activations, its kernels streamed),
 shared by ``plan`` and ``memory`` so the two answer for the same step."""
+
+
+def state_settings(
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str,
+    loss_kernel: str | None, layer_kernels: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The :func:`precision_options` flags as the state settings of ``PlanConfig`` and ``MemoryConfig``
+    (:class:`microbatch.predict.state.StateSettings`), the loss fused where none was given."""
+    return dict(
+        precision=precision, grad_dtype=grad_dtype, optimizer=optimizer, moments_dtype=moments_dtype,
+        master_weights=master_weights, loss_dtype=loss_dtype, loss_kernel=loss_kernel or "fused",
+        layer_kernels=layer_kernels,
+    )  # fmt: skip
+
+
+def check_layer_kernels_flag(layer_kernels: str, calibration: str | None) -> None:
+    """A ConfigError for ``--layer-kernels eager`` with ``--calibration``: the calibration's activation line was
+    fitted to what the measured layers kept, eager or not, so the eager terms would count the excess twice."""
+    from microbatch.errors import ConfigError
+
+    if layer_kernels == "eager" and calibration:
+        raise ConfigError(
+            "layer_kernels eager with a calibration: the calibration's activation line was measured on your layers "
+            "and already holds what they keep (eager or fused), so the eager terms would count it twice; drop "
+            "layer_kernels, or drop the calibration to price transformers' eager layers from the formula",
+            params=("layer_kernels", "calibration"),
+        )
 
 
 def check_zero3_flags(zero3_impl: str, zero: str, stages: int = 1) -> None:

@@ -22,7 +22,12 @@ from microbatch.commands._common import (
     zero_choice,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._state_flags import dropout_option, precision_options
+from microbatch.commands._state_flags import (
+    check_layer_kernels_flag,
+    dropout_option,
+    precision_options,
+    state_settings,
+)
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.collectives import ZERO3_IMPLS
 from microbatch.predict.state import PIPELINE_GRAD_REDUCE, REDUCE_DTYPES
@@ -93,7 +98,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], micro_batch: int, tensor_parallel: int, stages: int, virtual: int | None,
     microbatches: int | None, schedule: str | None, sequence_parallel: bool, recompute: str, flash: bool | None,
-    dropout: bool | None, precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, zero: str, data_parallel: int, layers_per_stage: str | None,
+    dropout: bool | None, precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, layer_kernels: str, zero: str, data_parallel: int, layers_per_stage: str | None,
     pipeline_grad_reduce: str, zero3_impl: str, reduce_dtype: str, gpu: str | None, calibration: str | None,
     as_json: bool,
 ) -> None:  # fmt: skip
@@ -110,6 +115,8 @@ def cmd(
     virtual = _chunks_per_rank(virtual, schedule, stages)
     _check_zero3_flags(zero, stages, pipeline_grad_reduce)
     expert_shape, expert_layout = moe_split(moe_spec, precision)
+    check_layer_kernels_flag(layer_kernels, calibration)
+    state = state_settings(precision, grad_dtype, optimizer, moments_dtype, master_weights, loss_dtype, loss_kernel, layer_kernels)  # fmt: skip
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
@@ -124,13 +131,7 @@ def cmd(
         layers_per_stage=parse_split(layers_per_stage),
         data_parallel=data_parallel,
         zero=parse_zero(zero),
-        precision=precision,
-        grad_dtype=grad_dtype,
-        optimizer=optimizer,
-        moments_dtype=moments_dtype,
-        master_weights=master_weights,
-        loss_dtype=loss_dtype,
-        loss_kernel=loss_kernel or "fused",
+        **state,
         recompute=recompute,
         flash_attention=flash,
         pipeline_grad_reduce=pipeline_grad_reduce,
@@ -158,7 +159,9 @@ def cmd(
         out.update(applied.to_dict())
     if acc is not None:
         out.update(_fit_fields(est.peak_bytes, acc))
-    notes = ([v_note] if v_note else []) + hf_config_notes(model_spec, shape)
+    notes = ([v_note] if v_note else []) + hf_config_notes(
+        model_spec, shape, None if calibration else layer_kernels
+    )
     if notes:
         out["notes"] = notes
     why = _does_not_fit(out, acc) if acc is not None and not out["fits"] else None

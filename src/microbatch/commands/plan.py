@@ -20,7 +20,13 @@ from microbatch.commands._common import (
     stages_option,
 )
 from microbatch.commands._schedule_inputs import ScheduleChoice
-from microbatch.commands._state_flags import check_zero3_flags, dropout_option, precision_options
+from microbatch.commands._state_flags import (
+    check_layer_kernels_flag,
+    check_zero3_flags,
+    dropout_option,
+    precision_options,
+    state_settings,
+)
 from microbatch.commands._texts import CALIBRATION_HELP, PP_GRAD_REDUCE_HELP
 from microbatch.predict.attention import ATTENTION_KERNELS
 from microbatch.predict.collectives import ZERO3_IMPLS
@@ -186,7 +192,7 @@ __all__ = ["cmd"]
 def cmd(
     model_spec: dict[str, Any], moe_spec: dict[str, Any], gpu: str, global_batch: int, data_parallel: int, stages: int, tensor_parallel: int,
     sequence_parallel: bool, schedule: str, virtual: int | None, recompute: str, zero: str, micro_batch: int | None,
-    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
+    precision: str, grad_dtype: str, optimizer: str, moments_dtype: str, master_weights: str, loss_dtype: str, loss_kernel: str | None, layer_kernels: str, flash: bool | None, dropout: bool | None, compiled: bool, fused_kernels: bool,
     parallel_block: bool | None, zero3_impl: str, reduce_dtype: str, pipeline_grad_reduce: str, cp_comm: str, attention_kernel: str, layers_per_stage: str | None,
     memory_headroom: float | None, async_tp: bool, ep_overlap: bool, gpu_set: tuple[str, ...], grad_clip: bool, dp_overlap: bool, choose: str, all_rows: bool,
     calibration: str | None, as_json: bool,
@@ -205,6 +211,8 @@ def cmd(
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     _check_cp_comm(cp_comm, expert_layout["context_parallel"])
     check_zero3_flags(zero3_impl, zero, stages)
+    check_layer_kernels_flag(layer_kernels, calibration)
+    state = state_settings(precision, grad_dtype, optimizer, moments_dtype, master_weights, loss_dtype, loss_kernel, layer_kernels)  # fmt: skip
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
         shape = replace(shape, dropout=dropout)
@@ -224,13 +232,7 @@ def cmd(
         zero=None if zero == "auto" else (parse_zero(zero),),
         micro_batches=(micro_batch,) if micro_batch is not None else None,
         layers_per_stage=parse_split(layers_per_stage),
-        precision=precision,
-        grad_dtype=grad_dtype,
-        optimizer=optimizer,
-        moments_dtype=moments_dtype,
-        master_weights=master_weights,
-        loss_dtype=loss_dtype,
-        loss_kernel=loss_kernel or "fused",
+        **state,
         flash_attention=flash,
         memory_headroom=DEFAULT_HEADROOM if memory_headroom is None else memory_headroom,
         choose=choose,
@@ -248,9 +250,10 @@ def cmd(
     )
     plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
-    render = answer_notes(
-        plans, out, render, shared_override(gpu_set, gpus) + hf_config_notes(model_spec, shape)
+    notes = shared_override(gpu_set, gpus) + hf_config_notes(
+        model_spec, shape, None if calibration else layer_kernels
     )
+    render = answer_notes(plans, out, render, notes)
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()
         out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))

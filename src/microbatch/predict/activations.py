@@ -15,6 +15,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
+from microbatch.predict.eager_memory import eager_layer_terms
 from microbatch.predict.experts import moe_activation_terms
 from microbatch.predict.recompute import every_kth, op_saved_terms, recompute_working
 
@@ -58,6 +59,7 @@ def layer_activation_terms(
     dtype_bytes: int = 2,
     expert_load: float = 1.0,
     fp8_inputs: bool = False,
+    eager_layers: bool = False,
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for its backward, for one micro-batch, by term.
 
@@ -70,30 +72,27 @@ def layer_activation_terms(
       head width d_h apart from h/a); ``attention_output``: the output projection input 2sbh (2sb·a·d_h)
       — split by t.
     - ``attention_scores``: softmax output 2as²b, its dropout mask as²b and output 2as²b = 5as²b,
-      split by t; dropped by flash attention or selective recompute. Flash attention keeps
-      instead a 4-byte log-sum-exp per head and row (``attention_stats``), 4asb.
-    - ``mlp_hidden``: activation input and output 2 × 2sbf (gated: gate, up and product, 3 × 2sbf),
-      split by t (16sbh at f = 4h).
+      split by t; dropped by flash attention or selective recompute. Flash attention without recompute keeps
+      instead a 4-byte log-sum-exp per head and row (``attention_stats``), 4asb (selective re-runs the kernel).
+    - ``mlp_hidden``: activation input and output 2 × 2sbf (gated: gate, up, product, 3 × 2sbf) / t (f = 4h: 16sbh).
     - ``dropout_masks``: after attention and after the MLP, 2sbh·1 byte, not split unless SP.
 
     A mixture-of-experts block replaces ``mlp_hidden`` by the routed and shared experts' terms
     (:func:`microbatch.predict.experts.moe_activation_terms`, at ``expert_load`` × the balanced rows);
-    DeepSeek's latent attention keeps Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split
-    by t, and its two latents (d_c' + d_c + d_h^R per token) whole.
+    DeepSeek's latent attention keeps Q, K (a·(d_h + d_h^R) each), V and the output (a·d_v each) split by t, and its
+    two latents (d_c' + d_c + d_h^R per token) whole.
     With ``fp8_inputs`` (Transformer Engine's FP8) the linear layers keep 1-byte casts of their inputs
-    (:func:`_fp8_saved_inputs`; a GPT block with flash and no recompute 29 sbh, not 34); the routed experts' terms
-    are not changed.
+    (:func:`_fp8_saved_inputs`; a GPT block with flash and no recompute 29 sbh, not 34); not the routed experts'.
     Per-op selective recompute (``op``) keeps :func:`microbatch.predict.recompute.op_saved_terms`.
     Full recompute keeps only the layer input, 2sbh (split by t with SP) (paper's Eq. for full
-    recomputation). Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
+    recomputation). ``eager_layers``: :func:`microbatch.predict.eager_memory.eager_layer_terms` more, without
+    recompute or with selective. Ignores norm statistics (b·s floats), the RNG state, fused-kernel variations.
     """
     check_recompute(recompute)
     s = seq or shape.seq
-    t = tensor_parallel
-    b = micro_batch
+    t, b, e = tensor_parallel, micro_batch, dtype_bytes
     h, a, f = shape.hidden, shape.heads, shape.ffn
     sp = t if sequence_parallel else 1
-    e = dtype_bytes
     sbh = s * b * h
     if recompute == "full":
         return {"layer_input": e * sbh / sp}
@@ -117,11 +116,13 @@ def layer_activation_terms(
         )
     if fp8_inputs:  # the linear layers' saved inputs are their FP8 casts
         _fp8_saved_inputs(terms, shape, s * b, t, sp, e, keeps_output=flash and recompute == "none")
-    if flash:
+    if flash and recompute != "selective":  # selective recompute re-runs the core, its statistics too
         terms["attention_stats"] = 4 * a * s * b / t
     elif recompute == "none":
         per_score = (2 * e + 1) if shape.dropout else e  # softmax out (+ dropout mask + dropout out)
         terms["attention_scores"] = per_score * a * s * s * b / t
+    if eager_layers and recompute in ("none", "selective"):
+        terms.update(eager_layer_terms(shape, s * b, tensor_parallel=t, sp=sp, dtype_bytes=e))
     if recompute == "op":
         return op_saved_terms(shape, s * b, tensor_parallel=t, sp=sp, dtype_bytes=e, none_bytes=sum(terms.values()),
                               flash_stats=4 * a * s * b / t)  # fmt: skip
@@ -171,12 +172,13 @@ def layer_activation_bytes(
     dtype_bytes: int = 2,
     expert_load: float = 1.0,
     fp8_inputs: bool = False,
+    eager_layers: bool = False,
 ) -> float:
     """Sum of :func:`layer_activation_terms`: bytes one layer keeps for one micro-batch."""
     terms = layer_activation_terms(
         shape, micro_batch, seq=seq, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
         recompute=recompute, flash_attention=flash_attention, dtype_bytes=dtype_bytes, expert_load=expert_load,
-        fp8_inputs=fp8_inputs,
+        fp8_inputs=fp8_inputs, eager_layers=eager_layers,
     )  # fmt: skip
     return sum(terms.values())
 

@@ -104,7 +104,7 @@ def _blocks(shape: ModelShape, config: MemoryConfig, seq: int, e: int) -> tuple[
         seq=seq, tensor_parallel=config.tensor_parallel, sequence_parallel=config.sequence_parallel,
         recompute=config.recompute, flash_attention=config.flash_attention, dtype_bytes=e,
         expert_load=config.expert_load, fp8_inputs=saves_fp8_inputs(config.precision, config.fp8_recipe),
-        recompute_every=config.recompute_every,
+        recompute_every=config.recompute_every, eager_layers=config.layer_kernels == "eager",
     )  # fmt: skip
     per_layer, working = block_activation_bytes(shape, config.micro_batch, **kw)
     blended = shape.moe is not None and shape.moe_layer_count(0, shape.layers) < shape.layers

@@ -311,7 +311,8 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
         cfg = ctx.cfg
         kw = dict(
             recompute=rc, recompute_every=cfg.recompute_every, flash_attention=cfg.flash_attention, dtype_bytes=ctx.e,
-            expert_load=cfg.expert_load, fp8_inputs=saves_fp8_inputs(cfg.precision, cfg.fp8_recipe), **ctx.act_kw,
+            expert_load=cfg.expert_load, fp8_inputs=saves_fp8_inputs(cfg.precision, cfg.fp8_recipe),
+            eager_layers=cfg.layer_kernels == "eager", **ctx.act_kw,
         )  # fmt: skip
         per_layer, working = block_activation_bytes(cfg.shape, b, **kw)  # the largest block's working set
         dense = (

@@ -30,7 +30,13 @@ from dataclasses import dataclass, fields
 
 from microbatch.errors import ConfigError
 from microbatch.microbench_record import ADAMW_RECORDED_BYTES
-from microbatch.precision import check_loss_kernel, get_fp8_recipe, get_precision, loss_bytes
+from microbatch.precision import (
+    check_layer_kernels,
+    check_loss_kernel,
+    get_fp8_recipe,
+    get_precision,
+    loss_bytes,
+)
 
 __all__ = [
     "EAGER_PASSES", "StateSettings", "bf16_fp32_accumulate_bytes", "check_bf16_fp32_grads", "check_bf16_fp32_zero", "reduced_grad_bytes", "RECORDED_TO_PASSES", "GRAD_DTYPES", "MASTER_WEIGHTS", "config_eager_update_bytes", "eager_update_bytes", "MOMENT_DTYPES", "OPTIMIZERS", "PIPELINE_GRAD_REDUCE", "ZERO_STAGES", "bytes_per_param", "config_bytes_per_param", "check_pipeline_grad_reduce", "held_grad_bytes", "model_state_bytes", "check_zero", "resident_zero", "zero_groups", "check_hybrid",
@@ -249,6 +255,9 @@ class StateSettings:
     loss_kernel: str = "fused"
     """fused (in place) or eager (PyTorch's F.cross_entropy: two more copies of the logits in its backward):
     :data:`microbatch.precision.LOSS_KERNELS`."""
+    layer_kernels: str = "fused"
+    """What a layer keeps for its backward: fused (Korthikanti's count) or eager (transformers' layers op by op, which
+    keep more): :data:`microbatch.precision.LAYER_KERNELS`."""
     fp8_recipe: str = "tensorwise"
     """With ``precision="fp8"``: the scaling recipe (:data:`microbatch.precision.FP8_RECIPES`). Transformer Engine's
     (``te-delayed``, ``te-current``) cache the FP8 weights and transposes and save the linear layers' inputs in FP8;
@@ -266,6 +275,7 @@ class StateSettings:
         self.state_bytes_per_param()
         loss_bytes(self.loss_dtype, self.precision)
         check_loss_kernel(self.loss_kernel)
+        check_layer_kernels(self.layer_kernels)
         get_fp8_recipe(self.fp8_recipe)
         if self.master_weights == "remainder" and self.precision == "fp8" and self.fp8_recipe != "te-delayed":
             raise ConfigError(

@@ -147,7 +147,8 @@ def render_memory(
         f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}"
         f"{f' (one layer in {cfg.recompute_every})' if cfg.recompute == 'full' and cfg.recompute_every > 1 else ''}; "
         f"{_precision_words(cfg)} "
-        f"({w}+{g}+{o} = {w + g + o} B/param{_cache_words(cfg)}), {cfg.loss_kernel} loss, ZeRO {cfg.zero} over "
+        f"({w}+{g}+{o} = {w + g + o} B/param{_cache_words(cfg)}), {cfg.loss_kernel} loss"
+        f"{', eager layers' if cfg.layer_kernels == 'eager' else ''}, ZeRO {cfg.zero} over "
         f"d={cfg.data_parallel}"
         + "".join(
             f" ({k} {getattr(cfg, k)})"

@@ -405,6 +405,8 @@ def _settings_note(cfg: PlanConfig) -> str:
         )
     if cfg.loss_kernel != "fused":
         said.append(f"{cfg.loss_kernel} loss")
+    if cfg.layer_kernels != "fused":
+        said.append(f"{cfg.layer_kernels} layers")
     plain = StateSettings()  # the state settings away from their defaults, by their names
     said += [f"{k} {getattr(cfg, k)}" for k in ("optimizer", "grad_dtype", "moments_dtype", "master_weights",
                                                    "loss_dtype") if getattr(cfg, k) != getattr(plain, k)]  # fmt: skip

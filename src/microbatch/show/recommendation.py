@@ -98,8 +98,13 @@ def _noise_lines(d: Mapping[str, Any]) -> list[str]:
         line = _line(d)
         reached = line is None or float(d.get("fraction_of_reference") or 0.0) >= line - 1e-9
         out.append(
-            f"indistinguishable at the measured noise: b_m {', '.join(str(b) for b in same)} (two standard "
-            "errors of the medians); "
+            (
+                f"indistinguishable at the measured noise: b_m {', '.join(str(b) for b in same)} (two standard "
+                "errors of the medians); "
+                if d.get("noise_from", "repeats") == "repeats"
+                else "indistinguishable at the curve's own scatter (no repeats measured: the residuals of its "
+                f"largest points about a line, which a bend of the curve inflates): b_m {', '.join(map(str, same))}; "
+            )
             + (
                 "the knee is the least memory among them that reaches the line"
                 if reached
