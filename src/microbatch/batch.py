@@ -210,12 +210,13 @@ def next_micro_batch(b: int, per_replica: int | None = None) -> int | None:
 
 
 def nearest_multiples(value: int, unit: int) -> list[int]:
-    """The multiples of ``unit`` just below and just above ``value`` (one if ``value`` is a multiple)."""
+    """The multiples of ``unit`` just below and just above ``value`` (one if ``value`` is a multiple), none past
+    :data:`MAX_BATCH` (a suggestion the same check would refuse)."""
     below = (value // unit) * unit
     above = below + unit
     if below == value:
         return [value]
-    return [v for v in (below, above) if v >= unit]
+    return [v for v in (below, above) if unit <= v <= MAX_BATCH]
 
 
 def _closest(choices: list[int], target: int, count: int = 3) -> list[int]:

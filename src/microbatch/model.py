@@ -83,8 +83,12 @@ def _llama(
 
 
 def _megatron(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelShape:
-    # Korthikanti et al. 2022 (arXiv 2205.05198) Table 3; s = 2048, ffn = 4h, V = 51200.
-    return ModelShape(name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=2048)
+    # Korthikanti et al. 2022 (arXiv 2205.05198) Table 3; s = 2048, ffn = 4h, V = 51200; the output layer shares the
+    # embedding (Megatron-LM's default: --untie-embeddings-and-output-weights off; the papers' 12Lh²(1 + 13/12h +
+    # (V + s)/12Lh) counts V·h once)
+    return ModelShape(
+        name=name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=2048, tied_embeddings=True
+    )
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -110,7 +114,9 @@ PRESETS: dict[str, ModelShape] = {
     "llama-3.2-1b": _llama("llama-3.2-1b", 16, 2048, 32, 8, 8192, 128256, 2048, tied=True),
     "mistral-7b": _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192),
     # GPT-3 175B (Brown et al. 2020, Table 2.1).
-    "gpt3-175b": ModelShape(name="gpt3-175b", layers=96, hidden=12288, heads=96, vocab=50257, seq=2048),
+    "gpt3-175b": ModelShape(  # GPT-2's block and tied embeddings (Brown et al. 2020 §2.1: "the same model ... as GPT-2")
+        name="gpt3-175b", layers=96, hidden=12288, heads=96, vocab=50257, seq=2048, tied_embeddings=True
+    ),
     # The four models of Korthikanti et al. 2022.
     "megatron-22b": _megatron("megatron-22b", 48, 6144, 64),
     "megatron-175b": _megatron("megatron-175b", 96, 12288, 96),

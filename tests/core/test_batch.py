@@ -156,6 +156,9 @@ def test_divisors_and_nearest_multiples():
     for n in range(1, 200):
         assert divisors(n) == [k for k in range(1, n + 1) if n % k == 0]
     assert nearest_multiples(500, 32) == [480, 512]
+    assert nearest_multiples(1_000_000_000, 7) == [
+        999_999_994
+    ]  # 1,000,000,001 is past the limit it would meet
     assert nearest_multiples(512, 32) == [512]
     assert nearest_multiples(10, 32) == [32]  # no positive multiple below
 

@@ -351,3 +351,29 @@ def test_fsdp_on_children_only_is_refused():
                        micro_batch_size=1)  # fmt: skip
     finally:
         dist.destroy_process_group()
+
+
+def test_a_list_of_as_many_images_as_rows_warns_that_it_is_read_as_fields():
+    """Three RGB images in a list beside three labels (a helper's user loop, 2026-12-07): each image's 3 channels
+    agree with the 3 rows, so the list is read as fields and each image cut along its channels, silently (a per-image
+    loss's gradient 0.74 off at b_m 1). It stays fields (the rule the docs give), now with a warning naming the fix; 4
+    images of 3 channels are one a row, without one."""
+    import warnings
+
+    from microbatch.run.accumulate import batch_rows, split
+
+    def caught(batch):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            rows = batch_rows(batch)
+        return rows, [str(w.message) for w in got]
+
+    three = {"images": [torch.randn(3, 4, 4) for _ in range(3)], "labels": torch.tensor([0, 1, 2])}
+    rows, said = caught(three)
+    assert rows == 3 and any(
+        "holds 3 tensors, as many as the batch's rows" in m and "torch.stack" in m for m in said
+    )
+    four = {"images": [torch.randn(3, 4, 4) for _ in range(4)], "labels": torch.tensor([0, 1, 2, 3])}
+    rows, said = caught(four)
+    assert rows == 4 and not said
+    assert [tuple(t.shape) for t in split(four, 2)[0]["images"]] == [(3, 4, 4), (3, 4, 4)]  # one image a row

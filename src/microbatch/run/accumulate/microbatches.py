@@ -222,8 +222,9 @@ def _as_dict_fix(batch: Any) -> str:
 
 
 def _warn_if_ambiguous(batch: Batch, rows: int, name: str = "batch") -> None:
-    """A warning for a list or tuple of ``rows`` mappings inside the batch whose tensors also all hold ``rows``: read
-    as fields, though it may be one record per row (each image with as many boxes as the batch has images)."""
+    """A warning for a list or tuple of ``rows`` mappings, or of ``rows`` tensors, inside the batch whose tensors also
+    all hold ``rows``: read as fields, though it may be one record per row (each image with as many boxes as the batch
+    has images; three RGB images of three channels)."""
     items = (
         batch.items()
         if isinstance(batch, Mapping)
@@ -241,6 +242,17 @@ def _warn_if_ambiguous(batch: Batch, rows: int, name: str = "batch") -> None:
                 "too: split as fields (each dict's tensors cut by rows); if they are one record per row "
                 "(torchvision's detection targets), give rows whose records differ in length, or split the "
                 "records yourself in loss_fn",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+        if _tensor_records(value) and len(value) == rows:  # three RGB images beside three labels
+            import warnings
+
+            warnings.warn(
+                f"{where} holds {rows} tensors, as many as the batch's rows, and each holds {rows} rows in dim 0 "
+                "too: split as fields (each tensor cut along dim 0); if they are one a row (torchvision's images, "
+                "(3, H, W) each), stack them (torch.stack) into one tensor of rows, or split the batch yourself",
                 RuntimeWarning,
                 stacklevel=4,
             )
