@@ -93,6 +93,11 @@ def test_recommend_names_csv_lines_and_notes_settings_with_nothing_to_act_on(tmp
     gib = tmp_path / "gib.csv"  # the peaks in GiB under the bytes column
     gib.write_text("micro_batch,throughput,peak_memory_bytes\n1,100,1.5\n2,180,2.5\n4,200,4.5\n")
     rc, out, err = run(capsys, "recommend", "-m", str(gib), "--memory-budget", "6GiB", "--json")
+    # refused since 2026-12-07 (every point would pass the budget: a knee chosen as if memory were free)
+    assert rc == 2 and "every peak_memory_bytes is under 1 MiB (the largest 4)" in json.loads(out)["error"]
+    rc, out, err = run(
+        capsys, "recommend", "-m", str(gib), "--memory-budget", "6", "--json"
+    )  # a budget of its scale
     notes = json.loads(out)["notes"]
     assert rc == 0 and any("every peak_memory_bytes is under 1 MiB (the largest 4 B)" in n for n in notes)
     rc, out, _ = run(capsys, "recommend", "-m", str(gib), "--json")  # no budget: the peaks decide nothing

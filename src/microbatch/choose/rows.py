@@ -44,10 +44,22 @@ def points_from_records(
             raise ConfigError(
                 f"{source}: {name(i)} has no 'throughput'; each row needs micro_batch and throughput, {OOM_FIX}"
             )
+        if (
+            r.get("throughput", 0) in (None, "") and not oom
+        ):  # an empty cell: how a spreadsheet marks one that failed
+            raise ConfigError(
+                f"{source}: {name(i)}: micro_batch {r['micro_batch']} has an empty throughput; a b_m that ran gives "
+                f"its rate, {OOM_FIX}"
+            )
         try:
             out.append(_point(r, oom))
         except ConfigError as e:
-            raise ConfigError(f"{source}: {name(i)}: {e}") from None
+            hint = (
+                "; leave a value not measured empty (null in JSON)"
+                if str(e).endswith("must be finite")
+                else ""
+            )
+            raise ConfigError(f"{source}: {name(i)}: {e}{hint}") from None
     if not out:
         raise ConfigError(f"{source}: no rows; give a list of {{micro_batch, throughput}} points")
     _check_oom_and_run(records, out, source, name)

@@ -52,8 +52,11 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     try:
         text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (spreadsheets write one) is not a column
     except UnicodeDecodeError as e:
+        head = p.read_bytes()[:2]
+        utf16 = " UTF-16 (as PowerShell's > writes);" if head in (b"\xff\xfe", b"\xfe\xff") else ""
         raise ConfigError(
-            f"--measurements {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 JSON or CSV"
+            f"--measurements {path!r} is not UTF-8 text ({e.reason} at byte {e.start});{utf16} save it as UTF-8 JSON "
+            "or CSV"
         ) from None
     except OSError as e:
         raise ConfigError(
@@ -69,7 +72,12 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
             data = loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(
-                f"{path}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}); fix the file"
+                f"{path}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}); "
+                + (
+                    "it is JSON Lines (one object a line): wrap the lines in [ ] with a comma after each but the last"
+                    if _json_lines(text)
+                    else "fix the file"
+                )
             ) from None
         rows = result_points(data, source=path)
         if isinstance(
@@ -79,16 +87,22 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
                 path, sorted({k for r in rows if isinstance(r, dict) for k in r}), near_only=True
             )
         return rows, None
+    return _csv_rows(path, text)
+
+
+def _csv_rows(path: str, text: str) -> tuple[list[Any], list[int]]:
+    """A CSV's rows, each with its line in the file (the header checked, an empty spreadsheet row skipped)."""
     reader = csv.DictReader(io.StringIO(text))
     cols = [c.strip() for c in (reader.fieldnames or [])]
     missing = [c for c in ("micro_batch", "throughput") if c not in cols]
     if missing:
-        semi = len(cols) == 1 and ";" in cols[0]
+        sep = next((s for s in (";", "\t") if len(cols) == 1 and s in cols[0]), None)
         raise ConfigError(
             f"{path}: CSV is missing column(s) {', '.join(missing)}; columns found: {', '.join(cols) or 'none'}; "
             "need micro_batch, throughput[, peak_memory_bytes, oom, step_time_s]"
-            + ("; the file separates its columns with ';': write them with ','" if semi else "")
-        )
+            + (f"; the file separates its columns with {'a tab' if sep == chr(9) else repr(sep)}: write them with ','"
+               if sep else _near_columns(missing, cols))
+        )  # fmt: skip
     twice = sorted({c for c in cols if cols.count(c) > 1})
     if twice:
         raise ConfigError(f"{path}: CSV names column(s) {', '.join(twice)} more than once; keep one of each")
@@ -97,6 +111,10 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     for row in reader:
         if None in row and all(not str(x).strip() for x in row[None]):  # trailing commas: empty cells
             del row[None]
+        if None not in row and all(
+            not (v or "").strip() for v in row.values()
+        ):  # a spreadsheet's empty row: ,,
+            continue
         if None in row:  # more cells than the header: csv puts the rest under None (an unquoted 1,000)
             raise ConfigError(
                 f"{path}: line {reader.line_num} has {len(cols) + len(row[None])} cells, the header {len(cols)}; write numbers "
@@ -105,6 +123,36 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
         rows.append({(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()})
         lines.append(reader.line_num)  # the row's last line: its only one unless a quoted cell spans lines
     return rows, lines
+
+
+def _json_lines(text: str) -> bool:
+    """Whether ``text`` is JSON Lines: two or more lines, each one JSON object."""
+    lines = [x for x in text.splitlines() if x.strip()]
+    if len(lines) < 2:
+        return False
+    try:
+        return all(isinstance(loads(x), dict) for x in lines)
+    except json.JSONDecodeError:
+        return False
+
+
+def _near_columns(missing: list[str], cols: list[str]) -> str:
+    """ "; did you mean" for each missing column a found one names (its case, a unit after it: ``Throughput (tokens/s)``,
+    ``samples_per_s``), or ""."""
+    near = []
+    for m in missing:
+        words = m.split("_")
+        hit = next((c for c in cols if c.lower().split("(")[0].strip().replace(" ", "_") == m), None) or next(
+            (c for c in cols if any(w in c.lower() for w in words if len(w) > 4) or (m == "throughput" and "per_s" in c.lower())),
+            None,
+        )  # fmt: skip
+        if hit is not None:
+            near.append(f"{hit!r} to {m}")
+    return (
+        f"; rename {', '.join(near)} (the header names them exactly: micro_batch,throughput,...)"
+        if near
+        else ""
+    )
 
 
 TUNE_SETTINGS = ("memory_budget", "memory_headroom", "max_latency_ms", "rule", "tolerance", "reference",
@@ -185,6 +233,49 @@ PEAK_FLOOR_BYTES = 1 << 20
 peaks all under it, with a budget, are likely GiB or MiB read as bytes."""
 
 
+def _check_peak_units(choice: Any, points: list[Any]) -> None:
+    """ConfigError where every measured peak is under 1 MiB and a budget of at least that is given: no process peaks
+    so low, so the column holds GiB or MiB read as bytes, and every point would pass the budget (a knee chosen as if
+    memory were free). A budget under 1 MiB is taken as meant with peaks of its scale (a curve written by hand)."""
+    budget = choice.memory_budget_bytes
+    peaks = [p.peak_memory_bytes for p in points if not p.oom and p.peak_memory_bytes]
+    if budget is not None and budget >= PEAK_FLOOR_BYTES and peaks and max(peaks) < PEAK_FLOOR_BYTES:
+        raise ConfigError(
+            f"every peak_memory_bytes is under 1 MiB (the largest {max(peaks):,}), which no process peaks at, and "
+            f"the memory budget is {format_bytes(budget)}: every point would pass it; the column holds GiB or MiB "
+            "read as bytes: convert it to bytes (GiB × 1073741824, MiB × 1048576)",
+            params=("measurements",),
+        )
+    if budget is not None and budget < PEAK_FLOOR_BYTES and peaks and min(peaks) >= PEAK_FLOOR_BYTES:
+        raise ConfigError(
+            f"the memory budget is {budget:,} B (a number without a unit is bytes) and every measured peak is at "
+            f"least {format_bytes(min(peaks))}; write the budget with its unit (--memory-budget {budget:,}GiB)",
+            params=("memory_budget",),
+        )
+
+
+def _oom_with_rates(rows: list[Any], lines: list[int] | None) -> list[str]:
+    """Notes for rows marked out of memory that also give a throughput: the rate is not read (the point is the
+    OOM's), said so a tool's partial rate is not dropped without a word."""
+    from microbatch.fields import true_or_false
+
+    out = []
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or r.get("throughput") in (None, ""):
+            continue
+        try:
+            oom = true_or_false(r.get("oom", False), where="oom")
+        except ConfigError:
+            continue  # the row's own check names it
+        if oom:
+            where = f"line {lines[i]}" if lines is not None else f"row {i + 1}"
+            out.append(
+                f"{where}: micro_batch {r.get('micro_batch')} is marked oom and gives a throughput "
+                f"({r['throughput']}): taken as out of memory, its throughput not read"
+            )
+    return out
+
+
 def _unused_settings(choice_spec: dict[str, Any], choice: Any, points: list[Any]) -> list[str]:
     """Notes for settings that had nothing to act on, or that acted on a column likely in other units."""
     notes = []
@@ -203,6 +294,17 @@ def _unused_settings(choice_spec: dict[str, Any], choice: Any, points: list[Any]
         notes.append(
             f"every peak_memory_bytes is under 1 MiB (the largest {max(peaks):,} B) and was compared with the budget "
             "as bytes; if the column holds GiB or MiB, convert it to bytes (GiB × 1073741824)"
+        )
+    elif budget is not None and max(peaks) < budget / 100:
+        notes.append(
+            f"every peak_memory_bytes is under 1% of the {format_bytes(budget)} budget (the largest "
+            f"{format_bytes(max(peaks))}), so memory left nothing out; if the column holds KiB (ru_maxrss, "
+            "/usr/bin/time's maximum resident size) or MiB, convert it to bytes (KiB × 1024)"
+        )
+    if budget is not None and budget < PEAK_FLOOR_BYTES:
+        notes.append(
+            f"the memory budget is {budget:,} B, under 1 MiB: a number without a unit is bytes; write it with one "
+            "(--memory-budget 80GiB) if it was meant in GiB"
         )
     if (
         choice_spec.get("reference") == "bound" and choice.rule != "fraction"
@@ -264,6 +366,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
                                             "data_parallel"):  # fmt: skip
         choice = choice_config(choice_spec)
     points = points_from_records(rows, source=measurements, lines=lines)
+    _check_peak_units(choice, points)
     with _said_where(read_back):
         d = recommend_measured(points, choice).to_dict()
     ckpt = checkpointed(points)
@@ -280,7 +383,11 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
             d,
             f"{what}, b_m = {b}, {was} measured with activation checkpointing on: run it with checkpointing",
         )
-    for note in ([read_back] if read_back else []) + _unused_settings(given, choice, points):
+    for note in (
+        ([read_back] if read_back else [])
+        + _oom_with_rates(rows, lines)
+        + _unused_settings(given, choice, points)
+    ):
         _note(d, note)
     pts = [
         {

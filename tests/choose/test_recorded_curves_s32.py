@@ -1,0 +1,104 @@
+"""Recorded curves as users' tools write them (a helper's review, 2026-12-07): units misread, spreadsheet rows,
+JSON Lines, headers with units, and what the noise of a curve without repeats is."""
+
+from __future__ import annotations
+
+import json
+
+from microbatch.cli import main
+
+GPU = [
+    (1, 4100, 6),
+    (2, 8000, 7),
+    (4, 14900, 9),
+    (8, 24100, 13),
+    (16, 30200, 21),
+    (32, 32100, 37),
+    (64, 32600, 69),
+]
+
+
+def run(capsys, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _csv(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def _curve(scale):
+    return "micro_batch,throughput,peak_memory_bytes\n" + "".join(f"{b},{t},{g * scale}\n" for b, t, g in GPU)
+
+
+def test_peaks_in_gib_or_kib_under_the_bytes_column(tmp_path, capsys):
+    right = _csv(tmp_path, "bytes.csv", _curve(2**30))
+    rc, out, _ = run(capsys, "recommend", "-m", right, "--memory-budget", "20GiB", "--json")
+    assert rc == 0 and json.loads(out)["micro_batch"] == 8  # 16 (21 GiB) is over the budget
+    gib = _csv(tmp_path, "gib.csv", _curve(1))  # GiB as bytes: every point would pass; refused
+    rc, out, _ = run(capsys, "recommend", "-m", gib, "--memory-budget", "20GiB", "--json")
+    assert rc == 2 and "the column holds GiB or MiB read as bytes" in json.loads(out)["error"]
+    kib = _csv(tmp_path, "kib.csv", _curve(2**20))  # KiB (ru_maxrss) as bytes: 6-69 MiB, plausible; said
+    rc, out, _ = run(capsys, "recommend", "-m", kib, "--memory-budget", "20GiB", "--json")
+    d = json.loads(out)
+    assert rc == 0 and any("under 1% of the 20.00 GiB budget" in n and "KiB" in n for n in d["notes"])
+    rc, out, _ = run(
+        capsys, "recommend", "-m", right, "--memory-budget", "80", "--json"
+    )  # 80 bytes meant as GiB
+    assert rc == 2 and "write the budget with its unit (--memory-budget 80GiB)" in json.loads(out)["error"]
+    small = _csv(
+        tmp_path, "s.csv", "micro_batch,throughput,peak_memory_bytes\n1,100,50\n2,180,70\n4,200,3000000\n"
+    )
+    rc, out, _ = run(
+        capsys, "recommend", "-m", small, "--memory-budget", "80", "--json"
+    )  # some peaks of its scale
+    assert rc == 0 and any("a number without a unit is bytes" in n for n in json.loads(out)["notes"])
+
+
+def test_spreadsheet_rows_and_cells(tmp_path, capsys):
+    trailing = _csv(tmp_path, "t.csv", "micro_batch,throughput\n1,100\n2,180\n4,200\n,\n,\n")
+    rc, out, _ = run(capsys, "recommend", "-m", trailing, "--json")
+    assert rc == 0 and json.loads(out)["micro_batch"] == 2
+    empty = _csv(tmp_path, "e.csv", "micro_batch,throughput\n1,100\n2,180\n4,\n")
+    rc, _, err = run(capsys, "recommend", "-m", empty)
+    assert rc == 2 and "line 4: micro_batch 4 has an empty throughput" in err and "a column oom in CSV" in err
+    both = _csv(tmp_path, "o.csv", "micro_batch,throughput,oom\n1,100,false\n2,180,false\n4,150,true\n")
+    rc, out, _ = run(capsys, "recommend", "-m", both, "--json")
+    d = json.loads(out)
+    assert rc == 0 and any(
+        "line 4: micro_batch 4 is marked oom and gives a throughput (150)" in n for n in d["notes"]
+    )
+    nan = _csv(tmp_path, "n.csv", "micro_batch,throughput,peak_memory_bytes\n1,100,NaN\n2,180,5e9\n")
+    rc, _, err = run(capsys, "recommend", "-m", nan)
+    assert rc == 2 and "leave a value not measured empty" in err
+
+
+def test_formats_named_in_the_error(tmp_path, capsys):
+    lines = _csv(
+        tmp_path, "p.jsonl", '{"micro_batch": 1, "throughput": 100}\n{"micro_batch": 2, "throughput": 180}\n'
+    )
+    rc, _, err = run(capsys, "recommend", "-m", lines)
+    assert rc == 2 and "it is JSON Lines" in err
+    tsv = _csv(tmp_path, "p.tsv", "micro_batch\tthroughput\n1\t100\n")
+    rc, _, err = run(capsys, "recommend", "-m", tsv)
+    assert rc == 2 and "separates its columns with a tab" in err
+    units = _csv(tmp_path, "u.csv", "Micro_Batch,throughput (tokens/s)\n1,100\n")
+    rc, _, err = run(capsys, "recommend", "-m", units)
+    assert rc == 2 and "rename 'Micro_Batch' to micro_batch, 'throughput (tokens/s)' to throughput" in err
+    utf16 = tmp_path / "w.csv"
+    utf16.write_bytes("micro_batch,throughput\n1,100\n".encode("utf-16"))
+    rc, _, err = run(capsys, "recommend", "-m", str(utf16))
+    assert rc == 2 and "UTF-16" in err
+
+
+def test_the_noise_of_a_curve_without_repeats_is_called_its_scatter(tmp_path, capsys):
+    curve = _csv(tmp_path, "c.csv", _curve(2**30))
+    rc, out, _ = run(capsys, "recommend", "-m", curve, "--memory-budget", "22GiB", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["noise_from"] == "scatter" and 8 in d["indistinguishable"]
+    rc, text, _ = run(capsys, "recommend", "-m", curve, "--memory-budget", "22GiB")
+    assert "indistinguishable at the curve's own scatter (no repeats measured" in text
+    assert "at the measured noise" not in text
