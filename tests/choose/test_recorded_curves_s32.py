@@ -102,3 +102,26 @@ def test_the_noise_of_a_curve_without_repeats_is_called_its_scatter(tmp_path, ca
     rc, text, _ = run(capsys, "recommend", "-m", curve, "--memory-budget", "22GiB")
     assert "indistinguishable at the curve's own scatter (no repeats measured" in text
     assert "at the measured noise" not in text
+
+
+NOISY = [(8, 96.8), (16, 140.5), (24, 163.7), (32, 180.3), (40, 191.2), (48, 195.8), (56, 201.4), (64, 211.3),
+         (72, 211.5), (80, 214.5), (88, 222.2), (96, 221.0), (104, 225.4), (112, 224.7), (120, 227.4), (128, 225.4)]  # fmt: skip
+
+
+def test_rule_gain_reads_gains_over_a_doubling_not_between_neighbours():
+    """A sweep in steps of 8 with ±1.5% noise: 56 → 64 gained 4.9%, read as 28% per doubling, and rule gain chose 64
+    where the same curve without its noise chose 48. Gains are now read against b_m at least twice as large: the
+    noisy curve and the same curve without its noise choose alike, and every gain so read from the knee is within τ."""
+    from microbatch.choose.curve import CurvePoint, gain_per_doubling
+    from microbatch.choose.knee import knee_gain
+
+    noisy = [CurvePoint(micro_batch=b, throughput=t) for b, t in NOISY]
+    clean = [97.6, 140.4, 164.4, 179.8, 190.5, 198.3, 204.4, 209.2, 213.0, 216.2, 218.9, 221.2, 223.2, 224.9, 226.4,
+             227.8]  # fmt: skip
+    smooth = [CurvePoint(micro_batch=b, throughput=t) for (b, _), t in zip(NOISY, clean, strict=True)]
+    k_noisy, k_smooth = knee_gain(noisy, 0.15).micro_batch, knee_gain(smooth, 0.15).micro_batch
+    assert k_noisy == k_smooth == 40, (k_noisy, k_smooth)  # were 64 and 48
+    t = dict(NOISY)
+    assert all(gain_per_doubling(k_noisy, t[k_noisy], b, t[b]) <= 0.15 for b in t if b >= 2 * k_noisy)
+    powers = [CurvePoint(micro_batch=b, throughput=260 * b / (b + 18)) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert knee_gain(powers, 0.15).micro_batch == 64  # every later point at least a doubling away: as before
