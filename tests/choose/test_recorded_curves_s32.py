@@ -125,3 +125,14 @@ def test_rule_gain_reads_gains_over_a_doubling_not_between_neighbours():
     assert all(gain_per_doubling(k_noisy, t[k_noisy], b, t[b]) <= 0.15 for b in t if b >= 2 * k_noisy)
     powers = [CurvePoint(micro_batch=b, throughput=260 * b / (b + 18)) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
     assert knee_gain(powers, 0.15).micro_batch == 64  # every later point at least a doubling away: as before
+
+
+def test_a_latency_limit_nothing_meets_gives_the_shortest_step(tmp_path, capsys):
+    ms = _csv(
+        tmp_path, "ms.csv", "micro_batch,throughput,step_time_s\n1,45,22.2\n2,85,23.5\n4,160,25.0\n"
+    )  # ms as s
+    rc, _, err = run(capsys, "recommend", "-m", ms, "--max-latency-ms", "40")
+    assert rc == 2 and "the shortest step measured 22,200.0 ms; if step_time_s holds milliseconds" in err
+    s = _csv(tmp_path, "s.csv", "micro_batch,throughput,step_time_s\n1,45,0.0222\n2,85,0.0235\n4,160,0.025\n")
+    rc, _, err = run(capsys, "recommend", "-m", s, "--max-latency-ms", "10")
+    assert rc == 2 and "the shortest step measured 22.2 ms)" in err and "holds milliseconds" not in err

@@ -73,8 +73,17 @@ def candidates(
         )
         why.append(f"b_m x d = b_m x {data_parallel} divides global batch {choice.global_batch}")
     if not cands:  # NoChoiceError: a tune keeps its measured points with it
+        steps = [p.step_time_s for p in measured if p.step_time_s is not None]
+        shortest = ""
+        if choice.max_latency_ms is not None and steps:
+            ms = 1e3 * min(steps)
+            shortest = f" (the shortest step measured {ms:,.1f} ms" + (
+                "; if step_time_s holds milliseconds, divide it by 1000)"
+                if ms > 100 * choice.max_latency_ms
+                else ")"
+            )
         raise NoChoiceError(
-            f"no measured micro-batch meets {' and '.join(why)}; measured: "
+            f"no measured micro-batch meets {' and '.join(why)}{shortest}; measured: "
             + ", ".join(str(p.micro_batch) for p in measured)
             + "; relax the limit or measure other sizes"
         )
