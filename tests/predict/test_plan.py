@@ -351,8 +351,14 @@ def test_plan_recommends_the_knee_not_the_far_past_fastest():
     assert fast.micro_batch >= 8 * knee.micro_batch
     line = (1 - 0.15) * (1 + 0.05) * fast.tokens_per_s
     assert knee.tokens_per_s >= line
-    # nothing within the line uses less memory than the knee
-    assert all(c.peak_memory_bytes >= knee.peak_memory_bytes for c in fits if c.tokens_per_s >= line)
+    # nothing within the line uses less memory than the knee, past the 1% the prediction cannot tell apart
+    from microbatch.predict.plan_choice import MEMORY_TIE
+
+    assert all(
+        c.peak_memory_bytes * (1 + MEMORY_TIE) >= knee.peak_memory_bytes
+        for c in fits
+        if c.tokens_per_s >= line
+    )
     text = explain(plan)
     assert re.search(rf"Fastest: b_m = {fast.micro_batch}\b.*\(choose fastest takes the fastest\)", text)
     assert not any("far past the kernel-efficiency knee" in x for x in plan_lints(plan))

@@ -15,6 +15,12 @@ __all__ = ["PLAN_CONTENDER_ACTIONS", "PLAN_ROW_ACTIONS", "contenders_simulated",
 
 _RECOMPUTE_RANK = {"none": 0, "selective": 1, "op": 2, "full": 3}
 
+MEMORY_TIE = 0.01
+"""Peaks within 1% of the least are one memory to the knee: the memory fit's own error at the largest probe is under
+1% (:data:`microbatch.hardware.DEFAULT_HEADROOM`, BENCHMARKS.md), so a smaller saving is not one the prediction can
+promise. Without it a selective recompute under flash attention, which saves only the kernel's log-sum-exp (4·a·s·b/t
+bytes a layer, ~0.05% of Llama 3 8B's at s 8,192), was taken over no recompute for a slower step."""
+
 
 def sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
     """Fitting first, fastest first; ties (to 6 digits) go to less recompute, lower ZeRO, less memory."""
@@ -119,7 +125,8 @@ def knee_candidate(
 ) -> Candidate:
     """The knee among the candidates that fit: the least peak memory among those whose tokens/s reach
     (1 − τ)·(1 + μ) of the fastest's — ``tune``'s rule ``fraction`` with a predicted reference
-    (``docs/knee.md``), over memory instead of b_m. Ties go to the faster, then less recompute, lower ZeRO.
+    (``docs/knee.md``), over memory instead of b_m, peaks within :data:`MEMORY_TIE` of the least counted as one. Ties go
+    to the faster, then less recompute, lower ZeRO, less memory.
 
     Raises ``ValueError`` when nothing fits.
     """
@@ -129,12 +136,14 @@ def knee_candidate(
     best = max(c.tokens_per_s for c in fits)
     line = (1.0 - tolerance) * (1.0 + margin) * best
     within = [c for c in fits if c.tokens_per_s >= line]
+    least = min(c.peak_memory_bytes for c in within)
+    same = [c for c in within if c.peak_memory_bytes <= least * (1.0 + MEMORY_TIE)]
     return min(
-        within,
+        same,
         key=lambda c: (
-            float(f"{c.peak_memory_bytes:.6g}"),
-            -c.tokens_per_s,
+            -float(f"{c.tokens_per_s:.6g}"),
             _RECOMPUTE_RANK[c.recompute],
             c.zero,
+            c.peak_memory_bytes,
         ),
     )
