@@ -23,7 +23,9 @@ same):
 Measured on one layer (bf16, b 2, s 256, h 512; the fused count from the formula): Llama's decoder layer keeps
 21.7 units of e·s·b·h, the formula 14.8, and 4 + 2.75 of the difference are these terms (its f = 2.75h); GPT-2's
 block 28.0 against 16.0, 12 of it the three tensors of gelu_new (f = 4h). tests/predict/test_eager_memory.py
-measures the families in :data:`microbatch.hf_families` against it. Not counted: the rotary tables (per position,
+measures the families in :data:`microbatch.hf_families` against it. Not counted: GPT-2's copies of K and V into its
+cache while ``use_cache`` is on, its config's default, in training too (2 of its 30 units a layer; 28 with
+``use_cache=False``, the count's exactly), the rotary tables (per position,
 not per sequence), Gemma's norm (``x.float()`` then ``* (1 + w)``, 2 B an element more than Llama's), autocast's
 fp32 residual stream (fp32 weights under ``bf16-mixed``), a mixture-of-experts block's experts, and PyTorch's own
 ``nn.RMSNorm`` (8 B an element on the CPU in bf16: torch's composite, not transformers'). Pure Python: no torch.
