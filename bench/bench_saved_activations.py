@@ -37,8 +37,8 @@ from microbatch.predict.activations import layer_activation_bytes  # noqa: E402
 B, S = 2, 256
 
 
-def saved_bytes(fn, x: torch.Tensor, params: set[int], **kw) -> int:
-    """Bytes of the distinct storages autograd saves in one forward of ``fn`` (parameters excluded)."""
+def _saved(fn, x: torch.Tensor, params: set[int], **kw) -> tuple[dict[int, int], object]:
+    """({storage: bytes} of what autograd saves in one forward of ``fn``, parameters excluded; its output)."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -49,6 +49,12 @@ def saved_bytes(fn, x: torch.Tensor, params: set[int], **kw) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(x, **kw)
+    return seen, out
+
+
+def saved_bytes(fn, x: torch.Tensor, params: set[int], **kw) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of ``fn`` (parameters excluded)."""
+    seen, out = _saved(fn, x, params, **kw)
     out = out[0] if isinstance(out, tuple) else out
     out.float().sum().backward()
     return sum(seen.values())
@@ -85,16 +91,7 @@ def _gpt2():
 
 def _kept(fn, x: torch.Tensor, params: set[int]) -> tuple[float, torch.Tensor]:
     """(bytes of the storages ``fn`` saves other than its output's, its output)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fn(x)
+    seen, y = _saved(fn, x, params)
     out = y.untyped_storage().data_ptr()
     return float(sum(v for p, v in seen.items() if p != out)), y
 

@@ -67,15 +67,19 @@ LOSS_KERNELS = {
 (:func:`microbatch.predict.activations.loss_backward_bytes`)."""
 
 
+def _check_kernels(value: str, name: str, known: dict[str, str]) -> str:
+    """``value`` when ``known`` has it, else ConfigError naming ``name`` and each choice with what it means."""
+    if value not in known:
+        raise ConfigError(
+            f"{name} {value!r} is not known; use " + "; or ".join(f"{k} ({why})" for k, why in known.items()),
+            params=(name,),
+        )
+    return value
+
+
 def check_loss_kernel(loss_kernel: str) -> str:
     """``loss_kernel`` when :data:`LOSS_KERNELS` knows it, else ConfigError naming the choices."""
-    if loss_kernel not in LOSS_KERNELS:
-        raise ConfigError(
-            f"loss_kernel {loss_kernel!r} is not known; use "
-            + "; or ".join(f"{k} ({why})" for k, why in LOSS_KERNELS.items()),
-            params=("loss_kernel",),
-        )
-    return loss_kernel
+    return _check_kernels(loss_kernel, "loss_kernel", LOSS_KERNELS)
 
 
 LAYER_KERNELS = {
@@ -89,13 +93,7 @@ LAYER_KERNELS = {
 
 def check_layer_kernels(layer_kernels: str) -> str:
     """``layer_kernels`` when :data:`LAYER_KERNELS` knows it, else ConfigError naming the choices."""
-    if layer_kernels not in LAYER_KERNELS:
-        raise ConfigError(
-            f"layer_kernels {layer_kernels!r} is not known; use "
-            + "; or ".join(f"{k} ({why})" for k, why in LAYER_KERNELS.items()),
-            params=("layer_kernels",),
-        )
-    return layer_kernels
+    return _check_kernels(layer_kernels, "layer_kernels", LAYER_KERNELS)
 
 
 @dataclass(frozen=True, kw_only=True)
