@@ -283,7 +283,12 @@ def solve(
     if B % unit:
         product = " × ".join(f"{names[k]} {v}" for k, v in others.items())
         # Nearest valid values of the global batch, and of each other factor for this B.
-        fixes = [f"nearest valid global batches: {_fmt(nearest_multiples(B, unit))}"]
+        near_b = nearest_multiples(B, unit)
+        fixes = [
+            f"nearest valid global batches: {_fmt(near_b)}"
+            if near_b
+            else f"no global batch up to the limit of {MAX_BATCH:,} is a multiple of {unit:,}"
+        ]
         for k, v in others.items():
             rest = unit // v
             if B % rest == 0:

@@ -75,7 +75,7 @@ class ModelShape:
     activation: str = "gelu"
     """The MLP's activation as transformers names it (``hidden_act``/``activation_function``: GPT-2's ``gelu_new``,
     Llama's ``silu``): what an eager layer keeps for its backward depends on how many operations it is written as
-    (:data:`microbatch.predict.activations.EAGER_ACTIVATION_SAVES`); nothing else reads it."""
+    (:data:`microbatch.predict.eager_memory.EAGER_ACTIVATION_SAVES`); nothing else reads it."""
     dropout: bool = True
     """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
     Llama-family training runs without dropout."""

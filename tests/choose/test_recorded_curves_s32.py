@@ -125,6 +125,12 @@ def test_rule_gain_reads_gains_over_a_doubling_not_between_neighbours():
     assert all(gain_per_doubling(k_noisy, t[k_noisy], b, t[b]) <= 0.15 for b in t if b >= 2 * k_noisy)
     powers = [CurvePoint(micro_batch=b, throughput=260 * b / (b + 18)) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
     assert knee_gain(powers, 0.15).micro_batch == 64  # every later point at least a doubling away: as before
+    # one dip at the end does not stop the search: 32 → 48 gains 23% (under a doubling, taken as it is)
+    dip = [
+        CurvePoint(micro_batch=8 * (i + 1), throughput=t)
+        for i, t in enumerate([100, 180, 250, 300, 340, 370, 390, 300])
+    ]
+    assert knee_gain(dip, 0.15).micro_batch == 40
 
 
 def test_a_latency_limit_nothing_meets_gives_the_shortest_step(tmp_path, capsys):
@@ -136,3 +142,24 @@ def test_a_latency_limit_nothing_meets_gives_the_shortest_step(tmp_path, capsys)
     s = _csv(tmp_path, "s.csv", "micro_batch,throughput,step_time_s\n1,45,0.0222\n2,85,0.0235\n4,160,0.025\n")
     rc, _, err = run(capsys, "recommend", "-m", s, "--max-latency-ms", "10")
     assert rc == 2 and "the shortest step measured 22.2 ms)" in err and "holds milliseconds" not in err
+
+
+def test_a_rename_hint_names_the_micro_batch_column_not_the_global_one(tmp_path, capsys):
+    cols = _csv(tmp_path, "c.csv", "global_batch,micro_bs,throughput\n1,2,3\n")
+    rc, _, err = run(capsys, "recommend", "-m", cols)
+    assert rc == 2 and "rename 'micro_bs' to micro_batch" in err and "'global_batch' to" not in err
+    big = _csv(tmp_path, "b.csv", _curve(2**30))
+    rc, _, err = run(capsys, "recommend", "-m", big, "--memory-budget", "500000")
+    assert rc == 2 and "(--memory-budget 80GiB, 500MB)" in err  # not 500,000GiB
+
+
+def test_batch_past_every_valid_global_batch_says_none_is():
+    from microbatch.batch import solve
+    from microbatch.errors import ConfigError
+
+    try:
+        solve(global_batch=1000, micro_batch=100_000, data_parallel=100_000)
+    except ConfigError as e:
+        assert "no global batch up to the limit of 1,000,000,000 is a multiple of 10,000,000,000" in str(e)
+    else:
+        raise AssertionError("accepted")

@@ -168,3 +168,18 @@ def test_an_hf_config_answer_says_its_layers_keep_more(capsys, tmp_path):
     assert rc == 0 and "--layer-kernels eager" in text + err
     rc, text, err = _cli(["memory", "--hf-config", str(path), "-b", "2", "--layer-kernels", "eager"], capsys)
     assert rc == 0 and "--layer-kernels eager" not in text + err
+
+
+def test_eager_layers_beside_compile_refused_and_an_hf_export_of_fused_layers_says_so(capsys, tmp_path):
+    rc, out, _ = _cli(["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "--compile",
+                       "--layer-kernels", "eager", "--json"], capsys)  # fmt: skip
+    assert rc == 2 and "compiled or fused layers keep the fused count" in json.loads(out)["error"]
+    plans = {}
+    for kernels in ("fused", "eager"):
+        path = tmp_path / f"{kernels}.json"
+        rc, out, _ = _cli(["plan", "--model", "llama-3-8b", "--gpu", "h100-sxm", "-B", "64", "-d", "8", "--json",
+                           "--layer-kernels", kernels], capsys)  # fmt: skip
+        path.write_text(out)
+        rc, out, _ = _cli(["export", "--plan", str(path), "--format", "hf", "--json"], capsys)
+        plans[kernels] = [n for n in json.loads(out)["notes"] if "layers op by op" in n]
+    assert len(plans["fused"]) == 1 and "--layer-kernels eager" in plans["fused"][0] and not plans["eager"]

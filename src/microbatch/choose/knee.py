@@ -74,21 +74,23 @@ def knee_fraction(
 
 
 def knee_gain(points: Sequence[CurvePoint], tolerance: float) -> CurvePoint:
-    """Smallest b_i with max_j (T_j/T_i)^(1/log2(b_j/b_i)) − 1 <= τ (rule ``gain``, up to :data:`TIE`) over the b_j at
-    least 2·b_i, or where none was measured the largest b_j alone: a gain read over less than a doubling raises the
-    noise to the power 1/log2(b_j/b_i) (5 points apart at b 56 → 64, 1.5% noise reads as 28% "per doubling", and a
-    sweep in steps of 8 chose 64 where its noiseless curve chose 48). A b_m given twice: the last counts, as in
-    :func:`knee_fraction`."""
+    """Smallest b_i with max_{j>i} (T_j/T_i)^(1/max(1, log2(b_j/b_i))) − 1 <= τ (rule ``gain``, up to :data:`TIE`): a
+    gain over less than a doubling taken as it is, not raised to a doubling's, which raises its noise to the power
+    1/log2(b_j/b_i) (b 56 → 64: 1.5% of noise read as 28% "per doubling", and a sweep in steps of 8 chose 64 where its
+    noiseless curve chose 48). Every larger point counts, so one dip at the end does not stop the search. A b_m given
+    twice: the last counts, as in :func:`knee_fraction`."""
     curve = measured_curve(points)
     for i, p in enumerate(curve):
-        rest = curve[i + 1 :]
-        later = [q for q in rest if q.micro_batch >= 2 * p.micro_batch] or rest[-1:]
+        later = curve[i + 1 :]
         t = p.measured_throughput
         if t <= 0:
             continue
         if (
             not later
-            or max(gain_per_doubling(p.micro_batch, t, q.micro_batch, q.measured_throughput) for q in later)
+            or max(
+                gain_per_doubling(p.micro_batch, t, q.micro_batch, q.measured_throughput, at_least_one=True)
+                for q in later
+            )
             <= tolerance + TIE
         ):
             return p

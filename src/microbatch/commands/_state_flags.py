@@ -106,11 +106,21 @@ def state_settings(
     )  # fmt: skip
 
 
-def check_layer_kernels_flag(layer_kernels: str, calibration: str | None) -> None:
-    """A ConfigError for ``--layer-kernels eager`` with ``--calibration``: the calibration's activation line was
-    fitted to what the measured layers kept, eager or not, so the eager terms would count the excess twice."""
+def check_layer_kernels_flag(
+    layer_kernels: str, calibration: str | None, kernels_flag: str | None = None
+) -> None:
+    """A ConfigError for ``--layer-kernels eager`` with ``--calibration`` (the calibration's activation line was
+    fitted to what the measured layers kept, eager or not, so the eager terms would count the excess twice) or with
+    ``kernels_flag`` (``--compile`` or ``--fused-kernels``: layers that keep the fused count)."""
     from microbatch.errors import ConfigError
 
+    if layer_kernels == "eager" and kernels_flag:
+        raise ConfigError(
+            f"layer_kernels eager with {kernels_flag}: compiled or fused layers keep the fused count (within 5% of "
+            "torch.compile on a Hugging Face layer); drop layer_kernels, or drop "
+            f"{kernels_flag} to plan transformers' eager layers",
+            params=("layer_kernels", kernels_flag.removeprefix("--").replace("-", "_")),
+        )
     if layer_kernels == "eager" and calibration:
         raise ConfigError(
             "layer_kernels eager with a calibration: the calibration's activation line was measured on your layers "

@@ -99,7 +99,8 @@ def cmd(
     if bare_json and not force:
         _check_replaces_an_export(str(output), ex.config, fmt)
     # the library names its keywords: export's own, and the plan's a note asks to plan with
-    notes = [cli_text(n, ("gpus_per_node", "loss_kernel", "zero3_impl"), "export") for n in ex.notes]
+    asked = ("gpus_per_node", "loss_kernel", "layer_kernels", "zero3_impl")
+    notes = [cli_text(n, asked, "export") for n in ex.notes]
     payload = {"format": ex.format, "config": ex.config, "notes": notes}
     if output and as_json:  # the file holds the envelope (a result `report` reads); stdout the same
         write_result(output, payload)

@@ -211,7 +211,8 @@ def cmd(
     expert_shape, expert_layout = moe_split(moe_spec, precision)
     _check_cp_comm(cp_comm, expert_layout["context_parallel"])
     check_zero3_flags(zero3_impl, zero, stages)
-    check_layer_kernels_flag(layer_kernels, calibration)
+    kernels_flag = "--compile" if compiled else "--fused-kernels" if fused_kernels else None
+    check_layer_kernels_flag(layer_kernels, calibration, kernels_flag)
     state = state_settings(precision, grad_dtype, optimizer, moments_dtype, master_weights, loss_dtype, loss_kernel, layer_kernels)  # fmt: skip
     shape = resolve_model({**model_spec, **expert_shape})
     if dropout is not None:
@@ -250,9 +251,8 @@ def cmd(
     )
     plans, applied = _plans(cfg, gpus, calibration, attention_kernel != "sdpa", loss_kernel)
     out, render = _answer(plans, applied, all_rows)
-    notes = shared_override(gpu_set, gpus) + hf_config_notes(
-        model_spec, shape, None if calibration else layer_kernels
-    )
+    priced = None if calibration or kernels_flag else layer_kernels
+    notes = shared_override(gpu_set, gpus) + hf_config_notes(model_spec, shape, priced)
     render = answer_notes(plans, out, render, notes)
     if applied:
         out["calibration"] = applied[0].calibration.to_dict()

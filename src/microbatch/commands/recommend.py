@@ -139,15 +139,16 @@ def _json_lines(text: str) -> bool:
 def _near_columns(missing: list[str], cols: list[str]) -> str:
     """ "; did you mean" for each missing column a found one names (its case, a unit after it: ``Throughput (tokens/s)``,
     ``samples_per_s``), or ""."""
+    like = {
+        "micro_batch": ("micro", "mbs", "batch_size", "bs"),
+        "throughput": ("throughput", "per_s", "/s", "tok", "sampl"),
+    }
     near = []
     for m in missing:
-        words = m.split("_")
-        hit = next((c for c in cols if c.lower().split("(")[0].strip().replace(" ", "_") == m), None) or next(
-            (c for c in cols if any(w in c.lower() for w in words if len(w) > 4) or (m == "throughput" and "per_s" in c.lower())),
-            None,
-        )  # fmt: skip
-        if hit is not None:
-            near.append(f"{hit!r} to {m}")
+        plain = [c for c in cols if c.lower().split("(")[0].strip().replace(" ", "_") == m]
+        hits = plain or [c for w in like[m] for c in cols if w in c.lower() and "global" not in c.lower()]
+        if hits:
+            near.append(f"{hits[0]!r} to {m}")
     return (
         f"; rename {', '.join(near)} (the header names them exactly: micro_batch,throughput,...)"
         if near
@@ -249,7 +250,8 @@ def _check_peak_units(choice: Any, points: list[Any]) -> None:
     if budget is not None and budget < PEAK_FLOOR_BYTES and peaks and min(peaks) >= PEAK_FLOOR_BYTES:
         raise ConfigError(
             f"the memory budget is {budget:,} B (a number without a unit is bytes) and every measured peak is at "
-            f"least {format_bytes(min(peaks))}; write the budget with its unit (--memory-budget {budget:,}GiB)",
+            f"least {format_bytes(min(peaks))}; write the budget with its unit (--memory-budget "
+            + (f"{budget}GiB)" if budget <= 4096 else "80GiB, 500MB)"),
             params=("memory_budget",),
         )
 

@@ -35,7 +35,7 @@ log = logging.getLogger("microbatch.integrations")
 
 def nearest_global_batches(global_batch: int, world: int) -> tuple[int, int]:
     """The multiples of ``world`` just below and above ``global_batch`` (the valid B_global)."""
-    near = nearest_multiples(global_batch, world)
+    near = nearest_multiples(global_batch, world) or [world]  # none under the limit: the world size itself
     return near[0], near[-1]
 
 

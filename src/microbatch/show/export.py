@@ -153,7 +153,7 @@ def candidate_from_plan(plan: object, gpu: str | None = None) -> Json:
                     "precision", "seq", "fp8_recipe", "recompute_every", "async_tp", "capacity_factor",
                     "expert_parallel", "context_parallel", "cp_comm", "shard_degree", "grad_dtype", "reduce_dtype", "zero3_impl",
                     "flash_attention", "pipeline_grad_reduce", "moments_dtype", "master_weights", "grad_clip",
-                    "loss_dtype", "loss_kernel", "optimizer", "ep_overlap", "elementwise"):  # fmt: skip
+                    "loss_dtype", "loss_kernel", "layer_kernels", "optimizer", "ep_overlap", "elementwise"):  # fmt: skip
             if key in data:
                 cand.setdefault(key, data[key])
         shape = data.get("model_shape") if isinstance(data.get("model_shape"), dict) else None
@@ -377,6 +377,7 @@ def candidate_from_tune(result: object) -> Json:
         "data_parallel": data.get("data_parallel") or 1, "precision": data.get("precision", "fp32"),
         "recompute": "full" if ckpt else "none",
         "loss_kernel": "eager",  # measured with its loop's own loss (tune's probes: PyTorch's eager one)
+        "layer_kernels": "eager",  # and its own layers, whatever they keep
     }  # fmt: skip
     if data.get("seq"):
         cand["seq"] = data["seq"]

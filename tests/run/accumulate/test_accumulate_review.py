@@ -377,3 +377,9 @@ def test_a_list_of_as_many_images_as_rows_warns_that_it_is_read_as_fields():
     rows, said = caught(four)
     assert rows == 4 and not said
     assert [tuple(t.shape) for t in split(four, 2)[0]["images"]] == [(3, 4, 4), (3, 4, 4)]  # one image a row
+    fields = (
+        (torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5)),
+        torch.tensor([0, 1]),
+    )  # (ids, mask), labels
+    rows, said = caught(fields)
+    assert rows == 2 and not said  # fields of tokens, not images: nothing to warn of

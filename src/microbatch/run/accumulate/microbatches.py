@@ -246,7 +246,10 @@ def _warn_if_ambiguous(batch: Batch, rows: int, name: str = "batch") -> None:
                 stacklevel=4,
             )
             return
-        if _tensor_records(value) and len(value) == rows:  # three RGB images beside three labels
+        images = _tensor_records(value) and all(
+            t.dim() >= 3 for t in value
+        )  # (C, H, W) each, not (ids, mask)
+        if images and len(value) == rows:  # three RGB images beside three labels
             import warnings
 
             warnings.warn(
