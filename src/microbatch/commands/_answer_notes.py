@@ -48,8 +48,9 @@ def hf_config_notes(
     if layers_priced == "fused":
         notes.append(
             "activations priced as fused layers keep them; transformers runs this model's layers op by op, which "
-            "keep more (measured: a Llama layer 1.47x, GPT-2's 1.75x): give --layer-kernels eager to price that, "
-            "or measure with tune and plan with --calibration"
+            "keep more (measured: a Llama layer 1.47x, GPT-2's 1.75x): give --layer-kernels eager to price that "
+            "(for a model held in bf16; autocast over fp32 weights keeps more still), or measure with tune and plan "
+            "with --calibration"
         )
     return notes
 

@@ -77,8 +77,9 @@ def precision_options(f: F) -> F:
             help="What a layer keeps for its backward: fused (Megatron's, Transformer Engine's or torch.compile'd "
             "layers: Korthikanti et al.'s count) or eager (Hugging Face transformers' layers run op by op: RMSNorm's "
             "fp32 copy, 4 B an element, and an activation written out, GPT-2's gelu_new 3 tensors of the MLP's "
-            "width: measured, 1.47x the count on a Llama layer, 1.75x on GPT-2's). Not with --calibration: "
-            "its activation line measured your layers.",
+            "width: measured, 1.47x the count on a Llama layer, 1.75x on GPT-2's), for a model held in its training "
+            "dtype; autocast over fp32 weights (the Trainer's bf16=True on an fp32 model) keeps more, not priced: "
+            "calibrate. Not with --calibration: its activation line measured your layers.",
         ),
     ]  # fmt: skip
     for opt in reversed(opts):
