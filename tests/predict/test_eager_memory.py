@@ -183,3 +183,24 @@ def test_eager_layers_beside_compile_refused_and_an_hf_export_of_fused_layers_sa
         rc, out, _ = _cli(["export", "--plan", str(path), "--format", "hf", "--json"], capsys)
         plans[kernels] = [n for n in json.loads(out)["notes"] if "layers op by op" in n]
     assert len(plans["fused"]) == 1 and "--layer-kernels eager" in plans["fused"][0] and not plans["eager"]
+
+
+def test_validate_gives_the_growth_with_eager_layers_where_they_keep_more(capsys, tmp_path):
+    """validate's uncalibrated growth beside the same with eager layers' terms: the GPT-2 tune's (gelu_new) moves
+    toward the machine's; a model whose eager layers keep nothing more (LayerNorm, one-kernel GELU) says nothing."""
+    data = json.loads(open("tests/data/tune_hf_gpt2_cpu.json").read())
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(data))
+    data["model_shape"]["activation"] = "gelu_new"  # what a tune records since the field exists
+    act = tmp_path / "act.json"
+    act.write_text(json.dumps(data))
+    rc, out, _ = _cli(["validate", "--calibration", str(act), "--json"], capsys)
+    e = json.loads(out)["errors"]
+    assert rc == 0 and e["memory_growth_uncalibrated"] < e["memory_growth_uncalibrated_eager"] < 0
+    rc, text, _ = _cli(["validate", "--calibration", str(act)], capsys)
+    assert "with eager layers" in text
+    rc, out, _ = _cli(["validate", "--calibration", str(plain), "--json"], capsys)
+    e = json.loads(out)["errors"]
+    assert e["memory_growth_uncalibrated_eager"] == e["memory_growth_uncalibrated"]
+    rc, text, _ = _cli(["validate", "--calibration", str(plain)], capsys)
+    assert "with eager layers" not in text

@@ -35,11 +35,14 @@ tune's probes (the built-in GPT's ``F.cross_entropy``, a Hugging Face model's ``
 loops compute it (:data:`microbatch.precision.LOSS_KERNELS`)."""
 
 
-def _memory_config(b: int, seq: int, precision: str, checkpointing: bool, loss_kernel: str) -> MemoryConfig:
+def _memory_config(
+    b: int, seq: int, precision: str, checkpointing: bool, loss_kernel: str, layer_kernels: str = "fused"
+) -> MemoryConfig:
     rc = "full" if checkpointing else "none"
     return MemoryConfig(
-        micro_batch=b, seq=seq, precision=precision, optimizer="adamw", recompute=rc, loss_kernel=loss_kernel
-    )
+        micro_batch=b, seq=seq, precision=precision, optimizer="adamw", recompute=rc, loss_kernel=loss_kernel,
+        layer_kernels=layer_kernels,
+    )  # fmt: skip
 
 
 def predict_memory_bytes(
@@ -51,9 +54,10 @@ def predict_memory_bytes(
     checkpointing: bool = False,
     calibration: MemoryCalibration | None = None,
     loss_kernel: str = MEASURED_LOSS_KERNEL,
+    layer_kernels: str = "fused",
 ) -> float:
     """Peak bytes of one device training ``shape`` at b_m with AdamW, no parallelism (:func:`estimate_memory`)."""
-    cfg = _memory_config(micro_batch, seq or shape.seq, precision, checkpointing, loss_kernel)
+    cfg = _memory_config(micro_batch, seq or shape.seq, precision, checkpointing, loss_kernel, layer_kernels)
     return estimate_memory(shape, cfg, calibration).peak_bytes
 
 

@@ -105,6 +105,7 @@ class Validation:
             "memory_calibrated": last["memory_cal_err"],
             "memory_growth_calibrated": last.get("memory_growth_cal_err"),
             "memory_growth_uncalibrated": last.get("memory_growth_uncal_err"),
+            "memory_growth_uncalibrated_eager": last.get("memory_growth_uncal_eager_err"),
             "step_uncalibrated": last["step_uncal_err"],
             "step_calibrated": last["step_cal_err"],
             "memory_loo_worst": worst("memory_loo_err"),
@@ -220,6 +221,7 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     for p in pts:
         b = p.micro_batch
         m_unc = predict_memory_bytes(sh, b, **kw)
+        m_eager = predict_memory_bytes(sh, b, layer_kernels="eager", **kw)
         t_unc = predict_step_time_s(sh, b, acc, **kw)
         m_cal = predict_memory_bytes(sh, b, calibration=cal.memory, **kw)
         t_cal = predict_step_time_s(sh, b, cal_acc, efficiency=cal.efficiency or DEFAULT_EFFICIENCY, **kw)
@@ -237,6 +239,7 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
                 "memory_measured": p.peak_memory_bytes,
                 "memory_uncal": m_unc,
                 "memory_uncal_err": _err(m_unc, p.peak_memory_bytes),
+                "memory_uncal_eager": m_eager,
                 "memory_cal": m_cal,
                 "memory_cal_err": _err(m_cal, p.peak_memory_bytes),
                 "memory_loo": m_loo,
@@ -269,11 +272,12 @@ def _growth_errors(rows: list[dict[str, Any]]) -> None:
     moved tiny's at b_m 8 by 3.5%); the growth can. The calibrated one fits a slope to the same points, nearly exact
     on a peak linear in b_m whatever the formula; the uncalibrated one is the formula's own activation bytes per
     sample against the machine's (a helper, 2026-12-07: GPT-2 −56%, Gemma 2 −53%, Llama −15%, GPT-NeoX 0%, where
-    the calibrated one read 0.0% for all)."""
+    the calibrated one read 0.0% for all); ``uncal_eager`` the same with eager layers' terms
+    (:mod:`microbatch.predict.eager_memory`: what transformers' layers keep, run op by op)."""
     first = rows[0]
     for r in rows:
         grown = r["memory_measured"] - first["memory_measured"]
-        for kind in ("cal", "uncal"):
+        for kind in ("cal", "uncal", "uncal_eager"):
             predicted = r[f"memory_{kind}"] - first[f"memory_{kind}"]
             r[f"memory_growth_{kind}_err"] = (
                 (predicted - grown) / grown if r is not first and grown > 0 else None

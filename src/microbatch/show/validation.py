@@ -29,7 +29,14 @@ def validation_summary(d: Mapping[str, Any]) -> str:
         f"{', '.join(map(str, d['fit_on']))}, at the largest b_m {e['largest_micro_batch']} memory "
         f"{f(e['memory_calibrated'])} (uncalibrated {f(e['memory_uncalibrated'])}; target "
         f"±{100 * e['memory_target']:.0f}%: {'met' if e['memory_met'] else 'NOT met'}; what it grew from the smallest "
-        f"b_m {f(e.get('memory_growth_calibrated'))}, uncalibrated {f(e.get('memory_growth_uncalibrated'))}), step time "
+        f"b_m {f(e.get('memory_growth_calibrated'))}, uncalibrated {f(e.get('memory_growth_uncalibrated'))}"
+        + (
+            f", with eager layers {f(e['memory_growth_uncalibrated_eager'])}"
+            if e.get("memory_growth_uncalibrated_eager") is not None
+            and e["memory_growth_uncalibrated_eager"] != e.get("memory_growth_uncalibrated")
+            else ""
+        )
+        + "), step time "
         f"{f(e['step_calibrated'])} (uncalibrated {f(e['step_uncalibrated'])}; target "
         f"±{100 * e['step_target']:.0f}%: {'met' if e['step_met'] else 'NOT met'}); "
         f"worst leave-one-out: memory {f(e['memory_loo_worst'])}, step {f(e['step_loo_worst'])}"
