@@ -285,7 +285,10 @@ def test_tune_whose_points_all_miss_the_latency_limit_shows_and_returns_them(cap
     assert main(args) == 2
     out, err = capsys.readouterr()
     assert re.search(r"^\s+1\s+[\d,.]+\s+[\d.]+\s", out, re.M)  # the measured point's row
-    assert re.search(r"peak memory <= [\d.]+ [KMGT]iB and step time <= 1e-06 ms; measured: 1;", err)
+    assert re.search(
+        r"peak memory <= [\d.]+ [KMGT]iB and step time <= 1e-06 ms \(the shortest step measured [\d.,]+ ms\); measured: 1;",
+        err,
+    )
     assert main([*args, "--json"]) == 2
     d = json.loads(capsys.readouterr().out)
     assert d["kind"] == "bad_input" and [p["micro_batch"] for p in d.get("points", ())] == [1], (

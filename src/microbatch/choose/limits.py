@@ -79,7 +79,7 @@ def candidates(
             ms = 1e3 * min(steps)
             shortest = f" (the shortest step measured {ms:,.1f} ms" + (
                 "; if step_time_s holds milliseconds, divide it by 1000)"
-                if ms > 100 * choice.max_latency_ms
+                if ms >= 1000 and ms > 100 * choice.max_latency_ms  # a second a step: no decoding's
                 else ")"
             )
         raise NoChoiceError(
