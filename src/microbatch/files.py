@@ -10,7 +10,7 @@ import re
 import stat
 from pathlib import Path
 
-__all__ = ["is_stream", "write_text"]
+__all__ = ["is_stream", "write_bytes", "write_text"]
 
 _DESCRIPTOR = re.compile(r"/dev/(stdout|stderr)|/dev/fd/\d+|/proc/(self|\d+)/fd/\d+")
 """Names of an open file descriptor: whatever the shell connected it to (a pipe, a terminal, a log opened with
@@ -46,8 +46,18 @@ def is_stream(path: str | Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """:func:`write_text` for bytes (a PNG): whole or not at all where the file is its own, else in place."""
+    _write(path, data)
+
+
 def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> None:
-    """Write ``text`` to ``path``; an OSError raised by the write itself (a full disk) names the path.
+    """Write ``text`` to ``path`` (:func:`_write`)."""
+    _write(path, text, always_whole=always_whole)
+
+
+def _write(path: str | Path, text: str | bytes, *, always_whole: bool = False) -> None:
+    """Write ``text`` (or bytes) to ``path``; an OSError raised by the write itself (a full disk) names the path.
 
     A file of its own (new, or regular with one link, in a folder this user may write) is written whole or not at
     all: to a temporary file beside it, then renamed over it (through a symbolic link, beside its target), so a write
@@ -68,8 +78,15 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
             real = Path(os.path.realpath(path))
             if real.exists() and not real.is_file():
                 raise OSError(errno.EEXIST, "not a regular file: remove it", str(path))
+        binary = isinstance(text, bytes)
+        enc = None if binary else "utf-8"
         if real is None:  # /dev/stdout appended, not truncated: `>> log` keeps the log's earlier lines
-            with open(path, "a" if is_stream(path) else "w", encoding="utf-8") as f:
+            with open(
+                path,
+                ("a" if is_stream(path) else "w") + ("b" if binary else ""),
+                encoding=enc,
+                opener=_opener,
+            ) as f:
                 f.write(text)
             return
         # the name kept short: a legal 250-byte name plus the suffix ran past 255 bytes (ENAMETOOLONG, a review)
@@ -77,7 +94,7 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
         part = real.parent / f".{short}.{os.getpid()}.{os.urandom(4).hex()}.part"
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to a new file
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with os.fdopen(fd, "wb" if binary else "w", encoding=enc) as f:
                 f.write(text)
             if real.exists():
                 os.chmod(part, real.stat().st_mode & 0o7777)
@@ -90,6 +107,26 @@ def write_text(path: str | Path, text: str, *, always_whole: bool = False) -> No
         if e.filename is None:
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
+
+
+def _opener(path: str, flags: int) -> int:
+    """``open``'s opener: a FIFO opened without waiting, so one nobody reads fails at once (ENXIO: "no such device or
+    address") where a plain open waits for a reader forever, its Ctrl-C retried away (PEP 475), and the computed
+    result behind it never printed (a helper's review); once open, it blocks as a FIFO does while its reader reads."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        fifo = False
+    if not fifo:
+        return os.open(path, flags, 0o666)
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, "a FIFO nobody reads: start its reader first", path) from None
+        raise
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _replaceable(path: Path) -> Path | None:

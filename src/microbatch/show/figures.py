@@ -11,7 +11,6 @@ Colours come from the one table in :mod:`microbatch.show.timeline`.
 from __future__ import annotations
 
 import io
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -84,16 +83,10 @@ class Figure:
 
     def write_png(self) -> None:
         """Write the PNG copy to :attr:`png_path` (its folder made), whole or not at all."""
-        if self.png_path is None:
-            return
-        self.png_path.parent.mkdir(parents=True, exist_ok=True)
-        part = self.png_path.with_name(f".{self.png_path.name}.{os.getpid()}.part")
-        try:
-            part.write_bytes(self.png_data)
-            os.replace(part, self.png_path)
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
+        from microbatch.files import write_bytes
+
+        if self.png_path is not None:
+            write_bytes(self.png_path, self.png_data)
 
 
 def literal(text: str) -> str:
@@ -363,8 +356,10 @@ def save_timeline_png(
     p = Path(path)
     from microbatch import __version__
     from microbatch.envelope import MARK
+    from microbatch.files import write_bytes
 
     # the mark tells a later run that this file is ours to replace (microbatch.envelope.is_ours)
-    p.parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work, made at the write
-    fig.savefig(p, format="png", metadata={"Software": f"{MARK} {__version__}"})
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": f"{MARK} {__version__}"})
+    write_bytes(p, buf.getvalue())  # whole or not at all: a full disk leaves the earlier picture as it was
     return p

@@ -316,11 +316,11 @@ def save_timeline_svg(
     """Write :func:`timeline_svg` to ``path``, after a comment that marks it as ours to replace
     (:func:`microbatch.envelope.is_ours`); returns the path."""
     from microbatch.envelope import mark_line
+    from microbatch.files import write_text
 
     p = Path(path)
     text = mark_line("", comment="<!--") + "\n" + timeline_svg(intervals_by_rank, makespan, **kw)
-    p.parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work, made at the write
-    p.write_text(text, encoding="utf-8")
+    write_text(p, text)  # whole or not at all: a full disk leaves the earlier drawing as it was
     return p
 
 

@@ -1,0 +1,53 @@
+"""A helper's review of interrupts and late errors (2026-12-07): a drawing cut short by a full disk replaced the
+earlier one in place; the timelines are now written whole or not at all, as every other output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+@pytest.mark.parametrize("kind", ["svg", "png"])
+def test_a_timeline_cut_short_leaves_the_earlier_drawing_whole(tmp_path, kind):
+    target = tmp_path / f"t.{kind}"
+    earlier = b"<svg>earlier</svg>" if kind == "svg" else b"\x89PNG earlier"
+    target.write_bytes(earlier)
+    call = "save_timeline_svg(rows, 200.0, path)" if kind == "svg" else "save_timeline_png(rows, 200.0, path)"
+    script = textwrap.dedent(f"""
+        import errno, resource
+        from microbatch.show.text import save_timeline_svg
+        from microbatch.show.figures import save_timeline_png
+        rows = [[(3 * i + r, 3 * i + r + 1, "F", i) for i in range(64)] for r in range(8)]
+        path = {str(target)!r}
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # the new drawing is larger: the write fails
+        try:
+            {call}
+        except OSError as e:
+            print("failed", e.errno == errno.EFBIG)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["failed", "True"], out.stderr[-2000:]
+    assert target.read_bytes() == earlier  # was cut to 2,048 bytes of the new one
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # no piece left beside it
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_nobody_reads_fails_at_once_and_the_result_is_printed(tmp_path):
+    """A FIFO given as --svg with no reader: a plain open waited forever after the work (its first Ctrl-C retried away,
+    the result never printed); it now fails at once, and the answer carries the result and says why."""
+    import json
+    import os
+
+    fifo = tmp_path / "f.svg"
+    os.mkfifo(fifo)
+    args = ["-p", "4", "-m", "8", "-s", "1f1b", "--forward-time", "1", "--backward-time", "2", "--json"]
+    out = subprocess.run(
+        [sys.executable, "-m", "microbatch", "simulate", *args, "--svg", str(fifo)],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    d = json.loads(out.stdout)
+    assert out.returncode == 1 and "a FIFO nobody reads" in d["error"] and d["kind"] == "failure"
+    assert d["bubble_fraction"] == pytest.approx(3 / 11)  # the result, printed beside the error
