@@ -51,3 +51,49 @@ def test_a_fifo_nobody_reads_fails_at_once_and_the_result_is_printed(tmp_path):
     d = json.loads(out.stdout)
     assert out.returncode == 1 and "a FIFO nobody reads" in d["error"] and d["kind"] == "failure"
     assert d["bubble_fraction"] == pytest.approx(3 / 11)  # the result, printed beside the error
+
+
+def test_a_demo_stopped_in_its_report_keeps_its_summary_and_one_stopped_early_drops_an_earlier_runs_results(
+    tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C while the demo wrote its report printed only "interrupted" (the five phases' summary lost); and a re-run
+    stopped early left an earlier run's pipeline.json and validate.json beside its own results, which `report` mixed."""
+    import json
+    import os
+    import time
+
+    from microbatch.cli import main
+    from microbatch.commands import demo
+
+    def tuned(out, model_name, quick, quiet, results, summary):  # type: ignore[no-untyped-def]
+        summary["tune_train"] = {"micro_batch": 4}
+
+    def stopped(*args: object, **kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "_tune_both", tuned)
+    for name in (
+        "_run_small_pipeline",
+        "_validate_training",
+    ):  # quick stand-ins: nothing of theirs is asked here
+        monkeypatch.setattr(demo, name, lambda *a, **k: None)
+    monkeypatch.setattr("microbatch.show.html.build_report", stopped)
+    out_dir = tmp_path / "d"
+    rc = main(["demo", "--quick", "--model", "tiny", "--out", str(out_dir), "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert (
+        rc == 130
+        and d["interrupted_in"] == "the report"
+        and d["tune_train"] == {"micro_batch": 4}
+        and "plan" in d
+    )
+    assert (out_dir / "plan.json").is_file() and "report" not in d
+
+    monkeypatch.undo()
+    old = out_dir / "pipeline.json"  # an earlier demo's, ours
+    old.write_text(json.dumps({"command": "pipeline", "version": "0.1.0"}))
+    os.utime(old, (time.time() - 600, time.time() - 600))
+    monkeypatch.setattr(demo, "_tune_both", stopped)  # this run stops in its first phase
+    rc = main(["demo", "--quick", "--model", "tiny", "--out", str(out_dir), "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 130 and "pipeline.json" in d["removed_earlier"] and not old.exists()

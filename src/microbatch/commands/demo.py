@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -80,7 +80,7 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     # made and written to before any work (no result lost at the end); no file of the user's in it replaced
     out = check_out_dir(out_dir, files=DEMO_FILES)
     results: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {"out": str(out)}
+    summary: dict[str, Any] = {"out": str(out), "started": time.time()}
     t_start = time.perf_counter()
 
     phases: tuple[tuple[str, Callable[[], None]], ...] = (
@@ -100,7 +100,12 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
                 _stop(out, quiet, results, summary, as_json)
         # 6. Show: one self-contained HTML report.
         t0 = _step(quiet, "write the report")
-        rep = build_report(results, out / "report.html", title="microbatch demo")
+        try:
+            rep = build_report(results, out / "report.html", title="microbatch demo")
+        except KeyboardInterrupt:  # every result is saved: say so, and how to build the report from them
+            summary.update(interrupted=True, interrupted_in="the report")
+            _stop(out, quiet, results, summary, as_json, report=False)
+    summary.pop("started")
     summary["report"] = str(rep.html_path)
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     _done(quiet, t0, f"{len(rep.png_paths)} figures")
@@ -115,14 +120,29 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
 
 
 def _stop(
-    out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any], as_json: bool
-) -> None:
-    """Interrupted: the report of what was measured (each result is already saved), the summary, exit 130."""
+    out: Path, quiet: bool, results: list[dict[str, Any]], summary: dict[str, Any], as_json: bool,
+    report: bool = True,
+) -> NoReturn:  # fmt: skip
+    """Interrupted: the report of what was measured (each result is already saved; ``report`` False: interrupted
+    while writing it, named for ``microbatch report`` instead), the summary, exit 130. An earlier demo's results in
+    --out that this run did not redo are removed, said: ``report out/*.json`` mixed the two runs without a word."""
     from microbatch.show.html import build_report
 
-    rep = build_report(results, out / "report.html", title="microbatch demo (interrupted)")
-    summary["report"] = str(rep.html_path)
-    emit(summary, as_json, lambda: f"\nreport of what was measured: {rep.html_path.resolve()}")
+    started = summary.pop("started")
+    stale = [n for n in DEMO_FILES[:-1] if (out / n).is_file() and (out / n).stat().st_mtime < started]
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
+    if stale:
+        summary["removed_earlier"] = stale
+    if report:
+        rep = build_report(results, out / "report.html", title="microbatch demo (interrupted)")
+        summary["report"] = str(rep.html_path)
+        said = f"\nreport of what was measured: {rep.html_path.resolve()}"
+    else:
+        said = f"\nno report written; build it from the saved results: microbatch report {out}/*.json"
+    if stale:
+        said += f"\nremoved an earlier demo's {', '.join(stale)}: this run did not redo them"
+    emit(summary, as_json, lambda: said)
     if not quiet:
         click.echo(
             f"interrupted during {summary['interrupted_in']}: kept "
