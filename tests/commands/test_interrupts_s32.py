@@ -97,3 +97,20 @@ def test_a_demo_stopped_in_its_report_keeps_its_summary_and_one_stopped_early_dr
     rc = main(["demo", "--quick", "--model", "tiny", "--out", str(out_dir), "--json"])
     d = json.loads(capsys.readouterr().out)
     assert rc == 130 and "pipeline.json" in d["removed_earlier"] and not old.exists()
+
+
+def test_simulate_stopped_while_it_draws_keeps_its_numbers(capsys, monkeypatch, tmp_path):
+    """Ctrl-C after the simulation, while its chart was written: only {"error": "interrupted"} came out."""
+    import json
+
+    from microbatch.cli import main
+
+    def stopped(*args: object, **kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("microbatch.show.text.save_timeline_svg", stopped)
+    rc = main(["simulate", "-p", "4", "-m", "8", "-s", "1f1b", "--forward-time", "1", "--backward-time", "2",
+               "--svg", str(tmp_path / "t.svg"), "--json"])  # fmt: skip
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 130 and d["kind"] == "interrupted" and d["bubble_fraction"] == pytest.approx(3 / 11)
+    assert "interrupted while the charts were written" in d["error"]

@@ -92,6 +92,10 @@ def test_a_result_neither_written_nor_kept_says_so(monkeypatch, capsys, tmp_path
     d: dict = {"micro_batch": 4}
     _outputs.write_out(tmp_path / "result.json", d)
     assert d["kept_in"] is None  # it said kept_in: the path it could not write
+    assert d["kind"] == "failure" and d["error"] == d["notes"][-1]  # the exit 1, in the envelope (2026-12-07)
+    interrupted: dict = {"micro_batch": 4, "kind": "interrupted"}
+    _outputs.write_out(tmp_path / "result.json", interrupted)
+    assert interrupted["kind"] == "interrupted"  # the interrupt stays what the envelope says
     assert (
         "nor keep it in the temporary folder" in d["notes"][-1] and "only what is printed" in d["notes"][-1]
     )

@@ -18,6 +18,7 @@ from microbatch.commands._common import (
     width_option,
 )
 from microbatch.commands._sim_times import parse_stage_times, resolve_times
+from microbatch.interrupts import first_interrupt_only
 from microbatch.schedules.registry import ScheduleSpec
 from microbatch.show.answers import render_simulate
 
@@ -128,7 +129,7 @@ def cmd(
     rows = sim.timeline_rows()
     title = f"{spec.name}: p = {stages}, m = {microbatches}" + (f", v = {virtual}" if virtual > 1 else "")
     # a chart that cannot be written (checked above, so rare): the numbers are still printed
-    failed = _write_charts(rows, sim.makespan, title, time_unit, svg_path, png_path, result, notes)
+    failed, interrupted = _draw(rows, sim.makespan, title, time_unit, svg_path, png_path, result, notes)
     emit(
         result,
         as_json,
@@ -143,9 +144,9 @@ def cmd(
             color=use_color(),
         ),
     )
-    if failed:
+    if failed or interrupted:
         click.echo(f"error: {result['error']}", err=True)
-        raise click.exceptions.Exit(1)
+        raise click.exceptions.Exit(1 if failed else 130)
 
 
 def _note_flags(
@@ -294,6 +295,24 @@ def _closed_form(
         if form.exact_when is not None:
             closed["exact"] = form.holds(tf, ti, tw)
     return closed
+
+
+def _draw(
+    rows: _Rows, makespan: float, title: str, time_unit: str, svg_path: str | None, png_path: str | None,
+    result: dict[str, Any], notes: list[str],
+) -> tuple[bool, bool]:  # fmt: skip
+    """:func:`_write_charts` where a Ctrl-C keeps the numbers (the simulation is done): (failed, interrupted), an
+    interrupt said in ``result`` (kind ``interrupted``, the charts already written named)."""
+    with first_interrupt_only():
+        try:
+            return _write_charts(rows, makespan, title, time_unit, svg_path, png_path, result, notes), False
+        except KeyboardInterrupt:
+            written = [result[k] for k in ("svg", "png") if k in result]
+            said = "interrupted while the charts were written" + (
+                f" ({', '.join(written)} written)" if written else ""
+            )
+            result.update(interrupted=True, error=said, kind="interrupted")
+            return False, True
 
 
 def _write_charts(
