@@ -176,6 +176,9 @@ class Measurements:
     """Where the points came from (a path), for messages."""
     notes: tuple[str, ...] = ()
     """What reading the file assumed."""
+    label: str = ""
+    """The file's own ``model`` label as tune wrote it (``gpt2`` for the built-in GPT, ``hf:gpt2`` or a config's path
+    for a model transformers built), "" where it gives none."""
 
     @property
     def seq(self) -> int:
@@ -278,6 +281,7 @@ def read_measurements(
         time_key=time_key,
         source=label,
         notes=tuple(notes),
+        label=data["model"] if isinstance(data.get("model"), str) else "",
     )
 
 

@@ -60,7 +60,7 @@ def test_a_demo_result_that_cannot_be_written_is_kept_beside(
 
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the folder was")  # the folder replaced under the demo
-    path = _save(blocked, "plan.json", {"recommended": None})
+    path = _save(blocked, "plan.json", {"recommended": None}, {})
     err = capsys.readouterr().err
     assert path.is_file() and path.parent != blocked and "the result was kept in" in err
     assert json.loads(path.read_text())["command"] == "plan"

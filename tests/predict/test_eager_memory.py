@@ -171,3 +171,8 @@ def test_validate_gives_the_growth_with_eager_layers_where_they_keep_more(capsys
     assert e["memory_growth_uncalibrated_eager"] == e["memory_growth_uncalibrated"]
     rc, text, _ = _cli(["validate", "--calibration", str(plain)], capsys)
     assert "with eager layers" not in text
+    data["model"] = "gpt2"  # the built-in GPT's tune: one-kernel GELU, torch's norms: no eager figure
+    builtin = tmp_path / "builtin.json"
+    builtin.write_text(json.dumps(data))
+    rc, out, _ = _cli(["validate", "--calibration", str(builtin), "--json"], capsys)
+    assert json.loads(out)["errors"]["memory_growth_uncalibrated_eager"] is None

@@ -32,13 +32,16 @@ def _done(quiet: bool, t0: float, text: str) -> None:
         click.echo(f"  {text}  ({time.perf_counter() - t0:.1f} s)", err=True)
 
 
-def _save(out: Path, name: str, obj: dict[str, Any]) -> Path:
+def _save(out: Path, name: str, obj: dict[str, Any], summary: dict[str, Any]) -> Path:
     """Write ``obj`` as ``<command> --json`` prints it (the envelope): ``tune-train.json`` → tune; where --out cannot
     be written now (the disk filled, the folder was locked) it is kept beside (a temporary file) and said, and the
-    demo goes on: a late write error lost the minutes measured before it."""
+    demo goes on: a late write error lost the minutes measured before it. ``summary["saved"]`` names it once written
+    in --out (what an interrupt tells from a file of the same name this run did not write)."""
     path, why = keep_result(out / name, obj, command=name.removesuffix(".json").split("-")[0])
     if why:
         click.echo(f"note: {why}", err=True)
+    elif "saved" in summary:
+        summary["saved"].append(name)
     return path
 
 
@@ -80,7 +83,7 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
     # made and written to before any work (no result lost at the end); no file of the user's in it replaced
     out = check_out_dir(out_dir, files=DEMO_FILES)
     results: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {"out": str(out), "started": time.time()}
+    summary: dict[str, Any] = {"out": str(out), "saved": []}  # the files this run wrote, by name
     t_start = time.perf_counter()
 
     phases: tuple[tuple[str, Callable[[], None]], ...] = (
@@ -105,7 +108,7 @@ def cmd(out_dir: str, model_name: str, quick: bool, as_json: bool) -> None:
         except KeyboardInterrupt:  # every result is saved: say so, and how to build the report from them
             summary.update(interrupted=True, interrupted_in="the report")
             _stop(out, quiet, results, summary, as_json, report=False)
-    summary.pop("started")
+    summary.pop("saved")
     summary["report"] = str(rep.html_path)
     summary["seconds"] = round(time.perf_counter() - t_start, 1)
     _done(quiet, t0, f"{len(rep.png_paths)} figures")
@@ -124,24 +127,28 @@ def _stop(
     report: bool = True,
 ) -> NoReturn:  # fmt: skip
     """Interrupted: the report of what was measured (each result is already saved; ``report`` False: interrupted
-    while writing it, named for ``microbatch report`` instead), the summary, exit 130. An earlier demo's results in
-    --out that this run did not redo are removed, said: ``report out/*.json`` mixed the two runs without a word."""
+    while writing it, the files this run saved named for ``microbatch report``), the summary, exit 130. Files of the
+    demo's names in --out that this run did not write (an earlier run's, or the user's) are named, not removed:
+    ``report out/*.json`` mixed them in without a word."""
+    import shlex
+
     from microbatch.show.html import build_report
 
-    started = summary.pop("started")
-    stale = [n for n in DEMO_FILES[:-1] if (out / n).is_file() and (out / n).stat().st_mtime < started]
-    for name in stale:
-        (out / name).unlink(missing_ok=True)
-    if stale:
-        summary["removed_earlier"] = stale
+    saved = summary.pop("saved")
+    others = [
+        n for n in DEMO_FILES if (out / n).is_file() and n not in saved and (report or n != "report.html")
+    ]
+    if others:
+        summary["not_this_run"] = others
     if report:
         rep = build_report(results, out / "report.html", title="microbatch demo (interrupted)")
         summary["report"] = str(rep.html_path)
         said = f"\nreport of what was measured: {rep.html_path.resolve()}"
     else:
-        said = f"\nno report written; build it from the saved results: microbatch report {out}/*.json"
-    if stale:
-        said += f"\nremoved an earlier demo's {', '.join(stale)}: this run did not redo them"
+        paths = " ".join(shlex.quote(str(out / n)) for n in saved)
+        said = f"\nno report written; build it from this run's results: microbatch report {paths}"
+    if others:
+        said += f"\n{out} also holds {', '.join(others)}, not written by this run: leave them out of a report of it"
     emit(summary, as_json, lambda: said)
     if not quiet:
         click.echo(
@@ -211,7 +218,7 @@ def _tune_both(
         res = tune_model(model_name, probe=probe, search=search, choice=choice)
         # as tune's file: validate then times this CPU at the probes' one thread
         d = with_provenance(res.to_dict(), {"model": model_name}, probe)
-        _save(out, f"tune-{mode}.json", d)
+        _save(out, f"tune-{mode}.json", d, summary)
         results.append(d)
         summary[f"tune_{mode}"] = _pick(
             d,
@@ -250,7 +257,7 @@ def _plan_llama(out: Path, quiet: bool, results: list[dict[str, Any]], summary: 
     from microbatch.show.plan_report import plan_dict
 
     pd = plan_dict(plan, words={p: flag_for(p, "plan") for p in ("zero", "choose")})
-    _save(out, "plan.json", pd)
+    _save(out, "plan.json", pd, summary)
     results.append(pd)
     rec = pd["recommended"] or {}
     summary["plan"] = _pick(
@@ -283,7 +290,7 @@ def _simulate_gpipe_and_1f1b(
             [{"start": a, "end": b, "kind": act.kind, "microbatch": act.microbatch} for a, b, act in row]
             for row in sim.intervals
         ]
-        _save(out, f"simulate-{name}.json", sd)
+        _save(out, f"simulate-{name}.json", sd, summary)
         results.append(sd)
         summary[f"simulate_{name}"] = {
             "bubble_fraction": sd["bubble_fraction"],
@@ -319,7 +326,7 @@ def _run_small_pipeline(
         )
         before = predict_run(cfg)  # made before the ranks start: the prediction the measurement can refute
         pr = replace(run_pipeline(cfg), before_run=before)
-        _save(out, "pipeline.json", pr.to_json())
+        _save(out, "pipeline.json", pr.to_json(), summary)
         results.append(pr.to_json())
         summary["pipeline"] = {
             "measured_bubble_fraction": pr.measured.bubble_fraction,
@@ -354,7 +361,7 @@ def _validate_training(
         vd = with_summary(
             validate_result(json.loads((out / "tune-train.json").read_text()), measure=measure_cpu)
         )
-        _save(out, "validate.json", vd)
+        _save(out, "validate.json", vd, summary)
         results.append(vd)
         summary["validate"] = vd["summary"]
         _done(quiet, t0, vd["summary"])

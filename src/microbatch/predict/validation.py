@@ -221,7 +221,9 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     for p in pts:
         b = p.micro_batch
         m_unc = predict_memory_bytes(sh, b, **kw)
-        m_eager = predict_memory_bytes(sh, b, layer_kernels="eager", **kw)
+        m_eager = (
+            predict_memory_bytes(sh, b, layer_kernels="eager", **kw) if _transformers(meas.label) else None
+        )
         t_unc = predict_step_time_s(sh, b, acc, **kw)
         m_cal = predict_memory_bytes(sh, b, calibration=cal.memory, **kw)
         t_cal = predict_step_time_s(sh, b, cal_acc, efficiency=cal.efficiency or DEFAULT_EFFICIENCY, **kw)
@@ -278,10 +280,20 @@ def _growth_errors(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         grown = r["memory_measured"] - first["memory_measured"]
         for kind in ("cal", "uncal", "uncal_eager"):
+            if r[f"memory_{kind}"] is None:  # eager layers' terms only for transformers' models
+                r[f"memory_growth_{kind}_err"] = None
+                continue
             predicted = r[f"memory_{kind}"] - first[f"memory_{kind}"]
             r[f"memory_growth_{kind}_err"] = (
                 (predicted - grown) / grown if r is not first and grown > 0 else None
             )
+
+
+def _transformers(label: str) -> bool:
+    """Whether a tune's ``model`` label is a model transformers built (``hf:<name>``, or a config's path), whose layers
+    keep what :mod:`microbatch.predict.eager_memory` prices; the built-in GPT's do not (one-kernel GELU, torch's
+    RMSNorm)."""
+    return label.startswith("hf:") or label.endswith(".json") or "/" in label or Path(label).is_dir()
 
 
 MAX_PEAK_RAISE = 16
