@@ -93,9 +93,9 @@ def test_a_result_neither_written_nor_kept_says_so(monkeypatch, capsys, tmp_path
     _outputs.write_out(tmp_path / "result.json", d)
     assert d["kept_in"] is None  # it said kept_in: the path it could not write
     assert d["kind"] == "failure" and d["error"] == d["notes"][-1]  # the exit 1, in the envelope (2026-12-07)
-    interrupted: dict = {"micro_batch": 4, "kind": "interrupted"}
+    interrupted: dict = {"micro_batch": 4, "interrupted": True}
     _outputs.write_out(tmp_path / "result.json", interrupted)
-    assert interrupted["kind"] == "interrupted"  # the interrupt stays what the envelope says
+    assert "kind" not in interrupted  # exit 130: the envelope says interrupted, not failure
     assert (
         "nor keep it in the temporary folder" in d["notes"][-1] and "only what is printed" in d["notes"][-1]
     )

@@ -258,10 +258,11 @@ def write_out(path: str | Path, d: dict[str, Any]) -> str:
     click.echo(why or f"wrote {where}", err=True)
     if why:  # kept_in null: neither there nor in the temporary folder (the answer printed is all there is)
         d.update(kept_in=str(where) if where != Path(path) else None, notes=[*d.get("notes", []), why])
-        d.setdefault(
-            "error", why
-        )  # the exit 1 a script sees, said in the envelope as pipeline's and simulate's
-        d.setdefault("kind", "failure")
+        d.setdefault("error", why)  # the exit 1 a script sees, in the envelope as pipeline's and simulate's
+        if not d.get(
+            "interrupted"
+        ):  # an interrupted run exits 130 whatever its file: its kind stays interrupted
+            d.setdefault("kind", "failure")
     return str(where)
 
 
