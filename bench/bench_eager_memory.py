@@ -39,6 +39,8 @@ FAMILIES = {
     "gpt2": {"n_embd": 256, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "gpt_neox": {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "hidden_dropout": 0.0,
                  "attention_dropout": 0.0},
+    "stablelm": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 4},
+    "olmo": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4},
     "opt": {"hidden_size": 256, "ffn_dim": 1024, "num_attention_heads": 4, "dropout": 0.0, "attention_dropout": 0.0,
             "word_embed_proj_dim": 256},
 }  # fmt: skip

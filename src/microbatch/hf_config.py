@@ -20,6 +20,7 @@ from microbatch.hf_families import (
     _DEFAULT_DROPOUT_OFF,
     _DROPOUT_KEYS,
     _GATED_FAMILIES,
+    _LAYERNORM_LLAMA_LIKE,
     _LLAMA_LIKE,
     _NO_POSITION_TABLE,
     _PARALLEL_KEYS,
@@ -386,7 +387,7 @@ def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[
     return {
         "gated_mlp": True,
         "bias": bool(raw.get("attention_bias", False) or raw.get("mlp_bias", False)),
-        "norm": "rmsnorm",
+        "norm": "layernorm" if model_type in _LAYERNORM_LLAMA_LIKE else "rmsnorm",
         "learned_positions": False,
         # Gemma's config.json omits it (transformers' Gemma default: tied); Llama's default: untied
         "tied_embeddings": bool(tied) if tied is not None else model_type.startswith(_GATED_FAMILIES),

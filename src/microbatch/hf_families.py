@@ -13,6 +13,7 @@ __all__ = [
     "check_pad_token",
     "default_activation",
     "_GATED_FAMILIES",
+    "_LAYERNORM_LLAMA_LIKE",
     "_LLAMA_LIKE",
     "_NO_POSITION_TABLE",
     "_ROTARY_KEYS",
@@ -36,6 +37,12 @@ _LLAMA_LIKE = {
 """Families built as Llama is, whether or not their config.json spells ``hidden_act`` (Qwen2-MoE's and Qwen3-MoE's
 often do not: read as GPT-2 blocks, 23-32% of the parameters went missing, a review). Others whose file omits it take
 transformers' own default for the family (:func:`default_activation`)."""
+
+_LAYERNORM_LLAMA_LIKE = ("stablelm", "olmo")
+"""Families built as Llama is (a SiLU-gated MLP, rotary) whose norm is a LayerNorm: StableLM's ``nn.LayerNorm``, OLMo's
+(version 1) ``OlmoLayerNorm`` (``F.layer_norm`` without parameters, on an fp32 copy: its 2h a layer counted as a
+LayerNorm's weight and bias, 0.002% of a 7B's); not RMSNorm, whose eager copy they do not keep (a review: StableLM's
+eager memory read +14.9%, OLMo's +9.3%)."""
 
 _NO_POSITION_TABLE = (
     "gpt_neox",

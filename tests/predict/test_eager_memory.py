@@ -69,9 +69,9 @@ def test_layer_kernels_checked():
 
 
 ALLOWED = {"llama": 0.02, "mistral": 0.02, "qwen2": 0.02, "gpt_neox": 0.02, "opt": 0.02, "gpt2": 0.08, "phi3": 0.08,
-           "gemma": 0.10}  # fmt: skip
+           "gemma": 0.10, "stablelm": 0.08, "olmo": 0.12}  # fmt: skip
 """The largest error allowed each family: GPT-2's model keeps K and V copies for its cache, Phi-3's SDPA its output,
-Gemma's norm 2 B more: not counted."""
+Gemma's norm 2 B more, OLMo's LayerNorm an fp32 copy: not counted."""
 
 
 def _bench():
@@ -176,3 +176,17 @@ def test_validate_gives_the_growth_with_eager_layers_where_they_keep_more(capsys
     builtin.write_text(json.dumps(data))
     rc, out, _ = _cli(["validate", "--calibration", str(builtin), "--json"], capsys)
     assert json.loads(out)["errors"]["memory_growth_uncalibrated_eager"] is None
+
+
+@pytest.mark.parametrize("family", ["stablelm", "olmo"])
+def test_llama_built_families_with_a_layernorm_are_read_so(family, tmp_path):
+    """StableLM's nn.LayerNorm and OLMo's parameter-free one were read as RMSNorm (a SiLU-gated MLP made them
+    Llama-built), so eager layers priced an fp32 copy they do not keep."""
+    from microbatch.hf_config import from_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": family, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512, "hidden_act": "silu"}))  # fmt: skip
+    shape = from_hf_config(path)
+    assert shape.norm == "layernorm" and shape.gated_mlp
+    assert eager_layer_terms(shape, 100)["eager_norms"] == 0
