@@ -39,6 +39,13 @@ FAMILIES = {
     "gpt2": {"n_embd": 256, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "gpt_neox": {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4, "hidden_dropout": 0.0,
                  "attention_dropout": 0.0},
+    "qwen3": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64},
+    "olmo2": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 4},
+    "gemma2": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 64},
+    "gemma3_text": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 64},
     "stablelm": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 4},
     "olmo": {"hidden_size": 256, "intermediate_size": 704, "num_attention_heads": 4},
     "opt": {"hidden_size": 256, "ffn_dim": 1024, "num_attention_heads": 4, "dropout": 0.0, "attention_dropout": 0.0,
@@ -75,9 +82,13 @@ def measure(family: str, autocast: bool) -> dict:
             family, vocab_size=512, **{"n_layer" if family == "gpt2" else "num_hidden_layers": layers},
             **FAMILIES[family],
         )  # fmt: skip
-        cfg._attn_implementation = "sdpa"
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+        try:
+            cfg._attn_implementation = "sdpa"
+            model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+        except ValueError:  # Gemma 2: no SDPA (its logit soft-capping), eager attention as it runs
+            cfg._attn_implementation = "eager"
+            model = transformers.AutoModelForCausalLM.from_config(cfg).train()
         model = model if autocast else model.to(torch.bfloat16)
         measured.append(saved_bytes(model, torch.randint(0, 512, (B, S)), autocast))
         params.append(sum(p.numel() for p in model.parameters()))

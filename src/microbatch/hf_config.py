@@ -31,6 +31,7 @@ from microbatch.hf_families import (
     check_pad_token,
     default_activation,
     mpt_block_fields,
+    norm_fields,
 )
 from microbatch.moe import experts_from_hf, latent_attention_from_hf
 from microbatch.shape import ModelShape
@@ -369,6 +370,16 @@ def _check_decoder_only(raw: dict[str, Any], path: Path) -> None:
     )
 
 
+def _family_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[str, Any]:
+    """The block's build (:func:`_block_fields`), its activation and its norms' kind and places (what eager layers
+    keep: :func:`~microbatch.hf_families.activation_of`, :func:`~microbatch.hf_families.norm_fields`)."""
+    return {
+        **_block_fields(raw, model_type, positions),
+        "activation": activation_of(raw, model_type),
+        **norm_fields(model_type),
+    }
+
+
 def _block_fields(raw: dict[str, Any], model_type: str, positions: Any) -> dict[str, Any]:
     """The block's build by family: Llama-like (gated MLP, RMSNorm, rotary, no biases unless the config says, untied
     unless it says) for :data:`_LLAMA_LIKE`, :data:`_GATED_FAMILIES` and any SiLU/SwiGLU model but GPT-2; otherwise
@@ -453,7 +464,7 @@ def from_hf_config(
         vocab=vals["vocab"],
         seq=seq or positions or 2048,
     )
-    fields.update(_block_fields(raw, model_type, positions), activation=activation_of(raw, model_type))
+    fields.update(_family_fields(raw, model_type, positions))
     fields.update({k: v for k, v in given.items() if k in fields})  # the sizes given win before the rules run
     for f in ("layers", "hidden", "heads", "vocab"):
         if not isinstance(fields[f], int) or isinstance(fields[f], bool):

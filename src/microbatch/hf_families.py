@@ -10,6 +10,7 @@ from microbatch.errors import ConfigError
 
 __all__ = [
     "activation_of",
+    "norm_fields",
     "check_pad_token",
     "default_activation",
     "_GATED_FAMILIES",
@@ -37,6 +38,28 @@ _LLAMA_LIKE = {
 """Families built as Llama is, whether or not their config.json spells ``hidden_act`` (Qwen2-MoE's and Qwen3-MoE's
 often do not: read as GPT-2 blocks, 23-32% of the parameters went missing, a review). Others whose file omits it take
 transformers' own default for the family (:func:`default_activation`)."""
+
+_QK_NORM = ("qwen3", "olmo2", "olmo3", "gemma3")
+"""Family prefixes whose attention runs an RMSNorm over Q and K (``q_norm``, ``k_norm``): Qwen3 and Qwen3-MoE, OLMo 2
+and 3, Gemma 3 (read by the eager layers' memory)."""
+
+_NORM_PLACEMENT = {"gemma2": "sandwich", "gemma3": "sandwich", "olmo2": "post", "olmo3": "post"}
+"""Family prefixes whose norms are not only before each sublayer: Gemma 2 and 3 norm each sublayer's output too
+(``post_attention_layernorm`` and ``post_feedforward_layernorm`` beside the pre-norms); OLMo 2 and 3 only after."""
+
+
+def norm_fields(model_type: str) -> dict[str, Any]:
+    """``qk_norm``, ``norm_placement`` and ``norm_fp32`` of a family (:data:`_QK_NORM`, :data:`_NORM_PLACEMENT`, Gemma's
+    norm)."""
+    placement = next((v for k, v in _NORM_PLACEMENT.items() if model_type.startswith(k)), "pre")
+    return {
+        "qk_norm": model_type.startswith(_QK_NORM),
+        "norm_placement": placement,
+        "norm_fp32": model_type.startswith(
+            ("gemma", "vaultgemma")
+        ),  # GemmaRMSNorm: x.float() · (1 + w.float())
+    }
+
 
 _LAYERNORM_LLAMA_LIKE = ("stablelm", "olmo")
 """Families built as Llama is (a SiLU-gated MLP, rotary) whose norm is a LayerNorm: StableLM's ``nn.LayerNorm``, OLMo's

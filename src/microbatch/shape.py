@@ -76,6 +76,16 @@ class ModelShape:
     """The MLP's activation as transformers names it (``hidden_act``/``activation_function``: GPT-2's ``gelu_new``,
     Llama's ``silu``): what an eager layer keeps for its backward depends on how many operations it is written as
     (:data:`microbatch.predict.eager_memory.EAGER_ACTIVATION_SAVES`); nothing else reads it."""
+    qk_norm: bool = False
+    """An RMSNorm over the queries and keys before attention (Qwen3's and Gemma 3's per head, OLMo 2's over all heads);
+    read by the eager layers' memory only (:mod:`microbatch.predict.eager_memory`)."""
+    norm_fp32: bool = False
+    """The RMSNorm scales in fp32 before casting back (Gemma's ``x.float()`` · (1 + w)), so its eager form keeps the
+    normalised tensor in fp32; read by the eager layers' memory only."""
+    norm_placement: str = "pre"
+    """Where a block's norms sit: ``pre`` (before attention and the MLP: Llama, GPT-2), ``sandwich`` (before and after
+    each: Gemma 2 and 3), ``post`` (after each only, on the sublayer's output: OLMo 2); read by the eager layers' memory
+    only."""
     dropout: bool = True
     """Training uses dropout (GPT-2, the Megatron models): its 1-byte masks count as activations.
     Llama-family training runs without dropout."""
@@ -136,6 +146,11 @@ class ModelShape:
                                fix="give the learned position table's rows, or None for seq's")  # fmt: skip
         if self.sliding_window is not None or self.sliding_layers is not None:
             self._check_window()
+        if self.norm_placement not in ("pre", "sandwich", "post"):
+            raise ConfigError(
+                f"norm_placement {self.norm_placement!r} is not known; use 'pre', 'sandwich' or 'post'",
+                params=("norm_placement",),
+            )
         if self.local_attention not in ("sliding", "chunked"):
             raise ConfigError(
                 f"local_attention {self.local_attention!r} is not known; use 'sliding' (a window up to the query) "

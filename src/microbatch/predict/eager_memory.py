@@ -39,7 +39,13 @@ from __future__ import annotations
 
 from microbatch.model import ModelShape
 
-__all__ = ["EAGER_ACTIVATION_SAVES", "RMSNORM_EAGER_EXTRA", "eager_layer_terms", "activation_extra_tensors"]
+__all__ = [
+    "EAGER_ACTIVATION_SAVES",
+    "RMSNORM_EAGER_EXTRA",
+    "eager_layer_terms",
+    "activation_extra_tensors",
+    "rmsnorm_kept",
+]
 
 EAGER_ACTIVATION_SAVES: dict[str, float] = {
     "gelu": 1, "gelu_pytorch_tanh": 1, "gelu_10": 2, "gelu_accurate": 4, "gelu_fast": 7, "gelu_new": 4,
@@ -60,6 +66,16 @@ before the weight (6 B in bf16, input not kept; 8 B in fp32, the input being the
 :data:`EAGER_ACTIVATION_SAVES` is."""
 
 
+def rmsnorm_kept(shape: ModelShape, dtype_bytes: int) -> tuple[int, int]:
+    """(bytes an element transformers' RMSNorm keeps beyond the fused count before a sublayer, whose input the count
+    keeps; the same where the count keeps nothing of it: on a sublayer's output, or on Q and K before attention): its
+    fp32 copy (4 B) and the normalised tensor before the weight, e B, or 4 where the norm scales in fp32
+    (``ModelShape.norm_fp32``: Gemma's ``x.float()`` · (1 + w)), as :data:`RMSNORM_EAGER_EXTRA` measured them: Llama's
+    4 and 6 in bf16, Gemma's 6 and 8."""
+    normalised = 4 if shape.norm_fp32 else dtype_bytes
+    return RMSNORM_EAGER_EXTRA + normalised - dtype_bytes, RMSNORM_EAGER_EXTRA + normalised
+
+
 def activation_extra_tensors(shape: ModelShape) -> float:
     """Tensors of the MLP's width an eager layer keeps beyond the fused count (module docstring): the activation's
     saves less one in a plain MLP (its input, counted there), the saves in a gated one (nothing of them counted)."""
@@ -70,10 +86,21 @@ def activation_extra_tensors(shape: ModelShape) -> float:
 def eager_layer_terms(
     shape: ModelShape, tokens: float, *, tensor_parallel: int = 1, sp: int = 1, dtype_bytes: int = 2
 ) -> dict[str, float]:
-    """Bytes one eager layer keeps beyond the fused count for ``tokens`` tokens: ``eager_norms``, 2 ×
-    :data:`RMSNORM_EAGER_EXTRA`·tokens·h/sp with RMSNorm (0 with LayerNorm), and ``eager_activation``,
-    :func:`activation_extra_tensors` × e·tokens·f/t (0 in a mixture-of-experts block: not counted)."""
-    norms = 2 * RMSNORM_EAGER_EXTRA * tokens * shape.hidden / sp if shape.norm == "rmsnorm" else 0.0
+    """Bytes one eager layer keeps beyond the fused count for ``tokens`` tokens: ``eager_norms``, with RMSNorm
+    (:func:`rmsnorm_kept`), its first·tokens·h/sp for each norm before a sublayer (its input is in the fused count)
+    and its second·tokens·h/sp for each after one (``ModelShape.norm_placement``: Gemma's sandwich, OLMo 2's
+    post-norms, on outputs the count does not keep), and for a ``qk_norm`` the same·tokens·(a + kv)·d_h/t
+    (the projections' outputs, not counted: Q and K as they enter attention are); 0 with LayerNorm; and
+    ``eager_activation``, :func:`activation_extra_tensors` × e·tokens·f/t (0 in a mixture-of-experts block: not
+    counted)."""
+    norms = 0.0
+    if shape.norm == "rmsnorm":
+        before = 0 if shape.norm_placement == "post" else 2
+        after = 0 if shape.norm_placement == "pre" else 2
+        counted, uncounted = rmsnorm_kept(shape, dtype_bytes)
+        norms = (before * counted + after * uncounted) * tokens * shape.hidden / sp
+        if shape.qk_norm:
+            norms += uncounted * tokens * (shape.q_width + shape.kv * shape.head_dim) / tensor_parallel
     act = 0.0
     if shape.moe is None:
         act = activation_extra_tensors(shape) * dtype_bytes * tokens * shape.ffn / tensor_parallel
