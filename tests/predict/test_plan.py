@@ -514,9 +514,9 @@ def test_plan_dualpipev_step_time_is_its_closed_form_and_the_leaders_are_simulat
 def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
     """gpt2, p = 6, B = 24: at b_m 2 (m = 12 = 2p) DualPipeV, simulated, is faster than every other schedule
     simulated (ZB-H1 at b_m 2 by 1.4%: its closed form, 7% slower, overstated its bubble) and is the fastest that fits, holding more than 1F1B at the same b_m
-    (2p + 1 chunks of a rank's layers on rank 0). The knee (least memory within τ) is interleaved 1F1B at b_m 1,
-    v 2, simulated (1.23 GiB, within the line), not DualPipeV with full recompute (1.29 GiB): its rank 0 keeps one
-    micro-batch of gpt2's large logits (stage 2p − 1 runs each backward right after its forward). Its rules: m >= 2p (B = 11 leaves m <= 11 < 12),
+    (2p + 1 chunks of a rank's layers on rank 0). The least memory within τ is interleaved 1F1B at b_m 1, v 2,
+    simulated; the knee is DualPipeV at that b_m, faster for under 1% of the device more (the knee's tie at one b_m).
+    Its rules: m >= 2p (B = 11 leaves m <= 11 < 12),
     2p | layers (p = 4: 12 % 8), an even split; and it must fit."""
     fast = make_plan(_cfg(global_batch=24, pipeline_parallel=6, choose="fastest"))
     rec = fast.recommended
@@ -530,14 +530,20 @@ def test_plan_recommends_dualpipev_only_when_it_wins_under_its_rules():
     )
     assert rec.peak_memory_bytes > one.peak_memory_bytes  # 2p + 1 chunks against 1F1B's p
     knee = fast.knee
-    assert knee is not None and (knee.schedule, knee.micro_batch, knee.virtual) == ("interleaved-1f1b", 1, 2)
+    # the least memory within the line is interleaved 1F1B at b_m 1, v 2; DualPipeV at the same b_m holds under 1% of
+    # the device more (2026-12-07: a choice at one b_m within 1% of the budget is the faster's) and is the knee
+    from microbatch.predict.plan_choice import MEMORY_TIE
+
+    assert knee is not None and (knee.schedule, knee.micro_batch, knee.virtual) == ("dualpipev", 1, 2)
     assert knee.simulated  # settled against the line by the simulator, not its closed form
-    dualpipev_full = next(
-        c for c in fast.candidates if (c.schedule, c.micro_batch, c.recompute) == ("dualpipev", 2, "full")
+    least = next(
+        c
+        for c in fast.candidates
+        if (c.schedule, c.micro_batch, c.virtual) == ("interleaved-1f1b", 1, 2) and c.fits
     )
-    assert knee.peak_memory_bytes < dualpipev_full.peak_memory_bytes
-    within = [c for c in fast.candidates if c.fits and c.tokens_per_s >= knee.tokens_per_s]
-    assert knee.peak_memory_bytes <= min(c.peak_memory_bytes for c in within)
+    budget = fast.config.memory_budget_bytes
+    assert least.peak_memory_bytes < knee.peak_memory_bytes <= least.peak_memory_bytes + MEMORY_TIE * budget
+    assert knee.tokens_per_s > least.tokens_per_s
     assert make_plan(_cfg(global_batch=24, pipeline_parallel=6)).recommended == knee
     # too little memory for it: the fastest that fits is another schedule
     tight = make_plan(_cfg(global_batch=24, pipeline_parallel=6, choose="fastest",

@@ -340,13 +340,13 @@ def make_plan(cfg: PlanConfig, *, advise: bool = True) -> Plan:
     fastest = cands[0] if cands[0].fits else None
     knee = None
     if fastest is not None:
-        knee = knee_candidate(cands, cfg.tolerance, cfg.margin)
+        knee = knee_candidate(cands, cfg.tolerance, cfg.margin, cfg.memory_budget_bytes)
         if cfg.pipeline_parallel > 1 and not knee.simulated:
             # replay the knee as the leaders were, so both sides of the comparison are simulated
             sim = with_simulation(ctx, knee, model_flops)
             cands = sorted([sim if c is knee else c for c in cands], key=_sort_key)
             fastest = cands[0]
-            knee = knee_candidate(cands, cfg.tolerance, cfg.margin)
+            knee = knee_candidate(cands, cfg.tolerance, cfg.margin, cfg.memory_budget_bytes)
     rec = knee if cfg.choose == "knee" else fastest
     plan = Plan(config=cfg, candidates=tuple(cands), recommended=rec, fastest=fastest, knee=knee)
     advice = what_would_fit(cfg, plan) if rec is None and advise else None

@@ -19,7 +19,9 @@ MEMORY_TIE = 0.01
 """Peaks within 1% of the least are one memory to the knee: the memory fit's own error at the largest probe is under
 1% (:data:`microbatch.hardware.DEFAULT_HEADROOM`, BENCHMARKS.md), so a smaller saving is not one the prediction can
 promise. Without it a selective recompute under flash attention, which saves only the kernel's log-sum-exp (4·a·s·b/t
-bytes a layer, ~0.05% of Llama 3 8B's at s 8,192), was taken over no recompute for a slower step."""
+bytes a layer, ~0.05% of Llama 3 8B's at s 8,192), was taken over no recompute for a slower step. At the knee's own
+b_m, 1% of the memory budget too: the recompute, ZeRO stage or schedule chosen there saves memory only where memory
+is short (a small model on an A100 took full recompute, 5% slower, to save 0.07 GiB of 36: a user's walk-through)."""
 
 
 def sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
@@ -64,7 +66,7 @@ def contenders_simulated(ctx: Context, cands: list[Candidate], model_flops: floa
     _settle_fastest(ctx, fits, model_flops, done, budget)
     fits = _rows_settled(ctx, [done.get(id(c), c) for c in fits], model_flops, done)
     best = min(c.step_time_s for c in fits)  # with the rows': one may be faster where the first budget ended
-    knee = knee_candidate(fits, cfg.tolerance, cfg.margin)
+    knee = knee_candidate(fits, cfg.tolerance, cfg.margin, cfg.memory_budget_bytes)
     line_s = best / ((1.0 - cfg.tolerance) * (1.0 + cfg.margin))
     below = [c for c in fits if not c.simulated and c.peak_memory_bytes < knee.peak_memory_bytes]
     for c in sorted(below, key=lambda c: c.peak_memory_bytes):
@@ -121,12 +123,14 @@ def _simulate(ctx: Context, c: Candidate, model_flops: float, budget: list[int])
 
 
 def knee_candidate(
-    candidates: Sequence[Candidate], tolerance: float = PLAN_TOLERANCE, margin: float = PLAN_MARGIN
-) -> Candidate:
+    candidates: Sequence[Candidate], tolerance: float = PLAN_TOLERANCE, margin: float = PLAN_MARGIN,
+    budget: float | None = None,
+) -> Candidate:  # fmt: skip
     """The knee among the candidates that fit: the least peak memory among those whose tokens/s reach
     (1 − τ)·(1 + μ) of the fastest's — ``tune``'s rule ``fraction`` with a predicted reference
-    (``docs/knee.md``), over memory instead of b_m, peaks within :data:`MEMORY_TIE` of the least counted as one. Ties go
-    to the faster, then less recompute, lower ZeRO, less memory.
+    (``docs/knee.md``), over memory instead of b_m, peaks within :data:`MEMORY_TIE` of the least counted as one (at the
+    least one's b_m, within MEMORY_TIE of ``budget`` too). Ties go to the faster, then less recompute, lower ZeRO,
+    less memory.
 
     Raises ``ValueError`` when nothing fits.
     """
@@ -136,8 +140,14 @@ def knee_candidate(
     best = max(c.tokens_per_s for c in fits)
     line = (1.0 - tolerance) * (1.0 + margin) * best
     within = [c for c in fits if c.tokens_per_s >= line]
-    least = min(c.peak_memory_bytes for c in within)
-    same = [c for c in within if c.peak_memory_bytes <= least * (1.0 + MEMORY_TIE)]
+    smallest = min(within, key=lambda c: c.peak_memory_bytes)
+    least, b = smallest.peak_memory_bytes, smallest.micro_batch
+    same = [
+        c
+        for c in within
+        if c.peak_memory_bytes <= least * (1.0 + MEMORY_TIE)
+        or (c.micro_batch == b and c.peak_memory_bytes <= least + MEMORY_TIE * (budget or 0.0))
+    ]
     return min(
         same,
         key=lambda c: (
