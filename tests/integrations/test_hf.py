@@ -184,3 +184,17 @@ def test_the_probes_never_ask_for_more_rows_than_the_dataset_holds(tmp_path):
 def test_tune_trainer_names_what_it_needs():
     with pytest.raises(ConfigError, match=r"tune_trainer needs a transformers.Trainer, got NoneType"):
         tune_trainer(None)
+
+
+def test_a_bf16_trainer_is_probed_under_the_autocast_train_runs(tmp_path):
+    """transformers 5 takes autocast from Accelerate's prepared model inside train(): the probes, before it, ran the
+    step in fp32 (a user's walk-through: the MLP's output float32 in the probes, bfloat16 in training)."""
+    trainer = _trainer(tmp_path, bf16=True)
+    seen: list[tuple[bool, str]] = []
+    hook = trainer.model.transformer.h[0].mlp.register_forward_hook(
+        lambda m, a, out: seen.append((torch.is_autocast_enabled("cpu"), str(out.dtype)))
+    )
+    result = tune_trainer(trainer, timing=FAST, max_micro_batch=2, use_cache=False)
+    hook.remove()
+    assert seen and all(s == (True, "torch.bfloat16") for s in seen)  # every probe's step as train() runs it
+    assert result.to_dict()["precision"] == "bf16-mixed"

@@ -123,6 +123,7 @@ def tune_trainer(
         raise ConfigError(f"on_oom must be 'raise' or 'split', got {on_oom!r}")
     if on_oom == "split":
         _check_split(trainer)  # before the probes, not after them
+    options = _trainer_precision(args, options)
     dataset = trainer.train_dataset
     model = trainer.model
     created = trainer.optimizer is None
@@ -161,6 +162,15 @@ def tune_trainer(
     if on_oom == "split":
         split_on_oom(trainer, knee=b, grow_after=grow_after)
     return result
+
+
+def _trainer_precision(args: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the Trainer's precision where none was given: ``bf16=True`` probes under bf16 autocast, as
+    train() runs (transformers 5 takes autocast from Accelerate's prepared model, so the probes, before train(), ran
+    fp32 under ``compute_loss_context_manager``: a user's walk-through); fp16 is not measured (fp32, as before)."""
+    if "precision" in options or not getattr(args, "bf16", False):
+        return options
+    return {**options, "precision": "bf16-mixed"}
 
 
 def _probe_step(
