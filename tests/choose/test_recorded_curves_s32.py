@@ -163,3 +163,23 @@ def test_batch_past_every_valid_global_batch_says_none_is():
         assert "no global batch up to the limit of 1,000,000,000 is a multiple of 10,000,000,000" in str(e)
     else:
         raise AssertionError("accepted")
+
+
+def test_recommend_on_a_tunes_result_reads_the_noise_its_repeats_measured(tmp_path, capsys):
+    """tune saves each point's spread and repeats (its throughput_se null): recommend dropped them and called the noise
+    the curve's scatter, "no repeats measured", where tune had said "the measured noise" (a user's walk-through)."""
+    from microbatch.choose.noise import relative_se
+
+    points = [
+        {"micro_batch": b, "throughput": t, "spread": 0.08, "repeats": 3, "throughput_se": None, "oom": False}
+        for b, t in ((1, 980.0), (2, 1700.0), (4, 2600.0), (8, 2700.0))
+    ]
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"command": "tune", "version": "0.1.0", "points": points, "model": "tiny", "seq": 64,
+                                "precision": "fp32", "device": "cpu"}))  # fmt: skip
+    rc, out, _ = run(capsys, "recommend", "-m", str(path), "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["noise_from"] == "repeats"
+    from microbatch.choose.rows import points_from_records
+
+    assert points_from_records(points)[0].throughput_se == relative_se(0.08, 3) > 0

@@ -4,6 +4,7 @@ re-exports :func:`points_from_records`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -96,11 +97,26 @@ def _point(r: dict[str, Any], oom: bool) -> CurvePoint:
     return CurvePoint(
         micro_batch=None if b is None else int(b),  # type: ignore[arg-type]  # CurvePoint rejects None
         throughput=None if oom else _rate(r.get("throughput")),
+        throughput_se=None if oom else _se_of(r),
         peak_memory_bytes=None if peak is None else int(round(peak)),
         oom=oom,
         step_time_s=step,
         checkpointing=true_or_false(r.get("checkpointing", False), where="checkpointing"),
     )
+
+
+def _se_of(r: dict[str, Any]) -> float | None:
+    """A row's relative standard error: its ``throughput_se``, else from the ``spread`` and ``repeats`` of a tune's
+    point (:func:`~microbatch.choose.noise.relative_se`, as tune's own search reads them), else None: the noise a tune
+    measured was dropped on the way back (``recommend`` on its result said "no repeats measured", a user's walk)."""
+    from microbatch.choose.noise import relative_se
+
+    se, spread, repeats = r.get("throughput_se"), r.get("spread"), r.get("repeats")
+    if isinstance(se, (int, float)) and not isinstance(se, bool) and math.isfinite(se) and se >= 0:
+        return float(se)
+    if isinstance(spread, (int, float)) and isinstance(repeats, int) and not isinstance(repeats, bool):
+        return relative_se(float(spread), repeats) or None
+    return None
 
 
 def _rate(raw: Any) -> float | None:
