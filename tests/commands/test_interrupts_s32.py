@@ -116,3 +116,15 @@ def test_simulate_stopped_while_it_draws_keeps_its_numbers(capsys, monkeypatch, 
     d = json.loads(capsys.readouterr().out)
     assert rc == 130 and d["kind"] == "interrupted" and d["bubble_fraction"] == pytest.approx(3 / 11)
     assert "interrupted while the charts were written" in d["error"]
+
+
+def test_memory_that_does_not_fit_offers_only_fixes_not_taken(capsys):
+    """A user who gave --recompute full was told to recompute (--recompute full) (a walk-through)."""
+    from microbatch.cli import main
+
+    base = ["memory", "--model", "gpt2", "-b", "512", "--gpu", "h100-sxm"]
+    assert main([*base, "--recompute", "full"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "--recompute full" not in err.split("does not fit", 1)[1]
+    assert main([*base, "--recompute", "none"]) == 2
+    assert "recompute (--recompute full)" in capsys.readouterr().err

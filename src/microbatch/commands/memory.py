@@ -257,14 +257,19 @@ def _chunks_per_rank(virtual: int | None, schedule: str | None, stages: int) -> 
 
 
 def _does_not_fit(out: dict[str, Any], acc: Accelerator) -> str:
-    """Why a peak does not fit ``acc`` as plan keeps it (its headroom), and whether it fits the device itself."""
+    """Why a peak does not fit ``acc`` as plan keeps it (its headroom), whether it fits the device itself, and the
+    fixes not already taken (a user given ``--recompute full`` was told to recompute)."""
+    config = out.get("config") or {}
+    fixes = "shard more (--zero, -t, -p)" + (
+        "" if config.get("recompute") == "full" else ", recompute (--recompute full)"
+    )
     return (
         f"the peak {out['peak_memory_bytes'] / 2**30:.2f} GiB does not fit {out['memory_budget_bytes'] / 2**30:.2f} "
         f"GiB of {acc.name} (capacity × (1 − headroom {out['memory_headroom']:g}), as plan keeps)"
         + (
-            "; it is inside the device itself: plan --memory-headroom 0 runs with it"
+            "; it is inside the device itself (plan, with --memory-headroom 0, would run it)"
             if out["fits_device"]
             else ""
         )
-        + "; shard more (--zero, -t, -p), recompute (--recompute full) or lower -b"
+        + f"; {fixes} or lower -b"
     )
