@@ -128,3 +128,14 @@ def test_memory_that_does_not_fit_offers_only_fixes_not_taken(capsys):
     assert "does not fit" in err and "--recompute full" not in err.split("does not fit", 1)[1]
     assert main([*base, "--recompute", "none"]) == 2
     assert "recompute (--recompute full)" in capsys.readouterr().err
+
+
+def test_memory_without_a_pipeline_shows_no_schedule(capsys):
+    """`p=1 v=1 m=4 1f1b` on a single-GPU run named a pipeline schedule and a default m the plan does not use."""
+    from microbatch.cli import main
+
+    assert main(["memory", "--model", "gpt2", "-b", "4"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "p=1 (no pipeline)" in head and "1f1b" not in head
+    assert main(["memory", "--model", "gpt2", "-b", "4", "-p", "2"]) == 0
+    assert "p=2 v=1 m=8 1f1b" in capsys.readouterr().out.splitlines()[0]

@@ -144,7 +144,8 @@ def render_memory(
         f"{shape.name}: {params}; b_m={cfg.micro_batch} s={cfg.seq or shape.seq} "
         f"t={cfg.tensor_parallel}{' +SP' if cfg.sequence_parallel else ''} p={cfg.pipeline_parallel} "
         f"{f'c={cfg.context_parallel} ' if cfg.context_parallel > 1 else ''}"
-        f"v={cfg.virtual} m={cfg.m} {cfg.schedule}; recompute {cfg.recompute}"
+        + (f"v={cfg.virtual} m={cfg.m} {cfg.schedule}" if cfg.pipeline_parallel > 1 else "(no pipeline)")
+        + f"; recompute {cfg.recompute}"
         f"{f' (one layer in {cfg.recompute_every})' if cfg.recompute == 'full' and cfg.recompute_every > 1 else ''}; "
         f"{_precision_words(cfg)} "
         f"({w}+{g}+{o} = {w + g + o} B/param{_cache_words(cfg)}), {cfg.loss_kernel} loss"
