@@ -114,3 +114,13 @@ def test_lightning_s_deepspeed_stage_1_is_told_of_the_bf16_optimizer():
     notes = " ".join(exp.notes)
     assert "runs its bf16 optimizer" in notes and "grad_dtype bf16+fp32" in notes
     assert "(4 of the node's 8 accelerators)" in notes
+
+
+def test_an_hf_export_of_zero_3_says_what_the_trainers_fsdp_would_run():
+    """'this config runs fsdp1' under an hf export whose dict holds no fsdp key read as a claim about the dict (a
+    walk-through); it names the Trainer's fsdp= now."""
+    from microbatch.show.export_common import _zero3_runner_notes
+
+    notes = _zero3_runner_notes({"zero": 3, "zero3_impl": "fsdp2"}, "hf")
+    assert notes and "the Trainer's fsdp=" in notes[0] and "this config runs" not in notes[0]
+    assert "this config runs fsdp1" in _zero3_runner_notes({"zero": 3, "zero3_impl": "fsdp2"}, "lightning")[0]

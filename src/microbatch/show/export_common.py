@@ -167,9 +167,14 @@ def _zero3_runner_notes(c: Json, fmt: str) -> list[str]:
     runner, priced = ZERO3_RUNNERS.get(fmt), c.get("zero3_impl", "fsdp2")
     if runner is None or c.get("zero", 0) < 3 or c.get("pipeline_parallel", 1) > 1 or priced == runner:
         return []
+    who = (  # the Trainer's config carries no sharding of its own: say what its fsdp= would run
+        "the Trainer's fsdp= (FullyShardedDataParallel through Accelerate) runs fsdp1 by default"
+        if fmt == "hf"
+        else f"this config runs {runner}"
+    )
     return [
-        f"the plan priced ZeRO-3 as {priced} runs it, and this config runs {runner}: plan with zero3_impl {runner} "
-        "for its copies and its reduce dtype"
+        f"the plan priced ZeRO-3 as {priced} runs it, and {who}: plan with zero3_impl {runner} for its copies and its "
+        "reduce dtype"
     ]
 
 
