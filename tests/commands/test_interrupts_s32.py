@@ -139,3 +139,19 @@ def test_memory_without_a_pipeline_shows_no_schedule(capsys):
     assert "p=1 (no pipeline)" in head and "1f1b" not in head
     assert main(["memory", "--model", "gpt2", "-b", "4", "-p", "2"]) == 0
     assert "p=2 v=1 m=8 1f1b" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_an_hf_config_asked_past_its_positions_says_so(capsys, tmp_path):
+    import json
+
+    from microbatch.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000,
+                                "max_position_embeddings": 512}))  # fmt: skip
+    assert main(["memory", "--hf-config", str(path), "-b", "1", "--seq", "4096", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("s = 4,096 is past the config's max_position_embeddings 512" in n for n in notes)
+    assert main(["memory", "--hf-config", str(path), "-b", "1", "--seq", "256", "--json"]) == 0
+    assert not any("past the config" in n for n in json.loads(capsys.readouterr().out).get("notes", []))

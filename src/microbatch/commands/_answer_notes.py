@@ -40,6 +40,12 @@ def hf_config_notes(
             )
             + ", not necessarily your data's; give --seq with the length you train at"
         )
+    if spec.get("seq") is not None and isinstance(positions, int) and shape.seq > positions:
+        notes.append(
+            f"s = {shape.seq:,} is past the config's max_position_embeddings {positions:,}: the model was not built "
+            "for it (rotary positions run past it, a learned table would not; a rope_scaling in the config is how "
+            "its family extends it)"
+        )
     if not family:
         notes.append(
             f"{path} has no model_type: built as GPT-2 blocks (LayerNorm, a GeLU MLP of ffn_hidden, learned positions, "
