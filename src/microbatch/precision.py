@@ -86,7 +86,7 @@ LAYER_KERNELS = {
     "fused": "fused or compiled layers (Megatron's, Transformer Engine's, torch.compile's): Korthikanti et al.'s "
     "count",
     "eager": "Hugging Face transformers' layers run op by op: RMSNorm's fp32 copy and the activation as written keep "
-    "more (GPT-2's block 1.75x, Llama's 1.47x the fused count)",
+    "more (GPT-2's block 1.75x, Llama's 1.47x the fused count; a ReLU MLP less, its input not kept)",
 }
 """What a layer keeps for its backward (:mod:`microbatch.predict.eager_memory`)."""
 

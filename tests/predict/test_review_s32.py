@@ -66,3 +66,21 @@ def test_at_the_knees_b_m_no_recompute_for_a_saving_under_one_percent_of_the_dev
         knee.peak_memory_bytes - min(c.peak_memory_bytes for c in same_b)
         < MEMORY_TIE * plan.config.memory_budget_bytes
     )
+
+
+def test_the_library_refuses_eager_layers_beside_a_calibration_or_fused_kernels():
+    """The CLI refused them; PlanConfig took both silently (a metamorphic sweep's find)."""
+    import pytest
+
+    from microbatch.errors import ConfigError
+    from microbatch.predict.memory_config import MemoryCalibration
+    from microbatch.predict.roofline import DEFAULT_EFFICIENCY
+
+    kw = dict(
+        shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=8, layer_kernels="eager"
+    )
+    with pytest.raises(ConfigError, match="memory calibration"):
+        PlanConfig(**kw, memory_calibration=MemoryCalibration(activation_scale=1.3))
+    with pytest.raises(ConfigError, match="fused or compiled elementwise"):
+        PlanConfig(**kw, efficiency=replace(DEFAULT_EFFICIENCY, fused_elementwise=True))
+    assert PlanConfig(**kw).layer_kernels == "eager"

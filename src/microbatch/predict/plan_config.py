@@ -205,6 +205,7 @@ class PlanConfig(StateSettings):
             )
         self._check_choices()
         self.check_settings()  # the precision, the four state settings, the loss's dtype and kernel, the FP8 recipe
+        self._check_eager_layers()
         self._check_virtuals_fit_schedules()  # each v >= 1 first, then one the named schedules run
         self._check_virtuals_split_layers()
         if self.choose not in CHOICES:
@@ -232,6 +233,24 @@ class PlanConfig(StateSettings):
             sequence_parallel=self.sequence_parallel,
             layers_per_stage=self.layers_per_stage,
         ).validate_for(self.shape)
+
+    def _check_eager_layers(self) -> None:
+        """ConfigError for eager layers' memory beside a memory calibration (fitted to what the measured layers kept:
+        counted twice) or fused or compiled elementwise kernels (which keep the fused count): the CLI's rule, here."""
+        if self.layer_kernels != "eager":
+            return
+        why = (
+            "a memory calibration, fitted to what the measured layers kept (the excess counted twice)"
+            if self.memory_calibration != MemoryCalibration()
+            else "fused or compiled elementwise kernels, which keep the fused count"
+            if self.efficiency.fused_elementwise
+            else None
+        )
+        if why:
+            raise ConfigError(
+                f"layer_kernels eager with {why}; drop one of them",
+                params=("layer_kernels",),
+            )
 
     def _check_choices(self) -> None:
         """ConfigError for a schedule, recompute or ZeRO choice not known, or a micro-batch that does not divide
