@@ -283,6 +283,7 @@ def moe_shape(name: str, seq: int, table: dict) -> ModelShape:
     return ModelShape(
         name=name, layers=t["layers"], hidden=t["hidden"], heads=t["heads"], head_size=t.get("head_size"), kv_heads=t["kv"],
         ffn_hidden=t["expert_ffn"], vocab=t["vocab"], seq=seq, gated_mlp=True, bias=t["bias"], norm="rmsnorm", activation="silu",
+        qk_norm=name.startswith("qwen3"),  # Qwen3's q_norm and k_norm (what its eager layers keep)
         learned_positions=False, dropout=False, sliding_window=t.get("sliding_window"),
         sliding_layers=t.get("sliding_layers"),
         moe=Experts(experts=t["experts"], top_k=t["top_k"], expert_ffn_hidden=t["expert_ffn"],

@@ -134,11 +134,13 @@ PRESETS: dict[str, ModelShape] = {
         moe=Experts(experts=256, top_k=8, expert_ffn_hidden=2048, shared_experts=1, dense_layers=3),
         mla=LatentAttention(kv_lora_rank=512, q_lora_rank=1536),
     ),
-    # HF configs (tests/data/published_runs.json cites them); left out: Qwen3's per-head q/k norms, GPT-OSS's
-    # expert biases and attention sinks. s = 4096, as the Megatron-Bridge rows ran them.
+    # HF configs (tests/data/published_runs.json cites them); left out: the parameters of Qwen3's per-head q/k norms
+    # (its qk_norm is kept: what its eager layers keep), GPT-OSS's expert biases and attention sinks. s = 4096, as the
+    # Megatron-Bridge rows ran them.
     "qwen3-30b-a3b": replace(
         _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 768, 151936, 4096),
         head_size=128,
+        qk_norm=True,
         moe=Experts(experts=128, top_k=8, expert_ffn_hidden=768),
     ),
     "gpt-oss-120b": replace(
