@@ -215,3 +215,26 @@ def test_qk_norms_sandwich_and_post_norms_and_gemmas_fp32_norm_by_hand():
     assert fp32 == 2 * 8 * tokens * h  # in fp32 the copy is the input itself: 4 + 4
     with pytest.raises(ConfigError, match="norm_placement 'middle' is not known"):
         replace(base, norm_placement="middle")
+
+
+def test_the_final_norms_eager_copy_on_the_last_stage_and_plan_agreeing_with_memory():
+    """The final RMSNorm keeps its fp32 copy too (4·s·b·h on the stage with the head: a sweep's find), and the plan's
+    candidate and `memory` give the same peak under eager layers."""
+    from microbatch.hardware import get_accelerator
+    from microbatch.predict.activations import output_activation_bytes
+    from microbatch.predict.memory import MemoryConfig, estimate_memory
+    from microbatch.predict.plan import PlanConfig, make_plan
+
+    llama, gpt2 = get_model("llama-2-7b"), get_model("gpt2")
+    grown = output_activation_bytes(llama, 2, eager_layers=True) - output_activation_bytes(llama, 2)
+    assert grown == 4 * 4096 * 2 * 4096
+    assert output_activation_bytes(gpt2, 2, eager_layers=True) == output_activation_bytes(
+        gpt2, 2
+    )  # LayerNorm
+    cfg = PlanConfig(shape=llama, gpu=get_accelerator("h100-sxm"), global_batch=16, pipeline_parallel=2,
+                     micro_batches=(2,), recompute=("none",), zero=(0,), schedules=("1f1b",), layer_kernels="eager")  # fmt: skip
+    c = make_plan(cfg).candidates[0]
+    mem = estimate_memory(
+        llama, MemoryConfig(micro_batch=2, pipeline_parallel=2, microbatches=8, layer_kernels="eager")
+    )
+    assert c.peak_memory_bytes == pytest.approx(mem.peak_bytes, rel=1e-9)

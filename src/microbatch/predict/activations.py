@@ -15,7 +15,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.model import ModelShape
-from microbatch.predict.eager_memory import eager_layer_terms
+from microbatch.predict.eager_memory import eager_layer_terms, rmsnorm_kept
 from microbatch.predict.experts import moe_activation_terms
 from microbatch.predict.recompute import every_kth, op_saved_terms, recompute_working
 
@@ -210,19 +210,21 @@ def output_activation_bytes(
     sequence_parallel: bool = False,
     dtype_bytes: int = 2,
     logits_bytes: int = 4,
+    eager_layers: bool = False,
 ) -> float:
     """Final norm input and output-projection input (2 × e·sbh) plus the logits the loss keeps, 4·s·b·V/t in fp32
-    (``logits_bytes``: 2 when the loss takes the half logits, :data:`microbatch.precision.LOSS_DTYPES`).
+    (``logits_bytes``: 2 when the loss takes the half logits, :data:`microbatch.precision.LOSS_DTYPES`); with
+    ``eager_layers`` a final RMSNorm's eager copy too (:func:`microbatch.predict.eager_memory.rmsnorm_kept`).
 
     Korthikanti et al. 2022 §4.3 ("4sbh/t·(1 + v/h)" with SP and 2-byte activations); the logits
     are vocabulary-parallel, so split by t. Ignores the logits' gradient, a transient of the same size.
     """
     s = seq or shape.seq
     sp = tensor_parallel if sequence_parallel else 1
+    norm = rmsnorm_kept(shape, dtype_bytes)[0] if eager_layers and shape.norm == "rmsnorm" else 0
     return (
-        2 * dtype_bytes * s * micro_batch * shape.hidden / sp
-        + logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
-    )
+        2 * dtype_bytes + norm
+    ) * s * micro_batch * shape.hidden / sp + logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
 
 
 def loss_backward_bytes(

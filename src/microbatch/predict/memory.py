@@ -118,7 +118,7 @@ def _head_bytes(shape: ModelShape, config: MemoryConfig, seq: int, e: int) -> tu
     t, b, lb = config.tensor_parallel, config.micro_batch, loss_bytes(config.loss_dtype, config.precision)
     out = output_activation_bytes(
         shape, b, seq=seq, tensor_parallel=t, sequence_parallel=config.sequence_parallel, dtype_bytes=e,
-        logits_bytes=lb,
+        logits_bytes=lb, eager_layers=config.layer_kernels == "eager",
     )  # fmt: skip
     kernel = config.loss_kernel
     return out, loss_backward_bytes(shape, b, seq=seq, tensor_parallel=t, logits_bytes=lb, loss_kernel=kernel)

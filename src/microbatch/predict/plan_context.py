@@ -320,7 +320,14 @@ def activations(ctx: Context, b: int, rc: str) -> Activations:
         )
         emb = embedding_activation_bytes(cfg.shape, b, **ctx.act_kw)
         lb = LOSS_DTYPES[cfg.loss_dtype]
-        out = output_activation_bytes(cfg.shape, b, dtype_bytes=ctx.e, logits_bytes=lb, **ctx.act_kw)
+        out = output_activation_bytes(
+            cfg.shape,
+            b,
+            dtype_bytes=ctx.e,
+            logits_bytes=lb,
+            eager_layers=cfg.layer_kernels == "eager",
+            **ctx.act_kw,
+        )
         loss_tr = loss_backward_bytes(
             cfg.shape, b, seq=ctx.act_kw["seq"], tensor_parallel=cfg.tensor_parallel, logits_bytes=lb,
             loss_kernel=cfg.loss_kernel,
