@@ -183,3 +183,10 @@ def test_recommend_on_a_tunes_result_reads_the_noise_its_repeats_measured(tmp_pa
     from microbatch.choose.rows import points_from_records
 
     assert points_from_records(points)[0].throughput_se == relative_se(0.08, 3) > 0
+
+
+def test_a_negative_spread_is_no_noise_not_an_error_about_a_field_not_written():
+    from microbatch.choose.rows import points_from_records
+
+    pts = points_from_records([{"micro_batch": 1, "throughput": 100.0, "spread": -0.5, "repeats": 3}])
+    assert pts[0].throughput_se is None

@@ -198,3 +198,14 @@ def test_a_bf16_trainer_is_probed_under_the_autocast_train_runs(tmp_path):
     hook.remove()
     assert seen and all(s == (True, "torch.bfloat16") for s in seen)  # every probe's step as train() runs it
     assert result.to_dict()["precision"] == "bf16-mixed"
+
+
+def test_a_probe_config_given_keeps_its_precision_under_a_bf16_trainer(tmp_path):
+    """A review: the Trainer's bf16 replaced an explicit ProbeConfig(precision="fp32") silently."""
+    from microbatch.choose.tune.config import ProbeConfig
+
+    trainer = _trainer(tmp_path, bf16=True)
+    result = tune_trainer(
+        trainer, probe=ProbeConfig(precision="fp32"), timing=FAST, max_micro_batch=2, use_cache=False
+    )
+    assert result.to_dict()["precision"] == "fp32"

@@ -114,8 +114,16 @@ def _se_of(r: dict[str, Any]) -> float | None:
     se, spread, repeats = r.get("throughput_se"), r.get("spread"), r.get("repeats")
     if isinstance(se, (int, float)) and not isinstance(se, bool) and math.isfinite(se) and se >= 0:
         return float(se)
-    if isinstance(spread, (int, float)) and isinstance(repeats, int) and not isinstance(repeats, bool):
-        return relative_se(float(spread), repeats) or None
+    ok_spread = (
+        isinstance(spread, (int, float))
+        and not isinstance(spread, bool)
+        and math.isfinite(spread)
+        and spread >= 0
+    )
+    if (
+        ok_spread and isinstance(repeats, int) and not isinstance(repeats, bool)
+    ):  # a negative spread: not a noise
+        return relative_se(float(spread), repeats) or None  # type: ignore[arg-type]  # a number, checked above
     return None
 
 

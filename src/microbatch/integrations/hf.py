@@ -168,8 +168,8 @@ def _trainer_precision(args: Any, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` with the Trainer's precision where none was given: ``bf16=True`` probes under bf16 autocast, as
     train() runs (transformers 5 takes autocast from Accelerate's prepared model, so the probes, before train(), ran
     fp32 under ``compute_loss_context_manager``: a user's walk-through); fp16 is not measured (fp32, as before)."""
-    if "precision" in options or not getattr(args, "bf16", False):
-        return options
+    if "precision" in options or "probe" in options or not getattr(args, "bf16", False):
+        return options  # the user's own, as a keyword or in a ProbeConfig
     return {**options, "precision": "bf16-mixed"}
 
 

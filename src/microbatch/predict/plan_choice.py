@@ -20,8 +20,10 @@ MEMORY_TIE = 0.01
 1% (:data:`microbatch.hardware.DEFAULT_HEADROOM`, BENCHMARKS.md), so a smaller saving is not one the prediction can
 promise. Without it a selective recompute under flash attention, which saves only the kernel's log-sum-exp (4·a·s·b/t
 bytes a layer, ~0.05% of Llama 3 8B's at s 8,192), was taken over no recompute for a slower step. At the knee's own
-b_m, 1% of the memory budget too: the recompute, ZeRO stage or schedule chosen there saves memory only where memory
-is short (a small model on an A100 took full recompute, 5% slower, to save 0.07 GiB of 36: a user's walk-through)."""
+b_m, 1% of the memory budget too, where that is under τ of the peak: the recompute, ZeRO stage or schedule chosen
+there saves memory only where memory is short (a small model on an A100 took full recompute, 5% slower, to save
+0.07 GiB, 9% of its peak, of 36: a user's walk-through); τ keeps a small model's tie from doubling its peak (a
+review: gpt2 on a B200 took 3.05 GiB for 0.4% over 1.51)."""
 
 
 def sort_key(c: Candidate) -> tuple[bool, float, int, int, float]:
@@ -129,8 +131,8 @@ def knee_candidate(
     """The knee among the candidates that fit: the least peak memory among those whose tokens/s reach
     (1 − τ)·(1 + μ) of the fastest's — ``tune``'s rule ``fraction`` with a predicted reference
     (``docs/knee.md``), over memory instead of b_m, peaks within :data:`MEMORY_TIE` of the least counted as one (at the
-    least one's b_m, within MEMORY_TIE of ``budget`` too). Ties go to the faster, then less recompute, lower ZeRO,
-    less memory.
+    least one's b_m, within MEMORY_TIE of ``budget`` too, up to τ of the peak). Ties go to the faster, then less
+    recompute, lower ZeRO, less memory; and a candidate within the line faster at no more memory is the knee instead.
 
     Raises ``ValueError`` when nothing fits.
     """
@@ -142,18 +144,25 @@ def knee_candidate(
     within = [c for c in fits if c.tokens_per_s >= line]
     smallest = min(within, key=lambda c: c.peak_memory_bytes)
     least, b = smallest.peak_memory_bytes, smallest.micro_batch
+    at_b = min(
+        MEMORY_TIE * (budget or 0.0), tolerance * least
+    )  # under 1% of the device and under τ of the peak
     same = [
         c
         for c in within
         if c.peak_memory_bytes <= least * (1.0 + MEMORY_TIE)
-        or (c.micro_batch == b and c.peak_memory_bytes <= least + MEMORY_TIE * (budget or 0.0))
+        or (c.micro_batch == b and c.peak_memory_bytes <= least + at_b)
     ]
-    return min(
-        same,
-        key=lambda c: (
-            -float(f"{c.tokens_per_s:.6g}"),
-            _RECOMPUTE_RANK[c.recompute],
-            c.zero,
-            c.peak_memory_bytes,
-        ),
-    )
+    knee = min(same, key=_faster_first)
+    # never beaten outright: a candidate within the line, faster, at no more memory, is the knee instead
+    better = [
+        c
+        for c in within
+        if c.peak_memory_bytes <= knee.peak_memory_bytes and c.tokens_per_s > knee.tokens_per_s
+    ]
+    return min(better, key=_faster_first) if better else knee
+
+
+def _faster_first(c: Candidate) -> tuple[float, int, int, float]:
+    """The knee's order among ties: faster (to 6 digits), then less recompute, lower ZeRO, less memory."""
+    return (-float(f"{c.tokens_per_s:.6g}"), _RECOMPUTE_RANK[c.recompute], c.zero, c.peak_memory_bytes)
