@@ -190,3 +190,13 @@ def test_a_negative_spread_is_no_noise_not_an_error_about_a_field_not_written():
 
     pts = points_from_records([{"micro_batch": 1, "throughput": 100.0, "spread": -0.5, "repeats": 3}])
     assert pts[0].throughput_se is None
+
+
+def test_the_largest_b_m_predicted_to_fit_names_the_largest_a_held_global_batch_allows(tmp_path, capsys):
+    """ "largest b_m predicted to fit ...: 36" under -B 64 named a b_m no step can run (a walk-through)."""
+    curve = _csv(tmp_path, "c.csv", "micro_batch,throughput,peak_memory_bytes\n1,100,2000000000\n2,180,3000000000\n"
+                 "4,250,5000000000\n8,270,9000000000\n")  # fmt: skip
+    rc, text, _ = run(capsys, "recommend", "-m", curve, "--memory-budget", "40GiB", "-B", "64")
+    assert rc == 0 and "headroom: 37 (the largest dividing B/d = 64: 32)" in text
+    rc, text, _ = run(capsys, "recommend", "-m", curve, "--memory-budget", "40GiB")
+    assert rc == 0 and "headroom: 37\n" in text + "\n" and "dividing" not in text

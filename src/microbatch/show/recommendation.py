@@ -90,6 +90,19 @@ def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
     return []
 
 
+def _dividing(most: int, d: Mapping[str, Any]) -> str:
+    """Beside the largest b_m predicted to fit, where a global batch is held and it does not divide B/d, the largest
+    that does (a walk-through: "36" under -B 64, which no step can run)."""
+    big_b, dp = d.get("global_batch"), d.get("data_parallel") or 1
+    if not most or not big_b or big_b % dp:
+        return ""
+    per = big_b // dp
+    if per % most == 0:
+        return ""
+    best = max((b for b in range(1, min(most, per) + 1) if per % b == 0), default=None)
+    return f" (the largest dividing B/d = {per}: {best})" if best else ""
+
+
 def _noise_lines(d: Mapping[str, Any]) -> list[str]:
     """The b_m the measurements cannot tell from the knee, and how the knee was chosen among them."""
     same = [b for b in d.get("indistinguishable") or [] if b != d["micro_batch"]]
@@ -163,6 +176,7 @@ def detail_lines(d: Mapping[str, Any], unit: str, *, left_out: bool = True) -> l
         lines.append(
             f"largest b_m predicted to fit {format_bytes(d['memory_budget_bytes'])} with "
             f"{100 * d['memory_headroom']:.0f}% headroom: {most or 'none'}"
+            + _dividing(most, d)
             + (
                 f" (the knee, b_m = {d['micro_batch']}, was measured at {format_bytes(d['peak_memory_bytes'])}: "
                 "within the budget, not within the headroom the prediction keeps)"
