@@ -111,19 +111,18 @@ def _se_of(r: dict[str, Any]) -> float | None:
     measured was dropped on the way back (``recommend`` on its result said "no repeats measured", a user's walk)."""
     from microbatch.choose.noise import relative_se
 
-    se, spread, repeats = r.get("throughput_se"), r.get("spread"), r.get("repeats")
-    if isinstance(se, (int, float)) and not isinstance(se, bool) and math.isfinite(se) and se >= 0:
-        return float(se)
-    ok_spread = (
-        isinstance(spread, (int, float))
-        and not isinstance(spread, bool)
-        and math.isfinite(spread)
-        and spread >= 0
-    )
-    if (
-        ok_spread and isinstance(repeats, int) and not isinstance(repeats, bool)
-    ):  # a negative spread: not a noise
-        return relative_se(float(spread), repeats) or None  # type: ignore[arg-type]  # a number, checked above
+    se, spread, repeats = _share(r.get("throughput_se")), _share(r.get("spread")), r.get("repeats")
+    if se is not None:
+        return se
+    if spread is not None and isinstance(repeats, int) and not isinstance(repeats, bool):
+        return relative_se(spread, repeats) or None
+    return None  # a negative or missing spread: no noise
+
+
+def _share(v: Any) -> float | None:
+    """``v`` as a float where it is a finite number >= 0 (a relative error or spread), else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+        return float(v)
     return None
 
 
