@@ -50,7 +50,7 @@ def test_lightning_notes_fsdp_wrapping_fp8_masters_and_fp32_gradients():
     assert any("auto_wrap_policy" in n for n in fsdp.notes)
     ddp = export_plan(_plan(zero=(0,)), "lightning")
     assert not any("auto_wrap_policy" in n for n in ddp.notes)
-    fp8 = export_plan(_plan(zero=(0,), precision="fp8"), "lightning")
+    fp8 = export_plan(_plan(zero=(0,), precision="fp8", fp8_recipe="te-delayed"), "lightning")
     assert fp8.config["trainer"]["precision"] == "transformer-engine"
     assert any("no fp32 master copy" in n for n in fp8.notes)
     assert not any("master copy" in n for n in ddp.notes)

@@ -73,7 +73,7 @@ def test_deepspeed_notes_moe_and_lightning_writes_transformer_engine():
     assert any("deepspeed.moe.layer.MoE(ep_size=8" in n for n in ex.notes)
     gpt2 = dict(shape=get_model("gpt2"), tensor_parallel=1, sequence_parallel=False, pipeline_parallel=1,
                 global_batch=8, schedules=None, zero=(0,))  # fmt: skip
-    lt = export_plan(_plan(precision="fp8", **gpt2), "lightning")
+    lt = export_plan(_plan(precision="fp8", fp8_recipe="te-delayed", **gpt2), "lightning")
     assert (
         lt.config["trainer"]["precision"] == "transformer-engine"
         and lt.config["trainer"]["strategy"] == "ddp"

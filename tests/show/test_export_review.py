@@ -172,7 +172,7 @@ def test_lightning_precision_in_lightnings_words():
 def test_lightning_refuses_fp8_under_fsdp_or_deepspeed_and_tensor_parallelism():
     """Lightning's FSDPPrecision and DeepSpeedPrecision refuse 'transformer-engine'; its Trainer has no TP keyword
     (devices = d·t would run DDP over d·t replicas: a t× global batch)."""
-    fp8 = dict(gpu=get_accelerator("h100-80gb"), precision="fp8")
+    fp8 = dict(gpu=get_accelerator("h100-80gb"), precision="fp8", fp8_recipe="te-delayed")
     for zero, strategy in ((1, "deepspeed_stage_1"), (3, "fsdp")):
         with pytest.raises(
             ConfigError, match=rf"its {strategy} strategy, for ZeRO {zero}, refuses it"

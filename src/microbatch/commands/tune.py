@@ -139,7 +139,9 @@ def _timing(device: str, repeats: int | None, clock: str | None) -> TimingConfig
     from microbatch.errors import check_positive_int
     from microbatch.measure.timing import TimingConfig
 
-    if repeats is None and clock in ("wall", None):
+    if (
+        repeats is None and clock is None
+    ):  # a --clock wall given is kept: on a small CPU the default is process
         return None
     base = default_timing(device)
     if repeats is not None:

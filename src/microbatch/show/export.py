@@ -34,7 +34,7 @@ The layouts of issue 29 (:func:`_check_supported`): torchtitan takes expert para
 writes MoE as a note (its ``deepspeed.moe.layer.MoE(ep_size=…)`` lives in model code) and refuses context
 parallelism (Ulysses is all-to-all, not a ring) and FP8 (no FP8 switch in its config); the Hugging Face
 Trainer and Lightning refuse expert and context parallelism; the Trainer refuses FP8 and Lightning writes
-Transformer Engine's ``precision="transformer-engine"`` (tensorwise only).
+Transformer Engine's ``precision="transformer-engine"`` (its delayed scaling: ``te-delayed`` plans only).
 """
 
 from __future__ import annotations
@@ -282,10 +282,18 @@ def _lacks(c: Json, fmt: str) -> list[str]:
         lacks.append(f"hybrid sharding over groups of {c['shard_degree']} set here")
     recipe = c.get("fp8_recipe", "tensorwise")
     # torchtitan's float8 is torchao's (tensorwise, rowwise); Lightning's FP8 is TE's plugin at its default
-    # DelayedScaling, which runs neither torchao's rowwise nor TE's current scaling
-    theirs = {"torchtitan": ("tensorwise", "rowwise"), "lightning": ("tensorwise", "te-delayed")}.get(fmt, ())
+    # DelayedScaling (lightning/fabric/plugins/precision/transformer_engine.py: recipe = DelayedScaling() when none is
+    # given), which runs neither torchao's dynamic scaling (tensorwise, rowwise) nor TE's current scaling
+    theirs = {"torchtitan": ("tensorwise", "rowwise"), "lightning": ("te-delayed",)}.get(fmt, ())
     if precision_of(c) == "fp8" and recipe not in theirs:
-        lacks.append(f"FP8 {recipe} recipe in its configuration")
+        lacks.append(
+            f"FP8 {recipe} recipe in its configuration"
+            + (
+                " (its Transformer Engine plugin runs delayed scaling: fp8_recipe te-delayed)"
+                if fmt == "lightning"
+                else ""
+            )
+        )
     each = (
         c.get("pipeline_grad_reduce") == "each"
         and c.get("pipeline_parallel", 1) > 1
@@ -313,7 +321,7 @@ def _check_supported(c: Json, fmt: str) -> None:
         others = [f for f in FORMATS if f != fmt and _exports(c, f)]
         to = f"export this plan to {' or '.join(others)}, or " if others else ""
         raise ConfigError(f"{fmt} has no {' and no '.join(lacks)}; {to}plan again without it",
-                          params=("moments_dtype", "master_weights"))  # fmt: skip
+                          params=("moments_dtype", "master_weights", "fp8_recipe"))  # fmt: skip
 
 
 _BUILDERS = {

@@ -20,6 +20,7 @@ def deepspeed_config(c: Json) -> tuple[Json, list[str]]:
             f"pipeline parallelism, here p = {p}); plan again with zero 1 (or 0), or export to torchtitan",
             params=("zero",),
         )
+    _check_pipeline_bf16(c, p, d)
     cfg: Json = {
         "train_batch_size": c["global_batch"],
         "train_micro_batch_size_per_gpu": c["micro_batch"],
@@ -42,6 +43,12 @@ def deepspeed_config(c: Json) -> tuple[Json, list[str]]:
         f"({c['micro_batch']} × {c['grad_accum']} × {d}); launch with d = {d} "
         f"data-parallel ranks (world size {d * p * t})"
     ]
+    if p == 1 and prec == "bf16-mixed" and cfg["zero_optimization"]["stage"] == 0:
+        notes.append(
+            "bf16 without ZeRO needs DeepSpeed 0.17.6 or later (#7515, its non-ZeRO bf16 mode); older engines raise "
+            '"Bfloat16 wrapper must use a gradient accumulation type of fp32, enable ZeRO to use Bfloat16 gradient '
+            'accumulation"'
+        )
     if t > 1 and p == 1:
         notes.append(
             f"tensor parallelism t = {t} without a pipeline: pass mpu= (your model-parallel unit, whose "
@@ -101,6 +108,27 @@ def _pipeline_notes(c: Json, p: int, t: int, d: int) -> list[str]:
             "parameters, uniformly or by a layer type): override PipelineModule._partition_layers to set it"
         )
     return notes
+
+
+def _check_pipeline_bf16(c: Json, p: int, d: int) -> None:
+    """ConfigError for a bf16 pipeline plan without ZeRO and with half-precision gradients: DeepSpeed's engine runs a
+    bf16 pipeline model through its bf16 optimizer whatever stage 0 says (``_do_optimizer_sanity_check``: model and
+    accumulation dtypes both bf16 with pipeline parallelism → ``BFLOAT16``), which shards the fp32 master and moments
+    over the d ranks and keeps a model-sized gradient buffer beside the bf16 gradients: not the plan's unsharded
+    16 B/param with one all-reduce."""
+    if (
+        p > 1
+        and precision_of(c) == "bf16-mixed"
+        and c.get("zero", 0) == 0
+        and c.get("grad_dtype", "half") == "half"
+    ):
+        raise ConfigError(
+            f"DeepSpeed's pipeline engine (p = {p}) runs a bf16 model through its bf16 optimizer even at ZeRO stage 0: "
+            f"master weights and moments sharded over the {d} data-parallel ranks, a full gradient buffer beside the "
+            "bf16 gradients (2 B/param more than the plan priced); plan again with zero 1 (its ZeRO-1 optimizer), or zero "
+            "1 and grad_dtype bf16+fp32 (that bf16 optimizer, its buffer in fp32), or export to torchtitan",
+            params=("zero", "grad_dtype"),
+        )
 
 
 def check_deepspeed_grad_dtype(c: Json, prec: str) -> None:

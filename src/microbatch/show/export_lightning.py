@@ -15,7 +15,7 @@ GPUS_PER_NODE = 8
 
 _LIGHTNING_PRECISION = {"bf16-mixed": "bf16-mixed", "fp16-mixed": "16-mixed", "fp32": "32-true",
                         "fp8": "transformer-engine"}  # fmt: skip
-"""The plan's precision → Lightning's ``Trainer(precision=...)``; FP8 is Transformer Engine's plugin (tensorwise)."""
+"""The plan's precision → Lightning's ``Trainer(precision=...)``; FP8 is Transformer Engine's plugin (delayed scaling)."""
 
 _LIGHTNING_STRATEGY = {0: "ddp", 1: "deepspeed_stage_1", 2: "deepspeed_stage_2", 3: "fsdp"}
 """ZeRO stage → Lightning's registered strategy name (with d > 1)."""

@@ -19,8 +19,13 @@ __all__ = ["detail_lines", "render_curve", "render_recommendation", "render_tune
 
 def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per measured b_m (throughput, step time, peak), the knee and the fastest marked (none when ``d`` has
-    no choice: the points of a refused one), and the points measured with activation checkpointing on."""
-    lines = [f"{'b_m':>6} {'throughput':>14} {'step ms':>9} {'peak memory':>12}  "]
+    no choice: the points of a refused one), and the points measured with activation checkpointing on. A decode
+    tune's throughput is generated tokens per second over its decode steps, the prefill apart (its own column)."""
+    decode = d.get("mode") == "decode"
+    head = ("decode tok/s", "ms/token") if decode else ("throughput", "step ms")
+    lines = [
+        f"{'b_m':>6} {head[0]:>14} {head[1]:>9} {'peak memory':>12}  " + ("prefill ms" if decode else "")
+    ]
     knee, fastest = d.get("micro_batch"), (d.get("fastest_fitting") or {}).get("micro_batch")
     for p in sorted(points, key=lambda p: p["micro_batch"]):
         mark = []
@@ -33,10 +38,11 @@ def render_curve(d: Mapping[str, Any], points: Sequence[Mapping[str, Any]]) -> l
         if p.get("oom"):
             lines.append(f"{p['micro_batch']:>6} {'out of memory':>14}")
             continue
-        st = p.get("step_time_s")
+        st, pre = p.get("step_time_s"), p.get("prefill_s")
+        prefill = f"{pre * 1e3:>10.2f}  " if decode and isinstance(pre, (int, float)) and pre == pre else ""
         lines.append(
             f"{p['micro_batch']:>6} {p['throughput']:>14,.1f} {'' if st is None else f'{st * 1e3:.2f}':>9} "
-            f"{format_bytes(p.get('peak_memory_bytes')):>12}  {', '.join(mark)}"
+            f"{format_bytes(p.get('peak_memory_bytes')):>12}  {prefill}{', '.join(mark)}"
         )
     return lines
 
