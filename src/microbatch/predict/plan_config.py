@@ -300,7 +300,7 @@ class PlanConfig(StateSettings):
                         f"{min(self.layers_per_stage)}); use a smaller virtual",
                         params=("virtuals", "layers_per_stage"),
                     )
-            elif L % (p * v):
+            elif v > 1 and L % (p * v):  # v = 1: one chunk a rank, split unevenly as without virtuals
                 ok = [x for x in range(2, L // p + 1) if L % (p * x) == 0]
                 raise ConfigError(
                     f"virtual {v}: interleaved 1F1B needs layers {L} divisible by stages {p} × virtual {v} = {p * v}; "
