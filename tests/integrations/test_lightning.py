@@ -249,10 +249,13 @@ def test_a_schedule_over_the_estimated_steps_is_built_for_the_knee():
     sized from estimated_stepping_batches covered the pre-tune batch's steps (64 against the 8 that ran): the
     training was not a by-hand run's. configure_optimizers now runs again at the chosen b_m and g."""
     module = Scheduled()
+    original = module.batch_size
     knee = KneeBatchSize(B, timing=FAST, max_micro_batch=8, use_cache=False)
     _trainer(knee, max_steps=-1, max_epochs=1, limit_train_batches=64).fit(module)
     b, g = knee.micro_batch, knee.grad_accum
-    assert module.total == 64 // g  # the optimizer steps of one epoch of 64 batches of b_m, g at a time
+    batches = module.trainer.limit_train_batches  # 64 batches of the user's size, counted in batches of b_m
+    assert batches * b == 64 * original
+    assert module.total == batches // g  # the optimizer steps of one epoch of those batches, g at a time
     assert module.trainer.global_step == module.total and b * g == B
 
 

@@ -23,6 +23,7 @@ from microbatch.integrations.common import (
     options_with_cap,
     quiet_cache,
 )
+from microbatch.integrations.lightning_logged import LoggedState
 from microbatch.integrations.lightning_oom import CallbackBase as _Base
 from microbatch.integrations.lightning_oom import SplitOnOOM, _per_token_labels, loss_of
 from microbatch.measure.snapshot import restore_rng, save_rng
@@ -180,16 +181,52 @@ class KneeBatchSize(_Base):
                 "KneeBatchSize probes automatic optimization only (the module sets automatic_optimization = "
                 "False); call microbatch.tune() with your own step instead"
             )
+        self._record_before_optimizers(pl_module)
+
+    def _record_before_optimizers(self, pl_module: Any) -> None:
+        """Wrap the module's ``configure_optimizers`` (for this fit only) to save the generators just before the
+        strategy calls it: after the tune it runs again from that state (:func:`_rebuild_optimizers`), so what it
+        draws — the train loader ``trainer.estimated_stepping_batches`` builds and iterates, its sampler's seed — is
+        drawn as a run set by hand to the knee draws it. Restored at the fit's start state instead, the loader
+        rebuilt for the fit loop drew one seed later: another data order from the first batch (a review, 2026-12-07)."""
+        self._before_optimizers: Any = None
+        user = pl_module.__dict__.get("configure_optimizers")
+        bound = pl_module.configure_optimizers
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            if self._before_optimizers is None:
+                self._before_optimizers = save_rng()
+            return bound(*args, **kwargs)
+
+        self._wrapped = (pl_module, user)
+        pl_module.configure_optimizers = recording
+
+    def _unwrap(self) -> None:
+        pl_module, user = getattr(self, "_wrapped", (None, None))
+        if pl_module is None:
+            return
+        if user is None:
+            pl_module.__dict__.pop("configure_optimizers", None)
+        else:
+            pl_module.configure_optimizers = user
+        self._wrapped = (None, None)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Probe, restore, then set the knee b_m and g."""
         rng = save_rng()  # rebuilding a DataLoader draws from the global generator (Lightning iter()s it)
         try:
-            self._tune(trainer, pl_module)
+            replayed = self._tune(trainer, pl_module, rng)
+        except BaseException:
+            restore_rng(rng)
+            raise
         finally:
+            self._unwrap()
+        if not replayed:
             restore_rng(rng)
 
-    def _tune(self, trainer: Any, pl_module: Any) -> None:
+    def _tune(self, trainer: Any, pl_module: Any, rng: Any) -> bool:
+        """Tune, set the knee, and build the optimizers again at it; True when they were built from the generators'
+        state before the strategy first built them (what they drew then is drawn again, as it was)."""
         from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 
         from microbatch.choose.tune import tune
@@ -225,6 +262,9 @@ class KneeBatchSize(_Base):
         muted = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
         pl_module.log = lambda *a, **k: None  # no result collection before the fit loop runs
         pl_module.log_dict = lambda *a, **k: None
+        # the module's torchmetrics, which the probes' training_step updates: put back after (an epoch's accuracy
+        # counted the probes' rows: 0.164 for the 0.281 of a run set by hand, a review, 2026-12-07)
+        metrics = LoggedState.take(trainer, pl_module)
         try:
             with quiet_cache():  # said below, in Lightning's own way
                 result = tune(
@@ -237,28 +277,44 @@ class KneeBatchSize(_Base):
             _drop_dataloaders(trainer)
             raise
         finally:
+            metrics.restore()
             for name, value in muted.items():
                 if value is None:
                     pl_module.__dict__.pop(name, None)
                 else:
                     setattr(pl_module, name, value)
+        return self._set(
+            trainer, pl_module, result, (b, g, original if isinstance(original, int) else b), (per_token, rng)
+        )
+
+    def _set(self, trainer: Any, pl_module: Any, result: TuneResult, sizes: tuple[int, int, int],
+             context: tuple[bool, Any]) -> bool:  # fmt: skip
+        """Set the knee ``sizes`` = (b_m, g, the user's batch size) on the module and the trainer, build the
+        optimizers again at it (``context`` = (per-token labels, the generators at the fit's start)) and say it."""
+        from lightning.pytorch.utilities import rank_zero_info
+        from lightning.pytorch.utilities.parsing import lightning_setattr
+
+        (b, g, original), (per_token, rng), world = sizes, context, trainer.world_size
         lightning_setattr(pl_module, self.batch_arg_name, b)
         if per_token and g > int(trainer.accumulate_grad_batches):
             _warn_mean_of_means(g)
         trainer.accumulate_grad_batches = g
+        rescaled = _rescale_batch_counts(trainer, original, b)
         _drop_dataloaders(trainer)
+        before = getattr(self, "_before_optimizers", None)
+        restore_rng(before if before is not None else rng)
         _rebuild_optimizers(trainer)
-        _drop_dataloaders(
-            trainer
-        )  # estimated_stepping_batches may have loaded them: the fit loop builds its own
+        if (
+            before is None
+        ):  # estimated_stepping_batches may have loaded them from the wrong state: the fit loop
+            _drop_dataloaders(trainer)  # builds its own
         self.result, self.micro_batch, self.grad_accum = result, b, g
-        from lightning.pytorch.utilities import rank_zero_info
-
         emit_lines(curve_lines(result, b, g, world), trainer.global_rank)
-        emit_lines(choice_lines(result, b, g, world), trainer.global_rank, say=rank_zero_info)
+        emit_lines(choice_lines(result, b, g, world) + rescaled, trainer.global_rank, say=rank_zero_info)
         for logger in trainer.loggers:
             logger.log_hyperparams({"microbatch/micro_batch": b, "microbatch/grad_accum": g,
                                     "microbatch/global_batch": self.global_batch})  # fmt: skip
+        return before is not None
 
 
 def _check_loader(loader: Any, b: object, attr: str) -> None:
@@ -277,6 +333,37 @@ def _check_loader(loader: Any, b: object, attr: str) -> None:
             f"{attr} = {b}: it does not follow the attribute (a fixed batch_sampler, or batch_size=None); build "
             f"the DataLoader with batch_size=self.{attr}"
         )
+
+
+BATCH_COUNTS = ("limit_train_batches", "val_check_interval")
+"""The Trainer's settings that an int makes a count of train loader batches (a float is a share of the epoch)."""
+
+
+def _rescale_batch_counts(trainer: Any, original: int, b: int) -> list[str]:
+    """Each of :data:`BATCH_COUNTS` given as an int, a count of loader batches of ``original`` rows, set to the same
+    rows in batches of the knee's ``b`` (a run without the callback trained 10 batches of 8 an epoch; at b_m 4 the
+    same 10 batches held half the rows, and its optimizer steps with them); one that does not divide is warned of.
+    The lines that say what changed."""
+    import warnings
+
+    said: list[str] = []
+    for name in BATCH_COUNTS:
+        value = getattr(trainer, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or b == original:
+            continue
+        rows = value * original
+        if rows % b:
+            warnings.warn(
+                f"{name}={value} counts loader batches of {original} rows ({rows} rows); at the knee's b_m {b} no whole "
+                f"number of batches holds them, so it is left at {value} ({value * b} rows): give {name} as a share "
+                "of the epoch (a float) or a count of batches of the knee",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            continue
+        setattr(trainer, name, rows // b)
+        said.append(f"{name} {value} → {rows // b}: the same {rows} rows in batches of {b}")
+    return said
 
 
 def _warn_mean_of_means(g: int) -> None:

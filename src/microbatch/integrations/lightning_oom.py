@@ -209,7 +209,8 @@ class SplitOnOOM(CallbackBase):
                 extra.clear()  # a failed piece's outputs go before the next forward, not after it
             # a piece with no items still runs, as the unsplit step ran its rows: its dropout draws keep the random
             # stream where the unsplit step leaves it, and a loss's terms that are not per item count under "sum"
-            with piece_logging(trainer, mb):
+            weight = None if self.count_fn is None else rows * w  # the piece's size for an epoch mean
+            with piece_logging(trainer, mb, weight, module):
                 out = original(mb, *rest, **kwargs)
             loss = loss_of(out, "SplitOnOOM", " for a piece of the batch")
             if w == 0.0 and (mean or not bool(torch.isfinite(loss.detach()).all())):
