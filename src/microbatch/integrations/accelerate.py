@@ -19,7 +19,7 @@ from typing import Any
 from microbatch.batch import grad_accum_for
 from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig, apply_options, check_options_used
 from microbatch.choose.tune.config import ProbeConfig, SearchConfig
-from microbatch.choose.tune.driver import Setup, run_search
+from microbatch.choose.tune.driver import Setup, TuneInterrupted, run_search
 from microbatch.choose.tune.probing import CPU_TIMING, default_timing
 from microbatch.choose.tune.search import StopSearch
 from microbatch.errors import ConfigError
@@ -194,8 +194,8 @@ def knee_batch_size(
         finally:
             restore_rng(rng)
         wrapper.result = result  # type: ignore[attr-defined]
-        if result.interrupted:
-            raise KeyboardInterrupt
+        if result.interrupted:  # as tune(): the points measured go with the interrupt
+            raise TuneInterrupted(result)
         b, g = choice_of(result, global_batch, world)
         emit_lines(curve_lines(result, b, g, world), _rank())
         emit_lines(choice_lines(result, b, g, world), _rank(), say=_accelerate_print)

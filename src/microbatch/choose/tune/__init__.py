@@ -28,12 +28,20 @@ if TYPE_CHECKING:  # the names as the type checker sees them; loaded on first us
     from microbatch.choose.tune.entry import (
         NOTHING_MEASURED,
         NonFiniteLoss,
+        TuneInterrupted,
         configs_from_options,
         tune,
         tune_model,
     )
 
-__all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
+__all__ = [
+    "NOTHING_MEASURED",
+    "NonFiniteLoss",
+    "TuneInterrupted",
+    "configs_from_options",
+    "tune",
+    "tune_model",
+]
 
 
 def __getattr__(name: str) -> Any:

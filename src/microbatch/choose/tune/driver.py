@@ -32,10 +32,26 @@ from microbatch.choose.tune.search import OnPoint, SearchLog, curve_point, searc
 from microbatch.errors import NoChoiceError
 from microbatch.measure.probes import Measurement
 
-__all__ = ["NOTHING_MEASURED", "Setup", "run_search"]
+__all__ = ["NOTHING_MEASURED", "Setup", "TuneInterrupted", "run_search"]
 
 NOTHING_MEASURED = "interrupted before any point was measured: nothing to choose from"
 """The KeyboardInterrupt's message when Ctrl-C came before the first point."""
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during :func:`~microbatch.choose.tune.tune`, after some points were measured: a
+    ``KeyboardInterrupt``, so a script (or Lightning's, the Trainer's, Accelerate's loop) stops as it would without
+    the tune, with what was measured in :attr:`result` (``interrupted`` set; the points also kept in the cache, where
+    it is on). Returning that result instead let a user's loop train on at a knee chosen from half a curve (a review,
+    2026-12-07)."""
+
+    def __init__(self, result: Any) -> None:
+        measured = ", ".join(str(p.micro_batch) for p in result.points)
+        super().__init__(
+            f"interrupted: {len(result.points)} point(s) measured (b_m {measured}); the partial result is this "
+            "exception's .result"
+        )
+        self.result = result
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ from microbatch.choose.tune.cache import (
     optimizer_identity,
 )
 from microbatch.choose.tune.config import ProbeConfig, SearchConfig
-from microbatch.choose.tune.driver import NOTHING_MEASURED, Setup, run_search
+from microbatch.choose.tune.driver import NOTHING_MEASURED, Setup, TuneInterrupted, run_search
 from microbatch.choose.tune.probing import (
     check_cuda_budget,
     default_timing,
@@ -54,7 +54,14 @@ from microbatch.choose.tune.user_step import (
 from microbatch.errors import ConfigError, check_instance
 from microbatch.measure.snapshot import gc_frozen, leave_no_trace
 
-__all__ = ["NOTHING_MEASURED", "NonFiniteLoss", "configs_from_options", "tune", "tune_model"]
+__all__ = [
+    "NOTHING_MEASURED",
+    "NonFiniteLoss",
+    "TuneInterrupted",
+    "configs_from_options",
+    "tune",
+    "tune_model",
+]
 
 
 def configs_from_options(
@@ -302,6 +309,9 @@ def tune(
     before each probe (``/proc/self/clear_refs``), so the figure includes the whole process. There
     is no child process here: on the CPU an over-committed host can kill this process, so give a
     ``max_micro_batch``. ``reference``: as in :func:`tune_model`.
+
+    **Ctrl-C** (or SIGTERM): the state is put back, then :class:`TuneInterrupted` (a ``KeyboardInterrupt``) is raised
+    with the points measured so far in its ``result``; before the first point, a plain ``KeyboardInterrupt``.
     """
 
     from microbatch.measure.inprocess import InProcessProber
@@ -337,6 +347,8 @@ def tune(
     notes = user_step_notes(model, step.first_loss)
     result = replace(result, timing_choice=timing_choice, notes=(*result.notes, *notes))
     _say_cached(result)
+    if result.interrupted:  # the state is back as it was; the caller's loop stops, as without the tune
+        raise TuneInterrupted(result)
     return result
 
 
