@@ -310,3 +310,32 @@ def test_the_probe_times_a_whole_accumulation_window_before_it_stops():
     assert (
         len(probe.gaps_s) == 5 and calls == 7
     )  # a warm-up step, then 5 gaps; max_repeats 2 alone stopped at 2 gaps, before any optimizer step
+
+
+def test_on_a_small_cpu_the_decorator_times_as_tune_does(monkeypatch):
+    """One thread and the process clock on a CPU of 4 cores or fewer (tune's rule), where a timing is not given: the
+    decorator timed with the wall clock and torch's threads, and on 2 loaded cores chose b_m 1 where tune chose 32."""
+    import microbatch.hardware as hardware
+
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
+    threads: list[tuple[bool, int]] = []
+
+    @knee_batch_size(global_batch=B, max_micro_batch=4, use_cache=False)
+    def train(micro_batch, grad_accum, probe=None):
+        threads.append((probe is not None, torch.get_num_threads()))
+        model = torch.nn.Linear(32, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in DataLoader(DATA, batch_size=micro_batch):
+            torch.nn.functional.mse_loss(model(x).squeeze(-1), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if probe is not None:
+                probe.step()
+            else:
+                break
+
+    before = torch.get_num_threads()
+    train()
+    assert {p.clock for p in train.result.points} == {"process"}
+    assert {n for probing, n in threads if probing} == {1} and threads[-1] == (False, before)
+    assert "1 thread, process clock" in train.result.timing_choice

@@ -20,8 +20,9 @@ from microbatch.batch import grad_accum_for
 from microbatch.choose.config import DEFAULT_TOLERANCE, ChoiceConfig, apply_options, check_options_used
 from microbatch.choose.tune.config import ProbeConfig, SearchConfig
 from microbatch.choose.tune.driver import Setup, TuneInterrupted, run_search
-from microbatch.choose.tune.probing import CPU_TIMING, default_timing
+from microbatch.choose.tune.probing import CPU_TIMING
 from microbatch.choose.tune.search import StopSearch
+from microbatch.choose.tune.user_step import in_process_timing, torch_threads
 from microbatch.errors import ConfigError
 from microbatch.integrations.common import (
     check_global_batch,
@@ -145,7 +146,9 @@ def knee_batch_size(
     function's ``result`` attribute holds the :class:`~microbatch.choose.result.TuneResult`.
     ``timing``: warm-up, repeats, time limit and clock of each probe
     (:class:`~microbatch.measure.timing.TimingConfig`; default
-    :func:`microbatch.choose.tune.probing.default_timing` of the device). ``device``: where peak memory
+    :func:`microbatch.choose.tune.probing.default_timing` of the device, and on a CPU :func:`~microbatch.choose.tune`'s
+    rule: one thread and the process clock on a CPU of 4 cores or fewer, the threads put back for the real call;
+    the result's ``timing_choice`` says which). ``device``: where peak memory
     is read and the step synchronised (default: ``cuda`` when available, else ``cpu``).
     """
     if function is None:
@@ -172,27 +175,24 @@ def knee_batch_size(
         check_global_batch(global_batch, world)
         s, c = _configs(options_with_cap(opts, global_batch, world), world)
         dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        measure = _measurer(function, args, kwargs, global_batch, world, dev, timing or default_timing(dev))
+        # tune()'s rule on a CPU: one thread and the process clock on a small one unless a timing is given (the wall
+        # clock and torch's threads on 2 loaded cores read b_m 2 at a fifth of b_m 1's rate, and chose 1)
+        times, threads, why = in_process_timing(ProbeConfig(device=dev, timing=timing), dev.split(":")[0])
+        measure = _measurer(function, args, kwargs, global_batch, world, dev, times)
         probe = ProbeConfig(device=dev)  # the device is all a decorated function's probe config says
-        setup = Setup(
-            model_label=getattr(function, "__qualname__", "function"),
-            fingerprint_fields=None,  # a function's step cannot be keyed: no cache
-            budget_source="given" if c.memory_budget_bytes else "none",
-            t_start=time.perf_counter(),
-            device_name=dev,
-            precision="as the function runs",
-        )
+        setup = _setup(function, c, dev)
         # the random generators as they were: the real call draws what it would have drawn without
         # the probes before it (its model's initialisation, its data order), whatever the probes did
         rng = save_rng()
         if dev.startswith("cuda") and "cuda" not in rng:
             rng["cuda"] = torch.cuda.get_rng_state_all()  # initialises CUDA, which the probes would
         try:
-            with gc_frozen():  # each probe's gc.collect() skips the objects that existed before
+            with gc_frozen(), torch_threads(threads):  # gc.collect() skips the objects that existed before
                 no_cache = replace(s, use_cache=False)
                 result = run_search(_FunctionProber(measure), probe, no_cache, c, setup, None)
         finally:
             restore_rng(rng)
+        result = replace(result, timing_choice=why)
         wrapper.result = result  # type: ignore[attr-defined]
         if result.interrupted:  # as tune(): the points measured go with the interrupt
             raise TuneInterrupted(result)
@@ -203,6 +203,18 @@ def knee_batch_size(
 
     wrapper.result = None  # type: ignore[attr-defined]
     return wrapper
+
+
+def _setup(function: Callable[..., Any], c: ChoiceConfig, dev: str) -> Setup:
+    """The run's naming for the driver: the function's name, no cache key (a function's step cannot be keyed)."""
+    return Setup(
+        model_label=getattr(function, "__qualname__", "function"),
+        fingerprint_fields=None,
+        budget_source="given" if c.memory_budget_bytes else "none",
+        t_start=time.perf_counter(),
+        device_name=dev,
+        precision="as the function runs",
+    )
 
 
 def _check_world(world: int) -> None:
@@ -316,7 +328,7 @@ def _measurer(
         return Measurement(
             micro_batch=b, throughput=b / t, samples_per_s=b / t, step_time_s=t, micro_step_s=t,
             repeats=len(gaps), spread=spread_all, peak_memory_bytes=int(peak_all), peak_allocated_bytes=alloc,
-            memory_method=device.method, clock="wall",
+            memory_method=device.method, clock=timing.clock,  # StepProbe times with it on every device
         )  # fmt: skip
 
     return measure
