@@ -52,3 +52,21 @@ def test_ctrl_c_before_any_point_is_a_plain_interrupt():
         microbatch.tune(model, make, loss_fn=loss_fn, optimizer=opt, global_batch=64, max_micro_batch=16,
                         timing=FAST, use_cache=False)  # fmt: skip
     assert not isinstance(err.value, TuneInterrupted)
+
+
+def test_misuse_is_refused_with_the_contract_not_torch_s_traceback():
+    """A review's user: a criterion passed as loss_fn, a detached loss, an optimizer over another model: torch's
+    TypeError and RuntimeError, or (the last) a silent tune of another model's update."""
+    from microbatch.errors import ConfigError
+
+    model, opt, make = _setup()
+    kw = dict(global_batch=64, max_micro_batch=4, timing=FAST, use_cache=False)
+    with pytest.raises(ConfigError, match=r"tune calls loss_fn\(model, batch\) .* needs wrapping"):
+        microbatch.tune(model, make, loss_fn=torch.nn.CrossEntropyLoss(), optimizer=opt, **kw)
+    detached = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]).detach()  # noqa: E731
+    with pytest.raises(ConfigError, match="does not require grad"):
+        microbatch.tune(model, make, loss_fn=detached, optimizer=opt, **kw)
+    other = torch.optim.AdamW(torch.nn.Linear(16, 10).parameters())
+    with pytest.raises(ConfigError, match=r"none of them Sequential's"):
+        microbatch.tune(model, make, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+                        optimizer=other, **kw)  # fmt: skip

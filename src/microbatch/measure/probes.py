@@ -218,6 +218,12 @@ class TrainProbe:
                 f"tune's loss_fn(model, batch) must return one number (a 0-dim tensor), got a tensor of shape "
                 f"{tuple(loss.shape)} (reduction='none'?); reduce it: loss.mean() or loss.sum()"
             )
+        if getattr(loss, "requires_grad", True) is False:
+            raise ConfigError(
+                "tune's loss_fn(model, batch) returned a loss that does not require grad: computed under "
+                "torch.no_grad(), from a detached output (.detach(), .item()), or with every parameter frozen; "
+                "compute it from the model's output with the parameters to train left trainable"
+            )
         loss.backward()
         return loss
 
@@ -226,7 +232,15 @@ class TrainProbe:
         is read once (``first_loss``: a NaN or infinite loss is reported, not timed around)."""
         self.model.train()
         batch = self.make_batch(micro_batch)
-        loss = self._micro(batch)
+        try:
+            loss = self._micro(batch)
+        except TypeError as e:  # the first call: most often the contract, not the model
+            raise ConfigError(
+                f"the first training step raised TypeError: {e}; tune calls loss_fn(model, batch) with a batch "
+                "from make_batch(b) and backpropagates the loss it returns: a criterion of (output, target) such "
+                "as nn.CrossEntropyLoss() needs wrapping, e.g. loss_fn=lambda model, batch: "
+                "criterion(model(batch[0]), batch[1])"
+            ) from e
         self.first_loss = float(loss.detach().float().item())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -65,6 +65,15 @@ def check_trainable(model: Any, optimizer: Any) -> None:
             "training step to tune; unfreeze the parameters to train (p.requires_grad_(True)), or pass the "
             "optimizer you train with"
         )
+    groups = getattr(optimizer, "param_groups", None)
+    held = {id(p) for g in groups or () if isinstance(g, dict) for p in g.get("params", ())}
+    if held and not held & {id(p) for p in model.parameters()}:
+        raise ConfigError(
+            f"the optimizer holds {len(held)} parameter(s), none of them {type(model).__name__}'s: its steps would "
+            "train another model (and time its update, not this one's); build it over this model's parameters, "
+            "optimizer=torch.optim.AdamW(model.parameters()), or leave it out for AdamW",
+            params=("optimizer",),
+        )
 
 
 def check_step_args(make_batch: Any, optimizer: Any, loss_fn: Any, on_point: Any) -> None:
