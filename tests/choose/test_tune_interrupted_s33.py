@@ -70,3 +70,22 @@ def test_misuse_is_refused_with_the_contract_not_torch_s_traceback():
     with pytest.raises(ConfigError, match=r"none of them Sequential's"):
         microbatch.tune(model, make, loss_fn=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
                         optimizer=other, **kw)  # fmt: skip
+
+
+def test_a_type_error_of_the_model_itself_is_not_blamed_on_loss_fn():
+    """Every TypeError of the first step became "loss_fn needs wrapping", also a model's own bug (a Lightning module's
+    self.net(x, y)), where the user gave no loss_fn at all."""
+
+    class Buggy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(16, 10)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.net(x, y), y)  # Linear takes one input
+
+    model = Buggy()
+    step = lambda m, b: m(*b)  # noqa: E731  (an integration's own loss_fn, not the user's)
+    with pytest.raises(TypeError, match=r"Linear.forward\(\) takes 2 positional arguments"):
+        microbatch.tune(model, _setup()[2], loss_fn=step, global_batch=64, max_micro_batch=4, timing=FAST,
+                        use_cache=False)  # fmt: skip

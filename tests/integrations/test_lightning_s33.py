@@ -205,3 +205,44 @@ def test_batch_counts_given_as_ints_keep_their_rows_at_the_knee(tmp_path):
     (b0, steps0, rows0, vals0), (b1, steps1, rows1, vals1) = runs
     assert b1 != b0  # the knee moved b_m (capped at 4): the counts had to follow
     assert (steps1, rows1, vals1) == (steps0, rows0, vals0) == (6, 160, 4)
+
+
+class _Twenty(_Counted):
+    """20 rows in batches of 8: 8, 8 and a partial 4."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(2)
+        return DataLoader(TensorDataset(torch.randn(20, 8, generator=g), torch.randn(20, generator=g)),
+                          batch_size=self.batch_size)  # fmt: skip
+
+
+def test_val_check_interval_stays_within_the_epoch_a_partial_batch_makes(tmp_path):
+    """val_check_interval 3 (every batch of 8, 8, 4: the epoch's end) became 6 batches of 4 where 20 rows make 5, and
+    Lightning refused the fit; fast_dev_run's one batch is Lightning's, not rescaled."""
+    knee = KneeBatchSize(8, timing=FAST, use_cache=False, max_micro_batch=4)
+    module = _Twenty()
+    trainer = _trainer(tmp_path, knee, max_epochs=1, val_check_interval=3)
+    trainer.fit(module)
+    assert knee.micro_batch == 4 and trainer.val_check_interval == 5
+    assert module.rows == 20 and module.validations == 1
+    quick = _trainer(
+        tmp_path, KneeBatchSize(8, timing=FAST, use_cache=False, max_micro_batch=4), fast_dev_run=True
+    )
+    quick.fit(_Twenty())
+    assert quick.limit_train_batches == 1
+
+
+def test_a_fit_that_fails_before_it_starts_leaves_the_module_s_configure_optimizers(tmp_path):
+    """The recording wrapper went on in setup and came off only at on_fit_start: a fit that failed in between (a
+    missing checkpoint) left it, and a deepcopy of the module then built an optimizer over the original's weights."""
+    import copy
+
+    module = _Counted()
+    with pytest.raises(FileNotFoundError):
+        _trainer(tmp_path, KneeBatchSize(32, timing=FAST, use_cache=False)).fit(
+            module, ckpt_path="/nonexistent.ckpt"
+        )
+    assert "configure_optimizers" not in module.__dict__
+    twin = copy.deepcopy(module)
+    held = {id(p) for g in twin.configure_optimizers().param_groups for p in g["params"]}
+    assert held == {id(p) for p in twin.parameters()}

@@ -299,7 +299,7 @@ def cmd(
         if not as_json:
             from microbatch.show.recommendation import render_curve
 
-            click.echo("\n".join(render_curve({}, e.points)))
+            click.echo("\n".join(render_curve({"mode": probe.mode}, e.points)))
         raise _kept(e, out_dir, bool(search.use_cache)) from None
     d = with_decode_workload(result.to_dict(), probe)
     if choice.max_latency_ms is not None:  # recommend reads it back to choose as tune chose

@@ -178,6 +178,8 @@ def knee_batch_size(
         # tune()'s rule on a CPU: one thread and the process clock on a small one unless a timing is given (the wall
         # clock and torch's threads on 2 loaded cores read b_m 2 at a fifth of b_m 1's rate, and chose 1)
         times, threads, why = in_process_timing(ProbeConfig(device=dev, timing=timing), dev.split(":")[0])
+        if not dev.startswith("cpu"):  # StepProbe: the wall clock, the device synchronised at each step()
+            why = "timing: wall clock, the device synchronised at each probe.step()"
         measure = _measurer(function, args, kwargs, global_batch, world, dev, times)
         probe = ProbeConfig(device=dev)  # the device is all a decorated function's probe config says
         setup = _setup(function, c, dev)

@@ -201,6 +201,14 @@ class KneeBatchSize(_Base):
         self._wrapped = (pl_module, user)
         pl_module.configure_optimizers = recording
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Put the module's own ``configure_optimizers`` back (a fit that failed before ``on_fit_start``)."""
+        self._unwrap()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
+        """Put the module's own ``configure_optimizers`` back, whatever ended the fit."""
+        self._unwrap()
+
     def _unwrap(self) -> None:
         pl_module, user = getattr(self, "_wrapped", (None, None))
         if pl_module is None:
@@ -256,6 +264,7 @@ class KneeBatchSize(_Base):
         options = options_with_cap(
             self.options, self.global_batch, world, data=first.dataset, data_shards=world
         )
+        self._epoch = _epoch_rows(first, world)
         del first
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if optimizers else None
@@ -299,7 +308,7 @@ class KneeBatchSize(_Base):
         if per_token and g > int(trainer.accumulate_grad_batches):
             _warn_mean_of_means(g)
         trainer.accumulate_grad_batches = g
-        rescaled = _rescale_batch_counts(trainer, original, b)
+        rescaled = _rescale_batch_counts(trainer, original, b, getattr(self, "_epoch", None))
         _drop_dataloaders(trainer)
         before = getattr(self, "_before_optimizers", None)
         restore_rng(before if before is not None else rng)
@@ -339,19 +348,26 @@ BATCH_COUNTS = ("limit_train_batches", "val_check_interval")
 """The Trainer's settings that an int makes a count of train loader batches (a float is a share of the epoch)."""
 
 
-def _rescale_batch_counts(trainer: Any, original: int, b: int) -> list[str]:
+def _rescale_batch_counts(trainer: Any, original: int, b: int, epoch: tuple[int, bool] | None) -> list[str]:
     """Each of :data:`BATCH_COUNTS` given as an int, a count of loader batches of ``original`` rows, set to the same
     rows in batches of the knee's ``b`` (a run without the callback trained 10 batches of 8 an epoch; at b_m 4 the
     same 10 batches held half the rows, and its optimizer steps with them); one that does not divide is warned of.
-    The lines that say what changed."""
+    ``epoch`` = (rows a rank's loader holds, drop_last): ``val_check_interval`` is kept within the batches an epoch
+    then has (a partial last batch counted whole made 3 batches of 8 over 20 rows 6 of 4, and Lightning refused it:
+    5 there are). Not under ``fast_dev_run`` (its one batch is Lightning's). The lines that say what changed."""
+    import math
     import warnings
 
     said: list[str] = []
+    if getattr(trainer, "fast_dev_run", False) or b == original:
+        return said
+    available = None if epoch is None else (epoch[0] // b if epoch[1] else math.ceil(epoch[0] / b))
     for name in BATCH_COUNTS:
         value = getattr(trainer, name, None)
-        if not isinstance(value, int) or isinstance(value, bool) or b == original:
+        if not isinstance(value, int) or isinstance(value, bool):
             continue
         rows = value * original
+        new = rows // b
         if rows % b:
             warnings.warn(
                 f"{name}={value} counts loader batches of {original} rows ({rows} rows); at the knee's b_m {b} no whole "
@@ -360,10 +376,27 @@ def _rescale_batch_counts(trainer: Any, original: int, b: int) -> list[str]:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            continue
-        setattr(trainer, name, rows // b)
-        said.append(f"{name} {value} → {rows // b}: the same {rows} rows in batches of {b}")
+            new = value
+        if name == "val_check_interval" and available is not None:
+            limit = trainer.limit_train_batches
+            most = (
+                min(available, limit) if isinstance(limit, int) and not isinstance(limit, bool) else available
+            )
+            new = min(new, max(1, most))
+        if new != value:
+            setattr(trainer, name, new)
+            said.append(f"{name} {value} → {new}: the same rows ({min(rows, new * b)}) in batches of {b}")
     return said
+
+
+def _epoch_rows(loader: Any, world: int) -> tuple[int, bool] | None:
+    """(rows one rank's share of the loader's dataset holds, the loader's drop_last), None where unknown."""
+    import math
+
+    try:
+        return math.ceil(len(loader.dataset) / world), bool(getattr(loader, "drop_last", False))
+    except TypeError:  # a dataset without a length
+        return None
 
 
 def _warn_mean_of_means(g: int) -> None:

@@ -63,6 +63,23 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 """torch's dtype names of the precision table's half-precision compute dtypes."""
 
 
+def _contract_broken(error: TypeError, loss_fn: Any, model: Any) -> bool:
+    """Whether the first step's TypeError is loss_fn(model, batch)'s contract broken, not a bug in the model or a
+    step of the user's: a criterion (an ``nn.Module``) given as ``loss_fn``, a call that failed on its own arguments
+    (the traceback ends in :meth:`TrainProbe._micro`, no frame of ``loss_fn``'s), or torch saying it got the model
+    where it wanted a tensor ("... must be Tensor, not Sequential")."""
+    import torch
+
+    if isinstance(loss_fn, torch.nn.Module):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None and tb.tb_frame.f_code is TrainProbe._micro.__code__:
+        return True
+    return f"not {type(model).__name__}" in str(error)
+
+
 def decode_lead(new_tokens: int, timing: TimingConfig) -> int:
     """Untimed decode steps before the timed ones, so that the first timed steps (after the warm-up, the
     ``min_repeats`` the timing takes at least) straddle the middle of the ``new_tokens`` generated: a step's attention
@@ -234,7 +251,9 @@ class TrainProbe:
         batch = self.make_batch(micro_batch)
         try:
             loss = self._micro(batch)
-        except TypeError as e:  # the first call: most often the contract, not the model
+        except TypeError as e:  # the first call: the contract, where the error says so
+            if not _contract_broken(e, self.loss_fn, self.model):
+                raise
             raise ConfigError(
                 f"the first training step raised TypeError: {e}; tune calls loss_fn(model, batch) with a batch "
                 "from make_batch(b) and backpropagates the loss it returns: a criterion of (output, target) such "

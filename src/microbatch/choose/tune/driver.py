@@ -40,9 +40,9 @@ NOTHING_MEASURED = "interrupted before any point was measured: nothing to choose
 
 class TuneInterrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM) during :func:`~microbatch.choose.tune.tune`, after some points were measured: a
-    ``KeyboardInterrupt``, so a script (or Lightning's, the Trainer's, Accelerate's loop) stops as it would without
-    the tune, with what was measured in :attr:`result` (``interrupted`` set; the points also kept in the cache, where
-    it is on). Returning that result instead let a user's loop train on at a knee chosen from half a curve (a review,
+    ``KeyboardInterrupt``, so a script stops as it would without the tune, with what was measured in :attr:`result`
+    (``interrupted`` set; the points also kept in the cache, where it is on). Lightning's fit catches it and exits
+    (its own Ctrl-C handling), where the partial result is not reached. Returning that result instead let a user's loop train on at a knee chosen from half a curve (a review,
     2026-12-07)."""
 
     def __init__(self, result: Any) -> None:

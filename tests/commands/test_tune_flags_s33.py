@@ -44,3 +44,13 @@ def test_a_decode_table_says_what_its_tokens_are(capsys: pytest.CaptureFixture[s
     row = next(line for line in out.splitlines() if line.split()[:1] == ["2"])
     prefill_ms = float(row.split("MiB")[1].split()[0])
     assert prefill_ms > 0
+
+
+def test_a_decode_tune_that_meets_no_limit_still_labels_its_table(
+    capsys: pytest.CaptureFixture[str], tmp_path
+):
+    rc, out, err = _run(capsys, "tune", "--model", "tiny", "--mode", "decode", "--seq", "64", "--max-micro-batch", "2",
+                        "--max-latency-ms", "0.000001", "--no-cache", "--out", str(tmp_path / "r"))  # fmt: skip
+    assert rc == 2, err
+    head = next(line for line in out.splitlines() if line.strip().startswith("b_m"))
+    assert "decode tok/s" in head and "prefill ms" in head
