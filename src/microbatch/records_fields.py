@@ -30,8 +30,9 @@ RESULT_NUMBERS = ("throughput", "tolerance", "reference_throughput", "bound_marg
 
 def throughput_unit(result: Any) -> str:
     """The unit of a result's ``throughput``: ``tokens/s`` where its points counted tokens (a batch of token ids, or
-    decoding), ``samples/s`` for a ``tune`` whose batches held none (images, features), ``per s`` for measurements made
-    elsewhere (``recommend``: the file's own unit, or the tune's it read, as its result says in ``throughput_unit``)."""
+    decoding), ``samples/s`` for a ``tune`` whose batches held none (images, features: its points' ``samples_per_s``),
+    ``per s`` for points that name neither (an older or edited file: samples/s there was off by the sequence length for
+    token ids) and for measurements made elsewhere (``recommend``: the file's own unit, or the tune's it read, as its result says in ``throughput_unit``)."""
     if isinstance(result.get("throughput_unit"), str) and result["throughput_unit"]:
         return str(result["throughput_unit"])
     points = [p for p in result.get("points") or [] if isinstance(p, dict) and not p.get("oom")]
@@ -39,6 +40,8 @@ def throughput_unit(result: Any) -> str:
         return "tokens/s"
     if result.get("command") == "recommend" or "mode" not in result:
         return "per s"
+    if points and not any(p.get("samples_per_s") is not None for p in points):
+        return "per s"  # points that name neither unit (written before they did, or edited): not a guess
     return "samples/s" if points else "tokens/s"
 
 

@@ -95,6 +95,21 @@ def literal(text: str) -> str:
     return text.replace("$", r"\$")
 
 
+TITLE_POINTS = 11.0
+"""A figure title's font size (points)."""
+
+
+def set_title(ax: Any, text: str) -> None:
+    """``text`` as ``ax``'s title, drawn as written (:func:`literal`) and wrapped to the figure's width: a pipeline's
+    predicted diagram's title and a Hugging Face model's long name were cut off at both edges. The width in
+    characters: the figure's width in points over about 0.55 of the font size a character."""
+    import textwrap
+
+    width_pt = ax.figure.get_size_inches()[0] * 72.0
+    chars = max(20, int(width_pt / (0.55 * TITLE_POINTS)))
+    ax.set_title(textwrap.fill(literal(text), width=chars), fontsize=TITLE_POINTS)
+
+
 def new_figure(size_in: tuple[float, float] = FIGURE_SIZE_IN, dpi: int = FIGURE_DPI) -> MplFigure:
     """An empty matplotlib figure on the Agg canvas (no pyplot, no global state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -221,7 +236,7 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
     ax.set_ylabel(f"throughput ({unit})")
     model = tune.get("model", "")
     name = model.get("name", "") if isinstance(model, dict) else model
-    ax.set_title(literal(f"Throughput against micro-batch — {name} {tune.get('mode', '')}".strip()))
+    set_title(ax, f"Throughput against micro-batch — {name} {tune.get('mode', '')}".strip())
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -317,7 +332,7 @@ def timeline_figure(
     ax.set_xlim(0, span)
     ax.set_xlabel(literal(f"time ({time_unit})" if time_unit else "time"))
     if title:
-        ax.set_title(literal(title))
+        set_title(ax, title)
     from matplotlib.patches import Patch
 
     ax.legend(

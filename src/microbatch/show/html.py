@@ -454,8 +454,8 @@ def build_report(
     for f in figs:  # only now: a report that failed earlier left no figure, nor replaced a good report's
         f.write_png()
     pngs = [f.png_path for f in figs if f.png_path]
-    if png_dir is not None:
-        _drop_stale_pngs(png_dir, pngs)
+    # without PNGs too (--no-png): the folder beside the report holds none of an earlier report's figures
+    _drop_stale_pngs(png_dir if png_dir is not None else out.with_name(out.stem + "-figures"), pngs)
     return Report(html_path=out, png_paths=pngs, sections=sections)
 
 

@@ -111,11 +111,21 @@ def _knee_answer(t: dict[str, Any], unit: str) -> str:
     """The knee, the fastest that fits, the rule, and g where a global batch was given."""
     ff = t.get("fastest_fitting") or {}
     bounded = t.get("throughput_bound") and (t.get("reference_throughput") or 0) > (ff.get("throughput") or 0)
+    fastest = (  # a file without it (hand-made, or older) says nothing of it rather than "b_m = None"
+        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))} {unit}, "
+        f"peak {mem(ff.get('peak_memory_bytes'))}. "
+        if ff.get("micro_batch") is not None
+        else ""
+    )
+    rule = (
+        f"Rule: {esc(t.get('rule'))}, tolerance {num(t.get('tolerance'), '{:g}')}"
+        if t.get("rule")
+        else "Rule: not recorded"
+    )
     return (
         f"<p class='answer'>Knee: <b>b_m = {esc(t.get('micro_batch'))}</b> at {num(t.get('throughput'))} {unit} "
         f"({pct(t.get('fraction_of_best'))} of best, peak {mem(t.get('peak_memory_bytes'))}). "
-        f"Fastest that fits: b_m = {esc(ff.get('micro_batch'))} at {num(ff.get('throughput'))} {unit}, "
-        f"peak {mem(ff.get('peak_memory_bytes'))}. Rule: {esc(t.get('rule') or '—')}, tolerance {num(t.get('tolerance'), '{:g}')}"
+        f"{fastest}{rule}"
         + (
             f", against the bound {num(t.get('reference_throughput'))} {unit} on any larger b_m "
             f"({pct(t.get('fraction_of_reference'))} of it)."
