@@ -67,3 +67,22 @@ def test_the_answer_leaves_out_what_the_file_does_not_hold():
     full = _knee_answer({"micro_batch": 4, "throughput": 10.0, "rule": "fraction", "tolerance": 0.15,
                          "fastest_fitting": {"micro_batch": 8, "throughput": 11.0}}, "tokens/s")  # fmt: skip
     assert "Fastest that fits: b_m = 8" in full and "Rule: fraction, tolerance 0.15" in full
+
+
+def test_a_one_stage_plan_says_no_pipeline_in_the_report():
+    """The answer and the recommendation said "1f1b, bubble 0.0%" for p = 1 (the schedule the planner times one stage
+    with), beside the plan's own explanation's "no pipeline"."""
+    from microbatch.show.html import _plan_answer, _plan_section
+
+    rec = {
+        "micro_batch": 2,
+        "microbatches": 4,
+        "schedule": "1f1b",
+        "pipeline_parallel": 1,
+        "bubble_fraction": 0.0,
+    }
+    one = {"model": "m", "gpu": "g", "recommended": rec, "candidates": []}
+    assert "no pipeline" in _plan_answer(one) and "1f1b" not in _plan_answer(one)
+    assert "no pipeline" in _plan_section(one)
+    four = {**one, "recommended": {**rec, "pipeline_parallel": 4}}
+    assert "1f1b" in _plan_answer(four)

@@ -169,7 +169,7 @@ def _plan_section(plan: dict[str, Any]) -> str:
     if rec:
         parts.append(
             f"<p class='answer'>Recommended: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, m = {_esc(rec.get('microbatches'))}, "
-            f"{_esc(rec.get('schedule'))}"
+            f"{_schedule_words(rec)}"
             + (f" (v = {_esc(rec.get('virtual'))})" if (rec.get("virtual") or 1) > 1 else "")
             + f", recompute {_esc(rec.get('recompute'))}, ZeRO {_esc(rec.get('zero'))}: bubble {_pct(rec.get('bubble_fraction'))}, "
             f"peak {_mem(rec.get('peak_memory_bytes'))}, step {_num(rec.get('step_time_s'), '{:.3f}')} s, MFU {_pct(rec.get('mfu'))}.</p>"
@@ -361,8 +361,14 @@ def _plan_answer(plan: dict[str, Any]) -> str:
         return ""
     return (
         f"{where}: b_m = <b>{_esc(rec.get('micro_batch'))}</b>, m = {_esc(rec.get('microbatches'))}, "
-        f"{_esc(rec.get('schedule'))}, bubble {_pct(rec.get('bubble_fraction'))}, peak {_mem(rec.get('peak_memory_bytes'))}"
+        f"{_schedule_words(rec)}, bubble {_pct(rec.get('bubble_fraction'))}, peak {_mem(rec.get('peak_memory_bytes'))}"
     )
+
+
+def _schedule_words(rec: dict[str, Any]) -> str:
+    """The candidate's schedule, or "no pipeline" where it has one stage (its ``schedule`` field names the 1F1B the
+    planner times one stage with; the plan's own explanation says "no pipeline")."""
+    return "no pipeline" if rec.get("pipeline_parallel", 2) == 1 else _esc(rec.get("schedule"))
 
 
 def _answers(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
