@@ -157,6 +157,36 @@ def plain_numbers(obj: object, skip: tuple[str, ...] = ()) -> None:
         plain = plain_number(value)
         if plain is not value:
             object.__setattr__(obj, name, plain)
+    _check_flags(obj)
+
+
+_FLAG_TYPES = {"bool": False, "bool | None": True, "Optional[bool]": True, bool: False}
+"""A dataclass field's annotation that makes it a switch, and whether None is allowed (the default's choice)."""
+
+
+def _check_flags(obj: object) -> None:
+    """ConfigError for a switch (a field annotated ``bool``) holding anything but True or False (or None where the
+    annotation allows it): a string such as "no" or "false" read as true (flash_attention="no" priced flash
+    attention, a review, 2026-12-07)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(obj):
+        return
+    for f in dataclasses.fields(obj):
+        optional = _FLAG_TYPES.get(f.type)  # str or type annotations
+        if optional is None:
+            continue
+        v = getattr(obj, f.name, None)
+        if isinstance(v, bool) or (v is None and optional):
+            continue
+        at = getattr(obj, "micro_batch", None)  # a point of a curve: which one
+        raise ConfigError(
+            f"{type(obj).__name__} {f.name} must be True or False{' (or None: the default)' if optional else ''}, "
+            f"got {v!r}"
+            + (f" at micro_batch {at}" if isinstance(at, int) else "")
+            + (" (a string such as 'no' would read as true)" if isinstance(v, str) else ""),
+            params=(f.name,),
+        )
 
 
 def as_tuple(name: str, value: object) -> tuple[Any, ...] | None:

@@ -141,6 +141,9 @@ class Accelerator:
 
     def __post_init__(self) -> None:
         plain_numbers(self)
+        if not isinstance(self.peak_flops, dict):
+            raise ConfigError(f"{self.name} peak_flops must be a dict of FLOP/s by dtype, got {self.peak_flops!r}; "
+                              "e.g. peak_flops={'bf16': 989e12, 'fp32': 67e12}", params=("peak_flops",))  # fmt: skip
         for f in (
             "memory_bytes",
             "memory_bandwidth_bytes_per_s",
@@ -432,7 +435,8 @@ def get_accelerator(name: str, **overrides: object) -> Accelerator:
             params=("gpu_set",),
         )
     acc = ACCELERATORS[key]
-    return acc.with_overrides(**overrides) if overrides else acc
+    # its own peaks dict: a caller writing into the row's (acc.peak_flops["bf16"] = ...) changed every later plan
+    return acc.with_overrides(**overrides) if overrides else replace(acc, peak_flops=dict(acc.peak_flops))
 
 
 def parse_gpus(text: str) -> list[Accelerator]:
@@ -452,8 +456,8 @@ def from_device_name(device_name: str, total_memory_bytes: float | None = None) 
     key = device_key(device_name, total_memory_bytes)
     if key is None:
         return None
-    acc = ACCELERATORS[key]
-    return acc.with_overrides(memory_bytes=float(total_memory_bytes)) if total_memory_bytes else acc
+    acc = ACCELERATORS[key]  # its own peaks dict either way: the row's stay as they are
+    return acc.with_overrides(memory_bytes=float(total_memory_bytes or acc.memory_bytes))
 
 
 def match_accelerator(name: str) -> str | None:

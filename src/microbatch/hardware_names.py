@@ -41,7 +41,8 @@ def device_key(device_name: str, total_memory_bytes: float | None = None) -> str
     if _NOT_A_ROW.search(low):
         return None
     for needle, key in _DEVICE_NAMES:
-        if needle in low:
+        # the part's number whole: not the start of a longer one ("RTX A1000", an 8 GB card, is no A100)
+        if re.search(re.escape(needle) + r"(?!\d)", low):
             if key == "a100-80gb" and total_memory_bytes is not None and total_memory_bytes < 60 * GIB:
                 key = "a100-40gb"
             if key == "h100-sxm" and "hbm2e" in low:
@@ -65,15 +66,15 @@ def name_key(name: str, known: Container[str]) -> str | None:
     if _NOT_A_ROW.search(n):
         return None
     for key, pattern in (
-        ("h200", r"h200"),
-        ("h100-pcie", r"h100.*pcie"),
-        ("h100-nvl", r"h100.*nvl"),
-        ("h800", r"h800"),
-        ("h100-96gb", r"h100.*hbm2e"),
-        ("h100-sxm", r"h100"),
-        ("a100-40gb", r"a100.*40"),
-        ("a100-80gb", r"a100"),
-        ("b200", r"b200"),
+        ("h200", r"h200(?!\d)"),
+        ("h100-pcie", r"h100(?!\d).*pcie"),
+        ("h100-nvl", r"h100(?!\d).*nvl"),
+        ("h800", r"h800(?!\d)"),
+        ("h100-96gb", r"h100(?!\d).*hbm2e"),
+        ("h100-sxm", r"h100(?!\d)"),
+        ("a100-40gb", r"a100(?!\d).*40"),
+        ("a100-80gb", r"a100(?!\d)"),
+        ("b200", r"b200(?!\d)"),
         ("l4", r"\bl4\b"),
         ("mi300x", r"mi300"),
     ):

@@ -40,7 +40,7 @@ def throughput_unit(result: Any) -> str:
         return "tokens/s"
     if result.get("command") == "recommend" or "mode" not in result:
         return "per s"
-    if points and not any(p.get("samples_per_s") is not None for p in points):
+    if points and not any("tokens_per_s" in p or p.get("samples_per_s") is not None for p in points):
         return "per s"  # points that name neither unit (written before they did, or edited): not a guess
     return "samples/s" if points else "tokens/s"
 

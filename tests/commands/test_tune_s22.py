@@ -60,7 +60,7 @@ def test_a_checkpointed_knee_is_marked_and_its_advice_says_so():
     assert "with activation checkpointing on" in use_line(d)
     plain = recommend_measured(pts[:2], ChoiceConfig(tolerance=0.1)).to_dict()
     assert plain["checkpointing"] is False and "checkpointing" not in use_line(plain)
-    with pytest.raises(ConfigError, match="checkpointing 'yes' at micro_batch 1 must be True or False"):
+    with pytest.raises(ConfigError, match="checkpointing must be True or False, got 'yes' at micro_batch 1"):
         CurvePoint(micro_batch=1, throughput=1.0, checkpointing="yes")  # type: ignore[arg-type]
 
 
