@@ -27,6 +27,8 @@ __all__ = [
     "layer_activation_bytes",
     "embedding_activation_bytes",
     "output_activation_bytes",
+    "deferred_output_share",
+    "output_micro_batches",
     "loss_backward_bytes",
     "block_activation_bytes",
     "stage_block_bytes",
@@ -225,6 +227,34 @@ def output_activation_bytes(
     return (
         2 * dtype_bytes + norm
     ) * s * micro_batch * shape.hidden / sp + logits_bytes * s * micro_batch * shape.vocab / tensor_parallel
+
+
+def deferred_output_share(shape: ModelShape, **output: Any) -> float:
+    """A micro-batch's output-layer bytes while its weight gradient waits, over a whole one's
+    (:func:`output_activation_bytes`, called with ``output``'s keywords at b_m 1): the norm's and the projection's
+    inputs stay, the loss's logits go and the logits' gradient, in the compute dtype, is held in their place.
+
+    A split-backward schedule (ZB-H1, DualPipeV: the input-gradient pass I, the weight-gradient pass W later) on
+    torch.distributed.pipelining: ``stage_backward_input`` runs ``autograd.grad(..., retain_graph=True)``
+    (``_backward.py``), so the graph below the weights stays, and its pre-hooks keep the gradient arriving at each
+    weight's output — for the output layer dL/dlogits, b·s·V/t in the logits' dtype — in the stage's
+    ``backward_state`` until W frees it; the loss and the stage output are detached at I (``t.detach_()``), which
+    frees the loss's saved log-probabilities. Measured on two and four gloo ranks (V 16,384, h 64, b 2, s 128, fp32:
+    the last rank held three logits' gradients more than under 1F1B at p 4, 116.1 against 68.0 MiB)."""
+    full = output_activation_bytes(shape, 1, **output)
+    s = output.get("seq") or shape.seq
+    rows = s * shape.vocab / output.get("tensor_parallel", 1)
+    held = full - output.get("logits_bytes", 4) * rows + output.get("dtype_bytes", 2) * rows
+    return held / full if full > 0 else 1.0
+
+
+def output_micro_batches(held: int, split_backward: bool, share: float) -> float:
+    """The whole micro-batches' worth of output-layer bytes a stage holding ``held`` micro-batches keeps: all of them,
+    or under a split backward one whole (its loss still alive) and the others at ``share``
+    (:func:`deferred_output_share`)."""
+    if not split_backward or held <= 1:
+        return float(held)
+    return 1.0 + (held - 1) * share
 
 
 def loss_backward_bytes(

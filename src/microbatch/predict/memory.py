@@ -29,9 +29,11 @@ from microbatch.precision import (
 )
 from microbatch.predict.activations import (
     block_activation_bytes,
+    deferred_output_share,
     embedding_activation_bytes,
     loss_backward_bytes,
     output_activation_bytes,
+    output_micro_batches,
     stage_block_bytes,
 )
 from microbatch.predict.experts import dispatch_bytes, expert_params, zero3_unit_params
@@ -112,16 +114,20 @@ def _blocks(shape: ModelShape, config: MemoryConfig, seq: int, e: int) -> tuple[
     return per_layer, working, dense
 
 
-def _head_bytes(shape: ModelShape, config: MemoryConfig, seq: int, e: int) -> tuple[float, float]:
-    """(the output layer's and loss's kept bytes of one micro-batch, the loss backward's transient) on the stage
-    holding the head, at ``seq`` tokens a GPU and ``e`` bytes an activation."""
+def _head_bytes(shape: ModelShape, config: MemoryConfig, seq: int, e: int, held: int) -> tuple[float, float]:
+    """(the output layer's and loss's kept bytes of the ``held`` micro-batches on the stage holding the head, the
+    loss backward's transient), at ``seq`` tokens a GPU and ``e`` bytes an activation; under a split backward the
+    ones whose weight gradient waits keep the logits' gradient for the loss's logits (:func:`deferred_output_share`)."""
     t, b, lb = config.tensor_parallel, config.micro_batch, loss_bytes(config.loss_dtype, config.precision)
-    out = output_activation_bytes(
-        shape, b, seq=seq, tensor_parallel=t, sequence_parallel=config.sequence_parallel, dtype_bytes=e,
-        logits_bytes=lb, eager_layers=config.layer_kernels == "eager",
-    )  # fmt: skip
+    kw = dict(seq=seq, tensor_parallel=t, sequence_parallel=config.sequence_parallel, dtype_bytes=e,
+              logits_bytes=lb, eager_layers=config.layer_kernels == "eager")  # fmt: skip
+    out = output_activation_bytes(shape, b, **kw)  # type: ignore[arg-type]  # the keywords' own types
+    split = config.pipeline_parallel > 1 and registry.get_spec(config.schedule).split_backward
+    share = deferred_output_share(shape, **kw) if split else 1.0
     kernel = config.loss_kernel
-    return out, loss_backward_bytes(shape, b, seq=seq, tensor_parallel=t, logits_bytes=lb, loss_kernel=kernel)
+    return out * output_micro_batches(held, split, share), loss_backward_bytes(
+        shape, b, seq=seq, tensor_parallel=t, logits_bytes=lb, loss_kernel=kernel
+    )
 
 
 def estimate_memory(
@@ -174,9 +180,9 @@ def estimate_memory(
                 shape, config.micro_batch, seq=seq, tensor_parallel=t, sequence_parallel=sp
             )
             terms["embedding"] = emb * ends[0]
-        out, loss_tr = _head_bytes(shape, config, seq, e) if i == last else (0.0, 0.0)
+        out, loss_tr = _head_bytes(shape, config, seq, e, ends[1]) if i == last else (0.0, 0.0)
         if i == last:
-            terms["output"] = out * ends[1]
+            terms["output"] = out
         if max(working, loss_tr):  # the two transients come at different moments: the larger counts
             terms["loss_backward" if loss_tr > working else "recompute_working"] = max(working, loss_tr)
         terms = {k: val * cal.activation_scale for k, val in terms.items()}

@@ -349,9 +349,10 @@ class InFlight(NamedTuple):
 
     v_placement: bool
     """The schedule places its chunks in a V (DualPipeV): the output layer on rank 0, :attr:`Context.params_v`."""
-    rows: tuple[tuple[int, float, int, int], ...]
+    rows: tuple[tuple[int, float, int, float], ...]
     """Per probed stage: (layers, layer-micro-batches per stage layer in flight, micro-batches of the embedding it
-    holds, micro-batches of the output layer it holds: 0 where it holds none)."""
+    holds, whole micro-batches' worth of the output layer it holds: 0 where it holds none; under a split backward
+    the waiting ones at their share, :func:`~microbatch.predict.activations.output_micro_batches`)."""
 
 
 class StageTimes(NamedTuple):

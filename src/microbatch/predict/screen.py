@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from microbatch.predict.activations import stage_block_bytes
+from microbatch.precision import LOSS_DTYPES
+from microbatch.predict.activations import deferred_output_share, output_micro_batches, stage_block_bytes
 from microbatch.predict.dp_comm import data_parallel_comm, overlap_sigma
 from microbatch.predict.experts import zero3_unit_params
 from microbatch.predict.plan_context import (
@@ -156,6 +157,8 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
         head = stage_to_rank(p * v - 1, p, placement) if p > 1 else 0  # rank of the output layer
         rule = spec.in_flight
         ends = end_stages_in_flight(sched, p, m, v)  # micro-batches on the first and the last virtual stage
+        split = p > 1 and spec.split_backward  # the waiting weight gradients hold the logits' gradient
+        outputs = output_micro_batches(ends[1], split, _output_share(ctx) if split else 1.0)
         rows = []
         for i in ctx.probe:
             chunks = (  # the rule's answer, checked (a registered rule's too), or in_flight_chunks' error
@@ -163,10 +166,18 @@ def _flight(ctx: Context, sched: str, m: int, v: int) -> InFlight:
                 if rule is not None
                 else in_flight_chunks(sched, i, p, m, v)
             )
-            rows.append((ctx.split[i], chunks / v, ends[0] if i == 0 else 0, ends[1] if i == head else 0))
+            rows.append((ctx.split[i], chunks / v, ends[0] if i == 0 else 0, outputs if i == head else 0.0))
         hit = InFlight(v_placement=v_placement, rows=tuple(rows))
         ctx.flight_cache[key] = hit
     return hit
+
+
+def _output_share(ctx: Context) -> float:
+    """:func:`~microbatch.predict.activations.deferred_output_share` of the context's head, as
+    :func:`~microbatch.predict.plan_context.activations` prices the output layer."""
+    cfg = ctx.cfg
+    return deferred_output_share(cfg.shape, dtype_bytes=ctx.e, logits_bytes=LOSS_DTYPES[cfg.loss_dtype],
+                                 eager_layers=cfg.layer_kernels == "eager", **ctx.act_kw)  # fmt: skip
 
 
 def _state(
