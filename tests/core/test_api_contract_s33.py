@@ -58,3 +58,35 @@ def test_a_longer_part_number_is_not_the_row_it_starts_with(name):
 def test_the_real_parts_are_still_found():
     assert device_key("NVIDIA A100-SXM4-80GB", 80e9) == "a100-80gb"
     assert name_key("NVIDIA H100 PCIe", ()) == "h100-pcie" and name_key("NVIDIA B200", ()) == "b200"
+
+
+def test_scalars_of_numpy_and_torch_come_back_as_python_numbers():
+    """np.int64 in a Measurement broke json.dumps(to_dict()); tensors given to GradientNoiseScale.update came back as
+    tensors in its estimate; a string size gave Python's '>' TypeError."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from microbatch.measure.probes import Measurement
+    from microbatch.run.noise import GradientNoiseScale
+
+    m = Measurement(micro_batch=np.int64(4), throughput=np.float32(2.5))
+    assert json.loads(json.dumps(m.to_dict(), allow_nan=False))["micro_batch"] == 4
+    with pytest.raises(ConfigError, match="a measurement is a dict of its fields"):
+        Measurement.from_dict([1])  # type: ignore[arg-type]
+    est = GradientNoiseScale().update(
+        b_small=2, g_small_sq=torch.tensor(2.0), b_big=8, g_big_sq=torch.tensor(1.0)
+    )
+    assert type(est.b_simple) is float and type(est.g_sq) is float
+    with pytest.raises(ConfigError, match="b_small must be a number, got '2'"):
+        GradientNoiseScale().update(b_small="2", g_small_sq=1.0, b_big=8, g_big_sq=0.5)  # type: ignore[arg-type]
+
+
+def test_plan_config_s_unknown_choice_names_none_for_every_one():
+    from microbatch.predict.plan_config import PlanConfig
+
+    with pytest.raises(ConfigError, match=r"recompute=None for every one"):
+        PlanConfig(
+            shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=8, recompute=("auto",)
+        )

@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, plain_numbers
 from microbatch.measure.batch_check import GrowingBatches
 from microbatch.measure.batch_loss import _tokens_in, default_loss
 from microbatch.measure.device import (
@@ -139,11 +139,18 @@ class Measurement:
     ``tracking`` (its steady heap did not fit under the memory limit: each tensor mapped afresh, 1.4-1.7x a
     training process's step on the models measured); None elsewhere (and where glibc lacks ``mallinfo2``)."""
 
+    def __post_init__(self) -> None:
+        plain_numbers(
+            self
+        )  # NumPy or torch scalars as Python's: to_dict writes JSON (a review's np.int64 did not)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        if not isinstance(d, dict):
+            raise ConfigError(f"a measurement is a dict of its fields (Measurement.to_dict()), got {d!r}")
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in names})
 

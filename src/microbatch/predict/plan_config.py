@@ -262,11 +262,13 @@ class PlanConfig(StateSettings):
         for r in self.recompute or ():
             if r not in RECOMPUTE_CHOICES:
                 raise ConfigError(
-                    f"recompute {r!r} is not known; use auto or one of {', '.join(RECOMPUTE_CHOICES)}"
+                    f"recompute {r!r} is not known; use one of {', '.join(RECOMPUTE_CHOICES)}, or recompute=None for "
+                    "every one (the command line's auto)"
                 )
         for z in self.zero or ():
             if isinstance(z, bool) or z not in ZERO_STAGES:
-                raise ConfigError(f"ZeRO stage {z!r} is not known; use auto or 0, 1, 2, 3")
+                raise ConfigError(f"ZeRO stage {z!r} is not known; use 0, 1, 2, 3, or zero=None for every one (the "
+                                  "command line's auto)")  # fmt: skip
         for b in self.micro_batches or ():
             check_positive_int("micro_batches", b)
             check_micro_batch(self.global_batch, b, self.data_parallel)

@@ -40,6 +40,16 @@ __all__ = [
 ]
 
 
+def _as_number(name: str, v: object) -> float:
+    """``v`` as a Python float (a 0-dim tensor or a NumPy scalar read with ``.item()``); ConfigError otherwise."""
+    item = getattr(v, "item", None)
+    if callable(item) and getattr(v, "ndim", 0) == 0:
+        v = item()
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ConfigError(f"GradientNoiseScale.update's {name} must be a number, got {v!r}", params=(name,))
+    return float(v)
+
+
 def _check_norms(g_small_sq: float, g_big_sq: float) -> None:
     """ConfigError unless both squared gradient norms are finite and >= 0 (a square is never negative)."""
     for name, v in (("g_small_sq", g_small_sq), ("g_big_sq", g_big_sq)):
@@ -300,8 +310,18 @@ class GradientNoiseScale:
         """Add one step from the squared gradient norms at two batch sizes (in items).
 
         ``g_small_sq`` is |∇ mean loss|² over ``b_small`` items, ``g_big_sq`` over ``b_big`` items
-        (e.g. one micro-batch and the whole batch). See :func:`g_sq_estimate`.
+        (e.g. one micro-batch and the whole batch). See :func:`g_sq_estimate`. Tensors and NumPy scalars are read
+        as Python floats (the estimate's fields are plain numbers).
         """
+        b_small, g_small_sq, b_big, g_big_sq = (
+            _as_number(k, v)
+            for k, v in (
+                ("b_small", b_small),
+                ("g_small_sq", g_small_sq),
+                ("b_big", b_big),
+                ("g_big_sq", g_big_sq),
+            )
+        )
         return self.add_estimates(
             g_sq=g_sq_estimate(b_small=b_small, g_small_sq=g_small_sq, b_big=b_big, g_big_sq=g_big_sq),
             trace_sigma=trace_sigma_estimate(
