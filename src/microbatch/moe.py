@@ -356,7 +356,13 @@ def latent_attention_from_hf(raw: dict[str, Any], source: str) -> LatentAttentio
 
 
 def as_experts(value: Experts | dict[str, Any] | None) -> Experts | None:
-    """An :class:`Experts` from itself or its dict (a shape read back from JSON)."""
+    """An :class:`Experts` from itself or its dict (a shape read back from JSON); ConfigError for anything else."""
+    if value is not None and not isinstance(value, dict | Experts):
+        raise ConfigError(
+            f"moe must be an Experts(experts=E, top_k=K, ...) or its dict, got {value!r}; for a built-in MoE model "
+            "use get_model('mixtral-8x7b')",
+            params=("moe",),
+        )
     return Experts(**value) if isinstance(value, dict) else value
 
 

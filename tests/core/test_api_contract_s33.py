@@ -90,3 +90,19 @@ def test_plan_config_s_unknown_choice_names_none_for_every_one():
         PlanConfig(
             shape=get_model("gpt2"), gpu=get_accelerator("a100-80gb"), global_batch=8, recompute=("auto",)
         )
+
+
+def test_objects_of_the_wrong_kind_are_refused_by_name():
+    """A string for moe, a shape for a pipeline's model, a dict for run_pipeline's config, a negative deadline: each
+    failed deep inside (AttributeError, TypeError, an itimer's errno)."""
+    from microbatch.run.pipeline.config import PipelineConfig
+    from microbatch.run.pipeline.launch import run_pipeline
+
+    with pytest.raises(ConfigError, match="moe must be an Experts"):
+        ModelShape(name="m", layers=2, hidden=64, heads=4, vocab=100, seq=32, moe="mixtral")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="model must be a built-in model's name"):
+        PipelineConfig(model=get_model("gpt2"), stages=2)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cfg must be a PipelineConfig"):
+        run_pipeline({"stages": 2})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="deadline_s -1 must be seconds > 0"):
+        run_pipeline(PipelineConfig(model="small", stages=2), deadline_s=-1)

@@ -101,6 +101,14 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         plain_numbers(self)
+        if not isinstance(
+            self.model, str
+        ):  # each rank builds it afresh from its name: an object cannot travel
+            raise ConfigError(
+                f"model must be a built-in model's name ('small') or 'module:function' (a factory each rank imports), "
+                f"got {type(self.model).__name__}; name the model, or write a factory that builds it",
+                params=("model",),
+            )
         object.__setattr__(self, "schedule", get_spec(self.schedule).name)
         if not is_builtin(self.schedule):  # each rank imports microbatch afresh: it knows the built-ins only
             raise ConfigError(
@@ -191,6 +199,22 @@ class PipelineConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (the form :func:`config_from_dict` reads back)."""
         return asdict(self)
+
+
+def check_run_args(cfg: object, deadline_s: object) -> None:
+    """ConfigError unless ``run_pipeline`` was given a :class:`PipelineConfig` and a deadline of seconds > 0 (or
+    None): a dict failed on hashing, a negative deadline in the interval timer."""
+    from microbatch.errors import check_instance
+
+    check_instance("cfg", cfg, PipelineConfig, "run_pipeline(PipelineConfig(model='small', stages=2, ...))")
+    if deadline_s is not None and (
+        isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not 0 < deadline_s < 1e9
+    ):
+        raise ConfigError(
+            f"deadline_s {deadline_s!r} must be seconds > 0 (and below 1e9); give e.g. deadline_s=600, or None for "
+            "the config's timeout plus start-up",
+            params=("deadline_s",),
+        )
 
 
 def builtin_shape(model: str, seq: int | None) -> ModelShape:

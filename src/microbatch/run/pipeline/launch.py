@@ -33,7 +33,7 @@ from microbatch.errors import ConfigError, PipelineError
 from microbatch.measure.deaths import death_text, explains_crash
 from microbatch.run.pipeline import warm
 from microbatch.run.pipeline.chain_check import check_splittable
-from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig
+from microbatch.run.pipeline.config import STARTUP_S, PipelineConfig, check_run_args
 from microbatch.run.pipeline.kept import kept_steps, second_interrupt_ignored, with_host
 from microbatch.run.pipeline.progress import (
     PipelineDeadline,
@@ -205,6 +205,7 @@ def run_pipeline(cfg: PipelineConfig, *, deadline_s: float | None = None) -> Pip
     resolved here, once (:func:`~microbatch.run.pipeline.resolved.resolve`), and the
     :class:`ResolvedRun` handed down (:func:`run_resolved`).
     """
+    check_run_args(cfg, deadline_s)
     run = resolve(cfg)
     return run_resolved(run, deadline_s=deadline_s)
 
