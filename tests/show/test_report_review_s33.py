@@ -86,3 +86,11 @@ def test_a_one_stage_plan_says_no_pipeline_in_the_report():
     assert "no pipeline" in _plan_section(one)
     four = {**one, "recommended": {**rec, "pipeline_parallel": 4}}
     assert "1f1b" in _plan_answer(four)
+
+
+def test_a_step_time_reads_the_same_in_the_tune_table_and_the_validation():
+    """validate's rows rounded the step to 3 decimals of a ms (0.161095025 s → 161.095) and the report's 2-place
+    format rounded again: 161.09 beside the tune table's 161.10 for the same point."""
+    from microbatch.predict.validation import ms_row_value
+
+    assert f"{ms_row_value(0.161095025):.2f}" == f"{0.161095025 * 1e3:.2f}" == "161.10"
