@@ -94,3 +94,20 @@ def test_a_step_time_reads_the_same_in_the_tune_table_and_the_validation():
     from microbatch.predict.validation import ms_row_value
 
     assert f"{ms_row_value(0.161095025):.2f}" == f"{0.161095025 * 1e3:.2f}" == "161.10"
+
+
+def test_the_memory_figure_draws_sub_gib_peaks_in_mib():
+    """Forced to GiB, a CPU tune's peaks read 0.300-0.335 on the axis beside the report's MiB."""
+    from microbatch.show.figures import memory_figure
+
+    small = _tune(
+        memory_fit={"intercept_bytes": 2**28, "slope_bytes_per_sample": 2**20}, memory_budget_bytes=2**29
+    )
+    ax = memory_figure(small).axes[0]
+    assert ax.get_ylabel() == "peak memory (MiB)"
+    assert ax.lines[0].get_ydata()[0] == pytest.approx((2**28 + 2**20) / 2**20)
+    assert any("budget 512.00 MiB" in t.get_text() for t in ax.get_legend().get_texts())
+    big = _tune()
+    for p in big["points"]:
+        p["peak_memory_bytes"] *= 8
+    assert memory_figure(big).axes[0].get_ylabel() == "peak memory (GiB)"

@@ -29,7 +29,7 @@ from microbatch.show.timeline import (
     normalize_rows,
     window,
 )
-from microbatch.units import GIB, format_bytes
+from microbatch.units import GIB, MIB, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -244,13 +244,15 @@ def throughput_figure(tune: dict[str, Any]) -> MplFigure:
 
 
 def memory_figure(tune: dict[str, Any]) -> MplFigure:
-    """Peak memory (GiB) against b_m: measured points, the linear fit and the budget line."""
+    """Peak memory against b_m: measured points, the linear fit and the budget line; in GiB, or in MiB where every
+    peak is under one GiB (a CPU tune of a small model: its axis read 0.300-0.335 GiB beside the text's MiB)."""
     pts = [p for p in tune.get("points", []) if p.get("peak_memory_bytes") and not p.get("oom")]
     pts.sort(key=lambda p: p["micro_batch"])
+    scale, unit = (GIB, "GiB") if max([p["peak_memory_bytes"] for p in pts] or [GIB]) >= GIB else (MIB, "MiB")
     fig = new_figure()
     ax = _axes(fig)
     xs = [p["micro_batch"] for p in pts]
-    ys = [p["peak_memory_bytes"] / GIB for p in pts]
+    ys = [p["peak_memory_bytes"] / scale for p in pts]
     ax.plot(xs, ys, "o", color=COLORS["measured"], label="measured peak")
     fit = tune.get("memory_fit") or {}
     budget = tune.get("memory_budget_bytes")
@@ -259,29 +261,27 @@ def memory_figure(tune: dict[str, Any]) -> MplFigure:
     top = min(max([*xs, mf or 0, 1]), 4 * max([*xs, 1]))
     if fit.get("slope_bytes_per_sample") is not None and fit.get("intercept_bytes") is not None:
         line_x = [0, top * 1.1]
-        line_y = [(fit["intercept_bytes"] + fit["slope_bytes_per_sample"] * x) / GIB for x in line_x]
+        line_y = [(fit["intercept_bytes"] + fit["slope_bytes_per_sample"] * x) / scale for x in line_x]
         ax.plot(
             line_x,
             line_y,
             "-",
             color=COLORS["fit"],
-            label=f"fit: {format_bytes(fit['intercept_bytes'], unit='GiB')} + "
+            label=f"fit: {format_bytes(fit['intercept_bytes'], unit=unit)} + "
             f"{format_bytes(fit['slope_bytes_per_sample'], digits=1, unit='MiB')} × b_m",
         )
     if mf and mf > top:
         ax.plot([], [], " ", label=f"largest predicted to fit: {mf} (right of the b_m range drawn)")
-    if budget and budget / GIB < 2 * max([*ys, fit.get("intercept_bytes", 0) / GIB]):
+    if budget and budget / scale < 2 * max([*ys, fit.get("intercept_bytes", 0) / scale]):
         ax.axhline(
-            budget / GIB, color=COLORS["limit"], ls="--", label=f"budget {format_bytes(budget, unit='GiB')}"
+            budget / scale, color=COLORS["limit"], ls="--", label=f"budget {format_bytes(budget, unit=unit)}"
         )
     elif budget:
-        ax.plot(
-            [], [], " ", label=f"budget {format_bytes(budget, unit='GiB')} (above the memory range drawn)"
-        )
+        ax.plot([], [], " ", label=f"budget {format_bytes(budget, unit=unit)} (above the memory range drawn)")
     if mf and mf <= top:
         ax.axvline(mf, color=COLORS["limit"], ls=":", lw=1, label=f"largest predicted to fit: {mf}")
     ax.set_xlabel("micro-batch b_m")
-    ax.set_ylabel("peak memory (GiB)")
+    ax.set_ylabel(f"peak memory ({unit})")
     ax.set_title("Peak memory is linear in b_m")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
