@@ -23,7 +23,7 @@ from microbatch.integrations.common import (
     options_with_cap,
     quiet_cache,
 )
-from microbatch.integrations.lightning_logged import LoggedState
+from microbatch.integrations.lightning_logged import LoggedState, muted_logs
 from microbatch.integrations.lightning_oom import CallbackBase as _Base
 from microbatch.integrations.lightning_oom import SplitOnOOM, _per_token_labels, loss_of
 from microbatch.measure.snapshot import restore_rng, save_rng
@@ -268,14 +268,11 @@ class KneeBatchSize(_Base):
         del first
         optimizers = trainer.optimizers
         optimizer = optimizers[0] if optimizers else None
-        muted = {name: pl_module.__dict__.get(name) for name in ("log", "log_dict")}
-        pl_module.log = lambda *a, **k: None  # no result collection before the fit loop runs
-        pl_module.log_dict = lambda *a, **k: None
-        # the module's torchmetrics, which the probes' training_step updates: put back after (an epoch's accuracy
+        # no result collection before the fit loop runs: the probes' logs go nowhere; the module's torchmetrics, which the probes' training_step updates: put back after (an epoch's accuracy
         # counted the probes' rows: 0.164 for the 0.281 of a run set by hand, a review, 2026-12-07)
         metrics = LoggedState.take(trainer, pl_module)
         try:
-            with quiet_cache():  # said below, in Lightning's own way
+            with quiet_cache(), muted_logs(pl_module):  # said below, in Lightning's own way
                 result = tune(
                     strategy.model, make_batch, loss_fn=loss_fn, optimizer=optimizer,
                     global_batch=self.global_batch, **options,
@@ -287,11 +284,6 @@ class KneeBatchSize(_Base):
             raise
         finally:
             metrics.restore()
-            for name, value in muted.items():
-                if value is None:
-                    pl_module.__dict__.pop(name, None)
-                else:
-                    setattr(pl_module, name, value)
         return self._set(
             trainer, pl_module, result, (b, g, original if isinstance(original, int) else b), (per_token, rng)
         )

@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["LoggedState", "piece_logging"]
+__all__ = ["LoggedState", "muted_logs", "piece_logging"]
 
 
 def _results(trainer: Any) -> Any:
@@ -104,28 +104,30 @@ def piece_logging(
     review's loop, 2026-12-07). A piece of weight 0 (no items: its mean over none is nan) logs nothing: ``module``'s
     ``log`` and ``log_dict`` are muted while it runs."""
     results = _results(trainer)
-    muted = weight == 0.0 and module is not None
-    saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")} if muted else {}
-    if muted:
-        module.log = module.log_dict = lambda *a, **k: None
-    if results is None or not hasattr(results, "batch"):
+    mute = muted_logs(module) if weight == 0.0 and module is not None else contextlib.nullcontext()
+    with mute:
+        if results is None or not hasattr(results, "batch"):
+            yield
+            return
+        batch, size = results.batch, getattr(results, "batch_size", None)
+        results.batch, results.batch_size = piece, weight
         try:
             yield
         finally:
-            _unmute(module, saved)
-        return
-    batch, size = results.batch, getattr(results, "batch_size", None)
-    results.batch, results.batch_size = piece, weight
+            results.batch, results.batch_size = batch, size
+
+
+@contextlib.contextmanager
+def muted_logs(module: Any) -> Iterator[None]:
+    """``module.log`` and ``module.log_dict`` do nothing in the block, then are the module's own again (an instance
+    attribute the module had is put back; the class's methods otherwise)."""
+    saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
+    module.log = module.log_dict = lambda *a, **k: None
     try:
         yield
     finally:
-        results.batch, results.batch_size = batch, size
-        _unmute(module, saved)
-
-
-def _unmute(module: Any, saved: dict[str, Any]) -> None:
-    for name, value in saved.items():
-        if value is None:
-            module.__dict__.pop(name, None)
-        else:
-            setattr(module, name, value)
+        for name, value in saved.items():
+            if value is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, value)
