@@ -109,10 +109,14 @@ def test_recommend_names_csv_lines_and_notes_settings_with_nothing_to_act_on(tmp
     assert rc == 0 and any("--reference bound had nothing to act on" in n for n in json.loads(out)["notes"])
 
     js = tmp_path / "j.json"
-    js.write_text(json.dumps([{"micro_batch": 1, "throughput": 5, "peak_memory_gib": 1, "run_id": "a"}]))
+    js.write_text(json.dumps([{"micro_batch": 1, "throughput": 5, "step_time_ms": 1, "run_id": "a"}]))
     rc, _, err = run(capsys, "recommend", "-m", str(js))
-    assert rc == 0 and "key 'peak_memory_gib' is not read (did you mean 'peak_memory_bytes'?)" in err
+    assert rc == 0 and "key 'step_time_ms' is not read (did you mean 'step_time_s'?)" in err
     assert "run_id" not in err  # a JSON list may carry anything else: only a near miss is named
+    # a peak under another name is refused since 2026-12-08: dropped, the knee was chosen as if memory were free
+    js.write_text(json.dumps([{"micro_batch": 1, "throughput": 5, "peak_memory_gib": 1}]))
+    rc, _, err = run(capsys, "recommend", "-m", str(js))
+    assert rc == 2 and "key 'peak_memory_gib' is not read, and there is no peak_memory_bytes" in err
 
 
 def test_a_rate_that_vanishes_beside_the_largest_gives_no_bound_and_no_error():

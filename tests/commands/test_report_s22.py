@@ -77,9 +77,12 @@ def test_the_figures_folder_checks(tmp_path, capsys):
 
 def test_a_csv_column_recommend_does_not_read_is_named(tmp_path, capsys):
     f = tmp_path / "typo.csv"
-    f.write_text("micro_batch,throughput,peak_memory\n1,100,1000\n2,180,2000\n4,300,4000\n")
+    f.write_text("micro_batch,throughput,step_time\n1,100,1000\n2,180,2000\n4,300,4000\n")
     code, _, err = run(["recommend", "-m", str(f)], capsys)
-    assert code == 0 and "column 'peak_memory' is not read (did you mean 'peak_memory_bytes'?)" in err
+    assert code == 0 and "column 'step_time' is not read (did you mean 'step_time_s'?)" in err
+    f.write_text("micro_batch,throughput,peak_memory\n1,100,1000\n2,180,2000\n4,300,4000\n")
+    code, _, err = run(["recommend", "-m", str(f)], capsys)  # a peak under another name: refused, not dropped
+    assert code == 2 and "column 'peak_memory' is not read, and there is no peak_memory_bytes" in err
 
 
 def test_validate_seq_alone_keeps_the_files_model(capsys):

@@ -24,6 +24,7 @@ __all__ = [
     "BOUND_MARGIN",
     "BOUND_CONFIDENCE",
     "ThroughputBound",
+    "bound_or_why",
     "choice_margin",
     "throughput_bound",
 ]
@@ -81,11 +82,20 @@ def throughput_bound(
 
     Fits u = a + c·b by least squares on the ``window`` largest measured points (at least 4);
     None when there are fewer, when c ≤ 0, or when the tail is not affine within ``slack``
-    (some |a + c·b − u| / u > η).
+    (some |a + c·b − u| / u > η): :func:`bound_or_why` says which.
     """
+    found = bound_or_why(points, slack=slack, window=window)
+    return found if isinstance(found, ThroughputBound) else None
+
+
+def bound_or_why(
+    points: Sequence[CurvePoint], *, slack: float = BOUND_SLACK, window: int = BOUND_WINDOW
+) -> ThroughputBound | str:
+    """:func:`throughput_bound`'s fit, or the reason there is none, in words (a review found one reason printed for
+    three: a linear curve's zero slope was said to be too few points)."""
     curve = [p for p in measured_curve(points) if p.measured_throughput > 0][-window:]
     if len(curve) < BOUND_MIN_POINTS:
-        return None
+        return f"{len(curve)} measured point{'s' if len(curve) != 1 else ''}, fewer than the {BOUND_MIN_POINTS} a line is fitted on"
     # fitted in units of the largest rate (u·T_max), so that the squares neither overflow nor vanish at any scale
     # of the unit (1e-250 or 1e200 per second): the residuals and the relative error do not depend on it
     scale = max(p.measured_throughput for p in curve)
@@ -94,16 +104,22 @@ def throughput_bound(
     if not all(
         r > 0 for r in rates
     ):  # rates spread so far that T/T_max underflows (1e-320 beside 1e5): no line
-        return None
+        return "the rates span too many orders of magnitude to fit a line"
     us = [b / r for b, r in zip(bs, rates, strict=True)]
     if not all(math.isfinite(u) for u in us):  # b/T overflows: no line to fit
-        return None
+        return "the rates span too many orders of magnitude to fit a line"
     a, c = fit_line(bs, us)
     if not (math.isfinite(a) and math.isfinite(c)) or c <= 0:
-        return None
+        return (
+            f"step time (b_m / throughput) does not grow with b_m over {', '.join(str(int(b)) for b in bs)}: "
+            "throughput rises as fast as b_m or faster, and nothing bounds a larger b_m"
+        )
     worst = max(abs(a + c * b - u) / u for b, u in zip(bs, us, strict=True))
     if not math.isfinite(worst) or worst > slack:
-        return None
+        return (
+            f"step time over {', '.join(str(int(b)) for b in bs)} misses a line by {100 * worst:.0f}%, more than "
+            f"{100 * slack:g}%"
+        )
     b_mean = sum(bs) / len(bs)
     rss = sum((a + c * b - u) ** 2 for b, u in zip(bs, us, strict=True))
     se_c = math.sqrt(rss / (len(bs) - 2) / sum((b - b_mean) ** 2 for b in bs))

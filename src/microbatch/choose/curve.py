@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 
-__all__ = ["CurvePoint", "gain_per_doubling", "measured_curve"]
+__all__ = ["TIE", "CurvePoint", "gain_per_doubling", "measured_curve"]
+
+TIE = 1e-9
+"""Relative slack where a rule compares a measured ratio with τ: a point exactly on the line (in decimal) meets it
+whatever its float rounding — 80 of 100 at τ 0.2 met it and 5.6 of 7 did not (a helper's review, 2026-12-07); a
+15.0% gain per doubling is 0.15 under ``gain``'s τ 0.15 either way. A billionth: far below any measured noise."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from microbatch.batch import grad_accum_for
-from microbatch.choose.bound import ThroughputBound, choice_margin, throughput_bound
+from microbatch.choose.bound import ThroughputBound, bound_or_why, choice_margin
 from microbatch.choose.config import (
     DEFAULT_RULE,
     DEFAULT_TOLERANCE,
@@ -28,7 +28,7 @@ from microbatch.choose.config import (
     apply_options,
     check_options_used,
 )
-from microbatch.choose.curve import CurvePoint, gain_per_doubling, measured_curve
+from microbatch.choose.curve import TIE, CurvePoint, gain_per_doubling, measured_curve
 from microbatch.choose.limits import below_oom, candidates
 from microbatch.choose.memory_fit import MemoryFit, fit_memory, max_fitting_micro_batch
 from microbatch.choose.noise import NOISE_Z, indistinguishable
@@ -47,12 +47,6 @@ __all__ = [
     "recommend_measured",
     "points_from_records",
 ]
-
-
-TIE = 1e-9
-"""Relative slack where a rule compares a measured ratio with τ: a point exactly on the line (in decimal) meets it
-whatever its float rounding — 80 of 100 at τ 0.2 met it and 5.6 of 7 did not (a helper's review, 2026-12-07); a
-15.0% gain per doubling is 0.15 under ``gain``'s τ 0.15 either way. A billionth: far below any measured noise."""
 
 
 def knee_fraction(
@@ -127,9 +121,10 @@ def flattened(points: Sequence[CurvePoint], tolerance: float) -> bool:
         return False
     a, b = max(curve[:-1], key=lambda p: p.measured_throughput), curve[-1]
     t_a = a.measured_throughput
-    return (
+    return (  # a gain over less than a doubling taken as it is (knee_gain's rule): 3% over b 56 → 64 is not 24%
         t_a > 0
-        and gain_per_doubling(a.micro_batch, t_a, b.micro_batch, b.measured_throughput) <= tolerance + TIE
+        and gain_per_doubling(a.micro_batch, t_a, b.micro_batch, b.measured_throughput, at_least_one=True)
+        <= tolerance + TIE
     )
 
 
@@ -190,6 +185,9 @@ class Recommendation:
     bound_contradicted: int | None = None
     """A measured b_m faster than the bound T̂ beyond its noise: the bound was dropped (a projection
     never overrides a measurement) and the reference is the measured best."""
+    bound_absent: str | None = None
+    """Why no bound was fitted, in words, when ``reference`` is ``bound`` and there is none
+    (:func:`~microbatch.choose.bound.bound_or_why`); None otherwise."""
 
     @property
     def knee_fraction_of_reference(self) -> float:
@@ -248,6 +246,7 @@ class Recommendation:
             indistinguishable=list(self.indistinguishable),
             noise_from=self.noise_from,
             bound_contradicted=self.bound_contradicted,
+            bound_absent=self.bound_absent,
         )
         return d
 
@@ -326,6 +325,20 @@ def _curve_points(points: object) -> list[CurvePoint]:
     return [p for p in pts if isinstance(p, CurvePoint)]
 
 
+def _nothing_measured(pts: list[CurvePoint]) -> None:
+    """The ConfigError for points none of which ran: all out of memory (what to measure again with), or none."""
+    if pts and all(p.oom for p in pts):
+        smallest = min(p.micro_batch for p in pts)
+        start = "a smaller start (the smallest b_m probed), " if smallest > 1 else ""
+        raise ConfigError(
+            f"micro-batch {smallest} is already out of memory; measure again (`microbatch tune`) with {start}"
+            "checkpointing on (training: decoding has no backward to recompute), a shorter seq or a larger "
+            "memory budget",
+            params=("start", "checkpointing", "seq") if start else ("checkpointing", "seq"),
+        )
+    raise ConfigError("no measured point to choose from; give at least one point with a throughput")
+
+
 def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Recommendation:
     """:func:`recommend` of ``tune``'s own points, which may hold a b_m twice (measured with checkpointing off,
     then on, or re-measured): the last of each b_m is taken (:func:`~microbatch.choose.curve.measured_curve`)."""
@@ -334,16 +347,7 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
     pts = list(points)
     measured = measured_curve(pts)
     if not measured:
-        if pts and all(p.oom for p in pts):
-            smallest = min(p.micro_batch for p in pts)
-            start = "a smaller start (the smallest b_m probed), " if smallest > 1 else ""
-            raise ConfigError(
-                f"micro-batch {smallest} is already out of memory; measure again (`microbatch tune`) with {start}"
-                "checkpointing on (training: decoding has no backward to recompute), a shorter seq or a larger "
-                "memory budget",
-                params=("start", "checkpointing", "seq") if start else ("checkpointing", "seq"),
-            )
-        raise ConfigError("no measured point to choose from; give at least one point with a throughput")
+        _nothing_measured(pts)
     _check_some_throughput(measured)
     fine = {
         (p.micro_batch, p.checkpointing) for p in measured
@@ -357,7 +361,8 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
             "B_global, or measure again"
         )
     against_bound = reference == "bound" and choice.rule == "fraction"
-    bound = throughput_bound(cands) if against_bound else None
+    found = bound_or_why(cands) if against_bound else None
+    bound = found if isinstance(found, ThroughputBound) else None
     if (contradicted := _contradicts(cands, bound)) is not None:
         bound = None  # a projection never overrides a measurement
     margin = choice_margin(bound) if against_bound else 0.0
@@ -405,6 +410,7 @@ def recommend_measured(points: Sequence[CurvePoint], choice: ChoiceConfig) -> Re
         indistinguishable=same,
         noise_from="repeats" if any(p.throughput_se for p in cands) else "scatter",
         bound_contradicted=contradicted,
+        bound_absent=found if isinstance(found, str) else None,
     )
 
 

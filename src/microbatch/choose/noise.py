@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from microbatch.choose.bound import BOUND_SLACK
-from microbatch.choose.curve import CurvePoint
+from microbatch.choose.curve import TIE, CurvePoint
 from microbatch.fit import fit_line
 
 __all__ = [
@@ -130,8 +130,8 @@ def indistinguishable(
     reference_se = max(reference_se, floor * line)
     t_k, se_k = knee.measured_throughput, _se(knee)
 
-    def could_fail(p: CurvePoint) -> bool:
-        return p.measured_throughput - z * math.hypot(_se(p), reference_se) < line
+    def could_fail(p: CurvePoint) -> bool:  # a point exactly on the line meets it, as knee_fraction reads it
+        return p.measured_throughput - z * math.hypot(_se(p), reference_se) < line * (1.0 - TIE)
 
     def could_pass(p: CurvePoint) -> bool:
         return p.measured_throughput + z * math.hypot(_se(p), reference_se) >= line

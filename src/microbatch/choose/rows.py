@@ -120,7 +120,13 @@ def _se_of(r: dict[str, Any]) -> float | None:
 
 
 def _share(v: Any) -> float | None:
-    """``v`` as a float where it is a finite number >= 0 (a relative error or spread), else None."""
+    """``v`` as a float where it is a finite number >= 0 (a relative error or spread; a CSV's cell is its text), else
+    None."""
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            return None
     if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
         return float(v)
     return None

@@ -11,11 +11,12 @@ from typing import Any
 import click
 
 from microbatch._json import check_size, loads
+from microbatch.commands._columns import canonical_rows, check_lookalikes, unread_notes
 from microbatch.commands._common import choice_config, choice_options, emit, flags_for, json_option, progress
 from microbatch.errors import ConfigError
 from microbatch.units import format_bytes
 
-__all__ = ["cmd", "read_rows", "read_rows_and_lines"]
+__all__ = ["cmd", "read_measurements", "read_rows", "read_rows_and_lines"]
 
 
 def read_rows(path: str) -> list[Any]:
@@ -36,8 +37,11 @@ def _file_of(path: str) -> Path:
 def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
     """:func:`read_rows` and, for a CSV, each row's line in the file (None for JSON): messages name the line an
     editor shows."""
-    from microbatch.records import result_points
+    return read_measurements(path)[:2]
 
+
+def read_measurements(path: str) -> tuple[list[Any], list[int] | None, list[str]]:
+    """:func:`read_rows_and_lines` and the notes on the file's columns that are not read (for the answer's notes)."""
     if not path.strip():
         raise ConfigError("--measurements '' names no file; give a JSON or CSV file of points")
     p = _file_of(path)
@@ -68,32 +72,41 @@ def read_rows_and_lines(path: str) -> tuple[list[Any], list[int] | None]:
             "micro_batch,throughput[,peak_memory_bytes,oom,step_time_s]"
         )
     if text.lstrip().startswith(("[", "{")) or p.suffix.lower() == ".json":
-        try:
-            data = loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{path}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}); "
-                + (
-                    "it is JSON Lines (one object a line): wrap the lines in [ ] with a comma after each but the last"
-                    if _json_lines(text)
-                    else "fix the file"
-                )
-            ) from None
-        rows = result_points(data, source=path)
-        if isinstance(
-            data, list
-        ):  # a list written by hand: a key near a column's name was meant as that column
-            _say_unread_columns(
-                path, sorted({k for r in rows if isinstance(r, dict) for k in r}), near_only=True
-            )
-        return rows, None
+        return _json_rows(path, text)
     return _csv_rows(path, text)
 
 
-def _csv_rows(path: str, text: str) -> tuple[list[Any], list[int]]:
-    """A CSV's rows, each with its line in the file (the header checked, an empty spreadsheet row skipped)."""
+def _json_rows(path: str, text: str) -> tuple[list[Any], None, list[str]]:
+    """A JSON file's rows (tune's result or a list written by hand), and the notes on a list's keys not read."""
+    from microbatch.records import result_points
+
+    try:
+        data = loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{path}: not valid JSON ({e.msg.removesuffix(' at')} at line {e.lineno}); "
+            + (
+                "it is JSON Lines (one object a line): wrap the lines in [ ] with a comma after each but the last"
+                if _json_lines(text)
+                else "fix the file"
+            )
+        ) from None
+    rows = result_points(data, source=path)
+    if not isinstance(data, list):  # tune's own result: its fields are its own
+        return rows, None, []
+    # a list written by hand: a known key in another case is that key; a key near one was meant as it
+    keys = sorted({k for r in rows if isinstance(r, dict) for k in r})
+    keys, rows = canonical_rows(path, keys, rows)
+    check_lookalikes(path, keys, what="key")
+    return rows, None, unread_notes(path, keys, near_only=True)
+
+
+def _csv_rows(path: str, text: str) -> tuple[list[Any], list[int], list[str]]:
+    """A CSV's rows, each with its line in the file (the header checked, an empty spreadsheet row skipped), and the
+    notes on its columns that are not read."""
     reader = csv.DictReader(io.StringIO(text))
-    cols = [c.strip() for c in (reader.fieldnames or [])]
+    raw = [c.strip() for c in (reader.fieldnames or [])]
+    cols, _ = canonical_rows(path, raw, [])
     missing = [c for c in ("micro_batch", "throughput") if c not in cols]
     if missing:
         sep = next((s for s in (";", "\t") if len(cols) == 1 and s in cols[0]), None)
@@ -106,7 +119,7 @@ def _csv_rows(path: str, text: str) -> tuple[list[Any], list[int]]:
     twice = sorted({c for c in cols if cols.count(c) > 1})
     if twice:
         raise ConfigError(f"{path}: CSV names column(s) {', '.join(twice)} more than once; keep one of each")
-    _say_unread_columns(path, cols)
+    check_lookalikes(path, cols)
     rows, lines = [], []
     for row in reader:
         if None in row and all(not str(x).strip() for x in row[None]):  # trailing commas: empty cells
@@ -122,7 +135,7 @@ def _csv_rows(path: str, text: str) -> tuple[list[Any], list[int]]:
             )
         rows.append({(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()})
         lines.append(reader.line_num)  # the row's last line: its only one unless a quoted cell spans lines
-    return rows, lines
+    return canonical_rows(path, raw, rows)[1], lines, unread_notes(path, cols)
 
 
 def _json_lines(text: str) -> bool:
@@ -317,30 +330,6 @@ def _unused_settings(choice_spec: dict[str, Any], choice: Any, points: list[Any]
     return notes
 
 
-CSV_COLUMNS = ("micro_batch", "throughput", "peak_memory_bytes", "oom", "step_time_s", "checkpointing")
-"""The columns a CSV of measurements may hold; any other is not read."""
-
-
-def _say_unread_columns(path: str, cols: list[str], *, near_only: bool = False) -> None:
-    """A note naming the CSV's columns that are not read (a ``peak_memory`` column was dropped without a word, and
-    with it every peak), with the known column each is nearest; ``near_only``: only those near one (a JSON list's
-    keys, which may carry anything else)."""
-    import difflib
-
-    for col in (c for c in cols if c and c not in CSV_COLUMNS):
-        near = difflib.get_close_matches(col, CSV_COLUMNS, n=1, cutoff=0.6)
-        if near_only and (
-            not near or near[0] in cols
-        ):  # a tune's own fields beside the column: nothing meant
-            continue
-        if near or not near_only:
-            what = "key" if near_only else "column"
-            progress(
-                f"note: {path}: {what} {col!r} is not read"
-                + (f" (did you mean {near[0]!r}?)" if near else "")
-            )
-
-
 @click.command("recommend")
 @click.option(
     "--measurements",
@@ -362,7 +351,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
     from microbatch.choose.rows import checkpointed, points_from_records
     from microbatch.show.recommendation import render_recommendation
 
-    rows, lines = read_rows_and_lines(measurements)
+    rows, lines, column_notes = read_measurements(measurements)
     given, (choice_spec, read_back) = choice_spec, tune_settings(measurements, choice_spec)
     with _said_where(read_back), flags_for("max_latency_ms", "tolerance", "memory_headroom", "global_batch",
                                             "data_parallel"):  # fmt: skip
@@ -387,6 +376,7 @@ def cmd(measurements: str, choice_spec: dict[str, Any], as_json: bool) -> None:
         )
     for note in (
         ([read_back] if read_back else [])
+        + column_notes
         + _oom_with_rates(rows, lines)
         + _unused_settings(given, choice, points)
     ):

@@ -88,11 +88,14 @@ def _bound_lines(d: Mapping[str, Any], unit: str) -> list[str]:
             + _margin_text(d, "two standard errors of that fit", "the reference" if below else "it")
         ]
     if d.get("reference") == "bound" and d.get("rule") == "fraction":
-        return [
-            f"bound: none (fewer than {BOUND_MIN_POINTS} points, or step time over the {BOUND_WINDOW} largest "
-            f"misses a line by more than {100 * BOUND_SLACK:g}%); best measured used"
-            + _margin_text(d, "no fit to take it from")
-        ]
+        contradicted = d.get("bound_contradicted") is not None  # its own line says why
+        why = (
+            "fitted, then dropped: a measured b_m beat it" if contradicted else d.get("bound_absent")
+        ) or (  # a result written before the reason was kept
+            f"fewer than {BOUND_MIN_POINTS} points, or step time over the {BOUND_WINDOW} largest misses a line by "
+            f"more than {100 * BOUND_SLACK:g}%"
+        )
+        return [f"bound: none ({why}); best measured used" + _margin_text(d, "no fit to take it from")]
     return []
 
 
