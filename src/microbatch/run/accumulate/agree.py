@@ -23,7 +23,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.run.accumulate.oom import set_aside_error
-from microbatch.run.accumulate.scaling import group_and_world, is_ddp, model_device
+from microbatch.run.accumulate.scaling import group_and_world, is_ddp, model_device, uncompiled
 
 __all__ = [
     "agreement_parts",
@@ -100,6 +100,7 @@ def check_can_agree(model: Any) -> None:
             "on_oom='split' does not support FSDP: it makes collectives inside every forward and backward, so a "
             "rank out of memory would leave the others waiting there; use on_oom='raise' with FSDP, or DDP"
         )
+    model = uncompiled(model)
     if not is_ddp(model):
         return
     will_sync = getattr(model, "will_sync_module_buffers", None)
@@ -122,6 +123,7 @@ def settle_ddp_buckets(model: Any) -> None:
     to do. Nothing for a model that is not DDP, or under ``torch.no_grad`` (the forward would not either)."""
     import torch
 
+    model = uncompiled(model)
     reducer = getattr(model, "reducer", None) if is_ddp(model) else None
     rebuild = getattr(reducer, "_rebuild_buckets", None)
     if callable(rebuild) and torch.is_grad_enabled() and rebuild():

@@ -31,6 +31,7 @@ __all__ = [
     "sync_unless_last",
     "is_ddp",
     "is_fsdp",
+    "uncompiled",
     "grad_sq_norm",
     "group_and_world",
     "model_device",
@@ -45,9 +46,21 @@ __all__ = [
 CountFn = Callable[[Batch], "int | float | torch.Tensor"]
 
 
+def uncompiled(model: Any) -> Any:
+    """``model`` under any ``torch.compile`` wrappers (``OptimizedModule._orig_mod``): ``torch.compile(DDP(m))``, the
+    order torch's DDP notes give, is a DDP whose ``no_sync`` and process group accumulate needs (a review,
+    2026-12-08: seen as one process, it all-reduced every micro-batch with the wrong scale and the ranks drifted
+    apart, or hung where they ran different numbers of micro-batches)."""
+    while type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), torch.nn.Module
+    ):
+        model = model._orig_mod
+    return model
+
+
 def is_ddp(model: Any) -> bool:
-    """True when ``model`` is a ``torch.nn.parallel.DistributedDataParallel``."""
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    """True when ``model`` is a ``torch.nn.parallel.DistributedDataParallel`` (under any ``torch.compile``)."""
+    return isinstance(uncompiled(model), torch.nn.parallel.DistributedDataParallel)
 
 
 _FSDP = {"FSDPModule", "FullyShardedDataParallel"}
@@ -57,7 +70,7 @@ _FSDP = {"FSDPModule", "FullyShardedDataParallel"}
 def is_fsdp(model: Any) -> bool:
     """True when ``model`` is sharded by FSDP (``fully_shard`` or the older wrapper): it reduces every backward's
     gradients across the ranks, the first micro-batch's too."""
-    return bool(_FSDP & {c.__name__ for c in type(model).__mro__})
+    return bool(_FSDP & {c.__name__ for c in type(uncompiled(model)).__mro__})
 
 
 def _distributed() -> bool:
@@ -73,6 +86,7 @@ def group_and_world(model: Any) -> tuple[Any, int]:
     parallelism) averages over only some of its ranks: ConfigError, since the counts would be summed over
     the wrong ranks.
     """
+    model = uncompiled(model)
     if is_ddp(model):
         group = getattr(model, "process_group", None)
         return group, torch.distributed.get_world_size(group)
@@ -205,7 +219,7 @@ def sync_unless_last(model: Any, is_last: bool) -> contextlib.AbstractContextMan
     DDP then all-reduces the accumulated gradients once, in the last micro-batch's backward.
     """
     if is_ddp(model) and not is_last:
-        no_sync: contextlib.AbstractContextManager[object] = model.no_sync()
+        no_sync: contextlib.AbstractContextManager[object] = uncompiled(model).no_sync()
         return no_sync
     return contextlib.nullcontext()
 
@@ -237,6 +251,7 @@ def check_callables(model: Any, loss_fn: Any, count_fn: Any) -> None:
     if count_fn is not None and not callable(count_fn):
         raise ConfigError(f"count_fn must be callable (micro_batch) -> items, got {type(count_fn).__name__}")
     if is_ddp(model):
+        model = uncompiled(model)
         if not getattr(model, "require_backward_grad_sync", True):
             raise ConfigError(
                 "accumulate was called inside DDP's no_sync(): it syncs the step itself, once, and a gradient left "
