@@ -27,6 +27,7 @@ __all__ = [
     "quiet_cache",
     "options_with_cap",
     "log",
+    "muted",
 ]
 
 log = logging.getLogger("microbatch.integrations")
@@ -141,3 +142,22 @@ def options_with_cap(
     given = out.get("max_micro_batch", 1024)
     out["max_micro_batch"] = cap if given is None else min(int(given), cap)
     return out
+
+
+@contextmanager
+def muted(obj: Any, *names: str) -> Iterator[None]:
+    """``obj``'s methods ``names`` do nothing in the block, then are its own again (an instance attribute it had is
+    put back; the class's methods otherwise): a LightningModule's ``log`` and ``log_dict`` while KneeBatchSize probes
+    and for a weightless piece, a Trainer's ``log`` while tune_trainer probes (its callbacks' on_log, its log_history
+    and the loggers behind them saw every probe: a review, 2026-12-08)."""
+    saved = {name: obj.__dict__.get(name) for name in names}
+    for name in names:
+        setattr(obj, name, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, value)

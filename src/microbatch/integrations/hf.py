@@ -22,10 +22,17 @@ from microbatch.integrations.common import (
     choice_of,
     curve_lines,
     emit_lines,
+    muted,
     options_with_cap,
     quiet_cache,
 )
-from microbatch.integrations.hf_loss import items_of, loss_is_scaled, mean_taken_as_share
+from microbatch.integrations.hf_loss import (
+    items_of,
+    loss_identity,
+    loss_is_scaled,
+    mean_taken_as_share,
+    own_loss_is_mean,
+)
 from microbatch.measure.snapshot import restore_flags, save_flags
 from microbatch.run.accumulate.controller import MicroBatchController
 
@@ -81,6 +88,13 @@ def _check(trainer: Any) -> None:
             f"the Trainer would use DataParallel over {trainer.args.n_gpu} GPUs in one process; launch one "
             "process per GPU (torchrun --nproc_per_node ...) and tune there"
         )
+    if getattr(trainer.args, "auto_find_batch_size", False):
+        raise ConfigError(
+            "TrainingArguments(auto_find_batch_size=True) halves per_device_train_batch_size on an out-of-memory "
+            "and leaves gradient_accumulation_steps as they are, so the global batch tune_trainer holds would "
+            "shrink; set auto_find_batch_size=False (tune_trainer replaces it), and give on_oom='split' to keep "
+            "training through an out-of-memory at the same global batch"
+        )
 
 
 def tune_trainer(
@@ -135,10 +149,11 @@ def tune_trainer(
     data = _without_unused_columns(trainer, dataset)
 
     make_batch, loss_fn = _probe_step(trainer, data, collate)
+    asked = (int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps))
     try:
         if ckpt:
             _checkpointing_on(model, args)  # train() will turn it on: probe the step it will run
-        with quiet_cache():  # said below, through the Trainer's logger
+        with quiet_cache(), muted(trainer, "log"):  # said below, through the Trainer's logger
             result = tune(
                 model, make_batch, loss_fn=loss_fn, optimizer=trainer.optimizer, global_batch=global_batch,
                 **options_with_cap(dict(options, memory_budget_bytes=memory_budget_bytes, tolerance=tolerance),
@@ -150,18 +165,64 @@ def tune_trainer(
             trainer.optimizer = None  # train() builds its own, as it would have
     b, g = choice_of(result, global_batch, world)
     _set_choice(trainer, result, b, g, world)
-    if g > 1 and mean_taken_as_share(trainer):
-        trainer.model_accepts_loss_kwargs = False  # the Trainer then divides each micro-batch's mean by g
-        emit_lines(
-            [f"microbatch: {type(trainer.model).__name__}'s forward averages its own loss (it does not pass "
-             "num_items_in_batch to it), which transformers takes as normalised and would not divide by the "
-             f"{g} accumulation steps (a gradient {g}× the unaccumulated step's): set "
-             "trainer.model_accepts_loss_kwargs = False, so each micro-batch's mean is divided by g"],
-            int(getattr(trainer.args, "process_index", 0)), say=_trainer_logger().warning,
-        )  # fmt: skip
+    _divide_a_mean(trainer, g, make_batch)
+    _say_drop_last(trainer, data, asked, (b, g))
     if on_oom == "split":
         split_on_oom(trainer, knee=b, grow_after=grow_after)
     return result
+
+
+def _divide_a_mean(trainer: Any, g: int, make_batch: Callable[[int], Any]) -> None:
+    """Where transformers would take a per-batch mean for a loss normalised by ``num_items_in_batch`` and add ``g`` of
+    them undivided (a gradient g× the unaccumulated step's, so one that moves with the g chosen), set
+    ``trainer.model_accepts_loss_kwargs = False``: it then divides each micro-batch's mean by g. The model's own
+    forward is read from its source (:func:`~microbatch.integrations.hf_loss.mean_taken_as_share`); a ``compute_loss``
+    of the user's own is measured once (:func:`~microbatch.integrations.hf_loss.own_loss_is_mean`: a review found
+    ``return model(**inputs).loss`` doubling its gradient when the knee doubled g)."""
+    if g <= 1:
+        return
+    if mean_taken_as_share(trainer):
+        who = f"{type(trainer.model).__name__}'s forward averages its own loss (it does not pass num_items_in_batch to it)"
+    else:
+        with muted(trainer, "log"):
+            if not own_loss_is_mean(trainer, lambda: make_batch(min(8, len(trainer.train_dataset)))):
+                return
+        who = f"{type(trainer).__name__}.compute_loss returns a per-batch mean (it does not divide by num_items_in_batch)"
+    trainer.model_accepts_loss_kwargs = False  # the Trainer then divides each micro-batch's mean by g
+    emit_lines(
+        [f"microbatch: {who}, which transformers takes as normalised and would not divide by the {g} accumulation "
+         f"steps (a gradient {g}× the unaccumulated step's): set trainer.model_accepts_loss_kwargs = False, so each "
+         "micro-batch's mean is divided by g"],
+        int(getattr(trainer.args, "process_index", 0)), say=_trainer_logger().warning,
+    )  # fmt: skip
+
+
+def _say_drop_last(trainer: Any, data: Any, asked: tuple[int, int], chosen: tuple[int, int]) -> None:
+    """A warning where ``dataloader_drop_last`` no longer drops what it dropped at the batch the user asked for: it
+    drops an incomplete micro-batch, so at another b_m an epoch keeps other rows and ends on a short optimizer step
+    (a review: 100 rows at 8 × 2 took 6 steps of 16, at 4 × 4 seven, the last of 4, and the schedule stretched)."""
+    args = trainer.args
+    world = max(1, int(getattr(args, "world_size", 1)))
+    if not getattr(args, "dataloader_drop_last", False) or asked == chosen:
+        return
+    try:
+        rows = -(-len(data) // world)  # a rank's share, as the distributed sampler pads it
+    except TypeError:
+        return
+
+    def epoch(b: int, g: int) -> tuple[int, int]:  # (rows an epoch trains on, its optimizer steps)
+        batches = rows // b
+        return batches * b, -(-batches // g)
+
+    (kept, steps), (kept2, steps2) = epoch(*asked), epoch(*chosen)
+    if (kept, steps) != (kept2, steps2):
+        emit_lines(
+            [f"microbatch: dataloader_drop_last drops an incomplete micro-batch: at {chosen[0]} × {chosen[1]} an epoch "
+             f"of {rows} rows a rank trains on {kept2} rows in {steps2} optimizer steps, where {asked[0]} × "
+             f"{asked[1]} trained on {kept} in {steps}; give max_steps for the schedule you meant, or a dataset of a "
+             "whole number of global batches"],
+            int(getattr(args, "process_index", 0)), say=_trainer_logger().warning,
+        )  # fmt: skip
 
 
 def _trainer_precision(args: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +249,7 @@ def _probe_step(
         with trainer.compute_loss_context_manager():
             return trainer.compute_loss(m, inputs)
 
+    loss_fn.microbatch_identity = loss_identity(trainer)  # type: ignore[attr-defined]  # the tune cache's key
     return make_batch, loss_fn
 
 

@@ -6,9 +6,18 @@ model's source, or measured once for a ``compute_loss`` of the user's own. Split
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["forward_normalises", "items_of", "loss_is_scaled", "mean_taken_as_share", "own_compute_loss"]
+__all__ = [
+    "forward_normalises",
+    "items_of",
+    "loss_identity",
+    "loss_is_scaled",
+    "mean_taken_as_share",
+    "own_compute_loss",
+    "own_loss_is_mean",
+]
 
 
 def mean_taken_as_share(trainer: Any) -> bool:
@@ -25,6 +34,50 @@ def mean_taken_as_share(trainer: Any) -> bool:
         and not own_compute_loss(trainer)
         and forward_normalises(trainer.model) is False
     )
+
+
+def own_loss_is_mean(trainer: Any, make_inputs: Callable[[], Any]) -> bool:
+    """Whether a ``compute_loss`` of the user's own returns a per-batch mean (it does not move with
+    ``num_items_in_batch``: :func:`_normalised_by_items`) where transformers would take it as normalised and add the
+    micro-batches' losses undivided (``model_accepts_loss_kwargs``, no ``loss_is_scaled_for_ga`` or
+    ``compute_loss_func`` to say otherwise); measured once per Trainer, as a split step reads it, on the batch
+    ``make_inputs()`` gives, made only then and under the random state it leaves as it found (a DataLoader's iterator
+    draws its seed from it: the training after would differ)."""
+    import torch
+
+    if not (
+        own_compute_loss(trainer)
+        and getattr(trainer, "loss_is_scaled_for_ga", None) is None
+        and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        and getattr(trainer, "compute_loss_func", None) is None
+    ):
+        return False
+    if not hasattr(trainer, "_microbatch_normalised"):
+        try:
+            with torch.random.fork_rng(devices=[]):
+                inputs = make_inputs()
+            trainer._microbatch_normalised = _normalised_by_items(
+                trainer, trainer.model, inputs, torch.tensor(64)
+            )
+        except (
+            TypeError
+        ):  # a compute_loss that takes no num_items_in_batch: transformers 5 passes it, and fails
+            return False
+    return trainer._microbatch_normalised is False
+
+
+def loss_identity(trainer: Any) -> str:
+    """What decides a Trainer's loss beyond the probe's own code, for the tune cache's key: its class's
+    ``compute_loss``, its ``compute_loss_func`` and its label smoothing (a review: every Trainer's probe is the same
+    closure, and a subclass whose loss ran three more forwards was given the plain Trainer's cached curve)."""
+    from microbatch.choose.tune.cache import callable_identity
+
+    smoother = getattr(trainer, "label_smoother", None)
+    return " | ".join((
+        callable_identity(getattr(type(trainer), "compute_loss", None)) or "",
+        callable_identity(getattr(trainer, "compute_loss_func", None)) or "",
+        f"{type(smoother).__name__}({getattr(smoother, 'epsilon', '')})" if smoother is not None else "",
+    ))  # fmt: skip
 
 
 def loss_is_scaled(trainer: Any, num_items_in_batch: Any, model: Any, inputs: Any) -> tuple[bool, bool, bool]:

@@ -117,17 +117,9 @@ def piece_logging(
             results.batch, results.batch_size = batch, size
 
 
-@contextlib.contextmanager
-def muted_logs(module: Any) -> Iterator[None]:
-    """``module.log`` and ``module.log_dict`` do nothing in the block, then are the module's own again (an instance
-    attribute the module had is put back; the class's methods otherwise)."""
-    saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-    module.log = module.log_dict = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                module.__dict__.pop(name, None)
-            else:
-                setattr(module, name, value)
+def muted_logs(module: Any) -> contextlib.AbstractContextManager[None]:
+    """``module.log`` and ``module.log_dict`` do nothing in the block, then are the module's own again
+    (:func:`~microbatch.integrations.common.muted`)."""
+    from microbatch.integrations.common import muted
+
+    return muted(module, "log", "log_dict")
