@@ -97,7 +97,7 @@ def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()
     from microbatch.commands._answer import ANSWER_STARTED
 
     if (
-        _wants_json(args) and not ANSWER_STARTED
+        _wants_json(args) and not ANSWER_STARTED and not _other_rank()
     ):  # after part of the answer, another object would parse as neither
         from microbatch._json import dumps
         from microbatch.envelope import error_envelope
@@ -110,6 +110,18 @@ def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()
             if not isinstance(e, BrokenPipeError):  # a reader that left wants no more words
                 _say(f"error: could not write the JSON error envelope to stdout: {e.strerror or e}")
     return code
+
+
+def _other_rank() -> bool:
+    """Whether this process is a torchrun rank other than 0: its error is said on its stderr, and rank 0 alone writes
+    the JSON envelope (a review: torchrun's two ranks wrote two objects on one stdout, which parsed as neither)."""
+    import os
+
+    if os.environ.get("RANK", "0").strip() in ("", "0"):
+        return False  # the common case, without importing the launcher
+    from microbatch.run.pipeline.launch import under_torchrun
+
+    return under_torchrun()
 
 
 def _stdout_gone() -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from microbatch.errors import ConfigError
+from microbatch.errors import ConfigError, PipelineError
 from microbatch.run.pipeline.report import HostMemory, PipelineReport, RankMemory
 from microbatch.run.pipeline.resolved import ResolvedRun
 
@@ -159,13 +159,15 @@ def memory_rows(
     use: list[int],
     stage_bytes: dict[int, dict[str, float]] | None = None,
     device: str = "cpu",
+    notes: list[str] | None = None,
 ) -> list[RankMemory]:
     """Per rank: measured peak of live saved bytes, the two predictions and their errors (%), the
     schedule's counted bytes, the host high-water mark and the bytes still alive after the step.
 
     ``stage_bytes``: each stage's ``own`` and ``shared`` saved bytes of one micro-batch
     (:func:`microbatch.run.pipeline.stage_profile.stage_saved_bytes`); None measures them here, on
-    one process, on the split the ranks used, on ``device`` (where the ranks ran)."""
+    one process, on the split the ranks used, on ``device`` (where the ranks ran); where that fails (the model's
+    error, after the run), ``notes`` given gets the error and the rows have no calibrated prediction."""
     from microbatch.run.pipeline.stage_profile import stage_saved_bytes
 
     kept: dict[int, float] = {}
@@ -174,7 +176,13 @@ def memory_rows(
             if f is not None:
                 kept[int(s)] = float(f)
     if stage_bytes is None:
-        stage_bytes = stage_saved_bytes(run, list(ranks[0]["layers_per_stage"]), device)
+        try:
+            stage_bytes = stage_saved_bytes(run, list(ranks[0]["layers_per_stage"]), device)
+        except PipelineError as e:  # after the run: a late error loses no measurement, only this prediction
+            if notes is None:
+                raise
+            notes.append(str(e))
+            stage_bytes = {}
     own = {s: row["own"] for s, row in stage_bytes.items()}
     shared_of = {s: row["shared"] for s, row in stage_bytes.items()}
     inputs = {s: row["input"] for s, row in stage_bytes.items() if "input" in row}

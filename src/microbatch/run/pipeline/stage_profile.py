@@ -45,14 +45,18 @@ def _timed(fn: Any, idle_s: float) -> tuple[float, float]:
 def in_launcher(
     run: ResolvedRun, what: str, deadline_s: float | None = None,
     fix: str = "fix the model (predict=False runs it on the ranks without this step)",
+    when: str = "before any rank started",
 ) -> Iterator[None]:  # fmt: skip
     """The user's model run in the launcher's own process, bounded as the ranks are: past the run's deadline
     (``deadline_s``, or ``timeout_s`` plus the start-up allowance,
     :meth:`~microbatch.run.pipeline.config.PipelineConfig.deadline`) a :class:`~microbatch.errors.PipelineError`
     (SIGALRM in the main thread: a forward stuck in Python ends, one stuck in a native call when it returns), and an
-    error of the model one line, not a traceback, with ``fix``. A timer the caller had running (a test runner's) is
-    set again afterwards with what is left of it."""
+    error of the model one line, not a traceback, with ``fix``; ``when`` says where in the run it was. What the
+    model prints goes to stderr: stdout is the command's one JSON object (a review: a forward that printed broke
+    ``--json``). A timer the caller had running (a test runner's) is set again afterwards with what is left of it."""
+    import contextlib
     import signal
+    import sys
     import threading
     import time
 
@@ -73,13 +77,14 @@ def in_launcher(
     if armed:
         signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     except (MicrobatchError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - the user's model raised it
         raise PipelineError(
-            f"{what} failed ({short_error(e)}): the model's forward or backward raised it on one process, before "
-            f"any rank started; {fix}"
+            f"{what} failed ({short_error(e)}): the model's forward or backward raised it on one process, {when}; "
+            f"{fix}"
         ) from e
     finally:
         if armed:
@@ -251,8 +256,13 @@ def _one_stage_ops(
 def stage_saved_bytes(
     run: ResolvedRun, sizes: list[int] | None = None, device: str = "cpu"
 ) -> dict[int, dict[str, float]]:
-    """:func:`_stage_saved_bytes` bounded by the run's deadline, the model's errors in one line."""
-    with in_launcher(run, "measuring the stages' saved bytes on one process"):
+    """:func:`_stage_saved_bytes` bounded by the run's deadline, the model's errors in one line (after the run: the
+    ranks' measurements are kept, :func:`~microbatch.run.pipeline.memory.memory_rows`)."""
+    with in_launcher(
+        run, "measuring the stages' saved bytes on one process", when="after the ranks' run",
+        fix="the run's measurements are kept; its activation memory is not predicted (check that the model factory "
+        "builds the same layers on every call)",
+    ):  # fmt: skip
         return _stage_saved_bytes(run, sizes, device)
 
 

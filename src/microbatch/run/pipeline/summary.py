@@ -101,7 +101,6 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     - ``timeline`` / ``predicted_timeline``: the last step's intervals, seconds from its start.
     - ``step_intervals``: every measured step's start, end and raw per-rank intervals (wall-clock
       seconds), what :func:`microbatch.run.pipeline.replay.runtime_terms` reads.
-
     ``run``: the resolved run the ranks ran (``raw`` holds its config as they read it).
     """
     cfg = run.cfg
@@ -118,6 +117,7 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
     own = max((e for r in ranks if (e := r.get("unsplit_grad_rel_error")) is not None), default=None)
     tol = grad_tolerance(cfg.dtype, own)
     return PipelineReport(
+        notes=(late := list[str]()),  # a failed measurement after the run (memory_rows)
         schedule=cfg.schedule,
         stages=cfg.stages,
         microbatches=cfg.microbatches,
@@ -131,7 +131,7 @@ def summarize(raw: dict[str, Any], run: ResolvedRun) -> PipelineReport:
         torch_version=raw.get("torch_version"),
         device=raw.get("device"),
         measured=_measured(ranks, use, bubbles, wall, stats, mean_times, str(raw.get("device", "cpu"))),
-        memory=memory_rows(run, ranks, use, device=str(raw.get("device") or "cpu")),
+        memory=memory_rows(run, ranks, use, device=str(raw.get("device") or "cpu"), notes=late),
         predicted=_predicted(pred, pred_comm, comm),
         gradients_match=None if max_err is None else bool(max_err <= tol),
         max_grad_rel_error=max_err,
