@@ -97,6 +97,13 @@ def torchtitan_config(c: Json) -> tuple[Json, list[str]]:
         parallelism["fsdp_reshard_after_forward"] = "never"
         notes.append(
             f"ZeRO {z} maps to FSDP without resharding after forward (ZeRO-2-like); torchtitan has no ZeRO-1"
+            + (
+                f": it gathers each layer and reduce-scatters its gradients in every one of the {g} micro-batches, "
+                f"where the plan timed ZeRO {z} as one reduce-scatter and one gather a step; plan it at zero 3 "
+                "with zero3_impl fsdp2 for the time torchtitan's FSDP takes"
+                if p == 1 and g > 1
+                else ""
+            )
         )
     if z >= 1 and p > 1:  # torch's pipelining turns off FSDP's gradient sync until the last micro-batch
         notes.append(
