@@ -83,11 +83,23 @@ def test_zero3_gathers_in_the_group_and_all_reduces_across_replicas_by_hand():
     def exposed(c: float, x: float) -> float:
         return max(c - x, sig * min(c / (1 + sig), x))
 
-    extra = (
-        4 * (exposed(ag + rs + ar, back) - exposed(ag + rs, back)) + 4 * ar / units
-    )  # each backward's last
+    # FSDP2 all-reduces on a stream of its own: the reduce-scatters' and all-reduces' queues run side by side, the
+    # longer one's time and one unit of the other (2026-12-08; before, their sum)
+    side = max(rs, ar) + min(rs, ar) / units
+    extra = 4 * (exposed(ag + side, back) - exposed(ag + rs, back)) + 4 * ar / units  # each backward's last
     assert hybrid - alone == pytest.approx(extra, rel=1e-9)
     assert hybrid > alone
+    # FSDP1 all-reduces after the reduce-scatter on its one stream: the sum
+    one = make_context(_cfg(zero3_impl="fsdp1"))
+    serial = evaluate(one, 1, 4, "1f1b", 1, "full", 3, flops).to_dict()["time"]["zero_comm_s"]
+    lone1 = evaluate(make_context(_cfg(data_parallel=8, global_batch=32, shard_degree=None, zero3_impl="fsdp1")), 1, 4,
+                     "1f1b", 1, "full", 3, flops / 8).to_dict()["time"]["zero_comm_s"]  # fmt: skip
+    ag1, rs1, _ = _unit_collectives(one, tm, n)
+    ar1 = allreduce_time_s(n * one.cfg.reduce_bytes / 8, 8, nic) + alpha
+    extra1 = 4 * (exposed(ag1 + rs1 + ar1, back) - exposed(ag1 + rs1, back)) + 4 * ar1 / units
+    assert serial - lone1 == pytest.approx(extra1, rel=1e-9)
+    summed = 4 * (exposed(ag + rs + ar, back) - exposed(ag + rs, back)) + 4 * ar / units
+    assert hybrid - alone <= summed  # side by side never costs more than one after the other
 
 
 def test_no_shard_degree_is_the_whole_group_and_zero0_ignores_it():

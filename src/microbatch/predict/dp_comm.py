@@ -71,9 +71,13 @@ def data_parallel_comm(
         # ZeRO-3/FSDP: weights all-gathered for forward and again for backward, gradients
         # reduce-scattered (and all-reduced across replicas), every micro-step; prefetch hides what compute covers
         ag, rs = c.gather, c.reduce
-        zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + rs, back, sigma))
-        # the first unit's gather of each forward and the step's last reduce-scatter: never hidden
-        zero_s += fsdp_edges_s(ag, rs, c.units, m)
+        side = _with_replicas(
+            ctx, rs, c.replica, c.units
+        )  # with hybrid sharding's all-reduce across the replicas
+        zero_s = m * (overlap_exposed_s(ag, tm.fk, sigma) + overlap_exposed_s(ag + side, back, sigma))
+        # the first unit's gather of each forward and the step's last reduce-scatter (and its all-reduce, which
+        # waits for it): never hidden
+        zero_s += fsdp_edges_s(ag, rs + c.replica, c.units, m)
         zero_s += m * (2 * c.copy_out + c.copy_in)  # each gather copied out, each reduction copied in (FSDP2)
     if (
         c.kind != "pipeline"
@@ -100,7 +104,8 @@ class Collectives(NamedTuple):
     copy_in: float
     """One reduction's gradients copied into its reduce-scatter buffer (FSDP2), else 0."""
     replica: float
-    """Under a pipeline: the replicas' all-reduce, per unit (:func:`_replica_s`)."""
+    """Hybrid sharding's all-reduce across the replicas (:func:`_replica_s`): under a pipeline per unit, else beside or
+    after each micro-step's reduce-scatters (:func:`_with_replicas`); 0 without replicas."""
     accumulate: float
     """Under a pipeline reducing after the last micro-batch: one micro-batch's accumulation of the stage's gradients
     (:func:`~microbatch.predict.collectives.fsdp2_accumulate_s`); with ``bf16+fp32`` gradients their add into the fp32
@@ -140,7 +145,9 @@ def _collectives(ctx: Context, z: int, tm: StageTimes, n: float, experts: float 
                 replica = _replica_s(ctx, tm, n)
                 accumulate = _accumulate_s(ctx, n)
             else:
-                reduce += _replica_s(ctx, tm, n)
+                replica = _replica_s(
+                    ctx, tm, n
+                )  # beside the reduce-scatters (FSDP2) or after each (the others)
     if cfg.grad_dtype == "bf16+fp32":
         accumulate = _bf16_fp32_accumulate_s(ctx, n)
     update = _update_s(ctx, z, n, experts)
@@ -263,6 +270,18 @@ def _replica_s(ctx: Context, tm: StageTimes, n: float, per_unit: bool = True) ->
         cfg.reduce_bytes if per_unit else ctx.state_bpp[1]
     )  # FSDP's shards in its reduce dtype; ZeRO-1/2's
     return allreduce_time_s(n * per_grad / cfg.zero_group, r, ctx.bw_rep) + alpha
+
+
+def _with_replicas(ctx: Context, reduce: float, replica: float, units: int) -> float:
+    """The backward's reductions with hybrid sharding's all-reduce across the replicas: FSDP2 issues each unit's
+    all-reduce on a stream of its own (``FSDPCommContext.all_reduce_stream``, torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py: the shard group's reduce-scatters and the replicas' all-reduces use other links), so the two
+    queues of per-unit collectives run side by side: the longer one's time and one unit of the other (the first
+    reduce-scatter before any all-reduce can start, or the last all-reduce after the last reduce-scatter); FSDP1,
+    DeepSpeed and Megatron all-reduce after the reduce-scatter on its stream: the sum (a review, 2026-12-08)."""
+    if ctx.cfg.sharding_impl != "fsdp2" or replica <= 0:
+        return reduce + replica
+    return max(reduce, replica) + min(reduce, replica) / max(1, units)
 
 
 def _copy_out_s(ctx: Context, n: float) -> float:
