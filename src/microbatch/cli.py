@@ -113,15 +113,13 @@ def _fail(message: str, code: int, args: Sequence[str], kept: Sequence[Any] = ()
 
 
 def _other_rank() -> bool:
-    """Whether this process is a torchrun rank other than 0: its error is said on its stderr, and rank 0 alone writes
+    """Whether this process is a rank other than 0 that torchrun started (``TORCHELASTIC_RUN_ID`` set: not variables
+    left in a shell, whose lone process must still answer): its error is said on its stderr, and rank 0 alone writes
     the JSON envelope (a review: torchrun's two ranks wrote two objects on one stdout, which parsed as neither)."""
     import os
 
-    if os.environ.get("RANK", "0").strip() in ("", "0"):
-        return False  # the common case, without importing the launcher
-    from microbatch.run.pipeline.launch import under_torchrun
-
-    return under_torchrun()
+    rank = os.environ.get("RANK", "").strip()
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and rank.isdigit() and int(rank) > 0
 
 
 def _stdout_gone() -> None:

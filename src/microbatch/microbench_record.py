@@ -8,6 +8,7 @@ are peers that do not import each other, so the record they share lives here, be
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -203,6 +204,14 @@ class MicrobenchResult:
                     if isinstance(item, dict):
                         _check_numbers(item, _ITEM_TYPES[key], f"{label}: {key}[{i}]")
         _check_numbers(d, MicrobenchResult, label)
+        mbs = d.get("micro_batches", [])
+        if not isinstance(mbs, list) or not all(
+            is_finite_number(b) and float(b).is_integer() and b >= 1 for b in mbs
+        ):
+            raise ConfigError(
+                f"{label}: micro_batches is {mbs!r}; it must be a list of whole numbers >= 1; give the file bench-gpu "
+                "wrote, or fix it"
+            )
         try:
             if not is_microbench(d):
                 raise ValueError(f"record is {d.get('record', d.get('kind'))!r}, not {KIND!r}")
@@ -249,6 +258,20 @@ _MAY_BE_ZERO = {
 size, a time, a rate, a clock or a power, and are > 0."""
 _SIGNED = {"overlap_slowdown"}
 """A measured slowdown: a GEMM beside an all-reduce may time a little faster than alone (noise), not -100% or less."""
+_BOUNDS = {
+    "launch_s_per_kernel": (1e-9, 1e-3, "> 0 and at most 1 ms (a kernel's launch takes microseconds)"),
+    "overlap_slowdown": (
+        -0.999,
+        1.0,
+        "> -1 and at most 1 (a GEMM twice as slow beside a collective; 0.05-0.3)",
+    ),
+    "bytes_per_s": (1e6, math.inf, "at least 1 MB/s (a memory or a link of any accelerator moves GB/s)"),
+    "bus_bytes_per_s": (1e6, math.inf, "at least 1 MB/s (a link of any accelerator moves GB/s)"),
+    "flops_per_s": (1e6, math.inf, "at least 1 MFLOP/s"),
+    "world_size": (2, math.inf, "at least 2 (a collective over one rank moves nothing)"),
+}
+"""(low, high, rule) of the fields whose range is narrower than their sign: a file with a launch of a second or a
+stream at kB/s planned steps of days without a word (a review, 2026-12-08)."""
 
 
 def _check_numbers(d: dict[str, Any], cls: type, where: str) -> None:
@@ -272,7 +295,13 @@ def _check_numbers(d: dict[str, Any], cls: type, where: str) -> None:
             _MAY_BE_ZERO if cls is MicrobenchResult else _MAY_BE_ZERO - {"seq"}
         )  # a timing's seq is a length
         low, rule = (-1.0, "> -1") if f.name in _SIGNED else (0.0, ">= 0") if f.name in zero else (0.0, "> 0")
-        if v < low or (v == low and rule != ">= 0"):
+        if f.name in _BOUNDS:
+            low, high, rule = _BOUNDS[f.name]
+            if not low <= v <= high:
+                raise ConfigError(
+                    f"{where}: {f.name} is {v!r}; it must be {rule}; give the file bench-gpu wrote, or fix it"
+                )
+        elif v < low or (v == low and rule != ">= 0"):
             raise ConfigError(
                 f"{where}: {f.name} is {v!r}; it must be {rule}; "
                 "give the file bench-gpu wrote, or fix the field"

@@ -19,6 +19,12 @@ from microbatch.commands._common import (
     resolve_model,
     stages_option,
 )
+from microbatch.commands._plan_calibration import (
+    calibration_blocks,
+    kernel_kept,
+    record_calibrations,
+    said_overrides,
+)
 from microbatch.commands._schedule_inputs import ScheduleChoice
 from microbatch.commands._state_flags import (
     check_layer_kernels_flag,
@@ -254,9 +260,7 @@ def cmd(
     priced = None if calibration or kernels_flag else layer_kernels
     notes = shared_override(gpu_set, gpus) + hf_config_notes(model_spec, shape, priced)
     render = answer_notes(plans, out, render, notes)
-    if applied:
-        out["calibration"] = applied[0].calibration.to_dict()
-        out["calibration_notes"] = list(dict.fromkeys(n for a in applied for n in a.notes))
+    record_calibrations(out, applied)
 
     nothing_fits = all(pl.recommended is None for pl in plans)
     why = _nothing_fits(plans) + _seq_hint(model_spec, cfg.seq_len) if nothing_fits else None
@@ -394,14 +398,17 @@ def _planned(
             zero=cfg.zero[0] if cfg.zero is not None and len(cfg.zero) == 1 else None,
         )
         applied = [
-            apply_calibration(calibration, shape=shape, precision=precision, gpu=g, layout=layout)
+            said_overrides(
+                apply_calibration(calibration, shape=shape, precision=precision, gpu=g, layout=layout),
+                cfg.efficiency, named_kernel,
+            )
             for g in gpus
-        ]
+        ]  # fmt: skip
         plans = [
             make_plan(
                 replace(
                     cfg,
-                    gpu=_kernel_kept(a.accelerator, g) if named_kernel else a.accelerator or g,
+                    gpu=kernel_kept(a.accelerator, g) if named_kernel else a.accelerator or g,
                     memory_calibration=a.memory,
                     loss_kernel=loss_kernel or a.calibration.loss_kernel,
                     efficiency=replace(
@@ -418,21 +425,11 @@ def _planned(
     return plans, applied
 
 
-def _kernel_kept(calibrated: Accelerator | None, named: Accelerator) -> Accelerator:
-    """``calibrated`` (or ``named`` when there is none) at ``named``'s attention ceiling and ramp."""
-    if calibrated is None:
-        return named
-    return calibrated.with_overrides(
-        attention_fraction=named.attention_fraction, attention_ramp=named.attention_ramp
-    )
-
-
 def _answer(
     plans: list[Plan], applied: list[AppliedCalibration], all_rows: bool
 ) -> tuple[dict[str, Any], Callable[[], str]]:
     """The JSON answer and its text: one plan, or the plans side by side."""
     from microbatch.commands._flags import flag_for
-    from microbatch.show.answers import calibration_lines
     from microbatch.show.plan_report import (
         comparison_records,
         comparison_rows,
@@ -442,7 +439,7 @@ def _answer(
         text_table,
     )
 
-    cal_lines = list(dict.fromkeys(line for a in applied for line in calibration_lines(a)))
+    cal_lines = calibration_blocks(plans, applied)
     words = {p: flag_for(p, "plan") for p in ("zero", "choose")}  # the settings a sentence names
     if len(plans) == 1:
         out = {**plan_dict(plans[0], words=words), "explanation": explain(plans[0], words=words)}

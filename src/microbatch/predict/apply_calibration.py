@@ -293,6 +293,7 @@ def apply_calibration(
             precision=precision,
             gpu=gpu,
             label=label,
+            layout=layout,
         )
     cal, warns = load_calibration(source, shape=shape, precision=precision, gpu=gpu, strict=strict)
     eff = DEFAULT_EFFICIENCY
@@ -308,6 +309,23 @@ def apply_calibration(
     )
 
 
+def _rows_past_table(table: Any, layout: PlannedLayout, shape: ModelShape) -> list[str]:
+    """A note where the plan's largest micro-batch runs GEMMs of more than twice the rows of any measured one (or
+    fewer than half the fewest): their ratios are the nearest measured shape's, an extrapolation (a review: 8× the
+    largest measured rows went unsaid for the file's own model)."""
+    if table is None or not table.points or not layout.micro_batches:
+        return []
+    rows = max(layout.micro_batches) * (layout.seq or shape.seq)
+    lo, hi = min(p[0] for p in table.points), max(p[0] for p in table.points)
+    if lo / 2 <= rows <= 2 * hi:
+        return []
+    return [
+        f"the plan's GEMMs run up to {rows:,.0f} rows (b_m {max(layout.micro_batches)} × s = {layout.seq or shape.seq}), "
+        f"outside the {lo:,.0f}-{hi:,.0f} rows measured: they take the nearest measured shape's ratio (an "
+        "extrapolation); a microbenchmark at the plan's micro-batch and sequence measures them"
+    ]
+
+
 def apply_microbench(
     result: MicrobenchResult,
     *,
@@ -315,6 +333,7 @@ def apply_microbench(
     precision: str,
     gpu: Accelerator | None = None,
     label: str = "microbenchmark",
+    layout: PlannedLayout = PlannedLayout(),
 ) -> AppliedCalibration:
     """A kernel microbenchmark as a calibration (:mod:`microbatch.predict.kernel_calibration`): its measured
     kernel terms for ``gpu`` (this CPU, from the file's own figures, when None and it ran on a CPU); memory
@@ -340,6 +359,7 @@ def apply_microbench(
             f"bench-gpu of model {shape.name} times the plan's own"
         )
     table = terms.efficiency.gemm_measured
+    warns += _rows_past_table(table, layout, shape)
     cal = Calibration(
         memory=MemoryCalibration(), efficiency=replace(terms.efficiency, gemm_measured=None),
         accelerator=measured_on(result), peak_flops=acc.flops(result.dtype), sustained_clock_fraction=clock_basis(acc),

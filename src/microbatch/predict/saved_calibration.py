@@ -59,6 +59,14 @@ def check_saved(d: dict[str, Any], label: str) -> None:
 
     finite = is_finite_number
 
+    details = d.get("details")
+    if isinstance(details, dict) and details.get("from") == "microbench":
+        # its GEMM ratios and attention ceiling are kept as words and numbers for reading, not as terms a plan applies
+        # (a review: read back, they were dropped without a note and the GEMM line read as a fit)
+        raise ConfigError(
+            f"{label} is the calibration a plan saved from a kernel microbenchmark ({details.get('file') or 'its file'}); "
+            "it does not carry the measured terms back: give the file the microbenchmark wrote (bench-gpu's)"
+        )
     mem = d.get("memory")
     if "memory" in d and not isinstance(mem, dict):
         raise bad("memory", mem, "an object with activation_scale and fixed_bytes")

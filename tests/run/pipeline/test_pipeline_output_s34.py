@@ -61,7 +61,7 @@ def test_a_forward_that_prints_leaves_stdout_one_json_object(tmp_path):
 def test_only_rank_0_writes_an_error_envelope_under_torchrun(capsys, monkeypatch):
     from microbatch.cli import main
 
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("MICROBATCH_WORKER", raising=False)
@@ -73,6 +73,9 @@ def test_only_rank_0_writes_an_error_envelope_under_torchrun(capsys, monkeypatch
     assert got["0"][0] == got["1"][0] == 2
     assert json.loads(got["0"][1])["kind"] == "bad_input" and got["1"][1] == ""
     assert "error:" in got["1"][2]  # said on its own stderr
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # variables left in a shell: the lone process answers
+    assert main(["pipeline", "-p", "3", "-m", "0", "--json"]) == 2
+    assert json.loads(capsys.readouterr()[0])["kind"] == "bad_input"
 
 
 def test_a_failed_measurement_after_the_run_keeps_the_run(monkeypatch):

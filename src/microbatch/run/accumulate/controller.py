@@ -4,7 +4,7 @@ Passed to :func:`microbatch.run.accumulate.exact.accumulate` step after step, it
 run, halves it when a step runs out of memory (the step is redone, so its gradient does not
 change), remembers the size that last worked, and, if asked, grows back toward the tuned knee
 after a number of clean steps, never above it. Every change is an :class:`ResizeEvent` in
-:attr:`MicroBatchController.history` and one log record (logger ``microbatch.run.accumulate.controller``,
+:attr:`MicroBatchController.history` and one log record (logger ``microbatch.run.controller``,
 level WARNING for a split, INFO for a growth; the library never prints: configure ``logging``
 to see them).
 
