@@ -318,6 +318,13 @@ def _model_of(
                 f"{label}: seq {raw_seq!r} is not a sequence length; give the whole number of tokens the points "
                 "were measured at (or leave seq out to take the model's)"
             )
+    written = data.get("model_shape")
+    if seq is not None and isinstance(written, dict) and written.get("seq") not in (None, seq):
+        # tune writes the two equal: one edited without the other says two lengths, and either may be the measured
+        raise ConfigError(
+            f"{label}: seq {seq} and model_shape.seq {written['seq']!r} disagree (tune writes them equal); set both to "
+            "the length the points were measured at"
+        )
     fshape, model = _shape_of(
         data.get("model_shape") or data.get("model"), seq or (shape.seq if shape else None), label
     )

@@ -182,7 +182,9 @@ def test_a_result_of_another_model_is_refused_naming_both():
         validation.validate_result(_cpu_result(), shape=get_model("tiny"), measure=measure)
     out = validation.validate_result(_cpu_result(), shape=get_model("small", seq=64), measure=measure)
     assert out["rows"]  # the same model at another length is the same model
-    wide = ModelShape(name="hd", layers=2, hidden=64, heads=16, head_size=32, vocab=300, seq=32)
+    wide = ModelShape(
+        name="hd", layers=2, hidden=64, heads=16, head_size=32, vocab=300, seq=128
+    )  # the file's
     recorded = _cpu_result(model="llama_hd.json", model_shape=wide.to_dict())
     assert read_measurements(recorded).shape.q_width == 512  # a config's result carries its shape
     narrow = ModelShape(name="narrow", layers=2, hidden=64, heads=4, vocab=300, seq=32)

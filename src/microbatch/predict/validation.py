@@ -1,14 +1,11 @@
 """Predicted against measured: how far the planner is from the points a calibration came from.
 
-Each measured point is predicted three ways (:func:`validate`): **uncalibrated** (the analytic
-model alone), **calibrated on the smallest probes** only (the figure that matters: can a few
-cheap probes predict the largest b_m?) and **leave-one-out** (calibrated on every other point),
-with signed relative errors ``(predicted − measured) / measured``. The fits themselves are
-:mod:`microbatch.predict.calibrate`; the targets are issue 7's, at the largest probed b_m.
-
-:func:`validate_result` is the whole of ``microbatch validate --json`` as one call: it chooses
-the accelerator the step times are predicted for (:func:`validation_accelerator`) the way the
-command does.
+Each measured point is predicted three ways (:func:`validate`): **uncalibrated** (the analytic model alone),
+**calibrated on the smallest probes** only (the figure that matters: can a few cheap probes predict the largest
+b_m?) and **leave-one-out** (calibrated on every other point), with signed relative errors ``(predicted − measured)
+/ measured``. The fits themselves are :mod:`microbatch.predict.calibrate`; the targets are issue 7's, at the largest
+probed b_m. :func:`validate_result` is the whole of ``microbatch validate --json`` as one call: it chooses the
+accelerator the step times are predicted for (:func:`validation_accelerator`) the way the command does.
 
 Pure Python: no torch, except where :func:`validation_accelerator` measures this CPU.
 """
@@ -20,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from microbatch.errors import ConfigError, check_positive, check_positive_int, whole_number
+from microbatch.errors import ConfigError, check_positive, check_positive_int
 from microbatch.hardware import Accelerator, cpu_accelerator, get_accelerator, match_accelerator
 from microbatch.model import ModelShape, model_differences
 from microbatch.precision import get_precision
@@ -38,6 +35,7 @@ from microbatch.predict.steptime import predict_step_time_s
 from microbatch.predict.validation_cpu import (
     REMEASURE,
     measure_again,
+    probe_threads,
     raw_result,
     recorded_cpu,
     say_remeasured,
@@ -195,6 +193,15 @@ def _check_fit_on(fit_on: int) -> None:
         )
 
 
+def _enough_points(meas: Measurements) -> None:
+    """ConfigError unless ``meas`` has the points with peak memory and step time :func:`validate` needs."""
+    check_figures(meas)  # a figure missing from every point, named first
+    have = [
+        p.micro_batch for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None
+    ]
+    need_points("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
+
+
 def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_ON) -> Validation:
     """Predict every point uncalibrated, from the smallest ``fit_on`` probes, and leave-one-out.
 
@@ -203,8 +210,7 @@ def validate(meas: Measurements, acc: Accelerator, *, fit_on: int = DEFAULT_FIT_
     """
     pts = [p for p in meas.points if p.peak_memory_bytes is not None and p.step_time_s is not None]
     have = [p.micro_batch for p in pts]
-    check_figures(meas)
-    need_points("peak memory and step time", have, meas.source, need=MIN_POINTS + 1)
+    _enough_points(meas)
     _check_fit_on(fit_on)
     k = min(fit_on, len(pts) - 1)
     small = tuple(have[:k])
@@ -451,6 +457,7 @@ def validate_result(
         )
     _check_fit_on(fit_on)
     meas = read_measurements(tune_result, shape=shape, memory_key=memory_key)
+    _enough_points(meas)  # before this CPU is measured (seconds), not after
     diff = model_differences(meas.shape, shape) if shape is not None else []
     if diff and shape is not None:  # the file names the model it measured: another one given is a mistake
         raise ConfigError(
@@ -461,14 +468,7 @@ def validate_result(
         )
     raw = raw_result(tune_result)
     recorded = recorded_cpu(raw)
-    if cpu_threads is None and isinstance(raw, dict) and raw.get("threads") is not None:
-        cpu_threads = whole_number(raw["threads"])  # time this CPU with the threads the probes ran with
-        if cpu_threads is None or cpu_threads < 1:
-            raise ConfigError(
-                f"{meas.source}: the file's threads {raw['threads']!r} is not a whole number >= 1 (the probes' "
-                "torch threads, as tune writes them); correct it, or give cpu_threads",
-                params=("cpu_threads",),
-            )
+    cpu_threads, meas = probe_threads(raw, meas, cpu_threads, timed_here=measure is not None and not gpu)
     given = bool(cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None)
     taken: list[Accelerator] = []  # what measure gave (each reported: how much the machine moved)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from microbatch.errors import ConfigError
 from microbatch.hardware import Accelerator, cpu_accelerator
-from microbatch.records import load_json
+from microbatch.records import Measurements, load_json
 
 __all__ = ["REMEASURE", "measure_again", "raw_result", "recorded_cpu", "say_remeasured"]
 
@@ -82,3 +82,30 @@ def say_remeasured(out: dict[str, Any], runs: list[Accelerator]) -> None:
         "for a repeatable figure give cpu_peak_gflops and cpu_bandwidth_gbs, or record them in the file "
         '(an "accelerator" object with peak_flops and memory_bandwidth_bytes_per_s)'
     )
+
+
+def probe_threads(
+    raw: Any, meas: Measurements, cpu_threads: int | None, *, timed_here: bool
+) -> tuple[int | None, Measurements]:
+    """The threads to time this CPU with: ``cpu_threads`` given, else the file's (the probes' torch threads, as tune
+    writes them), at most this machine's cores where the CPU is timed here (``timed_here``: more threads than cores
+    time the contention, not the CPU; the flag is refused for it, the file's said in a note: a review, 2026-12-08);
+    ConfigError for a file's threads that are no whole number >= 1."""
+    from dataclasses import replace
+
+    from microbatch.cpu_quota import usable_cores
+    from microbatch.errors import whole_number
+
+    if cpu_threads is not None or not isinstance(raw, dict) or raw.get("threads") is None:
+        return cpu_threads, meas
+    threads = whole_number(raw["threads"])
+    if threads is None or threads < 1:
+        raise ConfigError(
+            f"{meas.source}: the file's threads {raw['threads']!r} is not a whole number >= 1 (the probes' "
+            "torch threads, as tune writes them); correct it, or give cpu_threads",
+            params=("cpu_threads",),
+        )
+    if threads > (cores := usable_cores()) and timed_here and not meas.is_cuda:
+        note = f"the file's {threads} threads are more than the {cores} cores here: this CPU timed on {cores}"
+        return cores, replace(meas, notes=(*meas.notes, note))
+    return threads, meas

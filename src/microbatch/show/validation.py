@@ -100,7 +100,8 @@ def render_validation(d: Mapping[str, Any]) -> str:
         f"{d['model']} s={d['seq']} {d['precision']}, checkpointing {'on' if d['checkpointing'] else 'off'}, "
         f"measured on {d['device_name'] or d['device']} ({d['memory_key']}, {d['time_key']}); step times "
         f"predicted for {d['accelerator']['name']}: {d['accelerator']['source']}",
-        "uncal = analytic model; cal = calibrated on the smallest probes (fit = probe); loo = leave-one-out",
+        "uncal = analytic model; cal = calibrated on the smallest probes (fit = probe); loo = leave-one-out; "
+        "mem MiB and step ms are measured; err% = (predicted − measured) / measured: below 0, predicted low",
         "",
         "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)),
         "  ".join("-" * w for w in widths),
