@@ -110,3 +110,34 @@ def test_a_knee_exactly_on_the_line_without_noise_has_no_company():
     knee = next(p for p in pts if p.micro_batch == 32)  # 8000 = 0.85 × 9411.76: on the line
     line = 0.85 * max(p.throughput for p in pts)
     assert indistinguishable(pts, knee, line, 0.0) == (32,)  # 64 was listed beside it at a scatter of 4e-16
+
+
+def test_columns_named_with_memory_or_oom_words_are_refused_only_as_whole_words(tmp_path, capsys):
+    """A review of the first version, which matched substrings: memory_headroom held 'oom' and was refused."""
+    for header in ("memory_headroom", "Notes about memory", "zoom"):
+        f = _file(
+            tmp_path,
+            "h.csv",
+            f"micro_batch,throughput,peak_memory_bytes,{header}\n1,100,1e9,1\n2,180,2e9,1\n",
+        )
+        rc, out, err = run(capsys, "recommend", "-m", f, "--json")
+        assert rc == 0, (header, err)
+    for header in ("max_mem_MiB", "rss_kb", "OOMed"):
+        f = _file(tmp_path, "h.csv", f"micro_batch,throughput,{header}\n1,100,1\n2,180,1\n")
+        rc, _, err = run(capsys, "recommend", "-m", f)
+        assert rc == 2 and "is not read, and there is no" in err, header
+
+
+def test_flattened_compares_over_a_whole_doubling_as_tune_stops():
+    def pts(rows):
+        return [CurvePoint(micro_batch=b, throughput=float(t)) for b, t in rows]
+
+    rising = pts([(8, 50), (16, 80), (32, 95), (48, 100), (64, 110)])  # 64 over 32: +15.8% a doubling
+    assert not flattened(rising, 0.15)
+    assert flattened(pts([(8, 50), (16, 80), (32, 100), (48, 100), (64, 110)]), 0.15)  # +10% over 32
+
+
+def test_a_throughput_se_in_the_rates_units_is_refused(tmp_path, capsys):
+    f = _file(tmp_path, "se.csv", "micro_batch,throughput,throughput_se\n1,100,2\n2,180,3\n4,300,5\n")
+    rc, _, err = run(capsys, "recommend", "-m", f)
+    assert rc == 2 and "relative standard error" in err

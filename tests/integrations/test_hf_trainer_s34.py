@@ -109,3 +109,39 @@ def test_the_cache_key_tells_trainers_losses_apart(tmp_path):
     smooth = _trainer(tmp_path, label_smoothing_factor=0.1)
     keys.add(callable_identity(_probe_step(smooth, smooth.train_dataset, None)[1]))
     assert len(keys) == 4
+
+
+class TargetTrainer(transformers.Trainer):
+    """A mean loss from a key of the user's own: no labels, so transformers divides by g itself."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        target = inputs.pop("target")
+        return model(**inputs, labels=target).loss
+
+
+def test_a_batch_without_labels_is_left_as_transformers_divides_it(tmp_path, caplog):
+    run = _trainer(tmp_path, TargetTrainer, batch=16)
+    run.train_dataset = [{"input_ids": r["input_ids"], "target": r["labels"]} for r in run.train_dataset]
+    run.args.remove_unused_columns = False
+    tune_trainer(run, max_micro_batch=4, timing=FAST, use_cache=False)
+    assert run.args.gradient_accumulation_steps > 1 and run.model_accepts_loss_kwargs is True
+    assert not any("returns a per-batch mean" in r.getMessage() for r in caplog.records)
+
+
+class PopTrainer(transformers.Trainer):
+    """transformers' documented custom loss: the labels popped from the batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+        )
+        return (loss, None) if return_outputs else loss
+
+
+def test_a_compute_loss_that_pops_the_labels_is_probed(tmp_path):
+    run = _trainer(tmp_path, PopTrainer, batch=16)
+    tune_trainer(run, max_micro_batch=4, timing=FAST, use_cache=False)  # KeyError 'labels' on the second call
+    assert run.args.gradient_accumulation_steps > 1
+    run.train()

@@ -73,7 +73,7 @@ def test_terms_a_flag_overrides_are_said_not_measured(tmp_path, capsys):
     assert code == 0 and src["attention_fraction"].startswith("the --attention-kernel's figures")
     assert src["norm_memory"].startswith("not used: --fused-kernels") and src["gemm"].startswith("measured")
     code, out, _ = _run(capsys, *PLAN, "--calibration", f, "--compile")
-    assert "norm_memory: not used: --compile runs it at the streaming rate" in out
+    assert "norm_memory: not used: --compile runs it at compiled code's 0.445 of the bandwidth" in out
 
 
 def test_each_accelerator_compared_keeps_its_own_calibration(tmp_path, capsys):
@@ -121,4 +121,11 @@ def test_gemms_past_the_measured_rows_are_said_extrapolated(tmp_path, capsys):
     code, out, _ = _run(capsys, "plan", "--model", "gpt2", "--gpu", "h100-sxm", "-B", "256", "-b", "32",
                         "--calibration", f, "--json")  # fmt: skip
     notes = json.loads(out)["calibration_notes"]
-    assert any("up to 32,768 rows" in n and "an extrapolation" in n for n in notes)
+    assert any("GEMMs of b_m above 8 at s = 1,024 run more than twice the 4,096 rows" in n for n in notes)
+
+
+def test_a_slowdown_an_oversubscribed_cpu_measures_is_taken(tmp_path, capsys):
+    d = copy.deepcopy(FORGED)
+    d["overlap_slowdown"] = 1.98  # what bench-gpu wrote on 2 cores under 3 ranks
+    code, _, err = _run(capsys, *PLAN, "--calibration", _file(tmp_path, d))
+    assert code == 0, err

@@ -58,3 +58,10 @@ def test_a_files_threads_past_the_cores_time_this_cpu_on_its_cores():
 def test_the_text_says_what_err_percent_is():
     text = render_validation(with_summary(validate_result(copy.deepcopy(TUNE), measure=_fixed)))
     assert "err% = (predicted − measured) / measured" in text and "mem MiB and step ms are measured" in text
+
+
+def test_the_threads_note_only_where_this_cpu_is_timed():
+    d = copy.deepcopy(TUNE)
+    d["threads"] = usable_cores() + 6
+    out = validate_result(d, cpu_peak_gflops=80, cpu_bandwidth_gbs=60)  # both given: nothing timed here
+    assert not any("threads are more than" in w for w in out["warnings"])

@@ -114,16 +114,20 @@ def find_knee(
 
 
 def flattened(points: Sequence[CurvePoint], tolerance: float) -> bool:
-    """The curve has flattened or fallen: the largest b_m gains less than τ per doubling over the fastest below it
-    (the rule ``tune``'s search stops on, so the two never disagree)."""
+    """The curve has flattened or fallen: the largest b_m gains less than τ per doubling over the fastest at half its
+    b_m or below (over a whole doubling: the rule ``tune``'s search stops on, whose probes double, so the two never
+    disagree); with no point that far down, over the fastest below it, a gain over less than a doubling taken as it
+    is (knee_gain's rule: 3% of noise over b 56 → 64 is not 24% a doubling, a review of 2026-12-08)."""
     curve = measured_curve(points)
     if len(curve) < 2:
         return False
-    a, b = max(curve[:-1], key=lambda p: p.measured_throughput), curve[-1]
+    b = curve[-1]
+    half = [p for p in curve[:-1] if 2 * p.micro_batch <= b.micro_batch]
+    a = max(half or curve[:-1], key=lambda p: p.measured_throughput)
     t_a = a.measured_throughput
-    return (  # a gain over less than a doubling taken as it is (knee_gain's rule): 3% over b 56 → 64 is not 24%
+    return (
         t_a > 0
-        and gain_per_doubling(a.micro_batch, t_a, b.micro_batch, b.measured_throughput, at_least_one=True)
+        and gain_per_doubling(a.micro_batch, t_a, b.micro_batch, b.measured_throughput, at_least_one=not half)
         <= tolerance + TIE
     )
 

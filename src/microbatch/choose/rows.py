@@ -112,6 +112,11 @@ def _se_of(r: dict[str, Any]) -> float | None:
     from microbatch.choose.noise import relative_se
 
     se, spread, repeats = _share(r.get("throughput_se")), _share(r.get("spread")), r.get("repeats")
+    if se is not None and se > 1:  # a relative error over 100%: the column holds the rate's own units
+        raise ConfigError(
+            f"throughput_se {r.get('throughput_se')!r} is over 1: it is the throughput's relative standard error (0.02 "
+            "for 2%), not in the throughput's units; divide it by the throughput"
+        )
     if se is not None:
         return se
     if spread is not None and isinstance(repeats, int) and not isinstance(repeats, bool):

@@ -17,15 +17,28 @@ CSV_COLUMNS = (
 )  # fmt: skip
 """The columns a measurements file may hold; any other is not read."""
 
-_LOOKALIKES = (
-    ("oom", ("oom", "out_of_mem"),
-     "a b_m that ran out of memory is marked in oom (true/false, 1/0): rename it, or remove it"),
-    ("peak_memory_bytes", ("mem", "rss", "vram"),
-     "the peak memory is read from peak_memory_bytes, in bytes: rename it, converting its values to bytes "
-     "(GiB × 1073741824, MiB × 1048576, GB × 1e9), or remove it"),
-)  # fmt: skip
-"""(column, words a column meant as it holds, the fix): a file with such a column and without the real one meant
-it, and choosing without it could pick a b_m over the budget or one that ran out of memory."""
+_OOM_FIX = "a b_m that ran out of memory is marked in oom (true/false, 1/0): rename it, or remove it"
+_PEAK_FIX = (
+    "the peak memory is read from peak_memory_bytes, in bytes: rename it, converting its values to bytes "
+    "(GiB × 1073741824, MiB × 1048576, GB × 1e9), or remove it"
+)
+_MEMORY_WORDS = {"mem", "memory"}
+_PEAK_WORDS = {"peak", "max", "used", "allocated", "alloc", "reserved", "bytes", "b", "gib", "mib", "kib", "gb", "mb",
+               "kb", "rss", "vram", "maxrss", "vmhwm"}  # fmt: skip
+
+
+def _looks_like(col: str) -> tuple[str, str] | None:
+    """(the column ``col`` was meant as, the fix) where its words say the out-of-memory marker (``out_of_memory``,
+    ``is_oom``) or a peak memory (``peak_memory_gib``, ``max_mem_MiB``, ``rss_kb``), else None: whole words, so
+    ``memory_headroom`` or ``notes about memory`` are not taken for either (a review of the first version, which
+    matched substrings)."""
+    plain = _plain(col)
+    words = set(plain.split("_"))
+    if words & {"oom", "ooms", "oomed"} or "out_of_mem" in plain:
+        return "oom", _OOM_FIX
+    if words & {"rss", "vram", "maxrss", "vmhwm"} or (words & _MEMORY_WORDS and words & _PEAK_WORDS):
+        return "peak_memory_bytes", _PEAK_FIX
+    return None
 
 
 def _plain(name: str) -> str:
@@ -55,11 +68,9 @@ def check_lookalikes(path: str, cols: list[str], *, what: str = "column") -> Non
     real one is absent (``peak_memory_gib``, ``peak_memory``, ``out_of_memory``): dropping it would choose as if
     nothing were measured."""
     for col in (c for c in cols if c not in CSV_COLUMNS):
-        real, _, fix = next(
-            (like for like in _LOOKALIKES if any(w in _plain(col) for w in like[1])), ("", (), "")
-        )  # the first it looks like: out_of_memory is the marker, not a peak
-        if real and real not in cols:
-            raise ConfigError(f"{path}: {what} {col!r} is not read, and there is no {real}: {fix}")
+        like = _looks_like(col)  # out_of_memory is the marker, not a peak
+        if like is not None and like[0] not in cols:
+            raise ConfigError(f"{path}: {what} {col!r} is not read, and there is no {like[0]}: {like[1]}")
 
 
 def unread_notes(path: str, cols: list[str], *, near_only: bool = False) -> list[str]:

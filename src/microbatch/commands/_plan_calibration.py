@@ -53,8 +53,13 @@ def said_overrides(a: AppliedCalibration, eff: RooflineEfficiency, named_kernel:
     if eff.fused_elementwise:
         flag = "--compile" if eff.fused_norm_memory else "--fused-kernels"
         for term in ("norm_memory", "activation_memory", "optimizer_memory"):
+            rate = (
+                f"compiled code's {eff.fused_norm_memory:.3g} of the bandwidth"
+                if term == "norm_memory" and eff.fused_norm_memory
+                else "the streaming rate"
+            )
             if term in src:
-                src[term] = f"not used: {flag} runs it at the streaming rate ({src[term]})"
+                src[term] = f"not used: {flag} runs it at {rate} ({src[term]})"
     details = {**a.calibration.details, "term_sources": dict(src)}
     return replace(a, sources=src, calibration=replace(a.calibration, details=details))
 

@@ -31,6 +31,7 @@ from microbatch.integrations.hf_loss import (
     loss_identity,
     loss_is_scaled,
     mean_taken_as_share,
+    own_copy,
     own_loss_is_mean,
 )
 from microbatch.measure.snapshot import restore_flags, save_flags
@@ -247,7 +248,9 @@ def _probe_step(
 
     def loss_fn(m: Any, inputs: Any) -> Any:
         with trainer.compute_loss_context_manager():
-            return trainer.compute_loss(m, inputs)
+            return trainer.compute_loss(
+                m, own_copy(inputs)
+            )  # a compute_loss may pop from it: each call its own
 
     loss_fn.microbatch_identity = loss_identity(trainer)  # type: ignore[attr-defined]  # the tune cache's key
     return make_batch, loss_fn
@@ -385,7 +388,7 @@ def _split_training_step(trainer: Any) -> Callable[..., Any]:
             if not scaled and not n > 0:  # a mean over no items would be nan: it adds nothing
                 return like.new_zeros((), requires_grad=True), n
             with trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(m, mb, **items)
+                loss = trainer.compute_loss(m, own_copy(mb), **items)  # a redo calls it again on the piece
             # accumulate divides Σ loss_sum by Σ n: a share of the step times rows, or a piece's mean times its items
             return (loss * rows if scaled else loss * (n / ga)), n
 

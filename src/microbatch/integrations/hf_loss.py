@@ -16,6 +16,7 @@ __all__ = [
     "loss_is_scaled",
     "mean_taken_as_share",
     "own_compute_loss",
+    "own_copy",
     "own_loss_is_mean",
 ]
 
@@ -56,14 +57,23 @@ def own_loss_is_mean(trainer: Any, make_inputs: Callable[[], Any]) -> bool:
         try:
             with torch.random.fork_rng(devices=[]):
                 inputs = make_inputs()
+            if not (hasattr(inputs, "keys") and "labels" in inputs):
+                return False  # no labels: transformers passes num_items_in_batch None and divides the loss by g itself
             trainer._microbatch_normalised = _normalised_by_items(
                 trainer, trainer.model, inputs, torch.tensor(64)
             )
-        except (
-            TypeError
-        ):  # a compute_loss that takes no num_items_in_batch: transformers 5 passes it, and fails
+        except Exception:  # noqa: BLE001 - the user's loss on one row (a BatchNorm, a device): unknown, left as it is
             return False
     return trainer._microbatch_normalised is False
+
+
+def own_copy(inputs: Any) -> Any:
+    """A shallow copy of a batch mapping (a dict, transformers' ``BatchEncoding``) for one ``compute_loss`` call: the
+    Trainer hands each step a fresh batch, and a ``compute_loss`` that pops from it (``labels = inputs.pop("labels")``,
+    transformers' own documented pattern) found the key gone on the probe's second call of the same batch (a review,
+    2026-12-08); anything else as it is."""
+    copy = getattr(inputs, "copy", None)
+    return copy() if callable(copy) and hasattr(inputs, "keys") else inputs
 
 
 def loss_identity(trainer: Any) -> str:
@@ -149,7 +159,9 @@ def _normalised_by_items(trainer: Any, model: Any, inputs: Any, num_items_in_bat
         losses = []
         for times in (1, 2):
             with torch.no_grad(), torch.random.fork_rng(devices=cuda), trainer.compute_loss_context_manager():
-                loss = trainer.compute_loss(model, piece, num_items_in_batch=num_items_in_batch * times)
+                loss = trainer.compute_loss(
+                    model, own_copy(piece), num_items_in_batch=num_items_in_batch * times
+                )
             losses.append(float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float("nan"))
         a, b = losses
         if math.isfinite(a) and math.isfinite(b) and b != 0:

@@ -315,14 +315,17 @@ def _rows_past_table(table: Any, layout: PlannedLayout, shape: ModelShape) -> li
     largest measured rows went unsaid for the file's own model)."""
     if table is None or not table.points or not layout.micro_batches:
         return []
-    rows = max(layout.micro_batches) * (layout.seq or shape.seq)
+    seq = layout.seq or shape.seq
+    rows = max(layout.micro_batches) * seq
     lo, hi = min(p[0] for p in table.points), max(p[0] for p in table.points)
     if lo / 2 <= rows <= 2 * hi:
         return []
+    past = int(2 * hi // seq)  # the largest b_m whose GEMMs are within twice the measured rows
+    where = f"b_m above {past} at s = {seq:,}" if past >= 1 else f"every b_m at s = {seq:,}"
     return [
-        f"the plan's GEMMs run up to {rows:,.0f} rows (b_m {max(layout.micro_batches)} × s = {layout.seq or shape.seq}), "
-        f"outside the {lo:,.0f}-{hi:,.0f} rows measured: they take the nearest measured shape's ratio (an "
-        "extrapolation); a microbenchmark at the plan's micro-batch and sequence measures them"
+        f"GEMMs of {where} run more than twice the {hi:,.0f} rows measured (or under half the {lo:,.0f}): they take "
+        "the nearest measured shape's ratio (an extrapolation); a microbenchmark at the plan's micro-batch and "
+        "sequence measures them"
     ]
 
 

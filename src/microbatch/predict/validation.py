@@ -468,8 +468,9 @@ def validate_result(
         )
     raw = raw_result(tune_result)
     recorded = recorded_cpu(raw)
-    cpu_threads, meas = probe_threads(raw, meas, cpu_threads, timed_here=measure is not None and not gpu)
     given = bool(cpu_peak_gflops is not None and cpu_bandwidth_gbs is not None)
+    here = measure is not None and not gpu and not given and recorded is None  # this CPU is timed now
+    cpu_threads, meas = probe_threads(raw, meas, cpu_threads, timed_here=here)
     taken: list[Accelerator] = []  # what measure gave (each reported: how much the machine moved)
 
     def measured(**kw: Any) -> Accelerator:
