@@ -42,7 +42,7 @@ from microbatch.hardware_attention import (
     HOPPER,
     RAMP_BLACKWELL,
 )
-from microbatch.hardware_names import device_key, name_key
+from microbatch.hardware_names import device_key, name_key, typed_key, unknown_name
 from microbatch.units import GIB
 
 __all__ = [
@@ -426,14 +426,9 @@ def get_accelerator(name: str, **overrides: object) -> Accelerator:
     """
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     key = _ALIASES.get(key, key)
-    key = key if key in ACCELERATORS else name_key(name, ACCELERATORS) or key  # as nvidia-smi prints it
+    key = key if key in ACCELERATORS else typed_key(name, ACCELERATORS) or key  # as nvidia-smi prints it
     if key not in ACCELERATORS:
-        raise ConfigError(
-            f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)} (aliases: {', '.join(_ALIASES)}); for "
-            "another card plan the nearest row with the card's own figures (plan's gpu_set, e.g. "
-            "memory_bytes=48GiB bf16=362e12)",
-            params=("gpu_set",),
-        )
+        raise unknown_name(name, key, list(ACCELERATORS), list(_ALIASES))
     acc = ACCELERATORS[key]
     # its own peaks dict: a caller writing into the row's (acc.peak_flops["bf16"] = ...) changed every later plan
     return acc.with_overrides(**overrides) if overrides else replace(acc, peak_flops=dict(acc.peak_flops))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Container
 
+from microbatch.errors import ConfigError
 from microbatch.units import GIB
 
 __all__ = ["device_key", "name_key"]
@@ -51,6 +52,27 @@ def device_key(device_name: str, total_memory_bytes: float | None = None) -> str
     return None
 
 
+_PART_WORDS = re.compile(
+    r"(?:nvidia|amd|instinct|tesla|sxm\d?|pcie|nvl|hbm\d?e?|\d{2,3}\s*gb|gpu|tensor|core|oam)"
+)
+"""Words a device's full name carries beside its part (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``, ``AMD
+Instinct MI300X``)."""
+
+
+def typed_key(name: str, known: Container[str]) -> str | None:
+    """:func:`name_key` for a name a user typed: only where every word beside the part is one a device's full name
+    carries (:data:`_PART_WORDS`), so ``a100-4``, ``h100-pci``, ``mi300a`` or ``h200x`` are no row (a review,
+    2026-12-08: they planned the A100 80GB, the H100 SXM, the MI300X and the H200 without a word)."""
+    key = name_key(name, known)
+    if key is None:
+        return None
+    n = name.lower()
+    part = re.search(r"(a100|h100|h200|h800|b200|mi300x?|\bl4\b)", n)
+    rest = (n[: part.start()] + " " + n[part.end() :]) if part else n
+    words = [w for w in re.split(r"[\s\-_/]+", rest) if w]
+    return key if all(_PART_WORDS.fullmatch(w) for w in words) else None
+
+
 def name_key(name: str, known: Container[str]) -> str | None:
     """The table key of a device name such as ``NVIDIA H200`` or ``NVIDIA A100-SXM4-80GB`` (a key in ``known``
     is itself); None if unknown.
@@ -81,3 +103,16 @@ def name_key(name: str, known: Container[str]) -> str | None:
         if re.search(pattern, n):
             return key
     return None
+
+
+def unknown_name(name: str, key: str, known: list[str], aliases: list[str]) -> ConfigError:
+    """The error for an accelerator ``name`` no row answers, with the nearest known name or alias."""
+    import difflib
+
+    near = difflib.get_close_matches(key, [*known, *aliases], n=1, cutoff=0.6)
+    return ConfigError(
+        f"unknown accelerator {name!r}" + (f" (did you mean {near[0]}?)" if near else "")
+        + f"; known: {', '.join(known)} (aliases: {', '.join(aliases)}); for another card plan the nearest row with the "
+        "card's own figures (plan's gpu_set, e.g. memory_bytes=48GiB bf16=362e12)",
+        params=("gpu_set",),
+    )  # fmt: skip
