@@ -53,6 +53,8 @@ __all__ = [
     "distributed",
     "reduce_max",
     "agree_any",
+    "PeerOutOfMemory",
+    "raise_if_a_peer_failed",
     "gc_frozen",
     "exit_past_teardown",
     "steady_timing",
@@ -158,6 +160,20 @@ def reduce_max(values: list[float]) -> list[float]:
 def agree_any(flag: bool) -> bool:
     """True on every rank if ``flag`` is True on any rank (``flag`` itself in one process)."""
     return bool(reduce_max([1.0 if flag else 0.0])[0])
+
+
+class PeerOutOfMemory(Exception):
+    """Another rank's forward ran out of memory in this micro-step: every rank leaves before the backward, whose
+    gradient all-reduce the failed rank would never join (a review, 2026-12-08: rank 0 waited in DDP's all-reduce
+    while rank 1 agreed on its error, and gloo aborted on the mismatched sizes; NCCL would hang). An out-of-memory in
+    the backward itself still strands the others there, as in any DDP loop."""
+
+
+def raise_if_a_peer_failed() -> None:
+    """:class:`PeerOutOfMemory` on every rank where another rank's forward failed (it agrees with ``agree_any(True)``
+    in place of this call); nothing in one process."""
+    if distributed() is not None and agree_any(False):
+        raise PeerOutOfMemory("out of memory on another rank (in its forward)")
 
 
 # -- one device -----------------------------------------------------------------------

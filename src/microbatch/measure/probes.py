@@ -9,18 +9,17 @@ optimizer's state. A probe then builds one batch of b_m sequences (``make_batch`
 With no global batch the optimizer step is left out of the throughput (its cost per sample, t_opt·d / B_global,
 does not depend on b_m once B_global is fixed) and reported alone.
 
-**Decoding** (:class:`DecodeProbe`). The probe prefills a prompt of ``seq − new_tokens`` tokens
-once into a key/value cache sized for ``seq`` positions (so the cache is counted at its largest),
-then times decode steps of one token for each of the b_m sequences, centred on the generation's
-middle token (:func:`decode_lead`): per-token latency is the median step time, and tokens/s =
-b_m / latency — generated tokens, the prefill not counted (its time is ``prefill_s``).
+**Decoding** (:class:`DecodeProbe`). The probe prefills a prompt of ``seq − new_tokens`` tokens once into a
+key/value cache sized for ``seq`` positions (so the cache is counted at its largest), then times decode steps of one
+token for each of the b_m sequences, centred on the generation's middle token (:func:`decode_lead`): per-token
+latency is the median step time, and tokens/s = b_m / latency — generated tokens, the prefill not counted.
 
-Timing is :mod:`microbatch.measure.timing`'s; peak memory, out-of-memory handling and the
-synchronisation of several ranks are :mod:`microbatch.measure.device`'s. A probe records an
-out-of-memory as a :class:`Measurement` with ``oom=True`` and the search goes on. Limitation:
-an OOM that strikes one rank *inside* a collective (say in DDP's backward all-reduce) cannot be
-recovered on the other ranks; in practice shapes are equal on every rank, so ranks run out of
-memory at the same point. A probe described as plain data is :mod:`microbatch.measure.spec`'s.
+Timing is :mod:`microbatch.measure.timing`'s; peak memory, out-of-memory handling and the synchronisation of several
+ranks are :mod:`microbatch.measure.device`'s. A probe records an out-of-memory as a :class:`Measurement` with
+``oom=True`` and the search goes on; one rank's in its forward stops every rank before the backward
+(:class:`~microbatch.measure.device.PeerOutOfMemory`). Limitation: one that strikes a rank *inside* a collective (DDP's
+backward all-reduce, FSDP's gathers) cannot be recovered on the others. A probe as plain data is
+:mod:`microbatch.measure.spec`'s.
 """
 
 from __future__ import annotations
@@ -36,10 +35,12 @@ from microbatch.measure.batch_check import GrowingBatches
 from microbatch.measure.batch_loss import _tokens_in, default_loss
 from microbatch.measure.device import (
     Device,
+    PeerOutOfMemory,
     agree_any,
     distributed,
     oom_text,
     oom_types,
+    raise_if_a_peer_failed,
     reduce_max,
     steady_timing,
 )
@@ -81,13 +82,11 @@ def _contract_broken(error: TypeError, loss_fn: Any, model: Any) -> bool:
 
 
 def decode_lead(new_tokens: int, timing: TimingConfig) -> int:
-    """Untimed decode steps before the timed ones, so that the first timed steps (after the warm-up, the
-    ``min_repeats`` the timing takes at least) straddle the middle of the ``new_tokens`` generated: a step's attention
-    reads the whole cache, so its time grows with the position, linearly where attention dominates, and the step at
-    the middle position is then the generation's mean step. Timed from the prompt's end, a 1,984-token decode of a small model
-    on a CPU read 3.0 ms a step where the whole generation averaged 7.5 ms (a review, 2026-12-07). Never negative;
-    the lead and the most the timing can take (warm-up + ``max_repeats``) fit in ``new_tokens``, which holds at
-    least that many."""
+    """Untimed decode steps before the timed ones, so that the first timed steps (after the warm-up, the ``min_repeats``
+    the timing takes at least) straddle the middle of the ``new_tokens`` generated: a step's attention reads the whole
+    cache, so its time grows with the position, and the middle step is the generation's mean (timed from the prompt's
+    end, a 1,984-token decode on a CPU read 3.0 ms a step for a mean of 7.5 ms). Never negative; the lead and the most
+    the timing takes (warm-up + ``max_repeats``) fit in ``new_tokens``, which holds at least that many."""
     window = timing.warmup + timing.max_repeats
     return max(0, min(new_tokens - window, new_tokens // 2 - timing.warmup - timing.min_repeats // 2))
 
@@ -140,9 +139,7 @@ class Measurement:
     training process's step on the models measured); None elsewhere (and where glibc lacks ``mallinfo2``)."""
 
     def __post_init__(self) -> None:
-        plain_numbers(
-            self
-        )  # NumPy or torch scalars as Python's: to_dict writes JSON (a review's np.int64 did not)
+        plain_numbers(self)  # NumPy or torch scalars as Python's: to_dict writes JSON
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,6 +245,7 @@ class TrainProbe:
                 "torch.no_grad(), from a detached output (.detach(), .item()), or with every parameter frozen; "
                 "compute it from the model's output with the parameters to train left trainable"
             )
+        raise_if_a_peer_failed()  # a rank whose forward ran out of memory says so before any backward
         loss.backward()
         return loss
 
@@ -321,11 +319,14 @@ class TrainProbe:
             err = oom_text(e, ooms)
         failed = agree_any(err is not None)
         if not failed:
+            agreed = False
             try:
                 times, t_opt, read, heap = self._time_steps(held["batch"])
+            except PeerOutOfMemory as e:  # agreed already, before this rank's backward: no second agreement
+                err, agreed = str(e), True
             except Exception as e:  # noqa: BLE001 - as above
                 err = oom_text(e, ooms)
-            failed = agree_any(err is not None)
+            failed = agreed or agree_any(err is not None)
         tokens = _tokens_in(held["batch"]) if "batch" in held else None
         self.optimizer.zero_grad(set_to_none=True)
         held.clear()
