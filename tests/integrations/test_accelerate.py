@@ -137,7 +137,7 @@ def test_step_probe_stops_by_the_tools_timing_rule(monkeypatch):
 def test_step_probe_syncs_each_step_and_stops_together():
     synced, asked = [], []
     # another process wants to go on twice: this one keeps stepping until all agree
-    answers = iter([False, False, True])
+    answers = iter([False, False, False, True])
 
     def agree(stop):
         asked.append(stop)
@@ -145,8 +145,10 @@ def test_step_probe_syncs_each_step_and_stops_together():
 
     t = TimingConfig(warmup=0, min_repeats=1, max_repeats=1, max_time_s=100.0)
     probe = StepProbe(2, t, sync=lambda: synced.append(1), agree=agree)
-    assert _steps(probe, 10) == 4  # stamp, then three decisions: False, False, True
-    assert asked == [True, True, True] and len(synced) == 4
+    # every step agrees (a rank whose data ran out says so at the others' next step): the first, untimed, says
+    # go on; then three decisions: False, False, True
+    assert _steps(probe, 10) == 4
+    assert asked == [False, True, True, True] and len(synced) == 4
     # the time limit (wall clock) ends a probe whose median never settles, after min_repeats
     t3 = TimingConfig(warmup=0, min_repeats=2, max_repeats=100, max_time_s=1e-9, rel_tol=0.0)
     assert _steps(StepProbe(2, t3), 10) == 3

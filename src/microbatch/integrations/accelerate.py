@@ -82,10 +82,12 @@ class StepProbe:
         warm = self.timing.warmup
         if len(self.stamps) == warm + 1:
             self._start = time.perf_counter()  # the timed micro-steps start (max_time_s: wall clock)
-        if len(self.stamps) < warm + 2 or len(self.stamps) < warm + 1 + self.window:
-            return  # not yet one whole accumulation window: its optimizer step is not in a timed gap
-        stop = enough_repeats(self.gaps_s, self.timing, time.perf_counter() - self._start)
-        if self._agree is not None:
+        # not before one whole accumulation window: its optimizer step is not in a timed gap
+        timed = len(self.stamps) >= warm + 2 and len(self.stamps) >= warm + 1 + self.window
+        stop = timed and enough_repeats(self.gaps_s, self.timing, time.perf_counter() - self._start)
+        if (
+            self._agree is not None
+        ):  # every step: a rank whose function ended tells the others here (end_probe)
             stop = self._agree(stop)
         if stop:
             raise ProbeDone
@@ -300,12 +302,17 @@ def _measurer(
         device.free()
         device.reset_peak()
         err: str | None = None
+        ended = True  # the function returned or raised on this rank, not stopped by an agreement
         try:
             function(b, g, probe, *args, **kwargs)
         except ProbeDone:
-            pass
+            ended = False
         except Exception as e:  # noqa: BLE001 - out of memory by meaning (the CPU allocator's is a RuntimeError)
             err = oom_text(e)
+        if ended and world > 1:  # the ranks still stepping agree at their next step() to stop (a review: the
+            agree_any(
+                True
+            )  # data ran out on one rank a step early, and the other waited in its agreement forever)
         if not checked:  # the function has made its Accelerator (and the process group) by now
             _check_world(world)
             checked.append(True)
@@ -313,7 +320,7 @@ def _measurer(
         peak, alloc = device.peak()
         device.free()
         gaps = probe.gaps_s
-        if err is None and len(gaps) < 2:
+        if agree_any(err is None and len(gaps) < 2):  # on every rank together, not on one alone
             # too few micro-steps to time: where a smaller b_m was timed, the data holds too few
             # batches of this size (and of any larger one): the search stops, its points kept
             raise StopSearch(
