@@ -129,6 +129,7 @@ def _preflight(
     from microbatch.choose.tune.preflight import (
         KEYWORD_NAMES,
         check_smallest_fits,
+        check_smallest_time,
         check_static_fits,
         check_walk,
     )
@@ -144,6 +145,13 @@ def _preflight(
     elif probe.backend == "hf":
         require_transformers("backend hf", params=("backend",))
     check_seq(described, probe.seq or described.seq)
+    if (probe.device or "cpu") == "cpu":
+        from microbatch.cpu_quota import usable_cores
+
+        check_smallest_time(
+            described, seq=probe.seq or described.seq, start=search_config.start, mode=probe.mode,
+            timeout_s=probe.probe_timeout_s, cores=usable_cores(),
+        )  # fmt: skip
     check_static_fits(described, probe.mode, choice.memory_budget_bytes, budget_source)
     if probe.mode == "train":
         check_smallest_fits(

@@ -24,6 +24,7 @@ from microbatch.predict.state import model_state_bytes
 from microbatch.units import format_bytes, format_count
 
 __all__ = [
+    "check_smallest_time",
     "SMALLEST_FIT_MARGIN",
     "check_smallest_fits",
     "walk_sizes",
@@ -159,4 +160,33 @@ def check_smallest_fits(
             + ("checkpointing auto, " if rc == "none" else "")
             + "or a larger memory_budget_bytes",
             params=("seq", "memory_budget_bytes", "checkpointing"),
+        )
+
+
+CPU_CORE_FLOPS_BOUND = 2e11
+"""A bound on one CPU core's fp32 rate: 200 GFLOP/s, above what any core sustains (two 512-bit FMA units at 3.5 GHz
+give 2 × 16 × 2 × 3.5e9 = 224e9 at peak; measured here 50-120 GFLOP/s a core, ``validate``'s matmul): a probe slower
+than that bound is surely slower on the machine."""
+SMALLEST_TIME_STEPS = 2
+"""Micro-steps the first probe runs at the least (its setup step and one timed; warm-up and repeats come on top)."""
+
+
+def check_smallest_time(
+    shape: ModelShape, *, seq: int, start: int, mode: str, timeout_s: float, cores: int
+) -> None:
+    """ConfigError, before any probe on a CPU, when the smallest micro-batch's :data:`SMALLEST_TIME_STEPS` steps
+    cannot end within the probe's ``timeout_s`` even at :data:`CPU_CORE_FLOPS_BOUND` a core: the model's FLOPs
+    (:func:`microbatch.predict.roofline.model_flops_per_step`, a third of them for a decode step's forward) over that
+    bound (a new user's sweep, 2026-12-08: tiny at seq 100,000 probed b_m 1 for 10 minutes before failing)."""
+    from microbatch.predict.roofline import model_flops_per_step
+
+    flops = model_flops_per_step(shape.with_seq(seq), start, seq) / (3 if mode != "train" else 1)
+    seconds = SMALLEST_TIME_STEPS * flops / (CPU_CORE_FLOPS_BOUND * max(1, cores))
+    if seconds > timeout_s:
+        raise ConfigError(
+            f"model {shape.name} at seq {seq:,}: b_m {start}'s first {SMALLEST_TIME_STEPS} steps are "
+            f"{SMALLEST_TIME_STEPS * flops:.3g} FLOPs, at least {seconds:,.0f} s on {cores} cores even at "
+            f"{CPU_CORE_FLOPS_BOUND / 1e9:g} GFLOP/s a core, past the probe timeout of {timeout_s:g} s; give a "
+            "shorter seq, a smaller model, or a longer probe_timeout_s",
+            params=("seq", "probe_timeout_s"),
         )

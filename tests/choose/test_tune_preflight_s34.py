@@ -1,0 +1,35 @@
+"""tune refuses, before any probe on a CPU, a first probe that cannot end within its timeout even at a bound no CPU
+core reaches (a new user's sweep, 2026-12-08: a long --seq probed for ten minutes before failing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from microbatch.choose.tune.preflight import CPU_CORE_FLOPS_BOUND, check_smallest_time
+from microbatch.cli import main
+from microbatch.errors import ConfigError
+from microbatch.model import get_model
+from microbatch.predict.roofline import model_flops_per_step
+
+
+def test_the_bound_by_hand():
+    shape = get_model("gpt2")
+    flops = model_flops_per_step(shape.with_seq(100_000), 1, 100_000)
+    seconds = 2 * flops / (CPU_CORE_FLOPS_BOUND * 2)
+    assert seconds > 600
+    with pytest.raises(ConfigError, match=rf"at least {seconds:,.0f} s on 2 cores"):
+        check_smallest_time(shape, seq=100_000, start=1, mode="train", timeout_s=600, cores=2)
+    check_smallest_time(
+        shape, seq=100_000, start=1, mode="train", timeout_s=seconds * 1.01, cores=2
+    )  # within
+    check_smallest_time(get_model("tiny"), seq=64, start=1, mode="train", timeout_s=600, cores=2)
+    # a decode step runs the forward alone: a third of the training step's FLOPs
+    check_smallest_time(shape, seq=100_000, start=1, mode="decode", timeout_s=seconds / 3 * 1.01, cores=2)
+
+
+def test_the_command_refuses_before_probing(capsys):
+    code = main(["tune", "--model", "small", "--seq", "100000", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["kind"] == "bad_input" and "past the probe timeout" in out["error"]
