@@ -16,13 +16,18 @@ from microbatch.batch import divisors
 from microbatch.errors import ConfigError, check_positive_int, plain_numbers
 from microbatch.moe import Experts, LatentAttention, as_experts, as_latent_attention
 
-__all__ = ["MAX_LAYERS", "MAX_WIDTH", "ModelShape", "check_tensor_parallel"]
+__all__ = ["MAX_LAYERS", "MAX_SEQ", "MAX_VOCAB", "MAX_WIDTH", "ModelShape", "check_tensor_parallel"]
 
 MAX_LAYERS = 100_000
 """The most layers a shape may have: 500× today's deepest (Llama 3.1 405B's 126, GPT-3's 96); past it a typo."""
-MAX_WIDTH = 2**30
-"""The most a width, head count, vocabulary or sequence may be (1.07·10^9): 10^4× today's widest hidden size and
-100× the longest context trained; the divisor searches over a shape stay milliseconds under it."""
+MAX_WIDTH = 2**20
+"""The most a width or head count may be (1,048,576): 40× today's widest hidden size (PaLM's 18,432, Llama 3.1 405B's
+16,384) and MLP (53,248); past it a typo (a new user's hidden 10^9 planned 4.8·10^19 parameters without a word)."""
+MAX_VOCAB = 2**24
+"""The most a vocabulary may be (16.8M): 64× today's largest (Gemma's 262,144)."""
+MAX_SEQ = 2**30
+"""The most a sequence may be (1.07·10^9): 100× the longest context trained; the divisor searches over a shape stay
+milliseconds under it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +131,10 @@ class ModelShape:
             "seq",
             "max_positions",
         ):
-            v, cap = getattr(self, f), MAX_LAYERS if f == "layers" else MAX_WIDTH
+            v = getattr(self, f)
+            cap = {"layers": MAX_LAYERS, "vocab": MAX_VOCAB, "seq": MAX_SEQ, "max_positions": MAX_SEQ}.get(
+                f, MAX_WIDTH
+            )
             if isinstance(v, int) and v > cap:  # the searches over a shape's divisors would run for hours
                 raise ConfigError(f"{f} {v:,} is past {cap:,}, beyond any model this tool plans (the deepest stack "
                                   "~200, the widest are ~10^5 wide, the longest contexts ~10^7 tokens); check it",

@@ -33,3 +33,21 @@ def test_the_command_refuses_before_probing(capsys):
     code = main(["tune", "--model", "small", "--seq", "100000", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 2 and out["kind"] == "bad_input" and "past the probe timeout" in out["error"]
+
+
+def test_widths_past_any_model_are_refused():
+    from microbatch.model import ModelShape
+
+    with pytest.raises(ConfigError, match=r"hidden 1,000,000,000 is past 1,048,576"):
+        ModelShape(layers=4, hidden=10**9, heads=8, vocab=1000, seq=128)
+    with pytest.raises(ConfigError, match=r"vocab 100,000,000 is past 16,777,216"):
+        ModelShape(layers=4, hidden=64, heads=8, vocab=10**8, seq=128)
+    ModelShape(
+        layers=4, hidden=18_432, heads=48, ffn_hidden=73_728, vocab=262_144, seq=10**7
+    )  # today's widest
+
+
+def test_a_model_that_cannot_fit_says_so_before_its_time(capsys):
+    code = main(["tune", "--model", "tiny", "--seq", "100000000", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and "needs about" in out["error"]  # the memory's reason, not the time's

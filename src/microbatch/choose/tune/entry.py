@@ -145,19 +145,19 @@ def _preflight(
     elif probe.backend == "hf":
         require_transformers("backend hf", params=("backend",))
     check_seq(described, probe.seq or described.seq)
-    if (probe.device or "cpu") == "cpu":
-        from microbatch.cpu_quota import usable_cores
-
-        check_smallest_time(
-            described, seq=probe.seq or described.seq, start=search_config.start, mode=probe.mode,
-            timeout_s=probe.probe_timeout_s, cores=usable_cores(),
-        )  # fmt: skip
     check_static_fits(described, probe.mode, choice.memory_budget_bytes, budget_source)
     if probe.mode == "train":
         check_smallest_fits(
             described, seq=probe.seq or described.seq, start=search_config.start,
             checkpointing=search_config.checkpointing, precision=probe.precision,
             budget=choice.memory_budget_bytes, budget_source=budget_source,
+        )  # fmt: skip
+    if (probe.device or "cpu") == "cpu":  # after the memory: a model that cannot fit says more
+        from microbatch.cpu_quota import usable_cores
+
+        check_smallest_time(
+            described, seq=probe.seq or described.seq, start=search_config.start, mode=probe.mode,
+            timeout_s=probe.probe_timeout_s, cores=usable_cores(),
         )  # fmt: skip
     if budget_source == "given":  # after the checks of the model itself: those say more
         check_host_budget(choice.memory_budget_bytes, probe)
