@@ -22,6 +22,11 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, float]:
                 params=("gpu_set",),
             )
         k, whole = key.strip(), key.strip() in ("gpus_per_node", "compute_units")
+        if k in out:  # the last would win silently, as a repeated option does nowhere else
+            raise ConfigError(
+                f"gpu_set gives {k} twice ({item!r} after {k}={out[k]:g}); give each figure once",
+                params=("gpu_set",),
+            )
         if k == "memory_bytes":  # a size as people write one: 48GiB, 80GB, 8e10
             out[k] = _memory_bytes(item, value)
             continue

@@ -56,9 +56,17 @@ def split_layers(
             or any(not isinstance(n, int) or n < 1 for n in split)
             or sum(split) != layers
         ):
+            other = (  # the split names another number of stages, which fits the layers: that p was meant
+                f" (it names {len(split)} stages: give pipeline_parallel {len(split)} with it)"
+                if len(split) != stages
+                and sum(split) == layers
+                and all(isinstance(n, int) and n >= 1 for n in split)
+                else ""
+            )
             raise ConfigError(
-                f"layers per stage {list(split)} must be {stages} whole numbers >= 1 summing to {layers}; "
-                f"for example {list(split_layers(layers, stages))}"
+                f"layers per stage {list(split)} must be {stages} whole numbers >= 1 summing to {layers}{other}; "
+                f"for example {list(split_layers(layers, stages))}",
+                params=("layers_per_stage", "pipeline_parallel") if other else ("layers_per_stage",),
             )
         return split
     base, extra = divmod(layers, stages)
