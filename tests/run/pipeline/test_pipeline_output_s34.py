@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,16 @@ def _rank(r, run):
             "host_peak_bytes": None, "order": []}  # fmt: skip
     layers = run.layers_per_stage if hasattr(run, "layers_per_stage") else [1, 1]
     return {"rank": r, "layers_per_stage": list(layers), "steps": [step]}
+
+
+def test_one_step_says_its_figures_are_the_warm_up_steps():
+    from dataclasses import replace
+
+    from microbatch.run.pipeline.report import PipelineReport
+    from microbatch.run.pipeline.summary import figure_notes
+
+    data = json.loads((Path(__file__).parents[2] / "data" / "pipeline_result_v0_1f1b.json").read_text())
+    report = PipelineReport.from_json(data)
+    one = figure_notes(replace(report, steps=1, measured_steps=1))
+    assert any(n.startswith("one step: its figures are the first step's") for n in one)
+    assert not any(n.startswith("one step") for n in figure_notes(replace(report, steps=3, measured_steps=2)))

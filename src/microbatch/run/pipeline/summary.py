@@ -395,6 +395,11 @@ def figure_notes(report: PipelineReport) -> list[str]:
 
     notes: list[str] = []
     add = notes.append
+    if report.steps == 1 and not report.interrupted:  # the rest are measured only past the first
+        add(
+            "one step: its figures are the first step's, which warms up (the first allocations and calls) and "
+            "runs slower than the steps after it; run two steps or more"
+        )
     if report.gradients_match is False and report.dropout_modules:
         shown = ", ".join(report.dropout_modules[:4]) + (" ..." if len(report.dropout_modules) > 4 else "")
         add(
