@@ -53,10 +53,10 @@ def device_key(device_name: str, total_memory_bytes: float | None = None) -> str
 
 
 _PART_WORDS = re.compile(
-    r"(?:nvidia|amd|instinct|tesla|sxm\d?|pcie|nvl|hbm\d?e?|\d{2,3}\s*gb|gpu|tensor|core|oam)"
+    r"(?:nvidia|amd|instinct|tesla|hgx|dgx|sxm\d?|pcie|nvl|hbm\d?e?|\d{2,3}gb?|gpu|tensor|core|oam|vf|mig|\d+g\.\d+gb)"
 )
 """Words a device's full name carries beside its part (``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``, ``AMD
-Instinct MI300X``)."""
+Instinct MI300X``, ``NVIDIA HGX H100``, ``NVIDIA A100 (80 GB)``, a MIG slice's ``MIG 1g.10gb``, ROCm's ``MI300X VF``)."""
 
 
 def typed_key(name: str, known: Container[str]) -> str | None:
@@ -66,7 +66,7 @@ def typed_key(name: str, known: Container[str]) -> str | None:
     key = name_key(name, known)
     if key is None:
         return None
-    n = name.lower()
+    n = re.sub(r"(\d)\s+(gb?)\b", r"\1\2", name.lower().replace("(", " ").replace(")", " "))  # 80 GB, (80GB)
     part = re.search(r"(a100|h100|h200|h800|b200|mi300x?|\bl4\b)", n)
     rest = (n[: part.start()] + " " + n[part.end() :]) if part else n
     words = [w for w in re.split(r"[\s\-_/]+", rest) if w]

@@ -27,6 +27,9 @@ def test_the_suggestion_names_the_nearest():
         ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA H100 PCIe", "h100-pcie"),
         ("NVIDIA H100 NVL", "h100-nvl"), ("AMD Instinct MI300X", "mi300x"), ("NVIDIA H200", "h200"), ("a100", "a100-80gb"),
         ("H100", "h100-sxm"), ("a100 40gb", "a100-40gb"), ("h100-sxm5", "h100-sxm"), ("Tesla A100", "a100-80gb"),
+        ("NVIDIA A100 80 GB", "a100-80gb"), ("A100 40 GB", "a100-40gb"), ("h100-80g", "h100-sxm"),
+        ("NVIDIA HGX H100", "h100-sxm"), ("NVIDIA A100 (80GB)", "a100-80gb"), ("AMD Instinct MI300X VF", "mi300x"),
+        ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "h100-sxm"),
     ],
 )  # fmt: skip
 def test_device_names_still_resolve(name, key):

@@ -152,7 +152,7 @@ def _preflight(
             checkpointing=search_config.checkpointing, precision=probe.precision,
             budget=choice.memory_budget_bytes, budget_source=budget_source,
         )  # fmt: skip
-    if (probe.device or "cpu") == "cpu":  # after the memory: a model that cannot fit says more
+    if (probe.device or "cpu") == "cpu" and not probe.in_process:  # a child probe's timeout; after the memory
         from microbatch.cpu_quota import usable_cores
 
         check_smallest_time(

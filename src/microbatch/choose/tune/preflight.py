@@ -163,10 +163,12 @@ def check_smallest_fits(
         )
 
 
-CPU_CORE_FLOPS_BOUND = 2e11
-"""A bound on one CPU core's fp32 rate: 200 GFLOP/s, above what any core sustains (two 512-bit FMA units at 3.5 GHz
-give 2 × 16 × 2 × 3.5e9 = 224e9 at peak; measured here 50-120 GFLOP/s a core, ``validate``'s matmul): a probe slower
-than that bound is surely slower on the machine."""
+CPU_CORE_FLOPS_BOUND = 4e12
+"""A bound on one CPU core's rate, in the FLOPs :func:`~microbatch.predict.roofline.model_flops_per_step` counts (the
+causal attention full): 4 TFLOP/s, a Sapphire Rapids core's AMX peak in bf16 (1,024 FMA a cycle × 2 × 2 GHz = 4.1e12),
+where two 512-bit FMA units in fp32 give 2 × 16 × 2 × 3.5e9 = 224e9 and this VM's cores measured 108-177 GFLOP/s of
+that count (a review of the first bound, 200 GFLOP/s, which an AMX core passes): a probe slower than the bound is
+surely slower on the machine, so the check refuses only what cannot run."""
 SMALLEST_TIME_STEPS = 2
 """Micro-steps the first probe runs at the least (its setup step and one timed; warm-up and repeats come on top)."""
 
