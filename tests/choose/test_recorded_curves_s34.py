@@ -5,28 +5,18 @@ from __future__ import annotations
 
 import json
 
+from test_recorded_curves_s32 import _csv as _file
+from test_recorded_curves_s32 import run
+
 from microbatch.choose.bound import bound_or_why
 from microbatch.choose.curve import CurvePoint
 from microbatch.choose.knee import flattened
 from microbatch.choose.noise import indistinguishable
-from microbatch.cli import main
 
 UPPER = (
     "micro_batch,throughput,Peak_Memory_Bytes,OOM\n1,1000,2000000000,0\n2,1900,2300000000,0\n4,3400,2900000000,0\n"
     "8,5000,4100000000,0\n16,5600,6500000000,0\n32,6000,9000000000,1\n"
 )
-
-
-def run(capsys, *args):
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _file(tmp_path, name, text):
-    p = tmp_path / name
-    p.write_text(text)
-    return str(p)
 
 
 def test_known_columns_in_another_case_are_read(tmp_path, capsys):

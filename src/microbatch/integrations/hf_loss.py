@@ -21,6 +21,17 @@ __all__ = [
 ]
 
 
+def _added_undivided(trainer: Any) -> bool:
+    """Whether transformers adds the micro-batches' losses undivided by the accumulation steps, taking each as
+    normalised by ``num_items_in_batch``: the model takes loss kwargs, and no ``loss_is_scaled_for_ga`` or
+    ``compute_loss_func`` says otherwise (the rule :func:`mean_taken_as_share` and :func:`own_loss_is_mean` share)."""
+    return (
+        getattr(trainer, "loss_is_scaled_for_ga", None) is None
+        and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        and getattr(trainer, "compute_loss_func", None) is None
+    )
+
+
 def mean_taken_as_share(trainer: Any) -> bool:
     """Whether transformers would take the model's per-batch mean for a loss normalised by ``num_items_in_batch``
     and leave it undivided by the accumulation steps (its rule: the forward has ``**kwargs``), though the forward
@@ -28,9 +39,7 @@ def mean_taken_as_share(trainer: Any) -> bool:
     heads), with no ``loss_is_scaled_for_ga``, ``compute_loss_func``, label smoothing or ``compute_loss`` of the
     user's own to say otherwise."""
     return (
-        getattr(trainer, "loss_is_scaled_for_ga", None) is None
-        and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
-        and getattr(trainer, "compute_loss_func", None) is None
+        _added_undivided(trainer)
         and getattr(trainer, "label_smoother", None) is None
         and not own_compute_loss(trainer)
         and forward_normalises(trainer.model) is False
@@ -46,12 +55,7 @@ def own_loss_is_mean(trainer: Any, make_inputs: Callable[[], Any]) -> bool:
     draws its seed from it: the training after would differ)."""
     import torch
 
-    if not (
-        own_compute_loss(trainer)
-        and getattr(trainer, "loss_is_scaled_for_ga", None) is None
-        and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
-        and getattr(trainer, "compute_loss_func", None) is None
-    ):
+    if not (own_compute_loss(trainer) and _added_undivided(trainer)):
         return False
     if not hasattr(trainer, "_microbatch_normalised"):
         try:
